@@ -1,0 +1,1 @@
+"""edgefl device agent: LiteRT inference, on-device head training, federated rounds over MQTT."""

@@ -1,0 +1,1 @@
+"""edgefl coordinator: rounds, client selection and aggregation of updates."""
