@@ -1,0 +1,152 @@
+"""The ``edgefl`` command: run the agent, check a profile, run the demo.
+
+Exit codes: 0 success; 1 invalid profile (``check-config``) or the demo's job failed; 2 usage error;
+3 the model could not be loaded (missing, corrupt, or wrong shape); 4 a runtime error at start-up.
+Logging handlers are configured here only (STYLE.md rule 10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+# One BLAS thread and two malloc arenas: on a small gateway each extra thread or arena costs RSS.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MALLOC_ARENA_MAX", "2")
+
+logger = logging.getLogger("edgefl")
+
+EXIT_OK = 0
+EXIT_INVALID = 1
+EXIT_USAGE = 2
+EXIT_MODEL = 3
+EXIT_RUNTIME = 4
+
+
+def _parse_sets(items: Sequence[str]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: expected key=value")
+        out[key.strip()] = value
+    return out
+
+
+def _setup_logging(level: str, device: str | None = None) -> None:
+    fmt = "%(asctime)s %(levelname)s " + (f"[{device}] " if device else "") + "%(name)s: %(message)s"
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt, stream=sys.stderr)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """``edgefl run PROFILE``: run the agent daemon until SIGTERM/SIGINT."""
+    from agent.config import load_profile
+    from agent.errors import ConfigError, EdgeflError, ModelError
+
+    try:
+        profile = load_profile(args.profile, _parse_sets(args.set))
+    except ConfigError as exc:
+        print(f"edgefl: invalid profile {args.profile}:", file=sys.stderr)
+        for p in exc.problems:
+            print(f"  {p}", file=sys.stderr)
+        return EXIT_INVALID
+    _setup_logging(args.log_level, profile.device.id)
+    from agent.daemon import Agent
+
+    try:
+        agent = Agent(profile)
+    except ModelError as exc:
+        print(f"edgefl: model error: {exc}", file=sys.stderr)
+        return EXIT_MODEL
+    except EdgeflError as exc:
+        print(f"edgefl: cannot start: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    asyncio.run(agent.run())
+    return EXIT_OK
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    """``edgefl check-config PROFILE``: validate a profile; exit 0 if valid, 1 with every problem listed."""
+    from agent.config import load_profile, profile_to_dict
+    from agent.errors import ConfigError
+
+    try:
+        profile = load_profile(args.profile, _parse_sets(args.set))
+    except ConfigError as exc:
+        print(f"{args.profile}: invalid", file=sys.stderr)
+        for p in exc.problems:
+            print(f"  {p}", file=sys.stderr)
+        return EXIT_INVALID
+    print(f"{args.profile}: ok (device {profile.device.id}, cap {profile.memory.cap_mb} MB)")
+    if args.print:
+        import json
+
+        print(json.dumps(profile_to_dict(profile), indent=2, default=str))
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """``edgefl demo``: embedded broker, coordinator and N agent processes on real data."""
+    _setup_logging(args.log_level)
+    from coordinator.demo import DemoOptions, run_demo
+
+    opts = DemoOptions(
+        devices=args.devices, rounds=args.rounds, broker=args.broker, json_path=args.json,
+        profile=Path(args.profile), model=Path(args.model) if args.model else None,
+        local_epochs=args.local_epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
+        workdir=Path(args.workdir) if args.workdir else None, deadline_s=args.deadline,
+    )
+    return run_demo(opts)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``edgefl`` command (sub-commands ``run``, ``check-config``, ``demo``)."""
+    root = Path(__file__).resolve().parent.parent
+    p = argparse.ArgumentParser(prog="edgefl", description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run the device agent with a profile")
+    r.add_argument("profile", help="TOML profile (see firmware_configs/)")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a profile key, e.g. --set device.id=gw-7 (repeatable)")
+    r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("check-config", help="validate a profile (exit 0 valid, 1 invalid)")
+    c.add_argument("profile")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("--print", action="store_true", help="print the resolved profile (secrets masked)")
+    c.set_defaults(func=cmd_check_config)
+
+    d = sub.add_parser("demo", help="run a federated job on the digits data with N agent processes")
+    d.add_argument("--devices", type=int, default=4, help="agent processes (default 4)")
+    d.add_argument("--rounds", type=int, default=10, help="federated rounds (default 10)")
+    d.add_argument("--broker", default=None, help="mqtt://host:port of an existing broker (default: embedded)")
+    d.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    d.add_argument("--profile", default=str(root / "firmware_configs" / "dev_x86.toml"))
+    d.add_argument("--model", default=None, help="override the profile's model (.tflite)")
+    d.add_argument("--local-epochs", type=int, default=2)
+    d.add_argument("--lr", type=float, default=0.1)
+    d.add_argument("--batch-size", type=int, default=16)
+    d.add_argument("--deadline", type=float, default=60.0, help="round deadline in seconds")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--workdir", default=None, help="keep shards, profiles, logs and state here")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``edgefl`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    rc: int = args.func(args)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

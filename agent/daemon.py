@@ -1,0 +1,392 @@
+"""The agent daemon: wires the parts together (the only module that does, STYLE.md rule 1).
+
+Tasks, all in one ``TaskGroup``: the sample source (replay file) classifies every sample and keeps it
+in the store; the message pump applies global heads and runs local training when a round opens; the
+status loop publishes the retained DeviceStatus. The interpreter and the trainer run on one worker
+thread, so one interpreter is only ever used by one thread and the event loop never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent import memory
+from agent.codec import (
+    DecodeError,
+    DeviceStatus,
+    GlobalModel,
+    Limits,
+    RoundAnnouncement,
+    Update,
+    UpdateMetrics,
+    decode_global_model,
+    decode_round,
+    encode_status,
+    encode_update,
+    offline_status,
+)
+from agent.config import Profile
+from agent.errors import EdgeflError, TransportError, UpdateRejected
+from agent.head import Head, validate_head
+from agent.runtime import Backbone
+from agent.store import EmbeddingStore
+from agent.topics import Topics
+from agent.trainer import train_local
+from agent.transport import Message, MqttTransport, Will
+from agent.types import F32, I64
+
+logger = logging.getLogger(__name__)
+
+STATUS_INTERVAL_S = 2.0
+
+
+@dataclass
+class AgentState:
+    """Live figures of the agent (status message, dashboard)."""
+
+    state: str = "idle"
+    reason: str = ""
+    round: int = 0
+    last_trained_round: int = 0
+    inferred_total: int = 0
+    correct_total: int = 0
+    stored_total: int = 0
+    replay_done: bool = False
+    last_update_bytes: int = 0
+    local_accuracy: float = float("nan")
+    rejected: Counter[str] = field(default_factory=Counter)
+
+
+def preprocess(raw: np.ndarray, backbone: Backbone, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
+    """Normalise raw samples and quantise them to the model's input dtype.
+
+    Parameters
+    ----------
+    raw : [N, *sample_shape], any numeric dtype (e.g. uint8 pixels)
+    backbone : Backbone
+    mean, std : per-channel normalisation (last axis): model input = (raw - mean) / std
+
+    Returns
+    -------
+    [N, *sample_shape] array of the model's input dtype.
+    """
+    x = (raw.astype(np.float32) - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
+    return backbone.quantize_input(x.astype(np.float32))
+
+
+class Agent:
+    """One device agent.
+
+    Parameters
+    ----------
+    profile : Profile
+        The validated device profile.
+
+    Raises
+    ------
+    ModelError
+        If the model cannot be loaded.
+    """
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.device = profile.device.id
+        self.topics = Topics(profile.broker.topic_prefix, profile.device.fleet)
+        self.backbone = Backbone(
+            profile.model.path,
+            num_threads=profile.model.num_threads,
+            runtime=profile.model.runtime,
+            embedding_tensor=profile.model.embedding_tensor,
+        )
+        W, b = self.backbone.head_from_model()
+        self.head = Head(W, b, 0)
+        self.state_dir = Path(profile.device.state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._load_head()
+        self.store = EmbeddingStore(self.state_dir, profile.training.store_capacity, self.backbone.embedding_dim)
+        self.state = AgentState()
+        self.limits = Limits(max_message_bytes=max(profile.broker.max_packet_bytes, 1 << 20))
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgefl-worker")
+        self.transport: MqttTransport | None = None
+        self.stop_event = asyncio.Event()
+        self._pending_round: RoundAnnouncement | None = None
+        self._status_dirty = asyncio.Event()
+
+    # --- persistence -------------------------------------------------------------------------
+    def _head_path(self) -> Path:
+        return self.state_dir / "global_head.npz"
+
+    def _load_head(self) -> None:
+        path = self._head_path()
+        if not path.exists():
+            return
+        try:
+            with np.load(path) as data:
+                W = data["W"].astype(np.float32)
+                b = data["b"].astype(np.float32)
+                version = int(data["version"])
+                sha = str(data["model_sha256"])
+            if sha != self.backbone.sha256:
+                logger.info("stored global head belongs to another model; using the factory head")
+                return
+            validate_head(W, b, self.head.shape)
+            self.head = Head(W, b, version)
+            logger.info("restored global head version %d from %s", version, path)
+        except (OSError, ValueError, KeyError, EdgeflError) as exc:
+            logger.warning("stored global head %s unusable (%s); using the factory head", path, exc)
+
+    def _save_head(self, head: Head) -> None:
+        tmp = self._head_path().with_suffix(".tmp.npz")
+        with open(tmp, "wb") as f:
+            np.savez(f, W=head.W, b=head.b, version=np.int64(head.version),
+                     model_sha256=np.str_(self.backbone.sha256))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._head_path())
+
+    # --- inference ---------------------------------------------------------------------------
+    def classify(self, raw: np.ndarray) -> tuple[F32, I64, int]:
+        """Embed and classify a batch (runs on the worker thread).
+
+        Parameters
+        ----------
+        raw : [N, *sample_shape] raw samples
+
+        Returns
+        -------
+        embeddings : float32 [N, D]
+        predictions : int64 [N]
+        version : int
+            The head version that produced the predictions.
+        """
+        cfg = self.profile.pipeline
+        model_input = preprocess(raw, self.backbone, cfg.mean, cfg.std)
+        emb, _ = self.backbone.run(model_input)
+        head = self.head  # one reference read: the swap is atomic
+        return emb, head.predict(emb), head.version
+
+    async def run_source(self) -> None:
+        """Replay the profile's sample file: classify every sample, store it with its label."""
+        src = self.profile.source
+        if src.kind != "replay" or src.path is None:
+            return
+        with np.load(src.path) as data:
+            x = np.asarray(data["x"])
+            y = np.asarray(data["y"]).astype(np.int64)
+        if tuple(x.shape[1:]) != self.backbone.sample_shape:
+            logger.error("replay file %s: samples %s, model expects %s", src.path, x.shape[1:],
+                         self.backbone.sample_shape)
+            return
+        loop = asyncio.get_running_loop()
+        batch = self.profile.pipeline.batch
+        while not self.stop_event.is_set():
+            for start in range(0, len(x), batch):
+                if self.stop_event.is_set():
+                    return
+                t0 = time.monotonic()
+                raw, lbl = x[start : start + batch], y[start : start + batch]
+                emb, pred, _ = await loop.run_in_executor(self.executor, self.classify, raw)
+                self.store.add(emb, lbl)
+                self.state.inferred_total += len(lbl)
+                self.state.correct_total += int(np.sum(pred == lbl))
+                self.state.stored_total += len(lbl)
+                if src.rate_hz > 0:
+                    await asyncio.sleep(max(0.0, len(lbl) / src.rate_hz - (time.monotonic() - t0)))
+                else:
+                    await asyncio.sleep(0)
+            self.store.flush()
+            if not self.state.replay_done:
+                self.state.replay_done = True
+                logger.info("replay done: %d samples stored", len(self.store))
+                self._status_dirty.set()
+            if not src.loop:
+                return
+
+    # --- messages -----------------------------------------------------------------------------
+    async def pump(self) -> None:
+        """Handle incoming messages forever (each guarded: a bad message is counted, never raised)."""
+        assert self.transport is not None
+        while True:
+            msg = await self.transport.queue.get()
+            await self.handle(msg)
+
+    async def handle(self, msg: Message) -> None:
+        """Dispatch one message: GlobalModel or RoundAnnouncement; reject anything else."""
+        try:
+            if msg.topic == self.topics.global_model:
+                if msg.payload:
+                    await self.apply_global(decode_global_model(msg.payload, limits=self.limits,
+                                                                expect_shape=self.head.shape))
+            elif msg.topic == self.topics.round:
+                if msg.payload:
+                    await self.on_round(decode_round(msg.payload, limits=self.limits))
+            else:
+                raise DecodeError("bad_topic", f"unexpected topic {msg.topic}")
+        except (DecodeError, UpdateRejected) as exc:
+            self.state.rejected[exc.reason] += 1
+            logger.warning("rejected message on %s (%d bytes): %s", msg.topic, len(msg.payload), exc)
+            self._status_dirty.set()
+
+    async def apply_global(self, gm: GlobalModel) -> None:
+        """Validate a global head and swap it in atomically.
+
+        Raises
+        ------
+        UpdateRejected
+            ``wrong_model`` (backbone sha256 differs), ``bad_shape``/``not_finite``, ``not_newer``.
+        """
+        if gm.model_sha256 != self.backbone.sha256:
+            raise UpdateRejected("wrong_model", f"global head for model {gm.model_sha256[:12]}, "
+                                 f"this backbone is {self.backbone.sha256[:12]}")
+        validate_head(gm.W, gm.b, self.head.shape)
+        if gm.version <= self.head.version:
+            if gm.version < self.head.version:
+                raise UpdateRejected("not_newer", f"global version {gm.version} <= current {self.head.version}")
+            return  # same version again (retained re-delivery): nothing to do
+        new = Head(gm.W, gm.b, gm.version)
+        await asyncio.get_running_loop().run_in_executor(self.executor, self._save_head, new)
+        self.head = new
+        logger.info("applied global head version %d (round %d)", gm.version, gm.round)
+        self._status_dirty.set()
+        if self._pending_round is not None and self._pending_round.base_version == gm.version:
+            ann, self._pending_round = self._pending_round, None
+            await self.on_round(ann)
+
+    def _selected(self, ann: RoundAnnouncement) -> bool:
+        if isinstance(ann.selected, tuple):
+            return self.device in ann.selected
+        return True
+
+    async def on_round(self, ann: RoundAnnouncement) -> None:
+        """Train for a round and publish the update (once per round)."""
+        self.state.round = ann.round
+        if ann.round <= self.state.last_trained_round or not self._selected(ann):
+            return
+        if ann.base_version > self.head.version:
+            self._pending_round = ann  # the global head for this round has not arrived yet
+            return
+        if ann.base_version < self.head.version:
+            raise UpdateRejected("stale_round", f"round {ann.round} uses version {ann.base_version}, "
+                                 f"device has {self.head.version}")
+        if len(self.store) == 0:
+            self._set_state("deferred", "no local samples")
+            return
+        await self.train_and_send(ann)
+
+    async def train_and_send(self, ann: RoundAnnouncement) -> None:
+        """Local epochs on the store, then an Update on ``update/<device>`` with QoS 1."""
+        assert self.transport is not None
+        self._set_state("training")
+        head = self.head
+        cfg = self.profile.training
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(
+            self.executor,
+            lambda: train_local(head, self.store, local_epochs=ann.local_epochs, lr=ann.lr,
+                                batch_size=ann.batch_size, chunk_size=cfg.chunk_size, prox_mu=ann.prox_mu,
+                                clip_norm=cfg.clip_norm, seed=cfg.seed + ann.round),
+        )
+        update = Update(
+            round=ann.round, base_version=ann.base_version, device=self.device,
+            num_examples=result.num_examples, delta_W=result.delta_W, delta_b=result.delta_b,
+            metrics=UpdateMetrics(result.loss, result.accuracy, result.train_s, memory.peak_rss_bytes()),
+            update_id=f"{self.device}:{ann.round}:{ann.base_version}", compression=ann.compression,
+        )
+        payload = encode_update(update)
+        self._set_state("uploading")
+        try:
+            await self.transport.publish(self.topics.update(self.device), payload, qos=1)
+        except TransportError as exc:
+            logger.warning("round %d: update not delivered: %s", ann.round, exc)
+            self._set_state("idle", f"update not delivered: {exc}")
+            return
+        self.state.last_trained_round = ann.round
+        self.state.last_update_bytes = len(payload)
+        self.state.local_accuracy = result.accuracy
+        logger.info("round %d: sent update (%d examples, %d bytes, loss %.3f, %.1f ms)", ann.round,
+                    result.num_examples, len(payload), result.loss, result.train_s * 1e3)
+        self._set_state("waiting")
+
+    def _set_state(self, state: str, reason: str = "") -> None:
+        self.state.state = state
+        self.state.reason = reason
+        self._status_dirty.set()
+
+    # --- status -------------------------------------------------------------------------------
+    def status_fields(self) -> dict[str, Any]:
+        """The DeviceStatus fields (JSON-like): memory, round, counters."""
+        s = self.state
+        return {
+            "round": s.round,
+            "version": self.head.version,
+            "reason": s.reason,
+            "ready": s.replay_done,
+            "store_samples": len(self.store),
+            "inferred_total": s.inferred_total,
+            "inference_accuracy": (s.correct_total / s.inferred_total) if s.inferred_total else None,
+            "last_update_bytes": s.last_update_bytes,
+            "rss_bytes": memory.rss_bytes(),
+            "peak_rss_bytes": memory.peak_rss_bytes(),
+            "cap_bytes": self.profile.cap_bytes,
+            "rejected": dict(s.rejected),
+            "pid": os.getpid(),
+        }
+
+    async def status_loop(self) -> None:
+        """Publish the retained status on every change and at least every ``STATUS_INTERVAL_S``."""
+        assert self.transport is not None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._status_dirty.wait(), timeout=STATUS_INTERVAL_S)
+            self._status_dirty.clear()
+            if not self.transport.connected.is_set():
+                continue
+            payload = encode_status(DeviceStatus(self.device, self.state.state, self.status_fields()))
+            try:
+                await self.transport.publish(self.topics.status(self.device), payload, qos=1, retain=True)
+            except TransportError as exc:
+                logger.debug("status not published: %s", exc)
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Run until SIGTERM/SIGINT (or ``stop_event``), then stop in reverse order within a time budget."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.stop_event.set)
+        b = self.profile.broker
+        self.transport = MqttTransport(
+            b.host, b.port, f"edgefl-{self.device}",
+            will=Will(self.topics.status(self.device), offline_status(self.device)),
+            protocol=b.protocol, keepalive_s=b.keepalive_s, username=b.username, password=b.password,
+            on_connect=self._status_dirty.set,
+        )
+        async with contextlib.AsyncExitStack() as stack:
+            await self.transport.start(wait_s=None)
+            stack.push_async_callback(self.transport.stop, (self.topics.status(self.device),
+                                                            offline_status(self.device)))
+            stack.callback(self.executor.shutdown, wait=True)
+            await self.transport.subscribe(self.topics.global_model, 1)
+            await self.transport.subscribe(self.topics.round, 1)
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    tasks = [tg.create_task(self.run_source()), tg.create_task(self.pump()),
+                             tg.create_task(self.status_loop())]
+                    await self.stop_event.wait()
+                    for t in tasks:
+                        t.cancel()
+            finally:
+                self.store.flush()
+        logger.info("agent %s stopped", self.device)

@@ -1,0 +1,181 @@
+"""The trainable head: the model's last dense layer, ``logits = E @ W + b``, in float32 numpy.
+
+The backbone is frozen; only this layer is trained on the device, so one embedding per sample is
+computed once and reused for every local epoch (see DESIGN.md, "The job").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from agent.errors import UpdateRejected
+from agent.types import F32, I64
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """One version of the head; immutable so it can be swapped atomically by rebinding a reference.
+
+    Attributes
+    ----------
+    W : float32 [D, K]
+        Weights (D = embedding size, K = number of classes).
+    b : float32 [K]
+        Biases.
+    version : int
+        Global model version this head came from (0 = the factory head shipped with the model).
+    """
+
+    W: F32
+    b: F32
+    version: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(D, K)``: embedding size and number of classes."""
+        return (int(self.W.shape[0]), int(self.W.shape[1]))
+
+    def logits(self, emb: F32) -> F32:
+        """Logits of a batch of embeddings.
+
+        Parameters
+        ----------
+        emb : float32 [N, D]
+
+        Returns
+        -------
+        float32 [N, K]
+        """
+        out: F32 = (emb @ self.W + self.b).astype(np.float32, copy=False)
+        return out
+
+    def predict(self, emb: F32) -> I64:
+        """Class predictions (argmax of the logits) for embeddings ``emb`` float32 [N, D] → int64 [N]."""
+        pred: I64 = np.argmax(self.logits(emb), axis=1).astype(np.int64)
+        return pred
+
+
+def validate_head(W: F32, b: F32, shape: tuple[int, int]) -> None:
+    """Check a candidate head before it replaces the current one.
+
+    Parameters
+    ----------
+    W : float32 [D, K]
+    b : float32 [K]
+    shape : (D, K) expected by the model.
+
+    Raises
+    ------
+    UpdateRejected
+        ``bad_shape`` if the shapes differ from ``shape``, ``bad_dtype`` if not float32,
+        ``not_finite`` if any value is NaN or infinite.
+    """
+    if W.shape != shape or b.shape != (shape[1],):
+        raise UpdateRejected("bad_shape", f"head W{W.shape} b{b.shape}, model expects W{shape} b({shape[1]},)")
+    if W.dtype != np.float32 or b.dtype != np.float32:
+        raise UpdateRejected("bad_dtype", f"head dtypes {W.dtype}/{b.dtype}, expected float32")
+    if not (np.isfinite(W).all() and np.isfinite(b).all()):
+        raise UpdateRejected("not_finite", "head contains NaN or infinite values")
+
+
+def softmax(logits: F32) -> F32:
+    """Row-wise softmax, numerically stable (max subtracted).
+
+    Parameters
+    ----------
+    logits : float32 [N, K]
+
+    Returns
+    -------
+    float32 [N, K], rows summing to 1.
+    """
+    z = logits - logits.max(axis=1, keepdims=True)
+    np.exp(z, out=z)
+    z /= z.sum(axis=1, keepdims=True)
+    return z.astype(np.float32, copy=False)
+
+
+def cross_entropy(W: F32, b: F32, emb: F32, labels: I64) -> tuple[float, F32, F32]:
+    """Mean softmax cross-entropy of a batch and its gradient with respect to the head.
+
+    Parameters
+    ----------
+    W : float32 [D, K]
+    b : float32 [K]
+    emb : float32 [N, D]
+        Embeddings (N >= 1 samples).
+    labels : int64 [N]
+        Class indices in ``[0, K)``.
+
+    Returns
+    -------
+    loss : float
+        Mean cross-entropy in nats.
+    grad_W : float32 [D, K]
+    grad_b : float32 [K]
+
+    Raises
+    ------
+    ValueError
+        If ``emb`` is empty or shapes disagree.
+
+    Source: the softmax-regression gradient ``dL/dz = softmax(z) - onehot(y)`` (Bishop 2006, §4.3.4).
+    """
+    n = emb.shape[0]
+    if n == 0 or emb.shape[1] != W.shape[0] or labels.shape != (n,):
+        raise ValueError(f"cross_entropy: emb {emb.shape}, labels {labels.shape}, W {W.shape}")
+    p = softmax((emb @ W + b).astype(np.float32, copy=False))
+    rows = np.arange(n)
+    loss = float(-np.mean(np.log(np.maximum(p[rows, labels], 1e-12))))
+    p[rows, labels] -= 1.0
+    p /= n
+    grad_W: F32 = (emb.T @ p).astype(np.float32, copy=False)
+    grad_b: F32 = p.sum(axis=0).astype(np.float32, copy=False)
+    return loss, grad_W, grad_b
+
+
+def sgd_step(
+    W: F32,
+    b: F32,
+    grad_W: F32,
+    grad_b: F32,
+    lr: float,
+    *,
+    prox_mu: float = 0.0,
+    W0: F32 | None = None,
+    b0: F32 | None = None,
+) -> None:
+    """One in-place SGD step on the head, with the optional FedProx proximal term.
+
+    ``W -= lr * (grad_W + mu * (W - W0))`` (and the same for ``b``).
+
+    Parameters
+    ----------
+    W : float32 [D, K], updated in place.
+    b : float32 [K], updated in place.
+    grad_W : float32 [D, K]
+    grad_b : float32 [K]
+    lr : float
+        Learning rate.
+    prox_mu : float
+        FedProx proximal coefficient mu (0 = plain SGD).
+    W0, b0 : float32 [D, K], [K]
+        The global head the round started from (required when ``prox_mu > 0``).
+
+    Raises
+    ------
+    ValueError
+        If ``prox_mu > 0`` and no ``W0``/``b0`` is given.
+
+    Source: FedProx local objective, Li et al. 2020, "Federated Optimization in Heterogeneous Networks", eq. (2).
+    """
+    if prox_mu > 0.0:
+        if W0 is None or b0 is None:
+            raise ValueError("sgd_step: prox_mu > 0 needs the round's starting head W0, b0")
+        W -= np.float32(lr) * (grad_W + np.float32(prox_mu) * (W - W0))
+        b -= np.float32(lr) * (grad_b + np.float32(prox_mu) * (b - b0))
+    else:
+        W -= np.float32(lr) * grad_W
+        b -= np.float32(lr) * grad_b

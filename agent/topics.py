@@ -1,0 +1,56 @@
+"""MQTT topic names of the edgefl contract (DESIGN.md, "MQTT contract"), shared by agent and coordinator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Topics:
+    """Topic names under ``<prefix>/<fleet>/``.
+
+    Parameters
+    ----------
+    prefix : str
+        Topic prefix (profile ``broker.topic_prefix``), e.g. ``"edgefl"``.
+    fleet : str
+        Fleet name (profile ``device.fleet``).
+    """
+
+    prefix: str
+    fleet: str
+
+    @property
+    def base(self) -> str:
+        """``<prefix>/<fleet>``."""
+        return f"{self.prefix}/{self.fleet}"
+
+    @property
+    def global_model(self) -> str:
+        """Retained GlobalModel, coordinator → devices."""
+        return f"{self.base}/global"
+
+    @property
+    def round(self) -> str:
+        """Retained RoundAnnouncement, coordinator → devices."""
+        return f"{self.base}/round"
+
+    def update(self, device: str) -> str:
+        """Update of one device, device → coordinator (``"+"`` for the wildcard)."""
+        return f"{self.base}/update/{device}"
+
+    def status(self, device: str) -> str:
+        """Retained DeviceStatus of one device (``"+"`` for the wildcard); last will is "offline"."""
+        return f"{self.base}/status/{device}"
+
+    def samples(self, device: str) -> str:
+        """Optional sample ingest for one device."""
+        return f"{self.base}/samples/{device}"
+
+    def device_of(self, topic: str) -> str | None:
+        """The ``<device>`` segment of an ``update/<device>`` or ``status/<device>`` topic, else None."""
+        parts = topic.split("/")
+        base = self.base.split("/")
+        if len(parts) == len(base) + 2 and parts[: len(base)] == base and parts[-2] in ("update", "status"):
+            return parts[-1]
+        return None

@@ -1,0 +1,180 @@
+"""Local training of the head over the embedding store: the device side of a federated round."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from agent.head import Head, cross_entropy, sgd_step
+from agent.store import EmbeddingStore
+from agent.types import F32
+
+
+@dataclass(frozen=True, slots=True)
+class LocalResult:
+    """What local training produced.
+
+    Attributes
+    ----------
+    delta_W : float32 [D, K]
+        ``W_local - W_global``: the update sent to the coordinator.
+    delta_b : float32 [K]
+    num_examples : int
+        Samples in the store (the FedAvg weight).
+    loss : float
+        Mean cross-entropy (nats) of the final head over the store.
+    accuracy : float
+        Accuracy of the final head over the store (fraction, 0..1).
+    train_s : float
+        Wall time of the local epochs, in seconds.
+    """
+
+    delta_W: F32
+    delta_b: F32
+    num_examples: int
+    loss: float
+    accuracy: float
+    train_s: float
+
+
+def train_local(
+    head: Head,
+    store: EmbeddingStore,
+    *,
+    local_epochs: int,
+    lr: float,
+    batch_size: int,
+    chunk_size: int,
+    prox_mu: float = 0.0,
+    clip_norm: float | None = None,
+    seed: int = 0,
+) -> LocalResult:
+    """Run ``local_epochs`` of mini-batch SGD on a copy of ``head`` over every sample of ``store``.
+
+    The store is read one chunk of ``chunk_size`` samples at a time (float16 → float32), so the heap
+    holds at most ``chunk_size * D * 4`` bytes of embeddings; ``chunk_size`` is chosen by the memory
+    governor. Samples are shuffled per epoch.
+
+    Parameters
+    ----------
+    head : Head
+        The global head the round starts from (not modified).
+    store : EmbeddingStore
+        Local labelled embeddings (must not be empty).
+    local_epochs : int
+        Passes over the store (>= 1).
+    lr : float
+        SGD learning rate.
+    batch_size : int
+        Samples per SGD step (>= 1).
+    chunk_size : int
+        Samples read from the store at once (>= 1).
+    prox_mu : float
+        FedProx proximal coefficient (0 = FedAvg's plain local SGD).
+    clip_norm : float or None
+        If set, the update ``(delta_W, delta_b)`` is scaled down to this L2 norm.
+    seed : int
+        Seed of the per-epoch shuffles.
+
+    Returns
+    -------
+    LocalResult
+
+    Raises
+    ------
+    ValueError
+        If the store is empty or an argument is not positive.
+
+    Source: ClientUpdate of FedAvg, McMahan et al. 2017, "Communication-Efficient Learning of Deep
+    Networks from Decentralized Data", Algorithm 1; FedProx term from Li et al. 2020.
+    """
+    n = len(store)
+    if n == 0:
+        raise ValueError("train_local: the store is empty")
+    if local_epochs < 1 or batch_size < 1 or chunk_size < 1 or lr <= 0:
+        raise ValueError(
+            f"train_local: local_epochs={local_epochs}, batch_size={batch_size}, chunk_size={chunk_size}, lr={lr}"
+        )
+    t0 = time.perf_counter()
+    W = head.W.copy()
+    b = head.b.copy()
+    rng = np.random.default_rng(seed)
+    for _ in range(local_epochs):
+        order = rng.permutation(n).astype(np.int64)
+        for emb, lbl in store.chunks(chunk_size, order):
+            perm = rng.permutation(emb.shape[0])
+            for s in range(0, emb.shape[0], batch_size):
+                sel = perm[s : s + batch_size]
+                _, gW, gb = cross_entropy(W, b, emb[sel], lbl[sel])
+                sgd_step(W, b, gW, gb, lr, prox_mu=prox_mu, W0=head.W, b0=head.b)
+    train_s = time.perf_counter() - t0
+    delta_W: F32 = (W - head.W).astype(np.float32)
+    delta_b: F32 = (b - head.b).astype(np.float32)
+    if clip_norm is not None:
+        norm = float(np.sqrt(np.sum(delta_W.astype(np.float64) ** 2) + np.sum(delta_b.astype(np.float64) ** 2)))
+        if norm > clip_norm > 0:
+            scale = np.float32(clip_norm / norm)
+            delta_W *= scale
+            delta_b *= scale
+    loss_sum = 0.0
+    correct = 0
+    final = Head(head.W + delta_W, head.b + delta_b, head.version)
+    for emb, lbl in store.chunks(chunk_size):
+        loss, _, _ = cross_entropy(final.W, final.b, emb, lbl)
+        loss_sum += loss * emb.shape[0]
+        correct += int(np.sum(final.predict(emb) == lbl))
+    return LocalResult(delta_W, delta_b, n, loss_sum / n, correct / n, train_s)
+
+
+def fit_head(
+    W: F32,
+    b: F32,
+    emb: F32,
+    labels: np.ndarray,
+    *,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    seed: int = 0,
+) -> tuple[F32, F32]:
+    """Train a head on in-memory arrays (central training and local-only baselines, not the device path).
+
+    Parameters
+    ----------
+    W : float32 [D, K], b : float32 [K]
+        Starting head (not modified).
+    emb : float32 [N, D]
+    labels : int64 [N]
+    epochs : int
+        Passes over the data.
+    lr : float
+        SGD learning rate.
+    batch_size : int
+        Samples per step.
+    seed : int
+        Shuffle seed.
+
+    Returns
+    -------
+    Trained (W, b), float32.
+
+    Raises
+    ------
+    ValueError
+        If ``emb`` is empty.
+    """
+    if emb.shape[0] == 0:
+        raise ValueError("fit_head: no samples")
+    W = W.copy()
+    b = b.copy()
+    rng = np.random.default_rng(seed)
+    y = labels.astype(np.int64)
+    for _ in range(epochs):
+        perm = rng.permutation(emb.shape[0])
+        for s in range(0, emb.shape[0], batch_size):
+            sel = perm[s : s + batch_size]
+            _, gW, gb = cross_entropy(W, b, emb[sel], y[sel])
+            sgd_step(W, b, gW, gb, lr)
+    return W, b

@@ -1,0 +1,313 @@
+"""MQTT transport: paho-mqtt 2.x (callback API v2) bridged into asyncio.
+
+paho runs its network loop in its own thread (``loop_start``); its callbacks only hop to the event
+loop with ``call_soon_threadsafe`` (STYLE.md rule 6) and never raise into paho's thread. Every public
+call is async with a timeout. QoS 1 publishes are tracked by ``mid`` until their PUBACK. Incoming
+messages go through a bounded queue (the RAM cap covers buffers too); when it is full the message is
+dropped and counted.
+
+Source: MQTT 5.0 (OASIS 2019) and MQTT 3.1.1 (OASIS 2014); paho-mqtt 2.x client API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+from paho.mqtt.reasoncodes import ReasonCode
+
+from agent.errors import TransportError
+
+logger = logging.getLogger(__name__)
+
+# Patchable timing constants (tests shorten them instead of sleeping).
+RECONNECT_MIN_S = 1
+RECONNECT_MAX_S = 30
+CONNECT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One received MQTT message: ``topic`` (str), ``payload`` (bytes), ``retain`` (bool)."""
+
+    topic: str
+    payload: bytes
+    retain: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Will:
+    """Last will: published by the broker (retained) if the client vanishes without a clean stop."""
+
+    topic: str
+    payload: bytes
+    qos: int = 1
+    retain: bool = True
+
+
+class MqttTransport:
+    """An asyncio-facing MQTT client.
+
+    Parameters
+    ----------
+    host : str
+    port : int
+    client_id : str
+        MQTT client identifier (unique per broker).
+    will : Will or None
+        Last will, set before connecting.
+    protocol : "auto" | "5" | "3.1.1"
+        "auto" tries MQTT 5 and falls back to 3.1.1 when the broker refuses it.
+    keepalive_s : int
+        Keepalive interval in seconds.
+    queue_size : int
+        Bound of the incoming-message queue (messages).
+    username, password : str or None
+        Broker credentials.
+    tls_context : ssl.SSLContext or None
+        TLS settings (server certificate verification, optional client certificate).
+    on_connect : callable or None
+        Called on the event loop after every successful CONNACK (used to publish "online").
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        client_id: str,
+        *,
+        will: Will | None = None,
+        protocol: str = "auto",
+        keepalive_s: int = 30,
+        queue_size: int = 256,
+        username: str | None = None,
+        password: str | None = None,
+        tls_context: ssl.SSLContext | None = None,
+        on_connect: Callable[[], None] | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.client_id = client_id
+        self.will = will
+        self.protocol = protocol
+        self.keepalive_s = keepalive_s
+        self.username = username
+        self.password = password
+        self.tls_context = tls_context
+        self.on_connect_cb = on_connect
+        self.queue: asyncio.Queue[Message] = asyncio.Queue(maxsize=queue_size)
+        self.dropped_total = 0
+        self.callback_errors_total = 0
+        self.connected = asyncio.Event()
+        self.ever_connected = False
+        self._lost_logged = False
+        self._subscriptions: dict[str, int] = {}
+        self._pending: dict[int, asyncio.Future[None]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client: mqtt.Client | None = None
+        self._mqtt5 = protocol in ("auto", "5")
+        self._refused_v5 = False
+        self._stopping = False
+
+    # --- paho thread side: hop to the loop, never raise -------------------------------------
+    def _hop(self, fn: Callable[..., None], *args: Any) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # loop closing during shutdown
+            loop.call_soon_threadsafe(self._guard, fn, *args)
+
+    def _guard(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            self.callback_errors_total += 1
+            logger.exception("error in MQTT callback %s", getattr(fn, "__name__", fn))
+
+    def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, rc: ReasonCode, props: Any) -> None:
+        self._hop(self._handle_connect, rc)
+
+    def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, rc: ReasonCode, props: Any) -> None:
+        self._hop(self._handle_disconnect, rc)
+
+    def _on_publish(self, client: mqtt.Client, userdata: Any, mid: int, rc: ReasonCode, props: Any) -> None:
+        self._hop(self._handle_puback, mid, rc)
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
+        self._hop(self._handle_message, Message(msg.topic, bytes(msg.payload), bool(msg.retain)))
+
+    # --- loop side -------------------------------------------------------------------------
+    def _handle_connect(self, rc: ReasonCode) -> None:
+        if rc.is_failure:
+            logger.warning("broker %s:%s refused the connection: %s", self.host, self.port, rc)
+            if self._mqtt5 and self.protocol == "auto" and int(rc.value) in (1, 132):
+                self._refused_v5 = True
+            return
+        assert self._client is not None
+        for topic, qos in self._subscriptions.items():
+            self._client.subscribe(topic, qos)
+        if self.ever_connected and self._lost_logged:
+            logger.info("broker back: %s:%s", self.host, self.port)
+        elif not self.ever_connected:
+            logger.info("connected to broker %s:%s (MQTT %s)", self.host, self.port, "5" if self._mqtt5 else "3.1.1")
+        self._lost_logged = False
+        self.ever_connected = True
+        self.connected.set()
+        if self.on_connect_cb is not None:
+            self.on_connect_cb()
+
+    def _handle_disconnect(self, rc: ReasonCode) -> None:
+        if self.protocol == "auto" and self._mqtt5 and not self.ever_connected:
+            # 3.1.1-only brokers (amqtt) close the socket on an MQTT 5 CONNECT instead of answering it.
+            self._refused_v5 = True
+        was = self.connected.is_set()
+        self.connected.clear()
+        if was and not self._lost_logged and not self._stopping:
+            self._lost_logged = True
+            logger.warning("broker lost: %s:%s (%s)", self.host, self.port, rc)
+
+    def _handle_puback(self, mid: int, rc: ReasonCode) -> None:
+        fut = self._pending.pop(mid, None)
+        if fut is not None and not fut.done():
+            if rc.is_failure:
+                fut.set_exception(TransportError(f"publish mid={mid} refused by broker: {rc}"))
+            else:
+                fut.set_result(None)
+
+    def _handle_message(self, msg: Message) -> None:
+        try:
+            self.queue.put_nowait(msg)
+        except asyncio.QueueFull:
+            self.dropped_total += 1
+            logger.warning("incoming queue full: dropped message on %s (%d bytes)", msg.topic, len(msg.payload))
+
+    def _make_client(self) -> mqtt.Client:
+        proto = MQTTProtocolVersion.MQTTv5 if self._mqtt5 else MQTTProtocolVersion.MQTTv311
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=proto)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_publish = self._on_publish
+        client.on_message = self._on_message
+        client.suppress_exceptions = True
+        client.reconnect_delay_set(RECONNECT_MIN_S, RECONNECT_MAX_S)
+        client.max_queued_messages_set(64)
+        if self.username is not None:
+            client.username_pw_set(self.username, self.password)
+        if self.tls_context is not None:
+            client.tls_set_context(self.tls_context)
+        if self.will is not None:
+            client.will_set(self.will.topic, self.will.payload, self.will.qos, self.will.retain)
+        return client
+
+    async def start(self, *, wait_s: float | None = CONNECT_TIMEOUT_S) -> None:
+        """Start the network thread and connect (reconnecting forever in the background).
+
+        Parameters
+        ----------
+        wait_s : float or None
+            Seconds to wait for the first CONNACK; None = do not wait (the broker may be down:
+            the caller keeps working and the transport connects when the broker appears).
+
+        Raises
+        ------
+        TransportError
+            If ``wait_s`` is given and no connection succeeded within it.
+        """
+        self._loop = asyncio.get_running_loop()
+        self._client = self._make_client()
+        self._client.connect_async(self.host, self.port, self.keepalive_s)
+        self._client.loop_start()
+        if wait_s is None:
+            return
+        deadline = self._loop.time() + wait_s
+        while not self.connected.is_set():
+            if self._refused_v5:
+                logger.info("broker %s:%s does not speak MQTT 5; using 3.1.1", self.host, self.port)
+                await self._restart(mqtt5=False)
+            remaining = deadline - self._loop.time()
+            if remaining <= 0:
+                raise TransportError(f"no connection to broker {self.host}:{self.port} after {wait_s} s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.connected.wait(), timeout=min(remaining, 0.5))
+
+    async def _restart(self, *, mqtt5: bool) -> None:
+        self._refused_v5 = False
+        old = self._client
+        if old is not None:
+            await asyncio.to_thread(old.loop_stop)
+        self._mqtt5 = mqtt5
+        self._client = self._make_client()
+        self._client.connect_async(self.host, self.port, self.keepalive_s)
+        self._client.loop_start()
+
+    async def subscribe(self, topic: str, qos: int = 1) -> None:
+        """Subscribe now (if connected) and again after every reconnect."""
+        self._subscriptions[topic] = qos
+        if self._client is not None and self.connected.is_set():
+            self._client.subscribe(topic, qos)
+
+    async def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
+                      timeout_s: float = 10.0) -> None:
+        """Publish and, for QoS 1, wait for the broker's PUBACK.
+
+        Parameters
+        ----------
+        topic : str
+        payload : bytes
+        qos : int (0 or 1)
+        retain : bool
+        timeout_s : float
+            Seconds to wait for the PUBACK.
+
+        Raises
+        ------
+        TransportError
+            If not started, the publish was refused, or no PUBACK arrived within ``timeout_s``.
+        """
+        if self._client is None or self._loop is None:
+            raise TransportError("publish before start()")
+        fut: asyncio.Future[None] = self._loop.create_future()
+        info = self._client.publish(topic, payload, qos=qos, retain=retain)
+        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+            raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+        if qos == 0:
+            return
+        self._pending[info.mid] = fut
+        if info.is_published():  # PUBACK already processed before we registered the mid
+            self._pending.pop(info.mid, None)
+            return
+        try:
+            await asyncio.wait_for(fut, timeout=timeout_s)
+        except TimeoutError as exc:
+            self._pending.pop(info.mid, None)
+            raise TransportError(f"no PUBACK for {topic} (mid={info.mid}) within {timeout_s} s") from exc
+
+    async def stop(self, final: tuple[str, bytes] | None = None, timeout_s: float = 5.0) -> None:
+        """Clean stop: optionally publish a final retained message (e.g. "offline"), disconnect, stop the thread.
+
+        Parameters
+        ----------
+        final : (topic, payload) or None
+            Published retained with QoS 1 and waited for (PUBACK) before disconnecting.
+        timeout_s : float
+            Time budget for the final publish.
+        """
+        client = self._client
+        if client is None:
+            return
+        if final is not None and self.connected.is_set():
+            try:
+                await self.publish(final[0], final[1], qos=1, retain=True, timeout_s=timeout_s)
+            except TransportError as exc:
+                logger.warning("final status not acknowledged: %s", exc)
+        self._stopping = True
+        client.disconnect()
+        await asyncio.to_thread(client.loop_stop)
+        self._client = None

@@ -1,0 +1,248 @@
+"""``edgefl demo``: a whole federated job on one machine, on real data.
+
+An embedded MQTT broker (amqtt) on a free 127.0.0.1 port (or an existing broker), the coordinator in
+this process, and N agents, each a separate OS process running the real daemon with its own profile
+overrides and its own non-IID shard of the digits data. Baselines (factory head, central training,
+local-only training) are computed here on the same embeddings, so the federated result can be read
+against its lower and upper bounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent import memory
+from agent.codec import Compression
+from agent.config import load_profile
+from agent.datasets import FACTORY_CLASSES, load_digits, partition_non_iid, split_digits
+from agent.head import Head
+from agent.runtime import Backbone
+from agent.topics import Topics
+from agent.trainer import fit_head
+from agent.transport import MqttTransport
+from agent.types import F32, I64
+from coordinator.service import Coordinator
+from coordinator.strategy import Strategy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """Options of ``edgefl demo`` (see ``edgefl demo --help``)."""
+
+    devices: int = 4
+    rounds: int = 10
+    broker: str | None = None
+    json_path: str | None = None
+    profile: Path = Path("firmware_configs/dev_x86.toml")
+    model: Path | None = None
+    local_epochs: int = 2
+    lr: float = 0.1
+    batch_size: int = 16
+    seed: int = 0
+    workdir: Path | None = None
+    deadline_s: float = 60.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def embed_all(backbone: Backbone, x: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...],
+              batch: int = 64) -> F32:
+    """Embeddings of raw samples ``x`` [N, *sample_shape] → float32 [N, D], in batches."""
+    from agent.daemon import preprocess
+
+    out = [backbone.run(preprocess(x[s : s + batch], backbone, mean, std))[0] for s in range(0, len(x), batch)]
+    return np.concatenate(out).astype(np.float32)
+
+
+def accuracy(W: F32, b: F32, emb: F32, y: I64) -> float:
+    """Fraction of ``emb`` [N, D] whose argmax logit equals ``y`` [N]."""
+    return float(np.mean(Head(W, b).predict(emb) == y))
+
+
+@contextlib.contextmanager
+def _workdir(path: Path | None) -> Iterator[Path]:
+    if path is not None:
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+    else:
+        with tempfile.TemporaryDirectory(prefix="edgefl-demo-") as d:
+            yield Path(d)
+
+
+async def _embedded_broker(port: int) -> Any:
+    from amqtt.broker import Broker
+
+    broker = Broker({
+        "listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{port}", "max_connections": 64}},
+        "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
+    })
+    await broker.start()
+    return broker
+
+
+def run_demo(opts: DemoOptions) -> int:
+    """Run the demo; print one line per round; write the JSON result if asked.
+
+    Returns
+    -------
+    Exit code: 0 when every round completed with at least one update, 1 otherwise.
+    """
+    for name in ("amqtt", "transitions", "passlib"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return asyncio.run(_run(opts))
+
+
+async def _run(opts: DemoOptions) -> int:
+    profile = load_profile(opts.profile, {"model.path": str(opts.model)} if opts.model else None)
+    model_path = Path(profile.model.path)
+    x, y = load_digits()
+    split = split_digits(y, seed=opts.seed)
+    pool = split.devices
+    shards = [pool[s] for s in partition_non_iid(y[pool], opts.devices, seed=opts.seed)]
+
+    backbone = Backbone(model_path, num_threads=1, runtime=profile.model.runtime,
+                        embedding_tensor=profile.model.embedding_tensor)
+    mean, std = profile.pipeline.mean, profile.pipeline.std
+    W0, b0 = backbone.head_from_model()
+    emb_test = embed_all(backbone, x[split.test], mean, std)
+    y_test = y[split.test]
+    emb_pool = embed_all(backbone, x[pool], mean, std)
+    total_epochs = opts.local_epochs * opts.rounds
+    baseline = accuracy(W0, b0, emb_test, y_test)
+    Wc, bc = fit_head(W0, b0, emb_pool, y[pool], epochs=total_epochs, lr=opts.lr,
+                      batch_size=opts.batch_size, seed=opts.seed)
+    centralized = accuracy(Wc, bc, emb_test, y_test)
+    local_accs = []
+    pos = {int(g): i for i, g in enumerate(pool)}
+    for k, shard in enumerate(shards):
+        rows = np.array([pos[int(g)] for g in shard], dtype=np.int64)
+        Wl, bl = fit_head(W0, b0, emb_pool[rows], y[shard], epochs=total_epochs, lr=opts.lr,
+                          batch_size=opts.batch_size, seed=opts.seed + k)
+        local_accs.append(accuracy(Wl, bl, emb_test, y_test))
+    local_only = float(np.mean(local_accs))
+    print(f"edgefl demo: {opts.devices} devices, {opts.rounds} rounds, model {model_path.name}, "
+          f"factory head knows digits {FACTORY_CLASSES[0]}-{FACTORY_CLASSES[-1]}")
+    print(f"  test set {len(y_test)} samples; device shards {[len(s) for s in shards]} samples")
+    print(f"  baseline (factory head) {baseline:.3f}   centralized {centralized:.3f}   "
+          f"local-only (mean) {local_only:.3f}")
+
+    broker = None
+    if opts.broker:
+        from agent.validators import parse_broker_url
+
+        _, host, port = parse_broker_url(opts.broker)
+    else:
+        host, port = "127.0.0.1", free_port()
+        broker = await _embedded_broker(port)
+    fleet = f"demo{os.getpid()}"
+    topics = Topics(profile.broker.topic_prefix, fleet)
+    procs: list[subprocess.Popen[bytes]] = []
+    rc = 0
+    with _workdir(opts.workdir) as work:
+        try:
+            for k, shard in enumerate(shards):
+                dev = f"dev-{k + 1}"
+                shard_path = work / f"{dev}.npz"
+                np.savez(shard_path, x=x[shard], y=y[shard])
+                sets = {
+                    "device.id": dev, "device.fleet": fleet, "device.state_dir": str(work / dev),
+                    "broker.url": f"mqtt://{host}:{port}", "source.kind": "replay",
+                    "source.path": str(shard_path), "model.path": str(model_path),
+                    "training.store_capacity": str(max(256, len(shard))),
+                }
+                cmd = [sys.executable, "-m", "agent.cli", "--log-level", "WARNING", "run", str(opts.profile)]
+                for key, val in sets.items():
+                    cmd += ["--set", f"{key}={val}"]
+                log = open(work / f"{dev}.log", "wb")  # noqa: SIM115 - closed with the process below
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                              env={**os.environ, "MALLOC_ARENA_MAX": "2"}))
+            transport = MqttTransport(host, port, f"edgefl-coordinator-{fleet}", protocol="auto")
+            await transport.start(wait_s=15)
+            strategy = Strategy(local_epochs=opts.local_epochs, lr=opts.lr, batch_size=opts.batch_size,
+                                min_clients=opts.devices, deadline_s=opts.deadline_s)
+            coord = Coordinator(transport, topics, W0, b0, model_sha256=backbone.sha256, strategy=strategy,
+                                evaluate=lambda W, b: accuracy(W, b, emb_test, y_test),
+                                compression=Compression.NONE)
+            pump = asyncio.create_task(coord.pump())
+            try:
+                await coord.start()
+                ready = await coord.wait_for_devices(opts.devices, timeout_s=120)
+                print(f"  {len(ready)} agents ready: {', '.join(ready)}")
+                print(f"  {'round':>5} {'clients':>7} {'accuracy':>8} {'update_bytes':>12} {'seconds':>7}")
+                for r in range(1, opts.rounds + 1):
+                    rec = await coord.run_round(r)
+                    print(f"  {rec.round:>5} {rec.clients:>7} {rec.accuracy:>8.3f} "
+                          f"{rec.update_bytes_mean:>12.0f} {rec.duration_s:>7.2f}")
+                    if rec.clients == 0:
+                        rc = 1
+                await asyncio.sleep(0.5)  # let the agents apply the last global head
+            finally:
+                pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pump
+                await transport.stop()
+            agents = []
+            for k, p in enumerate(procs):
+                try:
+                    peak = memory.peak_rss_bytes(p.pid)
+                except OSError:
+                    peak = -1
+                agents.append({"device": f"dev-{k + 1}", "cap_bytes": profile.cap_bytes, "peak_rss_bytes": peak})
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            if broker is not None:
+                await broker.shutdown()
+        failed = [k for k, p in enumerate(procs) if p.returncode not in (0, -signal.SIGTERM)]
+        if failed:
+            for k in failed:
+                tail = (work / f"dev-{k + 1}.log").read_text(errors="replace").splitlines()[-15:]
+                print(f"agent dev-{k + 1} exited with {procs[k].returncode}:\n  " + "\n  ".join(tail))
+            rc = 1
+    for a in agents:
+        print(f"  {a['device']}: peak RSS {a['peak_rss_bytes'] / 2**20:.1f} MiB of cap {a['cap_bytes'] / 2**20:.0f} MiB")
+    final = coord.state.history[-1].accuracy if coord.state.history else float("nan")
+    print(f"  final accuracy {final:.3f} (baseline {baseline:.3f}, centralized {centralized:.3f}, "
+          f"local-only {local_only:.3f})")
+    if opts.json_path:
+        result = {
+            "dataset": "sklearn_digits", "model": model_path.name, "devices": opts.devices,
+            "baseline_accuracy": baseline, "centralized_accuracy": centralized,
+            "local_only_accuracy": local_only,
+            "rounds": [{"round": h.round, "clients": h.clients, "accuracy": h.accuracy,
+                        "update_bytes_mean": h.update_bytes_mean, "duration_s": h.duration_s}
+                       for h in coord.state.history],
+            "agents": agents,
+        }
+        Path(opts.json_path).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"  wrote {opts.json_path}")
+    return rc

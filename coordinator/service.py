@@ -1,0 +1,255 @@
+"""The coordinator service: announces rounds, collects updates, aggregates, publishes the global head.
+
+Rounds follow the synchronous FedAvg loop (McMahan et al. 2017, Algorithm 1): the global head and the
+round announcement are published retained (a device that connects late catches up from them), the
+round closes at ``min_clients`` updates or at its deadline, and the new head is evaluated on the
+held-out test set when an evaluation function is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from agent.codec import (
+    Compression,
+    DecodeError,
+    GlobalModel,
+    Limits,
+    RoundAnnouncement,
+    decode_status,
+    decode_update,
+    encode_global_model,
+    encode_round,
+)
+from agent.errors import UpdateRejected
+from agent.topics import Topics
+from agent.transport import Message, MqttTransport
+from agent.types import F32
+from coordinator.rounds import Round
+from coordinator.strategy import Strategy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRecord:
+    """Result of one closed round (the demo's ``rounds`` JSON entries).
+
+    Attributes
+    ----------
+    round : int
+    clients : int
+        Updates aggregated.
+    accuracy : float
+        Test accuracy of the new global head (NaN when no evaluation function is set).
+    update_bytes_mean : float
+        Mean wire size of the aggregated updates, in bytes.
+    duration_s : float
+        Seconds from announcement to the new global head being published.
+    """
+
+    round: int
+    clients: int
+    accuracy: float
+    update_bytes_mean: float
+    duration_s: float
+
+
+@dataclass
+class CoordinatorState:
+    """What the coordinator knows, for its dashboard and for the demo."""
+
+    version: int = 0
+    round: int = 0
+    devices: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rejected: Counter[str] = field(default_factory=Counter)
+    history: list[RoundRecord] = field(default_factory=list)
+    current: Round | None = None
+
+
+class Coordinator:
+    """Runs synchronous rounds over MQTT.
+
+    Parameters
+    ----------
+    transport : MqttTransport
+        Started by the caller.
+    topics : Topics
+    W : float32 [D, K], b : float32 [K]
+        Initial global head (version 0: the factory head).
+    model_sha256 : str
+        sha256 of the backbone .tflite the head belongs to (devices refuse a head for another backbone).
+    strategy : Strategy
+    evaluate : callable (W, b) -> accuracy, or None
+        Test-set evaluation of a head (fraction 0..1).
+    compression : Compression
+        Update compression asked of the devices.
+    limits : Limits
+        Decoding bounds for incoming messages.
+    """
+
+    def __init__(
+        self,
+        transport: MqttTransport,
+        topics: Topics,
+        W: F32,
+        b: F32,
+        *,
+        model_sha256: str,
+        strategy: Strategy,
+        evaluate: Callable[[F32, F32], float] | None = None,
+        compression: Compression = Compression.NONE,
+        topk_fraction: float = 0.1,
+        limits: Limits | None = None,
+    ) -> None:
+        self.transport = transport
+        self.topics = topics
+        self.W = W.astype(np.float32)
+        self.b = b.astype(np.float32)
+        self.model_sha256 = model_sha256
+        self.strategy = strategy
+        self.evaluate = evaluate
+        self.compression = compression
+        self.topk_fraction = topk_fraction
+        self.limits = limits or Limits()
+        self.state = CoordinatorState()
+        self._round_changed = asyncio.Event()
+        self._status_changed = asyncio.Event()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Head shape (D, K)."""
+        return (int(self.W.shape[0]), int(self.W.shape[1]))
+
+    async def start(self) -> None:
+        """Subscribe to updates and statuses, and publish the initial global head (retained)."""
+        await self.transport.subscribe(self.topics.update("+"), 1)
+        await self.transport.subscribe(self.topics.status("+"), 1)
+        await self.publish_global(0)
+
+    async def publish_global(self, round_no: int) -> None:
+        """Publish the current head as GlobalModel (QoS 1, retained) and wait for the PUBACK."""
+        msg = GlobalModel(round_no, self.state.version, self.model_sha256, self.W, self.b)
+        await self.transport.publish(self.topics.global_model, encode_global_model(msg), qos=1, retain=True)
+
+    async def pump(self) -> None:
+        """Consume incoming messages forever: statuses and updates (each handler is guarded)."""
+        while True:
+            msg = await self.transport.queue.get()
+            self.handle(msg)
+
+    def handle(self, msg: Message) -> None:
+        """Dispatch one message; a bad one is logged with topic, size and reason and counted, never raised."""
+        device = self.topics.device_of(msg.topic)
+        try:
+            if device is None:
+                raise DecodeError("bad_topic", f"unexpected topic {msg.topic}")
+            if msg.topic == self.topics.status(device):
+                if not msg.payload:
+                    self.state.devices.pop(device, None)  # retained status cleared
+                    return
+                status = decode_status(msg.payload, limits=self.limits)
+                entry = dict(status.fields)
+                entry["state"] = status.state
+                entry["seen_at"] = time.time()
+                self.state.devices[device] = entry
+                self._status_changed.set()
+            else:
+                self._handle_update(device, msg)
+        except (DecodeError, UpdateRejected) as exc:
+            self.state.rejected[exc.reason] += 1
+            logger.warning("rejected message on %s (%d bytes): %s", msg.topic, len(msg.payload), exc)
+
+    def _handle_update(self, device: str, msg: Message) -> None:
+        update = decode_update(msg.payload, limits=self.limits, expect_shape=self.shape)
+        if update.device != device:
+            raise UpdateRejected("wrong_device", f"update names device {update.device} on {msg.topic}")
+        rnd = self.state.current
+        if rnd is None:
+            raise UpdateRejected("no_round", "no round is open")
+        rnd.offer(update, len(msg.payload))
+        logger.info("round %d: update from %s (%d examples, %d bytes)", rnd.number, device,
+                    update.num_examples, len(msg.payload))
+        self._round_changed.set()
+
+    async def wait_for_devices(self, n: int, timeout_s: float, key: str = "ready") -> list[str]:
+        """Wait until ``n`` devices report a status whose field ``key`` is true.
+
+        Returns
+        -------
+        The ready device ids.
+
+        Raises
+        ------
+        TimeoutError
+            If fewer than ``n`` are ready after ``timeout_s`` seconds.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            ready = sorted(d for d, s in self.state.devices.items() if s.get(key) and s.get("state") != "offline")
+            if len(ready) >= n:
+                return ready
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"only {len(ready)} of {n} devices ready after {timeout_s} s")
+            self._status_changed.clear()
+            try:
+                await asyncio.wait_for(self._status_changed.wait(), timeout=remaining)
+            except TimeoutError:
+                continue
+
+    async def run_round(self, round_no: int, selected: tuple[str, ...] | None = None) -> RoundRecord:
+        """Announce round ``round_no``, collect updates until complete or deadline, aggregate, publish.
+
+        Returns
+        -------
+        RoundRecord (clients = 0 and the head unchanged when no update arrived).
+        """
+        cfg = self.strategy.configure_round(round_no)
+        t0 = time.monotonic()
+        rnd = Round(round_no, self.state.version, self.shape, cfg.deadline_s, cfg.min_clients,
+                    frozenset(selected) if selected else None)
+        self.state.current = rnd
+        self.state.round = round_no
+        ann = RoundAnnouncement(
+            round=round_no, base_version=self.state.version, deadline_s=cfg.deadline_s,
+            local_epochs=cfg.local_epochs, lr=cfg.lr, batch_size=cfg.batch_size, min_clients=cfg.min_clients,
+            selected=tuple(selected) if selected else 1.0, compression=self.compression,
+            topk_fraction=self.topk_fraction, prox_mu=cfg.prox_mu,
+        )
+        await self.transport.publish(self.topics.round, encode_round(ann), qos=1, retain=True)
+        loop = asyncio.get_running_loop()
+        while not rnd.complete():
+            remaining = rnd.deadline_at - time.monotonic()
+            if remaining <= 0:
+                logger.warning("round %d: deadline passed with %d of %d updates", round_no, rnd.clients,
+                               cfg.min_clients)
+                break
+            self._round_changed.clear()
+            try:
+                await asyncio.wait_for(self._round_changed.wait(), timeout=remaining)
+            except TimeoutError:
+                continue
+        rnd.close()
+        accuracy = float("nan")
+        if rnd.clients > 0:
+            self.W, self.b = self.strategy.aggregate(self.W, self.b, rnd.sum_W.mean(), rnd.sum_b.mean())
+            self.state.version += 1
+            await self.publish_global(round_no)
+        if self.evaluate is not None:
+            W, b = self.W, self.b
+            accuracy = await loop.run_in_executor(None, self.evaluate, W, b)
+        record = RoundRecord(round_no, rnd.clients, accuracy,
+                             float(np.mean(rnd.update_bytes)) if rnd.update_bytes else 0.0,
+                             time.monotonic() - t0)
+        self.state.history.append(record)
+        return record
