@@ -1,0 +1,91 @@
+"""Shared fixtures: a real mosquitto broker on 127.0.0.1, unique topic prefixes, the shipped models."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "models"
+FLOAT_MODEL = MODELS / "digits_cnn_float32.tflite"
+INT8_MODEL = MODELS / "digits_cnn_int8.tflite"
+DEV_PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def mosquitto_path() -> str:
+    path = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
+    if path is None:
+        raise RuntimeError("mosquitto not installed: run .ci/run (apt-get install mosquitto)")
+    return path
+
+
+@dataclass
+class Broker:
+    host: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    conf: Path
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://{self.host}:{self.port}"
+
+
+def start_mosquitto(tmp: Path, extra: str = "", port: int | None = None) -> Broker:
+    """Start a mosquitto on 127.0.0.1 with a config written to ``tmp``; wait until it accepts connections."""
+    port = port or free_port()
+    conf = tmp / f"mosquitto-{port}.conf"
+    conf.write_text(
+        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+        f"log_dest stderr\n{extra}\n"
+    )
+    log = open(tmp / f"mosquitto-{port}.log", "ab")  # noqa: SIM115 - lives as long as the broker
+    proc = subprocess.Popen([mosquitto_path(), "-c", str(conf)], stdout=log, stderr=log)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mosquitto exited with {proc.returncode}: {(tmp / f'mosquitto-{port}.log').read_text()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return Broker("127.0.0.1", port, proc, conf)
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("mosquitto did not start listening within 10 s")
+
+
+def stop_broker(b: Broker) -> None:
+    b.proc.terminate()
+    try:
+        b.proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        b.proc.kill()
+        b.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def mosquitto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    """One real mosquitto broker for the whole session, on a free 127.0.0.1 port."""
+    b = start_mosquitto(tmp_path_factory.mktemp("mosquitto"))
+    yield b
+    stop_broker(b)
+
+
+@pytest.fixture
+def fleet() -> str:
+    """A unique fleet name, so each test has its own topic space on the shared broker."""
+    return f"t{uuid.uuid4().hex[:10]}"

@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from agent.errors import UpdateRejected
+from agent.head import Head, cross_entropy, sgd_step, softmax, validate_head
+
+
+def _data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    W = rng.normal(0, 0.5, (6, 4)).astype(np.float32)
+    b = rng.normal(0, 0.5, 4).astype(np.float32)
+    emb = rng.normal(0, 1, (9, 6)).astype(np.float32)
+    y = rng.integers(0, 4, 9).astype(np.int64)
+    return W, b, emb, y
+
+
+def test_cross_entropy_gradient_matches_finite_differences() -> None:
+    W, b, emb, y = _data()
+    _, gW, gb = cross_entropy(W, b, emb, y)
+    eps = 1e-3
+    W64, b64 = W.astype(np.float64), b.astype(np.float64)
+
+    def loss64(Wx: np.ndarray, bx: np.ndarray) -> float:
+        z = emb.astype(np.float64) @ Wx + bx
+        z -= z.max(axis=1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        return float(-logp[np.arange(len(y)), y].mean())
+
+    for i in range(W.shape[0]):
+        for j in range(W.shape[1]):
+            Wp, Wm = W64.copy(), W64.copy()
+            Wp[i, j] += eps
+            Wm[i, j] -= eps
+            num = (loss64(Wp, b64) - loss64(Wm, b64)) / (2 * eps)
+            assert gW[i, j] == pytest.approx(num, abs=2e-4)
+    for j in range(b.shape[0]):
+        bp, bm = b64.copy(), b64.copy()
+        bp[j] += eps
+        bm[j] -= eps
+        assert gb[j] == pytest.approx((loss64(W64, bp) - loss64(W64, bm)) / (2 * eps), abs=2e-4)
+
+
+def test_cross_entropy_value_by_hand() -> None:
+    # two classes, zero weights: p = 0.5 for every sample -> loss ln 2
+    W = np.zeros((3, 2), np.float32)
+    b = np.zeros(2, np.float32)
+    emb = np.ones((4, 3), np.float32)
+    loss, gW, gb = cross_entropy(W, b, emb, np.array([0, 0, 1, 1]))
+    assert loss == pytest.approx(np.log(2), rel=1e-6)
+    np.testing.assert_allclose(gb, [0.0, 0.0], atol=1e-7)
+    loss1, _, gb1 = cross_entropy(W, b, emb, np.array([0, 0, 0, 0]))
+    np.testing.assert_allclose(gb1, [-0.5, 0.5], atol=1e-7)
+
+
+def test_sgd_decreases_loss_and_fedprox_pulls_back() -> None:
+    W, b, emb, y = _data(1)
+    loss0, gW, gb = cross_entropy(W, b, emb, y)
+    W1, b1 = W.copy(), b.copy()
+    sgd_step(W1, b1, gW, gb, 0.1)
+    assert cross_entropy(W1, b1, emb, y)[0] < loss0
+    # with W already moved away from W0, the proximal term mu*(W - W0) adds to the step
+    W0, b0 = W.copy(), b.copy()
+    W2, b2 = W + 1.0, b + 1.0
+    zero_W, zero_b = np.zeros_like(W), np.zeros_like(b)
+    sgd_step(W2, b2, zero_W, zero_b, 0.5, prox_mu=1.0, W0=W0, b0=b0)
+    np.testing.assert_allclose(W2, W + 0.5, atol=1e-6)
+    with pytest.raises(ValueError, match="prox_mu"):
+        sgd_step(W2, b2, zero_W, zero_b, 0.5, prox_mu=1.0)
+
+
+def test_softmax_rows_sum_to_one_and_stable() -> None:
+    p = softmax(np.array([[1000.0, 1000.0], [0.0, np.log(3.0)]], np.float32))
+    np.testing.assert_allclose(p, [[0.5, 0.5], [0.25, 0.75]], rtol=1e-6)
+
+
+def test_head_predict_and_validate() -> None:
+    W = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
+    h = Head(W, np.zeros(2, np.float32), 3)
+    assert h.predict(np.array([[2.0, 1.0], [0.0, 5.0]], np.float32)).tolist() == [0, 1]
+    assert h.shape == (2, 2)
+    validate_head(W, np.zeros(2, np.float32), (2, 2))
+    with pytest.raises(UpdateRejected, match="bad_shape"):
+        validate_head(W, np.zeros(3, np.float32), (2, 2))
+    with pytest.raises(UpdateRejected, match="not_finite"):
+        validate_head(np.array([[np.nan, 0], [0, 0]], np.float32), np.zeros(2, np.float32), (2, 2))
+    with pytest.raises(UpdateRejected, match="bad_dtype"):
+        validate_head(W.astype(np.float64), np.zeros(2, np.float32), (2, 2))
