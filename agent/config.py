@@ -752,6 +752,9 @@ def _parse(
                     problems.note(f"{key}: required")
                     problems.bad.add(key)
                     values[name] = _PLACEHOLDERS[key]
+                elif spec.kind == "path" and spec.default is not None:
+                    # A default path (device.state_dir) is relative to the profile like a written one.
+                    values[name] = _convert(spec, spec.default, base_dir, from_text=False)
                 continue
             try:
                 values[name] = _convert(spec, raw[name], base_dir, from_text=key in from_text)
