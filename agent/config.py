@@ -724,6 +724,7 @@ def _parse(
 
     # Overrides land on top of the TOML, and are remembered so string values get coerced.
     from_text: set[str] = set()
+    overridden: set[str] = set()
     for key, value in overrides.items():
         table, dot, name = key.partition(".")
         if not dot or not name:
@@ -734,6 +735,7 @@ def _parse(
             problems.note(f"{key}: unknown key")
         else:
             tables.setdefault(table, {})[name] = value
+            overridden.add(key)
             if isinstance(value, str):
                 from_text.add(key)
 
@@ -756,8 +758,10 @@ def _parse(
                     # A default path (device.state_dir) is relative to the profile like a written one.
                     values[name] = _convert(spec, spec.default, base_dir, from_text=False)
                 continue
+            # A relative path typed on the command line means the working directory, not the profile's.
+            root = Path.cwd() if key in overridden else base_dir
             try:
-                values[name] = _convert(spec, raw[name], base_dir, from_text=key in from_text)
+                values[name] = _convert(spec, raw[name], root, from_text=key in from_text)
             except ValueError as exc:
                 problems.add(key, raw[name], str(exc))
                 if spec.required:
@@ -828,6 +832,8 @@ def load_profile(
         String values (from ``--set key=value``) are coerced to the field's type: ``"96"`` to int,
         ``"true"``/``"false"`` to bool, ``"0.5,0.5"`` to a tuple of floats, ``""`` to None for
         optional fields. Non-string values are type-checked as if they came from the TOML file.
+        A relative path given here resolves against the current working directory (it was typed on
+        a command line), unlike relative paths written in the profile.
     check_files : bool
         See :func:`parse_profile`.
 

@@ -481,14 +481,26 @@ def test_overrides_from_the_command_line_are_coerced(write: Writer, tmp_path: Pa
     assert profile.broker.protocol == "5"
 
 
-def test_overrides_with_python_values_and_empty_string_for_none(write: Writer) -> None:
+def test_overrides_with_python_values_and_empty_string_for_none(write: Writer, model_file: Path) -> None:
     profile = load_profile(
         write('[model]\nembedding_tensor = "emb"\n', head='[device]\nid = "a"\n'),
-        {"model.path": "m.tflite", "memory.cap_mb": 200, "model.embedding_tensor": "", "pipeline.std": 16},
+        {"model.path": model_file, "memory.cap_mb": 200, "model.embedding_tensor": "", "pipeline.std": 16},
     )
     assert profile.memory.cap_mb == 200
     assert profile.model.embedding_tensor is None
     assert profile.pipeline.std == (16.0,)
+
+
+def test_relative_override_paths_resolve_against_the_working_directory(
+    write: Writer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "other.tflite").write_bytes(b"x")
+    monkeypatch.chdir(cwd)
+    profile = load_profile(write(""), {"model.path": "other.tflite", "device.state_dir": "st"})
+    assert profile.model.path == cwd / "other.tflite"
+    assert profile.device.state_dir == cwd / "st"
 
 
 def test_bad_overrides_are_reported_with_the_rest(write: Writer) -> None:
