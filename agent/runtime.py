@@ -28,16 +28,16 @@ def _interpreter_classes(runtime: RuntimeName) -> list[tuple[str, Any]]:
     found: list[tuple[str, Any]] = []
     if runtime in ("auto", "litert"):
         try:
-            from ai_edge_litert.interpreter import Interpreter as LiteRT
+            from ai_edge_litert import interpreter as litert
 
-            found.append(("litert", LiteRT))
+            found.append(("litert", litert))
         except ImportError as exc:
             logger.info("LiteRT (ai-edge-litert) not importable: %s", exc)
     if runtime in ("auto", "tflite"):
         try:
-            from tflite_runtime.interpreter import Interpreter as TFLite
+            from tflite_runtime import interpreter as tflite
 
-            found.append(("tflite", TFLite))
+            found.append(("tflite", tflite))
         except ImportError as exc:
             logger.info("tflite-runtime not importable: %s", exc)
     return found
@@ -51,6 +51,10 @@ def open_interpreter(path: Path, *, num_threads: int = 1, runtime: RuntimeName =
 
     The model is given by path, not bytes: LiteRT then memory-maps the file, so no second copy of
     the model lives in the heap.
+
+    The built-in kernels are used without the default XNNPACK delegate: a delegated graph keeps its
+    intermediate tensors inside the delegate, and ``get_tensor`` on the embedding (an intermediate
+    tensor) then fails with "Tensor data is null".
 
     Parameters
     ----------
@@ -78,9 +82,13 @@ def open_interpreter(path: Path, *, num_threads: int = 1, runtime: RuntimeName =
         raise ModelError(str(path), f"no TFLite runtime importable for runtime={runtime!r} "
                          "(install ai-edge-litert, or tflite-runtime with numpy<2)")
     errors: list[str] = []
-    for name, cls in classes:
+    for name, mod in classes:
         try:
-            interp = cls(model_path=str(path), num_threads=num_threads)
+            interp = mod.Interpreter(
+                model_path=str(path),
+                num_threads=num_threads,
+                experimental_op_resolver_type=mod.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
+            )
             interp.allocate_tensors()
             return name, interp
         except (ValueError, RuntimeError, TypeError, AttributeError, ImportError) as exc:
