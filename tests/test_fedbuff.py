@@ -1,0 +1,65 @@
+# ruff: noqa: N806 - W, dW are the maths' names
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from agent.errors import UpdateRejected
+from coordinator.fedbuff import FedBuff, FedBuffer, staleness_weight
+
+
+def test_staleness_weight_by_hand() -> None:
+    assert staleness_weight(0) == 1.0
+    assert staleness_weight(3) == 0.5  # 1/sqrt(4)
+    assert staleness_weight(3, exponent=1.0) == 0.25
+    assert staleness_weight(8, exponent=0.0) == 1.0
+    with pytest.raises(ValueError):
+        staleness_weight(-1)
+
+
+def test_buffer_applies_after_k_updates_with_staleness_discount() -> None:
+    buf = FedBuffer((1, 1), 2, server_lr=1.0)
+    W, b = np.zeros((1, 1), np.float32), np.zeros(1, np.float32)
+    assert not buf.offer(np.array([[4.0]], np.float32), np.array([2.0], np.float32), 1, 0)
+    assert buf.offer(np.array([[4.0]], np.float32), np.array([2.0], np.float32), 1, 3)
+    W1, b1 = buf.flush(W, b)
+    # (1*4 + 0.5*4) / 2 = 3 ; (1*2 + 0.5*2) / 2 = 1.5
+    np.testing.assert_array_equal(W1, [[3.0]])
+    np.testing.assert_array_equal(b1, [1.5])
+    assert buf.count == 0 and buf.total_examples == 0
+    with pytest.raises(ValueError):
+        buf.flush(W1, b1)
+
+
+def test_buffer_weights_by_examples_and_server_lr() -> None:
+    buf = FedBuffer((1, 1), 2, server_lr=0.5)
+    buf.offer(np.array([[1.0]], np.float32), np.array([0.0], np.float32), 3, 0)
+    buf.offer(np.array([[5.0]], np.float32), np.array([0.0], np.float32), 1, 0)
+    W1, _ = buf.flush(np.ones((1, 1), np.float32), np.zeros(1, np.float32))
+    # 1 + 0.5 * (3*1 + 1*5)/4 = 2
+    np.testing.assert_array_equal(W1, [[2.0]])
+
+
+def test_buffer_rejects_bad_updates() -> None:
+    buf = FedBuffer((2, 1), 3, max_staleness=2)
+    ok_W, ok_b = np.zeros((2, 1), np.float32), np.zeros(1, np.float32)
+    with pytest.raises(UpdateRejected) as e:
+        buf.offer(ok_W, ok_b, 1, 3)
+    assert e.value.reason == "too_stale"
+    with pytest.raises(UpdateRejected) as e:
+        buf.offer(np.zeros((3, 1), np.float32), ok_b, 1, 0)
+    assert e.value.reason == "bad_shape"
+    with pytest.raises(UpdateRejected) as e:
+        buf.offer(ok_W, ok_b, 0, 0)
+    assert e.value.reason == "no_examples"
+    assert buf.count == 0
+
+
+def test_fedbuff_strategy_makes_buffer_and_is_fedavg_when_synchronous() -> None:
+    s = FedBuff(buffer_size=4, server_lr=0.5, max_staleness=7)
+    assert s.asynchronous and not s.needs_all_updates
+    buf = s.make_buffer((3, 2))
+    assert (buf.buffer_size, buf.server_lr, buf.max_staleness, buf.shape) == (4, 0.5, 7, (3, 2))
+    W1, _ = s.aggregate(np.zeros((1, 1), np.float32), np.zeros(1, np.float32),
+                        np.array([[2.0]], np.float32), np.zeros(1, np.float32))
+    np.testing.assert_array_equal(W1, [[1.0]])
