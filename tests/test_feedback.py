@@ -1,0 +1,77 @@
+# ruff: noqa: N806 - W, dW are the maths' names
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent.codec import Compression, compressed_roundtrip
+from agent.feedback import RESIDUAL_FILE, ErrorFeedback
+
+
+def test_topk_residual_by_hand_and_telescoping(tmp_path: Path) -> None:
+    fb = ErrorFeedback(tmp_path, (2, 2), "sha")
+    dW = np.array([[3.0, 1.0], [0.5, 2.0]], np.float32)
+    db = np.array([0.0, -4.0], np.float32)
+    cW, cb = fb.apply(dW, db, Compression.TOPK, topk_fraction=0.25)
+    np.testing.assert_array_equal(cb, db)
+    # first round: nothing to compensate; top-1 of W keeps 3, of b keeps -4
+    np.testing.assert_array_equal(cW, dW)
+    sent = compressed_roundtrip(cW, Compression.TOPK, topk_fraction=0.25)
+    np.testing.assert_array_equal(sent, [[3, 0], [0, 0]])
+    np.testing.assert_array_equal(fb.residual_W, [[0.0, 1.0], [0.5, 2.0]])
+    np.testing.assert_array_equal(fb.residual_b, [0.0, 0.0])
+    # second round with a zero delta: the residual alone is sent, its largest entry (2) goes out
+    zW, zb = np.zeros((2, 2), np.float32), np.zeros(2, np.float32)
+    cW2, _ = fb.apply(zW, zb, Compression.TOPK, topk_fraction=0.25)
+    np.testing.assert_array_equal(cW2, [[0.0, 1.0], [0.5, 2.0]])
+    np.testing.assert_array_equal(fb.residual_W, [[0.0, 1.0], [0.5, 0.0]])
+
+
+def test_sum_of_decoded_updates_equals_sum_of_deltas_minus_residual(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    fb = ErrorFeedback(tmp_path, (30, 4))
+    sent_W = np.zeros((30, 4), np.float64)
+    total_W = np.zeros((30, 4), np.float64)
+    for _ in range(12):
+        dW = rng.normal(size=(30, 4)).astype(np.float32)
+        db = rng.normal(size=4).astype(np.float32)
+        cW, _ = fb.apply(dW, db, Compression.TOPK_INT8, topk_fraction=0.1)
+        sent_W += compressed_roundtrip(cW, Compression.TOPK_INT8, topk_fraction=0.1)
+        total_W += dW
+    # Stich et al. 2018: what was sent plus what is held back is exactly what was produced
+    np.testing.assert_allclose(sent_W + fb.residual_W, total_W, atol=1e-4)
+    assert np.abs(fb.residual_W).sum() > 0
+
+
+def test_residual_survives_restart_and_is_written_atomically(tmp_path: Path) -> None:
+    fb = ErrorFeedback(tmp_path, (2, 2), "sha-a")
+    fb.apply(np.array([[3.0, 1.0], [0.5, 2.0]], np.float32), np.zeros(2, np.float32),
+             Compression.TOPK, topk_fraction=0.25)
+    assert (tmp_path / RESIDUAL_FILE).exists()
+    assert not list(tmp_path.glob("*.tmp*"))  # the temporary file was renamed over
+    again = ErrorFeedback(tmp_path, (2, 2), "sha-a")
+    np.testing.assert_array_equal(again.residual_W, [[0.0, 1.0], [0.5, 2.0]])
+    # another model or another shape: start from zero
+    assert not ErrorFeedback(tmp_path, (2, 2), "sha-b").residual_W.any()
+    assert not ErrorFeedback(tmp_path, (3, 2), "sha-a").residual_W.any()
+    again.reset()
+    assert not (tmp_path / RESIDUAL_FILE).exists()
+    assert not ErrorFeedback(tmp_path, (2, 2), "sha-a").residual_W.any()
+
+
+def test_corrupt_residual_file_is_ignored(tmp_path: Path) -> None:
+    (tmp_path / RESIDUAL_FILE).write_bytes(b"not an npz")
+    fb = ErrorFeedback(tmp_path, (2, 2))
+    assert not fb.residual_W.any()
+
+
+def test_int8_feedback_keeps_rounding_error(tmp_path: Path) -> None:
+    fb = ErrorFeedback(tmp_path, (1, 2))
+    dW = np.array([[1.0, 0.3]], np.float32)
+    fb.apply(dW, np.zeros(2, np.float32), Compression.INT8)
+    decoded = compressed_roundtrip(dW, Compression.INT8)
+    np.testing.assert_array_equal(fb.residual_W, dW - decoded)
+    with pytest.raises(ValueError):
+        fb.compensate(np.zeros((2, 2), np.float32), np.zeros(2, np.float32))
