@@ -1,0 +1,88 @@
+# ruff: noqa: N806 - W, dW are the maths' names
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from coordinator.privacy import PrivateSum, clip_update, dp_epsilon
+
+
+def test_clip_update_by_hand() -> None:
+    W = np.array([[3.0]], np.float32)
+    b = np.array([4.0], np.float32)
+    cW, cb, norm = clip_update(W, b, 1.0)
+    assert norm == 5.0
+    np.testing.assert_allclose(cW, [[0.6]], rtol=1e-6)
+    np.testing.assert_allclose(cb, [0.8], rtol=1e-6)
+    # below the bound: unchanged
+    cW, cb, norm = clip_update(W, b, 10.0)
+    np.testing.assert_array_equal(cW, W)
+    np.testing.assert_array_equal(cb, b)
+    with pytest.raises(ValueError):
+        clip_update(W, b, 0.0)
+    with pytest.raises(ValueError):
+        clip_update(np.array([[np.nan]], np.float32), b, 1.0)
+
+
+def test_private_sum_without_noise_is_clipped_sum_over_expected_clients() -> None:
+    s = PrivateSum((1, 1), clip_norm=1.0)
+    s.add(np.array([[3.0]], np.float32), np.array([4.0], np.float32))   # clipped to (0.6, 0.8)
+    s.add(np.array([[0.5]], np.float32), np.array([0.0], np.float32))   # kept
+    assert (s.count, s.clipped) == (2, 1)
+    W, b = s.noisy_mean(0.0, expected_clients=4.0, rng=np.random.default_rng(0))
+    np.testing.assert_allclose(W, [[(0.6 + 0.5) / 4]], rtol=1e-6)
+    np.testing.assert_allclose(b, [0.8 / 4], rtol=1e-6)
+    with pytest.raises(ValueError):
+        s.add(np.zeros((2, 1), np.float32), np.zeros(1, np.float32))
+
+
+def test_noise_has_the_promised_standard_deviation() -> None:
+    s = PrivateSum((400, 50), clip_norm=2.0)
+    s.add(np.zeros((400, 50), np.float32), np.zeros(50, np.float32))
+    W, _ = s.noisy_mean(1.5, expected_clients=3.0, rng=np.random.default_rng(1))
+    # sd = z C / expected = 1.5 * 2 / 3 = 1.0 ; 20000 draws → sample sd within 2 %
+    assert abs(float(W.std()) - 1.0) < 0.02
+    assert abs(float(W.mean())) < 0.02
+
+
+def _gaussian_epsilon(mu: float, delta: float) -> float:
+    """Exact epsilon of a mu-GDP mechanism (Balle & Wang 2018, Theorem 8), by bisection."""
+
+    def phi(x: float) -> float:
+        return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+    def delta_of(eps: float) -> float:
+        return phi(-eps / mu + mu / 2) - math.exp(eps) * phi(-eps / mu - mu / 2)
+
+    lo, hi = 0.0, 100.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if delta_of(mid) > delta else (lo, mid)
+    return hi
+
+
+def test_epsilon_matches_the_gaussian_mechanism_without_sampling() -> None:
+    pytest.importorskip("dp_accounting")
+    z, rounds, delta = 2.0, 16, 1e-5
+    # full participation: T Gaussian mechanisms of sd z compose to one with mu = sqrt(T) / z
+    exact = _gaussian_epsilon(math.sqrt(rounds) / z, delta)
+    assert dp_epsilon(z, 1.0, rounds, delta, accountant="pld") == pytest.approx(exact, rel=0.02)
+    rdp = dp_epsilon(z, 1.0, rounds, delta, accountant="rdp")
+    # RDP is an upper bound, below the classic conversion min_a T a / (2 z^2) + log(1/delta) / (a - 1)
+    orders = np.linspace(1.01, 200, 20000)
+    classic = min(rounds * a / (2 * z * z) + math.log(1 / delta) / (a - 1) for a in orders)
+    assert exact <= rdp <= classic + 1e-9
+
+
+def test_epsilon_grows_with_rounds_and_falls_with_noise_and_sampling() -> None:
+    pytest.importorskip("dp_accounting")
+    base = dp_epsilon(1.0, 0.25, 50, 1e-5)
+    assert dp_epsilon(1.0, 0.25, 100, 1e-5) > base
+    assert dp_epsilon(2.0, 0.25, 50, 1e-5) < base
+    assert dp_epsilon(1.0, 0.1, 50, 1e-5) < base
+    assert dp_epsilon(1.0, 0.25, 0, 1e-5) == 0.0
+    assert dp_epsilon(0.0, 0.25, 5, 1e-5) == math.inf
+    with pytest.raises(ValueError):
+        dp_epsilon(1.0, 0.0, 5, 1e-5)
