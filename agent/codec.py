@@ -47,6 +47,7 @@ import numpy.typing as npt
 
 from agent.errors import DecodeError
 from agent.types import F32
+from agent.validators import DEVICE_ID_PATTERN, check_device_id
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -67,6 +68,7 @@ __all__ = [
     "REASONS",
     "SCHEMA_VERSION",
     "Compression",
+    "DecodeError",
     "DeviceStatus",
     "GlobalModel",
     "Limits",
@@ -114,8 +116,8 @@ REASONS: Final = frozenset(
     }
 )
 
-#: Device ids (also used as MQTT topic levels and Prometheus labels).
-DEVICE_ID_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+#: Device ids (MQTT topic levels, file names, Prometheus labels); ``.`` and ``..`` are also refused.
+DEVICE_ID_RE: Final = DEVICE_ID_PATTERN
 # update ids are often "<device>:<round>:<n>" or a UUID, hence the colon and the longer bound
 _UPDATE_ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
@@ -566,6 +568,15 @@ def _text(obj: Mapping[str, Any], key: str, where: str, pattern: re.Pattern[str]
     return value
 
 
+def _device_id(value: object, name: str) -> str:
+    if type(value) is not str:
+        raise DecodeError("wrong_type", f"{name}: expected a text string, got {type(value).__name__}")
+    try:
+        return check_device_id(value)
+    except ValueError as exc:
+        raise DecodeError("bad_value", f"{name} = {_show(value)}: {exc}") from exc
+
+
 def _signature(obj: Mapping[str, Any], limits: Limits) -> bytes:
     if "signature" not in obj:
         return b""
@@ -598,9 +609,14 @@ def is_valid_device_id(device: str) -> bool:
     Returns
     -------
     bool
-        True if it matches ``[A-Za-z0-9_.-]{1,64}`` (safe as an MQTT topic level and a label).
+        True if it matches ``[A-Za-z0-9_.-]{1,64}`` and is not ``.`` or ``..``
+        (:func:`agent.validators.check_device_id`).
     """
-    return DEVICE_ID_RE.fullmatch(device) is not None
+    try:
+        check_device_id(device)
+    except ValueError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1187,13 +1203,7 @@ def decode_round(payload: bytes, *, limits: Limits = Limits()) -> RoundAnnouncem
     raw_selected = obj["selected"]
     selected: tuple[str, ...] | float
     if isinstance(raw_selected, list):
-        for position, device in enumerate(raw_selected):
-            if type(device) is not str or DEVICE_ID_RE.fullmatch(device) is None:
-                raise DecodeError(
-                    "bad_value" if type(device) is str else "wrong_type",
-                    f"selected[{position}]: not a device id",
-                )
-        selected = tuple(raw_selected)
+        selected = tuple(_device_id(device, f"selected[{i}]") for i, device in enumerate(raw_selected))
         if len(set(selected)) != len(selected):
             raise DecodeError("bad_value", "selected: duplicate device ids")
     else:
@@ -1320,7 +1330,7 @@ def decode_update(
     return Update(
         round=_int(obj, "round", ""),
         base_version=_int(obj, "base_version", ""),
-        device=_text(obj, "device", "", DEVICE_ID_RE),
+        device=_device_id(obj["device"], "device"),
         num_examples=_int(obj, "num_examples", "", 1),
         delta_W=delta_w,
         delta_b=delta_b,
@@ -1414,7 +1424,7 @@ def decode_status(payload: bytes, *, limits: Limits = Limits()) -> DeviceStatus:
     obj = _message(payload, limits, MessageType.STATUS)
     _keys(obj, "", ("v", "type", "device", "state"), ("fields",))
     return DeviceStatus(
-        device=_text(obj, "device", "", DEVICE_ID_RE),
+        device=_device_id(obj["device"], "device"),
         state=_text(obj, "state", "", _STATE_RE),
         fields=_json_map(obj["fields"], "fields") if "fields" in obj else {},
     )
@@ -1438,6 +1448,5 @@ def offline_status(device: str) -> bytes:
     ValueError
         If ``device`` is not a valid device id (the broker would publish it forever).
     """
-    if not is_valid_device_id(device):
-        raise ValueError(f"device id {device!r} must match {DEVICE_ID_RE.pattern}")
+    check_device_id(device)
     return encode_status(DeviceStatus(device=device, state="offline", fields={}))

@@ -432,6 +432,7 @@ INF_W = np.full((32, 10), np.inf, dtype=np.float32)
         pytest.param(set_key("num_examples", 0), "bad_value", id="zero_num_examples"),
         pytest.param(set_key("round", 2**64 - 1), "bad_value", id="int_above_int64"),
         pytest.param(set_key("device", "dev/../x"), "bad_value", id="bad_device_id"),
+        pytest.param(set_key("device", ".."), "bad_value", id="dot_dot_device_id"),
         pytest.param(set_key("device", b"dev"), "wrong_type", id="bytes_device_id"),
         pytest.param(set_key("signature", b"x" * 300), "bad_value", id="long_signature"),
         pytest.param(set_key("compression", "zip"), "bad_value", id="unknown_compression"),
@@ -563,6 +564,7 @@ def test_round_and_status_validation() -> None:
     )
     assert reason_of(lambda: decode_status(cbor2.dumps({**status, "state": "on line"}))) == "bad_value"
     assert is_valid_device_id("gw-7.a_b") and not is_valid_device_id("") and not is_valid_device_id("a" * 65)
+    assert not is_valid_device_id("..") and not is_valid_device_id("a/b")
 
 
 def test_truncated_payloads_are_bad_cbor() -> None:
