@@ -1,0 +1,634 @@
+"""Build, verify and describe the shipped .tflite models (needs the ``build`` extra: tensorflow-cpu).
+
+Never needed by ``make demo`` or ``make test``: the .tflite files it writes are committed. Run it in a
+separate venv::
+
+    python3 -m venv .venv-build
+    .venv-build/bin/pip install tensorflow-cpu numpy ai-edge-litert
+    .venv-build/bin/python models/build.py [--out models] [--seed 0] [--only digits|mobilenet]
+
+Models
+------
+- ``digits_cnn_{float32,int8}.tflite``: a small CNN for the 8x8 UCI digits. Backbone trained with a
+  10-class head on the *public* split; then the *factory head* (the last Dense) is refitted with the
+  backbone frozen on the public samples of ``FACTORY_CLASSES`` only. Input = raw / 16.
+- ``mobilenet_v2_035_96_{float32,int8}.tflite``: MobileNetV2 (alpha 0.35, 96x96x3), random seeded
+  weights, global average pooling, Dense 10. A MobileNet-class backbone for runtime and memory
+  benchmarks (its accuracy means nothing). Input = raw / 127.5 - 1.
+
+Both end in a FULLY_CONNECTED op whose input is the embedding and whose output is the logits (no
+softmax). Variables are frozen to constants before conversion. After writing, every model is run with
+LiteRT (``ai_edge_litert``) and the numbers of ``models/README.md`` are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from agent.datasets import (  # noqa: E402  (the repo root must be on sys.path first)
+    FACTORY_CLASSES,
+    DigitsSplit,
+    load_digits,
+    split_digits,
+)
+from agent.types import F32, I8, I64, U8  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+N_CLASSES = 10
+DIGITS_EMBEDDING_D = 32
+MOBILENET_SIDE = 96
+MOBILENET_ALPHA = 0.35
+DIGITS_EPOCHS = 120
+FACTORY_HEAD_EPOCHS = 300
+BATCH_SIZE = 32
+REPRESENTATIVE_FRAMES = 200
+BN_FRAMES = 64
+
+
+# --- numpy helpers (no tensorflow) -------------------------------------------------------------------
+
+
+def digits_input(raw: U8) -> F32:
+    """Normalise raw digits for the digits CNN.
+
+    Parameters
+    ----------
+    raw : uint8 [N, 8, 8, 1]
+        Pixel values 0..16.
+
+    Returns
+    -------
+    float32 [N, 8, 8, 1]
+        ``raw / 16``, in [0, 1].
+    """
+    return (raw.astype(np.float32) / np.float32(16.0)).astype(np.float32)
+
+
+def random_frames(n: int, seed: int) -> U8:
+    """Generate seeded random camera-like frames for MobileNet calibration and checks.
+
+    Parameters
+    ----------
+    n : int
+        Number of frames.
+    seed : int
+        Seed of ``numpy.random.default_rng``.
+
+    Returns
+    -------
+    uint8 [n, 96, 96, 3]
+        Uniform random pixels 0..255.
+    """
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, size=(n, MOBILENET_SIDE, MOBILENET_SIDE, 3), dtype=np.uint8)
+
+
+def mobilenet_input(raw: U8) -> F32:
+    """Normalise raw RGB frames for MobileNetV2.
+
+    Parameters
+    ----------
+    raw : uint8 [N, 96, 96, 3]
+        Pixel values 0..255.
+
+    Returns
+    -------
+    float32 [N, 96, 96, 3]
+        ``raw / 127.5 - 1``, in [-1, 1] (``tf.keras.applications.mobilenet_v2.preprocess_input``).
+    """
+    return (raw.astype(np.float32) / np.float32(127.5) - np.float32(1.0)).astype(np.float32)
+
+
+def fit_softmax_head(
+    emb: F32, labels: I64, n_classes: int, steps: int = 3000, l2: float = 1e-4
+) -> tuple[F32, F32]:
+    """Fit a softmax-regression head centrally by full-batch gradient descent.
+
+    The step size is ``1 / L`` with ``L = 0.5 * lambda_max(X^T X / N) + l2`` (with a bias column), an
+    upper bound of the Lipschitz constant of the cross-entropy gradient, so no tuning is needed.
+
+    Parameters
+    ----------
+    emb : float32 [N, D]
+        Embeddings.
+    labels : int64 [N]
+        Class labels 0..n_classes-1.
+    n_classes : int
+        K.
+    steps : int
+        Gradient steps.
+    l2 : float
+        Weight decay on W (not b).
+
+    Returns
+    -------
+    W : float32 [D, K]
+    b : float32 [K]
+
+    Source: Böhning, "Multinomial logistic regression algorithm", Ann. Inst. Stat. Math. 44 (1992)
+    (the Hessian bound 0.5 * X^T X).
+    """
+    x = np.concatenate([emb.astype(np.float64), np.ones((emb.shape[0], 1))], axis=1)
+    onehot = np.eye(n_classes)[labels]
+    lipschitz = 0.5 * float(np.linalg.eigvalsh(x.T @ x / x.shape[0]).max()) + l2
+    lr = 1.0 / lipschitz
+    wb = np.zeros((x.shape[1], n_classes))
+    for _ in range(steps):
+        z = x @ wb
+        z -= z.max(axis=1, keepdims=True)
+        p = np.exp(z)
+        p /= p.sum(axis=1, keepdims=True)
+        grad = x.T @ (p - onehot) / x.shape[0]
+        grad[:-1] += l2 * wb[:-1]
+        wb -= lr * grad
+    return wb[:-1].astype(np.float32), wb[-1].astype(np.float32)
+
+
+def sha256_of(path: Path) -> str:
+    """Return the hex SHA-256 of a file."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --- LiteRT verification (no tensorflow) -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One model input/output/embedding tensor as LiteRT reports it.
+
+    Attributes
+    ----------
+    name : str
+    index : int
+    shape : tuple[int, ...]
+    dtype : str
+    scale : float
+        Quantisation scale (0.0 for float tensors).
+    zero_point : int
+    """
+
+    name: str
+    index: int
+    shape: tuple[int, ...]
+    dtype: str
+    scale: float
+    zero_point: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCheck:
+    """What running one .tflite file with LiteRT showed.
+
+    Four interpreters run every sample: ``reference`` (BUILTIN_WITHOUT_DEFAULT_DELEGATES and
+    ``experimental_preserve_all_tensors=True``: reference kernels, every tensor kept), ``no_delegate``
+    (BUILTIN_WITHOUT_DEFAULT_DELEGATES), ``default`` (the default AUTO resolver, which applies XNNPACK)
+    and ``default_preserved`` (AUTO with ``experimental_preserve_all_tensors=True``).
+
+    Attributes
+    ----------
+    input : TensorInfo
+    output : TensorInfo
+    embedding : TensorInfo
+        The input tensor of the last FULLY_CONNECTED op.
+    fc_weight : TensorInfo
+        Its weight tensor, [K, D] (the transpose of the head's W [D, K]).
+    fc_bias : TensorInfo or None
+        Its bias tensor [K] (int32 in int8 models), None when the op has none (index -1).
+    ops : tuple[str, ...]
+        Op names in execution order (read before ``allocate_tensors()``).
+    ops_after_allocate : tuple[str, ...]
+        ``_get_ops_details()`` op names of the default interpreter after ``allocate_tensors()``.
+    embeddings : float32 [N, D]
+        Dequantised embeddings read from ``reference``.
+    logits : float32 [N, K]
+        Dequantised model outputs of ``reference``.
+    embedding_read : dict[str, float | str]
+        Per other interpreter: max |embedding read with get_tensor after invoke() - reference| over all
+        samples (dequantised units), or the error ``get_tensor`` raised.
+    max_abs_logit_diff_default : float
+        Max |default interpreter's output - reference output| (dequantised units).
+    us_per_invoke : dict[str, float]
+        Mean wall time of one ``invoke()`` (batch 1) of ``default`` and ``no_delegate``, microseconds.
+    """
+
+    input: TensorInfo
+    output: TensorInfo
+    embedding: TensorInfo
+    fc_weight: TensorInfo
+    fc_bias: TensorInfo | None
+    ops: tuple[str, ...]
+    ops_after_allocate: tuple[str, ...]
+    embeddings: F32
+    logits: F32
+    embedding_read: dict[str, float | str]
+    max_abs_logit_diff_default: float
+    us_per_invoke: dict[str, float]
+
+
+def _tensor_info(detail: dict[str, Any]) -> TensorInfo:
+    scale, zero_point = detail["quantization"]
+    return TensorInfo(
+        name=str(detail["name"]),
+        index=int(detail["index"]),
+        shape=tuple(int(s) for s in detail["shape"]),
+        dtype=np.dtype(detail["dtype"]).name,
+        scale=float(scale),
+        zero_point=int(zero_point),
+    )
+
+
+def _dequantise(values: np.ndarray[Any, Any], info: TensorInfo) -> F32:
+    if info.scale == 0.0:
+        return values.astype(np.float32)
+    return ((values.astype(np.float32) - np.float32(info.zero_point)) * np.float32(info.scale)).astype(
+        np.float32
+    )
+
+
+def _quantise_input(x: F32, info: TensorInfo) -> np.ndarray[Any, Any]:
+    if info.scale == 0.0:
+        return x.astype(np.float32)
+    q: np.ndarray[Any, Any] = np.round(x / np.float32(info.scale)) + info.zero_point
+    out: I8 = np.clip(q, -128, 127).astype(np.int8)
+    return out
+
+
+def _read_diff(interp: Any, index: int, info: TensorInfo, ref: F32, worst: float | str) -> float | str:
+    """Read tensor ``index`` after invoke() and return the running max |diff| to ``ref``, or the error."""
+    if isinstance(worst, str):
+        return worst
+    try:
+        got = _dequantise(interp.get_tensor(index), info)
+    except ValueError as exc:
+        return f"get_tensor raises ValueError: {exc}"
+    return max(worst, float(np.abs(got - ref).max()))
+
+
+def check_model(path: Path, x: F32) -> ModelCheck:
+    """Run a .tflite model with LiteRT on every sample and read its embedding with four interpreters.
+
+    Parameters
+    ----------
+    path : Path
+        The .tflite file.
+    x : float32 [N, ...]
+        Normalised inputs (quantised here with the model's input scale/zero point if int8).
+
+    Returns
+    -------
+    ModelCheck
+
+    Raises
+    ------
+    RuntimeError
+        The last op is not FULLY_CONNECTED, or its output is not the model output.
+    """
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+    without = OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
+    interps = {
+        "reference": Interpreter(
+            model_path=str(path),
+            experimental_op_resolver_type=without,
+            experimental_preserve_all_tensors=True,
+        ),
+        "no_delegate": Interpreter(model_path=str(path), experimental_op_resolver_type=without),
+        "default": Interpreter(model_path=str(path)),
+        "default_preserved": Interpreter(model_path=str(path), experimental_preserve_all_tensors=True),
+    }
+    # Read the graph before allocate_tensors(): once XNNPACK is applied, _get_ops_details() also lists
+    # the DELEGATE nodes that replaced the original ops (after them, so the last entry is a DELEGATE).
+    ops = interps["default"]._get_ops_details()
+    for interp in interps.values():
+        interp.allocate_tensors()
+    delegated = tuple(str(op["op_name"]) for op in interps["default"]._get_ops_details())
+    last = ops[-1]
+    if last["op_name"] != "FULLY_CONNECTED":
+        raise RuntimeError(f"{path}: last op is {last['op_name']}, not FULLY_CONNECTED")
+    ref_interp = interps["reference"]
+    in_info = _tensor_info(ref_interp.get_input_details()[0])
+    out_info = _tensor_info(ref_interp.get_output_details()[0])
+    if int(last["outputs"][0]) != out_info.index:
+        raise RuntimeError(f"{path}: the last FULLY_CONNECTED does not write the model output")
+    emb_index = int(last["inputs"][0])
+    details = {int(d["index"]): _tensor_info(d) for d in ref_interp.get_tensor_details()}
+    emb_info = details[emb_index]
+    fc_weight = details[int(last["inputs"][1])]
+    bias_index = int(last["inputs"][2]) if len(last["inputs"]) > 2 else -1
+    fc_bias = details[bias_index] if bias_index >= 0 else None
+
+    embeddings, logits = [], []
+    reads: dict[str, float | str] = {name: 0.0 for name in interps if name != "reference"}
+    elapsed = dict.fromkeys(interps, 0.0)
+    logit_diff = 0.0
+    for sample in x:
+        feed = _quantise_input(sample[None], in_info)
+        for name, interp in interps.items():
+            interp.set_tensor(in_info.index, feed)
+            t0 = time.perf_counter()
+            interp.invoke()
+            elapsed[name] += time.perf_counter() - t0
+        ref = _dequantise(ref_interp.get_tensor(emb_index), emb_info)
+        for name in reads:
+            reads[name] = _read_diff(interps[name], emb_index, emb_info, ref, reads[name])
+        out = _dequantise(ref_interp.get_tensor(out_info.index), out_info)
+        out_default = _dequantise(interps["default"].get_tensor(out_info.index), out_info)
+        logit_diff = max(logit_diff, float(np.abs(out - out_default).max()))
+        embeddings.append(ref[0])
+        logits.append(out[0])
+    n = max(1, len(x))
+    return ModelCheck(
+        input=in_info,
+        output=out_info,
+        embedding=emb_info,
+        fc_weight=fc_weight,
+        fc_bias=fc_bias,
+        ops=tuple(str(op["op_name"]) for op in ops),
+        ops_after_allocate=delegated,
+        embeddings=np.stack(embeddings).astype(np.float32),
+        logits=np.stack(logits).astype(np.float32),
+        embedding_read=reads,
+        max_abs_logit_diff_default=logit_diff,
+        us_per_invoke={name: 1e6 * elapsed[name] / n for name in ("default", "no_delegate")},
+    )
+
+
+def report_model(path: Path, check: ModelCheck) -> None:
+    """Print the facts of one model for the model card."""
+    print(f"\n== {path.name}")
+    print(f"   size_bytes {path.stat().st_size}  sha256 {sha256_of(path)}")
+    print(f"   ops ({len(check.ops)}): {' '.join(check.ops)}")
+    print(
+        f"   ops listed after allocate_tensors (default interpreter): {len(check.ops_after_allocate)},"
+        f" last {check.ops_after_allocate[-1]}, DELEGATE x{check.ops_after_allocate.count('DELEGATE')}"
+    )
+    roles = [("input", check.input), ("output", check.output), ("embedding", check.embedding)]
+    roles += [("fc weight", check.fc_weight)] + ([("fc bias", check.fc_bias)] if check.fc_bias else [])
+    for role, info in roles:
+        print(
+            f"   {role:9s} index={info.index} name={info.name!r} shape={list(info.shape)} dtype={info.dtype}"
+            f" scale={info.scale:.9g} zero_point={info.zero_point}"
+        )
+    finite = bool(np.isfinite(check.logits).all() and np.isfinite(check.embeddings).all())
+    print(f"   finite logits and embeddings: {finite}")
+    for name, read in check.embedding_read.items():
+        shown = f"{read:.6g}" if isinstance(read, float) else read
+        print(f"   embedding get_tensor after invoke(), {name}: max |diff| vs reference = {shown}")
+    diff = check.max_abs_logit_diff_default
+    print(f"   model output, default (XNNPACK) vs reference: max |diff| = {diff:.6g}")
+    times = ", ".join(f"{name} {us:.1f} us" for name, us in check.us_per_invoke.items())
+    print(f"   mean invoke() time, batch 1: {times}")
+
+
+def verify_digits(out: Path, seed: int) -> None:
+    """Run both digits models with LiteRT and print their accuracies.
+
+    Prints, per model: the factory model's test accuracy, and the test accuracy of a softmax head fitted
+    centrally on the device pool's embeddings (read from the model).
+    """
+    x_raw, y = load_digits()
+    split = split_digits(y, seed=seed)
+    _print_split(y, split, seed)
+    x = digits_input(x_raw)
+    for name in ("digits_cnn_float32.tflite", "digits_cnn_int8.tflite"):
+        path = out / name
+        check = check_model(path, x)
+        report_model(path, check)
+        pred = check.logits.argmax(axis=1)
+        test = split.test
+        factory_acc = float(np.mean(pred[test] == y[test]))
+        in_factory = np.isin(y[test], FACTORY_CLASSES)
+        factory_acc_known = float(np.mean(pred[test][in_factory] == y[test][in_factory]))
+        w, b = fit_softmax_head(check.embeddings[split.devices], y[split.devices], N_CLASSES)
+        central_pred = (check.embeddings[test] @ w + b).argmax(axis=1)
+        central_acc = float(np.mean(central_pred == y[test]))
+        w_pub, b_pub = fit_softmax_head(check.embeddings[split.public], y[split.public], N_CLASSES)
+        public_acc = float(np.mean((check.embeddings[test] @ w_pub + b_pub).argmax(axis=1) == y[test]))
+        print(
+            f"   test accuracy, factory head (classes {FACTORY_CLASSES}), all 10 classes: {factory_acc:.4f}"
+        )
+        print(f"   test accuracy, factory head, on test samples of classes 0-4 only: {factory_acc_known:.4f}")
+        print(f"   test accuracy, softmax head fitted centrally on device-pool embeddings: {central_acc:.4f}")
+        print(f"   (reference) softmax head fitted on public-split embeddings: {public_acc:.4f}")
+
+
+def verify_mobilenet(out: Path, seed: int) -> None:
+    """Run both MobileNet models with LiteRT on seeded random frames and print agreement figures."""
+    frames = mobilenet_input(random_frames(50, seed + 1))
+    checks = {}
+    for name in ("mobilenet_v2_035_96_float32.tflite", "mobilenet_v2_035_96_int8.tflite"):
+        path = out / name
+        checks[name] = check_model(path, frames)
+        report_model(path, checks[name])
+    f, q = checks["mobilenet_v2_035_96_float32.tflite"], checks["mobilenet_v2_035_96_int8.tflite"]
+    agree = float(np.mean(f.logits.argmax(axis=1) == q.logits.argmax(axis=1)))
+    print(f"\n   int8 vs float32 (reference kernels), {len(frames)} random frames: argmax agree {agree:.2f}")
+    for label, a, b in (("embedding", f.embeddings, q.embeddings), ("logits", f.logits, q.logits)):
+        # Centred on the float32 mean: random frames give nearly the same embedding, so the raw cosine
+        # mostly measures the shared mean, not how well int8 keeps the frame-to-frame differences.
+        raw, centred = _mean_cosine(a, b), _mean_cosine(a - a.mean(axis=0), b - a.mean(axis=0))
+        print(f"   {label}: mean cosine {raw:.4f}, centred on the float32 mean {centred:.4f}")
+    print(
+        f"   float32: logits std {float(f.logits.std()):.4g} (across frames, per class "
+        f"{float(f.logits.std(axis=0).mean()):.4g}), embedding std {float(f.embeddings.std()):.4g}"
+    )
+
+
+def _mean_cosine(a: F32, b: F32) -> float:
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-12
+    return float(np.mean(np.sum(a * b, axis=1) / norms))
+
+
+def _print_split(y: I64, split: DigitsSplit, seed: int) -> None:
+    print(f"\n== digits split (seed {seed}): N={y.size}")
+    for part in ("test", "public", "devices"):
+        idx = getattr(split, part)
+        print(f"   {part:8s} {idx.size:5d}  per class {np.bincount(y[idx], minlength=N_CLASSES).tolist()}")
+
+
+# --- tensorflow part --------------------------------------------------------------------------------
+
+
+def _seed_everything(seed: int) -> Any:
+    import tensorflow as tf
+
+    tf.keras.utils.set_random_seed(seed)
+    tf.config.experimental.enable_op_determinism()
+    return tf
+
+
+def _frozen_concrete_function(model: Any, input_shape: tuple[int, ...]) -> Any:
+    """Trace ``model(x, training=False)`` for a fixed input shape and fold its variables into constants.
+
+    A converter fed a function that still reads variables can emit a model whose weights are never
+    initialised (NaN outputs); freezing first removes that failure mode.
+    """
+    import tensorflow as tf
+    from tensorflow.python.framework.convert_to_constants import (  # type: ignore[import-not-found]
+        convert_variables_to_constants_v2,
+    )
+
+    @tf.function(input_signature=[tf.TensorSpec(input_shape, tf.float32, name="input")])  # type: ignore[misc,untyped-decorator]
+    def serve(x: Any) -> Any:
+        return model(x, training=False)
+
+    return convert_variables_to_constants_v2(serve.get_concrete_function())
+
+
+def _convert(frozen: Any, representative: F32 | None) -> bytes:
+    import tensorflow as tf
+
+    converter = tf.lite.TFLiteConverter.from_concrete_functions([frozen])
+    if representative is not None:
+
+        def samples() -> Any:
+            for sample in representative:
+                yield [sample[None].astype(np.float32)]
+
+        converter.optimizations = [tf.lite.Optimize.DEFAULT]
+        converter.representative_dataset = samples
+        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+        converter.inference_input_type = tf.int8
+        converter.inference_output_type = tf.int8
+    return bytes(converter.convert())
+
+
+def _write(path: Path, blob: bytes) -> None:
+    path.write_bytes(blob)
+    print(f"wrote {path} ({len(blob)} bytes)")
+
+
+def build_digits(out: Path, seed: int) -> None:
+    """Train the digits CNN and factory head on the public split; write float32 and int8 .tflite files."""
+    tf = _seed_everything(seed)
+    keras = tf.keras
+    x_raw, y = load_digits()
+    split = split_digits(y, seed=seed)
+    x = digits_input(x_raw)
+    x_pub, y_pub = x[split.public], y[split.public]
+
+    inputs = keras.Input(shape=(8, 8, 1), name="digits")
+    h = keras.layers.Conv2D(16, 3, padding="same", activation="relu", name="conv1")(inputs)
+    h = keras.layers.Conv2D(32, 3, padding="same", activation="relu", name="conv2")(h)
+    h = keras.layers.MaxPooling2D(2, name="pool")(h)
+    h = keras.layers.Flatten(name="flatten")(h)
+    embedding = keras.layers.Dense(DIGITS_EMBEDDING_D, activation="relu", name="embedding")(h)
+    head = keras.layers.Dense(N_CLASSES, name="logits")
+    model = keras.Model(inputs, head(embedding), name="digits_cnn")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, metrics=["accuracy"])
+    model.fit(x_pub, y_pub, epochs=DIGITS_EPOCHS, batch_size=BATCH_SIZE, shuffle=True, verbose=0)
+    full_acc = float(np.mean(model.predict(x[split.test], verbose=0).argmax(axis=1) == y[split.test]))
+    print(f"keras: backbone + 10-class head (public split, {DIGITS_EPOCHS} epochs): test acc {full_acc:.4f}")
+
+    # Factory head: re-initialise the last Dense and fit it, backbone frozen, on classes 0-4 only.
+    backbone = keras.Model(inputs, embedding, name="digits_backbone")
+    factory = np.isin(y_pub, FACTORY_CLASSES)
+    emb_factory = backbone.predict(x_pub[factory], verbose=0)
+    head_only = keras.Sequential(
+        [keras.Input(shape=(DIGITS_EMBEDDING_D,)), keras.layers.Dense(N_CLASSES, name="factory_head")]
+    )
+    head_only.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss, metrics=["accuracy"])
+    head_only.fit(emb_factory, y_pub[factory], epochs=FACTORY_HEAD_EPOCHS, batch_size=BATCH_SIZE, verbose=0)
+    head.set_weights(head_only.layers[-1].get_weights())
+    factory_acc = float(np.mean(model.predict(x[split.test], verbose=0).argmax(axis=1) == y[split.test]))
+    print(f"keras: factory head (classes {FACTORY_CLASSES}, backbone frozen): test acc {factory_acc:.4f}")
+
+    frozen = _frozen_concrete_function(model, (1, 8, 8, 1))
+    out.mkdir(parents=True, exist_ok=True)
+    _write(out / "digits_cnn_float32.tflite", _convert(frozen, None))
+    _write(out / "digits_cnn_int8.tflite", _convert(frozen, x_pub))
+
+
+def _recalibrate_batchnorm(model: Any, frames: F32) -> None:
+    """Set every BatchNormalization's moving statistics to those of one training-mode pass over ``frames``.
+
+    With random (Glorot) weights and the default moving statistics (mean 0, variance 1), activations
+    shrink layer after layer (embedding std ~3e-11 at the GAP output), so the int8 calibration is
+    meaningless. With momentum 0, one training-mode pass writes each layer's batch statistics, computed
+    on inputs already normalised by the layers before it, into its moving statistics.
+
+    Source: the BN re-estimation of Li et al., "Revisiting Batch Normalization for Practical Domain
+    Adaptation", ICLR workshop 2017 (AdaBN), applied to random frames.
+    """
+    import tensorflow as tf
+
+    layers = [layer for layer in model.layers if isinstance(layer, tf.keras.layers.BatchNormalization)]
+    saved = [layer.momentum for layer in layers]
+    for layer in layers:
+        layer.momentum = 0.0
+    model(frames, training=True)
+    for layer, momentum in zip(layers, saved, strict=True):
+        layer.momentum = momentum
+
+
+def build_mobilenet(out: Path, seed: int) -> None:
+    """Build MobileNetV2 (alpha 0.35, 96x96) with random seeded weights; write float32 and int8 files."""
+    tf = _seed_everything(seed)
+    keras = tf.keras
+    inputs = keras.Input(shape=(MOBILENET_SIDE, MOBILENET_SIDE, 3), name="frame")
+    backbone = keras.applications.MobileNetV2(
+        alpha=MOBILENET_ALPHA,
+        input_shape=(MOBILENET_SIDE, MOBILENET_SIDE, 3),
+        weights=None,
+        include_top=False,
+    )
+    _recalibrate_batchnorm(backbone, mobilenet_input(random_frames(BN_FRAMES, seed + 2)))
+    pooled = keras.layers.GlobalAveragePooling2D(name="embedding")(backbone(inputs, training=False))
+    # A non-zero bias: the converter drops an all-zero bias, and the runtime reads (W, b) off this op.
+    logits = keras.layers.Dense(
+        N_CLASSES, name="logits", bias_initializer=keras.initializers.RandomNormal(stddev=0.1, seed=seed)
+    )(pooled)
+    model = keras.Model(inputs, logits, name="mobilenet_v2_035_96")
+    print(
+        f"keras: MobileNetV2 alpha={MOBILENET_ALPHA} {MOBILENET_SIDE}x{MOBILENET_SIDE}: "
+        f"{model.count_params()} parameters, embedding D={pooled.shape[-1]}"
+    )
+    frozen = _frozen_concrete_function(model, (1, MOBILENET_SIDE, MOBILENET_SIDE, 3))
+    out.mkdir(parents=True, exist_ok=True)
+    _write(out / "mobilenet_v2_035_96_float32.tflite", _convert(frozen, None))
+    calibration = mobilenet_input(random_frames(REPRESENTATIVE_FRAMES, seed))
+    _write(out / "mobilenet_v2_035_96_int8.tflite", _convert(frozen, calibration))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, build the selected models, verify them with LiteRT and print the card numbers."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, default=REPO / "models", help="output directory")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the split, training and calibration")
+    parser.add_argument("--only", choices=("digits", "mobilenet"), help="build one model family only")
+    parser.add_argument(
+        "--verify-only", action="store_true", help="do not build; run the existing files with LiteRT (no TF)"
+    )
+    args = parser.parse_args(argv)
+    families = [args.only] if args.only else ["digits", "mobilenet"]
+    if not args.verify_only:
+        for family in families:
+            (build_digits if family == "digits" else build_mobilenet)(args.out, args.seed)
+        import tensorflow as tf
+
+        print(f"\ntensorflow {tf.__version__}, python {sys.version.split()[0]}")
+    import ai_edge_litert
+
+    print(f"ai-edge-litert {getattr(ai_edge_litert, '__version__', '?')}, numpy {np.__version__}")
+    for family in families:
+        (verify_digits if family == "digits" else verify_mobilenet)(args.out, args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
