@@ -1,0 +1,395 @@
+"""Tests of cross_build/: manylinux tag lists, marker evaluation, lock files, closure checks, the unit.
+
+Fast and offline by default. The tests that need a real wheelhouse use the cached one under
+``cache/wheelhouse/<target>/`` (made by ``python cross_build/wheelhouse.py --target T --out
+cache/wheelhouse/T``) and skip when it is absent; with ``EDGEFL_NETWORK_TESTS=1`` they build it into a
+temporary folder instead (downloads from the package index, ~10-30 s per target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # cross_build/ is a build-machine tool, not an installed package
+    sys.path.append(str(ROOT))
+
+from cross_build import wheelhouse as wh  # noqa: E402
+
+AARCH64 = wh.TARGETS["aarch64"]
+ARMV7L = wh.TARGETS["armv7l"]
+X86_64 = wh.TARGETS["x86_64"]
+
+# edgefl's Requires-Dist as setuptools writes them from setup.cfg (install_requires + extras).
+EDGEFL_REQUIRES = [
+    'ai-edge-litert>=2.0; platform_machine != "armv7l"',
+    "numpy>=1.24",
+    "cbor2>=5.6",
+    "paho-mqtt>=2.0",
+    "aiohttp>=3.9",
+    'tomli>=2.0; python_version < "3.11"',
+    'amqtt>=0.11; extra == "demo"',
+    'tflite-runtime>=2.14; extra == "tflite"',
+    'numpy<2; extra == "tflite"',
+]
+
+
+# --- manylinux tags -----------------------------------------------------------------------------
+
+
+def test_aarch64_tags_list_every_glibc_from_2_28_down_to_2_17() -> None:
+    tags = wh.manylinux_tags("aarch64", (2, 28))
+    assert tags == [f"manylinux_2_{m}_aarch64" for m in range(28, 16, -1)] + ["manylinux2014_aarch64"]
+    # ai-edge-litert 2.x is tagged only manylinux_2_27_aarch64: without it pip picks LiteRT 1.4.0.
+    assert "manylinux_2_27_aarch64" in tags
+
+
+def test_armv7l_tags_reach_tflite_runtime_2_34() -> None:
+    tags = wh.manylinux_tags("armv7l", (2, 36))
+    assert tags[0] == "manylinux_2_36_armv7l"
+    assert "manylinux_2_34_armv7l" in tags
+    assert tags[-2:] == ["manylinux_2_17_armv7l", "manylinux2014_armv7l"]
+    assert len(tags) == 36 - 17 + 1 + 1
+
+
+def test_x86_64_tags_include_the_legacy_aliases_in_place() -> None:
+    tags = wh.manylinux_tags("x86_64", (2, 17))
+    assert tags[:2] == ["manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+    i = tags.index("manylinux_2_12_x86_64")
+    assert tags[i + 1] == "manylinux2010_x86_64"
+    assert tags[-2:] == ["manylinux_2_5_x86_64", "manylinux1_x86_64"]
+    assert len(tags) == 17 - 5 + 1 + 3
+
+
+@pytest.mark.parametrize(("machine", "glibc"), [("aarch64", (2, 16)), ("x86_64", (2, 4)), ("armv7l", (3, 0))])
+def test_tags_reject_a_glibc_without_manylinux(machine: str, glibc: tuple[int, int]) -> None:
+    with pytest.raises(ValueError, match="no manylinux tag"):
+        wh.manylinux_tags(machine, glibc)
+
+
+@pytest.mark.parametrize(
+    ("filename", "target", "ok"),
+    [
+        ("ai_edge_litert-2.3.0-cp311-cp311-manylinux_2_27_aarch64.whl", AARCH64, True),
+        ("ai_edge_litert-2.3.0-cp311-cp311-manylinux_2_27_aarch64.whl", ARMV7L, False),
+        ("tflite_runtime-2.14.0-cp311-cp311-manylinux_2_34_armv7l.whl", ARMV7L, True),
+        # glibc 2.34 wheel on a glibc 2.28 aarch64 target: does not install.
+        ("x-1.0-cp311-cp311-manylinux_2_34_aarch64.whl", AARCH64, False),
+        ("protobuf-7.36.2-cp310-abi3-manylinux2014_aarch64.whl", AARCH64, True),
+        ("x-1.0-cp312-abi3-manylinux2014_aarch64.whl", AARCH64, False),
+        ("x-1.0-cp312-cp312-manylinux2014_aarch64.whl", AARCH64, False),
+        ("paho_mqtt-2.2.0-py3-none-any.whl", ARMV7L, True),
+        ("flatbuffers-25.12.19-py2.py3-none-any.whl", AARCH64, True),
+        ("x-1.0-cp311-cp311-linux_aarch64.whl", AARCH64, False),
+        ("x-1.0-cp311-cp311-musllinux_1_2_aarch64.whl", AARCH64, False),
+    ],
+)
+def test_supported_wheel(filename: str, target: wh.Target, ok: bool) -> None:
+    assert wh.supported_wheel(filename, target) is ok
+
+
+# --- markers ------------------------------------------------------------------------------------
+
+
+def _names(reqs: list[object]) -> list[str]:
+    return [str(r) for r in reqs]
+
+
+def test_armv7l_requirements_drop_litert_and_take_the_tflite_extra() -> None:
+    reqs = wh.applicable_requirements(EDGEFL_REQUIRES, ARMV7L, ARMV7L.extras)
+    assert _names(list(reqs)) == [
+        "numpy>=1.24", "cbor2>=5.6", "paho-mqtt>=2.0", "aiohttp>=3.9", "tflite-runtime>=2.14", "numpy<2",
+    ]
+
+
+def test_aarch64_requirements_keep_litert_without_extras() -> None:
+    reqs = wh.applicable_requirements(EDGEFL_REQUIRES, AARCH64, AARCH64.extras)
+    assert _names(list(reqs)) == ["ai-edge-litert>=2.0", "numpy>=1.24", "cbor2>=5.6", "paho-mqtt>=2.0",
+                                  "aiohttp>=3.9"]
+
+
+def test_markers_use_the_target_not_the_build_machine() -> None:
+    env = wh.target_environment(ARMV7L)
+    assert env["platform_machine"] == "armv7l"
+    assert env["python_version"] == "3.11"
+    assert env["sys_platform"] == "linux"
+
+
+# --- lock ---------------------------------------------------------------------------------------
+
+
+def test_lock_round_trip_is_sorted_with_file_comments() -> None:
+    entries = [
+        wh.LockEntry("numpy", "2.4.6", "b" * 64, "numpy-2.4.6-cp311-cp311-manylinux_2_27_aarch64.whl"),
+        wh.LockEntry("ai-edge-litert", "2.3.0", "a" * 64,
+                     "ai_edge_litert-2.3.0-cp311-cp311-manylinux_2_27_aarch64.whl"),
+    ]
+    text = wh.format_lock(entries, "edgefl wheelhouse for aarch64")
+    assert text.splitlines() == [
+        "# edgefl wheelhouse for aarch64",
+        "# ai_edge_litert-2.3.0-cp311-cp311-manylinux_2_27_aarch64.whl",
+        "ai-edge-litert==2.3.0 --hash=sha256:" + "a" * 64,
+        "# numpy-2.4.6-cp311-cp311-manylinux_2_27_aarch64.whl",
+        "numpy==2.4.6 --hash=sha256:" + "b" * 64,
+    ]
+    assert wh.parse_lock(text) == sorted(entries, key=lambda e: e.name)
+
+
+def test_parse_lock_names_the_bad_line() -> None:
+    with pytest.raises(ValueError, match="line 3"):
+        wh.parse_lock("# header\nnumpy==1.0 --hash=sha256:" + "0" * 64 + "\nnumpy>=1.0\n")
+    with pytest.raises(ValueError, match="line 1"):
+        wh.parse_lock("numpy==1.0 --hash=sha256:abc\n")  # not 64 hex digits
+
+
+def test_expectations_catch_the_litert_1_4_fallback() -> None:
+    lock = [wh.LockEntry("ai-edge-litert", "1.4.0", "0" * 64), wh.LockEntry("cbor2", "6.3.0", "1" * 64)]
+    with pytest.raises(wh.WheelhouseError) as err:
+        wh.check_expectations(lock, AARCH64)
+    assert err.value.name == "ai-edge-litert"
+    assert err.value.platform == "cp311-manylinux_2_28_aarch64"
+    assert "locked 1.4.0, expected ai-edge-litert>=2" in str(err.value)
+    wh.check_expectations([wh.LockEntry("ai-edge-litert", "2.3.0", "0" * 64), lock[1]], AARCH64)
+
+
+def test_expectations_catch_a_missing_distribution() -> None:
+    with pytest.raises(wh.WheelhouseError, match=r"tflite-runtime for cp311-manylinux_2_36_armv7l: missing"):
+        wh.check_expectations([wh.LockEntry("cbor2", "5.9.0", "0" * 64)], ARMV7L)
+
+
+# --- closure ------------------------------------------------------------------------------------
+
+
+def _wheel(tmp: Path, filename: str, requires: list[str]) -> wh.WheelInfo:
+    """Write a minimal real wheel (METADATA only) and read it back through read_wheel."""
+    name, version = filename.split("-")[:2]
+    path = tmp / filename
+    meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    meta += [f"Requires-Dist: {r}" for r in requires]
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{name}-{version}.dist-info/METADATA", "\n".join(meta) + "\n")
+    return wh.read_wheel(path)
+
+
+def test_read_wheel_reads_requires_dist(tmp_path: Path) -> None:
+    info = _wheel(tmp_path, "edgefl-0.1.0-py3-none-any.whl", EDGEFL_REQUIRES)
+    assert (info.name, info.version) == ("edgefl", "0.1.0")
+    assert info.requires_dist == tuple(EDGEFL_REQUIRES)
+
+
+def test_read_wheel_rejects_a_non_wheel(tmp_path: Path) -> None:
+    bad = tmp_path / "x-1.0-py3-none-any.whl"
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(wh.WheelhouseError, match="not a readable wheel"):
+        wh.read_wheel(bad)
+
+
+def _armv7l_house(tmp: Path, *, with_aiohttp: bool = True) -> list[wh.WheelInfo]:
+    house = [
+        _wheel(tmp, "edgefl-0.1.0-py3-none-any.whl", EDGEFL_REQUIRES),
+        _wheel(tmp, "cbor2-5.9.0-py3-none-any.whl", []),
+        _wheel(tmp, "paho_mqtt-2.2.0-py3-none-any.whl", []),
+        _wheel(tmp, "tflite_runtime-2.14.0-cp311-cp311-manylinux_2_34_armv7l.whl", ["numpy>=1.23.2"]),
+    ]
+    if with_aiohttp:
+        house.append(_wheel(tmp, "aiohttp-3.14.5-cp311-cp311-manylinux2014_armv7l.whl", []))
+    return house
+
+
+def test_closure_accepts_debian_numpy_on_armv7l(tmp_path: Path) -> None:
+    wh.check_closure(_armv7l_house(tmp_path), ARMV7L)
+
+
+def test_closure_names_the_missing_dependency_and_platform(tmp_path: Path) -> None:
+    with pytest.raises(wh.WheelhouseError) as err:
+        wh.check_closure(_armv7l_house(tmp_path, with_aiohttp=False), ARMV7L)
+    assert (err.value.name, err.value.platform) == ("aiohttp", "cp311-manylinux_2_36_armv7l")
+    assert "required by edgefl 0.1.0" in err.value.reason
+
+
+def test_closure_checks_the_system_package_version(tmp_path: Path) -> None:
+    old_numpy = wh.Target(name="armv7l", machine="armv7l", glibc=(2, 36), extras=("tflite",),
+                          system_packages={"numpy": "1.22.0"})
+    pattern = r"numpy for .*: 1\.22\.0 does not satisfy numpy>=1\.24 \(required by edgefl\)"
+    with pytest.raises(wh.WheelhouseError, match=pattern):
+        wh.check_closure(_armv7l_house(tmp_path), old_numpy)
+
+
+def test_closure_rejects_a_wheel_for_another_platform(tmp_path: Path) -> None:
+    house = _armv7l_house(tmp_path)
+    house.append(_wheel(tmp_path, "yarl-1.25.1-cp311-cp311-manylinux2014_aarch64.whl", []))
+    with pytest.raises(wh.WheelhouseError, match=r"yarl for .*armv7l: .* does not install on the target"):
+        wh.check_closure(house, ARMV7L)
+
+
+# --- systemd unit -------------------------------------------------------------------------------
+
+
+def _unit_values(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        if "=" in line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("stem", ["gateway_aarch64_256mb", "gateway_armv7_512mb", "rpi4"])
+def test_unit_takes_its_memory_limits_from_the_profile(stem: str) -> None:
+    profile = ROOT / "firmware_configs" / f"{stem}.toml"
+    memory = tomllib.loads(profile.read_text(encoding="utf-8"))["memory"]
+    v = _unit_values(wh.render_unit(profile, "/opt/edgefl"))
+    assert v["MemoryMax"] == f"{memory['cap_mb']}M"
+    assert v["MemoryHigh"] == f"{memory['cap_mb'] - memory['reserve_mb']}M"
+    assert v["MemorySwapMax"] == "0"
+    assert v["StateDirectory"] == "edgefl"
+    assert v["ExecStart"] == (f"/opt/edgefl/current/venv/bin/edgefl run /opt/edgefl/current/firmware_configs/"
+                              f"{stem}.toml $EDGEFL_ARGS")
+    assert (v["Restart"], v["User"], v["ProtectSystem"], v["NoNewPrivileges"]) == (
+        "on-failure", "edgefl", "strict", "yes")
+
+
+def test_unit_for_the_256mb_gateway_caps_at_96_mb() -> None:
+    v = _unit_values(wh.render_unit(ROOT / "firmware_configs" / "gateway_aarch64_256mb.toml"))
+    assert (v["MemoryMax"], v["MemoryHigh"]) == ("96M", "88M")
+
+
+def test_unit_refuses_a_state_dir_outside_var_lib() -> None:
+    # dev_x86 keeps its state next to the profile: ProtectSystem=strict would make it read-only.
+    with pytest.raises(wh.WheelhouseError, match="must be under /var/lib"):
+        wh.render_unit(ROOT / "firmware_configs" / "dev_x86.toml")
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_rendered_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    # verify checks that ExecStart's program exists: give it a prefix with one.
+    prefix = tmp_path / "opt"
+    exe = prefix / "current" / "venv" / "bin" / "edgefl"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    (prefix / "current" / "firmware_configs").mkdir()
+    unit = tmp_path / "edgefl-agent.service"
+    unit.write_text(wh.render_unit(ROOT / "firmware_configs" / "gateway_aarch64_256mb.toml", str(prefix)))
+    proc = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "edgefl-agent.service" not in proc.stderr, proc.stderr
+
+
+# --- CLI hook -----------------------------------------------------------------------------------
+
+
+def test_wheelhouse_subcommand_parses() -> None:
+    parser = argparse.ArgumentParser(prog="edgefl")
+    sub = parser.add_subparsers(dest="command", required=True)
+    wh.add_wheelhouse_parser(sub)
+    args = parser.parse_args(["wheelhouse", "--target", "armv7l", "--out", "/tmp/x"])
+    got = (args.command, args.target, args.out, args.prefix)
+    assert got == ("wheelhouse", "armv7l", "/tmp/x", "/opt/edgefl")
+    assert callable(args.func)
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["wheelhouse", "--target", "mips", "--out", "/tmp/x"])
+    assert exc.value.code == 2
+
+
+# --- install.sh (offline parts) -----------------------------------------------------------------
+
+
+def _fake_house(tmp: Path, machine: str) -> Path:
+    house = tmp / "house"
+    (house / "firmware_configs").mkdir(parents=True)
+    shutil.copy2(ROOT / "cross_build" / "install.sh", house / "install.sh")
+    shutil.copy2(ROOT / "firmware_configs" / "gateway_aarch64_256mb.toml", house / "firmware_configs")
+    (house / "TARGET").write_text(
+        f"target={machine}\nmachine={machine}\npython=3.11\nglibc=2.28\nsystem_site_packages=0\n"
+        "default_profile=gateway_aarch64_256mb\nprefix=/opt/edgefl\ndebian_packages=python3\n"
+    )
+    return house
+
+
+def test_install_sh_refuses_another_machine_before_touching_anything(tmp_path: Path) -> None:
+    house = _fake_house(tmp_path, "aarch64" if os.uname().machine != "aarch64" else "x86_64")
+    prefix = tmp_path / "prefix"
+    proc = subprocess.run(
+        ["sh", str(house / "install.sh"), "--no-systemd", "--prefix", str(prefix),
+         "--python", sys.executable],
+        capture_output=True, text=True, check=False,
+    )
+    assert proc.returncode == 1
+    assert "this wheelhouse is for" in proc.stderr and os.uname().machine in proc.stderr
+    assert not prefix.exists()
+
+
+def test_install_sh_rollback_needs_a_previous_release(tmp_path: Path) -> None:
+    house = _fake_house(tmp_path, os.uname().machine)
+    proc = subprocess.run(
+        ["sh", str(house / "install.sh"), "--rollback", "--no-systemd", "--prefix", str(tmp_path / "p")],
+        capture_output=True, text=True, check=False,
+    )
+    assert proc.returncode == 1
+    assert "no " + str(tmp_path / "p") + "/previous" in proc.stderr
+
+
+# --- real wheelhouses (cached, or built with EDGEFL_NETWORK_TESTS=1) ----------------------------
+
+
+def _house(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cached = ROOT / "cache" / "wheelhouse" / name
+    if (cached / "requirements.lock").is_file():
+        return cached
+    if os.environ.get("EDGEFL_NETWORK_TESTS") != "1":
+        pytest.skip(f"no cached wheelhouse at cache/wheelhouse/{name} (EDGEFL_NETWORK_TESTS=1 builds one)")
+    out = tmp_path_factory.mktemp(f"wheelhouse-{name}")
+    wh.build_wheelhouse(wh.TARGETS[name], out)
+    return out
+
+
+def _locked(house: Path) -> dict[str, wh.LockEntry]:
+    entries = wh.parse_lock((house / "requirements.lock").read_text(encoding="utf-8"))
+    return {e.name: e for e in entries}
+
+
+def _check_hashes_and_tags(house: Path, target: wh.Target) -> None:
+    lock = _locked(house)
+    files = sorted((house / "wheels").glob("*.whl"))
+    assert len(files) == len(lock)
+    for f in files:
+        entry = next(e for e in lock.values() if e.filename == f.name)
+        assert wh.sha256_file(f) == entry.sha256, f.name
+        assert wh.supported_wheel(f.name, target), f.name
+
+
+def test_aarch64_wheelhouse_locks_litert_2(tmp_path_factory: pytest.TempPathFactory) -> None:
+    house = _house("aarch64", tmp_path_factory)
+    lock = _locked(house)
+    assert int(lock["ai-edge-litert"].version.split(".")[0]) >= 2
+    assert lock["ai-edge-litert"].filename.endswith("manylinux_2_27_aarch64.whl")
+    assert "tflite-runtime" not in lock
+    assert {"edgefl", "numpy", "cbor2", "paho-mqtt", "aiohttp"} <= set(lock)
+    _check_hashes_and_tags(house, AARCH64)
+    assert (house / "systemd" / "gateway_aarch64_256mb.service").is_file()
+
+
+def test_armv7l_wheelhouse_has_tflite_runtime_and_pure_cbor2(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    house = _house("armv7l", tmp_path_factory)
+    lock = _locked(house)
+    assert lock["tflite-runtime"].version == "2.14.0"
+    assert lock["cbor2"].filename == "cbor2-5.9.0-py3-none-any.whl"
+    assert "numpy" not in lock  # Debian's python3-numpy, through --system-site-packages
+    assert "ai-edge-litert" not in lock
+    with zipfile.ZipFile(house / "wheels" / lock["cbor2"].filename) as zf:
+        assert not [n for n in zf.namelist() if n.endswith(".so")]
+    _check_hashes_and_tags(house, ARMV7L)
+    assert "system_site_packages=1" in (house / "TARGET").read_text()
