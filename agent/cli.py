@@ -97,10 +97,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from coordinator.demo import DemoOptions, run_demo
 
     opts = DemoOptions(
-        devices=args.devices, rounds=args.rounds, broker=args.broker, json_path=args.json,
-        profile=Path(args.profile), model=Path(args.model) if args.model else None,
-        local_epochs=args.local_epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
-        workdir=Path(args.workdir) if args.workdir else None, deadline_s=args.deadline,
+        devices=args.devices,
+        rounds=args.rounds,
+        broker=args.broker,
+        json_path=args.json,
+        profile=Path(args.profile),
+        model=Path(args.model) if args.model else None,
+        local_epochs=args.local_epochs,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        workdir=Path(args.workdir) if args.workdir else None,
+        deadline_s=args.deadline,
     )
     return run_demo(opts)
 
@@ -114,8 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="run the device agent with a profile")
     r.add_argument("profile", help="TOML profile (see firmware_configs/)")
-    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a profile key, e.g. --set device.id=gw-7 (repeatable)")
+    r.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a profile key, e.g. --set device.id=gw-7 (repeatable)",
+    )
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("check-config", help="validate a profile (exit 0 valid, 1 invalid)")
@@ -127,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="run a federated job on the digits data with N agent processes")
     d.add_argument("--devices", type=int, default=4, help="agent processes (default 4)")
     d.add_argument("--rounds", type=int, default=10, help="federated rounds (default 10)")
-    d.add_argument("--broker", default=None, help="mqtt://host:port of an existing broker (default: embedded)")
+    d.add_argument(
+        "--broker", default=None, help="mqtt://host:port of an existing broker (default: embedded)"
+    )
     d.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     d.add_argument("--profile", default=str(root / "firmware_configs" / "dev_x86.toml"))
     d.add_argument("--model", default=None, help="override the profile's model (.tflite)")

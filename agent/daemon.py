@@ -69,7 +69,9 @@ class AgentState:
     rejected: Counter[str] = field(default_factory=Counter)
 
 
-def preprocess(raw: np.ndarray, backbone: Backbone, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
+def preprocess(
+    raw: np.ndarray, backbone: Backbone, mean: tuple[float, ...], std: tuple[float, ...]
+) -> np.ndarray:
     """Normalise raw samples and quantise them to the model's input dtype.
 
     Parameters
@@ -115,7 +117,9 @@ class Agent:
         self.state_dir = Path(profile.device.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._load_head()
-        self.store = EmbeddingStore(self.state_dir, profile.training.store_capacity, self.backbone.embedding_dim)
+        self.store = EmbeddingStore(
+            self.state_dir, profile.training.store_capacity, self.backbone.embedding_dim
+        )
         self.state = AgentState()
         self.limits = Limits(max_message_bytes=max(profile.broker.max_packet_bytes, 1 << 20))
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgefl-worker")
@@ -150,8 +154,13 @@ class Agent:
     def _save_head(self, head: Head) -> None:
         tmp = self._head_path().with_suffix(".tmp.npz")
         with open(tmp, "wb") as f:
-            np.savez(f, W=head.W, b=head.b, version=np.int64(head.version),
-                     model_sha256=np.str_(self.backbone.sha256))
+            np.savez(
+                f,
+                W=head.W,
+                b=head.b,
+                version=np.int64(head.version),
+                model_sha256=np.str_(self.backbone.sha256),
+            )
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self._head_path())
@@ -186,8 +195,12 @@ class Agent:
             x = np.asarray(data["x"])
             y = np.asarray(data["y"]).astype(np.int64)
         if tuple(x.shape[1:]) != self.backbone.sample_shape:
-            logger.error("replay file %s: samples %s, model expects %s", src.path, x.shape[1:],
-                         self.backbone.sample_shape)
+            logger.error(
+                "replay file %s: samples %s, model expects %s",
+                src.path,
+                x.shape[1:],
+                self.backbone.sample_shape,
+            )
             return
         loop = asyncio.get_running_loop()
         batch = self.profile.pipeline.batch
@@ -227,8 +240,9 @@ class Agent:
         try:
             if msg.topic == self.topics.global_model:
                 if msg.payload:
-                    await self.apply_global(decode_global_model(msg.payload, limits=self.limits,
-                                                                expect_shape=self.head.shape))
+                    await self.apply_global(
+                        decode_global_model(msg.payload, limits=self.limits, expect_shape=self.head.shape)
+                    )
             elif msg.topic == self.topics.round:
                 if msg.payload:
                     await self.on_round(decode_round(msg.payload, limits=self.limits))
@@ -248,12 +262,16 @@ class Agent:
             ``wrong_model`` (backbone sha256 differs), ``bad_shape``/``not_finite``, ``not_newer``.
         """
         if gm.model_sha256 != self.backbone.sha256:
-            raise UpdateRejected("wrong_model", f"global head for model {gm.model_sha256[:12]}, "
-                                 f"this backbone is {self.backbone.sha256[:12]}")
+            raise UpdateRejected(
+                "wrong_model",
+                f"global head for model {gm.model_sha256[:12]}, this backbone is {self.backbone.sha256[:12]}",
+            )
         validate_head(gm.W, gm.b, self.head.shape)
         if gm.version <= self.head.version:
             if gm.version < self.head.version:
-                raise UpdateRejected("not_newer", f"global version {gm.version} <= current {self.head.version}")
+                raise UpdateRejected(
+                    "not_newer", f"global version {gm.version} <= current {self.head.version}"
+                )
             return  # same version again (retained re-delivery): nothing to do
         new = Head(gm.W, gm.b, gm.version)
         await asyncio.get_running_loop().run_in_executor(self.executor, self._save_head, new)
@@ -278,8 +296,10 @@ class Agent:
             self._pending_round = ann  # the global head for this round has not arrived yet
             return
         if ann.base_version < self.head.version:
-            raise UpdateRejected("stale_round", f"round {ann.round} uses version {ann.base_version}, "
-                                 f"device has {self.head.version}")
+            raise UpdateRejected(
+                "stale_round",
+                f"round {ann.round} uses version {ann.base_version}, device has {self.head.version}",
+            )
         if len(self.store) == 0:
             self._set_state("deferred", "no local samples")
             return
@@ -294,17 +314,30 @@ class Agent:
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(
             self.executor,
-            lambda: train_local(head, self.store, local_epochs=ann.local_epochs, lr=ann.lr,
-                                batch_size=ann.batch_size, chunk_size=cfg.chunk_size, prox_mu=ann.prox_mu,
-                                clip_norm=cfg.clip_norm, seed=cfg.seed + ann.round),
+            lambda: train_local(
+                head,
+                self.store,
+                local_epochs=ann.local_epochs,
+                lr=ann.lr,
+                batch_size=ann.batch_size,
+                chunk_size=cfg.chunk_size,
+                prox_mu=ann.prox_mu,
+                clip_norm=cfg.clip_norm,
+                seed=cfg.seed + ann.round,
+            ),
         )
         update = Update(
-            round=ann.round, base_version=ann.base_version, device=self.device,
-            num_examples=result.num_examples, delta_W=result.delta_W, delta_b=result.delta_b,
+            round=ann.round,
+            base_version=ann.base_version,
+            device=self.device,
+            num_examples=result.num_examples,
+            delta_W=result.delta_W,
+            delta_b=result.delta_b,
             metrics=UpdateMetrics(result.loss, result.accuracy, result.train_s, memory.peak_rss_bytes()),
-            update_id=f"{self.device}:{ann.round}:{ann.base_version}", compression=ann.compression,
+            update_id=f"{self.device}:{ann.round}:{ann.base_version}",
+            compression=ann.compression,
         )
-        payload = encode_update(update)
+        payload = encode_update(update, topk_fraction=ann.topk_fraction)
         self._set_state("uploading")
         try:
             await self.transport.publish(self.topics.update(self.device), payload, qos=1)
@@ -315,8 +348,14 @@ class Agent:
         self.state.last_trained_round = ann.round
         self.state.last_update_bytes = len(payload)
         self.state.local_accuracy = result.accuracy
-        logger.info("round %d: sent update (%d examples, %d bytes, loss %.3f, %.1f ms)", ann.round,
-                    result.num_examples, len(payload), result.loss, result.train_s * 1e3)
+        logger.info(
+            "round %d: sent update (%d examples, %d bytes, loss %.3f, %.1f ms)",
+            ann.round,
+            result.num_examples,
+            len(payload),
+            result.loss,
+            result.train_s * 1e3,
+        )
         self._set_state("waiting")
 
     def _set_state(self, state: str, reason: str = "") -> None:
@@ -368,22 +407,31 @@ class Agent:
                 loop.add_signal_handler(sig, self.stop_event.set)
         b = self.profile.broker
         self.transport = MqttTransport(
-            b.host, b.port, f"edgefl-{self.device}",
+            b.host,
+            b.port,
+            f"edgefl-{self.device}",
             will=Will(self.topics.status(self.device), offline_status(self.device)),
-            protocol=b.protocol, keepalive_s=b.keepalive_s, username=b.username, password=b.password,
+            protocol=b.protocol,
+            keepalive_s=b.keepalive_s,
+            username=b.username,
+            password=b.password,
             on_connect=self._status_dirty.set,
         )
         async with contextlib.AsyncExitStack() as stack:
             await self.transport.start(wait_s=None)
-            stack.push_async_callback(self.transport.stop, (self.topics.status(self.device),
-                                                            offline_status(self.device)))
+            stack.push_async_callback(
+                self.transport.stop, (self.topics.status(self.device), offline_status(self.device))
+            )
             stack.callback(self.executor.shutdown, wait=True)
             await self.transport.subscribe(self.topics.global_model, 1)
             await self.transport.subscribe(self.topics.round, 1)
             try:
                 async with asyncio.TaskGroup() as tg:
-                    tasks = [tg.create_task(self.run_source()), tg.create_task(self.pump()),
-                             tg.create_task(self.status_loop())]
+                    tasks = [
+                        tg.create_task(self.run_source()),
+                        tg.create_task(self.pump()),
+                        tg.create_task(self.status_loop()),
+                    ]
                     await self.stop_event.wait()
                     for t in tasks:
                         t.cancel()

@@ -73,7 +73,9 @@ def validate_head(W: F32, b: F32, shape: tuple[int, int]) -> None:
         ``not_finite`` if any value is NaN or infinite.
     """
     if W.shape != shape or b.shape != (shape[1],):
-        raise UpdateRejected("bad_shape", f"head W{W.shape} b{b.shape}, model expects W{shape} b({shape[1]},)")
+        raise UpdateRejected(
+            "bad_shape", f"head W{W.shape} b{b.shape}, model expects W{shape} b({shape[1]},)"
+        )
     if W.dtype != np.float32 or b.dtype != np.float32:
         raise UpdateRejected("bad_dtype", f"head dtypes {W.dtype}/{b.dtype}, expected float32")
     if not (np.isfinite(W).all() and np.isfinite(b).all()):
@@ -94,7 +96,8 @@ def softmax(logits: F32) -> F32:
     z = logits - logits.max(axis=1, keepdims=True)
     np.exp(z, out=z)
     z /= z.sum(axis=1, keepdims=True)
-    return z.astype(np.float32, copy=False)
+    out: F32 = z.astype(np.float32, copy=False)
+    return out
 
 
 def cross_entropy(W: F32, b: F32, emb: F32, labels: I64) -> tuple[float, F32, F32]:
@@ -169,7 +172,8 @@ def sgd_step(
     ValueError
         If ``prox_mu > 0`` and no ``W0``/``b0`` is given.
 
-    Source: FedProx local objective, Li et al. 2020, "Federated Optimization in Heterogeneous Networks", eq. (2).
+    Source: FedProx local objective, Li et al. 2020, "Federated Optimization in Heterogeneous
+    Networks", eq. (2).
     """
     if prox_mu > 0.0:
         if W0 is None or b0 is None:

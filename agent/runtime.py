@@ -1,5 +1,6 @@
-"""The TFLite model on the device: load it with LiteRT (or tflite-runtime), find the embedding
-tensor, and compute embeddings for a batch.
+"""The TFLite model on the device: load it, find the embedding tensor, embed a batch.
+
+LiteRT (or tflite-runtime) loads the model; the embedding is the input of the last FULLY_CONNECTED op.
 
 This is the only module that imports the interpreter (STYLE.md rule 1): ``ai_edge_litert`` first,
 ``tflite_runtime`` as the fallback for gateways where LiteRT has no wheel (armv7l).
@@ -79,8 +80,11 @@ def open_interpreter(path: Path, *, num_threads: int = 1, runtime: RuntimeName =
         raise ModelError(str(path), "model file not found")
     classes = _interpreter_classes(runtime)
     if not classes:
-        raise ModelError(str(path), f"no TFLite runtime importable for runtime={runtime!r} "
-                         "(install ai-edge-litert, or tflite-runtime with numpy<2)")
+        raise ModelError(
+            str(path),
+            f"no TFLite runtime importable for runtime={runtime!r} "
+            "(install ai-edge-litert, or tflite-runtime with numpy<2)",
+        )
     errors: list[str] = []
     for name, mod in classes:
         try:
@@ -130,11 +134,14 @@ def dequantize(q: np.ndarray, quant: Quant) -> F32:
     -------
     float32 array of the same shape: ``scale * (q - zero_point)``.
 
-    Source: TensorFlow Lite 8-bit quantization specification (tensorflow.org/lite/performance/quantization_spec).
+    Source: TensorFlow Lite 8-bit quantization specification
+    (tensorflow.org/lite/performance/quantization_spec).
     """
     if quant.scale == 0.0 or q.dtype == np.float32:
         return q.astype(np.float32, copy=False)
-    out: F32 = ((q.astype(np.float32) - np.float32(quant.zero_point)) * np.float32(quant.scale)).astype(np.float32)
+    out: F32 = ((q.astype(np.float32) - np.float32(quant.zero_point)) * np.float32(quant.scale)).astype(
+        np.float32
+    )
     return out
 
 
@@ -194,6 +201,21 @@ class Backbone:
         self.embedding_quant = _quant(emb)
         self.embedding_dim = int(emb["shape"][-1])
         self.batch = int(self.input_shape[0])
+        self.resizable = self._probe_resize()
+
+    def _probe_resize(self) -> bool:
+        """Whether the input batch can be resized (a graph with a hard-coded RESHAPE cannot)."""
+        fixed = self.batch
+        try:
+            self.interpreter.resize_tensor_input(self.input_index, [fixed + 1, *self.sample_shape])
+            self.interpreter.allocate_tensors()
+            ok = True
+        except (RuntimeError, ValueError) as exc:
+            logger.info("%s: input batch fixed at %d (%s)", self.path.name, fixed, str(exc).splitlines()[0])
+            ok = False
+        self.interpreter.resize_tensor_input(self.input_index, [fixed, *self.sample_shape])
+        self.interpreter.allocate_tensors()
+        return ok
 
     def _find_embedding(self, name: str | None) -> int:
         if name:
@@ -207,7 +229,9 @@ class Backbone:
             raise ModelError(str(self.path), "runtime cannot list ops; set model.embedding_tensor") from exc
         fcs = [op for op in ops if op["op_name"] == "FULLY_CONNECTED"]
         if not fcs:
-            raise ModelError(str(self.path), "no FULLY_CONNECTED op: set model.embedding_tensor in the profile")
+            raise ModelError(
+                str(self.path), "no FULLY_CONNECTED op: set model.embedding_tensor in the profile"
+            )
         last = fcs[-1]
         ins = [int(i) for i in last["inputs"]]
         self._fc_weights = ins[1]
@@ -231,7 +255,8 @@ class Backbone:
         Raises
         ------
         ModelError
-            If the embedding tensor was named in the profile (no FC op is known) or the weights cannot be read.
+            If the embedding tensor was named in the profile (no FC op is known) or the weights
+            cannot be read.
         """
         if self._fc_weights is None:
             raise ModelError(str(self.path), "the model's head is unknown when model.embedding_tensor is set")
@@ -256,7 +281,11 @@ class Backbone:
             bd = details[self._fc_bias]
             bq = self.interpreter.get_tensor(self._fc_bias)
             bscales = np.asarray(bd.get("quantization_parameters", {}).get("scales", []), dtype=np.float32)
-            b = bq.astype(np.float32) * bscales if bq.dtype != np.float32 and bscales.size else bq.astype(np.float32)
+            b = (
+                bq.astype(np.float32) * bscales
+                if bq.dtype != np.float32 and bscales.size
+                else bq.astype(np.float32)
+            )
         W: F32 = np.ascontiguousarray(W_kd.T, dtype=np.float32)
         return W, np.ascontiguousarray(b, dtype=np.float32)
 
@@ -291,7 +320,8 @@ class Backbone:
             return x.astype(np.float32, copy=False)
         info = np.iinfo(self.input_dtype)
         q = np.rint(x / np.float32(self.input_quant.scale)) + self.input_quant.zero_point
-        return np.clip(q, info.min, info.max).astype(self.input_dtype)
+        out: np.ndarray = np.clip(q, info.min, info.max).astype(self.input_dtype)
+        return out
 
     def run(self, model_input: np.ndarray) -> tuple[F32, F32]:
         """Invoke the model on one batch already in the input dtype.
@@ -317,6 +347,14 @@ class Backbone:
             raise ValueError(
                 f"input {model_input.shape} {model_input.dtype}, model expects [N, {self.sample_shape}] "
                 f"{self.input_dtype}"
+            )
+        if not self.resizable and n != self.batch:
+            parts = [self.run(model_input[i : i + 1]) for i in range(n)] if self.batch == 1 else None
+            if parts is None:
+                raise ValueError(f"model batch is fixed at {self.batch}; got {n} samples")
+            return (
+                np.concatenate([p[0] for p in parts]).astype(np.float32),
+                np.concatenate([p[1] for p in parts]).astype(np.float32),
             )
         self.resize(n)
         self.interpreter.set_tensor(self.input_index, model_input)

@@ -57,8 +57,8 @@ class EmbeddingStore:
         mode = "r+" if count >= 0 and emb_path.exists() and lbl_path.exists() else "w+"
         if mode == "w+":
             count, head = 0, 0
-        self._emb = np.memmap(emb_path, dtype=np.float16, mode=mode, shape=(capacity, dim))
-        self._lbl = np.memmap(lbl_path, dtype=np.int16, mode=mode, shape=(capacity,))
+        self._emb = np.memmap(emb_path, dtype=np.float16, mode=mode, shape=(capacity, dim))  # type: ignore[call-overload]
+        self._lbl = np.memmap(lbl_path, dtype=np.int16, mode=mode, shape=(capacity,))  # type: ignore[call-overload]
         self._count = count
         self._head = head
 
@@ -132,7 +132,9 @@ class EmbeddingStore:
         self._lbl.flush()
         tmp = self._meta_path.with_suffix(".tmp")
         with open(tmp, "w") as f:
-            json.dump({"capacity": self.capacity, "dim": self.dim, "count": self._count, "head": self._head}, f)
+            json.dump(
+                {"capacity": self.capacity, "dim": self.dim, "count": self._count, "head": self._head}, f
+            )
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self._meta_path)

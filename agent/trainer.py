@@ -95,7 +95,8 @@ def train_local(
         raise ValueError("train_local: the store is empty")
     if local_epochs < 1 or batch_size < 1 or chunk_size < 1 or lr <= 0:
         raise ValueError(
-            f"train_local: local_epochs={local_epochs}, batch_size={batch_size}, chunk_size={chunk_size}, lr={lr}"
+            f"train_local: local_epochs={local_epochs}, batch_size={batch_size}, "
+            f"chunk_size={chunk_size}, lr={lr}"
         )
     t0 = time.perf_counter()
     W = head.W.copy()
@@ -113,7 +114,9 @@ def train_local(
     delta_W: F32 = (W - head.W).astype(np.float32)
     delta_b: F32 = (b - head.b).astype(np.float32)
     if clip_norm is not None:
-        norm = float(np.sqrt(np.sum(delta_W.astype(np.float64) ** 2) + np.sum(delta_b.astype(np.float64) ** 2)))
+        norm = float(
+            np.sqrt(np.sum(delta_W.astype(np.float64) ** 2) + np.sum(delta_b.astype(np.float64) ** 2))
+        )
         if norm > clip_norm > 0:
             scale = np.float32(clip_norm / norm)
             delta_W *= scale

@@ -113,7 +113,8 @@ class MqttTransport:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: mqtt.Client | None = None
         self._mqtt5 = protocol in ("auto", "5")
-        self._refused_v5 = False
+        self._fallback = asyncio.Event()
+        self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False
 
     # --- paho thread side: hop to the loop, never raise -------------------------------------
@@ -134,7 +135,9 @@ class MqttTransport:
     def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, rc: ReasonCode, props: Any) -> None:
         self._hop(self._handle_connect, rc)
 
-    def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, rc: ReasonCode, props: Any) -> None:
+    def _on_disconnect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, rc: ReasonCode, props: Any
+    ) -> None:
         self._hop(self._handle_disconnect, rc)
 
     def _on_publish(self, client: mqtt.Client, userdata: Any, mid: int, rc: ReasonCode, props: Any) -> None:
@@ -148,7 +151,7 @@ class MqttTransport:
         if rc.is_failure:
             logger.warning("broker %s:%s refused the connection: %s", self.host, self.port, rc)
             if self._mqtt5 and self.protocol == "auto" and int(rc.value) in (1, 132):
-                self._refused_v5 = True
+                self._fallback.set()
             return
         assert self._client is not None
         for topic, qos in self._subscriptions.items():
@@ -156,7 +159,9 @@ class MqttTransport:
         if self.ever_connected and self._lost_logged:
             logger.info("broker back: %s:%s", self.host, self.port)
         elif not self.ever_connected:
-            logger.info("connected to broker %s:%s (MQTT %s)", self.host, self.port, "5" if self._mqtt5 else "3.1.1")
+            logger.info(
+                "connected to broker %s:%s (MQTT %s)", self.host, self.port, "5" if self._mqtt5 else "3.1.1"
+            )
         self._lost_logged = False
         self.ever_connected = True
         self.connected.set()
@@ -166,7 +171,7 @@ class MqttTransport:
     def _handle_disconnect(self, rc: ReasonCode) -> None:
         if self.protocol == "auto" and self._mqtt5 and not self.ever_connected:
             # 3.1.1-only brokers (amqtt) close the socket on an MQTT 5 CONNECT instead of answering it.
-            self._refused_v5 = True
+            self._fallback.set()
         was = self.connected.is_set()
         self.connected.clear()
         if was and not self._lost_logged and not self._stopping:
@@ -186,7 +191,9 @@ class MqttTransport:
             self.queue.put_nowait(msg)
         except asyncio.QueueFull:
             self.dropped_total += 1
-            logger.warning("incoming queue full: dropped message on %s (%d bytes)", msg.topic, len(msg.payload))
+            logger.warning(
+                "incoming queue full: dropped message on %s (%d bytes)", msg.topic, len(msg.payload)
+            )
 
     def _make_client(self) -> mqtt.Client:
         proto = MQTTProtocolVersion.MQTTv5 if self._mqtt5 else MQTTProtocolVersion.MQTTv311
@@ -221,24 +228,25 @@ class MqttTransport:
             If ``wait_s`` is given and no connection succeeded within it.
         """
         self._loop = asyncio.get_running_loop()
+        self._fallback = asyncio.Event()
         self._client = self._make_client()
         self._client.connect_async(self.host, self.port, self.keepalive_s)
         self._client.loop_start()
+        self._supervisor = asyncio.create_task(self._supervise(), name=f"mqtt-supervisor-{self.client_id}")
         if wait_s is None:
             return
-        deadline = self._loop.time() + wait_s
-        while not self.connected.is_set():
-            if self._refused_v5:
-                logger.info("broker %s:%s does not speak MQTT 5; using 3.1.1", self.host, self.port)
-                await self._restart(mqtt5=False)
-            remaining = deadline - self._loop.time()
-            if remaining <= 0:
-                raise TransportError(f"no connection to broker {self.host}:{self.port} after {wait_s} s")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.connected.wait(), timeout=min(remaining, 0.5))
+        try:
+            await asyncio.wait_for(self.connected.wait(), timeout=wait_s)
+        except TimeoutError as exc:
+            raise TransportError(f"no connection to broker {self.host}:{self.port} after {wait_s} s") from exc
+
+    async def _supervise(self) -> None:
+        """Fall back from MQTT 5 to 3.1.1 once, when the broker refuses MQTT 5 before any CONNACK."""
+        await self._fallback.wait()
+        logger.info("broker %s:%s does not speak MQTT 5; using 3.1.1", self.host, self.port)
+        await self._restart(mqtt5=False)
 
     async def _restart(self, *, mqtt5: bool) -> None:
-        self._refused_v5 = False
         old = self._client
         if old is not None:
             await asyncio.to_thread(old.loop_stop)
@@ -253,8 +261,9 @@ class MqttTransport:
         if self._client is not None and self.connected.is_set():
             self._client.subscribe(topic, qos)
 
-    async def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
-                      timeout_s: float = 10.0) -> None:
+    async def publish(
+        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, timeout_s: float = 10.0
+    ) -> None:
         """Publish and, for QoS 1, wait for the broker's PUBACK.
 
         Parameters
@@ -290,7 +299,7 @@ class MqttTransport:
             raise TransportError(f"no PUBACK for {topic} (mid={info.mid}) within {timeout_s} s") from exc
 
     async def stop(self, final: tuple[str, bytes] | None = None, timeout_s: float = 5.0) -> None:
-        """Clean stop: optionally publish a final retained message (e.g. "offline"), disconnect, stop the thread.
+        """Clean stop: publish a final retained message (e.g. "offline"), disconnect, stop the thread.
 
         Parameters
         ----------
@@ -299,6 +308,11 @@ class MqttTransport:
         timeout_s : float
             Time budget for the final publish.
         """
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+            self._supervisor = None
         client = self._client
         if client is None:
             return

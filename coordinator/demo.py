@@ -42,6 +42,9 @@ from coordinator.strategy import Strategy
 logger = logging.getLogger(__name__)
 
 
+BASELINE_EPOCHS = 60
+
+
 @dataclass(frozen=True, slots=True)
 class DemoOptions:
     """Options of ``edgefl demo`` (see ``edgefl demo --help``)."""
@@ -67,12 +70,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def embed_all(backbone: Backbone, x: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...],
-              batch: int = 64) -> F32:
+def embed_all(
+    backbone: Backbone, x: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...], batch: int = 64
+) -> F32:
     """Embeddings of raw samples ``x`` [N, *sample_shape] → float32 [N, D], in batches."""
     from agent.daemon import preprocess
 
-    out = [backbone.run(preprocess(x[s : s + batch], backbone, mean, std))[0] for s in range(0, len(x), batch)]
+    out = [
+        backbone.run(preprocess(x[s : s + batch], backbone, mean, std))[0] for s in range(0, len(x), batch)
+    ]
     return np.concatenate(out).astype(np.float32)
 
 
@@ -94,10 +100,12 @@ def _workdir(path: Path | None) -> Iterator[Path]:
 async def _embedded_broker(port: int) -> Any:
     from amqtt.broker import Broker
 
-    broker = Broker({
-        "listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{port}", "max_connections": 64}},
-        "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
-    })
+    broker = Broker(
+        {
+            "listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{port}", "max_connections": 64}},
+            "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
+        }
+    )
     await broker.start()
     return broker
 
@@ -110,7 +118,7 @@ def run_demo(opts: DemoOptions) -> int:
     Exit code: 0 when every round completed with at least one update, 1 otherwise.
     """
     for name in ("amqtt", "transitions", "passlib"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+        logging.getLogger(name).setLevel(logging.ERROR)
     return asyncio.run(_run(opts))
 
 
@@ -122,31 +130,50 @@ async def _run(opts: DemoOptions) -> int:
     pool = split.devices
     shards = [pool[s] for s in partition_non_iid(y[pool], opts.devices, seed=opts.seed)]
 
-    backbone = Backbone(model_path, num_threads=1, runtime=profile.model.runtime,
-                        embedding_tensor=profile.model.embedding_tensor)
+    backbone = Backbone(
+        model_path,
+        num_threads=1,
+        runtime=profile.model.runtime,
+        embedding_tensor=profile.model.embedding_tensor,
+    )
     mean, std = profile.pipeline.mean, profile.pipeline.std
     W0, b0 = backbone.head_from_model()
     emb_test = embed_all(backbone, x[split.test], mean, std)
     y_test = y[split.test]
     emb_pool = embed_all(backbone, x[pool], mean, std)
-    total_epochs = opts.local_epochs * opts.rounds
+    # Baselines are trained to convergence (not to the federated job's budget), so "centralized" is a
+    # true upper bound and "local-only" what a device reaches on its own.
+    total_epochs = max(BASELINE_EPOCHS, opts.local_epochs * opts.rounds)
     baseline = accuracy(W0, b0, emb_test, y_test)
-    Wc, bc = fit_head(W0, b0, emb_pool, y[pool], epochs=total_epochs, lr=opts.lr,
-                      batch_size=opts.batch_size, seed=opts.seed)
+    Wc, bc = fit_head(
+        W0, b0, emb_pool, y[pool], epochs=total_epochs, lr=opts.lr, batch_size=opts.batch_size, seed=opts.seed
+    )
     centralized = accuracy(Wc, bc, emb_test, y_test)
     local_accs = []
     pos = {int(g): i for i, g in enumerate(pool)}
     for k, shard in enumerate(shards):
         rows = np.array([pos[int(g)] for g in shard], dtype=np.int64)
-        Wl, bl = fit_head(W0, b0, emb_pool[rows], y[shard], epochs=total_epochs, lr=opts.lr,
-                          batch_size=opts.batch_size, seed=opts.seed + k)
+        Wl, bl = fit_head(
+            W0,
+            b0,
+            emb_pool[rows],
+            y[shard],
+            epochs=total_epochs,
+            lr=opts.lr,
+            batch_size=opts.batch_size,
+            seed=opts.seed + k,
+        )
         local_accs.append(accuracy(Wl, bl, emb_test, y_test))
     local_only = float(np.mean(local_accs))
-    print(f"edgefl demo: {opts.devices} devices, {opts.rounds} rounds, model {model_path.name}, "
-          f"factory head knows digits {FACTORY_CLASSES[0]}-{FACTORY_CLASSES[-1]}")
+    print(
+        f"edgefl demo: {opts.devices} devices, {opts.rounds} rounds, model {model_path.name}, "
+        f"factory head knows digits {FACTORY_CLASSES[0]}-{FACTORY_CLASSES[-1]}"
+    )
     print(f"  test set {len(y_test)} samples; device shards {[len(s) for s in shards]} samples")
-    print(f"  baseline (factory head) {baseline:.3f}   centralized {centralized:.3f}   "
-          f"local-only (mean) {local_only:.3f}")
+    print(
+        f"  baseline (factory head) {baseline:.3f}   centralized {centralized:.3f}   "
+        f"local-only (mean) {local_only:.3f}"
+    )
 
     broker = None
     if opts.broker:
@@ -167,24 +194,49 @@ async def _run(opts: DemoOptions) -> int:
                 shard_path = work / f"{dev}.npz"
                 np.savez(shard_path, x=x[shard], y=y[shard])
                 sets = {
-                    "device.id": dev, "device.fleet": fleet, "device.state_dir": str(work / dev),
-                    "broker.url": f"mqtt://{host}:{port}", "source.kind": "replay",
-                    "source.path": str(shard_path), "model.path": str(model_path),
+                    "device.id": dev,
+                    "device.fleet": fleet,
+                    "device.state_dir": str(work / dev),
+                    "broker.url": f"mqtt://{host}:{port}",
+                    "source.kind": "replay",
+                    "source.path": str(shard_path),
+                    "model.path": str(model_path),
                     "training.store_capacity": str(max(256, len(shard))),
+                    "broker.protocol": "3.1.1" if broker is not None else profile.broker.protocol,
                 }
                 cmd = [sys.executable, "-m", "agent.cli", "--log-level", "WARNING", "run", str(opts.profile)]
                 for key, val in sets.items():
                     cmd += ["--set", f"{key}={val}"]
                 log = open(work / f"{dev}.log", "wb")  # noqa: SIM115 - closed with the process below
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                              env={**os.environ, "MALLOC_ARENA_MAX": "2"}))
-            transport = MqttTransport(host, port, f"edgefl-coordinator-{fleet}", protocol="auto")
+                procs.append(
+                    subprocess.Popen(
+                        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "MALLOC_ARENA_MAX": "2"}
+                    )
+                )
+            transport = MqttTransport(
+                host,
+                port,
+                f"edgefl-coordinator-{fleet}",
+                protocol="3.1.1" if broker is not None else profile.broker.protocol,
+            )
             await transport.start(wait_s=15)
-            strategy = Strategy(local_epochs=opts.local_epochs, lr=opts.lr, batch_size=opts.batch_size,
-                                min_clients=opts.devices, deadline_s=opts.deadline_s)
-            coord = Coordinator(transport, topics, W0, b0, model_sha256=backbone.sha256, strategy=strategy,
-                                evaluate=lambda W, b: accuracy(W, b, emb_test, y_test),
-                                compression=Compression.NONE)
+            strategy = Strategy(
+                local_epochs=opts.local_epochs,
+                lr=opts.lr,
+                batch_size=opts.batch_size,
+                min_clients=opts.devices,
+                deadline_s=opts.deadline_s,
+            )
+            coord = Coordinator(
+                transport,
+                topics,
+                W0,
+                b0,
+                model_sha256=backbone.sha256,
+                strategy=strategy,
+                evaluate=lambda W, b: accuracy(W, b, emb_test, y_test),
+                compression=Compression.NONE,
+            )
             pump = asyncio.create_task(coord.pump())
             try:
                 await coord.start()
@@ -193,8 +245,10 @@ async def _run(opts: DemoOptions) -> int:
                 print(f"  {'round':>5} {'clients':>7} {'accuracy':>8} {'update_bytes':>12} {'seconds':>7}")
                 for r in range(1, opts.rounds + 1):
                     rec = await coord.run_round(r)
-                    print(f"  {rec.round:>5} {rec.clients:>7} {rec.accuracy:>8.3f} "
-                          f"{rec.update_bytes_mean:>12.0f} {rec.duration_s:>7.2f}")
+                    print(
+                        f"  {rec.round:>5} {rec.clients:>7} {rec.accuracy:>8.3f} "
+                        f"{rec.update_bytes_mean:>12.0f} {rec.duration_s:>7.2f}"
+                    )
                     if rec.clients == 0:
                         rc = 1
                 await asyncio.sleep(0.5)  # let the agents apply the last global head
@@ -203,13 +257,15 @@ async def _run(opts: DemoOptions) -> int:
                 with contextlib.suppress(asyncio.CancelledError):
                     await pump
                 await transport.stop()
-            agents = []
+            agents: list[dict[str, Any]] = []
             for k, p in enumerate(procs):
                 try:
                     peak = memory.peak_rss_bytes(p.pid)
                 except OSError:
                     peak = -1
-                agents.append({"device": f"dev-{k + 1}", "cap_bytes": profile.cap_bytes, "peak_rss_bytes": peak})
+                agents.append(
+                    {"device": f"dev-{k + 1}", "cap_bytes": profile.cap_bytes, "peak_rss_bytes": peak}
+                )
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -229,18 +285,33 @@ async def _run(opts: DemoOptions) -> int:
                 print(f"agent dev-{k + 1} exited with {procs[k].returncode}:\n  " + "\n  ".join(tail))
             rc = 1
     for a in agents:
-        print(f"  {a['device']}: peak RSS {a['peak_rss_bytes'] / 2**20:.1f} MiB of cap {a['cap_bytes'] / 2**20:.0f} MiB")
+        print(
+            f"  {a['device']}: peak RSS {a['peak_rss_bytes'] / 2**20:.1f} MiB "
+            f"of cap {a['cap_bytes'] / 2**20:.0f} MiB"
+        )
     final = coord.state.history[-1].accuracy if coord.state.history else float("nan")
-    print(f"  final accuracy {final:.3f} (baseline {baseline:.3f}, centralized {centralized:.3f}, "
-          f"local-only {local_only:.3f})")
+    print(
+        f"  final accuracy {final:.3f} (baseline {baseline:.3f}, centralized {centralized:.3f}, "
+        f"local-only {local_only:.3f})"
+    )
     if opts.json_path:
         result = {
-            "dataset": "sklearn_digits", "model": model_path.name, "devices": opts.devices,
-            "baseline_accuracy": baseline, "centralized_accuracy": centralized,
+            "dataset": "sklearn_digits",
+            "model": model_path.name,
+            "devices": opts.devices,
+            "baseline_accuracy": baseline,
+            "centralized_accuracy": centralized,
             "local_only_accuracy": local_only,
-            "rounds": [{"round": h.round, "clients": h.clients, "accuracy": h.accuracy,
-                        "update_bytes_mean": h.update_bytes_mean, "duration_s": h.duration_s}
-                       for h in coord.state.history],
+            "rounds": [
+                {
+                    "round": h.round,
+                    "clients": h.clients,
+                    "accuracy": h.accuracy,
+                    "update_bytes_mean": h.update_bytes_mean,
+                    "duration_s": h.duration_s,
+                }
+                for h in coord.state.history
+            ],
             "agents": agents,
         }
         Path(opts.json_path).write_text(json.dumps(result, indent=2) + "\n")

@@ -95,15 +95,21 @@ class Round:
         if self.phase is not RoundPhase.OPEN:
             raise UpdateRejected("round_closed", f"round {self.number} is closed")
         if update.round != self.number:
-            raise UpdateRejected("stale_round", f"update for round {update.round}, round {self.number} is open")
+            raise UpdateRejected(
+                "stale_round", f"update for round {update.round}, round {self.number} is open"
+            )
         if update.base_version != self.base_version:
             raise UpdateRejected(
                 "stale_base", f"update from version {update.base_version}, round uses {self.base_version}"
             )
         if self.selected is not None and update.device not in self.selected:
-            raise UpdateRejected("not_selected", f"device {update.device} not selected for round {self.number}")
+            raise UpdateRejected(
+                "not_selected", f"device {update.device} not selected for round {self.number}"
+            )
         if update.update_id in self.update_ids or update.device in self.devices:
-            raise UpdateRejected("duplicate", f"update {update.update_id} from {update.device} already counted")
+            raise UpdateRejected(
+                "duplicate", f"update {update.update_id} from {update.device} already counted"
+            )
         if update.delta_W.shape != self.shape or update.delta_b.shape != (self.shape[1],):
             raise UpdateRejected("bad_shape", f"delta {update.delta_W.shape}, expected {self.shape}")
         if update.num_examples <= 0:

@@ -176,8 +176,13 @@ class Coordinator:
         if rnd is None:
             raise UpdateRejected("no_round", "no round is open")
         rnd.offer(update, len(msg.payload))
-        logger.info("round %d: update from %s (%d examples, %d bytes)", rnd.number, device,
-                    update.num_examples, len(msg.payload))
+        logger.info(
+            "round %d: update from %s (%d examples, %d bytes)",
+            rnd.number,
+            device,
+            update.num_examples,
+            len(msg.payload),
+        )
         self._round_changed.set()
 
     async def wait_for_devices(self, n: int, timeout_s: float, key: str = "ready") -> list[str]:
@@ -195,7 +200,9 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            ready = sorted(d for d, s in self.state.devices.items() if s.get(key) and s.get("state") != "offline")
+            ready = sorted(
+                d for d, s in self.state.devices.items() if s.get(key) and s.get("state") != "offline"
+            )
             if len(ready) >= n:
                 return ready
             remaining = deadline - loop.time()
@@ -216,23 +223,37 @@ class Coordinator:
         """
         cfg = self.strategy.configure_round(round_no)
         t0 = time.monotonic()
-        rnd = Round(round_no, self.state.version, self.shape, cfg.deadline_s, cfg.min_clients,
-                    frozenset(selected) if selected else None)
+        rnd = Round(
+            round_no,
+            self.state.version,
+            self.shape,
+            cfg.deadline_s,
+            cfg.min_clients,
+            frozenset(selected) if selected else None,
+        )
         self.state.current = rnd
         self.state.round = round_no
         ann = RoundAnnouncement(
-            round=round_no, base_version=self.state.version, deadline_s=cfg.deadline_s,
-            local_epochs=cfg.local_epochs, lr=cfg.lr, batch_size=cfg.batch_size, min_clients=cfg.min_clients,
-            selected=tuple(selected) if selected else 1.0, compression=self.compression,
-            topk_fraction=self.topk_fraction, prox_mu=cfg.prox_mu,
+            round=round_no,
+            base_version=self.state.version,
+            deadline_s=cfg.deadline_s,
+            local_epochs=cfg.local_epochs,
+            lr=cfg.lr,
+            batch_size=cfg.batch_size,
+            min_clients=cfg.min_clients,
+            selected=tuple(selected) if selected else 1.0,
+            compression=self.compression,
+            topk_fraction=self.topk_fraction,
+            prox_mu=cfg.prox_mu,
         )
         await self.transport.publish(self.topics.round, encode_round(ann), qos=1, retain=True)
         loop = asyncio.get_running_loop()
         while not rnd.complete():
             remaining = rnd.deadline_at - time.monotonic()
             if remaining <= 0:
-                logger.warning("round %d: deadline passed with %d of %d updates", round_no, rnd.clients,
-                               cfg.min_clients)
+                logger.warning(
+                    "round %d: deadline passed with %d of %d updates", round_no, rnd.clients, cfg.min_clients
+                )
                 break
             self._round_changed.clear()
             try:
@@ -248,8 +269,12 @@ class Coordinator:
         if self.evaluate is not None:
             W, b = self.W, self.b
             accuracy = await loop.run_in_executor(None, self.evaluate, W, b)
-        record = RoundRecord(round_no, rnd.clients, accuracy,
-                             float(np.mean(rnd.update_bytes)) if rnd.update_bytes else 0.0,
-                             time.monotonic() - t0)
+        record = RoundRecord(
+            round_no,
+            rnd.clients,
+            accuracy,
+            float(np.mean(rnd.update_bytes)) if rnd.update_bytes else 0.0,
+            time.monotonic() - t0,
+        )
         self.state.history.append(record)
         return record

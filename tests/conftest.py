@@ -27,7 +27,9 @@ def free_port() -> int:
 
 
 def mosquitto_path() -> str:
-    path = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
+    path = shutil.which("mosquitto") or (
+        "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
+    )
     if path is None:
         raise RuntimeError("mosquitto not installed: run .ci/run (apt-get install mosquitto)")
     return path
@@ -50,15 +52,16 @@ def start_mosquitto(tmp: Path, extra: str = "", port: int | None = None) -> Brok
     port = port or free_port()
     conf = tmp / f"mosquitto-{port}.conf"
     conf.write_text(
-        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-        f"log_dest stderr\n{extra}\n"
+        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nlog_dest stderr\n{extra}\n"
     )
     log = open(tmp / f"mosquitto-{port}.log", "ab")  # noqa: SIM115 - lives as long as the broker
     proc = subprocess.Popen([mosquitto_path(), "-c", str(conf)], stdout=log, stderr=log)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"mosquitto exited with {proc.returncode}: {(tmp / f'mosquitto-{port}.log').read_text()}")
+            raise RuntimeError(
+                f"mosquitto exited with {proc.returncode}: {(tmp / f'mosquitto-{port}.log').read_text()}"
+            )
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                 return Broker("127.0.0.1", port, proc, conf)

@@ -47,10 +47,10 @@ def test_cross_entropy_value_by_hand() -> None:
     W = np.zeros((3, 2), np.float32)
     b = np.zeros(2, np.float32)
     emb = np.ones((4, 3), np.float32)
-    loss, gW, gb = cross_entropy(W, b, emb, np.array([0, 0, 1, 1]))
+    loss, _, gb = cross_entropy(W, b, emb, np.array([0, 0, 1, 1]))
     assert loss == pytest.approx(np.log(2), rel=1e-6)
     np.testing.assert_allclose(gb, [0.0, 0.0], atol=1e-7)
-    loss1, _, gb1 = cross_entropy(W, b, emb, np.array([0, 0, 0, 0]))
+    _, _, gb1 = cross_entropy(W, b, emb, np.array([0, 0, 0, 0]))
     np.testing.assert_allclose(gb1, [-0.5, 0.5], atol=1e-7)
 
 
@@ -62,7 +62,7 @@ def test_sgd_decreases_loss_and_fedprox_pulls_back() -> None:
     assert cross_entropy(W1, b1, emb, y)[0] < loss0
     # with W already moved away from W0, the proximal term mu*(W - W0) adds to the step
     W0, b0 = W.copy(), b.copy()
-    W2, b2 = W + 1.0, b + 1.0
+    W2, b2 = (W + 1.0).astype(np.float32), (b + 1.0).astype(np.float32)
     zero_W, zero_b = np.zeros_like(W), np.zeros_like(b)
     sgd_step(W2, b2, zero_W, zero_b, 0.5, prox_mu=1.0, W0=W0, b0=b0)
     np.testing.assert_allclose(W2, W + 0.5, atol=1e-6)

@@ -67,8 +67,9 @@ def test_chunk_size_changes_memory_not_result_much(tmp_path: Path) -> None:
 
 def test_fit_head_and_empty_store(tmp_path: Path) -> None:
     emb, y = _blobs(90, 2)
-    W, b = fit_head(np.zeros((4, 3), np.float32), np.zeros(3, np.float32), emb, y, epochs=5, lr=0.5,
-                    batch_size=16)
+    W, b = fit_head(
+        np.zeros((4, 3), np.float32), np.zeros(3, np.float32), emb, y, epochs=5, lr=0.5, batch_size=16
+    )
     assert float(np.mean(Head(W, b).predict(emb) == y)) > 0.95
     s = EmbeddingStore(tmp_path / "e", capacity=8, dim=4)
     with pytest.raises(ValueError, match="empty"):
