@@ -63,6 +63,44 @@ class DemoOptions:
     deadline_s: float = 60.0
 
 
+def launch_agent(profile: Path, overrides: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start one agent as a separate OS process: ``python -m agent.cli run PROFILE --set k=v ...``.
+
+    Parameters
+    ----------
+    profile : Path
+        The TOML profile.
+    overrides : dict
+        Dotted profile keys and values (``device.id``, ``broker.url``, ...).
+    log_path : Path
+        File receiving the agent's stdout and stderr.
+
+    Returns
+    -------
+    The running process (the caller stops it with SIGTERM and waits).
+    """
+    cmd = [sys.executable, "-m", "agent.cli", "--log-level", "WARNING", "run", str(profile)]
+    for key, val in overrides.items():
+        cmd += ["--set", f"{key}={val}"]
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "MALLOC_ARENA_MAX": "2"}
+        )
+
+
+def stop_agents(procs: list[subprocess.Popen[bytes]], timeout_s: float = 15.0) -> None:
+    """SIGTERM every agent still running, wait up to ``timeout_s`` each, then SIGKILL."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
@@ -193,24 +231,21 @@ async def _run(opts: DemoOptions) -> int:
                 dev = f"dev-{k + 1}"
                 shard_path = work / f"{dev}.npz"
                 np.savez(shard_path, x=x[shard], y=y[shard])
-                sets = {
-                    "device.id": dev,
-                    "device.fleet": fleet,
-                    "device.state_dir": str(work / dev),
-                    "broker.url": f"mqtt://{host}:{port}",
-                    "source.kind": "replay",
-                    "source.path": str(shard_path),
-                    "model.path": str(model_path),
-                    "training.store_capacity": str(max(256, len(shard))),
-                    "broker.protocol": "3.1.1" if broker is not None else profile.broker.protocol,
-                }
-                cmd = [sys.executable, "-m", "agent.cli", "--log-level", "WARNING", "run", str(opts.profile)]
-                for key, val in sets.items():
-                    cmd += ["--set", f"{key}={val}"]
-                log = open(work / f"{dev}.log", "wb")  # noqa: SIM115 - closed with the process below
                 procs.append(
-                    subprocess.Popen(
-                        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "MALLOC_ARENA_MAX": "2"}
+                    launch_agent(
+                        opts.profile,
+                        {
+                            "device.id": dev,
+                            "device.fleet": fleet,
+                            "device.state_dir": str(work / dev),
+                            "broker.url": f"mqtt://{host}:{port}",
+                            "source.kind": "replay",
+                            "source.path": str(shard_path),
+                            "model.path": str(model_path),
+                            "training.store_capacity": str(max(256, len(shard))),
+                            "broker.protocol": "3.1.1" if broker is not None else profile.broker.protocol,
+                        },
+                        work / f"{dev}.log",
                     )
                 )
             transport = MqttTransport(
@@ -267,15 +302,7 @@ async def _run(opts: DemoOptions) -> int:
                     {"device": f"dev-{k + 1}", "cap_bytes": profile.cap_bytes, "peak_rss_bytes": peak}
                 )
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            for p in procs:
-                try:
-                    p.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            stop_agents(procs)
             if broker is not None:
                 await broker.shutdown()
         failed = [k for k, p in enumerate(procs) if p.returncode not in (0, -signal.SIGTERM)]

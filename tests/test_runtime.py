@@ -1,0 +1,96 @@
+"""The real LiteRT interpreter on the shipped models: the head split reproduces the full model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import FLOAT_MODEL, INT8_MODEL
+
+from agent.datasets import load_digits, split_digits
+from agent.errors import ModelError
+from agent.runtime import Backbone, dequantize, file_sha256
+
+
+@pytest.fixture(scope="module")
+def test_images() -> tuple[np.ndarray, np.ndarray]:
+    x, y = load_digits()
+    split = split_digits(y)
+    return x[split.test], y[split.test]
+
+
+def _embed(bb: Backbone, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    xf = (x.astype(np.float32) / np.float32(16.0)).astype(np.float32)
+    return bb.run(bb.quantize_input(xf))
+
+
+def test_float_head_reproduces_model_output(test_images: tuple[np.ndarray, np.ndarray]) -> None:
+    x, y = test_images
+    bb = Backbone(FLOAT_MODEL)
+    W, b = bb.head_from_model()
+    assert W.shape == (bb.embedding_dim, 10) and b.shape == (10,)
+    emb, logits = _embed(bb, x)
+    np.testing.assert_allclose(emb @ W + b, logits, atol=1e-5)
+    # the factory head knows digits 0-4 only: about half the test set
+    acc = float(np.mean(logits.argmax(axis=1) == y))
+    assert 0.40 < acc < 0.55
+
+
+def test_int8_head_within_one_quantisation_step(test_images: tuple[np.ndarray, np.ndarray]) -> None:
+    x, _ = test_images
+    bb = Backbone(INT8_MODEL)
+    assert bb.input_dtype == np.int8
+    assert bb.embedding_quant.scale > 0
+    W, b = bb.head_from_model()
+    emb, logits = _embed(bb, x)
+    step = bb.output_quant.scale
+    diff = np.abs(emb @ W + b - logits)
+    assert diff.max() <= step * 1.0001, f"max diff {diff.max()} > one output step {step}"
+
+
+def test_embedding_read_after_invoke_matches_preserve_all_tensors(
+    test_images: tuple[np.ndarray, np.ndarray],
+) -> None:
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+    x, _ = test_images
+    bb = Backbone(INT8_MODEL)
+    ref = Interpreter(
+        model_path=str(INT8_MODEL),
+        experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
+        experimental_preserve_all_tensors=True,
+    )
+    ref.allocate_tensors()
+    inp = ref.get_input_details()[0]
+    for i in range(5):
+        q = bb.quantize_input((x[i : i + 1].astype(np.float32) / np.float32(16.0)).astype(np.float32))
+        emb, _ = bb.run(q)
+        ref.set_tensor(inp["index"], q)
+        ref.invoke()
+        expect = dequantize(ref.get_tensor(bb.embedding_index), bb.embedding_quant)
+        np.testing.assert_array_equal(emb, expect.reshape(1, -1))
+
+
+def test_sha256_and_shapes() -> None:
+    bb = Backbone(INT8_MODEL)
+    assert bb.sha256 == file_sha256(INT8_MODEL)
+    assert len(bb.sha256) == 64
+    assert bb.sample_shape == (8, 8, 1)
+    with pytest.raises(ValueError, match="model expects"):
+        bb.run(np.zeros((1, 8, 8, 1), np.float32))
+
+
+def test_corrupt_and_missing_model_give_model_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.tflite"
+    bad.write_bytes(INT8_MODEL.read_bytes()[:500])
+    with pytest.raises(ModelError, match="cannot load model"):
+        Backbone(bad)
+    junk = tmp_path / "junk.tflite"
+    junk.write_bytes(b"\x00" * 64)
+    with pytest.raises(ModelError):
+        Backbone(junk)
+    with pytest.raises(ModelError, match="not found"):
+        Backbone(tmp_path / "missing.tflite")
+    with pytest.raises(ModelError, match="not found in the model"):
+        Backbone(INT8_MODEL, embedding_tensor="no_such_tensor")
