@@ -1,0 +1,687 @@
+"""The dashboard: one aiohttp app serving an HTML page, JSON, Server-Sent Events and Prometheus metrics.
+
+The agent and the coordinator each serve it with their own :class:`DashboardState`. Routes (all GET,
+nothing changes state):
+
+- ``/``: the page (``static/index.html`` for a device, ``static/coordinator.html`` for the
+  coordinator), plain HTML + ``static/app.js`` + ``static/style.css``, no build step, no CDN.
+- ``/api/status``: ``{"kind", "title", "status"}`` where ``status`` is ``get_status()`` made JSON-safe
+  (non-finite floats become ``null``).
+- ``/api/history``: the RSS history kept by the app (device only), ``{"interval_s", "rss": [[age_s,
+  bytes], ...]}``, oldest first; ages are relative to the response so browser and gateway clocks
+  need not agree.
+- ``/api/events``: SSE; every event's data is the ``/api/status`` document. One shared publisher
+  serialises the status once per change for all streams; a client that goes away is dropped at once
+  (the app enables aiohttp's handler cancellation), a stalled one after ``WRITE_TIMEOUT_S``.
+- ``/metrics``: Prometheus text exposition format (prometheus-client) built from ``get_status()``.
+- ``/healthz``: ``ok``.
+
+Security: when ``token`` is set every route requires ``Authorization: Bearer <token>`` or HTTP Basic
+with the token as password (browsers prompt for it; ``EventSource`` then sends it too), compared in
+constant time. Without a token only loopback ``Host`` headers are served (421 otherwise), which stops
+DNS-rebinding pages from reading a loopback-bound dashboard. :func:`serve` refuses a non-loopback
+bind address without a token. Every response carries a Content-Security-Policy without inline
+script, ``X-Content-Type-Options: nosniff`` and ``Cache-Control: no-store``.
+
+Source: HTML Living Standard §9.2 (server-sent events); Prometheus text exposition format;
+RFC 6750 §2.1 (bearer token); RFC 7617 (Basic).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hmac
+import json
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from agent.errors import ConfigError
+from agent.validators import is_loopback_host
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.registry import CollectorRegistry
+
+logger = logging.getLogger(__name__)
+
+STATIC_DIR: Final = Path(__file__).resolve().parent / "static"
+KEEPALIVE_S = 15.0
+"""Seconds between SSE comment lines when nothing changes (keeps proxies from closing the stream)."""
+WRITE_TIMEOUT_S = 10.0
+"""A stream whose client does not take an event within this many seconds is dropped."""
+SSE_RETRY_MS = 2000
+"""Reconnect delay the browser is told to use after a stream ends."""
+
+DEVICE_PHASES: Final = ("inference", "batch", "train", "encode", "publish", "apply")
+DEVICE_STATES: Final = ("idle", "training", "uploading", "waiting", "deferred", "offline")
+
+_STATIC_TYPES: Final = {
+    "app.js": "text/javascript",
+    "style.css": "text/css",
+    "favicon.svg": "image/svg+xml",
+}
+_PAGES: Final = {"device": "index.html", "coordinator": "coordinator.html"}
+_SECURITY_HEADERS: Final = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+@dataclass(slots=True)
+class DashboardState:
+    """What the agent or the coordinator hands to the dashboard.
+
+    Parameters
+    ----------
+    kind : {"device", "coordinator"}
+        Which page to serve and which metrics to export.
+    title : str
+        Shown in the page header (device id, fleet name).
+    get_status : callable () -> Mapping[str, Any]
+        Returns the current status (keys listed in ``static/app.js``; any may be missing). Called on
+        the event loop, at most once per ``push_interval_s`` while a stream is open, once per
+        ``history_interval_s`` (device) and once per ``/api/status`` or ``/metrics`` request, so it
+        must be cheap and must not block. Values: numbers, str, bool, None, lists and mappings;
+        NaN/inf are sent as null.
+    token : str or None
+        Bearer token; required by :func:`serve` for a non-loopback host. When set, every route
+        requires it.
+    push_interval_s : float
+        While a stream is open, the status is polled this often (s) and pushed when it differs from
+        the last push; :meth:`notify` pushes at once.
+    history_interval_s : float
+        RSS history sampling period (s), device only.
+    history_len : int
+        RSS history length in samples (150 x 2 s = the last 5 minutes); a bounded deque.
+    max_streams : int
+        Open SSE streams allowed at once; more get 503.
+
+    Raises
+    ------
+    ValueError
+        If ``kind`` is unknown or a number is not positive.
+    """
+
+    kind: Literal["device", "coordinator"]
+    title: str
+    get_status: Callable[[], Mapping[str, Any]]
+    token: str | None = field(default=None, repr=False)
+    push_interval_s: float = 1.0
+    history_interval_s: float = 2.0
+    history_len: int = 150
+    max_streams: int = 16
+    _listeners: list[Callable[[], None]] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in _PAGES:
+            raise ValueError(f"kind = {self.kind!r}: must be 'device' or 'coordinator'")
+        for name in ("push_interval_s", "history_interval_s", "history_len", "max_streams"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} = {getattr(self, name)!r}: must be > 0")
+
+    def notify(self) -> None:
+        """Tell open pages that the status changed (pushed within one event-loop turn).
+
+        Cheap and idempotent; call it from the event-loop thread after a state change (round
+        opened, state training -> uploading, ...). From another thread use
+        ``loop.call_soon_threadsafe(state.notify)``. Without calls, changes still reach the pages
+        within ``push_interval_s``.
+        """
+        for listener in self._listeners:
+            listener()
+
+
+STATE_KEY: Final = web.AppKey("dashboard_state", DashboardState)
+
+
+def jsonable(value: Any) -> Any:
+    """Copy a status value into plain JSON types; non-finite floats become None.
+
+    Parameters
+    ----------
+    value : Any
+        Mappings (keys made str), lists/tuples, str, bool, int, float, None, and numpy scalars (via
+        ``.item()``); anything else becomes ``str(value)``.
+
+    Returns
+    -------
+    Any
+        A value ``json.dumps(..., allow_nan=False)`` accepts (browsers' ``JSON.parse`` rejects NaN).
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    item = getattr(value, "item", None)
+    if callable(item):
+        return jsonable(item())
+    return str(value)
+
+
+def _number(value: Any) -> float | None:
+    """Return a status value as a finite float (bool as 0/1), or None."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+class _Hub:
+    """The app's live part: one status publisher shared by every SSE stream, and the RSS history."""
+
+    def __init__(self, state: DashboardState) -> None:
+        self.state = state
+        self.seq = 0
+        self.frame = b""
+        self.streams = 0
+        self.closing = False
+        self.history: deque[tuple[float, int]] = deque(maxlen=state.history_len)
+        self.registry: CollectorRegistry | None = None
+        self._status_json = b""
+        self._new_frame = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._status_failed = False
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def close(self) -> None:
+        self.closing = True
+        self._wake.set()
+        self._new_frame.set()
+
+    def status(self) -> Mapping[str, Any]:
+        """Call ``get_status`` (the only place that does)."""
+        status = self.state.get_status()
+        if self._status_failed:
+            self._status_failed = False
+            logger.info("dashboard: status available again")
+        return status
+
+    def document(self) -> bytes:
+        """Build the ``/api/status`` document as compact JSON bytes.
+
+        Raises
+        ------
+        Exception
+            Whatever ``get_status`` raises.
+        """
+        doc = {"kind": self.state.kind, "title": self.state.title, "status": jsonable(self.status())}
+        return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+
+    def refresh(self) -> None:
+        """Build a new SSE frame if the status changed and wake the streams waiting for one."""
+        try:
+            body = self.document()
+        except Exception:
+            if not self._status_failed:
+                self._status_failed = True
+                logger.exception("dashboard: get_status failed; keeping the last status")
+            return
+        if body == self._status_json:
+            return
+        self._status_json = body
+        self.seq += 1
+        self.frame = b"id: %d\ndata: %s\n\n" % (self.seq, body)
+        event, self._new_frame = self._new_frame, asyncio.Event()
+        event.set()
+
+    async def next_frame(self, seq: int, timeout_s: float) -> tuple[int, bytes]:
+        """Wait until a frame newer than ``seq`` exists or ``timeout_s`` passes; return the latest."""
+        if self.seq == seq and not self.closing:
+            event = self._new_frame
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await event.wait()
+        return self.seq, self.frame
+
+    def sample_history(self) -> None:
+        try:
+            rss = _number(self.status().get("rss_bytes"))
+        except Exception:
+            return  # refresh() logs the failure
+        if rss is not None:
+            self.history.append((time.monotonic(), int(rss)))
+
+    async def run(self) -> None:
+        """Sample the RSS history and, while streams are open, poll and push the status."""
+        sample = self.state.kind == "device"
+        next_sample = time.monotonic()
+        while not self.closing:
+            now = time.monotonic()
+            if sample and now >= next_sample:
+                self.sample_history()
+                next_sample = now + self.state.history_interval_s
+            self._wake.clear()
+            if self.streams > 0:
+                self.refresh()
+            timeout_s = self.state.push_interval_s if self.streams > 0 else KEEPALIVE_S
+            if sample:
+                timeout_s = min(timeout_s, max(0.0, next_sample - time.monotonic()))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await self._wake.wait()
+
+
+HUB_KEY: Final = web.AppKey("dashboard_hub", _Hub)
+
+
+# --------------------------------------------------------------------------------------------------
+# access control and headers
+
+
+def _authorized(header: str | None, token: str) -> bool:
+    """Tell whether an ``Authorization`` header carries ``token`` (Bearer, or Basic password)."""
+    if not header:
+        return False
+    scheme, _, credentials = header.partition(" ")
+    credentials = credentials.strip()
+    if scheme.lower() == "bearer":
+        offered = credentials.encode()
+    elif scheme.lower() == "basic":
+        try:
+            decoded = base64.b64decode(credentials, validate=True)
+        except (binascii.Error, ValueError):
+            return False
+        offered = decoded.partition(b":")[2]
+    else:
+        return False
+    return hmac.compare_digest(offered, token.encode())
+
+
+def _host_name(host_header: str) -> str:
+    """Return the name part of a ``Host`` header (``[::1]:8080`` -> ``::1``, ``a:80`` -> ``a``)."""
+    if host_header.startswith("["):
+        return host_header[1:].partition("]")[0]
+    return host_header.rpartition(":")[0] if host_header.count(":") == 1 else host_header
+
+
+@web.middleware
+async def _guard(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+    token = request.app[STATE_KEY].token
+    if token is None:
+        if not is_loopback_host(_host_name(request.host)):
+            logger.debug("dashboard: refused Host %r from %s", request.host, request.remote)
+            raise web.HTTPMisdirectedRequest(
+                text="this dashboard serves loopback host names only; set dashboard.token to serve others\n"
+            )
+    elif not _authorized(request.headers.get("Authorization"), token):
+        logger.debug("dashboard: 401 for %s %s from %s", request.method, request.path, request.remote)
+        challenges = CIMultiDict([("WWW-Authenticate", 'Bearer realm="edgefl"'),
+                                  ("WWW-Authenticate", 'Basic realm="edgefl", charset="UTF-8"')])
+        raise web.HTTPUnauthorized(headers=challenges, text="401: token required\n")
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
+async def _add_headers(request: web.Request, response: web.StreamResponse) -> None:
+    for name, value in _SECURITY_HEADERS.items():
+        response.headers.setdefault(name, value)
+
+
+# --------------------------------------------------------------------------------------------------
+# routes
+
+
+async def _page(request: web.Request) -> web.Response:
+    name = _PAGES[request.app[STATE_KEY].kind]
+    return web.Response(body=(STATIC_DIR / name).read_bytes(), content_type="text/html", charset="utf-8")
+
+
+async def _static(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    content_type = _STATIC_TYPES.get(name)
+    if content_type is None:  # a fixed list: no directory walking, no listing
+        raise web.HTTPNotFound()
+    return web.Response(body=(STATIC_DIR / name).read_bytes(), content_type=content_type, charset="utf-8")
+
+
+async def _status(request: web.Request) -> web.Response:
+    try:
+        body = request.app[HUB_KEY].document()
+    except Exception as exc:
+        logger.exception("dashboard: get_status failed")
+        raise web.HTTPServiceUnavailable(text="status unavailable\n") from exc
+    return web.Response(body=body, content_type="application/json")
+
+
+async def _history(request: web.Request) -> web.Response:
+    hub = request.app[HUB_KEY]
+    now = time.monotonic()
+    doc = {
+        "interval_s": hub.state.history_interval_s,
+        "rss": [[round(now - t, 1), rss] for t, rss in hub.history],
+    }
+    return web.json_response(doc)
+
+
+async def _events(request: web.Request) -> web.StreamResponse:
+    hub = request.app[HUB_KEY]
+    if hub.streams >= hub.state.max_streams:
+        raise web.HTTPServiceUnavailable(text="too many event streams\n", headers={"Retry-After": "5"})
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Accel-Buffering": "no"})
+    hub.streams += 1
+    hub.wake()  # the publisher sleeps long while no stream is open
+    try:
+        await response.prepare(request)
+        await response.write(b"retry: %d\n\n" % SSE_RETRY_MS)
+        hub.refresh()
+        seq = -1
+        while not hub.closing:
+            new_seq, frame = await hub.next_frame(seq, KEEPALIVE_S)
+            if hub.closing or request.transport is None or request.transport.is_closing():
+                break
+            async with asyncio.timeout(WRITE_TIMEOUT_S):
+                await response.write(frame if new_seq != seq else b": keepalive\n\n")
+            seq = new_seq
+    except (ConnectionError, TimeoutError) as exc:
+        logger.debug("dashboard: event stream to %s ended: %r", request.remote, exc)
+    finally:
+        hub.streams -= 1
+    return response
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    hub = request.app[HUB_KEY]
+    # prometheus_client (with http.server, wsgiref and urllib, about 1.8 MB RSS) loads on the first
+    # scrape, so an agent nobody scrapes does not pay for it.
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+    if hub.registry is None:
+        hub.registry = CollectorRegistry(auto_describe=False)
+        hub.registry.register(_StatusCollector(hub))
+    try:
+        body = generate_latest(hub.registry)
+    except Exception as exc:
+        logger.exception("dashboard: metrics unavailable")
+        raise web.HTTPServiceUnavailable(text="metrics unavailable\n") from exc
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# Prometheus
+
+
+class _StatusCollector:
+    """A prometheus_client collector reading ``get_status()`` at scrape time (nothing cached)."""
+
+    def __init__(self, hub: _Hub) -> None:
+        self.hub = hub
+
+    def collect(self) -> Iterator[Metric]:
+        status = self.hub.status()
+        if self.hub.state.kind == "device":
+            yield from device_metrics(status)
+        else:
+            yield from coordinator_metrics(status)
+        from prometheus_client.metrics_core import GaugeMetricFamily
+
+        yield GaugeMetricFamily(
+            "edgefl_dashboard_sse_streams", "Open Server-Sent Events streams of this dashboard.",
+            value=self.hub.streams,
+        )
+
+
+def _gauge(name: str, doc: str, value: Any) -> Iterator[Metric]:
+    from prometheus_client.metrics_core import GaugeMetricFamily
+
+    number = _number(value)
+    if number is not None:
+        yield GaugeMetricFamily(name, doc, value=number)
+
+
+def _labelled(
+    name: str, doc: str, label: str, values: Any, *, counter: bool = False, known: tuple[str, ...] = ()
+) -> Iterator[Metric]:
+    from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+
+    family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=[label])
+    items = dict(values) if isinstance(values, Mapping) else {}
+    for key in known:
+        items.setdefault(key, None)
+    for key, value in items.items():
+        number = _number(value)
+        if number is not None:
+            family.add_metric([str(key)], number)
+    yield family
+
+
+def _state_set(name: str, doc: str, state: Any, known: tuple[str, ...]) -> Iterator[Metric]:
+    """One gauge per known state, 1 for the current one (the Prometheus enum idiom)."""
+    from prometheus_client.metrics_core import GaugeMetricFamily
+
+    if not isinstance(state, str):
+        return
+    family = GaugeMetricFamily(name, doc, labels=["state"])
+    for known_state in dict.fromkeys((*known, state)):
+        family.add_metric([known_state], 1.0 if known_state == state else 0.0)
+    yield family
+
+
+_DEVICE_GAUGES: Final = (
+    ("edgefl_memory_cap_bytes", "cap_bytes", "Memory cap of the agent."),
+    ("edgefl_memory_rss_bytes", "rss_bytes", "Resident set size of the agent."),
+    ("edgefl_memory_pss_bytes", "pss_bytes", "Proportional set size of the agent."),
+    ("edgefl_memory_peak_rss_bytes", "peak_rss_bytes", "Peak RSS of the agent."),
+    ("edgefl_system_available_bytes", "system_available_bytes", "MemAvailable of the system."),
+    ("edgefl_round", "round", "Current round known to the device."),
+    ("edgefl_global_version", "version", "Version of the global head in use."),
+    ("edgefl_last_update_bytes", "last_update_bytes", "Wire size of the last update sent."),
+    ("edgefl_local_accuracy", "local_accuracy", "Accuracy of the last local training (0..1)."),
+    ("edgefl_inference_rate_samples_per_second", "inference_rate", "Inference rate."),
+    ("edgefl_store_samples", "store_samples", "Labelled embeddings in the store."),
+    ("edgefl_broker_connected", "broker_connected", "1 when connected to the MQTT broker."),
+)
+_COORDINATOR_GAUGES: Final = (
+    ("edgefl_round", "round", "Current round."),
+    ("edgefl_global_version", "version", "Version of the global head."),
+    ("edgefl_round_updates_received", "updates_received", "Updates received this round."),
+    ("edgefl_round_updates_expected", "updates_expected", "Updates expected this round."),
+    ("edgefl_round_deadline_left_seconds", "deadline_s_left", "Seconds left before the round deadline."),
+)
+
+
+def device_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
+    """Prometheus metric families for a device status (missing or null values are left out).
+
+    Parameters
+    ----------
+    status : Mapping[str, Any]
+        A device status as returned by the agent's ``get_status``.
+
+    Returns
+    -------
+    Iterator[prometheus_client.Metric]
+        ``edgefl_memory_{cap,rss,pss,peak_rss}_bytes``, ``edgefl_system_available_bytes``,
+        ``edgefl_phase_peak_bytes{phase}``, ``edgefl_round``, ``edgefl_global_version``,
+        ``edgefl_last_update_bytes``, ``edgefl_local_accuracy`` (0..1),
+        ``edgefl_inference_rate_samples_per_second``, ``edgefl_inferred_samples_total``,
+        ``edgefl_store_samples``, ``edgefl_broker_connected`` (0/1), ``edgefl_agent_state{state}``,
+        ``edgefl_pipeline_info{mode}``, ``edgefl_rejected_total{reason}``.
+    """
+    from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+
+    for name, key, doc in _DEVICE_GAUGES[:5]:
+        yield from _gauge(name, doc, status.get(key))
+    yield from _labelled(
+        "edgefl_phase_peak_bytes", "Peak RSS measured during each phase.", "phase", status.get("phase_peaks")
+    )
+    for name, key, doc in _DEVICE_GAUGES[5:]:
+        yield from _gauge(name, doc, status.get(key))
+    inferred = _number(status.get("inferred_total"))
+    if inferred is not None:
+        yield CounterMetricFamily("edgefl_inferred_samples", "Samples classified.", value=inferred)
+    yield from _state_set(
+        "edgefl_agent_state", "Agent state (1 = current).", status.get("state"), DEVICE_STATES
+    )
+    mode = status.get("pipeline_mode")
+    if isinstance(mode, str):
+        info = GaugeMetricFamily("edgefl_pipeline_info", "Input pipeline mode in use.", labels=["mode"])
+        info.add_metric([mode], 1.0)
+        yield info
+    yield from _labelled(
+        "edgefl_rejected", "Messages rejected, by reason.", "reason", status.get("rejected"), counter=True
+    )
+
+
+def coordinator_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
+    """Prometheus metric families for a coordinator status (missing or null values are left out).
+
+    Parameters
+    ----------
+    status : Mapping[str, Any]
+        A coordinator status as returned by the coordinator's ``get_status``.
+
+    Returns
+    -------
+    Iterator[prometheus_client.Metric]
+        ``edgefl_round``, ``edgefl_global_version``, ``edgefl_round_updates_received``,
+        ``edgefl_round_updates_expected``, ``edgefl_round_deadline_left_seconds``,
+        ``edgefl_coordinator_state{state}``, ``edgefl_test_accuracy`` (0..1, latest round),
+        ``edgefl_device_online{device}`` (0/1), ``edgefl_device_rss_bytes{device}``,
+        ``edgefl_device_cap_bytes{device}``, ``edgefl_device_last_round{device}``,
+        ``edgefl_rejected_total{reason}``.
+    """
+    for name, key, doc in _COORDINATOR_GAUGES:
+        yield from _gauge(name, doc, status.get(key))
+    yield from _state_set(
+        "edgefl_coordinator_state", "Coordinator state (1 = current).", status.get("state"), ()
+    )
+    history = status.get("accuracy_history")
+    if isinstance(history, list) and history and isinstance(history[-1], Mapping):
+        accuracy = history[-1].get("accuracy")
+        yield from _gauge("edgefl_test_accuracy", "Test accuracy of the latest global head (0..1).", accuracy)
+    devices = status.get("devices")
+    devices = devices if isinstance(devices, Mapping) else {}
+    for key, name, doc in (
+        ("online", "edgefl_device_online", "1 when the device's retained status says online."),
+        ("rss_bytes", "edgefl_device_rss_bytes", "RSS reported by the device."),
+        ("cap_bytes", "edgefl_device_cap_bytes", "Memory cap reported by the device."),
+        ("last_round", "edgefl_device_last_round", "Last round the device took part in."),
+    ):
+        values = {d: e.get(key) for d, e in devices.items() if isinstance(e, Mapping)}
+        yield from _labelled(name, doc, "device", values)
+    yield from _labelled(
+        "edgefl_rejected", "Messages rejected, by reason.", "reason", status.get("rejected"), counter=True
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# factory and server
+
+
+def create_app(state: DashboardState) -> web.Application:
+    """Build the dashboard application for one agent or coordinator.
+
+    Parameters
+    ----------
+    state : DashboardState
+        Status source, page kind and token.
+
+    Returns
+    -------
+    aiohttp.web.Application
+        Read-only routes ``/``, ``/static/{name}``, ``/api/status``, ``/api/history``,
+        ``/api/events``, ``/metrics``, ``/healthz``. The status publisher runs as a background
+        task of the app (``cleanup_ctx``), so it starts and stops with the runner.
+    """
+    hub = _Hub(state)
+    # handler_cancellation: aiohttp then cancels a handler as soon as its client disconnects, so an
+    # SSE stream ends at once instead of at its next write.
+    app = web.Application(
+        middlewares=[_guard], handler_args={"handler_cancellation": True}, client_max_size=4096
+    )
+    app[STATE_KEY] = state
+    app[HUB_KEY] = hub
+    app.router.add_get("/", _page)
+    app.router.add_get("/static/{name}", _static)
+    app.router.add_get("/api/status", _status)
+    app.router.add_get("/api/history", _history)
+    app.router.add_get("/api/events", _events)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/healthz", _healthz)
+    app.on_response_prepare.append(_add_headers)
+
+    async def publisher(app: web.Application) -> AsyncIterator[None]:
+        state._listeners.append(hub.wake)
+        task = asyncio.create_task(hub.run(), name="dashboard-publisher")
+        yield
+        state._listeners.remove(hub.wake)
+        hub.close()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def end_streams(app: web.Application) -> None:
+        hub.close()  # open SSE handlers return, so the runner's shutdown does not wait for them
+
+    app.cleanup_ctx.append(publisher)
+    app.on_shutdown.append(end_streams)
+    return app
+
+
+async def serve(state: DashboardState, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
+    """Start the dashboard on ``host:port``; stop it with ``await runner.cleanup()``.
+
+    Parameters
+    ----------
+    state : DashboardState
+        Status source, page kind and token.
+    host : str
+        Listen address; a non-loopback one (``0.0.0.0``, a LAN address) requires ``state.token``.
+    port : int
+        TCP port; 0 picks a free one.
+
+    Returns
+    -------
+    tuple[aiohttp.web.AppRunner, int]
+        The runner and the port actually bound.
+
+    Raises
+    ------
+    ConfigError
+        If ``host`` is not loopback and ``state.token`` is None.
+    OSError
+        If the address cannot be bound.
+    """
+    if not is_loopback_host(host) and not state.token:
+        raise ConfigError([f"dashboard.host = {host!r}: a non-loopback host requires dashboard.token"])
+    runner = web.AppRunner(create_app(state), access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = int(runner.addresses[0][1])
+    shown = host if ":" not in host else f"[{host}]"
+    logger.info("dashboard (%s) on http://%s:%d/", state.kind, shown, bound)
+    return runner, bound
