@@ -1,0 +1,238 @@
+"""Persistent state: atomic writes, checksummed records with fallback, the outbox (issue 6, faults)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.state import (
+    HEADER_BYTES,
+    Dropped,
+    Outbox,
+    OutboxEntry,
+    RecordError,
+    atomic_write,
+    decode_record,
+    encode_record,
+    prev_path,
+    read_record,
+    write_record,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_atomic_write_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
+    p = tmp_path / "x.bin"
+    atomic_write(p, b"one")
+    atomic_write(p, b"two")
+    assert p.read_bytes() == b"two"
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["x.bin"]
+
+
+def test_record_roundtrip_and_layout() -> None:
+    rec = encode_record(b"hello", generation=7)
+    assert len(rec) == HEADER_BYTES + 5 == 61
+    assert rec[:4] == b"EFLR"
+    assert decode_record(rec) == (7, b"hello")
+    assert decode_record(encode_record(b"")) == (0, b"")
+
+
+def test_write_record_keeps_previous_generation(tmp_path: Path) -> None:
+    p = tmp_path / "head.rec"
+    assert write_record(p, b"gen0") == 0
+    assert write_record(p, b"gen1") == 1
+    assert write_record(p, b"gen2") == 2
+    assert read_record(p) == b"gen2"
+    assert decode_record(prev_path(p).read_bytes()) == (1, b"gen1")
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["head.rec", "head.rec.prev"]
+
+
+def test_corrupt_torn_write_at_every_offset_falls_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    p = tmp_path / "s.rec"
+    write_record(p, b"the last good state")
+    write_record(p, b"the newest state, about to be torn")
+    newest = p.read_bytes()
+    for cut in range(len(newest)):
+        p.write_bytes(newest[:cut])
+        with pytest.raises(RecordError):
+            decode_record(newest[:cut])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="agent.state"):
+            assert read_record(p) == b"the last good state", cut
+        assert "torn or corrupt" in caplog.text and "s.rec.prev" in caplog.text
+    p.write_bytes(newest)
+    assert read_record(p) == b"the newest state, about to be torn"
+
+
+def test_corrupt_torn_write_without_previous_returns_none(tmp_path: Path) -> None:
+    p = tmp_path / "s.rec"
+    write_record(p, b"only generation")
+    whole = p.read_bytes()
+    for cut in range(len(whole)):
+        p.write_bytes(whole[:cut])
+        assert read_record(p) is None
+
+
+def test_corrupt_bit_flip_anywhere_is_detected(tmp_path: Path) -> None:
+    p = tmp_path / "s.rec"
+    write_record(p, b"good")
+    write_record(p, b"newer payload")
+    newest = p.read_bytes()
+    for i in range(len(newest)):
+        for bit in range(8):
+            flipped = bytearray(newest)
+            flipped[i] ^= 1 << bit
+            with pytest.raises(RecordError):
+                decode_record(bytes(flipped))
+    flipped = bytearray(newest)
+    flipped[-1] ^= 0x01
+    p.write_bytes(bytes(flipped))
+    assert read_record(p) == b"good"
+
+
+def test_corrupt_newest_does_not_evict_last_good(tmp_path: Path) -> None:
+    p = tmp_path / "s.rec"
+    write_record(p, b"good")
+    write_record(p, b"newer")
+    p.write_bytes(b"garbage")  # the newest file rots; the last good generation is .prev ("good")
+    assert write_record(p, b"newest") == 1  # generation continues from .prev (0) + 1
+    assert read_record(p) == b"newest"
+    assert decode_record(prev_path(p).read_bytes()) == (0, b"good")
+
+
+def test_corrupt_both_generations_returns_none(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    p = tmp_path / "s.rec"
+    write_record(p, b"a")
+    write_record(p, b"b")
+    p.write_bytes(b"x")
+    prev_path(p).write_bytes(b"y")
+    with caplog.at_level(logging.ERROR, logger="agent.state"):
+        assert read_record(p) is None
+    assert "starting empty" in caplog.text
+
+
+def test_corrupt_missing_newest_uses_previous(tmp_path: Path) -> None:
+    # a crash between the rename fallback (no hard links) and the new write leaves only .prev
+    p = tmp_path / "s.rec"
+    write_record(p, b"a")
+    write_record(p, b"b")
+    p.unlink()
+    assert read_record(p) == b"a"
+    assert read_record(tmp_path / "never-written.rec") is None
+
+
+def test_corrupt_recovery_after_kill_mid_write(tmp_path: Path) -> None:
+    """A child process writes generations in a loop and is SIGKILLed; the survivor reads a good record."""
+    p = tmp_path / "s.rec"
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom agent.state import write_record\n"
+        "p = Path(sys.argv[1])\ni = 0\n"
+        "while True:\n    write_record(p, (b'%08d' % i) * 4096)\n    i += 1\n"
+        "    if i == 3: print('ready', flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(p)], cwd=ROOT, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == b"ready"
+    proc.kill()
+    proc.wait()
+    payload = read_record(p)
+    assert payload is not None and len(payload) == 8 * 4096
+    n = int(payload[:8])
+    assert n >= 2 and payload == (b"%08d" % n) * 4096
+
+
+# --- outbox ---------------------------------------------------------------------------------------
+
+
+def test_outbox_persists_until_ack_and_survives_restart(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "outbox.rec"
+    box = Outbox(path, max_bytes=1000)
+    assert box.add("dev-1:3:2", 3, b"u3") == []
+    assert box.add("dev-1:4:3", 4, b"u4-bytes") == []
+    assert box.mark_sent("dev-1:3:2") == 1
+    assert box.total_bytes == 10 and len(box) == 2
+    # restart: a new Outbox on the same file sees both, same ids and payloads, in order
+    again = Outbox(path, max_bytes=1000)
+    assert again.pending() == [
+        OutboxEntry("dev-1:3:2", 3, b"u3", 1),
+        OutboxEntry("dev-1:4:3", 4, b"u4-bytes", 0),
+    ]
+    assert again.ack("dev-1:3:2") is True
+    assert again.ack("dev-1:3:2") is False
+    assert [e.update_id for e in Outbox(path, max_bytes=1000).pending()] == ["dev-1:4:3"]
+
+
+def test_outbox_same_update_id_is_kept_once(tmp_path: Path) -> None:
+    box = Outbox(tmp_path / "o.rec", max_bytes=100)
+    box.add("a:1", 1, b"first")
+    assert box.add("a:1", 1, b"second") == []
+    assert box.pending() == [OutboxEntry("a:1", 1, b"first", 0)]
+
+
+def test_outbox_bounded_in_bytes_drops_oldest(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    box = Outbox(tmp_path / "o.rec", max_bytes=25)
+    assert box.add("u1", 1, b"x" * 10) == []
+    assert box.add("u2", 2, b"y" * 10) == []
+    with caplog.at_level(logging.WARNING, logger="agent.state"):
+        assert box.add("u3", 3, b"z" * 12) == [Dropped("u1", 1, "outbox_full")]
+    assert "outbox full: dropped update u1" in caplog.text
+    assert [e.update_id for e in box.pending()] == ["u2", "u3"] and box.total_bytes == 22
+    assert box.add("u4", 4, b"w" * 25) == [Dropped("u2", 2, "outbox_full"), Dropped("u3", 3, "outbox_full")]
+    assert box.add("big", 5, b"b" * 26) == [Dropped("big", 5, "too_large")]
+    assert [e.update_id for e in box.pending()] == ["u4"]
+    assert box.total_bytes <= 25
+
+
+def test_outbox_drop_stale_rounds(tmp_path: Path) -> None:
+    box = Outbox(tmp_path / "o.rec", max_bytes=1000)
+    for r in (3, 4, 5):
+        box.add(f"d:{r}", r, b"p%d" % r)
+    assert box.drop_stale(5) == [Dropped("d:3", 3, "stale_round"), Dropped("d:4", 4, "stale_round")]
+    assert box.drop_stale(5) == []
+    assert [e.round for e in Outbox(tmp_path / "o.rec", max_bytes=1000).pending()] == [5]
+
+
+def test_outbox_rejects_bad_ids_and_bounds(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_bytes"):
+        Outbox(tmp_path / "o.rec", max_bytes=0)
+    box = Outbox(tmp_path / "o.rec", max_bytes=10)
+    with pytest.raises(ValueError, match="update_id"):
+        box.add("has space", 1, b"x")
+    with pytest.raises(ValueError, match="round"):
+        box.add("ok", -1, b"x")
+
+
+def test_outbox_corrupt_file_falls_back_to_previous_generation(tmp_path: Path) -> None:
+    path = tmp_path / "o.rec"
+    box = Outbox(path, max_bytes=1000)
+    box.add("a", 1, b"A")
+    box.add("b", 1, b"B")  # newest generation holds a and b; .prev holds a
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert [e.update_id for e in Outbox(path, max_bytes=1000).pending()] == ["a"]
+
+
+def test_outbox_unknown_layout_starts_empty(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "o.rec"
+    write_record(path, b"\xa1\x61v\x02")  # a good record holding {"v": 2}
+    with caplog.at_level(logging.ERROR, logger="agent.state"):
+        assert len(Outbox(path, max_bytes=10)) == 0
+    assert "unknown layout" in caplog.text
+
+
+def test_outbox_write_is_durable_file_is_a_record(tmp_path: Path) -> None:
+    path = tmp_path / "o.rec"
+    Outbox(path, max_bytes=100).add("a", 0, b"payload")
+    gen, payload = decode_record(path.read_bytes())
+    assert gen == 0 and b"payload" in payload
+    assert not any(f.name.endswith(".tmp") for f in tmp_path.iterdir())
+    assert os.stat(path).st_size == HEADER_BYTES + len(payload)
