@@ -104,6 +104,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         profile=Path(args.profile),
         model=Path(args.model) if args.model else None,
         local_epochs=args.local_epochs,
+        lr_decay=args.lr_decay,
         lr=args.lr,
         batch_size=args.batch_size,
         seed=args.seed,
@@ -147,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--profile", default=str(root / "firmware_configs" / "dev_x86.toml"))
     d.add_argument("--model", default=None, help="override the profile's model (.tflite)")
     d.add_argument("--local-epochs", type=int, default=2)
-    d.add_argument("--lr", type=float, default=0.1)
+    d.add_argument("--lr", type=float, default=0.05, help="client learning rate of round 1")
+    d.add_argument("--lr-decay", type=float, default=0.8, help="per-round factor on the client learning rate")
     d.add_argument("--batch-size", type=int, default=16)
     d.add_argument("--deadline", type=float, default=60.0, help="round deadline in seconds")
     d.add_argument("--seed", type=int, default=0)

@@ -25,9 +25,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture
-def two_agents(
-    mosquitto: Broker, fleet: str, tmp_path: Path
-) -> Iterator[tuple[list[Any], dict[str, Any]]]:
+def two_agents(mosquitto: Broker, fleet: str, tmp_path: Path) -> Iterator[tuple[list[Any], dict[str, Any]]]:
     x, y = load_digits()
     split = split_digits(y)
     pool = split.devices
@@ -83,7 +81,8 @@ def test_e2e_accuracy_rises_and_bad_input_is_counted(
             W0,
             b0,
             model_sha256=bb.sha256,
-            strategy=Strategy(local_epochs=2, lr=0.1, batch_size=16, min_clients=2, deadline_s=60),
+            strategy=Strategy(local_epochs=2, lr=0.05, batch_size=16, min_clients=2, deadline_s=60),
+            lr_decay=0.8,
             evaluate=lambda W, b: accuracy(W, b, emb_test, y_test),
         )
         pump = asyncio.create_task(coord.pump())
