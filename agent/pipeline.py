@@ -1,0 +1,801 @@
+"""Raw samples to model input, unfused or fused, batched into the interpreter; chosen by measurement.
+
+Two paths over the same stage definitions (:func:`to_float`, :func:`normalise`, and the backbone's
+``quantize_input``):
+
+- **unfused**: each stage a separate numpy operation with its own output array (``cast``,
+  ``normalise``, ``quantise``, ``stack`` when a partial batch is padded), then ``set_tensor``.
+- **fused**: one stage (``fill``) writes each sample straight into a numpy view of the interpreter's
+  input tensor (sample ``k`` into row ``k``). For 8- and 16-bit integer raw samples the whole map
+  (normalise, quantise, round half to even, clip) is a lookup table built by running the unfused
+  stages on every possible raw value, so the fused tensor is bit-identical to the unfused one by
+  construction. For other raw dtypes the unfused arithmetic runs in place over one sample at a time
+  (a one-sample float32 scratch, or the tensor row itself for float32 models), again bit-identical:
+  an algebraic fold ``x*a + c`` would differ from ``(x - mean) / std / scale`` by an ulp, and one ulp
+  at a rounding tie is one quantisation step.
+
+Rules kept here because LiteRT enforces them at run time:
+
+- No numpy view of an interpreter tensor outlives the write: LiteRT refuses ``invoke()``,
+  ``resize_tensor_input()`` and ``allocate_tensors()`` while one is alive. A view held by a frame in an
+  exception's traceback counts, so the frames of a failed write are cleared before re-raising.
+- Views are taken afresh for every batch, so a resize (by this pipeline, another pipeline or the
+  backbone) never leaves a stale one.
+- One interpreter is used by one thread at a time: :func:`claim` raises :class:`InterpreterBusy` when a
+  second thread tries to use an interpreter another thread is using.
+
+Which mode and batch a model gets is measured (:func:`measure`, :func:`choose`), never assumed; the
+decision is cached per model sha256 so a restart does not re-profile. ``edgefl profile`` is in
+:mod:`agent.profiler`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import threading
+import time
+import traceback
+import tracemalloc
+import weakref
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import numpy as np
+
+from agent.errors import EdgeflError
+from agent.runtime import Backbone
+from agent.types import F32
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["fused", "unfused"]
+MODES: tuple[Mode, Mode] = ("fused", "unfused")
+
+#: Stages that run before ``invoke`` (what "preprocessing" means in every measurement).
+PREPROCESS_STAGES = ("cast", "normalise", "quantise", "stack", "set_tensor", "fill")
+#: Raw values per table lookup call: the intp index copy numpy makes is 64 KiB, under one
+#: 96x96x3 float32 sample (110,592 bytes), so the fused step's peak stays below one sample.
+TABLE_CHUNK_ELEMS = 8192
+#: Largest lookup table built (bytes); a 16-bit raw into a float32 model per channel would exceed it.
+TABLE_MAX_BYTES = 256 * 1024
+#: Fused must beat unfused by this fraction at the same batch to be chosen (measurement noise).
+DEFAULT_MARGIN = 0.03
+CACHE_VERSION = 1
+
+#: (tensor index, zero point, scale or None when not quantised, destination)
+_Output = tuple[int, np.float32, np.float32 | None, F32]
+
+
+class InterpreterBusy(EdgeflError):
+    """An interpreter was used by a second thread while another thread was using it.
+
+    Parameters
+    ----------
+    model : str
+        The model file.
+    holder : str
+        Name of the thread using the interpreter.
+    """
+
+    def __init__(self, model: str, holder: str) -> None:
+        self.model = model
+        self.holder = holder
+        super().__init__(
+            f"{model}: interpreter in use by thread {holder!r}; one interpreter is used by one thread "
+            "at a time (run inference on the agent's worker thread)"
+        )
+
+
+# --- one thread per interpreter --------------------------------------------------------------------
+@dataclass
+class _Claim:
+    owner: int = 0
+    name: str = ""
+    depth: int = 0
+
+
+_claims: weakref.WeakKeyDictionary[Any, _Claim] = weakref.WeakKeyDictionary()
+_claims_lock = threading.Lock()
+
+
+class claim:  # noqa: N801 - used as a function: ``with claim(backbone):``
+    """Hold ``backbone``'s interpreter for the calling thread (re-entrant in that thread).
+
+    A class rather than a generator context manager: it runs once per batch on the hot path.
+
+    Raises
+    ------
+    InterpreterBusy
+        On entry, if another thread holds it. It never waits: two threads on one interpreter is a
+        wiring bug to surface, not to serialise silently.
+    """
+
+    __slots__ = ("_backbone", "_claim")
+
+    def __init__(self, backbone: Backbone) -> None:
+        self._backbone = backbone
+        self._claim: _Claim | None = None
+
+    def __enter__(self) -> None:
+        me = threading.get_ident()
+        with _claims_lock:
+            c = _claims.get(self._backbone.interpreter)
+            if c is None:
+                c = _claims[self._backbone.interpreter] = _Claim()
+            if c.depth and c.owner != me:
+                raise InterpreterBusy(self._backbone.path.name, c.name)
+            if not c.depth:
+                c.owner, c.name = me, threading.current_thread().name
+            c.depth += 1
+        self._claim = c
+
+    def __exit__(self, *exc: object) -> None:
+        with _claims_lock:
+            assert self._claim is not None
+            self._claim.depth -= 1
+
+
+# --- the stages (shared by both paths and by the lookup tables) -----------------------------------
+def to_float(raw: np.ndarray) -> F32:
+    """Stage ``cast``: raw samples of any numeric dtype as float32 (a new array)."""
+    out: F32 = raw.astype(np.float32)
+    return out
+
+
+def normalise(x: F32, mean: F32, std: F32) -> F32:
+    """Stage ``normalise``: ``(x - mean) / std`` over the last axis (channels), float32, new arrays.
+
+    Parameters
+    ----------
+    x : float32 [..., C]
+    mean, std : float32 [C] or [1]
+    """
+    out: F32 = ((x - mean) / std).astype(np.float32, copy=False)
+    return out
+
+
+def _channel_params(values: Sequence[float], name: str, channels: int) -> F32:
+    arr = np.asarray(tuple(values), dtype=np.float32)
+    if arr.ndim != 1 or arr.size not in (1, channels) or not np.isfinite(arr).all():
+        raise ValueError(f"{name} {tuple(values)}: need 1 or {channels} finite values")
+    return arr
+
+
+@dataclass(frozen=True, slots=True)
+class _Table:
+    """Lookup table for integer raw samples: ``flat[u * C + c]`` or ``flat[u]`` (u = raw bits, unsigned)."""
+
+    flat: np.ndarray
+    index_dtype: np.dtype[Any]
+    channels: int  # 1 when every channel maps alike
+    channel_of: np.ndarray  # intp [chunk]: channel of each position of a chunk (per-channel tables)
+
+
+class Pipeline:
+    """Raw samples to (embeddings, logits) through one backbone, in a fixed mode and batch size.
+
+    Parameters
+    ----------
+    backbone : Backbone
+        The loaded model; the pipeline resizes its input to ``batch`` when the model allows it.
+    mean, std : tuple[float, ...]
+        Per-channel normalisation (last axis), 1 or C values: model input = ``(raw - mean) / std``.
+    mode : "fused" | "unfused"
+    batch : int
+        Samples per ``invoke``, >= 1. A model whose batch cannot be resized keeps its own batch
+        (``tensor_batch``) and runs ``batch``-sized chunks in several invokes.
+
+    Raises
+    ------
+    ValueError
+        If ``mode``, ``batch``, ``mean`` or ``std`` is invalid.
+
+    Notes
+    -----
+    The pipeline caches only what is fixed for the life of the model: the lookup tables (rebuilt if the
+    backbone's input quantisation ever differs from the one they were built for) and the one-sample
+    scratch. It holds no batch buffer, no head and no tensor view between calls; the arrays it returns
+    are new on every call.
+    """
+
+    def __init__(
+        self,
+        backbone: Backbone,
+        mean: tuple[float, ...],
+        std: tuple[float, ...],
+        *,
+        mode: Mode,
+        batch: int,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: must be 'fused' or 'unfused'")
+        if batch < 1:
+            raise ValueError(f"batch {batch}: must be >= 1")
+        self.backbone = backbone
+        self.mode: Mode = mode
+        self.batch = int(batch)
+        self.sample_shape = backbone.sample_shape
+        channels = self.sample_shape[-1] if self.sample_shape else 1
+        self.mean = _channel_params(mean, "mean", channels)
+        self.std = _channel_params(std, "std", channels)
+        if (self.std <= 0).any():
+            raise ValueError(f"std {tuple(std)}: every value must be > 0")
+        self._channels = channels
+        self._elems = int(np.prod(self.sample_shape))
+        self._interp = backbone.interpreter
+        self._in = backbone.input_index
+        self.tensor_batch = self.batch if backbone.resizable else int(backbone.input_shape[0])
+        if not backbone.resizable and self.tensor_batch != self.batch:
+            logger.info(
+                "%s: input batch fixed at %d; batch %d runs as %d-sample invokes",
+                backbone.path.name,
+                self.tensor_batch,
+                self.batch,
+                self.tensor_batch,
+            )
+        self.num_classes = int(self._interp.get_output_details()[0]["shape"][-1])
+        self._tables: dict[np.dtype[Any], _Table | None] = {}
+        self._built_for = (backbone.input_dtype, backbone.input_quant)
+        self._scratch: F32 | None = None
+        self._pad = self._pad_value()
+        self.reset_counters()
+
+    # --- observability -------------------------------------------------------------------------
+    def reset_counters(self) -> None:
+        """Zero the counters and stage timings."""
+        self._calls: dict[str, int] = {}
+        self._seconds: dict[str, float] = {}
+        self.samples_total = 0
+        self.invokes_total = 0
+        self.padded_rows_total = 0
+
+    def _time(self, stage: str, t0: float) -> float:
+        t1 = time.perf_counter()
+        self._calls[stage] = self._calls.get(stage, 0) + 1
+        self._seconds[stage] = self._seconds.get(stage, 0.0) + (t1 - t0)
+        return t1
+
+    def counters(self) -> dict[str, Any]:
+        """Counters and per-stage timings since the last reset (JSON-ready).
+
+        Returns
+        -------
+        dict with ``mode``, ``batch``, ``tensor_batch``, ``fused_step`` (``"table"``, ``"in_place"`` or
+        ``""`` unfused), ``samples``, ``invokes``, ``padded_rows`` and ``stages``: ``{name: {"calls":
+        int, "total_s": float, "s_per_sample": float}}`` in pipeline order (the fused step is one stage,
+        ``fill``).
+        """
+        n = max(self.samples_total, 1)
+        order = [s for s in (*PREPROCESS_STAGES, "invoke", "read") if s in self._calls]
+        return {
+            "mode": self.mode,
+            "batch": self.batch,
+            "tensor_batch": self.tensor_batch,
+            "fused_step": self.fused_step() if self.mode == "fused" else "",
+            "samples": self.samples_total,
+            "invokes": self.invokes_total,
+            "padded_rows": self.padded_rows_total,
+            "stages": {
+                s: {
+                    "calls": self._calls[s],
+                    "total_s": self._seconds[s],
+                    "s_per_sample": self._seconds[s] / n,
+                }
+                for s in order
+            },
+        }
+
+    def fused_step(self, raw_dtype: np.dtype[Any] | type | str = np.uint8) -> str:
+        """How the fused step maps raw samples of ``raw_dtype``: ``"table"`` or ``"in_place"``."""
+        return "table" if self._table(np.dtype(raw_dtype)) is not None else "in_place"
+
+    # --- public entry points --------------------------------------------------------------------
+    def run(self, raw: np.ndarray) -> tuple[F32, F32]:
+        """Embed and score raw samples, ``tensor_batch`` rows per invoke (the last one padded).
+
+        Parameters
+        ----------
+        raw : [N, *sample_shape], N >= 1, any integer or float dtype
+
+        Returns
+        -------
+        embeddings : float32 [N, D]
+            Dequantised embedding (pad rows never included).
+        logits : float32 [N, K]
+            The model's own output, dequantised.
+
+        Raises
+        ------
+        ValueError
+            If ``raw`` is empty or its sample shape is not the model's.
+        InterpreterBusy
+            If another thread is using the interpreter.
+        """
+        n = self._check(raw)
+        emb = np.empty((n, self.backbone.embedding_dim), dtype=np.float32)
+        logits = np.empty((n, self.num_classes), dtype=np.float32)
+        tb = self.tensor_batch
+        with claim(self.backbone):
+            for g0 in range(0, n, tb):
+                rows = raw[g0 : g0 + tb]
+                self._load(rows)
+                t0 = time.perf_counter()
+                self._interp.invoke()
+                t0 = self._time("invoke", t0)
+                self._read(emb[g0 : g0 + len(rows)], logits[g0 : g0 + len(rows)])
+                self._time("read", t0)
+                self.invokes_total += 1
+        self.samples_total += n
+        return emb, logits
+
+    def prepare(self, rows: np.ndarray) -> None:
+        """Preprocess up to ``tensor_batch`` rows into the input tensor, without invoking (profiling).
+
+        Raises
+        ------
+        ValueError
+            If ``rows`` is empty, has more than ``tensor_batch`` rows, or the wrong sample shape.
+        """
+        if self._check(rows) > self.tensor_batch:
+            raise ValueError(f"prepare: {len(rows)} rows > tensor batch {self.tensor_batch}")
+        with claim(self.backbone):
+            self._load(rows)
+
+    def invoke_only(self, times: int = 1) -> None:
+        """Invoke ``times`` times on whatever is in the input tensor (the throughput ceiling)."""
+        with claim(self.backbone):
+            self._ensure_batch()
+            for _ in range(times):
+                self._interp.invoke()
+
+    # --- internals ------------------------------------------------------------------------------
+    def _check(self, raw: np.ndarray) -> int:
+        if not isinstance(raw, np.ndarray) or raw.ndim != len(self.sample_shape) + 1:
+            raise ValueError(f"raw must be an array [N, {self.sample_shape}]")
+        if tuple(raw.shape[1:]) != self.sample_shape or raw.shape[0] < 1:
+            raise ValueError(f"raw {raw.shape}: model expects [N >= 1, {self.sample_shape}]")
+        if raw.dtype.kind not in "uif":
+            raise ValueError(f"raw dtype {raw.dtype}: must be an integer or float dtype")
+        return int(raw.shape[0])
+
+    def _pad_value(self) -> float | int:
+        """The input tensor value of a normalised zero (what pad rows hold)."""
+        bb = self.backbone
+        return 0.0 if bb.input_dtype == np.float32 else int(bb.input_quant.zero_point)
+
+    def _ensure_batch(self) -> None:
+        """Resize the input to ``tensor_batch`` when it is not (another user may have resized it)."""
+        if int(self._interp.tensor(self._in)().shape[0]) != self.tensor_batch:  # temporary view
+            self._interp.resize_tensor_input(self._in, [self.tensor_batch, *self.sample_shape])
+            self._interp.allocate_tensors()
+            self.backbone.batch = self.tensor_batch
+
+    def _load(self, rows: np.ndarray) -> None:
+        """Everything before ``invoke`` for one group of ``m <= tensor_batch`` rows."""
+        if (self.backbone.input_dtype, self.backbone.input_quant) != self._built_for:
+            self._tables.clear()
+            self._built_for = (self.backbone.input_dtype, self.backbone.input_quant)
+            self._pad = self._pad_value()
+        m = int(rows.shape[0])
+        if m < self.tensor_batch:
+            self.padded_rows_total += self.tensor_batch - m
+        if self.mode == "fused":
+            t0 = time.perf_counter()
+            self._fill(rows)
+            self._time("fill", t0)
+            return
+        t0 = time.perf_counter()
+        x = to_float(rows)
+        t0 = self._time("cast", t0)
+        x = normalise(x, self.mean, self.std)
+        t0 = self._time("normalise", t0)
+        q = self.backbone.quantize_input(x)
+        t0 = self._time("quantise", t0)
+        if m < self.tensor_batch:
+            pad = np.full((self.tensor_batch - m, *self.sample_shape), self._pad, dtype=q.dtype)
+            q = np.concatenate([q, pad])
+            t0 = self._time("stack", t0)
+        try:
+            self._interp.set_tensor(self._in, q)
+        except ValueError:
+            self._ensure_batch()  # resized behind our back: resize and set again
+            self._interp.set_tensor(self._in, q)
+        self._time("set_tensor", t0)
+
+    def _fill(self, rows: np.ndarray) -> None:
+        """The fused step: write ``rows`` into rows ``0..m-1`` of the input tensor, pad the rest."""
+        view: np.ndarray | None = self._interp.tensor(self._in)()
+        try:
+            if view is not None and view.shape[0] != self.tensor_batch:
+                view = None  # resized by someone else: drop the view, resize, take a fresh one
+                self._ensure_batch()
+                view = self._interp.tensor(self._in)()
+            assert view is not None
+            self._write(view, rows)
+        except BaseException as exc:
+            # The traceback's frames (_write's, numpy's) reference the view; an exception kept by a
+            # caller would keep it alive and LiteRT would refuse every later invoke().
+            traceback.clear_frames(exc.__traceback__)
+            raise
+        finally:
+            view = None
+
+    def _write(self, view: np.ndarray, rows: np.ndarray) -> None:
+        m = int(rows.shape[0])
+        table = self._table(rows.dtype)
+        if table is not None:
+            src = np.ascontiguousarray(rows).reshape(-1).view(table.index_dtype)
+            dst = view.reshape(-1)
+            total = m * self._elems
+            c = table.channels
+            chunk = len(table.channel_of) if c > 1 else TABLE_CHUNK_ELEMS
+            for s in range(0, total, chunk):
+                e = min(s + chunk, total)
+                if c == 1:
+                    np.take(table.flat, src[s:e], out=dst[s:e], mode="clip")
+                else:
+                    idx = src[s:e].astype(np.intp)
+                    idx *= c
+                    idx += table.channel_of[: e - s]
+                    np.take(table.flat, idx, out=dst[s:e], mode="clip")
+        else:
+            quantised = self.backbone.input_dtype != np.float32
+            if quantised and self._scratch is None:
+                self._scratch = np.empty(self.sample_shape, dtype=np.float32)
+            for k in range(m):
+                self._write_in_place(view[k], rows[k], quantised)
+        if m < view.shape[0]:
+            view[m:] = self._pad
+
+    def _write_in_place(self, row: np.ndarray, raw: np.ndarray, quantised: bool) -> None:
+        """The unfused arithmetic on one sample, in place (bit-identical to the stages)."""
+        s = self._scratch if quantised else row
+        assert s is not None
+        if raw.dtype == np.float32:
+            np.subtract(raw, self.mean, out=s)
+        else:
+            np.copyto(s, raw, casting="unsafe")  # the cast stage first, as to_float does
+            np.subtract(s, self.mean, out=s)
+        np.divide(s, self.std, out=s)
+        if not quantised:
+            return
+        bb = self.backbone
+        info = np.iinfo(bb.input_dtype)
+        np.divide(s, np.float32(bb.input_quant.scale), out=s)
+        np.rint(s, out=s)
+        np.add(s, bb.input_quant.zero_point, out=s)
+        np.clip(s, info.min, info.max, out=s)
+        np.copyto(row, s, casting="unsafe")
+
+    def _table(self, raw_dtype: np.dtype[Any]) -> _Table | None:
+        """The lookup table for integer raw samples of 1 or 2 bytes (built once), else None."""
+        if raw_dtype in self._tables:
+            return self._tables[raw_dtype]
+        table: _Table | None = None
+        out_bytes = self.backbone.input_dtype.itemsize
+        if raw_dtype.kind in "ui" and raw_dtype.itemsize <= 2:
+            unsigned = np.dtype(f"u{raw_dtype.itemsize}")
+            levels = 1 << (8 * raw_dtype.itemsize)
+            per_channel = self.mean.size > 1 or self.std.size > 1
+            c = self._channels if per_channel else 1
+            if levels * c * out_bytes <= TABLE_MAX_BYTES:
+                # every raw bit pattern, in unsigned order, through the unfused stages
+                values = np.arange(levels, dtype=unsigned).view(raw_dtype)
+                grid = np.repeat(values[:, None], c, axis=1)
+                q = self.backbone.quantize_input(normalise(to_float(grid), self.mean, self.std))
+                if per_channel and (q == q[:, :1]).all():
+                    q, c = q[:, :1], 1
+                # per-channel: index copy + channel pattern = 2 x 32 KiB, still under one sample
+                chunk = max(c, TABLE_CHUNK_ELEMS // 2 // c * c) if c > 1 else 0
+                channel_of = np.arange(chunk, dtype=np.intp) % c
+                table = _Table(np.ascontiguousarray(q.reshape(-1)), unsigned, c, channel_of)
+        self._tables[raw_dtype] = table
+        return table
+
+    def _read(self, emb: F32, logits: F32) -> None:
+        """Dequantise the first ``len(emb)`` rows of the embedding and output into ``emb``/``logits``."""
+        m = emb.shape[0]
+        for index, zero_point, scale, out in self._outputs(emb, logits):
+            q = self._interp.get_tensor(index)  # a copy, not a view
+            if q.shape[0] != m or q.ndim != 2:
+                q = q.reshape(q.shape[0], -1)[:m]
+            if scale is None:
+                np.copyto(out, q, casting="unsafe")
+            else:
+                # the float32 operations of runtime.dequantize: (float32(q) - zero_point) * scale
+                np.subtract(q, zero_point, out=out, casting="unsafe")
+                np.multiply(out, scale, out=out)
+
+    def _outputs(self, emb: F32, logits: F32) -> tuple[_Output, _Output]:
+        bb = self.backbone
+        e, o = bb.embedding_quant, bb.output_quant
+        return (
+            (bb.embedding_index, np.float32(e.zero_point), np.float32(e.scale) if e.scale else None, emb),
+            (bb.output_index, np.float32(o.zero_point), np.float32(o.scale) if o.scale else None, logits),
+        )
+
+
+# --- measurement and the automatic choice -----------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class BatchMeasurement:
+    """Medians for one batch size (throughput in samples/s, times in s per sample, peaks in bytes).
+
+    Attributes
+    ----------
+    batch : int
+    unfused_samples_per_s, fused_samples_per_s, invoke_only_samples_per_s : float
+        End to end (preprocess + invoke + read), and invoke alone with the input in place.
+    preprocess_unfused_s_per_sample, preprocess_fused_s_per_sample : float
+        Everything before ``invoke``.
+    preprocess_unfused_peak_bytes, preprocess_fused_peak_bytes : int
+        Peak extra bytes of numpy allocations (tracemalloc) while preprocessing one batch; the fused
+        figure includes its persistent one-sample scratch when it has one (lookup tables are not
+        counted: at most 256 KiB, built once).
+    preprocess_unfused_minor_faults, preprocess_fused_minor_faults : float
+        Minor page faults of the thread per batch of preprocessing (fresh pages for new arrays).
+    stages_unfused, stages_fused : dict[str, float]
+        Median seconds per sample of every stage.
+    """
+
+    batch: int
+    unfused_samples_per_s: float
+    fused_samples_per_s: float
+    invoke_only_samples_per_s: float
+    preprocess_unfused_s_per_sample: float
+    preprocess_fused_s_per_sample: float
+    preprocess_unfused_peak_bytes: int
+    preprocess_fused_peak_bytes: int
+    preprocess_unfused_minor_faults: float
+    preprocess_fused_minor_faults: float
+    stages_unfused: dict[str, float]
+    stages_fused: dict[str, float]
+
+
+def random_raw(shape: tuple[int, ...], dtype: np.dtype[Any] | str, seed: int = 0) -> np.ndarray:
+    """Seeded raw samples spanning the dtype's range (floats: normal, std 64), for measurements."""
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(seed)
+    if dt.kind in "ui":
+        info = np.iinfo(dt)
+        return rng.integers(int(info.min), int(info.max), size=shape, endpoint=True, dtype=dt)
+    return (rng.standard_normal(shape) * 64.0).astype(dt)
+
+
+def _minor_faults() -> int:
+    return int(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt)
+
+
+def _peak_bytes(pipe: Pipeline, rows: np.ndarray) -> tuple[int, int]:
+    """(tracemalloc peak extra bytes, minor page faults) of ``prepare(rows)``, after one warm call."""
+    pipe.prepare(rows)
+    scratch = 0 if pipe._scratch is None else int(pipe._scratch.nbytes)
+    was = tracemalloc.is_tracing()
+    if not was:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    f0 = _minor_faults()
+    pipe.prepare(rows)
+    faults = _minor_faults() - f0
+    peak = tracemalloc.get_traced_memory()[1] - base
+    if not was:
+        tracemalloc.stop()
+    return peak + scratch, faults
+
+
+def _stage_medians(samples: list[dict[str, float]]) -> dict[str, float]:
+    keys = [k for k in (*PREPROCESS_STAGES, "invoke", "read") if any(k in s for s in samples)]
+    return {k: float(np.median([s.get(k, 0.0) for s in samples])) for k in keys}
+
+
+def measure(
+    backbone: Backbone,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+    *,
+    batches: Sequence[int] = (1, 4, 8, 16),
+    raw_dtype: np.dtype[Any] | str = "uint8",
+    repeats: int = 9,
+    seed: int = 0,
+) -> list[BatchMeasurement]:
+    """Time unfused, fused and invoke-only per batch size, interleaved, and take medians.
+
+    Each repeat runs one batch of seeded random raw samples through the unfused pipeline, the fused
+    pipeline and ``invoke`` alone, one after the other, so a burst of load from other processes hits
+    all three alike; ratios are only meaningful between figures of the same call.
+
+    Parameters
+    ----------
+    backbone : Backbone
+    mean, std : per-channel normalisation
+    batches : batch sizes to measure, each >= 1
+    raw_dtype : dtype of the raw samples (e.g. ``"uint8"`` camera frames)
+    repeats : timed runs per configuration (after 2 warm-up runs), >= 1
+    seed : seed of the raw samples
+
+    Returns
+    -------
+    One :class:`BatchMeasurement` per batch size, in the order given.
+
+    Raises
+    ------
+    ValueError
+        If a batch size or ``repeats`` is < 1, or mean/std do not fit the model.
+    InterpreterBusy
+        If another thread is using the interpreter.
+    """
+    if repeats < 1 or not batches or min(batches) < 1:
+        raise ValueError(f"repeats {repeats} and batches {tuple(batches)} must be >= 1")
+    out: list[BatchMeasurement] = []
+    for b in batches:
+        pipes = {m: Pipeline(backbone, mean, std, mode=m, batch=b) for m in MODES}
+        raw = random_raw((b, *backbone.sample_shape), raw_dtype, seed)
+        times: dict[str, list[float]] = {"unfused": [], "fused": [], "invoke": []}
+        stages: dict[str, list[dict[str, float]]] = {"unfused": [], "fused": []}
+        pre: dict[str, list[float]] = {"unfused": [], "fused": []}
+        invokes = -(-b // pipes["fused"].tensor_batch)
+        for r in range(repeats + 2):
+            for mode in ("unfused", "fused"):
+                p = pipes[mode]
+                p.reset_counters()
+                t0 = time.perf_counter()
+                p.run(raw)
+                dt = time.perf_counter() - t0
+                if r >= 2:
+                    times[mode].append(dt)
+                    c = p.counters()["stages"]
+                    stages[mode].append({k: v["s_per_sample"] for k, v in c.items()})
+                    pre[mode].append(sum(v["total_s"] for k, v in c.items() if k in PREPROCESS_STAGES) / b)
+            t0 = time.perf_counter()
+            pipes["fused"].invoke_only(invokes)
+            if r >= 2:
+                times["invoke"].append(time.perf_counter() - t0)
+        rows = raw[: pipes["fused"].tensor_batch]
+        peak_u, faults_u = _peak_bytes(pipes["unfused"], rows)
+        peak_f, faults_f = _peak_bytes(pipes["fused"], rows)
+        per_invoke = len(rows)
+        out.append(
+            BatchMeasurement(
+                batch=b,
+                unfused_samples_per_s=b / float(np.median(times["unfused"])),
+                fused_samples_per_s=b / float(np.median(times["fused"])),
+                invoke_only_samples_per_s=b / float(np.median(times["invoke"])),
+                preprocess_unfused_s_per_sample=float(np.median(pre["unfused"])),
+                preprocess_fused_s_per_sample=float(np.median(pre["fused"])),
+                preprocess_unfused_peak_bytes=peak_u,
+                preprocess_fused_peak_bytes=peak_f,
+                preprocess_unfused_minor_faults=faults_u * b / per_invoke,
+                preprocess_fused_minor_faults=faults_f * b / per_invoke,
+                stages_unfused=_stage_medians(stages["unfused"]),
+                stages_fused=_stage_medians(stages["fused"]),
+            )
+        )
+    return out
+
+
+def decide(rows: Sequence[BatchMeasurement], *, margin: float = DEFAULT_MARGIN) -> tuple[Mode, int]:
+    """The fastest (mode, batch); fused counts only where it beats unfused at that batch by ``margin``.
+
+    Parameters
+    ----------
+    rows : measurements, one per batch size (non-empty)
+    margin : float
+        Fraction by which fused must exceed unfused samples/s at the same batch (noise guard).
+
+    Returns
+    -------
+    (mode, batch)
+
+    Raises
+    ------
+    ValueError
+        If ``rows`` is empty.
+    """
+    if not rows:
+        raise ValueError("decide: no measurements")
+    best: tuple[float, Mode, int] | None = None
+    for r in rows:
+        fused_wins = r.fused_samples_per_s > r.unfused_samples_per_s * (1.0 + margin)
+        cand: tuple[float, Mode, int] = (
+            (r.fused_samples_per_s, "fused", r.batch)
+            if fused_wins
+            else (r.unfused_samples_per_s, "unfused", r.batch)
+        )
+        if best is None or cand[0] > best[0]:
+            best = cand
+    assert best is not None
+    return best[1], best[2]
+
+
+def _cache_key(
+    backbone: Backbone,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+    batches: Sequence[int],
+    raw_dtype: str,
+) -> dict[str, Any]:
+    return {
+        "cache_version": CACHE_VERSION,
+        "model_sha256": backbone.sha256,
+        "runtime": backbone.runtime_name,
+        "mean": [float(v) for v in mean],
+        "std": [float(v) for v in std],
+        "batches": [int(b) for b in batches],
+        "raw_dtype": raw_dtype,
+    }
+
+
+def cache_path(cache_dir: Path, model_sha256: str) -> Path:
+    """Where :func:`choose` keeps its decision for one model: ``<cache_dir>/pipeline-<sha256>.json``."""
+    return cache_dir / f"pipeline-{model_sha256}.json"
+
+
+def choose(
+    backbone: Backbone,
+    mean: tuple[float, ...],
+    std: tuple[float, ...],
+    *,
+    batches: Sequence[int] = (1, 4, 8, 16),
+    cache_dir: Path | None,
+    raw_dtype: str = "uint8",
+    repeats: int = 7,
+    margin: float = DEFAULT_MARGIN,
+) -> tuple[Mode, int]:
+    """``pipeline.mode = "auto"``: measure and pick (mode, batch), cached per model sha256 on disk.
+
+    The cache file holds the decision and the measurements with what they were measured for (model
+    sha256, runtime, mean, std, batches, raw dtype); a file for other parameters, unreadable or of an
+    older format is re-measured and replaced (written atomically).
+
+    Parameters
+    ----------
+    backbone : Backbone
+    mean, std : per-channel normalisation
+    batches : candidate batch sizes
+    cache_dir : directory of the cache (created), or None to measure every time
+    raw_dtype : dtype of the raw samples
+    repeats : timed runs per configuration
+    margin : see :func:`decide`
+
+    Returns
+    -------
+    (mode, batch)
+
+    Raises
+    ------
+    ValueError
+        If a batch size is < 1 or mean/std do not fit the model.
+    InterpreterBusy
+        If another thread is using the interpreter.
+    """
+    key = _cache_key(backbone, mean, std, batches, str(np.dtype(raw_dtype)))
+    path = cache_path(cache_dir, backbone.sha256) if cache_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") == key:
+                mode, batch = data["chosen"]["mode"], int(data["chosen"]["batch"])
+                if mode in MODES and batch in key["batches"]:
+                    logger.info("%s: pipeline %s, batch %d (cached)", backbone.path.name, mode, batch)
+                    return cast(Mode, mode), batch
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("pipeline cache %s unreadable (%s); measuring again", path, exc)
+    rows = measure(backbone, mean, std, batches=batches, raw_dtype=raw_dtype, repeats=repeats)
+    mode, batch = decide(rows, margin=margin)
+    logger.info("%s: measured pipeline choice %s, batch %d", backbone.path.name, mode, batch)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps(
+                {"key": key, "chosen": {"mode": mode, "batch": batch}, "batches": [asdict(r) for r in rows]},
+                indent=1,
+            )
+        )
+        os.replace(tmp, path)
+    return mode, batch
