@@ -1,0 +1,528 @@
+"""Chunking: messages larger than the broker's maximum packet size travel as chunk messages.
+
+Brokers cap the size of a whole MQTT packet (MQTT 5 ``Maximum Packet Size`` in CONNACK; mosquitto's
+``max_packet_size``; managed IoT brokers commonly 128 KB or 256 KB). An oversized PUBLISH makes some
+brokers drop the connection, and a client that retries it loops in a disconnect/reconnect storm, so
+nothing may ever publish a packet over the limit. :func:`split_message` cuts a message into chunks
+whose *whole PUBLISH packet* (fixed header + topic + packet id + properties + payload) fits; each
+chunk is a CBOR message::
+
+    {"v": 1, "type": "chunk", "id": "<message id>", "index": i, "count": n, "size": <whole bytes>,
+     "sha256": "<hex of the whole message>", "data": h'...'}
+
+:class:`Reassembler` collects chunks with bounded memory (at most ``max_sets`` partial messages and
+``max_total_bytes`` declared bytes; abandoned sets expire after ``expiry_s``) and returns the whole
+message only when every chunk arrived and its SHA-256 matches: all or nothing. Chunks carry no
+signature: the reassembled message does (``agent.signing``), so a forged chunk can at worst spoil
+one set, never change what is applied.
+
+Source: MQTT 5.0 (OASIS 2019) §2.1.4 (Remaining Length, variable byte integer), §3.3 (PUBLISH),
+§3.1.2.11.4 and §3.2.2.3.6 (Maximum Packet Size); MQTT 3.1.1 §2.2.3, §3.3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+import cbor2
+
+from agent.codec import SCHEMA_VERSION, Limits, MessageType
+from agent.codec import _int as _codec_int  # bounded field helpers: one implementation of the checks
+from agent.codec import _keys as _codec_keys
+from agent.codec import _message as _codec_message
+from agent.codec import _text as _codec_text
+from agent.errors import DecodeError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CHUNK_REASONS",
+    "Chunk",
+    "Reassembler",
+    "decode_chunk",
+    "encode_chunk",
+    "is_chunk",
+    "max_payload_bytes",
+    "publish_overhead",
+    "publish_packet_bytes",
+    "split_message",
+]
+
+#: ``DecodeError.reason`` values raised here besides the codec's (``rejected_total{reason}`` labels).
+CHUNK_REASONS: Final = frozenset({"bad_chunk", "chunk_conflict", "bad_checksum", "too_large"})
+
+_ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+_SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
+_MQTT_MAX_REMAINING: Final = 268_435_455  # largest Remaining Length (4-byte variable byte integer)
+_KEYS: Final = ("v", "type", "id", "index", "count", "size", "sha256", "data")
+# every chunk we encode starts with these bytes (map header, "v": 1, "type": "chunk")
+_PREFIX: Final = cbor2.dumps(
+    {"v": SCHEMA_VERSION, "type": MessageType.CHUNK.value, **dict.fromkeys(_KEYS[2:])}
+)[: 1 + 2 + 1 + 5 + 6]
+
+
+# ---------------------------------------------------------------------------------------------------
+# MQTT packet arithmetic
+
+
+def _varint_bytes(value: int) -> int:
+    """Length of an MQTT variable byte integer (MQTT 5.0 §1.5.5)."""
+    if value < 128:
+        return 1
+    if value < 16_384:
+        return 2
+    if value < 2_097_152:
+        return 3
+    return 4
+
+
+def publish_overhead(
+    topic: str, payload_bytes: int, *, qos: int = 1, mqtt5: bool = True, properties_bytes: int = 0
+) -> int:
+    """Bytes a PUBLISH packet adds around its payload.
+
+    Parameters
+    ----------
+    topic : str
+        The topic name (UTF-8 encoded on the wire, no topic alias).
+    payload_bytes : int
+        Payload length, bytes (it changes the Remaining Length's own size).
+    qos : int
+        0, 1 or 2; QoS > 0 adds a 2-byte packet identifier.
+    mqtt5 : bool
+        MQTT 5 adds the properties (a variable byte integer length, 1 byte for none). Computing
+        with ``mqtt5=True`` is an upper bound for MQTT 3.1.1 too.
+    properties_bytes : int
+        Encoded PUBLISH properties, bytes (paho sends none unless asked: 0).
+
+    Returns
+    -------
+    int
+        Fixed header (1 byte + Remaining Length) + topic (2 + UTF-8 bytes) + packet id + properties.
+
+    Source: MQTT 5.0 §3.3.1 (fixed header), §3.3.2 (variable header), §2.2.2 (properties).
+    """
+    variable = 2 + len(topic.encode("utf-8")) + (2 if qos > 0 else 0)
+    if mqtt5:
+        variable += _varint_bytes(properties_bytes) + properties_bytes
+    return 1 + _varint_bytes(variable + payload_bytes) + variable
+
+
+def publish_packet_bytes(
+    topic: str, payload_bytes: int, *, qos: int = 1, mqtt5: bool = True, properties_bytes: int = 0
+) -> int:
+    """Size of the whole PUBLISH packet, bytes: :func:`publish_overhead` + ``payload_bytes``."""
+    return payload_bytes + publish_overhead(
+        topic, payload_bytes, qos=qos, mqtt5=mqtt5, properties_bytes=properties_bytes
+    )
+
+
+def max_payload_bytes(max_packet_bytes: int, topic: str, *, qos: int = 1, mqtt5: bool = True) -> int:
+    """Largest payload whose PUBLISH packet on ``topic`` is at most ``max_packet_bytes``.
+
+    Parameters
+    ----------
+    max_packet_bytes : int
+        The broker's limit on a whole packet, bytes.
+    topic : str
+    qos : int
+    mqtt5 : bool
+        See :func:`publish_overhead`.
+
+    Returns
+    -------
+    int
+        Payload bytes, >= 0.
+
+    Raises
+    ------
+    ValueError
+        If not even an empty payload fits.
+    """
+    payload = min(max_packet_bytes, _MQTT_MAX_REMAINING)
+    while payload >= 0 and publish_packet_bytes(topic, payload, qos=qos, mqtt5=mqtt5) > max_packet_bytes:
+        # the overhead is at most 2**16 + 9 bytes: one jump and at most 3 more steps
+        over = publish_packet_bytes(topic, payload, qos=qos, mqtt5=mqtt5) - max_packet_bytes
+        payload -= max(1, over)
+    if payload < 0:
+        raise ValueError(f"topic {topic!r:.80}: no PUBLISH fits in {max_packet_bytes} bytes")
+    # the jump may overshoot by the bytes a shorter Remaining Length saved: take them back
+    while publish_packet_bytes(topic, payload + 1, qos=qos, mqtt5=mqtt5) <= max_packet_bytes:
+        payload += 1
+    return payload
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chunk messages
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One chunk of a message.
+
+    Parameters
+    ----------
+    id : str
+        Message id, ``[A-Za-z0-9_.:-]{1,128}``, shared by all chunks of one message.
+    index : int
+        0 <= index < count.
+    count : int
+        Number of chunks, >= 1.
+    size : int
+        Length of the whole message, bytes, >= 1.
+    sha256 : str
+        SHA-256 of the whole message, 64 lowercase hex digits.
+    data : bytes
+        This chunk's slice of the message.
+    """
+
+    id: str
+    index: int
+    count: int
+    size: int
+    sha256: str
+    data: bytes
+
+
+def encode_chunk(chunk: Chunk) -> bytes:
+    """Encode a :class:`Chunk` (keys in the order of the module docstring).
+
+    Parameters
+    ----------
+    chunk : Chunk
+
+    Returns
+    -------
+    bytes
+        The CBOR chunk message.
+    """
+    return cbor2.dumps(
+        {
+            "v": SCHEMA_VERSION,
+            "type": MessageType.CHUNK.value,
+            "id": chunk.id,
+            "index": int(chunk.index),
+            "count": int(chunk.count),
+            "size": int(chunk.size),
+            "sha256": chunk.sha256,
+            "data": bytes(chunk.data),
+        }
+    )
+
+
+def is_chunk(payload: bytes) -> bool:
+    """Whether ``payload`` starts like a chunk from :func:`encode_chunk` (a cheap prefix test).
+
+    A chunk encoded otherwise is not recognised here; the message decoders then refuse it as
+    ``wrong_type``.
+    """
+    return bytes(payload[: len(_PREFIX)]) == _PREFIX
+
+
+def decode_chunk(
+    payload: bytes, *, max_chunk_bytes: int = 1 << 20, max_message_bytes: int = 1 << 24
+) -> Chunk:
+    """Decode and validate one chunk message, bounded before allocation like ``agent.codec``.
+
+    Parameters
+    ----------
+    payload : bytes
+        The MQTT payload.
+    max_chunk_bytes : int
+        Largest accepted chunk payload, bytes.
+    max_message_bytes : int
+        Largest accepted whole message (``size``), bytes.
+
+    Returns
+    -------
+    Chunk
+
+    Raises
+    ------
+    DecodeError
+        The codec's reasons for malformed CBOR or fields; ``too_large`` if ``size`` exceeds
+        ``max_message_bytes``; ``bad_chunk`` if ``index >= count``, ``count > size`` or the data is
+        empty or longer than ``size``.
+    """
+    limits = Limits(max_message_bytes=max_chunk_bytes, max_depth=2, max_array_elements=16, max_items=32)
+    obj = _codec_message(payload, limits, MessageType.CHUNK)
+    _codec_keys(obj, "", _KEYS)
+    msg_id = _codec_text(obj, "id", "", _ID_RE)
+    count = _codec_int(obj, "count", "", 1)
+    index = _codec_int(obj, "index", "", 0)
+    size = _codec_int(obj, "size", "", 1)
+    sha = _codec_text(obj, "sha256", "", _SHA256_RE)
+    data = obj["data"]
+    if type(data) is not bytes:
+        raise DecodeError("wrong_type", f"data: expected a byte string, got {type(data).__name__}")
+    if size > max_message_bytes:
+        raise DecodeError("too_large", f"size = {size}: whole message > {max_message_bytes} bytes")
+    if index >= count:
+        raise DecodeError("bad_chunk", f"index = {index}: must be < count = {count}")
+    if count > size:
+        raise DecodeError("bad_chunk", f"count = {count} > size = {size}: chunks carry >= 1 byte")
+    if not 1 <= len(data) <= size:
+        raise DecodeError("bad_chunk", f"data: {len(data)} bytes, must be in [1, size = {size}]")
+    return Chunk(id=msg_id, index=index, count=count, size=size, sha256=sha, data=data)
+
+
+def _bstr_header(n: int) -> int:
+    return 1 if n < 24 else 2 if n < 256 else 3 if n < 65_536 else 5 if n < 2**32 else 9
+
+
+def split_message(
+    payload: bytes,
+    topic: str,
+    max_packet_bytes: int,
+    *,
+    msg_id: str | None = None,
+    qos: int = 1,
+    mqtt5: bool = True,
+) -> list[bytes]:
+    """Cut ``payload`` into chunk messages whose PUBLISH packets on ``topic`` fit the limit.
+
+    Parameters
+    ----------
+    payload : bytes
+        The whole encoded message, >= 1 byte.
+    topic : str
+        Topic the chunks are published on (its length counts against the limit).
+    max_packet_bytes : int
+        The broker's maximum packet size, bytes.
+    msg_id : str, optional
+        Id shared by the chunks (e.g. the ``update_id``); a random UUID by default. Re-sending a
+        message after a restart with the same id lets the receiver complete a half-received set.
+    qos : int
+        QoS the chunks are published with.
+    mqtt5 : bool
+        See :func:`publish_overhead`; True is safe for both protocol versions.
+
+    Returns
+    -------
+    list[bytes]
+        ``[payload]`` unchanged if its packet already fits, else the encoded chunks in index order,
+        each verified to fit.
+
+    Raises
+    ------
+    ValueError
+        If ``payload`` is empty, ``msg_id`` is invalid, or the limit is too small to carry even one
+        data byte per chunk.
+    """
+    if not payload:
+        raise ValueError("cannot split an empty message")
+    if publish_packet_bytes(topic, len(payload), qos=qos, mqtt5=mqtt5) <= max_packet_bytes:
+        return [bytes(payload)]
+    msg_id = msg_id if msg_id is not None else uuid.uuid4().hex
+    if _ID_RE.fullmatch(msg_id) is None:
+        raise ValueError(f"msg_id = {msg_id!r:.80}: must match {_ID_RE.pattern}")
+    budget = max_payload_bytes(max_packet_bytes, topic, qos=qos, mqtt5=mqtt5)
+    sha = hashlib.sha256(payload).hexdigest()
+    size = len(payload)
+
+    def data_bytes(count_bound: int) -> int:
+        # envelope with the widest index/count integers up to count_bound and an empty data string
+        envelope = len(encode_chunk(Chunk(msg_id, count_bound, count_bound, size, sha, b""))) - 1
+        room = budget - envelope
+        n = room - 1
+        while n > 0 and n + _bstr_header(n) > room:
+            n -= 1
+        return n
+
+    step = data_bytes(size)  # count <= size: a safe first bound
+    if step < 1:
+        raise ValueError(f"max_packet_bytes = {max_packet_bytes}: too small for a chunk on {topic!r:.80}")
+    count = math.ceil(size / step)
+    step = max(step, data_bytes(count))  # integers up to count are narrower: larger chunks fit
+    count = math.ceil(size / step)
+    chunks = []
+    view = memoryview(payload)
+    for i in range(count):
+        enc = encode_chunk(Chunk(msg_id, i, count, size, sha, bytes(view[i * step : (i + 1) * step])))
+        if publish_packet_bytes(topic, len(enc), qos=qos, mqtt5=mqtt5) > max_packet_bytes:
+            raise AssertionError(f"chunk {i} of {count} does not fit {max_packet_bytes} bytes")  # a bug
+        chunks.append(enc)
+    return chunks
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reassembly
+
+
+@dataclass(slots=True)
+class _Set:
+    count: int
+    size: int
+    sha256: str
+    last_seen: float
+    parts: dict[int, bytes] = field(default_factory=dict)
+    held: int = 0
+
+
+class Reassembler:
+    """Collects chunks into whole messages, with bounded memory and expiry.
+
+    Parameters
+    ----------
+    max_sets : int
+        Most partial messages held at once, >= 1; a new set evicts the least recently active one.
+    max_total_bytes : int
+        Bound on the declared sizes of all partial messages, bytes; new sets evict the least recently
+        active ones until they fit. Must be >= ``max_message_bytes``.
+    max_message_bytes : int
+        Largest whole message accepted, bytes.
+    max_chunk_bytes : int
+        Largest chunk payload accepted, bytes (the broker's packet limit is a good value).
+    expiry_s : float
+        A set with no new chunk for this many seconds is abandoned, > 0.
+    clock : callable
+        Monotonic time in seconds (injectable for tests).
+
+    Raises
+    ------
+    ValueError
+        If a bound is invalid.
+
+    Attributes
+    ----------
+    expired_total, evicted_total, completed_total : int
+        Counters for the dashboard.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_sets: int = 4,
+        max_total_bytes: int = 8 << 20,
+        max_message_bytes: int = 4 << 20,
+        max_chunk_bytes: int = 1 << 20,
+        expiry_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_sets < 1 or max_message_bytes < 1 or max_chunk_bytes < 1 or not expiry_s > 0:
+            raise ValueError("max_sets, max_message_bytes, max_chunk_bytes, expiry_s must be > 0")
+        if max_total_bytes < max_message_bytes:
+            raise ValueError(f"max_total_bytes = {max_total_bytes} < max_message_bytes = {max_message_bytes}")
+        self.max_sets = max_sets
+        self.max_total_bytes = max_total_bytes
+        self.max_message_bytes = max_message_bytes
+        self.max_chunk_bytes = max_chunk_bytes
+        self.expiry_s = expiry_s
+        self.clock = clock
+        self._sets: OrderedDict[tuple[str, str], _Set] = OrderedDict()  # least recently active first
+        self._done: deque[tuple[str, str, str]] = deque(maxlen=32)  # (key, id, sha256) recently completed
+        self.expired_total = 0
+        self.evicted_total = 0
+        self.completed_total = 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Declared sizes of the partial messages held, bytes (>= the bytes actually held)."""
+        return sum(s.size for s in self._sets.values())
+
+    def __len__(self) -> int:
+        return len(self._sets)
+
+    def expire(self) -> int:
+        """Drop sets with no chunk for ``expiry_s``; return how many (each logged)."""
+        now = self.clock()
+        stale = [k for k, s in self._sets.items() if now - s.last_seen > self.expiry_s]
+        for k in stale:
+            s = self._sets.pop(k)
+            self.expired_total += 1
+            logger.warning(
+                "chunk set %s on %s expired: %d of %d chunks after %.0f s",
+                k[1],
+                k[0],
+                len(s.parts),
+                s.count,
+                self.expiry_s,
+            )
+        return len(stale)
+
+    def _evict_for(self, size: int) -> None:
+        while self._sets and (
+            len(self._sets) >= self.max_sets or self.reserved_bytes + size > self.max_total_bytes
+        ):
+            k, s = self._sets.popitem(last=False)
+            self.evicted_total += 1
+            logger.warning(
+                "chunk set %s on %s evicted (%d of %d chunks) to make room", k[1], k[0], len(s.parts), s.count
+            )
+
+    def feed(self, key: str, payload: bytes) -> bytes | None:
+        """Add one chunk; return the whole message once complete and verified.
+
+        Parameters
+        ----------
+        key : str
+            Where the chunk came from (e.g. the base topic): sets from different keys never mix.
+        payload : bytes
+            The chunk message.
+
+        Returns
+        -------
+        bytes or None
+            The whole message (``size`` bytes, SHA-256 verified) when this chunk completed its set;
+            None while incomplete, or for a repeated chunk (QoS 1 re-delivery) of a set in progress
+            or recently completed.
+
+        Raises
+        ------
+        DecodeError
+            As :func:`decode_chunk`; ``chunk_conflict`` if the chunk disagrees with its set (count,
+            size, sha256, or different data for an index already held); ``bad_chunk`` if the data
+            would exceed the declared size; ``bad_checksum`` if the complete set does not match its
+            SHA-256 (the set is dropped).
+        """
+        self.expire()
+        c = decode_chunk(
+            payload, max_chunk_bytes=self.max_chunk_bytes, max_message_bytes=self.max_message_bytes
+        )
+        k = (key, c.id)
+        s = self._sets.get(k)
+        if s is None:
+            if (key, c.id, c.sha256) in self._done:
+                return None  # late duplicate of a delivered message
+            self._evict_for(c.size)
+            s = self._sets[k] = _Set(c.count, c.size, c.sha256, self.clock())
+        elif (s.count, s.size, s.sha256) != (c.count, c.size, c.sha256):
+            raise DecodeError(
+                "chunk_conflict",
+                f"chunk {c.index} of {c.id}: count/size/sha256 differ from the set's first chunk",
+            )
+        self._sets.move_to_end(k)
+        s.last_seen = self.clock()
+        held = s.parts.get(c.index)
+        if held is not None:
+            if held != c.data:
+                raise DecodeError(
+                    "chunk_conflict", f"chunk {c.index} of {c.id}: different data for a held index"
+                )
+            return None
+        if s.held + len(c.data) > s.size:
+            raise DecodeError(
+                "bad_chunk", f"chunk {c.index} of {c.id}: data beyond the declared {s.size} bytes"
+            )
+        s.parts[c.index] = c.data
+        s.held += len(c.data)
+        if len(s.parts) < s.count:
+            return None
+        del self._sets[k]
+        whole = b"".join(s.parts[i] for i in range(s.count))
+        if len(whole) != s.size or hashlib.sha256(whole).hexdigest() != s.sha256:
+            raise DecodeError(
+                "bad_checksum", f"message {c.id}: {len(whole)} bytes reassembled do not match size/sha256"
+            )
+        self._done.append((key, c.id, c.sha256))
+        self.completed_total += 1
+        return whole
