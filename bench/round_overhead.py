@@ -1,0 +1,245 @@
+"""Round overhead on loopback: announcement out -> all updates in -> global head published.
+
+A real mosquitto on 127.0.0.1, the real coordinator (``coordinator.service.Coordinator.run_round``)
+and 4 device clients, all on ``agent.transport.MqttTransport`` (paho-mqtt 2.x, QoS 1), with a
+1280 x 10 float32 head (a MobileNet-sized head: 51 kB per update and per global head). The 4
+devices run in a child process (as on real gateways, they do not share the coordinator's GIL); they
+do no training: on the announcement they publish a pre-computed update at once, so what is timed is
+the protocol: encode, broker hops, PUBACKs, decode, aggregation, the retained global publish.
+
+Each configuration runs ``--rounds`` rounds after ``--warmup`` rounds; the figure is the median of
+``RoundRecord.duration_s`` (the coordinator's clock from just before the announcement is published
+to the global head's PUBACK). Configurations: mosquitto's and paho's defaults; TCP_NODELAY on the
+clients' sockets (paho ``on_socket_open``); ``set_tcp_nodelay true`` in mosquitto; both.
+
+Run: ``.venv/bin/python -m bench.round_overhead`` (prints a markdown table; ``--json PATH``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import paho.mqtt.client as mqtt
+
+from agent.codec import Update, UpdateMetrics, decode_round, encode_update
+from agent.topics import Topics
+from agent.transport import Message, MqttTransport
+from coordinator.service import Coordinator
+from coordinator.strategy import Strategy
+
+D, K = 1280, 10
+N_DEVICES = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def mosquitto(tmp: Path, extra: str) -> Any:
+    """A mosquitto on a free 127.0.0.1 port, configured as tests/conftest.py does, plus ``extra``."""
+    exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+    port = free_port()
+    conf = tmp / f"mosquitto-{port}.conf"
+    conf.write_text(
+        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nlog_dest stderr\n{extra}\n"
+    )
+    log = open(tmp / f"mosquitto-{port}.log", "ab")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([exe, "-c", str(conf)], stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("mosquitto did not start") from None
+                time.sleep(0.05)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=5)
+        log.close()
+
+
+def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class NoDelayTransport(MqttTransport):
+    """MqttTransport whose paho client sets TCP_NODELAY on every socket it opens (bench-only subclass)."""
+
+    def _make_client(self) -> mqtt.Client:
+        client = super()._make_client()
+        client.on_socket_open = _nodelay
+        return client
+
+
+class TimedCoordinator(Coordinator):
+    """The service's coordinator, recording when each update reaches its handler."""
+
+    coord_got: list[float]
+
+    def handle(self, msg: Message) -> None:
+        if "/update/" in msg.topic:
+            self.coord_got.append(time.monotonic())
+        super().handle(msg)
+
+
+async def device_loop(t: MqttTransport, topics: Topics, name: str) -> None:
+    rng = np.random.default_rng(int(name[3:]))
+    dW = rng.normal(0, 1e-3, (D, K)).astype(np.float32)
+    db = np.zeros(K, np.float32)
+    last = 0
+    while True:
+        msg = await t.queue.get()
+        if msg.topic != topics.round:
+            continue
+        ann = decode_round(msg.payload)
+        if ann.round <= last:
+            continue
+        last = ann.round
+        upd = Update(
+            ann.round,
+            ann.base_version,
+            name,
+            100,
+            dW,
+            db,
+            UpdateMetrics(0.1, 0.9, 0.0, 0),
+            f"{name}:{ann.round}",
+            ann.compression,
+        )
+        await t.publish(topics.update(name), encode_update(upd), qos=1)
+
+
+async def devices_main(port: int, fleet: str, client_nodelay: bool, ready: Any, stop: Any) -> None:
+    cls = NoDelayTransport if client_nodelay else MqttTransport
+    topics = Topics("edgefl", fleet)
+    devs = [cls("127.0.0.1", port, f"dev{i}-{port}") for i in range(N_DEVICES)]
+    for d in devs:
+        await d.start()
+        await d.subscribe(topics.round, 1)
+    tasks = [asyncio.create_task(device_loop(d, topics, f"dev{i}")) for i, d in enumerate(devs)]
+    await asyncio.sleep(0.2)  # subscriptions settle
+    ready.set()
+    while not stop.is_set():
+        await asyncio.sleep(0.1)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for d in devs:
+        await d.stop()
+
+
+def devices_process(port: int, fleet: str, client_nodelay: bool, ready: Any, stop: Any) -> None:
+    asyncio.run(devices_main(port, fleet, client_nodelay, ready, stop))
+
+
+async def run_config(port: int, client_nodelay: bool, rounds: int, warmup: int) -> dict[str, Any]:
+    cls = NoDelayTransport if client_nodelay else MqttTransport
+    fleet = f"bench{port}"
+    topics = Topics("edgefl", fleet)
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=devices_process, args=(port, fleet, client_nodelay, ready, stop), daemon=True)
+    proc.start()
+    coord_t = cls("127.0.0.1", port, f"coord-{port}")
+    await coord_t.start()
+    if not await asyncio.to_thread(ready.wait, 30):
+        raise RuntimeError("device process did not start")
+    W = np.zeros((D, K), np.float32)
+    b = np.zeros(K, np.float32)
+    coord = TimedCoordinator(
+        coord_t,
+        topics,
+        W,
+        b,
+        model_sha256="0" * 64,
+        strategy=Strategy(min_clients=N_DEVICES, deadline_s=10.0),
+    )
+    coord.coord_got = []
+    await coord.start()
+    pump = asyncio.create_task(coord.pump())
+    durations: list[float] = []
+    to_last: list[float] = []
+    try:
+        for r in range(1, warmup + rounds + 1):
+            coord.coord_got = []
+            t0 = time.monotonic()
+            rec = await coord.run_round(r)
+            if rec.clients != N_DEVICES:
+                raise RuntimeError(f"round {r}: {rec.clients} updates")
+            if r > warmup:
+                durations.append(rec.duration_s)
+                to_last.append(max(coord.coord_got) - t0)
+    finally:
+        pump.cancel()
+        await asyncio.gather(pump, return_exceptions=True)
+        stop.set()
+        await asyncio.to_thread(proc.join, 10)
+        await coord_t.stop()
+    ms = [1e3 * x for x in durations]
+    return {
+        "median_ms": statistics.median(ms),
+        "p10_ms": float(np.percentile(ms, 10)),
+        "p90_ms": float(np.percentile(ms, 90)),
+        "to_last_update_median_ms": 1e3 * statistics.median(to_last),
+        "update_bytes": coord.state.history[-1].update_bytes_mean,
+    }
+
+
+CONFIGS: list[tuple[str, bool, str]] = [
+    ("defaults (mosquitto + paho)", False, ""),
+    ("clients TCP_NODELAY", True, ""),
+    ("broker set_tcp_nodelay true", False, "set_tcp_nodelay true"),
+    ("both", True, "set_tcp_nodelay true"),
+]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--rounds", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, nodelay, extra in CONFIGS:
+            with mosquitto(Path(tmp), extra) as port:
+                results[label] = asyncio.run(run_config(port, nodelay, args.rounds, args.warmup))
+    print("| configuration | median ms | p10 ms | p90 ms | announcement -> last update in (median ms) |")
+    print("|---|---|---|---|---|")
+    for label, r in results.items():
+        print(
+            f"| {label} | {r['median_ms']:.1f} | {r['p10_ms']:.1f} | {r['p90_ms']:.1f} | "
+            f"{r['to_last_update_median_ms']:.1f} |"
+        )
+    print(
+        f"\nupdate size {next(iter(results.values()))['update_bytes']:.0f} bytes, "
+        f"{N_DEVICES} devices, head {D}x{K}, {args.rounds} rounds per configuration"
+    )
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
