@@ -1,0 +1,243 @@
+"""Ed25519 message signatures: good ones accepted, wrong key / tampered / missing rejected."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import cbor2
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agent import signing
+from agent.codec import (
+    Compression,
+    DeviceStatus,
+    GlobalModel,
+    RoundAnnouncement,
+    Update,
+    UpdateMetrics,
+    decode_global_model,
+    decode_round,
+    decode_update,
+    encode_global_model,
+    encode_round,
+    encode_status,
+    encode_update,
+)
+from agent.errors import DecodeError
+from agent.signing import (
+    CONTEXT,
+    SigningKey,
+    VerifyKey,
+    is_signed,
+    load_signing_key,
+    load_verify_key,
+    load_verify_keys,
+    parse_signing_key,
+    parse_verify_key,
+    sign_message,
+    sign_payload,
+    unsigned_form,
+    verify_payload,
+)
+
+# RFC 8032 §7.1, TEST 1 (empty message)
+RFC_SEED = bytes.fromhex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60")
+RFC_PUBLIC = bytes.fromhex("d75a980182b10ab7d54bfed3c964073a0ee172f3daa62325af021a68f707511a")
+RFC_SIGNATURE = bytes.fromhex(
+    "e5564300c360ac729086e2cc806e828a84877f1eb8e5d974d873e065224901555fb8821590a33bacc61e39701cf9b46bd25bf5f0595bbe24655141438e7a100b"
+)
+SHA = "ab" * 32
+
+
+@pytest.fixture(params=["pynacl", "cryptography"])
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    signing.set_backend(request.param)
+    yield request.param
+    signing.set_backend("auto")
+
+
+def make_update() -> Update:
+    rng = np.random.default_rng(1)
+    return Update(
+        round=4,
+        base_version=3,
+        device="dev-2",
+        num_examples=20,
+        delta_W=rng.standard_normal((16, 4)).astype(np.float32),
+        delta_b=rng.standard_normal(4).astype(np.float32),
+        metrics=UpdateMetrics(0.7, 0.8, 0.02, 1 << 20),
+        update_id="dev-2:4:3",
+        compression=Compression.INT8,
+    )
+
+
+def make_round() -> RoundAnnouncement:
+    return RoundAnnouncement(4, 3, 30.0, 2, 0.1, 16, 2, ("dev-1", "dev-2"))
+
+
+def test_sign_rfc8032_test_vector(backend: str) -> None:
+    impl = signing._BACKENDS[backend]()
+    assert impl.public(RFC_SEED) == RFC_PUBLIC
+    assert impl.sign(RFC_SEED, b"") == RFC_SIGNATURE
+    assert impl.verify(RFC_PUBLIC, RFC_SIGNATURE, b"")
+    assert not impl.verify(RFC_PUBLIC, RFC_SIGNATURE, b"x")
+    assert signing.backend_name() == backend
+
+
+def test_sign_good_signature_accepted_for_every_signed_message(backend: str) -> None:
+    key = SigningKey(RFC_SEED)
+    gm = GlobalModel(2, 3, SHA, np.ones((16, 4), np.float32), np.zeros(4, np.float32))
+    payload = sign_message(encode_global_model, gm, key)
+    assert len(payload) == len(encode_global_model(gm)) + 65 and is_signed(payload)
+    verify_payload(payload, key.verify_key)
+    got = decode_global_model(payload, expect_shape=(16, 4))
+    assert len(got.signature) == 64 and got.version == 3 and np.array_equal(got.W, gm.W)
+
+    ann = make_round()
+    payload = sign_message(encode_round, ann, key)
+    verify_payload(payload, key.verify_key)
+    assert decode_round(payload).selected == ("dev-1", "dev-2")
+
+    # int8 with stochastic rounding: encoded once, signed as sent; no re-encoding on either side
+    rng = np.random.default_rng(7)
+    payload = sign_message(lambda m: encode_update(m, rng=rng), make_update(), key)
+    verify_payload(payload, key.verify_key)
+    assert decode_update(payload, expect_shape=(16, 4)).update_id == "dev-2:4:3"
+
+
+def test_sign_signed_bytes_are_the_unsigned_encoding(backend: str) -> None:
+    key = SigningKey(RFC_SEED)
+    ann = make_round()
+    unsigned = encode_round(ann)
+    payload = sign_payload(unsigned, key)
+    assert unsigned_form(payload) == unsigned
+    assert payload[:-66] == unsigned[:-1] and payload[-66:-64] == b"\x58\x40"
+    assert signing._backend().verify(RFC_PUBLIC, payload[-64:], CONTEXT + unsigned)
+    # signing a message that already carries a signature signs its blank form (same result)
+    assert sign_message(encode_round, decode_round(payload), key) == payload
+
+
+def test_sign_backends_produce_identical_signatures() -> None:
+    key = SigningKey(bytes(range(32)))
+    payloads = {}
+    for name in ("pynacl", "cryptography"):
+        signing.set_backend(name)
+        payloads[name] = sign_message(encode_round, make_round(), key)
+    signing.set_backend("cryptography")
+    verify_payload(payloads["pynacl"], key.verify_key)
+    signing.set_backend("pynacl")
+    verify_payload(payloads["cryptography"], key.verify_key)
+    signing.set_backend("auto")
+    assert payloads["pynacl"] == payloads["cryptography"]
+    assert signing.backend_name() == "pynacl"  # auto prefers the smaller library
+    with pytest.raises(ValueError, match="signing backend"):
+        signing.set_backend("openssl")
+
+
+def test_sign_wrong_key_rejected(backend: str) -> None:
+    payload = sign_message(encode_round, make_round(), SigningKey(RFC_SEED))
+    other = SigningKey(bytes(32)).verify_key
+    with pytest.raises(DecodeError) as info:
+        verify_payload(payload, other)
+    assert info.value.reason == "bad_signature"
+    # an attacker re-signing a hostile global head with their own key is refused the same way
+    hostile = GlobalModel(9, 99, SHA, np.full((16, 4), 1e3, np.float32), np.zeros(4, np.float32))
+    forged = sign_message(encode_global_model, hostile, SigningKey(b"\x01" * 32))
+    with pytest.raises(DecodeError, match="bad_signature"):
+        verify_payload(forged, SigningKey(RFC_SEED).verify_key)
+
+
+def test_sign_tampered_byte_anywhere_rejected(backend: str) -> None:
+    key = SigningKey(RFC_SEED)
+    payload = sign_message(encode_round, make_round(), key)
+    for i in range(len(payload)):
+        for flip in (0x01, 0x80):
+            bad = bytearray(payload)
+            bad[i] ^= flip
+            with pytest.raises(DecodeError) as info:
+                verify_payload(bytes(bad), key.verify_key)
+            assert info.value.reason in ("bad_signature", "unsigned"), i
+    # changing a value through CBOR (a cleverer tamper) is refused too
+    obj = cbor2.loads(payload)
+    obj["lr"] = 10.0
+    with pytest.raises(DecodeError, match="bad_signature"):
+        verify_payload(cbor2.dumps(obj), key.verify_key)
+
+
+def test_sign_missing_signature_rejected(backend: str) -> None:
+    key = SigningKey(RFC_SEED).verify_key
+    unsigned = encode_round(make_round())
+    for payload in (
+        unsigned,  # signature = h''
+        unsigned[:-1] + b"\x58\x3f" + b"s" * 63,  # 63 bytes
+        cbor2.dumps({k: v for k, v in cbor2.loads(unsigned).items() if k != "signature"}),
+        b"",
+        b"\x69signature\x58\x40" + b"s" * 64,  # nothing but the tail
+    ):
+        with pytest.raises(DecodeError) as info:
+            verify_payload(payload, key)
+        assert info.value.reason == "unsigned"
+
+
+def test_sign_refuses_messages_without_a_trailing_signature_entry() -> None:
+    status = encode_status(DeviceStatus("dev-1", "online", {}))
+    with pytest.raises(ValueError, match="empty 'signature' entry"):
+        sign_payload(status, SigningKey(RFC_SEED))
+
+
+def test_sign_keys_parse_hex_and_pem(tmp_path: Path) -> None:
+    private = Ed25519PrivateKey.from_private_bytes(RFC_SEED)
+    pem = private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    ).decode()
+    pub_pem = (
+        private.public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        .decode()
+    )
+    assert parse_signing_key(pem).seed == RFC_SEED
+    assert parse_signing_key(RFC_SEED.hex().upper() + "\n").seed == RFC_SEED
+    assert parse_verify_key(pub_pem).raw == RFC_PUBLIC
+    assert parse_verify_key(RFC_PUBLIC.hex()) == VerifyKey(RFC_PUBLIC)
+    assert SigningKey(RFC_SEED).verify_key.hex == RFC_PUBLIC.hex()
+    with pytest.raises(ValueError, match="not an Ed25519 key"):
+        parse_verify_key(pem.replace("PRIVATE", "PUBLIC"))  # a private key where a public one belongs
+    with pytest.raises(ValueError, match="64 hex digits"):
+        parse_signing_key(RFC_SEED.hex()[:-2])
+    with pytest.raises(ValueError, match="32 bytes"):
+        VerifyKey(b"short")
+    keys = tmp_path / "device_keys"
+    keys.mkdir()
+    (keys / "dev-1.pub").write_text(RFC_PUBLIC.hex() + "\n")
+    (keys / "dev-2.pub").write_text(pub_pem)
+    (keys / "README").write_text("not a key")
+    assert load_verify_keys(keys) == {"dev-1": VerifyKey(RFC_PUBLIC), "dev-2": VerifyKey(RFC_PUBLIC)}
+    assert load_verify_key(keys / "dev-1.pub").raw == RFC_PUBLIC
+
+
+def test_sign_private_key_never_logged_or_shown(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    key = SigningKey(RFC_SEED)
+    assert RFC_SEED.hex() not in repr(key) and RFC_PUBLIC.hex() in repr(key)
+    path = tmp_path / "device.key"
+    path.write_text(RFC_SEED.hex())
+    path.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="agent.signing"):
+        assert load_signing_key(path) == key
+    assert "chmod 600" in caplog.text
+    path.chmod(0o600)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="agent.signing"):
+        load_signing_key(path)
+    assert caplog.text == ""
+    bad = tmp_path / "bad.key"
+    bad.write_text(RFC_SEED.hex()[:-1] + "z")
+    bad.chmod(0o600)
+    with pytest.raises(ValueError) as info:
+        load_signing_key(bad)
+    assert RFC_SEED.hex()[:20] not in str(info.value) and "bad.key" in str(info.value)
+    assert info.value.__cause__ is None and info.value.__suppress_context__
