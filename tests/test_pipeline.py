@@ -412,3 +412,40 @@ def test_pipeline_rejects_bad_arguments() -> None:
         pipe.run(np.zeros((2, 8, 8, 3), np.uint8))
     with pytest.raises(ValueError, match="expects"):
         pipe.run(np.zeros((0, 8, 8, 1), np.uint8))
+
+
+def test_profile_command_prints_a_table_and_writes_the_json_contract(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    from agent import profiler
+
+    parser = argparse.ArgumentParser()
+    profiler.add_parser(parser.add_subparsers(dest="command", required=True))
+    out = tmp_path / "profile.json"
+    model = str(MODELS / "digits_cnn_int8.tflite")
+    argv = ["profile", model, "--std", "16", "--batch", "1,2", "--repeats", "3", "--json", str(out)]
+    args = parser.parse_args(argv)
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "fused step: table" in text and "chosen:" in text and "pre unf us" in text
+    data = json.loads(out.read_text())
+    assert data["model"] == "digits_cnn_int8.tflite"
+    assert data["chosen"]["mode"] in ("fused", "unfused") and data["chosen"]["batch"] in (1, 2)
+    contract = {
+        "batch": int,
+        "unfused_samples_per_s": float,
+        "fused_samples_per_s": float,
+        "invoke_only_samples_per_s": float,
+        "preprocess_unfused_s_per_sample": float,
+        "preprocess_fused_s_per_sample": float,
+        "preprocess_unfused_peak_bytes": int,
+        "preprocess_fused_peak_bytes": int,
+    }
+    assert [b["batch"] for b in data["batches"]] == [1, 2]
+    for b in data["batches"]:
+        for key, kind in contract.items():
+            assert isinstance(b[key], kind) and b[key] > 0, key
+    bad = parser.parse_args(["profile", str(tmp_path / "missing.tflite")])
+    assert bad.func(bad) == 3

@@ -1,0 +1,176 @@
+"""``edgefl profile MODEL``: time every preprocessing stage both ways, per batch size, and pick one.
+
+For each batch size: the unfused path (every stage its own array), the fused path (one stage writing
+into the interpreter's input tensor) and ``invoke`` alone (input already in place: the ceiling), each
+as the median of repeated, interleaved runs in this process; the peak extra bytes of preprocessing
+one batch (tracemalloc: numpy allocations) and the minor page faults it causes (fresh pages: what
+the RSS pays for new arrays). Prints a table, the chosen configuration and the per-stage times of
+the chosen batch; ``--json PATH`` writes the figures (the contract of issue 4, plus per-stage times).
+
+The measurement itself is :func:`agent.pipeline.measure`; the choice :func:`agent.pipeline.decide`, the
+same rule ``pipeline.mode = "auto"`` uses at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from agent.errors import ModelError
+from agent.pipeline import DEFAULT_MARGIN, BatchMeasurement, Pipeline, decide, measure
+from agent.runtime import Backbone
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_MODEL = 3
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers") from exc
+    return values
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: batch sizes must be >= 1")
+    return values
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``profile`` sub-command to ``sub`` (the result of ``add_subparsers``).
+
+    Parameters
+    ----------
+    sub : argparse._SubParsersAction
+
+    Returns
+    -------
+    The new sub-parser (its ``func`` default is :func:`main`).
+    """
+    p: argparse.ArgumentParser = sub.add_parser(
+        "profile",
+        help="time preprocessing unfused vs fused per batch size and pick the fastest",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+    )
+    p.add_argument("model", help="the .tflite model")
+    p.add_argument(
+        "--input-dtype",
+        default="uint8",
+        choices=("uint8", "int8", "int16", "float32"),
+        help="dtype of the raw samples fed to the pipeline (default uint8)",
+    )
+    p.add_argument("--batch", type=_batches, default=(1, 4, 8, 16), help="batch sizes (default 1,4,8,16)")
+    p.add_argument("--mean", type=_floats, default=(0.0,), help="per-channel mean, e.g. 127.5 (default 0)")
+    p.add_argument("--std", type=_floats, default=(1.0,), help="per-channel std, e.g. 127.5 (default 1)")
+    p.add_argument("--repeats", type=int, default=15, help="timed runs per configuration (default 15)")
+    p.add_argument("--threads", type=int, default=1, help="interpreter threads (default 1)")
+    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="see agent.pipeline.decide")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
+    p.set_defaults(func=main)
+    return p
+
+
+def report(model: str, rows: list[BatchMeasurement], chosen: tuple[str, int]) -> dict[str, Any]:
+    """The JSON document of a profile run.
+
+    Parameters
+    ----------
+    model : str
+        The model file name.
+    rows : measurements, one per batch size
+    chosen : (mode, batch)
+
+    Returns
+    -------
+    ``{"model", "chosen": {"mode", "batch"}, "batches": [...]}``; each batch entry has the contract
+    keys (``batch``, ``unfused_samples_per_s``, ``fused_samples_per_s``, ``invoke_only_samples_per_s``,
+    ``preprocess_unfused_s_per_sample``, ``preprocess_fused_s_per_sample``,
+    ``preprocess_unfused_peak_bytes``, ``preprocess_fused_peak_bytes``) plus the minor page faults
+    and the per-stage medians (s per sample).
+    """
+    return {
+        "model": model,
+        "chosen": {"mode": chosen[0], "batch": chosen[1]},
+        "batches": [asdict(r) for r in rows],
+    }
+
+
+def format_table(rows: list[BatchMeasurement]) -> str:
+    """A fixed-width table of the measurements (one line per batch size)."""
+    head = (
+        f"{'batch':>5} {'unfused/s':>10} {'fused/s':>10} {'invoke/s':>10} {'fused/unf':>9} "
+        f"{'fused/inv':>9} {'pre unf us':>10} {'pre fus us':>10} {'pre x':>6} {'peak unf B':>11} "
+        f"{'peak fus B':>11} {'faults unf':>10}"
+    )
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r.batch:>5} {r.unfused_samples_per_s:>10.1f} {r.fused_samples_per_s:>10.1f} "
+            f"{r.invoke_only_samples_per_s:>10.1f} "
+            f"{r.fused_samples_per_s / r.unfused_samples_per_s:>9.2f} "
+            f"{r.fused_samples_per_s / r.invoke_only_samples_per_s:>9.2f} "
+            f"{r.preprocess_unfused_s_per_sample * 1e6:>10.1f} "
+            f"{r.preprocess_fused_s_per_sample * 1e6:>10.1f} "
+            f"{r.preprocess_unfused_s_per_sample / max(r.preprocess_fused_s_per_sample, 1e-12):>6.1f} "
+            f"{r.preprocess_unfused_peak_bytes:>11,} {r.preprocess_fused_peak_bytes:>11,} "
+            f"{r.preprocess_unfused_minor_faults:>10.0f}"
+        )
+    return "\n".join(lines)
+
+
+def format_stages(r: BatchMeasurement) -> str:
+    """Per-stage medians (us per sample) of one batch size, unfused then fused."""
+    out = [f"stages at batch {r.batch} (median us per sample):"]
+    for mode, stages in (("unfused", r.stages_unfused), ("fused", r.stages_fused)):
+        out.append(f"  {mode:>7}: " + "  ".join(f"{k} {v * 1e6:.1f}" for k, v in stages.items()))
+    return "\n".join(out)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``edgefl profile``; returns the exit code (0 ok, 2 bad arguments, 3 model error)."""
+    if args.repeats < 1:
+        print("edgefl profile: --repeats must be >= 1")
+        return EXIT_USAGE
+    try:
+        bb = Backbone(Path(args.model), num_threads=args.threads)
+        fused = Pipeline(bb, args.mean, args.std, mode="fused", batch=1)
+    except ModelError as exc:
+        print(f"edgefl profile: model error: {exc}")
+        return EXIT_MODEL
+    except ValueError as exc:
+        print(f"edgefl profile: {exc}")
+        return EXIT_USAGE
+    q = bb.input_quant
+    print(
+        f"{bb.path.name}: input {bb.input_dtype} [N, {', '.join(map(str, bb.sample_shape))}]"
+        + (f" scale {q.scale:.9g} zero point {q.zero_point}" if q.scale else "")
+        + f"; batch {'resizable' if bb.resizable else f'fixed at {bb.input_shape[0]}'}"
+        + f"; raw {args.input_dtype}, fused step: {fused.fused_step(args.input_dtype)}"
+    )
+    rows = measure(
+        bb, args.mean, args.std, batches=args.batch, raw_dtype=args.input_dtype, repeats=args.repeats
+    )
+    chosen = decide(rows, margin=args.margin)
+    print(format_table(rows))
+    best = next(r for r in rows if r.batch == chosen[1])
+    print(format_stages(best))
+    print(
+        f"chosen: {chosen[0]}, batch {chosen[1]} (medians of {args.repeats} interleaved runs in one "
+        "process; compare figures of one run only)"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report(bb.path.name, rows, chosen), indent=2) + "\n")
+    return EXIT_OK
