@@ -1,0 +1,332 @@
+"""MQTT over TLS with a password file: mosquitto with certificates generated here (``cryptography``)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import ipaddress
+import logging
+import shutil
+import socket
+import ssl
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import Broker, start_mosquitto, stop_broker
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from agent.config import BrokerConfig
+from agent.errors import ConfigError, TransportError
+from agent.tlsconf import make_ssl_context, ssl_context_for
+from agent.transport import MqttTransport
+
+USER, PASSWORD = "edge-device", "correct horse battery staple"
+UNTRUSTED = {
+    "self-signed certificate in certificate chain",
+    "self signed certificate in certificate chain",
+    "unable to get local issuer certificate",
+}
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: Path
+    other_ca: Path
+    server_cert: Path
+    server_key: Path
+    wrong_name_cert: Path
+    wrong_name_key: Path
+    client_cert: Path
+    client_key: Path
+    passwd: Path
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _write(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey | None = None) -> None:
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    if key is not None:
+        key_path = path.with_suffix(".key")
+        key_path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+        key_path.chmod(0o600)
+
+
+def _ca(cn: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    key = _key()
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(cn))
+        .issuer_name(_name(cn))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return cert, key
+
+
+def _leaf(
+    cn: str,
+    ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey],
+    *,
+    server_ip: str | None = None,
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    key = _key()
+    now = dt.datetime.now(dt.timezone.utc)
+    usage = ExtendedKeyUsageOID.SERVER_AUTH if server_ip else ExtendedKeyUsageOID.CLIENT_AUTH
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(cn))
+        .issuer_name(ca[0].subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca[1].public_key()), critical=False)
+    )
+    if server_ip is not None:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(server_ip))]), critical=False
+        )
+    return builder.sign(ca[1], hashes.SHA256()), key
+
+
+def mosquitto_passwd_path() -> str:
+    path = shutil.which("mosquitto_passwd")
+    if path is None:
+        raise RuntimeError("mosquitto_passwd not installed: apt-get install mosquitto (it ships the tool)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    d = tmp_path_factory.mktemp("pki")
+    ca = _ca("edgefl test CA")
+    other = _ca("some other CA")
+    _write(d / "ca.pem", ca[0])
+    _write(d / "other_ca.pem", other[0])
+    server = _leaf("broker", ca, server_ip="127.0.0.1")
+    _write(d / "server.pem", *server)
+    wrong = _leaf("broker-elsewhere", ca, server_ip="10.9.8.7")  # valid chain, wrong address
+    _write(d / "wrong.pem", *wrong)
+    client = _leaf("dev-1", ca)
+    _write(d / "client.pem", *client)
+    passwd = d / "passwd"
+    subprocess.run([mosquitto_passwd_path(), "-c", "-b", str(passwd), USER, PASSWORD], check=True)
+    return Pki(
+        ca=d / "ca.pem",
+        other_ca=d / "other_ca.pem",
+        server_cert=d / "server.pem",
+        server_key=d / "server.key",
+        wrong_name_cert=d / "wrong.pem",
+        wrong_name_key=d / "wrong.key",
+        client_cert=d / "client.pem",
+        client_key=d / "client.key",
+        passwd=passwd,
+    )
+
+
+def _tls_conf(pki: Pki, cert: Path, key: Path, *, require_certificate: bool) -> str:
+    return (
+        "allow_anonymous false\n"
+        f"password_file {pki.passwd}\n"
+        f"cafile {pki.ca}\n"
+        f"certfile {cert}\n"
+        f"keyfile {key}\n"
+        "tls_version tlsv1.2\n"
+        f"require_certificate {'true' if require_certificate else 'false'}\n"
+        "user root\n"  # keep read access to the test's files when CI runs as root (no effect otherwise)
+    )
+
+
+@pytest.fixture(scope="module")
+def tls_broker(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    b = start_mosquitto(
+        tmp_path_factory.mktemp("tls"),
+        extra=_tls_conf(pki, pki.server_cert, pki.server_key, require_certificate=False),
+    )
+    yield b
+    stop_broker(b)
+
+
+@pytest.fixture(scope="module")
+def mtls_broker(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    b = start_mosquitto(
+        tmp_path_factory.mktemp("mtls"),
+        extra=_tls_conf(pki, pki.server_cert, pki.server_key, require_certificate=True),
+    )
+    yield b
+    stop_broker(b)
+
+
+def connect(
+    broker: Broker, ctx: ssl.SSLContext, *, username: str = USER, password: str = PASSWORD, wait_s: float = 10
+) -> bool:
+    """Connect through the agent's transport; publish one QoS 1 message when connected."""
+
+    async def main() -> bool:
+        tx = MqttTransport(
+            broker.host,
+            broker.port,
+            f"tls-{uuid.uuid4().hex[:8]}",
+            tls_context=ctx,
+            username=username,
+            password=password,
+        )
+        try:
+            await tx.start(wait_s=wait_s)
+            await tx.publish(f"edgefl/t{uuid.uuid4().hex[:8]}/status/dev-1", b"hello", qos=1, timeout_s=5)
+            return True
+        except TransportError:
+            return False
+        finally:
+            await tx.stop()
+
+    return asyncio.run(main())
+
+
+def handshake_error(broker: Broker, ctx: ssl.SSLContext, *, read: bool = False) -> str | None:
+    """The TLS handshake alone, with the same context: None if it succeeds, else the reason.
+
+    With ``read``, also wait briefly for the server's first bytes: under TLS 1.3 a server refuses a
+    missing client certificate with an alert after the client considers the handshake done.
+    """
+    try:
+        with (
+            socket.create_connection((broker.host, broker.port), timeout=5) as raw,
+            ctx.wrap_socket(raw, server_hostname=broker.host) as tls,
+        ):
+            if read:
+                tls.settimeout(1.0)
+                try:
+                    tls.recv(1)
+                except TimeoutError:
+                    return None  # the broker is waiting for our CONNECT: accepted
+            return None
+    except ssl.SSLCertVerificationError as exc:
+        return str(exc.verify_message)
+    except ssl.SSLError as exc:
+        return str(exc.reason)
+    except OSError as exc:
+        return type(exc).__name__
+
+
+def test_tls_context_verifies_the_server(pki: Pki) -> None:
+    ctx = make_ssl_context(pki.ca)
+    assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
+    assert ctx.minimum_version == ssl.TLSVersion.TLSv1_2
+    assert [c["subject"] for c in ctx.get_ca_certs()] == [((("commonName", "edgefl test CA"),),)]
+
+
+def test_tls_with_password_connects(tls_broker: Broker, pki: Pki) -> None:
+    assert connect(tls_broker, make_ssl_context(pki.ca))
+
+
+def test_tls_wrong_ca_fails(tls_broker: Broker, pki: Pki) -> None:
+    assert handshake_error(tls_broker, make_ssl_context(pki.ca)) is None
+    # the chain is not trusted (wording depends on whether mosquitto sends its CA, and on OpenSSL)
+    assert handshake_error(tls_broker, make_ssl_context(pki.other_ca)) in UNTRUSTED
+    assert not connect(tls_broker, make_ssl_context(pki.other_ca), wait_s=2)
+
+
+def test_tls_wrong_server_address_fails(pki: Pki, tmp_path: Path) -> None:
+    # the certificate chains to the right CA but names 10.9.8.7: host name verification refuses it
+    b = start_mosquitto(
+        tmp_path, extra=_tls_conf(pki, pki.wrong_name_cert, pki.wrong_name_key, require_certificate=False)
+    )
+    try:
+        assert (
+            handshake_error(b, make_ssl_context(pki.ca))
+            == "IP address mismatch, certificate is not valid for '127.0.0.1'."
+        )
+        assert not connect(b, make_ssl_context(pki.ca), wait_s=2)
+    finally:
+        stop_broker(b)
+
+
+def test_tls_wrong_password_fails(tls_broker: Broker, pki: Pki, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="agent.transport"):
+        assert not connect(tls_broker, make_ssl_context(pki.ca), password="wrong", wait_s=2)
+    assert "refused the connection: Not authorized" in caplog.text
+    assert PASSWORD not in caplog.text and "wrong" not in caplog.text.replace("wrong_", "")
+
+
+def test_tls_client_certificate_required(mtls_broker: Broker, pki: Pki) -> None:
+    assert connect(mtls_broker, make_ssl_context(pki.ca, pki.client_cert, pki.client_key))
+    assert (
+        handshake_error(mtls_broker, make_ssl_context(pki.ca, pki.client_cert, pki.client_key), read=True)
+        is None
+    )
+    assert handshake_error(mtls_broker, make_ssl_context(pki.ca), read=True) in {
+        "TLSV13_ALERT_CERTIFICATE_REQUIRED",
+        "SSLV3_ALERT_HANDSHAKE_FAILURE",
+    }
+    assert not connect(mtls_broker, make_ssl_context(pki.ca), wait_s=2)
+
+
+def test_tls_plain_client_cannot_use_the_tls_listener(tls_broker: Broker) -> None:
+    async def main() -> bool:
+        tx = MqttTransport(tls_broker.host, tls_broker.port, "plain", username=USER, password=PASSWORD)
+        try:
+            await tx.start(wait_s=2)
+            return True
+        except TransportError:
+            return False
+        finally:
+            await tx.stop()
+
+    assert not asyncio.run(main())
+
+
+def test_tls_bad_files_are_config_errors(pki: Pki, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        make_ssl_context(tmp_path / "missing.pem")
+    assert info.value.problems[0].startswith(f"broker.ca_file = {tmp_path / 'missing.pem'}: ")
+    with pytest.raises(ConfigError, match="key does not match"):
+        make_ssl_context(pki.ca, pki.client_cert, pki.server_key)
+    with pytest.raises(ConfigError, match="both or neither"):
+        make_ssl_context(pki.ca, pki.client_cert, None)
+    not_pem = tmp_path / "junk.pem"
+    not_pem.write_text("junk")
+    with pytest.raises(ConfigError, match=r"broker\.ca_file"):
+        make_ssl_context(not_pem)
+
+
+def test_tls_context_from_profile_broker_table(pki: Pki) -> None:
+    assert ssl_context_for(BrokerConfig(url="mqtt://127.0.0.1:1883")) is None
+    ctx = ssl_context_for(
+        BrokerConfig(
+            url="mqtts://127.0.0.1:8883",
+            tls=True,
+            ca_file=pki.ca,
+            client_cert=pki.client_cert,
+            client_key=pki.client_key,
+        )
+    )
+    assert ctx is not None and ctx.verify_mode == ssl.CERT_REQUIRED
