@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from conftest import MODELS
 
-from agent.daemon import preprocess
 from agent.datasets import load_digits
 from agent.head import Head
 from agent.pipeline import (
@@ -41,6 +40,12 @@ def model(request: pytest.FixtureRequest) -> tuple[Backbone, tuple[float, ...], 
     name = str(request.param)
     mean, std = MODEL_NORM[name]
     return Backbone(MODELS / f"{name}.tflite"), mean, std
+
+
+def preprocess(raw: np.ndarray, bb: Backbone, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
+    """The reference: the simple path the daemon used before the pipeline (agent/daemon.py@8462e9c)."""
+    x = (raw.astype(np.float32) - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
+    return bb.quantize_input(x.astype(np.float32))
 
 
 def _input_tensor(pipe: Pipeline, rows: np.ndarray) -> np.ndarray:
