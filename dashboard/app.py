@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from agent.errors import ConfigError
@@ -96,11 +96,21 @@ class DashboardState:
     title : str
         Shown in the page header (device id, fleet name).
     get_status : callable () -> Mapping[str, Any]
-        Returns the current status (keys listed in ``static/app.js``; any may be missing). Called on
+        Returns the current status; any key may be missing or None (the page shows "–"). Called on
         the event loop, at most once per ``push_interval_s`` while a stream is open, once per
         ``history_interval_s`` (device) and once per ``/api/status`` or ``/metrics`` request, so it
         must be cheap and must not block. Values: numbers, str, bool, None, lists and mappings;
-        NaN/inf are sent as null.
+        NaN/inf are sent as null. Keys the pages and ``/metrics`` read:
+
+        - device: ``device``, ``state`` (idle / training / uploading / waiting / deferred /
+          offline), ``reason``, ``round``, ``version``, ``cap_bytes``, ``rss_bytes``, ``pss_bytes``,
+          ``peak_rss_bytes``, ``system_available_bytes``, ``phase_peaks`` {phase: bytes} (phases
+          inference, batch, train, encode, publish, apply), ``last_update_bytes``,
+          ``local_accuracy`` (0..1), ``inference_rate`` (samples/s), ``pipeline_mode``,
+          ``rejected`` {reason: count}, ``broker_connected``, ``store_samples``, ``inferred_total``.
+        - coordinator: ``round``, ``state``, ``updates_received``, ``updates_expected``,
+          ``deadline_s_left``, ``version``, ``accuracy_history`` [{round, accuracy}], ``devices``
+          {device: {state, online, rss_bytes, cap_bytes, last_round, reason}}, ``rejected``.
     token : str or None
         Bearer token; required by :func:`serve` for a non-loopback host. When set, every route
         requires it.
@@ -323,8 +333,10 @@ def _host_name(host_header: str) -> str:
 async def _guard(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
     token = request.app[STATE_KEY].token
     if token is None:
-        if not is_loopback_host(_host_name(request.host)):
-            logger.debug("dashboard: refused Host %r from %s", request.host, request.remote)
+        # Browsers always send Host; a client without one reached the loopback socket directly.
+        host = request.headers.get(hdrs.HOST, "")
+        if host and not is_loopback_host(_host_name(host)):
+            logger.debug("dashboard: refused Host %r from %s", host, request.remote)
             raise web.HTTPMisdirectedRequest(
                 text="this dashboard serves loopback host names only; set dashboard.token to serve others\n"
             )
@@ -340,6 +352,7 @@ async def _guard(request: web.Request, handler: Callable[[web.Request], Any]) ->
 async def _add_headers(request: web.Request, response: web.StreamResponse) -> None:
     for name, value in _SECURITY_HEADERS.items():
         response.headers.setdefault(name, value)
+    response.headers[hdrs.SERVER] = "edgefl"  # not aiohttp's version string
 
 
 # --------------------------------------------------------------------------------------------------
@@ -397,8 +410,13 @@ async def _events(request: web.Request) -> web.StreamResponse:
             async with asyncio.timeout(WRITE_TIMEOUT_S):
                 await response.write(frame if new_seq != seq else b": keepalive\n\n")
             seq = new_seq
-    except (ConnectionError, TimeoutError) as exc:
+    except ConnectionError as exc:
         logger.debug("dashboard: event stream to %s ended: %r", request.remote, exc)
+    except TimeoutError:
+        # a client that stopped reading: drop the connection, or finishing the response would wait too
+        logger.info("dashboard: event stream to %s stalled %.0f s; dropped", request.remote, WRITE_TIMEOUT_S)
+        if request.transport is not None:
+            request.transport.abort()
     finally:
         hub.streams -= 1
     return response
@@ -610,7 +628,9 @@ def create_app(state: DashboardState) -> web.Application:
     aiohttp.web.Application
         Read-only routes ``/``, ``/static/{name}``, ``/api/status``, ``/api/history``,
         ``/api/events``, ``/metrics``, ``/healthz``. The status publisher runs as a background
-        task of the app (``cleanup_ctx``), so it starts and stops with the runner.
+        task of the app (``cleanup_ctx``), so it starts and stops with the runner. Serve it with
+        :func:`serve` or its own ``AppRunner``, not as a sub-app: the handler cancellation that
+        drops a vanished SSE client at once is an option of the top-level application.
     """
     hub = _Hub(state)
     # handler_cancellation: aiohttp then cancels a handler as soon as its client disconnects, so an
@@ -624,7 +644,7 @@ def create_app(state: DashboardState) -> web.Application:
     app.router.add_get("/static/{name}", _static)
     app.router.add_get("/api/status", _status)
     app.router.add_get("/api/history", _history)
-    app.router.add_get("/api/events", _events)
+    app.router.add_get("/api/events", _events, allow_head=False)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/healthz", _healthz)
     app.on_response_prepare.append(_add_headers)

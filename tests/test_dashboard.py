@@ -28,6 +28,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+import dashboard.app
 from agent import memory
 from agent.errors import ConfigError
 from dashboard.app import DashboardState, create_app, jsonable, serve
@@ -169,6 +170,8 @@ def test_dashboard_is_read_only() -> None:
                     async with http.request(method, url + path, data=b"x") as r:
                         assert r.status == 405, (method, path)
                         assert r.headers["X-Content-Type-Options"] == "nosniff"
+            async with http.head(url + "/api/events") as r:  # no stream held open for a HEAD
+                assert r.status == 405
 
     run(body())
 
@@ -476,6 +479,38 @@ def test_sse_limit_and_shutdown_with_open_streams() -> None:
             b.close()
         finally:
             await http.close()
+
+    run(body())
+
+
+def test_sse_stalled_client_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dashboard.app, "WRITE_TIMEOUT_S", 0.3)
+    counter = iter(range(10**9))
+    blob = "x" * 65536
+
+    def status() -> Mapping[str, Any]:
+        return {"n": next(counter), "blob": blob}
+
+    async def body() -> None:
+        # 64 KiB events every 10 ms to a client that never reads: the socket buffers fill, the
+        # write blocks, and the stream must be dropped instead of being held open forever
+        state = DashboardState("device", "d", status, push_interval_s=0.01)
+        async with served(state) as (url, http):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", int(url.rsplit(":", 1)[1])))
+            sock.sendall(b"GET /api/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            try:
+                counts = []
+                deadline = time.monotonic() + 10
+                while not (1.0 in counts and counts[-1] == 0.0):
+                    assert time.monotonic() < deadline, f"stalled stream not dropped: {counts[-5:]}"
+                    async with http.get(url + "/metrics") as r:
+                        counts.append(scrape(await r.text())[("edgefl_dashboard_sse_streams", ())])
+                    await asyncio.sleep(0.05)
+            finally:
+                sock.close()
 
     run(body())
 

@@ -14,6 +14,7 @@ tests also run their scenario for a minute and write ``docs/dashboard-device.png
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import threading
 import time
@@ -35,6 +36,7 @@ from playwright.sync_api import (
     sync_playwright,
 )
 
+import dashboard.app
 from agent import memory
 from dashboard.app import DashboardState, serve
 
@@ -55,12 +57,13 @@ VIEWPORT = {"width": 1280, "height": 900}
 class ThreadedDashboard:
     """``serve(state)`` on an event loop in a background thread (playwright's sync API owns this one)."""
 
-    def __init__(self, state: DashboardState, host: str = "127.0.0.1") -> None:
+    def __init__(self, state: DashboardState, host: str = "127.0.0.1", port: int = 0) -> None:
         self.state = state
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="dashboard-loop", daemon=True)
         self.thread.start()
-        self.runner, self.port = asyncio.run_coroutine_threadsafe(serve(state, host, 0), self.loop).result(10)
+        started = asyncio.run_coroutine_threadsafe(serve(state, host, port), self.loop)
+        self.runner, self.port = started.result(10)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def notify(self) -> None:
@@ -71,6 +74,23 @@ class ThreadedDashboard:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+PHASES_IN_STATE = {"idle": ("inference", "batch", "apply"), "training": ("train",),
+                   "waiting": ("encode", "publish")}
+
+
+class Ballast:
+    """Memory this process really touches and really returns (an anonymous mapping, not the heap)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.map = mmap.mmap(-1, nbytes)
+        view = np.frombuffer(self.map, dtype=np.uint8)
+        view[:] = 1
+        del view
+
+    def release(self) -> None:
+        self.map.close()
 
 
 @dataclass
@@ -88,7 +108,7 @@ class LiveDevice:
     def status(self) -> dict[str, Any]:
         rss = memory.rss_bytes()
         self.inferred_total += 37
-        for phase in ("inference", "batch") if self.state == "idle" else ("train", "encode", "publish"):
+        for phase in PHASES_IN_STATE.get(self.state, ()):
             self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), rss)
         return {
             "device": "gw-test-01",
@@ -154,7 +174,7 @@ def context(browser: Browser) -> Iterator[BrowserContext]:
 @pytest.fixture
 def dashboard_target() -> Iterator[DashboardTarget]:
     device = LiveDevice()
-    ballast: list[np.ndarray] = []
+    ballast: list[Ballast] = []
     server = ThreadedDashboard(DashboardState("device", "gw-test-01", device.status, push_interval_s=0.5,
                                               history_interval_s=1.0))
     cycle = iter(["training", "waiting", "idle"] * 1000)
@@ -164,9 +184,10 @@ def dashboard_target() -> Iterator[DashboardTarget]:
         state = next(cycle)
         if state == "training":
             device.round += 1
-            ballast.append(np.ones(24 * MiB, np.uint8))
+            ballast.append(Ballast(24 * MiB))
         elif state == "waiting":
-            ballast.clear()
+            while ballast:
+                ballast.pop().release()
             device.last_update_bytes = 5310 + device.round
             device.local_accuracy = min(0.97, 0.80 + 0.02 * device.round)
         else:
@@ -179,6 +200,8 @@ def dashboard_target() -> Iterator[DashboardTarget]:
         yield DashboardTarget(server.url, os.getpid(), advance, steps=3)
     finally:
         server.close()
+        for b in ballast:
+            b.release()
 
 
 class PageErrors:
@@ -311,11 +334,11 @@ def test_browser_gauge_follows_the_process_rss(context: BrowserContext) -> None:
     try:
         page, errors = open_page(context, server.url)
         before = int(data_value(page, "#rss"))
-        ballast = np.ones(48 * MiB, np.uint8)  # 48 MiB of touched pages
+        ballast = Ballast(48 * MiB)
         wait_for(lambda: int(data_value(page, "#rss")) > before + 40 * MiB, what="RSS to grow on the page")
         grown = int(data_value(page, "#rss"))
         assert abs(grown - memory.rss_bytes()) <= 4 * MiB
-        del ballast
+        ballast.release()
         wait_for(lambda: int(data_value(page, "#rss")) < grown - 40 * MiB, what="RSS to shrink on the page")
         assert errors.items == []
         page.close()
@@ -330,7 +353,7 @@ def deadline_s(page: Page) -> float:
 def coordinator_status(progress: dict[str, Any]) -> Callable[[], Mapping[str, Any]]:
     def status() -> Mapping[str, Any]:
         rnd = progress["round"]
-        return {
+        doc: dict[str, Any] = {
             "round": rnd,
             "state": progress["state"],
             "updates_received": progress["received"],
@@ -348,17 +371,19 @@ def coordinator_status(progress: dict[str, Any]) -> Callable[[], Mapping[str, An
                              "cap_bytes": 96 * MiB, "last_round": rnd - 1, "reason": ""},
                 "gw-shed": {"state": "offline", "online": False, "rss_bytes": None, "cap_bytes": 64 * MiB,
                             "last_round": 2, "reason": "last will"},
-                "<img src=x onerror=alert(1)>": {"state": "idle", "online": True},
             },
             "rejected": {"stale_round": 2, "bad_shape": 1},
         }
+        if progress["hostile"]:  # a device id chosen by an attacker must render as text
+            doc["devices"]["<img src=x onerror=alert(1)>"] = {"state": "idle", "online": True}
+        return doc
 
     return status
 
 
 def test_browser_coordinator_page_live(context: BrowserContext, tmp_path: Path) -> None:
     progress: dict[str, Any] = {"round": 6, "state": "open", "received": 1,
-                                "deadline_at": time.monotonic() + 30}
+                                "deadline_at": time.monotonic() + 30, "hostile": True}
     server = ThreadedDashboard(DashboardState("coordinator", "fleet demo", coordinator_status(progress)))
     try:
         page, errors = open_page(context, server.url)
@@ -390,9 +415,10 @@ def test_browser_coordinator_page_live(context: BrowserContext, tmp_path: Path) 
             progress.update(round=progress["round"] + 1, received=progress["received"] % 4 + 1,
                             deadline_at=time.monotonic() + 30)
             server.notify()
-        progress["state"] = "collecting"
+        progress.update(state="collecting", hostile=False)
         server.notify()
         expect_state(page, "collecting")
+        expect(rows).to_have_count(4)
         assert page.evaluate("window.__sameDocument") is True
         docs_screenshot(page, "dashboard-coordinator.png", tmp_path)
         assert errors.items == []
@@ -417,6 +443,29 @@ def test_browser_missing_keys_render_as_dash(context: BrowserContext, kind: str)
             assert page.text_content("#deadline") == DASH
             assert page.locator("#devices tbody td").all_text_contents() == [DASH]
         assert errors.items == []
+        page.close()
+    finally:
+        server.close()
+
+
+def test_browser_page_reconnects_after_the_agent_restarts(
+    context: BrowserContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dashboard.app, "SSE_RETRY_MS", 200)  # the browser's reconnect delay
+    first = LiveDevice(state="training")
+    server = ThreadedDashboard(DashboardState("device", "gw", first.status))
+    page, errors = open_page(context, server.url)
+    expect_state(page, "training")
+    server.close()
+    expect(page.locator("#live")).to_have_text("reconnecting…", timeout=3000)
+    second = LiveDevice(state="deferred")
+    server = ThreadedDashboard(DashboardState("device", "gw", second.status), port=server.port)
+    try:
+        expect(page.locator("#live")).to_have_text("live", timeout=5000)
+        expect_state(page, "deferred")
+        assert page.evaluate("window.__sameDocument") is True
+        # the browser logs the refused reconnection attempts while the agent was down; nothing else
+        assert [e for e in errors.items if "ERR_CONNECTION_REFUSED" not in e] == []
         page.close()
     finally:
         server.close()

@@ -137,8 +137,8 @@
     ctx.lineWidth = 1;
     ctx.textAlign = "right";
     ctx.textBaseline = "middle";
-    for (let i = 0; i <= 4; i++) {
-      const y = opts.yMin + ((opts.yMax - opts.yMin) * i) / 4;
+    const yTicks = opts.yTicks || [0, 1, 2, 3, 4].map((i) => opts.yMin + ((opts.yMax - opts.yMin) * i) / 4);
+    for (const y of yTicks) {
       ctx.beginPath();
       ctx.moveTo(pad.l, Y(y) + 0.5);
       ctx.lineTo(pad.l + pw, Y(y) + 0.5);
@@ -318,8 +318,11 @@
     for (let x = xMin; x <= xMax; x += step) ticks.push(x);
     const ys = pts.map((p) => p[1]).filter(isNum);
     const yMin = ys.length ? Math.max(0, Math.floor((Math.min(...ys) - 5) / 10) * 10) : 0;
+    const yStep = yMin >= 50 ? 10 : 20;
+    const yTicks = [];
+    for (let y = 100; y >= yMin; y -= yStep) yTicks.push(y);
     drawChart(document.getElementById("accuracy-chart"), {
-      xMin, xMax, yMin, yMax: 100, xTicks: ticks,
+      xMin, xMax, yMin, yMax: 100, xTicks: ticks, yTicks,
       xFmt: (x) => "r" + x, yFmt: (y) => y.toFixed(0) + " %",
       series: [{ points: pts, color: css("--rss"), dots: true }],
       lines: [],
@@ -417,9 +420,15 @@
     }
   }
 
+  let reloadHistory = false;
+
   function connect() {
     const source = new EventSource("/api/events");
-    source.onopen = () => setLive(true, "live");
+    source.onopen = () => {
+      setLive(true, "live");
+      if (reloadHistory && KIND === "device") loadHistory();
+      reloadHistory = false;
+    };
     source.onmessage = (ev) => {
       try {
         render(JSON.parse(ev.data));
@@ -428,11 +437,12 @@
       }
     };
     source.onerror = () => {
-      // EventSource reconnects by itself (retry: from the server); after a reconnect the history is
-      // reloaded so the chart has no gap.
+      // EventSource reconnects by itself (retry: from the server) unless the server answered with
+      // an error (503: too many streams, 401); then try again in a while. After a reconnect the
+      // history is reloaded so the chart has no gap.
       setLive(false, "reconnecting…");
+      reloadHistory = true;
       if (source.readyState === EventSource.CLOSED) setTimeout(connect, 5000);
-      else source.addEventListener("open", () => { if (KIND === "device") loadHistory(); }, { once: true });
     };
   }
 
