@@ -317,7 +317,10 @@ def model_shapes(backbone: Any) -> ModelShapes:
 # Factors fitted to the measured peaks (bench/memory.py, tests/test_memory.py) with headroom:
 # the arena is up to ~2x the liveness lower bound (im2col/accumulator scratch of int8 convs).
 _ARENA_FACTOR = 2.0
-_FIXED_BYTES = 64 << 10  # small Python objects, page rounding
+_FIXED_BYTES = 256 << 10  # small Python objects, page rounding
+# The first run of a phase faults in the code pages of the library paths it uses (numpy's sort and
+# BLAS kernels, LiteRT's kernels for a new shape): measured 1.5 MiB of RssFile for training.
+FIRST_RUN_BYTES = 2 << 20
 
 
 def estimate_batch_bytes(shapes: ModelShapes, batch: int, *, fused: bool = False) -> int:
@@ -346,7 +349,9 @@ def estimate_batch_bytes(shapes: ModelShapes, batch: int, *, fused: bool = False
     return elems * (4 * copies + shapes.input_itemsize) + _FIXED_BYTES
 
 
-def estimate_inference_bytes(shapes: ModelShapes, batch: int, *, resident_batch: int = 0) -> int:
+def estimate_inference_bytes(
+    shapes: ModelShapes, batch: int, *, resident_batch: int = 0, first_run: bool = True
+) -> int:
     """Bytes one interpreter call on ``batch`` samples may add to RSS.
 
     The interpreter's arena grows with the batch and keeps its size when the batch shrinks again,
@@ -360,6 +365,8 @@ def estimate_inference_bytes(shapes: ModelShapes, batch: int, *, resident_batch:
         Samples per call (>= 1).
     resident_batch : int
         Largest batch the interpreter has already allocated (0 = none known).
+    first_run : bool
+        Add :data:`FIRST_RUN_BYTES` for code pages faulted in by the first call.
 
     Returns
     -------
@@ -371,10 +378,12 @@ def estimate_inference_bytes(shapes: ModelShapes, batch: int, *, resident_batch:
         shapes.input_itemsize
     )
     outputs = batch * (shapes.embedding_dim + shapes.classes) * (4 + 4 + 1)
-    return arena + outputs + _FIXED_BYTES
+    return arena + outputs + _FIXED_BYTES + (FIRST_RUN_BYTES if first_run else 0)
 
 
-def estimate_train_bytes(chunk: int, dim: int, classes: int, batch_size: int, num_examples: int) -> int:
+def estimate_train_bytes(
+    chunk: int, dim: int, classes: int, batch_size: int, num_examples: int, *, first_run: bool = True
+) -> int:
     """Bytes ``agent.trainer.train_local`` may add to RSS with a given chunk size.
 
     Terms: two float32 chunks alive at once (the loop's and the next one being built), the float16
@@ -393,6 +402,8 @@ def estimate_train_bytes(chunk: int, dim: int, classes: int, batch_size: int, nu
         Samples per SGD step.
     num_examples : int
         Samples in the store.
+    first_run : bool
+        Add :data:`FIRST_RUN_BYTES` for code pages faulted in by the first call.
 
     Returns
     -------
@@ -405,7 +416,8 @@ def estimate_train_bytes(chunk: int, dim: int, classes: int, batch_size: int, nu
     head_bytes = 6 * (dim * classes + classes) * 4
     order_bytes = num_examples * 8 * 2
     mapped = num_examples * (2 * dim + 2)
-    return chunk_bytes + step_bytes + head_bytes + order_bytes + mapped + _FIXED_BYTES
+    first = FIRST_RUN_BYTES if first_run else 0
+    return chunk_bytes + step_bytes + head_bytes + order_bytes + mapped + _FIXED_BYTES + first
 
 
 def wire_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 0.1) -> int:
@@ -759,9 +771,10 @@ class Governor:
         The arena of the largest batch admitted so far counts as already resident.
         """
         resident = self.max_work.get("inference", 0)
+        first = self.phase_counts.get("inference", 0) == 0
         return self.admit(
             "inference",
-            lambda n: estimate_inference_bytes(shapes, n, resident_batch=resident),
+            lambda n: estimate_inference_bytes(shapes, n, resident_batch=resident, first_run=first),
             batch,
             1,
         )
@@ -770,9 +783,10 @@ class Governor:
         self, chunk: int, floor: int, *, dim: int, classes: int, batch_size: int, num_examples: int
     ) -> Admission:
         """Admit local training with ``chunk`` samples per store chunk (halved down to ``floor``)."""
+        first = self.phase_counts.get("train", 0) == 0
         return self.admit(
             "train",
-            lambda n: estimate_train_bytes(n, dim, classes, batch_size, num_examples),
+            lambda n: estimate_train_bytes(n, dim, classes, batch_size, num_examples, first_run=first),
             chunk,
             floor,
         )
