@@ -155,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--workdir", default=None, help="keep shards, profiles, logs and state here")
     d.set_defaults(func=cmd_demo)
+
+    from agent import memreport, profiler
+
+    profiler.add_parser(sub)
+    memreport.add_parser(sub)
     return p
 
 

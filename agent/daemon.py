@@ -40,6 +40,7 @@ from agent.codec import (
 from agent.config import Profile
 from agent.errors import EdgeflError, TransportError, UpdateRejected
 from agent.head import Head, validate_head
+from agent.pipeline import Pipeline, choose
 from agent.runtime import Backbone
 from agent.store import EmbeddingStore
 from agent.topics import Topics
@@ -67,25 +68,6 @@ class AgentState:
     last_update_bytes: int = 0
     local_accuracy: float = float("nan")
     rejected: Counter[str] = field(default_factory=Counter)
-
-
-def preprocess(
-    raw: np.ndarray, backbone: Backbone, mean: tuple[float, ...], std: tuple[float, ...]
-) -> np.ndarray:
-    """Normalise raw samples and quantise them to the model's input dtype.
-
-    Parameters
-    ----------
-    raw : [N, *sample_shape], any numeric dtype (e.g. uint8 pixels)
-    backbone : Backbone
-    mean, std : per-channel normalisation (last axis): model input = (raw - mean) / std
-
-    Returns
-    -------
-    [N, *sample_shape] array of the model's input dtype.
-    """
-    x = (raw.astype(np.float32) - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
-    return backbone.quantize_input(x.astype(np.float32))
 
 
 class Agent:
@@ -116,6 +98,18 @@ class Agent:
         self.head = Head(W, b, 0)
         self.state_dir = Path(profile.device.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        pcfg = profile.pipeline
+        mode, batch = pcfg.mode, pcfg.batch
+        if mode == "auto":
+            mode, batch = choose(
+                self.backbone,
+                pcfg.mean,
+                pcfg.std,
+                batches=(1, 4, 8, 16),
+                cache_dir=self.state_dir,
+                raw_dtype=pcfg.raw_dtype,
+            )
+        self.pipeline = Pipeline(self.backbone, pcfg.mean, pcfg.std, mode=mode, batch=batch)
         self._load_head()
         self.store = EmbeddingStore(
             self.state_dir, profile.training.store_capacity, self.backbone.embedding_dim
@@ -180,9 +174,7 @@ class Agent:
         version : int
             The head version that produced the predictions.
         """
-        cfg = self.profile.pipeline
-        model_input = preprocess(raw, self.backbone, cfg.mean, cfg.std)
-        emb, _ = self.backbone.run(model_input)
+        emb, _ = self.pipeline.run(raw)
         head = self.head  # one reference read: the swap is atomic
         return emb, head.predict(emb), head.version
 
@@ -203,7 +195,7 @@ class Agent:
             )
             return
         loop = asyncio.get_running_loop()
-        batch = self.profile.pipeline.batch
+        batch = self.pipeline.batch
         while not self.stop_event.is_set():
             for start in range(0, len(x), batch):
                 if self.stop_event.is_set():
@@ -380,6 +372,8 @@ class Agent:
             "peak_rss_bytes": memory.peak_rss_bytes(),
             "cap_bytes": self.profile.cap_bytes,
             "rejected": dict(s.rejected),
+            "pipeline_mode": self.pipeline.mode,
+            "pipeline": self.pipeline.counters(),
             "pid": os.getpid(),
         }
 

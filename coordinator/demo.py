@@ -110,15 +110,12 @@ def free_port() -> int:
 
 
 def embed_all(
-    backbone: Backbone, x: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...], batch: int = 64
+    backbone: Backbone, x: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...], batch: int = 1
 ) -> F32:
-    """Embeddings of raw samples ``x`` [N, *sample_shape] → float32 [N, D], in batches."""
-    from agent.daemon import preprocess
+    """Embeddings of raw samples ``x`` [N, *sample_shape] → float32 [N, D], through the unfused pipeline."""
+    from agent.pipeline import Pipeline
 
-    out = [
-        backbone.run(preprocess(x[s : s + batch], backbone, mean, std))[0] for s in range(0, len(x), batch)
-    ]
-    return np.concatenate(out).astype(np.float32)
+    return Pipeline(backbone, mean, std, mode="unfused", batch=batch).run(x)[0]
 
 
 def accuracy(W: F32, b: F32, emb: F32, y: I64) -> float:
