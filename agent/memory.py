@@ -328,7 +328,8 @@ def estimate_batch_bytes(shapes: ModelShapes, batch: int, *, fused: bool = False
 
     Unfused (``agent.daemon.preprocess``): float32 copies of the batch alive at once (raw as
     float32, minus mean, over std, the quantisation temporaries), about 5 for quantised inputs and
-    3 for float inputs, plus the result. Fused: only the result (written into the input tensor).
+    3 for float inputs, plus the result. Fused (``agent.pipeline``): written in place into the
+    interpreter's input tensor (already resident), through a one-sample float32 scratch.
 
     Parameters
     ----------
@@ -344,7 +345,7 @@ def estimate_batch_bytes(shapes: ModelShapes, batch: int, *, fused: bool = False
     """
     elems = batch * shapes.sample_elems
     if fused:
-        return elems * shapes.input_itemsize + _FIXED_BYTES
+        return shapes.sample_elems * 4 + _FIXED_BYTES  # one-sample float32 scratch
     copies = 5 if shapes.quantized_input else 3
     return elems * (4 * copies + shapes.input_itemsize) + _FIXED_BYTES
 
@@ -765,19 +766,41 @@ class Governor:
         """Admit batch preparation of ``batch`` samples (floor 1, never deferred)."""
         return self.admit("batch", lambda n: estimate_batch_bytes(shapes, n, fused=fused), batch, 1)
 
-    def admit_inference(self, shapes: ModelShapes, batch: int) -> Admission:
+    def admit_inference(
+        self,
+        shapes: ModelShapes,
+        batch: int,
+        *,
+        resident_batch: int | None = None,
+        prep: Literal["fused", "unfused"] | None = None,
+    ) -> Admission:
         """Admit an interpreter call on ``batch`` samples (floor 1, never deferred).
 
-        The arena of the largest batch admitted so far counts as already resident.
+        Parameters
+        ----------
+        shapes : ModelShapes
+        batch : int
+            Samples asked for.
+        resident_batch : int, optional
+            Batch the interpreter's arena is already allocated for (``Pipeline.tensor_batch``);
+            default: the largest batch admitted so far.
+        prep : "fused" | "unfused", optional
+            Count the batch preparation too (when one call does both, as ``Pipeline.run``).
+
+        Returns
+        -------
+        Admission
         """
-        resident = self.max_work.get("inference", 0)
+        resident = self.max_work.get("inference", 0) if resident_batch is None else resident_batch
         first = self.phase_counts.get("inference", 0) == 0
-        return self.admit(
-            "inference",
-            lambda n: estimate_inference_bytes(shapes, n, resident_batch=resident, first_run=first),
-            batch,
-            1,
-        )
+
+        def need(n: int) -> int:
+            total = estimate_inference_bytes(shapes, n, resident_batch=resident, first_run=first)
+            if prep is not None:
+                total += estimate_batch_bytes(shapes, n, fused=prep == "fused") - _FIXED_BYTES
+            return total
+
+        return self.admit("inference", need, batch, 1)
 
     def admit_train(
         self, chunk: int, floor: int, *, dim: int, classes: int, batch_size: int, num_examples: int

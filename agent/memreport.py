@@ -24,7 +24,7 @@ import tracemalloc
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -211,9 +211,9 @@ def run_round(
         encode_global_model,
         encode_update,
     )
-    from agent.daemon import preprocess
     from agent.head import Head, validate_head
-    from agent.runtime import Backbone
+    from agent.pipeline import Pipeline
+    from agent.runtime import Backbone, dequantize
     from agent.store import EmbeddingStore
     from agent.trainer import train_local
 
@@ -271,25 +271,27 @@ def run_round(
         )
         x, y = _load_samples(profile, backbone.sample_shape, shapes.classes, samples)
         cfg = profile.pipeline
-        batch = cfg.batch
+        mode: Literal["fused", "unfused"] = "unfused" if cfg.mode == "unfused" else "fused"
+        pipe = Pipeline(backbone, cfg.mean, cfg.std, mode=mode, batch=cfg.batch)
+        batch = pipe.tensor_batch
         for start_i in range(0, len(x), batch):
             raw, lbl = x[start_i : start_i + batch], y[start_i : start_i + batch]
-            adm = gov.admit_batch(shapes, len(raw))
-            embs = []
-            for s in range(0, len(raw), adm.work):
-                with measured("batch"):
-                    model_input = preprocess(raw[s : s + adm.work], backbone, cfg.mean, cfg.std)
-                inf = gov.admit_inference(shapes, len(model_input))
-                for t in range(0, len(model_input), inf.work):
-                    with measured("inference"):
-                        emb, _ = backbone.run(model_input[t : t + inf.work])
-                        head.predict(emb)
-                    embs.append(emb)
-                reports["inference"].work = inf.work
-                del model_input
+            adm = gov.admit_batch(shapes, len(raw), fused=mode == "fused")
+            inf = gov.admit_inference(shapes, len(raw), resident_batch=batch)
             reports["batch"].work = adm.work
-            store.add(np.concatenate(embs).astype(np.float32), lbl)
-            del embs
+            reports["inference"].work = inf.work
+            # The pipeline fills the input tensor (phase "batch") and invokes (phase "inference");
+            # the daemon does both in one Pipeline.run call.
+            with measured("batch"):
+                pipe.prepare(raw)
+            with measured("inference"):
+                pipe.invoke_only()
+                emb = dequantize(
+                    backbone.interpreter.get_tensor(backbone.embedding_index), backbone.embedding_quant
+                )[: len(raw)].reshape(len(raw), -1)
+                head.predict(emb)
+            store.add(emb.astype(np.float32), lbl)
+            del emb
         store.flush()
 
         adm = gov.admit_train(

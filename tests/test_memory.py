@@ -274,8 +274,9 @@ import numpy as np
 from agent import memory as m
 from agent.codec import (GlobalModel, Limits, Update, UpdateMetrics, decode_global_model,
                          encode_global_model, encode_update)
-from agent.daemon import preprocess
 from agent.head import Head
+from agent.pipeline import Pipeline
+from agent.runtime import dequantize
 from agent.runtime import Backbone
 from agent.store import EmbeddingStore
 from agent.trainer import train_local
@@ -288,8 +289,15 @@ out = {}
 def measure(name, fn):
     m.reset_peak(); r0 = m.rss_bytes(); res = fn(); out[name] = m.peak_rss_bytes() - r0; return res
 raw = np.random.default_rng(0).integers(0, 256, (batch, *bb.sample_shape), dtype=np.uint8)
-x = measure("batch", lambda: preprocess(raw, bb, (127.5,), (127.5,)))
-measure("inference", lambda: bb.run(x)[0])
+pipes = {}
+def infer():
+    pipes["unfused"] = p = Pipeline(bb, (127.5,), (127.5,), mode="unfused", batch=batch)
+    p.invoke_only()
+    return dequantize(bb.interpreter.get_tensor(bb.embedding_index), bb.embedding_quant)
+measure("inference", infer)
+measure("batch", lambda: pipes["unfused"].prepare(raw))
+fused = Pipeline(bb, (127.5,), (127.5,), mode="fused", batch=batch)
+measure("batch_fused", lambda: fused.prepare(raw))
 st = EmbeddingStore(Path(tempfile.mkdtemp()), n, D)
 rng = np.random.default_rng(1)
 for s in range(0, n, 256):
@@ -306,6 +314,7 @@ measure("apply", lambda: decode_global_model(gm, limits=Limits(max_message_bytes
                                             expect_shape=head.shape))
 est = {
     "batch": m.estimate_batch_bytes(shapes, batch),
+    "batch_fused": m.estimate_batch_bytes(shapes, batch, fused=True),
     "inference": m.estimate_inference_bytes(shapes, batch, resident_batch=1),
     "train": m.estimate_train_bytes(chunk, D, K, 16, n),
     "apply": m.estimate_apply_bytes(D, K),
