@@ -1,0 +1,123 @@
+"""Classify the demo's test set with a shipped model; the probe of ``check_emulated.sh``.
+
+Three sub-commands, so the same file runs on the build machine and inside the emulated root::
+
+    classify.py export-test-set OUT.npz            (host) the digits test split, raw uint8
+    classify.py run MODEL RUNTIME TESTSET OUT.npz  (guest and host) logits and predictions
+    classify.py compare GUEST.npz HOST.npz         (host) exit 0 only if every prediction matches
+
+``run`` goes through :class:`agent.runtime.Backbone` (the code the agent ships), with the profiles'
+digits normalisation (``raw / 16``) quantised by the model's input scale.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+
+def export_test_set(out: Path) -> int:
+    """Write the demo's test split (``split_digits(labels, seed=0).test``) to ``out``.
+
+    Parameters
+    ----------
+    out : Path
+        ``.npz`` with ``x`` uint8 [N, 8, 8, 1] (pixel values 0..16) and ``y`` int64 [N].
+
+    Returns
+    -------
+    int
+        0.
+    """
+    from agent.datasets import load_digits, split_digits
+
+    x, y = load_digits()
+    test = split_digits(y, seed=0).test
+    np.savez(out, x=x[test], y=y[test])
+    return 0
+
+
+def run(model: Path, runtime: str, testset: Path, out: Path) -> int:
+    """Classify every test sample, one at a time, and write logits and predictions.
+
+    Parameters
+    ----------
+    model : Path
+        The ``.tflite`` file.
+    runtime : str
+        ``"litert"`` or ``"tflite"`` (as ``model.runtime`` in a profile).
+    testset : Path
+        ``.npz`` from :func:`export_test_set`.
+    out : Path
+        ``.npz`` with ``logits`` float32 [N, K], ``pred`` int64 [N], ``y`` int64 [N],
+        ``output_scale`` float64 (one quantisation step of the logits), ``runtime`` and ``machine``.
+
+    Returns
+    -------
+    int
+        0.
+    """
+    from agent.runtime import Backbone
+
+    data = np.load(testset)
+    x, y = data["x"], data["y"]
+    t0 = time.perf_counter()
+    bb = Backbone(model, runtime=runtime)  # type: ignore[arg-type]
+    load_s = time.perf_counter() - t0
+    normalised = x.reshape(len(x), *bb.sample_shape).astype(np.float32) / np.float32(16.0)
+    q = bb.quantize_input(normalised)
+    t0 = time.perf_counter()
+    logits = np.concatenate([bb.run(q[i : i + 1])[1] for i in range(len(q))])
+    infer_s = time.perf_counter() - t0
+    pred = logits.argmax(axis=1).astype(np.int64)
+    np.savez(out, logits=logits, pred=pred, y=y, output_scale=np.float64(bb.output_quant.scale),
+             runtime=np.str_(bb.runtime_name), machine=np.str_(platform.machine()))
+    print(f"{platform.machine()} {bb.runtime_name}: {len(y)} samples, accuracy {np.mean(pred == y):.4f}, "
+          f"load {load_s * 1e3:.0f} ms, {infer_s / len(y) * 1e3:.2f} ms/sample")
+    return 0
+
+
+def compare(guest: Path, host: Path) -> int:
+    """Compare the guest's predictions and logits with the host's.
+
+    Parameters
+    ----------
+    guest, host : Path
+        Outputs of :func:`run`.
+
+    Returns
+    -------
+    int
+        0 if every prediction matches, else 1. Prints the match count and the largest logit
+        difference in quantisation steps.
+    """
+    g, h = np.load(guest), np.load(host)
+    same = int(np.sum(g["pred"] == h["pred"]))
+    n = len(h["pred"])
+    steps = float(np.max(np.abs(g["logits"] - h["logits"])) / float(h["output_scale"]))
+    print(f"{g['machine']} {g['runtime']} vs {h['machine']} {h['runtime']}: predictions match {same}/{n}, "
+          f"max |logit diff| = {steps:.1f} quantisation steps, accuracy {np.mean(g['pred'] == g['y']):.4f} "
+          f"vs {np.mean(h['pred'] == h['y']):.4f}")
+    return 0 if same == n else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch the sub-command; returns the exit code (2 on a usage error)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["export-test-set"] and len(args) == 2:
+        return export_test_set(Path(args[1]))
+    if args[:1] == ["run"] and len(args) == 5:
+        return run(Path(args[1]), args[2], Path(args[3]), Path(args[4]))
+    if args[:1] == ["compare"] and len(args) == 3:
+        return compare(Path(args[1]), Path(args[2]))
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
