@@ -135,7 +135,16 @@ def test_real_digits_through_both_paths_match_the_backbone() -> None:
         for mode in ("fused", "unfused"):
             emb, logits = Pipeline(bb, *DIGITS, mode=mode, batch=8).run(raw)
             assert emb.shape == (37, bb.embedding_dim) and logits.shape == (37, 10)
-            assert np.array_equal(emb, ref_emb) and np.array_equal(logits, ref_logits)
+            if bb.input_dtype == np.float32:
+                # float kernels take another path for batches > 1: last-bit rounding (models/README.md)
+                np.testing.assert_allclose(
+                    emb, ref_emb, rtol=0, atol=1e-6 * max(1.0, float(np.abs(ref_emb).max()))
+                )
+                np.testing.assert_allclose(
+                    logits, ref_logits, rtol=0, atol=1e-6 * max(1.0, float(np.abs(ref_logits).max()))
+                )
+            else:
+                assert np.array_equal(emb, ref_emb) and np.array_equal(logits, ref_logits)
 
 
 def test_partial_batches_are_padded_and_never_reported() -> None:
