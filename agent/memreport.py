@@ -254,6 +254,9 @@ def run_round(
                     if s.size_diff > 0
                 ]
 
+    if broker is not None:
+        import agent.transport  # noqa: F401 - loaded before any phase, as in the daemon
+
     with contextlib.ExitStack() as stack:
         if state_dir is None:
             state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="edgefl-memreport-")))

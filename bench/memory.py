@@ -1,0 +1,564 @@
+"""Memory benchmark: import baseline, per-phase peaks, lowest cap, hygiene, and RSS growth over 500 rounds.
+
+Every figure comes from a fresh child process (``python -m bench.memory --child TASK ...``) so
+that nothing measured before leaks into it:
+
+- **import baseline**: ``VmHWM``, ``RssAnon``/``RssFile`` and PSS of a bare Python, then with
+  numpy, LiteRT, aiohttp, paho-mqtt and cbor2 imported one after the other (cumulative), each in
+  its own process.
+- **phases**: ``agent.memreport.run_round`` (the agent's own classify/train/encode/publish/apply
+  code, in-process, tracemalloc off) for the digits CNN and MobileNetV2-0.35-96, float32 and int8;
+  peak RSS per phase is exact (``clear_refs`` + ``VmHWM``), peak PSS is sampled every 2 ms.
+  ``publish`` goes to a real mosquitto on 127.0.0.1 when one is installed.
+- **lowest cap**: bisection on the governor's cap (1 MiB steps, reserve 1 MiB): a round completes
+  when no phase is deferred and its measured peak RSS stays under the cap.
+- **hygiene**: one variable changed at a time against the defaults of ``agent/cli.py``.
+- **leak check**: the round's phases in a loop in one process (no MQTT: classify 64 samples,
+  train, encode, decode and apply the new head, ``malloc_trim``), RSS after round 10 and 500.
+
+Run: ``.venv/bin/python -m bench.memory`` (writes the ``## Memory`` section of docs/benchmarks.md;
+``--json PATH`` for the raw figures; ``--quick`` for a short leak loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "models"
+PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"
+DOC = ROOT / "docs" / "benchmarks.md"
+MIB = 1 << 20
+
+MODEL_SETS = {
+    "digits_cnn_int8.tflite": {"pipeline.mean": "0", "pipeline.std": "16", "pipeline.batch": "8"},
+    "digits_cnn_float32.tflite": {"pipeline.mean": "0", "pipeline.std": "16", "pipeline.batch": "8"},
+    "mobilenet_v2_035_96_int8.tflite": {
+        "pipeline.mean": "127.5",
+        "pipeline.std": "127.5",
+        "pipeline.batch": "8",
+    },
+    "mobilenet_v2_035_96_float32.tflite": {
+        "pipeline.mean": "127.5",
+        "pipeline.std": "127.5",
+        "pipeline.batch": "8",
+    },
+}
+IMPORT_STEPS = [
+    ("python", ""),
+    ("+ numpy", "import numpy"),
+    ("+ LiteRT", "from ai_edge_litert import interpreter"),
+    ("+ aiohttp", "import aiohttp, aiohttp.web"),
+    ("+ paho-mqtt", "import paho.mqtt.client"),
+    ("+ cbor2", "import cbor2"),
+]
+BASE_ENV = {"MALLOC_ARENA_MAX": "2", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+
+# --- child tasks ------------------------------------------------------------------------------------
+def _status() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key = line.split(":")[0]
+        if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "Threads"):
+            out[key] = int(line.split()[1]) * (1024 if key != "Threads" else 1)
+    from agent.memory import pss_bytes
+
+    out["Pss"] = pss_bytes() or 0
+    return out
+
+
+def child_imports(step: int) -> dict[str, Any]:
+    for _, stmt in IMPORT_STEPS[: step + 1]:
+        if stmt:
+            exec(stmt, {})
+    return _status()
+
+
+@contextlib.contextmanager
+def _pss_sampler(peaks: dict[str, int], name: str) -> Iterator[None]:
+    from agent.memory import pss_bytes
+
+    stop = threading.Event()
+    best = [pss_bytes() or 0]
+
+    def run() -> None:
+        while not stop.wait(0.002):
+            best[0] = max(best[0], pss_bytes() or 0)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join()
+        best[0] = max(best[0], pss_bytes() or 0)
+        peaks[name] = max(peaks.get(name, 0), best[0])
+
+
+def _profile(model: str, cap_mb: int = 96, reserve_mb: int = 8, extra: dict[str, str] | None = None) -> Any:
+    from agent.config import load_profile
+
+    overrides: dict[str, object] = {
+        "model.path": str(MODELS / model),
+        "memory.cap_mb": str(cap_mb),
+        "memory.reserve_mb": str(reserve_mb),
+        "memory.min_system_available_mb": "0",
+        **MODEL_SETS[model],
+        **(extra or {}),
+    }
+    return load_profile(PROFILE, overrides)
+
+
+def child_round(
+    model: str, cap_mb: int, reserve_mb: int, broker: str | None, samples: int, pss: bool
+) -> dict[str, Any]:
+    from agent import memory
+    from agent.memreport import run_round
+
+    profile = _profile(model, cap_mb, reserve_mb)
+    gov = memory.Governor(profile.cap_bytes, reserve_mb * MIB, 0)
+    pss_peaks: dict[str, int] = {}
+    rep = run_round(
+        profile,
+        samples=samples,
+        governor=gov,
+        trace=False,
+        broker=broker,
+        phase_hook=(lambda name: _pss_sampler(pss_peaks, name)) if pss else None,
+    )
+    out = rep.as_dict()
+    out["pss_peaks"] = pss_peaks
+    out["lifetime_peak"] = gov.peak_rss_bytes
+    out["status"] = _status()
+    return out
+
+
+def child_leak(model: str, rounds: int) -> dict[str, Any]:
+    import numpy as np
+
+    from agent import memory
+    from agent.codec import (
+        GlobalModel,
+        Limits,
+        Update,
+        UpdateMetrics,
+        decode_global_model,
+        encode_global_model,
+        encode_update,
+    )
+    from agent.head import Head
+    from agent.pipeline import Pipeline
+    from agent.runtime import Backbone
+    from agent.store import EmbeddingStore
+    from agent.trainer import train_local
+
+    profile = _profile(model)
+    bb = Backbone(profile.model.path, num_threads=1)
+    W, b = bb.head_from_model()
+    head = Head(W, b, 1)
+    state = Path(tempfile.mkdtemp(prefix="edgefl-leak-"))
+    store = EmbeddingStore(state, 1024, bb.embedding_dim)
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 17, size=(64, *bb.sample_shape), dtype=np.uint8)
+    labels = rng.integers(0, W.shape[1], size=64).astype(np.int64)
+    cfg = profile.pipeline
+    pipe = Pipeline(bb, cfg.mean, cfg.std, mode="fused", batch=cfg.batch)
+    limits = Limits(max_message_bytes=1 << 24)
+    rss: dict[int, int] = {}
+    t0 = time.perf_counter()
+    for r in range(1, rounds + 1):
+        for s in range(0, 64, cfg.batch):
+            emb, _ = pipe.run(raw[s : s + cfg.batch])
+            store.add(emb, labels[s : s + cfg.batch])
+        res = train_local(head, store, local_epochs=2, lr=0.05, batch_size=16, chunk_size=256, seed=r)
+        payload = encode_update(
+            Update(
+                r,
+                head.version,
+                "leak",
+                res.num_examples,
+                res.delta_W,
+                res.delta_b,
+                UpdateMetrics(res.loss, res.accuracy, res.train_s, 0),
+                f"leak:{r}",
+            )
+        )
+        gm_bytes = encode_global_model(
+            GlobalModel(r, head.version + 1, bb.sha256, head.W + res.delta_W, head.b + res.delta_b)
+        )
+        gm = decode_global_model(gm_bytes, limits=limits, expect_shape=head.shape)
+        head = Head(gm.W, gm.b, gm.version)
+        with open(state / "global_head.npz", "wb") as f:
+            np.savez(f, W=head.W, b=head.b, version=np.int64(head.version))
+        del payload, gm_bytes, gm, res
+        store.flush()
+        memory.malloc_trim()
+        if r in (1, 10, 50, 100, 200, 300, 400, 500) or r == rounds:
+            rss[r] = memory.rss_bytes()
+    shutil.rmtree(state, ignore_errors=True)
+    return {"rss": rss, "seconds": time.perf_counter() - t0, "store": len(store)}
+
+
+def child_hygiene(which: str) -> Any:
+    """One hygiene measurement (the parent sets the environment)."""
+    from agent import memory
+
+    if which == "blas":
+        import numpy as np
+
+        a = np.ones((256, 256))
+        _ = a @ a  # starts the BLAS thread pool
+        return _status()
+    if which in ("model_path", "model_bytes"):
+        from ai_edge_litert import interpreter as lt
+
+        path = MODELS / "mobilenet_v2_035_96_float32.tflite"
+        before = _status()
+        if which == "model_path":
+            it = lt.Interpreter(model_path=str(path), num_threads=1)
+        else:
+            it = lt.Interpreter(model_content=path.read_bytes(), num_threads=1)
+        it.allocate_tensors()
+        after = _status()
+        return {k: after[k] - before[k] for k in ("RssAnon", "RssFile", "VmRSS", "Pss")}
+    if which.startswith("threads"):
+        import numpy as np
+
+        from agent.runtime import Backbone
+
+        n = int(which[len("threads") :])
+        bb = Backbone(MODELS / "mobilenet_v2_035_96_int8.tflite", num_threads=n)
+        bb.resize(8)
+        x = np.zeros((8, *bb.sample_shape), bb.input_dtype)
+        memory.reset_peak()
+        r0 = memory.rss_bytes()
+        bb.run(x)
+        return {"run_peak_delta": memory.peak_rss_bytes() - r0, **_status()}
+    if which == "trim":
+        out = child_round("mobilenet_v2_035_96_int8.tflite", 200, 1, None, 256, False)
+        rss_before = memory.rss_bytes()
+        memory.malloc_trim()
+        return {"before": rss_before, "after": memory.rss_bytes(), "round_peak": out["lifetime_peak"]}
+    if which == "store":
+        import numpy as np
+
+        from agent.store import EmbeddingStore
+
+        d = Path(tempfile.mkdtemp())
+        before = _status()
+        st = EmbeddingStore(d, 4096, 1280)
+        st.add(np.ones((4096, 1280), np.float32), np.zeros(4096, np.int64))
+        after = _status()
+        shutil.rmtree(d)
+        return {k: after[k] - before[k] for k in ("RssAnon", "RssFile", "VmRSS")}
+    raise ValueError(which)
+
+
+# --- parent ---------------------------------------------------------------------------------------
+def run_child(args: list[str], env: dict[str, str] | None = None, timeout: float = 600) -> Any:
+    e = {**os.environ, **BASE_ENV, **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.memory", "--child", *args],
+        capture_output=True,
+        text=True,
+        env=e,
+        cwd=ROOT,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {args} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def mosquitto() -> Iterator[str | None]:
+    exe = shutil.which("mosquitto") or (
+        "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
+    )
+    if exe is None:
+        yield None
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        conf = Path(d) / "m.conf"
+        conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+        p = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            for _ in range(100):
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                    break
+                time.sleep(0.05)
+            yield f"mqtt://127.0.0.1:{port}"
+        finally:
+            p.terminate()
+            p.wait(5)
+
+
+def lowest_cap(model: str, lo: int, hi: int) -> tuple[int, dict[str, Any]]:
+    """Smallest cap (MiB) at which a round completes under the governor (reserve 1 MiB)."""
+
+    def ok(cap: int) -> tuple[bool, dict[str, Any]]:
+        out = run_child(["round", model, str(cap), "1", "-", "256", "0"])
+        good = out["completed"] and out["lifetime_peak"] <= cap * MIB
+        return good, out
+
+    good, best = ok(hi)
+    if not good:
+        raise RuntimeError(f"{model}: no round at {hi} MiB: {best['note']}")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        good, out = ok(mid)
+        if good:
+            hi, best = mid, out
+        else:
+            lo = mid
+    return hi, best
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    with contextlib.suppress(OSError):
+        m = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
+        cpu = m.group(1) if m else cpu
+    mem = Path("/proc/meminfo").read_text().split("\n")[0].split()[1]
+    import numpy
+
+    return (
+        f"{platform.machine()}, {cpu}, {os.cpu_count()} CPUs, {int(mem) // 1024} MiB RAM, "
+        f"Linux {platform.release()}, Python {platform.python_version()}, numpy {numpy.__version__}"
+    )
+
+
+def mib(x: float) -> str:
+    return f"{x / MIB:.1f}"
+
+
+def write_section(text: str) -> None:
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    old = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    pattern = re.compile(r"^## Memory\n.*?(?=^## |\Z)", re.S | re.M)
+    section = text.rstrip() + "\n\n"
+    new = (
+        pattern.sub(lambda _: section, old, count=1)
+        if pattern.search(old)
+        else old.rstrip() + "\n\n" + section
+    )
+    DOC.write_text(new.rstrip() + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None)
+    p.add_argument("--quick", action="store_true", help="50-round leak loop instead of 500")
+    p.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
+    a = p.parse_args(argv)
+    if a.child:
+        task, *rest = a.child
+        if task == "imports":
+            out: Any = child_imports(int(rest[0]))
+        elif task == "round":
+            model, cap, reserve, broker, samples, pss = rest
+            out = child_round(
+                model, int(cap), int(reserve), None if broker == "-" else broker, int(samples), pss == "1"
+            )
+        elif task == "leak":
+            out = child_leak(rest[0], int(rest[1]))
+        elif task == "hygiene":
+            out = child_hygiene(rest[0])
+        else:
+            raise SystemExit(f"unknown child task {task}")
+        print(json.dumps(out))
+        return 0
+
+    results: dict[str, Any] = {"machine": machine()}
+    print(results["machine"])
+    # import baseline
+    imports = []
+    for i, (name, _) in enumerate(IMPORT_STEPS):
+        st = min((run_child(["imports", str(i)]) for _ in range(3)), key=lambda s: s["VmHWM"])
+        imports.append({"step": name, **st})
+        print(f"  import {name:<12} VmHWM {mib(st['VmHWM'])} MiB")
+    results["imports"] = imports
+    # phases per model
+    phases = {}
+    with mosquitto() as broker:
+        for model in MODEL_SETS:
+            out = run_child(["round", model, "256", "8", broker or "-", "512", "1"])
+            phases[model] = out
+            print(f"  {model}: round peak {mib(out['lifetime_peak'])} MiB, completed {out['completed']}")
+    results["phases"] = phases
+    results["publish"] = broker is not None
+    # lowest cap
+    caps = {}
+    for model in MODEL_SETS:
+        cap, out = lowest_cap(model, 40, 160)
+        caps[model] = {
+            "cap_mb": cap,
+            "peak": out["lifetime_peak"],
+            "train_chunk": out["phases"]["train"]["work"],
+        }
+        print(f"  {model}: lowest cap {cap} MiB (peak {mib(out['lifetime_peak'])} MiB)")
+    results["lowest_cap"] = caps
+    # hygiene
+    hyg: dict[str, Any] = {}
+    hyg["blas_1"] = run_child(["hygiene", "blas"])
+    hyg["blas_default"] = run_child(
+        ["hygiene", "blas"], env={"OPENBLAS_NUM_THREADS": "", "OMP_NUM_THREADS": ""}
+    )
+    hyg["model_path"] = run_child(["hygiene", "model_path"])
+    hyg["model_bytes"] = run_child(["hygiene", "model_bytes"])
+    hyg["threads1"] = run_child(["hygiene", "threads1"])
+    hyg["threads2"] = run_child(["hygiene", "threads2"])
+    hyg["trim"] = run_child(["hygiene", "trim"])
+    hyg["store"] = run_child(["hygiene", "store"])
+    arena = {}
+    for label, env in (("MALLOC_ARENA_MAX=2", {}), ("glibc default", {"MALLOC_ARENA_MAX": ""})):
+        out = run_child(["round", "mobilenet_v2_035_96_int8.tflite", "256", "8", "-", "256", "0"], env=env)
+        arena[label] = out["lifetime_peak"]
+    hyg["arena"] = arena
+    results["hygiene"] = hyg
+    print("  hygiene done")
+    # leak
+    rounds = 50 if a.quick else 500
+    results["leak"] = run_child(["leak", "digits_cnn_int8.tflite", str(rounds)], timeout=3600)
+    print(f"  leak: {results['leak']['rss']}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2) + "\n")
+    if not a.no_doc:
+        write_section(render(results))
+        print(f"wrote {DOC}")
+    return 0
+
+
+def render(r: dict[str, Any]) -> str:
+    lines = [
+        "## Memory",
+        "",
+        "`.venv/bin/python -m bench.memory` (bench/memory.py); every figure from a fresh process; "
+        f"machine: {r['machine']}. MiB = 2^20 bytes. Environment as `agent/cli.py` sets it: "
+        "`MALLOC_ARENA_MAX=2`, `OPENBLAS_NUM_THREADS=1`.",
+        "",
+        "### Import baseline (cumulative, each step a fresh process, best of 3)",
+        "",
+        "| step | peak RSS (VmHWM) | RssAnon | RssFile | PSS | Δ peak |",
+        "|---|---|---|---|---|---|",
+    ]
+    prev = 0
+    for s in r["imports"]:
+        lines.append(
+            f"| {s['step']} | {mib(s['VmHWM'])} | {mib(s['RssAnon'])} | {mib(s['RssFile'])} | "
+            f"{mib(s['Pss'])} | +{mib(s['VmHWM'] - prev)} |"
+        )
+        prev = s["VmHWM"]
+    lines += [
+        "",
+        "### Peak RSS per phase through one full round (MiB)",
+        "",
+        "`agent.memreport.run_round`: 512 samples classified in batches of 8 into the store, "
+        "2 local epochs (chunk 256, batch 16), update encoded uncompressed, published with QoS 1 to "
+        + ("a local mosquitto" if r["publish"] else "(no mosquitto: publish not run)")
+        + ", global head decoded, applied and saved. Peak RSS per phase is exact (VmHWM after a "
+        "`clear_refs` reset); PSS is sampled every 2 ms (can miss spikes). MobileNet inputs are "
+        "random uint8 images (memory does not depend on the pixel values).",
+        "",
+        "| model | before round | batch | inference | train | encode | publish | apply | round peak "
+        "| peak PSS (max over phases) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model, out in r["phases"].items():
+        ph = out["phases"]
+        cells = []
+        for name in ("batch", "inference", "train", "encode", "publish", "apply"):
+            cells.append(mib(ph[name]["peak_rss_bytes"]) if ph[name]["runs"] else "–")
+        pss = max(out["pss_peaks"].values()) if out["pss_peaks"] else 0
+        lines.append(
+            f"| {model} | {mib(ph['batch']['rss_before_bytes'])} | "
+            + " | ".join(cells)
+            + f" | {mib(out['lifetime_peak'])} | {mib(pss)} |"
+        )
+    lines += [
+        "",
+        '"before round" is the process after importing the agent\'s modules and loading the model '
+        "(the import baseline plus the interpreter); the process's peak before any phase is included "
+        'in "round peak".',
+        "",
+        "### Lowest cap at which a full round completes",
+        "",
+        "Bisection (1 MiB steps) on the governor's cap with `reserve_mb = 1`, one fresh process per "
+        "try running the round above (256 samples, no MQTT): a try succeeds when no phase is deferred "
+        "and the round's measured peak RSS stays under the cap.",
+        "",
+        "| model | lowest cap (MiB) | round peak at that cap (MiB) | training chunk granted |",
+        "|---|---|---|---|",
+    ]
+    for model, c in r["lowest_cap"].items():
+        lines.append(f"| {model} | {c['cap_mb']} | {mib(c['peak'])} | {c['train_chunk']} |")
+    h = r["hygiene"]
+    lines += [
+        "",
+        "### Hygiene, each measured",
+        "",
+        "| measure | with | without | note |",
+        "|---|---|---|---|",
+        f"| one BLAS thread (`OPENBLAS_NUM_THREADS=1`), after a 256x256 matmul | "
+        f"{mib(h['blas_1']['VmRSS'])} MiB, {h['blas_1']['Threads']} threads | "
+        f"{mib(h['blas_default']['VmRSS'])} MiB, {h['blas_default']['Threads']} threads | "
+        f"{os.cpu_count()} CPUs here: each BLAS thread adds a stack and buffers |",
+        f"| `MALLOC_ARENA_MAX=2`, MobileNet int8 round peak | {mib(h['arena']['MALLOC_ARENA_MAX=2'])} MiB | "
+        f"{mib(h['arena']['glibc default'])} MiB | default is 8 x CPUs arenas |",
+        f"| interpreter threads 1 vs 2, MobileNet int8 batch 8 run peak delta | "
+        f"{mib(h['threads1']['run_peak_delta'])} MiB, {h['threads1']['Threads']} threads | "
+        f"{mib(h['threads2']['run_peak_delta'])} MiB, {h['threads2']['Threads']} threads | "
+        "profile `model.num_threads` |",
+        f"| `malloc_trim(0)` after a MobileNet int8 round | {mib(h['trim']['after'])} MiB RSS | "
+        f"{mib(h['trim']['before'])} MiB RSS | freed heap given back |",
+        f"| model by path (LiteRT maps the file) vs bytes, MobileNet float32 (1.6 MB) | "
+        f"anon +{mib(h['model_path']['RssAnon'])}, file +{mib(h['model_path']['RssFile'])} MiB | "
+        f"anon +{mib(h['model_bytes']['RssAnon'])}, file +{mib(h['model_bytes']['RssFile'])} MiB | "
+        "by path: no heap copy, file pages shared and reclaimable |",
+        f"| store in a memory-mapped file, 4096 x 1280 float16 (10 MiB) | "
+        f"anon +{mib(h['store']['RssAnon'])}, file +{mib(h['store']['RssFile'])} MiB | "
+        "(heap: anon +10 MiB) | file pages: the kernel can write back and drop them |",
+        "",
+        "### RSS growth over rounds (leak check)",
+        "",
+    ]
+    leak = r["leak"]
+    rss = {int(k): v for k, v in leak["rss"].items()}
+    last = max(rss)
+    lines += [
+        "The round's phases in a loop in one process, digits int8, **without MQTT** (classify 64 "
+        "samples, store, train 2 epochs, encode the update, decode and apply a new global head, save "
+        f"it, `malloc_trim`); {last} rounds in {leak['seconds']:.0f} s.",
+        "",
+        "| after round | " + " | ".join(str(k) for k in sorted(rss)) + " |",
+        "|---" * (len(rss) + 1) + "|",
+        "| RSS (MiB) | " + " | ".join(mib(rss[k]) for k in sorted(rss)) + " |",
+        "",
+        f"**RSS after round {last} minus after round 10: {(rss[last] - rss[10]) / 1024:+.0f} KiB.**",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
