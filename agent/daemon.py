@@ -44,7 +44,7 @@ from agent.pipeline import Pipeline, choose
 from agent.runtime import Backbone
 from agent.store import EmbeddingStore
 from agent.topics import Topics
-from agent.trainer import train_local
+from agent.trainer import LocalResult, train_local
 from agent.transport import Message, MqttTransport, Will
 from agent.types import F32, I64
 
@@ -110,6 +110,11 @@ class Agent:
                 raw_dtype=pcfg.raw_dtype,
             )
         self.pipeline = Pipeline(self.backbone, pcfg.mean, pcfg.std, mode=mode, batch=batch)
+        mem = profile.memory
+        self.governor = memory.Governor(
+            profile.cap_bytes, mem.reserve_mb << 20, mem.min_system_available_mb << 20
+        )
+        self.shapes = memory.model_shapes(self.backbone)
         self._load_head()
         self.store = EmbeddingStore(
             self.state_dir, profile.training.store_capacity, self.backbone.embedding_dim
@@ -174,7 +179,15 @@ class Agent:
         version : int
             The head version that produced the predictions.
         """
-        emb, _ = self.pipeline.run(raw)
+        gov = self.governor
+        step = gov.admit_inference(
+            self.shapes, len(raw), resident_batch=self.pipeline.tensor_batch, prep=self.pipeline.mode
+        ).work
+        parts: list[F32] = []
+        for s in range(0, len(raw), step):
+            with gov.phase("inference"):
+                parts.append(self.pipeline.run(raw[s : s + step])[0])
+        emb = parts[0] if len(parts) == 1 else np.concatenate(parts)
         head = self.head  # one reference read: the swap is atomic
         return emb, head.predict(emb), head.version
 
@@ -232,9 +245,11 @@ class Agent:
         try:
             if msg.topic == self.topics.global_model:
                 if msg.payload:
-                    await self.apply_global(
-                        decode_global_model(msg.payload, limits=self.limits, expect_shape=self.head.shape)
-                    )
+                    with self.governor.phase("apply"):
+                        gm = decode_global_model(
+                            msg.payload, limits=self.limits, expect_shape=self.head.shape
+                        )
+                    await self.apply_global(gm)
             elif msg.topic == self.topics.round:
                 if msg.payload:
                     await self.on_round(decode_round(msg.payload, limits=self.limits))
@@ -266,7 +281,12 @@ class Agent:
                 )
             return  # same version again (retained re-delivery): nothing to do
         new = Head(gm.W, gm.b, gm.version)
-        await asyncio.get_running_loop().run_in_executor(self.executor, self._save_head, new)
+
+        def save() -> None:
+            with self.governor.phase("apply"):
+                self._save_head(new)
+
+        await asyncio.get_running_loop().run_in_executor(self.executor, save)
         self.head = new
         logger.info("applied global head version %d (round %d)", gm.version, gm.round)
         self._status_dirty.set()
@@ -300,24 +320,39 @@ class Agent:
     async def train_and_send(self, ann: RoundAnnouncement) -> None:
         """Local epochs on the store, then an Update on ``update/<device>`` with QoS 1."""
         assert self.transport is not None
-        self._set_state("training")
         head = self.head
         cfg = self.profile.training
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(
-            self.executor,
-            lambda: train_local(
-                head,
-                self.store,
-                local_epochs=ann.local_epochs,
-                lr=ann.lr,
-                batch_size=ann.batch_size,
-                chunk_size=cfg.chunk_size,
-                prox_mu=ann.prox_mu,
-                clip_norm=cfg.clip_norm,
-                seed=cfg.seed + ann.round,
-            ),
+        gov = self.governor
+        D, K = head.shape
+        adm = gov.admit_train(
+            cfg.chunk_size,
+            cfg.chunk_floor,
+            dim=D,
+            classes=K,
+            batch_size=ann.batch_size,
+            num_examples=len(self.store),
         )
+        if adm.deferred:
+            self._set_state("deferred", adm.reason)
+            return
+        self._set_state("training", adm.reason)
+        loop = asyncio.get_running_loop()
+
+        def train() -> LocalResult:
+            with gov.phase("train"):
+                return train_local(
+                    head,
+                    self.store,
+                    local_epochs=ann.local_epochs,
+                    lr=ann.lr,
+                    batch_size=ann.batch_size,
+                    chunk_size=adm.work,
+                    prox_mu=ann.prox_mu,
+                    clip_norm=cfg.clip_norm,
+                    seed=cfg.seed + ann.round,
+                )
+
+        result = await loop.run_in_executor(self.executor, train)
         update = Update(
             round=ann.round,
             base_version=ann.base_version,
@@ -325,14 +360,22 @@ class Agent:
             num_examples=result.num_examples,
             delta_W=result.delta_W,
             delta_b=result.delta_b,
-            metrics=UpdateMetrics(result.loss, result.accuracy, result.train_s, memory.peak_rss_bytes()),
+            metrics=UpdateMetrics(result.loss, result.accuracy, result.train_s, gov.peak_rss_bytes),
             update_id=f"{self.device}:{ann.round}:{ann.base_version}",
             compression=ann.compression,
         )
-        payload = encode_update(update, topk_fraction=ann.topk_fraction)
+        enc = gov.admit(
+            "encode", lambda _: memory.estimate_encode_bytes(D, K, ann.compression, ann.topk_fraction), 1, 1
+        )
+        if enc.deferred:
+            self._set_state("deferred", enc.reason)
+            return
+        with gov.phase("encode"):
+            payload = encode_update(update, topk_fraction=ann.topk_fraction)
         self._set_state("uploading")
         try:
-            await self.transport.publish(self.topics.update(self.device), payload, qos=1)
+            with gov.phase("publish"):
+                await self.transport.publish(self.topics.update(self.device), payload, qos=1)
         except TransportError as exc:
             logger.warning("round %d: update not delivered: %s", ann.round, exc)
             self._set_state("idle", f"update not delivered: {exc}")
@@ -349,6 +392,7 @@ class Agent:
             result.train_s * 1e3,
         )
         self._set_state("waiting")
+        await loop.run_in_executor(self.executor, memory.malloc_trim)
 
     def _set_state(self, state: str, reason: str = "") -> None:
         self.state.state = state
@@ -368,9 +412,7 @@ class Agent:
             "inferred_total": s.inferred_total,
             "inference_accuracy": (s.correct_total / s.inferred_total) if s.inferred_total else None,
             "last_update_bytes": s.last_update_bytes,
-            "rss_bytes": memory.rss_bytes(),
-            "peak_rss_bytes": memory.peak_rss_bytes(),
-            "cap_bytes": self.profile.cap_bytes,
+            **self.governor.status(),
             "rejected": dict(s.rejected),
             "pipeline_mode": self.pipeline.mode,
             "pipeline": self.pipeline.counters(),
