@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CONTEXT",
     "SIGNATURE_BYTES",
+    "SIGNATURE_REASONS",
     "SigningKey",
     "VerifyKey",
     "backend_name",
@@ -71,6 +72,8 @@ __all__ = [
 ]
 
 CONTEXT: Final = b"edgefl-sig-v1\x00"
+#: ``DecodeError.reason`` values raised here (``rejected_total{reason}`` labels).
+SIGNATURE_REASONS: Final = frozenset({"unsigned", "bad_signature"})
 SIGNATURE_BYTES: Final = 64
 _KEY: Final = b"\x69signature"  # CBOR text string "signature"
 _EMPTY_TAIL: Final = _KEY + b"\x40"  # "signature": h''
