@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,9 +114,12 @@ class MqttTransport:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: mqtt.Client | None = None
         self._mqtt5 = protocol in ("auto", "5")
-        self._fallback = asyncio.Event()
+        self._session_lost = asyncio.Event()
+        self._fallback_wanted = False
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False
+        self._unreachable_logged = False
+        self.connects_total = 0
 
     # --- paho thread side: hop to the loop, never raise -------------------------------------
     def _hop(self, fn: Callable[..., None], *args: Any) -> None:
@@ -151,7 +155,8 @@ class MqttTransport:
         if rc.is_failure:
             logger.warning("broker %s:%s refused the connection: %s", self.host, self.port, rc)
             if self._mqtt5 and self.protocol == "auto" and int(rc.value) in (1, 132):
-                self._fallback.set()
+                self._fallback_wanted = True
+            self._session_lost.set()
             return
         assert self._client is not None
         for topic, qos in self._subscriptions.items():
@@ -164,6 +169,8 @@ class MqttTransport:
             )
         self._lost_logged = False
         self.ever_connected = True
+        self._unreachable_logged = False
+        self.connects_total += 1
         self.connected.set()
         if self.on_connect_cb is not None:
             self.on_connect_cb()
@@ -171,9 +178,10 @@ class MqttTransport:
     def _handle_disconnect(self, rc: ReasonCode) -> None:
         if self.protocol == "auto" and self._mqtt5 and not self.ever_connected:
             # 3.1.1-only brokers (amqtt) close the socket on an MQTT 5 CONNECT instead of answering it.
-            self._fallback.set()
+            self._fallback_wanted = True
         was = self.connected.is_set()
         self.connected.clear()
+        self._session_lost.set()
         if was and not self._lost_logged and not self._stopping:
             self._lost_logged = True
             logger.warning("broker lost: %s:%s (%s)", self.host, self.port, rc)
@@ -197,13 +205,14 @@ class MqttTransport:
 
     def _make_client(self) -> mqtt.Client:
         proto = MQTTProtocolVersion.MQTTv5 if self._mqtt5 else MQTTProtocolVersion.MQTTv311
-        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=proto)
+        client = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=proto, reconnect_on_failure=False
+        )
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_publish = self._on_publish
         client.on_message = self._on_message
         client.suppress_exceptions = True
-        client.reconnect_delay_set(RECONNECT_MIN_S, RECONNECT_MAX_S)
         client.max_queued_messages_set(64)
         if self.username is not None:
             client.username_pw_set(self.username, self.password)
@@ -214,7 +223,7 @@ class MqttTransport:
         return client
 
     async def start(self, *, wait_s: float | None = CONNECT_TIMEOUT_S) -> None:
-        """Start the network thread and connect (reconnecting forever in the background).
+        """Start connecting, and reconnecting forever in the background, from an asyncio task.
 
         Parameters
         ----------
@@ -228,10 +237,7 @@ class MqttTransport:
             If ``wait_s`` is given and no connection succeeded within it.
         """
         self._loop = asyncio.get_running_loop()
-        self._fallback = asyncio.Event()
-        self._client = self._make_client()
-        self._client.connect_async(self.host, self.port, self.keepalive_s)
-        self._client.loop_start()
+        self._stopping = False
         self._supervisor = asyncio.create_task(self._supervise(), name=f"mqtt-supervisor-{self.client_id}")
         if wait_s is None:
             return
@@ -240,20 +246,54 @@ class MqttTransport:
         except TimeoutError as exc:
             raise TransportError(f"no connection to broker {self.host}:{self.port} after {wait_s} s") from exc
 
-    async def _supervise(self) -> None:
-        """Fall back from MQTT 5 to 3.1.1 once, when the broker refuses MQTT 5 before any CONNACK."""
-        await self._fallback.wait()
-        logger.info("broker %s:%s does not speak MQTT 5; using 3.1.1", self.host, self.port)
-        await self._restart(mqtt5=False)
+    @staticmethod
+    def backoff_s(failures: int, rng: random.Random | None = None) -> float:
+        """Delay before reconnect attempt ``failures`` (>= 1): full jitter over an exponential cap.
 
-    async def _restart(self, *, mqtt5: bool) -> None:
-        old = self._client
-        if old is not None:
-            await asyncio.to_thread(old.loop_stop)
-        self._mqtt5 = mqtt5
-        self._client = self._make_client()
-        self._client.connect_async(self.host, self.port, self.keepalive_s)
-        self._client.loop_start()
+        ``uniform(0, min(RECONNECT_MAX_S, RECONNECT_MIN_S * 2 ** (failures - 1)))`` seconds, so a fleet
+        that lost its broker at the same instant does not reconnect in lock-step.
+
+        Source: M. Brooker, "Exponential Backoff And Jitter", AWS Architecture Blog, 2015 ("Full Jitter").
+        """
+        cap = min(float(RECONNECT_MAX_S), float(RECONNECT_MIN_S) * 2.0 ** max(0, failures - 1))
+        return (rng or random).uniform(0.0, cap)
+
+    async def _supervise(self) -> None:
+        """Own the connection: connect, wait until it is lost, back off with jitter, reconnect.
+
+        A fresh paho client per connection (paho's own reconnect is off), so the protocol can fall back
+        from MQTT 5 to 3.1.1 when a broker refuses MQTT 5 before any CONNACK. paho's network thread
+        runs only while a connection is up; the event loop never blocks (connect runs in a thread).
+        """
+        failures = 0
+        while not self._stopping:
+            client = self._make_client()
+            self._client = client
+            self._session_lost = asyncio.Event()
+            self._fallback_wanted = False
+            connects_before = self.connects_total
+            try:
+                await asyncio.to_thread(client.connect, self.host, self.port, self.keepalive_s)
+            except (OSError, ValueError, ssl.SSLError) as exc:
+                if not self._unreachable_logged:
+                    self._unreachable_logged = True
+                    logger.warning(
+                        "broker %s:%s unreachable (%s); retrying with backoff", self.host, self.port, exc
+                    )
+                failures += 1
+                await asyncio.sleep(self.backoff_s(failures))
+                continue
+            client.loop_start()
+            await self._session_lost.wait()
+            await asyncio.to_thread(client.loop_stop)
+            if self._stopping:
+                break
+            if self._fallback_wanted and self._mqtt5 and self.protocol == "auto":
+                logger.info("broker %s:%s does not speak MQTT 5; using 3.1.1", self.host, self.port)
+                self._mqtt5 = False
+                continue
+            failures = 1 if self.connects_total > connects_before else failures + 1
+            await asyncio.sleep(self.backoff_s(failures))
 
     async def subscribe(self, topic: str, qos: int = 1) -> None:
         """Subscribe now (if connected) and again after every reconnect."""
@@ -280,11 +320,14 @@ class MqttTransport:
         TransportError
             If not started, the publish was refused, or no PUBACK arrived within ``timeout_s``.
         """
-        if self._client is None or self._loop is None:
+        if self._loop is None:
             raise TransportError("publish before start()")
+        if self._client is None or not self.connected.is_set():
+            # Each connection has its own paho client: a message queued on a dead one would never leave.
+            raise TransportError(f"publish to {topic}: not connected to {self.host}:{self.port}")
         fut: asyncio.Future[None] = self._loop.create_future()
         info = self._client.publish(topic, payload, qos=qos, retain=retain)
-        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+        if info.rc != mqtt.MQTT_ERR_SUCCESS:
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
         if qos == 0:
             return
@@ -299,22 +342,16 @@ class MqttTransport:
             raise TransportError(f"no PUBACK for {topic} (mid={info.mid}) within {timeout_s} s") from exc
 
     async def stop(self, final: tuple[str, bytes] | None = None, timeout_s: float = 5.0) -> None:
-        """Clean stop: publish a final retained message (e.g. "offline"), disconnect, stop the thread.
+        """Clean stop: publish a final retained message (e.g. "offline"), disconnect, end the threads.
 
         Parameters
         ----------
         final : (topic, payload) or None
             Published retained with QoS 1 and waited for (PUBACK) before disconnecting.
         timeout_s : float
-            Time budget for the final publish.
+            Time budget for the final publish and for the disconnect.
         """
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._supervisor
-            self._supervisor = None
-        client = self._client
-        if client is None:
+        if self._supervisor is None:
             return
         if final is not None and self.connected.is_set():
             try:
@@ -322,6 +359,16 @@ class MqttTransport:
             except TransportError as exc:
                 logger.warning("final status not acknowledged: %s", exc)
         self._stopping = True
-        client.disconnect()
-        await asyncio.to_thread(client.loop_stop)
-        self._client = None
+        client = self._client
+        if client is not None and self.connected.is_set():
+            client.disconnect()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._session_lost.wait()), timeout=timeout_s)
+        self._session_lost.set()
+        self._supervisor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._supervisor
+        self._supervisor = None
+        if client is not None:
+            await asyncio.to_thread(client.loop_stop)
+        self.connected.clear()
