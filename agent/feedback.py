@@ -13,7 +13,6 @@ Source: Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory" (NeurIPS), A
 Karimireddy et al. 2019 ("Error Feedback Fixes SignSGD").
 """
 
-# ruff: noqa: N803, N806 - W, b, dW are the maths' names (STYLE.md rule 11: the field's terms verbatim)
 
 from __future__ import annotations
 

@@ -8,7 +8,6 @@ Source: Nguyen et al. 2022, "Federated Learning with Buffered Asynchronous Aggre
 Algorithm 1; staleness weight ``s(tau) = 1 / sqrt(1 + tau)`` as in their experiments.
 """
 
-# ruff: noqa: N803, N806 - W, b, dW are the maths' names (STYLE.md rule 11: the field's terms verbatim)
 
 from __future__ import annotations
 
@@ -200,5 +199,10 @@ class FedBuff(Strategy):
 
     def make_buffer(self, shape: tuple[int, int]) -> FedBuffer:
         """Return a fresh server buffer for a head of ``shape`` (D, K) with this strategy's settings."""
-        return FedBuffer(shape, self.buffer_size, server_lr=self.server_lr, max_staleness=self.max_staleness,
-                         exponent=self.staleness_exponent)
+        return FedBuffer(
+            shape,
+            self.buffer_size,
+            server_lr=self.server_lr,
+            max_staleness=self.max_staleness,
+            exponent=self.staleness_exponent,
+        )

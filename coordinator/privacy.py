@@ -17,7 +17,6 @@ Models" (ICLR), Algorithm 1 (DP-FedAvg with the fixed-denominator estimator); Ab
 (Gaussian mechanism with clipping); Mironov 2017 (Renyi DP).
 """
 
-# ruff: noqa: N803, N806 - W, b, dW are the maths' names (STYLE.md rule 11: the field's terms verbatim)
 
 from __future__ import annotations
 

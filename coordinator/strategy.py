@@ -18,7 +18,6 @@ Two ways in for the coordinator:
 The asynchronous FedBuff strategy (``asynchronous = True``) lives in ``coordinator/fedbuff.py``.
 """
 
-# ruff: noqa: N803, N806 - W, b, dW are the maths' names (STYLE.md rule 11: the field's terms verbatim)
 
 from __future__ import annotations
 

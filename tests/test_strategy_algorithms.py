@@ -1,4 +1,3 @@
-# ruff: noqa: N806 - W, dW are the maths' names
 from __future__ import annotations
 
 import numpy as np
