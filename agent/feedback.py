@@ -13,7 +13,6 @@ Source: Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory" (NeurIPS), A
 Karimireddy et al. 2019 ("Error Feedback Fixes SignSGD").
 """
 
-
 from __future__ import annotations
 
 import logging

@@ -8,7 +8,6 @@ Source: Nguyen et al. 2022, "Federated Learning with Buffered Asynchronous Aggre
 Algorithm 1; staleness weight ``s(tau) = 1 / sqrt(1 + tau)`` as in their experiments.
 """
 
-
 from __future__ import annotations
 
 import logging

@@ -17,7 +17,6 @@ Models" (ICLR), Algorithm 1 (DP-FedAvg with the fixed-denominator estimator); Ab
 (Gaussian mechanism with clipping); Mironov 2017 (Renyi DP).
 """
 
-
 from __future__ import annotations
 
 import math

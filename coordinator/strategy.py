@@ -18,7 +18,6 @@ Two ways in for the coordinator:
 The asynchronous FedBuff strategy (``asynchronous = True``) lives in ``coordinator/fedbuff.py``.
 """
 
-
 from __future__ import annotations
 
 import math
