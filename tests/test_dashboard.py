@@ -502,7 +502,7 @@ def test_sse_stalled_client_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
             await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", int(url.rsplit(":", 1)[1])))
             sock.sendall(b"GET /api/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             try:
-                counts = []
+                counts: list[float] = []
                 deadline = time.monotonic() + 10
                 while not (1.0 in counts and counts[-1] == 0.0):
                     assert time.monotonic() < deadline, f"stalled stream not dropped: {counts[-5:]}"

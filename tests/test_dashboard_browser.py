@@ -249,6 +249,17 @@ def expect_state(page: Page, state: str) -> None:
     expect(page.locator("#state")).to_have_attribute("data-state", state, timeout=3000)
 
 
+def gauge_snapshot(page: Page) -> dict[str, str]:
+    """The gauge's figures (raw ``data-value`` and shown text) and fill width, read in one evaluation."""
+    js = """() => { const g = (id) => document.getElementById(id); const out = {};
+                   for (const id of ["rss", "cap", "pss", "peak", "sysavail"]) {
+                     out[id] = g(id).dataset.value; out[id + "_text"] = g(id).textContent; }
+                   out.fill = g("gauge-fill").style.width; out.pct_text = g("rss-pct").textContent;
+                   out.headroom_text = g("headroom").textContent; return out; }"""
+    snapshot: dict[str, str] = page.evaluate(js)
+    return snapshot
+
+
 def data_value(page: Page, selector: str) -> str:
     value = page.get_attribute(selector, "data-value")
     assert value is not None, selector
@@ -287,17 +298,19 @@ def test_browser_device_page_shows_real_rss_and_live_round_state(
     target = dashboard_target
     page, errors = open_page(context, target.url)
 
-    # the gauge shows the agent's RSS as /proc reports it
-    shown = int(data_value(page, "#rss"))
+    # the gauge shows the agent's RSS as /proc reports it (figures read in one go: pushes go on)
+    gauge = gauge_snapshot(page)
     actual = memory.rss_bytes(target.pid)
+    shown = int(gauge["rss"])
     assert abs(shown - actual) <= max(4 * MiB, 0.03 * actual), (shown, actual)
-    assert page.text_content("#rss") == fmt_bytes(shown)
-    cap = int(data_value(page, "#cap"))
-    assert width_percent(page, "#gauge-fill") == pytest.approx(100 * shown / cap, abs=0.01)
-    assert page.text_content("#rss-pct") == f"{100 * shown / cap:.1f} %"
-    for selector in ("#pss", "#peak", "#sysavail"):
-        assert page.text_content(selector) == fmt_bytes(int(data_value(page, selector)))
-    assert int(data_value(page, "#peak")) >= shown - 4 * MiB
+    assert gauge["rss_text"] == fmt_bytes(shown)
+    cap = int(gauge["cap"])
+    assert float(gauge["fill"].split("%")[0]) == pytest.approx(100 * shown / cap, abs=0.01)
+    assert gauge["pct_text"] == f"{100 * shown / cap:.1f} %"
+    assert gauge["headroom_text"] == fmt_bytes(cap - shown)
+    for key in ("pss", "peak", "sysavail"):
+        assert gauge[key + "_text"] == fmt_bytes(int(gauge[key])), key
+    assert int(gauge["peak"]) >= shown - 4 * MiB
 
     # the round state follows the agent without a reload
     assert page.get_attribute("#state", "data-state") == "idle"
@@ -333,13 +346,18 @@ def test_browser_gauge_follows_the_process_rss(context: BrowserContext) -> None:
     server = ThreadedDashboard(DashboardState("device", "gw", device.status, push_interval_s=0.25))
     try:
         page, errors = open_page(context, server.url)
-        before = int(data_value(page, "#rss"))
+        def shown() -> int:
+            return int(data_value(page, "#rss"))
+
+        def agrees() -> bool:  # the page shows what /proc says now (the next push settles it)
+            return abs(shown() - memory.rss_bytes()) <= 4 * MiB
+
+        before = shown()
         ballast = Ballast(48 * MiB)
-        wait_for(lambda: int(data_value(page, "#rss")) > before + 40 * MiB, what="RSS to grow on the page")
-        grown = int(data_value(page, "#rss"))
-        assert abs(grown - memory.rss_bytes()) <= 4 * MiB
+        wait_for(lambda: shown() > before + 40 * MiB and agrees(), what="the page to show 48 MiB more")
+        grown = shown()
         ballast.release()
-        wait_for(lambda: int(data_value(page, "#rss")) < grown - 40 * MiB, what="RSS to shrink on the page")
+        wait_for(lambda: shown() < grown - 40 * MiB and agrees(), what="the page to show 48 MiB less")
         assert errors.items == []
         page.close()
     finally:

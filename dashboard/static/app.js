@@ -217,9 +217,13 @@
     setText("chart-window", win < 120 ? `last ${win} s` : `last ${win / 60} min`);
     const cap = isNum(s.cap_bytes) ? s.cap_bytes / 1024 ** 2 : null;
     const peak = isNum(s.peak_rss_bytes) ? s.peak_rss_bytes / 1024 ** 2 : null;
-    const step = niceStep(Math.max(cap || 0, peak || 0, ...pts.map((p) => p[1]), 1) * 1.05 / 4);
+    const top = Math.max(cap || 0, peak || 0, ...pts.map((p) => p[1]), 1) * 1.05;
+    const step = niceStep(top / 4);
+    const yMax = Math.ceil(top / step) * step;
+    const yTicks = [];
+    for (let y = 0; y <= yMax + step / 2; y += step) yTicks.push(y);
     drawChart(canvas, {
-      xMin: -win, xMax: 0, yMin: 0, yMax: step * 4,
+      xMin: -win, xMax: 0, yMin: 0, yMax, yTicks,
       xTicks: ticks,
       xFmt: (x) => (x === 0 ? "now" : tickStep < 60 ? x + " s" : x / 60 + " min"),
       yFmt: (y) => Number(y.toFixed(1)) + " MiB",
