@@ -110,6 +110,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         workdir=Path(args.workdir) if args.workdir else None,
         deadline_s=args.deadline,
+        strategy=args.strategy,
+        compression=args.compression,
+        topk_fraction=args.topk_fraction,
     )
     return run_demo(opts)
 
@@ -152,7 +155,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--lr-decay", type=float, default=0.8, help="per-round factor on the client learning rate")
     d.add_argument("--batch-size", type=int, default=16)
     d.add_argument("--deadline", type=float, default=60.0, help="round deadline in seconds")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0, help="seed of the device shards and local shuffles")
+    d.add_argument(
+        "--strategy",
+        default="fedavg",
+        choices=("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "median", "trimmed-mean", "fedbuff"),
+        help="aggregation strategy (default fedavg)",
+    )
+    d.add_argument(
+        "--compression",
+        default="none",
+        choices=("none", "float16", "int8", "topk", "topk-int8"),
+        help="update compression asked of the devices (default none)",
+    )
+    d.add_argument("--topk-fraction", type=float, default=0.1, help="kept fraction for top-k (default 0.1)")
     d.add_argument("--workdir", default=None, help="keep shards, profiles, logs and state here")
     d.set_defaults(func=cmd_demo)
 

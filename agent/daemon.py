@@ -24,6 +24,7 @@ import numpy as np
 
 from agent import memory
 from agent.codec import (
+    Compression,
     DecodeError,
     DeviceStatus,
     GlobalModel,
@@ -39,6 +40,7 @@ from agent.codec import (
 )
 from agent.config import Profile
 from agent.errors import EdgeflError, TransportError, UpdateRejected
+from agent.feedback import ErrorFeedback
 from agent.head import Head, validate_head
 from agent.pipeline import Pipeline, choose
 from agent.runtime import Backbone
@@ -116,6 +118,7 @@ class Agent:
         )
         self.shapes = memory.model_shapes(self.backbone)
         self._load_head()
+        self.feedback = ErrorFeedback(self.state_dir, self.head.shape, self.backbone.sha256)
         self.store = EmbeddingStore(
             self.state_dir, profile.training.store_capacity, self.backbone.embedding_dim
         )
@@ -353,13 +356,20 @@ class Agent:
                 )
 
         result = await loop.run_in_executor(self.executor, train)
+        delta_W, delta_b = result.delta_W, result.delta_b
+        if ann.compression != Compression.NONE:
+            # Error feedback (Stich et al. 2018): add what earlier compression dropped,
+            # keep what this one drops.
+            delta_W, delta_b = self.feedback.apply(
+                delta_W, delta_b, ann.compression, topk_fraction=ann.topk_fraction
+            )
         update = Update(
             round=ann.round,
             base_version=ann.base_version,
             device=self.device,
             num_examples=result.num_examples,
-            delta_W=result.delta_W,
-            delta_b=result.delta_b,
+            delta_W=delta_W,
+            delta_b=delta_b,
             metrics=UpdateMetrics(result.loss, result.accuracy, result.train_s, gov.peak_rss_bytes),
             update_id=f"{self.device}:{ann.round}:{ann.base_version}",
             compression=ann.compression,
@@ -377,6 +387,9 @@ class Agent:
             with gov.phase("publish"):
                 await self.transport.publish(self.topics.update(self.device), payload, qos=1)
         except TransportError as exc:
+            if ann.compression != Compression.NONE:  # nothing sent: the whole corrected delta stays residual
+                zeros_W, zeros_b = np.zeros_like(delta_W), np.zeros_like(delta_b)
+                self.feedback.record(delta_W, delta_b, zeros_W, zeros_b)
             logger.warning("round %d: update not delivered: %s", ann.round, exc)
             self._set_state("idle", f"update not delivered: {exc}")
             return

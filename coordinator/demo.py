@@ -37,7 +37,7 @@ from agent.trainer import fit_head
 from agent.transport import MqttTransport
 from agent.types import F32, I64
 from coordinator.service import Coordinator
-from coordinator.strategy import Strategy
+from coordinator.strategy import make_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,9 @@ class DemoOptions:
     seed: int = 0
     workdir: Path | None = None
     deadline_s: float = 60.0
+    strategy: str = "fedavg"
+    compression: str = "none"
+    topk_fraction: float = 0.1
 
 
 def launch_agent(profile: Path, overrides: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
@@ -203,6 +206,7 @@ async def _run(opts: DemoOptions) -> int:
     local_only = float(np.mean(local_accs))
     print(
         f"edgefl demo: {opts.devices} devices, {opts.rounds} rounds, model {model_path.name}, "
+        f"strategy {opts.strategy}, compression {opts.compression}, "
         f"factory head knows digits {FACTORY_CLASSES[0]}-{FACTORY_CLASSES[-1]}"
     )
     print(f"  test set {len(y_test)} samples; device shards {[len(s) for s in shards]} samples")
@@ -253,7 +257,8 @@ async def _run(opts: DemoOptions) -> int:
                 protocol="3.1.1" if broker is not None else profile.broker.protocol,
             )
             await transport.start(wait_s=15)
-            strategy = Strategy(
+            strategy = make_strategy(
+                opts.strategy,
                 local_epochs=opts.local_epochs,
                 lr=opts.lr,
                 batch_size=opts.batch_size,
@@ -268,7 +273,8 @@ async def _run(opts: DemoOptions) -> int:
                 model_sha256=backbone.sha256,
                 strategy=strategy,
                 evaluate=lambda W, b: accuracy(W, b, emb_test, y_test),
-                compression=Compression.NONE,
+                compression=Compression(opts.compression),
+                topk_fraction=opts.topk_fraction,
                 lr_decay=opts.lr_decay,
             )
             pump = asyncio.create_task(coord.pump())
@@ -278,7 +284,10 @@ async def _run(opts: DemoOptions) -> int:
                 print(f"  {len(ready)} agents ready: {', '.join(ready)}")
                 print(f"  {'round':>5} {'clients':>7} {'accuracy':>8} {'update_bytes':>12} {'seconds':>7}")
                 for r in range(1, opts.rounds + 1):
-                    rec = await coord.run_round(r)
+                    if strategy.asynchronous:  # FedBuff: one server step per "round" line
+                        rec = (await coord.run_async(1))[0]
+                    else:
+                        rec = await coord.run_round(r)
                     print(
                         f"  {rec.round:>5} {rec.clients:>7} {rec.accuracy:>8.3f} "
                         f"{rec.update_bytes_mean:>12.0f} {rec.duration_s:>7.2f}"
@@ -327,6 +336,8 @@ async def _run(opts: DemoOptions) -> int:
     if opts.json_path:
         result = {
             "dataset": "sklearn_digits",
+            "strategy": opts.strategy,
+            "compression": opts.compression,
             "model": model_path.name,
             "devices": opts.devices,
             "baseline_accuracy": baseline,

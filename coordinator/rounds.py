@@ -12,6 +12,7 @@ from enum import StrEnum
 
 from agent.codec import Update
 from agent.errors import UpdateRejected
+from agent.types import F32
 from coordinator.strategy import RunningWeightedSum
 
 
@@ -40,6 +41,11 @@ class Round:
         Updates that close the round before the deadline.
     selected : frozenset[str] or None
         Devices asked to take part (None = any device).
+    keep_updates : int
+        0 for streaming strategies (only running sums kept); otherwise the round also keeps up to this
+        many updates for strategies that need them all (median, trimmed mean) and refuses more.
+    check_round : bool
+        False in asynchronous mode (FedBuff), where updates of earlier rounds are welcome.
     """
 
     number: int
@@ -48,12 +54,15 @@ class Round:
     deadline_s: float
     min_clients: int
     selected: frozenset[str] | None = None
+    keep_updates: int = 0
+    check_round: bool = True
     opened_at: float = field(default_factory=time.monotonic)
     phase: RoundPhase = RoundPhase.OPEN
     devices: list[str] = field(default_factory=list)
     update_ids: set[str] = field(default_factory=set)
     update_bytes: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    kept: list[tuple[F32, F32, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.sum_W = RunningWeightedSum(self.shape)
@@ -90,7 +99,7 @@ class Round:
         UpdateRejected
             ``round_closed``, ``stale_round`` (other round number), ``stale_base`` (other base version),
             ``not_selected``, ``duplicate`` (same ``update_id`` or same device twice), ``bad_shape``,
-            ``no_examples``.
+            ``no_examples``, ``too_many`` (a robust strategy's bound on held updates).
         """
         if self.phase is not RoundPhase.OPEN:
             raise UpdateRejected("round_closed", f"round {self.number} is closed")
@@ -114,6 +123,12 @@ class Round:
             raise UpdateRejected("bad_shape", f"delta {update.delta_W.shape}, expected {self.shape}")
         if update.num_examples <= 0:
             raise UpdateRejected("no_examples", f"num_examples = {update.num_examples}")
+        if self.keep_updates:
+            if len(self.kept) >= self.keep_updates:
+                raise UpdateRejected(
+                    "too_many", f"round {self.number} already holds {len(self.kept)} updates"
+                )
+            self.kept.append((update.delta_W, update.delta_b, update.num_examples))
         self.sum_W.add(update.delta_W, update.num_examples)
         self.sum_b.add(update.delta_b, update.num_examples)
         self.devices.append(update.device)

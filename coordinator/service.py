@@ -9,6 +9,7 @@ held-out test set when an evaluation function is given.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -33,8 +34,9 @@ from agent.errors import UpdateRejected
 from agent.topics import Topics
 from agent.transport import Message, MqttTransport
 from agent.types import F32
+from coordinator.fedbuff import FedBuff, FedBuffer
 from coordinator.rounds import Round
-from coordinator.strategy import Strategy
+from coordinator.strategy import RoundConfig, Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +130,9 @@ class Coordinator:
         self.lr_decay = lr_decay
         self.state = CoordinatorState()
         self._round_changed = asyncio.Event()
+        self._buffer: FedBuffer | None = None
+        self._buffer_full = asyncio.Event()
+        self._seen_update_ids: set[str] = set()
         self._status_changed = asyncio.Event()
 
     @property
@@ -181,7 +186,18 @@ class Coordinator:
         rnd = self.state.current
         if rnd is None:
             raise UpdateRejected("no_round", "no round is open")
-        rnd.offer(update, len(msg.payload))
+        if self._buffer is not None:  # FedBuff: any earlier round is welcome, weighted by its staleness
+            if update.update_id in self._seen_update_ids:
+                raise UpdateRejected("duplicate", f"update {update.update_id} already counted")
+            staleness = self.state.version - update.base_version
+            if staleness < 0:
+                raise UpdateRejected("stale_base", f"update from future version {update.base_version}")
+            rnd.offer(update, len(msg.payload))
+            self._seen_update_ids.add(update.update_id)
+            if self._buffer.offer(update.delta_W, update.delta_b, update.num_examples, staleness):
+                self._buffer_full.set()
+        else:
+            rnd.offer(update, len(msg.payload))
         logger.info(
             "round %d: update from %s (%d examples, %d bytes)",
             rnd.number,
@@ -190,6 +206,12 @@ class Coordinator:
             len(msg.payload),
         )
         self._round_changed.set()
+
+    def online_devices(self) -> list[str]:
+        """Device ids whose retained status says they are up and ready (sorted)."""
+        return sorted(
+            d for d, s in self.state.devices.items() if s.get("ready") and s.get("state") != "offline"
+        )
 
     async def wait_for_devices(self, n: int, timeout_s: float, key: str = "ready") -> list[str]:
         """Wait until ``n`` devices report a status whose field ``key`` is true.
@@ -220,25 +242,10 @@ class Coordinator:
             except TimeoutError:
                 continue
 
-    async def run_round(self, round_no: int, selected: tuple[str, ...] | None = None) -> RoundRecord:
-        """Announce round ``round_no``, collect updates until complete or deadline, aggregate, publish.
-
-        Returns
-        -------
-        RoundRecord (clients = 0 and the head unchanged when no update arrived).
-        """
-        cfg = self.strategy.configure_round(round_no)
-        t0 = time.monotonic()
-        rnd = Round(
-            round_no,
-            self.state.version,
-            self.shape,
-            cfg.deadline_s,
-            cfg.min_clients,
-            frozenset(selected) if selected else None,
-        )
-        self.state.current = rnd
-        self.state.round = round_no
+    async def _announce(
+        self, round_no: int, cfg: RoundConfig, selected: tuple[str, ...] | None = None
+    ) -> None:
+        """Publish the RoundAnnouncement of ``round_no`` (QoS 1, retained) and wait for its PUBACK."""
         ann = RoundAnnouncement(
             round=round_no,
             base_version=self.state.version,
@@ -253,6 +260,32 @@ class Coordinator:
             prox_mu=cfg.prox_mu,
         )
         await self.transport.publish(self.topics.round, encode_round(ann), qos=1, retain=True)
+
+    async def run_round(self, round_no: int, selected: tuple[str, ...] | None = None) -> RoundRecord:
+        """Announce round ``round_no``, collect updates until complete or deadline, aggregate, publish.
+
+        Returns
+        -------
+        RoundRecord (clients = 0 and the head unchanged when no update arrived).
+        """
+        cfg = self.strategy.configure_round(round_no)
+        t0 = time.monotonic()
+        if selected is None and self.strategy.fraction < 1.0:
+            selected = self.strategy.sample_clients(self.online_devices(), round_no) or None
+        rnd = Round(
+            round_no,
+            self.state.version,
+            self.shape,
+            cfg.deadline_s,
+            cfg.min_clients,
+            frozenset(selected) if selected else None,
+            keep_updates=int(getattr(self.strategy, "max_updates", 0))
+            if self.strategy.needs_all_updates
+            else 0,
+        )
+        self.state.current = rnd
+        self.state.round = round_no
+        await self._announce(round_no, cfg, selected)
         loop = asyncio.get_running_loop()
         while not rnd.complete():
             remaining = rnd.deadline_at - time.monotonic()
@@ -269,7 +302,11 @@ class Coordinator:
         rnd.close()
         accuracy = float("nan")
         if rnd.clients > 0:
-            self.W, self.b = self.strategy.aggregate(self.W, self.b, rnd.sum_W.mean(), rnd.sum_b.mean())
+            if self.strategy.needs_all_updates:
+                dWs, dbs, ns = zip(*rnd.kept, strict=True)
+                self.W, self.b = self.strategy.aggregate_updates(self.W, self.b, dWs, dbs, ns)
+            else:
+                self.W, self.b = self.strategy.aggregate(self.W, self.b, rnd.sum_W.mean(), rnd.sum_b.mean())
             self.state.version += 1
             await self.publish_global(round_no)
         if self.evaluate is not None:
@@ -284,3 +321,74 @@ class Coordinator:
         )
         self.state.history.append(record)
         return record
+
+    async def run_async(self, steps: int) -> list[RoundRecord]:
+        """Asynchronous training (FedBuff): a server step every ``buffer_size`` updates, no round barrier.
+
+        Each step announces a new round on the current version; devices that are still training on an
+        older version keep going, and their updates count when they arrive, weighted by staleness
+        ``(1 + tau) ** -a`` (tau = versions since the device's base). A step also closes at the deadline
+        with what it has (no change when the buffer is empty).
+
+        Parameters
+        ----------
+        steps : int
+            Server steps (global versions) to run.
+
+        Returns
+        -------
+        One RoundRecord per step (``clients`` = updates applied in that step).
+
+        Raises
+        ------
+        TypeError
+            If the strategy is not asynchronous (FedBuff).
+
+        Source: Nguyen et al. 2022, "Federated Learning with Buffered Asynchronous Aggregation", Algorithm 1.
+        """
+        if not isinstance(self.strategy, FedBuff):
+            raise TypeError(f"strategy {self.strategy.name} is not asynchronous")
+        self._buffer = self.strategy.make_buffer(self.shape)
+        loop = asyncio.get_running_loop()
+        records = []
+        try:
+            for _ in range(steps):
+                round_no = self.state.round + 1
+                cfg = self.strategy.configure_round(round_no)
+                t0 = time.monotonic()
+                rnd = Round(
+                    round_no,
+                    self.state.version,
+                    self.shape,
+                    cfg.deadline_s,
+                    cfg.min_clients,
+                    check_round=False,
+                )
+                self.state.current = rnd
+                self.state.round = round_no
+                self._buffer_full.clear()
+                await self._announce(round_no, cfg)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._buffer_full.wait(), timeout=cfg.deadline_s)
+                rnd.close()
+                applied = self._buffer.count
+                if applied:
+                    self.W, self.b = self._buffer.flush(self.W, self.b)
+                    self.state.version += 1
+                    await self.publish_global(round_no)
+                accuracy = float("nan")
+                if self.evaluate is not None:
+                    W, b = self.W, self.b
+                    accuracy = await loop.run_in_executor(None, self.evaluate, W, b)
+                record = RoundRecord(
+                    round_no,
+                    applied,
+                    accuracy,
+                    float(np.mean(rnd.update_bytes)) if rnd.update_bytes else 0.0,
+                    time.monotonic() - t0,
+                )
+                self.state.history.append(record)
+                records.append(record)
+        finally:
+            self._buffer = None
+        return records
