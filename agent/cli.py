@@ -113,6 +113,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         strategy=args.strategy,
         compression=args.compression,
         topk_fraction=args.topk_fraction,
+        hold_s=args.hold,
     )
     return run_demo(opts)
 
@@ -169,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="update compression asked of the devices (default none)",
     )
     d.add_argument("--topk-fraction", type=float, default=0.1, help="kept fraction for top-k (default 0.1)")
+    d.add_argument(
+        "--hold", type=float, default=0.0, metavar="S", help="keep the dashboards up S seconds after the job"
+    )
     d.add_argument("--workdir", default=None, help="keep shards, profiles, logs and state here")
     d.set_defaults(func=cmd_demo)
 

@@ -14,11 +14,11 @@ import logging
 import os
 import signal
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,10 +45,14 @@ from agent.head import Head, validate_head
 from agent.pipeline import Pipeline, choose
 from agent.runtime import Backbone
 from agent.store import EmbeddingStore
+from agent.tlsconf import ssl_context_for
 from agent.topics import Topics
 from agent.trainer import LocalResult, train_local
 from agent.transport import Message, MqttTransport, Will
 from agent.types import F32, I64
+
+if TYPE_CHECKING:
+    from dashboard.app import DashboardState
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +133,10 @@ class Agent:
         self.stop_event = asyncio.Event()
         self._pending_round: RoundAnnouncement | None = None
         self._status_dirty = asyncio.Event()
+        self.dashboard: DashboardState | None = None
+        self.tls_context = ssl_context_for(profile.broker)  # bad certificate files fail at start-up
+        self.dashboard_url = ""
+        self._rate_window: deque[tuple[float, int]] = deque(maxlen=32)
 
     # --- persistence -------------------------------------------------------------------------
     def _head_path(self) -> Path:
@@ -221,6 +229,7 @@ class Agent:
                 emb, pred, _ = await loop.run_in_executor(self.executor, self.classify, raw)
                 self.store.add(emb, lbl)
                 self.state.inferred_total += len(lbl)
+                self._rate_window.append((time.monotonic(), self.state.inferred_total))
                 self.state.correct_total += int(np.sum(pred == lbl))
                 self.state.stored_total += len(lbl)
                 if src.rate_hz > 0:
@@ -231,7 +240,7 @@ class Agent:
             if not self.state.replay_done:
                 self.state.replay_done = True
                 logger.info("replay done: %d samples stored", len(self.store))
-                self._status_dirty.set()
+                self._changed()
             if not src.loop:
                 return
 
@@ -261,7 +270,7 @@ class Agent:
         except (DecodeError, UpdateRejected) as exc:
             self.state.rejected[exc.reason] += 1
             logger.warning("rejected message on %s (%d bytes): %s", msg.topic, len(msg.payload), exc)
-            self._status_dirty.set()
+            self._changed()
 
     async def apply_global(self, gm: GlobalModel) -> None:
         """Validate a global head and swap it in atomically.
@@ -292,7 +301,7 @@ class Agent:
         await asyncio.get_running_loop().run_in_executor(self.executor, save)
         self.head = new
         logger.info("applied global head version %d (round %d)", gm.version, gm.round)
-        self._status_dirty.set()
+        self._changed()
         if self._pending_round is not None and self._pending_round.base_version == gm.version:
             ann, self._pending_round = self._pending_round, None
             await self.on_round(ann)
@@ -407,10 +416,16 @@ class Agent:
         self._set_state("waiting")
         await loop.run_in_executor(self.executor, memory.malloc_trim)
 
+    def _changed(self) -> None:
+        """Mark the status as changed: republish it and push it to open dashboard pages."""
+        self._status_dirty.set()
+        if self.dashboard is not None:
+            self.dashboard.notify()
+
     def _set_state(self, state: str, reason: str = "") -> None:
         self.state.state = state
         self.state.reason = reason
-        self._status_dirty.set()
+        self._changed()
 
     # --- status -------------------------------------------------------------------------------
     def status_fields(self) -> dict[str, Any]:
@@ -430,7 +445,30 @@ class Agent:
             "pipeline_mode": self.pipeline.mode,
             "pipeline": self.pipeline.counters(),
             "pid": os.getpid(),
+            "dashboard_url": self.dashboard_url,
         }
+
+    def inference_rate(self) -> float:
+        """Samples classified per second over the last few batches (0.0 when idle)."""
+        w = self._rate_window
+        if len(w) < 2 or time.monotonic() - w[-1][0] > 5.0:
+            return 0.0
+        (t0, n0), (t1, n1) = w[0], w[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def dashboard_status(self) -> dict[str, Any]:
+        """The device page's status document (see ``dashboard/app.py``): the status fields plus live ones."""
+        fields = self.status_fields()
+        fields.update(
+            device=self.device,
+            state=self.state.state,
+            local_accuracy=None
+            if self.state.local_accuracy != self.state.local_accuracy
+            else self.state.local_accuracy,
+            inference_rate=self.inference_rate(),
+            broker_connected=self.transport is not None and self.transport.connected.is_set(),
+        )
+        return fields
 
     async def status_loop(self) -> None:
         """Publish the retained status on every change and at least every ``STATUS_INTERVAL_S``."""
@@ -464,7 +502,8 @@ class Agent:
             keepalive_s=b.keepalive_s,
             username=b.username,
             password=b.password,
-            on_connect=self._status_dirty.set,
+            on_connect=self._changed,
+            tls_context=self.tls_context,
         )
         async with contextlib.AsyncExitStack() as stack:
             await self.transport.start(wait_s=None)
@@ -472,6 +511,15 @@ class Agent:
                 self.transport.stop, (self.topics.status(self.device), offline_status(self.device))
             )
             stack.callback(self.executor.shutdown, wait=True)
+            d = self.profile.dashboard
+            if d.enabled:
+                from dashboard.app import DashboardState, serve  # lazy: aiohttp costs ~12 MiB of RSS
+
+                self.dashboard = DashboardState("device", self.device, self.dashboard_status, token=d.token)
+                runner, port = await serve(self.dashboard, d.host, d.port)
+                stack.push_async_callback(runner.cleanup)
+                self.dashboard_url = f"http://{d.host}:{port}/"
+                logger.info("dashboard on %s", self.dashboard_url)
             await self.transport.subscribe(self.topics.global_model, 1)
             await self.transport.subscribe(self.topics.round, 1)
             try:

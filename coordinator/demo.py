@@ -65,6 +65,7 @@ class DemoOptions:
     strategy: str = "fedavg"
     compression: str = "none"
     topk_fraction: float = 0.1
+    hold_s: float = 0.0
 
 
 def launch_agent(profile: Path, overrides: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
@@ -278,10 +279,20 @@ async def _run(opts: DemoOptions) -> int:
                 lr_decay=opts.lr_decay,
             )
             pump = asyncio.create_task(coord.pump())
+            from dashboard.app import DashboardState, serve
+
+            board = DashboardState("coordinator", f"fleet {fleet}", coord.dashboard_status)
+            coord.on_change = board.notify
+            runner, board_port = await serve(board, "127.0.0.1", 0)
             try:
                 await coord.start()
                 ready = await coord.wait_for_devices(opts.devices, timeout_s=120)
                 print(f"  {len(ready)} agents ready: {', '.join(ready)}")
+                print(f"  coordinator dashboard: http://127.0.0.1:{board_port}/")
+                for dev in ready:
+                    url = coord.state.devices[dev].get("dashboard_url")
+                    if url:
+                        print(f"  {dev} dashboard: {url}")
                 print(f"  {'round':>5} {'clients':>7} {'accuracy':>8} {'update_bytes':>12} {'seconds':>7}")
                 for r in range(1, opts.rounds + 1):
                     if strategy.asynchronous:  # FedBuff: one server step per "round" line
@@ -295,7 +306,12 @@ async def _run(opts: DemoOptions) -> int:
                     if rec.clients == 0:
                         rc = 1
                 await asyncio.sleep(0.5)  # let the agents apply the last global head
+                if opts.hold_s > 0:
+                    print(f"  holding the dashboards open for {opts.hold_s:.0f} s (Ctrl-C to stop)")
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.sleep(opts.hold_s)
             finally:
+                await runner.cleanup()
                 pump.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await pump

@@ -130,6 +130,7 @@ class Coordinator:
         self.lr_decay = lr_decay
         self.state = CoordinatorState()
         self._round_changed = asyncio.Event()
+        self.on_change: Callable[[], None] | None = None
         self._buffer: FedBuffer | None = None
         self._buffer_full = asyncio.Event()
         self._seen_update_ids: set[str] = set()
@@ -173,6 +174,7 @@ class Coordinator:
                 entry["seen_at"] = time.time()
                 self.state.devices[device] = entry
                 self._status_changed.set()
+                self._notify()
             else:
                 self._handle_update(device, msg)
         except (DecodeError, UpdateRejected) as exc:
@@ -206,6 +208,46 @@ class Coordinator:
             len(msg.payload),
         )
         self._round_changed.set()
+        self._notify()
+
+    def dashboard_status(self) -> dict[str, Any]:
+        """The coordinator page's status document (see ``dashboard/app.py``), JSON-like."""
+        rnd = self.state.current
+        open_round = rnd is not None and rnd.phase.value == "open"
+        devices = {}
+        for dev, st in self.state.devices.items():
+            devices[dev] = {
+                "state": st.get("state"),
+                "online": st.get("state") != "offline",
+                "rss_bytes": st.get("rss_bytes"),
+                "cap_bytes": st.get("cap_bytes"),
+                "peak_rss_bytes": st.get("peak_rss_bytes"),
+                "last_round": st.get("round"),
+                "reason": st.get("reason") or "",
+                "rejected": st.get("rejected") or {},
+            }
+        return {
+            "round": self.state.round,
+            "state": "collecting" if open_round else ("idle" if not self.state.history else "aggregated"),
+            "updates_received": rnd.clients if rnd is not None else 0,
+            "updates_expected": (len(rnd.selected) if rnd.selected else rnd.min_clients)
+            if rnd is not None
+            else 0,
+            "deadline_s_left": max(0.0, rnd.deadline_at - time.monotonic()) if open_round and rnd else None,
+            "version": self.state.version,
+            "strategy": self.strategy.name,
+            "compression": str(self.compression),
+            "accuracy_history": [
+                {"round": h.round, "accuracy": None if h.accuracy != h.accuracy else h.accuracy}
+                for h in self.state.history
+            ],
+            "devices": devices,
+            "rejected": dict(self.state.rejected),
+        }
+
+    def _notify(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def online_devices(self) -> list[str]:
         """Device ids whose retained status says they are up and ready (sorted)."""
@@ -286,6 +328,7 @@ class Coordinator:
         self.state.current = rnd
         self.state.round = round_no
         await self._announce(round_no, cfg, selected)
+        self._notify()
         loop = asyncio.get_running_loop()
         while not rnd.complete():
             remaining = rnd.deadline_at - time.monotonic()
@@ -320,6 +363,7 @@ class Coordinator:
             time.monotonic() - t0,
         )
         self.state.history.append(record)
+        self._notify()
         return record
 
     async def run_async(self, steps: int) -> list[RoundRecord]:
@@ -368,6 +412,7 @@ class Coordinator:
                 self.state.round = round_no
                 self._buffer_full.clear()
                 await self._announce(round_no, cfg)
+                self._notify()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._buffer_full.wait(), timeout=cfg.deadline_s)
                 rnd.close()
@@ -388,6 +433,7 @@ class Coordinator:
                     time.monotonic() - t0,
                 )
                 self.state.history.append(record)
+                self._notify()
                 records.append(record)
         finally:
             self._buffer = None
