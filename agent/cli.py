@@ -57,7 +57,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"  {p}", file=sys.stderr)
         return EXIT_INVALID
     _setup_logging(args.log_level, profile.device.id)
+    from agent import memory
     from agent.daemon import Agent
+
+    memory.apply_hygiene(arena_max=2)  # for arenas of threads not yet started (paho, worker, dashboard)
 
     try:
         agent = Agent(profile)

@@ -84,7 +84,9 @@ def launch_agent(profile: Path, overrides: dict[str, str], log_path: Path) -> su
     -------
     The running process (the caller stops it with SIGTERM and waits).
     """
-    cmd = [sys.executable, "-m", "agent.cli", "--log-level", "WARNING", "run", str(profile)]
+    # -OO drops docstrings and asserts: ~2.6 MiB less RSS per agent once the optimised bytecode is
+    # compiled (``make demo`` runs ``compileall -o 2``; without it, -OO would compile every import).
+    cmd = [sys.executable, "-OO", "-m", "agent.cli", "--log-level", "WARNING", "run", str(profile)]
     for key, val in overrides.items():
         cmd += ["--set", f"{key}={val}"]
     with open(log_path, "ab") as log:
