@@ -289,6 +289,30 @@ class DashboardConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SecurityConfig:
+    """``[security]``: message signatures (Ed25519) and the persistent outbox.
+
+    Parameters
+    ----------
+    signing_key_file : Path or None
+        This device's Ed25519 private key (64 hex digits or PEM); its updates are signed with it.
+        The key is read once at start-up and never logged.
+    coordinator_public_key : str or None
+        The coordinator's Ed25519 public key, 64 hex digits; GlobalModel and RoundAnnouncement
+        messages must carry a valid signature by it when set.
+    require_signatures : bool
+        Refuse unsigned messages (needs ``coordinator_public_key``).
+    outbox_max_bytes : int
+        Bound of the persistent outbox of unacknowledged updates, in bytes (> 0).
+    """
+
+    signing_key_file: Path | None = None
+    coordinator_public_key: str | None = field(default=None, repr=False)
+    require_signatures: bool = False
+    outbox_max_bytes: int = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
 class Profile:
     """A whole device profile.
 
@@ -309,6 +333,7 @@ class Profile:
     training: TrainingConfig
     source: SourceConfig
     dashboard: DashboardConfig
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     @property
     def cap_bytes(self) -> int:
@@ -325,6 +350,7 @@ _TABLES: dict[str, type[Any]] = {
     "training": TrainingConfig,
     "source": SourceConfig,
     "dashboard": DashboardConfig,
+    "security": SecurityConfig,
 }
 
 
@@ -681,6 +707,25 @@ def _check_dashboard(p: _Problems, c: DashboardConfig, raw: Mapping[str, object]
         )
 
 
+def _check_security(p: _Problems, c: SecurityConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    key = c.coordinator_public_key
+    if key is not None and (len(key) != 64 or any(ch not in "0123456789abcdefABCDEF" for ch in key)):
+        p.add("security.coordinator_public_key", key, "must be 64 hexadecimal digits (an Ed25519 public key)")
+    if c.require_signatures and key is None:
+        p.add(
+            "security.require_signatures",
+            True,
+            "needs security.coordinator_public_key",
+            involves=("security.coordinator_public_key",),
+        )
+    if c.outbox_max_bytes <= 0:
+        p.add("security.outbox_max_bytes", c.outbox_max_bytes, "must be > 0")
+    if check_files and c.signing_key_file is not None:
+        problem = _file_problem(c.signing_key_file, raw.get("signing_key_file"))
+        if problem is not None:
+            p.add("security.signing_key_file", raw.get("signing_key_file"), problem)
+
+
 _CHECKS: dict[str, Callable[[_Problems, Any, Mapping[str, object], bool], None]] = {
     "device": _check_device,
     "model": _check_model,
@@ -690,6 +735,7 @@ _CHECKS: dict[str, Callable[[_Problems, Any, Mapping[str, object], bool], None]]
     "training": _check_training,
     "source": _check_source,
     "dashboard": _check_dashboard,
+    "security": _check_security,
 }
 
 # Placeholders for required fields that are missing or mistyped, so the rest of the table is still

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from agent import memory
+from agent.chunking import Reassembler, is_chunk, split_message
 from agent.codec import (
     Compression,
     DecodeError,
@@ -34,6 +35,7 @@ from agent.codec import (
     UpdateMetrics,
     decode_global_model,
     decode_round,
+    encode_global_model,
     encode_status,
     encode_update,
     offline_status,
@@ -44,6 +46,8 @@ from agent.feedback import ErrorFeedback
 from agent.head import Head, validate_head
 from agent.pipeline import Pipeline, choose
 from agent.runtime import Backbone
+from agent.signing import is_signed, load_signing_key, parse_verify_key, sign_message, verify_payload
+from agent.state import Outbox, read_record, write_record
 from agent.store import EmbeddingStore
 from agent.tlsconf import ssl_context_for
 from agent.topics import Topics
@@ -121,13 +125,25 @@ class Agent:
             profile.cap_bytes, mem.reserve_mb << 20, mem.min_system_available_mb << 20
         )
         self.shapes = memory.model_shapes(self.backbone)
+        self.max_packet_bytes = profile.broker.max_packet_bytes
+        self.limits = Limits(max_message_bytes=max(profile.broker.max_packet_bytes, 1 << 20))
+        self.reassembler = Reassembler(
+            max_message_bytes=self.limits.max_message_bytes,
+            max_chunk_bytes=self.max_packet_bytes,
+            max_total_bytes=2 * self.limits.max_message_bytes,
+        )
         self._load_head()
+        sec = profile.security
+        self.signing_key = load_signing_key(sec.signing_key_file) if sec.signing_key_file else None
+        self.coordinator_key = (
+            parse_verify_key(sec.coordinator_public_key) if sec.coordinator_public_key else None
+        )
+        self.outbox = Outbox(self.state_dir / "outbox.rec", sec.outbox_max_bytes)
         self.feedback = ErrorFeedback(self.state_dir, self.head.shape, self.backbone.sha256)
         self.store = EmbeddingStore(
             self.state_dir, profile.training.store_capacity, self.backbone.embedding_dim
         )
         self.state = AgentState()
-        self.limits = Limits(max_message_bytes=max(profile.broker.max_packet_bytes, 1 << 20))
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgefl-worker")
         self.transport: MqttTransport | None = None
         self.stop_event = asyncio.Event()
@@ -137,43 +153,34 @@ class Agent:
         self.tls_context = ssl_context_for(profile.broker)  # bad certificate files fail at start-up
         self.dashboard_url = ""
         self._rate_window: deque[tuple[float, int]] = deque(maxlen=32)
+        self._outbox_lock = asyncio.Lock()
+        self._reconnected = asyncio.Event()
 
     # --- persistence -------------------------------------------------------------------------
     def _head_path(self) -> Path:
-        return self.state_dir / "global_head.npz"
+        return self.state_dir / "global_head.rec"
 
     def _load_head(self) -> None:
-        path = self._head_path()
-        if not path.exists():
+        """Restore the last applied global head from its checksummed record (previous generation if torn)."""
+        data = read_record(self._head_path())
+        if data is None:
             return
         try:
-            with np.load(path) as data:
-                W = data["W"].astype(np.float32)
-                b = data["b"].astype(np.float32)
-                version = int(data["version"])
-                sha = str(data["model_sha256"])
-            if sha != self.backbone.sha256:
+            gm = decode_global_model(data, limits=self.limits, expect_shape=self.head.shape)
+            if gm.model_sha256 != self.backbone.sha256:
                 logger.info("stored global head belongs to another model; using the factory head")
                 return
-            validate_head(W, b, self.head.shape)
-            self.head = Head(W, b, version)
-            logger.info("restored global head version %d from %s", version, path)
-        except (OSError, ValueError, KeyError, EdgeflError) as exc:
-            logger.warning("stored global head %s unusable (%s); using the factory head", path, exc)
-
-    def _save_head(self, head: Head) -> None:
-        tmp = self._head_path().with_suffix(".tmp.npz")
-        with open(tmp, "wb") as f:
-            np.savez(
-                f,
-                W=head.W,
-                b=head.b,
-                version=np.int64(head.version),
-                model_sha256=np.str_(self.backbone.sha256),
+            validate_head(gm.W, gm.b, self.head.shape)
+            self.head = Head(gm.W, gm.b, gm.version)
+            logger.info("restored global head version %d from %s", gm.version, self._head_path())
+        except EdgeflError as exc:
+            logger.warning(
+                "stored global head %s unusable (%s); using the factory head", self._head_path(), exc
             )
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._head_path())
+
+    def _save_head(self, gm: GlobalModel) -> None:
+        """Persist an applied global head (atomic, checksummed, previous generation kept)."""
+        write_record(self._head_path(), encode_global_model(gm))
 
     # --- inference ---------------------------------------------------------------------------
     def classify(self, raw: np.ndarray) -> tuple[F32, I64, int]:
@@ -252,21 +259,40 @@ class Agent:
             msg = await self.transport.queue.get()
             await self.handle(msg)
 
+    def _verified(self, payload: bytes) -> bytes:
+        """Check the coordinator's signature when a key is set (DecodeError `unsigned`, `bad_signature`)."""
+        sec = self.profile.security
+        if self.coordinator_key is not None and (sec.require_signatures or is_signed(payload)):
+            verify_payload(payload, self.coordinator_key)
+        return payload
+
     async def handle(self, msg: Message) -> None:
-        """Dispatch one message: GlobalModel or RoundAnnouncement; reject anything else."""
+        """Dispatch one message: GlobalModel (whole or in chunks) or RoundAnnouncement; reject anything else.
+
+        A bad message is logged with topic, size and reason, counted in ``rejected``, and dropped.
+        """
         try:
-            if msg.topic == self.topics.global_model:
-                if msg.payload:
-                    with self.governor.phase("apply"):
-                        gm = decode_global_model(
-                            msg.payload, limits=self.limits, expect_shape=self.head.shape
-                        )
-                    await self.apply_global(gm)
-            elif msg.topic == self.topics.round:
-                if msg.payload:
-                    await self.on_round(decode_round(msg.payload, limits=self.limits))
+            topic, payload = msg.topic, msg.payload
+            if not payload:
+                return  # a retained message being cleared
+            base = self.topics.global_model
+            if topic == base or topic.startswith(base + "/"):
+                if is_chunk(payload):
+                    whole = self.reassembler.feed(base, payload)
+                    if whole is None:
+                        return
+                    payload = whole
+                elif topic != base:
+                    raise DecodeError("bad_chunk", f"{topic}: not a chunk")
+                with self.governor.phase("apply"):
+                    gm = decode_global_model(
+                        self._verified(payload), limits=self.limits, expect_shape=self.head.shape
+                    )
+                await self.apply_global(gm)
+            elif topic == self.topics.round:
+                await self.on_round(decode_round(self._verified(payload), limits=self.limits))
             else:
-                raise DecodeError("bad_topic", f"unexpected topic {msg.topic}")
+                raise DecodeError("bad_topic", f"unexpected topic {topic}")
         except (DecodeError, UpdateRejected) as exc:
             self.state.rejected[exc.reason] += 1
             logger.warning("rejected message on %s (%d bytes): %s", msg.topic, len(msg.payload), exc)
@@ -292,11 +318,15 @@ class Agent:
                     "not_newer", f"global version {gm.version} <= current {self.head.version}"
                 )
             return  # same version again (retained re-delivery): nothing to do
+        # the outputs on a few stored embeddings must be finite too (a huge but finite head can overflow)
+        probe = next(self.store.chunks(8), None)
+        if probe is not None and not np.isfinite(probe[0] @ gm.W + gm.b).all():
+            raise UpdateRejected("not_finite", "global head gives non-finite logits on stored embeddings")
         new = Head(gm.W, gm.b, gm.version)
 
         def save() -> None:
             with self.governor.phase("apply"):
-                self._save_head(new)
+                self._save_head(gm)
 
         await asyncio.get_running_loop().run_in_executor(self.executor, save)
         self.head = new
@@ -390,11 +420,20 @@ class Agent:
             self._set_state("deferred", enc.reason)
             return
         with gov.phase("encode"):
-            payload = encode_update(update, topk_fraction=ann.topk_fraction)
+            if self.signing_key is not None:
+                key = self.signing_key
+                payload = sign_message(
+                    lambda m: encode_update(m, topk_fraction=ann.topk_fraction), update, key
+                )
+            else:
+                payload = encode_update(update, topk_fraction=ann.topk_fraction)
+        async with self._outbox_lock:  # kept until its PUBACK: a restart re-sends it (same update_id)
+            for dropped in await asyncio.to_thread(self.outbox.add, update.update_id, ann.round, payload):
+                logger.warning("outbox: dropped %s (%s)", dropped.update_id, dropped.reason)
         self._set_state("uploading")
         try:
             with gov.phase("publish"):
-                await self.transport.publish(self.topics.update(self.device), payload, qos=1)
+                await self._send_update(update.update_id, payload)
         except TransportError as exc:
             if ann.compression != Compression.NONE:  # nothing sent: the whole corrected delta stays residual
                 zeros_W, zeros_b = np.zeros_like(delta_W), np.zeros_like(delta_b)
@@ -416,11 +455,54 @@ class Agent:
         self._set_state("waiting")
         await loop.run_in_executor(self.executor, memory.malloc_trim)
 
+    def _on_transport_connect(self) -> None:
+        self._reconnected.set()
+        self._changed()
+
+    async def outbox_loop(self) -> None:
+        """On every (re)connect, re-send what the outbox still holds (QoS 1 until PUBACK, across restarts)."""
+        while True:
+            await self._reconnected.wait()
+            self._reconnected.clear()
+            await self.resend_outbox()
+
     def _changed(self) -> None:
         """Mark the status as changed: republish it and push it to open dashboard pages."""
         self._status_dirty.set()
         if self.dashboard is not None:
             self.dashboard.notify()
+
+    async def _send_update(self, update_id: str, payload: bytes) -> None:
+        """Publish an update (chunked above the broker's packet limit), then drop it from the outbox.
+
+        Raises
+        ------
+        TransportError
+            If a chunk was not acknowledged; the update stays in the outbox for a re-send.
+        """
+        assert self.transport is not None
+        topic = self.topics.update(self.device)
+        limit = min(self.max_packet_bytes, self.transport.broker_max_packet_bytes or self.max_packet_bytes)
+        async with self._outbox_lock:
+            await asyncio.to_thread(self.outbox.mark_sent, update_id)
+        for part in split_message(payload, topic, limit, msg_id=update_id.replace(":", "-")):
+            await self.transport.publish(topic, part, qos=1)
+        async with self._outbox_lock:
+            await asyncio.to_thread(self.outbox.ack, update_id)
+
+    async def resend_outbox(self) -> None:
+        """After a (re)connect: send each unacknowledged update of the current round again, once."""
+        async with self._outbox_lock:
+            dropped = await asyncio.to_thread(self.outbox.drop_stale, self.state.round)
+            pending = [e for e in self.outbox.pending() if e.sends < 2]
+        for d in dropped:
+            logger.info("outbox: dropped %s (%s)", d.update_id, d.reason)
+        for entry in pending:
+            try:
+                await self._send_update(entry.update_id, entry.payload)
+                logger.info("outbox: re-sent %s", entry.update_id)
+            except TransportError as exc:
+                logger.warning("outbox: re-send of %s failed: %s", entry.update_id, exc)
 
     def _set_state(self, state: str, reason: str = "") -> None:
         self.state.state = state
@@ -502,7 +584,7 @@ class Agent:
             keepalive_s=b.keepalive_s,
             username=b.username,
             password=b.password,
-            on_connect=self._changed,
+            on_connect=self._on_transport_connect,
             tls_context=self.tls_context,
         )
         async with contextlib.AsyncExitStack() as stack:
@@ -520,7 +602,8 @@ class Agent:
                 stack.push_async_callback(runner.cleanup)
                 self.dashboard_url = f"http://{d.host}:{port}/"
                 logger.info("dashboard on %s", self.dashboard_url)
-            await self.transport.subscribe(self.topics.global_model, 1)
+            # "global/#" matches "global" itself and the chunk topics "global/<i>" of a large head
+            await self.transport.subscribe(self.topics.global_model + "/#", 1)
             await self.transport.subscribe(self.topics.round, 1)
             try:
                 async with asyncio.TaskGroup() as tg:
@@ -528,6 +611,7 @@ class Agent:
                         tg.create_task(self.run_source()),
                         tg.create_task(self.pump()),
                         tg.create_task(self.status_loop()),
+                        tg.create_task(self.outbox_loop()),
                     ]
                     await self.stop_event.wait()
                     for t in tasks:

@@ -132,6 +132,7 @@ class MqttTransport:
         self._stopping = False
         self._unreachable_logged = False
         self.connects_total = 0
+        self.broker_max_packet_bytes: int | None = None  # MQTT 5 CONNACK Maximum Packet Size, when sent
 
     # --- paho thread side: hop to the loop, never raise -------------------------------------
     def _hop(self, fn: Callable[..., None], *args: Any) -> None:
@@ -149,7 +150,8 @@ class MqttTransport:
             logger.exception("error in MQTT callback %s", getattr(fn, "__name__", fn))
 
     def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, rc: ReasonCode, props: Any) -> None:
-        self._hop(self._handle_connect, rc)
+        limit = getattr(props, "MaximumPacketSize", None) if props is not None else None
+        self._hop(self._handle_connect, rc, limit)
 
     def _on_disconnect(
         self, client: mqtt.Client, userdata: Any, flags: Any, rc: ReasonCode, props: Any
@@ -163,7 +165,7 @@ class MqttTransport:
         self._hop(self._handle_message, Message(msg.topic, bytes(msg.payload), bool(msg.retain)))
 
     # --- loop side -------------------------------------------------------------------------
-    def _handle_connect(self, rc: ReasonCode) -> None:
+    def _handle_connect(self, rc: ReasonCode, max_packet: int | None = None) -> None:
         if rc.is_failure:
             logger.warning("broker %s:%s refused the connection: %s", self.host, self.port, rc)
             if self._mqtt5 and self.protocol == "auto" and int(rc.value) in (1, 132):
@@ -181,6 +183,7 @@ class MqttTransport:
             )
         self._lost_logged = False
         self.ever_connected = True
+        self.broker_max_packet_bytes = int(max_packet) if max_packet else None
         self._unreachable_logged = False
         self.connects_total += 1
         self.connected.set()

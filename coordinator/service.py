@@ -13,12 +13,13 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from agent.chunking import Reassembler, is_chunk, split_message
 from agent.codec import (
     Compression,
     DecodeError,
@@ -31,6 +32,7 @@ from agent.codec import (
     encode_round,
 )
 from agent.errors import UpdateRejected
+from agent.signing import SigningKey, VerifyKey, sign_message, verify_payload
 from agent.topics import Topics
 from agent.transport import Message, MqttTransport
 from agent.types import F32
@@ -96,6 +98,12 @@ class Coordinator:
         Update compression asked of the devices.
     limits : Limits
         Decoding bounds for incoming messages.
+    signing_key : SigningKey or None
+        Signs every GlobalModel and RoundAnnouncement (Ed25519) when set.
+    device_keys : mapping device → VerifyKey, or None
+        When set, an update must carry a valid signature by its device's key (unknown devices are refused).
+    max_packet_bytes : int
+        The broker's maximum packet size: a larger GlobalModel goes out as retained chunks on ``global/<i>``.
     lr_decay : float
         Client learning-rate schedule: round ``r`` announces ``lr * lr_decay ** (r - 1)`` (1.0 = constant).
         A decaying step damps the round-to-round swings of FedAvg on non-IID devices (Li et al. 2020,
@@ -116,6 +124,9 @@ class Coordinator:
         topk_fraction: float = 0.1,
         limits: Limits | None = None,
         lr_decay: float = 1.0,
+        signing_key: SigningKey | None = None,
+        device_keys: Mapping[str, VerifyKey] | None = None,
+        max_packet_bytes: int = 256 * 1024,
     ) -> None:
         self.transport = transport
         self.topics = topics
@@ -128,6 +139,15 @@ class Coordinator:
         self.topk_fraction = topk_fraction
         self.limits = limits or Limits()
         self.lr_decay = lr_decay
+        self.signing_key = signing_key
+        self.device_keys = dict(device_keys) if device_keys is not None else None
+        self.max_packet_bytes = max_packet_bytes
+        self.reassembler = Reassembler(
+            max_message_bytes=self.limits.max_message_bytes,
+            max_chunk_bytes=max_packet_bytes,
+            max_total_bytes=2 * self.limits.max_message_bytes,
+        )
+        self._global_chunks = 0
         self.state = CoordinatorState()
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
@@ -150,7 +170,24 @@ class Coordinator:
     async def publish_global(self, round_no: int) -> None:
         """Publish the current head as GlobalModel (QoS 1, retained) and wait for the PUBACK."""
         msg = GlobalModel(round_no, self.state.version, self.model_sha256, self.W, self.b)
-        await self.transport.publish(self.topics.global_model, encode_global_model(msg), qos=1, retain=True)
+        payload = self._sign(encode_global_model, msg)
+        base = self.topics.global_model
+        parts = split_message(payload, base + "/0000", self.max_packet_bytes, msg_id=f"global-{msg.version}")
+        if len(parts) == 1:
+            await self.transport.publish(base, payload, qos=1, retain=True)
+            stale = range(self._global_chunks)
+        else:
+            # One retained topic keeps one message: each chunk gets its own retained topic.
+            for i, part in enumerate(parts):
+                await self.transport.publish(f"{base}/{i}", part, qos=1, retain=True)
+            await self.transport.publish(base, b"", qos=1, retain=True)
+            stale = range(len(parts), self._global_chunks)
+        for i in stale:  # clear chunks of an earlier, larger head
+            await self.transport.publish(f"{base}/{i}", b"", qos=1, retain=True)
+        self._global_chunks = len(parts) if len(parts) > 1 else 0
+
+    def _sign(self, encode: Callable[[Any], bytes], msg: Any) -> bytes:
+        return sign_message(encode, msg, self.signing_key) if self.signing_key is not None else encode(msg)
 
     async def pump(self) -> None:
         """Consume incoming messages forever: statuses and updates (each handler is guarded)."""
@@ -182,7 +219,18 @@ class Coordinator:
             logger.warning("rejected message on %s (%d bytes): %s", msg.topic, len(msg.payload), exc)
 
     def _handle_update(self, device: str, msg: Message) -> None:
-        update = decode_update(msg.payload, limits=self.limits, expect_shape=self.shape)
+        payload = msg.payload
+        if is_chunk(payload):
+            whole = self.reassembler.feed(msg.topic, payload)
+            if whole is None:
+                return
+            payload = whole
+        if self.device_keys is not None:
+            key = self.device_keys.get(device)
+            if key is None:
+                raise DecodeError("unknown_device", f"no public key for device {device}")
+            verify_payload(payload, key)
+        update = decode_update(payload, limits=self.limits, expect_shape=self.shape)
         if update.device != device:
             raise UpdateRejected("wrong_device", f"update names device {update.device} on {msg.topic}")
         rnd = self.state.current
@@ -194,12 +242,12 @@ class Coordinator:
             staleness = self.state.version - update.base_version
             if staleness < 0:
                 raise UpdateRejected("stale_base", f"update from future version {update.base_version}")
-            rnd.offer(update, len(msg.payload))
+            rnd.offer(update, len(payload))
             self._seen_update_ids.add(update.update_id)
             if self._buffer.offer(update.delta_W, update.delta_b, update.num_examples, staleness):
                 self._buffer_full.set()
         else:
-            rnd.offer(update, len(msg.payload))
+            rnd.offer(update, len(payload))
         logger.info(
             "round %d: update from %s (%d examples, %d bytes)",
             rnd.number,
@@ -301,7 +349,7 @@ class Coordinator:
             topk_fraction=self.topk_fraction,
             prox_mu=cfg.prox_mu,
         )
-        await self.transport.publish(self.topics.round, encode_round(ann), qos=1, retain=True)
+        await self.transport.publish(self.topics.round, self._sign(encode_round, ann), qos=1, retain=True)
 
     async def run_round(self, round_no: int, selected: tuple[str, ...] | None = None) -> RoundRecord:
         """Announce round ``round_no``, collect updates until complete or deadline, aggregate, publish.

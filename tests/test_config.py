@@ -597,6 +597,7 @@ def test_profile_to_dict_round_trips(write: Writer, tmp_path: Path) -> None:
         "training",
         "source",
         "dashboard",
+        "security",
     ]
     assert rendered["pipeline"] == {
         "mode": "fused",
@@ -705,3 +706,24 @@ def test_is_loopback_host() -> None:
         True
     ] * 5
     assert [is_loopback_host(h) for h in ("", "0.0.0.0", "::", "10.0.0.1", "host.lan")] == [False] * 5
+
+
+def test_security_table(write: Writer, tmp_path: Path) -> None:
+    key = tmp_path / "dev.key"
+    key.write_text("11" * 32)
+    profile = load_profile(
+        write(
+            f'[security]\nsigning_key_file = "{key}"\ncoordinator_public_key = "{"ab" * 32}"\n'
+            "require_signatures = true\noutbox_max_bytes = 4096\n"
+        )
+    )
+    assert profile.security.signing_key_file == key
+    assert profile.security.require_signatures is True
+    assert "ab" * 32 not in repr(profile.security)
+    assert problems_of(write("[security]\nrequire_signatures = true\n")) == [
+        "security.require_signatures = true: needs security.coordinator_public_key"
+    ]
+    assert problems_of(write('[security]\ncoordinator_public_key = "xyz"\noutbox_max_bytes = 0\n')) == [
+        "security.coordinator_public_key = 'xyz': must be 64 hexadecimal digits (an Ed25519 public key)",
+        "security.outbox_max_bytes = 0: must be > 0",
+    ]
