@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import cbor2
 import numpy as np
 
 from agent.chunking import Reassembler, is_chunk, split_message
@@ -33,6 +36,7 @@ from agent.codec import (
 )
 from agent.errors import UpdateRejected
 from agent.signing import SigningKey, VerifyKey, sign_message, verify_payload
+from agent.state import read_record, write_record
 from agent.topics import Topics
 from agent.transport import Message, MqttTransport
 from agent.types import F32
@@ -148,6 +152,7 @@ class Coordinator:
             max_total_bytes=2 * self.limits.max_message_bytes,
         )
         self._global_chunks = 0
+        self.counted: dict[int, list[str]] = {}  # round → update_ids aggregated (audit, chaos test)
         self.state = CoordinatorState()
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
@@ -162,10 +167,52 @@ class Coordinator:
         return (int(self.W.shape[0]), int(self.W.shape[1]))
 
     async def start(self) -> None:
-        """Subscribe to updates and statuses, and publish the initial global head (retained)."""
+        """Subscribe to updates and statuses, and publish the current global head (retained)."""
         await self.transport.subscribe(self.topics.update("+"), 1)
         await self.transport.subscribe(self.topics.status("+"), 1)
-        await self.publish_global(0)
+        await self.publish_global(self.state.round)
+
+    def save_state(self, path: Path) -> None:
+        """Persist the global head, version, round and history (atomic, checksummed record).
+
+        A coordinator restarted with the same state file resumes after its last closed round.
+        """
+        doc = {
+            "v": 1,
+            "round": self.state.round,
+            "version": self.state.version,
+            "W": self.W.tobytes(),
+            "b": self.b.tobytes(),
+            "shape": list(self.shape),
+            "history": [list(dataclasses.astuple(h)) for h in self.state.history],
+            "counted": {str(k): sorted(v) for k, v in self.counted.items()},
+        }
+        write_record(path, cbor2.dumps(doc))
+
+    def load_state(self, path: Path) -> bool:
+        """Resume from a state file written by :meth:`save_state` (False when there is none).
+
+        Raises
+        ------
+        UpdateRejected
+            ``bad_state`` when the file holds a head of another shape.
+        """
+        data = read_record(path)
+        if data is None:
+            return False
+        doc = cbor2.loads(data)
+        if tuple(doc["shape"]) != self.shape:
+            raise UpdateRejected(
+                "bad_state", f"{path}: head shape {doc['shape']}, model has {list(self.shape)}"
+            )
+        self.W = np.frombuffer(doc["W"], dtype=np.float32).reshape(self.shape).copy()
+        self.b = np.frombuffer(doc["b"], dtype=np.float32).copy()
+        self.state.round = int(doc["round"])
+        self.state.version = int(doc["version"])
+        self.state.history = [RoundRecord(*h) for h in doc["history"]]
+        self.counted = {int(k): list(v) for k, v in doc.get("counted", {}).items()}
+        logger.info("resumed at round %d, version %d from %s", self.state.round, self.state.version, path)
+        return True
 
     async def publish_global(self, round_no: int) -> None:
         """Publish the current head as GlobalModel (QoS 1, retained) and wait for the PUBACK."""
@@ -393,6 +440,7 @@ class Coordinator:
         rnd.close()
         accuracy = float("nan")
         if rnd.clients > 0:
+            self.counted[round_no] = sorted(rnd.update_ids)
             if self.strategy.needs_all_updates:
                 dWs, dbs, ns = zip(*rnd.kept, strict=True)
                 self.W, self.b = self.strategy.aggregate_updates(self.W, self.b, dWs, dbs, ns)

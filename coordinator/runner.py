@@ -1,0 +1,161 @@
+"""``edgefl coordinator``: the coordinator as its own long-running process.
+
+It resumes from its state file after a restart (global head, version, round, history), evaluates
+each new head on the held-out digits test set when the model is the digits model, and appends one
+JSON line per closed round to ``--log`` so other tools (the chaos test) can audit the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent.codec import Compression
+from agent.runtime import Backbone
+from agent.signing import load_signing_key, load_verify_keys
+from agent.topics import Topics
+from agent.transport import MqttTransport
+from agent.validators import parse_broker_url
+from coordinator.service import Coordinator
+from coordinator.strategy import STRATEGY_NAMES, make_strategy
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``coordinator`` sub-command to an ``argparse`` sub-parsers object.
+
+    Returns
+    -------
+    argparse.ArgumentParser
+        The sub-command's parser (``func`` set to :func:`main`).
+    """
+    root = Path(__file__).resolve().parent.parent
+    p: argparse.ArgumentParser = sub.add_parser("coordinator", help="run the coordinator of a fleet")
+    p.add_argument("--broker", default="mqtt://127.0.0.1:1883", help="mqtt://host:port")
+    p.add_argument("--fleet", default="default")
+    p.add_argument("--prefix", default="edgefl", help="topic prefix")
+    p.add_argument("--model", default=str(root / "models" / "digits_cnn_int8.tflite"))
+    p.add_argument("--rounds", type=int, default=10, help="rounds to run in total (resumed runs count on)")
+    p.add_argument("--min-clients", type=int, default=2)
+    p.add_argument("--deadline", type=float, default=60.0, help="round deadline, seconds")
+    p.add_argument("--wait-devices", type=int, default=0, help="wait for this many ready devices first")
+    p.add_argument("--local-epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr-decay", type=float, default=0.8)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--strategy", default="fedavg", choices=STRATEGY_NAMES)
+    p.add_argument("--compression", default="none", choices=[c.value for c in Compression])
+    p.add_argument(
+        "--state", default=None, metavar="PATH", help="state file: resume from it, save each round"
+    )
+    p.add_argument("--log", default=None, metavar="PATH", help="append one JSON line per closed round")
+    p.add_argument("--signing-key", default=None, metavar="PATH", help="Ed25519 key signing global/round")
+    p.add_argument(
+        "--device-keys", default=None, metavar="DIR", help="<device>.pub keys: require signed updates"
+    )
+    p.add_argument("--max-packet-bytes", type=int, default=256 * 1024)
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the coordinator until ``--rounds`` rounds closed or SIGTERM; exit 0, or 1 on a failed start."""
+    return asyncio.run(_run(args))
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from agent.datasets import load_digits, split_digits
+    from coordinator.demo import accuracy, embed_all
+
+    backbone = Backbone(Path(args.model))
+    W0, b0 = backbone.head_from_model()
+    evaluate = None
+    if backbone.sample_shape == (8, 8, 1):
+        x, y = load_digits()
+        test = split_digits(y).test
+        emb_test, y_test = embed_all(backbone, x[test], (0.0,), (16.0,)), y[test]
+
+        def evaluate(W: np.ndarray, b: np.ndarray) -> float:
+            return accuracy(W, b, emb_test, y_test)
+
+    _, host, port = parse_broker_url(args.broker)
+    transport = MqttTransport(host, port, f"edgefl-coordinator-{args.fleet}")
+    strategy = make_strategy(
+        args.strategy,
+        local_epochs=args.local_epochs,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        min_clients=args.min_clients,
+        deadline_s=args.deadline,
+    )
+    coord = Coordinator(
+        transport,
+        Topics(args.prefix, args.fleet),
+        W0,
+        b0,
+        model_sha256=backbone.sha256,
+        strategy=strategy,
+        evaluate=evaluate,
+        compression=Compression(args.compression),
+        lr_decay=args.lr_decay,
+        signing_key=load_signing_key(Path(args.signing_key)) if args.signing_key else None,
+        device_keys=load_verify_keys(Path(args.device_keys)) if args.device_keys else None,
+        max_packet_bytes=args.max_packet_bytes,
+    )
+    state_path = Path(args.state) if args.state else None
+    if state_path is not None:
+        coord.load_state(state_path)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    await transport.start(wait_s=None)
+    pump = asyncio.create_task(coord.pump())
+    try:
+        await asyncio.wait_for(transport.connected.wait(), timeout=60)
+        await coord.start()
+        if args.wait_devices:
+            await coord.wait_for_devices(args.wait_devices, timeout_s=120)
+        while coord.state.round < args.rounds and not stop.is_set():
+            r = coord.state.round + 1
+            runner = asyncio.create_task(coord.run_round(r))
+            stopper = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if runner not in done:
+                runner.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await runner
+                break
+            rec = runner.result()
+            if state_path is not None:
+                coord.save_state(state_path)
+            logger.info("round %d: %d clients, accuracy %.3f", rec.round, rec.clients, rec.accuracy)
+            if args.log:
+                line = {
+                    "round": rec.round,
+                    "clients": rec.clients,
+                    "accuracy": rec.accuracy,
+                    "update_bytes_mean": rec.update_bytes_mean,
+                    "duration_s": rec.duration_s,
+                    "update_ids": coord.counted.get(rec.round, []),
+                    "version": coord.state.version,
+                }
+                with open(args.log, "a") as f:
+                    f.write(json.dumps(line) + "\n")
+    finally:
+        pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pump
+        await transport.stop()
+    return 0
