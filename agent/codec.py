@@ -363,7 +363,7 @@ class Update:
     base_version: int
     device: str
     num_examples: int
-    delta_W: F32  # noqa: N815 - the maths' name, part of the API
+    delta_W: F32
     delta_b: F32
     metrics: UpdateMetrics
     update_id: str

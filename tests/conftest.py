@@ -52,7 +52,8 @@ def start_mosquitto(tmp: Path, extra: str = "", port: int | None = None) -> Brok
     port = port or free_port()
     conf = tmp / f"mosquitto-{port}.conf"
     conf.write_text(
-        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nset_tcp_nodelay true\nlog_dest stderr\n{extra}\n"
+        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+        f"set_tcp_nodelay true\nlog_dest stderr\n{extra}\n"
     )
     log = open(tmp / f"mosquitto-{port}.log", "ab")  # noqa: SIM115 - lives as long as the broker
     proc = subprocess.Popen([mosquitto_path(), "-c", str(conf)], stdout=log, stderr=log)
