@@ -68,11 +68,13 @@ guest() {
 # and left alone. "F" opens qemu now, so it need not be inside the root.
 EMULATION=proot
 BINFMT_NAME=""
+BINFMT_MOUNTED=0
 BINFMT_DIR=/proc/sys/fs/binfmt_misc
 binfmt_register() {
   if ! [ -w "$BINFMT_DIR/register" ]; then
     mount -t binfmt_misc binfmt_misc "$BINFMT_DIR" 2>/dev/null \
       || skip "armv7l needs binfmt_misc (mount -t binfmt_misc) and root"
+    BINFMT_MOUNTED=1
   fi
   if grep -qs "^interpreter .*qemu-arm" "$BINFMT_DIR"/qemu-arm "$BINFMT_DIR"/edgefl-qemu-arm; then
     log "using the binfmt handler already registered for ARM"
@@ -87,6 +89,7 @@ binfmt_unregister() {
   if [ -n "$BINFMT_NAME" ] && [ -e "$BINFMT_DIR/$BINFMT_NAME" ]; then
     echo -1 > "$BINFMT_DIR/$BINFMT_NAME" && log "unregistered binfmt handler $BINFMT_NAME"
   fi
+  if [ "$BINFMT_MOUNTED" = 1 ]; then umount "$BINFMT_DIR" || true; fi
 }
 if [ "$TARGET" = armv7l ]; then
   [ "$(id -u)" = 0 ] || skip "armv7l needs root (chroot, binfmt_misc)"
@@ -137,7 +140,12 @@ t0=$(date +%s)
 guest "$ROOTFS" /bin/sh /opt/wheelhouse/install.sh --no-systemd --prefix /opt/edgefl --profile "$PROFILE" \
   2>&1 | sed 's/^/  guest: /'
 INSTALL_S=$(( $(date +%s) - t0 ))
-log "install under emulation: $INSTALL_S s"
+log "install under emulation: $INSTALL_S s; installed release $(du -sh "$ROOTFS"/opt/edgefl/releases/* | cut -f1)"
+
+log "codec round trip under emulation (agent.codec with the cbor2 of the wheelhouse)"
+CODEC_RC=0
+guest "$ROOTFS" /opt/edgefl/current/venv/bin/python /opt/check/classify.py codec 2>&1 | sed 's/^/  guest: /' \
+  || CODEC_RC=1
 
 log "classifying the test set under emulation ($RUNTIME)"
 guest "$ROOTFS" /opt/edgefl/current/venv/bin/python /opt/check/classify.py run \
@@ -158,6 +166,8 @@ fi
 PYTHONPATH="$ROOT" "$HOST_PY" "$ROOT/cross_build/classify.py" run "$ROOT/models/digits_cnn_int8.tflite" \
   "$RUNTIME" "$WORK/testset.npz" "$WORK/host.npz"
 
+MATCH_RC=0
 "$PY" "$ROOT/cross_build/classify.py" compare "$ROOTFS/opt/check/guest.npz" "$WORK/host.npz" \
-  | sed "s/^/[$TARGET] /"
-log "done: install $INSTALL_S s, wheelhouse $(du -sh "$HOUSE" | cut -f1)"
+  | sed "s/^/[$TARGET] /" || MATCH_RC=1
+log "done: install $INSTALL_S s, wheelhouse $(du -sh "$HOUSE" | cut -f1), predictions $([ $MATCH_RC = 0 ] && echo match || echo DIFFER), codec $([ $CODEC_RC = 0 ] && echo ok || echo FAILED)"
+[ "$MATCH_RC" = 0 ] && [ "$CODEC_RC" = 0 ]

@@ -5,6 +5,7 @@ Three sub-commands, so the same file runs on the build machine and inside the em
     classify.py export-test-set OUT.npz            (host) the digits test split, raw uint8
     classify.py run MODEL RUNTIME TESTSET OUT.npz  (guest and host) logits and predictions
     classify.py compare GUEST.npz HOST.npz         (host) exit 0 only if every prediction matches
+    classify.py codec                              (guest) agent.codec round trip with the installed cbor2
 
 ``run`` goes through :class:`agent.runtime.Backbone` (the code the agent ships), with the profiles'
 digits normalisation (``raw / 16``) quantised by the model's input scale.
@@ -106,6 +107,29 @@ def compare(guest: Path, host: Path) -> int:
     return 0 if same == n else 1
 
 
+def codec_round_trip() -> int:
+    """Encode and decode a DeviceStatus with :mod:`agent.codec` and the installed cbor2.
+
+    Returns
+    -------
+    int
+        0 if the decoded message equals the original, else 1 (the DecodeError is printed).
+    """
+    from importlib.metadata import version
+
+    from agent.codec import DeviceStatus, decode_status, encode_status
+    from agent.errors import DecodeError
+
+    msg = DeviceStatus(device="gw-1", state="online")
+    try:
+        ok = decode_status(encode_status(msg)) == msg
+    except DecodeError as exc:
+        print(f"{platform.machine()} cbor2 {version('cbor2')}: codec round trip FAILED: {exc}")
+        return 1
+    print(f"{platform.machine()} cbor2 {version('cbor2')}: codec round trip {'ok' if ok else 'MISMATCH'}")
+    return 0 if ok else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Dispatch the sub-command; returns the exit code (2 on a usage error)."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -113,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return export_test_set(Path(args[1]))
     if args[:1] == ["run"] and len(args) == 5:
         return run(Path(args[1]), args[2], Path(args[3]), Path(args[4]))
+    if args == ["codec"]:
+        return codec_round_trip()
     if args[:1] == ["compare"] and len(args) == 3:
         return compare(Path(args[1]), Path(args[2]))
     print(__doc__, file=sys.stderr)

@@ -878,32 +878,12 @@ def build_wheelhouse(
     return Wheelhouse(target, out, lock, _tree_bytes(wheels_dir), _tree_bytes(out), time.monotonic() - t0)
 
 
-def add_wheelhouse_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add the ``wheelhouse`` sub-command to the ``edgefl`` parser.
-
-    Parameters
-    ----------
-    sub : argparse._SubParsersAction
-        The ``add_subparsers()`` result of ``agent.cli.build_parser``; the sub-command sets
-        ``func`` to a callable taking the parsed namespace and returning the exit code.
-    """
-    w = sub.add_parser("wheelhouse", help="build an offline wheelhouse for a gateway (source checkout only)")
-    _add_arguments(w)
-    w.set_defaults(func=_run)
-
-
-def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, choices=sorted(TARGETS), help="gateway platform")
-    p.add_argument("--out", required=True, help="output folder (its wheels/ is replaced)")
-    p.add_argument("--prefix", default=DEFAULT_PREFIX,
-                   help=f"install prefix on the device (default {DEFAULT_PREFIX})")
-    p.add_argument("--repo", default=str(REPO_ROOT), help="edgefl source checkout (default: this one)")
-
-
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Build the wheelhouse for parsed ``--target/--out/--prefix/--repo``; returns 0 built, 1 failed."""
     target = TARGETS[args.target]
+    repo = Path(args.repo) if args.repo else REPO_ROOT
     try:
-        house = build_wheelhouse(target, Path(args.out), Path(args.repo), args.prefix)
+        house = build_wheelhouse(target, Path(args.out), repo, args.prefix)
     except WheelhouseError as exc:
         print(f"edgefl wheelhouse: {exc}", file=sys.stderr)
         return 1
@@ -916,15 +896,19 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python cross_build/wheelhouse.py --target T --out DIR``; returns the exit code (0 ok, 1 failed)."""
+    """``python -m cross_build.wheelhouse --target T --out DIR``; returns the exit code (0 ok, 1 failed)."""
+    from cross_build.cli import add_arguments
+
     p = argparse.ArgumentParser(prog="wheelhouse", description=__doc__.splitlines()[0] if __doc__ else None)
-    _add_arguments(p)
+    add_arguments(p)
     args = p.parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s",
                             stream=sys.stderr)
-    return _run(args)
+    return run(args)
 
 
 if __name__ == "__main__":
+    if str(REPO_ROOT) not in sys.path:  # run as a script: make the cross_build package importable
+        sys.path.insert(0, str(REPO_ROOT))
     sys.exit(main())

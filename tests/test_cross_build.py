@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # cross_build/ is a build-machine tool, not an installed package
     sys.path.append(str(ROOT))
 
+from cross_build import cli as wh_cli  # noqa: E402
 from cross_build import wheelhouse as wh  # noqa: E402
 
 AARCH64 = wh.TARGETS["aarch64"]
@@ -292,14 +293,33 @@ def test_rendered_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
 def test_wheelhouse_subcommand_parses() -> None:
     parser = argparse.ArgumentParser(prog="edgefl")
     sub = parser.add_subparsers(dest="command", required=True)
-    wh.add_wheelhouse_parser(sub)
+    wh_cli.add_wheelhouse_parser(sub)
     args = parser.parse_args(["wheelhouse", "--target", "armv7l", "--out", "/tmp/x"])
     got = (args.command, args.target, args.out, args.prefix)
     assert got == ("wheelhouse", "armv7l", "/tmp/x", "/opt/edgefl")
-    assert callable(args.func)
+    assert args.func is wh_cli.run_wheelhouse
     with pytest.raises(SystemExit) as exc:
         parser.parse_args(["wheelhouse", "--target", "mips", "--out", "/tmp/x"])
     assert exc.value.code == 2
+
+
+def test_cli_hook_knows_every_target_and_the_default_prefix() -> None:
+    assert tuple(sorted(wh.TARGETS)) == wh_cli.TARGET_NAMES
+    assert wh_cli.DEFAULT_PREFIX == wh.DEFAULT_PREFIX
+
+
+def test_cli_hook_does_not_import_the_builder() -> None:
+    # `edgefl run` in a checkout imports cross_build.cli: it must not pull in packaging and the builder.
+    code = ("import sys; sys.path.append(sys.argv[1]); import cross_build.cli; "
+            "print('cross_build.wheelhouse' in sys.modules, 'packaging.requirements' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_wheelhouse_build_failure_exits_1_with_the_name(tmp_path: Path) -> None:
+    # An unknown repo path: pip wheel fails for edgefl, before any download.
+    rc = wh.main(["--target", "aarch64", "--out", str(tmp_path / "out"), "--repo", str(tmp_path / "nope")])
+    assert rc == 1
 
 
 # --- install.sh (offline parts) -----------------------------------------------------------------
