@@ -1,0 +1,557 @@
+"""Issue 6 integration tests: signatures, chunking under a broker packet limit, the outbox across a
+kill -9, robust aggregation against a poisoning device, corrupt state and start-up failures.
+
+Real agent processes, a real mosquitto, the real int8 digits model and data; the coordinator runs in
+the test process where its counters (``rejected``, ``counted``) are read directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import DEV_PROFILE, INT8_MODEL, ROOT, Broker, start_mosquitto, stop_broker
+
+from agent.codec import GlobalModel, Update, UpdateMetrics, encode_global_model, encode_update
+from agent.datasets import load_digits, partition_non_iid, split_digits
+from agent.runtime import Backbone
+from agent.signing import SigningKey, generate_signing_key, load_verify_keys, sign_message
+from agent.state import Outbox, prev_path
+from agent.topics import Topics
+from agent.trainer import fit_head
+from agent.transport import MqttTransport
+from coordinator.demo import accuracy, embed_all
+from coordinator.service import Coordinator
+from coordinator.strategy import Strategy, make_strategy
+
+pytestmark = pytest.mark.timeout(180)
+
+
+# --- helpers -----------------------------------------------------------------------------------------
+class Digits:
+    """The digits data, its split, the int8 backbone and test embeddings (built once per module)."""
+
+    def __init__(self) -> None:
+        self.x, self.y = load_digits()
+        self.split = split_digits(self.y)
+        self.backbone = Backbone(INT8_MODEL)
+        self.W0, self.b0 = self.backbone.head_from_model()
+        self.emb_test = embed_all(self.backbone, self.x[self.split.test], (0.0,), (16.0,))
+        self.y_test = self.y[self.split.test]
+
+    def acc(self, W: np.ndarray, b: np.ndarray) -> float:
+        return accuracy(W, b, self.emb_test, self.y_test)
+
+    def shards(self, n: int) -> list[np.ndarray]:
+        pool = self.split.devices
+        return [pool[s] for s in partition_non_iid(self.y[pool], n)]
+
+
+@pytest.fixture(scope="module")
+def digits() -> Digits:
+    return Digits()
+
+
+def launch(
+    tmp: Path, dev: str, fleet: str, broker: Broker, shard: np.ndarray, d: Digits, **extra: str
+) -> subprocess.Popen[bytes]:
+    """One agent process (``edgefl run``) at INFO level, its log in ``tmp/<dev>.log`` (appended)."""
+    npz = tmp / f"{dev}.npz"
+    if not npz.exists():
+        np.savez(npz, x=d.x[shard], y=d.y[shard])
+    sets = {
+        "device.id": dev,
+        "device.fleet": fleet,
+        "device.state_dir": str(tmp / dev),
+        "broker.url": broker.url,
+        "source.kind": "replay",
+        "source.path": str(npz),
+        "model.path": str(INT8_MODEL),
+        "training.store_capacity": "1024",
+        "dashboard.enabled": "false",
+        **extra,
+    }
+    # -X faulthandler: an agent that does not stop on SIGTERM is sent SIGABRT and dumps its threads
+    cmd = [
+        sys.executable,
+        "-X",
+        "faulthandler",
+        "-m",
+        "agent.cli",
+        "--log-level",
+        "INFO",
+        "run",
+        str(DEV_PROFILE),
+    ]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={v}"]
+    with open(tmp / f"{dev}.log", "ab") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+@contextmanager
+def running(procs: list[subprocess.Popen[bytes]], tmp: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        hung = []
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                hung.append(p.pid)
+                p.send_signal(signal.SIGABRT)  # faulthandler writes every thread's stack to the log
+                p.wait(timeout=10)
+        for log in sorted(tmp.glob("*.log")):
+            print(f"--- {log.name}\n" + log.read_text(errors="replace")[-4000:])
+    assert not hung, f"agents {hung} did not stop within 10 s of SIGTERM (stacks in their logs)"
+
+
+async def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def write_key(path: Path, key: SigningKey) -> Path:
+    path.write_text(key.seed.hex())
+    path.chmod(0o600)
+    return path
+
+
+def make_coordinator(
+    t: MqttTransport, fleet: str, d: Digits, *, min_clients: int = 2, deadline_s: float = 30, **kw: Any
+) -> Coordinator:
+    return Coordinator(
+        t,
+        Topics("edgefl", fleet),
+        d.W0,
+        d.b0,
+        model_sha256=d.backbone.sha256,
+        strategy=kw.pop("strategy", None)
+        or Strategy(local_epochs=2, lr=0.05, batch_size=16, min_clients=min_clients, deadline_s=deadline_s),
+        lr_decay=0.8,
+        evaluate=d.acc,
+        **kw,
+    )
+
+
+def fake_update(device: str, round_no: int, base_version: int, shape: tuple[int, int]) -> Update:
+    D, K = shape
+    return Update(
+        round=round_no,
+        base_version=base_version,
+        device=device,
+        num_examples=10_000,
+        delta_W=np.full((D, K), 5.0, np.float32),
+        delta_b=np.full((K,), 5.0, np.float32),
+        metrics=UpdateMetrics(0.1, 0.9, 0.01, 1),
+        update_id=f"{device}:{round_no}:{base_version}",
+    )
+
+
+# --- 1. signatures -----------------------------------------------------------------------------------
+def test_sign_round_with_signed_messages_and_forgeries_rejected(
+    mosquitto: Broker, fleet: str, tmp_path: Path, digits: Digits
+) -> None:
+    coord_key, attacker_key = generate_signing_key(), generate_signing_key()
+    dev_keys = {f"dev-{k}": generate_signing_key() for k in (1, 2)}
+    keydir = tmp_path / "device-keys"
+    keydir.mkdir()
+    procs = []
+    for k, (dev, key) in enumerate(dev_keys.items()):
+        (keydir / f"{dev}.pub").write_text(key.verify_key.hex)
+        procs.append(
+            launch(
+                tmp_path,
+                dev,
+                fleet,
+                mosquitto,
+                digits.shards(2)[k],
+                digits,
+                **{
+                    "security.signing_key_file": str(write_key(tmp_path / f"{dev}.key", key)),
+                    "security.coordinator_public_key": coord_key.verify_key.hex,
+                    "security.require_signatures": "true",
+                },
+            )
+        )
+
+    async def main() -> tuple[Coordinator, list[float]]:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
+        attacker = MqttTransport(mosquitto.host, mosquitto.port, f"attacker-{fleet}")
+        await t.start(wait_s=10)
+        await attacker.start(wait_s=10)
+        coord = make_coordinator(
+            t, fleet, digits, signing_key=coord_key, device_keys=load_verify_keys(keydir)
+        )
+        topics = coord.topics
+        pump = asyncio.create_task(coord.pump())
+        try:
+            await coord.start()
+            await coord.wait_for_devices(2, timeout_s=60)
+            accs = [(await coord.run_round(r)).accuracy for r in (1, 2)]
+            assert [h.clients for h in coord.state.history] == [2, 2]
+            good = coord.state.version
+            # forged global heads: a head that would wreck the model, unsigned and signed by another key
+            evil = GlobalModel(9, good + 5, digits.backbone.sha256, -10 * digits.W0, digits.b0)
+            await attacker.publish(topics.global_model, encode_global_model(evil), qos=1)
+            await attacker.publish(
+                topics.global_model, sign_message(encode_global_model, evil, attacker_key), qos=1
+            )
+            # forged updates for dev-1 in the open round 3: unsigned, and signed by the attacker's key
+            run3 = asyncio.create_task(coord.run_round(3))
+            await wait_until(lambda: coord.state.round == 3, 10, "round 3 announced")
+            forged = fake_update("dev-1", 3, good, coord.shape)
+            await attacker.publish(topics.update("dev-1"), encode_update(forged), qos=1)
+            await attacker.publish(
+                topics.update("dev-1"), sign_message(encode_update, forged, attacker_key), qos=1
+            )
+            rec3 = await run3
+            accs.append(rec3.accuracy)
+            assert rec3.clients == 2  # the two real, signed updates; neither forgery took a slot
+
+            def rejected(dev: str) -> dict[str, int]:
+                return dict(coord.state.devices.get(dev, {}).get("rejected") or {})
+
+            await wait_until(
+                lambda: (
+                    all(
+                        rejected(d).get("unsigned", 0) >= 1 and rejected(d).get("bad_signature", 0) >= 1
+                        for d in dev_keys
+                    )
+                    and all(coord.state.devices[d].get("version") == coord.state.version for d in dev_keys)
+                ),
+                15,
+                "agents' statuses counting the forged heads",
+            )
+            return coord, accs
+        finally:
+            pump.cancel()
+            await attacker.stop()
+            await t.stop()
+
+    with running(procs, tmp_path):
+        coord, accs = asyncio.run(main())
+        assert all(p.poll() is None for p in procs), "an agent died"
+    assert coord.state.rejected["unsigned"] == 1, coord.state.rejected
+    assert coord.state.rejected["bad_signature"] == 1, coord.state.rejected
+    # the version moved only with the three real rounds, never with the attacker's version + 5
+    assert coord.state.version == 3
+    assert accs[-1] > digits.acc(digits.W0, digits.b0) + 0.2, accs
+    for dev in dev_keys:
+        st = coord.state.devices[dev]
+        assert st["version"] == 3
+        assert st["rejected"]["unsigned"] == 1 and st["rejected"]["bad_signature"] == 1, st["rejected"]
+    # the coordinator saw the attacker's updates as dev-1's but counted only dev-1's own
+    assert all(uid.endswith(":3:2") for uid in coord.counted[3]) and len(coord.counted[3]) == 2
+
+
+# --- 2. chunking under the broker's packet limit ------------------------------------------------------
+@pytest.mark.xfail(
+    strict=True,
+    reason="agent/daemon.py status_loop publishes the retained DeviceStatus unchunked and unchecked: once "
+    "phase peaks are in it, it is > 1 KB and mosquitto drops the agent (oversize packet) every status "
+    "interval; the updates and global heads themselves go through chunked",
+)
+def test_chunked_round_under_broker_max_packet_size(fleet: str, tmp_path: Path, digits: Digits) -> None:
+    limit = 1024
+    broker = start_mosquitto(tmp_path, extra=f"max_packet_size {limit}\nlog_type all")
+    procs = [
+        launch(
+            tmp_path, f"dev-{k + 1}", fleet, broker, shard, digits, **{"broker.max_packet_bytes": str(limit)}
+        )
+        for k, shard in enumerate(digits.shards(2))
+    ]
+    baseline = digits.acc(digits.W0, digits.b0)
+
+    async def main() -> tuple[Coordinator, list[float], int]:
+        t = MqttTransport(broker.host, broker.port, f"coord-{fleet}")
+        await t.start(wait_s=10)
+        coord = make_coordinator(t, fleet, digits, max_packet_bytes=limit)
+        pump = asyncio.create_task(coord.pump())
+        try:
+            await coord.start()
+            assert coord._global_chunks > 1  # the retained head itself goes out in chunks
+            await coord.wait_for_devices(2, timeout_s=60)
+            accs = [(await coord.run_round(r)).accuracy for r in (1, 2, 3)]
+            await wait_until(
+                lambda: all(
+                    "applied global head version 3" in (tmp_path / f"{d}.log").read_text(errors="replace")
+                    for d in ("dev-1", "dev-2")
+                ),
+                10,
+                "agents on version 3",
+            )
+            await asyncio.sleep(2 * 2.0)  # two status intervals: a status over the limit would show now
+            return coord, accs, t.connects_total
+        finally:
+            pump.cancel()
+            await t.stop()
+
+    try:
+        with running(procs, tmp_path):
+            coord, accs, coord_connects = asyncio.run(main())
+            assert all(p.poll() is None for p in procs), "an agent died"
+    finally:
+        stop_broker(broker)
+    assert [h.clients for h in coord.state.history] == [2, 2, 2]
+    assert all(b > limit for b in (h.update_bytes_mean for h in coord.state.history))  # really chunked
+    assert accs[-1] > baseline + 0.25, (baseline, accs)
+    assert coord_connects == 1
+    blog = (tmp_path / f"mosquitto-{broker.port}.log").read_text(errors="replace")
+    assert re.search(r"oversize|too large|malformed|protocol error", blog, re.I) is None, blog[-3000:]
+    for dev in ("dev-1", "dev-2"):
+        log = (tmp_path / f"{dev}.log").read_text(errors="replace")
+        assert "broker lost" not in log and "applied global head version 3" in log
+
+
+# --- 3. the outbox across a kill -9 mid-publish ------------------------------------------------------
+def test_outbox_resends_after_restart_and_coordinator_counts_once(
+    fleet: str, tmp_path: Path, digits: Digits
+) -> None:
+    """dev-1's update is on the wire with no PUBACK (broker frozen) when dev-1 is killed -9; restarted,
+    dev-1 re-sends it from its outbox with the same update_id and the round counts it once."""
+    broker = start_mosquitto(tmp_path)
+    shards = digits.shards(2)
+    procs = [launch(tmp_path, f"dev-{k + 1}", fleet, broker, shards[k], digits) for k in (0, 1)]
+    outbox_path = tmp_path / "dev-1" / "outbox.rec"
+
+    def pending() -> list[Any]:
+        return Outbox(outbox_path, 1 << 20).pending() if outbox_path.exists() else []
+
+    async def main() -> tuple[Coordinator, list[Any]]:
+        t = MqttTransport(broker.host, broker.port, f"coord-{fleet}", keepalive_s=60)
+        await t.start(wait_s=10)
+        # slow local training (batch 1, many epochs: ~1 s) so the broker can be frozen mid-train
+        strategy = Strategy(local_epochs=40, lr=0.002, batch_size=1, min_clients=2, deadline_s=90)
+        coord = make_coordinator(t, fleet, digits, strategy=strategy)
+        pump = asyncio.create_task(coord.pump())
+        try:
+            await coord.start()
+            await coord.wait_for_devices(2, timeout_s=60)
+            # dev-2 stops (its store persisted) and joins again later, so round 1 stays open for dev-1's
+            # copies; a fresh agent joining an open round would not take part (test_chaos_agent_joining_...)
+            procs[1].send_signal(signal.SIGTERM)
+            procs[1].wait(timeout=15)
+            run1 = asyncio.create_task(coord.run_round(1))
+            await wait_until(
+                lambda: coord.state.devices["dev-1"].get("state") == "training" and coord.state.round == 1,
+                20,
+                "dev-1 training",
+            )
+            broker.proc.send_signal(signal.SIGSTOP)  # no PUBACK from here on
+            try:
+                await wait_until(lambda: any(e.sends >= 1 for e in pending()), 20, "dev-1 publishing")
+                in_flight = pending()
+                procs[0].send_signal(signal.SIGKILL)  # mid-publish: sent, never acknowledged
+                procs[0].wait()
+            finally:
+                broker.proc.send_signal(signal.SIGCONT)
+            assert len(in_flight) == 1 and in_flight[0].update_id == "dev-1:1:0"
+            procs.append(launch(tmp_path, "dev-1", fleet, broker, shards[0], digits))
+            await wait_until(lambda: "outbox: re-sent dev-1:1:0" in log("dev-1"), 30, "dev-1's re-send")
+            await wait_until(lambda: not pending(), 10, "dev-1's outbox emptied by the PUBACK")
+            rnd = coord.state.current
+            assert rnd is not None
+            await wait_until(lambda: "dev-1:1:0" in rnd.update_ids, 10, "dev-1 counted")
+            # a late QoS 1 re-delivery of the frozen original (the exact bytes dev-1 had on the wire)
+            dup_before = coord.state.rejected["duplicate"]
+            await t.publish(coord.topics.update("dev-1"), in_flight[0].payload, qos=1)
+            await wait_until(lambda: coord.state.rejected["duplicate"] > dup_before, 10, "duplicate refused")
+            procs.append(launch(tmp_path, "dev-2", fleet, broker, shards[1], digits))
+            rec = await run1
+            assert rec.clients == 2
+            return coord, in_flight
+        finally:
+            pump.cancel()
+            await t.stop()
+
+    def log(dev: str) -> str:
+        return (tmp_path / f"{dev}.log").read_text(errors="replace")
+
+    try:
+        with running(procs, tmp_path):
+            coord, _ = asyncio.run(main())
+    finally:
+        stop_broker(broker)
+    assert sorted(coord.counted[1]) == ["dev-1:1:0", "dev-2:1:0"]
+    # the restarted agent found its unacknowledged update and sent it again, same update_id
+    assert "outbox" in log("dev-1") and "1 update(s) awaiting acknowledgement" in log("dev-1")
+    # every other copy (the frozen original if it got through, a retrain's copy, the replay) was refused
+    assert coord.state.rejected["duplicate"] >= 1, coord.state.rejected
+    assert set(coord.state.rejected) <= {"duplicate"}, coord.state.rejected
+
+
+# --- 4. robust aggregation -----------------------------------------------------------------------------
+def test_robust_trimmed_mean_resists_a_poisoning_device(digits: Digits) -> None:
+    """5 devices (non-IID shards of the digits pool, real int8 embeddings), 10 rounds; device 0 sends its
+    real delta scaled by -10, or sign-flipped.
+
+    Shards with half of each class on its 2 owner devices (``primary_share = 0.5``): trimmed mean stays
+    within 0.03 of the clean FedAvg run. With ``primary_share = 0.9`` (the demo's split) the poisoner
+    holds 90 % of its two classes, which no aggregation rule can recover once its update is discarded:
+    there the gap is ~0.08 (measured: clean 0.919, trimmed mean under -10x 0.841), still far above
+    FedAvg's collapse to chance.
+    """
+    bb, x, y = digits.backbone, digits.x, digits.y
+    pool = digits.split.devices
+    emb_pool = embed_all(bb, x[pool], (0.0,), (16.0,))
+    y_pool = y[pool]
+
+    def run(name: str, poison: float | None, primary_share: float = 0.5, **skw: Any) -> float:
+        strategy = make_strategy(name, local_epochs=2, lr=0.05, batch_size=16, min_clients=5, **skw)
+        shards = partition_non_iid(y_pool, 5, primary_share=primary_share)
+        W, b = digits.W0.copy(), digits.b0.copy()
+        for r in range(1, 11):
+            lr = 0.05 * 0.8 ** (r - 1)
+            dWs, dbs, ns = [], [], []
+            for k, s in enumerate(shards):
+                Wk, bk = fit_head(
+                    W, b, emb_pool[s], y_pool[s], epochs=2, lr=lr, batch_size=16, seed=10 * r + k
+                )
+                dW, db = Wk - W, bk - b
+                if poison is not None and k == 0:
+                    dW, db = poison * dW, poison * db
+                dWs.append(dW.astype(np.float32))
+                dbs.append(db.astype(np.float32))
+                ns.append(len(s))
+            W, b = strategy.aggregate_updates(W, b, dWs, dbs, ns)
+        return digits.acc(W, b)
+
+    clean = run("fedavg", None)
+    results = {
+        "fedavg x-10": run("fedavg", -10.0),
+        "fedavg flip": run("fedavg", -1.0),
+        "trimmed x-10": run("trimmed-mean", -10.0, trim_fraction=0.2),
+        "trimmed flip": run("trimmed-mean", -1.0, trim_fraction=0.2),
+        "median x-10": run("median", -10.0),
+    }
+    strong = run("trimmed-mean", -10.0, primary_share=0.9, trim_fraction=0.2)
+    print(
+        f"clean fedavg {clean:.3f}", {k: round(v, 3) for k, v in results.items()}, f"0.9-share {strong:.3f}"
+    )
+    assert clean > digits.acc(digits.W0, digits.b0) + 0.3
+    assert results["trimmed x-10"] >= clean - 0.03, (clean, results)
+    assert results["trimmed flip"] >= clean - 0.03, (clean, results)
+    assert results["median x-10"] >= clean - 0.05, (clean, results)
+    assert results["fedavg x-10"] < clean - 0.3, (clean, results)  # FedAvg is wrecked by one device
+    assert results["fedavg flip"] < results["trimmed flip"], (clean, results)
+    assert strong > results["fedavg x-10"] + 0.5, strong
+
+
+# --- 5. corrupt state and start-up failures ------------------------------------------------------------
+def test_corrupt_state_files_are_ignored_with_a_clear_log(
+    mosquitto: Broker, fleet: str, tmp_path: Path, digits: Digits
+) -> None:
+    shard = digits.shards(2)[0]
+    state = tmp_path / "dev-1"
+    head, outbox = state / "global_head.rec", state / "outbox.rec"
+    procs = [launch(tmp_path, "dev-1", fleet, mosquitto, shard, digits)]
+
+    def log() -> str:
+        return (tmp_path / "dev-1.log").read_text(errors="replace")
+
+    async def main() -> Coordinator:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
+        await t.start(wait_s=10)
+        coord = make_coordinator(t, fleet, digits, min_clients=1)
+        topics = coord.topics
+        pump = asyncio.create_task(coord.pump())
+
+        def dev() -> dict[str, Any]:
+            return coord.state.devices.get("dev-1", {})
+
+        async def restart(expect_version: int, expect_log: str) -> None:
+            procs[-1].send_signal(signal.SIGTERM)
+            procs[-1].wait(timeout=15)
+            coord.state.devices.pop("dev-1", None)
+            tear()
+            # no retained head on the broker: what the agent runs on is what it restored from disk
+            await t.publish(topics.global_model, b"", qos=1, retain=True)
+            procs.append(launch(tmp_path, "dev-1", fleet, mosquitto, shard, digits))
+            await wait_until(lambda: bool(dev().get("ready")) and dev().get("state") != "offline", 60, "up")
+            await wait_until(lambda: expect_log in log(), 10, repr(expect_log))
+            assert dev()["version"] == expect_version, dev()
+            assert procs[-1].poll() is None
+
+        tear: Callable[[], None]
+        try:
+            await coord.start()
+            await coord.wait_for_devices(1, timeout_s=60)
+            for r in (1, 2):
+                assert (await coord.run_round(r)).clients == 1
+            await wait_until(lambda: dev().get("version") == 2, 10, "dev-1 on version 2")
+            assert head.exists() and prev_path(head).exists() and outbox.exists()
+
+            def tear_newest() -> None:  # a torn write of the newest generations
+                head.write_bytes(head.read_bytes()[: head.stat().st_size // 2])
+                outbox.write_bytes(b"\x00" * 7)
+
+            tear = tear_newest
+            await restart(1, "using the previous good generation global_head.rec.prev")
+            assert re.search(r"state file .*outbox\.rec is torn or corrupt", log())
+
+            def tear_both() -> None:  # both generations of the head corrupt: a flipped byte in each
+                for p in (head, prev_path(head)):
+                    data = bytearray(p.read_bytes())
+                    data[-5] ^= 0xFF
+                    p.write_bytes(bytes(data))
+
+            tear = tear_both
+            await restart(0, "and so is global_head.rec.prev")
+            # still working: a round completes with it and it takes the new head
+            await coord.publish_global(coord.state.round)
+            assert (await coord.run_round(3)).clients == 1
+            await wait_until(lambda: dev().get("version") == 3, 10, "dev-1 on version 3")
+            return coord
+        finally:
+            pump.cancel()
+            await t.stop()
+
+    with running(procs, tmp_path):
+        asyncio.run(main())
+        assert procs[-1].poll() is None
+    assert "Traceback" not in log()
+
+
+def test_corrupt_model_and_bad_profile_fail_at_startup_with_exit_code(tmp_path: Path) -> None:
+    truncated = tmp_path / "truncated.tflite"
+    truncated.write_bytes(INT8_MODEL.read_bytes()[:1000])
+
+    def run(*sets: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "agent.cli", "--log-level", "WARNING", "run", str(DEV_PROFILE)]
+        cmd += ["--set", f"device.state_dir={tmp_path / 'state'}", "--set", "dashboard.enabled=false"]
+        for s in sets:
+            cmd += ["--set", s]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT, env=dict(os.environ))
+
+    r = run(f"model.path={truncated}")
+    assert r.returncode == 3, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("edgefl:")]
+    assert len(lines) == 1 and lines[0].startswith(f"edgefl: model error: {truncated}: cannot load model"), (
+        r.stderr
+    )
+    assert "Traceback" not in r.stderr + r.stdout
+    assert len([ln for ln in r.stderr.splitlines() if "ERROR" in ln or ln.startswith("edgefl:")]) == 1
+
+    r = run("memory.bogus=1", "memory.cap_mb=0")
+    assert r.returncode == 1, r.stderr
+    assert "memory.bogus: unknown key" in r.stderr and "memory.cap_mb = 0" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
