@@ -190,6 +190,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
     profiler.add_parser(sub)
     memreport.add_parser(sub)
+    if (root / "cross_build" / "cli.py").is_file():  # source checkout only: the builder is not shipped
+        sys.path.append(str(root))
+        from cross_build.cli import add_wheelhouse_parser
+
+        add_wheelhouse_parser(sub)
     words = list(sys.argv[1:] if argv is None else argv)
     if "coordinator" in words or "-h" in words or "--help" in words:
         # imported only when asked for: the agent process never runs it (~1 MiB of RSS saved)

@@ -402,6 +402,18 @@ def _show(text: str) -> str:
     return short if short.isprintable() else ascii(short)
 
 
+def _cbor2_strict() -> bool:
+    """Whether this cbor2 takes max_depth, allow_indefinite and allow_duplicate_keys (6.x does, 5.x not)."""
+    try:
+        cbor2.loads(b"\xa0", max_depth=2, allow_indefinite=False, allow_duplicate_keys=False)
+    except TypeError:
+        return False
+    return True
+
+
+_CBOR2_STRICT = _cbor2_strict()
+
+
 def _prescan(data: bytes, limits: Limits) -> None:
     """Walk the CBOR item headers of ``data`` without building any object.
 
@@ -412,6 +424,7 @@ def _prescan(data: bytes, limits: Limits) -> None:
     items = 0
     remaining: list[int] = []  # children still expected by each open container
     in_map: list[bool] = []
+    keys: list[set[bytes]] = []  # text keys seen in each open container (maps only)
     while True:
         if pos >= size:
             raise DecodeError("bad_cbor", f"truncated at byte {pos}")
@@ -434,7 +447,8 @@ def _prescan(data: bytes, limits: Limits) -> None:
         items += 1
         if items > limits.max_items:
             raise DecodeError("too_large", f"more than {limits.max_items} data items")
-        if in_map and in_map[-1] and remaining[-1] % 2 == 0 and major != 3:
+        is_key = bool(in_map) and in_map[-1] and remaining[-1] % 2 == 0
+        if is_key and major != 3:
             raise DecodeError("wrong_type", f"map key at byte {pos - 1} is not a text string")
         children = 0
         if major in (2, 3):
@@ -442,6 +456,13 @@ def _prescan(data: bytes, limits: Limits) -> None:
                 raise DecodeError("bad_cbor", f"string of {arg} bytes at byte {pos - 1} runs past the end")
             if major == 3 and arg > limits.max_string_bytes:
                 raise DecodeError("bad_value", f"text string of {arg} bytes > {limits.max_string_bytes}")
+            if is_key:  # checked here, not by cbor2: cbor2 5.x has no allow_duplicate_keys
+                key = data[pos : pos + arg]
+                if key in keys[-1]:
+                    raise DecodeError(
+                        "bad_cbor", f"duplicate map key {_show(key.decode('utf-8', 'replace'))}"
+                    )
+                keys[-1].add(key)
             pos += arg
         elif major in (4, 5):
             if arg > limits.max_array_elements:
@@ -461,6 +482,7 @@ def _prescan(data: bytes, limits: Limits) -> None:
             if children:
                 remaining.append(children)
                 in_map.append(major == 5)
+                keys.append(set())
                 continue
         # one item is complete: close every container it completes
         while remaining:
@@ -469,6 +491,7 @@ def _prescan(data: bytes, limits: Limits) -> None:
                 break
             remaining.pop()
             in_map.pop()
+            keys.pop()
         else:
             break
     if pos != size:
@@ -483,9 +506,11 @@ def _load(payload: bytes, limits: Limits) -> object:
     data = bytes(payload)
     _prescan(data, limits)
     try:
-        return cbor2.loads(
-            data, max_depth=limits.max_depth, allow_indefinite=False, allow_duplicate_keys=False
-        )
+        if _CBOR2_STRICT:
+            return cbor2.loads(
+                data, max_depth=limits.max_depth, allow_indefinite=False, allow_duplicate_keys=False
+            )
+        return cbor2.loads(data)  # cbor2 5.x (pure Python on armv7l): the prescan enforced the same rules
     except (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError) as exc:
         raise DecodeError("bad_cbor", str(exc)[:200]) from exc
 
