@@ -14,6 +14,10 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agent.config import Profile
 
 # One BLAS thread and two malloc arenas: on a small gateway each extra thread or arena costs RSS.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -44,17 +48,26 @@ def _setup_logging(level: str, device: str | None = None) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=fmt, stream=sys.stderr)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    """``edgefl run PROFILE``: run the agent daemon until SIGTERM/SIGINT."""
+def _load_or_report(args: argparse.Namespace) -> Profile | None:
+    """Load ``args.profile`` with the ``--set`` overrides, or print every problem and return None."""
     from agent.config import load_profile
-    from agent.errors import ConfigError, EdgeflError, ModelError
+    from agent.errors import ConfigError
 
     try:
-        profile = load_profile(args.profile, _parse_sets(args.set))
+        return load_profile(args.profile, _parse_sets(args.set))
     except ConfigError as exc:
         print(f"edgefl: invalid profile {args.profile}:", file=sys.stderr)
-        for p in exc.problems:
-            print(f"  {p}", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """``edgefl run PROFILE``: run the agent daemon until SIGTERM/SIGINT."""
+    from agent.errors import EdgeflError, ModelError
+
+    profile = _load_or_report(args)
+    if profile is None:
         return EXIT_INVALID
     _setup_logging(args.log_level, profile.device.id)
     from agent import memory
@@ -76,15 +89,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     """``edgefl check-config PROFILE``: validate a profile; exit 0 if valid, 1 with every problem listed."""
-    from agent.config import load_profile, profile_to_dict
-    from agent.errors import ConfigError
+    from agent.config import profile_to_dict
 
-    try:
-        profile = load_profile(args.profile, _parse_sets(args.set))
-    except ConfigError as exc:
-        print(f"{args.profile}: invalid", file=sys.stderr)
-        for p in exc.problems:
-            print(f"  {p}", file=sys.stderr)
+    profile = _load_or_report(args)
+    if profile is None:
         return EXIT_INVALID
     print(f"{args.profile}: ok (device {profile.device.id}, cap {profile.memory.cap_mb} MB)")
     if args.print:
