@@ -1,0 +1,50 @@
+"""The ``edgefl`` command's contracts: exit codes and messages of check-config, the sub-commands."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+PROFILES = sorted((ROOT / "firmware_configs").glob("*.toml"))
+
+
+def edgefl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=[p.stem for p in PROFILES])
+def test_check_config_passes_every_shipped_profile(profile: Path) -> None:
+    r = edgefl("check-config", str(profile))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"{profile}: ok")
+
+
+def test_check_config_lists_every_problem_and_exits_1() -> None:
+    r = edgefl(
+        "check-config",
+        str(PROFILES[0]),
+        "--set",
+        "memory.cap_mb=0",
+        "--set",
+        "broker.qos=3",
+        "--set",
+        "x.y=1",
+    )
+    assert r.returncode == 1
+    assert "memory.cap_mb = 0: must be > 0" in r.stderr
+    assert "broker.qos = 3: must be 0, 1 or 2" in r.stderr
+    assert "x.y: unknown table [x]" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_help_lists_the_sub_commands() -> None:
+    r = edgefl("--help")
+    assert r.returncode == 0
+    for name in ("run", "check-config", "demo", "coordinator", "profile", "memory-report", "wheelhouse"):
+        assert name in r.stdout, name
