@@ -9,7 +9,10 @@ Two paths over the same stage definitions (:func:`to_float`, :func:`normalise`, 
   input tensor (sample ``k`` into row ``k``). For 8- and 16-bit integer raw samples the whole map
   (normalise, quantise, round half to even, clip) is a lookup table built by running the unfused
   stages on every possible raw value, so the fused tensor is bit-identical to the unfused one by
-  construction. For other raw dtypes the unfused arithmetic runs in place over one sample at a time
+  construction. Where that table is the identity (raw dtype == input dtype and ``table[i] == i``: a
+  model whose input quantisation already holds the normalisation, e.g. ``models/*_rawin.tflite``), the
+  step is a plain ``np.copyto`` into the tensor (fused step kind ``"copy"``). For other raw dtypes
+  the unfused arithmetic runs in place over one sample at a time
   (a one-sample float32 scratch, or the tensor row itself for float32 models), again bit-identical:
   an algebraic fold ``x*a + c`` would differ from ``(x - mean) / std / scale`` by an ulp, and one ulp
   at a rounding tie is one quantisation step.
@@ -174,6 +177,7 @@ class _Table:
     index_dtype: np.dtype[Any]
     channels: int  # 1 when every channel maps alike
     channel_of: np.ndarray  # intp [chunk]: channel of each position of a chunk (per-channel tables)
+    identity: bool  # raw dtype == input dtype and flat[u] == u: the fused step is a copy
 
 
 class Pipeline:
@@ -242,6 +246,7 @@ class Pipeline:
         self._tables: dict[np.dtype[Any], _Table | None] = {}
         self._built_for = (backbone.input_dtype, backbone.input_quant)
         self._scratch: F32 | None = None
+        self._last_dtype = np.dtype(np.uint8)
         self._pad = self._pad_value()
         self.reset_counters()
 
@@ -265,10 +270,11 @@ class Pipeline:
 
         Returns
         -------
-        dict with ``mode``, ``batch``, ``tensor_batch``, ``fused_step`` (``"table"``, ``"in_place"`` or
-        ``""`` unfused), ``samples``, ``invokes``, ``padded_rows`` and ``stages``: ``{name: {"calls":
-        int, "total_s": float, "s_per_sample": float}}`` in pipeline order (the fused step is one stage,
-        ``fill``).
+        dict with ``mode``, ``batch``, ``tensor_batch``, ``fused_step`` (``"copy"``, ``"table"``,
+        ``"in_place"``, or ``""`` unfused; of the raw dtype of the last call, uint8 before any),
+        ``samples``, ``invokes``, ``padded_rows`` and ``stages``: ``{name: {"calls": int, "total_s":
+        float, "s_per_sample": float}}`` in pipeline order (the fused step is one stage, ``fill``,
+        whatever its kind).
         """
         n = max(self.samples_total, 1)
         order = [s for s in (*PREPROCESS_STAGES, "invoke", "read") if s in self._calls]
@@ -276,7 +282,7 @@ class Pipeline:
             "mode": self.mode,
             "batch": self.batch,
             "tensor_batch": self.tensor_batch,
-            "fused_step": self.fused_step() if self.mode == "fused" else "",
+            "fused_step": self.fused_step(self._last_dtype) if self.mode == "fused" else "",
             "samples": self.samples_total,
             "invokes": self.invokes_total,
             "padded_rows": self.padded_rows_total,
@@ -291,8 +297,18 @@ class Pipeline:
         }
 
     def fused_step(self, raw_dtype: np.dtype[Any] | type | str = np.uint8) -> str:
-        """How the fused step maps raw samples of ``raw_dtype``: ``"table"`` or ``"in_place"``."""
-        return "table" if self._table(np.dtype(raw_dtype)) is not None else "in_place"
+        """How the fused step maps raw samples of ``raw_dtype``.
+
+        Returns
+        -------
+        ``"copy"`` (the raw samples are already the model input: ``np.copyto``), ``"table"`` (a
+        lookup table of every raw value) or ``"in_place"`` (the stages' arithmetic, one sample at a
+        time).
+        """
+        table = self._table(np.dtype(raw_dtype))
+        if table is None:
+            return "in_place"
+        return "copy" if table.identity else "table"
 
     # --- public entry points --------------------------------------------------------------------
     def run(self, raw: np.ndarray) -> tuple[F32, F32]:
@@ -382,6 +398,7 @@ class Pipeline:
             self._built_for = (self.backbone.input_dtype, self.backbone.input_quant)
             self._pad = self._pad_value()
         m = int(rows.shape[0])
+        self._last_dtype = rows.dtype
         if m < self.tensor_batch:
             self.padded_rows_total += self.tensor_batch - m
         if self.mode == "fused":
@@ -428,7 +445,9 @@ class Pipeline:
     def _write(self, view: np.ndarray, rows: np.ndarray) -> None:
         m = int(rows.shape[0])
         table = self._table(rows.dtype)
-        if table is not None:
+        if table is not None and table.identity:
+            np.copyto(view[:m], rows, casting="no")
+        elif table is not None:
             src = np.ascontiguousarray(rows).reshape(-1).view(table.index_dtype)
             dst = view.reshape(-1)
             total = m * self._elems
@@ -493,7 +512,13 @@ class Pipeline:
                 # per-channel: index copy + channel pattern = 2 x 32 KiB, still under one sample
                 chunk = max(c, TABLE_CHUNK_ELEMS // 2 // c * c) if c > 1 else 0
                 channel_of = np.arange(chunk, dtype=np.intp) % c
-                table = _Table(np.ascontiguousarray(q.reshape(-1)), unsigned, c, channel_of)
+                flat = np.ascontiguousarray(q.reshape(-1))
+                identity = bool(
+                    c == 1
+                    and flat.dtype == raw_dtype
+                    and np.array_equal(flat.view(unsigned), np.arange(levels, dtype=unsigned))
+                )
+                table = _Table(flat, unsigned, c, channel_of, identity)
         self._tables[raw_dtype] = table
         return table
 

@@ -15,6 +15,11 @@ Models
 - ``mobilenet_v2_035_96_{float32,int8}.tflite``: MobileNetV2 (alpha 0.35, 96x96x3), random seeded
   weights, global average pooling, Dense 10. A MobileNet-class backbone for runtime and memory
   benchmarks (its accuracy means nothing). Input = raw / 127.5 - 1.
+- ``*_int8_rawin.tflite`` (``RAW_INPUT``): the int8 models with the normalisation folded into the input
+  quantisation: a uint8 input whose (scale, zero point) make the raw frame itself the model input, so
+  the agent's preprocessing is a copy. The converter's ``inference_input_type=tf.uint8`` puts a
+  QUANTIZE op (uint8 -> the int8 input of the int8 model) first; :func:`fold_input_quantisation` then
+  sets the uint8 tensor's quantisation. Everything after that QUANTIZE op is the int8 model.
 
 Both end in a FULLY_CONNECTED op whose input is the embedding and whose output is the logits (no
 softmax). Every input has a dynamic batch (shape_signature [-1, ...]): LiteRT's ``resize_tensor_input``
@@ -59,6 +64,16 @@ FACTORY_HEAD_EPOCHS = 300
 BATCH_SIZE = 32
 REPRESENTATIVE_FRAMES = 200
 BN_FRAMES = 64
+#: Raw-input variants: int8 model -> (file, uint8 input scale, zero point) with real = scale * (raw - zp).
+#: digits: raw 0..16, x = raw / 16 exactly (scale 1/16, zero point 0); the QUANTIZE op requantises to
+#: the int8 model's input (1/255, -128). MobileNet: x = raw / 127.5 - 1 needs zero point 127.5, not an
+#: integer; 127 (the converter's own choice for a uint8 input, = int8 zero point -1 + 128) gives
+#: real = (raw - 127) / 127.5 = x + 1/255, half an input step high, and the QUANTIZE op is then an exact
+#: shift q8 = raw - 128 (all 256 raw values distinct, none clipped).
+RAW_INPUT = {
+    "digits_cnn_int8.tflite": ("digits_cnn_int8_rawin.tflite", 1.0 / 16.0, 0),
+    "mobilenet_v2_035_96_int8.tflite": ("mobilenet_v2_035_96_int8_rawin.tflite", 1.0 / 127.5, 127),
+}
 
 
 # --- numpy helpers (no tensorflow) -------------------------------------------------------------------
@@ -266,11 +281,15 @@ def _dequantise(values: np.ndarray[Any, Any], info: TensorInfo) -> F32:
     )
 
 
-def _quantise_input(x: F32, info: TensorInfo) -> np.ndarray[Any, Any]:
+def _quantise_input(x: np.ndarray[Any, Any], info: TensorInfo) -> np.ndarray[Any, Any]:
+    """Normalised float32 -> the input dtype; an array already of the input dtype (raw) is fed as is."""
+    if x.dtype == np.dtype(info.dtype):
+        return x
     if info.scale == 0.0:
         return x.astype(np.float32)
+    limits = np.iinfo(np.dtype(info.dtype))
     q: np.ndarray[Any, Any] = np.round(x / np.float32(info.scale)) + info.zero_point
-    out: I8 = np.clip(q, -128, 127).astype(np.int8)
+    out: I8 = np.clip(q, limits.min, limits.max).astype(info.dtype)
     return out
 
 
@@ -285,15 +304,16 @@ def _read_diff(interp: Any, index: int, info: TensorInfo, ref: F32, worst: float
     return max(worst, float(np.abs(got - ref).max()))
 
 
-def check_model(path: Path, x: F32) -> ModelCheck:
+def check_model(path: Path, x: np.ndarray[Any, Any]) -> ModelCheck:
     """Run a .tflite model with LiteRT on every sample and read its embedding with four interpreters.
 
     Parameters
     ----------
     path : Path
         The .tflite file.
-    x : float32 [N, ...]
-        Normalised inputs (quantised here with the model's input scale/zero point if int8).
+    x : float32 [N, ...], or [N, ...] of the input dtype
+        Normalised inputs (quantised here with the model's input scale/zero point if int8), or raw
+        inputs already of the input dtype (uint8 for the ``RAW_INPUT`` models), fed as they are.
 
     Returns
     -------
@@ -403,7 +423,7 @@ BATCH_SIZES_CHECKED = (1, 3, 8, 64, 1)
 FLOAT_BATCH_TOLERANCE = 1e-5
 
 
-def check_batches(path: Path, x: F32, check: ModelCheck) -> BatchCheck:
+def check_batches(path: Path, x: np.ndarray[Any, Any], check: ModelCheck) -> BatchCheck:
     """Resize the input batch of a .tflite model and compare every row with the batch-1 results.
 
     One interpreter with the agent's resolver (``BUILTIN_WITHOUT_DEFAULT_DELEGATES``, so the embedding
@@ -416,8 +436,8 @@ def check_batches(path: Path, x: F32, check: ModelCheck) -> BatchCheck:
     ----------
     path : Path
         The .tflite file.
-    x : float32 [N, ...]
-        The normalised inputs ``check`` was computed from.
+    x : float32 [N, ...], or [N, ...] of the input dtype
+        The inputs ``check`` was computed from (see :func:`check_model`).
     check : ModelCheck
         ``check_model(path, x)``.
 
@@ -509,56 +529,127 @@ def report_model(path: Path, check: ModelCheck) -> None:
     print(f"   mean invoke() time, batch 1: {times}")
 
 
+def report_raw_input(
+    path: Path, raw: np.ndarray[Any, Any], normalise: Any, int8: ModelCheck, folded: ModelCheck
+) -> None:
+    """Print what folding the normalisation into the input quantisation changes (``RAW_INPUT``).
+
+    Parameters
+    ----------
+    path : Path
+        The raw-input .tflite file.
+    raw : uint8 [N, ...]
+        The raw samples ``folded`` was run on (``int8`` ran on ``normalise(raw)``).
+    normalise : callable uint8 [N, ...] -> float32 [N, ...]
+        The normalisation of this model family.
+    int8, folded : ModelCheck
+        The int8 model and its raw-input variant on the same samples.
+    """
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+    interp = Interpreter(
+        model_path=str(path),
+        experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
+        experimental_preserve_all_tensors=True,
+    )
+    first = interp._get_ops_details()[0]
+    interp.allocate_tensors()
+    every = np.resize(np.arange(256, dtype=np.uint8), (1, *folded.input.shape[1:]))
+    interp.set_tensor(folded.input.index, every)
+    interp.invoke()
+    q8 = interp.get_tensor(int(first["outputs"][0])).astype(np.int32)
+    expected = _quantise_input(normalise(every), int8.input).astype(np.int32)
+    differ = q8 != expected
+    values = np.arange(256)
+    real = np.float32(folded.input.scale) * (values - folded.input.zero_point)
+    shift = real - normalise(values.astype(np.uint8)).astype(np.float64)
+    print(
+        f"   {first['op_name']} op (input uint8 scale {folded.input.scale:.9g} zero point"
+        f" {folded.input.zero_point}) on all 256 raw values vs the int8 model's input quantisation of the"
+        f" normalised value: {int(np.unique(every[differ]).size)} of 256 values differ"
+        + (f" (by {int(np.abs(q8 - expected).max())} LSB)" if differ.any() else "")
+        + f"; real input - normalised value: {float(shift.min()):.6g} .. {float(shift.max()):.6g}"
+    )
+    agree = float(np.mean(int8.logits.argmax(axis=1) == folded.logits.argmax(axis=1)))
+    print(
+        f"   vs {len(raw)} samples of the int8 model: argmax agree {agree:.4f}, max |logits diff|"
+        f" {float(np.abs(int8.logits - folded.logits).max()):.6g}, max |embedding diff|"
+        f" {float(np.abs(int8.embeddings - folded.embeddings).max()):.6g}"
+    )
+
+
+def _digits_accuracies(check: ModelCheck, y: I64, split: DigitsSplit) -> None:
+    pred = check.logits.argmax(axis=1)
+    test = split.test
+    factory_acc = float(np.mean(pred[test] == y[test]))
+    in_factory = np.isin(y[test], FACTORY_CLASSES)
+    factory_acc_known = float(np.mean(pred[test][in_factory] == y[test][in_factory]))
+    w, b = fit_softmax_head(check.embeddings[split.devices], y[split.devices], N_CLASSES)
+    central_pred = (check.embeddings[test] @ w + b).argmax(axis=1)
+    central_acc = float(np.mean(central_pred == y[test]))
+    w_pub, b_pub = fit_softmax_head(check.embeddings[split.public], y[split.public], N_CLASSES)
+    public_acc = float(np.mean((check.embeddings[test] @ w_pub + b_pub).argmax(axis=1) == y[test]))
+    print(f"   test accuracy, factory head (classes {FACTORY_CLASSES}), all 10 classes: {factory_acc:.4f}")
+    print(f"   test accuracy, factory head, on test samples of classes 0-4 only: {factory_acc_known:.4f}")
+    print(f"   test accuracy, softmax head fitted centrally on device-pool embeddings: {central_acc:.4f}")
+    print(f"   (reference) softmax head fitted on public-split embeddings: {public_acc:.4f}")
+
+
 def verify_digits(out: Path, seed: int) -> None:
-    """Run both digits models with LiteRT and print their accuracies.
+    """Run the digits models with LiteRT and print their accuracies.
 
     Prints, per model: the factory model's test accuracy, and the test accuracy of a softmax head fitted
-    centrally on the device pool's embeddings (read from the model).
+    centrally on the device pool's embeddings (read from the model). The raw-input model is fed the raw
+    pixels (uint8 0..16) and compared with the int8 model.
     """
     x_raw, y = load_digits()
     split = split_digits(y, seed=seed)
     _print_split(y, split, seed)
     x = digits_input(x_raw)
-    for name in ("digits_cnn_float32.tflite", "digits_cnn_int8.tflite"):
+    rawin = RAW_INPUT["digits_cnn_int8.tflite"][0]
+    checks = {}
+    for name, inputs in (
+        ("digits_cnn_float32.tflite", x),
+        ("digits_cnn_int8.tflite", x),
+        (rawin, x_raw),
+    ):
         path = out / name
-        check = check_model(path, x)
+        checks[name] = check = check_model(path, inputs)
         report_model(path, check)
-        report_batches(check_batches(path, x, check))
-        pred = check.logits.argmax(axis=1)
-        test = split.test
-        factory_acc = float(np.mean(pred[test] == y[test]))
-        in_factory = np.isin(y[test], FACTORY_CLASSES)
-        factory_acc_known = float(np.mean(pred[test][in_factory] == y[test][in_factory]))
-        w, b = fit_softmax_head(check.embeddings[split.devices], y[split.devices], N_CLASSES)
-        central_pred = (check.embeddings[test] @ w + b).argmax(axis=1)
-        central_acc = float(np.mean(central_pred == y[test]))
-        w_pub, b_pub = fit_softmax_head(check.embeddings[split.public], y[split.public], N_CLASSES)
-        public_acc = float(np.mean((check.embeddings[test] @ w_pub + b_pub).argmax(axis=1) == y[test]))
-        print(
-            f"   test accuracy, factory head (classes {FACTORY_CLASSES}), all 10 classes: {factory_acc:.4f}"
-        )
-        print(f"   test accuracy, factory head, on test samples of classes 0-4 only: {factory_acc_known:.4f}")
-        print(f"   test accuracy, softmax head fitted centrally on device-pool embeddings: {central_acc:.4f}")
-        print(f"   (reference) softmax head fitted on public-split embeddings: {public_acc:.4f}")
+        report_batches(check_batches(path, inputs, check))
+        if name == rawin:
+            report_raw_input(path, x_raw, digits_input, checks["digits_cnn_int8.tflite"], check)
+        _digits_accuracies(check, y, split)
 
 
 def verify_mobilenet(out: Path, seed: int) -> None:
-    """Run both MobileNet models with LiteRT on seeded random frames and print agreement figures."""
-    frames = mobilenet_input(random_frames(50, seed + 1))
+    """Run the MobileNet models with LiteRT on seeded random frames and print agreement figures."""
+    raw = random_frames(50, seed + 1)
+    frames = mobilenet_input(raw)
+    rawin = RAW_INPUT["mobilenet_v2_035_96_int8.tflite"][0]
     checks = {}
-    for name in ("mobilenet_v2_035_96_float32.tflite", "mobilenet_v2_035_96_int8.tflite"):
+    for name, inputs in (
+        ("mobilenet_v2_035_96_float32.tflite", frames),
+        ("mobilenet_v2_035_96_int8.tflite", frames),
+        (rawin, raw),
+    ):
         path = out / name
-        checks[name] = check_model(path, frames)
+        checks[name] = check_model(path, inputs)
         report_model(path, checks[name])
-        report_batches(check_batches(path, frames, checks[name]))
-    f, q = checks["mobilenet_v2_035_96_float32.tflite"], checks["mobilenet_v2_035_96_int8.tflite"]
-    agree = float(np.mean(f.logits.argmax(axis=1) == q.logits.argmax(axis=1)))
-    print(f"\n   int8 vs float32 (reference kernels), {len(frames)} random frames: argmax agree {agree:.2f}")
-    for label, a, b in (("embedding", f.embeddings, q.embeddings), ("logits", f.logits, q.logits)):
-        # Centred on the float32 mean: random frames give nearly the same embedding, so the raw cosine
-        # mostly measures the shared mean, not how well int8 keeps the frame-to-frame differences.
-        raw, centred = _mean_cosine(a, b), _mean_cosine(a - a.mean(axis=0), b - a.mean(axis=0))
-        print(f"   {label}: mean cosine {raw:.4f}, centred on the float32 mean {centred:.4f}")
+        report_batches(check_batches(path, inputs, checks[name]))
+    f, int8 = checks["mobilenet_v2_035_96_float32.tflite"], checks["mobilenet_v2_035_96_int8.tflite"]
+    report_raw_input(out / rawin, raw, mobilenet_input, int8, checks[rawin])
+    for label, q in (("int8", int8), ("int8 raw input", checks[rawin])):
+        agree = float(np.mean(f.logits.argmax(axis=1) == q.logits.argmax(axis=1)))
+        print(
+            f"\n   {label} vs float32 (reference kernels), {len(frames)} random frames:"
+            f" argmax agree {agree:.2f}"
+        )
+        for what, a, b in (("embedding", f.embeddings, q.embeddings), ("logits", f.logits, q.logits)):
+            # Centred on the float32 mean: random frames give nearly the same embedding, so the raw cosine
+            # mostly measures the shared mean, not how well int8 keeps the frame-to-frame differences.
+            cos, centred = _mean_cosine(a, b), _mean_cosine(a - a.mean(axis=0), b - a.mean(axis=0))
+            print(f"   {what}: mean cosine {cos:.4f}, centred on the float32 mean {centred:.4f}")
     print(
         f"   float32: logits std {float(f.logits.std()):.4g} (across frames, per class "
         f"{float(f.logits.std(axis=0).mean()):.4g}), embedding std {float(f.embeddings.std()):.4g}"
@@ -608,7 +699,12 @@ def _frozen_concrete_function(model: Any, sample_shape: tuple[int, ...]) -> Any:
     return convert_variables_to_constants_v2(serve.get_concrete_function())
 
 
-def _convert(frozen: Any, representative: F32 | None) -> bytes:
+def _convert(frozen: Any, representative: F32 | None, input_type: str = "int8") -> bytes:
+    """Convert to .tflite: float32 (no ``representative``), or full-integer int8 calibrated on it.
+
+    ``input_type="uint8"`` (int8 models only) gives a uint8 input followed by a QUANTIZE op to the
+    int8 model's input; the rest of the graph, calibration included, is that of the int8 model.
+    """
     import tensorflow as tf
 
     converter = tf.lite.TFLiteConverter.from_concrete_functions([frozen])
@@ -621,9 +717,67 @@ def _convert(frozen: Any, representative: F32 | None) -> bytes:
         converter.optimizations = [tf.lite.Optimize.DEFAULT]
         converter.representative_dataset = samples
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-        converter.inference_input_type = tf.int8
+        converter.inference_input_type = tf.uint8 if input_type == "uint8" else tf.int8
         converter.inference_output_type = tf.int8
     return bytes(converter.convert())
+
+
+def fold_input_quantisation(blob: bytes, scale: float, zero_point: int) -> bytes:
+    """Set the quantisation of a converted model's uint8 input so the raw frame is the model input.
+
+    The model must start with the converter's QUANTIZE op (uint8 input -> int8): that op reads the
+    input's scale and zero point at ``allocate_tensors()`` and requantises to the int8 tensor after
+    it, so changing them changes only how raw values are read: ``real = scale * (raw - zero_point)``.
+
+    Parameters
+    ----------
+    blob : bytes
+        A .tflite model converted with ``_convert(..., input_type="uint8")``.
+    scale : float
+        Input scale (stored as float32).
+    zero_point : int
+        Input zero point, 0..255.
+
+    Returns
+    -------
+    bytes
+        The model with the new input quantisation (everything else unchanged).
+
+    Raises
+    ------
+    RuntimeError
+        If the input is not uint8 or is not consumed by a QUANTIZE op to int8.
+    """
+    from tensorflow.lite.python import schema_py_generated as schema
+    from tensorflow.lite.tools import flatbuffer_utils
+
+    model = flatbuffer_utils.convert_bytearray_to_object(bytearray(blob))
+    graph = model.subgraphs[0]
+    index = int(graph.inputs[0])
+    tensor = graph.tensors[index]
+    first = graph.operators[0]
+    opcode = model.operatorCodes[first.opcodeIndex]
+    code = max(int(opcode.builtinCode), int(opcode.deprecatedBuiltinCode))
+    out = graph.tensors[int(first.outputs[0])]
+    if (
+        tensor.type != schema.TensorType.UINT8
+        or code != schema.BuiltinOperator.QUANTIZE
+        or list(first.inputs) != [index]
+        or out.type != schema.TensorType.INT8
+    ):
+        raise RuntimeError("fold_input_quantisation: expected a uint8 input read by a QUANTIZE op to int8")
+    if not 0 <= zero_point <= 255:
+        raise RuntimeError(f"fold_input_quantisation: zero point {zero_point} outside 0..255")
+    tensor.quantization.scale = [float(np.float32(scale))]
+    tensor.quantization.zeroPoint = [int(zero_point)]
+    return bytes(flatbuffer_utils.convert_object_to_bytearray(model))
+
+
+def _write_raw_input(out: Path, frozen: Any, representative: F32, int8_name: str) -> None:
+    """Write the ``RAW_INPUT`` variant of ``int8_name`` (same calibration data as the int8 model)."""
+    name, scale, zero_point = RAW_INPUT[int8_name]
+    blob = _convert(frozen, representative, input_type="uint8")
+    _write(out / name, fold_input_quantisation(blob, scale, zero_point))
 
 
 def _write(path: Path, blob: bytes) -> None:
@@ -688,6 +842,7 @@ def build_digits(out: Path, seed: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     _write(out / "digits_cnn_float32.tflite", _convert(frozen, None))
     _write(out / "digits_cnn_int8.tflite", _convert(frozen, x_pub))
+    _write_raw_input(out, frozen, x_pub, "digits_cnn_int8.tflite")
 
 
 def _recalibrate_batchnorm(model: Any, frames: F32) -> None:
@@ -739,6 +894,7 @@ def build_mobilenet(out: Path, seed: int) -> None:
     _write(out / "mobilenet_v2_035_96_float32.tflite", _convert(frozen, None))
     calibration = mobilenet_input(random_frames(REPRESENTATIVE_FRAMES, seed))
     _write(out / "mobilenet_v2_035_96_int8.tflite", _convert(frozen, calibration))
+    _write_raw_input(out, frozen, calibration, "mobilenet_v2_035_96_int8.tflite")
 
 
 def main(argv: list[str] | None = None) -> int:

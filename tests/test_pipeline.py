@@ -27,11 +27,15 @@ from agent.runtime import Backbone
 
 DIGITS = ((0.0,), (16.0,))
 CAMERA = ((127.5,), (127.5,))
+#: The raw-input MobileNet reads raw frames as (raw - 127) / 127.5 (models/README.md): zero point 127.
+CAMERA_RAWIN = ((127.0,), (127.5,))
 MODEL_NORM = {
     "digits_cnn_float32": DIGITS,
     "digits_cnn_int8": DIGITS,
+    "digits_cnn_int8_rawin": DIGITS,
     "mobilenet_v2_035_96_float32": CAMERA,
     "mobilenet_v2_035_96_int8": CAMERA,
+    "mobilenet_v2_035_96_int8_rawin": CAMERA_RAWIN,
 }
 
 
@@ -145,6 +149,61 @@ def test_real_digits_through_both_paths_match_the_backbone() -> None:
                 )
             else:
                 assert np.array_equal(emb, ref_emb) and np.array_equal(logits, ref_logits)
+
+
+@pytest.mark.parametrize(
+    ("name", "norm"), [("digits_cnn_int8_rawin", DIGITS), ("mobilenet_v2_035_96_int8_rawin", CAMERA_RAWIN)]
+)
+def test_folded_models_take_the_copy_step(
+    name: str, norm: tuple[tuple[float, ...], tuple[float, ...]]
+) -> None:
+    bb = Backbone(MODELS / f"{name}.tflite")
+    assert bb.input_dtype == np.uint8 and bb.resizable
+    fused = Pipeline(bb, *norm, mode="fused", batch=4)
+    unfused = Pipeline(bb, *norm, mode="unfused", batch=4)
+    assert fused.fused_step("uint8") == "copy"
+    # any other raw dtype (or normalisation) is not the identity: a table or the in-place arithmetic
+    assert fused.fused_step("int8") == "table" and fused.fused_step("int16") == "table"
+    assert fused.fused_step("float32") == "in_place"
+    every = np.resize(np.arange(256, dtype=np.uint8), (3, *bb.sample_shape))  # partial batch: 3 of 4
+    for raw in (random_raw((4, *bb.sample_shape), "uint8", seed=5), every):
+        t = _input_tensor(fused, raw)
+        assert np.array_equal(t[: len(raw)], raw)  # the raw frame is the model input
+        assert np.array_equal(t, _input_tensor(unfused, raw))  # bit-exact vs the unfused stages
+    assert (_input_tensor(fused, every)[3] == bb.input_quant.zero_point).all()  # pad row
+    emb_f, logits_f = fused.run(every)
+    emb_u, logits_u = unfused.run(every)
+    assert np.array_equal(emb_f, emb_u) and np.array_equal(logits_f, logits_u)
+    c = fused.counters()
+    assert c["fused_step"] == "copy" and list(c["stages"]) == ["fill", "invoke", "read"]
+    # no allocation in the copy step: far below one float32 sample
+    r = measure(bb, *norm, batches=(4,), repeats=1)[0]
+    assert r.preprocess_fused_peak_bytes < 1024 < r.preprocess_unfused_peak_bytes, r
+    # the normalisation the int8 model uses (127.5) is not this model's: the step is a table there
+    if name.startswith("mobilenet"):
+        assert Pipeline(bb, *CAMERA, mode="fused", batch=1).fused_step("uint8") == "table"
+    # the int8 models themselves never copy: their input is int8
+    int8 = Backbone(MODELS / f"{name.removesuffix('_rawin')}.tflite")
+    assert (
+        Pipeline(int8, *(DIGITS if name.startswith("digits") else CAMERA), mode="fused", batch=1).fused_step(
+            "uint8"
+        )
+        == "table"
+    )
+
+
+def test_folded_digits_model_equals_the_int8_model_on_real_digits() -> None:
+    # models/build.py folds raw / 16 into the input quantisation (uint8, scale 1/16, zero point 0); its
+    # QUANTIZE op gives the int8 model's input exactly, so every output is bit-identical
+    raw = load_digits()[0]
+    folded = Backbone(MODELS / "digits_cnn_int8_rawin.tflite")
+    int8 = Backbone(MODELS / "digits_cnn_int8.tflite")
+    emb_ref, logits_ref = Pipeline(int8, *DIGITS, mode="unfused", batch=64).run(raw)
+    for mode in ("fused", "unfused"):
+        pipe = Pipeline(folded, *DIGITS, mode=mode, batch=64)
+        emb, logits = pipe.run(raw)
+        assert np.array_equal(emb, emb_ref) and np.array_equal(logits, logits_ref), mode
+    assert pipe.counters()["padded_rows"] == 64 - len(raw) % 64
 
 
 def test_partial_batches_are_padded_and_never_reported() -> None:
