@@ -9,15 +9,15 @@ Two paths over the same stage definitions (:func:`to_float`, :func:`normalise`, 
   input tensor (sample ``k`` into row ``k``). For 8- and 16-bit integer raw samples the whole map
   (normalise, quantise, round half to even, clip) is a lookup table built by running the unfused
   stages on every possible raw value, so the fused tensor is bit-identical to the unfused one by
-  construction. A 1-byte raw into a 1-byte input with one table for all channels also gets a table
-  of byte pairs (65,536 uint16 entries, 128 KiB): one lookup writes two outputs, measured ~1.4x faster
-  than the byte table on 96x96x3 frames. Where the table is the identity (raw dtype == input dtype
-  and ``table[i] == i``: a model whose input quantisation already holds the normalisation, e.g.
-  ``models/*_rawin.tflite``), the step is a plain ``np.copyto`` into the tensor (fused step kind
-  ``"copy"``). For other raw dtypes the unfused arithmetic runs in place over one sample at a time
-  (a one-sample float32 scratch, or the tensor row itself for float32 models), again bit-identical:
-  an algebraic fold ``x*a + c`` would differ from ``(x - mean) / std / scale`` by an ulp, and one ulp
-  at a rounding tie is one quantisation step.
+  construction. (A table of byte pairs, 65,536 entries, one lookup per two outputs, was tried: ~1.4x
+  faster in a hot loop, but ``invoke`` evicts its 128 KiB between batches; in the pipeline it gained
+  ~10 % at batch 8 and lost ~1.5x at batch 1, so it is not used.) Where the table is the identity
+  (raw dtype == input dtype and ``table[i] == i``: a model whose input quantisation already holds the
+  normalisation, e.g. ``models/*_rawin.tflite``), the step is a plain ``np.copyto`` into the tensor
+  (fused step kind ``"copy"``). For other raw dtypes the unfused arithmetic runs in place over one
+  sample at a time (a one-sample float32 scratch, or the tensor row itself for float32 models), again
+  bit-identical: an algebraic fold ``x*a + c`` would differ from ``(x - mean) / std / scale`` by an
+  ulp, and one ulp at a rounding tie is one quantisation step.
 
 Rules kept here because LiteRT enforces them at run time:
 
@@ -180,7 +180,6 @@ class _Table:
     channels: int  # 1 when every channel maps alike
     channel_of: np.ndarray  # intp [chunk]: channel of each position of a chunk (per-channel tables)
     identity: bool  # raw dtype == input dtype and flat[u] == u: the fused step is a copy
-    pairs: np.ndarray | None  # uint16 [65536]: two 1-byte outputs per two 1-byte raw values, or None
 
 
 class Pipeline:
@@ -450,13 +449,6 @@ class Pipeline:
         table = self._table(rows.dtype)
         if table is not None and table.identity:
             np.copyto(view[:m], rows, casting="no")
-        elif table is not None and table.pairs is not None and (m * self._elems) % 2 == 0:
-            # two raw bytes -> two output bytes per lookup: half the lookups of the byte table
-            src16 = np.ascontiguousarray(rows).reshape(-1).view(np.uint16)
-            dst16 = view.reshape(-1).view(np.uint16)
-            for s in range(0, src16.size, TABLE_CHUNK_ELEMS):
-                e = min(s + TABLE_CHUNK_ELEMS, src16.size)
-                np.take(table.pairs, src16[s:e], out=dst16[s:e], mode="clip")
         elif table is not None:
             src = np.ascontiguousarray(rows).reshape(-1).view(table.index_dtype)
             dst = view.reshape(-1)
@@ -528,12 +520,7 @@ class Pipeline:
                     and flat.dtype == raw_dtype
                     and np.array_equal(flat.view(unsigned), np.arange(levels, dtype=unsigned))
                 )
-                pairs = None
-                if c == 1 and levels == 256 and out_bytes == 1 and not identity:
-                    # every pair of raw bytes, in memory order, mapped byte by byte (128 KiB)
-                    both = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
-                    pairs = np.ascontiguousarray(flat.view(np.uint8)[both]).view(np.uint16).reshape(-1)
-                table = _Table(flat, unsigned, c, channel_of, identity, pairs)
+                table = _Table(flat, unsigned, c, channel_of, identity)
         self._tables[raw_dtype] = table
         return table
 

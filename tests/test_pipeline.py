@@ -114,7 +114,7 @@ def test_table_covers_every_8bit_value_exactly() -> None:
         raw = np.resize(values, (1, *bb.sample_shape))  # every value, repeated over the frame
         got = _input_tensor(fused, raw)
         assert np.array_equal(got, preprocess(raw, bb, *CAMERA))
-    # the byte-pair table (two raw bytes per lookup): every one of the 65,536 pairs, in 5 frames
+    # every one of the 65,536 pairs of adjacent raw bytes, in 5 frames (a batch of 5)
     pairs = np.resize(np.arange(1 << 16, dtype=np.uint16).view(np.uint8), (5, *bb.sample_shape))
     five = Pipeline(bb, *CAMERA, mode="fused", batch=5)
     assert np.array_equal(_input_tensor(five, pairs), preprocess(pairs, bb, *CAMERA))
