@@ -7,17 +7,17 @@ Two paths over the same stage definitions (:func:`to_float`, :func:`normalise`, 
   ``normalise``, ``quantise``, ``stack`` when a partial batch is padded), then ``set_tensor``.
 - **fused**: one stage (``fill``) writes each sample straight into a numpy view of the interpreter's
   input tensor (sample ``k`` into row ``k``). For 8- and 16-bit integer raw samples the whole map
-  (normalise, quantise, round half to even, clip) is a lookup table built by running the unfused
-  stages on every possible raw value, so the fused tensor is bit-identical to the unfused one by
-  construction. (A table of byte pairs, 65,536 entries, one lookup per two outputs, was tried: ~1.4x
-  faster in a hot loop, but ``invoke`` evicts its 128 KiB between batches; in the pipeline it gained
-  ~10 % at batch 8 and lost ~1.5x at batch 1, so it is not used.) Where the table is the identity
-  (raw dtype == input dtype and ``table[i] == i``: a model whose input quantisation already holds the
-  normalisation, e.g. ``models/*_rawin.tflite``), the step is a plain ``np.copyto`` into the tensor
-  (fused step kind ``"copy"``). For other raw dtypes the unfused arithmetic runs in place over one
-  sample at a time (a one-sample float32 scratch, or the tensor row itself for float32 models), again
-  bit-identical: an algebraic fold ``x*a + c`` would differ from ``(x - mean) / std / scale`` by an
-  ulp, and one ulp at a rounding tie is one quantisation step.
+  (normalise, quantise, round half to even, clip) is a lookup table built by running the unfused stages
+  on every possible raw value, so the fused tensor is bit-identical to the unfused one by construction.
+  (A table of byte pairs, 65,536 entries, one lookup per two outputs, was tried: ~1.4x faster in a hot
+  loop, but ``invoke`` evicts its 128 KiB between batches; in the pipeline it showed no clear gain at
+  batch 8 and was slower at batch 1, so it is not used: docs/benchmarks.md.) Where the table is the
+  identity (raw dtype == input dtype and ``table[i] == i``: a model whose input quantisation already
+  holds the normalisation, e.g. ``models/*_rawin.tflite``), the step is a plain ``np.copyto`` into the
+  tensor (fused step kind ``"copy"``). For other raw dtypes the unfused arithmetic runs in place over
+  one sample at a time (a one-sample float32 scratch, or the tensor row itself for float32 models),
+  again bit-identical: an algebraic fold ``x*a + c`` would differ from ``(x - mean) / std / scale`` by
+  an ulp, and one ulp at a rounding tie is one quantisation step.
 
 Rules kept here because LiteRT enforces them at run time:
 
