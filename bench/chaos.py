@@ -36,6 +36,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -168,6 +169,9 @@ class ChaosResult:
     wall_s: float = 0.0
     coordinator_exit: int | None = None
     accuracies: list[float] = field(default_factory=list)
+    clients: list[int] = field(default_factory=list)
+    coordinator_rejected: dict[str, int] = field(default_factory=dict)
+    coordinator_crashes: list[str] = field(default_factory=list)
 
     @property
     def counted_once(self) -> bool:
@@ -436,6 +440,21 @@ async def _run(plan: ChaosPlan, workdir: Path, res: ChaosResult) -> None:
                 mon.handle(msg.topic, msg.payload)
 
         pump = asyncio.create_task(pump_loop())
+
+        async def supervise() -> None:
+            # as systemd's Restart=on-failure would: a coordinator that died on its own is started again
+            while True:
+                await asyncio.sleep(0.2)
+                c = job.coordinator
+                if c is None or c.poll() is None or c.returncode in (0, -signal.SIGKILL):
+                    continue
+                tail = (workdir / "coordinator.log").read_text(errors="replace").strip().splitlines()[-1:]
+                res.coordinator_crashes.append(f"exit {c.returncode}: {' '.join(tail)[:300]}")
+                await asyncio.sleep(1.0)
+                job.start_coordinator()
+
+        supervisor = asyncio.create_task(supervise())
+        pending.add(supervisor)
         for dev in job.devices:
             job.start_agent(dev)
         job.start_coordinator()
@@ -465,12 +484,14 @@ async def _run(plan: ChaosPlan, workdir: Path, res: ChaosResult) -> None:
                 res.coordinator_restarts += 1
                 await asyncio.sleep(1.0)
                 job.start_coordinator()
-        if pending:
-            await asyncio.gather(*pending)
+        kills = [task for task in pending if task is not supervisor]
+        if kills:
+            await asyncio.gather(*kills)
         assert job.coordinator is not None
         limit = time.monotonic() + plan.rounds * (plan.deadline_s + 5) + 60
         while job.coordinator.poll() is None and time.monotonic() < limit:
             await asyncio.sleep(0.2)
+        supervisor.cancel()
         res.coordinator_exit = job.coordinator.poll()
         # let every agent take the last global head, then read their last statuses
         final = _read_log(workdir / "rounds.jsonl")
@@ -481,6 +502,8 @@ async def _run(plan: ChaosPlan, workdir: Path, res: ChaosResult) -> None:
         res.peak_rss_bytes = dict(mon.peak)
         res.cap_bytes = dict(mon.cap)
     finally:
+        for task in pending:
+            task.cancel()
         job.stop_all()
         if pump is not None:
             pump.cancel()
@@ -528,6 +551,7 @@ def audit(workdir: Path, plan: ChaosPlan, res: ChaosResult) -> ChaosResult:
         res.rounds_with_updates += bool(ids)
         res.rounds_full += len(ids) == plan.agents
         res.accuracies.append(float(line["accuracy"]))
+        res.clients.append(len(ids))
     res.rounds_logged = len(seen_rounds)
     if lines:
         res.final_accuracy = float(lines[-1]["accuracy"])
@@ -545,6 +569,12 @@ def audit(workdir: Path, plan: ChaosPlan, res: ChaosResult) -> ChaosResult:
                 decode_global_model(head)
             except Exception as exc:  # any failure is a finding
                 res.corrupt_records.append(f"dev-{k + 1}/global_head.rec payload: {exc}")
+    coord_log = workdir / "coordinator.log"
+    if coord_log.exists():
+        for m in re.finditer(
+            r"rejected message on \S+ \(\d+ bytes\): (\w+):", coord_log.read_text(errors="replace")
+        ):
+            res.coordinator_rejected[m.group(1)] = res.coordinator_rejected.get(m.group(1), 0) + 1
     coord_state = workdir / "coordinator.rec"
     if coord_state.exists():
         try:
@@ -587,6 +617,8 @@ def summary(chaos: ChaosResult, reference: ChaosResult) -> dict[str, Any]:
         "coordinator_restarts": chaos.coordinator_restarts,
         "counted_once": chaos.counted_once,
         "corrupt_records": chaos.corrupt_records,
+        "coordinator_rejected": chaos.coordinator_rejected,
+        "coordinator_crashes": chaos.coordinator_crashes,
         "final_accuracy": chaos.final_accuracy,
         "reference_accuracy": reference.final_accuracy,
         "accuracy_gap": reference.final_accuracy - chaos.final_accuracy,
@@ -602,6 +634,24 @@ def summary(chaos: ChaosResult, reference: ChaosResult) -> dict[str, Any]:
 
 def docs_section(s: dict[str, Any], chaos: ChaosResult, plan: ChaosPlan, seed: int) -> str:
     """The ``## Chaos`` section of docs/benchmarks.md for one run."""
+    short = (
+        ", ".join(f"{r} ({c} of {plan.agents})" for r, c in enumerate(chaos.clients, 1) if c < plan.agents)
+        or "none"
+    )
+    faults: dict[int, list[str]] = {}
+    for f in plan.faults:
+        faults.setdefault(f.round, []).append(f"{f.kind} {f.agent}".strip())
+    by_round = "; ".join(f"{r}: {', '.join(v)}" for r, v in sorted(faults.items())) or "none"
+    rej = chaos.coordinator_rejected
+    rejected = ", ".join(f"`{k}` {v}" for k, v in sorted(rej.items())) or "none"
+    bad_value = (
+        f"- **`bad_value` ({rej['bad_value']})**: an agent restarted into an open round trains while its "
+        "replay is still adding samples to the store; `train_local` evaluates over the grown store and "
+        "divides by the old count, so `metrics.accuracy` comes out above 1 and the coordinator refuses "
+        "the update (an agent bug, reported; the store must not change under a training run).\n\n"
+        if rej.get("bad_value")
+        else ""
+    )
     kills = "\n".join(
         f"| {k.round} | {k.agent} | {k.planned} | {k.hit} | {k.t_after_announce_ms:.1f} |"
         for k in chaos.kills
@@ -625,11 +675,45 @@ runs a short plan (3 agents, 8 rounds) in CI.
 | agent kills (SIGKILL) | {s["agent_kills"]} | 0 |
 | broker restarts | {s["broker_restarts"]} | 0 |
 | coordinator restarts (SIGKILL) | {s["coordinator_restarts"]} | 0 |
+| coordinator crashes (restarted by the harness) | {len(s["coordinator_crashes"])} | |
 | every update counted exactly once | {"yes" if s["counted_once"] else "NO"} | |
 | corrupt state records | {len(s["corrupt_records"])} | |
 | final accuracy (digits test set) | {s["final_accuracy"]:.3f} | {s["reference_accuracy"]:.3f} |
 | agents' highest peak RSS / cap (MiB) | {max(s["peak_rss_mib"].values(), default=0):.1f} / {s["cap_mib"]} | |
 | wall time (s) | {s["wall_s"]} | {s["reference_wall_s"]} |
+
+Rounds that closed with fewer than {plan.agents} updates: {short}. Faults by round: {by_round}.
+
+Updates the coordinator refused, by reason: {rejected}.
+
+Where the {s["reference_updates_counted"] - s["updates_counted"]} missing updates went. No update was
+counted twice, and every update killed mid-publish was re-sent from the outbox with its `update_id`
+after the restart (its copies show up above as `duplicate` once one of them was counted).
+
+{bad_value}Others were lost after the broker had acknowledged them:
+
+- **Broker restart**: the agents reconnect, re-send their outbox and get their PUBACK before the
+  coordinator (on its own jittered backoff) has reconnected and subscribed again. The coordinator's
+  session is a clean one, so the broker keeps nothing for it and those updates are gone. The round
+  closes at its deadline with what reached the coordinator.
+- **Coordinator restart**: updates sent while it was down are lost the same way. The restarted
+  coordinator announces the open round again under the same number, and agents that already answered
+  that round do not train for it again.
+
+In both cases the round closes at its deadline and the next round goes on from the same global
+version. The fix is a persistent coordinator session (MQTT 5 Clean Start 0 with a Session Expiry
+Interval, fixed client id, which mosquitto keeps across a restart with persistence on), so that the
+broker queues the QoS 1 updates until the coordinator is back.
+
+One failure this run did not hit: of the four runs of this plan made while writing this section, one
+stalled for good. The coordinator was killed after it had published the head of round 3 (version 3)
+and before it saved its state; it resumed at version 2, republished head 2 (every agent refused it as
+not newer) and announced rounds on base version 2 (refused as stale), so rounds 3-20 closed empty (8
+updates counted, accuracy frozen at 0.900). The coordinator must save its state before it publishes
+a new head (reported). A second one, seen in the short CI plan: when the broker is still down (the
+coordinator's reconnect backoff grows to 8-30 s) as a round closes, publishing the new head raises
+and `edgefl coordinator` exits with a traceback; the harness restarts it as systemd's
+`Restart=on-failure` would and counts it above (`tests/test_chaos.py` has the deterministic case).
 
 Kills (time from the round's announcement, as seen by the harness's monitor client):
 
@@ -701,6 +785,7 @@ def main(argv: list[str] | None = None) -> int:
         and chaos.under_cap
         and not math.isnan(chaos.final_accuracy)
         and s["accuracy_gap"] <= 0.02
+        and not chaos.coordinator_crashes
     )
     return 0 if ok else 1
 
