@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from agent import memory
-from agent.chunking import Reassembler, is_chunk, split_message
+from agent.aio import wait_event
+from agent.chunking import Reassembler, is_chunk, publish_packet_bytes, split_message
 from agent.codec import (
     Compression,
     DecodeError,
@@ -61,6 +62,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 2.0
+
+COMPACT_STATUS_FIELDS = frozenset(
+    {
+        "round",
+        "version",
+        "reason",
+        "ready",
+        "store_samples",
+        "rss_bytes",
+        "peak_rss_bytes",
+        "cap_bytes",
+        "pss_bytes",
+        "system_available_bytes",
+        "last_update_bytes",
+        "rejected",
+        "pid",
+    }
+)
+"""Status fields kept when the full status would exceed the broker's maximum packet size."""
 
 
 @dataclass
@@ -155,6 +175,7 @@ class Agent:
         self._rate_window: deque[tuple[float, int]] = deque(maxlen=32)
         self._outbox_lock = asyncio.Lock()
         self._reconnected = asyncio.Event()
+        self._round_lock = asyncio.Lock()
 
     # --- persistence -------------------------------------------------------------------------
     def _head_path(self) -> Path:
@@ -234,9 +255,13 @@ class Agent:
                 t0 = time.monotonic()
                 raw, lbl = x[start : start + batch], y[start : start + batch]
                 emb, pred, _ = await loop.run_in_executor(self.executor, self.classify, raw)
-                self.store.add(emb, lbl)
+                # on the worker thread: serialised with training, which reads the store
+                await loop.run_in_executor(self.executor, self.store.add, emb, lbl)
                 self.state.inferred_total += len(lbl)
                 self._rate_window.append((time.monotonic(), self.state.inferred_total))
+                if self._pending_round is not None and self._pending_round.base_version <= self.head.version:
+                    ann, self._pending_round = self._pending_round, None
+                    await self.handle_round(ann)
                 self.state.correct_total += int(np.sum(pred == lbl))
                 self.state.stored_total += len(lbl)
                 if src.rate_hz > 0:
@@ -341,8 +366,21 @@ class Agent:
             return self.device in ann.selected
         return True
 
+    async def handle_round(self, ann: RoundAnnouncement) -> None:
+        """``on_round`` for callers outside the message pump: a refusal is counted and logged, not raised."""
+        try:
+            await self.on_round(ann)
+        except UpdateRejected as exc:
+            self.state.rejected[exc.reason] += 1
+            logger.warning("round %d not taken: %s", ann.round, exc)
+            self._changed()
+
     async def on_round(self, ann: RoundAnnouncement) -> None:
-        """Train for a round and publish the update (once per round)."""
+        """Train for a round and publish the update (once per round; one round at a time)."""
+        async with self._round_lock:
+            await self._on_round(ann)
+
+    async def _on_round(self, ann: RoundAnnouncement) -> None:
         self.state.round = ann.round
         if ann.round <= self.state.last_trained_round or not self._selected(ann):
             return
@@ -356,6 +394,7 @@ class Agent:
             )
         if len(self.store) == 0:
             self._set_state("deferred", "no local samples")
+            self._pending_round = ann  # retried as soon as samples are stored
             return
         await self.train_and_send(ann)
 
@@ -472,6 +511,11 @@ class Agent:
         if self.dashboard is not None:
             self.dashboard.notify()
 
+    def packet_limit(self) -> int:
+        """The largest MQTT packet we may send: the profile's limit, or the broker's (CONNACK) if smaller."""
+        broker = self.transport.broker_max_packet_bytes if self.transport is not None else None
+        return min(self.max_packet_bytes, broker or self.max_packet_bytes)
+
     async def _send_update(self, update_id: str, payload: bytes) -> None:
         """Publish an update (chunked above the broker's packet limit), then drop it from the outbox.
 
@@ -482,7 +526,7 @@ class Agent:
         """
         assert self.transport is not None
         topic = self.topics.update(self.device)
-        limit = min(self.max_packet_bytes, self.transport.broker_max_packet_bytes or self.max_packet_bytes)
+        limit = self.packet_limit()
         async with self._outbox_lock:
             await asyncio.to_thread(self.outbox.mark_sent, update_id)
         for part in split_message(payload, topic, limit, msg_id=update_id.replace(":", "-")):
@@ -556,14 +600,19 @@ class Agent:
         """Publish the retained status on every change and at least every ``STATUS_INTERVAL_S``."""
         assert self.transport is not None
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._status_dirty.wait(), timeout=STATUS_INTERVAL_S)
+            await wait_event(self._status_dirty, STATUS_INTERVAL_S)
             self._status_dirty.clear()
             if not self.transport.connected.is_set():
                 continue
-            payload = encode_status(DeviceStatus(self.device, self.state.state, self.status_fields()))
+            topic = self.topics.status(self.device)
+            fields = self.status_fields()
+            payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
+            if publish_packet_bytes(topic, len(payload)) > self.packet_limit():
+                # A retained status is one message: under a small broker packet limit, send the essentials.
+                fields = {k: v for k, v in fields.items() if k in COMPACT_STATUS_FIELDS}
+                payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
             try:
-                await self.transport.publish(self.topics.status(self.device), payload, qos=1, retain=True)
+                await self.transport.publish(topic, payload, qos=1, retain=True)
             except TransportError as exc:
                 logger.debug("status not published: %s", exc)
 
@@ -586,6 +635,7 @@ class Agent:
             password=b.password,
             on_connect=self._on_transport_connect,
             tls_context=self.tls_context,
+            max_packet_bytes=self.max_packet_bytes,
         )
         async with contextlib.AsyncExitStack() as stack:
             await self.transport.start(wait_s=None)

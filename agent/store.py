@@ -112,17 +112,17 @@ class EmbeddingStore:
         ----------
         chunk_size : int
             Samples per chunk (>= 1).
-        order : int64 [len(self)] or None
-            A permutation of ``range(len(self))`` (e.g. a shuffle); None = storage order.
+        order : int64 [M] or None
+            Which stored samples, in which order (e.g. a shuffle of ``range(len(self))``, or the
+            first M samples); None = every sample in storage order.
 
         Yields
         ------
         emb : float32 [<=chunk_size, D]
         labels : int64 [<=chunk_size]
         """
-        n = self._count
-        idx = np.arange(n, dtype=np.int64) if order is None else order
-        for start in range(0, n, chunk_size):
+        idx = np.arange(self._count, dtype=np.int64) if order is None else order
+        for start in range(0, len(idx), chunk_size):
             sel = np.sort(idx[start : start + chunk_size])
             yield self._emb[sel].astype(np.float32), self._lbl[sel].astype(np.int64)
 

@@ -124,7 +124,8 @@ def train_local(
     loss_sum = 0.0
     correct = 0
     final = Head(head.W + delta_W, head.b + delta_b, head.version)
-    for emb, lbl in store.chunks(chunk_size):
+    # the same n samples that were trained on (the store may grow meanwhile if a caller adds to it)
+    for emb, lbl in store.chunks(chunk_size, np.arange(n, dtype=np.int64)):
         loss, _, _ = cross_entropy(final.W, final.b, emb, lbl)
         loss_sum += loss * emb.shape[0]
         correct += int(np.sum(final.predict(emb) == lbl))

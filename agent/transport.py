@@ -25,6 +25,8 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 from paho.mqtt.reasoncodes import ReasonCode
 
+from agent.aio import wait_event, within
+from agent.chunking import publish_packet_bytes
 from agent.errors import TransportError
 
 logger = logging.getLogger(__name__)
@@ -88,6 +90,14 @@ class MqttTransport:
         TLS settings (server certificate verification, optional client certificate).
     on_connect : callable or None
         Called on the event loop after every successful CONNACK (used to publish "online").
+    max_packet_bytes : int
+        Largest PUBLISH packet this client may send (the profile's ``broker.max_packet_bytes``); the
+        broker's CONNACK Maximum Packet Size lowers it further. Default: MQTT's own maximum.
+    session_expiry_s : int
+        0 = clean session. Otherwise ask the broker to keep this client's session (subscriptions and
+        queued QoS 1 messages) for that many seconds while it is away (MQTT 5 Session Expiry
+        Interval, §3.1.2.11; MQTT 3.1.1 clean session 0), so nothing published meanwhile is lost. Needs
+        a fixed ``client_id``.
     """
 
     def __init__(
@@ -104,6 +114,8 @@ class MqttTransport:
         password: str | None = None,
         tls_context: ssl.SSLContext | None = None,
         on_connect: Callable[[], None] | None = None,
+        max_packet_bytes: int = 268_435_455,
+        session_expiry_s: int = 0,
     ) -> None:
         self.host = host
         self.port = port
@@ -115,6 +127,8 @@ class MqttTransport:
         self.password = password
         self.tls_context = tls_context
         self.on_connect_cb = on_connect
+        self.max_packet_bytes = max_packet_bytes
+        self.session_expiry_s = session_expiry_s
         self.queue: asyncio.Queue[Message] = asyncio.Queue(maxsize=queue_size)
         self.dropped_total = 0
         self.callback_errors_total = 0
@@ -221,7 +235,11 @@ class MqttTransport:
     def _make_client(self) -> mqtt.Client:
         proto = MQTTProtocolVersion.MQTTv5 if self._mqtt5 else MQTTProtocolVersion.MQTTv311
         client = mqtt.Client(
-            CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=proto, reconnect_on_failure=False
+            CallbackAPIVersion.VERSION2,
+            client_id=self.client_id,
+            protocol=proto,
+            reconnect_on_failure=False,
+            clean_session=None if self._mqtt5 else not self.session_expiry_s,
         )
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
@@ -258,7 +276,7 @@ class MqttTransport:
         if wait_s is None:
             return
         try:
-            await asyncio.wait_for(self.connected.wait(), timeout=wait_s)
+            await within(self.connected.wait(), wait_s)
         except TimeoutError as exc:
             raise TransportError(f"no connection to broker {self.host}:{self.port} after {wait_s} s") from exc
 
@@ -273,6 +291,22 @@ class MqttTransport:
         """
         cap = min(float(RECONNECT_MAX_S), float(RECONNECT_MIN_S) * 2.0 ** max(0, failures - 1))
         return (rng or random).uniform(0.0, cap)
+
+    def _connect(self, client: mqtt.Client) -> None:
+        """Blocking connect (run in a thread); asks for a persistent session when ``session_expiry_s`` > 0."""
+        if not self._mqtt5:
+            client.connect(self.host, self.port, self.keepalive_s)
+            return
+        props = None
+        if self.session_expiry_s:
+            from paho.mqtt.packettypes import PacketTypes
+            from paho.mqtt.properties import Properties
+
+            props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+            props.SessionExpiryInterval = int(self.session_expiry_s)
+        client.connect(
+            self.host, self.port, self.keepalive_s, clean_start=not self.session_expiry_s, properties=props
+        )
 
     async def _supervise(self) -> None:
         """Own the connection: connect, wait until it is lost, back off with jitter, reconnect.
@@ -289,7 +323,7 @@ class MqttTransport:
             self._fallback_wanted = False
             connects_before = self.connects_total
             try:
-                await asyncio.to_thread(client.connect, self.host, self.port, self.keepalive_s)
+                await asyncio.to_thread(self._connect, client)
             except (OSError, ValueError, ssl.SSLError) as exc:
                 if not self._unreachable_logged:
                     self._unreachable_logged = True
@@ -338,6 +372,10 @@ class MqttTransport:
         """
         if self._loop is None:
             raise TransportError("publish before start()")
+        limit = min(self.max_packet_bytes, self.broker_max_packet_bytes or self.max_packet_bytes)
+        if publish_packet_bytes(topic, len(payload), qos=qos) > limit:
+            # Never send it: brokers drop a client over an oversized packet, and a retry would loop.
+            raise TransportError(f"publish to {topic}: {len(payload)} bytes exceed the {limit}-byte limit")
         if self._client is None or not self.connected.is_set():
             # Each connection has its own paho client: a message queued on a dead one would never leave.
             raise TransportError(f"publish to {topic}: not connected to {self.host}:{self.port}")
@@ -352,7 +390,7 @@ class MqttTransport:
             self._pending.pop(info.mid, None)
             return
         try:
-            await asyncio.wait_for(fut, timeout=timeout_s)
+            await within(fut, timeout_s)
         except TimeoutError as exc:
             self._pending.pop(info.mid, None)
             raise TransportError(f"no PUBACK for {topic} (mid={info.mid}) within {timeout_s} s") from exc
@@ -378,8 +416,7 @@ class MqttTransport:
         client = self._client
         if client is not None and self.connected.is_set():
             client.disconnect()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._session_lost.wait()), timeout=timeout_s)
+            await wait_event(self._session_lost, timeout_s)
         self._session_lost.set()
         self._supervisor.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from agent.aio import within
 from agent.codec import Compression
 from agent.runtime import Backbone
 from agent.signing import load_signing_key, load_verify_keys
@@ -88,7 +89,8 @@ async def _run(args: argparse.Namespace) -> int:
             return accuracy(W, b, emb_test, y_test)
 
     _, host, port = parse_broker_url(args.broker)
-    transport = MqttTransport(host, port, f"edgefl-coordinator-{args.fleet}")
+    # A persistent session: updates published while the coordinator restarts wait for it at the broker.
+    transport = MqttTransport(host, port, f"edgefl-coordinator-{args.fleet}", session_expiry_s=3600)
     strategy = make_strategy(
         args.strategy,
         local_epochs=args.local_epochs,
@@ -114,6 +116,7 @@ async def _run(args: argparse.Namespace) -> int:
     state_path = Path(args.state) if args.state else None
     if state_path is not None:
         coord.load_state(state_path)
+        coord.state_path = state_path
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -122,7 +125,7 @@ async def _run(args: argparse.Namespace) -> int:
     await transport.start(wait_s=None)
     pump = asyncio.create_task(coord.pump())
     try:
-        await asyncio.wait_for(transport.connected.wait(), timeout=60)
+        await within(transport.connected.wait(), 60)
         await coord.start()
         if args.wait_devices:
             await coord.wait_for_devices(args.wait_devices, timeout_s=120)

@@ -9,7 +9,6 @@ held-out test set when an evaluation function is given.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -22,6 +21,7 @@ from typing import Any
 import cbor2
 import numpy as np
 
+from agent.aio import wait_event
 from agent.chunking import Reassembler, is_chunk, split_message
 from agent.codec import (
     Compression,
@@ -34,7 +34,7 @@ from agent.codec import (
     encode_global_model,
     encode_round,
 )
-from agent.errors import UpdateRejected
+from agent.errors import TransportError, UpdateRejected
 from agent.signing import SigningKey, VerifyKey, sign_message, verify_payload
 from agent.state import read_record, write_record
 from agent.topics import Topics
@@ -45,6 +45,9 @@ from coordinator.rounds import Round
 from coordinator.strategy import RoundConfig, Strategy
 
 logger = logging.getLogger(__name__)
+
+PUBLISH_RETRY_S = 120.0
+"""How long a coordinator publish waits out a broker outage before giving up (seconds)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +155,7 @@ class Coordinator:
             max_total_bytes=2 * self.limits.max_message_bytes,
         )
         self._global_chunks = 0
+        self.state_path: Path | None = None  # set to persist state before each new global head
         self.counted: dict[int, list[str]] = {}  # round → update_ids aggregated (audit, chaos test)
         self.state = CoordinatorState()
         self._round_changed = asyncio.Event()
@@ -221,17 +225,42 @@ class Coordinator:
         base = self.topics.global_model
         parts = split_message(payload, base + "/0000", self.max_packet_bytes, msg_id=f"global-{msg.version}")
         if len(parts) == 1:
-            await self.transport.publish(base, payload, qos=1, retain=True)
+            await self._publish(base, payload)
             stale = range(self._global_chunks)
         else:
             # One retained topic keeps one message: each chunk gets its own retained topic.
             for i, part in enumerate(parts):
-                await self.transport.publish(f"{base}/{i}", part, qos=1, retain=True)
-            await self.transport.publish(base, b"", qos=1, retain=True)
+                await self._publish(f"{base}/{i}", part)
+            await self._publish(base, b"")
             stale = range(len(parts), self._global_chunks)
         for i in stale:  # clear chunks of an earlier, larger head
-            await self.transport.publish(f"{base}/{i}", b"", qos=1, retain=True)
+            await self._publish(f"{base}/{i}", b"")
         self._global_chunks = len(parts) if len(parts) > 1 else 0
+
+    async def _publish(self, topic: str, payload: bytes) -> None:
+        """Publish retained with QoS 1, waiting out a broker outage for up to ``PUBLISH_RETRY_S``.
+
+        Raises
+        ------
+        TransportError
+            If the broker did not acknowledge within the retry budget.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PUBLISH_RETRY_S
+        while True:
+            try:
+                await self.transport.publish(topic, payload, qos=1, retain=True)
+                return
+            except TransportError:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise
+                await wait_event(self.transport.connected, min(remaining, 5.0))
+                await asyncio.sleep(0.05)
+
+    def _persist(self) -> None:
+        if self.state_path is not None:
+            self.save_state(self.state_path)
 
     def _sign(self, encode: Callable[[Any], bytes], msg: Any) -> bytes:
         return sign_message(encode, msg, self.signing_key) if self.signing_key is not None else encode(msg)
@@ -374,10 +403,7 @@ class Coordinator:
             if remaining <= 0:
                 raise TimeoutError(f"only {len(ready)} of {n} devices ready after {timeout_s} s")
             self._status_changed.clear()
-            try:
-                await asyncio.wait_for(self._status_changed.wait(), timeout=remaining)
-            except TimeoutError:
-                continue
+            await wait_event(self._status_changed, remaining)
 
     async def _announce(
         self, round_no: int, cfg: RoundConfig, selected: tuple[str, ...] | None = None
@@ -396,7 +422,7 @@ class Coordinator:
             topk_fraction=self.topk_fraction,
             prox_mu=cfg.prox_mu,
         )
-        await self.transport.publish(self.topics.round, self._sign(encode_round, ann), qos=1, retain=True)
+        await self._publish(self.topics.round, self._sign(encode_round, ann))
 
     async def run_round(self, round_no: int, selected: tuple[str, ...] | None = None) -> RoundRecord:
         """Announce round ``round_no``, collect updates until complete or deadline, aggregate, publish.
@@ -433,10 +459,7 @@ class Coordinator:
                 )
                 break
             self._round_changed.clear()
-            try:
-                await asyncio.wait_for(self._round_changed.wait(), timeout=remaining)
-            except TimeoutError:
-                continue
+            await wait_event(self._round_changed, remaining)
         rnd.close()
         accuracy = float("nan")
         if rnd.clients > 0:
@@ -447,6 +470,7 @@ class Coordinator:
             else:
                 self.W, self.b = self.strategy.aggregate(self.W, self.b, rnd.sum_W.mean(), rnd.sum_b.mean())
             self.state.version += 1
+            self._persist()  # before publishing: a crash in between must not resume a version behind
             await self.publish_global(round_no)
         if self.evaluate is not None:
             W, b = self.W, self.b
@@ -509,13 +533,13 @@ class Coordinator:
                 self._buffer_full.clear()
                 await self._announce(round_no, cfg)
                 self._notify()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._buffer_full.wait(), timeout=cfg.deadline_s)
+                await wait_event(self._buffer_full, cfg.deadline_s)
                 rnd.close()
                 applied = self._buffer.count
                 if applied:
                     self.W, self.b = self._buffer.flush(self.W, self.b)
                     self.state.version += 1
+                    self._persist()
                     await self.publish_global(round_no)
                 accuracy = float("nan")
                 if self.evaluate is not None:

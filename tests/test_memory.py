@@ -494,7 +494,11 @@ def test_wired_tight_cap_shrinks_or_defers_training_keeps_classifying(
     """Cap = import baseline + 8 MiB: training shrinks or defers, inference goes on, RSS stays under."""
     baseline = import_baseline_bytes()
     cap_mb = math.ceil((baseline + 8 * MIB) / MIB)
-    proc = _start_agent(mosquitto, fleet, tmp_path, {"memory.cap_mb": str(cap_mb)})
+    # A training chunk far above what fits (16384 x D floats) makes the admission decision
+    # independent of how far this machine's agent RSS sits above the import baseline.
+    proc = _start_agent(
+        mosquitto, fleet, tmp_path, {"memory.cap_mb": str(cap_mb), "training.chunk_size": "16384"}
+    )
     watch = RssWatch(proc.pid)
 
     async def main() -> tuple[dict[str, Any], dict[str, Any], list[int]]:
