@@ -35,9 +35,9 @@ from __future__ import annotations
 import logging
 import math
 import re
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from fractions import Fraction
 from typing import Any, Final
 
@@ -48,18 +48,6 @@ import numpy.typing as npt
 from agent.errors import DecodeError
 from agent.types import F32
 from agent.validators import DEVICE_ID_PATTERN, check_device_id
-
-if sys.version_info >= (3, 11):
-    from enum import StrEnum
-else:  # pragma: no cover - Python 3.10 on older gateways
-    from enum import Enum
-
-    class StrEnum(str, Enum):
-        """Backport of :class:`enum.StrEnum` (Python 3.11)."""
-
-        def __str__(self) -> str:
-            return str(self.value)
-
 
 logger = logging.getLogger(__name__)
 

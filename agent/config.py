@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import sys
+import tomllib
 import types
 import typing
 import zipfile
@@ -39,11 +39,6 @@ from agent.validators import (
     is_loopback_host,
     parse_broker_url,
 )
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 devices only
-    import tomli as tomllib
 
 __all__ = [
     "BrokerConfig",
@@ -893,7 +888,7 @@ def load_profile(
     ConfigError
         If the file cannot be read, is not TOML, or the profile is invalid (all problems at once).
 
-    Source: TOML 1.0.0 (https://toml.io/en/v1.0.0), read with ``tomllib`` (``tomli`` on Python 3.10).
+    Source: TOML 1.0.0 (https://toml.io/en/v1.0.0), read with ``tomllib``.
     """
     file = Path(path).absolute()
     try:
