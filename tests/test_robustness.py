@@ -1,0 +1,136 @@
+"""Stragglers, late joiners and callbacks that raise: the federation keeps going (issue 6)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import DEV_PROFILE, INT8_MODEL, Broker
+
+from agent.codec import Update, UpdateMetrics, encode_update
+from agent.datasets import load_digits, partition_non_iid, split_digits
+from agent.runtime import Backbone
+from agent.topics import Topics
+from agent.transport import Message, MqttTransport
+from coordinator.demo import launch_agent, stop_agents
+from coordinator.service import Coordinator
+from coordinator.strategy import Strategy
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _agent(mosquitto: Broker, fleet: str, tmp_path: Path, dev: str, shard: np.ndarray) -> Any:
+    x, y = load_digits()
+    np.savez(tmp_path / f"{dev}.npz", x=x[shard], y=y[shard])
+    return launch_agent(
+        DEV_PROFILE,
+        {
+            "device.id": dev,
+            "device.fleet": fleet,
+            "device.state_dir": str(tmp_path / dev),
+            "broker.url": mosquitto.url,
+            "source.kind": "replay",
+            "source.path": str(tmp_path / f"{dev}.npz"),
+            "model.path": str(INT8_MODEL),
+            "dashboard.enabled": "false",
+        },
+        tmp_path / f"{dev}.log",
+    )
+
+
+def test_robust_rounds_with_a_straggler_and_a_late_joiner(
+    mosquitto: Broker, fleet: str, tmp_path: Path
+) -> None:
+    _, y = load_digits()
+    pool = split_digits(y).devices
+    shards = [pool[s] for s in partition_non_iid(y[pool], 2)]
+    procs = [_agent(mosquitto, fleet, tmp_path, "dev-1", shards[0])]
+    bb = Backbone(INT8_MODEL)
+    W0, b0 = bb.head_from_model()
+    topics = Topics("edgefl", fleet)
+
+    async def main() -> tuple[list[int], Coordinator, dict[str, Any]]:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
+        late = MqttTransport(mosquitto.host, mosquitto.port, f"late-{fleet}")
+        await t.start()
+        await late.start()
+        # min_clients 2 but only dev-1 is up: each round must close at its deadline, not stall
+        strategy = Strategy(local_epochs=2, lr=0.05, batch_size=16, min_clients=2, deadline_s=3.0)
+        coord = Coordinator(t, topics, W0, b0, model_sha256=bb.sha256, strategy=strategy)
+        pump = asyncio.create_task(coord.pump())
+        try:
+            await coord.start()
+            await coord.wait_for_devices(1, timeout_s=60)
+            clients = [(await coord.run_round(r)).clients for r in (1, 2)]
+            # a straggler's update for round 1 arrives while round 3 is open: refused by round number
+            run3 = asyncio.create_task(coord.run_round(3))
+            await asyncio.sleep(0.3)
+            stale = Update(
+                1,
+                0,
+                "dev-9",
+                50,
+                np.zeros_like(W0),
+                np.zeros_like(b0),
+                UpdateMetrics(1.0, 0.5, 0.01, 1),
+                "dev-9:1:0",
+            )
+            await late.publish(topics.update("dev-9"), encode_update(stale), qos=1)
+            clients.append((await run3).clients)
+            # a device that was away for 3 rounds joins: it catches up from the retained global head
+            procs.append(_agent(mosquitto, fleet, tmp_path, "dev-2", shards[1]))
+            await coord.wait_for_devices(2, timeout_s=60)
+            clients.append((await coord.run_round(4)).clients)
+            await asyncio.sleep(2.5)  # one status interval
+            return clients, coord, dict(coord.state.devices["dev-2"])
+        finally:
+            pump.cancel()
+            await late.stop()
+            await t.stop()
+
+    try:
+        clients, coord, dev2 = asyncio.run(main())
+    finally:
+        stop_agents(procs)
+    assert clients == [1, 1, 1, 2]
+    assert coord.state.rejected["stale_round"] == 1
+    assert coord.state.version == 4
+    assert dev2["version"] == 4  # joined at version 3 (retained), trained on it, then applied 4
+    assert all(h.duration_s < 10 for h in coord.state.history)
+
+
+def test_robust_transport_survives_a_raising_callback(
+    mosquitto: Broker, fleet: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def main() -> tuple[list[bytes], int]:
+        a = MqttTransport(mosquitto.host, mosquitto.port, f"a-{fleet}")
+        b = MqttTransport(mosquitto.host, mosquitto.port, f"b-{fleet}")
+        original = b._handle_message
+        calls = {"n": 0}
+
+        def flaky(msg: Message) -> None:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("handler bug")
+            original(msg)
+
+        monkeypatch.setattr(b, "_handle_message", flaky)
+        await a.start()
+        await b.start()
+        try:
+            await b.subscribe(f"{fleet}/x", 1)
+            await asyncio.sleep(0.2)
+            for payload in (b"1", b"2", b"3"):
+                await a.publish(f"{fleet}/x", payload, qos=1)
+            got = [(await asyncio.wait_for(b.queue.get(), 5)).payload for _ in range(2)]
+            return got, b.callback_errors_total
+        finally:
+            await a.stop()
+            await b.stop()
+
+    got, errors = asyncio.run(main())
+    assert got == [b"2", b"3"]  # the network loop went on after the first handler raised
+    assert errors == 1
