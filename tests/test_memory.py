@@ -23,6 +23,7 @@ import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, MODELS, Broker
 
 from agent import memory
+from agent.datasets import load_digits
 from agent.memory import (
     FIRST_RUN_BYTES,
     MIB,
@@ -494,10 +495,23 @@ def test_wired_tight_cap_shrinks_or_defers_training_keeps_classifying(
     """Cap = import baseline + 8 MiB: training shrinks or defers, inference goes on, RSS stays under."""
     baseline = import_baseline_bytes()
     cap_mb = math.ceil((baseline + 8 * MIB) / MIB)
-    # A training chunk far above what fits (16384 x D floats) makes the admission decision
-    # independent of how far this machine's agent RSS sits above the import baseline.
+    # A store of ~16k samples and a training chunk of 16384 x D floats need a few MiB more than the
+    # ~1 MiB left under cap - reserve, whatever this machine's agent RSS is next to the baseline.
+    x, y = load_digits()
+    reps = 9
+    big = tmp_path / "big.npz"
+    np.savez(big, x=np.tile(x, (reps, 1, 1, 1)), y=np.tile(y, reps))
     proc = _start_agent(
-        mosquitto, fleet, tmp_path, {"memory.cap_mb": str(cap_mb), "training.chunk_size": "16384"}
+        mosquitto,
+        fleet,
+        tmp_path,
+        {
+            "memory.cap_mb": str(cap_mb),
+            "training.chunk_size": "16384",
+            "training.store_capacity": "16384",
+            "source.path": str(big),
+            "source.rate_hz": "0",
+        },
     )
     watch = RssWatch(proc.pid)
 
