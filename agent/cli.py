@@ -38,7 +38,8 @@ def _parse_sets(items: Sequence[str]) -> dict[str, object]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--set {item!r}: expected key=value")
+            print(f"edgefl: --set {item!r}: expected key=value", file=sys.stderr)
+            raise SystemExit(EXIT_USAGE)
         out[key.strip()] = value
     return out
 

@@ -84,6 +84,15 @@ __all__ = [
 
 SCHEMA_VERSION: Final = 1
 
+# Bounds on a RoundAnnouncement's training settings: a device must not be told to train for 2^62
+# epochs or with a step that overflows float32 (both were seen to hang or crash an agent).
+MAX_DEADLINE_S: Final = 86_400.0
+MAX_LOCAL_EPOCHS: Final = 1_000
+MAX_LR: Final = 10.0
+MAX_BATCH_SIZE: Final = 65_536
+MAX_CLIENTS: Final = 1_000_000
+MAX_PROX_MU: Final = 1_000.0
+
 #: Every ``DecodeError.reason`` this module raises (Prometheus label values).
 REASONS: Final = frozenset(
     {
@@ -1224,17 +1233,17 @@ def decode_round(payload: bytes, *, limits: Limits = Limits()) -> RoundAnnouncem
     return RoundAnnouncement(
         round=_int(obj, "round", ""),
         base_version=_int(obj, "base_version", ""),
-        deadline_s=_float(obj, "deadline_s", "", 0.0, lo_open=True),
-        local_epochs=_int(obj, "local_epochs", "", 1),
-        lr=_float(obj, "lr", "", 0.0, lo_open=True),
-        batch_size=_int(obj, "batch_size", "", 1),
-        min_clients=_int(obj, "min_clients", "", 1),
+        deadline_s=_float(obj, "deadline_s", "", 0.0, MAX_DEADLINE_S, lo_open=True),
+        local_epochs=_int(obj, "local_epochs", "", 1, MAX_LOCAL_EPOCHS),
+        lr=_float(obj, "lr", "", 0.0, MAX_LR, lo_open=True),
+        batch_size=_int(obj, "batch_size", "", 1, MAX_BATCH_SIZE),
+        min_clients=_int(obj, "min_clients", "", 1, MAX_CLIENTS),
         selected=selected,
         compression=_compression(obj, "compression") if "compression" in obj else Compression.NONE,
         topk_fraction=(
             _float(obj, "topk_fraction", "", 0.0, 1.0, lo_open=True) if "topk_fraction" in obj else 0.1
         ),
-        prox_mu=_float(obj, "prox_mu", "", 0.0) if "prox_mu" in obj else 0.0,
+        prox_mu=_float(obj, "prox_mu", "", 0.0, MAX_PROX_MU) if "prox_mu" in obj else 0.0,
         signature=_signature(obj, limits),
     )
 

@@ -42,7 +42,7 @@ from agent.codec import (
     offline_status,
 )
 from agent.config import Profile
-from agent.errors import EdgeflError, TransportError, UpdateRejected
+from agent.errors import EdgeflError, ModelError, TransportError, UpdateRejected
 from agent.feedback import ErrorFeedback
 from agent.head import Head, validate_head
 from agent.pipeline import Pipeline, choose
@@ -129,6 +129,7 @@ class Agent:
         self.state_dir = Path(profile.device.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         pcfg = profile.pipeline
+        self._check_shapes(profile)
         mode, batch = pcfg.mode, pcfg.batch
         if mode == "auto":
             mode, batch = choose(
@@ -176,6 +177,26 @@ class Agent:
         self._outbox_lock = asyncio.Lock()
         self._reconnected = asyncio.Event()
         self._round_lock = asyncio.Lock()
+
+    def _check_shapes(self, profile: Profile) -> None:
+        """Refuse at start-up a model the profile's samples do not fit (ModelError: exit code 3)."""
+        channels = self.backbone.sample_shape[-1] if self.backbone.sample_shape else 1
+        n = len(profile.pipeline.mean)
+        if n not in (1, channels):
+            raise ModelError(
+                str(profile.model.path),
+                f"model input has {channels} channel(s); pipeline.mean/std have {n} values",
+            )
+        src = profile.source
+        if src.kind == "replay" and src.path is not None:
+            with np.load(src.path) as data:
+                shape = tuple(int(d) for d in data["x"].shape[1:])
+            if shape != self.backbone.sample_shape:
+                raise ModelError(
+                    str(profile.model.path),
+                    f"model expects samples of shape {self.backbone.sample_shape}, "
+                    f"source.path {src.path} holds {shape}",
+                )
 
     # --- persistence -------------------------------------------------------------------------
     def _head_path(self) -> Path:
@@ -322,6 +343,11 @@ class Agent:
             self.state.rejected[exc.reason] += 1
             logger.warning("rejected message on %s (%d bytes): %s", msg.topic, len(msg.payload), exc)
             self._changed()
+        except (ValueError, ArithmeticError, EdgeflError) as exc:
+            # last line of defence: whatever a message made us do failed; count it, keep running
+            self.state.rejected["failed"] += 1
+            logger.exception("handling %s (%d bytes) failed: %s", msg.topic, len(msg.payload), exc)
+            self._set_state("idle", f"last message failed: {exc}")
 
     async def apply_global(self, gm: GlobalModel) -> None:
         """Validate a global head and swap it in atomically.
@@ -374,6 +400,10 @@ class Agent:
             self.state.rejected[exc.reason] += 1
             logger.warning("round %d not taken: %s", ann.round, exc)
             self._changed()
+        except (ValueError, ArithmeticError, EdgeflError) as exc:
+            self.state.rejected["failed"] += 1
+            logger.exception("round %d failed: %s", ann.round, exc)
+            self._set_state("idle", f"round {ann.round} failed: {exc}")
 
     async def on_round(self, ann: RoundAnnouncement) -> None:
         """Train for a round and publish the update (once per round; one round at a time)."""
@@ -431,6 +461,7 @@ class Agent:
                     prox_mu=ann.prox_mu,
                     clip_norm=cfg.clip_norm,
                     seed=cfg.seed + ann.round,
+                    time_budget_s=ann.deadline_s,
                 )
 
         result = await loop.run_in_executor(self.executor, train)

@@ -73,8 +73,9 @@ class ErrorFeedback:
             logger.warning("error-feedback residual %s unreadable (%s); starting from zero", self.path, exc)
             return
         if sha != self.model_sha256 or W.shape != self.shape or b.shape != (self.shape[1],):
-            logger.info("error-feedback residual %s is for another model or shape; starting from zero",
-                        self.path)
+            logger.info(
+                "error-feedback residual %s is for another model or shape; starting from zero", self.path
+            )
             return
         if not (np.isfinite(W).all() and np.isfinite(b).all()):
             logger.warning("error-feedback residual %s not finite; starting from zero", self.path)

@@ -13,6 +13,9 @@ import numpy as np
 from agent.errors import UpdateRejected
 from agent.types import F32, I64
 
+MAX_HEAD_ABS = 1.0e4
+"""Largest |weight| or |bias| a valid head may hold (ours stay below ~10; float32 overflows near 1e38)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Head:
@@ -70,7 +73,7 @@ def validate_head(W: F32, b: F32, shape: tuple[int, int]) -> None:
     ------
     UpdateRejected
         ``bad_shape`` if the shapes differ from ``shape``, ``bad_dtype`` if not float32,
-        ``not_finite`` if any value is NaN or infinite.
+        ``not_finite`` if any value is NaN or infinite, ``bad_value`` if any |value| > ``MAX_HEAD_ABS``.
     """
     if W.shape != shape or b.shape != (shape[1],):
         raise UpdateRejected(
@@ -80,6 +83,10 @@ def validate_head(W: F32, b: F32, shape: tuple[int, int]) -> None:
         raise UpdateRejected("bad_dtype", f"head dtypes {W.dtype}/{b.dtype}, expected float32")
     if not (np.isfinite(W).all() and np.isfinite(b).all()):
         raise UpdateRejected("not_finite", "head contains NaN or infinite values")
+    largest = max(float(np.abs(W).max(initial=0.0)), float(np.abs(b).max(initial=0.0)))
+    if largest > MAX_HEAD_ABS:
+        # finite but absurd: logits would overflow float32 on ordinary embeddings
+        raise UpdateRejected("bad_value", f"head has |value| {largest:.3g} > {MAX_HEAD_ABS:g}")
 
 
 def softmax(logits: F32) -> F32:

@@ -50,6 +50,7 @@ def train_local(
     prox_mu: float = 0.0,
     clip_norm: float | None = None,
     seed: int = 0,
+    time_budget_s: float | None = None,
 ) -> LocalResult:
     """Run ``local_epochs`` of mini-batch SGD on a copy of ``head`` over every sample of ``store``.
 
@@ -77,6 +78,9 @@ def train_local(
         If set, the update ``(delta_W, delta_b)`` is scaled down to this L2 norm.
     seed : int
         Seed of the per-epoch shuffles.
+    time_budget_s : float or None
+        Stop after the chunk during which this many seconds have passed (the round's deadline:
+        an update after it is refused anyway); None = no limit.
 
     Returns
     -------
@@ -102,9 +106,14 @@ def train_local(
     W = head.W.copy()
     b = head.b.copy()
     rng = np.random.default_rng(seed)
+    stop_at = t0 + time_budget_s if time_budget_s is not None else None
     for _ in range(local_epochs):
+        if stop_at is not None and time.perf_counter() > stop_at:
+            break
         order = rng.permutation(n).astype(np.int64)
         for emb, lbl in store.chunks(chunk_size, order):
+            if stop_at is not None and time.perf_counter() > stop_at:
+                break
             perm = rng.permutation(emb.shape[0])
             for s in range(0, emb.shape[0], batch_size):
                 sel = perm[s : s + batch_size]

@@ -103,11 +103,11 @@ class Round:
         """
         if self.phase is not RoundPhase.OPEN:
             raise UpdateRejected("round_closed", f"round {self.number} is closed")
-        if update.round != self.number:
+        if self.check_round and update.round != self.number:
             raise UpdateRejected(
                 "stale_round", f"update for round {update.round}, round {self.number} is open"
             )
-        if update.base_version != self.base_version:
+        if self.check_round and update.base_version != self.base_version:
             raise UpdateRejected(
                 "stale_base", f"update from version {update.base_version}, round uses {self.base_version}"
             )

@@ -134,3 +134,55 @@ def test_robust_transport_survives_a_raising_callback(
     got, errors = asyncio.run(main())
     assert got == [b"2", b"3"]  # the network loop went on after the first handler raised
     assert errors == 1
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("lr", 1e308), ("local_epochs", 2**62), ("batch_size", 2**62), ("deadline_s", 1e12), ("prox_mu", 1e9)],
+)
+def test_robust_round_settings_out_of_bounds_are_refused(field: str, value: float) -> None:
+    from agent.codec import RoundAnnouncement, decode_round, encode_round
+    from agent.errors import DecodeError
+
+    fields: dict[str, Any] = {
+        "round": 1,
+        "base_version": 0,
+        "deadline_s": 5.0,
+        "local_epochs": 2,
+        "lr": 0.05,
+        "batch_size": 16,
+        "min_clients": 1,
+        "selected": 1.0,
+    }
+    fields[field] = value
+    with pytest.raises(DecodeError, match="bad_value"):
+        decode_round(encode_round(RoundAnnouncement(**fields)))
+
+
+def test_robust_absurd_but_finite_head_is_refused() -> None:
+    from agent.errors import UpdateRejected
+    from agent.head import MAX_HEAD_ABS, validate_head
+
+    W = np.full((4, 3), 3e38, np.float32)
+    with pytest.raises(UpdateRejected, match="bad_value"):
+        validate_head(W, np.zeros(3, np.float32), (4, 3))
+    validate_head(np.full((4, 3), MAX_HEAD_ABS, np.float32), np.zeros(3, np.float32), (4, 3))
+
+
+def test_robust_training_stops_at_its_time_budget(tmp_path: Path) -> None:
+    import time
+
+    from agent.head import Head
+    from agent.store import EmbeddingStore
+    from agent.trainer import train_local
+
+    rng = np.random.default_rng(0)
+    store = EmbeddingStore(tmp_path, capacity=512, dim=8)
+    store.add(rng.normal(size=(512, 8)).astype(np.float32), rng.integers(0, 3, 512).astype(np.int64))
+    head = Head(np.zeros((8, 3), np.float32), np.zeros(3, np.float32))
+    t0 = time.perf_counter()
+    res = train_local(
+        head, store, local_epochs=1_000_000, lr=0.01, batch_size=4, chunk_size=64, time_budget_s=0.5
+    )
+    assert time.perf_counter() - t0 < 5.0
+    assert res.num_examples == 512 and 0.0 <= res.accuracy <= 1.0
