@@ -40,7 +40,8 @@ def _interpreter_classes(runtime: RuntimeName) -> list[tuple[str, Any]]:
 
             found.append(("tflite", tflite))
         except ImportError as exc:
-            logger.info("tflite-runtime not importable: %s", exc)
+            # expected wherever LiteRT is installed; it only matters when nothing else loads
+            (logger.debug if found else logger.info)("tflite-runtime not importable: %s", exc)
     return found
 
 

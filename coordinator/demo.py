@@ -161,6 +161,9 @@ def run_demo(opts: DemoOptions) -> int:
     """
     for name in ("amqtt", "transitions", "passlib"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # the per-update lines would interleave with the results table; warnings still show
+    for name in ("coordinator.service", "agent.runtime", "agent.transport", "dashboard.app"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     return asyncio.run(_run(opts))
 
 
