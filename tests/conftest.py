@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -93,3 +94,26 @@ def mosquitto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
 def fleet() -> str:
     """A unique fleet name, so each test has its own topic space on the shared broker."""
     return f"t{uuid.uuid4().hex[:10]}"
+
+
+def start_replay_agent(
+    broker: Broker, fleet: str, tmp: Path, dev: str, x: Any, y: Any, **extra: str
+) -> subprocess.Popen[bytes]:
+    """Start a real agent process (dev profile, int8 model) replaying x, y; its log is tmp/<dev>.log."""
+    import numpy as np
+
+    from coordinator.demo import launch_agent
+
+    np.savez(tmp / f"{dev}.npz", x=x, y=y)
+    overrides = {
+        "device.id": dev,
+        "device.fleet": fleet,
+        "device.state_dir": str(tmp / dev),
+        "broker.url": broker.url,
+        "source.kind": "replay",
+        "source.path": str(tmp / f"{dev}.npz"),
+        "model.path": str(INT8_MODEL),
+        "dashboard.enabled": "false",
+        **{k.replace("__", "."): v for k, v in extra.items()},
+    }
+    return launch_agent(DEV_PROFILE, overrides, tmp / f"{dev}.log")

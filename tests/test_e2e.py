@@ -10,14 +10,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import DEV_PROFILE, INT8_MODEL, Broker
+from conftest import INT8_MODEL, Broker, start_replay_agent
 
 from agent.codec import GlobalModel, encode_global_model
 from agent.datasets import load_digits, partition_non_iid, split_digits
 from agent.runtime import Backbone
 from agent.topics import Topics
 from agent.transport import MqttTransport
-from coordinator.demo import accuracy, embed_all, launch_agent, stop_agents
+from coordinator.demo import accuracy, embed_all, stop_agents
 from coordinator.service import Coordinator
 from coordinator.strategy import Strategy
 
@@ -33,22 +33,9 @@ def two_agents(mosquitto: Broker, fleet: str, tmp_path: Path) -> Iterator[tuple[
     procs = []
     for k, shard in enumerate(shards):
         dev = f"dev-{k + 1}"
-        np.savez(tmp_path / f"{dev}.npz", x=x[shard], y=y[shard])
         procs.append(
-            launch_agent(
-                DEV_PROFILE,
-                {
-                    "device.id": dev,
-                    "device.fleet": fleet,
-                    "device.state_dir": str(tmp_path / dev),
-                    "broker.url": mosquitto.url,
-                    "source.kind": "replay",
-                    "source.path": str(tmp_path / f"{dev}.npz"),
-                    "model.path": str(INT8_MODEL),
-                    "training.store_capacity": "1024",
-                    "dashboard.enabled": "false",
-                },
-                tmp_path / f"{dev}.log",
+            start_replay_agent(
+                mosquitto, fleet, tmp_path, dev, x[shard], y[shard], training__store_capacity="1024"
             )
         )
     ctx = {"x": x, "y": y, "split": split, "tmp": tmp_path}

@@ -8,14 +8,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import DEV_PROFILE, INT8_MODEL, Broker
+from conftest import INT8_MODEL, Broker, start_replay_agent
 
 from agent.codec import Update, UpdateMetrics, encode_update
 from agent.datasets import load_digits, partition_non_iid, split_digits
 from agent.runtime import Backbone
 from agent.topics import Topics
 from agent.transport import Message, MqttTransport
-from coordinator.demo import launch_agent, stop_agents
+from coordinator.demo import stop_agents
 from coordinator.service import Coordinator
 from coordinator.strategy import Strategy
 
@@ -24,21 +24,7 @@ pytestmark = pytest.mark.timeout(180)
 
 def _agent(mosquitto: Broker, fleet: str, tmp_path: Path, dev: str, shard: np.ndarray) -> Any:
     x, y = load_digits()
-    np.savez(tmp_path / f"{dev}.npz", x=x[shard], y=y[shard])
-    return launch_agent(
-        DEV_PROFILE,
-        {
-            "device.id": dev,
-            "device.fleet": fleet,
-            "device.state_dir": str(tmp_path / dev),
-            "broker.url": mosquitto.url,
-            "source.kind": "replay",
-            "source.path": str(tmp_path / f"{dev}.npz"),
-            "model.path": str(INT8_MODEL),
-            "dashboard.enabled": "false",
-        },
-        tmp_path / f"{dev}.log",
-    )
+    return start_replay_agent(mosquitto, fleet, tmp_path, dev, x[shard], y[shard])
 
 
 def test_robust_rounds_with_a_straggler_and_a_late_joiner(
