@@ -216,7 +216,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``edgefl`` console script; returns the exit code."""
     args = build_parser(argv).parse_args(argv)
-    rc: int = args.func(args)
+    try:
+        rc: int = args.func(args)
+    except BrokenPipeError:  # output piped into a reader that stopped (e.g. | head)
+        sys.stderr.close()
+        return EXIT_OK
     return rc
 
 

@@ -40,19 +40,30 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         The sub-command's parser (``func`` set to :func:`main`).
     """
     root = Path(__file__).resolve().parent.parent
-    p: argparse.ArgumentParser = sub.add_parser("coordinator", help="run the coordinator of a fleet")
+    p: argparse.ArgumentParser = sub.add_parser(
+        "coordinator",
+        help="run the coordinator of a fleet",
+        description="Run federated rounds for one fleet over MQTT; resume from --state after a restart.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--broker", default="mqtt://127.0.0.1:1883", help="mqtt://host:port")
-    p.add_argument("--fleet", default="default")
+    p.add_argument("--fleet", default="default", help="fleet name: topics live under <prefix>/<fleet>/")
     p.add_argument("--prefix", default="edgefl", help="topic prefix")
-    p.add_argument("--model", default=str(root / "models" / "digits_cnn_int8.tflite"))
+    p.add_argument(
+        "--model",
+        default=str(root / "models" / "digits_cnn_int8.tflite"),
+        help="backbone .tflite (its sha256 binds the global head)",
+    )
     p.add_argument("--rounds", type=int, default=10, help="rounds to run in total (resumed runs count on)")
-    p.add_argument("--min-clients", type=int, default=2)
+    p.add_argument(
+        "--min-clients", type=int, default=2, help="updates that close a round before its deadline"
+    )
     p.add_argument("--deadline", type=float, default=60.0, help="round deadline, seconds")
     p.add_argument("--wait-devices", type=int, default=0, help="wait for this many ready devices first")
-    p.add_argument("--local-epochs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--lr-decay", type=float, default=0.8)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--local-epochs", type=int, default=2, help="client epochs per round")
+    p.add_argument("--lr", type=float, default=0.05, help="client learning rate of round 1")
+    p.add_argument("--lr-decay", type=float, default=0.8, help="per-round factor on the client learning rate")
+    p.add_argument("--batch-size", type=int, default=16, help="client SGD batch size")
     p.add_argument("--strategy", default="fedavg", choices=STRATEGY_NAMES)
     p.add_argument("--compression", default="none", choices=[c.value for c in Compression])
     p.add_argument(
@@ -63,7 +74,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--device-keys", default=None, metavar="DIR", help="<device>.pub keys: require signed updates"
     )
-    p.add_argument("--max-packet-bytes", type=int, default=256 * 1024)
+    p.add_argument(
+        "--max-packet-bytes", type=int, default=256 * 1024, help="the broker's maximum packet size"
+    )
     p.set_defaults(func=main)
     return p
 
