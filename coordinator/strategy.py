@@ -645,7 +645,14 @@ class _Robust(Strategy):
         raise TypeError(f"strategy {self.name} needs all updates: call aggregate_updates()")
 
     def _combine(self, deltas: Sequence[F32]) -> F32:
-        raise NotImplementedError
+        """The robust rule itself (coordinate-wise median, trimmed mean), defined by each subclass.
+
+        Raises
+        ------
+        NotImplementedError
+            On this abstract base (only ``Median`` and ``TrimmedMean`` are instantiated).
+        """
+        raise NotImplementedError(f"{type(self).__name__} defines no robust rule")
 
     def aggregate_updates(
         self, W: F32, b: F32, deltas_W: Sequence[F32], deltas_b: Sequence[F32], num_examples: Sequence[int]

@@ -265,6 +265,7 @@ def test_no_view_survives_a_run(mode: str) -> None:
     bb.interpreter.invoke()
     bb.interpreter.resize_tensor_input(bb.input_index, [5, *bb.sample_shape])
     bb.interpreter.allocate_tensors()
+    assert int(bb.interpreter.get_input_details()[0]["shape"][0]) == 5
 
 
 @pytest.mark.parametrize("mode", ["fused", "unfused"])
