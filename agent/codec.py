@@ -23,7 +23,8 @@ Failures raise :class:`agent.errors.DecodeError` whose ``reason`` is one of :dat
 the ``rejected_total{reason}`` label) and whose ``detail`` names the dotted field.
 
 Update deltas are compressed per array (see :func:`compress_delta`): ``none`` (float32),
-``float16``, ``int8`` (per-output-unit scales), ``topk`` and ``topk-int8`` (sparse). The dataclasses
+``float16``, ``int8`` (per-output-unit scales), ``topk`` and ``topk-int8`` (sparse; positions as
+indices, a bitmask or Golomb-Rice coded gaps, whichever is smallest). The dataclasses
 always hold dense float32 deltas; compression only changes the wire. Error feedback lives on the
 device: it keeps ``delta - compressed_roundtrip(delta, ...)`` as a residual for the next round.
 
@@ -46,7 +47,7 @@ import numpy as np
 import numpy.typing as npt
 
 from agent.errors import DecodeError
-from agent.types import F32
+from agent.types import F32, I64
 from agent.validators import DEVICE_ID_PATTERN, check_device_id
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,9 @@ _INT_MAX: Final = 2**63 - 1  # fits int64 everywhere downstream (JSON, Prometheu
 _MAX_NDIM: Final = 4
 _TAG_NDARRAY: Final = 40
 _FLOAT16_MAX: Final = float(np.finfo(np.float16).max)
+# Rice parameters 0..15: remainders fit uint16; mean gaps above 2**15 mean so few kept entries that
+# uint32 indices are smaller anyway
+_RICE_MAX_K: Final = 15
 
 # RFC 8746 §2.1 typed-array tags -> numpy wire dtype. float128 (83, 87) has no portable numpy type
 # and 68 (uint8 clamped) has no different meaning for a receiver, so they are not accepted.
@@ -198,7 +202,8 @@ class Limits:
     max_message_bytes : int
         Largest accepted payload, bytes (checked before parsing).
     max_depth : int
-        Deepest nesting of arrays, maps and tags (an update with an int8 delta needs 6).
+        Deepest nesting of arrays, maps and tags (an update with an int8 delta needs 6, one with
+        Rice-coded top-k positions 7).
     max_array_elements : int
         Largest element count of one array (typed or CBOR array, or map pairs).
     max_string_bytes : int
@@ -794,6 +799,74 @@ def _int8_scale(x: F32) -> F32:
     return scale
 
 
+def _cbor_head_bytes(argument: int) -> int:
+    # bytes of a CBOR item head (initial byte + argument) for an argument >= 0 (RFC 8949 §3)
+    if argument < 24:
+        return 1
+    if argument < 2**8:
+        return 2
+    if argument < 2**16:
+        return 3
+    return 5 if argument < 2**32 else 9
+
+
+def _text_cbor_bytes(text: str) -> int:
+    return _cbor_head_bytes(len(text)) + len(text)  # map keys here are ASCII
+
+
+def _array_cbor_bytes(count: int, itemsize: int) -> int:
+    # encode_array of a 1-D array: tag 40 (2), array(2) (1), [count] (1 + head), typed-array tag
+    # (2: tags 64..86 take one argument byte), byte string head, the bytes
+    nbytes = count * itemsize
+    return 2 + 1 + 1 + _cbor_head_bytes(count) + 2 + _cbor_head_bytes(nbytes) + nbytes
+
+
+def _rice_cbor_bytes(count: int, rice_k: int, quotient_bits: int) -> int:
+    # "rice": {"k": k, "q": uint8 [ceil(q_bits/8)], "r": uint8 [ceil(count*k/8)] (absent if k = 0)}
+    size = _text_cbor_bytes("rice") + 1 + _text_cbor_bytes("k") + _cbor_head_bytes(rice_k)
+    size += _text_cbor_bytes("q") + _array_cbor_bytes((quotient_bits + 7) // 8, 1)
+    if rice_k:
+        size += _text_cbor_bytes("r") + _array_cbor_bytes((count * rice_k + 7) // 8, 1)
+    return size
+
+
+def _rice_parameter(gaps: I64) -> tuple[int, int]:
+    """Pick the Rice parameter with the smallest encoded size; return (k, size in bytes).
+
+    The unary stream of parameter k has ``sum(g >> k) + count`` bits and the remainders
+    ``count * k`` bits; every k in [0, 15] is tried (16 vectorised passes) and ties go to the
+    smallest k.
+    """
+    count = int(gaps.size)
+    best_k, best_bytes = 0, -1
+    for rice_k in range(_RICE_MAX_K + 1):
+        quotient_bits = int(np.right_shift(gaps, rice_k).sum()) + count
+        size = _rice_cbor_bytes(count, rice_k, quotient_bits)
+        if best_bytes < 0 or size < best_bytes:
+            best_k, best_bytes = rice_k, size
+    return best_k, best_bytes
+
+
+def _rice_encode(kept: I64, rice_k: int) -> dict[str, object]:
+    """Golomb-Rice code the gaps between strictly increasing positions (layout: :func:`compress_delta`).
+
+    Source: Golomb 1966, "Run-length encodings", IEEE Trans. Inf. Theory 12(3); Rice 1979.
+    """
+    gaps = np.diff(kept, prepend=-1) - 1
+    quotients = np.right_shift(gaps, rice_k)
+    # quotient q_i is q_i one bits then a zero (the terminator): terminator i sits at
+    # sum_{j<=i}(q_j + 1) - 1; everything else in the stream is a one
+    terminators = np.cumsum(quotients + 1) - 1
+    unary = np.ones(int(terminators[-1]) + 1, dtype=np.uint8)
+    unary[terminators] = 0
+    out: dict[str, object] = {"k": rice_k, "q": encode_array(np.packbits(unary, bitorder="little"))}
+    if rice_k:
+        remainders = (gaps & ((1 << rice_k) - 1)).astype(np.uint16)
+        planes = np.right_shift(remainders[:, None], np.arange(rice_k, dtype=np.uint16)) & 1
+        out["r"] = encode_array(np.packbits(planes.astype(np.uint8).reshape(-1), bitorder="little"))
+    return out
+
+
 def compress_delta(
     delta: F32,
     compression: Compression,
@@ -814,7 +887,18 @@ def compress_delta(
     - ``topk``: the ``k = ceil(fraction * size)`` largest-|x| entries of the flattened (C order)
       array: ``{"shape": [...], "indices": uint16|uint32 [k] (strictly increasing), "values":
       float32 [k]}``, or ``"mask": uint8 [ceil(size/8)]`` (bit i = byte i//8, bit i%8, LSB first)
-      instead of ``"indices"`` when the mask is smaller (fraction > 1/16 with uint16 indices).
+      instead of ``"indices"`` when the mask is smaller (fraction > 1/16 with uint16 indices), or
+      ``"rice"`` instead of either when its encoded size (key and value, in CBOR bytes) is
+      strictly smaller than the one just chosen. Rice layout, for the positions ``p_0 < ... <
+      p_{k-1}``: gaps ``g_i = p_i - p_{i-1} - 1`` (``p_{-1} = -1``), parameter ``m`` in [0, 15]
+      (the ``m`` with the fewest bytes, smallest on ties), ``"rice": {"k": m, "q": uint8 [ceil(Q
+      / 8)], "r": uint8 [ceil(k * m / 8)]}``. ``q`` is the unary code of the quotients ``g_i >>
+      m``: for each i, ``g_i >> m`` one bits then a zero bit (the terminator), ``Q = sum(g_i >>
+      m) + k`` bits in all, packed LSB first (stream bit j = byte j//8, bit j%8), zero padded.
+      ``r`` holds the remainders ``g_i & (2**m - 1)``, m bits each, least significant bit first,
+      in the same LSB-first packing, zero padded; ``"r"`` is absent when ``m = 0``. E.g.
+      positions [0, 3, 4, 12] with m = 1: gaps [0, 2, 0, 7], quotients [0, 1, 0, 3] → bits
+      0 10 0 1110 → ``q = [0x72]``; remainders [0, 0, 0, 1] → ``r = [0x08]``.
     - ``topk-int8``: as ``topk`` with ``"q": int8 [k], "scale": float32 [1]`` instead of
       ``"values"``.
 
@@ -846,7 +930,8 @@ def compress_delta(
         elements (top-k), or ``topk_fraction`` is not in (0, 1].
 
     Source: Alistarh et al. 2017, QSGD (stochastic rounding); Jacob et al. 2018 (per-channel int8);
-    Aji & Heafield 2017 and Stich et al. 2018 (top-k sparsification with error feedback).
+    Aji & Heafield 2017 and Stich et al. 2018 (top-k sparsification with error feedback); Golomb
+    1966, "Run-length encodings", IEEE Trans. Inf. Theory 12(3), and Rice 1979 (Rice codes).
     """
     x = np.ascontiguousarray(delta, dtype=np.float32)
     if not 1 <= x.ndim <= _MAX_NDIM or x.size == 0:
@@ -869,8 +954,18 @@ def compress_delta(
     kept = np.sort(np.argpartition(np.abs(flat), size - k)[size - k :])
     out: dict[str, object] = {"shape": list(x.shape)}
     index_dtype = np.uint16 if size <= 2**16 else np.uint32
+    index_bytes = np.dtype(index_dtype).itemsize
     mask_bytes = (size + 7) // 8
-    if mask_bytes < k * np.dtype(index_dtype).itemsize:
+    use_mask = mask_bytes < k * index_bytes
+    if use_mask:
+        chosen_bytes = _text_cbor_bytes("mask") + _array_cbor_bytes(mask_bytes, 1)
+    else:
+        chosen_bytes = _text_cbor_bytes("indices") + _array_cbor_bytes(k, index_bytes)
+    positions = kept.astype(np.int64)  # argpartition gives intp: int32 on armv7l
+    rice_k, rice_bytes = _rice_parameter(np.diff(positions, prepend=-1) - 1)
+    if rice_bytes < chosen_bytes:
+        out["rice"] = _rice_encode(positions, rice_k)
+    elif use_mask:
         mask = np.zeros(size, dtype=np.bool_)
         mask[kept] = True
         out["mask"] = encode_array(np.packbits(mask, bitorder="little"))
@@ -916,6 +1011,91 @@ def _scale(obj: object, name: str, expected: tuple[int, ...], limits: Limits) ->
     return scale
 
 
+def _rice_decode(obj: object, count: int, size: int, limits: Limits, name: str) -> I64:
+    """Decode Rice-coded positions (layout: :func:`compress_delta`), strictly and boundedly.
+
+    Parameters
+    ----------
+    obj : object
+        What cbor2 decoded for ``<name>.rice``.
+    count : int
+        Number of positions (the values' length), >= 1.
+    size : int
+        Element count of the dense array; every position must be < size.
+    limits : Limits
+        Decoding bounds for the two byte arrays.
+    name : str
+        Dotted field name of the rice map, used in error details.
+
+    Returns
+    -------
+    int64 [count]
+        Strictly increasing positions in [0, size).
+
+    Raises
+    ------
+    DecodeError
+        ``wrong_type``, ``unknown_key``, ``missing_key``, ``bad_dtype``, ``bad_shape`` (malformed
+        fields), ``bad_indices`` (k outside [0, 15], ``q`` longer than ``ceil(size/8)`` bytes, too
+        few terminators, bytes after the one holding the last terminator, one bits after it, ``r``
+        not ``ceil(count*k/8)`` bytes or its padding set, ``r`` present with k = 0, positions
+        >= size).
+
+    Source: Golomb 1966, "Run-length encodings", IEEE Trans. Inf. Theory 12(3); Rice 1979.
+    """
+    sub = _keys(obj, name, ("k", "q"), ("r",))
+    rice_k = sub["k"]
+    if type(rice_k) is not int:
+        raise DecodeError("wrong_type", f"{name}.k: expected an integer, got {type(rice_k).__name__}")
+    if not 0 <= rice_k <= _RICE_MAX_K:
+        shown = str(rice_k) if abs(rice_k) < 10**20 else "huge"
+        raise DecodeError("bad_indices", f"{name}.k = {shown}: must be in [0, {_RICE_MAX_K}]")
+    if count > size:
+        raise DecodeError("bad_indices", f"{name}: {count} positions for {size} elements")
+    u8 = frozenset({"uint8"})
+    q = decode_array(sub["q"], limits=limits, dtypes=u8, name=f"{name}.q")
+    if q.ndim != 1:
+        raise DecodeError("bad_shape", f"{name}.q: must be 1-D")
+    # a valid stream has sum(g >> k) + count <= sum(g) + count = last position + 1 <= size bits:
+    # checked before unpacking, so the unpacked bits take at most size + 7 bytes
+    if q.size > (size + 7) // 8:
+        raise DecodeError("bad_indices", f"{name}.q: {q.size} bytes > {(size + 7) // 8} for size {size}")
+    bits = np.unpackbits(q, bitorder="little")
+    zeros = np.flatnonzero(bits == 0)
+    if zeros.size < count:
+        raise DecodeError("bad_indices", f"{name}.q: {zeros.size} terminators for {count} positions")
+    last = int(zeros[count - 1])
+    if last < 8 * (q.size - 1):
+        raise DecodeError("bad_indices", f"{name}.q: bytes after the one holding the last terminator")
+    if bool(bits[last + 1 :].any()):
+        raise DecodeError("bad_indices", f"{name}.q: bits set after the last terminator")
+    terminators: I64 = zeros[:count].astype(np.int64)
+    quotients: I64 = np.subtract(np.diff(terminators, prepend=-1), 1, dtype=np.int64)
+    if rice_k == 0:
+        if "r" in sub:
+            raise DecodeError("bad_indices", f"{name}.r: present with k = 0")
+        gaps = quotients
+    else:
+        if "r" not in sub:
+            raise DecodeError("missing_key", f"{name}.r")
+        r = decode_array(sub["r"], limits=limits, dtypes=u8, name=f"{name}.r")
+        r_bits = count * rice_k
+        if r.shape != ((r_bits + 7) // 8,):
+            raise DecodeError(
+                "bad_indices", f"{name}.r: shape {list(r.shape)}, expected [{(r_bits + 7) // 8}]"
+            )
+        if r_bits % 8 and int(r[-1]) >> (r_bits % 8):
+            raise DecodeError("bad_indices", f"{name}.r: padding bits set")
+        planes = np.unpackbits(r, count=r_bits, bitorder="little").reshape(count, rice_k)
+        remainders = planes @ np.left_shift(np.uint16(1), np.arange(rice_k, dtype=np.uint16))
+        # sum(quotients) <= 8 * len(q) and remainders < 2**15: no int64 overflow below
+        gaps = np.left_shift(quotients, rice_k) + remainders.astype(np.int64)
+    positions: I64 = np.cumsum(gaps + 1, dtype=np.int64) - 1
+    if int(positions[-1]) >= size:
+        raise DecodeError("bad_indices", f"{name}: position {int(positions[-1])} >= size {size}")
+    return positions
+
+
 def decompress_delta(
     obj: object,
     shape: tuple[int, ...] | None,
@@ -950,7 +1130,8 @@ def decompress_delta(
         ``wrong_type``, ``unknown_key``, ``missing_key``, ``bad_value`` (layout differs from
         ``compression``, negative scale), ``bad_shape``, ``bad_dtype``, ``too_large``,
         ``not_finite``, ``bad_indices`` (out of range, not strictly increasing, mask padding set,
-        count differs from the values).
+        count differs from the values, not exactly one of indices/mask/rice, malformed Rice
+        streams: see :func:`_rice_decode`).
     """
     if not isinstance(obj, dict):
         raise DecodeError("wrong_type", f"{name}: expected a map, got {type(obj).__name__}")
@@ -978,15 +1159,30 @@ def decompress_delta(
         return _finite_or_raise(dense, name)
 
     value_keys = ("values",) if kind is Compression.TOPK else ("q", "scale")
-    sub = _keys(obj, name, ("shape", *value_keys), ("indices", "mask"))
+    position_keys = ("indices", "mask", "rice")
+    sub = _keys(obj, name, ("shape", *value_keys), position_keys)
     full_shape = _shape(sub["shape"], f"{name}.shape", limits)
     check_shape(full_shape)
     size = math.prod(full_shape)
-    if ("indices" in sub) == ("mask" in sub):
+    present = sum(key in sub for key in position_keys)
+    if present != 1:
         raise DecodeError(
-            "missing_key" if "indices" not in sub else "bad_indices", f"{name}: exactly one of indices, mask"
+            "missing_key" if present == 0 else "bad_indices", f"{name}: exactly one of indices, mask, rice"
         )
-    if "indices" in sub:
+    # the values come first: their length is the position count the Rice decoder needs
+    if kind is Compression.TOPK:
+        f32 = frozenset({"float32"})
+        values = decode_array(sub["values"], limits=limits, dtypes=f32, name=f"{name}.values")
+    else:
+        q = decode_array(sub["q"], limits=limits, dtypes=frozenset({"int8"}), name=f"{name}.q")
+        scale = _scale(sub["scale"], f"{name}.scale", (1,), limits)
+        with np.errstate(over="ignore"):
+            values = q.astype(np.float32) * scale
+    if values.ndim != 1:
+        raise DecodeError("bad_indices", f"{name}: values of shape {list(values.shape)}, expected 1-D")
+    if "rice" in sub:
+        kept = _rice_decode(sub["rice"], values.shape[0], size, limits, f"{name}.rice")
+    elif "indices" in sub:
         wire = decode_array(
             sub["indices"], limits=limits, dtypes=frozenset({"uint16", "uint32"}), name=f"{name}.indices"
         )
@@ -1006,14 +1202,6 @@ def decompress_delta(
             raise DecodeError("bad_indices", f"{name}.mask: padding bits set")
         kept = np.flatnonzero(np.unpackbits(mask, count=size, bitorder="little"))
     k = kept.size
-    if kind is Compression.TOPK:
-        f32 = frozenset({"float32"})
-        values = decode_array(sub["values"], limits=limits, dtypes=f32, name=f"{name}.values")
-    else:
-        q = decode_array(sub["q"], limits=limits, dtypes=frozenset({"int8"}), name=f"{name}.q")
-        scale = _scale(sub["scale"], f"{name}.scale", (1,), limits)
-        with np.errstate(over="ignore"):
-            values = q.astype(np.float32) * scale
     if values.shape != (k,):
         raise DecodeError("bad_indices", f"{name}: {k} positions for values of shape {list(values.shape)}")
     dense = np.zeros(full_shape, dtype=np.float32)

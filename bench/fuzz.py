@@ -100,6 +100,16 @@ def seeds() -> list[bytes]:
     out.append(sign_message(encode_update, u, KEY))
     out.extend(split_message(out[0], "edgefl/f/global", 200, msg_id="g-2"))
     out.append(encode_record(out[2], 5))
+    # Rice-coded top-k positions: k = 0 at the expected shape (4 kept, clustered at the start, so
+    # the unary stream is 1 byte), and k > 0 with a remainder stream on a larger head
+    clustered = np.zeros(SHAPE, np.float32)
+    clustered.flat[:4] = [4.0, -3.0, 2.0, 1.5]
+    metrics = UpdateMetrics(0.5, 0.9, 0.01, 1000)
+    u = Update(3, 2, "dev-1", 10, clustered, b, metrics, "dev-1:3:3", Compression.TOPK)
+    out.append(encode_update(u, topk_fraction=0.0625))
+    wide = rng.standard_normal((64, 8)).astype(np.float32)
+    u = Update(3, 2, "dev-1", 10, wide, wide[0], metrics, "dev-1:3:4", Compression.TOPK_INT8)
+    out.append(encode_update(u, topk_fraction=0.1))
     return out
 
 
