@@ -235,6 +235,9 @@ class ModelShapes:
         D.
     classes : int
         K.
+    delegated : bool
+        The interpreter runs the graph in XNNPACK, which plans its own workspace to about the
+        liveness bound (no im2col scratch): :func:`estimate_inference_bytes` uses factor 1, not 2.
     """
 
     sample_elems: int
@@ -242,6 +245,7 @@ class ModelShapes:
     activation_bytes: int
     embedding_dim: int
     classes: int
+    delegated: bool = False
 
     @property
     def quantized_input(self) -> bool:
@@ -281,7 +285,9 @@ def model_shapes(backbone: Any) -> ModelShapes:
 
     activation = 0
     try:
-        ops = interp._get_ops_details()
+        # a delegated graph also lists its DELEGATE nodes (model inputs to outputs) after the ops they
+        # replaced: they would keep every tensor alive across the whole graph
+        ops = [op for op in interp._get_ops_details() if op["op_name"] != "DELEGATE"]
         written: set[int] = {int(backbone.input_index)}
         first: dict[int, int] = {int(backbone.input_index): 0}
         last: dict[int, int] = {}
@@ -304,20 +310,25 @@ def model_shapes(backbone: Any) -> ModelShapes:
     try:
         classes = int(backbone.head_from_model()[0].shape[1])
     except Exception:  # any model without a known head: use the output width
-        classes = int(interp.get_output_details()[0]["shape"][-1])
+        details = {int(d["index"]): d for d in interp.get_output_details()}
+        classes = int(details[backbone.output_index]["shape"][-1])
     return ModelShapes(
         sample_elems=sample_elems,
         input_itemsize=int(backbone.input_dtype.itemsize),
         activation_bytes=math.ceil(activation / batch),
         embedding_dim=int(backbone.embedding_dim),
         classes=classes,
+        delegated=bool(getattr(backbone, "delegated", False)),
     )
 
 
 # Factors fitted to the measured peaks (bench/memory.py, tests/test_memory.py) with headroom:
 # the arena is up to ~2x the liveness lower bound (im2col/accumulator scratch of int8 convs).
 _ARENA_FACTOR = 2.0
+# XNNPACK: MobileNet int8 at batch 32 measured 4.4 MiB for a 4.2 MiB liveness bound (tests/test_memory.py)
+_DELEGATED_ARENA_FACTOR = 1.0
 _FIXED_BYTES = 256 << 10  # small Python objects, page rounding
+_TOPK_CODE_BYTES = 768 << 10  # first-call code pages of the top-k encoder (see estimate_encode_bytes)
 # The first run of a phase faults in the code pages of the library paths it uses (numpy's sort and
 # BLAS kernels, LiteRT's kernels for a new shape): measured 1.5 MiB of RssFile for training.
 FIRST_RUN_BYTES = 2 << 20
@@ -375,7 +386,8 @@ def estimate_inference_bytes(
         Bytes.
     """
     grow = max(0, batch - resident_batch)
-    arena = int(_ARENA_FACTOR * shapes.activation_bytes * grow) + grow * shapes.sample_elems * (
+    factor = _DELEGATED_ARENA_FACTOR if shapes.delegated else _ARENA_FACTOR
+    arena = int(factor * shapes.activation_bytes * grow) + grow * shapes.sample_elems * (
         shapes.input_itemsize
     )
     outputs = batch * (shapes.embedding_dim + shapes.classes) * (4 + 4 + 1)
@@ -439,8 +451,9 @@ def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fractio
     """Bytes ``agent.codec.encode_update`` may add to RSS.
 
     The dense delta's float32 temporaries (finite check, clip or scale, absolute values), the int64
-    partition of top-k, and the payload three times (typed-array bytes, the CBOR buffer and the
-    returned ``bytes``).
+    partition of top-k and the code pages its first call touches (partition, packbits, the Rice
+    coder's cumsum: ~1 MiB of RSS in a fresh process for 67 KiB of tracemalloc peak at D=512, K=10),
+    and the payload three times (typed-array bytes, the CBOR buffer and the returned ``bytes``).
 
     Parameters
     ----------
@@ -456,7 +469,8 @@ def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fractio
         Bytes.
     """
     n = dim * classes + classes
-    temps = n * 4 * 2 + (n * 8 * 2 if compression.startswith("topk") else 0)
+    sparse = compression.startswith("topk")
+    temps = n * 4 * 2 + (n * 8 * 2 + _TOPK_CODE_BYTES if sparse else 0)
     return temps + 3 * wire_bytes(dim, classes, compression, topk_fraction) + _FIXED_BYTES
 
 

@@ -244,7 +244,8 @@ class Pipeline:
                 self.batch,
                 self.tensor_batch,
             )
-        self.num_classes = int(self._interp.get_output_details()[0]["shape"][-1])
+        outputs = {int(d["index"]): d for d in self._interp.get_output_details()}
+        self.num_classes = int(outputs[backbone.output_index]["shape"][-1])
         self._tables: dict[np.dtype[Any], _Table | None] = {}
         self._built_for = (backbone.input_dtype, backbone.input_quant)
         self._scratch: F32 | None = None

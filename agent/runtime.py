@@ -45,7 +45,9 @@ def _interpreter_classes(runtime: RuntimeName) -> list[tuple[str, Any]]:
     return found
 
 
-def open_interpreter(path: Path, *, num_threads: int = 1, runtime: RuntimeName = "auto") -> tuple[str, Any]:
+def open_interpreter(
+    path: Path, *, num_threads: int = 1, runtime: RuntimeName = "auto", delegates: bool = False
+) -> tuple[str, Any]:
     """Create and allocate an interpreter for ``path``, trying each available runtime in turn.
 
     A runtime counts as working only once it has built an interpreter for the model: tflite-runtime
@@ -54,9 +56,10 @@ def open_interpreter(path: Path, *, num_threads: int = 1, runtime: RuntimeName =
     The model is given by path, not bytes: LiteRT then memory-maps the file, so no second copy of
     the model lives in the heap.
 
-    The built-in kernels are used without the default XNNPACK delegate: a delegated graph keeps its
-    intermediate tensors inside the delegate, and ``get_tensor`` on the embedding (an intermediate
-    tensor) then fails with "Tensor data is null".
+    ``delegates=False`` uses the built-in kernels without the default XNNPACK delegate: a delegated
+    graph keeps its intermediate tensors inside the delegate, and ``get_tensor`` on an intermediate
+    tensor then fails with "Tensor data is null". ``delegates=True`` applies XNNPACK (LiteRT's
+    ``OpResolverType.BUILTIN``): only the model's outputs are readable after ``invoke()``.
 
     Parameters
     ----------
@@ -66,6 +69,8 @@ def open_interpreter(path: Path, *, num_threads: int = 1, runtime: RuntimeName =
         Interpreter threads (the profile's ``model.num_threads``).
     runtime : "auto" | "litert" | "tflite"
         Which runtime to use; "auto" prefers LiteRT.
+    delegates : bool
+        Apply the runtime's default delegate (XNNPACK on CPU).
 
     Returns
     -------
@@ -92,7 +97,11 @@ def open_interpreter(path: Path, *, num_threads: int = 1, runtime: RuntimeName =
             interp = mod.Interpreter(
                 model_path=str(path),
                 num_threads=num_threads,
-                experimental_op_resolver_type=mod.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
+                experimental_op_resolver_type=(
+                    mod.OpResolverType.BUILTIN
+                    if delegates
+                    else mod.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
+                ),
             )
             interp.allocate_tensors()
             return name, interp
@@ -158,6 +167,10 @@ class Backbone:
     runtime : "auto" | "litert" | "tflite"
     embedding_tensor : str or None
         Name of the embedding tensor; None = the input of the model's last FULLY_CONNECTED op.
+    xnnpack : bool or None
+        Run with the XNNPACK delegate. None (default) = exactly when the embedding is one of the
+        model's outputs (the models ``models/build.py`` writes export it as their second output), since
+        a delegated graph's intermediate tensors cannot be read. ``delegated`` records the choice.
 
     Raises
     ------
@@ -167,9 +180,12 @@ class Backbone:
 
     Notes
     -----
-    After ``invoke()`` the embedding is read with ``get_tensor`` (a copy). It is the input of the
-    graph's last op, whose arena buffer the output cannot overwrite, so it is intact after the call
-    (checked against an interpreter with ``experimental_preserve_all_tensors`` in the tests).
+    After ``invoke()`` the embedding is read with ``get_tensor`` (a copy). Without XNNPACK it may be an
+    intermediate tensor: it is the input of the graph's last op, whose arena buffer the output cannot
+    overwrite, so it is intact after the call (checked against an interpreter with
+    ``experimental_preserve_all_tensors`` in the tests). The logits are the output of the last
+    FULLY_CONNECTED op (or the first output that is not the embedding). With XNNPACK, int8 kernels may
+    round differently from the built-in ones by one quantisation step.
     One interpreter is used by one thread at a time: the daemon calls it from one executor thread.
     """
 
@@ -180,6 +196,7 @@ class Backbone:
         num_threads: int = 1,
         runtime: RuntimeName = "auto",
         embedding_tensor: str | None = None,
+        xnnpack: bool | None = None,
     ) -> None:
         self.path = path
         self.runtime_name, self.interpreter = open_interpreter(path, num_threads=num_threads, runtime=runtime)
@@ -192,11 +209,25 @@ class Backbone:
         self.input_shape: tuple[int, ...] = tuple(int(d) for d in inputs[0]["shape"])
         self.input_dtype = np.dtype(inputs[0]["dtype"])
         self.input_quant = _quant(inputs[0])
-        self.output_index = int(outputs[0]["index"])
-        self.output_quant = _quant(outputs[0])
         self._fc_weights: int | None = None
         self._fc_bias: int | None = None
+        self._fc_output: int | None = None
         self.embedding_index = self._find_embedding(embedding_tensor)
+        output_indices = [int(d["index"]) for d in outputs]
+        logits = [i for i in output_indices if i != self.embedding_index]
+        if self._fc_output in output_indices:
+            self.output_index = int(self._fc_output)
+        elif logits:
+            self.output_index = logits[0]
+        else:
+            raise ModelError(str(path), "the only model output is the embedding: no logits output")
+        self.output_quant = _quant(next(d for d in outputs if int(d["index"]) == self.output_index))
+        # Tensor indices are the flatbuffer's, the same in a delegated interpreter of the same file.
+        self.delegated = bool(xnnpack) if xnnpack is not None else self.embedding_index in output_indices
+        if self.delegated:
+            self.runtime_name, self.interpreter = open_interpreter(
+                path, num_threads=num_threads, runtime=runtime, delegates=True
+            )
         details = {int(d["index"]): d for d in self.interpreter.get_tensor_details()}
         emb = details[self.embedding_index]
         self.embedding_quant = _quant(emb)
@@ -237,6 +268,7 @@ class Backbone:
         ins = [int(i) for i in last["inputs"]]
         self._fc_weights = ins[1]
         self._fc_bias = ins[2] if len(ins) > 2 and ins[2] >= 0 else None
+        self._fc_output = int(last["outputs"][0])
         return ins[0]
 
     @property

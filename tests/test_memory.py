@@ -375,7 +375,7 @@ def test_model_shapes_of_the_real_models() -> None:
     from agent.runtime import Backbone
 
     s = memory.model_shapes(Backbone(INT8_MODEL))
-    assert (s.sample_elems, s.input_itemsize, s.embedding_dim, s.classes) == (64, 1, 32, 10)
+    assert (s.sample_elems, s.input_itemsize, s.embedding_dim, s.classes) == (64, 1, 512, 10)
     m = memory.model_shapes(Backbone(MODELS / "mobilenet_v2_035_96_float32.tflite"))
     assert (m.sample_elems, m.input_itemsize, m.embedding_dim, m.classes) == (96 * 96 * 3, 4, 1280, 10)
     # the first op (stride-2 conv, 16 channels at alpha 0.35) has its input and output alive together
@@ -495,8 +495,12 @@ def test_wired_tight_cap_shrinks_or_defers_training_keeps_classifying(
     """Cap = import baseline + 8 MiB: training shrinks or defers, inference goes on, RSS stays under."""
     baseline = import_baseline_bytes()
     cap_mb = math.ceil((baseline + 8 * MIB) / MIB)
-    # A store of ~16k samples and a training chunk of 16384 x D floats need a few MiB more than the
-    # ~1 MiB left under cap - reserve, whatever this machine's agent RSS is next to the baseline.
+    # A store of 1 MiB (float16 embeddings, file-backed pages that count in RSS), ~16k samples streamed
+    # through it and a training chunk of the whole store need a few MiB more than the ~1 MiB left
+    # under cap - reserve, whatever this machine's agent RSS is next to the baseline.
+    from agent.runtime import Backbone
+
+    capacity = MIB // (2 * Backbone(INT8_MODEL).embedding_dim)
     x, y = load_digits()
     reps = 9
     big = tmp_path / "big.npz"
@@ -507,8 +511,8 @@ def test_wired_tight_cap_shrinks_or_defers_training_keeps_classifying(
         tmp_path,
         {
             "memory.cap_mb": str(cap_mb),
-            "training.chunk_size": "16384",
-            "training.store_capacity": "16384",
+            "training.chunk_size": str(capacity),
+            "training.store_capacity": str(capacity),
             "source.path": str(big),
             "source.rate_hz": "0",
         },
