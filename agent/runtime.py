@@ -215,8 +215,8 @@ class Backbone:
         self.embedding_index = self._find_embedding(embedding_tensor)
         output_indices = [int(d["index"]) for d in outputs]
         logits = [i for i in output_indices if i != self.embedding_index]
-        if self._fc_output in output_indices:
-            self.output_index = int(self._fc_output)
+        if self._fc_output is not None and self._fc_output in output_indices:
+            self.output_index = self._fc_output
         elif logits:
             self.output_index = logits[0]
         else:
