@@ -215,6 +215,7 @@ class Backbone:
         self.embedding_index = self._find_embedding(embedding_tensor)
         output_indices = [int(d["index"]) for d in outputs]
         logits = [i for i in output_indices if i != self.embedding_index]
+        self.output_index: int
         if self._fc_output is not None and self._fc_output in output_indices:
             self.output_index = self._fc_output
         elif logits:
