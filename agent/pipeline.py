@@ -14,10 +14,14 @@ Two paths over the same stage definitions (:func:`to_float`, :func:`normalise`, 
   batch 8 and was slower at batch 1, so it is not used: docs/benchmarks.md.) Where the table is the
   identity (raw dtype == input dtype and ``table[i] == i``: a model whose input quantisation already
   holds the normalisation, e.g. ``models/*_rawin.tflite``), the step is a plain ``np.copyto`` into the
-  tensor (fused step kind ``"copy"``). For other raw dtypes the unfused arithmetic runs in place over
-  one sample at a time (a one-sample float32 scratch, or the tensor row itself for float32 models),
-  again bit-identical: an algebraic fold ``x*a + c`` would differ from ``(x - mean) / std / scale`` by
-  an ulp, and one ulp at a rounding tie is one quantisation step.
+  tensor (fused step kind ``"copy"``). For float32 models the stages' own arithmetic written straight
+  into the tensor (two vectorised passes over the batch, kind ``"in_place"``) competes with the table:
+  a gather of 4-byte values is slower than two passes on x86 (MobileNet float32: ~57 vs ~19 us per
+  frame), so the pipeline times both on one tensor batch when it builds the table and keeps the faster
+  (``kernel_seconds``). For other raw dtypes of quantised models the unfused arithmetic runs one sample
+  at a time through a one-sample float32 scratch. All bit-identical: an algebraic fold ``x*a + c``
+  would differ from ``(x - mean) / std / scale`` by an ulp, and one ulp at a rounding tie is one
+  quantisation step.
 
 Rules kept here because LiteRT enforces them at run time:
 
@@ -70,10 +74,12 @@ TABLE_CHUNK_ELEMS = 8192
 TABLE_MAX_BYTES = 256 * 1024
 #: Fused must beat unfused by this fraction on the stages that differ to be chosen (measurement noise).
 DEFAULT_MARGIN = 0.10
+#: Trials per kernel when a float32 model's fused step picks between the table and the arithmetic.
+KERNEL_TRIALS = 5
 CACHE_VERSION = 1
 
-#: (tensor index, zero point, scale or None when not quantised, destination)
-_Output = tuple[int, np.float32, np.float32 | None, F32]
+#: (tensor index, zero point, scale or None when not quantised)
+_Output = tuple[int, np.float32, np.float32 | None]
 
 
 class InterpreterBusy(EdgeflError):
@@ -246,7 +252,10 @@ class Pipeline:
             )
         outputs = {int(d["index"]): d for d in self._interp.get_output_details()}
         self.num_classes = int(outputs[backbone.output_index]["shape"][-1])
+        self._output_specs = self._specs(backbone)
         self._tables: dict[np.dtype[Any], _Table | None] = {}
+        #: raw dtype name -> best seconds per tensor batch of each fused kernel tried (float32 models)
+        self.kernel_seconds: dict[str, dict[str, float]] = {}
         self._built_for = (backbone.input_dtype, backbone.input_quant)
         self._scratch: F32 | None = None
         self._last_dtype = np.dtype(np.uint8)
@@ -305,8 +314,9 @@ class Pipeline:
         Returns
         -------
         ``"copy"`` (the raw samples are already the model input: ``np.copyto``), ``"table"`` (a
-        lookup table of every raw value) or ``"in_place"`` (the stages' arithmetic, one sample at a
-        time).
+        lookup table of every raw value) or ``"in_place"`` (the stages' arithmetic written into the
+        tensor: the whole batch for float32 models, one sample at a time otherwise). For a float32
+        model the first call times the table against the arithmetic (``kernel_seconds``).
         """
         table = self._table(np.dtype(raw_dtype))
         if table is None:
@@ -351,6 +361,26 @@ class Pipeline:
                 self.invokes_total += 1
         self.samples_total += n
         return emb, logits
+
+    def forward(self, raw: np.ndarray) -> None:
+        """Preprocess and invoke every group of ``raw`` without reading the outputs (profiling).
+
+        What :func:`measure` times as end to end: everything before ``invoke`` plus ``invoke``, the
+        same work as :meth:`run` minus dequantising the embedding and logits (identical in both modes).
+
+        Raises
+        ------
+        ValueError
+            If ``raw`` is empty or its sample shape is not the model's.
+        InterpreterBusy
+            If another thread is using the interpreter.
+        """
+        n = self._check(raw)
+        tb = self.tensor_batch
+        with claim(self.backbone):
+            for g0 in range(0, n, tb):
+                self._load(raw[g0 : g0 + tb])
+                self._interp.invoke()
 
     def prepare(self, rows: np.ndarray) -> None:
         """Preprocess up to ``tensor_batch`` rows into the input tensor, without invoking (profiling).
@@ -451,28 +481,65 @@ class Pipeline:
         if table is not None and table.identity:
             np.copyto(view[:m], rows, casting="no")
         elif table is not None:
-            src = np.ascontiguousarray(rows).reshape(-1).view(table.index_dtype)
-            dst = view.reshape(-1)
-            total = m * self._elems
-            c = table.channels
-            chunk = len(table.channel_of) if c > 1 else TABLE_CHUNK_ELEMS
-            for s in range(0, total, chunk):
-                e = min(s + chunk, total)
-                if c == 1:
-                    np.take(table.flat, src[s:e], out=dst[s:e], mode="clip")
-                else:
-                    idx = src[s:e].astype(np.intp)
-                    idx *= c
-                    idx += table.channel_of[: e - s]
-                    np.take(table.flat, idx, out=dst[s:e], mode="clip")
+            self._write_table(view, rows, table)
+        elif self.backbone.input_dtype == np.float32:
+            self._write_float(view[:m], rows)
         else:
-            quantised = self.backbone.input_dtype != np.float32
-            if quantised and self._scratch is None:
+            if self._scratch is None:
                 self._scratch = np.empty(self.sample_shape, dtype=np.float32)
             for k in range(m):
-                self._write_in_place(view[k], rows[k], quantised)
+                self._write_in_place(view[k], rows[k], True)
         if m < view.shape[0]:
             view[m:] = self._pad
+
+    def _write_table(self, view: np.ndarray, rows: np.ndarray, table: _Table) -> None:
+        """Look up rows ``0..m-1`` of ``view`` in ``table``, in chunks of at most 64 KiB of indices."""
+        src = np.ascontiguousarray(rows).reshape(-1).view(table.index_dtype)
+        dst = view.reshape(-1)
+        total = int(rows.shape[0]) * self._elems
+        c = table.channels
+        if c == 1 and total <= TABLE_CHUNK_ELEMS:  # small samples: one lookup, no slicing
+            table.flat.take(src, out=dst[:total], mode="clip")
+            return
+        chunk = len(table.channel_of) if c > 1 else TABLE_CHUNK_ELEMS
+        for s in range(0, total, chunk):
+            e = min(s + chunk, total)
+            if c == 1:
+                table.flat.take(src[s:e], out=dst[s:e], mode="clip")
+            else:
+                idx = src[s:e].astype(np.intp)
+                idx *= c
+                idx += table.channel_of[: e - s]
+                np.take(table.flat, idx, out=dst[s:e], mode="clip")
+
+    def _table_beats_arithmetic(self, table: _Table, raw_dtype: np.dtype[Any]) -> bool:
+        """Time the lookup against the two-pass float32 arithmetic on one tensor batch; True if faster.
+
+        Best of :data:`KERNEL_TRIALS` interleaved trials each, into a scratch array (never the tensor).
+        The times are kept in ``kernel_seconds`` (observability, ``edgefl profile``).
+        """
+        rows = random_raw((self.tensor_batch, *self.sample_shape), raw_dtype)
+        dst = np.empty(rows.shape, dtype=np.float32)
+        best = {"table": float("inf"), "in_place": float("inf")}
+        for _ in range(KERNEL_TRIALS):
+            t0 = time.perf_counter()
+            self._write_table(dst, rows, table)
+            t1 = time.perf_counter()
+            self._write_float(dst, rows)
+            t2 = time.perf_counter()
+            best["table"] = min(best["table"], t1 - t0)
+            best["in_place"] = min(best["in_place"], t2 - t1)
+        self.kernel_seconds[raw_dtype.name] = best
+        return best["table"] < best["in_place"]
+
+    def _write_float(self, dst: F32, rows: np.ndarray) -> None:
+        """The stages' arithmetic for a float32 model, whole batch, straight into ``dst`` (two passes).
+
+        ``np.subtract`` casts the raw values to float32 before subtracting, as ``to_float`` then
+        ``normalise`` do, so the result is bit-identical to the unfused path.
+        """
+        np.subtract(rows, self.mean, out=dst, dtype=np.float32, casting="unsafe")
+        np.divide(dst, self.std, out=dst)
 
     def _write_in_place(self, row: np.ndarray, raw: np.ndarray, quantised: bool) -> None:
         """The unfused arithmetic on one sample, in place (bit-identical to the stages)."""
@@ -522,13 +589,16 @@ class Pipeline:
                     and np.array_equal(flat.view(unsigned), np.arange(levels, dtype=unsigned))
                 )
                 table = _Table(flat, unsigned, c, channel_of, identity)
+                float_out = flat.dtype == np.float32
+                if not identity and float_out and not self._table_beats_arithmetic(table, raw_dtype):
+                    table = None  # the gather of 4-byte values measured slower than two passes
         self._tables[raw_dtype] = table
         return table
 
     def _read(self, emb: F32, logits: F32) -> None:
         """Dequantise the first ``len(emb)`` rows of the embedding and output into ``emb``/``logits``."""
         m = emb.shape[0]
-        for index, zero_point, scale, out in self._outputs(emb, logits):
+        for (index, zero_point, scale), out in zip(self._output_specs, (emb, logits), strict=True):
             q = self._interp.get_tensor(index)  # a copy, not a view
             if q.shape[0] != m or q.ndim != 2:
                 q = q.reshape(q.shape[0], -1)[:m]
@@ -539,12 +609,13 @@ class Pipeline:
                 np.subtract(q, zero_point, out=out, casting="unsafe")
                 np.multiply(out, scale, out=out)
 
-    def _outputs(self, emb: F32, logits: F32) -> tuple[_Output, _Output]:
-        bb = self.backbone
-        e, o = bb.embedding_quant, bb.output_quant
+    @staticmethod
+    def _specs(backbone: Backbone) -> tuple[_Output, _Output]:
+        """(tensor index, zero point, scale or None) of the embedding and the logits (fixed per model)."""
+        e, o = backbone.embedding_quant, backbone.output_quant
         return (
-            (bb.embedding_index, np.float32(e.zero_point), np.float32(e.scale) if e.scale else None, emb),
-            (bb.output_index, np.float32(o.zero_point), np.float32(o.scale) if o.scale else None, logits),
+            (backbone.embedding_index, np.float32(e.zero_point), np.float32(e.scale) if e.scale else None),
+            (backbone.output_index, np.float32(o.zero_point), np.float32(o.scale) if o.scale else None),
         )
 
 
@@ -557,7 +628,11 @@ class BatchMeasurement:
     ----------
     batch : int
     unfused_samples_per_s, fused_samples_per_s, invoke_only_samples_per_s : float
-        End to end (preprocess + invoke + read), and invoke alone with the input in place.
+        End to end (preprocess + invoke, :meth:`Pipeline.forward`), and invoke alone with the input
+        in place (the ceiling).
+    unfused_run_samples_per_s, fused_run_samples_per_s : float
+        :meth:`Pipeline.run`: end to end plus reading and dequantising the outputs (what the agent
+        does per batch; the read is the same code in both modes).
     preprocess_unfused_s_per_sample, preprocess_fused_s_per_sample : float
         Everything before ``invoke``.
     preprocess_unfused_peak_bytes, preprocess_fused_peak_bytes : int
@@ -582,6 +657,8 @@ class BatchMeasurement:
     preprocess_fused_minor_faults: float
     stages_unfused: dict[str, float]
     stages_fused: dict[str, float]
+    unfused_run_samples_per_s: float = 0.0
+    fused_run_samples_per_s: float = 0.0
 
 
 def random_raw(shape: tuple[int, ...], dtype: np.dtype[Any] | str, seed: int = 0) -> np.ndarray:
@@ -663,7 +740,13 @@ def measure(
     for b in batches:
         pipes = {m: Pipeline(backbone, mean, std, mode=m, batch=b) for m in MODES}
         raw = random_raw((b, *backbone.sample_shape), raw_dtype, seed)
-        times: dict[str, list[float]] = {"unfused": [], "fused": [], "invoke": []}
+        times: dict[str, list[float]] = {
+            "unfused": [],
+            "fused": [],
+            "invoke": [],
+            "unfused_run": [],
+            "fused_run": [],
+        }
         stages: dict[str, list[dict[str, float]]] = {"unfused": [], "fused": []}
         pre: dict[str, list[float]] = {"unfused": [], "fused": []}
         invokes = -(-b // pipes["fused"].tensor_batch)
@@ -674,9 +757,13 @@ def measure(
                 t0 = time.perf_counter()
                 p.run(raw)
                 dt = time.perf_counter() - t0
+                c = p.counters()["stages"]  # of the run alone
+                t0 = time.perf_counter()
+                p.forward(raw)  # the same preprocessing and invoke, without the read
+                forward_s = time.perf_counter() - t0
                 if r >= 2:
-                    times[mode].append(dt)
-                    c = p.counters()["stages"]
+                    times[mode + "_run"].append(dt)
+                    times[mode].append(forward_s)
                     stages[mode].append({k: v["s_per_sample"] for k, v in c.items()})
                     pre[mode].append(sum(v["total_s"] for k, v in c.items() if k in PREPROCESS_STAGES) / b)
             t0 = time.perf_counter()
@@ -701,6 +788,8 @@ def measure(
                 preprocess_fused_minor_faults=faults_f * b / per_invoke,
                 stages_unfused=_stage_medians(stages["unfused"]),
                 stages_fused=_stage_medians(stages["fused"]),
+                unfused_run_samples_per_s=b / float(np.median(times["unfused_run"])),
+                fused_run_samples_per_s=b / float(np.median(times["fused_run"])),
             )
         )
     return out

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.errors import ModelError
-from agent.pipeline import DEFAULT_MARGIN, BatchMeasurement, Pipeline, decide, measure
+from agent.pipeline import DEFAULT_MARGIN, KERNEL_TRIALS, BatchMeasurement, Pipeline, decide, measure
 from agent.runtime import Backbone
 
 logger = logging.getLogger(__name__)
@@ -98,8 +98,8 @@ def report(model: str, rows: list[BatchMeasurement], chosen: tuple[str, int]) ->
     ``{"model", "chosen": {"mode", "batch"}, "batches": [...]}``; each batch entry has the contract
     keys (``batch``, ``unfused_samples_per_s``, ``fused_samples_per_s``, ``invoke_only_samples_per_s``,
     ``preprocess_unfused_s_per_sample``, ``preprocess_fused_s_per_sample``,
-    ``preprocess_unfused_peak_bytes``, ``preprocess_fused_peak_bytes``) plus the minor page faults
-    and the per-stage medians (s per sample).
+    ``preprocess_unfused_peak_bytes``, ``preprocess_fused_peak_bytes``) plus the minor page faults,
+    the per-stage medians (s per sample) and the ``Pipeline.run`` throughputs (outputs read too).
     """
     return {
         "model": model,
@@ -113,7 +113,7 @@ def format_table(rows: list[BatchMeasurement]) -> str:
     head = (
         f"{'batch':>5} {'unfused/s':>10} {'fused/s':>10} {'invoke/s':>10} {'fused/unf':>9} "
         f"{'fused/inv':>9} {'pre unf us':>10} {'pre fus us':>10} {'pre x':>6} {'peak unf B':>11} "
-        f"{'peak fus B':>11} {'faults unf':>10}"
+        f"{'peak fus B':>11} {'faults unf':>10} {'run unf/s':>9} {'run fus/s':>9}"
     )
     lines = [head]
     for r in rows:
@@ -126,9 +126,21 @@ def format_table(rows: list[BatchMeasurement]) -> str:
             f"{r.preprocess_fused_s_per_sample * 1e6:>10.1f} "
             f"{r.preprocess_unfused_s_per_sample / max(r.preprocess_fused_s_per_sample, 1e-12):>6.1f} "
             f"{r.preprocess_unfused_peak_bytes:>11,} {r.preprocess_fused_peak_bytes:>11,} "
-            f"{r.preprocess_unfused_minor_faults:>10.0f}"
+            f"{r.preprocess_unfused_minor_faults:>10.0f} "
+            f"{r.unfused_run_samples_per_s:>9.1f} {r.fused_run_samples_per_s:>9.1f}"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, *LEGEND])
+
+
+#: What each column of :func:`format_table` means (printed under the table).
+LEGEND = (
+    "  unfused/s, fused/s: samples/s end to end (preprocess + invoke); invoke/s: invoke alone with the",
+    "    input already in place (the ceiling). fused/unf, fused/inv: their ratios (higher is better).",
+    "  pre unf/fus us: microseconds per sample of everything before invoke; pre x: unfused / fused.",
+    "  peak unf/fus B: peak extra bytes of numpy arrays while preprocessing one batch (tracemalloc).",
+    "  faults unf: minor page faults per batch of unfused preprocessing (fresh pages for temporaries).",
+    "  run unf/fus: samples/s of Pipeline.run, which also reads and dequantises the outputs.",
+)
 
 
 def format_stages(r: BatchMeasurement) -> str:
@@ -158,6 +170,7 @@ def main(args: argparse.Namespace) -> int:
         f"{bb.path.name}: input {bb.input_dtype} [N, {', '.join(map(str, bb.sample_shape))}]"
         + (f" scale {q.scale:.9g} zero point {q.zero_point}" if q.scale else "")
         + f"; batch {'resizable' if bb.resizable else f'fixed at {bb.input_shape[0]}'}"
+        + f"; {'XNNPACK' if bb.delegated else 'built-in kernels'}"
         + f"; raw {args.input_dtype}, fused step: {fused.fused_step(args.input_dtype)}"
     )
     rows = measure(
@@ -167,6 +180,9 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(rows))
     best = next(r for r in rows if r.batch == chosen[1])
     print(format_stages(best))
+    for dtype, kernels in fused.kernel_seconds.items():
+        timed = ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in kernels.items())
+        print(f"fused step for raw {dtype}, one sample, best of {KERNEL_TRIALS} trials: {timed}")
     print(
         f"chosen: {chosen[0]}, batch {chosen[1]} (medians of {args.repeats} interleaved runs in one "
         "process; compare figures of one run only)"

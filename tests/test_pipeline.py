@@ -123,6 +123,27 @@ def test_table_covers_every_8bit_value_exactly() -> None:
     assert int(zero.max()) == -128
 
 
+@pytest.mark.parametrize("name", ["mobilenet_v2_035_96_float32", "digits_cnn_float32"])
+def test_float32_models_keep_the_faster_fused_kernel_and_both_are_exact(name: str) -> None:
+    bb = Backbone(MODELS / f"{name}.tflite")
+    mean, std = MODEL_NORM[name]
+    fused = Pipeline(bb, mean, std, mode="fused", batch=4)
+    step = fused.fused_step("uint8")  # builds the table and times it against the arithmetic
+    timed = fused.kernel_seconds["uint8"]
+    assert set(timed) == {"table", "in_place"} and all(0 < t < 1 for t in timed.values())
+    assert step == ("table" if timed["table"] < timed["in_place"] else "in_place")
+    # whichever was kept, the tensor is the unfused one; and both kernels write the same bits
+    raw = random_raw((4, *bb.sample_shape), "uint8", seed=3)
+    assert np.array_equal(_input_tensor(fused, raw), preprocess(raw, bb, mean, std))
+    unfused = Pipeline(bb, mean, std, mode="unfused", batch=4)
+    assert np.array_equal(_input_tensor(unfused, raw), preprocess(raw, bb, mean, std))
+    levels = np.arange(256, dtype=np.float32)
+    table_values = ((levels - np.float32(mean[0])) / np.float32(std[0])).astype(np.float32)
+    by_arithmetic = np.empty(raw.shape, np.float32)
+    fused._write_float(by_arithmetic, raw)  # the in-place kernel, into a scratch array
+    assert np.array_equal(by_arithmetic, table_values[raw])
+
+
 def test_per_channel_normalisation_fused_equals_unfused() -> None:
     bb = Backbone(MODELS / "mobilenet_v2_035_96_int8.tflite")
     mean, std = (123.7, 116.3, 103.5), (58.4, 57.1, 57.4)  # ImageNet-style per-channel statistics
