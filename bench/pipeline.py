@@ -5,7 +5,10 @@ normalisation folded into a uint8 input quantisation, so the fused step is a cop
 
 Each figure is a median of ``--repeats`` interleaved runs in this one process
 (:func:`agent.pipeline.measure`): one batch of seeded random uint8 frames through the unfused
-pipeline, the fused pipeline, then ``invoke`` alone with the input in place (the ceiling).
+pipeline, the fused pipeline, then ``invoke`` alone with the input in place (the ceiling). End to end
+= preprocess + invoke (``Pipeline.forward``); "run" figures add reading and dequantising the outputs
+(``Pipeline.run``, the same code in both modes). Models run as the agent runs them: with XNNPACK
+(their embedding is a model output, ``Backbone.delegated``).
 Preprocessing = every stage before ``invoke``; its peak extra bytes are tracemalloc's peak for one
 batch (numpy allocations), the page faults are the thread's minor faults for that batch.
 
@@ -58,15 +61,14 @@ def pin_mmap_threshold(nbytes: int) -> bool:
 
 
 def stage_ratio(r: BatchMeasurement) -> float:
-    """Fused end to end / invoke-only from per-stage medians (invoke pooled over both modes).
+    """Invoke-only / (fused preprocess + invoke) from per-stage medians (invoke pooled over both modes).
 
     The whole-run medians of the three configurations are taken from different runs, so a burst of
     load on a shared machine moves one ratio by more than the whole preprocessing; the per-stage
     medians (what :func:`agent.pipeline.decide` compares) are less noisy.
     """
     invoke = (r.stages_fused.get("invoke", 0.0) + r.stages_unfused.get("invoke", 0.0)) / 2.0
-    fused = r.preprocess_fused_s_per_sample + r.stages_fused.get("read", 0.0) + invoke
-    return invoke / fused
+    return invoke / (r.preprocess_fused_s_per_sample + invoke)
 
 
 def main() -> None:
@@ -84,9 +86,9 @@ def main() -> None:
     print(
         "| model | heap | batch | unfused /s | fused /s | invoke-only /s | fused/unfused | fused/invoke "
         "| preprocess unfused us/sample | fused us/sample | pre ratio | peak unfused B | peak fused B "
-        "| faults unfused | step | stage-based fused/invoke | chosen |"
+        "| faults unfused | step | stage-based fused/invoke | run fused/unfused | chosen |"
     )
-    print("|" + "---|" * 17)
+    print("|" + "---|" * 18)
     for heap in a.heaps.split(","):
         pinned = pin_mmap_threshold(HEAPS[heap])
         for name in a.models.split(","):
@@ -107,6 +109,7 @@ def main() -> None:
                     f"| {r.preprocess_unfused_s_per_sample / r.preprocess_fused_s_per_sample:.1f} "
                     f"| {r.preprocess_unfused_peak_bytes:,} | {r.preprocess_fused_peak_bytes:,} "
                     f"| {r.preprocess_unfused_minor_faults:.0f} | {step} | {stage_ratio(r):.3f} "
+                    f"| {r.fused_run_samples_per_s / r.unfused_run_samples_per_s:.2f} "
                     f"| {chosen[0]} {chosen[1]} |",
                     flush=True,
                 )
