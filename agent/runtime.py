@@ -184,8 +184,10 @@ class Backbone:
     intermediate tensor: it is the input of the graph's last op, whose arena buffer the output cannot
     overwrite, so it is intact after the call (checked against an interpreter with
     ``experimental_preserve_all_tensors`` in the tests). The logits are the output of the last
-    FULLY_CONNECTED op (or the first output that is not the embedding). With XNNPACK, int8 kernels may
-    round differently from the built-in ones by one quantisation step.
+    FULLY_CONNECTED op (or the first output that is not the embedding). With XNNPACK, int8 kernels
+    round differently from the built-in ones: 1 step on some digits embedding values, up to ~90 steps on
+    the random-weight MobileNet int8 embedding, whose deep random layers amplify it (models/README.md).
+    A model that loads but cannot run (damaged weights) is refused at construction by a trial invoke.
     One interpreter is used by one thread at a time: the daemon calls it from one executor thread.
     """
 
@@ -201,6 +203,18 @@ class Backbone:
         self.path = path
         self.runtime_name, self.interpreter = open_interpreter(path, num_threads=num_threads, runtime=runtime)
         self.sha256 = file_sha256(path)
+        try:
+            self._inspect(num_threads, runtime, embedding_tensor, xnnpack)
+            self._trial_invoke()
+        except (UnicodeDecodeError, ValueError, RuntimeError, KeyError, IndexError, TypeError) as exc:
+            # a file that loads but whose metadata or graph is corrupt (names, shapes, missing buffers)
+            raise ModelError(str(path), f"corrupt or unsupported model: {type(exc).__name__}: {exc}") from exc
+
+    def _inspect(
+        self, num_threads: int, runtime: RuntimeName, embedding_tensor: str | None, xnnpack: bool | None
+    ) -> None:
+        """Find the input, embedding and logits tensors; reopen with XNNPACK when it is chosen."""
+        path = self.path
         inputs = self.interpreter.get_input_details()
         outputs = self.interpreter.get_output_details()
         if len(inputs) != 1 or len(outputs) < 1:
@@ -224,7 +238,13 @@ class Backbone:
             raise ModelError(str(path), "the only model output is the embedding: no logits output")
         self.output_quant = _quant(next(d for d in outputs if int(d["index"]) == self.output_index))
         # Tensor indices are the flatbuffer's, the same in a delegated interpreter of the same file.
-        self.delegated = bool(xnnpack) if xnnpack is not None else self.embedding_index in output_indices
+        embedding_is_output = self.embedding_index in output_indices
+        if xnnpack and not embedding_is_output:
+            raise ModelError(
+                str(path),
+                "xnnpack requested, but the embedding is not a model output (unreadable under XNNPACK)",
+            )
+        self.delegated = bool(xnnpack) if xnnpack is not None else embedding_is_output
         if self.delegated:
             self.runtime_name, self.interpreter = open_interpreter(
                 path, num_threads=num_threads, runtime=runtime, delegates=True
@@ -235,6 +255,20 @@ class Backbone:
         self.embedding_dim = int(emb["shape"][-1])
         self.batch = int(self.input_shape[0])
         self.resizable = self._probe_resize()
+
+    def _trial_invoke(self) -> None:
+        """Run the model once on zeros: a file whose weights are damaged can load and still not run.
+
+        Raises
+        ------
+        RuntimeError, ValueError
+            From LiteRT (e.g. "Input tensor 9 lacks data"); the caller turns them into ModelError.
+        """
+        shape = tuple(int(d) for d in self.interpreter.get_input_details()[0]["shape"])
+        self.interpreter.set_tensor(self.input_index, np.zeros(shape, dtype=self.input_dtype))
+        self.interpreter.invoke()
+        self.interpreter.get_tensor(self.embedding_index)
+        self.interpreter.get_tensor(self.output_index)
 
     def _probe_resize(self) -> bool:
         """Whether the input batch can be resized (a graph with a hard-coded RESHAPE cannot)."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FLOAT_MODEL, INT8_MODEL
+from conftest import FLOAT_MODEL, INT8_MODEL, MODELS
 
 from agent.datasets import load_digits, split_digits
 from agent.errors import ModelError
@@ -106,3 +106,40 @@ def test_corrupt_and_missing_model_give_model_error(tmp_path: Path) -> None:
         Backbone(tmp_path / "missing.tflite")
     with pytest.raises(ModelError, match="not found in the model"):
         Backbone(INT8_MODEL, embedding_tensor="no_such_tensor")
+
+
+def test_a_tensor_name_that_is_not_utf8_gives_model_error(tmp_path: Path) -> None:
+    blob = bytearray(FLOAT_MODEL.read_bytes())
+    pos = blob.find(b"Identity_1")  # the embedding output's name
+    assert pos > 0
+    blob[pos + 1] = 0xCC  # an invalid UTF-8 continuation byte
+    bad = tmp_path / "bad_name.tflite"
+    bad.write_bytes(bytes(blob))
+    with pytest.raises(ModelError, match="UnicodeDecodeError"):
+        Backbone(bad)
+
+
+def test_a_model_that_loads_but_cannot_run_gives_model_error(tmp_path: Path) -> None:
+    # 8 bytes of the MobileNet int8 file changed (found by a random-mutation run): LiteRT builds the
+    # interpreter, and every invoke() then fails with "Input tensor 9 lacks data"
+    src = MODELS / "mobilenet_v2_035_96_int8.tflite"
+    changes = [(202, 0o102), (1948, 0o277), (2569, 0o337), (3735, 0o125), (134827, 0o41), (392961, 0o222)]
+    blob = bytearray(src.read_bytes())
+    for offset, byte in [*changes, (537819, 0o201), (609321, 0o112)]:
+        blob[offset - 1] = byte
+    bad = tmp_path / "lacks_data.tflite"
+    bad.write_bytes(bytes(blob))
+    with pytest.raises(ModelError, match="lacks data"):
+        Backbone(bad)
+
+
+def test_xnnpack_is_refused_when_the_embedding_is_not_an_output() -> None:
+    from ai_edge_litert.interpreter import Interpreter
+
+    names = {d["index"]: d["name"] for d in Interpreter(model_path=str(INT8_MODEL)).get_tensor_details()}
+    outputs = {d["index"] for d in Interpreter(model_path=str(INT8_MODEL)).get_output_details()}
+    inner = next(n for i, n in sorted(names.items()) if i not in outputs and "conv2" in n.lower())
+    bb = Backbone(INT8_MODEL, embedding_tensor=inner)  # an intermediate tensor: built-in kernels
+    assert not bb.delegated and bb.embedding_dim > 0
+    with pytest.raises(ModelError, match="not a model output"):
+        Backbone(INT8_MODEL, embedding_tensor=inner, xnnpack=True)
