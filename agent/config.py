@@ -30,9 +30,12 @@ from typing import Any, Literal
 
 from agent.errors import ConfigError
 from agent.validators import (
+    MAX_BATCH,
+    MAX_THREADS,
     MQTT_MAX_PACKET_BYTES,
     check_device_id,
     check_finite_float,
+    check_int_at_most,
     check_positive_int,
     check_qos,
     check_topic_prefix,
@@ -555,7 +558,7 @@ def _check_device(p: _Problems, c: DeviceConfig, raw: Mapping[str, object], chec
 def _check_model(p: _Problems, c: ModelConfig, raw: Mapping[str, object], check_files: bool) -> None:
     if c.embedding_tensor is not None and not c.embedding_tensor:
         p.add("model.embedding_tensor", c.embedding_tensor, "must not be empty")
-    _check(p, "model.num_threads", c.num_threads, lambda v: check_positive_int("num_threads", v))
+    _check(p, "model.num_threads", c.num_threads, lambda v: check_int_at_most("num_threads", v, MAX_THREADS))
     sha = c.sha256
     if sha is not None and (len(sha) != 64 or any(ch not in "0123456789abcdefABCDEF" for ch in sha)):
         p.add("model.sha256", sha, "must be 64 hexadecimal digits")
@@ -575,7 +578,7 @@ def _check_model(p: _Problems, c: ModelConfig, raw: Mapping[str, object], check_
 
 
 def _check_pipeline(p: _Problems, c: PipelineConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    _check(p, "pipeline.batch", c.batch, lambda v: check_positive_int("batch", v))
+    _check(p, "pipeline.batch", c.batch, lambda v: check_int_at_most("batch", v, MAX_BATCH))
     if any(s <= 0.0 for s in c.std):
         p.add("pipeline.std", c.std, "every value must be > 0")
     if len(c.mean) != len(c.std):

@@ -59,6 +59,7 @@ import numpy as np
 from agent.errors import EdgeflError
 from agent.runtime import Backbone
 from agent.types import F32
+from agent.validators import MAX_BATCH
 
 logger = logging.getLogger(__name__)
 
@@ -226,8 +227,8 @@ class Pipeline:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: must be 'fused' or 'unfused'")
-        if batch < 1:
-            raise ValueError(f"batch {batch}: must be >= 1")
+        if not 1 <= batch <= MAX_BATCH:
+            raise ValueError(f"batch {batch}: must be in 1..{MAX_BATCH}")
         self.backbone = backbone
         self.mode: Mode = mode
         self.batch = int(batch)
@@ -667,10 +668,12 @@ class BatchMeasurement:
 def random_raw(shape: tuple[int, ...], dtype: np.dtype[Any] | str, seed: int = 0) -> np.ndarray:
     """Seeded raw samples spanning the dtype's range (floats: normal, std 64), for measurements."""
     dt = np.dtype(dtype)
+    native = dt.newbyteorder("=")  # numpy's generators draw native byte order only
     rng = np.random.default_rng(seed)
     if dt.kind in "ui":
-        info = np.iinfo(dt)
-        return rng.integers(int(info.min), int(info.max), size=shape, endpoint=True, dtype=dt)
+        info = np.iinfo(native)
+        drawn = rng.integers(int(info.min), int(info.max), size=shape, endpoint=True, dtype=native)
+        return drawn.astype(dt)
     return (rng.standard_normal(shape) * 64.0).astype(dt)
 
 

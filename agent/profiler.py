@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 from agent.errors import ModelError
 from agent.pipeline import DEFAULT_MARGIN, KERNEL_TRIALS, BatchMeasurement, Pipeline, decide, measure
 from agent.runtime import Backbone
+from agent.validators import MAX_BATCH, MAX_THREADS
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +46,34 @@ def _batches(text: str) -> tuple[int, ...]:
         values = tuple(int(v) for v in text.split(","))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from exc
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: batch sizes must be >= 1")
+    if not values or min(values) < 1 or max(values) > MAX_BATCH:
+        raise argparse.ArgumentTypeError(f"{text!r}: batch sizes must be in 1..{MAX_BATCH}")
     return values
+
+
+def _bounded_int(low: int, high: int) -> Any:
+    """An argparse type: an integer in ``[low, high]``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected an integer") from exc
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value}: must be in {low}..{high}")
+        return value
+
+    return parse
+
+
+def _margin(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number") from exc
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number >= 0")
+    return value
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -72,12 +99,38 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         choices=("uint8", "int8", "int16", "float32"),
         help="dtype of the raw samples fed to the pipeline (default uint8)",
     )
-    p.add_argument("--batch", type=_batches, default=(1, 4, 8, 16), help="batch sizes (default 1,4,8,16)")
-    p.add_argument("--mean", type=_floats, default=(0.0,), help="per-channel mean, e.g. 127.5 (default 0)")
-    p.add_argument("--std", type=_floats, default=(1.0,), help="per-channel std, e.g. 127.5 (default 1)")
-    p.add_argument("--repeats", type=int, default=15, help="timed runs per configuration (default 15)")
-    p.add_argument("--threads", type=int, default=1, help="interpreter threads (default 1)")
-    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="see agent.pipeline.decide")
+    p.add_argument(
+        "--batch",
+        type=_batches,
+        default=(1, 4, 8, 16),
+        help=f"batch sizes, 1..{MAX_BATCH} (default 1,4,8,16)",
+    )
+    p.add_argument(
+        "--mean",
+        type=_floats,
+        default=(0.0,),
+        help="per-channel mean of model input = (raw - mean) / std, as the profile's pipeline.mean "
+        "(default 0; digits models 0, MobileNet 127.5, MobileNet raw-input 127)",
+    )
+    p.add_argument(
+        "--std",
+        type=_floats,
+        default=(1.0,),
+        help="per-channel std (default 1; digits models 16, MobileNet 127.5)",
+    )
+    p.add_argument(
+        "--repeats", type=_bounded_int(1, 1000), default=15, help="timed runs per configuration (default 15)"
+    )
+    p.add_argument(
+        "--threads", type=_bounded_int(1, MAX_THREADS), default=1, help="interpreter threads (default 1)"
+    )
+    p.add_argument(
+        "--margin",
+        type=_margin,
+        default=DEFAULT_MARGIN,
+        help="fraction by which fused must beat unfused on the stages that differ to be chosen "
+        f"(noise guard, default {DEFAULT_MARGIN})",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
     p.set_defaults(func=main)
     return p
@@ -156,6 +209,11 @@ def main(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         print("edgefl profile: --repeats must be >= 1")
         return EXIT_USAGE
+    if args.json:
+        target = Path(args.json)
+        if target.is_dir() or not target.parent.is_dir():
+            print(f"edgefl profile: --json {args.json}: not a writable file path (missing directory?)")
+            return EXIT_USAGE
     try:
         bb = Backbone(Path(args.model), num_threads=args.threads)
         fused = Pipeline(bb, args.mean, args.std, mode="fused", batch=1)
@@ -188,5 +246,17 @@ def main(args: argparse.Namespace) -> int:
         "process; compare figures of one run only)"
     )
     if args.json:
-        Path(args.json).write_text(json.dumps(report(bb.path.name, rows, chosen), indent=2) + "\n")
+        doc = report(bb.path.name, rows, chosen)
+        doc["model_info"] = {
+            "input_dtype": str(bb.input_dtype),
+            "embedding_dim": bb.embedding_dim,
+            "xnnpack": bb.delegated,
+            "fused_step": fused.fused_step(args.input_dtype),
+            "fused_kernel_seconds_per_sample": fused.kernel_seconds,
+        }
+        try:
+            Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        except OSError as exc:
+            print(f"edgefl profile: cannot write --json {args.json}: {exc}")
+            return EXIT_USAGE
     return EXIT_OK

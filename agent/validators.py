@@ -33,6 +33,10 @@ MQTT_MAX_PACKET_BYTES = 268_435_455
 
 _MQTT_MAX_TOPIC_BYTES = 65_535  # UTF-8 encoded string length prefix is 2 bytes. Source: MQTT 5.0 §1.5.4.
 _DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
+#: Most interpreter threads a profile or ``edgefl profile`` accepts (gateways have 1-8 cores).
+MAX_THREADS = 64
+#: Largest batch (samples per invoke) a profile, a pipeline or ``edgefl profile`` accepts.
+MAX_BATCH = 4096
 
 
 def check_device_id(value: object) -> str:
@@ -162,6 +166,20 @@ def check_positive_int(name: str, value: object) -> int:
     if hasattr(exc, "add_note"):  # Python >= 3.11
         exc.add_note(f"while checking {name}")
     raise exc
+
+
+def check_int_at_most(name: str, value: object, high: int) -> int:
+    """Check an integer in ``1..high`` (a thread count, a batch size).
+
+    Raises
+    ------
+    ValueError
+        As :func:`check_positive_int`, or ``"must be <= high"``.
+    """
+    v = check_positive_int(name, value)
+    if v > high:
+        raise ValueError(f"must be <= {high}")
+    return v
 
 
 def check_finite_float(value: object) -> float:

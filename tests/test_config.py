@@ -312,6 +312,7 @@ def test_replay_source_must_be_an_npz_with_x_and_y(write: Writer, tmp_path: Path
         ('[device]\nid = "a"\nfleet = ".."\n', "device.fleet = '..': must not be '.' or '..'"),
         ('[pipeline]\nmode = "fast"\n', "pipeline.mode = 'fast': must be one of 'fused', 'unfused', 'auto'"),
         ("[pipeline]\nbatch = 0\n", "pipeline.batch = 0: must be > 0"),
+        ("[pipeline]\nbatch = 4097\n", "pipeline.batch = 4097: must be <= 4096"),
         (
             "[pipeline]\nstd = [1.0, 0.0, 2.0]\nmean = [0, 0, 0]\n",
             "pipeline.std = [1.0, 0.0, 2.0]: every value must be > 0",
@@ -351,6 +352,7 @@ def test_replay_source_must_be_an_npz_with_x_and_y(write: Writer, tmp_path: Path
             "dashboard.token = '***': must be at least 16 characters without whitespace",
         ),
         ("[model]\nnum_threads = 0\n", "model.num_threads = 0: must be > 0"),
+        ("[model]\nnum_threads = 65\n", "model.num_threads = 65: must be <= 64"),
         ('[model]\nsha256 = "xyz"\n', "model.sha256 = 'xyz': must be 64 hexadecimal digits"),
         ('[model]\nruntime = "onnx"\n', "model.runtime = 'onnx': must be one of 'auto', 'litert', 'tflite'"),
         ('[model]\nembedding_tensor = ""\n', "model.embedding_tensor = '': must not be empty"),

@@ -546,5 +546,30 @@ def test_profile_command_prints_a_table_and_writes_the_json_contract(
     for b in data["batches"]:
         for key, kind in contract.items():
             assert isinstance(b[key], kind) and b[key] > 0, key
+    info = data["model_info"]
+    assert (info["input_dtype"], info["embedding_dim"], info["xnnpack"], info["fused_step"]) == (
+        "int8",
+        512,
+        True,
+        "table",
+    )
     bad = parser.parse_args(["profile", str(tmp_path / "missing.tflite")])
     assert bad.func(bad) == 3
+    unwritable = parser.parse_args(["profile", model, "--json", str(tmp_path / "no" / "dir.json")])
+    assert unwritable.func(unwritable) == 2
+    assert "not a writable file path" in capsys.readouterr().out
+    for flag, value in (("--batch", "4097"), ("--threads", "65"), ("--margin", "nan"), ("--margin", "-1")):
+        with pytest.raises(SystemExit) as exit_info:
+            parser.parse_args(["profile", model, flag, value])
+        assert exit_info.value.code == 2
+        assert "must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [">u2", ">i2", "<u2"])
+def test_non_native_byte_order_raw_samples_through_a_float32_model(dtype: str) -> None:
+    bb = Backbone(MODELS / "digits_cnn_float32.tflite")
+    raw = random_raw((3, *bb.sample_shape), dtype, seed=5)
+    assert raw.dtype == np.dtype(dtype)
+    fused = Pipeline(bb, *DIGITS, mode="fused", batch=3)
+    assert fused.fused_step(dtype) in ("table", "in_place")
+    assert np.array_equal(_input_tensor(fused, raw), preprocess(raw, bb, *DIGITS))
