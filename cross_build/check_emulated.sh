@@ -122,9 +122,18 @@ else
   tar -C "$ROOTFS" -xf "$TARBALL"
 fi
 
+# A cached wheelhouse carries the edgefl wheel and the models of the commit it was built from: rebuild
+# the default one when the source differs (a stale one once compared new x86 models with old ones).
+SOURCE_ID="$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
+git -C "$ROOT" diff --quiet HEAD -- 2>/dev/null || SOURCE_ID="$SOURCE_ID-dirty"
+if [ -z "${2:-}" ] && [ -f "$HOUSE/requirements.lock" ] && [ "$(cat "$HOUSE/SOURCE" 2>/dev/null)" != "$SOURCE_ID" ]; then
+  log "cached wheelhouse built from $(cat "$HOUSE/SOURCE" 2>/dev/null || echo 'an unknown source'), not $SOURCE_ID: rebuilding"
+  rm -rf "$HOUSE"
+fi
 if [ ! -f "$HOUSE/requirements.lock" ]; then
   log "building the wheelhouse into $HOUSE"
   "$PY" "$ROOT/cross_build/wheelhouse.py" --target "$TARGET" --out "$HOUSE"
+  [ -n "${2:-}" ] || echo "$SOURCE_ID" > "$HOUSE/SOURCE"
 fi
 log "wheelhouse $HOUSE: wheels $(du -sh "$HOUSE/wheels" | cut -f1), total $(du -sh "$HOUSE" | cut -f1)"
 
