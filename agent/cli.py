@@ -95,7 +95,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     profile = _load_or_report(args)
     if profile is None:
         return EXIT_INVALID
-    print(f"{args.profile}: ok (device {profile.device.id}, cap {profile.memory.cap_mb} MB)")
+    print(f"{args.profile}: ok (device {profile.device.id}, cap {profile.memory.cap_mb} MiB)")
     if args.print:
         import json
 
@@ -140,7 +140,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         is only registered when they name it (or ask for help).
     """
     root = Path(__file__).resolve().parent.parent
-    p = argparse.ArgumentParser(prog="edgefl", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = argparse.ArgumentParser(
+        prog="edgefl",
+        description="edgefl: the federated-learning device agent, its coordinator and tools (run, "
+        "check-config, demo, coordinator, profile, memory-report, wheelhouse).",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -156,8 +160,14 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("check-config", help="validate a profile (exit 0 valid, 1 invalid)")
-    c.add_argument("profile")
-    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("profile", help="TOML profile (see firmware_configs/)")
+    c.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a profile key, e.g. --set memory.cap_mb=64 (repeatable)",
+    )
     c.add_argument("--print", action="store_true", help="print the resolved profile (secrets masked)")
     c.set_defaults(func=cmd_check_config)
 
@@ -168,12 +178,16 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         "--broker", default=None, help="mqtt://host:port of an existing broker (default: embedded)"
     )
     d.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
-    d.add_argument("--profile", default=str(root / "firmware_configs" / "dev_x86.toml"))
+    d.add_argument(
+        "--profile",
+        default=str(root / "firmware_configs" / "dev_x86.toml"),
+        help="agent profile each device starts from (default firmware_configs/dev_x86.toml)",
+    )
     d.add_argument("--model", default=None, help="override the profile's model (.tflite)")
-    d.add_argument("--local-epochs", type=int, default=2)
+    d.add_argument("--local-epochs", type=int, default=2, help="local epochs per round (default 2)")
     d.add_argument("--lr", type=float, default=0.05, help="client learning rate of round 1")
     d.add_argument("--lr-decay", type=float, default=0.8, help="per-round factor on the client learning rate")
-    d.add_argument("--batch-size", type=int, default=16)
+    d.add_argument("--batch-size", type=int, default=16, help="local SGD batch size (default 16)")
     d.add_argument("--deadline", type=float, default=60.0, help="round deadline in seconds")
     d.add_argument("--seed", type=int, default=0, help="seed of the device shards and local shuffles")
     d.add_argument(
