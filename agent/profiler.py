@@ -193,6 +193,10 @@ LEGEND = (
     "  peak unf/fus B: peak extra bytes of numpy arrays while preprocessing one batch (tracemalloc).",
     "  faults unf: minor page faults per batch of unfused preprocessing (fresh pages for temporaries).",
     "  run unf/fus: samples/s of Pipeline.run, which also reads and dequantises the outputs.",
+    "  fused step: copy (raw frames are the model input), table (a lookup of every raw value) or",
+    "    in_place (the normalisation written straight into the tensor). Stages: unfused = cast,",
+    "    normalise, quantise (a no-op cast for float32 models), set_tensor; fused = fill; both invoke",
+    "    and read (dequantise embedding and logits). fused/inv can exceed 1.00 by noise between runs.",
 )
 
 
@@ -228,7 +232,7 @@ def main(args: argparse.Namespace) -> int:
         f"{bb.path.name}: input {bb.input_dtype} [N, {', '.join(map(str, bb.sample_shape))}]"
         + (f" scale {q.scale:.9g} zero point {q.zero_point}" if q.scale else "")
         + f"; batch {'resizable' if bb.resizable else f'fixed at {bb.input_shape[0]}'}"
-        + f"; {'XNNPACK' if bb.delegated else 'built-in kernels'}"
+        + f"; {'XNNPACK' if bb.delegated else 'built-in kernels'}; embedding D = {bb.embedding_dim}"
         + f"; raw {args.input_dtype}, fused step: {fused.fused_step(args.input_dtype)}"
     )
     rows = measure(
