@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Emulated install check: install a wheelhouse offline into a Debian 12 root filesystem of the target
 # architecture, run under qemu-user through proot (no kernel change, no root bind of /sys), then
-# `edgefl check-config` a shipped profile and classify the demo's test set with the int8 model, and
-# compare the predictions with the same runtime on x86.
+# `edgefl check-config` a shipped profile and classify the demo's test set with the profiles' model
+# (digits int8, raw-input form), and compare the predictions with the same runtime on x86.
 #
 #   cross_build/check_emulated.sh aarch64|armv7l [WHEELHOUSE]
 #
@@ -158,7 +158,7 @@ guest "$ROOTFS" /opt/edgefl/current/venv/bin/python /opt/check/classify.py codec
 
 log "classifying the test set under emulation ($RUNTIME)"
 guest "$ROOTFS" /opt/edgefl/current/venv/bin/python /opt/check/classify.py run \
-  /opt/edgefl/current/models/digits_cnn_int8.tflite "$RUNTIME" /opt/check/testset.npz /opt/check/guest.npz \
+  /opt/edgefl/current/models/digits_cnn_int8_rawin.tflite "$RUNTIME" /opt/check/testset.npz /opt/check/guest.npz \
   2>&1 | sed 's/^/  guest: /'
 
 log "classifying the test set on x86 with $RUNTIME"
@@ -172,7 +172,7 @@ if [ "$RUNTIME" = tflite ]; then
   fi
   HOST_PY="$HOST_VENV/bin/python"
 fi
-PYTHONPATH="$ROOT" "$HOST_PY" "$ROOT/cross_build/classify.py" run "$ROOT/models/digits_cnn_int8.tflite" \
+PYTHONPATH="$ROOT" "$HOST_PY" "$ROOT/cross_build/classify.py" run "$ROOT/models/digits_cnn_int8_rawin.tflite" \
   "$RUNTIME" "$WORK/testset.npz" "$WORK/host.npz"
 
 MATCH_RC=0
