@@ -31,7 +31,7 @@ from agent.validators import (
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILES = REPO / "firmware_configs"
-DIGITS_MODEL = REPO / "models" / "digits_cnn_int8.tflite"
+DIGITS_MODEL = REPO / "models" / "digits_cnn_int8_rawin.tflite"  # the profiles run the raw-input form
 
 
 class Writer(Protocol):
