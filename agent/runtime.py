@@ -201,7 +201,11 @@ class Backbone:
         xnnpack: bool | None = None,
     ) -> None:
         self.path = path
-        self.runtime_name, self.interpreter = open_interpreter(path, num_threads=num_threads, runtime=runtime)
+        # Open with XNNPACK unless told not to: the shipped models export their embedding, so the
+        # common case needs one interpreter; a model whose embedding is internal is reopened without.
+        self.runtime_name, self.interpreter = open_interpreter(
+            path, num_threads=num_threads, runtime=runtime, delegates=xnnpack is not False
+        )
         self.sha256 = file_sha256(path)
         try:
             self._inspect(num_threads, runtime, embedding_tensor, xnnpack)
@@ -213,7 +217,7 @@ class Backbone:
     def _inspect(
         self, num_threads: int, runtime: RuntimeName, embedding_tensor: str | None, xnnpack: bool | None
     ) -> None:
-        """Find the input, embedding and logits tensors; reopen with XNNPACK when it is chosen."""
+        """Find the input, embedding and logits tensors; reopen without XNNPACK when it is not chosen."""
         path = self.path
         inputs = self.interpreter.get_input_details()
         outputs = self.interpreter.get_output_details()
@@ -245,9 +249,9 @@ class Backbone:
                 "xnnpack requested, but the embedding is not a model output (unreadable under XNNPACK)",
             )
         self.delegated = bool(xnnpack) if xnnpack is not None else embedding_is_output
-        if self.delegated:
+        if xnnpack is None and not self.delegated:
             self.runtime_name, self.interpreter = open_interpreter(
-                path, num_threads=num_threads, runtime=runtime, delegates=True
+                path, num_threads=num_threads, runtime=runtime, delegates=False
             )
         details = {int(d["index"]): d for d in self.interpreter.get_tensor_details()}
         emb = details[self.embedding_index]
@@ -294,6 +298,7 @@ class Backbone:
             ops = self.interpreter._get_ops_details()
         except AttributeError as exc:
             raise ModelError(str(self.path), "runtime cannot list ops; set model.embedding_tensor") from exc
+        # a delegated interpreter lists the original ops, then the DELEGATE nodes that replaced them
         fcs = [op for op in ops if op["op_name"] == "FULLY_CONNECTED"]
         if not fcs:
             raise ModelError(

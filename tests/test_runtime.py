@@ -141,5 +141,7 @@ def test_xnnpack_is_refused_when_the_embedding_is_not_an_output() -> None:
     inner = next(n for i, n in sorted(names.items()) if i not in outputs and "conv2" in n.lower())
     bb = Backbone(INT8_MODEL, embedding_tensor=inner)  # an intermediate tensor: built-in kernels
     assert not bb.delegated and bb.embedding_dim > 0
+    emb, logits = bb.run(np.zeros((2, *bb.sample_shape), dtype=bb.input_dtype))  # readable: reopened
+    assert emb.shape[0] == 2 and emb.shape[1] % bb.embedding_dim == 0 and logits.shape == (2, 10)
     with pytest.raises(ModelError, match="not a model output"):
         Backbone(INT8_MODEL, embedding_tensor=inner, xnnpack=True)
