@@ -136,12 +136,13 @@ def test_a_model_that_loads_but_cannot_run_gives_model_error(tmp_path: Path) -> 
 def test_xnnpack_is_refused_when_the_embedding_is_not_an_output() -> None:
     from ai_edge_litert.interpreter import Interpreter
 
-    names = {d["index"]: d["name"] for d in Interpreter(model_path=str(INT8_MODEL)).get_tensor_details()}
-    outputs = {d["index"] for d in Interpreter(model_path=str(INT8_MODEL)).get_output_details()}
-    inner = next(n for i, n in sorted(names.items()) if i not in outputs and "conv2" in n.lower())
+    probe = Interpreter(model_path=str(INT8_MODEL))
+    names = {d["index"]: d["name"] for d in probe.get_tensor_details()}
+    reshape = next(op for op in probe._get_ops_details() if op["op_name"] == "RESHAPE")
+    inner = names[int(reshape["inputs"][0])]  # conv2's activation [N, 4, 4, 32]: not a model output
     bb = Backbone(INT8_MODEL, embedding_tensor=inner)  # an intermediate tensor: built-in kernels
     assert not bb.delegated and bb.embedding_dim > 0
     emb, logits = bb.run(np.zeros((2, *bb.sample_shape), dtype=bb.input_dtype))  # readable: reopened
-    assert emb.shape[0] == 2 and emb.shape[1] % bb.embedding_dim == 0 and logits.shape == (2, 10)
+    assert emb.shape == (2, 4 * 4 * bb.embedding_dim) and logits.shape == (2, 10)
     with pytest.raises(ModelError, match="not a model output"):
         Backbone(INT8_MODEL, embedding_tensor=inner, xnnpack=True)
