@@ -369,6 +369,10 @@ class Pipeline:
         What :func:`measure` times as end to end: everything before ``invoke`` plus ``invoke``, the
         same work as :meth:`run` minus dequantising the embedding and logits (identical in both modes).
 
+        Parameters
+        ----------
+        raw : [N, *sample_shape], N >= 1, any integer or float dtype
+
         Raises
         ------
         ValueError

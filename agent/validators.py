@@ -171,6 +171,20 @@ def check_positive_int(name: str, value: object) -> int:
 def check_int_at_most(name: str, value: object, high: int) -> int:
     """Check an integer in ``1..high`` (a thread count, a batch size).
 
+    Parameters
+    ----------
+    name : str
+        The field name at the call site (see :func:`check_positive_int`).
+    value : object
+        The candidate value.
+    high : int
+        The largest value allowed.
+
+    Returns
+    -------
+    int
+        The value.
+
     Raises
     ------
     ValueError
