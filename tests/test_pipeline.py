@@ -486,13 +486,16 @@ def test_choose_measures_caches_and_keeps_unfused_when_fusion_cannot_win(tmp_pat
     assert choose(bb, *DIGITS, batches=(1,), cache_dir=tmp_path, repeats=3, margin=100.0) == ("unfused", 1)
 
 
-def test_choose_picks_fused_where_it_measures_faster() -> None:
+def test_measure_reports_both_modes_and_fused_preprocessing_allocates_less() -> None:
+    """Which mode is faster is a benchmark (bench/pipeline.py); here only what is deterministic:
+    every stage is timed in both modes, and fused preprocessing of a batch of 8 camera frames allocates
+    no batch-sized float32 copy while unfused allocates at least one (tracemalloc peaks)."""
     bb = Backbone(MODELS / "mobilenet_v2_035_96_int8.tflite")
-    # batch 8 of camera frames: the unfused stages cost several batch-sized float32 copies. How much
-    # depends on the malloc state (fresh mmap pages or reused heap); fused wins in both (bench/pipeline.py)
     rows = measure(bb, *CAMERA, batches=(8,), repeats=3)
-    assert decide(rows) == ("fused", 8), rows
+    assert [r.batch for r in rows] == [8]
     r = rows[0]
+    assert {"invoke"} <= set(r.stages_fused) and {"invoke"} <= set(r.stages_unfused), rows
+    assert decide(rows)[1] == 8
     assert r.preprocess_fused_peak_bytes <= 96 * 96 * 3 * 4 < r.preprocess_unfused_peak_bytes, rows
 
 
