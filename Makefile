@@ -16,12 +16,12 @@ $(BIN)/python:
 # Agents run with python -OO (no docstrings: ~2.6 MiB less RSS each); compile that bytecode once here.
 $(VENV)/.demo-installed: $(BIN)/python setup.cfg pyproject.toml
 	$(PIP) install -e '.[demo]'
-	$(BIN)/python -m compileall -q -o 2 -j 0 $(VENV)/lib agent coordinator dashboard >/dev/null || true
+	$(BIN)/python -m compileall -q -o 2 -j 0 $(VENV)/lib edgefl agent coordinator dashboard >/dev/null || true
 	touch $@
 
 $(VENV)/.test-installed: $(BIN)/python setup.cfg pyproject.toml
 	$(PIP) install -e '.[demo,test]'
-	$(BIN)/python -m compileall -q -o 2 -j 0 $(VENV)/lib agent coordinator dashboard >/dev/null || true
+	$(BIN)/python -m compileall -q -o 2 -j 0 $(VENV)/lib edgefl agent coordinator dashboard >/dev/null || true
 	touch $@ $(VENV)/.demo-installed
 
 demo: $(VENV)/.demo-installed

@@ -3,7 +3,7 @@
 One dataclass per TOML table (``[device]``, ``[model]``, ``[pipeline]``, ``[broker]``, ``[memory]``,
 ``[training]``, ``[source]``, ``[dashboard]``). Unknown tables and keys are refused; a missing table
 takes its defaults; ``device.id`` and ``model.path`` are required. Every problem is collected and
-reported at once in one :class:`~agent.errors.ConfigError`, each naming the dotted key, the value and
+reported at once in one :class:`~edgefl.errors.ConfigError`, each naming the dotted key, the value and
 the reason (``memory.cap_mb = 0: must be > 0``).
 
 Relative paths (``model.path``, ``device.state_dir``, ``source.path``, the TLS files) resolve against
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from agent.errors import ConfigError
-from agent.validators import (
+from edgefl.errors import ConfigError
+from edgefl.validators import (
     MAX_BATCH,
     MAX_THREADS,
     MQTT_MAX_PACKET_BYTES,

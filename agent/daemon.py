@@ -22,10 +22,24 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from agent import memory
-from agent.aio import wait_event
-from agent.chunking import Reassembler, is_chunk, publish_packet_bytes, split_message
-from agent.codec import (
+from edgefl.agent import memory
+from edgefl.agent.config import Profile
+from edgefl.agent.feedback import ErrorFeedback
+from edgefl.agent.outbox import Outbox
+from edgefl.agent.pipeline import Pipeline, choose
+from edgefl.agent.store import EmbeddingStore
+from edgefl.agent.tlsconf import ssl_context_for
+from edgefl.agent.trainer import LocalResult, train_local
+from edgefl.aio import wait_event
+from edgefl.errors import EdgeflError, ModelError, TransportError, UpdateRejected
+from edgefl.head import Head, validate_head
+from edgefl.records import read_record, write_record
+from edgefl.runtime import Backbone
+from edgefl.topics import Topics
+from edgefl.transport import Message, MqttTransport, Will
+from edgefl.types import F32, I64
+from edgefl.wire.chunking import Reassembler, is_chunk, publish_packet_bytes, split_message
+from edgefl.wire.codec import (
     Compression,
     DecodeError,
     DeviceStatus,
@@ -41,23 +55,10 @@ from agent.codec import (
     encode_update,
     offline_status,
 )
-from agent.config import Profile
-from agent.errors import EdgeflError, ModelError, TransportError, UpdateRejected
-from agent.feedback import ErrorFeedback
-from agent.head import Head, validate_head
-from agent.pipeline import Pipeline, choose
-from agent.runtime import Backbone
-from agent.signing import is_signed, load_signing_key, parse_verify_key, sign_message, verify_payload
-from agent.state import Outbox, read_record, write_record
-from agent.store import EmbeddingStore
-from agent.tlsconf import ssl_context_for
-from agent.topics import Topics
-from agent.trainer import LocalResult, train_local
-from agent.transport import Message, MqttTransport, Will
-from agent.types import F32, I64
+from edgefl.wire.signing import is_signed, load_signing_key, parse_verify_key, sign_message, verify_payload
 
 if TYPE_CHECKING:
-    from dashboard.app import DashboardState
+    from edgefl.dashboard.app import DashboardState
 
 logger = logging.getLogger(__name__)
 
@@ -676,7 +677,7 @@ class Agent:
             stack.callback(self.executor.shutdown, wait=True)
             d = self.profile.dashboard
             if d.enabled:
-                from dashboard.app import DashboardState, serve  # lazy: aiohttp costs ~12 MiB of RSS
+                from edgefl.dashboard.app import DashboardState, serve  # lazy: aiohttp costs ~12 MiB of RSS
 
                 self.dashboard = DashboardState("device", self.device, self.dashboard_status, token=d.token)
                 runner, port = await serve(self.dashboard, d.host, d.port)

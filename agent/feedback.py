@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.codec import Compression, compressed_roundtrip
-from agent.types import F32
+from edgefl.types import F32
+from edgefl.wire.codec import Compression, compressed_roundtrip
 
 logger = logging.getLogger(__name__)
 

@@ -254,7 +254,7 @@ class ModelShapes:
 
 
 def model_shapes(backbone: Any) -> ModelShapes:
-    """Read :class:`ModelShapes` from a loaded ``agent.runtime.Backbone``.
+    """Read :class:`ModelShapes` from a loaded ``edgefl.runtime.Backbone``.
 
     The activation figure is a liveness scan of the op list: a tensor is alive from the op that
     writes it to the last op that reads it; the largest per-op sum, divided by the allocated batch,
@@ -264,7 +264,7 @@ def model_shapes(backbone: Any) -> ModelShapes:
 
     Parameters
     ----------
-    backbone : agent.runtime.Backbone
+    backbone : edgefl.runtime.Backbone
         Uses ``interpreter``, ``input_index``, ``input_shape``, ``input_dtype``, ``batch``,
         ``embedding_dim`` and ``head_from_model`` (or ``output`` shape when the head is unknown).
 
@@ -337,9 +337,9 @@ FIRST_RUN_BYTES = 2 << 20
 def estimate_batch_bytes(shapes: ModelShapes, batch: int, *, fused: bool = False) -> int:
     """Heap bytes to prepare one batch of raw samples for the model (normalise, quantise).
 
-    Unfused (``agent.daemon.preprocess``): float32 copies of the batch alive at once (raw as
+    Unfused (``edgefl.agent.daemon.preprocess``): float32 copies of the batch alive at once (raw as
     float32, minus mean, over std, the quantisation temporaries), about 5 for quantised inputs and
-    3 for float inputs, plus the result. Fused (``agent.pipeline``): written in place into the
+    3 for float inputs, plus the result. Fused (``edgefl.agent.pipeline``): written in place into the
     interpreter's input tensor (already resident), through a one-sample float32 scratch.
 
     Parameters
@@ -397,7 +397,7 @@ def estimate_inference_bytes(
 def estimate_train_bytes(
     chunk: int, dim: int, classes: int, batch_size: int, num_examples: int, *, first_run: bool = True
 ) -> int:
-    """Bytes ``agent.trainer.train_local`` may add to RSS with a given chunk size.
+    """Bytes ``edgefl.agent.trainer.train_local`` may add to RSS with a given chunk size.
 
     Terms: two float32 chunks alive at once (the loop's and the next one being built), the float16
     gather of a chunk and its labels; one SGD batch (its embeddings, logits and softmax); about six
@@ -434,7 +434,7 @@ def estimate_train_bytes(
 
 
 def wire_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 0.1) -> int:
-    """Approximate size of an encoded Update's deltas on the wire, in bytes (``agent.codec`` layouts)."""
+    """Approximate size of an encoded Update's deltas on the wire, in bytes."""
     n = dim * classes + classes
     if compression == "none":
         return n * 4
@@ -448,7 +448,7 @@ def wire_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 
 
 
 def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 0.1) -> int:
-    """Bytes ``agent.codec.encode_update`` may add to RSS.
+    """Bytes ``edgefl.wire.codec.encode_update`` may add to RSS.
 
     The dense delta's float32 temporaries (finite check, clip or scale, absolute values), the int64
     partition of top-k and the code pages its first call touches (partition, packbits, the Rice
@@ -460,7 +460,7 @@ def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fractio
     dim, classes : int
         D and K.
     compression : str
-        An ``agent.codec.Compression`` value.
+        An ``edgefl.wire.codec.Compression`` value.
     topk_fraction : float
 
     Returns
@@ -918,7 +918,7 @@ def malloc_trim() -> bool:
 def apply_hygiene(*, arena_max: int = 2, mmap_threshold_bytes: int | None = None) -> dict[str, bool]:
     """Set glibc malloc options that keep a small process small.
 
-    ``MALLOC_ARENA_MAX`` only takes effect through the environment at start-up (``agent/cli.py``
+    ``MALLOC_ARENA_MAX`` only takes effect through the environment at start-up (``edgefl/cli.py``
     sets it, with one BLAS thread, before numpy loads); ``mallopt(M_ARENA_MAX)`` does the same for
     arenas not created yet. A fixed ``M_MMAP_THRESHOLD`` stops glibc from raising the threshold
     after each large free, so large numpy temporaries stay ``mmap``-ed and go back to the kernel

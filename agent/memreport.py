@@ -4,7 +4,7 @@ The round is the agent's own code path without the daemon around it: classify th
 samples (or random samples of the model's input shape) batch by batch into the embedding store
 (phases ``batch`` and ``inference``), train the head (``train``), encode the update (``encode``),
 publish it to a broker when one is given (``publish``), and decode and apply a global head
-(``apply``). Each phase runs inside :meth:`agent.memory.Governor.phase` (exact peak RSS) and, unless
+(``apply``). Each phase runs inside :meth:`edgefl.agent.memory.Governor.phase` (exact peak RSS) and, unless
 disabled, with :mod:`tracemalloc` on: the report prints per phase the peak of the Python heap and
 its top allocation sites (file:line) next to the RSS peak. Allocations made by the interpreter in
 C++ (its tensor arena) are not in the Python heap; the difference between the two columns is them.
@@ -28,8 +28,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from agent import memory
-from agent.config import Profile
+from edgefl.agent import memory
+from edgefl.agent.config import Profile
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,12 @@ def run_round(
     -------
     RoundReport
     """
-    from agent.codec import (
+    from edgefl.agent.pipeline import Pipeline
+    from edgefl.agent.store import EmbeddingStore
+    from edgefl.agent.trainer import train_local
+    from edgefl.head import Head, validate_head
+    from edgefl.runtime import Backbone, dequantize
+    from edgefl.wire.codec import (
         Compression,
         GlobalModel,
         Limits,
@@ -211,11 +216,6 @@ def run_round(
         encode_global_model,
         encode_update,
     )
-    from agent.head import Head, validate_head
-    from agent.pipeline import Pipeline
-    from agent.runtime import Backbone, dequantize
-    from agent.store import EmbeddingStore
-    from agent.trainer import train_local
 
     gov = governor or memory.Governor(
         profile.cap_bytes,
@@ -255,7 +255,7 @@ def run_round(
                 ]
 
     if broker is not None:
-        import agent.transport  # noqa: F401 - loaded before any phase, as in the daemon
+        import edgefl.transport  # noqa: F401 - loaded before any phase, as in the daemon
 
     with contextlib.ExitStack() as stack:
         if state_dir is None:
@@ -381,10 +381,10 @@ def _publish(
     """Publish ``payload`` on ``update/<device>`` with QoS 1 inside phase ``publish``; '' or the error."""
     import asyncio
 
-    from agent.errors import TransportError
-    from agent.topics import Topics
-    from agent.transport import MqttTransport
-    from agent.validators import parse_broker_url
+    from edgefl.errors import TransportError
+    from edgefl.topics import Topics
+    from edgefl.transport import MqttTransport
+    from edgefl.validators import parse_broker_url
 
     _, host, port = parse_broker_url(url)
     topics = Topics(profile.broker.topic_prefix, profile.device.fleet)
@@ -457,8 +457,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``edgefl memory-report``; exit code 0 when the round completed, 1 if not, 2 bad profile."""
-    from agent.config import load_profile
-    from agent.errors import ConfigError
+    from edgefl.agent.config import load_profile
+    from edgefl.errors import ConfigError
 
     overrides: dict[str, object] = {}
     for item in args.set:

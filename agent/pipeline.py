@@ -35,7 +35,7 @@ Rules kept here because LiteRT enforces them at run time:
 
 Which mode and batch a model gets is measured (:func:`measure`, :func:`choose`), never assumed; the
 decision is cached per model sha256 so a restart does not re-profile. ``edgefl profile`` is in
-:mod:`agent.profiler`.
+:mod:`edgefl.agent.profiler`.
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ from typing import Any, Literal, cast
 
 import numpy as np
 
-from agent.errors import EdgeflError
-from agent.runtime import Backbone
-from agent.types import F32
-from agent.validators import MAX_BATCH
+from edgefl.errors import EdgeflError
+from edgefl.runtime import Backbone
+from edgefl.types import F32
+from edgefl.validators import MAX_BATCH
 
 logger = logging.getLogger(__name__)
 

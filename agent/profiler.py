@@ -7,7 +7,7 @@ one batch (tracemalloc: numpy allocations) and the minor page faults it causes (
 the RSS pays for new arrays). Prints a table, the chosen configuration and the per-stage times of
 the chosen batch; ``--json PATH`` writes the figures (the contract of issue 4, plus per-stage times).
 
-The measurement itself is :func:`agent.pipeline.measure`; the choice :func:`agent.pipeline.decide`, the
+The measurement itself is :func:`~edgefl.agent.pipeline.measure`; the choice :func:`~.pipeline.decide`, the
 same rule ``pipeline.mode = "auto"`` uses at start-up.
 """
 
@@ -21,10 +21,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from agent.errors import ModelError
-from agent.pipeline import DEFAULT_MARGIN, KERNEL_TRIALS, BatchMeasurement, Pipeline, decide, measure
-from agent.runtime import Backbone
-from agent.validators import MAX_BATCH, MAX_THREADS
+from edgefl.agent.pipeline import DEFAULT_MARGIN, KERNEL_TRIALS, BatchMeasurement, Pipeline, decide, measure
+from edgefl.errors import ModelError
+from edgefl.runtime import Backbone
+from edgefl.validators import MAX_BATCH, MAX_THREADS
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.types import F32, I64
+from edgefl.types import F32, I64
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import logging
 import ssl
 from pathlib import Path
 
-from agent.config import BrokerConfig
-from agent.errors import ConfigError
+from edgefl.agent.config import BrokerConfig
+from edgefl.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

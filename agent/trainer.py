@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agent.head import Head, cross_entropy, sgd_step
-from agent.store import EmbeddingStore
-from agent.types import F32
+from edgefl.agent.store import EmbeddingStore
+from edgefl.head import Head, cross_entropy, sgd_step
+from edgefl.types import F32
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,11 +50,12 @@ from typing import Any
 
 import numpy as np
 
-from agent.codec import decode_global_model, decode_round, decode_status
-from agent.datasets import load_digits, partition_non_iid, split_digits
-from agent.state import Outbox, RecordError, decode_record, read_record
-from agent.topics import Topics
-from agent.transport import MqttTransport
+from edgefl.agent.outbox import Outbox
+from edgefl.datasets import load_digits, partition_non_iid, split_digits
+from edgefl.records import RecordError, decode_record, read_record
+from edgefl.topics import Topics
+from edgefl.transport import MqttTransport
+from edgefl.wire.codec import decode_global_model, decode_round, decode_status
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"
@@ -279,7 +280,7 @@ class Job:
             "training.seed": str(self.plan.seed),
             "dashboard.enabled": "false",
         }
-        cmd = [sys.executable, "-m", "agent.cli", "--log-level", "INFO", "run", str(PROFILE)]
+        cmd = [sys.executable, "-m", "edgefl.cli", "--log-level", "INFO", "run", str(PROFILE)]
         for k, v in sets.items():
             cmd += ["--set", f"{k}={v}"]
         log_path = self.workdir / f"{dev}.log"
@@ -300,11 +301,11 @@ class Job:
 
     def start_coordinator(self) -> None:
         p = self.plan
-        cmd = [sys.executable, "-m", "agent.cli", "--log-level", "INFO", "coordinator"]
+        cmd = [sys.executable, "-m", "edgefl.cli", "--log-level", "INFO", "coordinator"]
         cmd += ["--broker", self.broker_url, "--fleet", self.fleet, "--rounds", str(p.rounds)]
         cmd += ["--min-clients", str(p.agents), "--deadline", str(p.deadline_s)]
         cmd += ["--wait-devices", str(p.agents), "--state", str(self.workdir / "coordinator.rec")]
-        cmd += ["--log", str(self.workdir / "rounds.jsonl")]
+        cmd += ["--log", str(self.workdir / "rounds.jsonl"), "--model", str(MODEL)]
         with open(self.workdir / "coordinator.log", "ab") as log:
             self.coordinator = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 

@@ -1,13 +1,13 @@
 """What the dashboard costs an agent in memory: RSS/PSS of an agent-like process with and without it.
 
-A child process stands in for the agent: it imports ``agent.daemon`` (numpy, LiteRT, paho-mqtt,
-cbor2, asyncio), opens the shipped int8 digits backbone with ``agent.runtime.Backbone`` and idles on
+A child process stands in for the agent: it imports ``edgefl.agent.daemon`` (numpy, LiteRT, paho-mqtt,
+cbor2, asyncio), opens the shipped int8 digits backbone with ``edgefl.runtime.Backbone`` and idles on
 its event loop. The bench then walks it through the stages below and reads ``/proc/<pid>/status``
 and ``/proc/<pid>/smaps_rollup`` after each (median of 5 readings, 0.2 s apart):
 
 1. ``base``: the agent without the dashboard.
-2. ``import``: ``import dashboard.app`` (aiohttp and its dependencies).
-3. ``serve``: ``dashboard.app.serve`` running, no client; status from ``agent.memory`` figures.
+2. ``import``: ``import edgefl.dashboard.app`` (aiohttp and its dependencies).
+3. ``serve``: ``edgefl.dashboard.app.serve`` running, no client; status from ``edgefl.agent.memory`` figures.
 4. ``5 SSE``: 5 browsers' worth of SSE streams open for ``--hold-s`` seconds, one push per second
    (raw sockets that read everything, as a browser does).
 5. ``scraped``: after 20 ``/metrics`` scrapes (prometheus_client is imported on the first one).
@@ -39,9 +39,9 @@ KiB = 1024
 CHILD = r"""
 import asyncio, sys, time
 from pathlib import Path
-import agent.daemon
-from agent import memory
-from agent.runtime import Backbone
+import edgefl.agent.daemon
+from edgefl.agent import memory
+from edgefl.runtime import Backbone
 
 model = Path(sys.argv[1])
 backbone = Backbone(model) if model.exists() else None
@@ -67,10 +67,10 @@ async def main():
     while True:
         cmd = (await loop.run_in_executor(None, sys.stdin.readline)).strip()
         if cmd == "import":
-            import dashboard.app
+            import edgefl.dashboard.app
             print("ok", flush=True)
         elif cmd == "serve":
-            from dashboard.app import DashboardState, serve
+            from edgefl.dashboard.app import DashboardState, serve
             runner, port = await serve(DashboardState("device", "bench", status), "127.0.0.1", 0)
             print(port, flush=True)
         else:

@@ -36,8 +36,10 @@ from typing import Any
 import cbor2
 import numpy as np
 
-from agent.chunking import Reassembler, decode_chunk, split_message
-from agent.codec import (
+from edgefl.errors import DecodeError
+from edgefl.records import RecordError, decode_record, encode_record
+from edgefl.wire.chunking import Reassembler, decode_chunk, split_message
+from edgefl.wire.codec import (
     Compression,
     DeviceStatus,
     GlobalModel,
@@ -53,9 +55,7 @@ from agent.codec import (
     encode_status,
     encode_update,
 )
-from agent.errors import DecodeError
-from agent.signing import SigningKey, sign_message, verify_payload
-from agent.state import RecordError, decode_record, encode_record
+from edgefl.wire.signing import SigningKey, sign_message, verify_payload
 
 SHAPE = (16, 4)
 KEY = SigningKey(bytes(range(32)))

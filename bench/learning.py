@@ -3,7 +3,7 @@
 No MQTT: the devices are simulated in one process, but each runs the device code path -- its
 samples in an ``EmbeddingStore`` (float16), ``train_local`` for the local epochs, ``ErrorFeedback``
 for compressed updates, ``encode_update`` for the wire bytes (counted exactly) -- and the coordinator
-decodes every payload with ``decode_update`` and aggregates with the ``coordinator.strategy`` classes,
+decodes every payload with ``decode_update`` and aggregates with the ``edgefl.coordinator.strategy`` classes,
 so what is measured is what the service would do, minus the network.
 
 Datasets: digits (embeddings of the shipped int8 digits CNN, ``models/digits_cnn_int8.tflite``, the
@@ -32,18 +32,18 @@ from typing import Any
 import cbor2
 import numpy as np
 
-from agent.codec import Compression, Update, UpdateMetrics, compress_delta, decode_update, encode_update
-from agent.datasets import dirichlet_partition, load_digits, split_digits
-from agent.feedback import ErrorFeedback
-from agent.head import Head
-from agent.store import EmbeddingStore
-from agent.trainer import fit_head, train_local
-from agent.types import F32, I64
 from bench.vowels import N_CLASSES as VOWEL_CLASSES
 from bench.vowels import load_vowels
-from coordinator.fedbuff import FedBuffer
-from coordinator.privacy import PrivateSum, dp_epsilon
-from coordinator.strategy import RunningWeightedSum, Strategy, make_strategy
+from edgefl.agent.feedback import ErrorFeedback
+from edgefl.agent.store import EmbeddingStore
+from edgefl.agent.trainer import fit_head, train_local
+from edgefl.coordinator.fedbuff import FedBuffer
+from edgefl.coordinator.privacy import PrivateSum, dp_epsilon
+from edgefl.coordinator.strategy import RunningWeightedSum, Strategy, make_strategy
+from edgefl.datasets import dirichlet_partition, load_digits, split_digits
+from edgefl.head import Head
+from edgefl.types import F32, I64
+from edgefl.wire.codec import Compression, Update, UpdateMetrics, compress_delta, decode_update, encode_update
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -82,7 +82,7 @@ def digits_embeddings() -> tuple[F32, I64, F32, F32]:
     """Embed all digits once with the int8 model (float model if the int8 one is missing)."""
     if "e" in _DIGITS_CACHE:
         return _DIGITS_CACHE["e"]
-    from agent.runtime import Backbone
+    from edgefl.runtime import Backbone
 
     path = ROOT / "models" / "digits_cnn_int8.tflite"
     if not path.exists():

@@ -6,13 +6,13 @@ that nothing measured before leaks into it:
 - **import baseline**: ``VmHWM``, ``RssAnon``/``RssFile`` and PSS of a bare Python, then with
   numpy, LiteRT, aiohttp, paho-mqtt and cbor2 imported one after the other (cumulative), each in
   its own process.
-- **phases**: ``agent.memreport.run_round`` (the agent's own classify/train/encode/publish/apply
+- **phases**: ``edgefl.agent.memreport.run_round`` (the agent's own classify/train/encode/publish/apply
   code, in-process, tracemalloc off) for the digits CNN and MobileNetV2-0.35-96, float32 and int8;
   peak RSS per phase is exact (``clear_refs`` + ``VmHWM``), peak PSS is sampled every 2 ms.
   ``publish`` goes to a real mosquitto on 127.0.0.1 when one is installed.
 - **lowest cap**: bisection on the governor's cap (1 MiB steps, reserve 1 MiB): a round completes
   when no phase is deferred and its measured peak RSS stays under the cap.
-- **hygiene**: one variable changed at a time against the defaults of ``agent/cli.py``.
+- **hygiene**: one variable changed at a time against the defaults of ``edgefl/cli.py``.
 - **leak check**: the round's phases in a loop in one process (no MQTT: classify 64 samples,
   train, encode, decode and apply the new head, ``malloc_trim``), RSS after round 10 and 500.
 
@@ -77,7 +77,7 @@ def _status() -> dict[str, int]:
         key = line.split(":")[0]
         if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "Threads"):
             out[key] = int(line.split()[1]) * (1024 if key != "Threads" else 1)
-    from agent.memory import pss_bytes
+    from edgefl.agent.memory import pss_bytes
 
     out["Pss"] = pss_bytes() or 0
     return out
@@ -92,7 +92,7 @@ def child_imports(step: int) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _pss_sampler(peaks: dict[str, int], name: str) -> Iterator[None]:
-    from agent.memory import pss_bytes
+    from edgefl.agent.memory import pss_bytes
 
     stop = threading.Event()
     best = [pss_bytes() or 0]
@@ -113,7 +113,7 @@ def _pss_sampler(peaks: dict[str, int], name: str) -> Iterator[None]:
 
 
 def _profile(model: str, cap_mb: int = 96, reserve_mb: int = 8, extra: dict[str, str] | None = None) -> Any:
-    from agent.config import load_profile
+    from edgefl.agent.config import load_profile
 
     overrides: dict[str, object] = {
         "model.path": str(MODELS / model),
@@ -129,8 +129,8 @@ def _profile(model: str, cap_mb: int = 96, reserve_mb: int = 8, extra: dict[str,
 def child_round(
     model: str, cap_mb: int, reserve_mb: int, broker: str | None, samples: int, pss: bool
 ) -> dict[str, Any]:
-    from agent import memory
-    from agent.memreport import run_round
+    from edgefl.agent import memory
+    from edgefl.agent.memreport import run_round
 
     profile = _profile(model, cap_mb, reserve_mb)
     gov = memory.Governor(profile.cap_bytes, reserve_mb * MIB, 0)
@@ -153,8 +153,13 @@ def child_round(
 def child_leak(model: str, rounds: int) -> dict[str, Any]:
     import numpy as np
 
-    from agent import memory
-    from agent.codec import (
+    from edgefl.agent import memory
+    from edgefl.agent.pipeline import Pipeline
+    from edgefl.agent.store import EmbeddingStore
+    from edgefl.agent.trainer import train_local
+    from edgefl.head import Head
+    from edgefl.runtime import Backbone
+    from edgefl.wire.codec import (
         GlobalModel,
         Limits,
         Update,
@@ -163,11 +168,6 @@ def child_leak(model: str, rounds: int) -> dict[str, Any]:
         encode_global_model,
         encode_update,
     )
-    from agent.head import Head
-    from agent.pipeline import Pipeline
-    from agent.runtime import Backbone
-    from agent.store import EmbeddingStore
-    from agent.trainer import train_local
 
     profile = _profile(model)
     bb = Backbone(profile.model.path, num_threads=1)
@@ -218,7 +218,7 @@ def child_leak(model: str, rounds: int) -> dict[str, Any]:
 
 def child_hygiene(which: str) -> Any:
     """One hygiene measurement (the parent sets the environment)."""
-    from agent import memory
+    from edgefl.agent import memory
 
     if which == "blas":
         import numpy as np
@@ -241,7 +241,7 @@ def child_hygiene(which: str) -> Any:
     if which.startswith("threads"):
         import numpy as np
 
-        from agent.runtime import Backbone
+        from edgefl.runtime import Backbone
 
         n = int(which[len("threads") :])
         bb = Backbone(MODELS / "mobilenet_v2_035_96_int8.tflite", num_threads=n)
@@ -259,7 +259,7 @@ def child_hygiene(which: str) -> Any:
     if which == "store":
         import numpy as np
 
-        from agent.store import EmbeddingStore
+        from edgefl.agent.store import EmbeddingStore
 
         d = Path(tempfile.mkdtemp())
         before = _status()
@@ -455,7 +455,7 @@ def render(r: dict[str, Any]) -> str:
         "## Memory",
         "",
         "`.venv/bin/python -m bench.memory` (bench/memory.py); every figure from a fresh process; "
-        f"machine: {r['machine']}. MiB = 2^20 bytes. Environment as `agent/cli.py` sets it: "
+        f"machine: {r['machine']}. MiB = 2^20 bytes. Environment as `edgefl/cli.py` sets it: "
         "`MALLOC_ARENA_MAX=2`, `OPENBLAS_NUM_THREADS=1`.",
         "",
         "### Import baseline (cumulative, each step a fresh process, best of 3)",
@@ -474,7 +474,7 @@ def render(r: dict[str, Any]) -> str:
         "",
         "### Peak RSS per phase through one full round (MiB)",
         "",
-        "`agent.memreport.run_round`: 512 samples classified in batches of 8 into the store, "
+        "`edgefl.agent.memreport.run_round`: 512 samples classified in batches of 8 into the store, "
         "2 local epochs (chunk 256, batch 16), update encoded uncompressed, published with QoS 1 to "
         + ("a local mosquitto" if r["publish"] else "(no mosquitto: publish not run)")
         + ", global head decoded, applied and saved. Peak RSS per phase is exact (VmHWM after a "

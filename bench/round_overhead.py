@@ -1,7 +1,7 @@
 """Round overhead on loopback: announcement out -> all updates in -> global head published.
 
-A real mosquitto on 127.0.0.1, the real coordinator (``coordinator.service.Coordinator.run_round``)
-and 4 device clients, all on ``agent.transport.MqttTransport`` (paho-mqtt 2.x, QoS 1), with a
+A real mosquitto on 127.0.0.1, the real coordinator (``edgefl.coordinator.service.Coordinator.run_round``)
+and 4 device clients, all on ``edgefl.transport.MqttTransport`` (paho-mqtt 2.x, QoS 1), with a
 1280 x 10 float32 head (a MobileNet-sized head: 51 kB per update and per global head). The 4
 devices run in a child process (as on real gateways, they do not share the coordinator's GIL); they
 do no training: on the announcement they publish a pre-computed update at once, so what is timed is
@@ -35,11 +35,11 @@ from typing import Any
 import numpy as np
 import paho.mqtt.client as mqtt
 
-from agent.codec import Update, UpdateMetrics, decode_round, encode_update
-from agent.topics import Topics
-from agent.transport import Message, MqttTransport
-from coordinator.service import Coordinator
-from coordinator.strategy import Strategy
+from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.strategy import Strategy
+from edgefl.topics import Topics
+from edgefl.transport import Message, MqttTransport
+from edgefl.wire.codec import Update, UpdateMetrics, decode_round, encode_update
 
 D, K = 1280, 10
 N_DEVICES = 4

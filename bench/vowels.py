@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.types import F32, I64
+from edgefl.types import F32, I64
 
 VOWELS_DIR = Path(__file__).resolve().parent.parent / "data" / "japanese_vowels"
 N_CHANNELS = 12

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from agent.errors import UpdateRejected
-from agent.types import F32
-from coordinator.strategy import Strategy
+from edgefl.coordinator.strategy import Strategy
+from edgefl.errors import UpdateRejected
+from edgefl.types import F32
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from agent.types import F32
+from edgefl.types import F32
 
 
 def clip_update(delta_W: F32, delta_b: F32, clip_norm: float) -> tuple[F32, F32, float]:

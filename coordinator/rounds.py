@@ -10,10 +10,10 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from agent.codec import Update
-from agent.errors import UpdateRejected
-from agent.types import F32
-from coordinator.strategy import RunningWeightedSum
+from edgefl.coordinator.strategy import RunningWeightedSum
+from edgefl.errors import UpdateRejected
+from edgefl.types import F32
+from edgefl.wire.codec import Update
 
 
 class RoundPhase(StrEnum):

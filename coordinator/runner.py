@@ -18,15 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from agent.aio import within
-from agent.codec import Compression
-from agent.runtime import Backbone
-from agent.signing import load_signing_key, load_verify_keys
-from agent.topics import Topics
-from agent.transport import MqttTransport
-from agent.validators import parse_broker_url
-from coordinator.service import Coordinator
-from coordinator.strategy import STRATEGY_NAMES, make_strategy
+from edgefl.aio import within
+from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.strategy import STRATEGY_NAMES, make_strategy
+from edgefl.runtime import Backbone
+from edgefl.topics import Topics
+from edgefl.transport import MqttTransport
+from edgefl.validators import parse_broker_url
+from edgefl.wire.codec import Compression
+from edgefl.wire.signing import load_signing_key, load_verify_keys
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     argparse.ArgumentParser
         The sub-command's parser (``func`` set to :func:`main`).
     """
-    root = Path(__file__).resolve().parent.parent
+    from edgefl.resources import shipped
+
     p: argparse.ArgumentParser = sub.add_parser(
         "coordinator",
         help="run the coordinator of a fleet",
@@ -51,7 +52,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--prefix", default="edgefl", help="topic prefix")
     p.add_argument(
         "--model",
-        default=str(root / "models" / "digits_cnn_int8.tflite"),
+        default=str(shipped("models/digits_cnn_int8_rawin.tflite")),
         help="backbone .tflite (its sha256 binds the global head)",
     )
     p.add_argument("--rounds", type=int, default=10, help="rounds to run in total (resumed runs count on)")
@@ -87,8 +88,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from agent.datasets import load_digits, split_digits
-    from coordinator.demo import accuracy, embed_all
+    from edgefl.datasets import load_digits, split_digits
+    from edgefl.demo import accuracy, embed_all
 
     backbone = Backbone(Path(args.model))
     W0, b0 = backbone.head_from_model()

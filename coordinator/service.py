@@ -21,9 +21,17 @@ from typing import Any
 import cbor2
 import numpy as np
 
-from agent.aio import wait_event
-from agent.chunking import Reassembler, is_chunk, split_message
-from agent.codec import (
+from edgefl.aio import wait_event
+from edgefl.coordinator.fedbuff import FedBuff, FedBuffer
+from edgefl.coordinator.rounds import Round
+from edgefl.coordinator.strategy import RoundConfig, Strategy
+from edgefl.errors import TransportError, UpdateRejected
+from edgefl.records import read_record, write_record
+from edgefl.topics import Topics
+from edgefl.transport import Message, MqttTransport
+from edgefl.types import F32
+from edgefl.wire.chunking import Reassembler, is_chunk, split_message
+from edgefl.wire.codec import (
     Compression,
     DecodeError,
     GlobalModel,
@@ -34,15 +42,7 @@ from agent.codec import (
     encode_global_model,
     encode_round,
 )
-from agent.errors import TransportError, UpdateRejected
-from agent.signing import SigningKey, VerifyKey, sign_message, verify_payload
-from agent.state import read_record, write_record
-from agent.topics import Topics
-from agent.transport import Message, MqttTransport
-from agent.types import F32
-from coordinator.fedbuff import FedBuff, FedBuffer
-from coordinator.rounds import Round
-from coordinator.strategy import RoundConfig, Strategy
+from edgefl.wire.signing import SigningKey, VerifyKey, sign_message, verify_payload
 
 logger = logging.getLogger(__name__)
 

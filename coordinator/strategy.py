@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from agent.types import F32
+from edgefl.types import F32
 
 
 def weighted_mean(deltas: Sequence[F32], num_examples: Sequence[int]) -> F32:
@@ -741,7 +741,7 @@ def make_strategy(name: str, **kwargs: Any) -> Strategy:
     ValueError
         If the name is unknown.
     """
-    from coordinator.fedbuff import FedBuff  # fedbuff imports this module
+    from edgefl.coordinator.fedbuff import FedBuff  # fedbuff imports this module
 
     classes: dict[str, type[Strategy]] = {
         "fedavg": Strategy,

@@ -137,7 +137,7 @@ if [ ! -f "$HOUSE/requirements.lock" ]; then
 fi
 log "wheelhouse $HOUSE: wheels $(du -sh "$HOUSE/wheels" | cut -f1), total $(du -sh "$HOUSE" | cut -f1)"
 
-# The demo's test set (agent.datasets.split_digits, seed 0) as raw uint8 samples, made on the host.
+# The demo's test set (edgefl.datasets.split_digits, seed 0) as raw uint8 samples, made on the host.
 "$PY" "$ROOT/cross_build/classify.py" export-test-set "$WORK/testset.npz"
 
 mkdir -p "$ROOTFS/opt/wheelhouse" "$ROOTFS/opt/check"
@@ -151,7 +151,7 @@ guest "$ROOTFS" /bin/sh /opt/wheelhouse/install.sh --no-systemd --prefix /opt/ed
 INSTALL_S=$(( $(date +%s) - t0 ))
 log "install under emulation: $INSTALL_S s; installed release $(du -sh "$ROOTFS"/opt/edgefl/releases/* | cut -f1)"
 
-log "codec round trip under emulation (agent.codec with the cbor2 of the wheelhouse)"
+log "codec round trip under emulation (edgefl.wire.codec with the cbor2 of the wheelhouse)"
 CODEC_RC=0
 guest "$ROOTFS" /opt/edgefl/current/venv/bin/python /opt/check/classify.py codec 2>&1 | sed 's/^/  guest: /' \
   || CODEC_RC=1

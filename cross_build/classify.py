@@ -5,9 +5,9 @@ Three sub-commands, so the same file runs on the build machine and inside the em
     classify.py export-test-set OUT.npz            (host) the digits test split, raw uint8
     classify.py run MODEL RUNTIME TESTSET OUT.npz  (guest and host) logits and predictions
     classify.py compare GUEST.npz HOST.npz         (host) exit 0 only if every prediction matches
-    classify.py codec                              (guest) agent.codec round trip with the installed cbor2
+    classify.py codec                              (guest) codec round trip with the installed cbor2
 
-``run`` goes through :class:`agent.runtime.Backbone` (the code the agent ships), with the profiles'
+``run`` goes through :class:`edgefl.runtime.Backbone` (the code the agent ships), with the profiles'
 digits normalisation (``raw / 16``) quantised by the model's input scale.
 """
 
@@ -35,7 +35,7 @@ def export_test_set(out: Path) -> int:
     int
         0.
     """
-    from agent.datasets import load_digits, split_digits
+    from edgefl.datasets import load_digits, split_digits
 
     x, y = load_digits()
     test = split_digits(y, seed=0).test
@@ -63,7 +63,7 @@ def run(model: Path, runtime: str, testset: Path, out: Path) -> int:
     int
         0.
     """
-    from agent.runtime import Backbone
+    from edgefl.runtime import Backbone
 
     data = np.load(testset)
     x, y = data["x"], data["y"]
@@ -108,7 +108,7 @@ def compare(guest: Path, host: Path) -> int:
 
 
 def codec_round_trip() -> int:
-    """Encode and decode a DeviceStatus with :mod:`agent.codec` and the installed cbor2.
+    """Encode and decode a DeviceStatus with :mod:`edgefl.wire.codec` and the installed cbor2.
 
     Returns
     -------
@@ -117,8 +117,8 @@ def codec_round_trip() -> int:
     """
     from importlib.metadata import version
 
-    from agent.codec import DeviceStatus, decode_status, encode_status
-    from agent.errors import DecodeError
+    from edgefl.errors import DecodeError
+    from edgefl.wire.codec import DeviceStatus, decode_status, encode_status
 
     msg = DeviceStatus(device="gw-1", state="online")
     try:

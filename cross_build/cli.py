@@ -1,7 +1,7 @@
 """The ``edgefl wheelhouse`` sub-command: argument parsing only, cheap to import.
 
-``agent/cli.py`` imports this module (in a source checkout) to register the sub-command; the builder,
-:mod:`cross_build.wheelhouse`, and its dependencies (``packaging``, ~200 ms and ~4.6 MB RSS measured)
+``edgefl/cli.py`` imports this module (in a source checkout) to register the sub-command; the builder,
+:mod:`edgefl.cross_build.wheelhouse`, and its dependencies (``packaging``, ~200 ms and ~4.6 MB RSS measured)
 are imported only when the sub-command runs, so ``edgefl run`` does not pay for them.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-# Must equal sorted(cross_build.wheelhouse.TARGETS) (checked by tests/test_cross_build.py).
+# Must equal sorted(edgefl.cross_build.wheelhouse.TARGETS) (checked by tests/test_cross_build.py).
 TARGET_NAMES = ("aarch64", "armv7l", "x86_64")
 DEFAULT_PREFIX = "/opt/edgefl"
 
@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     Parameters
     ----------
     p : argparse.ArgumentParser
-        The ``wheelhouse`` sub-parser, or the parser of ``python -m cross_build.wheelhouse``.
+        The ``wheelhouse`` sub-parser, or the parser of ``python -m edgefl.cross_build.wheelhouse``.
     """
     p.add_argument("--target", required=True, choices=TARGET_NAMES, help="gateway platform")
     p.add_argument("--out", required=True, help="output folder (its wheels/ is replaced)")
@@ -35,7 +35,7 @@ def add_wheelhouse_parser(sub: argparse._SubParsersAction[argparse.ArgumentParse
     Parameters
     ----------
     sub : argparse._SubParsersAction
-        The ``add_subparsers()`` result of ``agent.cli.build_parser``. The sub-command sets ``func``
+        The ``add_subparsers()`` result of ``edgefl.cli.build_parser``. The sub-command sets ``func``
         to :func:`run_wheelhouse` (namespace → exit code: 0 built, 1 failed).
     """
     w = sub.add_parser("wheelhouse", help="build an offline wheelhouse for a gateway (source checkout only)")
@@ -45,6 +45,6 @@ def add_wheelhouse_parser(sub: argparse._SubParsersAction[argparse.ArgumentParse
 
 def run_wheelhouse(args: argparse.Namespace) -> int:
     """Build the wheelhouse the parsed arguments ask for; returns the exit code (0 built, 1 failed)."""
-    from cross_build.wheelhouse import run
+    from edgefl.cross_build.wheelhouse import run
 
     return run(args)

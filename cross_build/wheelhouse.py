@@ -56,7 +56,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
-from agent.errors import EdgeflError
+from edgefl.errors import EdgeflError
 
 logger = logging.getLogger(__name__)
 
@@ -590,7 +590,7 @@ def render_unit(
     Parameters
     ----------
     profile_path : Path
-        A profile in ``firmware_configs/``; it is validated with :func:`agent.config.load_profile`.
+        A profile in ``firmware_configs/``; it is validated with :func:`edgefl.agent.config.load_profile`.
     prefix : str
         Install prefix on the device (releases under ``<prefix>/releases``, ``<prefix>/current``).
     template : Path
@@ -609,8 +609,8 @@ def render_unit(
         If the profile is invalid, or its ``device.state_dir`` is not under ``/var/lib`` (with
         ``ProtectSystem=strict`` the agent could not write anywhere else).
     """
-    from agent.config import load_profile
-    from agent.errors import ConfigError
+    from edgefl.agent.config import load_profile
+    from edgefl.errors import ConfigError
 
     try:
         # Model files are checked on the device by install.sh (check-config); here only the numbers.
@@ -896,8 +896,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m cross_build.wheelhouse --target T --out DIR``; returns the exit code (0 ok, 1 failed)."""
-    from cross_build.cli import add_arguments
+    """``python -m edgefl.cross_build.wheelhouse --target T --out DIR``: returns the exit code (0 or 1)."""
+    from edgefl.cross_build.cli import add_arguments
 
     p = argparse.ArgumentParser(prog="wheelhouse", description=__doc__.splitlines()[0] if __doc__ else None)
     add_arguments(p)

@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
-from agent.errors import ConfigError
-from agent.validators import is_loopback_host
+from edgefl.errors import ConfigError
+from edgefl.validators import is_loopback_host
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric

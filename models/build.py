@@ -45,13 +45,13 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from agent.datasets import (  # noqa: E402  (the repo root must be on sys.path first)
+from edgefl.datasets import (  # noqa: E402  (the repo root must be on sys.path first)
     FACTORY_CLASSES,
     DigitsSplit,
     load_digits,
     split_digits,
 )
-from agent.types import F32, I8, I64, U8  # noqa: E402
+from edgefl.types import F32, I8, I64, U8  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -102,7 +102,7 @@ def start_replay_agent(
     """Start a real agent process (dev profile, int8 model) replaying x, y; its log is tmp/<dev>.log."""
     import numpy as np
 
-    from coordinator.demo import launch_agent
+    from edgefl.demo import launch_agent
 
     np.savez(tmp / f"{dev}.npz", x=x, y=y)
     overrides = {

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, free_port, start_mosquitto, stop_broker
 
-from agent.codec import Update, UpdateMetrics, encode_update
-from agent.head import Head
-from agent.runtime import Backbone
-from agent.store import EmbeddingStore
-from agent.topics import Topics
-from agent.trainer import train_local
-from agent.transport import MqttTransport
 from bench.chaos import ChaosPlan, Fault, run_chaos
-from coordinator.service import Coordinator
-from coordinator.strategy import Strategy
+from edgefl.agent.store import EmbeddingStore
+from edgefl.agent.trainer import train_local
+from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.strategy import Strategy
+from edgefl.head import Head
+from edgefl.runtime import Backbone
+from edgefl.topics import Topics
+from edgefl.transport import MqttTransport
+from edgefl.wire.codec import Update, UpdateMetrics, encode_update
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -17,7 +17,9 @@ import pytest
 from conftest import start_mosquitto, stop_broker
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
-from agent.chunking import (
+from edgefl.errors import DecodeError
+from edgefl.transport import MqttTransport
+from edgefl.wire.chunking import (
     Chunk,
     Reassembler,
     decode_chunk,
@@ -28,9 +30,7 @@ from agent.chunking import (
     publish_packet_bytes,
     split_message,
 )
-from agent.codec import Update, UpdateMetrics, decode_update, encode_update
-from agent.errors import DecodeError
-from agent.transport import MqttTransport
+from edgefl.wire.codec import Update, UpdateMetrics, decode_update, encode_update
 
 
 class FakeClock:

@@ -14,7 +14,7 @@ PROFILES = sorted((ROOT / "firmware_configs").glob("*.toml"))
 
 def edgefl(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "agent.cli", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
+        [sys.executable, "-m", "edgefl.cli", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
     )
 
 

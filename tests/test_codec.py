@@ -1,4 +1,4 @@
-"""Tests of agent/codec.py: round trips, compression bounds, interoperability, malformed input."""
+"""Tests of edgefl/wire/codec.py: round trips, compression bounds, interoperability, malformed input."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.codec import (
+from edgefl.errors import DecodeError
+from edgefl.types import F32
+from edgefl.wire.codec import (
     REASONS,
     SCHEMA_VERSION,
     Compression,
@@ -46,8 +48,6 @@ from agent.codec import (
     offline_status,
     topk_count,
 )
-from agent.errors import DecodeError
-from agent.types import F32
 
 SHA = "ab" * 32
 

@@ -10,7 +10,7 @@ from typing import Protocol
 import numpy as np
 import pytest
 
-from agent.config import (
+from edgefl.agent.config import (
     BrokerConfig,
     DashboardConfig,
     Profile,
@@ -18,8 +18,8 @@ from agent.config import (
     parse_profile,
     profile_to_dict,
 )
-from agent.errors import ConfigError
-from agent.validators import (
+from edgefl.errors import ConfigError
+from edgefl.validators import (
     check_device_id,
     check_finite_float,
     check_positive_int,

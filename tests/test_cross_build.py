@@ -309,9 +309,9 @@ def test_cli_hook_knows_every_target_and_the_default_prefix() -> None:
 
 
 def test_cli_hook_does_not_import_the_builder() -> None:
-    # `edgefl run` in a checkout imports cross_build.cli: it must not pull in packaging and the builder.
-    code = ("import sys; sys.path.append(sys.argv[1]); import cross_build.cli; "
-            "print('cross_build.wheelhouse' in sys.modules, 'packaging.requirements' in sys.modules)")
+    # `edgefl run` in a checkout imports edgefl.cross_build.cli: not packaging nor the builder.
+    code = ("import sys; sys.path.append(sys.argv[1]); import edgefl.cross_build.cli; "
+            "print('edgefl.cross_build.wheelhouse' in sys.modules, 'packaging.requirements' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
 

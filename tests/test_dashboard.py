@@ -28,10 +28,10 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-import dashboard.app
-from agent import memory
-from agent.errors import ConfigError
-from dashboard.app import DashboardState, create_app, jsonable, serve
+import edgefl.dashboard.app
+from edgefl.agent import memory
+from edgefl.dashboard.app import DashboardState, create_app, jsonable, serve
+from edgefl.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -484,7 +484,7 @@ def test_sse_limit_and_shutdown_with_open_streams() -> None:
 
 
 def test_sse_stalled_client_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dashboard.app, "WRITE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(edgefl.dashboard.app, "WRITE_TIMEOUT_S", 0.3)
     counter = iter(range(10**9))
     blob = "x" * 65536
 
@@ -517,8 +517,8 @@ def test_sse_stalled_client_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
 
 SSE_SERVER = r"""
 import asyncio, sys
-from agent import memory
-from dashboard.app import DashboardState, serve
+from edgefl.agent import memory
+from edgefl.dashboard.app import DashboardState, serve
 
 def status():
     return {"state": "idle", "rss_bytes": memory.rss_bytes(), "cap_bytes": 96 << 20}

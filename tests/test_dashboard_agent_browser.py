@@ -20,14 +20,14 @@ import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, Broker, free_port
 from playwright.sync_api import Browser, expect, sync_playwright
 
-from agent import memory
-from agent.datasets import load_digits, split_digits
-from agent.runtime import Backbone
-from agent.topics import Topics
-from agent.transport import MqttTransport
-from coordinator.demo import launch_agent, stop_agents
-from coordinator.service import Coordinator
-from coordinator.strategy import Strategy
+from edgefl.agent import memory
+from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.strategy import Strategy
+from edgefl.datasets import load_digits, split_digits
+from edgefl.demo import launch_agent, stop_agents
+from edgefl.runtime import Backbone
+from edgefl.topics import Topics
+from edgefl.transport import MqttTransport
 
 pytestmark = pytest.mark.timeout(180)
 

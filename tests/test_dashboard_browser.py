@@ -36,9 +36,9 @@ from playwright.sync_api import (
     sync_playwright,
 )
 
-import dashboard.app
-from agent import memory
-from dashboard.app import DashboardState, serve
+import edgefl.dashboard.app
+from edgefl.agent import memory
+from edgefl.dashboard.app import DashboardState, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
@@ -469,7 +469,7 @@ def test_browser_missing_keys_render_as_dash(context: BrowserContext, kind: str)
 def test_browser_page_reconnects_after_the_agent_restarts(
     context: BrowserContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(dashboard.app, "SSE_RETRY_MS", 200)  # the browser's reconnect delay
+    monkeypatch.setattr(edgefl.dashboard.app, "SSE_RETRY_MS", 200)  # the browser's reconnect delay
     first = LiveDevice(state="training")
     server = ThreadedDashboard(DashboardState("device", "gw", first.status))
     page, errors = open_page(context, server.url)

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.datasets import (
+from edgefl.datasets import (
     FACTORY_CLASSES,
     DigitsSplit,
     class_owners,
@@ -16,7 +16,7 @@ from agent.datasets import (
     partition_non_iid,
     split_digits,
 )
-from agent.types import I64, U8
+from edgefl.types import I64, U8
 
 
 @pytest.fixture(scope="module")

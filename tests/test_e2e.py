@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, Broker, start_replay_agent
 
-from agent.codec import GlobalModel, encode_global_model
-from agent.datasets import load_digits, partition_non_iid, split_digits
-from agent.runtime import Backbone
-from agent.topics import Topics
-from agent.transport import MqttTransport
-from coordinator.demo import accuracy, embed_all, stop_agents
-from coordinator.service import Coordinator
-from coordinator.strategy import Strategy
+from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.strategy import Strategy
+from edgefl.datasets import load_digits, partition_non_iid, split_digits
+from edgefl.demo import accuracy, embed_all, stop_agents
+from edgefl.runtime import Backbone
+from edgefl.topics import Topics
+from edgefl.transport import MqttTransport
+from edgefl.wire.codec import GlobalModel, encode_global_model
 
 pytestmark = pytest.mark.timeout(240)
 

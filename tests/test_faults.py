@@ -23,17 +23,18 @@ import numpy as np
 import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, ROOT, Broker, start_mosquitto, stop_broker
 
-from agent.codec import GlobalModel, Update, UpdateMetrics, encode_global_model, encode_update
-from agent.datasets import load_digits, partition_non_iid, split_digits
-from agent.runtime import Backbone
-from agent.signing import SigningKey, generate_signing_key, load_verify_keys, sign_message
-from agent.state import Outbox, prev_path
-from agent.topics import Topics
-from agent.trainer import fit_head
-from agent.transport import MqttTransport
-from coordinator.demo import accuracy, embed_all
-from coordinator.service import Coordinator
-from coordinator.strategy import Strategy, make_strategy
+from edgefl.agent.outbox import Outbox
+from edgefl.agent.trainer import fit_head
+from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.strategy import Strategy, make_strategy
+from edgefl.datasets import load_digits, partition_non_iid, split_digits
+from edgefl.demo import accuracy, embed_all
+from edgefl.records import prev_path
+from edgefl.runtime import Backbone
+from edgefl.topics import Topics
+from edgefl.transport import MqttTransport
+from edgefl.wire.codec import GlobalModel, Update, UpdateMetrics, encode_global_model, encode_update
+from edgefl.wire.signing import SigningKey, generate_signing_key, load_verify_keys, sign_message
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -88,7 +89,7 @@ def launch(
         "-X",
         "faulthandler",
         "-m",
-        "agent.cli",
+        "edgefl.cli",
         "--log-level",
         "INFO",
         "run",
@@ -530,7 +531,7 @@ def test_corrupt_model_and_bad_profile_fail_at_startup_with_exit_code(tmp_path: 
     truncated.write_bytes(INT8_MODEL.read_bytes()[:1000])
 
     def run(*sets: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "agent.cli", "--log-level", "WARNING", "run", str(DEV_PROFILE)]
+        cmd = [sys.executable, "-m", "edgefl.cli", "--log-level", "WARNING", "run", str(DEV_PROFILE)]
         cmd += ["--set", f"device.state_dir={tmp_path / 'state'}", "--set", "dashboard.enabled=false"]
         for s in sets:
             cmd += ["--set", s]

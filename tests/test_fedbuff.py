@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agent.errors import UpdateRejected
-from coordinator.fedbuff import FedBuff, FedBuffer, staleness_weight
+from edgefl.coordinator.fedbuff import FedBuff, FedBuffer, staleness_weight
+from edgefl.errors import UpdateRejected
 
 
 def test_staleness_weight_by_hand() -> None:

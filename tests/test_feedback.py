@@ -5,8 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.codec import Compression, compressed_roundtrip
-from agent.feedback import RESIDUAL_FILE, ErrorFeedback
+from edgefl.agent.feedback import RESIDUAL_FILE, ErrorFeedback
+from edgefl.wire.codec import Compression, compressed_roundtrip
 
 
 def test_topk_residual_by_hand_and_telescoping(tmp_path: Path) -> None:

@@ -17,11 +17,11 @@ from conftest import ROOT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.chunking import Reassembler, decode_chunk
-from agent.codec import decode_global_model, decode_round, decode_status, decode_update
-from agent.errors import DecodeError
-from agent.signing import verify_payload
-from agent.state import RecordError, decode_record
+from edgefl.errors import DecodeError
+from edgefl.records import RecordError, decode_record
+from edgefl.wire.chunking import Reassembler, decode_chunk
+from edgefl.wire.codec import decode_global_model, decode_round, decode_status, decode_update
+from edgefl.wire.signing import verify_payload
 
 if (
     str(ROOT) not in sys.path

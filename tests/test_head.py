@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agent.errors import UpdateRejected
-from agent.head import Head, cross_entropy, sgd_step, softmax, validate_head
+from edgefl.errors import UpdateRejected
+from edgefl.head import Head, cross_entropy, sgd_step, softmax, validate_head
 
 
 def _data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -22,9 +22,8 @@ import numpy as np
 import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, MODELS, Broker
 
-from agent import memory
-from agent.datasets import load_digits
-from agent.memory import (
+from edgefl.agent import memory
+from edgefl.agent.memory import (
     FIRST_RUN_BYTES,
     MIB,
     Governor,
@@ -32,6 +31,7 @@ from agent.memory import (
     cgroup_memory_limit_bytes,
     estimate_train_bytes,
 )
+from edgefl.datasets import load_digits
 
 # --- fake /proc and cgroup trees ------------------------------------------------------------------
 
@@ -272,15 +272,15 @@ _MEASURE = r"""
 import json, sys, tempfile
 from pathlib import Path
 import numpy as np
-from agent import memory as m
-from agent.codec import (GlobalModel, Limits, Update, UpdateMetrics, decode_global_model,
+from edgefl.agent import memory as m
+from edgefl.wire.codec import (GlobalModel, Limits, Update, UpdateMetrics, decode_global_model,
                          encode_global_model, encode_update)
-from agent.head import Head
-from agent.pipeline import Pipeline
-from agent.runtime import dequantize
-from agent.runtime import Backbone
-from agent.store import EmbeddingStore
-from agent.trainer import train_local
+from edgefl.head import Head
+from edgefl.agent.pipeline import Pipeline
+from edgefl.runtime import dequantize
+from edgefl.runtime import Backbone
+from edgefl.agent.store import EmbeddingStore
+from edgefl.agent.trainer import train_local
 
 model, batch, chunk, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 bb = Backbone(Path(model))
@@ -372,7 +372,7 @@ def test_estimates_bound_measured_peaks(model: str) -> None:
 
 
 def test_model_shapes_of_the_real_models() -> None:
-    from agent.runtime import Backbone
+    from edgefl.runtime import Backbone
 
     s = memory.model_shapes(Backbone(INT8_MODEL))
     assert (s.sample_elems, s.input_itemsize, s.embedding_dim, s.classes) == (64, 1, 512, 10)
@@ -428,7 +428,7 @@ class RssWatch:
 
 
 def _digits_shard(tmp: Path) -> Path:
-    from agent.datasets import load_digits, partition_non_iid, split_digits
+    from edgefl.datasets import load_digits, partition_non_iid, split_digits
 
     x, y = load_digits()
     pool = split_digits(y).devices
@@ -439,7 +439,7 @@ def _digits_shard(tmp: Path) -> Path:
 
 
 def _start_agent(broker: Broker, fleet: str, tmp: Path, extra: dict[str, str]) -> Any:
-    from coordinator.demo import launch_agent
+    from edgefl.demo import launch_agent
 
     overrides = {
         "device.id": "dev-1",
@@ -467,11 +467,11 @@ def agent_log(tmp_path: Path) -> Iterator[Path]:
 
 
 async def _coordinator(broker: Broker, fleet: str, deadline_s: float) -> Any:
-    from agent.runtime import Backbone
-    from agent.topics import Topics
-    from agent.transport import MqttTransport
-    from coordinator.service import Coordinator
-    from coordinator.strategy import Strategy
+    from edgefl.coordinator.service import Coordinator
+    from edgefl.coordinator.strategy import Strategy
+    from edgefl.runtime import Backbone
+    from edgefl.topics import Topics
+    from edgefl.transport import MqttTransport
 
     bb = Backbone(INT8_MODEL)
     W0, b0 = bb.head_from_model()
@@ -498,7 +498,7 @@ def test_wired_tight_cap_shrinks_or_defers_training_keeps_classifying(
     # A store of 1 MiB (float16 embeddings, file-backed pages that count in RSS), ~16k samples streamed
     # through it and a training chunk of the whole store need a few MiB more than the ~1 MiB left
     # under cap - reserve, whatever this machine's agent RSS is next to the baseline.
-    from agent.runtime import Backbone
+    from edgefl.runtime import Backbone
 
     capacity = MIB // (2 * Backbone(INT8_MODEL).embedding_dim)
     x, y = load_digits()
@@ -537,7 +537,7 @@ def test_wired_tight_cap_shrinks_or_defers_training_keeps_classifying(
         first, last, clients = asyncio.run(main())
         alive = proc.poll() is None
     finally:
-        from coordinator.demo import stop_agents
+        from edgefl.demo import stop_agents
 
         peak_outside = watch.stop()
         stop_agents([proc])

@@ -23,7 +23,7 @@ import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, Broker
 from test_memory import _coordinator, _digits_shard
 
-from agent.memory import CGROUP_ROOT, MIB
+from edgefl.agent.memory import CGROUP_ROOT, MIB
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -102,8 +102,8 @@ def child_cgroup() -> Iterator[ChildCgroup]:
 
 
 def _launch_in(cg: ChildCgroup, overrides: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """``coordinator.demo.launch_agent``'s command, with the child joining the cgroup before exec."""
-    cmd = [sys.executable, "-m", "agent.cli", "--log-level", "WARNING", "run", str(DEV_PROFILE)]
+    """``edgefl.demo.launch_agent``'s command, with the child joining the cgroup before exec."""
+    cmd = [sys.executable, "-m", "edgefl.cli", "--log-level", "WARNING", "run", str(DEV_PROFILE)]
     for k, v in overrides.items():
         cmd += ["--set", f"{k}={v}"]
 
@@ -123,7 +123,7 @@ def _launch_in(cg: ChildCgroup, overrides: dict[str, str], log: Path) -> subproc
 def _run_rounds(
     mosquitto: Broker, fleet: str, tmp: Path, cg: ChildCgroup, rounds: int
 ) -> tuple[list[int], dict[str, Any], subprocess.Popen[bytes]]:
-    from coordinator.demo import stop_agents
+    from edgefl.demo import stop_agents
 
     proc = _launch_in(
         cg,

@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 from conftest import MODELS
 
-from agent.datasets import load_digits
-from agent.head import Head
-from agent.pipeline import (
+from edgefl.agent.pipeline import (
     BatchMeasurement,
     InterpreterBusy,
     Pipeline,
@@ -23,7 +21,9 @@ from agent.pipeline import (
     measure,
     random_raw,
 )
-from agent.runtime import Backbone
+from edgefl.datasets import load_digits
+from edgefl.head import Head
+from edgefl.runtime import Backbone
 
 DIGITS = ((0.0,), (16.0,))
 CAMERA = ((127.5,), (127.5,))
@@ -521,7 +521,7 @@ def test_profile_command_prints_a_table_and_writes_the_json_contract(
 ) -> None:
     import argparse
 
-    from agent import profiler
+    from edgefl.agent import profiler
 
     parser = argparse.ArgumentParser()
     profiler.add_parser(parser.add_subparsers(dest="command", required=True))

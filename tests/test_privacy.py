@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from coordinator.privacy import PrivateSum, clip_update, dp_epsilon
+from edgefl.coordinator.privacy import PrivateSum, clip_update, dp_epsilon
 
 
 def test_clip_update_by_hand() -> None:

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, Broker, start_replay_agent
 
-from agent.codec import Update, UpdateMetrics, encode_update
-from agent.datasets import load_digits, partition_non_iid, split_digits
-from agent.runtime import Backbone
-from agent.topics import Topics
-from agent.transport import Message, MqttTransport
-from coordinator.demo import stop_agents
-from coordinator.service import Coordinator
-from coordinator.strategy import Strategy
+from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.strategy import Strategy
+from edgefl.datasets import load_digits, partition_non_iid, split_digits
+from edgefl.demo import stop_agents
+from edgefl.runtime import Backbone
+from edgefl.topics import Topics
+from edgefl.transport import Message, MqttTransport
+from edgefl.wire.codec import Update, UpdateMetrics, encode_update
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -127,8 +127,8 @@ def test_robust_transport_survives_a_raising_callback(
     [("lr", 1e308), ("local_epochs", 2**62), ("batch_size", 2**62), ("deadline_s", 1e12), ("prox_mu", 1e9)],
 )
 def test_robust_round_settings_out_of_bounds_are_refused(field: str, value: float) -> None:
-    from agent.codec import RoundAnnouncement, decode_round, encode_round
-    from agent.errors import DecodeError
+    from edgefl.errors import DecodeError
+    from edgefl.wire.codec import RoundAnnouncement, decode_round, encode_round
 
     fields: dict[str, Any] = {
         "round": 1,
@@ -146,8 +146,8 @@ def test_robust_round_settings_out_of_bounds_are_refused(field: str, value: floa
 
 
 def test_robust_absurd_but_finite_head_is_refused() -> None:
-    from agent.errors import UpdateRejected
-    from agent.head import MAX_HEAD_ABS, validate_head
+    from edgefl.errors import UpdateRejected
+    from edgefl.head import MAX_HEAD_ABS, validate_head
 
     W = np.full((4, 3), 3e38, np.float32)
     with pytest.raises(UpdateRejected, match="bad_value"):
@@ -158,9 +158,9 @@ def test_robust_absurd_but_finite_head_is_refused() -> None:
 def test_robust_training_stops_at_its_time_budget(tmp_path: Path) -> None:
     import time
 
-    from agent.head import Head
-    from agent.store import EmbeddingStore
-    from agent.trainer import train_local
+    from edgefl.agent.store import EmbeddingStore
+    from edgefl.agent.trainer import train_local
+    from edgefl.head import Head
 
     rng = np.random.default_rng(0)
     store = EmbeddingStore(tmp_path, capacity=512, dim=8)

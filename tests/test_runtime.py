@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from conftest import FLOAT_MODEL, INT8_MODEL, MODELS
 
-from agent.datasets import load_digits, split_digits
-from agent.errors import ModelError
-from agent.runtime import Backbone, dequantize, file_sha256
+from edgefl.datasets import load_digits, split_digits
+from edgefl.errors import ModelError
+from edgefl.runtime import Backbone, dequantize, file_sha256
 
 
 @pytest.fixture(scope="module")

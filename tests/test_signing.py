@@ -12,8 +12,9 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent import signing
-from agent.codec import (
+from edgefl.errors import DecodeError
+from edgefl.wire import signing
+from edgefl.wire.codec import (
     Compression,
     DeviceStatus,
     GlobalModel,
@@ -28,8 +29,7 @@ from agent.codec import (
     encode_status,
     encode_update,
 )
-from agent.errors import DecodeError
-from agent.signing import (
+from edgefl.wire.signing import (
     CONTEXT,
     SigningKey,
     VerifyKey,
@@ -226,12 +226,12 @@ def test_sign_private_key_never_logged_or_shown(tmp_path: Path, caplog: pytest.L
     path = tmp_path / "device.key"
     path.write_text(RFC_SEED.hex())
     path.chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="agent.signing"):
+    with caplog.at_level(logging.WARNING, logger="edgefl.wire.signing"):
         assert load_signing_key(path) == key
     assert "chmod 600" in caplog.text
     path.chmod(0o600)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="agent.signing"):
+    with caplog.at_level(logging.WARNING, logger="edgefl.wire.signing"):
         load_signing_key(path)
     assert caplog.text == ""
     bad = tmp_path / "bad.key"

@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.state import (
+from edgefl.agent.outbox import Dropped, Outbox, OutboxEntry
+from edgefl.records import (
     HEADER_BYTES,
-    Dropped,
-    Outbox,
-    OutboxEntry,
     RecordError,
     atomic_write,
     decode_record,
@@ -65,7 +63,7 @@ def test_corrupt_torn_write_at_every_offset_falls_back(
         with pytest.raises(RecordError):
             decode_record(newest[:cut])
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="agent.state"):
+        with caplog.at_level(logging.WARNING, logger="edgefl.records"):
             assert read_record(p) == b"the last good state", cut
         assert "torn or corrupt" in caplog.text and "s.rec.prev" in caplog.text
     p.write_bytes(newest)
@@ -114,7 +112,7 @@ def test_corrupt_both_generations_returns_none(tmp_path: Path, caplog: pytest.Lo
     write_record(p, b"b")
     p.write_bytes(b"x")
     prev_path(p).write_bytes(b"y")
-    with caplog.at_level(logging.ERROR, logger="agent.state"):
+    with caplog.at_level(logging.ERROR, logger="edgefl.records"):
         assert read_record(p) is None
     assert "starting empty" in caplog.text
 
@@ -133,7 +131,7 @@ def test_corrupt_recovery_after_kill_mid_write(tmp_path: Path) -> None:
     """A child process writes generations in a loop and is SIGKILLed; the survivor reads a good record."""
     p = tmp_path / "s.rec"
     code = (
-        "import sys\nfrom pathlib import Path\nfrom agent.state import write_record\n"
+        "import sys\nfrom pathlib import Path\nfrom edgefl.records import write_record\n"
         "p = Path(sys.argv[1])\ni = 0\n"
         "while True:\n    write_record(p, (b'%08d' % i) * 4096)\n    i += 1\n"
         "    if i == 3: print('ready', flush=True)\n"
@@ -181,7 +179,7 @@ def test_outbox_bounded_in_bytes_drops_oldest(tmp_path: Path, caplog: pytest.Log
     box = Outbox(tmp_path / "o.rec", max_bytes=25)
     assert box.add("u1", 1, b"x" * 10) == []
     assert box.add("u2", 2, b"y" * 10) == []
-    with caplog.at_level(logging.WARNING, logger="agent.state"):
+    with caplog.at_level(logging.WARNING, logger="edgefl.agent.outbox"):
         assert box.add("u3", 3, b"z" * 12) == [Dropped("u1", 1, "outbox_full")]
     assert "outbox full: dropped update u1" in caplog.text
     assert [e.update_id for e in box.pending()] == ["u2", "u3"] and box.total_bytes == 22
@@ -224,7 +222,7 @@ def test_outbox_corrupt_file_falls_back_to_previous_generation(tmp_path: Path) -
 def test_outbox_unknown_layout_starts_empty(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "o.rec"
     write_record(path, b"\xa1\x61v\x02")  # a good record holding {"v": 2}
-    with caplog.at_level(logging.ERROR, logger="agent.state"):
+    with caplog.at_level(logging.ERROR, logger="edgefl.agent.outbox"):
         assert len(Outbox(path, max_bytes=10)) == 0
     assert "unknown layout" in caplog.text
 

@@ -5,9 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.head import Head
-from agent.store import EmbeddingStore
-from agent.trainer import fit_head, train_local
+from edgefl.agent.store import EmbeddingStore
+from edgefl.agent.trainer import fit_head, train_local
+from edgefl.head import Head
 
 
 def test_store_ring_overwrites_oldest_and_persists(tmp_path: Path) -> None:

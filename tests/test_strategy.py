@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.strategy import RunningWeightedSum, Strategy, weighted_mean
+from edgefl.coordinator.strategy import RunningWeightedSum, Strategy, weighted_mean
 
 
 def test_weighted_mean_by_hand() -> None:

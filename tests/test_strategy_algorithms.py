@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.fedbuff import FedBuff
-from coordinator.strategy import (
+from edgefl.coordinator.fedbuff import FedBuff
+from edgefl.coordinator.strategy import (
     STRATEGY_NAMES,
     FedAdam,
     FedAvgM,

@@ -22,10 +22,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from agent.config import BrokerConfig
-from agent.errors import ConfigError, TransportError
-from agent.tlsconf import make_ssl_context, ssl_context_for
-from agent.transport import MqttTransport
+from edgefl.agent.config import BrokerConfig
+from edgefl.agent.tlsconf import make_ssl_context, ssl_context_for
+from edgefl.errors import ConfigError, TransportError
+from edgefl.transport import MqttTransport
 
 USER, PASSWORD = "edge-device", "correct horse battery staple"
 UNTRUSTED = {
@@ -271,7 +271,7 @@ def test_tls_wrong_server_address_fails(pki: Pki, tmp_path: Path) -> None:
 
 
 def test_tls_wrong_password_fails(tls_broker: Broker, pki: Pki, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="agent.transport"):
+    with caplog.at_level(logging.WARNING, logger="edgefl.transport"):
         assert not connect(tls_broker, make_ssl_context(pki.ca), password="wrong", wait_s=2)
     assert "refused the connection: Not authorized" in caplog.text
     assert PASSWORD not in caplog.text and "wrong" not in caplog.text.replace("wrong_", "")

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, Broker, free_port, start_mosquitto, stop_broker
 
-import agent.transport as transport_mod
-from agent.codec import decode_status
-from agent.errors import TransportError
-from agent.topics import Topics
-from agent.transport import MqttTransport
-from coordinator.demo import launch_agent, stop_agents
+import edgefl.transport as transport_mod
+from edgefl.demo import launch_agent, stop_agents
+from edgefl.errors import TransportError
+from edgefl.topics import Topics
+from edgefl.transport import MqttTransport
+from edgefl.wire.codec import decode_status
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,7 +76,7 @@ def test_transport_broker_down_at_start_then_restart(
     monkeypatch.setattr(transport_mod, "RECONNECT_MIN_S", 0.05)
     monkeypatch.setattr(transport_mod, "RECONNECT_MAX_S", 0.3)
     port = free_port()
-    caplog.set_level(logging.INFO, logger="agent.transport")
+    caplog.set_level(logging.INFO, logger="edgefl.transport")
 
     async def main() -> None:
         t = MqttTransport("127.0.0.1", port, f"t-{fleet}")

@@ -25,9 +25,9 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 from paho.mqtt.reasoncodes import ReasonCode
 
-from agent.aio import wait_event, within
-from agent.chunking import publish_packet_bytes
-from agent.errors import TransportError
+from edgefl.aio import wait_event, within
+from edgefl.errors import TransportError
+from edgefl.wire.chunking import publish_packet_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 What is signed
 --------------
 Every signed message (GlobalModel, RoundAnnouncement, Update) is a CBOR map whose *last* entry is
-``"signature"`` with a byte string value; ``agent.codec`` encodes it that way. The signer encodes the
+``"signature"`` with a byte string value; ``edgefl.wire.codec`` encodes it that way. The signer encodes the
 message once with ``signature = h''`` (the *unsigned form* ``U``, which ends with the bytes
 ``69 "signature" 40``) and signs::
 
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar
 
-from agent.errors import DecodeError
+from edgefl.errors import DecodeError
 
 logger = logging.getLogger(__name__)
 
@@ -387,7 +387,7 @@ def sign_payload(unsigned: bytes, key: SigningKey) -> bytes:
     Parameters
     ----------
     unsigned : bytes
-        The message encoded with an empty signature (``agent.codec`` puts it last).
+        The message encoded with an empty signature (``edgefl.wire.codec`` puts it last).
     key : SigningKey
 
     Returns

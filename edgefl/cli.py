@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from agent.config import Profile
+    from edgefl.agent.config import Profile
 
 # One BLAS thread and two malloc arenas: on a small gateway each extra thread or arena costs RSS.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -51,8 +51,8 @@ def _setup_logging(level: str, device: str | None = None) -> None:
 
 def _load_or_report(args: argparse.Namespace) -> Profile | None:
     """Load ``args.profile`` with the ``--set`` overrides, or print every problem and return None."""
-    from agent.config import load_profile
-    from agent.errors import ConfigError
+    from edgefl.agent.config import load_profile
+    from edgefl.errors import ConfigError
 
     try:
         return load_profile(args.profile, _parse_sets(args.set))
@@ -65,14 +65,14 @@ def _load_or_report(args: argparse.Namespace) -> Profile | None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """``edgefl run PROFILE``: run the agent daemon until SIGTERM/SIGINT."""
-    from agent.errors import EdgeflError, ModelError
+    from edgefl.errors import EdgeflError, ModelError
 
     profile = _load_or_report(args)
     if profile is None:
         return EXIT_INVALID
     _setup_logging(args.log_level, profile.device.id)
-    from agent import memory
-    from agent.daemon import Agent
+    from edgefl.agent import memory
+    from edgefl.agent.daemon import Agent
 
     memory.apply_hygiene(arena_max=2)  # for arenas of threads not yet started (paho, worker, dashboard)
 
@@ -90,7 +90,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     """``edgefl check-config PROFILE``: validate a profile; exit 0 if valid, 1 with every problem listed."""
-    from agent.config import profile_to_dict
+    from edgefl.agent.config import profile_to_dict
 
     profile = _load_or_report(args)
     if profile is None:
@@ -106,7 +106,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """``edgefl demo``: embedded broker, coordinator and N agent processes on real data."""
     _setup_logging(args.log_level)
-    from coordinator.demo import DemoOptions, run_demo
+    from edgefl.demo import DemoOptions, run_demo
 
     opts = DemoOptions(
         devices=args.devices,
@@ -139,7 +139,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         The arguments about to be parsed (None = ``sys.argv[1:]``): the ``coordinator`` sub-command
         is only registered when they name it (or ask for help).
     """
-    root = Path(__file__).resolve().parent.parent
+    from edgefl.resources import shipped
+
     p = argparse.ArgumentParser(
         prog="edgefl",
         description="edgefl: the federated-learning device agent, its coordinator and tools (run, "
@@ -180,7 +181,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     d.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     d.add_argument(
         "--profile",
-        default=str(root / "firmware_configs" / "dev_x86.toml"),
+        default=str(shipped("firmware_configs/dev_x86.toml")),
         help="agent profile each device starts from (default firmware_configs/dev_x86.toml)",
     )
     d.add_argument("--model", default=None, help="override the profile's model (.tflite)")
@@ -209,19 +210,17 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     d.add_argument("--workdir", default=None, help="keep shards, profiles, logs and state here")
     d.set_defaults(func=cmd_demo)
 
-    from agent import memreport, profiler
+    from edgefl.agent import memreport, profiler
 
     profiler.add_parser(sub)
     memreport.add_parser(sub)
-    if (root / "cross_build" / "cli.py").is_file():  # source checkout only: the builder is not shipped
-        sys.path.append(str(root))
-        from cross_build.cli import add_wheelhouse_parser
+    from edgefl.cross_build.cli import add_wheelhouse_parser
 
-        add_wheelhouse_parser(sub)
+    add_wheelhouse_parser(sub)
     words = list(sys.argv[1:] if argv is None else argv)
     if "coordinator" in words or "-h" in words or "--help" in words:
         # imported only when asked for: the agent process never runs it (~1 MiB of RSS saved)
-        from coordinator import runner
+        from edgefl.coordinator import runner
 
         runner.add_parser(sub)
     return p

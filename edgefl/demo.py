@@ -20,24 +20,25 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from agent import memory
-from agent.codec import Compression
-from agent.config import load_profile
-from agent.datasets import FACTORY_CLASSES, load_digits, partition_non_iid, split_digits
-from agent.head import Head
-from agent.runtime import Backbone
-from agent.topics import Topics
-from agent.trainer import fit_head
-from agent.transport import MqttTransport
-from agent.types import F32, I64
-from coordinator.service import Coordinator
-from coordinator.strategy import make_strategy
+from edgefl.agent import memory
+from edgefl.agent.config import load_profile
+from edgefl.agent.trainer import fit_head
+from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.strategy import make_strategy
+from edgefl.datasets import FACTORY_CLASSES, load_digits, partition_non_iid, split_digits
+from edgefl.head import Head
+from edgefl.resources import shipped
+from edgefl.runtime import Backbone
+from edgefl.topics import Topics
+from edgefl.transport import MqttTransport
+from edgefl.types import F32, I64
+from edgefl.wire.codec import Compression
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class DemoOptions:
     rounds: int = 10
     broker: str | None = None
     json_path: str | None = None
-    profile: Path = Path("firmware_configs/dev_x86.toml")
+    profile: Path = field(default_factory=lambda: shipped("firmware_configs/dev_x86.toml"))
     model: Path | None = None
     local_epochs: int = 2
     lr: float = 0.05
@@ -69,7 +70,7 @@ class DemoOptions:
 
 
 def launch_agent(profile: Path, overrides: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
-    """Start one agent as a separate OS process: ``python -m agent.cli run PROFILE --set k=v ...``.
+    """Start one agent as a separate OS process: ``python -m edgefl.cli run PROFILE --set k=v ...``.
 
     Parameters
     ----------
@@ -86,7 +87,7 @@ def launch_agent(profile: Path, overrides: dict[str, str], log_path: Path) -> su
     """
     # -OO drops docstrings and asserts: ~2.6 MiB less RSS per agent once the optimised bytecode is
     # compiled (``make demo`` runs ``compileall -o 2``; without it, -OO would compile every import).
-    cmd = [sys.executable, "-OO", "-m", "agent.cli", "--log-level", "WARNING", "run", str(profile)]
+    cmd = [sys.executable, "-OO", "-m", "edgefl.cli", "--log-level", "WARNING", "run", str(profile)]
     for key, val in overrides.items():
         cmd += ["--set", f"{key}={val}"]
     with open(log_path, "ab") as log:
@@ -119,7 +120,7 @@ def embed_all(
     backbone: Backbone, x: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...], batch: int = 1
 ) -> F32:
     """Embeddings of raw samples ``x`` [N, *sample_shape] → float32 [N, D], through the unfused pipeline."""
-    from agent.pipeline import Pipeline
+    from edgefl.agent.pipeline import Pipeline
 
     return Pipeline(backbone, mean, std, mode="unfused", batch=batch).run(x)[0]
 
@@ -162,7 +163,7 @@ def run_demo(opts: DemoOptions) -> int:
     for name in ("amqtt", "transitions", "passlib"):
         logging.getLogger(name).setLevel(logging.ERROR)
     # the per-update lines would interleave with the results table; warnings still show
-    for name in ("coordinator.service", "agent.runtime", "agent.transport", "dashboard.app"):
+    for name in ("edgefl.coordinator.service", "edgefl.runtime", "edgefl.transport", "edgefl.dashboard.app"):
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     return asyncio.run(_run(opts))
 
@@ -223,7 +224,7 @@ async def _run(opts: DemoOptions) -> int:
 
     broker = None
     if opts.broker:
-        from agent.validators import parse_broker_url
+        from edgefl.validators import parse_broker_url
 
         _, host, port = parse_broker_url(opts.broker)
     else:
@@ -284,7 +285,7 @@ async def _run(opts: DemoOptions) -> int:
                 lr_decay=opts.lr_decay,
             )
             pump = asyncio.create_task(coord.pump())
-            from dashboard.app import DashboardState, serve
+            from edgefl.dashboard.app import DashboardState, serve
 
             board = DashboardState("coordinator", f"fleet {fleet}", coord.dashboard_status)
             coord.on_change = board.notify

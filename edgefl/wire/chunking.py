@@ -13,7 +13,7 @@ chunk is a CBOR message::
 :class:`Reassembler` collects chunks with bounded memory (at most ``max_sets`` partial messages and
 ``max_total_bytes`` declared bytes; abandoned sets expire after ``expiry_s``) and returns the whole
 message only when every chunk arrived and its SHA-256 matches: all or nothing. Chunks carry no
-signature: the reassembled message does (``agent.signing``), so a forged chunk can at worst spoil
+signature: the reassembled message does (``edgefl.wire.signing``), so a forged chunk can at worst spoil
 one set, never change what is applied.
 
 Source: MQTT 5.0 (OASIS 2019) §2.1.4 (Remaining Length, variable byte integer), §3.3 (PUBLISH),
@@ -35,12 +35,12 @@ from typing import Final
 
 import cbor2
 
-from agent.codec import SCHEMA_VERSION, Limits, MessageType
-from agent.codec import _int as _codec_int  # bounded field helpers: one implementation of the checks
-from agent.codec import _keys as _codec_keys
-from agent.codec import _message as _codec_message
-from agent.codec import _text as _codec_text
-from agent.errors import DecodeError
+from edgefl.errors import DecodeError
+from edgefl.wire.codec import SCHEMA_VERSION, Limits, MessageType
+from edgefl.wire.codec import _int as _codec_int  # bounded field helpers: one implementation of the checks
+from edgefl.wire.codec import _keys as _codec_keys
+from edgefl.wire.codec import _message as _codec_message
+from edgefl.wire.codec import _text as _codec_text
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def is_chunk(payload: bytes) -> bool:
 def decode_chunk(
     payload: bytes, *, max_chunk_bytes: int = 1 << 20, max_message_bytes: int = 1 << 24
 ) -> Chunk:
-    """Decode and validate one chunk message, bounded before allocation like ``agent.codec``.
+    """Decode and validate one chunk message, bounded before allocation like ``edgefl.wire.codec``.
 
     Parameters
     ----------

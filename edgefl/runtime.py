@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from agent.errors import ModelError
-from agent.types import F32
+from edgefl.errors import ModelError
+from edgefl.types import F32
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ Decoding anything from the network is bounded and validated. In order:
 4. each message's fields are checked: known keys only, every required key present, exact types
    (``bool`` is not ``int``), ranges, shapes and dtypes against the model, finite values only.
 
-Failures raise :class:`agent.errors.DecodeError` whose ``reason`` is one of :data:`REASONS` (used as
+Failures raise :class:`edgefl.errors.DecodeError` whose ``reason`` is one of :data:`REASONS` (used as
 the ``rejected_total{reason}`` label) and whose ``detail`` names the dotted field.
 
 Update deltas are compressed per array (see :func:`compress_delta`): ``none`` (float32),
@@ -46,9 +46,9 @@ import cbor2
 import numpy as np
 import numpy.typing as npt
 
-from agent.errors import DecodeError
-from agent.types import F32, I64
-from agent.validators import DEVICE_ID_PATTERN, check_device_id
+from edgefl.errors import DecodeError
+from edgefl.types import F32, I64
+from edgefl.validators import DEVICE_ID_PATTERN, check_device_id
 
 logger = logging.getLogger(__name__)
 
@@ -637,7 +637,7 @@ def is_valid_device_id(device: str) -> bool:
     -------
     bool
         True if it matches ``[A-Za-z0-9_.-]{1,64}`` and is not ``.`` or ``..``
-        (:func:`agent.validators.check_device_id`).
+        (:func:`edgefl.validators.check_device_id`).
     """
     try:
         check_device_id(device)

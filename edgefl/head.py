@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agent.errors import UpdateRejected
-from agent.types import F32, I64
+from edgefl.errors import UpdateRejected
+from edgefl.types import F32, I64
 
 MAX_HEAD_ABS = 1.0e4
 """Largest |weight| or |bias| a valid head may hold (ours stay below ~10; float32 overflows near 1e38)."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.types import I64, U8
+from edgefl.types import I64, U8
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +43,14 @@ def digits_dir() -> Path:
     -------
     Path
         ``$EDGEFL_DATA_DIR`` when that environment variable is set and non-empty, else
-        ``<repo>/data/sklearn_digits``.
+        the shipped ``data/sklearn_digits`` (:func:`edgefl.resources.shipped`).
     """
     env = os.environ.get("EDGEFL_DATA_DIR")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent / "data" / "sklearn_digits"
+    from edgefl.resources import shipped
+
+    return shipped("data/sklearn_digits")
 
 
 def load_digits(path: Path | None = None) -> tuple[U8, I64]:

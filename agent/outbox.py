@@ -1,0 +1,260 @@
+"""The device's outbox: each update kept on disk until the broker acknowledged it (PUBACK).
+
+An update survives a reconnect or a restart and is re-sent with the same ``update_id`` (the
+coordinator de-duplicates by it). Bounded in bytes; updates of rounds that closed are dropped with a
+reason. Persisted as a checksummed record (:mod:`edgefl.records`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Final
+
+import cbor2
+
+from edgefl.records import read_record, write_record
+from edgefl.wire.codec import _CBOR2_STRICT
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Dropped", "Outbox", "OutboxEntry"]
+
+_UPDATE_ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # as edgefl.wire.codec's update_id
+
+
+# ---------------------------------------------------------------------------------------------------
+# Outbox
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxEntry:
+    """One update waiting for its PUBACK.
+
+    Parameters
+    ----------
+    update_id : str
+        The update's ``update_id`` (re-sent unchanged, the coordinator de-duplicates by it).
+    round : int
+        Round the update answers, >= 0.
+    payload : bytes
+        The encoded (and signed) Update, exactly as published.
+    sends : int
+        Publish attempts so far (:meth:`Outbox.mark_sent`).
+    """
+
+    update_id: str
+    round: int
+    payload: bytes
+    sends: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """An update the outbox gave up on.
+
+    Parameters
+    ----------
+    update_id : str
+    round : int
+    reason : str
+        ``"outbox_full"`` (evicted to make room, oldest first), ``"too_large"`` (larger than the
+        whole outbox), ``"stale_round"`` (its round closed).
+    """
+
+    update_id: str
+    round: int
+    reason: str
+
+
+class Outbox:
+    """Updates kept until acknowledged, persisted as a record in the state directory.
+
+    Parameters
+    ----------
+    path : Path
+        Record file (e.g. ``<state_dir>/outbox.rec``); its directory is created if missing. What it
+        holds is loaded at construction (a torn file falls back to the previous generation).
+    max_bytes : int
+        Bound on the sum of the kept payloads, bytes, >= 1.
+
+    Raises
+    ------
+    ValueError
+        If ``max_bytes < 1``.
+    OSError
+        If the state directory cannot be created.
+    """
+
+    def __init__(self, path: Path, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes = {max_bytes}: must be >= 1")
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._entries: list[OutboxEntry] = self._load()
+        if self._entries:
+            logger.info(
+                "outbox %s: %d update(s) awaiting acknowledgement (%d bytes)",
+                self.path,
+                len(self._entries),
+                self.total_bytes,
+            )
+
+    def _load(self) -> list[OutboxEntry]:
+        data = read_record(self.path)
+        if data is None:
+            return []
+        try:
+            obj = (
+                cbor2.loads(data, max_depth=4, allow_indefinite=False, allow_duplicate_keys=False)
+                if _CBOR2_STRICT
+                else cbor2.loads(data)  # cbor2 5.x (armv7l); the record's checksum vouches for it
+            )
+            if not isinstance(obj, dict) or obj.get("v") != 1 or not isinstance(obj.get("entries"), list):
+                raise ValueError("not an outbox record")
+            entries = []
+            for item in obj["entries"]:
+                if not isinstance(item, list) or len(item) != 4:
+                    raise ValueError("bad entry")
+                update_id, round_, payload, sends = item
+                if (
+                    type(update_id) is not str
+                    or _UPDATE_ID_RE.fullmatch(update_id) is None
+                    or type(round_) is not int
+                    or round_ < 0
+                    or type(payload) is not bytes
+                    or type(sends) is not int
+                    or sends < 0
+                ):
+                    raise ValueError("bad entry")
+                entries.append(OutboxEntry(update_id, round_, payload, sends))
+        except (cbor2.CBORDecodeError, ValueError, TypeError) as exc:
+            # the checksum matched, so this is a format change, not corruption
+            logger.error("outbox %s has an unknown layout (%s); starting empty", self.path, exc)
+            return []
+        return entries
+
+    def _save(self) -> None:
+        obj = {"v": 1, "entries": [[e.update_id, e.round, e.payload, e.sends] for e in self._entries]}
+        write_record(self.path, cbor2.dumps(obj))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the kept payloads, bytes."""
+        return sum(len(e.payload) for e in self._entries)
+
+    def pending(self) -> list[OutboxEntry]:
+        """Updates not yet acknowledged, oldest first (re-send them after a reconnect or restart)."""
+        return list(self._entries)
+
+    def add(self, update_id: str, round: int, payload: bytes) -> list[Dropped]:
+        """Keep an update until :meth:`ack`; persisted before returning.
+
+        Adding an ``update_id`` already kept is a no-op (the first payload stays: it may already be
+        on the wire). Older updates are evicted, oldest first, until the new one fits.
+
+        Parameters
+        ----------
+        update_id : str
+            ``[A-Za-z0-9_.:-]{1,128}``.
+        round : int
+            Round the update answers, >= 0.
+        payload : bytes
+            The encoded update, exactly as it will be published.
+
+        Returns
+        -------
+        list[Dropped]
+            What was dropped (each also logged): evicted older updates (``outbox_full``), or the new
+            one itself if it alone exceeds ``max_bytes`` (``too_large``, nothing else is touched).
+
+        Raises
+        ------
+        ValueError
+            If ``update_id`` or ``round`` is invalid.
+        OSError
+            If the outbox cannot be persisted.
+        """
+        if _UPDATE_ID_RE.fullmatch(update_id) is None:
+            raise ValueError(f"update_id = {update_id!r:.80}: must match {_UPDATE_ID_RE.pattern}")
+        if round < 0:
+            raise ValueError(f"round = {round}: must be >= 0")
+        if any(e.update_id == update_id for e in self._entries):
+            return []
+        if len(payload) > self.max_bytes:
+            dropped = [Dropped(update_id, round, "too_large")]
+            logger.warning(
+                "outbox: update %s (round %d, %d bytes) is larger than the outbox (%d bytes); not kept",
+                update_id,
+                round,
+                len(payload),
+                self.max_bytes,
+            )
+            return dropped
+        dropped = []
+        total = self.total_bytes
+        while self._entries and total + len(payload) > self.max_bytes:
+            old = self._entries.pop(0)
+            total -= len(old.payload)
+            dropped.append(Dropped(old.update_id, old.round, "outbox_full"))
+            logger.warning(
+                "outbox full: dropped update %s (round %d, %d bytes) for %s",
+                old.update_id,
+                old.round,
+                len(old.payload),
+                update_id,
+            )
+        self._entries.append(OutboxEntry(update_id, round, bytes(payload)))
+        self._save()
+        return dropped
+
+    def mark_sent(self, update_id: str) -> int:
+        """Count one publish attempt of ``update_id`` (persisted); return its attempts, 0 if unknown."""
+        for i, e in enumerate(self._entries):
+            if e.update_id == update_id:
+                self._entries[i] = replace(e, sends=e.sends + 1)
+                self._save()
+                return e.sends + 1
+        return 0
+
+    def ack(self, update_id: str) -> bool:
+        """Forget ``update_id`` after its PUBACK; return whether it was kept (persisted)."""
+        kept = [e for e in self._entries if e.update_id != update_id]
+        if len(kept) == len(self._entries):
+            return False
+        self._entries = kept
+        self._save()
+        return True
+
+    def drop_stale(self, current_round: int) -> list[Dropped]:
+        """Drop updates for rounds before ``current_round`` (the coordinator refuses them anyway).
+
+        Parameters
+        ----------
+        current_round : int
+            The round now open.
+
+        Returns
+        -------
+        list[Dropped]
+            Each with reason ``stale_round`` (also logged); persisted if anything was dropped.
+        """
+        stale = [e for e in self._entries if e.round < current_round]
+        if not stale:
+            return []
+        self._entries = [e for e in self._entries if e.round >= current_round]
+        self._save()
+        for e in stale:
+            logger.info(
+                "outbox: dropped update %s: round %d closed (now round %d)",
+                e.update_id,
+                e.round,
+                current_round,
+            )
+        return [Dropped(e.update_id, e.round, "stale_round") for e in stale]
