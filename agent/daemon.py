@@ -28,7 +28,7 @@ from edgefl.agent.feedback import ErrorFeedback
 from edgefl.agent.outbox import Outbox
 from edgefl.agent.pipeline import Pipeline, choose
 from edgefl.agent.store import EmbeddingStore
-from edgefl.agent.tlsconf import ssl_context_for
+from edgefl.tlsconf import ssl_context_for
 from edgefl.agent.trainer import LocalResult, train_local
 from edgefl.aio import wait_event
 from edgefl.errors import EdgeflError, ModelError, TransportError, UpdateRejected

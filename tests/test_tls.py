@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from edgefl.agent.config import BrokerConfig
-from edgefl.agent.tlsconf import make_ssl_context, ssl_context_for
+from edgefl.tlsconf import make_ssl_context, ssl_context_for
 from edgefl.errors import ConfigError, TransportError
 from edgefl.transport import MqttTransport
 

@@ -16,7 +16,7 @@ import logging
 import ssl
 from pathlib import Path
 
-from edgefl.agent.config import BrokerConfig
+from edgefl.profiles import BrokerConfig
 from edgefl.errors import ConfigError
 
 logger = logging.getLogger(__name__)
