@@ -28,13 +28,13 @@ from edgefl.agent.feedback import ErrorFeedback
 from edgefl.agent.outbox import Outbox
 from edgefl.agent.pipeline import Pipeline, choose
 from edgefl.agent.store import EmbeddingStore
-from edgefl.tlsconf import ssl_context_for
 from edgefl.agent.trainer import LocalResult, train_local
 from edgefl.aio import wait_event
 from edgefl.errors import EdgeflError, ModelError, TransportError, UpdateRejected
 from edgefl.head import Head, validate_head
 from edgefl.records import read_record, write_record
 from edgefl.runtime import Backbone
+from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
 from edgefl.transport import Message, MqttTransport, Will
 from edgefl.types import F32, I64

@@ -23,8 +23,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from edgefl.agent.config import BrokerConfig
-from edgefl.tlsconf import make_ssl_context, ssl_context_for
 from edgefl.errors import ConfigError, TransportError
+from edgefl.tlsconf import make_ssl_context, ssl_context_for
 from edgefl.transport import MqttTransport
 
 USER, PASSWORD = "edge-device", "correct horse battery staple"
