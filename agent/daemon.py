@@ -32,6 +32,7 @@ from edgefl.agent.trainer import LocalResult, train_local
 from edgefl.aio import wait_event
 from edgefl.errors import EdgeflError, ModelError, TransportError, UpdateRejected
 from edgefl.head import Head, validate_head
+from edgefl.profiles import broker_password
 from edgefl.records import read_record, write_record
 from edgefl.runtime import Backbone
 from edgefl.tlsconf import ssl_context_for
@@ -664,7 +665,7 @@ class Agent:
             protocol=b.protocol,
             keepalive_s=b.keepalive_s,
             username=b.username,
-            password=b.password,
+            password=broker_password(b),
             on_connect=self._on_transport_connect,
             tls_context=self.tls_context,
             max_packet_bytes=self.max_packet_bytes,

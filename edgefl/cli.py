@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import sys
@@ -89,7 +90,39 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    """``edgefl check-config PROFILE``: validate a profile; exit 0 if valid, 1 with every problem listed."""
+    """``edgefl check-config PROFILE``: validate a device or coordinator profile (exit 0, or 1 listing all).
+
+    A profile with a coordinator-only table (``[rounds]``, ``[strategy]``...) is a coordinator profile.
+    """
+    import json
+
+    from edgefl.errors import ConfigError
+    from edgefl.profiles import read_toml
+
+    try:
+        _, data = read_toml(args.profile)
+    except ConfigError as exc:
+        print(f"edgefl: invalid profile {args.profile}:", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    from edgefl.coordinator.profile import SCHEMA, is_coordinator_profile, load_coordinator_profile
+
+    if is_coordinator_profile(data):
+        try:
+            coordinator = load_coordinator_profile(args.profile, _parse_sets(args.set))
+        except ConfigError as exc:
+            print(f"edgefl: invalid coordinator profile {args.profile}:", file=sys.stderr)
+            for problem in exc.problems:
+                print(f"  {problem}", file=sys.stderr)
+            return EXIT_INVALID
+        print(
+            f"{args.profile}: ok (coordinator of fleet {coordinator.fleet.name}, {coordinator.rounds.count} "
+            f"rounds of {coordinator.strategy.name})"
+        )
+        if args.print:
+            print(json.dumps(SCHEMA.to_dict(coordinator), indent=2, default=str))
+        return EXIT_OK
     from edgefl.agent.config import profile_to_dict
 
     profile = _load_or_report(args)
@@ -97,8 +130,6 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     print(f"{args.profile}: ok (device {profile.device.id}, cap {profile.memory.cap_mb} MiB)")
     if args.print:
-        import json
-
         print(json.dumps(profile_to_dict(profile), indent=2, default=str))
     return EXIT_OK
 
@@ -221,8 +252,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     if "coordinator" in words or "-h" in words or "--help" in words:
         # imported only when asked for: the agent process never runs it (~1 MiB of RSS saved)
         from edgefl.coordinator import runner
+        from edgefl.demo import central_evaluation
 
-        runner.add_parser(sub)
+        runner.add_parser(sub).set_defaults(
+            func=functools.partial(runner.main, evaluation=central_evaluation)
+        )
     return p
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "DashboardConfig",
     "Problems",
     "Schema",
+    "broker_password",
     "check",
     "check_broker",
     "check_dashboard",
@@ -58,6 +59,7 @@ SECRET: Final = {"secret": True}
 MASK: Final = "***"
 MIN_TOKEN_CHARS: Final = 16
 """Shortest accepted ``dashboard.token``: a guessable token on a LAN-reachable dashboard is no token."""
+
 
 @dataclass(frozen=True, slots=True)
 class BrokerConfig:
@@ -80,6 +82,9 @@ class BrokerConfig:
         MQTT version; ``auto`` tries 5 and falls back to 3.1.1.
     username, password : str or None
         Credentials; ``password`` requires ``username`` and is hidden from ``repr``.
+    password_file : Path or None
+        A file holding the password (first line; trailing newline stripped), instead of ``password``,
+        so a profile can be world-readable while the secret is not (see :func:`broker_password`).
     tls : bool
         True exactly when the URL scheme is ``mqtts`` (derived from it when the key is absent).
     ca_file, client_cert, client_key : Path or None
@@ -94,6 +99,7 @@ class BrokerConfig:
     protocol: Literal["auto", "5", "3.1.1"] = "auto"
     username: str | None = None
     password: str | None = field(default=None, repr=False, metadata=SECRET)
+    password_file: Path | None = None
     tls: bool = False
     ca_file: Path | None = None
     client_cert: Path | None = None
@@ -346,6 +352,15 @@ def check_broker(p: Problems, c: BrokerConfig, raw: Mapping[str, object], check_
         p.add("broker.username", c.username, "must not be empty")
     if c.password is not None and c.username is None:
         p.add("broker.password", c.password, "requires broker.username")
+    if c.password_file is not None:
+        if c.username is None:
+            p.add("broker.password_file", raw.get("password_file"), "requires broker.username")
+        elif c.password is not None:
+            p.add("broker.password_file", raw.get("password_file"), "give broker.password or this, not both")
+        elif check_files:
+            problem = file_problem(c.password_file, raw.get("password_file"))
+            if problem is not None:
+                p.add("broker.password_file", raw.get("password_file"), problem)
     if scheme is not None and "tls" in raw and c.tls != (scheme == "mqtts"):
         p.add("broker.tls", c.tls, f"contradicts the {scheme}:// url (TLS is used exactly for mqtts://)")
     tls = scheme == "mqtts"
@@ -543,6 +558,25 @@ class Schema:
                 rendered[name] = value
             out[table] = rendered
         return out
+
+
+def broker_password(broker: BrokerConfig) -> str | None:
+    """The broker password: ``broker.password``, or the first line of ``broker.password_file``.
+
+    Raises
+    ------
+    ConfigError
+        If the password file cannot be read (names the key and the file).
+    """
+    if broker.password_file is None:
+        return broker.password
+    try:
+        lines = broker.password_file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            [f"broker.password_file = {str(broker.password_file)!r}: cannot read ({exc})"]
+        ) from exc
+    return lines[0] if lines else ""
 
 
 def read_toml(path: Path | str) -> tuple[Path, dict[str, Any]]:
