@@ -37,6 +37,7 @@ from edgefl.wire.codec import (
     GlobalModel,
     Limits,
     RoundAnnouncement,
+    Update,
     decode_status,
     decode_update,
     encode_global_model,
@@ -48,6 +49,10 @@ logger = logging.getLogger(__name__)
 
 PUBLISH_RETRY_S = 120.0
 """How long a coordinator publish waits out a broker outage before giving up (seconds)."""
+
+
+EARLY_UPDATES_MAX = 4096
+"""Updates held for the next round before it opens (see ``Coordinator._early``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +162,10 @@ class Coordinator:
         self._global_chunks = 0
         self.state_path: Path | None = None  # set to persist state before each new global head
         self.counted: dict[int, list[str]] = {}  # round → update_ids aggregated (audit, chaos test)
+        # Updates for the next round that arrive before it opens: after a restart, devices answer the
+        # retained announcement of a round whose close was not saved, and the broker's persistent
+        # session delivers their updates before the coordinator re-opens it. Bounded; offered at open.
+        self._early: dict[str, tuple[Update, int]] = {}
         self.state = CoordinatorState()
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
@@ -310,7 +319,11 @@ class Coordinator:
         if update.device != device:
             raise UpdateRejected("wrong_device", f"update names device {update.device} on {msg.topic}")
         rnd = self.state.current
-        if rnd is None:
+        if rnd is None or rnd.phase.value != "open":
+            if update.round == self.state.round + 1 and len(self._early) < EARLY_UPDATES_MAX:
+                self._early[update.update_id] = (update, len(payload))
+                logger.info("round %d: update from %s held until the round opens", update.round, device)
+                return
             raise UpdateRejected("no_round", "no round is open")
         if self._buffer is not None:  # FedBuff: any earlier round is welcome, weighted by its staleness
             if update.update_id in self._seen_update_ids:
@@ -448,6 +461,15 @@ class Coordinator:
         )
         self.state.current = rnd
         self.state.round = round_no
+        early, self._early = self._early, {}
+        for update, size in early.values():
+            if update.round != round_no:
+                continue
+            try:
+                rnd.offer(update, size)
+            except UpdateRejected as exc:
+                self.state.rejected[exc.reason] += 1
+                logger.warning("round %d: held update from %s refused: %s", round_no, update.device, exc)
         await self._announce(round_no, cfg, selected)
         self._notify()
         loop = asyncio.get_running_loop()
