@@ -23,7 +23,7 @@ import math
 import signal
 import sys
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict
 from typing import Any, Final
 
@@ -32,7 +32,7 @@ from edgefl.coordinator.profile import CoordinatorProfile, load_coordinator_prof
 from edgefl.coordinator.service import Coordinator, RoundRecord
 from edgefl.coordinator.strategy import make_strategy
 from edgefl.errors import ConfigError, ModelError, TransportError
-from edgefl.profiles import broker_password
+from edgefl.profiles import DashboardConfig, broker_password
 from edgefl.records import atomic_write
 from edgefl.runtime import Backbone
 from edgefl.tlsconf import ssl_context_for
@@ -141,14 +141,23 @@ def overrides_from(args: argparse.Namespace) -> dict[str, object]:
 Evaluation = Callable[[CoordinatorProfile, Backbone], Callable[[F32, F32], float] | None]
 """Builds the central evaluation of a head for a profile and backbone (None: no central set)."""
 
+PageServer = Callable[
+    [DashboardConfig, str, Callable[[], Mapping[str, Any]]],
+    Awaitable[tuple[Callable[[], Awaitable[None]], int]],
+]
+"""Serves the fleet page: ``(dashboard config, title, get_status) -> (stop, port)``; given by the CLI."""
 
-def main(args: argparse.Namespace, evaluation: Evaluation | None = None) -> int:
+
+def main(
+    args: argparse.Namespace, evaluation: Evaluation | None = None, page: PageServer | None = None
+) -> int:
     """Run the coordinator until the profile's rounds closed or SIGTERM; returns the exit code.
 
     Parameters
     ----------
     args : the parsed command line (see :func:`add_parser`)
     evaluation : builds the central evaluation; given by the composition root (``edgefl.cli``)
+    page : serves the fleet page when ``dashboard.enabled``; given by the composition root
     """
     try:
         profile = load_coordinator_profile(args.profile, overrides_from(args))
@@ -158,7 +167,7 @@ def main(args: argparse.Namespace, evaluation: Evaluation | None = None) -> int:
             print(f"  {problem}", file=sys.stderr)
         return EXIT_INVALID
     try:
-        return asyncio.run(run(profile, evaluation))
+        return asyncio.run(run(profile, evaluation, page))
     except ModelError as exc:
         print(f"edgefl coordinator: model error: {exc}", file=sys.stderr)
         return EXIT_MODEL
@@ -176,10 +185,13 @@ def _round_line(rec: RoundRecord, total: int, expected: int, refused: Mapping[st
     )
 
 
-async def run(profile: CoordinatorProfile, evaluation: Evaluation | None = None) -> int:
+async def run(
+    profile: CoordinatorProfile, evaluation: Evaluation | None = None, page: PageServer | None = None
+) -> int:
     """Run the job a coordinator profile describes; returns the exit code (see the module docstring).
 
-    ``evaluation`` builds the central evaluation of each new head (None: no central evaluation).
+    ``evaluation`` builds the central evaluation of each new head (None: no central evaluation);
+    ``page`` serves the fleet page when the profile's ``[dashboard]`` is enabled.
 
     Raises
     ------
@@ -243,7 +255,14 @@ async def run(profile: CoordinatorProfile, evaluation: Evaluation | None = None)
         signing_key=load_signing_key(sec.signing_key_file) if sec.signing_key_file else None,
         device_keys=load_verify_keys(sec.device_keys_dir) if sec.device_keys_dir else None,
         max_packet_bytes=broker.max_packet_bytes,
+        max_devices=profile.fleet.max_devices,
+        device_expiry_s=profile.fleet.device_expiry_s,
     )
+
+    def mismatch(device: str, why: str) -> None:
+        print(f"device {device} runs another model ({why}): left out of rounds", flush=True)
+
+    coord.on_mismatch = mismatch
     if files.state is not None:
         coord.load_state(files.state)
         coord.state_path = files.state
@@ -254,6 +273,10 @@ async def run(profile: CoordinatorProfile, evaluation: Evaluation | None = None)
             loop.add_signal_handler(sig, stop.set)
     where = f"{broker.scheme}://{broker.host}:{broker.port}"
     print(f"coordinator of fleet {fleet} at {where}: {rounds.count} rounds of {st.name}", flush=True)
+    stop_page: Callable[[], Awaitable[None]] | None = None
+    if page is not None and profile.dashboard.enabled:
+        stop_page, port = await page(profile.dashboard, f"fleet {fleet}", coord.dashboard_status)
+        print(f"fleet page: http://{profile.dashboard.host}:{port}/", flush=True)
     await transport.start(wait_s=None)
     pump = asyncio.create_task(coord.pump())
     records: list[RoundRecord] = []
@@ -310,6 +333,8 @@ async def run(profile: CoordinatorProfile, evaluation: Evaluation | None = None)
         with contextlib.suppress(asyncio.CancelledError):
             await pump
         await transport.stop()
+        if stop_page is not None:
+            await stop_page()
     if files.json is not None:
         summary = {
             "fleet": fleet,

@@ -116,6 +116,11 @@ class Coordinator:
         When set, an update must carry a valid signature by its device's key (unknown devices are refused).
     max_packet_bytes : int
         The broker's maximum packet size: a larger GlobalModel goes out as retained chunks on ``global/<i>``.
+    max_devices : int
+        Bound of the device registry (statuses kept, > 0): when full, expired and offline devices are
+        dropped first; a new device is refused (``registry_full``) only when every entry is live.
+    device_expiry_s : float
+        A status older than this (seconds since it was received, or since its ``ts`` field) is forgotten.
     lr_decay : float
         Client learning-rate schedule: round ``r`` announces ``lr * lr_decay ** (r - 1)`` (1.0 = constant).
         A decaying step damps the round-to-round swings of FedAvg on non-IID devices (Li et al. 2020,
@@ -139,6 +144,8 @@ class Coordinator:
         signing_key: SigningKey | None = None,
         device_keys: Mapping[str, VerifyKey] | None = None,
         max_packet_bytes: int = 256 * 1024,
+        max_devices: int = 10_000,
+        device_expiry_s: float = 7 * 24 * 3600.0,
     ) -> None:
         self.transport = transport
         self.topics = topics
@@ -167,6 +174,12 @@ class Coordinator:
         # session delivers their updates before the coordinator re-opens it. Bounded; offered at open.
         self._early: dict[str, tuple[Update, int]] = {}
         self.state = CoordinatorState()
+        self.max_devices = max_devices
+        self.device_expiry_s = device_expiry_s
+        self.mismatched: dict[str, str] = {}  # device → why its model differs (named once on stdout/log)
+        self.rejected_by_device: dict[str, Counter[str]] = {}
+        self.on_mismatch: Callable[[str, str], None] | None = None
+        self.privacy_epsilon: float | None = None  # set by a DP strategy's accountant each round
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
         self._buffer: FedBuffer | None = None
@@ -294,14 +307,65 @@ class Coordinator:
                 entry = dict(status.fields)
                 entry["state"] = status.state
                 entry["seen_at"] = time.time()
-                self.state.devices[device] = entry
+                self._register(device, entry)
                 self._status_changed.set()
                 self._notify()
             else:
                 self._handle_update(device, msg)
         except (DecodeError, UpdateRejected) as exc:
             self.state.rejected[exc.reason] += 1
+            if device is not None and (
+                device in self.state.devices or len(self.rejected_by_device) < self.max_devices
+            ):
+                self.rejected_by_device.setdefault(device, Counter())[exc.reason] += 1
             logger.warning("rejected message on %s (%d bytes): %s", msg.topic, len(msg.payload), exc)
+
+    def _register(self, device: str, entry: dict[str, Any]) -> None:
+        """Keep a device's status in the bounded registry and check its model's identity.
+
+        Raises
+        ------
+        UpdateRejected
+            ``registry_full`` when the registry holds ``max_devices`` live devices, ``expired`` for a
+            status whose own timestamp ``ts`` (seconds since the epoch) is older than the expiry.
+        """
+        now = entry["seen_at"]
+        ts = entry.get("ts")
+        if isinstance(ts, (int, float)) and now - float(ts) > self.device_expiry_s:
+            raise UpdateRejected("expired", f"status of {device} is {now - float(ts):.0f} s old")
+        devices = self.state.devices
+        if device not in devices and len(devices) >= self.max_devices:
+            self._expire(now)
+            if len(devices) >= self.max_devices:
+                offline = [d for d, st in devices.items() if st.get("state") == "offline"]
+                if not offline:
+                    raise UpdateRejected(
+                        "registry_full", f"{self.max_devices} devices known; {device} not kept"
+                    )
+                oldest = min(offline, key=lambda d: float(devices[d].get("seen_at", 0.0)))
+                del devices[oldest]
+                self.rejected_by_device.pop(oldest, None)
+        devices[device] = entry
+        sha = entry.get("model_sha256")
+        if isinstance(sha, str) and sha != self.model_sha256:
+            why = f"backbone sha256 {sha[:12]}… differs from the coordinator's {self.model_sha256[:12]}…"
+            if self.mismatched.get(device) != why:
+                self.mismatched[device] = why
+                logger.warning("device %s runs another model: %s; left out of rounds", device, why)
+                if self.on_mismatch is not None:
+                    self.on_mismatch(device, why)
+        else:
+            self.mismatched.pop(device, None)
+
+    def _expire(self, now: float) -> None:
+        """Forget devices whose last status is older than ``device_expiry_s``."""
+        for dev in [
+            d
+            for d, st in self.state.devices.items()
+            if now - float(st.get("seen_at", now)) > self.device_expiry_s
+        ]:
+            del self.state.devices[dev]
+            self.rejected_by_device.pop(dev, None)
 
     def _handle_update(self, device: str, msg: Message) -> None:
         payload = msg.payload
@@ -315,6 +379,8 @@ class Coordinator:
             if key is None:
                 raise DecodeError("unknown_device", f"no public key for device {device}")
             verify_payload(payload, key)
+        if device in self.mismatched:
+            raise UpdateRejected("wrong_model", f"device {device}: {self.mismatched[device]}")
         update = decode_update(payload, limits=self.limits, expect_shape=self.shape)
         if update.device != device:
             raise UpdateRejected("wrong_device", f"update names device {update.device} on {msg.topic}")
@@ -362,6 +428,8 @@ class Coordinator:
                 "last_round": st.get("round"),
                 "reason": st.get("reason") or "",
                 "rejected": st.get("rejected") or {},
+                "refused": dict(self.rejected_by_device.get(dev, {})),
+                "model_mismatch": self.mismatched.get(dev),
             }
         return {
             "round": self.state.round,
@@ -378,8 +446,20 @@ class Coordinator:
                 {"round": h.round, "accuracy": None if h.accuracy != h.accuracy else h.accuracy}
                 for h in self.state.history
             ],
+            "rounds": [
+                {
+                    "round": h.round,
+                    "clients": h.clients,
+                    "accuracy": None if h.accuracy != h.accuracy else h.accuracy,
+                    "update_bytes_mean": h.update_bytes_mean,
+                    "duration_s": h.duration_s,
+                }
+                for h in self.state.history[-50:]
+            ],
             "devices": devices,
+            "model_mismatches": dict(self.mismatched),
             "rejected": dict(self.state.rejected),
+            "privacy_epsilon": self.privacy_epsilon,
         }
 
     def _notify(self) -> None:
@@ -389,7 +469,9 @@ class Coordinator:
     def online_devices(self) -> list[str]:
         """Device ids whose retained status says they are up and ready (sorted)."""
         return sorted(
-            d for d, s in self.state.devices.items() if s.get("ready") and s.get("state") != "offline"
+            d
+            for d, s in self.state.devices.items()
+            if s.get("ready") and s.get("state") != "offline" and d not in self.mismatched
         )
 
     async def wait_for_devices(self, n: int, timeout_s: float, key: str = "ready") -> list[str]:

@@ -252,10 +252,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     if "coordinator" in words or "-h" in words or "--help" in words:
         # imported only when asked for: the agent process never runs it (~1 MiB of RSS saved)
         from edgefl.coordinator import runner
-        from edgefl.demo import central_evaluation
+        from edgefl.demo import central_evaluation, serve_coordinator_page
 
         runner.add_parser(sub).set_defaults(
-            func=functools.partial(runner.main, evaluation=central_evaluation)
+            func=functools.partial(runner.main, evaluation=central_evaluation, page=serve_coordinator_page)
         )
     return p
 

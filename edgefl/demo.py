@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +43,7 @@ from edgefl.wire.codec import Compression
 
 if TYPE_CHECKING:
     from edgefl.coordinator.profile import CoordinatorProfile
+    from edgefl.profiles import DashboardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -435,3 +436,32 @@ def central_evaluation(
         return accuracy(W, b, emb, labels)
 
     return evaluate
+
+
+async def serve_coordinator_page(
+    dashboard: DashboardConfig, title: str, get_status: Callable[[], Mapping[str, Any]]
+) -> tuple[Callable[[], Awaitable[None]], int]:
+    """Serve the standalone coordinator's fleet page (``edgefl coordinator`` with ``[dashboard]`` on).
+
+    Parameters
+    ----------
+    dashboard : the profile's ``[dashboard]`` (bind address, port, bearer token)
+    title : shown in the page header
+    get_status : the coordinator's status document (:meth:`Coordinator.dashboard_status`)
+
+    Returns
+    -------
+    (stop, port) : an async function that stops the server, and the port bound
+
+    Raises
+    ------
+    ConfigError
+        If the bind address is not loopback and no token is set (``dashboard.app.serve``).
+    OSError
+        If the port cannot be bound.
+    """
+    from edgefl.dashboard.app import DashboardState, serve
+
+    board = DashboardState("coordinator", title, get_status, token=dashboard.token)
+    runner, port = await serve(board, dashboard.host, dashboard.port)
+    return runner.cleanup, port

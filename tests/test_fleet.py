@@ -272,3 +272,100 @@ def test_coordinator_mqtts_never_falls_back_to_plain_text(mosquitto: Broker, tmp
     )
     assert done.returncode == 4, done.stdout + done.stderr
     assert "cannot start" in done.stderr and "not reachable" in done.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# The fleet page of the standalone coordinator, in real headless Chromium
+# --------------------------------------------------------------------------------------------------
+
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+PAGE_TOKEN = "fleet-page-token-0123456789"
+
+
+def _get(url: str, token: str | None) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+
+
+def test_fleet_page_from_the_standalone_coordinator(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[Any]
+) -> None:
+    import base64
+    import time
+
+    from conftest import free_port
+    from playwright.sync_api import expect, sync_playwright
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "edgefl.cli", "coordinator", str(COORDINATOR_PROFILE)]
+    for item in (
+        f"broker.url={mosquitto.url}",
+        f"fleet.name={fleet}",
+        f"model.path={INT8_MODEL}",
+        "rounds.count=30",
+        "rounds.expected_clients=2",
+        "rounds.deadline_s=60",
+        "dashboard.enabled=true",
+        f"dashboard.port={port}",
+        f"dashboard.token={PAGE_TOKEN}",
+    ):
+        cmd += ["--set", item]
+    out = tmp_path / "coordinator.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        status: dict[str, Any] = {}
+        while time.monotonic() < deadline and proc.poll() is None:
+            code, body = (
+                _get(base + "/api/status", PAGE_TOKEN) if out.read_text().count("fleet page:") else (0, "")
+            )
+            if code == 200:
+                status = json.loads(body)["status"]
+                if len(status.get("rounds") or []) >= 2:
+                    break
+            time.sleep(0.5)
+        assert len(status.get("rounds") or []) >= 2, out.read_text()
+        assert _get(base + "/api/status", None)[0] == 401  # the token guards every route
+        assert _get(base + "/healthz", PAGE_TOKEN)[0] == 200
+        code, metrics = _get(base + "/metrics", PAGE_TOKEN)
+        assert code == 200 and "edgefl_" in metrics
+        assert status["model_mismatches"] == {} and set(status["devices"]) == {"dev-1", "dev-2"}
+
+        basic = base64.b64encode(f"edgefl:{PAGE_TOKEN}".encode()).decode()
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_context(extra_http_headers={"Authorization": f"Basic {basic}"}).new_page()
+                page.goto(base + "/")
+                expect(page.locator("#rounds tbody tr[data-round='1']")).to_be_visible(timeout=20_000)
+                row = page.locator("#rounds tbody tr[data-round='1'] td")
+                expect(row.nth(1)).to_have_text("2")
+                assert 0.5 < float(row.nth(2).inner_text()) <= 1.0
+                expect(row.nth(3)).to_contain_text("KiB")
+                expect(page.locator("#devices tbody tr[data-device='dev-1']")).to_be_visible()
+                expect(page.locator("#mismatch-count")).to_have_text("model mismatches 0")
+                expect(page.locator("#online-count")).to_have_text("devices 2 / 2 online")
+                page.screenshot(path=str(tmp_path / "fleet-page.png"), full_page=True)
+            finally:
+                browser.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
