@@ -9,6 +9,7 @@ held-out test set when an evaluation function is given.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -38,6 +39,8 @@ from edgefl.wire.codec import (
     Limits,
     RoundAnnouncement,
     Update,
+    decode_global_model,
+    decode_round,
     decode_status,
     decode_update,
     encode_global_model,
@@ -50,6 +53,9 @@ logger = logging.getLogger(__name__)
 PUBLISH_RETRY_S = 120.0
 """How long a coordinator publish waits out a broker outage before giving up (seconds)."""
 
+
+ADOPT_WAIT_S = 2.0
+"""How long a coordinator without state waits for the fleet's retained round and head (seconds)."""
 
 EARLY_UPDATES_MAX = 4096
 """Updates held for the next round before it opens (see ``Coordinator._early``)."""
@@ -186,17 +192,95 @@ class Coordinator:
         self._buffer_full = asyncio.Event()
         self._seen_update_ids: set[str] = set()
         self._status_changed = asyncio.Event()
+        self._adopting = False
+        self._adopt_seen = asyncio.Event()
+        self._adopted_round = 0
+        self._adopted_head: GlobalModel | None = None
+        self._adopt_chunks = Reassembler()
 
     @property
     def shape(self) -> tuple[int, int]:
         """Head shape (D, K)."""
         return (int(self.W.shape[0]), int(self.W.shape[1]))
 
-    async def start(self) -> None:
-        """Subscribe to updates and statuses, and publish the current global head (retained)."""
+    async def start(self, adopt_wait_s: float = ADOPT_WAIT_S) -> None:
+        """Subscribe to updates and statuses, and publish the current global head (retained).
+
+        A coordinator without state (version 0, round 0: first start, or its state file was lost)
+        first adopts the fleet's round and head from the retained ``round`` and ``global`` messages,
+        so devices that hold a later round are not answered with ``stale_round`` for rounds on end.
+        The retained head is adopted only if it decodes with this head's shape, names this backbone's
+        sha256 and, when a signing key is set, carries a valid signature by it. The caller's
+        :meth:`pump` must be running.
+
+        Parameters
+        ----------
+        adopt_wait_s : float
+            How long to wait for the retained messages (seconds); they arrive right after SUBACK.
+        """
+        if self.state.version == 0 and self.state.round == 0:
+            self._adopting = True
+            await self.transport.subscribe(self.topics.round, 1)
+            await self.transport.subscribe(self.topics.global_model + "/#", 1)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._adopt_seen.wait(), adopt_wait_s)
+            await asyncio.sleep(0)  # let a global message queued with the round be handled too
+            self._adopting = False
+            self._apply_adopted()
         await self.transport.subscribe(self.topics.update("+"), 1)
         await self.transport.subscribe(self.topics.status("+"), 1)
         await self.publish_global(self.state.round)
+
+    def _is_own_topic(self, topic: str) -> bool:
+        base = self.topics.global_model
+        return topic in (self.topics.round, base) or topic.startswith(base + "/")
+
+    def _adopt(self, msg: Message) -> None:
+        """Note a retained ``round`` or ``global`` message while adopting (see :meth:`start`).
+
+        Raises
+        ------
+        DecodeError
+            If the message does not decode or its signature does not verify.
+        UpdateRejected
+            ``wrong_model`` if the head belongs to another backbone.
+        """
+        if not self._adopting or not msg.payload:
+            return  # our own retained publishes echoed back, or a cleared chunk
+        if msg.topic == self.topics.round:
+            if self.signing_key is not None:
+                verify_payload(msg.payload, self.signing_key.verify_key)
+            ann = decode_round(msg.payload, limits=self.limits)
+            self._adopted_round = max(self._adopted_round, ann.round)
+            self._adopt_seen.set()
+            return
+        payload: bytes | None = msg.payload
+        if is_chunk(msg.payload):
+            payload = self._adopt_chunks.feed(self.topics.global_model, msg.payload)
+        if payload is None:
+            return
+        if self.signing_key is not None:
+            verify_payload(payload, self.signing_key.verify_key)
+        head = decode_global_model(payload, limits=self.limits, expect_shape=self.shape)
+        if head.model_sha256 != self.model_sha256:
+            raise UpdateRejected("wrong_model", "the retained global head belongs to another backbone")
+        if self._adopted_head is None or head.version > self._adopted_head.version:
+            self._adopted_head = head
+        self._adopt_seen.set()
+
+    def _apply_adopted(self) -> None:
+        head = self._adopted_head
+        if head is not None and head.version > 0:
+            self.W, self.b = head.W.copy(), head.b.copy()
+            self.state.version = head.version
+        rounds = max(self._adopted_round, head.round if head is not None else 0)
+        if rounds > 0 or head is not None:
+            self.state.round = rounds
+            logger.warning(
+                "no state: adopted the fleet's round %d and head version %d from the retained messages",
+                self.state.round,
+                self.state.version,
+            )
 
     def save_state(self, path: Path) -> None:
         """Persist the global head, version, round and history (atomic, checksummed record).
@@ -297,6 +381,9 @@ class Coordinator:
         """Dispatch one message; a bad one is logged with topic, size and reason and counted, never raised."""
         device = self.topics.device_of(msg.topic)
         try:
+            if device is None and self._is_own_topic(msg.topic):
+                self._adopt(msg)
+                return
             if device is None:
                 raise DecodeError("bad_topic", f"unexpected topic {msg.topic}")
             if msg.topic == self.topics.status(device):

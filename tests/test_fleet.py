@@ -369,3 +369,27 @@ def test_fleet_page_from_the_standalone_coordinator(
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_coordinator_restarted_without_state_adopts_the_fleets_round_and_head(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[Any]
+) -> None:
+    common = (
+        f"broker.url={mosquitto.url}",
+        f"fleet.name={fleet}",
+        f"model.path={INT8_MODEL}",
+        "rounds.expected_clients=2",
+        "rounds.deadline_s=60",
+    )
+    first = run_coordinator(tmp_path, *common, "rounds.count=2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    # a new coordinator with no state file: it adopts round 2 / version 2 from the retained messages,
+    # so the agents (which hold round 2) answer rounds 3 and 4 instead of refusing them as stale
+    summary = tmp_path / "second.json"
+    second = run_coordinator(tmp_path, *common, "rounds.count=4", f"files.json={summary}")
+    assert second.returncode == 0, second.stdout + second.stderr
+    lines = [line for line in second.stdout.splitlines() if line.startswith("round ")]
+    assert [line.split(":")[0] for line in lines] == ["round 3/4", "round 4/4"], second.stdout
+    assert all(" 2/2 clients" in line for line in lines), lines
+    accuracies = [r["accuracy"] for r in json.loads(summary.read_text())["rounds"]]
+    assert all(a > 0.8 for a in accuracies), accuracies  # the adopted head, not the factory head (~0.5)
