@@ -393,3 +393,64 @@ def test_coordinator_restarted_without_state_adopts_the_fleets_round_and_head(
     assert all(" 2/2 clients" in line for line in lines), lines
     accuracies = [r["accuracy"] for r in json.loads(summary.read_text())["rounds"]]
     assert all(a > 0.8 for a in accuracies), accuracies  # the adopted head, not the factory head (~0.5)
+
+
+def test_fleet_registry_is_bounded_under_a_status_flood(mosquitto: Broker, fleet: str) -> None:
+    """150 offline then 1,000 online invented devices into a registry of 200: the offline ones go
+    first, then new devices are refused (``registry_full``); a status older than the expiry too."""
+    import asyncio
+    import time
+
+    from edgefl.coordinator.service import Coordinator
+    from edgefl.coordinator.strategy import Strategy
+    from edgefl.runtime import Backbone
+    from edgefl.topics import Topics
+    from edgefl.transport import MqttTransport
+    from edgefl.wire.codec import DeviceStatus, encode_status
+
+    async def main() -> tuple[Coordinator, int]:
+        bb = Backbone(INT8_MODEL)
+        W0, b0 = bb.head_from_model()
+        topics = Topics("edgefl", fleet)
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}", queue_size=4096)
+        flood = MqttTransport(mosquitto.host, mosquitto.port, f"flood-{fleet}")
+        await t.start(wait_s=10)
+        await flood.start(wait_s=10)
+        coord = Coordinator(
+            t,
+            topics,
+            W0,
+            b0,
+            model_sha256=bb.sha256,
+            strategy=Strategy(min_clients=1, deadline_s=5),
+            max_devices=200,
+            device_expiry_s=3600,
+        )
+        pump = asyncio.create_task(coord.pump())
+        try:
+            await coord.start(adopt_wait_s=0.1)
+            for i in range(150):
+                st = DeviceStatus(f"gone-{i}", "offline", {})
+                await flood.publish(topics.status(f"gone-{i}"), encode_status(st), qos=1, retain=True)
+            for i in range(1000):
+                st = DeviceStatus(f"flood-{i}", "online", {"ready": True})
+                await flood.publish(topics.status(f"flood-{i}"), encode_status(st), qos=1, retain=True)
+            old = DeviceStatus("ancient", "online", {"ts": time.time() - 7200})
+            await flood.publish(topics.status("ancient"), encode_status(old), qos=1, retain=True)
+            # every status handled: 200 kept + 800 refused + 1 expired (150 evicted along the way)
+            deadline = time.monotonic() + 60
+            while len(coord.state.devices) + sum(coord.state.rejected.values()) < 1001:
+                assert time.monotonic() < deadline, (len(coord.state.devices), coord.state.rejected)
+                await asyncio.sleep(0.05)
+            return coord, len(coord.rejected_by_device)
+        finally:
+            pump.cancel()
+            await flood.stop()
+            await t.stop()
+
+    coord, tracked = asyncio.run(main())
+    assert len(coord.state.devices) == 200
+    assert all(st["state"] == "online" for st in coord.state.devices.values())
+    assert coord.state.rejected["registry_full"] == 800
+    assert coord.state.rejected["expired"] == 1
+    assert tracked <= 200  # refusals by device are bounded like the registry
