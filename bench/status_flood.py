@@ -80,7 +80,7 @@ async def flood(port: int, fleet: str, n: int) -> float:
     await tx.start(wait_s=10)
     t0 = time.monotonic()
     try:
-        for start in range(0, n, 500):
+        for start in range(0, n, 20):
             await asyncio.gather(
                 *(
                     tx.publish(
@@ -89,7 +89,7 @@ async def flood(port: int, fleet: str, n: int) -> float:
                         qos=1,
                         retain=True,
                     )
-                    for i in range(start, min(n, start + 500))
+                    for i in range(start, min(n, start + 20))
                 )
             )
     finally:

@@ -64,6 +64,43 @@ def _load_or_report(args: argparse.Namespace) -> Profile | None:
         return None
 
 
+def _preflight(profile: Profile) -> list[str]:
+    """What this profile cannot run with here (:func:`edgefl.agent.preflight.preflight`).
+
+    Loads the model once (released before returning) and measures this process's RSS with the agent's
+    modules imported, the floor the agent starts from.
+
+    Raises
+    ------
+    ModelError
+        If the model cannot be loaded.
+    """
+    import gc
+
+    import edgefl.agent.daemon  # noqa: F401 - the agent's imports are part of its floor
+    from edgefl.agent import memory
+    from edgefl.agent.preflight import preflight
+    from edgefl.runtime import Backbone
+
+    backbone = Backbone(
+        profile.model.path,
+        num_threads=profile.model.num_threads,
+        runtime=profile.model.runtime,
+        embedding_tensor=profile.model.embedding_tensor,
+    )
+    shapes = memory.model_shapes(backbone)
+    rss = memory.rss_bytes()
+    del backbone
+    gc.collect()
+    return preflight(profile, shapes, rss)
+
+
+def _report(title: str, problems: Sequence[str]) -> None:
+    print(f"edgefl: {title}:", file=sys.stderr)
+    for problem in problems:
+        print(f"  {problem}", file=sys.stderr)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """``edgefl run PROFILE``: run the agent daemon until SIGTERM/SIGINT."""
     from edgefl.errors import EdgeflError, ModelError
@@ -78,6 +115,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     memory.apply_hygiene(arena_max=2)  # for arenas of threads not yet started (paho, worker, dashboard)
 
     try:
+        problems = _preflight(profile)
+        if problems:
+            _report(f"profile {args.profile} cannot run here", problems)
+            return EXIT_INVALID
         agent = Agent(profile)
     except ModelError as exc:
         print(f"edgefl: model error: {exc}", file=sys.stderr)
@@ -127,6 +168,15 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
     profile = _load_or_report(args)
     if profile is None:
+        return EXIT_INVALID
+    from edgefl.errors import ModelError
+
+    try:
+        problems = _preflight(profile)
+    except ModelError as exc:
+        problems = [f"model.path = {str(profile.model.path)!r}: {exc}"]
+    if problems:
+        _report(f"profile {args.profile} cannot run here", problems)
         return EXIT_INVALID
     print(f"{args.profile}: ok (device {profile.device.id}, cap {profile.memory.cap_mb} MiB)")
     if args.print:
