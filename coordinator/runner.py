@@ -289,7 +289,22 @@ async def run(
         await coord.start()
         expected = max(rounds.expected_clients, rounds.min_clients)
         if rounds.expected_clients:
-            await coord.wait_for_devices(rounds.expected_clients, timeout_s=rounds.wait_devices_s)
+            waiting = asyncio.create_task(
+                coord.wait_for_devices(rounds.expected_clients, timeout_s=rounds.wait_devices_s)
+            )
+            stopper = asyncio.create_task(stop.wait())
+            await asyncio.wait({waiting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if not waiting.done():  # SIGTERM while waiting for the devices
+                waiting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiting
+            else:
+                try:
+                    waiting.result()
+                except TimeoutError as exc:
+                    print(f"{exc}; starting the rounds anyway", flush=True)
+                    logger.warning("%s; starting the rounds anyway", exc)
         while coord.state.round < rounds.count and not stop.is_set():
             r = coord.state.round + 1
             refused_before = Counter(coord.state.rejected)

@@ -38,7 +38,7 @@ def test_fault_check_config_and_run_refuse_what_cannot_run(
     assert checked.returncode == 1, checked.stdout + checked.stderr
     assert message in checked.stderr, checked.stderr
     assert "Traceback" not in checked.stderr
-    if override.startswith(("training.store_capacity=1000000000000", "memory.cap_mb")):  # run: the same checks
+    if override.startswith(("training.store_capacity=1000000000000", "memory.cap_mb")):  # run checks too
         ran = edgefl("run", str(DEV_PROFILE), *sets, "--set", "broker.url=mqtt://127.0.0.1:9")
         assert ran.returncode == 1, ran.stderr
         assert message in ran.stderr and "Traceback" not in ran.stderr
