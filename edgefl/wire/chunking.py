@@ -36,16 +36,22 @@ from typing import Final
 import cbor2
 
 from edgefl.errors import DecodeError
-from edgefl.wire.codec import SCHEMA_VERSION, Limits, MessageType
-from edgefl.wire.codec import _int as _codec_int  # bounded field helpers: one implementation of the checks
-from edgefl.wire.codec import _keys as _codec_keys
-from edgefl.wire.codec import _message as _codec_message
-from edgefl.wire.codec import _text as _codec_text
+from edgefl.wire.cbor import (
+    MIN_SCHEMA_VERSION,
+    Limits,
+    MessageType,
+    check_keys,
+    load_message,
+    read_int,
+    read_text,
+)
+from edgefl.wire.reasons import CHUNK_REASONS
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "CHUNK_REASONS",
+    "CHUNK_SCHEMA_VERSION",
     "Chunk",
     "Reassembler",
     "decode_chunk",
@@ -57,8 +63,8 @@ __all__ = [
     "split_message",
 ]
 
-#: ``DecodeError.reason`` values raised here besides the codec's (``rejected_total{reason}`` labels).
-CHUNK_REASONS: Final = frozenset({"bad_chunk", "chunk_conflict", "bad_checksum", "too_large"})
+#: Schema written in chunks: their layout is unchanged since schema 1 (any readable "v" is accepted).
+CHUNK_SCHEMA_VERSION: Final = MIN_SCHEMA_VERSION
 
 _ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
@@ -66,7 +72,7 @@ _MQTT_MAX_REMAINING: Final = 268_435_455  # largest Remaining Length (4-byte var
 _KEYS: Final = ("v", "type", "id", "index", "count", "size", "sha256", "data")
 # every chunk we encode starts with these bytes (map header, "v": 1, "type": "chunk")
 _PREFIX: Final = cbor2.dumps(
-    {"v": SCHEMA_VERSION, "type": MessageType.CHUNK.value, **dict.fromkeys(_KEYS[2:])}
+    {"v": CHUNK_SCHEMA_VERSION, "type": MessageType.CHUNK.value, **dict.fromkeys(_KEYS[2:])}
 )[: 1 + 2 + 1 + 5 + 6]
 
 
@@ -207,7 +213,7 @@ def encode_chunk(chunk: Chunk) -> bytes:
     """
     return cbor2.dumps(
         {
-            "v": SCHEMA_VERSION,
+            "v": CHUNK_SCHEMA_VERSION,
             "type": MessageType.CHUNK.value,
             "id": chunk.id,
             "index": int(chunk.index),
@@ -231,7 +237,7 @@ def is_chunk(payload: bytes) -> bool:
 def decode_chunk(
     payload: bytes, *, max_chunk_bytes: int = 1 << 20, max_message_bytes: int = 1 << 24
 ) -> Chunk:
-    """Decode and validate one chunk message, bounded before allocation like ``edgefl.wire.codec``.
+    """Decode and validate one chunk message, bounded before allocation (``edgefl.wire.cbor.load_message``).
 
     Parameters
     ----------
@@ -254,13 +260,13 @@ def decode_chunk(
         empty or longer than ``size``.
     """
     limits = Limits(max_message_bytes=max_chunk_bytes, max_depth=2, max_array_elements=16, max_items=32)
-    obj = _codec_message(payload, limits, MessageType.CHUNK)
-    _codec_keys(obj, "", _KEYS)
-    msg_id = _codec_text(obj, "id", "", _ID_RE)
-    count = _codec_int(obj, "count", "", 1)
-    index = _codec_int(obj, "index", "", 0)
-    size = _codec_int(obj, "size", "", 1)
-    sha = _codec_text(obj, "sha256", "", _SHA256_RE)
+    obj = load_message(payload, limits, MessageType.CHUNK)
+    check_keys(obj, "", _KEYS)
+    msg_id = read_text(obj, "id", "", _ID_RE)
+    count = read_int(obj, "count", "", 1)
+    index = read_int(obj, "index", "", 0)
+    size = read_int(obj, "size", "", 1)
+    sha = read_text(obj, "sha256", "", _SHA256_RE)
     data = obj["data"]
     if type(data) is not bytes:
         raise DecodeError("wrong_type", f"data: expected a byte string, got {type(data).__name__}")
