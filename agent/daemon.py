@@ -45,6 +45,7 @@ from edgefl.wire.codec import (
     DeviceStatus,
     GlobalModel,
     Limits,
+    MessageType,
     RoundAnnouncement,
     Update,
     UpdateMetrics,
@@ -306,11 +307,13 @@ class Agent:
             msg = await self.transport.queue.get()
             await self.handle(msg)
 
-    def _verified(self, payload: bytes) -> bytes:
+    def _verified(self, payload: bytes, kind: MessageType) -> bytes:
         """Check the coordinator's signature when a key is set (DecodeError `unsigned`, `bad_signature`)."""
         sec = self.profile.security
         if self.coordinator_key is not None and (sec.require_signatures or is_signed(payload)):
-            verify_payload(payload, self.coordinator_key)
+            verify_payload(
+                payload, self.coordinator_key, fleet=self.topics.fleet, kind=kind, limits=self.limits
+            )
         return payload
 
     async def handle(self, msg: Message) -> None:
@@ -333,11 +336,15 @@ class Agent:
                     raise DecodeError("bad_chunk", f"{topic}: not a chunk")
                 with self.governor.phase("apply"):
                     gm = decode_global_model(
-                        self._verified(payload), limits=self.limits, expect_shape=self.head.shape
+                        self._verified(payload, MessageType.GLOBAL_MODEL),
+                        limits=self.limits,
+                        expect_shape=self.head.shape,
                     )
                 await self.apply_global(gm)
             elif topic == self.topics.round:
-                await self.on_round(decode_round(self._verified(payload), limits=self.limits))
+                await self.on_round(
+                    decode_round(self._verified(payload, MessageType.ROUND), limits=self.limits)
+                )
             else:
                 raise DecodeError("bad_topic", f"unexpected topic {topic}")
         except (DecodeError, UpdateRejected) as exc:
@@ -494,7 +501,10 @@ class Agent:
             if self.signing_key is not None:
                 key = self.signing_key
                 payload = sign_message(
-                    lambda m: encode_update(m, topk_fraction=ann.topk_fraction), update, key
+                    lambda m: encode_update(m, topk_fraction=ann.topk_fraction),
+                    update,
+                    key,
+                    fleet=self.topics.fleet,
                 )
             else:
                 payload = encode_update(update, topk_fraction=ann.topk_fraction)

@@ -36,6 +36,7 @@ from edgefl.wire.codec import (
     DecodeError,
     GlobalModel,
     Limits,
+    MessageType,
     RoundAnnouncement,
     decode_status,
     decode_update,
@@ -263,7 +264,9 @@ class Coordinator:
             self.save_state(self.state_path)
 
     def _sign(self, encode: Callable[[Any], bytes], msg: Any) -> bytes:
-        return sign_message(encode, msg, self.signing_key) if self.signing_key is not None else encode(msg)
+        if self.signing_key is None:
+            return encode(msg)
+        return sign_message(encode, msg, self.signing_key, fleet=self.topics.fleet)
 
     async def pump(self) -> None:
         """Consume incoming messages forever: statuses and updates (each handler is guarded)."""
@@ -305,7 +308,14 @@ class Coordinator:
             key = self.device_keys.get(device)
             if key is None:
                 raise DecodeError("unknown_device", f"no public key for device {device}")
-            verify_payload(payload, key)
+            verify_payload(
+                payload,
+                key,
+                fleet=self.topics.fleet,
+                kind=MessageType.UPDATE,
+                device=device,
+                limits=self.limits,
+            )
         update = decode_update(payload, limits=self.limits, expect_shape=self.shape)
         if update.device != device:
             raise UpdateRejected("wrong_device", f"update names device {update.device} on {msg.topic}")

@@ -214,7 +214,7 @@ def test_sign_round_with_signed_messages_and_forgeries_rejected(
             evil = GlobalModel(9, good + 5, digits.backbone.sha256, -10 * digits.W0, digits.b0)
             await attacker.publish(topics.global_model, encode_global_model(evil), qos=1)
             await attacker.publish(
-                topics.global_model, sign_message(encode_global_model, evil, attacker_key), qos=1
+                topics.global_model, sign_message(encode_global_model, evil, attacker_key, fleet=fleet), qos=1
             )
             # forged updates for dev-1 in the open round 3: unsigned, and signed by the attacker's key
             run3 = asyncio.create_task(coord.run_round(3))
@@ -222,7 +222,7 @@ def test_sign_round_with_signed_messages_and_forgeries_rejected(
             forged = fake_update("dev-1", 3, good, coord.shape)
             await attacker.publish(topics.update("dev-1"), encode_update(forged), qos=1)
             await attacker.publish(
-                topics.update("dev-1"), sign_message(encode_update, forged, attacker_key), qos=1
+                topics.update("dev-1"), sign_message(encode_update, forged, attacker_key, fleet=fleet), qos=1
             )
             rec3 = await run3
             accs.append(rec3.accuracy)

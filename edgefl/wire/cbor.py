@@ -30,6 +30,7 @@ __all__ = [
     "MIN_SCHEMA_VERSION",
     "NO_LIMITS",
     "SCHEMA_VERSION",
+    "SIGNED_SCHEMA_VERSION",
     "Limits",
     "MessageType",
     "cbor_head_bytes",
@@ -50,6 +51,9 @@ __all__ = [
 SCHEMA_VERSION: Final = 2
 #: Oldest schema still read.
 MIN_SCHEMA_VERSION: Final = 1
+#: Schema written by a signed message or an update whose delta uses the ``rice`` layout (both new in
+#: schema 2); everything else is written as schema 1, which peers from before the bump read unchanged.
+SIGNED_SCHEMA_VERSION: Final = 2
 
 INT_MAX: Final = 2**63 - 1  # fits int64 everywhere downstream (JSON, Prometheus, numpy)
 #: Tags a message may hold: 40 (RFC 8746 §3.1.1 multi-dimensional array) and the RFC 8746 §2.1

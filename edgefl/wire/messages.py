@@ -27,7 +27,7 @@ from edgefl.wire.cbor import (
     DEFAULT_LIMITS,
     INT_MAX,
     MIN_SCHEMA_VERSION,
-    SCHEMA_VERSION,
+    SIGNED_SCHEMA_VERSION,
     Limits,
     MessageType,
     check_keys,
@@ -55,7 +55,6 @@ __all__ = [
     "MAX_LOCAL_EPOCHS",
     "MAX_LR",
     "MAX_PROX_MU",
-    "SIGNED_SCHEMA_VERSION",
     "UPDATE_ID_RE",
     "DeviceStatus",
     "GlobalModel",
@@ -89,9 +88,6 @@ DEVICE_ID_RE: Final = DEVICE_ID_PATTERN
 UPDATE_ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
-#: Schema written by a signed message or an update using the ``rice`` layout (both new in schema 2);
-#: everything else is written as schema 1, which peers from before the bump read unchanged.
-SIGNED_SCHEMA_VERSION: Final = SCHEMA_VERSION
 
 
 def _written_version(signature: bytes, uses_rice: bool = False) -> int:
