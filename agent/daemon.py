@@ -40,6 +40,7 @@ from edgefl.transport import Message, MqttTransport, Will
 from edgefl.types import F32, I64
 from edgefl.wire.chunking import Reassembler, is_chunk, publish_packet_bytes, split_message
 from edgefl.wire.codec import (
+    CompressedDelta,
     Compression,
     DecodeError,
     DeviceStatus,
@@ -474,10 +475,11 @@ class Agent:
 
         result = await loop.run_in_executor(self.executor, train)
         delta_W, delta_b = result.delta_W, result.delta_b
+        compressed: CompressedDelta | None = None
         if ann.compression != Compression.NONE:
             # Error feedback (Stich et al. 2018): add what earlier compression dropped,
-            # keep what this one drops.
-            delta_W, delta_b = self.feedback.apply(
+            # keep what this one drops; the wire form is made once, here.
+            delta_W, delta_b, compressed = self.feedback.compress(
                 delta_W, delta_b, ann.compression, topk_fraction=ann.topk_fraction
             )
         update = Update(
@@ -498,16 +500,14 @@ class Agent:
             self._set_state("deferred", enc.reason)
             return
         with gov.phase("encode"):
+
+            def encode(m: Update) -> bytes:
+                return encode_update(m, topk_fraction=ann.topk_fraction, compressed=compressed)
+
             if self.signing_key is not None:
-                key = self.signing_key
-                payload = sign_message(
-                    lambda m: encode_update(m, topk_fraction=ann.topk_fraction),
-                    update,
-                    key,
-                    fleet=self.topics.fleet,
-                )
+                payload = sign_message(encode, update, self.signing_key, fleet=self.topics.fleet)
             else:
-                payload = encode_update(update, topk_fraction=ann.topk_fraction)
+                payload = encode(update)
         async with self._outbox_lock:  # kept until its PUBACK: a restart re-sends it (same update_id)
             for dropped in await asyncio.to_thread(self.outbox.add, update.update_id, ann.round, payload):
                 logger.warning("outbox: dropped %s (%s)", dropped.update_id, dropped.reason)

@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from edgefl.errors import DecodeError
 from edgefl.wire.cbor import Limits, cbor_head_bytes
+from edgefl.wire.reasons import Reason
 
 __all__ = [
     "MAX_NDIM",
@@ -115,15 +116,15 @@ def read_shape(obj: object, name: str, limits: Limits) -> tuple[int, ...]:
         ``wrong_type``, ``bad_shape``, ``too_large``.
     """
     if not isinstance(obj, list | tuple):
-        raise DecodeError("wrong_type", f"{name}: shape is not an array")
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: shape is not an array")
     if not 1 <= len(obj) <= MAX_NDIM:
-        raise DecodeError("bad_shape", f"{name}: {len(obj)} dimensions, expected 1 to {MAX_NDIM}")
+        raise DecodeError(Reason.BAD_SHAPE, f"{name}: {len(obj)} dimensions, expected 1 to {MAX_NDIM}")
     if any(type(dim) is not int for dim in obj):
-        raise DecodeError("wrong_type", f"{name}: shape entries must be integers")
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: shape entries must be integers")
     if any(dim < 1 for dim in obj):
-        raise DecodeError("bad_shape", f"{name}: dimensions must be >= 1")
+        raise DecodeError(Reason.BAD_SHAPE, f"{name}: dimensions must be >= 1")
     if any(dim > limits.max_array_elements for dim in obj) or math.prod(obj) > limits.max_array_elements:
-        raise DecodeError("too_large", f"{name}: more than {limits.max_array_elements} elements")
+        raise DecodeError(Reason.TOO_LARGE, f"{name}: more than {limits.max_array_elements} elements")
     return tuple(obj)
 
 
@@ -160,28 +161,28 @@ def decode_array(
     Source: RFC 8746 §2.1, §3.1.1.
     """
     if not isinstance(obj, cbor2.CBORTag) or obj.tag != TAG_NDARRAY:
-        raise DecodeError("wrong_type", f"{name}: expected a tag-40 array")
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a tag-40 array")
     content = obj.value
     if not isinstance(content, list | tuple) or len(content) != 2:
-        raise DecodeError("wrong_type", f"{name}: tag 40 must hold [shape, typed array]")
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: tag 40 must hold [shape, typed array]")
     shape = read_shape(content[0], name, limits)
     typed = content[1]
     if not isinstance(typed, cbor2.CBORTag) or typed.tag not in TYPED_ARRAY_TAGS:
-        raise DecodeError("bad_dtype", f"{name}: elements are not an RFC 8746 typed array")
+        raise DecodeError(Reason.BAD_DTYPE, f"{name}: elements are not an RFC 8746 typed array")
     wire_dtype = TYPED_ARRAY_TAGS[typed.tag]
     if wire_dtype.name not in dtypes:
         wanted = ", ".join(sorted(dtypes))
-        raise DecodeError("bad_dtype", f"{name}: {wire_dtype.name} (tag {typed.tag}), expected {wanted}")
+        raise DecodeError(Reason.BAD_DTYPE, f"{name}: {wire_dtype.name} (tag {typed.tag}), expected {wanted}")
     raw = typed.value
     if type(raw) is not bytes:
-        raise DecodeError("wrong_type", f"{name}: typed array must hold a byte string")
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: typed array must hold a byte string")
     count = math.prod(shape)
     if len(raw) != count * wire_dtype.itemsize:
-        raise DecodeError("bad_shape", f"{name}: {len(raw)} bytes for {list(shape)} {wire_dtype.name}")
+        raise DecodeError(Reason.BAD_SHAPE, f"{name}: {len(raw)} bytes for {list(shape)} {wire_dtype.name}")
     native = wire_dtype.newbyteorder("=")
     array = np.frombuffer(raw, dtype=wire_dtype).reshape(shape).astype(native, order="C", copy=True)
     if array.dtype.kind == "f" and not bool(np.isfinite(array).all()):
-        raise DecodeError("not_finite", f"{name}: contains NaN or infinity")
+        raise DecodeError(Reason.NOT_FINITE, f"{name}: contains NaN or infinity")
     return array
 
 

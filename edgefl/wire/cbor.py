@@ -21,6 +21,7 @@ import cbor2
 
 from edgefl.errors import DecodeError
 from edgefl.validators import check_device_id
+from edgefl.wire.reasons import Reason
 
 __all__ = [
     "ALLOWED_TAGS",
@@ -220,7 +221,7 @@ def prescan(data: bytes, limits: Limits, capture: Iterable[str] = ()) -> dict[st
     keys: list[set[bytes]] = []  # text keys seen in each open container (maps only)
     while True:
         if pos >= size:
-            raise DecodeError("bad_cbor", f"truncated at byte {pos}")
+            raise DecodeError(Reason.BAD_CBOR, f"truncated at byte {pos}")
         initial = data[pos]
         pos += 1
         major = initial >> 5
@@ -230,16 +231,16 @@ def prescan(data: bytes, limits: Limits, capture: Iterable[str] = ()) -> dict[st
         elif info < 28:
             width = 1 << (info - 24)
             if width > size - pos:
-                raise DecodeError("bad_cbor", f"truncated header at byte {pos - 1}")
+                raise DecodeError(Reason.BAD_CBOR, f"truncated header at byte {pos - 1}")
             arg = int.from_bytes(data[pos : pos + width], "big")
             pos += width
         elif info == 31:
-            raise DecodeError("bad_cbor", f"indefinite length or break at byte {pos - 1}")
+            raise DecodeError(Reason.BAD_CBOR, f"indefinite length or break at byte {pos - 1}")
         else:
-            raise DecodeError("bad_cbor", f"reserved additional information at byte {pos - 1}")
+            raise DecodeError(Reason.BAD_CBOR, f"reserved additional information at byte {pos - 1}")
         items += 1
         if items > limits.max_items:
-            raise DecodeError("too_large", f"more than {limits.max_items} data items")
+            raise DecodeError(Reason.TOO_LARGE, f"more than {limits.max_items} data items")
         is_key = bool(in_map) and in_map[-1] and remaining[-1] % 2 == 0
         if wanted and len(remaining) == 1 and in_map[0] and not is_key and top_key in wanted:
             if major == 0:
@@ -248,36 +249,42 @@ def prescan(data: bytes, limits: Limits, capture: Iterable[str] = ()) -> dict[st
                 text = data[pos : pos + arg].decode("utf-8", "replace")
                 found[top_key.decode()] = text
         if is_key and major != 3:
-            raise DecodeError("wrong_type", f"map key at byte {pos - 1} is not a text string")
+            raise DecodeError(Reason.WRONG_TYPE, f"map key at byte {pos - 1} is not a text string")
         children = 0
         if major in (2, 3):
             if arg > size - pos:
-                raise DecodeError("bad_cbor", f"string of {arg} bytes at byte {pos - 1} runs past the end")
+                raise DecodeError(
+                    Reason.BAD_CBOR, f"string of {arg} bytes at byte {pos - 1} runs past the end"
+                )
             if major == 3 and arg > limits.max_string_bytes:
-                raise DecodeError("bad_value", f"text string of {arg} bytes > {limits.max_string_bytes}")
+                raise DecodeError(Reason.BAD_VALUE, f"text string of {arg} bytes > {limits.max_string_bytes}")
             if is_key:  # checked here, not by cbor2: cbor2 5.x has no allow_duplicate_keys
                 key = data[pos : pos + arg]
                 if key in keys[-1]:
-                    raise DecodeError("bad_cbor", f"duplicate map key {show(key.decode('utf-8', 'replace'))}")
+                    raise DecodeError(
+                        Reason.BAD_CBOR, f"duplicate map key {show(key.decode('utf-8', 'replace'))}"
+                    )
                 keys[-1].add(key)
                 if len(remaining) == 1:
                     top_key = key
             pos += arg
         elif major in (4, 5):
             if arg > limits.max_array_elements:
-                raise DecodeError("too_large", f"container of {arg} elements > {limits.max_array_elements}")
+                raise DecodeError(
+                    Reason.TOO_LARGE, f"container of {arg} elements > {limits.max_array_elements}"
+                )
             children = arg if major == 4 else 2 * arg
             if children > size - pos:  # every child takes at least one byte
-                raise DecodeError("bad_cbor", f"container of {arg} elements runs past the end")
+                raise DecodeError(Reason.BAD_CBOR, f"container of {arg} elements runs past the end")
         elif major == 6:
             if arg not in ALLOWED_TAGS:
-                raise DecodeError("bad_cbor", f"unsupported tag {arg}")
+                raise DecodeError(Reason.BAD_CBOR, f"unsupported tag {arg}")
             children = 1
         elif major == 7 and info not in (20, 21, 22, 25, 26, 27):  # false, true, null, floats
-            raise DecodeError("bad_cbor", f"unsupported simple value at byte {pos - 1}")
+            raise DecodeError(Reason.BAD_CBOR, f"unsupported simple value at byte {pos - 1}")
         if major in (4, 5, 6):
             if len(remaining) + 1 > limits.max_depth:
-                raise DecodeError("too_deep", f"nesting deeper than {limits.max_depth}")
+                raise DecodeError(Reason.TOO_DEEP, f"nesting deeper than {limits.max_depth}")
             if children:
                 remaining.append(children)
                 in_map.append(major == 5)
@@ -294,7 +301,7 @@ def prescan(data: bytes, limits: Limits, capture: Iterable[str] = ()) -> dict[st
         else:
             break
     if pos != size:
-        raise DecodeError("trailing_bytes", f"{size - pos} bytes after the message")
+        raise DecodeError(Reason.TRAILING_BYTES, f"{size - pos} bytes after the message")
     return found
 
 
@@ -320,9 +327,9 @@ def load(payload: bytes, limits: Limits) -> object:
         for what cbor2 refuses (e.g. invalid UTF-8).
     """
     if not isinstance(payload, bytes | bytearray | memoryview):
-        raise DecodeError("wrong_type", f"payload is {type(payload).__name__}, not bytes")
+        raise DecodeError(Reason.WRONG_TYPE, f"payload is {type(payload).__name__}, not bytes")
     if len(payload) > limits.max_message_bytes:
-        raise DecodeError("too_large", f"{len(payload)} bytes > {limits.max_message_bytes}")
+        raise DecodeError(Reason.TOO_LARGE, f"{len(payload)} bytes > {limits.max_message_bytes}")
     data = bytes(payload)
     prescan(data, limits)
     try:
@@ -332,7 +339,7 @@ def load(payload: bytes, limits: Limits) -> object:
             )
         return cbor2.loads(data)  # cbor2 5.x (pure Python on armv7l): the prescan enforced the same rules
     except (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError) as exc:
-        raise DecodeError("bad_cbor", str(exc)[:200]) from exc
+        raise DecodeError(Reason.BAD_CBOR, str(exc)[:200]) from exc
 
 
 def load_message(payload: bytes, limits: Limits, kind: MessageType) -> dict[str, object]:
@@ -362,23 +369,24 @@ def load_message(payload: bytes, limits: Limits, kind: MessageType) -> dict[str,
     """
     obj = load(payload, limits)
     if not isinstance(obj, dict):
-        raise DecodeError("not_a_map", f"top level is {type(obj).__name__}")
+        raise DecodeError(Reason.NOT_A_MAP, f"top level is {type(obj).__name__}")
     if "v" not in obj:
-        raise DecodeError("missing_key", "v")
+        raise DecodeError(Reason.MISSING_KEY, "v")
     version = obj["v"]
     if type(version) is not int or version < MIN_SCHEMA_VERSION:
         raise DecodeError(
-            "bad_version", f"v = {version!r:.20}, expected {MIN_SCHEMA_VERSION} to {SCHEMA_VERSION}"
+            Reason.BAD_VERSION, f"v = {version!r:.20}, expected {MIN_SCHEMA_VERSION} to {SCHEMA_VERSION}"
         )
     if version > SCHEMA_VERSION:
         shown = str(version) if version < 10**20 else "huge"
         raise DecodeError(
-            "newer_schema", f"v = {shown}: this peer reads schema {MIN_SCHEMA_VERSION} to {SCHEMA_VERSION}"
+            Reason.NEWER_SCHEMA,
+            f"v = {shown}: this peer reads schema {MIN_SCHEMA_VERSION} to {SCHEMA_VERSION}",
         )
     if "type" not in obj:
-        raise DecodeError("missing_key", "type")
+        raise DecodeError(Reason.MISSING_KEY, "type")
     if obj["type"] != kind.value:
-        raise DecodeError("wrong_type", f"type = {obj['type']!r:.40}, expected {kind.value!r}")
+        raise DecodeError(Reason.WRONG_TYPE, f"type = {obj['type']!r:.40}, expected {kind.value!r}")
     return obj
 
 
@@ -407,14 +415,16 @@ def check_keys(
         ``wrong_type`` (not a map), ``unknown_key``, ``missing_key``.
     """
     if not isinstance(obj, dict):
-        raise DecodeError("wrong_type", f"{where or 'message'}: expected a map, got {type(obj).__name__}")
+        raise DecodeError(
+            Reason.WRONG_TYPE, f"{where or 'message'}: expected a map, got {type(obj).__name__}"
+        )
     prefix = f"{where}." if where else ""
     for key in obj:
         if key not in required and key not in optional:
-            raise DecodeError("unknown_key", prefix + show(str(key)))
+            raise DecodeError(Reason.UNKNOWN_KEY, prefix + show(str(key)))
     for key in required:
         if key not in obj:
-            raise DecodeError("missing_key", prefix + key)
+            raise DecodeError(Reason.MISSING_KEY, prefix + key)
     return obj
 
 
@@ -429,10 +439,10 @@ def read_int(obj: Mapping[str, Any], key: str, where: str, lo: int = 0, hi: int 
     value = obj[key]
     name = f"{where}.{key}" if where else key
     if type(value) is not int:  # bool is an int subclass: rejected here on purpose
-        raise DecodeError("wrong_type", f"{name}: expected an integer, got {type(value).__name__}")
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected an integer, got {type(value).__name__}")
     if not lo <= value <= hi:
         shown = str(value) if abs(value) < 10**20 else "huge"
-        raise DecodeError("bad_value", f"{name} = {shown}: must be in [{lo}, {hi}]")
+        raise DecodeError(Reason.BAD_VALUE, f"{name} = {shown}: must be in [{lo}, {hi}]")
     return value
 
 
@@ -456,15 +466,15 @@ def read_float(
     name = f"{where}.{key}" if where else key
     # integers are accepted: many CBOR encoders write 30.0 as 30
     if type(value) is not float and type(value) is not int:
-        raise DecodeError("wrong_type", f"{name}: expected a number, got {type(value).__name__}")
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a number, got {type(value).__name__}")
     if type(value) is int and abs(value) > 2**53:
-        raise DecodeError("bad_value", f"{name}: integer too large for a float")
+        raise DecodeError(Reason.BAD_VALUE, f"{name}: integer too large for a float")
     number = float(value)
     if not math.isfinite(number):
-        raise DecodeError("not_finite", f"{name} = {number}")
+        raise DecodeError(Reason.NOT_FINITE, f"{name} = {number}")
     if number < lo or number > hi or (lo_open and number == lo):
         bracket = "(" if lo_open else "["
-        raise DecodeError("bad_value", f"{name} = {number}: must be in {bracket}{lo}, {hi}]")
+        raise DecodeError(Reason.BAD_VALUE, f"{name} = {number}: must be in {bracket}{lo}, {hi}]")
     return number
 
 
@@ -479,9 +489,9 @@ def read_text(obj: Mapping[str, Any], key: str, where: str, pattern: re.Pattern[
     value = obj[key]
     name = f"{where}.{key}" if where else key
     if type(value) is not str:
-        raise DecodeError("wrong_type", f"{name}: expected a text string, got {type(value).__name__}")
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a text string, got {type(value).__name__}")
     if pattern.fullmatch(value) is None:
-        raise DecodeError("bad_value", f"{name} = {show(value)}: must match {pattern.pattern}")
+        raise DecodeError(Reason.BAD_VALUE, f"{name} = {show(value)}: must match {pattern.pattern}")
     return value
 
 
@@ -494,11 +504,11 @@ def read_device_id(value: object, name: str) -> str:
         ``wrong_type``, ``bad_value``.
     """
     if type(value) is not str:
-        raise DecodeError("wrong_type", f"{name}: expected a text string, got {type(value).__name__}")
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a text string, got {type(value).__name__}")
     try:
         return check_device_id(value)
     except ValueError as exc:
-        raise DecodeError("bad_value", f"{name} = {show(value)}: {exc}") from exc
+        raise DecodeError(Reason.BAD_VALUE, f"{name} = {show(value)}: {exc}") from exc
 
 
 def read_signature(obj: Mapping[str, Any], limits: Limits) -> bytes:
@@ -513,7 +523,7 @@ def read_signature(obj: Mapping[str, Any], limits: Limits) -> bytes:
         return b""
     value = obj["signature"]
     if type(value) is not bytes:
-        raise DecodeError("wrong_type", f"signature: expected a byte string, got {type(value).__name__}")
+        raise DecodeError(Reason.WRONG_TYPE, f"signature: expected a byte string, got {type(value).__name__}")
     if len(value) > limits.max_string_bytes:
-        raise DecodeError("bad_value", f"signature: {len(value)} bytes > {limits.max_string_bytes}")
+        raise DecodeError(Reason.BAD_VALUE, f"signature: {len(value)} bytes > {limits.max_string_bytes}")
     return value

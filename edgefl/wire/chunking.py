@@ -45,7 +45,7 @@ from edgefl.wire.cbor import (
     read_int,
     read_text,
 )
-from edgefl.wire.reasons import CHUNK_REASONS
+from edgefl.wire.reasons import CHUNK_REASONS, Reason
 
 logger = logging.getLogger(__name__)
 
@@ -269,15 +269,15 @@ def decode_chunk(
     sha = read_text(obj, "sha256", "", _SHA256_RE)
     data = obj["data"]
     if type(data) is not bytes:
-        raise DecodeError("wrong_type", f"data: expected a byte string, got {type(data).__name__}")
+        raise DecodeError(Reason.WRONG_TYPE, f"data: expected a byte string, got {type(data).__name__}")
     if size > max_message_bytes:
-        raise DecodeError("too_large", f"size = {size}: whole message > {max_message_bytes} bytes")
+        raise DecodeError(Reason.TOO_LARGE, f"size = {size}: whole message > {max_message_bytes} bytes")
     if index >= count:
-        raise DecodeError("bad_chunk", f"index = {index}: must be < count = {count}")
+        raise DecodeError(Reason.BAD_CHUNK, f"index = {index}: must be < count = {count}")
     if count > size:
-        raise DecodeError("bad_chunk", f"count = {count} > size = {size}: chunks carry >= 1 byte")
+        raise DecodeError(Reason.BAD_CHUNK, f"count = {count} > size = {size}: chunks carry >= 1 byte")
     if not 1 <= len(data) <= size:
-        raise DecodeError("bad_chunk", f"data: {len(data)} bytes, must be in [1, size = {size}]")
+        raise DecodeError(Reason.BAD_CHUNK, f"data: {len(data)} bytes, must be in [1, size = {size}]")
     return Chunk(id=msg_id, index=index, count=count, size=size, sha256=sha, data=data)
 
 
@@ -503,7 +503,7 @@ class Reassembler:
             s = self._sets[k] = _Set(c.count, c.size, c.sha256, self.clock())
         elif (s.count, s.size, s.sha256) != (c.count, c.size, c.sha256):
             raise DecodeError(
-                "chunk_conflict",
+                Reason.CHUNK_CONFLICT,
                 f"chunk {c.index} of {c.id}: count/size/sha256 differ from the set's first chunk",
             )
         self._sets.move_to_end(k)
@@ -512,12 +512,12 @@ class Reassembler:
         if held is not None:
             if held != c.data:
                 raise DecodeError(
-                    "chunk_conflict", f"chunk {c.index} of {c.id}: different data for a held index"
+                    Reason.CHUNK_CONFLICT, f"chunk {c.index} of {c.id}: different data for a held index"
                 )
             return None
         if s.held + len(c.data) > s.size:
             raise DecodeError(
-                "bad_chunk", f"chunk {c.index} of {c.id}: data beyond the declared {s.size} bytes"
+                Reason.BAD_CHUNK, f"chunk {c.index} of {c.id}: data beyond the declared {s.size} bytes"
             )
         s.parts[c.index] = c.data
         s.held += len(c.data)
@@ -527,7 +527,8 @@ class Reassembler:
         whole = b"".join(s.parts[i] for i in range(s.count))
         if len(whole) != s.size or hashlib.sha256(whole).hexdigest() != s.sha256:
             raise DecodeError(
-                "bad_checksum", f"message {c.id}: {len(whole)} bytes reassembled do not match size/sha256"
+                Reason.BAD_CHECKSUM,
+                f"message {c.id}: {len(whole)} bytes reassembled do not match size/sha256",
             )
         self._done.append((key, c.id, c.sha256))
         self.completed_total += 1

@@ -306,16 +306,16 @@ def _kind_of(sub: Mapping[str, Any]) -> Compression:
 
 def _finite_or_raise(array: F32, name: str) -> F32:
     if not bool(np.isfinite(array).all()):
-        raise DecodeError("not_finite", f"{name}: decodes to NaN or infinity")
+        raise DecodeError(Reason.NOT_FINITE, f"{name}: decodes to NaN or infinity")
     return array
 
 
 def _scale(obj: object, name: str, expected: tuple[int, ...], limits: Limits) -> F32:
     scale: F32 = decode_array(obj, limits=limits, dtypes=frozenset({"float32"}), name=name)
     if scale.shape != expected:
-        raise DecodeError("bad_shape", f"{name}: shape {list(scale.shape)}, expected {list(expected)}")
+        raise DecodeError(Reason.BAD_SHAPE, f"{name}: shape {list(scale.shape)}, expected {list(expected)}")
     if bool((scale < 0).any()):
-        raise DecodeError("bad_value", f"{name}: scales must be >= 0")
+        raise DecodeError(Reason.BAD_VALUE, f"{name}: scales must be >= 0")
     return scale
 
 
@@ -354,53 +354,53 @@ def _rice_decode(obj: object, count: int, size: int, limits: Limits, name: str) 
     sub = check_keys(obj, name, ("k", "q"), ("r",))
     rice_k = sub["k"]
     if type(rice_k) is not int:
-        raise DecodeError("wrong_type", f"{name}.k: expected an integer, got {type(rice_k).__name__}")
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}.k: expected an integer, got {type(rice_k).__name__}")
     if not 0 <= rice_k <= _RICE_MAX_K:
         shown = str(rice_k) if abs(rice_k) < 10**20 else "huge"
-        raise DecodeError("bad_indices", f"{name}.k = {shown}: must be in [0, {_RICE_MAX_K}]")
+        raise DecodeError(Reason.BAD_INDICES, f"{name}.k = {shown}: must be in [0, {_RICE_MAX_K}]")
     if count > size:
-        raise DecodeError("bad_indices", f"{name}: {count} positions for {size} elements")
+        raise DecodeError(Reason.BAD_INDICES, f"{name}: {count} positions for {size} elements")
     u8 = frozenset({"uint8"})
     q = decode_array(sub["q"], limits=limits, dtypes=u8, name=f"{name}.q")
     if q.ndim != 1:
-        raise DecodeError("bad_shape", f"{name}.q: must be 1-D")
+        raise DecodeError(Reason.BAD_SHAPE, f"{name}.q: must be 1-D")
     # a valid stream has sum(g >> k) + count <= sum(g) + count = last position + 1 <= size bits:
     # checked before unpacking, so the unpacked bits take at most size + 7 bytes
     if q.size > (size + 7) // 8:
-        raise DecodeError("bad_indices", f"{name}.q: {q.size} bytes > {(size + 7) // 8} for size {size}")
+        raise DecodeError(Reason.BAD_INDICES, f"{name}.q: {q.size} bytes > {(size + 7) // 8} for size {size}")
     bits = np.unpackbits(q, bitorder="little")
     zeros = np.flatnonzero(bits == 0)
     if zeros.size < count:
-        raise DecodeError("bad_indices", f"{name}.q: {zeros.size} terminators for {count} positions")
+        raise DecodeError(Reason.BAD_INDICES, f"{name}.q: {zeros.size} terminators for {count} positions")
     last = int(zeros[count - 1])
     if last < 8 * (q.size - 1):
-        raise DecodeError("bad_indices", f"{name}.q: bytes after the one holding the last terminator")
+        raise DecodeError(Reason.BAD_INDICES, f"{name}.q: bytes after the one holding the last terminator")
     if bool(bits[last + 1 :].any()):
-        raise DecodeError("bad_indices", f"{name}.q: bits set after the last terminator")
+        raise DecodeError(Reason.BAD_INDICES, f"{name}.q: bits set after the last terminator")
     terminators: I64 = zeros[:count].astype(np.int64)
     quotients: I64 = np.subtract(np.diff(terminators, prepend=-1), 1, dtype=np.int64)
     if rice_k == 0:
         if "r" in sub:
-            raise DecodeError("bad_indices", f"{name}.r: present with k = 0")
+            raise DecodeError(Reason.BAD_INDICES, f"{name}.r: present with k = 0")
         gaps = quotients
     else:
         if "r" not in sub:
-            raise DecodeError("missing_key", f"{name}.r")
+            raise DecodeError(Reason.MISSING_KEY, f"{name}.r")
         r = decode_array(sub["r"], limits=limits, dtypes=u8, name=f"{name}.r")
         r_bits = count * rice_k
         if r.shape != ((r_bits + 7) // 8,):
             raise DecodeError(
-                "bad_indices", f"{name}.r: shape {list(r.shape)}, expected [{(r_bits + 7) // 8}]"
+                Reason.BAD_INDICES, f"{name}.r: shape {list(r.shape)}, expected [{(r_bits + 7) // 8}]"
             )
         if r_bits % 8 and int(r[-1]) >> (r_bits % 8):
-            raise DecodeError("bad_indices", f"{name}.r: padding bits set")
+            raise DecodeError(Reason.BAD_INDICES, f"{name}.r: padding bits set")
         planes = np.unpackbits(r, count=r_bits, bitorder="little").reshape(count, rice_k)
         remainders = planes @ np.left_shift(np.uint16(1), np.arange(rice_k, dtype=np.uint16))
         # sum(quotients) <= 8 * len(q) and remainders < 2**15: no int64 overflow below
         gaps = np.left_shift(quotients, rice_k) + remainders.astype(np.int64)
     positions: I64 = np.cumsum(gaps + 1, dtype=np.int64) - 1
     if int(positions[-1]) >= size:
-        raise DecodeError("bad_indices", f"{name}: position {int(positions[-1])} >= size {size}")
+        raise DecodeError(Reason.BAD_INDICES, f"{name}: position {int(positions[-1])} >= size {size}")
     return positions
 
 
@@ -442,14 +442,16 @@ def decompress_delta(
         streams: see :func:`_rice_decode`).
     """
     if not isinstance(obj, dict):
-        raise DecodeError("wrong_type", f"{name}: expected a map, got {type(obj).__name__}")
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a map, got {type(obj).__name__}")
     kind = _kind_of(obj)
     if compression is not None and kind is not compression:
-        raise DecodeError("bad_value", f"{name}: encoded as {kind.value}, message says {compression.value}")
+        raise DecodeError(
+            Reason.BAD_VALUE, f"{name}: encoded as {kind.value}, message says {compression.value}"
+        )
 
     def check_shape(got: tuple[int, ...]) -> None:
         if shape is not None and got != tuple(shape):
-            raise DecodeError("bad_shape", f"{name}: shape {list(got)}, expected {list(shape)}")
+            raise DecodeError(Reason.BAD_SHAPE, f"{name}: shape {list(got)}, expected {list(shape)}")
 
     if kind in (Compression.NONE, Compression.FLOAT16):
         sub = check_keys(obj, name, ("values",))
@@ -475,7 +477,8 @@ def decompress_delta(
     present = sum(key in sub for key in position_keys)
     if present != 1:
         raise DecodeError(
-            "missing_key" if present == 0 else "bad_indices", f"{name}: exactly one of indices, mask, rice"
+            Reason.MISSING_KEY if present == 0 else Reason.BAD_INDICES,
+            f"{name}: exactly one of indices, mask, rice",
         )
     # the values come first: their length is the position count the Rice decoder needs
     if kind is Compression.TOPK:
@@ -487,7 +490,7 @@ def decompress_delta(
         with np.errstate(over="ignore"):
             values = q.astype(np.float32) * scale
     if values.ndim != 1:
-        raise DecodeError("bad_indices", f"{name}: values of shape {list(values.shape)}, expected 1-D")
+        raise DecodeError(Reason.BAD_INDICES, f"{name}: values of shape {list(values.shape)}, expected 1-D")
     if "rice" in sub:
         kept = _rice_decode(sub["rice"], values.shape[0], size, limits, f"{name}.rice")
     elif "indices" in sub:
@@ -495,23 +498,27 @@ def decompress_delta(
             sub["indices"], limits=limits, dtypes=frozenset({"uint16", "uint32"}), name=f"{name}.indices"
         )
         if wire.ndim != 1:
-            raise DecodeError("bad_shape", f"{name}.indices: must be 1-D")
+            raise DecodeError(Reason.BAD_SHAPE, f"{name}.indices: must be 1-D")
         kept = wire.astype(np.int64)
         if kept.size and int(kept[-1]) >= size:
-            raise DecodeError("bad_indices", f"{name}.indices: index >= size {size}")
+            raise DecodeError(Reason.BAD_INDICES, f"{name}.indices: index >= size {size}")
         if kept.size > 1 and not bool((np.diff(kept) > 0).all()):
-            raise DecodeError("bad_indices", f"{name}.indices: not strictly increasing")
+            raise DecodeError(Reason.BAD_INDICES, f"{name}.indices: not strictly increasing")
     else:
         mask = decode_array(sub["mask"], limits=limits, dtypes=frozenset({"uint8"}), name=f"{name}.mask")
         mask_bytes = (size + 7) // 8
         if mask.shape != (mask_bytes,):
-            raise DecodeError("bad_shape", f"{name}.mask: shape {list(mask.shape)}, expected [{mask_bytes}]")
+            raise DecodeError(
+                Reason.BAD_SHAPE, f"{name}.mask: shape {list(mask.shape)}, expected [{mask_bytes}]"
+            )
         if size % 8 and int(mask[-1]) >> (size % 8):
-            raise DecodeError("bad_indices", f"{name}.mask: padding bits set")
+            raise DecodeError(Reason.BAD_INDICES, f"{name}.mask: padding bits set")
         kept = np.flatnonzero(np.unpackbits(mask, count=size, bitorder="little"))
     k = kept.size
     if values.shape != (k,):
-        raise DecodeError("bad_indices", f"{name}: {k} positions for values of shape {list(values.shape)}")
+        raise DecodeError(
+            Reason.BAD_INDICES, f"{name}: {k} positions for values of shape {list(values.shape)}"
+        )
     dense = np.zeros(full_shape, dtype=np.float32)
     dense.reshape(-1)[kept] = values  # a view of the C-contiguous array: writes into dense
     return _finite_or_raise(dense, name)

@@ -46,6 +46,7 @@ from edgefl.wire.compression import (
     decompress_delta,
     read_compression,
 )
+from edgefl.wire.reasons import Reason
 
 __all__ = [
     "DEVICE_ID_RE",
@@ -279,12 +280,12 @@ def _check_head_shapes(w: F32, b: F32, where: str, expect_shape: tuple[int, int]
         want_w, want_b = tuple(expect_shape), (expect_shape[1],)
     else:
         if w.ndim != 2:
-            raise DecodeError("bad_shape", f"{where}.W: shape {list(w.shape)}, expected [D, K]")
+            raise DecodeError(Reason.BAD_SHAPE, f"{where}.W: shape {list(w.shape)}, expected [D, K]")
         want_w, want_b = w.shape, (w.shape[1],)
     if w.shape != want_w:
-        raise DecodeError("bad_shape", f"{where}.W: shape {list(w.shape)}, expected {list(want_w)}")
+        raise DecodeError(Reason.BAD_SHAPE, f"{where}.W: shape {list(w.shape)}, expected {list(want_w)}")
     if b.shape != want_b:
-        raise DecodeError("bad_shape", f"{where}.b: shape {list(b.shape)}, expected {list(want_b)}")
+        raise DecodeError(Reason.BAD_SHAPE, f"{where}.b: shape {list(b.shape)}, expected {list(want_b)}")
 
 
 def encode_global_model(msg: GlobalModel) -> bytes:
@@ -436,7 +437,7 @@ def decode_round(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> RoundAnn
     if isinstance(raw_selected, list):
         selected = tuple(read_device_id(device, f"selected[{i}]") for i, device in enumerate(raw_selected))
         if len(set(selected)) != len(selected):
-            raise DecodeError("bad_value", "selected: duplicate device ids")
+            raise DecodeError(Reason.BAD_VALUE, "selected: duplicate device ids")
     else:
         selected = read_float(obj, "selected", "", 0.0, 1.0, lo_open=True)
     return RoundAnnouncement(
@@ -623,22 +624,22 @@ def _json_like(value: object, name: str) -> object:
         return value
     if isinstance(value, int):
         if abs(value) > INT_MAX:
-            raise DecodeError("bad_value", f"{name}: integer out of int64 range")
+            raise DecodeError(Reason.BAD_VALUE, f"{name}: integer out of int64 range")
         return value
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise DecodeError("not_finite", f"{name} = {value}")
+            raise DecodeError(Reason.NOT_FINITE, f"{name} = {value}")
         return value
     if isinstance(value, list | tuple):
         return [_json_like(item, f"{name}[{i}]") for i, item in enumerate(value)]
     if isinstance(value, dict):
         return _json_map(value, name)
-    raise DecodeError("wrong_type", f"{name}: {type(value).__name__} is not a JSON-like value")
+    raise DecodeError(Reason.WRONG_TYPE, f"{name}: {type(value).__name__} is not a JSON-like value")
 
 
 def _json_map(value: object, name: str) -> dict[str, object]:
     if not isinstance(value, dict):
-        raise DecodeError("wrong_type", f"{name}: expected a map, got {type(value).__name__}")
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a map, got {type(value).__name__}")
     return {str(key): _json_like(item, f"{name}.{show(str(key))}") for key, item in value.items()}
 
 
