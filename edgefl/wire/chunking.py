@@ -1,20 +1,10 @@
-"""Chunking: messages larger than the broker's maximum packet size travel as chunk messages.
+"""Chunking: messages larger than the broker's packet limit travel as chunk messages, reassembled boundedly.
 
-Brokers cap the size of a whole MQTT packet (MQTT 5 ``Maximum Packet Size`` in CONNACK; mosquitto's
-``max_packet_size``; managed IoT brokers commonly 128 KB or 256 KB). An oversized PUBLISH makes some
-brokers drop the connection, and a client that retries it loops in a disconnect/reconnect storm, so
-nothing may ever publish a packet over the limit. :func:`split_message` cuts a message into chunks
-whose *whole PUBLISH packet* (fixed header + topic + packet id + properties + payload) fits; each
-chunk is a CBOR message::
-
-    {"v": 1, "type": "chunk", "id": "<message id>", "index": i, "count": n, "size": <whole bytes>,
-     "sha256": "<hex of the whole message>", "data": h'...'}
-
-:class:`Reassembler` collects chunks with bounded memory (at most ``max_sets`` partial messages and
-``max_total_bytes`` declared bytes; abandoned sets expire after ``expiry_s``) and returns the whole
-message only when every chunk arrived and its SHA-256 matches: all or nothing. Chunks carry no
-signature: the reassembled message does (``edgefl.wire.signing``), so a forged chunk can at worst spoil
-one set, never change what is applied.
+Owns the MQTT PUBLISH size arithmetic (:func:`publish_packet_bytes`, :func:`max_payload_bytes`), the
+chunk message (:func:`encode_chunk` / :func:`decode_chunk`), :func:`split_message` (every chunk's whole
+packet fits the limit: an oversized PUBLISH makes brokers drop the connection) and :class:`Reassembler`
+(bounded sets, expiry, all or nothing by SHA-256). Chunks carry no signature; the reassembled message
+does. Chunk fields and bounds: ``docs/protocol.md`` ("Chunks").
 
 Source: MQTT 5.0 (OASIS 2019) §2.1.4 (Remaining Length, variable byte integer), §3.3 (PUBLISH),
 §3.1.2.11.4 and §3.2.2.3.6 (Maximum Packet Size); MQTT 3.1.1 §2.2.3, §3.3.
@@ -200,7 +190,7 @@ class Chunk:
 
 
 def encode_chunk(chunk: Chunk) -> bytes:
-    """Encode a :class:`Chunk` (keys in the order of the module docstring).
+    """Encode a :class:`Chunk` (keys in the order of ``docs/protocol.md``, "Chunks").
 
     Parameters
     ----------

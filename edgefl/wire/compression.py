@@ -180,33 +180,16 @@ def compress_delta(
     rng: np.random.Generator | None = None,
     allow_rice: bool = True,
 ) -> dict[str, object]:
-    """Encode one delta array as its wire sub-map.
+    """Encode one delta array as its wire sub-map (layouts: ``docs/protocol.md``, "Delta layouts").
 
-    Layouts (every array a tag-40 typed array, see :func:`encode_array`):
-
-    - ``none``: ``{"values": float32 [shape]}`` (exact).
-    - ``float16``: ``{"values": float16 [shape]}``; values beyond ±65504 are clipped to it (the
-      device's error-feedback residual keeps the excess) rather than sent as infinity.
-    - ``int8``: ``{"q": int8 [shape], "scale": float32 [S]}`` with one scale per output unit: per
-      slice along the last axis (``S = K`` for W [D, K]), ``S = 1`` for 1-D arrays.
-      ``scale = max|x| / 127``, ``q = round(x / scale)``, decoded as ``q * scale``.
-    - ``topk``: the ``k = ceil(fraction * size)`` largest-|x| entries of the flattened (C order)
-      array: ``{"shape": [...], "indices": uint16|uint32 [k] (strictly increasing), "values":
-      float32 [k]}``, or ``"mask": uint8 [ceil(size/8)]`` (bit i = byte i//8, bit i%8, LSB first)
-      instead of ``"indices"`` when the mask is smaller (fraction > 1/16 with uint16 indices), or
-      ``"rice"`` instead of either when its encoded size (key and value, in CBOR bytes) is
-      strictly smaller than the one just chosen. Rice layout, for the positions ``p_0 < ... <
-      p_{k-1}``: gaps ``g_i = p_i - p_{i-1} - 1`` (``p_{-1} = -1``), parameter ``m`` in [0, 15]
-      (the ``m`` with the fewest bytes, smallest on ties), ``"rice": {"k": m, "q": uint8 [ceil(Q
-      / 8)], "r": uint8 [ceil(k * m / 8)]}``. ``q`` is the unary code of the quotients ``g_i >>
-      m``: for each i, ``g_i >> m`` one bits then a zero bit (the terminator), ``Q = sum(g_i >>
-      m) + k`` bits in all, packed LSB first (stream bit j = byte j//8, bit j%8), zero padded.
-      ``r`` holds the remainders ``g_i & (2**m - 1)``, m bits each, least significant bit first,
-      in the same LSB-first packing, zero padded; ``"r"`` is absent when ``m = 0``. E.g.
-      positions [0, 3, 4, 12] with m = 1: gaps [0, 2, 0, 7], quotients [0, 1, 0, 3] → bits
-      0 10 0 1110 → ``q = [0x72]``; remainders [0, 0, 0, 1] → ``r = [0x08]``.
-    - ``topk-int8``: as ``topk`` with ``"q": int8 [k], "scale": float32 [1]`` instead of
-      ``"values"``.
+    - ``none``: ``{"values": float32}``; ``float16``: ``{"values": float16}``, clipped to ±65504
+      (the device's error-feedback residual keeps the excess) rather than sent as infinity.
+    - ``int8``: ``{"q": int8, "scale": float32 [S]}``, one scale ``max|x| / 127`` per slice along
+      the last axis (``S = K`` for W [D, K], 1 for 1-D arrays).
+    - ``topk`` / ``topk-int8``: the ``k = ceil(fraction * size)`` largest-|x| entries, ``{"shape",
+      "values"}`` (or ``"q", "scale"``) with their positions as ``"indices"`` (uint16/uint32),
+      ``"mask"`` (LSB-first bitmask) when smaller, or ``"rice"`` (Golomb-Rice coded gaps) when
+      smaller still and ``allow_rice``.
 
     Rounding is to nearest by default: it is deterministic, so :func:`compressed_roundtrip` gives
     exactly what the coordinator decodes, and its error (≤ scale/2) is half the worst case of

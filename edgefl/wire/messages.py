@@ -341,7 +341,7 @@ def decode_global_model(
     Raises
     ------
     DecodeError
-        See the module docstring for the reasons; ``signature`` is optional on the wire.
+        The reasons of ``docs/protocol.md`` ("Refusals"); ``signature`` is optional on the wire.
     """
     obj = load_message(payload, limits, MessageType.GLOBAL_MODEL)
     check_keys(obj, "", ("v", "type", "round", "version", "model_sha256", "head"), ("signature",))
@@ -415,8 +415,8 @@ def decode_round(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> RoundAnn
     Raises
     ------
     DecodeError
-        See the module docstring; ``bad_value`` for out-of-range numbers, a duplicate or invalid
-        device id in ``selected``.
+        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for out-of-range
+        numbers, a duplicate or invalid device id in ``selected``.
     """
     obj = load_message(payload, limits, MessageType.ROUND)
     required = (
@@ -545,8 +545,8 @@ def decode_update(
     Raises
     ------
     DecodeError
-        See the module docstring; ``bad_value`` for ``num_examples < 1``, accuracy outside
-        [0, 1], negative ``train_s``/``peak_rss_bytes``, invalid ids.
+        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for ``num_examples < 1``,
+        accuracy outside [0, 1], negative ``train_s``/``peak_rss_bytes``, invalid ids.
     """
     obj = load_message(payload, limits, MessageType.UPDATE)
     required = (
@@ -661,8 +661,8 @@ def decode_status(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> DeviceS
     Raises
     ------
     DecodeError
-        See the module docstring; ``wrong_type`` for byte strings or tags inside ``fields``,
-        ``not_finite`` for NaN/infinity.
+        The reasons of ``docs/protocol.md`` ("Refusals"); ``wrong_type`` for byte strings or
+        tags inside ``fields``, ``not_finite`` for NaN/infinity.
     """
     obj = load_message(payload, limits, MessageType.STATUS)
     check_keys(obj, "", ("v", "type", "device", "state"), ("fields",))

@@ -1,37 +1,23 @@
 """Message authenticity: Ed25519 signatures over a canonical byte string that binds the message's context.
 
-What is signed (``docs/protocol.md``, "Signatures", is the reference)
--------------------------------------------------------------------
-A signed message (GlobalModel, RoundAnnouncement, Update) carries its 64-byte signature as the byte
-string value of its last entry, ``"signature"``, and is written as schema 2. The signer encodes the
-message once with 64 zero bytes in place of the signature (the *blank form* ``B``), and signs the
-canonical byte string::
+Owns the signed-bytes layout (:func:`signed_bytes`), signing (:func:`sign_message`,
+:func:`sign_payload`), verification before decoding (:func:`verify_payload`) and Ed25519 keys. A signed
+message carries its 64-byte signature as the value of its last key, ``"signature"``, and is schema 2;
+the signature covers::
 
-    CONTEXT || CBOR([fleet, kind, round, version, device, SHA-256(B)])
+    "edgefl-sig-v2" 0x00 || CBOR([fleet, kind, round, version, device, SHA-256(blank form)])
 
-with ``CONTEXT`` = the 13 ASCII bytes ``edgefl-sig-v2`` and a zero byte, and a definite-length CBOR
-array in the deterministic encoding of RFC 8949 §4.2.1 (shortest heads): ``fleet`` (text) is the
-fleet the message is meant for, ``kind`` its ``"type"``, ``round`` its ``"round"``, ``version`` its
-``"version"`` (GlobalModel) or ``"base_version"`` (RoundAnnouncement, Update), ``device`` the
-sending device for an Update and ``""`` otherwise. The verifier rebuilds that string from what *it*
-expects (its fleet, the kind the topic carries, the device the topic names) and the round and version
-read from the received bytes by an allocation-free header scan, before anything is decoded: a head
-signed for fleet ``f1`` fails on fleet ``f2``, a round announcement replayed as a global head fails,
-an update signed for device A fails as device B.
+where the blank form is the message with 64 zero bytes as its signature. The verifier rebuilds it from
+its own fleet, the kind its topic carries and the device the topic names, with round and version read
+by the allocation-free header scan, so a head signed for another fleet, a round announcement replayed
+as a head or an update signed for another device fails. Layout and examples: ``docs/protocol.md``
+("Signatures"); key rotation: ``docs/security.md``.
 
-Keys
-----
-A signing key is the 32-byte Ed25519 seed; a verify key is the 32-byte public key. Both load from
-64 hex digits or from PEM (PKCS #8 ``PRIVATE KEY`` / SubjectPublicKeyInfo ``PUBLIC KEY``, as written
-by ``openssl genpkey -algorithm ed25519``). A :class:`SigningKey`'s ``repr`` shows only its public key:
-private keys never reach a log.
-
-Backends
---------
-Ed25519 (RFC 8032) is deterministic, so both supported libraries produce identical signatures.
-``PyNaCl`` (libsodium, ~1.2 MB of RSS at import) is preferred when installed, ``cryptography``
-(bundled OpenSSL, ~8.6 MB of RSS at import) otherwise; both are imported lazily, on the first
-signature operation.
+Keys are 32-byte Ed25519 seeds / public keys, as 64 hex digits or PEM (PKCS #8 ``PRIVATE KEY`` /
+SPKI ``PUBLIC KEY``, as written by ``openssl genpkey -algorithm ed25519``); a :class:`SigningKey`'s
+``repr`` shows only its public key. Ed25519 is deterministic, so the two supported libraries give
+identical signatures: PyNaCl (~1.2 MB of RSS at import) is preferred, ``cryptography`` (~8.6 MB) the
+fallback; both are imported lazily, on the first signature operation.
 
 Source: RFC 8032 §5.1 (Ed25519); RFC 8410 §7, §10.3 (Ed25519 keys in PKCS #8 / SPKI); RFC 8949
 §4.2.1 (deterministic encoding).
