@@ -42,7 +42,7 @@ from edgefl.wire.cbor import (
 from edgefl.wire.compression import (
     CompressedDelta,
     Compression,
-    compress_head_delta,
+    compress_delta,
     decompress_delta,
     read_compression,
 )
@@ -495,14 +495,17 @@ def encode_update(
         ``compressed`` is in another layout than ``msg.compression``.
     """
     mode = Compression(msg.compression)
-    if compressed is None:
-        compressed = compress_head_delta(msg.delta_W, msg.delta_b, mode, topk_fraction=topk_fraction, rng=rng)
+    if compressed is None:  # W before b: the order stochastic rounding draws in (as compress_head_delta)
+        sub_W = compress_delta(msg.delta_W, mode, topk_fraction=topk_fraction, rng=rng)
+        sub_b = compress_delta(msg.delta_b, mode, topk_fraction=topk_fraction, rng=rng)
     elif compressed.compression is not mode:
         raise ValueError(f"compressed delta is {compressed.compression.value}, the update says {mode.value}")
-    delta = {"W": compressed.W, "b": compressed.b}
+    else:
+        sub_W, sub_b = compressed.W, compressed.b
+    delta = {"W": sub_W, "b": sub_b}
     return cbor2.dumps(
         {
-            "v": _written_version(msg.signature, compressed.uses_rice),
+            "v": _written_version(msg.signature, "rice" in sub_W or "rice" in sub_b),
             "type": MessageType.UPDATE.value,
             "round": int(msg.round),
             "base_version": int(msg.base_version),
