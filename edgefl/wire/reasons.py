@@ -41,7 +41,7 @@ class Reason(StrEnum):
     UNSIGNED = "unsigned"
     BAD_SIGNATURE = "bad_signature"
     UNKNOWN_DEVICE = "unknown_device"
-    # where and when a valid message arrived (coordinator and device bookkeeping)
+    # where and when a valid message arrived (coordinator and device bookkeeping; UpdateRejected)
     BAD_TOPIC = "bad_topic"
     WRONG_DEVICE = "wrong_device"
     NO_ROUND = "no_round"
@@ -50,6 +50,12 @@ class Reason(StrEnum):
     STALE_BASE = "stale_base"
     TOO_STALE = "too_stale"
     NO_EXAMPLES = "no_examples"
+    STALE_ROUND = "stale_round"
+    NOT_SELECTED = "not_selected"
+    TOO_MANY = "too_many"
+    # a global head the device cannot use
+    WRONG_MODEL = "wrong_model"
+    NOT_NEWER = "not_newer"
 
 
 #: Reasons the message decoders raise (``edgefl.wire.messages``, ``.compression``, ``.arrays``, ``.cbor``).
