@@ -149,6 +149,26 @@ def test_every_refusal_reason_is_a_reason_member() -> None:
                     assert getattr(attr.value, "id", "") == "Reason" and attr.attr in Reason.__members__
 
 
+def test_every_reason_the_agent_and_coordinator_raise_is_a_reason_member() -> None:
+    top = WIRE.parent.parent
+    seen = set()
+    for path in [
+        *(top / "agent").glob("*.py"),
+        *(top / "coordinator").glob("*.py"),
+        *WIRE.parent.glob("*.py"),
+    ]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in (
+                "DecodeError",
+                "UpdateRejected",
+            ):
+                first = node.args[0] if node.args else None
+                if isinstance(first, ast.Constant):
+                    seen.add(first.value)
+                    assert first.value in set(Reason), (path.name, node.lineno, first.value)
+    assert {"bad_topic", "wrong_device", "not_newer", "stale_round"} <= seen
+
+
 def test_no_module_imports_another_modules_private_names() -> None:
     roots = [WIRE, WIRE.parent.parent / "agent", WIRE.parent.parent / "coordinator", WIRE.parent]
     for root in roots:

@@ -56,6 +56,8 @@ class Reason(StrEnum):
     # a global head the device cannot use
     WRONG_MODEL = "wrong_model"
     NOT_NEWER = "not_newer"
+    # a state file the coordinator cannot resume from
+    BAD_STATE = "bad_state"
 
 
 #: Reasons the message decoders raise (``edgefl.wire.messages``, ``.compression``, ``.arrays``, ``.cbor``).
