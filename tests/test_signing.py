@@ -328,3 +328,32 @@ def test_forgery_schema1_signature_is_refused(backend: str) -> None:
     # and a signer refuses to produce a schema-1 signed message
     with pytest.raises(ValueError, match="schema 2"):
         sign_payload(unsigned[:-1] + b"\x58\x40" + PLACEHOLDER, key, fleet=FLEET)
+
+
+def test_forgery_signed_fields_unreadable_or_newer_schema(backend: str) -> None:
+    key = SigningKey(RFC_SEED)
+    sig = b"s" * 64
+    cases = {
+        # no round: the signed bytes cannot be rebuilt
+        cbor2.dumps(
+            {"v": 2, "type": "round", "base_version": 1, "signature": sig}
+        ): "signed fields unreadable",
+        # a status is never signed
+        cbor2.dumps({"v": 2, "type": "status", "round": 1, "signature": sig}): "signed fields unreadable",
+        # a negative version is not an unsigned integer
+        cbor2.dumps(
+            {"v": 2, "type": "round", "round": 1, "base_version": -1, "signature": sig}
+        ): "unreadable",
+        # malformed CBOR before the signature entry
+        b"\xa3\x61v\x02\xff" + b"\x69signature\x58\x40" + sig: "unreadable",
+        # a newer schema: unauthenticated until verified, and this peer cannot verify it
+        cbor2.dumps(
+            {"v": 3, "type": "round", "round": 1, "base_version": 1, "signature": sig}
+        ): "newer than schema 2",
+    }
+    for payload, detail in cases.items():
+        with pytest.raises(DecodeError) as info:
+            verify_payload(payload, key.verify_key, fleet=FLEET, kind=ROUND)
+        assert info.value.reason == "bad_signature" and detail in info.value.detail, info.value.detail
+    with pytest.raises(ValueError, match="cannot sign this message"):
+        sign_payload(cbor2.dumps({"v": 2, "type": "round", "signature": PLACEHOLDER}), key, fleet=FLEET)

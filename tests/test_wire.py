@@ -211,3 +211,28 @@ def test_prescan_captures_top_level_headers_only() -> None:
     with pytest.raises(DecodeError) as info:
         prescan(payload + b"\x00", DEFAULT_LIMITS, ("v",))
     assert info.value.reason == "trailing_bytes"
+
+
+def test_schema_1_update_with_rice_from_before_the_bump_is_read() -> None:
+    # edgefl before schema 2 wrote the rice layout under v = 1: the layout is the same, so it is read
+    sparse = make_update(Compression.TOPK_INT8, (2000, 10))
+    new = encode_update(sparse, topk_fraction=0.01)
+    obj = cbor2.loads(new)
+    assert obj["v"] == 2 and "rice" in obj["delta"]["W"]
+    obj["v"] = 1
+    old = decode_update(cbor2.dumps(obj), expect_shape=(2000, 10))
+    np.testing.assert_array_equal(old.delta_W, decode_update(new).delta_W)
+
+
+def test_compressed_delta_round_trips_and_matches_the_decoder() -> None:
+    for mode in Compression:
+        u = make_update(mode, (300, 7), seed=4)
+        packed = compress_head_delta(u.delta_W, u.delta_b, mode, topk_fraction=0.05)
+        got = decode_update(encode_update(u, compressed=packed), expect_shape=(300, 7))
+        assert got.compression is mode
+        np.testing.assert_array_equal(got.delta_W, packed.decoded_W)
+        np.testing.assert_array_equal(got.delta_b, packed.decoded_b)
+        if mode is Compression.NONE:
+            np.testing.assert_array_equal(packed.decoded_W, u.delta_W)
+    with pytest.raises(ValueError, match="NaN"):
+        compress_head_delta(np.full((2, 2), np.nan, np.float32), np.zeros(2, np.float32), Compression.INT8)
