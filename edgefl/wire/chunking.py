@@ -245,7 +245,7 @@ def decode_chunk(
     Raises
     ------
     DecodeError
-        The codec's reasons for malformed CBOR or fields; ``too_large`` if ``size`` exceeds
+        The decoders' reasons (``REASONS``) for malformed CBOR or fields; ``too_large`` if ``size`` exceeds
         ``max_message_bytes``; ``bad_chunk`` if ``index >= count``, ``count > size`` or the data is
         empty or longer than ``size``.
     """
