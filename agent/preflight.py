@@ -21,9 +21,9 @@ from edgefl.agent.config import Profile
 
 __all__ = ["MIN_PACKET_BYTES", "floor_bytes", "preflight", "store_bytes"]
 
-MIN_PACKET_BYTES: Final = 4096
+MIN_PACKET_BYTES: Final = 512
 """Smallest usable ``broker.max_packet_bytes``: a chunk's fixed header, topic and CBOR envelope take
-about 200 bytes; below 4 KiB a 20 KB update becomes hundreds of chunks."""
+about 200 bytes (tests/test_faults.py runs rounds at 1 KiB)."""
 
 _PSEUDO_FS: Final = (Path("/proc"), Path("/sys"), Path("/dev"))
 

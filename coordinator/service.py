@@ -37,6 +37,7 @@ from edgefl.wire.codec import (
     DecodeError,
     GlobalModel,
     Limits,
+    MessageType,
     RoundAnnouncement,
     Update,
     decode_global_model,
@@ -249,7 +250,9 @@ class Coordinator:
             return  # our own retained publishes echoed back, or a cleared chunk
         if msg.topic == self.topics.round:
             if self.signing_key is not None:
-                verify_payload(msg.payload, self.signing_key.verify_key)
+                verify_payload(
+                    msg.payload, self.signing_key.verify_key, fleet=self.topics.fleet, kind=MessageType.ROUND
+                )
             ann = decode_round(msg.payload, limits=self.limits)
             self._adopted_round = max(self._adopted_round, ann.round)
             self._adopt_seen.set()
@@ -260,7 +263,9 @@ class Coordinator:
         if payload is None:
             return
         if self.signing_key is not None:
-            verify_payload(payload, self.signing_key.verify_key)
+            verify_payload(
+                payload, self.signing_key.verify_key, fleet=self.topics.fleet, kind=MessageType.GLOBAL_MODEL
+            )
         head = decode_global_model(payload, limits=self.limits, expect_shape=self.shape)
         if head.model_sha256 != self.model_sha256:
             raise UpdateRejected("wrong_model", "the retained global head belongs to another backbone")
@@ -369,7 +374,9 @@ class Coordinator:
             self.save_state(self.state_path)
 
     def _sign(self, encode: Callable[[Any], bytes], msg: Any) -> bytes:
-        return sign_message(encode, msg, self.signing_key) if self.signing_key is not None else encode(msg)
+        if self.signing_key is None:
+            return encode(msg)
+        return sign_message(encode, msg, self.signing_key, fleet=self.topics.fleet)
 
     async def pump(self) -> None:
         """Consume incoming messages forever: statuses and updates (each handler is guarded)."""
@@ -465,7 +472,14 @@ class Coordinator:
             key = self.device_keys.get(device)
             if key is None:
                 raise DecodeError("unknown_device", f"no public key for device {device}")
-            verify_payload(payload, key)
+            verify_payload(
+                payload,
+                key,
+                fleet=self.topics.fleet,
+                kind=MessageType.UPDATE,
+                device=device,
+                limits=self.limits,
+            )
         if device in self.mismatched:
             raise UpdateRejected("wrong_model", f"device {device}: {self.mismatched[device]}")
         update = decode_update(payload, limits=self.limits, expect_shape=self.shape)

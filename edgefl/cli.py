@@ -68,7 +68,8 @@ def _preflight(profile: Profile) -> list[str]:
     """What this profile cannot run with here (:func:`edgefl.agent.preflight.preflight`).
 
     Loads the model once (released before returning) and measures this process's RSS with the agent's
-    modules imported, the floor the agent starts from.
+    modules imported, the floor the agent starts from. Without the profile's runtime here (a profile
+    for another kind of gateway) only the checks that are not about this machine run.
 
     Raises
     ------
@@ -80,7 +81,12 @@ def _preflight(profile: Profile) -> list[str]:
     import edgefl.agent.daemon  # noqa: F401 - the agent's imports are part of its floor
     from edgefl.agent import memory
     from edgefl.agent.preflight import preflight
-    from edgefl.runtime import Backbone
+    from edgefl.runtime import Backbone, runtime_available
+
+    if not runtime_available(profile.model.runtime):
+        # a profile for another kind of gateway (tflite-runtime on armv7l): what is not about this
+        # machine is still checked; the rest is checked by `edgefl run` on the gateway itself
+        return [p for p in preflight(profile, None, 0) if not p.startswith("device.state_dir")]
 
     backbone = Backbone(
         profile.model.path,

@@ -22,7 +22,7 @@ def edgefl(*args: str) -> subprocess.CompletedProcess[str]:
         ("training.store_capacity=1000000000000", "training.store_capacity = 1000000000000: the store needs"),
         ("training.store_capacity=1000000000", "of memory (D = 512), over the cap less reserve (88.0 MiB)"),
         ("device.state_dir=/proc/edgefl", "device.state_dir = '/proc/edgefl': is on a pseudo file system"),
-        ("broker.max_packet_bytes=1", "broker.max_packet_bytes = 1: must be >= 4096"),
+        ("broker.max_packet_bytes=1", "broker.max_packet_bytes = 1: must be >= 512"),
         ("memory.cap_mb=40", "memory.cap_mb = 40: under the model's floor of "),
     ],
 )
