@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from edgefl.demo import free_port
+
+__all__ = ["free_port"]  # the one free_port (tests, bench and the demo share it)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -21,10 +26,13 @@ INT8_MODEL = MODELS / "digits_cnn_int8.tflite"
 DEV_PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+async def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``cond`` every 20 ms for up to ``timeout_s``; AssertionError naming ``what`` if it stays false."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.02)
 
 
 def mosquitto_path() -> str:

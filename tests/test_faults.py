@@ -13,7 +13,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import DEV_PROFILE, INT8_MODEL, ROOT, Broker, start_mosquitto, stop_broker
+from conftest import DEV_PROFILE, INT8_MODEL, ROOT, Broker, start_mosquitto, stop_broker, wait_until
 
 from edgefl.agent.outbox import Outbox
 from edgefl.agent.trainer import fit_head
@@ -120,14 +119,6 @@ def running(procs: list[subprocess.Popen[bytes]], tmp: Path) -> Iterator[list[su
         for log in sorted(tmp.glob("*.log")):
             print(f"--- {log.name}\n" + log.read_text(errors="replace")[-4000:])
     assert not hung, f"agents {hung} did not stop within 10 s of SIGTERM (stacks in their logs)"
-
-
-async def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def write_key(path: Path, key: SigningKey) -> Path:
