@@ -157,7 +157,14 @@ class BrokerConfig:
         MQTT keep alive in seconds, 1..65535 (0, "disabled", would stop the broker from ever
         publishing our last will).
     max_packet_bytes : int
-        Largest packet we send or accept, 1..268435455 bytes.
+        Largest packet we send, 1..268435455 bytes. The limit in force is the smaller of this and the
+        broker's CONNACK Maximum Packet Size (MQTT 5 only: a 3.1.1 broker never says its limit, and
+        drops a client over an oversize packet); larger messages go out in chunks. Default 65,536:
+        under the common hardened broker limits (mosquitto ``max_packet_size`` 65536, AWS IoT 128 KB).
+    max_incoming_packet_bytes : int
+        Largest packet we accept, 1..268435455 bytes: announced in CONNECT (MQTT 5 Maximum Packet Size)
+        and enforced on every protocol before the packet is buffered (a larger PUBLISH is dropped and
+        counted). Default 1 MiB: above the coordinator's 256 KiB head chunks, far under the RAM cap.
     protocol : {"auto", "5", "3.1.1"}
         MQTT version; ``auto`` tries 5 and falls back to 3.1.1.
     username, password : str or None
@@ -172,7 +179,8 @@ class BrokerConfig:
     topic_prefix: str = "edgefl"
     qos: int = 1
     keepalive_s: int = 30
-    max_packet_bytes: int = 262_144
+    max_packet_bytes: int = 65_536
+    max_incoming_packet_bytes: int = 1_048_576
     protocol: Literal["auto", "5", "3.1.1"] = "auto"
     username: str | None = None
     password: str | None = field(default=None, repr=False, metadata=_SECRET)
@@ -311,6 +319,19 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class StatusConfig:
+    """``[status]``: the retained status message.
+
+    Parameters
+    ----------
+    interval_s : float
+        Longest time between two status publishes, seconds, 0.05..3600 (a change publishes at once).
+    """
+
+    interval_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
 class Profile:
     """A whole device profile.
 
@@ -318,7 +339,7 @@ class Profile:
     ----------
     path : Path
         The profile file (absolute), or ``Path("<inline>")`` when parsed from a mapping without one.
-    device, model, pipeline, broker, memory, training, source, dashboard
+    device, model, pipeline, broker, memory, training, source, dashboard, security, status
         One value object per TOML table.
     """
 
@@ -332,6 +353,7 @@ class Profile:
     source: SourceConfig
     dashboard: DashboardConfig
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    status: StatusConfig = field(default_factory=StatusConfig)
 
     @property
     def cap_bytes(self) -> int:
@@ -349,6 +371,7 @@ _TABLES: dict[str, type[Any]] = {
     "source": SourceConfig,
     "dashboard": DashboardConfig,
     "security": SecurityConfig,
+    "status": StatusConfig,
 }
 
 
@@ -602,6 +625,12 @@ def _check_broker(p: _Problems, c: BrokerConfig, raw: Mapping[str, object], chec
         p.add("broker.keepalive_s", c.keepalive_s, "must be between 1 and 65535")
     if not 1 <= c.max_packet_bytes <= MQTT_MAX_PACKET_BYTES:
         p.add("broker.max_packet_bytes", c.max_packet_bytes, f"must be between 1 and {MQTT_MAX_PACKET_BYTES}")
+    if not 1 <= c.max_incoming_packet_bytes <= MQTT_MAX_PACKET_BYTES:
+        p.add(
+            "broker.max_incoming_packet_bytes",
+            c.max_incoming_packet_bytes,
+            f"must be between 1 and {MQTT_MAX_PACKET_BYTES}",
+        )
     if c.username is not None and not c.username:
         p.add("broker.username", c.username, "must not be empty")
     if c.password is not None and c.username is None:
@@ -724,6 +753,11 @@ def _check_security(p: _Problems, c: SecurityConfig, raw: Mapping[str, object], 
             p.add("security.signing_key_file", raw.get("signing_key_file"), problem)
 
 
+def _check_status(p: _Problems, c: StatusConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    if not 0.05 <= c.interval_s <= 3600:
+        p.add("status.interval_s", c.interval_s, "must be between 0.05 and 3600 seconds")
+
+
 _CHECKS: dict[str, Callable[[_Problems, Any, Mapping[str, object], bool], None]] = {
     "device": _check_device,
     "model": _check_model,
@@ -734,6 +768,7 @@ _CHECKS: dict[str, Callable[[_Problems, Any, Mapping[str, object], bool], None]]
     "source": _check_source,
     "dashboard": _check_dashboard,
     "security": _check_security,
+    "status": _check_status,
 }
 
 # Placeholders for required fields that are missing or mistyped, so the rest of the table is still

@@ -62,8 +62,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STATUS_INTERVAL_S = 2.0
-
 COMPACT_STATUS_FIELDS = frozenset(
     {
         "round",
@@ -603,6 +601,7 @@ class Agent:
             "pipeline_mode": self.pipeline.mode,
             "pipeline": self.pipeline.counters(),
             "pid": os.getpid(),
+            "transport": self.transport.counters() if self.transport is not None else {},
             "dashboard_url": self.dashboard_url,
         }
 
@@ -629,10 +628,10 @@ class Agent:
         return fields
 
     async def status_loop(self) -> None:
-        """Publish the retained status on every change and at least every ``STATUS_INTERVAL_S``."""
+        """Publish the retained status on every change and at least every ``status.interval_s``."""
         assert self.transport is not None
         while True:
-            await wait_event(self._status_dirty, STATUS_INTERVAL_S)
+            await wait_event(self._status_dirty, self.profile.status.interval_s)
             self._status_dirty.clear()
             if not self.transport.connected.is_set():
                 continue
@@ -668,6 +667,7 @@ class Agent:
             on_connect=self._on_transport_connect,
             tls_context=self.tls_context,
             max_packet_bytes=self.max_packet_bytes,
+            max_incoming_packet_bytes=b.max_incoming_packet_bytes,
         )
         async with contextlib.AsyncExitStack() as stack:
             await self.transport.start(wait_s=None)
