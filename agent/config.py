@@ -286,12 +286,24 @@ class DashboardConfig:
         TCP port, 0..65535; 0 picks a free port.
     token : str or None
         Bearer token, at least 16 characters, no whitespace; hidden from ``repr``.
+    header_timeout_s, body_timeout_s : float
+        Seconds a request's header block, then its body, may take to arrive (0.1..300); a slower or
+        half-open connection is closed.
+    max_connections : int
+        Open connections at once (1..10000); more are closed at accept. Keep it under the process's
+        file-descriptor limit (``ulimit -n``, often 1024) minus what the agent itself uses.
+    max_connections_per_client : int
+        Open connections at once from one client IP address, 1..max_connections.
     """
 
     enabled: bool = False
     host: str = "127.0.0.1"
     port: int = 0
     token: str | None = field(default=None, repr=False, metadata=_SECRET)
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 10.0
+    max_connections: int = 128
+    max_connections_per_client: int = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -731,6 +743,18 @@ def _check_dashboard(p: _Problems, c: DashboardConfig, raw: Mapping[str, object]
             c.host,
             "a non-loopback host requires dashboard.token",
             involves=("dashboard.token",),
+        )
+    for name in ("header_timeout_s", "body_timeout_s"):
+        if not 0.1 <= getattr(c, name) <= 300:
+            p.add(f"dashboard.{name}", getattr(c, name), "must be between 0.1 and 300 seconds")
+    if not 1 <= c.max_connections <= 10_000:
+        p.add("dashboard.max_connections", c.max_connections, "must be between 1 and 10000")
+    if not 1 <= c.max_connections_per_client <= c.max_connections:
+        p.add(
+            "dashboard.max_connections_per_client",
+            c.max_connections_per_client,
+            "must be between 1 and dashboard.max_connections",
+            involves=("dashboard.max_connections",),
         )
 
 

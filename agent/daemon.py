@@ -625,6 +625,11 @@ class Agent:
             inference_rate=self.inference_rate(),
             broker_connected=self.transport is not None and self.transport.connected.is_set(),
         )
+        if self.dashboard is not None:
+            fields["dashboard_connections"] = {
+                "refused": self.dashboard.connections_refused_total,
+                "timed_out": self.dashboard.connections_timed_out_total,
+            }
         return fields
 
     async def status_loop(self) -> None:
@@ -679,7 +684,16 @@ class Agent:
             if d.enabled:
                 from edgefl.dashboard.app import DashboardState, serve  # lazy: aiohttp costs ~12 MiB of RSS
 
-                self.dashboard = DashboardState("device", self.device, self.dashboard_status, token=d.token)
+                self.dashboard = DashboardState(
+                    "device",
+                    self.device,
+                    self.dashboard_status,
+                    token=d.token,
+                    header_timeout_s=d.header_timeout_s,
+                    body_timeout_s=d.body_timeout_s,
+                    max_connections=d.max_connections,
+                    max_connections_per_client=d.max_connections_per_client,
+                )
                 runner, port = await serve(self.dashboard, d.host, d.port)
                 stack.push_async_callback(runner.cleanup)
                 self.dashboard_url = f"http://{d.host}:{port}/"

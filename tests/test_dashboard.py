@@ -526,7 +526,8 @@ def status():
 async def main():
     # push_interval_s is long: during the test no event is pushed, so a dropped stream can only be
     # noticed through the connection itself
-    state = DashboardState("device", "sse", status, push_interval_s=600.0, max_streams=64)
+    state = DashboardState("device", "sse", status, push_interval_s=600.0, max_streams=64,
+                           max_connections_per_client=64)  # 50 streams from one test client
     runner, port = await serve(state, "127.0.0.1", 0)
     print(port, flush=True)
     await asyncio.Event().wait()
