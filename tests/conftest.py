@@ -35,6 +35,24 @@ async def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> N
         await asyncio.sleep(0.02)
 
 
+#: Status interval of test agents (profile key status.interval_s): a wait for a fresh status is short.
+TEST_STATUS_INTERVAL_S = "0.2"
+
+
+async def next_status(coord: Any, device: str, timeout_s: float = 15.0) -> dict[str, Any]:
+    """Wait until ``coord`` (a Coordinator) holds a status of ``device`` newer than the one it holds now.
+
+    Each received status replaces the device's entry by a new dict, so identity tells a new one.
+    """
+    before = coord.state.devices.get(device)
+    await wait_until(
+        lambda: coord.state.devices.get(device) is not None and coord.state.devices.get(device) is not before,
+        timeout_s,
+        f"a new status from {device}",
+    )
+    return dict(coord.state.devices[device])
+
+
 def mosquitto_path() -> str:
     path = shutil.which("mosquitto") or (
         "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
@@ -122,6 +140,7 @@ def start_replay_agent(
         "source.path": str(tmp / f"{dev}.npz"),
         "model.path": str(INT8_MODEL),
         "dashboard.enabled": "false",
+        "status.interval_s": TEST_STATUS_INTERVAL_S,
         **{k.replace("__", "."): v for k, v in extra.items()},
     }
     return launch_agent(DEV_PROFILE, overrides, tmp / f"{dev}.log")

@@ -84,18 +84,20 @@ def test_transport_broker_down_at_start_then_restart(
         await t.start(wait_s=None)  # broker not there yet: must not block or raise
         with pytest.raises(TransportError, match="not connected"):
             await t.publish(f"{fleet}/x", b"1")
-        await asyncio.sleep(0.3)
+        def unreachable() -> int:
+            return sum("unreachable" in r.getMessage() for r in caplog.records)
+
+        await wait_until(lambda: unreachable() == 1, 10, "the first connect failure logged")
         broker = start_mosquitto(tmp_path, port=port)
         try:
             await asyncio.wait_for(t.connected.wait(), 10)
             await t.subscribe(f"{fleet}/echo", 1)
             stop_broker(broker)
-            await asyncio.sleep(1.0)  # several failed reconnect attempts
+            await wait_until(lambda: unreachable() == 2, 10, "a failed reconnect logged")
             assert not t.connected.is_set()
             broker = start_mosquitto(tmp_path, port=port)
             await asyncio.wait_for(t.connected.wait(), 10)
-            await asyncio.sleep(0.3)
-            # the subscription was renewed on the new connection
+            # the subscription was renewed (SUBACK) before "connected" was set
             await t.publish(f"{fleet}/echo", b"back", qos=1)
             msg = await asyncio.wait_for(t.queue.get(), 5)
             assert msg.payload == b"back"
