@@ -1,10 +1,14 @@
 """MQTT transport: paho-mqtt 2.x (callback API v2) bridged into asyncio.
 
 paho runs its network loop in its own thread (``loop_start``); its callbacks only hop to the event
-loop with ``call_soon_threadsafe`` (STYLE.md rule 6) and never raise into paho's thread. Every public
-call is async with a timeout. QoS 1 publishes are tracked by ``mid`` until their PUBACK. Incoming
-messages go through a bounded queue (the RAM cap covers buffers too); when it is full the message is
-dropped and counted.
+loop with ``call_soon_threadsafe`` (STYLE.md rule 6); an exception in that thread (a callback, or
+paho's loop itself) is counted (``thread_errors_total``) and logged, never swallowed. Every public call
+is async with a timeout. Each connection is one paho client and one :class:`_Connection`: its QoS 1
+publishes wait for their PUBACK and its subscribes for their SUBACK by ``mid`` inside it, and all of
+them fail with TransportError when it is lost (a new client's mids restart at 1). ``connected`` is set
+only once the renewed subscriptions are acknowledged. Incoming bytes pass :class:`PacketFilter`
+(a PUBLISH over ``max_incoming_packet_bytes`` is dropped before paho buffers it), then a bounded
+queue (the RAM cap covers buffers too); when it is full the message is dropped and counted.
 
 Source: MQTT 5.0 (OASIS 2019) and MQTT 3.1.1 (OASIS 2014); paho-mqtt 2.x client API.
 """
