@@ -228,6 +228,19 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class StatusConfig:
+    """``[status]``: the retained status message.
+
+    Parameters
+    ----------
+    interval_s : float
+        Longest time between two status publishes, seconds, 0.05..3600 (a change publishes at once).
+    """
+
+    interval_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
 class Profile:
     """A whole device profile.
 
@@ -235,7 +248,7 @@ class Profile:
     ----------
     path : Path
         The profile file (absolute), or ``Path("<inline>")`` when parsed from a mapping without one.
-    device, model, pipeline, broker, memory, training, source, dashboard
+    device, model, pipeline, broker, memory, training, source, dashboard, security, status
         One value object per TOML table.
     """
 
@@ -249,6 +262,7 @@ class Profile:
     source: SourceConfig
     dashboard: DashboardConfig
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    status: StatusConfig = field(default_factory=StatusConfig)
 
     @property
     def cap_bytes(self) -> int:
@@ -266,6 +280,7 @@ _TABLES: dict[str, type[Any]] = {
     "source": SourceConfig,
     "dashboard": DashboardConfig,
     "security": SecurityConfig,
+    "status": StatusConfig,
 }
 
 
@@ -395,6 +410,11 @@ def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], c
             p.add("security.signing_key_file", raw.get("signing_key_file"), problem)
 
 
+def _check_status(p: Problems, c: StatusConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    if not 0.05 <= c.interval_s <= 3600:
+        p.add("status.interval_s", c.interval_s, "must be between 0.05 and 3600 seconds")
+
+
 _CHECKS: dict[str, Check] = {
     "device": _check_device,
     "model": _check_model,
@@ -405,6 +425,7 @@ _CHECKS: dict[str, Check] = {
     "source": _check_source,
     "dashboard": check_dashboard,
     "security": _check_security,
+    "status": _check_status,
 }
 
 # Placeholders for required fields that are missing or mistyped, so the rest of the table is still

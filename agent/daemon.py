@@ -65,8 +65,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STATUS_INTERVAL_S = 2.0
-
 COMPACT_STATUS_FIELDS = frozenset(
     {
         "round",
@@ -614,6 +612,7 @@ class Agent:
             "pipeline_mode": self.pipeline.mode,
             "pipeline": self.pipeline.counters(),
             "pid": os.getpid(),
+            "transport": self.transport.counters() if self.transport is not None else {},
             "dashboard_url": self.dashboard_url,
         }
 
@@ -637,13 +636,18 @@ class Agent:
             inference_rate=self.inference_rate(),
             broker_connected=self.transport is not None and self.transport.connected.is_set(),
         )
+        if self.dashboard is not None:
+            fields["dashboard_connections"] = {
+                "refused": self.dashboard.connections_refused_total,
+                "timed_out": self.dashboard.connections_timed_out_total,
+            }
         return fields
 
     async def status_loop(self) -> None:
-        """Publish the retained status on every change and at least every ``STATUS_INTERVAL_S``."""
+        """Publish the retained status on every change and at least every ``status.interval_s``."""
         assert self.transport is not None
         while True:
-            await wait_event(self._status_dirty, STATUS_INTERVAL_S)
+            await wait_event(self._status_dirty, self.profile.status.interval_s)
             self._status_dirty.clear()
             if not self.transport.connected.is_set():
                 continue
@@ -679,6 +683,7 @@ class Agent:
             on_connect=self._on_transport_connect,
             tls_context=self.tls_context,
             max_packet_bytes=self.max_packet_bytes,
+            max_incoming_packet_bytes=b.max_incoming_packet_bytes,
         )
         async with contextlib.AsyncExitStack() as stack:
             await self.transport.start(wait_s=None)
@@ -690,7 +695,16 @@ class Agent:
             if d.enabled:
                 from edgefl.dashboard.app import DashboardState, serve  # lazy: aiohttp costs ~12 MiB of RSS
 
-                self.dashboard = DashboardState("device", self.device, self.dashboard_status, token=d.token)
+                self.dashboard = DashboardState(
+                    "device",
+                    self.device,
+                    self.dashboard_status,
+                    token=d.token,
+                    header_timeout_s=d.header_timeout_s,
+                    body_timeout_s=d.body_timeout_s,
+                    max_connections=d.max_connections,
+                    max_connections_per_client=d.max_connections_per_client,
+                )
                 runner, port = await serve(self.dashboard, d.host, d.port)
                 stack.push_async_callback(runner.cleanup)
                 self.dashboard_url = f"http://{d.host}:{port}/"

@@ -52,6 +52,7 @@ import numpy as np
 
 from edgefl.agent.outbox import Outbox
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
+from edgefl.demo import free_port
 from edgefl.records import RecordError, decode_record, read_record
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
@@ -194,13 +195,6 @@ class ChaosResult:
 
 
 # --- processes ---------------------------------------------------------------------------------------
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _mosquitto() -> str:
     path = shutil.which("mosquitto") or (
         "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None

@@ -37,18 +37,13 @@ import paho.mqtt.client as mqtt
 
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import Strategy
+from edgefl.demo import free_port
 from edgefl.topics import Topics
 from edgefl.transport import Message, MqttTransport
 from edgefl.wire.codec import Update, UpdateMetrics, decode_round, encode_update
 
 D, K = 1280, 10
 N_DEVICES = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -86,7 +81,7 @@ def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
 class NoDelayTransport(MqttTransport):
     """MqttTransport whose paho client sets TCP_NODELAY on every socket it opens (bench-only subclass)."""
 
-    def _make_client(self) -> mqtt.Client:
+    def _make_client(self) -> Any:
         client = super()._make_client()
         client.on_socket_open = _nodelay
         return client

@@ -217,6 +217,8 @@ async def run(
         username=broker.username,
         password=broker_password(broker),
         tls_context=ssl_context_for(broker),
+        max_packet_bytes=broker.max_packet_bytes,
+        max_incoming_packet_bytes=broker.max_incoming_packet_bytes,
         session_expiry_s=3600,
     )
     st = profile.strategy

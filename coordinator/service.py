@@ -334,7 +334,9 @@ class Coordinator:
         msg = GlobalModel(round_no, self.state.version, self.model_sha256, self.W, self.b)
         payload = self._sign(encode_global_model, msg)
         base = self.topics.global_model
-        parts = split_message(payload, base + "/0000", self.max_packet_bytes, msg_id=f"global-{msg.version}")
+        # the smaller of the profile's limit and the broker's (MQTT 5 CONNACK Maximum Packet Size)
+        limit = min(self.max_packet_bytes, self.transport.packet_limit())
+        parts = split_message(payload, base + "/0000", limit, msg_id=f"global-{msg.version}")
         if len(parts) == 1:
             await self._publish(base, payload)
             stale = range(self._global_chunks)

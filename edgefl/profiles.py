@@ -77,7 +77,14 @@ class BrokerConfig:
         MQTT keep alive in seconds, 1..65535 (0, "disabled", would stop the broker from ever
         publishing our last will).
     max_packet_bytes : int
-        Largest packet we send or accept, 1..268435455 bytes.
+        Largest packet we send, 1..268435455 bytes. The limit in force is the smaller of this and the
+        broker's CONNACK Maximum Packet Size (MQTT 5 only: a 3.1.1 broker never says its limit, and
+        drops a client over an oversize packet); larger messages go out in chunks. Default 65,536:
+        under the common hardened broker limits (mosquitto ``max_packet_size`` 65536, AWS IoT 128 KB).
+    max_incoming_packet_bytes : int
+        Largest packet we accept, 1..268435455 bytes: announced in CONNECT (MQTT 5 Maximum Packet Size)
+        and enforced on every protocol before the packet is buffered (a larger PUBLISH is dropped and
+        counted). Default 1 MiB: above the coordinator's 256 KiB head chunks, far under the RAM cap.
     protocol : {"auto", "5", "3.1.1"}
         MQTT version; ``auto`` tries 5 and falls back to 3.1.1.
     username, password : str or None
@@ -95,7 +102,8 @@ class BrokerConfig:
     topic_prefix: str = "edgefl"
     qos: int = 1
     keepalive_s: int = 30
-    max_packet_bytes: int = 262_144
+    max_packet_bytes: int = 65_536
+    max_incoming_packet_bytes: int = 1_048_576
     protocol: Literal["auto", "5", "3.1.1"] = "auto"
     username: str | None = None
     password: str | None = field(default=None, repr=False, metadata=SECRET)
@@ -136,12 +144,24 @@ class DashboardConfig:
         TCP port, 0..65535; 0 picks a free port.
     token : str or None
         Bearer token, at least 16 characters, no whitespace; hidden from ``repr``.
+    header_timeout_s, body_timeout_s : float
+        Seconds a request's header block, then its body, may take to arrive (0.1..300); a slower or
+        half-open connection is closed.
+    max_connections : int
+        Open connections at once (1..10000); more are closed at accept. Keep it under the process's
+        file-descriptor limit (``ulimit -n``, often 1024) minus what the agent itself uses.
+    max_connections_per_client : int
+        Open connections at once from one client IP address, 1..max_connections.
     """
 
     enabled: bool = False
     host: str = "127.0.0.1"
     port: int = 0
     token: str | None = field(default=None, repr=False, metadata=SECRET)
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 10.0
+    max_connections: int = 128
+    max_connections_per_client: int = 16
 
 
 Kind = Literal["str", "int", "float", "bool", "path", "floats", "choice"]
@@ -348,6 +368,12 @@ def check_broker(p: Problems, c: BrokerConfig, raw: Mapping[str, object], check_
         p.add("broker.keepalive_s", c.keepalive_s, "must be between 1 and 65535")
     if not 1 <= c.max_packet_bytes <= MQTT_MAX_PACKET_BYTES:
         p.add("broker.max_packet_bytes", c.max_packet_bytes, f"must be between 1 and {MQTT_MAX_PACKET_BYTES}")
+    if not 1 <= c.max_incoming_packet_bytes <= MQTT_MAX_PACKET_BYTES:
+        p.add(
+            "broker.max_incoming_packet_bytes",
+            c.max_incoming_packet_bytes,
+            f"must be between 1 and {MQTT_MAX_PACKET_BYTES}",
+        )
     if c.username is not None and not c.username:
         p.add("broker.username", c.username, "must not be empty")
     if c.password is not None and c.username is None:
@@ -396,6 +422,18 @@ def check_dashboard(p: Problems, c: DashboardConfig, raw: Mapping[str, object], 
             c.host,
             "a non-loopback host requires dashboard.token",
             involves=("dashboard.token",),
+        )
+    for name in ("header_timeout_s", "body_timeout_s"):
+        if not 0.1 <= getattr(c, name) <= 300:
+            p.add(f"dashboard.{name}", getattr(c, name), "must be between 0.1 and 300 seconds")
+    if not 1 <= c.max_connections <= 10_000:
+        p.add("dashboard.max_connections", c.max_connections, "must be between 1 and 10000")
+    if not 1 <= c.max_connections_per_client <= c.max_connections:
+        p.add(
+            "dashboard.max_connections_per_client",
+            c.max_connections_per_client,
+            "must be between 1 and dashboard.max_connections",
+            involves=("dashboard.max_connections",),
         )
 
 

@@ -1,10 +1,14 @@
 """MQTT transport: paho-mqtt 2.x (callback API v2) bridged into asyncio.
 
 paho runs its network loop in its own thread (``loop_start``); its callbacks only hop to the event
-loop with ``call_soon_threadsafe`` (STYLE.md rule 6) and never raise into paho's thread. Every public
-call is async with a timeout. QoS 1 publishes are tracked by ``mid`` until their PUBACK. Incoming
-messages go through a bounded queue (the RAM cap covers buffers too); when it is full the message is
-dropped and counted.
+loop with ``call_soon_threadsafe`` (STYLE.md rule 6); an exception in that thread (a callback, or
+paho's loop itself) is counted (``thread_errors_total``) and logged, never swallowed. Every public call
+is async with a timeout. Each connection is one paho client and one :class:`_Connection`: its QoS 1
+publishes wait for their PUBACK and its subscribes for their SUBACK by ``mid`` inside it, and all of
+them fail with TransportError when it is lost (a new client's mids restart at 1). ``connected`` is set
+only once the renewed subscriptions are acknowledged. Incoming bytes pass :class:`PacketFilter`
+(a PUBLISH over ``max_incoming_packet_bytes`` is dropped before paho buffers it), then a bounded
+queue (the RAM cap covers buffers too); when it is full the message is dropped and counted.
 
 Source: MQTT 5.0 (OASIS 2019) and MQTT 3.1.1 (OASIS 2014); paho-mqtt 2.x client API.
 """
@@ -18,7 +22,7 @@ import random
 import socket
 import ssl
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -27,6 +31,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from edgefl.aio import wait_event, within
 from edgefl.errors import TransportError
+from edgefl.validators import MQTT_MAX_PACKET_BYTES
 from edgefl.wire.chunking import publish_packet_bytes
 
 logger = logging.getLogger(__name__)
@@ -35,6 +40,189 @@ logger = logging.getLogger(__name__)
 RECONNECT_MIN_S = 1
 RECONNECT_MAX_S = 30
 CONNECT_TIMEOUT_S = 10.0
+SUBACK_TIMEOUT_S = 10.0
+
+#: Topic of the small stand-in PUBLISH that replaces an oversize one (never a real topic: ``$`` topics
+#: are the broker's, MQTT 5.0 §4.7.2). Its payload is ``b"<packet bytes>\n<topic>"``.
+OVERSIZE_TOPIC = "$edgefl/oversize"
+_DISCARD_READ_BYTES = 65_536  # socket read size while discarding an oversize packet's body
+
+
+class PacketFilter:
+    """Incoming MQTT byte stream filter: replace every PUBLISH over ``limit`` bytes before it is buffered.
+
+    Parses the fixed header (MQTT 5.0 §2.1.1, 3.1.1 §2.2: one type/flags byte, then the Remaining
+    Length as a 1–4 byte variable byte integer). A packet of at most ``limit`` bytes passes unchanged.
+    An oversize PUBLISH's variable header (topic, packet identifier) is read, its body is read and
+    discarded in bounded pieces, and a stand-in PUBLISH on :data:`OVERSIZE_TOPIC` with the same flags
+    and packet identifier takes its place, so paho acknowledges it (PUBACK/PUBREC) and the broker's
+    in-flight window never fills with packets we will not take. Any other oversize packet raises.
+
+    Memory: at most the fixed header, the topic (<= 65,535 bytes) and one read of the socket,
+    whatever the announced length (up to 268,435,455 bytes).
+
+    Parameters
+    ----------
+    limit : int
+        Largest packet accepted whole, in bytes including the fixed header (>= 2).
+    mqtt5 : bool
+        The connection speaks MQTT 5 (the stand-in then carries an empty property list).
+    """
+
+    _HDR, _PASS, _VH, _DISCARD = range(4)
+
+    def __init__(self, limit: int, *, mqtt5: bool) -> None:
+        self.limit = limit
+        self.mqtt5 = mqtt5
+        self._state = self._HDR
+        self._hdr = bytearray()
+        self._left = 0  # bytes of the current packet still to pass (PASS) or to consume (VH, DISCARD)
+        self._vh = bytearray()
+        self._size = 0
+        self.dropped_total = 0
+
+    def want(self, bufsize: int) -> int:
+        """How many bytes to read from the socket next so that no read crosses a packet boundary."""
+        if self._state == self._HDR:
+            return 1
+        if self._state == self._PASS:
+            return max(1, min(bufsize, self._left))
+        if self._state == self._VH:
+            return max(1, self._vh_need() - len(self._vh))
+        return min(self._left, _DISCARD_READ_BYTES)
+
+    def _vh_need(self) -> int:
+        if len(self._vh) < 2:
+            return 2
+        qos = (self._hdr[0] >> 1) & 3
+        return 2 + int.from_bytes(self._vh[:2], "big") + (2 if qos else 0)
+
+    def feed(self, data: bytes) -> bytes:
+        """Consume ``data`` (read from the broker); return the bytes paho may see (maybe none).
+
+        Raises
+        ------
+        ConnectionError
+            On a malformed Remaining Length, an oversize packet that is not a PUBLISH, or an oversize
+            PUBLISH too short for its own variable header (paho then drops the connection).
+        """
+        out = bytearray()
+        view = memoryview(data)
+        while view:
+            if self._state == self._PASS:
+                n = min(self._left, len(view))
+                out += view[:n]
+                view = view[n:]
+                self._left -= n
+                if self._left == 0:
+                    self._state = self._HDR
+            elif self._state == self._HDR:
+                self._hdr.append(view[0])
+                view = view[1:]
+                if len(self._hdr) >= 2 and not self._hdr[-1] & 0x80:
+                    out += self._header_done()
+                elif len(self._hdr) > 5:
+                    raise ConnectionError("malformed MQTT remaining length from the broker")
+            elif self._state == self._VH:
+                n = min(self._vh_need() - len(self._vh), len(view), self._left)
+                self._vh += view[:n]
+                view = view[n:]
+                self._left -= n
+                if len(self._vh) >= 2 and len(self._vh) == self._vh_need():
+                    out += self._stand_in()
+                    self._state = self._DISCARD if self._left else self._HDR
+                elif self._left == 0:
+                    raise ConnectionError("oversize PUBLISH shorter than its variable header")
+            else:  # DISCARD
+                n = min(self._left, len(view))
+                view = view[n:]
+                self._left -= n
+                if self._left == 0:
+                    self._state = self._HDR
+        return bytes(out)
+
+    def _header_done(self) -> bytes:
+        remaining = sum((b & 0x7F) << (7 * i) for i, b in enumerate(self._hdr[1:]))
+        hdr = bytes(self._hdr)
+        self._size = len(hdr) + remaining
+        if self._size <= self.limit:
+            self._hdr.clear()
+            self._left = remaining
+            self._state = self._PASS if remaining else self._HDR
+            return hdr
+        if hdr[0] >> 4 != 3:
+            raise ConnectionError(
+                f"broker sent a {self._size}-byte packet (type {hdr[0] >> 4}) over our limit"
+            )
+        self._left = remaining
+        self._vh.clear()
+        self._state = self._VH
+        return b""
+
+    def _stand_in(self) -> bytes:
+        """A PUBLISH on OVERSIZE_TOPIC with the original flags and packet identifier (MQTT 5.0 §3.3)."""
+        flags = self._hdr[0]
+        qos = (flags >> 1) & 3
+        topic_len = int.from_bytes(self._vh[:2], "big")
+        topic = bytes(self._vh[2 : 2 + min(topic_len, 256)])
+        packet_id = bytes(self._vh[2 + topic_len :]) if qos else b""
+        sentinel = OVERSIZE_TOPIC.encode()
+        body = (
+            len(sentinel).to_bytes(2, "big")
+            + sentinel
+            + packet_id
+            + (b"\x00" if self.mqtt5 else b"")
+            + f"{self._size}\n".encode()
+            + topic
+        )
+        self._hdr.clear()
+        self._vh.clear()
+        self.dropped_total += 1
+        return bytes([flags]) + _varint(len(body)) + body
+
+
+def _varint(n: int) -> bytes:
+    """MQTT variable byte integer (MQTT 5.0 §1.5.5)."""
+    out = bytearray()
+    while True:
+        n, digit = divmod(n, 128)
+        out.append(digit | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+class _Client(mqtt.Client):
+    """paho's client with a bounded read (:class:`PacketFilter`) and a counted network-thread crash.
+
+    Overrides two paho 2.x internals: ``_sock_recv`` (every socket read) and ``_thread_main`` (the body
+    of ``loop_start``'s thread).
+    """
+
+    def __init__(self, *args: Any, max_incoming_packet_bytes: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._edgefl_filter = PacketFilter(
+            max_incoming_packet_bytes, mqtt5=kwargs.get("protocol") == MQTTProtocolVersion.MQTTv5
+        )
+        self._edgefl_out = bytearray()
+        self._edgefl_on_thread_error: Callable[[BaseException], None] | None = None
+
+    def _sock_recv(self, bufsize: int) -> bytes:
+        while not self._edgefl_out:
+            data = super()._sock_recv(self._edgefl_filter.want(bufsize))  # BlockingIOError: paho retries
+            if not data:
+                return data
+            self._edgefl_out += self._edgefl_filter.feed(data)
+        out = bytes(self._edgefl_out[:bufsize])
+        del self._edgefl_out[:bufsize]
+        return out
+
+    def _thread_main(self) -> None:
+        try:
+            super()._thread_main()  # type: ignore[misc]
+        except Exception as exc:  # paho's thread would die silently: count, log, let the supervisor act
+            if self._edgefl_on_thread_error is None:
+                raise
+            self._edgefl_on_thread_error(exc)
 
 
 def _set_nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
@@ -67,6 +255,31 @@ class Will:
     retain: bool = True
 
 
+@dataclass(eq=False)
+class _Connection:
+    """One paho client's life: its in-flight PUBACK and SUBACK futures die with it.
+
+    paho numbers message ids per client from 1, so futures are keyed by ``mid`` inside one connection
+    only; a late callback or a stale timeout of an old connection can never touch a new one's futures.
+    """
+
+    client: _Client
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    pubacks: dict[int, asyncio.Future[None]] = field(default_factory=dict)
+    subacks: dict[int, asyncio.Future[list[ReasonCode]]] = field(default_factory=dict)
+    acked: bool = False  # a successful CONNACK arrived
+    closed: bool = False
+
+    def fail_all(self, reason: str) -> None:
+        """Fail every pending PUBACK/SUBACK future with ``TransportError(reason)``; mark closed."""
+        self.closed = True
+        for futs in (self.pubacks, self.subacks):
+            for mid, fut in futs.items():
+                if not fut.done():
+                    fut.set_exception(TransportError(f"{reason} (mid={mid})"))
+            futs.clear()
+
+
 class MqttTransport:
     """An asyncio-facing MQTT client.
 
@@ -89,10 +302,16 @@ class MqttTransport:
     tls_context : ssl.SSLContext or None
         TLS settings (server certificate verification, optional client certificate).
     on_connect : callable or None
-        Called on the event loop after every successful CONNACK (used to publish "online").
+        Called on the event loop after every successful CONNACK and re-subscription (used to publish
+        "online").
     max_packet_bytes : int
         Largest PUBLISH packet this client may send (the profile's ``broker.max_packet_bytes``); the
         broker's CONNACK Maximum Packet Size lowers it further. Default: MQTT's own maximum.
+    max_incoming_packet_bytes : int
+        Largest packet accepted from the broker (the profile's ``broker.max_incoming_packet_bytes``):
+        announced as the CONNECT Maximum Packet Size on MQTT 5 (§3.1.2.11.4), and enforced on every
+        protocol by :class:`PacketFilter` before paho buffers a byte of the body; an oversize PUBLISH
+        is acknowledged, dropped, counted (``oversize_dropped_total``) and logged.
     session_expiry_s : int
         0 = clean session. Otherwise ask the broker to keep this client's session (subscriptions and
         queued QoS 1 messages) for that many seconds while it is away (MQTT 5 Session Expiry
@@ -115,6 +334,7 @@ class MqttTransport:
         tls_context: ssl.SSLContext | None = None,
         on_connect: Callable[[], None] | None = None,
         max_packet_bytes: int = 268_435_455,
+        max_incoming_packet_bytes: int = 268_435_455,
         session_expiry_s: int = 0,
     ) -> None:
         self.host = host
@@ -128,27 +348,54 @@ class MqttTransport:
         self.tls_context = tls_context
         self.on_connect_cb = on_connect
         self.max_packet_bytes = max_packet_bytes
+        self.max_incoming_packet_bytes = max_incoming_packet_bytes
         self.session_expiry_s = session_expiry_s
         self.queue: asyncio.Queue[Message] = asyncio.Queue(maxsize=queue_size)
         self.dropped_total = 0
+        self.oversize_dropped_total = 0
         self.callback_errors_total = 0
+        self.thread_errors_total = 0
+        self.subscribe_failures_total = 0
         self.connected = asyncio.Event()
         self.ever_connected = False
         self._lost_logged = False
         self._subscriptions: dict[str, int] = {}
-        self._pending: dict[int, asyncio.Future[None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._client: mqtt.Client | None = None
+        self._conn: _Connection | None = None
         self._mqtt5 = protocol in ("auto", "5")
-        self._session_lost = asyncio.Event()
         self._fallback_wanted = False
         self._supervisor: asyncio.Task[None] | None = None
+        self._ready_task: asyncio.Task[None] | None = None
         self._stopping = False
         self._unreachable_logged = False
         self.connects_total = 0
         self.broker_max_packet_bytes: int | None = None  # MQTT 5 CONNACK Maximum Packet Size, when sent
 
+    @property
+    def _client(self) -> _Client | None:
+        return self._conn.client if self._conn is not None else None
+
+    def packet_limit(self) -> int:
+        """Largest PUBLISH packet we may send now: the smaller of the profile's and the broker's limit."""
+        return min(self.max_packet_bytes, self.broker_max_packet_bytes or self.max_packet_bytes)
+
+    def counters(self) -> dict[str, int]:
+        """Transport counters for the status and ``/metrics`` (all monotonic since start)."""
+        return {
+            "connects": self.connects_total,
+            "queue_dropped": self.dropped_total,
+            "oversize_dropped": self.oversize_dropped_total,
+            "callback_errors": self.callback_errors_total,
+            "thread_errors": self.thread_errors_total,
+            "subscribe_failures": self.subscribe_failures_total,
+        }
+
     # --- paho thread side: hop to the loop, never raise -------------------------------------
+    def _thread_error(self, where: str, exc: BaseException) -> None:
+        """Count and log an exception raised in paho's network thread (called in that thread)."""
+        self.thread_errors_total += 1  # one int store under the GIL; read on the loop
+        logger.error("error in the MQTT network thread (%s): %r", where, exc, exc_info=exc)
+
     def _hop(self, fn: Callable[..., None], *args: Any) -> None:
         loop = self._loop
         if loop is None or loop.is_closed():
@@ -163,32 +410,81 @@ class MqttTransport:
             self.callback_errors_total += 1
             logger.exception("error in MQTT callback %s", getattr(fn, "__name__", fn))
 
-    def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, rc: ReasonCode, props: Any) -> None:
-        limit = getattr(props, "MaximumPacketSize", None) if props is not None else None
-        self._hop(self._handle_connect, rc, limit)
+    def _bind(self, conn: _Connection) -> None:
+        """Point paho's callbacks at ``conn``: each only hops to the loop (STYLE.md rule 6)."""
 
-    def _on_disconnect(
-        self, client: mqtt.Client, userdata: Any, flags: Any, rc: ReasonCode, props: Any
-    ) -> None:
-        self._hop(self._handle_disconnect, rc)
+        def guarded(name: str, fn: Callable[..., None]) -> Callable[..., None]:
+            def cb(*args: Any) -> None:
+                try:
+                    fn(*args)
+                except Exception as exc:
+                    self._thread_error(name, exc)
 
-    def _on_publish(self, client: mqtt.Client, userdata: Any, mid: int, rc: ReasonCode, props: Any) -> None:
-        self._hop(self._handle_puback, mid, rc)
+            return cb
 
-    def _on_message(self, client: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
-        self._hop(self._handle_message, Message(msg.topic, bytes(msg.payload), bool(msg.retain)))
+        def on_connect(client: Any, userdata: Any, flags: Any, rc: ReasonCode, props: Any) -> None:
+            limit = getattr(props, "MaximumPacketSize", None) if props is not None else None
+            self._hop(self._handle_connect, conn, rc, limit)
+
+        def on_disconnect(client: Any, userdata: Any, flags: Any, rc: ReasonCode, props: Any) -> None:
+            self._hop(self._handle_disconnect, conn, rc)
+
+        def on_publish(client: Any, userdata: Any, mid: int, rc: ReasonCode, props: Any) -> None:
+            self._hop(self._handle_puback, conn, mid, rc)
+
+        def on_subscribe(client: Any, userdata: Any, mid: int, rcs: list[ReasonCode], props: Any) -> None:
+            self._hop(self._handle_suback, conn, mid, list(rcs))
+
+        def on_message(client: Any, userdata: Any, msg: mqtt.MQTTMessage) -> None:
+            if msg.topic == OVERSIZE_TOPIC:
+                self._hop(self._handle_oversize, bytes(msg.payload))
+            else:
+                self._hop(self._handle_message, Message(msg.topic, bytes(msg.payload), bool(msg.retain)))
+
+        def on_thread_crash(exc: BaseException) -> None:
+            self._thread_error("network loop", exc)
+            self._hop(self._handle_disconnect, conn, f"network thread failed: {exc!r}")
+
+        c = conn.client
+        c._edgefl_on_thread_error = on_thread_crash
+        c.on_connect = guarded("on_connect", on_connect)
+        c.on_disconnect = guarded("on_disconnect", on_disconnect)
+        c.on_publish = guarded("on_publish", on_publish)
+        c.on_subscribe = guarded("on_subscribe", on_subscribe)
+        c.on_message = guarded("on_message", on_message)
+        c.on_socket_open = guarded("on_socket_open", _set_nodelay)
 
     # --- loop side -------------------------------------------------------------------------
-    def _handle_connect(self, rc: ReasonCode, max_packet: int | None = None) -> None:
+    def _handle_connect(self, conn: _Connection, rc: ReasonCode, max_packet: int | None = None) -> None:
+        if conn is not self._conn:
+            return
         if rc.is_failure:
             logger.warning("broker %s:%s refused the connection: %s", self.host, self.port, rc)
             if self._mqtt5 and self.protocol == "auto" and int(rc.value) in (1, 132):
                 self._fallback_wanted = True
-            self._session_lost.set()
+            conn.lost.set()
             return
-        assert self._client is not None
-        for topic, qos in self._subscriptions.items():
-            self._client.subscribe(topic, qos)
+        self.broker_max_packet_bytes = int(max_packet) if max_packet else None
+        conn.acked = True
+        subacks = [self._send_subscribe(conn, topic, qos) for topic, qos in self._subscriptions.items()]
+        self._ready_task = asyncio.create_task(
+            self._ready(conn, subacks), name=f"mqtt-ready-{self.client_id}"
+        )
+
+    async def _ready(
+        self, conn: _Connection, subacks: list[tuple[str, asyncio.Future[list[ReasonCode]]]]
+    ) -> None:
+        """After CONNACK: wait for the renewed subscriptions' SUBACKs, then report the connection up."""
+        for topic, fut in subacks:
+            try:
+                self._check_suback(topic, await within(fut, SUBACK_TIMEOUT_S))
+            except (TransportError, TimeoutError) as exc:
+                if conn.closed:
+                    return
+                self.subscribe_failures_total += 1
+                logger.warning("subscription to %s not renewed: %s", topic, exc or "no SUBACK")
+        if conn is not self._conn or conn.closed:
+            return
         if self.ever_connected and self._lost_logged:
             logger.info("broker back: %s:%s", self.host, self.port)
         elif not self.ever_connected:
@@ -197,31 +493,48 @@ class MqttTransport:
             )
         self._lost_logged = False
         self.ever_connected = True
-        self.broker_max_packet_bytes = int(max_packet) if max_packet else None
         self._unreachable_logged = False
         self.connects_total += 1
         self.connected.set()
         if self.on_connect_cb is not None:
             self.on_connect_cb()
 
-    def _handle_disconnect(self, rc: ReasonCode) -> None:
+    def _handle_disconnect(self, conn: _Connection, rc: object) -> None:
+        if conn is not self._conn:
+            return
         if self.protocol == "auto" and self._mqtt5 and not self.ever_connected:
             # 3.1.1-only brokers (amqtt) close the socket on an MQTT 5 CONNECT instead of answering it.
             self._fallback_wanted = True
         was = self.connected.is_set()
         self.connected.clear()
-        self._session_lost.set()
+        conn.fail_all(f"connection to {self.host}:{self.port} lost before the acknowledgement")
+        conn.lost.set()
         if was and not self._lost_logged and not self._stopping:
             self._lost_logged = True
             logger.warning("broker lost: %s:%s (%s)", self.host, self.port, rc)
 
-    def _handle_puback(self, mid: int, rc: ReasonCode) -> None:
-        fut = self._pending.pop(mid, None)
+    def _handle_puback(self, conn: _Connection, mid: int, rc: ReasonCode) -> None:
+        fut = conn.pubacks.pop(mid, None)
         if fut is not None and not fut.done():
             if rc.is_failure:
                 fut.set_exception(TransportError(f"publish mid={mid} refused by broker: {rc}"))
             else:
                 fut.set_result(None)
+
+    def _handle_suback(self, conn: _Connection, mid: int, rcs: list[ReasonCode]) -> None:
+        fut = conn.subacks.pop(mid, None)
+        if fut is not None and not fut.done():
+            fut.set_result(rcs)
+
+    def _handle_oversize(self, info: bytes) -> None:
+        size, _, topic = info.partition(b"\n")
+        self.oversize_dropped_total += 1
+        logger.warning(
+            "dropped a %s-byte message on %s: over our %d-byte packet limit (not buffered)",
+            size.decode(errors="replace"),
+            topic.decode(errors="replace"),
+            self.max_incoming_packet_bytes,
+        )
 
     def _handle_message(self, msg: Message) -> None:
         try:
@@ -232,20 +545,39 @@ class MqttTransport:
                 "incoming queue full: dropped message on %s (%d bytes)", msg.topic, len(msg.payload)
             )
 
-    def _make_client(self) -> mqtt.Client:
+    def _send_subscribe(
+        self, conn: _Connection, topic: str, qos: int
+    ) -> tuple[str, asyncio.Future[list[ReasonCode]]]:
+        """SUBSCRIBE on ``conn``; the returned future gets the SUBACK's reason codes or a TransportError."""
+        assert self._loop is not None
+        fut: asyncio.Future[list[ReasonCode]] = self._loop.create_future()
+        rc, mid = conn.client.subscribe(topic, qos)
+        if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
+            fut.set_exception(TransportError(f"subscribe to {topic} failed: {mqtt.error_string(rc)}"))
+        elif conn.closed:
+            fut.set_exception(TransportError(f"subscribe to {topic}: connection lost"))
+        else:
+            conn.subacks[mid] = fut
+        return topic, fut
+
+    @staticmethod
+    def _check_suback(topic: str, rcs: list[ReasonCode]) -> None:
+        """Raise TransportError if the SUBACK refused the subscription (MQTT 5.0 §3.9.3; 3.1.1 0x80)."""
+        if len(rcs) != 1:
+            raise TransportError(f"subscribe to {topic}: SUBACK carries {len(rcs)} reason codes, expected 1")
+        if rcs[0].is_failure:
+            raise TransportError(f"subscribe to {topic} refused by broker: {rcs[0]}")
+
+    def _make_client(self) -> _Client:
         proto = MQTTProtocolVersion.MQTTv5 if self._mqtt5 else MQTTProtocolVersion.MQTTv311
-        client = mqtt.Client(
+        client = _Client(
             CallbackAPIVersion.VERSION2,
             client_id=self.client_id,
             protocol=proto,
             reconnect_on_failure=False,
             clean_session=None if self._mqtt5 else not self.session_expiry_s,
+            max_incoming_packet_bytes=self.max_incoming_packet_bytes,
         )
-        client.on_connect = self._on_connect
-        client.on_disconnect = self._on_disconnect
-        client.on_publish = self._on_publish
-        client.on_message = self._on_message
-        client.on_socket_open = _set_nodelay
         client.suppress_exceptions = True
         client.max_queued_messages_set(64)
         if self.username is not None:
@@ -293,16 +625,21 @@ class MqttTransport:
         return (rng or random).uniform(0.0, cap)
 
     def _connect(self, client: mqtt.Client) -> None:
-        """Blocking connect (run in a thread); asks for a persistent session when ``session_expiry_s`` > 0."""
+        """Blocking connect (run in a thread).
+
+        On MQTT 5 the CONNECT carries our Maximum Packet Size (§3.1.2.11.4: the broker must not send a
+        larger packet) and, when ``session_expiry_s`` > 0, a Session Expiry Interval.
+        """
         if not self._mqtt5:
             client.connect(self.host, self.port, self.keepalive_s)
             return
-        props = None
-        if self.session_expiry_s:
-            from paho.mqtt.packettypes import PacketTypes
-            from paho.mqtt.properties import Properties
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
 
-            props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+        if self.max_incoming_packet_bytes < MQTT_MAX_PACKET_BYTES:
+            props.MaximumPacketSize = int(self.max_incoming_packet_bytes)
+        if self.session_expiry_s:
             props.SessionExpiryInterval = int(self.session_expiry_s)
         client.connect(
             self.host, self.port, self.keepalive_s, clean_start=not self.session_expiry_s, properties=props
@@ -317,14 +654,15 @@ class MqttTransport:
         """
         failures = 0
         while not self._stopping:
-            client = self._make_client()
-            self._client = client
-            self._session_lost = asyncio.Event()
+            conn = _Connection(self._make_client())
+            self._bind(conn)
+            self._conn = conn
             self._fallback_wanted = False
             connects_before = self.connects_total
             try:
-                await asyncio.to_thread(self._connect, client)
+                await asyncio.to_thread(self._connect, conn.client)
             except (OSError, ValueError, ssl.SSLError) as exc:
+                conn.fail_all("connect failed")
                 if not self._unreachable_logged:
                     self._unreachable_logged = True
                     logger.warning(
@@ -333,9 +671,11 @@ class MqttTransport:
                 failures += 1
                 await asyncio.sleep(self.backoff_s(failures))
                 continue
-            client.loop_start()
-            await self._session_lost.wait()
-            await asyncio.to_thread(client.loop_stop)
+            conn.client.loop_start()
+            await conn.lost.wait()
+            self.connected.clear()
+            conn.fail_all(f"connection to {self.host}:{self.port} lost before the acknowledgement")
+            await asyncio.to_thread(conn.client.loop_stop)
             if self._stopping:
                 break
             if self._fallback_wanted and self._mqtt5 and self.protocol == "auto":
@@ -345,11 +685,27 @@ class MqttTransport:
             failures = 1 if self.connects_total > connects_before else failures + 1
             await asyncio.sleep(self.backoff_s(failures))
 
-    async def subscribe(self, topic: str, qos: int = 1) -> None:
-        """Subscribe now (if connected) and again after every reconnect."""
+    async def subscribe(self, topic: str, qos: int = 1, *, timeout_s: float = SUBACK_TIMEOUT_S) -> None:
+        """Subscribe, now and again after every reconnect.
+
+        When connected, returns after the broker's SUBACK granted the subscription; when not, returns
+        at once (the subscription is sent, and its SUBACK awaited, before ``connected`` is next set).
+
+        Raises
+        ------
+        TransportError
+            If the SUBACK refused the subscription (MQTT 5.0 §3.9.3, 3.1.1 §3.9.3 failure 0x80), no
+            SUBACK arrived within ``timeout_s``, or the connection was lost before it.
+        """
         self._subscriptions[topic] = qos
-        if self._client is not None and self.connected.is_set():
-            self._client.subscribe(topic, qos)
+        conn = self._conn
+        if conn is None or not conn.acked or conn.closed:
+            return  # sent with the others on the next CONNACK
+        _, fut = self._send_subscribe(conn, topic, qos)
+        try:
+            self._check_suback(topic, await within(fut, timeout_s))
+        except TimeoutError as exc:
+            raise TransportError(f"no SUBACK for {topic} within {timeout_s} s") from exc
 
     async def publish(
         self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, timeout_s: float = 10.0
@@ -368,31 +724,32 @@ class MqttTransport:
         Raises
         ------
         TransportError
-            If not started, the publish was refused, or no PUBACK arrived within ``timeout_s``.
+            If not started, over :meth:`packet_limit`, not connected, refused, no PUBACK arrived within
+            ``timeout_s``, or the connection was lost before the PUBACK (the message may or may not
+            have reached the broker: QoS 1 is at least once).
         """
         if self._loop is None:
             raise TransportError("publish before start()")
-        limit = min(self.max_packet_bytes, self.broker_max_packet_bytes or self.max_packet_bytes)
-        if publish_packet_bytes(topic, len(payload), qos=qos) > limit:
+        limit = self.packet_limit()
+        if publish_packet_bytes(topic, len(payload), qos=qos, mqtt5=self._mqtt5) > limit:
             # Never send it: brokers drop a client over an oversized packet, and a retry would loop.
             raise TransportError(f"publish to {topic}: {len(payload)} bytes exceed the {limit}-byte limit")
-        if self._client is None or not self.connected.is_set():
+        conn = self._conn
+        if conn is None or conn.closed or not self.connected.is_set():
             # Each connection has its own paho client: a message queued on a dead one would never leave.
             raise TransportError(f"publish to {topic}: not connected to {self.host}:{self.port}")
         fut: asyncio.Future[None] = self._loop.create_future()
-        info = self._client.publish(topic, payload, qos=qos, retain=retain)
+        info = conn.client.publish(topic, payload, qos=qos, retain=retain)
         if info.rc != mqtt.MQTT_ERR_SUCCESS:
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
         if qos == 0:
             return
-        self._pending[info.mid] = fut
-        if info.is_published():  # PUBACK already processed before we registered the mid
-            self._pending.pop(info.mid, None)
-            return
+        conn.pubacks[info.mid] = fut  # before any hop of its PUBACK can run: we have not yielded yet
         try:
             await within(fut, timeout_s)
         except TimeoutError as exc:
-            self._pending.pop(info.mid, None)
+            if conn.pubacks.get(info.mid) is fut:  # this connection's own entry, never a newer one's
+                del conn.pubacks[info.mid]
             raise TransportError(f"no PUBACK for {topic} (mid={info.mid}) within {timeout_s} s") from exc
 
     async def stop(self, final: tuple[str, bytes] | None = None, timeout_s: float = 5.0) -> None:
@@ -413,15 +770,21 @@ class MqttTransport:
             except TransportError as exc:
                 logger.warning("final status not acknowledged: %s", exc)
         self._stopping = True
-        client = self._client
-        if client is not None and self.connected.is_set():
-            client.disconnect()
-            await wait_event(self._session_lost, timeout_s)
-        self._session_lost.set()
+        conn = self._conn
+        if conn is not None and self.connected.is_set():
+            conn.client.disconnect()
+            await wait_event(conn.lost, timeout_s)
+        if conn is not None:
+            conn.fail_all("transport stopped")
+            conn.lost.set()
         self._supervisor.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._supervisor
         self._supervisor = None
-        if client is not None:
-            await asyncio.to_thread(client.loop_stop)
+        if self._ready_task is not None:
+            self._ready_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ready_task
+        if conn is not None:
+            await asyncio.to_thread(conn.client.loop_stop)
         self.connected.clear()

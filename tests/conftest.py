@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import ipaddress
 import shutil
@@ -9,7 +10,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from edgefl.demo import free_port
+
+__all__ = ["free_port"]  # the one free_port (tests, bench and the demo share it)
+
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
 FLOAT_MODEL = MODELS / "digits_cnn_float32.tflite"
@@ -27,10 +32,31 @@ INT8_MODEL = MODELS / "digits_cnn_int8.tflite"
 DEV_PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+async def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``cond`` every 20 ms for up to ``timeout_s``; AssertionError naming ``what`` if it stays false."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+#: Status interval of test agents (profile key status.interval_s): a wait for a fresh status is short.
+TEST_STATUS_INTERVAL_S = "0.2"
+
+
+async def next_status(coord: Any, device: str, timeout_s: float = 15.0) -> dict[str, Any]:
+    """Wait until ``coord`` (a Coordinator) holds a status of ``device`` newer than the one it holds now.
+
+    Each received status replaces the device's entry by a new dict, so identity tells a new one.
+    """
+    before = coord.state.devices.get(device)
+    await wait_until(
+        lambda: coord.state.devices.get(device) is not None and coord.state.devices.get(device) is not before,
+        timeout_s,
+        f"a new status from {device}",
+    )
+    return dict(coord.state.devices[device])
 
 
 def mosquitto_path() -> str:
@@ -120,6 +146,7 @@ def start_replay_agent(
         "source.path": str(tmp / f"{dev}.npz"),
         "model.path": str(INT8_MODEL),
         "dashboard.enabled": "false",
+        "status.interval_s": TEST_STATUS_INTERVAL_S,
         **{k.replace("__", "."): v for k, v in extra.items()},
     }
     return launch_agent(DEV_PROFILE, overrides, tmp / f"{dev}.log")

@@ -7,11 +7,12 @@ import asyncio
 import math
 import signal
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import INT8_MODEL, free_port, start_mosquitto, stop_broker
+from conftest import INT8_MODEL, free_port, start_mosquitto, stop_broker, wait_until
 
 from bench.chaos import ChaosPlan, Fault, run_chaos
 from edgefl.agent.store import EmbeddingStore
@@ -122,7 +123,7 @@ def test_chaos_coordinator_survives_broker_down_when_a_round_closes(tmp_path: Pa
         try:
             await coord.start()
             run1 = asyncio.create_task(coord.run_round(1))
-            await asyncio.sleep(0.3)
+            await wait_until(lambda: coord.state.round == 1, 10, "round 1 open")
             update = Update(
                 1,
                 0,
@@ -134,9 +135,11 @@ def test_chaos_coordinator_survives_broker_down_when_a_round_closes(tmp_path: Pa
                 "dev-1:1:0",
             )
             await dev.publish(coord.topics.update("dev-1"), encode_update(update), qos=1)
-            await asyncio.sleep(0.3)
+            rnd = coord.state.current
+            assert rnd is not None
+            await wait_until(lambda: rnd.clients == 1, 10, "the update counted")
             stop_broker(brokers[0])  # down when the deadline closes the round with 1 update
-            await asyncio.sleep(3.0)
+            await wait_until(lambda: time.monotonic() > rnd.deadline_at + 0.5, 10, "the round's deadline")
             brokers.append(start_mosquitto(tmp_path, port=port))
             rec = await asyncio.wait_for(run1, timeout=45)
             return rec.clients

@@ -150,6 +150,9 @@ def test_minimal_profile_takes_defaults(write: Writer, tmp_path: Path, model_fil
     assert (profile.pipeline.mean, profile.pipeline.std) == ((0.0,), (1.0,))
     assert profile.broker == BrokerConfig()
     assert (profile.broker.host, profile.broker.port) == ("127.0.0.1", 1883)
+    # safe on a 3.1.1 broker that never says its limit; accepts the coordinator's 256 KiB head chunks
+    assert (profile.broker.max_packet_bytes, profile.broker.max_incoming_packet_bytes) == (65_536, 1_048_576)
+    assert profile.status.interval_s == 2.0
     assert (profile.memory.cap_mb, profile.memory.reserve_mb, profile.memory.min_system_available_mb) == (
         96,
         8,
@@ -293,6 +296,14 @@ def test_replay_source_must_be_an_npz_with_x_and_y(write: Writer, tmp_path: Path
         (
             "[broker]\nmax_packet_bytes = 268435456\n",
             "broker.max_packet_bytes = 268435456: must be between 1 and 268435455",
+        ),
+        (
+            "[broker]\nmax_incoming_packet_bytes = 0\n",
+            "broker.max_incoming_packet_bytes = 0: must be between 1 and 268435455",
+        ),
+        (
+            "[status]\ninterval_s = 0.01\n",
+            "status.interval_s = 0.01: must be between 0.05 and 3600 seconds",
         ),
         ("[broker]\nprotocol = 5\n", "broker.protocol = 5: must be one of 'auto', '5', '3.1.1'"),
         ('[broker]\npassword = "hunter2"\n', "broker.password = '***': requires broker.username"),
@@ -601,6 +612,7 @@ def test_profile_to_dict_round_trips(write: Writer, tmp_path: Path) -> None:
         "source",
         "dashboard",
         "security",
+        "status",
     ]
     assert rendered["pipeline"] == {
         "mode": "fused",

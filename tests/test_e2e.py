@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import INT8_MODEL, Broker, start_replay_agent
+from conftest import INT8_MODEL, Broker, start_replay_agent, wait_until
 
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import Strategy
@@ -96,7 +96,13 @@ def test_e2e_accuracy_rises_and_bad_input_is_counted(
             # agents keep working: a 4th round still gets both updates
             rec = await coord.run_round(4)
             assert rec.clients == 2
-            await asyncio.sleep(2.5)  # a status publish interval
+            await wait_until(  # statuses (every 0.2 s: status.interval_s) once both applied the last head
+                lambda: all(
+                    coord.state.devices[d].get("version") == coord.state.version for d in ("dev-1", "dev-2")
+                ),
+                15,
+                "both agents' statuses at the last version",
+            )
             return accs, coord.state.devices, coord.state.version
         finally:
             pump.cancel()

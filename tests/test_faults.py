@@ -13,7 +13,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,7 +20,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import DEV_PROFILE, INT8_MODEL, ROOT, Broker, start_mosquitto, stop_broker
+from conftest import (
+    DEV_PROFILE,
+    INT8_MODEL,
+    ROOT,
+    TEST_STATUS_INTERVAL_S,
+    Broker,
+    next_status,
+    start_mosquitto,
+    stop_broker,
+    wait_until,
+)
 
 from edgefl.agent.outbox import Outbox
 from edgefl.agent.trainer import fit_head
@@ -88,6 +97,7 @@ def launch(
         "model.path": str(INT8_MODEL),
         "training.store_capacity": "1024",
         "dashboard.enabled": "false",
+        "status.interval_s": TEST_STATUS_INTERVAL_S,
         **extra,
     }
     # -X faulthandler: an agent that does not stop on SIGTERM is sent SIGABRT and dumps its threads
@@ -127,14 +137,6 @@ def running(procs: list[subprocess.Popen[bytes]], tmp: Path) -> Iterator[list[su
         for log in sorted(tmp.glob("*.log")):
             print(f"--- {log.name}\n" + log.read_text(errors="replace")[-4000:])
     assert not hung, f"agents {hung} did not stop within 10 s of SIGTERM (stacks in their logs)"
-
-
-async def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def write_key(path: Path, key: SigningKey) -> Path:
@@ -359,7 +361,9 @@ def test_chunked_round_under_broker_max_packet_size(fleet: str, tmp_path: Path, 
                 10,
                 "agents on version 3",
             )
-            await asyncio.sleep(2 * 2.0)  # two status intervals: a status over the limit would show now
+            for d in ("dev-1", "dev-2"):  # statuses sent after version 3 came through under the limit
+                st = await next_status(coord, d)
+                assert st["version"] == 3, st  # (compact status under 1 KiB: no transport counters)
             return coord, accs, t.connects_total
         finally:
             pump.cancel()
@@ -380,6 +384,65 @@ def test_chunked_round_under_broker_max_packet_size(fleet: str, tmp_path: Path, 
     for dev in ("dev-1", "dev-2"):
         log = (tmp_path / f"{dev}.log").read_text(errors="replace")
         assert "broker lost" not in log and "applied global head version 3" in log
+
+
+@pytest.mark.parametrize(
+    ("protocol", "broker_limit", "profile_limit"),
+    [
+        ("3.1.1", 65_536, None),  # the profile's safe default (65,536) on a broker that cannot say its limit
+        ("3.1.1", 8_192, "8192"),  # a smaller broker limit, told in the profile
+        ("5", 8_192, "262144"),  # MQTT 5: the CONNACK's Maximum Packet Size beats the profile's larger one
+    ],
+)
+def test_fault_round_completes_under_broker_packet_limit(
+    fleet: str, tmp_path: Path, digits: Digits, protocol: str, broker_limit: int, profile_limit: str | None
+) -> None:
+    """mosquitto with ``max_packet_size``: agents never publish over the limit in force (the smaller of the
+    profile's and the CONNACK's), chunk what is larger, and the rounds complete with no disconnect."""
+    broker = start_mosquitto(tmp_path, extra=f"max_packet_size {broker_limit}\nlog_type all")
+    extra = {"broker.protocol": protocol, "status.interval_s": "0.2"}
+    if profile_limit is not None:
+        extra["broker.max_packet_bytes"] = profile_limit
+    procs = [
+        launch(tmp_path, f"dev-{k + 1}", fleet, broker, shard, digits, **extra)
+        for k, shard in enumerate(digits.shards(2))
+    ]
+    baseline = digits.acc(digits.W0, digits.b0)
+
+    async def main() -> tuple[Coordinator, list[float]]:
+        t = MqttTransport(broker.host, broker.port, f"coord-{fleet}", protocol=protocol)
+        await t.start(wait_s=10)
+        coord = make_coordinator(t, fleet, digits, max_packet_bytes=broker_limit)
+        pump = asyncio.create_task(coord.pump())
+        try:
+            await coord.start()
+            await coord.wait_for_devices(2, timeout_s=60)
+            accs = [(await coord.run_round(r)).accuracy for r in (1, 2)]
+            await wait_until(
+                lambda: all(coord.state.devices.get(d, {}).get("version") == 2 for d in ("dev-1", "dev-2")),
+                30,
+                "both agents' statuses at version 2",
+            )
+            assert t.connects_total == 1
+            return coord, accs
+        finally:
+            pump.cancel()
+            await t.stop()
+
+    try:
+        with running(procs, tmp_path):
+            coord, accs = asyncio.run(main())
+            assert all(p.poll() is None for p in procs), "an agent died"
+    finally:
+        stop_broker(broker)
+    assert [h.clients for h in coord.state.history] == [2, 2]
+    assert accs[-1] > baseline + 0.2, (baseline, accs)
+    for dev in ("dev-1", "dev-2"):
+        assert coord.state.devices[dev]["transport"]["connects"] == 1  # never dropped for an oversize packet
+    blog = (tmp_path / f"mosquitto-{broker.port}.log").read_text(errors="replace")
+    assert re.search(r"oversize|too large|malformed|protocol error", blog, re.I) is None, blog[-3000:]
+    if broker_limit < 20_000:  # the digits update (~20 KB) went out in chunks
+        assert all(h.update_bytes_mean > broker_limit for h in coord.state.history)
 
 
 # --- 3. the outbox across a kill -9 mid-publish ------------------------------------------------------

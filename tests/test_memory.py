@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import DEV_PROFILE, INT8_MODEL, MODELS, Broker
+from conftest import DEV_PROFILE, INT8_MODEL, MODELS, TEST_STATUS_INTERVAL_S, Broker, next_status
 
 from edgefl.agent import memory
 from edgefl.agent.memory import (
@@ -453,6 +453,7 @@ def _start_agent(broker: Broker, fleet: str, tmp: Path, extra: dict[str, str]) -
         "model.path": str(INT8_MODEL),
         "training.store_capacity": "1024",
         "dashboard.enabled": "false",
+        "status.interval_s": TEST_STATUS_INTERVAL_S,
         **extra,
     }
     return launch_agent(DEV_PROFILE, overrides, tmp / "agent.log")
@@ -527,8 +528,7 @@ def test_wired_tight_cap_shrinks_or_defers_training_keeps_classifying(
             await coord.wait_for_devices(1, timeout_s=90)
             first = dict(coord.state.devices["dev-1"])
             clients = [(await coord.run_round(r)).clients for r in (1, 2)]
-            await asyncio.sleep(2.5)  # one status interval
-            return first, dict(coord.state.devices["dev-1"]), clients
+            return first, await next_status(coord, "dev-1"), clients  # a status sent after the rounds
         finally:
             pump.cancel()
             await t.stop()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEV_PROFILE, INT8_MODEL, Broker
+from conftest import DEV_PROFILE, INT8_MODEL, TEST_STATUS_INTERVAL_S, Broker, next_status
 from test_memory import _coordinator, _digits_shard
 
 from edgefl.agent.memory import CGROUP_ROOT, MIB
@@ -137,6 +137,7 @@ def _run_rounds(
             "model.path": str(INT8_MODEL),
             "memory.cap_mb": str(PROFILE_CAP_MB),
             "training.store_capacity": "1024",
+            "status.interval_s": TEST_STATUS_INTERVAL_S,
         },
         tmp / "agent.log",
     )
@@ -148,8 +149,7 @@ def _run_rounds(
             await coord.start()
             await coord.wait_for_devices(1, timeout_s=90)
             clients = [(await coord.run_round(r)).clients for r in range(1, rounds + 1)]
-            await asyncio.sleep(2.5)
-            return clients, dict(coord.state.devices["dev-1"])
+            return clients, await next_status(coord, "dev-1")  # a status sent after the rounds
         finally:
             pump.cancel()
             await t.stop()

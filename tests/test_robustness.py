@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import INT8_MODEL, Broker, start_replay_agent
+from conftest import INT8_MODEL, Broker, start_replay_agent, wait_until
 
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import Strategy
@@ -53,7 +53,7 @@ def test_robust_rounds_with_a_straggler_and_a_late_joiner(
             clients = [(await coord.run_round(r)).clients for r in (1, 2)]
             # a straggler's update for round 1 arrives while round 3 is open: refused by round number
             run3 = asyncio.create_task(coord.run_round(3))
-            await asyncio.sleep(0.3)
+            await wait_until(lambda: coord.state.round == 3, 10, "round 3 open")
             stale = Update(
                 1,
                 0,
@@ -70,7 +70,9 @@ def test_robust_rounds_with_a_straggler_and_a_late_joiner(
             procs.append(_agent(mosquitto, fleet, tmp_path, "dev-2", shards[1]))
             await coord.wait_for_devices(2, timeout_s=60)
             clients.append((await coord.run_round(4)).clients)
-            await asyncio.sleep(2.5)  # one status interval
+            await wait_until(  # statuses every 0.2 s in tests (status.interval_s)
+                lambda: coord.state.devices["dev-2"].get("version") == 4, 15, "dev-2's status at version 4"
+            )
             return clients, coord, dict(coord.state.devices["dev-2"])
         finally:
             pump.cancel()
@@ -107,8 +109,7 @@ def test_robust_transport_survives_a_raising_callback(
         await a.start()
         await b.start()
         try:
-            await b.subscribe(f"{fleet}/x", 1)
-            await asyncio.sleep(0.2)
+            await b.subscribe(f"{fleet}/x", 1)  # returns after the SUBACK
             for payload in (b"1", b"2", b"3"):
                 await a.publish(f"{fleet}/x", payload, qos=1)
             got = [(await asyncio.wait_for(b.queue.get(), 5)).payload for _ in range(2)]

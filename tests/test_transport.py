@@ -11,7 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import DEV_PROFILE, INT8_MODEL, Broker, free_port, start_mosquitto, stop_broker
+from conftest import DEV_PROFILE, INT8_MODEL, Broker, free_port, start_mosquitto, stop_broker, wait_until
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.reasoncodes import ReasonCode
 
 import edgefl.transport as transport_mod
 from edgefl.demo import launch_agent, stop_agents
@@ -30,8 +32,7 @@ def test_transport_roundtrip_puback_and_retained(mosquitto: Broker, fleet: str) 
         await a.start()
         await b.start()
         try:
-            await b.subscribe(f"{fleet}/x", 1)
-            await asyncio.sleep(0.2)
+            await b.subscribe(f"{fleet}/x", 1)  # returns after the SUBACK: no sleep needed
             await a.publish(f"{fleet}/x", b"hello", qos=1)  # returns only after the PUBACK
             msg = await asyncio.wait_for(b.queue.get(), 5)
             assert (msg.topic, msg.payload, msg.retain) == (f"{fleet}/x", b"hello", False)
@@ -57,12 +58,12 @@ def test_transport_bounded_queue_drops_and_counts(mosquitto: Broker, fleet: str)
         await b.start()
         try:
             await b.subscribe(f"{fleet}/q", 1)
-            await asyncio.sleep(0.2)
             for i in range(8):
                 await a.publish(f"{fleet}/q", bytes([i]), qos=1)
-            await asyncio.sleep(0.5)
-            assert b.queue.qsize() == 3
-            assert b.dropped_total == 5
+            await a.publish(f"{fleet}/q", b"end", qos=1)  # in order after the 8: dropped last
+            await wait_until(lambda: b.dropped_total == 6, 10, "5 + 1 dropped messages")
+            assert [(await b.queue.get()).payload for _ in range(3)] == [b"\x00", b"\x01", b"\x02"]
+            assert b.dropped_total == 6  # messages 3..7 and "end"
         finally:
             await a.stop()
             await b.stop()
@@ -83,18 +84,20 @@ def test_transport_broker_down_at_start_then_restart(
         await t.start(wait_s=None)  # broker not there yet: must not block or raise
         with pytest.raises(TransportError, match="not connected"):
             await t.publish(f"{fleet}/x", b"1")
-        await asyncio.sleep(0.3)
+        def unreachable() -> int:
+            return sum("unreachable" in r.getMessage() for r in caplog.records)
+
+        await wait_until(lambda: unreachable() == 1, 10, "the first connect failure logged")
         broker = start_mosquitto(tmp_path, port=port)
         try:
             await asyncio.wait_for(t.connected.wait(), 10)
             await t.subscribe(f"{fleet}/echo", 1)
             stop_broker(broker)
-            await asyncio.sleep(1.0)  # several failed reconnect attempts
+            await wait_until(lambda: unreachable() == 2, 10, "a failed reconnect logged")
             assert not t.connected.is_set()
             broker = start_mosquitto(tmp_path, port=port)
             await asyncio.wait_for(t.connected.wait(), 10)
-            await asyncio.sleep(0.3)
-            # the subscription was renewed on the new connection
+            # the subscription was renewed (SUBACK) before "connected" was set
             await t.publish(f"{fleet}/echo", b"back", qos=1)
             msg = await asyncio.wait_for(t.queue.get(), 5)
             assert msg.payload == b"back"
@@ -157,3 +160,149 @@ def test_last_will_marks_a_killed_agent_offline(mosquitto: Broker, fleet: str, t
         stop_agents([proc])
     assert states[-1] == "offline"
     assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_subscribe_awaits_suback_and_fails_when_refused(mosquitto: Broker, fleet: str, protocol: str) -> None:
+    """subscribe returns after the SUBACK (no sleep before publishing); a filter mosquitto will not take
+    (over its 200 topic levels: it disconnects instead of answering) raises TransportError, and the
+    transport reconnects with its good subscriptions renewed."""
+
+    async def main() -> None:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"s-{fleet}", protocol=protocol)
+        await t.start()
+        try:
+            await t.subscribe(f"{fleet}/ok/x", 1)
+            await t.publish(f"{fleet}/ok/x", b"mine", qos=1)
+            assert (await asyncio.wait_for(t.queue.get(), 5)).payload == b"mine"
+            deep = "/".join([fleet] * 250)
+            with pytest.raises(
+                TransportError, match=r"lost before the acknowledgement|not currently connected"
+            ):
+                await t.subscribe(deep, 1)
+            t._subscriptions.pop(deep)  # do not send it again on the next connection
+            await asyncio.wait_for(t.connected.wait(), 30)
+            await t.publish(f"{fleet}/ok/x", b"again", qos=1)
+            assert (await asyncio.wait_for(t.queue.get(), 5)).payload == b"again"
+        finally:
+            await t.stop()
+
+    asyncio.run(main())
+
+
+def test_suback_reason_codes_are_checked() -> None:
+    """MQTT 5 refusals (>= 0x80, e.g. 0x87 Not authorized) and 3.1.1's 0x80 raise; granted QoS passes."""
+    ok = ReasonCode(PacketTypes.SUBACK, identifier=1)
+    MqttTransport._check_suback("a/b", [ok])
+    for code, name in ((0x80, "Unspecified error"), (0x87, "Not authorized")):
+        with pytest.raises(TransportError, match=f"subscribe to a/b refused by broker: {name}"):
+            MqttTransport._check_suback("a/b", [ReasonCode(PacketTypes.SUBACK, identifier=code)])
+    with pytest.raises(TransportError, match="2 reason codes"):
+        MqttTransport._check_suback("a/b", [ok, ok])
+
+
+def test_puback_future_fails_on_connection_loss_and_new_connection_is_untouched(
+    tmp_path: Path, fleet: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A publish waiting for its PUBACK when the connection dies fails with TransportError at once (not at
+    its timeout); the next connection's paho client restarts mids at 1, and its publishes complete."""
+    monkeypatch.setattr(transport_mod, "RECONNECT_MIN_S", 0.05)
+    monkeypatch.setattr(transport_mod, "RECONNECT_MAX_S", 0.2)
+    port = free_port()
+    broker = start_mosquitto(tmp_path, port=port)
+
+    async def main() -> None:
+        t = MqttTransport("127.0.0.1", port, f"p-{fleet}")
+        await t.start()
+        try:
+            await t.subscribe(f"{fleet}/x", 1)
+            await t.publish(f"{fleet}/x", b"first", qos=1)
+            assert (await asyncio.wait_for(t.queue.get(), 5)).payload == b"first"
+            broker.proc.send_signal(signal.SIGSTOP)  # no PUBACK can come
+            stuck = asyncio.create_task(t.publish(f"{fleet}/x", b"stuck", qos=1, timeout_s=60))
+            await wait_until(lambda: bool(t._conn and t._conn.pubacks), 5, "the publish in flight")
+            old_conn = t._conn
+            broker.proc.kill()  # the kernel closes its sockets: the connection is lost
+            with pytest.raises(TransportError, match="lost before the acknowledgement"):
+                await asyncio.wait_for(stuck, 30)
+            broker.proc.wait()
+            new = start_mosquitto(tmp_path, port=port)
+            try:
+                await asyncio.wait_for(t.connected.wait(), 10)
+                assert t._conn is not old_conn and old_conn is not None and old_conn.closed
+                await t.publish(f"{fleet}/x", b"second", qos=1)  # mid 1..2 again, on the new client
+                await t.publish(f"{fleet}/x", b"third", qos=1)
+                got = [(await asyncio.wait_for(t.queue.get(), 5)).payload for _ in range(2)]
+                assert got == [b"second", b"third"]  # the subscription was renewed before "connected"
+                assert t._conn is not None and t._conn.pubacks == {}
+            finally:
+                await t.stop()
+                stop_broker(new)
+        finally:
+            await t.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        if broker.proc.poll() is None:
+            broker.proc.kill()
+            broker.proc.wait()
+
+
+def test_exception_in_paho_thread_is_counted_and_logged(
+    mosquitto: Broker, fleet: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(client: object, userdata: object, sock: object) -> None:
+        raise RuntimeError("boom in on_socket_open")
+
+    monkeypatch.setattr(transport_mod, "_set_nodelay", boom)
+    caplog.set_level(logging.ERROR, logger="edgefl.transport")
+
+    async def main() -> dict[str, int]:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"e-{fleet}")
+        await t.start()  # the callback's failure does not stop the connection
+        try:
+            await t.subscribe(f"{fleet}/e", 1)
+            await t.publish(f"{fleet}/e", b"still works", qos=1)
+            assert (await asyncio.wait_for(t.queue.get(), 5)).payload == b"still works"
+            return t.counters()
+        finally:
+            await t.stop()
+
+    counters = asyncio.run(main())
+    assert counters["thread_errors"] == 1
+    assert counters["callback_errors"] == 0
+    assert any("boom in on_socket_open" in repr(r.exc_info) for r in caplog.records), caplog.records
+
+
+def _publish_packet(topic: str, payload: bytes, *, qos: int, packet_id: int, mqtt5: bool) -> bytes:
+    body = len(topic).to_bytes(2, "big") + topic.encode()
+    body += packet_id.to_bytes(2, "big") if qos else b""
+    body += b"\x00" if mqtt5 else b""
+    body += payload
+    return bytes([0x30 | qos << 1]) + transport_mod._varint(len(body)) + body
+
+
+@pytest.mark.parametrize("mqtt5", [True, False])
+def test_packet_filter_replaces_oversize_publish_whatever_the_read_sizes(mqtt5: bool) -> None:
+    """The stream minus the oversize PUBLISH, plus a stand-in with its packet id, for any split of reads."""
+    small = _publish_packet("a/b", b"x" * 100, qos=1, packet_id=7, mqtt5=mqtt5)
+    big = _publish_packet("a/global", b"\xff" * 300_000, qos=1, packet_id=8, mqtt5=mqtt5)
+    tail = bytes([0x90, 3, 0, 9, 1])  # a SUBACK after it
+    stand_in = _publish_packet(
+        transport_mod.OVERSIZE_TOPIC, f"{len(big)}\na/global".encode(), qos=1, packet_id=8, mqtt5=mqtt5
+    )
+    rng = random.Random(1)
+    for _ in range(20):
+        f = transport_mod.PacketFilter(1024, mqtt5=mqtt5)
+        stream, out = small + big + tail, b""
+        while stream:
+            n = f.want(rng.choice([1, 7, 4096, 1 << 20]))
+            assert n <= transport_mod._DISCARD_READ_BYTES  # never a read of the oversize body at once
+            piece = stream[: rng.randint(1, n)]
+            stream = stream[len(piece) :]
+            out += f.feed(piece)
+        assert out == small + stand_in + tail
+        assert f.dropped_total == 1
+    with pytest.raises(ConnectionError, match="over our limit"):  # an oversize packet of another type
+        transport_mod.PacketFilter(16, mqtt5=True).feed(bytes([0x90, 0x80, 0x01]))
