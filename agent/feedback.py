@@ -211,29 +211,11 @@ class ErrorFeedback:
         a second time, to the same bytes); :meth:`compress` hands the wire form on instead. With
         stochastic int8 rounding, pass ``seed`` and encode with ``rng=np.random.default_rng(seed)``.
 
-        Parameters
-        ----------
-        delta_W : float32 [D, K]
-            This round's weight delta.
-        delta_b : float32 [K]
-            This round's bias delta.
-        compression : Compression
-            The round's compression.
-        topk_fraction : float
-            The round's top-k fraction.
-        seed : int or None
-            Seed of the stochastic rounding (None = the codec's deterministic rounding).
+        Parameters, Raises: as :meth:`compress`.
 
         Returns
         -------
-        (corrected_W, corrected_b) : float32, to be encoded into the Update.
-
-        Raises
-        ------
-        ValueError
-            As :meth:`compress`.
-        OSError
-            If the residual cannot be saved.
+        (corrected_W, corrected_b) : float32 [D, K], [K], to be encoded into the Update.
         """
         cW, cb, _ = self.compress(delta_W, delta_b, compression, topk_fraction=topk_fraction, seed=seed)
         return cW, cb
