@@ -163,7 +163,10 @@ class Agent:
         self.outbox = Outbox(self.state_dir / "outbox.rec", sec.outbox_max_bytes)
         self.feedback = ErrorFeedback(self.state_dir, self.head.shape, self.backbone.sha256)
         self.store = EmbeddingStore(
-            self.state_dir, profile.training.store_capacity, self.backbone.embedding_dim
+            self.state_dir,
+            profile.training.store_capacity,
+            self.backbone.embedding_dim,
+            num_classes=self.head.shape[1],
         )
         self.state = AgentState()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgefl-worker")
@@ -278,7 +281,9 @@ class Agent:
                 raw, lbl = x[start : start + batch], y[start : start + batch]
                 emb, pred, _ = await loop.run_in_executor(self.executor, self.classify, raw)
                 # on the worker thread: serialised with training, which reads the store
-                await loop.run_in_executor(self.executor, self.store.add, emb, lbl)
+                refused = await loop.run_in_executor(self.executor, self.store.add, emb, lbl)
+                if refused:
+                    self.state.rejected["bad_label"] += refused
                 self.state.inferred_total += len(lbl)
                 self._rate_window.append((time.monotonic(), self.state.inferred_total))
                 if self._pending_round is not None and self._pending_round.base_version <= self.head.version:
