@@ -910,20 +910,111 @@ def build_mobilenet(out: Path, seed: int) -> None:
     _write_raw_input(out, frozen, calibration, "mobilenet_v2_035_96_int8.tflite")
 
 
+STREAM_FRAMES = 3  # feature frames per invoke
+STREAM_FEATURES = 40  # e.g. log-mel bins
+STREAM_CONTEXT = 2  # earlier frames kept in the model's state
+STREAM_HIDDEN = 32
+STREAM_EMBEDDING_D = 16
+STREAM_NAME = "test/streaming_kws_int8.tflite"
+
+
+def build_streaming(out: Path, seed: int) -> None:
+    """Build the streaming keyword-spotter test model: int8, resource variables, a logistic head.
+
+    Input int8 [1, 3, 40] (three feature frames); a resource variable holds the previous two frames
+    (VAR_HANDLE, READ_VARIABLE, ASSIGN_VARIABLE in the graph), so each invoke sees five frames and the
+    output depends on the frames before it. Two FULLY_CONNECTED layers (ReLU) give the embedding
+    (D = 16); the head is FULLY_CONNECTED (K = 1) -> LOGISTIC -> QUANTIZE to a uint8 [1, 1] output.
+    Random seeded weights, calibrated on standard-normal features (the same distribution the tests
+    feed it). The embedding is not a model output: the agent must prepare it (issue 14).
+    """
+    tf = _seed_everything(seed)
+    rng = np.random.default_rng(seed + 5)
+    width = (STREAM_CONTEXT + STREAM_FRAMES) * STREAM_FEATURES
+
+    def dense(n_in: int, n_out: int) -> tuple[Any, Any]:
+        w = rng.normal(0.0, 1.0 / np.sqrt(n_in), (n_in, n_out)).astype(np.float32)
+        return tf.constant(w), tf.constant(rng.normal(0.0, 0.1, n_out).astype(np.float32))
+
+    class Streaming(tf.Module):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.context = tf.Variable(
+                tf.zeros([1, STREAM_CONTEXT, STREAM_FEATURES]), trainable=False, name="context"
+            )
+            self.w1, self.b1 = dense(width, STREAM_HIDDEN)
+            self.w2, self.b2 = dense(STREAM_HIDDEN, STREAM_EMBEDDING_D)
+            self.w3, self.b3 = dense(STREAM_EMBEDDING_D, 1)
+
+        @tf.function(input_signature=[tf.TensorSpec([1, STREAM_FRAMES, STREAM_FEATURES], tf.float32)])  # type: ignore[misc,untyped-decorator]
+        def __call__(self, x: Any) -> Any:
+            frames = tf.concat([self.context, x], axis=1)
+            self.context.assign(frames[:, -STREAM_CONTEXT:, :])
+            h = tf.nn.relu(tf.matmul(tf.reshape(frames, [1, width]), self.w1) + self.b1)
+            embedding = tf.nn.relu(tf.matmul(h, self.w2) + self.b2)
+            return tf.sigmoid(tf.matmul(embedding, self.w3) + self.b3)
+
+    module = Streaming()
+    converter = tf.lite.TFLiteConverter.from_concrete_functions(
+        [module.__call__.get_concrete_function()], module
+    )
+    converter.experimental_enable_resource_variables = True
+    calibration = streaming_frames(REPRESENTATIVE_FRAMES, seed)
+
+    def samples() -> Any:
+        for frame in calibration:
+            yield [frame[None]]
+
+    converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    converter.representative_dataset = samples
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+    converter.inference_input_type = tf.int8
+    converter.inference_output_type = tf.uint8
+    (out / "test").mkdir(parents=True, exist_ok=True)
+    _write(out / STREAM_NAME, bytes(converter.convert()))
+
+
+def streaming_frames(n: int, seed: int) -> F32:
+    """``n`` standard-normal feature windows float32 [n, 3, 40] (the streaming model's input range)."""
+    rng = np.random.default_rng(seed + 6)
+    return rng.standard_normal((n, STREAM_FRAMES, STREAM_FEATURES)).astype(np.float32)
+
+
+def verify_streaming(out: Path, seed: int) -> None:
+    """Print the streaming model's ops and its head-vs-model difference over 64 frames in order."""
+    from edgefl.head import activate
+    from edgefl.runtime import Backbone
+
+    bb = Backbone(out / STREAM_NAME, xnnpack=False)
+    W, b = bb.head_from_model()
+    emb, y = bb.run(bb.quantize_input(streaming_frames(64, seed + 1)))
+    diff = float(np.abs(activate(emb @ W + b, bb.head_activation) - y).max())
+    ops = sorted({op.name for op in bb.graph.ops})
+    print(
+        f"{STREAM_NAME}: stateful ops {bb.stateful_ops}, D={bb.embedding_dim}, K={W.shape[1]}, "
+        f"activation {bb.head_activation}, ops {ops}; head vs model max |diff| {diff:.3g} "
+        f"({diff / bb.output_quant.scale:.2f} output steps)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, build the selected models, verify them with LiteRT and print the card numbers."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, default=REPO / "models", help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split, training and calibration")
-    parser.add_argument("--only", choices=("digits", "mobilenet"), help="build one model family only")
+    parser.add_argument(
+        "--only", choices=("digits", "mobilenet", "streaming"), help="build one model family only"
+    )
     parser.add_argument(
         "--verify-only", action="store_true", help="do not build; run the existing files with LiteRT (no TF)"
     )
     args = parser.parse_args(argv)
-    families = [args.only] if args.only else ["digits", "mobilenet"]
+    families = [args.only] if args.only else ["digits", "mobilenet", "streaming"]
+    builders = {"digits": build_digits, "mobilenet": build_mobilenet, "streaming": build_streaming}
+    verifiers = {"digits": verify_digits, "mobilenet": verify_mobilenet, "streaming": verify_streaming}
     if not args.verify_only:
         for family in families:
-            (build_digits if family == "digits" else build_mobilenet)(args.out, args.seed)
+            builders[family](args.out, args.seed)
         import tensorflow as tf
 
         print(f"\ntensorflow {tf.__version__}, python {sys.version.split()[0]}")
@@ -931,7 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"ai-edge-litert {getattr(ai_edge_litert, '__version__', '?')}, numpy {np.__version__}")
     for family in families:
-        (verify_digits if family == "digits" else verify_mobilenet)(args.out, args.seed)
+        verifiers[family](args.out, args.seed)
     return 0
 
 
