@@ -16,6 +16,7 @@ from edgefl.head import Head, activate
 from edgefl.runtime import Backbone
 
 SHIPPED = sorted(MODELS.glob("*.tflite"))
+TEST_MODELS = sorted((MODELS / "test").glob("*.tflite"))
 
 
 def own_variants(tmp: Path) -> list[Path]:
@@ -35,6 +36,8 @@ def own_variants(tmp: Path) -> list[Path]:
 def _inputs(bb: Backbone, n: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     shape = (n, *bb.sample_shape)
+    if bb.stateful:  # the streaming test model: standard-normal features, its calibration range
+        return bb.quantize_input(rng.standard_normal(shape).astype(np.float32))
     if bb.input_dtype == np.float32:
         return rng.random(shape, dtype=np.float32)
     info = np.iinfo(bb.input_dtype)
@@ -57,9 +60,10 @@ def head_vs_model(bb: Backbone, x: np.ndarray) -> tuple[float, float]:
 
 @pytest.mark.parametrize("xnnpack", [False, True])
 def test_own_model_head_reproduces_every_model(tmp_path: Path, xnnpack: bool) -> None:
-    for path in [*SHIPPED, *own_variants(tmp_path)]:
+    assert TEST_MODELS
+    for path in [*SHIPPED, *own_variants(tmp_path), *TEST_MODELS]:
         bb = Backbone(path, xnnpack=xnnpack)
-        assert bb.prepared == path.name.startswith("own_")
+        assert bb.prepared == (path.name.startswith("own_") or path in TEST_MODELS)
         diff, tol = head_vs_model(bb, _inputs(bb, 16, 1))
         assert diff <= tol * 1.0001, f"{path.name}: head differs from the model by {diff} > {tol}"
 

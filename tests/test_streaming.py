@@ -144,3 +144,31 @@ def test_streaming_agent_trains_logistic_rounds_with_labels_0_1(
     finally:
         stop_agents([proc])
         print((tmp_path / "kws-1.log").read_text(errors="replace")[-3000:])
+
+
+def test_streaming_intermediate_embedding_is_overwritten_so_it_is_prepared() -> None:
+    # Why the agent never reads an intermediate: LiteRT's arena reuses the FC input's buffer for a
+    # later tensor (LOGISTIC, QUANTIZE), so after invoke() it holds something else.
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+    plain = Interpreter(
+        model_path=str(STREAMING),
+        experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
+    )
+    plain.allocate_tensors()
+    ref = _reference(STREAMING)
+    bb = Backbone(STREAMING, xnnpack=False)
+    q = bb.quantize_input(_frames(20, 4))
+    emb, _ = bb.run(q)
+    overwritten = 0
+    for i in range(len(q)):
+        for it in (plain, ref):
+            it.set_tensor(it.get_input_details()[0]["index"], q[i : i + 1])
+            it.invoke()
+        truth = ref.get_tensor(EMBEDDING)
+        overwritten += int(not np.array_equal(plain.get_tensor(EMBEDDING), truth))
+        expect = (truth.astype(np.float32) - bb.embedding_quant.zero_point) * np.float32(
+            bb.embedding_quant.scale
+        )
+        np.testing.assert_array_equal(emb[i], expect[0])  # the prepared output is the true embedding
+    assert overwritten > len(q) // 2
