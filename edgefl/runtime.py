@@ -9,6 +9,7 @@ This is the only module that imports the interpreter (STYLE.md rule 1): ``ai_edg
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +26,34 @@ logger = logging.getLogger(__name__)
 RuntimeName = Literal["auto", "litert", "tflite"]
 
 
-def _interpreter_classes(runtime: RuntimeName) -> list[tuple[str, Any]]:
-    """Importable interpreter classes in order of preference (lazy imports: each costs RSS)."""
+def numpy_too_new_for_tflite_runtime() -> str | None:
+    """Why tflite-runtime cannot run here, or None: its wheels are built against numpy 1.x.
+
+    Under numpy 2 importing it prints numpy's "compiled using NumPy 1.x" banner and the first
+    interpreter fails with ``SystemError: ... returned a result with an exception set``; so edgefl
+    checks the version first and never imports it then.
+
+    Returns
+    -------
+    str or None
+        The message (naming ``numpy<2``), when numpy's major version is 2 or more.
+    """
+    major = int(np.__version__.split(".")[0])
+    if major < 2:
+        return None
+    return (
+        f"tflite-runtime needs numpy<2, numpy {np.__version__} is installed: "
+        "pip install 'numpy<2' (the `tflite` extra pins it), or use ai-edge-litert"
+    )
+
+
+def _interpreter_classes(runtime: RuntimeName) -> tuple[list[tuple[str, Any]], list[str]]:
+    """Importable interpreter classes in order of preference (lazy imports: each costs RSS).
+
+    Returns the classes and the reasons a requested runtime was not used.
+    """
     found: list[tuple[str, Any]] = []
+    notes: list[str] = []
     if runtime in ("auto", "litert"):
         try:
             from ai_edge_litert import interpreter as litert
@@ -35,15 +61,21 @@ def _interpreter_classes(runtime: RuntimeName) -> list[tuple[str, Any]]:
             found.append(("litert", litert))
         except ImportError as exc:
             logger.info("LiteRT (ai-edge-litert) not importable: %s", exc)
+            notes.append(f"ai-edge-litert not importable ({exc})")
     if runtime in ("auto", "tflite"):
-        try:
-            from tflite_runtime import interpreter as tflite
+        too_new = numpy_too_new_for_tflite_runtime()
+        if too_new is not None and importlib.util.find_spec("tflite_runtime") is not None:
+            notes.append(too_new)
+        else:
+            try:
+                from tflite_runtime import interpreter as tflite
 
-            found.append(("tflite", tflite))
-        except ImportError as exc:
-            # expected wherever LiteRT is installed; it only matters when nothing else loads
-            (logger.debug if found else logger.info)("tflite-runtime not importable: %s", exc)
-    return found
+                found.append(("tflite", tflite))
+            except ImportError as exc:
+                # expected wherever LiteRT is installed; it only matters when nothing else loads
+                (logger.debug if found else logger.info)("tflite-runtime not importable: %s", exc)
+                notes.append(f"tflite-runtime not importable ({exc})")
+    return found, notes
 
 
 def open_interpreter(
@@ -56,11 +88,12 @@ def open_interpreter(
 ) -> tuple[str, Any]:
     """Create and allocate an interpreter for ``path``, trying each available runtime in turn.
 
-    A runtime counts as working only once it has built an interpreter for the model: tflite-runtime
-    imports under numpy 2 and then fails when the interpreter is created, so importing is not enough.
+    A runtime counts as working only once it has built an interpreter for the model. tflite-runtime is
+    not even imported under numpy 2 (:func:`numpy_too_new_for_tflite_runtime`): the refusal names
+    ``numpy<2``.
 
-    The model is given by path, not bytes: LiteRT then memory-maps the file, so no second copy of
-    the model lives in the heap.
+    The model is given by path unless ``content`` is set: LiteRT then memory-maps the file, so no
+    second copy of the model lives in the heap.
 
     ``delegates=False`` uses the built-in kernels without the default XNNPACK delegate: a delegated
     graph keeps its intermediate tensors inside the delegate, and ``get_tensor`` on an intermediate
@@ -93,12 +126,17 @@ def open_interpreter(
     """
     if content is None and not path.is_file():
         raise ModelError(str(path), "model file not found")
-    classes = _interpreter_classes(runtime)
+    classes, notes = _interpreter_classes(runtime)
     if not classes:
         raise ModelError(
             str(path),
-            f"no TFLite runtime importable for runtime={runtime!r} "
-            "(install ai-edge-litert, or tflite-runtime with numpy<2)",
+            f"no TFLite runtime usable for runtime={runtime!r}: "
+            + "; ".join(notes)
+            + (
+                ""
+                if any("numpy<2" in n for n in notes)
+                else " (install ai-edge-litert, or tflite-runtime with numpy<2)"
+            ),
         )
     errors: list[str] = []
     for name, mod in classes:
@@ -115,8 +153,9 @@ def open_interpreter(
             )
             interp.allocate_tensors()
             return name, interp
-        except (ValueError, RuntimeError, TypeError, AttributeError, ImportError) as exc:
-            errors.append(f"{name}: {exc}")
+        except (ValueError, RuntimeError, TypeError, AttributeError, ImportError, SystemError) as exc:
+            # SystemError: a runtime built against another numpy ABI (see numpy_too_new_for_tflite_runtime)
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
     raise ModelError(str(path), "cannot load model: " + "; ".join(errors))
 
 

@@ -147,3 +147,36 @@ def test_prepare_an_internal_embedding_in_memory_or_refuse_naming_the_command() 
     assert emb.shape == (2, 4 * 4 * bb.embedding_dim) and logits.shape == (2, 10)
     with pytest.raises(ModelError, match="edgefl model prepare MODEL --out OUT"):
         Backbone(INT8_MODEL, embedding_tensor=inner, prepare=False)
+
+
+def test_tflite_runtime_under_numpy_2_stops_with_one_message_naming_numpy_lt_2(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from conftest import DEV_PROFILE
+
+    assert int(np.__version__.split(".")[0]) >= 2  # the test venv runs numpy 2
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edgefl.cli",
+            "--log-level",
+            "WARNING",
+            "run",
+            str(DEV_PROFILE),
+            "--set",
+            "model.runtime=tflite",
+            "--set",
+            "dashboard.enabled=false",
+            "--set",
+            f"device.state_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 3, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "numpy<2" in lines[0] and lines[0].startswith("edgefl: model error:"), lines
+    assert "SystemError" not in proc.stderr and "Traceback" not in proc.stderr
