@@ -60,7 +60,7 @@ def _interpreter_classes(runtime: RuntimeName) -> tuple[list[tuple[str, Any]], l
 
             found.append(("litert", litert))
         except ImportError as exc:
-            logger.info("LiteRT (ai-edge-litert) not importable: %s", exc)
+            logger.debug("LiteRT (ai-edge-litert) not importable: %s", exc)  # in the refusal if none loads
             notes.append(f"ai-edge-litert not importable ({exc})")
     if runtime in ("auto", "tflite"):
         too_new = numpy_too_new_for_tflite_runtime()
@@ -72,8 +72,8 @@ def _interpreter_classes(runtime: RuntimeName) -> tuple[list[tuple[str, Any]], l
 
                 found.append(("tflite", tflite))
             except ImportError as exc:
-                # expected wherever LiteRT is installed; it only matters when nothing else loads
-                (logger.debug if found else logger.info)("tflite-runtime not importable: %s", exc)
+                # expected wherever LiteRT is installed; named in the refusal when nothing else loads
+                logger.debug("tflite-runtime not importable: %s", exc)
                 notes.append(f"tflite-runtime not importable ({exc})")
     return found, notes
 

@@ -161,8 +161,6 @@ def test_tflite_runtime_under_numpy_2_stops_with_one_message_naming_numpy_lt_2(t
             sys.executable,
             "-m",
             "edgefl.cli",
-            "--log-level",
-            "WARNING",
             "run",
             str(DEV_PROFILE),
             "--set",
