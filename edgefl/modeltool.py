@@ -160,15 +160,31 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    """``edgefl model prepare MODEL --out OUT``: write the model with its embedding as an extra output."""
+    """``edgefl model prepare MODEL --out OUT [--mean M --std S --raw-dtype uint8]``.
+
+    Writes the model with its embedding as an extra output and, given ``--mean``/``--std``, the
+    normalisation folded into a uint8 input (:func:`edgefl.modelfold.fold_input_normalisation`).
+    Exit 0, 2 (usage: only one of --mean/--std) or 3 (the model cannot be prepared).
+    """
     from edgefl.records import atomic_write
     from edgefl.runtime import Backbone
 
+    if (args.mean is None) != (args.std is None):
+        print("edgefl: model prepare: give both --mean and --std, or neither", file=sys.stderr)
+        return EXIT_USAGE
     src = Path(args.model)
+    report = None
     try:
         if not src.is_file():
             raise ModelError(str(src), "model file not found")
-        out = prepare_bytes(src.read_bytes(), embedding_tensor=args.embedding_tensor, path=str(src))
+        buf = src.read_bytes()
+        if args.mean is not None:
+            from edgefl.modelfold import fold_input_normalisation
+
+            buf, report = fold_input_normalisation(
+                buf, args.mean, args.std, raw_dtype=args.raw_dtype, path=str(src)
+            )
+        out = prepare_bytes(buf, embedding_tensor=args.embedding_tensor, path=str(src))
         atomic_write(Path(args.out), out)
         bb = Backbone(Path(args.out), embedding_tensor=args.embedding_tensor, prepare=False)
     except ModelError as exc:
@@ -176,6 +192,13 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         return EXIT_MODEL
     print(f"wrote {args.out}: embedding tensor {bb.embedding_index} (D={bb.embedding_dim}) is output "
           f"{len(bb.graph.outputs) - 1}; the original outputs are unchanged")  # fmt: skip
+    if report is not None:
+        shift = report.shift_steps
+        exact = "exact" if shift == 0 else f"inputs shifted by {shift:.3f} int8 steps (mean not an integer)"
+        print(f"  input uint8, scale {report.scale:.8g} (1/std), zero point {report.zero_point}, one "
+              f"QUANTIZE to the int8 input: {exact}, {report.ties} rounding tie(s)")  # fmt: skip
+        print(f"  give the pipeline mean = {report.mean_used:g}, std = {args.std:g}: "
+              "its fused step is then a copy")  # fmt: skip
     return EXIT_OK
 
 
@@ -192,5 +215,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     r.add_argument("model", help="the .tflite model")
     r.add_argument("--out", required=True, help="the prepared .tflite to write")
     r.add_argument("--embedding-tensor", default=None, help="the embedding's tensor name (default: FC input)")
+    r.add_argument("--mean", type=float, default=None, help="fold x = (raw - mean) / std into a uint8 input")
+    r.add_argument("--std", type=float, default=None, help="the normalisation's std (with --mean)")
+    r.add_argument("--raw-dtype", default="uint8", choices=("uint8",), help="raw sample dtype (uint8)")
     r.set_defaults(func=cmd_prepare)
     return p

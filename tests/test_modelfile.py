@@ -150,3 +150,59 @@ def test_own_model_without_embedding_output_is_prepared_at_start_up(tmp_path: Pa
     np.testing.assert_allclose(e @ W + b, y, atol=1e-5)
     with pytest.raises(ModelError, match="edgefl model prepare"):
         Backbone(own, prepare=False)
+
+
+def _pipeline_outputs(model: Path, mean: float, std: float, raw: np.ndarray) -> tuple[str, np.ndarray]:
+    from edgefl.agent.pipeline import Pipeline
+
+    p = Pipeline(Backbone(model), (mean,), (std,), mode="fused", batch=8)
+    return p.fused_step("uint8"), p.run(raw)[1]
+
+
+def test_prepare_folds_an_integer_mean_exactly(tmp_path: Path) -> None:
+    from edgefl.datasets import load_digits
+
+    out = tmp_path / "digits_folded.tflite"
+    args = ["model", "prepare", str(INT8_MODEL), "--mean", "0", "--std", "16", "--raw-dtype", "uint8"]
+    assert main([*args, "--out", str(out)]) == 0
+    before, after = modelfile.read_graph(INT8_MODEL.read_bytes()), modelfile.read_graph(out.read_bytes())
+    assert [op.name for op in after.ops] == ["QUANTIZE", *[op.name for op in before.ops]]  # one op added
+    tin = after.tensors[after.inputs[0]]
+    assert tin.dtype == "uint8" and tin.scales == (0.0625,) and tin.zero_points == (0,)
+    assert after.outputs == before.outputs  # indices of the old tensors are unchanged
+    x, _ = load_digits()  # uint8 0..16, all 1797 digits
+    step_table, y_table = _pipeline_outputs(INT8_MODEL, 0.0, 16.0, x)
+    step_copy, y_copy = _pipeline_outputs(out, 0.0, 16.0, x)
+    assert (step_table, step_copy) == ("table", "copy")
+    np.testing.assert_array_equal(y_copy, y_table)  # exact: the mean is an integer
+
+
+def test_prepare_folds_a_half_integer_mean_within_half_an_input_step(tmp_path: Path) -> None:
+    src = MODELS / "mobilenet_v2_035_96_int8.tflite"
+    out = tmp_path / "mobilenet_folded.tflite"
+    args = ["model", "prepare", str(src), "--mean", "127.5", "--std", "127.5", "--raw-dtype", "uint8"]
+    assert main([*args, "--out", str(out)]) == 0
+    graph = modelfile.read_graph(out.read_bytes())
+    tin = graph.tensors[graph.inputs[0]]
+    # zero point 127 (not 128, which would clip raw 0 and 1 together): every input half a step high
+    assert tin.dtype == "uint8" and tin.zero_points == (127,)
+    assert tin.scales[0] == pytest.approx(1 / 127.5)
+    raw = np.random.default_rng(5).integers(0, 256, (8, 96, 96, 3)).astype(np.uint8)
+    step, y = _pipeline_outputs(out, 127.0, 127.5, raw)
+    assert step == "copy"
+    # exactly the table path given the mean the fold could represent (127), and the converter's own
+    # raw-input model (models/build.py) bit for bit
+    np.testing.assert_array_equal(y, _pipeline_outputs(src, 127.0, 127.5, raw)[1])
+    np.testing.assert_array_equal(
+        y, _pipeline_outputs(MODELS / "mobilenet_v2_035_96_int8_rawin.tflite", 127.0, 127.5, raw)[1]
+    )
+
+
+def test_prepare_fold_refusals(tmp_path: Path) -> None:
+    out = str(tmp_path / "o.tflite")
+    float_model = str(MODELS / "digits_cnn_float32.tflite")
+    assert main(["model", "prepare", float_model, "--mean", "0", "--std", "16", "--out", out]) == 3
+    assert main(["model", "prepare", str(INT8_MODEL), "--mean", "0", "--out", out]) == 2
+    assert main(["model", "prepare", str(INT8_MODEL), "--mean", "300", "--std", "1", "--out", out]) == 3
+    assert main(["model", "prepare", str(INT8_MODEL), "--mean", "0", "--std", "0", "--out", out]) == 3
+    assert not Path(out).exists()
