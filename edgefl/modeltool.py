@@ -58,7 +58,8 @@ def describe(path: Path, *, embedding_tensor: str | None = None) -> dict[str, An
     graph = bb.graph
     tin = graph.tensors[bb.input_index]
     tout = graph.tensors[bb.output_index]
-    W, _ = bb.head_from_model() if bb._fc_weights is not None else (None, None)
+    wi = bb.head_weights_index
+    W, _ = bb.head_from_model() if wi is not None else (None, None)
     shapes = memory.model_shapes(bb)
     batches = ESTIMATE_BATCHES if bb.resizable else (bb.batch,)
     return {
@@ -76,7 +77,7 @@ def describe(path: Path, *, embedding_tensor: str | None = None) -> dict[str, An
         "embedding_tensor": {"index": bb.embedding_index, "name": graph.tensors[bb.embedding_index].name},
         "embedding_dim": bb.embedding_dim,
         "num_classes": int(W.shape[1]) if W is not None else shapes.classes,
-        "head_weight_dtype": graph.tensors[bb._fc_weights].dtype if bb._fc_weights is not None else None,
+        "head_weight_dtype": graph.tensors[wi].dtype if wi is not None else None,
         "head_activation": bb.head_activation,
         "output": {
             "index": bb.output_index,

@@ -385,6 +385,11 @@ class Backbone:
         return ok
 
     @property
+    def head_weights_index(self) -> int | None:
+        """Tensor index of the head's FC weights [K, D]; None when the profile names the embedding."""
+        return self._fc_weights
+
+    @property
     def sample_shape(self) -> tuple[int, ...]:
         """Shape of one model input sample (without the batch axis)."""
         return self.input_shape[1:]
