@@ -299,6 +299,7 @@ class Backbone:
         fc = modelfile.head_fc(graph)
         self._fc_weights: int | None = None
         self._fc_bias: int | None = None
+        self.fc_output_index: int | None = None  # the head's logits tensor (before its activation)
         self.head_activation = "none"
         if embedding_tensor:
             found = [t.index for t in graph.tensors if t.name == embedding_tensor]
@@ -313,6 +314,7 @@ class Backbone:
             self._fc_weights = ins[1]
             self._fc_bias = ins[2] if len(ins) > 2 and ins[2] >= 0 else None
             self.head_activation = modelfile.head_activation(graph, fc)
+            self.fc_output_index = graph.ops[fc].outputs[0]
         self.stateful_ops = modelfile.stateful_ops(graph)
         self.stateful = bool(self.stateful_ops)
         others = [i for i in graph.outputs if i != self.embedding_index]
@@ -383,6 +385,21 @@ class Backbone:
         self.interpreter.resize_tensor_input(self.input_index, [fixed, *self.sample_shape])
         self.interpreter.allocate_tensors()
         return ok
+
+    def logits_range(self) -> tuple[float, float] | None:
+        """The real range the model's own FC output can hold (its int8 saturation), or None (float).
+
+        A float head is not bound by it: where the model saturates (outside its calibration range) the
+        head's logits go on, so head-vs-model comparisons clip to it first.
+        """
+        if self.fc_output_index is None:
+            return None
+        t = self.graph.tensors[self.fc_output_index]
+        if not t.scales or t.dtype not in ("int8", "uint8"):
+            return None
+        info = np.iinfo(np.dtype(t.dtype))
+        s, z = t.scales[0], t.zero_points[0]
+        return (info.min - z) * s, (info.max - z) * s
 
     @property
     def head_weights_index(self) -> int | None:

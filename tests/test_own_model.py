@@ -48,7 +48,11 @@ def head_vs_model(bb: Backbone, x: np.ndarray) -> tuple[float, float]:
     """Max |head output - model output| and the tolerance: one output step (int8) or 1e-5 (float)."""
     W, b = bb.head_from_model()
     emb, out = bb.run(x)
-    got = activate((emb @ W + b).astype(np.float32), bb.head_activation)
+    z = (emb @ W + b).astype(np.float32)
+    limits = bb.logits_range()
+    if limits is not None:  # the model's own FC output saturates outside its calibration range
+        z = np.clip(z, *limits).astype(np.float32)
+    got = activate(z, bb.head_activation)
     q = bb.output_quant
     if q.scale > 0:
         # the model saturates at its output type's range
