@@ -14,12 +14,16 @@ offsets, vtables of voffset_t); TFLite schema ``tensorflow/compiler/mlir/lite/sc
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from edgefl.errors import ModelError
+
+ModelBytes = bytes | bytearray | mmap.mmap
+"""A whole .tflite file in memory or memory-mapped."""
 
 # TensorType (schema.fbs) -> numpy dtype name, for the types a classifier uses
 TENSOR_TYPES: dict[int, str] = {
@@ -151,7 +155,7 @@ class GraphInfo:
 class _Reader:
     """Bounds-checked reads of flatbuffer tables and vectors from ``buf``."""
 
-    def __init__(self, buf: bytes) -> None:
+    def __init__(self, buf: ModelBytes) -> None:
         self.buf = buf
 
     def u32(self, pos: int) -> int:
@@ -216,13 +220,13 @@ class _Reader:
         return self.buf[pos + 4 : pos + 4 + n].decode("utf-8", errors="replace")
 
 
-def read_graph(buf: bytes, path: str = "<model>") -> GraphInfo:
+def read_graph(buf: ModelBytes, path: str = "<model>") -> GraphInfo:
     """Parse subgraph 0 of a TFLite flatbuffer.
 
     Parameters
     ----------
-    buf : bytes
-        The whole ``.tflite`` file.
+    buf : bytes or mmap
+        The whole ``.tflite`` file (a read-only map touches only the pages of the tables read).
     path : str
         For error messages.
 
@@ -296,7 +300,7 @@ def read_graph(buf: bytes, path: str = "<model>") -> GraphInfo:
         raise ModelError(path, f"corrupt flatbuffer: {exc}") from exc
 
 
-def add_outputs(buf: bytes, extra: list[int], path: str = "<model>") -> bytes:
+def add_outputs(buf: ModelBytes, extra: list[int], path: str = "<model>") -> bytes:
     """Return the model with tensors ``extra`` appended to subgraph 0's outputs.
 
     The original outputs keep their order and come first, so ``get_output_details()[i]`` is unchanged
@@ -314,7 +318,7 @@ def add_outputs(buf: bytes, extra: list[int], path: str = "<model>") -> bytes:
     Returns
     -------
     bytes
-        The new model (``buf`` itself when there is nothing to add).
+        The new model (``bytes(buf)`` when there is nothing to add).
 
     Raises
     ------
@@ -323,10 +327,10 @@ def add_outputs(buf: bytes, extra: list[int], path: str = "<model>") -> bytes:
     """
     graph = read_graph(buf, path)
     new = [i for i in dict.fromkeys(extra) if i not in graph.outputs]
-    return set_outputs(buf, list(graph.outputs) + new, path) if new else buf
+    return set_outputs(buf, list(graph.outputs) + new, path) if new else bytes(buf)
 
 
-def set_outputs(buf: bytes, outputs: list[int], path: str = "<model>") -> bytes:
+def set_outputs(buf: ModelBytes, outputs: list[int], path: str = "<model>") -> bytes:
     """Return the model with subgraph 0's outputs replaced by ``outputs``.
 
     The new outputs vector is appended at the end of the file (4-byte aligned) and the subgraph's

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -264,7 +265,10 @@ class Backbone:
             raise ModelError(str(path), "model file not found")
         self.sha256 = file_sha256(path)
         try:
-            content = self._inspect(path.read_bytes(), embedding_tensor, prepare)
+            # parse through a read-only map: only the pages of the tables read become resident,
+            # never the weights (a 1280-wide float model is ~14 MB)
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                content = self._inspect(mapped, embedding_tensor, prepare)
             self.delegated = xnnpack is not False
             self.runtime_name, self.interpreter = open_interpreter(
                 path, num_threads=num_threads, runtime=runtime, delegates=self.delegated, content=content
@@ -280,7 +284,9 @@ class Backbone:
             # a file that loads but whose metadata or graph is corrupt (names, shapes, missing buffers)
             raise ModelError(str(path), f"corrupt or unsupported model: {type(exc).__name__}: {exc}") from exc
 
-    def _inspect(self, buf: bytes, embedding_tensor: str | None, prepare: bool) -> bytes | None:
+    def _inspect(
+        self, buf: modelfile.ModelBytes, embedding_tensor: str | None, prepare: bool
+    ) -> bytes | None:
         """Find the input, embedding, head and logits tensors in the flatbuffer.
 
         Returns the model bytes to load when the embedding had to be added as an output, else None
