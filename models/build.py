@@ -1001,21 +1001,82 @@ def verify_streaming(out: Path, seed: int) -> None:
     )
 
 
+SOFTMAX_FEATURES = 8
+SOFTMAX_D = 16
+SOFTMAX_K = 4
+SOFTMAX_NAMES = ("test/softmax_mlp_float32.tflite", "test/softmax_mlp_int8.tflite")
+
+
+def build_softmax(out: Path, seed: int) -> None:
+    """Build the softmax-head test models: float32 and int8, ``Dense(16, relu) -> Dense(4) -> softmax``.
+
+    Input [N, 8] (dynamic batch), the embedding (D = 16) is internal (not a model output), the head is
+    FULLY_CONNECTED (K = 4) -> SOFTMAX: the shape of a third-party classifier that outputs
+    probabilities. Random seeded weights; the int8 file is calibrated on standard-normal features.
+    """
+    tf = _seed_everything(seed)
+    keras = tf.keras
+    inputs = keras.Input(shape=(SOFTMAX_FEATURES,), name="features")
+    embedding = keras.layers.Dense(SOFTMAX_D, activation="relu", name="embedding")(inputs)
+    probs = keras.layers.Dense(
+        SOFTMAX_K,
+        activation="softmax",
+        name="probs",
+        bias_initializer=keras.initializers.RandomNormal(stddev=0.1, seed=seed),
+    )(embedding)
+    frozen = _frozen_concrete_function(keras.Model(inputs, probs), (SOFTMAX_FEATURES,))
+    (out / "test").mkdir(parents=True, exist_ok=True)
+    _write(out / SOFTMAX_NAMES[0], _convert(frozen, None))
+    calibration = np.random.default_rng(seed + 7).standard_normal((REPRESENTATIVE_FRAMES, SOFTMAX_FEATURES))
+    _write(out / SOFTMAX_NAMES[1], _convert(frozen, calibration.astype(np.float32)))
+
+
+def verify_softmax(out: Path, seed: int) -> None:
+    """Print the softmax test models' head-vs-model difference on 256 standard-normal inputs."""
+    from edgefl.head import activate
+    from edgefl.runtime import Backbone
+
+    x = np.random.default_rng(seed + 8).standard_normal((256, SOFTMAX_FEATURES)).astype(np.float32)
+    for name in SOFTMAX_NAMES:
+        bb = Backbone(out / name, xnnpack=False)
+        W, b = bb.head_from_model()
+        emb, y = bb.run(bb.quantize_input(x))
+        lo, hi = bb.logits_range() or (-np.inf, np.inf)
+        diff = float(
+            np.abs(activate(np.clip(emb @ W + b, lo, hi).astype(np.float32), bb.head_activation) - y).max()
+        )
+        step = f" ({diff / bb.output_quant.scale:.2f} output steps)" if bb.output_quant.scale else ""
+        print(f"{name}: D={bb.embedding_dim}, K={W.shape[1]}, activation {bb.head_activation}; "
+              f"head vs model max |diff| {diff:.3g}{step}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, build the selected models, verify them with LiteRT and print the card numbers."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, default=REPO / "models", help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split, training and calibration")
     parser.add_argument(
-        "--only", choices=("digits", "mobilenet", "streaming"), help="build one model family only"
+        "--only",
+        choices=("digits", "mobilenet", "streaming", "softmax"),
+        help="build one model family only",
     )
     parser.add_argument(
         "--verify-only", action="store_true", help="do not build; run the existing files with LiteRT (no TF)"
     )
     args = parser.parse_args(argv)
-    families = [args.only] if args.only else ["digits", "mobilenet", "streaming"]
-    builders = {"digits": build_digits, "mobilenet": build_mobilenet, "streaming": build_streaming}
-    verifiers = {"digits": verify_digits, "mobilenet": verify_mobilenet, "streaming": verify_streaming}
+    families = [args.only] if args.only else ["digits", "mobilenet", "streaming", "softmax"]
+    builders = {
+        "digits": build_digits,
+        "mobilenet": build_mobilenet,
+        "streaming": build_streaming,
+        "softmax": build_softmax,
+    }
+    verifiers = {
+        "digits": verify_digits,
+        "mobilenet": verify_mobilenet,
+        "streaming": verify_streaming,
+        "softmax": verify_softmax,
+    }
     if not args.verify_only:
         for family in families:
             builders[family](args.out, args.seed)

@@ -36,12 +36,18 @@ def own_variants(tmp: Path) -> list[Path]:
 def _inputs(bb: Backbone, n: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     shape = (n, *bb.sample_shape)
-    if bb.stateful:  # the streaming test model: standard-normal features, its calibration range
+    if bb.path.parent.name == "test":  # the test models: standard-normal features (their calibration)
         return bb.quantize_input(rng.standard_normal(shape).astype(np.float32))
     if bb.input_dtype == np.float32:
         return rng.random(shape, dtype=np.float32)
     info = np.iinfo(bb.input_dtype)
     return rng.integers(info.min, info.max + 1, size=shape).astype(bb.input_dtype)
+
+
+#: LiteRT's int8 SOFTMAX (fixed-point exp) lands up to 1.3 output steps from the exact softmax of
+#: the model's own rounded logits (0.3 % of values, tests/test_own_model.py); every other int8 head
+#: activation is within one step.
+INT8_SOFTMAX_STEPS = 1.5
 
 
 def head_vs_model(bb: Backbone, x: np.ndarray) -> tuple[float, float]:
@@ -58,7 +64,8 @@ def head_vs_model(bb: Backbone, x: np.ndarray) -> tuple[float, float]:
         # the model saturates at its output type's range
         info = np.iinfo(np.int8 if q.zero_point < 0 or out.min() < 0 else np.uint8)
         got = np.clip(got, (info.min - q.zero_point) * q.scale, (info.max - q.zero_point) * q.scale)
-        return float(np.abs(got - out).max()), q.scale
+        steps = INT8_SOFTMAX_STEPS if bb.head_activation == "softmax" else 1.0
+        return float(np.abs(got - out).max()), q.scale * steps
     return float(np.abs(got - out).max()), 1e-5
 
 
@@ -68,7 +75,9 @@ def test_own_model_head_reproduces_every_model(tmp_path: Path, xnnpack: bool) ->
     for path in [*SHIPPED, *own_variants(tmp_path), *TEST_MODELS]:
         bb = Backbone(path, xnnpack=xnnpack)
         assert bb.prepared == (path.name.startswith("own_") or path in TEST_MODELS)
-        diff, tol = head_vs_model(bb, _inputs(bb, 16, 1))
+        if "softmax" in path.name:
+            assert bb.head_activation == "softmax" and bb.resizable
+        diff, tol = head_vs_model(bb, _inputs(bb, 64, 1))
         assert diff <= tol * 1.0001, f"{path.name}: head differs from the model by {diff} > {tol}"
 
 
