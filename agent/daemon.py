@@ -141,6 +141,8 @@ class Agent:
                 cache_dir=self.state_dir,
                 raw_dtype=pcfg.raw_dtype,
             )
+            if self.backbone.stateful:
+                self.backbone.reset_state()  # the measurement's invokes changed the model's state
         self.pipeline = Pipeline(self.backbone, pcfg.mean, pcfg.std, mode=mode, batch=batch)
         mem = profile.memory
         self.governor = memory.Governor(

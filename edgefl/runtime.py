@@ -273,13 +273,11 @@ class Backbone:
             self.runtime_name, self.interpreter = open_interpreter(
                 path, num_threads=num_threads, runtime=runtime, delegates=self.delegated, content=content
             )
+            self._reopen = (num_threads, runtime, content)
             self._read_details()
             self._trial_invoke()
             if self.stateful:
-                # start from the model's initial state, not the one the trial invoke left
-                self.runtime_name, self.interpreter = open_interpreter(
-                    path, num_threads=num_threads, runtime=runtime, delegates=self.delegated, content=content
-                )
+                self.reset_state()  # start from the model's initial state, not the trial invoke's
         except (UnicodeDecodeError, ValueError, RuntimeError, KeyError, IndexError, TypeError) as exc:
             # a file that loads but whose metadata or graph is corrupt (names, shapes, missing buffers)
             raise ModelError(str(path), f"corrupt or unsupported model: {type(exc).__name__}: {exc}") from exc
@@ -346,6 +344,23 @@ class Backbone:
             PREPARE_HINT,
         )
         return modelfile.add_outputs(buf, [self.embedding_index], path)
+
+    def reset_state(self) -> None:
+        """Give a stateful model its initial state again: a new interpreter for the same model.
+
+        ``reset_all_variables()`` does not reset resource variables (checked with LiteRT 2.3.0), so the
+        interpreter is rebuilt; anything holding the old ``interpreter`` must read it again.
+
+        Raises
+        ------
+        ModelError
+            If the model can no longer be loaded.
+        """
+        num_threads, runtime, content = self._reopen
+        self.runtime_name, self.interpreter = open_interpreter(
+            self.path, num_threads=num_threads, runtime=runtime, delegates=self.delegated, content=content
+        )
+        self.batch = int(self.input_shape[0])
 
     def _read_details(self) -> None:
         """Shapes, dtypes and quantisation from the interpreter; probe whether the batch resizes."""

@@ -149,7 +149,7 @@ def test_prepare_an_internal_embedding_in_memory_or_refuse_naming_the_command() 
         Backbone(INT8_MODEL, embedding_tensor=inner, prepare=False)
 
 
-def test_own_model_on_tflite_runtime_under_numpy_2_stops_with_one_message_naming_numpy_lt_2(tmp_path: Path) -> None:
+def test_own_model_numpy_2_with_tflite_runtime_stops_naming_numpy_lt_2(tmp_path: Path) -> None:
     import subprocess
     import sys
 

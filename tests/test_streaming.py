@@ -66,6 +66,9 @@ def test_streaming_frames_carry_state_in_order(xnnpack: bool) -> None:
     # the state matters: frame 5 alone (fresh state) embeds differently from frame 5 after 0..4
     alone, _ = Backbone(STREAMING, xnnpack=xnnpack).run(q[5:6])
     assert np.abs(alone[0] - emb[5]).max() > 10 * bb.embedding_quant.scale
+    bb.reset_state()  # the initial state again (what the agent does after measuring the pipeline)
+    again, _ = bb.run(q[5:6])
+    np.testing.assert_array_equal(again, alone)
 
 
 def test_streaming_logistic_head_within_one_output_step() -> None:
