@@ -142,6 +142,8 @@ class Agent:
                 cache_dir=self.state_dir,
                 raw_dtype=pcfg.raw_dtype,
             )
+            if self.backbone.stateful:
+                self.backbone.reset_state()  # the measurement's invokes changed the model's state
         self.pipeline = Pipeline(self.backbone, pcfg.mean, pcfg.std, mode=mode, batch=batch)
         mem = profile.memory
         self.governor = memory.Governor(
@@ -164,7 +166,10 @@ class Agent:
         self.outbox = Outbox(self.state_dir / "outbox.rec", sec.outbox_max_bytes)
         self.feedback = ErrorFeedback(self.state_dir, self.head.shape, self.backbone.sha256)
         self.store = EmbeddingStore(
-            self.state_dir, profile.training.store_capacity, self.backbone.embedding_dim
+            self.state_dir,
+            profile.training.store_capacity,
+            self.backbone.embedding_dim,
+            num_classes=self.head.shape[1],
         )
         self.state = AgentState()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgefl-worker")
@@ -279,7 +284,9 @@ class Agent:
                 raw, lbl = x[start : start + batch], y[start : start + batch]
                 emb, pred, _ = await loop.run_in_executor(self.executor, self.classify, raw)
                 # on the worker thread: serialised with training, which reads the store
-                await loop.run_in_executor(self.executor, self.store.add, emb, lbl)
+                refused = await loop.run_in_executor(self.executor, self.store.add, emb, lbl)
+                if refused:
+                    self.state.rejected["bad_label"] += refused
                 self.state.inferred_total += len(lbl)
                 self._rate_window.append((time.monotonic(), self.state.inferred_total))
                 if self._pending_round is not None and self._pending_round.base_version <= self.head.version:

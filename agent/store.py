@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgefl.head import check_labels, label_range
 from edgefl.types import F32, I64
 
 logger = logging.getLogger(__name__)
@@ -32,20 +33,27 @@ class EmbeddingStore:
         Maximum number of samples kept (older ones are overwritten).
     dim : int
         Embedding size D.
+    num_classes : int or None
+        K of the head the store trains: labels outside ``0..K-1`` (``0..1`` when K = 1, a logistic
+        head) are refused by :meth:`add` and counted in ``refused_labels``. None = not checked.
 
     Raises
     ------
     ValueError
-        If ``capacity`` or ``dim`` is not positive.
+        If ``capacity``, ``dim`` or ``num_classes`` is not positive.
 
     Notes
     -----
     A store whose metadata does not match ``capacity``/``dim`` (another model) is reset, with a log line.
     """
 
-    def __init__(self, directory: Path, capacity: int, dim: int) -> None:
-        if capacity <= 0 or dim <= 0:
-            raise ValueError(f"EmbeddingStore: capacity {capacity} and dim {dim} must be > 0")
+    def __init__(self, directory: Path, capacity: int, dim: int, num_classes: int | None = None) -> None:
+        if capacity <= 0 or dim <= 0 or (num_classes is not None and num_classes <= 0):
+            raise ValueError(
+                f"EmbeddingStore: capacity {capacity}, dim {dim} and num_classes {num_classes} must be > 0"
+            )
+        self.num_classes = num_classes
+        self.refused_labels = 0
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self.capacity = capacity
@@ -83,13 +91,21 @@ class EmbeddingStore:
         """Bytes of the backing files (embeddings + labels)."""
         return self.capacity * (2 * self.dim + 2)
 
-    def add(self, emb: F32, labels: I64) -> None:
+    def add(self, emb: F32, labels: I64) -> int:
         """Append a batch of labelled embeddings, overwriting the oldest when full.
+
+        Samples whose label the head cannot learn (outside ``0..K-1``, or not 0/1 for K = 1) are
+        refused: logged with reason ``bad_label``, counted in ``refused_labels``, not stored.
 
         Parameters
         ----------
         emb : float32 [N, D]
         labels : int64 [N], values in int16 range.
+
+        Returns
+        -------
+        int
+            How many samples were refused for their label.
 
         Raises
         ------
@@ -99,11 +115,28 @@ class EmbeddingStore:
         n = emb.shape[0]
         if emb.ndim != 2 or emb.shape[1] != self.dim or labels.shape != (n,):
             raise ValueError(f"store.add: emb {emb.shape}, labels {labels.shape}, store dim {self.dim}")
+        refused = 0
+        if self.num_classes is not None:
+            ok = check_labels(labels, self.num_classes)
+            refused = int(n - np.count_nonzero(ok))
+            if refused:
+                self.refused_labels += refused
+                bad = sorted({int(v) for v in labels[~ok]})[:5]
+                logger.warning(
+                    "store: %d sample(s) refused (bad_label): labels %s outside 0..%d for K = %d",
+                    refused,
+                    bad,
+                    label_range(self.num_classes) - 1,
+                    self.num_classes,
+                )
+                emb, labels = emb[ok], labels[ok]
+                n = emb.shape[0]
         for i in range(n):
             self._emb[self._head] = emb[i]
             self._lbl[self._head] = labels[i]
             self._head = (self._head + 1) % self.capacity
         self._count = min(self.capacity, self._count + n)
+        return refused
 
     def chunks(self, chunk_size: int, order: I64 | None = None) -> Iterator[tuple[F32, I64]]:
         """Yield the stored samples as float32 chunks (one chunk's worth is in the heap at a time).

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgefl.agent.store import EmbeddingStore
-from edgefl.head import Head, cross_entropy, sgd_step
+from edgefl.head import Head, loss_and_grad, sgd_step
 from edgefl.types import F32
 
 
@@ -24,7 +24,7 @@ class LocalResult:
     num_examples : int
         Samples in the store (the FedAvg weight).
     loss : float
-        Mean cross-entropy (nats) of the final head over the store.
+        Mean cross-entropy (nats) of the final head over the store (binary when K = 1).
     accuracy : float
         Accuracy of the final head over the store (fraction, 0..1).
     train_s : float
@@ -56,7 +56,8 @@ def train_local(
 
     The store is read one chunk of ``chunk_size`` samples at a time (float16 → float32), so the heap
     holds at most ``chunk_size * D * 4`` bytes of embeddings; ``chunk_size`` is chosen by the memory
-    governor. Samples are shuffled per epoch.
+    governor. Samples are shuffled per epoch. The loss is softmax cross-entropy for K >= 2 and binary
+    cross-entropy for a logistic head (K = 1, labels 0/1): :func:`edgefl.head.loss_and_grad`.
 
     Parameters
     ----------
@@ -117,7 +118,7 @@ def train_local(
             perm = rng.permutation(emb.shape[0])
             for s in range(0, emb.shape[0], batch_size):
                 sel = perm[s : s + batch_size]
-                _, gW, gb = cross_entropy(W, b, emb[sel], lbl[sel])
+                _, gW, gb = loss_and_grad(W, b, emb[sel], lbl[sel])
                 sgd_step(W, b, gW, gb, lr, prox_mu=prox_mu, W0=head.W, b0=head.b)
     train_s = time.perf_counter() - t0
     delta_W: F32 = (W - head.W).astype(np.float32)
@@ -135,7 +136,7 @@ def train_local(
     final = Head(head.W + delta_W, head.b + delta_b, head.version)
     # the same n samples that were trained on (the store may grow meanwhile if a caller adds to it)
     for emb, lbl in store.chunks(chunk_size, np.arange(n, dtype=np.int64)):
-        loss, _, _ = cross_entropy(final.W, final.b, emb, lbl)
+        loss, _, _ = loss_and_grad(final.W, final.b, emb, lbl)
         loss_sum += loss * emb.shape[0]
         correct += int(np.sum(final.predict(emb) == lbl))
     return LocalResult(delta_W, delta_b, n, loss_sum / n, correct / n, train_s)
@@ -188,6 +189,6 @@ def fit_head(
         perm = rng.permutation(emb.shape[0])
         for s in range(0, emb.shape[0], batch_size):
             sel = perm[s : s + batch_size]
-            _, gW, gb = cross_entropy(W, b, emb[sel], y[sel])
+            _, gW, gb = loss_and_grad(W, b, emb[sel], y[sel])
             sgd_step(W, b, gW, gb, lr)
     return W, b

@@ -231,7 +231,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="edgefl",
         description="edgefl: the federated-learning device agent, its coordinator and tools (run, "
-        "check-config, demo, coordinator, profile, memory-report, wheelhouse).",
+        "check-config, demo, coordinator, profile, memory-report, model, wheelhouse).",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -301,6 +301,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
     profiler.add_parser(sub)
     memreport.add_parser(sub)
+    from edgefl import modeltool
+
+    modeltool.add_parser(sub)
     from edgefl.cross_build.cli import add_wheelhouse_parser
 
     add_wheelhouse_parser(sub)

@@ -2,6 +2,12 @@
 
 The backbone is frozen; only this layer is trained on the device, so one embedding per sample is
 computed once and reused for every local epoch (see DESIGN.md, "The job").
+
+Two kinds of head, told apart by K alone (so a head decoded from the network needs no extra field):
+K >= 2 is a softmax classifier (labels ``0..K-1``, softmax cross-entropy, prediction = argmax);
+K = 1 is a logistic (binary) classifier (labels 0/1, binary cross-entropy on the one logit,
+prediction = ``logit > 0``). The model's own activation after its last FULLY_CONNECTED
+(``softmax``, ``logistic`` or ``none``) only matters to reproduce its output: :func:`activate`.
 """
 
 from __future__ import annotations
@@ -55,9 +61,97 @@ class Head:
         return out
 
     def predict(self, emb: F32) -> I64:
-        """Class predictions (argmax of the logits) for embeddings ``emb`` float32 [N, D] → int64 [N]."""
-        pred: I64 = np.argmax(self.logits(emb), axis=1).astype(np.int64)
+        """Class predictions for embeddings ``emb`` float32 [N, D] → int64 [N].
+
+        argmax of the logits (K >= 2), or ``logit > 0`` i.e. probability > 0.5 (K = 1: class 0 or 1).
+        """
+        z = self.logits(emb)
+        if z.shape[1] == 1:
+            return (z[:, 0] > 0).astype(np.int64)
+        pred: I64 = np.argmax(z, axis=1).astype(np.int64)
         return pred
+
+    def scores(self, emb: F32) -> tuple[I64, F32]:
+        """Predictions and the probability of each predicted class.
+
+        Parameters
+        ----------
+        emb : float32 [N, D]
+
+        Returns
+        -------
+        classes : int64 [N]
+        score : float32 [N]
+            softmax probability of the argmax (K >= 2), or ``sigmoid(z)`` / ``1 - sigmoid(z)`` for
+            class 1 / 0 (K = 1).
+        """
+        z = self.logits(emb)
+        if z.shape[1] == 1:
+            p1 = sigmoid(z[:, 0])
+            cls = (z[:, 0] > 0).astype(np.int64)
+            score: F32 = np.where(cls == 1, p1, np.float32(1) - p1).astype(np.float32)
+            return cls, score
+        p = softmax(z)
+        cls = np.argmax(p, axis=1).astype(np.int64)
+        return cls, p[np.arange(len(cls)), cls].astype(np.float32)
+
+
+def label_range(num_classes: int) -> int:
+    """Number of valid labels for a head with ``num_classes`` outputs: 2 for K = 1 (0/1), else K."""
+    return 2 if num_classes == 1 else num_classes
+
+
+def check_labels(labels: np.ndarray, num_classes: int) -> np.ndarray:
+    """Which labels a head with K = ``num_classes`` outputs can learn.
+
+    Parameters
+    ----------
+    labels : integer array [N]
+    num_classes : int
+        K (1 = logistic head, labels 0/1).
+
+    Returns
+    -------
+    bool [N]
+        True where ``0 <= label < K`` (``< 2`` when K = 1).
+    """
+    upper = label_range(num_classes)
+    ok: np.ndarray = (labels >= 0) & (labels < upper)
+    return ok
+
+
+def activate(logits: F32, activation: str) -> F32:
+    """The model's own activation after its last FULLY_CONNECTED, applied to head logits.
+
+    Parameters
+    ----------
+    logits : float32 [N, K]
+    activation : "softmax" | "logistic" | "none"
+
+    Returns
+    -------
+    float32 [N, K]
+
+    Raises
+    ------
+    ValueError
+        For another activation name.
+    """
+    if activation == "softmax":
+        return softmax(logits.copy())
+    if activation == "logistic":
+        return sigmoid(logits)
+    if activation == "none":
+        return logits
+    raise ValueError(f"activation {activation!r}: expected softmax, logistic or none")
+
+
+def sigmoid(z: F32) -> F32:
+    """Logistic function ``1 / (1 + exp(-z))``, computed without overflow for large ``|z|``."""
+    zf = z.astype(np.float32, copy=False)
+    e = np.exp(-np.abs(zf))
+    out: F32 = np.where(zf >= 0, 1 / (1 + e), e / (1 + e)).astype(np.float32)
+    return out
 
 
 def validate_head(W: F32, b: F32, shape: tuple[int, int]) -> None:
@@ -144,6 +238,55 @@ def cross_entropy(W: F32, b: F32, emb: F32, labels: I64) -> tuple[float, F32, F3
     grad_W: F32 = (emb.T @ p).astype(np.float32, copy=False)
     grad_b: F32 = p.sum(axis=0).astype(np.float32, copy=False)
     return loss, grad_W, grad_b
+
+
+def binary_cross_entropy(W: F32, b: F32, emb: F32, labels: I64) -> tuple[float, F32, F32]:
+    """Mean binary cross-entropy of a logistic head (K = 1) and its gradient.
+
+    Parameters
+    ----------
+    W : float32 [D, 1]
+    b : float32 [1]
+    emb : float32 [N, D]
+    labels : int64 [N]
+        0 or 1.
+
+    Returns
+    -------
+    loss : float
+        Mean ``-y log p - (1 - y) log(1 - p)`` in nats, ``p = sigmoid(z)``, computed as
+        ``softplus(z) - y z`` (no overflow, no log of 0).
+    grad_W : float32 [D, 1]
+    grad_b : float32 [1]
+
+    Raises
+    ------
+    ValueError
+        If ``emb`` is empty, shapes disagree or K != 1.
+
+    Source: logistic regression, ``dL/dz = sigmoid(z) - y`` (Bishop 2006, §4.3.2).
+    """
+    n = emb.shape[0]
+    if n == 0 or W.shape[1] != 1 or emb.shape[1] != W.shape[0] or labels.shape != (n,):
+        raise ValueError(f"binary_cross_entropy: emb {emb.shape}, labels {labels.shape}, W {W.shape}")
+    z = (emb @ W + b).astype(np.float32, copy=False)[:, 0]
+    y = labels.astype(np.float32)
+    softplus = np.maximum(z, 0) + np.log1p(np.exp(-np.abs(z)))
+    loss = float(np.mean(softplus - y * z))
+    g = ((sigmoid(z) - y) / np.float32(n)).astype(np.float32)[:, None]
+    grad_W: F32 = (emb.T @ g).astype(np.float32, copy=False)
+    grad_b: F32 = g.sum(axis=0).astype(np.float32, copy=False)
+    return loss, grad_W, grad_b
+
+
+def loss_and_grad(W: F32, b: F32, emb: F32, labels: I64) -> tuple[float, F32, F32]:
+    """The head's loss and gradient: :func:`binary_cross_entropy` when K = 1, else :func:`cross_entropy`.
+
+    Parameters and returns as those two functions (``W`` float32 [D, K], ``labels`` int64 [N]).
+    """
+    if W.shape[1] == 1:
+        return binary_cross_entropy(W, b, emb, labels)
+    return cross_entropy(W, b, emb, labels)
 
 
 def sgd_step(

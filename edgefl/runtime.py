@@ -9,13 +9,16 @@ This is the only module that imports the interpreter (STYLE.md rule 1): ``ai_edg
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
+from edgefl import modelfile
 from edgefl.errors import ModelError
 from edgefl.types import F32
 
@@ -24,25 +27,56 @@ logger = logging.getLogger(__name__)
 RuntimeName = Literal["auto", "litert", "tflite"]
 
 
-def _interpreter_classes(runtime: RuntimeName) -> list[tuple[str, Any]]:
-    """Importable interpreter classes in order of preference (lazy imports: each costs RSS)."""
+def numpy_too_new_for_tflite_runtime() -> str | None:
+    """Why tflite-runtime cannot run here, or None: its wheels are built against numpy 1.x.
+
+    Under numpy 2 importing it prints numpy's "compiled using NumPy 1.x" banner and the first
+    interpreter fails with ``SystemError: ... returned a result with an exception set``; so edgefl
+    checks the version first and never imports it then.
+
+    Returns
+    -------
+    str or None
+        The message (naming ``numpy<2``), when numpy's major version is 2 or more.
+    """
+    major = int(np.__version__.split(".")[0])
+    if major < 2:
+        return None
+    return (
+        f"tflite-runtime needs numpy<2, numpy {np.__version__} is installed: "
+        "pip install 'numpy<2' (the `tflite` extra pins it), or use ai-edge-litert"
+    )
+
+
+def _interpreter_classes(runtime: RuntimeName) -> tuple[list[tuple[str, Any]], list[str]]:
+    """Importable interpreter classes in order of preference (lazy imports: each costs RSS).
+
+    Returns the classes and the reasons a requested runtime was not used.
+    """
     found: list[tuple[str, Any]] = []
+    notes: list[str] = []
     if runtime in ("auto", "litert"):
         try:
             from ai_edge_litert import interpreter as litert
 
             found.append(("litert", litert))
         except ImportError as exc:
-            logger.info("LiteRT (ai-edge-litert) not importable: %s", exc)
+            logger.debug("LiteRT (ai-edge-litert) not importable: %s", exc)  # in the refusal if none loads
+            notes.append(f"ai-edge-litert not importable ({exc})")
     if runtime in ("auto", "tflite"):
-        try:
-            from tflite_runtime import interpreter as tflite
+        too_new = numpy_too_new_for_tflite_runtime()
+        if too_new is not None and importlib.util.find_spec("tflite_runtime") is not None:
+            notes.append(too_new)
+        else:
+            try:
+                from tflite_runtime import interpreter as tflite
 
-            found.append(("tflite", tflite))
-        except ImportError as exc:
-            # expected wherever LiteRT is installed; it only matters when nothing else loads
-            (logger.debug if found else logger.info)("tflite-runtime not importable: %s", exc)
-    return found
+                found.append(("tflite", tflite))
+            except ImportError as exc:
+                # expected wherever LiteRT is installed; named in the refusal when nothing else loads
+                logger.debug("tflite-runtime not importable: %s", exc)
+                notes.append(f"tflite-runtime not importable ({exc})")
+    return found, notes
 
 
 def runtime_available(runtime: RuntimeName) -> bool:
@@ -51,15 +85,21 @@ def runtime_available(runtime: RuntimeName) -> bool:
 
 
 def open_interpreter(
-    path: Path, *, num_threads: int = 1, runtime: RuntimeName = "auto", delegates: bool = False
+    path: Path,
+    *,
+    num_threads: int = 1,
+    runtime: RuntimeName = "auto",
+    delegates: bool = False,
+    content: bytes | None = None,
 ) -> tuple[str, Any]:
     """Create and allocate an interpreter for ``path``, trying each available runtime in turn.
 
-    A runtime counts as working only once it has built an interpreter for the model: tflite-runtime
-    imports under numpy 2 and then fails when the interpreter is created, so importing is not enough.
+    A runtime counts as working only once it has built an interpreter for the model. tflite-runtime is
+    not even imported under numpy 2 (:func:`numpy_too_new_for_tflite_runtime`): the refusal names
+    ``numpy<2``.
 
-    The model is given by path, not bytes: LiteRT then memory-maps the file, so no second copy of
-    the model lives in the heap.
+    The model is given by path unless ``content`` is set: LiteRT then memory-maps the file, so no
+    second copy of the model lives in the heap.
 
     ``delegates=False`` uses the built-in kernels without the default XNNPACK delegate: a delegated
     graph keeps its intermediate tensors inside the delegate, and ``get_tensor`` on an intermediate
@@ -76,6 +116,9 @@ def open_interpreter(
         Which runtime to use; "auto" prefers LiteRT.
     delegates : bool
         Apply the runtime's default delegate (XNNPACK on CPU).
+    content : bytes or None
+        The model's bytes, when they differ from the file's (a model prepared in memory by
+        :func:`edgefl.modelfile.add_outputs`); ``path`` then only names it in messages.
 
     Returns
     -------
@@ -87,20 +130,26 @@ def open_interpreter(
         If the file is missing, no runtime is importable, or every runtime failed to load it
         (corrupt or unsupported model); the message names each runtime's error.
     """
-    if not path.is_file():
+    if content is None and not path.is_file():
         raise ModelError(str(path), "model file not found")
-    classes = _interpreter_classes(runtime)
+    classes, notes = _interpreter_classes(runtime)
     if not classes:
         raise ModelError(
             str(path),
-            f"no TFLite runtime importable for runtime={runtime!r} "
-            "(install ai-edge-litert, or tflite-runtime with numpy<2)",
+            f"no TFLite runtime usable for runtime={runtime!r}: "
+            + "; ".join(notes)
+            + (
+                ""
+                if any("numpy<2" in n for n in notes)
+                else " (install ai-edge-litert, or tflite-runtime with numpy<2)"
+            ),
         )
     errors: list[str] = []
     for name, mod in classes:
         try:
+            source = {"model_path": str(path)} if content is None else {"model_content": content}
             interp = mod.Interpreter(
-                model_path=str(path),
+                **source,
                 num_threads=num_threads,
                 experimental_op_resolver_type=(
                     mod.OpResolverType.BUILTIN
@@ -110,8 +159,9 @@ def open_interpreter(
             )
             interp.allocate_tensors()
             return name, interp
-        except (ValueError, RuntimeError, TypeError, AttributeError, ImportError) as exc:
-            errors.append(f"{name}: {exc}")
+        except (ValueError, RuntimeError, TypeError, AttributeError, ImportError, SystemError) as exc:
+            # SystemError: a runtime built against another numpy ABI (see numpy_too_new_for_tflite_runtime)
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
     raise ModelError(str(path), "cannot load model: " + "; ".join(errors))
 
 
@@ -160,6 +210,9 @@ def dequantize(q: np.ndarray, quant: Quant) -> F32:
     return out
 
 
+PREPARE_HINT = "edgefl model prepare MODEL --out OUT"
+
+
 class Backbone:
     """A loaded model split at its embedding tensor: the frozen backbone plus the shipped head.
 
@@ -173,25 +226,31 @@ class Backbone:
     embedding_tensor : str or None
         Name of the embedding tensor; None = the input of the model's last FULLY_CONNECTED op.
     xnnpack : bool or None
-        Run with the XNNPACK delegate. None (default) = exactly when the embedding is one of the
-        model's outputs (the models ``models/build.py`` writes export it as their second output), since
-        a delegated graph's intermediate tensors cannot be read. ``delegated`` records the choice.
+        Run with the XNNPACK delegate; None (default) = yes. The embedding is always a model output
+        (see ``prepare``), so it stays readable under the delegate. ``delegated`` records the choice.
+    prepare : bool
+        When the embedding is not one of the model's outputs, add it as an extra output in memory
+        (:func:`edgefl.modelfile.add_outputs`, ``prepared`` is then True). False refuses such a model
+        with a message naming ``edgefl model prepare``.
 
     Raises
     ------
     ModelError
-        If the model cannot be loaded, has no FULLY_CONNECTED op (and no named tensor), or the named
-        tensor does not exist.
+        If the model cannot be loaded, has no FULLY_CONNECTED op (and no named tensor), the named
+        tensor does not exist, or (``prepare=False``) the embedding is not a model output.
 
     Notes
     -----
-    After ``invoke()`` the embedding is read with ``get_tensor`` (a copy). Without XNNPACK it may be an
-    intermediate tensor: it is the input of the graph's last op, whose arena buffer the output cannot
-    overwrite, so it is intact after the call (checked against an interpreter with
-    ``experimental_preserve_all_tensors`` in the tests). The logits are the output of the last
-    FULLY_CONNECTED op (or the first output that is not the embedding). With XNNPACK, int8 kernels
-    round differently from the built-in ones: 1 step on some digits embedding values, up to ~90 steps on
-    the random-weight MobileNet int8 embedding, whose deep random layers amplify it (models/README.md).
+    The embedding is never read from an intermediate tensor: the interpreter's arena reuses the buffer
+    of an intermediate tensor once its last reader has run (a FC -> LOGISTIC -> QUANTIZE tail
+    overwrites the FC input), while a model output keeps its own buffer until the next ``invoke()``.
+    The logits are the model output fed by the head: the last FULLY_CONNECTED's output, or the output
+    of the SOFTMAX/LOGISTIC (and QUANTIZE) after it (``head_activation`` says which). With XNNPACK, int8
+    kernels round differently from the built-in ones: 1 step on some digits embedding values, up to
+    ~90 steps on the random-weight MobileNet int8 embedding, whose deep random layers amplify it
+    (models/README.md). A stateful model (resource variables, ``stateful``) keeps its batch, and its
+    samples run one by one in order through the one interpreter, so the state carries from frame to
+    frame; the construction's trial invoke does not leave state behind (the interpreter is rebuilt).
     A model that loads but cannot run (damaged weights) is refused at construction by a trial invoke.
     One interpreter is used by one thread at a time: the daemon calls it from one executor thread.
     """
@@ -204,66 +263,126 @@ class Backbone:
         runtime: RuntimeName = "auto",
         embedding_tensor: str | None = None,
         xnnpack: bool | None = None,
+        prepare: bool = True,
     ) -> None:
         self.path = path
-        # Open with XNNPACK unless told not to: the shipped models export their embedding, so the
-        # common case needs one interpreter; a model whose embedding is internal is reopened without.
-        self.runtime_name, self.interpreter = open_interpreter(
-            path, num_threads=num_threads, runtime=runtime, delegates=xnnpack is not False
-        )
+        if not path.is_file():
+            raise ModelError(str(path), "model file not found")
         self.sha256 = file_sha256(path)
         try:
-            self._inspect(num_threads, runtime, embedding_tensor, xnnpack)
+            # parse through a read-only map: only the pages of the tables read become resident,
+            # never the weights (a 1280-wide float model is ~14 MB)
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                content = self._inspect(mapped, embedding_tensor, prepare)
+            self.delegated = xnnpack is not False
+            self.runtime_name, self.interpreter = open_interpreter(
+                path, num_threads=num_threads, runtime=runtime, delegates=self.delegated, content=content
+            )
+            self._reopen = (num_threads, runtime, content)
+            self._read_details()
             self._trial_invoke()
+            if self.stateful:
+                self.reset_state()  # start from the model's initial state, not the trial invoke's
         except (UnicodeDecodeError, ValueError, RuntimeError, KeyError, IndexError, TypeError) as exc:
             # a file that loads but whose metadata or graph is corrupt (names, shapes, missing buffers)
             raise ModelError(str(path), f"corrupt or unsupported model: {type(exc).__name__}: {exc}") from exc
 
     def _inspect(
-        self, num_threads: int, runtime: RuntimeName, embedding_tensor: str | None, xnnpack: bool | None
-    ) -> None:
-        """Find the input, embedding and logits tensors; reopen without XNNPACK when it is not chosen."""
-        path = self.path
+        self, buf: modelfile.ModelBytes, embedding_tensor: str | None, prepare: bool
+    ) -> bytes | None:
+        """Find the input, embedding, head and logits tensors in the flatbuffer.
+
+        Returns the model bytes to load when the embedding had to be added as an output, else None
+        (the file is loaded by path, memory-mapped).
+        """
+        path = str(self.path)
+        try:
+            graph = modelfile.read_graph(buf, path)
+        except ModelError as exc:
+            # let the runtime name its own error for what it cannot load at all
+            open_interpreter(self.path)
+            raise exc
+        self.graph = graph
+        if len(graph.inputs) != 1 or not graph.outputs:
+            raise ModelError(path, f"expected 1 input tensor, found {len(graph.inputs)}")
+        fc = modelfile.head_fc(graph)
+        self._fc_weights: int | None = None
+        self._fc_bias: int | None = None
+        self.fc_output_index: int | None = None  # the head's logits tensor (before its activation)
+        self.head_activation = "none"
+        if embedding_tensor:
+            found = [t.index for t in graph.tensors if t.name == embedding_tensor]
+            if not found:
+                raise ModelError(path, f"embedding tensor {embedding_tensor!r} not found in the model")
+            self.embedding_index = found[0]
+        elif fc is None:
+            raise ModelError(path, "no FULLY_CONNECTED op: set model.embedding_tensor in the profile")
+        else:
+            ins = graph.ops[fc].inputs
+            self.embedding_index = ins[0]
+            self._fc_weights = ins[1]
+            self._fc_bias = ins[2] if len(ins) > 2 and ins[2] >= 0 else None
+            self.head_activation = modelfile.head_activation(graph, fc)
+            self.fc_output_index = graph.ops[fc].outputs[0]
+        self.stateful_ops = modelfile.stateful_ops(graph)
+        self.stateful = bool(self.stateful_ops)
+        others = [i for i in graph.outputs if i != self.embedding_index]
+        if not others:
+            raise ModelError(path, "the only model output is the embedding: no logits output")
+        head_out = modelfile.head_output(graph, fc) if fc is not None and not embedding_tensor else -1
+        self.output_index = head_out if head_out in graph.outputs else others[0]
+        self.embedding_output = self.embedding_index in graph.outputs
+        self.prepared = not self.embedding_output
+        if self.embedding_output:
+            return None
+        if not prepare:
+            name = graph.tensors[self.embedding_index].name
+            raise ModelError(
+                path,
+                f"the embedding (tensor {self.embedding_index} {name!r}) is not a model output, so the "
+                f"interpreter may reuse its buffer: run `{PREPARE_HINT}` and use OUT",
+            )
+        logger.info(
+            "%s: embedding tensor %d is not a model output; added as one in memory (`%s` writes such a file)",
+            self.path.name,
+            self.embedding_index,
+            PREPARE_HINT,
+        )
+        return modelfile.add_outputs(buf, [self.embedding_index], path)
+
+    def reset_state(self) -> None:
+        """Give a stateful model its initial state again: a new interpreter for the same model.
+
+        ``reset_all_variables()`` does not reset resource variables (checked with LiteRT 2.3.0), so the
+        interpreter is rebuilt; anything holding the old ``interpreter`` must read it again.
+
+        Raises
+        ------
+        ModelError
+            If the model can no longer be loaded.
+        """
+        num_threads, runtime, content = self._reopen
+        self.runtime_name, self.interpreter = open_interpreter(
+            self.path, num_threads=num_threads, runtime=runtime, delegates=self.delegated, content=content
+        )
+        self.batch = int(self.input_shape[0])
+
+    def _read_details(self) -> None:
+        """Shapes, dtypes and quantisation from the interpreter; probe whether the batch resizes."""
         inputs = self.interpreter.get_input_details()
-        outputs = self.interpreter.get_output_details()
-        if len(inputs) != 1 or len(outputs) < 1:
-            raise ModelError(str(path), f"expected 1 input tensor, found {len(inputs)}")
         self.input_index = int(inputs[0]["index"])
         self.input_shape: tuple[int, ...] = tuple(int(d) for d in inputs[0]["shape"])
         self.input_dtype = np.dtype(inputs[0]["dtype"])
         self.input_quant = _quant(inputs[0])
-        self._fc_weights: int | None = None
-        self._fc_bias: int | None = None
-        self._fc_output: int | None = None
-        self.embedding_index = self._find_embedding(embedding_tensor)
-        output_indices = [int(d["index"]) for d in outputs]
-        logits = [i for i in output_indices if i != self.embedding_index]
-        self.output_index: int
-        if self._fc_output is not None and self._fc_output in output_indices:
-            self.output_index = self._fc_output
-        elif logits:
-            self.output_index = logits[0]
-        else:
-            raise ModelError(str(path), "the only model output is the embedding: no logits output")
-        self.output_quant = _quant(next(d for d in outputs if int(d["index"]) == self.output_index))
-        # Tensor indices are the flatbuffer's, the same in a delegated interpreter of the same file.
-        embedding_is_output = self.embedding_index in output_indices
-        if xnnpack and not embedding_is_output:
-            raise ModelError(
-                str(path),
-                "xnnpack requested, but the embedding is not a model output (unreadable under XNNPACK)",
-            )
-        self.delegated = bool(xnnpack) if xnnpack is not None else embedding_is_output
-        if xnnpack is None and not self.delegated:
-            self.runtime_name, self.interpreter = open_interpreter(
-                path, num_threads=num_threads, runtime=runtime, delegates=False
-            )
-        details = {int(d["index"]): d for d in self.interpreter.get_tensor_details()}
-        emb = details[self.embedding_index]
+        self.interpreter.get_tensor_details()  # every name decodes (a corrupt one raises here)
+        outputs = {int(d["index"]): d for d in self.interpreter.get_output_details()}
+        self.output_quant = _quant(outputs[self.output_index])
+        emb = outputs[self.embedding_index]
         self.embedding_quant = _quant(emb)
         self.embedding_dim = int(emb["shape"][-1])
         self.batch = int(self.input_shape[0])
-        self.resizable = self._probe_resize()
+        # a stateful model keeps its batch: its state has the batch's shape
+        self.resizable = False if self.stateful else self._probe_resize()
 
     def _trial_invoke(self) -> None:
         """Run the model once on zeros: a file whose weights are damaged can load and still not run.
@@ -293,28 +412,25 @@ class Backbone:
         self.interpreter.allocate_tensors()
         return ok
 
-    def _find_embedding(self, name: str | None) -> int:
-        if name:
-            for d in self.interpreter.get_tensor_details():
-                if d["name"] == name:
-                    return int(d["index"])
-            raise ModelError(str(self.path), f"embedding tensor {name!r} not found in the model")
-        try:
-            ops = self.interpreter._get_ops_details()
-        except AttributeError as exc:
-            raise ModelError(str(self.path), "runtime cannot list ops; set model.embedding_tensor") from exc
-        # a delegated interpreter lists the original ops, then the DELEGATE nodes that replaced them
-        fcs = [op for op in ops if op["op_name"] == "FULLY_CONNECTED"]
-        if not fcs:
-            raise ModelError(
-                str(self.path), "no FULLY_CONNECTED op: set model.embedding_tensor in the profile"
-            )
-        last = fcs[-1]
-        ins = [int(i) for i in last["inputs"]]
-        self._fc_weights = ins[1]
-        self._fc_bias = ins[2] if len(ins) > 2 and ins[2] >= 0 else None
-        self._fc_output = int(last["outputs"][0])
-        return ins[0]
+    def logits_range(self) -> tuple[float, float] | None:
+        """The real range the model's own FC output can hold (its int8 saturation), or None (float).
+
+        A float head is not bound by it: where the model saturates (outside its calibration range) the
+        head's logits go on, so head-vs-model comparisons clip to it first.
+        """
+        if self.fc_output_index is None:
+            return None
+        t = self.graph.tensors[self.fc_output_index]
+        if not t.scales or t.dtype not in ("int8", "uint8"):
+            return None
+        info = np.iinfo(np.dtype(t.dtype))
+        s, z = t.scales[0], t.zero_points[0]
+        return (info.min - z) * s, (info.max - z) * s
+
+    @property
+    def head_weights_index(self) -> int | None:
+        """Tensor index of the head's FC weights [K, D]; None when the profile names the embedding."""
+        return self._fc_weights
 
     @property
     def sample_shape(self) -> tuple[int, ...]:

@@ -910,20 +910,176 @@ def build_mobilenet(out: Path, seed: int) -> None:
     _write_raw_input(out, frozen, calibration, "mobilenet_v2_035_96_int8.tflite")
 
 
+STREAM_FRAMES = 3  # feature frames per invoke
+STREAM_FEATURES = 40  # e.g. log-mel bins
+STREAM_CONTEXT = 2  # earlier frames kept in the model's state
+STREAM_HIDDEN = 32
+STREAM_EMBEDDING_D = 16
+STREAM_NAME = "test/streaming_kws_int8.tflite"
+
+
+def build_streaming(out: Path, seed: int) -> None:
+    """Build the streaming keyword-spotter test model: int8, resource variables, a logistic head.
+
+    Input int8 [1, 3, 40] (three feature frames); a resource variable holds the previous two frames
+    (VAR_HANDLE, READ_VARIABLE, ASSIGN_VARIABLE in the graph), so each invoke sees five frames and the
+    output depends on the frames before it. Two FULLY_CONNECTED layers (ReLU) give the embedding
+    (D = 16); the head is FULLY_CONNECTED (K = 1) -> LOGISTIC -> QUANTIZE to a uint8 [1, 1] output.
+    Random seeded weights, calibrated on standard-normal features (the same distribution the tests
+    feed it). The embedding is not a model output: the agent must prepare it (issue 14).
+    """
+    tf = _seed_everything(seed)
+    rng = np.random.default_rng(seed + 5)
+    width = (STREAM_CONTEXT + STREAM_FRAMES) * STREAM_FEATURES
+
+    def dense(n_in: int, n_out: int) -> tuple[Any, Any]:
+        w = rng.normal(0.0, 1.0 / np.sqrt(n_in), (n_in, n_out)).astype(np.float32)
+        return tf.constant(w), tf.constant(rng.normal(0.0, 0.1, n_out).astype(np.float32))
+
+    class Streaming(tf.Module):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.context = tf.Variable(
+                tf.zeros([1, STREAM_CONTEXT, STREAM_FEATURES]), trainable=False, name="context"
+            )
+            self.w1, self.b1 = dense(width, STREAM_HIDDEN)
+            self.w2, self.b2 = dense(STREAM_HIDDEN, STREAM_EMBEDDING_D)
+            self.w3, self.b3 = dense(STREAM_EMBEDDING_D, 1)
+
+        @tf.function(input_signature=[tf.TensorSpec([1, STREAM_FRAMES, STREAM_FEATURES], tf.float32)])  # type: ignore[misc,untyped-decorator]
+        def __call__(self, x: Any) -> Any:
+            frames = tf.concat([self.context, x], axis=1)
+            self.context.assign(frames[:, -STREAM_CONTEXT:, :])
+            h = tf.nn.relu(tf.matmul(tf.reshape(frames, [1, width]), self.w1) + self.b1)
+            embedding = tf.nn.relu(tf.matmul(h, self.w2) + self.b2)
+            return tf.sigmoid(tf.matmul(embedding, self.w3) + self.b3)
+
+    module = Streaming()
+    converter = tf.lite.TFLiteConverter.from_concrete_functions(
+        [module.__call__.get_concrete_function()], module
+    )
+    converter.experimental_enable_resource_variables = True
+    calibration = streaming_frames(REPRESENTATIVE_FRAMES, seed)
+
+    def samples() -> Any:
+        for frame in calibration:
+            yield [frame[None]]
+
+    converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    converter.representative_dataset = samples
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+    converter.inference_input_type = tf.int8
+    converter.inference_output_type = tf.uint8
+    (out / "test").mkdir(parents=True, exist_ok=True)
+    _write(out / STREAM_NAME, bytes(converter.convert()))
+
+
+def streaming_frames(n: int, seed: int) -> F32:
+    """``n`` standard-normal feature windows float32 [n, 3, 40] (the streaming model's input range)."""
+    rng = np.random.default_rng(seed + 6)
+    return rng.standard_normal((n, STREAM_FRAMES, STREAM_FEATURES)).astype(np.float32)
+
+
+def verify_streaming(out: Path, seed: int) -> None:
+    """Print the streaming model's ops and its head-vs-model difference over 64 frames in order."""
+    from edgefl.head import activate
+    from edgefl.runtime import Backbone
+
+    bb = Backbone(out / STREAM_NAME, xnnpack=False)
+    W, b = bb.head_from_model()
+    emb, y = bb.run(bb.quantize_input(streaming_frames(64, seed + 1)))
+    lo, hi = bb.logits_range() or (-np.inf, np.inf)  # where the model's int8 FC output saturates
+    diff = float(
+        np.abs(activate(np.clip(emb @ W + b, lo, hi).astype(np.float32), bb.head_activation) - y).max()
+    )
+    ops = sorted({op.name for op in bb.graph.ops})
+    print(
+        f"{STREAM_NAME}: stateful ops {bb.stateful_ops}, D={bb.embedding_dim}, K={W.shape[1]}, "
+        f"activation {bb.head_activation}, ops {ops}; logits saturate at {lo:.3g}..{hi:.3g}; "
+        f"head (clipped there) vs model max |diff| {diff:.3g} "
+        f"({diff / bb.output_quant.scale:.2f} output steps)"
+    )
+
+
+SOFTMAX_FEATURES = 8
+SOFTMAX_D = 16
+SOFTMAX_K = 4
+SOFTMAX_NAMES = ("test/softmax_mlp_float32.tflite", "test/softmax_mlp_int8.tflite")
+
+
+def build_softmax(out: Path, seed: int) -> None:
+    """Build the softmax-head test models: float32 and int8, ``Dense(16, relu) -> Dense(4) -> softmax``.
+
+    Input [N, 8] (dynamic batch), the embedding (D = 16) is internal (not a model output), the head is
+    FULLY_CONNECTED (K = 4) -> SOFTMAX: the shape of a third-party classifier that outputs
+    probabilities. Random seeded weights; the int8 file is calibrated on standard-normal features.
+    """
+    tf = _seed_everything(seed)
+    keras = tf.keras
+    inputs = keras.Input(shape=(SOFTMAX_FEATURES,), name="features")
+    embedding = keras.layers.Dense(SOFTMAX_D, activation="relu", name="embedding")(inputs)
+    probs = keras.layers.Dense(
+        SOFTMAX_K,
+        activation="softmax",
+        name="probs",
+        bias_initializer=keras.initializers.RandomNormal(stddev=0.1, seed=seed),
+    )(embedding)
+    frozen = _frozen_concrete_function(keras.Model(inputs, probs), (SOFTMAX_FEATURES,))
+    (out / "test").mkdir(parents=True, exist_ok=True)
+    _write(out / SOFTMAX_NAMES[0], _convert(frozen, None))
+    calibration = np.random.default_rng(seed + 7).standard_normal((REPRESENTATIVE_FRAMES, SOFTMAX_FEATURES))
+    _write(out / SOFTMAX_NAMES[1], _convert(frozen, calibration.astype(np.float32)))
+
+
+def verify_softmax(out: Path, seed: int) -> None:
+    """Print the softmax test models' head-vs-model difference on 256 standard-normal inputs."""
+    from edgefl.head import activate
+    from edgefl.runtime import Backbone
+
+    x = np.random.default_rng(seed + 8).standard_normal((256, SOFTMAX_FEATURES)).astype(np.float32)
+    for name in SOFTMAX_NAMES:
+        bb = Backbone(out / name, xnnpack=False)
+        W, b = bb.head_from_model()
+        emb, y = bb.run(bb.quantize_input(x))
+        lo, hi = bb.logits_range() or (-np.inf, np.inf)
+        diff = float(
+            np.abs(activate(np.clip(emb @ W + b, lo, hi).astype(np.float32), bb.head_activation) - y).max()
+        )
+        step = f" ({diff / bb.output_quant.scale:.2f} output steps)" if bb.output_quant.scale else ""
+        print(f"{name}: D={bb.embedding_dim}, K={W.shape[1]}, activation {bb.head_activation}; "
+              f"head vs model max |diff| {diff:.3g}{step}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, build the selected models, verify them with LiteRT and print the card numbers."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, default=REPO / "models", help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split, training and calibration")
-    parser.add_argument("--only", choices=("digits", "mobilenet"), help="build one model family only")
+    parser.add_argument(
+        "--only",
+        choices=("digits", "mobilenet", "streaming", "softmax"),
+        help="build one model family only",
+    )
     parser.add_argument(
         "--verify-only", action="store_true", help="do not build; run the existing files with LiteRT (no TF)"
     )
     args = parser.parse_args(argv)
-    families = [args.only] if args.only else ["digits", "mobilenet"]
+    families = [args.only] if args.only else ["digits", "mobilenet", "streaming", "softmax"]
+    builders = {
+        "digits": build_digits,
+        "mobilenet": build_mobilenet,
+        "streaming": build_streaming,
+        "softmax": build_softmax,
+    }
+    verifiers = {
+        "digits": verify_digits,
+        "mobilenet": verify_mobilenet,
+        "streaming": verify_streaming,
+        "softmax": verify_softmax,
+    }
     if not args.verify_only:
         for family in families:
-            (build_digits if family == "digits" else build_mobilenet)(args.out, args.seed)
+            builders[family](args.out, args.seed)
         import tensorflow as tf
 
         print(f"\ntensorflow {tf.__version__}, python {sys.version.split()[0]}")
@@ -931,7 +1087,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"ai-edge-litert {getattr(ai_edge_litert, '__version__', '?')}, numpy {np.__version__}")
     for family in families:
-        (verify_digits if family == "digits" else verify_mobilenet)(args.out, args.seed)
+        verifiers[family](args.out, args.seed)
     return 0
 
 

@@ -4,7 +4,18 @@ import numpy as np
 import pytest
 
 from edgefl.errors import UpdateRejected
-from edgefl.head import Head, cross_entropy, sgd_step, softmax, validate_head
+from edgefl.head import (
+    Head,
+    activate,
+    binary_cross_entropy,
+    check_labels,
+    cross_entropy,
+    loss_and_grad,
+    sgd_step,
+    sigmoid,
+    softmax,
+    validate_head,
+)
 
 
 def _data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -87,3 +98,74 @@ def test_head_predict_and_validate() -> None:
         validate_head(np.array([[np.nan, 0], [0, 0]], np.float32), np.zeros(2, np.float32), (2, 2))
     with pytest.raises(UpdateRejected, match="bad_dtype"):
         validate_head(W.astype(np.float64), np.zeros(2, np.float32), (2, 2))
+
+
+def _binary(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    W = rng.normal(0, 0.5, (5, 1)).astype(np.float32)
+    b = rng.normal(0, 0.5, 1).astype(np.float32)
+    emb = rng.normal(0, 1, (11, 5)).astype(np.float32)
+    y = rng.integers(0, 2, 11).astype(np.int64)
+    return W, b, emb, y
+
+
+def test_logistic_gradient_matches_finite_differences() -> None:
+    W, b, emb, y = _binary()
+    _, gW, gb = loss_and_grad(W, b, emb, y)  # K = 1: binary cross-entropy
+    e64, y64 = emb.astype(np.float64), y.astype(np.float64)
+
+    def loss64(Wx: np.ndarray, bx: np.ndarray) -> float:
+        z = (e64 @ Wx + bx)[:, 0]
+        p = 1 / (1 + np.exp(-z))
+        return float(-np.mean(y64 * np.log(p) + (1 - y64) * np.log(1 - p)))
+
+    eps = 1e-3
+    for i in range(W.shape[0]):
+        Wp, Wm = W.astype(np.float64), W.astype(np.float64)
+        Wp[i, 0] += eps
+        Wm[i, 0] -= eps
+        assert gW[i, 0] == pytest.approx((loss64(Wp, b) - loss64(Wm, b)) / (2 * eps), abs=2e-4)
+    num_b = (loss64(W, b.astype(np.float64) + eps) - loss64(W, b.astype(np.float64) - eps)) / (2 * eps)
+    assert gb[0] == pytest.approx(num_b, abs=2e-4)
+    assert loss_and_grad(W, b, emb, y)[0] == pytest.approx(loss64(W, b), rel=1e-5)
+
+
+def test_logistic_value_by_hand_and_no_overflow() -> None:
+    # zero weights: p = 0.5 for every sample -> loss ln 2; dL/db = mean(p - y) = 0.5 - 3/4
+    W, b = np.zeros((3, 1), np.float32), np.zeros(1, np.float32)
+    emb = np.ones((4, 3), np.float32)
+    loss, gW, gb = binary_cross_entropy(W, b, emb, np.array([1, 1, 1, 0]))
+    assert loss == pytest.approx(np.log(2), rel=1e-6)
+    np.testing.assert_allclose(gb, [-0.25], atol=1e-7)
+    np.testing.assert_allclose(gW, [[-0.25]] * 3, atol=1e-7)
+    # a logit of +-200: softplus form, no inf/nan; the wrong label costs 200 nats
+    big = np.full((1, 1), 200.0, np.float32)
+    one = np.ones((1, 1), np.float32)
+    assert binary_cross_entropy(big, np.zeros(1, np.float32), one, np.array([0]))[0] == pytest.approx(200.0)
+    np.testing.assert_allclose(sigmoid(np.array([-200.0, 0.0, 200.0], np.float32)), [0.0, 0.5, 1.0])
+    with pytest.raises(ValueError, match="binary_cross_entropy"):
+        binary_cross_entropy(
+            np.zeros((3, 2), np.float32), np.zeros(2, np.float32), emb, np.zeros(4, np.int64)
+        )
+
+
+def test_logistic_head_predicts_and_scores_both_classes() -> None:
+    h = Head(np.array([[2.0]], np.float32), np.array([-1.0], np.float32))
+    emb = np.array([[0.0], [1.0], [0.5]], np.float32)  # logits -1, 1, 0
+    np.testing.assert_array_equal(h.predict(emb), [0, 1, 0])  # p = 0.5 is not > 0.5
+    cls, score = h.scores(emb)
+    np.testing.assert_array_equal(cls, [0, 1, 0])
+    p1 = 1 / (1 + np.exp(-1.0))
+    np.testing.assert_allclose(score, [p1, p1, 0.5], rtol=1e-6)
+    np.testing.assert_allclose(activate(h.logits(emb), "logistic")[:, 0], [1 - p1, p1, 0.5], rtol=1e-6)
+    soft = Head(np.eye(2, dtype=np.float32), np.zeros(2, np.float32))
+    cls2, score2 = soft.scores(np.array([[0.0, np.log(3.0)]], np.float32))
+    assert cls2[0] == 1 and score2[0] == pytest.approx(0.75)
+
+
+def test_logistic_labels_checked_against_k() -> None:
+    labels = np.array([-1, 0, 1, 2, 9, 10])
+    np.testing.assert_array_equal(check_labels(labels, 1), [False, True, True, False, False, False])
+    np.testing.assert_array_equal(check_labels(labels, 10), [False, True, True, True, True, False])
+    with pytest.raises(ValueError, match="activation"):
+        activate(np.zeros((1, 1), np.float32), "tanh")

@@ -133,16 +133,48 @@ def test_a_model_that_loads_but_cannot_run_gives_model_error(tmp_path: Path) -> 
         Backbone(bad)
 
 
-def test_xnnpack_is_refused_when_the_embedding_is_not_an_output() -> None:
+def test_prepare_an_internal_embedding_in_memory_or_refuse_naming_the_command() -> None:
     from ai_edge_litert.interpreter import Interpreter
 
     probe = Interpreter(model_path=str(INT8_MODEL))
     names = {d["index"]: d["name"] for d in probe.get_tensor_details()}
     reshape = next(op for op in probe._get_ops_details() if op["op_name"] == "RESHAPE")
     inner = names[int(reshape["inputs"][0])]  # conv2's activation [N, 4, 4, 32]: not a model output
-    bb = Backbone(INT8_MODEL, embedding_tensor=inner)  # an intermediate tensor: built-in kernels
-    assert not bb.delegated and bb.embedding_dim > 0
-    emb, logits = bb.run(np.zeros((2, *bb.sample_shape), dtype=bb.input_dtype))  # readable: reopened
+    bb = Backbone(INT8_MODEL, embedding_tensor=inner)  # added as an output in memory
+    assert bb.prepared and bb.delegated and bb.embedding_dim == 32
+    assert bb.sha256 == file_sha256(INT8_MODEL)  # global heads stay bound to the user's file
+    emb, logits = bb.run(np.zeros((2, *bb.sample_shape), dtype=bb.input_dtype))  # readable under XNNPACK
     assert emb.shape == (2, 4 * 4 * bb.embedding_dim) and logits.shape == (2, 10)
-    with pytest.raises(ModelError, match="not a model output"):
-        Backbone(INT8_MODEL, embedding_tensor=inner, xnnpack=True)
+    with pytest.raises(ModelError, match="edgefl model prepare MODEL --out OUT"):
+        Backbone(INT8_MODEL, embedding_tensor=inner, prepare=False)
+
+
+def test_own_model_numpy_2_with_tflite_runtime_stops_naming_numpy_lt_2(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from conftest import DEV_PROFILE
+
+    assert int(np.__version__.split(".")[0]) >= 2  # the test venv runs numpy 2
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edgefl.cli",
+            "run",
+            str(DEV_PROFILE),
+            "--set",
+            "model.runtime=tflite",
+            "--set",
+            "dashboard.enabled=false",
+            "--set",
+            f"device.state_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 3, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "numpy<2" in lines[0] and lines[0].startswith("edgefl: model error:"), lines
+    assert "SystemError" not in proc.stderr and "Traceback" not in proc.stderr
