@@ -81,7 +81,7 @@ def _interpreter_classes(runtime: RuntimeName) -> tuple[list[tuple[str, Any]], l
 
 def runtime_available(runtime: RuntimeName) -> bool:
     """Whether a TFLite runtime that ``runtime`` ("auto", "litert", "tflite") allows imports here."""
-    return bool(_interpreter_classes(runtime))
+    return bool(_interpreter_classes(runtime)[0])
 
 
 def open_interpreter(
