@@ -381,10 +381,18 @@ class Coordinator:
         return sign_message(encode, msg, self.signing_key, fleet=self.topics.fleet)
 
     async def pump(self) -> None:
-        """Consume incoming messages forever: statuses and updates (each handler is guarded)."""
+        """Consume incoming messages forever: statuses and updates (each handler is guarded).
+
+        ``Queue.get`` on a non-empty queue does not suspend: under a flood the loop would never run
+        anything else (signals, the round's deadline, the page), so it yields every 32 messages.
+        """
+        handled = 0
         while True:
             msg = await self.transport.queue.get()
             self.handle(msg)
+            handled += 1
+            if handled % 32 == 0:
+                await asyncio.sleep(0)
 
     def handle(self, msg: Message) -> None:
         """Dispatch one message; a bad one is logged with topic, size and reason and counted, never raised."""
