@@ -30,8 +30,8 @@ Rules kept here because LiteRT enforces them at run time:
   exception's traceback counts, so the frames of a failed write are cleared before re-raising.
 - Views are taken afresh for every batch, so a resize (by this pipeline, another pipeline or the
   backbone) never leaves a stale one.
-- One interpreter is used by one thread at a time: :func:`claim` raises :class:`InterpreterBusy` when a
-  second thread tries to use an interpreter another thread is using.
+- One interpreter is used by one thread at a time: a batch holds :meth:`Backbone.claim` (the guard every
+  invoke path of the backbone holds); a second thread waits, then gets :class:`InterpreterBusy`.
 
 Which mode and batch a model gets is measured (:func:`measure`, :func:`choose`), never assumed; the
 decision is cached per model sha256 so a restart does not re-profile. ``edgefl profile`` is in
@@ -44,11 +44,9 @@ import json
 import logging
 import os
 import resource
-import threading
 import time
 import traceback
 import tracemalloc
-import weakref
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,7 +54,6 @@ from typing import Any, Literal, cast
 
 import numpy as np
 
-from edgefl.errors import EdgeflError
 from edgefl.runtime import Backbone
 from edgefl.types import F32
 from edgefl.validators import MAX_BATCH
@@ -81,75 +78,6 @@ CACHE_VERSION = 1
 
 #: (tensor index, zero point, scale or None when not quantised)
 _Output = tuple[int, np.float32, np.float32 | None]
-
-
-class InterpreterBusy(EdgeflError):
-    """An interpreter was used by a second thread while another thread was using it.
-
-    Parameters
-    ----------
-    model : str
-        The model file.
-    holder : str
-        Name of the thread using the interpreter.
-    """
-
-    def __init__(self, model: str, holder: str) -> None:
-        self.model = model
-        self.holder = holder
-        super().__init__(
-            f"{model}: interpreter in use by thread {holder!r}; one interpreter is used by one thread "
-            "at a time (run inference on the agent's worker thread)"
-        )
-
-
-# --- one thread per interpreter --------------------------------------------------------------------
-@dataclass
-class _Claim:
-    owner: int = 0
-    name: str = ""
-    depth: int = 0
-
-
-_claims: weakref.WeakKeyDictionary[Any, _Claim] = weakref.WeakKeyDictionary()
-_claims_lock = threading.Lock()
-
-
-class claim:  # noqa: N801 - used as a function: ``with claim(backbone):``
-    """Hold ``backbone``'s interpreter for the calling thread (re-entrant in that thread).
-
-    A class rather than a generator context manager: it runs once per batch on the hot path.
-
-    Raises
-    ------
-    InterpreterBusy
-        On entry, if another thread holds it. It never waits: two threads on one interpreter is a
-        wiring bug to surface, not to serialise silently.
-    """
-
-    __slots__ = ("_backbone", "_claim")
-
-    def __init__(self, backbone: Backbone) -> None:
-        self._backbone = backbone
-        self._claim: _Claim | None = None
-
-    def __enter__(self) -> None:
-        me = threading.get_ident()
-        with _claims_lock:
-            c = _claims.get(self._backbone.interpreter)
-            if c is None:
-                c = _claims[self._backbone.interpreter] = _Claim()
-            if c.depth and c.owner != me:
-                raise InterpreterBusy(self._backbone.path.name, c.name)
-            if not c.depth:
-                c.owner, c.name = me, threading.current_thread().name
-            c.depth += 1
-        self._claim = c
-
-    def __exit__(self, *exc: object) -> None:
-        with _claims_lock:
-            assert self._claim is not None
-            self._claim.depth -= 1
 
 
 # --- the stages (shared by both paths and by the lookup tables) -----------------------------------
@@ -350,7 +278,7 @@ class Pipeline:
         emb = np.empty((n, self.backbone.embedding_dim), dtype=np.float32)
         logits = np.empty((n, self.num_classes), dtype=np.float32)
         tb = self.tensor_batch
-        with claim(self.backbone):
+        with self.backbone.claim():
             for g0 in range(0, n, tb):
                 rows = raw[g0 : g0 + tb]
                 self._load(rows)
@@ -382,7 +310,7 @@ class Pipeline:
         """
         n = self._check(raw)
         tb = self.tensor_batch
-        with claim(self.backbone):
+        with self.backbone.claim():
             for g0 in range(0, n, tb):
                 self._load(raw[g0 : g0 + tb])
                 self._interp.invoke()
@@ -397,12 +325,12 @@ class Pipeline:
         """
         if self._check(rows) > self.tensor_batch:
             raise ValueError(f"prepare: {len(rows)} rows > tensor batch {self.tensor_batch}")
-        with claim(self.backbone):
+        with self.backbone.claim():
             self._load(rows)
 
     def invoke_only(self, times: int = 1) -> None:
         """Invoke ``times`` times on whatever is in the input tensor (the throughput ceiling)."""
-        with claim(self.backbone):
+        with self.backbone.claim():
             self._ensure_batch()
             for _ in range(times):
                 self._interp.invoke()

@@ -8,18 +8,21 @@ This is the only module that imports the interpreter (STYLE.md rule 1): ``ai_edg
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import logging
 import mmap
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import numpy as np
 
 from edgefl import modelfile
-from edgefl.errors import ModelError
+from edgefl.errors import EdgeflError, ModelError
 from edgefl.types import F32
 
 logger = logging.getLogger(__name__)
@@ -213,6 +216,64 @@ def dequantize(q: np.ndarray, quant: Quant) -> F32:
 PREPARE_HINT = "edgefl model prepare MODEL --out OUT"
 
 
+INVOKE_WAIT_S = 30.0
+"""How long a second thread waits for a busy interpreter before :class:`InterpreterBusy` (seconds)."""
+
+
+class InterpreterBusy(EdgeflError):
+    """A second thread waited too long for an interpreter another thread is using.
+
+    Parameters
+    ----------
+    model : str
+        The model file.
+    holder : str
+        Name of the thread using the interpreter.
+    """
+
+    def __init__(self, model: str, holder: str) -> None:
+        self.model = model
+        self.holder = holder
+        super().__init__(
+            f"{model}: interpreter in use by thread {holder!r}; one interpreter runs one invoke at a time "
+            "(run inference on the agent's worker thread)"
+        )
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _held(fn: Callable[Concatenate[Backbone, _P], _R]) -> Callable[Concatenate[Backbone, _P], _R]:
+    """Run a :class:`Backbone` method holding its interpreter (:meth:`Backbone.claim`)."""
+
+    def wrapper(self: Backbone, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self.claim():
+            return fn(self, *args, **kwargs)
+
+    functools.update_wrapper(wrapper, fn)
+    return wrapper
+
+
+class _Guard:
+    """Re-entrant per-thread hold of one interpreter: other threads wait, then get InterpreterBusy."""
+
+    __slots__ = ("_backbone", "_timeout_s")
+
+    def __init__(self, backbone: Backbone, timeout_s: float) -> None:
+        self._backbone = backbone
+        self._timeout_s = timeout_s
+
+    def __enter__(self) -> None:
+        bb = self._backbone
+        if not bb._lock.acquire(timeout=self._timeout_s):
+            raise InterpreterBusy(bb.path.name, bb._holder)
+        bb._holder = threading.current_thread().name
+
+    def __exit__(self, *exc: object) -> None:
+        self._backbone._lock.release()
+
+
 class Backbone:
     """A loaded model split at its embedding tensor: the frozen backbone plus the shipped head.
 
@@ -269,6 +330,10 @@ class Backbone:
         if not path.is_file():
             raise ModelError(str(path), "model file not found")
         self.sha256 = file_sha256(path)
+        # One guard on every invoke path (run, resize, reset, reading weights, pipelines): two threads
+        # on one interpreter give silently wrong outputs, so a second caller waits (issue 15 item 9).
+        self._lock = threading.RLock()
+        self._holder = ""
         try:
             # parse through a read-only map: only the pages of the tables read become resident,
             # never the weights (a 1280-wide float model is ~14 MB)
@@ -350,6 +415,20 @@ class Backbone:
         )
         return modelfile.add_outputs(buf, [self.embedding_index], path)
 
+    def claim(self, timeout_s: float = INVOKE_WAIT_S) -> _Guard:
+        """Hold the interpreter for the calling thread: ``with backbone.claim(): ...`` (re-entrant).
+
+        Every method that touches the interpreter holds it; a pipeline holds it across a batch (write
+        the input, invoke, read the outputs).
+
+        Raises
+        ------
+        InterpreterBusy
+            On entry, if another thread held it for ``timeout_s`` seconds.
+        """
+        return _Guard(self, timeout_s)
+
+    @_held
     def reset_state(self) -> None:
         """Give a stateful model its initial state again: a new interpreter for the same model.
 
@@ -384,6 +463,7 @@ class Backbone:
         # a stateful model keeps its batch: its state has the batch's shape
         self.resizable = False if self.stateful else self._probe_resize()
 
+    @_held
     def _trial_invoke(self) -> None:
         """Run the model once on zeros: a file whose weights are damaged can load and still not run.
 
@@ -412,6 +492,7 @@ class Backbone:
         self.interpreter.allocate_tensors()
         return ok
 
+    @_held
     def logits_range(self) -> tuple[float, float] | None:
         """The real range the model's own FC output can hold (its int8 saturation), or None (float).
 
@@ -437,6 +518,7 @@ class Backbone:
         """Shape of one model input sample (without the batch axis)."""
         return self.input_shape[1:]
 
+    @_held
     def head_from_model(self) -> tuple[F32, F32]:
         """The head shipped inside the model (its last FULLY_CONNECTED op), dequantised.
 
@@ -483,6 +565,7 @@ class Backbone:
         W: F32 = np.ascontiguousarray(W_kd.T, dtype=np.float32)
         return W, np.ascontiguousarray(b, dtype=np.float32)
 
+    @_held
     def resize(self, batch: int) -> None:
         """Resize the input to ``batch`` samples and re-allocate tensors (invalidates tensor views).
 
@@ -517,6 +600,7 @@ class Backbone:
         out: np.ndarray = np.clip(q, info.min, info.max).astype(self.input_dtype)
         return out
 
+    @_held
     def run(self, model_input: np.ndarray) -> tuple[F32, F32]:
         """Invoke the model on one batch already in the input dtype.
 

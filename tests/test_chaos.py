@@ -129,7 +129,7 @@ def test_chaos_coordinator_survives_broker_down_when_a_round_closes(tmp_path: Pa
                 0,
                 "dev-1",
                 100,
-                np.zeros_like(W0) + 0.01,
+                (np.zeros_like(W0) + 0.01).astype(np.float32),
                 np.zeros_like(b0),
                 UpdateMetrics(0.5, 0.5, 0.01, 1),
                 "dev-1:1:0",

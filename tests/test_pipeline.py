@@ -12,18 +12,16 @@ from conftest import MODELS
 
 from edgefl.agent.pipeline import (
     BatchMeasurement,
-    InterpreterBusy,
     Pipeline,
     cache_path,
     choose,
-    claim,
     decide,
     measure,
     random_raw,
 )
 from edgefl.datasets import load_digits
 from edgefl.head import Head
-from edgefl.runtime import Backbone
+from edgefl.runtime import Backbone, InterpreterBusy
 
 DIGITS = ((0.0,), (16.0,))
 CAMERA = ((127.5,), (127.5,))
@@ -327,14 +325,17 @@ def test_views_are_taken_afresh_after_any_resize(mode: str) -> None:
     assert np.array_equal(a.run(raw)[0], ref)
 
 
-def test_one_interpreter_is_used_by_one_thread_at_a_time() -> None:
+def test_fault_one_interpreter_runs_one_invoke_at_a_time() -> None:
+    """The guard inside Backbone: a second thread waits while another holds the interpreter, gets
+    InterpreterBusy naming the holder if that takes too long, and is re-entrant in the holder."""
     bb = Backbone(MODELS / "digits_cnn_int8.tflite")
     pipe = Pipeline(bb, *DIGITS, mode="fused", batch=1)
     raw = load_digits()[0][:3]
+    ref = pipe.run(raw)[0]
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with claim(bb):
+        with bb.claim():
             held.set()
             release.wait(10)
 
@@ -342,30 +343,52 @@ def test_one_interpreter_is_used_by_one_thread_at_a_time() -> None:
     t.start()
     try:
         assert held.wait(10)
-        with pytest.raises(InterpreterBusy, match="other-worker"):
-            pipe.run(raw)
+        with pytest.raises(InterpreterBusy, match="other-worker"), bb.claim(timeout_s=0.2):
+            pass
         # another interpreter is free to use meanwhile
         other = Backbone(MODELS / "digits_cnn_int8.tflite")
-        Pipeline(other, *DIGITS, mode="fused", batch=1).run(raw)
+        assert np.array_equal(Pipeline(other, *DIGITS, mode="fused", batch=1).run(raw)[0], ref)
+        waiting: list[np.ndarray] = []
+        waiter = threading.Thread(target=lambda: waiting.append(pipe.run(raw)[0]))
+        waiter.start()  # waits for the holder ...
+        waiter.join(0.3)
+        assert waiter.is_alive() and waiting == []
     finally:
         release.set()
         t.join(10)
-    pipe.run(raw)  # released: usable from this thread now
-    with claim(bb):
-        pipe.run(raw)  # re-entrant in the holding thread
+    waiter.join(10)  # ... and runs once it let go
+    assert len(waiting) == 1 and np.array_equal(waiting[0], ref)
+    with bb.claim():
+        assert np.array_equal(pipe.run(raw)[0], ref)  # re-entrant in the holding thread
 
-    errors: list[BaseException] = []
 
-    def run_in_thread() -> None:
-        try:
-            pipe.run(raw)
-        except BaseException as exc:
-            errors.append(exc)
+def test_fault_two_threads_on_one_backbone_get_the_sequential_outputs() -> None:
+    """Two threads calling Backbone.run and a pipeline on one interpreter at full rate: every output
+    equals the one-thread result (without the guard 242 of 6,938 were wrong, issue 15)."""
+    bb = Backbone(MODELS / "digits_cnn_int8.tflite")
+    x = load_digits()[0][:200]
+    pipe = Pipeline(bb, *DIGITS, mode="fused", batch=4)
+    ref = pipe.run(x)[0]
+    model_input = bb.quantize_input((x.astype(np.float32) - 0.0) / 16.0)
+    ref_direct = bb.run(model_input[:8])[0]
+    bad: list[str] = []
 
-    worker = threading.Thread(target=run_in_thread)
-    worker.start()
-    worker.join(10)
-    assert errors == []  # sequential use from another thread is fine
+    def via_pipeline() -> None:
+        for _ in range(20):
+            if not np.array_equal(pipe.run(x)[0], ref):
+                bad.append("pipeline")
+
+    def via_backbone() -> None:
+        for _ in range(200):
+            if not np.array_equal(bb.run(model_input[:8])[0], ref_direct):
+                bad.append("backbone")
+
+    threads = [threading.Thread(target=via_pipeline), threading.Thread(target=via_backbone)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert bad == []
 
 
 def test_head_swaps_under_full_rate_inference_never_mix_versions() -> None:
