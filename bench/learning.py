@@ -604,6 +604,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("edgefl").setLevel(logging.WARNING)  # the cores' per-round lines
     dp = tuple(float(x) for x in args.dp.split(",")) if args.dp else None
     results: dict[tuple[str, float], list[dict[str, Any]]] = {}
     t0 = time.perf_counter()
