@@ -264,3 +264,27 @@ def test_exactly_once_restarted_agent_does_not_train_or_send_an_answered_round(
     asyncio.run(main())
     log = (tmp_path / "dev-1.log").read_text(errors="replace")
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_memory_report_round_is_the_core_round(mosquitto: Broker, tmp_path: Path) -> None:
+    """``edgefl memory-report`` measures the shipped path: a signed update via the outbox, head persisted."""
+    from edgefl.agent.memreport import run_round
+
+    key = generate_signing_key()
+    key_file = tmp_path / "dev.key"
+    key_file.write_text(key.seed.hex())
+    key_file.chmod(0o600)
+    prof = profile_for(tmp_path, **{"security.signing_key_file": str(key_file)})
+    rep = run_round(prof, samples=32, trace=False, state_dir=tmp_path / "state", broker=mosquitto.url)
+    assert rep.completed, rep.note
+    assert {p: r.runs for p, r in rep.phases.items()} == {
+        "inference": 4,
+        "train": 1,
+        "encode": 1,
+        "publish": 1,
+        "apply": 2,
+    }
+    again = DeviceCore.open(prof)  # what the round left on disk
+    assert again.answered is not None and again.answered.round == 1
+    assert again.outbox.pending() == []  # published and acknowledged
+    assert again.head.version == 1 and rep.update_bytes > 0
