@@ -344,10 +344,25 @@ def mib(x: float) -> str:
     return f"{x / MIB:.1f}"
 
 
+def _keep_hand_written(old_section: str, text: str) -> str:
+    """``text`` plus the old section's ``###`` subsections that ``render`` does not write (kept in place
+    before the leak check: the demo agents' figures and the shipped-path comparison are written by hand)."""
+    parts = re.split(r"^(?=### )", old_section, flags=re.M)[1:]
+    kept = [p.rstrip() for p in parts if p.splitlines()[0] not in text]
+    if not kept:
+        return text
+    anchor = "### RSS growth over rounds"
+    extra = "\n\n".join(kept) + "\n\n"
+    return text.replace(anchor, extra + anchor, 1) if anchor in text else text.rstrip() + "\n\n" + extra
+
+
 def write_section(text: str) -> None:
     DOC.parent.mkdir(parents=True, exist_ok=True)
     old = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
     pattern = re.compile(r"^## Memory\n.*?(?=^## |\Z)", re.S | re.M)
+    found = pattern.search(old)
+    if found:
+        text = _keep_hand_written(found.group(0), text)
     section = text.rstrip() + "\n\n"
     new = (
         pattern.sub(lambda _: section, old, count=1)
