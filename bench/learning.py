@@ -623,10 +623,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             logging.info("%s alpha=%s done (%.0f s)", dataset, alpha, time.perf_counter() - t0)
     summary = summarise(results)
     print(markdown(summary))
-    if not args.no_plots:
-        for dataset in args.datasets.split(","):
-            plot(dataset, results, DOCS / f"learning_{dataset}.png")
-    if args.json is not None and args.from_json is None:
+    if args.json is not None and args.from_json is None:  # before the plots: a long run is never lost
         args.json.parent.mkdir(parents=True, exist_ok=True)
         curves = {
             f"{d} a={a}": [
@@ -635,6 +632,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             for (d, a), seeds in results.items()
         }
         args.json.write_text(json.dumps({"summary": summary, "curves": curves}, default=float, indent=1))
+    if not args.no_plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            logging.warning("matplotlib not installed: no plots (re-render later with --from-json)")
+            return
+        for dataset in args.datasets.split(","):
+            plot(dataset, results, DOCS / f"learning_{dataset}.png")
 
 
 if __name__ == "__main__":
