@@ -595,7 +595,8 @@ class DeviceCore:
             self.pending_round = None
         try:
             return self._train_and_encode(ann, head)
-        except (ValueError, ArithmeticError) as exc:
+        except (ValueError, ArithmeticError, OSError) as exc:
+            # a delta the codec refuses, or a state file that cannot be written (a full disk)
             return RoundResult(RoundStatus.REFUSED, ann.round, "failed", str(exc))
 
     def _train_and_encode(self, ann: RoundAnnouncement, head: Head) -> RoundResult:

@@ -192,6 +192,20 @@ def test_core_round_waits_for_its_head_and_for_samples(
     assert (stale.status, stale.reason) == (RoundStatus.REFUSED, "stale_round")
 
 
+def test_core_fault_unwritable_outbox_is_a_refusal_not_a_crash(
+    tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
+) -> None:
+    x, y = digits
+    core = DeviceCore.open(profile_for(tmp_path))
+    core.observe(x[:8], y[:8])
+    core.outbox.path.mkdir()  # the record cannot be replaced: an OSError as on a full or broken disk
+    res = core.answer_round(announcement(1))
+    assert (res.status, res.reason) == (RoundStatus.REFUSED, "failed") and res.entry is None
+    assert core.answered is None  # not answered: a later announcement may try again
+    core.outbox.path.rmdir()
+    assert core.answer_round(announcement(1)).status == RoundStatus.TRAINED
+
+
 # --- the real daemon --------------------------------------------------------------------------------
 async def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
