@@ -1,9 +1,15 @@
-"""The agent daemon: wires the parts together (the only module that does, STYLE.md rule 1).
+"""The agent daemon: wires tasks, transport, signals and the status page to the device core.
 
-Tasks, all in one ``TaskGroup``: the sample source (replay file) classifies every sample and keeps it
-in the store; the message pump applies global heads and runs local training when a round opens; the
-status loop publishes the retained DeviceStatus. The interpreter and the trainer run on one worker
-thread, so one interpreter is only ever used by one thread and the event loop never blocks.
+The device's round lives in :class:`edgefl.agent.core.DeviceCore` (classify, answer a round, apply a
+global head). This module only runs it: tasks in one ``TaskGroup`` -- the sample source (replay file)
+feeds batches to the core; the message pump hands round and global messages (reassembled from chunks)
+to it and publishes what it produced; the status loop publishes the retained DeviceStatus; the outbox
+loop re-sends unacknowledged updates after every (re)connect. Every call into the core runs on one
+worker thread, so the interpreter, the store and the outbox are only ever used by one thread and the
+event loop never blocks.
+
+The status page is not built here: the composition root (``edgefl/cli.py``) hands the daemon a
+:class:`StatusPage` (the device package does not import the dashboard).
 """
 
 from __future__ import annotations
@@ -15,55 +21,28 @@ import os
 import signal
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from edgefl.agent import memory
 from edgefl.agent.config import Profile
-from edgefl.agent.feedback import ErrorFeedback
-from edgefl.agent.outbox import Outbox
-from edgefl.agent.pipeline import Pipeline, choose
-from edgefl.agent.store import EmbeddingStore
-from edgefl.agent.trainer import LocalResult, train_local
+from edgefl.agent.core import ApplyStatus, DeviceCore, RoundResult, RoundStatus
 from edgefl.aio import wait_event
-from edgefl.errors import EdgeflError, ModelError, TransportError, UpdateRejected
-from edgefl.head import Head, validate_head
+from edgefl.errors import DecodeError, EdgeflError, TransportError
 from edgefl.profiles import broker_password
-from edgefl.records import read_record, write_record
-from edgefl.runtime import Backbone
 from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
 from edgefl.transport import Message, MqttTransport, Will
-from edgefl.types import F32, I64
 from edgefl.wire.chunking import Reassembler, is_chunk, publish_packet_bytes, split_message
-from edgefl.wire.codec import (
-    CompressedDelta,
-    Compression,
-    DecodeError,
-    DeviceStatus,
-    GlobalModel,
-    Limits,
-    MessageType,
-    RoundAnnouncement,
-    Update,
-    UpdateMetrics,
-    decode_global_model,
-    decode_round,
-    encode_global_model,
-    encode_status,
-    encode_update,
-    offline_status,
-)
-from edgefl.wire.signing import is_signed, load_signing_key, parse_verify_key, sign_message, verify_payload
-
-if TYPE_CHECKING:
-    from edgefl.dashboard.app import DashboardState
+from edgefl.wire.codec import DeviceStatus, encode_status, offline_status
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 COMPACT_STATUS_FIELDS = frozenset(
     {
@@ -85,6 +64,22 @@ COMPACT_STATUS_FIELDS = frozenset(
 """Status fields kept when the full status would exceed the broker's maximum packet size."""
 
 
+class StatusPage(Protocol):
+    """What the daemon needs of a status page (the CLI builds one from ``edgefl.dashboard``)."""
+
+    async def start(self, status: Callable[[], dict[str, Any]]) -> str:
+        """Start serving ``status()`` documents; return the page's URL."""
+
+    def notify(self) -> None:
+        """The status changed: push it to open pages."""
+
+    async def stop(self) -> None:
+        """Stop serving."""
+
+    def counters(self) -> dict[str, int]:
+        """Connections the page refused (over its caps) and closed (header or body timeout)."""
+
+
 @dataclass
 class AgentState:
     """Live figures of the agent (status message, dashboard)."""
@@ -92,7 +87,6 @@ class AgentState:
     state: str = "idle"
     reason: str = ""
     round: int = 0
-    last_trained_round: int = 0
     inferred_total: int = 0
     correct_total: int = 0
     stored_total: int = 0
@@ -103,12 +97,14 @@ class AgentState:
 
 
 class Agent:
-    """One device agent.
+    """One device agent: the device core, driven by MQTT and a sample source.
 
     Parameters
     ----------
     profile : Profile
         The validated device profile.
+    status_page : StatusPage or None
+        Started when ``dashboard.enabled`` (the CLI passes one built from ``edgefl.dashboard``).
 
     Raises
     ------
@@ -116,148 +112,40 @@ class Agent:
         If the model cannot be loaded.
     """
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, status_page: StatusPage | None = None) -> None:
         self.profile = profile
         self.device = profile.device.id
         self.topics = Topics(profile.broker.topic_prefix, profile.device.fleet)
-        self.backbone = Backbone(
-            profile.model.path,
-            num_threads=profile.model.num_threads,
-            runtime=profile.model.runtime,
-            embedding_tensor=profile.model.embedding_tensor,
-        )
-        W, b = self.backbone.head_from_model()
-        self.head = Head(W, b, 0)
-        self.state_dir = Path(profile.device.state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        pcfg = profile.pipeline
-        self._check_shapes(profile)
-        mode, batch = pcfg.mode, pcfg.batch
-        if mode == "auto":
-            mode, batch = choose(
-                self.backbone,
-                pcfg.mean,
-                pcfg.std,
-                batches=(1, 4, 8, 16),
-                cache_dir=self.state_dir,
-                raw_dtype=pcfg.raw_dtype,
-            )
-            if self.backbone.stateful:
-                self.backbone.reset_state()  # the measurement's invokes changed the model's state
-        self.pipeline = Pipeline(self.backbone, pcfg.mean, pcfg.std, mode=mode, batch=batch)
-        mem = profile.memory
-        self.governor = memory.Governor(
-            profile.cap_bytes, mem.reserve_mb << 20, mem.min_system_available_mb << 20
-        )
-        self.shapes = memory.model_shapes(self.backbone)
-        self.max_packet_bytes = profile.broker.max_packet_bytes
-        self.limits = Limits(max_message_bytes=max(profile.broker.max_packet_bytes, 1 << 20))
-        self.reassembler = Reassembler(
-            max_message_bytes=self.limits.max_message_bytes,
-            max_chunk_bytes=self.max_packet_bytes,
-            max_total_bytes=2 * self.limits.max_message_bytes,
-        )
-        self._load_head()
-        sec = profile.security
-        self.signing_key = load_signing_key(sec.signing_key_file) if sec.signing_key_file else None
-        self.coordinator_key = (
-            parse_verify_key(sec.coordinator_public_key) if sec.coordinator_public_key else None
-        )
-        self.outbox = Outbox(self.state_dir / "outbox.rec", sec.outbox_max_bytes)
-        self.feedback = ErrorFeedback(self.state_dir, self.head.shape, self.backbone.sha256)
-        self.store = EmbeddingStore(
-            self.state_dir,
-            profile.training.store_capacity,
-            self.backbone.embedding_dim,
-            num_classes=self.head.shape[1],
-        )
+        self.tls_context = ssl_context_for(profile.broker)  # bad certificate files fail at start-up
         self.state = AgentState()
+        self.core = DeviceCore.open(profile, progress=self._progress)
+        self.governor = self.core.governor
+        self.max_packet_bytes = profile.broker.max_packet_bytes
+        self.reassembler = Reassembler(
+            max_message_bytes=self.core.limits.max_message_bytes,
+            max_chunk_bytes=self.max_packet_bytes,
+            max_total_bytes=2 * self.core.limits.max_message_bytes,
+        )
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgefl-worker")
         self.transport: MqttTransport | None = None
         self.stop_event = asyncio.Event()
-        self._pending_round: RoundAnnouncement | None = None
         self._status_dirty = asyncio.Event()
-        self.dashboard: DashboardState | None = None
-        self.tls_context = ssl_context_for(profile.broker)  # bad certificate files fail at start-up
+        self.status_page = status_page
         self.dashboard_url = ""
         self._rate_window: deque[tuple[float, int]] = deque(maxlen=32)
-        self._outbox_lock = asyncio.Lock()
         self._reconnected = asyncio.Event()
-        self._round_lock = asyncio.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def _check_shapes(self, profile: Profile) -> None:
-        """Refuse at start-up a model the profile's samples do not fit (ModelError: exit code 3)."""
-        channels = self.backbone.sample_shape[-1] if self.backbone.sample_shape else 1
-        n = len(profile.pipeline.mean)
-        if n not in (1, channels):
-            raise ModelError(
-                str(profile.model.path),
-                f"model input has {channels} channel(s); pipeline.mean/std have {n} values",
-            )
-        src = profile.source
-        if src.kind == "replay" and src.path is not None:
-            with np.load(src.path) as data:
-                shape = tuple(int(d) for d in data["x"].shape[1:])
-            if shape != self.backbone.sample_shape:
-                raise ModelError(
-                    str(profile.model.path),
-                    f"model expects samples of shape {self.backbone.sample_shape}, "
-                    f"source.path {src.path} holds {shape}",
-                )
+    async def _work(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run ``fn(*args)`` on the worker thread (every core call goes through here)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    # --- persistence -------------------------------------------------------------------------
-    def _head_path(self) -> Path:
-        return self.state_dir / "global_head.rec"
+    def _progress(self, state: str, reason: str) -> None:
+        """The core's progress hook (worker thread): hop to the loop."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._set_state, state, reason)
 
-    def _load_head(self) -> None:
-        """Restore the last applied global head from its checksummed record (previous generation if torn)."""
-        data = read_record(self._head_path())
-        if data is None:
-            return
-        try:
-            gm = decode_global_model(data, limits=self.limits, expect_shape=self.head.shape)
-            if gm.model_sha256 != self.backbone.sha256:
-                logger.info("stored global head belongs to another model; using the factory head")
-                return
-            validate_head(gm.W, gm.b, self.head.shape)
-            self.head = Head(gm.W, gm.b, gm.version)
-            logger.info("restored global head version %d from %s", gm.version, self._head_path())
-        except EdgeflError as exc:
-            logger.warning(
-                "stored global head %s unusable (%s); using the factory head", self._head_path(), exc
-            )
-
-    def _save_head(self, gm: GlobalModel) -> None:
-        """Persist an applied global head (atomic, checksummed, previous generation kept)."""
-        write_record(self._head_path(), encode_global_model(gm))
-
-    # --- inference ---------------------------------------------------------------------------
-    def classify(self, raw: np.ndarray) -> tuple[F32, I64, int]:
-        """Embed and classify a batch (runs on the worker thread).
-
-        Parameters
-        ----------
-        raw : [N, *sample_shape] raw samples
-
-        Returns
-        -------
-        embeddings : float32 [N, D]
-        predictions : int64 [N]
-        version : int
-            The head version that produced the predictions.
-        """
-        gov = self.governor
-        step = gov.admit_inference(
-            self.shapes, len(raw), resident_batch=self.pipeline.tensor_batch, prep=self.pipeline.mode
-        ).work
-        parts: list[F32] = []
-        for s in range(0, len(raw), step):
-            with gov.phase("inference"):
-                parts.append(self.pipeline.run(raw[s : s + step])[0])
-        emb = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        head = self.head  # one reference read: the swap is atomic
-        return emb, head.predict(emb), head.version
-
+    # --- samples ------------------------------------------------------------------------------
     async def run_source(self) -> None:
         """Replay the profile's sample file: classify every sample, store it with its label."""
         src = self.profile.source
@@ -266,42 +154,32 @@ class Agent:
         with np.load(src.path) as data:
             x = np.asarray(data["x"])
             y = np.asarray(data["y"]).astype(np.int64)
-        if tuple(x.shape[1:]) != self.backbone.sample_shape:
-            logger.error(
-                "replay file %s: samples %s, model expects %s",
-                src.path,
-                x.shape[1:],
-                self.backbone.sample_shape,
-            )
-            return
-        loop = asyncio.get_running_loop()
-        batch = self.pipeline.batch
+        pipeline = self.core.pipeline
+        assert pipeline is not None
+        batch = pipeline.batch
         while not self.stop_event.is_set():
             for start in range(0, len(x), batch):
                 if self.stop_event.is_set():
                     return
                 t0 = time.monotonic()
                 raw, lbl = x[start : start + batch], y[start : start + batch]
-                emb, pred, _ = await loop.run_in_executor(self.executor, self.classify, raw)
-                # on the worker thread: serialised with training, which reads the store
-                refused = await loop.run_in_executor(self.executor, self.store.add, emb, lbl)
-                if refused:
-                    self.state.rejected["bad_label"] += refused
+                out = await self._work(self.core.observe, raw, lbl)
+                if out.refused_labels:
+                    self.state.rejected["bad_label"] += out.refused_labels
                 self.state.inferred_total += len(lbl)
                 self._rate_window.append((time.monotonic(), self.state.inferred_total))
-                if self._pending_round is not None and self._pending_round.base_version <= self.head.version:
-                    ann, self._pending_round = self._pending_round, None
-                    await self.handle_round(ann)
-                self.state.correct_total += int(np.sum(pred == lbl))
+                if self.core.pending_round is not None:
+                    await self.answer_ready()
+                self.state.correct_total += int(np.sum(out.predictions == lbl))
                 self.state.stored_total += len(lbl)
                 if src.rate_hz > 0:
                     await asyncio.sleep(max(0.0, len(lbl) / src.rate_hz - (time.monotonic() - t0)))
                 else:
                     await asyncio.sleep(0)
-            self.store.flush()
+            await self._work(self.core.flush)
             if not self.state.replay_done:
                 self.state.replay_done = True
-                logger.info("replay done: %d samples stored", len(self.store))
+                logger.info("replay done: %d samples stored", len(self.core.store))
                 self._changed()
             if not src.loop:
                 return
@@ -314,20 +192,17 @@ class Agent:
             msg = await self.transport.queue.get()
             await self.handle(msg)
 
-    def _verified(self, payload: bytes, kind: MessageType) -> bytes:
-        """Check the coordinator's signature when a key is set (DecodeError `unsigned`, `bad_signature`)."""
-        sec = self.profile.security
-        if self.coordinator_key is not None and (sec.require_signatures or is_signed(payload)):
-            verify_payload(
-                payload, self.coordinator_key, fleet=self.topics.fleet, kind=kind, limits=self.limits
-            )
-        return payload
+    def _reject(self, reason: str, what: str, detail: str) -> None:
+        self.state.rejected[reason] += 1
+        logger.warning("rejected %s: %s: %s", what, reason, detail)
+        self._changed()
 
     async def handle(self, msg: Message) -> None:
         """Dispatch one message: GlobalModel (whole or in chunks) or RoundAnnouncement; reject anything else.
 
         A bad message is logged with topic, size and reason, counted in ``rejected``, and dropped.
         """
+        what = f"message on {msg.topic} ({len(msg.payload)} bytes)"
         try:
             topic, payload = msg.topic, msg.payload
             if not payload:
@@ -341,206 +216,76 @@ class Agent:
                     payload = whole
                 elif topic != base:
                     raise DecodeError("bad_chunk", f"{topic}: not a chunk")
-                with self.governor.phase("apply"):
-                    gm = decode_global_model(
-                        self._verified(payload, MessageType.GLOBAL_MODEL),
-                        limits=self.limits,
-                        expect_shape=self.head.shape,
-                    )
-                await self.apply_global(gm)
+                applied = await self._work(self.core.receive_global, payload)
+                if applied.status == ApplyStatus.REFUSED:
+                    self._reject(applied.reason, what, applied.detail)
+                elif applied.status == ApplyStatus.APPLIED:
+                    self._changed()
+                    await self.answer_ready()
             elif topic == self.topics.round:
-                await self.on_round(
-                    decode_round(self._verified(payload, MessageType.ROUND), limits=self.limits)
-                )
+                await self.on_round(await self._work(self.core.receive_round, payload))
             else:
                 raise DecodeError("bad_topic", f"unexpected topic {topic}")
-        except (DecodeError, UpdateRejected) as exc:
-            self.state.rejected[exc.reason] += 1
-            logger.warning("rejected message on %s (%d bytes): %s", msg.topic, len(msg.payload), exc)
-            self._changed()
-        except (ValueError, ArithmeticError, EdgeflError) as exc:
+        except DecodeError as exc:
+            self._reject(exc.reason, what, exc.detail)
+        except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
             # last line of defence: whatever a message made us do failed; count it, keep running
             self.state.rejected["failed"] += 1
-            logger.exception("handling %s (%d bytes) failed: %s", msg.topic, len(msg.payload), exc)
+            logger.exception("handling %s failed: %s", what, exc)
             self._set_state("idle", f"last message failed: {exc}")
 
-    async def apply_global(self, gm: GlobalModel) -> None:
-        """Validate a global head and swap it in atomically.
+    async def answer_ready(self) -> None:
+        """Answer the core's pending round if it became answerable (head applied, samples stored)."""
+        ann = await self._work(self.core.take_ready_round)
+        if ann is not None:
+            await self.on_round(await self._work(self.core.answer_round, ann))
 
-        Raises
-        ------
-        UpdateRejected
-            ``wrong_model`` (backbone sha256 differs), ``bad_shape``/``not_finite``, ``not_newer``.
-        """
-        if gm.model_sha256 != self.backbone.sha256:
-            raise UpdateRejected(
-                "wrong_model",
-                f"global head for model {gm.model_sha256[:12]}, this backbone is {self.backbone.sha256[:12]}",
-            )
-        validate_head(gm.W, gm.b, self.head.shape)
-        if gm.version <= self.head.version:
-            if gm.version < self.head.version:
-                raise UpdateRejected(
-                    "not_newer", f"global version {gm.version} <= current {self.head.version}"
-                )
-            return  # same version again (retained re-delivery): nothing to do
-        # the outputs on a few stored embeddings must be finite too (a huge but finite head can overflow)
-        probe = next(self.store.chunks(8), None)
-        if probe is not None and not np.isfinite(probe[0] @ gm.W + gm.b).all():
-            raise UpdateRejected("not_finite", "global head gives non-finite logits on stored embeddings")
-        new = Head(gm.W, gm.b, gm.version)
-
-        def save() -> None:
-            with self.governor.phase("apply"):
-                self._save_head(gm)
-
-        await asyncio.get_running_loop().run_in_executor(self.executor, save)
-        self.head = new
-        logger.info("applied global head version %d (round %d)", gm.version, gm.round)
-        self._changed()
-        if self._pending_round is not None and self._pending_round.base_version == gm.version:
-            ann, self._pending_round = self._pending_round, None
-            await self.on_round(ann)
-
-    def _selected(self, ann: RoundAnnouncement) -> bool:
-        if isinstance(ann.selected, tuple):
-            return self.device in ann.selected
-        return True
-
-    async def handle_round(self, ann: RoundAnnouncement) -> None:
-        """``on_round`` for callers outside the message pump: a refusal is counted and logged, not raised."""
-        try:
-            await self.on_round(ann)
-        except UpdateRejected as exc:
-            self.state.rejected[exc.reason] += 1
-            logger.warning("round %d not taken: %s", ann.round, exc)
-            self._changed()
-        except (ValueError, ArithmeticError, EdgeflError) as exc:
-            self.state.rejected["failed"] += 1
-            logger.exception("round %d failed: %s", ann.round, exc)
-            self._set_state("idle", f"round {ann.round} failed: {exc}")
-
-    async def on_round(self, ann: RoundAnnouncement) -> None:
-        """Train for a round and publish the update (once per round; one round at a time)."""
-        async with self._round_lock:
-            await self._on_round(ann)
-
-    async def _on_round(self, ann: RoundAnnouncement) -> None:
-        self.state.round = ann.round
-        if ann.round <= self.state.last_trained_round or not self._selected(ann):
-            return
-        if ann.base_version > self.head.version:
-            self._pending_round = ann  # the global head for this round has not arrived yet
-            return
-        if ann.base_version < self.head.version:
-            raise UpdateRejected(
-                "stale_round",
-                f"round {ann.round} uses version {ann.base_version}, device has {self.head.version}",
-            )
-        if len(self.store) == 0:
+    async def on_round(self, result: RoundResult) -> None:
+        """Act on the core's answer to a round: publish a trained update, show a deferral, count a refusal."""
+        if result.round:
+            self.state.round = max(self.state.round, result.round)
+        status = result.status
+        if status == RoundStatus.REFUSED:
+            self._reject(result.reason, f"round {result.round}", result.detail)
+            if result.reason == "failed":
+                self._set_state("idle", f"round {result.round} failed: {result.detail}")
+        elif status == RoundStatus.NO_SAMPLES:
             self._set_state("deferred", "no local samples")
-            self._pending_round = ann  # retried as soon as samples are stored
-            return
-        await self.train_and_send(ann)
+        elif status == RoundStatus.DEFERRED:
+            self._set_state("deferred", result.reason)
+        elif status == RoundStatus.ANSWERED:
+            logger.info("round %d: %s; not trained again", result.round, result.detail)
+            self._changed()
+        elif status == RoundStatus.TRAINED:
+            await self._sent(result)
+        else:
+            self._changed()
 
-    async def train_and_send(self, ann: RoundAnnouncement) -> None:
-        """Local epochs on the store, then an Update on ``update/<device>`` with QoS 1."""
-        assert self.transport is not None
-        head = self.head
-        cfg = self.profile.training
-        gov = self.governor
-        D, K = head.shape
-        adm = gov.admit_train(
-            cfg.chunk_size,
-            cfg.chunk_floor,
-            dim=D,
-            classes=K,
-            batch_size=ann.batch_size,
-            num_examples=len(self.store),
-        )
-        if adm.deferred:
-            self._set_state("deferred", adm.reason)
-            return
-        self._set_state("training", adm.reason)
-        loop = asyncio.get_running_loop()
-
-        def train() -> LocalResult:
-            with gov.phase("train"):
-                return train_local(
-                    head,
-                    self.store,
-                    local_epochs=ann.local_epochs,
-                    lr=ann.lr,
-                    batch_size=ann.batch_size,
-                    chunk_size=adm.work,
-                    prox_mu=ann.prox_mu,
-                    clip_norm=cfg.clip_norm,
-                    seed=cfg.seed + ann.round,
-                    time_budget_s=ann.deadline_s,
-                )
-
-        result = await loop.run_in_executor(self.executor, train)
-        delta_W, delta_b = result.delta_W, result.delta_b
-        compressed: CompressedDelta | None = None
-        if ann.compression != Compression.NONE:
-            # Error feedback (Stich et al. 2018): add what earlier compression dropped,
-            # keep what this one drops; the wire form is made once, here.
-            delta_W, delta_b, compressed = self.feedback.compress(
-                delta_W, delta_b, ann.compression, topk_fraction=ann.topk_fraction
-            )
-        update = Update(
-            round=ann.round,
-            base_version=ann.base_version,
-            device=self.device,
-            num_examples=result.num_examples,
-            delta_W=delta_W,
-            delta_b=delta_b,
-            metrics=UpdateMetrics(result.loss, result.accuracy, result.train_s, gov.peak_rss_bytes),
-            update_id=f"{self.device}:{ann.round}:{ann.base_version}",
-            compression=ann.compression,
-        )
-        enc = gov.admit(
-            "encode", lambda _: memory.estimate_encode_bytes(D, K, ann.compression, ann.topk_fraction), 1, 1
-        )
-        if enc.deferred:
-            self._set_state("deferred", enc.reason)
-            return
-        with gov.phase("encode"):
-
-            def encode(m: Update) -> bytes:
-                return encode_update(m, topk_fraction=ann.topk_fraction, compressed=compressed)
-
-            if self.signing_key is not None:
-                payload = sign_message(encode, update, self.signing_key, fleet=self.topics.fleet)
-            else:
-                payload = encode(update)
-        async with self._outbox_lock:  # kept until its PUBACK: a restart re-sends it (same update_id)
-            for dropped in await asyncio.to_thread(self.outbox.add, update.update_id, ann.round, payload):
-                logger.warning("outbox: dropped %s (%s)", dropped.update_id, dropped.reason)
+    async def _sent(self, result: RoundResult) -> None:
+        entry, local = result.entry, result.local
+        assert entry is not None and local is not None
+        for dropped in result.dropped:
+            logger.warning("outbox: dropped %s (%s)", dropped.update_id, dropped.reason)
         self._set_state("uploading")
         try:
-            with gov.phase("publish"):
-                await self._send_update(update.update_id, payload)
+            await self._send_update(entry.update_id, entry.payload)
         except TransportError as exc:
-            if ann.compression != Compression.NONE:  # nothing sent: the whole corrected delta stays residual
-                zeros_W, zeros_b = np.zeros_like(delta_W), np.zeros_like(delta_b)
-                self.feedback.record(delta_W, delta_b, zeros_W, zeros_b)
-            logger.warning("round %d: update not delivered: %s", ann.round, exc)
-            self._set_state("idle", f"update not delivered: {exc}")
+            # the outbox keeps it: re-sent after the next (re)connect, the round is not trained again
+            logger.warning("round %d: update not delivered yet: %s", result.round, exc)
+            self._set_state("idle", f"update not delivered yet: {exc}")
             return
-        self.state.last_trained_round = ann.round
-        self.state.last_update_bytes = len(payload)
-        self.state.local_accuracy = result.accuracy
+        self.state.last_update_bytes = result.update_bytes
+        self.state.local_accuracy = local.accuracy
         logger.info(
             "round %d: sent update (%d examples, %d bytes, loss %.3f, %.1f ms)",
-            ann.round,
-            result.num_examples,
-            len(payload),
-            result.loss,
-            result.train_s * 1e3,
+            result.round,
+            local.num_examples,
+            result.update_bytes,
+            local.loss,
+            local.train_s * 1e3,
         )
         self._set_state("waiting")
-        await loop.run_in_executor(self.executor, memory.malloc_trim)
+        await self._work(memory.malloc_trim)
 
     def _on_transport_connect(self) -> None:
         self._reconnected.set()
@@ -554,10 +299,10 @@ class Agent:
             await self.resend_outbox()
 
     def _changed(self) -> None:
-        """Mark the status as changed: republish it and push it to open dashboard pages."""
+        """Mark the status as changed: republish it and push it to open status pages."""
         self._status_dirty.set()
-        if self.dashboard is not None:
-            self.dashboard.notify()
+        if self.status_page is not None:
+            self.status_page.notify()
 
     def packet_limit(self) -> int:
         """The largest MQTT packet we may send: the profile's limit, or the broker's (CONNACK) if smaller."""
@@ -575,18 +320,15 @@ class Agent:
         assert self.transport is not None
         topic = self.topics.update(self.device)
         limit = self.packet_limit()
-        async with self._outbox_lock:
-            await asyncio.to_thread(self.outbox.mark_sent, update_id)
-        for part in split_message(payload, topic, limit, msg_id=update_id.replace(":", "-")):
-            await self.transport.publish(topic, part, qos=1)
-        async with self._outbox_lock:
-            await asyncio.to_thread(self.outbox.ack, update_id)
+        await self._work(self.core.mark_sent, update_id)
+        with self.core.phase("publish"):
+            for part in split_message(payload, topic, limit, msg_id=update_id.replace(":", "-")):
+                await self.transport.publish(topic, part, qos=1)
+        await self._work(self.core.acknowledged, update_id)
 
     async def resend_outbox(self) -> None:
         """After a (re)connect: send each unacknowledged update of the current round again, once."""
-        async with self._outbox_lock:
-            dropped = await asyncio.to_thread(self.outbox.drop_stale, self.state.round)
-            pending = [e for e in self.outbox.pending() if e.sends < 2]
+        dropped, pending = await self._work(self.core.to_resend, self.state.round)
         for d in dropped:
             logger.info("outbox: dropped %s (%s)", d.update_id, d.reason)
         for entry in pending:
@@ -605,22 +347,30 @@ class Agent:
     def status_fields(self) -> dict[str, Any]:
         """The DeviceStatus fields (JSON-like): memory, round, counters."""
         s = self.state
+        core = self.core
+        pipeline = core.pipeline
+        assert pipeline is not None
         return {
             "round": s.round,
-            "version": self.head.version,
+            "version": core.head.version,
             "reason": s.reason,
             "ready": s.replay_done,
-            "store_samples": len(self.store),
+            "store_samples": len(core.store),
             "inferred_total": s.inferred_total,
             "inference_accuracy": (s.correct_total / s.inferred_total) if s.inferred_total else None,
             "last_update_bytes": s.last_update_bytes,
             **self.governor.status(),
             "rejected": dict(s.rejected),
-            "pipeline_mode": self.pipeline.mode,
-            "pipeline": self.pipeline.counters(),
+            "pipeline_mode": pipeline.mode,
+            "pipeline": pipeline.counters(),
             "pid": os.getpid(),
-            "transport": self.transport.counters() if self.transport is not None else {},
             "dashboard_url": self.dashboard_url,
+            "transport": self.transport.counters() if self.transport is not None else {},
+            **(
+                {"dashboard_connections": self.status_page.counters()}
+                if self.status_page is not None and self.dashboard_url
+                else {}
+            ),
         }
 
     def inference_rate(self) -> float:
@@ -643,11 +393,6 @@ class Agent:
             inference_rate=self.inference_rate(),
             broker_connected=self.transport is not None and self.transport.connected.is_set(),
         )
-        if self.dashboard is not None:
-            fields["dashboard_connections"] = {
-                "refused": self.dashboard.connections_refused_total,
-                "timed_out": self.dashboard.connections_timed_out_total,
-            }
         return fields
 
     async def status_loop(self) -> None:
@@ -674,6 +419,7 @@ class Agent:
     async def run(self) -> None:
         """Run until SIGTERM/SIGINT (or ``stop_event``), then stop in reverse order within a time budget."""
         loop = asyncio.get_running_loop()
+        self._loop = loop
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stop_event.set)
@@ -698,23 +444,9 @@ class Agent:
                 self.transport.stop, (self.topics.status(self.device), offline_status(self.device))
             )
             stack.callback(self.executor.shutdown, wait=True)
-            d = self.profile.dashboard
-            if d.enabled:
-                from edgefl.dashboard.app import DashboardState, serve  # lazy: aiohttp costs ~12 MiB of RSS
-
-                self.dashboard = DashboardState(
-                    "device",
-                    self.device,
-                    self.dashboard_status,
-                    token=d.token,
-                    header_timeout_s=d.header_timeout_s,
-                    body_timeout_s=d.body_timeout_s,
-                    max_connections=d.max_connections,
-                    max_connections_per_client=d.max_connections_per_client,
-                )
-                runner, port = await serve(self.dashboard, d.host, d.port)
-                stack.push_async_callback(runner.cleanup)
-                self.dashboard_url = f"http://{d.host}:{port}/"
+            if self.profile.dashboard.enabled and self.status_page is not None:
+                self.dashboard_url = await self.status_page.start(self.dashboard_status)
+                stack.push_async_callback(self.status_page.stop)
                 logger.info("dashboard on %s", self.dashboard_url)
             # "global/#" matches "global" itself and the chunk topics "global/<i>" of a large head
             await self.transport.subscribe(self.topics.global_model + "/#", 1)
@@ -731,5 +463,5 @@ class Agent:
                     for t in tasks:
                         t.cancel()
             finally:
-                self.store.flush()
+                await self._work(self.core.flush)
         logger.info("agent %s stopped", self.device)

@@ -1,13 +1,15 @@
 """``edgefl memory-report PROFILE``: one full round in-process, with the peak memory of every phase.
 
-The round is the agent's own code path without the daemon around it: classify the profile's replay
-samples (or random samples of the model's input shape) batch by batch into the embedding store
-(phases ``batch`` and ``inference``), train the head (``train``), encode the update (``encode``),
-publish it to a broker when one is given (``publish``), and decode and apply a global head
-(``apply``). Each phase runs inside :meth:`edgefl.agent.memory.Governor.phase` (exact peak RSS) and, unless
-disabled, with :mod:`tracemalloc` on: the report prints per phase the peak of the Python heap and
-its top allocation sites (file:line) next to the RSS peak. Allocations made by the interpreter in
-C++ (its tensor arena) are not in the Python heap; the difference between the two columns is them.
+The round is the device core the daemon runs (:class:`edgefl.agent.core.DeviceCore`), without the
+daemon around it: classify the profile's replay samples (or random samples of the model's input
+shape) batch by batch into the embedding store (phase ``inference``, batch preparation included),
+answer a round announcement (``train``; ``encode``: error feedback, encoding, signing, outbox),
+publish the update to a broker when one is given (``publish``), and verify, decode, apply and persist
+a global head (``apply``). Each phase runs inside :meth:`edgefl.agent.memory.Governor.phase` (exact
+peak RSS) and, unless disabled, with :mod:`tracemalloc` on: the report prints per phase the peak of
+the Python heap and its top allocation sites (file:line) next to the RSS peak. Allocations made by
+the interpreter in C++ (its tensor arena) are not in the Python heap; the difference between the two
+columns is them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import tracemalloc
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +55,7 @@ class PhaseReport:
     ----------
     phase : str
     runs : int
-        How many times the phase ran in the round (``batch``/``inference`` once per batch).
+        How many times the phase ran in the round (``inference`` once per batch).
     peak_rss_bytes : int
         Largest peak RSS of the phase (kernel ``VmHWM`` after a reset), bytes.
     rss_before_bytes : int
@@ -174,12 +176,20 @@ def run_round(
     compression: str = "none",
     phase_hook: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> RoundReport:
-    """Run one full round of the agent's phases in this process and measure each phase.
+    """Run one full round of the device core in this process and measure each phase.
+
+    The shipped path, :class:`edgefl.agent.core.DeviceCore` (what ``edgefl run`` drives): samples
+    classified into the store with :meth:`~edgefl.agent.core.DeviceCore.observe` (phase ``inference``,
+    batch preparation included as in the daemon), a RoundAnnouncement's bytes answered by
+    :meth:`~edgefl.agent.core.DeviceCore.receive_round` (``train``; ``encode`` = error feedback,
+    encoding, signing, the outbox and the answered-round record), the update published from the
+    outbox when a broker is given (``publish``), and a GlobalModel's bytes applied by
+    :meth:`~edgefl.agent.core.DeviceCore.receive_global` (``apply``: verify, decode, validate, persist).
 
     Parameters
     ----------
     profile : Profile
-        Model, pipeline batch, training chunk size and memory cap come from here.
+        Model, pipeline batch, training chunk size, keys and memory cap come from here.
     samples : int
         Samples classified into the store before training.
     governor : Governor, optional
@@ -191,9 +201,9 @@ def run_round(
     broker : str, optional
         ``mqtt://host:port``: publish the update there (QoS 1); None skips the ``publish`` phase.
     state_dir : Path, optional
-        Where the embedding store and head live; default a temporary directory.
+        The core's state directory; default a temporary directory.
     local_epochs, lr, batch_size, compression
-        The round's settings (as a RoundAnnouncement would give them).
+        The round's settings, sent to the core as a RoundAnnouncement.
     phase_hook : callable(str) -> context manager, optional
         Entered around each phase inside the governor's measurement (e.g. a PSS sampler).
 
@@ -201,20 +211,13 @@ def run_round(
     -------
     RoundReport
     """
-    from edgefl.agent.pipeline import Pipeline
-    from edgefl.agent.store import EmbeddingStore
-    from edgefl.agent.trainer import train_local
-    from edgefl.head import Head, validate_head
-    from edgefl.runtime import Backbone, dequantize
+    from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
     from edgefl.wire.codec import (
         Compression,
         GlobalModel,
-        Limits,
-        Update,
-        UpdateMetrics,
-        decode_global_model,
+        RoundAnnouncement,
         encode_global_model,
-        encode_update,
+        encode_round,
     )
 
     gov = governor or memory.Governor(
@@ -223,7 +226,8 @@ def run_round(
         profile.memory.min_system_available_mb * MIB,
     )
     baseline = gov.rss_bytes()
-    reports: dict[str, PhaseReport] = {p: PhaseReport(p) for p in memory.PHASES}
+    # batch preparation runs inside "inference" on the shipped path (Pipeline.run): no phase of its own
+    reports: dict[str, PhaseReport] = {p: PhaseReport(p) for p in memory.PHASES if p != "batch"}
     if trace and not tracemalloc.is_tracing():
         tracemalloc.start(1)
 
@@ -242,6 +246,9 @@ def run_round(
             yield
         rep.runs += 1
         rep.peak_rss_bytes = max(rep.peak_rss_bytes, gov.phase_last[name])
+        admission = gov.admissions.get(name)
+        if admission is not None:
+            rep.work = admission.work
         if watch is not None and start is not None:
             heap = tracemalloc.get_traced_memory()[1] - level
             if rep.heap_peak_bytes is None or heap > rep.heap_peak_bytes:
@@ -260,113 +267,80 @@ def run_round(
     with contextlib.ExitStack() as stack:
         if state_dir is None:
             state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="edgefl-memreport-")))
-        backbone = Backbone(
-            profile.model.path,
-            num_threads=profile.model.num_threads,
-            runtime=profile.model.runtime,
-            embedding_tensor=profile.model.embedding_tensor,
+        core = DeviceCore.open(
+            profile,
+            governor=gov,
+            state_dir=state_dir,
+            store_capacity=max(profile.training.store_capacity, samples),
+            phase=measured,
+            pipeline_mode="unfused" if profile.pipeline.mode == "unfused" else "fused",
         )
-        shapes = memory.model_shapes(backbone)
-        W, b = backbone.head_from_model()
-        head = Head(W, b, 1)
-        store = EmbeddingStore(
-            state_dir, max(profile.training.store_capacity, samples), backbone.embedding_dim
-        )
-        x, y = _load_samples(profile, backbone.sample_shape, shapes.classes, samples)
-        cfg = profile.pipeline
-        mode: Literal["fused", "unfused"] = "unfused" if cfg.mode == "unfused" else "fused"
-        pipe = Pipeline(backbone, cfg.mean, cfg.std, mode=mode, batch=cfg.batch)
-        batch = pipe.tensor_batch
+        assert core.pipeline is not None and core.shapes is not None
+        model_name = core.pipeline.backbone.path.name
+        x, y = _load_samples(profile, core.pipeline.backbone.sample_shape, core.shapes.classes, samples)
+        batch = core.pipeline.batch
         for start_i in range(0, len(x), batch):
-            raw, lbl = x[start_i : start_i + batch], y[start_i : start_i + batch]
-            adm = gov.admit_batch(shapes, len(raw), fused=mode == "fused")
-            inf = gov.admit_inference(shapes, len(raw), resident_batch=batch)
-            reports["batch"].work = adm.work
-            reports["inference"].work = inf.work
-            # The pipeline fills the input tensor (phase "batch") and invokes (phase "inference");
-            # the daemon does both in one Pipeline.run call.
-            with measured("batch"):
-                pipe.prepare(raw)
-            with measured("inference"):
-                pipe.invoke_only()
-                emb = dequantize(
-                    backbone.interpreter.get_tensor(backbone.embedding_index), backbone.embedding_quant
-                )[: len(raw)].reshape(len(raw), -1)
-                head.predict(emb)
-            store.add(emb.astype(np.float32), lbl)
-            del emb
-        store.flush()
+            core.observe(x[start_i : start_i + batch], y[start_i : start_i + batch])
+        core.flush()
 
-        adm = gov.admit_train(
-            profile.training.chunk_size,
-            profile.training.chunk_floor,
-            dim=shapes.embedding_dim,
-            classes=shapes.classes,
+        # the coordinator's side (announce, aggregate, encode the global head) is not the device's memory
+        round_no = core.answered.round + 1 if core.answered is not None else 1
+        ann = RoundAnnouncement(
+            round=round_no,
+            base_version=core.head.version,
+            deadline_s=600.0,
+            local_epochs=local_epochs,
+            lr=lr,
             batch_size=batch_size,
-            num_examples=len(store),
+            min_clients=1,
+            selected=1.0,
+            compression=Compression(compression),
         )
-        reports["train"].work = adm.work
-        reports["train"].deferred = adm.deferred
-        if adm.deferred:
+        result = core.receive_round(encode_round(ann))
+        if result.status != RoundStatus.TRAINED or result.entry is None or result.local is None:
+            reports["train"].deferred = result.status == RoundStatus.DEFERRED
+            admission = gov.admissions.get("train")
+            reports["train"].work = admission.work if admission is not None else 0
             return RoundReport(
-                backbone.path.name,
-                len(store),
+                model_name,
+                len(core.store),
                 baseline,
                 gov.cap_bytes,
                 gov.peak_rss_bytes,
                 reports,
                 0,
                 False,
-                adm.reason,
+                f"round {result.status}: {result.reason} {result.detail}".strip(),
             )
-        with measured("train"):
-            result = train_local(
-                head,
-                store,
-                local_epochs=local_epochs,
-                lr=lr,
-                batch_size=batch_size,
-                chunk_size=adm.work,
-                clip_norm=profile.training.clip_norm,
-                seed=profile.training.seed,
-            )
-        update = Update(
-            round=1,
-            base_version=head.version,
-            device=profile.device.id,
-            num_examples=result.num_examples,
-            delta_W=result.delta_W,
-            delta_b=result.delta_b,
-            metrics=UpdateMetrics(result.loss, result.accuracy, result.train_s, gov.peak_rss_bytes),
-            update_id=f"{profile.device.id}:1:{head.version}",
-            compression=Compression(compression),
-        )
-        with measured("encode"):
-            payload = encode_update(update)
+        entry, local, update_bytes = result.entry, result.local, result.update_bytes
         note = ""
         if broker is not None:
-            note = _publish(broker, profile, payload, measured)
-        # The coordinator's side (aggregate, encode the global head) is not the device's memory.
-        new_W = (head.W + result.delta_W).astype(np.float32)
-        new_b = (head.b + result.delta_b).astype(np.float32)
-        gm_bytes = encode_global_model(GlobalModel(1, head.version + 1, backbone.sha256, new_W, new_b))
-        del new_W, new_b
-        limits = Limits(max_message_bytes=max(profile.broker.max_packet_bytes, 1 << 20))
-        with measured("apply"):
-            gm = decode_global_model(gm_bytes, limits=limits, expect_shape=head.shape)
-            validate_head(gm.W, gm.b, head.shape)
-            head = Head(gm.W, gm.b, gm.version)
-            with open(state_dir / "global_head.npz", "wb") as f:
-                np.savez(f, W=head.W, b=head.b, version=np.int64(head.version))
-        completed = broker is None or note == ""
+            note = _publish(broker, profile, entry.payload, measured)
+            if not note:
+                core.acknowledged(entry.update_id)
+        head = core.head
+        gm_bytes = encode_global_model(
+            GlobalModel(
+                round_no,
+                head.version + 1,
+                core.model_sha256,
+                (head.W + local.delta_W).astype(np.float32),
+                (head.b + local.delta_b).astype(np.float32),
+            )
+        )
+        del entry, local, result
+        applied = core.receive_global(gm_bytes)
+        if applied.status != ApplyStatus.APPLIED and not note:
+            note = f"global head {applied.status}: {applied.reason} {applied.detail}".strip()
+        completed = note == ""
         return RoundReport(
-            backbone.path.name,
-            len(store),
+            model_name,
+            len(core.store),
             baseline,
             gov.cap_bytes,
             gov.peak_rss_bytes,
             reports,
-            len(payload),
+            update_bytes,
             completed,
             note,
         )
@@ -378,23 +352,32 @@ def _publish(
     payload: bytes,
     measured: Callable[[str], contextlib.AbstractContextManager[None]],
 ) -> str:
-    """Publish ``payload`` on ``update/<device>`` with QoS 1 inside phase ``publish``; '' or the error."""
+    """Publish ``payload`` on ``update/<device>`` with QoS 1 inside phase ``publish``; '' or the error.
+
+    Split into chunks above the packet limit exactly as the daemon does (``split_message``).
+    """
     import asyncio
 
     from edgefl.errors import TransportError
     from edgefl.topics import Topics
     from edgefl.transport import MqttTransport
     from edgefl.validators import parse_broker_url
+    from edgefl.wire.chunking import split_message
 
     _, host, port = parse_broker_url(url)
     topics = Topics(profile.broker.topic_prefix, profile.device.fleet)
+    topic = topics.update(profile.device.id)
 
     async def go() -> str:
         t = MqttTransport(host, port, f"edgefl-memreport-{profile.device.id}", protocol="3.1.1")
         try:
             await t.start(wait_s=10)
+            limit = min(
+                profile.broker.max_packet_bytes, t.broker_max_packet_bytes or profile.broker.max_packet_bytes
+            )
             with measured("publish"):
-                await t.publish(topics.update(profile.device.id), payload, qos=1)
+                for part in split_message(payload, topic, limit, msg_id="memreport"):
+                    await t.publish(topic, part, qos=1)
         except TransportError as exc:
             return f"publish failed: {exc}"
         finally:

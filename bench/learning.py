@@ -1,10 +1,13 @@
 """Learning benchmark: accuracy per round and uplink bytes of federated head training, in-process.
 
-No MQTT: the devices are simulated in one process, but each runs the device code path -- its
-samples in an ``EmbeddingStore`` (float16), ``train_local`` for the local epochs, ``ErrorFeedback``
-for compressed updates, ``encode_update`` for the wire bytes (counted exactly) -- and the coordinator
-decodes every payload with ``decode_update`` and aggregates with the ``edgefl.coordinator.strategy`` classes,
-so what is measured is what the service would do, minus the network.
+No MQTT: the devices are simulated in one process, but each is the device core the daemon runs
+(``edgefl.agent.core.DeviceCore``): its samples' embeddings in its ``EmbeddingStore`` (float16), every
+round's RoundAnnouncement given as bytes to ``receive_round`` (local epochs, error feedback on every
+compressed update, encoding, the outbox and the answered-round record: the Update bytes are counted
+exactly) and every new global head as GlobalModel bytes to ``receive_global`` (decode, validate,
+apply, persist). The coordinator decodes every payload with ``decode_update`` and aggregates with the
+``edgefl.coordinator.strategy`` classes, so what is measured is what the service would do, minus the
+network. Device state lives on ``/dev/shm`` where it exists (fsync latency is not measured here).
 
 Datasets: digits (embeddings of the shipped int8 digits CNN, ``models/digits_cnn_int8.tflite``, the
 head starting from the model's factory head) and Japanese Vowels (``bench/vowels.py``: numpy
@@ -18,6 +21,7 @@ markdown tables; ``--json out/learning.json`` keeps every curve).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import heapq
 import json
 import logging
@@ -34,19 +38,30 @@ import numpy as np
 
 from bench.vowels import N_CLASSES as VOWEL_CLASSES
 from bench.vowels import load_vowels
-from edgefl.agent.feedback import ErrorFeedback
-from edgefl.agent.store import EmbeddingStore
-from edgefl.agent.trainer import fit_head, train_local
+from edgefl.agent import memory
+from edgefl.agent.config import Profile, load_profile
+from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
+from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.fedbuff import FedBuffer
 from edgefl.coordinator.privacy import PrivateSum, dp_epsilon
 from edgefl.coordinator.strategy import RunningWeightedSum, Strategy, make_strategy
 from edgefl.datasets import dirichlet_partition, load_digits, split_digits
 from edgefl.head import Head
 from edgefl.types import F32, I64
-from edgefl.wire.codec import Compression, Update, UpdateMetrics, compress_delta, decode_update, encode_update
+from edgefl.wire.codec import (
+    Compression,
+    GlobalModel,
+    RoundAnnouncement,
+    Update,
+    decode_update,
+    encode_global_model,
+    encode_round,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
+PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"
+STATE_ROOT = "/dev/shm" if Path("/dev/shm").is_dir() else None
 N_DEVICES = 8
 SEEDS = (0, 1, 2)
 TOPK = 0.1
@@ -141,11 +156,10 @@ def make_task(dataset: str, alpha: float, seed: int, rounds: int) -> Task:
 
 @dataclass
 class Device:
-    """A simulated device: its store, its error-feedback residual, its id."""
+    """A simulated device: the device core (store, error-feedback residual, outbox, head) and its size."""
 
     name: str
-    store: EmbeddingStore
-    feedback: ErrorFeedback | None
+    core: DeviceCore
     n: int
 
 
@@ -162,63 +176,98 @@ class Run:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def make_devices(task: Task, root: Path, feedback: bool) -> list[Device]:
+def _device_profile(name: str, seed: int, root: Path) -> Profile:
+    return load_profile(
+        PROFILE,
+        {
+            "device.id": name,
+            "device.fleet": "bench",
+            "device.state_dir": str(root / name),
+            "model.path": str(ROOT / "models" / "digits_cnn_int8.tflite"),  # not loaded: no pipeline
+            "training.chunk_size": "256",
+            "training.seed": str(seed),
+            "memory.cap_mb": "4096",
+            "memory.min_system_available_mb": "0",
+        },
+    )
+
+
+def model_sha256(task: Task) -> str:
+    """A stand-in backbone hash per dataset (the cores and the global heads must agree)."""
+    return hashlib.sha256(f"bench-{task.name}".encode()).hexdigest()
+
+
+def make_devices(task: Task, root: Path) -> list[Device]:
+    """One device core per device, its store filled with the device's embeddings."""
+    gov = memory.Governor(4096 << 20, 0, 0)
     devs = []
     for i, (e, y) in enumerate(zip(task.dev_emb, task.dev_y, strict=True)):
-        d = root / f"dev{i}"
-        store = EmbeddingStore(d, max(len(y), 1), e.shape[1])
-        store.add(e.astype(np.float32), y.astype(np.int64))
-        fb = ErrorFeedback(d, (task.W0.shape[0], task.W0.shape[1]), "bench") if feedback else None
-        devs.append(Device(f"dev{i}", store, fb, len(y)))
+        name = f"dev{i}"
+        core = DeviceCore(
+            _device_profile(name, task.seed * 100_000 + i * 1000, root),
+            Head(task.W0, task.b0, 0),
+            model_sha256(task),
+            governor=gov,
+            store_capacity=max(len(y), 1),
+        )
+        core.store.add(e.astype(np.float32), y.astype(np.int64))
+        devs.append(Device(name, core, len(y)))
     return devs
+
+
+def deliver(task: Task, devs: Sequence[Device], W: F32, b: F32, version: int, round_no: int) -> None:
+    """Give the devices a new global head as GlobalModel bytes (``receive_global``)."""
+    payload = encode_global_model(
+        GlobalModel(round_no, version, model_sha256(task), W.astype(np.float32), b.astype(np.float32))
+    )
+    for dev in devs:
+        res = dev.core.receive_global(payload)
+        if res.status == ApplyStatus.REFUSED:
+            raise RuntimeError(
+                f"{dev.name}: global head version {version} refused: {res.reason} {res.detail}"
+            )
 
 
 def client_update(
     task: Task,
     dev: Device,
-    W: F32,
-    b: F32,
     version: int,
     round_no: int,
     compression: Compression,
     prox_mu: float,
-    rng_seed: int,
+    *,
+    feedback: bool = True,
 ) -> tuple[Update, int, int]:
-    """Train on the device, encode its Update, decode it as the coordinator does.
+    """The device answers a round (train, error feedback, encode, outbox); the coordinator decodes it.
+
+    ``feedback=False`` is an ablation off the shipped path: the device's residual is discarded before
+    the round, so nothing dropped earlier is sent later.
 
     Returns (decoded update, message bytes, bytes of the delta map alone).
     """
-    res = train_local(
-        Head(W, b, version),
-        dev.store,
+    if not feedback:
+        dev.core.feedback.reset()
+    ann = RoundAnnouncement(
+        round=round_no,
+        base_version=version,
+        deadline_s=3600.0,
         local_epochs=task.local_epochs,
         lr=task.lr,
         batch_size=task.batch_size,
-        chunk_size=256,
-        prox_mu=prox_mu,
-        seed=rng_seed,
-    )
-    dW, db = res.delta_W, res.delta_b
-    if dev.feedback is not None:
-        dW, db = dev.feedback.apply(dW, db, compression, topk_fraction=TOPK)
-    upd = Update(
-        round=round_no,
-        base_version=version,
-        device=dev.name,
-        num_examples=res.num_examples,
-        delta_W=dW,
-        delta_b=db,
-        metrics=UpdateMetrics(res.loss, res.accuracy, res.train_s, 0),
-        update_id=f"{dev.name}:{round_no}:{version}",
+        min_clients=1,
+        selected=1.0,
         compression=compression,
+        topk_fraction=TOPK,
+        prox_mu=prox_mu,
     )
-    payload = encode_update(upd, topk_fraction=TOPK)
-    delta_map = {
-        "W": compress_delta(dW, compression, topk_fraction=TOPK),
-        "b": compress_delta(db, compression, topk_fraction=TOPK),
-    }
-    decoded = decode_update(payload, expect_shape=(int(W.shape[0]), int(W.shape[1])))
-    return decoded, len(payload), len(cbor2.dumps(delta_map))
+    res = dev.core.receive_round(encode_round(ann))
+    if res.status != RoundStatus.TRAINED or res.entry is None:
+        raise RuntimeError(f"{dev.name} round {round_no}: {res.status} {res.reason} {res.detail}")
+    payload = res.entry.payload
+    dev.core.acknowledged(res.entry.update_id)  # as after its PUBACK
+    delta_bytes = len(cbor2.dumps(cbor2.loads(payload)["delta"]))
+    decoded = decode_update(payload, expect_shape=(int(task.W0.shape[0]), int(task.W0.shape[1])))
+    return decoded, len(payload), delta_bytes
 
 
 def device_times(seed: int, slow: Sequence[int]) -> Callable[[int], float]:
@@ -236,7 +285,7 @@ def run_sync(
     strategy: Strategy,
     compression: Compression = Compression.NONE,
     *,
-    feedback: bool = False,
+    feedback: bool = True,
     label: str = "",
     slow: Sequence[int] = (),
     dp: tuple[float, float] | None = None,
@@ -249,16 +298,16 @@ def run_sync(
     clock = device_times(task.seed, slow)
     now = 0.0
     noise_rng = np.random.default_rng(7 + task.seed)
-    with tempfile.TemporaryDirectory() as tmp:
-        devs = make_devices(task, Path(tmp), feedback)
+    with tempfile.TemporaryDirectory(dir=STATE_ROOT) as tmp:
+        devs = make_devices(task, Path(tmp))
         for r in range(1, task.rounds + 1):
             cfg = strategy.configure_round(r)
             shape = (int(W.shape[0]), int(W.shape[1]))
             sW, sb = RunningWeightedSum(shape), RunningWeightedSum((shape[1],))
             priv = PrivateSum(shape, dp[0]) if dp else None
-            for i, dev in enumerate(devs):
+            for dev in devs:
                 upd, nbytes, dbytes = client_update(
-                    task, dev, W, b, r - 1, r, compression, cfg.prox_mu, task.seed * 1000 + r * 10 + i
+                    task, dev, r - 1, r, compression, cfg.prox_mu, feedback=feedback
                 )
                 run.uplink_bytes += nbytes
                 run.delta_bytes += dbytes
@@ -276,6 +325,8 @@ def run_sync(
             else:
                 mW, mb = sW.mean(), sb.mean()
             W, b = strategy.aggregate(W, b, mW, mb)
+            W, b = W.astype(np.float32), b.astype(np.float32)
+            deliver(task, devs, W, b, r, r)
             now += max(clock(i) for i in range(len(devs)))
             run.acc.append(task.accuracy(W, b))
             run.times.append(now)
@@ -295,34 +346,31 @@ def run_fedbuff(task: Task, *, buffer_size: int, server_lr: float, slow: Sequenc
     clock = device_times(task.seed, slow)
     buf = FedBuffer((int(W.shape[0]), int(W.shape[1])), buffer_size, server_lr=server_lr, max_staleness=50)
     stale: list[int] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        devs = make_devices(task, Path(tmp), False)
-        # event queue: (finish time, device index, base version, base W, base b, job number)
+    with tempfile.TemporaryDirectory(dir=STATE_ROOT) as tmp:
+        devs = make_devices(task, Path(tmp))
+        # event queue: (finish time, device index, base version, job number); a device is given the
+        # newest global head when it starts a job and answers a fresh round (the job's number) at its end
         events: list[tuple[float, int, int, int]] = []
-        bases: dict[int, tuple[F32, F32]] = {}
         job = 0
         for i in range(len(devs)):
-            bases[job] = (W, b)
             heapq.heappush(events, (clock(i), i, version, job))
             job += 1
         while events:
             t, i, base_v, j = heapq.heappop(events)
             if t > until:
                 break
-            bW, bb = bases.pop(j)
-            upd, nbytes, dbytes = client_update(
-                task, devs[i], bW, bb, base_v, base_v + 1, Compression.NONE, 0.0, task.seed * 100_000 + j
-            )
+            upd, nbytes, dbytes = client_update(task, devs[i], base_v, j + 1, Compression.NONE, 0.0)
             run.uplink_bytes += nbytes
             run.delta_bytes += dbytes
             run.updates += 1
             stale.append(version - base_v)
             if buf.offer(upd.delta_W, upd.delta_b, upd.num_examples, version - base_v):
                 W, b = buf.flush(W, b)
+                W, b = W.astype(np.float32), b.astype(np.float32)
                 version += 1
                 run.acc.append(task.accuracy(W, b))
                 run.times.append(t)
-            bases[job] = (W, b)
+            deliver(task, devs[i : i + 1], W, b, version, job)
             heapq.heappush(events, (t + clock(i), i, version, job))
             job += 1
     run.extra["mean_staleness"] = float(np.mean(stale)) if stale else 0.0
@@ -357,8 +405,8 @@ STRATEGY_KW: dict[str, dict[str, Any]] = {
 }
 COMPRESSIONS: list[tuple[str, Compression, bool]] = [
     ("float32", Compression.NONE, False),
-    ("float16", Compression.FLOAT16, False),
-    ("int8", Compression.INT8, False),
+    ("float16", Compression.FLOAT16, True),
+    ("int8", Compression.INT8, True),
     ("topk10%+int8 +EF", Compression.TOPK_INT8, True),
     ("topk10%+int8 no EF", Compression.TOPK_INT8, False),
 ]
@@ -556,6 +604,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("edgefl").setLevel(logging.WARNING)  # the cores' per-round lines
     dp = tuple(float(x) for x in args.dp.split(",")) if args.dp else None
     results: dict[tuple[str, float], list[dict[str, Any]]] = {}
     t0 = time.perf_counter()
@@ -574,10 +623,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             logging.info("%s alpha=%s done (%.0f s)", dataset, alpha, time.perf_counter() - t0)
     summary = summarise(results)
     print(markdown(summary))
-    if not args.no_plots:
-        for dataset in args.datasets.split(","):
-            plot(dataset, results, DOCS / f"learning_{dataset}.png")
-    if args.json is not None and args.from_json is None:
+    if args.json is not None and args.from_json is None:  # before the plots: a long run is never lost
         args.json.parent.mkdir(parents=True, exist_ok=True)
         curves = {
             f"{d} a={a}": [
@@ -586,6 +632,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             for (d, a), seeds in results.items()
         }
         args.json.write_text(json.dumps({"summary": summary, "curves": curves}, default=float, indent=1))
+    if not args.no_plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            logging.warning("matplotlib not installed: no plots (re-render later with --from-json)")
+            return
+        for dataset in args.datasets.split(","):
+            plot(dataset, results, DOCS / f"learning_{dataset}.png")
 
 
 if __name__ == "__main__":

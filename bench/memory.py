@@ -6,15 +6,17 @@ that nothing measured before leaks into it:
 - **import baseline**: ``VmHWM``, ``RssAnon``/``RssFile`` and PSS of a bare Python, then with
   numpy, LiteRT, aiohttp, paho-mqtt and cbor2 imported one after the other (cumulative), each in
   its own process.
-- **phases**: ``edgefl.agent.memreport.run_round`` (the agent's own classify/train/encode/publish/apply
-  code, in-process, tracemalloc off) for the digits CNN and MobileNetV2-0.35-96, float32 and int8;
+- **phases**: ``edgefl.agent.memreport.run_round`` (the device core the daemon runs,
+  ``edgefl.agent.core.DeviceCore``: classify, answer a round, publish, apply; in-process, tracemalloc
+  off) for the digits CNN and MobileNetV2-0.35-96, float32 and int8;
   peak RSS per phase is exact (``clear_refs`` + ``VmHWM``), peak PSS is sampled every 2 ms.
   ``publish`` goes to a real mosquitto on 127.0.0.1 when one is installed.
 - **lowest cap**: bisection on the governor's cap (1 MiB steps, reserve 1 MiB): a round completes
   when no phase is deferred and its measured peak RSS stays under the cap.
 - **hygiene**: one variable changed at a time against the defaults of ``edgefl/cli.py``.
-- **leak check**: the round's phases in a loop in one process (no MQTT: classify 64 samples,
-  train, encode, decode and apply the new head, ``malloc_trim``), RSS after round 10 and 500.
+- **leak check**: the device core's round in a loop in one process (no MQTT: classify 64 samples,
+  answer the round -- train, encode, outbox --, apply the next head, ``malloc_trim``), RSS after
+  round 10 and 500.
 
 Run: ``.venv/bin/python -m bench.memory`` (writes the ``## Memory`` section of docs/benchmarks.md;
 ``--json PATH`` for the raw figures; ``--quick`` for a short leak loop).
@@ -112,10 +114,21 @@ def _pss_sampler(peaks: dict[str, int], name: str) -> Iterator[None]:
         peaks[name] = max(peaks.get(name, 0), best[0])
 
 
+def _device_key() -> str:
+    """A fresh Ed25519 device key in a temporary file (the shipped path signs every update)."""
+    from edgefl.wire.signing import generate_signing_key
+
+    path = Path(tempfile.mkdtemp(prefix="edgefl-key-")) / "device.key"
+    path.write_text(generate_signing_key().seed.hex())
+    path.chmod(0o600)
+    return str(path)
+
+
 def _profile(model: str, cap_mb: int = 96, reserve_mb: int = 8, extra: dict[str, str] | None = None) -> Any:
     from edgefl.agent.config import load_profile
 
     overrides: dict[str, object] = {
+        "security.signing_key_file": _device_key(),
         "model.path": str(MODELS / model),
         "memory.cap_mb": str(cap_mb),
         "memory.reserve_mb": str(reserve_mb),
@@ -151,69 +164,48 @@ def child_round(
 
 
 def child_leak(model: str, rounds: int) -> dict[str, Any]:
+    """The device core's round in a loop: classify 64 samples, answer a round, apply the next head."""
     import numpy as np
 
     from edgefl.agent import memory
-    from edgefl.agent.pipeline import Pipeline
-    from edgefl.agent.store import EmbeddingStore
-    from edgefl.agent.trainer import train_local
-    from edgefl.head import Head
-    from edgefl.runtime import Backbone
-    from edgefl.wire.codec import (
-        GlobalModel,
-        Limits,
-        Update,
-        UpdateMetrics,
-        decode_global_model,
-        encode_global_model,
-        encode_update,
-    )
+    from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
+    from edgefl.wire.codec import GlobalModel, RoundAnnouncement, encode_global_model, encode_round
 
-    profile = _profile(model)
-    bb = Backbone(profile.model.path, num_threads=1)
-    W, b = bb.head_from_model()
-    head = Head(W, b, 1)
+    profile = _profile(model, cap_mb=1024, extra={"device.id": "leak"})
     state = Path(tempfile.mkdtemp(prefix="edgefl-leak-"))
-    store = EmbeddingStore(state, 1024, bb.embedding_dim)
+    core = DeviceCore.open(profile, state_dir=state, store_capacity=1024, pipeline_mode="fused")
+    assert core.pipeline is not None
     rng = np.random.default_rng(0)
-    raw = rng.integers(0, 17, size=(64, *bb.sample_shape), dtype=np.uint8)
-    labels = rng.integers(0, W.shape[1], size=64).astype(np.int64)
-    cfg = profile.pipeline
-    pipe = Pipeline(bb, cfg.mean, cfg.std, mode="fused", batch=cfg.batch)
-    limits = Limits(max_message_bytes=1 << 24)
+    raw = rng.integers(0, 17, size=(64, *core.pipeline.backbone.sample_shape), dtype=np.uint8)
+    labels = rng.integers(0, core.head.shape[1], size=64).astype(np.int64)
+    batch = profile.pipeline.batch
     rss: dict[int, int] = {}
     t0 = time.perf_counter()
     for r in range(1, rounds + 1):
-        for s in range(0, 64, cfg.batch):
-            emb, _ = pipe.run(raw[s : s + cfg.batch])
-            store.add(emb, labels[s : s + cfg.batch])
-        res = train_local(head, store, local_epochs=2, lr=0.05, batch_size=16, chunk_size=256, seed=r)
-        payload = encode_update(
-            Update(
-                r,
-                head.version,
-                "leak",
-                res.num_examples,
-                res.delta_W,
-                res.delta_b,
-                UpdateMetrics(res.loss, res.accuracy, res.train_s, 0),
-                f"leak:{r}",
+        for s in range(0, 64, batch):
+            core.observe(raw[s : s + batch], labels[s : s + batch])
+        ann = RoundAnnouncement(r, core.head.version, 600.0, 2, 0.05, 16, 1, 1.0)
+        res = core.receive_round(encode_round(ann))
+        if res.status != RoundStatus.TRAINED or res.entry is None or res.local is None:
+            raise RuntimeError(f"round {r}: {res.status} {res.reason} {res.detail}")
+        core.acknowledged(res.entry.update_id)  # as after the PUBACK
+        head = core.head
+        gm_bytes = encode_global_model(
+            GlobalModel(
+                r, head.version + 1, core.model_sha256, head.W + res.local.delta_W, head.b + res.local.delta_b
             )
         )
-        gm_bytes = encode_global_model(
-            GlobalModel(r, head.version + 1, bb.sha256, head.W + res.delta_W, head.b + res.delta_b)
-        )
-        gm = decode_global_model(gm_bytes, limits=limits, expect_shape=head.shape)
-        head = Head(gm.W, gm.b, gm.version)
-        with open(state / "global_head.npz", "wb") as f:
-            np.savez(f, W=head.W, b=head.b, version=np.int64(head.version))
-        del payload, gm_bytes, gm, res
-        store.flush()
+        del res, head
+        if core.receive_global(gm_bytes).status != ApplyStatus.APPLIED:
+            raise RuntimeError(f"round {r}: global head not applied")
+        del gm_bytes
+        core.flush()
         memory.malloc_trim()
         if r in (1, 10, 50, 100, 200, 300, 400, 500) or r == rounds:
             rss[r] = memory.rss_bytes()
+    n = len(core.store)
     shutil.rmtree(state, ignore_errors=True)
-    return {"rss": rss, "seconds": time.perf_counter() - t0, "store": len(store)}
+    return {"rss": rss, "seconds": time.perf_counter() - t0, "store": n}
 
 
 def child_hygiene(which: str) -> Any:
@@ -352,10 +344,25 @@ def mib(x: float) -> str:
     return f"{x / MIB:.1f}"
 
 
+def _keep_hand_written(old_section: str, text: str) -> str:
+    """``text`` plus the old section's ``###`` subsections that ``render`` does not write (kept in place
+    before the leak check: the demo agents' figures and the shipped-path comparison are written by hand)."""
+    parts = re.split(r"^(?=### )", old_section, flags=re.M)[1:]
+    kept = [p.rstrip() for p in parts if p.splitlines()[0] not in text]
+    if not kept:
+        return text
+    anchor = "### RSS growth over rounds"
+    extra = "\n\n".join(kept) + "\n\n"
+    return text.replace(anchor, extra + anchor, 1) if anchor in text else text.rstrip() + "\n\n" + extra
+
+
 def write_section(text: str) -> None:
     DOC.parent.mkdir(parents=True, exist_ok=True)
     old = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
     pattern = re.compile(r"^## Memory\n.*?(?=^## |\Z)", re.S | re.M)
+    found = pattern.search(old)
+    if found:
+        text = _keep_hand_written(found.group(0), text)
     section = text.rstrip() + "\n\n"
     new = (
         pattern.sub(lambda _: section, old, count=1)
@@ -474,25 +481,30 @@ def render(r: dict[str, Any]) -> str:
         "",
         "### Peak RSS per phase through one full round (MiB)",
         "",
-        "`edgefl.agent.memreport.run_round`: 512 samples classified in batches of 8 into the store, "
-        "2 local epochs (chunk 256, batch 16), update encoded uncompressed, published with QoS 1 to "
+        "`edgefl.agent.memreport.run_round`, which drives the device core the daemon runs "
+        "(`edgefl.agent.core.DeviceCore`): 512 samples classified in batches of 8 into the store "
+        "(`inference`, batch preparation included: the shipped fused pipeline does both in one "
+        "call), a RoundAnnouncement's bytes answered with 2 local epochs (chunk as the governor "
+        "grants, batch 16; `encode` = error feedback (a no-op uncompressed), encoding, Ed25519 signing "
+        "with a device key, the "
+        "outbox record and the answered-round record), the update published with QoS 1 to "
         + ("a local mosquitto" if r["publish"] else "(no mosquitto: publish not run)")
-        + ", global head decoded, applied and saved. Peak RSS per phase is exact (VmHWM after a "
-        "`clear_refs` reset); PSS is sampled every 2 ms (can miss spikes). MobileNet inputs are "
-        "random uint8 images (memory does not depend on the pixel values).",
+        + ", a GlobalModel's bytes verified, decoded, applied and persisted (`apply`). Peak RSS per "
+        "phase is exact (VmHWM after a `clear_refs` reset); PSS is sampled every 2 ms (can miss "
+        "spikes). MobileNet inputs are random uint8 images (memory does not depend on the pixel values).",
         "",
-        "| model | before round | batch | inference | train | encode | publish | apply | round peak "
+        "| model | before round | inference | train | encode | publish | apply | round peak "
         "| peak PSS (max over phases) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for model, out in r["phases"].items():
         ph = out["phases"]
         cells = []
-        for name in ("batch", "inference", "train", "encode", "publish", "apply"):
+        for name in ("inference", "train", "encode", "publish", "apply"):
             cells.append(mib(ph[name]["peak_rss_bytes"]) if ph[name]["runs"] else "–")
         pss = max(out["pss_peaks"].values()) if out["pss_peaks"] else 0
         lines.append(
-            f"| {model} | {mib(ph['batch']['rss_before_bytes'])} | "
+            f"| {model} | {mib(ph['inference']['rss_before_bytes'])} | "
             + " | ".join(cells)
             + f" | {mib(out['lifetime_peak'])} | {mib(pss)} |"
         )
@@ -547,9 +559,10 @@ def render(r: dict[str, Any]) -> str:
     rss = {int(k): v for k, v in leak["rss"].items()}
     last = max(rss)
     lines += [
-        "The round's phases in a loop in one process, digits int8, **without MQTT** (classify 64 "
-        "samples, store, train 2 epochs, encode the update, decode and apply a new global head, save "
-        f"it, `malloc_trim`); {last} rounds in {leak['seconds']:.0f} s.",
+        "The device core's round in a loop in one process, digits int8, **without MQTT** (classify 64 "
+        "samples into the store, answer a RoundAnnouncement: train 2 epochs, encode, keep in the "
+        "outbox and record the round, ack it, then verify, decode, apply and persist the next global "
+        f"head, `malloc_trim`); {last} rounds in {leak['seconds']:.0f} s.",
         "",
         "| after round | " + " | ".join(str(k) for k in sorted(rss)) + " |",
         "|---" * (len(rss) + 1) + "|",

@@ -13,9 +13,9 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from edgefl.agent.config import Profile
@@ -125,7 +125,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if problems:
             _report(f"profile {args.profile} cannot run here", problems)
             return EXIT_INVALID
-        agent = Agent(profile)
+        agent = Agent(profile, DashboardPage(profile) if profile.dashboard.enabled else None)
     except ModelError as exc:
         print(f"edgefl: model error: {exc}", file=sys.stderr)
         return EXIT_MODEL
@@ -134,6 +134,62 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_RUNTIME
     asyncio.run(agent.run())
     return EXIT_OK
+
+
+class DashboardPage:
+    """The device's status page: ``edgefl.dashboard`` behind the daemon's ``StatusPage`` interface.
+
+    Built here, the composition root, so the device package never imports the dashboard; aiohttp
+    (~12 MiB of RSS) is imported only when the page starts.
+
+    Parameters
+    ----------
+    profile : Profile
+        ``dashboard.host``, ``dashboard.port``, ``dashboard.token`` and ``device.id`` are used.
+    """
+
+    def __init__(self, profile: Profile) -> None:
+        self._config = profile.dashboard
+        self._device = profile.device.id
+        self._state: Any = None
+        self._runner: Any = None
+
+    async def start(self, status: Callable[[], dict[str, Any]]) -> str:
+        """Serve ``status()`` on ``dashboard.host:port``; return the page's URL."""
+        from edgefl.dashboard.app import DashboardState, serve
+
+        d = self._config
+        self._state = DashboardState(
+            "device",
+            self._device,
+            status,
+            token=d.token,
+            header_timeout_s=d.header_timeout_s,
+            body_timeout_s=d.body_timeout_s,
+            max_connections=d.max_connections,
+            max_connections_per_client=d.max_connections_per_client,
+        )
+        self._runner, port = await serve(self._state, d.host, d.port)
+        return f"http://{d.host}:{port}/"
+
+    def notify(self) -> None:
+        """Push a changed status to open pages."""
+        if self._state is not None:
+            self._state.notify()
+
+    async def stop(self) -> None:
+        """Close the page's server."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def counters(self) -> dict[str, int]:
+        """Connections the page refused (over its caps) and closed (header or body timeout)."""
+        if self._state is None:
+            return {}
+        return {
+            "refused": self._state.connections_refused_total,
+            "timed_out": self._state.connections_timed_out_total,
+        }
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:

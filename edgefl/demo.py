@@ -28,6 +28,7 @@ import numpy as np
 
 from edgefl.agent import memory
 from edgefl.agent.config import load_profile
+from edgefl.agent.core import DeviceCore
 from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import make_strategy
@@ -181,17 +182,20 @@ async def _run(opts: DemoOptions) -> int:
     pool = split.devices
     shards = [pool[s] for s in partition_non_iid(y[pool], opts.devices, seed=opts.seed)]
 
-    backbone = Backbone(
-        model_path,
-        num_threads=1,
-        runtime=profile.model.runtime,
-        embedding_tensor=profile.model.embedding_tensor,
-    )
-    mean, std = profile.pipeline.mean, profile.pipeline.std
-    W0, b0 = backbone.head_from_model()
-    emb_test = embed_all(backbone, x[split.test], mean, std)
+    # The baselines' embeddings come from the device core the agents run (same pipeline, same head).
+    with tempfile.TemporaryDirectory(prefix="edgefl-demo-core-") as core_dir:
+        core = DeviceCore.open(
+            profile,
+            governor=memory.Governor(1 << 32, 0, 0),  # the demo process is not a device under a cap
+            state_dir=Path(core_dir),
+            store_capacity=1,
+        )
+        W0, b0 = core.head.W, core.head.b
+        model_sha256 = core.model_sha256
+        emb_test = core.classify(x[split.test]).embeddings
+        emb_pool = core.classify(x[pool]).embeddings
+        del core
     y_test = y[split.test]
-    emb_pool = embed_all(backbone, x[pool], mean, std)
     # Baselines are trained to convergence (not to the federated job's budget), so "centralized" is a
     # true upper bound and "local-only" what a device reaches on its own.
     total_epochs = max(BASELINE_EPOCHS, opts.local_epochs * opts.rounds)
@@ -282,7 +286,7 @@ async def _run(opts: DemoOptions) -> int:
                 topics,
                 W0,
                 b0,
-                model_sha256=backbone.sha256,
+                model_sha256=model_sha256,
                 strategy=strategy,
                 evaluate=lambda W, b: accuracy(W, b, emb_test, y_test),
                 compression=Compression(opts.compression),

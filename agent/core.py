@@ -1,0 +1,812 @@
+"""The device's round, in one place and without a transport: what every caller of the device runs.
+
+:class:`DeviceCore` owns the device's model state (backbone, pipeline, head, embedding store, error
+feedback residual, outbox, last answered round) and three operations:
+
+- **classify**: a batch of raw samples -> predictions, their embeddings kept in the store with labels;
+- **round bytes in -> outbox entry out**: verify, decode, check (selected, exactly once, base version,
+  samples, memory), train the head locally, error feedback, encode, sign, keep the update in the outbox
+  and persist the answered round;
+- **global bytes in -> applied**: verify, decode, validate, apply (atomic head swap) and persist.
+
+It opens no socket, starts no task or thread and never awaits: ``edgefl run`` (``agent/daemon.py``)
+calls it from one worker thread and wires the transport, signals and dashboard around it;
+``edgefl memory-report``, ``bench/memory.py``, ``bench/learning.py`` and the demo's agents run the
+same methods, so their figures measure the shipped path. Refusals come back as results with a reason
+(``RoundResult.reason``, ``ApplyResult.reason``), never as exceptions; the message formats are
+``edgefl.wire.codec``'s.
+
+Not thread-safe: one caller thread at a time (the daemon's single worker).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import cbor2
+import numpy as np
+
+from edgefl.agent import memory
+from edgefl.agent.config import Profile
+from edgefl.agent.feedback import ErrorFeedback
+from edgefl.agent.outbox import Dropped, Outbox, OutboxEntry
+from edgefl.agent.pipeline import Pipeline, choose
+from edgefl.agent.store import EmbeddingStore
+from edgefl.agent.trainer import LocalResult, train_local
+from edgefl.errors import DecodeError, EdgeflError, ModelError, UpdateRejected
+from edgefl.head import Head, validate_head
+from edgefl.records import read_record, write_record
+from edgefl.runtime import Backbone
+from edgefl.types import F32, I64
+from edgefl.wire.codec import (
+    CompressedDelta,
+    Compression,
+    GlobalModel,
+    Limits,
+    MessageType,
+    RoundAnnouncement,
+    Update,
+    UpdateMetrics,
+    decode_global_model,
+    decode_round,
+    encode_global_model,
+    encode_update,
+)
+from edgefl.wire.signing import (
+    SigningKey,
+    VerifyKey,
+    is_signed,
+    load_signing_key,
+    parse_verify_key,
+    sign_message,
+    verify_payload,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ANSWERED_FILE",
+    "HEAD_FILE",
+    "OUTBOX_FILE",
+    "Answered",
+    "ApplyResult",
+    "ApplyStatus",
+    "Classified",
+    "DeviceCore",
+    "RoundResult",
+    "RoundStatus",
+    "check_model_fits",
+]
+
+HEAD_FILE = "global_head.rec"
+"""The last applied global head (a checksummed record of the GlobalModel message)."""
+OUTBOX_FILE = "outbox.rec"
+"""Updates awaiting their PUBACK (:class:`~edgefl.agent.outbox.Outbox`)."""
+ANSWERED_FILE = "answered_round.rec"
+"""The last round this device answered (exactly once across restarts; :class:`Answered`)."""
+
+PhaseHook = Callable[[str], AbstractContextManager[Any]]
+"""``phase(name)`` -> a context manager around one phase (default: the governor's measurement)."""
+ProgressHook = Callable[[str, str], None]
+"""``progress(state, reason)``: told when a phase of the round starts (called on the caller's thread)."""
+
+
+# --- results ------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Classified:
+    """What :meth:`DeviceCore.classify` produced for a batch of N samples.
+
+    Attributes
+    ----------
+    embeddings : float32 [N, D]
+    predictions : int64 [N]
+        Class index per sample.
+    version : int
+        The global head version that produced the predictions.
+    refused_labels : int
+        Samples :meth:`DeviceCore.observe` did not store: their label is outside ``0..K-1`` (``bad_label``).
+    """
+
+    embeddings: F32
+    predictions: I64
+    version: int
+    refused_labels: int = 0
+
+
+class RoundStatus(StrEnum):
+    """What became of a round announcement (:attr:`RoundResult.status`)."""
+
+    TRAINED = "trained"
+    """An update was made and kept in the outbox (:attr:`RoundResult.entry`): send it."""
+    NOT_SELECTED = "not_selected"
+    """The announcement selects other devices."""
+    ANSWERED = "answered"
+    """This round (or a later one) was already answered, maybe before a restart: nothing is sent again."""
+    WAITING_HEAD = "waiting_head"
+    """The round builds on a global head not yet applied; kept pending (``take_ready_round``)."""
+    NO_SAMPLES = "no_samples"
+    """The store is empty; kept pending until samples are stored."""
+    DEFERRED = "deferred"
+    """The memory governor deferred training or encoding (``reason`` says why)."""
+    REFUSED = "refused"
+    """A bad or unusable announcement: ``reason`` is the refusal's code (counted by the caller)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    """The outcome of one round announcement.
+
+    Attributes
+    ----------
+    status : RoundStatus
+    round : int
+        The announced round (0 when the bytes did not decode).
+    reason : str
+        For REFUSED the refusal code (``stale_round``, ``bad_signature``, ``unsigned``, a
+        :class:`~edgefl.errors.DecodeError` reason, ``failed``); for DEFERRED the governor's reason.
+    detail : str
+        Human-readable explanation.
+    entry : OutboxEntry or None
+        TRAINED only: the signed, encoded Update as kept in the outbox (publish ``entry.payload``).
+    dropped : tuple[Dropped, ...]
+        Older outbox entries evicted to make room (TRAINED only).
+    local : LocalResult or None
+        TRAINED only: the local training's delta, loss, accuracy and time.
+    update_bytes : int
+        TRAINED only: ``len(entry.payload)``.
+    """
+
+    status: RoundStatus
+    round: int
+    reason: str = ""
+    detail: str = ""
+    entry: OutboxEntry | None = None
+    dropped: tuple[Dropped, ...] = ()
+    local: LocalResult | None = None
+    update_bytes: int = 0
+
+
+class ApplyStatus(StrEnum):
+    """What became of a global head (:attr:`ApplyResult.status`)."""
+
+    APPLIED = "applied"
+    SAME_VERSION = "same_version"
+    """The version already running (a retained re-delivery): nothing to do."""
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    """The outcome of one GlobalModel message.
+
+    Attributes
+    ----------
+    status : ApplyStatus
+    version : int
+        The message's head version (0 when it did not decode).
+    round : int
+        The round the head closed (0 when it did not decode).
+    reason : str
+        For REFUSED: ``wrong_model``, ``not_newer``, ``not_finite``, ``bad_shape``, ``unsigned``,
+        ``bad_signature``, another DecodeError reason, or ``failed`` (the head could not be persisted).
+    detail : str
+    """
+
+    status: ApplyStatus
+    version: int = 0
+    round: int = 0
+    reason: str = ""
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """The last round this device answered, persisted in ``<state_dir>/answered_round.rec``.
+
+    Stored as a CBOR map ``{"v": 1, "fleet": str, "round": int, "update_id": str}`` inside a
+    checksummed record (:mod:`edgefl.records`); a record for another fleet is ignored.
+    """
+
+    fleet: str
+    round: int
+    update_id: str
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+def check_model_fits(profile: Profile, backbone: Backbone) -> None:
+    """Refuse a model the profile's samples do not fit.
+
+    Parameters
+    ----------
+    profile : Profile
+    backbone : Backbone
+
+    Raises
+    ------
+    ModelError
+        If ``pipeline.mean``/``std`` have neither 1 nor the model's channel count of values, or the
+        replay file's samples do not have the model's input shape (exit code 3 at start-up).
+    """
+    channels = backbone.sample_shape[-1] if backbone.sample_shape else 1
+    n = len(profile.pipeline.mean)
+    if n not in (1, channels):
+        raise ModelError(
+            str(profile.model.path),
+            f"model input has {channels} channel(s); pipeline.mean/std have {n} values",
+        )
+    src = profile.source
+    if src.kind == "replay" and src.path is not None:
+        with np.load(src.path) as data:
+            shape = tuple(int(d) for d in data["x"].shape[1:])
+        if shape != backbone.sample_shape:
+            raise ModelError(
+                str(profile.model.path),
+                f"model expects samples of shape {backbone.sample_shape}, "
+                f"source.path {src.path} holds {shape}",
+            )
+
+
+def _refused(round_no: int, exc: DecodeError | UpdateRejected) -> RoundResult:
+    return RoundResult(RoundStatus.REFUSED, round_no, exc.reason, exc.detail)
+
+
+class DeviceCore:
+    """The device: classify, answer a round, apply a global head. No transport, no asyncio.
+
+    Parameters
+    ----------
+    profile : Profile
+        Device id and fleet, state directory, training settings, security keys, outbox size,
+        message limits and (when ``governor`` is None) the memory cap.
+    head : Head
+        The head to start from (the model's factory head, version 0); a persisted global head of
+        the same model replaces it.
+    model_sha256 : str
+        sha256 of the backbone ``.tflite`` (global heads for another model are refused).
+    pipeline : Pipeline or None
+        Preprocessing + interpreter; None for a core that only trains (bench/learning.py puts
+        embeddings into the store itself), whose :meth:`classify` raises ``RuntimeError``.
+    governor : Governor or None
+        Admits and measures the phases; default one from ``profile.memory``.
+    state_dir : Path or None
+        Default ``profile.device.state_dir`` (created if missing).
+    store_capacity : int or None
+        Default ``profile.training.store_capacity``.
+    phase : callable(str) -> context manager, optional
+        Wraps each phase (``inference``, ``train``, ``encode``, ``apply``); default
+        ``governor.phase`` (exact peak RSS). ``edgefl memory-report`` passes one that also traces
+        the Python heap; it must call ``governor.phase`` itself.
+    progress : callable(state, reason), optional
+        Told ``("training", reason)`` when local training starts (the daemon shows it on the status).
+
+    Raises
+    ------
+    OSError
+        If the state directory cannot be created.
+    EdgeflError
+        If a configured key file cannot be read.
+    """
+
+    def __init__(
+        self,
+        profile: Profile,
+        head: Head,
+        model_sha256: str,
+        *,
+        pipeline: Pipeline | None = None,
+        governor: memory.Governor | None = None,
+        state_dir: Path | None = None,
+        store_capacity: int | None = None,
+        phase: PhaseHook | None = None,
+        progress: ProgressHook | None = None,
+    ) -> None:
+        self.profile = profile
+        self.device = profile.device.id
+        self.fleet = profile.device.fleet
+        self.model_sha256 = model_sha256
+        self.pipeline = pipeline
+        self.state_dir = Path(state_dir if state_dir is not None else profile.device.state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        mem = profile.memory
+        self.governor = governor or memory.Governor(
+            profile.cap_bytes, mem.reserve_mb << 20, mem.min_system_available_mb << 20
+        )
+        self._phase: PhaseHook = phase or self.governor.phase
+        self._progress = progress
+        self.limits = Limits(max_message_bytes=max(profile.broker.max_packet_bytes, 1 << 20))
+        self.head = head
+        self._load_head()
+        sec = profile.security
+        self.signing_key: SigningKey | None = (
+            load_signing_key(sec.signing_key_file) if sec.signing_key_file else None
+        )
+        self.coordinator_key: VerifyKey | None = (
+            parse_verify_key(sec.coordinator_public_key) if sec.coordinator_public_key else None
+        )
+        self.outbox = Outbox(self.state_dir / OUTBOX_FILE, sec.outbox_max_bytes)
+        self.feedback = ErrorFeedback(self.state_dir, self.head.shape, model_sha256)
+        capacity = store_capacity if store_capacity is not None else profile.training.store_capacity
+        self.store = EmbeddingStore(
+            self.state_dir, capacity, self.head.shape[0], num_classes=self.head.shape[1]
+        )
+        self.answered: Answered | None = self._load_answered()
+        self.pending_round: RoundAnnouncement | None = None
+        self.shapes = memory.model_shapes(pipeline.backbone) if pipeline is not None else None
+
+    @classmethod
+    def open(
+        cls,
+        profile: Profile,
+        *,
+        governor: memory.Governor | None = None,
+        state_dir: Path | None = None,
+        store_capacity: int | None = None,
+        phase: PhaseHook | None = None,
+        progress: ProgressHook | None = None,
+        pipeline_mode: str | None = None,
+    ) -> DeviceCore:
+        """Load the profile's model and build the core around it (what ``edgefl run`` does).
+
+        Parameters
+        ----------
+        profile : Profile
+        governor, state_dir, store_capacity, phase, progress
+            As :class:`DeviceCore`.
+        pipeline_mode : "fused" | "unfused" | None
+            Override ``pipeline.mode`` (None: the profile's; ``auto`` measures and picks).
+
+        Raises
+        ------
+        ModelError
+            If the model cannot be loaded or does not fit the profile's samples.
+        """
+        backbone = Backbone(
+            profile.model.path,
+            num_threads=profile.model.num_threads,
+            runtime=profile.model.runtime,
+            embedding_tensor=profile.model.embedding_tensor,
+        )
+        check_model_fits(profile, backbone)
+        directory = Path(state_dir if state_dir is not None else profile.device.state_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        pcfg = profile.pipeline
+        mode, batch = pipeline_mode or pcfg.mode, pcfg.batch
+        if mode == "auto":
+            mode, batch = choose(
+                backbone,
+                pcfg.mean,
+                pcfg.std,
+                batches=(1, 4, 8, 16),
+                cache_dir=directory,
+                raw_dtype=pcfg.raw_dtype,
+            )
+            if backbone.stateful:
+                backbone.reset_state()  # the measurement's invokes changed the model's state
+        pipeline = Pipeline(
+            backbone, pcfg.mean, pcfg.std, mode="unfused" if mode == "unfused" else "fused", batch=batch
+        )
+        W, b = backbone.head_from_model()
+        return cls(
+            profile,
+            Head(W, b, 0),
+            backbone.sha256,
+            pipeline=pipeline,
+            governor=governor,
+            state_dir=directory,
+            store_capacity=store_capacity,
+            phase=phase,
+            progress=progress,
+        )
+
+    # --- persistence ------------------------------------------------------------------------------
+    @property
+    def head_path(self) -> Path:
+        """The persisted global head."""
+        return self.state_dir / HEAD_FILE
+
+    @property
+    def answered_path(self) -> Path:
+        """The persisted last answered round."""
+        return self.state_dir / ANSWERED_FILE
+
+    def _load_head(self) -> None:
+        """Restore the last applied global head from its record (previous generation if torn)."""
+        data = read_record(self.head_path)
+        if data is None:
+            return
+        try:
+            gm = decode_global_model(data, limits=self.limits, expect_shape=self.head.shape)
+            if gm.model_sha256 != self.model_sha256:
+                logger.info("stored global head belongs to another model; using the factory head")
+                return
+            validate_head(gm.W, gm.b, self.head.shape)
+            self.head = Head(gm.W, gm.b, gm.version)
+            logger.info("restored global head version %d from %s", gm.version, self.head_path)
+        except EdgeflError as exc:
+            logger.warning("stored global head %s unusable (%s); using the factory head", self.head_path, exc)
+
+    def _load_answered(self) -> Answered | None:
+        data = read_record(self.answered_path)
+        if data is None:
+            return None
+        try:
+            obj = cbor2.loads(data)
+            if not isinstance(obj, dict) or obj.get("v") != 1:
+                raise ValueError("not an answered-round record")
+            fleet, round_no, update_id = obj.get("fleet"), obj.get("round"), obj.get("update_id")
+            if (
+                type(fleet) is not str
+                or type(round_no) is not int
+                or round_no < 0
+                or type(update_id) is not str
+            ):
+                raise ValueError("bad fields")
+        except (cbor2.CBORDecodeError, ValueError, TypeError) as exc:
+            logger.error(
+                "answered-round record %s has an unknown layout (%s); ignored", self.answered_path, exc
+            )
+            return None
+        if fleet != self.fleet:
+            logger.info("answered-round record %s is for fleet %s; ignored", self.answered_path, fleet)
+            return None
+        logger.info("last answered round %d (%s)", round_no, update_id)
+        return Answered(fleet, round_no, update_id)
+
+    def _save_answered(self, answered: Answered) -> None:
+        obj = {"v": 1, "fleet": answered.fleet, "round": answered.round, "update_id": answered.update_id}
+        write_record(self.answered_path, cbor2.dumps(obj))
+        self.answered = answered
+
+    # --- classify ---------------------------------------------------------------------------------
+    def classify(self, raw: np.ndarray) -> Classified:
+        """Embed and classify a batch of raw samples (phase ``inference``).
+
+        Parameters
+        ----------
+        raw : [N, *sample_shape], N >= 1
+            Raw samples (uint8 image / int16 window / float32 features).
+
+        Returns
+        -------
+        Classified
+            float32 [N, D] embeddings, int64 [N] predictions, the head version used.
+
+        Raises
+        ------
+        ValueError
+            If ``raw`` is empty or not of the model's sample shape.
+        RuntimeError
+            If this core has no pipeline.
+        """
+        if self.pipeline is None or self.shapes is None:
+            raise RuntimeError("this DeviceCore has no pipeline (training only)")
+        step = self.governor.admit_inference(
+            self.shapes, len(raw), resident_batch=self.pipeline.tensor_batch, prep=self.pipeline.mode
+        ).work
+        parts: list[F32] = []
+        for s in range(0, len(raw), step):
+            with self._phase("inference"):
+                parts.append(self.pipeline.run(raw[s : s + step])[0])
+        emb = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        head = self.head  # one reference read: a swap between batches is atomic
+        return Classified(emb, head.predict(emb), head.version)
+
+    def observe(self, raw: np.ndarray, labels: I64) -> Classified:
+        """Classify labelled samples and keep their embeddings in the store.
+
+        Parameters
+        ----------
+        raw : [N, *sample_shape]
+        labels : int64 [N]
+            Class per sample, ``0 <= label < K``.
+
+        Returns
+        -------
+        Classified
+
+        Raises
+        ------
+        ValueError
+            As :meth:`classify`, or labels not matching the samples.
+        """
+        out = self.classify(raw)
+        refused = self.store.add(out.embeddings, labels)
+        return dataclasses.replace(out, refused_labels=refused) if refused else out
+
+    # --- rounds -----------------------------------------------------------------------------------
+    def _verified(self, payload: bytes, kind: MessageType) -> bytes:
+        """Check the coordinator's signature if a key is set (DecodeError ``unsigned``/``bad_signature``).
+
+        The signed bytes bind this device's fleet and the message kind its topic carries.
+        """
+        sec = self.profile.security
+        if self.coordinator_key is not None and (sec.require_signatures or is_signed(payload)):
+            verify_payload(payload, self.coordinator_key, fleet=self.fleet, kind=kind, limits=self.limits)
+        return payload
+
+    def receive_round(self, payload: bytes) -> RoundResult:
+        """Round bytes in: verify, decode and answer a RoundAnnouncement (see :meth:`answer_round`).
+
+        Parameters
+        ----------
+        payload : bytes
+            The RoundAnnouncement message as received (whole, reassembled if it came in chunks).
+
+        Returns
+        -------
+        RoundResult
+            REFUSED with the DecodeError's reason for bad bytes; otherwise as :meth:`answer_round`.
+        """
+        try:
+            ann = decode_round(self._verified(payload, MessageType.ROUND), limits=self.limits)
+        except DecodeError as exc:
+            return _refused(0, exc)
+        return self.answer_round(ann)
+
+    def _selected(self, ann: RoundAnnouncement) -> bool:
+        if isinstance(ann.selected, tuple):
+            return self.device in ann.selected
+        return True
+
+    def answer_round(self, ann: RoundAnnouncement) -> RoundResult:
+        """Answer a round at most once: train, error feedback, encode, sign, keep in the outbox, persist.
+
+        In order: not selected -> NOT_SELECTED; round <= the last answered one (persisted across
+        restarts) -> ANSWERED; base version newer than the head -> WAITING_HEAD (kept pending);
+        older -> REFUSED ``stale_round``; empty store -> NO_SAMPLES (kept pending); the governor
+        defers -> DEFERRED; else local epochs on the store (phase ``train``), error feedback on a
+        compressed delta, the Update encoded and signed (phase ``encode``), kept in the outbox and
+        the round recorded as answered -> TRAINED. The caller publishes ``entry.payload`` and acks
+        it in the outbox after the PUBACK; if the publish fails the outbox re-sends it.
+
+        Parameters
+        ----------
+        ann : RoundAnnouncement
+
+        Returns
+        -------
+        RoundResult
+
+        Notes
+        -----
+        Error feedback: Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory", Algorithm 1.
+        """
+        if not self._selected(ann):
+            return RoundResult(RoundStatus.NOT_SELECTED, ann.round)
+        if self.answered is not None and ann.round <= self.answered.round:
+            return RoundResult(
+                RoundStatus.ANSWERED, ann.round, detail=f"round {self.answered.round} already answered"
+            )
+        head = self.head
+        if ann.base_version > head.version:
+            self.pending_round = ann  # the global head for this round has not arrived yet
+            return RoundResult(
+                RoundStatus.WAITING_HEAD,
+                ann.round,
+                detail=f"round {ann.round} uses version {ann.base_version}, device has {head.version}",
+            )
+        if ann.base_version < head.version:
+            return _refused(
+                ann.round,
+                UpdateRejected(
+                    "stale_round",
+                    f"round {ann.round} uses version {ann.base_version}, device has {head.version}",
+                ),
+            )
+        if len(self.store) == 0:
+            self.pending_round = ann  # retried as soon as samples are stored
+            return RoundResult(RoundStatus.NO_SAMPLES, ann.round, detail="no local samples")
+        if self.pending_round is not None and self.pending_round.round <= ann.round:
+            self.pending_round = None
+        try:
+            return self._train_and_encode(ann, head)
+        except (ValueError, ArithmeticError, OSError) as exc:
+            # a delta the codec refuses, or a state file that cannot be written (a full disk)
+            return RoundResult(RoundStatus.REFUSED, ann.round, "failed", str(exc))
+
+    def _train_and_encode(self, ann: RoundAnnouncement, head: Head) -> RoundResult:
+        cfg = self.profile.training
+        gov = self.governor
+        D, K = head.shape
+        adm = gov.admit_train(
+            cfg.chunk_size,
+            cfg.chunk_floor,
+            dim=D,
+            classes=K,
+            batch_size=ann.batch_size,
+            num_examples=len(self.store),
+        )
+        if adm.deferred:
+            return RoundResult(RoundStatus.DEFERRED, ann.round, adm.reason)
+        if self._progress is not None:
+            self._progress("training", adm.reason)
+        with self._phase("train"):
+            result = train_local(
+                head,
+                self.store,
+                local_epochs=ann.local_epochs,
+                lr=ann.lr,
+                batch_size=ann.batch_size,
+                chunk_size=adm.work,
+                prox_mu=ann.prox_mu,
+                clip_norm=cfg.clip_norm,
+                seed=cfg.seed + ann.round,
+                time_budget_s=ann.deadline_s,
+            )
+        enc = gov.admit(
+            "encode", lambda _: memory.estimate_encode_bytes(D, K, ann.compression, ann.topk_fraction), 1, 1
+        )
+        if enc.deferred:
+            return RoundResult(RoundStatus.DEFERRED, ann.round, enc.reason)
+        update_id = f"{self.device}:{ann.round}:{ann.base_version}"
+        with self._phase("encode"):
+            delta_W, delta_b = result.delta_W, result.delta_b
+            compressed: CompressedDelta | None = None
+            if ann.compression != Compression.NONE:
+                # add what earlier compression dropped, keep what this one drops (persisted); the wire
+                # form is made once, here
+                delta_W, delta_b, compressed = self.feedback.compress(
+                    delta_W, delta_b, ann.compression, topk_fraction=ann.topk_fraction
+                )
+            update = Update(
+                round=ann.round,
+                base_version=ann.base_version,
+                device=self.device,
+                num_examples=result.num_examples,
+                delta_W=delta_W,
+                delta_b=delta_b,
+                metrics=UpdateMetrics(result.loss, result.accuracy, result.train_s, gov.peak_rss_bytes),
+                update_id=update_id,
+                compression=ann.compression,
+            )
+
+            def encode(m: Update) -> bytes:
+                return encode_update(m, topk_fraction=ann.topk_fraction, compressed=compressed)
+
+            if self.signing_key is not None:
+                payload = sign_message(encode, update, self.signing_key, fleet=self.fleet)
+            else:
+                payload = encode(update)
+            del update, delta_W, delta_b
+            # kept until its PUBACK: a restart re-sends it (same update_id), never re-trains the round
+            dropped = tuple(self.outbox.add(update_id, ann.round, payload))
+            self._save_answered(Answered(self.fleet, ann.round, update_id))
+        entry = OutboxEntry(update_id, ann.round, payload)
+        return RoundResult(
+            RoundStatus.TRAINED,
+            ann.round,
+            entry=entry,
+            dropped=dropped,
+            local=result,
+            update_bytes=len(payload),
+        )
+
+    def take_ready_round(self) -> RoundAnnouncement | None:
+        """The pending round, if it can be answered now (its head applied, samples stored); cleared.
+
+        Returns
+        -------
+        RoundAnnouncement or None
+            Pass it to :meth:`answer_round`.
+        """
+        ann = self.pending_round
+        if ann is None or ann.base_version > self.head.version or len(self.store) == 0:
+            return None
+        self.pending_round = None
+        return ann
+
+    # --- global heads -----------------------------------------------------------------------------
+    def receive_global(self, payload: bytes) -> ApplyResult:
+        """Global bytes in: verify, decode, validate, apply and persist a GlobalModel (phase ``apply``).
+
+        Parameters
+        ----------
+        payload : bytes
+            The GlobalModel message (whole, reassembled if it came in chunks).
+
+        Returns
+        -------
+        ApplyResult
+            REFUSED with the reason for bad bytes or an unusable head; otherwise as :meth:`apply_global`.
+        """
+        try:
+            with self._phase("apply"):
+                gm = decode_global_model(
+                    self._verified(payload, MessageType.GLOBAL_MODEL),
+                    limits=self.limits,
+                    expect_shape=self.head.shape,
+                )
+        except DecodeError as exc:
+            return ApplyResult(ApplyStatus.REFUSED, reason=exc.reason, detail=exc.detail)
+        return self.apply_global(gm)
+
+    def apply_global(self, gm: GlobalModel) -> ApplyResult:
+        """Validate a decoded global head, persist it and swap it in atomically.
+
+        Refused: ``wrong_model`` (backbone sha256 differs), ``bad_shape``/``not_finite`` (values, or
+        non-finite logits on a few stored embeddings), ``not_newer`` (older than the running head),
+        ``failed`` (the head file could not be written; the running head is kept).
+
+        Parameters
+        ----------
+        gm : GlobalModel
+
+        Returns
+        -------
+        ApplyResult
+        """
+        try:
+            if gm.model_sha256 != self.model_sha256:
+                raise UpdateRejected(
+                    "wrong_model",
+                    f"global head for model {gm.model_sha256[:12]}, "
+                    f"this backbone is {self.model_sha256[:12]}",
+                )
+            validate_head(gm.W, gm.b, self.head.shape)
+            if gm.version < self.head.version:
+                raise UpdateRejected(
+                    "not_newer", f"global version {gm.version} <= current {self.head.version}"
+                )
+            if gm.version == self.head.version:
+                return ApplyResult(ApplyStatus.SAME_VERSION, gm.version, gm.round)
+            # the outputs on a few stored embeddings must be finite too (a huge finite head can overflow)
+            probe = next(self.store.chunks(8), None)
+            if probe is not None and not np.isfinite(probe[0] @ gm.W + gm.b).all():
+                raise UpdateRejected("not_finite", "global head gives non-finite logits on stored embeddings")
+        except UpdateRejected as exc:
+            return ApplyResult(ApplyStatus.REFUSED, gm.version, gm.round, exc.reason, exc.detail)
+        new = Head(gm.W, gm.b, gm.version)
+        try:
+            with self._phase("apply"):
+                write_record(self.head_path, encode_global_model(gm))
+        except OSError as exc:
+            return ApplyResult(
+                ApplyStatus.REFUSED, gm.version, gm.round, "failed", f"head not persisted: {exc}"
+            )
+        self.head = new
+        logger.info("applied global head version %d (round %d)", gm.version, gm.round)
+        return ApplyResult(ApplyStatus.APPLIED, gm.version, gm.round)
+
+    # --- outbox -----------------------------------------------------------------------------------
+    def mark_sent(self, update_id: str) -> int:
+        """Count one publish attempt of an outbox entry (persisted); its attempts, 0 if unknown."""
+        return self.outbox.mark_sent(update_id)
+
+    def acknowledged(self, update_id: str) -> bool:
+        """The broker acknowledged ``update_id`` (PUBACK): forget it (persisted); whether it was kept."""
+        return self.outbox.ack(update_id)
+
+    def to_resend(self, current_round: int, max_sends: int = 2) -> tuple[list[Dropped], list[OutboxEntry]]:
+        """After a (re)connect: drop entries of closed rounds, return those to send again.
+
+        Parameters
+        ----------
+        current_round : int
+            The round now open (entries of earlier rounds are dropped, ``stale_round``).
+        max_sends : int
+            Entries already sent this many times are not returned.
+
+        Returns
+        -------
+        (dropped, pending)
+        """
+        dropped = self.outbox.drop_stale(current_round)
+        return dropped, [e for e in self.outbox.pending() if e.sends < max_sends]
+
+    def flush(self) -> None:
+        """Write the store's pending pages (at the end of a replay and at shutdown)."""
+        self.store.flush()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """The core's phase measurement around a caller's block (e.g. the daemon's ``publish``)."""
+        with self._phase(name):
+            yield

@@ -1,0 +1,304 @@
+"""The device core (agent/core.py): round bytes in -> signed outbox entry out, global bytes in -> applied,
+exactly once across restarts; and the real daemon process not answering a round twice after a kill -9.
+
+Real parts: the int8 digits model through LiteRT, the digits data, state files on disk, and (for the
+daemon test) a real agent process and the session's mosquitto.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import DEV_PROFILE, INT8_MODEL, Broker, start_replay_agent
+
+from edgefl.agent.config import Profile, load_profile
+from edgefl.agent.core import ANSWERED_FILE, ApplyStatus, DeviceCore, RoundStatus
+from edgefl.datasets import load_digits
+from edgefl.demo import stop_agents
+from edgefl.records import read_record
+from edgefl.topics import Topics
+from edgefl.transport import MqttTransport
+from edgefl.wire.codec import (
+    Compression,
+    GlobalModel,
+    RoundAnnouncement,
+    compressed_roundtrip,
+    decode_status,
+    decode_update,
+    encode_global_model,
+    encode_round,
+)
+from edgefl.wire.signing import generate_signing_key, sign_message, verify_payload
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def profile_for(tmp: Path, fleet: str = "f1", **extra: str) -> Profile:
+    """The dev profile on the int8 digits model, its state in ``tmp/state``, a cap the test process fits."""
+    return load_profile(
+        DEV_PROFILE,
+        {
+            "device.id": "dev-1",
+            "device.fleet": fleet,
+            "device.state_dir": str(tmp / "state"),
+            "model.path": str(INT8_MODEL),
+            "memory.cap_mb": "4096",
+            "memory.min_system_available_mb": "0",
+            "dashboard.enabled": "false",
+            **extra,
+        },
+    )
+
+
+def announcement(round_no: int, base_version: int = 0, **kw: Any) -> RoundAnnouncement:
+    return RoundAnnouncement(
+        round=round_no,
+        base_version=base_version,
+        deadline_s=60.0,
+        local_epochs=kw.pop("local_epochs", 2),
+        lr=0.05,
+        batch_size=16,
+        min_clients=1,
+        selected=kw.pop("selected", 1.0),
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def digits() -> tuple[np.ndarray, np.ndarray]:
+    x, y = load_digits()
+    return x[:160], y[:160].astype(np.int64)
+
+
+def test_core_round_bytes_to_signed_outbox_entry_with_error_feedback(
+    tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
+) -> None:
+    key = generate_signing_key()
+    key_file = tmp_path / "dev.key"
+    key_file.write_text(key.seed.hex())
+    key_file.chmod(0o600)
+    core = DeviceCore.open(profile_for(tmp_path, **{"security.signing_key_file": str(key_file)}))
+    x, y = digits
+    out = core.observe(x[:24], y[:24])
+    assert out.embeddings.shape == (24, core.head.shape[0]) and out.predictions.shape == (24,)
+    assert out.version == 0 and len(core.store) == 24
+
+    ann = announcement(1, compression=Compression.TOPK_INT8, topk_fraction=0.1)
+    res = core.receive_round(encode_round(ann))
+    assert res.status == RoundStatus.TRAINED, res
+    assert res.entry is not None and res.local is not None
+    assert res.entry.update_id == "dev-1:1:0" and res.update_bytes == len(res.entry.payload)
+    verify_payload(res.entry.payload, key.verify_key, fleet="f1", kind="update", device="dev-1")  # device key
+    upd = decode_update(res.entry.payload, expect_shape=core.head.shape)
+    assert (upd.round, upd.base_version, upd.device, upd.num_examples) == (1, 0, "dev-1", 24)
+    # error feedback: what went on the wire is the compressed delta, what it dropped is the residual
+    sent = upd.delta_W
+    kept = core.feedback.residual_W
+    assert np.count_nonzero(kept) > 0
+    np.testing.assert_allclose(sent + kept, res.local.delta_W, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(
+        sent, compressed_roundtrip(res.local.delta_W, Compression.TOPK_INT8, topk_fraction=0.1)
+    )
+    # kept in the outbox until its PUBACK, and the round recorded as answered
+    assert [e.update_id for e in core.outbox.pending()] == ["dev-1:1:0"]
+    assert core.answered is not None and core.answered.round == 1
+    assert core.acknowledged("dev-1:1:0") and not core.outbox.pending()
+
+
+def test_exactly_once_core_across_restarts(tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]) -> None:
+    x, y = digits
+    core = DeviceCore.open(profile_for(tmp_path))
+    core.observe(x[:16], y[:16])
+    assert core.answer_round(announcement(1)).status == RoundStatus.TRAINED
+    assert core.answer_round(announcement(1)).status == RoundStatus.ANSWERED
+    assert read_record(tmp_path / "state" / ANSWERED_FILE) is not None
+    core.flush()  # as the daemon does at shutdown
+
+    again = DeviceCore.open(profile_for(tmp_path))  # a restart on the same state directory
+    assert again.answered is not None and again.answered.round == 1
+    res = again.receive_round(encode_round(announcement(1)))
+    assert res.status == RoundStatus.ANSWERED and res.entry is None
+    assert [e.update_id for e in again.outbox.pending()] == ["dev-1:1:0"]  # still owed, never re-made
+    assert again.answer_round(announcement(2)).status == RoundStatus.TRAINED
+
+    # the record belongs to its fleet: the same state directory in another fleet starts fresh
+    other = DeviceCore.open(profile_for(tmp_path, fleet="f2"))
+    assert other.answered is None
+
+
+def test_core_global_bytes_applied_persisted_and_refusals(
+    tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
+) -> None:
+    x, y = digits
+    coord = generate_signing_key()
+    prof = profile_for(
+        tmp_path,
+        **{"security.coordinator_public_key": coord.verify_key.hex, "security.require_signatures": "true"},
+    )
+    core = DeviceCore.open(prof)
+    core.observe(x[:8], y[:8])
+    W, b = core.head.W + np.float32(0.01), core.head.b.copy()
+    gm = GlobalModel(1, 1, core.model_sha256, W, b)
+
+    unsigned = core.receive_global(encode_global_model(gm))
+    assert (unsigned.status, unsigned.reason) == (ApplyStatus.REFUSED, "unsigned")
+    applied = core.receive_global(sign_message(encode_global_model, gm, coord, fleet="f1"))
+    assert (applied.status, applied.version) == (ApplyStatus.APPLIED, 1)
+    np.testing.assert_array_equal(core.head.W, W)
+    same = core.receive_global(sign_message(encode_global_model, gm, coord, fleet="f1"))
+    assert same.status == ApplyStatus.SAME_VERSION
+    older = GlobalModel(1, 0, core.model_sha256, W, b)
+    refused = core.receive_global(sign_message(encode_global_model, older, coord, fleet="f1"))
+    assert (refused.status, refused.reason) == (ApplyStatus.REFUSED, "not_newer")
+    other = GlobalModel(2, 2, "0" * 64, W, b)
+    refused = core.receive_global(sign_message(encode_global_model, other, coord, fleet="f1"))
+    assert (refused.status, refused.reason) == (ApplyStatus.REFUSED, "wrong_model")
+    garbage = core.receive_global(b"\xff\x00garbage")
+    assert garbage.status == ApplyStatus.REFUSED and garbage.reason
+    assert core.head.version == 1
+
+    restarted = DeviceCore.open(prof)
+    assert restarted.head.version == 1
+    np.testing.assert_array_equal(restarted.head.W, W)
+
+
+def test_core_round_waits_for_its_head_and_for_samples(
+    tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
+) -> None:
+    x, y = digits
+    core = DeviceCore.open(profile_for(tmp_path))
+    assert core.answer_round(announcement(1, selected=("dev-9",))).status == RoundStatus.NOT_SELECTED
+    assert core.answer_round(announcement(1)).status == RoundStatus.NO_SAMPLES
+    assert core.take_ready_round() is None
+    core.observe(x[:8], y[:8])
+    ready = core.take_ready_round()
+    assert ready is not None and ready.round == 1 and core.take_ready_round() is None
+
+    res = core.answer_round(announcement(2, base_version=1))
+    assert res.status == RoundStatus.WAITING_HEAD and core.take_ready_round() is None
+    gm = GlobalModel(1, 1, core.model_sha256, core.head.W.copy(), core.head.b.copy())
+    assert core.apply_global(gm).status == ApplyStatus.APPLIED
+    ready = core.take_ready_round()
+    assert ready is not None and ready.round == 2
+    assert core.answer_round(ready).status == RoundStatus.TRAINED
+    stale = core.answer_round(announcement(3, base_version=0))
+    assert (stale.status, stale.reason) == (RoundStatus.REFUSED, "stale_round")
+
+
+def test_core_fault_unwritable_outbox_is_a_refusal_not_a_crash(
+    tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
+) -> None:
+    x, y = digits
+    core = DeviceCore.open(profile_for(tmp_path))
+    core.observe(x[:8], y[:8])
+    core.outbox.path.mkdir()  # the record cannot be replaced: an OSError as on a full or broken disk
+    res = core.answer_round(announcement(1))
+    assert (res.status, res.reason) == (RoundStatus.REFUSED, "failed") and res.entry is None
+    assert core.answered is None  # not answered: a later announcement may try again
+    core.outbox.path.rmdir()
+    assert core.answer_round(announcement(1)).status == RoundStatus.TRAINED
+
+
+# --- the real daemon --------------------------------------------------------------------------------
+async def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def test_exactly_once_restarted_agent_does_not_train_or_send_an_answered_round(
+    mosquitto: Broker, fleet: str, tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """A real agent answers round 1, is killed -9 and restarted on its state: the retained round 1 is
+    delivered again and not trained or sent again; round 2 is answered as usual."""
+    x, y = digits
+    topics = Topics("edgefl", fleet)
+    updates: list[str] = []
+    status: dict[str, Any] = {}
+
+    def start() -> Any:
+        return start_replay_agent(mosquitto, fleet, tmp_path, "dev-1", x[:64], y[:64])
+
+    async def main() -> None:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"monitor-{fleet}")
+        await t.start(wait_s=10)
+
+        async def listen() -> None:
+            while True:
+                msg = await t.queue.get()
+                if msg.topic == topics.update("dev-1"):
+                    updates.append(decode_update(msg.payload).update_id)
+                elif msg.topic == topics.status("dev-1") and msg.payload:
+                    st = decode_status(msg.payload)
+                    status.clear()
+                    status.update(st.fields, state=st.state)
+
+        pump = asyncio.create_task(listen())
+        procs = [start()]
+        try:
+            await t.subscribe(topics.update("dev-1"), 1)
+            await t.subscribe(topics.status("dev-1"), 1)
+            await t.publish(topics.round, encode_round(announcement(1)), qos=1, retain=True)
+            await wait_until(lambda: updates == ["dev-1:1:0"], 60, "dev-1's update for round 1")
+            await wait_until(lambda: status.get("state") == "waiting", 10, "dev-1 done with round 1")
+            procs[0].send_signal(signal.SIGKILL)
+            procs[0].wait(timeout=10)
+            status.clear()
+
+            procs.append(start())  # same state directory; the retained round 1 is delivered again
+            await wait_until(
+                lambda: (
+                    status.get("round") == 1
+                    and bool(status.get("ready"))
+                    and status.get("pid") == procs[1].pid
+                ),
+                60,
+                "the restarted dev-1 seeing round 1",
+            )
+            # a later round is still answered; an update re-sent for round 1 would have come first
+            await t.publish(topics.round, encode_round(announcement(2)), qos=1, retain=True)
+            await wait_until(lambda: len(updates) >= 2, 60, "dev-1's update for round 2")
+            assert updates == ["dev-1:1:0", "dev-1:2:0"], updates
+            assert status.get("rejected") == {}, status
+        finally:
+            stop_agents(procs)
+            await t.publish(topics.round, b"", qos=1, retain=True)
+            pump.cancel()
+            await t.stop()
+
+    asyncio.run(main())
+    log = (tmp_path / "dev-1.log").read_text(errors="replace")
+    assert "Traceback" not in log, log[-3000:]
+
+
+def test_memory_report_round_is_the_core_round(mosquitto: Broker, tmp_path: Path) -> None:
+    """``edgefl memory-report`` measures the shipped path: a signed update via the outbox, head persisted."""
+    from edgefl.agent.memreport import run_round
+
+    key = generate_signing_key()
+    key_file = tmp_path / "dev.key"
+    key_file.write_text(key.seed.hex())
+    key_file.chmod(0o600)
+    prof = profile_for(tmp_path, **{"security.signing_key_file": str(key_file)})
+    rep = run_round(prof, samples=32, trace=False, state_dir=tmp_path / "state", broker=mosquitto.url)
+    assert rep.completed, rep.note
+    assert {p: r.runs for p, r in rep.phases.items()} == {
+        "inference": 4,
+        "train": 1,
+        "encode": 1,
+        "publish": 1,
+        "apply": 2,
+    }
+    again = DeviceCore.open(prof)  # what the round left on disk
+    assert again.answered is not None and again.answered.round == 1
+    assert again.outbox.pending() == []  # published and acknowledged
+    assert again.head.version == 1 and rep.update_bytes > 0
