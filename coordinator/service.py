@@ -55,6 +55,9 @@ PUBLISH_RETRY_S = 120.0
 """How long a coordinator publish waits out a broker outage before giving up (seconds)."""
 
 
+LOGGED_REFUSALS = 20
+"""Refusals of one reason logged one by one before the log only names every 1000th."""
+
 ADOPT_WAIT_S = 2.0
 """How long a coordinator without state waits for the fleet's retained round and head (seconds)."""
 
@@ -422,7 +425,17 @@ class Coordinator:
                 device in self.state.devices or len(self.rejected_by_device) < self.max_devices
             ):
                 self.rejected_by_device.setdefault(device, Counter())[exc.reason] += 1
-            logger.warning("rejected message on %s (%d bytes): %s", msg.topic, len(msg.payload), exc)
+            n = self.state.rejected[exc.reason]
+            # every refusal is counted; the log names the first ones of each reason, then every 1000th
+            # (a flood of forged messages must not become a flood of log lines)
+            if n <= LOGGED_REFUSALS or n % 1000 == 0:
+                logger.warning(
+                    "rejected message on %s (%d bytes): %s%s",
+                    msg.topic,
+                    len(msg.payload),
+                    exc,
+                    f" ({n} {exc.reason} so far)" if n > LOGGED_REFUSALS else "",
+                )
 
     def _register(self, device: str, entry: dict[str, Any]) -> None:
         """Keep a device's status in the bounded registry and check its model's identity.

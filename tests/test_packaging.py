@@ -75,4 +75,14 @@ def test_unpacked_wheel_defaults_work_outside_the_checkout(wheel: Path, tmp_path
     )
     assert helped.returncode == 0, helped.stderr
     # argparse wraps the help text: compare without whitespace (the path has none)
-    assert str(site / "edgefl" / "models" / "digits_cnn_int8_rawin.tflite") in "".join(helped.stdout.split())
+    shipped_profile = site / "edgefl" / "firmware_configs" / "coordinator.toml"
+    assert str(shipped_profile) in "".join(helped.stdout.split())
+    checked = subprocess.run(
+        [sys.executable, "-m", "edgefl.cli", "check-config", str(shipped_profile)],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert checked.returncode == 0, checked.stderr  # its model path resolves inside the wheel
