@@ -5,8 +5,9 @@ before the agent allocates anything: the state folder must be a writable folder 
 ``/proc``, ``/sys`` or ``/dev``); the packet limit must leave room for a chunk; the embedding store
 (``store_capacity x (2 D + 2)`` bytes, memory-mapped, and its pages count in RSS) must fit both the
 disk and the memory cap; and the cap must be above the model's floor: the process's RSS with the
-model loaded plus the store plus the smallest inference and training phases. Each problem names the
-dotted key, its value and the figure it was compared with.
+model loaded plus the store plus the smallest inference phase. A cap that leaves no room for the
+smallest training chunk is a warning (:func:`training_warning`): the agent classifies, rounds defer.
+Each problem names the dotted key, its value and the figure it was compared with.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Final
 from edgefl.agent import memory
 from edgefl.agent.config import Profile
 
-__all__ = ["MIN_PACKET_BYTES", "floor_bytes", "preflight", "store_bytes"]
+__all__ = ["MIN_PACKET_BYTES", "floor_bytes", "preflight", "store_bytes", "training_warning"]
 
 MIN_PACKET_BYTES: Final = 512
 """Smallest usable ``broker.max_packet_bytes``: a chunk's fixed header, topic and CBOR envelope take
@@ -33,7 +34,9 @@ def store_bytes(capacity: int, dim: int) -> int:
     return capacity * (2 * dim + 2)
 
 
-def floor_bytes(profile: Profile, shapes: memory.ModelShapes, baseline_rss: int) -> int:
+def floor_bytes(
+    profile: Profile, shapes: memory.ModelShapes, baseline_rss: int, *, training: bool = False
+) -> int:
     """The least memory the agent needs with this model: a lower bound of its peak RSS, in bytes.
 
     Parameters
@@ -43,19 +46,24 @@ def floor_bytes(profile: Profile, shapes: memory.ModelShapes, baseline_rss: int)
         Of the loaded model (:func:`edgefl.agent.memory.model_shapes`).
     baseline_rss : int
         RSS of a process that imported the agent and loaded the model, in bytes.
+    training : bool
+        False: to classify at all (the smallest inference phase; training may be deferred). True: to
+        also train (the smallest training chunk, ``training.chunk_floor``).
     """
-    smallest_phase = max(
-        memory.estimate_inference_bytes(shapes, 1),
-        memory.estimate_train_bytes(
-            profile.training.chunk_floor,
-            shapes.embedding_dim,
-            shapes.classes,
-            1,
-            profile.training.chunk_floor,
-            first_run=False,
-        ),
-    )
-    return baseline_rss + store_bytes(profile.training.store_capacity, shapes.embedding_dim) + smallest_phase
+    phase = memory.estimate_inference_bytes(shapes, 1)
+    if training:
+        phase = max(
+            phase,
+            memory.estimate_train_bytes(
+                profile.training.chunk_floor,
+                shapes.embedding_dim,
+                shapes.classes,
+                1,
+                profile.training.chunk_floor,
+                first_run=False,
+            ),
+        )
+    return baseline_rss + store_bytes(profile.training.store_capacity, shapes.embedding_dim) + phase
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -77,6 +85,18 @@ def _state_dir_problem(state_dir: Path) -> str | None:
     if not os.access(base, os.W_OK | os.X_OK):
         return f"is not writable ({base})"
     return None
+
+
+def training_warning(profile: Profile, shapes: memory.ModelShapes, baseline_rss: int) -> str | None:
+    """A warning when the cap lets the agent classify but training would always be deferred, or None."""
+    need = floor_bytes(profile, shapes, baseline_rss, training=True)
+    budget = profile.cap_bytes - profile.memory.reserve_mb * memory.MIB
+    if need <= budget:
+        return None
+    return (
+        f"memory.cap_mb = {profile.memory.cap_mb}: training needs about {need / memory.MIB:.1f} MiB "
+        f"under the cap less reserve ({budget / memory.MIB:.1f} MiB): rounds defer until memory frees"
+    )
 
 
 def preflight(profile: Profile, shapes: memory.ModelShapes | None, baseline_rss: int) -> list[str]:
@@ -126,11 +146,10 @@ def preflight(profile: Profile, shapes: memory.ModelShapes | None, baseline_rss:
             f"{need / mib:.1f} MiB of memory (D = {shapes.embedding_dim}), over the cap less reserve "
             f"({budget / mib:.1f} MiB)"
         )
-    elif floor > budget:
+    elif floor > cap:
         problems.append(
-            f"memory.cap_mb = {profile.memory.cap_mb}: under the model's floor of {floor / mib:.1f} MiB "
-            f"(+ reserve {profile.memory.reserve_mb} MiB): the process with the model "
-            f"{baseline_rss / mib:.1f} MiB, the store {need / mib:.1f} MiB, the smallest phase "
-            f"{(floor - baseline_rss - need) / mib:.1f} MiB"
+            f"memory.cap_mb = {profile.memory.cap_mb}: under the model's floor of {floor / mib:.1f} MiB: "
+            f"the process with the model {baseline_rss / mib:.1f} MiB, the store {need / mib:.1f} MiB, the "
+            f"smallest inference {(floor - baseline_rss - need) / mib:.1f} MiB"
         )
     return problems

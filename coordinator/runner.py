@@ -97,7 +97,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "profile",
         nargs="?",
         default=str(shipped("firmware_configs/coordinator.toml")),
-        help="coordinator TOML profile (default: the shipped firmware_configs/coordinator.toml)",
+        help="coordinator TOML profile (default: %(default)s)",
     )
     p.add_argument(
         "--set",

@@ -80,7 +80,7 @@ def _preflight(profile: Profile) -> list[str]:
 
     import edgefl.agent.daemon  # noqa: F401 - the agent's imports are part of its floor
     from edgefl.agent import memory
-    from edgefl.agent.preflight import preflight
+    from edgefl.agent.preflight import preflight, training_warning
     from edgefl.runtime import Backbone, runtime_available
 
     if not runtime_available(profile.model.runtime):
@@ -98,7 +98,11 @@ def _preflight(profile: Profile) -> list[str]:
     rss = memory.rss_bytes()
     del backbone
     gc.collect()
-    return preflight(profile, shapes, rss)
+    problems = preflight(profile, shapes, rss)
+    warning = None if problems else training_warning(profile, shapes, rss)
+    if warning is not None:
+        print(f"edgefl: warning: {warning}", file=sys.stderr)
+    return problems
 
 
 def _report(title: str, problems: Sequence[str]) -> None:
