@@ -37,9 +37,9 @@ from bench.vowels import load_vowels
 from edgefl.agent.feedback import ErrorFeedback
 from edgefl.agent.store import EmbeddingStore
 from edgefl.agent.trainer import fit_head, train_local
-from edgefl.coordinator.fedbuff import FedBuffer
-from edgefl.coordinator.privacy import PrivateSum, dp_epsilon
-from edgefl.coordinator.strategy import RunningWeightedSum, Strategy, make_strategy
+from edgefl.coordinator.fedbuff import FedBuff
+from edgefl.coordinator.privacy import DPFedAvg
+from edgefl.coordinator.strategy import Offer, Strategy, aggregate_checked, make_strategy
 from edgefl.datasets import dirichlet_partition, load_digits, split_digits
 from edgefl.head import Head
 from edgefl.types import F32, I64
@@ -248,14 +248,20 @@ def run_sync(
     run.times.append(0.0)
     clock = device_times(task.seed, slow)
     now = 0.0
-    noise_rng = np.random.default_rng(7 + task.seed)
+    if dp is not None:
+        strategy = DPFedAvg(
+            strategy,
+            clip_norm=dp[0],
+            noise_multiplier=dp[1],
+            expected_clients=float(len(task.dev_y)),
+            delta=1e-3,
+            rng=np.random.default_rng(7 + task.seed),
+        )
+    clipped = 0
     with tempfile.TemporaryDirectory() as tmp:
         devs = make_devices(task, Path(tmp), feedback)
         for r in range(1, task.rounds + 1):
-            cfg = strategy.configure_round(r)
-            shape = (int(W.shape[0]), int(W.shape[1]))
-            sW, sb = RunningWeightedSum(shape), RunningWeightedSum((shape[1],))
-            priv = PrivateSum(shape, dp[0]) if dp else None
+            cfg = strategy.configure_round(r, (int(W.shape[0]), int(W.shape[1])))
             for i, dev in enumerate(devs):
                 upd, nbytes, dbytes = client_update(
                     task, dev, W, b, r - 1, r, compression, cfg.prox_mu, task.seed * 1000 + r * 10 + i
@@ -263,25 +269,16 @@ def run_sync(
                 run.uplink_bytes += nbytes
                 run.delta_bytes += dbytes
                 run.updates += 1
-                if priv is not None:
-                    priv.add(upd.delta_W, upd.delta_b)
-                else:
-                    sW.add(upd.delta_W, upd.num_examples)
-                    sb.add(upd.delta_b, upd.num_examples)
-            if priv is not None and dp is not None:
-                mW, mb = priv.noisy_mean(dp[1], float(len(devs)), noise_rng)
-                run.extra["clipped_fraction"] = run.extra.get("clipped_fraction", 0.0) + priv.clipped / len(
-                    devs
-                )
-            else:
-                mW, mb = sW.mean(), sb.mean()
-            W, b = strategy.aggregate(W, b, mW, mb)
+                strategy.offer(Offer(dev.name, upd.delta_W, upd.delta_b, upd.num_examples))
+            W, b, _ = aggregate_checked(strategy, W, b)
+            report = strategy.report()
+            clipped += report.clipped
             now += max(clock(i) for i in range(len(devs)))
             run.acc.append(task.accuracy(W, b))
             run.times.append(now)
+    run.extra["clipped_fraction"] = clipped / max(run.updates, 1)
     if dp is not None:
-        run.extra["clipped_fraction"] /= task.rounds
-        run.extra["epsilon"] = dp_epsilon(dp[1], 1.0, task.rounds, 1e-3)
+        run.extra["epsilon"] = strategy.report().epsilon
     return run
 
 
@@ -293,7 +290,9 @@ def run_fedbuff(task: Task, *, buffer_size: int, server_lr: float, slow: Sequenc
     run.acc.append(task.accuracy(W, b))
     run.times.append(0.0)
     clock = device_times(task.seed, slow)
-    buf = FedBuffer((int(W.shape[0]), int(W.shape[1])), buffer_size, server_lr=server_lr, max_staleness=50)
+    shape = (int(W.shape[0]), int(W.shape[1]))
+    strategy = FedBuff(buffer_size=buffer_size, server_lr=server_lr, max_staleness=50)
+    strategy.configure_round(1, shape)
     stale: list[int] = []
     with tempfile.TemporaryDirectory() as tmp:
         devs = make_devices(task, Path(tmp), False)
@@ -317,9 +316,11 @@ def run_fedbuff(task: Task, *, buffer_size: int, server_lr: float, slow: Sequenc
             run.delta_bytes += dbytes
             run.updates += 1
             stale.append(version - base_v)
-            if buf.offer(upd.delta_W, upd.delta_b, upd.num_examples, version - base_v):
-                W, b = buf.flush(W, b)
+            strategy.offer(Offer(devs[i].name, upd.delta_W, upd.delta_b, upd.num_examples, version - base_v))
+            if strategy.accepted >= buffer_size:
+                W, b, _ = aggregate_checked(strategy, W, b)
                 version += 1
+                strategy.configure_round(version + 1, shape)
                 run.acc.append(task.accuracy(W, b))
                 run.times.append(t)
             bases[job] = (W, b)

@@ -12,15 +12,19 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from edgefl.aio import within
+from edgefl.coordinator.privacy import DPFedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import STRATEGY_NAMES, make_strategy
+from edgefl.coordinator.strategy import DEFAULT_STRATEGY, STRATEGY_NAMES, Strategy, make_strategy
+from edgefl.errors import UpdateRejected
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
@@ -65,7 +69,40 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.05, help="client learning rate of round 1")
     p.add_argument("--lr-decay", type=float, default=0.8, help="per-round factor on the client learning rate")
     p.add_argument("--batch-size", type=int, default=16, help="client SGD batch size")
-    p.add_argument("--strategy", default="fedavg", choices=STRATEGY_NAMES)
+    p.add_argument(
+        "--strategy",
+        default=DEFAULT_STRATEGY,
+        choices=STRATEGY_NAMES,
+        help="aggregation rule; fedbuff runs buffered-asynchronous steps (one per round)",
+    )
+    p.add_argument(
+        "--clip-norm",
+        type=float,
+        default=None,
+        metavar="C",
+        help="fixed bound on each update's L2 norm (default: adaptive, --clip-multiplier x round median)",
+    )
+    p.add_argument(
+        "--clip-multiplier", type=float, default=2.0, help="adaptive norm bound, in round median norms"
+    )
+    p.add_argument("--trim-fraction", type=float, default=0.2, help="trimmed-mean: share cut at each end")
+    p.add_argument("--buffer-size", type=int, default=3, help="fedbuff: updates per server step")
+    p.add_argument("--max-staleness", type=int, default=20, help="fedbuff: refuse updates staler than this")
+    p.add_argument(
+        "--dp-noise-multiplier",
+        type=float,
+        default=None,
+        metavar="Z",
+        help="central DP (McMahan et al. 2018): noise sd = Z x --dp-clip-norm; FedAvg-family strategies only",
+    )
+    p.add_argument("--dp-clip-norm", type=float, default=1.0, help="DP: bound C on each update's L2 norm")
+    p.add_argument("--dp-delta", type=float, default=1e-5, help="DP: delta at which epsilon is reported")
+    p.add_argument(
+        "--dp-expected-clients",
+        type=float,
+        default=None,
+        help="DP: fixed denominator, expected updates per round (default: --min-clients)",
+    )
     p.add_argument("--compression", default="none", choices=[c.value for c in Compression])
     p.add_argument(
         "--state", default=None, metavar="PATH", help="state file: resume from it, save each round"
@@ -80,6 +117,40 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=main)
     return p
+
+
+def build_strategy(args: argparse.Namespace) -> Strategy:
+    """The strategy the flags name, wrapped in central DP when ``--dp-noise-multiplier`` is given.
+
+    Raises
+    ------
+    ValueError
+        On a bad combination (DP around median, trimmed mean or FedBuff) or out-of-range values.
+    """
+    own: dict[str, dict[str, Any]] = {
+        "trimmed-mean": {"trim_fraction": args.trim_fraction},
+        "fedbuff": {"buffer_size": args.buffer_size, "max_staleness": args.max_staleness},
+    }
+    strategy = make_strategy(
+        args.strategy,
+        local_epochs=args.local_epochs,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        min_clients=args.min_clients,
+        deadline_s=args.deadline,
+        clip_norm=args.clip_norm,
+        clip_multiplier=args.clip_multiplier,
+        **own.get(args.strategy, {}),
+    )
+    if args.dp_noise_multiplier is None:
+        return strategy
+    return DPFedAvg(
+        strategy,
+        clip_norm=args.dp_clip_norm,
+        noise_multiplier=args.dp_noise_multiplier,
+        expected_clients=args.dp_expected_clients or float(args.min_clients),
+        delta=args.dp_delta,
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -105,14 +176,11 @@ async def _run(args: argparse.Namespace) -> int:
     _, host, port = parse_broker_url(args.broker)
     # A persistent session: updates published while the coordinator restarts wait for it at the broker.
     transport = MqttTransport(host, port, f"edgefl-coordinator-{args.fleet}", session_expiry_s=3600)
-    strategy = make_strategy(
-        args.strategy,
-        local_epochs=args.local_epochs,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        min_clients=args.min_clients,
-        deadline_s=args.deadline,
-    )
+    try:
+        strategy = build_strategy(args)
+    except ValueError as exc:
+        print(f"edgefl coordinator: {exc}", file=sys.stderr)
+        return 2
     coord = Coordinator(
         transport,
         Topics(args.prefix, args.fleet),
@@ -129,7 +197,11 @@ async def _run(args: argparse.Namespace) -> int:
     )
     state_path = Path(args.state) if args.state else None
     if state_path is not None:
-        coord.load_state(state_path)
+        try:
+            coord.load_state(state_path)
+        except UpdateRejected as exc:
+            print(f"edgefl coordinator: {exc}", file=sys.stderr)
+            return 1
         coord.state_path = state_path
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -157,7 +229,16 @@ async def _run(args: argparse.Namespace) -> int:
             rec = runner.result()
             if state_path is not None:
                 coord.save_state(state_path)
-            logger.info("round %d: %d clients, accuracy %.3f", rec.round, rec.clients, rec.accuracy)
+            logger.info(
+                "round %d: %d clients, accuracy %.3f, %d clipped (bound %.3g)%s%s",
+                rec.round,
+                rec.clients,
+                rec.accuracy,
+                rec.clipped,
+                rec.norm_bound,
+                "" if math.isnan(rec.epsilon) else f", epsilon {rec.epsilon:.3g} at delta {rec.delta:g}",
+                f", REFUSED ({rec.refused}): kept version {coord.state.version}" if rec.refused else "",
+            )
             if args.log:
                 line = {
                     "round": rec.round,
@@ -167,6 +248,12 @@ async def _run(args: argparse.Namespace) -> int:
                     "duration_s": rec.duration_s,
                     "update_ids": coord.counted.get(rec.round, []),
                     "version": coord.state.version,
+                    "strategy": strategy.name,
+                    "clipped": rec.clipped,
+                    "norm_bound": rec.norm_bound if math.isfinite(rec.norm_bound) else None,
+                    "epsilon": None if math.isnan(rec.epsilon) else rec.epsilon,
+                    "delta": None if math.isnan(rec.delta) else rec.delta,
+                    "refused": rec.refused or None,
                 }
                 with open(args.log, "a") as f:
                     f.write(json.dumps(line) + "\n")

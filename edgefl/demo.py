@@ -301,10 +301,7 @@ async def _run(opts: DemoOptions) -> int:
                         print(f"  {dev} dashboard: {url}")
                 print(f"  {'round':>5} {'clients':>7} {'accuracy':>8} {'update_bytes':>12} {'seconds':>7}")
                 for r in range(1, opts.rounds + 1):
-                    if strategy.asynchronous:  # FedBuff: one server step per "round" line
-                        rec = (await coord.run_async(1))[0]
-                    else:
-                        rec = await coord.run_round(r)
+                    rec = await coord.run_round(r)  # FedBuff: one buffered server step per line
                     print(
                         f"  {rec.round:>5} {rec.clients:>7} {rec.accuracy:>8.3f} "
                         f"{rec.update_bytes_mean:>12.0f} {rec.duration_s:>7.2f}"
