@@ -33,6 +33,7 @@ from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import make_strategy
 from edgefl.datasets import FACTORY_CLASSES, load_digits, partition_non_iid, split_digits
 from edgefl.head import Head
+from edgefl.records import atomic_write
 from edgefl.resources import shipped
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
@@ -374,6 +375,6 @@ async def _run(opts: DemoOptions) -> int:
             ],
             "agents": agents,
         }
-        Path(opts.json_path).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write(Path(opts.json_path), (json.dumps(result, indent=2) + "\n").encode())
         print(f"  wrote {opts.json_path}")
     return rc
