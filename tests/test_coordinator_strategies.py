@@ -17,11 +17,13 @@ from conftest import INT8_MODEL, ROOT, Broker, start_replay_agent
 
 from edgefl.coordinator.fedbuff import FedBuff, staleness_weight
 from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
+from edgefl.errors import UpdateRejected
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import Update, UpdateMetrics, encode_update
+from edgefl.wire.codec import GlobalModel, Update, UpdateMetrics, decode_global_model, encode_update
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -155,3 +157,81 @@ def test_coordinator_buffered_step_takes_a_stale_update_weighted_by_staleness(
     expect = W0 + np.float32(0.01) + np.float32((staleness_weight(1) * 0.02 + 0.02) / 2)
     np.testing.assert_allclose(coord.W, expect, rtol=1e-5, atol=1e-6)
     assert coord.counted[2] == ["a:2:1", "c:1:0"]
+
+
+def test_coordinator_refuses_a_round_whose_head_the_agents_would_refuse(
+    mosquitto: Broker, fleet: str, tmp_path: Path
+) -> None:
+    """An update that passes the norm bound (a loose fixed bound) but moves the head beyond MAX_HEAD_ABS:
+    the round is refused, nothing is persisted or published, the head stays at version 0; the next
+    good round publishes version 1. A state file holding a bad head is refused at start-up."""
+    bb = Backbone(INT8_MODEL)
+    W0, b0 = bb.head_from_model()
+    D, K = W0.shape
+    state = tmp_path / "coordinator.rec"
+
+    def update(rnd: int, value: float) -> bytes:
+        return encode_update(
+            Update(rnd, 0, "a", 10, np.full((D, K), value, np.float32), np.zeros(K, np.float32),
+                   UpdateMetrics(0.1, 0.9, 0.01, 1), f"a:{rnd}:0")
+        )  # fmt: skip
+
+    async def main() -> tuple[Coordinator, list[Any], list[GlobalModel]]:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
+        dev = MqttTransport(mosquitto.host, mosquitto.port, f"dev-{fleet}")
+        await t.start(wait_s=10)
+        await dev.start(wait_s=10)
+        strategy = FedAvg(clip_norm=1e9, min_clients=1, deadline_s=30)
+        coord = Coordinator(t, Topics("edgefl", fleet), W0, b0, model_sha256=bb.sha256, strategy=strategy)
+        coord.state_path = state
+        changed = asyncio.Event()
+        coord.on_change = changed.set
+        pump = asyncio.create_task(coord.pump())
+        topics = coord.topics
+        await dev.subscribe(topics.global_model, 1)
+        heads: list[GlobalModel] = []
+
+        async def opened(n: int) -> None:
+            while coord.state.current is None or coord.state.current.number != n:
+                changed.clear()
+                await asyncio.wait_for(changed.wait(), 30)
+
+        try:
+            await coord.start()
+            heads.append(decode_global_model((await asyncio.wait_for(dev.queue.get(), 10)).payload))
+            records = []
+            for rnd, value in ((1, 5e4), (2, 0.01)):
+                task = asyncio.create_task(coord.run_round(rnd))
+                await opened(rnd)
+                await dev.publish(topics.update("a"), update(rnd, value), qos=1)
+                records.append(await task)
+                if rnd == 1:
+                    assert not state.exists()  # nothing persisted for the refused round
+            heads.append(decode_global_model((await asyncio.wait_for(dev.queue.get(), 10)).payload))
+            return coord, records, heads
+        finally:
+            pump.cancel()
+            await dev.stop()
+            await t.stop()
+
+    coord, records, heads = asyncio.run(main())
+    assert [r.refused for r in records] == ["bad_value", ""]
+    assert [r.clients for r in records] == [1, 1]
+    assert coord.state.refused_rounds == {"bad_value": 1}
+    assert [h.version for h in heads] == [0, 1]  # the refused round published nothing
+    np.testing.assert_allclose(heads[1].W, W0 + np.float32(0.01), rtol=1e-6)
+    assert coord.state.version == 1 and coord.counted == {2: ["a:2:0"]}
+    assert state.exists()
+
+    # a state file with a head the agents would refuse (an older coordinator could write one)
+    other = Coordinator(
+        None, Topics("edgefl", fleet), W0, b0, model_sha256=bb.sha256, strategy=FedAvg()  # type: ignore[arg-type]
+    )
+    other.W = np.full_like(W0, np.inf)
+    other.save_state(tmp_path / "bad.rec")
+    fresh = Coordinator(
+        None, Topics("edgefl", fleet), W0, b0, model_sha256=bb.sha256, strategy=FedAvg()  # type: ignore[arg-type]
+    )
+    with pytest.raises(UpdateRejected) as e:
+        fresh.load_state(tmp_path / "bad.rec")
+    assert e.value.reason == "bad_state" and "not_finite" in str(e.value)
