@@ -86,6 +86,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--clip-multiplier", type=float, default=2.0, help="adaptive norm bound, in round median norms"
     )
     p.add_argument("--trim-fraction", type=float, default=0.2, help="trimmed-mean: share cut at each end")
+    p.add_argument(
+        "--max-updates", type=int, default=64, help="median/trimmed-mean: most updates held per round"
+    )
     p.add_argument("--buffer-size", type=int, default=3, help="fedbuff: updates per server step")
     p.add_argument("--max-staleness", type=int, default=20, help="fedbuff: refuse updates staler than this")
     p.add_argument(
@@ -128,7 +131,8 @@ def build_strategy(args: argparse.Namespace) -> Strategy:
         On a bad combination (DP around median, trimmed mean or FedBuff) or out-of-range values.
     """
     own: dict[str, dict[str, Any]] = {
-        "trimmed-mean": {"trim_fraction": args.trim_fraction},
+        "trimmed-mean": {"trim_fraction": args.trim_fraction, "max_updates": args.max_updates},
+        "median": {"max_updates": args.max_updates},
         "fedbuff": {"buffer_size": args.buffer_size, "max_staleness": args.max_staleness},
     }
     strategy = make_strategy(

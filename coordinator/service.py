@@ -28,7 +28,7 @@ import cbor2
 import numpy as np
 
 from edgefl.aio import wait_event
-from edgefl.coordinator.rounds import Round
+from edgefl.coordinator.rounds import Round, RoundPhase
 from edgefl.coordinator.strategy import Offer, RoundConfig, Schedule, Strategy, aggregate_checked
 from edgefl.errors import TransportError, UpdateRejected
 from edgefl.head import validate_head
@@ -43,6 +43,7 @@ from edgefl.wire.codec import (
     GlobalModel,
     Limits,
     RoundAnnouncement,
+    Update,
     decode_status,
     decode_update,
     encode_global_model,
@@ -54,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 PUBLISH_RETRY_S = 120.0
 """How long a coordinator publish waits out a broker outage before giving up (seconds)."""
+
+HELD_UPDATES = 64
+"""Updates held while a buffered step is published, offered to the next step (more are refused)."""
 
 SEEN_UPDATE_IDS = 4096
 """Update ids remembered across rounds (a FedBuff step accepts updates of earlier rounds)."""
@@ -186,6 +190,7 @@ class Coordinator:
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
         self._seen_update_ids: dict[str, None] = {}  # insertion-ordered, bounded: see _remember
+        self._held: list[tuple[Update, int]] = []  # arrived while a buffered step was being published
         self._status_changed = asyncio.Event()
 
     @property
@@ -341,6 +346,17 @@ class Coordinator:
         rnd = self.state.current
         if rnd is None:
             raise UpdateRejected("no_round", "no round is open")
+        if rnd.phase is RoundPhase.CLOSED and not rnd.check_round and len(self._held) < HELD_UPDATES:
+            # A buffered step is being published: the update counts in the next step (FedBuff loses
+            # no device's work to the moment it arrives).
+            self._held.append((update, len(payload)))
+            logger.info("update %s held for the next buffered step", update.update_id)
+            self._notify()
+            return
+        self._accept(rnd, update, len(payload))
+
+    def _accept(self, rnd: Round, update: Update, size_bytes: int) -> None:
+        """Admit ``update`` to ``rnd``, offer it to the strategy and record it (raises ``UpdateRejected``)."""
         rnd.admit(update)
         if update.update_id in self._seen_update_ids:  # an earlier step's update, sent again
             raise UpdateRejected("duplicate", f"update {update.update_id} already counted")
@@ -350,14 +366,15 @@ class Coordinator:
         self.strategy.offer(
             Offer(update.device, update.delta_W, update.delta_b, update.num_examples, staleness)
         )
-        rnd.record(update, len(payload))
+        rnd.record(update, size_bytes)
         self._remember(update.update_id)
         logger.info(
-            "round %d: update from %s (%d examples, %d bytes)",
+            "round %d: update from %s (%d examples, %d bytes, staleness %d)",
             rnd.number,
-            device,
+            update.device,
             update.num_examples,
-            len(msg.payload),
+            size_bytes,
+            staleness,
         )
         self._round_changed.set()
         self._notify()
@@ -403,6 +420,7 @@ class Coordinator:
             "rejected": dict(self.state.rejected),
             "clipped": dict(self.strategy.clipped),
             "refused_rounds": dict(self.state.refused_rounds),
+            "held_updates": len(self._held),
             "epsilon": None if not self.state.history or math.isnan(self.state.history[-1].epsilon)
             else self.state.history[-1].epsilon,
         }
@@ -498,6 +516,13 @@ class Coordinator:
         )
         self.state.current = rnd
         self.state.round = round_no
+        held, self._held = self._held, []
+        for update, size_bytes in held:
+            try:
+                self._accept(rnd, update, size_bytes)
+            except UpdateRejected as exc:
+                self.state.rejected[exc.reason] += 1
+                logger.warning("held update %s refused: %s", update.update_id, exc)
         await self._announce(round_no, cfg, selected)
         self._notify()
         loop = asyncio.get_running_loop()

@@ -104,7 +104,8 @@ def test_coordinator_buffered_step_takes_a_stale_update_weighted_by_staleness(
     mosquitto: Broker, fleet: str
 ) -> None:
     """The service's buffered schedule on crafted updates over the real broker: after one step (version 1),
-    an update trained from version 0 still counts, weighted by s(1) = 1/sqrt(2)."""
+    an update trained from version 0 that arrives between the steps is held and counts in step 2,
+    weighted by s(1) = 1/sqrt(2)."""
     bb = Backbone(INT8_MODEL)
     W0, b0 = bb.head_from_model()
     D, K = W0.shape
@@ -139,9 +140,13 @@ def test_coordinator_buffered_step_takes_a_stale_update_weighted_by_staleness(
             await dev.publish(topics.update("a"), update("a", 1, 0, 0.01), qos=1)
             await dev.publish(topics.update("b"), update("b", 1, 0, 0.01), qos=1)
             rec1 = await step1
+            # between two steps: held, then offered to step 2 with staleness 1
+            await dev.publish(topics.update("c"), update("c", 1, 0, 0.02), qos=1)  # stale: base 0
+            while coord.dashboard_status()["held_updates"] != 1:
+                changed.clear()
+                await asyncio.wait_for(changed.wait(), 30)
             step2 = asyncio.create_task(coord.run_round(2))
             await opened(2)
-            await dev.publish(topics.update("c"), update("c", 1, 0, 0.02), qos=1)  # stale: base 0
             await dev.publish(topics.update("a"), update("a", 2, 1, 0.02), qos=1)
             rec2 = await step2
             return coord, [rec1.clients, rec2.clients]
