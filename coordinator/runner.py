@@ -254,6 +254,7 @@ async def _run(args: argparse.Namespace) -> int:
                     "version": coord.state.version,
                     "strategy": strategy.name,
                     "clipped": rec.clipped,
+                    "clipped_by_device": dict(strategy.clipped),  # since the start of this process
                     "norm_bound": rec.norm_bound if math.isfinite(rec.norm_bound) else None,
                     "epsilon": None if math.isnan(rec.epsilon) else rec.epsilon,
                     "delta": None if math.isnan(rec.delta) else rec.delta,

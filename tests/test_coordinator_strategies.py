@@ -88,6 +88,7 @@ def test_coordinator_dp_reports_epsilon_every_round_with_real_agents(
     eps = [ln["epsilon"] for ln in lines]
     assert 0 < eps[0] < eps[1] and all(ln["delta"] == 1e-5 for ln in lines)
     assert all(ln["norm_bound"] == 1.0 for ln in lines)
+    assert lines[-1]["clipped_by_device"].keys() <= {"dev-0", "dev-1"}
 
 
 def test_coordinator_refuses_dp_around_a_robust_strategy() -> None:
