@@ -346,9 +346,10 @@ class Coordinator:
         rnd = self.state.current
         if rnd is None:
             raise UpdateRejected("no_round", "no round is open")
-        if rnd.phase is RoundPhase.CLOSED and not rnd.check_round and len(self._held) < HELD_UPDATES:
-            # A buffered step is being published: the update counts in the next step (FedBuff loses
-            # no device's work to the moment it arrives).
+        buffer_full = rnd.phase is RoundPhase.CLOSED or rnd.complete()
+        if not rnd.check_round and buffer_full and len(self._held) < HELD_UPDATES:
+            # A buffered step is full or being published: the update counts in the next step (a
+            # step aggregates exactly its buffer size, and FedBuff loses no device's work).
             self._held.append((update, len(payload)))
             logger.info("update %s held for the next buffered step", update.update_id)
             self._notify()
@@ -517,7 +518,10 @@ class Coordinator:
         self.state.current = rnd
         self.state.round = round_no
         held, self._held = self._held, []
-        for update, size_bytes in held:
+        for i, (update, size_bytes) in enumerate(held):
+            if rnd.complete():  # more held than one step takes: they wait for the next
+                self._held = held[i:]
+                break
             try:
                 self._accept(rnd, update, size_bytes)
             except UpdateRejected as exc:
