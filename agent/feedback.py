@@ -6,9 +6,9 @@ residual is ``corrected - decoded``, where ``decoded`` is exactly what the coord
 hands the wire form on to ``encode_update(..., compressed=...)``. Nothing is lost, only delayed, which
 is what lets top-k keep 10 % of the coordinates without hurting accuracy.
 
-The residual lives in the device's state directory (``feedback_residual.npz``), written atomically
-(temporary file, fsync, ``os.replace``) so it survives a restart or a power cut; a residual for
-another head shape or another model is discarded.
+The residual lives in the device's state directory (``feedback_residual.npz``), written with
+``edgefl.records.atomic_write`` (temporary file, fsync, rename, fsync of the folder) so it survives a
+restart or a power cut; a residual for another head shape or another model is discarded.
 
 Source: Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory" (NeurIPS), Algorithm 1;
 Karimireddy et al. 2019 ("Error Feedback Fixes SignSGD").
@@ -16,12 +16,13 @@ Karimireddy et al. 2019 ("Error Feedback Fixes SignSGD").
 
 from __future__ import annotations
 
+import io
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 
+from edgefl.records import atomic_write
 from edgefl.types import F32
 from edgefl.wire.compression import CompressedDelta, Compression, compress_head_delta
 
@@ -84,18 +85,9 @@ class ErrorFeedback:
         self.residual_W, self.residual_b = W, b
 
     def _save(self) -> None:
-        tmp = self.path.with_suffix(".tmp.npz")
-        with open(tmp, "wb") as f:
-            np.savez(f, W=self.residual_W, b=self.residual_b, model_sha256=np.str_(self.model_sha256))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        # the rename itself is durable only once the directory entry is flushed
-        fd = os.open(self.state_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        buf = io.BytesIO()
+        np.savez(buf, W=self.residual_W, b=self.residual_b, model_sha256=np.str_(self.model_sha256))
+        atomic_write(self.path, buf.getvalue())
 
     def compensate(self, delta_W: F32, delta_b: F32) -> tuple[F32, F32]:
         """Add the residual to a fresh delta.

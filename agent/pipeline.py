@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
 import time
 import traceback
@@ -54,6 +53,7 @@ from typing import Any, Literal, cast
 
 import numpy as np
 
+from edgefl.records import atomic_write
 from edgefl.runtime import Backbone
 from edgefl.types import F32
 from edgefl.validators import MAX_BATCH
@@ -862,12 +862,6 @@ def choose(
     logger.info("%s: measured pipeline choice %s, batch %d", backbone.path.name, mode, batch)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(
-            json.dumps(
-                {"key": key, "chosen": {"mode": mode, "batch": batch}, "batches": [asdict(r) for r in rows]},
-                indent=1,
-            )
-        )
-        os.replace(tmp, path)
+        doc = {"key": key, "chosen": {"mode": mode, "batch": batch}, "batches": [asdict(r) for r in rows]}
+        atomic_write(path, json.dumps(doc, indent=1).encode())
     return mode, batch

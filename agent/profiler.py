@@ -23,6 +23,7 @@ from typing import Any
 
 from edgefl.agent.pipeline import DEFAULT_MARGIN, KERNEL_TRIALS, BatchMeasurement, Pipeline, decide, measure
 from edgefl.errors import ModelError
+from edgefl.records import atomic_write
 from edgefl.runtime import Backbone
 from edgefl.validators import MAX_BATCH, MAX_THREADS
 
@@ -259,7 +260,7 @@ def main(args: argparse.Namespace) -> int:
             "fused_kernel_seconds_per_sample": fused.kernel_seconds,
         }
         try:
-            Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+            atomic_write(Path(args.json), (json.dumps(doc, indent=2) + "\n").encode())
         except OSError as exc:
             print(f"edgefl profile: cannot write --json {args.json}: {exc}")
             return EXIT_USAGE

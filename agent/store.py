@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from edgefl.head import check_labels, label_range
+from edgefl.records import atomic_write
 from edgefl.types import F32, I64
 
 logger = logging.getLogger(__name__)
@@ -160,14 +160,8 @@ class EmbeddingStore:
             yield self._emb[sel].astype(np.float32), self._lbl[sel].astype(np.int64)
 
     def flush(self) -> None:
-        """Write the maps and the metadata to disk (metadata atomically: temp file, fsync, rename)."""
+        """Write the maps and the metadata to disk (metadata with ``edgefl.records.atomic_write``)."""
         self._emb.flush()
         self._lbl.flush()
-        tmp = self._meta_path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            json.dump(
-                {"capacity": self.capacity, "dim": self.dim, "count": self._count, "head": self._head}, f
-            )
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._meta_path)
+        meta = {"capacity": self.capacity, "dim": self.dim, "count": self._count, "head": self._head}
+        atomic_write(self._meta_path, json.dumps(meta).encode())

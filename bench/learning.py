@@ -42,9 +42,9 @@ from edgefl.agent import memory
 from edgefl.agent.config import Profile, load_profile
 from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
 from edgefl.agent.trainer import fit_head
-from edgefl.coordinator.fedbuff import FedBuffer
-from edgefl.coordinator.privacy import PrivateSum, dp_epsilon
-from edgefl.coordinator.strategy import RunningWeightedSum, Strategy, make_strategy
+from edgefl.coordinator.fedbuff import FedBuff
+from edgefl.coordinator.privacy import DPFedAvg
+from edgefl.coordinator.strategy import Offer, Strategy, aggregate_checked, make_strategy
 from edgefl.datasets import dirichlet_partition, load_digits, split_digits
 from edgefl.head import Head
 from edgefl.types import F32, I64
@@ -297,14 +297,20 @@ def run_sync(
     run.times.append(0.0)
     clock = device_times(task.seed, slow)
     now = 0.0
-    noise_rng = np.random.default_rng(7 + task.seed)
+    if dp is not None:
+        strategy = DPFedAvg(
+            strategy,
+            clip_norm=dp[0],
+            noise_multiplier=dp[1],
+            expected_clients=float(len(task.dev_y)),
+            delta=1e-3,
+            rng=np.random.default_rng(7 + task.seed),
+        )
+    clipped = 0
     with tempfile.TemporaryDirectory(dir=STATE_ROOT) as tmp:
         devs = make_devices(task, Path(tmp))
         for r in range(1, task.rounds + 1):
-            cfg = strategy.configure_round(r)
-            shape = (int(W.shape[0]), int(W.shape[1]))
-            sW, sb = RunningWeightedSum(shape), RunningWeightedSum((shape[1],))
-            priv = PrivateSum(shape, dp[0]) if dp else None
+            cfg = strategy.configure_round(r, (int(W.shape[0]), int(W.shape[1])))
             for dev in devs:
                 upd, nbytes, dbytes = client_update(
                     task, dev, r - 1, r, compression, cfg.prox_mu, feedback=feedback
@@ -312,27 +318,17 @@ def run_sync(
                 run.uplink_bytes += nbytes
                 run.delta_bytes += dbytes
                 run.updates += 1
-                if priv is not None:
-                    priv.add(upd.delta_W, upd.delta_b)
-                else:
-                    sW.add(upd.delta_W, upd.num_examples)
-                    sb.add(upd.delta_b, upd.num_examples)
-            if priv is not None and dp is not None:
-                mW, mb = priv.noisy_mean(dp[1], float(len(devs)), noise_rng)
-                run.extra["clipped_fraction"] = run.extra.get("clipped_fraction", 0.0) + priv.clipped / len(
-                    devs
-                )
-            else:
-                mW, mb = sW.mean(), sb.mean()
-            W, b = strategy.aggregate(W, b, mW, mb)
+                strategy.offer(Offer(upd.device, upd.delta_W, upd.delta_b, upd.num_examples))
+            W, b, _ = aggregate_checked(strategy, W, b)
             W, b = W.astype(np.float32), b.astype(np.float32)
+            clipped += strategy.report().clipped
             deliver(task, devs, W, b, r, r)
             now += max(clock(i) for i in range(len(devs)))
             run.acc.append(task.accuracy(W, b))
             run.times.append(now)
+    run.extra["clipped_fraction"] = clipped / max(run.updates, 1)
     if dp is not None:
-        run.extra["clipped_fraction"] /= task.rounds
-        run.extra["epsilon"] = dp_epsilon(dp[1], 1.0, task.rounds, 1e-3)
+        run.extra["epsilon"] = strategy.report().epsilon
     return run
 
 
@@ -344,7 +340,9 @@ def run_fedbuff(task: Task, *, buffer_size: int, server_lr: float, slow: Sequenc
     run.acc.append(task.accuracy(W, b))
     run.times.append(0.0)
     clock = device_times(task.seed, slow)
-    buf = FedBuffer((int(W.shape[0]), int(W.shape[1])), buffer_size, server_lr=server_lr, max_staleness=50)
+    shape = (int(W.shape[0]), int(W.shape[1]))
+    strategy = FedBuff(buffer_size=buffer_size, server_lr=server_lr, max_staleness=50)
+    strategy.configure_round(1, shape)
     stale: list[int] = []
     with tempfile.TemporaryDirectory(dir=STATE_ROOT) as tmp:
         devs = make_devices(task, Path(tmp))
@@ -364,10 +362,12 @@ def run_fedbuff(task: Task, *, buffer_size: int, server_lr: float, slow: Sequenc
             run.delta_bytes += dbytes
             run.updates += 1
             stale.append(version - base_v)
-            if buf.offer(upd.delta_W, upd.delta_b, upd.num_examples, version - base_v):
-                W, b = buf.flush(W, b)
+            strategy.offer(Offer(upd.device, upd.delta_W, upd.delta_b, upd.num_examples, version - base_v))
+            if strategy.accepted >= buffer_size:
+                W, b, _ = aggregate_checked(strategy, W, b)
                 W, b = W.astype(np.float32), b.astype(np.float32)
                 version += 1
+                strategy.configure_round(version + 1, shape)
                 run.acc.append(task.accuracy(W, b))
                 run.times.append(t)
             deliver(task, devs[i : i + 1], W, b, version, job)

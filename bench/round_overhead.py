@@ -36,7 +36,7 @@ import numpy as np
 import paho.mqtt.client as mqtt
 
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import Strategy
+from edgefl.coordinator.strategy import FedAvg
 from edgefl.demo import free_port
 from edgefl.topics import Topics
 from edgefl.transport import Message, MqttTransport
@@ -168,7 +168,7 @@ async def run_config(port: int, client_nodelay: bool, rounds: int, warmup: int) 
         W,
         b,
         model_sha256="0" * 64,
-        strategy=Strategy(min_clients=N_DEVICES, deadline_s=10.0),
+        strategy=FedAvg(min_clients=N_DEVICES, deadline_s=10.0),
     )
     coord.coord_got = []
     await coord.start()

@@ -11,12 +11,13 @@ Algorithm 1; staleness weight ``s(tau) = 1 / sqrt(1 + tau)`` as in their experim
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from edgefl.coordinator.strategy import Strategy
+from edgefl.coordinator.strategy import Offer, RoundConfig, Schedule, Strategy
 from edgefl.errors import UpdateRejected
 from edgefl.types import F32
 
@@ -163,18 +164,20 @@ class FedBuffer:
 
 
 class FedBuff(Strategy):
-    """Asynchronous strategy: devices train continuously; the coordinator steps every ``buffer_size`` updates.
+    """Buffered asynchronous strategy: devices train on; a server step every ``buffer_size`` updates.
 
-    ``configure_round`` gives the client settings (announced once, and again with each new global
-    version); ``make_buffer`` gives the server buffer. ``aggregate`` (synchronous use) behaves as
-    FedAvg, so FedBuff also runs under the synchronous service loop, without its benefit.
+    Its rounds are ``Schedule.BUFFERED``: the service accepts updates trained from any earlier
+    version (``Offer.staleness`` = versions since their base) and closes a step when the buffer
+    holds ``buffer_size`` updates (or at the deadline, with what it has). The accumulator is one
+    staleness-weighted running sum (``FedBuffer``); updates are norm-bounded first, as in every
+    strategy.
 
     Parameters
     ----------
     buffer_size : int
         K, updates per server step.
     max_staleness : int
-        Updates staler than this many versions are refused.
+        Updates staler than this many versions are refused (``too_stale``).
     staleness_exponent : float
         a in ``(1 + tau)^-a``.
     **kwargs
@@ -184,24 +187,42 @@ class FedBuff(Strategy):
     """
 
     name = "fedbuff"
-    asynchronous = True
 
     def __init__(
         self, *, buffer_size: int = 3, max_staleness: int = 20, staleness_exponent: float = 0.5, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
-        if buffer_size < 1:
-            raise ValueError(f"buffer_size = {buffer_size}: must be >= 1")
+        if buffer_size < 1 or max_staleness < 0 or staleness_exponent < 0:
+            raise ValueError(
+                f"buffer_size = {buffer_size}, max_staleness = {max_staleness}, "
+                f"staleness_exponent = {staleness_exponent}: need >= 1, >= 0, >= 0"
+            )
         self.buffer_size = buffer_size
         self.max_staleness = max_staleness
         self.staleness_exponent = staleness_exponent
 
-    def make_buffer(self, shape: tuple[int, int]) -> FedBuffer:
-        """Return a fresh server buffer for a head of ``shape`` (D, K) with this strategy's settings."""
-        return FedBuffer(
+    def round_config(self, round_no: int) -> RoundConfig:
+        """Client settings, ``min_clients = buffer_size`` (updates per step), ``Schedule.BUFFERED``."""
+        cfg = super().round_config(round_no)
+        return replace(cfg, min_clients=self.buffer_size, schedule=Schedule.BUFFERED)
+
+    def _check(self, update: Offer) -> None:
+        if not 0 <= update.staleness <= self.max_staleness:
+            raise UpdateRejected(
+                "too_stale", f"staleness {update.staleness} outside [0, {self.max_staleness}]"
+            )
+
+    def _begin(self, shape: tuple[int, int]) -> None:
+        self._buffer = FedBuffer(
             shape,
             self.buffer_size,
             server_lr=self.server_lr,
             max_staleness=self.max_staleness,
             exponent=self.staleness_exponent,
         )
+
+    def _fold(self, update: Offer) -> None:
+        self._buffer.offer(update.delta_W, update.delta_b, update.num_examples, update.staleness)
+
+    def _aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:
+        return self._buffer.flush(W, b)

@@ -1,5 +1,8 @@
 """Client-level differential privacy at the coordinator (central DP): clip each update, add Gaussian noise.
 
+``DPFedAvg`` is the strategy wrapper the service runs (``edgefl coordinator --dp-noise-multiplier``);
+``PrivateSum`` its accumulator; ``dp_epsilon`` the accountant.
+
 Each device's update (W and b together, one vector) is clipped to L2 norm ``clip_norm`` as it
 arrives and folded into a plain (unweighted) sum, so one device changes the sum by at most
 ``clip_norm``. When the round closes, Gaussian noise of standard deviation
@@ -20,11 +23,13 @@ Models" (ICLR), Algorithm 1 (DP-FedAvg with the fixed-denominator estimator); Ab
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
+from edgefl.coordinator.strategy import FedAvg, Offer, RoundConfig, RoundReport, Strategy
 from edgefl.types import F32
 
 
@@ -202,3 +207,109 @@ def dp_epsilon(
     acc = dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else dp_accounting.pld.PLDAccountant()
     acc.compose(event)
     return float(acc.get_epsilon(delta))
+
+
+class DPFedAvg(Strategy):
+    """Central DP around a FedAvg-family strategy: fixed clipping, Gaussian noise, the inner server step.
+
+    Each update is clipped to ``clip_norm`` (this is the strategy's norm bound, fixed, never
+    adaptive: an adaptive bound would depend on other devices' data) and summed unweighted
+    (``PrivateSum``); at ``aggregate`` the sum gets N(0, (z C)^2) noise per coordinate, is divided
+    by ``expected_clients`` and handed to the inner strategy's server step (FedAvg, FedProx,
+    FedAvgM, FedAdam, FedYogi). Every aggregated round counts towards epsilon, also a round whose
+    head the service refuses (its refusal is observable).
+
+    Parameters
+    ----------
+    inner : FedAvg
+        The wrapped strategy: its client settings and server step are used.
+    clip_norm : float > 0
+        C, bound on each update's joint L2 norm.
+    noise_multiplier : float >= 0
+        z, noise standard deviation in units of C (0 = clipping only, epsilon infinite).
+    expected_clients : float > 0
+        Fixed denominator: expected updates per round.
+    delta : float in (0, 1)
+        The delta at which epsilon is reported.
+    sampling_rate : float in (0, 1] or None
+        q, probability that a device takes part in a round (default: ``inner.fraction``).
+    rng : numpy.random.Generator or None
+        Noise source (default: seeded from the OS).
+
+    Raises
+    ------
+    ValueError
+        If ``inner`` is not of the FedAvg family (a median or trimmed mean has no sensitivity
+        bound of C / n; FedBuff's staleness weights change it), or on out-of-range arguments.
+
+    Source: McMahan, Ramage, Talwar, Zhang 2018, Algorithm 1 (DP-FedAvg, fixed denominator);
+    as Flower's ``DifferentialPrivacyServerSideFixedClipping`` wraps a strategy.
+    """
+
+    def __init__(
+        self,
+        inner: Strategy,
+        *,
+        clip_norm: float,
+        noise_multiplier: float,
+        expected_clients: float,
+        delta: float = 1e-5,
+        sampling_rate: float | None = None,
+        rng: np.random.Generator | None = None,
+    ) -> None:
+        if not isinstance(inner, FedAvg):
+            raise ValueError(
+                f"DP wraps fedavg, fedprox, fedavgm, fedadam or fedyogi, not {inner.name}"
+            )
+        if noise_multiplier < 0 or expected_clients <= 0 or not 0 < delta < 1:
+            raise ValueError(
+                f"noise_multiplier = {noise_multiplier}, expected_clients = {expected_clients}, "
+                f"delta = {delta}: need >= 0, > 0, in (0, 1)"
+            )
+        super().__init__(
+            local_epochs=inner.local_epochs,
+            lr=inner.lr,
+            batch_size=inner.batch_size,
+            min_clients=inner.min_clients,
+            deadline_s=inner.deadline_s,
+            server_lr=inner.server_lr,
+            fraction=inner.fraction,
+            seed=inner.seed,
+            clip_norm=clip_norm,
+        )
+        self.inner: FedAvg = inner
+        self.name = f"dp-{inner.name}"
+        self.server_state = inner.server_state  # one dict: refuse() restores the inner's state
+        self.clip_norm = clip_norm
+        self.noise_multiplier = noise_multiplier
+        self.expected_clients = expected_clients
+        self.delta = delta
+        self.sampling_rate = inner.fraction if sampling_rate is None else sampling_rate
+        if not 0 < self.sampling_rate <= 1:
+            raise ValueError(f"sampling_rate = {self.sampling_rate}: must be in (0, 1]")
+        self.rng = rng if rng is not None else np.random.default_rng()
+        self.rounds = 0
+
+    def round_config(self, round_no: int) -> RoundConfig:
+        """The inner strategy's settings."""
+        return self.inner.round_config(round_no)
+
+    def _begin(self, shape: tuple[int, int]) -> None:
+        self._sum = PrivateSum(shape, self.clip_norm)
+
+    def _fold(self, update: Offer) -> None:
+        self._sum.add(update.delta_W, update.delta_b)
+
+    def _aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:
+        mean_dW, mean_db = self._sum.noisy_mean(self.noise_multiplier, self.expected_clients, self.rng)
+        self.rounds += 1
+        return self.inner.step(W, b, mean_dW, mean_db)
+
+    def epsilon(self) -> float:
+        """Epsilon spent by the rounds aggregated so far, at ``delta`` (RDP accountant: ``dp_epsilon``)."""
+        return dp_epsilon(self.noise_multiplier, self.sampling_rate, self.rounds, self.delta)
+
+    def report(self) -> RoundReport:
+        """Clipping figures plus epsilon at ``delta``."""
+        base = super().report()
+        return replace(base, epsilon=self.epsilon(), delta=self.delta)

@@ -157,19 +157,25 @@ class StrategyConfig:
         FedAdam/FedYogi adaptivity, > 0; None: default.
     trim_fraction : float or None
         Trimmed mean: fraction cut at each end, in [0, 0.5); None: default.
+    max_updates : int or None
+        Median / trimmed mean: most updates held per round, > 0; None: default.
     buffer_size : int or None
         FedBuff: updates per aggregation, > 0; None: default.
+    max_staleness : int or None
+        FedBuff: updates staler than this many versions are refused, >= 0; None: default.
     """
 
     name: Literal[
         "fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "median", "trimmed-mean", "fedbuff"
-    ] = "fedavg"
+    ] = "trimmed-mean"
     server_lr: float | None = None
     server_momentum: float | None = None
     prox_mu: float | None = None
     tau: float | None = None
     trim_fraction: float | None = None
+    max_updates: int | None = None
     buffer_size: int | None = None
+    max_staleness: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +191,7 @@ class RobustnessConfig:
     """
 
     norm_bound: float | None = None
-    adaptive_factor: float = 3.0
+    adaptive_factor: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,12 +208,15 @@ class PrivacyConfig:
         Per-update L2 clip, > 0.
     delta : float
         Target delta of the (epsilon, delta) accountant, in (0, 1).
+    expected_clients : float or None
+        Fixed denominator of the noisy mean (expected updates per round, > 0); None: ``rounds.min_clients``.
     """
 
     enabled: bool = False
     noise_multiplier: float = 1.0
     clip_norm: float = 1.0
     delta: float = 1e-5
+    expected_clients: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,12 +324,14 @@ def _check_rounds(p: Problems, c: RoundsConfig, raw: Mapping[str, object], check
 
 
 def _check_strategy(p: Problems, c: StrategyConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    for name in ("server_lr", "tau", "buffer_size"):
+    for name in ("server_lr", "tau", "buffer_size", "max_updates"):
         _positive(p, f"strategy.{name}", getattr(c, name))
     if c.server_momentum is not None and not 0 <= c.server_momentum < 1:
         p.add("strategy.server_momentum", c.server_momentum, "must be in [0, 1)")
     if c.prox_mu is not None and c.prox_mu < 0:
         p.add("strategy.prox_mu", c.prox_mu, "must be >= 0")
+    if c.max_staleness is not None and c.max_staleness < 0:
+        p.add("strategy.max_staleness", c.max_staleness, "must be >= 0")
     if c.trim_fraction is not None and not 0 <= c.trim_fraction < 0.5:
         p.add("strategy.trim_fraction", c.trim_fraction, "must be in [0, 0.5)")
 
@@ -336,6 +347,7 @@ def _check_privacy(p: Problems, c: PrivacyConfig, raw: Mapping[str, object], che
     _positive(p, "privacy.clip_norm", c.clip_norm)
     if not 0 < c.delta < 1:
         p.add("privacy.delta", c.delta, "must be in (0, 1)")
+    _positive(p, "privacy.expected_clients", c.expected_clients)
 
 
 def _check_evaluation(p: Problems, c: EvaluationConfig, raw: Mapping[str, object], check_files: bool) -> None:

@@ -1,7 +1,9 @@
 """One federated round's state machine at the coordinator: open → collecting → closed.
 
-Updates are checked (round number, base version, selection, duplicate ``update_id``) and folded
-into a running weighted sum as they arrive (streaming aggregation, O(model) memory).
+The round checks who may take part (round number and base version in a synchronous round,
+selection, duplicate ``update_id`` or device) and keeps the round's figures (devices, update ids,
+bytes, losses). What is aggregated is the strategy's business: an accepted update is handed to
+``Strategy.offer``, which owns the accumulator.
 """
 
 from __future__ import annotations
@@ -10,9 +12,7 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from edgefl.coordinator.strategy import RunningWeightedSum
 from edgefl.errors import UpdateRejected
-from edgefl.types import F32
 from edgefl.wire.codec import Update
 
 
@@ -41,11 +41,8 @@ class Round:
         Updates that close the round before the deadline.
     selected : frozenset[str] or None
         Devices asked to take part (None = any device).
-    keep_updates : int
-        0 for streaming strategies (only running sums kept); otherwise the round also keeps up to this
-        many updates for strategies that need them all (median, trimmed mean) and refuses more.
     check_round : bool
-        False in asynchronous mode (FedBuff), where updates of earlier rounds are welcome.
+        False in a buffered-asynchronous step (FedBuff), where updates of earlier rounds are welcome.
     """
 
     number: int
@@ -54,7 +51,6 @@ class Round:
     deadline_s: float
     min_clients: int
     selected: frozenset[str] | None = None
-    keep_updates: int = 0
     check_round: bool = True
     opened_at: float = field(default_factory=time.monotonic)
     phase: RoundPhase = RoundPhase.OPEN
@@ -62,11 +58,6 @@ class Round:
     update_ids: set[str] = field(default_factory=set)
     update_bytes: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
-    kept: list[tuple[F32, F32, int]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.sum_W = RunningWeightedSum(self.shape)
-        self.sum_b = RunningWeightedSum((self.shape[1],))
 
     @property
     def clients(self) -> int:
@@ -84,22 +75,19 @@ class Round:
             return True
         return self.clients >= self.min_clients
 
-    def offer(self, update: Update, size_bytes: int) -> None:
-        """Accept an update into the round's running sums.
+    def admit(self, update: Update) -> None:
+        """Check that ``update`` may take part in this round (it is not recorded yet: see ``record``).
 
         Parameters
         ----------
         update : Update
             A decoded, validated update (dense float32 deltas).
-        size_bytes : int
-            Its size on the wire (for the round's bytes figure).
 
         Raises
         ------
         UpdateRejected
             ``round_closed``, ``stale_round`` (other round number), ``stale_base`` (other base version),
-            ``not_selected``, ``duplicate`` (same ``update_id`` or same device twice), ``bad_shape``,
-            ``no_examples``, ``too_many`` (a robust strategy's bound on held updates).
+            ``not_selected``, ``duplicate`` (same ``update_id`` or same device twice).
         """
         if self.phase is not RoundPhase.OPEN:
             raise UpdateRejected("round_closed", f"round {self.number} is closed")
@@ -119,18 +107,9 @@ class Round:
             raise UpdateRejected(
                 "duplicate", f"update {update.update_id} from {update.device} already counted"
             )
-        if update.delta_W.shape != self.shape or update.delta_b.shape != (self.shape[1],):
-            raise UpdateRejected("bad_shape", f"delta {update.delta_W.shape}, expected {self.shape}")
-        if update.num_examples <= 0:
-            raise UpdateRejected("no_examples", f"num_examples = {update.num_examples}")
-        if self.keep_updates:
-            if len(self.kept) >= self.keep_updates:
-                raise UpdateRejected(
-                    "too_many", f"round {self.number} already holds {len(self.kept)} updates"
-                )
-            self.kept.append((update.delta_W, update.delta_b, update.num_examples))
-        self.sum_W.add(update.delta_W, update.num_examples)
-        self.sum_b.add(update.delta_b, update.num_examples)
+
+    def record(self, update: Update, size_bytes: int) -> None:
+        """Record an update the strategy accepted (device, id, bytes on the wire, loss)."""
         self.devices.append(update.device)
         self.update_ids.add(update.update_id)
         self.update_bytes.append(size_bytes)

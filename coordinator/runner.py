@@ -28,10 +28,11 @@ from dataclasses import asdict
 from typing import Any, Final
 
 from edgefl.aio import within
+from edgefl.coordinator.privacy import DPFedAvg
 from edgefl.coordinator.profile import CoordinatorProfile, load_coordinator_profile
 from edgefl.coordinator.service import Coordinator, RoundRecord
-from edgefl.coordinator.strategy import make_strategy
-from edgefl.errors import ConfigError, ModelError, TransportError
+from edgefl.coordinator.strategy import Strategy, make_strategy
+from edgefl.errors import ConfigError, ModelError, TransportError, UpdateRejected
 from edgefl.profiles import DashboardConfig, broker_password
 from edgefl.records import atomic_write
 from edgefl.runtime import Backbone
@@ -73,6 +74,16 @@ FLAG_KEYS: Final = {
     "json": "files.json",
     "signing_key": "security.signing_key_file",
     "device_keys": "security.device_keys_dir",
+    "clip_norm": "robustness.norm_bound",
+    "clip_multiplier": "robustness.adaptive_factor",
+    "trim_fraction": "strategy.trim_fraction",
+    "max_updates": "strategy.max_updates",
+    "buffer_size": "strategy.buffer_size",
+    "max_staleness": "strategy.max_staleness",
+    "dp_noise_multiplier": "privacy.noise_multiplier",
+    "dp_clip_norm": "privacy.clip_norm",
+    "dp_delta": "privacy.delta",
+    "dp_expected_clients": "privacy.expected_clients",
 }
 
 
@@ -135,7 +146,54 @@ def overrides_from(args: argparse.Namespace) -> dict[str, object]:
         value = getattr(args, flag, None)
         if value is not None:
             out[key] = value
+    if getattr(args, "dp_noise_multiplier", None) is not None:
+        out["privacy.enabled"] = "true"  # the noise flag turns central DP on
     return out
+
+
+def build_strategy(profile: CoordinatorProfile) -> Strategy:
+    """The strategy a profile names: its parameters, the norm bound, and the DP wrapper when enabled.
+
+    Raises
+    ------
+    ValueError
+        On a bad combination (DP around median, trimmed mean or FedBuff) or out-of-range values.
+    """
+    st, rounds, rob, dp = profile.strategy, profile.rounds, profile.robustness, profile.privacy
+    own = {
+        k: v
+        for k, v in {
+            "server_lr": st.server_lr,
+            "server_momentum": st.server_momentum,
+            "prox_mu": st.prox_mu,
+            "tau": st.tau,
+            "trim_fraction": st.trim_fraction,
+            "max_updates": st.max_updates,
+            "buffer_size": st.buffer_size,
+            "max_staleness": st.max_staleness,
+        }.items()
+        if v is not None
+    }
+    strategy = make_strategy(
+        st.name,
+        local_epochs=rounds.local_epochs,
+        lr=rounds.lr,
+        batch_size=rounds.batch_size,
+        min_clients=rounds.min_clients,
+        deadline_s=rounds.deadline_s,
+        clip_norm=rob.norm_bound,
+        clip_multiplier=rob.adaptive_factor,
+        **own,
+    )
+    if not dp.enabled:
+        return strategy
+    return DPFedAvg(
+        strategy,
+        clip_norm=dp.clip_norm,
+        noise_multiplier=dp.noise_multiplier,
+        expected_clients=dp.expected_clients or float(rounds.min_clients),
+        delta=dp.delta,
+    )
 
 
 Evaluation = Callable[[CoordinatorProfile, Backbone], Callable[[F32, F32], float] | None]
@@ -167,6 +225,12 @@ def main(
             print(f"  {problem}", file=sys.stderr)
         return EXIT_INVALID
     try:
+        build_strategy(profile)  # a combination no strategy accepts is a profile problem
+    except ValueError as exc:
+        print(f"edgefl coordinator: invalid profile {args.profile}:", file=sys.stderr)
+        print(f"  [strategy]/[privacy]: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    try:
         return asyncio.run(run(profile, evaluation, page))
     except ModelError as exc:
         print(f"edgefl coordinator: model error: {exc}", file=sys.stderr)
@@ -179,9 +243,14 @@ def main(
 def _round_line(rec: RoundRecord, total: int, expected: int, refused: Mapping[str, int]) -> str:
     why = ", ".join(f"{k} {v}" for k, v in sorted(refused.items())) or "none"
     acc = "n/a" if math.isnan(rec.accuracy) else f"{rec.accuracy:.3f}"
+    extra = f", {rec.clipped} clipped" if rec.clipped else ""
+    if not math.isnan(rec.epsilon):
+        extra += f", privacy epsilon {rec.epsilon:.3g} at delta {rec.delta:g}"
+    if rec.refused:
+        extra += f", ROUND REFUSED ({rec.refused}): head kept"
     return (
         f"round {rec.round}/{total}: {rec.clients}/{expected} clients, refused: {why}, accuracy {acc}, "
-        f"{rec.update_bytes_mean:.0f} B/update, {rec.duration_s:.2f} s"
+        f"{rec.update_bytes_mean:.0f} B/update, {rec.duration_s:.2f} s{extra}"
     )
 
 
@@ -222,27 +291,10 @@ async def run(
         session_expiry_s=3600,
     )
     st = profile.strategy
-    extra = {
-        k: v
-        for k, v in {
-            "server_lr": st.server_lr,
-            "server_momentum": st.server_momentum,
-            "prox_mu": st.prox_mu,
-            "tau": st.tau,
-            "trim_fraction": st.trim_fraction,
-            "buffer_size": st.buffer_size,
-        }.items()
-        if v is not None
-    }
-    strategy = make_strategy(
-        st.name,
-        local_epochs=rounds.local_epochs,
-        lr=rounds.lr,
-        batch_size=rounds.batch_size,
-        min_clients=rounds.min_clients,
-        deadline_s=rounds.deadline_s,
-        **extra,
-    )
+    try:
+        strategy = build_strategy(profile)
+    except ValueError as exc:
+        raise ConfigError([f"[strategy]/[privacy]: {exc}"]) from exc
     sec = profile.security
     coord = Coordinator(
         transport,
@@ -266,7 +318,10 @@ async def run(
 
     coord.on_mismatch = mismatch
     if files.state is not None:
-        coord.load_state(files.state)
+        try:
+            coord.load_state(files.state)
+        except UpdateRejected as exc:
+            raise ConfigError([f"files.state = {str(files.state)!r}: {exc}"]) from exc
         coord.state_path = files.state
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -339,9 +394,16 @@ async def run(
                     "accuracy": rec.accuracy,
                     "update_bytes_mean": rec.update_bytes_mean,
                     "duration_s": rec.duration_s,
-                    "refused": refused_round,
+                    "refused_updates": refused_round,
                     "update_ids": coord.counted.get(rec.round, []),
                     "version": coord.state.version,
+                    "strategy": strategy.name,
+                    "clipped": rec.clipped,
+                    "clipped_by_device": dict(strategy.clipped),  # since the start of this process
+                    "norm_bound": rec.norm_bound if math.isfinite(rec.norm_bound) else None,
+                    "epsilon": None if math.isnan(rec.epsilon) else rec.epsilon,
+                    "delta": None if math.isnan(rec.delta) else rec.delta,
+                    "refused": rec.refused or None,
                 }
                 with open(files.log, "a") as f:
                     f.write(json.dumps(entry) + "\n")
@@ -357,7 +419,10 @@ async def run(
             "fleet": fleet,
             "strategy": st.name,
             "rounds": [
-                {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(rec).items()}
+                {
+                    k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                    for k, v in asdict(rec).items()
+                }
                 for rec in records
             ],
             "refused": dict(coord.state.rejected),

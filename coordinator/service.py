@@ -1,9 +1,14 @@
 """The coordinator service: announces rounds, collects updates, aggregates, publishes the global head.
 
-Rounds follow the synchronous FedAvg loop (McMahan et al. 2017, Algorithm 1): the global head and the
-round announcement are published retained (a device that connects late catches up from them), the
-round closes at ``min_clients`` updates or at its deadline, and the new head is evaluated on the
-held-out test set when an evaluation function is given.
+One round loop (``run_round``) with two schedules, chosen by the strategy's ``RoundConfig.schedule``:
+synchronous rounds (McMahan et al. 2017, Algorithm 1: updates for this round and base version,
+closed at ``min_clients`` updates or the deadline) and buffered-asynchronous steps (Nguyen et al.
+2022, FedBuff: updates from any earlier version, with their staleness, closed at ``buffer_size``
+updates or the deadline). The global head and the round announcement are published retained (a
+device that connects late catches up from them). Every accepted update goes to ``Strategy.offer``;
+the aggregated head is validated against the agents' own bound (``edgefl.head.validate_head``)
+before it is persisted or published: a head the agents would refuse is never sent, the round is
+refused, the previous head kept, and the reason logged and recorded.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -23,10 +29,10 @@ import cbor2
 import numpy as np
 
 from edgefl.aio import wait_event
-from edgefl.coordinator.fedbuff import FedBuff, FedBuffer
-from edgefl.coordinator.rounds import Round
-from edgefl.coordinator.strategy import RoundConfig, Strategy
+from edgefl.coordinator.rounds import Round, RoundPhase
+from edgefl.coordinator.strategy import Offer, RoundConfig, Schedule, Strategy, aggregate_checked
 from edgefl.errors import TransportError, UpdateRejected
+from edgefl.head import validate_head
 from edgefl.records import read_record, write_record
 from edgefl.topics import Topics
 from edgefl.transport import Message, MqttTransport
@@ -54,6 +60,12 @@ logger = logging.getLogger(__name__)
 PUBLISH_RETRY_S = 120.0
 """How long a coordinator publish waits out a broker outage before giving up (seconds)."""
 
+HELD_UPDATES = 64
+"""Updates held while a buffered step is published, offered to the next step (more are refused)."""
+
+SEEN_UPDATE_IDS = 4096
+"""Update ids remembered across rounds (a FedBuff step accepts updates of earlier rounds)."""
+
 
 LOGGED_REFUSALS = 20
 """Refusals of one reason logged one by one before the log only names every 1000th."""
@@ -80,6 +92,16 @@ class RoundRecord:
         Mean wire size of the aggregated updates, in bytes.
     duration_s : float
         Seconds from announcement to the new global head being published.
+    clipped : int
+        Updates scaled down by the strategy's norm bound.
+    norm_bound : float
+        The norm bound applied last in the round (inf when nothing arrived).
+    epsilon : float
+        DP epsilon spent so far at ``delta`` (NaN without DP).
+    delta : float
+        DP delta (NaN without DP).
+    refused : str
+        Why the aggregated head was not published ("" when it was, or nothing arrived).
     """
 
     round: int
@@ -87,6 +109,11 @@ class RoundRecord:
     accuracy: float
     update_bytes_mean: float
     duration_s: float
+    clipped: int = 0
+    norm_bound: float = math.inf
+    epsilon: float = math.nan
+    delta: float = math.nan
+    refused: str = ""
 
 
 @dataclass
@@ -97,6 +124,7 @@ class CoordinatorState:
     round: int = 0
     devices: dict[str, dict[str, Any]] = field(default_factory=dict)
     rejected: Counter[str] = field(default_factory=Counter)
+    refused_rounds: Counter[str] = field(default_factory=Counter)
     history: list[RoundRecord] = field(default_factory=list)
     current: Round | None = None
 
@@ -189,12 +217,10 @@ class Coordinator:
         self.mismatched: dict[str, str] = {}  # device → why its model differs (named once on stdout/log)
         self.rejected_by_device: dict[str, Counter[str]] = {}
         self.on_mismatch: Callable[[str, str], None] | None = None
-        self.privacy_epsilon: float | None = None  # set by a DP strategy's accountant each round
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
-        self._buffer: FedBuffer | None = None
-        self._buffer_full = asyncio.Event()
-        self._seen_update_ids: set[str] = set()
+        self._seen_update_ids: dict[str, None] = {}  # insertion-ordered, bounded: see _remember
+        self._held: list[tuple[Update, int]] = []  # arrived while a buffered step was being published
         self._status_changed = asyncio.Event()
         self._adopting = False
         self._adopt_seen = asyncio.Event()
@@ -313,7 +339,8 @@ class Coordinator:
         Raises
         ------
         UpdateRejected
-            ``bad_state`` when the file holds a head of another shape.
+            ``bad_state`` when the file holds a head of another shape, or one the agents would refuse
+            (non-finite, or a value beyond ``MAX_HEAD_ABS``).
         """
         data = read_record(path)
         if data is None:
@@ -323,8 +350,13 @@ class Coordinator:
             raise UpdateRejected(
                 "bad_state", f"{path}: head shape {doc['shape']}, model has {list(self.shape)}"
             )
-        self.W = np.frombuffer(doc["W"], dtype=np.float32).reshape(self.shape).copy()
-        self.b = np.frombuffer(doc["b"], dtype=np.float32).copy()
+        W = np.frombuffer(doc["W"], dtype=np.float32).reshape(self.shape).copy()
+        b = np.frombuffer(doc["b"], dtype=np.float32).copy()
+        try:
+            validate_head(W, b, self.shape)
+        except UpdateRejected as exc:
+            raise UpdateRejected("bad_state", f"{path}: the saved head would be refused ({exc})") from exc
+        self.W, self.b = W, b
         self.state.round = int(doc["round"])
         self.state.version = int(doc["version"])
         self.state.history = [RoundRecord(*h) for h in doc["history"]]
@@ -509,33 +541,51 @@ class Coordinator:
         if update.device != device:
             raise UpdateRejected("wrong_device", f"update names device {update.device} on {msg.topic}")
         rnd = self.state.current
-        if rnd is None or rnd.phase.value != "open":
+        if rnd is None or (rnd.check_round and rnd.phase is not RoundPhase.OPEN):
             if update.round == self.state.round + 1 and len(self._early) < EARLY_UPDATES_MAX:
                 self._early[update.update_id] = (update, len(payload))
                 logger.info("round %d: update from %s held until the round opens", update.round, device)
                 return
-            raise UpdateRejected("no_round", "no round is open")
-        if self._buffer is not None:  # FedBuff: any earlier round is welcome, weighted by its staleness
-            if update.update_id in self._seen_update_ids:
-                raise UpdateRejected("duplicate", f"update {update.update_id} already counted")
-            staleness = self.state.version - update.base_version
-            if staleness < 0:
-                raise UpdateRejected("stale_base", f"update from future version {update.base_version}")
-            rnd.offer(update, len(payload))
-            self._seen_update_ids.add(update.update_id)
-            if self._buffer.offer(update.delta_W, update.delta_b, update.num_examples, staleness):
-                self._buffer_full.set()
-        else:
-            rnd.offer(update, len(payload))
+            if rnd is None:
+                raise UpdateRejected("no_round", "no round is open")
+        buffer_full = rnd.phase is RoundPhase.CLOSED or rnd.complete()
+        if not rnd.check_round and buffer_full and len(self._held) < HELD_UPDATES:
+            # A buffered step is full or being published: the update counts in the next step (a
+            # step aggregates exactly its buffer size, and FedBuff loses no device's work).
+            self._held.append((update, len(payload)))
+            logger.info("update %s held for the next buffered step", update.update_id)
+            self._notify()
+            return
+        self._accept(rnd, update, len(payload))
+
+    def _accept(self, rnd: Round, update: Update, size_bytes: int) -> None:
+        """Admit ``update`` to ``rnd``, offer it to the strategy and record it (raises ``UpdateRejected``)."""
+        rnd.admit(update)
+        if update.update_id in self._seen_update_ids:  # an earlier step's update, sent again
+            raise UpdateRejected("duplicate", f"update {update.update_id} already counted")
+        staleness = self.state.version - update.base_version
+        if staleness < 0:
+            raise UpdateRejected("stale_base", f"update from future version {update.base_version}")
+        self.strategy.offer(
+            Offer(update.device, update.delta_W, update.delta_b, update.num_examples, staleness)
+        )
+        rnd.record(update, size_bytes)
+        self._remember(update.update_id)
         logger.info(
-            "round %d: update from %s (%d examples, %d bytes)",
+            "round %d: update from %s (%d examples, %d bytes, staleness %d)",
             rnd.number,
-            device,
+            update.device,
             update.num_examples,
-            len(msg.payload),
+            size_bytes,
+            staleness,
         )
         self._round_changed.set()
         self._notify()
+
+    def _remember(self, update_id: str) -> None:
+        self._seen_update_ids[update_id] = None
+        while len(self._seen_update_ids) > SEEN_UPDATE_IDS:
+            del self._seen_update_ids[next(iter(self._seen_update_ids))]
 
     def dashboard_status(self) -> dict[str, Any]:
         """The coordinator page's status document (see ``dashboard/app.py``), JSON-like."""
@@ -554,6 +604,7 @@ class Coordinator:
                 "rejected": st.get("rejected") or {},
                 "refused": dict(self.rejected_by_device.get(dev, {})),
                 "model_mismatch": self.mismatched.get(dev),
+                "clipped": self.strategy.clipped.get(dev, 0),
             }
         return {
             "round": self.state.round,
@@ -583,7 +634,12 @@ class Coordinator:
             "devices": devices,
             "model_mismatches": dict(self.mismatched),
             "rejected": dict(self.state.rejected),
-            "privacy_epsilon": self.privacy_epsilon,
+            "clipped": dict(self.strategy.clipped),
+            "refused_rounds": dict(self.state.refused_rounds),
+            "held_updates": len(self._held),
+            "epsilon": None
+            if not self.state.history or math.isnan(self.state.history[-1].epsilon)
+            else self.state.history[-1].epsilon,
         }
 
     def _notify(self) -> None:
@@ -644,13 +700,27 @@ class Coordinator:
         await self._publish(self.topics.round, self._sign(encode_round, ann))
 
     async def run_round(self, round_no: int, selected: tuple[str, ...] | None = None) -> RoundRecord:
-        """Announce round ``round_no``, collect updates until complete or deadline, aggregate, publish.
+        """Run round ``round_no``: announce, collect until complete or deadline, aggregate, check, publish.
+
+        The strategy's ``RoundConfig.schedule`` picks the schedule: SYNC (updates for this round and
+        base version; the round closes at ``min_clients`` or when every selected device answered) or
+        BUFFERED (FedBuff: one server step; updates trained from any earlier version count with
+        their staleness; the step closes at ``buffer_size`` updates). Both close at the deadline
+        with what they have.
+
+        Parameters
+        ----------
+        round_no : int
+            The round (1-based).
+        selected : tuple of str or None
+            Devices asked to train (None: the strategy samples when its ``fraction < 1``, else all).
 
         Returns
         -------
-        RoundRecord (clients = 0 and the head unchanged when no update arrived).
+        RoundRecord: ``clients = 0`` and the head unchanged when no update arrived; ``refused``
+        names the reason when the aggregated head was not valid (the head is unchanged too).
         """
-        cfg = self.strategy.configure_round(round_no)
+        cfg = self.strategy.configure_round(round_no, self.shape)
         t0 = time.monotonic()
         if selected is None and self.strategy.fraction < 1.0:
             selected = self.strategy.sample_clients(self.online_devices(), round_no) or None
@@ -661,9 +731,7 @@ class Coordinator:
             cfg.deadline_s,
             cfg.min_clients,
             frozenset(selected) if selected else None,
-            keep_updates=int(getattr(self.strategy, "max_updates", 0))
-            if self.strategy.needs_all_updates
-            else 0,
+            check_round=cfg.schedule is Schedule.SYNC,
         )
         self.state.current = rnd
         self.state.round = round_no
@@ -672,10 +740,20 @@ class Coordinator:
             if update.round != round_no:
                 continue
             try:
-                rnd.offer(update, size)
+                self._accept(rnd, update, size)
             except UpdateRejected as exc:
                 self.state.rejected[exc.reason] += 1
                 logger.warning("round %d: held update from %s refused: %s", round_no, update.device, exc)
+        held, self._held = self._held, []
+        for i, (update, size_bytes) in enumerate(held):
+            if rnd.complete():  # more held than one step takes: they wait for the next
+                self._held = held[i:]
+                break
+            try:
+                self._accept(rnd, update, size_bytes)
+            except UpdateRejected as exc:
+                self.state.rejected[exc.reason] += 1
+                logger.warning("held update %s refused: %s", update.update_id, exc)
         await self._announce(round_no, cfg, selected)
         self._notify()
         loop = asyncio.get_running_loop()
@@ -689,17 +767,26 @@ class Coordinator:
             self._round_changed.clear()
             await wait_event(self._round_changed, remaining)
         rnd.close()
-        accuracy = float("nan")
+        refused = ""
         if rnd.clients > 0:
-            self.counted[round_no] = sorted(rnd.update_ids)
-            if self.strategy.needs_all_updates:
-                dWs, dbs, ns = zip(*rnd.kept, strict=True)
-                self.W, self.b = self.strategy.aggregate_updates(self.W, self.b, dWs, dbs, ns)
+            self.W, self.b, refusal = aggregate_checked(self.strategy, self.W, self.b)
+            if refusal is not None:
+                refused = refusal.reason
+                self.state.refused_rounds[refused] += 1
+                logger.error(
+                    "round %d refused: the aggregated head would be refused by the agents (%s); "
+                    "keeping version %d",
+                    round_no,
+                    refusal,
+                    self.state.version,
+                )
             else:
-                self.W, self.b = self.strategy.aggregate(self.W, self.b, rnd.sum_W.mean(), rnd.sum_b.mean())
-            self.state.version += 1
-            self._persist()  # before publishing: a crash in between must not resume a version behind
-            await self.publish_global(round_no)
+                self.counted[round_no] = sorted(rnd.update_ids)
+                self.state.version += 1
+                self._persist()  # before publishing: a crash in between must not resume a version behind
+                await self.publish_global(round_no)
+        report = self.strategy.report()
+        accuracy = float("nan")
         if self.evaluate is not None:
             W, b = self.W, self.b
             accuracy = await loop.run_in_executor(None, self.evaluate, W, b)
@@ -709,80 +796,12 @@ class Coordinator:
             accuracy,
             float(np.mean(rnd.update_bytes)) if rnd.update_bytes else 0.0,
             time.monotonic() - t0,
+            clipped=report.clipped,
+            norm_bound=report.norm_bound,
+            epsilon=report.epsilon,
+            delta=report.delta,
+            refused=refused,
         )
         self.state.history.append(record)
         self._notify()
         return record
-
-    async def run_async(self, steps: int) -> list[RoundRecord]:
-        """Asynchronous training (FedBuff): a server step every ``buffer_size`` updates, no round barrier.
-
-        Each step announces a new round on the current version; devices that are still training on an
-        older version keep going, and their updates count when they arrive, weighted by staleness
-        ``(1 + tau) ** -a`` (tau = versions since the device's base). A step also closes at the deadline
-        with what it has (no change when the buffer is empty).
-
-        Parameters
-        ----------
-        steps : int
-            Server steps (global versions) to run.
-
-        Returns
-        -------
-        One RoundRecord per step (``clients`` = updates applied in that step).
-
-        Raises
-        ------
-        TypeError
-            If the strategy is not asynchronous (FedBuff).
-
-        Source: Nguyen et al. 2022, "Federated Learning with Buffered Asynchronous Aggregation", Algorithm 1.
-        """
-        if not isinstance(self.strategy, FedBuff):
-            raise TypeError(f"strategy {self.strategy.name} is not asynchronous")
-        self._buffer = self.strategy.make_buffer(self.shape)
-        loop = asyncio.get_running_loop()
-        records = []
-        try:
-            for _ in range(steps):
-                round_no = self.state.round + 1
-                cfg = self.strategy.configure_round(round_no)
-                t0 = time.monotonic()
-                rnd = Round(
-                    round_no,
-                    self.state.version,
-                    self.shape,
-                    cfg.deadline_s,
-                    cfg.min_clients,
-                    check_round=False,
-                )
-                self.state.current = rnd
-                self.state.round = round_no
-                self._buffer_full.clear()
-                await self._announce(round_no, cfg)
-                self._notify()
-                await wait_event(self._buffer_full, cfg.deadline_s)
-                rnd.close()
-                applied = self._buffer.count
-                if applied:
-                    self.W, self.b = self._buffer.flush(self.W, self.b)
-                    self.state.version += 1
-                    self._persist()
-                    await self.publish_global(round_no)
-                accuracy = float("nan")
-                if self.evaluate is not None:
-                    W, b = self.W, self.b
-                    accuracy = await loop.run_in_executor(None, self.evaluate, W, b)
-                record = RoundRecord(
-                    round_no,
-                    applied,
-                    accuracy,
-                    float(np.mean(rnd.update_bytes)) if rnd.update_bytes else 0.0,
-                    time.monotonic() - t0,
-                )
-                self.state.history.append(record)
-                self._notify()
-                records.append(record)
-        finally:
-            self._buffer = None
-        return records

@@ -35,6 +35,7 @@ from edgefl.coordinator.strategy import make_strategy
 from edgefl.datasets import FACTORY_CLASSES, load_digits, partition_non_iid, split_digits
 from edgefl.errors import ConfigError
 from edgefl.head import Head
+from edgefl.records import atomic_write
 from edgefl.resources import shipped
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
@@ -310,10 +311,7 @@ async def _run(opts: DemoOptions) -> int:
                         print(f"  {dev} dashboard: {url}")
                 print(f"  {'round':>5} {'clients':>7} {'accuracy':>8} {'update_bytes':>12} {'seconds':>7}")
                 for r in range(1, opts.rounds + 1):
-                    if strategy.asynchronous:  # FedBuff: one server step per "round" line
-                        rec = (await coord.run_async(1))[0]
-                    else:
-                        rec = await coord.run_round(r)
+                    rec = await coord.run_round(r)  # FedBuff: one buffered server step per line
                     print(
                         f"  {rec.round:>5} {rec.clients:>7} {rec.accuracy:>8.3f} "
                         f"{rec.update_bytes_mean:>12.0f} {rec.duration_s:>7.2f}"
@@ -386,7 +384,7 @@ async def _run(opts: DemoOptions) -> int:
             ],
             "agents": agents,
         }
-        Path(opts.json_path).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write(Path(opts.json_path), (json.dumps(result, indent=2) + "\n").encode())
         print(f"  wrote {opts.json_path}")
     return rc
 

@@ -18,7 +18,7 @@ from bench.chaos import ChaosPlan, Fault, run_chaos
 from edgefl.agent.store import EmbeddingStore
 from edgefl.agent.trainer import train_local
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import Strategy
+from edgefl.coordinator.strategy import FedAvg
 from edgefl.head import Head
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
@@ -117,7 +117,7 @@ def test_chaos_coordinator_survives_broker_down_when_a_round_closes(tmp_path: Pa
         dev = MqttTransport("127.0.0.1", port, "dev-crash")
         await t.start(wait_s=10)
         await dev.start(wait_s=10)
-        strategy = Strategy(local_epochs=1, lr=0.05, batch_size=16, min_clients=2, deadline_s=2)
+        strategy = FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=2, deadline_s=2)
         coord = Coordinator(t, Topics("edgefl", fleet), W0, b0, model_sha256=bb.sha256, strategy=strategy)
         pump = asyncio.create_task(coord.pump())
         try:

@@ -22,7 +22,7 @@ from playwright.sync_api import Browser, expect, sync_playwright
 
 from edgefl.agent import memory
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import Strategy
+from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, split_digits
 from edgefl.demo import launch_agent, stop_agents
 from edgefl.runtime import Backbone
@@ -106,7 +106,7 @@ def test_browser_real_agent_dashboard_during_real_rounds(
             W0,
             b0,
             model_sha256=bb.sha256,
-            strategy=Strategy(local_epochs=2, lr=0.05, batch_size=16, min_clients=1, deadline_s=30),
+            strategy=FedAvg(local_epochs=2, lr=0.05, batch_size=16, min_clients=1, deadline_s=30),
         )
         coord_box["c"] = coord
         coord_box["pump"] = asyncio.ensure_future(coord.pump())  # type: ignore[assignment]

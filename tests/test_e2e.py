@@ -13,7 +13,7 @@ import pytest
 from conftest import INT8_MODEL, Broker, start_replay_agent, wait_until
 
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import Strategy
+from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.demo import accuracy, embed_all, stop_agents
 from edgefl.runtime import Backbone
@@ -68,7 +68,7 @@ def test_e2e_accuracy_rises_and_bad_input_is_counted(
             W0,
             b0,
             model_sha256=bb.sha256,
-            strategy=Strategy(local_epochs=2, lr=0.05, batch_size=16, min_clients=2, deadline_s=60),
+            strategy=FedAvg(local_epochs=2, lr=0.05, batch_size=16, min_clients=2, deadline_s=60),
             lr_decay=0.8,
             evaluate=lambda W, b: accuracy(W, b, emb_test, y_test),
         )

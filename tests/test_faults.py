@@ -35,7 +35,7 @@ from conftest import (
 from edgefl.agent.outbox import Outbox
 from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import Strategy, make_strategy
+from edgefl.coordinator.strategy import FedAvg, Offer, aggregate_checked, make_strategy
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.demo import accuracy, embed_all
 from edgefl.records import prev_path
@@ -155,7 +155,7 @@ def make_coordinator(
         d.b0,
         model_sha256=d.backbone.sha256,
         strategy=kw.pop("strategy", None)
-        or Strategy(local_epochs=2, lr=0.05, batch_size=16, min_clients=min_clients, deadline_s=deadline_s),
+        or FedAvg(local_epochs=2, lr=0.05, batch_size=16, min_clients=min_clients, deadline_s=deadline_s),
         lr_decay=0.8,
         evaluate=d.acc,
         **kw,
@@ -463,7 +463,7 @@ def test_outbox_resends_after_restart_and_coordinator_counts_once(
         t = MqttTransport(broker.host, broker.port, f"coord-{fleet}", keepalive_s=60)
         await t.start(wait_s=10)
         # slow local training (batch 1, many epochs: ~1 s) so the broker can be frozen mid-train
-        strategy = Strategy(local_epochs=40, lr=0.002, batch_size=1, min_clients=2, deadline_s=90)
+        strategy = FedAvg(local_epochs=40, lr=0.002, batch_size=1, min_clients=2, deadline_s=90)
         coord = make_coordinator(t, fleet, digits, strategy=strategy)
         pump = asyncio.create_task(coord.pump())
         try:
@@ -525,7 +525,7 @@ def test_outbox_resends_after_restart_and_coordinator_counts_once(
 # --- 4. robust aggregation -----------------------------------------------------------------------------
 def test_robust_trimmed_mean_resists_a_poisoning_device(digits: Digits) -> None:
     """5 devices (non-IID shards of the digits pool, real int8 embeddings), 10 rounds; device 0 sends its
-    real delta scaled by -10, or sign-flipped.
+    real delta scaled by -10, or sign-flipped. Updates go through ``Strategy.offer`` (norm-bounded).
 
     Shards with half of each class on its 2 owner devices (``primary_share = 0.5``): trimmed mean stays
     within 0.03 of the clean FedAvg run. With ``primary_share = 0.9`` (the demo's split) the poisoner
@@ -555,12 +555,16 @@ def test_robust_trimmed_mean_resists_a_poisoning_device(digits: Digits) -> None:
                 dWs.append(dW.astype(np.float32))
                 dbs.append(db.astype(np.float32))
                 ns.append(len(s))
-            W, b = strategy.aggregate_updates(W, b, dWs, dbs, ns)
+            strategy.configure_round(r, (int(W.shape[0]), int(W.shape[1])))
+            for k, (dW, db, n) in enumerate(zip(dWs, dbs, ns, strict=True)):
+                strategy.offer(Offer(f"dev-{k}", dW, db, n))
+            W, b, _ = aggregate_checked(strategy, W, b)
         return digits.acc(W, b)
 
     clean = run("fedavg", None)
     results = {
-        "fedavg x-10": run("fedavg", -10.0),
+        "fedavg x-10": run("fedavg", -10.0, clip_norm=1e30),  # no effective norm bound
+        "bounded fedavg x-10": run("fedavg", -10.0),  # the default adaptive norm bound
         "fedavg flip": run("fedavg", -1.0),
         "trimmed x-10": run("trimmed-mean", -10.0, trim_fraction=0.2),
         "trimmed flip": run("trimmed-mean", -1.0, trim_fraction=0.2),
@@ -574,7 +578,8 @@ def test_robust_trimmed_mean_resists_a_poisoning_device(digits: Digits) -> None:
     assert results["trimmed x-10"] >= clean - 0.03, (clean, results)
     assert results["trimmed flip"] >= clean - 0.03, (clean, results)
     assert results["median x-10"] >= clean - 0.05, (clean, results)
-    assert results["fedavg x-10"] < clean - 0.3, (clean, results)  # FedAvg is wrecked by one device
+    assert results["fedavg x-10"] < clean - 0.3, (clean, results)  # unbounded FedAvg is wrecked by one device
+    assert results["bounded fedavg x-10"] > results["fedavg x-10"] + 0.5, (clean, results)
     assert results["fedavg flip"] < results["trimmed flip"], (clean, results)
     assert strong > results["fedavg x-10"] + 0.5, strong
 

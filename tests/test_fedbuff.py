@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from edgefl.coordinator.fedbuff import FedBuff, FedBuffer, staleness_weight
+from edgefl.coordinator.strategy import Offer, Schedule, make_strategy
 from edgefl.errors import UpdateRejected
 
 
@@ -54,11 +55,17 @@ def test_buffer_rejects_bad_updates() -> None:
     assert buf.count == 0
 
 
-def test_fedbuff_strategy_makes_buffer_and_is_fedavg_when_synchronous() -> None:
-    s = FedBuff(buffer_size=4, server_lr=0.5, max_staleness=7)
-    assert s.asynchronous and not s.needs_all_updates
-    buf = s.make_buffer((3, 2))
-    assert (buf.buffer_size, buf.server_lr, buf.max_staleness, buf.shape) == (4, 0.5, 7, (3, 2))
-    W1, _ = s.aggregate(np.zeros((1, 1), np.float32), np.zeros(1, np.float32),
-                        np.array([[2.0]], np.float32), np.zeros(1, np.float32))
-    np.testing.assert_array_equal(W1, [[1.0]])
+def test_fedbuff_strategy_is_a_buffered_schedule_with_one_weighted_sum() -> None:
+    s = FedBuff(buffer_size=2, server_lr=1.0, max_staleness=7, clip_norm=100.0)
+    cfg = s.configure_round(1, (1, 1))
+    assert cfg.schedule is Schedule.BUFFERED and cfg.min_clients == 2
+    s.offer(Offer("d0", np.array([[4.0]], np.float32), np.array([2.0], np.float32), 1, staleness=0))
+    s.offer(Offer("d1", np.array([[4.0]], np.float32), np.array([2.0], np.float32), 1, staleness=3))
+    with pytest.raises(UpdateRejected) as e:
+        s.offer(Offer("d2", np.zeros((1, 1), np.float32), np.zeros(1, np.float32), 1, staleness=8))
+    assert e.value.reason == "too_stale" and s.accepted == 2
+    W1, b1 = s.aggregate(np.zeros((1, 1), np.float32), np.zeros(1, np.float32))
+    # as the FedBuffer test: (1*4 + 0.5*4) / 2 = 3, (1*2 + 0.5*2) / 2 = 1.5
+    np.testing.assert_array_equal(W1, [[3.0]])
+    np.testing.assert_array_equal(b1, [1.5])
+    assert make_strategy("fedavg").configure_round(1, (1, 1)).schedule is Schedule.SYNC

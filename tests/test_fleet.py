@@ -402,7 +402,7 @@ def test_fleet_registry_is_bounded_under_a_status_flood(mosquitto: Broker, fleet
     import time
 
     from edgefl.coordinator.service import Coordinator
-    from edgefl.coordinator.strategy import Strategy
+    from edgefl.coordinator.strategy import FedAvg
     from edgefl.runtime import Backbone
     from edgefl.topics import Topics
     from edgefl.transport import MqttTransport
@@ -422,7 +422,7 @@ def test_fleet_registry_is_bounded_under_a_status_flood(mosquitto: Broker, fleet
             W0,
             b0,
             model_sha256=bb.sha256,
-            strategy=Strategy(min_clients=1, deadline_s=5),
+            strategy=FedAvg(min_clients=1, deadline_s=5),
             max_devices=200,
             device_expiry_s=3600,
         )

@@ -469,7 +469,7 @@ def agent_log(tmp_path: Path) -> Iterator[Path]:
 
 async def _coordinator(broker: Broker, fleet: str, deadline_s: float) -> Any:
     from edgefl.coordinator.service import Coordinator
-    from edgefl.coordinator.strategy import Strategy
+    from edgefl.coordinator.strategy import FedAvg
     from edgefl.runtime import Backbone
     from edgefl.topics import Topics
     from edgefl.transport import MqttTransport
@@ -484,7 +484,7 @@ async def _coordinator(broker: Broker, fleet: str, deadline_s: float) -> Any:
         W0,
         b0,
         model_sha256=bb.sha256,
-        strategy=Strategy(local_epochs=2, lr=0.1, batch_size=16, min_clients=1, deadline_s=deadline_s),
+        strategy=FedAvg(local_epochs=2, lr=0.1, batch_size=16, min_clients=1, deadline_s=deadline_s),
     )
     return t, coord
 

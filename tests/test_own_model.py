@@ -11,7 +11,7 @@ from conftest import MODELS
 from edgefl import modelfile
 from edgefl.agent.store import EmbeddingStore
 from edgefl.agent.trainer import train_local
-from edgefl.coordinator.strategy import make_strategy
+from edgefl.coordinator.strategy import Offer, make_strategy
 from edgefl.head import Head, activate
 from edgefl.runtime import Backbone
 
@@ -113,10 +113,11 @@ def test_logistic_head_trains_and_aggregates(tmp_path: Path) -> None:
         assert r.delta_W.shape == (4, 1) and r.delta_b.shape == (1,)
         assert r.accuracy > 0.9 and r.loss < np.log(2)
         results.append(r)
-    strategy = make_strategy("fedavg")
-    W, b = strategy.aggregate_updates(
-        head.W, head.b, [r.delta_W for r in results], [r.delta_b for r in results], [120, 40]
-    )
+    strategy = make_strategy("fedavg", clip_norm=1e30)  # the maths alone, no norm bound
+    strategy.configure_round(1, (4, 1))
+    for dev, r, n in zip("ab", results, (120, 40), strict=True):
+        strategy.offer(Offer(dev, r.delta_W, r.delta_b, n))
+    W, b = strategy.aggregate(head.W, head.b)
     # FedAvg by hand: the example-weighted mean of the deltas
     expect_W = (120 * results[0].delta_W + 40 * results[1].delta_W) / 160
     np.testing.assert_allclose(W, expect_W, rtol=1e-6, atol=1e-7)

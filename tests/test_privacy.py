@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from edgefl.coordinator.privacy import PrivateSum, clip_update, dp_epsilon
+from edgefl.coordinator.privacy import DPFedAvg, PrivateSum, clip_update, dp_epsilon
+from edgefl.coordinator.strategy import FedAvgM, Offer, aggregate_checked, make_strategy
 
 
 def test_clip_update_by_hand() -> None:
@@ -85,3 +86,40 @@ def test_epsilon_grows_with_rounds_and_falls_with_noise_and_sampling() -> None:
     assert dp_epsilon(0.0, 0.25, 5, 1e-5) == math.inf
     with pytest.raises(ValueError):
         dp_epsilon(1.0, 0.0, 5, 1e-5)
+
+
+def test_dp_wrapper_clips_sums_unweighted_adds_noise_and_steps_the_inner_strategy() -> None:
+    """z = 0: the noisy mean is the clipped sum over expected_clients, fed to FedAvgM's server step."""
+    inner = FedAvgM(server_momentum=0.5, local_epochs=3)
+    dp = DPFedAvg(inner, clip_norm=1.0, noise_multiplier=0.0, expected_clients=4.0, delta=1e-5)
+    assert dp.name == "dp-fedavgm" and dp.configure_round(1, (1, 1)).local_epochs == 3
+    dp.offer(Offer("d0", np.array([[3.0]], np.float32), np.array([4.0], np.float32), 100))  # → (0.6, 0.8)
+    dp.offer(Offer("d1", np.array([[0.5]], np.float32), np.array([0.0], np.float32), 1))
+    W1, b1, refusal = aggregate_checked(dp, np.zeros((1, 1), np.float32), np.zeros(1, np.float32))
+    assert refusal is None
+    np.testing.assert_allclose(W1, [[(0.6 + 0.5) / 4]], rtol=1e-6)
+    np.testing.assert_allclose(b1, [0.8 / 4], rtol=1e-6)
+    assert dp.clipped == {"d0": 1} and "v_W" in inner.server_state
+    rep = dp.report()
+    assert rep.clipped == 1 and rep.norm_bound == 1.0 and rep.epsilon == math.inf and rep.delta == 1e-5
+
+
+def test_dp_wrapper_reports_the_accountants_epsilon_each_round() -> None:
+    dp = DPFedAvg(
+        make_strategy("fedavg", fraction=0.5), clip_norm=1.0, noise_multiplier=1.0, expected_clients=2.0,
+        delta=1e-5, rng=np.random.default_rng(0),
+    )
+    eps = []
+    for r in (1, 2):
+        dp.configure_round(r, (2, 2))
+        dp.offer(Offer("d0", np.ones((2, 2), np.float32), np.ones(2, np.float32), 1))
+        dp.aggregate(np.zeros((2, 2), np.float32), np.zeros(2, np.float32))
+        eps.append(dp.report().epsilon)
+    assert eps[0] == pytest.approx(dp_epsilon(1.0, 0.5, 1, 1e-5))
+    assert eps[1] == pytest.approx(dp_epsilon(1.0, 0.5, 2, 1e-5)) and eps[1] > eps[0]
+
+
+def test_dp_wraps_only_the_fedavg_family() -> None:
+    for name in ("median", "trimmed-mean", "fedbuff"):
+        with pytest.raises(ValueError, match="DP wraps fedavg"):
+            DPFedAvg(make_strategy(name), clip_norm=1.0, noise_multiplier=1.0, expected_clients=2.0)

@@ -11,7 +11,7 @@ import pytest
 from conftest import INT8_MODEL, Broker, start_replay_agent, wait_until
 
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import Strategy
+from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.demo import stop_agents
 from edgefl.runtime import Backbone
@@ -44,7 +44,7 @@ def test_robust_rounds_with_a_straggler_and_a_late_joiner(
         await t.start()
         await late.start()
         # min_clients 2 but only dev-1 is up: each round must close at its deadline, not stall
-        strategy = Strategy(local_epochs=2, lr=0.05, batch_size=16, min_clients=2, deadline_s=3.0)
+        strategy = FedAvg(local_epochs=2, lr=0.05, batch_size=16, min_clients=2, deadline_s=3.0)
         coord = Coordinator(t, topics, W0, b0, model_sha256=bb.sha256, strategy=strategy)
         pump = asyncio.create_task(coord.pump())
         try:

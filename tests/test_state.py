@@ -234,3 +234,19 @@ def test_outbox_write_is_durable_file_is_a_record(tmp_path: Path) -> None:
     assert gen == 0 and b"payload" in payload
     assert not any(f.name.endswith(".tmp") for f in tmp_path.iterdir())
     assert os.stat(path).st_size == HEADER_BYTES + len(payload)
+
+
+def test_one_atomic_writer_for_every_file_the_product_replaces() -> None:
+    """``edgefl.records.atomic_write`` is the only place that renames a file into place (issue 12 item 5)."""
+    from conftest import ROOT
+
+    offenders = []
+    for folder in ("agent", "coordinator", "dashboard", "edgefl", "cross_build"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == ROOT / "edgefl" / "records.py" or path.is_symlink():
+                continue
+            text = path.read_text()
+            for needle in ("os.replace(", "os.rename(", ".rename(", "NamedTemporaryFile("):
+                if needle in text:
+                    offenders.append(f"{path.relative_to(ROOT)}: {needle}")
+    assert offenders == []

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgefl.coordinator.strategy import RunningWeightedSum, Strategy, weighted_mean
+from edgefl.coordinator.strategy import FedAvg, RunningWeightedSum, weighted_mean
 
 
 def test_weighted_mean_by_hand() -> None:
@@ -41,14 +41,14 @@ def test_running_sum_streams_in_any_order() -> None:
     assert s1.total_weight == 8
 
 
-def test_fedavg_aggregate_with_server_lr() -> None:
+def test_fedavg_step_with_server_lr() -> None:
     W = np.ones((2, 2), np.float32)
     b = np.zeros(2, np.float32)
     dW = np.full((2, 2), 0.5, np.float32)
     db = np.array([1.0, -1.0], np.float32)
-    W1, b1 = Strategy().aggregate(W, b, dW, db)
+    W1, b1 = FedAvg().step(W, b, dW, db)
     np.testing.assert_array_equal(W1, np.full((2, 2), 1.5))
     np.testing.assert_array_equal(b1, [1.0, -1.0])
-    W2, b2 = Strategy(server_lr=0.5).aggregate(W, b, dW, db)
+    W2, b2 = FedAvg(server_lr=0.5).step(W, b, dW, db)
     np.testing.assert_array_equal(W2, np.full((2, 2), 1.25))
     np.testing.assert_array_equal(b2, [0.5, -0.5])

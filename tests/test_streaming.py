@@ -93,7 +93,7 @@ def test_streaming_agent_trains_logistic_rounds_with_labels_0_1(
     mosquitto: Broker, fleet: str, tmp_path: Path
 ) -> None:
     from edgefl.coordinator.service import Coordinator
-    from edgefl.coordinator.strategy import Strategy
+    from edgefl.coordinator.strategy import FedAvg
     from edgefl.topics import Topics
     from edgefl.transport import MqttTransport
 
@@ -127,7 +127,7 @@ def test_streaming_agent_trains_logistic_rounds_with_labels_0_1(
             W0,
             b0,
             model_sha256=bb.sha256,
-            strategy=Strategy(local_epochs=2, lr=0.1, batch_size=8, min_clients=1, deadline_s=60),
+            strategy=FedAvg(local_epochs=2, lr=0.1, batch_size=8, min_clients=1, deadline_s=60),
         )
         pump = asyncio.create_task(coord.pump())
         try:

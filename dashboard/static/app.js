@@ -429,7 +429,7 @@
     setText("online-count", devices ? `devices ${online} / ${names.length} online` : "devices " + DASH);
     const mism = s.model_mismatches && typeof s.model_mismatches === "object" ? Object.keys(s.model_mismatches) : null;
     setText("mismatch-count", mism === null ? "model mismatches " + DASH : `model mismatches ${mism.length}`);
-    setText("privacy", isNum(s.privacy_epsilon) ? `privacy ε ${s.privacy_epsilon.toFixed(2)}` : "privacy ε " + DASH);
+    setText("privacy", isNum(s.epsilon) ? `privacy ε ${s.epsilon.toFixed(2)}` : "privacy ε " + DASH);
     renderRounds(Array.isArray(s.rounds) ? s.rounds : null);
     fillCounts("rejected", s.rejected);
   }
