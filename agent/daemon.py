@@ -28,23 +28,26 @@ from edgefl.agent.feedback import ErrorFeedback
 from edgefl.agent.outbox import Outbox
 from edgefl.agent.pipeline import Pipeline, choose
 from edgefl.agent.store import EmbeddingStore
-from edgefl.agent.tlsconf import ssl_context_for
 from edgefl.agent.trainer import LocalResult, train_local
 from edgefl.aio import wait_event
 from edgefl.errors import EdgeflError, ModelError, TransportError, UpdateRejected
 from edgefl.head import Head, validate_head
+from edgefl.profiles import broker_password
 from edgefl.records import read_record, write_record
 from edgefl.runtime import Backbone
+from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
 from edgefl.transport import Message, MqttTransport, Will
 from edgefl.types import F32, I64
 from edgefl.wire.chunking import Reassembler, is_chunk, publish_packet_bytes, split_message
 from edgefl.wire.codec import (
+    CompressedDelta,
     Compression,
     DecodeError,
     DeviceStatus,
     GlobalModel,
     Limits,
+    MessageType,
     RoundAnnouncement,
     Update,
     UpdateMetrics,
@@ -304,11 +307,13 @@ class Agent:
             msg = await self.transport.queue.get()
             await self.handle(msg)
 
-    def _verified(self, payload: bytes) -> bytes:
+    def _verified(self, payload: bytes, kind: MessageType) -> bytes:
         """Check the coordinator's signature when a key is set (DecodeError `unsigned`, `bad_signature`)."""
         sec = self.profile.security
         if self.coordinator_key is not None and (sec.require_signatures or is_signed(payload)):
-            verify_payload(payload, self.coordinator_key)
+            verify_payload(
+                payload, self.coordinator_key, fleet=self.topics.fleet, kind=kind, limits=self.limits
+            )
         return payload
 
     async def handle(self, msg: Message) -> None:
@@ -331,11 +336,15 @@ class Agent:
                     raise DecodeError("bad_chunk", f"{topic}: not a chunk")
                 with self.governor.phase("apply"):
                     gm = decode_global_model(
-                        self._verified(payload), limits=self.limits, expect_shape=self.head.shape
+                        self._verified(payload, MessageType.GLOBAL_MODEL),
+                        limits=self.limits,
+                        expect_shape=self.head.shape,
                     )
                 await self.apply_global(gm)
             elif topic == self.topics.round:
-                await self.on_round(decode_round(self._verified(payload), limits=self.limits))
+                await self.on_round(
+                    decode_round(self._verified(payload, MessageType.ROUND), limits=self.limits)
+                )
             else:
                 raise DecodeError("bad_topic", f"unexpected topic {topic}")
         except (DecodeError, UpdateRejected) as exc:
@@ -465,10 +474,11 @@ class Agent:
 
         result = await loop.run_in_executor(self.executor, train)
         delta_W, delta_b = result.delta_W, result.delta_b
+        compressed: CompressedDelta | None = None
         if ann.compression != Compression.NONE:
             # Error feedback (Stich et al. 2018): add what earlier compression dropped,
-            # keep what this one drops.
-            delta_W, delta_b = self.feedback.apply(
+            # keep what this one drops; the wire form is made once, here.
+            delta_W, delta_b, compressed = self.feedback.compress(
                 delta_W, delta_b, ann.compression, topk_fraction=ann.topk_fraction
             )
         update = Update(
@@ -489,13 +499,14 @@ class Agent:
             self._set_state("deferred", enc.reason)
             return
         with gov.phase("encode"):
+
+            def encode(m: Update) -> bytes:
+                return encode_update(m, topk_fraction=ann.topk_fraction, compressed=compressed)
+
             if self.signing_key is not None:
-                key = self.signing_key
-                payload = sign_message(
-                    lambda m: encode_update(m, topk_fraction=ann.topk_fraction), update, key
-                )
+                payload = sign_message(encode, update, self.signing_key, fleet=self.topics.fleet)
             else:
-                payload = encode_update(update, topk_fraction=ann.topk_fraction)
+                payload = encode(update)
         async with self._outbox_lock:  # kept until its PUBACK: a restart re-sends it (same update_id)
             for dropped in await asyncio.to_thread(self.outbox.add, update.update_id, ann.round, payload):
                 logger.warning("outbox: dropped %s (%s)", dropped.update_id, dropped.reason)
@@ -668,7 +679,7 @@ class Agent:
             protocol=b.protocol,
             keepalive_s=b.keepalive_s,
             username=b.username,
-            password=b.password,
+            password=broker_password(b),
             on_connect=self._on_transport_connect,
             tls_context=self.tls_context,
             max_packet_bytes=self.max_packet_bytes,

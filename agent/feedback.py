@@ -1,9 +1,10 @@
 """Error feedback for compressed updates: what compression dropped is kept on the device and sent later.
 
 Before compressing, the device adds its residual to the new delta; after compressing, the new
-residual is ``corrected - decoded``, where ``decoded`` is exactly what the coordinator will see
-(``codec.compressed_roundtrip``). Nothing is lost, only delayed, which is what lets top-k keep 10 %
-of the coordinates without hurting accuracy.
+residual is ``corrected - decoded``, where ``decoded`` is exactly what the coordinator will see.
+:meth:`ErrorFeedback.compress` compresses once (``edgefl.wire.compression.compress_head_delta``) and
+hands the wire form on to ``encode_update(..., compressed=...)``. Nothing is lost, only delayed, which
+is what lets top-k keep 10 % of the coordinates without hurting accuracy.
 
 The residual lives in the device's state directory (``feedback_residual.npz``), written atomically
 (temporary file, fsync, ``os.replace``) so it survives a restart or a power cut; a residual for
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from edgefl.types import F32
-from edgefl.wire.codec import Compression, compressed_roundtrip
+from edgefl.wire.compression import CompressedDelta, Compression, compress_head_delta
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,53 @@ class ErrorFeedback:
         self.residual_b = np.zeros(self.shape[1], np.float32)
         self.path.unlink(missing_ok=True)
 
+    def compress(
+        self,
+        delta_W: F32,
+        delta_b: F32,
+        compression: Compression,
+        *,
+        topk_fraction: float = 0.1,
+        seed: int | None = None,
+    ) -> tuple[F32, F32, CompressedDelta]:
+        """Compensate, compress once, record the new residual; return the wire form with it.
+
+        Parameters
+        ----------
+        delta_W : float32 [D, K]
+            This round's weight delta.
+        delta_b : float32 [K]
+            This round's bias delta.
+        compression : Compression
+            The round's compression.
+        topk_fraction : float
+            The round's top-k fraction.
+        seed : int or None
+            Seed of stochastic int8 rounding (None = deterministic rounding).
+
+        Returns
+        -------
+        corrected_W : float32 [D, K]
+            ``delta_W + e_W``, what was compressed (kept whole as residual if the send fails).
+        corrected_b : float32 [K]
+            Its bias part.
+        compressed : CompressedDelta
+            The wire sub-maps for ``encode_update(update, compressed=compressed)`` and what the
+            coordinator decodes from them.
+
+        Raises
+        ------
+        ValueError
+            As ``compress_head_delta`` (non-finite delta, bad fraction) or wrong shapes.
+        OSError
+            If the residual cannot be saved.
+        """
+        cW, cb = self.compensate(delta_W, delta_b)
+        rng = np.random.default_rng(seed) if seed is not None else None
+        packed = compress_head_delta(cW, cb, compression, topk_fraction=topk_fraction, rng=rng)
+        self.record(cW, cb, packed.decoded_W, packed.decoded_b)
+        return cW, cb, packed
+
     def apply(
         self,
         delta_W: F32,
@@ -157,11 +205,11 @@ class ErrorFeedback:
         topk_fraction: float = 0.1,
         seed: int | None = None,
     ) -> tuple[F32, F32]:
-        """Compensate, compute what the coordinator will decode, record the new residual.
+        """Compensate, compress, record the new residual; return the corrected deltas only.
 
-        The returned arrays are what to put in the Update (``encode_update`` compresses them again
-        and the coordinator decodes exactly ``compressed_roundtrip`` of them). With stochastic int8
-        rounding, pass ``seed`` and encode with ``rng=np.random.default_rng(seed)`` so both draws match.
+        For callers that encode the dense deltas themselves (``encode_update`` then compresses them
+        a second time, to the same bytes); :meth:`compress` hands the wire form on instead. With
+        stochastic int8 rounding, pass ``seed`` and encode with ``rng=np.random.default_rng(seed)``.
 
         Parameters
         ----------
@@ -183,13 +231,9 @@ class ErrorFeedback:
         Raises
         ------
         ValueError
-            As ``compressed_roundtrip`` (non-finite delta, bad fraction) or wrong shapes.
+            As :meth:`compress`.
         OSError
             If the residual cannot be saved.
         """
-        cW, cb = self.compensate(delta_W, delta_b)
-        rng = np.random.default_rng(seed) if seed is not None else None
-        dW = compressed_roundtrip(cW, compression, topk_fraction=topk_fraction, rng=rng)
-        db = compressed_roundtrip(cb, compression, topk_fraction=topk_fraction, rng=rng)
-        self.record(cW, cb, dW, db)
+        cW, cb, _ = self.compress(delta_W, delta_b, compression, topk_fraction=topk_fraction, seed=seed)
         return cW, cb

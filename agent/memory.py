@@ -32,6 +32,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from edgefl.wire.compression import delta_wire_bytes
+
 logger = logging.getLogger(__name__)
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -434,17 +436,14 @@ def estimate_train_bytes(
 
 
 def wire_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 0.1) -> int:
-    """Approximate size of an encoded Update's deltas on the wire, in bytes."""
-    n = dim * classes + classes
-    if compression == "none":
-        return n * 4
-    if compression == "float16":
-        return n * 2
-    if compression == "int8":
-        return n + 4 * (classes + 1)
-    k = math.ceil(topk_fraction * n)
-    per = 1 if compression == "topk-int8" else 4
-    return k * (per + 4)
+    """Bytes of an encoded Update's deltas on the wire: the two layouts' CBOR sizes.
+
+    Exact for ``none``/``float16``/``int8``, an upper bound for the top-k layouts
+    (:func:`edgefl.wire.compression.delta_wire_bytes`).
+    """
+    return delta_wire_bytes((dim, classes), compression, topk_fraction) + delta_wire_bytes(
+        (classes,), compression, topk_fraction
+    )
 
 
 def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 0.1) -> int:

@@ -8,21 +8,19 @@ reason. Persisted as a checksummed record (:mod:`edgefl.records`).
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Final
 
 import cbor2
 
 from edgefl.records import read_record, write_record
-from edgefl.wire.codec import _CBOR2_STRICT
+from edgefl.wire.cbor import strict_loads
+from edgefl.wire.messages import UPDATE_ID_RE
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Dropped", "Outbox", "OutboxEntry"]
 
-_UPDATE_ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # as edgefl.wire.codec's update_id
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -108,11 +106,7 @@ class Outbox:
         if data is None:
             return []
         try:
-            obj = (
-                cbor2.loads(data, max_depth=4, allow_indefinite=False, allow_duplicate_keys=False)
-                if _CBOR2_STRICT
-                else cbor2.loads(data)  # cbor2 5.x (armv7l); the record's checksum vouches for it
-            )
+            obj = strict_loads(data, max_depth=4)  # on cbor2 5.x the record's checksum vouches for it
             if not isinstance(obj, dict) or obj.get("v") != 1 or not isinstance(obj.get("entries"), list):
                 raise ValueError("not an outbox record")
             entries = []
@@ -122,7 +116,7 @@ class Outbox:
                 update_id, round_, payload, sends = item
                 if (
                     type(update_id) is not str
-                    or _UPDATE_ID_RE.fullmatch(update_id) is None
+                    or UPDATE_ID_RE.fullmatch(update_id) is None
                     or type(round_) is not int
                     or round_ < 0
                     or type(payload) is not bytes
@@ -181,8 +175,8 @@ class Outbox:
         OSError
             If the outbox cannot be persisted.
         """
-        if _UPDATE_ID_RE.fullmatch(update_id) is None:
-            raise ValueError(f"update_id = {update_id!r:.80}: must match {_UPDATE_ID_RE.pattern}")
+        if UPDATE_ID_RE.fullmatch(update_id) is None:
+            raise ValueError(f"update_id = {update_id!r:.80}: must match {UPDATE_ID_RE.pattern}")
         if round < 0:
             raise ValueError(f"round = {round}: must be >= 0")
         if any(e.update_id == update_id for e in self._entries):

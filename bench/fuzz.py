@@ -89,7 +89,7 @@ def seeds() -> list[bytes]:
     b = rng.standard_normal(SHAPE[1]).astype(np.float32)
     out = [
         encode_global_model(GlobalModel(1, 2, "ab" * 32, W, b)),
-        sign_message(encode_global_model, GlobalModel(1, 2, "ab" * 32, W, b), KEY),
+        sign_message(encode_global_model, GlobalModel(1, 2, "ab" * 32, W, b), KEY, fleet="f"),
         encode_round(RoundAnnouncement(3, 2, 30.0, 2, 0.1, 16, 2, ("dev-1", "dev-2"))),
         encode_round(RoundAnnouncement(3, 2, 30.0, 2, 0.1, 16, 2, 0.5, Compression.TOPK, 0.25, 0.01)),
         encode_status(DeviceStatus("dev-1", "online", {"round": 3, "reasons": ["a"], "rss": 1.5})),
@@ -97,7 +97,7 @@ def seeds() -> list[bytes]:
     for mode in Compression:
         u = Update(3, 2, "dev-1", 10, W, b, UpdateMetrics(0.5, 0.9, 0.01, 1000), "dev-1:3:2", mode)
         out.append(encode_update(u, rng=np.random.default_rng(1), topk_fraction=0.25))
-    out.append(sign_message(encode_update, u, KEY))
+    out.append(sign_message(encode_update, u, KEY, fleet="f"))
     out.extend(split_message(out[0], "edgefl/f/global", 200, msg_id="g-2"))
     out.append(encode_record(out[2], 5))
     # Rice-coded top-k positions: k = 0 at the expected shape (4 kept, clustered at the start, so
@@ -146,7 +146,7 @@ def targets() -> dict[str, Callable[[bytes], object]]:
         "status": decode_status,
         "chunk": lambda d: decode_chunk(d, max_chunk_bytes=4096, max_message_bytes=1 << 16),
         "reassembler": _reassembler_target(),
-        "signature": lambda d: verify_payload(d, KEY.verify_key),
+        "signature": lambda d: verify_payload(d, KEY.verify_key, fleet="f", kind="global_model"),
         "record": decode_record,
     }
 

@@ -1,8 +1,15 @@
-"""``edgefl coordinator``: the coordinator as its own long-running process.
+"""``edgefl coordinator [PROFILE] [--set key=value ...]``: the coordinator as a long-running process.
 
-It resumes from its state file after a restart (global head, version, round, history), evaluates
-each new head on the held-out digits test set when the model is the digits model, and appends one
-JSON line per closed round to ``--log`` so other tools (the chaos test) can audit the run.
+Its settings come from a coordinator profile (:mod:`edgefl.coordinator.profile`; the shipped example
+is ``firmware_configs/coordinator.toml``); flags are overrides on top of it. It connects as the profile
+says (``mqtts://`` always verifies the broker; credentials from the profile), resumes from its state
+file after a restart, prints one line per round on stdout, appends one JSON line per closed round to
+``files.log``, writes a summary to ``files.json``, and evaluates each new head on a central set when
+there is one (``[evaluation]``, or the digits test split for the shipped digits model).
+
+Exit codes: 0 every round aggregated; 1 invalid profile; 3 the model could not be loaded; 4 a runtime
+error at start-up (broker unreachable, bad key file); 5 the job ended with a round that aggregated
+nothing (the reason is the last line on stderr).
 """
 
 from __future__ import annotations
@@ -12,23 +19,61 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import signal
-from pathlib import Path
-from typing import Any
-
-import numpy as np
+import sys
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict
+from typing import Any, Final
 
 from edgefl.aio import within
-from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import STRATEGY_NAMES, make_strategy
+from edgefl.coordinator.profile import CoordinatorProfile, load_coordinator_profile
+from edgefl.coordinator.service import Coordinator, RoundRecord
+from edgefl.coordinator.strategy import make_strategy
+from edgefl.errors import ConfigError, ModelError, TransportError
+from edgefl.profiles import DashboardConfig, broker_password
+from edgefl.records import atomic_write
 from edgefl.runtime import Backbone
+from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.validators import parse_broker_url
+from edgefl.types import F32
 from edgefl.wire.codec import Compression
 from edgefl.wire.signing import load_signing_key, load_verify_keys
 
 logger = logging.getLogger(__name__)
+
+
+EXIT_OK: Final = 0
+EXIT_INVALID: Final = 1
+EXIT_MODEL: Final = 3
+EXIT_RUNTIME: Final = 4
+EXIT_EMPTY_ROUND: Final = 5
+
+#: ``--flag`` → profile key: the flags are overrides of the profile (``--set`` spells any key).
+FLAG_KEYS: Final = {
+    "broker": "broker.url",
+    "prefix": "broker.topic_prefix",
+    "max_packet_bytes": "broker.max_packet_bytes",
+    "fleet": "fleet.name",
+    "model": "model.path",
+    "rounds": "rounds.count",
+    "min_clients": "rounds.min_clients",
+    "deadline": "rounds.deadline_s",
+    "wait_devices": "rounds.expected_clients",
+    "local_epochs": "rounds.local_epochs",
+    "lr": "rounds.lr",
+    "lr_decay": "rounds.lr_decay",
+    "batch_size": "rounds.batch_size",
+    "compression": "rounds.compression",
+    "strategy": "strategy.name",
+    "state": "files.state",
+    "log": "files.log",
+    "json": "files.json",
+    "signing_key": "security.signing_key_file",
+    "device_keys": "security.device_keys_dir",
+}
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -44,107 +89,225 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(
         "coordinator",
         help="run the coordinator of a fleet",
-        description="Run federated rounds for one fleet over MQTT; resume from --state after a restart.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--broker", default="mqtt://127.0.0.1:1883", help="mqtt://host:port")
-    p.add_argument("--fleet", default="default", help="fleet name: topics live under <prefix>/<fleet>/")
-    p.add_argument("--prefix", default="edgefl", help="topic prefix")
-    p.add_argument(
-        "--model",
-        default=str(shipped("models/digits_cnn_int8_rawin.tflite")),
-        help="backbone .tflite (its sha256 binds the global head)",
-    )
-    p.add_argument("--rounds", type=int, default=10, help="rounds to run in total (resumed runs count on)")
-    p.add_argument(
-        "--min-clients", type=int, default=2, help="updates that close a round before its deadline"
-    )
-    p.add_argument("--deadline", type=float, default=60.0, help="round deadline, seconds")
-    p.add_argument("--wait-devices", type=int, default=0, help="wait for this many ready devices first")
-    p.add_argument("--local-epochs", type=int, default=2, help="client epochs per round")
-    p.add_argument("--lr", type=float, default=0.05, help="client learning rate of round 1")
-    p.add_argument("--lr-decay", type=float, default=0.8, help="per-round factor on the client learning rate")
-    p.add_argument("--batch-size", type=int, default=16, help="client SGD batch size")
-    p.add_argument("--strategy", default="fedavg", choices=STRATEGY_NAMES)
-    p.add_argument("--compression", default="none", choices=[c.value for c in Compression])
-    p.add_argument(
-        "--state", default=None, metavar="PATH", help="state file: resume from it, save each round"
-    )
-    p.add_argument("--log", default=None, metavar="PATH", help="append one JSON line per closed round")
-    p.add_argument("--signing-key", default=None, metavar="PATH", help="Ed25519 key signing global/round")
-    p.add_argument(
-        "--device-keys", default=None, metavar="DIR", help="<device>.pub keys: require signed updates"
+        description="Run federated rounds for one fleet over MQTT, as a coordinator profile says; flags "
+        "override the profile's keys. Exit codes: 0 done, 1 invalid profile, 3 model error, 4 start-up "
+        "error, 5 a round aggregated nothing.",
     )
     p.add_argument(
-        "--max-packet-bytes", type=int, default=256 * 1024, help="the broker's maximum packet size"
+        "profile",
+        nargs="?",
+        default=str(shipped("firmware_configs/coordinator.toml")),
+        help="coordinator TOML profile (default: the shipped firmware_configs/coordinator.toml)",
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a profile key, e.g. --set rounds.count=20 (repeatable)",
+    )
+    for flag, key in FLAG_KEYS.items():
+        p.add_argument(
+            "--" + flag.replace("_", "-"), default=None, metavar="VALUE", help=f"same as --set {key}=VALUE"
+        )
     p.set_defaults(func=main)
     return p
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run the coordinator until ``--rounds`` rounds closed or SIGTERM; exit 0, or 1 on a failed start."""
-    return asyncio.run(_run(args))
+def overrides_from(args: argparse.Namespace) -> dict[str, object]:
+    """The profile overrides a command line asks for: ``--set`` items, then the flags of :data:`FLAG_KEYS`.
+
+    Raises
+    ------
+    ConfigError
+        If a ``--set`` item is not ``key=value``.
+    """
+    out: dict[str, object] = {}
+    bad = []
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            bad.append(f"--set {item!r}: expected key=value")
+        out[key.strip()] = value
+    if bad:
+        raise ConfigError(bad)
+    for flag, key in FLAG_KEYS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            out[key] = value
+    return out
 
 
-async def _run(args: argparse.Namespace) -> int:
-    from edgefl.datasets import load_digits, split_digits
-    from edgefl.demo import accuracy, embed_all
+Evaluation = Callable[[CoordinatorProfile, Backbone], Callable[[F32, F32], float] | None]
+"""Builds the central evaluation of a head for a profile and backbone (None: no central set)."""
 
-    backbone = Backbone(Path(args.model))
-    W0, b0 = backbone.head_from_model()
-    evaluate = None
-    if backbone.sample_shape == (8, 8, 1):
-        x, y = load_digits()
-        test = split_digits(y).test
-        emb_test, y_test = embed_all(backbone, x[test], (0.0,), (16.0,)), y[test]
+PageServer = Callable[
+    [DashboardConfig, str, Callable[[], Mapping[str, Any]]],
+    Awaitable[tuple[Callable[[], Awaitable[None]], int]],
+]
+"""Serves the fleet page: ``(dashboard config, title, get_status) -> (stop, port)``; given by the CLI."""
 
-        def evaluate(W: np.ndarray, b: np.ndarray) -> float:
-            return accuracy(W, b, emb_test, y_test)
 
-    _, host, port = parse_broker_url(args.broker)
-    # A persistent session: updates published while the coordinator restarts wait for it at the broker.
-    transport = MqttTransport(host, port, f"edgefl-coordinator-{args.fleet}", session_expiry_s=3600)
-    strategy = make_strategy(
-        args.strategy,
-        local_epochs=args.local_epochs,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        min_clients=args.min_clients,
-        deadline_s=args.deadline,
+def main(
+    args: argparse.Namespace, evaluation: Evaluation | None = None, page: PageServer | None = None
+) -> int:
+    """Run the coordinator until the profile's rounds closed or SIGTERM; returns the exit code.
+
+    Parameters
+    ----------
+    args : the parsed command line (see :func:`add_parser`)
+    evaluation : builds the central evaluation; given by the composition root (``edgefl.cli``)
+    page : serves the fleet page when ``dashboard.enabled``; given by the composition root
+    """
+    try:
+        profile = load_coordinator_profile(args.profile, overrides_from(args))
+    except ConfigError as exc:
+        print(f"edgefl coordinator: invalid profile {args.profile}:", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        return asyncio.run(run(profile, evaluation, page))
+    except ModelError as exc:
+        print(f"edgefl coordinator: model error: {exc}", file=sys.stderr)
+        return EXIT_MODEL
+    except (ConfigError, TransportError) as exc:
+        print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+
+
+def _round_line(rec: RoundRecord, total: int, expected: int, refused: Mapping[str, int]) -> str:
+    why = ", ".join(f"{k} {v}" for k, v in sorted(refused.items())) or "none"
+    acc = "n/a" if math.isnan(rec.accuracy) else f"{rec.accuracy:.3f}"
+    return (
+        f"round {rec.round}/{total}: {rec.clients}/{expected} clients, refused: {why}, accuracy {acc}, "
+        f"{rec.update_bytes_mean:.0f} B/update, {rec.duration_s:.2f} s"
     )
+
+
+async def run(
+    profile: CoordinatorProfile, evaluation: Evaluation | None = None, page: PageServer | None = None
+) -> int:
+    """Run the job a coordinator profile describes; returns the exit code (see the module docstring).
+
+    ``evaluation`` builds the central evaluation of each new head (None: no central evaluation);
+    ``page`` serves the fleet page when the profile's ``[dashboard]`` is enabled.
+
+    Raises
+    ------
+    ModelError
+        If the backbone cannot be loaded.
+    ConfigError
+        If a key, TLS or evaluation file cannot be used.
+    TransportError
+        If the broker cannot be reached within 60 s.
+    """
+    backbone = Backbone(profile.model.path)
+    W0, b0 = backbone.head_from_model()
+    evaluate = evaluation(profile, backbone) if evaluation is not None else None
+    broker, rounds, files = profile.broker, profile.rounds, profile.files
+    fleet = profile.fleet.name
+    # A persistent session: updates published while the coordinator restarts wait for it at the broker.
+    transport = MqttTransport(
+        broker.host,
+        broker.port,
+        f"edgefl-coordinator-{fleet}",
+        protocol=broker.protocol,
+        keepalive_s=broker.keepalive_s,
+        username=broker.username,
+        password=broker_password(broker),
+        tls_context=ssl_context_for(broker),
+        session_expiry_s=3600,
+    )
+    st = profile.strategy
+    extra = {
+        k: v
+        for k, v in {
+            "server_lr": st.server_lr,
+            "server_momentum": st.server_momentum,
+            "prox_mu": st.prox_mu,
+            "tau": st.tau,
+            "trim_fraction": st.trim_fraction,
+            "buffer_size": st.buffer_size,
+        }.items()
+        if v is not None
+    }
+    strategy = make_strategy(
+        st.name,
+        local_epochs=rounds.local_epochs,
+        lr=rounds.lr,
+        batch_size=rounds.batch_size,
+        min_clients=rounds.min_clients,
+        deadline_s=rounds.deadline_s,
+        **extra,
+    )
+    sec = profile.security
     coord = Coordinator(
         transport,
-        Topics(args.prefix, args.fleet),
+        Topics(broker.topic_prefix, fleet),
         W0,
         b0,
         model_sha256=backbone.sha256,
         strategy=strategy,
         evaluate=evaluate,
-        compression=Compression(args.compression),
-        lr_decay=args.lr_decay,
-        signing_key=load_signing_key(Path(args.signing_key)) if args.signing_key else None,
-        device_keys=load_verify_keys(Path(args.device_keys)) if args.device_keys else None,
-        max_packet_bytes=args.max_packet_bytes,
+        compression=Compression(rounds.compression),
+        lr_decay=rounds.lr_decay,
+        signing_key=load_signing_key(sec.signing_key_file) if sec.signing_key_file else None,
+        device_keys=load_verify_keys(sec.device_keys_dir) if sec.device_keys_dir else None,
+        max_packet_bytes=broker.max_packet_bytes,
+        max_devices=profile.fleet.max_devices,
+        device_expiry_s=profile.fleet.device_expiry_s,
     )
-    state_path = Path(args.state) if args.state else None
-    if state_path is not None:
-        coord.load_state(state_path)
-        coord.state_path = state_path
+
+    def mismatch(device: str, why: str) -> None:
+        print(f"device {device} runs another model ({why}): left out of rounds", flush=True)
+
+    coord.on_mismatch = mismatch
+    if files.state is not None:
+        coord.load_state(files.state)
+        coord.state_path = files.state
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+    where = f"{broker.scheme}://{broker.host}:{broker.port}"
+    print(f"coordinator of fleet {fleet} at {where}: {rounds.count} rounds of {st.name}", flush=True)
+    stop_page: Callable[[], Awaitable[None]] | None = None
+    if page is not None and profile.dashboard.enabled:
+        stop_page, port = await page(profile.dashboard, f"fleet {fleet}", coord.dashboard_status)
+        print(f"fleet page: http://{profile.dashboard.host}:{port}/", flush=True)
     await transport.start(wait_s=None)
     pump = asyncio.create_task(coord.pump())
+    records: list[RoundRecord] = []
+    empty: list[str] = []
     try:
-        await within(transport.connected.wait(), 60)
+        try:
+            await within(transport.connected.wait(), 60)
+        except TimeoutError as exc:
+            raise TransportError(f"broker {where} not reachable within 60 s") from exc
         await coord.start()
-        if args.wait_devices:
-            await coord.wait_for_devices(args.wait_devices, timeout_s=120)
-        while coord.state.round < args.rounds and not stop.is_set():
+        expected = max(rounds.expected_clients, rounds.min_clients)
+        if rounds.expected_clients:
+            waiting = asyncio.create_task(
+                coord.wait_for_devices(rounds.expected_clients, timeout_s=rounds.wait_devices_s)
+            )
+            stopper = asyncio.create_task(stop.wait())
+            await asyncio.wait({waiting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if not waiting.done():  # SIGTERM while waiting for the devices
+                waiting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiting
+            else:
+                try:
+                    waiting.result()
+                except TimeoutError as exc:
+                    print(f"{exc}; starting the rounds anyway", flush=True)
+                    logger.warning("%s; starting the rounds anyway", exc)
+        while coord.state.round < rounds.count and not stop.is_set():
             r = coord.state.round + 1
+            refused_before = Counter(coord.state.rejected)
             runner = asyncio.create_task(coord.run_round(r))
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -155,24 +318,54 @@ async def _run(args: argparse.Namespace) -> int:
                     await runner
                 break
             rec = runner.result()
-            if state_path is not None:
-                coord.save_state(state_path)
-            logger.info("round %d: %d clients, accuracy %.3f", rec.round, rec.clients, rec.accuracy)
-            if args.log:
-                line = {
+            records.append(rec)
+            refused = Counter(coord.state.rejected)
+            refused.subtract(refused_before)
+            refused_round = {k: v for k, v in refused.items() if v > 0}
+            if files.state is not None:
+                coord.save_state(files.state)
+            line = _round_line(rec, rounds.count, expected, refused_round)
+            print(line, flush=True)
+            logger.info("%s", line)
+            if rec.clients == 0:
+                why = ", ".join(f"{k} {v}" for k, v in sorted(refused_round.items())) or "no update arrived"
+                empty.append(f"round {rec.round} aggregated nothing ({why})")
+            if files.log is not None:
+                entry = {
                     "round": rec.round,
                     "clients": rec.clients,
                     "accuracy": rec.accuracy,
                     "update_bytes_mean": rec.update_bytes_mean,
                     "duration_s": rec.duration_s,
+                    "refused": refused_round,
                     "update_ids": coord.counted.get(rec.round, []),
                     "version": coord.state.version,
                 }
-                with open(args.log, "a") as f:
-                    f.write(json.dumps(line) + "\n")
+                with open(files.log, "a") as f:
+                    f.write(json.dumps(entry) + "\n")
     finally:
         pump.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await pump
         await transport.stop()
-    return 0
+        if stop_page is not None:
+            await stop_page()
+    if files.json is not None:
+        summary = {
+            "fleet": fleet,
+            "strategy": st.name,
+            "rounds": [
+                {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(rec).items()}
+                for rec in records
+            ],
+            "refused": dict(coord.state.rejected),
+            "empty_rounds": empty,
+        }
+        atomic_write(files.json, (json.dumps(summary, indent=2, allow_nan=False) + "\n").encode())
+    if empty:
+        print(
+            f"edgefl coordinator: {len(empty)} round(s) aggregated nothing; first: {empty[0]}",
+            file=sys.stderr,
+        )
+        return EXIT_EMPTY_ROUND
+    return EXIT_OK

@@ -9,6 +9,7 @@ held-out test set when an evaluation function is given.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -36,7 +37,11 @@ from edgefl.wire.codec import (
     DecodeError,
     GlobalModel,
     Limits,
+    MessageType,
     RoundAnnouncement,
+    Update,
+    decode_global_model,
+    decode_round,
     decode_status,
     decode_update,
     encode_global_model,
@@ -48,6 +53,13 @@ logger = logging.getLogger(__name__)
 
 PUBLISH_RETRY_S = 120.0
 """How long a coordinator publish waits out a broker outage before giving up (seconds)."""
+
+
+ADOPT_WAIT_S = 2.0
+"""How long a coordinator without state waits for the fleet's retained round and head (seconds)."""
+
+EARLY_UPDATES_MAX = 4096
+"""Updates held for the next round before it opens (see ``Coordinator._early``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +123,11 @@ class Coordinator:
         When set, an update must carry a valid signature by its device's key (unknown devices are refused).
     max_packet_bytes : int
         The broker's maximum packet size: a larger GlobalModel goes out as retained chunks on ``global/<i>``.
+    max_devices : int
+        Bound of the device registry (statuses kept, > 0): when full, expired and offline devices are
+        dropped first; a new device is refused (``registry_full``) only when every entry is live.
+    device_expiry_s : float
+        A status older than this (seconds since it was received, or since its ``ts`` field) is forgotten.
     lr_decay : float
         Client learning-rate schedule: round ``r`` announces ``lr * lr_decay ** (r - 1)`` (1.0 = constant).
         A decaying step damps the round-to-round swings of FedAvg on non-IID devices (Li et al. 2020,
@@ -134,6 +151,8 @@ class Coordinator:
         signing_key: SigningKey | None = None,
         device_keys: Mapping[str, VerifyKey] | None = None,
         max_packet_bytes: int = 256 * 1024,
+        max_devices: int = 10_000,
+        device_expiry_s: float = 7 * 24 * 3600.0,
     ) -> None:
         self.transport = transport
         self.topics = topics
@@ -157,24 +176,116 @@ class Coordinator:
         self._global_chunks = 0
         self.state_path: Path | None = None  # set to persist state before each new global head
         self.counted: dict[int, list[str]] = {}  # round → update_ids aggregated (audit, chaos test)
+        # Updates for the next round that arrive before it opens: after a restart, devices answer the
+        # retained announcement of a round whose close was not saved, and the broker's persistent
+        # session delivers their updates before the coordinator re-opens it. Bounded; offered at open.
+        self._early: dict[str, tuple[Update, int]] = {}
         self.state = CoordinatorState()
+        self.max_devices = max_devices
+        self.device_expiry_s = device_expiry_s
+        self.mismatched: dict[str, str] = {}  # device → why its model differs (named once on stdout/log)
+        self.rejected_by_device: dict[str, Counter[str]] = {}
+        self.on_mismatch: Callable[[str, str], None] | None = None
+        self.privacy_epsilon: float | None = None  # set by a DP strategy's accountant each round
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
         self._buffer: FedBuffer | None = None
         self._buffer_full = asyncio.Event()
         self._seen_update_ids: set[str] = set()
         self._status_changed = asyncio.Event()
+        self._adopting = False
+        self._adopt_seen = asyncio.Event()
+        self._adopted_round = 0
+        self._adopted_head: GlobalModel | None = None
+        self._adopt_chunks = Reassembler()
 
     @property
     def shape(self) -> tuple[int, int]:
         """Head shape (D, K)."""
         return (int(self.W.shape[0]), int(self.W.shape[1]))
 
-    async def start(self) -> None:
-        """Subscribe to updates and statuses, and publish the current global head (retained)."""
+    async def start(self, adopt_wait_s: float = ADOPT_WAIT_S) -> None:
+        """Subscribe to updates and statuses, and publish the current global head (retained).
+
+        A coordinator without state (version 0, round 0: first start, or its state file was lost)
+        first adopts the fleet's round and head from the retained ``round`` and ``global`` messages,
+        so devices that hold a later round are not answered with ``stale_round`` for rounds on end.
+        The retained head is adopted only if it decodes with this head's shape, names this backbone's
+        sha256 and, when a signing key is set, carries a valid signature by it. The caller's
+        :meth:`pump` must be running.
+
+        Parameters
+        ----------
+        adopt_wait_s : float
+            How long to wait for the retained messages (seconds); they arrive right after SUBACK.
+        """
+        if self.state.version == 0 and self.state.round == 0:
+            self._adopting = True
+            await self.transport.subscribe(self.topics.round, 1)
+            await self.transport.subscribe(self.topics.global_model + "/#", 1)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._adopt_seen.wait(), adopt_wait_s)
+            await asyncio.sleep(0)  # let a global message queued with the round be handled too
+            self._adopting = False
+            self._apply_adopted()
         await self.transport.subscribe(self.topics.update("+"), 1)
         await self.transport.subscribe(self.topics.status("+"), 1)
         await self.publish_global(self.state.round)
+
+    def _is_own_topic(self, topic: str) -> bool:
+        base = self.topics.global_model
+        return topic in (self.topics.round, base) or topic.startswith(base + "/")
+
+    def _adopt(self, msg: Message) -> None:
+        """Note a retained ``round`` or ``global`` message while adopting (see :meth:`start`).
+
+        Raises
+        ------
+        DecodeError
+            If the message does not decode or its signature does not verify.
+        UpdateRejected
+            ``wrong_model`` if the head belongs to another backbone.
+        """
+        if not self._adopting or not msg.payload:
+            return  # our own retained publishes echoed back, or a cleared chunk
+        if msg.topic == self.topics.round:
+            if self.signing_key is not None:
+                verify_payload(
+                    msg.payload, self.signing_key.verify_key, fleet=self.topics.fleet, kind=MessageType.ROUND
+                )
+            ann = decode_round(msg.payload, limits=self.limits)
+            self._adopted_round = max(self._adopted_round, ann.round)
+            self._adopt_seen.set()
+            return
+        payload: bytes | None = msg.payload
+        if is_chunk(msg.payload):
+            payload = self._adopt_chunks.feed(self.topics.global_model, msg.payload)
+        if payload is None:
+            return
+        if self.signing_key is not None:
+            verify_payload(
+                payload, self.signing_key.verify_key, fleet=self.topics.fleet, kind=MessageType.GLOBAL_MODEL
+            )
+        head = decode_global_model(payload, limits=self.limits, expect_shape=self.shape)
+        if head.model_sha256 != self.model_sha256:
+            raise UpdateRejected("wrong_model", "the retained global head belongs to another backbone")
+        if self._adopted_head is None or head.version > self._adopted_head.version:
+            self._adopted_head = head
+        self._adopt_seen.set()
+
+    def _apply_adopted(self) -> None:
+        head = self._adopted_head
+        if head is not None and head.version > 0:
+            self.W, self.b = head.W.copy(), head.b.copy()
+            self.state.version = head.version
+        rounds = max(self._adopted_round, head.round if head is not None else 0)
+        if rounds > 0 or head is not None:
+            self.state.round = rounds
+            logger.warning(
+                "no state: adopted the fleet's round %d and head version %d from the retained messages",
+                self.state.round,
+                self.state.version,
+            )
 
     def save_state(self, path: Path) -> None:
         """Persist the global head, version, round and history (atomic, checksummed record).
@@ -263,7 +374,9 @@ class Coordinator:
             self.save_state(self.state_path)
 
     def _sign(self, encode: Callable[[Any], bytes], msg: Any) -> bytes:
-        return sign_message(encode, msg, self.signing_key) if self.signing_key is not None else encode(msg)
+        if self.signing_key is None:
+            return encode(msg)
+        return sign_message(encode, msg, self.signing_key, fleet=self.topics.fleet)
 
     async def pump(self) -> None:
         """Consume incoming messages forever: statuses and updates (each handler is guarded)."""
@@ -275,6 +388,9 @@ class Coordinator:
         """Dispatch one message; a bad one is logged with topic, size and reason and counted, never raised."""
         device = self.topics.device_of(msg.topic)
         try:
+            if device is None and self._is_own_topic(msg.topic):
+                self._adopt(msg)
+                return
             if device is None:
                 raise DecodeError("bad_topic", f"unexpected topic {msg.topic}")
             if msg.topic == self.topics.status(device):
@@ -285,14 +401,65 @@ class Coordinator:
                 entry = dict(status.fields)
                 entry["state"] = status.state
                 entry["seen_at"] = time.time()
-                self.state.devices[device] = entry
+                self._register(device, entry)
                 self._status_changed.set()
                 self._notify()
             else:
                 self._handle_update(device, msg)
         except (DecodeError, UpdateRejected) as exc:
             self.state.rejected[exc.reason] += 1
+            if device is not None and (
+                device in self.state.devices or len(self.rejected_by_device) < self.max_devices
+            ):
+                self.rejected_by_device.setdefault(device, Counter())[exc.reason] += 1
             logger.warning("rejected message on %s (%d bytes): %s", msg.topic, len(msg.payload), exc)
+
+    def _register(self, device: str, entry: dict[str, Any]) -> None:
+        """Keep a device's status in the bounded registry and check its model's identity.
+
+        Raises
+        ------
+        UpdateRejected
+            ``registry_full`` when the registry holds ``max_devices`` live devices, ``expired`` for a
+            status whose own timestamp ``ts`` (seconds since the epoch) is older than the expiry.
+        """
+        now = entry["seen_at"]
+        ts = entry.get("ts")
+        if isinstance(ts, (int, float)) and now - float(ts) > self.device_expiry_s:
+            raise UpdateRejected("expired", f"status of {device} is {now - float(ts):.0f} s old")
+        devices = self.state.devices
+        if device not in devices and len(devices) >= self.max_devices:
+            self._expire(now)
+            if len(devices) >= self.max_devices:
+                offline = [d for d, st in devices.items() if st.get("state") == "offline"]
+                if not offline:
+                    raise UpdateRejected(
+                        "registry_full", f"{self.max_devices} devices known; {device} not kept"
+                    )
+                oldest = min(offline, key=lambda d: float(devices[d].get("seen_at", 0.0)))
+                del devices[oldest]
+                self.rejected_by_device.pop(oldest, None)
+        devices[device] = entry
+        sha = entry.get("model_sha256")
+        if isinstance(sha, str) and sha != self.model_sha256:
+            why = f"backbone sha256 {sha[:12]}… differs from the coordinator's {self.model_sha256[:12]}…"
+            if self.mismatched.get(device) != why:
+                self.mismatched[device] = why
+                logger.warning("device %s runs another model: %s; left out of rounds", device, why)
+                if self.on_mismatch is not None:
+                    self.on_mismatch(device, why)
+        else:
+            self.mismatched.pop(device, None)
+
+    def _expire(self, now: float) -> None:
+        """Forget devices whose last status is older than ``device_expiry_s``."""
+        for dev in [
+            d
+            for d, st in self.state.devices.items()
+            if now - float(st.get("seen_at", now)) > self.device_expiry_s
+        ]:
+            del self.state.devices[dev]
+            self.rejected_by_device.pop(dev, None)
 
     def _handle_update(self, device: str, msg: Message) -> None:
         payload = msg.payload
@@ -305,12 +472,25 @@ class Coordinator:
             key = self.device_keys.get(device)
             if key is None:
                 raise DecodeError("unknown_device", f"no public key for device {device}")
-            verify_payload(payload, key)
+            verify_payload(
+                payload,
+                key,
+                fleet=self.topics.fleet,
+                kind=MessageType.UPDATE,
+                device=device,
+                limits=self.limits,
+            )
+        if device in self.mismatched:
+            raise UpdateRejected("wrong_model", f"device {device}: {self.mismatched[device]}")
         update = decode_update(payload, limits=self.limits, expect_shape=self.shape)
         if update.device != device:
             raise UpdateRejected("wrong_device", f"update names device {update.device} on {msg.topic}")
         rnd = self.state.current
-        if rnd is None:
+        if rnd is None or rnd.phase.value != "open":
+            if update.round == self.state.round + 1 and len(self._early) < EARLY_UPDATES_MAX:
+                self._early[update.update_id] = (update, len(payload))
+                logger.info("round %d: update from %s held until the round opens", update.round, device)
+                return
             raise UpdateRejected("no_round", "no round is open")
         if self._buffer is not None:  # FedBuff: any earlier round is welcome, weighted by its staleness
             if update.update_id in self._seen_update_ids:
@@ -349,6 +529,8 @@ class Coordinator:
                 "last_round": st.get("round"),
                 "reason": st.get("reason") or "",
                 "rejected": st.get("rejected") or {},
+                "refused": dict(self.rejected_by_device.get(dev, {})),
+                "model_mismatch": self.mismatched.get(dev),
             }
         return {
             "round": self.state.round,
@@ -365,8 +547,20 @@ class Coordinator:
                 {"round": h.round, "accuracy": None if h.accuracy != h.accuracy else h.accuracy}
                 for h in self.state.history
             ],
+            "rounds": [
+                {
+                    "round": h.round,
+                    "clients": h.clients,
+                    "accuracy": None if h.accuracy != h.accuracy else h.accuracy,
+                    "update_bytes_mean": h.update_bytes_mean,
+                    "duration_s": h.duration_s,
+                }
+                for h in self.state.history[-50:]
+            ],
             "devices": devices,
+            "model_mismatches": dict(self.mismatched),
             "rejected": dict(self.state.rejected),
+            "privacy_epsilon": self.privacy_epsilon,
         }
 
     def _notify(self) -> None:
@@ -376,7 +570,9 @@ class Coordinator:
     def online_devices(self) -> list[str]:
         """Device ids whose retained status says they are up and ready (sorted)."""
         return sorted(
-            d for d, s in self.state.devices.items() if s.get("ready") and s.get("state") != "offline"
+            d
+            for d, s in self.state.devices.items()
+            if s.get("ready") and s.get("state") != "offline" and d not in self.mismatched
         )
 
     async def wait_for_devices(self, n: int, timeout_s: float, key: str = "ready") -> list[str]:
@@ -448,6 +644,15 @@ class Coordinator:
         )
         self.state.current = rnd
         self.state.round = round_no
+        early, self._early = self._early, {}
+        for update, size in early.values():
+            if update.round != round_no:
+                continue
+            try:
+                rnd.offer(update, size)
+            except UpdateRejected as exc:
+                self.state.rejected[exc.reason] += 1
+                logger.warning("round %d: held update from %s refused: %s", round_no, update.device, exc)
         await self._announce(round_no, cfg, selected)
         self._notify()
         loop = asyncio.get_running_loop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import sys
@@ -63,6 +64,49 @@ def _load_or_report(args: argparse.Namespace) -> Profile | None:
         return None
 
 
+def _preflight(profile: Profile) -> list[str]:
+    """What this profile cannot run with here (:func:`edgefl.agent.preflight.preflight`).
+
+    Loads the model once (released before returning) and measures this process's RSS with the agent's
+    modules imported, the floor the agent starts from. Without the profile's runtime here (a profile
+    for another kind of gateway) only the checks that are not about this machine run.
+
+    Raises
+    ------
+    ModelError
+        If the model cannot be loaded.
+    """
+    import gc
+
+    import edgefl.agent.daemon  # noqa: F401 - the agent's imports are part of its floor
+    from edgefl.agent import memory
+    from edgefl.agent.preflight import preflight
+    from edgefl.runtime import Backbone, runtime_available
+
+    if not runtime_available(profile.model.runtime):
+        # a profile for another kind of gateway (tflite-runtime on armv7l): what is not about this
+        # machine is still checked; the rest is checked by `edgefl run` on the gateway itself
+        return [p for p in preflight(profile, None, 0) if not p.startswith("device.state_dir")]
+
+    backbone = Backbone(
+        profile.model.path,
+        num_threads=profile.model.num_threads,
+        runtime=profile.model.runtime,
+        embedding_tensor=profile.model.embedding_tensor,
+    )
+    shapes = memory.model_shapes(backbone)
+    rss = memory.rss_bytes()
+    del backbone
+    gc.collect()
+    return preflight(profile, shapes, rss)
+
+
+def _report(title: str, problems: Sequence[str]) -> None:
+    print(f"edgefl: {title}:", file=sys.stderr)
+    for problem in problems:
+        print(f"  {problem}", file=sys.stderr)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """``edgefl run PROFILE``: run the agent daemon until SIGTERM/SIGINT."""
     from edgefl.errors import EdgeflError, ModelError
@@ -77,6 +121,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     memory.apply_hygiene(arena_max=2)  # for arenas of threads not yet started (paho, worker, dashboard)
 
     try:
+        problems = _preflight(profile)
+        if problems:
+            _report(f"profile {args.profile} cannot run here", problems)
+            return EXIT_INVALID
         agent = Agent(profile)
     except ModelError as exc:
         print(f"edgefl: model error: {exc}", file=sys.stderr)
@@ -89,16 +137,55 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    """``edgefl check-config PROFILE``: validate a profile; exit 0 if valid, 1 with every problem listed."""
+    """``edgefl check-config PROFILE``: validate a device or coordinator profile (exit 0, or 1 listing all).
+
+    A profile with a coordinator-only table (``[rounds]``, ``[strategy]``...) is a coordinator profile.
+    """
+    import json
+
+    from edgefl.errors import ConfigError
+    from edgefl.profiles import read_toml
+
+    try:
+        _, data = read_toml(args.profile)
+    except ConfigError as exc:
+        print(f"edgefl: invalid profile {args.profile}:", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    from edgefl.coordinator.profile import SCHEMA, is_coordinator_profile, load_coordinator_profile
+
+    if is_coordinator_profile(data):
+        try:
+            coordinator = load_coordinator_profile(args.profile, _parse_sets(args.set))
+        except ConfigError as exc:
+            print(f"edgefl: invalid coordinator profile {args.profile}:", file=sys.stderr)
+            for problem in exc.problems:
+                print(f"  {problem}", file=sys.stderr)
+            return EXIT_INVALID
+        print(
+            f"{args.profile}: ok (coordinator of fleet {coordinator.fleet.name}, {coordinator.rounds.count} "
+            f"rounds of {coordinator.strategy.name})"
+        )
+        if args.print:
+            print(json.dumps(SCHEMA.to_dict(coordinator), indent=2, default=str))
+        return EXIT_OK
     from edgefl.agent.config import profile_to_dict
 
     profile = _load_or_report(args)
     if profile is None:
         return EXIT_INVALID
+    from edgefl.errors import ModelError
+
+    try:
+        problems = _preflight(profile)
+    except ModelError as exc:
+        problems = [f"model.path = {str(profile.model.path)!r}: {exc}"]
+    if problems:
+        _report(f"profile {args.profile} cannot run here", problems)
+        return EXIT_INVALID
     print(f"{args.profile}: ok (device {profile.device.id}, cap {profile.memory.cap_mb} MiB)")
     if args.print:
-        import json
-
         print(json.dumps(profile_to_dict(profile), indent=2, default=str))
     return EXIT_OK
 
@@ -221,8 +308,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     if "coordinator" in words or "-h" in words or "--help" in words:
         # imported only when asked for: the agent process never runs it (~1 MiB of RSS saved)
         from edgefl.coordinator import runner
+        from edgefl.demo import central_evaluation, serve_coordinator_page
 
-        runner.add_parser(sub)
+        runner.add_parser(sub).set_defaults(
+            func=functools.partial(runner.main, evaluation=central_evaluation, page=serve_coordinator_page)
+        )
     return p
 
 

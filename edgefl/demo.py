@@ -19,10 +19,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import make_strategy
 from edgefl.datasets import FACTORY_CLASSES, load_digits, partition_non_iid, split_digits
+from edgefl.errors import ConfigError
 from edgefl.head import Head
 from edgefl.resources import shipped
 from edgefl.runtime import Backbone
@@ -39,6 +40,10 @@ from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32, I64
 from edgefl.wire.codec import Compression
+
+if TYPE_CHECKING:
+    from edgefl.coordinator.profile import CoordinatorProfile
+    from edgefl.profiles import DashboardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -380,3 +385,83 @@ async def _run(opts: DemoOptions) -> int:
         Path(opts.json_path).write_text(json.dumps(result, indent=2) + "\n")
         print(f"  wrote {opts.json_path}")
     return rc
+
+
+def central_evaluation(
+    profile: CoordinatorProfile, backbone: Backbone
+) -> Callable[[F32, F32], float] | None:
+    """The coordinator's central evaluation: accuracy of a head on the profile's ``[evaluation]`` set.
+
+    Without ``evaluation.path`` the shipped digits model is evaluated on the digits test split, any other
+    model not at all (devices report their own evaluation). Composed here, above device and coordinator:
+    the raw samples go through the device's unfused pipeline.
+
+    Parameters
+    ----------
+    profile : CoordinatorProfile
+    backbone : Backbone
+
+    Returns
+    -------
+    callable (W float32 [D, K], b float32 [K]) -> accuracy in [0, 1], or None
+
+    Raises
+    ------
+    ConfigError
+        If ``evaluation.path`` is not an ``.npz`` with ``x`` and ``y`` fitting the model.
+    """
+    ev = profile.evaluation
+    if ev.path is not None:
+        try:
+            with np.load(ev.path, allow_pickle=False) as data:
+                x, y = np.asarray(data["x"]), np.asarray(data["y"], dtype=np.int64)
+        except (OSError, KeyError, ValueError) as exc:
+            raise ConfigError(
+                [f"evaluation.path = {str(ev.path)!r}: not an .npz with x and y ({exc})"]
+            ) from exc
+        if x.shape[1:] != backbone.sample_shape or len(x) != len(y):
+            shapes = f"x {x.shape} / y {y.shape}"
+            raise ConfigError([f"evaluation.path: {shapes} do not fit the samples {backbone.sample_shape}"])
+        emb, labels = embed_all(backbone, x, ev.mean, ev.std), y
+    elif backbone.sample_shape == (8, 8, 1):
+        from edgefl.datasets import load_digits, split_digits
+
+        x, y = load_digits()
+        test = split_digits(y).test
+        emb, labels = embed_all(backbone, x[test], (0.0,), (16.0,)), y[test]
+    else:
+        return None
+
+    def evaluate(W: F32, b: F32) -> float:
+        return accuracy(W, b, emb, labels)
+
+    return evaluate
+
+
+async def serve_coordinator_page(
+    dashboard: DashboardConfig, title: str, get_status: Callable[[], Mapping[str, Any]]
+) -> tuple[Callable[[], Awaitable[None]], int]:
+    """Serve the standalone coordinator's fleet page (``edgefl coordinator`` with ``[dashboard]`` on).
+
+    Parameters
+    ----------
+    dashboard : the profile's ``[dashboard]`` (bind address, port, bearer token)
+    title : shown in the page header
+    get_status : the coordinator's status document (:meth:`Coordinator.dashboard_status`)
+
+    Returns
+    -------
+    (stop, port) : an async function that stops the server, and the port bound
+
+    Raises
+    ------
+    ConfigError
+        If the bind address is not loopback and no token is set (``dashboard.app.serve``).
+    OSError
+        If the port cannot be bound.
+    """
+    from edgefl.dashboard.app import DashboardState, serve
+
+    board = DashboardState("coordinator", title, get_status, token=dashboard.token)
+    runner, port = await serve(board, dashboard.host, dashboard.port)
+    return runner.cleanup, port

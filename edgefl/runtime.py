@@ -45,6 +45,11 @@ def _interpreter_classes(runtime: RuntimeName) -> list[tuple[str, Any]]:
     return found
 
 
+def runtime_available(runtime: RuntimeName) -> bool:
+    """Whether a TFLite runtime that ``runtime`` ("auto", "litert", "tflite") allows imports here."""
+    return bool(_interpreter_classes(runtime))
+
+
 def open_interpreter(
     path: Path, *, num_threads: int = 1, runtime: RuntimeName = "auto", delegates: bool = False
 ) -> tuple[str, Any]:

@@ -29,8 +29,6 @@ from edgefl.wire.codec import (
     RoundAnnouncement,
     Update,
     UpdateMetrics,
-    _rice_encode,
-    _rice_parameter,
     compress_delta,
     compressed_roundtrip,
     decode_array,
@@ -48,6 +46,7 @@ from edgefl.wire.codec import (
     offline_status,
     topk_count,
 )
+from edgefl.wire.compression import _rice_encode, _rice_parameter  # the Rice coder's own unit tests
 
 SHA = "ab" * 32
 
@@ -429,7 +428,9 @@ INF_W = np.full((32, 10), np.inf, dtype=np.float32)
     [
         pytest.param(set_key("extra", 1), "unknown_key", id="unknown_key"),
         pytest.param(lambda o: o.pop("device"), "missing_key", id="missing_key"),
-        pytest.param(set_key("v", 2), "bad_version", id="bad_version"),
+        pytest.param(set_key("v", 0), "bad_version", id="bad_version"),
+        pytest.param(set_key("v", 3), "newer_schema", id="newer_schema"),
+        pytest.param(set_key("v", 2**63), "newer_schema", id="huge_schema"),
         pytest.param(set_key("v", True), "bad_version", id="bool_version"),
         pytest.param(set_key("type", "status"), "wrong_type", id="wrong_message_type"),
         pytest.param(set_key("round", True), "wrong_type", id="bool_as_int"),
@@ -948,7 +949,7 @@ def test_malformed_cbor_reason(payload: bytes, reason: str) -> None:
 
 def test_all_message_types_are_distinct() -> None:
     assert {m.value for m in MessageType} == {"global_model", "round", "update", "status", "chunk"}
-    assert SCHEMA_VERSION == 1
+    assert SCHEMA_VERSION == 2  # 2 added the rice layout and the canonical signed bytes
     assert reason_of(lambda: decode_round(encode_update(make_update()))) == "wrong_type"
 
 

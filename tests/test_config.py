@@ -74,8 +74,9 @@ def table(rendered: Mapping[str, object], name: str) -> dict[str, object]:
 # --------------------------------------------------------------------------------------------------
 
 
-def test_profiles_directory_has_the_four_profiles() -> None:
+def test_profiles_directory_has_the_four_device_profiles_and_the_coordinator_profile() -> None:
     assert sorted(p.name for p in PROFILES.glob("*.toml")) == [
+        "coordinator.toml",
         "dev_x86.toml",
         "gateway_aarch64_256mb.toml",
         "gateway_armv7_512mb.toml",

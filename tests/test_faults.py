@@ -42,7 +42,14 @@ from edgefl.records import prev_path
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import GlobalModel, Update, UpdateMetrics, encode_global_model, encode_update
+from edgefl.wire.codec import (
+    GlobalModel,
+    Update,
+    UpdateMetrics,
+    decode_status,
+    encode_global_model,
+    encode_update,
+)
 from edgefl.wire.signing import SigningKey, generate_signing_key, load_verify_keys, sign_message
 
 pytestmark = pytest.mark.timeout(180)
@@ -216,7 +223,7 @@ def test_sign_round_with_signed_messages_and_forgeries_rejected(
             evil = GlobalModel(9, good + 5, digits.backbone.sha256, -10 * digits.W0, digits.b0)
             await attacker.publish(topics.global_model, encode_global_model(evil), qos=1)
             await attacker.publish(
-                topics.global_model, sign_message(encode_global_model, evil, attacker_key), qos=1
+                topics.global_model, sign_message(encode_global_model, evil, attacker_key, fleet=fleet), qos=1
             )
             # forged updates for dev-1 in the open round 3: unsigned, and signed by the attacker's key
             run3 = asyncio.create_task(coord.run_round(3))
@@ -224,7 +231,7 @@ def test_sign_round_with_signed_messages_and_forgeries_rejected(
             forged = fake_update("dev-1", 3, good, coord.shape)
             await attacker.publish(topics.update("dev-1"), encode_update(forged), qos=1)
             await attacker.publish(
-                topics.update("dev-1"), sign_message(encode_update, forged, attacker_key), qos=1
+                topics.update("dev-1"), sign_message(encode_update, forged, attacker_key, fleet=fleet), qos=1
             )
             rec3 = await run3
             accs.append(rec3.accuracy)
@@ -264,6 +271,64 @@ def test_sign_round_with_signed_messages_and_forgeries_rejected(
         assert st["rejected"]["unsigned"] == 1 and st["rejected"]["bad_signature"] == 1, st["rejected"]
     # the coordinator saw the attacker's updates as dev-1's but counted only dev-1's own
     assert all(uid.endswith(":3:2") for uid in coord.counted[3]) and len(coord.counted[3]) == 2
+
+
+def test_forgery_agent_refuses_a_head_signed_for_another_fleet(
+    mosquitto: Broker, fleet: str, tmp_path: Path, digits: Digits
+) -> None:
+    # one coordinator key for two fleets: a head it signed for fleet "other" is copied onto this fleet
+    coord_key = generate_signing_key()
+    proc = launch(
+        tmp_path,
+        "dev-1",
+        fleet,
+        mosquitto,
+        digits.shards(1)[0],
+        digits,
+        **{
+            "security.coordinator_public_key": coord_key.verify_key.hex,
+            "security.require_signatures": "true",
+        },
+    )
+    topics = Topics("edgefl", fleet)
+    head = GlobalModel(1, 5, digits.backbone.sha256, digits.W0 * 0.5, digits.b0)
+
+    async def main() -> dict[str, Any]:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"peer-{fleet}")
+        await t.start(wait_s=10)
+        await t.subscribe(topics.status("dev-1"), 1)
+        latest: dict[str, Any] = {}
+
+        async def status_until(cond: Callable[[dict[str, Any]], bool], what: str) -> None:
+            async with asyncio.timeout(60):
+                while not (latest and cond(latest)):
+                    msg = await t.queue.get()
+                    if msg.payload:
+                        st = decode_status(msg.payload)
+                        latest.clear()
+                        latest.update(st.fields, state=st.state)
+            assert cond(latest), what
+
+        try:
+            await status_until(lambda st: st["state"] != "offline" and st.get("version") == 0, "agent online")
+            forged = sign_message(encode_global_model, head, coord_key, fleet="other")
+            await t.publish(topics.global_model, forged, qos=1)
+            await status_until(lambda st: st["rejected"].get("bad_signature", 0) == 1, "forgery counted")
+            assert latest["version"] == 0  # not applied
+            # the same head signed for this fleet is applied
+            await t.publish(
+                topics.global_model, sign_message(encode_global_model, head, coord_key, fleet=fleet), qos=1
+            )
+            await status_until(lambda st: st.get("version") == 5, "head applied")
+            return dict(latest)
+        finally:
+            await t.stop()
+
+    with running([proc], tmp_path):
+        final = asyncio.run(main())
+        assert proc.poll() is None, "the agent died"
+    assert final["rejected"] == {"bad_signature": 1}, final["rejected"]
+    assert "for fleet" in (tmp_path / "dev-1.log").read_text()  # the log line says why
 
 
 # --- 2. chunking under the broker's packet limit ------------------------------------------------------

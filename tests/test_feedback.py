@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from edgefl.agent.feedback import RESIDUAL_FILE, ErrorFeedback
-from edgefl.wire.codec import Compression, compressed_roundtrip
+from edgefl.wire.codec import (
+    Compression,
+    Update,
+    UpdateMetrics,
+    compressed_roundtrip,
+    decode_update,
+    encode_update,
+)
 
 
 def test_topk_residual_by_hand_and_telescoping(tmp_path: Path) -> None:
@@ -74,3 +81,41 @@ def test_int8_feedback_keeps_rounding_error(tmp_path: Path) -> None:
     np.testing.assert_array_equal(fb.residual_W, dW - decoded)
     with pytest.raises(ValueError):
         fb.compensate(np.zeros((2, 2), np.float32), np.zeros(2, np.float32))
+
+
+@pytest.mark.parametrize("mode", [m for m in Compression if m is not Compression.NONE])
+@pytest.mark.parametrize("seed", [None, 5])
+def test_compress_once_is_bit_identical_to_encoding_the_corrected_delta(
+    tmp_path: Path, mode: Compression, seed: int | None
+) -> None:
+    rng = np.random.default_rng(3)
+    once = ErrorFeedback(tmp_path / "once", (40, 6))
+    twice = ErrorFeedback(tmp_path / "twice", (40, 6))
+    for _ in range(3):  # the residual carried between rounds must agree too
+        dW = rng.normal(size=(40, 6)).astype(np.float32)
+        db = rng.normal(size=6).astype(np.float32)
+        cW, cb, packed = once.compress(dW, db, mode, topk_fraction=0.2, seed=seed)
+        cW2, cb2 = twice.apply(dW, db, mode, topk_fraction=0.2, seed=seed)
+        np.testing.assert_array_equal(cW, cW2)
+        np.testing.assert_array_equal(cb, cb2)
+        np.testing.assert_array_equal(once.residual_W, twice.residual_W)
+        np.testing.assert_array_equal(once.residual_b, twice.residual_b)
+        update = Update(1, 0, "dev-1", 9, cW, cb, UpdateMetrics(0.1, 0.5, 0.0, 0), "dev-1:1:0", mode)
+        draws = np.random.default_rng(seed) if seed is not None else None
+        again = encode_update(update, topk_fraction=0.2, rng=draws)  # compresses a second time
+        assert encode_update(update, compressed=packed) == again
+        got = decode_update(again)
+        np.testing.assert_array_equal(got.delta_W, packed.decoded_W)
+        np.testing.assert_array_equal(got.delta_b, packed.decoded_b)
+        np.testing.assert_array_equal(once.residual_W, cW - packed.decoded_W)
+
+
+def test_compressed_delta_of_another_layout_is_refused(tmp_path: Path) -> None:
+    fb = ErrorFeedback(tmp_path, (4, 2))
+    _, _, packed = fb.compress(np.ones((4, 2), np.float32), np.ones(2, np.float32), Compression.INT8)
+    update = Update(
+        1, 0, "d", 1, np.ones((4, 2), np.float32), np.ones(2, np.float32),
+        UpdateMetrics(0, 0, 0, 0), "d:1:0", Compression.TOPK,
+    )
+    with pytest.raises(ValueError, match="compressed delta is int8, the update says topk"):
+        encode_update(update, compressed=packed)

@@ -79,7 +79,7 @@ def test_fuzz_hypothesis_raw_bytes(data: bytes) -> None:
     _only_decode_error(lambda d: decode_update(d, expect_shape=SHAPE), data)
     _only_decode_error(decode_status, data)
     _only_decode_error(decode_chunk, data)
-    _only_decode_error(lambda d: verify_payload(d, KEY.verify_key), data)
+    _only_decode_error(lambda d: verify_payload(d, KEY.verify_key, fleet="f", kind="global_model"), data)
     _only_decode_error(decode_record, data)
 
 

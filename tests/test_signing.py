@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +33,7 @@ from edgefl.wire.codec import (
 )
 from edgefl.wire.signing import (
     CONTEXT,
+    PLACEHOLDER,
     SigningKey,
     VerifyKey,
     is_signed,
@@ -41,6 +44,7 @@ from edgefl.wire.signing import (
     parse_verify_key,
     sign_message,
     sign_payload,
+    signed_bytes,
     unsigned_form,
     verify_payload,
 )
@@ -52,6 +56,8 @@ RFC_SIGNATURE = bytes.fromhex(
     "e5564300c360ac729086e2cc806e828a84877f1eb8e5d974d873e065224901555fb8821590a33bacc61e39701cf9b46bd25bf5f0595bbe24655141438e7a100b"
 )
 SHA = "ab" * 32
+FLEET = "f1"
+GM, ROUND, UPDATE = "global_model", "round", "update"
 
 
 @pytest.fixture(params=["pynacl", "cryptography"])
@@ -92,34 +98,49 @@ def test_sign_rfc8032_test_vector(backend: str) -> None:
 def test_sign_good_signature_accepted_for_every_signed_message(backend: str) -> None:
     key = SigningKey(RFC_SEED)
     gm = GlobalModel(2, 3, SHA, np.ones((16, 4), np.float32), np.zeros(4, np.float32))
-    payload = sign_message(encode_global_model, gm, key)
+    payload = sign_message(encode_global_model, gm, key, fleet=FLEET)
     assert len(payload) == len(encode_global_model(gm)) + 65 and is_signed(payload)
-    verify_payload(payload, key.verify_key)
+    verify_payload(payload, key.verify_key, fleet=FLEET, kind=GM)
     got = decode_global_model(payload, expect_shape=(16, 4))
     assert len(got.signature) == 64 and got.version == 3 and np.array_equal(got.W, gm.W)
 
     ann = make_round()
-    payload = sign_message(encode_round, ann, key)
-    verify_payload(payload, key.verify_key)
+    payload = sign_message(encode_round, ann, key, fleet=FLEET)
+    verify_payload(payload, key.verify_key, fleet=FLEET, kind=ROUND)
     assert decode_round(payload).selected == ("dev-1", "dev-2")
 
     # int8 with stochastic rounding: encoded once, signed as sent; no re-encoding on either side
     rng = np.random.default_rng(7)
-    payload = sign_message(lambda m: encode_update(m, rng=rng), make_update(), key)
-    verify_payload(payload, key.verify_key)
+    payload = sign_message(lambda m: encode_update(m, rng=rng), make_update(), key, fleet=FLEET)
+    verify_payload(payload, key.verify_key, fleet=FLEET, kind=UPDATE, device="dev-2")
     assert decode_update(payload, expect_shape=(16, 4)).update_id == "dev-2:4:3"
 
 
-def test_sign_signed_bytes_are_the_unsigned_encoding(backend: str) -> None:
+def test_sign_signed_bytes_are_the_canonical_context_string(backend: str) -> None:
     key = SigningKey(RFC_SEED)
     ann = make_round()
-    unsigned = encode_round(ann)
-    payload = sign_payload(unsigned, key)
-    assert unsigned_form(payload) == unsigned
-    assert payload[:-66] == unsigned[:-1] and payload[-66:-64] == b"\x58\x40"
-    assert signing._backend().verify(RFC_PUBLIC, payload[-64:], CONTEXT + unsigned)
+    blank = encode_round(dataclasses.replace(ann, signature=PLACEHOLDER))
+    payload = sign_payload(blank, key, fleet=FLEET)
+    assert unsigned_form(payload) == blank
+    assert payload[:-64] == blank[:-64] and payload[-66:-64] == b"\x58\x40"
+    assert cbor2.loads(payload)["v"] == 2  # signed messages are schema 2
+    digest = hashlib.sha256(blank).digest()
+    # CONTEXT || CBOR [fleet, kind, round, version, device, sha256(blank)], written out by hand
+    by_hand = (
+        b"edgefl-sig-v2\x00"
+        + b"\x86"  # array of 6
+        + b"\x62f1"  # "f1"
+        + b"\x65round"  # "round"
+        + b"\x04\x03"  # round 4, base_version 3
+        + b"\x60"  # no device
+        + b"\x58\x20"
+        + digest
+    )
+    assert by_hand[:15] == CONTEXT + b"\x86"
+    assert signed_bytes(fleet=FLEET, kind=ROUND, round=4, version=3, device="", digest=digest) == by_hand
+    assert signing._backend().verify(RFC_PUBLIC, payload[-64:], by_hand)
     # signing a message that already carries a signature signs its blank form (same result)
-    assert sign_message(encode_round, decode_round(payload), key) == payload
+    assert sign_message(encode_round, decode_round(payload), key, fleet=FLEET) == payload
 
 
 def test_sign_backends_produce_identical_signatures() -> None:
@@ -127,11 +148,11 @@ def test_sign_backends_produce_identical_signatures() -> None:
     payloads = {}
     for name in ("pynacl", "cryptography"):
         signing.set_backend(name)
-        payloads[name] = sign_message(encode_round, make_round(), key)
+        payloads[name] = sign_message(encode_round, make_round(), key, fleet=FLEET)
     signing.set_backend("cryptography")
-    verify_payload(payloads["pynacl"], key.verify_key)
+    verify_payload(payloads["pynacl"], key.verify_key, fleet=FLEET, kind=ROUND)
     signing.set_backend("pynacl")
-    verify_payload(payloads["cryptography"], key.verify_key)
+    verify_payload(payloads["cryptography"], key.verify_key, fleet=FLEET, kind=ROUND)
     signing.set_backend("auto")
     assert payloads["pynacl"] == payloads["cryptography"]
     assert signing.backend_name() == "pynacl"  # auto prefers the smaller library
@@ -140,33 +161,33 @@ def test_sign_backends_produce_identical_signatures() -> None:
 
 
 def test_sign_wrong_key_rejected(backend: str) -> None:
-    payload = sign_message(encode_round, make_round(), SigningKey(RFC_SEED))
+    payload = sign_message(encode_round, make_round(), SigningKey(RFC_SEED), fleet=FLEET)
     other = SigningKey(bytes(32)).verify_key
     with pytest.raises(DecodeError) as info:
-        verify_payload(payload, other)
+        verify_payload(payload, other, fleet=FLEET, kind=ROUND)
     assert info.value.reason == "bad_signature"
     # an attacker re-signing a hostile global head with their own key is refused the same way
     hostile = GlobalModel(9, 99, SHA, np.full((16, 4), 1e3, np.float32), np.zeros(4, np.float32))
-    forged = sign_message(encode_global_model, hostile, SigningKey(b"\x01" * 32))
+    forged = sign_message(encode_global_model, hostile, SigningKey(b"\x01" * 32), fleet=FLEET)
     with pytest.raises(DecodeError, match="bad_signature"):
-        verify_payload(forged, SigningKey(RFC_SEED).verify_key)
+        verify_payload(forged, SigningKey(RFC_SEED).verify_key, fleet=FLEET, kind=GM)
 
 
 def test_sign_tampered_byte_anywhere_rejected(backend: str) -> None:
     key = SigningKey(RFC_SEED)
-    payload = sign_message(encode_round, make_round(), key)
+    payload = sign_message(encode_round, make_round(), key, fleet=FLEET)
     for i in range(len(payload)):
         for flip in (0x01, 0x80):
             bad = bytearray(payload)
             bad[i] ^= flip
             with pytest.raises(DecodeError) as info:
-                verify_payload(bytes(bad), key.verify_key)
+                verify_payload(bytes(bad), key.verify_key, fleet=FLEET, kind=ROUND)
             assert info.value.reason in ("bad_signature", "unsigned"), i
     # changing a value through CBOR (a cleverer tamper) is refused too
     obj = cbor2.loads(payload)
     obj["lr"] = 10.0
     with pytest.raises(DecodeError, match="bad_signature"):
-        verify_payload(cbor2.dumps(obj), key.verify_key)
+        verify_payload(cbor2.dumps(obj), key.verify_key, fleet=FLEET, kind=ROUND)
 
 
 def test_sign_missing_signature_rejected(backend: str) -> None:
@@ -180,14 +201,14 @@ def test_sign_missing_signature_rejected(backend: str) -> None:
         b"\x69signature\x58\x40" + b"s" * 64,  # nothing but the tail
     ):
         with pytest.raises(DecodeError) as info:
-            verify_payload(payload, key)
+            verify_payload(payload, key, fleet=FLEET, kind=ROUND)
         assert info.value.reason == "unsigned"
 
 
 def test_sign_refuses_messages_without_a_trailing_signature_entry() -> None:
     status = encode_status(DeviceStatus("dev-1", "online", {}))
-    with pytest.raises(ValueError, match="empty 'signature' entry"):
-        sign_payload(status, SigningKey(RFC_SEED))
+    with pytest.raises(ValueError, match="zero 'signature' placeholder"):
+        sign_payload(status, SigningKey(RFC_SEED), fleet=FLEET)
 
 
 def test_sign_keys_parse_hex_and_pem(tmp_path: Path) -> None:
@@ -241,3 +262,98 @@ def test_sign_private_key_never_logged_or_shown(tmp_path: Path, caplog: pytest.L
         load_signing_key(bad)
     assert RFC_SEED.hex()[:20] not in str(info.value) and "bad.key" in str(info.value)
     assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+# ----------------------------------------------------------------------------------------------
+# Forgeries: the signed bytes bind fleet, kind, round, version and (for updates) the device
+
+
+def test_forgery_head_signed_for_fleet_f1_fails_on_fleet_f2(backend: str) -> None:
+    key = SigningKey(RFC_SEED)
+    gm = GlobalModel(2, 3, SHA, np.ones((16, 4), np.float32), np.zeros(4, np.float32))
+    payload = sign_message(encode_global_model, gm, key, fleet="f1")
+    verify_payload(payload, key.verify_key, fleet="f1", kind=GM)
+    with pytest.raises(DecodeError) as info:
+        verify_payload(payload, key.verify_key, fleet="f2", kind=GM)
+    assert info.value.reason == "bad_signature"
+    assert "fleet 'f2'" in info.value.detail
+
+
+def test_forgery_update_signed_for_device_a_fails_as_device_b(backend: str) -> None:
+    key = SigningKey(RFC_SEED)  # even with one key shared by both devices
+    payload = sign_message(encode_update, make_update(), key, fleet=FLEET)  # device "dev-2"
+    verify_payload(payload, key.verify_key, fleet=FLEET, kind=UPDATE, device="dev-2")
+    with pytest.raises(DecodeError) as info:
+        verify_payload(payload, key.verify_key, fleet=FLEET, kind=UPDATE, device="dev-1")
+    assert info.value.reason == "bad_signature"
+    assert "device 'dev-2' received as 'dev-1'" in info.value.detail
+    with pytest.raises(ValueError, match="needs the device"):
+        verify_payload(payload, key.verify_key, fleet=FLEET, kind=UPDATE)
+
+
+def test_forgery_round_announcement_replayed_as_global_head(backend: str) -> None:
+    key = SigningKey(RFC_SEED)
+    payload = sign_message(encode_round, make_round(), key, fleet=FLEET)
+    with pytest.raises(DecodeError) as info:
+        verify_payload(payload, key.verify_key, fleet=FLEET, kind=GM)
+    assert info.value.reason == "bad_signature"
+    assert "'round' message where 'global_model' is expected" in info.value.detail
+    with pytest.raises(ValueError, match="not signed"):
+        verify_payload(payload, key.verify_key, fleet=FLEET, kind="status")
+
+
+def test_forgery_round_or_version_changed_after_signing(backend: str) -> None:
+    key = SigningKey(RFC_SEED)
+    gm = GlobalModel(2, 3, SHA, np.ones((16, 4), np.float32), np.zeros(4, np.float32))
+    payload = sign_message(encode_global_model, gm, key, fleet=FLEET)
+    obj = cbor2.loads(payload)
+    for field, value in (("version", 1), ("round", 7)):  # a rollback or a replay into another round
+        changed = dict(obj, **{field: value})
+        with pytest.raises(DecodeError) as info:
+            verify_payload(cbor2.dumps(changed), key.verify_key, fleet=FLEET, kind=GM)
+        assert info.value.reason == "bad_signature", field
+
+
+def test_forgery_schema1_signature_is_refused(backend: str) -> None:
+    # the scheme before schema 2 signed CONTEXT_v1 || the encoding with "signature": h''
+    key = SigningKey(RFC_SEED)
+    unsigned = encode_round(make_round())
+    assert cbor2.loads(unsigned)["v"] == 1
+    old = signing._backend().sign(key.seed, b"edgefl-sig-v1\x00" + unsigned)
+    payload = unsigned[:-1] + b"\x58\x40" + old
+    with pytest.raises(DecodeError) as info:
+        verify_payload(payload, key.verify_key, fleet=FLEET, kind=ROUND)
+    assert info.value.reason == "bad_signature"
+    assert "schema-1 signature" in info.value.detail
+    # and a signer refuses to produce a schema-1 signed message
+    with pytest.raises(ValueError, match="schema 2"):
+        sign_payload(unsigned[:-1] + b"\x58\x40" + PLACEHOLDER, key, fleet=FLEET)
+
+
+def test_forgery_signed_fields_unreadable_or_newer_schema(backend: str) -> None:
+    key = SigningKey(RFC_SEED)
+    sig = b"s" * 64
+    cases = {
+        # no round: the signed bytes cannot be rebuilt
+        cbor2.dumps(
+            {"v": 2, "type": "round", "base_version": 1, "signature": sig}
+        ): "signed fields unreadable",
+        # a status is never signed
+        cbor2.dumps({"v": 2, "type": "status", "round": 1, "signature": sig}): "signed fields unreadable",
+        # a negative version is not an unsigned integer
+        cbor2.dumps(
+            {"v": 2, "type": "round", "round": 1, "base_version": -1, "signature": sig}
+        ): "unreadable",
+        # malformed CBOR before the signature entry
+        b"\xa3\x61v\x02\xff" + b"\x69signature\x58\x40" + sig: "unreadable",
+        # a newer schema: unauthenticated until verified, and this peer cannot verify it
+        cbor2.dumps(
+            {"v": 3, "type": "round", "round": 1, "base_version": 1, "signature": sig}
+        ): "newer than schema 2",
+    }
+    for payload, detail in cases.items():
+        with pytest.raises(DecodeError) as info:
+            verify_payload(payload, key.verify_key, fleet=FLEET, kind=ROUND)
+        assert info.value.reason == "bad_signature" and detail in info.value.detail, info.value.detail
+    with pytest.raises(ValueError, match="cannot sign this message"):
+        sign_payload(cbor2.dumps({"v": 2, "type": "round", "signature": PLACEHOLDER}), key, fleet=FLEET)

@@ -3,31 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
-import ipaddress
 import logging
-import shutil
 import socket
 import ssl
-import subprocess
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import Broker, start_mosquitto, stop_broker
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from conftest import PASSWORD, USER, Broker, Pki, start_mosquitto, stop_broker, tls_conf
 
 from edgefl.agent.config import BrokerConfig
-from edgefl.agent.tlsconf import make_ssl_context, ssl_context_for
 from edgefl.errors import ConfigError, TransportError
+from edgefl.tlsconf import make_ssl_context, ssl_context_for
 from edgefl.transport import MqttTransport
 
-USER, PASSWORD = "edge-device", "correct horse battery staple"
 UNTRUSTED = {
     "self-signed certificate in certificate chain",
     "self signed certificate in certificate chain",
@@ -35,141 +25,11 @@ UNTRUSTED = {
 }
 
 
-@dataclass(frozen=True)
-class Pki:
-    ca: Path
-    other_ca: Path
-    server_cert: Path
-    server_key: Path
-    wrong_name_cert: Path
-    wrong_name_key: Path
-    client_cert: Path
-    client_key: Path
-    passwd: Path
-
-
-def _key() -> ec.EllipticCurvePrivateKey:
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _write(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey | None = None) -> None:
-    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    if key is not None:
-        key_path = path.with_suffix(".key")
-        key_path.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-        )
-        key_path.chmod(0o600)
-
-
-def _ca(cn: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    key = _key()
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name(cn))
-        .issuer_name(_name(cn))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    return cert, key
-
-
-def _leaf(
-    cn: str,
-    ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey],
-    *,
-    server_ip: str | None = None,
-) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    key = _key()
-    now = dt.datetime.now(dt.UTC)
-    usage = ExtendedKeyUsageOID.SERVER_AUTH if server_ip else ExtendedKeyUsageOID.CLIENT_AUTH
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(cn))
-        .issuer_name(ca[0].subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca[1].public_key()), critical=False)
-    )
-    if server_ip is not None:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(server_ip))]), critical=False
-        )
-    return builder.sign(ca[1], hashes.SHA256()), key
-
-
-def mosquitto_passwd_path() -> str:
-    path = shutil.which("mosquitto_passwd")
-    if path is None:
-        raise RuntimeError("mosquitto_passwd not installed: apt-get install mosquitto (it ships the tool)")
-    return path
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    d = tmp_path_factory.mktemp("pki")
-    ca = _ca("edgefl test CA")
-    other = _ca("some other CA")
-    _write(d / "ca.pem", ca[0])
-    _write(d / "other_ca.pem", other[0])
-    server = _leaf("broker", ca, server_ip="127.0.0.1")
-    _write(d / "server.pem", *server)
-    wrong = _leaf("broker-elsewhere", ca, server_ip="10.9.8.7")  # valid chain, wrong address
-    _write(d / "wrong.pem", *wrong)
-    client = _leaf("dev-1", ca)
-    _write(d / "client.pem", *client)
-    passwd = d / "passwd"
-    subprocess.run([mosquitto_passwd_path(), "-c", "-b", str(passwd), USER, PASSWORD], check=True)
-    return Pki(
-        ca=d / "ca.pem",
-        other_ca=d / "other_ca.pem",
-        server_cert=d / "server.pem",
-        server_key=d / "server.key",
-        wrong_name_cert=d / "wrong.pem",
-        wrong_name_key=d / "wrong.key",
-        client_cert=d / "client.pem",
-        client_key=d / "client.key",
-        passwd=passwd,
-    )
-
-
-def _tls_conf(pki: Pki, cert: Path, key: Path, *, require_certificate: bool) -> str:
-    return (
-        "allow_anonymous false\n"
-        f"password_file {pki.passwd}\n"
-        f"cafile {pki.ca}\n"
-        f"certfile {cert}\n"
-        f"keyfile {key}\n"
-        "tls_version tlsv1.2\n"
-        f"require_certificate {'true' if require_certificate else 'false'}\n"
-        "user root\n"  # keep read access to the test's files when CI runs as root (no effect otherwise)
-    )
-
-
 @pytest.fixture(scope="module")
 def tls_broker(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     b = start_mosquitto(
         tmp_path_factory.mktemp("tls"),
-        extra=_tls_conf(pki, pki.server_cert, pki.server_key, require_certificate=False),
+        extra=tls_conf(pki, pki.server_cert, pki.server_key, require_certificate=False),
     )
     yield b
     stop_broker(b)
@@ -179,7 +39,7 @@ def tls_broker(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[B
 def mtls_broker(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     b = start_mosquitto(
         tmp_path_factory.mktemp("mtls"),
-        extra=_tls_conf(pki, pki.server_cert, pki.server_key, require_certificate=True),
+        extra=tls_conf(pki, pki.server_cert, pki.server_key, require_certificate=True),
     )
     yield b
     stop_broker(b)
@@ -258,7 +118,7 @@ def test_tls_wrong_ca_fails(tls_broker: Broker, pki: Pki) -> None:
 def test_tls_wrong_server_address_fails(pki: Pki, tmp_path: Path) -> None:
     # the certificate chains to the right CA but names 10.9.8.7: host name verification refuses it
     b = start_mosquitto(
-        tmp_path, extra=_tls_conf(pki, pki.wrong_name_cert, pki.wrong_name_key, require_certificate=False)
+        tmp_path, extra=tls_conf(pki, pki.wrong_name_cert, pki.wrong_name_key, require_certificate=False)
     )
     try:
         assert (

@@ -334,6 +334,37 @@
 
   }
 
+  function renderRounds(rounds) {
+    const table = document.getElementById("rounds");
+    if (!table) return;
+    const body = document.createElement("tbody");
+    for (const r of (rounds || []).slice().reverse()) {
+      const row = body.insertRow();
+      row.dataset.round = String(r.round);
+      for (const [v, fmt] of [[r.round, "int"], [r.clients, "int"]]) {
+        const c = row.insertCell();
+        c.className = "num";
+        c.textContent = FORMATS[fmt](v);
+      }
+      const acc = row.insertCell();
+      acc.className = "num";
+      acc.textContent = isNum(r.accuracy) ? r.accuracy.toFixed(3) : DASH;
+      const by = row.insertCell();
+      by.className = "num";
+      by.textContent = isNum(r.update_bytes_mean) ? bytes(r.update_bytes_mean) : DASH;
+      const sec = row.insertCell();
+      sec.className = "num";
+      sec.textContent = isNum(r.duration_s) ? r.duration_s.toFixed(2) : DASH;
+    }
+    if (!rounds || rounds.length === 0) {
+      const td = body.insertRow().insertCell();
+      td.colSpan = 5;
+      td.className = "muted";
+      td.textContent = rounds ? "no round has closed yet" : DASH;
+    }
+    table.replaceChild(body, table.tBodies[0]);
+  }
+
   function renderCoordinator(s) {
     setBadge(document.getElementById("state"), s.state);
     const f = fraction(s.updates_received, s.updates_expected);
@@ -381,16 +412,25 @@
       const lr = row.insertCell();
       lr.className = "num";
       lr.textContent = FORMATS.int(d.last_round);
-      row.insertCell().textContent = typeof d.reason === "string" && d.reason ? d.reason : DASH;
+      const why = typeof d.model_mismatch === "string" && d.model_mismatch
+        ? "model mismatch: " + d.model_mismatch : d.reason;
+      row.insertCell().textContent = typeof why === "string" && why ? why : DASH;
+      const refused = d.refused && typeof d.refused === "object" ? d.refused : {};
+      const parts = Object.keys(refused).sort().map((k) => `${k} ${refused[k]}`);
+      row.insertCell().textContent = parts.length ? parts.join(", ") : DASH;
     }
     if (names.length === 0) {
       const td = body.insertRow().insertCell();
-      td.colSpan = 6;
+      td.colSpan = 7;
       td.className = "muted";
       td.textContent = devices ? "no device has reported yet" : DASH;
     }
     table.replaceChild(body, table.tBodies[0]);
     setText("online-count", devices ? `devices ${online} / ${names.length} online` : "devices " + DASH);
+    const mism = s.model_mismatches && typeof s.model_mismatches === "object" ? Object.keys(s.model_mismatches) : null;
+    setText("mismatch-count", mism === null ? "model mismatches " + DASH : `model mismatches ${mism.length}`);
+    setText("privacy", isNum(s.privacy_epsilon) ? `privacy ε ${s.privacy_epsilon.toFixed(2)}` : "privacy ε " + DASH);
+    renderRounds(Array.isArray(s.rounds) ? s.rounds : null);
     fillCounts("rejected", s.rejected);
   }
 

@@ -1,20 +1,10 @@
-"""Chunking: messages larger than the broker's maximum packet size travel as chunk messages.
+"""Chunking: messages larger than the broker's packet limit travel as chunk messages, reassembled boundedly.
 
-Brokers cap the size of a whole MQTT packet (MQTT 5 ``Maximum Packet Size`` in CONNACK; mosquitto's
-``max_packet_size``; managed IoT brokers commonly 128 KB or 256 KB). An oversized PUBLISH makes some
-brokers drop the connection, and a client that retries it loops in a disconnect/reconnect storm, so
-nothing may ever publish a packet over the limit. :func:`split_message` cuts a message into chunks
-whose *whole PUBLISH packet* (fixed header + topic + packet id + properties + payload) fits; each
-chunk is a CBOR message::
-
-    {"v": 1, "type": "chunk", "id": "<message id>", "index": i, "count": n, "size": <whole bytes>,
-     "sha256": "<hex of the whole message>", "data": h'...'}
-
-:class:`Reassembler` collects chunks with bounded memory (at most ``max_sets`` partial messages and
-``max_total_bytes`` declared bytes; abandoned sets expire after ``expiry_s``) and returns the whole
-message only when every chunk arrived and its SHA-256 matches: all or nothing. Chunks carry no
-signature: the reassembled message does (``edgefl.wire.signing``), so a forged chunk can at worst spoil
-one set, never change what is applied.
+Owns the MQTT PUBLISH size arithmetic (:func:`publish_packet_bytes`, :func:`max_payload_bytes`), the
+chunk message (:func:`encode_chunk` / :func:`decode_chunk`), :func:`split_message` (every chunk's whole
+packet fits the limit: an oversized PUBLISH makes brokers drop the connection) and :class:`Reassembler`
+(bounded sets, expiry, all or nothing by SHA-256). Chunks carry no signature; the reassembled message
+does. Chunk fields and bounds: ``docs/protocol.md`` ("Chunks").
 
 Source: MQTT 5.0 (OASIS 2019) §2.1.4 (Remaining Length, variable byte integer), §3.3 (PUBLISH),
 §3.1.2.11.4 and §3.2.2.3.6 (Maximum Packet Size); MQTT 3.1.1 §2.2.3, §3.3.
@@ -36,16 +26,22 @@ from typing import Final
 import cbor2
 
 from edgefl.errors import DecodeError
-from edgefl.wire.codec import SCHEMA_VERSION, Limits, MessageType
-from edgefl.wire.codec import _int as _codec_int  # bounded field helpers: one implementation of the checks
-from edgefl.wire.codec import _keys as _codec_keys
-from edgefl.wire.codec import _message as _codec_message
-from edgefl.wire.codec import _text as _codec_text
+from edgefl.wire.cbor import (
+    MIN_SCHEMA_VERSION,
+    Limits,
+    MessageType,
+    check_keys,
+    load_message,
+    read_int,
+    read_text,
+)
+from edgefl.wire.reasons import CHUNK_REASONS, Reason
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "CHUNK_REASONS",
+    "CHUNK_SCHEMA_VERSION",
     "Chunk",
     "Reassembler",
     "decode_chunk",
@@ -57,8 +53,8 @@ __all__ = [
     "split_message",
 ]
 
-#: ``DecodeError.reason`` values raised here besides the codec's (``rejected_total{reason}`` labels).
-CHUNK_REASONS: Final = frozenset({"bad_chunk", "chunk_conflict", "bad_checksum", "too_large"})
+#: Schema written in chunks: their layout is unchanged since schema 1 (any readable "v" is accepted).
+CHUNK_SCHEMA_VERSION: Final = MIN_SCHEMA_VERSION
 
 _ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
@@ -66,7 +62,7 @@ _MQTT_MAX_REMAINING: Final = 268_435_455  # largest Remaining Length (4-byte var
 _KEYS: Final = ("v", "type", "id", "index", "count", "size", "sha256", "data")
 # every chunk we encode starts with these bytes (map header, "v": 1, "type": "chunk")
 _PREFIX: Final = cbor2.dumps(
-    {"v": SCHEMA_VERSION, "type": MessageType.CHUNK.value, **dict.fromkeys(_KEYS[2:])}
+    {"v": CHUNK_SCHEMA_VERSION, "type": MessageType.CHUNK.value, **dict.fromkeys(_KEYS[2:])}
 )[: 1 + 2 + 1 + 5 + 6]
 
 
@@ -194,7 +190,7 @@ class Chunk:
 
 
 def encode_chunk(chunk: Chunk) -> bytes:
-    """Encode a :class:`Chunk` (keys in the order of the module docstring).
+    """Encode a :class:`Chunk` (keys in the order of ``docs/protocol.md``, "Chunks").
 
     Parameters
     ----------
@@ -207,7 +203,7 @@ def encode_chunk(chunk: Chunk) -> bytes:
     """
     return cbor2.dumps(
         {
-            "v": SCHEMA_VERSION,
+            "v": CHUNK_SCHEMA_VERSION,
             "type": MessageType.CHUNK.value,
             "id": chunk.id,
             "index": int(chunk.index),
@@ -231,7 +227,7 @@ def is_chunk(payload: bytes) -> bool:
 def decode_chunk(
     payload: bytes, *, max_chunk_bytes: int = 1 << 20, max_message_bytes: int = 1 << 24
 ) -> Chunk:
-    """Decode and validate one chunk message, bounded before allocation like ``edgefl.wire.codec``.
+    """Decode and validate one chunk message, bounded before allocation (``edgefl.wire.cbor.load_message``).
 
     Parameters
     ----------
@@ -249,29 +245,29 @@ def decode_chunk(
     Raises
     ------
     DecodeError
-        The codec's reasons for malformed CBOR or fields; ``too_large`` if ``size`` exceeds
+        The decoders' reasons (``REASONS``) for malformed CBOR or fields; ``too_large`` if ``size`` exceeds
         ``max_message_bytes``; ``bad_chunk`` if ``index >= count``, ``count > size`` or the data is
         empty or longer than ``size``.
     """
     limits = Limits(max_message_bytes=max_chunk_bytes, max_depth=2, max_array_elements=16, max_items=32)
-    obj = _codec_message(payload, limits, MessageType.CHUNK)
-    _codec_keys(obj, "", _KEYS)
-    msg_id = _codec_text(obj, "id", "", _ID_RE)
-    count = _codec_int(obj, "count", "", 1)
-    index = _codec_int(obj, "index", "", 0)
-    size = _codec_int(obj, "size", "", 1)
-    sha = _codec_text(obj, "sha256", "", _SHA256_RE)
+    obj = load_message(payload, limits, MessageType.CHUNK)
+    check_keys(obj, "", _KEYS)
+    msg_id = read_text(obj, "id", "", _ID_RE)
+    count = read_int(obj, "count", "", 1)
+    index = read_int(obj, "index", "", 0)
+    size = read_int(obj, "size", "", 1)
+    sha = read_text(obj, "sha256", "", _SHA256_RE)
     data = obj["data"]
     if type(data) is not bytes:
-        raise DecodeError("wrong_type", f"data: expected a byte string, got {type(data).__name__}")
+        raise DecodeError(Reason.WRONG_TYPE, f"data: expected a byte string, got {type(data).__name__}")
     if size > max_message_bytes:
-        raise DecodeError("too_large", f"size = {size}: whole message > {max_message_bytes} bytes")
+        raise DecodeError(Reason.TOO_LARGE, f"size = {size}: whole message > {max_message_bytes} bytes")
     if index >= count:
-        raise DecodeError("bad_chunk", f"index = {index}: must be < count = {count}")
+        raise DecodeError(Reason.BAD_CHUNK, f"index = {index}: must be < count = {count}")
     if count > size:
-        raise DecodeError("bad_chunk", f"count = {count} > size = {size}: chunks carry >= 1 byte")
+        raise DecodeError(Reason.BAD_CHUNK, f"count = {count} > size = {size}: chunks carry >= 1 byte")
     if not 1 <= len(data) <= size:
-        raise DecodeError("bad_chunk", f"data: {len(data)} bytes, must be in [1, size = {size}]")
+        raise DecodeError(Reason.BAD_CHUNK, f"data: {len(data)} bytes, must be in [1, size = {size}]")
     return Chunk(id=msg_id, index=index, count=count, size=size, sha256=sha, data=data)
 
 
@@ -497,7 +493,7 @@ class Reassembler:
             s = self._sets[k] = _Set(c.count, c.size, c.sha256, self.clock())
         elif (s.count, s.size, s.sha256) != (c.count, c.size, c.sha256):
             raise DecodeError(
-                "chunk_conflict",
+                Reason.CHUNK_CONFLICT,
                 f"chunk {c.index} of {c.id}: count/size/sha256 differ from the set's first chunk",
             )
         self._sets.move_to_end(k)
@@ -506,12 +502,12 @@ class Reassembler:
         if held is not None:
             if held != c.data:
                 raise DecodeError(
-                    "chunk_conflict", f"chunk {c.index} of {c.id}: different data for a held index"
+                    Reason.CHUNK_CONFLICT, f"chunk {c.index} of {c.id}: different data for a held index"
                 )
             return None
         if s.held + len(c.data) > s.size:
             raise DecodeError(
-                "bad_chunk", f"chunk {c.index} of {c.id}: data beyond the declared {s.size} bytes"
+                Reason.BAD_CHUNK, f"chunk {c.index} of {c.id}: data beyond the declared {s.size} bytes"
             )
         s.parts[c.index] = c.data
         s.held += len(c.data)
@@ -521,7 +517,8 @@ class Reassembler:
         whole = b"".join(s.parts[i] for i in range(s.count))
         if len(whole) != s.size or hashlib.sha256(whole).hexdigest() != s.sha256:
             raise DecodeError(
-                "bad_checksum", f"message {c.id}: {len(whole)} bytes reassembled do not match size/sha256"
+                Reason.BAD_CHECKSUM,
+                f"message {c.id}: {len(whole)} bytes reassembled do not match size/sha256",
             )
         self._done.append((key, c.id, c.sha256))
         self.completed_total += 1

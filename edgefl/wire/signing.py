@@ -1,35 +1,26 @@
-"""Message authenticity: Ed25519 signatures over the exact wire bytes of a message.
+"""Message authenticity: Ed25519 signatures over a canonical byte string that binds the message's context.
 
-What is signed
---------------
-Every signed message (GlobalModel, RoundAnnouncement, Update) is a CBOR map whose *last* entry is
-``"signature"`` with a byte string value; ``edgefl.wire.codec`` encodes it that way. The signer encodes the
-message once with ``signature = h''`` (the *unsigned form* ``U``, which ends with the bytes
-``69 "signature" 40``) and signs::
+Owns the signed-bytes layout (:func:`signed_bytes`), signing (:func:`sign_message`,
+:func:`sign_payload`), verification before decoding (:func:`verify_payload`) and Ed25519 keys. A signed
+message carries its 64-byte signature as the value of its last key, ``"signature"``, and is schema 2;
+the signature covers::
 
-    CONTEXT || U        with CONTEXT = the 13 ASCII bytes "edgefl-sig-v1" and a zero byte
+    "edgefl-sig-v2" 0x00 || CBOR([fleet, kind, round, version, device, SHA-256(blank form)])
 
-then puts the 64-byte signature in place of the empty byte string (``... 69 "signature" 58 40 <sig>``).
-The verifier reverses that on the bytes it received, before decoding anything: it needs no
-canonical re-encoding (an int8 or top-k update does not survive decode → encode byte for byte), and
-a forged message is refused before it costs a decode. The context prefix keeps these signatures
-from being valid for any other protocol that might use the same key.
+where the blank form is the message with 64 zero bytes as its signature. The verifier rebuilds it from
+its own fleet, the kind its topic carries and the device the topic names, with round and version read
+by the allocation-free header scan, so a head signed for another fleet, a round announcement replayed
+as a head or an update signed for another device fails. Layout and examples: ``docs/protocol.md``
+("Signatures"); key rotation: ``docs/security.md``.
 
-Keys
-----
-A signing key is the 32-byte Ed25519 seed; a verify key is the 32-byte public key. Both load from
-64 hex digits or from PEM (PKCS #8 ``PRIVATE KEY`` / SubjectPublicKeyInfo ``PUBLIC KEY``, as written
-by ``openssl genpkey -algorithm ed25519``). A :class:`SigningKey`'s ``repr`` shows only its public key:
-private keys never reach a log.
+Keys are 32-byte Ed25519 seeds / public keys, as 64 hex digits or PEM (PKCS #8 ``PRIVATE KEY`` /
+SPKI ``PUBLIC KEY``, as written by ``openssl genpkey -algorithm ed25519``); a :class:`SigningKey`'s
+``repr`` shows only its public key. Ed25519 is deterministic, so the two supported libraries give
+identical signatures: PyNaCl (~1.2 MB of RSS at import) is preferred, ``cryptography`` (~8.6 MB) the
+fallback; both are imported lazily, on the first signature operation.
 
-Backends
---------
-Ed25519 (RFC 8032) is deterministic, so both supported libraries produce identical signatures.
-``PyNaCl`` (libsodium, ~1.2 MB of RSS at import) is preferred when installed, ``cryptography``
-(bundled OpenSSL, ~8.6 MB of RSS at import) otherwise; both are imported lazily, on the first
-signature operation.
-
-Source: RFC 8032 §5.1 (Ed25519); RFC 8410 §7, §10.3 (Ed25519 keys in PKCS #8 / SPKI).
+Source: RFC 8032 §5.1 (Ed25519); RFC 8410 §7, §10.3 (Ed25519 keys in PKCS #8 / SPKI); RFC 8949
+§4.2.1 (deterministic encoding).
 """
 
 from __future__ import annotations
@@ -37,6 +28,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import hashlib
 import logging
 import os
 import re
@@ -46,14 +38,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar
 
+import cbor2
+
 from edgefl.errors import DecodeError
+from edgefl.wire.cbor import (
+    DEFAULT_LIMITS,
+    NO_LIMITS,
+    SCHEMA_VERSION,
+    SIGNED_SCHEMA_VERSION,
+    Limits,
+    MessageType,
+    prescan,
+)
+from edgefl.wire.reasons import SIGNATURE_REASONS, Reason
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "CONTEXT",
+    "PLACEHOLDER",
     "SIGNATURE_BYTES",
     "SIGNATURE_REASONS",
+    "SIGNED_KINDS",
+    "SIGNED_SCHEMA_VERSION",
     "SigningKey",
     "VerifyKey",
     "backend_name",
@@ -67,16 +74,22 @@ __all__ = [
     "set_backend",
     "sign_message",
     "sign_payload",
+    "signed_bytes",
     "unsigned_form",
     "verify_payload",
 ]
 
-CONTEXT: Final = b"edgefl-sig-v1\x00"
-#: ``DecodeError.reason`` values raised here (``rejected_total{reason}`` labels).
-SIGNATURE_REASONS: Final = frozenset({"unsigned", "bad_signature"})
+CONTEXT: Final = b"edgefl-sig-v2\x00"
 SIGNATURE_BYTES: Final = 64
+#: What the signature bytes hold while the blank form is encoded and hashed.
+PLACEHOLDER: Final = bytes(SIGNATURE_BYTES)
+#: The signed kinds, each with the key holding its version.
+SIGNED_KINDS: Final[Mapping[MessageType, str]] = {
+    MessageType.GLOBAL_MODEL: "version",
+    MessageType.ROUND: "base_version",
+    MessageType.UPDATE: "base_version",
+}
 _KEY: Final = b"\x69signature"  # CBOR text string "signature"
-_EMPTY_TAIL: Final = _KEY + b"\x40"  # "signature": h''
 _SIGNED_TAIL: Final = _KEY + b"\x58\x40"  # "signature": 64-byte string header
 _PKCS8_PREFIX: Final = bytes.fromhex("302e020100300506032b657004220420")  # RFC 8410 §10.3
 _SPKI_PREFIX: Final = bytes.fromhex("302a300506032b6570032100")  # RFC 8410 §10.1
@@ -362,6 +375,34 @@ def load_verify_keys(directory: Path, suffix: str = ".pub") -> dict[str, VerifyK
 # Signing and verification
 
 
+def signed_bytes(*, fleet: str, kind: str, round: int, version: int, device: str, digest: bytes) -> bytes:
+    """The canonical byte string a signature covers.
+
+    Parameters
+    ----------
+    fleet : str
+        Fleet the message is meant for (profile ``device.fleet``, coordinator ``--fleet``).
+    kind : str
+        Message type (``"global_model"``, ``"round"``, ``"update"``).
+    round : int
+        The message's ``round``, >= 0.
+    version : int
+        Its ``version`` (GlobalModel) or ``base_version`` (RoundAnnouncement, Update), >= 0.
+    device : str
+        The sending device for an Update, ``""`` otherwise.
+    digest : bytes
+        SHA-256 of the blank form (32 bytes).
+
+    Returns
+    -------
+    bytes
+        ``CONTEXT || CBOR([fleet, kind, round, version, device, digest])``, deterministic encoding.
+
+    Source: RFC 8949 §4.2.1 (deterministic encoding).
+    """
+    return CONTEXT + cbor2.dumps([fleet, str(kind), int(round), int(version), device, bytes(digest)])
+
+
 def is_signed(payload: bytes) -> bool:
     """Whether ``payload`` ends with a 64-byte ``"signature"`` entry (not whether it is valid)."""
     n = len(_SIGNED_TAIL) + SIGNATURE_BYTES
@@ -369,7 +410,7 @@ def is_signed(payload: bytes) -> bool:
 
 
 def unsigned_form(payload: bytes) -> bytes:
-    """The bytes a signature covers (without :data:`CONTEXT`): ``payload`` with ``"signature": h''``.
+    """The blank form of a signed payload: its 64 signature bytes replaced by :data:`PLACEHOLDER`.
 
     Raises
     ------
@@ -377,49 +418,99 @@ def unsigned_form(payload: bytes) -> bytes:
         ``unsigned`` if ``payload`` does not end with a 64-byte ``"signature"`` entry.
     """
     if not is_signed(payload):
-        raise DecodeError("unsigned", "no 64-byte signature as the message's last entry")
-    return bytes(payload[: -(2 + SIGNATURE_BYTES)]) + b"\x40"
+        raise DecodeError(Reason.UNSIGNED, "no 64-byte signature as the message's last entry")
+    return bytes(payload[:-SIGNATURE_BYTES]) + PLACEHOLDER
 
 
-def sign_payload(unsigned: bytes, key: SigningKey) -> bytes:
-    """Sign an encoded message whose last entry is ``"signature": h''``.
+@dataclass(frozen=True, slots=True)
+class _Signed:
+    schema: int
+    kind: str
+    round: int
+    version: int
+    device: str
+
+
+def _signed_fields(blank: bytes, limits: Limits) -> _Signed:
+    """Read v, type, round, version and device from the blank form's headers (nothing is decoded)."""
+    found = prescan(blank, limits, ("v", "type", "round", "version", "base_version", "device"))
+    schema, kind = found.get("v"), found.get("type")
+    if type(schema) is not int:
+        raise DecodeError(Reason.BAD_VERSION, "v: missing or not an unsigned integer")
+    if type(kind) is not str:
+        raise DecodeError(Reason.MISSING_KEY, "type")
+    version_key = SIGNED_KINDS.get(MessageType(kind)) if kind in set(MessageType) else None
+    if version_key is None:
+        raise DecodeError(Reason.WRONG_TYPE, f"type = {kind[:40]!r}: not a signed message type")
+    round_, version = found.get("round"), found.get(version_key)
+    if type(round_) is not int or type(version) is not int:
+        raise DecodeError(Reason.MISSING_KEY, f"round or {version_key}: missing or not unsigned integers")
+    device = found.get("device", "") if kind == MessageType.UPDATE else ""
+    return _Signed(schema, kind, round_, version, device if type(device) is str else "")
+
+
+def sign_payload(blank: bytes, key: SigningKey, *, fleet: str) -> bytes:
+    """Sign a blank form: a message encoded with :data:`PLACEHOLDER` as its (last) signature.
 
     Parameters
     ----------
-    unsigned : bytes
-        The message encoded with an empty signature (``edgefl.wire.codec`` puts it last).
+    blank : bytes
+        E.g. ``encode_round(replace(msg, signature=PLACEHOLDER))`` (schema 2, signature last).
     key : SigningKey
+    fleet : str
+        Fleet the message is meant for.
 
     Returns
     -------
     bytes
-        The same message with the 64-byte signature in place (``len(unsigned) + 65`` bytes).
+        The message with the signature in place of the placeholder (same length as ``blank``).
 
     Raises
     ------
     ValueError
-        If ``unsigned`` does not end with ``"signature": h''``.
+        If ``blank`` does not end with the placeholder signature, is not a schema-2 GlobalModel,
+        RoundAnnouncement or Update, or lacks its round or version.
     """
-    if bytes(unsigned[-len(_EMPTY_TAIL) :]) != _EMPTY_TAIL:
-        raise ValueError("the message must end with an empty 'signature' entry (encode with signature=b'')")
-    signature = _backend().sign(key.seed, CONTEXT + bytes(unsigned))
-    return bytes(unsigned[:-1]) + b"\x58\x40" + signature
+    if not is_signed(blank) or bytes(blank[-SIGNATURE_BYTES:]) != PLACEHOLDER:
+        raise ValueError(
+            "the message must end with a 64-byte zero 'signature' placeholder (signature=PLACEHOLDER)"
+        )
+    try:
+        fields = _signed_fields(bytes(blank), NO_LIMITS)
+    except DecodeError as exc:
+        raise ValueError(f"cannot sign this message: {exc}") from exc
+    if fields.schema != SIGNED_SCHEMA_VERSION:
+        raise ValueError(
+            f"a signed message is written as schema {SIGNED_SCHEMA_VERSION}, not {fields.schema}"
+        )
+    digest = hashlib.sha256(blank).digest()
+    message = signed_bytes(
+        fleet=fleet,
+        kind=fields.kind,
+        round=fields.round,
+        version=fields.version,
+        device=fields.device,
+        digest=digest,
+    )
+    return bytes(blank[:-SIGNATURE_BYTES]) + _backend().sign(key.seed, message)
 
 
 _M = TypeVar("_M")
 
 
-def sign_message(encode: Callable[[_M], bytes], msg: _M, key: SigningKey) -> bytes:
-    """Encode ``msg`` once with an empty signature and sign it: the bytes to publish.
+def sign_message(encode: Callable[[_M], bytes], msg: _M, key: SigningKey, *, fleet: str) -> bytes:
+    """Encode ``msg`` once with the placeholder signature and sign it: the bytes to publish.
 
     Parameters
     ----------
     encode : callable
-        The codec encoder, e.g. ``encode_global_model`` or ``lambda m: encode_update(m, rng=...)``
+        The encoder, e.g. ``encode_global_model`` or ``lambda m: encode_update(m, compressed=c)``
         (called exactly once, so stochastic rounding is signed as sent).
     msg : GlobalModel, RoundAnnouncement or Update
-        A dataclass with a ``signature`` field (replaced by ``b""`` before encoding).
+        A dataclass with a ``signature`` field (replaced by :data:`PLACEHOLDER` before encoding).
     key : SigningKey
+    fleet : str
+        Fleet the message is meant for (bound into the signed bytes).
 
     Returns
     -------
@@ -429,14 +520,22 @@ def sign_message(encode: Callable[[_M], bytes], msg: _M, key: SigningKey) -> byt
     Raises
     ------
     ValueError
-        If the encoder does not put ``"signature"`` last.
+        As :func:`sign_payload` (e.g. an encoder that does not put ``"signature"`` last).
     """
-    blank: Any = dataclasses.replace(msg, signature=b"")  # type: ignore[type-var]
-    return sign_payload(encode(blank), key)
+    blank: Any = dataclasses.replace(msg, signature=PLACEHOLDER)  # type: ignore[type-var]
+    return sign_payload(encode(blank), key, fleet=fleet)
 
 
-def verify_payload(payload: bytes, key: VerifyKey) -> None:
-    """Check a payload's signature against ``key``, before decoding it.
+def verify_payload(
+    payload: bytes,
+    key: VerifyKey,
+    *,
+    fleet: str,
+    kind: MessageType | str,
+    device: str = "",
+    limits: Limits = DEFAULT_LIMITS,
+) -> None:
+    """Check a payload's signature against ``key`` and the context it arrived in, before decoding it.
 
     Parameters
     ----------
@@ -444,14 +543,59 @@ def verify_payload(payload: bytes, key: VerifyKey) -> None:
         The received message.
     key : VerifyKey
         The sender's public key (the coordinator's, or the device named by the topic).
+    fleet : str
+        This peer's fleet.
+    kind : MessageType or str
+        The type the topic carries (``global_model`` on ``global``, ``round`` on ``round``,
+        ``update`` on ``update/<device>``).
+    device : str
+        For an Update, the device its topic names; ignored for other kinds.
+    limits : Limits
+        Bounds of the header scan (the receiver's decoding limits).
 
     Raises
     ------
     DecodeError
         ``unsigned`` (no 64-byte signature as the last entry, e.g. a message from an old or hostile
-        sender), ``bad_signature`` (wrong key, or any byte changed).
+        sender); ``bad_signature`` (wrong key, any byte changed, signed for another fleet, kind or
+        device, a schema-1 signature, a schema newer than this peer's, or signed fields that cannot
+        be read; the detail says which).
+    ValueError
+        If ``kind`` is not a signed kind, or is ``update`` without a ``device``.
     """
-    unsigned = unsigned_form(payload)
-    signature = bytes(payload[-SIGNATURE_BYTES:])
-    if not _backend().verify(key.raw, signature, CONTEXT + unsigned):
-        raise DecodeError("bad_signature", f"Ed25519 signature does not verify with key {key.hex[:12]}…")
+    expected = MessageType(kind)
+    if expected not in SIGNED_KINDS:
+        raise ValueError(f"{expected.value} messages are not signed")
+    if expected is MessageType.UPDATE and not device:
+        raise ValueError("verifying an update needs the device its topic names")
+    blank = unsigned_form(payload)
+    try:
+        fields = _signed_fields(blank, limits)
+    except DecodeError as exc:
+        raise DecodeError(Reason.BAD_SIGNATURE, f"signed fields unreadable ({exc})") from exc
+    if fields.schema > SCHEMA_VERSION:
+        # the claim is unauthenticated until verified, and this peer only verifies schema-2 signatures
+        detail = f"v = {min(fields.schema, 10**6)}: newer than schema {SCHEMA_VERSION}, cannot verify it"
+        raise DecodeError(Reason.BAD_SIGNATURE, detail)
+    if fields.schema < SIGNED_SCHEMA_VERSION:
+        raise DecodeError(
+            Reason.BAD_SIGNATURE, f"schema-{fields.schema} signature: the sender predates schema 2"
+        )
+    wanted_device = device if expected is MessageType.UPDATE else ""
+    message = signed_bytes(
+        fleet=fleet,
+        kind=expected.value,
+        round=fields.round,
+        version=fields.version,
+        device=wanted_device,
+        digest=hashlib.sha256(blank).digest(),
+    )
+    if _backend().verify(key.raw, bytes(payload[-SIGNATURE_BYTES:]), message):
+        return
+    if fields.kind != expected.value:
+        why = f"a {fields.kind[:40]!r} message where {expected.value!r} is expected"
+    elif fields.device != wanted_device:
+        why = f"update of device {fields.device[:64]!r} received as {wanted_device!r}"
+    else:
+        why = f"does not verify for fleet {fleet!r} with key {key.hex[:12]}…"
+    raise DecodeError(Reason.BAD_SIGNATURE, f"Ed25519 signature: {why}")

@@ -16,8 +16,8 @@ import logging
 import ssl
 from pathlib import Path
 
-from edgefl.agent.config import BrokerConfig
 from edgefl.errors import ConfigError
+from edgefl.profiles import BrokerConfig
 
 logger = logging.getLogger(__name__)
 

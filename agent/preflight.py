@@ -1,0 +1,136 @@
+"""Start-up checks of what a valid profile still cannot run with on this machine (issue 15 item 8).
+
+``edgefl check-config`` and ``edgefl run`` both call :func:`preflight` after the profile validated and
+before the agent allocates anything: the state folder must be a writable folder (not a file, not under
+``/proc``, ``/sys`` or ``/dev``); the packet limit must leave room for a chunk; the embedding store
+(``store_capacity x (2 D + 2)`` bytes, memory-mapped, and its pages count in RSS) must fit both the
+disk and the memory cap; and the cap must be above the model's floor: the process's RSS with the
+model loaded plus the store plus the smallest inference and training phases. Each problem names the
+dotted key, its value and the figure it was compared with.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Final
+
+from edgefl.agent import memory
+from edgefl.agent.config import Profile
+
+__all__ = ["MIN_PACKET_BYTES", "floor_bytes", "preflight", "store_bytes"]
+
+MIN_PACKET_BYTES: Final = 512
+"""Smallest usable ``broker.max_packet_bytes``: a chunk's fixed header, topic and CBOR envelope take
+about 200 bytes (tests/test_faults.py runs rounds at 1 KiB)."""
+
+_PSEUDO_FS: Final = (Path("/proc"), Path("/sys"), Path("/dev"))
+
+
+def store_bytes(capacity: int, dim: int) -> int:
+    """Bytes of the embedding store's files: float16 embeddings [capacity, dim] and int16 labels."""
+    return capacity * (2 * dim + 2)
+
+
+def floor_bytes(profile: Profile, shapes: memory.ModelShapes, baseline_rss: int) -> int:
+    """The least memory the agent needs with this model: a lower bound of its peak RSS, in bytes.
+
+    Parameters
+    ----------
+    profile : Profile
+    shapes : ModelShapes
+        Of the loaded model (:func:`edgefl.agent.memory.model_shapes`).
+    baseline_rss : int
+        RSS of a process that imported the agent and loaded the model, in bytes.
+    """
+    smallest_phase = max(
+        memory.estimate_inference_bytes(shapes, 1),
+        memory.estimate_train_bytes(
+            profile.training.chunk_floor,
+            shapes.embedding_dim,
+            shapes.classes,
+            1,
+            profile.training.chunk_floor,
+            first_run=False,
+        ),
+    )
+    return baseline_rss + store_bytes(profile.training.store_capacity, shapes.embedding_dim) + smallest_phase
+
+
+def _existing_ancestor(path: Path) -> Path:
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _state_dir_problem(state_dir: Path) -> str | None:
+    resolved = state_dir.resolve()
+    if any(resolved == fs or fs in resolved.parents for fs in _PSEUDO_FS):
+        return "is on a pseudo file system (/proc, /sys, /dev)"
+    if state_dir.exists() and not state_dir.is_dir():
+        return "is not a folder"
+    base = _existing_ancestor(state_dir)
+    if not base.is_dir():
+        return f"cannot be created: {base} is not a folder"
+    if not os.access(base, os.W_OK | os.X_OK):
+        return f"is not writable ({base})"
+    return None
+
+
+def preflight(profile: Profile, shapes: memory.ModelShapes | None, baseline_rss: int) -> list[str]:
+    """Every reason this profile cannot run here (empty when it can).
+
+    Parameters
+    ----------
+    profile : Profile
+        A validated device profile.
+    shapes : ModelShapes or None
+        Of the profile's model once loaded; None skips the store and floor checks.
+    baseline_rss : int
+        RSS in bytes of this process with the agent imported and the model loaded.
+
+    Returns
+    -------
+    list[str]
+        Problems as ``key = value: reason`` (``memory.cap_mb = 2: under the model's floor of 66.1 MiB``).
+    """
+    problems: list[str] = []
+    state_dir = profile.device.state_dir
+    why = _state_dir_problem(state_dir)
+    if why is not None:
+        problems.append(f"device.state_dir = {str(state_dir)!r}: {why}")
+    limit = profile.broker.max_packet_bytes
+    if limit < MIN_PACKET_BYTES:
+        problems.append(
+            f"broker.max_packet_bytes = {limit}: must be >= {MIN_PACKET_BYTES} (room for a chunk)"
+        )
+    if shapes is None:
+        return problems
+    mib = memory.MIB
+    need = store_bytes(profile.training.store_capacity, shapes.embedding_dim)
+    cap = profile.cap_bytes
+    budget = cap - profile.memory.reserve_mb * mib
+    if why is None and not (state_dir / "store_emb.f16").exists():
+        free = shutil.disk_usage(_existing_ancestor(state_dir)).free
+        if need > free:
+            problems.append(
+                f"training.store_capacity = {profile.training.store_capacity}: the store needs "
+                f"{need / mib:.1f} MiB, the disk has {free / mib:.1f} MiB free"
+            )
+    floor = floor_bytes(profile, shapes, baseline_rss)
+    if need > budget:
+        problems.append(
+            f"training.store_capacity = {profile.training.store_capacity}: the store needs "
+            f"{need / mib:.1f} MiB of memory (D = {shapes.embedding_dim}), over the cap less reserve "
+            f"({budget / mib:.1f} MiB)"
+        )
+    elif floor > budget:
+        problems.append(
+            f"memory.cap_mb = {profile.memory.cap_mb}: under the model's floor of {floor / mib:.1f} MiB "
+            f"(+ reserve {profile.memory.reserve_mb} MiB): the process with the model "
+            f"{baseline_rss / mib:.1f} MiB, the store {need / mib:.1f} MiB, the smallest phase "
+            f"{(floor - baseline_rss - need) / mib:.1f} MiB"
+        )
+    return problems

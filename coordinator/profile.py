@@ -1,0 +1,435 @@
+"""Coordinator profiles: ``edgefl coordinator PROFILE``, one frozen dataclass per TOML table.
+
+Tables: ``[broker]`` and ``[dashboard]`` (shared with device profiles and spelled the same, see
+:mod:`edgefl.profiles`), ``[fleet]``, ``[model]``, ``[rounds]``, ``[strategy]``, ``[robustness]``,
+``[privacy]``, ``[evaluation]``, ``[security]``, ``[files]``. Validated like device profiles: unknown
+tables and keys refused, every problem listed at once with its dotted key. The shipped, commented
+example is ``firmware_configs/coordinator.toml``; command-line flags are overrides on top of it.
+
+This module reads files only: it never opens a socket and never imports LiteRT.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from edgefl.errors import ConfigError
+from edgefl.profiles import (
+    BrokerConfig,
+    Check,
+    DashboardConfig,
+    Problems,
+    Schema,
+    check,
+    check_broker,
+    check_dashboard,
+    file_problem,
+    read_toml,
+    sha256_file,
+)
+from edgefl.validators import check_device_id
+
+__all__ = [
+    "SCHEMA",
+    "CoordinatorProfile",
+    "EvaluationConfig",
+    "FilesConfig",
+    "FleetConfig",
+    "ModelRef",
+    "PrivacyConfig",
+    "RobustnessConfig",
+    "RoundsConfig",
+    "SecurityRef",
+    "StrategyConfig",
+    "is_coordinator_profile",
+    "load_coordinator_profile",
+]
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES: Final = (
+    "fedavg",
+    "fedprox",
+    "fedavgm",
+    "fedadam",
+    "fedyogi",
+    "median",
+    "trimmed-mean",
+    "fedbuff",
+)
+COMPRESSIONS: Final = ("none", "float16", "int8", "topk", "topk-int8")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """``[fleet]``: which fleet this coordinator runs.
+
+    Parameters
+    ----------
+    name : str
+        Fleet name, ``^[A-Za-z0-9_.-]{1,64}$``; topics live under ``<broker.topic_prefix>/<name>/``.
+    max_devices : int
+        Bound of the device registry (statuses kept), > 0; the oldest offline entries go first.
+    device_expiry_s : float
+        Seconds after which an offline or silent device's status is forgotten, > 0.
+    """
+
+    name: str = "default"
+    max_devices: int = 10_000
+    device_expiry_s: float = 7 * 24 * 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRef:
+    """``[model]``: the backbone every device must run (the global head belongs to it).
+
+    Parameters
+    ----------
+    path : Path
+        The ``.tflite`` file (absolute after loading). Required.
+    sha256 : str or None
+        Expected SHA-256 (64 hex digits), checked at load; devices reporting another are left out.
+    """
+
+    path: Path
+    sha256: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RoundsConfig:
+    """``[rounds]``: how many rounds, who takes part, and what devices are told to do.
+
+    Parameters
+    ----------
+    count : int
+        Rounds to run, > 0.
+    min_clients : int
+        Updates that close a round before its deadline, > 0.
+    expected_clients : int
+        Ready devices to wait for before round 1 (0: do not wait), >= 0.
+    wait_devices_s : float
+        How long to wait for them, seconds, > 0.
+    deadline_s : float
+        Round deadline, seconds, > 0.
+    local_epochs : int
+        Client epochs per round, > 0.
+    lr : float
+        Client learning rate of round 1, > 0.
+    lr_decay : float
+        Per-round factor on the client learning rate, in (0, 1].
+    batch_size : int
+        Client SGD batch size, > 0.
+    compression : str
+        Update compression devices use: none, float16, int8, topk, topk-int8.
+    """
+
+    count: int = 10
+    min_clients: int = 2
+    expected_clients: int = 0
+    wait_devices_s: float = 120.0
+    deadline_s: float = 60.0
+    local_epochs: int = 2
+    lr: float = 0.05
+    lr_decay: float = 0.8
+    batch_size: int = 16
+    compression: Literal["none", "float16", "int8", "topk", "topk-int8"] = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class StrategyConfig:
+    """``[strategy]``: the aggregation rule and its parameters.
+
+    Parameters
+    ----------
+    name : str
+        fedavg, fedprox, fedavgm, fedadam, fedyogi, median, trimmed-mean or fedbuff.
+    server_lr : float or None
+        Server learning rate (FedAvgM, FedAdam, FedYogi), > 0; None: the strategy's default.
+    server_momentum : float or None
+        FedAvgM momentum in [0, 1); None: default.
+    prox_mu : float or None
+        FedProx proximal weight, >= 0; None: default.
+    tau : float or None
+        FedAdam/FedYogi adaptivity, > 0; None: default.
+    trim_fraction : float or None
+        Trimmed mean: fraction cut at each end, in [0, 0.5); None: default.
+    buffer_size : int or None
+        FedBuff: updates per aggregation, > 0; None: default.
+    """
+
+    name: Literal[
+        "fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "median", "trimmed-mean", "fedbuff"
+    ] = "fedavg"
+    server_lr: float | None = None
+    server_momentum: float | None = None
+    prox_mu: float | None = None
+    tau: float | None = None
+    trim_fraction: float | None = None
+    buffer_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RobustnessConfig:
+    """``[robustness]``: the bound on each update's L2 norm before aggregation.
+
+    Parameters
+    ----------
+    norm_bound : float or None
+        Fixed bound, > 0; None: adaptive (``adaptive_factor`` x the round's median update norm).
+    adaptive_factor : float
+        Multiple of the round's median norm used when ``norm_bound`` is None, >= 1.
+    """
+
+    norm_bound: float | None = None
+    adaptive_factor: float = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrivacyConfig:
+    """``[privacy]``: central differential privacy (clipping + Gaussian noise, McMahan et al. 2018).
+
+    Parameters
+    ----------
+    enabled : bool
+        Wrap the strategy in the DP wrapper.
+    noise_multiplier : float
+        Gaussian noise std as a multiple of ``clip_norm``, > 0.
+    clip_norm : float
+        Per-update L2 clip, > 0.
+    delta : float
+        Target delta of the (epsilon, delta) accountant, in (0, 1).
+    """
+
+    enabled: bool = False
+    noise_multiplier: float = 1.0
+    clip_norm: float = 1.0
+    delta: float = 1e-5
+
+
+@dataclass(frozen=True, slots=True)
+class EvaluationConfig:
+    """``[evaluation]``: an optional central evaluation set; devices also report their own.
+
+    Parameters
+    ----------
+    path : Path or None
+        An ``.npz`` with ``x`` (raw samples in the model's raw input dtype and shape) and ``y`` (labels);
+        None: the digits test split when the model is the shipped digits model, else no central set.
+    mean, std : tuple[float, ...]
+        Per-channel normalisation of ``x`` (as the devices' ``[pipeline]``).
+    """
+
+    path: Path | None = None
+    mean: tuple[float, ...] = (0.0,)
+    std: tuple[float, ...] = (1.0,)
+
+
+@dataclass(frozen=True, slots=True)
+class SecurityRef:
+    """``[security]``: signing of global heads and round announcements, verification of updates.
+
+    Parameters
+    ----------
+    signing_key_file : Path or None
+        The coordinator's Ed25519 private key (64 hex digits or PEM).
+    device_keys_dir : Path or None
+        Folder of ``<device>.pub`` keys; when set, every update must be signed by its device.
+    """
+
+    signing_key_file: Path | None = None
+    device_keys_dir: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FilesConfig:
+    """``[files]``: where the coordinator keeps its state and logs.
+
+    Parameters
+    ----------
+    state : Path or None
+        State file (global head, version, round): resumed after a restart, saved every round.
+    log : Path or None
+        One JSON line per closed round is appended here.
+    json : Path or None
+        Summary written when the job ends (``rounds[]`` as the demo's JSON).
+    """
+
+    state: Path | None = None
+    log: Path | None = None
+    json: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorProfile:
+    """A whole coordinator profile; one value object per TOML table (see the module docstring)."""
+
+    path: Path
+    broker: BrokerConfig
+    fleet: FleetConfig
+    model: ModelRef
+    rounds: RoundsConfig
+    strategy: StrategyConfig
+    robustness: RobustnessConfig
+    privacy: PrivacyConfig
+    evaluation: EvaluationConfig
+    dashboard: DashboardConfig
+    security: SecurityRef
+    files: FilesConfig = field(default_factory=FilesConfig)
+
+
+def _positive(p: Problems, key: str, value: float | None) -> None:
+    if value is not None and not value > 0:
+        p.add(key, value, "must be > 0")
+
+
+def _check_fleet(p: Problems, c: FleetConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    check(p, "fleet.name", c.name, check_device_id)
+    _positive(p, "fleet.max_devices", c.max_devices)
+    _positive(p, "fleet.device_expiry_s", c.device_expiry_s)
+
+
+def _check_model(p: Problems, c: ModelRef, raw: Mapping[str, object], check_files: bool) -> None:
+    if c.sha256 is not None and (len(c.sha256) != 64 or any(ch not in "0123456789abcdef" for ch in c.sha256)):
+        p.add("model.sha256", c.sha256, "must be 64 hexadecimal digits")
+        return
+    if not check_files:
+        return
+    problem = file_problem(c.path, raw.get("path"))
+    if problem is not None:
+        p.add("model.path", raw.get("path"), problem)
+    elif c.sha256 is not None and sha256_file(c.path) != c.sha256:
+        p.add("model.sha256", c.sha256, f"does not match {c.path.name} ({sha256_file(c.path)})")
+
+
+def _check_rounds(p: Problems, c: RoundsConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    for name in ("count", "min_clients", "local_epochs", "batch_size", "deadline_s", "lr", "wait_devices_s"):
+        _positive(p, f"rounds.{name}", getattr(c, name))
+    if c.expected_clients < 0:
+        p.add("rounds.expected_clients", c.expected_clients, "must be >= 0")
+    if not 0 < c.lr_decay <= 1:
+        p.add("rounds.lr_decay", c.lr_decay, "must be in (0, 1]")
+
+
+def _check_strategy(p: Problems, c: StrategyConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    for name in ("server_lr", "tau", "buffer_size"):
+        _positive(p, f"strategy.{name}", getattr(c, name))
+    if c.server_momentum is not None and not 0 <= c.server_momentum < 1:
+        p.add("strategy.server_momentum", c.server_momentum, "must be in [0, 1)")
+    if c.prox_mu is not None and c.prox_mu < 0:
+        p.add("strategy.prox_mu", c.prox_mu, "must be >= 0")
+    if c.trim_fraction is not None and not 0 <= c.trim_fraction < 0.5:
+        p.add("strategy.trim_fraction", c.trim_fraction, "must be in [0, 0.5)")
+
+
+def _check_robustness(p: Problems, c: RobustnessConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    _positive(p, "robustness.norm_bound", c.norm_bound)
+    if not c.adaptive_factor >= 1:
+        p.add("robustness.adaptive_factor", c.adaptive_factor, "must be >= 1")
+
+
+def _check_privacy(p: Problems, c: PrivacyConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    _positive(p, "privacy.noise_multiplier", c.noise_multiplier)
+    _positive(p, "privacy.clip_norm", c.clip_norm)
+    if not 0 < c.delta < 1:
+        p.add("privacy.delta", c.delta, "must be in (0, 1)")
+
+
+def _check_evaluation(p: Problems, c: EvaluationConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    if len(c.mean) != len(c.std) and 1 not in (len(c.mean), len(c.std)):
+        p.add("evaluation.std", list(c.std), "must have the length of evaluation.mean (or 1)")
+    if any(s <= 0 for s in c.std):
+        p.add("evaluation.std", list(c.std), "must be > 0")
+    if check_files and c.path is not None:
+        problem = file_problem(c.path, raw.get("path"))
+        if problem is not None:
+            p.add("evaluation.path", raw.get("path"), problem)
+
+
+def _check_security(p: Problems, c: SecurityRef, raw: Mapping[str, object], check_files: bool) -> None:
+    if not check_files:
+        return
+    if c.signing_key_file is not None:
+        problem = file_problem(c.signing_key_file, raw.get("signing_key_file"))
+        if problem is not None:
+            p.add("security.signing_key_file", raw.get("signing_key_file"), problem)
+    if c.device_keys_dir is not None and not c.device_keys_dir.is_dir():
+        p.add("security.device_keys_dir", raw.get("device_keys_dir"), "not a folder")
+
+
+def _no_check(p: Problems, c: object, raw: Mapping[str, object], check_files: bool) -> None:
+    return None
+
+
+_TABLES: Final[dict[str, type[Any]]] = {
+    "broker": BrokerConfig,
+    "fleet": FleetConfig,
+    "model": ModelRef,
+    "rounds": RoundsConfig,
+    "strategy": StrategyConfig,
+    "robustness": RobustnessConfig,
+    "privacy": PrivacyConfig,
+    "evaluation": EvaluationConfig,
+    "dashboard": DashboardConfig,
+    "security": SecurityRef,
+    "files": FilesConfig,
+}
+_CHECKS: Final[dict[str, Check]] = {
+    "broker": check_broker,
+    "fleet": _check_fleet,
+    "model": _check_model,
+    "rounds": _check_rounds,
+    "strategy": _check_strategy,
+    "robustness": _check_robustness,
+    "privacy": _check_privacy,
+    "evaluation": _check_evaluation,
+    "dashboard": check_dashboard,
+    "security": _check_security,
+    "files": _no_check,
+}
+SCHEMA: Final = Schema(_TABLES, _CHECKS, {"model.path": Path("_")})
+"""The coordinator profile's tables, checks and parser."""
+
+#: Tables only a coordinator profile has: how ``edgefl check-config`` tells the two kinds apart.
+COORDINATOR_TABLES: Final = frozenset(
+    {"fleet", "rounds", "strategy", "robustness", "privacy", "evaluation", "files"}
+)
+
+
+def is_coordinator_profile(data: Mapping[str, object]) -> bool:
+    """True when a parsed TOML mapping is a coordinator profile (it has a coordinator-only table)."""
+    return any(name in COORDINATOR_TABLES for name in data)
+
+
+def load_coordinator_profile(
+    path: Path | str, overrides: Mapping[str, object] | None = None, *, check_files: bool = True
+) -> CoordinatorProfile:
+    """Read a coordinator TOML profile, apply ``--set`` overrides, validate it.
+
+    Parameters
+    ----------
+    path : Path or str
+        The ``.toml`` file; relative paths inside it resolve against its folder.
+    overrides : Mapping[str, object] or None
+        ``{"table.key": value}`` on top of the file (strings coerced; relative paths from the working
+        directory).
+    check_files : bool
+        Check that the model, key and evaluation files exist and the model's sha256 matches.
+
+    Returns
+    -------
+    CoordinatorProfile
+
+    Raises
+    ------
+    ConfigError
+        Every problem at once, e.g. ``["rounds.count = 0: must be > 0", "[bogus]: unknown table"]``.
+    """
+    file, data = read_toml(path)
+    if "device" in data:
+        raise ConfigError([f"{file}: a device profile (it has [device]); run it with 'edgefl run'"])
+    built = SCHEMA.parse(data, file.parent, check_files, overrides or {})
+    return CoordinatorProfile(path=file, **built)

@@ -1,0 +1,648 @@
+"""Profiles: TOML tables turned into frozen dataclasses, validated once at load (agent and coordinator).
+
+One dataclass per TOML table; unknown tables and keys are refused; a missing table takes its defaults.
+Every problem is collected and reported at once in one :class:`~edgefl.errors.ConfigError`, each
+naming the dotted key, the value and the reason (``memory.cap_mb = 0: must be > 0``). Relative paths
+resolve against the profile file's folder (a path given with ``--set`` against the working
+directory). Secrets never appear in a ``repr``, an error message or :meth:`Schema.to_dict`.
+
+This module owns the machinery and the tables both kinds of profile share (``[broker]``,
+``[dashboard]``), spelled the same in both; ``edgefl.agent.config`` and ``edgefl.coordinator.profile``
+declare their own tables. It reads files only: it never opens a socket.
+
+Source: TOML 1.0.0 (https://toml.io/en/v1.0.0), read with ``tomllib``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from edgefl.errors import ConfigError
+from edgefl.validators import (
+    MQTT_MAX_PACKET_BYTES,
+    check_finite_float,
+    check_qos,
+    check_topic_prefix,
+    is_loopback_host,
+    parse_broker_url,
+)
+
+__all__ = [
+    "MASK",
+    "MIN_TOKEN_CHARS",
+    "SECRET",
+    "BrokerConfig",
+    "Check",
+    "DashboardConfig",
+    "Problems",
+    "Schema",
+    "broker_password",
+    "check",
+    "check_broker",
+    "check_dashboard",
+    "file_problem",
+    "read_toml",
+    "sha256_file",
+]
+
+SECRET: Final = {"secret": True}
+"""``field(metadata=SECRET)`` marks a value hidden from ``repr``, errors and :meth:`Schema.to_dict`."""
+MASK: Final = "***"
+MIN_TOKEN_CHARS: Final = 16
+"""Shortest accepted ``dashboard.token``: a guessable token on a LAN-reachable dashboard is no token."""
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerConfig:
+    """``[broker]``: the MQTT connection.
+
+    Parameters
+    ----------
+    url : str
+        ``mqtt://host[:port]`` (default port 1883) or ``mqtts://host[:port]`` (default 8883).
+    topic_prefix : str
+        First topic levels, e.g. ``edgefl``; no wildcards, no leading ``$``.
+    qos : int
+        QoS of device publishes, 0, 1 or 2.
+    keepalive_s : int
+        MQTT keep alive in seconds, 1..65535 (0, "disabled", would stop the broker from ever
+        publishing our last will).
+    max_packet_bytes : int
+        Largest packet we send, 1..268435455 bytes. The limit in force is the smaller of this and the
+        broker's CONNACK Maximum Packet Size (MQTT 5 only: a 3.1.1 broker never says its limit, and
+        drops a client over an oversize packet); larger messages go out in chunks. Default 65,536:
+        under the common hardened broker limits (mosquitto ``max_packet_size`` 65536, AWS IoT 128 KB).
+    max_incoming_packet_bytes : int
+        Largest packet we accept, 1..268435455 bytes: announced in CONNECT (MQTT 5 Maximum Packet Size)
+        and enforced on every protocol before the packet is buffered (a larger PUBLISH is dropped and
+        counted). Default 1 MiB: above the coordinator's head chunks, far under a device's RAM cap.
+    protocol : {"auto", "5", "3.1.1"}
+        MQTT version; ``auto`` tries 5 and falls back to 3.1.1.
+    username, password : str or None
+        Credentials; ``password`` requires ``username`` and is hidden from ``repr``.
+    password_file : Path or None
+        A file holding the password (first line; trailing newline stripped), instead of ``password``,
+        so a profile can be world-readable while the secret is not (see :func:`broker_password`).
+    tls : bool
+        True exactly when the URL scheme is ``mqtts`` (derived from it when the key is absent).
+    ca_file, client_cert, client_key : Path or None
+        PEM files for TLS (absolute after loading); cert and key come together; all require TLS.
+    """
+
+    url: str = "mqtt://127.0.0.1:1883"
+    topic_prefix: str = "edgefl"
+    qos: int = 1
+    keepalive_s: int = 30
+    max_packet_bytes: int = 65_536
+    max_incoming_packet_bytes: int = 1_048_576
+    protocol: Literal["auto", "5", "3.1.1"] = "auto"
+    username: str | None = None
+    password: str | None = field(default=None, repr=False, metadata=SECRET)
+    password_file: Path | None = None
+    tls: bool = False
+    ca_file: Path | None = None
+    client_cert: Path | None = None
+    client_key: Path | None = None
+
+    @property
+    def scheme(self) -> str:
+        """``"mqtt"`` or ``"mqtts"``."""
+        return parse_broker_url(self.url)[0]
+
+    @property
+    def host(self) -> str:
+        """Broker host name or IP address (IPv6 without brackets)."""
+        return parse_broker_url(self.url)[1]
+
+    @property
+    def port(self) -> int:
+        """Broker TCP port."""
+        return parse_broker_url(self.url)[2]
+
+
+@dataclass(frozen=True, slots=True)
+class DashboardConfig:
+    """``[dashboard]``: the agent's HTTP page, JSON, SSE and ``/metrics``.
+
+    Parameters
+    ----------
+    enabled : bool
+        Serve the dashboard.
+    host : str
+        Listen address. Anything but loopback (``127.0.0.0/8``, ``::1``, ``localhost``) requires
+        ``token``.
+    port : int
+        TCP port, 0..65535; 0 picks a free port.
+    token : str or None
+        Bearer token, at least 16 characters, no whitespace; hidden from ``repr``.
+    header_timeout_s, body_timeout_s : float
+        Seconds a request's header block, then its body, may take to arrive (0.1..300); a slower or
+        half-open connection is closed.
+    max_connections : int
+        Open connections at once (1..10000); more are closed at accept. Keep it under the process's
+        file-descriptor limit (``ulimit -n``, often 1024) minus what the process itself uses.
+    max_connections_per_client : int
+        Open connections at once from one client IP address, 1..max_connections.
+    """
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = 0
+    token: str | None = field(default=None, repr=False, metadata=SECRET)
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 10.0
+    max_connections: int = 128
+    max_connections_per_client: int = 16
+
+
+Kind = Literal["str", "int", "float", "bool", "path", "floats", "choice"]
+
+
+@dataclass(frozen=True, slots=True)
+class FieldSpec:
+    name: str
+    kind: Kind
+    optional: bool
+    required: bool
+    choices: tuple[str, ...]
+    secret: bool
+    default: object
+
+
+def field_specs(cls: type[Any]) -> dict[str, FieldSpec]:
+    hints = typing.get_type_hints(cls)
+    specs: dict[str, FieldSpec] = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        optional = False
+        args = typing.get_args(hint)
+        if isinstance(hint, types.UnionType) and type(None) in args:
+            optional = True
+            (hint,) = [a for a in args if a is not type(None)]
+        choices: tuple[str, ...] = ()
+        kind: Kind
+        if typing.get_origin(hint) is Literal:
+            kind, choices = "choice", tuple(str(a) for a in typing.get_args(hint))
+        elif hint == tuple[float, ...]:
+            kind = "floats"
+        elif hint is Path:
+            kind = "path"
+        elif hint is bool:
+            kind = "bool"
+        elif hint is int:
+            kind = "int"
+        elif hint is float:
+            kind = "float"
+        elif hint is str:
+            kind = "str"
+        else:  # pragma: no cover - guards future fields with an unsupported type
+            raise TypeError(f"{cls.__name__}.{f.name}: unsupported field type {hint!r}")
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        specs[f.name] = FieldSpec(
+            name=f.name,
+            kind=kind,
+            optional=optional,
+            required=required,
+            choices=choices,
+            secret=bool(f.metadata.get("secret", False)),
+            default=None if required else f.default,
+        )
+    return specs
+
+
+def show(value: object, *, secret: bool = False) -> str:
+    """Render a value for an error message, TOML-like (``true``, ``'text'``, ``[0.0, 1.0]``)."""
+    if secret:
+        return repr(MASK)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, Path):
+        return repr(str(value))
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(show(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{...}"
+    return repr(value)
+
+
+def convert(spec: FieldSpec, value: object, base_dir: Path, *, from_text: bool) -> object:
+    """Type-check one value (coercing strings when it came from a ``--set key=value`` override).
+
+    Raises
+    ------
+    ValueError
+        With the reason only; the caller adds the dotted key and value.
+    """
+    if value is None or (from_text and spec.optional and value == ""):
+        if spec.optional:
+            return None
+        raise ValueError("must be set")
+    kind = spec.kind
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ValueError("must be a string")
+        return value
+    if kind == "choice":
+        if not isinstance(value, str) or value not in spec.choices:
+            raise ValueError("must be one of " + ", ".join(repr(c) for c in spec.choices))
+        return value
+    if kind == "path":
+        if not isinstance(value, (str, Path)):
+            raise ValueError("must be a path string")
+        if str(value) == "":
+            raise ValueError("must not be empty")
+        path = Path(value)
+        # No resolve(): it would follow symlinks, and a systemd StateDirectory= with DynamicUser=
+        # is a symlink into /var/lib/private that must be used by its public name.
+        return path if path.is_absolute() else base_dir.absolute() / path
+    if kind == "bool":
+        if from_text and isinstance(value, str):
+            text = value.strip().lower()
+            if text in {"true", "false"}:
+                return text == "true"
+        if not isinstance(value, bool):
+            raise ValueError("must be true or false")
+        return value
+    if kind == "int":
+        if from_text and isinstance(value, str):
+            try:
+                return int(value.strip(), 10)
+            except ValueError as exc:
+                raise ValueError("must be an integer") from exc
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError("must be an integer")
+        return value
+    if kind == "float":
+        if from_text and isinstance(value, str):
+            try:
+                value = float(value.strip())
+            except ValueError as exc:
+                raise ValueError("must be a number") from exc
+        return check_finite_float(value)
+    # floats: a TOML array of numbers, a single number, or "a,b,c" from the command line
+    items: object = value
+    if from_text and isinstance(value, str):
+        try:
+            items = [float(part) for part in value.split(",")] if value.strip() else []
+        except ValueError as exc:
+            raise ValueError("must be a comma-separated list of numbers") from exc
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        items = [value]
+    if not isinstance(items, (list, tuple)):
+        raise ValueError("must be an array of numbers")
+    if not items:
+        raise ValueError("must not be empty")
+    try:
+        return tuple(check_finite_float(v) for v in items)
+    except ValueError as exc:
+        raise ValueError(f"must be an array of finite numbers ({exc})") from exc
+
+
+class Problems:
+    """Collects problems; drops follow-on problems about keys that already failed their type check."""
+
+    def __init__(self, specs: Mapping[str, Mapping[str, FieldSpec]]) -> None:
+        self.specs = specs
+        self.items: list[str] = []
+        self.bad: set[str] = set()
+
+    def add(self, key: str, value: object, reason: str, *, involves: tuple[str, ...] = ()) -> None:
+        """Record ``key = value: reason`` unless ``key`` or a key it ``involves`` already failed."""
+        if key in self.bad or any(k in self.bad for k in involves):
+            return
+        table, _, name = key.partition(".")
+        spec = self.specs.get(table, {}).get(name)
+        shown = show(value, secret=spec is not None and spec.secret and value is not None)
+        self.items.append(f"{key} = {shown}: {reason}")
+        self.bad.add(key)
+
+    def note(self, message: str) -> None:
+        """Record a problem that names no single key (an unknown table)."""
+        self.items.append(message)
+
+
+def check(problems: Problems, key: str, value: object, validator: Callable[[object], object]) -> None:
+    """Run a validator of :mod:`edgefl.validators`; its ``ValueError`` becomes a problem of ``key``."""
+    try:
+        validator(value)
+    except ValueError as exc:
+        problems.add(key, value, str(exc))
+
+
+def file_problem(path: Path, raw: object) -> str | None:
+    """Return why ``path`` cannot be used as an input file, or None if it can."""
+    if path.is_file():
+        return None
+    where = "" if Path(str(raw)).is_absolute() else f" (resolved to {str(path)!r})"
+    return ("not a file" if path.exists() else "file not found") + where
+
+
+def sha256_file(path: Path) -> str:
+    """SHA-256 of a file as 64 lowercase hex digits, read in 1 MiB blocks (raises ``OSError``)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_broker(p: Problems, c: BrokerConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    """Check ``[broker]``: url, prefix, QoS, keep alive, packet limit, credentials, TLS files."""
+    scheme: str | None = None
+    try:
+        scheme = parse_broker_url(c.url)[0]
+    except ValueError as exc:
+        p.add("broker.url", c.url, str(exc))
+    check(p, "broker.topic_prefix", c.topic_prefix, check_topic_prefix)
+    check(p, "broker.qos", c.qos, check_qos)
+    if not 1 <= c.keepalive_s <= 65_535:
+        p.add("broker.keepalive_s", c.keepalive_s, "must be between 1 and 65535")
+    if not 1 <= c.max_packet_bytes <= MQTT_MAX_PACKET_BYTES:
+        p.add("broker.max_packet_bytes", c.max_packet_bytes, f"must be between 1 and {MQTT_MAX_PACKET_BYTES}")
+    if not 1 <= c.max_incoming_packet_bytes <= MQTT_MAX_PACKET_BYTES:
+        p.add(
+            "broker.max_incoming_packet_bytes",
+            c.max_incoming_packet_bytes,
+            f"must be between 1 and {MQTT_MAX_PACKET_BYTES}",
+        )
+    if c.username is not None and not c.username:
+        p.add("broker.username", c.username, "must not be empty")
+    if c.password is not None and c.username is None:
+        p.add("broker.password", c.password, "requires broker.username")
+    if c.password_file is not None:
+        if c.username is None:
+            p.add("broker.password_file", raw.get("password_file"), "requires broker.username")
+        elif c.password is not None:
+            p.add("broker.password_file", raw.get("password_file"), "give broker.password or this, not both")
+        elif check_files:
+            problem = file_problem(c.password_file, raw.get("password_file"))
+            if problem is not None:
+                p.add("broker.password_file", raw.get("password_file"), problem)
+    if scheme is not None and "tls" in raw and c.tls != (scheme == "mqtts"):
+        p.add("broker.tls", c.tls, f"contradicts the {scheme}:// url (TLS is used exactly for mqtts://)")
+    tls = scheme == "mqtts"
+    for name in ("ca_file", "client_cert", "client_key"):
+        path: Path | None = getattr(c, name)
+        if path is None:
+            continue
+        if scheme is not None and not tls:
+            p.add(f"broker.{name}", raw.get(name), "requires an mqtts:// url", involves=("broker.url",))
+        elif check_files:
+            problem = file_problem(path, raw.get(name))
+            if problem is not None:
+                p.add(f"broker.{name}", raw.get(name), problem)
+    if (c.client_cert is None) != (c.client_key is None):
+        given, missing = (
+            ("client_cert", "client_key") if c.client_key is None else ("client_key", "client_cert")
+        )
+        p.add(f"broker.{given}", raw.get(given), f"requires broker.{missing}")
+
+
+def check_dashboard(p: Problems, c: DashboardConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    """Check ``[dashboard]``: host, port, token (required off loopback), timeouts, connection caps."""
+    if not c.host:
+        p.add("dashboard.host", c.host, "must not be empty (use 0.0.0.0 to listen on all interfaces)")
+    if not 0 <= c.port <= 65_535:
+        p.add("dashboard.port", c.port, "must be between 0 and 65535")
+    if c.token is not None and (len(c.token) < MIN_TOKEN_CHARS or any(ch.isspace() for ch in c.token)):
+        p.add("dashboard.token", c.token, f"must be at least {MIN_TOKEN_CHARS} characters without whitespace")
+    # Checked even when the dashboard is disabled: the rule is simpler to state and to audit.
+    if c.host and not is_loopback_host(c.host) and c.token is None:
+        p.add(
+            "dashboard.host",
+            c.host,
+            "a non-loopback host requires dashboard.token",
+            involves=("dashboard.token",),
+        )
+    for name in ("header_timeout_s", "body_timeout_s"):
+        if not 0.1 <= getattr(c, name) <= 300:
+            p.add(f"dashboard.{name}", getattr(c, name), "must be between 0.1 and 300 seconds")
+    if not 1 <= c.max_connections <= 10_000:
+        p.add("dashboard.max_connections", c.max_connections, "must be between 1 and 10000")
+    if not 1 <= c.max_connections_per_client <= c.max_connections:
+        p.add(
+            "dashboard.max_connections_per_client",
+            c.max_connections_per_client,
+            "must be between 1 and dashboard.max_connections",
+            involves=("dashboard.max_connections",),
+        )
+
+
+Check = Callable[[Problems, Any, Mapping[str, object], bool], None]
+"""A table's semantic check: ``(problems, config, raw table, check_files)``; adds problems, returns None."""
+
+
+class Schema:
+    """The tables of one kind of profile, their checks, and the parser that builds them.
+
+    Parameters
+    ----------
+    tables : dict[str, type]
+        ``{table name: frozen dataclass}``, in file order.
+    checks : dict[str, Check]
+        One semantic check per table (run on typed values).
+    placeholders : dict[str, object]
+        Stand-in values for required keys that are missing or mistyped, so the rest of the table is
+        still checked (``{"device.id": "_"}``).
+    """
+
+    def __init__(
+        self,
+        tables: Mapping[str, type[Any]],
+        checks: Mapping[str, Check],
+        placeholders: Mapping[str, object] | None = None,
+    ) -> None:
+        self.tables = dict(tables)
+        self.checks = dict(checks)
+        self.placeholders = dict(placeholders or {})
+        self.specs = {name: field_specs(cls) for name, cls in self.tables.items()}
+
+    def parse(
+        self,
+        data: Mapping[str, object],
+        base_dir: Path,
+        check_files: bool,
+        overrides: Mapping[str, object],
+    ) -> dict[str, Any]:
+        """Build and validate every table.
+
+        Parameters
+        ----------
+        data : ``{table: {key: value}}`` as ``tomllib`` returns it
+        base_dir : folder relative paths in ``data`` resolve against
+        check_files : check that named input files exist
+        overrides : ``{"table.key": value}`` set on top (string values are coerced to the field's type;
+            relative paths resolve against the working directory)
+
+        Returns
+        -------
+        dict[str, Any]
+            ``{table name: dataclass instance}``.
+
+        Raises
+        ------
+        ConfigError
+            With every problem found.
+        """
+        problems = Problems(self.specs)
+        tables: dict[str, dict[str, object]] = {}
+        for name, value in data.items():
+            if name not in self.tables:
+                problems.note(
+                    f"[{name}]: unknown table" if isinstance(value, Mapping) else f"{name}: unknown key"
+                )
+                continue
+            if not isinstance(value, Mapping):
+                problems.note(f"{name} = {show(value)}: must be a table")
+                continue
+            tables[name] = dict(value)
+
+        # Overrides land on top of the TOML, and are remembered so string values get coerced.
+        from_text: set[str] = set()
+        overridden: set[str] = set()
+        for key, value in overrides.items():
+            table, dot, name = key.partition(".")
+            if not dot or not name:
+                problems.note(f"{key}: override key must be 'table.key'")
+            elif table not in self.tables:
+                problems.note(f"{key}: unknown table [{table}]")
+            elif name not in self.specs[table]:
+                problems.note(f"{key}: unknown key")
+            else:
+                tables.setdefault(table, {})[name] = value
+                overridden.add(key)
+                if isinstance(value, str):
+                    from_text.add(key)
+
+        built: dict[str, Any] = {}
+        for table, cls in self.tables.items():
+            raw = tables.get(table, {})
+            specs = self.specs[table]
+            for name in raw:
+                if name not in specs:
+                    problems.note(f"{table}.{name}: unknown key")
+            values: dict[str, Any] = {}
+            for name, spec in specs.items():
+                key = f"{table}.{name}"
+                if name not in raw:
+                    if spec.required:
+                        problems.note(f"{key}: required")
+                        problems.bad.add(key)
+                        values[name] = self.placeholders[key]
+                    elif spec.kind == "path" and spec.default is not None:
+                        # A default path (device.state_dir) is relative to the profile like a written one.
+                        values[name] = convert(spec, spec.default, base_dir, from_text=False)
+                    continue
+                # A relative path typed on the command line means the working directory, not the profile's.
+                root = Path.cwd() if key in overridden else base_dir
+                try:
+                    values[name] = convert(spec, raw[name], root, from_text=key in from_text)
+                except ValueError as exc:
+                    problems.add(key, raw[name], str(exc))
+                    if spec.required:
+                        values[name] = self.placeholders[key]
+            if cls is BrokerConfig and "tls" not in raw and isinstance(values.get("url"), str):
+                # tls follows the scheme unless stated (and a stated tls must agree, see check_broker).
+                with contextlib.suppress(ValueError):  # a bad url is reported by check_broker
+                    values["tls"] = parse_broker_url(values["url"])[0] == "mqtts"
+            if isinstance(values.get("sha256"), str):
+                values["sha256"] = values["sha256"].lower()
+            config = cls(**values)
+            self.checks[table](problems, config, raw, check_files)
+            built[table] = config
+
+        if problems.items:
+            raise ConfigError(problems.items)
+        return built
+
+    def to_dict(self, profile: object) -> dict[str, object]:
+        """Render a profile as ``{table: {key: value}}`` for display, secrets masked.
+
+        Paths become strings, tuples become lists, unset optional values are None, and a set secret
+        becomes ``"***"``. Without None values and with real secrets the result parses back to an
+        equal profile.
+
+        Parameters
+        ----------
+        profile : object
+            An object with one attribute per table of this schema.
+
+        Returns
+        -------
+        dict[str, object]
+            JSON-serialisable; the keys are the table names in file order.
+        """
+        out: dict[str, object] = {}
+        for table in self.tables:
+            config = getattr(profile, table)
+            rendered: dict[str, object] = {}
+            for name, spec in self.specs[table].items():
+                value = getattr(config, name)
+                if spec.secret and value is not None:
+                    value = MASK
+                elif isinstance(value, Path):
+                    value = str(value)
+                elif isinstance(value, tuple):
+                    value = list(value)
+                rendered[name] = value
+            out[table] = rendered
+        return out
+
+
+def broker_password(broker: BrokerConfig) -> str | None:
+    """The broker password: ``broker.password``, or the first line of ``broker.password_file``.
+
+    Raises
+    ------
+    ConfigError
+        If the password file cannot be read (names the key and the file).
+    """
+    if broker.password_file is None:
+        return broker.password
+    try:
+        lines = broker.password_file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            [f"broker.password_file = {str(broker.password_file)!r}: cannot read ({exc})"]
+        ) from exc
+    return lines[0] if lines else ""
+
+
+def read_toml(path: Path | str) -> tuple[Path, dict[str, Any]]:
+    """Read a TOML file.
+
+    Parameters
+    ----------
+    path : Path or str
+        The file.
+
+    Returns
+    -------
+    (Path, dict)
+        The absolute path and the parsed mapping.
+
+    Raises
+    ------
+    ConfigError
+        If the file cannot be read or is not TOML (one problem naming the file).
+    """
+    file = Path(path).absolute()
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except FileNotFoundError as exc:
+        raise ConfigError([f"{file}: file not found"]) from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{file}: cannot read ({exc})"]) from exc
+    try:
+        return file, tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{file}: invalid TOML ({exc})"]) from exc

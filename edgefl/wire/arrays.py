@@ -1,0 +1,196 @@
+"""RFC 8746 typed arrays: numpy arrays as tag 40 ``[shape, typed array]`` and back, checked before allocating.
+
+Owns the dtype <-> tag tables, :func:`encode_array`, :func:`decode_array` and the CBOR size of an
+encoded array. Layout in ``docs/protocol.md`` ("Arrays").
+
+Source: RFC 8746 §2.1 (typed arrays), §3.1.1 (multi-dimensional arrays, tag 40).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Final
+
+import cbor2
+import numpy as np
+import numpy.typing as npt
+
+from edgefl.errors import DecodeError
+from edgefl.wire.cbor import Limits, cbor_head_bytes
+from edgefl.wire.reasons import Reason
+
+__all__ = [
+    "MAX_NDIM",
+    "TAG_NDARRAY",
+    "TYPED_ARRAY_TAGS",
+    "array_cbor_bytes",
+    "decode_array",
+    "encode_array",
+    "read_shape",
+]
+
+MAX_NDIM: Final = 4
+TAG_NDARRAY: Final = 40
+
+# RFC 8746 §2.1 typed-array tags -> numpy wire dtype. float128 (83, 87) has no portable numpy type
+# and 68 (uint8 clamped) has no different meaning for a receiver, so they are not accepted.
+TYPED_ARRAY_TAGS: Final[Mapping[int, np.dtype[Any]]] = {
+    tag: np.dtype(code)
+    for tag, code in {
+        64: "u1",
+        65: ">u2",
+        66: ">u4",
+        67: ">u8",
+        69: "<u2",
+        70: "<u4",
+        71: "<u8",
+        72: "i1",
+        73: ">i2",
+        74: ">i4",
+        75: ">i8",
+        77: "<i2",
+        78: "<i4",
+        79: "<i8",
+        80: ">f2",
+        81: ">f4",
+        82: ">f8",
+        84: "<f2",
+        85: "<f4",
+        86: "<f8",
+    }.items()
+}
+# what we emit: always little-endian (RFC 8746 tags 64, 69-71, 72, 77-79, 84-86)
+_ENCODE_TAGS: Final[Mapping[str, int]] = {
+    "uint8": 64,
+    "uint16": 69,
+    "uint32": 70,
+    "uint64": 71,
+    "int8": 72,
+    "int16": 77,
+    "int32": 78,
+    "int64": 79,
+    "float16": 84,
+    "float32": 85,
+    "float64": 86,
+}
+
+
+def encode_array(a: npt.NDArray[Any]) -> cbor2.CBORTag:
+    """Wrap an array as an RFC 8746 tag-40 row-major array of a little-endian typed array.
+
+    Parameters
+    ----------
+    a : ndarray, 1 to 4 dimensions
+        dtype one of uint8/16/32/64, int8/16/32/64, float16/32/64.
+
+    Returns
+    -------
+    cbor2.CBORTag
+        ``40([[d0, d1, ...], tag(bytes)])`` with the typed-array tag of the dtype (e.g. 85 for
+        float32), bytes in C order, little-endian.
+
+    Raises
+    ------
+    ValueError
+        If the dtype is not supported or ``a`` has 0 or more than 4 dimensions.
+
+    Source: RFC 8746 §2.1 (typed arrays), §3.1.1 (multi-dimensional arrays, tag 40).
+    """
+    array = np.asarray(a)
+    tag = _ENCODE_TAGS.get(array.dtype.name)
+    if tag is None:
+        raise ValueError(f"dtype {array.dtype} has no typed-array tag here")
+    if not 1 <= array.ndim <= MAX_NDIM:
+        raise ValueError(f"arrays must have 1 to {MAX_NDIM} dimensions, got {array.ndim}")
+    raw = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+    return cbor2.CBORTag(TAG_NDARRAY, [list(array.shape), cbor2.CBORTag(tag, raw)])
+
+
+def read_shape(obj: object, name: str, limits: Limits) -> tuple[int, ...]:
+    """Check a decoded shape: 1 to 4 integer dimensions >= 1 whose product fits ``limits``.
+
+    Raises
+    ------
+    DecodeError
+        ``wrong_type``, ``bad_shape``, ``too_large``.
+    """
+    if not isinstance(obj, list | tuple):
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: shape is not an array")
+    if not 1 <= len(obj) <= MAX_NDIM:
+        raise DecodeError(Reason.BAD_SHAPE, f"{name}: {len(obj)} dimensions, expected 1 to {MAX_NDIM}")
+    if any(type(dim) is not int for dim in obj):
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: shape entries must be integers")
+    if any(dim < 1 for dim in obj):
+        raise DecodeError(Reason.BAD_SHAPE, f"{name}: dimensions must be >= 1")
+    if any(dim > limits.max_array_elements for dim in obj) or math.prod(obj) > limits.max_array_elements:
+        raise DecodeError(Reason.TOO_LARGE, f"{name}: more than {limits.max_array_elements} elements")
+    return tuple(obj)
+
+
+def decode_array(
+    obj: object, *, limits: Limits, dtypes: frozenset[str], name: str = "array"
+) -> npt.NDArray[Any]:
+    """Decode a tag-40 typed array, checking everything before allocating.
+
+    Parameters
+    ----------
+    obj : object
+        What cbor2 decoded for the field.
+    limits : Limits
+        ``max_array_elements`` bounds ``prod(shape)``.
+    dtypes : frozenset[str]
+        Accepted numpy dtype names (``"float32"``, ``"int8"``...). Big-endian RFC 8746 tags are
+        accepted too and converted.
+    name : str
+        Dotted field name used in error details.
+
+    Returns
+    -------
+    ndarray
+        A writable, C-contiguous array that owns its data, in native byte order, with the wire's
+        shape. Float arrays are finite.
+
+    Raises
+    ------
+    DecodeError
+        ``wrong_type`` (not tag 40 / not ``[shape, typed array]``), ``bad_shape`` (element count
+        differs from ``prod(shape)``, bad dimensions), ``too_large``, ``bad_dtype`` (typed-array
+        tag not allowed for this field), ``not_finite``.
+
+    Source: RFC 8746 §2.1, §3.1.1.
+    """
+    if not isinstance(obj, cbor2.CBORTag) or obj.tag != TAG_NDARRAY:
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a tag-40 array")
+    content = obj.value
+    if not isinstance(content, list | tuple) or len(content) != 2:
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: tag 40 must hold [shape, typed array]")
+    shape = read_shape(content[0], name, limits)
+    typed = content[1]
+    if not isinstance(typed, cbor2.CBORTag) or typed.tag not in TYPED_ARRAY_TAGS:
+        raise DecodeError(Reason.BAD_DTYPE, f"{name}: elements are not an RFC 8746 typed array")
+    wire_dtype = TYPED_ARRAY_TAGS[typed.tag]
+    if wire_dtype.name not in dtypes:
+        wanted = ", ".join(sorted(dtypes))
+        raise DecodeError(Reason.BAD_DTYPE, f"{name}: {wire_dtype.name} (tag {typed.tag}), expected {wanted}")
+    raw = typed.value
+    if type(raw) is not bytes:
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: typed array must hold a byte string")
+    count = math.prod(shape)
+    if len(raw) != count * wire_dtype.itemsize:
+        raise DecodeError(Reason.BAD_SHAPE, f"{name}: {len(raw)} bytes for {list(shape)} {wire_dtype.name}")
+    native = wire_dtype.newbyteorder("=")
+    array = np.frombuffer(raw, dtype=wire_dtype).reshape(shape).astype(native, order="C", copy=True)
+    if array.dtype.kind == "f" and not bool(np.isfinite(array).all()):
+        raise DecodeError(Reason.NOT_FINITE, f"{name}: contains NaN or infinity")
+    return array
+
+
+def array_cbor_bytes(count: int, itemsize: int) -> int:
+    """CBOR bytes of :func:`encode_array` of a 1-D array of ``count`` items of ``itemsize`` bytes.
+
+    Tag 40 (2 bytes), the 2-array head (1), the shape ``[count]`` (1 + head), the typed-array tag
+    (2: tags 64..86 take one argument byte), the byte string head and the bytes.
+    """
+    nbytes = count * itemsize
+    return 2 + 1 + 1 + cbor_head_bytes(count) + 2 + cbor_head_bytes(nbytes) + nbytes

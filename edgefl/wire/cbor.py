@@ -1,0 +1,529 @@
+"""Bounded CBOR and the message envelope: what every decoder runs before it looks at a field.
+
+Owns: the schema version (``"v"``) and message kinds (``"type"``), :class:`Limits`, the allocation-free
+header pre-scan, the strict cbor2 call, and the field readers every decoder shares (exact types,
+ranges, known keys). The rules and bounds are specified in ``docs/protocol.md`` ("Decoding",
+"Versioning").
+
+Source: RFC 8949 (CBOR) §3 (encoding), §4.2.1 (deterministic encoding).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Final
+
+import cbor2
+
+from edgefl.errors import DecodeError
+from edgefl.validators import check_device_id
+from edgefl.wire.reasons import Reason
+
+__all__ = [
+    "ALLOWED_TAGS",
+    "CBOR2_STRICT",
+    "DEFAULT_LIMITS",
+    "INT_MAX",
+    "MIN_SCHEMA_VERSION",
+    "NO_LIMITS",
+    "SCHEMA_VERSION",
+    "SIGNED_SCHEMA_VERSION",
+    "Limits",
+    "MessageType",
+    "cbor_head_bytes",
+    "check_keys",
+    "load",
+    "load_message",
+    "prescan",
+    "read_device_id",
+    "read_float",
+    "read_int",
+    "read_signature",
+    "read_text",
+    "show",
+    "strict_loads",
+]
+
+#: Newest schema this code reads and writes. 2 added the ``rice`` position layout of top-k deltas.
+SCHEMA_VERSION: Final = 2
+#: Oldest schema still read.
+MIN_SCHEMA_VERSION: Final = 1
+#: Schema written by a signed message or an update whose delta uses the ``rice`` layout (both new in
+#: schema 2); everything else is written as schema 1, which peers from before the bump read unchanged.
+SIGNED_SCHEMA_VERSION: Final = 2
+
+INT_MAX: Final = 2**63 - 1  # fits int64 everywhere downstream (JSON, Prometheus, numpy)
+#: Tags a message may hold: 40 (RFC 8746 §3.1.1 multi-dimensional array) and the RFC 8746 §2.1
+#: typed arrays ``edgefl.wire.arrays`` decodes (64-67, 69-75, 77-82, 84-86).
+ALLOWED_TAGS: Final = frozenset({40, *range(64, 68), *range(69, 76), *range(77, 83), 84, 85, 86})
+
+
+class MessageType(StrEnum):
+    """The ``"type"`` of a message."""
+
+    GLOBAL_MODEL = "global_model"
+    ROUND = "round"
+    UPDATE = "update"
+    STATUS = "status"
+    CHUNK = "chunk"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Decoding bounds; all are checked before the corresponding memory is allocated.
+
+    Parameters
+    ----------
+    max_message_bytes : int
+        Largest accepted payload, bytes (checked before parsing).
+    max_depth : int
+        Deepest nesting of arrays, maps and tags (an update with an int8 delta needs 6, one with
+        Rice-coded top-k positions 7).
+    max_array_elements : int
+        Largest element count of one array (typed or CBOR array, or map pairs).
+    max_string_bytes : int
+        Longest text string, UTF-8 bytes; also bounds ``signature`` byte strings.
+    max_items : int
+        Most CBOR data items in one message. Bounds the Python objects a payload can expand to
+        (a typed array counts as one item whatever its size).
+
+    Raises
+    ------
+    ValueError
+        If a bound is < 1.
+    """
+
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_depth: int = 8
+    max_array_elements: int = 4 * 1024 * 1024
+    max_string_bytes: int = 256
+    max_items: int = 16_384
+
+    def __post_init__(self) -> None:
+        for name in ("max_message_bytes", "max_depth", "max_array_elements", "max_string_bytes", "max_items"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Limits.{name} = {getattr(self, name)}: must be >= 1")
+
+
+#: The default bounds of the message decoders.
+DEFAULT_LIMITS: Final = Limits()
+#: For data the caller already holds (its own encoding): no bound but correctness.
+NO_LIMITS: Final = Limits(
+    max_message_bytes=2**62, max_depth=64, max_array_elements=2**62, max_string_bytes=2**62, max_items=2**62
+)
+
+
+def cbor_head_bytes(argument: int) -> int:
+    """Bytes of a CBOR item head (initial byte + argument) for an argument >= 0.
+
+    Source: RFC 8949 §3.
+    """
+    if argument < 24:
+        return 1
+    if argument < 2**8:
+        return 2
+    if argument < 2**16:
+        return 3
+    return 5 if argument < 2**32 else 9
+
+
+def show(text: str) -> str:
+    """Attacker-chosen text as it may appear in an error detail: at most 64 characters, printable."""
+    short = text[:64]
+    return short if short.isprintable() else ascii(short)
+
+
+def _cbor2_strict() -> bool:
+    """Whether this cbor2 takes max_depth, allow_indefinite and allow_duplicate_keys (6.x does, 5.x not)."""
+    try:
+        cbor2.loads(b"\xa0", max_depth=2, allow_indefinite=False, allow_duplicate_keys=False)
+    except TypeError:
+        return False
+    return True
+
+
+#: Whether the installed cbor2 enforces depth, definite lengths and unique keys itself (6.x).
+CBOR2_STRICT: Final = _cbor2_strict()
+
+
+def strict_loads(data: bytes, max_depth: int) -> object:
+    """``cbor2.loads`` refusing indefinite lengths and duplicate keys where cbor2 can (6.x).
+
+    For bytes the product wrote itself and checksummed (records on disk); anything from the network
+    goes through :func:`load`, whose pre-scan enforces the same rules on every cbor2 version.
+
+    Parameters
+    ----------
+    data : bytes
+        One CBOR item.
+    max_depth : int
+        Deepest nesting accepted (cbor2 6.x only).
+
+    Returns
+    -------
+    object
+        What cbor2 decoded.
+
+    Raises
+    ------
+    cbor2.CBORDecodeError, ValueError
+        If ``data`` is not valid CBOR.
+    """
+    if CBOR2_STRICT:
+        return cbor2.loads(data, max_depth=max_depth, allow_indefinite=False, allow_duplicate_keys=False)
+    return cbor2.loads(data)  # cbor2 5.x (armv7l)
+
+
+def prescan(data: bytes, limits: Limits, capture: Iterable[str] = ()) -> dict[str, int | str]:
+    """Walk the CBOR item headers of ``data`` without building any object.
+
+    Refuses what cbor2 would otherwise turn into memory or surprises (see ``docs/protocol.md``,
+    "Decoding"): lengths past the end, more than ``limits.max_items`` items, nesting deeper than
+    ``limits.max_depth``, indefinite lengths, tags outside :data:`ALLOWED_TAGS`, non-text or
+    duplicate map keys, long text strings, simple values other than false/true/null/floats, and
+    trailing bytes.
+
+    Parameters
+    ----------
+    data : bytes
+        One CBOR item.
+    limits : Limits
+        Bounds.
+    capture : iterable of str
+        Keys of a top-level map whose unsigned-integer or text values to return (what a signature
+        check needs before any decode).
+
+    Returns
+    -------
+    dict[str, int | str]
+        The captured top-level values found (keys absent, or with other types, are left out).
+
+    Raises
+    ------
+    DecodeError
+        ``bad_cbor``, ``too_large``, ``too_deep``, ``wrong_type`` (non-text key), ``bad_value``
+        (long text), ``trailing_bytes``.
+
+    Source: RFC 8949 §3 (initial byte, argument), §3.2 (indefinite lengths), §3.3 (simple values).
+    """
+    wanted = {name.encode() for name in capture}
+    found: dict[str, int | str] = {}
+    top_key = b""
+    size = len(data)
+    pos = 0
+    items = 0
+    remaining: list[int] = []  # children still expected by each open container
+    in_map: list[bool] = []
+    keys: list[set[bytes]] = []  # text keys seen in each open container (maps only)
+    while True:
+        if pos >= size:
+            raise DecodeError(Reason.BAD_CBOR, f"truncated at byte {pos}")
+        initial = data[pos]
+        pos += 1
+        major = initial >> 5
+        info = initial & 0x1F
+        if info < 24:
+            arg = info
+        elif info < 28:
+            width = 1 << (info - 24)
+            if width > size - pos:
+                raise DecodeError(Reason.BAD_CBOR, f"truncated header at byte {pos - 1}")
+            arg = int.from_bytes(data[pos : pos + width], "big")
+            pos += width
+        elif info == 31:
+            raise DecodeError(Reason.BAD_CBOR, f"indefinite length or break at byte {pos - 1}")
+        else:
+            raise DecodeError(Reason.BAD_CBOR, f"reserved additional information at byte {pos - 1}")
+        items += 1
+        if items > limits.max_items:
+            raise DecodeError(Reason.TOO_LARGE, f"more than {limits.max_items} data items")
+        is_key = bool(in_map) and in_map[-1] and remaining[-1] % 2 == 0
+        if wanted and len(remaining) == 1 and in_map[0] and not is_key and top_key in wanted:
+            if major == 0:
+                found[top_key.decode()] = arg
+            elif major == 3 and arg <= size - pos:
+                text = data[pos : pos + arg].decode("utf-8", "replace")
+                found[top_key.decode()] = text
+        if is_key and major != 3:
+            raise DecodeError(Reason.WRONG_TYPE, f"map key at byte {pos - 1} is not a text string")
+        children = 0
+        if major in (2, 3):
+            if arg > size - pos:
+                raise DecodeError(
+                    Reason.BAD_CBOR, f"string of {arg} bytes at byte {pos - 1} runs past the end"
+                )
+            if major == 3 and arg > limits.max_string_bytes:
+                raise DecodeError(Reason.BAD_VALUE, f"text string of {arg} bytes > {limits.max_string_bytes}")
+            if is_key:  # checked here, not by cbor2: cbor2 5.x has no allow_duplicate_keys
+                key = data[pos : pos + arg]
+                if key in keys[-1]:
+                    raise DecodeError(
+                        Reason.BAD_CBOR, f"duplicate map key {show(key.decode('utf-8', 'replace'))}"
+                    )
+                keys[-1].add(key)
+                if len(remaining) == 1:
+                    top_key = key
+            pos += arg
+        elif major in (4, 5):
+            if arg > limits.max_array_elements:
+                raise DecodeError(
+                    Reason.TOO_LARGE, f"container of {arg} elements > {limits.max_array_elements}"
+                )
+            children = arg if major == 4 else 2 * arg
+            if children > size - pos:  # every child takes at least one byte
+                raise DecodeError(Reason.BAD_CBOR, f"container of {arg} elements runs past the end")
+        elif major == 6:
+            if arg not in ALLOWED_TAGS:
+                raise DecodeError(Reason.BAD_CBOR, f"unsupported tag {arg}")
+            children = 1
+        elif major == 7 and info not in (20, 21, 22, 25, 26, 27):  # false, true, null, floats
+            raise DecodeError(Reason.BAD_CBOR, f"unsupported simple value at byte {pos - 1}")
+        if major in (4, 5, 6):
+            if len(remaining) + 1 > limits.max_depth:
+                raise DecodeError(Reason.TOO_DEEP, f"nesting deeper than {limits.max_depth}")
+            if children:
+                remaining.append(children)
+                in_map.append(major == 5)
+                keys.append(set())
+                continue
+        # one item is complete: close every container it completes
+        while remaining:
+            remaining[-1] -= 1
+            if remaining[-1]:
+                break
+            remaining.pop()
+            in_map.pop()
+            keys.pop()
+        else:
+            break
+    if pos != size:
+        raise DecodeError(Reason.TRAILING_BYTES, f"{size - pos} bytes after the message")
+    return found
+
+
+def load(payload: bytes, limits: Limits) -> object:
+    """Decode one CBOR item from the network: size check, :func:`prescan`, then strict cbor2.
+
+    Parameters
+    ----------
+    payload : bytes
+        The received bytes.
+    limits : Limits
+        Bounds, checked before anything is allocated.
+
+    Returns
+    -------
+    object
+        What cbor2 decoded (maps, lists, tags, byte and text strings, numbers).
+
+    Raises
+    ------
+    DecodeError
+        ``wrong_type`` (not bytes), ``too_large`` and the reasons of :func:`prescan`; ``bad_cbor``
+        for what cbor2 refuses (e.g. invalid UTF-8).
+    """
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise DecodeError(Reason.WRONG_TYPE, f"payload is {type(payload).__name__}, not bytes")
+    if len(payload) > limits.max_message_bytes:
+        raise DecodeError(Reason.TOO_LARGE, f"{len(payload)} bytes > {limits.max_message_bytes}")
+    data = bytes(payload)
+    prescan(data, limits)
+    try:
+        if CBOR2_STRICT:
+            return cbor2.loads(
+                data, max_depth=limits.max_depth, allow_indefinite=False, allow_duplicate_keys=False
+            )
+        return cbor2.loads(data)  # cbor2 5.x (pure Python on armv7l): the prescan enforced the same rules
+    except (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError) as exc:
+        raise DecodeError(Reason.BAD_CBOR, str(exc)[:200]) from exc
+
+
+def load_message(payload: bytes, limits: Limits, kind: MessageType) -> dict[str, object]:
+    """Decode a message's envelope: a map whose ``"v"`` this code reads and whose ``"type"`` is ``kind``.
+
+    Parameters
+    ----------
+    payload : bytes
+        The received bytes.
+    limits : Limits
+        Bounds (see :func:`load`).
+    kind : MessageType
+        The type expected on this topic.
+
+    Returns
+    -------
+    dict[str, object]
+        The decoded map; its fields are not checked yet (the caller's job, with :func:`check_keys`
+        and the ``read_*`` helpers). ``obj["v"]`` is an int in [MIN_SCHEMA_VERSION, SCHEMA_VERSION].
+
+    Raises
+    ------
+    DecodeError
+        As :func:`load`; ``not_a_map``; ``missing_key`` (``v``, ``type``); ``bad_version`` (not an
+        integer, or older than :data:`MIN_SCHEMA_VERSION`); ``newer_schema`` (newer than
+        :data:`SCHEMA_VERSION`: the sender runs a newer edgefl); ``wrong_type`` (another type).
+    """
+    obj = load(payload, limits)
+    if not isinstance(obj, dict):
+        raise DecodeError(Reason.NOT_A_MAP, f"top level is {type(obj).__name__}")
+    if "v" not in obj:
+        raise DecodeError(Reason.MISSING_KEY, "v")
+    version = obj["v"]
+    if type(version) is not int or version < MIN_SCHEMA_VERSION:
+        raise DecodeError(
+            Reason.BAD_VERSION, f"v = {version!r:.20}, expected {MIN_SCHEMA_VERSION} to {SCHEMA_VERSION}"
+        )
+    if version > SCHEMA_VERSION:
+        shown = str(version) if version < 10**20 else "huge"
+        raise DecodeError(
+            Reason.NEWER_SCHEMA,
+            f"v = {shown}: this peer reads schema {MIN_SCHEMA_VERSION} to {SCHEMA_VERSION}",
+        )
+    if "type" not in obj:
+        raise DecodeError(Reason.MISSING_KEY, "type")
+    if obj["type"] != kind.value:
+        raise DecodeError(Reason.WRONG_TYPE, f"type = {obj['type']!r:.40}, expected {kind.value!r}")
+    return obj
+
+
+def check_keys(
+    obj: object, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Check that ``obj`` is a map with exactly the known keys; return it.
+
+    Parameters
+    ----------
+    obj : object
+        A decoded value.
+    where : str
+        Dotted name of the map (``""`` for the message itself), used in details.
+    required, optional : tuple[str, ...]
+        Keys that must and may be present.
+
+    Returns
+    -------
+    dict[str, Any]
+        ``obj``.
+
+    Raises
+    ------
+    DecodeError
+        ``wrong_type`` (not a map), ``unknown_key``, ``missing_key``.
+    """
+    if not isinstance(obj, dict):
+        raise DecodeError(
+            Reason.WRONG_TYPE, f"{where or 'message'}: expected a map, got {type(obj).__name__}"
+        )
+    prefix = f"{where}." if where else ""
+    for key in obj:
+        if key not in required and key not in optional:
+            raise DecodeError(Reason.UNKNOWN_KEY, prefix + show(str(key)))
+    for key in required:
+        if key not in obj:
+            raise DecodeError(Reason.MISSING_KEY, prefix + key)
+    return obj
+
+
+def read_int(obj: Mapping[str, Any], key: str, where: str, lo: int = 0, hi: int = INT_MAX) -> int:
+    """Read ``obj[key]`` as an integer in ``[lo, hi]`` (``bool`` is not an integer here).
+
+    Raises
+    ------
+    DecodeError
+        ``wrong_type``, ``bad_value`` (out of range).
+    """
+    value = obj[key]
+    name = f"{where}.{key}" if where else key
+    if type(value) is not int:  # bool is an int subclass: rejected here on purpose
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected an integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        shown = str(value) if abs(value) < 10**20 else "huge"
+        raise DecodeError(Reason.BAD_VALUE, f"{name} = {shown}: must be in [{lo}, {hi}]")
+    return value
+
+
+def read_float(
+    obj: Mapping[str, Any],
+    key: str,
+    where: str,
+    lo: float = -math.inf,
+    hi: float = math.inf,
+    *,
+    lo_open: bool = False,
+) -> float:
+    """Read ``obj[key]`` as a finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``); ints accepted.
+
+    Raises
+    ------
+    DecodeError
+        ``wrong_type``, ``not_finite``, ``bad_value`` (out of range, integer above 2**53).
+    """
+    value = obj[key]
+    name = f"{where}.{key}" if where else key
+    # integers are accepted: many CBOR encoders write 30.0 as 30
+    if type(value) is not float and type(value) is not int:
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a number, got {type(value).__name__}")
+    if type(value) is int and abs(value) > 2**53:
+        raise DecodeError(Reason.BAD_VALUE, f"{name}: integer too large for a float")
+    number = float(value)
+    if not math.isfinite(number):
+        raise DecodeError(Reason.NOT_FINITE, f"{name} = {number}")
+    if number < lo or number > hi or (lo_open and number == lo):
+        bracket = "(" if lo_open else "["
+        raise DecodeError(Reason.BAD_VALUE, f"{name} = {number}: must be in {bracket}{lo}, {hi}]")
+    return number
+
+
+def read_text(obj: Mapping[str, Any], key: str, where: str, pattern: re.Pattern[str]) -> str:
+    """Read ``obj[key]`` as a text string that fully matches ``pattern``.
+
+    Raises
+    ------
+    DecodeError
+        ``wrong_type``, ``bad_value`` (no match; the detail shows at most 64 printable characters).
+    """
+    value = obj[key]
+    name = f"{where}.{key}" if where else key
+    if type(value) is not str:
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a text string, got {type(value).__name__}")
+    if pattern.fullmatch(value) is None:
+        raise DecodeError(Reason.BAD_VALUE, f"{name} = {show(value)}: must match {pattern.pattern}")
+    return value
+
+
+def read_device_id(value: object, name: str) -> str:
+    """Check a decoded value is a device id (:func:`edgefl.validators.check_device_id`); return it.
+
+    Raises
+    ------
+    DecodeError
+        ``wrong_type``, ``bad_value``.
+    """
+    if type(value) is not str:
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a text string, got {type(value).__name__}")
+    try:
+        return check_device_id(value)
+    except ValueError as exc:
+        raise DecodeError(Reason.BAD_VALUE, f"{name} = {show(value)}: {exc}") from exc
+
+
+def read_signature(obj: Mapping[str, Any], limits: Limits) -> bytes:
+    """Read the optional ``"signature"`` byte string of a message (``b""`` when absent).
+
+    Raises
+    ------
+    DecodeError
+        ``wrong_type``, ``bad_value`` (longer than ``limits.max_string_bytes``).
+    """
+    if "signature" not in obj:
+        return b""
+    value = obj["signature"]
+    if type(value) is not bytes:
+        raise DecodeError(Reason.WRONG_TYPE, f"signature: expected a byte string, got {type(value).__name__}")
+    if len(value) > limits.max_string_bytes:
+        raise DecodeError(Reason.BAD_VALUE, f"signature: {len(value)} bytes > {limits.max_string_bytes}")
+    return value

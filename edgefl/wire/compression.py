@@ -1,0 +1,695 @@
+"""Delta compression: each layout of an update's delta written once, its decoder, and its size on the wire.
+
+Owns :class:`Compression`, :func:`compress_delta` / :func:`decompress_delta` (layouts ``none``,
+``float16``, ``int8``, ``topk``, ``topk-int8``; top-k positions as indices, a bitmask or Golomb-Rice
+gaps), :class:`CompressedDelta` (an update's delta compressed once, with what the receiver decodes,
+for error feedback and the encoder alike) and :func:`delta_wire_bytes` (the layout's size, for the
+memory governor). Field-by-field layouts: ``docs/protocol.md`` ("Delta layouts").
+
+Source: Alistarh et al. 2017, QSGD; Jacob et al. 2018 (per-channel int8); Aji & Heafield 2017 and
+Stich et al. 2018 (top-k with error feedback); Golomb 1966 and Rice 1979 (Rice codes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from fractions import Fraction
+from typing import Any, Final
+
+import cbor2
+import numpy as np
+import numpy.typing as npt
+
+from edgefl.errors import DecodeError
+from edgefl.types import F32, I64
+from edgefl.wire.arrays import (
+    MAX_NDIM,
+    array_cbor_bytes,
+    decode_array,
+    encode_array,
+    read_shape,
+)
+from edgefl.wire.cbor import NO_LIMITS, Limits, cbor_head_bytes, check_keys, show
+from edgefl.wire.reasons import Reason
+
+__all__ = [
+    "CompressedDelta",
+    "Compression",
+    "compress_delta",
+    "compress_head_delta",
+    "compressed_roundtrip",
+    "decompress_delta",
+    "delta_wire_bytes",
+    "read_compression",
+    "topk_count",
+]
+
+_FLOAT16_MAX: Final = float(np.finfo(np.float16).max)
+# Rice parameters 0..15: remainders fit uint16; mean gaps above 2**15 mean so few kept entries that
+# uint32 indices are smaller anyway
+_RICE_MAX_K: Final = 15
+
+
+class Compression(StrEnum):
+    """How an update's delta arrays are encoded on the wire (see :func:`compress_delta`)."""
+
+    NONE = "none"
+    FLOAT16 = "float16"
+    INT8 = "int8"
+    TOPK = "topk"
+    TOPK_INT8 = "topk-int8"
+
+
+def read_compression(obj: Mapping[str, Any], key: str) -> Compression:
+    """Read ``obj[key]`` as a :class:`Compression` name.
+
+    Raises
+    ------
+    DecodeError
+        ``wrong_type`` (not text), ``bad_value`` (unknown name).
+    """
+    value = obj[key]
+    if type(value) is not str:
+        raise DecodeError(Reason.WRONG_TYPE, f"{key}: expected a text string, got {type(value).__name__}")
+    try:
+        return Compression(value)
+    except ValueError as exc:
+        raise DecodeError(Reason.BAD_VALUE, f"{key} = {show(value)}: unknown compression") from exc
+
+
+def topk_count(size: int, fraction: float) -> int:
+    """Count the entries kept by top-k: ``k = ceil(fraction * size)``.
+
+    Parameters
+    ----------
+    size : int
+        Element count of the array, >= 0.
+    fraction : float
+        Fraction in (0, 1]. Read as the decimal it prints as, so ``0.1 * 30`` keeps 3, not 4.
+
+    Returns
+    -------
+    int
+        k in [min(1, size), size].
+
+    Raises
+    ------
+    ValueError
+        If ``fraction`` is not in (0, 1].
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"topk fraction {fraction} must be in (0, 1]")
+    return min(size, math.ceil(Fraction(repr(float(fraction))) * size))
+
+
+def _quantise(x: F32, scale: F32, rng: np.random.Generator | None) -> npt.NDArray[np.int8]:
+    # scale broadcasts over x's last axis; an all-zero slice has scale 0 and quantises to 0
+    divisor = np.where(scale > 0, scale, np.float32(1.0))
+    ratio = x / divisor
+    # stochastic: floor(r + u), u ~ U[0, 1), so E[levels] = r and E[q * scale] = x (QSGD-style)
+    levels = np.rint(ratio) if rng is None else np.floor(ratio + rng.random(ratio.shape, dtype=np.float32))
+    return np.clip(levels, -127, 127).astype(np.int8)
+
+
+def _int8_scale(x: F32) -> F32:
+    # one scale per slice along the last axis (per output unit); a single scale for 1-D arrays
+    magnitude = np.abs(x)
+    peak = magnitude.reshape(-1, x.shape[-1]).max(axis=0) if x.ndim > 1 else magnitude.max(keepdims=True)
+    scale: F32 = (peak / np.float32(127.0)).astype(np.float32)
+    return scale
+
+
+def _text_cbor_bytes(text: str) -> int:
+    return cbor_head_bytes(len(text)) + len(text)  # map keys here are ASCII
+
+
+def _rice_cbor_bytes(count: int, rice_k: int, quotient_bits: int) -> int:
+    # "rice": {"k": k, "q": uint8 [ceil(q_bits/8)], "r": uint8 [ceil(count*k/8)] (absent if k = 0)}
+    size = _text_cbor_bytes("rice") + 1 + _text_cbor_bytes("k") + cbor_head_bytes(rice_k)
+    size += _text_cbor_bytes("q") + array_cbor_bytes((quotient_bits + 7) // 8, 1)
+    if rice_k:
+        size += _text_cbor_bytes("r") + array_cbor_bytes((count * rice_k + 7) // 8, 1)
+    return size
+
+
+def _rice_parameter(gaps: I64) -> tuple[int, int]:
+    """Pick the Rice parameter with the smallest encoded size; return (k, size in bytes).
+
+    The unary stream of parameter k has ``sum(g >> k) + count`` bits and the remainders
+    ``count * k`` bits; every k in [0, 15] is tried (16 vectorised passes) and ties go to the
+    smallest k.
+    """
+    count = int(gaps.size)
+    best_k, best_bytes = 0, -1
+    for rice_k in range(_RICE_MAX_K + 1):
+        quotient_bits = int(np.right_shift(gaps, rice_k).sum()) + count
+        size = _rice_cbor_bytes(count, rice_k, quotient_bits)
+        if best_bytes < 0 or size < best_bytes:
+            best_k, best_bytes = rice_k, size
+    return best_k, best_bytes
+
+
+def _rice_encode(kept: I64, rice_k: int) -> dict[str, object]:
+    """Golomb-Rice code the gaps between strictly increasing positions (layout: :func:`compress_delta`).
+
+    Source: Golomb 1966, "Run-length encodings", IEEE Trans. Inf. Theory 12(3); Rice 1979.
+    """
+    gaps = np.diff(kept, prepend=-1) - 1
+    quotients = np.right_shift(gaps, rice_k)
+    # quotient q_i is q_i one bits then a zero (the terminator): terminator i sits at
+    # sum_{j<=i}(q_j + 1) - 1; everything else in the stream is a one
+    terminators = np.cumsum(quotients + 1) - 1
+    unary = np.ones(int(terminators[-1]) + 1, dtype=np.uint8)
+    unary[terminators] = 0
+    out: dict[str, object] = {"k": rice_k, "q": encode_array(np.packbits(unary, bitorder="little"))}
+    if rice_k:
+        remainders = (gaps & ((1 << rice_k) - 1)).astype(np.uint16)
+        planes = np.right_shift(remainders[:, None], np.arange(rice_k, dtype=np.uint16)) & 1
+        out["r"] = encode_array(np.packbits(planes.astype(np.uint8).reshape(-1), bitorder="little"))
+    return out
+
+
+def compress_delta(
+    delta: F32,
+    compression: Compression,
+    *,
+    topk_fraction: float = 0.1,
+    rng: np.random.Generator | None = None,
+    allow_rice: bool = True,
+) -> dict[str, object]:
+    """Encode one delta array as its wire sub-map (layouts: ``docs/protocol.md``, "Delta layouts").
+
+    - ``none``: ``{"values": float32}``; ``float16``: ``{"values": float16}``, clipped to ±65504
+      (the device's error-feedback residual keeps the excess) rather than sent as infinity.
+    - ``int8``: ``{"q": int8, "scale": float32 [S]}``, one scale ``max|x| / 127`` per slice along
+      the last axis (``S = K`` for W [D, K], 1 for 1-D arrays).
+    - ``topk`` / ``topk-int8``: the ``k = ceil(fraction * size)`` largest-|x| entries, ``{"shape",
+      "values"}`` (or ``"q", "scale"``) with their positions as ``"indices"`` (uint16/uint32),
+      ``"mask"`` (LSB-first bitmask) when smaller, or ``"rice"`` (Golomb-Rice coded gaps) when
+      smaller still and ``allow_rice``.
+
+    Rounding is to nearest by default: it is deterministic, so :func:`compressed_roundtrip` gives
+    exactly what the coordinator decodes, and its error (≤ scale/2) is half the worst case of
+    stochastic rounding; its bias is removed by the device's error feedback. With ``rng``,
+    rounding is stochastic and unbiased (error ≤ scale), for use without error feedback.
+
+    Parameters
+    ----------
+    delta : float32 [...], 1 to 4 dimensions
+        Dense delta, finite.
+    compression : Compression
+        Wire encoding.
+    topk_fraction : float
+        Fraction in (0, 1] kept by ``topk``/``topk-int8``.
+    rng : numpy.random.Generator, optional
+        Enables stochastic rounding for ``int8``/``topk-int8``.
+    allow_rice : bool
+        False keeps to the schema-1 position layouts (indices or mask), for a schema-1 receiver.
+
+    Returns
+    -------
+    dict[str, object]
+        The sub-map, ready for ``cbor2.dumps``; it holds ``"rice"`` only when ``allow_rice``.
+
+    Raises
+    ------
+    ValueError
+        If ``delta`` is not finite, has 0 or > 4 dimensions, is empty, or has more than 2**32
+        elements (top-k), or ``topk_fraction`` is not in (0, 1].
+
+    Source: Alistarh et al. 2017, QSGD (stochastic rounding); Jacob et al. 2018 (per-channel int8);
+    Aji & Heafield 2017 and Stich et al. 2018 (top-k sparsification with error feedback); Golomb
+    1966, "Run-length encodings", IEEE Trans. Inf. Theory 12(3), and Rice 1979 (Rice codes).
+    """
+    x = np.ascontiguousarray(delta, dtype=np.float32)
+    if not 1 <= x.ndim <= MAX_NDIM or x.size == 0:
+        raise ValueError(f"delta must be a non-empty array of 1 to {MAX_NDIM} dimensions, got {x.shape}")
+    if not bool(np.isfinite(x).all()):
+        raise ValueError("delta contains NaN or infinity")
+    mode = Compression(compression)
+    if mode is Compression.NONE:
+        return {"values": encode_array(x)}
+    if mode is Compression.FLOAT16:
+        return {"values": encode_array(np.clip(x, -_FLOAT16_MAX, _FLOAT16_MAX).astype(np.float16))}
+    if mode is Compression.INT8:
+        scale = _int8_scale(x)
+        return {"q": encode_array(_quantise(x, scale, rng)), "scale": encode_array(scale)}
+    flat = x.reshape(-1)
+    size = flat.size
+    if size > 2**32:
+        raise ValueError(f"top-k indices are uint32: {size} elements is too many")
+    k = topk_count(size, topk_fraction)
+    kept = np.sort(np.argpartition(np.abs(flat), size - k)[size - k :])
+    out: dict[str, object] = {"shape": list(x.shape)}
+    index_dtype = np.uint16 if size <= 2**16 else np.uint32
+    index_bytes = np.dtype(index_dtype).itemsize
+    mask_bytes = (size + 7) // 8
+    use_mask = mask_bytes < k * index_bytes
+    if use_mask:
+        chosen_bytes = _text_cbor_bytes("mask") + array_cbor_bytes(mask_bytes, 1)
+    else:
+        chosen_bytes = _text_cbor_bytes("indices") + array_cbor_bytes(k, index_bytes)
+    positions = kept.astype(np.int64)  # argpartition gives intp: int32 on armv7l
+    rice_k, rice_bytes = _rice_parameter(np.diff(positions, prepend=-1) - 1) if allow_rice else (0, 0)
+    if allow_rice and rice_bytes < chosen_bytes:
+        out["rice"] = _rice_encode(positions, rice_k)
+    elif use_mask:
+        mask = np.zeros(size, dtype=np.bool_)
+        mask[kept] = True
+        out["mask"] = encode_array(np.packbits(mask, bitorder="little"))
+    else:
+        out["indices"] = encode_array(kept.astype(index_dtype))
+    values = flat[kept]
+    if mode is Compression.TOPK:
+        out["values"] = encode_array(values)
+    else:
+        scale = _int8_scale(values)
+        out["q"] = encode_array(_quantise(values, scale, rng))
+        out["scale"] = encode_array(scale)
+    return out
+
+
+def _kind_of(sub: Mapping[str, Any]) -> Compression:
+    # infer the layout from its marker keys; check_keys() then rejects anything extra or missing
+    if "shape" in sub:
+        return Compression.TOPK_INT8 if "q" in sub else Compression.TOPK
+    if "q" in sub or "scale" in sub:
+        return Compression.INT8
+    values = sub.get("values")
+    content = values.value if isinstance(values, cbor2.CBORTag) else None
+    if isinstance(content, list | tuple) and len(content) == 2:
+        inner = content[1]
+        if isinstance(inner, cbor2.CBORTag) and inner.tag in (80, 84):
+            return Compression.FLOAT16
+    return Compression.NONE
+
+
+def _finite_or_raise(array: F32, name: str) -> F32:
+    if not bool(np.isfinite(array).all()):
+        raise DecodeError(Reason.NOT_FINITE, f"{name}: decodes to NaN or infinity")
+    return array
+
+
+def _scale(obj: object, name: str, expected: tuple[int, ...], limits: Limits) -> F32:
+    scale: F32 = decode_array(obj, limits=limits, dtypes=frozenset({"float32"}), name=name)
+    if scale.shape != expected:
+        raise DecodeError(Reason.BAD_SHAPE, f"{name}: shape {list(scale.shape)}, expected {list(expected)}")
+    if bool((scale < 0).any()):
+        raise DecodeError(Reason.BAD_VALUE, f"{name}: scales must be >= 0")
+    return scale
+
+
+def _rice_decode(obj: object, count: int, size: int, limits: Limits, name: str) -> I64:
+    """Decode Rice-coded positions (layout: :func:`compress_delta`), strictly and boundedly.
+
+    Parameters
+    ----------
+    obj : object
+        What cbor2 decoded for ``<name>.rice``.
+    count : int
+        Number of positions (the values' length), >= 1.
+    size : int
+        Element count of the dense array; every position must be < size.
+    limits : Limits
+        Decoding bounds for the two byte arrays.
+    name : str
+        Dotted field name of the rice map, used in error details.
+
+    Returns
+    -------
+    int64 [count]
+        Strictly increasing positions in [0, size).
+
+    Raises
+    ------
+    DecodeError
+        ``wrong_type``, ``unknown_key``, ``missing_key``, ``bad_dtype``, ``bad_shape`` (malformed
+        fields), ``bad_indices`` (k outside [0, 15], ``q`` longer than ``ceil(size/8)`` bytes, too
+        few terminators, bytes after the one holding the last terminator, one bits after it, ``r``
+        not ``ceil(count*k/8)`` bytes or its padding set, ``r`` present with k = 0, positions
+        >= size).
+
+    Source: Golomb 1966, "Run-length encodings", IEEE Trans. Inf. Theory 12(3); Rice 1979.
+    """
+    sub = check_keys(obj, name, ("k", "q"), ("r",))
+    rice_k = sub["k"]
+    if type(rice_k) is not int:
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}.k: expected an integer, got {type(rice_k).__name__}")
+    if not 0 <= rice_k <= _RICE_MAX_K:
+        shown = str(rice_k) if abs(rice_k) < 10**20 else "huge"
+        raise DecodeError(Reason.BAD_INDICES, f"{name}.k = {shown}: must be in [0, {_RICE_MAX_K}]")
+    if count > size:
+        raise DecodeError(Reason.BAD_INDICES, f"{name}: {count} positions for {size} elements")
+    u8 = frozenset({"uint8"})
+    q = decode_array(sub["q"], limits=limits, dtypes=u8, name=f"{name}.q")
+    if q.ndim != 1:
+        raise DecodeError(Reason.BAD_SHAPE, f"{name}.q: must be 1-D")
+    # a valid stream has sum(g >> k) + count <= sum(g) + count = last position + 1 <= size bits:
+    # checked before unpacking, so the unpacked bits take at most size + 7 bytes
+    if q.size > (size + 7) // 8:
+        raise DecodeError(Reason.BAD_INDICES, f"{name}.q: {q.size} bytes > {(size + 7) // 8} for size {size}")
+    bits = np.unpackbits(q, bitorder="little")
+    zeros = np.flatnonzero(bits == 0)
+    if zeros.size < count:
+        raise DecodeError(Reason.BAD_INDICES, f"{name}.q: {zeros.size} terminators for {count} positions")
+    last = int(zeros[count - 1])
+    if last < 8 * (q.size - 1):
+        raise DecodeError(Reason.BAD_INDICES, f"{name}.q: bytes after the one holding the last terminator")
+    if bool(bits[last + 1 :].any()):
+        raise DecodeError(Reason.BAD_INDICES, f"{name}.q: bits set after the last terminator")
+    terminators: I64 = zeros[:count].astype(np.int64)
+    quotients: I64 = np.subtract(np.diff(terminators, prepend=-1), 1, dtype=np.int64)
+    if rice_k == 0:
+        if "r" in sub:
+            raise DecodeError(Reason.BAD_INDICES, f"{name}.r: present with k = 0")
+        gaps = quotients
+    else:
+        if "r" not in sub:
+            raise DecodeError(Reason.MISSING_KEY, f"{name}.r")
+        r = decode_array(sub["r"], limits=limits, dtypes=u8, name=f"{name}.r")
+        r_bits = count * rice_k
+        if r.shape != ((r_bits + 7) // 8,):
+            raise DecodeError(
+                Reason.BAD_INDICES, f"{name}.r: shape {list(r.shape)}, expected [{(r_bits + 7) // 8}]"
+            )
+        if r_bits % 8 and int(r[-1]) >> (r_bits % 8):
+            raise DecodeError(Reason.BAD_INDICES, f"{name}.r: padding bits set")
+        planes = np.unpackbits(r, count=r_bits, bitorder="little").reshape(count, rice_k)
+        remainders = planes @ np.left_shift(np.uint16(1), np.arange(rice_k, dtype=np.uint16))
+        # sum(quotients) <= 8 * len(q) and remainders < 2**15: no int64 overflow below
+        gaps = np.left_shift(quotients, rice_k) + remainders.astype(np.int64)
+    positions: I64 = np.cumsum(gaps + 1, dtype=np.int64) - 1
+    if int(positions[-1]) >= size:
+        raise DecodeError(Reason.BAD_INDICES, f"{name}: position {int(positions[-1])} >= size {size}")
+    return positions
+
+
+def decompress_delta(
+    obj: object,
+    shape: tuple[int, ...] | None,
+    *,
+    limits: Limits,
+    compression: Compression | None = None,
+    name: str = "delta",
+) -> F32:
+    """Decode one delta sub-map (see :func:`compress_delta`) into a dense float32 array.
+
+    Parameters
+    ----------
+    obj : object
+        What cbor2 decoded for the sub-map.
+    shape : tuple[int, ...] or None
+        Expected shape; None accepts the wire's shape (still bounded by ``limits``).
+    limits : Limits
+        Decoding bounds.
+    compression : Compression, optional
+        If given, the sub-map's layout must be this one.
+    name : str
+        Dotted field name used in error details.
+
+    Returns
+    -------
+    float32 [shape]
+        Dense, writable, C-contiguous, owned, finite.
+
+    Raises
+    ------
+    DecodeError
+        ``wrong_type``, ``unknown_key``, ``missing_key``, ``bad_value`` (layout differs from
+        ``compression``, negative scale), ``bad_shape``, ``bad_dtype``, ``too_large``,
+        ``not_finite``, ``bad_indices`` (out of range, not strictly increasing, mask padding set,
+        count differs from the values, not exactly one of indices/mask/rice, malformed Rice
+        streams: see :func:`_rice_decode`).
+    """
+    if not isinstance(obj, dict):
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a map, got {type(obj).__name__}")
+    kind = _kind_of(obj)
+    if compression is not None and kind is not compression:
+        raise DecodeError(
+            Reason.BAD_VALUE, f"{name}: encoded as {kind.value}, message says {compression.value}"
+        )
+
+    def check_shape(got: tuple[int, ...]) -> None:
+        if shape is not None and got != tuple(shape):
+            raise DecodeError(Reason.BAD_SHAPE, f"{name}: shape {list(got)}, expected {list(shape)}")
+
+    if kind in (Compression.NONE, Compression.FLOAT16):
+        sub = check_keys(obj, name, ("values",))
+        dtype = "float32" if kind is Compression.NONE else "float16"
+        values = decode_array(sub["values"], limits=limits, dtypes=frozenset({dtype}), name=f"{name}.values")
+        check_shape(values.shape)
+        return values.astype(np.float32, copy=False)
+    if kind is Compression.INT8:
+        sub = check_keys(obj, name, ("q", "scale"))
+        q = decode_array(sub["q"], limits=limits, dtypes=frozenset({"int8"}), name=f"{name}.q")
+        check_shape(q.shape)
+        scale = _scale(sub["scale"], f"{name}.scale", (q.shape[-1],) if q.ndim > 1 else (1,), limits)
+        with np.errstate(over="ignore"):  # an absurd scale overflows to inf: rejected just below
+            dense: F32 = q.astype(np.float32) * scale
+        return _finite_or_raise(dense, name)
+
+    value_keys = ("values",) if kind is Compression.TOPK else ("q", "scale")
+    position_keys = ("indices", "mask", "rice")
+    sub = check_keys(obj, name, ("shape", *value_keys), position_keys)
+    full_shape = read_shape(sub["shape"], f"{name}.shape", limits)
+    check_shape(full_shape)
+    size = math.prod(full_shape)
+    present = sum(key in sub for key in position_keys)
+    if present != 1:
+        raise DecodeError(
+            Reason.MISSING_KEY if present == 0 else Reason.BAD_INDICES,
+            f"{name}: exactly one of indices, mask, rice",
+        )
+    # the values come first: their length is the position count the Rice decoder needs
+    if kind is Compression.TOPK:
+        f32 = frozenset({"float32"})
+        values = decode_array(sub["values"], limits=limits, dtypes=f32, name=f"{name}.values")
+    else:
+        q = decode_array(sub["q"], limits=limits, dtypes=frozenset({"int8"}), name=f"{name}.q")
+        scale = _scale(sub["scale"], f"{name}.scale", (1,), limits)
+        with np.errstate(over="ignore"):
+            values = q.astype(np.float32) * scale
+    if values.ndim != 1:
+        raise DecodeError(Reason.BAD_INDICES, f"{name}: values of shape {list(values.shape)}, expected 1-D")
+    if "rice" in sub:
+        kept = _rice_decode(sub["rice"], values.shape[0], size, limits, f"{name}.rice")
+    elif "indices" in sub:
+        wire = decode_array(
+            sub["indices"], limits=limits, dtypes=frozenset({"uint16", "uint32"}), name=f"{name}.indices"
+        )
+        if wire.ndim != 1:
+            raise DecodeError(Reason.BAD_SHAPE, f"{name}.indices: must be 1-D")
+        kept = wire.astype(np.int64)
+        if kept.size and int(kept[-1]) >= size:
+            raise DecodeError(Reason.BAD_INDICES, f"{name}.indices: index >= size {size}")
+        if kept.size > 1 and not bool((np.diff(kept) > 0).all()):
+            raise DecodeError(Reason.BAD_INDICES, f"{name}.indices: not strictly increasing")
+    else:
+        mask = decode_array(sub["mask"], limits=limits, dtypes=frozenset({"uint8"}), name=f"{name}.mask")
+        mask_bytes = (size + 7) // 8
+        if mask.shape != (mask_bytes,):
+            raise DecodeError(
+                Reason.BAD_SHAPE, f"{name}.mask: shape {list(mask.shape)}, expected [{mask_bytes}]"
+            )
+        if size % 8 and int(mask[-1]) >> (size % 8):
+            raise DecodeError(Reason.BAD_INDICES, f"{name}.mask: padding bits set")
+        kept = np.flatnonzero(np.unpackbits(mask, count=size, bitorder="little"))
+    k = kept.size
+    if values.shape != (k,):
+        raise DecodeError(
+            Reason.BAD_INDICES, f"{name}: {k} positions for values of shape {list(values.shape)}"
+        )
+    dense = np.zeros(full_shape, dtype=np.float32)
+    dense.reshape(-1)[kept] = values  # a view of the C-contiguous array: writes into dense
+    return _finite_or_raise(dense, name)
+
+
+def compressed_roundtrip(
+    delta: F32,
+    compression: Compression,
+    *,
+    topk_fraction: float = 0.1,
+    rng: np.random.Generator | None = None,
+) -> F32:
+    """Return exactly what the coordinator will decode for ``delta`` (for error feedback).
+
+    The device keeps ``residual = delta - compressed_roundtrip(delta, ...)`` and adds it to the next
+    round's delta. With stochastic rounding (``rng``), pass a generator in the same state as the one
+    given to :func:`encode_update` (e.g. two ``default_rng(seed)``), compressing W then b, so the
+    draws match.
+
+    Parameters
+    ----------
+    delta : float32 [...]
+        Dense delta, finite.
+    compression : Compression
+        Wire encoding.
+    topk_fraction : float
+        Fraction kept by top-k.
+    rng : numpy.random.Generator, optional
+        Stochastic rounding for int8 layouts.
+
+    Returns
+    -------
+    float32, same shape as ``delta``
+        ``decompress_delta(compress_delta(delta, ...))``.
+
+    Raises
+    ------
+    ValueError
+        As :func:`compress_delta`.
+    """
+    x = np.asarray(delta, dtype=np.float32)
+    sub = compress_delta(x, compression, topk_fraction=topk_fraction, rng=rng)
+    return decompress_delta(sub, x.shape, limits=NO_LIMITS, compression=Compression(compression))
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedDelta:
+    """An update's delta compressed once: the wire sub-maps and exactly what a receiver decodes.
+
+    Made by :func:`compress_head_delta`; error feedback keeps ``corrected - decoded`` and
+    ``edgefl.wire.messages.encode_update(msg, compressed=...)`` writes the sub-maps as they are, so
+    the layouts run once per round.
+
+    Parameters
+    ----------
+    compression : Compression
+        The layout of both sub-maps.
+    W : dict[str, object]
+        Wire sub-map of the weight delta (see :func:`compress_delta`).
+    b : dict[str, object]
+        Wire sub-map of the bias delta.
+    decoded_W : float32 [D, K]
+        ``decompress_delta(W)``: what the receiver will hold.
+    decoded_b : float32 [K]
+        ``decompress_delta(b)``.
+    """
+
+    compression: Compression
+    W: dict[str, object]
+    b: dict[str, object]
+    decoded_W: F32
+    decoded_b: F32
+
+    @property
+    def uses_rice(self) -> bool:
+        """Whether a sub-map uses the ``rice`` layout (a schema-2 feature)."""
+        return "rice" in self.W or "rice" in self.b
+
+
+def compress_head_delta(
+    delta_W: F32,
+    delta_b: F32,
+    compression: Compression,
+    *,
+    topk_fraction: float = 0.1,
+    rng: np.random.Generator | None = None,
+    allow_rice: bool = True,
+) -> CompressedDelta:
+    """Compress a head delta (W, then b: the order stochastic rounding draws in) and decode it back.
+
+    Parameters
+    ----------
+    delta_W : float32 [D, K]
+        Dense weight delta, finite.
+    delta_b : float32 [K]
+        Dense bias delta, finite.
+    compression : Compression
+        Wire layout.
+    topk_fraction : float
+        Fraction in (0, 1] kept by the top-k layouts.
+    rng : numpy.random.Generator, optional
+        Stochastic rounding for the int8 layouts.
+    allow_rice : bool
+        See :func:`compress_delta`.
+
+    Returns
+    -------
+    CompressedDelta
+        Bit for bit what ``encode_update`` would have written for these deltas with the same
+        arguments (and ``rng`` state).
+
+    Raises
+    ------
+    ValueError
+        As :func:`compress_delta`.
+    """
+    mode = Compression(compression)
+    x_W = np.asarray(delta_W, dtype=np.float32)
+    x_b = np.asarray(delta_b, dtype=np.float32)
+    sub_W = compress_delta(x_W, mode, topk_fraction=topk_fraction, rng=rng, allow_rice=allow_rice)
+    sub_b = compress_delta(x_b, mode, topk_fraction=topk_fraction, rng=rng, allow_rice=allow_rice)
+    return CompressedDelta(
+        compression=mode,
+        W=sub_W,
+        b=sub_b,
+        decoded_W=decompress_delta(sub_W, x_W.shape, limits=NO_LIMITS, compression=mode, name="delta.W"),
+        decoded_b=decompress_delta(sub_b, x_b.shape, limits=NO_LIMITS, compression=mode, name="delta.b"),
+    )
+
+
+def _ndarray_cbor_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    # encode_array of an n-D array: as array_cbor_bytes with the shape's n heads
+    count = math.prod(shape)
+    dims = sum(cbor_head_bytes(d) for d in shape)
+    return array_cbor_bytes(count, itemsize) - cbor_head_bytes(count) + dims - 1 + cbor_head_bytes(len(shape))
+
+
+def delta_wire_bytes(
+    shape: tuple[int, ...], compression: Compression | str, topk_fraction: float = 0.1
+) -> int:
+    """CBOR bytes of the sub-map :func:`compress_delta` writes for an array of ``shape``.
+
+    Exact for ``none``, ``float16`` and ``int8``. For the top-k layouts the positions take the
+    smaller of indices and bitmask (the Rice layout is only chosen when it is smaller still, so
+    this is an upper bound, reached when the kept entries are spread evenly).
+
+    Parameters
+    ----------
+    shape : tuple[int, ...]
+        Shape of the dense delta, 1 to 4 dimensions.
+    compression : Compression or str
+        Wire layout.
+    topk_fraction : float
+        Fraction in (0, 1] kept by the top-k layouts.
+
+    Returns
+    -------
+    int
+        Bytes.
+
+    Raises
+    ------
+    ValueError
+        If ``compression`` is unknown or ``topk_fraction`` is not in (0, 1].
+    """
+    mode = Compression(compression)
+    shape = tuple(int(d) for d in shape)
+    size = math.prod(shape)
+    if mode in (Compression.NONE, Compression.FLOAT16):
+        itemsize = 4 if mode is Compression.NONE else 2
+        return 1 + _text_cbor_bytes("values") + _ndarray_cbor_bytes(shape, itemsize)
+    if mode is Compression.INT8:
+        scales = shape[-1] if len(shape) > 1 else 1
+        q = _text_cbor_bytes("q") + _ndarray_cbor_bytes(shape, 1)
+        return 1 + q + _text_cbor_bytes("scale") + array_cbor_bytes(scales, 4)
+    k = topk_count(size, topk_fraction)
+    shape_bytes = (
+        _text_cbor_bytes("shape") + cbor_head_bytes(len(shape)) + sum(cbor_head_bytes(d) for d in shape)
+    )
+    index_bytes = 2 if size <= 2**16 else 4
+    mask_bytes = (size + 7) // 8
+    if mask_bytes < k * index_bytes:
+        positions = _text_cbor_bytes("mask") + array_cbor_bytes(mask_bytes, 1)
+    else:
+        positions = _text_cbor_bytes("indices") + array_cbor_bytes(k, index_bytes)
+    if mode is Compression.TOPK:
+        return 1 + shape_bytes + positions + _text_cbor_bytes("values") + array_cbor_bytes(k, 4)
+    values = (
+        _text_cbor_bytes("q") + array_cbor_bytes(k, 1) + _text_cbor_bytes("scale") + array_cbor_bytes(1, 4)
+    )
+    return 1 + shape_bytes + positions + values

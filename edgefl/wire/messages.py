@@ -1,0 +1,698 @@
+"""The messages: one dataclass per message type and its paired ``encode_x``/``decode_x``.
+
+Owns GlobalModel, RoundAnnouncement, Update (+ UpdateMetrics) and DeviceStatus, their fields' bounds
+and the schema version each encoding carries. Every field, type, bound, topic, QoS and retained flag
+is specified in ``docs/protocol.md``; decoding is bounded by :mod:`edgefl.wire.cbor`, arrays are
+:mod:`edgefl.wire.arrays`, update deltas :mod:`edgefl.wire.compression`.
+
+Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Final
+
+import cbor2
+import numpy as np
+
+from edgefl.errors import DecodeError
+from edgefl.types import F32
+from edgefl.validators import DEVICE_ID_PATTERN, check_device_id
+from edgefl.wire.arrays import decode_array, encode_array
+from edgefl.wire.cbor import (
+    DEFAULT_LIMITS,
+    INT_MAX,
+    MIN_SCHEMA_VERSION,
+    SIGNED_SCHEMA_VERSION,
+    Limits,
+    MessageType,
+    check_keys,
+    load_message,
+    read_device_id,
+    read_float,
+    read_int,
+    read_signature,
+    read_text,
+    show,
+)
+from edgefl.wire.compression import (
+    CompressedDelta,
+    Compression,
+    compress_delta,
+    decompress_delta,
+    read_compression,
+)
+from edgefl.wire.reasons import Reason
+
+__all__ = [
+    "DEVICE_ID_RE",
+    "MAX_BATCH_SIZE",
+    "MAX_CLIENTS",
+    "MAX_DEADLINE_S",
+    "MAX_LOCAL_EPOCHS",
+    "MAX_LR",
+    "MAX_PROX_MU",
+    "UPDATE_ID_RE",
+    "DeviceStatus",
+    "GlobalModel",
+    "RoundAnnouncement",
+    "Update",
+    "UpdateMetrics",
+    "decode_global_model",
+    "decode_round",
+    "decode_status",
+    "decode_update",
+    "encode_global_model",
+    "encode_round",
+    "encode_status",
+    "encode_update",
+    "is_valid_device_id",
+    "offline_status",
+]
+
+# Bounds on a RoundAnnouncement's training settings: a device must not be told to train for 2^62
+# epochs or with a step that overflows float32 (both were seen to hang or crash an agent).
+MAX_DEADLINE_S: Final = 86_400.0
+MAX_LOCAL_EPOCHS: Final = 1_000
+MAX_LR: Final = 10.0
+MAX_BATCH_SIZE: Final = 65_536
+MAX_CLIENTS: Final = 1_000_000
+MAX_PROX_MU: Final = 1_000.0
+
+#: Device ids (MQTT topic levels, file names, Prometheus labels); ``.`` and ``..`` are also refused.
+DEVICE_ID_RE: Final = DEVICE_ID_PATTERN
+#: Update ids: often "<device>:<round>:<n>" or a UUID, hence the colon and the longer bound.
+UPDATE_ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+_STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
+_SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
+
+
+def _written_version(signature: bytes, uses_rice: bool = False) -> int:
+    # the lowest schema that describes the message (docs/protocol.md, "Versioning")
+    return SIGNED_SCHEMA_VERSION if signature or uses_rice else MIN_SCHEMA_VERSION
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalModel:
+    """The global head published by the coordinator (topic ``global``, retained).
+
+    Parameters
+    ----------
+    round : int
+        Round that produced this head (0 for the initial head).
+    version : int
+        Monotonic head version; updates name it as ``base_version``.
+    model_sha256 : str
+        SHA-256 of the backbone .tflite, 64 lowercase hex digits.
+    W : float32 [D, K]
+        Head weights.
+    b : float32 [K]
+        Head bias.
+    signature : bytes
+        Optional signature bytes (scheme defined by the caller), at most ``max_string_bytes``.
+    """
+
+    round: int
+    version: int
+    model_sha256: str
+    W: F32
+    b: F32
+    signature: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundAnnouncement:
+    """A round opened by the coordinator (topic ``round``, retained).
+
+    Parameters
+    ----------
+    round : int
+        Round number, >= 0.
+    base_version : int
+        Global head version the devices must train from.
+    deadline_s : float
+        Seconds from the announcement until updates stop being accepted, > 0.
+    local_epochs : int
+        Local epochs over the device store, >= 1.
+    lr : float
+        SGD learning rate, > 0.
+    batch_size : int
+        Training batch size, >= 1.
+    min_clients : int
+        Updates needed to aggregate, >= 1.
+    selected : tuple[str, ...] or float
+        Device ids asked to train, or the fraction in (0, 1] of devices that should self-select.
+    compression : Compression
+        Delta compression the devices must use.
+    topk_fraction : float
+        Fraction in (0, 1] of entries kept by ``topk``/``topk-int8``.
+    prox_mu : float
+        FedProx proximal coefficient, >= 0 (0 is plain FedAvg). Source: Li et al. 2020, FedProx.
+    signature : bytes
+        Optional signature bytes.
+    """
+
+    round: int
+    base_version: int
+    deadline_s: float
+    local_epochs: int
+    lr: float
+    batch_size: int
+    min_clients: int
+    selected: tuple[str, ...] | float
+    compression: Compression = Compression.NONE
+    topk_fraction: float = 0.1
+    prox_mu: float = 0.0
+    signature: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateMetrics:
+    """Training metrics sent with an update.
+
+    Parameters
+    ----------
+    loss : float
+        Mean training loss of the last local epoch.
+    accuracy : float
+        Training accuracy in [0, 1].
+    train_s : float
+        Wall time of local training, seconds, >= 0.
+    peak_rss_bytes : int
+        Peak resident set size during training, bytes, >= 0.
+    """
+
+    loss: float
+    accuracy: float
+    train_s: float
+    peak_rss_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """A device's head update (topic ``update/<device>``).
+
+    Parameters
+    ----------
+    round : int
+        Round this update answers.
+    base_version : int
+        Global head version the delta was computed from.
+    device : str
+        Device id, matching :data:`DEVICE_ID_RE`.
+    num_examples : int
+        Training examples behind the delta (the FedAvg weight), >= 1.
+    delta_W : float32 [D, K]
+        Dense head-weight delta (local - global). Always dense here; ``compression`` only changes
+        the wire, and after decoding it holds what the wire carried.
+    delta_b : float32 [K]
+        Dense bias delta.
+    metrics : UpdateMetrics
+        Training metrics.
+    update_id : str
+        Unique id for de-duplication, ``[A-Za-z0-9_.:-]{1,128}``.
+    compression : Compression
+        How the deltas are encoded on the wire.
+    signature : bytes
+        Optional signature bytes.
+    """
+
+    round: int
+    base_version: int
+    device: str
+    num_examples: int
+    delta_W: F32
+    delta_b: F32
+    metrics: UpdateMetrics
+    update_id: str
+    compression: Compression = Compression.NONE
+    signature: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStatus:
+    """A device's status (topic ``status/<device>``, retained; the last will is state ``offline``).
+
+    Parameters
+    ----------
+    device : str
+        Device id, matching :data:`DEVICE_ID_RE`.
+    state : str
+        Short label, ``[A-Za-z0-9_.-]{1,32}``: ``"online"``, ``"offline"``, ``"idle"``,
+        ``"training"``...
+    fields : Mapping[str, object]
+        Free-form JSON-like values (str, int, float, bool, None, list, dict with str keys): round,
+        version, rss_bytes, cap_bytes, reasons... Bounded by :class:`Limits`; floats must be finite.
+    """
+
+    device: str
+    state: str
+    fields: Mapping[str, object] = field(default_factory=dict)
+
+
+def is_valid_device_id(device: str) -> bool:
+    """Tell whether ``device`` is a valid device id.
+
+    Parameters
+    ----------
+    device : str
+        Candidate id.
+
+    Returns
+    -------
+    bool
+        True if it matches ``[A-Za-z0-9_.-]{1,64}`` and is not ``.`` or ``..``
+        (:func:`edgefl.validators.check_device_id`).
+    """
+    try:
+        check_device_id(device)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_head_shapes(w: F32, b: F32, where: str, expect_shape: tuple[int, int] | None) -> None:
+    if expect_shape is not None:
+        want_w, want_b = tuple(expect_shape), (expect_shape[1],)
+    else:
+        if w.ndim != 2:
+            raise DecodeError(Reason.BAD_SHAPE, f"{where}.W: shape {list(w.shape)}, expected [D, K]")
+        want_w, want_b = w.shape, (w.shape[1],)
+    if w.shape != want_w:
+        raise DecodeError(Reason.BAD_SHAPE, f"{where}.W: shape {list(w.shape)}, expected {list(want_w)}")
+    if b.shape != want_b:
+        raise DecodeError(Reason.BAD_SHAPE, f"{where}.b: shape {list(b.shape)}, expected {list(want_b)}")
+
+
+def encode_global_model(msg: GlobalModel) -> bytes:
+    """Encode a :class:`GlobalModel`.
+
+    Parameters
+    ----------
+    msg : GlobalModel
+        W float32 [D, K], b float32 [K].
+
+    Returns
+    -------
+    bytes
+        ``{"v", "type": "global_model", "round", "version", "model_sha256", "head": {"W", "b"},
+        "signature"}``.
+    """
+    return cbor2.dumps(
+        {
+            "v": _written_version(msg.signature),
+            "type": MessageType.GLOBAL_MODEL.value,
+            "round": int(msg.round),
+            "version": int(msg.version),
+            "model_sha256": msg.model_sha256,
+            "head": {
+                "W": encode_array(np.asarray(msg.W, dtype=np.float32)),
+                "b": encode_array(np.asarray(msg.b, dtype=np.float32)),
+            },
+            "signature": bytes(msg.signature),
+        }
+    )
+
+
+def decode_global_model(
+    payload: bytes, *, limits: Limits = DEFAULT_LIMITS, expect_shape: tuple[int, int] | None = None
+) -> GlobalModel:
+    """Decode and validate a :class:`GlobalModel`.
+
+    Parameters
+    ----------
+    payload : bytes
+        The MQTT payload.
+    limits : Limits
+        Decoding bounds.
+    expect_shape : tuple[int, int], optional
+        (D, K) the local head has; W must be [D, K] and b [K]. Without it, W must be 2-D and b
+        [W.shape[1]].
+
+    Returns
+    -------
+    GlobalModel
+        W, b float32, writable, owned.
+
+    Raises
+    ------
+    DecodeError
+        The reasons of ``docs/protocol.md`` ("Refusals"); ``signature`` is optional on the wire.
+    """
+    obj = load_message(payload, limits, MessageType.GLOBAL_MODEL)
+    check_keys(obj, "", ("v", "type", "round", "version", "model_sha256", "head"), ("signature",))
+    round_, version = read_int(obj, "round", ""), read_int(obj, "version", "")
+    model_sha256 = read_text(obj, "model_sha256", "", _SHA256_RE)
+    signature = read_signature(obj, limits)
+    head = check_keys(obj["head"], "head", ("W", "b"))
+    f32 = frozenset({"float32"})
+    w = decode_array(head["W"], limits=limits, dtypes=f32, name="head.W")
+    b = decode_array(head["b"], limits=limits, dtypes=f32, name="head.b")
+    _check_head_shapes(w, b, "head", expect_shape)
+    return GlobalModel(
+        round=round_, version=version, model_sha256=model_sha256, W=w, b=b, signature=signature
+    )
+
+
+def encode_round(msg: RoundAnnouncement) -> bytes:
+    """Encode a :class:`RoundAnnouncement`.
+
+    Parameters
+    ----------
+    msg : RoundAnnouncement
+        The round.
+
+    Returns
+    -------
+    bytes
+        ``{"v", "type": "round", "round", "base_version", "deadline_s", "local_epochs", "lr",
+        "batch_size", "min_clients", "selected", "compression", "topk_fraction", "prox_mu",
+        "signature"}``; ``selected`` is an array of device ids or a float fraction.
+    """
+    selected: object = (
+        float(msg.selected) if isinstance(msg.selected, int | float) else [str(d) for d in msg.selected]
+    )
+    return cbor2.dumps(
+        {
+            "v": _written_version(msg.signature),
+            "type": MessageType.ROUND.value,
+            "round": int(msg.round),
+            "base_version": int(msg.base_version),
+            "deadline_s": float(msg.deadline_s),
+            "local_epochs": int(msg.local_epochs),
+            "lr": float(msg.lr),
+            "batch_size": int(msg.batch_size),
+            "min_clients": int(msg.min_clients),
+            "selected": selected,
+            "compression": Compression(msg.compression).value,
+            "topk_fraction": float(msg.topk_fraction),
+            "prox_mu": float(msg.prox_mu),
+            "signature": bytes(msg.signature),
+        }
+    )
+
+
+def decode_round(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> RoundAnnouncement:
+    """Decode and validate a :class:`RoundAnnouncement`.
+
+    Parameters
+    ----------
+    payload : bytes
+        The MQTT payload.
+    limits : Limits
+        Decoding bounds.
+
+    Returns
+    -------
+    RoundAnnouncement
+        Keys with a dataclass default (``compression``, ``topk_fraction``, ``prox_mu``,
+        ``signature``) may be absent on the wire and take that default.
+
+    Raises
+    ------
+    DecodeError
+        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for out-of-range
+        numbers, a duplicate or invalid device id in ``selected``.
+    """
+    obj = load_message(payload, limits, MessageType.ROUND)
+    required = (
+        "v",
+        "type",
+        "round",
+        "base_version",
+        "deadline_s",
+        "local_epochs",
+        "lr",
+        "batch_size",
+        "min_clients",
+        "selected",
+    )
+    check_keys(obj, "", required, ("compression", "topk_fraction", "prox_mu", "signature"))
+    raw_selected = obj["selected"]
+    selected: tuple[str, ...] | float
+    if isinstance(raw_selected, list):
+        selected = tuple(read_device_id(device, f"selected[{i}]") for i, device in enumerate(raw_selected))
+        if len(set(selected)) != len(selected):
+            raise DecodeError(Reason.BAD_VALUE, "selected: duplicate device ids")
+    else:
+        selected = read_float(obj, "selected", "", 0.0, 1.0, lo_open=True)
+    return RoundAnnouncement(
+        round=read_int(obj, "round", ""),
+        base_version=read_int(obj, "base_version", ""),
+        deadline_s=read_float(obj, "deadline_s", "", 0.0, MAX_DEADLINE_S, lo_open=True),
+        local_epochs=read_int(obj, "local_epochs", "", 1, MAX_LOCAL_EPOCHS),
+        lr=read_float(obj, "lr", "", 0.0, MAX_LR, lo_open=True),
+        batch_size=read_int(obj, "batch_size", "", 1, MAX_BATCH_SIZE),
+        min_clients=read_int(obj, "min_clients", "", 1, MAX_CLIENTS),
+        selected=selected,
+        compression=read_compression(obj, "compression") if "compression" in obj else Compression.NONE,
+        topk_fraction=(
+            read_float(obj, "topk_fraction", "", 0.0, 1.0, lo_open=True) if "topk_fraction" in obj else 0.1
+        ),
+        prox_mu=read_float(obj, "prox_mu", "", 0.0, MAX_PROX_MU) if "prox_mu" in obj else 0.0,
+        signature=read_signature(obj, limits),
+    )
+
+
+def encode_update(
+    msg: Update,
+    *,
+    rng: np.random.Generator | None = None,
+    topk_fraction: float = 0.1,
+    compressed: CompressedDelta | None = None,
+) -> bytes:
+    """Encode an :class:`Update`, compressing its deltas per ``msg.compression`` (or taking them compressed).
+
+    Parameters
+    ----------
+    msg : Update
+        delta_W float32 [D, K], delta_b float32 [K], finite.
+    rng : numpy.random.Generator, optional
+        Stochastic rounding for int8 layouts (W is compressed before b).
+    topk_fraction : float
+        Fraction kept by ``topk``/``topk-int8`` (the round's ``topk_fraction``).
+    compressed : CompressedDelta, optional
+        The deltas already compressed (by error feedback, :func:`compress_head_delta`): written as
+        they are, so compression runs once; ``rng`` and ``topk_fraction`` are then unused and
+        ``msg.delta_W``/``msg.delta_b`` are not read. The result is byte for byte what encoding
+        the same dense deltas here gives.
+
+    Returns
+    -------
+    bytes
+        ``{"v", "type": "update", "round", "base_version", "device", "num_examples",
+        "compression", "delta": {"W": sub-map, "b": sub-map}, "metrics": {"loss", "accuracy",
+        "train_s", "peak_rss_bytes"}, "update_id", "signature"}``.
+
+    Raises
+    ------
+    ValueError
+        As :func:`edgefl.wire.compression.compress_delta` (non-finite delta, bad fraction), or
+        ``compressed`` is in another layout than ``msg.compression``.
+    """
+    mode = Compression(msg.compression)
+    if compressed is None:  # W before b: the order stochastic rounding draws in (as compress_head_delta)
+        sub_W = compress_delta(msg.delta_W, mode, topk_fraction=topk_fraction, rng=rng)
+        sub_b = compress_delta(msg.delta_b, mode, topk_fraction=topk_fraction, rng=rng)
+    elif compressed.compression is not mode:
+        raise ValueError(f"compressed delta is {compressed.compression.value}, the update says {mode.value}")
+    else:
+        sub_W, sub_b = compressed.W, compressed.b
+    delta = {"W": sub_W, "b": sub_b}
+    return cbor2.dumps(
+        {
+            "v": _written_version(msg.signature, "rice" in sub_W or "rice" in sub_b),
+            "type": MessageType.UPDATE.value,
+            "round": int(msg.round),
+            "base_version": int(msg.base_version),
+            "device": msg.device,
+            "num_examples": int(msg.num_examples),
+            "compression": mode.value,
+            "delta": delta,
+            "metrics": {
+                "loss": float(msg.metrics.loss),
+                "accuracy": float(msg.metrics.accuracy),
+                "train_s": float(msg.metrics.train_s),
+                "peak_rss_bytes": int(msg.metrics.peak_rss_bytes),
+            },
+            "update_id": msg.update_id,
+            "signature": bytes(msg.signature),
+        }
+    )
+
+
+def decode_update(
+    payload: bytes, *, limits: Limits = DEFAULT_LIMITS, expect_shape: tuple[int, int] | None = None
+) -> Update:
+    """Decode and validate an :class:`Update`, decompressing its deltas to dense float32.
+
+    Parameters
+    ----------
+    payload : bytes
+        The MQTT payload.
+    limits : Limits
+        Decoding bounds.
+    expect_shape : tuple[int, int], optional
+        (D, K) of the global head; delta W must be [D, K] and b [K]. Without it, W must be 2-D and
+        b [W.shape[1]].
+
+    Returns
+    -------
+    Update
+        Dense float32 deltas (writable, owned), ``compression`` as sent.
+
+    Raises
+    ------
+    DecodeError
+        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for ``num_examples < 1``,
+        accuracy outside [0, 1], negative ``train_s``/``peak_rss_bytes``, invalid ids.
+    """
+    obj = load_message(payload, limits, MessageType.UPDATE)
+    required = (
+        "v",
+        "type",
+        "round",
+        "base_version",
+        "device",
+        "num_examples",
+        "compression",
+        "delta",
+        "metrics",
+        "update_id",
+    )
+    check_keys(obj, "", required, ("signature",))
+    mode = read_compression(obj, "compression")
+    delta = check_keys(obj["delta"], "delta", ("W", "b"))
+    want_w = tuple(expect_shape) if expect_shape is not None else None
+    delta_w = decompress_delta(delta["W"], want_w, limits=limits, compression=mode, name="delta.W")
+    want_b = (expect_shape[1],) if expect_shape is not None else None
+    delta_b = decompress_delta(delta["b"], want_b, limits=limits, compression=mode, name="delta.b")
+    _check_head_shapes(delta_w, delta_b, "delta", expect_shape)
+    metrics = check_keys(obj["metrics"], "metrics", ("loss", "accuracy", "train_s", "peak_rss_bytes"))
+    return Update(
+        round=read_int(obj, "round", ""),
+        base_version=read_int(obj, "base_version", ""),
+        device=read_device_id(obj["device"], "device"),
+        num_examples=read_int(obj, "num_examples", "", 1),
+        delta_W=delta_w,
+        delta_b=delta_b,
+        metrics=UpdateMetrics(
+            loss=read_float(metrics, "loss", "metrics"),
+            accuracy=read_float(metrics, "accuracy", "metrics", 0.0, 1.0),
+            train_s=read_float(metrics, "train_s", "metrics", 0.0),
+            peak_rss_bytes=read_int(metrics, "peak_rss_bytes", "metrics"),
+        ),
+        update_id=read_text(obj, "update_id", "", UPDATE_ID_RE),
+        compression=mode,
+        signature=read_signature(obj, limits),
+    )
+
+
+def encode_status(msg: DeviceStatus) -> bytes:
+    """Encode a :class:`DeviceStatus`.
+
+    Parameters
+    ----------
+    msg : DeviceStatus
+        ``fields`` must hold plain Python JSON-like values (no numpy scalars).
+
+    Returns
+    -------
+    bytes
+        ``{"v", "type": "status", "device", "state", "fields": {...}}``.
+
+    Raises
+    ------
+    cbor2.CBOREncodeError
+        If ``fields`` holds a value cbor2 cannot encode.
+    """
+    return cbor2.dumps(
+        {
+            "v": MIN_SCHEMA_VERSION,
+            "type": MessageType.STATUS.value,
+            "device": msg.device,
+            "state": msg.state,
+            "fields": dict(msg.fields),
+        }
+    )
+
+
+def _json_like(value: object, name: str) -> object:
+    # depth, string lengths, item counts and text keys are already bounded by the pre-scan
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int):
+        if abs(value) > INT_MAX:
+            raise DecodeError(Reason.BAD_VALUE, f"{name}: integer out of int64 range")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise DecodeError(Reason.NOT_FINITE, f"{name} = {value}")
+        return value
+    if isinstance(value, list | tuple):
+        return [_json_like(item, f"{name}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, dict):
+        return _json_map(value, name)
+    raise DecodeError(Reason.WRONG_TYPE, f"{name}: {type(value).__name__} is not a JSON-like value")
+
+
+def _json_map(value: object, name: str) -> dict[str, object]:
+    if not isinstance(value, dict):
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a map, got {type(value).__name__}")
+    return {str(key): _json_like(item, f"{name}.{show(str(key))}") for key, item in value.items()}
+
+
+def decode_status(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> DeviceStatus:
+    """Decode and validate a :class:`DeviceStatus`.
+
+    Parameters
+    ----------
+    payload : bytes
+        The MQTT payload (retained ``status/<device>`` messages included).
+    limits : Limits
+        Decoding bounds; they also bound ``fields``.
+
+    Returns
+    -------
+    DeviceStatus
+        ``fields`` as a fresh dict of plain Python values (arrays as lists); ``{}`` if absent.
+
+    Raises
+    ------
+    DecodeError
+        The reasons of ``docs/protocol.md`` ("Refusals"); ``wrong_type`` for byte strings or
+        tags inside ``fields``, ``not_finite`` for NaN/infinity.
+    """
+    obj = load_message(payload, limits, MessageType.STATUS)
+    check_keys(obj, "", ("v", "type", "device", "state"), ("fields",))
+    return DeviceStatus(
+        device=read_device_id(obj["device"], "device"),
+        state=read_text(obj, "state", "", _STATE_RE),
+        fields=_json_map(obj["fields"], "fields") if "fields" in obj else {},
+    )
+
+
+def offline_status(device: str) -> bytes:
+    """Return the last-will payload of ``device``: a :class:`DeviceStatus` with state ``offline``.
+
+    Parameters
+    ----------
+    device : str
+        Device id.
+
+    Returns
+    -------
+    bytes
+        ``encode_status(DeviceStatus(device, "offline", {}))``.
+
+    Raises
+    ------
+    ValueError
+        If ``device`` is not a valid device id (the broker would publish it forever).
+    """
+    check_device_id(device)
+    return encode_status(DeviceStatus(device=device, state="offline", fields={}))

@@ -1,0 +1,91 @@
+"""One ``Reason`` for every refusal of a message: the ``reason`` of ``DecodeError``/``UpdateRejected``.
+
+The values are the ``rejected_total{reason}`` label values on the dashboards and ``/metrics``. A
+``Reason`` is a ``str`` (``StrEnum``), so counters keyed by the plain string and by the member are the
+same key. The meaning of each value is listed in ``docs/protocol.md`` ("Refusals").
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Final
+
+__all__ = ["CHUNK_REASONS", "REASONS", "SIGNATURE_REASONS", "Reason"]
+
+
+class Reason(StrEnum):
+    """Why a message was refused (decoding, chunk reassembly, signature check, round bookkeeping)."""
+
+    # bounded CBOR and the message envelope (edgefl.wire.cbor)
+    TOO_LARGE = "too_large"
+    BAD_CBOR = "bad_cbor"
+    TOO_DEEP = "too_deep"
+    TRAILING_BYTES = "trailing_bytes"
+    NOT_A_MAP = "not_a_map"
+    BAD_VERSION = "bad_version"
+    NEWER_SCHEMA = "newer_schema"
+    WRONG_TYPE = "wrong_type"
+    UNKNOWN_KEY = "unknown_key"
+    MISSING_KEY = "missing_key"
+    # field values, typed arrays, compressed layouts
+    BAD_SHAPE = "bad_shape"
+    BAD_DTYPE = "bad_dtype"
+    NOT_FINITE = "not_finite"
+    BAD_INDICES = "bad_indices"
+    BAD_VALUE = "bad_value"
+    # chunks (edgefl.wire.chunking)
+    BAD_CHUNK = "bad_chunk"
+    CHUNK_CONFLICT = "chunk_conflict"
+    BAD_CHECKSUM = "bad_checksum"
+    # signatures (edgefl.wire.signing)
+    UNSIGNED = "unsigned"
+    BAD_SIGNATURE = "bad_signature"
+    UNKNOWN_DEVICE = "unknown_device"
+    # where and when a valid message arrived (coordinator and device bookkeeping; UpdateRejected)
+    BAD_TOPIC = "bad_topic"
+    WRONG_DEVICE = "wrong_device"
+    NO_ROUND = "no_round"
+    ROUND_CLOSED = "round_closed"
+    DUPLICATE = "duplicate"
+    STALE_BASE = "stale_base"
+    TOO_STALE = "too_stale"
+    NO_EXAMPLES = "no_examples"
+    STALE_ROUND = "stale_round"
+    NOT_SELECTED = "not_selected"
+    TOO_MANY = "too_many"
+    # the coordinator's bounded device registry (statuses)
+    REGISTRY_FULL = "registry_full"
+    EXPIRED = "expired"
+    # a global head the device cannot use
+    WRONG_MODEL = "wrong_model"
+    NOT_NEWER = "not_newer"
+    # a state file the coordinator cannot resume from
+    BAD_STATE = "bad_state"
+
+
+#: Reasons the message decoders raise (``edgefl.wire.messages``, ``.compression``, ``.arrays``, ``.cbor``).
+REASONS: Final = frozenset(
+    {
+        Reason.TOO_LARGE,
+        Reason.BAD_CBOR,
+        Reason.TOO_DEEP,
+        Reason.TRAILING_BYTES,
+        Reason.NOT_A_MAP,
+        Reason.BAD_VERSION,
+        Reason.NEWER_SCHEMA,
+        Reason.WRONG_TYPE,
+        Reason.UNKNOWN_KEY,
+        Reason.MISSING_KEY,
+        Reason.BAD_SHAPE,
+        Reason.BAD_DTYPE,
+        Reason.NOT_FINITE,
+        Reason.BAD_INDICES,
+        Reason.BAD_VALUE,
+    }
+)
+#: Reasons chunk decoding and reassembly raise besides :data:`REASONS`.
+CHUNK_REASONS: Final = frozenset(
+    {Reason.BAD_CHUNK, Reason.CHUNK_CONFLICT, Reason.BAD_CHECKSUM, Reason.TOO_LARGE}
+)
+#: Reasons signature verification raises.
+SIGNATURE_REASONS: Final = frozenset({Reason.UNSIGNED, Reason.BAD_SIGNATURE})

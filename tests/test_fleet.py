@@ -1,0 +1,456 @@
+"""The standalone coordinator as a fleet service: its profile, progress lines, exit codes, TLS with
+passwords and a per-device ACL, on a real mosquitto with real agent processes and the real model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import (
+    INT8_MODEL,
+    MODELS,
+    ROOT,
+    Broker,
+    Pki,
+    mosquitto_passwd_path,
+    start_mosquitto,
+    start_replay_agent,
+    stop_broker,
+    tls_conf,
+)
+
+from edgefl.coordinator.profile import load_coordinator_profile
+from edgefl.datasets import load_digits, partition_non_iid, split_digits
+from edgefl.demo import stop_agents
+from edgefl.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(300)
+
+COORDINATOR_PROFILE = ROOT / "firmware_configs" / "coordinator.toml"
+DEVICE_PASSWORD = "device secret of dev"  # per device: this prefix + the device id
+COORDINATOR_PASSWORD = "coordinator secret 42"
+
+
+def shards(n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    x, y = load_digits()
+    pool = split_digits(y).devices
+    return [(x[pool[s]], y[pool[s]]) for s in partition_non_iid(y[pool], n)]
+
+
+def run_coordinator(tmp: Path, *sets: str, timeout_s: float = 240) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "edgefl.cli", "coordinator", str(COORDINATOR_PROFILE)]
+    for item in sets:
+        cmd += ["--set", item]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=tmp)
+
+
+@pytest.fixture
+def agents(mosquitto: Broker, fleet: str, tmp_path: Path) -> Iterator[list[Any]]:
+    procs: list[Any] = []
+    for k, (x, y) in enumerate(shards(2)):
+        procs.append(
+            start_replay_agent(
+                mosquitto, fleet, tmp_path, f"dev-{k + 1}", x, y, training__store_capacity="1024"
+            )
+        )
+    try:
+        yield procs
+    finally:
+        stop_agents(procs)
+
+
+def test_coordinator_profile_lists_every_problem(tmp_path: Path) -> None:
+    bad = tmp_path / "c.toml"
+    bad.write_text('[rounds]\ncount = 0\nlr_decay = 2.0\n[strategy]\nname = "fedsgd"\n[bogus]\nx = 1\n')
+    with pytest.raises(ConfigError) as err:
+        load_coordinator_profile(bad)
+    assert err.value.problems == [
+        "[bogus]: unknown table",
+        "model.path: required",
+        "rounds.count = 0: must be > 0",
+        "rounds.lr_decay = 2.0: must be in (0, 1]",
+        "strategy.name = 'fedsgd': must be one of 'fedavg', 'fedprox', 'fedavgm', 'fedadam', 'fedyogi', "
+        "'median', 'trimmed-mean', 'fedbuff'",
+    ]
+
+
+def test_coordinator_and_device_profiles_agree_on_the_model_and_topics() -> None:
+    from edgefl.agent.config import load_profile
+
+    coordinator = load_coordinator_profile(COORDINATOR_PROFILE)
+    for name in ("dev_x86.toml", "gateway_aarch64_256mb.toml", "gateway_armv7_512mb.toml", "rpi4.toml"):
+        device = load_profile(ROOT / "firmware_configs" / name)
+        assert device.model.path.resolve() == coordinator.model.path.resolve(), name
+        assert device.broker.topic_prefix == coordinator.broker.topic_prefix, name
+        assert device.device.fleet == coordinator.fleet.name, name
+    assert coordinator.model.path.resolve() == (MODELS / "digits_cnn_int8_rawin.tflite").resolve()
+
+
+def test_coordinator_job_prints_a_line_per_round_and_writes_the_summary(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[Any]
+) -> None:
+    summary = tmp_path / "summary.json"
+    done = run_coordinator(
+        tmp_path,
+        f"broker.url={mosquitto.url}",
+        f"fleet.name={fleet}",
+        f"model.path={INT8_MODEL}",
+        "rounds.count=2",
+        "rounds.expected_clients=2",
+        "rounds.deadline_s=60",
+        f"files.json={summary}",
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("round ")]
+    assert [line.split(":")[0] for line in lines] == ["round 1/2", "round 2/2"], done.stdout
+    assert all(" 2/2 clients, refused: none, accuracy 0." in line for line in lines), lines
+    doc = json.loads(summary.read_text())
+    assert [r["round"] for r in doc["rounds"]] == [1, 2]
+    for r in doc["rounds"]:
+        assert {"round", "clients", "accuracy", "update_bytes_mean", "duration_s"} <= set(r)
+        assert r["clients"] == 2 and 0.5 < r["accuracy"] <= 1.0 and r["update_bytes_mean"] > 0
+    assert doc["empty_rounds"] == []
+
+
+def test_coordinator_exits_5_naming_the_reason_when_a_round_aggregates_nothing(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[Any]
+) -> None:
+    # The agents run digits_cnn_int8; this coordinator's global head is for the float model: the
+    # agents refuse it (wrong_model), so from round 2 on no update fits the round's base version.
+    done = run_coordinator(
+        tmp_path,
+        f"broker.url={mosquitto.url}",
+        f"fleet.name={fleet}",
+        f"model.path={MODELS / 'digits_cnn_float32.tflite'}",
+        "rounds.count=2",
+        "rounds.expected_clients=2",
+        "rounds.deadline_s=8",
+    )
+    assert done.returncode == 5, done.stdout + done.stderr
+    assert "aggregated nothing" in done.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in done.stderr
+
+
+def test_coordinator_invalid_profile_exits_1_and_lists_problems(tmp_path: Path) -> None:
+    done = run_coordinator(tmp_path, "rounds.count=0", "broker.qos=7", timeout_s=60)
+    assert done.returncode == 1
+    assert "rounds.count = 0: must be > 0" in done.stderr
+    assert "broker.qos = 7: must be 0, 1 or 2" in done.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# TLS, passwords and a per-device ACL
+# --------------------------------------------------------------------------------------------------
+
+ACL = """\
+# the coordinator: reads updates and statuses, writes the global head and the round
+user coordinator
+topic read edgefl/+/update/+
+topic read edgefl/+/status/+
+topic readwrite edgefl/+/global/#
+topic readwrite edgefl/+/round
+
+# every device (username = device id): only its own update, status and predictions; reads global/round
+pattern write edgefl/+/update/%u
+pattern readwrite edgefl/+/status/%u
+pattern write edgefl/+/predictions/%u
+pattern read edgefl/+/global/#
+pattern read edgefl/+/round
+"""
+
+
+@pytest.fixture
+def acl_broker(pki: Pki, tmp_path: Path) -> Iterator[Broker]:
+    passwd = tmp_path / "fleet.passwd"
+    subprocess.run(
+        [mosquitto_passwd_path(), "-c", "-b", str(passwd), "coordinator", COORDINATOR_PASSWORD], check=True
+    )
+    for dev in ("dev-1", "dev-2"):
+        subprocess.run([mosquitto_passwd_path(), "-b", str(passwd), dev, DEVICE_PASSWORD + dev], check=True)
+    acl = tmp_path / "fleet.acl"
+    acl.write_text(ACL)
+    conf = tls_conf(pki, pki.server_cert, pki.server_key, require_certificate=False)
+    conf = conf.replace(f"password_file {pki.passwd}", f"password_file {passwd}") + f"acl_file {acl}\n"
+    b = start_mosquitto(tmp_path, extra=conf)
+    yield b
+    stop_broker(b)
+
+
+def test_fleet_over_tls_with_passwords_and_acl(acl_broker: Broker, pki: Pki, tmp_path: Path) -> None:
+    fleet = "acl"
+    url = f"mqtts://127.0.0.1:{acl_broker.port}"
+    procs = []
+    for k, (x, y) in enumerate(shards(2)):
+        dev = f"dev-{k + 1}"
+        procs.append(
+            start_replay_agent(
+                acl_broker,
+                fleet,
+                tmp_path,
+                dev,
+                x,
+                y,
+                broker__url=url,
+                broker__ca_file=str(pki.ca),
+                broker__username=dev,
+                broker__password=DEVICE_PASSWORD + dev,
+                training__store_capacity="1024",
+            )
+        )
+    password_file = tmp_path / "coordinator.password"
+    password_file.write_text(COORDINATOR_PASSWORD + "\n")
+    try:
+        done = run_coordinator(
+            tmp_path,
+            f"broker.url={url}",
+            f"broker.ca_file={pki.ca}",
+            "broker.username=coordinator",
+            f"broker.password_file={password_file}",
+            f"fleet.name={fleet}",
+            f"model.path={INT8_MODEL}",
+            "rounds.count=2",
+            "rounds.expected_clients=2",
+            "rounds.deadline_s=60",
+        )
+    finally:
+        stop_agents(procs)
+    assert done.returncode == 0, done.stdout + done.stderr + (tmp_path / "dev-1.log").read_text()[-2000:]
+    assert "at mqtts://127.0.0.1" in done.stdout
+    assert done.stdout.count(" 2/2 clients") == 2, done.stdout
+
+
+def test_acl_refuses_a_device_publishing_as_another(acl_broker: Broker, pki: Pki) -> None:
+    """dev-1's credentials cannot publish on update/dev-2 (MQTT 5 PUBACK 0x87) nor on global."""
+    import asyncio
+
+    from edgefl.errors import TransportError
+    from edgefl.tlsconf import make_ssl_context
+    from edgefl.transport import MqttTransport
+
+    async def main() -> list[str]:
+        tx = MqttTransport(
+            "127.0.0.1",
+            acl_broker.port,
+            "acl-probe",
+            protocol="5",
+            tls_context=make_ssl_context(pki.ca),
+            username="dev-1",
+            password=DEVICE_PASSWORD + "dev-1",
+        )
+        outcomes = []
+        await tx.start(wait_s=10)
+        try:
+            for topic in ("edgefl/acl/update/dev-1", "edgefl/acl/update/dev-2", "edgefl/acl/global"):
+                try:
+                    await tx.publish(topic, b"x", qos=1, timeout_s=5)
+                    outcomes.append("accepted")
+                except TransportError as exc:
+                    outcomes.append(f"refused: {exc}")
+        finally:
+            await tx.stop()
+        return outcomes
+
+    own, other, head = asyncio.run(main())
+    assert own == "accepted"
+    assert other.startswith("refused") and head.startswith("refused"), (other, head)
+
+
+def test_coordinator_mqtts_never_falls_back_to_plain_text(mosquitto: Broker, tmp_path: Path) -> None:
+    # mqtts:// against a plain listener: the TLS handshake fails; the coordinator says so and exits 4.
+    done = run_coordinator(
+        tmp_path,
+        f"broker.url=mqtts://127.0.0.1:{mosquitto.port}",
+        f"model.path={INT8_MODEL}",
+        "rounds.count=1",
+        timeout_s=120,
+    )
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert "cannot start" in done.stderr and "not reachable" in done.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# The fleet page of the standalone coordinator, in real headless Chromium
+# --------------------------------------------------------------------------------------------------
+
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+PAGE_TOKEN = "fleet-page-token-0123456789"
+
+
+def _get(url: str, token: str | None) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+
+
+def test_fleet_page_from_the_standalone_coordinator(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[Any]
+) -> None:
+    import base64
+    import time
+
+    from conftest import free_port
+    from playwright.sync_api import expect, sync_playwright
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "edgefl.cli", "coordinator", str(COORDINATOR_PROFILE)]
+    for item in (
+        f"broker.url={mosquitto.url}",
+        f"fleet.name={fleet}",
+        f"model.path={INT8_MODEL}",
+        "rounds.count=30",
+        "rounds.expected_clients=2",
+        "rounds.deadline_s=60",
+        "dashboard.enabled=true",
+        f"dashboard.port={port}",
+        f"dashboard.token={PAGE_TOKEN}",
+    ):
+        cmd += ["--set", item]
+    out = tmp_path / "coordinator.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        status: dict[str, Any] = {}
+        while time.monotonic() < deadline and proc.poll() is None:
+            code, body = (
+                _get(base + "/api/status", PAGE_TOKEN) if out.read_text().count("fleet page:") else (0, "")
+            )
+            if code == 200:
+                status = json.loads(body)["status"]
+                if len(status.get("rounds") or []) >= 2:
+                    break
+            time.sleep(0.5)
+        assert len(status.get("rounds") or []) >= 2, out.read_text()
+        assert _get(base + "/api/status", None)[0] == 401  # the token guards every route
+        assert _get(base + "/healthz", PAGE_TOKEN)[0] == 200
+        code, metrics = _get(base + "/metrics", PAGE_TOKEN)
+        assert code == 200 and "edgefl_" in metrics
+        assert status["model_mismatches"] == {} and set(status["devices"]) == {"dev-1", "dev-2"}
+
+        basic = base64.b64encode(f"edgefl:{PAGE_TOKEN}".encode()).decode()
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_context(extra_http_headers={"Authorization": f"Basic {basic}"}).new_page()
+                page.goto(base + "/")
+                expect(page.locator("#rounds tbody tr[data-round='1']")).to_be_visible(timeout=20_000)
+                row = page.locator("#rounds tbody tr[data-round='1'] td")
+                expect(row.nth(1)).to_have_text("2")
+                assert 0.5 < float(row.nth(2).inner_text()) <= 1.0
+                expect(row.nth(3)).to_contain_text("KiB")
+                expect(page.locator("#devices tbody tr[data-device='dev-1']")).to_be_visible()
+                expect(page.locator("#mismatch-count")).to_have_text("model mismatches 0")
+                expect(page.locator("#online-count")).to_have_text("devices 2 / 2 online")
+                page.screenshot(path=str(tmp_path / "fleet-page.png"), full_page=True)
+            finally:
+                browser.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_coordinator_restarted_without_state_adopts_the_fleets_round_and_head(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[Any]
+) -> None:
+    common = (
+        f"broker.url={mosquitto.url}",
+        f"fleet.name={fleet}",
+        f"model.path={INT8_MODEL}",
+        "rounds.expected_clients=2",
+        "rounds.deadline_s=60",
+    )
+    first = run_coordinator(tmp_path, *common, "rounds.count=2")
+    assert first.returncode == 0, first.stdout + first.stderr
+    # a new coordinator with no state file: it adopts round 2 / version 2 from the retained messages,
+    # so the agents (which hold round 2) answer rounds 3 and 4 instead of refusing them as stale
+    summary = tmp_path / "second.json"
+    second = run_coordinator(tmp_path, *common, "rounds.count=4", f"files.json={summary}")
+    assert second.returncode == 0, second.stdout + second.stderr
+    lines = [line for line in second.stdout.splitlines() if line.startswith("round ")]
+    assert [line.split(":")[0] for line in lines] == ["round 3/4", "round 4/4"], second.stdout
+    assert all(" 2/2 clients" in line for line in lines), lines
+    accuracies = [r["accuracy"] for r in json.loads(summary.read_text())["rounds"]]
+    assert all(a > 0.8 for a in accuracies), accuracies  # the adopted head, not the factory head (~0.5)
+
+
+def test_fleet_registry_is_bounded_under_a_status_flood(mosquitto: Broker, fleet: str) -> None:
+    """150 offline then 1,000 online invented devices into a registry of 200: the offline ones go
+    first, then new devices are refused (``registry_full``); a status older than the expiry too."""
+    import asyncio
+    import time
+
+    from edgefl.coordinator.service import Coordinator
+    from edgefl.coordinator.strategy import Strategy
+    from edgefl.runtime import Backbone
+    from edgefl.topics import Topics
+    from edgefl.transport import MqttTransport
+    from edgefl.wire.codec import DeviceStatus, encode_status
+
+    async def main() -> tuple[Coordinator, int]:
+        bb = Backbone(INT8_MODEL)
+        W0, b0 = bb.head_from_model()
+        topics = Topics("edgefl", fleet)
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}", queue_size=4096)
+        flood = MqttTransport(mosquitto.host, mosquitto.port, f"flood-{fleet}")
+        await t.start(wait_s=10)
+        await flood.start(wait_s=10)
+        coord = Coordinator(
+            t,
+            topics,
+            W0,
+            b0,
+            model_sha256=bb.sha256,
+            strategy=Strategy(min_clients=1, deadline_s=5),
+            max_devices=200,
+            device_expiry_s=3600,
+        )
+        pump = asyncio.create_task(coord.pump())
+        try:
+            await coord.start(adopt_wait_s=0.1)
+            for i in range(150):
+                st = DeviceStatus(f"gone-{i}", "offline", {})
+                await flood.publish(topics.status(f"gone-{i}"), encode_status(st), qos=1, retain=True)
+            for i in range(1000):
+                st = DeviceStatus(f"flood-{i}", "online", {"ready": True})
+                await flood.publish(topics.status(f"flood-{i}"), encode_status(st), qos=1, retain=True)
+            old = DeviceStatus("ancient", "online", {"ts": time.time() - 7200})
+            await flood.publish(topics.status("ancient"), encode_status(old), qos=1, retain=True)
+            # every status handled: 200 kept + 800 refused + 1 expired (150 evicted along the way)
+            deadline = time.monotonic() + 60
+            while len(coord.state.devices) + sum(coord.state.rejected.values()) < 1001:
+                assert time.monotonic() < deadline, (len(coord.state.devices), coord.state.rejected)
+                await asyncio.sleep(0.05)
+            return coord, len(coord.rejected_by_device)
+        finally:
+            pump.cancel()
+            await flood.stop()
+            await t.stop()
+
+    coord, tracked = asyncio.run(main())
+    assert len(coord.state.devices) == 200
+    assert all(st["state"] == "online" for st in coord.state.devices.values())
+    assert coord.state.rejected["registry_full"] == 800
+    assert coord.state.rejected["expired"] == 1
+    assert tracked <= 200  # refusals by device are bounded like the registry

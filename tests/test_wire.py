@@ -1,0 +1,238 @@
+"""The wire package as a whole: layout sizes, schema versions, the one Reason enum, header capture."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import cbor2
+import numpy as np
+import pytest
+
+from edgefl.agent.memory import wire_bytes
+from edgefl.errors import DecodeError
+from edgefl.wire import arrays, cbor, chunking, codec, compression, messages, signing
+from edgefl.wire.cbor import ALLOWED_TAGS, DEFAULT_LIMITS, SCHEMA_VERSION, prescan
+from edgefl.wire.chunking import is_chunk, split_message
+from edgefl.wire.compression import Compression, compress_delta, compress_head_delta, delta_wire_bytes
+from edgefl.wire.messages import (
+    DeviceStatus,
+    GlobalModel,
+    RoundAnnouncement,
+    Update,
+    UpdateMetrics,
+    decode_global_model,
+    decode_round,
+    decode_update,
+    encode_global_model,
+    encode_round,
+    encode_status,
+    encode_update,
+)
+from edgefl.wire.reasons import CHUNK_REASONS, REASONS, SIGNATURE_REASONS, Reason
+
+WIRE = Path(__file__).resolve().parent.parent / "edgefl" / "wire"
+SHA = "cd" * 32
+
+
+def make_update(compression: Compression, shape: tuple[int, int] = (64, 10), seed: int = 0) -> Update:
+    rng = np.random.default_rng(seed)
+    return Update(
+        round=3,
+        base_version=2,
+        device="dev-1",
+        num_examples=12,
+        delta_W=rng.standard_normal(shape).astype(np.float32),
+        delta_b=rng.standard_normal(shape[1]).astype(np.float32),
+        metrics=UpdateMetrics(0.5, 0.75, 0.01, 1 << 20),
+        update_id="dev-1:3:2",
+        compression=compression,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout sizes: what agent.memory budgets is what the codec writes
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (300,), (64, 10), (512, 10), (3, 4, 5), (70_000,)])
+@pytest.mark.parametrize("mode", list(Compression))
+def test_delta_wire_bytes_matches_the_encoded_layout(shape: tuple[int, ...], mode: Compression) -> None:
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    for fraction in (0.01, 0.1, 0.5):
+        predicted = delta_wire_bytes(shape, mode, fraction)
+        without_rice = len(cbor2.dumps(compress_delta(x, mode, topk_fraction=fraction, allow_rice=False)))
+        assert predicted == without_rice, (shape, mode, fraction)
+        # the rice layout is only written when it is smaller: the size stays an upper bound
+        assert len(cbor2.dumps(compress_delta(x, mode, topk_fraction=fraction))) <= predicted
+
+
+def test_memory_wire_bytes_is_the_two_layouts() -> None:
+    for mode in Compression:
+        u = make_update(mode, (32, 10))
+        packed = compress_head_delta(u.delta_W, u.delta_b, mode, allow_rice=False)
+        exact = len(cbor2.dumps(packed.W)) + len(cbor2.dumps(packed.b))
+        assert wire_bytes(32, 10, mode.value) == exact
+    assert wire_bytes(512, 10, "none") == delta_wire_bytes((512, 10), "none") + delta_wire_bytes(
+        (10,), "none"
+    )
+    # map head, "values", tag 40, [shape, typed], shape [512, 10], tag 85, bytes head, bytes
+    assert wire_bytes(512, 10, "none") == (1 + 7 + 2 + 1 + 5 + 2 + 3 + 20480) + (
+        1 + 7 + 2 + 1 + 2 + 2 + 2 + 40
+    )
+
+
+def test_layout_size_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        delta_wire_bytes((4,), "zip")
+    with pytest.raises(ValueError):
+        delta_wire_bytes((4,), "topk", 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Versioning: the lowest schema that describes a message is written; newer ones are refused
+
+
+def test_schema_written_is_the_lowest_that_describes_the_message() -> None:
+    gm = GlobalModel(1, 2, SHA, np.ones((4, 3), np.float32), np.zeros(3, np.float32))
+    assert cbor2.loads(encode_global_model(gm))["v"] == 1
+    assert cbor2.loads(encode_status(DeviceStatus("dev-1", "online", {})))["v"] == 1
+    assert cbor2.loads(encode_update(make_update(Compression.INT8)))["v"] == 1
+    signed = GlobalModel(1, 2, SHA, gm.W, gm.b, signature=b"s" * 64)
+    assert cbor2.loads(encode_global_model(signed))["v"] == 2
+    assert decode_global_model(encode_global_model(signed)).signature == b"s" * 64
+    # top-k with 1 % kept out of 20,000: Rice-coded gaps are smaller than indices or a mask
+    sparse = make_update(Compression.TOPK, (2000, 10))
+    payload = encode_update(sparse, topk_fraction=0.01)
+    obj = cbor2.loads(payload)
+    assert "rice" in obj["delta"]["W"] and obj["v"] == 2
+    assert decode_update(payload, expect_shape=(2000, 10)).num_examples == 12
+    # the same update without the rice layout stays readable by a schema-1 peer
+    packed = compress_head_delta(
+        sparse.delta_W, sparse.delta_b, Compression.TOPK, topk_fraction=0.01, allow_rice=False
+    )
+    assert not packed.uses_rice
+    assert cbor2.loads(encode_update(sparse, compressed=packed))["v"] == 1
+
+
+@pytest.mark.parametrize("version", [3, 17, 2**32])
+def test_newer_schema_is_refused_with_its_reason(version: int) -> None:
+    ann = RoundAnnouncement(4, 3, 30.0, 2, 0.1, 16, 2, ("dev-1",))
+    obj = cbor2.loads(encode_round(ann))
+    obj["v"] = version
+    with pytest.raises(DecodeError) as info:
+        decode_round(cbor2.dumps(obj))
+    assert info.value.reason == "newer_schema" and Reason("newer_schema") is Reason.NEWER_SCHEMA
+    assert f"reads schema 1 to {SCHEMA_VERSION}" in info.value.detail
+
+
+def test_chunks_keep_schema_1() -> None:
+    parts = split_message(b"x" * 3000, "edgefl/f/global/0000", 600, msg_id="m")
+    assert len(parts) > 1 and all(cbor2.loads(p)["v"] == 1 and is_chunk(p) for p in parts)
+
+
+# ----------------------------------------------------------------------------------------------
+# One Reason enum; no private imports across modules; the pre-scan's header capture
+
+
+def test_every_refusal_reason_is_a_reason_member() -> None:
+    members = set(Reason)
+    assert members >= REASONS | CHUNK_REASONS | SIGNATURE_REASONS
+    assert codec.REASONS is REASONS and signing.SIGNATURE_REASONS is SIGNATURE_REASONS
+    assert chunking.CHUNK_REASONS is CHUNK_REASONS
+    for path in WIRE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "DecodeError":
+                # every reason is spelled Reason.X (an IfExp of two Reason.X too)
+                spelled = [n for n in ast.walk(node.args[0]) if isinstance(n, ast.Attribute)]
+                assert spelled, (path.name, node.lineno)
+                for attr in spelled:
+                    assert getattr(attr.value, "id", "") == "Reason" and attr.attr in Reason.__members__
+
+
+def test_every_reason_the_agent_and_coordinator_raise_is_a_reason_member() -> None:
+    top = WIRE.parent.parent
+    seen = set()
+    for path in [
+        *(top / "agent").glob("*.py"),
+        *(top / "coordinator").glob("*.py"),
+        *WIRE.parent.glob("*.py"),
+    ]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in (
+                "DecodeError",
+                "UpdateRejected",
+            ):
+                first = node.args[0] if node.args else None
+                if isinstance(first, ast.Constant):
+                    seen.add(first.value)
+                    assert first.value in set(Reason), (path.name, node.lineno, first.value)
+    assert {"bad_topic", "wrong_device", "not_newer", "stale_round"} <= seen
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    roots = [WIRE, WIRE.parent.parent / "agent", WIRE.parent.parent / "coordinator", WIRE.parent]
+    for root in roots:
+        for path in root.glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("edgefl"):
+                    private = [a.name for a in node.names if a.name.startswith("_")]
+                    assert not private, (path, node.module, private)
+
+
+def test_codec_re_exports_every_name_it_exported_before_the_split() -> None:
+    before = {
+        "DEVICE_ID_RE", "REASONS", "SCHEMA_VERSION", "Compression", "DecodeError", "DeviceStatus",
+        "GlobalModel", "Limits", "MessageType", "RoundAnnouncement", "Update", "UpdateMetrics",
+        "compress_delta", "compressed_roundtrip", "decode_array", "decode_global_model", "decode_round",
+        "decode_status", "decode_update", "decompress_delta", "encode_array", "encode_global_model",
+        "encode_round", "encode_status", "encode_update", "is_valid_device_id", "offline_status",
+        "topk_count", "MAX_DEADLINE_S", "MAX_LOCAL_EPOCHS", "MAX_LR", "MAX_BATCH_SIZE", "MAX_CLIENTS",
+        "MAX_PROX_MU",
+    }  # fmt: skip
+    assert before <= set(codec.__all__)
+    assert all(getattr(codec, name) is not None for name in codec.__all__)
+    assert codec.encode_update is messages.encode_update and codec.Limits is cbor.Limits
+    assert codec.Compression is compression.Compression and codec.encode_array is arrays.encode_array
+
+
+def test_prescan_tags_are_the_typed_array_tags() -> None:
+    assert frozenset({arrays.TAG_NDARRAY, *arrays.TYPED_ARRAY_TAGS}) == ALLOWED_TAGS
+
+
+def test_prescan_captures_top_level_headers_only() -> None:
+    payload = cbor2.dumps(
+        {"v": 2, "type": "update", "round": 7, "nested": {"round": 9}, "base_version": 300, "device": "d-1"}
+    )
+    got = prescan(payload, DEFAULT_LIMITS, ("v", "type", "round", "base_version", "device", "absent"))
+    assert got == {"v": 2, "type": "update", "round": 7, "base_version": 300, "device": "d-1"}
+    assert prescan(payload, DEFAULT_LIMITS) == {}
+    # negative or non-integer values are not captured (the signature check then refuses the message)
+    assert prescan(cbor2.dumps({"round": -1, "v": 1.5}), DEFAULT_LIMITS, ("round", "v")) == {}
+    with pytest.raises(DecodeError) as info:
+        prescan(payload + b"\x00", DEFAULT_LIMITS, ("v",))
+    assert info.value.reason == "trailing_bytes"
+
+
+def test_schema_1_update_with_rice_from_before_the_bump_is_read() -> None:
+    # edgefl before schema 2 wrote the rice layout under v = 1: the layout is the same, so it is read
+    sparse = make_update(Compression.TOPK_INT8, (2000, 10))
+    new = encode_update(sparse, topk_fraction=0.01)
+    obj = cbor2.loads(new)
+    assert obj["v"] == 2 and "rice" in obj["delta"]["W"]
+    obj["v"] = 1
+    old = decode_update(cbor2.dumps(obj), expect_shape=(2000, 10))
+    np.testing.assert_array_equal(old.delta_W, decode_update(new).delta_W)
+
+
+def test_compressed_delta_round_trips_and_matches_the_decoder() -> None:
+    for mode in Compression:
+        u = make_update(mode, (300, 7), seed=4)
+        packed = compress_head_delta(u.delta_W, u.delta_b, mode, topk_fraction=0.05)
+        got = decode_update(encode_update(u, compressed=packed), expect_shape=(300, 7))
+        assert got.compression is mode
+        np.testing.assert_array_equal(got.delta_W, packed.decoded_W)
+        np.testing.assert_array_equal(got.delta_b, packed.decoded_b)
+        if mode is Compression.NONE:
+            np.testing.assert_array_equal(packed.decoded_W, u.delta_W)
+    with pytest.raises(ValueError, match="NaN"):
+        compress_head_delta(np.full((2, 2), np.nan, np.float32), np.zeros(2, np.float32), Compression.INT8)
