@@ -84,7 +84,7 @@ class BrokerConfig:
     max_incoming_packet_bytes : int
         Largest packet we accept, 1..268435455 bytes: announced in CONNECT (MQTT 5 Maximum Packet Size)
         and enforced on every protocol before the packet is buffered (a larger PUBLISH is dropped and
-        counted). Default 1 MiB: above the coordinator's 256 KiB head chunks, far under the RAM cap.
+        counted). Default 1 MiB: above the coordinator's head chunks, far under a device's RAM cap.
     protocol : {"auto", "5", "3.1.1"}
         MQTT version; ``auto`` tries 5 and falls back to 3.1.1.
     username, password : str or None
@@ -149,7 +149,7 @@ class DashboardConfig:
         half-open connection is closed.
     max_connections : int
         Open connections at once (1..10000); more are closed at accept. Keep it under the process's
-        file-descriptor limit (``ulimit -n``, often 1024) minus what the agent itself uses.
+        file-descriptor limit (``ulimit -n``, often 1024) minus what the process itself uses.
     max_connections_per_client : int
         Open connections at once from one client IP address, 1..max_connections.
     """
@@ -408,7 +408,7 @@ def check_broker(p: Problems, c: BrokerConfig, raw: Mapping[str, object], check_
 
 
 def check_dashboard(p: Problems, c: DashboardConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    """Check ``[dashboard]``: host, port, token (required off loopback)."""
+    """Check ``[dashboard]``: host, port, token (required off loopback), timeouts, connection caps."""
     if not c.host:
         p.add("dashboard.host", c.host, "must not be empty (use 0.0.0.0 to listen on all interfaces)")
     if not 0 <= c.port <= 65_535:

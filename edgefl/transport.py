@@ -106,6 +106,11 @@ class PacketFilter:
             On a malformed Remaining Length, an oversize packet that is not a PUBLISH, or an oversize
             PUBLISH too short for its own variable header (paho then drops the connection).
         """
+        if self._state == self._PASS and len(data) <= self._left:  # the common case: no copy
+            self._left -= len(data)
+            if self._left == 0:
+                self._state = self._HDR
+            return data
         out = bytearray()
         view = memoryview(data)
         while view:
@@ -211,7 +216,10 @@ class _Client(mqtt.Client):
             data = super()._sock_recv(self._edgefl_filter.want(bufsize))  # BlockingIOError: paho retries
             if not data:
                 return data
-            self._edgefl_out += self._edgefl_filter.feed(data)
+            out = self._edgefl_filter.feed(data)
+            if 0 < len(out) <= bufsize:
+                return out
+            self._edgefl_out += out
         out = bytes(self._edgefl_out[:bufsize])
         del self._edgefl_out[:bufsize]
         return out
