@@ -176,7 +176,10 @@ def acl_broker(pki: Pki, tmp_path: Path) -> Iterator[Broker]:
     acl = tmp_path / "fleet.acl"
     acl.write_text(ACL)
     conf = tls_conf(pki, pki.server_cert, pki.server_key, require_certificate=False)
-    conf = conf.replace(f"password_file {pki.passwd}", f"password_file {passwd}") + f"acl_file {acl}\n"
+    conf = (
+        conf.replace(f"password_file {pki.passwd}", f"password_file {passwd}")
+        + f"acl_file {acl}\nuse_username_as_clientid true\n"
+    )
     b = start_mosquitto(tmp_path, extra=conf)
     yield b
     stop_broker(b)
