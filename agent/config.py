@@ -172,6 +172,10 @@ class TrainingConfig:
         L2 clipping norm of the update delta, > 0; None disables clipping.
     seed : int
         Seed of the local shuffling RNG, >= 0.
+    holdout_every : int
+        Every n-th labelled sample is kept out of training in a holdout store (capacity
+        ``store_capacity // n``, at least 16) on which each new global head is evaluated (federated
+        evaluation: accuracy and count go into the status); 0 disables. 0 or >= 2.
     """
 
     store_capacity: int = 4096
@@ -179,6 +183,7 @@ class TrainingConfig:
     chunk_floor: int = 16
     clip_norm: float | None = None
     seed: int = 0
+    holdout_every: int = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,6 +366,8 @@ def _check_training(p: Problems, c: TrainingConfig, raw: Mapping[str, object], c
         p.add("training.clip_norm", c.clip_norm, "must be > 0")
     if c.seed < 0:
         p.add("training.seed", c.seed, "must be >= 0")
+    if c.holdout_every < 0 or c.holdout_every == 1:
+        p.add("training.holdout_every", c.holdout_every, "must be 0 (no holdout) or >= 2")
 
 
 def _npz_problem(path: Path) -> str | None:

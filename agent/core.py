@@ -207,6 +207,30 @@ class ApplyResult:
     detail: str = ""
 
 
+def holdout_capacity(store_capacity: int, every: int) -> int:
+    """Samples the holdout store keeps: ``store_capacity // every``, at least 16 (0 when ``every`` is 0)."""
+    return max(16, store_capacity // every) if every else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """Federated evaluation of one global head on the device's holdout (never trained on).
+
+    Attributes
+    ----------
+    version : int
+        The head's version.
+    accuracy : float
+        Fraction of the holdout samples the head classifies right, in [0, 1].
+    count : int
+        Holdout samples evaluated.
+    """
+
+    version: int
+    accuracy: float
+    count: int
+
+
 @dataclass(frozen=True, slots=True)
 class Answered:
     """The last round this device answered, persisted in ``<state_dir>/answered_round.rec``.
@@ -337,6 +361,19 @@ class DeviceCore:
         self.store = EmbeddingStore(
             self.state_dir, capacity, self.head.shape[0], num_classes=self.head.shape[1]
         )
+        every = profile.training.holdout_every
+        self.holdout: EmbeddingStore | None = (
+            EmbeddingStore(
+                self.state_dir / "holdout",
+                holdout_capacity(capacity, every),
+                self.head.shape[0],
+                num_classes=self.head.shape[1],
+            )
+            if every
+            else None
+        )
+        self._labelled = len(self.store) + (len(self.holdout) if self.holdout is not None else 0)
+        self.evaluation: Evaluation | None = None
         self.answered: Answered | None = self._load_answered()
         self.pending_round: RoundAnnouncement | None = None
         self.shapes = memory.model_shapes(pipeline.backbone) if pipeline is not None else None
@@ -518,8 +555,36 @@ class DeviceCore:
             As :meth:`classify`, or labels not matching the samples.
         """
         out = self.classify(raw)
-        refused = self.store.add(out.embeddings, labels)
+        every = self.profile.training.holdout_every
+        if self.holdout is None or not every:
+            refused = self.store.add(out.embeddings, labels)
+        else:
+            # every n-th labelled sample is held out of training, for federated evaluation
+            held = (self._labelled + np.arange(len(labels))) % every == every - 1
+            self._labelled += len(labels)
+            refused = self.store.add(out.embeddings[~held], labels[~held])
+            if held.any():
+                refused += self.holdout.add(out.embeddings[held], labels[held])
         return dataclasses.replace(out, refused_labels=refused) if refused else out
+
+    def evaluate(self) -> Evaluation | None:
+        """Accuracy of the current head on the holdout store (federated evaluation), or None without one.
+
+        Returns
+        -------
+        Evaluation or None
+            ``version`` of the head, ``accuracy`` in [0, 1] and ``count`` samples; None when holdout is
+            off or empty. Also kept in :attr:`evaluation` for the status.
+        """
+        if self.holdout is None or len(self.holdout) == 0:
+            return None
+        head = self.head
+        correct = total = 0
+        for emb, lbl in self.holdout.chunks(256):
+            correct += int(np.sum(head.predict(emb) == lbl))
+            total += len(lbl)
+        self.evaluation = Evaluation(head.version, correct / total, total)
+        return self.evaluation
 
     # --- rounds -----------------------------------------------------------------------------------
     def _verified(self, payload: bytes, kind: MessageType) -> bytes:
@@ -593,6 +658,8 @@ class DeviceCore:
                 ann.round,
                 detail=f"round {ann.round} uses version {ann.base_version}, device has {head.version}",
             )
+        if self.evaluation is None or self.evaluation.version != head.version:
+            self.evaluate()  # the base head's federated evaluation (holdout grew since, or first round)
         if ann.base_version < head.version:
             return _refused(
                 ann.round,
@@ -772,6 +839,7 @@ class DeviceCore:
                 ApplyStatus.REFUSED, gm.version, gm.round, "failed", f"head not persisted: {exc}"
             )
         self.head = new
+        self.evaluate()
         logger.info("applied global head version %d (round %d)", gm.version, gm.round)
         return ApplyResult(ApplyStatus.APPLIED, gm.version, gm.round)
 

@@ -46,6 +46,12 @@ _T = TypeVar("_T")
 
 COMPACT_STATUS_FIELDS = frozenset(
     {
+        "model_sha256",
+        "head_shape",
+        "ts",
+        "eval_version",
+        "eval_accuracy",
+        "eval_count",
         "round",
         "version",
         "reason",
@@ -363,6 +369,20 @@ class Agent:
             "rejected": dict(s.rejected),
             "pipeline_mode": pipeline.mode,
             "pipeline": pipeline.counters(),
+            # model identity: the coordinator leaves a device with another backbone out of rounds
+            "model_sha256": core.model_sha256,
+            "head_shape": list(core.head.shape),
+            "ts": round(time.time(), 3),
+            # federated evaluation of the current head on the holdout (never trained on)
+            **(
+                {
+                    "eval_version": core.evaluation.version,
+                    "eval_accuracy": core.evaluation.accuracy,
+                    "eval_count": core.evaluation.count,
+                }
+                if core.evaluation is not None
+                else {}
+            ),
             "pid": os.getpid(),
             "dashboard_url": self.dashboard_url,
             "transport": self.transport.counters() if self.transport is not None else {},

@@ -29,9 +29,13 @@ about 200 bytes (tests/test_faults.py runs rounds at 1 KiB)."""
 _PSEUDO_FS: Final = (Path("/proc"), Path("/sys"), Path("/dev"))
 
 
-def store_bytes(capacity: int, dim: int) -> int:
-    """Bytes of the embedding store's files: float16 embeddings [capacity, dim] and int16 labels."""
-    return capacity * (2 * dim + 2)
+def store_bytes(capacity: int, dim: int, holdout_every: int = 0) -> int:
+    """Bytes of the embedding store's files (float16 embeddings [capacity, dim], int16 labels).
+
+    Plus the holdout store's when ``holdout_every`` > 0 (:func:`edgefl.agent.core.holdout_capacity`).
+    """
+    extra = max(16, capacity // holdout_every) if holdout_every else 0
+    return (capacity + extra) * (2 * dim + 2)
 
 
 def floor_bytes(
@@ -63,7 +67,11 @@ def floor_bytes(
                 first_run=False,
             ),
         )
-    return baseline_rss + store_bytes(profile.training.store_capacity, shapes.embedding_dim) + phase
+    return (
+        baseline_rss
+        + store_bytes(profile.training.store_capacity, shapes.embedding_dim, profile.training.holdout_every)
+        + phase
+    )
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -129,7 +137,7 @@ def preflight(profile: Profile, shapes: memory.ModelShapes | None, baseline_rss:
     if shapes is None:
         return problems
     mib = memory.MIB
-    need = store_bytes(profile.training.store_capacity, shapes.embedding_dim)
+    need = store_bytes(profile.training.store_capacity, shapes.embedding_dim, profile.training.holdout_every)
     cap = profile.cap_bytes
     budget = cap - profile.memory.reserve_mb * mib
     if why is None and not (state_dir / "store_emb.f16").exists():

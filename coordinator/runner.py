@@ -244,6 +244,11 @@ def _round_line(rec: RoundRecord, total: int, expected: int, refused: Mapping[st
     why = ", ".join(f"{k} {v}" for k, v in sorted(refused.items())) or "none"
     acc = "n/a" if math.isnan(rec.accuracy) else f"{rec.accuracy:.3f}"
     extra = f", {rec.clipped} clipped" if rec.clipped else ""
+    if rec.fed_devices:
+        extra += (
+            f", federated accuracy {rec.fed_accuracy:.3f} (worst decile {rec.fed_worst_decile:.3f}, "
+            f"{rec.fed_devices} devices)"
+        )
     if not math.isnan(rec.epsilon):
         extra += f", privacy epsilon {rec.epsilon:.3g} at delta {rec.delta:g}"
     if rec.refused:

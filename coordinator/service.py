@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +102,13 @@ class RoundRecord:
         DP delta (NaN without DP).
     refused : str
         Why the aggregated head was not published ("" when it was, or nothing arrived).
+    fed_accuracy : float
+        Federated evaluation of the round's base head: the devices' holdout accuracies weighted by
+        their holdout counts (NaN when no device reported one for that version).
+    fed_worst_decile : float
+        Mean accuracy of the worst tenth of those devices (at least one).
+    fed_devices : int
+        Devices whose evaluation of the base head was counted.
     """
 
     round: int
@@ -114,6 +121,30 @@ class RoundRecord:
     epsilon: float = math.nan
     delta: float = math.nan
     refused: str = ""
+    fed_accuracy: float = math.nan
+    fed_worst_decile: float = math.nan
+    fed_devices: int = 0
+
+
+def federated_evaluation(reports: Sequence[tuple[float, int]]) -> tuple[float, float, int]:
+    """Combine the devices' evaluations of one head (federated evaluation, no central data).
+
+    Parameters
+    ----------
+    reports : sequence of (accuracy in [0, 1], count > 0), one per device
+
+    Returns
+    -------
+    (weighted mean accuracy, mean accuracy of the worst ceil(10 %) of devices, devices)
+        NaN, NaN, 0 without reports.
+    """
+    usable = [(a, n) for a, n in reports if n > 0 and 0.0 <= a <= 1.0]
+    if not usable:
+        return math.nan, math.nan, 0
+    total = sum(n for _, n in usable)
+    mean = sum(a * n for a, n in usable) / total
+    worst = sorted(a for a, _ in usable)[: max(1, math.ceil(len(usable) / 10))]
+    return mean, sum(worst) / len(worst), len(usable)
 
 
 @dataclass
@@ -628,6 +659,8 @@ class Coordinator:
                     "accuracy": None if h.accuracy != h.accuracy else h.accuracy,
                     "update_bytes_mean": h.update_bytes_mean,
                     "duration_s": h.duration_s,
+                    "fed_accuracy": None if math.isnan(h.fed_accuracy) else h.fed_accuracy,
+                    "fed_worst_decile": None if math.isnan(h.fed_worst_decile) else h.fed_worst_decile,
                 }
                 for h in self.state.history[-50:]
             ],
@@ -790,6 +823,16 @@ class Coordinator:
         if self.evaluate is not None:
             W, b = self.W, self.b
             accuracy = await loop.run_in_executor(None, self.evaluate, W, b)
+        fed = federated_evaluation(
+            [
+                (float(st["eval_accuracy"]), int(st["eval_count"]))
+                for dev, st in self.state.devices.items()
+                if st.get("eval_version") == rnd.base_version
+                and isinstance(st.get("eval_accuracy"), (int, float))
+                and isinstance(st.get("eval_count"), int)
+                and dev not in self.mismatched
+            ]
+        )
         record = RoundRecord(
             round_no,
             rnd.clients,
@@ -801,6 +844,9 @@ class Coordinator:
             epsilon=report.epsilon,
             delta=report.delta,
             refused=refused,
+            fed_accuracy=fed[0],
+            fed_worst_decile=fed[1],
+            fed_devices=fed[2],
         )
         self.state.history.append(record)
         self._notify()

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -309,12 +310,15 @@ async def _run(opts: DemoOptions) -> int:
                     url = coord.state.devices[dev].get("dashboard_url")
                     if url:
                         print(f"  {dev} dashboard: {url}")
-                print(f"  {'round':>5} {'clients':>7} {'accuracy':>8} {'update_bytes':>12} {'seconds':>7}")
+                print(
+                    f"  {'round':>5} {'clients':>7} {'accuracy':>8} {'federated':>9} {'worst10%':>8} "
+                    f"{'update_bytes':>12} {'seconds':>7}"
+                )
                 for r in range(1, opts.rounds + 1):
                     rec = await coord.run_round(r)  # FedBuff: one buffered server step per line
                     print(
-                        f"  {rec.round:>5} {rec.clients:>7} {rec.accuracy:>8.3f} "
-                        f"{rec.update_bytes_mean:>12.0f} {rec.duration_s:>7.2f}"
+                        f"  {rec.round:>5} {rec.clients:>7} {rec.accuracy:>8.3f} {rec.fed_accuracy:>9.3f} "
+                        f"{rec.fed_worst_decile:>8.3f} {rec.update_bytes_mean:>12.0f} {rec.duration_s:>7.2f}"
                     )
                     if rec.clients == 0:
                         rc = 1
@@ -379,6 +383,10 @@ async def _run(opts: DemoOptions) -> int:
                     "accuracy": h.accuracy,
                     "update_bytes_mean": h.update_bytes_mean,
                     "duration_s": h.duration_s,
+                    # federated evaluation of the round's base head on the devices' holdouts
+                    "federated_accuracy": None if math.isnan(h.fed_accuracy) else h.fed_accuracy,
+                    "federated_worst_decile": None if math.isnan(h.fed_worst_decile) else h.fed_worst_decile,
+                    "federated_devices": h.fed_devices,
                 }
                 for h in coord.state.history
             ],

@@ -116,6 +116,11 @@ def test_coordinator_job_prints_a_line_per_round_and_writes_the_summary(
         assert {"round", "clients", "accuracy", "update_bytes_mean", "duration_s"} <= set(r)
         assert r["clients"] == 2 and 0.5 < r["accuracy"] <= 1.0 and r["update_bytes_mean"] > 0
     assert doc["empty_rounds"] == []
+    # federated evaluation: both devices evaluated round 2's base head (version 1) on their holdout
+    last = doc["rounds"][-1]
+    assert last["fed_devices"] == 2 and 0.5 < last["fed_accuracy"] <= 1.0, last
+    assert last["fed_worst_decile"] <= last["fed_accuracy"] + 0.5
+    assert "federated accuracy" in lines[-1]
 
 
 def test_coordinator_exits_5_naming_the_reason_when_a_round_aggregates_nothing(
@@ -362,7 +367,7 @@ def test_fleet_page_from_the_standalone_coordinator(
                 row = page.locator("#rounds tbody tr[data-round='1'] td")
                 expect(row.nth(1)).to_have_text("2")
                 assert 0.5 < float(row.nth(2).inner_text()) <= 1.0
-                expect(row.nth(3)).to_contain_text("KiB")
+                expect(row.nth(4)).to_contain_text("KiB")
                 expect(page.locator("#devices tbody tr[data-device='dev-1']")).to_be_visible()
                 expect(page.locator("#mismatch-count")).to_have_text("model mismatches 0")
                 expect(page.locator("#online-count")).to_have_text("devices 2 / 2 online")
@@ -457,3 +462,14 @@ def test_fleet_registry_is_bounded_under_a_status_flood(mosquitto: Broker, fleet
     assert coord.state.rejected["registry_full"] == 800
     assert coord.state.rejected["expired"] == 1
     assert tracked <= 200  # refusals by device are bounded like the registry
+
+
+def test_fleet_federated_evaluation_weights_by_count_and_reports_the_worst_decile() -> None:
+    from edgefl.coordinator.service import federated_evaluation
+
+    mean, worst, n = federated_evaluation([(0.9, 100), (0.5, 50), (1.0, 50)])
+    assert (round(mean, 6), worst, n) == (round((90 + 25 + 50) / 200, 6), 0.5, 3)
+    accs = [(i / 20, 10) for i in range(20)]  # 20 devices: the worst decile is the 2 lowest
+    assert federated_evaluation(accs)[1] == (0.0 + 0.05) / 2
+    nan_mean, nan_worst, none = federated_evaluation([(0.8, 0), (1.5, 10)])  # no usable report
+    assert none == 0 and nan_mean != nan_mean and nan_worst != nan_worst

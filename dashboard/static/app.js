@@ -349,6 +349,10 @@
       const acc = row.insertCell();
       acc.className = "num";
       acc.textContent = isNum(r.accuracy) ? r.accuracy.toFixed(3) : DASH;
+      const fed = row.insertCell();
+      fed.className = "num";
+      fed.textContent = isNum(r.fed_accuracy)
+        ? `${r.fed_accuracy.toFixed(3)} (${isNum(r.fed_worst_decile) ? r.fed_worst_decile.toFixed(3) : DASH})` : DASH;
       const by = row.insertCell();
       by.className = "num";
       by.textContent = isNum(r.update_bytes_mean) ? bytes(r.update_bytes_mean) : DASH;
@@ -358,7 +362,7 @@
     }
     if (!rounds || rounds.length === 0) {
       const td = body.insertRow().insertCell();
-      td.colSpan = 5;
+      td.colSpan = 6;
       td.className = "muted";
       td.textContent = rounds ? "no round has closed yet" : DASH;
     }
