@@ -126,8 +126,8 @@ def test_coordinator_job_prints_a_line_per_round_and_writes_the_summary(
 def test_coordinator_exits_5_naming_the_reason_when_a_round_aggregates_nothing(
     mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[Any]
 ) -> None:
-    # The agents run digits_cnn_int8; this coordinator's global head is for the float model: the
-    # agents refuse it (wrong_model), so from round 2 on no update fits the round's base version.
+    # The agents run digits_cnn_int8, this coordinator the float model: it names both devices from
+    # their statuses, leaves them out and refuses their updates (wrong_model): no round aggregates.
     done = run_coordinator(
         tmp_path,
         f"broker.url={mosquitto.url}",
@@ -139,6 +139,11 @@ def test_coordinator_exits_5_naming_the_reason_when_a_round_aggregates_nothing(
     )
     assert done.returncode == 5, done.stdout + done.stderr
     assert "aggregated nothing" in done.stderr.strip().splitlines()[-1]
+    assert "wrong_model" in done.stderr.strip().splitlines()[-1]
+    # model identity: each device's status carries its backbone's sha256; both are named once
+    assert (
+        "device dev-1 runs another model" in done.stdout and "device dev-2 runs another model" in done.stdout
+    )
     assert "Traceback" not in done.stderr
 
 
