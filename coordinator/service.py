@@ -254,7 +254,8 @@ class Coordinator:
         self._held: list[tuple[Update, int]] = []  # arrived while a buffered step was being published
         self._status_changed = asyncio.Event()
         self._adopting = False
-        self._adopt_seen = asyncio.Event()
+        self._adopt_round_seen = asyncio.Event()
+        self._adopt_head_seen = asyncio.Event()
         self._adopted_round = 0
         self._adopted_head: GlobalModel | None = None
         self._adopt_chunks = Reassembler()
@@ -283,9 +284,11 @@ class Coordinator:
             self._adopting = True
             await self.transport.subscribe(self.topics.round, 1)
             await self.transport.subscribe(self.topics.global_model + "/#", 1)
+            # both retained messages, or what came within the wait (a new fleet has neither)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._adopt_seen.wait(), adopt_wait_s)
-            await asyncio.sleep(0)  # let a global message queued with the round be handled too
+                await asyncio.wait_for(
+                    asyncio.gather(self._adopt_round_seen.wait(), self._adopt_head_seen.wait()), adopt_wait_s
+                )
             self._adopting = False
             self._apply_adopted()
         await self.transport.subscribe(self.topics.update("+"), 1)
@@ -315,7 +318,7 @@ class Coordinator:
                 )
             ann = decode_round(msg.payload, limits=self.limits)
             self._adopted_round = max(self._adopted_round, ann.round)
-            self._adopt_seen.set()
+            self._adopt_round_seen.set()
             return
         payload: bytes | None = msg.payload
         if is_chunk(msg.payload):
@@ -331,7 +334,7 @@ class Coordinator:
             raise UpdateRejected("wrong_model", "the retained global head belongs to another backbone")
         if self._adopted_head is None or head.version > self._adopted_head.version:
             self._adopted_head = head
-        self._adopt_seen.set()
+        self._adopt_head_seen.set()
 
     def _apply_adopted(self) -> None:
         head = self._adopted_head

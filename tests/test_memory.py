@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import mmap
 import os
 import subprocess
 import sys
@@ -242,8 +243,11 @@ def test_overlapping_phases_from_threads_are_safe() -> None:
     th.start()
     started.wait(5)
     with gov.phase("train"):  # overlaps: must not reset the other's counter
-        a = np.ones(30 * MIB, dtype=np.uint8)
-        del a
+        # a fresh anonymous map: pages a numpy array could reuse from a heap that earlier tests
+        # grew (an mmap threshold raised by apply_hygiene) would not raise RSS
+        region = mmap.mmap(-1, 30 * MIB)
+        region.write(b"x" * (30 * MIB))
+        region.close()
     release.set()
     th.join()
     assert gov.phase_last["train"] >= before + 29 * MIB
