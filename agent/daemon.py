@@ -58,6 +58,7 @@ from edgefl.wire.codec import (
     encode_update,
     offline_status,
 )
+from edgefl.wire.messages import global_model_version, resolve_global_head
 from edgefl.wire.signing import is_signed, load_signing_key, parse_verify_key, sign_message, verify_payload
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ class AgentState:
     last_update_bytes: int = 0
     local_accuracy: float = float("nan")
     rejected: Counter[str] = field(default_factory=Counter)
+    redelivered: int = 0  # retained global heads of the version held, skipped before decoding
 
 
 class Agent:
@@ -341,12 +343,18 @@ class Agent:
                     payload = whole
                 elif topic != base:
                     raise DecodeError("bad_chunk", f"{topic}: not a chunk")
+                held = self.head
+                version = global_model_version(payload, limits=self.limits)
+                if version is not None and version == held.version:
+                    self.state.redelivered += 1  # the retained head again (reconnect): nothing to decode
+                    return
                 with self.governor.phase("apply"):
                     gm = decode_global_model(
                         self._verified(payload, MessageType.GLOBAL_MODEL),
                         limits=self.limits,
                         expect_shape=self.head.shape,
                     )
+                    gm = resolve_global_head(gm, held.version, held.W, held.b)
                 await self.apply_global(gm)
             elif topic == self.topics.round:
                 await self.on_round(
@@ -614,6 +622,7 @@ class Agent:
             "inferred_total": s.inferred_total,
             "inference_accuracy": (s.correct_total / s.inferred_total) if s.inferred_total else None,
             "last_update_bytes": s.last_update_bytes,
+            "redelivered_total": s.redelivered,
             **self.governor.status(),
             "rejected": dict(s.rejected),
             "pipeline_mode": self.pipeline.mode,
