@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import math
 import os
 import signal
 import time
@@ -84,6 +86,23 @@ COMPACT_STATUS_FIELDS = frozenset(
     }
 )
 """Status fields kept when the full status would exceed the broker's maximum packet size."""
+
+VOLATILE_STATUS_FIELDS = frozenset(
+    {
+        "rss_bytes",
+        "pss_bytes",
+        "peak_rss_bytes",
+        "system_available_bytes",
+        "phase_peaks",
+        "phase_last",
+        "admissions",
+        "inferred_total",
+        "inference_accuracy",
+        "pipeline",
+        "transport",
+    }
+)
+"""Status fields that move all the time: a change in them alone waits for ``status.heartbeat_s``."""
 
 
 @dataclass
@@ -185,6 +204,7 @@ class Agent:
         self._rate_window: deque[tuple[float, int]] = deque(maxlen=32)
         self._outbox_lock = asyncio.Lock()
         self._reconnected = asyncio.Event()
+        self._status_connected = False  # a (re)connect happened: the next status check publishes
         self._round_lock = asyncio.Lock()
 
     def _check_shapes(self, profile: Profile) -> None:
@@ -552,6 +572,7 @@ class Agent:
 
     def _on_transport_connect(self) -> None:
         self._reconnected.set()
+        self._status_connected = True
         self._changed()
 
     async def outbox_loop(self) -> None:
@@ -660,15 +681,33 @@ class Agent:
         return fields
 
     async def status_loop(self) -> None:
-        """Publish the retained status on every change and at least every ``status.interval_s``."""
+        """Publish the retained status when it says something new, and at least every ``status.heartbeat_s``.
+
+        Checked on every change and every ``status.interval_s``; a change of the
+        :data:`VOLATILE_STATUS_FIELDS` alone is not news. Every (re)connect publishes (the broker may
+        hold the "offline" last will).
+        """
         assert self.transport is not None
+        cfg = self.profile.status
+        heartbeat_s = cfg.interval_s if cfg.heartbeat_s is None else cfg.heartbeat_s
+        last_said, last_at = "", -math.inf
         while True:
-            await wait_event(self._status_dirty, self.profile.status.interval_s)
+            await wait_event(self._status_dirty, cfg.interval_s)
             self._status_dirty.clear()
             if not self.transport.connected.is_set():
+                last_said = ""  # publish again once connected
                 continue
             topic = self.topics.status(self.device)
             fields = self.status_fields()
+            said = json.dumps(
+                [self.state.state, {k: v for k, v in fields.items() if k not in VOLATILE_STATUS_FIELDS}],
+                sort_keys=True,
+                default=str,
+            )
+            if self._status_connected:
+                self._status_connected, last_said = False, ""
+            if said == last_said and time.monotonic() - last_at < heartbeat_s:
+                continue
             payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
             if publish_packet_bytes(topic, len(payload)) > self.packet_limit():
                 # A retained status is one message: under a small broker packet limit, send the essentials.
@@ -678,6 +717,9 @@ class Agent:
                 await self.transport.publish(topic, payload, qos=1, retain=True)
             except TransportError as exc:
                 logger.debug("status not published: %s", exc)
+                last_said = ""  # try again at the next check
+                continue
+            last_said, last_at = said, time.monotonic()
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> None:

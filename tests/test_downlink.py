@@ -278,3 +278,74 @@ def test_redelivery_and_downlink_layouts_on_a_real_agent(
     assert stored.version == 6 and stored.layout is HeadLayout.FLOAT32 and stored.base_version is None
     want = sent_w + decode_global_model(encode_global_model(delta)).W
     np.testing.assert_allclose(stored.W, want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.timeout(180)
+def test_heartbeat_status_only_on_change_and_on_a_slow_heartbeat(
+    mosquitto: Broker, fleet: str, tmp_path: Path
+) -> None:
+    """Checked every 0.05 s, an idle agent whose memory figures move publishes only its 1 s heartbeat;
+    a change (a redelivered head counted) publishes at once."""
+    x, y = load_digits()
+    backbone = Backbone(INT8_MODEL)
+    w0, b0 = backbone.head_from_model()
+    proc = start_replay_agent(
+        mosquitto,
+        fleet,
+        tmp_path,
+        "dev-1",
+        x[:32],
+        y[:32],
+        status__interval_s="0.05",
+        status__heartbeat_s="1.0",
+    )
+    topics = Topics("edgefl", fleet)
+    payload = encode_global_model(GlobalModel(1, 5, backbone.sha256, w0, b0, layout=HeadLayout.FLOAT16))
+
+    async def main() -> tuple[int, float]:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"peer-{fleet}")
+        await t.start(wait_s=10)
+        await t.subscribe(topics.status("dev-1"), 1)
+
+        async def next_fields() -> dict[str, Any]:
+            while True:
+                msg = await t.queue.get()
+                if msg.payload:
+                    st = decode_status(msg.payload)
+                    return dict(st.fields, state=st.state)
+
+        try:
+            async with asyncio.timeout(90):
+                while not ((f := await next_fields()).get("ready") and f["state"] == "idle"):
+                    pass
+                await t.publish(topics.global_model, payload, qos=1, retain=True)
+                while (await next_fields()).get("version") != 5:
+                    pass
+            # 2.5 s of an idle agent: its RSS and counters move, its news does not
+            window_end = asyncio.get_running_loop().time() + 2.5
+            quiet = 0
+            while (left := window_end - asyncio.get_running_loop().time()) > 0:
+                try:
+                    async with asyncio.timeout(left):
+                        f = await next_fields()
+                except TimeoutError:
+                    break
+                assert f["version"] == 5 and f["redelivered_total"] == 0, f
+                quiet += 1
+            t0 = asyncio.get_running_loop().time()
+            await t.publish(topics.global_model, payload, qos=1, retain=True)  # news: one redelivery
+            async with asyncio.timeout(30):
+                while (await next_fields()).get("redelivered_total") != 1:
+                    pass
+            return quiet, asyncio.get_running_loop().time() - t0
+        finally:
+            await t.publish(topics.global_model, b"", qos=1, retain=True)
+            await t.stop()
+
+    try:
+        quiet, _ = asyncio.run(main())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    # every 0.05 s before the heartbeat key: ~50 statuses in 2.5 s; now the heartbeats alone
+    assert 1 <= quiet <= 3, quiet
