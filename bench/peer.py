@@ -7,11 +7,11 @@ talks to its server through its own port of a byte-counting TCP proxy on 127.0.0
 both directions: framing, statuses and keep-alives included).
 
 - **edgefl**: a real mosquitto (``bench.round_overhead.mosquitto``), 2 real agent processes
-  (``edgefl run firmware_configs/dev_x86.toml``: replay -> LiteRT -> store -> head training -> CBOR
-  update, QoS 1) and the real coordinator (``Coordinator.run_round``) in this process, connected to the
-  broker directly. Variants: uplink ``none``/``int8``/``topk-int8`` with the downlink ``float32``/
-  ``int8``/``int8``; the int8 variant also with mosquitto's ``set_tcp_nodelay true``; the int8 variant
-  runs with the agents' dashboards on.
+  (``edgefl run firmware_configs/dev_x86.toml`` with the gateway profiles' ``status.heartbeat_s = 60``:
+  replay -> LiteRT -> store -> head training -> CBOR update, QoS 1) and the real coordinator
+  (``Coordinator.run_round``) in this process, connected to the broker directly. Variants: uplink
+  ``none``/``int8``/``topk-int8`` with the downlink ``float32``/``int8``/``int8``; the int8 variant
+  also with mosquitto's ``set_tcp_nodelay true``; the int8 variant runs with the agents' dashboards on.
 - **Flower**: the legacy gRPC ``start_server`` (FedAvg) and 2 ``start_client`` NumPyClients
   (``bench/peer_flower.py``), run with the python of Flower's own venv (``--flower-venv``, created
   with ``flwr==1.42.0`` and numpy when absent; the only network use is that pip install), training
@@ -284,6 +284,7 @@ def run_edgefl(work: Path, job: Job, v: Variant) -> dict[str, Any]:
                     "model.path": str(job.model),
                     "training.store_capacity": "1024",
                     "dashboard.enabled": "true" if v.dashboard else "false",
+                    "status.heartbeat_s": "60",  # as the gateway profiles
                 },
                 run_dir / f"dev-{i}.log",
             )
