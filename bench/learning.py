@@ -44,6 +44,7 @@ from edgefl.datasets import dirichlet_partition, load_digits, split_digits
 from edgefl.head import Head
 from edgefl.types import F32, I64
 from edgefl.wire.codec import Compression, Update, UpdateMetrics, compress_delta, decode_update, encode_update
+from edgefl.wire.messages import GlobalModel, HeadLayout, decode_global_model, encode_global_model
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -240,8 +241,14 @@ def run_sync(
     label: str = "",
     slow: Sequence[int] = (),
     dp: tuple[float, float] | None = None,
+    downlink: HeadLayout = HeadLayout.FLOAT32,
 ) -> Run:
-    """Synchronous rounds, every device every round; ``dp = (clip_norm, noise_multiplier)`` for central DP."""
+    """Synchronous rounds, every device every round; ``dp = (clip_norm, noise_multiplier)`` for central DP.
+
+    ``downlink``: the devices train from the global head after its trip down in that layout
+    (``encode_global_model``/``decode_global_model``), the coordinator keeps its float32 head, as
+    ``Coordinator.publish_global`` does; the accuracy is the coordinator's head's.
+    """
     run = Run(label or strategy.name)
     W, b = task.W0.copy(), task.b0.copy()
     run.acc.append(task.accuracy(W, b))
@@ -256,9 +263,14 @@ def run_sync(
             shape = (int(W.shape[0]), int(W.shape[1]))
             sW, sb = RunningWeightedSum(shape), RunningWeightedSum((shape[1],))
             priv = PrivateSum(shape, dp[0]) if dp else None
+            dW_, db_ = W, b
+            if downlink is not HeadLayout.FLOAT32:
+                sent = GlobalModel(r - 1, r - 1, "0" * 64, W, b, layout=downlink)
+                got = decode_global_model(encode_global_model(sent), expect_shape=shape)
+                dW_, db_ = got.W, got.b
             for i, dev in enumerate(devs):
                 upd, nbytes, dbytes = client_update(
-                    task, dev, W, b, r - 1, r, compression, cfg.prox_mu, task.seed * 1000 + r * 10 + i
+                    task, dev, dW_, db_, r - 1, r, compression, cfg.prox_mu, task.seed * 1000 + r * 10 + i
                 )
                 run.uplink_bytes += nbytes
                 run.delta_bytes += dbytes
@@ -383,6 +395,40 @@ def run_setting(
     central, local = central_and_local(task)
     out["central"], out["local"] = central, local
     return out
+
+
+DOWNLINKS: list[tuple[str, Compression, bool, HeadLayout]] = [
+    ("float32 both ways", Compression.NONE, False, HeadLayout.FLOAT32),
+    ("float32 up, float16 down", Compression.NONE, False, HeadLayout.FLOAT16),
+    ("float32 up, int8 down", Compression.NONE, False, HeadLayout.INT8),
+    ("int8 both ways", Compression.INT8, False, HeadLayout.INT8),
+    ("topk10%+int8 +EF up, int8 down", Compression.TOPK_INT8, True, HeadLayout.INT8),
+]
+
+
+def run_downlinks(datasets: Sequence[str], alphas: Sequence[float], seeds: int, rounds: int) -> str:
+    """Final accuracy (mean over seeds) of FedAvg with each downlink layout: a markdown table."""
+    lines = [
+        "| dataset | alpha | " + " | ".join(label for label, *_ in DOWNLINKS) + " |",
+        "|---|---|" + "---|" * len(DOWNLINKS),
+    ]
+    for dataset in datasets:
+        for alpha in alphas:
+            finals: dict[str, list[float]] = {label: [] for label, *_ in DOWNLINKS}
+            for seed in range(seeds):
+                task = make_task(dataset, alpha, seed, rounds)
+                for label, comp, fb, down in DOWNLINKS:
+                    run = run_sync(
+                        task, make_strategy("fedavg"), comp, feedback=fb, label=label, downlink=down
+                    )
+                    finals[label].append(run.acc[-1])
+            base = float(np.mean(finals[DOWNLINKS[0][0]]))
+            cells = [f"{base:.3f}"] + [
+                f"{np.mean(finals[label]):.3f} ({np.mean(finals[label]) - base:+.3f})"
+                for label, *_ in DOWNLINKS[1:]
+            ]
+            lines.append(f"| {dataset} | {alpha} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def rounds_to(acc: Sequence[float], target: float) -> float:
@@ -554,8 +600,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--dp", default="0.5,0.5", help="clip_norm,noise_multiplier of the central-DP run ('' = none)"
     )
+    p.add_argument(
+        "--downlinks",
+        action="store_true",
+        help="only compare the global head's downlink layouts (final accuracy)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.downlinks:
+        alphas = [float(a) for a in args.alphas.split(",")]
+        print(run_downlinks(args.datasets.split(","), alphas, args.seeds, args.rounds))
+        return
     dp = tuple(float(x) for x in args.dp.split(",")) if args.dp else None
     results: dict[tuple[str, float], list[dict[str, Any]]] = {}
     t0 = time.perf_counter()
