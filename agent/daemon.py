@@ -364,7 +364,10 @@ class Agent:
                 elif topic != base:
                     raise DecodeError("bad_chunk", f"{topic}: not a chunk")
                 held = self.head
-                version = global_model_version(payload, limits=self.limits)
+                try:
+                    version = global_model_version(payload, limits=self.limits)
+                except DecodeError:
+                    version = None  # the checks below name the problem, signature first
                 if version is not None and version == held.version:
                     self.state.redelivered += 1  # the retained head again (reconnect): nothing to decode
                     return
