@@ -349,3 +349,49 @@ def test_heartbeat_status_only_on_change_and_on_a_slow_heartbeat(
         assert proc.wait(timeout=30) == 0
     # every 0.05 s before the heartbeat key: ~50 statuses in 2.5 s; now the heartbeats alone
     assert 1 <= quiet <= 3, quiet
+
+
+@pytest.mark.timeout(120)
+def test_downlink_coordinator_publishes_its_profile_layout(mosquitto: Broker, fleet: str) -> None:
+    """``[rounds] downlink = "int8"``: the retained global head goes out in that layout (5,380 bytes
+    for a 512 x 10 head instead of 20,680), and the coordinator's own head stays float32."""
+    from edgefl.coordinator.profile import RoundsConfig
+    from edgefl.coordinator.service import Coordinator
+    from edgefl.coordinator.strategy import Strategy
+
+    assert RoundsConfig().downlink == "float32"  # the default every device reads
+    w0, b0 = make_head(5)
+    topics = Topics("edgefl", fleet)
+
+    async def main() -> bytes:
+        coord_t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
+        peer = MqttTransport(mosquitto.host, mosquitto.port, f"peer-{fleet}")
+        await coord_t.start(wait_s=10)
+        await peer.start(wait_s=10)
+        try:
+            coord = Coordinator(
+                coord_t,
+                topics,
+                w0,
+                b0,
+                model_sha256=SHA,
+                strategy=Strategy(min_clients=1, deadline_s=5.0),
+                downlink=HeadLayout(RoundsConfig(downlink="int8").downlink),
+            )
+            await coord.start(adopt_wait_s=0.2)
+            assert coord.W.dtype == np.float32 and np.array_equal(coord.W, w0)
+            await peer.subscribe(topics.global_model, 1)
+            async with asyncio.timeout(30):
+                while not (msg := await peer.queue.get()).payload:
+                    pass
+            return msg.payload
+        finally:
+            await peer.publish(topics.global_model, b"", qos=1, retain=True)
+            await peer.stop()
+            await coord_t.stop()
+
+    payload = asyncio.run(main())
+    assert len(payload) == 5_380 and cbor2.loads(payload)["layout"] == "int8"
+    got = decode_global_model(payload, expect_shape=(D, K))
+    assert got.version == 0 and got.layout is HeadLayout.INT8
+    np.testing.assert_allclose(got.W, w0, atol=float(np.abs(w0).max()) / 127 / 2 + 1e-7, rtol=0)
