@@ -68,6 +68,7 @@ FLAG_KEYS: Final = {
     "lr_decay": "rounds.lr_decay",
     "batch_size": "rounds.batch_size",
     "compression": "rounds.compression",
+    "downlink": "rounds.downlink",
     "strategy": "strategy.name",
     "state": "files.state",
     "log": "files.log",
