@@ -239,10 +239,16 @@ class StatusConfig:
     Parameters
     ----------
     interval_s : float
-        Longest time between two status publishes, seconds, 0.05..3600 (a change publishes at once).
+        How often the status is checked, seconds, 0.05..3600: a change of state, round, version,
+        counters of refusals... publishes at once, a change of the moving figures alone (memory,
+        inference and transport counters) waits for the heartbeat.
+    heartbeat_s : float or None
+        Longest time between two status publishes, seconds, interval_s..86400; unset: interval_s
+        (every check publishes, as before this key). The gateway profiles set 60.
     """
 
     interval_s: float = 2.0
+    heartbeat_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,6 +426,8 @@ def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], c
 def _check_status(p: Problems, c: StatusConfig, raw: Mapping[str, object], check_files: bool) -> None:
     if not 0.05 <= c.interval_s <= 3600:
         p.add("status.interval_s", c.interval_s, "must be between 0.05 and 3600 seconds")
+    if c.heartbeat_s is not None and not c.interval_s <= c.heartbeat_s <= 86_400:
+        p.add("status.heartbeat_s", c.heartbeat_s, "must be between status.interval_s and 86400 seconds")
 
 
 _CHECKS: dict[str, Check] = {

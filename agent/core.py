@@ -60,6 +60,7 @@ from edgefl.wire.codec import (
     encode_global_model,
     encode_update,
 )
+from edgefl.wire.messages import global_model_version, resolve_global_head
 from edgefl.wire.signing import (
     SigningKey,
     VerifyKey,
@@ -374,6 +375,7 @@ class DeviceCore:
         )
         self._labelled = len(self.store) + (len(self.holdout) if self.holdout is not None else 0)
         self.evaluation: Evaluation | None = None
+        self.redelivered = 0  # retained heads of the version held, skipped before decoding
         self.answered: Answered | None = self._load_answered()
         self.pending_round: RoundAnnouncement | None = None
         self.shapes = memory.model_shapes(pipeline.backbone) if pipeline is not None else None
@@ -784,13 +786,24 @@ class DeviceCore:
         ApplyResult
             REFUSED with the reason for bad bytes or an unusable head; otherwise as :meth:`apply_global`.
         """
+        held = self.head
+        try:
+            version = global_model_version(payload, limits=self.limits)
+        except DecodeError:
+            version = None  # the checks below name the problem, signature first
+        if version is not None and version == held.version:
+            # the retained head again (a reconnect): nothing to verify, decode or apply
+            self.redelivered += 1
+            return ApplyResult(ApplyStatus.SAME_VERSION, version)
         try:
             with self._phase("apply"):
                 gm = decode_global_model(
                     self._verified(payload, MessageType.GLOBAL_MODEL),
                     limits=self.limits,
-                    expect_shape=self.head.shape,
+                    expect_shape=held.shape,
                 )
+                # a compressed head or a delta from the held version becomes a float32 head here
+                gm = resolve_global_head(gm, held.version, held.W, held.b)
         except DecodeError as exc:
             return ApplyResult(ApplyStatus.REFUSED, reason=exc.reason, detail=exc.detail)
         return self.apply_global(gm)

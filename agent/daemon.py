@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import math
 import os
 import signal
 import time
@@ -68,6 +70,24 @@ COMPACT_STATUS_FIELDS = frozenset(
     }
 )
 """Status fields kept when the full status would exceed the broker's maximum packet size."""
+
+VOLATILE_STATUS_FIELDS = frozenset(
+    {
+        "rss_bytes",
+        "pss_bytes",
+        "peak_rss_bytes",
+        "system_available_bytes",
+        "phase_peaks",
+        "phase_last",
+        "admissions",
+        "inferred_total",
+        "inference_accuracy",
+        "pipeline",
+        "transport",
+        "ts",
+    }
+)
+"""Status fields that move all the time: a change in them alone waits for ``status.heartbeat_s``."""
 
 
 class StatusPage(Protocol):
@@ -140,6 +160,7 @@ class Agent:
         self.dashboard_url = ""
         self._rate_window: deque[tuple[float, int]] = deque(maxlen=32)
         self._reconnected = asyncio.Event()
+        self._status_connected = False  # a (re)connect happened: the next status check publishes
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def _work(self, fn: Callable[..., _T], *args: Any) -> _T:
@@ -294,6 +315,7 @@ class Agent:
         await self._work(memory.malloc_trim)
 
     def _on_transport_connect(self) -> None:
+        self._status_connected = True  # the next status check publishes (the broker may hold the will)
         self._reconnected.set()
         self._changed()
 
@@ -365,6 +387,7 @@ class Agent:
             "inferred_total": s.inferred_total,
             "inference_accuracy": (s.correct_total / s.inferred_total) if s.inferred_total else None,
             "last_update_bytes": s.last_update_bytes,
+            "redelivered_total": core.redelivered,
             **self.governor.status(),
             "rejected": dict(s.rejected),
             "pipeline_mode": pipeline.mode,
@@ -416,15 +439,33 @@ class Agent:
         return fields
 
     async def status_loop(self) -> None:
-        """Publish the retained status on every change and at least every ``status.interval_s``."""
+        """Publish the retained status when it says something new, and at least every ``status.heartbeat_s``.
+
+        Checked on every change and every ``status.interval_s``; a change of the
+        :data:`VOLATILE_STATUS_FIELDS` alone is not news. Every (re)connect publishes (the broker may
+        hold the "offline" last will).
+        """
         assert self.transport is not None
+        cfg = self.profile.status
+        heartbeat_s = cfg.interval_s if cfg.heartbeat_s is None else cfg.heartbeat_s
+        last_said, last_at = "", -math.inf
         while True:
-            await wait_event(self._status_dirty, self.profile.status.interval_s)
+            await wait_event(self._status_dirty, cfg.interval_s)
             self._status_dirty.clear()
             if not self.transport.connected.is_set():
+                last_said = ""  # publish again once connected
                 continue
             topic = self.topics.status(self.device)
             fields = self.status_fields()
+            said = json.dumps(
+                [self.state.state, {k: v for k, v in fields.items() if k not in VOLATILE_STATUS_FIELDS}],
+                sort_keys=True,
+                default=str,
+            )
+            if self._status_connected:
+                self._status_connected, last_said = False, ""
+            if said == last_said and time.monotonic() - last_at < heartbeat_s:
+                continue
             payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
             if publish_packet_bytes(topic, len(payload)) > self.packet_limit():
                 # A retained status is one message: under a small broker packet limit, send the essentials.
@@ -434,6 +475,9 @@ class Agent:
                 await self.transport.publish(topic, payload, qos=1, retain=True)
             except TransportError as exc:
                 logger.debug("status not published: %s", exc)
+                last_said = ""  # try again at the next check
+                continue
+            last_said, last_at = said, time.monotonic()
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> None:

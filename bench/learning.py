@@ -50,13 +50,12 @@ from edgefl.head import Head
 from edgefl.types import F32, I64
 from edgefl.wire.codec import (
     Compression,
-    GlobalModel,
     RoundAnnouncement,
     Update,
     decode_update,
-    encode_global_model,
     encode_round,
 )
+from edgefl.wire.messages import GlobalModel, HeadLayout, encode_global_model
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -215,10 +214,21 @@ def make_devices(task: Task, root: Path) -> list[Device]:
     return devs
 
 
-def deliver(task: Task, devs: Sequence[Device], W: F32, b: F32, version: int, round_no: int) -> None:
-    """Give the devices a new global head as GlobalModel bytes (``receive_global``)."""
+def deliver(
+    task: Task,
+    devs: Sequence[Device],
+    W: F32,
+    b: F32,
+    version: int,
+    round_no: int,
+    *,
+    layout: HeadLayout = HeadLayout.FLOAT32,
+) -> None:
+    """Give the devices a new global head as GlobalModel bytes (``receive_global``), in ``layout``."""
     payload = encode_global_model(
-        GlobalModel(round_no, version, model_sha256(task), W.astype(np.float32), b.astype(np.float32))
+        GlobalModel(
+            round_no, version, model_sha256(task), W.astype(np.float32), b.astype(np.float32), layout=layout
+        )
     )
     for dev in devs:
         res = dev.core.receive_global(payload)
@@ -289,8 +299,14 @@ def run_sync(
     label: str = "",
     slow: Sequence[int] = (),
     dp: tuple[float, float] | None = None,
+    downlink: HeadLayout = HeadLayout.FLOAT32,
 ) -> Run:
-    """Synchronous rounds, every device every round; ``dp = (clip_norm, noise_multiplier)`` for central DP."""
+    """Synchronous rounds, every device every round; ``dp = (clip_norm, noise_multiplier)`` for central DP.
+
+    ``downlink``: the devices receive each global head in that layout (their cores decode it, as the
+    agents do), the coordinator keeps its float32 head, as ``Coordinator.publish_global`` does; the
+    accuracy is the coordinator's head's.
+    """
     run = Run(label or strategy.name)
     W, b = task.W0.copy(), task.b0.copy()
     run.acc.append(task.accuracy(W, b))
@@ -322,7 +338,7 @@ def run_sync(
             W, b, _ = aggregate_checked(strategy, W, b)
             W, b = W.astype(np.float32), b.astype(np.float32)
             clipped += strategy.report().clipped
-            deliver(task, devs, W, b, r, r)
+            deliver(task, devs, W, b, r, r, layout=downlink)
             now += max(clock(i) for i in range(len(devs)))
             run.acc.append(task.accuracy(W, b))
             run.times.append(now)
@@ -431,6 +447,40 @@ def run_setting(
     central, local = central_and_local(task)
     out["central"], out["local"] = central, local
     return out
+
+
+DOWNLINKS: list[tuple[str, Compression, bool, HeadLayout]] = [
+    ("float32 both ways", Compression.NONE, False, HeadLayout.FLOAT32),
+    ("float32 up, float16 down", Compression.NONE, False, HeadLayout.FLOAT16),
+    ("float32 up, int8 down", Compression.NONE, False, HeadLayout.INT8),
+    ("int8 both ways", Compression.INT8, False, HeadLayout.INT8),
+    ("topk10%+int8 +EF up, int8 down", Compression.TOPK_INT8, True, HeadLayout.INT8),
+]
+
+
+def run_downlinks(datasets: Sequence[str], alphas: Sequence[float], seeds: int, rounds: int) -> str:
+    """Final accuracy (mean over seeds) of FedAvg with each downlink layout: a markdown table."""
+    lines = [
+        "| dataset | alpha | " + " | ".join(label for label, *_ in DOWNLINKS) + " |",
+        "|---|---|" + "---|" * len(DOWNLINKS),
+    ]
+    for dataset in datasets:
+        for alpha in alphas:
+            finals: dict[str, list[float]] = {label: [] for label, *_ in DOWNLINKS}
+            for seed in range(seeds):
+                task = make_task(dataset, alpha, seed, rounds)
+                for label, comp, fb, down in DOWNLINKS:
+                    run = run_sync(
+                        task, make_strategy("fedavg"), comp, feedback=fb, label=label, downlink=down
+                    )
+                    finals[label].append(run.acc[-1])
+            base = float(np.mean(finals[DOWNLINKS[0][0]]))
+            cells = [f"{base:.3f}"] + [
+                f"{np.mean(finals[label]):.3f} ({np.mean(finals[label]) - base:+.3f})"
+                for label, *_ in DOWNLINKS[1:]
+            ]
+            lines.append(f"| {dataset} | {alpha} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def rounds_to(acc: Sequence[float], target: float) -> float:
@@ -602,9 +652,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument(
         "--dp", default="0.5,0.5", help="clip_norm,noise_multiplier of the central-DP run ('' = none)"
     )
+    p.add_argument(
+        "--downlinks",
+        action="store_true",
+        help="only compare the global head's downlink layouts (final accuracy)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("edgefl").setLevel(logging.WARNING)  # the cores' per-round lines
+    if args.downlinks:
+        alphas = [float(a) for a in args.alphas.split(",")]
+        print(run_downlinks(args.datasets.split(","), alphas, args.seeds, args.rounds))
+        return
     dp = tuple(float(x) for x in args.dp.split(",")) if args.dp else None
     results: dict[tuple[str, float], list[dict[str, Any]]] = {}
     t0 = time.perf_counter()

@@ -125,6 +125,10 @@ class RoundsConfig:
         Client SGD batch size, > 0.
     compression : str
         Update compression devices use: none, float16, int8, topk, topk-int8.
+    downlink : str
+        Layout of the global head sent down (``docs/protocol.md``, "Head layouts"): float32 (read by
+        every device), float16, or int8 with a scale per output unit (schema 3: devices of this
+        release or later).
     """
 
     count: int = 10
@@ -137,6 +141,7 @@ class RoundsConfig:
     lr_decay: float = 0.8
     batch_size: int = 16
     compression: Literal["none", "float16", "int8", "topk", "topk-int8"] = "none"
+    downlink: Literal["float32", "float16", "int8"] = "float32"
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
 from edgefl.wire.codec import Compression
+from edgefl.wire.messages import HeadLayout
 from edgefl.wire.signing import load_signing_key, load_verify_keys
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ FLAG_KEYS: Final = {
     "lr_decay": "rounds.lr_decay",
     "batch_size": "rounds.batch_size",
     "compression": "rounds.compression",
+    "downlink": "rounds.downlink",
     "strategy": "strategy.name",
     "state": "files.state",
     "log": "files.log",
@@ -310,6 +312,7 @@ async def run(
         strategy=strategy,
         evaluate=evaluate,
         compression=Compression(rounds.compression),
+        downlink=HeadLayout(rounds.downlink),
         lr_decay=rounds.lr_decay,
         signing_key=load_signing_key(sec.signing_key_file) if sec.signing_key_file else None,
         device_keys=load_verify_keys(sec.device_keys_dir) if sec.device_keys_dir else None,

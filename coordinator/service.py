@@ -53,6 +53,7 @@ from edgefl.wire.codec import (
     encode_global_model,
     encode_round,
 )
+from edgefl.wire.messages import HeadLayout
 from edgefl.wire.signing import SigningKey, VerifyKey, sign_message, verify_payload
 
 logger = logging.getLogger(__name__)
@@ -177,6 +178,8 @@ class Coordinator:
         Test-set evaluation of a head (fraction 0..1).
     compression : Compression
         Update compression asked of the devices.
+    downlink : HeadLayout
+        Layout of the published global head (float32, float16, int8; ``docs/protocol.md``).
     limits : Limits
         Decoding bounds for incoming messages.
     signing_key : SigningKey or None
@@ -208,6 +211,7 @@ class Coordinator:
         evaluate: Callable[[F32, F32], float] | None = None,
         compression: Compression = Compression.NONE,
         topk_fraction: float = 0.1,
+        downlink: HeadLayout = HeadLayout.FLOAT32,
         limits: Limits | None = None,
         lr_decay: float = 1.0,
         signing_key: SigningKey | None = None,
@@ -225,6 +229,7 @@ class Coordinator:
         self.evaluate = evaluate
         self.compression = compression
         self.topk_fraction = topk_fraction
+        self.downlink = downlink
         self.limits = limits or Limits()
         self.lr_decay = lr_decay
         self.signing_key = signing_key
@@ -400,7 +405,9 @@ class Coordinator:
 
     async def publish_global(self, round_no: int) -> None:
         """Publish the current head as GlobalModel (QoS 1, retained) and wait for the PUBACK."""
-        msg = GlobalModel(round_no, self.state.version, self.model_sha256, self.W, self.b)
+        msg = GlobalModel(
+            round_no, self.state.version, self.model_sha256, self.W, self.b, layout=self.downlink
+        )
         payload = self._sign(encode_global_model, msg)
         base = self.topics.global_model
         # the smaller of the profile's limit and the broker's (MQTT 5 CONNACK Maximum Packet Size)

@@ -429,7 +429,7 @@ INF_W = np.full((32, 10), np.inf, dtype=np.float32)
         pytest.param(set_key("extra", 1), "unknown_key", id="unknown_key"),
         pytest.param(lambda o: o.pop("device"), "missing_key", id="missing_key"),
         pytest.param(set_key("v", 0), "bad_version", id="bad_version"),
-        pytest.param(set_key("v", 3), "newer_schema", id="newer_schema"),
+        pytest.param(set_key("v", SCHEMA_VERSION + 1), "newer_schema", id="newer_schema"),
         pytest.param(set_key("v", 2**63), "newer_schema", id="huge_schema"),
         pytest.param(set_key("v", True), "bad_version", id="bool_version"),
         pytest.param(set_key("type", "status"), "wrong_type", id="wrong_message_type"),
@@ -949,7 +949,7 @@ def test_malformed_cbor_reason(payload: bytes, reason: str) -> None:
 
 def test_all_message_types_are_distinct() -> None:
     assert {m.value for m in MessageType} == {"global_model", "round", "update", "status", "chunk"}
-    assert SCHEMA_VERSION == 2  # 2 added the rice layout and the canonical signed bytes
+    assert SCHEMA_VERSION == 3  # 2 added the rice layout and the canonical signed bytes, 3 head layouts
     assert reason_of(lambda: decode_round(encode_update(make_update()))) == "wrong_type"
 
 

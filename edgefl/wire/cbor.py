@@ -27,6 +27,7 @@ __all__ = [
     "ALLOWED_TAGS",
     "CBOR2_STRICT",
     "DEFAULT_LIMITS",
+    "HEAD_LAYOUT_SCHEMA_VERSION",
     "INT_MAX",
     "MIN_SCHEMA_VERSION",
     "NO_LIMITS",
@@ -48,13 +49,16 @@ __all__ = [
     "strict_loads",
 ]
 
-#: Newest schema this code reads and writes. 2 added the ``rice`` position layout of top-k deltas.
-SCHEMA_VERSION: Final = 2
+#: Newest schema this code reads and writes. 2 added the ``rice`` position layout of top-k deltas,
+#: 3 the compressed GlobalModel head (``layout``, ``base_version``).
+SCHEMA_VERSION: Final = 3
 #: Oldest schema still read.
 MIN_SCHEMA_VERSION: Final = 1
 #: Schema written by a signed message or an update whose delta uses the ``rice`` layout (both new in
 #: schema 2); everything else is written as schema 1, which peers from before the bump read unchanged.
 SIGNED_SCHEMA_VERSION: Final = 2
+#: Schema written by a GlobalModel whose head is compressed or a delta (new in schema 3), signed or not.
+HEAD_LAYOUT_SCHEMA_VERSION: Final = 3
 
 INT_MAX: Final = 2**63 - 1  # fits int64 everywhere downstream (JSON, Prometheus, numpy)
 #: Tags a message may hold: 40 (RFC 8746 §3.1.1 multi-dimensional array) and the RFC 8746 §2.1

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Final
 
 import cbor2
@@ -25,6 +26,7 @@ from edgefl.validators import DEVICE_ID_PATTERN, check_device_id
 from edgefl.wire.arrays import decode_array, encode_array
 from edgefl.wire.cbor import (
     DEFAULT_LIMITS,
+    HEAD_LAYOUT_SCHEMA_VERSION,
     INT_MAX,
     MIN_SCHEMA_VERSION,
     SIGNED_SCHEMA_VERSION,
@@ -32,6 +34,7 @@ from edgefl.wire.cbor import (
     MessageType,
     check_keys,
     load_message,
+    prescan,
     read_device_id,
     read_float,
     read_int,
@@ -59,6 +62,7 @@ __all__ = [
     "UPDATE_ID_RE",
     "DeviceStatus",
     "GlobalModel",
+    "HeadLayout",
     "RoundAnnouncement",
     "Update",
     "UpdateMetrics",
@@ -70,8 +74,10 @@ __all__ = [
     "encode_round",
     "encode_status",
     "encode_update",
+    "global_model_version",
     "is_valid_device_id",
     "offline_status",
+    "resolve_global_head",
 ]
 
 # Bounds on a RoundAnnouncement's training settings: a device must not be told to train for 2^62
@@ -89,11 +95,32 @@ DEVICE_ID_RE: Final = DEVICE_ID_PATTERN
 UPDATE_ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
+_LAYOUT_RE: Final = re.compile(r"[a-z0-9]{1,16}")
 
 
 def _written_version(signature: bytes, uses_rice: bool = False) -> int:
     # the lowest schema that describes the message (docs/protocol.md, "Versioning")
     return SIGNED_SCHEMA_VERSION if signature or uses_rice else MIN_SCHEMA_VERSION
+
+
+class HeadLayout(StrEnum):
+    """How a GlobalModel's head travels down (``docs/protocol.md``, "GlobalModel", "Head layouts").
+
+    ``float32`` is the schema-1 head of bare arrays; ``float16`` and ``int8`` (a scale per output
+    unit) are the update delta layouts of the same names applied to the head (or to its delta from
+    ``base_version``). Source: Jacob et al. 2018 (per-channel int8).
+    """
+
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    INT8 = "int8"
+
+
+_HEAD_COMPRESSION: Final = {
+    HeadLayout.FLOAT32: Compression.NONE,
+    HeadLayout.FLOAT16: Compression.FLOAT16,
+    HeadLayout.INT8: Compression.INT8,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +141,12 @@ class GlobalModel:
         Head bias.
     signature : bytes
         Optional signature bytes (scheme defined by the caller), at most ``max_string_bytes``.
+    layout : HeadLayout
+        How W and b travel (float32 by default: the schema-1 head). Encoding a lossy layout
+        quantises; decoding gives back the dense float32 values the wire carried.
+    base_version : int or None
+        When set, W and b are the delta ``head(version) - head(base_version)``: a device holding
+        ``base_version`` adds them to its head (:func:`resolve_global_head`).
     """
 
     round: int
@@ -122,6 +155,8 @@ class GlobalModel:
     W: F32
     b: F32
     signature: bytes = b""
+    layout: HeadLayout = HeadLayout.FLOAT32
+    base_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,28 +329,42 @@ def encode_global_model(msg: GlobalModel) -> bytes:
     Parameters
     ----------
     msg : GlobalModel
-        W float32 [D, K], b float32 [K].
+        W float32 [D, K], b float32 [K], finite; ``layout`` and ``base_version`` choose the head's
+        wire form (``docs/protocol.md``, "Head layouts").
 
     Returns
     -------
     bytes
         ``{"v", "type": "global_model", "round", "version", "model_sha256", "head": {"W", "b"},
-        "signature"}``.
+        "signature"}``; a float32 full head is written as schema 1 (2 when signed) with bare
+        arrays; any other head as schema 3 with ``"layout"`` (and ``"base_version"``) before
+        ``"head"``, whose ``W``/``b`` are delta-layout sub-maps.
+
+    Raises
+    ------
+    ValueError
+        If W or b is not finite in a compressed layout (as :func:`compress_delta`).
     """
-    return cbor2.dumps(
-        {
-            "v": _written_version(msg.signature),
-            "type": MessageType.GLOBAL_MODEL.value,
-            "round": int(msg.round),
-            "version": int(msg.version),
-            "model_sha256": msg.model_sha256,
-            "head": {
-                "W": encode_array(np.asarray(msg.W, dtype=np.float32)),
-                "b": encode_array(np.asarray(msg.b, dtype=np.float32)),
-            },
-            "signature": bytes(msg.signature),
-        }
-    )
+    layout = HeadLayout(msg.layout)
+    obj: dict[str, object] = {
+        "v": _written_version(msg.signature),
+        "type": MessageType.GLOBAL_MODEL.value,
+        "round": int(msg.round),
+        "version": int(msg.version),
+        "model_sha256": msg.model_sha256,
+    }
+    w, b = np.asarray(msg.W, dtype=np.float32), np.asarray(msg.b, dtype=np.float32)
+    if layout is HeadLayout.FLOAT32 and msg.base_version is None:
+        obj["head"] = {"W": encode_array(w), "b": encode_array(b)}
+    else:
+        obj["v"] = HEAD_LAYOUT_SCHEMA_VERSION
+        obj["layout"] = layout.value
+        if msg.base_version is not None:
+            obj["base_version"] = int(msg.base_version)
+        mode = _HEAD_COMPRESSION[layout]
+        obj["head"] = {"W": compress_delta(w, mode), "b": compress_delta(b, mode)}
+    obj["signature"] = bytes(msg.signature)
+    return cbor2.dumps(obj)
 
 
 def decode_global_model(
@@ -344,18 +393,128 @@ def decode_global_model(
         The reasons of ``docs/protocol.md`` ("Refusals"); ``signature`` is optional on the wire.
     """
     obj = load_message(payload, limits, MessageType.GLOBAL_MODEL)
-    check_keys(obj, "", ("v", "type", "round", "version", "model_sha256", "head"), ("signature",))
+    check_keys(
+        obj,
+        "",
+        ("v", "type", "round", "version", "model_sha256", "head"),
+        ("signature", "layout", "base_version"),
+    )
     round_, version = read_int(obj, "round", ""), read_int(obj, "version", "")
     model_sha256 = read_text(obj, "model_sha256", "", _SHA256_RE)
     signature = read_signature(obj, limits)
     head = check_keys(obj["head"], "head", ("W", "b"))
-    f32 = frozenset({"float32"})
-    w = decode_array(head["W"], limits=limits, dtypes=f32, name="head.W")
-    b = decode_array(head["b"], limits=limits, dtypes=f32, name="head.b")
+    layout, base_version = HeadLayout.FLOAT32, None
+    if "layout" in obj or "base_version" in obj:
+        if "layout" not in obj:
+            raise DecodeError(Reason.MISSING_KEY, "layout: required with base_version")
+        schema = read_int(obj, "v", "")  # already checked by load_message: an int in range
+        if schema < HEAD_LAYOUT_SCHEMA_VERSION:
+            raise DecodeError(
+                Reason.BAD_VERSION, f"v = {schema}: a head layout needs schema {HEAD_LAYOUT_SCHEMA_VERSION}"
+            )
+        raw = read_text(obj, "layout", "", _LAYOUT_RE)
+        try:
+            layout = HeadLayout(raw)
+        except ValueError as exc:
+            raise DecodeError(Reason.BAD_VALUE, f"layout = {show(raw)}: unknown head layout") from exc
+        if "base_version" in obj:
+            base_version = read_int(obj, "base_version", "")
+            if base_version >= version:
+                raise DecodeError(
+                    Reason.BAD_VALUE, f"base_version {base_version} must be below version {version}"
+                )
+        mode = _HEAD_COMPRESSION[layout]
+        want_w = tuple(expect_shape) if expect_shape is not None else None
+        w = decompress_delta(head["W"], want_w, limits=limits, compression=mode, name="head.W")
+        want_b = (expect_shape[1],) if expect_shape is not None else None
+        b = decompress_delta(head["b"], want_b, limits=limits, compression=mode, name="head.b")
+    else:
+        f32 = frozenset({"float32"})
+        w = decode_array(head["W"], limits=limits, dtypes=f32, name="head.W")
+        b = decode_array(head["b"], limits=limits, dtypes=f32, name="head.b")
     _check_head_shapes(w, b, "head", expect_shape)
     return GlobalModel(
-        round=round_, version=version, model_sha256=model_sha256, W=w, b=b, signature=signature
+        round=round_,
+        version=version,
+        model_sha256=model_sha256,
+        W=w,
+        b=b,
+        signature=signature,
+        layout=layout,
+        base_version=base_version,
     )
+
+
+def resolve_global_head(gm: GlobalModel, held_version: int, held_W: F32, held_b: F32) -> GlobalModel:
+    """Turn a decoded GlobalModel into the full float32 head a device applies and stores.
+
+    Parameters
+    ----------
+    gm : GlobalModel
+        As :func:`decode_global_model` returned it.
+    held_version : int
+        Version of the head the device holds.
+    held_W, held_b : float32 [D, K], float32 [K]
+        That head.
+
+    Returns
+    -------
+    GlobalModel
+        ``layout = float32``, ``base_version = None``; W, b the full head (``held + delta`` for a
+        delta head, summed in float32), round, version, sha256 and signature as received.
+
+    Raises
+    ------
+    DecodeError
+        ``stale_base`` (a delta from a version the device does not hold: it takes the retained full
+        head instead), ``bad_shape`` (delta and held head differ), ``not_finite`` (the sum overflows).
+    """
+    if gm.base_version is None:
+        return replace(gm, layout=HeadLayout.FLOAT32)
+    if gm.base_version != held_version:
+        raise DecodeError(
+            Reason.STALE_BASE, f"head delta from version {gm.base_version}, this device holds {held_version}"
+        )
+    if gm.W.shape != held_W.shape or gm.b.shape != held_b.shape:
+        raise DecodeError(
+            Reason.BAD_SHAPE, f"head delta of shape {list(gm.W.shape)}, held {list(held_W.shape)}"
+        )
+    with np.errstate(over="ignore"):
+        w = (held_W.astype(np.float32) + gm.W).astype(np.float32)
+        b = (held_b.astype(np.float32) + gm.b).astype(np.float32)
+    if not (bool(np.isfinite(w).all()) and bool(np.isfinite(b).all())):
+        raise DecodeError(Reason.NOT_FINITE, "head delta plus held head: NaN or infinity")
+    return replace(gm, W=w, b=b, layout=HeadLayout.FLOAT32, base_version=None)
+
+
+def global_model_version(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> int | None:
+    """Read a GlobalModel's ``version`` from its item headers, without decoding it.
+
+    The cheap check that lets a device skip a retained head it already holds (no array is built).
+
+    Parameters
+    ----------
+    payload : bytes
+        A GlobalModel payload (whole, not a chunk).
+    limits : Limits
+        Bounds for the header walk.
+
+    Returns
+    -------
+    int or None
+        The version, or None when the headers hold no unsigned ``version`` (the full decode then
+        names the problem).
+
+    Raises
+    ------
+    DecodeError
+        ``too_large`` (payload over ``limits.max_message_bytes``), else as
+        :func:`edgefl.wire.cbor.prescan` (malformed or oversized CBOR).
+    """
+    if len(payload) > limits.max_message_bytes:
+        raise DecodeError(Reason.TOO_LARGE, f"{len(payload)} bytes > {limits.max_message_bytes}")
+    version = prescan(payload, limits, ("version",)).get("version")
+    return version if type(version) is int else None
 
 
 def encode_round(msg: RoundAnnouncement) -> bytes:

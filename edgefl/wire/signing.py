@@ -468,7 +468,7 @@ def sign_payload(blank: bytes, key: SigningKey, *, fleet: str) -> bytes:
     Raises
     ------
     ValueError
-        If ``blank`` does not end with the placeholder signature, is not a schema-2 GlobalModel,
+        If ``blank`` does not end with the placeholder signature, is not a schema-2 (or 3) GlobalModel,
         RoundAnnouncement or Update, or lacks its round or version.
     """
     if not is_signed(blank) or bytes(blank[-SIGNATURE_BYTES:]) != PLACEHOLDER:
@@ -479,9 +479,10 @@ def sign_payload(blank: bytes, key: SigningKey, *, fleet: str) -> bytes:
         fields = _signed_fields(bytes(blank), NO_LIMITS)
     except DecodeError as exc:
         raise ValueError(f"cannot sign this message: {exc}") from exc
-    if fields.schema != SIGNED_SCHEMA_VERSION:
+    if not SIGNED_SCHEMA_VERSION <= fields.schema <= SCHEMA_VERSION:
         raise ValueError(
-            f"a signed message is written as schema {SIGNED_SCHEMA_VERSION}, not {fields.schema}"
+            f"a signed message is written as schema {SIGNED_SCHEMA_VERSION} to {SCHEMA_VERSION},"
+            f" not {fields.schema}"
         )
     digest = hashlib.sha256(blank).digest()
     message = signed_bytes(

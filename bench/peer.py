@@ -1,0 +1,484 @@
+"""edgefl next to Flower 1.42, side by side: bytes per client per round, round latency, client RSS, accuracy.
+
+Both systems run the same job on this machine, alternately: 2 clients, 5 rounds, FedAvg, a head of
+512 x 10 (the shipped ``digits_cnn_int8_rawin`` backbone) trained 1 local epoch (SGD, lr 0.05, batch 32)
+on the same non-IID digits shards (``edgefl.datasets``), evaluated on the same test split. Each client
+talks to its server through its own port of a byte-counting TCP proxy on 127.0.0.1 (TCP payload bytes,
+both directions: framing, statuses and keep-alives included).
+
+- **edgefl**: a real mosquitto (``bench.round_overhead.mosquitto``), 2 real agent processes
+  (``edgefl run firmware_configs/dev_x86.toml`` with the gateway profiles' ``status.heartbeat_s = 60``:
+  replay -> LiteRT -> store -> head training -> CBOR update, QoS 1) and the real coordinator
+  (``Coordinator.run_round``) in this process, connected to the broker directly. Variants: uplink
+  ``none``/``int8``/``topk-int8`` with the downlink ``float32``/``int8``/``int8``; the int8 variant
+  also with mosquitto's ``set_tcp_nodelay true``; the int8 variant runs with the agents' dashboards on.
+- **Flower**: the legacy gRPC ``start_server`` (FedAvg) and 2 ``start_client`` NumPyClients
+  (``bench/peer_flower.py``), run with the python of Flower's own venv (``--flower-venv``, created
+  with ``flwr==1.42.0`` and numpy when absent; the only network use is that pip install), training
+  on the embeddings edgefl's backbone gives for the same shards.
+
+Figures: bytes (up + down) per client per round over rounds 1..5; round start -> aggregation (edgefl:
+``run_round`` begins -> ``publish_global`` called; Flower: ``configure_fit`` -> ``aggregate_fit``
+returned), median of rounds 2..5; peak RSS (VmHWM) of each client process; final test accuracy.
+With ``--repeats N`` every figure is the median over the N alternating repeats.
+
+Run: ``.venv/bin/python -m bench.peer --json PATH`` writes ``{"ratios": {METRIC: edgefl/Flower},
+"accuracy": {...}, "runs": [...]}`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.round_overhead import mosquitto
+from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.strategy import make_strategy
+from edgefl.datasets import load_digits, partition_non_iid, split_digits
+from edgefl.demo import accuracy, embed_all, free_port, launch_agent, stop_agents
+from edgefl.resources import shipped
+from edgefl.runtime import Backbone
+from edgefl.topics import Topics
+from edgefl.transport import MqttTransport
+from edgefl.wire.compression import Compression
+from edgefl.wire.messages import HeadLayout
+
+ROUNDS = 5
+EPOCHS, LR, BATCH = 1, 0.05, 32
+FLOWER_VERSION = "1.42.0"
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One edgefl configuration of the bench."""
+
+    name: str
+    uplink: Compression
+    downlink: HeadLayout
+    broker_nodelay: bool
+    dashboard: bool
+
+
+VARIANTS = (
+    Variant("float32", Compression.NONE, HeadLayout.FLOAT32, False, False),
+    Variant("int8", Compression.INT8, HeadLayout.INT8, False, True),
+    Variant("topk_int8", Compression.TOPK_INT8, HeadLayout.INT8, False, False),
+    Variant("int8_nodelay", Compression.INT8, HeadLayout.INT8, True, False),
+)
+
+
+# --- the counting proxy (a child process: ``python -m bench.peer proxy LOG LABEL:LPORT:TPORT ...``) --------
+async def _proxy_main(log_path: str, specs: Sequence[str]) -> None:
+    counts: list[tuple[float, str, str, int]] = []
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, label: str, way: str) -> None:
+        try:
+            while data := await reader.read(65536):
+                counts.append((time.time(), label, way, len(data)))
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    def handler(label: str, target: int) -> Any:
+        async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+            sr, sw = await asyncio.open_connection("127.0.0.1", target)
+            for s in (cw, sw):
+                s.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await asyncio.gather(pipe(cr, sw, label, "up"), pipe(sr, cw, label, "down"))
+
+        return handle
+
+    servers = []
+    for spec in specs:
+        label, lport, tport = spec.split(":")
+        servers.append(await asyncio.start_server(handler(label, int(tport)), "127.0.0.1", int(lport)))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    with open(log_path, "w") as fh:
+        for t, label, way, n in counts:
+            fh.write(f"{t:.6f} {label} {way} {n}\n")
+
+
+class Proxy:
+    """The counting proxy as a child process: one listening port per client label."""
+
+    def __init__(self, work: Path, targets: dict[str, int]) -> None:
+        self.log = work / f"proxy-{time.time_ns()}.txt"
+        self.ports = {label: free_port() for label in targets}
+        specs = [f"{label}:{self.ports[label]}:{port}" for label, port in targets.items()]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.peer", "proxy", str(self.log), *specs], cwd=HERE.parent
+        )
+        _wait_listening(list(self.ports.values()), 20)
+
+    def stop(self) -> list[tuple[float, str, str, int]]:
+        """Stop the proxy and return its log: (time s, label, "up"/"down", bytes)."""
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=15)
+        rows = []
+        for line in self.log.read_text().splitlines():
+            t, label, way, n = line.split()
+            rows.append((float(t), label, way, int(n)))
+        return rows
+
+
+def _wait_listening(ports: list[int], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for port in ports:
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"nothing listens on 127.0.0.1:{port}") from None
+                time.sleep(0.05)
+
+
+def _bytes_per_round(rows: list[tuple[float, str, str, int]], label: str, t0: float, t1: float) -> float:
+    return sum(n for t, lab, _, n in rows if lab == label and t0 <= t < t1) / ROUNDS
+
+
+def _vm_hwm_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
+# --- the shared job -----------------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """What both systems use: shards (raw for edgefl, embeddings for Flower), test set, factory head."""
+
+    model: Path
+    sha256: str
+    W0: Any
+    b0: Any
+    raw_shards: list[Path]
+    emb_shards: list[Path]
+    emb_test: Any
+    y_test: Any
+    init: Path
+
+
+def make_job(work: Path) -> Job:
+    """Split digits as the demo does, 2 non-IID shards; embed them with edgefl's backbone for Flower."""
+    model = shipped("models/digits_cnn_int8_rawin.tflite")
+    backbone = Backbone(model, num_threads=1)
+    x, y = load_digits()
+    split = split_digits(y)
+    pool = split.devices
+    shards = [pool[s] for s in partition_non_iid(y[pool], 2, seed=0)]
+    mean, std = (0.0,), (16.0,)
+    W0, b0 = backbone.head_from_model()
+    raw, emb = [], []
+    for i, shard in enumerate(shards, 1):
+        raw.append(work / f"dev-{i}.npz")
+        np.savez(raw[-1], x=x[shard], y=y[shard])
+        emb.append(work / f"emb-{i}.npz")
+        np.savez(emb[-1], x=embed_all(backbone, x[shard], mean, std), y=y[shard])
+    init = work / "init.npz"
+    np.savez(init, W=W0, b=b0)
+    return Job(
+        model,
+        backbone.sha256,
+        W0,
+        b0,
+        raw,
+        emb,
+        embed_all(backbone, x[split.test], mean, std),
+        y[split.test],
+        init,
+    )
+
+
+# --- one edgefl run ------------------------------------------------------------------------------
+class _TimedCoordinator(Coordinator):
+    agg_at: dict[int, float]
+
+    async def publish_global(self, round_no: int) -> None:
+        self.agg_at[round_no] = time.time()  # aggregation done, the new head about to go out
+        await super().publish_global(round_no)
+
+
+async def _edgefl_rounds(
+    port: int, job: Job, v: Variant, fleet: str
+) -> tuple[dict[int, float], _TimedCoordinator]:
+    transport = MqttTransport("127.0.0.1", port, f"coord-{fleet}")
+    await transport.start(wait_s=15)
+    strategy = make_strategy(
+        "fedavg", local_epochs=EPOCHS, lr=LR, batch_size=BATCH, min_clients=2, deadline_s=60.0
+    )
+    coord = _TimedCoordinator(
+        transport,
+        Topics("edgefl", fleet),
+        job.W0,
+        job.b0,
+        model_sha256=job.sha256,
+        strategy=strategy,
+        evaluate=lambda W, b: accuracy(W, b, job.emb_test, job.y_test),
+        compression=v.uplink,
+        downlink=v.downlink,
+        lr_decay=1.0,
+    )
+    coord.agg_at = {}
+    pump = asyncio.create_task(coord.pump())
+    starts: dict[int, float] = {}
+    try:
+        await coord.start()
+        await coord.wait_for_devices(2, timeout_s=180)
+        for r in range(1, ROUNDS + 1):
+            starts[r] = time.time()
+            rec = await coord.run_round(r)
+            if rec.clients != 2:
+                raise RuntimeError(f"edgefl {v.name} round {r}: {rec.clients} updates")
+        await asyncio.sleep(1.0)  # the last global head reaches the devices
+        starts[ROUNDS + 1] = time.time()
+    finally:
+        pump.cancel()
+        await asyncio.gather(pump, return_exceptions=True)
+        await transport.stop()
+    return starts, coord
+
+
+def run_edgefl(work: Path, job: Job, v: Variant) -> dict[str, Any]:
+    """One edgefl run of variant ``v``; per-client figures."""
+    run_dir = Path(tempfile.mkdtemp(prefix=f"edgefl-{v.name}-", dir=work))
+    profile = HERE.parent / "firmware_configs" / "dev_x86.toml"
+    with mosquitto(run_dir, "set_tcp_nodelay true" if v.broker_nodelay else "") as port:
+        proxy = Proxy(run_dir, {"c1": port, "c2": port})
+        fleet = f"peer{os.getpid()}{v.name.replace('_', '')}"
+        procs = [
+            launch_agent(
+                profile,
+                {
+                    "device.id": f"dev-{i}",
+                    "device.fleet": fleet,
+                    "device.state_dir": str(run_dir / f"state{i}"),
+                    "broker.url": f"mqtt://127.0.0.1:{proxy.ports[f'c{i}']}",
+                    "source.kind": "replay",
+                    "source.path": str(job.raw_shards[i - 1]),
+                    "model.path": str(job.model),
+                    "training.store_capacity": "1024",
+                    "dashboard.enabled": "true" if v.dashboard else "false",
+                    "status.heartbeat_s": "60",  # as the gateway profiles
+                },
+                run_dir / f"dev-{i}.log",
+            )
+            for i in (1, 2)
+        ]
+        try:
+            starts, coord = asyncio.run(_edgefl_rounds(port, job, v, fleet))
+            hwm = [_vm_hwm_kib(p.pid) for p in procs]
+        finally:
+            stop_agents(procs)
+            rows = proxy.stop()
+    rounds = range(2, ROUNDS + 1)
+    return {
+        "system": "edgefl",
+        "variant": v.name,
+        "bytes_per_round": [_bytes_per_round(rows, f"c{i}", starts[1], starts[ROUNDS + 1]) for i in (1, 2)],
+        "up_per_round": [
+            _bytes_per_round([r for r in rows if r[2] == "up"], f"c{i}", starts[1], starts[ROUNDS + 1])
+            for i in (1, 2)
+        ],
+        "round_ms": 1e3 * statistics.median(coord.agg_at[r] - starts[r] for r in rounds),
+        "peak_rss_kib": hwm,
+        "accuracy": coord.state.history[-1].accuracy,
+    }
+
+
+def run_flower(work: Path, job: Job, venv: Path) -> dict[str, Any]:
+    """One Flower run (legacy gRPC server and clients); per-client figures."""
+    run_dir = Path(tempfile.mkdtemp(prefix="flower-", dir=work))
+    py = str(venv / "bin" / "python")
+    env = dict(
+        os.environ,
+        FLWR_TELEMETRY_ENABLED="0",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        OPENBLAS_NUM_THREADS="1",
+    )
+    sport = free_port()
+    script = str(HERE / "peer_flower.py")
+    out = run_dir / "server.json"
+    logs = [open(run_dir / f"{n}.log", "wb") for n in ("server", "c1", "c2")]  # noqa: SIM115 - closed below
+    server = subprocess.Popen(
+        [py, script, "server", f"127.0.0.1:{sport}", str(ROUNDS), str(job.init), str(out)],
+        stdout=logs[0],
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    procs = [server]
+    try:
+        _wait_listening([sport], 120)
+        proxy = Proxy(run_dir, {"c1": sport, "c2": sport})
+        for i in (1, 2):
+            cmd = [
+                py,
+                script,
+                "client",
+                f"127.0.0.1:{proxy.ports[f'c{i}']}",
+                str(job.emb_shards[i - 1]),
+                str(EPOCHS),
+                str(LR),
+                str(BATCH),
+                str(run_dir / f"c{i}.json"),
+            ]
+            procs.append(subprocess.Popen(cmd, stdout=logs[i], stderr=subprocess.STDOUT, env=env))
+        for p in procs:
+            p.wait(timeout=300)
+        rows = proxy.stop()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for fh in logs:
+            fh.close()
+    doc = json.loads(out.read_text())
+    start = {r: t for e, r, t in doc["events"] if e == "fit_start"}
+    end = {r: t for e, r, t in doc["events"] if e == "fit_end"}
+    final = np.load(str(out) + ".npz")
+    t_end = end[ROUNDS] + 1.0
+    return {
+        "system": "flower",
+        "bytes_per_round": [_bytes_per_round(rows, f"c{i}", start[1], t_end) for i in (1, 2)],
+        "up_per_round": [
+            _bytes_per_round([r for r in rows if r[2] == "up"], f"c{i}", start[1], t_end) for i in (1, 2)
+        ],
+        "round_ms": 1e3 * statistics.median(end[r] - start[r] for r in range(2, ROUNDS + 1)),
+        "peak_rss_kib": [json.loads((run_dir / f"c{i}.json").read_text())["status"]["VmHWM"] for i in (1, 2)],
+        "accuracy": accuracy(final["W"], final["b"], job.emb_test, job.y_test),
+    }
+
+
+def ensure_flower(venv: Path) -> None:
+    """Create Flower's venv with flwr 1.42.0 and numpy unless it already has them."""
+    py = venv / "bin" / "python"
+    if (
+        py.exists()
+        and subprocess.run([str(py), "-c", "import flwr, numpy"], capture_output=True).returncode == 0
+    ):
+        return
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", f"flwr=={FLOWER_VERSION}", "numpy"], check=True)
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over repeats (and over the 2 clients), the ratios edgefl/Flower and the accuracies."""
+
+    def med(system: str, key: str, variant: str | None = None) -> float:
+        values = []
+        for r in runs:
+            if r["system"] == system and (variant is None or r.get("variant") == variant):
+                v = r[key]
+                values.append(statistics.median(v) if isinstance(v, list) else v)
+        return float(statistics.median(values))
+
+    fb, frt, frss = med("flower", "bytes_per_round"), med("flower", "round_ms"), med("flower", "peak_rss_kib")
+    ratios = {
+        "bytes_total_float32_d512": med("edgefl", "bytes_per_round", "float32") / fb,
+        "bytes_total_int8_d512": med("edgefl", "bytes_per_round", "int8") / fb,
+        "bytes_total_topk_int8_d512": med("edgefl", "bytes_per_round", "topk_int8") / fb,
+        "round_ms_default_broker": med("edgefl", "round_ms", "int8") / frt,
+        "round_ms_nodelay_broker": med("edgefl", "round_ms", "int8_nodelay") / frt,
+        "peak_rss_dashboard_on_d512": med("edgefl", "peak_rss_kib", "int8") / frss,
+    }
+    absolute = {
+        "flower": {
+            "bytes_per_round": fb,
+            "up_per_round": med("flower", "up_per_round"),
+            "round_ms": frt,
+            "peak_rss_kib": frss,
+        },
+        **{
+            v.name: {
+                "bytes_per_round": med("edgefl", "bytes_per_round", v.name),
+                "up_per_round": med("edgefl", "up_per_round", v.name),
+                "round_ms": med("edgefl", "round_ms", v.name),
+                "peak_rss_kib": med("edgefl", "peak_rss_kib", v.name),
+            }
+            for v in VARIANTS
+        },
+    }
+    acc = {v.name: med("edgefl", "accuracy", v.name) for v in VARIANTS if v.name != "int8_nodelay"}
+    acc["flower_float32"] = med("flower", "accuracy")
+    return {"ratios": ratios, "accuracy": acc, "absolute": absolute}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m bench.peer [--repeats N] [--json PATH] [--flower-venv DIR]``."""
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in[:1] == ["proxy"]:
+        asyncio.run(_proxy_main(args_in[1], args_in[2:]))
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--flower-venv", type=Path, default=Path("/work/peer-venv"))
+    args = p.parse_args(args_in)
+    ensure_flower(args.flower_venv)
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="peer-") as tmp:
+        work = Path(tmp)
+        job = make_job(work)
+        for rep in range(args.repeats):
+            order: list[Variant | None] = [None, *VARIANTS]  # alternate: Flower, then each edgefl variant
+            for v in order if rep % 2 == 0 else reversed(order):
+                run = run_flower(work, job, args.flower_venv) if v is None else run_edgefl(work, job, v)
+                run["repeat"], run["loadavg"] = rep, os.getloadavg()
+                print(json.dumps(run), flush=True)
+                runs.append(run)
+    summary = summarize(runs)
+    summary["runs"] = runs
+    summary["machine"] = {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()}
+    a = summary["absolute"]
+    print("\n| per client per round, D = 512 | Flower | edgefl | ratio |\n|---|---|---|---|")
+    for name in ("float32", "int8", "topk_int8"):
+        print(
+            f"| bytes up + down, {name} | {a['flower']['bytes_per_round']:,.0f} B | "
+            f"{a[name]['bytes_per_round']:,.0f} B | "
+            f"{a[name]['bytes_per_round'] / a['flower']['bytes_per_round']:.2f} |"
+        )
+    for name, label in (("int8", "defaults"), ("int8_nodelay", "set_tcp_nodelay true")):
+        print(
+            f"| round start -> aggregation, broker {label} | {a['flower']['round_ms']:.1f} ms | "
+            f"{a[name]['round_ms']:.1f} ms | {a[name]['round_ms'] / a['flower']['round_ms']:.2f} |"
+        )
+    print(
+        f"| peak RSS of a client (edgefl dashboard on) | {a['flower']['peak_rss_kib'] / 1024:.1f} MiB | "
+        f"{a['int8']['peak_rss_kib'] / 1024:.1f} MiB | "
+        f"{summary['ratios']['peak_rss_dashboard_on_d512']:.2f} |"
+    )
+    print("accuracy:", json.dumps(summary["accuracy"]))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
