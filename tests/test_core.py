@@ -52,6 +52,7 @@ def profile_for(tmp: Path, fleet: str = "f1", **extra: str) -> Profile:
             "memory.cap_mb": "4096",
             "memory.min_system_available_mb": "0",
             "dashboard.enabled": "false",
+            "training.holdout_every": "0",  # every sample trains (the holdout has its own test)
             **extra,
         },
     )
@@ -302,3 +303,23 @@ def test_memory_report_round_is_the_core_round(mosquitto: Broker, tmp_path: Path
     assert again.answered is not None and again.answered.round == 1
     assert again.outbox.pending() == []  # published and acknowledged
     assert again.head.version == 1 and rep.update_bytes > 0
+
+
+def test_core_holdout_is_kept_out_of_training_and_evaluates_each_new_head(
+    tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """Federated evaluation: every 10th labelled sample goes to the holdout store, never to training;
+    a new global head is evaluated on it (its accuracy is the head's own on those samples)."""
+    x, y = digits
+    core = DeviceCore.open(profile_for(tmp_path, **{"training.holdout_every": "10"}))
+    core.observe(x[:40], y[:40])
+    assert core.holdout is not None and (len(core.store), len(core.holdout)) == (36, 4)
+    held = np.arange(40) % 10 == 9
+    ev = core.evaluate()
+    assert ev is not None and (ev.version, ev.count) == (0, 4)
+    emb = core.classify(x[:40][held]).embeddings
+    assert ev.accuracy == float(np.mean(core.head.predict(emb) == y[:40][held]))
+    W = core.head.W + np.float32(0.01)
+    applied = core.receive_global(encode_global_model(GlobalModel(1, 1, core.model_sha256, W, core.head.b)))
+    assert applied.status == ApplyStatus.APPLIED
+    assert core.evaluation is not None and (core.evaluation.version, core.evaluation.count) == (1, 4)
