@@ -671,3 +671,26 @@ def test_install_sh_upgrade_keeps_the_running_release_when_restart_fails(
     assert os.readlink(fake_system.prefix / "previous") == old
     assert os.readlink(fake_system.prefix / "current") != old
     assert "MemoryMax=192M" in fake_system.unit.read_text()
+
+
+# --- check_emulated.sh: the suite argument (refusals happen before any tool or download is needed) ----
+
+
+def test_emulated_install_check_refuses_armv7l_on_trixie_up_front() -> None:
+    proc = subprocess.run(
+        ["bash", str(ROOT / "cross_build" / "check_emulated.sh"), "armv7l", "trixie"],
+        capture_output=True, text=True, check=False, env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("check_emulated.sh: refused: armv7l on trixie (Debian 13, CPython 3.13): ")
+    assert "no TFLite runtime wheel exists for armv7l on CPython 3.13" in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_emulated_install_check_names_an_unknown_suite() -> None:
+    proc = subprocess.run(
+        ["bash", str(ROOT / "cross_build" / "check_emulated.sh"), "aarch64", "sid"],
+        capture_output=True, text=True, check=False,
+    )
+    assert proc.returncode == 2
+    assert "unknown suite sid (bookworm or trixie)" in proc.stderr
