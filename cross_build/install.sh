@@ -45,7 +45,7 @@ while [ $# -gt 0 ]; do
     --no-systemd) SYSTEMD=0; shift ;;
     --no-start) START=0; shift ;;
     --rollback) ROLLBACK=1; shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
 done
