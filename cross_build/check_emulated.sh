@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# Emulated install check: install a wheelhouse offline into a Debian 12 root filesystem of the target
-# architecture, run under qemu-user through proot (no kernel change, no root bind of /sys), then
-# `edgefl check-config` a shipped profile and classify the demo's test set with the profiles' model
-# (digits int8, raw-input form), and compare the predictions with the same runtime on x86.
+# Emulated install check: install a wheelhouse offline into a Debian root filesystem (bookworm or
+# trixie) of the target architecture, run under qemu-user through proot (no kernel change, no root bind
+# of /sys), then `edgefl check-config` a shipped profile and classify the demo's test set with the
+# profiles' model (digits int8, raw-input form), compare the predictions with the same runtime on x86,
+# and round-trip the wire codec with the installed cbor2.
 #
-#   cross_build/check_emulated.sh aarch64|armv7l [WHEELHOUSE]
+#   cross_build/check_emulated.sh aarch64|armv7l [bookworm|trixie] [WHEELHOUSE]
 #
-# WHEELHOUSE defaults to cache/wheelhouse/<target> (built with cross_build/wheelhouse.py if absent).
+# The suite (default bookworm) fixes the device's CPython: bookworm 3.11, trixie 3.13; the wheelhouse
+# is built for it. armv7l on trixie is refused up front (exit 2): no TFLite runtime publishes an armv7l
+# wheel for CPython 3.13 (see docs/operations.md, support matrix).
+# WHEELHOUSE defaults to cache/wheelhouse/<target>-<python> (built with cross_build/wheelhouse.py if
+# absent or built from another commit).
 # Needs: debootstrap, proot, qemu-user-static (Debian packages). Without them it prints "skip: <reason>"
 # and exits 0 (exit 77 with EDGEFL_EMULATED_STRICT=1), so CI can run it unconditionally.
-# Caches (git-ignored, under cache/): the root filesystems as tarballs (cache/emulated/<arch>.tar), the
-# wheelhouse, and for armv7l an x86 venv with tflite-runtime 2.14 for the reference run. Only the
+# Caches (git-ignored, under cache/): the root filesystems as tarballs (cache/emulated/<suite>-<arch>.tar),
+# the wheelhouse, and for armv7l an x86 venv with tflite-runtime 2.14 for the reference run. Only the
 # Debian mirror and the package index are reached, and only when a cache is missing.
 #
 # Why proot and not binfmt_misc: registering binfmt handlers changes the kernel for every process on the
@@ -18,10 +23,17 @@
 # /sys is not bound into the root: LiteRT segfaults creating an interpreter on aarch64 when it is.
 set -euo pipefail
 
-TARGET=${1:?usage: check_emulated.sh aarch64|armv7l [WHEELHOUSE]}
+USAGE="usage: check_emulated.sh aarch64|armv7l [bookworm|trixie] [WHEELHOUSE]"
+TARGET=${1:?$USAGE}
+SUITE=${2:-bookworm}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 CACHE="$ROOT/cache"
-HOUSE=${2:-$CACHE/wheelhouse/$TARGET}
+case "$SUITE" in
+  bookworm) DEBIAN=12; PYVER=3.11 ;;
+  trixie) DEBIAN=13; PYVER=3.13 ;;
+  *) echo "check_emulated.sh: unknown suite $SUITE (bookworm or trixie); $USAGE" >&2; exit 2 ;;
+esac
+HOUSE=${3:-$CACHE/wheelhouse/$TARGET-$PYVER}
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 
@@ -30,8 +42,17 @@ case "$TARGET" in
            PKGS=python3,python3-venv ;;
   armv7l)  DARCH=armhf; QEMU=qemu-arm-static; RUNTIME=tflite; PROFILE=gateway_armv7_512mb
            PKGS=python3,python3-venv,python3-numpy ;;
-  *) echo "check_emulated.sh: unknown target $TARGET (aarch64 or armv7l)" >&2; exit 2 ;;
+  *) echo "check_emulated.sh: unknown target $TARGET (aarch64 or armv7l); $USAGE" >&2; exit 2 ;;
 esac
+# A target/Python pair the builder refuses (no runtime wheel exists) is refused here before any work.
+if ! REFUSAL=$(PYTHONPATH="$ROOT" "$PY" -c 'import sys
+from cross_build.wheelhouse import refusal
+r = refusal(sys.argv[1], sys.argv[2])
+print(r or "")
+sys.exit(1 if r else 0)' "$TARGET" "$PYVER"); then
+  echo "check_emulated.sh: refused: $TARGET on $SUITE (Debian $DEBIAN, CPython $PYVER): $REFUSAL" >&2
+  exit 2
+fi
 
 skip() {
   echo "skip: $*"
@@ -42,7 +63,7 @@ for tool in debootstrap proot "$QEMU"; do
   command -v "$tool" >/dev/null 2>&1 || [ -x "/usr/sbin/$tool" ] || skip "$tool not installed (apt-get install debootstrap proot qemu-user-static)"
 done
 QEMU_BIN=$(command -v "$QEMU")
-log() { printf '[%s %s] %s\n' "$(date -u +%H:%M:%S)" "$TARGET" "$*"; }
+log() { printf '[%s %s %s] %s\n' "$(date -u +%H:%M:%S)" "$TARGET" "$SUITE" "$*"; }
 
 GUEST_ENV=(HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8)
 
@@ -97,17 +118,17 @@ if [ "$TARGET" = armv7l ]; then
 fi
 
 mkdir -p "$CACHE/emulated"
-TARBALL="$CACHE/emulated/debian12-$DARCH.tar"
-WORK=$(mktemp -d "$CACHE/emulated/run-$TARGET.XXXXXX")
+TARBALL="$CACHE/emulated/$SUITE-$DARCH.tar"
+WORK=$(mktemp -d "$CACHE/emulated/run-$TARGET-$SUITE.XXXXXX")
 trap 'binfmt_unregister; rm -rf "$WORK"' EXIT
 if [ "$EMULATION" = chroot ]; then binfmt_register; fi
 ROOTFS="$WORK/rootfs"
 
 if [ ! -f "$TARBALL" ]; then
-  log "building the Debian 12 $DARCH root filesystem (first run only)"
+  log "building the Debian $DEBIAN ($SUITE) $DARCH root filesystem (first run only)"
   t0=$(date +%s)
   mkdir -p "$ROOTFS"
-  debootstrap --foreign --arch="$DARCH" --variant=minbase --include="$PKGS" bookworm "$ROOTFS" "$MIRROR" \
+  debootstrap --foreign --arch="$DARCH" --variant=minbase --include="$PKGS" "$SUITE" "$ROOTFS" "$MIRROR" \
     > "$WORK/debootstrap1.log" 2>&1 || { tail -20 "$WORK/debootstrap1.log"; exit 1; }
   # The first stage leaves /proc as a symlink to the host's /proc, which proot cannot bind over.
   if [ -L "$ROOTFS/proc" ]; then rm "$ROOTFS/proc" && mkdir "$ROOTFS/proc"; fi
@@ -126,14 +147,14 @@ fi
 # the default one when the source differs (a stale one once compared new x86 models with old ones).
 SOURCE_ID="$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
 git -C "$ROOT" diff --quiet HEAD -- 2>/dev/null || SOURCE_ID="$SOURCE_ID-dirty"
-if [ -z "${2:-}" ] && [ -f "$HOUSE/requirements.lock" ] && [ "$(cat "$HOUSE/SOURCE" 2>/dev/null)" != "$SOURCE_ID" ]; then
+if [ -z "${3:-}" ] && [ -f "$HOUSE/requirements.lock" ] && [ "$(cat "$HOUSE/SOURCE" 2>/dev/null)" != "$SOURCE_ID" ]; then
   log "cached wheelhouse built from $(cat "$HOUSE/SOURCE" 2>/dev/null || echo 'an unknown source'), not $SOURCE_ID: rebuilding"
   rm -rf "$HOUSE"
 fi
 if [ ! -f "$HOUSE/requirements.lock" ]; then
   log "building the wheelhouse into $HOUSE"
-  "$PY" "$ROOT/cross_build/wheelhouse.py" --target "$TARGET" --out "$HOUSE"
-  [ -n "${2:-}" ] || echo "$SOURCE_ID" > "$HOUSE/SOURCE"
+  "$PY" "$ROOT/cross_build/wheelhouse.py" --target "$TARGET" --python "$PYVER" --out "$HOUSE"
+  [ -n "${3:-}" ] || echo "$SOURCE_ID" > "$HOUSE/SOURCE"
 fi
 log "wheelhouse $HOUSE: wheels $(du -sh "$HOUSE/wheels" | cut -f1), total $(du -sh "$HOUSE" | cut -f1)"
 

@@ -11,11 +11,13 @@ import argparse
 
 # Must equal sorted(edgefl.cross_build.wheelhouse.TARGETS) (checked by tests/test_cross_build.py).
 TARGET_NAMES = ("aarch64", "armv7l", "x86_64")
+# Must equal edgefl.cross_build.wheelhouse.PYTHONS (same test).
+PYTHON_VERSIONS = ("3.11", "3.12", "3.13")
 DEFAULT_PREFIX = "/opt/edgefl"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Add ``--target``, ``--out``, ``--prefix`` and ``--repo`` to a parser.
+    """Add ``--target``, ``--python``, ``--out``, ``--prefix`` and ``--repo`` to a parser.
 
     Parameters
     ----------
@@ -23,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         The ``wheelhouse`` sub-parser, or the parser of ``python -m edgefl.cross_build.wheelhouse``.
     """
     p.add_argument("--target", required=True, choices=TARGET_NAMES, help="gateway platform")
+    p.add_argument("--python", default=None, choices=PYTHON_VERSIONS,
+                   help="the device's CPython, wheels are tagged for it (default: the Python of the newest "
+                        "Debian stable the target runs on: 3.13 for aarch64 and x86_64, 3.11 for armv7l)")
     p.add_argument("--out", required=True, help="output folder (its wheels/ is replaced)")
     p.add_argument("--prefix", default=DEFAULT_PREFIX,
                    help=f"install prefix on the device (default {DEFAULT_PREFIX})")
@@ -30,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_wheelhouse_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``edgefl wheelhouse --target T --out DIR`` on the ``edgefl`` parser.
+    """Register ``edgefl wheelhouse --target T [--python V] --out DIR`` on the ``edgefl`` parser.
 
     Parameters
     ----------

@@ -1,5 +1,7 @@
 """Build an offline wheelhouse of edgefl for an ARM gateway (``edgefl wheelhouse --target T --out DIR``).
 
+``--python 3.11|3.12|3.13`` chooses the device's CPython (the wheels' ``cp3XX`` tags).
+
 On an x86 build machine, without installing anything there, collect edgefl's own wheel and every
 dependency as a binary wheel for the target's platform, then write ``DIR``::
 
@@ -10,18 +12,20 @@ dependency as a binary wheel for the target's platform, then write ``DIR``::
     DIR/firmware_configs/ DIR/models/   the shipped profiles and .tflite models (not in the wheel)
     DIR/TARGET                  what the wheelhouse was built for (read by install.sh)
 
-Targets (see :data:`TARGETS`):
+Targets (see :data:`TARGETS`); each wheelhouse is for one CPython (``--python 3.11|3.12|3.13``, default
+the Python of the newest Debian stable the target runs on, :attr:`Target.python_version`):
 
-- ``aarch64``: glibc >= 2.28, CPython 3.11. ai-edge-litert 2.x is tagged only
-  ``manylinux_2_27_aarch64``; with the usual ``manylinux2014``/``2_17``/``2_28`` list pip silently
-  falls back to ai-edge-litert 1.4.0, so the platform list holds every ``manylinux_2_Y`` the glibc
-  allows (:func:`manylinux_tags`) and the lock is checked against :attr:`Target.expect`.
-- ``armv7l``: Debian 12 (glibc 2.36), CPython 3.11. LiteRT has no armv7l wheel: tflite-runtime 2.14.0
-  (the ``tflite`` extra). PyPI has no armv7l numpy wheel: numpy is Debian's ``python3-numpy`` (1.24.2)
+- ``aarch64``: glibc >= 2.28, CPython 3.11, 3.12 or 3.13 (default 3.13, Debian 13). ai-edge-litert 2.x
+  is tagged only ``manylinux_2_27_aarch64``; with the usual ``manylinux2014``/``2_17``/``2_28`` list
+  pip silently falls back to ai-edge-litert 1.4.0, so the platform list holds every ``manylinux_2_Y``
+  the glibc allows (:func:`manylinux_tags`) and the lock is checked against :attr:`Target.expect`.
+- ``armv7l``: Debian 12 (glibc 2.36), CPython 3.11 only. LiteRT has no armv7l wheel: tflite-runtime 2.14.0
+  (the ``tflite`` extra), whose armv7l wheels stop at cp311, so 3.12 and 3.13 are refused up front
+  (:func:`refusal`). PyPI has no armv7l numpy wheel: numpy is Debian's ``python3-numpy`` (1.24.2)
   through a ``--system-site-packages`` venv. cbor2 6.x is a Rust extension (no pure-Python code left in
   its sdist, needs rustc >= 1.85) with no armv7l wheel, so cbor2 is pinned to 5.9.0, the last release
   with a pure-Python implementation, built here from its sdist with ``CBOR2_BUILD_C_EXTENSION=0``.
-- ``x86_64``: glibc >= 2.28, CPython 3.11, for completeness.
+- ``x86_64``: glibc >= 2.28, CPython 3.11, 3.12 or 3.13 (default 3.13), for completeness.
 
 pip evaluates environment markers against the *build* machine even with ``--platform`` (so edgefl's
 ``platform_machine != "armv7l"`` marker would pull LiteRT into the armv7l set): edgefl's requirements are
@@ -36,6 +40,7 @@ pip's secure installs (``--require-hashes``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import logging
 import os
@@ -125,7 +130,11 @@ class Target:
     glibc : tuple[int, int]
         The oldest glibc (major, minor) the wheelhouse must run on; bounds the manylinux tags.
     python_version : str
-        CPython ``major.minor`` on the device.
+        CPython ``major.minor`` on the device; in :data:`TARGETS`, the default: the Python of the newest
+        Debian stable the target runs on.
+    refused : Mapping[str, str]
+        CPython ``major.minor`` → why no wheelhouse can be built for it (no runtime wheel exists);
+        :func:`target_for` refuses these before any download.
     extras : tuple[str, ...]
         edgefl extras installed on this target (``("tflite",)`` on armv7l).
     pins : tuple[str, ...]
@@ -153,6 +162,7 @@ class Target:
     machine: str
     glibc: tuple[int, int]
     python_version: str = "3.11"
+    refused: Mapping[str, str] = field(default_factory=dict)
     extras: tuple[str, ...] = ()
     pins: tuple[str, ...] = ()
     system_packages: Mapping[str, str] = field(default_factory=dict)
@@ -177,14 +187,25 @@ class Target:
 # CBOR2_BUILD_C_EXTENSION=0 (checked in the 5.9.0 sdist).
 CBOR2_PURE = PureWheel("cbor2", "5.9.0", {"CBOR2_BUILD_C_EXTENSION": "0"})
 
+# Every CPython a wheelhouse can be asked for (``--python``); edgefl needs >= 3.11 (setup.cfg).
+PYTHONS = ("3.11", "3.12", "3.13")
+
+# tflite-runtime 2.14.0 (the last release) publishes armv7l wheels for cp39-cp311 only, and LiteRT
+# (ai-edge-litert) none for armv7l at all (checked on the package index, 2026-12).
+_NO_ARMV7L_RUNTIME = (
+    "no TFLite runtime wheel exists for armv7l on CPython {py}: tflite-runtime 2.14.0 (the last "
+    "release) stops at cp311 and ai-edge-litert has no armv7l wheel; use CPython 3.11 (Debian 12)"
+)
+
 TARGETS: Mapping[str, Target] = {
     "aarch64": Target(
-        name="aarch64", machine="aarch64", glibc=(2, 28),
+        name="aarch64", machine="aarch64", glibc=(2, 28), python_version="3.13",
         pins=("ai-edge-litert>=2",), expect=("ai-edge-litert>=2", "cbor2>=6"),
         default_profile="gateway_aarch64_256mb",
     ),
     "armv7l": Target(
-        name="armv7l", machine="armv7l", glibc=(2, 36), extras=("tflite",),
+        name="armv7l", machine="armv7l", glibc=(2, 36), python_version="3.11",
+        refused={py: _NO_ARMV7L_RUNTIME.format(py=py) for py in ("3.12", "3.13")}, extras=("tflite",),
         pins=("tflite-runtime==2.14.0",), system_packages={"numpy": "1.24.2"},
         no_deps=("tflite-runtime",), pure=(CBOR2_PURE,),
         expect=("tflite-runtime==2.14.0", "cbor2==5.9.0"),
@@ -192,11 +213,61 @@ TARGETS: Mapping[str, Target] = {
         debian_packages=("python3", "python3-venv", "python3-numpy"),
     ),
     "x86_64": Target(
-        name="x86_64", machine="x86_64", glibc=(2, 28),
+        name="x86_64", machine="x86_64", glibc=(2, 28), python_version="3.13",
         pins=("ai-edge-litert>=2",), expect=("ai-edge-litert>=2",),
         default_profile="dev_x86",
     ),
 }
+
+
+def refusal(target: str, python: str) -> str | None:
+    """Why no wheelhouse can be built for a target and CPython, or None if one can.
+
+    Parameters
+    ----------
+    target : str
+        A key of :data:`TARGETS`, e.g. ``"armv7l"``.
+    python : str
+        CPython ``major.minor``, e.g. ``"3.13"``.
+
+    Returns
+    -------
+    str or None
+        The reason (names the missing runtime), None when the pair is supported.
+    """
+    if target not in TARGETS:
+        return f"unknown target {target!r} (one of {', '.join(sorted(TARGETS))})"
+    if python not in PYTHONS:
+        return f"unsupported CPython {python!r} (one of {', '.join(PYTHONS)})"
+    return TARGETS[target].refused.get(python)
+
+
+def target_for(name: str, python: str | None = None) -> Target:
+    """The target a wheelhouse is built for: :data:`TARGETS` ``[name]`` for one CPython.
+
+    Parameters
+    ----------
+    name : str
+        A key of :data:`TARGETS`.
+    python : str or None
+        CPython ``major.minor``; None takes the target's default (:attr:`Target.python_version`).
+
+    Returns
+    -------
+    Target
+        The target with ``python_version`` set (wheels are then tagged ``cp3XX``).
+
+    Raises
+    ------
+    WheelhouseError
+        If the pair is refused (:func:`refusal`), naming the target, the Python and the reason.
+    """
+    base = TARGETS.get(name)
+    py = python if python is not None else (base.python_version if base is not None else "")
+    why = refusal(name, py)
+    if why is not None or base is None:
+        raise WheelhouseError("edgefl", f"{name} CPython {py}", why or "unknown target")
+    return dataclasses.replace(base, python_version=py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,8 +488,8 @@ def supported_wheel(filename: str, target: Target) -> bool:
     Returns
     -------
     bool
-        True if one of its tags is ``{py3*, cp3*, cp311}-{none, abi3, cp311}-{any, manylinux tag}``
-        with an interpreter and ABI CPython 3.11 accepts.
+        True if one of its tags is ``{py3*, cp3*, cp3XX}-{none, abi3, cp3XX}-{any, manylinux tag}``
+        with an interpreter and ABI the target's CPython (``cp3XX``) accepts.
 
     Source: PEP 425 (compatibility tags), PEP 384 (abi3).
     """
@@ -797,9 +868,13 @@ def build_wheelhouse(
     Raises
     ------
     WheelhouseError
-        If any dependency has no wheel for the target (named, with the platform), the closure is
-        incomplete, or the lock misses an expected version.
+        If the target's CPython is refused (:attr:`Target.refused`, before anything is built), any
+        dependency has no wheel for the target (named, with the platform), the closure is incomplete,
+        or the lock misses an expected version.
     """
+    why = target.refused.get(target.python_version)
+    if why is not None:
+        raise WheelhouseError("edgefl", f"{target.name} CPython {target.python_version}", why)
     t0 = time.monotonic()
     wheels_dir = out / "wheels"
     if wheels_dir.exists():
@@ -879,10 +954,13 @@ def build_wheelhouse(
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build the wheelhouse for parsed ``--target/--out/--prefix/--repo``; returns 0 built, 1 failed."""
-    target = TARGETS[args.target]
+    """Build the wheelhouse for parsed ``--target/--python/--out/--prefix/--repo``; returns 0 built, 1 failed.
+
+    A refused target/Python pair (:func:`refusal`) fails before anything is built or downloaded.
+    """
     repo = Path(args.repo) if args.repo else REPO_ROOT
     try:
+        target = target_for(args.target, getattr(args, "python", None))
         house = build_wheelhouse(target, Path(args.out), repo, args.prefix)
     except WheelhouseError as exc:
         print(f"edgefl wheelhouse: {exc}", file=sys.stderr)
@@ -896,7 +974,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m edgefl.cross_build.wheelhouse --target T --out DIR``: returns the exit code (0 or 1)."""
+    """``python -m edgefl.cross_build.wheelhouse --target T [--python V] --out DIR``: exit code 0 or 1."""
     from edgefl.cross_build.cli import add_arguments
 
     p = argparse.ArgumentParser(prog="wheelhouse", description=__doc__.splitlines()[0] if __doc__ else None)

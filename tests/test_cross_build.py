@@ -15,9 +15,11 @@ import subprocess
 import sys
 import tomllib
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from packaging.utils import parse_wheel_filename
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # cross_build/ is a build-machine tool, not an installed package
@@ -26,15 +28,17 @@ if str(ROOT) not in sys.path:  # cross_build/ is a build-machine tool, not an in
 from cross_build import cli as wh_cli  # noqa: E402
 from cross_build import wheelhouse as wh  # noqa: E402
 
-AARCH64 = wh.TARGETS["aarch64"]
+# The Debian 12 (CPython 3.11) flavours; the Python-specific tests name their Python.
+AARCH64 = wh.target_for("aarch64", "3.11")
+AARCH64_313 = wh.target_for("aarch64", "3.13")
 ARMV7L = wh.TARGETS["armv7l"]
-X86_64 = wh.TARGETS["x86_64"]
+X86_64 = wh.target_for("x86_64", "3.11")
 
 # edgefl's Requires-Dist as setuptools writes them from setup.cfg (install_requires + extras).
 EDGEFL_REQUIRES = [
     'ai-edge-litert>=2.0; platform_machine != "armv7l"',
     "numpy>=1.24",
-    "cbor2>=5.6",
+    "cbor2>=5.9",
     "paho-mqtt>=2.0",
     "aiohttp>=3.9",
     'tomli>=2.0; python_version < "3.11"',
@@ -92,6 +96,15 @@ def test_tags_reject_a_glibc_without_manylinux(machine: str, glibc: tuple[int, i
         ("flatbuffers-25.12.19-py2.py3-none-any.whl", AARCH64, True),
         ("x-1.0-cp311-cp311-linux_aarch64.whl", AARCH64, False),
         ("x-1.0-cp311-cp311-musllinux_1_2_aarch64.whl", AARCH64, False),
+        # The same wheels for a CPython 3.13 wheelhouse (Debian 13).
+        ("ai_edge_litert-2.3.0-cp313-cp313-manylinux_2_27_aarch64.whl", AARCH64_313, True),
+        ("ai_edge_litert-2.3.0-cp311-cp311-manylinux_2_27_aarch64.whl", AARCH64_313, False),
+        ("ai_edge_litert-2.3.0-cp313-cp313-manylinux_2_27_aarch64.whl", AARCH64, False),
+        ("protobuf-7.36.2-cp310-abi3-manylinux2014_aarch64.whl", AARCH64_313, True),
+        ("x-1.0-cp313-abi3-manylinux2014_aarch64.whl", AARCH64_313, True),
+        ("x-1.0-cp313-cp313t-manylinux2014_aarch64.whl", AARCH64_313, False),
+        ("x-1.0-py313-none-any.whl", AARCH64_313, True),
+        ("paho_mqtt-2.2.0-py3-none-any.whl", AARCH64_313, True),
     ],
 )
 def test_supported_wheel(filename: str, target: wh.Target, ok: bool) -> None:
@@ -108,13 +121,13 @@ def _names(reqs: list[object]) -> list[str]:
 def test_armv7l_requirements_drop_litert_and_take_the_tflite_extra() -> None:
     reqs = wh.applicable_requirements(EDGEFL_REQUIRES, ARMV7L, ARMV7L.extras)
     assert _names(list(reqs)) == [
-        "numpy>=1.24", "cbor2>=5.6", "paho-mqtt>=2.0", "aiohttp>=3.9", "tflite-runtime>=2.14", "numpy<2",
+        "numpy>=1.24", "cbor2>=5.9", "paho-mqtt>=2.0", "aiohttp>=3.9", "tflite-runtime>=2.14", "numpy<2",
     ]
 
 
 def test_aarch64_requirements_keep_litert_without_extras() -> None:
     reqs = wh.applicable_requirements(EDGEFL_REQUIRES, AARCH64, AARCH64.extras)
-    assert _names(list(reqs)) == ["ai-edge-litert>=2.0", "numpy>=1.24", "cbor2>=5.6", "paho-mqtt>=2.0",
+    assert _names(list(reqs)) == ["ai-edge-litert>=2.0", "numpy>=1.24", "cbor2>=5.9", "paho-mqtt>=2.0",
                                   "aiohttp>=3.9"]
 
 
@@ -123,6 +136,56 @@ def test_markers_use_the_target_not_the_build_machine() -> None:
     assert env["platform_machine"] == "armv7l"
     assert env["python_version"] == "3.11"
     assert env["sys_platform"] == "linux"
+    env = wh.target_environment(AARCH64_313)
+    assert (env["python_version"], env["python_full_version"]) == ("3.13", "3.13.0")
+
+
+# --- CPython per wheelhouse ---------------------------------------------------------------------
+
+
+def test_wheelhouse_defaults_to_the_python_of_the_targets_debian_stable() -> None:
+    # aarch64/x86_64: Debian 13 (CPython 3.13); armv7l: Debian 12 (3.11), its newest with a runtime.
+    got = {name: wh.target_for(name).python_version for name in wh.TARGETS}
+    assert got == {"aarch64": "3.13", "armv7l": "3.11", "x86_64": "3.13"}
+
+
+@pytest.mark.parametrize(("python", "abi"), [("3.11", "cp311"), ("3.12", "cp312"), ("3.13", "cp313")])
+def test_wheelhouse_target_for_python_tags_the_abi(python: str, abi: str) -> None:
+    t = wh.target_for("aarch64", python)
+    assert (t.python_version, t.abi, t.platform) == (python, abi, f"{abi}-manylinux_2_28_aarch64")
+    assert t.pins == wh.TARGETS["aarch64"].pins  # only the Python changes
+
+
+@pytest.mark.parametrize("python", ["3.12", "3.13"])
+def test_wheelhouse_refuses_armv7l_without_a_runtime_up_front(
+    python: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    why = wh.refusal("armv7l", python)
+    assert why is not None and "no TFLite runtime wheel exists for armv7l" in why and python in why
+    with pytest.raises(wh.WheelhouseError, match=r"tflite-runtime 2\.14\.0"):
+        wh.target_for("armv7l", python)
+    out = tmp_path / "out"
+    rc = wh.main(["--target", "armv7l", "--python", python, "--out", str(out)])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert f"armv7l CPython {python}" in err and "stops at cp311" in err
+    assert not out.exists()  # refused before anything is built or downloaded
+
+
+def test_wheelhouse_build_refuses_a_refused_target_too(tmp_path: Path) -> None:
+    import dataclasses
+
+    t = dataclasses.replace(ARMV7L, python_version="3.13")
+    with pytest.raises(wh.WheelhouseError, match=r"armv7l CPython 3\.13"):
+        wh.build_wheelhouse(t, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_wheelhouse_refusal_names_unknown_pythons_and_targets() -> None:
+    assert wh.refusal("aarch64", "3.13") is None
+    assert wh.refusal("armv7l", "3.11") is None
+    assert wh.refusal("aarch64", "3.10") == "unsupported CPython '3.10' (one of 3.11, 3.12, 3.13)"
+    assert wh.refusal("mips", "3.11") == "unknown target 'mips' (one of aarch64, armv7l, x86_64)"
 
 
 # --- lock ---------------------------------------------------------------------------------------
@@ -295,16 +358,20 @@ def test_wheelhouse_subcommand_parses() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     wh_cli.add_wheelhouse_parser(sub)
     args = parser.parse_args(["wheelhouse", "--target", "armv7l", "--out", "/tmp/x"])
-    got = (args.command, args.target, args.out, args.prefix)
-    assert got == ("wheelhouse", "armv7l", "/tmp/x", "/opt/edgefl")
+    got = (args.command, args.target, args.out, args.prefix, args.python)
+    assert got == ("wheelhouse", "armv7l", "/tmp/x", "/opt/edgefl", None)
     assert args.func is wh_cli.run_wheelhouse
-    with pytest.raises(SystemExit) as exc:
-        parser.parse_args(["wheelhouse", "--target", "mips", "--out", "/tmp/x"])
-    assert exc.value.code == 2
+    args = parser.parse_args(["wheelhouse", "--target", "aarch64", "--python", "3.12", "--out", "/tmp/x"])
+    assert args.python == "3.12"
+    for bad in (["--target", "mips"], ["--target", "aarch64", "--python", "3.10"]):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(["wheelhouse", *bad, "--out", "/tmp/x"])
+        assert exc.value.code == 2
 
 
 def test_cli_hook_knows_every_target_and_the_default_prefix() -> None:
     assert tuple(sorted(wh.TARGETS)) == wh_cli.TARGET_NAMES
+    assert wh.PYTHONS == wh_cli.PYTHON_VERSIONS
     assert wh_cli.DEFAULT_PREFIX == wh.DEFAULT_PREFIX
 
 
@@ -325,16 +392,95 @@ def test_wheelhouse_build_failure_exits_1_with_the_name(tmp_path: Path) -> None:
 # --- install.sh (offline parts) -----------------------------------------------------------------
 
 
-def _fake_house(tmp: Path, machine: str) -> Path:
+RUNNING_PYTHON = "{}.{}".format(*sys.version_info[:2])
+
+
+def _fake_house(tmp: Path, machine: str, python: str = RUNNING_PYTHON) -> Path:
     house = tmp / "house"
     (house / "firmware_configs").mkdir(parents=True)
     shutil.copy2(ROOT / "cross_build" / "install.sh", house / "install.sh")
     shutil.copy2(ROOT / "firmware_configs" / "gateway_aarch64_256mb.toml", house / "firmware_configs")
     (house / "TARGET").write_text(
-        f"target={machine}\nmachine={machine}\npython=3.11\nglibc=2.28\nsystem_site_packages=0\n"
+        f"target={machine}\nmachine={machine}\npython={python}\nglibc=2.28\nsystem_site_packages=0\n"
         "default_profile=gateway_aarch64_256mb\nprefix=/opt/edgefl\ndebian_packages=python3\n"
     )
     return house
+
+
+# systemd is not a part we ship: a fake systemctl (and useradd/getent/userdel, so no real user is made)
+# on PATH records every call in $FAKE_STATE/log and fails the sub-command named in $FAKE_FAIL; "pid1"
+# answers is-system-running as systemctl does in a container where systemd is not PID 1.
+_FAKE_SYSTEMCTL = """#!/bin/sh
+echo "systemctl $*" >> "$FAKE_STATE/log"
+case "$1" in
+  is-system-running)
+    if [ "${FAKE_FAIL:-}" = pid1 ]; then
+      echo "System has not been booted with systemd as init system (PID 1). Can't operate." >&2
+      echo offline; exit 1
+    fi
+    echo running; exit 0 ;;
+  is-enabled) if [ -f "$FAKE_STATE/enabled" ]; then echo enabled; exit 0; fi; echo disabled; exit 1 ;;
+  is-active) if [ -f "$FAKE_STATE/active" ]; then echo active; exit 0; fi; echo inactive; exit 3 ;;
+esac
+if [ "${FAKE_FAIL:-}" = "$1" ]; then echo "Failed to $1 edgefl-agent.service: fake failure" >&2; exit 1; fi
+case "$1" in
+  enable) touch "$FAKE_STATE/enabled" ;;
+  disable) rm -f "$FAKE_STATE/enabled" ;;
+  restart) touch "$FAKE_STATE/active" ;;
+esac
+"""
+_FAKE_USER_TOOLS = {
+    "getent": '#!/bin/sh\n[ -f "$FAKE_STATE/user-$2" ] && '
+              'echo "$2:x:999:999::/var/lib/edgefl:/usr/sbin/nologin"\n',
+    "useradd": '#!/bin/sh\necho "useradd $*" >> "$FAKE_STATE/log"\nfor a; do u=$a; done\n'
+               'touch "$FAKE_STATE/user-$u"\n',
+    "userdel": '#!/bin/sh\necho "userdel $*" >> "$FAKE_STATE/log"\nrm -f "$FAKE_STATE/user-$1"\n',
+}
+
+
+@dataclass
+class FakeSystem:
+    """A fake systemd + user database and a sysconfdir under tmp, for running install.sh."""
+
+    root: Path
+    state: Path
+    etc: Path
+    prefix: Path
+    env: dict[str, str]
+
+    @property
+    def unit(self) -> Path:
+        return self.etc / "systemd" / "system" / "edgefl-agent.service"
+
+    @property
+    def agent_env(self) -> Path:
+        return self.etc / "edgefl" / "agent.env"
+
+    def calls(self) -> list[str]:
+        log = self.state / "log"
+        return log.read_text().splitlines() if log.exists() else []
+
+    def install(self, house: Path, *args: str, fail: str = "") -> subprocess.CompletedProcess[str]:
+        (self.state / "log").unlink(missing_ok=True)
+        return subprocess.run(
+            ["sh", str(house / "install.sh"), "--prefix", str(self.prefix),
+             "--python", sys.executable, *args],
+            capture_output=True, text=True, check=False, env={**self.env, "FAKE_FAIL": fail},
+        )
+
+
+@pytest.fixture
+def fake_system(tmp_path: Path) -> FakeSystem:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in {"systemctl": _FAKE_SYSTEMCTL, **_FAKE_USER_TOOLS}.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    state = tmp_path / "state"
+    state.mkdir()
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_STATE": str(state),
+           "EDGEFL_SYSCONFDIR": str(tmp_path / "etc")}
+    return FakeSystem(tmp_path, state, tmp_path / "etc", tmp_path / "opt", env)
 
 
 def test_install_sh_refuses_another_machine_before_touching_anything(tmp_path: Path) -> None:
@@ -350,6 +496,35 @@ def test_install_sh_refuses_another_machine_before_touching_anything(tmp_path: P
     assert not prefix.exists()
 
 
+def test_install_sh_refuses_another_python_in_one_line_naming_both(tmp_path: Path) -> None:
+    other = "3.13" if RUNNING_PYTHON != "3.13" else "3.12"
+    house = _fake_house(tmp_path, os.uname().machine, python=other)
+    prefix = tmp_path / "prefix"
+    proc = subprocess.run(
+        ["sh", str(house / "install.sh"), "--no-systemd", "--prefix", str(prefix),
+         "--python", sys.executable],
+        capture_output=True, text=True, check=False,
+    )
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert f"this wheelhouse is for CPython {other}" in lines[0]
+    assert f"{sys.executable} is CPython {RUNNING_PYTHON}" in lines[0]
+    assert f"--python {RUNNING_PYTHON}" in lines[0]  # how to build the matching one
+    assert not prefix.exists()
+
+
+def test_install_sh_refuses_when_systemd_is_not_pid_1(tmp_path: Path, fake_system: FakeSystem) -> None:
+    house = _fake_house(tmp_path, os.uname().machine)
+    proc = fake_system.install(house, fail="pid1")
+    assert proc.returncode == 1
+    assert "systemd is not running here (systemctl is-system-running: offline" in proc.stderr
+    assert "use --no-systemd" in proc.stderr
+    # Refused before anything: no release, no user, no unit, no agent.env.
+    assert not fake_system.prefix.exists() and not fake_system.etc.exists()
+    assert fake_system.calls() == ["systemctl is-system-running"]
+
+
 def test_install_sh_rollback_needs_a_previous_release(tmp_path: Path) -> None:
     house = _fake_house(tmp_path, os.uname().machine)
     proc = subprocess.run(
@@ -363,14 +538,14 @@ def test_install_sh_rollback_needs_a_previous_release(tmp_path: Path) -> None:
 # --- real wheelhouses (cached, or built with EDGEFL_NETWORK_TESTS=1) ----------------------------
 
 
-def _house(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cached = ROOT / "cache" / "wheelhouse" / name
+def _house(name: str, python: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cached = ROOT / "cache" / "wheelhouse" / f"{name}-{python}"
     if (cached / "requirements.lock").is_file():
         return cached
     if os.environ.get("EDGEFL_NETWORK_TESTS") != "1":
-        pytest.skip(f"no cached wheelhouse at cache/wheelhouse/{name} (EDGEFL_NETWORK_TESTS=1 builds one)")
-    out = tmp_path_factory.mktemp(f"wheelhouse-{name}")
-    wh.build_wheelhouse(wh.TARGETS[name], out)
+        pytest.skip(f"no cached wheelhouse at {cached.relative_to(ROOT)} (EDGEFL_NETWORK_TESTS=1 builds one)")
+    out = tmp_path_factory.mktemp(f"wheelhouse-{name}-{python}")
+    wh.build_wheelhouse(wh.target_for(name, python), out)
     return out
 
 
@@ -389,21 +564,28 @@ def _check_hashes_and_tags(house: Path, target: wh.Target) -> None:
         assert wh.supported_wheel(f.name, target), f.name
 
 
-def test_aarch64_wheelhouse_locks_litert_2(tmp_path_factory: pytest.TempPathFactory) -> None:
-    house = _house("aarch64", tmp_path_factory)
+@pytest.mark.parametrize("python", ["3.11", "3.12", "3.13"])
+def test_aarch64_wheelhouse_locks_litert_2(python: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    house = _house("aarch64", python, tmp_path_factory)
+    target = wh.target_for("aarch64", python)
     lock = _locked(house)
     assert int(lock["ai-edge-litert"].version.split(".")[0]) >= 2
-    assert lock["ai-edge-litert"].filename.endswith("manylinux_2_27_aarch64.whl")
+    assert lock["ai-edge-litert"].filename.endswith(f"-{target.abi}-{target.abi}-manylinux_2_27_aarch64.whl")
     assert "tflite-runtime" not in lock
     assert {"edgefl", "numpy", "cbor2", "paho-mqtt", "aiohttp"} <= set(lock)
-    _check_hashes_and_tags(house, AARCH64)
+    # Every CPython-specific wheel is for this Python: its own ABI or the stable ABI, never another cp3XX.
+    for e in lock.values():
+        for tag in parse_wheel_filename(e.filename)[3]:
+            assert tag.abi in {target.abi, "abi3", "none"}, e.filename
+    _check_hashes_and_tags(house, target)
+    assert f"python={python}\n" in (house / "TARGET").read_text()
     assert (house / "systemd" / "gateway_aarch64_256mb.service").is_file()
 
 
 def test_armv7l_wheelhouse_has_tflite_runtime_and_pure_cbor2(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    house = _house("armv7l", tmp_path_factory)
+    house = _house("armv7l", "3.11", tmp_path_factory)
     lock = _locked(house)
     assert lock["tflite-runtime"].version == "2.14.0"
     assert lock["cbor2"].filename == "cbor2-5.9.0-py3-none-any.whl"
@@ -413,3 +595,102 @@ def test_armv7l_wheelhouse_has_tflite_runtime_and_pure_cbor2(
         assert not [n for n in zf.namelist() if n.endswith(".so")]
     _check_hashes_and_tags(house, ARMV7L)
     assert "system_site_packages=1" in (house / "TARGET").read_text()
+
+
+# --- install.sh, all or nothing (a real wheelhouse for this machine and Python, a fake systemctl) -------
+
+
+@pytest.fixture(scope="module")
+def host_house(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    machine = os.uname().machine
+    if machine not in wh.TARGETS:
+        pytest.skip(f"no wheelhouse target for this build machine ({machine})")
+    return _house(machine, RUNNING_PYTHON, tmp_path_factory)
+
+
+def _releases(prefix: Path) -> list[str]:
+    return sorted(p.name for p in (prefix / "releases").iterdir())
+
+
+@pytest.mark.parametrize("step", ["enable", "restart"])
+def test_install_sh_first_install_undoes_everything_when_systemctl_fails(
+    step: str, host_house: Path, fake_system: FakeSystem
+) -> None:
+    proc = fake_system.install(host_house, "--profile", "gateway_aarch64_256mb", fail=step)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"Failed to {step} edgefl-agent.service" in proc.stderr
+    assert "install.sh: failed (exit 1), undone: release edgefl-" in proc.stderr
+    # Nothing is left: no prefix, no unit, no agent.env, the user it created removed, unit not enabled.
+    assert not fake_system.prefix.exists()
+    assert not fake_system.unit.exists() and not (fake_system.etc / "edgefl").exists()
+    calls = fake_system.calls()
+    assert calls[0] == "systemctl is-system-running"
+    assert "useradd --system --user-group --no-create-home --home-dir /var/lib/edgefl " \
+           "--shell /usr/sbin/nologin edgefl" in calls
+    assert calls[-1] == "userdel edgefl"
+    assert not (fake_system.state / "user-edgefl").exists()
+    assert not (fake_system.state / "enabled").exists()
+    assert not (fake_system.state / "active").exists()
+
+
+def test_install_sh_upgrade_keeps_the_running_release_when_restart_fails(
+    host_house: Path, fake_system: FakeSystem
+) -> None:
+    first = fake_system.install(host_house, "--profile", "gateway_aarch64_256mb")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "install.sh: installed edgefl-" in first.stdout
+    old = os.readlink(fake_system.prefix / "current")
+    assert old.startswith("releases/edgefl-")
+    assert fake_system.calls()[-2:] == ["systemctl enable edgefl-agent.service",
+                                        "systemctl restart edgefl-agent.service"]
+    old_unit = fake_system.unit.read_text()
+    assert "MemoryMax=96M" in old_unit
+    fake_system.agent_env.write_text('EDGEFL_ARGS="--set device.id=gw-0001"\n')
+
+    # Another profile (another MemoryMax), and the restart fails.
+    proc = fake_system.install(host_house, "--profile", "rpi4", fail="restart")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Failed to restart edgefl-agent.service" in proc.stderr
+    assert f"current -> {old}, unit file restored" in proc.stderr
+    assert os.readlink(fake_system.prefix / "current") == old
+    assert not (fake_system.prefix / "previous").exists()
+    assert _releases(fake_system.prefix) == [Path(old).name]
+    assert fake_system.unit.read_text() == old_unit
+    assert fake_system.agent_env.read_text() == 'EDGEFL_ARGS="--set device.id=gw-0001"\n'
+    assert not list(fake_system.unit.parent.glob("*.edgefl-old"))
+    calls = fake_system.calls()
+    assert "useradd" not in " ".join(calls) and "userdel" not in " ".join(calls)  # the user existed
+    # After the failed restart: reload the restored unit, restart the old release (which was active).
+    i = calls.index("systemctl restart edgefl-agent.service")
+    assert calls[i + 1:] == ["systemctl daemon-reload", "systemctl restart edgefl-agent.service"]
+    assert (fake_system.state / "enabled").exists()  # it was enabled before: left enabled
+
+    # The same upgrade with a working systemctl: current moves, previous is the old release.
+    ok = fake_system.install(host_house, "--profile", "rpi4")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert os.readlink(fake_system.prefix / "previous") == old
+    assert os.readlink(fake_system.prefix / "current") != old
+    assert "MemoryMax=192M" in fake_system.unit.read_text()
+
+
+# --- check_emulated.sh: the suite argument (refusals happen before any tool or download is needed) ----
+
+
+def test_emulated_install_check_refuses_armv7l_on_trixie_up_front() -> None:
+    proc = subprocess.run(
+        ["bash", str(ROOT / "cross_build" / "check_emulated.sh"), "armv7l", "trixie"],
+        capture_output=True, text=True, check=False, env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("check_emulated.sh: refused: armv7l on trixie (Debian 13, CPython 3.13): ")
+    assert "no TFLite runtime wheel exists for armv7l on CPython 3.13" in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_emulated_install_check_names_an_unknown_suite() -> None:
+    proc = subprocess.run(
+        ["bash", str(ROOT / "cross_build" / "check_emulated.sh"), "aarch64", "sid"],
+        capture_output=True, text=True, check=False,
+    )
+    assert proc.returncode == 2
+    assert "unknown suite sid (bookworm or trixie)" in proc.stderr
