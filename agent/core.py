@@ -63,7 +63,6 @@ from edgefl.wire.codec import (
 from edgefl.wire.signing import (
     SigningKey,
     VerifyKey,
-    is_signed,
     load_signing_key,
     parse_verify_key,
     sign_message,
@@ -76,6 +75,7 @@ __all__ = [
     "ANSWERED_FILE",
     "HEAD_FILE",
     "OUTBOX_FILE",
+    "SEEN_VERSION_FILE",
     "Answered",
     "ApplyResult",
     "ApplyStatus",
@@ -92,6 +92,8 @@ OUTBOX_FILE = "outbox.rec"
 """Updates awaiting their PUBACK (:class:`~edgefl.agent.outbox.Outbox`)."""
 ANSWERED_FILE = "answered_round.rec"
 """The last round this device answered (exactly once across restarts; :class:`Answered`)."""
+SEEN_VERSION_FILE = "seen_version.rec"
+"""The newest head version named by a signed round announcement (the device's rollback floor)."""
 
 PhaseHook = Callable[[str], AbstractContextManager[Any]]
 """``phase(name)`` -> a context manager around one phase (default: the governor's measurement)."""
@@ -113,12 +115,15 @@ class Classified:
         The global head version that produced the predictions.
     refused_labels : int
         Samples :meth:`DeviceCore.observe` did not store: their label is outside ``0..K-1`` (``bad_label``).
+    refused_not_finite : int
+        Samples :meth:`DeviceCore.observe` did not store: their embedding is not finite (``not_finite``).
     """
 
     embeddings: F32
     predictions: I64
     version: int
     refused_labels: int = 0
+    refused_not_finite: int = 0
 
 
 class RoundStatus(StrEnum):
@@ -338,6 +343,7 @@ class DeviceCore:
             self.state_dir, capacity, self.head.shape[0], num_classes=self.head.shape[1]
         )
         self.answered: Answered | None = self._load_answered()
+        self.seen_version: int = self._load_seen_version()
         self.pending_round: RoundAnnouncement | None = None
         self.shapes = memory.model_shapes(pipeline.backbone) if pipeline is not None else None
 
@@ -460,6 +466,44 @@ class DeviceCore:
         logger.info("last answered round %d (%s)", round_no, update_id)
         return Answered(fleet, round_no, update_id)
 
+    @property
+    def seen_version_path(self) -> Path:
+        """The persisted rollback floor (:attr:`seen_version`)."""
+        return self.state_dir / SEEN_VERSION_FILE
+
+    def _load_seen_version(self) -> int:
+        """The newest version a signed round announced (CBOR ``{"v": 1, "fleet", "version"}``), else 0."""
+        data = read_record(self.seen_version_path)
+        if data is None:
+            return 0
+        try:
+            obj = cbor2.loads(data)
+            version = obj.get("version") if isinstance(obj, dict) and obj.get("v") == 1 else None
+            if type(version) is not int or version < 0:
+                raise ValueError("not a seen-version record")
+        except (cbor2.CBORDecodeError, ValueError, TypeError) as exc:
+            logger.error("seen-version record %s unusable (%s); ignored", self.seen_version_path, exc)
+            return 0
+        if obj.get("fleet") != self.fleet:
+            logger.info("seen-version record %s is for another fleet; ignored", self.seen_version_path)
+            return 0
+        return version
+
+    def _see_version(self, version: int) -> None:
+        """Raise the rollback floor to ``version`` (a signed round's base version) and persist it.
+
+        A write that fails (a full disk) keeps the floor in memory for this run and is logged.
+        """
+        if version <= self.seen_version:
+            return
+        self.seen_version = version
+        try:
+            write_record(
+                self.seen_version_path, cbor2.dumps({"v": 1, "fleet": self.fleet, "version": version})
+            )
+        except OSError as exc:
+            logger.warning("seen version %d not persisted (%s); kept for this run", version, exc)
+
     def _save_answered(self, answered: Answered) -> None:
         obj = {"v": 1, "fleet": answered.fleet, "round": answered.round, "update_id": answered.update_id}
         write_record(self.answered_path, cbor2.dumps(obj))
@@ -518,17 +562,22 @@ class DeviceCore:
             As :meth:`classify`, or labels not matching the samples.
         """
         out = self.classify(raw)
+        before = self.store.refused_not_finite
         refused = self.store.add(out.embeddings, labels)
-        return dataclasses.replace(out, refused_labels=refused) if refused else out
+        not_finite = self.store.refused_not_finite - before
+        if refused or not_finite:
+            return dataclasses.replace(out, refused_labels=refused, refused_not_finite=not_finite)
+        return out
 
     # --- rounds -----------------------------------------------------------------------------------
     def _verified(self, payload: bytes, kind: MessageType) -> bytes:
         """Check the coordinator's signature if a key is set (DecodeError ``unsigned``/``bad_signature``).
 
-        The signed bytes bind this device's fleet and the message kind its topic carries.
+        A configured ``security.coordinator_public_key`` means every head and round must be signed by
+        it, whatever ``require_signatures`` says (an unsigned one is ``unsigned``). The signed bytes
+        bind this device's fleet and the message kind its topic carries (``docs/protocol.md``).
         """
-        sec = self.profile.security
-        if self.coordinator_key is not None and (sec.require_signatures or is_signed(payload)):
+        if self.coordinator_key is not None:
             verify_payload(payload, self.coordinator_key, fleet=self.fleet, kind=kind, limits=self.limits)
         return payload
 
@@ -549,6 +598,10 @@ class DeviceCore:
             ann = decode_round(self._verified(payload, MessageType.ROUND), limits=self.limits)
         except DecodeError as exc:
             return _refused(0, exc)
+        if self.coordinator_key is not None:
+            # a round signed by the coordinator vouches for its base version: no head older than it
+            # is applied from now on, even an old head with a valid signature (a replay)
+            self._see_version(ann.base_version)
         return self.answer_round(ann)
 
     def _selected(self, ann: RoundAnnouncement) -> bool:
@@ -732,7 +785,8 @@ class DeviceCore:
         """Validate a decoded global head, persist it and swap it in atomically.
 
         Refused: ``wrong_model`` (backbone sha256 differs), ``bad_shape``/``not_finite`` (values, or
-        non-finite logits on a few stored embeddings), ``not_newer`` (older than the running head),
+        non-finite logits on a few stored embeddings), ``not_newer`` (older than the running head, or
+        than :attr:`seen_version`, the newest version a signed round announced),
         ``failed`` (the head file could not be written; the running head is kept).
 
         Parameters
@@ -754,6 +808,12 @@ class DeviceCore:
             if gm.version < self.head.version:
                 raise UpdateRejected(
                     "not_newer", f"global version {gm.version} <= current {self.head.version}"
+                )
+            if gm.version < self.seen_version:
+                raise UpdateRejected(
+                    "not_newer",
+                    f"global version {gm.version} is older than version {self.seen_version} "
+                    "announced by a signed round (a rollback)",
                 )
             if gm.version == self.head.version:
                 return ApplyResult(ApplyStatus.SAME_VERSION, gm.version, gm.round)

@@ -166,6 +166,8 @@ class Agent:
                 out = await self._work(self.core.observe, raw, lbl)
                 if out.refused_labels:
                     self.state.rejected["bad_label"] += out.refused_labels
+                if out.refused_not_finite:
+                    self.state.rejected["not_finite"] += out.refused_not_finite
                 self.state.inferred_total += len(lbl)
                 self._rate_window.append((time.monotonic(), self.state.inferred_total))
                 if self.core.pending_round is not None:

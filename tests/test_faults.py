@@ -44,10 +44,12 @@ from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.codec import (
     GlobalModel,
+    RoundAnnouncement,
     Update,
     UpdateMetrics,
     decode_status,
     encode_global_model,
+    encode_round,
     encode_update,
 )
 from edgefl.wire.signing import SigningKey, generate_signing_key, load_verify_keys, sign_message
@@ -678,3 +680,128 @@ def test_corrupt_model_and_bad_profile_fail_at_startup_with_exit_code(tmp_path: 
     assert r.returncode == 1, r.stderr
     assert "memory.bogus: unknown key" in r.stderr and "memory.cap_mb = 0" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr + r.stdout
+
+
+# --- issue 15 item 7: the trust chain ----------------------------------------------------------------
+class StatusWatch:
+    """The latest retained status of one device, read from a peer client's queue."""
+
+    def __init__(self, t: MqttTransport) -> None:
+        self.t = t
+        self.latest: dict[str, Any] = {}
+
+    async def until(self, cond: Callable[[dict[str, Any]], bool], what: str, timeout_s: float = 60) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not (self.latest and cond(self.latest)):
+                    msg = await self.t.queue.get()
+                    if msg.payload:
+                        st = decode_status(msg.payload)
+                        self.latest = dict(st.fields, state=st.state)
+        except TimeoutError:
+            raise AssertionError(f"{what}: last status {self.latest}") from None
+
+
+def signed_round(key: SigningKey, fleet: str, round_no: int, base_version: int) -> bytes:
+    """A RoundAnnouncement signed by ``key`` that selects no real device (nothing is trained)."""
+    ann = RoundAnnouncement(round_no, base_version, 30.0, 1, 0.05, 16, 1, ("nobody",))
+    return sign_message(encode_round, ann, key, fleet=fleet)
+
+
+def test_trust_coordinator_key_alone_means_unsigned_heads_and_rounds_refused(
+    mosquitto: Broker, fleet: str, tmp_path: Path, digits: Digits
+) -> None:
+    # before: with the key set and require_signatures left false, an unsigned head was applied
+    coord_key = generate_signing_key()
+    proc = launch(
+        tmp_path,
+        "dev-1",
+        fleet,
+        mosquitto,
+        digits.shards(1)[0],
+        digits,
+        **{"security.coordinator_public_key": coord_key.verify_key.hex},
+    )
+    topics = Topics("edgefl", fleet)
+    head = GlobalModel(1, 5, digits.backbone.sha256, digits.W0 * 0.5, digits.b0)
+
+    async def main() -> dict[str, Any]:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"peer-{fleet}")
+        await t.start(wait_s=10)
+        await t.subscribe(topics.status("dev-1"), 1)
+        st = StatusWatch(t)
+        try:
+            await st.until(lambda s: s["state"] != "offline" and s.get("version") == 0, "agent online")
+            await t.publish(topics.global_model, encode_global_model(head), qos=1)
+            await st.until(lambda s: s["rejected"].get("unsigned", 0) == 1, "unsigned head refused")
+            ann = RoundAnnouncement(1, 0, 30.0, 1, 0.05, 16, 1, ("nobody",))
+            await t.publish(topics.round, encode_round(ann), qos=1)
+            await st.until(lambda s: s["rejected"].get("unsigned", 0) == 2, "unsigned round refused")
+            assert st.latest["version"] == 0 and st.latest["round"] == 0, st.latest
+            # the same head signed by the coordinator is applied
+            await t.publish(
+                topics.global_model, sign_message(encode_global_model, head, coord_key, fleet=fleet), qos=1
+            )
+            await st.until(lambda s: s.get("version") == 5, "signed head applied")
+            return st.latest
+        finally:
+            await t.stop()
+
+    with running([proc], tmp_path):
+        final = asyncio.run(main())
+        assert proc.poll() is None, "the agent died"
+    assert final["rejected"] == {"unsigned": 2}, final["rejected"]
+
+
+def test_trust_no_rollback_below_the_version_of_a_signed_round_across_restarts(
+    mosquitto: Broker, fleet: str, tmp_path: Path, digits: Digits
+) -> None:
+    # before: an old validly signed head, retained, rolled a device back to version 1 while 4 was current
+    coord_key = generate_signing_key()
+    extra = {"security.coordinator_public_key": coord_key.verify_key.hex}
+    shard = digits.shards(1)[0]
+    procs = [launch(tmp_path, "dev-1", fleet, mosquitto, shard, digits, **extra)]
+    topics = Topics("edgefl", fleet)
+
+    def head(version: int) -> bytes:
+        gm = GlobalModel(version, version, digits.backbone.sha256, digits.W0 * (1 + version), digits.b0)
+        return sign_message(encode_global_model, gm, coord_key, fleet=fleet)
+
+    async def main() -> dict[str, Any]:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"peer-{fleet}")
+        await t.start(wait_s=10)
+        await t.subscribe(topics.status("dev-1"), 1)
+        st = StatusWatch(t)
+        try:
+            await st.until(lambda s: s["state"] != "offline" and s.get("version") == 0, "agent online")
+            await t.publish(topics.round, signed_round(coord_key, fleet, 7, 4), qos=1)
+            await st.until(lambda s: s.get("round") == 7, "signed round 7 (base version 4) seen")
+            # the attacker replays the coordinator's old head, version 1, retained
+            await t.publish(topics.global_model, head(1), qos=1, retain=True)
+            await st.until(lambda s: s["rejected"].get("not_newer", 0) == 1, "old head refused")
+            assert st.latest["version"] == 0, st.latest
+            # a restarted agent still knows version 4 was announced: the retained replay is refused again
+            procs[0].send_signal(signal.SIGTERM)
+            assert procs[0].wait(timeout=15) == 0
+            procs.append(launch(tmp_path, "dev-1", fleet, mosquitto, shard, digits, **extra))
+            pid = procs[-1].pid
+            await st.until(
+                lambda s: s.get("pid") == pid and s["rejected"].get("not_newer", 0) == 1,
+                "retained old head refused after the restart",
+            )
+            assert st.latest["version"] == 0, st.latest
+            await t.publish(topics.global_model, head(4), qos=1, retain=True)
+            await st.until(lambda s: s.get("pid") == pid and s.get("version") == 4, "version 4 applied")
+            return st.latest
+        finally:
+            await t.publish(topics.global_model, b"", qos=1, retain=True)
+            await t.stop()
+
+    with running(procs, tmp_path):
+        final = asyncio.run(main())
+        assert procs[-1].poll() is None, "the agent died"
+    assert final["rejected"] == {"not_newer": 1}, final["rejected"]
+    assert (tmp_path / "dev-1" / "seen_version.rec").exists()
+    log = (tmp_path / "dev-1.log").read_text()
+    assert log.count("older than version 4 announced by a signed round") == 2, log[-3000:]
+    assert "Traceback" not in log
