@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -226,6 +227,17 @@ class Answered:
 
 
 # --- helpers ------------------------------------------------------------------------------------------
+DISK_FULL = "disk full"
+""":attr:`DeviceCore.degraded` when a state write failed with ``ENOSPC`` or ``EDQUOT``."""
+
+
+def write_problem(exc: OSError) -> str:
+    """What a failed state write means for the device: ``"disk full"`` or ``"cannot write state: ..."``."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DISK_FULL
+    return f"cannot write state: {exc.strerror or exc}"
+
+
 def check_model_fits(profile: Profile, backbone: Backbone) -> None:
     """Refuse a model the profile's samples do not fit.
 
@@ -344,6 +356,12 @@ class DeviceCore:
         )
         self.answered: Answered | None = self._load_answered()
         self.seen_version: int = self._load_seen_version()
+        self.degraded = ""
+        """Why state is not being persisted ("" when it is; :data:`DISK_FULL` on a full disk)."""
+        self.write_failures = 0
+        """State writes that failed (each logged; the device carries on, see :meth:`retry_persist`)."""
+        self._unsaved: dict[str, Callable[[], object]] = {}  # what to write again once the disk has room
+        self._logged: set[tuple[str, str]] = set()
         self.pending_round: RoundAnnouncement | None = None
         self.shapes = memory.model_shapes(pipeline.backbone) if pipeline is not None else None
 
@@ -492,22 +510,76 @@ class DeviceCore:
     def _see_version(self, version: int) -> None:
         """Raise the rollback floor to ``version`` (a signed round's base version) and persist it.
 
-        A write that fails (a full disk) keeps the floor in memory for this run and is logged.
+        A write that fails (a full disk) keeps the floor in memory and is retried (:meth:`retry_persist`).
         """
         if version <= self.seen_version:
             return
         self.seen_version = version
-        try:
-            write_record(
-                self.seen_version_path, cbor2.dumps({"v": 1, "fleet": self.fleet, "version": version})
-            )
-        except OSError as exc:
-            logger.warning("seen version %d not persisted (%s); kept for this run", version, exc)
+
+        def write() -> None:
+            payload = {"v": 1, "fleet": self.fleet, "version": self.seen_version}
+            write_record(self.seen_version_path, cbor2.dumps(payload))
+
+        self._persist("seen_version", write)
 
     def _save_answered(self, answered: Answered) -> None:
         obj = {"v": 1, "fleet": answered.fleet, "round": answered.round, "update_id": answered.update_id}
         write_record(self.answered_path, cbor2.dumps(obj))
         self.answered = answered
+
+    def _persist(self, what: str, write: Callable[[], object], *, keep: bool = True) -> bool:
+        """Run one state write; on ``OSError`` count it, log it, mark the core degraded.
+
+        Parameters
+        ----------
+        what : str
+            Names the state (``store``, ``outbox``, ``head``, ``answered``, ``seen_version``).
+        write : callable
+            Writes it (from the in-memory state, so a retry writes the latest).
+        keep : bool
+            On failure, remember ``write`` and run it again in :meth:`retry_persist`.
+
+        Returns
+        -------
+        bool
+            Whether the write succeeded.
+        """
+        try:
+            write()
+        except OSError as exc:
+            self.write_failures += 1
+            problem = write_problem(exc)
+            if keep:
+                self._unsaved[what] = write
+            if (problem, what) not in self._logged:  # once per state and problem, then only counted
+                self._logged.add((problem, what))
+                logger.warning(
+                    "degraded: %s (%s not persisted: %s); classifying goes on, persisting waits for room",
+                    problem,
+                    what,
+                    exc,
+                )
+            self.degraded = problem
+            return False
+        self._unsaved.pop(what, None)
+        if self.degraded and not self._unsaved:
+            logger.warning("state writable again: persisting resumed (was %s)", self.degraded)
+            self.degraded = ""
+            self._logged.clear()
+        return True
+
+    def retry_persist(self) -> bool:
+        """Write again what a failed write left unsaved (the daemon calls it every status interval).
+
+        Returns
+        -------
+        bool
+            True when nothing is left unsaved (:attr:`degraded` is then "").
+        """
+        for what, write in list(self._unsaved.items()):
+            if not self._persist(what, write):
+                return False
+        return not self._unsaved
 
     # --- classify ---------------------------------------------------------------------------------
     def classify(self, raw: np.ndarray) -> Classified:
@@ -730,8 +802,18 @@ class DeviceCore:
                 payload = encode(update)
             del update, delta_W, delta_b
             # kept until its PUBACK: a restart re-sends it (same update_id), never re-trains the round
-            dropped = tuple(self.outbox.add(update_id, ann.round, payload))
-            self._save_answered(Answered(self.fleet, ann.round, update_id))
+            added: list[Dropped] = []
+            if not self._persist(
+                "outbox", lambda: added.extend(self.outbox.add(update_id, ann.round, payload))
+            ):
+                # not sent: a round whose update is not on disk could be answered twice after a restart
+                self.outbox.forget(update_id)
+                self._unsaved["outbox"] = self.outbox.save
+                raise OSError(errno.EIO, f"update not kept: outbox not persisted ({self.degraded})")
+            dropped = tuple(added)
+            answered = Answered(self.fleet, ann.round, update_id)
+            self.answered = answered
+            self._persist("answered", lambda: self._save_answered(answered))
         entry = OutboxEntry(update_id, ann.round, payload)
         return RoundResult(
             RoundStatus.TRAINED,
@@ -786,8 +868,9 @@ class DeviceCore:
 
         Refused: ``wrong_model`` (backbone sha256 differs), ``bad_shape``/``not_finite`` (values, or
         non-finite logits on a few stored embeddings), ``not_newer`` (older than the running head, or
-        than :attr:`seen_version`, the newest version a signed round announced),
-        ``failed`` (the head file could not be written; the running head is kept).
+        than :attr:`seen_version`, the newest version a signed round announced). A head file that
+        cannot be written does not refuse the head: it runs, :attr:`degraded` says why, and the
+        write is retried (:meth:`retry_persist`).
 
         Parameters
         ----------
@@ -824,25 +907,33 @@ class DeviceCore:
         except UpdateRejected as exc:
             return ApplyResult(ApplyStatus.REFUSED, gm.version, gm.round, exc.reason, exc.detail)
         new = Head(gm.W, gm.b, gm.version)
-        try:
-            with self._phase("apply"):
-                write_record(self.head_path, encode_global_model(gm))
-        except OSError as exc:
-            return ApplyResult(
-                ApplyStatus.REFUSED, gm.version, gm.round, "failed", f"head not persisted: {exc}"
-            )
+        with self._phase("apply"):
+            # a head that cannot be written (a full disk) still runs: the retained head is delivered
+            # again after a restart, and the write is retried once there is room
+            self._persist("head", lambda: write_record(self.head_path, encode_global_model(gm)))
         self.head = new
         logger.info("applied global head version %d (round %d)", gm.version, gm.round)
         return ApplyResult(ApplyStatus.APPLIED, gm.version, gm.round)
 
     # --- outbox -----------------------------------------------------------------------------------
     def mark_sent(self, update_id: str) -> int:
-        """Count one publish attempt of an outbox entry (persisted); its attempts, 0 if unknown."""
-        return self.outbox.mark_sent(update_id)
+        """Count one publish attempt of an outbox entry (persisted); its attempts, 0 if unknown or unsaved."""
+        attempts = 0
+
+        def write() -> None:
+            nonlocal attempts
+            attempts = self.outbox.mark_sent(update_id)
+
+        if not self._persist("outbox", write):
+            self._unsaved["outbox"] = self.outbox.save  # the count is in memory; write the whole outbox
+        return attempts
 
     def acknowledged(self, update_id: str) -> bool:
         """The broker acknowledged ``update_id`` (PUBACK): forget it (persisted); whether it was kept."""
-        return self.outbox.ack(update_id)
+        kept = update_id in {e.update_id for e in self.outbox.pending()}
+        if not self._persist("outbox", lambda: self.outbox.ack(update_id)):
+            self._unsaved["outbox"] = self.outbox.save
+        return kept
 
     def to_resend(self, current_round: int, max_sends: int = 2) -> tuple[list[Dropped], list[OutboxEntry]]:
         """After a (re)connect: drop entries of closed rounds, return those to send again.
@@ -858,12 +949,22 @@ class DeviceCore:
         -------
         (dropped, pending)
         """
-        dropped = self.outbox.drop_stale(current_round)
+        dropped: list[Dropped] = []
+
+        def write() -> None:
+            dropped.extend(self.outbox.drop_stale(current_round))
+
+        if not self._persist("outbox", write):
+            self._unsaved["outbox"] = self.outbox.save
         return dropped, [e for e in self.outbox.pending() if e.sends < max_sends]
 
-    def flush(self) -> None:
-        """Write the store's pending pages (at the end of a replay and at shutdown)."""
-        self.store.flush()
+    def flush(self) -> bool:
+        """Write the store's pending pages and metadata (end of a replay, shutdown); False if not written.
+
+        A failed write (a full disk) is counted and logged, marks the core :attr:`degraded` and is
+        retried by :meth:`retry_persist`; it never raises.
+        """
+        return self._persist("store", self.store.flush)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

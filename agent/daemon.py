@@ -59,6 +59,7 @@ COMPACT_STATUS_FIELDS = frozenset(
         "last_update_bytes",
         "rejected",
         "pid",
+        "degraded",
     }
 )
 """Status fields kept when the full status would exceed the broker's maximum packet size."""
@@ -94,6 +95,8 @@ class AgentState:
     last_update_bytes: int = 0
     local_accuracy: float = float("nan")
     rejected: Counter[str] = field(default_factory=Counter)
+    faults: Counter[str] = field(default_factory=Counter)
+    """Failures the daemon survived, by where: ``batch`` (a source batch), ``status`` (a status tick)."""
 
 
 class Agent:
@@ -163,7 +166,13 @@ class Agent:
                     return
                 t0 = time.monotonic()
                 raw, lbl = x[start : start + batch], y[start : start + batch]
-                out = await self._work(self.core.observe, raw, lbl)
+                try:
+                    out = await self._work(self.core.observe, raw, lbl)
+                except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
+                    # one batch failed (e.g. InterpreterBusy): counted and logged, the next one runs
+                    self._fault("batch", f"samples {start}..{start + len(lbl) - 1}", exc)
+                    await asyncio.sleep(0)
+                    continue
                 if out.refused_labels:
                     self.state.rejected["bad_label"] += out.refused_labels
                 if out.refused_not_finite:
@@ -178,7 +187,7 @@ class Agent:
                     await asyncio.sleep(max(0.0, len(lbl) / src.rate_hz - (time.monotonic() - t0)))
                 else:
                     await asyncio.sleep(0)
-            await self._work(self.core.flush)
+            await self._work(self.core.flush)  # never raises: a full disk marks the core degraded
             if not self.state.replay_done:
                 self.state.replay_done = True
                 logger.info("replay done: %d samples stored", len(self.core.store))
@@ -193,6 +202,12 @@ class Agent:
         while True:
             msg = await self.transport.queue.get()
             await self.handle(msg)
+
+    def _fault(self, where: str, what: str, exc: BaseException) -> None:
+        """Count and log (one line, its reason) a failure the daemon survives."""
+        self.state.faults[where] += 1
+        logger.error("%s: %s failed: %s: %s", where, what, type(exc).__name__, exc)
+        self._changed()
 
     def _reject(self, reason: str, what: str, detail: str) -> None:
         self.state.rejected[reason] += 1
@@ -355,7 +370,9 @@ class Agent:
         return {
             "round": s.round,
             "version": core.head.version,
-            "reason": s.reason,
+            "reason": f"degraded: {core.degraded}" if core.degraded else s.reason,
+            "degraded": core.degraded,
+            "write_failures": core.write_failures,
             "ready": s.replay_done,
             "store_samples": len(core.store),
             "inferred_total": s.inferred_total,
@@ -363,6 +380,7 @@ class Agent:
             "last_update_bytes": s.last_update_bytes,
             **self.governor.status(),
             "rejected": dict(s.rejected),
+            "faults": dict(s.faults),
             "pipeline_mode": pipeline.mode,
             "pipeline": pipeline.counters(),
             "pid": os.getpid(),
@@ -398,24 +416,39 @@ class Agent:
         return fields
 
     async def status_loop(self) -> None:
-        """Publish the retained status on every change and at least every ``status.interval_s``."""
+        """Publish the retained status on every change and at least every ``status.interval_s``.
+
+        While the core is degraded (state not persisted: a full disk), each tick retries the writes.
+        """
         assert self.transport is not None
         while True:
             await wait_event(self._status_dirty, self.profile.status.interval_s)
             self._status_dirty.clear()
-            if not self.transport.connected.is_set():
-                continue
-            topic = self.topics.status(self.device)
-            fields = self.status_fields()
-            payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
-            if publish_packet_bytes(topic, len(payload)) > self.packet_limit():
-                # A retained status is one message: under a small broker packet limit, send the essentials.
-                fields = {k: v for k, v in fields.items() if k in COMPACT_STATUS_FIELDS}
-                payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
             try:
-                await self.transport.publish(topic, payload, qos=1, retain=True)
-            except TransportError as exc:
-                logger.debug("status not published: %s", exc)
+                await self._status_tick()
+            except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
+                self._fault("status", "status tick", exc)  # e.g. EMFILE: the next tick tries again
+
+    async def _status_tick(self) -> None:
+        """Retry unsaved state if degraded, then publish the retained status (when connected)."""
+        assert self.transport is not None
+        if self.core.degraded:  # a full disk: write what waits once there is room again
+            await self._work(self.core.retry_persist)
+            if not self.core.degraded:
+                self._changed()
+        if not self.transport.connected.is_set():
+            return
+        topic = self.topics.status(self.device)
+        fields = self.status_fields()
+        payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
+        if publish_packet_bytes(topic, len(payload)) > self.packet_limit():
+            # A retained status is one message: under a small broker packet limit, send the essentials.
+            fields = {k: v for k, v in fields.items() if k in COMPACT_STATUS_FIELDS}
+            payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
+        try:
+            await self.transport.publish(topic, payload, qos=1, retain=True)
+        except TransportError as exc:
+            logger.debug("status not published: %s", exc)
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> None:

@@ -19,6 +19,7 @@ cache of recent samples, and a wrong label costs more than a lost one.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -42,6 +43,28 @@ LEGACY_META_FILE = "store_meta.json"
 """Metadata of stores written before the checksums: read once (sanity-checked), then replaced."""
 CORRUPT_SUFFIX = ".corrupt"
 _SCAN_ROWS = 256  # embeddings checked for finiteness per block at open (bounded heap)
+
+
+def _allocate(path: Path, size: int) -> None:
+    """Give a sparse file its blocks now (``posix_fallocate``).
+
+    A write into a hole of a memory-mapped file on a full file system is a ``SIGBUS``, which kills the
+    process; allocated up front, the store's pages never need a new block, so a full disk later
+    only stops the small record writes (which fail with ``ENOSPC`` and are handled).
+
+    Raises
+    ------
+    OSError
+        ``ENOSPC`` if the file system has no room for the store (at start-up).
+    """
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # file systems without it: as before
+            raise
+    finally:
+        os.close(fd)
 
 
 class StoreCorrupt(ValueError):
@@ -68,7 +91,7 @@ class EmbeddingStore:
     ValueError
         If ``capacity``, ``dim`` or ``num_classes`` is not positive.
     OSError
-        If the files cannot be created.
+        If the files cannot be created or allocated (``ENOSPC``: no room for the store).
 
     Notes
     -----
@@ -104,6 +127,8 @@ class EmbeddingStore:
             count, head = 0, 0
         self._emb = np.memmap(emb_path, dtype=np.float16, mode=mode, shape=(capacity, dim))  # type: ignore[call-overload]
         self._lbl = np.memmap(lbl_path, dtype=np.int16, mode=mode, shape=(capacity,))  # type: ignore[call-overload]
+        for path, size in ((emb_path, capacity * dim * 2), (lbl_path, capacity * 2)):
+            _allocate(path, size)
         self._count = count
         self._head = head
 
