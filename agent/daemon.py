@@ -248,7 +248,7 @@ class Agent:
         except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
             # last line of defence: whatever a message made us do failed; count it, keep running
             self.state.rejected["failed"] += 1
-            logger.exception("handling %s failed: %s", what, exc)
+            logger.error("handling %s failed: %s: %s", what, type(exc).__name__, exc)
             self._set_state("idle", f"last message failed: {exc}")
 
     async def answer_ready(self) -> None:

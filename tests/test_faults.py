@@ -1,5 +1,7 @@
 """Issue 6 integration tests: signatures, chunking under a broker packet limit, the outbox across a
-kill -9, robust aggregation against a poisoning device, corrupt state and start-up failures.
+kill -9, robust aggregation against a poisoning device, corrupt state and start-up failures; issue 15:
+the trust chain (a configured key requires signatures, no rollback), store integrity, a full disk and
+the exit code of a fault.
 
 Real agent processes, a real mosquitto, the real int8 digits model and data; the coordinator runs in
 the test process where its counters (``rejected``, ``counted``) are read directly.
