@@ -527,17 +527,16 @@ class DeviceCore:
         write_record(self.answered_path, cbor2.dumps(obj))
         self.answered = answered
 
-    def _persist(self, what: str, write: Callable[[], object], *, keep: bool = True) -> bool:
-        """Run one state write; on ``OSError`` count it, log it, mark the core degraded.
+    def _persist(self, what: str, write: Callable[[], object]) -> bool:
+        """Run one state write; on ``OSError`` count it, log it, mark the core degraded, keep it to retry.
 
         Parameters
         ----------
         what : str
             Names the state (``store``, ``outbox``, ``head``, ``answered``, ``seen_version``).
         write : callable
-            Writes it (from the in-memory state, so a retry writes the latest).
-        keep : bool
-            On failure, remember ``write`` and run it again in :meth:`retry_persist`.
+            Writes it (from the in-memory state, so a retry writes the latest); on failure it is
+            run again by :meth:`retry_persist` until it succeeds or a later write of ``what`` does.
 
         Returns
         -------
@@ -549,8 +548,7 @@ class DeviceCore:
         except OSError as exc:
             self.write_failures += 1
             problem = write_problem(exc)
-            if keep:
-                self._unsaved[what] = write
+            self._unsaved[what] = write
             if (problem, what) not in self._logged:  # once per state and problem, then only counted
                 self._logged.add((problem, what))
                 logger.warning(
