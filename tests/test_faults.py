@@ -29,6 +29,7 @@ from conftest import (
     ROOT,
     TEST_STATUS_INTERVAL_S,
     Broker,
+    free_port,
     next_status,
     start_mosquitto,
     stop_broker,
@@ -929,6 +930,16 @@ def test_fault_full_disk_degrades_keeps_classifying_and_recovers(
     # the unit does not restart
     shard = digits.shards(1)[0]
     state = tmp_path / "dev-1"
+    port = free_port()
+
+    def page_status() -> dict[str, Any]:  # what the device's page shows (its JSON status)
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=10) as r:
+            doc: dict[str, Any] = json.loads(r.read())["status"]
+        return doc
+
     with small_filesystem(state, "2m"):
         proc = launch(
             tmp_path,
@@ -937,7 +948,13 @@ def test_fault_full_disk_degrades_keeps_classifying_and_recovers(
             mosquitto,
             shard,
             digits,
-            **{"training.store_capacity": "256", "source.loop": "true", "source.rate_hz": "400"},
+            **{
+                "training.store_capacity": "256",
+                "source.loop": "true",
+                "source.rate_hz": "400",
+                "dashboard.enabled": "true",
+                "dashboard.port": str(port),
+            },
         )
         filler = state / "filler"
 
@@ -962,6 +979,8 @@ def test_fault_full_disk_degrades_keeps_classifying_and_recovers(
                 assert (await coord.run_round(2)).clients == 1
                 await wait_until(lambda: dev().get("degraded") == "disk full", 20, "degraded: disk full")
                 assert dev()["reason"] == "degraded: disk full"
+                page = await asyncio.to_thread(page_status)
+                assert (page["reason"], page["degraded"]) == ("degraded: disk full", "disk full"), page
                 # the new head is applied (not persisted) and classification goes on
                 await wait_until(lambda: dev().get("version") == 2, 10, "dev-1 on version 2")
                 seen = dev()["inferred_total"]
@@ -971,6 +990,7 @@ def test_fault_full_disk_degrades_keeps_classifying_and_recovers(
                 filler.unlink()
                 await wait_until(lambda: dev().get("degraded") == "", 20, "recovered")
                 assert dev()["reason"] != "degraded: disk full"
+                assert (await asyncio.to_thread(page_status))["degraded"] == ""
                 assert (await coord.run_round(3)).clients == 1
             finally:
                 pump.cancel()
