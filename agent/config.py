@@ -218,10 +218,12 @@ class SecurityConfig:
         This device's Ed25519 private key (64 hex digits or PEM); its updates are signed with it.
         The key is read once at start-up and never logged.
     coordinator_public_key : str or None
-        The coordinator's Ed25519 public key, 64 hex digits; GlobalModel and RoundAnnouncement
-        messages must carry a valid signature by it when set.
+        The coordinator's Ed25519 public key, 64 hex digits. When set, every GlobalModel and
+        RoundAnnouncement must carry a valid signature by it: unsigned ones are refused (``unsigned``)
+        whatever ``require_signatures`` says. Rotation: ``docs/security.md``.
     require_signatures : bool
-        Refuse unsigned messages (needs ``coordinator_public_key``).
+        Refuse unsigned messages; needs ``coordinator_public_key`` (which implies it: kept so a
+        profile can state it, and so a profile that asks for signatures without a key is refused).
     outbox_max_bytes : int
         Bound of the persistent outbox of unacknowledged updates, in bytes (> 0).
     """

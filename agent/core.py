@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -64,7 +65,6 @@ from edgefl.wire.messages import global_model_version, resolve_global_head
 from edgefl.wire.signing import (
     SigningKey,
     VerifyKey,
-    is_signed,
     load_signing_key,
     parse_verify_key,
     sign_message,
@@ -77,6 +77,7 @@ __all__ = [
     "ANSWERED_FILE",
     "HEAD_FILE",
     "OUTBOX_FILE",
+    "SEEN_VERSION_FILE",
     "Answered",
     "ApplyResult",
     "ApplyStatus",
@@ -93,6 +94,8 @@ OUTBOX_FILE = "outbox.rec"
 """Updates awaiting their PUBACK (:class:`~edgefl.agent.outbox.Outbox`)."""
 ANSWERED_FILE = "answered_round.rec"
 """The last round this device answered (exactly once across restarts; :class:`Answered`)."""
+SEEN_VERSION_FILE = "seen_version.rec"
+"""The newest head version named by a signed round announcement (the device's rollback floor)."""
 
 PhaseHook = Callable[[str], AbstractContextManager[Any]]
 """``phase(name)`` -> a context manager around one phase (default: the governor's measurement)."""
@@ -114,12 +117,15 @@ class Classified:
         The global head version that produced the predictions.
     refused_labels : int
         Samples :meth:`DeviceCore.observe` did not store: their label is outside ``0..K-1`` (``bad_label``).
+    refused_not_finite : int
+        Samples :meth:`DeviceCore.observe` did not store: their embedding is not finite (``not_finite``).
     """
 
     embeddings: F32
     predictions: I64
     version: int
     refused_labels: int = 0
+    refused_not_finite: int = 0
 
 
 class RoundStatus(StrEnum):
@@ -246,6 +252,17 @@ class Answered:
 
 
 # --- helpers ------------------------------------------------------------------------------------------
+DISK_FULL = "disk full"
+""":attr:`DeviceCore.degraded` when a state write failed with ``ENOSPC`` or ``EDQUOT``."""
+
+
+def write_problem(exc: OSError) -> str:
+    """What a failed state write means for the device: ``"disk full"`` or ``"cannot write state: ..."``."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DISK_FULL
+    return f"cannot write state: {exc.strerror or exc}"
+
+
 def check_model_fits(profile: Profile, backbone: Backbone) -> None:
     """Refuse a model the profile's samples do not fit.
 
@@ -377,6 +394,13 @@ class DeviceCore:
         self.evaluation: Evaluation | None = None
         self.redelivered = 0  # retained heads of the version held, skipped before decoding
         self.answered: Answered | None = self._load_answered()
+        self.seen_version: int = self._load_seen_version()
+        self.degraded = ""
+        """Why state is not being persisted ("" when it is; :data:`DISK_FULL` on a full disk)."""
+        self.write_failures = 0
+        """State writes that failed (each logged; the device carries on, see :meth:`retry_persist`)."""
+        self._unsaved: dict[str, Callable[[], object]] = {}  # what to write again once the disk has room
+        self._logged: set[tuple[str, str]] = set()
         self.pending_round: RoundAnnouncement | None = None
         self.shapes = memory.model_shapes(pipeline.backbone) if pipeline is not None else None
 
@@ -499,10 +523,100 @@ class DeviceCore:
         logger.info("last answered round %d (%s)", round_no, update_id)
         return Answered(fleet, round_no, update_id)
 
+    @property
+    def seen_version_path(self) -> Path:
+        """The persisted rollback floor (:attr:`seen_version`)."""
+        return self.state_dir / SEEN_VERSION_FILE
+
+    def _load_seen_version(self) -> int:
+        """The newest version a signed round announced (CBOR ``{"v": 1, "fleet", "version"}``), else 0."""
+        data = read_record(self.seen_version_path)
+        if data is None:
+            return 0
+        try:
+            obj = cbor2.loads(data)
+            version = obj.get("version") if isinstance(obj, dict) and obj.get("v") == 1 else None
+            if type(version) is not int or version < 0:
+                raise ValueError("not a seen-version record")
+        except (cbor2.CBORDecodeError, ValueError, TypeError) as exc:
+            logger.error("seen-version record %s unusable (%s); ignored", self.seen_version_path, exc)
+            return 0
+        if obj.get("fleet") != self.fleet:
+            logger.info("seen-version record %s is for another fleet; ignored", self.seen_version_path)
+            return 0
+        return version
+
+    def _see_version(self, version: int) -> None:
+        """Raise the rollback floor to ``version`` (a signed round's base version) and persist it.
+
+        A write that fails (a full disk) keeps the floor in memory and is retried (:meth:`retry_persist`).
+        """
+        if version <= self.seen_version:
+            return
+        self.seen_version = version
+
+        def write() -> None:
+            payload = {"v": 1, "fleet": self.fleet, "version": self.seen_version}
+            write_record(self.seen_version_path, cbor2.dumps(payload))
+
+        self._persist("seen_version", write)
+
     def _save_answered(self, answered: Answered) -> None:
         obj = {"v": 1, "fleet": answered.fleet, "round": answered.round, "update_id": answered.update_id}
         write_record(self.answered_path, cbor2.dumps(obj))
         self.answered = answered
+
+    def _persist(self, what: str, write: Callable[[], object]) -> bool:
+        """Run one state write; on ``OSError`` count it, log it, mark the core degraded, keep it to retry.
+
+        Parameters
+        ----------
+        what : str
+            Names the state (``store``, ``outbox``, ``head``, ``answered``, ``seen_version``).
+        write : callable
+            Writes it (from the in-memory state, so a retry writes the latest); on failure it is
+            run again by :meth:`retry_persist` until it succeeds or a later write of ``what`` does.
+
+        Returns
+        -------
+        bool
+            Whether the write succeeded.
+        """
+        try:
+            write()
+        except OSError as exc:
+            self.write_failures += 1
+            problem = write_problem(exc)
+            self._unsaved[what] = write
+            if (problem, what) not in self._logged:  # once per state and problem, then only counted
+                self._logged.add((problem, what))
+                logger.warning(
+                    "degraded: %s (%s not persisted: %s); classifying goes on, persisting waits for room",
+                    problem,
+                    what,
+                    exc,
+                )
+            self.degraded = problem
+            return False
+        self._unsaved.pop(what, None)
+        if self.degraded and not self._unsaved:
+            logger.warning("state writable again: persisting resumed (was %s)", self.degraded)
+            self.degraded = ""
+            self._logged.clear()
+        return True
+
+    def retry_persist(self) -> bool:
+        """Write again what a failed write left unsaved (the daemon calls it every status interval).
+
+        Returns
+        -------
+        bool
+            True when nothing is left unsaved (:attr:`degraded` is then "").
+        """
+        for what, write in list(self._unsaved.items()):
+            if not self._persist(what, write):
+                return False
+        return not self._unsaved
 
     # --- classify ---------------------------------------------------------------------------------
     def classify(self, raw: np.ndarray) -> Classified:
@@ -558,6 +672,7 @@ class DeviceCore:
         """
         out = self.classify(raw)
         every = self.profile.training.holdout_every
+        before = self.store.refused_not_finite + (self.holdout.refused_not_finite if self.holdout else 0)
         if self.holdout is None or not every:
             refused = self.store.add(out.embeddings, labels)
         else:
@@ -567,7 +682,11 @@ class DeviceCore:
             refused = self.store.add(out.embeddings[~held], labels[~held])
             if held.any():
                 refused += self.holdout.add(out.embeddings[held], labels[held])
-        return dataclasses.replace(out, refused_labels=refused) if refused else out
+        after = self.store.refused_not_finite + (self.holdout.refused_not_finite if self.holdout else 0)
+        not_finite = after - before
+        if refused or not_finite:
+            return dataclasses.replace(out, refused_labels=refused, refused_not_finite=not_finite)
+        return out
 
     def evaluate(self) -> Evaluation | None:
         """Accuracy of the current head on the holdout store (federated evaluation), or None without one.
@@ -592,10 +711,11 @@ class DeviceCore:
     def _verified(self, payload: bytes, kind: MessageType) -> bytes:
         """Check the coordinator's signature if a key is set (DecodeError ``unsigned``/``bad_signature``).
 
-        The signed bytes bind this device's fleet and the message kind its topic carries.
+        A configured ``security.coordinator_public_key`` means every head and round must be signed by
+        it, whatever ``require_signatures`` says (an unsigned one is ``unsigned``). The signed bytes
+        bind this device's fleet and the message kind its topic carries (``docs/protocol.md``).
         """
-        sec = self.profile.security
-        if self.coordinator_key is not None and (sec.require_signatures or is_signed(payload)):
+        if self.coordinator_key is not None:
             verify_payload(payload, self.coordinator_key, fleet=self.fleet, kind=kind, limits=self.limits)
         return payload
 
@@ -616,6 +736,10 @@ class DeviceCore:
             ann = decode_round(self._verified(payload, MessageType.ROUND), limits=self.limits)
         except DecodeError as exc:
             return _refused(0, exc)
+        if self.coordinator_key is not None:
+            # a round signed by the coordinator vouches for its base version: no head older than it
+            # is applied from now on, even an old head with a valid signature (a replay)
+            self._see_version(ann.base_version)
         return self.answer_round(ann)
 
     def _selected(self, ann: RoundAnnouncement) -> bool:
@@ -746,8 +870,18 @@ class DeviceCore:
                 payload = encode(update)
             del update, delta_W, delta_b
             # kept until its PUBACK: a restart re-sends it (same update_id), never re-trains the round
-            dropped = tuple(self.outbox.add(update_id, ann.round, payload))
-            self._save_answered(Answered(self.fleet, ann.round, update_id))
+            added: list[Dropped] = []
+            if not self._persist(
+                "outbox", lambda: added.extend(self.outbox.add(update_id, ann.round, payload))
+            ):
+                # not sent: a round whose update is not on disk could be answered twice after a restart
+                self.outbox.forget(update_id)
+                self._unsaved["outbox"] = self.outbox.save
+                raise OSError(errno.EIO, f"update not kept: outbox not persisted ({self.degraded})")
+            dropped = tuple(added)
+            answered = Answered(self.fleet, ann.round, update_id)
+            self.answered = answered
+            self._persist("answered", lambda: self._save_answered(answered))
         entry = OutboxEntry(update_id, ann.round, payload)
         return RoundResult(
             RoundStatus.TRAINED,
@@ -812,8 +946,10 @@ class DeviceCore:
         """Validate a decoded global head, persist it and swap it in atomically.
 
         Refused: ``wrong_model`` (backbone sha256 differs), ``bad_shape``/``not_finite`` (values, or
-        non-finite logits on a few stored embeddings), ``not_newer`` (older than the running head),
-        ``failed`` (the head file could not be written; the running head is kept).
+        non-finite logits on a few stored embeddings), ``not_newer`` (older than the running head, or
+        than :attr:`seen_version`, the newest version a signed round announced). A head file that
+        cannot be written does not refuse the head: it runs, :attr:`degraded` says why, and the
+        write is retried (:meth:`retry_persist`).
 
         Parameters
         ----------
@@ -835,6 +971,12 @@ class DeviceCore:
                 raise UpdateRejected(
                     "not_newer", f"global version {gm.version} <= current {self.head.version}"
                 )
+            if gm.version < self.seen_version:
+                raise UpdateRejected(
+                    "not_newer",
+                    f"global version {gm.version} is older than version {self.seen_version} "
+                    "announced by a signed round (a rollback)",
+                )
             if gm.version == self.head.version:
                 return ApplyResult(ApplyStatus.SAME_VERSION, gm.version, gm.round)
             # the outputs on a few stored embeddings must be finite too (a huge finite head can overflow)
@@ -844,13 +986,10 @@ class DeviceCore:
         except UpdateRejected as exc:
             return ApplyResult(ApplyStatus.REFUSED, gm.version, gm.round, exc.reason, exc.detail)
         new = Head(gm.W, gm.b, gm.version)
-        try:
-            with self._phase("apply"):
-                write_record(self.head_path, encode_global_model(gm))
-        except OSError as exc:
-            return ApplyResult(
-                ApplyStatus.REFUSED, gm.version, gm.round, "failed", f"head not persisted: {exc}"
-            )
+        with self._phase("apply"):
+            # a head that cannot be written (a full disk) still runs: the retained head is delivered
+            # again after a restart, and the write is retried once there is room
+            self._persist("head", lambda: write_record(self.head_path, encode_global_model(gm)))
         self.head = new
         self.evaluate()
         logger.info("applied global head version %d (round %d)", gm.version, gm.round)
@@ -858,12 +997,23 @@ class DeviceCore:
 
     # --- outbox -----------------------------------------------------------------------------------
     def mark_sent(self, update_id: str) -> int:
-        """Count one publish attempt of an outbox entry (persisted); its attempts, 0 if unknown."""
-        return self.outbox.mark_sent(update_id)
+        """Count one publish attempt of an outbox entry (persisted); its attempts, 0 if unknown or unsaved."""
+        attempts = 0
+
+        def write() -> None:
+            nonlocal attempts
+            attempts = self.outbox.mark_sent(update_id)
+
+        if not self._persist("outbox", write):
+            self._unsaved["outbox"] = self.outbox.save  # the count is in memory; write the whole outbox
+        return attempts
 
     def acknowledged(self, update_id: str) -> bool:
         """The broker acknowledged ``update_id`` (PUBACK): forget it (persisted); whether it was kept."""
-        return self.outbox.ack(update_id)
+        kept = update_id in {e.update_id for e in self.outbox.pending()}
+        if not self._persist("outbox", lambda: self.outbox.ack(update_id)):
+            self._unsaved["outbox"] = self.outbox.save
+        return kept
 
     def to_resend(self, current_round: int, max_sends: int = 2) -> tuple[list[Dropped], list[OutboxEntry]]:
         """After a (re)connect: drop entries of closed rounds, return those to send again.
@@ -879,12 +1029,22 @@ class DeviceCore:
         -------
         (dropped, pending)
         """
-        dropped = self.outbox.drop_stale(current_round)
+        dropped: list[Dropped] = []
+
+        def write() -> None:
+            dropped.extend(self.outbox.drop_stale(current_round))
+
+        if not self._persist("outbox", write):
+            self._unsaved["outbox"] = self.outbox.save
         return dropped, [e for e in self.outbox.pending() if e.sends < max_sends]
 
-    def flush(self) -> None:
-        """Write the store's pending pages (at the end of a replay and at shutdown)."""
-        self.store.flush()
+    def flush(self) -> bool:
+        """Write the store's pending pages and metadata (end of a replay, shutdown); False if not written.
+
+        A failed write (a full disk) is counted and logged, marks the core :attr:`degraded` and is
+        retried by :meth:`retry_persist`; it never raises.
+        """
+        return self._persist("store", self.store.flush)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -67,6 +67,7 @@ COMPACT_STATUS_FIELDS = frozenset(
         "last_update_bytes",
         "rejected",
         "pid",
+        "degraded",
     }
 )
 """Status fields kept when the full status would exceed the broker's maximum packet size."""
@@ -120,6 +121,8 @@ class AgentState:
     last_update_bytes: int = 0
     local_accuracy: float = float("nan")
     rejected: Counter[str] = field(default_factory=Counter)
+    faults: Counter[str] = field(default_factory=Counter)
+    """Failures the daemon survived, by where: ``batch`` (a source batch), ``status`` (a status tick)."""
 
 
 class Agent:
@@ -161,6 +164,7 @@ class Agent:
         self._rate_window: deque[tuple[float, int]] = deque(maxlen=32)
         self._reconnected = asyncio.Event()
         self._status_connected = False  # a (re)connect happened: the next status check publishes
+        self._last_said, self._last_at = "", -math.inf  # what the last published status said, and when
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def _work(self, fn: Callable[..., _T], *args: Any) -> _T:
@@ -190,9 +194,17 @@ class Agent:
                     return
                 t0 = time.monotonic()
                 raw, lbl = x[start : start + batch], y[start : start + batch]
-                out = await self._work(self.core.observe, raw, lbl)
+                try:
+                    out = await self._work(self.core.observe, raw, lbl)
+                except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
+                    # one batch failed (e.g. InterpreterBusy): counted and logged, the next one runs
+                    self._fault("batch", f"samples {start}..{start + len(lbl) - 1}", exc)
+                    await asyncio.sleep(0)
+                    continue
                 if out.refused_labels:
                     self.state.rejected["bad_label"] += out.refused_labels
+                if out.refused_not_finite:
+                    self.state.rejected["not_finite"] += out.refused_not_finite
                 self.state.inferred_total += len(lbl)
                 self._rate_window.append((time.monotonic(), self.state.inferred_total))
                 if self.core.pending_round is not None:
@@ -203,7 +215,7 @@ class Agent:
                     await asyncio.sleep(max(0.0, len(lbl) / src.rate_hz - (time.monotonic() - t0)))
                 else:
                     await asyncio.sleep(0)
-            await self._work(self.core.flush)
+            await self._work(self.core.flush)  # never raises: a full disk marks the core degraded
             if not self.state.replay_done:
                 self.state.replay_done = True
                 logger.info("replay done: %d samples stored", len(self.core.store))
@@ -218,6 +230,12 @@ class Agent:
         while True:
             msg = await self.transport.queue.get()
             await self.handle(msg)
+
+    def _fault(self, where: str, what: str, exc: BaseException) -> None:
+        """Count and log (one line, its reason) a failure the daemon survives."""
+        self.state.faults[where] += 1
+        logger.error("%s: %s failed: %s: %s", where, what, type(exc).__name__, exc)
+        self._changed()
 
     def _reject(self, reason: str, what: str, detail: str) -> None:
         self.state.rejected[reason] += 1
@@ -258,7 +276,7 @@ class Agent:
         except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
             # last line of defence: whatever a message made us do failed; count it, keep running
             self.state.rejected["failed"] += 1
-            logger.exception("handling %s failed: %s", what, exc)
+            logger.error("handling %s failed: %s: %s", what, type(exc).__name__, exc)
             self._set_state("idle", f"last message failed: {exc}")
 
     async def answer_ready(self) -> None:
@@ -381,7 +399,9 @@ class Agent:
         return {
             "round": s.round,
             "version": core.head.version,
-            "reason": s.reason,
+            "reason": f"degraded: {core.degraded}" if core.degraded else s.reason,
+            "degraded": core.degraded,
+            "write_failures": core.write_failures,
             "ready": s.replay_done,
             "store_samples": len(core.store),
             "inferred_total": s.inferred_total,
@@ -390,6 +410,7 @@ class Agent:
             "redelivered_total": core.redelivered,
             **self.governor.status(),
             "rejected": dict(s.rejected),
+            "faults": dict(s.faults),
             "pipeline_mode": pipeline.mode,
             "pipeline": pipeline.counters(),
             # model identity: the coordinator leaves a device with another backbone out of rounds
@@ -443,41 +464,53 @@ class Agent:
 
         Checked on every change and every ``status.interval_s``; a change of the
         :data:`VOLATILE_STATUS_FIELDS` alone is not news. Every (re)connect publishes (the broker may
-        hold the "offline" last will).
+        hold the "offline" last will). While the core is degraded (state not persisted: a full disk),
+        each check retries the writes.
         """
         assert self.transport is not None
         cfg = self.profile.status
         heartbeat_s = cfg.interval_s if cfg.heartbeat_s is None else cfg.heartbeat_s
-        last_said, last_at = "", -math.inf
         while True:
             await wait_event(self._status_dirty, cfg.interval_s)
             self._status_dirty.clear()
-            if not self.transport.connected.is_set():
-                last_said = ""  # publish again once connected
-                continue
-            topic = self.topics.status(self.device)
-            fields = self.status_fields()
-            said = json.dumps(
-                [self.state.state, {k: v for k, v in fields.items() if k not in VOLATILE_STATUS_FIELDS}],
-                sort_keys=True,
-                default=str,
-            )
-            if self._status_connected:
-                self._status_connected, last_said = False, ""
-            if said == last_said and time.monotonic() - last_at < heartbeat_s:
-                continue
-            payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
-            if publish_packet_bytes(topic, len(payload)) > self.packet_limit():
-                # A retained status is one message: under a small broker packet limit, send the essentials.
-                fields = {k: v for k, v in fields.items() if k in COMPACT_STATUS_FIELDS}
-                payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
             try:
-                await self.transport.publish(topic, payload, qos=1, retain=True)
-            except TransportError as exc:
-                logger.debug("status not published: %s", exc)
-                last_said = ""  # try again at the next check
-                continue
-            last_said, last_at = said, time.monotonic()
+                await self._status_tick(heartbeat_s)
+            except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
+                self._fault("status", "status tick", exc)  # e.g. EMFILE: the next tick tries again
+
+    async def _status_tick(self, heartbeat_s: float) -> None:
+        """Retry unsaved state if degraded, then publish the retained status if it has news (connected)."""
+        assert self.transport is not None
+        if self.core.degraded:  # a full disk: write what waits once there is room again
+            await self._work(self.core.retry_persist)
+            if not self.core.degraded:
+                self._changed()
+        if not self.transport.connected.is_set():
+            self._last_said = ""  # publish again once connected
+            return
+        topic = self.topics.status(self.device)
+        fields = self.status_fields()
+        said = json.dumps(
+            [self.state.state, {k: v for k, v in fields.items() if k not in VOLATILE_STATUS_FIELDS}],
+            sort_keys=True,
+            default=str,
+        )
+        if self._status_connected:
+            self._status_connected, self._last_said = False, ""
+        if said == self._last_said and time.monotonic() - self._last_at < heartbeat_s:
+            return
+        payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
+        if publish_packet_bytes(topic, len(payload)) > self.packet_limit():
+            # A retained status is one message: under a small broker packet limit, send the essentials.
+            fields = {k: v for k, v in fields.items() if k in COMPACT_STATUS_FIELDS}
+            payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
+        try:
+            await self.transport.publish(topic, payload, qos=1, retain=True)
+        except TransportError as exc:
+            logger.debug("status not published: %s", exc)
+            self._last_said = ""  # try again at the next check
+            return
+        self._last_said, self._last_at = said, time.monotonic()
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> None:

@@ -22,7 +22,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["Dropped", "Outbox", "OutboxEntry"]
 
 
-
 # ---------------------------------------------------------------------------------------------------
 # Outbox
 
@@ -134,6 +133,23 @@ class Outbox:
     def _save(self) -> None:
         obj = {"v": 1, "entries": [[e.update_id, e.round, e.payload, e.sends] for e in self._entries]}
         write_record(self.path, cbor2.dumps(obj))
+
+    def save(self) -> None:
+        """Persist the entries as they are in memory (after a write that failed: a full disk).
+
+        Raises
+        ------
+        OSError
+            If the file system refuses the write.
+        """
+        self._save()
+
+    def forget(self, update_id: str) -> bool:
+        """Drop ``update_id`` from memory only (its ``add`` could not be persisted); whether it was kept."""
+        kept = [e for e in self._entries if e.update_id != update_id]
+        found = len(kept) != len(self._entries)
+        self._entries = kept
+        return found
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -4,22 +4,71 @@ Embeddings are stored as float16 (half the bytes of float32; the head is trained
 read back from the map), labels as int16. The store is a ring: when full, the oldest sample is
 overwritten, so its size is fixed at ``capacity * (2 * D + 2)`` bytes of file-backed pages that the
 kernel can drop under pressure.
+
+Integrity (issue 15 item 5): the metadata (capacity, D, count, ring head and the SHA-256 of the
+label file) is a checksummed record (:mod:`edgefl.records`) written by :meth:`EmbeddingStore.flush`.
+At open the metadata must be sane (``count <= capacity``, head in range, files of the right size),
+the label file must match its checksum, its labels must lie in ``0..K-1`` and the stored embeddings
+must be finite; otherwise the files are set aside (renamed ``<name>.corrupt``) and the store starts
+empty, with one log line. Non-finite embeddings (or ones that overflow float16) are refused by
+:meth:`EmbeddingStore.add`, counted in ``refused_not_finite``. A store not flushed since its last
+change (a kill -9 or power cut mid-replay) fails the checksum and is rebuilt the same way: it is a
+cache of recent samples, and a wrong label costs more than a lost one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import json
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from edgefl.head import check_labels, label_range
-from edgefl.records import atomic_write
+from edgefl.records import prev_path, read_record, write_record
 from edgefl.types import F32, I64
 
 logger = logging.getLogger(__name__)
+
+EMB_FILE = "store_emb.f16"
+LBL_FILE = "store_lbl.i16"
+META_FILE = "store_meta.rec"
+"""Checksummed record of the store's metadata (JSON map, see :meth:`EmbeddingStore.flush`)."""
+LEGACY_META_FILE = "store_meta.json"
+"""Metadata of stores written before the checksums: read once (sanity-checked), then replaced."""
+CORRUPT_SUFFIX = ".corrupt"
+_SCAN_ROWS = 256  # embeddings checked for finiteness per block at open (bounded heap)
+
+
+def _allocate(path: Path, size: int) -> None:
+    """Give a sparse file its blocks now (``posix_fallocate``).
+
+    A write into a hole of a memory-mapped file on a full file system is a ``SIGBUS``, which kills the
+    process; allocated up front, the store's pages never need a new block, so a full disk later
+    only stops the small record writes (which fail with ``ENOSPC`` and are handled).
+
+    Raises
+    ------
+    OSError
+        ``ENOSPC`` if the file system has no room for the store (at start-up).
+    """
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # file systems without it: as before
+            raise
+    finally:
+        os.close(fd)
+
+
+class StoreCorrupt(ValueError):
+    """The store's files disagree with their metadata or checksum (internal: the store is set aside)."""
 
 
 class EmbeddingStore:
@@ -28,7 +77,7 @@ class EmbeddingStore:
     Parameters
     ----------
     directory : Path
-        Where the files ``store_emb.f16``, ``store_lbl.i16`` and ``store_meta.json`` live; created if missing.
+        Where the files ``store_emb.f16``, ``store_lbl.i16`` and ``store_meta.rec`` live; created if missing.
     capacity : int
         Maximum number of samples kept (older ones are overwritten).
     dim : int
@@ -41,10 +90,13 @@ class EmbeddingStore:
     ------
     ValueError
         If ``capacity``, ``dim`` or ``num_classes`` is not positive.
+    OSError
+        If the files cannot be created or allocated (``ENOSPC``: no room for the store).
 
     Notes
     -----
-    A store whose metadata does not match ``capacity``/``dim`` (another model) is reset, with a log line.
+    A store whose metadata does not match ``capacity``/``dim`` (another model) is reset, with a log
+    line; a corrupt one is set aside (module docstring). ``set_aside`` tells which happened at open.
     """
 
     def __init__(self, directory: Path, capacity: int, dim: int, num_classes: int | None = None) -> None:
@@ -54,33 +106,115 @@ class EmbeddingStore:
             )
         self.num_classes = num_classes
         self.refused_labels = 0
+        self.refused_not_finite = 0
+        self.set_aside = ""
+        """Why the files found at open were set aside ("" if they were not)."""
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self.capacity = capacity
         self.dim = dim
-        self._meta_path = directory / "store_meta.json"
-        count, head = self._read_meta()
-        emb_path = directory / "store_emb.f16"
-        lbl_path = directory / "store_lbl.i16"
-        mode = "r+" if count >= 0 and emb_path.exists() and lbl_path.exists() else "w+"
-        if mode == "w+":
+        self._meta_path = directory / META_FILE
+        emb_path, lbl_path = directory / EMB_FILE, directory / LBL_FILE
+        count, head = 0, 0
+        mode = "w+"
+        try:
+            meta = self._read_meta()
+            if meta is not None:
+                count, head = self._check(meta, emb_path, lbl_path)
+                mode = "r+"
+        except StoreCorrupt as exc:
+            self._set_aside(str(exc))
             count, head = 0, 0
         self._emb = np.memmap(emb_path, dtype=np.float16, mode=mode, shape=(capacity, dim))  # type: ignore[call-overload]
         self._lbl = np.memmap(lbl_path, dtype=np.int16, mode=mode, shape=(capacity,))  # type: ignore[call-overload]
+        for path, size in ((emb_path, capacity * dim * 2), (lbl_path, capacity * 2)):
+            _allocate(path, size)
         self._count = count
         self._head = head
 
-    def _read_meta(self) -> tuple[int, int]:
+    def _read_meta(self) -> dict[str, object] | None:
+        """The metadata map (record, else the legacy JSON file); None = start empty (no files, other shape).
+
+        Raises
+        ------
+        StoreCorrupt
+            If the metadata is unreadable.
+        """
+        legacy = self.directory / LEGACY_META_FILE
+        data = read_record(self._meta_path)
+        if data is None and legacy.exists():
+            data = legacy.read_bytes()
+            logger.info(
+                "store in %s has metadata without a checksum (older version); checking it", self.directory
+            )
+        elif data is None:
+            return None
         try:
-            meta = json.loads(self._meta_path.read_text())
-            if meta.get("capacity") == self.capacity and meta.get("dim") == self.dim:
-                return int(meta["count"]), int(meta["head"])
+            meta = json.loads(data)
+            if not isinstance(meta, dict):
+                raise TypeError("not a map")
+        except (ValueError, TypeError) as exc:
+            raise StoreCorrupt(f"metadata unreadable: {exc}") from exc
+        if meta.get("capacity") != self.capacity or meta.get("dim") != self.dim:
             logger.info("store in %s was built for another model shape; starting empty", self.directory)
-        except FileNotFoundError:
-            pass
-        except (ValueError, KeyError, TypeError) as exc:
-            logger.warning("store metadata %s unreadable (%s); starting empty", self._meta_path, exc)
-        return -1, 0
+            return None
+        return meta
+
+    def _check(self, meta: dict[str, object], emb_path: Path, lbl_path: Path) -> tuple[int, int]:
+        """Validate metadata against the files; return ``(count, head)``.
+
+        Raises
+        ------
+        StoreCorrupt
+            Naming the first problem found.
+        """
+        count, head = meta.get("count"), meta.get("head")
+        cap = self.capacity
+        if type(count) is not int or type(head) is not int:
+            raise StoreCorrupt(f"count {count!r} / head {head!r} are not integers")
+        if not 0 <= count <= cap:
+            raise StoreCorrupt(f"count = {count}: must be in 0..capacity {cap}")
+        if not 0 <= head < cap or (count < cap and head != count):
+            raise StoreCorrupt(f"head = {head}: out of range for count {count}, capacity {cap}")
+        for path, size in ((emb_path, cap * self.dim * 2), (lbl_path, cap * 2)):
+            try:
+                actual = path.stat().st_size
+            except FileNotFoundError:
+                raise StoreCorrupt(f"{path.name} missing") from None
+            if actual != size:
+                raise StoreCorrupt(f"{path.name} has {actual} bytes, expected {size}")
+        lbl = np.memmap(lbl_path, dtype=np.int16, mode="r", shape=(cap,))  # type: ignore[call-overload]
+        want = meta.get("labels_sha256")
+        if want is not None or "v" in meta:  # a legacy JSON file has no checksum to compare
+            got = hashlib.sha256(lbl.tobytes()).hexdigest()
+            if got != want:
+                raise StoreCorrupt(f"{lbl_path.name} does not match its checksum")
+        if self.num_classes is not None and count:
+            ok = check_labels(np.asarray(lbl[:count]), self.num_classes)
+            if not ok.all():
+                bad = int(np.asarray(lbl[:count])[~ok][0])
+                raise StoreCorrupt(f"label {bad} outside 0..{label_range(self.num_classes) - 1}")
+        del lbl
+        emb = np.memmap(emb_path, dtype=np.float16, mode="r", shape=(cap, self.dim))  # type: ignore[call-overload]
+        for s in range(0, count, _SCAN_ROWS):
+            if not np.isfinite(emb[s : min(count, s + _SCAN_ROWS)]).all():
+                raise StoreCorrupt(f"{emb_path.name} holds non-finite values")
+        del emb
+        return count, head
+
+    def _set_aside(self, reason: str) -> None:
+        """Rename the store's files to ``<name>.corrupt`` (replacing older ones) and log one line."""
+        for name in (EMB_FILE, LBL_FILE, META_FILE, prev_path(Path(META_FILE)).name, LEGACY_META_FILE):
+            path = self.directory / name
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(path, path.with_name(name + CORRUPT_SUFFIX))
+        self.set_aside = reason
+        logger.error(
+            "store in %s is corrupt (%s): set aside as *%s, starting empty",
+            self.directory,
+            reason,
+            CORRUPT_SUFFIX,
+        )
 
     def __len__(self) -> int:
         """Number of samples currently held (<= capacity)."""
@@ -95,7 +229,9 @@ class EmbeddingStore:
         """Append a batch of labelled embeddings, overwriting the oldest when full.
 
         Samples whose label the head cannot learn (outside ``0..K-1``, or not 0/1 for K = 1) are
-        refused: logged with reason ``bad_label``, counted in ``refused_labels``, not stored.
+        refused: logged with reason ``bad_label``, counted in ``refused_labels``, not stored. Samples
+        whose embedding is not finite in float16 (NaN, inf, or beyond +-65504) are refused the same
+        way, counted in ``refused_not_finite`` (a single one would make every round's delta NaN).
 
         Parameters
         ----------
@@ -131,8 +267,17 @@ class EmbeddingStore:
                 )
                 emb, labels = emb[ok], labels[ok]
                 n = emb.shape[0]
+        with np.errstate(over="ignore"):  # beyond float16's range becomes inf: refused just below
+            emb16 = emb.astype(np.float16)
+        finite = np.isfinite(emb16).all(axis=1)
+        if not finite.all():
+            bad_n = int(n - np.count_nonzero(finite))
+            self.refused_not_finite += bad_n
+            logger.warning("store: %d sample(s) refused (not_finite): embedding not finite in float16", bad_n)
+            emb16, labels = emb16[finite], labels[finite]
+            n = emb16.shape[0]
         for i in range(n):
-            self._emb[self._head] = emb[i]
+            self._emb[self._head] = emb16[i]
             self._lbl[self._head] = labels[i]
             self._head = (self._head + 1) % self.capacity
         self._count = min(self.capacity, self._count + n)
@@ -160,8 +305,26 @@ class EmbeddingStore:
             yield self._emb[sel].astype(np.float32), self._lbl[sel].astype(np.int64)
 
     def flush(self) -> None:
-        """Write the maps and the metadata to disk (metadata with ``edgefl.records.atomic_write``)."""
+        """Write the maps, then the metadata with the label file's SHA-256 (a checksummed record).
+
+        The record's payload is the JSON map ``{"v": 1, "capacity", "dim", "count", "head",
+        "labels_sha256"}``; it is written atomically after the maps (``edgefl.records``).
+
+        Raises
+        ------
+        OSError
+            If the file system refuses the write (e.g. ``ENOSPC``); the maps stay usable.
+        """
         self._emb.flush()
         self._lbl.flush()
-        meta = {"capacity": self.capacity, "dim": self.dim, "count": self._count, "head": self._head}
-        atomic_write(self._meta_path, json.dumps(meta).encode())
+        meta = {
+            "v": 1,
+            "capacity": self.capacity,
+            "dim": self.dim,
+            "count": self._count,
+            "head": self._head,
+            "labels_sha256": hashlib.sha256(self._lbl.tobytes()).hexdigest(),
+        }
+        write_record(self._meta_path, json.dumps(meta).encode())
+        with contextlib.suppress(FileNotFoundError):
+            (self.directory / LEGACY_META_FILE).unlink()

@@ -1,7 +1,9 @@
 """The ``edgefl`` command: run the agent, check a profile, run the demo.
 
 Exit codes: 0 success; 1 invalid profile (``check-config``) or the demo's job failed; 2 usage error;
-3 the model could not be loaded (missing, corrupt, or wrong shape); 4 a runtime error at start-up.
+3 the model could not be loaded (missing, corrupt, or wrong shape); 4 a runtime error at start-up;
+75 (``EX_TEMPFAIL``, sysexits.h) a fault that stopped a running agent (one log line, no traceback for a
+known fault). The shipped unit restarts 4 and 75 with a growing delay, never 1, 2, 3.
 Logging handlers are configured here only (STYLE.md rule 10).
 """
 
@@ -32,6 +34,8 @@ EXIT_INVALID = 1
 EXIT_USAGE = 2
 EXIT_MODEL = 3
 EXIT_RUNTIME = 4
+EXIT_TEMPFAIL = 75
+"""A fault stopped the running agent (sysexits.h ``EX_TEMPFAIL``: try again later); restarted."""
 
 
 def _parse_sets(items: Sequence[str]) -> dict[str, object]:
@@ -136,8 +140,46 @@ def cmd_run(args: argparse.Namespace) -> int:
     except EdgeflError as exc:
         print(f"edgefl: cannot start: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
-    asyncio.run(agent.run())
+    except OSError as exc:  # e.g. no room for the store (ENOSPC): may heal, so restarted
+        print(f"edgefl: cannot start: {exc}", file=sys.stderr)
+        return EXIT_TEMPFAIL
+    try:
+        asyncio.run(agent.run())
+    except (Exception, BaseExceptionGroup) as group:  # the last line of defence: never a crash loop
+        return _stopped_by_fault(group)
     return EXIT_OK
+
+
+_KNOWN_FAULTS = (OSError, MemoryError, ArithmeticError, ValueError)
+"""Faults a running agent can meet (a disk, the RAM, bad numbers): one log line, no traceback."""
+
+
+def _stopped_by_fault(exc: BaseException) -> int:
+    """Log the fault that stopped the agent and return :data:`EXIT_TEMPFAIL`.
+
+    A known fault (an ``EdgeflError`` or :data:`_KNOWN_FAULTS`, also inside the ``ExceptionGroup`` a
+    ``TaskGroup`` raises) is one line naming its type and message; anything else keeps its traceback,
+    since it is a bug to fix. ``KeyboardInterrupt``/``SystemExit`` are not faults and are re-raised.
+    """
+    from edgefl.errors import EdgeflError
+
+    leaves: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        else:
+            leaves.append(e)
+    for e in leaves:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise e
+    for e in leaves:
+        if isinstance(e, (EdgeflError, *_KNOWN_FAULTS)):
+            logger.error("agent stopped by a fault (exit %d): %s: %s", EXIT_TEMPFAIL, type(e).__name__, e)
+        else:
+            logger.error("agent stopped by an unexpected error (exit %d)", EXIT_TEMPFAIL, exc_info=e)
+    return EXIT_TEMPFAIL
 
 
 class DashboardPage:

@@ -323,3 +323,23 @@ def test_core_holdout_is_kept_out_of_training_and_evaluates_each_new_head(
     applied = core.receive_global(encode_global_model(GlobalModel(1, 1, core.model_sha256, W, core.head.b)))
     assert applied.status == ApplyStatus.APPLIED
     assert core.evaluation is not None and (core.evaluation.version, core.evaluation.count) == (1, 4)
+
+
+def test_core_fault_unwritable_head_file_degrades_then_recovers(
+    tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
+) -> None:
+    # before: a head file that could not be written refused the head ("failed"); now it runs from
+    # memory, the core says why it is degraded, and the write is retried until it succeeds
+    x, y = digits
+    core = DeviceCore.open(profile_for(tmp_path))
+    core.observe(x[:8], y[:8])
+    core.head_path.mkdir()  # the record cannot be replaced: an OSError as on a broken disk
+    gm = GlobalModel(1, 1, core.model_sha256, core.head.W * 2, core.head.b.copy())
+    assert core.apply_global(gm).status == ApplyStatus.APPLIED
+    assert core.head.version == 1 and core.write_failures == 1
+    assert core.degraded == "cannot write state: Is a directory"
+    assert core.retry_persist() is False and core.write_failures == 2
+    core.head_path.rmdir()
+    assert core.retry_persist() is True and core.degraded == ""
+    restarted = DeviceCore.open(profile_for(tmp_path))
+    assert restarted.head.version == 1  # persisted once there was room

@@ -1,5 +1,7 @@
 """Issue 6 integration tests: signatures, chunking under a broker packet limit, the outbox across a
-kill -9, robust aggregation against a poisoning device, corrupt state and start-up failures.
+kill -9, robust aggregation against a poisoning device, corrupt state and start-up failures; issue 15:
+the trust chain (a configured key requires signatures, no rollback), store integrity, a full disk and
+the exit code of a fault.
 
 Real agent processes, a real mosquitto, the real int8 digits model and data; the coordinator runs in
 the test process where its counters (``rejected``, ``counted``) are read directly.
@@ -8,6 +10,7 @@ the test process where its counters (``rejected``, ``counted``) are read directl
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import re
 import signal
@@ -26,6 +29,7 @@ from conftest import (
     ROOT,
     TEST_STATUS_INTERVAL_S,
     Broker,
+    free_port,
     next_status,
     start_mosquitto,
     stop_broker,
@@ -44,10 +48,12 @@ from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.codec import (
     GlobalModel,
+    RoundAnnouncement,
     Update,
     UpdateMetrics,
     decode_status,
     encode_global_model,
+    encode_round,
     encode_update,
 )
 from edgefl.wire.signing import SigningKey, generate_signing_key, load_verify_keys, sign_message
@@ -682,4 +688,357 @@ def test_corrupt_model_and_bad_profile_fail_at_startup_with_exit_code(tmp_path: 
     r = run("memory.bogus=1", "memory.cap_mb=0")
     assert r.returncode == 1, r.stderr
     assert "memory.bogus: unknown key" in r.stderr and "memory.cap_mb = 0" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+# --- issue 15 item 7: the trust chain ----------------------------------------------------------------
+class StatusWatch:
+    """The latest retained status of one device, read from a peer client's queue."""
+
+    def __init__(self, t: MqttTransport) -> None:
+        self.t = t
+        self.latest: dict[str, Any] = {}
+
+    async def until(self, cond: Callable[[dict[str, Any]], bool], what: str, timeout_s: float = 60) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not (self.latest and cond(self.latest)):
+                    msg = await self.t.queue.get()
+                    if msg.payload:
+                        st = decode_status(msg.payload)
+                        self.latest = dict(st.fields, state=st.state)
+        except TimeoutError:
+            raise AssertionError(f"{what}: last status {self.latest}") from None
+
+
+def signed_round(key: SigningKey, fleet: str, round_no: int, base_version: int) -> bytes:
+    """A RoundAnnouncement signed by ``key`` that selects no real device (nothing is trained)."""
+    ann = RoundAnnouncement(round_no, base_version, 30.0, 1, 0.05, 16, 1, ("nobody",))
+    return sign_message(encode_round, ann, key, fleet=fleet)
+
+
+def test_trust_coordinator_key_alone_means_unsigned_heads_and_rounds_refused(
+    mosquitto: Broker, fleet: str, tmp_path: Path, digits: Digits
+) -> None:
+    # before: with the key set and require_signatures left false, an unsigned head was applied
+    coord_key = generate_signing_key()
+    proc = launch(
+        tmp_path,
+        "dev-1",
+        fleet,
+        mosquitto,
+        digits.shards(1)[0],
+        digits,
+        **{"security.coordinator_public_key": coord_key.verify_key.hex},
+    )
+    topics = Topics("edgefl", fleet)
+    head = GlobalModel(1, 5, digits.backbone.sha256, digits.W0 * 0.5, digits.b0)
+
+    async def main() -> dict[str, Any]:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"peer-{fleet}")
+        await t.start(wait_s=10)
+        await t.subscribe(topics.status("dev-1"), 1)
+        st = StatusWatch(t)
+        try:
+            await st.until(lambda s: s["state"] != "offline" and s.get("version") == 0, "agent online")
+            await t.publish(topics.global_model, encode_global_model(head), qos=1)
+            await st.until(lambda s: s["rejected"].get("unsigned", 0) == 1, "unsigned head refused")
+            ann = RoundAnnouncement(1, 0, 30.0, 1, 0.05, 16, 1, ("nobody",))
+            await t.publish(topics.round, encode_round(ann), qos=1)
+            await st.until(lambda s: s["rejected"].get("unsigned", 0) == 2, "unsigned round refused")
+            assert st.latest["version"] == 0 and st.latest["round"] == 0, st.latest
+            # the same head signed by the coordinator is applied
+            await t.publish(
+                topics.global_model, sign_message(encode_global_model, head, coord_key, fleet=fleet), qos=1
+            )
+            await st.until(lambda s: s.get("version") == 5, "signed head applied")
+            return st.latest
+        finally:
+            await t.stop()
+
+    with running([proc], tmp_path):
+        final = asyncio.run(main())
+        assert proc.poll() is None, "the agent died"
+    assert final["rejected"] == {"unsigned": 2}, final["rejected"]
+
+
+def test_trust_no_rollback_below_the_version_of_a_signed_round_across_restarts(
+    mosquitto: Broker, fleet: str, tmp_path: Path, digits: Digits
+) -> None:
+    # before: an old validly signed head, retained, rolled a device back to version 1 while 4 was current
+    coord_key = generate_signing_key()
+    extra = {"security.coordinator_public_key": coord_key.verify_key.hex}
+    shard = digits.shards(1)[0]
+    procs = [launch(tmp_path, "dev-1", fleet, mosquitto, shard, digits, **extra)]
+    topics = Topics("edgefl", fleet)
+
+    def head(version: int) -> bytes:
+        gm = GlobalModel(version, version, digits.backbone.sha256, digits.W0 * (1 + version), digits.b0)
+        return sign_message(encode_global_model, gm, coord_key, fleet=fleet)
+
+    async def main() -> dict[str, Any]:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"peer-{fleet}")
+        await t.start(wait_s=10)
+        await t.subscribe(topics.status("dev-1"), 1)
+        st = StatusWatch(t)
+        try:
+            await st.until(lambda s: s["state"] != "offline" and s.get("version") == 0, "agent online")
+            await t.publish(topics.round, signed_round(coord_key, fleet, 7, 4), qos=1)
+            await st.until(lambda s: s.get("round") == 7, "signed round 7 (base version 4) seen")
+            # the attacker replays the coordinator's old head, version 1, retained
+            await t.publish(topics.global_model, head(1), qos=1, retain=True)
+            await st.until(lambda s: s["rejected"].get("not_newer", 0) == 1, "old head refused")
+            assert st.latest["version"] == 0, st.latest
+            # a restarted agent still knows version 4 was announced: the retained replay is refused again
+            procs[0].send_signal(signal.SIGTERM)
+            assert procs[0].wait(timeout=15) == 0
+            procs.append(launch(tmp_path, "dev-1", fleet, mosquitto, shard, digits, **extra))
+            pid = procs[-1].pid
+            await st.until(
+                lambda s: s.get("pid") == pid and s["rejected"].get("not_newer", 0) == 1,
+                "retained old head refused after the restart",
+            )
+            assert st.latest["version"] == 0, st.latest
+            await t.publish(topics.global_model, head(4), qos=1, retain=True)
+            await st.until(lambda s: s.get("pid") == pid and s.get("version") == 4, "version 4 applied")
+            return st.latest
+        finally:
+            await t.publish(topics.global_model, b"", qos=1, retain=True)
+            await t.stop()
+
+    with running(procs, tmp_path):
+        final = asyncio.run(main())
+        assert procs[-1].poll() is None, "the agent died"
+    assert final["rejected"] == {"not_newer": 1}, final["rejected"]
+    assert (tmp_path / "dev-1" / "seen_version.rec").exists()
+    log = (tmp_path / "dev-1.log").read_text()
+    assert log.count("older than version 4 announced by a signed round") == 2, log[-3000:]
+    assert "Traceback" not in log
+
+
+# --- issue 15 item 5: store integrity -----------------------------------------------------------------
+def test_integrity_corrupt_store_is_set_aside_and_rebuilt_by_the_daemon(
+    mosquitto: Broker, fleet: str, tmp_path: Path, digits: Digits
+) -> None:
+    # before: one flipped bit in the label file gave IndexError on every restart; count=100000 was accepted
+    import json
+
+    from edgefl.records import read_record, write_record
+
+    shard = digits.shards(1)[0]
+    n = len(shard)
+    state = tmp_path / "dev-1"
+    lbl, emb, meta = state / "store_lbl.i16", state / "store_emb.f16", state / "store_meta.rec"
+    extra = {"training.store_capacity": str(4 * n)}
+    procs = [launch(tmp_path, "dev-1", fleet, mosquitto, shard, digits, **extra)]
+    topics = Topics("edgefl", fleet)
+
+    def flip_label_bit() -> None:
+        data = bytearray(lbl.read_bytes())
+        data[2 * 5 + 1] ^= 0x40  # label of sample 5 becomes >= 16384
+        lbl.write_bytes(bytes(data))
+
+    def insane_count() -> None:  # a well-formed record whose content is impossible
+        good = json.loads(read_record(meta) or b"")
+        write_record(meta, json.dumps({**good, "count": 100000}).encode())
+
+    def infinite_embedding() -> None:  # the embeddings carry no checksum: an inf is caught at open
+        data = bytearray(emb.read_bytes())
+        data[0:2] = np.array([np.inf], np.float16).tobytes()
+        emb.write_bytes(bytes(data))
+
+    def nothing() -> None:
+        pass
+
+    def replayed(pid: int) -> Callable[[dict[str, Any]], bool]:
+        return lambda s: s.get("pid") == pid and bool(s.get("ready"))
+
+    corruptions = [
+        (flip_label_bit, "store_lbl.i16 does not match its checksum"),
+        (insane_count, f"count = 100000: must be in 0..capacity {4 * n}"),
+        (infinite_embedding, "store_emb.f16 holds non-finite values"),
+    ]
+
+    async def main() -> None:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"peer-{fleet}")
+        await t.start(wait_s=10)
+        await t.subscribe(topics.status("dev-1"), 1)
+        st = StatusWatch(t)
+        try:
+            await st.until(replayed(procs[-1].pid), "replay done")
+            assert st.latest["store_samples"] == n
+            # a clean restart keeps the store: the replay adds to it
+            for corrupt, why in [(nothing, ""), *corruptions]:
+                procs[-1].send_signal(signal.SIGTERM)
+                assert procs[-1].wait(timeout=15) == 0
+                corrupt()
+                procs.append(launch(tmp_path, "dev-1", fleet, mosquitto, shard, digits, **extra))
+                await st.until(replayed(procs[-1].pid), f"replay done ({why})")
+                expect = 2 * n if not why else n  # set aside: rebuilt from this run's samples only
+                assert st.latest["store_samples"] == expect, (why, st.latest["store_samples"])
+                if why:
+                    line = f"store in {state} is corrupt ({why}): set aside as *.corrupt, starting empty"
+                    log = (tmp_path / "dev-1.log").read_text()
+                    assert log.count(line) == 1, log[-3000:]
+        finally:
+            await t.stop()
+
+    with running(procs, tmp_path):
+        asyncio.run(main())
+        assert procs[-1].poll() is None, "the agent died"
+    assert sorted(p.name for p in state.glob("*.corrupt")) == [
+        "store_emb.f16.corrupt",
+        "store_lbl.i16.corrupt",
+        "store_meta.rec.corrupt",
+        "store_meta.rec.prev.corrupt",
+    ]
+    log = (tmp_path / "dev-1.log").read_text()
+    assert "Traceback" not in log and "IndexError" not in log
+
+
+# --- issue 15 item 1: a full disk degrades, never stops the agent ---------------------------------------
+@contextmanager
+def small_filesystem(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted on ``path`` (root only: skipped where the machine does not allow it)."""
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(path: Path) -> Path:
+    """Write ``path`` until the file system is full (ENOSPC); return it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for size in (65536, 4096, 1):
+            while True:
+                try:
+                    os.write(fd, b"\xff" * size)
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC, exc
+                    break
+    finally:
+        os.close(fd)
+    return path
+
+
+def test_fault_full_disk_degrades_keeps_classifying_and_recovers(
+    mosquitto: Broker, fleet: str, tmp_path: Path, digits: Digits
+) -> None:
+    # before: ENOSPC in the outbox (or the store, or the head file) ended the agent with exit 1, which
+    # the unit does not restart
+    shard = digits.shards(1)[0]
+    state = tmp_path / "dev-1"
+    port = free_port()
+
+    def page_status() -> dict[str, Any]:  # what the device's page shows (its JSON status)
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=10) as r:
+            doc: dict[str, Any] = json.loads(r.read())["status"]
+        return doc
+
+    with small_filesystem(state, "2m"):
+        proc = launch(
+            tmp_path,
+            "dev-1",
+            fleet,
+            mosquitto,
+            shard,
+            digits,
+            **{
+                "training.store_capacity": "256",
+                "source.loop": "true",
+                "source.rate_hz": "400",
+                "dashboard.enabled": "true",
+                "dashboard.port": str(port),
+            },
+        )
+        filler = state / "filler"
+
+        async def main() -> None:
+            t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
+            await t.start(wait_s=10)
+            coord = make_coordinator(t, fleet, digits, min_clients=1, deadline_s=8)
+            pump = asyncio.create_task(coord.pump())
+
+            def dev() -> dict[str, Any]:
+                return coord.state.devices.get("dev-1", {})
+
+            try:
+                await coord.start()
+                await coord.wait_for_devices(1, timeout_s=60)
+                await wait_until(lambda: bool(dev().get("ready")), 60, "replay done")
+                assert (await coord.run_round(1)).clients == 1
+                await wait_until(lambda: dev().get("version") == 1, 10, "dev-1 on version 1")
+                fill(filler)
+                # keeping the update fits (replacing outbox.rec frees its old generation); counting the
+                # send does not: the update is sent from memory, the outbox waits for room
+                assert (await coord.run_round(2)).clients == 1
+                await wait_until(lambda: dev().get("degraded") == "disk full", 20, "degraded: disk full")
+                assert dev()["reason"] == "degraded: disk full"
+                page = await asyncio.to_thread(page_status)
+                assert (page["reason"], page["degraded"]) == ("degraded: disk full", "disk full"), page
+                # the new head is applied (not persisted) and classification goes on
+                await wait_until(lambda: dev().get("version") == 2, 10, "dev-1 on version 2")
+                seen = dev()["inferred_total"]
+                await wait_until(lambda: dev().get("inferred_total", 0) > seen + 100, 20, "still classifying")
+                assert proc.poll() is None and dev()["write_failures"] >= 1
+                # room again: the unsaved state is written, the device answers rounds
+                filler.unlink()
+                await wait_until(lambda: dev().get("degraded") == "", 20, "recovered")
+                assert dev()["reason"] != "degraded: disk full"
+                assert (await asyncio.to_thread(page_status))["degraded"] == ""
+                assert (await coord.run_round(3)).clients == 1
+            finally:
+                pump.cancel()
+                await t.stop()
+
+        with running([proc], tmp_path):
+            asyncio.run(main())
+            assert proc.poll() is None, "the agent died"
+        assert proc.returncode == 0
+        log = (tmp_path / "dev-1.log").read_text()
+        assert "Traceback" not in log
+        assert log.count("degraded: disk full") >= 1 and "persisting resumed (was disk full)" in log
+        # the head applied while the disk was full was written once there was room
+        from edgefl.records import read_record
+        from edgefl.wire.codec import decode_global_model
+
+        persisted = read_record(state / "global_head.rec")
+        assert persisted is not None and decode_global_model(persisted).version >= 2
+
+
+def test_fault_escaping_the_running_agent_exits_75_in_one_line(mosquitto: Broker, tmp_path: Path) -> None:
+    # before: a runtime fault (here the dashboard's port taken by another process) ended the agent
+    # with a traceback and exit 1, which the unit does not restart; now exit 75 (EX_TEMPFAIL), restarted
+    # by the unit with backoff, and one log line
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "edgefl.cli", "--log-level", "WARNING", "run", str(DEV_PROFILE)]
+        for s in (
+            f"device.state_dir={tmp_path / 'state'}",
+            f"broker.url={mosquitto.url}",
+            "dashboard.enabled=true",
+            f"dashboard.port={port}",
+        ):
+            cmd += ["--set", s]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 75, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "ERROR" in ln]
+    assert len(lines) == 1, r.stderr
+    assert "agent stopped by a fault (exit 75): OSError:" in lines[0] and "address" in lines[0].lower(), (
+        r.stderr
+    )
     assert "Traceback" not in r.stderr + r.stdout

@@ -74,3 +74,87 @@ def test_fit_head_and_empty_store(tmp_path: Path) -> None:
     s = EmbeddingStore(tmp_path / "e", capacity=8, dim=4)
     with pytest.raises(ValueError, match="empty"):
         train_local(Head(W, b), s, local_epochs=1, lr=0.1, batch_size=4, chunk_size=4)
+
+
+def test_integrity_store_refuses_non_finite_embeddings_and_sets_aside_corrupt_files(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)
+    emb = np.array([[1, 2], [np.inf, 0], [np.nan, 1], [7e4, 0], [3, 4]], np.float32)  # 7e4 > float16 max
+    assert s.add(emb, np.array([0, 1, 2, 0, 1], np.int64)) == 0  # no label refused
+    assert s.refused_not_finite == 3 and len(s) == 2
+    got = np.concatenate([e for e, _ in s.chunks(8)])
+    np.testing.assert_array_equal(got, [[1, 2], [3, 4]])
+    s.flush()
+    assert len(EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)) == 2  # intact: kept
+
+    # one flipped bit in the label file: the checksum catches it, the files are set aside
+    lbl = tmp_path / "store_lbl.i16"
+    data = bytearray(lbl.read_bytes())
+    data[1] ^= 0x40
+    lbl.write_bytes(bytes(data))
+    with caplog.at_level("ERROR", logger="edgefl.agent.store"):
+        again = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)
+    assert len(again) == 0 and again.set_aside == "store_lbl.i16 does not match its checksum"
+    assert (tmp_path / "store_lbl.i16.corrupt").read_bytes() == bytes(data)
+    assert [r.message for r in caplog.records if "set aside" in r.message] == [
+        f"store in {tmp_path} is corrupt (store_lbl.i16 does not match its checksum): "
+        "set aside as *.corrupt, starting empty"
+    ]
+    again.add(np.ones((3, 2), np.float32), np.array([0, 1, 2], np.int64))
+    again.flush()
+    assert len(EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)) == 3  # rebuilt, usable
+
+
+def test_integrity_store_refuses_insane_metadata_even_with_a_good_checksum(tmp_path: Path) -> None:
+    import json
+
+    from edgefl.records import read_record, write_record
+
+    s = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)
+    s.add(np.ones((3, 2), np.float32), np.array([0, 1, 2], np.int64))
+    s.flush()
+    meta_path = tmp_path / "store_meta.rec"
+    good = json.loads(read_record(meta_path) or b"")
+    for change, why in (
+        ({"count": 100000}, "count = 100000: must be in 0..capacity 8"),
+        ({"head": 9}, "head = 9: out of range for count 3, capacity 8"),
+        ({"count": "3"}, "count '3' / head 3 are not integers"),
+    ):
+        s = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)
+        s.add(np.ones((3, 2), np.float32), np.array([0, 1, 2], np.int64))
+        s.flush()
+        write_record(meta_path, json.dumps({**good, **change}).encode())
+        again = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)
+        assert (len(again), again.set_aside) == (0, why)
+    # a label >= K written with a matching checksum (not a bit flip: a store from a K = 10 head)
+    s = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=10)
+    s.add(np.ones((1, 2), np.float32), np.array([9], np.int64))
+    s.flush()
+    again = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)
+    assert (len(again), again.set_aside) == (0, "label 9 outside 0..2")
+
+
+def test_integrity_store_from_before_the_checksums_is_kept_if_sane_then_upgraded(tmp_path: Path) -> None:
+    import json
+
+    s = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)
+    s.add(np.ones((3, 2), np.float32), np.array([0, 1, 2], np.int64))
+    s.flush()
+    # the layout an older release wrote: store_meta.json, no checksum
+    for p in tmp_path.glob("store_meta.rec*"):
+        p.unlink()
+    legacy = tmp_path / "store_meta.json"
+    legacy.write_text(json.dumps({"capacity": 8, "dim": 2, "count": 3, "head": 3}))
+    old = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)
+    assert (len(old), old.set_aside) == (3, "")
+    old.flush()  # rewritten as a checksummed record
+    assert not legacy.exists() and (tmp_path / "store_meta.rec").exists()
+    assert len(EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)) == 3
+    # an insane legacy file is set aside like a corrupt record
+    for p in tmp_path.glob("store_meta.rec*"):
+        p.unlink()
+    legacy.write_text(json.dumps({"capacity": 8, "dim": 2, "count": 100000, "head": 3}))
+    bad = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)
+    assert (len(bad), bad.set_aside) == (0, "count = 100000: must be in 0..capacity 8")
+    assert (tmp_path / "store_meta.json.corrupt").exists()
