@@ -408,6 +408,7 @@ class Agent:
             "inference_accuracy": (s.correct_total / s.inferred_total) if s.inferred_total else None,
             "last_update_bytes": s.last_update_bytes,
             "redelivered_total": core.redelivered,
+            "outbox_pending": len(core.outbox),  # updates not yet acknowledged (PUBACK)
             **self.governor.status(),
             "rejected": dict(s.rejected),
             "faults": dict(s.faults),

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from edgefl.head import check_labels, label_range
-from edgefl.records import prev_path, read_record, write_record
+from edgefl.records import prev_path, read_record, set_aside, write_record
 from edgefl.types import F32, I64
 
 logger = logging.getLogger(__name__)
@@ -205,9 +205,7 @@ class EmbeddingStore:
     def _set_aside(self, reason: str) -> None:
         """Rename the store's files to ``<name>.corrupt`` (replacing older ones) and log one line."""
         for name in (EMB_FILE, LBL_FILE, META_FILE, prev_path(Path(META_FILE)).name, LEGACY_META_FILE):
-            path = self.directory / name
-            with contextlib.suppress(FileNotFoundError):
-                os.replace(path, path.with_name(name + CORRUPT_SUFFIX))
+            set_aside(self.directory / name, CORRUPT_SUFFIX)
         self.set_aside = reason
         logger.error(
             "store in %s is corrupt (%s): set aside as *%s, starting empty",

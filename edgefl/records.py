@@ -45,6 +45,7 @@ __all__ = [
     "encode_record",
     "prev_path",
     "read_record",
+    "set_aside",
     "write_record",
 ]
 
@@ -119,6 +120,35 @@ def atomic_write(path: Path, data: bytes) -> None:
             tmp.unlink()
         raise
     _fsync_dir(path.parent)
+
+
+def set_aside(path: Path, suffix: str) -> Path | None:
+    """Rename a file the product cannot use to ``<name><suffix>`` (replacing an older one), durably.
+
+    Parameters
+    ----------
+    path : Path
+        The file; nothing happens when it does not exist.
+    suffix : str
+        Appended to the name, e.g. ``".corrupt"``.
+
+    Returns
+    -------
+    Path or None
+        The new path, or None when ``path`` did not exist.
+
+    Raises
+    ------
+    OSError
+        If the rename fails for another reason than a missing file.
+    """
+    target = path.with_name(path.name + suffix)
+    try:
+        os.replace(path, target)
+    except FileNotFoundError:
+        return None
+    _fsync_dir(path.parent)
+    return target
 
 
 def prev_path(path: Path) -> Path:

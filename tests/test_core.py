@@ -251,6 +251,8 @@ def test_exactly_once_restarted_agent_does_not_train_or_send_an_answered_round(
             await t.publish(topics.round, encode_round(announcement(1)), qos=1, retain=True)
             await wait_until(lambda: updates == ["dev-1:1:0"], 60, "dev-1's update for round 1")
             await wait_until(lambda: status.get("state") == "waiting", 10, "dev-1 done with round 1")
+            # killed after the PUBACK was recorded: an entry still in the outbox is re-sent on purpose
+            await wait_until(lambda: status.get("outbox_pending") == 0, 30, "dev-1's outbox acknowledged")
             procs[0].send_signal(signal.SIGKILL)
             procs[0].wait(timeout=10)
             status.clear()

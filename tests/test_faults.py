@@ -102,6 +102,7 @@ def launch(
         "source.path": str(npz),
         "model.path": str(INT8_MODEL),
         "training.store_capacity": "1024",
+        "training.holdout_every": "0",  # every replayed sample is stored (the counts below)
         "dashboard.enabled": "false",
         "status.interval_s": TEST_STATUS_INTERVAL_S,
         **extra,
