@@ -30,6 +30,18 @@ MODELS = ROOT / "models"
 FLOAT_MODEL = MODELS / "digits_cnn_float32.tflite"
 INT8_MODEL = MODELS / "digits_cnn_int8.tflite"
 DEV_PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"
+CHROMIUM = "/usr/bin/chromium"  # Debian's chromium, driven by playwright with executable_path
+# without the background-networking flags Chromium tries hosts this closed network refuses
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 async def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import DEV_PROFILE, INT8_MODEL, Broker, free_port
+from conftest import CHROMIUM, CHROMIUM_ARGS, DEV_PROFILE, INT8_MODEL, Broker, free_port
 from playwright.sync_api import Browser, expect, sync_playwright
 
 from edgefl.agent import memory
@@ -31,17 +31,6 @@ from edgefl.transport import MqttTransport
 
 pytestmark = pytest.mark.timeout(180)
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 MiB = 1 << 20
 
 

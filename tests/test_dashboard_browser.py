@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import CHROMIUM, CHROMIUM_ARGS
 from playwright.sync_api import (
     Browser,
     BrowserContext,
@@ -41,11 +42,6 @@ from edgefl.agent import memory
 from edgefl.dashboard.app import DashboardState, serve
 
 ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]
 MiB = 1 << 20
 DASH = "–"
 TOKEN = "browser-token-0123456789abcdef"

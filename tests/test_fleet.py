@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
     INT8_MODEL,
     MODELS,
     ROOT,
@@ -291,16 +293,6 @@ def test_coordinator_mqtts_never_falls_back_to_plain_text(mosquitto: Broker, tmp
 # The fleet page of the standalone coordinator, in real headless Chromium
 # --------------------------------------------------------------------------------------------------
 
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 PAGE_TOKEN = "fleet-page-token-0123456789"
 
 
@@ -364,7 +356,7 @@ def test_fleet_page_from_the_standalone_coordinator(
 
         basic = base64.b64encode(f"edgefl:{PAGE_TOKEN}".encode()).decode()
         with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
                 page = browser.new_context(extra_http_headers={"Authorization": f"Basic {basic}"}).new_page()
                 page.goto(base + "/")
