@@ -323,7 +323,9 @@ def test_fleet_page_from_the_standalone_coordinator(
         f"broker.url={mosquitto.url}",
         f"fleet.name={fleet}",
         f"model.path={INT8_MODEL}",
-        "rounds.count=30",
+        # enough rounds that the job outlasts the browser on a fast machine (30 rounds ended before
+        # Chromium navigated in one CI run: connection refused)
+        "rounds.count=100000",
         "rounds.expected_clients=2",
         "rounds.deadline_s=60",
         "dashboard.enabled=true",
@@ -355,6 +357,7 @@ def test_fleet_page_from_the_standalone_coordinator(
         assert status["model_mismatches"] == {} and set(status["devices"]) == {"dev-1", "dev-2"}
 
         basic = base64.b64encode(f"edgefl:{PAGE_TOKEN}".encode()).decode()
+        assert proc.poll() is None, out.read_text()
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
