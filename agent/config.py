@@ -189,24 +189,49 @@ class TrainingConfig:
 
 @dataclass(frozen=True, slots=True)
 class SourceConfig:
-    """``[source]``: where local samples come from (besides MQTT/HTTP ingest).
+    """``[source]``: where local samples come from.
 
     Parameters
     ----------
-    kind : {"none", "replay"}
-        ``replay`` reads an ``.npz`` holding ``x`` (raw samples) and ``y`` (labels).
+    kind : {"none", "replay", "mqtt"}
+        ``mqtt``: live ingest, the gateway's apps publish Sample messages on ``samples/<device>`` and
+        Label messages on ``labels/<device>``; the agent publishes a Prediction of every sample it
+        classifies on ``predictions/<device>`` (``docs/protocol.md``, "Live ingest"). ``replay``
+        (offline use) reads an ``.npz`` holding ``x`` (raw samples) and ``y`` (labels). ``none``: no
+        samples (a device that only trains on what its store already holds).
     path : Path or None
         The ``.npz`` file (absolute after loading); required when ``kind = "replay"``.
     rate_hz : float
-        Samples per second, >= 0; 0 means as fast as possible.
+        Replay: samples per second, >= 0; 0 means as fast as possible.
     loop : bool
-        Start again at the first sample after the last.
+        Replay: start again at the first sample after the last.
+    queue_max : int
+        MQTT: samples received and not yet classified, 1..65536. When full, the OLDEST queued sample
+        is dropped for the new one (a sensor app wants the freshest data) and counted in
+        ``ingest_dropped``. RAM: ``queue_max`` × one raw sample.
+    pending_max : int
+        MQTT: classified samples without a label kept for a late Label (their embedding, D float32
+        each), 0..1,000,000; when full the oldest is dropped (``pending_evicted``). 0: late labels are
+        all refused (``unknown_sample``).
+    label_expiry_s : float
+        MQTT: seconds a classified sample waits for its late Label, (0, 86400]; then it is dropped
+        (``pending_expired``) and a Label for it is refused (``unknown_sample``).
+    samples_qos : int
+        MQTT: QoS of the subscriptions to ``samples/<device>`` (0 or 1; labels are always 1).
+    predictions_qos : int
+        MQTT: QoS of the Prediction publishes, 0 or 1 (0: no PUBACK awaited, a lost prediction is
+        superseded by the next).
     """
 
-    kind: Literal["none", "replay"] = "none"
+    kind: Literal["none", "replay", "mqtt"] = "none"
     path: Path | None = None
     rate_hz: float = 0.0
     loop: bool = False
+    queue_max: int = 256
+    pending_max: int = 1024
+    label_expiry_s: float = 300.0
+    samples_qos: int = 1
+    predictions_qos: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,6 +420,15 @@ def _npz_problem(path: Path) -> str | None:
 def _check_source(p: Problems, c: SourceConfig, raw: Mapping[str, object], check_files: bool) -> None:
     if c.rate_hz < 0.0:
         p.add("source.rate_hz", c.rate_hz, "must be >= 0")
+    if not 1 <= c.queue_max <= 65_536:
+        p.add("source.queue_max", c.queue_max, "must be between 1 and 65536 samples")
+    if not 0 <= c.pending_max <= 1_000_000:
+        p.add("source.pending_max", c.pending_max, "must be between 0 and 1000000 samples")
+    if not 0.0 < c.label_expiry_s <= 86_400.0:
+        p.add("source.label_expiry_s", c.label_expiry_s, "must be > 0 and at most 86400 seconds")
+    for key, qos in (("samples_qos", c.samples_qos), ("predictions_qos", c.predictions_qos)):
+        if qos not in (0, 1):
+            p.add(f"source.{key}", qos, "must be 0 or 1")
     if c.kind != "replay":
         return
     if c.path is None:

@@ -119,6 +119,8 @@ class Classified:
         Samples :meth:`DeviceCore.observe` did not store: their label is outside ``0..K-1`` (``bad_label``).
     refused_not_finite : int
         Samples :meth:`DeviceCore.observe` did not store: their embedding is not finite (``not_finite``).
+    scores : float32 [N] or None
+        Probability of each predicted class (:meth:`Head.scores`: softmax, or the sigmoid for K = 1).
     """
 
     embeddings: F32
@@ -126,6 +128,7 @@ class Classified:
     version: int
     refused_labels: int = 0
     refused_not_finite: int = 0
+    scores: F32 | None = None
 
 
 class RoundStatus(StrEnum):
@@ -650,20 +653,23 @@ class DeviceCore:
                 parts.append(self.pipeline.run(raw[s : s + step])[0])
         emb = parts[0] if len(parts) == 1 else np.concatenate(parts)
         head = self.head  # one reference read: a swap between batches is atomic
-        return Classified(emb, head.predict(emb), head.version)
+        return Classified(emb, head.predict(emb), head.version, scores=head.scores(emb)[1])
 
-    def observe(self, raw: np.ndarray, labels: I64) -> Classified:
-        """Classify labelled samples and keep their embeddings in the store.
+    def observe(self, raw: np.ndarray, labels: I64, labelled: np.ndarray | None = None) -> Classified:
+        """Classify samples and keep the labelled ones' embeddings in the store (:meth:`keep`).
 
         Parameters
         ----------
         raw : [N, *sample_shape]
         labels : int64 [N]
-            Class per sample, ``0 <= label < K``.
+            Class per sample, ``0 <= label < K`` (0/1 for K = 1); ignored where ``labelled`` is False.
+        labelled : bool [N], optional
+            Which samples carry a label (live ingest: the others wait for a late label); default all.
 
         Returns
         -------
         Classified
+            Of all N samples; ``refused_*`` count the labelled ones the store refused.
 
         Raises
         ------
@@ -671,22 +677,45 @@ class DeviceCore:
             As :meth:`classify`, or labels not matching the samples.
         """
         out = self.classify(raw)
+        if labelled is None:
+            refused, not_finite = self.keep(out.embeddings, labels)
+        elif labelled.any():
+            refused, not_finite = self.keep(out.embeddings[labelled], labels[labelled])
+        else:
+            refused = not_finite = 0
+        if refused or not_finite:
+            return dataclasses.replace(out, refused_labels=refused, refused_not_finite=not_finite)
+        return out
+
+    def keep(self, embeddings: F32, labels: I64) -> tuple[int, int]:
+        """Keep labelled embeddings: every n-th in the holdout (``training.holdout_every``), others stored.
+
+        The one way a labelled sample is stored, whether its label came with it or later (live ingest).
+
+        Parameters
+        ----------
+        embeddings : float32 [M, D]
+        labels : int64 [M]
+            ``0 <= label < K`` (0/1 for K = 1); others are refused by the store (``bad_label``).
+
+        Returns
+        -------
+        (refused_labels, refused_not_finite) : (int, int)
+            Samples not stored for their label, and for a non-finite embedding.
+        """
         every = self.profile.training.holdout_every
         before = self.store.refused_not_finite + (self.holdout.refused_not_finite if self.holdout else 0)
         if self.holdout is None or not every:
-            refused = self.store.add(out.embeddings, labels)
+            refused = self.store.add(embeddings, labels)
         else:
             # every n-th labelled sample is held out of training, for federated evaluation
             held = (self._labelled + np.arange(len(labels))) % every == every - 1
             self._labelled += len(labels)
-            refused = self.store.add(out.embeddings[~held], labels[~held])
+            refused = self.store.add(embeddings[~held], labels[~held])
             if held.any():
-                refused += self.holdout.add(out.embeddings[held], labels[held])
+                refused += self.holdout.add(embeddings[held], labels[held])
         after = self.store.refused_not_finite + (self.holdout.refused_not_finite if self.holdout else 0)
-        not_finite = after - before
-        if refused or not_finite:
-            return dataclasses.replace(out, refused_labels=refused, refused_not_finite=not_finite)
-        return out
+        return refused, after - before
 
     def evaluate(self) -> Evaluation | None:
         """Accuracy of the current head on the holdout store (federated evaluation), or None without one.

@@ -1,9 +1,11 @@
 """The agent daemon: wires tasks, transport, signals and the status page to the device core.
 
 The device's round lives in :class:`edgefl.agent.core.DeviceCore` (classify, answer a round, apply a
-global head). This module only runs it: tasks in one ``TaskGroup`` -- the sample source (replay file)
-feeds batches to the core; the message pump hands round and global messages (reassembled from chunks)
-to it and publishes what it produced; the status loop publishes the retained DeviceStatus; the outbox
+global head). This module only runs it: tasks in one ``TaskGroup`` -- the sample source (live MQTT
+ingest, or a replay file) feeds batches to the core and publishes a prediction per live sample; the
+message pump files samples and labels into the bounded ingest queue at once (``agent/ingest.py``) and
+hands round and global messages (reassembled from chunks) to the control loop, which gives them to the
+core and publishes what it produced; the status loop publishes the retained DeviceStatus; the outbox
 loop re-sends unacknowledged updates after every (re)connect. Every call into the core runs on one
 worker thread, so the interpreter, the store and the outbox are only ever used by one thread and the
 event loop never blocks.
@@ -33,14 +35,23 @@ import numpy as np
 from edgefl.agent import memory
 from edgefl.agent.config import Profile
 from edgefl.agent.core import ApplyStatus, DeviceCore, RoundResult, RoundStatus
+from edgefl.agent.ingest import Ingest, Queued
 from edgefl.aio import wait_event
-from edgefl.errors import DecodeError, EdgeflError, TransportError
+from edgefl.errors import DecodeError, EdgeflError, TransportError, UpdateRejected
 from edgefl.profiles import broker_password
 from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
 from edgefl.transport import Message, MqttTransport, Will
 from edgefl.wire.chunking import Reassembler, is_chunk, publish_packet_bytes, split_message
-from edgefl.wire.codec import DeviceStatus, encode_status, offline_status
+from edgefl.wire.codec import (
+    DeviceStatus,
+    Prediction,
+    decode_label,
+    decode_sample,
+    encode_prediction,
+    encode_status,
+    offline_status,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +79,10 @@ COMPACT_STATUS_FIELDS = frozenset(
         "rejected",
         "pid",
         "degraded",
+        "samples_received",
+        "labels_received",
+        "predictions_published",
+        "ingest_dropped",
     }
 )
 """Status fields kept when the full status would exceed the broker's maximum packet size."""
@@ -86,6 +101,12 @@ VOLATILE_STATUS_FIELDS = frozenset(
         "pipeline",
         "transport",
         "ts",
+        "samples_received",
+        "labels_received",
+        "predictions_published",
+        "predictions_failed",
+        "ingest_queued",
+        "pending_labels",
     }
 )
 """Status fields that move all the time: a change in them alone waits for ``status.heartbeat_s``."""
@@ -118,6 +139,10 @@ class AgentState:
     correct_total: int = 0
     stored_total: int = 0
     replay_done: bool = False
+    ingest_ready: bool = False
+    """Live ingest: subscribed to the samples and labels topics."""
+    labelled_total: int = 0
+    """Classified samples that had a label (the denominator of ``inference_accuracy``)."""
     last_update_bytes: int = 0
     local_accuracy: float = float("nan")
     rejected: Counter[str] = field(default_factory=Counter)
@@ -166,6 +191,14 @@ class Agent:
         self._status_connected = False  # a (re)connect happened: the next status check publishes
         self._last_said, self._last_at = "", -math.inf  # what the last published status said, and when
         self._loop: asyncio.AbstractEventLoop | None = None
+        src = profile.source
+        self.ingest: Ingest | None = (
+            Ingest(src.queue_max, src.pending_max, src.label_expiry_s) if src.kind == "mqtt" else None
+        )
+        self._ingest_wake = asyncio.Event()
+        # round and global messages wait here while the pump files samples (a round's training must not
+        # hold up the transport's queue, whose overflow would drop a round or a head)
+        self._control: asyncio.Queue[Message] = asyncio.Queue(maxsize=64)
 
     async def _work(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run ``fn(*args)`` on the worker thread (every core call goes through here)."""
@@ -178,8 +211,11 @@ class Agent:
 
     # --- samples ------------------------------------------------------------------------------
     async def run_source(self) -> None:
-        """Replay the profile's sample file: classify every sample, store it with its label."""
+        """Run the profile's source: live ingest (:meth:`run_ingest`), or replay a sample file."""
         src = self.profile.source
+        if src.kind == "mqtt":
+            await self.run_ingest()
+            return
         if src.kind != "replay" or src.path is None:
             return
         with np.load(src.path) as data:
@@ -201,15 +237,13 @@ class Agent:
                     self._fault("batch", f"samples {start}..{start + len(lbl) - 1}", exc)
                     await asyncio.sleep(0)
                     continue
-                if out.refused_labels:
-                    self.state.rejected["bad_label"] += out.refused_labels
-                if out.refused_not_finite:
-                    self.state.rejected["not_finite"] += out.refused_not_finite
+                self._count_refused(out.refused_labels, out.refused_not_finite)
                 self.state.inferred_total += len(lbl)
                 self._rate_window.append((time.monotonic(), self.state.inferred_total))
                 if self.core.pending_round is not None:
                     await self.answer_ready()
                 self.state.correct_total += int(np.sum(out.predictions == lbl))
+                self.state.labelled_total += len(lbl)
                 self.state.stored_total += len(lbl)
                 if src.rate_hz > 0:
                     await asyncio.sleep(max(0.0, len(lbl) / src.rate_hz - (time.monotonic() - t0)))
@@ -223,13 +257,147 @@ class Agent:
             if not src.loop:
                 return
 
+    # --- live ingest (MQTT samples and labels in, predictions out) -----------------------------
+    def receive_ingest(self, msg: Message) -> None:
+        """File a Sample into the ingest queue or apply a Label (on the loop, at once; never raises).
+
+        A sample of another shape or dtype than the model's, a label outside [0, K), a duplicate or a
+        label for no waiting sample is refused: logged with topic, size and reason, counted in
+        ``rejected``.
+        """
+        ingest = self.ingest
+        assert ingest is not None
+        pipeline = self.core.pipeline
+        assert pipeline is not None
+        what = f"message on {msg.topic} ({len(msg.payload)} bytes)"
+        K = self.core.head.shape[1]
+        try:
+            if msg.topic == self.topics.samples(self.device):
+                sample = decode_sample(
+                    msg.payload,
+                    limits=self.core.limits,
+                    sample_shape=pipeline.sample_shape,
+                    dtype=self.profile.pipeline.raw_dtype,
+                    num_classes=K,
+                )
+                dropped = ingest.offer_sample(sample)
+                if dropped is not None:
+                    logger.debug("ingest queue full: dropped sample %s (oldest)", dropped.id)
+            else:
+                ingest.offer_label(decode_label(msg.payload, limits=self.core.limits, num_classes=K))
+        except (DecodeError, UpdateRejected) as exc:
+            self.state.rejected[exc.reason] += 1
+            logger.warning("rejected %s: %s: %s", what, exc.reason, exc.detail)
+            return
+        self._ingest_wake.set()
+
+    async def run_ingest(self) -> None:
+        """Classify queued samples in batches, store the labelled, park the rest, publish predictions."""
+        ingest = self.ingest
+        assert ingest is not None
+        pipeline = self.core.pipeline
+        assert pipeline is not None
+        tick_s = min(1.0, self.profile.source.label_expiry_s)
+        while True:
+            await wait_event(self._ingest_wake, tick_s)
+            self._ingest_wake.clear()
+            ingest.expire()
+            while ingest.has_work():
+                rows = ingest.take(pipeline.batch)
+                if rows:
+                    try:
+                        await self._classify_rows(rows)
+                    except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
+                        self._fault("batch", f"samples {rows[0].id}..{rows[-1].id}", exc)
+                late = ingest.take_labelled()
+                if late is not None:
+                    emb, labels, predicted = late
+                    refused, not_finite = await self._work(self.core.keep, emb, labels)
+                    self._count_refused(refused, not_finite)
+                    self.state.stored_total += len(labels) - refused - not_finite
+                    self.state.correct_total += int(np.sum(predicted == labels))
+                    self.state.labelled_total += len(labels)
+                if self.core.pending_round is not None:
+                    await self.answer_ready()
+                await asyncio.sleep(0)  # let the pump file what arrived meanwhile
+
+    def _count_refused(self, refused_labels: int, refused_not_finite: int) -> None:
+        if refused_labels:
+            self.state.rejected["bad_label"] += refused_labels
+        if refused_not_finite:
+            self.state.rejected["not_finite"] += refused_not_finite
+
+    async def _classify_rows(self, rows: list[Queued]) -> None:
+        """One batch of live samples through the core's observe path, then a Prediction per sample."""
+        ingest = self.ingest
+        assert ingest is not None
+        raw = np.stack([r.x for r in rows])
+        labelled = np.array([r.label is not None for r in rows])
+        labels = np.array([r.label if r.label is not None else 0 for r in rows], dtype=np.int64)
+        out = await self._work(self.core.observe, raw, labels, labelled)
+        done = time.monotonic()
+        self._count_refused(out.refused_labels, out.refused_not_finite)
+        n_labelled = int(labelled.sum())
+        self.state.inferred_total += len(rows)
+        self.state.stored_total += n_labelled - out.refused_labels - out.refused_not_finite
+        if n_labelled:
+            self.state.correct_total += int(np.sum(out.predictions[labelled] == labels[labelled]))
+            self.state.labelled_total += n_labelled
+        self._rate_window.append((done, self.state.inferred_total))
+        for i, r in enumerate(rows):
+            if r.label is None:
+                ingest.park(r.id, out.embeddings[i], int(out.predictions[i]))
+        scores = out.scores if out.scores is not None else np.ones(len(rows), dtype=np.float32)
+        predictions = [
+            Prediction(
+                r.id, int(out.predictions[i]), float(scores[i]), out.version, max(0.0, done - r.arrived_s)
+            )
+            for i, r in enumerate(rows)
+        ]
+        await self._publish_predictions(predictions)
+
+    async def _publish_predictions(self, predictions: list[Prediction]) -> None:
+        """Publish Predictions (``source.predictions_qos``; QoS 1 acknowledgements are awaited together)."""
+        assert self.transport is not None and self.ingest is not None
+        counters = self.ingest.counters
+        topic = self.topics.predictions(self.device)
+        qos = self.profile.source.predictions_qos
+        results = await asyncio.gather(
+            *(self.transport.publish(topic, encode_prediction(p), qos=qos) for p in predictions),
+            return_exceptions=True,
+        )
+        failed = 0
+        for res in results:
+            if isinstance(res, TransportError):
+                failed += 1
+            elif isinstance(res, BaseException):
+                raise res
+        counters.predictions_failed += failed
+        counters.predictions_published += len(results) - failed
+        if failed:
+            logger.debug("%d prediction(s) not published (broker unreachable or no PUBACK)", failed)
+
+    def _is_ingest(self, topic: str) -> bool:
+        return self.ingest is not None and topic in (
+            self.topics.samples(self.device),
+            self.topics.labels(self.device),
+        )
+
     # --- messages -----------------------------------------------------------------------------
     async def pump(self) -> None:
-        """Handle incoming messages forever (each guarded: a bad message is counted, never raised)."""
+        """Take incoming messages forever: samples and labels to the ingest queue, others to the control."""
         assert self.transport is not None
         while True:
             msg = await self.transport.queue.get()
-            await self.handle(msg)
+            if self._is_ingest(msg.topic):
+                self.receive_ingest(msg)
+            else:
+                await self._control.put(msg)
+
+    async def control_loop(self) -> None:
+        """Handle round and global messages in order (each guarded: a bad one is counted, never raised)."""
+        while True:
+            await self.handle(await self._control.get())
 
     def _fault(self, where: str, what: str, exc: BaseException) -> None:
         """Count and log (one line, its reason) a failure the daemon survives."""
@@ -269,6 +437,8 @@ class Agent:
                     await self.answer_ready()
             elif topic == self.topics.round:
                 await self.on_round(await self._work(self.core.receive_round, payload))
+            elif self._is_ingest(topic):
+                self.receive_ingest(msg)
             else:
                 raise DecodeError("bad_topic", f"unexpected topic {topic}")
         except DecodeError as exc:
@@ -402,13 +572,15 @@ class Agent:
             "reason": f"degraded: {core.degraded}" if core.degraded else s.reason,
             "degraded": core.degraded,
             "write_failures": core.write_failures,
-            "ready": s.replay_done,
+            "ready": s.replay_done or s.ingest_ready,
             "store_samples": len(core.store),
+            "stored_total": s.stored_total,  # labelled samples stored (store and holdout) since start
             "inferred_total": s.inferred_total,
-            "inference_accuracy": (s.correct_total / s.inferred_total) if s.inferred_total else None,
+            "inference_accuracy": (s.correct_total / s.labelled_total) if s.labelled_total else None,
             "last_update_bytes": s.last_update_bytes,
             "redelivered_total": core.redelivered,
             "outbox_pending": len(core.outbox),  # updates not yet acknowledged (PUBACK)
+            **self.ingest_fields(),
             **self.governor.status(),
             "rejected": dict(s.rejected),
             "faults": dict(s.faults),
@@ -436,6 +608,23 @@ class Agent:
                 if self.status_page is not None and self.dashboard_url
                 else {}
             ),
+        }
+
+    def ingest_fields(self) -> dict[str, int]:
+        """The live ingest's counters and levels (``{}`` unless ``source.kind = "mqtt"``)."""
+        if self.ingest is None:
+            return {}
+        c = self.ingest.counters
+        return {
+            "samples_received": c.samples_received,
+            "labels_received": c.labels_received,
+            "predictions_published": c.predictions_published,
+            "predictions_failed": c.predictions_failed,
+            "ingest_dropped": c.ingest_dropped,
+            "ingest_queued": len(self.ingest),
+            "pending_labels": self.ingest.pending,
+            "pending_expired": c.pending_expired,
+            "pending_evicted": c.pending_evicted,
         }
 
     def inference_rate(self) -> float:
@@ -549,11 +738,17 @@ class Agent:
             # "global/#" matches "global" itself and the chunk topics "global/<i>" of a large head
             await self.transport.subscribe(self.topics.global_model + "/#", 1)
             await self.transport.subscribe(self.topics.round, 1)
+            if self.ingest is not None:
+                src = self.profile.source
+                await self.transport.subscribe(self.topics.samples(self.device), src.samples_qos)
+                await self.transport.subscribe(self.topics.labels(self.device), 1)
+                self.state.ingest_ready = True
             try:
                 async with asyncio.TaskGroup() as tg:
                     tasks = [
                         tg.create_task(self.run_source()),
                         tg.create_task(self.pump()),
+                        tg.create_task(self.control_loop()),
                         tg.create_task(self.status_loop()),
                         tg.create_task(self.outbox_loop()),
                     ]

@@ -44,8 +44,16 @@ class Topics:
         return f"{self.base}/status/{device}"
 
     def samples(self, device: str) -> str:
-        """Optional sample ingest for one device."""
+        """Samples for one device, gateway apps → device (live ingest; ``docs/protocol.md``, "Sample")."""
         return f"{self.base}/samples/{device}"
+
+    def labels(self, device: str) -> str:
+        """Late labels of earlier samples, gateway apps → device (``docs/protocol.md``, "Label")."""
+        return f"{self.base}/labels/{device}"
+
+    def predictions(self, device: str) -> str:
+        """The device's predictions of its samples, device → gateway apps (``docs/protocol.md``)."""
+        return f"{self.base}/predictions/{device}"
 
     def device_of(self, topic: str) -> str | None:
         """The ``<device>`` segment of an ``update/<device>`` or ``status/<device>`` topic, else None."""

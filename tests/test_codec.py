@@ -33,7 +33,10 @@ from edgefl.wire.codec import (
     compressed_roundtrip,
     decode_array,
     decode_global_model,
+    decode_label,
+    decode_prediction,
     decode_round,
+    decode_sample,
     decode_status,
     decode_update,
     decompress_delta,
@@ -948,7 +951,16 @@ def test_malformed_cbor_reason(payload: bytes, reason: str) -> None:
 
 
 def test_all_message_types_are_distinct() -> None:
-    assert {m.value for m in MessageType} == {"global_model", "round", "update", "status", "chunk"}
+    assert {m.value for m in MessageType} == {
+        "global_model",
+        "round",
+        "update",
+        "status",
+        "chunk",
+        "sample",
+        "label",
+        "prediction",
+    }
     assert SCHEMA_VERSION == 3  # 2 added the rice layout and the canonical signed bytes, 3 head layouts
     assert reason_of(lambda: decode_round(encode_update(make_update()))) == "wrong_type"
 
@@ -961,6 +973,9 @@ DECODERS: list[Callable[[bytes], object]] = [
     decode_global_model,
     decode_round,
     decode_status,
+    lambda p: decode_sample(p, sample_shape=(8, 8, 1), dtype="uint8", num_classes=10),
+    decode_label,
+    decode_prediction,
 ]
 VALID_UPDATES = [
     encode_update(make_update(d=4, k=3, compression=c, seed=i), topk_fraction=0.5)

@@ -118,7 +118,7 @@ def test_dev_profile_details() -> None:
     assert profile.device.id == "dev-x86-0"
     assert profile.dashboard == DashboardConfig(enabled=True, host="127.0.0.1", port=0, token=None)
     assert (profile.broker.host, profile.broker.port, profile.broker.tls) == ("127.0.0.1", 1883, False)
-    assert profile.source.kind == "none"
+    assert profile.source.kind == "mqtt"
 
 
 def test_gateway_profiles_use_tls_to_a_placeholder_coordinator() -> None:
@@ -349,7 +349,7 @@ def test_replay_source_must_be_an_npz_with_x_and_y(write: Writer, tmp_path: Path
         ("[training]\nseed = -1\n", "training.seed = -1: must be >= 0"),
         ("[source]\nrate_hz = -1.5\n", "source.rate_hz = -1.5: must be >= 0"),
         ("[source]\nloop = 1\n", "source.loop = 1: must be true or false"),
-        ('[source]\nkind = "camera"\n', "source.kind = 'camera': must be one of 'none', 'replay'"),
+        ('[source]\nkind = "camera"\n', "source.kind = 'camera': must be one of 'none', 'replay', 'mqtt'"),
         ("[dashboard]\nport = 70000\n", "dashboard.port = 70000: must be between 0 and 65535"),
         (
             '[dashboard]\nhost = "0.0.0.0"\n',

@@ -74,6 +74,9 @@ class MessageType(StrEnum):
     UPDATE = "update"
     STATUS = "status"
     CHUNK = "chunk"
+    SAMPLE = "sample"
+    LABEL = "label"
+    PREDICTION = "prediction"
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,6 +53,9 @@ class Reason(StrEnum):
     STALE_ROUND = "stale_round"
     NOT_SELECTED = "not_selected"
     TOO_MANY = "too_many"
+    # live ingest at the device (samples/labels topics: docs/protocol.md, "Sample", "Label")
+    BAD_LABEL = "bad_label"
+    UNKNOWN_SAMPLE = "unknown_sample"
     # the coordinator's bounded device registry (statuses)
     REGISTRY_FULL = "registry_full"
     EXPIRED = "expired"
@@ -81,6 +84,7 @@ REASONS: Final = frozenset(
         Reason.NOT_FINITE,
         Reason.BAD_INDICES,
         Reason.BAD_VALUE,
+        Reason.BAD_LABEL,
     }
 )
 #: Reasons chunk decoding and reassembly raise besides :data:`REASONS`.

@@ -1,0 +1,252 @@
+"""Live ingest bookkeeping: the bounded sample queue (drop-oldest) and the table of samples awaiting a label.
+
+Samples arrive on ``samples/<device>`` faster or slower than the interpreter classifies them; labels
+for some of them arrive later on ``labels/<device>`` (``docs/protocol.md``, "Live ingest"). This module
+holds what lies between the MQTT messages and the device core, and nothing else: no transport, no
+interpreter, no thread (the daemon calls it from its event loop only).
+
+- **The queue** keeps at most ``queue_max`` samples received and not yet classified. A sample arriving
+  when it is full evicts the OLDEST queued one (a sensor app wants the freshest data classified; an old
+  frame is worth less than a new one), counted in ``ingest_dropped``.
+- **The pending table** keeps, for each classified sample that had no label, its embedding until a
+  Label names it, for at most ``label_expiry_s`` seconds and ``pending_max`` entries (the oldest goes
+  first), counted in ``pending_expired`` / ``pending_evicted``. A label matched there is handed back
+  (:meth:`Ingest.take_labelled`) for the core to store, so late-labelled samples reach the store and
+  holdout by the same :meth:`~edgefl.agent.core.DeviceCore.keep` as inline-labelled ones.
+- **Duplicates**: QoS 1 is at-least-once, so a sample id seen among the last :data:`RECENT_IDS` samples
+  is refused (``duplicate``) rather than classified, predicted and stored twice; a label for a sample
+  already labelled is refused the same way.
+
+Memory: ``queue_max`` raw samples + ``pending_max`` × D float32 + :data:`RECENT_IDS` ids.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgefl.errors import UpdateRejected
+from edgefl.types import F32, I64
+from edgefl.wire.messages import Label, Sample
+from edgefl.wire.reasons import Reason
+
+__all__ = ["RECENT_IDS", "Ingest", "IngestCounters", "Queued"]
+
+RECENT_IDS = 4096
+"""How many of the latest sample ids are remembered to refuse a redelivered sample (``duplicate``)."""
+
+
+@dataclass(slots=True)
+class Queued:
+    """A received sample waiting to be classified.
+
+    Attributes
+    ----------
+    id : str
+        The app's sample id.
+    x : ndarray [*sample_shape] of the raw dtype
+    label : int or None
+        Inline label, or one that arrived on ``labels/<device>`` while the sample was queued.
+    arrived_s : float
+        ``time.monotonic()`` when it was received (a Prediction's ``latency_s`` counts from here).
+    """
+
+    id: str
+    x: np.ndarray
+    label: int | None
+    arrived_s: float
+
+
+@dataclass(slots=True)
+class IngestCounters:
+    """Monotonic counters of the live ingest (status fields of the same names)."""
+
+    samples_received: int = 0
+    """Samples accepted (decoded, of the model's shape and dtype, not a duplicate)."""
+    labels_received: int = 0
+    """Labels accepted: inline in a sample, or on ``labels/<device>`` for a queued or pending sample."""
+    ingest_dropped: int = 0
+    """Queued samples evicted unclassified by a newer one (the queue was full: drop-oldest)."""
+    pending_expired: int = 0
+    """Classified samples whose label did not come within ``label_expiry_s``."""
+    pending_evicted: int = 0
+    """Classified samples dropped from a full pending table before their label came."""
+    predictions_published: int = 0
+    """Predictions handed to the broker (QoS 1: acknowledged)."""
+    predictions_failed: int = 0
+    """Predictions not published (not connected, no PUBACK in time)."""
+
+
+class Ingest:
+    """The ingest queue and the pending-label table of one device.
+
+    Parameters
+    ----------
+    queue_max : int
+        Samples queued at most (>= 1); beyond, the oldest is dropped.
+    pending_max : int
+        Unlabelled classified samples kept for a late label (>= 0).
+    label_expiry_s : float
+        Seconds such a sample waits for its label (> 0).
+    clock : callable() -> float
+        Monotonic seconds (``time.monotonic``; a test may pass its own).
+
+    Raises
+    ------
+    ValueError
+        If a bound is out of range.
+    """
+
+    def __init__(
+        self,
+        queue_max: int,
+        pending_max: int,
+        label_expiry_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if queue_max < 1 or pending_max < 0 or not label_expiry_s > 0:
+            raise ValueError(
+                f"Ingest: queue_max {queue_max} >= 1, pending_max {pending_max} >= 0, "
+                f"label_expiry_s {label_expiry_s} > 0"
+            )
+        self.queue_max = queue_max
+        self.pending_max = pending_max
+        self.label_expiry_s = label_expiry_s
+        self.clock = clock
+        self.counters = IngestCounters()
+        self._queue: OrderedDict[str, Queued] = OrderedDict()
+        # id -> (embedding [D], since, predicted class)
+        self._pending: OrderedDict[str, tuple[F32, float, int]] = OrderedDict()
+        self._labelled: list[tuple[F32, int, int]] = []
+        self._recent: OrderedDict[str, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Samples queued now."""
+        return len(self._queue)
+
+    @property
+    def pending(self) -> int:
+        """Classified samples waiting for a late label now."""
+        return len(self._pending)
+
+    def has_work(self) -> bool:
+        """Whether samples are queued or matched late labels wait to be stored."""
+        return bool(self._queue) or bool(self._labelled)
+
+    # --- in ---------------------------------------------------------------------------------------
+    def offer_sample(self, sample: Sample) -> Queued | None:
+        """Queue a decoded sample; evict the oldest queued one if full.
+
+        Parameters
+        ----------
+        sample : Sample
+            Already checked against the model (shape, dtype, label range) by the decoder.
+
+        Returns
+        -------
+        Queued or None
+            The evicted sample (counted in ``ingest_dropped``), or None.
+
+        Raises
+        ------
+        UpdateRejected
+            ``duplicate``: a sample with this id was received lately (a QoS 1 redelivery).
+        """
+        if sample.id in self._recent:
+            raise UpdateRejected(Reason.DUPLICATE, f"sample {sample.id} already received")
+        self._recent[sample.id] = None
+        if len(self._recent) > RECENT_IDS:
+            self._recent.popitem(last=False)
+        dropped = None
+        if len(self._queue) >= self.queue_max:
+            _, dropped = self._queue.popitem(last=False)
+            self.counters.ingest_dropped += 1
+        self._queue[sample.id] = Queued(sample.id, sample.x, sample.label, self.clock())
+        self.counters.samples_received += 1
+        if sample.label is not None:
+            self.counters.labels_received += 1
+        return dropped
+
+    def offer_label(self, label: Label) -> None:
+        """Apply a late label to its sample: still queued (labelled in place) or pending (handed back).
+
+        Parameters
+        ----------
+        label : Label
+            Already checked against K by the decoder.
+
+        Raises
+        ------
+        UpdateRejected
+            ``duplicate`` (the queued sample has a label already), ``unknown_sample`` (no queued or
+            pending sample has this id: never received, dropped, labelled already, or expired).
+        """
+        self.expire()
+        queued = self._queue.get(label.id)
+        if queued is not None:
+            if queued.label is not None:
+                raise UpdateRejected(Reason.DUPLICATE, f"sample {label.id} is labelled already")
+            queued.label = label.label
+        else:
+            entry = self._pending.pop(label.id, None)
+            if entry is None:
+                raise UpdateRejected(
+                    Reason.UNKNOWN_SAMPLE,
+                    f"no sample {label.id} waits for a label (never received, dropped, labelled or expired)",
+                )
+            self._labelled.append((entry[0], label.label, entry[2]))
+        self.counters.labels_received += 1
+
+    # --- out --------------------------------------------------------------------------------------
+    def take(self, n: int) -> list[Queued]:
+        """Remove and return the ``n`` oldest queued samples (fewer if fewer are queued)."""
+        out: list[Queued] = []
+        while self._queue and len(out) < n:
+            out.append(self._queue.popitem(last=False)[1])
+        return out
+
+    def park(self, sample_id: str, embedding: F32, predicted: int) -> None:
+        """Keep a classified, unlabelled sample's embedding [D] for a late label (the oldest goes if full).
+
+        ``predicted`` is the class it was given (scored against the label when it comes).
+        """
+        if self.pending_max == 0:
+            return
+        if len(self._pending) >= self.pending_max:
+            self._pending.popitem(last=False)
+            self.counters.pending_evicted += 1
+        self._pending[sample_id] = (np.array(embedding, dtype=np.float32), self.clock(), int(predicted))
+
+    def take_labelled(self) -> tuple[F32, I64, I64] | None:
+        """Late-labelled samples matched since the last call, or None.
+
+        Returns
+        -------
+        (embeddings float32 [M, D], labels int64 [M], predicted int64 [M]) or None
+            ``predicted``: the class each was given when it was classified.
+        """
+        if not self._labelled:
+            return None
+        emb = np.stack([e for e, _, _ in self._labelled]).astype(np.float32, copy=False)
+        labels = np.array([lbl for _, lbl, _ in self._labelled], dtype=np.int64)
+        predicted = np.array([p for _, _, p in self._labelled], dtype=np.int64)
+        self._labelled = []
+        return emb, labels, predicted
+
+    def expire(self) -> int:
+        """Drop pending samples older than ``label_expiry_s``; return how many (``pending_expired``)."""
+        limit = self.clock() - self.label_expiry_s
+        n = 0
+        while self._pending:
+            since = next(iter(self._pending.values()))[1]
+            if since > limit:
+                break
+            self._pending.popitem(last=False)
+            n += 1
+        self.counters.pending_expired += n
+        return n

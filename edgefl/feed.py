@@ -1,0 +1,400 @@
+"""``edgefl feed``: publish a sample file to a device over MQTT, as a gateway's own app would.
+
+Reads an ``.npz`` holding ``x`` (raw samples [N, *sample_shape], the device's raw dtype) and ``y``
+(labels [N]) -- the format of the replay files (``source.kind = "replay"``) -- and publishes each sample
+as a Sample message on ``<prefix>/<fleet>/samples/<device>``, at ``--rate`` samples per second. A seeded
+random fraction ``--label-fraction`` of the samples gets its label: inline in the Sample when
+``--label-delay`` is 0, else as a Label message on ``labels/<device>`` that many seconds after its
+sample (a label an operator or a downstream check gives later). It listens on
+``predictions/<device>`` meanwhile and, at the end, waits (up to ``--wait`` seconds) for a prediction
+of every sample it sent. Messages: ``docs/protocol.md`` ("Live ingest").
+
+The broker connection is made as the agent makes it: ``--profile`` names a device profile whose
+``[broker]`` table gives TLS files, credentials (``password_file``), protocol and topic prefix;
+``--broker`` gives the URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import heapq
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgefl.errors import DecodeError, EdgeflError, TransportError
+from edgefl.profiles import BrokerConfig, broker_password
+from edgefl.records import atomic_write
+from edgefl.tlsconf import ssl_context_for
+from edgefl.topics import Topics
+from edgefl.transport import MqttTransport
+from edgefl.validators import check_device_id, parse_broker_url
+from edgefl.wire.messages import Label, Prediction, Sample, decode_prediction, encode_label, encode_sample
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FeedOptions", "FeedResult", "add_parser", "feed", "load_samples"]
+
+IN_FLIGHT = 64
+"""QoS 1 publishes awaiting their PUBACK at once (as fast as the broker acknowledges, not one RTT each)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FeedOptions:
+    """What to feed where (see ``edgefl feed --help``).
+
+    Parameters
+    ----------
+    broker : BrokerConfig
+        URL, TLS files, credentials, protocol, topic prefix (``topic_prefix``).
+    fleet, device : str
+        Topics ``<prefix>/<fleet>/samples/<device>`` etc.
+    data : Path
+        ``.npz`` with ``x`` [N, *sample_shape] and ``y`` int [N].
+    rate_hz : float
+        Samples per second (> 0), or 0: as fast as the broker takes them.
+    label_fraction : float
+        Fraction in [0, 1] of the samples that get a label (a seeded random choice).
+    label_delay_s : float
+        0: the label travels inline in the Sample; > 0: as a Label this many seconds after it.
+    qos : int
+        QoS of the Sample publishes (0 or 1); Labels are always QoS 1.
+    wait_s : float
+        Seconds to wait at the end for the predictions still missing.
+    seed : int
+        Seed of the labelled fraction's choice.
+    id_prefix : str or None
+        Sample ids are ``<id_prefix><i>``; default a random 6-hex-digit token and ``-`` (so a re-run
+        is not refused as duplicates).
+    limit : int or None
+        Feed only the first ``limit`` samples.
+    """
+
+    broker: BrokerConfig
+    fleet: str
+    device: str
+    data: Path
+    rate_hz: float = 50.0
+    label_fraction: float = 1.0
+    label_delay_s: float = 0.0
+    qos: int = 1
+    wait_s: float = 10.0
+    seed: int = 0
+    id_prefix: str | None = None
+    limit: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FeedResult:
+    """What one feed did (``--json`` writes it).
+
+    Attributes
+    ----------
+    samples_sent : int
+    labels_inline : int
+        Labels sent inside their Sample.
+    labels_late : int
+        Labels sent as Label messages.
+    predictions_received : int
+        Predictions received for the samples sent (one per id; duplicates not counted).
+    correct : int
+        Predictions equal to the sample's ``y`` (all samples, labelled or not).
+    seconds : float
+        Wall time from the first publish to the end.
+    """
+
+    samples_sent: int
+    labels_inline: int
+    labels_late: int
+    predictions_received: int
+    correct: int
+    seconds: float
+
+    @property
+    def accuracy(self) -> float | None:
+        """``correct / predictions_received`` (None without predictions)."""
+        return self.correct / self.predictions_received if self.predictions_received else None
+
+
+def load_samples(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Read a replay-format ``.npz``: ``x`` [N, ...] raw samples and ``y`` int64 [N] labels.
+
+    Raises
+    ------
+    ValueError
+        If the file is not such an ``.npz`` (names the problem).
+    """
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            x, y = np.asarray(data["x"]), np.asarray(data["y"]).astype(np.int64)
+    except (OSError, KeyError, ValueError) as exc:
+        raise ValueError(f"{path}: not an .npz holding x and y ({exc})") from exc
+    if x.ndim < 2 or len(x) != len(y):
+        raise ValueError(f"{path}: x {list(x.shape)} and y {list(y.shape)} do not match")
+    return x, y
+
+
+async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> FeedResult:
+    """Publish the samples (and labels) of ``opts.data`` to a device and collect its predictions.
+
+    Parameters
+    ----------
+    opts : FeedOptions
+    transport : MqttTransport, optional
+        A started transport to use (the demo shares none; each feed connects its own by default).
+
+    Returns
+    -------
+    FeedResult
+
+    Raises
+    ------
+    ValueError
+        The data file is unreadable.
+    TransportError
+        The broker cannot be reached, or refuses a publish.
+    ConfigError
+        TLS files or the password file cannot be read.
+    """
+    x, y = load_samples(opts.data)
+    if opts.limit is not None:
+        x, y = x[: opts.limit], y[: opts.limit]
+    n = len(x)
+    rng = np.random.default_rng(opts.seed)
+    labelled = np.zeros(n, dtype=bool)
+    labelled[rng.permutation(n)[: round(opts.label_fraction * n)]] = True
+    prefix = opts.id_prefix if opts.id_prefix is not None else os.urandom(3).hex() + "-"
+    ids = [f"{prefix}{i}" for i in range(n)]
+    index = {sid: i for i, sid in enumerate(ids)}
+    topics = Topics(opts.broker.topic_prefix, opts.fleet)
+    own = transport is None
+    if transport is None:
+        b = opts.broker
+        transport = MqttTransport(
+            b.host,
+            b.port,
+            f"edgefl-feed-{opts.device}-{prefix.rstrip('-')}",
+            protocol=b.protocol,
+            keepalive_s=b.keepalive_s,
+            queue_size=max(256, 2 * n),
+            username=b.username,
+            password=broker_password(b),
+            tls_context=ssl_context_for(b),
+            max_packet_bytes=b.max_packet_bytes,
+            max_incoming_packet_bytes=b.max_incoming_packet_bytes,
+        )
+        await transport.start(wait_s=15)
+    predicted: dict[int, Prediction] = {}
+    all_in = asyncio.Event()
+
+    async def collect() -> None:
+        assert transport is not None
+        while True:
+            msg = await transport.queue.get()
+            if msg.topic != topics.predictions(opts.device):
+                continue
+            try:
+                p = decode_prediction(msg.payload)
+            except DecodeError as exc:
+                logger.warning("prediction refused: %s", exc)
+                continue
+            i = index.get(p.id)
+            if i is not None:
+                predicted.setdefault(i, p)
+                if len(predicted) == n:
+                    all_in.set()
+
+    sem = asyncio.Semaphore(IN_FLIGHT)
+    inflight: set[asyncio.Task[None]] = set()
+    errors: list[TransportError] = []
+
+    async def send(topic: str, payload: bytes, qos: int) -> None:
+        assert transport is not None
+        try:
+            await transport.publish(topic, payload, qos=qos)
+        except TransportError as exc:
+            errors.append(exc)
+        finally:
+            sem.release()
+
+    async def spawn(topic: str, payload: bytes, qos: int) -> None:
+        if errors:
+            raise errors[0]
+        await sem.acquire()  # back-pressure: at most IN_FLIGHT unacknowledged publishes
+        task = asyncio.create_task(send(topic, payload, qos))
+        inflight.add(task)
+        task.add_done_callback(inflight.discard)
+
+    collector = asyncio.create_task(collect())
+    late: list[tuple[float, int]] = []  # (due monotonic, sample index), a heap
+    inline = late_sent = 0
+    t0 = time.monotonic()
+    try:
+        await transport.subscribe(topics.predictions(opts.device), 1)
+        sample_topic, label_topic = topics.samples(opts.device), topics.labels(opts.device)
+
+        async def send_due_labels(now: float) -> None:
+            nonlocal late_sent
+            while late and late[0][0] <= now:
+                _, i = heapq.heappop(late)
+                await spawn(label_topic, encode_label(Label(ids[i], int(y[i]), time.time())), 1)
+                late_sent += 1
+
+        for i in range(n):
+            if opts.rate_hz > 0:
+                due = t0 + i / opts.rate_hz
+                while (now := time.monotonic()) < due:
+                    await send_due_labels(now)
+                    await asyncio.sleep(max(0.0, (min(due, late[0][0]) if late else due) - now))
+            await send_due_labels(time.monotonic())
+            with_label = bool(labelled[i]) and opts.label_delay_s <= 0
+            sample = Sample(ids[i], x[i], int(y[i]) if with_label else None, time.time())
+            await spawn(sample_topic, encode_sample(sample), opts.qos)
+            inline += with_label
+            if labelled[i] and opts.label_delay_s > 0:
+                heapq.heappush(late, (time.monotonic() + opts.label_delay_s, i))
+        while late:
+            await asyncio.sleep(max(0.0, late[0][0] - time.monotonic()))
+            await send_due_labels(time.monotonic())
+        if inflight:
+            await asyncio.gather(*inflight)
+        if errors:
+            raise errors[0]
+        if n:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(all_in.wait(), opts.wait_s)
+    finally:
+        collector.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await collector
+        for task in list(inflight):
+            task.cancel()
+        if own:
+            await transport.stop()
+    correct = sum(int(p.cls == y[i]) for i, p in predicted.items())
+    return FeedResult(n, inline, late_sent, len(predicted), correct, time.monotonic() - t0)
+
+
+# --- the command ---------------------------------------------------------------------------------------
+HELP = """\
+Publish the samples of FILE.npz (x: raw samples in the device's raw dtype and sample shape, y: labels;
+the replay file format) to one device over MQTT, as a gateway app would: each sample is a Sample
+message on <prefix>/<fleet>/samples/<device> (QoS --qos), RATE per second. A seeded random fraction P of
+the samples is labelled: with --label-delay 0 the label travels inline in its Sample; with S > 0 it is
+sent as a Label message on labels/<device> (QoS 1) S seconds after its sample, and the sample's
+embedding waits on the device for it (source.label_expiry_s). Unlabelled samples are only classified.
+Meanwhile the feed listens on predictions/<device> and at the end waits up to --wait seconds for a
+prediction of every sample. Prints one summary line (and --json PATH). Exit 0 when every sample got a
+prediction, 1 when some did not, 2 on bad arguments, 4 when the broker cannot be reached."""
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``feed`` sub-command to ``sub`` (from ``add_subparsers``)."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        "feed",
+        help="publish an .npz's samples (and labels) to a device over MQTT, like a gateway app",
+        description=HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--broker", required=True, help="mqtt://host[:port] or mqtts://host[:port]")
+    p.add_argument("--fleet", required=True, help="the device's fleet (device.fleet)")
+    p.add_argument("--device", required=True, help="the device id (device.id)")
+    p.add_argument("--data", required=True, metavar="FILE.npz", help="x [N, ...] raw samples, y [N] labels")
+    p.add_argument("--rate", type=float, default=50.0, metavar="HZ", help="samples per second; 0: at once")
+    p.add_argument(
+        "--label-fraction",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="fraction of the samples that get their label, in [0, 1] (default 1)",
+    )
+    p.add_argument(
+        "--label-delay",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="0: label inline in the Sample (default); S > 0: a Label on labels/<device> S s after it",
+    )
+    p.add_argument("--qos", type=int, default=1, choices=(0, 1), help="QoS of the samples (default 1)")
+    p.add_argument("--wait", type=float, default=10.0, metavar="S", help="wait for predictions (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the labelled fraction (default 0)")
+    p.add_argument("--limit", type=int, default=None, help="feed only the first N samples")
+    p.add_argument("--id-prefix", default=None, help="sample ids are <prefix><i> (default: a random token)")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="a device profile whose [broker] table gives TLS files, credentials, protocol and prefix",
+    )
+    p.add_argument("--prefix", default=None, help="topic prefix (default: the profile's, or edgefl)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the summary as JSON")
+    p.set_defaults(func=cmd_feed)
+    return p
+
+
+def _broker(args: argparse.Namespace) -> BrokerConfig:
+    """The broker options: the profile's ``[broker]``, ``--broker``/``--prefix`` on top; or the URL alone."""
+    overrides: dict[str, object] = {"broker.url": args.broker}
+    if args.prefix is not None:
+        overrides["broker.topic_prefix"] = args.prefix
+    if args.profile is not None:
+        from edgefl.agent.config import load_profile
+
+        return load_profile(args.profile, overrides, check_files=False).broker
+    parse_broker_url(args.broker)  # ValueError names the problem
+    return BrokerConfig(
+        url=args.broker,
+        topic_prefix=args.prefix or "edgefl",
+        tls=args.broker.startswith("mqtts://"),
+    )
+
+
+def cmd_feed(args: argparse.Namespace) -> int:
+    """``edgefl feed``: see :data:`HELP`; returns the exit code."""
+    try:
+        check_device_id(args.device)
+        check_device_id(args.fleet)
+        if not (0.0 <= args.label_fraction <= 1.0 and args.rate >= 0 and args.label_delay >= 0):
+            raise ValueError("--label-fraction must be in [0, 1], --rate and --label-delay >= 0")
+        opts = FeedOptions(
+            broker=_broker(args),
+            fleet=args.fleet,
+            device=args.device,
+            data=Path(args.data),
+            rate_hz=args.rate,
+            label_fraction=args.label_fraction,
+            label_delay_s=args.label_delay,
+            qos=args.qos,
+            wait_s=args.wait,
+            seed=args.seed,
+            id_prefix=args.id_prefix,
+            limit=args.limit,
+        )
+        load_samples(opts.data)
+    except (ValueError, EdgeflError) as exc:
+        print(f"edgefl feed: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = asyncio.run(feed(opts))
+    except EdgeflError as exc:
+        print(f"edgefl feed: {exc}", file=sys.stderr)
+        return 4
+    acc = result.accuracy
+    print(
+        f"fed {result.samples_sent} samples to {opts.device} in {result.seconds:.1f} s "
+        f"({result.labels_inline} labels inline, {result.labels_late} late); "
+        f"{result.predictions_received} predictions"
+        + (f", accuracy {acc:.3f}" if acc is not None else "")
+    )
+    if args.json:
+        doc = {**asdict(result), "accuracy": acc}
+        atomic_write(Path(args.json), (json.dumps(doc, indent=2) + "\n").encode())
+    return 0 if result.predictions_received == result.samples_sent else 1
