@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
 FLOAT_MODEL = MODELS / "digits_cnn_float32.tflite"
 INT8_MODEL = MODELS / "digits_cnn_int8.tflite"
+RAWIN_MODEL = MODELS / "digits_cnn_int8_rawin.tflite"  # the dev profile's model: uint8 raw input
 DEV_PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"
 CHROMIUM = "/usr/bin/chromium"  # Debian's chromium, driven by playwright with executable_path
 # without the background-networking flags Chromium tries hosts this closed network refuses
@@ -157,6 +158,29 @@ def start_replay_agent(
         "source.kind": "replay",
         "source.path": str(tmp / f"{dev}.npz"),
         "model.path": str(INT8_MODEL),
+        "dashboard.enabled": "false",
+        "status.interval_s": TEST_STATUS_INTERVAL_S,
+        **{k.replace("__", "."): v for k, v in extra.items()},
+    }
+    return launch_agent(DEV_PROFILE, overrides, tmp / f"{dev}.log")
+
+
+def start_ingest_agent(
+    broker: Broker, fleet: str, tmp: Path, dev: str, **extra: str
+) -> subprocess.Popen[bytes]:
+    """Start a real agent process (dev profile and its raw-input int8 model) taking live samples over MQTT.
+
+    ``source.kind = "mqtt"``: samples on ``samples/<dev>``, labels on ``labels/<dev>``, predictions on
+    ``predictions/<dev>``. Extra keys as ``start_replay_agent``'s (``source__queue_max="4"``).
+    """
+    from edgefl.demo import launch_agent
+
+    overrides = {
+        "device.id": dev,
+        "device.fleet": fleet,
+        "device.state_dir": str(tmp / dev),
+        "broker.url": broker.url,
+        "source.kind": "mqtt",
         "dashboard.enabled": "false",
         "status.interval_s": TEST_STATUS_INTERVAL_S,
         **{k.replace("__", "."): v for k, v in extra.items()},

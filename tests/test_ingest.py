@@ -1,0 +1,379 @@
+"""Live ingest: samples and labels over MQTT into a real agent, predictions back (issue 14, items 6 and 7).
+
+Real mosquitto, real agent processes on the dev profile's raw-input int8 model, real LiteRT; the
+bookkeeping class (agent/ingest.py) also on its own, where exact drop and expiry orders are checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import RAWIN_MODEL, Broker, start_ingest_agent, wait_until
+
+from edgefl.agent.ingest import Ingest
+from edgefl.agent.pipeline import Pipeline
+from edgefl.datasets import load_digits
+from edgefl.demo import stop_agents
+from edgefl.errors import DecodeError, UpdateRejected
+from edgefl.head import Head
+from edgefl.runtime import Backbone
+from edgefl.topics import Topics
+from edgefl.transport import MqttTransport
+from edgefl.wire.codec import (
+    Label,
+    Prediction,
+    RoundAnnouncement,
+    Sample,
+    decode_label,
+    decode_prediction,
+    decode_sample,
+    decode_status,
+    decode_update,
+    encode_label,
+    encode_prediction,
+    encode_round,
+    encode_sample,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+DIGITS_SHAPE = (8, 8, 1)
+
+
+def reason_of(fn: Any) -> str:
+    with pytest.raises(DecodeError) as info:
+        fn()
+    return str(info.value.reason)
+
+
+# ----------------------------------------------------------------------------------------------
+# The three messages
+
+
+def test_ingest_messages_round_trip_and_refusals() -> None:
+    x = np.arange(64, dtype=np.uint8).reshape(DIGITS_SHAPE)
+    s = decode_sample(
+        encode_sample(Sample("cam:1", x, 7, 1.5)), sample_shape=DIGITS_SHAPE, dtype="uint8", num_classes=10
+    )
+    assert (s.id, s.label, s.ts) == ("cam:1", 7, 1.5) and s.x.dtype == np.uint8
+    np.testing.assert_array_equal(s.x, x)
+    bare = decode_sample(encode_sample(Sample("2", x)), sample_shape=DIGITS_SHAPE, dtype="uint8")
+    assert (bare.label, bare.ts) == (None, None)
+    assert decode_label(encode_label(Label("cam:1", 3)), num_classes=10) == Label("cam:1", 3)
+    p = Prediction("cam:1", 4, 0.75, 12, 0.003)
+    assert decode_prediction(encode_prediction(p)) == p
+
+    def sample(x_: np.ndarray, label: int | None = None, k: int = 10) -> None:
+        decode_sample(
+            encode_sample(Sample("a", x_, label)), sample_shape=DIGITS_SHAPE, dtype="uint8", num_classes=k
+        )
+
+    assert reason_of(lambda: sample(x.reshape(8, 8))) == "bad_shape"
+    assert reason_of(lambda: sample(x.reshape(1, 8, 8, 1))) == "bad_shape"
+    assert reason_of(lambda: sample(x.astype(np.float32))) == "bad_dtype"
+    assert reason_of(lambda: sample(x.astype(np.int16))) == "bad_dtype"
+    assert reason_of(lambda: sample(x, 10)) == "bad_label"
+    sample(x, 1, k=1)  # a K = 1 (logistic) head learns labels 0 and 1
+    assert reason_of(lambda: sample(x, 2, k=1)) == "bad_label"
+    assert reason_of(lambda: decode_label(encode_label(Label("a", 10)), num_classes=10)) == "bad_label"
+    assert reason_of(lambda: decode_label(encode_label(Label("a b", 1)))) == "bad_value"
+    assert reason_of(lambda: decode_prediction(encode_label(Label("a", 1)))) == "wrong_type"
+    with pytest.raises(ValueError, match="uint8/int16/float32"):
+        encode_sample(Sample("a", x.astype(np.float64)))
+
+
+# ----------------------------------------------------------------------------------------------
+# The bookkeeping on its own: exact orders
+
+
+def sample(i: int, label: int | None = None) -> Sample:
+    return Sample(f"s{i}", np.full(DIGITS_SHAPE, i % 17, np.uint8), label)
+
+
+def test_ingest_queue_unit_drops_oldest_expires_pending_refuses_duplicates() -> None:
+    now = [0.0]
+    ing = Ingest(queue_max=4, pending_max=3, label_expiry_s=10.0, clock=lambda: now[0])
+    dropped = [ing.offer_sample(sample(i)) for i in range(10)]
+    assert [d.id for d in dropped if d is not None] == ["s0", "s1", "s2", "s3", "s4", "s5"]
+    assert ing.counters.ingest_dropped == 6 and ing.counters.samples_received == 10
+    with pytest.raises(UpdateRejected) as dup:
+        ing.offer_sample(sample(9))  # a QoS 1 redelivery
+    assert dup.value.reason == "duplicate"
+    ing.offer_label(Label("s8", 5))  # still queued: labelled in place
+    rows = ing.take(8)
+    assert [(r.id, r.label) for r in rows] == [("s6", None), ("s7", None), ("s8", 5), ("s9", None)]
+    for k, r in enumerate(rows):
+        if r.label is None:
+            ing.park(r.id, np.full(4, k, np.float32), predicted=k)
+    ing.park("s10", np.zeros(4, np.float32), predicted=0)  # pending_max = 3: s6 goes
+    assert ing.pending == 3 and ing.counters.pending_evicted == 1
+    with pytest.raises(UpdateRejected) as unknown:
+        ing.offer_label(Label("s6", 1))
+    assert unknown.value.reason == "unknown_sample"
+    ing.offer_label(Label("s9", 2))
+    late = ing.take_labelled()
+    assert late is not None
+    np.testing.assert_array_equal(late[0], np.full((1, 4), 3, np.float32))
+    assert late[1].tolist() == [2] and late[2].tolist() == [3] and ing.take_labelled() is None
+    now[0] = 10.5  # s7 and s10 waited longer than label_expiry_s
+    assert ing.expire() == 2 and ing.pending == 0 and ing.counters.pending_expired == 2
+    with pytest.raises(UpdateRejected):
+        ing.offer_label(Label("s7", 1))
+    assert ing.counters.labels_received == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Real agents
+
+
+class Gateway:
+    """A gateway app on the real broker: sends samples and labels, reads predictions, statuses, updates."""
+
+    def __init__(self, broker: Broker, fleet: str, device: str) -> None:
+        self.topics = Topics("edgefl", fleet)
+        self.device = device
+        self.t = MqttTransport(broker.host, broker.port, f"gw-{fleet}-{device}", queue_size=4096)
+        self.predictions: dict[str, Prediction] = {}
+        self.status: dict[str, Any] = {}
+        self.updates: list[Any] = []
+        self._pump: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Gateway:
+        await self.t.start(wait_s=10)
+        for topic in (
+            self.topics.predictions(self.device),
+            self.topics.status(self.device),
+            self.topics.update(self.device),
+        ):
+            await self.t.subscribe(topic, 1)
+        self._pump = asyncio.create_task(self._read())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._pump is not None
+        self._pump.cancel()
+        await self.t.stop()
+
+    async def _read(self) -> None:
+        while True:
+            msg = await self.t.queue.get()
+            if msg.topic == self.topics.predictions(self.device):
+                p = decode_prediction(msg.payload)
+                assert p.id not in self.predictions, f"two predictions of {p.id}"
+                self.predictions[p.id] = p
+            elif msg.topic == self.topics.status(self.device):
+                self.status = {"state": (st := decode_status(msg.payload)).state, **st.fields}
+            else:
+                self.updates.append(decode_update(msg.payload))
+
+    async def sample(self, s: Sample, qos: int = 1) -> None:
+        await self.t.publish(self.topics.samples(self.device), encode_sample(s), qos=qos)
+
+    async def raw(self, topic: str, payload: bytes) -> None:
+        await self.t.publish(topic, payload, qos=1)
+
+    async def label(self, sample_id: str, label: int) -> None:
+        await self.t.publish(self.topics.labels(self.device), encode_label(Label(sample_id, label)), qos=1)
+
+    async def ready(self) -> None:
+        await wait_until(lambda: bool(self.status.get("ready")), 60, f"{self.device} subscribed")
+
+    async def until(self, what: str, **want: Any) -> dict[str, Any]:
+        """Wait for a status whose fields equal ``want`` (statuses come every 0.2 s)."""
+        await wait_until(lambda: all(self.status.get(k) == v for k, v in want.items()), 30, what)
+        return self.status
+
+
+@pytest.fixture
+def agent_log(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        yield procs
+    finally:
+        stop_agents(procs)
+        for log in tmp_path.glob("*.log"):
+            print(log.read_text(errors="replace")[-3000:])
+
+
+def model_predictions(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The model's own classification of raw digits x: its head (factory, version 0) on its embedding."""
+    bb = Backbone(RAWIN_MODEL)
+    emb = Pipeline(bb, (0.0,), (16.0,), mode="fused", batch=8).run(x)[0]
+    return Head(*bb.head_from_model()).scores(emb)
+
+
+def test_ingest_samples_and_late_labels_train_a_round(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+) -> None:
+    x, y = load_digits()
+    x, y = x[:40], y[:40]
+    want_cls, want_score = model_predictions(x)
+    agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-1"))
+
+    async def main() -> dict[str, Any]:
+        async with Gateway(mosquitto, fleet, "live-1") as gw:
+            await gw.ready()
+            # 20 labelled inline, 20 without a label
+            for i in range(40):
+                await gw.sample(Sample(f"f{i}", x[i], int(y[i]) if i < 20 else None, 1_700_000_000.0 + i))
+            await wait_until(lambda: len(gw.predictions) == 40, 30, "40 predictions")
+            # late labels for 10 of the 20 unlabelled, once they wait in the pending table
+            for i in range(20, 30):
+                await gw.label(f"f{i}", int(y[i]))
+            st = await gw.until("30 labelled samples stored", stored_total=30, labels_received=30)
+            # a round: the device trains on the 29 stored (the 20th labelled went to the holdout)
+            await gw.t.publish(
+                gw.topics.round,
+                encode_round(RoundAnnouncement(1, 0, 30.0, 1, 0.05, 8, 1, ("live-1",))),
+                qos=1,
+                retain=True,
+            )
+            await wait_until(lambda: len(gw.updates) == 1, 60, "the round's update")
+            return {"status": st, "predictions": dict(gw.predictions), "update": gw.updates[0]}
+
+    out = asyncio.run(main())
+    st, preds, update = out["status"], out["predictions"], out["update"]
+    assert (st["samples_received"], st["labels_received"], st["predictions_published"]) == (40, 30, 40)
+    assert (st["ingest_dropped"], st["ingest_queued"], st["pending_labels"]) == (0, 0, 10)
+    assert st["store_samples"] == 29 and st["rejected"] == {}
+    assert [preds[f"f{i}"].cls for i in range(40)] == want_cls.tolist()
+    np.testing.assert_allclose([preds[f"f{i}"].score for i in range(40)], want_score, rtol=1e-5)
+    assert all(p.version == 0 and 0 <= p.latency_s < 30 for p in preds.values())
+    assert (update.round, update.base_version, update.device, update.num_examples) == (1, 0, "live-1", 29)
+    assert all(p.poll() is None for p in agent_log), "the agent died"
+
+
+def test_ingest_refuses_wrong_shape_dtype_label(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+) -> None:
+    x, y = load_digits()
+    agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-2"))
+
+    async def main() -> dict[str, Any]:
+        async with Gateway(mosquitto, fleet, "live-2") as gw:
+            await gw.ready()
+            await gw.sample(Sample("shape", x[0].reshape(8, 8)))  # no channel dimension
+            await gw.sample(Sample("dtype", x[0].astype(np.float32)))  # not the raw dtype (uint8)
+            await gw.sample(Sample("int16", x[0].astype(np.int16)))
+            await gw.sample(Sample("label", x[0], 10))  # K = 10: labels 0..9
+            await gw.raw(gw.topics.samples("live-2"), b"\xff\x00garbage")
+            await gw.sample(Sample("ok", x[1], int(y[1])))
+            await gw.sample(Sample("ok", x[1], int(y[1])))  # the same id again: a duplicate
+            await gw.sample(Sample("wait", x[2]))
+            await wait_until(lambda: {"ok", "wait"} <= set(gw.predictions), 30, "the good predictions")
+            await gw.label("wait", 12)  # out of range
+            await gw.label("nobody", 3)  # no such sample
+            await gw.label("wait", int(y[2]))  # the good one: stored
+            return await gw.until("the refusals counted", stored_total=2, labels_received=2)
+
+    st = asyncio.run(main())
+    assert st["rejected"] == {
+        "bad_shape": 1,
+        "bad_dtype": 2,
+        "bad_label": 2,
+        "bad_cbor": 1,
+        "duplicate": 1,
+        "unknown_sample": 1,
+    }
+    assert (st["samples_received"], st["predictions_published"], st["store_samples"]) == (2, 2, 2)
+    assert all(p.poll() is None for p in agent_log), "the agent died"
+
+
+def test_ingest_queue_drops_oldest_and_counts(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+) -> None:
+    x, _ = load_digits()
+    n = 200  # under the transport's incoming queue (256): the drops can only be the ingest queue's
+    agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-3", source__queue_max="2"))
+
+    async def main() -> tuple[dict[str, Any], dict[str, Prediction]]:
+        async with Gateway(mosquitto, fleet, "live-3") as gw:
+            await gw.ready()
+            # a burst (QoS 0, nothing awaited): far faster than 2 queued samples drain
+            for i in range(n):
+                await gw.sample(Sample(f"b{i}", x[i]), qos=0)
+            await gw.until("every sample classified or dropped", samples_received=n, ingest_queued=0)
+            st = await wait_for_sum(gw, n)
+            return st, dict(gw.predictions)
+
+    async def wait_for_sum(gw: Gateway, total: int) -> dict[str, Any]:
+        await wait_until(
+            lambda: gw.status.get("ingest_dropped", 0) + gw.status.get("predictions_published", 0) == total,
+            30,
+            "dropped + predicted = sent",
+        )
+        return gw.status
+
+    st, preds = asyncio.run(main())
+    dropped, published = st["ingest_dropped"], st["predictions_published"]
+    assert dropped + published == n and dropped >= 1, st
+    assert len(preds) == published
+    assert f"b{n - 1}" in preds  # drop-oldest never drops the newest sample
+    assert st["transport"]["queue_dropped"] == 0  # the drops are the ingest queue's, counted there
+    assert all(p.poll() is None for p in agent_log), "the agent died"
+
+
+def test_ingest_pending_label_expiry(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+) -> None:
+    x, y = load_digits()
+    agent_log.append(
+        start_ingest_agent(mosquitto, fleet, tmp_path, "live-4", source__label_expiry_s="0.5")
+    )
+
+    async def main() -> dict[str, Any]:
+        async with Gateway(mosquitto, fleet, "live-4") as gw:
+            await gw.ready()
+            await gw.sample(Sample("old", x[0]))
+            await wait_until(lambda: "old" in gw.predictions, 30, "the prediction")
+            await gw.until("the pending sample expired", pending_expired=1, pending_labels=0)
+            await gw.label("old", int(y[0]))  # too late
+            return await gw.until("the late label refused", rejected={"unknown_sample": 1})
+
+    st = asyncio.run(main())
+    assert (st["labels_received"], st["stored_total"], st["store_samples"]) == (0, 0, 0)
+
+
+def test_ingest_feed_cli(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+) -> None:
+    x, y = load_digits()
+    n = 60
+    np.savez(tmp_path / "shard.npz", x=x[:n], y=y[:n])
+    agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-5"))
+    want_cls, _ = model_predictions(x[:n])
+
+    async def ready() -> None:
+        async with Gateway(mosquitto, fleet, "live-5") as gw:
+            await gw.ready()
+
+    asyncio.run(ready())
+    cmd = [sys.executable, "-m", "edgefl.cli", "feed", "--broker", mosquitto.url, "--fleet", fleet]
+    cmd += ["--device", "live-5", "--data", str(tmp_path / "shard.npz"), "--rate", "0"]
+    cmd += ["--label-fraction", "0.5", "--label-delay", "0.3", "--json", str(tmp_path / "feed.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"fed {n} samples to live-5" in done.stdout
+    result = json.loads((tmp_path / "feed.json").read_text())
+    assert (result["samples_sent"], result["labels_inline"], result["labels_late"]) == (n, 0, n // 2)
+    assert result["predictions_received"] == n
+    assert result["correct"] == int(np.sum(want_cls == y[:n]))
+
+    async def status() -> dict[str, Any]:
+        async with Gateway(mosquitto, fleet, "live-5") as gw:
+            return await gw.until("the feed's samples and labels", samples_received=n, stored_total=n // 2)
+
+    st = asyncio.run(status())
+    assert (st["labels_received"], st["predictions_published"], st["ingest_dropped"]) == (n // 2, n, 0)
+    helped = subprocess.run(
+        [sys.executable, "-m", "edgefl.cli", "feed", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert "as a Label message on labels/<device>" in " ".join(helped.stdout.split())
