@@ -315,6 +315,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         compression=args.compression,
         topk_fraction=args.topk_fraction,
         hold_s=args.hold,
+        feed_rate_hz=args.feed_rate,
+        label_delay_s=args.label_delay,
     )
     return run_demo(opts)
 
@@ -397,6 +399,12 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         "--hold", type=float, default=0.0, metavar="S", help="keep the dashboards up S seconds after the job"
     )
     d.add_argument("--workdir", default=None, help="keep shards, profiles, logs and state here")
+    d.add_argument(
+        "--feed-rate", type=float, default=200.0, metavar="HZ", help="samples/s fed to each agent (0: all)"
+    )
+    d.add_argument(
+        "--label-delay", type=float, default=0.5, metavar="S", help="each label follows its sample after S s"
+    )
     d.set_defaults(func=cmd_demo)
 
     from edgefl.agent import memreport, profiler

@@ -2,7 +2,9 @@
 
 An embedded MQTT broker (amqtt) on a free 127.0.0.1 port (or an existing broker), the coordinator in
 this process, and N agents, each a separate OS process running the real daemon with its own profile
-overrides and its own non-IID shard of the digits data. Baselines (factory head, central training,
+overrides and its own non-IID shard of the digits data, which this process feeds it live over MQTT
+(``edgefl feed``'s code: Sample messages on ``samples/<device>``, each label as a Label message a moment
+later, a Prediction back for every sample) before the rounds start. Baselines (factory head, central training,
 local-only training) are computed here on the same embeddings, so the federated result can be read
 against its lower and upper bounds.
 """
@@ -23,7 +25,7 @@ import tempfile
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -35,7 +37,9 @@ from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import make_strategy
 from edgefl.datasets import FACTORY_CLASSES, load_digits, partition_non_iid, split_digits
 from edgefl.errors import ConfigError
+from edgefl.feed import FeedOptions, FeedResult, feed
 from edgefl.head import Head
+from edgefl.profiles import BrokerConfig
 from edgefl.records import atomic_write
 from edgefl.resources import shipped
 from edgefl.runtime import Backbone
@@ -75,6 +79,8 @@ class DemoOptions:
     compression: str = "none"
     topk_fraction: float = 0.1
     hold_s: float = 0.0
+    feed_rate_hz: float = 200.0
+    label_delay_s: float = 0.5
 
 
 def launch_agent(profile: Path, overrides: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
@@ -259,8 +265,7 @@ async def _run(opts: DemoOptions) -> int:
                             "device.fleet": fleet,
                             "device.state_dir": str(work / dev),
                             "broker.url": f"mqtt://{host}:{port}",
-                            "source.kind": "replay",
-                            "source.path": str(shard_path),
+                            "source.kind": "mqtt",
                             "model.path": str(model_path),
                             "training.store_capacity": str(max(256, len(shard))),
                             "broker.protocol": "3.1.1" if broker is not None else profile.broker.protocol,
@@ -305,6 +310,8 @@ async def _run(opts: DemoOptions) -> int:
                 await coord.start()
                 ready = await coord.wait_for_devices(opts.devices, timeout_s=120)
                 print(f"  {len(ready)} agents ready: {', '.join(ready)}")
+                sizes = [len(s) for s in shards]
+                await _feed_devices(opts, coord, topics, host, port, work, sizes, broker is not None)
                 print(f"  coordinator dashboard: http://127.0.0.1:{board_port}/")
                 for dev in ready:
                     url = coord.state.devices[dev].get("dashboard_url")
@@ -345,7 +352,14 @@ async def _run(opts: DemoOptions) -> int:
                     vm_hwm = -1
                 peak = max(int(status.get("peak_rss_bytes") or -1), vm_hwm)
                 cap = int(status.get("cap_bytes") or profile.cap_bytes)
-                agents.append({"device": dev, "cap_bytes": cap, "peak_rss_bytes": peak})
+                agents.append(
+                    {
+                        "device": dev,
+                        "cap_bytes": cap,
+                        "peak_rss_bytes": peak,
+                        **{key: int(status.get(key) or 0) for key in INGEST_KEYS},
+                    }
+                )
         finally:
             stop_agents(procs)
             if broker is not None:
@@ -359,7 +373,9 @@ async def _run(opts: DemoOptions) -> int:
     for a in agents:
         print(
             f"  {a['device']}: peak RSS {a['peak_rss_bytes'] / 2**20:.1f} MiB "
-            f"of cap {a['cap_bytes'] / 2**20:.0f} MiB"
+            f"of cap {a['cap_bytes'] / 2**20:.0f} MiB; {a['samples_received']} samples, "
+            f"{a['labels_received']} labels received, {a['predictions_published']} predictions, "
+            f"{a['ingest_dropped']} dropped"
         )
     final = coord.state.history[-1].accuracy if coord.state.history else float("nan")
     print(
@@ -395,6 +411,88 @@ async def _run(opts: DemoOptions) -> int:
         atomic_write(Path(opts.json_path), (json.dumps(result, indent=2) + "\n").encode())
         print(f"  wrote {opts.json_path}")
     return rc
+
+
+INGEST_KEYS = ("samples_received", "labels_received", "predictions_published", "ingest_dropped")
+"""The agents' live-ingest counters the demo reports (status fields, ``--json`` keys)."""
+
+
+async def _feed_devices(
+    opts: DemoOptions,
+    coord: Coordinator,
+    topics: Topics,
+    host: str,
+    port: int,
+    work: Path,
+    sizes: list[int],
+    embedded: bool,
+) -> list[FeedResult]:
+    """Feed each agent its shard over MQTT (all at once), then wait until each stored every labelled sample.
+
+    Every sample is labelled, by a Label message ``opts.label_delay_s`` after its Sample, so the stores
+    hold what a replay of the shard would have put there, in the same order.
+
+    Raises
+    ------
+    TimeoutError
+        If an agent's status does not show its whole shard stored within 60 s.
+    TransportError
+        If the broker cannot be reached.
+    """
+    protocol: Literal["3.1.1", "auto"] = "3.1.1" if embedded else "auto"
+    broker = BrokerConfig(url=f"mqtt://{host}:{port}", topic_prefix=topics.prefix, protocol=protocol)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    transports: list[MqttTransport] = []
+    try:
+        # connected and subscribed one after the other: amqtt 0.12 iterates its subscriptions while a
+        # client connects, and fails that client if another subscribes to a new topic meanwhile
+        for k, n in enumerate(sizes):
+            dev = f"dev-{k + 1}"
+            t = MqttTransport(
+                host, port, f"edgefl-feed-{topics.fleet}-{dev}", protocol=protocol, queue_size=2 * n + 256
+            )
+            await t.start(wait_s=15)
+            transports.append(t)
+            await t.subscribe(topics.predictions(dev), 1)
+        results = await asyncio.gather(
+            *(
+                feed(
+                    FeedOptions(
+                        broker=broker,
+                        fleet=topics.fleet,
+                        device=f"dev-{k + 1}",
+                        data=work / f"dev-{k + 1}.npz",
+                        rate_hz=opts.feed_rate_hz,
+                        label_fraction=1.0,
+                        label_delay_s=opts.label_delay_s,
+                        wait_s=30.0,
+                        id_prefix=f"dev-{k + 1}-",
+                    ),
+                    transport=transports[k],
+                )
+                for k in range(len(sizes))
+            )
+        )
+    finally:
+        for t in transports:
+            await t.stop()
+    fed_s = loop.time() - t0
+    for k, n in enumerate(sizes):
+        dev = f"dev-{k + 1}"
+        while coord.state.devices.get(dev, {}).get("stored_total") != n:
+            if loop.time() - t0 > 60:
+                raise TimeoutError(f"{dev} did not store its {n} samples within 60 s")
+            await asyncio.sleep(0.1)  # statuses come every status.interval_s
+    seconds = loop.time() - t0
+    sent = sum(r.samples_sent for r in results)
+    predicted = sum(r.predictions_received for r in results)
+    print(
+        f"  fed {sent} samples over MQTT at {opts.feed_rate_hz:.0f}/s per device, each label "
+        f"{opts.label_delay_s:g} s later: {predicted} predictions back in {fed_s:.1f} s, "
+        f"all stored in {seconds:.1f} s"
+    )
+    return list(results)
 
 
 def central_evaluation(
