@@ -545,6 +545,15 @@ _DEVICE_GAUGES: Final = (
     ("edgefl_inference_rate_samples_per_second", "inference_rate", "Inference rate."),
     ("edgefl_store_samples", "store_samples", "Labelled embeddings in the store."),
     ("edgefl_broker_connected", "broker_connected", "1 when connected to the MQTT broker."),
+    ("edgefl_ingest_queued", "ingest_queued", "Live samples received, not yet classified."),
+    ("edgefl_pending_labels", "pending_labels", "Classified live samples waiting for a late label."),
+)
+_DEVICE_COUNTERS: Final = (  # live ingest (source.kind = "mqtt"): absent otherwise
+    ("edgefl_ingest_samples_received", "samples_received", "Live samples accepted."),
+    ("edgefl_ingest_labels_received", "labels_received", "Labels accepted, inline or late."),
+    ("edgefl_ingest_predictions_published", "predictions_published", "Predictions published."),
+    ("edgefl_ingest_dropped", "ingest_dropped", "Live samples dropped unclassified (queue full, oldest)."),
+    ("edgefl_ingest_pending_expired", "pending_expired", "Live samples whose late label never came."),
 )
 _COORDINATOR_GAUGES: Final = (
     ("edgefl_round", "round", "Current round."),
@@ -571,7 +580,9 @@ def device_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
         ``edgefl_last_update_bytes``, ``edgefl_local_accuracy`` (0..1),
         ``edgefl_inference_rate_samples_per_second``, ``edgefl_inferred_samples_total``,
         ``edgefl_store_samples``, ``edgefl_broker_connected`` (0/1), ``edgefl_agent_state{state}``,
-        ``edgefl_pipeline_info{mode}``, ``edgefl_rejected_total{reason}``.
+        ``edgefl_pipeline_info{mode}``, ``edgefl_rejected_total{reason}``; with live ingest
+        ``edgefl_ingest_queued``, ``edgefl_pending_labels`` and the counters
+        ``edgefl_ingest_{samples_received,labels_received,predictions_published,dropped,pending_expired}_total``.
     """
     from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
@@ -585,6 +596,10 @@ def device_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
     inferred = _number(status.get("inferred_total"))
     if inferred is not None:
         yield CounterMetricFamily("edgefl_inferred_samples", "Samples classified.", value=inferred)
+    for name, key, doc in _DEVICE_COUNTERS:
+        count = _number(status.get(key))
+        if count is not None:
+            yield CounterMetricFamily(name, doc, value=count)
     yield from _state_set(
         "edgefl_agent_state", "Agent state (1 = current).", status.get("state"), DEVICE_STATES
     )

@@ -47,5 +47,7 @@ def test_check_config_lists_every_problem_and_exits_1() -> None:
 def test_help_lists_the_sub_commands() -> None:
     r = edgefl("--help")
     assert r.returncode == 0
-    for name in ("run", "check-config", "demo", "coordinator", "profile", "memory-report", "wheelhouse"):
+    commands = ["run", "check-config", "demo", "coordinator", "profile", "memory-report", "wheelhouse"]
+    commands.append("feed")
+    for name in commands:
         assert name in r.stdout, name

@@ -373,6 +373,32 @@ def test_metrics_carry_the_device_status_numbers() -> None:
     assert abs(m[("edgefl_memory_rss_bytes", ())] - memory.rss_bytes()) < 64 * MiB
 
 
+def test_ingest_counters_in_metrics() -> None:
+    live = {
+        "samples_received": 40,
+        "labels_received": 30,
+        "predictions_published": 39,
+        "ingest_dropped": 1,
+        "pending_expired": 2,
+        "ingest_queued": 3,
+        "pending_labels": 8,
+    }
+    result: list[Any] = []
+
+    async def body() -> None:
+        snap = {**device_snapshot(), **live}
+        result.extend(await fetch_both(DashboardState("device", "gw", fixed(snap))))
+
+    run(body())
+    m = result[1]
+    assert m[("edgefl_ingest_samples_received_total", ())] == 40
+    assert m[("edgefl_ingest_labels_received_total", ())] == 30
+    assert m[("edgefl_ingest_predictions_published_total", ())] == 39
+    assert m[("edgefl_ingest_dropped_total", ())] == 1
+    assert m[("edgefl_ingest_pending_expired_total", ())] == 2
+    assert (m[("edgefl_ingest_queued", ())], m[("edgefl_pending_labels", ())]) == (3, 8)
+
+
 def test_metrics_carry_the_coordinator_status_numbers() -> None:
     result: list[Any] = []
 
