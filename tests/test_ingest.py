@@ -377,3 +377,45 @@ def test_ingest_feed_cli(
         [sys.executable, "-m", "edgefl.cli", "feed", "--help"], capture_output=True, text=True, timeout=60
     )
     assert "as a Label message on labels/<device>" in " ".join(helped.stdout.split())
+
+
+def test_ingest_logistic_streaming_frames_in_order(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+) -> None:
+    # the K = 1 streaming model (resource variables, logistic head): frames classified in arrival order
+    # through one interpreter, so its state carries; labels are 0/1
+    streaming = RAWIN_MODEL.parent / "test" / "streaming_kws_int8.tflite"
+    frames = np.random.default_rng(5).standard_normal((12, 3, 40)).astype(np.float32)
+    bb = Backbone(streaming)
+    emb = Pipeline(bb, (0.0,), (1.0,), mode="fused", batch=1).run(frames)[0]
+    want_cls, want_score = Head(*bb.head_from_model()).scores(emb)
+    agent_log.append(
+        start_ingest_agent(
+            mosquitto,
+            fleet,
+            tmp_path,
+            "kws-live",
+            model__path=str(streaming),
+            pipeline__raw_dtype="float32",
+            pipeline__mean="0.0",
+            pipeline__std="1.0",
+            pipeline__batch="1",
+        )
+    )
+
+    async def main() -> tuple[dict[str, Any], dict[str, Prediction]]:
+        async with Gateway(mosquitto, fleet, "kws-live") as gw:
+            await gw.ready()
+            for i in range(12):
+                await gw.sample(Sample(f"w{i}", frames[i], i % 2 if i < 6 else None))
+            await wait_until(lambda: len(gw.predictions) == 12, 30, "12 predictions")
+            await gw.sample(Sample("w12", frames[0], 2))  # K = 1: labels 0 and 1 only
+            await gw.label("w6", 2)
+            await gw.label("w7", 1)
+            st = await gw.until("7 stored, 2 refused", stored_total=7, rejected={"bad_label": 2})
+            return st, dict(gw.predictions)
+
+    st, preds = asyncio.run(main())
+    assert [preds[f"w{i}"].cls for i in range(12)] == want_cls.tolist()
+    np.testing.assert_allclose([preds[f"w{i}"].score for i in range(12)], want_score, rtol=1e-5)
+    assert (st["samples_received"], st["labels_received"], st["pending_labels"]) == (12, 7, 5)
