@@ -110,6 +110,11 @@ class FeedResult:
         Predictions equal to the sample's ``y`` (all samples, labelled or not).
     seconds : float
         Wall time from the first publish to the end.
+    latency_s_median, latency_s_p95 : float or None
+        The device's ``latency_s`` (arrival to classification, queueing included) over the
+        predictions received: median and 95th percentile, seconds.
+    publish_s : float or None
+        Seconds from the first publish to the last one acknowledged (labels included).
     """
 
     samples_sent: int
@@ -118,6 +123,9 @@ class FeedResult:
     predictions_received: int
     correct: int
     seconds: float
+    latency_s_median: float | None = None
+    latency_s_p95: float | None = None
+    publish_s: float | None = None
 
     @property
     def accuracy(self) -> float | None:
@@ -269,6 +277,7 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
             await asyncio.gather(*inflight)
         if errors:
             raise errors[0]
+        publish_s = time.monotonic() - t0
         if n:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(all_in.wait(), opts.wait_s)
@@ -281,7 +290,18 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
         if own:
             await transport.stop()
     correct = sum(int(p.cls == y[i]) for i, p in predicted.items())
-    return FeedResult(n, inline, late_sent, len(predicted), correct, time.monotonic() - t0)
+    lat = np.array([p.latency_s for p in predicted.values()], dtype=np.float64)
+    return FeedResult(
+        n,
+        inline,
+        late_sent,
+        len(predicted),
+        correct,
+        time.monotonic() - t0,
+        float(np.median(lat)) if len(lat) else None,
+        float(np.percentile(lat, 95)) if len(lat) else None,
+        publish_s,
+    )
 
 
 # --- the command ---------------------------------------------------------------------------------------
