@@ -46,6 +46,7 @@ from edgefl.wire.chunking import Reassembler, is_chunk, publish_packet_bytes, sp
 from edgefl.wire.codec import (
     DeviceStatus,
     Prediction,
+    Reason,
     decode_label,
     decode_sample,
     encode_prediction,
@@ -261,17 +262,22 @@ class Agent:
     def receive_ingest(self, msg: Message) -> None:
         """File a Sample into the ingest queue or apply a Label (on the loop, at once; never raises).
 
-        A sample of another shape or dtype than the model's, a label outside [0, K), a duplicate or a
-        label for no waiting sample is refused: logged with topic, size and reason, counted in
-        ``rejected``.
+        A sample of another shape or dtype than the model's, a label outside [0, K), a duplicate, a
+        label for no waiting sample, or a retained message (a stale sample the broker would hand over
+        again at every reconnect) is refused: logged with topic, size and reason, counted in
+        ``rejected``. An empty payload (a retained message being cleared) is ignored.
         """
         ingest = self.ingest
         assert ingest is not None
         pipeline = self.core.pipeline
         assert pipeline is not None
+        if not msg.payload:
+            return
         what = f"message on {msg.topic} ({len(msg.payload)} bytes)"
         K = self.core.head.shape[1]
         try:
+            if msg.retain:
+                raise DecodeError(Reason.BAD_VALUE, "retained: samples and labels are never retained")
             if msg.topic == self.topics.samples(self.device):
                 sample = decode_sample(
                     msg.payload,

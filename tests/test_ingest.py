@@ -255,11 +255,19 @@ def test_ingest_refuses_wrong_shape_dtype_label(
     mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
 ) -> None:
     x, y = load_digits()
+
+    async def stale() -> None:  # a retained sample waiting on the broker before the agent subscribes
+        async with Gateway(mosquitto, fleet, "live-2") as gw:
+            payload = encode_sample(Sample("stale", x[3], int(y[3])))
+            await gw.t.publish(gw.topics.samples("live-2"), payload, qos=1, retain=True)
+
+    asyncio.run(stale())
     agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-2"))
 
     async def main() -> dict[str, Any]:
         async with Gateway(mosquitto, fleet, "live-2") as gw:
             await gw.ready()
+            await gw.t.publish(gw.topics.samples("live-2"), b"", qos=1, retain=True)  # cleared: ignored
             await gw.sample(Sample("shape", x[0].reshape(8, 8)))  # no channel dimension
             await gw.sample(Sample("dtype", x[0].astype(np.float32)))  # not the raw dtype (uint8)
             await gw.sample(Sample("int16", x[0].astype(np.int16)))
@@ -276,6 +284,7 @@ def test_ingest_refuses_wrong_shape_dtype_label(
 
     st = asyncio.run(main())
     assert st["rejected"] == {
+        "bad_value": 1,  # the retained one
         "bad_shape": 1,
         "bad_dtype": 2,
         "bad_label": 2,
