@@ -5,7 +5,8 @@ before the agent allocates anything: the state folder must be a writable folder 
 ``/proc``, ``/sys`` or ``/dev``); the packet limit must leave room for a chunk; the embedding store
 (``store_capacity x (2 D + 2)`` bytes, memory-mapped, and its pages count in RSS) must fit both the
 disk and the memory cap; and the cap must be above the model's floor: the process's RSS with the
-model loaded plus the store plus the smallest inference phase. A cap that leaves no room for the
+model loaded plus the store plus the live ingest at its bounds (:func:`ingest_bytes`) plus the smallest
+inference phase. A cap that leaves no room for the
 smallest training chunk is a warning (:func:`training_warning`): the agent classifies, rounds defer.
 Each problem names the dotted key, its value and the figure it was compared with.
 """
@@ -17,10 +18,20 @@ import shutil
 from pathlib import Path
 from typing import Final
 
+import numpy as np
+
 from edgefl.agent import memory
 from edgefl.agent.config import Profile
+from edgefl.agent.ingest import RECENT_IDS
 
-__all__ = ["MIN_PACKET_BYTES", "floor_bytes", "preflight", "store_bytes", "training_warning"]
+__all__ = [
+    "MIN_PACKET_BYTES",
+    "floor_bytes",
+    "ingest_bytes",
+    "preflight",
+    "store_bytes",
+    "training_warning",
+]
 
 MIN_PACKET_BYTES: Final = 512
 """Smallest usable ``broker.max_packet_bytes``: a chunk's fixed header, topic and CBOR envelope take
@@ -36,6 +47,22 @@ def store_bytes(capacity: int, dim: int, holdout_every: int = 0) -> int:
     """
     extra = max(16, capacity // holdout_every) if holdout_every else 0
     return (capacity + extra) * (2 * dim + 2)
+
+
+def ingest_bytes(profile: Profile, shapes: memory.ModelShapes) -> int:
+    """RAM of the live ingest at its bounds (``source.kind = "mqtt"``; 0 otherwise), in bytes.
+
+    ``source.queue_max`` raw samples (``pipeline.raw_dtype``) + ``source.pending_max`` embeddings
+    (D float32) + :data:`~edgefl.agent.ingest.RECENT_IDS` remembered ids, each with ~300 bytes of
+    Python bookkeeping (object, array header, dict entry; measured order of magnitude, not exact).
+    """
+    src = profile.source
+    if src.kind != "mqtt":
+        return 0
+    per_object = 300
+    raw = src.queue_max * (shapes.sample_elems * np.dtype(profile.pipeline.raw_dtype).itemsize + per_object)
+    pending = src.pending_max * (4 * shapes.embedding_dim + per_object)
+    return raw + pending + RECENT_IDS * 100
 
 
 def floor_bytes(
@@ -70,6 +97,7 @@ def floor_bytes(
     return (
         baseline_rss
         + store_bytes(profile.training.store_capacity, shapes.embedding_dim, profile.training.holdout_every)
+        + ingest_bytes(profile, shapes)
         + phase
     )
 
@@ -148,6 +176,7 @@ def preflight(profile: Profile, shapes: memory.ModelShapes | None, baseline_rss:
                 f"{need / mib:.1f} MiB, the disk has {free / mib:.1f} MiB free"
             )
     floor = floor_bytes(profile, shapes, baseline_rss)
+    live = ingest_bytes(profile, shapes)
     if need > budget:
         problems.append(
             f"training.store_capacity = {profile.training.store_capacity}: the store needs "
@@ -157,7 +186,8 @@ def preflight(profile: Profile, shapes: memory.ModelShapes | None, baseline_rss:
     elif floor > cap:
         problems.append(
             f"memory.cap_mb = {profile.memory.cap_mb}: under the model's floor of {floor / mib:.1f} MiB: "
-            f"the process with the model {baseline_rss / mib:.1f} MiB, the store {need / mib:.1f} MiB, the "
-            f"smallest inference {(floor - baseline_rss - need) / mib:.1f} MiB"
+            f"the process with the model {baseline_rss / mib:.1f} MiB, the store {need / mib:.1f} MiB, "
+            f"the live ingest at its bounds {live / mib:.1f} MiB, the smallest inference "
+            f"{(floor - baseline_rss - need - live) / mib:.1f} MiB"
         )
     return problems

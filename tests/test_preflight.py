@@ -68,3 +68,21 @@ def test_fault_check_config_states_the_floor_and_passes_the_shipped_cap(tmp_path
     )
     floor = float(low.stderr.split("under the model's floor of ")[1].split(" MiB")[0])
     assert 40 < floor < 92  # above the refused cap, under the shipped 96 MiB less its 8 MiB reserve
+
+
+def test_ingest_bounds_count_in_the_floor(tmp_path: Path) -> None:
+    # queue 256 x (64 B + 300) + pending 1024 x (512 x 4 B + 300) + 4096 ids x 100 = 2,907,136 B
+    low = edgefl(
+        "check-config",
+        str(DEV_PROFILE),
+        *("--set", f"device.state_dir={tmp_path}", "--set", "memory.cap_mb=40"),
+        *("--set", "memory.reserve_mb=4"),
+    )
+    assert "the live ingest at its bounds 2.8 MiB" in low.stderr, low.stderr
+    # a pending table of 100,000 embeddings (+ the queue and ids: 235,302,784 B) does not fit 96 MiB
+    big = edgefl(
+        "check-config",
+        str(DEV_PROFILE),
+        *("--set", f"device.state_dir={tmp_path}", "--set", "source.pending_max=100000"),
+    )
+    assert big.returncode == 1 and "the live ingest at its bounds 224.4 MiB" in big.stderr, big.stderr
