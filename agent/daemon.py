@@ -314,6 +314,7 @@ class Agent:
                     try:
                         await self._classify_rows(rows)
                     except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
+                        ingest.forget(rows)
                         self._fault("batch", f"samples {rows[0].id}..{rows[-1].id}", exc)
                 late = ingest.take_labelled()
                 if late is not None:
@@ -350,9 +351,8 @@ class Agent:
             self.state.correct_total += int(np.sum(out.predictions[labelled] == labels[labelled]))
             self.state.labelled_total += n_labelled
         self._rate_window.append((done, self.state.inferred_total))
-        for i, r in enumerate(rows):
-            if r.label is None:
-                ingest.park(r.id, out.embeddings[i], int(out.predictions[i]))
+        for i, r in enumerate(rows):  # the unlabelled wait for a late label (or one came meanwhile)
+            ingest.settle(r.id, out.embeddings[i], int(out.predictions[i]))
         scores = out.scores if out.scores is not None else np.ones(len(rows), dtype=np.float32)
         predictions = [
             Prediction(
@@ -417,9 +417,10 @@ class Agent:
         self._changed()
 
     async def handle(self, msg: Message) -> None:
-        """Dispatch one message: GlobalModel (whole or in chunks) or RoundAnnouncement; reject anything else.
+        """Dispatch one message: GlobalModel (whole or in chunks), RoundAnnouncement, Sample or Label.
 
-        A bad message is logged with topic, size and reason, counted in ``rejected``, and dropped.
+        Anything else is ``bad_topic``. A bad message is logged with topic, size and reason, counted in
+        ``rejected``, and dropped.
         """
         what = f"message on {msg.topic} ({len(msg.payload)} bytes)"
         try:

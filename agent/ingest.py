@@ -8,6 +8,8 @@ interpreter, no thread (the daemon calls it from its event loop only).
 - **The queue** keeps at most ``queue_max`` samples received and not yet classified. A sample arriving
   when it is full evicts the OLDEST queued one (a sensor app wants the freshest data classified; an old
   frame is worth less than a new one), counted in ``ingest_dropped``.
+- **In flight**: a sample taken from the queue for classification is in flight until the daemon
+  settles it (:meth:`Ingest.settle`); a label arriving meanwhile is kept for it, never refused.
 - **The pending table** keeps, for each classified sample that had no label, its embedding until a
   Label names it, for at most ``label_expiry_s`` seconds and ``pending_max`` entries (the oldest goes
   first), counted in ``pending_expired`` / ``pending_evicted``. A label matched there is handed back
@@ -123,6 +125,8 @@ class Ingest:
         # id -> (embedding [D], since, predicted class)
         self._pending: OrderedDict[str, tuple[F32, float, int]] = OrderedDict()
         self._labelled: list[tuple[F32, int, int]] = []
+        # taken for classification, not settled yet: id -> [inline label, label that came meanwhile]
+        self._inflight: dict[str, list[int | None]] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()
 
     def __len__(self) -> int:
@@ -173,7 +177,7 @@ class Ingest:
         return dropped
 
     def offer_label(self, label: Label) -> None:
-        """Apply a late label to its sample: still queued (labelled in place) or pending (handed back).
+        """Apply a late label to its sample: queued (labelled in place), in flight (kept for it) or pending.
 
         Parameters
         ----------
@@ -183,15 +187,21 @@ class Ingest:
         Raises
         ------
         UpdateRejected
-            ``duplicate`` (the queued sample has a label already), ``unknown_sample`` (no queued or
-            pending sample has this id: never received, dropped, labelled already, or expired).
+            ``duplicate`` (the queued or in-flight sample has a label already), ``unknown_sample`` (no
+            queued, in-flight or pending sample has this id: never received, dropped, labelled
+            already, or expired).
         """
         self.expire()
         queued = self._queue.get(label.id)
+        slot = self._inflight.get(label.id)
         if queued is not None:
             if queued.label is not None:
                 raise UpdateRejected(Reason.DUPLICATE, f"sample {label.id} is labelled already")
             queued.label = label.label
+        elif slot is not None:
+            if slot[0] is not None or slot[1] is not None:
+                raise UpdateRejected(Reason.DUPLICATE, f"sample {label.id} is labelled already")
+            slot[1] = label.label
         else:
             entry = self._pending.pop(label.id, None)
             if entry is None:
@@ -204,17 +214,44 @@ class Ingest:
 
     # --- out --------------------------------------------------------------------------------------
     def take(self, n: int) -> list[Queued]:
-        """Remove and return the ``n`` oldest queued samples (fewer if fewer are queued)."""
+        """Remove and return the ``n`` oldest queued samples (fewer if fewer are queued), now in flight.
+
+        Each must be settled (:meth:`settle`) once classified, or forgotten (:meth:`forget`).
+        """
         out: list[Queued] = []
         while self._queue and len(out) < n:
-            out.append(self._queue.popitem(last=False)[1])
+            row = self._queue.popitem(last=False)[1]
+            self._inflight[row.id] = [row.label, None]
+            out.append(row)
         return out
 
-    def park(self, sample_id: str, embedding: F32, predicted: int) -> None:
-        """Keep a classified, unlabelled sample's embedding [D] for a late label (the oldest goes if full).
+    def settle(self, sample_id: str, embedding: F32, predicted: int) -> None:
+        """Settle a taken sample once classified.
 
-        ``predicted`` is the class it was given (scored against the label when it comes).
+        Done if it had a label when taken (the caller stored it); else a label that came while it was
+        in flight is handed back by :meth:`take_labelled`, or it waits in the pending table.
+
+        Parameters
+        ----------
+        sample_id : str
+        embedding : float32 [D]
+        predicted : int
+            The class it was given (scored against its label when that comes).
         """
+        slot = self._inflight.pop(sample_id, None)
+        if slot is None or slot[0] is not None:
+            return  # stored with its own label by the caller
+        if slot[1] is not None:
+            self._labelled.append((np.array(embedding, dtype=np.float32), slot[1], int(predicted)))
+            return
+        self._park(sample_id, embedding, predicted)
+
+    def forget(self, rows: list[Queued]) -> None:
+        """Taken samples whose classification failed: no longer in flight (a label for them is unknown)."""
+        for row in rows:
+            self._inflight.pop(row.id, None)
+
+    def _park(self, sample_id: str, embedding: F32, predicted: int) -> None:
         if self.pending_max == 0:
             return
         if len(self._pending) >= self.pending_max:

@@ -110,10 +110,18 @@ def test_ingest_queue_unit_drops_oldest_expires_pending_refuses_duplicates() -> 
     ing.offer_label(Label("s8", 5))  # still queued: labelled in place
     rows = ing.take(8)
     assert [(r.id, r.label) for r in rows] == [("s6", None), ("s7", None), ("s8", 5), ("s9", None)]
+    ing.offer_label(Label("s7", 4))  # in flight (being classified): kept for it, not refused
+    with pytest.raises(UpdateRejected) as twice:
+        ing.offer_label(Label("s8", 5))
+    assert twice.value.reason == "duplicate"
     for k, r in enumerate(rows):
-        if r.label is None:
-            ing.park(r.id, np.full(4, k, np.float32), predicted=k)
-    ing.park("s10", np.zeros(4, np.float32), predicted=0)  # pending_max = 3: s6 goes
+        ing.settle(r.id, np.full(4, k, np.float32), predicted=k)
+    late = ing.take_labelled()  # s7's label came while it was in flight
+    assert late is not None and late[1].tolist() == [4] and late[2].tolist() == [1]
+    ing.offer_sample(sample(10))
+    ing.settle(ing.take(1)[0].id, np.zeros(4, np.float32), predicted=0)
+    ing.offer_sample(sample(11))
+    ing.settle(ing.take(1)[0].id, np.zeros(4, np.float32), predicted=0)  # pending_max = 3: s6 goes
     assert ing.pending == 3 and ing.counters.pending_evicted == 1
     with pytest.raises(UpdateRejected) as unknown:
         ing.offer_label(Label("s6", 1))
@@ -123,11 +131,15 @@ def test_ingest_queue_unit_drops_oldest_expires_pending_refuses_duplicates() -> 
     assert late is not None
     np.testing.assert_array_equal(late[0], np.full((1, 4), 3, np.float32))
     assert late[1].tolist() == [2] and late[2].tolist() == [3] and ing.take_labelled() is None
-    now[0] = 10.5  # s7 and s10 waited longer than label_expiry_s
+    now[0] = 10.5  # s10 and s11 waited longer than label_expiry_s
     assert ing.expire() == 2 and ing.pending == 0 and ing.counters.pending_expired == 2
     with pytest.raises(UpdateRejected):
-        ing.offer_label(Label("s7", 1))
-    assert ing.counters.labels_received == 2
+        ing.offer_label(Label("s10", 1))
+    ing.offer_sample(sample(12))
+    ing.forget(ing.take(1))  # its classification failed
+    with pytest.raises(UpdateRejected):
+        ing.offer_label(Label("s12", 1))
+    assert ing.counters.labels_received == 3
 
 
 # ----------------------------------------------------------------------------------------------
