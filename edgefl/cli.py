@@ -403,7 +403,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         "--feed-rate", type=float, default=200.0, metavar="HZ", help="samples/s fed to each agent (0: all)"
     )
     d.add_argument(
-        "--label-delay", type=float, default=0.5, metavar="S", help="each label follows its sample after S s"
+        "--label-delay",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="0: labels inline in the samples (default); S > 0: each on labels/<device> S s after its sample",
     )
     d.set_defaults(func=cmd_demo)
 

@@ -3,8 +3,9 @@
 An embedded MQTT broker (amqtt) on a free 127.0.0.1 port (or an existing broker), the coordinator in
 this process, and N agents, each a separate OS process running the real daemon with its own profile
 overrides and its own non-IID shard of the digits data, which this process feeds it live over MQTT
-(``edgefl feed``'s code: Sample messages on ``samples/<device>``, each label as a Label message a moment
-later, a Prediction back for every sample) before the rounds start. Baselines (factory head, central training,
+(``edgefl feed``'s code: Sample messages on ``samples/<device>`` carrying their labels, or with
+``--label-delay S`` each label as a Label message on ``labels/<device>`` S seconds later; a Prediction
+back for every sample) before the rounds start. Baselines (factory head, central training,
 local-only training) are computed here on the same embeddings, so the federated result can be read
 against its lower and upper bounds.
 """
@@ -80,7 +81,7 @@ class DemoOptions:
     topk_fraction: float = 0.1
     hold_s: float = 0.0
     feed_rate_hz: float = 200.0
-    label_delay_s: float = 0.5
+    label_delay_s: float = 0.0
 
 
 def launch_agent(profile: Path, overrides: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
@@ -429,8 +430,8 @@ async def _feed_devices(
 ) -> list[FeedResult]:
     """Feed each agent its shard over MQTT (all at once), then wait until each stored every labelled sample.
 
-    Every sample is labelled, by a Label message ``opts.label_delay_s`` after its Sample, so the stores
-    hold what a replay of the shard would have put there, in the same order.
+    Every sample is labelled (inline, or by a Label message ``opts.label_delay_s`` after its Sample), so
+    the stores hold what a replay of the shard would have put there, in the same order.
 
     Raises
     ------
@@ -487,10 +488,10 @@ async def _feed_devices(
     seconds = loop.time() - t0
     sent = sum(r.samples_sent for r in results)
     predicted = sum(r.predictions_received for r in results)
+    labels = f"each label {opts.label_delay_s:g} s later" if opts.label_delay_s > 0 else "labels inline"
     print(
-        f"  fed {sent} samples over MQTT at {opts.feed_rate_hz:.0f}/s per device, each label "
-        f"{opts.label_delay_s:g} s later: {predicted} predictions back in {fed_s:.1f} s, "
-        f"all stored in {seconds:.1f} s"
+        f"  fed {sent} samples over MQTT at {opts.feed_rate_hz:.0f}/s per device ({labels}): "
+        f"{predicted} predictions back in {fed_s:.1f} s, all stored in {seconds:.1f} s"
     )
     return list(results)
 
