@@ -16,7 +16,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import RAWIN_MODEL, Broker, start_ingest_agent, wait_until
+from conftest import (
+    PASSWORD,
+    RAWIN_MODEL,
+    USER,
+    Broker,
+    Pki,
+    start_ingest_agent,
+    start_mosquitto,
+    stop_broker,
+    tls_conf,
+    wait_until,
+)
 
 from edgefl.agent.ingest import Ingest
 from edgefl.agent.pipeline import Pipeline
@@ -25,6 +36,7 @@ from edgefl.demo import stop_agents
 from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.head import Head
 from edgefl.runtime import Backbone
+from edgefl.tlsconf import make_ssl_context
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.codec import (
@@ -149,10 +161,10 @@ def test_ingest_queue_unit_drops_oldest_expires_pending_refuses_duplicates() -> 
 class Gateway:
     """A gateway app on the real broker: sends samples and labels, reads predictions, statuses, updates."""
 
-    def __init__(self, broker: Broker, fleet: str, device: str) -> None:
+    def __init__(self, broker: Broker, fleet: str, device: str, **tls: Any) -> None:
         self.topics = Topics("edgefl", fleet)
         self.device = device
-        self.t = MqttTransport(broker.host, broker.port, f"gw-{fleet}-{device}", queue_size=4096)
+        self.t = MqttTransport(broker.host, broker.port, f"gw-{fleet}-{device}", queue_size=4096, **tls)
         self.predictions: dict[str, Prediction] = {}
         self.status: dict[str, Any] = {}
         self.updates: list[Any] = []
@@ -440,3 +452,42 @@ def test_ingest_logistic_streaming_frames_in_order(
     assert [preds[f"w{i}"].cls for i in range(12)] == want_cls.tolist()
     np.testing.assert_allclose([preds[f"w{i}"].score for i in range(12)], want_score, rtol=1e-5)
     assert (st["samples_received"], st["labels_received"], st["pending_labels"]) == (12, 7, 5)
+
+
+def test_ingest_feed_cli_over_tls_with_the_profile_broker_table(
+    pki: Pki, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+) -> None:
+    # TLS and a password: the feeder takes the CA, username and password file from a profile's
+    # [broker] table (as the agent does); without them it cannot connect (exit 4)
+    conf = tls_conf(pki, pki.server_cert, pki.server_key, require_certificate=False)
+    broker = start_mosquitto(tmp_path, extra=conf)
+    try:
+        url = f"mqtts://127.0.0.1:{broker.port}"
+        password = tmp_path / "password"
+        password.write_text(PASSWORD + "\n")
+        tls = {"broker__ca_file": str(pki.ca), "broker__username": USER}
+        tls["broker__password_file"] = str(password)
+        agent_log.append(start_ingest_agent(broker, fleet, tmp_path, "tls-1", broker__url=url, **tls))
+        profile = tmp_path / "feeder.toml"
+        profile.write_text(
+            '[device]\nid = "feeder"\n[model]\npath = "unused.tflite"\n[broker]\n'
+            f'url = "{url}"\nca_file = "{pki.ca}"\nusername = "{USER}"\npassword_file = "{password}"\n'
+        )
+        x, y = load_digits()
+        np.savez(tmp_path / "few.npz", x=x[:20], y=y[:20])
+
+        async def ready() -> None:
+            creds = {"tls_context": make_ssl_context(pki.ca), "username": USER, "password": PASSWORD}
+            async with Gateway(broker, fleet, "tls-1", **creds) as gw:
+                await gw.ready()
+
+        asyncio.run(ready())
+        base = [sys.executable, "-m", "edgefl.cli", "feed", "--broker", url, "--fleet", fleet]
+        base += ["--device", "tls-1", "--data", str(tmp_path / "few.npz"), "--rate", "0", "--wait", "30"]
+        fed = subprocess.run([*base, "--profile", str(profile)], capture_output=True, text=True, timeout=120)
+        assert fed.returncode == 0, fed.stdout + fed.stderr
+        assert "fed 20 samples to tls-1" in fed.stdout and "20 predictions" in fed.stdout
+        bare = subprocess.run(base, capture_output=True, text=True, timeout=120)
+        assert bare.returncode == 4, bare.stdout + bare.stderr
+    finally:
+        stop_broker(broker)
