@@ -46,7 +46,7 @@ class DecodeError(EdgeflError):
 
 
 class UpdateRejected(EdgeflError):
-    """An update (at the coordinator) or a global head (at the device) was refused.
+    """An update (at the coordinator), a global head or a live sample or label (at the device) was refused.
 
     Parameters
     ----------
