@@ -706,9 +706,7 @@ class DeviceCore:
         gov = self.governor
 
         def ask() -> memory.Admission:
-            return gov.admit_inference(
-                shapes, n, resident_batch=pipeline.allocated_batch, prep=pipeline.mode
-            )
+            return gov.admit_inference(shapes, n, resident_batch=pipeline.allocated_batch, prep=pipeline.mode)
 
         adm = ask()
         if adm.deferred:
