@@ -969,7 +969,7 @@ class DeviceCore:
         )
 
     def _defer(self, ann: RoundAnnouncement, reason: str) -> RoundResult:
-        """Keep ``ann`` as the deferred round (its first deferral time kept across retries)."""
+        """Keep ``ann`` as the deferred round (its first deferral time kept when deferred again)."""
         prior = self.deferred
         since = prior.since_s if prior is not None and prior.ann.round == ann.round else time.monotonic()
         self.deferred = Deferred(ann, since, reason)
@@ -1003,7 +1003,11 @@ class DeviceCore:
             return self._decline_safely(d)
         gc.collect()
         memory.malloc_trim()
-        return self.answer_round(d.ann)
+        self.deferred = None  # whatever the answer now (trained, stale, answered...), unless deferred again
+        result = self.answer_round(d.ann)
+        if result.status == RoundStatus.DEFERRED and self.deferred is not None:
+            self.deferred = dataclasses.replace(self.deferred, since_s=d.since_s)
+        return result
 
     def take_declines(self) -> list[RoundResult]:
         """Declines of deferred rounds a newer round superseded (DECLINED results to publish); cleared."""

@@ -107,6 +107,12 @@ def test_own_model_deferred_round_retried_when_memory_frees_else_declined(tmp_pa
     assert [(r.round, r.status, r.reason) for r in superseded] == [(3, RoundStatus.DECLINED, "over_budget")]
     assert core.deferred is not None and core.deferred.ann.round == 4 and core.declined_total == 2
     assert core.take_declines() == []
+    # a newer global head arrives meanwhile: the retry refuses round 4 as stale once and forgets it
+    core.head = Head(core.head.W, core.head.b, 1)
+    set_rss(proc, 40 * MIB)
+    stale = core.retry_deferred(now_s=core.deferred.since_s + 1.0)
+    assert stale is not None and (stale.status, stale.reason) == (RoundStatus.REFUSED, "stale_round")
+    assert core.deferred is None and core.retry_deferred() is None
 
 
 def _frames(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
