@@ -300,8 +300,6 @@ class Agent:
                     await self.answer_ready()
             elif topic == self.topics.round:
                 await self.on_round(await self._work(self.core.receive_round, payload))
-                for declined in self.core.take_declines():  # a deferred round the new one superseded
-                    await self.on_round(declined)
             else:
                 raise DecodeError("bad_topic", f"unexpected topic {topic}")
         except DecodeError as exc:
@@ -319,7 +317,12 @@ class Agent:
             await self.on_round(await self._work(self.core.answer_round, ann))
 
     async def on_round(self, result: RoundResult) -> None:
-        """Act on the core's answer to a round: publish a trained update, show a deferral, count a refusal."""
+        """Act on the core's answer to a round: publish a trained update, show a deferral, count a refusal.
+
+        Declines of deferred rounds that this answer's round superseded are published first.
+        """
+        for declined in await self._work(self.core.take_declines):
+            await self._declined(declined)
         if result.round:
             self.state.round = max(self.state.round, result.round)
         status = result.status
