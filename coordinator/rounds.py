@@ -58,6 +58,8 @@ class Round:
     update_ids: set[str] = field(default_factory=set)
     update_bytes: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    declined: list[str] = field(default_factory=list)
+    """Devices that refused this round with a Decline (e.g. ``over_budget``)."""
 
     @property
     def clients(self) -> int:
@@ -70,8 +72,8 @@ class Round:
         return self.opened_at + self.deadline_s
 
     def complete(self) -> bool:
-        """True when ``min_clients`` updates arrived (or every selected device answered)."""
-        if self.selected is not None and set(self.devices) >= self.selected:
+        """True when ``min_clients`` updates arrived (or every selected device answered or declined)."""
+        if self.selected is not None and set(self.devices) | set(self.declined) >= self.selected:
             return True
         return self.clients >= self.min_clients
 

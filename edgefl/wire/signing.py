@@ -88,7 +88,10 @@ SIGNED_KINDS: Final[Mapping[MessageType, str]] = {
     MessageType.GLOBAL_MODEL: "version",
     MessageType.ROUND: "base_version",
     MessageType.UPDATE: "base_version",
+    MessageType.DECLINE: "base_version",
 }
+#: Kinds sent by a device: the signed bytes bind the device its topic names.
+_DEVICE_KINDS: Final = frozenset({MessageType.UPDATE, MessageType.DECLINE})
 _KEY: Final = b"\x69signature"  # CBOR text string "signature"
 _SIGNED_TAIL: Final = _KEY + b"\x58\x40"  # "signature": 64-byte string header
 _PKCS8_PREFIX: Final = bytes.fromhex("302e020100300506032b657004220420")  # RFC 8410 §10.3
@@ -383,13 +386,13 @@ def signed_bytes(*, fleet: str, kind: str, round: int, version: int, device: str
     fleet : str
         Fleet the message is meant for (profile ``device.fleet``, coordinator ``--fleet``).
     kind : str
-        Message type (``"global_model"``, ``"round"``, ``"update"``).
+        Message type (``"global_model"``, ``"round"``, ``"update"``, ``"decline"``).
     round : int
         The message's ``round``, >= 0.
     version : int
-        Its ``version`` (GlobalModel) or ``base_version`` (RoundAnnouncement, Update), >= 0.
+        Its ``version`` (GlobalModel) or ``base_version`` (RoundAnnouncement, Update, Decline), >= 0.
     device : str
-        The sending device for an Update, ``""`` otherwise.
+        The sending device for an Update or a Decline, ``""`` otherwise.
     digest : bytes
         SHA-256 of the blank form (32 bytes).
 
@@ -445,7 +448,7 @@ def _signed_fields(blank: bytes, limits: Limits) -> _Signed:
     round_, version = found.get("round"), found.get(version_key)
     if type(round_) is not int or type(version) is not int:
         raise DecodeError(Reason.MISSING_KEY, f"round or {version_key}: missing or not unsigned integers")
-    device = found.get("device", "") if kind == MessageType.UPDATE else ""
+    device = found.get("device", "") if kind in _DEVICE_KINDS else ""
     return _Signed(schema, kind, round_, version, device if type(device) is str else "")
 
 
@@ -567,8 +570,8 @@ def verify_payload(
     expected = MessageType(kind)
     if expected not in SIGNED_KINDS:
         raise ValueError(f"{expected.value} messages are not signed")
-    if expected is MessageType.UPDATE and not device:
-        raise ValueError("verifying an update needs the device its topic names")
+    if expected in _DEVICE_KINDS and not device:
+        raise ValueError(f"verifying a {expected.value} needs the device its topic names")
     blank = unsigned_form(payload)
     try:
         fields = _signed_fields(blank, limits)
@@ -582,7 +585,7 @@ def verify_payload(
         raise DecodeError(
             Reason.BAD_SIGNATURE, f"schema-{fields.schema} signature: the sender predates schema 2"
         )
-    wanted_device = device if expected is MessageType.UPDATE else ""
+    wanted_device = device if expected in _DEVICE_KINDS else ""
     message = signed_bytes(
         fleet=fleet,
         kind=expected.value,
