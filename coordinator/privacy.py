@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -325,6 +325,16 @@ class DPFedAvg(Strategy):
 
     def _fold_sums(self, sums: SiteSums) -> None:
         self._sum.add_sum(sums.W, sums.b, sums.count)
+
+    def _snapshot(self) -> dict[str, Any]:
+        W, b = self._sum.sums()
+        return {"W": W.tobytes(), "b": b.tobytes(), "count": self._sum.count, "clipped": self._sum.clipped}
+
+    def _restore(self, acc: dict[str, Any], shape: tuple[int, int]) -> None:
+        if int(acc["count"]) > 0:
+            W = np.frombuffer(acc["W"], np.float64).reshape(shape)
+            self._sum.add_sum(W, np.frombuffer(acc["b"], np.float64).reshape(shape[1]), int(acc["count"]))
+            self._sum.clipped = int(acc["clipped"])
 
     def _aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:
         mean_dW, mean_db = self._sum.noisy_mean(self.noise_multiplier, self.expected_clients, self.rng)

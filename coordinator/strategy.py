@@ -822,6 +822,69 @@ class Strategy(ABC):
     combine = "sum"
     """How this strategy's site shares combine at the root (``SiteSums.combine``)."""
 
+    def snapshot(self) -> dict[str, Any]:
+        """The round's accumulator as CBOR-able values: a site persists it after every accepted update.
+
+        Returns
+        -------
+        dict
+            ``accepted``, ``clipped``, ``norms`` (the adaptive bound's), ``pending`` (updates waiting
+            for the bound's warm-up, raw float32 bytes) and ``acc`` (the strategy's own sums).
+
+        Raises
+        ------
+        ValueError
+            If no round is configured, or the strategy has no site/root form (FedBuff).
+        """
+        if self._shape is None:
+            raise ValueError("no round configured")
+        pending = [
+            [u.device, u.delta_W.tobytes(), u.delta_b.tobytes(), u.num_examples, u.staleness, norm]
+            for u, norm in self._pending
+        ]
+        return {
+            "accepted": self.accepted,
+            "clipped": self._round_clipped,
+            "norms": list(self.norm_bound.norms),
+            "pending": pending,
+            "acc": self._snapshot(),
+        }
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Put back a :meth:`snapshot` of the round just configured (``configure_round`` first).
+
+        Raises
+        ------
+        ValueError, KeyError, TypeError
+            If the snapshot does not fit this strategy or the head's shape.
+        """
+        shape = self._shape
+        if shape is None:
+            raise ValueError("no round configured")
+        self._restore(snap["acc"], shape)
+        self.accepted = int(snap["accepted"])
+        self._round_clipped = int(snap["clipped"])
+        self.norm_bound.norms = [float(n) for n in snap["norms"]]
+        self._pending = [
+            (
+                Offer(
+                    str(dev),
+                    np.frombuffer(w, np.float32).reshape(shape).copy(),
+                    np.frombuffer(b, np.float32).reshape(shape[1]).copy(),
+                    int(n),
+                    int(st),
+                ),
+                float(norm),
+            )
+            for dev, w, b, n, st, norm in snap["pending"]
+        ]
+
+    def _snapshot(self) -> dict[str, Any]:
+        raise ValueError(f"{self.name} has no site/root form: run it flat")
+
+    def _restore(self, acc: dict[str, Any], shape: tuple[int, int]) -> None:
+        raise ValueError(f"{self.name} has no site/root form: run it flat")
+
     def _site_sums(self) -> SiteSums:
         raise ValueError(f"{self.name} has no site/root form: run it flat")
 
@@ -920,6 +983,16 @@ class FedAvg(Strategy):
     def _fold_sums(self, sums: SiteSums) -> None:
         self._sum_W.add_sum(sums.W, sums.weight)
         self._sum_b.add_sum(sums.b, sums.weight)
+
+    def _snapshot(self) -> dict[str, Any]:
+        weight = self._sum_W.total_weight
+        return {"W": self._sum_W.sum.tobytes(), "b": self._sum_b.sum.tobytes(), "weight": weight}
+
+    def _restore(self, acc: dict[str, Any], shape: tuple[int, int]) -> None:
+        weight = float(acc["weight"])
+        if weight > 0:
+            self._sum_W.add_sum(np.frombuffer(acc["W"], np.float64).reshape(shape), weight)
+            self._sum_b.add_sum(np.frombuffer(acc["b"], np.float64).reshape(shape[1]), weight)
 
     def step(self, W: F32, b: F32, mean_dW: F32, mean_db: F32) -> tuple[F32, F32]:
         """Server step from the round's mean delta: ``W + server_lr * mean_dW`` (and b alike).
@@ -1130,6 +1203,13 @@ class _Robust(Strategy):
         b = self._combine(self._kept_b).astype(np.float64)
         n = len(self._kept_W)
         return SiteSums(self.combine, W, b, float(n), n, self._round_clipped)
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {"W": [w.tobytes() for w in self._kept_W], "b": [b.tobytes() for b in self._kept_b]}
+
+    def _restore(self, acc: dict[str, Any], shape: tuple[int, int]) -> None:
+        self._kept_W = [np.frombuffer(w, np.float32).reshape(shape).copy() for w in acc["W"]]
+        self._kept_b = [np.frombuffer(b, np.float32).reshape(shape[1]).copy() for b in acc["b"]]
 
     def _fold_sums(self, sums: SiteSums) -> None:
         self._site_W.append(sums.W)
