@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import cbor2
+import numpy as np
 
 from edgefl.aio import wait_event
 from edgefl.coordinator.rounds import Round
@@ -135,7 +136,8 @@ class RootCoordinator(Coordinator):
         again = sum(1 for u in p.update_ids if u in self._seen_update_ids)
         if again:
             raise UpdateRejected("duplicate", f"partial of {site} repeats {again} update ids counted before")
-        self.strategy.offer_sums(SiteSums(p.combine, p.W, p.b, p.weight, p.count, p.clipped))
+        if p.count > 0:  # an empty partial only says the site is done
+            self.strategy.offer_sums(SiteSums(p.combine, p.W, p.b, p.weight, p.count, p.clipped))
         rnd.record_partial(site, p.update_ids, len(payload))
         self._seen_partials[seen] = None
         while len(self._seen_partials) > SEEN_PARTIALS:
@@ -155,7 +157,7 @@ class SiteRecord:
     ----------
     round : int
     updates : int
-        Updates covered by the partial (0: nothing arrived, no partial sent).
+        Updates covered by the partial (0: nothing arrived; an empty partial says so).
     partial_bytes : int
         Size of the partial sent, bytes.
     duration_s : float
@@ -282,7 +284,7 @@ class SiteAggregator(Coordinator):
 
         Returns
         -------
-        SiteRecord (``updates = 0``: nothing arrived, no partial was sent).
+        SiteRecord (``updates = 0``: nothing arrived, an empty partial was sent).
         """
         self.strategy.configure_round(ann.round, self.shape)
         resume = self._resume
@@ -321,12 +323,12 @@ class SiteAggregator(Coordinator):
             await wait_event(self._round_changed, remaining)
         rnd.close()
         t_close = time.monotonic()
-        if rnd.clients == 0:
-            self.closed_round = ann.round
-            self._persist_site(None)
-            logger.warning("site %s: round %d closed without updates; no partial", self.site, ann.round)
-            return SiteRecord(ann.round, 0, 0, time.time() - self._opened_unix, ())
-        sums = self.strategy.site_sums()
+        if rnd.clients == 0:  # an empty partial: the root need not wait for this site's deadline
+            logger.warning("site %s: round %d closed without updates", self.site, ann.round)
+            zeros = np.zeros(self.shape, np.float64), np.zeros(self.shape[1], np.float64)
+            sums = SiteSums(self.strategy.combine, zeros[0], zeros[1], 0.0, 0, 0)
+        else:
+            sums = self.strategy.site_sums()
         ids = tuple(sorted(rnd.update_ids))
         partial = Partial(
             round=ann.round,

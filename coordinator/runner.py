@@ -443,6 +443,10 @@ async def run(
                     "delta": None if math.isnan(rec.delta) else rec.delta,
                     "refused": rec.refused or None,
                 }
+                if isinstance(coord, RootCoordinator):  # since the start of this process
+                    entry["partials"] = coord.partials_received
+                    entry["partial_bytes"] = coord.partial_bytes
+                    entry["duplicate_partials"] = coord.duplicates
                 with open(files.log, "a") as f:
                     f.write(json.dumps(entry) + "\n")
     finally:

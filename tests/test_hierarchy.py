@@ -220,6 +220,8 @@ def test_site_partial_roundtrip_and_signature_binds_the_site() -> None:
         verify_payload(signed, key.verify_key, fleet=fleet, kind=MessageType.PARTIAL, device="site-b")
     assert err.value.reason == "bad_signature"
     assert decode_partial(signed, expect_shape=SHAPE).signature == signed[-64:]
+    empty = replace(p, count=0, weight=0.0, clipped=0, update_ids=(), W=np.zeros(SHAPE), b=np.zeros(SHAPE[1]))
+    assert decode_partial(encode_partial(empty), expect_shape=SHAPE).count == 0  # "this site had nothing"
     assert Topics("edgefl", fleet).partial("site-a") == "edgefl/f1/partial/site-a"
     assert Topics("edgefl", fleet).site_of("edgefl/f1/partial/site-a") == "site-a"
     assert Topics("edgefl", fleet).site_of("edgefl/f1/update/site-a") is None
@@ -232,6 +234,8 @@ def test_site_partial_roundtrip_and_signature_binds_the_site() -> None:
         ({"update_ids": ("a", "a")}, "bad_value"),
         ({"count": 3}, "bad_value"),
         ({"weight": 0.0}, "bad_value"),
+        ({"count": 0, "update_ids": (), "weight": 0.0, "W": np.ones(SHAPE)}, "bad_value"),
+        ({"count": 0, "update_ids": ()}, "bad_value"),
         ({"clipped": 5}, "bad_value"),
         ({"W": np.zeros((3, 4))}, "bad_shape"),
         ({"W": np.zeros(SHAPE, np.float32)}, "bad_dtype"),

@@ -888,10 +888,12 @@ class Partial:
         ``"sum"``: ``W``/``b`` are weighted sums ``sum_k w_k * delta_k`` (after the norm bound) and
         ``weight = sum_k w_k``; ``"median"``/``"trimmed-mean"``: the site's robust estimate, covering
         ``weight`` updates.
-    count : int >= 1
-        Updates folded in (``len(update_ids)``).
-    weight : float > 0
-        Total weight (example counts for the FedAvg family; the update count for DP and robust rules).
+    count : int >= 0
+        Updates folded in (``len(update_ids)``); 0: the site had nothing this round (it says so, so the
+        root need not wait for its deadline), with ``weight`` 0 and zero arrays.
+    weight : float >= 0
+        Total weight (example counts for the FedAvg family; the update count for DP and robust rules),
+        > 0 exactly when ``count`` > 0.
     clipped : int >= 0
         Updates the site's norm bound scaled down.
     update_ids : tuple of str
@@ -976,7 +978,8 @@ def decode_partial(
     DecodeError
         The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for an unknown ``combine``,
         ``count`` different from the number of update ids, a duplicate or invalid update id, more
-        than :data:`MAX_PARTIAL_UPDATES` ids, ``weight <= 0``, ``clipped > count``; ``bad_dtype``
+        than :data:`MAX_PARTIAL_UPDATES` ids, ``weight`` not > 0 exactly when ``count`` > 0, non-zero
+        arrays in an empty partial, ``clipped > count``; ``bad_dtype``
         for arrays that are not float64.
     """
     obj = load_message(payload, limits, MessageType.PARTIAL)
@@ -1000,7 +1003,7 @@ def decode_partial(
     if combine not in PARTIAL_COMBINES:
         choices = ", ".join(PARTIAL_COMBINES)
         raise DecodeError(Reason.BAD_VALUE, f"combine = {show(combine)}: must be one of {choices}")
-    count = read_int(obj, "count", "", 1, MAX_PARTIAL_UPDATES)
+    count = read_int(obj, "count", "", 0, MAX_PARTIAL_UPDATES)
     raw_ids = obj["update_ids"]
     if not isinstance(raw_ids, list):
         raise DecodeError(Reason.WRONG_TYPE, "update_ids: expected an array")
@@ -1015,6 +1018,12 @@ def decode_partial(
     clipped = read_int(obj, "clipped", "")
     if clipped > count:
         raise DecodeError(Reason.BAD_VALUE, f"clipped = {clipped} > count = {count}")
+    weight = read_float(obj, "weight", "", 0.0)
+    if (weight > 0) != (count > 0):
+        why = f"weight = {weight} with count = {count}: must be > 0 exactly when count > 0"
+        raise DecodeError(Reason.BAD_VALUE, why)
+    if count == 0 and (np.any(w) or np.any(b)):
+        raise DecodeError(Reason.BAD_VALUE, "an empty partial (count = 0) must carry zero arrays")
     return Partial(
         round=read_int(obj, "round", ""),
         base_version=read_int(obj, "base_version", ""),
@@ -1022,7 +1031,7 @@ def decode_partial(
         partial_id=read_text(obj, "partial_id", "", UPDATE_ID_RE),
         combine=combine,
         count=count,
-        weight=read_float(obj, "weight", "", 0.0, lo_open=True),
+        weight=weight,
         clipped=clipped,
         update_ids=ids,
         W=w,
