@@ -9,7 +9,8 @@ signed :class:`~edgefl.wire.messages.Partial` on ``partial/<site>`` (QoS 1, not 
 bridge carries up and stores while the uplink is down. Its round is persisted (atomic, checksummed
 record) after every accepted update and before the partial is sent, so a restarted site resumes the
 round where it was, and re-sends a partial it had not seen acknowledged under the same
-``partial_id``.
+``partial_id``. A site that sees the round it closed announced again (a restarted root re-running it)
+sends its partial again; a root that had counted it refuses the copy as a duplicate.
 
 The **root** (``role = "root"``) owns rounds, the server optimiser, DP and the global head as a flat
 coordinator does, but takes partials: each is verified (``<site>.pub``), decoded, de-duplicated by
@@ -211,6 +212,8 @@ class SiteAggregator(Coordinator):
         self._latest: RoundAnnouncement | None = None
         self._announced = asyncio.Event()
         self._unsent: bytes | None = None  # a closed round's partial not yet acknowledged by the broker
+        self._sent: bytes | None = None  # the last partial sent: sent again when its round is announced again
+        self._resend = False
         self._resume: dict[str, Any] | None = None  # the open round of the state file
         self._opened_unix = 0.0
 
@@ -232,7 +235,7 @@ class SiteAggregator(Coordinator):
         if self._unsent is not None:
             logger.info("site %s: re-sending the partial of round %d", self.site, self.closed_round)
             await self._send(self._unsent)
-            self._unsent = None
+            self._unsent, self._sent = None, self._unsent
             self._persist_site(None)
 
     def handle(self, msg: Message) -> None:
@@ -252,6 +255,11 @@ class SiteAggregator(Coordinator):
         if self._latest is None or ann.round > self._latest.round:
             self._latest = ann
             self._announced.set()
+        elif ann.round == self.closed_round and self._sent is not None:
+            # the round this site closed is announced again: a restarted root re-runs it, having lost
+            # what it had folded in; a root that counted the partial refuses it as a duplicate
+            self._resend = True
+            self._announced.set()
 
     async def next_round(self, timeout_s: float | None = None) -> RoundAnnouncement:
         """Wait for an announced round later than the last one this site closed.
@@ -267,6 +275,11 @@ class SiteAggregator(Coordinator):
             ann = self._latest
             if ann is not None and ann.round > self.closed_round:
                 return ann
+            if self._resend and self._sent is not None:
+                self._resend = False
+                logger.info("site %s: round %d announced again: re-sent", self.site, self.closed_round)
+                await self._send(self._sent)
+                continue
             self._announced.clear()
             left = None if until is None else until - loop.time()
             if left is not None and left <= 0:
@@ -351,7 +364,7 @@ class SiteAggregator(Coordinator):
         self._unsent = payload
         self._persist_site(None)  # closed, partial kept: a crash before the PUBACK re-sends the same bytes
         await self._send(payload)
-        self._unsent = None
+        self._unsent, self._sent = None, payload
         self._persist_site(None)
         self.counted[ann.round] = list(ids)
         logger.info(
@@ -403,6 +416,7 @@ class SiteAggregator(Coordinator):
             "shape": list(self.shape),
             "closed_round": self.closed_round,
             "unsent": self._unsent,
+            "sent": self._sent,
             "open": open_round,
         }
         write_record(self.site_state, cbor2.dumps(doc))
@@ -420,6 +434,7 @@ class SiteAggregator(Coordinator):
             )
         self.closed_round = int(doc["closed_round"])
         self._unsent = doc.get("unsent")
+        self._sent = doc.get("sent")
         self._resume = doc.get("open")
         logger.info(
             "site %s: resumed after round %d%s",
