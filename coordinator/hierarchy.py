@@ -307,8 +307,9 @@ class SiteAggregator(Coordinator):
         self._opened_unix = float(resume["opened_unix"]) if resume is not None else time.time()
         elapsed = time.time() - self._opened_unix
         deadline_s = max(0.0, ann.deadline_s - self.close_margin_s - elapsed)
-        expected = self.expected_devices or len(self.online_devices()) or MAX_PARTIAL_UPDATES
         selected = frozenset(ann.selected) if isinstance(ann.selected, tuple) else None
+        online = [d for d in self.online_devices() if selected is None or d in selected]  # asked, and here
+        expected = self.expected_devices or len(online) or MAX_PARTIAL_UPDATES
         rnd = Round(ann.round, ann.base_version, self.shape, deadline_s, expected, selected)
         rnd.opened_at = time.monotonic()
         if resume is not None:
