@@ -25,15 +25,24 @@ from typing import Any
 import cbor2
 import numpy as np
 import pytest
-from conftest import INT8_MODEL, ROOT, BridgedBrokers, wait_until
+from conftest import INT8_MODEL, ROOT, BridgedBrokers, start_replay_agent, wait_until
 
 from edgefl.coordinator.bridge import bridge_config
 from edgefl.coordinator.strategy import FedAvg, Offer
+from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.records import read_record
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
-from edgefl.wire.codec import Update, UpdateMetrics, decode_global_model, decode_round, encode_update
+from edgefl.wire.codec import (
+    Update,
+    UpdateMetrics,
+    decode_global_model,
+    decode_round,
+    decode_status,
+    decode_update,
+    encode_update,
+)
 from edgefl.wire.messages import Partial, encode_partial
 from edgefl.wire.signing import SigningKey, generate_signing_key, sign_message
 
@@ -75,6 +84,7 @@ class Tier:
     keys: Keys
     rounds: int
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    signed_devices: bool = True  # the sites verify updates (--device-keys); real agents here do not sign
 
     def _cmd(self, name: str) -> list[str]:
         common = [
@@ -89,12 +99,14 @@ class Tier:
                 "--min-clients", "6", "--signing-key", str(self.tmp / "root.key"),
                 "--set", f"hierarchy.site_keys_dir={self.tmp / 'sites'}",
             ]  # fmt: skip
-        return [
+        site = [
             *common, "--broker", self.bb.sites[name].url, "--role", "site", "--site", name,
-            "--signing-key", str(self.tmp / f"{name}.key"), "--device-keys", str(self.tmp / "devices"),
-            "--state", str(self.state(name)), "--set", "hierarchy.expected_devices=3",
+            "--signing-key", str(self.tmp / f"{name}.key"), "--state", str(self.state(name)),
             "--set", f"hierarchy.root_key_file={self.tmp / 'root.pub'}",
         ]  # fmt: skip
+        if not self.signed_devices:  # real agents: the site counts the devices online when a round opens
+            return site
+        return [*site, "--device-keys", str(self.tmp / "devices"), "--set", "hierarchy.expected_devices=3"]
 
     def start(self, name: str) -> None:
         out = open(self.tmp / f"{name}.out", "ab")  # noqa: SIM115 - closed with the process
@@ -143,6 +155,7 @@ class Devices:
         self.heads: dict[str, dict[int, tuple[F32, F32]]] = {s: {} for s in SITES}  # site → version → head
         self.transports: dict[str, MqttTransport] = {}
         self.sent: dict[int, list[Offer]] = {}
+        self.ready: set[str] = set()  # devices whose status at their site broker says ready
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -151,6 +164,8 @@ class Devices:
             await t.start(wait_s=10)
             await t.subscribe(self.topics.round, 1)
             await t.subscribe(self.topics.global_model, 1)
+            await t.subscribe(self.topics.status("+"), 1)
+            await t.subscribe(self.topics.update("+"), 1)  # what real agents send, for the flat run
             self.transports[site] = t
             self._tasks.append(asyncio.create_task(self._watch(site, t)))
 
@@ -159,9 +174,18 @@ class Devices:
             msg = await t.queue.get()
             if not msg.payload:
                 continue
+            device = self.topics.device_of(msg.topic)
             if msg.topic == self.topics.round:
                 ann = decode_round(msg.payload)
                 self.rounds[site][ann.round] = ann.base_version
+            elif device is not None and msg.topic == self.topics.status(device):
+                if decode_status(msg.payload).fields.get("ready"):
+                    self.ready.add(device)
+            elif device is not None:
+                u = decode_update(msg.payload)
+                offers = self.sent.setdefault(u.round, [])
+                if all(o.device != u.device for o in offers):
+                    offers.append(Offer(u.device, u.delta_W, u.delta_b, u.num_examples))
             else:
                 gm = decode_global_model(msg.payload)
                 self.heads[site][gm.version] = (gm.W, gm.b)
@@ -195,10 +219,8 @@ class Devices:
 
     async def send(self, site: str, device: str, round_no: int, base: int) -> bytes:
         shape = self.heads["site-a"][0][0].shape
-        offer, payload = self.update(device, round_no, base, (int(shape[0]), int(shape[1])))
-        if all(o.device != device for o in self.sent.setdefault(round_no, [])):
-            self.sent[round_no].append(offer)
-        await self.transports[site].publish(self.topics.update(device), payload, qos=1)
+        _, payload = self.update(device, round_no, base, (int(shape[0]), int(shape[1])))
+        await self.transports[site].publish(self.topics.update(device), payload, qos=1)  # _watch records it
         return payload
 
     def flat(self, rounds: int) -> tuple[F32, F32]:
@@ -378,3 +400,48 @@ def test_site_restart_mid_round(tier: Tier) -> None:
     site_b = tier.log("site-b")
     assert [ln["updates"] for ln in site_b] == [3]
     assert site_b[0]["refused_updates"] == {"duplicate": 1}
+
+
+def test_bridge_hierarch_real_agents_at_two_sites(bridged_brokers: BridgedBrokers, tmp_path: Path) -> None:
+    """One real agent per site broker, 2 rounds: the agents train on the root's rounds and apply its heads
+    (both bridged down); each head equals flat FedAvg on the updates the agents sent."""
+    tier = Tier(bridged_brokers, f"h{uuid.uuid4().hex[:8]}", tmp_path, _keys(tmp_path), rounds=2)
+    tier.signed_devices = False
+    x, y = load_digits()
+    pool = split_digits(y).devices
+    shards = partition_non_iid(y[pool], 2)
+    agents = []
+
+    async def main() -> None:
+        dev = Devices(tier)
+        await dev.start()
+        tier.start("site-a")
+        tier.start("site-b")
+        for (site, broker), shard in zip(bridged_brokers.sites.items(), shards, strict=True):
+            rows = pool[shard]
+            agents.append(start_replay_agent(broker, tier.fleet, tmp_path, f"{site[-1]}1", x[rows], y[rows]))
+        try:
+            # the sites count the devices ready when a round opens: start the root once both are
+            await wait_until(lambda: dev.ready >= {"a1", "b1"}, 60, "both agents ready")
+            tier.start("root")
+            await dev.head(2, timeout_s=60)
+            for version in (1, 2):
+                assert sorted(o.device for o in dev.sent[version]) == ["a1", "b1"]
+                _assert_head(dev, version)
+        finally:
+            await dev.stop()
+
+    try:
+        asyncio.run(main())
+        assert tier.procs["root"].wait(timeout=30) == 0
+        lines = tier.log("root")
+        assert [ln["clients"] for ln in lines] == [2, 2]
+        assert [len(ln["update_ids"]) for ln in lines] == [2, 2]
+    finally:
+        tier.stop()
+        for a in agents:
+            a.terminate()
+        for a in agents:
+            a.wait(timeout=15)
+        for name in tier.procs:
+            print(f"--- {name}\n{tier.output(name)}")
