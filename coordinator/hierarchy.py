@@ -45,6 +45,7 @@ from edgefl.errors import TransportError, UpdateRejected
 from edgefl.records import read_record, write_record
 from edgefl.transport import Message
 from edgefl.wire.cbor import MessageType
+from edgefl.wire.chunking import is_chunk, split_message
 from edgefl.wire.codec import DecodeError, RoundAnnouncement, Update, decode_round
 from edgefl.wire.messages import MAX_PARTIAL_UPDATES, Partial, decode_partial, encode_partial
 from edgefl.wire.signing import VerifyKey, sign_message, verify_payload
@@ -118,6 +119,11 @@ class RootCoordinator(Coordinator):
         payload = msg.payload
         self.partials_received += 1
         self.partial_bytes += len(payload)
+        if is_chunk(payload):
+            whole = self.reassembler.feed(msg.topic, payload)
+            if whole is None:
+                return
+            payload = whole
         if self.site_keys is not None:
             key = self.site_keys.get(site)
             if key is None:
@@ -386,16 +392,21 @@ class SiteAggregator(Coordinator):
         """Publish a partial (QoS 1, not retained), waiting out a broker outage for ``PUBLISH_RETRY_S``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PUBLISH_RETRY_S
-        while True:
-            try:
-                await self.transport.publish(self.topics.partial(self.site), payload, qos=1, retain=False)
-                return
-            except TransportError:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise
-                await wait_event(self.transport.connected, min(remaining, 5.0))
-                await asyncio.sleep(0.05)
+        topic = self.topics.partial(self.site)
+        # larger than the packet limit (a big head, many update ids): chunks on the same topic
+        limit = min(self.max_packet_bytes, self.transport.packet_limit())
+        parts = split_message(payload, topic, limit, msg_id=f"partial-{self.site}-{self.closed_round}")
+        for part in parts:
+            while True:
+                try:
+                    await self.transport.publish(topic, part, qos=1, retain=False)
+                    break
+                except TransportError:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        raise
+                    await wait_event(self.transport.connected, min(remaining, 5.0))
+                    await asyncio.sleep(0.05)
 
     # -- the site's record ----------------------------------------------------------------------------
     def _persist_site(self, rnd: Round | None) -> None:

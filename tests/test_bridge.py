@@ -85,6 +85,7 @@ class Tier:
     rounds: int
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     signed_devices: bool = True  # the sites verify updates (--device-keys); real agents here do not sign
+    site_flags: tuple[str, ...] = ()
 
     def _cmd(self, name: str) -> list[str]:
         common = [
@@ -102,7 +103,7 @@ class Tier:
         site = [
             *common, "--broker", self.bb.sites[name].url, "--role", "site", "--site", name,
             "--signing-key", str(self.tmp / f"{name}.key"), "--state", str(self.state(name)),
-            "--set", f"hierarchy.root_key_file={self.tmp / 'root.pub'}",
+            "--set", f"hierarchy.root_key_file={self.tmp / 'root.pub'}", *self.site_flags,
         ]  # fmt: skip
         if not self.signed_devices:  # real agents: the site counts the devices online when a round opens
             return site
@@ -363,8 +364,10 @@ def test_site_uplink_cut_counts_each_update_once(tier: Tier) -> None:
 
 def test_site_restart_mid_round(tier: Tier) -> None:
     """site-b is killed (SIGKILL) after 2 of its 3 updates; meanwhile its third arrives and the first is
-    sent again. Restarted on its state file it resumes the round: each update counted once, head = flat."""
+    sent again. Restarted on its state file it resumes the round: each update counted once, head = flat.
+    The sites' packet limit is 2 KiB here: their partials travel in chunks."""
     tier.rounds = 1
+    tier.site_flags = ("--max-packet-bytes", "2048")
 
     def site_b_counted() -> int:
         data = read_record(tier.state("site-b"))
@@ -400,6 +403,7 @@ def test_site_restart_mid_round(tier: Tier) -> None:
     site_b = tier.log("site-b")
     assert [ln["updates"] for ln in site_b] == [3]
     assert site_b[0]["refused_updates"] == {"duplicate": 1}
+    assert site_b[0]["partial_bytes"] > 2048  # sent as chunks, reassembled by the root
 
 
 def test_bridge_hierarch_real_agents_at_two_sites(bridged_brokers: BridgedBrokers, tmp_path: Path) -> None:
