@@ -45,8 +45,8 @@ from edgefl.errors import TransportError, UpdateRejected
 from edgefl.records import read_record, write_record
 from edgefl.transport import Message
 from edgefl.wire.cbor import MessageType
-from edgefl.wire.chunking import is_chunk, split_message
-from edgefl.wire.codec import DecodeError, RoundAnnouncement, Update, decode_round
+from edgefl.wire.chunking import Reassembler, is_chunk, split_message
+from edgefl.wire.codec import DecodeError, RoundAnnouncement, Update, decode_global_model, decode_round
 from edgefl.wire.messages import MAX_PARTIAL_UPDATES, Partial, decode_partial, encode_partial
 from edgefl.wire.signing import VerifyKey, sign_message, verify_payload
 
@@ -220,6 +220,8 @@ class SiteAggregator(Coordinator):
         self._unsent: bytes | None = None  # a closed round's partial not yet acknowledged by the broker
         self._sent: bytes | None = None  # the last partial sent: sent again when its round is announced again
         self._resend = False
+        self.root_done_round = 0  # the newest round whose global head the root published (bridged down)
+        self._head_chunks = Reassembler()
         self._resume: dict[str, Any] | None = None  # the open round of the state file
         self._opened_unix = 0.0
 
@@ -238,6 +240,7 @@ class SiteAggregator(Coordinator):
         await self.transport.subscribe(self.topics.update("+"), 1)
         await self.transport.subscribe(self.topics.status("+"), 1)
         await self.transport.subscribe(self.topics.round, 1)
+        await self.transport.subscribe(self.topics.global_model + "/#", 1)  # the root's heads: when it ends
         if self._unsent is not None:
             logger.info("site %s: re-sending the partial of round %d", self.site, self.closed_round)
             await self._send(self._unsent)
@@ -245,7 +248,14 @@ class SiteAggregator(Coordinator):
             self._persist_site(None)
 
     def handle(self, msg: Message) -> None:
-        """Dispatch one message: the root's round announcement here, updates and statuses as usual."""
+        """Dispatch one message: the root's round and head here, updates and statuses as usual."""
+        head = self.topics.global_model
+        if msg.topic == head or msg.topic.startswith(head + "/"):
+            try:
+                self._on_head(msg)
+            except (DecodeError, UpdateRejected) as exc:
+                _log_refusal(self, exc, msg)
+            return
         if msg.topic != self.topics.round:
             super().handle(msg)
             return
@@ -267,20 +277,46 @@ class SiteAggregator(Coordinator):
             self._resend = True
             self._announced.set()
 
-    async def next_round(self, timeout_s: float | None = None) -> RoundAnnouncement:
-        """Wait for an announced round later than the last one this site closed.
+    def _on_head(self, msg: Message) -> None:
+        """Note the round of a GlobalModel the root published (whole or reassembled from its chunks)."""
+        payload: bytes | None = msg.payload
+        if not payload:
+            return  # a cleared chunk topic, or the empty `global` of a chunked head
+        if is_chunk(payload):
+            payload = self._head_chunks.feed(self.topics.global_model, payload)
+            if payload is None:
+                return
+        if self.root_key is not None:
+            kind = MessageType.GLOBAL_MODEL
+            verify_payload(payload, self.root_key, fleet=self.topics.fleet, kind=kind, limits=self.limits)
+        gm = decode_global_model(payload, limits=self.limits, expect_shape=self.shape)
+        if gm.round > self.root_done_round:
+            self.root_done_round = gm.round
+            self._announced.set()
+
+    async def next_round(self, last_round: int, timeout_s: float | None = None) -> RoundAnnouncement | None:
+        """Wait for an announced round later than the last one this site closed, up to ``last_round``.
+
+        Meanwhile, a partial is sent again when its round is announced again (see ``handle``).
+
+        Returns
+        -------
+        The announcement, or None once this site closed ``last_round`` and the root published the
+        head of that round (the job is over).
 
         Raises
         ------
         TimeoutError
-            If none arrives within ``timeout_s`` seconds.
+            If nothing happens within ``timeout_s`` seconds.
         """
         loop = asyncio.get_running_loop()
         until = None if timeout_s is None else loop.time() + timeout_s
         while True:
             ann = self._latest
-            if ann is not None and ann.round > self.closed_round:
+            if ann is not None and self.closed_round < ann.round <= last_round:
                 return ann
+            if self.closed_round >= last_round and self.root_done_round >= last_round:
+                return None
             if self._resend and self._sent is not None:
                 self._resend = False
                 logger.info("site %s: round %d announced again: re-sent", self.site, self.closed_round)

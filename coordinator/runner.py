@@ -483,7 +483,10 @@ async def run(
 async def _run_site(
     site: SiteAggregator, profile: CoordinatorProfile, transport: MqttTransport, page: PageServer | None
 ) -> int:
-    """The site role's job: one partial per round the root announces, until ``rounds.count`` or SIGTERM.
+    """The site role's job: one partial per round the root announces, up to round ``rounds.count``.
+
+    It ends when the root published the head of that round (till then a partial is sent again when the
+    root re-runs its round), or on SIGTERM.
 
     Prints ``site S round R: N updates, B bytes up, T s`` per round; appends one JSON line per round
     to ``files.log`` (``round``, ``site``, ``updates``, ``partial_bytes``, ``duration_s``,
@@ -513,9 +516,9 @@ async def _run_site(
         except UpdateRejected as exc:
             raise ConfigError([f"files.state = {str(files.state)!r}: {exc}"]) from exc
         print(f"site {site.site}: ready after round {site.closed_round}", flush=True)
-        while site.closed_round < rounds.count and not stop.is_set():
+        while not stop.is_set():
             refused_before = Counter(site.state.rejected)
-            runner = asyncio.create_task(_next_site_round(site))
+            runner = asyncio.create_task(_next_site_round(site, rounds.count))
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
@@ -525,6 +528,8 @@ async def _run_site(
                     await runner
                 break
             rec = runner.result()
+            if rec is None:  # the root published the head of the last round
+                break
             refused = Counter(site.state.rejected)
             refused.subtract(refused_before)
             refused_round = {k: v for k, v in refused.items() if v > 0}
@@ -555,5 +560,6 @@ async def _run_site(
     return EXIT_OK
 
 
-async def _next_site_round(site: SiteAggregator) -> SiteRecord:
-    return await site.run_site_round(await site.next_round())
+async def _next_site_round(site: SiteAggregator, last_round: int) -> SiteRecord | None:
+    ann = await site.next_round(last_round)
+    return None if ann is None else await site.run_site_round(ann)

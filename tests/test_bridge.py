@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from typing import Any
 import cbor2
 import numpy as np
 import pytest
-from conftest import INT8_MODEL, ROOT, BridgedBrokers, start_replay_agent, wait_until
+from conftest import INT8_MODEL, ROOT, BridgedBrokers, free_port, start_replay_agent, wait_until
 
 from edgefl.coordinator.bridge import bridge_config
 from edgefl.coordinator.strategy import FedAvg, Offer
@@ -86,6 +87,7 @@ class Tier:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     signed_devices: bool = True  # the sites verify updates (--device-keys); real agents here do not sign
     site_flags: tuple[str, ...] = ()
+    root_flags: tuple[str, ...] = ()
 
     def _cmd(self, name: str) -> list[str]:
         common = [
@@ -98,7 +100,7 @@ class Tier:
             return [
                 *common, "--broker", self.bb.root.url, "--role", "root", "--expected-sites", "2",
                 "--min-clients", "6", "--signing-key", str(self.tmp / "root.key"),
-                "--set", f"hierarchy.site_keys_dir={self.tmp / 'sites'}",
+                "--set", f"hierarchy.site_keys_dir={self.tmp / 'sites'}", *self.root_flags,
             ]  # fmt: skip
         site = [
             *common, "--broker", self.bb.sites[name].url, "--role", "site", "--site", name,
@@ -404,6 +406,61 @@ def test_site_restart_mid_round(tier: Tier) -> None:
     assert [ln["updates"] for ln in site_b] == [3]
     assert site_b[0]["refused_updates"] == {"duplicate": 1}
     assert site_b[0]["partial_bytes"] > 2048  # sent as chunks, reassembled by the root
+
+
+def test_site_partial_resent_to_a_restarted_root(tier: Tier) -> None:
+    """Round 2: the root folds both sites' partials, then is killed (SIGKILL) before it closes the round
+    (it was told to wait for a third site). Restarted on its state file it announces round 2 again; the
+    sites send their partials again, and each update is counted once."""
+    port = free_port()
+    page = ("--state", str(tier.tmp / "root.rec"), "--set", "dashboard.enabled=true",
+            "--set", f"dashboard.port={port}")  # fmt: skip
+    tier.root_flags = page
+
+    def folded() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=2) as r:
+                doc = json.loads(r.read())["status"]
+        except OSError:
+            return False
+        return bool(doc["round"] == 2 and doc["updates_received"] == 6)
+
+    def restart_root(*flags: str) -> None:
+        tier.procs["root"].send_signal(signal.SIGKILL)
+        tier.procs["root"].wait(timeout=10)
+        tier.root_flags = (*page, *flags)
+        tier.start("root")
+
+    async def main() -> None:
+        dev = Devices(tier)
+        await dev.start()
+        for name in ("site-a", "site-b", "root"):
+            tier.start(name)
+        try:
+            await dev.head(0)
+            base = await dev.announced(1)
+            for site, devices in SITES.items():
+                for d in devices:
+                    await dev.send(site, d, 1, base)
+            await dev.head(1)
+            restart_root("--expected-sites", "3")  # round 1 saved; round 2 will wait for a third site
+            base = await dev.announced(2)
+            for site, devices in SITES.items():
+                for d in devices:
+                    await dev.send(site, d, 2, base)
+            await wait_until(folded, 40, "the root folded both partials of round 2")
+            restart_root()  # loses the folded partials; expects 2 sites again
+            await dev.head(2)
+            _assert_head(dev, 2)
+        finally:
+            await dev.stop()
+
+    asyncio.run(main())
+    assert tier.procs["root"].wait(timeout=30) == 0
+    lines = tier.log("root")
+    assert [ln["round"] for ln in lines] == [1, 2]
+    counted = sorted(u for ln in lines for u in ln["update_ids"])
+    assert counted == sorted(f"{d}:{r}" for r in (1, 2) for devs in SITES.values() for d in devs)
 
 
 def test_bridge_hierarch_real_agents_at_two_sites(bridged_brokers: BridgedBrokers, tmp_path: Path) -> None:
