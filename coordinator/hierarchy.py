@@ -54,10 +54,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ROOT_SEEN_UPDATE_IDS", "RootCoordinator", "SiteAggregator", "SiteRecord"]
 
-ROOT_SEEN_UPDATE_IDS = 1_000_000
-"""Update ids a root remembers across rounds (a round of 10,000 devices must fit many times)."""
+ROOT_SEEN_UPDATE_IDS = 100_000
+"""Update ids a root remembers across rounds (ten rounds of 10,000 devices; ~10 MB of strings)."""
 
-SEEN_PARTIALS = 100_000
+SEEN_PARTIALS = 10_000
 """(site, round, partial id) keys a root remembers to refuse a bridge's redelivery."""
 
 

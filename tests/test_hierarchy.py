@@ -5,14 +5,19 @@ The processes over real bridged brokers are in ``tests/test_bridge.py``.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+import cbor2
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from edgefl.coordinator.privacy import DPFedAvg
+from edgefl.coordinator.profile import load_coordinator_profile
 from edgefl.coordinator.strategy import (
     FedAvg,
     Offer,
@@ -23,9 +28,11 @@ from edgefl.coordinator.strategy import (
     trimmed_mean,
     weighted_coordinate_median,
 )
-from edgefl.errors import DecodeError, UpdateRejected
+from edgefl.errors import ConfigError, DecodeError, UpdateRejected
+from edgefl.resources import shipped
 from edgefl.topics import Topics
 from edgefl.types import F32
+from edgefl.wire.arrays import encode_array
 from edgefl.wire.cbor import MessageType
 from edgefl.wire.messages import Partial, decode_partial, encode_partial
 from edgefl.wire.signing import generate_signing_key, sign_message, verify_payload
@@ -248,10 +255,6 @@ def test_site_partial_malformed_is_refused(change: dict[str, Any], reason: str) 
     p = Partial(4, 3, "site-a", "site-a:4", "sum", 2, 35.0, 0, ("u1", "u2"), zeros_W, zeros_b)
     p = replace(p, **change)
     if "W" in change and change["W"].dtype == np.float32:
-        import cbor2
-
-        from edgefl.wire.arrays import encode_array
-
         doc = cbor2.loads(encode_partial(replace(p, W=np.zeros(SHAPE))))
         doc["W"] = encode_array(np.zeros(SHAPE, np.float32))
         payload = cbor2.dumps(doc)
@@ -260,3 +263,32 @@ def test_site_partial_malformed_is_refused(change: dict[str, Any], reason: str) 
     with pytest.raises(DecodeError) as err:
         decode_partial(payload, expect_shape=SHAPE)
     assert err.value.reason == reason
+
+
+def test_site_profile_keys_are_validated_like_the_others() -> None:
+    profile = shipped("firmware_configs/coordinator.toml")
+    site = load_coordinator_profile(profile, {"hierarchy.role": "site", "hierarchy.site": "lyon"})
+    assert (site.hierarchy.role, site.hierarchy.site, site.hierarchy.close_margin_s) == ("site", "lyon", 2.0)
+    with pytest.raises(ConfigError) as err:
+        load_coordinator_profile(
+            profile,
+            {"hierarchy.role": "site", "hierarchy.expected_sites": "-1", "hierarchy.close_margin_s": "-2"},
+        )
+    assert err.value.problems == [
+        "hierarchy.site = None: required when hierarchy.role = 'site'",
+        "hierarchy.expected_sites = -1: must be >= 0",
+        "hierarchy.close_margin_s = -2.0: must be >= 0",
+    ]
+    with pytest.raises(ConfigError) as err:
+        load_coordinator_profile(profile, {"hierarchy.role": "middle"})
+    assert err.value.problems[0].startswith("hierarchy.role = 'middle'")
+
+
+def test_site_role_refuses_fedbuff_at_start() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "edgefl.cli", "coordinator", "--role", "site", "--site", "s1",
+         "--strategy", "fedbuff"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 1
+    assert "hierarchy.role = 'site': fedbuff runs flat only" in r.stderr
