@@ -7,8 +7,8 @@ exactly as a flat coordinator does (the same handlers, the same strategy with it
 accumulator (``Strategy.site_sums``: float64 weighted sums, or the site's robust estimate) as one
 signed :class:`~edgefl.wire.messages.Partial` on ``partial/<site>`` (QoS 1, not retained), which the
 bridge carries up and stores while the uplink is down. Its round is persisted (atomic, checksummed
-record) after every accepted update and before the partial is sent, so a restarted site resumes the
-round where it was, and re-sends a partial it had not seen acknowledged under the same
+record) after each batch of received updates and before the partial is sent, so a restarted site
+resumes the round where it was, and re-sends a partial it had not seen acknowledged under the same
 ``partial_id``. A site that sees the round it closed announced again (a restarted root re-running it)
 sends its partial again; a root that had counted it refuses the copy as a duplicate.
 
@@ -38,7 +38,7 @@ import cbor2
 import numpy as np
 
 from edgefl.aio import wait_event
-from edgefl.coordinator.rounds import Round
+from edgefl.coordinator.rounds import Round, RoundPhase
 from edgefl.coordinator.service import ADOPT_WAIT_S, LOGGED_REFUSALS, PUBLISH_RETRY_S, Coordinator
 from edgefl.coordinator.strategy import SiteSums
 from edgefl.errors import TransportError, UpdateRejected
@@ -56,6 +56,9 @@ __all__ = ["ROOT_SEEN_UPDATE_IDS", "RootCoordinator", "SiteAggregator", "SiteRec
 
 ROOT_SEEN_UPDATE_IDS = 100_000
 """Update ids a root remembers across rounds (ten rounds of 10,000 devices; ~10 MB of strings)."""
+
+PERSIST_EVERY = 32
+"""A site writes its open round's record at least every this many messages (see ``SiteAggregator.pump``)."""
 
 SEEN_PARTIALS = 10_000
 """(site, round, partial id) keys a root remembers to refuse a bridge's redelivery."""
@@ -195,7 +198,7 @@ class SiteAggregator(Coordinator):
     close_margin_s : float
         The partial closes this many seconds before the root's deadline.
     site_state : Path or None
-        The site's round record (``files.state``), written after every accepted update.
+        The site's round record (``files.state``), written after each batch of accepted updates.
     """
 
     def __init__(
@@ -220,6 +223,7 @@ class SiteAggregator(Coordinator):
         self._unsent: bytes | None = None  # a closed round's partial not yet acknowledged by the broker
         self._sent: bytes | None = None  # the last partial sent: sent again when its round is announced again
         self._resend = False
+        self._dirty = False  # the open round changed since its record was written
         self.root_done_round = 0  # the newest round whose global head the root published (bridged down)
         self._head_chunks = Reassembler()
         self._resume: dict[str, Any] | None = None  # the open round of the state file
@@ -378,6 +382,7 @@ class SiteAggregator(Coordinator):
             self._round_changed.clear()
             await wait_event(self._round_changed, remaining)
         rnd.close()
+        self._dirty = False  # what the pump had not written yet goes into the closed record below
         t_close = time.monotonic()
         if rnd.clients == 0:  # an empty partial: the root need not wait for this site's deadline
             logger.warning("site %s: round %d closed without updates", self.site, ann.round)
@@ -422,7 +427,32 @@ class SiteAggregator(Coordinator):
 
     def _accept(self, rnd: Round, update: Update, size_bytes: int) -> None:
         super()._accept(rnd, update, size_bytes)
-        self._persist_site(rnd)  # before the next message: an accepted update survives a restart
+        self._dirty = True  # written by pump() before it waits for more messages
+
+    async def pump(self) -> None:
+        """Consume incoming messages forever, writing the open round's record after each batch.
+
+        The record is written once the queue is drained, or every ``PERSIST_EVERY`` messages under a
+        flood, rather than after every update: at 500 updates a round, one fsync each would bound a
+        site by its disk. An update the client received is already acknowledged to the broker, so a
+        SIGKILL loses what was received and not yet written either way; batching widens that window
+        from one message to at most ``PERSIST_EVERY``.
+        """
+        handled = 0
+        while True:
+            msg = await self.transport.queue.get()
+            self.handle(msg)
+            handled += 1
+            if self._dirty and (self.transport.queue.empty() or handled % PERSIST_EVERY == 0):
+                self._flush()
+            if handled % 32 == 0:
+                await asyncio.sleep(0)
+
+    def _flush(self) -> None:
+        self._dirty = False
+        rnd = self.state.current
+        if rnd is not None and rnd.phase is RoundPhase.OPEN:  # a closed round is written by its close
+            self._persist_site(rnd)
 
     async def _send(self, payload: bytes) -> None:
         """Publish a partial (QoS 1, not retained), waiting out a broker outage for ``PUBLISH_RETRY_S``."""
