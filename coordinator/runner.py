@@ -7,9 +7,9 @@ file after a restart, prints one line per round on stdout, appends one JSON line
 ``files.log``, writes a summary to ``files.json``, and evaluates each new head on a central set when
 there is one (``[evaluation]``, or the digits test split for the shipped digits model).
 
-Exit codes: 0 every round aggregated; 1 invalid profile; 3 the model could not be loaded; 4 a runtime
-error at start-up (broker unreachable, bad key file); 5 the job ended with a round that aggregated
-nothing (the reason is the last line on stderr).
+Exit codes: 0 every round aggregated; 1 invalid profile, or the broker refused its credentials; 3 the
+model could not be loaded; 4 a runtime error at start-up (broker unreachable, bad key file); 5 the
+job ended with a round that aggregated nothing (the reason is the last line on stderr).
 """
 
 from __future__ import annotations
@@ -244,9 +244,41 @@ def main(
     except ModelError as exc:
         print(f"edgefl coordinator: model error: {exc}", file=sys.stderr)
         return EXIT_MODEL
+    except CredentialsRefused as exc:
+        print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     except (ConfigError, TransportError) as exc:
         print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
+
+
+class CredentialsRefused(TransportError):
+    """The broker refused the coordinator's username/password (CONNACK 0x86/0x87): a configuration error."""
+
+
+async def _connected_or_refused(transport: MqttTransport, where: str, timeout_s: float) -> None:
+    """Wait until ``transport`` is connected.
+
+    Raises
+    ------
+    CredentialsRefused
+        As soon as the broker refuses the credentials (retrying cannot help: exit 1, not restarted).
+    TransportError
+        If no connection is up within ``timeout_s`` seconds (exit 4: the service restarts it).
+    """
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not transport.connected.is_set():
+        if transport.credentials_refused:
+            raise CredentialsRefused(
+                f"broker {where} refused our credentials ({transport.last_refusal}): check [broker] "
+                "username and password_file against the broker's password file and ACL"
+            )
+        left = end - loop.time()
+        if left <= 0:
+            raise TransportError(f"broker {where} not reachable within {timeout_s:.0f} s")
+        with contextlib.suppress(TimeoutError):
+            await within(transport.connected.wait(), min(0.2, left))
 
 
 def _round_line(rec: RoundRecord, total: int, expected: int, refused: Mapping[str, int]) -> str:
@@ -282,6 +314,8 @@ async def run(
         If the backbone cannot be loaded.
     ConfigError
         If a key, TLS or evaluation file cannot be used.
+    CredentialsRefused
+        If the broker refuses the profile's username/password.
     TransportError
         If the broker cannot be reached within 60 s.
     """
@@ -377,10 +411,7 @@ async def run(
     records: list[RoundRecord] = []
     empty: list[str] = []
     try:
-        try:
-            await within(transport.connected.wait(), 60)
-        except TimeoutError as exc:
-            raise TransportError(f"broker {where} not reachable within 60 s") from exc
+        await _connected_or_refused(transport, where, 60.0)
         await coord.start()
         expected = max(rounds.expected_clients, rounds.min_clients)
         if rounds.expected_clients:

@@ -1,6 +1,6 @@
 """The messages: one dataclass per message type and its paired ``encode_x``/``decode_x``.
 
-Owns GlobalModel, RoundAnnouncement, Update (+ UpdateMetrics) and DeviceStatus, their fields' bounds
+Owns GlobalModel, RoundAnnouncement, Update (+ UpdateMetrics), Decline and DeviceStatus, their fields' bounds
 and the schema version each encoding carries. Every field, type, bound, topic, QoS and retained flag
 is specified in ``docs/protocol.md``; decoding is bounded by :mod:`edgefl.wire.cbor`, arrays are
 :mod:`edgefl.wire.arrays`, update deltas :mod:`edgefl.wire.compression`.
@@ -63,6 +63,7 @@ __all__ = [
     "MAX_PROX_MU",
     "PARTIAL_COMBINES",
     "UPDATE_ID_RE",
+    "Decline",
     "DeviceStatus",
     "GlobalModel",
     "HeadLayout",
@@ -70,11 +71,13 @@ __all__ = [
     "RoundAnnouncement",
     "Update",
     "UpdateMetrics",
+    "decode_decline",
     "decode_global_model",
     "decode_partial",
     "decode_round",
     "decode_status",
     "decode_update",
+    "encode_decline",
     "encode_global_model",
     "encode_partial",
     "encode_round",
@@ -106,6 +109,8 @@ DEVICE_ID_RE: Final = DEVICE_ID_PATTERN
 UPDATE_ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
+_REASON_RE: Final = re.compile(r"[a-z0-9_]{1,32}")
+_DETAIL_RE: Final = re.compile(r"[\x20-\x7e]{0,200}")
 _LAYOUT_RE: Final = re.compile(r"[a-z0-9]{1,16}")
 _LAYOUT_RE_PARTIAL: Final = re.compile(r"[a-z-]{1,16}")
 
@@ -277,6 +282,41 @@ class Update:
     metrics: UpdateMetrics
     update_id: str
     compression: Compression = Compression.NONE
+    signature: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Decline:
+    """A device's refusal of a round it was asked to train (topic ``update/<device>``, QoS 1).
+
+    Sent instead of an Update when the device cannot answer the round (e.g. the memory governor
+    judged training over budget until the round's deadline drew near), so the coordinator counts and
+    logs the refusal instead of seeing a silent device. Specified in ``docs/protocol.md`` ("Decline").
+
+    Parameters
+    ----------
+    round : int
+        The round refused.
+    base_version : int
+        The round's base version.
+    device : str
+        Sender (must equal the topic's ``<device>``).
+    reason : str
+        A :class:`~edgefl.wire.reasons.Reason` value, ``[a-z0-9_]{1,32}`` (e.g. ``over_budget``).
+    detail : str
+        Human-readable explanation, at most 200 printable ASCII characters (longer ones are cut).
+    update_id : str
+        De-duplication id, ``<device>:<round>:<base_version>:declined``.
+    signature : bytes
+        Ed25519 signature (signed like an Update, kind ``decline``), or empty.
+    """
+
+    round: int
+    base_version: int
+    device: str
+    reason: str
+    detail: str
+    update_id: str
     signature: bytes = b""
 
 
@@ -759,6 +799,74 @@ def decode_update(
         ),
         update_id=read_text(obj, "update_id", "", UPDATE_ID_RE),
         compression=mode,
+        signature=read_signature(obj, limits),
+    )
+
+
+def encode_decline(msg: Decline) -> bytes:
+    """Encode a :class:`Decline`.
+
+    Parameters
+    ----------
+    msg : Decline
+        ``detail`` is written as printable ASCII (anything else becomes ``?``), cut to 200 characters.
+
+    Returns
+    -------
+    bytes
+        ``{"v", "type": "decline", "round", "base_version", "device", "reason", "detail",
+        "update_id", "signature"}`` (``v`` = 2 when signed, else 1).
+    """
+    detail = "".join(c if " " <= c <= "~" else "?" for c in msg.detail)[:200]
+    return cbor2.dumps(
+        {
+            "v": _written_version(msg.signature),
+            "type": MessageType.DECLINE.value,
+            "round": int(msg.round),
+            "base_version": int(msg.base_version),
+            "device": msg.device,
+            "reason": str(msg.reason),
+            "detail": detail,
+            "update_id": msg.update_id,
+            "signature": bytes(msg.signature),
+        }
+    )
+
+
+def decode_decline(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Decline:
+    """Decode and validate a :class:`Decline`.
+
+    Parameters
+    ----------
+    payload : bytes
+        The MQTT payload (topic ``update/<device>``).
+    limits : Limits
+        Decoding bounds.
+
+    Returns
+    -------
+    Decline
+
+    Raises
+    ------
+    DecodeError
+        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for a reason, detail or
+        update id outside its pattern.
+    """
+    obj = load_message(payload, limits, MessageType.DECLINE)
+    check_keys(
+        obj,
+        "",
+        ("v", "type", "round", "base_version", "device", "reason", "detail", "update_id"),
+        ("signature",),
+    )
+    return Decline(
+        round=read_int(obj, "round", ""),
+        base_version=read_int(obj, "base_version", ""),
+        device=read_device_id(obj["device"], "device"),
+        reason=read_text(obj, "reason", "", _REASON_RE),
+        detail=read_text(obj, "detail", "", _DETAIL_RE),
+        update_id=read_text(obj, "update_id", "", UPDATE_ID_RE),
         signature=read_signature(obj, limits),
     )
 
