@@ -137,6 +137,9 @@ def _start_big_agent(broker: Broker, fleet: str, tmp: Path, **overrides: str) ->
             "memory.min_system_available_mb": "0",
             "dashboard.port": "0",
             "status.interval_s": TEST_STATUS_INTERVAL_S,
+            # every check publishes (the profile's 60 s heartbeat would hold back a status that only
+            # moves memory figures, and the tests wait for a fresh one after the round)
+            "status.heartbeat_s": TEST_STATUS_INTERVAL_S,
             **{k.replace("__", "."): v for k, v in overrides.items()},
         },
         tmp / "dev-1.log",

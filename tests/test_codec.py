@@ -952,17 +952,9 @@ def test_malformed_cbor_reason(payload: bytes, reason: str) -> None:
 
 
 def test_all_message_types_are_distinct() -> None:
-    assert {m.value for m in MessageType} == {
-        "global_model",
-        "round",
-        "update",
-        "decline",
-        "status",
-        "chunk",
-        "sample",
-        "label",
-        "prediction",
-    }
+    kinds = {"global_model", "round", "update", "decline", "status", "chunk", "partial"}
+    kinds |= {"sample", "label", "prediction"}
+    assert {m.value for m in MessageType} == kinds
     assert SCHEMA_VERSION == 3  # 2 added the rice layout and the canonical signed bytes, 3 head layouts
     assert reason_of(lambda: decode_round(encode_update(make_update()))) == "wrong_type"
 

@@ -75,6 +75,7 @@ class MessageType(StrEnum):
     DECLINE = "decline"
     STATUS = "status"
     CHUNK = "chunk"
+    PARTIAL = "partial"
     SAMPLE = "sample"
     LABEL = "label"
     PREDICTION = "prediction"
