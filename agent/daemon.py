@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import os
@@ -33,6 +32,7 @@ import numpy as np
 from edgefl.agent import memory
 from edgefl.agent.config import Profile
 from edgefl.agent.core import ApplyStatus, DeviceCore, RoundResult, RoundStatus
+from edgefl.agent.status import status_news
 from edgefl.aio import wait_event
 from edgefl.errors import DecodeError, EdgeflError, TransportError
 from edgefl.profiles import broker_password
@@ -72,23 +72,6 @@ COMPACT_STATUS_FIELDS = frozenset(
 )
 """Status fields kept when the full status would exceed the broker's maximum packet size."""
 
-VOLATILE_STATUS_FIELDS = frozenset(
-    {
-        "rss_bytes",
-        "pss_bytes",
-        "peak_rss_bytes",
-        "system_available_bytes",
-        "phase_peaks",
-        "phase_last",
-        "admissions",
-        "inferred_total",
-        "inference_accuracy",
-        "pipeline",
-        "transport",
-        "ts",
-    }
-)
-"""Status fields that move all the time: a change in them alone waits for ``status.heartbeat_s``."""
 
 
 class StatusPage(Protocol):
@@ -463,10 +446,10 @@ class Agent:
     async def status_loop(self) -> None:
         """Publish the retained status when it says something new, and at least every ``status.heartbeat_s``.
 
-        Checked on every change and every ``status.interval_s``; a change of the
-        :data:`VOLATILE_STATUS_FIELDS` alone is not news. Every (re)connect publishes (the broker may
-        hold the "offline" last will). While the core is degraded (state not persisted: a full disk),
-        each check retries the writes.
+        Checked on every change and every ``status.interval_s``; a change of the volatile figures or
+        of the round's progress alone is not news (:func:`edgefl.agent.status.status_news`). Every
+        (re)connect publishes (the broker may hold the "offline" last will). While the core is
+        degraded (state not persisted: a full disk), each check retries the writes.
         """
         assert self.transport is not None
         cfg = self.profile.status
@@ -491,11 +474,7 @@ class Agent:
             return
         topic = self.topics.status(self.device)
         fields = self.status_fields()
-        said = json.dumps(
-            [self.state.state, {k: v for k, v in fields.items() if k not in VOLATILE_STATUS_FIELDS}],
-            sort_keys=True,
-            default=str,
-        )
+        said = status_news(self.state.state, fields)  # round progress and volatile figures are not news
         if self._status_connected:
             self._status_connected, self._last_said = False, ""
         if said == self._last_said and time.monotonic() - self._last_at < heartbeat_s:
