@@ -872,7 +872,10 @@ class DeviceCore:
             # kept until its PUBACK: a restart re-sends it (same update_id), never re-trains the round
             added: list[Dropped] = []
             if not self._persist(
-                "outbox", lambda: added.extend(self.outbox.add(update_id, ann.round, payload))
+                # sends=1: the daemon publishes it next; the write that keeps it counts that first
+                # attempt, so no second atomic write (two fsyncs) sits between training and the
+                # publish (issue 17, round latency)
+                "outbox", lambda: added.extend(self.outbox.add(update_id, ann.round, payload, sends=1))
             ):
                 # not sent: a round whose update is not on disk could be answered twice after a restart
                 self.outbox.forget(update_id)

@@ -296,7 +296,7 @@ class Agent:
             logger.warning("outbox: dropped %s (%s)", dropped.update_id, dropped.reason)
         self._set_state("uploading")
         try:
-            await self._send_update(entry.update_id, entry.payload)
+            await self._send_update(entry.update_id, entry.payload, counted=True)
         except TransportError as exc:
             # the outbox keeps it: re-sent after the next (re)connect, the round is not trained again
             logger.warning("round %d: update not delivered yet: %s", result.round, exc)
@@ -338,8 +338,11 @@ class Agent:
         broker = self.transport.broker_max_packet_bytes if self.transport is not None else None
         return min(self.max_packet_bytes, broker or self.max_packet_bytes)
 
-    async def _send_update(self, update_id: str, payload: bytes) -> None:
+    async def _send_update(self, update_id: str, payload: bytes, counted: bool = False) -> None:
         """Publish an update (chunked above the broker's packet limit), then drop it from the outbox.
+
+        ``counted``: the outbox already counted this attempt (a fresh update is kept with its
+        first send counted, ``DeviceCore.answer_round``); otherwise it is counted (persisted) first.
 
         Raises
         ------
@@ -349,7 +352,8 @@ class Agent:
         assert self.transport is not None
         topic = self.topics.update(self.device)
         limit = self.packet_limit()
-        await self._work(self.core.mark_sent, update_id)
+        if not counted:
+            await self._work(self.core.mark_sent, update_id)
         with self.core.phase("publish"):
             for part in split_message(payload, topic, limit, msg_id=update_id.replace(":", "-")):
                 await self.transport.publish(topic, part, qos=1)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import math
 import os
@@ -890,7 +891,10 @@ _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
 
+@functools.cache
 def _libc() -> Any | None:
+    # cached: find_library runs ``ldconfig -p`` in a child process, and malloc_trim runs after
+    # every round (a fork and exec on the round's path: seen with strace, issue 17)
     name = ctypes.util.find_library("c") or "libc.so.6"
     try:
         lib = ctypes.CDLL(name)

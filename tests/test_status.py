@@ -53,7 +53,7 @@ def test_status_news_ignores_round_progress_and_volatile_figures() -> None:
         rss_bytes=61_000_000,
         ts=2.0,
     )
-    assert ROUND_STATES == {"idle", "training", "uploading", "waiting"}
+    assert {"idle", "training", "uploading", "waiting"} == ROUND_STATES
     for state in ROUND_STATES:
         assert status_news(state, progressed) == base
     # news: a state outside the round's routine, a reason, readiness, a refusal, another model
