@@ -332,6 +332,9 @@ _ARENA_FACTOR = 2.0
 _DELEGATED_ARENA_FACTOR = 1.0
 _FIXED_BYTES = 256 << 10  # small Python objects, page rounding
 _TOPK_CODE_BYTES = 768 << 10  # first-call code pages of the top-k encoder (see estimate_encode_bytes)
+# zlib's deflate state at level 9, 15-bit window: (1 << 17) + (1 << 17) bytes (zlib's zconf.h), for the
+# int8 levels' deflate stage (edgefl.wire.compression, "qz")
+_DEFLATE_STATE_BYTES = 256 << 10
 # The first run of a phase faults in the code pages of the library paths it uses (numpy's sort and
 # BLAS kernels, LiteRT's kernels for a new shape): measured 1.5 MiB of RssFile for training.
 FIRST_RUN_BYTES = 2 << 20
@@ -453,7 +456,8 @@ def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fractio
     The dense delta's float32 temporaries (finite check, clip or scale, absolute values), the int64
     partition of top-k and the code pages its first call touches (partition, packbits, the Rice
     coder's cumsum: ~1 MiB of RSS in a fresh process for 67 KiB of tracemalloc peak at D=512, K=10),
-    and the payload three times (typed-array bytes, the CBOR buffer and the returned ``bytes``).
+    and the payload three times (typed-array bytes, the CBOR buffer and the returned ``bytes``), and
+    for the int8 layouts zlib's deflate state (256 KiB) and the int8 levels once more.
 
     Parameters
     ----------
@@ -471,6 +475,8 @@ def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fractio
     n = dim * classes + classes
     sparse = compression.startswith("topk")
     temps = n * 4 * 2 + (n * 8 * 2 + _TOPK_CODE_BYTES if sparse else 0)
+    if "int8" in compression:
+        temps += _DEFLATE_STATE_BYTES + n
     return temps + 3 * wire_bytes(dim, classes, compression, topk_fraction) + _FIXED_BYTES
 
 

@@ -949,7 +949,8 @@ def test_malformed_cbor_reason(payload: bytes, reason: str) -> None:
 
 def test_all_message_types_are_distinct() -> None:
     assert {m.value for m in MessageType} == {"global_model", "round", "update", "status", "chunk"}
-    assert SCHEMA_VERSION == 3  # 2 added the rice layout and the canonical signed bytes, 3 head layouts
+    # 2 added the rice layout and the canonical signed bytes, 3 head layouts, 4 deflated int8 levels
+    assert SCHEMA_VERSION == 4
     assert reason_of(lambda: decode_round(encode_update(make_update()))) == "wrong_type"
 
 

@@ -26,6 +26,7 @@ from edgefl.validators import DEVICE_ID_PATTERN, check_device_id
 from edgefl.wire.arrays import decode_array, encode_array
 from edgefl.wire.cbor import (
     DEFAULT_LIMITS,
+    DEFLATE_SCHEMA_VERSION,
     HEAD_LAYOUT_SCHEMA_VERSION,
     INT_MAX,
     MIN_SCHEMA_VERSION,
@@ -98,9 +99,15 @@ _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
 _LAYOUT_RE: Final = re.compile(r"[a-z0-9]{1,16}")
 
 
-def _written_version(signature: bytes, uses_rice: bool = False) -> int:
+def _written_version(signature: bytes, uses_rice: bool = False, uses_deflate: bool = False) -> int:
     # the lowest schema that describes the message (docs/protocol.md, "Versioning")
+    if uses_deflate:
+        return DEFLATE_SCHEMA_VERSION
     return SIGNED_SCHEMA_VERSION if signature or uses_rice else MIN_SCHEMA_VERSION
+
+
+def _deflated(*subs: Mapping[str, object]) -> bool:
+    return any("qz" in sub for sub in subs)
 
 
 class HeadLayout(StrEnum):
@@ -362,7 +369,10 @@ def encode_global_model(msg: GlobalModel) -> bytes:
         if msg.base_version is not None:
             obj["base_version"] = int(msg.base_version)
         mode = _HEAD_COMPRESSION[layout]
-        obj["head"] = {"W": compress_delta(w, mode), "b": compress_delta(b, mode)}
+        sub_W, sub_b = compress_delta(w, mode), compress_delta(b, mode)
+        if _deflated(sub_W, sub_b):
+            obj["v"] = DEFLATE_SCHEMA_VERSION
+        obj["head"] = {"W": sub_W, "b": sub_b}
     obj["signature"] = bytes(msg.signature)
     return cbor2.dumps(obj)
 
@@ -664,7 +674,7 @@ def encode_update(
     delta = {"W": sub_W, "b": sub_b}
     return cbor2.dumps(
         {
-            "v": _written_version(msg.signature, "rice" in sub_W or "rice" in sub_b),
+            "v": _written_version(msg.signature, "rice" in sub_W or "rice" in sub_b, _deflated(sub_W, sub_b)),
             "type": MessageType.UPDATE.value,
             "round": int(msg.round),
             "base_version": int(msg.base_version),
