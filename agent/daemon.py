@@ -73,7 +73,6 @@ COMPACT_STATUS_FIELDS = frozenset(
 """Status fields kept when the full status would exceed the broker's maximum packet size."""
 
 
-
 class StatusPage(Protocol):
     """What the daemon needs of a status page (the CLI builds one from ``edgefl.dashboard``)."""
 
@@ -377,8 +376,12 @@ class Agent:
         self._changed()
 
     # --- status -------------------------------------------------------------------------------
-    def status_fields(self) -> dict[str, Any]:
-        """The DeviceStatus fields (JSON-like): memory, round, counters."""
+    def status_fields(self, measure: bool = True) -> dict[str, Any]:
+        """The DeviceStatus fields (JSON-like): memory, round, counters.
+
+        ``measure=False`` leaves out the memory figures read from ``/proc`` (see
+        ``Governor.status``): enough to tell whether a status has news.
+        """
         s = self.state
         core = self.core
         pipeline = core.pipeline
@@ -396,7 +399,7 @@ class Agent:
             "last_update_bytes": s.last_update_bytes,
             "redelivered_total": core.redelivered,
             "outbox_pending": len(core.outbox),  # updates not yet acknowledged (PUBACK)
-            **self.governor.status(),
+            **self.governor.status(measure=measure),
             "rejected": dict(s.rejected),
             "faults": dict(s.faults),
             "pipeline_mode": pipeline.mode,
@@ -477,12 +480,13 @@ class Agent:
             self._last_said = ""  # publish again once connected
             return
         topic = self.topics.status(self.device)
-        fields = self.status_fields()
-        said = status_news(self.state.state, fields)  # round progress and volatile figures are not news
+        # round progress and volatile figures are not news; the /proc reads wait until a publish
+        said = status_news(self.state.state, self.status_fields(measure=False))
         if self._status_connected:
             self._status_connected, self._last_said = False, ""
         if said == self._last_said and time.monotonic() - self._last_at < heartbeat_s:
             return
+        fields = self.status_fields()
         payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
         if publish_packet_bytes(topic, len(payload)) > self.packet_limit():
             # A retained status is one message: under a small broker packet limit, send the essentials.

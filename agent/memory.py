@@ -835,8 +835,16 @@ class Governor:
         )
 
     # --- report ------------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
+    def status(self, measure: bool = True) -> dict[str, Any]:
         """JSON-like memory figures for the status message and the dashboard.
+
+        Parameters
+        ----------
+        measure : bool
+            False leaves out the figures read from ``/proc`` (``rss_bytes``, ``pss_bytes``,
+            ``peak_rss_bytes``, ``system_available_bytes``): reading ``smaps_rollup`` takes
+            milliseconds on a loaded gateway, and the daemon's check for news, run at every state
+            change of a round on the event loop, needs none of them (issue 17, round latency).
 
         Returns
         -------
@@ -847,17 +855,24 @@ class Governor:
             ``phase_peaks`` {phase: bytes}, ``phase_last`` {phase: bytes}, ``admissions``
             {phase: Admission as dict}, ``deferrals`` {phase: count}, ``last_deferral`` (dict or None).
         """
-        peak = self.peak_rss_bytes
+        peak = self.peak_rss_bytes if measure else 0
         with self._lock:
+            measured = (
+                {
+                    "rss_bytes": self.rss_bytes(),
+                    "pss_bytes": pss_bytes(proc=self.proc),
+                    "peak_rss_bytes": peak,
+                    "system_available_bytes": self.system_available_bytes(),
+                }
+                if measure
+                else {}
+            )
             return {
                 "cap_bytes": self.cap_bytes,
                 "profile_cap_bytes": self.profile_cap_bytes,
                 "cgroup_limit_bytes": self.cgroup_limit_bytes,
                 "reserve_bytes": self.reserve_bytes,
-                "rss_bytes": self.rss_bytes(),
-                "pss_bytes": pss_bytes(proc=self.proc),
-                "peak_rss_bytes": peak,
-                "system_available_bytes": self.system_available_bytes(),
+                **measured,
                 "min_system_available_bytes": self.min_system_available_bytes,
                 "peak_method": self.peak_method,
                 "phase_peaks": dict(self.phase_peaks),
