@@ -17,7 +17,9 @@ both directions: framing, statuses and keep-alives included).
   with ``flwr==1.42.0`` and numpy when absent; the only network use is that pip install), training
   on the embeddings edgefl's backbone gives for the same shards.
 
-Figures: bytes (up + down) per client per round over rounds 1..5; round start -> aggregation (edgefl:
+Figures: bytes (up + down) per client per round over rounds 1..5, and for edgefl the same bytes by MQTT
+packet kind (PUBLISH per topic kind, PUBACK, PINGREQ...: :class:`MqttSplitter` in the proxy); round
+start -> aggregation (edgefl:
 ``run_round`` begins -> ``publish_global`` called; Flower: ``configure_fit`` -> ``aggregate_fit``
 returned), median of rounds 2..5; peak RSS (VmHWM) of each client process; final test accuracy.
 With ``--repeats N`` every figure is the median over the N alternating repeats.
@@ -554,6 +556,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{summary['ratios']['peak_rss_dashboard_on_d512']:.2f} |"
     )
     print("accuracy:", json.dumps(summary["accuracy"]))
+    print(
+        "\n| edgefl, per client per round: MQTT packets by kind | "
+        + " | ".join(v.name for v in VARIANTS)
+        + " |"
+    )
+    print("|---|" + "---|" * len(VARIANTS))
+    first = {r["variant"]: r["breakdown"] for r in runs if r["system"] == "edgefl" and r["repeat"] == 0}
+    for way in ("up", "down"):
+        kinds = sorted({k for b in first.values() for k in b[way]})
+        for kind in kinds:
+            cells = [
+                f"{first[v.name][way][kind][1]:,.0f} B ({first[v.name][way][kind][0]:.1f})"
+                if kind in first.get(v.name, {}).get(way, {})
+                else "-"
+                for v in VARIANTS
+            ]
+            print(f"| {way}: {kind} | " + " | ".join(cells) + " |")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=1))
