@@ -19,9 +19,9 @@ both directions: framing, statuses and keep-alives included).
 
 Figures: bytes (up + down) per client per round over rounds 1..5, and for edgefl the same bytes by MQTT
 packet kind (PUBLISH per topic kind, PUBACK, PINGREQ...: :class:`MqttSplitter` in the proxy); round
-start -> aggregation (edgefl:
-``run_round`` begins -> ``publish_global`` called; Flower: ``configure_fit`` -> ``aggregate_fit``
-returned), median of rounds 2..5; peak RSS (VmHWM) of each client process; final test accuracy.
+start -> aggregation (edgefl: ``run_round`` begins -> ``publish_global`` called; Flower:
+``configure_fit`` -> ``aggregate_fit`` returned), median of rounds 2..5; peak RSS (VmHWM) of each
+client process; final test accuracy.
 With ``--repeats N`` every figure is the median over the N alternating repeats.
 
 Run: ``.venv/bin/python -m bench.peer --json PATH`` writes ``{"ratios": {METRIC: edgefl/Flower},

@@ -114,8 +114,9 @@ def test_status_not_published_for_round_progress_the_coordinator_sees_it_in_the_
         try:
             await coord.start()
             await coord.wait_for_devices(1, timeout_s=90)
-            # the agent applied the initial head (its version is not news either): let it settle
-            await asyncio.sleep(0.5)
+            # start-up news: the coordinator's own retained head (version 0, held already) counted as
+            # a redelivery; wait for that status, then count from there
+            await coord.wait_for_devices(1, timeout_s=60, key="redelivered_total")
             seen.clear()
             sizes = []
             for r in (1, 2, 3):
