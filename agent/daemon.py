@@ -249,6 +249,10 @@ class Agent:
                 elif applied.status == ApplyStatus.APPLIED:
                     self._changed()
                     await self.answer_ready()
+                else:
+                    # a redelivery counted (redelivered_total is news): say it now, not with the
+                    # next state change (it used to land in the next round's bytes)
+                    self._changed()
             elif topic == self.topics.round:
                 await self.on_round(await self._work(self.core.receive_round, payload))
             else:

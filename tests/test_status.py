@@ -139,3 +139,57 @@ def test_status_not_published_for_round_progress_the_coordinator_sees_it_in_the_
     assert entry["round"] == 3 and entry["last_update_bytes"] == sizes[-1]
     assert entry["ready"] is True and entry["state"] == "idle"  # the last status said so
     assert page["devices"]["dev-1"]["last_round"] == 3 and page["devices"]["dev-1"]["online"] is True
+
+
+@pytest.mark.timeout(180)
+def test_status_redelivery_is_published_at_once(mosquitto: Broker, fleet: str, tmp_path: Path) -> None:
+    """Checked only every 30 s, an agent still publishes a counted redelivery at once (it used to
+    wait for the next state change, and landed in the next round's bytes)."""
+    from edgefl.wire.codec import GlobalModel, encode_global_model
+
+    x, y = load_digits()
+    backbone = Backbone(INT8_MODEL)
+    w0, b0 = backbone.head_from_model()
+    proc = start_replay_agent(
+        mosquitto,
+        fleet,
+        tmp_path,
+        "dev-1",
+        x[:32],
+        y[:32],
+        status__interval_s="30",
+        status__heartbeat_s="3600",
+    )
+    topics = Topics("edgefl", fleet)
+    same = encode_global_model(GlobalModel(0, 0, backbone.sha256, w0, b0))  # the version it holds
+
+    async def main() -> dict[str, Any]:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"peer-{fleet}")
+        await t.start(wait_s=10)
+        await t.subscribe(topics.status("dev-1"), 1)
+
+        async def next_fields() -> dict[str, Any]:
+            while True:
+                msg = await t.queue.get()
+                if msg.payload:
+                    st = decode_status(msg.payload)
+                    return dict(st.fields, state=st.state)
+
+        try:
+            async with asyncio.timeout(90):
+                while not (await next_fields()).get("ready"):
+                    pass
+            await t.publish(topics.global_model, same, qos=1, retain=False)
+            async with asyncio.timeout(10):  # well under status.interval_s
+                while (f := await next_fields()).get("redelivered_total") != 1:
+                    pass
+            return f
+        finally:
+            await t.stop()
+
+    try:
+        fields = asyncio.run(main())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    assert fields["version"] == 0 and fields["state"] == "idle"
