@@ -18,6 +18,7 @@ from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.codec import decode_status
+from edgefl.wire.messages import Update, UpdateMetrics, decode_update, encode_update
 
 FIELDS: dict[str, Any] = {
     "round": 3,
@@ -122,6 +123,8 @@ def test_status_not_published_for_round_progress_the_coordinator_sees_it_in_the_
             for r in (1, 2, 3):
                 rec = await coord.run_round(r)
                 assert rec.clients == 1
+                # the device's evaluation of the base head came with its update, not a status
+                assert rec.fed_devices == 1 and 0.0 <= rec.fed_accuracy <= 1.0, rec
                 sizes.append(int(rec.update_bytes_mean))
             await asyncio.sleep(0.5)  # 10 status checks after the last head went out
             return seen, dict(coord.state.devices["dev-1"]), coord.dashboard_status(), sizes
@@ -193,3 +196,42 @@ def test_status_redelivery_is_published_at_once(mosquitto: Broker, fleet: str, t
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     assert fields["version"] == 0 and fields["state"] == "idle"
+
+
+def test_status_evaluation_travels_in_the_update() -> None:
+    """The base head's federated evaluation rides in the update's metrics (schema 4), both keys or none."""
+    import cbor2
+    import numpy as np
+    import pytest as _pytest
+
+    from edgefl.errors import DecodeError
+
+    w = np.full((4, 3), 0.01, np.float32)
+    metrics = UpdateMetrics(0.5, 0.75, 0.01, 1 << 20, eval_accuracy=0.8, eval_count=20)
+    upd = Update(3, 2, "dev-1", 12, w, np.zeros(3, np.float32), metrics, "dev-1:3:2")
+    payload = encode_update(upd)
+    obj = cbor2.loads(payload)
+    assert obj["v"] == 4 and obj["metrics"]["eval_accuracy"] == 0.8 and obj["metrics"]["eval_count"] == 20
+    got = decode_update(payload, expect_shape=(4, 3))
+    assert (got.metrics.eval_accuracy, got.metrics.eval_count) == (0.8, 20)
+    plain = encode_update(
+        Update(3, 2, "dev-1", 12, w, np.zeros(3, np.float32), UpdateMetrics(0.5, 0.75, 0.01, 1), "u")
+    )
+    assert cbor2.loads(plain)["v"] == 1 and "eval_accuracy" not in cbor2.loads(plain)["metrics"]
+    assert decode_update(plain).metrics.eval_accuracy is None
+    changes: list[tuple[dict[str, Any], str]] = [
+        ({"eval_count": None}, "missing_key"),  # None: the key removed
+        ({"eval_accuracy": 1.5}, "bad_value"),
+        ({"eval_count": 0}, "bad_value"),
+        ({"eval_count": "20"}, "wrong_type"),
+    ]
+    for change, reason in changes:
+        bad = cbor2.loads(payload)
+        for key, value in change.items():
+            if value is None:
+                del bad["metrics"][key]
+            else:
+                bad["metrics"][key] = value
+        with _pytest.raises(DecodeError) as info:
+            decode_update(cbor2.dumps(bad))
+        assert info.value.reason == reason, (info.value, reason)

@@ -60,7 +60,8 @@ MIN_SCHEMA_VERSION: Final = 1
 SIGNED_SCHEMA_VERSION: Final = 2
 #: Schema written by a GlobalModel whose head is compressed or a delta (new in schema 3), signed or not.
 HEAD_LAYOUT_SCHEMA_VERSION: Final = 3
-#: Schema written by a message with an int8 sub-map whose levels travel deflated (``qz``, new in 4).
+#: Schema written by a message with an int8 sub-map whose levels travel deflated (``qz``), or by an
+#: Update carrying the base head's evaluation in its metrics (both new in 4).
 DEFLATE_SCHEMA_VERSION: Final = 4
 
 INT_MAX: Final = 2**63 - 1  # fits int64 everywhere downstream (JSON, Prometheus, numpy)
