@@ -943,6 +943,8 @@ class DeviceCore:
         if enc.deferred:
             return self._defer(ann, enc.reason)
         update_id = f"{self.device}:{ann.round}:{ann.base_version}"
+        ev = self.evaluation
+        base_eval = ev if ev is not None and ev.version == ann.base_version else None
         with self._phase("encode"):
             delta_W, delta_b = result.delta_W, result.delta_b
             compressed: CompressedDelta | None = None
@@ -959,7 +961,16 @@ class DeviceCore:
                 num_examples=result.num_examples,
                 delta_W=delta_W,
                 delta_b=delta_b,
-                metrics=UpdateMetrics(result.loss, result.accuracy, result.train_s, gov.peak_rss_bytes),
+                metrics=UpdateMetrics(
+                    result.loss,
+                    result.accuracy,
+                    result.train_s,
+                    gov.peak_rss_bytes,
+                    # the base head's federated evaluation rides with the update (issue 17: the
+                    # status no longer goes out for it)
+                    eval_accuracy=base_eval.accuracy if base_eval is not None else None,
+                    eval_count=base_eval.count if base_eval is not None else 0,
+                ),
                 update_id=update_id,
                 compression=ann.compression,
             )
@@ -975,7 +986,11 @@ class DeviceCore:
             # kept until its PUBACK: a restart re-sends it (same update_id), never re-trains the round
             added: list[Dropped] = []
             if not self._persist(
-                "outbox", lambda: added.extend(self.outbox.add(update_id, ann.round, payload))
+                # sends=1: the daemon publishes it next; the write that keeps it counts that first
+                # attempt, so no second atomic write (two fsyncs) sits between training and the
+                # publish (issue 17, round latency)
+                "outbox",
+                lambda: added.extend(self.outbox.add(update_id, ann.round, payload, sends=1)),
             ):
                 # not sent: a round whose update is not on disk could be answered twice after a restart
                 self.outbox.forget(update_id)

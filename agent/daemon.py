@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import os
@@ -36,6 +35,7 @@ from edgefl.agent import memory
 from edgefl.agent.config import Profile
 from edgefl.agent.core import ApplyStatus, Classified, DeviceCore, RoundResult, RoundStatus
 from edgefl.agent.ingest import Ingest, Queued
+from edgefl.agent.status import status_news
 from edgefl.aio import wait_event
 from edgefl.errors import BudgetExceeded, DecodeError, EdgeflError, TransportError, UpdateRejected
 from edgefl.profiles import broker_password
@@ -87,30 +87,6 @@ COMPACT_STATUS_FIELDS = frozenset(
     }
 )
 """Status fields kept when the full status would exceed the broker's maximum packet size."""
-
-VOLATILE_STATUS_FIELDS = frozenset(
-    {
-        "rss_bytes",
-        "pss_bytes",
-        "peak_rss_bytes",
-        "system_available_bytes",
-        "phase_peaks",
-        "phase_last",
-        "admissions",
-        "inferred_total",
-        "inference_accuracy",
-        "pipeline",
-        "transport",
-        "ts",
-        "samples_received",
-        "labels_received",
-        "predictions_published",
-        "predictions_failed",
-        "ingest_queued",
-        "pending_labels",
-    }
-)
-"""Status fields that move all the time: a change in them alone waits for ``status.heartbeat_s``."""
 
 
 class StatusPage(Protocol):
@@ -478,6 +454,10 @@ class Agent:
                 elif applied.status == ApplyStatus.APPLIED:
                     self._changed()
                     await self.answer_ready()
+                else:
+                    # a redelivery counted (redelivered_total is news): say it now, not with the
+                    # next state change (it used to land in the next round's bytes)
+                    self._changed()
             elif topic == self.topics.round:
                 await self.on_round(await self._work(self.core.receive_round, payload))
             elif self._is_ingest(topic):
@@ -534,7 +514,7 @@ class Agent:
             logger.warning("outbox: dropped %s (%s)", dropped.update_id, dropped.reason)
         self._set_state("uploading")
         try:
-            await self._send_update(entry.update_id, entry.payload)
+            await self._send_update(entry.update_id, entry.payload, counted=True)
         except TransportError as exc:
             # the outbox keeps it: re-sent after the next (re)connect, the round is not trained again
             logger.warning("round %d: update not delivered yet: %s", result.round, exc)
@@ -598,8 +578,11 @@ class Agent:
         broker = self.transport.broker_max_packet_bytes if self.transport is not None else None
         return min(self.max_packet_bytes, broker or self.max_packet_bytes)
 
-    async def _send_update(self, update_id: str, payload: bytes) -> None:
+    async def _send_update(self, update_id: str, payload: bytes, counted: bool = False) -> None:
         """Publish an update (chunked above the broker's packet limit), then drop it from the outbox.
+
+        ``counted``: the outbox already counted this attempt (a fresh update is kept with its
+        first send counted, ``DeviceCore.answer_round``); otherwise it is counted (persisted) first.
 
         Raises
         ------
@@ -609,7 +592,8 @@ class Agent:
         assert self.transport is not None
         topic = self.topics.update(self.device)
         limit = self.packet_limit()
-        await self._work(self.core.mark_sent, update_id)
+        if not counted:
+            await self._work(self.core.mark_sent, update_id)
         with self.core.phase("publish"):
             for part in split_message(payload, topic, limit, msg_id=update_id.replace(":", "-")):
                 await self.transport.publish(topic, part, qos=1)
@@ -633,8 +617,12 @@ class Agent:
         self._changed()
 
     # --- status -------------------------------------------------------------------------------
-    def status_fields(self) -> dict[str, Any]:
-        """The DeviceStatus fields (JSON-like): memory, round, counters."""
+    def status_fields(self, measure: bool = True) -> dict[str, Any]:
+        """The DeviceStatus fields (JSON-like): memory, round, counters.
+
+        ``measure=False`` leaves out the memory figures read from ``/proc`` (see
+        ``Governor.status``): enough to tell whether a status has news.
+        """
         s = self.state
         core = self.core
         pipeline = core.pipeline
@@ -657,7 +645,7 @@ class Agent:
             "deferred_round": core.deferred.ann.round if core.deferred is not None else None,
             "declined_total": core.declined_total,  # rounds refused to the coordinator (Decline)
             "over_budget_batches": s.over_budget_batches,  # inference refused by the governor
-            **self.governor.status(),
+            **self.governor.status(measure=measure),
             "rejected": dict(s.rejected),
             "faults": dict(s.faults),
             "pipeline_mode": pipeline.mode,
@@ -728,10 +716,10 @@ class Agent:
     async def status_loop(self) -> None:
         """Publish the retained status when it says something new, and at least every ``status.heartbeat_s``.
 
-        Checked on every change and every ``status.interval_s``; a change of the
-        :data:`VOLATILE_STATUS_FIELDS` alone is not news. Every (re)connect publishes (the broker may
-        hold the "offline" last will). While the core is degraded (state not persisted: a full disk),
-        each check retries the writes.
+        Checked on every change and every ``status.interval_s``; a change of the volatile figures or
+        of the round's progress alone is not news (:func:`edgefl.agent.status.status_news`). Every
+        (re)connect publishes (the broker may hold the "offline" last will). While the core is
+        degraded (state not persisted: a full disk), each check retries the writes.
         """
         assert self.transport is not None
         cfg = self.profile.status
@@ -756,16 +744,13 @@ class Agent:
             self._last_said = ""  # publish again once connected
             return
         topic = self.topics.status(self.device)
-        fields = self.status_fields()
-        said = json.dumps(
-            [self.state.state, {k: v for k, v in fields.items() if k not in VOLATILE_STATUS_FIELDS}],
-            sort_keys=True,
-            default=str,
-        )
+        # round progress and volatile figures are not news; the /proc reads wait until a publish
+        said = status_news(self.state.state, self.status_fields(measure=False))
         if self._status_connected:
             self._status_connected, self._last_said = False, ""
         if said == self._last_said and time.monotonic() - self._last_at < heartbeat_s:
             return
+        fields = self.status_fields()
         payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
         if publish_packet_bytes(topic, len(payload)) > self.packet_limit():
             # A retained status is one message: under a small broker packet limit, send the essentials.

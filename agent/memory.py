@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import math
 import os
@@ -332,6 +333,9 @@ _ARENA_FACTOR = 2.0
 _DELEGATED_ARENA_FACTOR = 1.0
 _FIXED_BYTES = 256 << 10  # small Python objects, page rounding
 _TOPK_CODE_BYTES = 768 << 10  # first-call code pages of the top-k encoder (see estimate_encode_bytes)
+# zlib's deflate state at level 9, 15-bit window: (1 << 17) + (1 << 17) bytes (zlib's zconf.h), for the
+# int8 levels' deflate stage (edgefl.wire.compression, "qz")
+_DEFLATE_STATE_BYTES = 256 << 10
 # The first run of a phase faults in the code pages of the library paths it uses (numpy's sort and
 # BLAS kernels, LiteRT's kernels for a new shape): measured 1.5 MiB of RssFile for training.
 FIRST_RUN_BYTES = 2 << 20
@@ -453,7 +457,8 @@ def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fractio
     The dense delta's float32 temporaries (finite check, clip or scale, absolute values), the int64
     partition of top-k and the code pages its first call touches (partition, packbits, the Rice
     coder's cumsum: ~1 MiB of RSS in a fresh process for 67 KiB of tracemalloc peak at D=512, K=10),
-    and the payload three times (typed-array bytes, the CBOR buffer and the returned ``bytes``).
+    and the payload three times (typed-array bytes, the CBOR buffer and the returned ``bytes``), and
+    for the int8 layouts zlib's deflate state (256 KiB) and the int8 levels once more.
 
     Parameters
     ----------
@@ -471,6 +476,8 @@ def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fractio
     n = dim * classes + classes
     sparse = compression.startswith("topk")
     temps = n * 4 * 2 + (n * 8 * 2 + _TOPK_CODE_BYTES if sparse else 0)
+    if "int8" in compression:
+        temps += _DEFLATE_STATE_BYTES + n
     return temps + 3 * wire_bytes(dim, classes, compression, topk_fraction) + _FIXED_BYTES
 
 
@@ -838,8 +845,16 @@ class Governor:
         )
 
     # --- report ------------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
+    def status(self, measure: bool = True) -> dict[str, Any]:
         """JSON-like memory figures for the status message and the dashboard.
+
+        Parameters
+        ----------
+        measure : bool
+            False leaves out the figures read from ``/proc`` (``rss_bytes``, ``pss_bytes``,
+            ``peak_rss_bytes``, ``system_available_bytes``): reading ``smaps_rollup`` takes
+            milliseconds on a loaded gateway, and the daemon's check for news, run at every state
+            change of a round on the event loop, needs none of them (issue 17, round latency).
 
         Returns
         -------
@@ -850,17 +865,24 @@ class Governor:
             ``phase_peaks`` {phase: bytes}, ``phase_last`` {phase: bytes}, ``admissions``
             {phase: Admission as dict}, ``deferrals`` {phase: count}, ``last_deferral`` (dict or None).
         """
-        peak = self.peak_rss_bytes
+        peak = self.peak_rss_bytes if measure else 0
         with self._lock:
+            measured = (
+                {
+                    "rss_bytes": self.rss_bytes(),
+                    "pss_bytes": pss_bytes(proc=self.proc),
+                    "peak_rss_bytes": peak,
+                    "system_available_bytes": self.system_available_bytes(),
+                }
+                if measure
+                else {}
+            )
             return {
                 "cap_bytes": self.cap_bytes,
                 "profile_cap_bytes": self.profile_cap_bytes,
                 "cgroup_limit_bytes": self.cgroup_limit_bytes,
                 "reserve_bytes": self.reserve_bytes,
-                "rss_bytes": self.rss_bytes(),
-                "pss_bytes": pss_bytes(proc=self.proc),
-                "peak_rss_bytes": peak,
-                "system_available_bytes": self.system_available_bytes(),
+                **measured,
                 "min_system_available_bytes": self.min_system_available_bytes,
                 "peak_method": self.peak_method,
                 "phase_peaks": dict(self.phase_peaks),
@@ -900,7 +922,10 @@ _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
 
+@functools.cache
 def _libc() -> Any | None:
+    # cached: find_library runs ``ldconfig -p`` in a child process, and malloc_trim runs after
+    # every round (a fork and exec on the round's path: seen with strace, issue 17)
     name = ctypes.util.find_library("c") or "libc.so.6"
     try:
         lib = ctypes.CDLL(name)

@@ -163,7 +163,7 @@ class Outbox:
         """Updates not yet acknowledged, oldest first (re-send them after a reconnect or restart)."""
         return list(self._entries)
 
-    def add(self, update_id: str, round: int, payload: bytes) -> list[Dropped]:
+    def add(self, update_id: str, round: int, payload: bytes, sends: int = 0) -> list[Dropped]:
         """Keep an update until :meth:`ack`; persisted before returning.
 
         Adding an ``update_id`` already kept is a no-op (the first payload stays: it may already be
@@ -177,6 +177,9 @@ class Outbox:
             Round the update answers, >= 0.
         payload : bytes
             The encoded update, exactly as it will be published.
+        sends : int
+            Publish attempts to record with it (1 when the caller publishes it right away: the one
+            write that keeps the update also counts its first attempt, as :meth:`mark_sent` would).
 
         Returns
         -------
@@ -220,7 +223,7 @@ class Outbox:
                 len(old.payload),
                 update_id,
             )
-        self._entries.append(OutboxEntry(update_id, round, bytes(payload)))
+        self._entries.append(OutboxEntry(update_id, round, bytes(payload), sends))
         self._save()
         return dropped
 

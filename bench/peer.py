@@ -17,9 +17,11 @@ both directions: framing, statuses and keep-alives included).
   with ``flwr==1.42.0`` and numpy when absent; the only network use is that pip install), training
   on the embeddings edgefl's backbone gives for the same shards.
 
-Figures: bytes (up + down) per client per round over rounds 1..5; round start -> aggregation (edgefl:
-``run_round`` begins -> ``publish_global`` called; Flower: ``configure_fit`` -> ``aggregate_fit``
-returned), median of rounds 2..5; peak RSS (VmHWM) of each client process; final test accuracy.
+Figures: bytes (up + down) per client per round over rounds 1..5, and for edgefl the same bytes by MQTT
+packet kind (PUBLISH per topic kind, PUBACK, PINGREQ...: :class:`MqttSplitter` in the proxy); round
+start -> aggregation (edgefl: ``run_round`` begins -> ``publish_global`` called; Flower:
+``configure_fit`` -> ``aggregate_fit`` returned), median of rounds 2..5; peak RSS (VmHWM) of each
+client process; final test accuracy.
 With ``--repeats N`` every figure is the median over the N alternating repeats.
 
 Run: ``.venv/bin/python -m bench.peer --json PATH`` writes ``{"ratios": {METRIC: edgefl/Flower},
@@ -84,13 +86,74 @@ VARIANTS = (
 
 
 # --- the counting proxy (a child process: ``python -m bench.peer proxy LOG LABEL:LPORT:TPORT ...``) --------
+_MQTT_TYPES = {
+    1: "CONNECT",
+    2: "CONNACK",
+    3: "PUBLISH",
+    4: "PUBACK",
+    8: "SUBSCRIBE",
+    9: "SUBACK",
+    12: "PINGREQ",
+    13: "PINGRESP",
+    14: "DISCONNECT",
+}
+
+
+class MqttSplitter:
+    """Cuts one direction of an MQTT byte stream into packets and names each one.
+
+    A PUBLISH is named by its topic's kind (``PUBLISH round``, ``PUBLISH status``...: the topic
+    segments after ``<prefix>/<fleet>/``, the device id dropped), other packets by their type.
+    Source: MQTT 5.0 §2.1 (fixed header, Variable Byte Integer), §3.3.2 (PUBLISH topic name).
+    """
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[str, int]]:
+        """Append ``data``; return (kind, packet bytes) of every packet now complete."""
+        self.buf += data
+        out: list[tuple[str, int]] = []
+        while len(self.buf) >= 2:
+            mult, length, i = 1, 0, 1
+            while True:
+                if i >= len(self.buf):
+                    return out
+                byte = self.buf[i]
+                length += (byte & 0x7F) * mult
+                mult *= 128
+                i += 1
+                if not byte & 0x80:
+                    break
+            if len(self.buf) < i + length:
+                return out
+            ptype = self.buf[0] >> 4
+            kind = _MQTT_TYPES.get(ptype, f"type{ptype}")
+            if ptype == 3:
+                tlen = int.from_bytes(self.buf[i : i + 2], "big")
+                parts = bytes(self.buf[i + 2 : i + 2 + tlen]).decode("utf-8", "replace").split("/")[2:]
+                if len(parts) >= 2 and parts[0] in ("update", "status", "samples", "predictions"):
+                    parts = parts[:1]
+                kind = "PUBLISH " + ("/".join(parts) or "(alias)")
+            out.append((kind, i + length))
+            del self.buf[: i + length]
+        return out
+
+
 async def _proxy_main(log_path: str, specs: Sequence[str]) -> None:
-    counts: list[tuple[float, str, str, int]] = []
+    counts: list[tuple[float, str, str, int, str]] = []
+    mqtt_labels = {spec.split(":")[0] for spec in specs if spec.endswith(":mqtt")}
 
     async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, label: str, way: str) -> None:
+        # an MQTT stream is logged packet by packet, anything else (gRPC) read by read
+        splitter = MqttSplitter() if label in mqtt_labels else None
         try:
             while data := await reader.read(65536):
-                counts.append((time.time(), label, way, len(data)))
+                now = time.time()
+                if splitter is None:
+                    counts.append((now, label, way, len(data), "-"))
+                else:
+                    counts.extend((now, label, way, n, kind) for kind, n in splitter.feed(data))
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, asyncio.CancelledError):
@@ -109,37 +172,39 @@ async def _proxy_main(log_path: str, specs: Sequence[str]) -> None:
 
     servers = []
     for spec in specs:
-        label, lport, tport = spec.split(":")
+        label, lport, tport = spec.split(":")[:3]
         servers.append(await asyncio.start_server(handler(label, int(tport)), "127.0.0.1", int(lport)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     await stop.wait()
     with open(log_path, "w") as fh:
-        for t, label, way, n in counts:
-            fh.write(f"{t:.6f} {label} {way} {n}\n")
+        for t, label, way, n, kind in counts:
+            fh.write(f"{t:.6f} {label} {way} {n} {kind.replace(' ', '_')}\n")
 
 
 class Proxy:
     """The counting proxy as a child process: one listening port per client label."""
 
-    def __init__(self, work: Path, targets: dict[str, int]) -> None:
+    def __init__(self, work: Path, targets: dict[str, int], mqtt: bool = False) -> None:
         self.log = work / f"proxy-{time.time_ns()}.txt"
         self.ports = {label: free_port() for label in targets}
-        specs = [f"{label}:{self.ports[label]}:{port}" for label, port in targets.items()]
+        specs = [
+            f"{label}:{self.ports[label]}:{port}{':mqtt' if mqtt else ''}" for label, port in targets.items()
+        ]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.peer", "proxy", str(self.log), *specs], cwd=HERE.parent
         )
         _wait_listening(list(self.ports.values()), 20)
 
-    def stop(self) -> list[tuple[float, str, str, int]]:
-        """Stop the proxy and return its log: (time s, label, "up"/"down", bytes)."""
+    def stop(self) -> list[tuple[float, str, str, int, str]]:
+        """Stop the proxy and return its log: (time s, label, "up"/"down", bytes, packet kind or "-")."""
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(timeout=15)
         rows = []
         for line in self.log.read_text().splitlines():
-            t, label, way, n = line.split()
-            rows.append((float(t), label, way, int(n)))
+            t, label, way, n, kind = line.split()
+            rows.append((float(t), label, way, int(n), kind.replace("_", " ")))
         return rows
 
 
@@ -156,8 +221,23 @@ def _wait_listening(ports: list[int], timeout_s: float) -> None:
                 time.sleep(0.05)
 
 
-def _bytes_per_round(rows: list[tuple[float, str, str, int]], label: str, t0: float, t1: float) -> float:
-    return sum(n for t, lab, _, n in rows if lab == label and t0 <= t < t1) / ROUNDS
+Rows = list[tuple[float, str, str, int, str]]
+
+
+def _bytes_per_round(rows: Rows, label: str, t0: float, t1: float) -> float:
+    return sum(r[3] for r in rows if r[1] == label and t0 <= r[0] < t1) / ROUNDS
+
+
+def _breakdown(rows: Rows, t0: float, t1: float) -> dict[str, dict[str, list[float]]]:
+    """Per way and packet kind: [packets, bytes] per client per round (both clients' mean), rounds 1..5."""
+    out: dict[str, dict[str, list[float]]] = {"up": {}, "down": {}}
+    clients = len({r[1] for r in rows}) or 1
+    for t, _, way, n, kind in rows:
+        if t0 <= t < t1:
+            cell = out[way].setdefault(kind, [0.0, 0.0])
+            cell[0] += 1 / (ROUNDS * clients)
+            cell[1] += n / (ROUNDS * clients)
+    return out
 
 
 def _vm_hwm_kib(pid: int) -> int:
@@ -250,6 +330,9 @@ async def _edgefl_rounds(
     try:
         await coord.start()
         await coord.wait_for_devices(2, timeout_s=180)
+        # start-up statuses (ready; the coordinator's own retained head counted as a redelivery) are
+        # not round traffic: left to arrive before round 1's window opens (they landed in it in some runs)
+        await asyncio.sleep(1.0)
         for r in range(1, ROUNDS + 1):
             starts[r] = time.time()
             rec = await coord.run_round(r)
@@ -269,7 +352,7 @@ def run_edgefl(work: Path, job: Job, v: Variant) -> dict[str, Any]:
     run_dir = Path(tempfile.mkdtemp(prefix=f"edgefl-{v.name}-", dir=work))
     profile = HERE.parent / "firmware_configs" / "dev_x86.toml"
     with mosquitto(run_dir, "set_tcp_nodelay true" if v.broker_nodelay else "") as port:
-        proxy = Proxy(run_dir, {"c1": port, "c2": port})
+        proxy = Proxy(run_dir, {"c1": port, "c2": port}, mqtt=True)
         fleet = f"peer{os.getpid()}{v.name.replace('_', '')}"
         procs = [
             launch_agent(
@@ -306,6 +389,7 @@ def run_edgefl(work: Path, job: Job, v: Variant) -> dict[str, Any]:
             for i in (1, 2)
         ],
         "round_ms": 1e3 * statistics.median(coord.agg_at[r] - starts[r] for r in rounds),
+        "breakdown": _breakdown(rows, starts[1], starts[ROUNDS + 1]),
         "peak_rss_kib": hwm,
         "accuracy": coord.state.history[-1].accuracy,
     }
@@ -475,6 +559,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{summary['ratios']['peak_rss_dashboard_on_d512']:.2f} |"
     )
     print("accuracy:", json.dumps(summary["accuracy"]))
+    print(
+        "\n| edgefl, per client per round: MQTT packets by kind | "
+        + " | ".join(v.name for v in VARIANTS)
+        + " |"
+    )
+    print("|---|" + "---|" * len(VARIANTS))
+    first = {r["variant"]: r["breakdown"] for r in runs if r["system"] == "edgefl" and r["repeat"] == 0}
+    for way in ("up", "down"):
+        kinds = sorted({k for b in first.values() for k in b[way]})
+        for kind in kinds:
+            cells = [
+                f"{first[v.name][way][kind][1]:,.0f} B ({first[v.name][way][kind][0]:.1f})"
+                if kind in first.get(v.name, {}).get(way, {})
+                else "-"
+                for v in VARIANTS
+            ]
+            print(f"| {way}: {kind} | " + " | ".join(cells) + " |")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=1))

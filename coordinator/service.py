@@ -652,6 +652,20 @@ class Coordinator:
         )
         rnd.record(update, size_bytes)
         self._remember(update.update_id)
+        # Devices no longer publish a status for their round's progress (agent/status.py, issue 17):
+        # the update says it, so the fleet registry takes the device's round, update size and its
+        # evaluation of the base head (federated evaluation, read at the round's close) from it.
+        entry = self.state.devices.get(update.device)
+        if entry is not None:
+            shown = entry.get("round")
+            if not isinstance(shown, int) or shown < update.round:
+                entry["round"] = update.round
+            entry["last_update_bytes"] = size_bytes
+            m = update.metrics
+            if m.eval_accuracy is not None:
+                entry.update(
+                    eval_version=update.base_version, eval_accuracy=m.eval_accuracy, eval_count=m.eval_count
+                )
         logger.info(
             "round %d: update from %s (%d examples, %d bytes, staleness %d)",
             rnd.number,

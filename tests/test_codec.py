@@ -955,7 +955,8 @@ def test_all_message_types_are_distinct() -> None:
     kinds = {"global_model", "round", "update", "decline", "status", "chunk", "partial"}
     kinds |= {"sample", "label", "prediction"}
     assert {m.value for m in MessageType} == kinds
-    assert SCHEMA_VERSION == 3  # 2 added the rice layout and the canonical signed bytes, 3 head layouts
+    # 2 added the rice layout and the canonical signed bytes, 3 head layouts, 4 deflated int8 levels
+    assert SCHEMA_VERSION == 4
     assert reason_of(lambda: decode_round(encode_update(make_update()))) == "wrong_type"
 
 

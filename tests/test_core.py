@@ -349,3 +349,28 @@ def test_core_fault_unwritable_head_file_degrades_then_recovers(
     assert core.retry_persist() is True and core.degraded == ""
     restarted = DeviceCore.open(profile_for(tmp_path))
     assert restarted.head.version == 1  # persisted once there was room
+
+
+def test_latency_fresh_update_kept_with_its_first_send_counted(
+    tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """The write that keeps a trained update also counts its first publish attempt (no second
+    atomic write between training and the publish); a re-send still counts, and the count persists."""
+    from edgefl.agent import memory
+    from edgefl.agent.outbox import Outbox
+
+    core = DeviceCore.open(profile_for(tmp_path))
+    x, y = digits
+    core.observe(x[:24], y[:24])
+    res = core.receive_round(encode_round(announcement(1)))
+    assert res.status == RoundStatus.TRAINED and res.entry is not None
+    assert [(e.update_id, e.sends) for e in core.outbox.pending()] == [("dev-1:1:0", 1)]
+    on_disk = Outbox(core.outbox.path, core.outbox.max_bytes)
+    assert [(e.update_id, e.sends) for e in on_disk.pending()] == [("dev-1:1:0", 1)]
+    assert core.mark_sent("dev-1:1:0") == 2  # a re-send after a reconnect
+    # after one re-send the outbox stops offering it (max_sends = 2): as before, two attempts
+    assert core.to_resend(1) == ([], [])
+    # malloc_trim after every round finds the C library once (find_library runs ldconfig -p)
+    memory.malloc_trim()
+    memory.malloc_trim()
+    assert memory._libc.cache_info().misses <= 1 and memory._libc.cache_info().hits >= 1

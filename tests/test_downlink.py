@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import signal
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,13 @@ from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
-from edgefl.wire.cbor import HEAD_LAYOUT_SCHEMA_VERSION, SCHEMA_VERSION
+from edgefl.wire.cbor import (
+    DEFAULT_LIMITS,
+    DEFLATE_SCHEMA_VERSION,
+    HEAD_LAYOUT_SCHEMA_VERSION,
+    SCHEMA_VERSION,
+)
+from edgefl.wire.compression import Compression, compress_delta, decompress_delta
 from edgefl.wire.messages import (
     GlobalModel,
     HeadLayout,
@@ -76,15 +83,20 @@ def test_downlink_round_trip_each_layout(layout: HeadLayout, tolerance: float | 
     if layout is HeadLayout.FLOAT32:
         assert first["v"] == 1 and "layout" not in first  # schema 1 as before: old devices read it
     else:
-        assert first["v"] == HEAD_LAYOUT_SCHEMA_VERSION == SCHEMA_VERSION and first["layout"] == layout.value
+        # int8 levels travel deflated (qz, schema 4) when smaller; float16 needs schema 3 only
+        want_v = DEFLATE_SCHEMA_VERSION if layout is HeadLayout.INT8 else HEAD_LAYOUT_SCHEMA_VERSION
+        assert first["v"] == want_v and first["layout"] == layout.value
+        assert SCHEMA_VERSION == DEFLATE_SCHEMA_VERSION == 4
 
 
 def test_downlink_sizes_int8_is_a_quarter_of_float32() -> None:
     sizes = {layout: len(encode_global_model(make_global(layout))) for layout in HeadLayout}
     assert sizes[HeadLayout.FLOAT32] == 20_680
     assert sizes[HeadLayout.FLOAT16] == 10_450
-    assert sizes[HeadLayout.INT8] == 5_380  # 5,120 int8 + 10 scales of W, 10 int8 + 1 scale of b
-    assert sizes[HeadLayout.INT8] / sizes[HeadLayout.FLOAT32] < 0.27
+    # 5,120 int8 + 10 scales of W, 10 int8 + 1 scale of b: 5,380 bytes as plain typed arrays; the
+    # int8 levels of this Gaussian head deflate to 5,072 (their entropy is ~7.2 bits, not 8)
+    assert sizes[HeadLayout.INT8] == 5_072
+    assert sizes[HeadLayout.INT8] / sizes[HeadLayout.FLOAT32] < 0.25
 
 
 @pytest.mark.parametrize("layout", list(HeadLayout))
@@ -128,7 +140,7 @@ def test_downlink_signed_compressed_head_verifies() -> None:
     payload = sign_message(
         encode_global_model, dataclasses.replace(msg, signature=PLACEHOLDER), key, fleet="f1"
     )
-    assert cbor2.loads(payload)["v"] == HEAD_LAYOUT_SCHEMA_VERSION
+    assert cbor2.loads(payload)["v"] == DEFLATE_SCHEMA_VERSION
     verify_payload(payload, key.verify_key, fleet="f1", kind="global_model")
     got = decode_global_model(payload, expect_shape=(D, K))
     assert got.layout is HeadLayout.INT8 and len(got.signature) == 64
@@ -160,6 +172,19 @@ def _set_f16(obj: dict[str, Any], value: float) -> None:
     obj["head"]["W"]["values"] = cbor2.CBORTag(40, [[D, K], cbor2.CBORTag(84, w.astype("<f2").tobytes())])
 
 
+def _deflate(raw: bytes) -> bytes:
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+    return packer.compress(raw) + packer.flush()
+
+
+def _set_qz(obj: dict[str, Any], packed: bytes) -> None:
+    obj["head"]["W"]["qz"] = [[D, K], packed]
+
+
+def _plain_q() -> cbor2.CBORTag:
+    return cbor2.CBORTag(40, [[D, K], cbor2.CBORTag(72, bytes(D * K))])
+
+
 P = pytest.param
 
 
@@ -177,10 +202,21 @@ P = pytest.param
         P(_m(F16, lambda o: _set_f16(o, float("nan"))), "not_finite", id="nan_f16"),
         P(_m(F16, lambda o: _set_f16(o, float("inf"))), "not_finite", id="inf_f16"),
         P(
-            _m(I8, lambda o: o["head"]["W"].update(q=o["head"]["b"]["q"])),
+            _m(I8, lambda o: o["head"]["W"].update(qz=o["head"]["b"]["qz"])),
             "bad_shape",
             id="q_shape",
         ),
+        P(_m(I8, lambda o: _set_qz(o, b"\xff" * 40)), "bad_value", id="qz_not_deflate"),
+        P(_m(I8, lambda o: _set_qz(o, _deflate(bytes(D * K - 1)))), "bad_value", id="qz_short"),
+        P(_m(I8, lambda o: _set_qz(o, _deflate(bytes(D * K + 1)))), "bad_value", id="qz_long"),
+        P(_m(I8, lambda o: _set_qz(o, _deflate(bytes(10**7)))), "bad_value", id="qz_bomb"),
+        P(_m(I8, lambda o: _set_qz(o, _deflate(bytes(D * K)) + b"\x00")), "bad_value", id="qz_trailing"),
+        P(_m(I8, lambda o: _set_qz(o, _deflate(bytes(D * K))[:-3])), "bad_value", id="qz_truncated"),
+        P(_m(I8, lambda o: o["head"]["W"].update(qz=[[D, K], "text"])), "wrong_type", id="qz_not_bytes"),
+        P(_m(I8, lambda o: o["head"]["W"].update(qz=b"\x00")), "wrong_type", id="qz_not_pair"),
+        P(_m(I8, lambda o: o["head"]["W"].update(qz=[[D, 0], b""])), "bad_shape", id="qz_zero_dim"),
+        P(_m(I8, lambda o: o["head"]["W"].pop("qz")), "missing_key", id="neither_q_nor_qz"),
+        P(_m(I8, lambda o: o["head"]["W"].update(q=_plain_q())), "bad_value", id="both_q_and_qz"),
         P(_m(I8, lambda o: o.update(layout="int4")), "bad_value", id="unknown_layout"),
         P(_m(I8, lambda o: o.update(layout=8)), "wrong_type", id="layout_not_text"),
         P(_m(I8, lambda o: o.update(layout="float16")), "bad_value", id="layout_mismatch"),
@@ -353,7 +389,7 @@ def test_heartbeat_status_only_on_change_and_on_a_slow_heartbeat(
 
 @pytest.mark.timeout(120)
 def test_downlink_coordinator_publishes_its_profile_layout(mosquitto: Broker, fleet: str) -> None:
-    """``[rounds] downlink = "int8"``: the retained global head goes out in that layout (5,380 bytes
+    """``[rounds] downlink = "int8"``: the retained global head goes out in that layout (5,068 bytes
     for a 512 x 10 head instead of 20,680), and the coordinator's own head stays float32."""
     from edgefl.coordinator.profile import RoundsConfig
     from edgefl.coordinator.service import Coordinator
@@ -391,7 +427,34 @@ def test_downlink_coordinator_publishes_its_profile_layout(mosquitto: Broker, fl
             await coord_t.stop()
 
     payload = asyncio.run(main())
-    assert len(payload) == 5_380 and cbor2.loads(payload)["layout"] == "int8"
+    # 5,380 bytes with plain int8 levels, 5,068 with them deflated (qz, schema 4)
+    assert len(payload) == 5_068 and cbor2.loads(payload)["layout"] == "int8"
     got = decode_global_model(payload, expect_shape=(D, K))
     assert got.version == 0 and got.layout is HeadLayout.INT8
     np.testing.assert_allclose(got.W, w0, atol=float(np.abs(w0).max()) / 127 / 2 + 1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("mode", [Compression.INT8, Compression.TOPK_INT8])
+def test_downlink_deflated_int8_levels_are_lossless_and_used_only_when_smaller(mode: Compression) -> None:
+    """``qz`` carries exactly the levels ``q`` would (same decoded floats), and only when it is smaller:
+    a dense Gaussian delta (~7.2 bits a level), a sparse one (zeros deflate to almost nothing) and
+    uniform noise (incompressible: stays ``q``)."""
+    rng = np.random.default_rng(3)
+    dense = (rng.standard_normal((D, K)) * 0.01).astype(np.float32)
+    sparse = np.where(rng.random((D, K)) < 0.2, dense, 0).astype(np.float32)
+    noise = rng.uniform(-1, 1, (D, K)).astype(np.float32)
+    noise[0] = 1.0  # every unit's scale 1/127: levels uniform over [-127, 127]
+    sizes = {}
+    for name, x in (("dense", dense), ("sparse", sparse), ("noise", noise)):
+        packed = compress_delta(x, mode)
+        plain = compress_delta(x, mode, allow_deflate=False)
+        assert "q" in plain and "qz" not in plain
+        got = decompress_delta(packed, (D, K), limits=DEFAULT_LIMITS, compression=mode)
+        want = decompress_delta(plain, (D, K), limits=DEFAULT_LIMITS, compression=mode)
+        np.testing.assert_array_equal(got, want)  # lossless: the same levels
+        sizes[name] = (len(cbor2.dumps(packed)), len(cbor2.dumps(plain)), "qz" in packed)
+    assert all(packed <= plain for packed, plain, _ in sizes.values())
+    if mode is Compression.INT8:
+        assert sizes["dense"][2] and sizes["dense"][0] < 0.95 * sizes["dense"][1]
+        assert sizes["sparse"][2] and sizes["sparse"][0] < 0.5 * sizes["sparse"][1]
+        assert not sizes["noise"][2] and sizes["noise"][0] == sizes["noise"][1]

@@ -566,3 +566,23 @@ def test_wired_tight_cap_shrinks_or_defers_training_keeps_classifying(
     if deferred:
         assert clients.count(0) >= 1
         assert "train" in last["last_deferral"]["reason"]
+
+
+def test_latency_status_without_measuring_reads_nothing_from_proc(tmp_path: Path) -> None:
+    """The daemon's check for status news runs at every state change of a round, on the event loop:
+    ``status(measure=False)`` leaves out exactly the figures read from /proc (smaps_rollup took ~9 ms
+    a read in the loaded peer bench) and reads none of those files."""
+    proc = fake_proc(tmp_path, rss=50 * MIB, available=4096 * MIB)
+    gov = Governor(96 * MIB, 8 * MIB, 0, proc=proc, cgroup_root=tmp_path / "cg")
+    full = gov.status()
+    assert (full["rss_bytes"], full["pss_bytes"], full["system_available_bytes"]) == (
+        50 * MIB,
+        25 * MIB,
+        4096 * MIB,
+    )
+    for name in ("self/statm", "self/status", "self/smaps_rollup", "meminfo"):
+        (proc / name).unlink()
+    light = gov.status(measure=False)
+    measured = {"rss_bytes", "pss_bytes", "peak_rss_bytes", "system_available_bytes"}
+    assert set(full) - set(light) == measured and set(light) <= set(full)
+    assert {k: full[k] for k in light} == light

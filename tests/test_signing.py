@@ -348,8 +348,8 @@ def test_forgery_signed_fields_unreadable_or_newer_schema(backend: str) -> None:
         b"\xa3\x61v\x02\xff" + b"\x69signature\x58\x40" + sig: "unreadable",
         # a newer schema: unauthenticated until verified, and this peer cannot verify it
         cbor2.dumps(
-            {"v": 4, "type": "round", "round": 1, "base_version": 1, "signature": sig}
-        ): "newer than schema 3",
+            {"v": 5, "type": "round", "round": 1, "base_version": 1, "signature": sig}
+        ): "newer than schema 4",
     }
     for payload, detail in cases.items():
         with pytest.raises(DecodeError) as info:

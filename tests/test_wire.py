@@ -60,16 +60,16 @@ def test_delta_wire_bytes_matches_the_encoded_layout(shape: tuple[int, ...], mod
     x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
     for fraction in (0.01, 0.1, 0.5):
         predicted = delta_wire_bytes(shape, mode, fraction)
-        without_rice = len(cbor2.dumps(compress_delta(x, mode, topk_fraction=fraction, allow_rice=False)))
-        assert predicted == without_rice, (shape, mode, fraction)
-        # the rice layout is only written when it is smaller: the size stays an upper bound
+        plain = compress_delta(x, mode, topk_fraction=fraction, allow_rice=False, allow_deflate=False)
+        assert predicted == len(cbor2.dumps(plain)), (shape, mode, fraction)
+        # the rice layout and deflated int8 levels (qz) are only written when smaller: an upper bound
         assert len(cbor2.dumps(compress_delta(x, mode, topk_fraction=fraction))) <= predicted
 
 
 def test_memory_wire_bytes_is_the_two_layouts() -> None:
     for mode in Compression:
         u = make_update(mode, (32, 10))
-        packed = compress_head_delta(u.delta_W, u.delta_b, mode, allow_rice=False)
+        packed = compress_head_delta(u.delta_W, u.delta_b, mode, allow_rice=False, allow_deflate=False)
         exact = len(cbor2.dumps(packed.W)) + len(cbor2.dumps(packed.b))
         assert wire_bytes(32, 10, mode.value) == exact
     assert wire_bytes(512, 10, "none") == delta_wire_bytes((512, 10), "none") + delta_wire_bytes(
@@ -96,7 +96,11 @@ def test_schema_written_is_the_lowest_that_describes_the_message() -> None:
     gm = GlobalModel(1, 2, SHA, np.ones((4, 3), np.float32), np.zeros(3, np.float32))
     assert cbor2.loads(encode_global_model(gm))["v"] == 1
     assert cbor2.loads(encode_status(DeviceStatus("dev-1", "online", {})))["v"] == 1
-    assert cbor2.loads(encode_update(make_update(Compression.INT8)))["v"] == 1
+    # int8 levels deflated (qz: smaller for these Gaussian levels) need schema 4; plain ones schema 1
+    int8 = make_update(Compression.INT8)
+    assert cbor2.loads(encode_update(int8))["v"] == 4
+    plain = compress_head_delta(int8.delta_W, int8.delta_b, Compression.INT8, allow_deflate=False)
+    assert not plain.uses_deflate and cbor2.loads(encode_update(int8, compressed=plain))["v"] == 1
     signed = GlobalModel(1, 2, SHA, gm.W, gm.b, signature=b"s" * 64)
     assert cbor2.loads(encode_global_model(signed))["v"] == 2
     assert decode_global_model(encode_global_model(signed)).signature == b"s" * 64
@@ -216,7 +220,10 @@ def test_prescan_captures_top_level_headers_only() -> None:
 def test_schema_1_update_with_rice_from_before_the_bump_is_read() -> None:
     # edgefl before schema 2 wrote the rice layout under v = 1: the layout is the same, so it is read
     sparse = make_update(Compression.TOPK_INT8, (2000, 10))
-    new = encode_update(sparse, topk_fraction=0.01)
+    packed = compress_head_delta(
+        sparse.delta_W, sparse.delta_b, Compression.TOPK_INT8, topk_fraction=0.01, allow_deflate=False
+    )
+    new = encode_update(sparse, compressed=packed)
     obj = cbor2.loads(new)
     assert obj["v"] == 2 and "rice" in obj["delta"]["W"]
     obj["v"] = 1

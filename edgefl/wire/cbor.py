@@ -27,6 +27,7 @@ __all__ = [
     "ALLOWED_TAGS",
     "CBOR2_STRICT",
     "DEFAULT_LIMITS",
+    "DEFLATE_SCHEMA_VERSION",
     "HEAD_LAYOUT_SCHEMA_VERSION",
     "INT_MAX",
     "MIN_SCHEMA_VERSION",
@@ -50,8 +51,8 @@ __all__ = [
 ]
 
 #: Newest schema this code reads and writes. 2 added the ``rice`` position layout of top-k deltas,
-#: 3 the compressed GlobalModel head (``layout``, ``base_version``).
-SCHEMA_VERSION: Final = 3
+#: 3 the compressed GlobalModel head (``layout``, ``base_version``), 4 deflated int8 levels (``qz``).
+SCHEMA_VERSION: Final = 4
 #: Oldest schema still read.
 MIN_SCHEMA_VERSION: Final = 1
 #: Schema written by a signed message or an update whose delta uses the ``rice`` layout (both new in
@@ -59,6 +60,9 @@ MIN_SCHEMA_VERSION: Final = 1
 SIGNED_SCHEMA_VERSION: Final = 2
 #: Schema written by a GlobalModel whose head is compressed or a delta (new in schema 3), signed or not.
 HEAD_LAYOUT_SCHEMA_VERSION: Final = 3
+#: Schema written by a message with an int8 sub-map whose levels travel deflated (``qz``), or by an
+#: Update carrying the base head's evaluation in its metrics (both new in 4).
+DEFLATE_SCHEMA_VERSION: Final = 4
 
 INT_MAX: Final = 2**63 - 1  # fits int64 everywhere downstream (JSON, Prometheus, numpy)
 #: Tags a message may hold: 40 (RFC 8746 §3.1.1 multi-dimensional array) and the RFC 8746 §2.1

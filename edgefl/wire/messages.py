@@ -28,6 +28,7 @@ from edgefl.validators import DEVICE_ID_PATTERN, check_device_id
 from edgefl.wire.arrays import decode_array, encode_array
 from edgefl.wire.cbor import (
     DEFAULT_LIMITS,
+    DEFLATE_SCHEMA_VERSION,
     HEAD_LAYOUT_SCHEMA_VERSION,
     INT_MAX,
     MIN_SCHEMA_VERSION,
@@ -130,9 +131,15 @@ _LAYOUT_RE: Final = re.compile(r"[a-z0-9]{1,16}")
 _LAYOUT_RE_PARTIAL: Final = re.compile(r"[a-z-]{1,16}")
 
 
-def _written_version(signature: bytes, uses_rice: bool = False) -> int:
+def _written_version(signature: bytes, uses_rice: bool = False, uses_deflate: bool = False) -> int:
     # the lowest schema that describes the message (docs/protocol.md, "Versioning")
+    if uses_deflate:
+        return DEFLATE_SCHEMA_VERSION
     return SIGNED_SCHEMA_VERSION if signature or uses_rice else MIN_SCHEMA_VERSION
+
+
+def _deflated(*subs: Mapping[str, object]) -> bool:
+    return any("qz" in sub for sub in subs)
 
 
 class HeadLayout(StrEnum):
@@ -251,12 +258,20 @@ class UpdateMetrics:
         Wall time of local training, seconds, >= 0.
     peak_rss_bytes : int
         Peak resident set size during training, bytes, >= 0.
+    eval_accuracy : float or None
+        Accuracy in [0, 1] of the base head (``base_version``) on the device's holdout, never trained
+        on (federated evaluation; schema 4). None: no holdout. It travels with the update so the
+        device's status need not be published for it (issue 17).
+    eval_count : int
+        Holdout samples behind ``eval_accuracy``, >= 1 when it is set.
     """
 
     loss: float
     accuracy: float
     train_s: float
     peak_rss_bytes: int
+    eval_accuracy: float | None = None
+    eval_count: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,7 +444,10 @@ def encode_global_model(msg: GlobalModel) -> bytes:
         if msg.base_version is not None:
             obj["base_version"] = int(msg.base_version)
         mode = _HEAD_COMPRESSION[layout]
-        obj["head"] = {"W": compress_delta(w, mode), "b": compress_delta(b, mode)}
+        sub_W, sub_b = compress_delta(w, mode), compress_delta(b, mode)
+        if _deflated(sub_W, sub_b):
+            obj["v"] = DEFLATE_SCHEMA_VERSION
+        obj["head"] = {"W": sub_W, "b": sub_b}
     obj["signature"] = bytes(msg.signature)
     return cbor2.dumps(obj)
 
@@ -712,7 +730,8 @@ def encode_update(
     bytes
         ``{"v", "type": "update", "round", "base_version", "device", "num_examples",
         "compression", "delta": {"W": sub-map, "b": sub-map}, "metrics": {"loss", "accuracy",
-        "train_s", "peak_rss_bytes"}, "update_id", "signature"}``.
+        "train_s", "peak_rss_bytes" [, "eval_accuracy", "eval_count"]}, "update_id", "signature"}``;
+        schema 4 with deflated int8 levels or an evaluation.
 
     Raises
     ------
@@ -729,9 +748,16 @@ def encode_update(
     else:
         sub_W, sub_b = compressed.W, compressed.b
     delta = {"W": sub_W, "b": sub_b}
+    evaluation: dict[str, object] = {}
+    if msg.metrics.eval_accuracy is not None:
+        evaluation = {
+            "eval_accuracy": float(msg.metrics.eval_accuracy),
+            "eval_count": int(msg.metrics.eval_count),
+        }
+    new = _deflated(sub_W, sub_b) or bool(evaluation)  # both schema 4
     return cbor2.dumps(
         {
-            "v": _written_version(msg.signature, "rice" in sub_W or "rice" in sub_b),
+            "v": _written_version(msg.signature, "rice" in sub_W or "rice" in sub_b, new),
             "type": MessageType.UPDATE.value,
             "round": int(msg.round),
             "base_version": int(msg.base_version),
@@ -744,6 +770,7 @@ def encode_update(
                 "accuracy": float(msg.metrics.accuracy),
                 "train_s": float(msg.metrics.train_s),
                 "peak_rss_bytes": int(msg.metrics.peak_rss_bytes),
+                **evaluation,
             },
             "update_id": msg.update_id,
             "signature": bytes(msg.signature),
@@ -798,7 +825,19 @@ def decode_update(
     want_b = (expect_shape[1],) if expect_shape is not None else None
     delta_b = decompress_delta(delta["b"], want_b, limits=limits, compression=mode, name="delta.b")
     _check_head_shapes(delta_w, delta_b, "delta", expect_shape)
-    metrics = check_keys(obj["metrics"], "metrics", ("loss", "accuracy", "train_s", "peak_rss_bytes"))
+    metrics = check_keys(
+        obj["metrics"],
+        "metrics",
+        ("loss", "accuracy", "train_s", "peak_rss_bytes"),
+        ("eval_accuracy", "eval_count"),
+    )
+    eval_accuracy: float | None = None
+    eval_count = 0
+    if "eval_accuracy" in metrics or "eval_count" in metrics:
+        if not ("eval_accuracy" in metrics and "eval_count" in metrics):
+            raise DecodeError(Reason.MISSING_KEY, "metrics: eval_accuracy and eval_count go together")
+        eval_accuracy = read_float(metrics, "eval_accuracy", "metrics", 0.0, 1.0)
+        eval_count = read_int(metrics, "eval_count", "metrics", 1)
     return Update(
         round=read_int(obj, "round", ""),
         base_version=read_int(obj, "base_version", ""),
@@ -811,6 +850,8 @@ def decode_update(
             accuracy=read_float(metrics, "accuracy", "metrics", 0.0, 1.0),
             train_s=read_float(metrics, "train_s", "metrics", 0.0),
             peak_rss_bytes=read_int(metrics, "peak_rss_bytes", "metrics"),
+            eval_accuracy=eval_accuracy,
+            eval_count=eval_count,
         ),
         update_id=read_text(obj, "update_id", "", UPDATE_ID_RE),
         compression=mode,
