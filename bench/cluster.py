@@ -1,0 +1,309 @@
+"""A 2-node clustered root broker on loopback (nats-server or rabbitmq-server) and its failover probe.
+
+Starts, without root privileges where the broker allows it (own data folder, loopback ports, no
+system service), either
+
+- ``nats``: two ``nats-server`` (Debian 2.9) routed into one cluster, each with JetStream (its own
+  ``store_dir``) and the MQTT listener (NATS MQTT needs JetStream: sessions, retained messages and
+  QoS 1 deliveries are JetStream streams and consumers);
+- ``rabbitmq``: two ``rabbitmq-server`` (Debian 3.10) nodes ``edgefl-scale-<i>@localhost``
+  (``RABBITMQ_NODENAME``, ``RABBITMQ_NODE_PORT``, ``RABBITMQ_DIST_PORT``, ``RABBITMQ_MNESIA_BASE``,
+  ``RABBITMQ_LOG_BASE``, ``RABBITMQ_CONFIG_FILE``, ``RABBITMQ_ENABLED_PLUGINS_FILE``) with the
+  ``rabbitmq_mqtt`` plugin, the second joined to the first (``rabbitmqctl join_cluster``);
+
+then probes what the root tier needs when one of the 2 nodes stops (MQTT 3.1.1 QoS 1, the product's
+transport, :class:`edgefl.transport.MqttTransport`):
+
+1. ``routed``: a persistent-session subscriber (the root coordinator) on node 1 receives QoS 1
+   messages published on node 2 (a site bridge);
+2. ``node2_stopped_publish``: node 2 stops; the publisher reconnects to node 1 (a bridge's
+   ``addresses`` fail-over) and publishes: PUBACKs and deliveries;
+3. ``node1_stopped_session``: node 2 restarts and rejoins, the subscriber disconnects, messages are
+   published for it, node 1 stops; the subscriber reconnects to node 2 with its client id and no
+   clean session: does its session (subscription and the queued messages) survive?
+
+Run: ``.venv/bin/python -m bench.cluster nats|rabbitmq [--json PATH] [--keep DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgefl.demo import free_port
+from edgefl.errors import TransportError
+from edgefl.transport import MqttTransport
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes] | None, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {proc.returncode}") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what}: port {port} not open after {timeout_s} s") from None
+            time.sleep(0.1)
+
+
+@dataclass
+class Cluster:
+    """A 2-node broker cluster on 127.0.0.1: ``mqtt_ports[i]`` is node ``i``'s MQTT listener."""
+
+    kind: str
+    tmp: Path
+    mqtt_ports: list[int] = field(default_factory=list)
+    procs: list[subprocess.Popen[bytes] | None] = field(default_factory=list)
+    _ports: dict[str, list[int]] = field(default_factory=dict)
+
+    # -- nats ----------------------------------------------------------------------------------
+    def _nats_conf(self, i: int) -> Path:
+        c, r = self._ports["cluster"], self._ports["client"]
+        other = [f'"nats-route://127.0.0.1:{p}"' for j, p in enumerate(c) if j != i]
+        conf = self.tmp / f"nats{i}.conf"
+        conf.write_text(
+            f'server_name: "n{i}"\nlisten: "127.0.0.1:{r[i]}"\n'
+            f'jetstream {{ store_dir: "{self.tmp / f"js{i}"}" }}\n'
+            f'cluster {{ name: "edgefl-root", listen: "127.0.0.1:{c[i]}", routes: [{", ".join(other)}] }}\n'
+            f'mqtt {{ listen: "127.0.0.1:{self.mqtt_ports[i]}" }}\n'
+        )
+        return conf
+
+    def _start_nats(self, i: int) -> None:
+        exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
+        with open(self.tmp / f"nats{i}.log", "ab") as log:
+            self.procs[i] = subprocess.Popen(
+                [exe, "-c", str(self._nats_conf(i))], stdout=log, stderr=subprocess.STDOUT
+            )
+        _wait_port(self.mqtt_ports[i], self.procs[i], f"nats-server n{i}", 30)
+
+    # -- rabbitmq ------------------------------------------------------------------------------
+    def _rabbit_env(self, i: int) -> dict[str, str]:
+        base = self.tmp / f"rabbit{i}"
+        base.mkdir(exist_ok=True)
+        (base / "rabbitmq.conf").write_text(
+            f"listeners.tcp.default = 127.0.0.1:{self._ports['amqp'][i]}\n"
+            f"mqtt.listeners.tcp.default = 127.0.0.1:{self.mqtt_ports[i]}\n"
+            "mqtt.allow_anonymous = true\nloopback_users = none\n"
+            "management.tcp.port = 0\n"
+        )
+        (base / "enabled_plugins").write_text("[rabbitmq_mqtt].\n")
+        return {
+            **os.environ,
+            "RABBITMQ_NODENAME": f"edgefl-scale-{i}@localhost",
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODE_PORT": str(self._ports["amqp"][i]),
+            "RABBITMQ_DIST_PORT": str(self._ports["dist"][i]),
+            "RABBITMQ_MNESIA_BASE": str(base / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(base / "log"),
+            "RABBITMQ_CONFIG_FILE": str(base / "rabbitmq.conf"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(base / "enabled_plugins"),
+            "RABBITMQ_PID_FILE": str(base / "pid"),
+        }
+
+    def _rabbitmqctl(self, i: int, *args: str, timeout_s: float = 120) -> str:
+        env = self._rabbit_env(i)
+        out = subprocess.run(
+            ["rabbitmqctl", "-n", env["RABBITMQ_NODENAME"], *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl {' '.join(args)} on node {i}: {out.stderr.strip()[-400:]}")
+        return out.stdout
+
+    def _start_rabbit(self, i: int, join: bool) -> None:
+        env = self._rabbit_env(i)
+        with open(self.tmp / f"rabbit{i}.out", "ab") as log:
+            self.procs[i] = subprocess.Popen(
+                ["rabbitmq-server"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self._rabbitmqctl(i, "wait", env["RABBITMQ_PID_FILE"], "--timeout", "120", timeout_s=150)
+        if join:
+            self._rabbitmqctl(i, "stop_app")
+            self._rabbitmqctl(i, "join_cluster", "edgefl-scale-0@localhost")
+            self._rabbitmqctl(i, "start_app")
+        _wait_port(self.mqtt_ports[i], self.procs[i], f"rabbitmq node {i}", 120)
+
+    # -- both ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start both nodes and wait until each listens for MQTT (rabbitmq: node 1 joined node 0)."""
+        self.mqtt_ports = [free_port(), free_port()]
+        self.procs = [None, None]
+        if self.kind == "nats":
+            self._ports = {"cluster": [free_port(), free_port()], "client": [free_port(), free_port()]}
+            for i in (0, 1):
+                self._start_nats(i)
+            time.sleep(3)  # the JetStream meta leader election (logged, no port to wait on)
+        else:
+            self._ports = {"amqp": [free_port(), free_port()], "dist": [free_port(), free_port()]}
+            self._start_rabbit(0, join=False)
+            self._start_rabbit(1, join=True)
+
+    def stop_node(self, i: int) -> None:
+        """Stop node ``i`` cleanly (SIGTERM; rabbitmq: ``rabbitmqctl stop``) and wait for it."""
+        p = self.procs[i]
+        if p is None:
+            return
+        if self.kind == "rabbitmq":
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                self._rabbitmqctl(i, "stop", timeout_s=60)
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        self.procs[i] = None
+
+    def restart_node(self, i: int) -> None:
+        """Start node ``i`` again (same data folder: it rejoins the cluster)."""
+        if self.kind == "nats":
+            self._start_nats(i)
+            time.sleep(3)
+        else:
+            self._start_rabbit(i, join=False)
+
+    def stop(self) -> None:
+        """Stop every node still running."""
+        for i in range(len(self.procs)):
+            self.stop_node(i)
+
+
+async def _client(port: int, cid: str, persistent: bool) -> MqttTransport:
+    t = MqttTransport(
+        "127.0.0.1",
+        port,
+        cid,
+        protocol="3.1.1",
+        queue_size=10_000,
+        session_expiry_s=3600 if persistent else 0,
+    )
+    await t.start(wait_s=20)
+    return t
+
+
+async def _publish(t: MqttTransport, topic: str, n: int, tag: str) -> int:
+    """Publish ``n`` QoS 1 messages; returns how many got a PUBACK."""
+    ok = 0
+    for k in range(n):
+        try:
+            await t.publish(topic, f"{tag}-{k}".encode(), qos=1, timeout_s=10)
+            ok += 1
+        except TransportError:
+            pass
+    return ok
+
+
+async def _drain(t: MqttTransport, want: int, timeout_s: float) -> list[str]:
+    got: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < want:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            msg = await asyncio.wait_for(t.queue.get(), left)
+        except TimeoutError:
+            break
+        got.append(msg.payload.decode())
+    return got
+
+
+async def probe(cluster: Cluster, n: int = 10) -> dict[str, Any]:
+    """Run the three failover steps (module docstring); returns what each step saw."""
+    topic, p0, p1 = "edgefl/probe/partial/site0", cluster.mqtt_ports[0], cluster.mqtt_ports[1]
+    out: dict[str, Any] = {"broker": cluster.kind, "messages_per_step": n}
+    sub = await _client(p0, "probe-root", persistent=True)
+    await sub.subscribe("edgefl/probe/partial/+", 1)
+    pub = await _client(p1, "probe-bridge", persistent=True)
+    out["routed"] = {"acked": await _publish(pub, topic, n, "a"), "delivered": len(await _drain(sub, n, 15))}
+    await pub.stop()
+    t0 = time.monotonic()
+    cluster.stop_node(1)
+    out["node2_stop_s"] = round(time.monotonic() - t0, 1)
+    step: dict[str, Any] = {}
+    try:
+        pub = await _client(p0, "probe-bridge", persistent=True)
+        step["reconnected"] = True
+        step["acked"] = await _publish(pub, topic, n, "b")
+        step["delivered"] = len(await _drain(sub, n, 15))
+        await pub.stop()
+    except TransportError as exc:
+        step.update(reconnected=False, error=str(exc))
+    out["node2_stopped_publish"] = step
+    await sub.stop()
+    cluster.restart_node(1)
+    step = {}
+    try:
+        pub = await _client(p1, "probe-bridge", persistent=True)
+        step["acked_while_away"] = await _publish(pub, topic, n, "c")
+        await pub.stop()
+        cluster.stop_node(0)
+        t0 = time.monotonic()
+        sub = await _client(p1, "probe-root", persistent=True)
+        step["reconnect_s"] = round(time.monotonic() - t0, 1)
+        got = await _drain(sub, n, 20)  # the session's own subscription, not re-sent by us first
+        step["queued_delivered"] = len(got)
+        await sub.subscribe("edgefl/probe/partial/+", 1)
+        pub = await _client(p1, "probe-bridge2", persistent=False)
+        step["acked_after"] = await _publish(pub, topic, n, "d")
+        step["delivered_after"] = len([m for m in await _drain(sub, 2 * n, 15) if m.startswith("d")])
+        await pub.stop()
+        await sub.stop()
+    except TransportError as exc:
+        step["error"] = str(exc)
+    out["node1_stopped_session"] = step
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start the cluster, run the probe, print and write the JSON, stop the cluster."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("kind", choices=["nats", "rabbitmq"])
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--keep", type=Path, default=None, help="data and logs in this folder, kept")
+    args = ap.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            tmp = args.keep
+        else:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="edgefl-cluster-")))
+        cluster = Cluster(args.kind, tmp)
+        try:
+            t0 = time.monotonic()
+            cluster.start()
+            started = round(time.monotonic() - t0, 1)
+            result = asyncio.run(probe(cluster))
+            result["start_s"] = started
+        finally:
+            cluster.stop()
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json is not None:
+        args.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
