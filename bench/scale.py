@@ -28,9 +28,10 @@ that round at every site broker, then takes the ``$SYS`` counters again:
   start by writing ``5`` to ``/proc/<pid>/clear_refs`` (Linux >= 4.0; ``peak_reset`` false when not
   permitted: the peak is then since the process started); sites: the largest site;
 - ``messages_into_root`` / ``bytes_into_root``: increase of the root mosquitto's
-  ``$SYS/broker/publish/messages/received`` (minus the root coordinator's own publishes seen on
-  ``round``/``global`` in the window) and ``$SYS/broker/bytes/received`` (every MQTT byte the root
-  broker read, PUBACKs and the root coordinator's publishes included), ``sys_interval 1``.
+  ``$SYS/broker/publish/messages/received`` (mosquitto 2.0 leaves retained publishes out of it, so
+  the root coordinator's own ``round`` and ``global`` are not counted) and ``$SYS/broker/bytes/received``
+  (every MQTT byte the root broker read: PUBACKs and the root coordinator's publishes included),
+  with ``sys_interval 1``; ``root_broker_dropped``: ``$SYS/broker/publish/messages/dropped``.
 
 Run: ``.venv/bin/python -m bench.scale --devices 10000 --sites 20 --rounds 3 --json PATH``
 (``--flat`` for the same N through one flat coordinator).
@@ -269,7 +270,7 @@ def mosquitto_conf(port: int, extra: str = "") -> str:
     """A loopback mosquitto config for the bench: unlimited queues (QoS 1 must not be dropped)."""
     return (
         f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-        "max_queued_messages 0\nmax_queued_bytes 0\nmax_inflight_messages 0\n"
+        "max_queued_messages 1000000\nmax_queued_bytes 0\n"
         "sys_interval 1\nmax_connections -1\n" + extra
     )
 
@@ -330,18 +331,13 @@ def peak_rss(pid: int) -> int:
 
 @dataclass
 class Watch:
-    """What one watcher saw: rounds announced and global heads (monotonic time first seen), $SYS counters.
-
-    ``sys`` maps a ``$SYS`` topic to (value, ``own_publishes`` when it arrived): the coordinator's own
-    ``round``/``global`` publishes are taken out of the broker's counts by that second number.
-    """
+    """What one watcher saw: rounds announced and global heads (monotonic time first seen), $SYS counters."""
 
     transport: MqttTransport
     topics: Topics
     rounds: dict[int, float] = field(default_factory=dict)
     globals: dict[int, float] = field(default_factory=dict)
-    sys: dict[str, tuple[int, int]] = field(default_factory=dict)
-    own_publishes: int = 0
+    sys: dict[str, int] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def pump(self) -> None:
@@ -355,18 +351,15 @@ class Watch:
         now = time.monotonic()
         if msg.topic.startswith("$SYS/"):
             try:
-                # with the root coordinator's publishes seen so far: they are in this counter value
-                self.sys[msg.topic] = (int(msg.payload), self.own_publishes)
+                self.sys[msg.topic] = int(msg.payload)
             except ValueError:
                 return
         elif msg.topic == self.topics.round and msg.payload:
-            self.own_publishes += 1
             try:
                 self.rounds.setdefault(decode_round(msg.payload).round, now)
             except Exception:  # a watcher never stops on a message
                 return
         elif msg.topic.startswith(self.topics.global_model) and msg.payload:
-            self.own_publishes += 1
             try:
                 self.globals.setdefault(decode_global_model(msg.payload).round, now)
             except Exception:  # chunks are not decoded: the bench's head is one packet
@@ -407,15 +400,17 @@ async def start_watch(port: int, topics: Topics, name: str, sys_counters: bool) 
 
 
 async def sys_counters(w: Watch) -> tuple[int, int, int]:
-    """The root broker's ($SYS publishes received but the coordinator's own, bytes received, dropped) now.
+    """The root broker's ($SYS publishes received, bytes received, publishes dropped) as of now.
+
+    mosquitto 2.0 does not count retained PUBLISHes in ``publish/messages/received`` (measured): the
+    root coordinator's own ``round`` and ``global`` (retained) are not in it.
 
     Waits :data:`SYS_SETTLE_S` (one ``sys_interval`` and a half): the last value published since
     then is the counter's value at a tick after the call.
     """
     await asyncio.sleep(SYS_SETTLE_S)
     await w.until(lambda: all(t in w.sys for t in SYS_TOPICS), 10, "$SYS counters")
-    msgs, own = w.sys[SYS_MESSAGES]
-    return msgs - own, w.sys[SYS_BYTES][0], w.sys[SYS_DROPPED][0]
+    return w.sys[SYS_MESSAGES], w.sys[SYS_BYTES], w.sys[SYS_DROPPED]
 
 
 # --------------------------------------------------------------------------------------------------
