@@ -20,7 +20,8 @@ root in the hierarchical run), takes the root broker's ``$SYS`` counters, sends 
 update at once (all connections concurrently, each waits for its PUBACK), waits for the global head of
 that round at every site broker, then takes the ``$SYS`` counters again:
 
-- ``seconds_to_close``: first update sent → the round's global head seen at every site broker;
+- ``seconds_to_close``: first update sent → the round's global head seen at every site broker
+  (``seconds_after_last_update``: from the last PUBACK a device got to that head);
 - ``updates_counted``, ``duplicates``, ``missing``: from the root coordinator's ``files.log`` line of the
   round (``update_ids``: the device update ids in the global head; a duplicate is an id counted twice,
   in this round or an earlier one; missing = sent and not counted);
@@ -443,10 +444,24 @@ async def connect_site(site: Site, per_conn: int, parallel: int = 200) -> None:
     await asyncio.gather(*(one(g) for g in groups))
 
 
-async def send_round(sites: Sequence[Site], topics: Topics, payloads: dict[str, bytes]) -> int:
-    """Every device of every site publishes its update (all connections at once); returns bytes sent."""
+async def send_round(
+    sites: Sequence[Site], topics: Topics, payloads: dict[str, bytes], spread_s: float, seed: int
+) -> int:
+    """Every device of every site publishes its update; returns the bytes sent.
+
+    ``spread_s`` = 0: all connections at once (the burst of a round whose devices all finish
+    together); otherwise each connection starts at a uniform random time in [0, ``spread_s``) s
+    (devices finishing their local training at different times).
+    """
+    rng = np.random.default_rng(seed)
+
+    async def one(pub: MiniPublisher, group: list[str], delay: float) -> int:
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return await pub.publish_all([(topics.update(d), payloads[d]) for d in group])
+
     jobs = [
-        pub.publish_all([(topics.update(d), payloads[d]) for d in group])
+        one(pub, group, float(rng.uniform(0, spread_s)) if spread_s > 0 else 0.0)
         for site in sites
         for pub, group in site.conns
     ]
@@ -474,6 +489,7 @@ class Options:
     flat: bool
     per_conn: int
     deadline_s: float
+    spread_s: float
     json_path: Path | None
     keep: Path | None
 
@@ -562,7 +578,7 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
                     peak_reset = reset_peak(site.coordinator.pid) and peak_reset
             msgs0, bytes0, drop0 = await sys_counters(root_watch)
             t0 = time.monotonic()
-            sent_bytes = await send_round(sites, topics, payloads[r])
+            sent_bytes = await send_round(sites, topics, payloads[r], opts.spread_s, r)
             t_sent = time.monotonic()
             for w in site_watches:
                 await w.until(
@@ -590,6 +606,7 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
                     "missing": len(sent_ids - set(this)),
                     "seconds_to_close": round(t1 - t0, 3),
                     "seconds_to_send": round(t_sent - t0, 3),
+                    "seconds_after_last_update": round(t1 - t_sent, 3),
                     "root_peak_rss_bytes": root_peak,
                     "site_peak_rss_bytes": site_peak,
                     "peak_reset": peak_reset,
@@ -609,6 +626,7 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             "flat": opts.flat,
             "connections": connections,
             "devices_per_connection": opts.per_conn,
+            "spread_s": opts.spread_s,
             "update_bytes": update_bytes,
             "head_shape": list(shape),
             "encode_s": round(encode_s, 1),
@@ -714,6 +732,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flat", action="store_true", help="one flat coordinator and broker for every device")
     ap.add_argument("--devices-per-connection", type=int, default=1)
     ap.add_argument("--deadline", type=float, default=600.0, help="rounds.deadline_s (seconds)")
+    ap.add_argument(
+        "--spread", type=float, default=0.0, help="devices send over this many seconds (0: all at once)"
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--keep", type=Path, default=None, help="work in this folder and keep the logs")
     args = ap.parse_args(argv)
@@ -726,6 +747,7 @@ def main(argv: list[str] | None = None) -> int:
         args.flat,
         max(1, args.devices_per_connection),
         args.deadline,
+        args.spread,
         args.json,
         args.keep,
     )
