@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from edgefl.coordinator.strategy import FedAvg, Offer, RoundConfig, RoundReport, Strategy
+from edgefl.coordinator.strategy import FedAvg, Offer, RoundConfig, RoundReport, SiteSums, Strategy
 from edgefl.types import F32
 
 
@@ -119,6 +119,24 @@ class PrivateSum:
         self.count += 1
         self.clipped += int(norm > self.clip_norm)
         return norm
+
+    def add_sum(self, sum_W: npt.NDArray[np.float64], sum_b: npt.NDArray[np.float64], count: int) -> None:
+        """Fold a site's sum of ``count`` clipped updates in (the root of a hierarchy).
+
+        Raises
+        ------
+        ValueError
+            If the shapes are not the head's or ``count < 1``.
+        """
+        if sum_W.shape != self.shape or sum_b.shape != (self.shape[1],) or count < 1:
+            raise ValueError(f"PrivateSum: sums {sum_W.shape}/{sum_b.shape} of {count}, head {self.shape}")
+        self._sum_W += sum_W
+        self._sum_b += sum_b
+        self.count += count
+
+    def sums(self) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """Copies of the float64 sums of clipped updates (W [D, K], b [K])."""
+        return self._sum_W.copy(), self._sum_b.copy()
 
     def noisy_mean(
         self, noise_multiplier: float, expected_clients: float, rng: np.random.Generator
@@ -299,6 +317,24 @@ class DPFedAvg(Strategy):
 
     def _fold(self, update: Offer) -> None:
         self._sum.add(update.delta_W, update.delta_b)
+
+    def _site_sums(self) -> SiteSums:
+        # unweighted sum of clipped updates: the weight is the update count (noise is the root's)
+        W, b = self._sum.sums()
+        return SiteSums("sum", W, b, float(self._sum.count), self._sum.count, self._sum.clipped)
+
+    def _fold_sums(self, sums: SiteSums) -> None:
+        self._sum.add_sum(sums.W, sums.b, sums.count)
+
+    def _snapshot(self) -> dict[str, Any]:
+        W, b = self._sum.sums()
+        return {"W": W.tobytes(), "b": b.tobytes(), "count": self._sum.count, "clipped": self._sum.clipped}
+
+    def _restore(self, acc: dict[str, Any], shape: tuple[int, int]) -> None:
+        if int(acc["count"]) > 0:
+            W = np.frombuffer(acc["W"], np.float64).reshape(shape)
+            self._sum.add_sum(W, np.frombuffer(acc["b"], np.float64).reshape(shape[1]), int(acc["count"]))
+            self._sum.clipped = int(acc["clipped"])
 
     def _aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:
         mean_dW, mean_db = self._sum.noisy_mean(self.noise_multiplier, self.expected_clients, self.rng)

@@ -2,9 +2,10 @@
 
 Tables: ``[broker]`` and ``[dashboard]`` (shared with device profiles and spelled the same, see
 :mod:`edgefl.profiles`), ``[fleet]``, ``[model]``, ``[rounds]``, ``[strategy]``, ``[robustness]``,
-``[privacy]``, ``[evaluation]``, ``[security]``, ``[files]``. Validated like device profiles: unknown
-tables and keys refused, every problem listed at once with its dotted key. The shipped, commented
-example is ``firmware_configs/coordinator.toml``; command-line flags are overrides on top of it.
+``[privacy]``, ``[evaluation]``, ``[security]``, ``[files]``, ``[hierarchy]``. Validated like device
+profiles: unknown tables and keys refused, every problem listed at once with its dotted key. The
+shipped, commented example is ``firmware_configs/coordinator.toml``; command-line flags are overrides
+on top of it.
 
 This module reads files only: it never opens a socket and never imports LiteRT.
 """
@@ -39,6 +40,7 @@ __all__ = [
     "EvaluationConfig",
     "FilesConfig",
     "FleetConfig",
+    "HierarchyConfig",
     "ModelRef",
     "PrivacyConfig",
     "RobustnessConfig",
@@ -277,6 +279,46 @@ class FilesConfig:
     json: Path | None = None
 
 
+ROLES: Final = ("flat", "site", "root")
+
+
+@dataclass(frozen=True, slots=True)
+class HierarchyConfig:
+    """``[hierarchy]``: this coordinator's place among many sites (``docs/operations.md``, "Many sites").
+
+    Parameters
+    ----------
+    role : str
+        ``flat`` (one coordinator: devices' updates in, global head out), ``site`` (an aggregator next
+        to a site's broker: devices' updates in, one signed Partial a round up to the root; rounds and
+        heads come down from the root over the broker bridge) or ``root`` (partials in, the server
+        optimiser, norm bound and DP, the global head and rounds out).
+    site : str or None
+        The site id (device-id pattern), required when ``role = "site"``; topic ``partial/<site>``.
+    expected_sites : int
+        Root: partials that close a round before its deadline, >= 0 (0: ``rounds.min_clients``
+        updates close it, as in a flat run).
+    expected_devices : int
+        Site: updates that close the site's partial before ``deadline - close_margin_s``, >= 0 (0: the
+        devices whose status is online at the site when the round opens; the deadline if none).
+    close_margin_s : float
+        Site: the partial closes this many seconds before the root's deadline, so it crosses the
+        bridge in time, >= 0.
+    site_keys_dir : Path or None
+        Root: folder of ``<site>.pub`` keys; when set, every partial must be signed by its site.
+    root_key_file : Path or None
+        Site: the root's public key; when set, round announcements must be signed by it.
+    """
+
+    role: Literal["flat", "site", "root"] = "flat"
+    site: str | None = None
+    expected_sites: int = 0
+    expected_devices: int = 0
+    close_margin_s: float = 2.0
+    site_keys_dir: Path | None = None
+    root_key_file: Path | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class CoordinatorProfile:
     """A whole coordinator profile; one value object per TOML table (see the module docstring)."""
@@ -293,6 +335,7 @@ class CoordinatorProfile:
     dashboard: DashboardConfig
     security: SecurityRef
     files: FilesConfig = field(default_factory=FilesConfig)
+    hierarchy: HierarchyConfig = field(default_factory=HierarchyConfig)
 
 
 def _positive(p: Problems, key: str, value: float | None) -> None:
@@ -377,6 +420,27 @@ def _check_security(p: Problems, c: SecurityRef, raw: Mapping[str, object], chec
         p.add("security.device_keys_dir", raw.get("device_keys_dir"), "not a folder")
 
 
+def _check_hierarchy(p: Problems, c: HierarchyConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    if c.role == "site" and c.site is None:
+        p.add("hierarchy.site", None, "required when hierarchy.role = 'site'")
+    if c.site is not None:
+        check(p, "hierarchy.site", c.site, check_device_id)
+    if c.expected_sites < 0:
+        p.add("hierarchy.expected_sites", c.expected_sites, "must be >= 0")
+    if c.expected_devices < 0:
+        p.add("hierarchy.expected_devices", c.expected_devices, "must be >= 0")
+    if not c.close_margin_s >= 0:
+        p.add("hierarchy.close_margin_s", c.close_margin_s, "must be >= 0")
+    if not check_files:
+        return
+    if c.site_keys_dir is not None and not c.site_keys_dir.is_dir():
+        p.add("hierarchy.site_keys_dir", raw.get("site_keys_dir"), "not a folder")
+    if c.root_key_file is not None:
+        problem = file_problem(c.root_key_file, raw.get("root_key_file"))
+        if problem is not None:
+            p.add("hierarchy.root_key_file", raw.get("root_key_file"), problem)
+
+
 def _no_check(p: Problems, c: object, raw: Mapping[str, object], check_files: bool) -> None:
     return None
 
@@ -393,6 +457,7 @@ _TABLES: Final[dict[str, type[Any]]] = {
     "dashboard": DashboardConfig,
     "security": SecurityRef,
     "files": FilesConfig,
+    "hierarchy": HierarchyConfig,
 }
 _CHECKS: Final[dict[str, Check]] = {
     "broker": check_broker,
@@ -406,13 +471,14 @@ _CHECKS: Final[dict[str, Check]] = {
     "dashboard": check_dashboard,
     "security": _check_security,
     "files": _no_check,
+    "hierarchy": _check_hierarchy,
 }
 SCHEMA: Final = Schema(_TABLES, _CHECKS, {"model.path": Path("_")})
 """The coordinator profile's tables, checks and parser."""
 
 #: Tables only a coordinator profile has: how ``edgefl check-config`` tells the two kinds apart.
 COORDINATOR_TABLES: Final = frozenset(
-    {"fleet", "rounds", "strategy", "robustness", "privacy", "evaluation", "files"}
+    {"fleet", "rounds", "strategy", "robustness", "privacy", "evaluation", "files", "hierarchy"}
 )
 
 

@@ -43,6 +43,8 @@ class Round:
         Devices asked to take part (None = any device).
     check_round : bool
         False in a buffered-asynchronous step (FedBuff), where updates of earlier rounds are welcome.
+    expected_sites : int
+        At the root of a hierarchy: partials that close the round (0: ``min_clients`` updates do).
     """
 
     number: int
@@ -52,17 +54,19 @@ class Round:
     min_clients: int
     selected: frozenset[str] | None = None
     check_round: bool = True
+    expected_sites: int = 0
     opened_at: float = field(default_factory=time.monotonic)
     phase: RoundPhase = RoundPhase.OPEN
     devices: list[str] = field(default_factory=list)
     update_ids: set[str] = field(default_factory=set)
     update_bytes: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    sites: list[str] = field(default_factory=list)
 
     @property
     def clients(self) -> int:
-        """Updates accepted so far."""
-        return len(self.devices)
+        """Updates accepted so far (directly, or covered by the partials of sites)."""
+        return len(self.update_ids)
 
     @property
     def deadline_at(self) -> float:
@@ -70,7 +74,9 @@ class Round:
         return self.opened_at + self.deadline_s
 
     def complete(self) -> bool:
-        """True when ``min_clients`` updates arrived (or every selected device answered)."""
+        """True when ``min_clients`` updates arrived, or every selected device (expected site) answered."""
+        if self.expected_sites > 0:
+            return len(self.sites) >= self.expected_sites
         if self.selected is not None and set(self.devices) >= self.selected:
             return True
         return self.clients >= self.min_clients
@@ -114,6 +120,36 @@ class Round:
         self.update_ids.add(update.update_id)
         self.update_bytes.append(size_bytes)
         self.losses.append(update.metrics.loss)
+
+    def admit_partial(self, site: str, round_no: int, base_version: int, update_ids: tuple[str, ...]) -> None:
+        """Check that a site's partial may count in this round (it is not recorded yet).
+
+        Raises
+        ------
+        UpdateRejected
+            ``round_closed``, ``stale_round`` (a partial of another round: a site that missed the
+            deadline is refused by round number), ``stale_base``, ``duplicate`` (the site already
+            counted, or an update id already counted by another site).
+        """
+        if self.phase is not RoundPhase.OPEN:
+            raise UpdateRejected("round_closed", f"round {self.number} is closed")
+        if round_no != self.number:
+            why = f"partial of {site} for round {round_no}, round {self.number} is open"
+            raise UpdateRejected("stale_round", why)
+        if base_version != self.base_version:
+            why = f"partial from version {base_version}, round uses {self.base_version}"
+            raise UpdateRejected("stale_base", why)
+        if site in self.sites:
+            raise UpdateRejected("duplicate", f"site {site} already counted in round {self.number}")
+        again = self.update_ids.intersection(update_ids)
+        if again:
+            raise UpdateRejected("duplicate", f"partial of {site} repeats {len(again)} counted update ids")
+
+    def record_partial(self, site: str, update_ids: tuple[str, ...], size_bytes: int) -> None:
+        """Record a site's partial the strategy accepted (its update ids count as the round's clients)."""
+        self.sites.append(site)
+        self.update_ids.update(update_ids)
+        self.update_bytes.append(size_bytes)
 
     def close(self) -> None:
         """Stop accepting updates."""

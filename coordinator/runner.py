@@ -28,6 +28,7 @@ from dataclasses import asdict
 from typing import Any, Final
 
 from edgefl.aio import within
+from edgefl.coordinator.hierarchy import RootCoordinator, SiteAggregator, SiteRecord
 from edgefl.coordinator.privacy import DPFedAvg
 from edgefl.coordinator.profile import CoordinatorProfile, load_coordinator_profile
 from edgefl.coordinator.service import Coordinator, RoundRecord
@@ -42,7 +43,7 @@ from edgefl.transport import MqttTransport
 from edgefl.types import F32
 from edgefl.wire.codec import Compression
 from edgefl.wire.messages import HeadLayout
-from edgefl.wire.signing import load_signing_key, load_verify_keys
+from edgefl.wire.signing import load_signing_key, load_verify_key, load_verify_keys
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,9 @@ FLAG_KEYS: Final = {
     "dp_clip_norm": "privacy.clip_norm",
     "dp_delta": "privacy.delta",
     "dp_expected_clients": "privacy.expected_clients",
+    "role": "hierarchy.role",
+    "site": "hierarchy.site",
+    "expected_sites": "hierarchy.expected_sites",
 }
 
 
@@ -227,7 +231,10 @@ def main(
             print(f"  {problem}", file=sys.stderr)
         return EXIT_INVALID
     try:
-        build_strategy(profile)  # a combination no strategy accepts is a profile problem
+        strategy = build_strategy(profile)  # a combination no strategy accepts is a profile problem
+        if profile.hierarchy.role != "flat" and profile.strategy.name == "fedbuff":
+            raise ValueError(f"hierarchy.role = {profile.hierarchy.role!r}: fedbuff runs flat only")
+        del strategy
     except ValueError as exc:
         print(f"edgefl coordinator: invalid profile {args.profile}:", file=sys.stderr)
         print(f"  [strategy]/[privacy]: {exc}", file=sys.stderr)
@@ -283,11 +290,13 @@ async def run(
     evaluate = evaluation(profile, backbone) if evaluation is not None else None
     broker, rounds, files = profile.broker, profile.rounds, profile.files
     fleet = profile.fleet.name
+    hier = profile.hierarchy
+    client_id = f"edgefl-site-{hier.site}-{fleet}" if hier.role == "site" else f"edgefl-coordinator-{fleet}"
     # A persistent session: updates published while the coordinator restarts wait for it at the broker.
     transport = MqttTransport(
         broker.host,
         broker.port,
-        f"edgefl-coordinator-{fleet}",
+        client_id,
         protocol=broker.protocol,
         keepalive_s=broker.keepalive_s,
         username=broker.username,
@@ -303,7 +312,24 @@ async def run(
     except ValueError as exc:
         raise ConfigError([f"[strategy]/[privacy]: {exc}"]) from exc
     sec = profile.security
-    coord = Coordinator(
+    role_kwargs: dict[str, Any] = {}
+    cls: type[Coordinator] = Coordinator
+    if hier.role == "root":
+        cls = RootCoordinator
+        role_kwargs = {
+            "site_keys": load_verify_keys(hier.site_keys_dir) if hier.site_keys_dir else None,
+            "expected_sites": hier.expected_sites,
+        }
+    elif hier.role == "site":
+        cls = SiteAggregator
+        role_kwargs = {
+            "site": hier.site,
+            "root_key": load_verify_key(hier.root_key_file) if hier.root_key_file else None,
+            "expected_devices": hier.expected_devices,
+            "close_margin_s": hier.close_margin_s,
+            "site_state": files.state,
+        }
+    coord = cls(
         transport,
         Topics(broker.topic_prefix, fleet),
         W0,
@@ -319,12 +345,15 @@ async def run(
         max_packet_bytes=broker.max_packet_bytes,
         max_devices=profile.fleet.max_devices,
         device_expiry_s=profile.fleet.device_expiry_s,
+        **role_kwargs,
     )
 
     def mismatch(device: str, why: str) -> None:
         print(f"device {device} runs another model ({why}): left out of rounds", flush=True)
 
     coord.on_mismatch = mismatch
+    if isinstance(coord, SiteAggregator):
+        return await _run_site(coord, profile, transport, page)
     if files.state is not None:
         try:
             coord.load_state(files.state)
@@ -337,7 +366,8 @@ async def run(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     where = f"{broker.scheme}://{broker.host}:{broker.port}"
-    print(f"coordinator of fleet {fleet} at {where}: {rounds.count} rounds of {st.name}", flush=True)
+    role = "" if hier.role == "flat" else f" ({hier.role} of {hier.expected_sites or 'any number of'} sites)"
+    print(f"coordinator{role} of fleet {fleet} at {where}: {rounds.count} rounds of {st.name}", flush=True)
     stop_page: Callable[[], Awaitable[None]] | None = None
     if page is not None and profile.dashboard.enabled:
         stop_page, port = await page(profile.dashboard, f"fleet {fleet}", coord.dashboard_status)
@@ -444,3 +474,82 @@ async def run(
         )
         return EXIT_EMPTY_ROUND
     return EXIT_OK
+
+
+async def _run_site(
+    site: SiteAggregator, profile: CoordinatorProfile, transport: MqttTransport, page: PageServer | None
+) -> int:
+    """The site role's job: one partial per round the root announces, until ``rounds.count`` or SIGTERM.
+
+    Prints ``site S round R: N updates, B bytes up, T s`` per round; appends one JSON line per round
+    to ``files.log`` (``round``, ``site``, ``updates``, ``partial_bytes``, ``duration_s``,
+    ``update_ids``, ``refused_updates``). Exit code 0, or 4 when the broker is unreachable.
+    """
+    broker, rounds, files = profile.broker, profile.rounds, profile.files
+    where = f"{broker.scheme}://{broker.host}:{broker.port}"
+    print(f"site {site.site} of fleet {profile.fleet.name} at {where}: rounds 1-{rounds.count}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    stop_page: Callable[[], Awaitable[None]] | None = None
+    if page is not None and profile.dashboard.enabled:
+        stop_page, port = await page(profile.dashboard, f"site {site.site}", site.dashboard_status)
+        print(f"site page: http://{profile.dashboard.host}:{port}/", flush=True)
+    await transport.start(wait_s=None)
+    pump = asyncio.create_task(site.pump())
+    try:
+        try:
+            await within(transport.connected.wait(), 60)
+        except TimeoutError as exc:
+            raise TransportError(f"broker {where} not reachable within 60 s") from exc
+        try:
+            await site.start()
+        except UpdateRejected as exc:
+            raise ConfigError([f"files.state = {str(files.state)!r}: {exc}"]) from exc
+        print(f"site {site.site}: ready after round {site.closed_round}", flush=True)
+        while site.closed_round < rounds.count and not stop.is_set():
+            refused_before = Counter(site.state.rejected)
+            runner = asyncio.create_task(_next_site_round(site))
+            stopper = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if runner not in done:
+                runner.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await runner
+                break
+            rec = runner.result()
+            refused = Counter(site.state.rejected)
+            refused.subtract(refused_before)
+            refused_round = {k: v for k, v in refused.items() if v > 0}
+            print(
+                f"site {site.site} round {rec.round}: {rec.updates} updates, {rec.partial_bytes} bytes up, "
+                f"{rec.duration_s:.2f} s, refused: {refused_round or 'none'}",
+                flush=True,
+            )
+            if files.log is not None:
+                entry = {
+                    "round": rec.round,
+                    "site": site.site,
+                    "updates": rec.updates,
+                    "partial_bytes": rec.partial_bytes,
+                    "duration_s": rec.duration_s,
+                    "update_ids": list(rec.update_ids),
+                    "refused_updates": refused_round,
+                }
+                with open(files.log, "a") as f:
+                    f.write(json.dumps(entry) + "\n")
+    finally:
+        pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pump
+        await transport.stop()
+        if stop_page is not None:
+            await stop_page()
+    return EXIT_OK
+
+
+async def _next_site_round(site: SiteAggregator) -> SiteRecord:
+    return await site.run_site_round(await site.next_round())

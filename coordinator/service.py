@@ -247,6 +247,7 @@ class Coordinator:
         # retained announcement of a round whose close was not saved, and the broker's persistent
         # session delivers their updates before the coordinator re-opens it. Bounded; offered at open.
         self._early: dict[str, tuple[Update, int]] = {}
+        self.expected_sites = 0  # a root's partials that close a round (edgefl.coordinator.hierarchy)
         self.state = CoordinatorState()
         self.max_devices = max_devices
         self.device_expiry_s = device_expiry_s
@@ -256,6 +257,7 @@ class Coordinator:
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
         self._seen_update_ids: dict[str, None] = {}  # insertion-ordered, bounded: see _remember
+        self.max_seen_update_ids = SEEN_UPDATE_IDS
         self._held: list[tuple[Update, int]] = []  # arrived while a buffered step was being published
         self._status_changed = asyncio.Event()
         self._adopting = False
@@ -625,7 +627,7 @@ class Coordinator:
 
     def _remember(self, update_id: str) -> None:
         self._seen_update_ids[update_id] = None
-        while len(self._seen_update_ids) > SEEN_UPDATE_IDS:
+        while len(self._seen_update_ids) > self.max_seen_update_ids:
             del self._seen_update_ids[next(iter(self._seen_update_ids))]
 
     def dashboard_status(self) -> dict[str, Any]:
@@ -775,6 +777,7 @@ class Coordinator:
             cfg.min_clients,
             frozenset(selected) if selected else None,
             check_round=cfg.schedule is Schedule.SYNC,
+            expected_sites=self.expected_sites,
         )
         self.state.current = rnd
         self.state.round = round_no

@@ -72,7 +72,7 @@ class RunningWeightedSum:
     def __init__(self, shape: tuple[int, ...]) -> None:
         self.shape = shape
         self._sum = np.zeros(shape, dtype=np.float64)
-        self.total_weight = 0
+        self.total_weight: float = 0
 
     def add(self, delta: F32, weight: int) -> None:
         """Fold ``weight * delta`` into the sum.
@@ -88,6 +88,29 @@ class RunningWeightedSum:
             raise ValueError(f"RunningWeightedSum: weight {weight} must be > 0")
         self._sum += np.float64(weight) * delta
         self.total_weight += weight
+
+    def add_sum(self, weighted_sum: npt.NDArray[np.float64], weight: float) -> None:
+        """Fold another accumulator's float64 sum and total weight in (a site's partial at the root).
+
+        Adding float64 sums is the same sum as folding their updates one by one, up to the order of
+        float64 additions (relative error ~1e-16, far below the float32 mean's resolution).
+
+        Raises
+        ------
+        ValueError
+            If the shape differs or ``weight <= 0``.
+        """
+        if weighted_sum.shape != self.shape:
+            raise ValueError(f"RunningWeightedSum: shape {weighted_sum.shape}, expected {self.shape}")
+        if not weight > 0:
+            raise ValueError(f"RunningWeightedSum: weight {weight} must be > 0")
+        self._sum += weighted_sum
+        self.total_weight += weight
+
+    @property
+    def sum(self) -> npt.NDArray[np.float64]:
+        """A copy of the float64 weighted sum so far (shape ``shape``)."""
+        return self._sum.copy()
 
     def mean(self) -> F32:
         """Return the weighted mean so far, float32 of ``shape``.
@@ -285,6 +308,49 @@ def trimmed_mean(deltas: Sequence[F32], beta: float) -> F32:
     x = np.sort(_stack(deltas, "trimmed_mean"), axis=0)
     k = math.floor(beta * x.shape[0])
     out: F32 = x[k : x.shape[0] - k].mean(axis=0).astype(np.float32)
+    return out
+
+
+def weighted_coordinate_median(estimates: Sequence[npt.NDArray[np.float64]], weights: Sequence[float]) -> F32:
+    """Coordinate-wise weighted median of site estimates (the root step of the median rule over sites).
+
+    Per coordinate, the values are sorted and the median is the value where the cumulative weight
+    first reaches half the total; when it lands exactly on half, the mean of that value and the next
+    (so equal weights give ``np.median``).
+
+    Parameters
+    ----------
+    estimates : sequence of float arrays
+        One per site, all the same shape.
+    weights : sequence of float > 0
+        The updates each estimate covers.
+
+    Returns
+    -------
+    float32 array of that shape.
+
+    Raises
+    ------
+    ValueError
+        If empty, lengths or shapes differ, or a weight is not positive.
+
+    Source: weighted median (Edgeworth 1888); used over site medians as in hierarchical robust
+    aggregation (docs/operations.md, "Many sites").
+    """
+    if not estimates or len(estimates) != len(weights) or any(not w > 0 for w in weights):
+        raise ValueError(f"weighted_coordinate_median: {len(estimates)} estimates, weights {list(weights)}")
+    x = _stack([np.asarray(e) for e in estimates], "weighted_coordinate_median")  # [S, ...]
+    w = np.asarray(weights, dtype=np.float64)
+    order = np.argsort(x, axis=0, kind="stable")
+    xs = np.take_along_axis(x, order, axis=0)
+    ws = w[order]
+    cum = np.cumsum(ws, axis=0)
+    half = cum[-1] / 2.0
+    idx = np.argmax(cum >= half * (1 - 1e-12), axis=0)  # first index reaching half the weight
+    lo = np.take_along_axis(xs, idx[None, ...], axis=0)[0]
+    at_half = np.isclose(np.take_along_axis(cum, idx[None, ...], axis=0)[0], half, rtol=1e-12, atol=0.0)
+    nxt = np.take_along_axis(xs, np.minimum(idx + 1, x.shape[0] - 1)[None, ...], axis=0)[0]
+    out: F32 = np.where(at_half, (lo + nxt) / 2.0, lo).astype(np.float32)
     return out
 
 
@@ -510,6 +576,33 @@ class RoundReport:
     delta: float = math.nan
 
 
+@dataclass(frozen=True, slots=True)
+class SiteSums:
+    """A site's share of a round: exported by ``Strategy.site_sums``, folded at the root by ``offer_sums``.
+
+    Attributes
+    ----------
+    combine : str
+        ``"sum"`` (FedAvg family, DP: ``W``/``b`` are weighted sums of norm-bounded deltas),
+        ``"median"`` or ``"trimmed-mean"`` (the site's robust estimate of the mean delta).
+    W : float64 [D, K]
+    b : float64 [K]
+    weight : float > 0
+        Total weight of the sums (examples; updates for DP), or the updates an estimate covers.
+    count : int >= 1
+        Updates covered.
+    clipped : int >= 0
+        Updates the site's norm bound scaled down.
+    """
+
+    combine: str
+    W: npt.NDArray[np.float64]
+    b: npt.NDArray[np.float64]
+    weight: float
+    count: int
+    clipped: int
+
+
 class Strategy(ABC):
     """Interface of every aggregation strategy: ``configure_round``, ``offer``, ``aggregate``.
 
@@ -668,6 +761,136 @@ class Strategy(ABC):
         self._saved = dict(self.server_state)
         return self._aggregate(W.astype(np.float32), b.astype(np.float32))
 
+    def site_sums(self) -> SiteSums:
+        """Export the round's accumulator as a site's share (the site role; see ``docs/operations.md``).
+
+        Returns
+        -------
+        SiteSums
+            The norm-bounded weighted sums (FedAvg family, DP) or the site's robust estimate.
+
+        Raises
+        ------
+        ValueError
+            If no update was accepted, or the strategy has no hierarchical form (FedBuff).
+        """
+        self._drain()
+        if self.accepted == 0:
+            raise ValueError(f"{self.name}: no update to export")
+        return self._site_sums()
+
+    def offer_sums(self, sums: SiteSums) -> None:
+        """Fold one site's share into the round's accumulator (the root role).
+
+        With a fixed norm bound, a share of weighted sums (``combine = "sum"``) whose mean is longer
+        than the bound is refused: every update folded into it was bounded, so its weighted mean
+        cannot be longer (triangle inequality). A site that did not bound its updates is caught here.
+
+        Parameters
+        ----------
+        sums : SiteSums
+
+        Raises
+        ------
+        UpdateRejected
+            ``no_round``, ``bad_shape``, ``not_finite``, ``bad_value`` (another combine rule than
+            this strategy's, a non-positive weight, or a mean beyond the norm bound).
+        """
+        shape = self._shape
+        if shape is None:
+            raise UpdateRejected("no_round", "no round configured")
+        if sums.W.shape != shape or sums.b.shape != (shape[1],):
+            raise UpdateRejected("bad_shape", f"partial {sums.W.shape}/{sums.b.shape}, head {shape}")
+        norm = update_norm(sums.W, sums.b)  # type: ignore[arg-type]  # float64 works the same
+        if not math.isfinite(norm):
+            raise UpdateRejected("not_finite", f"partial norm {norm}")
+        if not sums.weight > 0 or sums.count < 1:
+            raise UpdateRejected("bad_value", f"partial weight {sums.weight}, count {sums.count}")
+        if sums.combine != self.combine:
+            why = f"partial combines by {sums.combine}, {self.name} by {self.combine}"
+            raise UpdateRejected("bad_value", why)
+        bound = self.norm_bound.clip_norm
+        mean_norm = norm / sums.weight
+        # a coordinate-wise median can be longer than every update it covers: only sums are checked
+        if bound is not None and sums.combine == "sum" and mean_norm > bound * (1 + 1e-6):
+            raise UpdateRejected("bad_value", f"partial mean norm {mean_norm:.4g} > norm bound {bound:.4g}")
+        self._fold_sums(sums)
+        self.accepted += sums.count
+        self._round_clipped += sums.clipped
+        self._last_bound = bound if bound is not None else self._last_bound
+
+    combine = "sum"
+    """How this strategy's site shares combine at the root (``SiteSums.combine``)."""
+
+    def snapshot(self) -> dict[str, Any]:
+        """The round's accumulator as CBOR-able values: a site persists it after every accepted update.
+
+        Returns
+        -------
+        dict
+            ``accepted``, ``clipped``, ``norms`` (the adaptive bound's), ``pending`` (updates waiting
+            for the bound's warm-up, raw float32 bytes) and ``acc`` (the strategy's own sums).
+
+        Raises
+        ------
+        ValueError
+            If no round is configured, or the strategy has no site/root form (FedBuff).
+        """
+        if self._shape is None:
+            raise ValueError("no round configured")
+        pending = [
+            [u.device, u.delta_W.tobytes(), u.delta_b.tobytes(), u.num_examples, u.staleness, norm]
+            for u, norm in self._pending
+        ]
+        return {
+            "accepted": self.accepted,
+            "clipped": self._round_clipped,
+            "norms": list(self.norm_bound.norms),
+            "pending": pending,
+            "acc": self._snapshot(),
+        }
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Put back a :meth:`snapshot` of the round just configured (``configure_round`` first).
+
+        Raises
+        ------
+        ValueError, KeyError, TypeError
+            If the snapshot does not fit this strategy or the head's shape.
+        """
+        shape = self._shape
+        if shape is None:
+            raise ValueError("no round configured")
+        self._restore(snap["acc"], shape)
+        self.accepted = int(snap["accepted"])
+        self._round_clipped = int(snap["clipped"])
+        self.norm_bound.norms = [float(n) for n in snap["norms"]]
+        self._pending = [
+            (
+                Offer(
+                    str(dev),
+                    np.frombuffer(w, np.float32).reshape(shape).copy(),
+                    np.frombuffer(b, np.float32).reshape(shape[1]).copy(),
+                    int(n),
+                    int(st),
+                ),
+                float(norm),
+            )
+            for dev, w, b, n, st, norm in snap["pending"]
+        ]
+
+    def _snapshot(self) -> dict[str, Any]:
+        raise ValueError(f"{self.name} has no site/root form: run it flat")
+
+    def _restore(self, acc: dict[str, Any], shape: tuple[int, int]) -> None:
+        raise ValueError(f"{self.name} has no site/root form: run it flat")
+
+    def _site_sums(self) -> SiteSums:
+        raise ValueError(f"{self.name} has no site/root form: run it flat")
+
+    def _fold_sums(self, sums: SiteSums) -> None:
+        raise ValueError(f"{self.name} has no site/root form: run it flat")
+
     def refuse(self) -> None:
         """Undo the server-state change of the last ``aggregate`` (its head was not published)."""
         self.server_state.clear()
@@ -752,6 +975,24 @@ class FedAvg(Strategy):
 
     def _aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:
         return self.step(W, b, self._sum_W.mean(), self._sum_b.mean())
+
+    def _site_sums(self) -> SiteSums:
+        w = self._sum_W.total_weight
+        return SiteSums("sum", self._sum_W.sum, self._sum_b.sum, float(w), self.accepted, self._round_clipped)
+
+    def _fold_sums(self, sums: SiteSums) -> None:
+        self._sum_W.add_sum(sums.W, sums.weight)
+        self._sum_b.add_sum(sums.b, sums.weight)
+
+    def _snapshot(self) -> dict[str, Any]:
+        weight = self._sum_W.total_weight
+        return {"W": self._sum_W.sum.tobytes(), "b": self._sum_b.sum.tobytes(), "weight": weight}
+
+    def _restore(self, acc: dict[str, Any], shape: tuple[int, int]) -> None:
+        weight = float(acc["weight"])
+        if weight > 0:
+            self._sum_W.add_sum(np.frombuffer(acc["W"], np.float64).reshape(shape), weight)
+            self._sum_b.add_sum(np.frombuffer(acc["b"], np.float64).reshape(shape[1]), weight)
 
     def step(self, W: F32, b: F32, mean_dW: F32, mean_db: F32) -> tuple[F32, F32]:
         """Server step from the round's mean delta: ``W + server_lr * mean_dW`` (and b alike).
@@ -920,6 +1161,9 @@ class _Robust(Strategy):
         self.max_updates = max_updates
         self._kept_W: list[F32] = []
         self._kept_b: list[F32] = []
+        self._site_W: list[npt.NDArray[np.float64]] = []
+        self._site_b: list[npt.NDArray[np.float64]] = []
+        self._site_n: list[float] = []
 
     def _check(self, update: Offer) -> None:
         if self.accepted >= self.max_updates:
@@ -927,6 +1171,7 @@ class _Robust(Strategy):
 
     def _begin(self, shape: tuple[int, int]) -> None:
         self._kept_W, self._kept_b = [], []
+        self._site_W, self._site_b, self._site_n = [], [], []
 
     def _fold(self, update: Offer) -> None:
         self._kept_W.append(update.delta_W)
@@ -936,11 +1181,40 @@ class _Robust(Strategy):
     def _combine(self, deltas: Sequence[F32]) -> F32:
         """The robust rule itself (coordinate-wise median, trimmed mean)."""
 
+    @abstractmethod
+    def _combine_sites(self, estimates: Sequence[npt.NDArray[np.float64]], weights: Sequence[float]) -> F32:
+        """The root step: combine site estimates, each covering ``weights[i]`` updates."""
+
     def _aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:
         eta = np.float32(self.server_lr)
-        W1: F32 = (W + eta * self._combine(self._kept_W)).astype(np.float32)
-        b1: F32 = (b + eta * self._combine(self._kept_b)).astype(np.float32)
+        if self._site_n:  # root: site estimates, and any update offered directly as a site of one
+            ones = [1.0] * len(self._kept_W)
+            weights = self._site_n + ones
+            dW = self._combine_sites([*self._site_W, *(k.astype(np.float64) for k in self._kept_W)], weights)
+            db = self._combine_sites([*self._site_b, *(k.astype(np.float64) for k in self._kept_b)], weights)
+        else:
+            dW, db = self._combine(self._kept_W), self._combine(self._kept_b)
+        W1: F32 = (W + eta * dW).astype(np.float32)
+        b1: F32 = (b + eta * db).astype(np.float32)
         return W1, b1
+
+    def _site_sums(self) -> SiteSums:
+        W = self._combine(self._kept_W).astype(np.float64)
+        b = self._combine(self._kept_b).astype(np.float64)
+        n = len(self._kept_W)
+        return SiteSums(self.combine, W, b, float(n), n, self._round_clipped)
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {"W": [w.tobytes() for w in self._kept_W], "b": [b.tobytes() for b in self._kept_b]}
+
+    def _restore(self, acc: dict[str, Any], shape: tuple[int, int]) -> None:
+        self._kept_W = [np.frombuffer(w, np.float32).reshape(shape).copy() for w in acc["W"]]
+        self._kept_b = [np.frombuffer(b, np.float32).reshape(shape[1]).copy() for b in acc["b"]]
+
+    def _fold_sums(self, sums: SiteSums) -> None:
+        self._site_W.append(sums.W)
+        self._site_b.append(sums.b)
+        self._site_n.append(sums.weight)
 
 
 class Median(_Robust):
@@ -950,9 +1224,14 @@ class Median(_Robust):
     """
 
     name = "median"
+    combine = "median"
 
     def _combine(self, deltas: Sequence[F32]) -> F32:
         return coordinate_median(deltas)
+
+    def _combine_sites(self, estimates: Sequence[npt.NDArray[np.float64]], weights: Sequence[float]) -> F32:
+        """Weighted coordinate median of the site medians (``weighted_coordinate_median``)."""
+        return weighted_coordinate_median(estimates, weights)
 
 
 class TrimmedMean(_Robust):
@@ -969,6 +1248,7 @@ class TrimmedMean(_Robust):
     """
 
     name = "trimmed-mean"
+    combine = "trimmed-mean"
 
     def __init__(self, *, trim_fraction: float = 0.2, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -978,6 +1258,13 @@ class TrimmedMean(_Robust):
 
     def _combine(self, deltas: Sequence[F32]) -> F32:
         return trimmed_mean(deltas, self.trim_fraction)
+
+    def _combine_sites(self, estimates: Sequence[npt.NDArray[np.float64]], weights: Sequence[float]) -> F32:
+        """Mean of the site trimmed means weighted by the updates each covers."""
+        w = np.asarray(weights, dtype=np.float64)
+        x = _stack([np.asarray(e) for e in estimates], "trimmed_mean sites")
+        out: F32 = (np.tensordot(w, x, axes=1) / w.sum()).astype(np.float32)
+        return out
 
 
 STRATEGY_NAMES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "median", "trimmed-mean", "fedbuff")

@@ -409,6 +409,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     from edgefl.cross_build.cli import add_wheelhouse_parser
 
     add_wheelhouse_parser(sub)
+    from edgefl.coordinator import bridge
+
+    bridge.add_parser(sub)
     words = list(sys.argv[1:] if argv is None else argv)
     if "coordinator" in words or "-h" in words or "--help" in words:
         # imported only when asked for: the agent process never runs it (~1 MiB of RSS saved)

@@ -43,6 +43,18 @@ class Topics:
         """Retained DeviceStatus of one device (``"+"`` for the wildcard); last will is "offline"."""
         return f"{self.base}/status/{device}"
 
+    def partial(self, site: str) -> str:
+        """Partial of one site, site aggregator → root over a broker bridge (``"+"`` for the wildcard)."""
+        return f"{self.base}/partial/{site}"
+
+    def site_of(self, topic: str) -> str | None:
+        """The ``<site>`` segment of a ``partial/<site>`` topic, else None."""
+        parts = topic.split("/")
+        base = self.base.split("/")
+        if len(parts) == len(base) + 2 and parts[: len(base)] == base and parts[-2] == "partial":
+            return parts[-1]
+        return None
+
     def samples(self, device: str) -> str:
         """Optional sample ingest for one device."""
         return f"{self.base}/samples/{device}"

@@ -74,6 +74,7 @@ class MessageType(StrEnum):
     UPDATE = "update"
     STATUS = "status"
     CHUNK = "chunk"
+    PARTIAL = "partial"
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from typing import Final
 
 import cbor2
 import numpy as np
+import numpy.typing as npt
 
 from edgefl.errors import DecodeError
 from edgefl.types import F32
@@ -58,19 +59,24 @@ __all__ = [
     "MAX_DEADLINE_S",
     "MAX_LOCAL_EPOCHS",
     "MAX_LR",
+    "MAX_PARTIAL_UPDATES",
     "MAX_PROX_MU",
+    "PARTIAL_COMBINES",
     "UPDATE_ID_RE",
     "DeviceStatus",
     "GlobalModel",
     "HeadLayout",
+    "Partial",
     "RoundAnnouncement",
     "Update",
     "UpdateMetrics",
     "decode_global_model",
+    "decode_partial",
     "decode_round",
     "decode_status",
     "decode_update",
     "encode_global_model",
+    "encode_partial",
     "encode_round",
     "encode_status",
     "encode_update",
@@ -88,6 +94,11 @@ MAX_LR: Final = 10.0
 MAX_BATCH_SIZE: Final = 65_536
 MAX_CLIENTS: Final = 1_000_000
 MAX_PROX_MU: Final = 1_000.0
+#: Most update ids one Partial covers (a site of a few hundred devices sends a few hundred).
+MAX_PARTIAL_UPDATES: Final = 16_000
+#: How a Partial's ``W``/``b`` combine at the root: weighted sums are added; a robust rule's site
+#: estimates are combined by the rule's root step (``docs/operations.md``, "Many sites").
+PARTIAL_COMBINES: Final = ("sum", "median", "trimmed-mean")
 
 #: Device ids (MQTT topic levels, file names, Prometheus labels); ``.`` and ``..`` are also refused.
 DEVICE_ID_RE: Final = DEVICE_ID_PATTERN
@@ -96,6 +107,7 @@ UPDATE_ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
 _LAYOUT_RE: Final = re.compile(r"[a-z0-9]{1,16}")
+_LAYOUT_RE_PARTIAL: Final = re.compile(r"[a-z-]{1,16}")
 
 
 def _written_version(signature: bytes, uses_rice: bool = False) -> int:
@@ -855,3 +867,165 @@ def offline_status(device: str) -> bytes:
     """
     check_device_id(device)
     return encode_status(DeviceStatus(device=device, state="offline", fields={}))
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """One site's contribution to a round, sent up to the root (``partial/<site>``, QoS 1, not retained).
+
+    Parameters
+    ----------
+    round : int
+        The round it belongs to (the root's RoundAnnouncement).
+    base_version : int
+        The global version the round trains from.
+    site : str
+        Site id (the device-id pattern); the signature binds it (as an Update binds its device).
+    partial_id : str
+        De-duplication id, one per (site, round): ``"<site>:<round>"``; a bridge redelivery or a
+        restarted site sends the same id again.
+    combine : str
+        ``"sum"``: ``W``/``b`` are weighted sums ``sum_k w_k * delta_k`` (after the norm bound) and
+        ``weight = sum_k w_k``; ``"median"``/``"trimmed-mean"``: the site's robust estimate, covering
+        ``weight`` updates.
+    count : int >= 1
+        Updates folded in (``len(update_ids)``).
+    weight : float > 0
+        Total weight (example counts for the FedAvg family; the update count for DP and robust rules).
+    clipped : int >= 0
+        Updates the site's norm bound scaled down.
+    update_ids : tuple of str
+        Every update id covered, unique.
+    W : float64 [D, K]
+    b : float64 [K]
+    signature : bytes
+        Ed25519 by the site's key (``docs/protocol.md``, "Signatures"); empty when unsigned.
+    """
+
+    round: int
+    base_version: int
+    site: str
+    partial_id: str
+    combine: str
+    count: int
+    weight: float
+    clipped: int
+    update_ids: tuple[str, ...]
+    W: npt.NDArray[np.float64]
+    b: npt.NDArray[np.float64]
+    signature: bytes = b""
+
+
+def encode_partial(msg: Partial) -> bytes:
+    """Encode a :class:`Partial` (arrays as RFC 8746 float64 little-endian, tag 86 in tag 40).
+
+    Parameters
+    ----------
+    msg : Partial
+        ``W`` float64 [D, K], ``b`` float64 [K], finite.
+
+    Returns
+    -------
+    bytes
+        ``{"v", "type": "partial", "round", "base_version", "site", "partial_id", "combine",
+        "count", "weight", "clipped", "update_ids", "W", "b", "signature"}``.
+
+    Source: RFC 8746 §2.1 (tag 86), §3.1.1 (tag 40).
+    """
+    return cbor2.dumps(
+        {
+            "v": _written_version(msg.signature),
+            "type": MessageType.PARTIAL.value,
+            "round": int(msg.round),
+            "base_version": int(msg.base_version),
+            "site": msg.site,
+            "partial_id": msg.partial_id,
+            "combine": msg.combine,
+            "count": int(msg.count),
+            "weight": float(msg.weight),
+            "clipped": int(msg.clipped),
+            "update_ids": [str(u) for u in msg.update_ids],
+            "W": encode_array(np.ascontiguousarray(msg.W, dtype=np.float64)),
+            "b": encode_array(np.ascontiguousarray(msg.b, dtype=np.float64)),
+            "signature": bytes(msg.signature),
+        }
+    )
+
+
+def decode_partial(
+    payload: bytes, *, limits: Limits = DEFAULT_LIMITS, expect_shape: tuple[int, int] | None = None
+) -> Partial:
+    """Decode and validate a :class:`Partial`.
+
+    Parameters
+    ----------
+    payload : bytes
+        The MQTT payload.
+    limits : Limits
+        Decoding bounds (the update ids count as items: ``max_items`` bounds them too).
+    expect_shape : tuple[int, int], optional
+        (D, K) of the global head.
+
+    Returns
+    -------
+    Partial
+        float64 arrays (finite, owned).
+
+    Raises
+    ------
+    DecodeError
+        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for an unknown ``combine``,
+        ``count`` different from the number of update ids, a duplicate or invalid update id, more
+        than :data:`MAX_PARTIAL_UPDATES` ids, ``weight <= 0``, ``clipped > count``; ``bad_dtype``
+        for arrays that are not float64.
+    """
+    obj = load_message(payload, limits, MessageType.PARTIAL)
+    required = (
+        "v",
+        "type",
+        "round",
+        "base_version",
+        "site",
+        "partial_id",
+        "combine",
+        "count",
+        "weight",
+        "clipped",
+        "update_ids",
+        "W",
+        "b",
+    )
+    check_keys(obj, "", required, ("signature",))
+    combine = read_text(obj, "combine", "", _LAYOUT_RE_PARTIAL)
+    if combine not in PARTIAL_COMBINES:
+        choices = ", ".join(PARTIAL_COMBINES)
+        raise DecodeError(Reason.BAD_VALUE, f"combine = {show(combine)}: must be one of {choices}")
+    count = read_int(obj, "count", "", 1, MAX_PARTIAL_UPDATES)
+    raw_ids = obj["update_ids"]
+    if not isinstance(raw_ids, list):
+        raise DecodeError(Reason.WRONG_TYPE, "update_ids: expected an array")
+    if len(raw_ids) != count:
+        raise DecodeError(Reason.BAD_VALUE, f"update_ids: {len(raw_ids)} ids, count = {count}")
+    ids = tuple(read_text({"id": u}, "id", f"update_ids[{i}]", UPDATE_ID_RE) for i, u in enumerate(raw_ids))
+    if len(set(ids)) != len(ids):
+        raise DecodeError(Reason.BAD_VALUE, "update_ids: duplicate ids")
+    w = decode_array(obj["W"], limits=limits, dtypes=frozenset({"float64"}), name="W")
+    b = decode_array(obj["b"], limits=limits, dtypes=frozenset({"float64"}), name="b")
+    _check_head_shapes(w, b, "partial", expect_shape)
+    clipped = read_int(obj, "clipped", "")
+    if clipped > count:
+        raise DecodeError(Reason.BAD_VALUE, f"clipped = {clipped} > count = {count}")
+    return Partial(
+        round=read_int(obj, "round", ""),
+        base_version=read_int(obj, "base_version", ""),
+        site=read_device_id(obj["site"], "site"),
+        partial_id=read_text(obj, "partial_id", "", UPDATE_ID_RE),
+        combine=combine,
+        count=count,
+        weight=read_float(obj, "weight", "", 0.0, lo_open=True),
+        clipped=clipped,
+        update_ids=ids,
+        W=w,
+        b=b,
+        signature=read_signature(obj, limits),
+    )

@@ -88,7 +88,10 @@ SIGNED_KINDS: Final[Mapping[MessageType, str]] = {
     MessageType.GLOBAL_MODEL: "version",
     MessageType.ROUND: "base_version",
     MessageType.UPDATE: "base_version",
+    MessageType.PARTIAL: "base_version",
 }
+#: The signed kinds whose signature also binds a sender named by the topic, and the key naming it.
+_SENDER_KEYS: Final[Mapping[MessageType, str]] = {MessageType.UPDATE: "device", MessageType.PARTIAL: "site"}
 _KEY: Final = b"\x69signature"  # CBOR text string "signature"
 _SIGNED_TAIL: Final = _KEY + b"\x58\x40"  # "signature": 64-byte string header
 _PKCS8_PREFIX: Final = bytes.fromhex("302e020100300506032b657004220420")  # RFC 8410 §10.3
@@ -383,13 +386,13 @@ def signed_bytes(*, fleet: str, kind: str, round: int, version: int, device: str
     fleet : str
         Fleet the message is meant for (profile ``device.fleet``, coordinator ``--fleet``).
     kind : str
-        Message type (``"global_model"``, ``"round"``, ``"update"``).
+        Message type (``"global_model"``, ``"round"``, ``"update"``, ``"partial"``).
     round : int
         The message's ``round``, >= 0.
     version : int
         Its ``version`` (GlobalModel) or ``base_version`` (RoundAnnouncement, Update), >= 0.
     device : str
-        The sending device for an Update, ``""`` otherwise.
+        The sending device for an Update, the sending site for a Partial, ``""`` otherwise.
     digest : bytes
         SHA-256 of the blank form (32 bytes).
 
@@ -433,7 +436,7 @@ class _Signed:
 
 def _signed_fields(blank: bytes, limits: Limits) -> _Signed:
     """Read v, type, round, version and device from the blank form's headers (nothing is decoded)."""
-    found = prescan(blank, limits, ("v", "type", "round", "version", "base_version", "device"))
+    found = prescan(blank, limits, ("v", "type", "round", "version", "base_version", "device", "site"))
     schema, kind = found.get("v"), found.get("type")
     if type(schema) is not int:
         raise DecodeError(Reason.BAD_VERSION, "v: missing or not an unsigned integer")
@@ -445,7 +448,8 @@ def _signed_fields(blank: bytes, limits: Limits) -> _Signed:
     round_, version = found.get("round"), found.get(version_key)
     if type(round_) is not int or type(version) is not int:
         raise DecodeError(Reason.MISSING_KEY, f"round or {version_key}: missing or not unsigned integers")
-    device = found.get("device", "") if kind == MessageType.UPDATE else ""
+    sender_key = _SENDER_KEYS.get(MessageType(kind))
+    device = found.get(sender_key, "") if sender_key is not None else ""
     return _Signed(schema, kind, round_, version, device if type(device) is str else "")
 
 
@@ -469,7 +473,7 @@ def sign_payload(blank: bytes, key: SigningKey, *, fleet: str) -> bytes:
     ------
     ValueError
         If ``blank`` does not end with the placeholder signature, is not a schema-2 (or 3) GlobalModel,
-        RoundAnnouncement or Update, or lacks its round or version.
+        RoundAnnouncement, Update or Partial, or lacks its round or version.
     """
     if not is_signed(blank) or bytes(blank[-SIGNATURE_BYTES:]) != PLACEHOLDER:
         raise ValueError(
@@ -507,7 +511,7 @@ def sign_message(encode: Callable[[_M], bytes], msg: _M, key: SigningKey, *, fle
     encode : callable
         The encoder, e.g. ``encode_global_model`` or ``lambda m: encode_update(m, compressed=c)``
         (called exactly once, so stochastic rounding is signed as sent).
-    msg : GlobalModel, RoundAnnouncement or Update
+    msg : GlobalModel, RoundAnnouncement, Update or Partial
         A dataclass with a ``signature`` field (replaced by :data:`PLACEHOLDER` before encoding).
     key : SigningKey
     fleet : str
@@ -550,7 +554,7 @@ def verify_payload(
         The type the topic carries (``global_model`` on ``global``, ``round`` on ``round``,
         ``update`` on ``update/<device>``).
     device : str
-        For an Update, the device its topic names; ignored for other kinds.
+        For an Update, the device its topic names (for a Partial, the site); ignored for other kinds.
     limits : Limits
         Bounds of the header scan (the receiver's decoding limits).
 
@@ -562,13 +566,13 @@ def verify_payload(
         device, a schema-1 signature, a schema newer than this peer's, or signed fields that cannot
         be read; the detail says which).
     ValueError
-        If ``kind`` is not a signed kind, or is ``update`` without a ``device``.
+        If ``kind`` is not a signed kind, or is ``update`` (``partial``) without a ``device`` (site).
     """
     expected = MessageType(kind)
     if expected not in SIGNED_KINDS:
         raise ValueError(f"{expected.value} messages are not signed")
-    if expected is MessageType.UPDATE and not device:
-        raise ValueError("verifying an update needs the device its topic names")
+    if expected in _SENDER_KEYS and not device:
+        raise ValueError(f"verifying a {expected.value} needs the device (or site) its topic names")
     blank = unsigned_form(payload)
     try:
         fields = _signed_fields(blank, limits)
@@ -582,7 +586,7 @@ def verify_payload(
         raise DecodeError(
             Reason.BAD_SIGNATURE, f"schema-{fields.schema} signature: the sender predates schema 2"
         )
-    wanted_device = device if expected is MessageType.UPDATE else ""
+    wanted_device = device if expected in _SENDER_KEYS else ""
     message = signed_bytes(
         fleet=fleet,
         kind=expected.value,

@@ -1,0 +1,427 @@
+"""Site and root aggregators: one coordinator per site's broker, one root, joined by broker bridges.
+
+A **site** (``[hierarchy] role = "site"``) runs next to its site's broker. It learns each round from
+the root's RoundAnnouncement (retained, bridged down), verifies and decodes its devices' updates
+exactly as a flat coordinator does (the same handlers, the same strategy with its norm bound), and at
+``deadline - close_margin_s`` (or when its expected devices answered) exports the strategy's
+accumulator (``Strategy.site_sums``: float64 weighted sums, or the site's robust estimate) as one
+signed :class:`~edgefl.wire.messages.Partial` on ``partial/<site>`` (QoS 1, not retained), which the
+bridge carries up and stores while the uplink is down. Its round is persisted (atomic, checksummed
+record) after every accepted update and before the partial is sent, so a restarted site resumes the
+round where it was, and re-sends a partial it had not seen acknowledged under the same
+``partial_id``.
+
+The **root** (``role = "root"``) owns rounds, the server optimiser, DP and the global head as a flat
+coordinator does, but takes partials: each is verified (``<site>.pub``), decoded, de-duplicated by
+``(site, round, partial_id)`` (a bridge redelivery is refused as ``duplicate``) and by update id across
+sites, and folded into the strategy (``Strategy.offer_sums``). A partial of an earlier round is
+refused by round number (``stale_round``): a site that misses the deadline loses that round, as a
+late device does in a flat run. The round closes when ``expected_sites`` partials arrived or at the
+deadline.
+
+Source: Bonawitz et al. 2019, "Towards Federated Learning at Scale: System Design", §4 (aggregators
+and a master aggregator); the sums are McMahan et al. 2017, Algorithm 1, split by site.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cbor2
+
+from edgefl.aio import wait_event
+from edgefl.coordinator.rounds import Round
+from edgefl.coordinator.service import ADOPT_WAIT_S, LOGGED_REFUSALS, PUBLISH_RETRY_S, Coordinator
+from edgefl.coordinator.strategy import SiteSums
+from edgefl.errors import TransportError, UpdateRejected
+from edgefl.records import read_record, write_record
+from edgefl.transport import Message
+from edgefl.wire.cbor import MessageType
+from edgefl.wire.codec import DecodeError, RoundAnnouncement, Update, decode_round
+from edgefl.wire.messages import MAX_PARTIAL_UPDATES, Partial, decode_partial, encode_partial
+from edgefl.wire.signing import VerifyKey, sign_message, verify_payload
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ROOT_SEEN_UPDATE_IDS", "RootCoordinator", "SiteAggregator", "SiteRecord"]
+
+ROOT_SEEN_UPDATE_IDS = 1_000_000
+"""Update ids a root remembers across rounds (a round of 10,000 devices must fit many times)."""
+
+SEEN_PARTIALS = 100_000
+"""(site, round, partial id) keys a root remembers to refuse a bridge's redelivery."""
+
+
+def _log_refusal(coord: Coordinator, exc: DecodeError | UpdateRejected, msg: Message) -> None:
+    coord.state.rejected[exc.reason] += 1
+    n = coord.state.rejected[exc.reason]
+    if n <= LOGGED_REFUSALS or n % 1000 == 0:
+        logger.warning("rejected message on %s (%d bytes): %s", msg.topic, len(msg.payload), exc)
+
+
+class RootCoordinator(Coordinator):
+    """The root of a hierarchy: a :class:`Coordinator` whose rounds take sites' partials.
+
+    Parameters
+    ----------
+    *args, **kwargs
+        As :class:`Coordinator`.
+    site_keys : mapping site → VerifyKey, or None
+        When set, a partial must carry a valid signature by its site's key (unknown sites refused).
+    expected_sites : int
+        Partials that close a round before its deadline (0: ``min_clients`` updates close it).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        site_keys: Mapping[str, VerifyKey] | None = None,
+        expected_sites: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.site_keys = dict(site_keys) if site_keys is not None else None
+        self.expected_sites = expected_sites
+        self.max_seen_update_ids = ROOT_SEEN_UPDATE_IDS
+        self._seen_partials: dict[tuple[str, int, str], None] = {}
+        self.partials_received = 0
+        self.partial_bytes = 0
+        self.duplicates = 0  # partials refused as duplicates (bridge redeliveries, overlapping ids)
+
+    async def start(self, adopt_wait_s: float = ADOPT_WAIT_S) -> None:
+        """As :meth:`Coordinator.start`, and subscribe to ``partial/+`` (QoS 1)."""
+        await self.transport.subscribe(self.topics.partial("+"), 1)
+        await super().start(adopt_wait_s)
+
+    def handle(self, msg: Message) -> None:
+        """Dispatch one message: partials here, anything else as a flat coordinator (never raises)."""
+        site = self.topics.site_of(msg.topic)
+        if site is None:
+            super().handle(msg)
+            return
+        try:
+            self._handle_partial(site, msg)
+        except (DecodeError, UpdateRejected) as exc:
+            if exc.reason == "duplicate":
+                self.duplicates += 1
+            _log_refusal(self, exc, msg)
+
+    def _handle_partial(self, site: str, msg: Message) -> None:
+        payload = msg.payload
+        self.partials_received += 1
+        self.partial_bytes += len(payload)
+        if self.site_keys is not None:
+            key = self.site_keys.get(site)
+            if key is None:
+                raise DecodeError("unknown_device", f"no public key for site {site}")
+            fleet, kind = self.topics.fleet, MessageType.PARTIAL
+            verify_payload(payload, key, fleet=fleet, kind=kind, device=site, limits=self.limits)
+        p = decode_partial(payload, limits=self.limits, expect_shape=self.shape)
+        if p.site != site:
+            raise UpdateRejected("wrong_device", f"partial names site {p.site} on {msg.topic}")
+        seen = (site, p.round, p.partial_id)
+        if seen in self._seen_partials:
+            raise UpdateRejected("duplicate", f"partial {p.partial_id} of {site} already counted")
+        rnd = self.state.current
+        if rnd is None:
+            raise UpdateRejected("no_round", "no round is open")
+        rnd.admit_partial(site, p.round, p.base_version, p.update_ids)
+        again = sum(1 for u in p.update_ids if u in self._seen_update_ids)
+        if again:
+            raise UpdateRejected("duplicate", f"partial of {site} repeats {again} update ids counted before")
+        self.strategy.offer_sums(SiteSums(p.combine, p.W, p.b, p.weight, p.count, p.clipped))
+        rnd.record_partial(site, p.update_ids, len(payload))
+        self._seen_partials[seen] = None
+        while len(self._seen_partials) > SEEN_PARTIALS:
+            del self._seen_partials[next(iter(self._seen_partials))]
+        for u in p.update_ids:
+            self._remember(u)
+        logger.info("round %d: partial of %s (%d updates, %d bytes)", rnd.number, site, p.count, len(payload))
+        self._round_changed.set()
+        self._notify()
+
+
+@dataclass(frozen=True, slots=True)
+class SiteRecord:
+    """One round at a site (stdout line, ``files.log``).
+
+    Attributes
+    ----------
+    round : int
+    updates : int
+        Updates covered by the partial (0: nothing arrived, no partial sent).
+    partial_bytes : int
+        Size of the partial sent, bytes.
+    duration_s : float
+        Seconds from the site opening the round to the partial's PUBACK at the site broker.
+    update_ids : tuple of str
+    """
+
+    round: int
+    updates: int
+    partial_bytes: int
+    duration_s: float
+    update_ids: tuple[str, ...]
+
+
+class SiteAggregator(Coordinator):
+    """A site's aggregator: devices' updates in, one signed Partial a round up (see the module docstring).
+
+    Parameters
+    ----------
+    *args, **kwargs
+        As :class:`Coordinator` (``signing_key`` signs the partials; ``device_keys`` verify updates).
+    site : str
+        The site id.
+    root_key : VerifyKey or None
+        When set, round announcements must be signed by the root.
+    expected_devices : int
+        Updates that close the partial early (0: the devices online at the site when the round opens).
+    close_margin_s : float
+        The partial closes this many seconds before the root's deadline.
+    site_state : Path or None
+        The site's round record (``files.state``), written after every accepted update.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        site: str,
+        root_key: VerifyKey | None = None,
+        expected_devices: int = 0,
+        close_margin_s: float = 2.0,
+        site_state: Path | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.site = site
+        self.root_key = root_key
+        self.expected_devices = expected_devices
+        self.close_margin_s = close_margin_s
+        self.site_state = site_state
+        self.closed_round = 0
+        self._latest: RoundAnnouncement | None = None
+        self._announced = asyncio.Event()
+        self._unsent: bytes | None = None  # a closed round's partial not yet acknowledged by the broker
+        self._resume: dict[str, Any] | None = None  # the open round of the state file
+        self._opened_unix = 0.0
+
+    # -- start, messages -----------------------------------------------------------------------------
+    async def start(self, adopt_wait_s: float = ADOPT_WAIT_S) -> None:
+        """Resume the site's state, subscribe (updates, statuses, the round) and re-send an unsent partial.
+
+        The caller's :meth:`pump` must be running. ``adopt_wait_s`` is unused (a site adopts nothing).
+
+        Raises
+        ------
+        UpdateRejected
+            ``bad_state`` when the state file belongs to another site or head shape.
+        """
+        self._load_site_state()
+        await self.transport.subscribe(self.topics.update("+"), 1)
+        await self.transport.subscribe(self.topics.status("+"), 1)
+        await self.transport.subscribe(self.topics.round, 1)
+        if self._unsent is not None:
+            logger.info("site %s: re-sending the partial of round %d", self.site, self.closed_round)
+            await self._send(self._unsent)
+            self._unsent = None
+            self._persist_site(None)
+
+    def handle(self, msg: Message) -> None:
+        """Dispatch one message: the root's round announcement here, updates and statuses as usual."""
+        if msg.topic != self.topics.round:
+            super().handle(msg)
+            return
+        if not msg.payload:
+            return
+        try:
+            if self.root_key is not None:
+                verify_payload(msg.payload, self.root_key, fleet=self.topics.fleet, kind=MessageType.ROUND)
+            ann = decode_round(msg.payload, limits=self.limits)
+        except DecodeError as exc:
+            _log_refusal(self, exc, msg)
+            return
+        if self._latest is None or ann.round > self._latest.round:
+            self._latest = ann
+            self._announced.set()
+
+    async def next_round(self, timeout_s: float | None = None) -> RoundAnnouncement:
+        """Wait for an announced round later than the last one this site closed.
+
+        Raises
+        ------
+        TimeoutError
+            If none arrives within ``timeout_s`` seconds.
+        """
+        loop = asyncio.get_running_loop()
+        until = None if timeout_s is None else loop.time() + timeout_s
+        while True:
+            ann = self._latest
+            if ann is not None and ann.round > self.closed_round:
+                return ann
+            self._announced.clear()
+            left = None if until is None else until - loop.time()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"no round after {self.closed_round} announced within {timeout_s} s")
+            await wait_event(self._announced, left if left is not None else 3600.0)
+
+    # -- one round -------------------------------------------------------------------------------------
+    async def run_site_round(self, ann: RoundAnnouncement) -> SiteRecord:
+        """Collect the round's updates at this site and send its partial (see the module docstring).
+
+        Parameters
+        ----------
+        ann : RoundAnnouncement
+            The root's round (verified).
+
+        Returns
+        -------
+        SiteRecord (``updates = 0``: nothing arrived, no partial was sent).
+        """
+        self.strategy.configure_round(ann.round, self.shape)
+        resume = self._resume
+        self._resume = None
+        if resume is not None and (resume["round"], resume["base_version"]) != (ann.round, ann.base_version):
+            resume = None
+        self._opened_unix = float(resume["opened_unix"]) if resume is not None else time.time()
+        elapsed = time.time() - self._opened_unix
+        deadline_s = max(0.0, ann.deadline_s - self.close_margin_s - elapsed)
+        expected = self.expected_devices or len(self.online_devices()) or MAX_PARTIAL_UPDATES
+        selected = frozenset(ann.selected) if isinstance(ann.selected, tuple) else None
+        rnd = Round(ann.round, ann.base_version, self.shape, deadline_s, expected, selected)
+        rnd.opened_at = time.monotonic()
+        if resume is not None:
+            self.strategy.restore(resume["snapshot"])
+            rnd.update_ids = set(resume["update_ids"])
+            rnd.devices = list(resume["devices"])
+            logger.info("site %s: resumed round %d with %d updates", self.site, ann.round, rnd.clients)
+        self.state.current = rnd
+        self.state.round = ann.round
+        self.state.version = ann.base_version
+        early, self._early = self._early, {}
+        for update, size in early.values():
+            if update.round == ann.round:
+                try:
+                    self._accept(rnd, update, size)
+                except UpdateRejected as exc:
+                    self.state.rejected[exc.reason] += 1
+        self._persist_site(rnd)
+        self._notify()
+        while not rnd.complete():
+            remaining = rnd.deadline_at - time.monotonic()
+            if remaining <= 0:
+                break
+            self._round_changed.clear()
+            await wait_event(self._round_changed, remaining)
+        rnd.close()
+        t_close = time.monotonic()
+        if rnd.clients == 0:
+            self.closed_round = ann.round
+            self._persist_site(None)
+            logger.warning("site %s: round %d closed without updates; no partial", self.site, ann.round)
+            return SiteRecord(ann.round, 0, 0, time.time() - self._opened_unix, ())
+        sums = self.strategy.site_sums()
+        ids = tuple(sorted(rnd.update_ids))
+        partial = Partial(
+            round=ann.round,
+            base_version=ann.base_version,
+            site=self.site,
+            partial_id=f"{self.site}:{ann.round}",
+            combine=sums.combine,
+            count=len(ids),
+            weight=sums.weight,
+            clipped=sums.clipped,
+            update_ids=ids,
+            W=sums.W,
+            b=sums.b,
+        )
+        if self.signing_key is None:
+            payload = encode_partial(partial)
+        else:
+            payload = sign_message(encode_partial, partial, self.signing_key, fleet=self.topics.fleet)
+        self.closed_round = ann.round
+        self._unsent = payload
+        self._persist_site(None)  # closed, partial kept: a crash before the PUBACK re-sends the same bytes
+        await self._send(payload)
+        self._unsent = None
+        self._persist_site(None)
+        self.counted[ann.round] = list(ids)
+        logger.info(
+            "site %s: round %d partial of %d updates sent (%d bytes, %.2f s after closing)",
+            self.site,
+            ann.round,
+            len(ids),
+            len(payload),
+            time.monotonic() - t_close,
+        )
+        return SiteRecord(ann.round, len(ids), len(payload), time.time() - self._opened_unix, ids)
+
+    def _accept(self, rnd: Round, update: Update, size_bytes: int) -> None:
+        super()._accept(rnd, update, size_bytes)
+        self._persist_site(rnd)  # before the next message: an accepted update survives a restart
+
+    async def _send(self, payload: bytes) -> None:
+        """Publish a partial (QoS 1, not retained), waiting out a broker outage for ``PUBLISH_RETRY_S``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PUBLISH_RETRY_S
+        while True:
+            try:
+                await self.transport.publish(self.topics.partial(self.site), payload, qos=1, retain=False)
+                return
+            except TransportError:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise
+                await wait_event(self.transport.connected, min(remaining, 5.0))
+                await asyncio.sleep(0.05)
+
+    # -- the site's record ----------------------------------------------------------------------------
+    def _persist_site(self, rnd: Round | None) -> None:
+        if self.site_state is None:
+            return
+        open_round = None
+        if rnd is not None:
+            open_round = {
+                "round": rnd.number,
+                "base_version": rnd.base_version,
+                "opened_unix": self._opened_unix,
+                "update_ids": sorted(rnd.update_ids),
+                "devices": list(rnd.devices),
+                "snapshot": self.strategy.snapshot(),
+            }
+        doc = {
+            "v": 1,
+            "site": self.site,
+            "shape": list(self.shape),
+            "closed_round": self.closed_round,
+            "unsent": self._unsent,
+            "open": open_round,
+        }
+        write_record(self.site_state, cbor2.dumps(doc))
+
+    def _load_site_state(self) -> None:
+        if self.site_state is None:
+            return
+        data = read_record(self.site_state)
+        if data is None:
+            return
+        doc = cbor2.loads(data)
+        if doc.get("site") != self.site or tuple(doc.get("shape", ())) != self.shape:
+            raise UpdateRejected(
+                "bad_state", f"{self.site_state}: state of site {doc.get('site')!r}, shape {doc.get('shape')}"
+            )
+        self.closed_round = int(doc["closed_round"])
+        self._unsent = doc.get("unsent")
+        self._resume = doc.get("open")
+        logger.info(
+            "site %s: resumed after round %d%s",
+            self.site,
+            self.closed_round,
+            f", round {self._resume['round']} open" if self._resume else "",
+        )
