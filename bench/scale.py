@@ -62,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+from edgefl.coordinator.bridge import bridge_config
 from edgefl.demo import free_port
 from edgefl.resources import shipped
 from edgefl.runtime import Backbone
@@ -400,17 +401,19 @@ async def start_watch(port: int, topics: Topics, name: str, sys_counters: bool) 
     return w
 
 
-async def sys_counters(w: Watch) -> tuple[int, int, int]:
+async def sys_counters(w: Watch, at_least: int = 0) -> tuple[int, int, int]:
     """The root broker's ($SYS publishes received, bytes received, publishes dropped) as of now.
 
-    mosquitto 2.0 does not count retained PUBLISHes in ``publish/messages/received`` (measured): the
-    root coordinator's own ``round`` and ``global`` (retained) are not in it.
-
-    Waits :data:`SYS_SETTLE_S` (one ``sys_interval`` and a half): the last value published since
-    then is the counter's value at a tick after the call.
+    Waits until the publish counter reached ``at_least`` (at most 15 s: a shortfall is then what is
+    measured), then :data:`SYS_SETTLE_S` (one ``sys_interval`` and a half): the last value published
+    since is the counter's value at a tick after the call. mosquitto 2.0 does not count retained
+    PUBLISHes in ``publish/messages/received`` (measured): the root coordinator's own ``round`` and
+    ``global`` (retained) are not in it.
     """
-    await asyncio.sleep(SYS_SETTLE_S)
     await w.until(lambda: all(t in w.sys for t in SYS_TOPICS), 10, "$SYS counters")
+    with contextlib.suppress(TimeoutError):
+        await w.until(lambda: w.sys[SYS_MESSAGES] >= at_least, 15, "the root broker's publish count")
+    await asyncio.sleep(SYS_SETTLE_S)
     return w.sys[SYS_MESSAGES], w.sys[SYS_BYTES], w.sys[SYS_DROPPED]
 
 
@@ -539,9 +542,11 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             }
         else:
             sites = [Site(i, free_port(), devs) for i, devs in enumerate(per_site)]
-            root_sets = hierarchical_root_sets(common, root_port, opts, root_log)
+            keys = tmp / "keys"
+            root_sets = hierarchical_root_sets(common, root_port, opts, root_log, keys)
+            site_conf = {s.index: site_sets(common, s, keys, tmp) for s in sites}
             for site in sites:
-                conf = bridge(site, root_port, topics)
+                conf = bridge(site, root_port, fleet)
                 procs.append(start_mosquitto(tmp, f"site{site.index}-broker", site.port, conf))
         root_watch = await start_watch(root_port, topics, f"bench-watch-root-{fleet}", sys_counters=True)
         watches.append(root_watch)
@@ -556,17 +561,21 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
         for site in sites:
             await connect_site(site, opts.per_conn)
         connections = sum(len(s.conns) for s in sites)
-        # the coordinators start last: round 1 opens when every device is connected
-        root = start_coordinator(root_sets, tmp / "root-coordinator.log")
-        procs.append(root)
+        # the coordinators start last (round 1 opens when every device is connected); the sites
+        # before the root: a site must be subscribed when the root's first round comes down
         if not opts.flat:
             for site in sites:
-                keys = tmp / f"keys-{site.index}"
-                write_keys(site.devices, keys)
                 site.coordinator = start_coordinator(
-                    site_sets(common, site, keys, opts), tmp / f"site{site.index}-coordinator.log"
+                    site_conf[site.index], tmp / f"site{site.index}-coordinator.log"
                 )
                 procs.append(site.coordinator)
+            for site in sites:
+                assert site.coordinator is not None
+                await wait_logged(
+                    tmp / f"site{site.index}-coordinator.log", ": ready after round", site.coordinator
+                )
+        root = start_coordinator(root_sets, tmp / "root-coordinator.log")
+        procs.append(root)
         rounds: list[dict[str, Any]] = []
         counted_before: Counter[str] = Counter()
         for r in range(1, opts.rounds + 1):
@@ -589,7 +598,9 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             site_peak = max(
                 (peak_rss(s.coordinator.pid) for s in sites if s.coordinator is not None), default=None
             )
-            msgs1, bytes1, drop1 = await sys_counters(root_watch)
+            msgs1, bytes1, drop1 = await sys_counters(
+                root_watch, msgs0 + (len(every) if opts.flat else opts.sites)
+            )
             await wait_round_logged(root_log, r, root)
             entry = read_round_log(root_log)[r]
             ids = list(entry.get("update_ids", []))
@@ -665,38 +676,75 @@ async def wait_round_logged(
         await asyncio.sleep(0.1)  # a file, not an event: polled
 
 
-def hierarchical_root_sets(common: dict[str, str], port: int, opts: Options, log: Path) -> dict[str, str]:
-    """The root coordinator's overrides (role = root; ``min_clients`` counts partials: one per site)."""
+def write_key_pair(name: str, directory: Path) -> tuple[Path, Path]:
+    """A signing key ``<name>.key`` (seed hex, 0600) and its ``<name>.pub`` in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    key = SigningKey(hashlib.sha256(b"edgefl-bench-scale-tier:" + name.encode()).digest())
+    priv, pub = directory / f"{name}.key", directory / f"{name}.pub"
+    priv.write_text(key.seed.hex() + "\n")
+    priv.chmod(0o600)
+    pub.write_text(key.verify_key.hex + "\n")
+    return priv, pub
+
+
+def site_name(site: Site) -> str:
+    """The site id (``hierarchy.site``)."""
+    return f"site{site.index:03d}"
+
+
+async def wait_logged(path: Path, text: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
+    """Wait until a process' log file contains ``text`` (polled: a file has no event to wait on)."""
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and text in path.read_text(errors="replace")):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{path.name}: the process exited ({proc.returncode}) before {text!r}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path.name}: no {text!r} after {timeout_s} s")
+        await asyncio.sleep(0.2)
+
+
+def hierarchical_root_sets(
+    common: dict[str, str], port: int, opts: Options, log: Path, keys: Path
+) -> dict[str, str]:
+    """The root coordinator's overrides: role root, a round closes at ``--sites`` signed partials."""
+    root_key, _ = write_key_pair("root", keys / "root")
     return {
         **common,
-        "role": "root",
+        "hierarchy.role": "root",
+        "hierarchy.expected_sites": str(opts.sites),
+        "hierarchy.site_keys_dir": str(keys / "sites"),
+        "security.signing_key_file": str(root_key),
         "broker.url": f"mqtt://127.0.0.1:{port}",
-        "rounds.min_clients": str(opts.sites),
+        "rounds.min_clients": str(opts.devices),
         "files.log": str(log),
     }
 
 
-def site_sets(common: dict[str, str], site: Site, keys: Path, opts: Options) -> dict[str, str]:
-    """A site coordinator's overrides (role = site; it closes its partial when its devices answered)."""
+def site_sets(common: dict[str, str], site: Site, keys: Path, tmp: Path) -> dict[str, str]:
+    """A site coordinator's overrides: role site, its partial closes when its devices all answered."""
+    site_key, pub = write_key_pair(site_name(site), keys / "site-private")
+    (keys / "sites").mkdir(parents=True, exist_ok=True)
+    shutil.copy(pub, keys / "sites" / pub.name)
+    device_keys = keys / f"devices-{site.index}"
+    write_keys(site.devices, device_keys)
     return {
         **common,
-        "role": "site",
-        "site.id": f"site{site.index:03d}",
+        "hierarchy.role": "site",
+        "hierarchy.site": site_name(site),
+        "hierarchy.expected_devices": str(len(site.devices)),
+        "hierarchy.root_key_file": str(keys / "root" / "root.pub"),
+        "security.signing_key_file": str(site_key),
+        "security.device_keys_dir": str(device_keys),
         "broker.url": f"mqtt://127.0.0.1:{site.port}",
         "rounds.min_clients": str(len(site.devices)),
-        "security.device_keys_dir": str(keys),
+        "files.log": str(tmp / f"site{site.index}-rounds.jsonl"),
+        "files.state": str(tmp / f"site{site.index}-state.rec"),
     }
 
 
-def bridge(site: Site, root_port: int, topics: Topics) -> str:
-    """mosquitto bridge lines: partials up (QoS 1), round and global down; persistent session."""
-    base = topics.base
-    return (
-        f"connection site{site.index}-uplink\naddress 127.0.0.1:{root_port}\n"
-        f"clientid bridge-site{site.index}\ncleansession false\nbridge_protocol_version mqttv311\n"
-        f"topic {base}/partial/# out 1\ntopic {base}/round in 1\ntopic {base}/global in 1\n"
-        f"topic {base}/global/# in 1\n"
-    )
+def bridge(site: Site, root_port: int, fleet: str) -> str:
+    """The site broker's bridge to the root, as ``edgefl bridge-config`` writes it (the product's)."""
+    return bridge_config(site_name(site), f"mqtt://127.0.0.1:{root_port}", prefix=PREFIX, fleet=fleet)
 
 
 def machine() -> str:
