@@ -70,10 +70,11 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes] | None, what: str, timeo
 
 @dataclass
 class Cluster:
-    """A 2-node broker cluster on 127.0.0.1: ``mqtt_ports[i]`` is node ``i``'s MQTT listener."""
+    """A broker cluster on 127.0.0.1 (``nodes``, 2 by default); node ``i``'s MQTT port: ``mqtt_ports[i]``."""
 
     kind: str
     tmp: Path
+    nodes: int = 2
     mqtt_ports: list[int] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes] | None] = field(default_factory=list)
     _ports: dict[str, list[int]] = field(default_factory=dict)
@@ -156,18 +157,19 @@ class Cluster:
 
     # -- both ----------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start both nodes and wait until each listens for MQTT (rabbitmq: node 1 joined node 0)."""
-        self.mqtt_ports = [free_port(), free_port()]
-        self.procs = [None, None]
+        """Start every node and wait until each listens for MQTT (rabbitmq: the others joined node 0)."""
+        n = range(self.nodes)
+        self.mqtt_ports = [free_port() for _ in n]
+        self.procs = [None for _ in n]
         if self.kind == "nats":
-            self._ports = {"cluster": [free_port(), free_port()], "client": [free_port(), free_port()]}
-            for i in (0, 1):
+            self._ports = {"cluster": [free_port() for _ in n], "client": [free_port() for _ in n]}
+            for i in n:
                 self._start_nats(i)
             time.sleep(3)  # the JetStream meta leader election (logged, no port to wait on)
         else:
-            self._ports = {"amqp": [free_port(), free_port()], "dist": [free_port(), free_port()]}
-            self._start_rabbit(0, join=False)
-            self._start_rabbit(1, join=True)
+            self._ports = {"amqp": [free_port() for _ in n], "dist": [free_port() for _ in n]}
+            for i in n:
+                self._start_rabbit(i, join=i > 0)
 
     def stop_node(self, i: int) -> None:
         """Stop node ``i`` cleanly (SIGTERM; rabbitmq: ``rabbitmqctl stop``) and wait for it."""
@@ -200,7 +202,7 @@ class Cluster:
             self.stop_node(i)
 
 
-async def _client(port: int, cid: str, persistent: bool) -> MqttTransport:
+async def _client(port: int, cid: str, persistent: bool, wait_s: float = 20) -> MqttTransport:
     t = MqttTransport(
         "127.0.0.1",
         port,
@@ -209,7 +211,7 @@ async def _client(port: int, cid: str, persistent: bool) -> MqttTransport:
         queue_size=10_000,
         session_expiry_s=3600 if persistent else 0,
     )
-    await t.start(wait_s=20)
+    await t.start(wait_s=wait_s)
     return t
 
 
@@ -255,9 +257,14 @@ async def _step(out: dict[str, Any], name: str, coro: Any) -> Any:
 async def probe(cluster: Cluster, stop: int, n: int = 10) -> dict[str, Any]:
     """The failover probe (module docstring), stopping node ``stop``; returns what each step saw."""
     topic, filt = "edgefl/probe/partial/site0", "edgefl/probe/partial/+"
-    keep = 1 - stop
+    keep = (stop + 1) % cluster.nodes
     on_stop, on_keep = cluster.mqtt_ports[stop], cluster.mqtt_ports[keep]
-    out: dict[str, Any] = {"broker": cluster.kind, "messages_per_step": n, "stopped_node": stop}
+    out: dict[str, Any] = {
+        "broker": cluster.kind,
+        "nodes": cluster.nodes,
+        "messages_per_step": n,
+        "stopped_node": stop,
+    }
     # 1. the root coordinator (persistent session) on the node that will stop, a bridge on the other
     sub = await _client(on_stop, "probe-root", persistent=True)
     await sub.subscribe(filt, 1)
@@ -274,14 +281,14 @@ async def probe(cluster: Cluster, stop: int, n: int = 10) -> dict[str, Any]:
     out["after_stop_acked"] = await _step(out, "after_stop_publish", _publish(pub, topic, n, "c"))
     await pub.stop()
     # 4. the root coordinator reconnects to the surviving node with its client id (no clean session)
-    sub2 = await _step(out, "resume", _client(on_keep, "probe-root", persistent=True))
+    sub2 = await _step(out, "resume", _client(on_keep, "probe-root", persistent=True, wait_s=60))
     if sub2 is not None:
         got = await _drain(sub2, 2 * n, 20)
         out["resumed_delivered_b"] = len([m for m in got if m.startswith("b")])
         out["resumed_delivered_c"] = len([m for m in got if m.startswith("c")])
         await _step(out, "resubscribe", sub2.subscribe(filt, 1))
     # 5. a new bridge connection to the surviving node publishes
-    pub2 = await _step(out, "new_connection", _client(on_keep, "probe-bridge-2", persistent=True))
+    pub2 = await _step(out, "new_connection", _client(on_keep, "probe-bridge-2", persistent=True, wait_s=60))
     if pub2 is not None:
         out["new_connection_acked"] = await _publish(pub2, topic, n, "d")
         if sub2 is not None:
@@ -296,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     """Start the cluster, run the probe, print and write the JSON, stop the cluster."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("kind", choices=["nats", "rabbitmq"])
-    ap.add_argument("--stop-node", type=int, choices=[0, 1], default=0, help="the node stopped mid-run")
+    ap.add_argument("--nodes", type=int, default=2, help="cluster size (default 2)")
+    ap.add_argument("--stop-node", type=int, default=0, help="the node stopped mid-run (0-based)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--keep", type=Path, default=None, help="data and logs in this folder, kept")
     args = ap.parse_args(argv)
@@ -306,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp = args.keep
         else:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="edgefl-cluster-")))
-        cluster = Cluster(args.kind, tmp)
+        cluster = Cluster(args.kind, tmp, args.nodes)
         try:
             t0 = time.monotonic()
             cluster.start()

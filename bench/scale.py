@@ -544,7 +544,7 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             sites = [Site(i, free_port(), devs) for i, devs in enumerate(per_site)]
             keys = tmp / "keys"
             root_sets = hierarchical_root_sets(common, root_port, opts, root_log, keys)
-            site_conf = {s.index: site_sets(common, s, keys, tmp) for s in sites}
+            site_conf = {s.index: site_sets(common, s, keys, tmp, opts.rounds) for s in sites}
             for site in sites:
                 conf = bridge(site, root_port, fleet)
                 procs.append(start_mosquitto(tmp, f"site{site.index}-broker", site.port, conf))
@@ -720,7 +720,7 @@ def hierarchical_root_sets(
     }
 
 
-def site_sets(common: dict[str, str], site: Site, keys: Path, tmp: Path) -> dict[str, str]:
+def site_sets(common: dict[str, str], site: Site, keys: Path, tmp: Path, rounds: int) -> dict[str, str]:
     """A site coordinator's overrides: role site, its partial closes when its devices all answered."""
     site_key, pub = write_key_pair(site_name(site), keys / "site-private")
     (keys / "sites").mkdir(parents=True, exist_ok=True)
@@ -737,6 +737,7 @@ def site_sets(common: dict[str, str], site: Site, keys: Path, tmp: Path) -> dict
         "security.device_keys_dir": str(device_keys),
         "broker.url": f"mqtt://127.0.0.1:{site.port}",
         "rounds.min_clients": str(len(site.devices)),
+        "rounds.count": str(rounds + 1),  # still up (and measurable) after the last round; stopped by us
         "files.log": str(tmp / f"site{site.index}-rounds.jsonl"),
         "files.state": str(tmp / f"site{site.index}-state.rec"),
     }
