@@ -34,6 +34,10 @@ that round at every site broker, then takes the ``$SYS`` counters again:
   (every MQTT byte the root broker read: PUBACKs and the root coordinator's publishes included),
   with ``sys_interval 1``; ``root_broker_dropped``: ``$SYS/broker/publish/messages/dropped``.
 
+``--root-outage S`` (hierarchical): the root mosquitto (``persistence true``) is stopped as round 1's
+updates start and started again S seconds later; the sites' bridges (``cleansession false``) hold
+the partials meanwhile. That round's ``messages_into_root``/``bytes_into_root`` count from the restart.
+
 Run: ``.venv/bin/python -m bench.scale --devices 10000 --sites 20 --rounds 3 --json PATH``
 (``--flat`` for the same N through one flat coordinator).
 """
@@ -410,7 +414,7 @@ async def sys_counters(w: Watch, at_least: int = 0) -> tuple[int, int, int]:
     PUBLISHes in ``publish/messages/received`` (measured): the root coordinator's own ``round`` and
     ``global`` (retained) are not in it.
     """
-    await w.until(lambda: all(t in w.sys for t in SYS_TOPICS), 10, "$SYS counters")
+    await w.until(lambda: all(t in w.sys for t in SYS_TOPICS), 60, "$SYS counters")
     with contextlib.suppress(TimeoutError):
         await w.until(lambda: w.sys[SYS_MESSAGES] >= at_least, 15, "the root broker's publish count")
     await asyncio.sleep(SYS_SETTLE_S)
@@ -493,6 +497,7 @@ class Options:
     per_conn: int
     deadline_s: float
     spread_s: float
+    root_outage_s: float
     json_path: Path | None
     keep: Path | None
 
@@ -518,7 +523,13 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
     root_log = tmp / "root-rounds.jsonl"
     try:
         root_port = free_port()
-        procs.append(start_mosquitto(tmp, "root-broker", root_port))
+        # persistence: a root broker stopped mid-round (--root-outage) keeps the root's session
+        db = tmp / "root-broker-db"
+        db.mkdir(exist_ok=True)
+        db.chmod(0o777)  # mosquitto started as root drops to user mosquitto, who must write it
+        root_extra = f"persistence true\npersistence_location {db}/\n"
+        root_broker = start_mosquitto(tmp, "root-broker", root_port, root_extra)
+        procs.append(root_broker)
         common = {
             "broker.topic_prefix": PREFIX,
             "fleet.name": fleet,
@@ -586,8 +597,22 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
                 if site.coordinator is not None:
                     peak_reset = reset_peak(site.coordinator.pid) and peak_reset
             msgs0, bytes0, drop0 = await sys_counters(root_watch)
+            outage = opts.root_outage_s if r == 1 and not opts.flat else 0.0
             t0 = time.monotonic()
+            if outage:
+                # the root broker stops as the devices start sending: the sites' partials wait in their
+                # bridges' sessions; it comes back ``outage`` s later (its $SYS counters restart at 0)
+                root_broker.terminate()
+                root_broker.wait(60)
+                root_watch.sys.clear()
+                restart = asyncio.create_task(asyncio.sleep(outage))
+                msgs0 = bytes0 = drop0 = 0
             sent_bytes = await send_round(sites, topics, payloads[r], opts.spread_s, r)
+            if outage:
+                await restart
+                procs.remove(root_broker)
+                root_broker = start_mosquitto(tmp, "root-broker", root_port, root_extra)
+                procs.append(root_broker)
             t_sent = time.monotonic()
             for w in site_watches:
                 await w.until(
@@ -625,6 +650,7 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
                     "bytes_into_root": bytes1 - bytes0,
                     "root_broker_dropped": drop1 - drop0,
                     "bytes_sent_by_devices": sent_bytes,
+                    "root_outage_s": outage,
                     "root_clients": entry.get("clients"),
                     "root_refused_updates": entry.get("refused_updates", {}),
                 }
@@ -784,6 +810,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--spread", type=float, default=0.0, help="devices send over this many seconds (0: all at once)"
     )
+    ap.add_argument(
+        "--root-outage",
+        type=float,
+        default=0.0,
+        help="hierarchical: stop the root broker for this many seconds as round 1's updates start",
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--keep", type=Path, default=None, help="work in this folder and keep the logs")
     args = ap.parse_args(argv)
@@ -797,6 +829,7 @@ def main(argv: list[str] | None = None) -> int:
         max(1, args.devices_per_connection),
         args.deadline,
         args.spread,
+        args.root_outage,
         args.json,
         args.keep,
     )
