@@ -88,7 +88,7 @@ class Cluster:
             f'server_name: "n{i}"\nlisten: "127.0.0.1:{r[i]}"\n'
             f'jetstream {{ store_dir: "{self.tmp / f"js{i}"}" }}\n'
             f'cluster {{ name: "edgefl-root", listen: "127.0.0.1:{c[i]}", routes: [{", ".join(other)}] }}\n'
-            f'mqtt {{ listen: "127.0.0.1:{self.mqtt_ports[i]}" }}\n'
+            f'mqtt {{ listen: "127.0.0.1:{self.mqtt_ports[i]}", stream_replicas: {self.nodes} }}\n'
         )
         return conf
 
