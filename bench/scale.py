@@ -66,6 +66,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.cluster import Cluster
 from edgefl.coordinator.bridge import bridge_config
 from edgefl.demo import free_port
 from edgefl.resources import shipped
@@ -498,6 +499,7 @@ class Options:
     deadline_s: float
     spread_s: float
     root_outage_s: float
+    root_cluster: int
     json_path: Path | None
     keep: Path | None
 
@@ -520,6 +522,7 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
     watches: list[Watch] = []
     pumps: list[asyncio.Task[None]] = []
     sites: list[Site] = []
+    cluster: Cluster | None = None
     root_log = tmp / "root-rounds.jsonl"
     try:
         root_port = free_port()
@@ -528,8 +531,16 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
         db.mkdir(exist_ok=True)
         db.chmod(0o777)  # mosquitto started as root drops to user mosquitto, who must write it
         root_extra = f"persistence true\npersistence_location {db}/\n"
-        root_broker = start_mosquitto(tmp, "root-broker", root_port, root_extra)
-        procs.append(root_broker)
+        uplinks: list[int] = []
+        if opts.root_cluster:
+            (tmp / "root-cluster").mkdir(exist_ok=True)
+            cluster = Cluster("nats", tmp / "root-cluster", opts.root_cluster)
+            await asyncio.to_thread(cluster.start)
+            uplinks = list(cluster.mqtt_ports)  # the bridges: node 0 first, then the others
+            root_port = uplinks[-1]  # the root coordinator and the bench's watcher: the last node
+        else:
+            root_broker = start_mosquitto(tmp, "root-broker", root_port, root_extra)
+            procs.append(root_broker)
         common = {
             "broker.topic_prefix": PREFIX,
             "fleet.name": fleet,
@@ -557,9 +568,10 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             root_sets = hierarchical_root_sets(common, root_port, opts, root_log, keys)
             site_conf = {s.index: site_sets(common, s, keys, tmp, opts.rounds) for s in sites}
             for site in sites:
-                conf = bridge(site, root_port, fleet)
+                conf = bridge(site, root_port, fleet, uplinks)
                 procs.append(start_mosquitto(tmp, f"site{site.index}-broker", site.port, conf))
-        root_watch = await start_watch(root_port, topics, f"bench-watch-root-{fleet}", sys_counters=True)
+        counting = not opts.root_cluster  # nats-server has no $SYS over MQTT
+        root_watch = await start_watch(root_port, topics, f"bench-watch-root-{fleet}", counting)
         watches.append(root_watch)
         site_watches = [root_watch] if opts.flat else []
         if not opts.flat:
@@ -596,9 +608,13 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             for site in sites:
                 if site.coordinator is not None:
                     peak_reset = reset_peak(site.coordinator.pid) and peak_reset
-            msgs0, bytes0, drop0 = await sys_counters(root_watch)
+            msgs0, bytes0, drop0 = await sys_counters(root_watch) if counting else (0, 0, 0)
             outage = opts.root_outage_s if r == 1 and not opts.flat else 0.0
             t0 = time.monotonic()
+            node_stop = None
+            if cluster is not None and r == 1:
+                # node 0 of the root cluster (every bridge's first address) stops as the updates start
+                node_stop = asyncio.create_task(asyncio.to_thread(cluster.stop_node, 0))
             if outage:
                 # the root broker stops as the devices start sending: the sites' partials wait in their
                 # bridges' sessions; it comes back ``outage`` s later (its $SYS counters restart at 0)
@@ -614,6 +630,8 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
                 root_broker = start_mosquitto(tmp, "root-broker", root_port, root_extra)
                 procs.append(root_broker)
             t_sent = time.monotonic()
+            if node_stop is not None:
+                await node_stop
             for w in site_watches:
                 await w.until(
                     lambda w=w, r=r: r in w.globals, opts.deadline_s + 120, f"round {r} global head"
@@ -623,8 +641,10 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             site_peak = max(
                 (peak_rss(s.coordinator.pid) for s in sites if s.coordinator is not None), default=None
             )
-            msgs1, bytes1, drop1 = await sys_counters(
-                root_watch, msgs0 + (len(every) if opts.flat else opts.sites)
+            msgs1, bytes1, drop1 = (
+                await sys_counters(root_watch, msgs0 + (len(every) if opts.flat else opts.sites))
+                if counting
+                else (0, 0, 0)
             )
             await wait_round_logged(root_log, r, root)
             entry = read_round_log(root_log)[r]
@@ -646,9 +666,10 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
                     "root_peak_rss_bytes": root_peak,
                     "site_peak_rss_bytes": site_peak,
                     "peak_reset": peak_reset,
-                    "messages_into_root": msgs1 - msgs0,
-                    "bytes_into_root": bytes1 - bytes0,
-                    "root_broker_dropped": drop1 - drop0,
+                    "messages_into_root": msgs1 - msgs0 if counting else None,
+                    "bytes_into_root": bytes1 - bytes0 if counting else None,
+                    "root_broker_dropped": drop1 - drop0 if counting else None,
+                    "root_node_stopped": node_stop is not None,
                     "bytes_sent_by_devices": sent_bytes,
                     "root_outage_s": outage,
                     "root_clients": entry.get("clients"),
@@ -687,6 +708,8 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if cluster is not None:
+            cluster.stop()
 
 
 async def wait_round_logged(
@@ -769,9 +792,20 @@ def site_sets(common: dict[str, str], site: Site, keys: Path, tmp: Path, rounds:
     }
 
 
-def bridge(site: Site, root_port: int, fleet: str) -> str:
-    """The site broker's bridge to the root, as ``edgefl bridge-config`` writes it (the product's)."""
-    return bridge_config(site_name(site), f"mqtt://127.0.0.1:{root_port}", prefix=PREFIX, fleet=fleet)
+def bridge(site: Site, root_port: int, fleet: str, cluster_ports: Sequence[int] = ()) -> str:
+    """The site broker's bridge to the root, as ``edgefl bridge-config`` writes it (the product's).
+
+    With ``cluster_ports`` (a nats-server root cluster): ``address`` lists every node (mosquitto
+    tries them in order and fails over, mosquitto.conf(5)) and ``try_private false`` (a non-mosquitto
+    broker refuses the bridge flag in the CONNECT protocol level).
+    """
+    text = bridge_config(site_name(site), f"mqtt://127.0.0.1:{root_port}", prefix=PREFIX, fleet=fleet)
+    if cluster_ports:
+        text = text.replace(
+            f"address 127.0.0.1:{root_port}", "address " + " ".join(f"127.0.0.1:{p}" for p in cluster_ports)
+        )
+        text = text.replace("try_private true", "try_private false")
+    return text
 
 
 def machine() -> str:
@@ -816,11 +850,21 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="hierarchical: stop the root broker for this many seconds as round 1's updates start",
     )
+    ap.add_argument(
+        "--root-cluster",
+        type=int,
+        default=0,
+        help="hierarchical: the root broker is an N-node nats-server cluster; node 0 stops in round 1",
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--keep", type=Path, default=None, help="work in this folder and keep the logs")
     args = ap.parse_args(argv)
     if args.devices < 1 or args.sites < 1 or args.rounds < 1 or args.devices < args.sites:
         ap.error("need devices >= sites >= 1 and rounds >= 1")
+    if (args.root_outage or args.root_cluster) and args.flat:
+        ap.error("--root-outage and --root-cluster are for the hierarchical run")
+    if args.root_outage and args.root_cluster:
+        ap.error("--root-outage (mosquitto root) or --root-cluster (nats root), not both")
     opts = Options(
         args.devices,
         args.sites,
@@ -830,6 +874,7 @@ def main(argv: list[str] | None = None) -> int:
         args.deadline,
         args.spread,
         args.root_outage,
+        args.root_cluster,
         args.json,
         args.keep,
     )
