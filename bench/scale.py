@@ -412,6 +412,14 @@ async def start_watch(port: int, topics: Topics, name: str, sys_counters: bool) 
     return w
 
 
+async def sys_counters_or_none(w: Watch, at_least: int = 0) -> tuple[int, int, int] | None:
+    """:func:`sys_counters`, or None when the watcher has no ``$SYS`` values (e.g. not reconnected yet)."""
+    try:
+        return await sys_counters(w, at_least)
+    except TimeoutError:
+        return None
+
+
 async def sys_counters(w: Watch, at_least: int = 0) -> tuple[int, int, int]:
     """The root broker's ($SYS publishes received, bytes received, publishes dropped) as of now.
 
@@ -614,7 +622,9 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             for site in sites:
                 if site.coordinator is not None:
                     peak_reset = reset_peak(site.coordinator.pid) and peak_reset
-            msgs0, bytes0, drop0 = await sys_counters(root_watch) if counting else (0, 0, 0)
+            before = await sys_counters_or_none(root_watch) if counting else None
+            msgs0, bytes0, drop0 = before if before is not None else (0, 0, 0)
+            have_before = before is not None
             outage = opts.root_outage_s if r == 1 and not opts.flat else 0.0
             t0 = time.monotonic()
             node_stop = None
@@ -629,6 +639,7 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
                 root_watch.sys.clear()
                 restart = asyncio.create_task(asyncio.sleep(outage))
                 msgs0 = bytes0 = drop0 = 0
+                have_before = True
             sent_bytes = await send_round(sites, topics, payloads[r], opts.spread_s, r)
             if outage:
                 await restart
@@ -647,11 +658,13 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             site_peak = max(
                 (peak_rss(s.coordinator.pid) for s in sites if s.coordinator is not None), default=None
             )
-            msgs1, bytes1, drop1 = (
-                await sys_counters(root_watch, msgs0 + (len(every) if opts.flat else opts.sites))
+            after = (
+                await sys_counters_or_none(root_watch, msgs0 + (len(every) if opts.flat else opts.sites))
                 if counting
-                else (0, 0, 0)
+                else None
             )
+            measured = have_before and after is not None
+            msgs1, bytes1, drop1 = after if after is not None else (0, 0, 0)
             await wait_round_logged(root_log, r, root)
             entry = read_round_log(root_log)[r]
             ids = list(entry.get("update_ids", []))
@@ -672,9 +685,9 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
                     "root_peak_rss_bytes": root_peak,
                     "site_peak_rss_bytes": site_peak,
                     "peak_reset": peak_reset,
-                    "messages_into_root": msgs1 - msgs0 if counting else None,
-                    "bytes_into_root": bytes1 - bytes0 if counting else None,
-                    "root_broker_dropped": drop1 - drop0 if counting else None,
+                    "messages_into_root": msgs1 - msgs0 if measured else None,
+                    "bytes_into_root": bytes1 - bytes0 if measured else None,
+                    "root_broker_dropped": drop1 - drop0 if measured else None,
                     "root_node_stopped": node_stop is not None,
                     "bytes_sent_by_devices": sent_bytes,
                     "root_outage_s": outage,
