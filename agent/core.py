@@ -24,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import gc
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -42,7 +44,7 @@ from edgefl.agent.outbox import Dropped, Outbox, OutboxEntry
 from edgefl.agent.pipeline import Pipeline, choose
 from edgefl.agent.store import EmbeddingStore
 from edgefl.agent.trainer import LocalResult, train_local
-from edgefl.errors import DecodeError, EdgeflError, ModelError, UpdateRejected
+from edgefl.errors import BudgetExceeded, DecodeError, EdgeflError, ModelError, UpdateRejected
 from edgefl.head import Head, validate_head
 from edgefl.records import read_record, write_record
 from edgefl.runtime import Backbone
@@ -50,6 +52,7 @@ from edgefl.types import F32, I64
 from edgefl.wire.codec import (
     CompressedDelta,
     Compression,
+    Decline,
     GlobalModel,
     Limits,
     MessageType,
@@ -58,10 +61,12 @@ from edgefl.wire.codec import (
     UpdateMetrics,
     decode_global_model,
     decode_round,
+    encode_decline,
     encode_global_model,
     encode_update,
 )
 from edgefl.wire.messages import global_model_version, resolve_global_head
+from edgefl.wire.reasons import Reason
 from edgefl.wire.signing import (
     SigningKey,
     VerifyKey,
@@ -82,6 +87,7 @@ __all__ = [
     "ApplyResult",
     "ApplyStatus",
     "Classified",
+    "Deferred",
     "DeviceCore",
     "RoundResult",
     "RoundStatus",
@@ -142,7 +148,11 @@ class RoundStatus(StrEnum):
     NO_SAMPLES = "no_samples"
     """The store is empty; kept pending until samples are stored."""
     DEFERRED = "deferred"
-    """The memory governor deferred training or encoding (``reason`` says why)."""
+    """The memory governor deferred training or encoding (``reason`` says why); kept as
+    :attr:`DeviceCore.deferred` and retried by :meth:`DeviceCore.retry_deferred`."""
+    DECLINED = "declined"
+    """The round was refused to the coordinator: a signed Decline message kept in the outbox
+    (:attr:`RoundResult.entry`, publish it like an update); ``reason`` is its reason (``over_budget``)."""
     REFUSED = "refused"
     """A bad or unusable announcement: ``reason`` is the refusal's code (counted by the caller)."""
 
@@ -162,7 +172,8 @@ class RoundResult:
     detail : str
         Human-readable explanation.
     entry : OutboxEntry or None
-        TRAINED only: the signed, encoded Update as kept in the outbox (publish ``entry.payload``).
+        TRAINED: the signed, encoded Update as kept in the outbox (publish ``entry.payload``);
+        DECLINED: the Decline message, kept and published the same way.
     dropped : tuple[Dropped, ...]
         Older outbox entries evicted to make room (TRAINED only).
     local : LocalResult or None
@@ -212,6 +223,28 @@ class ApplyResult:
     round: int = 0
     reason: str = ""
     detail: str = ""
+
+
+DECLINE_AFTER_FRACTION = 0.5
+"""A deferred round is retried until this fraction of its ``deadline_s`` has passed, then declined."""
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """A round the memory governor deferred, waiting for memory (:meth:`DeviceCore.retry_deferred`).
+
+    Attributes
+    ----------
+    ann : RoundAnnouncement
+    since_s : float
+        ``time.monotonic()`` of its first deferral.
+    reason : str
+        The governor's latest reason.
+    """
+
+    ann: RoundAnnouncement
+    since_s: float
+    reason: str
 
 
 def holdout_capacity(store_capacity: int, every: int) -> int:
@@ -402,6 +435,11 @@ class DeviceCore:
         self._unsaved: dict[str, Callable[[], object]] = {}  # what to write again once the disk has room
         self._logged: set[tuple[str, str]] = set()
         self.pending_round: RoundAnnouncement | None = None
+        self.deferred: Deferred | None = None
+        """The round the governor deferred, retried by :meth:`retry_deferred` (None: none)."""
+        self.declined_total = 0
+        """Rounds refused to the coordinator with a Decline message."""
+        self._declines: list[RoundResult] = []  # declines of superseded deferred rounds, to send
         self.shapes = memory.model_shapes(pipeline.backbone) if pipeline is not None else None
 
     @classmethod
@@ -638,12 +676,12 @@ class DeviceCore:
             If ``raw`` is empty or not of the model's sample shape.
         RuntimeError
             If this core has no pipeline.
+        BudgetExceeded
+            If the memory governor judges even one sample over budget: nothing was run (retry later).
         """
         if self.pipeline is None or self.shapes is None:
             raise RuntimeError("this DeviceCore has no pipeline (training only)")
-        step = self.governor.admit_inference(
-            self.shapes, len(raw), resident_batch=self.pipeline.tensor_batch, prep=self.pipeline.mode
-        ).work
+        step = self._admit_inference(self.pipeline, self.shapes, len(raw))
         parts: list[F32] = []
         for s in range(0, len(raw), step):
             with self._phase("inference"):
@@ -651,6 +689,37 @@ class DeviceCore:
         emb = parts[0] if len(parts) == 1 else np.concatenate(parts)
         head = self.head  # one reference read: a swap between batches is atomic
         return Classified(emb, head.predict(emb), head.version)
+
+    def _admit_inference(self, pipeline: Pipeline, shapes: memory.ModelShapes, n: int) -> int:
+        """The governor's grant for ``n`` samples: rows per invoke, the pipeline's batch set to fit.
+
+        A batch the governor shrinks becomes the pipeline's tensor batch (the arena is sized by the
+        largest batch ever allocated, so it is shrunk before a large call, never after); once the
+        profile's batch fits again it is restored. Work judged over budget even at one sample is
+        not run: free heap is returned to the kernel and the request asked again once, then refused.
+
+        Raises
+        ------
+        BudgetExceeded
+            If one sample is still over budget (nothing was run; the governor counted a deferral).
+        """
+        gov = self.governor
+
+        def ask() -> memory.Admission:
+            return gov.admit_inference(shapes, n, resident_batch=pipeline.allocated_batch, prep=pipeline.mode)
+
+        adm = ask()
+        if adm.deferred:
+            gc.collect()
+            memory.malloc_trim()
+            adm = ask()
+            if adm.deferred:
+                raise BudgetExceeded("inference", adm.estimate_bytes, max(0, adm.budget_bytes))
+        if adm.shrunk and adm.work < pipeline.tensor_batch:
+            pipeline.set_tensor_batch(adm.work)
+        elif not adm.shrunk and pipeline.tensor_batch < min(n, pipeline.batch):
+            pipeline.set_tensor_batch(min(n, pipeline.batch))
+        return adm.work
 
     def observe(self, raw: np.ndarray, labels: I64) -> Classified:
         """Classify labelled samples and keep their embeddings in the store.
@@ -770,6 +839,11 @@ class DeviceCore:
         -----
         Error feedback: Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory", Algorithm 1.
         """
+        prior = self.deferred
+        if prior is not None and prior.ann.round < ann.round:
+            # a newer round supersedes the deferred one: refuse it to the coordinator, never drop it
+            self.deferred = None
+            self._declines.append(self._decline_safely(prior))
         if not self._selected(ann):
             return RoundResult(RoundStatus.NOT_SELECTED, ann.round)
         if self.answered is not None and ann.round <= self.answered.round:
@@ -818,7 +892,7 @@ class DeviceCore:
             num_examples=len(self.store),
         )
         if adm.deferred:
-            return RoundResult(RoundStatus.DEFERRED, ann.round, adm.reason)
+            return self._defer(ann, adm.reason)
         if self._progress is not None:
             self._progress("training", adm.reason)
         with self._phase("train"):
@@ -838,7 +912,7 @@ class DeviceCore:
             "encode", lambda _: memory.estimate_encode_bytes(D, K, ann.compression, ann.topk_fraction), 1, 1
         )
         if enc.deferred:
-            return RoundResult(RoundStatus.DEFERRED, ann.round, enc.reason)
+            return self._defer(ann, enc.reason)
         update_id = f"{self.device}:{ann.round}:{ann.base_version}"
         with self._phase("encode"):
             delta_W, delta_b = result.delta_W, result.delta_b
@@ -883,12 +957,113 @@ class DeviceCore:
             self.answered = answered
             self._persist("answered", lambda: self._save_answered(answered))
         entry = OutboxEntry(update_id, ann.round, payload)
+        if self.deferred is not None and self.deferred.ann.round <= ann.round:
+            self.deferred = None
         return RoundResult(
             RoundStatus.TRAINED,
             ann.round,
             entry=entry,
             dropped=dropped,
             local=result,
+            update_bytes=len(payload),
+        )
+
+    def _defer(self, ann: RoundAnnouncement, reason: str) -> RoundResult:
+        """Keep ``ann`` as the deferred round (its first deferral time kept when deferred again)."""
+        prior = self.deferred
+        since = prior.since_s if prior is not None and prior.ann.round == ann.round else time.monotonic()
+        self.deferred = Deferred(ann, since, reason)
+        return RoundResult(RoundStatus.DEFERRED, ann.round, reason)
+
+    def retry_deferred(self, now_s: float | None = None) -> RoundResult | None:
+        """Retry the deferred round once memory may have freed, or decline it when its time is up.
+
+        Before :data:`DECLINE_AFTER_FRACTION` of the round's ``deadline_s`` has passed since its first
+        deferral, free heap is returned to the kernel and the round answered again
+        (:meth:`answer_round`: TRAINED, or DEFERRED again). After it, the round is refused to the
+        coordinator (DECLINED, reason ``over_budget``, the governor's reason as detail) so that it is
+        counted there instead of silently lost. The daemon calls this every status interval.
+
+        Parameters
+        ----------
+        now_s : float, optional
+            ``time.monotonic()`` (tests pass their own).
+
+        Returns
+        -------
+        RoundResult or None
+            None when no round is deferred.
+        """
+        d = self.deferred
+        if d is None:
+            return None
+        now = time.monotonic() if now_s is None else now_s
+        if now - d.since_s >= DECLINE_AFTER_FRACTION * d.ann.deadline_s:
+            self.deferred = None
+            return self._decline_safely(d)
+        gc.collect()
+        memory.malloc_trim()
+        self.deferred = None  # whatever the answer now (trained, stale, answered...), unless deferred again
+        result = self.answer_round(d.ann)
+        if result.status == RoundStatus.DEFERRED and self.deferred is not None:
+            self.deferred = dataclasses.replace(self.deferred, since_s=d.since_s)
+        return result
+
+    def take_declines(self) -> list[RoundResult]:
+        """Declines of deferred rounds a newer round superseded (DECLINED results to publish); cleared."""
+        out, self._declines = self._declines, []
+        return out
+
+    def _decline_safely(self, d: Deferred) -> RoundResult:
+        try:
+            return self.decline(d.ann, Reason.OVER_BUDGET, d.reason)
+        except (ValueError, OSError) as exc:
+            return RoundResult(RoundStatus.REFUSED, d.ann.round, "failed", f"decline not kept: {exc}")
+
+    def decline(self, ann: RoundAnnouncement, reason: str, detail: str) -> RoundResult:
+        """Refuse a round to the coordinator: a (signed) Decline kept in the outbox, the round answered.
+
+        Parameters
+        ----------
+        ann : RoundAnnouncement
+        reason : str
+            A :class:`~edgefl.wire.reasons.Reason` value (``over_budget``).
+        detail : str
+            Why, for the coordinator's log (cut to 200 printable ASCII characters).
+
+        Returns
+        -------
+        RoundResult
+            DECLINED with the Decline as ``entry`` (publish it on ``update/<device>``).
+
+        Raises
+        ------
+        OSError
+            If the outbox cannot be persisted (the decline is then not kept).
+        """
+        update_id = f"{self.device}:{ann.round}:{ann.base_version}:declined"
+        msg = Decline(ann.round, ann.base_version, self.device, str(reason), detail, update_id)
+        if self.signing_key is not None:
+            payload = sign_message(encode_decline, msg, self.signing_key, fleet=self.fleet)
+        else:
+            payload = encode_decline(msg)
+        added: list[Dropped] = []
+        if not self._persist("outbox", lambda: added.extend(self.outbox.add(update_id, ann.round, payload))):
+            self.outbox.forget(update_id)
+            self._unsaved["outbox"] = self.outbox.save
+            raise OSError(errno.EIO, f"decline not kept: outbox not persisted ({self.degraded})")
+        answered = Answered(self.fleet, ann.round, update_id)
+        self.answered = answered
+        self._persist("answered", lambda: self._save_answered(answered))
+        self.declined_total += 1
+        logger.warning("round %d declined (%s): %s", ann.round, reason, detail)
+        return RoundResult(
+            RoundStatus.DECLINED,
+            ann.round,
+            str(reason),
+            detail,
+            entry=OutboxEntry(update_id, ann.round, payload),
+            dropped=tuple(added),
             update_bytes=len(payload),
         )
 

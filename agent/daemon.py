@@ -32,9 +32,9 @@ import numpy as np
 
 from edgefl.agent import memory
 from edgefl.agent.config import Profile
-from edgefl.agent.core import ApplyStatus, DeviceCore, RoundResult, RoundStatus
+from edgefl.agent.core import ApplyStatus, Classified, DeviceCore, RoundResult, RoundStatus
 from edgefl.aio import wait_event
-from edgefl.errors import DecodeError, EdgeflError, TransportError
+from edgefl.errors import BudgetExceeded, DecodeError, EdgeflError, TransportError
 from edgefl.profiles import broker_password
 from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
@@ -121,6 +121,8 @@ class AgentState:
     last_update_bytes: int = 0
     local_accuracy: float = float("nan")
     rejected: Counter[str] = field(default_factory=Counter)
+    over_budget_batches: int = 0
+    """Sample batches the memory governor refused to run (each retried once memory frees)."""
     faults: Counter[str] = field(default_factory=Counter)
     """Failures the daemon survived, by where: ``batch`` (a source batch), ``status`` (a status tick)."""
 
@@ -166,6 +168,7 @@ class Agent:
         self._status_connected = False  # a (re)connect happened: the next status check publishes
         self._last_said, self._last_at = "", -math.inf  # what the last published status said, and when
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._next_retry_at = -math.inf  # when the deferred round may be retried again (monotonic)
 
     async def _work(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run ``fn(*args)`` on the worker thread (every core call goes through here)."""
@@ -195,7 +198,9 @@ class Agent:
                 t0 = time.monotonic()
                 raw, lbl = x[start : start + batch], y[start : start + batch]
                 try:
-                    out = await self._work(self.core.observe, raw, lbl)
+                    out = await self._observe(raw, lbl)
+                    if out is None:
+                        return  # stopping
                 except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
                     # one batch failed (e.g. InterpreterBusy): counted and logged, the next one runs
                     self._fault("batch", f"samples {start}..{start + len(lbl) - 1}", exc)
@@ -222,6 +227,32 @@ class Agent:
                 self._changed()
             if not src.loop:
                 return
+
+    async def _observe(self, raw: np.ndarray, lbl: np.ndarray) -> Classified | None:
+        """``core.observe`` on the worker, retried every ``status.interval_s`` while it is over budget.
+
+        The governor never runs inference it judges over budget (``BudgetExceeded``: nothing ran);
+        each refusal is counted (``over_budget_batches``) and the batch waits for memory to free.
+
+        Returns
+        -------
+        Classified or None
+            None when the agent is stopping.
+        """
+        while True:
+            try:
+                out = await self._work(self.core.observe, raw, lbl)
+            except BudgetExceeded as exc:
+                self.state.over_budget_batches += 1
+                if self.state.state != "deferred":
+                    logger.warning("inference not run, over budget: %s; retried when memory frees", exc)
+                    self._set_state("deferred", f"inference over budget: {exc}")
+                if await wait_event(self.stop_event, self.profile.status.interval_s):
+                    return None
+                continue
+            if self.state.state == "deferred" and self.state.reason.startswith("inference"):
+                self._set_state("idle")
+            return out
 
     # --- messages -----------------------------------------------------------------------------
     async def pump(self) -> None:
@@ -286,7 +317,12 @@ class Agent:
             await self.on_round(await self._work(self.core.answer_round, ann))
 
     async def on_round(self, result: RoundResult) -> None:
-        """Act on the core's answer to a round: publish a trained update, show a deferral, count a refusal."""
+        """Act on the core's answer to a round: publish a trained update, show a deferral, count a refusal.
+
+        Declines of deferred rounds that this answer's round superseded are published first.
+        """
+        for declined in await self._work(self.core.take_declines):
+            await self._declined(declined)
         if result.round:
             self.state.round = max(self.state.round, result.round)
         status = result.status
@@ -297,12 +333,15 @@ class Agent:
         elif status == RoundStatus.NO_SAMPLES:
             self._set_state("deferred", "no local samples")
         elif status == RoundStatus.DEFERRED:
+            self._next_retry_at = time.monotonic() + self.profile.status.interval_s
             self._set_state("deferred", result.reason)
         elif status == RoundStatus.ANSWERED:
             logger.info("round %d: %s; not trained again", result.round, result.detail)
             self._changed()
         elif status == RoundStatus.TRAINED:
             await self._sent(result)
+        elif status == RoundStatus.DECLINED:
+            await self._declined(result)
         else:
             self._changed()
 
@@ -331,6 +370,28 @@ class Agent:
         )
         self._set_state("waiting")
         await self._work(memory.malloc_trim)
+
+    async def _declined(self, result: RoundResult) -> None:
+        """Publish a Decline (kept in the outbox like an update: re-sent after a reconnect)."""
+        entry = result.entry
+        assert entry is not None
+        for dropped in result.dropped:
+            logger.warning("outbox: dropped %s (%s)", dropped.update_id, dropped.reason)
+        self._set_state("idle", f"round {result.round} declined: {result.detail}")
+        try:
+            await self._send_update(entry.update_id, entry.payload)
+        except TransportError as exc:
+            logger.warning("round %d: decline not delivered yet: %s", result.round, exc)
+
+    async def retry_deferred(self) -> None:
+        """Retry the core's deferred round (memory may have freed) or send its decline when time is up."""
+        now = time.monotonic()
+        if self.core.deferred is None or now < self._next_retry_at:
+            return
+        self._next_retry_at = now + self.profile.status.interval_s  # a retry's own news is no reason
+        result = await self._work(self.core.retry_deferred)
+        if result is not None:
+            await self.on_round(result)
 
     def _on_transport_connect(self) -> None:
         self._status_connected = True  # the next status check publishes (the broker may hold the will)
@@ -409,6 +470,9 @@ class Agent:
             "last_update_bytes": s.last_update_bytes,
             "redelivered_total": core.redelivered,
             "outbox_pending": len(core.outbox),  # updates not yet acknowledged (PUBACK)
+            "deferred_round": core.deferred.ann.round if core.deferred is not None else None,
+            "declined_total": core.declined_total,  # rounds refused to the coordinator (Decline)
+            "over_budget_batches": s.over_budget_batches,  # inference refused by the governor
             **self.governor.status(),
             "rejected": dict(s.rejected),
             "faults": dict(s.faults),
@@ -475,6 +539,7 @@ class Agent:
             await wait_event(self._status_dirty, cfg.interval_s)
             self._status_dirty.clear()
             try:
+                await self.retry_deferred()
                 await self._status_tick(heartbeat_s)
             except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
                 self._fault("status", "status tick", exc)  # e.g. EMFILE: the next tick tries again

@@ -44,8 +44,9 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 #: The phases of the agent, in the order of a round.
 PHASES = ("batch", "inference", "train", "encode", "publish", "apply")
-#: Phases the governor may skip: training and its upload can wait for a later round; inference
-#: (and its batch preparation) and applying a global head cannot, they are shrunk to their floor.
+#: Phases that can wait for a later round (training and its upload). Inference (and its batch
+#: preparation) cannot wait that long: it is shrunk to its floor, and refused only while even the
+#: floor is over budget (the caller retries once memory frees).
 DEFERRABLE = frozenset({"train", "encode", "publish"})
 #: Phases held back while the system's MemAvailable is under the profile's threshold.
 SYSTEM_GUARDED = frozenset({"train"})
@@ -507,11 +508,13 @@ class Admission:
     estimate_bytes : int
         Estimated bytes at ``work``.
     budget_bytes : int
-        ``cap - reserve - rss`` at the time of the request (may be negative).
+        ``cap - reserve - rss`` at the time of the request (``cap - rss`` for a phase that cannot
+        wait, which may use the reserve); may be negative.
     rss_bytes : int
         RSS at the time of the request.
     deferred : bool
-        True: do not run the phase now (only for :data:`DEFERRABLE` phases).
+        True: do not run the phase now (over budget even at its floor, or a :data:`SYSTEM_GUARDED`
+        phase while the system is short of memory).
     reason : str
         Empty when admitted as asked; otherwise why the work was shrunk or deferred.
     at_s : float
@@ -707,8 +710,11 @@ class Governor:
         """Decide how much of a phase may run now.
 
         While ``rss + estimate(work) > cap - reserve`` and ``work > floor``, halve ``work`` (never
-        below ``floor``). If it still does not fit, a deferrable phase is deferred; another phase
-        is granted ``floor`` with the reason recorded (inference must keep running). A
+        below ``floor``); a phase that cannot wait (not :data:`DEFERRABLE`: inference) may use the
+        reserve, so its test is ``rss + estimate(work) > cap``. If it still does not fit, the phase
+        is not to run: ``deferred`` is True (a deferrable phase waits for a later round; another,
+        e.g. inference, is refused for now and its caller retries once memory frees), and the reason
+        says which. A
         :data:`SYSTEM_GUARDED` phase is also deferred while the system's ``MemAvailable`` is under
         ``min_system_available_bytes``.
 
@@ -723,7 +729,7 @@ class Governor:
         floor : int
             Smallest work size worth running, 1 <= floor (clamped to ``work``).
         deferrable : bool, optional
-            Override of ``phase in DEFERRABLE``.
+            Override of ``phase in DEFERRABLE`` (only changes the reason's wording).
 
         Returns
         -------
@@ -734,7 +740,8 @@ class Governor:
         floor = max(1, min(int(floor), work))
         can_defer = phase in DEFERRABLE if deferrable is None else deferrable
         rss = self.rss_bytes()
-        budget = self.cap_bytes - self.reserve_bytes - rss
+        # the reserve is kept for the phases that cannot wait (inference): they may use it, never the cap
+        budget = self.cap_bytes - (self.reserve_bytes if can_defer else 0) - rss
         granted = work
         need = int(estimate(granted))
         while need > budget and granted > floor:
@@ -743,15 +750,18 @@ class Governor:
         deferred = False
         reason = ""
         if need > budget:
+            # work judged over budget is never run: a deferrable phase waits for a later round, any
+            # other is refused for now (the caller frees what it can, retries, or counts the refusal)
+            deferred = True
             if can_defer:
-                deferred = True
                 reason = (
                     f"{phase}: needs {need / MIB:.1f} MiB at {granted}, "
                     f"{max(0, budget) / MIB:.1f} MiB left under cap - reserve"
                 )
             else:
                 reason = (
-                    f"{phase}: over budget at floor {granted} ({need / MIB:.1f} MiB > {budget / MIB:.1f} MiB)"
+                    f"{phase}: over budget at floor {granted} ({need / MIB:.1f} MiB > "
+                    f"{budget / MIB:.1f} MiB left under the cap); not run"
                 )
         elif granted < work:
             reason = f"{phase}: shrunk {work} -> {granted} to fit {budget / MIB:.1f} MiB"
@@ -776,7 +786,7 @@ class Governor:
         return decision
 
     def admit_batch(self, shapes: ModelShapes, batch: int, *, fused: bool = False) -> Admission:
-        """Admit batch preparation of ``batch`` samples (floor 1, never deferred)."""
+        """Admit batch preparation of ``batch`` samples (floor 1; refused when even 1 is over budget)."""
         return self.admit("batch", lambda n: estimate_batch_bytes(shapes, n, fused=fused), batch, 1)
 
     def admit_inference(
@@ -787,7 +797,7 @@ class Governor:
         resident_batch: int | None = None,
         prep: Literal["fused", "unfused"] | None = None,
     ) -> Admission:
-        """Admit an interpreter call on ``batch`` samples (floor 1, never deferred).
+        """Admit an interpreter call on ``batch`` samples (floor 1; refused when even 1 is over budget).
 
         Parameters
         ----------

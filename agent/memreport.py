@@ -32,6 +32,7 @@ import numpy as np
 
 from edgefl.agent import memory
 from edgefl.agent.config import Profile
+from edgefl.errors import BudgetExceeded
 
 logger = logging.getLogger(__name__)
 
@@ -279,8 +280,21 @@ def run_round(
         model_name = core.pipeline.backbone.path.name
         x, y = _load_samples(profile, core.pipeline.backbone.sample_shape, core.shapes.classes, samples)
         batch = core.pipeline.batch
-        for start_i in range(0, len(x), batch):
-            core.observe(x[start_i : start_i + batch], y[start_i : start_i + batch])
+        try:
+            for start_i in range(0, len(x), batch):
+                core.observe(x[start_i : start_i + batch], y[start_i : start_i + batch])
+        except BudgetExceeded as exc:  # the governor ran no inference it judged over budget
+            return RoundReport(
+                model_name,
+                len(core.store),
+                baseline,
+                gov.cap_bytes,
+                gov.peak_rss_bytes,
+                reports,
+                0,
+                False,
+                f"inference not run: {exc}",
+            )
         core.flush()
 
         # the coordinator's side (announce, aggregate, encode the global head) is not the device's memory

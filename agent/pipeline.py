@@ -171,6 +171,8 @@ class Pipeline:
         self._interp = backbone.interpreter
         self._in = backbone.input_index
         self.tensor_batch = self.batch if backbone.resizable else int(backbone.input_shape[0])
+        #: The largest batch the interpreter's tensors were allocated for (its arena keeps that size).
+        self.allocated_batch = int(backbone.batch)
         if not backbone.resizable and self.tensor_batch != self.batch:
             logger.info(
                 "%s: input batch fixed at %d; batch %d runs as %d-sample invokes",
@@ -211,8 +213,9 @@ class Pipeline:
 
         Returns
         -------
-        dict with ``mode``, ``batch``, ``tensor_batch``, ``fused_step`` (``"copy"``, ``"table"``,
-        ``"in_place"``, or ``""`` unfused; of the raw dtype of the last call, uint8 before any),
+        dict with ``mode``, ``batch``, ``tensor_batch``, ``allocated_batch``, ``fused_step``
+        (``"copy"``, ``"table"``, ``"in_place"``, or ``""`` unfused; of the raw dtype of the last call,
+        uint8 before any),
         ``samples``, ``invokes``, ``padded_rows`` and ``stages``: ``{name: {"calls": int, "total_s":
         float, "s_per_sample": float}}`` in pipeline order (the fused step is one stage, ``fill``,
         whatever its kind).
@@ -223,6 +226,7 @@ class Pipeline:
             "mode": self.mode,
             "batch": self.batch,
             "tensor_batch": self.tensor_batch,
+            "allocated_batch": self.allocated_batch,
             "fused_step": self.fused_step(self._last_dtype) if self.mode == "fused" else "",
             "samples": self.samples_total,
             "invokes": self.invokes_total,
@@ -350,12 +354,35 @@ class Pipeline:
         bb = self.backbone
         return 0.0 if bb.input_dtype == np.float32 else int(bb.input_quant.zero_point)
 
+    def set_tensor_batch(self, n: int) -> None:
+        """Run ``n`` rows per invoke from the next call on (the memory governor shrinks or restores it).
+
+        The input is resized at the next call. The interpreter's arena keeps the largest size it was
+        allocated for (:attr:`allocated_batch`), so shrinking before the first large call is what
+        keeps memory down.
+
+        Parameters
+        ----------
+        n : int
+            Rows per invoke, 1 <= n <= :attr:`batch`; ignored for a model whose batch is fixed.
+
+        Raises
+        ------
+        ValueError
+            If ``n`` is out of range.
+        """
+        if not 1 <= n <= self.batch:
+            raise ValueError(f"tensor batch {n}: must be in 1..{self.batch}")
+        if self.backbone.resizable:
+            self.tensor_batch = int(n)
+
     def _ensure_batch(self) -> None:
         """Resize the input to ``tensor_batch`` when it is not (another user may have resized it)."""
         if int(self._interp.tensor(self._in)().shape[0]) != self.tensor_batch:  # temporary view
             self._interp.resize_tensor_input(self._in, [self.tensor_batch, *self.sample_shape])
             self._interp.allocate_tensors()
             self.backbone.batch = self.tensor_batch
+            self.allocated_batch = max(self.allocated_batch, self.tensor_batch)
 
     def _load(self, rows: np.ndarray) -> None:
         """Everything before ``invoke`` for one group of ``m <= tensor_batch`` rows."""

@@ -19,8 +19,16 @@ from typing import Final
 
 from edgefl.agent import memory
 from edgefl.agent.config import Profile
+from edgefl.validators import is_loopback_host
 
-__all__ = ["MIN_PACKET_BYTES", "floor_bytes", "preflight", "store_bytes", "training_warning"]
+__all__ = [
+    "MIN_PACKET_BYTES",
+    "broker_warnings",
+    "floor_bytes",
+    "preflight",
+    "store_bytes",
+    "training_warning",
+]
 
 MIN_PACKET_BYTES: Final = 512
 """Smallest usable ``broker.max_packet_bytes``: a chunk's fixed header, topic and CBOR envelope take
@@ -105,6 +113,29 @@ def training_warning(profile: Profile, shapes: memory.ModelShapes, baseline_rss:
         f"memory.cap_mb = {profile.memory.cap_mb}: training needs about {need / memory.MIB:.1f} MiB "
         f"under the cap less reserve ({budget / memory.MIB:.1f} MiB): rounds defer until memory frees"
     )
+
+
+def broker_warnings(profile: Profile) -> list[str]:
+    """Broker settings that run but that an operator most likely did not mean (warnings, not problems).
+
+    - credentials over plain ``mqtt://`` to a host other than loopback: the password crosses the
+      network in clear text (MQTT 5.0 §5.4.1: the CONNECT carries it as is);
+    - a broker username other than ``device.id``: a broker ACL keyed on the username (mosquitto's
+      ``pattern write edgefl/+/update/%u``, docs/security.md) then refuses the device's own topics, and
+      mosquitto refuses a QoS 1 publish in silence on MQTT 3.1.1.
+    """
+    broker, out = profile.broker, []
+    if broker.username is not None and not broker.tls and not is_loopback_host(broker.host):
+        out.append(
+            f"broker.url = {broker.url!r}: the broker password goes to {broker.host} in plain text; "
+            "use mqtts:// (with broker.ca_file)"
+        )
+    if broker.username is not None and broker.username != profile.device.id:
+        out.append(
+            f"broker.username = {broker.username!r} is not device.id = {profile.device.id!r}: a broker ACL "
+            "keyed on the username (%u, docs/security.md) refuses this device's update and status topics"
+        )
+    return out
 
 
 def preflight(profile: Profile, shapes: memory.ModelShapes | None, baseline_rss: int) -> list[str]:

@@ -7,9 +7,10 @@ exactly as a flat coordinator does (the same handlers, the same strategy with it
 accumulator (``Strategy.site_sums``: float64 weighted sums, or the site's robust estimate) as one
 signed :class:`~edgefl.wire.messages.Partial` on ``partial/<site>`` (QoS 1, not retained), which the
 bridge carries up and stores while the uplink is down. Its round is persisted (atomic, checksummed
-record) after every accepted update and before the partial is sent, so a restarted site resumes the
-round where it was, and re-sends a partial it had not seen acknowledged under the same
-``partial_id``.
+record) after each batch of received updates and before the partial is sent, so a restarted site
+resumes the round where it was, and re-sends a partial it had not seen acknowledged under the same
+``partial_id``. A site that sees the round it closed announced again (a restarted root re-running it)
+sends its partial again; a root that had counted it refuses the copy as a duplicate.
 
 The **root** (``role = "root"``) owns rounds, the server optimiser, DP and the global head as a flat
 coordinator does, but takes partials: each is verified (``<site>.pub``), decoded, de-duplicated by
@@ -34,16 +35,18 @@ from pathlib import Path
 from typing import Any
 
 import cbor2
+import numpy as np
 
 from edgefl.aio import wait_event
-from edgefl.coordinator.rounds import Round
+from edgefl.coordinator.rounds import Round, RoundPhase
 from edgefl.coordinator.service import ADOPT_WAIT_S, LOGGED_REFUSALS, PUBLISH_RETRY_S, Coordinator
 from edgefl.coordinator.strategy import SiteSums
 from edgefl.errors import TransportError, UpdateRejected
 from edgefl.records import read_record, write_record
 from edgefl.transport import Message
 from edgefl.wire.cbor import MessageType
-from edgefl.wire.codec import DecodeError, RoundAnnouncement, Update, decode_round
+from edgefl.wire.chunking import Reassembler, is_chunk, split_message
+from edgefl.wire.codec import DecodeError, RoundAnnouncement, Update, decode_global_model, decode_round
 from edgefl.wire.messages import MAX_PARTIAL_UPDATES, Partial, decode_partial, encode_partial
 from edgefl.wire.signing import VerifyKey, sign_message, verify_payload
 
@@ -51,10 +54,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ROOT_SEEN_UPDATE_IDS", "RootCoordinator", "SiteAggregator", "SiteRecord"]
 
-ROOT_SEEN_UPDATE_IDS = 1_000_000
-"""Update ids a root remembers across rounds (a round of 10,000 devices must fit many times)."""
+ROOT_SEEN_UPDATE_IDS = 100_000
+"""Update ids a root remembers across rounds (ten rounds of 10,000 devices; ~10 MB of strings)."""
 
-SEEN_PARTIALS = 100_000
+PERSIST_EVERY = 32
+"""A site writes its open round's record at least every this many messages (see ``SiteAggregator.pump``)."""
+
+SEEN_PARTIALS = 10_000
 """(site, round, partial id) keys a root remembers to refuse a bridge's redelivery."""
 
 
@@ -116,6 +122,11 @@ class RootCoordinator(Coordinator):
         payload = msg.payload
         self.partials_received += 1
         self.partial_bytes += len(payload)
+        if is_chunk(payload):
+            whole = self.reassembler.feed(msg.topic, payload)
+            if whole is None:
+                return
+            payload = whole
         if self.site_keys is not None:
             key = self.site_keys.get(site)
             if key is None:
@@ -135,7 +146,8 @@ class RootCoordinator(Coordinator):
         again = sum(1 for u in p.update_ids if u in self._seen_update_ids)
         if again:
             raise UpdateRejected("duplicate", f"partial of {site} repeats {again} update ids counted before")
-        self.strategy.offer_sums(SiteSums(p.combine, p.W, p.b, p.weight, p.count, p.clipped))
+        if p.count > 0:  # an empty partial only says the site is done
+            self.strategy.offer_sums(SiteSums(p.combine, p.W, p.b, p.weight, p.count, p.clipped))
         rnd.record_partial(site, p.update_ids, len(payload))
         self._seen_partials[seen] = None
         while len(self._seen_partials) > SEEN_PARTIALS:
@@ -155,7 +167,7 @@ class SiteRecord:
     ----------
     round : int
     updates : int
-        Updates covered by the partial (0: nothing arrived, no partial sent).
+        Updates covered by the partial (0: nothing arrived; an empty partial says so).
     partial_bytes : int
         Size of the partial sent, bytes.
     duration_s : float
@@ -186,7 +198,7 @@ class SiteAggregator(Coordinator):
     close_margin_s : float
         The partial closes this many seconds before the root's deadline.
     site_state : Path or None
-        The site's round record (``files.state``), written after every accepted update.
+        The site's round record (``files.state``), written after each batch of accepted updates.
     """
 
     def __init__(
@@ -209,6 +221,11 @@ class SiteAggregator(Coordinator):
         self._latest: RoundAnnouncement | None = None
         self._announced = asyncio.Event()
         self._unsent: bytes | None = None  # a closed round's partial not yet acknowledged by the broker
+        self._sent: bytes | None = None  # the last partial sent: sent again when its round is announced again
+        self._resend = False
+        self._dirty = False  # the open round changed since its record was written
+        self.root_done_round = 0  # the newest round whose global head the root published (bridged down)
+        self._head_chunks = Reassembler()
         self._resume: dict[str, Any] | None = None  # the open round of the state file
         self._opened_unix = 0.0
 
@@ -227,14 +244,22 @@ class SiteAggregator(Coordinator):
         await self.transport.subscribe(self.topics.update("+"), 1)
         await self.transport.subscribe(self.topics.status("+"), 1)
         await self.transport.subscribe(self.topics.round, 1)
+        await self.transport.subscribe(self.topics.global_model + "/#", 1)  # the root's heads: when it ends
         if self._unsent is not None:
             logger.info("site %s: re-sending the partial of round %d", self.site, self.closed_round)
             await self._send(self._unsent)
-            self._unsent = None
+            self._unsent, self._sent = None, self._unsent
             self._persist_site(None)
 
     def handle(self, msg: Message) -> None:
-        """Dispatch one message: the root's round announcement here, updates and statuses as usual."""
+        """Dispatch one message: the root's round and head here, updates and statuses as usual."""
+        head = self.topics.global_model
+        if msg.topic == head or msg.topic.startswith(head + "/"):
+            try:
+                self._on_head(msg)
+            except (DecodeError, UpdateRejected) as exc:
+                _log_refusal(self, exc, msg)
+            return
         if msg.topic != self.topics.round:
             super().handle(msg)
             return
@@ -250,21 +275,57 @@ class SiteAggregator(Coordinator):
         if self._latest is None or ann.round > self._latest.round:
             self._latest = ann
             self._announced.set()
+        elif ann.round == self.closed_round and self._sent is not None:
+            # the round this site closed is announced again: a restarted root re-runs it, having lost
+            # what it had folded in; a root that counted the partial refuses it as a duplicate
+            self._resend = True
+            self._announced.set()
 
-    async def next_round(self, timeout_s: float | None = None) -> RoundAnnouncement:
-        """Wait for an announced round later than the last one this site closed.
+    def _on_head(self, msg: Message) -> None:
+        """Note the round of a GlobalModel the root published (whole or reassembled from its chunks)."""
+        payload: bytes | None = msg.payload
+        if not payload:
+            return  # a cleared chunk topic, or the empty `global` of a chunked head
+        if is_chunk(payload):
+            payload = self._head_chunks.feed(self.topics.global_model, payload)
+            if payload is None:
+                return
+        if self.root_key is not None:
+            kind = MessageType.GLOBAL_MODEL
+            verify_payload(payload, self.root_key, fleet=self.topics.fleet, kind=kind, limits=self.limits)
+        gm = decode_global_model(payload, limits=self.limits, expect_shape=self.shape)
+        if gm.round > self.root_done_round:
+            self.root_done_round = gm.round
+            self._announced.set()
+
+    async def next_round(self, last_round: int, timeout_s: float | None = None) -> RoundAnnouncement | None:
+        """Wait for an announced round later than the last one this site closed, up to ``last_round``.
+
+        Meanwhile, a partial is sent again when its round is announced again (see ``handle``).
+
+        Returns
+        -------
+        The announcement, or None once this site closed ``last_round`` and the root published the
+        head of that round (the job is over).
 
         Raises
         ------
         TimeoutError
-            If none arrives within ``timeout_s`` seconds.
+            If nothing happens within ``timeout_s`` seconds.
         """
         loop = asyncio.get_running_loop()
         until = None if timeout_s is None else loop.time() + timeout_s
         while True:
             ann = self._latest
-            if ann is not None and ann.round > self.closed_round:
+            if ann is not None and self.closed_round < ann.round <= last_round:
                 return ann
+            if self.closed_round >= last_round and self.root_done_round >= last_round:
+                return None
+            if self._resend and self._sent is not None:
+                self._resend = False
+                logger.info("site %s: round %d announced again: re-sent", self.site, self.closed_round)
+                await self._send(self._sent)
+                continue
             self._announced.clear()
             left = None if until is None else until - loop.time()
             if left is not None and left <= 0:
@@ -282,7 +343,7 @@ class SiteAggregator(Coordinator):
 
         Returns
         -------
-        SiteRecord (``updates = 0``: nothing arrived, no partial was sent).
+        SiteRecord (``updates = 0``: nothing arrived, an empty partial was sent).
         """
         self.strategy.configure_round(ann.round, self.shape)
         resume = self._resume
@@ -292,8 +353,9 @@ class SiteAggregator(Coordinator):
         self._opened_unix = float(resume["opened_unix"]) if resume is not None else time.time()
         elapsed = time.time() - self._opened_unix
         deadline_s = max(0.0, ann.deadline_s - self.close_margin_s - elapsed)
-        expected = self.expected_devices or len(self.online_devices()) or MAX_PARTIAL_UPDATES
         selected = frozenset(ann.selected) if isinstance(ann.selected, tuple) else None
+        online = [d for d in self.online_devices() if selected is None or d in selected]  # asked, and here
+        expected = self.expected_devices or len(online) or MAX_PARTIAL_UPDATES
         rnd = Round(ann.round, ann.base_version, self.shape, deadline_s, expected, selected)
         rnd.opened_at = time.monotonic()
         if resume is not None:
@@ -320,13 +382,14 @@ class SiteAggregator(Coordinator):
             self._round_changed.clear()
             await wait_event(self._round_changed, remaining)
         rnd.close()
+        self._dirty = False  # what the pump had not written yet goes into the closed record below
         t_close = time.monotonic()
-        if rnd.clients == 0:
-            self.closed_round = ann.round
-            self._persist_site(None)
-            logger.warning("site %s: round %d closed without updates; no partial", self.site, ann.round)
-            return SiteRecord(ann.round, 0, 0, time.time() - self._opened_unix, ())
-        sums = self.strategy.site_sums()
+        if rnd.clients == 0:  # an empty partial: the root need not wait for this site's deadline
+            logger.warning("site %s: round %d closed without updates", self.site, ann.round)
+            zeros = np.zeros(self.shape, np.float64), np.zeros(self.shape[1], np.float64)
+            sums = SiteSums(self.strategy.combine, zeros[0], zeros[1], 0.0, 0, 0)
+        else:
+            sums = self.strategy.site_sums()
         ids = tuple(sorted(rnd.update_ids))
         partial = Partial(
             round=ann.round,
@@ -349,7 +412,7 @@ class SiteAggregator(Coordinator):
         self._unsent = payload
         self._persist_site(None)  # closed, partial kept: a crash before the PUBACK re-sends the same bytes
         await self._send(payload)
-        self._unsent = None
+        self._unsent, self._sent = None, payload
         self._persist_site(None)
         self.counted[ann.round] = list(ids)
         logger.info(
@@ -364,22 +427,52 @@ class SiteAggregator(Coordinator):
 
     def _accept(self, rnd: Round, update: Update, size_bytes: int) -> None:
         super()._accept(rnd, update, size_bytes)
-        self._persist_site(rnd)  # before the next message: an accepted update survives a restart
+        self._dirty = True  # written by pump() before it waits for more messages
+
+    async def pump(self) -> None:
+        """Consume incoming messages forever, writing the open round's record after each batch.
+
+        The record is written once the queue is drained, or every ``PERSIST_EVERY`` messages under a
+        flood, rather than after every update: at 500 updates a round, one fsync each would bound a
+        site by its disk. An update the client received is already acknowledged to the broker, so a
+        SIGKILL loses what was received and not yet written either way; batching widens that window
+        from one message to at most ``PERSIST_EVERY``.
+        """
+        handled = 0
+        while True:
+            msg = await self.transport.queue.get()
+            self.handle(msg)
+            handled += 1
+            if self._dirty and (self.transport.queue.empty() or handled % PERSIST_EVERY == 0):
+                self._flush()
+            if handled % 32 == 0:
+                await asyncio.sleep(0)
+
+    def _flush(self) -> None:
+        self._dirty = False
+        rnd = self.state.current
+        if rnd is not None and rnd.phase is RoundPhase.OPEN:  # a closed round is written by its close
+            self._persist_site(rnd)
 
     async def _send(self, payload: bytes) -> None:
         """Publish a partial (QoS 1, not retained), waiting out a broker outage for ``PUBLISH_RETRY_S``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PUBLISH_RETRY_S
-        while True:
-            try:
-                await self.transport.publish(self.topics.partial(self.site), payload, qos=1, retain=False)
-                return
-            except TransportError:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise
-                await wait_event(self.transport.connected, min(remaining, 5.0))
-                await asyncio.sleep(0.05)
+        topic = self.topics.partial(self.site)
+        # larger than the packet limit (a big head, many update ids): chunks on the same topic
+        limit = min(self.max_packet_bytes, self.transport.packet_limit())
+        parts = split_message(payload, topic, limit, msg_id=f"partial-{self.site}-{self.closed_round}")
+        for part in parts:
+            while True:
+                try:
+                    await self.transport.publish(topic, part, qos=1, retain=False)
+                    break
+                except TransportError:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        raise
+                    await wait_event(self.transport.connected, min(remaining, 5.0))
+                    await asyncio.sleep(0.05)
 
     # -- the site's record ----------------------------------------------------------------------------
     def _persist_site(self, rnd: Round | None) -> None:
@@ -401,6 +494,7 @@ class SiteAggregator(Coordinator):
             "shape": list(self.shape),
             "closed_round": self.closed_round,
             "unsent": self._unsent,
+            "sent": self._sent,
             "open": open_round,
         }
         write_record(self.site_state, cbor2.dumps(doc))
@@ -418,6 +512,7 @@ class SiteAggregator(Coordinator):
             )
         self.closed_round = int(doc["closed_round"])
         self._unsent = doc.get("unsent")
+        self._sent = doc.get("sent")
         self._resume = doc.get("open")
         logger.info(
             "site %s: resumed after round %d%s",

@@ -300,7 +300,7 @@ class HierarchyConfig:
         updates close it, as in a flat run).
     expected_devices : int
         Site: updates that close the site's partial before ``deadline - close_margin_s``, >= 0 (0: the
-        devices whose status is online at the site when the round opens; the deadline if none).
+        devices online at the site when the round opens and selected by it; the deadline if none).
     close_margin_s : float
         Site: the partial closes this many seconds before the root's deadline, so it crosses the
         bridge in time, >= 0.

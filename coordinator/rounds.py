@@ -62,6 +62,8 @@ class Round:
     update_bytes: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     sites: list[str] = field(default_factory=list)
+    declined: list[str] = field(default_factory=list)
+    """Devices that refused this round with a Decline (e.g. ``over_budget``)."""
 
     @property
     def clients(self) -> int:
@@ -74,10 +76,13 @@ class Round:
         return self.opened_at + self.deadline_s
 
     def complete(self) -> bool:
-        """True when ``min_clients`` updates arrived, or every selected device (expected site) answered."""
+        """True when ``min_clients`` updates arrived, or every selected device answered or declined.
+
+        At the root of a hierarchy with ``expected_sites``: when that many sites' partials arrived.
+        """
         if self.expected_sites > 0:
             return len(self.sites) >= self.expected_sites
-        if self.selected is not None and set(self.devices) >= self.selected:
+        if self.selected is not None and set(self.devices) | set(self.declined) >= self.selected:
             return True
         return self.clients >= self.min_clients
 

@@ -7,9 +7,9 @@ file after a restart, prints one line per round on stdout, appends one JSON line
 ``files.log``, writes a summary to ``files.json``, and evaluates each new head on a central set when
 there is one (``[evaluation]``, or the digits test split for the shipped digits model).
 
-Exit codes: 0 every round aggregated; 1 invalid profile; 3 the model could not be loaded; 4 a runtime
-error at start-up (broker unreachable, bad key file); 5 the job ended with a round that aggregated
-nothing (the reason is the last line on stderr).
+Exit codes: 0 every round aggregated; 1 invalid profile, or the broker refused its credentials; 3 the
+model could not be loaded; 4 a runtime error at start-up (broker unreachable, bad key file); 5 the
+job ended with a round that aggregated nothing (the reason is the last line on stderr).
 """
 
 from __future__ import annotations
@@ -244,9 +244,41 @@ def main(
     except ModelError as exc:
         print(f"edgefl coordinator: model error: {exc}", file=sys.stderr)
         return EXIT_MODEL
+    except CredentialsRefused as exc:
+        print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     except (ConfigError, TransportError) as exc:
         print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
+
+
+class CredentialsRefused(TransportError):
+    """The broker refused the coordinator's username/password (CONNACK 0x86/0x87): a configuration error."""
+
+
+async def _connected_or_refused(transport: MqttTransport, where: str, timeout_s: float) -> None:
+    """Wait until ``transport`` is connected.
+
+    Raises
+    ------
+    CredentialsRefused
+        As soon as the broker refuses the credentials (retrying cannot help: exit 1, not restarted).
+    TransportError
+        If no connection is up within ``timeout_s`` seconds (exit 4: the service restarts it).
+    """
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not transport.connected.is_set():
+        if transport.credentials_refused:
+            raise CredentialsRefused(
+                f"broker {where} refused our credentials ({transport.last_refusal}): check [broker] "
+                "username and password_file against the broker's password file and ACL"
+            )
+        left = end - loop.time()
+        if left <= 0:
+            raise TransportError(f"broker {where} not reachable within {timeout_s:.0f} s")
+        with contextlib.suppress(TimeoutError):
+            await within(transport.connected.wait(), min(0.2, left))
 
 
 def _round_line(rec: RoundRecord, total: int, expected: int, refused: Mapping[str, int]) -> str:
@@ -282,6 +314,8 @@ async def run(
         If the backbone cannot be loaded.
     ConfigError
         If a key, TLS or evaluation file cannot be used.
+    CredentialsRefused
+        If the broker refuses the profile's username/password.
     TransportError
         If the broker cannot be reached within 60 s.
     """
@@ -377,10 +411,7 @@ async def run(
     records: list[RoundRecord] = []
     empty: list[str] = []
     try:
-        try:
-            await within(transport.connected.wait(), 60)
-        except TimeoutError as exc:
-            raise TransportError(f"broker {where} not reachable within 60 s") from exc
+        await _connected_or_refused(transport, where, 60.0)
         await coord.start()
         expected = max(rounds.expected_clients, rounds.min_clients)
         if rounds.expected_clients:
@@ -443,6 +474,10 @@ async def run(
                     "delta": None if math.isnan(rec.delta) else rec.delta,
                     "refused": rec.refused or None,
                 }
+                if isinstance(coord, RootCoordinator):  # since the start of this process
+                    entry["partials"] = coord.partials_received
+                    entry["partial_bytes"] = coord.partial_bytes
+                    entry["duplicate_partials"] = coord.duplicates
                 with open(files.log, "a") as f:
                     f.write(json.dumps(entry) + "\n")
     finally:
@@ -479,7 +514,10 @@ async def run(
 async def _run_site(
     site: SiteAggregator, profile: CoordinatorProfile, transport: MqttTransport, page: PageServer | None
 ) -> int:
-    """The site role's job: one partial per round the root announces, until ``rounds.count`` or SIGTERM.
+    """The site role's job: one partial per round the root announces, up to round ``rounds.count``.
+
+    It ends when the root published the head of that round (till then a partial is sent again when the
+    root re-runs its round), or on SIGTERM.
 
     Prints ``site S round R: N updates, B bytes up, T s`` per round; appends one JSON line per round
     to ``files.log`` (``round``, ``site``, ``updates``, ``partial_bytes``, ``duration_s``,
@@ -509,9 +547,9 @@ async def _run_site(
         except UpdateRejected as exc:
             raise ConfigError([f"files.state = {str(files.state)!r}: {exc}"]) from exc
         print(f"site {site.site}: ready after round {site.closed_round}", flush=True)
-        while site.closed_round < rounds.count and not stop.is_set():
+        while not stop.is_set():
             refused_before = Counter(site.state.rejected)
-            runner = asyncio.create_task(_next_site_round(site))
+            runner = asyncio.create_task(_next_site_round(site, rounds.count))
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
@@ -521,6 +559,8 @@ async def _run_site(
                     await runner
                 break
             rec = runner.result()
+            if rec is None:  # the root published the head of the last round
+                break
             refused = Counter(site.state.rejected)
             refused.subtract(refused_before)
             refused_round = {k: v for k, v in refused.items() if v > 0}
@@ -551,5 +591,6 @@ async def _run_site(
     return EXIT_OK
 
 
-async def _next_site_round(site: SiteAggregator) -> SiteRecord:
-    return await site.run_site_round(await site.next_round())
+async def _next_site_round(site: SiteAggregator, last_round: int) -> SiteRecord | None:
+    ann = await site.next_round(last_round)
+    return None if ann is None else await site.run_site_round(ann)

@@ -37,6 +37,7 @@ from edgefl.records import read_record, write_record
 from edgefl.topics import Topics
 from edgefl.transport import Message, MqttTransport
 from edgefl.types import F32
+from edgefl.wire.cbor import prescan
 from edgefl.wire.chunking import Reassembler, is_chunk, split_message
 from edgefl.wire.codec import (
     Compression,
@@ -46,6 +47,7 @@ from edgefl.wire.codec import (
     MessageType,
     RoundAnnouncement,
     Update,
+    decode_decline,
     decode_global_model,
     decode_round,
     decode_status,
@@ -103,6 +105,8 @@ class RoundRecord:
         DP delta (NaN without DP).
     refused : str
         Why the aggregated head was not published ("" when it was, or nothing arrived).
+    declined : int
+        Devices that refused the round with a Decline message (e.g. ``over_budget``).
     fed_accuracy : float
         Federated evaluation of the round's base head: the devices' holdout accuracies weighted by
         their holdout counts (NaN when no device reported one for that version).
@@ -122,6 +126,7 @@ class RoundRecord:
     epsilon: float = math.nan
     delta: float = math.nan
     refused: str = ""
+    declined: int = 0
     fed_accuracy: float = math.nan
     fed_worst_decile: float = math.nan
     fed_devices: int = 0
@@ -157,6 +162,8 @@ class CoordinatorState:
     devices: dict[str, dict[str, Any]] = field(default_factory=dict)
     rejected: Counter[str] = field(default_factory=Counter)
     refused_rounds: Counter[str] = field(default_factory=Counter)
+    declined: Counter[str] = field(default_factory=Counter)
+    """Rounds devices refused (Decline messages), by reason."""
     history: list[RoundRecord] = field(default_factory=list)
     current: Round | None = None
 
@@ -253,6 +260,7 @@ class Coordinator:
         self.device_expiry_s = device_expiry_s
         self.mismatched: dict[str, str] = {}  # device → why its model differs (named once on stdout/log)
         self.rejected_by_device: dict[str, Counter[str]] = {}
+        self.declined_by_device: dict[str, Counter[str]] = {}
         self.on_mismatch: Callable[[str, str], None] | None = None
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
@@ -570,14 +578,18 @@ class Coordinator:
             key = self.device_keys.get(device)
             if key is None:
                 raise DecodeError("unknown_device", f"no public key for device {device}")
+            kind = prescan(payload, self.limits, ("type",)).get("type")
             verify_payload(
                 payload,
                 key,
                 fleet=self.topics.fleet,
-                kind=MessageType.UPDATE,
+                kind=MessageType.DECLINE if kind == MessageType.DECLINE else MessageType.UPDATE,
                 device=device,
                 limits=self.limits,
             )
+        if prescan(payload, self.limits, ("type",)).get("type") == MessageType.DECLINE:
+            self._handle_decline(device, payload)
+            return
         if device in self.mismatched:
             raise UpdateRejected("wrong_model", f"device {device}: {self.mismatched[device]}")
         update = decode_update(payload, limits=self.limits, expect_shape=self.shape)
@@ -600,6 +612,32 @@ class Coordinator:
             self._notify()
             return
         self._accept(rnd, update, len(payload))
+
+    def _handle_decline(self, device: str, payload: bytes) -> None:
+        """Count and log a device's refusal of a round (a Decline on ``update/<device>``).
+
+        Raises
+        ------
+        DecodeError, UpdateRejected
+            As for an update (``wrong_device``, ``duplicate`` for a decline sent again).
+        """
+        decline = decode_decline(payload, limits=self.limits)
+        if decline.device != device:
+            raise UpdateRejected("wrong_device", f"decline names device {decline.device} on update/{device}")
+        if decline.update_id in self._seen_update_ids:  # at least once: a re-send after a reconnect
+            raise UpdateRejected("duplicate", f"decline {decline.update_id} already counted")
+        self._remember(decline.update_id)
+        self.state.declined[decline.reason] += 1
+        if device in self.state.devices or len(self.declined_by_device) < self.max_devices:
+            self.declined_by_device.setdefault(device, Counter())[decline.reason] += 1
+        rnd = self.state.current
+        if rnd is not None and rnd.number == decline.round and device not in rnd.declined:
+            rnd.declined.append(device)
+        logger.warning(
+            "round %d: %s declined: %s (%s)", decline.round, device, decline.reason, decline.detail
+        )
+        self._round_changed.set()
+        self._notify()
 
     def _accept(self, rnd: Round, update: Update, size_bytes: int) -> None:
         """Admit ``update`` to ``rnd``, offer it to the strategy and record it (raises ``UpdateRejected``)."""
@@ -646,6 +684,7 @@ class Coordinator:
                 "reason": st.get("reason") or "",
                 "rejected": st.get("rejected") or {},
                 "refused": dict(self.rejected_by_device.get(dev, {})),
+                "declined": dict(self.declined_by_device.get(dev, {})),
                 "model_mismatch": self.mismatched.get(dev),
                 "clipped": self.strategy.clipped.get(dev, 0),
             }
@@ -681,6 +720,7 @@ class Coordinator:
             "rejected": dict(self.state.rejected),
             "clipped": dict(self.strategy.clipped),
             "refused_rounds": dict(self.state.refused_rounds),
+            "declined": dict(self.state.declined),
             "held_updates": len(self._held),
             "epsilon": None
             if not self.state.history or math.isnan(self.state.history[-1].epsilon)
@@ -857,6 +897,7 @@ class Coordinator:
             epsilon=report.epsilon,
             delta=report.delta,
             refused=refused,
+            declined=len(rnd.declined),
             fed_accuracy=fed[0],
             fed_worst_decile=fed[1],
             fed_devices=fed[2],

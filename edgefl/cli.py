@@ -84,8 +84,11 @@ def _preflight(profile: Profile) -> list[str]:
 
     import edgefl.agent.daemon  # noqa: F401 - the agent's imports are part of its floor
     from edgefl.agent import memory
-    from edgefl.agent.preflight import preflight, training_warning
+    from edgefl.agent.preflight import broker_warnings, preflight, training_warning
     from edgefl.runtime import Backbone, runtime_available
+
+    for note in broker_warnings(profile):
+        print(f"edgefl: warning: {note}", file=sys.stderr)
 
     if not runtime_available(profile.model.runtime):
         # a profile for another kind of gateway (tflite-runtime on armv7l): what is not about this

@@ -383,12 +383,25 @@ class MqttTransport:
         self._ready_task: asyncio.Task[None] | None = None
         self._stopping = False
         self._unreachable_logged = False
+        self._closed_logged = False
         self.connects_total = 0
+        #: The broker's last CONNACK refusal (None once a connection is accepted).
+        self.last_refusal: ReasonCode | None = None
         self.broker_max_packet_bytes: int | None = None  # MQTT 5 CONNACK Maximum Packet Size, when sent
 
     @property
     def _client(self) -> _Client | None:
         return self._conn.client if self._conn is not None else None
+
+    @property
+    def credentials_refused(self) -> bool:
+        """True when the broker's last CONNACK refused our credentials.
+
+        MQTT 5.0 §3.2.2.2 reason codes 0x86 "Bad User Name or Password" and 0x87 "Not authorized" (paho
+        maps MQTT 3.1.1's return codes 4 and 5 onto them). Retrying cannot help until the configuration
+        or the broker's password file/ACL changes.
+        """
+        return self.last_refusal is not None and int(self.last_refusal.value) in (0x86, 0x87)
 
     def packet_limit(self) -> int:
         """Largest PUBLISH packet we may send now: the smaller of the profile's and the broker's limit."""
@@ -474,12 +487,15 @@ class MqttTransport:
         if conn is not self._conn:
             return
         if rc.is_failure:
-            logger.warning("broker %s:%s refused the connection: %s", self.host, self.port, rc)
+            if self.last_refusal is None or self.last_refusal != rc:
+                logger.warning("broker %s:%s refused the connection: %s", self.host, self.port, rc)
+            self.last_refusal = rc
             if self._mqtt5 and self.protocol == "auto" and int(rc.value) in (1, 132):
                 self._fallback_wanted = True
             conn.lost.set()
             return
         self.broker_max_packet_bytes = int(max_packet) if max_packet else None
+        self.last_refusal = None
         conn.acked = True
         subacks = [self._send_subscribe(conn, topic, qos) for topic, qos in self._subscriptions.items()]
         self._ready_task = asyncio.create_task(
@@ -702,9 +718,23 @@ class MqttTransport:
             if self._stopping:
                 break
             if self._fallback_wanted and self._mqtt5 and self.protocol == "auto":
-                logger.info("broker %s:%s does not speak MQTT 5; using 3.1.1", self.host, self.port)
+                logger.info(
+                    "broker %s:%s closed the connection before answering MQTT 5; trying MQTT 3.1.1",
+                    self.host,
+                    self.port,
+                )
                 self._mqtt5 = False
                 continue
+            if not (conn.acked or self.ever_connected or self._closed_logged) and self.last_refusal is None:
+                self._closed_logged = True
+                logger.warning(
+                    "broker %s:%s closed the connection before any CONNACK (MQTT %s): not a plain "
+                    "MQTT listener? (a TLS port needs mqtts://, a WebSocket port is not supported); "
+                    "retrying with backoff",
+                    self.host,
+                    self.port,
+                    "5 and 3.1.1" if self.protocol == "auto" else self.protocol,
+                )
             failures = 1 if self.connects_total > connects_before else failures + 1
             self._next_address()
             await asyncio.sleep(self.backoff_s(failures))

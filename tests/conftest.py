@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import ipaddress
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -132,6 +134,119 @@ def mosquitto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
     b = start_mosquitto(tmp_path_factory.mktemp("mosquitto"))
     yield b
     stop_broker(b)
+
+
+class Link:
+    """A TCP link from a site broker's bridge to the root broker that a test can cut: the site's uplink.
+
+    Parameters
+    ----------
+    target_port : int
+        The root broker's port on 127.0.0.1; the bridge connects to ``port`` instead.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._server.getsockname()[1]
+        self._up = threading.Event()
+        self._up.set()
+        self._lock = threading.Lock()
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self._server.accept()
+            except OSError:
+                return  # closed
+            if not self._up.is_set():
+                down.close()  # the uplink is cut: the bridge's connection attempt fails
+                continue
+            try:
+                up = socket.create_connection(("127.0.0.1", self.target_port), timeout=2)
+            except OSError:
+                down.close()
+                continue
+            up.settimeout(None)
+            with self._lock:
+                self._conns += [down, up]
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (a, b):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        """Drop the link's connections and refuse new ones until :meth:`restore`."""
+        self._up.clear()
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for sock in conns:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def restore(self) -> None:
+        """Accept the bridge's connections again."""
+        self._up.set()
+
+    def close(self) -> None:
+        self._server.close()
+        self.cut()
+
+
+@dataclass
+class BridgedBrokers:
+    """A root mosquitto and one mosquitto per site, each site bridged to the root through a :class:`Link`."""
+
+    root: Broker
+    sites: dict[str, Broker]
+    links: dict[str, Link]
+
+
+def start_bridged_brokers(tmp: Path, sites: tuple[str, ...]) -> BridgedBrokers:
+    """Start a root broker and bridged site brokers (bridge config from ``edgefl bridge-config``'s function).
+
+    Every broker keeps its sessions and queues on disk (``persistence true``) as docs/operations.md says.
+    """
+    from edgefl.coordinator.bridge import bridge_config
+
+    def persistent(name: str) -> str:
+        folder = tmp / f"store-{name}"
+        folder.mkdir()
+        return f"persistence true\npersistence_location {folder}/\nautosave_interval 1\n"
+
+    root = start_mosquitto(tmp, persistent("root"))
+    brokers: dict[str, Broker] = {}
+    links: dict[str, Link] = {}
+    for site in sites:
+        link = Link(root.port)
+        bridge = bridge_config(site, f"mqtt://127.0.0.1:{link.port}", restart_timeout_s=(1, 1))
+        brokers[site] = start_mosquitto(tmp, persistent(site) + bridge)
+        links[site] = link
+    return BridgedBrokers(root, brokers, links)
+
+
+@pytest.fixture(scope="module")
+def bridged_brokers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BridgedBrokers]:
+    """A root broker and two bridged site brokers (``site-a``, ``site-b``) for a test module."""
+    b = start_bridged_brokers(tmp_path_factory.mktemp("bridged"), ("site-a", "site-b"))
+    yield b
+    for link in b.links.values():
+        link.close()
+    for broker in (*b.sites.values(), b.root):
+        stop_broker(broker)
 
 
 @pytest.fixture

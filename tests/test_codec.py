@@ -32,6 +32,7 @@ from edgefl.wire.codec import (
     compress_delta,
     compressed_roundtrip,
     decode_array,
+    decode_decline,
     decode_global_model,
     decode_round,
     decode_status,
@@ -948,7 +949,8 @@ def test_malformed_cbor_reason(payload: bytes, reason: str) -> None:
 
 
 def test_all_message_types_are_distinct() -> None:
-    assert {m.value for m in MessageType} == {"global_model", "round", "update", "status", "chunk"}
+    kinds = {"global_model", "round", "update", "decline", "status", "chunk", "partial"}
+    assert {m.value for m in MessageType} == kinds
     assert SCHEMA_VERSION == 3  # 2 added the rice layout and the canonical signed bytes, 3 head layouts
     assert reason_of(lambda: decode_round(encode_update(make_update()))) == "wrong_type"
 
@@ -961,6 +963,7 @@ DECODERS: list[Callable[[bytes], object]] = [
     decode_global_model,
     decode_round,
     decode_status,
+    decode_decline,
 ]
 VALID_UPDATES = [
     encode_update(make_update(d=4, k=3, compression=c, seed=i), topk_fraction=0.5)

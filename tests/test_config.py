@@ -74,11 +74,12 @@ def table(rendered: Mapping[str, object], name: str) -> dict[str, object]:
 # --------------------------------------------------------------------------------------------------
 
 
-def test_profiles_directory_has_the_four_device_profiles_and_the_coordinator_profile() -> None:
+def test_profiles_directory_has_the_five_device_profiles_and_the_coordinator_profile() -> None:
     assert sorted(p.name for p in PROFILES.glob("*.toml")) == [
         "coordinator.toml",
         "dev_x86.toml",
         "gateway_aarch64_256mb.toml",
+        "gateway_aarch64_256mb_mobilenet.toml",
         "gateway_armv7_512mb.toml",
         "rpi4.toml",
     ]
@@ -113,6 +114,17 @@ def test_shipped_profile_loads_with_its_model(
     assert check_device_id(profile.device.id) == profile.device.id
 
 
+def test_own_model_big_backbone_profile_loads_with_its_model() -> None:
+    """The 96 MiB profile for a 1280-wide float MobileNet, dashboard on (issue 14 item 5)."""
+    profile = load_profile(PROFILES / "gateway_aarch64_256mb_mobilenet.toml")
+    model = PROFILES.parent / "models" / "mobilenet_v2_035_96_float32.tflite"
+    assert profile.model.path.resolve() == model.resolve() and profile.model.path.is_file()
+    assert (profile.memory.cap_mb, profile.memory.reserve_mb) == (96, 8)
+    assert profile.dashboard.enabled and profile.dashboard.host == "127.0.0.1"
+    assert (profile.pipeline.mean, profile.pipeline.std, profile.pipeline.batch) == ((127.5,), (127.5,), 8)
+    assert profile.training.store_capacity == 1024
+
+
 def test_dev_profile_details() -> None:
     profile = load_profile(PROFILES / "dev_x86.toml")
     assert profile.device.id == "dev-x86-0"
@@ -122,7 +134,12 @@ def test_dev_profile_details() -> None:
 
 
 def test_gateway_profiles_use_tls_to_a_placeholder_coordinator() -> None:
-    for name in ("gateway_aarch64_256mb.toml", "gateway_armv7_512mb.toml", "rpi4.toml"):
+    for name in (
+        "gateway_aarch64_256mb.toml",
+        "gateway_aarch64_256mb_mobilenet.toml",
+        "gateway_armv7_512mb.toml",
+        "rpi4.toml",
+    ):
         broker = load_profile(PROFILES / name).broker
         assert (broker.scheme, broker.host, broker.port, broker.tls) == (
             "mqtts",

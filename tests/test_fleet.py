@@ -240,6 +240,32 @@ def test_fleet_over_tls_with_passwords_and_acl(acl_broker: Broker, pki: Pki, tmp
     assert done.stdout.count(" 2/2 clients") == 2, done.stdout
 
 
+def test_coordinator_with_a_wrong_password_exits_1_at_once(
+    acl_broker: Broker, pki: Pki, tmp_path: Path
+) -> None:
+    """A credentials refusal is a configuration error: exit 1 (not restarted), not exit 4 after 60 s."""
+    import time
+
+    password_file = tmp_path / "coordinator.password"
+    password_file.write_text("not-the-password\n")
+    started = time.monotonic()
+    done = run_coordinator(
+        tmp_path,
+        f"broker.url=mqtts://127.0.0.1:{acl_broker.port}",
+        f"broker.ca_file={pki.ca}",
+        "broker.username=coordinator",
+        f"broker.password_file={password_file}",
+        "fleet.name=wrongpw",
+        f"model.path={INT8_MODEL}",
+        "rounds.count=1",
+        timeout_s=120,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "refused our credentials (Not authorized)" in done.stderr, done.stderr
+    assert "not-the-password" not in done.stdout + done.stderr
+    assert time.monotonic() - started < 55  # well before the 60 s reachability limit (exit 4)
+
+
 def test_acl_refuses_a_device_publishing_as_another(acl_broker: Broker, pki: Pki) -> None:
     """dev-1's credentials cannot publish on update/dev-2 (MQTT 5 PUBACK 0x87) nor on global."""
     import asyncio

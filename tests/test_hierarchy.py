@@ -5,14 +5,19 @@ The processes over real bridged brokers are in ``tests/test_bridge.py``.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+import cbor2
 import numpy as np
 import pytest
+from conftest import ROOT
 
 from edgefl.coordinator.privacy import DPFedAvg
+from edgefl.coordinator.profile import load_coordinator_profile
 from edgefl.coordinator.strategy import (
     FedAvg,
     Offer,
@@ -23,9 +28,11 @@ from edgefl.coordinator.strategy import (
     trimmed_mean,
     weighted_coordinate_median,
 )
-from edgefl.errors import DecodeError, UpdateRejected
+from edgefl.errors import ConfigError, DecodeError, UpdateRejected
+from edgefl.resources import shipped
 from edgefl.topics import Topics
 from edgefl.types import F32
+from edgefl.wire.arrays import encode_array
 from edgefl.wire.cbor import MessageType
 from edgefl.wire.messages import Partial, decode_partial, encode_partial
 from edgefl.wire.signing import generate_signing_key, sign_message, verify_payload
@@ -220,6 +227,8 @@ def test_site_partial_roundtrip_and_signature_binds_the_site() -> None:
         verify_payload(signed, key.verify_key, fleet=fleet, kind=MessageType.PARTIAL, device="site-b")
     assert err.value.reason == "bad_signature"
     assert decode_partial(signed, expect_shape=SHAPE).signature == signed[-64:]
+    empty = replace(p, count=0, weight=0.0, clipped=0, update_ids=(), W=np.zeros(SHAPE), b=np.zeros(SHAPE[1]))
+    assert decode_partial(encode_partial(empty), expect_shape=SHAPE).count == 0  # "this site had nothing"
     assert Topics("edgefl", fleet).partial("site-a") == "edgefl/f1/partial/site-a"
     assert Topics("edgefl", fleet).site_of("edgefl/f1/partial/site-a") == "site-a"
     assert Topics("edgefl", fleet).site_of("edgefl/f1/update/site-a") is None
@@ -232,6 +241,8 @@ def test_site_partial_roundtrip_and_signature_binds_the_site() -> None:
         ({"update_ids": ("a", "a")}, "bad_value"),
         ({"count": 3}, "bad_value"),
         ({"weight": 0.0}, "bad_value"),
+        ({"count": 0, "update_ids": (), "weight": 0.0, "W": np.ones(SHAPE)}, "bad_value"),
+        ({"count": 0, "update_ids": ()}, "bad_value"),
         ({"clipped": 5}, "bad_value"),
         ({"W": np.zeros((3, 4))}, "bad_shape"),
         ({"W": np.zeros(SHAPE, np.float32)}, "bad_dtype"),
@@ -244,10 +255,6 @@ def test_site_partial_malformed_is_refused(change: dict[str, Any], reason: str) 
     p = Partial(4, 3, "site-a", "site-a:4", "sum", 2, 35.0, 0, ("u1", "u2"), zeros_W, zeros_b)
     p = replace(p, **change)
     if "W" in change and change["W"].dtype == np.float32:
-        import cbor2
-
-        from edgefl.wire.arrays import encode_array
-
         doc = cbor2.loads(encode_partial(replace(p, W=np.zeros(SHAPE))))
         doc["W"] = encode_array(np.zeros(SHAPE, np.float32))
         payload = cbor2.dumps(doc)
@@ -256,3 +263,32 @@ def test_site_partial_malformed_is_refused(change: dict[str, Any], reason: str) 
     with pytest.raises(DecodeError) as err:
         decode_partial(payload, expect_shape=SHAPE)
     assert err.value.reason == reason
+
+
+def test_site_profile_keys_are_validated_like_the_others() -> None:
+    profile = shipped("firmware_configs/coordinator.toml")
+    site = load_coordinator_profile(profile, {"hierarchy.role": "site", "hierarchy.site": "lyon"})
+    assert (site.hierarchy.role, site.hierarchy.site, site.hierarchy.close_margin_s) == ("site", "lyon", 2.0)
+    with pytest.raises(ConfigError) as err:
+        load_coordinator_profile(
+            profile,
+            {"hierarchy.role": "site", "hierarchy.expected_sites": "-1", "hierarchy.close_margin_s": "-2"},
+        )
+    assert err.value.problems == [
+        "hierarchy.site = None: required when hierarchy.role = 'site'",
+        "hierarchy.expected_sites = -1: must be >= 0",
+        "hierarchy.close_margin_s = -2.0: must be >= 0",
+    ]
+    with pytest.raises(ConfigError) as err:
+        load_coordinator_profile(profile, {"hierarchy.role": "middle"})
+    assert err.value.problems[0].startswith("hierarchy.role = 'middle'")
+
+
+def test_site_role_refuses_fedbuff_at_start() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "edgefl.cli", "coordinator", "--role", "site", "--site", "s1",
+         "--strategy", "fedbuff"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 1
+    assert "hierarchy.role = 'site': fedbuff runs flat only" in r.stderr

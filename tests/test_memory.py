@@ -136,10 +136,14 @@ def test_admission_shrinks_to_floor_then_defers(tmp_path: Path) -> None:
     # halving stops at the floor even when floor is not a power-of-two step: 100 -> 50 -> 25 -> 12
     d = gov.admit("train", per_mib, 100, 12)
     assert d.work == 12 and d.deferred is True
-    # inference is never deferred: it is granted its floor and the reason says it is over budget
+    # inference cannot wait: it may use the reserve (budget 100 - 80 = 20 MiB), never the cap
     e = gov.admit("inference", per_mib, 64, 16)
-    assert (e.work, e.deferred) == (16, False)
-    assert "over budget" in e.reason
+    assert (e.work, e.deferred, e.budget_bytes) == (16, False, 20 * MIB)
+    # work over budget at its floor is never run, inference included: refused, the reason says so
+    e = gov.admit("inference", per_mib, 64, 32)
+    assert (e.work, e.deferred) == (32, True)
+    assert "over budget at floor 32" in e.reason and e.reason.endswith("not run")
+    assert gov.deferrals == {"train": 2, "inference": 1}
     # RSS grows: the same request now shrinks further
     set_rss(proc, 88 * MIB)
     f = gov.admit("train", per_mib, 64, 1)
@@ -168,12 +172,13 @@ def test_memavailable_guard_defers_training_only(tmp_path: Path) -> None:
 
 
 def test_convenience_admissions_use_the_estimates(tmp_path: Path) -> None:
-    proc = fake_proc(tmp_path, rss=60 * MIB)
+    proc = fake_proc(tmp_path, rss=68 * MIB)
     gov = Governor(96 * MIB, 8 * MIB, 0, proc=proc, cgroup_root=tmp_path / "none")
     shapes = ModelShapes(
         sample_elems=96 * 96 * 3, input_itemsize=1, activation_bytes=138240, embedding_dim=1280, classes=10
     )
-    # budget 28 MiB; unfused int8 prep is 21 bytes per element: 64 samples = 37 MiB -> 32 samples
+    # batch preparation cannot wait (it may use the reserve): budget 96 - 68 = 28 MiB; unfused int8
+    # prep is 21 bytes per element: 64 samples = 37 MiB -> 32 samples
     a = gov.admit_batch(shapes, 64)
     assert a.work == 32 and a.estimate_bytes == memory.estimate_batch_bytes(shapes, 32)
     t = gov.admit_train(4096, 16, dim=1280, classes=10, batch_size=16, num_examples=4096)

@@ -68,3 +68,33 @@ def test_fault_check_config_states_the_floor_and_passes_the_shipped_cap(tmp_path
     )
     floor = float(low.stderr.split("under the model's floor of ")[1].split(" MiB")[0])
     assert 40 < floor < 92  # above the refused cap, under the shipped 96 MiB less its 8 MiB reserve
+
+
+def test_check_config_warns_about_plain_credentials_and_a_username_other_than_the_device(
+    tmp_path: Path,
+) -> None:
+    sets = ["--set", f"device.state_dir={tmp_path}", "--set", "broker.password=secret-pw"]
+    remote = edgefl(
+        "check-config",
+        str(DEV_PROFILE),
+        *sets,
+        "--set",
+        "broker.url=mqtt://192.0.2.7:1883",
+        "--set",
+        "broker.username=gateway",
+    )
+    assert remote.returncode == 0, remote.stderr  # warnings, not problems
+    assert "broker.url = 'mqtt://192.0.2.7:1883': the broker password goes to 192.0.2.7 in plain text" in (
+        remote.stderr
+    )
+    assert "broker.username = 'gateway' is not device.id = " in remote.stderr
+    assert "secret-pw" not in remote.stderr + remote.stdout
+    # on loopback, with the device's own id as username: no warning
+    device_id = next(
+        line.split("=", 1)[1].strip().strip('"')
+        for line in DEV_PROFILE.read_text().splitlines()
+        if line.strip().startswith("id") and "=" in line
+    )
+    local = edgefl("check-config", str(DEV_PROFILE), *sets, "--set", f"broker.username={device_id}")
+    assert local.returncode == 0, local.stderr
+    assert "warning: broker." not in local.stderr, local.stderr

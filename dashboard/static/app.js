@@ -420,7 +420,9 @@
         ? "model mismatch: " + d.model_mismatch : d.reason;
       row.insertCell().textContent = typeof why === "string" && why ? why : DASH;
       const refused = d.refused && typeof d.refused === "object" ? d.refused : {};
-      const parts = Object.keys(refused).sort().map((k) => `${k} ${refused[k]}`);
+      const declined = d.declined && typeof d.declined === "object" ? d.declined : {};  // rounds it refused
+      const parts = Object.keys(refused).sort().map((k) => `${k} ${refused[k]}`)
+        .concat(Object.keys(declined).sort().map((k) => `declined ${k} ${declined[k]}`));
       row.insertCell().textContent = parts.length ? parts.join(", ") : DASH;
     }
     if (names.length === 0) {

@@ -72,6 +72,7 @@ class MessageType(StrEnum):
     GLOBAL_MODEL = "global_model"
     ROUND = "round"
     UPDATE = "update"
+    DECLINE = "decline"
     STATUS = "status"
     CHUNK = "chunk"
     PARTIAL = "partial"

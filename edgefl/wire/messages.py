@@ -1,6 +1,6 @@
 """The messages: one dataclass per message type and its paired ``encode_x``/``decode_x``.
 
-Owns GlobalModel, RoundAnnouncement, Update (+ UpdateMetrics) and DeviceStatus, their fields' bounds
+Owns GlobalModel, RoundAnnouncement, Update (+ UpdateMetrics), Decline and DeviceStatus, their fields' bounds
 and the schema version each encoding carries. Every field, type, bound, topic, QoS and retained flag
 is specified in ``docs/protocol.md``; decoding is bounded by :mod:`edgefl.wire.cbor`, arrays are
 :mod:`edgefl.wire.arrays`, update deltas :mod:`edgefl.wire.compression`.
@@ -63,6 +63,7 @@ __all__ = [
     "MAX_PROX_MU",
     "PARTIAL_COMBINES",
     "UPDATE_ID_RE",
+    "Decline",
     "DeviceStatus",
     "GlobalModel",
     "HeadLayout",
@@ -70,11 +71,13 @@ __all__ = [
     "RoundAnnouncement",
     "Update",
     "UpdateMetrics",
+    "decode_decline",
     "decode_global_model",
     "decode_partial",
     "decode_round",
     "decode_status",
     "decode_update",
+    "encode_decline",
     "encode_global_model",
     "encode_partial",
     "encode_round",
@@ -106,6 +109,8 @@ DEVICE_ID_RE: Final = DEVICE_ID_PATTERN
 UPDATE_ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
+_REASON_RE: Final = re.compile(r"[a-z0-9_]{1,32}")
+_DETAIL_RE: Final = re.compile(r"[\x20-\x7e]{0,200}")
 _LAYOUT_RE: Final = re.compile(r"[a-z0-9]{1,16}")
 _LAYOUT_RE_PARTIAL: Final = re.compile(r"[a-z-]{1,16}")
 
@@ -277,6 +282,41 @@ class Update:
     metrics: UpdateMetrics
     update_id: str
     compression: Compression = Compression.NONE
+    signature: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Decline:
+    """A device's refusal of a round it was asked to train (topic ``update/<device>``, QoS 1).
+
+    Sent instead of an Update when the device cannot answer the round (e.g. the memory governor
+    judged training over budget until the round's deadline drew near), so the coordinator counts and
+    logs the refusal instead of seeing a silent device. Specified in ``docs/protocol.md`` ("Decline").
+
+    Parameters
+    ----------
+    round : int
+        The round refused.
+    base_version : int
+        The round's base version.
+    device : str
+        Sender (must equal the topic's ``<device>``).
+    reason : str
+        A :class:`~edgefl.wire.reasons.Reason` value, ``[a-z0-9_]{1,32}`` (e.g. ``over_budget``).
+    detail : str
+        Human-readable explanation, at most 200 printable ASCII characters (longer ones are cut).
+    update_id : str
+        De-duplication id, ``<device>:<round>:<base_version>:declined``.
+    signature : bytes
+        Ed25519 signature (signed like an Update, kind ``decline``), or empty.
+    """
+
+    round: int
+    base_version: int
+    device: str
+    reason: str
+    detail: str
+    update_id: str
     signature: bytes = b""
 
 
@@ -763,6 +803,74 @@ def decode_update(
     )
 
 
+def encode_decline(msg: Decline) -> bytes:
+    """Encode a :class:`Decline`.
+
+    Parameters
+    ----------
+    msg : Decline
+        ``detail`` is written as printable ASCII (anything else becomes ``?``), cut to 200 characters.
+
+    Returns
+    -------
+    bytes
+        ``{"v", "type": "decline", "round", "base_version", "device", "reason", "detail",
+        "update_id", "signature"}`` (``v`` = 2 when signed, else 1).
+    """
+    detail = "".join(c if " " <= c <= "~" else "?" for c in msg.detail)[:200]
+    return cbor2.dumps(
+        {
+            "v": _written_version(msg.signature),
+            "type": MessageType.DECLINE.value,
+            "round": int(msg.round),
+            "base_version": int(msg.base_version),
+            "device": msg.device,
+            "reason": str(msg.reason),
+            "detail": detail,
+            "update_id": msg.update_id,
+            "signature": bytes(msg.signature),
+        }
+    )
+
+
+def decode_decline(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Decline:
+    """Decode and validate a :class:`Decline`.
+
+    Parameters
+    ----------
+    payload : bytes
+        The MQTT payload (topic ``update/<device>``).
+    limits : Limits
+        Decoding bounds.
+
+    Returns
+    -------
+    Decline
+
+    Raises
+    ------
+    DecodeError
+        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for a reason, detail or
+        update id outside its pattern.
+    """
+    obj = load_message(payload, limits, MessageType.DECLINE)
+    check_keys(
+        obj,
+        "",
+        ("v", "type", "round", "base_version", "device", "reason", "detail", "update_id"),
+        ("signature",),
+    )
+    return Decline(
+        round=read_int(obj, "round", ""),
+        base_version=read_int(obj, "base_version", ""),
+        device=read_device_id(obj["device"], "device"),
+        reason=read_text(obj, "reason", "", _REASON_RE),
+        detail=read_text(obj, "detail", "", _DETAIL_RE),
+        update_id=read_text(obj, "update_id", "", UPDATE_ID_RE),
+        signature=read_signature(obj, limits),
+    )
+
+
 def encode_status(msg: DeviceStatus) -> bytes:
     """Encode a :class:`DeviceStatus`.
 
@@ -888,10 +996,12 @@ class Partial:
         ``"sum"``: ``W``/``b`` are weighted sums ``sum_k w_k * delta_k`` (after the norm bound) and
         ``weight = sum_k w_k``; ``"median"``/``"trimmed-mean"``: the site's robust estimate, covering
         ``weight`` updates.
-    count : int >= 1
-        Updates folded in (``len(update_ids)``).
-    weight : float > 0
-        Total weight (example counts for the FedAvg family; the update count for DP and robust rules).
+    count : int >= 0
+        Updates folded in (``len(update_ids)``); 0: the site had nothing this round (it says so, so the
+        root need not wait for its deadline), with ``weight`` 0 and zero arrays.
+    weight : float >= 0
+        Total weight (example counts for the FedAvg family; the update count for DP and robust rules),
+        > 0 exactly when ``count`` > 0.
     clipped : int >= 0
         Updates the site's norm bound scaled down.
     update_ids : tuple of str
@@ -976,7 +1086,8 @@ def decode_partial(
     DecodeError
         The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for an unknown ``combine``,
         ``count`` different from the number of update ids, a duplicate or invalid update id, more
-        than :data:`MAX_PARTIAL_UPDATES` ids, ``weight <= 0``, ``clipped > count``; ``bad_dtype``
+        than :data:`MAX_PARTIAL_UPDATES` ids, ``weight`` not > 0 exactly when ``count`` > 0, non-zero
+        arrays in an empty partial, ``clipped > count``; ``bad_dtype``
         for arrays that are not float64.
     """
     obj = load_message(payload, limits, MessageType.PARTIAL)
@@ -1000,7 +1111,7 @@ def decode_partial(
     if combine not in PARTIAL_COMBINES:
         choices = ", ".join(PARTIAL_COMBINES)
         raise DecodeError(Reason.BAD_VALUE, f"combine = {show(combine)}: must be one of {choices}")
-    count = read_int(obj, "count", "", 1, MAX_PARTIAL_UPDATES)
+    count = read_int(obj, "count", "", 0, MAX_PARTIAL_UPDATES)
     raw_ids = obj["update_ids"]
     if not isinstance(raw_ids, list):
         raise DecodeError(Reason.WRONG_TYPE, "update_ids: expected an array")
@@ -1015,6 +1126,12 @@ def decode_partial(
     clipped = read_int(obj, "clipped", "")
     if clipped > count:
         raise DecodeError(Reason.BAD_VALUE, f"clipped = {clipped} > count = {count}")
+    weight = read_float(obj, "weight", "", 0.0)
+    if (weight > 0) != (count > 0):
+        why = f"weight = {weight} with count = {count}: must be > 0 exactly when count > 0"
+        raise DecodeError(Reason.BAD_VALUE, why)
+    if count == 0 and (np.any(w) or np.any(b)):
+        raise DecodeError(Reason.BAD_VALUE, "an empty partial (count = 0) must carry zero arrays")
     return Partial(
         round=read_int(obj, "round", ""),
         base_version=read_int(obj, "base_version", ""),
@@ -1022,7 +1139,7 @@ def decode_partial(
         partial_id=read_text(obj, "partial_id", "", UPDATE_ID_RE),
         combine=combine,
         count=count,
-        weight=read_float(obj, "weight", "", 0.0, lo_open=True),
+        weight=weight,
         clipped=clipped,
         update_ids=ids,
         W=w,

@@ -53,6 +53,8 @@ class Reason(StrEnum):
     STALE_ROUND = "stale_round"
     NOT_SELECTED = "not_selected"
     TOO_MANY = "too_many"
+    # a device that cannot answer a round (a Decline message; the memory governor)
+    OVER_BUDGET = "over_budget"
     # the coordinator's bounded device registry (statuses)
     REGISTRY_FULL = "registry_full"
     EXPIRED = "expired"

@@ -88,10 +88,16 @@ SIGNED_KINDS: Final[Mapping[MessageType, str]] = {
     MessageType.GLOBAL_MODEL: "version",
     MessageType.ROUND: "base_version",
     MessageType.UPDATE: "base_version",
+    MessageType.DECLINE: "base_version",
     MessageType.PARTIAL: "base_version",
 }
-#: The signed kinds whose signature also binds a sender named by the topic, and the key naming it.
-_SENDER_KEYS: Final[Mapping[MessageType, str]] = {MessageType.UPDATE: "device", MessageType.PARTIAL: "site"}
+#: Kinds whose signed bytes bind the sender the topic names, and the key naming it in the message:
+#: a device (Update, Decline) or a site (Partial).
+_SENDER_KEYS: Final[Mapping[MessageType, str]] = {
+    MessageType.UPDATE: "device",
+    MessageType.DECLINE: "device",
+    MessageType.PARTIAL: "site",
+}
 _KEY: Final = b"\x69signature"  # CBOR text string "signature"
 _SIGNED_TAIL: Final = _KEY + b"\x58\x40"  # "signature": 64-byte string header
 _PKCS8_PREFIX: Final = bytes.fromhex("302e020100300506032b657004220420")  # RFC 8410 §10.3
@@ -386,13 +392,13 @@ def signed_bytes(*, fleet: str, kind: str, round: int, version: int, device: str
     fleet : str
         Fleet the message is meant for (profile ``device.fleet``, coordinator ``--fleet``).
     kind : str
-        Message type (``"global_model"``, ``"round"``, ``"update"``, ``"partial"``).
+        Message type (``"global_model"``, ``"round"``, ``"update"``, ``"decline"``, ``"partial"``).
     round : int
         The message's ``round``, >= 0.
     version : int
-        Its ``version`` (GlobalModel) or ``base_version`` (RoundAnnouncement, Update), >= 0.
+        Its ``version`` (GlobalModel) or ``base_version`` (RoundAnnouncement, Update, Decline), >= 0.
     device : str
-        The sending device for an Update, the sending site for a Partial, ``""`` otherwise.
+        The sending device for an Update or a Decline, the sending site for a Partial, ``""`` otherwise.
     digest : bytes
         SHA-256 of the blank form (32 bytes).
 
