@@ -21,7 +21,7 @@ import logging
 import random
 import socket
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -325,6 +325,10 @@ class MqttTransport:
         queued QoS 1 messages) for that many seconds while it is away (MQTT 5 Session Expiry
         Interval, §3.1.2.11; MQTT 3.1.1 clean session 0), so nothing published meanwhile is lost. Needs
         a fixed ``client_id``.
+    alternates : sequence of (host, port)
+        Other nodes of the same (clustered) broker. After a failed connect or a lost connection the
+        next attempt goes to the next address, round robin from ``(host, port)``; ``host`` and
+        ``port`` name the address in use. Empty (the default): one broker.
     """
 
     def __init__(
@@ -344,9 +348,12 @@ class MqttTransport:
         max_packet_bytes: int = 268_435_455,
         max_incoming_packet_bytes: int = 268_435_455,
         session_expiry_s: int = 0,
+        alternates: Sequence[tuple[str, int]] = (),
     ) -> None:
         self.host = host
         self.port = port
+        self.addresses: tuple[tuple[str, int], ...] = ((host, port), *alternates)
+        self._address_i = 0
         self.client_id = client_id
         self.will = will
         self.protocol = protocol
@@ -669,6 +676,13 @@ class MqttTransport:
             self.host, self.port, self.keepalive_s, clean_start=not self.session_expiry_s, properties=props
         )
 
+    def _next_address(self) -> None:
+        """Move to the next of :attr:`addresses` (a no-op with one broker)."""
+        if len(self.addresses) > 1:
+            self._address_i = (self._address_i + 1) % len(self.addresses)
+            self.host, self.port = self.addresses[self._address_i]
+            logger.info("next connection attempt: broker %s:%s", self.host, self.port)
+
     async def _supervise(self) -> None:
         """Own the connection: connect, wait until it is lost, back off with jitter, reconnect.
 
@@ -693,6 +707,7 @@ class MqttTransport:
                         "broker %s:%s unreachable (%s); retrying with backoff", self.host, self.port, exc
                     )
                 failures += 1
+                self._next_address()
                 await asyncio.sleep(self.backoff_s(failures))
                 continue
             conn.client.loop_start()
@@ -721,6 +736,7 @@ class MqttTransport:
                     "5 and 3.1.1" if self.protocol == "auto" else self.protocol,
                 )
             failures = 1 if self.connects_total > connects_before else failures + 1
+            self._next_address()
             await asyncio.sleep(self.backoff_s(failures))
 
     async def subscribe(self, topic: str, qos: int = 1, *, timeout_s: float = SUBACK_TIMEOUT_S) -> None:
