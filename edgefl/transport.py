@@ -8,7 +8,12 @@ publishes wait for their PUBACK and its subscribes for their SUBACK by ``mid`` i
 them fail with TransportError when it is lost (a new client's mids restart at 1). ``connected`` is set
 only once the renewed subscriptions are acknowledged. Incoming bytes pass :class:`PacketFilter`
 (a PUBLISH over ``max_incoming_packet_bytes`` is dropped before paho buffers it), then a bounded
-queue (the RAM cap covers buffers too); when it is full the message is dropped and counted.
+queue (the RAM cap covers buffers too). A QoS 1 message is acknowledged (PUBACK, paho's manual ack)
+only once it is in that queue: when the queue is full it waits, unacknowledged, in a short hold line
+that the broker's own flow control bounds (MQTT 5 Receive Maximum = the queue's size, §3.1.2.11.3;
+mosquitto's ``max_inflight_messages`` on 3.1.1), and moves in as the consumer takes messages. So a burst
+is never acknowledged and then lost; only QoS 0 messages (and anything over the hold line's own bound)
+are dropped when the queue is full, and counted.
 
 Source: MQTT 5.0 (OASIS 2019) and MQTT 3.1.1 (OASIS 2014); paho-mqtt 2.x client API.
 """
@@ -16,6 +21,7 @@ Source: MQTT 5.0 (OASIS 2019) and MQTT 3.1.1 (OASIS 2014); paho-mqtt 2.x client 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
@@ -41,6 +47,9 @@ RECONNECT_MIN_S = 1
 RECONNECT_MAX_S = 30
 CONNECT_TIMEOUT_S = 10.0
 SUBACK_TIMEOUT_S = 10.0
+#: The hold line of QoS 1 messages waiting for room in the queue, in queue sizes (a broker that ignores
+#: our Receive Maximum cannot grow it further: beyond it messages are dropped and counted).
+HOLD_FACTOR = 4
 
 #: Topic of the small stand-in PUBLISH that replaces an oversize one (never a real topic: ``$`` topics
 #: are the broker's, MQTT 5.0 §4.7.2). Its payload is ``b"<packet bytes>\n<topic>"``.
@@ -253,6 +262,20 @@ class Message:
     retain: bool
 
 
+class _FlowQueue(asyncio.Queue[Message]):
+    """The incoming queue: each take lets the transport move a held QoS 1 message in (and PUBACK it)."""
+
+    def __init__(self, maxsize: int, on_take: Callable[[], None]) -> None:
+        super().__init__(maxsize=maxsize)
+        self._on_take = on_take
+
+    def get_nowait(self) -> Message:
+        """As :meth:`asyncio.Queue.get_nowait` (``get`` ends in it too), then refill from the hold line."""
+        item = super().get_nowait()
+        self._on_take()
+        return item
+
+
 @dataclass(frozen=True, slots=True)
 class Will:
     """Last will: published by the broker (retained) if the client vanishes without a clean stop."""
@@ -365,8 +388,13 @@ class MqttTransport:
         self.max_packet_bytes = max_packet_bytes
         self.max_incoming_packet_bytes = max_incoming_packet_bytes
         self.session_expiry_s = session_expiry_s
-        self.queue: asyncio.Queue[Message] = asyncio.Queue(maxsize=queue_size)
+        self.queue: asyncio.Queue[Message] = _FlowQueue(queue_size, self._refill)
+        # QoS 1 messages received while the queue was full, not yet acknowledged: (connection, mid, qos,
+        # message); the broker's flow control bounds it, and so does HOLD_FACTOR x queue_size
+        self._held: collections.deque[tuple[_Connection, int, int, Message]] = collections.deque()
+        self.held_max = max(64, HOLD_FACTOR * queue_size)
         self.dropped_total = 0
+        self.held_peak = 0  # most QoS 1 messages held at once, waiting for room in the queue
         self.oversize_dropped_total = 0
         self.callback_errors_total = 0
         self.thread_errors_total = 0
@@ -466,8 +494,10 @@ class MqttTransport:
         def on_message(client: Any, userdata: Any, msg: mqtt.MQTTMessage) -> None:
             if msg.topic == OVERSIZE_TOPIC:
                 self._hop(self._handle_oversize, bytes(msg.payload))
+                self._hop(self._ack, conn, msg.mid, msg.qos)  # dropped, but its flow-control slot freed
             else:
-                self._hop(self._handle_message, Message(msg.topic, bytes(msg.payload), bool(msg.retain)))
+                message = Message(msg.topic, bytes(msg.payload), bool(msg.retain))
+                self._hop(self._handle_message, conn, msg.mid, msg.qos, message)
 
         def on_thread_crash(exc: BaseException) -> None:
             self._thread_error("network loop", exc)
@@ -567,14 +597,32 @@ class MqttTransport:
             self.max_incoming_packet_bytes,
         )
 
-    def _handle_message(self, msg: Message) -> None:
-        try:
+    def _ack(self, conn: _Connection, mid: int, qos: int) -> None:
+        """PUBACK ``mid`` on the connection it came on (a new connection's mids are another count)."""
+        if qos > 0 and not conn.closed:
+            conn.client.ack(mid, qos)
+
+    def _handle_message(self, conn: _Connection, mid: int, qos: int, msg: Message) -> None:
+        if not self._held and not self.queue.full():
             self.queue.put_nowait(msg)
-        except asyncio.QueueFull:
-            self.dropped_total += 1
-            logger.warning(
-                "incoming queue full: dropped message on %s (%d bytes)", msg.topic, len(msg.payload)
-            )
+            self._ack(conn, mid, qos)
+            return
+        if qos > 0 and len(self._held) < self.held_max:
+            self._held.append((conn, mid, qos, msg))  # acknowledged when it moves into the queue
+            self.held_peak = max(self.held_peak, len(self._held))
+            return
+        self.dropped_total += 1
+        self._ack(conn, mid, qos)
+        logger.warning("incoming queue full: dropped message on %s (%d bytes)", msg.topic, len(msg.payload))
+
+    def _refill(self) -> None:
+        """Move held QoS 1 messages into the queue while it has room, acknowledging each."""
+        while self._held and not self.queue.full():
+            conn, mid, qos, msg = self._held.popleft()
+            if conn.closed:
+                continue  # unacknowledged on a lost connection: the broker sends it again (session)
+            self.queue.put_nowait(msg)
+            self._ack(conn, mid, qos)
 
     def _send_subscribe(
         self, conn: _Connection, topic: str, qos: int
@@ -606,6 +654,7 @@ class MqttTransport:
             client_id=self.client_id,
             protocol=proto,
             reconnect_on_failure=False,
+            manual_ack=True,  # PUBACK once queued (see the module docstring)
             clean_session=None if self._mqtt5 else not self.session_expiry_s,
             max_incoming_packet_bytes=self.max_incoming_packet_bytes,
         )
@@ -672,6 +721,8 @@ class MqttTransport:
             props.MaximumPacketSize = int(self.max_incoming_packet_bytes)
         if self.session_expiry_s:
             props.SessionExpiryInterval = int(self.session_expiry_s)
+        # the broker keeps at most this many of our QoS 1 messages unacknowledged (§3.1.2.11.3)
+        props.ReceiveMaximum = max(1, min(65535, self.queue.maxsize or 65535))
         client.connect(
             self.host, self.port, self.keepalive_s, clean_start=not self.session_expiry_s, properties=props
         )

@@ -99,11 +99,11 @@ def test_robust_transport_survives_a_raising_callback(
         original = b._handle_message
         calls = {"n": 0}
 
-        def flaky(msg: Message) -> None:
+        def flaky(conn: Any, mid: int, qos: int, msg: Message) -> None:
             calls["n"] += 1
             if calls["n"] == 1:
                 raise RuntimeError("handler bug")
-            original(msg)
+            original(conn, mid, qos, msg)
 
         monkeypatch.setattr(b, "_handle_message", flaky)
         await a.start()

@@ -50,20 +50,33 @@ def test_transport_roundtrip_puback_and_retained(mosquitto: Broker, fleet: str) 
     asyncio.run(main())
 
 
-def test_transport_bounded_queue_drops_and_counts(mosquitto: Broker, fleet: str) -> None:
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_transport_bounded_queue_holds_qos1_unacknowledged_and_drops_only_qos0(
+    mosquitto: Broker, fleet: str, protocol: str
+) -> None:
+    """A QoS 1 burst into a full queue waits unacknowledged (nothing lost); QoS 0 is dropped and counted."""
+
     async def main() -> None:
         a = MqttTransport(mosquitto.host, mosquitto.port, f"a-{fleet}")
-        b = MqttTransport(mosquitto.host, mosquitto.port, f"b-{fleet}", queue_size=3)
+        b = MqttTransport(mosquitto.host, mosquitto.port, f"b-{fleet}", queue_size=3, protocol=protocol)
         await a.start()
         await b.start()
         try:
             await b.subscribe(f"{fleet}/q", 1)
             for i in range(8):
                 await a.publish(f"{fleet}/q", bytes([i]), qos=1)
-            await a.publish(f"{fleet}/q", b"end", qos=1)  # in order after the 8: dropped last
-            await wait_until(lambda: b.dropped_total == 6, 10, "5 + 1 dropped messages")
+            await a.publish(f"{fleet}/q", b"end", qos=1)
+            await wait_until(lambda: b.queue.full() and b.held_peak >= 3, 10, "a full queue and 3 held")
+            got = [(await asyncio.wait_for(b.queue.get(), 5)).payload for _ in range(9)]
+            assert got == [bytes([i]) for i in range(8)] + [b"end"]  # all, in order
+            assert b.dropped_total == 0
+            # QoS 0 has no flow control: what does not fit is dropped and counted
+            await b.subscribe(f"{fleet}/q0", 0)
+            for i in range(8):
+                await a.publish(f"{fleet}/q0", bytes([i]), qos=1)
+            await a.publish(f"{fleet}/q0", b"end", qos=1)
+            await wait_until(lambda: b.dropped_total == 6, 10, "6 dropped QoS 0 messages")
             assert [(await b.queue.get()).payload for _ in range(3)] == [b"\x00", b"\x01", b"\x02"]
-            assert b.dropped_total == 6  # messages 3..7 and "end"
         finally:
             await a.stop()
             await b.stop()
