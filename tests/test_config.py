@@ -88,7 +88,7 @@ def test_profiles_directory_has_the_five_device_profiles_and_the_coordinator_pro
 @pytest.mark.parametrize(
     ("name", "runtime", "cap_mb", "threads", "state_dir"),
     [
-        ("dev_x86.toml", "auto", 96, 1, PROFILES / "state"),
+        ("dev_x86.toml", "auto", 96, 1, PROFILES / "state" / "dev-x86-0"),
         ("gateway_aarch64_256mb.toml", "litert", 96, 1, Path("/var/lib/edgefl")),
         ("gateway_armv7_512mb.toml", "tflite", 128, 1, Path("/var/lib/edgefl")),
         ("rpi4.toml", "litert", 192, 2, Path("/var/lib/edgefl")),
@@ -159,7 +159,7 @@ def test_minimal_profile_takes_defaults(write: Writer, tmp_path: Path, model_fil
     assert profile.path == tmp_path / "profile.toml"
     assert profile.device.id == "dev-1"
     assert profile.device.fleet == "default"
-    assert profile.device.state_dir == tmp_path / "state"
+    assert profile.device.state_dir == tmp_path / "state" / "dev-1"  # one folder per device id
     assert profile.model.path == model_file
     assert (profile.model.num_threads, profile.model.runtime, profile.model.sha256) == (1, "auto", None)
     assert profile.pipeline.mode == "fused"
