@@ -459,6 +459,14 @@ def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], c
         problem = file_problem(c.signing_key_file, raw.get("signing_key_file"))
         if problem is not None:
             p.add("security.signing_key_file", raw.get("signing_key_file"), problem)
+    if check_files:
+        from edgefl.wire.signing import library_problem
+
+        for name in ("signing_key_file", "coordinator_public_key"):
+            why = library_problem(f"security.{name}") if getattr(c, name) is not None else None
+            if why is not None:
+                p.note(why)
+                break  # one line is enough: the same library serves every key
 
 
 def _check_status(p: Problems, c: StatusConfig, raw: Mapping[str, object], check_files: bool) -> None:
