@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -61,7 +61,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-
 # --------------------------------------------------------------------------------------------------
 # The tables
 # --------------------------------------------------------------------------------------------------
@@ -78,7 +77,9 @@ class DeviceConfig:
     fleet : str
         Fleet name, same pattern; topics live under ``<topic_prefix>/<fleet>/``.
     state_dir : Path
-        Directory for the embedding store, outbox and head versions (absolute after loading).
+        Directory for the embedding store, outbox and head versions (absolute after loading). Unset,
+        it is ``state/<id>`` next to the profile, so several devices run from one profile with
+        ``--set device.id=...`` never share a folder (an agent also holds ``<state_dir>/agent.lock``).
     """
 
     id: str
@@ -458,6 +459,14 @@ def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], c
         problem = file_problem(c.signing_key_file, raw.get("signing_key_file"))
         if problem is not None:
             p.add("security.signing_key_file", raw.get("signing_key_file"), problem)
+    if check_files:
+        from edgefl.wire.signing import library_problem
+
+        for name in ("signing_key_file", "coordinator_public_key"):
+            why = library_problem(f"security.{name}") if getattr(c, name) is not None else None
+            if why is not None:
+                p.note(why)
+                break  # one line is enough: the same library serves every key
 
 
 def _check_status(p: Problems, c: StatusConfig, raw: Mapping[str, object], check_files: bool) -> None:
@@ -500,6 +509,11 @@ def _parse(
     overrides: Mapping[str, object],
 ) -> Profile:
     built = SCHEMA.parse(data, base_dir, check_files, overrides)
+    device_table = data.get("device")
+    given = isinstance(device_table, Mapping) and "state_dir" in device_table
+    if not given and "device.state_dir" not in overrides:
+        device: DeviceConfig = built["device"]
+        built["device"] = replace(device, state_dir=device.state_dir / device.id)
     return Profile(path=path if path is not None else Path("<inline>"), **built)
 
 

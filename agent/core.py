@@ -293,9 +293,15 @@ DISK_FULL = "disk full"
 
 
 def write_problem(exc: OSError) -> str:
-    """What a failed state write means for the device: ``"disk full"`` or ``"cannot write state: ..."``."""
+    """What a failed state write means for the device: ``"disk full"`` or ``"cannot write state: ..."``.
+
+    A missing file or folder (``ENOENT``) is named as such: the state folder was removed or renamed
+    under the running agent (a second agent on the same folder is refused at start, ``agent.lock``).
+    """
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return DISK_FULL
+    if exc.errno == errno.ENOENT:
+        return "cannot write state: the state folder or a file in it is missing (removed while running?)"
     return f"cannot write state: {exc.strerror or exc}"
 
 
@@ -631,11 +637,13 @@ class DeviceCore:
             self._unsaved[what] = write
             if (problem, what) not in self._logged:  # once per state and problem, then only counted
                 self._logged.add((problem, what))
+                then = (
+                    "persisting waits for room"
+                    if problem == DISK_FULL
+                    else "writing is retried every status tick"
+                )
                 logger.warning(
-                    "degraded: %s (%s not persisted: %s); classifying goes on, persisting waits for room",
-                    problem,
-                    what,
-                    exc,
+                    "degraded: %s (%s not persisted: %s); classifying goes on, %s", problem, what, exc, then
                 )
             self.degraded = problem
             return False

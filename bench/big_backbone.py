@@ -78,10 +78,12 @@ def run_try(
     *,
     reserve_mb: int | None = None,
     deadline_s: float = 30.0,
+    optimize: bool = True,
 ) -> dict[str, Any]:
     """One fresh agent at ``cap_mb``: ``rounds`` rounds; its status and peaks afterwards.
 
-    ``reserve_mb`` overrides the profile's ``memory.reserve_mb`` (None: the profile's, 8).
+    ``reserve_mb`` overrides the profile's ``memory.reserve_mb`` (None: the profile's, 4);
+    ``optimize`` False runs the agent without ``-OO`` (docstrings kept).
     """
     fleet = f"big{uuid.uuid4().hex[:8]}"
     bb = Backbone(MODEL)
@@ -107,7 +109,7 @@ def run_try(
         "status.interval_s": "0.5",
     }
     log = tmp / f"{fleet}.log"
-    proc = launch_agent(PROFILE, overrides, log)
+    proc = launch_agent(PROFILE, overrides, log, optimize=optimize)
     watch = OutsideRss(proc.pid)
 
     async def main() -> tuple[list[Any], dict[str, Any], dict[str, int]]:
@@ -204,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tries", type=int, default=3, help="fresh agents at the profile's cap")
     p.add_argument("--low", type=int, default=70, help="bisection's lower end (MiB, assumed failing)")
     p.add_argument("--reserve", type=int, help="memory.reserve_mb for the bisection (default: the profile's)")
+    p.add_argument("--no-oo", action="store_true", help="run the agents without -OO (docstrings kept)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     import sys
@@ -216,12 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"at_cap": [], "bisection": []}
     try:
         for _ in range(args.tries):
-            out["at_cap"].append(run_try(broker.url, 96, args.rounds, tmp))
+            out["at_cap"].append(run_try(broker.url, 96, args.rounds, tmp, optimize=not args.no_oo))
             print(row(out["at_cap"][-1]), flush=True)
         lo, hi = args.low, 96
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            r = run_try(broker.url, mid, args.rounds, tmp, reserve_mb=args.reserve)
+            r = run_try(broker.url, mid, args.rounds, tmp, reserve_mb=args.reserve, optimize=not args.no_oo)
             out["bisection"].append(r)
             print(row(r), "works" if works(r) else "fails", flush=True)
             if works(r):
@@ -235,7 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + HEADER)
     for r in out["at_cap"] + out["bisection"]:
         print(row(r))
-    print(f"\nlowest working cap: {out['lowest_cap_mb']} MiB (reserve: {args.reserve or 'the profile'})")
+    oo = "without -OO" if args.no_oo else "-OO"
+    print(
+        f"\nlowest working cap: {out['lowest_cap_mb']} MiB (reserve: {args.reserve or 'the profile'}, {oo})"
+    )
     if args.json:
         args.json.write_text(json.dumps(out, indent=1, default=str))
     return 0

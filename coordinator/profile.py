@@ -418,6 +418,7 @@ def _check_security(p: Problems, c: SecurityRef, raw: Mapping[str, object], chec
             p.add("security.signing_key_file", raw.get("signing_key_file"), problem)
     if c.device_keys_dir is not None and not c.device_keys_dir.is_dir():
         p.add("security.device_keys_dir", raw.get("device_keys_dir"), "not a folder")
+    _check_library(p, c, ("signing_key_file", "device_keys_dir"), "security")
 
 
 def _check_hierarchy(p: Problems, c: HierarchyConfig, raw: Mapping[str, object], check_files: bool) -> None:
@@ -439,6 +440,18 @@ def _check_hierarchy(p: Problems, c: HierarchyConfig, raw: Mapping[str, object],
         problem = file_problem(c.root_key_file, raw.get("root_key_file"))
         if problem is not None:
             p.add("hierarchy.root_key_file", raw.get("root_key_file"), problem)
+    _check_library(p, c, ("site_keys_dir", "root_key_file"), "hierarchy")
+
+
+def _check_library(p: Problems, c: object, names: tuple[str, ...], table: str) -> None:
+    """Note (once per profile) a configured key with no Ed25519 library to use it."""
+    from edgefl.wire.signing import library_problem
+
+    for name in names:
+        why = library_problem(f"{table}.{name}") if getattr(c, name) is not None else None
+        if why is not None and not any("edgefl[security]" in q for q in p.items):
+            p.note(why)
+            return
 
 
 def _no_check(p: Problems, c: object, raw: Mapping[str, object], check_files: bool) -> None:

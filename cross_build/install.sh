@@ -164,6 +164,9 @@ t0=$(date +%s)
 PIP_CONFIG_FILE=/dev/null "$RELEASE/venv/bin/python" -m pip install --disable-pip-version-check -q \
   --no-index --find-links "$HERE/wheels" --require-hashes --no-deps -r "$HERE/requirements.lock"
 "$RELEASE/venv/bin/python" -m pip check --disable-pip-version-check
+# the units run with PYTHONOPTIMIZE=2 (-OO) under ProtectSystem=strict: compile that bytecode now, or
+# every start would compile every import again, in memory
+"$RELEASE/venv/bin/python" -m compileall -q -o 2 "$RELEASE/venv/lib" >/dev/null
 cp -R "$HERE/firmware_configs" "$HERE/models" "$RELEASE/"
 cp "$HERE/requirements.lock" "$HERE/TARGET" "$RELEASE/"
 if [ "$SYSTEMD" = 1 ]; then

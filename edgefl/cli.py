@@ -128,6 +128,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level, profile.device.id)
     from edgefl.agent import memory
     from edgefl.agent.daemon import Agent
+    from edgefl.agent.statelock import StateDirBusy, lock_state_dir
 
     memory.apply_hygiene(arena_max=2)  # for arenas of threads not yet started (paho, worker, dashboard)
 
@@ -135,6 +136,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         problems = _preflight(profile)
         if problems:
             _report(f"profile {args.profile} cannot run here", problems)
+            return EXIT_INVALID
+        try:
+            lock = lock_state_dir(profile.device.state_dir)  # held until this function returns
+        except StateDirBusy as exc:
+            print(f"edgefl: {exc}", file=sys.stderr)
             return EXIT_INVALID
         agent = Agent(profile, DashboardPage(profile) if profile.dashboard.enabled else None)
     except ModelError as exc:
@@ -150,6 +156,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         asyncio.run(agent.run())
     except (Exception, BaseExceptionGroup) as group:  # the last line of defence: never a crash loop
         return _stopped_by_fault(group)
+    finally:
+        lock.close()
     return EXIT_OK
 
 

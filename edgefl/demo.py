@@ -84,7 +84,9 @@ class DemoOptions:
     label_delay_s: float = 0.0
 
 
-def launch_agent(profile: Path, overrides: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+def launch_agent(
+    profile: Path, overrides: dict[str, str], log_path: Path, *, optimize: bool = True
+) -> subprocess.Popen[bytes]:
     """Start one agent as a separate OS process: ``python -m edgefl.cli run PROFILE --set k=v ...``.
 
     Parameters
@@ -95,6 +97,8 @@ def launch_agent(profile: Path, overrides: dict[str, str], log_path: Path) -> su
         Dotted profile keys and values (``device.id``, ``broker.url``, ...).
     log_path : Path
         File receiving the agent's stdout and stderr.
+    optimize : bool
+        Run with ``-OO`` (as the systemd unit's ``PYTHONOPTIMIZE=2``); False for plain ``python``.
 
     Returns
     -------
@@ -102,7 +106,8 @@ def launch_agent(profile: Path, overrides: dict[str, str], log_path: Path) -> su
     """
     # -OO drops docstrings and asserts: ~2.6 MiB less RSS per agent once the optimised bytecode is
     # compiled (``make demo`` runs ``compileall -o 2``; without it, -OO would compile every import).
-    cmd = [sys.executable, "-OO", "-m", "edgefl.cli", "--log-level", "WARNING", "run", str(profile)]
+    cmd = [sys.executable, *(["-OO"] if optimize else []), "-m", "edgefl.cli", "--log-level", "WARNING"]
+    cmd += ["run", str(profile)]
     for key, val in overrides.items():
         cmd += ["--set", f"{key}={val}"]
     with open(log_path, "ab") as log:
@@ -496,9 +501,7 @@ async def _feed_devices(
     return list(results)
 
 
-def central_evaluation(
-    profile: CoordinatorProfile, backbone: Backbone
-) -> Callable[[F32, F32], float] | None:
+def central_evaluation(profile: CoordinatorProfile, backbone: Backbone) -> Callable[[F32, F32], float] | None:
     """The coordinator's central evaluation: accuracy of a head on the profile's ``[evaluation]`` set.
 
     Without ``evaluation.path`` the shipped digits model is evaluated on the digits test split, any other

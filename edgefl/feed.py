@@ -9,9 +9,10 @@ sample (a label an operator or a downstream check gives later). It listens on
 ``predictions/<device>`` meanwhile and, at the end, waits (up to ``--wait`` seconds) for a prediction
 of every sample it sent. Messages: ``docs/protocol.md`` ("Live ingest").
 
-The broker connection is made as the agent makes it: ``--profile`` names a device profile whose
-``[broker]`` table gives TLS files, credentials (``password_file``), protocol and topic prefix;
-``--broker`` gives the URL.
+The broker connection is made as the agent makes it: ``--profile`` names a TOML file whose
+``[broker]`` table (validated as a device profile's; other tables are not read, so a file with only
+``[broker]`` or a whole device profile both do) gives TLS files, credentials (``password_file``),
+protocol and topic prefix; ``--broker`` gives the URL.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from edgefl.errors import DecodeError, EdgeflError, TransportError
-from edgefl.profiles import BrokerConfig, broker_password
+from edgefl.profiles import BrokerConfig, Schema, broker_password, check_broker, read_toml
 from edgefl.records import atomic_write
 from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
@@ -352,12 +353,45 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--profile",
         default=None,
-        help="a device profile whose [broker] table gives TLS files, credentials, protocol and prefix",
+        help="a TOML file (a device profile, or only a [broker] table) whose [broker] table gives TLS "
+        "files, credentials, protocol and prefix",
     )
     p.add_argument("--prefix", default=None, help="topic prefix (default: the profile's, or edgefl)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summary as JSON")
     p.set_defaults(func=cmd_feed)
     return p
+
+
+BROKER_SCHEMA = Schema({"broker": BrokerConfig}, {"broker": check_broker})
+"""The ``[broker]`` table alone, checked as a device profile's (:func:`edgefl.profiles.check_broker`)."""
+
+
+def load_broker_table(path: Path | str, overrides: dict[str, object]) -> BrokerConfig:
+    """Read the ``[broker]`` table of a TOML file (other tables ignored), ``overrides`` on top.
+
+    Parameters
+    ----------
+    path : Path or str
+        A file with a ``[broker]`` table: a device profile, or a file holding only that table.
+        Relative paths in it resolve against its directory.
+    overrides : dict[str, object]
+        ``{"broker.key": value}`` set on top (``--broker``, ``--prefix``).
+
+    Returns
+    -------
+    BrokerConfig
+        The validated table (defaults for the keys not given).
+
+    Raises
+    ------
+    ConfigError
+        If the file cannot be read, is not TOML, or the table is invalid (every problem named).
+    """
+    file, data = read_toml(path)
+    table = data.get("broker", {})
+    built = BROKER_SCHEMA.parse({"broker": table}, file.parent, False, overrides)
+    broker: BrokerConfig = built["broker"]
+    return broker
 
 
 def _broker(args: argparse.Namespace) -> BrokerConfig:
@@ -366,9 +400,7 @@ def _broker(args: argparse.Namespace) -> BrokerConfig:
     if args.prefix is not None:
         overrides["broker.topic_prefix"] = args.prefix
     if args.profile is not None:
-        from edgefl.agent.config import load_profile
-
-        return load_profile(args.profile, overrides, check_files=False).broker
+        return load_broker_table(args.profile, overrides)
     parse_broker_url(args.broker)  # ValueError names the problem
     return BrokerConfig(
         url=args.broker,
@@ -417,4 +449,12 @@ def cmd_feed(args: argparse.Namespace) -> int:
     if args.json:
         doc = {**asdict(result), "accuracy": acc}
         atomic_write(Path(args.json), (json.dumps(doc, indent=2) + "\n").encode())
+    if result.samples_sent and not result.predictions_received:
+        topic = Topics(opts.broker.topic_prefix, opts.fleet).predictions(opts.device)
+        print(
+            f"edgefl feed: no prediction came back on {topic} in {opts.wait_s:g} s: check --fleet and "
+            "--device (the agent's device.fleet and device.id) and that the agent runs with "
+            'source.kind = "mqtt"',
+            file=sys.stderr,
+        )
     return 0 if result.predictions_received == result.samples_sent else 1

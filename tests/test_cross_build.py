@@ -323,6 +323,18 @@ def test_unit_takes_its_memory_limits_from_the_profile(stem: str) -> None:
         "on-failure", "edgefl", "strict", "yes")
 
 
+def test_units_run_python_optimised_with_its_bytecode_precompiled() -> None:
+    """H17 item 3: PYTHONOPTIMIZE=2 (-OO, ~3 MiB less RSS); install.sh compiles that bytecode."""
+    agent = _unit_values(wh.render_unit(ROOT / "firmware_configs" / "gateway_aarch64_256mb_mobilenet.toml"))
+    unit = ROOT / "cross_build" / "edgefl-coordinator.service"
+    coordinator = _unit_values(unit.read_text(encoding="utf-8"))
+    expected = ["PYTHONUNBUFFERED=1", "MALLOC_ARENA_MAX=2", "PYTHONOPTIMIZE=2"]
+    for values in (agent, coordinator):
+        assert values["Environment"].split() == expected
+    install = (ROOT / "cross_build" / "install.sh").read_text(encoding="utf-8")
+    assert '"$RELEASE/venv/bin/python" -m compileall -q -o 2 "$RELEASE/venv/lib"' in install
+
+
 def test_unit_for_the_256mb_gateway_caps_at_96_mb() -> None:
     v = _unit_values(wh.render_unit(ROOT / "firmware_configs" / "gateway_aarch64_256mb.toml"))
     assert (v["MemoryMax"], v["MemoryHigh"]) == ("96M", "88M")

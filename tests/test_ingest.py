@@ -469,9 +469,10 @@ def test_ingest_feed_cli_over_tls_with_the_profile_broker_table(
         tls["broker__password_file"] = str(password)
         agent_log.append(start_ingest_agent(broker, fleet, tmp_path, "tls-1", broker__url=url, **tls))
         profile = tmp_path / "feeder.toml"
+        # only a [broker] table: the docs say --profile "lends the [broker] table" (H17 item 4)
         profile.write_text(
-            '[device]\nid = "feeder"\n[model]\npath = "unused.tflite"\n[broker]\n'
-            f'url = "{url}"\nca_file = "{pki.ca}"\nusername = "{USER}"\npassword_file = "{password}"\n'
+            f'[broker]\nurl = "{url}"\nca_file = "{pki.ca}"\nusername = "{USER}"\n'
+            f'password_file = "{password}"\n'
         )
         x, y = load_digits()
         np.savez(tmp_path / "few.npz", x=x[:20], y=y[:20])
@@ -491,3 +492,26 @@ def test_ingest_feed_cli_over_tls_with_the_profile_broker_table(
         assert bare.returncode == 4, bare.stdout + bare.stderr
     finally:
         stop_broker(broker)
+
+
+def test_ingest_feed_cli_to_a_device_that_never_answers(
+    mosquitto: Broker, fleet: str, tmp_path: Path
+) -> None:
+    x, y = load_digits()
+    np.savez(tmp_path / "few.npz", x=x[:5], y=y[:5])
+    base = [sys.executable, "-m", "edgefl.cli", "feed", "--broker", mosquitto.url, "--fleet", fleet]
+    base += ["--device", "nobody", "--data", str(tmp_path / "few.npz"), "--rate", "0", "--wait", "0.5"]
+    done = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "fed 5 samples to nobody" in done.stdout and "0 predictions" in done.stdout
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"edgefl feed: no prediction came back on edgefl/{fleet}/predictions/nobody in 0.5 s: check "
+        "--fleet and --device (the agent's device.fleet and device.id) and that the agent runs with "
+        'source.kind = "mqtt"'
+    )
+    # a [broker]-only --profile is validated with the device profile's broker checks
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[broker]\nqos = 3\nbogus = 1\n')
+    refused = subprocess.run([*base, "--profile", str(bad)], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stderr
+    assert "broker.qos = 3" in refused.stderr and "broker.bogus: unknown key" in refused.stderr

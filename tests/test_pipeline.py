@@ -226,7 +226,9 @@ def test_folded_digits_model_equals_the_int8_model_on_real_digits() -> None:
         pipe = Pipeline(folded, *DIGITS, mode=mode, batch=64)
         emb, logits = pipe.run(raw)
         assert np.array_equal(emb, emb_ref) and np.array_equal(logits, logits_ref), mode
-    assert pipe.counters()["padded_rows"] == 64 - len(raw) % 64
+    # the last, partial group runs at its real size (a resizable model): nothing padded (H17 item 5)
+    assert pipe.counters()["padded_rows"] == 0
+    assert pipe.counters()["invokes"] == -(-len(raw) // 64)
 
 
 def test_partial_batches_are_padded_and_never_reported() -> None:
@@ -242,8 +244,11 @@ def test_partial_batches_are_padded_and_never_reported() -> None:
         # int8 kernels: each row of a batch is computed exactly as alone
         assert np.array_equal(emb, ref_emb) and np.array_equal(logits, ref_logits)
         c = pipe.counters()
-        assert (c["samples"], c["invokes"], c["padded_rows"]) == (11, 3, 1)
-        # the pad row holds the normalised zero (the input zero point), not stale samples
+        # 4 + 4 + 3: the last group runs at 3 rows (resizable model, H17 item 5), nothing padded
+        assert (c["samples"], c["invokes"], c["padded_rows"]) == (11, 3, 0)
+        assert pipe.allocated_batch == 4 and pipe.tensor_batch == 4
+        # prepare() pads (as a fixed-batch model runs): the pad row holds the normalised zero (the
+        # input zero point), not stale samples
         tensor = _input_tensor(pipe, raw[:3])
         assert (tensor[3] == bb.input_quant.zero_point).all()
 
@@ -599,3 +604,19 @@ def test_non_native_byte_order_raw_samples_through_a_float32_model(dtype: str) -
     fused = Pipeline(bb, *DIGITS, mode="fused", batch=3)
     assert fused.fused_step(dtype) in ("table", "in_place")
     assert np.array_equal(_input_tensor(fused, raw), preprocess(raw, bb, *DIGITS))
+
+
+def test_live_single_samples_run_unpadded_on_a_resizable_model() -> None:
+    """H17 item 5: at a low live rate each sample comes alone; it runs as a 1-row invoke, not padded to 8."""
+    raw = load_digits()[0][:20]
+    bb = Backbone(MODELS / "digits_cnn_int8_rawin.tflite")
+    assert bb.resizable
+    ref_emb, ref_logits = Pipeline(bb, *DIGITS, mode="fused", batch=8).run(raw)
+    pipe = Pipeline(bb, *DIGITS, mode="fused", batch=8)
+    pipe.run(raw[:8])  # one full batch first: the arena is allocated for 8
+    got = [pipe.run(raw[i : i + 1]) for i in range(8, 20)]  # then one at a time, as at 20 Hz
+    assert np.array_equal(np.concatenate([e for e, _ in got]), ref_emb[8:])
+    assert np.array_equal(np.concatenate([lg for _, lg in got]), ref_logits[8:])
+    c = pipe.counters()
+    assert (c["samples"], c["invokes"], c["padded_rows"]) == (20, 13, 0)
+    assert (pipe.tensor_batch, pipe.allocated_batch) == (8, 8)

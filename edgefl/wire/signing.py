@@ -265,6 +265,36 @@ def _backend() -> _Ed25519:
     return _loaded
 
 
+INSTALL_HINT: Final = "pip install 'edgefl[security]'"
+"""How to get an Ed25519 library (the ``security`` extra: PyNaCl)."""
+
+
+def library_problem(setting: str) -> str | None:
+    """Why a configured key ``setting`` cannot be used here, or None if an Ed25519 library imports.
+
+    Profiles call it for every key they configure, so ``check-config``, ``edgefl run`` and
+    ``edgefl coordinator`` refuse at load (exit 1) instead of failing at the first signed message.
+
+    Parameters
+    ----------
+    setting : str
+        The dotted profile key that configures a key, e.g. ``"security.coordinator_public_key"``.
+
+    Returns
+    -------
+    str or None
+        One line naming the setting and :data:`INSTALL_HINT`.
+    """
+    try:
+        _backend()
+    except RuntimeError:
+        return (
+            f"{setting}: a key is configured but no Ed25519 library (PyNaCl or cryptography) can be "
+            f"imported; {INSTALL_HINT}"
+        )
+    return None
+
+
 def backend_name() -> str:
     """Name of the Ed25519 library in use (imports it)."""
     return _backend().name

@@ -1,0 +1,85 @@
+"""One agent per state folder: an exclusive ``flock`` on ``<state_dir>/agent.lock``.
+
+Two agents on one folder would map the same store and overwrite each other's outbox and head. The
+lock is advisory (``flock(2)``, Linux/BSD), taken at start-up and held for the life of the process;
+the kernel drops it when the process exits, however it exits, so a stale lock file never blocks.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from pathlib import Path
+from typing import IO
+
+from edgefl.errors import EdgeflError
+
+__all__ = ["LOCK_FILE", "StateDirBusy", "lock_state_dir"]
+
+LOCK_FILE = "agent.lock"
+"""Name of the lock file inside the state folder; it holds the owner's pid as decimal text."""
+
+
+class StateDirBusy(EdgeflError):
+    """Another live process holds the state folder's lock (``edgefl run`` exits 1, a config error).
+
+    Parameters
+    ----------
+    state_dir : Path
+        The folder.
+    pid : int or None
+        The pid written by the holder, None if it could not be read.
+    """
+
+    def __init__(self, state_dir: Path, pid: int | None) -> None:
+        who = f"pid {pid}" if pid is not None else "a process whose pid is unknown"
+        super().__init__(
+            f"state folder {state_dir} is in use by another agent ({who}); give each agent its own "
+            "folder (device.state_dir, or a distinct device.id with the default state/<device.id>)"
+        )
+        self.state_dir = state_dir
+        self.pid = pid
+
+
+def lock_state_dir(state_dir: Path) -> IO[str]:
+    """Take the exclusive lock of ``state_dir`` (created if missing) and write our pid into it.
+
+    Parameters
+    ----------
+    state_dir : Path
+        The agent's state folder.
+
+    Returns
+    -------
+    IO[str]
+        The open lock file; keep a reference for as long as the lock must be held (closing it, or the
+        process ending, releases it).
+
+    Raises
+    ------
+    StateDirBusy
+        If another process holds the lock (non-blocking: raised at once).
+    OSError
+        If the folder or the lock file cannot be created.
+
+    Source: ``flock(2)`` (Linux man-pages), ``LOCK_EX | LOCK_NB``.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / LOCK_FILE
+    handle = open(path, "a+", encoding="ascii")  # noqa: SIM115 - held for the process's life
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            handle.close()
+            raise
+        handle.seek(0)
+        text = handle.read().strip()
+        handle.close()
+        raise StateDirBusy(state_dir, int(text) if text.isdecimal() else None) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
