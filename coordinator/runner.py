@@ -281,8 +281,38 @@ async def _connected_or_refused(transport: MqttTransport, where: str, timeout_s:
             await within(transport.connected.wait(), min(0.2, left))
 
 
-def _round_line(rec: RoundRecord, total: int, expected: int, refused: Mapping[str, int]) -> str:
-    why = ", ".join(f"{k} {v}" for k, v in sorted(refused.items())) or "none"
+def _by_reason(counts: Mapping[str, int]) -> str:
+    """``"a 1, b 2"`` for ``{"a": 1, "b": 2}`` (sorted by reason), ``""`` when empty."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _empty_cause(refused: Mapping[str, int], declined: Mapping[str, int], online: int) -> str:
+    """Why a round aggregated nothing: its declines and refusals by reason, and the devices online."""
+    parts = []
+    if declined:
+        parts.append(f"declined: {_by_reason(declined)}")
+    if refused:
+        parts.append(f"refused: {_by_reason(refused)}")
+    if not parts:
+        parts.append("no update arrived")
+    parts.append(f"{_plural(online, 'device')} online")
+    return "; ".join(parts)
+
+
+def _round_line(
+    rec: RoundRecord,
+    total: int,
+    expected: int,
+    refused: Mapping[str, int],
+    declined: Mapping[str, int] | None = None,
+) -> str:
+    why = _by_reason(refused) or "none"
+    if declined:
+        why += f", declined: {_by_reason(declined)}"
     acc = "n/a" if math.isnan(rec.accuracy) else f"{rec.accuracy:.3f}"
     extra = f", {rec.clipped} clipped" if rec.clipped else ""
     if rec.fed_devices:
@@ -401,7 +431,10 @@ async def run(
             loop.add_signal_handler(sig, stop.set)
     where = f"{broker.scheme}://{broker.host}:{broker.port}"
     role = "" if hier.role == "flat" else f" ({hier.role} of {hier.expected_sites or 'any number of'} sites)"
-    print(f"coordinator{role} of fleet {fleet} at {where}: {rounds.count} rounds of {st.name}", flush=True)
+    print(
+        f"coordinator{role} of fleet {fleet} at {where}: {_plural(rounds.count, 'round')} of {st.name}",
+        flush=True,
+    )
     stop_page: Callable[[], Awaitable[None]] | None = None
     if page is not None and profile.dashboard.enabled:
         stop_page, port = await page(profile.dashboard, f"fleet {fleet}", coord.dashboard_status)
@@ -414,7 +447,13 @@ async def run(
         await _connected_or_refused(transport, where, 60.0)
         await coord.start()
         expected = max(rounds.expected_clients, rounds.min_clients)
-        if rounds.expected_clients:
+        if coord.state.round >= rounds.count:
+            print(
+                f"nothing to do: fleet {fleet} is at round {coord.state.round} of {rounds.count} "
+                "(raise rounds.count or use a new fleet.name)",
+                flush=True,
+            )
+        elif rounds.expected_clients:
             waiting = asyncio.create_task(
                 coord.wait_for_devices(rounds.expected_clients, timeout_s=rounds.wait_devices_s)
             )
@@ -434,6 +473,7 @@ async def run(
         while coord.state.round < rounds.count and not stop.is_set():
             r = coord.state.round + 1
             refused_before = Counter(coord.state.rejected)
+            declined_before = Counter(coord.state.declined)
             runner = asyncio.create_task(coord.run_round(r))
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -448,13 +488,16 @@ async def run(
             refused = Counter(coord.state.rejected)
             refused.subtract(refused_before)
             refused_round = {k: v for k, v in refused.items() if v > 0}
+            declined = Counter(coord.state.declined)
+            declined.subtract(declined_before)
+            declined_round = {k: v for k, v in declined.items() if v > 0}
             if files.state is not None:
                 coord.save_state(files.state)
-            line = _round_line(rec, rounds.count, expected, refused_round)
+            line = _round_line(rec, rounds.count, expected, refused_round, declined_round)
             print(line, flush=True)
             logger.info("%s", line)
             if rec.clients == 0:
-                why = ", ".join(f"{k} {v}" for k, v in sorted(refused_round.items())) or "no update arrived"
+                why = _empty_cause(refused_round, declined_round, len(coord.online_devices()))
                 empty.append(f"round {rec.round} aggregated nothing ({why})")
             if files.log is not None:
                 entry = {
