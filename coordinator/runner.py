@@ -309,6 +309,7 @@ def _round_line(
     expected: int,
     refused: Mapping[str, int],
     declined: Mapping[str, int] | None = None,
+    per: str = "update",
 ) -> str:
     why = _by_reason(refused) or "none"
     if declined:
@@ -326,7 +327,7 @@ def _round_line(
         extra += f", ROUND REFUSED ({rec.refused}): head kept"
     return (
         f"round {rec.round}/{total}: {rec.clients}/{expected} clients, refused: {why}, accuracy {acc}, "
-        f"{rec.update_bytes_mean:.0f} B/update, {rec.duration_s:.2f} s{extra}"
+        f"{rec.update_bytes_mean:.0f} B/{per}, {rec.duration_s:.2f} s{extra}"
     )
 
 
@@ -493,7 +494,9 @@ async def run(
             declined_round = {k: v for k, v in declined.items() if v > 0}
             if files.state is not None:
                 coord.save_state(files.state)
-            line = _round_line(rec, rounds.count, expected, refused_round, declined_round)
+            # at the root the messages in are the sites' partials (~41 kB for 512x10 float64 sums)
+            per = "partial" if isinstance(coord, RootCoordinator) else "update"
+            line = _round_line(rec, rounds.count, expected, refused_round, declined_round, per)
             print(line, flush=True)
             logger.info("%s", line)
             if rec.clients == 0:
@@ -518,6 +521,8 @@ async def run(
                     "refused": rec.refused or None,
                 }
                 if isinstance(coord, RootCoordinator):  # since the start of this process
+                    # update_bytes_mean is kept (same key as a flat run); at the root it is this
+                    entry["partial_bytes_mean"] = rec.update_bytes_mean
                     entry["partials"] = coord.partials_received
                     entry["partial_bytes"] = coord.partial_bytes
                     entry["duplicate_partials"] = coord.duplicates
@@ -589,7 +594,11 @@ async def _run_site(
             await site.start()
         except UpdateRejected as exc:
             raise ConfigError([f"files.state = {str(files.state)!r}: {exc}"]) from exc
-        print(f"site {site.site}: ready after round {site.closed_round}", flush=True)
+        print(
+            f"site {site.site}: ready, waiting for the root's round {site.closed_round + 1} "
+            f"(last round closed here: {site.closed_round or 'none'})",
+            flush=True,
+        )
         while not stop.is_set():
             refused_before = Counter(site.state.rejected)
             runner = asyncio.create_task(_next_site_round(site, rounds.count))
