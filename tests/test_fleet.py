@@ -108,6 +108,7 @@ def test_coordinator_job_prints_a_line_per_round_and_writes_the_summary(
         "rounds.deadline_s=60",
         f"files.json={summary}",
     )
+    print(done.stdout)  # docs/operations.md's example ("The coordinator") is such a run
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("round ")]
     assert [line.split(":")[0] for line in lines] == ["round 1/2", "round 2/2"], done.stdout
