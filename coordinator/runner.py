@@ -93,6 +93,15 @@ FLAG_KEYS: Final = {
 }
 
 
+#: What the flags whose name differs from their profile key's mean (the help puts the key after it).
+FLAG_MEANING: Final = {
+    "wait_devices": "wait for this many devices to be ready before round 1 (up to rounds.wait_devices_s) "
+    "and expect as many clients a round; ",
+    "clip_norm": "bound on each update's L2 norm at the coordinator (not the devices' "
+    "training.clip_norm); ",
+}
+
+
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``coordinator`` sub-command to an ``argparse`` sub-parsers object.
 
@@ -107,8 +116,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "coordinator",
         help="run the coordinator of a fleet",
         description="Run federated rounds for one fleet over MQTT, as a coordinator profile says; flags "
-        "override the profile's keys. Exit codes: 0 done, 1 invalid profile, 3 model error, 4 start-up "
-        "error, 5 a round aggregated nothing.",
+        "override the profile's keys. Exit codes: 0 done, 1 invalid profile or credentials refused, 2 usage "
+        "(a bad flag or --set), 3 model error, 4 start-up error, 5 a round aggregated nothing.",
     )
     p.add_argument(
         "profile",
@@ -124,8 +133,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="override a profile key, e.g. --set rounds.count=20 (repeatable)",
     )
     for flag, key in FLAG_KEYS.items():
+        what = FLAG_MEANING.get(flag, "")
         p.add_argument(
-            "--" + flag.replace("_", "-"), default=None, metavar="VALUE", help=f"same as --set {key}=VALUE"
+            "--" + flag.replace("_", "-"),
+            default=None,
+            metavar="VALUE",
+            help=f"{what}same as --set {key}=VALUE",
         )
     p.set_defaults(func=main)
     return p

@@ -64,3 +64,14 @@ def test_check_config_of_a_coordinator_profile_names_its_role() -> None:
     assert flat.stdout == want, flat.stdout + flat.stderr
     assert site.stdout.rstrip().endswith(", role site lyon)"), site.stdout + site.stderr
     assert root.stdout.rstrip().endswith(", role root of 20 sites)"), root.stdout + root.stderr
+
+
+def test_help_texts_name_every_sub_command_exit_code_and_profile_key() -> None:
+    top = edgefl("--help")
+    description = " ".join(top.stdout.split("\n\n")[1].split())  # the paragraph after the usage
+    for name in ("run", "check-config", "demo", "coordinator", "feed", "wheelhouse", "bridge-config"):
+        assert name in description, (name, description)
+    coord = " ".join(edgefl("coordinator", "--help").stdout.split())
+    assert "2 usage (a bad flag or --set)" in coord
+    assert "and expect as many clients a round; same as --set rounds.expected_clients=VALUE" in coord
+    assert "(not the devices' training.clip_norm); same as --set robustness.norm_bound=VALUE" in coord

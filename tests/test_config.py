@@ -494,7 +494,7 @@ def test_overrides_from_the_command_line_are_coerced(write: Writer, tmp_path: Pa
             "memory.reserve_mb": " 4 ",
             "dashboard.enabled": "TRUE",
             "pipeline.mean": "0.5,0.25,0",
-            "pipeline.std": "2,2,2",
+            "pipeline.std": "[2.0, 2, 2]",  # the TOML array syntax is accepted like a comma list
             "training.clip_norm": "1.5",
             "source.kind": "replay",
             "source.path": str(tmp_path / "r.npz"),
