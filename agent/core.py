@@ -242,12 +242,16 @@ class Deferred:
     since_s : float
         ``time.monotonic()`` of its first deferral.
     reason : str
-        The governor's latest reason.
+        The governor's latest reason (or why too few examples are stored).
+    decline : str
+        The Decline's reason when its time is up: ``over_budget`` (memory) or ``too_few_examples``
+        (fewer than ``training.min_examples`` labelled examples stored).
     """
 
     ann: RoundAnnouncement
     since_s: float
     reason: str
+    decline: str = Reason.OVER_BUDGET
 
 
 def holdout_capacity(store_capacity: int, every: int) -> int:
@@ -858,7 +862,9 @@ class DeviceCore:
 
         In order: not selected -> NOT_SELECTED; round <= the last answered one (persisted across
         restarts) -> ANSWERED; base version newer than the head -> WAITING_HEAD (kept pending);
-        older -> REFUSED ``stale_round``; empty store -> NO_SAMPLES (kept pending); the governor
+        older -> REFUSED ``stale_round``; empty store -> NO_SAMPLES (kept pending); fewer than
+        ``training.min_examples`` labelled examples -> DEFERRED (retried as for memory, declined
+        ``too_few_examples`` after half the deadline: :meth:`retry_deferred`); the governor
         defers -> DEFERRED; else local epochs on the store (phase ``train``), error feedback on a
         compressed delta, the Update encoded and signed (phase ``encode``), kept in the outbox and
         the round recorded as answered -> TRAINED. The caller publishes ``entry.payload`` and acks
@@ -910,6 +916,11 @@ class DeviceCore:
             return RoundResult(RoundStatus.NO_SAMPLES, ann.round, detail="no local samples")
         if self.pending_round is not None and self.pending_round.round <= ann.round:
             self.pending_round = None
+        need = self.profile.training.min_examples
+        if len(self.store) < need:
+            # a feed may still be going: wait for more like for memory, decline when the time is up
+            why = f"{len(self.store)} labelled examples stored, training.min_examples is {need}"
+            return self._defer(ann, why, Reason.TOO_FEW_EXAMPLES)
         try:
             return self._train_and_encode(ann, head)
         except (ValueError, ArithmeticError, OSError) as exc:
@@ -1020,11 +1031,11 @@ class DeviceCore:
             update_bytes=len(payload),
         )
 
-    def _defer(self, ann: RoundAnnouncement, reason: str) -> RoundResult:
+    def _defer(self, ann: RoundAnnouncement, reason: str, decline: str = Reason.OVER_BUDGET) -> RoundResult:
         """Keep ``ann`` as the deferred round (its first deferral time kept when deferred again)."""
         prior = self.deferred
         since = prior.since_s if prior is not None and prior.ann.round == ann.round else time.monotonic()
-        self.deferred = Deferred(ann, since, reason)
+        self.deferred = Deferred(ann, since, reason, decline)
         return RoundResult(RoundStatus.DEFERRED, ann.round, reason)
 
     def retry_deferred(self, now_s: float | None = None) -> RoundResult | None:
@@ -1033,7 +1044,8 @@ class DeviceCore:
         Before :data:`DECLINE_AFTER_FRACTION` of the round's ``deadline_s`` has passed since its first
         deferral, free heap is returned to the kernel and the round answered again
         (:meth:`answer_round`: TRAINED, or DEFERRED again). After it, the round is refused to the
-        coordinator (DECLINED, reason ``over_budget``, the governor's reason as detail) so that it is
+        coordinator (DECLINED, reason ``over_budget`` or ``too_few_examples``, the latest reason as
+        detail) so that it is
         counted there instead of silently lost. The daemon calls this every status interval.
 
         Parameters
@@ -1068,7 +1080,7 @@ class DeviceCore:
 
     def _decline_safely(self, d: Deferred) -> RoundResult:
         try:
-            return self.decline(d.ann, Reason.OVER_BUDGET, d.reason)
+            return self.decline(d.ann, d.decline, d.reason)
         except (ValueError, OSError) as exc:
             return RoundResult(RoundStatus.REFUSED, d.ann.round, "failed", f"decline not kept: {exc}")
 

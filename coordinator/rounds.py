@@ -45,6 +45,9 @@ class Round:
         False in a buffered-asynchronous step (FedBuff), where updates of earlier rounds are welcome.
     expected_sites : int
         At the root of a hierarchy: partials that close the round (0: ``min_clients`` updates do).
+    online : frozenset[str]
+        Devices online when the round opened (used when ``selected`` is None): once one of them
+        declined and every one answered or declined, the round closes (``min_clients`` cannot come).
     """
 
     number: int
@@ -55,6 +58,7 @@ class Round:
     selected: frozenset[str] | None = None
     check_round: bool = True
     expected_sites: int = 0
+    online: frozenset[str] = frozenset()
     opened_at: float = field(default_factory=time.monotonic)
     phase: RoundPhase = RoundPhase.OPEN
     devices: list[str] = field(default_factory=list)
@@ -78,11 +82,16 @@ class Round:
     def complete(self) -> bool:
         """True when ``min_clients`` updates arrived, or every selected device answered or declined.
 
+        Without a selection: also when some device declined and every device online at the opening
+        answered or declined (no more updates are coming; waiting for the deadline would not help).
         At the root of a hierarchy with ``expected_sites``: when that many sites' partials arrived.
         """
         if self.expected_sites > 0:
             return len(self.sites) >= self.expected_sites
-        if self.selected is not None and set(self.devices) | set(self.declined) >= self.selected:
+        answered = set(self.devices) | set(self.declined)
+        if self.selected is not None and answered >= self.selected:
+            return True
+        if self.selected is None and self.declined and self.online and answered >= self.online:
             return True
         return self.clients >= self.min_clients
 

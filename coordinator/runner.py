@@ -94,6 +94,15 @@ FLAG_KEYS: Final = {
 }
 
 
+#: What the flags whose name differs from their profile key's mean (the help puts the key after it).
+FLAG_MEANING: Final = {
+    "wait_devices": "wait for this many devices to be ready before round 1 (up to rounds.wait_devices_s) "
+    "and expect as many clients a round; ",
+    "clip_norm": "bound on each update's L2 norm at the coordinator (not the devices' "
+    "training.clip_norm); ",
+}
+
+
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``coordinator`` sub-command to an ``argparse`` sub-parsers object.
 
@@ -108,8 +117,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "coordinator",
         help="run the coordinator of a fleet",
         description="Run federated rounds for one fleet over MQTT, as a coordinator profile says; flags "
-        "override the profile's keys. Exit codes: 0 done, 1 invalid profile, 3 model error, 4 start-up "
-        "error, 5 a round aggregated nothing.",
+        "override the profile's keys. Exit codes: 0 done, 1 invalid profile or credentials refused, 2 usage "
+        "(a bad flag or --set), 3 model error, 4 start-up error, 5 a round aggregated nothing.",
     )
     p.add_argument(
         "profile",
@@ -125,8 +134,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="override a profile key, e.g. --set rounds.count=20 (repeatable)",
     )
     for flag, key in FLAG_KEYS.items():
+        what = FLAG_MEANING.get(flag, "")
         p.add_argument(
-            "--" + flag.replace("_", "-"), default=None, metavar="VALUE", help=f"same as --set {key}=VALUE"
+            "--" + flag.replace("_", "-"),
+            default=None,
+            metavar="VALUE",
+            help=f"{what}same as --set {key}=VALUE",
         )
     p.set_defaults(func=main)
     return p
@@ -315,8 +328,39 @@ async def _connected_or_refused(transport: MqttTransport, where: str, timeout_s:
             await within(transport.connected.wait(), min(0.2, left))
 
 
-def _round_line(rec: RoundRecord, total: int, expected: int, refused: Mapping[str, int]) -> str:
-    why = ", ".join(f"{k} {v}" for k, v in sorted(refused.items())) or "none"
+def _by_reason(counts: Mapping[str, int]) -> str:
+    """``"a 1, b 2"`` for ``{"a": 1, "b": 2}`` (sorted by reason), ``""`` when empty."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _empty_cause(refused: Mapping[str, int], declined: Mapping[str, int], online: int) -> str:
+    """Why a round aggregated nothing: its declines and refusals by reason, and the devices online."""
+    parts = []
+    if declined:
+        parts.append(f"declined: {_by_reason(declined)}")
+    if refused:
+        parts.append(f"refused: {_by_reason(refused)}")
+    if not parts:
+        parts.append("no update arrived")
+    parts.append(f"{_plural(online, 'device')} online")
+    return "; ".join(parts)
+
+
+def _round_line(
+    rec: RoundRecord,
+    total: int,
+    expected: int,
+    refused: Mapping[str, int],
+    declined: Mapping[str, int] | None = None,
+    per: str = "update",
+) -> str:
+    why = _by_reason(refused) or "none"
+    if declined:
+        why += f", declined: {_by_reason(declined)}"
     acc = "n/a" if math.isnan(rec.accuracy) else f"{rec.accuracy:.3f}"
     extra = f", {rec.clipped} clipped" if rec.clipped else ""
     if rec.fed_devices:
@@ -330,7 +374,7 @@ def _round_line(rec: RoundRecord, total: int, expected: int, refused: Mapping[st
         extra += f", ROUND REFUSED ({rec.refused}): head kept"
     return (
         f"round {rec.round}/{total}: {rec.clients}/{expected} clients, refused: {why}, accuracy {acc}, "
-        f"{rec.update_bytes_mean:.0f} B/update, {rec.duration_s:.2f} s{extra}"
+        f"{rec.update_bytes_mean:.0f} B/{per}, {rec.duration_s:.2f} s{extra}"
     )
 
 
@@ -437,7 +481,10 @@ async def run(
             loop.add_signal_handler(sig, stop.set)
     where = f"{broker.scheme}://{broker.host}:{broker.port}"
     role = "" if hier.role == "flat" else f" ({hier.role} of {hier.expected_sites or 'any number of'} sites)"
-    print(f"coordinator{role} of fleet {fleet} at {where}: {rounds.count} rounds of {st.name}", flush=True)
+    print(
+        f"coordinator{role} of fleet {fleet} at {where}: {_plural(rounds.count, 'round')} of {st.name}",
+        flush=True,
+    )
     stop_page: Callable[[], Awaitable[None]] | None = None
     if page is not None and profile.dashboard.enabled:
         stop_page, port = await page(profile.dashboard, f"fleet {fleet}", coord.dashboard_status)
@@ -450,7 +497,13 @@ async def run(
         await _connected_or_refused(transport, where, 60.0)
         await coord.start()
         expected = max(rounds.expected_clients, rounds.min_clients)
-        if rounds.expected_clients:
+        if coord.state.round >= rounds.count:
+            print(
+                f"nothing to do: fleet {fleet} is at round {coord.state.round} of {rounds.count} "
+                "(raise rounds.count or use a new fleet.name)",
+                flush=True,
+            )
+        elif rounds.expected_clients:
             waiting = asyncio.create_task(
                 coord.wait_for_devices(rounds.expected_clients, timeout_s=rounds.wait_devices_s)
             )
@@ -470,6 +523,7 @@ async def run(
         while coord.state.round < rounds.count and not stop.is_set():
             r = coord.state.round + 1
             refused_before = Counter(coord.state.rejected)
+            declined_before = Counter(coord.state.declined)
             runner = asyncio.create_task(coord.run_round(r))
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -484,13 +538,18 @@ async def run(
             refused = Counter(coord.state.rejected)
             refused.subtract(refused_before)
             refused_round = {k: v for k, v in refused.items() if v > 0}
+            declined = Counter(coord.state.declined)
+            declined.subtract(declined_before)
+            declined_round = {k: v for k, v in declined.items() if v > 0}
             if files.state is not None:
                 coord.save_state(files.state)
-            line = _round_line(rec, rounds.count, expected, refused_round)
+            # at the root the messages in are the sites' partials (~41 kB for 512x10 float64 sums)
+            per = "partial" if isinstance(coord, RootCoordinator) else "update"
+            line = _round_line(rec, rounds.count, expected, refused_round, declined_round, per)
             print(line, flush=True)
             logger.info("%s", line)
             if rec.clients == 0:
-                why = ", ".join(f"{k} {v}" for k, v in sorted(refused_round.items())) or "no update arrived"
+                why = _empty_cause(refused_round, declined_round, len(coord.online_devices()))
                 empty.append(f"round {rec.round} aggregated nothing ({why})")
             if files.log is not None:
                 entry = {
@@ -511,6 +570,8 @@ async def run(
                     "refused": rec.refused or None,
                 }
                 if isinstance(coord, RootCoordinator):  # since the start of this process
+                    # update_bytes_mean is kept (same key as a flat run); at the root it is this
+                    entry["partial_bytes_mean"] = rec.update_bytes_mean
                     entry["partials"] = coord.partials_received
                     entry["partial_bytes"] = coord.partial_bytes
                     entry["duplicate_partials"] = coord.duplicates
@@ -582,7 +643,11 @@ async def _run_site(
             await site.start()
         except UpdateRejected as exc:
             raise ConfigError([f"files.state = {str(files.state)!r}: {exc}"]) from exc
-        print(f"site {site.site}: ready after round {site.closed_round}", flush=True)
+        print(
+            f"site {site.site}: ready, waiting for the root's round {site.closed_round + 1} "
+            f"(last round closed here: {site.closed_round or 'none'})",
+            flush=True,
+        )
         while not stop.is_set():
             refused_before = Counter(site.state.rejected)
             runner = asyncio.create_task(_next_site_round(site, rounds.count))

@@ -832,6 +832,7 @@ class Coordinator:
             frozenset(selected) if selected else None,
             check_round=cfg.schedule is Schedule.SYNC,
             expected_sites=self.expected_sites,
+            online=frozenset(self.online_devices()) if not selected else frozenset(),
         )
         self.state.current = rnd
         self.state.round = round_no

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from edgefl.agent.config import Profile
+    from edgefl.coordinator.profile import HierarchyConfig
 
 # One BLAS thread and two malloc arenas: on a small gateway each extra thread or arena costs RSS.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -278,7 +279,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             return EXIT_INVALID
         print(
             f"{args.profile}: ok (coordinator of fleet {coordinator.fleet.name}, {coordinator.rounds.count} "
-            f"rounds of {coordinator.strategy.name})"
+            f"round{'' if coordinator.rounds.count == 1 else 's'} of {coordinator.strategy.name}, "
+            f"role {_role(coordinator.hierarchy)})"
         )
         if args.print:
             print(json.dumps(SCHEMA.to_dict(coordinator), indent=2, default=str))
@@ -346,7 +348,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="edgefl",
         description="edgefl: the federated-learning device agent, its coordinator and tools (run, "
-        "check-config, demo, coordinator, profile, memory-report, model, wheelhouse).",
+        "check-config, demo, coordinator, profile, memory-report, model, feed, wheelhouse, bridge-config).",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -446,6 +448,15 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
             func=functools.partial(runner.main, evaluation=central_evaluation, page=serve_coordinator_page)
         )
     return p
+
+
+def _role(h: HierarchyConfig) -> str:
+    """``flat``, ``site lyon`` or ``root of 20 sites`` for a coordinator's ``[hierarchy]``."""
+    if h.role == "site":
+        return f"site {h.site}"
+    if h.role == "root":
+        return f"root of {h.expected_sites or 'any number of'} sites"
+    return "flat"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -165,7 +165,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     Writes the model with its embedding as an extra output and, given ``--mean``/``--std``, the
     normalisation folded into a uint8 input (:func:`edgefl.modelfold.fold_input_normalisation`).
-    Exit 0, 2 (usage: only one of --mean/--std) or 3 (the model cannot be prepared).
+    Exit 0, 2 (usage: only one of --mean/--std, or --mean/--std on a float-input model, whose
+    normalisation belongs in ``pipeline.mean``/``std``) or 3 (the model cannot be prepared).
     """
     from edgefl.records import atomic_write
     from edgefl.runtime import Backbone
@@ -181,6 +182,17 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         buf = src.read_bytes()
         if args.mean is not None:
             from edgefl.modelfold import fold_input_normalisation
+
+            graph = modelfile.read_graph(buf, str(src))
+            kinds = [graph.tensors[i].dtype for i in graph.inputs]
+            if kinds and all(k.startswith("float") for k in kinds):
+                # a usage error, not a broken model: the normalisation belongs in the profile then
+                print(
+                    f"edgefl: model prepare: {src} has a {kinds[0]} input: the fold applies to int8-input "
+                    "models; set pipeline.mean/std instead (and run prepare without --mean/--std)",
+                    file=sys.stderr,
+                )
+                return EXIT_USAGE
 
             buf, report = fold_input_normalisation(
                 buf, args.mean, args.std, raw_dtype=args.raw_dtype, path=str(src)

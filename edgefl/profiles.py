@@ -288,11 +288,14 @@ def convert(spec: FieldSpec, value: object, base_dir: Path, *, from_text: bool) 
             except ValueError as exc:
                 raise ValueError("must be a number") from exc
         return check_finite_float(value)
-    # floats: a TOML array of numbers, a single number, or "a,b,c" from the command line
+    # floats: a TOML array of numbers, a single number, or "a,b,c" / "[a, b, c]" from the command line
     items: object = value
     if from_text and isinstance(value, str):
+        text = value.strip()
+        if text.startswith("[") and text.endswith("]"):  # the TOML array syntax, as in the profile
+            text = text[1:-1].strip()
         try:
-            items = [float(part) for part in value.split(",")] if value.strip() else []
+            items = [float(part) for part in text.split(",")] if text else []
         except ValueError as exc:
             raise ValueError("must be a comma-separated list of numbers") from exc
     elif isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -498,6 +498,12 @@ def test_bridge_hierarch_real_agents_at_two_sites(bridged_brokers: BridgedBroker
         lines = tier.log("root")
         assert [ln["clients"] for ln in lines] == [2, 2]
         assert [len(ln["update_ids"]) for ln in lines] == [2, 2]
+        # at the root the bytes in are partials': labelled so on stdout, partial_bytes_mean in the log
+        assert all(ln["partial_bytes_mean"] == ln["update_bytes_mean"] > 0 for ln in lines), lines
+        assert " B/partial, " in tier.output("root") and " B/update" not in tier.output("root")
+        assert "site-a: ready, waiting for the root's round 1 (last round closed here: none)" in tier.output(
+            "site-a"
+        )
     finally:
         tier.stop()
         for a in agents:

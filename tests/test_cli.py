@@ -51,3 +51,27 @@ def test_help_lists_the_sub_commands() -> None:
     commands.append("feed")
     for name in commands:
         assert name in r.stdout, name
+
+
+def test_check_config_of_a_coordinator_profile_names_its_role() -> None:
+    profile = str(ROOT / "firmware_configs" / "coordinator.toml")
+    flat = edgefl("check-config", profile)
+    site = edgefl("check-config", profile, "--set", "hierarchy.role=site", "--set", "hierarchy.site=lyon")
+    root = edgefl(
+        "check-config", profile, "--set", "hierarchy.role=root", "--set", "hierarchy.expected_sites=20"
+    )
+    want = f"{profile}: ok (coordinator of fleet default, 10 rounds of trimmed-mean, role flat)\n"
+    assert flat.stdout == want, flat.stdout + flat.stderr
+    assert site.stdout.rstrip().endswith(", role site lyon)"), site.stdout + site.stderr
+    assert root.stdout.rstrip().endswith(", role root of 20 sites)"), root.stdout + root.stderr
+
+
+def test_help_texts_name_every_sub_command_exit_code_and_profile_key() -> None:
+    top = edgefl("--help")
+    description = " ".join(top.stdout.split("\n\n")[1].split())  # the paragraph after the usage
+    for name in ("run", "check-config", "demo", "coordinator", "feed", "wheelhouse", "bridge-config"):
+        assert name in description, (name, description)
+    coord = " ".join(edgefl("coordinator", "--help").stdout.split())
+    assert "2 usage (a bad flag or --set)" in coord
+    assert "and expect as many clients a round; same as --set rounds.expected_clients=VALUE" in coord
+    assert "(not the devices' training.clip_norm); same as --set robustness.norm_bound=VALUE" in coord

@@ -362,6 +362,11 @@ def test_replay_source_must_be_an_npz_with_x_and_y(write: Writer, tmp_path: Path
         ),
         ("[training]\nstore_capacity = 0\n", "training.store_capacity = 0: must be > 0"),
         ("[training]\nclip_norm = 0.0\n", "training.clip_norm = 0.0: must be > 0"),
+        ("[training]\nmin_examples = 0\n", "training.min_examples = 0: must be an integer >= 1"),
+        (
+            "[training]\nstore_capacity = 64\nmin_examples = 65\n",
+            "training.min_examples = 65: must be <= training.store_capacity (64): the store never holds more",
+        ),
         ("[training]\nclip_norm = inf\n", "training.clip_norm = inf: must be finite"),
         ("[training]\nseed = -1\n", "training.seed = -1: must be >= 0"),
         ("[source]\nrate_hz = -1.5\n", "source.rate_hz = -1.5: must be >= 0"),
@@ -489,7 +494,7 @@ def test_overrides_from_the_command_line_are_coerced(write: Writer, tmp_path: Pa
             "memory.reserve_mb": " 4 ",
             "dashboard.enabled": "TRUE",
             "pipeline.mean": "0.5,0.25,0",
-            "pipeline.std": "2,2,2",
+            "pipeline.std": "[2.0, 2, 2]",  # the TOML array syntax is accepted like a comma list
             "training.clip_norm": "1.5",
             "source.kind": "replay",
             "source.path": str(tmp_path / "r.npz"),

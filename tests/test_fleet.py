@@ -108,6 +108,7 @@ def test_coordinator_job_prints_a_line_per_round_and_writes_the_summary(
         "rounds.deadline_s=60",
         f"files.json={summary}",
     )
+    print(done.stdout)  # docs/operations.md's example ("The coordinator") is such a run
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("round ")]
     assert [line.split(":")[0] for line in lines] == ["round 1/2", "round 2/2"], done.stdout
@@ -147,6 +148,44 @@ def test_coordinator_exits_5_naming_the_reason_when_a_round_aggregates_nothing(
         "device dev-1 runs another model" in done.stdout and "device dev-2 runs another model" in done.stdout
     )
     assert "Traceback" not in done.stderr
+
+
+def test_coordinator_round_declined_by_every_device_closes_and_names_the_cause(
+    mosquitto: Broker, fleet: str, tmp_path: Path
+) -> None:
+    """A real agent holding 19 labelled examples (under training.min_examples 32) declines the round
+    (too_few_examples) at half the deadline; the coordinator (min_clients 1, no selection) closes the
+    round on that decline instead of waiting out its deadline, counts it on the round line and names
+    the cause in its last stderr line."""
+    x, y = shards(1)[0]
+    procs = [start_replay_agent(mosquitto, fleet, tmp_path, "dev-1", x[:20], y[:20])]
+    summary = tmp_path / "summary.json"
+    try:
+        done = run_coordinator(
+            tmp_path,
+            f"broker.url={mosquitto.url}",
+            f"fleet.name={fleet}",
+            f"model.path={INT8_MODEL}",
+            "rounds.count=1",
+            "rounds.min_clients=1",
+            "rounds.expected_clients=1",  # only so that dev-1 is online when the round opens
+            "rounds.deadline_s=40",
+            f"files.json={summary}",
+        )
+    finally:
+        stop_agents(procs)
+    assert done.returncode == 5, done.stdout + done.stderr
+    assert " 1 round of " in done.stdout.splitlines()[0], done.stdout
+    lines = [line for line in done.stdout.splitlines() if line.startswith("round ")]
+    assert len(lines) == 1 and "0/1 clients, refused: none, declined: too_few_examples 1," in lines[0], lines
+    assert done.stderr.strip().splitlines()[-1] == (
+        "edgefl coordinator: 1 round(s) aggregated nothing; first: round 1 aggregated nothing "
+        "(declined: too_few_examples 1; 1 device online)"
+    ), done.stderr
+    rec = json.loads(summary.read_text())["rounds"][0]
+    assert rec["declined"] == 1 and rec["clients"] == 0
+    # closed on the decline (sent after 20 s, half the deadline), not at the 40 s deadline
+    assert rec["duration_s"] < 40, rec
 
 
 def test_coordinator_invalid_profile_exits_1_and_lists_problems(tmp_path: Path) -> None:
@@ -437,6 +476,14 @@ def test_coordinator_restarted_without_state_adopts_the_fleets_round_and_head(
     assert all(" 2/2 clients" in line for line in lines), lines
     accuracies = [r["accuracy"] for r in json.loads(summary.read_text())["rounds"]]
     assert all(a > 0.8 for a in accuracies), accuracies  # the adopted head, not the factory head (~0.5)
+    # a third at the fleet's rounds.count: nothing to do, said on stdout, exit 0 (no wait for devices)
+    third = run_coordinator(tmp_path, *common, "rounds.count=4")
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert (
+        f"nothing to do: fleet {fleet} is at round 4 of 4 (raise rounds.count or use a new fleet.name)"
+        in third.stdout.splitlines()
+    ), third.stdout
+    assert not [line for line in third.stdout.splitlines() if line.startswith("round ")], third.stdout
 
 
 def test_fleet_registry_is_bounded_under_a_status_flood(mosquitto: Broker, fleet: str) -> None:

@@ -40,10 +40,12 @@ from edgefl.tlsconf import make_ssl_context
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.codec import (
+    Decline,
     Label,
     Prediction,
     RoundAnnouncement,
     Sample,
+    decode_decline,
     decode_label,
     decode_prediction,
     decode_sample,
@@ -196,7 +198,10 @@ class Gateway:
             elif msg.topic == self.topics.status(self.device):
                 self.status = {"state": (st := decode_status(msg.payload)).state, **st.fields}
             else:
-                self.updates.append(decode_update(msg.payload))
+                try:
+                    self.updates.append(decode_update(msg.payload))
+                except DecodeError:  # a Decline (wrong_type as an Update)
+                    self.updates.append(decode_decline(msg.payload))
 
     async def sample(self, s: Sample, qos: int = 1) -> None:
         await self.t.publish(self.topics.samples(self.device), encode_sample(s), qos=qos)
@@ -240,7 +245,8 @@ def test_ingest_samples_and_late_labels_train_a_round(
     x, y = load_digits()
     x, y = x[:40], y[:40]
     want_cls, want_score = model_predictions(x)
-    agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-1"))
+    # 29 examples train the round below: under the default training.min_examples (32)
+    agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-1", training__min_examples="16"))
 
     async def main() -> dict[str, Any]:
         async with Gateway(mosquitto, fleet, "live-1") as gw:
@@ -272,6 +278,49 @@ def test_ingest_samples_and_late_labels_train_a_round(
     np.testing.assert_allclose([preds[f"f{i}"].score for i in range(40)], want_score, rtol=1e-5)
     assert all(p.version == 0 and 0 <= p.latency_s < 30 for p in preds.values())
     assert (update.round, update.base_version, update.device, update.num_examples) == (1, 0, "live-1", 29)
+    assert all(p.poll() is None for p in agent_log), "the agent died"
+
+
+def test_ingest_too_few_examples_declines_then_trains(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+) -> None:
+    """A round announced while the feed is still going: fewer than training.min_examples (32) stored ->
+    the round waits for more (half its deadline), then a Decline ``too_few_examples``, not an update
+    trained on a handful; once enough are stored the next round trains on all of them."""
+    x, y = load_digits()
+    agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-3"))
+
+    async def main() -> list[Any]:
+        async with Gateway(mosquitto, fleet, "live-3") as gw:
+            await gw.ready()
+            for i in range(20):
+                await gw.sample(Sample(f"a{i}", x[i], int(y[i]), 1_700_000_000.0 + i))
+            await gw.until("19 stored", store_samples=19)  # the 20th labelled went to the holdout
+            await gw.t.publish(
+                gw.topics.round,
+                encode_round(RoundAnnouncement(1, 0, 3.0, 1, 0.05, 8, 1, ("live-3",))),
+                qos=1,
+                retain=True,
+            )
+            await wait_until(lambda: len(gw.updates) == 1, 60, "round 1's decline")
+            for i in range(20, 40):
+                await gw.sample(Sample(f"a{i}", x[i], int(y[i]), 1_700_000_000.0 + i))
+            await gw.until("38 stored", store_samples=38)
+            await gw.t.publish(
+                gw.topics.round,
+                encode_round(RoundAnnouncement(2, 0, 30.0, 1, 0.05, 8, 1, ("live-3",))),
+                qos=1,
+                retain=True,
+            )
+            await wait_until(lambda: len(gw.updates) == 2, 60, "round 2's update")
+            await gw.until("the decline counted", declined_total=1)
+            return list(gw.updates)
+
+    declined, update = asyncio.run(main())
+    assert isinstance(declined, Decline)
+    assert (declined.round, declined.device, declined.reason) == (1, "live-3", "too_few_examples")
+    assert declined.detail == "19 labelled examples stored, training.min_examples is 32"
+    assert (update.round, update.device, update.num_examples) == (2, "live-3", 38)
     assert all(p.poll() is None for p in agent_log), "the agent died"
 
 

@@ -198,10 +198,15 @@ def test_prepare_folds_a_half_integer_mean_within_half_an_input_step(tmp_path: P
     )
 
 
-def test_prepare_fold_refusals(tmp_path: Path) -> None:
+def test_prepare_fold_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = str(tmp_path / "o.tflite")
     float_model = str(MODELS / "digits_cnn_float32.tflite")
-    assert main(["model", "prepare", float_model, "--mean", "0", "--std", "16", "--out", out]) == 3
+    # a float-input model: a usage error (exit 2) with the hint, not a model error
+    assert main(["model", "prepare", float_model, "--mean", "0", "--std", "16", "--out", out]) == 2
+    assert (
+        "has a float32 input: the fold applies to int8-input models; set pipeline.mean/std instead"
+        in capsys.readouterr().err
+    )
     assert main(["model", "prepare", str(INT8_MODEL), "--mean", "0", "--out", out]) == 2
     assert main(["model", "prepare", str(INT8_MODEL), "--mean", "300", "--std", "1", "--out", out]) == 3
     assert main(["model", "prepare", str(INT8_MODEL), "--mean", "0", "--std", "0", "--out", out]) == 3

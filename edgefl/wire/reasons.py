@@ -58,6 +58,8 @@ class Reason(StrEnum):
     UNKNOWN_SAMPLE = "unknown_sample"
     # a device that cannot answer a round (a Decline message; the memory governor)
     OVER_BUDGET = "over_budget"
+    # a device whose store holds fewer labelled examples than training.min_examples (a Decline)
+    TOO_FEW_EXAMPLES = "too_few_examples"
     # the coordinator's bounded device registry (statuses)
     REGISTRY_FULL = "registry_full"
     EXPIRED = "expired"
