@@ -609,7 +609,9 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             for site in sites:
                 assert site.coordinator is not None
                 await wait_logged(
-                    tmp / f"site{site.index}-coordinator.log", ": ready after round", site.coordinator
+                    tmp / f"site{site.index}-coordinator.log",
+                    ": ready, waiting for the root's round",
+                    site.coordinator,
                 )
         root = start_coordinator(root_sets, tmp / "root-coordinator.log")
         procs.append(root)
