@@ -253,7 +253,7 @@ def encode_updates(
                 delta_W=dW,
                 delta_b=db,
                 metrics=UpdateMetrics(loss=0.5, accuracy=0.8, train_s=0.1, peak_rss_bytes=40 * MIB),
-                update_id=f"{dev}-r{r}",
+                update_id=f"{dev}:{r}:{r - 1}",
             )
             out[r][dev] = sign_message(encode_update, up, key, fleet=fleet)
     return out
