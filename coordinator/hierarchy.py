@@ -108,10 +108,9 @@ class RootCoordinator(Coordinator):
         self.overlapping_ids: Counter[str] = Counter()  # "<site>/<first site>" → ids listed by both
         self.overlaps = 0  # partials that listed ids another site listed first
 
-    async def start(self, adopt_wait_s: float = ADOPT_WAIT_S) -> None:
-        """As :meth:`Coordinator.start`, and subscribe to ``partial/+`` (QoS 1)."""
-        await self.transport.subscribe(self.topics.partial("+"), 1)
-        await super().start(adopt_wait_s)
+    def _data_topics(self) -> list[str]:
+        """As :meth:`Coordinator._data_topics`, and ``partial/+`` (subscribed after the control topics)."""
+        return [self.topics.partial("+"), *super()._data_topics()]
 
     def handle(self, msg: Message) -> None:
         """Dispatch one message: partials here, anything else as a flat coordinator (never raises)."""
@@ -273,10 +272,10 @@ class SiteAggregator(Coordinator):
             ``bad_state`` when the state file belongs to another site or head shape.
         """
         self._load_site_state()
-        await self.transport.subscribe(self.topics.update("+"), 1)
-        await self.transport.subscribe(self.topics.status("+"), 1)
-        await self.transport.subscribe(self.topics.round, 1)
-        await self.transport.subscribe(self.topics.global_model + "/#", 1)  # the root's heads: when it ends
+        await self.subscribe(self.topics.round)  # control topics first (see Coordinator.subscribe)
+        await self.subscribe(self.topics.global_model + "/#")  # the root's heads: when it ends
+        await self.subscribe(self.topics.update("+"))
+        await self.subscribe(self.topics.status("+"))
         if self._unsent is not None:
             logger.info("site %s: re-sending the partial of round %d", self.site, self.closed_round)
             await self._send(self._unsent)

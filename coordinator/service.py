@@ -331,8 +331,9 @@ class Coordinator:
         """
         if self.state.version == 0 and self.state.round == 0:
             self._adopting = True
-            await self.transport.subscribe(self.topics.round, 1)
-            await self.transport.subscribe(self.topics.global_model + "/#", 1)
+            # control topics first: a flood on update/+ must not stand between us and their SUBACKs
+            await self.subscribe(self.topics.round)
+            await self.subscribe(self.topics.global_model + "/#")
             # both retained messages, or what came within the wait (a new fleet has neither)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
@@ -340,9 +341,39 @@ class Coordinator:
                 )
             self._adopting = False
             self._apply_adopted()
-        await self.transport.subscribe(self.topics.update("+"), 1)
-        await self.transport.subscribe(self.topics.status("+"), 1)
+        for topic in self._data_topics():
+            await self.subscribe(topic)
         await self.publish_global(self.state.round)
+
+    def _data_topics(self) -> list[str]:
+        """The device-facing topics :meth:`start` subscribes to after the control topics."""
+        return [self.topics.update("+"), self.topics.status("+")]
+
+    async def subscribe(self, topic: str, budget_s: float = PUBLISH_RETRY_S) -> None:
+        """Subscribe with QoS 1, retrying a late SUBACK with backoff (1, 2, 4 ... 16 s) for ``budget_s``.
+
+        Under a flood of queued messages (a persistent session's subscriptions deliver them before
+        any new SUBACK) a SUBACK can come later than the transport's 10 s: that is not a failure of
+        the start (H16: exit 4 again and again during a junk flood on ``update/+``).
+
+        Raises
+        ------
+        TransportError
+            If the broker refused the subscription, or no SUBACK came within ``budget_s`` seconds.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget_s
+        backoff = 1.0
+        while True:
+            try:
+                await self.transport.subscribe(topic, 1)
+                return
+            except TransportError as exc:
+                if "refused" in exc.detail or loop.time() + backoff >= deadline:
+                    raise
+                logger.warning("subscribe to %s: %s; retrying in %.0f s", topic, exc.detail, backoff)
+                await asyncio.sleep(backoff)  # a backoff, not a wait for an event: the broker is busy
+                backoff = min(2 * backoff, 16.0)
 
     def _is_own_topic(self, topic: str) -> bool:
         base = self.topics.global_model
