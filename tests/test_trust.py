@@ -235,3 +235,56 @@ def test_hierarch_root_refuses_forged_site_partials_signed_by_a_valid_site_key(
     assert root.counted[1] == ["a1:1:0", "a2:1:0", "b1:1:0"]
     # FedAvg of the two honest shares: (40 v + 20 v) / 60 = v per coordinate, server_lr 1
     np.testing.assert_allclose(root.W - W0, np.full((D, K), v, np.float32), rtol=1e-4, atol=1e-7)
+
+
+def test_trust_coordinator_starts_during_a_junk_flood_and_logs_declines_throttled(
+    mosquitto: Broker, fleet: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The coordinator's persistent session holds 3,000 junk messages on ``update/+`` when it starts
+    (H16: ``no SUBACK ... within 10 s``, exit 4): it adopts, subscribes and runs a round; the junk is
+    refused and counted with at most 20 + every 1000th log line; 30 declines log 20 lines, each
+    ``detail`` cut to 80 characters."""
+    bb = Backbone(INT8_MODEL)
+    W0, b0 = bb.head_from_model()
+    topics = Topics("edgefl", fleet)
+    devices = tuple(f"dev-{i}" for i in range(30))
+
+    async def main() -> tuple[Coordinator, int]:
+        cid = f"coord-{fleet}"
+        first = MqttTransport(mosquitto.host, mosquitto.port, cid, session_expiry_s=3600)
+        await first.start(wait_s=10)
+        await first.subscribe(topics.update("+"), 1)
+        await first.stop()
+        pub = MqttTransport(mosquitto.host, mosquitto.port, f"junk-{fleet}")
+        await pub.start(wait_s=10)
+        for i in range(3000):
+            await pub.publish(topics.update(f"x{i % 50}"), b"\xff" * 64, qos=1)
+        t = MqttTransport(mosquitto.host, mosquitto.port, cid, session_expiry_s=3600, queue_size=64)
+        await t.start(wait_s=10)
+        strategy = FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=30, deadline_s=30)
+        coord = Coordinator(t, topics, W0, b0, model_sha256=bb.sha256, strategy=strategy)
+        pump = asyncio.create_task(coord.pump())
+        try:
+            await coord.start()
+            run1 = asyncio.create_task(coord.run_round(1, selected=devices))
+            await wait_until(lambda: coord.state.round == 1, 10, "round 1 open")
+            for d in devices:
+                msg = Decline(1, 0, d, "over_budget", "y" * 200, f"{d}:1:0:declined")
+                await pub.publish(topics.update(d), encode_decline(msg), qos=1)
+            record = await run1
+            return coord, record.declined
+        finally:
+            pump.cancel()
+            await pub.stop()
+            await t.stop()
+
+    with caplog.at_level("WARNING"):
+        coord, declined = asyncio.run(main())
+    assert declined == 30 and dict(coord.state.declined) == {"over_budget": 30}
+    junk = sum(coord.state.rejected.values())
+    assert junk >= 1000  # mosquitto queues up to 1,000 messages for an offline session by default
+    refusal_lines = [r for r in caplog.records if r.getMessage().startswith("rejected message")]
+    assert len(refusal_lines) <= 20 + junk // 1000
+    decline_lines = [r.getMessage() for r in caplog.records if " declined: over_budget" in r.getMessage()]
+    assert len(decline_lines) == 20
+    assert all("y" * 79 + "…" in m and "y" * 80 not in m for m in decline_lines)
