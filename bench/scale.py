@@ -671,7 +671,7 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             this = Counter(ids)
             dup = sum(n - 1 for n in this.values()) + sum(1 for i in this if counted_before[i])
             counted_before.update(this)
-            sent_ids = {f"{d}-r{r}" for d in every}
+            sent_ids = {f"{d}:{r}:{r - 1}" for d in every}
             rounds.append(
                 {
                     "round": r,
