@@ -119,7 +119,7 @@ async def device_loop(t: MqttTransport, topics: Topics, name: str) -> None:
             dW,
             db,
             UpdateMetrics(0.1, 0.9, 0.0, 0),
-            f"{name}:{ann.round}",
+            f"{name}:{ann.round}:{ann.base_version}",
             ann.compression,
         )
         await t.publish(topics.update(name), encode_update(upd), qos=1)

@@ -253,7 +253,7 @@ def encode_updates(
                 delta_W=dW,
                 delta_b=db,
                 metrics=UpdateMetrics(loss=0.5, accuracy=0.8, train_s=0.1, peak_rss_bytes=40 * MIB),
-                update_id=f"{dev}-r{r}",
+                update_id=f"{dev}:{r}:{r - 1}",
             )
             out[r][dev] = sign_message(encode_update, up, key, fleet=fleet)
     return out
@@ -673,7 +673,7 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             this = Counter(ids)
             dup = sum(n - 1 for n in this.values()) + sum(1 for i in this if counted_before[i])
             counted_before.update(this)
-            sent_ids = {f"{d}-r{r}" for d in every}
+            sent_ids = {f"{d}:{r}:{r - 1}" for d in every}
             rounds.append(
                 {
                     "round": r,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ import numpy as np
 
 from edgefl.aio import wait_event
 from edgefl.coordinator.rounds import Round, RoundPhase
-from edgefl.coordinator.service import ADOPT_WAIT_S, LOGGED_REFUSALS, PUBLISH_RETRY_S, Coordinator
+from edgefl.coordinator.service import ADOPT_WAIT_S, LOGGED_REFUSALS, PUBLISH_RETRY_S, Coordinator, shorten
 from edgefl.coordinator.strategy import SiteSums
 from edgefl.errors import TransportError, UpdateRejected
 from edgefl.records import read_record, write_record
@@ -55,7 +56,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["ROOT_SEEN_UPDATE_IDS", "RootCoordinator", "SiteAggregator", "SiteRecord"]
 
 ROOT_SEEN_UPDATE_IDS = 100_000
-"""Update ids a root remembers across rounds (ten rounds of 10,000 devices; ~10 MB of strings)."""
+"""Update ids a root remembers across rounds with the site that first listed each (ten rounds of
+10,000 devices; ~10 MB of strings)."""
+
+LOGGED_OVERLAPS = 20
+"""Partials listing another site's update ids logged one by one before only every 1000th is."""
 
 PERSIST_EVERY = 32
 """A site writes its open round's record at least every this many messages (see ``SiteAggregator.pump``)."""
@@ -98,12 +103,14 @@ class RootCoordinator(Coordinator):
         self._seen_partials: dict[tuple[str, int, str], None] = {}
         self.partials_received = 0
         self.partial_bytes = 0
-        self.duplicates = 0  # partials refused as duplicates (bridge redeliveries, overlapping ids)
+        self.duplicates = 0  # partials refused as duplicates (bridge redeliveries, a site's ids again)
+        self._id_site: dict[str, str] = {}  # update id → the site that listed it first (bounded)
+        self.overlapping_ids: Counter[str] = Counter()  # "<site>/<first site>" → ids listed by both
+        self.overlaps = 0  # partials that listed ids another site listed first
 
-    async def start(self, adopt_wait_s: float = ADOPT_WAIT_S) -> None:
-        """As :meth:`Coordinator.start`, and subscribe to ``partial/+`` (QoS 1)."""
-        await self.transport.subscribe(self.topics.partial("+"), 1)
-        await super().start(adopt_wait_s)
+    def _data_topics(self) -> list[str]:
+        """As :meth:`Coordinator._data_topics`, and ``partial/+`` (subscribed after the control topics)."""
+        return [self.topics.partial("+"), *super()._data_topics()]
 
     def handle(self, msg: Message) -> None:
         """Dispatch one message: partials here, anything else as a flat coordinator (never raises)."""
@@ -143,9 +150,16 @@ class RootCoordinator(Coordinator):
         if rnd is None:
             raise UpdateRejected("no_round", "no round is open")
         rnd.admit_partial(site, p.round, p.base_version, p.update_ids)
-        again = sum(1 for u in p.update_ids if u in self._seen_update_ids)
+        tail = f":{p.round}:{p.base_version}"
+        bad = next((u for u in p.update_ids if u.count(":") != 2 or not u.endswith(tail) or u == tail), None)
+        if bad is not None:
+            why = f"partial of {site} lists update id {shorten(bad, 60)!r}: ids are <device>{tail}"
+            raise UpdateRejected("bad_value", why)
+        owners = [self._id_site.get(u) for u in p.update_ids]
+        again = sum(1 for o in owners if o == site)
         if again:
             raise UpdateRejected("duplicate", f"partial of {site} repeats {again} update ids counted before")
+        others = Counter(o for o in owners if o is not None)
         if p.count > 0:  # an empty partial only says the site is done
             self.strategy.offer_sums(SiteSums(p.combine, p.W, p.b, p.weight, p.count, p.clipped))
         rnd.record_partial(site, p.update_ids, len(payload))
@@ -153,7 +167,24 @@ class RootCoordinator(Coordinator):
         while len(self._seen_partials) > SEEN_PARTIALS:
             del self._seen_partials[next(iter(self._seen_partials))]
         for u in p.update_ids:
-            self._remember(u)
+            self._id_site.setdefault(u, site)
+        while len(self._id_site) > self.max_seen_update_ids:
+            del self._id_site[next(iter(self._id_site))]
+        if others:
+            # Ids are per (site, device): the root cannot know a site's devices, so an id listed by
+            # two sites refuses neither partial (the honest one may come second); it is logged with
+            # both sites and counted. Each site's weight is bounded anyway (Strategy.offer_sums).
+            self.overlaps += 1
+            for first, n in others.items():
+                self.overlapping_ids[f"{site}/{first}"] += n
+            if self.overlaps <= LOGGED_OVERLAPS or self.overlaps % 1000 == 0:
+                logger.warning(
+                    "round %d: partial of %s lists %d update ids site(s) %s listed first; both counted",
+                    rnd.number,
+                    site,
+                    sum(others.values()),
+                    ", ".join(sorted(others)),
+                )
         logger.info("round %d: partial of %s (%d updates, %d bytes)", rnd.number, site, p.count, len(payload))
         self._round_changed.set()
         self._notify()
@@ -241,10 +272,10 @@ class SiteAggregator(Coordinator):
             ``bad_state`` when the state file belongs to another site or head shape.
         """
         self._load_site_state()
-        await self.transport.subscribe(self.topics.update("+"), 1)
-        await self.transport.subscribe(self.topics.status("+"), 1)
-        await self.transport.subscribe(self.topics.round, 1)
-        await self.transport.subscribe(self.topics.global_model + "/#", 1)  # the root's heads: when it ends
+        await self.subscribe(self.topics.round)  # control topics first (see Coordinator.subscribe)
+        await self.subscribe(self.topics.global_model + "/#")  # the root's heads: when it ends
+        await self.subscribe(self.topics.update("+"))
+        await self.subscribe(self.topics.status("+"))
         if self._unsent is not None:
             logger.info("site %s: re-sending the partial of round %d", self.site, self.closed_round)
             await self._send(self._unsent)

@@ -308,6 +308,10 @@ class HierarchyConfig:
         Root: folder of ``<site>.pub`` keys; when set, every partial must be signed by its site.
     root_key_file : Path or None
         Site: the root's public key; when set, round announcements must be signed by it.
+    allow_unsigned_sites : bool
+        Root: start without ``site_keys_dir`` (anyone who can publish on ``partial/<site>`` then
+        sets the global head; a loud warning at start). A root refuses to start without site keys
+        unless this is true.
     """
 
     role: Literal["flat", "site", "root"] = "flat"
@@ -317,6 +321,7 @@ class HierarchyConfig:
     close_margin_s: float = 2.0
     site_keys_dir: Path | None = None
     root_key_file: Path | None = None
+    allow_unsigned_sites: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -432,6 +437,9 @@ def _check_hierarchy(p: Problems, c: HierarchyConfig, raw: Mapping[str, object],
         p.add("hierarchy.expected_devices", c.expected_devices, "must be >= 0")
     if not c.close_margin_s >= 0:
         p.add("hierarchy.close_margin_s", c.close_margin_s, "must be >= 0")
+    if c.role == "root" and c.site_keys_dir is None and not c.allow_unsigned_sites:
+        why = "required when hierarchy.role = 'root' (or set hierarchy.allow_unsigned_sites = true)"
+        p.add("hierarchy.site_keys_dir", None, why)
     if not check_files:
         return
     if c.site_keys_dir is not None and not c.site_keys_dir.is_dir():

@@ -143,7 +143,8 @@ class Round:
         UpdateRejected
             ``round_closed``, ``stale_round`` (a partial of another round: a site that missed the
             deadline is refused by round number), ``stale_base``, ``duplicate`` (the site already
-            counted, or an update id already counted by another site).
+            counted). Ids another site listed too are not refused here: the root keys ids by
+            (site, id) and logs and counts the overlap (``RootCoordinator``).
         """
         if self.phase is not RoundPhase.OPEN:
             raise UpdateRejected("round_closed", f"round {self.number} is closed")
@@ -155,9 +156,6 @@ class Round:
             raise UpdateRejected("stale_base", why)
         if site in self.sites:
             raise UpdateRejected("duplicate", f"site {site} already counted in round {self.number}")
-        again = self.update_ids.intersection(update_ids)
-        if again:
-            raise UpdateRejected("duplicate", f"partial of {site} repeats {len(again)} counted update ids")
 
     def record_partial(self, site: str, update_ids: tuple[str, ...], size_bytes: int) -> None:
         """Record a site's partial the strategy accepted (its update ids count as the round's clients)."""

@@ -428,6 +428,12 @@ async def run(
     cls: type[Coordinator] = Coordinator
     if hier.role == "root":
         cls = RootCoordinator
+        if hier.site_keys_dir is None:  # the profile refuses this unless allow_unsigned_sites
+            logger.warning(
+                "hierarchy.allow_unsigned_sites = true: partials are NOT verified; anyone who can "
+                "publish on %s sets the global head",
+                Topics(broker.topic_prefix, fleet).partial("+"),
+            )
         role_kwargs = {
             "site_keys": load_verify_keys(hier.site_keys_dir) if hier.site_keys_dir else None,
             "expected_sites": hier.expected_sites,

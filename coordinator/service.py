@@ -67,7 +67,11 @@ HELD_UPDATES = 64
 """Updates held while a buffered step is published, offered to the next step (more are refused)."""
 
 SEEN_UPDATE_IDS = 4096
-"""Update ids remembered across rounds (a FedBuff step accepts updates of earlier rounds)."""
+"""Update ids remembered across rounds (a FedBuff step accepts updates of earlier rounds).
+
+An id is ``<device>:<round>:<base_version>`` of the (verified) topic's device and only an accepted
+update or decline enters the set, at most one per device per round: a device cannot fill it with
+ids of others, and it holds the last ``4096 / devices-per-round`` rounds' ids."""
 
 
 LOGGED_REFUSALS = 20
@@ -78,6 +82,36 @@ ADOPT_WAIT_S = 2.0
 
 EARLY_UPDATES_MAX = 4096
 """Updates held for the next round before it opens (see ``Coordinator._early``)."""
+
+
+DECLINE_SUFFIX = ":declined"
+"""What a Decline's ``update_id`` adds to the update id of the round it refuses."""
+
+LOGGED_DETAIL_CHARS = 80
+"""A device's free-text ``detail`` is cut to this many characters in the coordinator's log."""
+
+
+def shorten(text: str, limit: int = LOGGED_DETAIL_CHARS) -> str:
+    """``text`` cut to ``limit`` characters (with an ellipsis when cut), for a log line."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def check_update_id(update_id: str, device: str, round_no: int, base_version: int, suffix: str = "") -> None:
+    """Check that an update's (or decline's) id is the one its device, round and base version give.
+
+    The id is ``f"{device}:{round}:{base_version}"`` (a Decline adds ``DECLINE_SUFFIX``), with
+    ``device`` the device of the topic it arrived on (verified by signature when keys are set): a
+    device cannot spend another device's ids (``docs/protocol.md``, "Update ids").
+
+    Raises
+    ------
+    UpdateRejected
+        ``bad_value`` for any other id.
+    """
+    expected = f"{device}:{round_no}:{base_version}{suffix}"
+    if update_id != expected:
+        why = f"update id {shorten(update_id, 60)!r} on update/{device}: must be {expected!r}"
+        raise UpdateRejected("bad_value", why)
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,8 +331,9 @@ class Coordinator:
         """
         if self.state.version == 0 and self.state.round == 0:
             self._adopting = True
-            await self.transport.subscribe(self.topics.round, 1)
-            await self.transport.subscribe(self.topics.global_model + "/#", 1)
+            # control topics first: a flood on update/+ must not stand between us and their SUBACKs
+            await self.subscribe(self.topics.round)
+            await self.subscribe(self.topics.global_model + "/#")
             # both retained messages, or what came within the wait (a new fleet has neither)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
@@ -306,9 +341,39 @@ class Coordinator:
                 )
             self._adopting = False
             self._apply_adopted()
-        await self.transport.subscribe(self.topics.update("+"), 1)
-        await self.transport.subscribe(self.topics.status("+"), 1)
+        for topic in self._data_topics():
+            await self.subscribe(topic)
         await self.publish_global(self.state.round)
+
+    def _data_topics(self) -> list[str]:
+        """The device-facing topics :meth:`start` subscribes to after the control topics."""
+        return [self.topics.update("+"), self.topics.status("+")]
+
+    async def subscribe(self, topic: str, budget_s: float = PUBLISH_RETRY_S) -> None:
+        """Subscribe with QoS 1, retrying a late SUBACK with backoff (1, 2, 4 ... 16 s) for ``budget_s``.
+
+        Under a flood of queued messages (a persistent session's subscriptions deliver them before
+        any new SUBACK) a SUBACK can come later than the transport's 10 s: that is not a failure of
+        the start (H16: exit 4 again and again during a junk flood on ``update/+``).
+
+        Raises
+        ------
+        TransportError
+            If the broker refused the subscription, or no SUBACK came within ``budget_s`` seconds.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget_s
+        backoff = 1.0
+        while True:
+            try:
+                await self.transport.subscribe(topic, 1)
+                return
+            except TransportError as exc:
+                if "refused" in exc.detail or loop.time() + backoff >= deadline:
+                    raise
+                logger.warning("subscribe to %s: %s; retrying in %.0f s", topic, exc.detail, backoff)
+                await asyncio.sleep(backoff)  # a backoff, not a wait for an event: the broker is busy
+                backoff = min(2 * backoff, 16.0)
 
     def _is_own_topic(self, topic: str) -> bool:
         base = self.topics.global_model
@@ -595,6 +660,7 @@ class Coordinator:
         update = decode_update(payload, limits=self.limits, expect_shape=self.shape)
         if update.device != device:
             raise UpdateRejected("wrong_device", f"update names device {update.device} on {msg.topic}")
+        check_update_id(update.update_id, device, update.round, update.base_version)
         rnd = self.state.current
         if rnd is None or (rnd.check_round and rnd.phase is not RoundPhase.OPEN):
             if update.round == self.state.round + 1 and len(self._early) < EARLY_UPDATES_MAX:
@@ -614,28 +680,55 @@ class Coordinator:
         self._accept(rnd, update, len(payload))
 
     def _handle_decline(self, device: str, payload: bytes) -> None:
-        """Count and log a device's refusal of a round (a Decline on ``update/<device>``).
+        """Count and log a device's refusal of the open round (a Decline on ``update/<device>``).
+
+        A decline counts only for the open round and its base version, from a device selected for
+        it, once per (device, round); its id must be ``<device>:<round>:<base_version>:declined``
+        (so one device cannot spend another device's update ids). The log names the first
+        ``LOGGED_REFUSALS`` declines of each reason, then every 1000th, ``detail`` cut to 80 chars.
 
         Raises
         ------
         DecodeError, UpdateRejected
-            As for an update (``wrong_device``, ``duplicate`` for a decline sent again).
+            As for an update: ``wrong_device``, ``bad_value`` (another id), ``no_round``,
+            ``round_closed``, ``stale_round``, ``stale_base``, ``not_selected``, ``duplicate``
+            (a decline sent again, or from a device that already answered the round).
         """
         decline = decode_decline(payload, limits=self.limits)
         if decline.device != device:
             raise UpdateRejected("wrong_device", f"decline names device {decline.device} on update/{device}")
-        if decline.update_id in self._seen_update_ids:  # at least once: a re-send after a reconnect
-            raise UpdateRejected("duplicate", f"decline {decline.update_id} already counted")
+        check_update_id(decline.update_id, device, decline.round, decline.base_version, DECLINE_SUFFIX)
+        rnd = self.state.current
+        if rnd is None:
+            raise UpdateRejected("no_round", "no round is open")
+        if rnd.phase is not RoundPhase.OPEN:
+            raise UpdateRejected("round_closed", f"round {rnd.number} is closed")
+        if decline.round != rnd.number:
+            raise UpdateRejected(
+                "stale_round", f"decline for round {decline.round}, round {rnd.number} is open"
+            )
+        if decline.base_version != rnd.base_version:
+            why = f"decline from version {decline.base_version}, round uses {rnd.base_version}"
+            raise UpdateRejected("stale_base", why)
+        if rnd.selected is not None and device not in rnd.selected:
+            raise UpdateRejected("not_selected", f"device {device} not selected for round {rnd.number}")
+        if device in rnd.declined or device in rnd.devices or decline.update_id in self._seen_update_ids:
+            raise UpdateRejected("duplicate", f"{device} already answered round {rnd.number}")
         self._remember(decline.update_id)
         self.state.declined[decline.reason] += 1
         if device in self.state.devices or len(self.declined_by_device) < self.max_devices:
             self.declined_by_device.setdefault(device, Counter())[decline.reason] += 1
-        rnd = self.state.current
-        if rnd is not None and rnd.number == decline.round and device not in rnd.declined:
-            rnd.declined.append(device)
-        logger.warning(
-            "round %d: %s declined: %s (%s)", decline.round, device, decline.reason, decline.detail
-        )
+        rnd.declined.append(device)
+        n = self.state.declined[decline.reason]
+        if n <= LOGGED_REFUSALS or n % 1000 == 0:
+            logger.warning(
+                "round %d: %s declined: %s (%s)%s",
+                decline.round,
+                device,
+                decline.reason,
+                shorten(decline.detail),
+                f" ({n} {decline.reason} so far)" if n > LOGGED_REFUSALS else "",
+            )
         self._round_changed.set()
         self._notify()
 

@@ -60,6 +60,14 @@ def weighted_mean(deltas: Sequence[F32], num_examples: Sequence[int]) -> F32:
     return acc.mean()
 
 
+MAX_UPDATE_EXAMPLES = 1_000_000
+"""Most examples one update may claim (``num_examples``; more is refused as ``bad_value``).
+
+An agent trains on its embedding store (``store_capacity``, 4,096 by default): a million
+1,280-float embeddings is 5 GB, beyond any 256 MB gateway. It also caps a site's ``weight`` at the
+root: at most ``count x MAX_UPDATE_EXAMPLES`` (a site cannot outweigh the others by its claim)."""
+
+
 class RunningWeightedSum:
     """A weighted sum folded one update at a time, so memory is O(model), not O(devices x model).
 
@@ -106,6 +114,12 @@ class RunningWeightedSum:
             raise ValueError(f"RunningWeightedSum: weight {weight} must be > 0")
         self._sum += weighted_sum
         self.total_weight += weight
+
+    def fits(self, weighted_sum: npt.NDArray[np.float64], weight: float) -> bool:
+        """Whether :meth:`add_sum` of these would keep the sum and the total weight finite (float64)."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = self._sum + weighted_sum
+        return bool(np.isfinite(total).all()) and math.isfinite(self.total_weight + weight)
 
     @property
     def sum(self) -> npt.NDArray[np.float64]:
@@ -725,6 +739,9 @@ class Strategy(ABC):
             )
         if update.num_examples <= 0:
             raise UpdateRejected("no_examples", f"num_examples = {update.num_examples}")
+        if update.num_examples > MAX_UPDATE_EXAMPLES:
+            why = f"num_examples = {update.num_examples} > {MAX_UPDATE_EXAMPLES} (MAX_UPDATE_EXAMPLES)"
+            raise UpdateRejected("bad_value", why)
         norm = update_norm(update.delta_W, update.delta_b)
         if not math.isfinite(norm):
             raise UpdateRejected("not_finite", f"update from {update.device} has norm {norm}")
@@ -793,8 +810,11 @@ class Strategy(ABC):
         Raises
         ------
         UpdateRejected
-            ``no_round``, ``bad_shape``, ``not_finite``, ``bad_value`` (another combine rule than
-            this strategy's, a non-positive weight, or a mean beyond the norm bound).
+            ``no_round``, ``bad_shape``, ``not_finite`` (also: the round's sums would overflow
+            float64), ``bad_value`` (another combine rule than this strategy's, a non-positive
+            weight, a weight above ``count x MAX_UPDATE_EXAMPLES``, or a mean beyond the norm bound).
+            A robust estimate's weight is not trusted at all: the root weighs sites alike and
+            bounds each estimate's norm (see ``_Robust``).
         """
         shape = self._shape
         if shape is None:
@@ -808,6 +828,9 @@ class Strategy(ABC):
             raise UpdateRejected("bad_value", f"partial weight {sums.weight}, count {sums.count}")
         if sums.combine != self.combine:
             why = f"partial combines by {sums.combine}, {self.name} by {self.combine}"
+            raise UpdateRejected("bad_value", why)
+        if sums.combine == "sum" and sums.weight > sums.count * MAX_UPDATE_EXAMPLES:
+            why = f"partial weight {sums.weight:.4g} > {sums.count} updates x {MAX_UPDATE_EXAMPLES} examples"
             raise UpdateRejected("bad_value", why)
         bound = self.norm_bound.clip_norm
         mean_norm = norm / sums.weight
@@ -981,6 +1004,10 @@ class FedAvg(Strategy):
         return SiteSums("sum", self._sum_W.sum, self._sum_b.sum, float(w), self.accepted, self._round_clipped)
 
     def _fold_sums(self, sums: SiteSums) -> None:
+        if not (self._sum_W.fits(sums.W, sums.weight) and self._sum_b.fits(sums.b, sums.weight)):
+            raise UpdateRejected(
+                "not_finite", f"the round's sums overflow float64 with a partial of weight {sums.weight:.4g}"
+            )
         self._sum_W.add_sum(sums.W, sums.weight)
         self._sum_b.add_sum(sums.b, sums.weight)
 
@@ -1183,20 +1210,46 @@ class _Robust(Strategy):
 
     @abstractmethod
     def _combine_sites(self, estimates: Sequence[npt.NDArray[np.float64]], weights: Sequence[float]) -> F32:
-        """The root step: combine site estimates, each covering ``weights[i]`` updates."""
+        """The root step: combine site estimates with ``weights`` (equal: see ``_bounded_sites``)."""
 
     def _aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:
         eta = np.float32(self.server_lr)
         if self._site_n:  # root: site estimates, and any update offered directly as a site of one
-            ones = [1.0] * len(self._kept_W)
-            weights = self._site_n + ones
-            dW = self._combine_sites([*self._site_W, *(k.astype(np.float64) for k in self._kept_W)], weights)
-            db = self._combine_sites([*self._site_b, *(k.astype(np.float64) for k in self._kept_b)], weights)
+            site_W, site_b = self._bounded_sites()
+            weights = [1.0] * (len(site_W) + len(self._kept_W))
+            dW = self._combine_sites([*site_W, *(k.astype(np.float64) for k in self._kept_W)], weights)
+            db = self._combine_sites([*site_b, *(k.astype(np.float64) for k in self._kept_b)], weights)
         else:
             dW, db = self._combine(self._kept_W), self._combine(self._kept_b)
         W1: F32 = (W + eta * dW).astype(np.float32)
         b1: F32 = (b + eta * db).astype(np.float32)
         return W1, b1
+
+    def _bounded_sites(self) -> tuple[list[npt.NDArray[np.float64]], list[npt.NDArray[np.float64]]]:
+        """The site estimates, each scaled down to the norm bound (counted in ``clipped``).
+
+        The bound is the fixed ``clip_norm``, else the lower median of the estimates' norms (with
+        a majority of honest sites, an honest site's norm). A site's self-reported weight is not
+        used: the root weighs sites alike (equal weights), so one site that claims a huge weight or
+        thousands of invented update ids is one estimate of S, moving the head by at most
+        ``bound / S`` (the trimmed mean) or not at all while it is not the median.
+        """
+        norms = [
+            math.sqrt(float(np.sum(w * w)) + float(np.sum(b * b)))
+            for w, b in zip(self._site_W, self._site_b, strict=True)
+        ]
+        bound = self.norm_bound.clip_norm
+        if bound is None:
+            bound = sorted(norms)[(len(norms) - 1) // 2]
+        out_W, out_b = [], []
+        for w, b, n in zip(self._site_W, self._site_b, norms, strict=True):
+            if n > bound * (1 + 1e-6):
+                w, b = w * (bound / n), b * (bound / n)
+                self._round_clipped += 1
+            out_W.append(w)
+            out_b.append(b)
+        self._last_bound = bound
+        return out_W, out_b
 
     def _site_sums(self) -> SiteSums:
         W = self._combine(self._kept_W).astype(np.float64)
@@ -1260,7 +1313,7 @@ class TrimmedMean(_Robust):
         return trimmed_mean(deltas, self.trim_fraction)
 
     def _combine_sites(self, estimates: Sequence[npt.NDArray[np.float64]], weights: Sequence[float]) -> F32:
-        """Mean of the site trimmed means weighted by the updates each covers."""
+        """Weighted mean of the site trimmed means (the root passes equal weights: see ``_bounded_sites``)."""
         w = np.asarray(weights, dtype=np.float64)
         x = _stack([np.asarray(e) for e in estimates], "trimmed_mean sites")
         out: F32 = (np.tensordot(w, x, axes=1) / w.sum()).astype(np.float32)

@@ -47,6 +47,8 @@ RECONNECT_MIN_S = 1
 RECONNECT_MAX_S = 30
 CONNECT_TIMEOUT_S = 10.0
 SUBACK_TIMEOUT_S = 10.0
+#: Drops of a full incoming queue logged one by one before the log only names every 1000th.
+LOGGED_DROPS = 20
 #: The hold line of QoS 1 messages waiting for room in the queue, in queue sizes (a broker that ignores
 #: our Receive Maximum cannot grow it further: beyond it messages are dropped and counted).
 HOLD_FACTOR = 4
@@ -613,7 +615,14 @@ class MqttTransport:
             return
         self.dropped_total += 1
         self._ack(conn, mid, qos)
-        logger.warning("incoming queue full: dropped message on %s (%d bytes)", msg.topic, len(msg.payload))
+        n = self.dropped_total
+        if n <= LOGGED_DROPS or n % 1000 == 0:  # a flood must not become a flood of log lines
+            logger.warning(
+                "incoming queue full: dropped message on %s (%d bytes)%s",
+                msg.topic,
+                len(msg.payload),
+                f" ({n} dropped so far; every 1000th logged)" if n > LOGGED_DROPS else "",
+            )
 
     def _refill(self) -> None:
         """Move held QoS 1 messages into the queue while it has room, acknowledging each."""

@@ -216,7 +216,7 @@ class Devices:
         dW = rng.normal(0, 0.02, shape).astype(np.float32)
         db = rng.normal(0, 0.02, shape[1]).astype(np.float32)
         metrics = UpdateMetrics(0.5, 0.5, 0.1, 1000)
-        upd = Update(round_no, base, device, n, dW, db, metrics, f"{device}:{round_no}")
+        upd = Update(round_no, base, device, n, dW, db, metrics, f"{device}:{round_no}:{base}")
         payload = sign_message(encode_update, upd, self.tier.keys.devices[device], fleet=self.tier.fleet)
         return Offer(device, dW, db, n), payload
 
@@ -249,7 +249,7 @@ def _assert_counted_once(tier: Tier, rounds: int) -> None:
     lines = tier.log("root")
     assert [ln["round"] for ln in lines] == list(range(1, rounds + 1))
     counted = [u for ln in lines for u in ln["update_ids"]]
-    expected = [f"{d}:{r}" for r in range(1, rounds + 1) for devs in SITES.values() for d in devs]
+    expected = [f"{d}:{r}:{r - 1}" for r in range(1, rounds + 1) for devs in SITES.values() for d in devs]
     assert sorted(counted) == sorted(expected)  # every update once: none lost, none twice
     assert [ln["clients"] for ln in lines] == [6] * rounds
 
@@ -460,7 +460,7 @@ def test_site_partial_resent_to_a_restarted_root(tier: Tier) -> None:
     lines = tier.log("root")
     assert [ln["round"] for ln in lines] == [1, 2]
     counted = sorted(u for ln in lines for u in ln["update_ids"])
-    assert counted == sorted(f"{d}:{r}" for r in (1, 2) for devs in SITES.values() for d in devs)
+    assert counted == sorted(f"{d}:{r}:{r - 1}" for r in (1, 2) for devs in SITES.values() for d in devs)
 
 
 def test_bridge_hierarch_real_agents_at_two_sites(bridged_brokers: BridgedBrokers, tmp_path: Path) -> None:

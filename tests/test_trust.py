@@ -1,0 +1,290 @@
+"""The coordinator's trust in update ids, declines and site partials (the H16 attacker findings).
+
+Real mosquitto, real coordinator, forged messages signed by a valid device key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import INT8_MODEL, Broker, wait_until
+
+from edgefl.coordinator.hierarchy import RootCoordinator
+from edgefl.coordinator.profile import load_coordinator_profile
+from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.strategy import (
+    MAX_UPDATE_EXAMPLES,
+    FedAvg,
+    Offer,
+    RunningWeightedSum,
+    SiteSums,
+    make_strategy,
+)
+from edgefl.errors import ConfigError, UpdateRejected
+from edgefl.resources import shipped
+from edgefl.runtime import Backbone
+from edgefl.topics import Topics
+from edgefl.transport import MqttTransport
+from edgefl.wire.codec import Decline, Update, UpdateMetrics, encode_decline, encode_update
+from edgefl.wire.messages import Partial, encode_partial
+from edgefl.wire.signing import generate_signing_key, sign_message
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_trust_declines_cannot_squat_another_devices_update_ids(
+    mosquitto: Broker, fleet: str, tmp_path: Path
+) -> None:
+    """dev-1, with its own valid key, declines with dev-2's update ids (the H16 trial): refused as
+    ``bad_value``; a decline of another round, or of an unselected device, is refused too; dev-2's
+    real update then counts and the round closes with both devices' answers."""
+    bb = Backbone(INT8_MODEL)
+    W0, b0 = bb.head_from_model()
+    keys = {d: generate_signing_key() for d in ("dev-1", "dev-2", "dev-3")}
+    topics = Topics("edgefl", fleet)
+
+    def decline(dev: str, rnd: int, base: int, uid: str) -> bytes:
+        msg = Decline(rnd, base, dev, "over_budget", "x" * 200, uid)
+        return sign_message(encode_decline, msg, keys[dev], fleet=fleet)
+
+    def update(dev: str, rnd: int, base: int) -> bytes:
+        up = Update(rnd, base, dev, 10, np.full_like(W0, 0.01), np.zeros_like(b0),
+                    UpdateMetrics(0.1, 0.9, 0.01, 1), f"{dev}:{rnd}:{base}")  # fmt: skip
+        return sign_message(encode_update, up, keys[dev], fleet=fleet)
+
+    async def main() -> tuple[Coordinator, int, int]:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
+        dev = MqttTransport(mosquitto.host, mosquitto.port, f"dev-{fleet}")
+        await t.start(wait_s=10)
+        await dev.start(wait_s=10)
+        strategy = FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=2, deadline_s=30)
+        coord = Coordinator(
+            t, topics, W0, b0, model_sha256=bb.sha256, strategy=strategy,
+            device_keys={d: k.verify_key for d, k in keys.items()},
+        )  # fmt: skip
+        pump = asyncio.create_task(coord.pump())
+        try:
+            await coord.start()
+            run1 = asyncio.create_task(coord.run_round(1, selected=("dev-1", "dev-2")))
+            await wait_until(lambda: coord.state.round == 1, 10, "round 1 open")
+            forged = [
+                decline("dev-1", r, r - 1, f"dev-2:{r}:{r - 1}")
+                for r in (1, 2, 3)  # dev-2's ids
+            ] + [
+                decline("dev-1", 1, 0, "dev-1:1:0"),  # its own update id, without the suffix
+                decline("dev-1", 2, 1, "dev-1:2:1:declined"),  # a round not open
+                decline("dev-1", 1, 5, "dev-1:1:5:declined"),  # another base version
+                decline("dev-3", 1, 0, "dev-3:1:0:declined"),  # not selected
+            ]
+            for p in forged:
+                await dev.publish(topics.update("dev-1" if b"dev-1" in p else "dev-3"), p, qos=1)
+            want = {"bad_value": 4, "stale_round": 1, "stale_base": 1, "not_selected": 1}
+            await wait_until(lambda: dict(coord.state.rejected) == want, 10, "forged declines refused")
+            await dev.publish(topics.update("dev-2"), update("dev-2", 1, 0), qos=1)
+            await dev.publish(topics.update("dev-1"), decline("dev-1", 1, 0, "dev-1:1:0:declined"), qos=1)
+            await dev.publish(topics.update("dev-1"), decline("dev-1", 1, 0, "dev-1:1:0:declined"), qos=1)
+            record = await run1
+            # the re-send arrives after both answers closed the round
+            await wait_until(lambda: coord.state.rejected["round_closed"] == 1, 10, "the re-sent decline")
+            return coord, record.clients, record.declined
+        finally:
+            pump.cancel()
+            await dev.stop()
+            await t.stop()
+
+    coord, clients, declined = asyncio.run(main())
+    assert (clients, declined) == (1, 1)  # dev-2's update counted, dev-1's own decline once
+    assert coord.counted[1] == ["dev-2:1:0"]
+    assert dict(coord.state.declined) == {"over_budget": 1}
+    assert dict(coord.state.rejected) == {
+        "bad_value": 4, "stale_round": 1, "stale_base": 1, "not_selected": 1, "round_closed": 1
+    }  # fmt: skip
+
+
+def test_hierarch_robust_root_weighs_sites_alike_and_bounds_their_estimates() -> None:
+    """A site with weight 1e300 and a huge trimmed-mean estimate (H16: it set the head alone) is one
+    estimate of three, scaled to the norm bound: the head moves by at most bound / 3 from the honest
+    sites' mean share."""
+    shape = (12, 4)
+    root = make_strategy("trimmed-mean", clip_norm=0.5, trim_fraction=0.2)
+    root.configure_round(1, shape)
+    honest = [np.full(shape, 0.01), np.full(shape, 0.03)]
+    for est in honest:
+        root.offer_sums(SiteSums("trimmed-mean", est, np.zeros(shape[1]), 3.0, 3, 0))
+    root.offer_sums(SiteSums("trimmed-mean", np.full(shape, -5.0), np.zeros(shape[1]), 1e300, 16_000, 0))
+    W, _ = root.aggregate(np.zeros(shape, np.float32), np.zeros(shape[1], np.float32))
+    # equal weights: (0.01 + 0.03 + the forged estimate scaled to norm 0.5) / 3
+    forged = -0.5 / np.sqrt(shape[0] * shape[1])
+    np.testing.assert_allclose(W, np.full(shape, (0.01 + 0.03 + forged) / 3), rtol=1e-5)
+    assert root.report().clipped == 1 and root.report().norm_bound == 0.5
+    # the median over sites ignores the forged site's weight entirely: the median of three is honest
+    med = make_strategy("median", clip_norm=0.5)
+    med.configure_round(1, shape)
+    for est in honest:
+        med.offer_sums(SiteSums("median", est, np.zeros(shape[1]), 3.0, 3, 0))
+    med.offer_sums(SiteSums("median", np.full(shape, 5.0), np.zeros(shape[1]), 1e300, 16_000, 0))
+    W, _ = med.aggregate(np.zeros(shape, np.float32), np.zeros(shape[1], np.float32))
+    np.testing.assert_allclose(W, np.full(shape, 0.03), rtol=1e-6)
+
+
+def test_hierarch_adaptive_bound_at_the_root_is_the_lower_median_site_norm() -> None:
+    shape = (2, 2)
+    root = make_strategy("trimmed-mean")  # no fixed clip_norm
+    root.configure_round(1, shape)
+    for v in (0.1, 0.2, 1e6):
+        root.offer_sums(SiteSums("trimmed-mean", np.full(shape, v), np.zeros(2), 3.0, 3, 0))
+    W, _ = root.aggregate(np.zeros(shape, np.float32), np.zeros(2, np.float32))
+    # lower median of the norms (0.2, 0.4, 2e6) is 0.4: the 1e6 site is scaled to 0.2 per coordinate
+    np.testing.assert_allclose(W, np.full(shape, (0.1 + 0.2 + 0.2) / 3), rtol=1e-5)
+    assert root.report().clipped == 1
+
+
+def test_hierarch_sum_partial_weight_is_capped_per_update_and_overflow_is_not_finite() -> None:
+    shape = (3, 2)
+    st = make_strategy("fedavg")
+    st.configure_round(1, shape)
+    small = np.full(shape, 0.01)
+    for weight, count in ((1e300, 1), (MAX_UPDATE_EXAMPLES + 1.0, 1), (2 * MAX_UPDATE_EXAMPLES + 1.0, 2)):
+        with pytest.raises(UpdateRejected) as err:
+            st.offer_sums(SiteSums("sum", small, np.zeros(2), weight, count, 0))
+        assert err.value.reason == "bad_value" and "examples" in str(err.value)
+    st.offer_sums(SiteSums("sum", small * 2e6, np.zeros(2), 2e6, 2, 0))  # the cap itself is fine
+    assert st.accepted == 2
+    acc = RunningWeightedSum(shape)
+    acc.add_sum(np.full(shape, 1e308), 1.0)
+    assert not acc.fits(np.full(shape, 1e308), 1.0) and acc.fits(np.full(shape, -1e308), 1.0)
+    # a flat update claiming more examples than any device can hold
+    with pytest.raises(UpdateRejected) as err:
+        st.offer(
+            Offer("dev-1", np.zeros(shape, np.float32), np.zeros(2, np.float32), MAX_UPDATE_EXAMPLES + 1)
+        )
+    assert err.value.reason == "bad_value"
+
+
+def test_hierarch_root_refuses_to_start_without_site_keys_unless_allowed() -> None:
+    profile = shipped("firmware_configs/coordinator.toml")
+    with pytest.raises(ConfigError) as err:
+        load_coordinator_profile(profile, {"hierarchy.role": "root"})
+    assert err.value.problems == [
+        "hierarchy.site_keys_dir = None: required when hierarchy.role = 'root' "
+        "(or set hierarchy.allow_unsigned_sites = true)"
+    ]
+    ok = load_coordinator_profile(
+        profile, {"hierarchy.role": "root", "hierarchy.allow_unsigned_sites": "true"}
+    )
+    assert ok.hierarchy.allow_unsigned_sites is True
+
+
+def test_hierarch_root_refuses_forged_site_partials_signed_by_a_valid_site_key(
+    mosquitto: Broker, fleet: str
+) -> None:
+    """At a root, over a real broker: site-b (its own valid key) claims weight 1e300, then 2e6 for one
+    update, then a future round's ids: each refused as ``bad_value``. Its partial listing site-a's id
+    is counted, logged and counted as an overlap, and site-a's honest partial is not refused."""
+    bb = Backbone(INT8_MODEL)
+    W0, b0 = bb.head_from_model()
+    D, K = W0.shape
+    keys = {s: generate_signing_key() for s in ("site-a", "site-b")}
+    topics = Topics("edgefl", fleet)
+    v = 0.1 / np.sqrt(D * K)  # a per-update mean of norm 0.1, under the bound
+
+    def partial(site: str, ids: list[str], weight: float, rnd: int = 1, pid: str = "") -> bytes:
+        n = len(ids)
+        msg = Partial(rnd, rnd - 1, site, pid or f"{site}:{rnd}:{weight}", "sum", n, weight, 0, tuple(ids),
+                      np.full((D, K), v * weight), np.zeros(K))  # fmt: skip
+        return sign_message(encode_partial, msg, keys[site], fleet=fleet)
+
+    async def main() -> tuple[RootCoordinator, int]:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"root-{fleet}")
+        pub = MqttTransport(mosquitto.host, mosquitto.port, f"sites-{fleet}")
+        await t.start(wait_s=10)
+        await pub.start(wait_s=10)
+        strategy = FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=2, deadline_s=30, clip_norm=0.5)
+        root = RootCoordinator(
+            t, topics, W0, b0, model_sha256=bb.sha256, strategy=strategy,
+            site_keys={s: k.verify_key for s, k in keys.items()}, expected_sites=2,
+        )  # fmt: skip
+        pump = asyncio.create_task(root.pump())
+        try:
+            await root.start()
+            run1 = asyncio.create_task(root.run_round(1))
+            await wait_until(lambda: root.state.round == 1, 10, "round 1 open")
+            await pub.publish(topics.partial("site-a"), partial("site-a", ["a1:1:0", "a2:1:0"], 40.0), qos=1)
+            for forged in (
+                partial("site-b", ["b1:1:0"], 1e300),
+                partial("site-b", ["b1:1:0"], 2e6),
+                partial("site-b", ["b1:2:1"], 10.0),  # a future round's id
+            ):
+                await pub.publish(topics.partial("site-b"), forged, qos=1)
+            await wait_until(lambda: root.state.rejected["bad_value"] == 3, 10, "forged partials refused")
+            await pub.publish(topics.partial("site-b"), partial("site-b", ["a1:1:0", "b1:1:0"], 20.0), qos=1)
+            record = await run1
+            return root, record.clients
+        finally:
+            pump.cancel()
+            await pub.stop()
+            await t.stop()
+
+    root, clients = asyncio.run(main())
+    assert dict(root.state.rejected) == {"bad_value": 3}
+    assert root.overlapping_ids == {"site-b/site-a": 1} and root.overlaps == 1
+    assert clients == 3  # a1, a2, b1: the id both sites listed counts once
+    assert root.counted[1] == ["a1:1:0", "a2:1:0", "b1:1:0"]
+    # FedAvg of the two honest shares: (40 v + 20 v) / 60 = v per coordinate, server_lr 1
+    np.testing.assert_allclose(root.W - W0, np.full((D, K), v, np.float32), rtol=1e-4, atol=1e-7)
+
+
+def test_trust_coordinator_starts_during_a_junk_flood_and_logs_declines_throttled(
+    mosquitto: Broker, fleet: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The coordinator's persistent session holds 3,000 junk messages on ``update/+`` when it starts
+    (H16: ``no SUBACK ... within 10 s``, exit 4): it adopts, subscribes and runs a round; the junk is
+    refused and counted with at most 20 + every 1000th log line; 30 declines log 20 lines, each
+    ``detail`` cut to 80 characters."""
+    bb = Backbone(INT8_MODEL)
+    W0, b0 = bb.head_from_model()
+    topics = Topics("edgefl", fleet)
+    devices = tuple(f"dev-{i}" for i in range(30))
+
+    async def main() -> tuple[Coordinator, int]:
+        cid = f"coord-{fleet}"
+        first = MqttTransport(mosquitto.host, mosquitto.port, cid, session_expiry_s=3600)
+        await first.start(wait_s=10)
+        await first.subscribe(topics.update("+"), 1)
+        await first.stop()
+        pub = MqttTransport(mosquitto.host, mosquitto.port, f"junk-{fleet}")
+        await pub.start(wait_s=10)
+        for i in range(3000):
+            await pub.publish(topics.update(f"x{i % 50}"), b"\xff" * 64, qos=1)
+        t = MqttTransport(mosquitto.host, mosquitto.port, cid, session_expiry_s=3600, queue_size=64)
+        await t.start(wait_s=10)
+        strategy = FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=30, deadline_s=30)
+        coord = Coordinator(t, topics, W0, b0, model_sha256=bb.sha256, strategy=strategy)
+        pump = asyncio.create_task(coord.pump())
+        try:
+            await coord.start()
+            run1 = asyncio.create_task(coord.run_round(1, selected=devices))
+            await wait_until(lambda: coord.state.round == 1, 10, "round 1 open")
+            for d in devices:
+                msg = Decline(1, 0, d, "over_budget", "y" * 200, f"{d}:1:0:declined")
+                await pub.publish(topics.update(d), encode_decline(msg), qos=1)
+            record = await run1
+            return coord, record.declined
+        finally:
+            pump.cancel()
+            await pub.stop()
+            await t.stop()
+
+    with caplog.at_level("WARNING"):
+        coord, declined = asyncio.run(main())
+    assert declined == 30 and dict(coord.state.declined) == {"over_budget": 30}
+    junk = sum(coord.state.rejected.values())
+    assert junk >= 1000  # mosquitto queues up to 1,000 messages for an offline session by default
+    refusal_lines = [r for r in caplog.records if r.getMessage().startswith("rejected message")]
+    assert len(refusal_lines) <= 20 + junk // 1000
+    decline_lines = [r.getMessage() for r in caplog.records if " declined: over_budget" in r.getMessage()]
+    assert len(decline_lines) == 20
+    assert all("y" * 79 + "…" in m and "y" * 80 not in m for m in decline_lines)
