@@ -154,6 +154,63 @@ def test_ingest_queue_unit_drops_oldest_expires_pending_refuses_duplicates() -> 
     assert ing.counters.labels_received == 3
 
 
+def test_ingest_label_conflict_unit_disputes_unstored_and_counts_stored() -> None:
+    """A second, different label within label_expiry_s is refused (label_conflict), wherever the sample is."""
+    now = [0.0]
+    ing = Ingest(queue_max=8, pending_max=8, label_expiry_s=10.0, clock=lambda: now[0])
+
+    def conflict(sample_id: str, label: int) -> str:
+        with pytest.raises(UpdateRejected) as exc:
+            ing.offer_label(Label(sample_id, label))
+        assert exc.value.reason == "label_conflict"
+        return exc.value.detail
+
+    # pending, answered by a hijacker first: its label is matched and stored before the genuine one
+    for i in range(3):
+        ing.offer_sample(sample(i))
+    rows = ing.take(3)
+    for k, r in enumerate(rows):
+        ing.settle(r.id, np.full(4, k, np.float32), predicted=k)
+    ing.offer_label(Label("s0", 7))  # the attacker
+    ing.offer_label(Label("s1", 7))  # the attacker
+    stored = ing.take_labelled()  # s0 and s1 go to the store
+    assert stored is not None and stored[1].tolist() == [7, 7]
+    assert "its first label stays in the store" in conflict("s0", 2)  # the genuine label, late
+    with pytest.raises(UpdateRejected) as same:
+        ing.offer_label(Label("s1", 7))  # the same label again is a redelivery
+    assert same.value.reason == "duplicate"
+    # matched, not stored yet: removed, neither label is kept
+    ing.offer_label(Label("s2", 7))
+    assert "neither label is stored" in conflict("s2", 3)
+    assert ing.take_labelled() is None
+    assert "disputed already" in conflict("s2", 7)  # any later label too
+    # queued with its inline label: classified, never stored nor parked
+    ing.offer_sample(sample(3, label=1))
+    conflict("s3", 4)
+    (row,) = ing.take(1)
+    assert row.label is None
+    ing.settle(row.id, np.zeros(4, np.float32), predicted=0)
+    assert ing.pending == 0 and ing.take_labelled() is None
+    # in flight, its label came meanwhile: dropped, not parked
+    ing.offer_sample(sample(4))
+    (row,) = ing.take(1)
+    ing.offer_label(Label("s4", 5))
+    conflict("s4", 6)
+    ing.settle(row.id, np.zeros(4, np.float32), predicted=0)
+    assert ing.pending == 0 and ing.take_labelled() is None
+    # in flight with its own inline label: the caller stores it as it is classified
+    ing.offer_sample(sample(5, label=2))
+    (row,) = ing.take(1)
+    conflict("s5", 3)
+    ing.settle(row.id, np.zeros(4, np.float32), predicted=2)
+    assert ing.counters.label_conflicts == 6 and ing.counters.conflicts_stored == 2
+    # after label_expiry_s the id is forgotten: a label is unknown, not a conflict
+    now[0] = 10.5
+    with pytest.raises(UpdateRejected) as late:
+        ing.offer_label(Label("s0", 2))
+    assert late.value.reason == "unknown_sample"
+
+
 # ----------------------------------------------------------------------------------------------
 # Real agents
 
