@@ -22,6 +22,7 @@ from conftest import (
     USER,
     Broker,
     Pki,
+    mosquitto_passwd_path,
     start_ingest_agent,
     start_mosquitto,
     stop_broker,
@@ -33,7 +34,7 @@ from edgefl.agent.ingest import Ingest
 from edgefl.agent.pipeline import Pipeline
 from edgefl.datasets import load_digits
 from edgefl.demo import stop_agents
-from edgefl.errors import DecodeError, UpdateRejected
+from edgefl.errors import DecodeError, TransportError, UpdateRejected
 from edgefl.head import Head
 from edgefl.runtime import Backbone
 from edgefl.tlsconf import make_ssl_context
@@ -548,3 +549,97 @@ def test_ingest_feed_cli_over_tls_with_the_profile_broker_table(
         assert bare.returncode == 4, bare.stdout + bare.stderr
     finally:
         stop_broker(broker)
+
+
+def test_ingest_label_conflict_retained_and_throttled_log_on_a_real_agent(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+) -> None:
+    """A hijacker answers predictions first: the genuine labels are label_conflict, counted; a sample
+    retained before or while the agent subscribes is never taken; refusals are logged 20 per reason."""
+    x, y = load_digits()
+    topics = Topics("edgefl", fleet)
+
+    async def stale() -> None:  # retained before the agent exists: MQTT 5 Retain Handling 2 skips it
+        async with Gateway(mosquitto, fleet, "live-h") as gw:
+            await gw.t.publish(topics.samples("live-h"), encode_sample(Sample("r0", x[0])), retain=True)
+
+    asyncio.run(stale())
+    agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-h"))
+
+    async def main() -> dict[str, Any]:
+        async with Gateway(mosquitto, fleet, "live-h") as gw:
+            await gw.ready()
+            for i in range(4):
+                await gw.sample(Sample(f"h{i}", x[i]))
+            await wait_until(lambda: len(gw.predictions) == 4, 30, "4 predictions")
+            for i in range(4):  # the hijacker: a wrong label for every prediction, at once
+                await gw.label(f"h{i}", (int(y[i]) + 1) % 10)
+            await gw.until("the hijacker's labels stored", stored_total=4, labels_received=4)
+            for i in range(4):  # the genuine app, late
+                await gw.label(f"h{i}", int(y[i]))
+            for i in range(25):
+                await gw.label(f"nobody{i}", 1)
+            # retained while subscribed: kept as published (Retain As Published), refused
+            await gw.t.publish(topics.samples("live-h"), encode_sample(Sample("r1", x[1])), retain=True)
+            st = await gw.until(
+                "refusals counted",
+                rejected={"label_conflict": 4, "unknown_sample": 25, "bad_value": 1},
+            )
+            await gw.t.publish(topics.samples("live-h"), b"", retain=True)
+            return st
+
+    st = asyncio.run(main())
+    assert (st["samples_received"], st["labels_received"], st["stored_total"]) == (4, 4, 4)
+    assert st["conflicts_stored"] == 4  # the hijacker's labels were stored first: they stay (ring store)
+    log = (tmp_path / "live-h.log").read_text(errors="replace")
+    assert log.count("unknown_sample: no sample") == 20  # LOGGED_REFUSALS, then only every 1000th
+    assert log.count("label_conflict: sample h") == 4 and "its first label stays in the store" in log
+
+
+INGEST_ACL = """\
+# the gateway app: writes samples and labels of its devices, reads their predictions
+user gateway
+topic write edgefl/+/samples/+
+topic write edgefl/+/labels/+
+topic read edgefl/+/predictions/+
+
+# every device (username = device id): reads its own samples and labels, writes its predictions
+pattern read edgefl/+/samples/%u
+pattern read edgefl/+/labels/%u
+pattern write edgefl/+/predictions/%u
+"""
+
+
+def test_ingest_acl_refuses_a_label_from_a_non_app_account(tmp_path: Path) -> None:
+    """Only the gateway account writes labels/<device>: a device's Label is refused (MQTT 5 PUBACK 0x87)."""
+    passwd = tmp_path / "ingest.passwd"
+    for n, dev in enumerate(("gateway", "dev-1", "dev-2")):
+        create = ["-c"] if n == 0 else []
+        subprocess.run([mosquitto_passwd_path(), *create, "-b", str(passwd), dev, f"{dev}-pw"], check=True)
+    acl = tmp_path / "ingest.acl"
+    acl.write_text(INGEST_ACL)
+    # "user root": keep read access to the test's files when CI runs as root (as tls_conf)
+    broker = start_mosquitto(
+        tmp_path, extra=f"allow_anonymous false\npassword_file {passwd}\nacl_file {acl}\nuser root\n"
+    )
+
+    async def label_as(user: str) -> str:
+        tx = MqttTransport(
+            "127.0.0.1", broker.port, f"probe-{user}", protocol="5", username=user, password=f"{user}-pw"
+        )
+        await tx.start(wait_s=10)
+        try:
+            await tx.publish("edgefl/f/labels/dev-1", encode_label(Label("s0", 1)), qos=1, timeout_s=5)
+            return "accepted"
+        except TransportError as exc:
+            return f"refused: {exc}"
+        finally:
+            await tx.stop()
+
+    try:
+        outcomes = [asyncio.run(label_as(u)) for u in ("gateway", "dev-1", "dev-2")]
+    finally:
+        stop_broker(broker)
+    assert outcomes[0] == "accepted"
+    for refused in outcomes[1:]:
+        assert refused.startswith("refused") and "Not authorized" in refused, outcomes
