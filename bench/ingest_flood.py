@@ -2,8 +2,9 @@
 
 A real mosquitto on 127.0.0.1 (defaults: ``max_queued_messages 1000``), one real agent process (dev
 profile, ``source.kind = "mqtt"``, dashboard off) and, in this process, a publisher that sends
-``--labels`` Label messages for sample ids the agent never saw (QoS 1, 20 in flight), as fast as the
-broker takes them. Once the agent's ``rejected{unknown_sample}`` count stops moving (5 s), it reports:
+``--labels`` Label messages for sample ids the agent never saw (QoS 1, ``--in-flight`` publishes
+awaited together, default 20; at most 64, the transport's outgoing queue), as fast as the broker takes them.
+Once the agent's ``rejected{unknown_sample}`` count stops moving (5 s), it reports:
 
 - ``sent/s``: labels published per second (first publish to the last PUBACK);
 - ``refused``: the agent's ``unknown_sample`` count; ``sent - refused`` never reached the agent:
@@ -11,7 +12,7 @@ broker takes them. Once the agent's ``rejected{unknown_sample}`` count stops mov
 - ``log lines`` and ``log bytes`` of the agent's refusal log (throttled: the first 20 of a reason, then
   every 1000th).
 
-Run: ``.venv/bin/python -m bench.ingest_flood [--labels 20000]`` (prints a markdown row).
+Run: ``.venv/bin/python -m bench.ingest_flood [--labels 20000] [--in-flight 20]`` (prints a markdown row).
 """
 
 from __future__ import annotations
@@ -32,11 +33,8 @@ from edgefl.validators import parse_broker_url
 from edgefl.wire.codec import decode_status, encode_label
 from edgefl.wire.messages import Label
 
-IN_FLIGHT = 20
-"""QoS 1 publishes awaited together (paho's own outgoing queue refuses many more at once)."""
 
-
-async def flood(url: str, fleet: str, device: str, n: int) -> dict[str, Any]:
+async def flood(url: str, fleet: str, device: str, n: int, in_flight: int = 20) -> dict[str, Any]:
     """Publish ``n`` unknown labels, then wait until the agent's refusal count is still for 5 s."""
     _, host, port = parse_broker_url(url)
     topics = Topics("edgefl", fleet)
@@ -45,11 +43,11 @@ async def flood(url: str, fleet: str, device: str, n: int) -> dict[str, Any]:
     try:
         await t.subscribe(topics.status(device), 1)
         t0 = time.monotonic()
-        for k in range(0, n, IN_FLIGHT):
+        for k in range(0, n, in_flight):
             await asyncio.gather(
                 *(
                     t.publish(topics.labels(device), encode_label(Label(f"u{i}", i % 10)), qos=1)
-                    for i in range(k, min(n, k + IN_FLIGHT))
+                    for i in range(k, min(n, k + in_flight))
                 )
             )
         sent_s = time.monotonic() - t0
@@ -74,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the flood once and print its markdown row."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--labels", type=int, default=20000)
+    ap.add_argument("--in-flight", type=int, default=20)
     args = ap.parse_args(argv)
     with mosquitto() as url, tempfile.TemporaryDirectory(prefix="edgefl-bench-flood-") as d:
         if url is None:
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             asyncio.run(_status_when(url, fleet, "flood-1", lambda f: bool(f.get("ready"))))
-            row = asyncio.run(flood(url, fleet, "flood-1", args.labels))
+            row = asyncio.run(flood(url, fleet, "flood-1", args.labels, args.in_flight))
         finally:
             stop_agents([proc])
         text = log.read_text(errors="replace")
