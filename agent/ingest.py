@@ -210,10 +210,7 @@ class Ingest:
     def _dispute(self, sample_id: str) -> bool:
         """Drop a disputed sample's label wherever it is not stored yet; return whether it was stored."""
         self.counters.label_conflicts += 1
-        first, since = self._answered[sample_id]
-        self._answered[sample_id] = (DISPUTED, since)
-        if first == DISPUTED:
-            return False  # disputed before: already handled
+        self._answered[sample_id] = (DISPUTED, self._answered[sample_id][1])
         queued = self._queue.get(sample_id)
         slot = self._inflight.get(sample_id)
         if queued is not None:
@@ -253,11 +250,15 @@ class Ingest:
         if prior is not None:
             if prior[0] == label.label:
                 raise UpdateRejected(Reason.DUPLICATE, f"sample {label.id} is labelled {label.label} already")
+            if prior[0] == DISPUTED:
+                self.counters.label_conflicts += 1
+                raise UpdateRejected(
+                    Reason.LABEL_CONFLICT, f"sample {label.id} disputed already (two different labels came)"
+                )
             stored = self._dispute(label.id)
-            was = "disputed already" if prior[0] == DISPUTED else f"labelled {prior[0]}"
             raise UpdateRejected(
                 Reason.LABEL_CONFLICT,
-                f"sample {label.id} {was}, now {label.label}: "
+                f"sample {label.id} labelled {prior[0]}, now {label.label}: "
                 + ("its first label stays in the store" if stored else "neither label is stored"),
             )
         queued = self._queue.get(label.id)
