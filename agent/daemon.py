@@ -34,7 +34,7 @@ import numpy as np
 from edgefl.agent import memory
 from edgefl.agent.config import Profile
 from edgefl.agent.core import ApplyStatus, Classified, DeviceCore, RoundResult, RoundStatus
-from edgefl.agent.ingest import Ingest, Queued
+from edgefl.agent.ingest import LOGGED_REFUSALS, Ingest, Queued
 from edgefl.agent.status import status_news
 from edgefl.aio import wait_event
 from edgefl.errors import BudgetExceeded, DecodeError, EdgeflError, TransportError, UpdateRejected
@@ -244,9 +244,12 @@ class Agent:
         """File a Sample into the ingest queue or apply a Label (on the loop, at once; never raises).
 
         A sample of another shape or dtype than the model's, a label outside [0, K), a duplicate, a
-        label for no waiting sample, or a retained message (a stale sample the broker would hand over
-        again at every reconnect) is refused: logged with topic, size and reason, counted in
-        ``rejected``. An empty payload (a retained message being cleared) is ignored.
+        label for no waiting sample, a label that contradicts an earlier one (``label_conflict``), or
+        a retained message (a stale sample the broker would hand over again at every reconnect) is
+        refused: counted in ``rejected``, and logged with topic, size and reason for the first
+        :data:`~edgefl.agent.ingest.LOGGED_REFUSALS` of each reason, then only every 1000th with the
+        count (a flood of bad samples must not become a flood of log lines). An empty payload (a
+        retained message being cleared) is ignored.
         """
         ingest = self.ingest
         assert ingest is not None
@@ -274,7 +277,10 @@ class Agent:
                 ingest.offer_label(decode_label(msg.payload, limits=self.core.limits, num_classes=K))
         except (DecodeError, UpdateRejected) as exc:
             self.state.rejected[exc.reason] += 1
-            logger.warning("rejected %s: %s: %s", what, exc.reason, exc.detail)
+            n = self.state.rejected[exc.reason]
+            if n <= LOGGED_REFUSALS or n % 1000 == 0:
+                more = f" ({n} {exc.reason} so far)" if n > LOGGED_REFUSALS else ""
+                logger.warning("rejected %s: %s: %s%s", what, exc.reason, exc.detail, more)
             return
         self._ingest_wake.set()
 
@@ -687,6 +693,7 @@ class Agent:
             "ingest_dropped": c.ingest_dropped,
             "ingest_queued": len(self.ingest),
             "pending_labels": self.ingest.pending,
+            "conflicts_stored": c.conflicts_stored,
             "pending_expired": c.pending_expired,
             "pending_evicted": c.pending_evicted,
         }
@@ -802,8 +809,11 @@ class Agent:
             await self.transport.subscribe(self.topics.round, 1)
             if self.ingest is not None:
                 src = self.profile.source
-                await self.transport.subscribe(self.topics.samples(self.device), src.samples_qos)
-                await self.transport.subscribe(self.topics.labels(self.device), 1)
+                # MQTT 5: no retained sample/label at subscribe, and the retain flag kept as published
+                # so one retained while subscribed is refused too (receive_ingest)
+                samples = self.topics.samples(self.device)
+                await self.transport.subscribe(samples, src.samples_qos, live_only=True)
+                await self.transport.subscribe(self.topics.labels(self.device), 1, live_only=True)
                 self.state.ingest_ready = True
             try:
                 async with asyncio.TaskGroup() as tg:

@@ -16,10 +16,18 @@ interpreter, no thread (the daemon calls it from its event loop only).
   (:meth:`Ingest.take_labelled`) for the core to store, so late-labelled samples reach the store and
   holdout by the same :meth:`~edgefl.agent.core.DeviceCore.keep` as inline-labelled ones.
 - **Duplicates**: QoS 1 is at-least-once, so a sample id seen among the last :data:`RECENT_IDS` samples
-  is refused (``duplicate``) rather than classified, predicted and stored twice; a label for a sample
-  already labelled is refused the same way.
+  is refused (``duplicate``) rather than classified, predicted and stored twice; the same label again
+  for a sample already labelled is refused the same way.
+- **Conflicts**: the ids labelled within the last ``label_expiry_s`` seconds (at most
+  :data:`RECENT_IDS`) are remembered with their label. A *different* label for one of them is refused
+  (``label_conflict``): someone else answers the device's predictions (``docs/security.md``, "Live
+  ingest"). The sample is then disputed: if it is still queued, in flight without its own label, or
+  matched and not yet stored, neither label is kept (it is classified and predicted, never stored);
+  if its first label already reached the store it stays there (the store is a ring buffer without
+  removal: ``agent/store.py``), counted in ``conflicts_stored``. Any later label for it is refused
+  (``label_conflict``) too.
 
-Memory: ``queue_max`` raw samples + ``pending_max`` × D float32 + :data:`RECENT_IDS` ids.
+Memory: ``queue_max`` raw samples + ``pending_max`` × D float32 + 2 × :data:`RECENT_IDS` ids.
 """
 
 from __future__ import annotations
@@ -36,10 +44,16 @@ from edgefl.types import F32, I64
 from edgefl.wire.messages import Label, Sample
 from edgefl.wire.reasons import Reason
 
-__all__ = ["RECENT_IDS", "Ingest", "IngestCounters", "Queued"]
+__all__ = ["DISPUTED", "LOGGED_REFUSALS", "RECENT_IDS", "Ingest", "IngestCounters", "Queued"]
 
 RECENT_IDS = 4096
-"""How many of the latest sample ids are remembered to refuse a redelivered sample (``duplicate``)."""
+"""How many of the latest sample ids (and labelled ids) are remembered (``duplicate``, ``label_conflict``)."""
+
+LOGGED_REFUSALS = 20
+"""Refused samples/labels of one reason logged one by one; then only every 1000th, with the count."""
+
+DISPUTED = -1
+"""The remembered label of a sample that got two different labels (never a valid class)."""
 
 
 @dataclass(slots=True)
@@ -81,6 +95,10 @@ class IngestCounters:
     """Predictions handed to the broker (QoS 1: acknowledged)."""
     predictions_failed: int = 0
     """Predictions not published (not connected, no PUBACK in time)."""
+    label_conflicts: int = 0
+    """Labels refused because the sample had another label within ``label_expiry_s`` (``label_conflict``)."""
+    conflicts_stored: int = 0
+    """Disputed samples whose first label was already in the store (it stays: no removal)."""
 
 
 class Ingest:
@@ -124,10 +142,14 @@ class Ingest:
         self._queue: OrderedDict[str, Queued] = OrderedDict()
         # id -> (embedding [D], since, predicted class)
         self._pending: OrderedDict[str, tuple[F32, float, int]] = OrderedDict()
-        self._labelled: list[tuple[F32, int, int]] = []
+        self._labelled: list[tuple[str, F32, int, int]] = []  # id, embedding [D], label, predicted
         # taken for classification, not settled yet: id -> [inline label, label that came meanwhile]
         self._inflight: dict[str, list[int | None]] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()
+        # labelled lately: id -> (label, since); label DISPUTED once a conflicting one came
+        self._answered: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        # queued or in-flight samples whose label was disputed: classified, never stored nor parked
+        self._disputed: set[str] = set()
 
     def __len__(self) -> int:
         """Samples queued now."""
@@ -169,12 +191,43 @@ class Ingest:
         dropped = None
         if len(self._queue) >= self.queue_max:
             _, dropped = self._queue.popitem(last=False)
+            self._disputed.discard(dropped.id)
             self.counters.ingest_dropped += 1
         self._queue[sample.id] = Queued(sample.id, sample.x, sample.label, self.clock())
         self.counters.samples_received += 1
         if sample.label is not None:
             self.counters.labels_received += 1
+            self._answer(sample.id, sample.label)
         return dropped
+
+    def _answer(self, sample_id: str, label: int) -> None:
+        """Remember that ``sample_id`` was labelled ``label`` now (bounded: the oldest id goes first)."""
+        self._answered.pop(sample_id, None)
+        self._answered[sample_id] = (label, self.clock())
+        if len(self._answered) > RECENT_IDS:
+            self._answered.popitem(last=False)
+
+    def _dispute(self, sample_id: str) -> bool:
+        """Drop a disputed sample's label wherever it is not stored yet; return whether it was stored."""
+        self.counters.label_conflicts += 1
+        self._answered[sample_id] = (DISPUTED, self._answered[sample_id][1])
+        queued = self._queue.get(sample_id)
+        slot = self._inflight.get(sample_id)
+        if queued is not None:
+            queued.label = None
+            self._disputed.add(sample_id)
+            return False
+        if slot is not None and slot[0] is None:
+            slot[1] = None
+            self._disputed.add(sample_id)
+            return False
+        if slot is None:
+            for i, row in enumerate(self._labelled):
+                if row[0] == sample_id:
+                    del self._labelled[i]
+                    return False
+        self.counters.conflicts_stored += 1  # its own label, stored as it is classified, or stored since
+        return True
 
     def offer_label(self, label: Label) -> None:
         """Apply a late label to its sample: queued (labelled in place), in flight (kept for it) or pending.
@@ -187,11 +240,27 @@ class Ingest:
         Raises
         ------
         UpdateRejected
-            ``duplicate`` (the queued or in-flight sample has a label already), ``unknown_sample`` (no
-            queued, in-flight or pending sample has this id: never received, dropped, labelled
-            already, or expired).
+            ``duplicate`` (the sample has this very label already), ``label_conflict`` (it was labelled
+            otherwise within ``label_expiry_s``, or disputed: the module docstring says what is kept),
+            ``unknown_sample`` (no queued, in-flight or pending sample has this id: never received,
+            dropped, labelled long ago, or expired).
         """
         self.expire()
+        prior = self._answered.get(label.id)
+        if prior is not None:
+            if prior[0] == label.label:
+                raise UpdateRejected(Reason.DUPLICATE, f"sample {label.id} is labelled {label.label} already")
+            if prior[0] == DISPUTED:
+                self.counters.label_conflicts += 1
+                raise UpdateRejected(
+                    Reason.LABEL_CONFLICT, f"sample {label.id} disputed already (two different labels came)"
+                )
+            stored = self._dispute(label.id)
+            raise UpdateRejected(
+                Reason.LABEL_CONFLICT,
+                f"sample {label.id} labelled {prior[0]}, now {label.label}: "
+                + ("its first label stays in the store" if stored else "neither label is stored"),
+            )
         queued = self._queue.get(label.id)
         slot = self._inflight.get(label.id)
         if queued is not None:
@@ -209,7 +278,8 @@ class Ingest:
                     Reason.UNKNOWN_SAMPLE,
                     f"no sample {label.id} waits for a label (never received, dropped, labelled or expired)",
                 )
-            self._labelled.append((entry[0], label.label, entry[2]))
+            self._labelled.append((label.id, entry[0], label.label, entry[2]))
+        self._answer(label.id, label.label)
         self.counters.labels_received += 1
 
     # --- out --------------------------------------------------------------------------------------
@@ -241,8 +311,11 @@ class Ingest:
         slot = self._inflight.pop(sample_id, None)
         if slot is None or slot[0] is not None:
             return  # stored with its own label by the caller
+        if sample_id in self._disputed:
+            self._disputed.discard(sample_id)
+            return  # its label was disputed: neither is kept
         if slot[1] is not None:
-            self._labelled.append((np.array(embedding, dtype=np.float32), slot[1], int(predicted)))
+            self._labelled.append((sample_id, np.array(embedding, dtype=np.float32), slot[1], int(predicted)))
             return
         self._park(sample_id, embedding, predicted)
 
@@ -250,6 +323,7 @@ class Ingest:
         """Taken samples whose classification failed: no longer in flight (a label for them is unknown)."""
         for row in rows:
             self._inflight.pop(row.id, None)
+            self._disputed.discard(row.id)
 
     def _park(self, sample_id: str, embedding: F32, predicted: int) -> None:
         if self.pending_max == 0:
@@ -269,9 +343,9 @@ class Ingest:
         """
         if not self._labelled:
             return None
-        emb = np.stack([e for e, _, _ in self._labelled]).astype(np.float32, copy=False)
-        labels = np.array([lbl for _, lbl, _ in self._labelled], dtype=np.int64)
-        predicted = np.array([p for _, _, p in self._labelled], dtype=np.int64)
+        emb = np.stack([e for _, e, _, _ in self._labelled]).astype(np.float32, copy=False)
+        labels = np.array([lbl for _, _, lbl, _ in self._labelled], dtype=np.int64)
+        predicted = np.array([p for _, _, _, p in self._labelled], dtype=np.int64)
         self._labelled = []
         return emb, labels, predicted
 
@@ -286,4 +360,6 @@ class Ingest:
             self._pending.popitem(last=False)
             n += 1
         self.counters.pending_expired += n
+        while self._answered and next(iter(self._answered.values()))[1] <= limit:
+            self._answered.popitem(last=False)
         return n

@@ -34,6 +34,7 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 from paho.mqtt.reasoncodes import ReasonCode
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edgefl.aio import wait_event, within
 from edgefl.errors import TransportError
@@ -404,7 +405,7 @@ class MqttTransport:
         self.connected = asyncio.Event()
         self.ever_connected = False
         self._lost_logged = False
-        self._subscriptions: dict[str, int] = {}
+        self._subscriptions: dict[str, tuple[int, bool]] = {}  # topic -> (qos, live_only)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._conn: _Connection | None = None
         self._mqtt5 = protocol in ("auto", "5")
@@ -529,7 +530,10 @@ class MqttTransport:
         self.broker_max_packet_bytes = int(max_packet) if max_packet else None
         self.last_refusal = None
         conn.acked = True
-        subacks = [self._send_subscribe(conn, topic, qos) for topic, qos in self._subscriptions.items()]
+        subacks = [
+            self._send_subscribe(conn, topic, qos, live_only)
+            for topic, (qos, live_only) in self._subscriptions.items()
+        ]
         self._ready_task = asyncio.create_task(
             self._ready(conn, subacks), name=f"mqtt-ready-{self.client_id}"
         )
@@ -634,12 +638,18 @@ class MqttTransport:
             self._ack(conn, mid, qos)
 
     def _send_subscribe(
-        self, conn: _Connection, topic: str, qos: int
+        self, conn: _Connection, topic: str, qos: int, live_only: bool = False
     ) -> tuple[str, asyncio.Future[list[ReasonCode]]]:
         """SUBSCRIBE on ``conn``; the returned future gets the SUBACK's reason codes or a TransportError."""
         assert self._loop is not None
         fut: asyncio.Future[list[ReasonCode]] = self._loop.create_future()
-        rc, mid = conn.client.subscribe(topic, qos)
+        if live_only and self._mqtt5:  # MQTT 5.0 §3.8.3.1: Retain Handling 2, Retain As Published
+            opts = SubscribeOptions(
+                qos=qos, retainAsPublished=True, retainHandling=SubscribeOptions.RETAIN_DO_NOT_SEND
+            )
+            rc, mid = conn.client.subscribe(topic, options=opts)
+        else:
+            rc, mid = conn.client.subscribe(topic, qos)
         if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
             fut.set_exception(TransportError(f"subscribe to {topic} failed: {mqtt.error_string(rc)}"))
         elif conn.closed:
@@ -799,11 +809,19 @@ class MqttTransport:
             self._next_address()
             await asyncio.sleep(self.backoff_s(failures))
 
-    async def subscribe(self, topic: str, qos: int = 1, *, timeout_s: float = SUBACK_TIMEOUT_S) -> None:
+    async def subscribe(
+        self, topic: str, qos: int = 1, *, live_only: bool = False, timeout_s: float = SUBACK_TIMEOUT_S
+    ) -> None:
         """Subscribe, now and again after every reconnect.
 
         When connected, returns after the broker's SUBACK granted the subscription; when not, returns
         at once (the subscription is sent, and its SUBACK awaited, before ``connected`` is next set).
+
+        ``live_only`` (MQTT 5 only; MQTT 5.0 §3.8.3.1 subscription options): Retain Handling 2, so the
+        broker sends no retained message at subscribe, and Retain As Published, so a message retained
+        while subscribed arrives with ``retain`` set and the caller can refuse it. Over MQTT 3.1.1 it
+        has no effect: retained messages come at subscribe with ``retain`` set, and later ones
+        without it (3.1.1 §3.3.1.3).
 
         Raises
         ------
@@ -811,11 +829,11 @@ class MqttTransport:
             If the SUBACK refused the subscription (MQTT 5.0 §3.9.3, 3.1.1 §3.9.3 failure 0x80), no
             SUBACK arrived within ``timeout_s``, or the connection was lost before it.
         """
-        self._subscriptions[topic] = qos
+        self._subscriptions[topic] = (qos, live_only)
         conn = self._conn
         if conn is None or not conn.acked or conn.closed:
             return  # sent with the others on the next CONNACK
-        _, fut = self._send_subscribe(conn, topic, qos)
+        _, fut = self._send_subscribe(conn, topic, qos, live_only)
         try:
             self._check_suback(topic, await within(fut, timeout_s))
         except TimeoutError as exc:

@@ -22,6 +22,7 @@ from conftest import (
     USER,
     Broker,
     Pki,
+    mosquitto_passwd_path,
     start_ingest_agent,
     start_mosquitto,
     stop_broker,
@@ -33,7 +34,7 @@ from edgefl.agent.ingest import Ingest
 from edgefl.agent.pipeline import Pipeline
 from edgefl.datasets import load_digits
 from edgefl.demo import stop_agents
-from edgefl.errors import DecodeError, UpdateRejected
+from edgefl.errors import DecodeError, TransportError, UpdateRejected
 from edgefl.head import Head
 from edgefl.runtime import Backbone
 from edgefl.tlsconf import make_ssl_context
@@ -154,6 +155,63 @@ def test_ingest_queue_unit_drops_oldest_expires_pending_refuses_duplicates() -> 
     with pytest.raises(UpdateRejected):
         ing.offer_label(Label("s12", 1))
     assert ing.counters.labels_received == 3
+
+
+def test_ingest_label_conflict_unit_disputes_unstored_and_counts_stored() -> None:
+    """A second, different label within label_expiry_s is refused (label_conflict), wherever the sample is."""
+    now = [0.0]
+    ing = Ingest(queue_max=8, pending_max=8, label_expiry_s=10.0, clock=lambda: now[0])
+
+    def conflict(sample_id: str, label: int) -> str:
+        with pytest.raises(UpdateRejected) as exc:
+            ing.offer_label(Label(sample_id, label))
+        assert exc.value.reason == "label_conflict"
+        return exc.value.detail
+
+    # pending, answered by a hijacker first: its label is matched and stored before the genuine one
+    for i in range(3):
+        ing.offer_sample(sample(i))
+    rows = ing.take(3)
+    for k, r in enumerate(rows):
+        ing.settle(r.id, np.full(4, k, np.float32), predicted=k)
+    ing.offer_label(Label("s0", 7))  # the attacker
+    ing.offer_label(Label("s1", 7))  # the attacker
+    stored = ing.take_labelled()  # s0 and s1 go to the store
+    assert stored is not None and stored[1].tolist() == [7, 7]
+    assert "its first label stays in the store" in conflict("s0", 2)  # the genuine label, late
+    with pytest.raises(UpdateRejected) as same:
+        ing.offer_label(Label("s1", 7))  # the same label again is a redelivery
+    assert same.value.reason == "duplicate"
+    # matched, not stored yet: removed, neither label is kept
+    ing.offer_label(Label("s2", 7))
+    assert "neither label is stored" in conflict("s2", 3)
+    assert ing.take_labelled() is None
+    assert "disputed already" in conflict("s2", 7)  # any later label too
+    # queued with its inline label: classified, never stored nor parked
+    ing.offer_sample(sample(3, label=1))
+    conflict("s3", 4)
+    (row,) = ing.take(1)
+    assert row.label is None
+    ing.settle(row.id, np.zeros(4, np.float32), predicted=0)
+    assert ing.pending == 0 and ing.take_labelled() is None
+    # in flight, its label came meanwhile: dropped, not parked
+    ing.offer_sample(sample(4))
+    (row,) = ing.take(1)
+    ing.offer_label(Label("s4", 5))
+    conflict("s4", 6)
+    ing.settle(row.id, np.zeros(4, np.float32), predicted=0)
+    assert ing.pending == 0 and ing.take_labelled() is None
+    # in flight with its own inline label: the caller stores it as it is classified
+    ing.offer_sample(sample(5, label=2))
+    (row,) = ing.take(1)
+    conflict("s5", 3)
+    ing.settle(row.id, np.zeros(4, np.float32), predicted=2)
+    assert ing.counters.label_conflicts == 6 and ing.counters.conflicts_stored == 2
+    # after label_expiry_s the id is forgotten: a label is unknown, not a conflict
+    now[0] = 10.5
+    with pytest.raises(UpdateRejected) as late:
+        ing.offer_label(Label("s0", 2))
+    assert late.value.reason == "unknown_sample"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,7 +393,9 @@ def test_ingest_refuses_wrong_shape_dtype_label(
             await gw.t.publish(gw.topics.samples("live-2"), payload, qos=1, retain=True)
 
     asyncio.run(stale())
-    agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-2"))
+    # MQTT 3.1.1: the broker hands the retained sample over at subscribe (retain flag set) and the
+    # agent refuses it; over MQTT 5 it is never sent (Retain Handling 2: the label_conflict test)
+    agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-2", broker__protocol="3.1.1"))
 
     async def main() -> dict[str, Any]:
         async with Gateway(mosquitto, fleet, "live-2") as gw:
@@ -564,3 +624,97 @@ def test_ingest_feed_cli_to_a_device_that_never_answers(
     refused = subprocess.run([*base, "--profile", str(bad)], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2, refused.stderr
     assert "broker.qos = 3" in refused.stderr and "broker.bogus: unknown key" in refused.stderr
+
+
+def test_ingest_label_conflict_retained_and_throttled_log_on_a_real_agent(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+) -> None:
+    """A hijacker answers predictions first: the genuine labels are label_conflict, counted; a sample
+    retained before or while the agent subscribes is never taken; refusals are logged 20 per reason."""
+    x, y = load_digits()
+    topics = Topics("edgefl", fleet)
+
+    async def stale() -> None:  # retained before the agent exists: MQTT 5 Retain Handling 2 skips it
+        async with Gateway(mosquitto, fleet, "live-h") as gw:
+            await gw.t.publish(topics.samples("live-h"), encode_sample(Sample("r0", x[0])), retain=True)
+
+    asyncio.run(stale())
+    agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-h"))
+
+    async def main() -> dict[str, Any]:
+        async with Gateway(mosquitto, fleet, "live-h") as gw:
+            await gw.ready()
+            for i in range(4):
+                await gw.sample(Sample(f"h{i}", x[i]))
+            await wait_until(lambda: len(gw.predictions) == 4, 30, "4 predictions")
+            for i in range(4):  # the hijacker: a wrong label for every prediction, at once
+                await gw.label(f"h{i}", (int(y[i]) + 1) % 10)
+            await gw.until("the hijacker's labels stored", stored_total=4, labels_received=4)
+            for i in range(4):  # the genuine app, late
+                await gw.label(f"h{i}", int(y[i]))
+            for i in range(25):
+                await gw.label(f"nobody{i}", 1)
+            # retained while subscribed: kept as published (Retain As Published), refused
+            await gw.t.publish(topics.samples("live-h"), encode_sample(Sample("r1", x[1])), retain=True)
+            st = await gw.until(
+                "refusals counted",
+                rejected={"label_conflict": 4, "unknown_sample": 25, "bad_value": 1},
+            )
+            await gw.t.publish(topics.samples("live-h"), b"", retain=True)
+            return st
+
+    st = asyncio.run(main())
+    assert (st["samples_received"], st["labels_received"], st["stored_total"]) == (4, 4, 4)
+    assert st["conflicts_stored"] == 4  # the hijacker's labels were stored first: they stay (ring store)
+    log = (tmp_path / "live-h.log").read_text(errors="replace")
+    assert log.count("unknown_sample: no sample") == 20  # LOGGED_REFUSALS, then only every 1000th
+    assert log.count("label_conflict: sample h") == 4 and "its first label stays in the store" in log
+
+
+INGEST_ACL = """\
+# the gateway app: writes samples and labels of its devices, reads their predictions
+user gateway
+topic write edgefl/+/samples/+
+topic write edgefl/+/labels/+
+topic read edgefl/+/predictions/+
+
+# every device (username = device id): reads its own samples and labels, writes its predictions
+pattern read edgefl/+/samples/%u
+pattern read edgefl/+/labels/%u
+pattern write edgefl/+/predictions/%u
+"""
+
+
+def test_ingest_acl_refuses_a_label_from_a_non_app_account(tmp_path: Path) -> None:
+    """Only the gateway account writes labels/<device>: a device's Label is refused (MQTT 5 PUBACK 0x87)."""
+    passwd = tmp_path / "ingest.passwd"
+    for n, dev in enumerate(("gateway", "dev-1", "dev-2")):
+        create = ["-c"] if n == 0 else []
+        subprocess.run([mosquitto_passwd_path(), *create, "-b", str(passwd), dev, f"{dev}-pw"], check=True)
+    acl = tmp_path / "ingest.acl"
+    acl.write_text(INGEST_ACL)
+    # "user root": keep read access to the test's files when CI runs as root (as tls_conf)
+    broker = start_mosquitto(
+        tmp_path, extra=f"allow_anonymous false\npassword_file {passwd}\nacl_file {acl}\nuser root\n"
+    )
+
+    async def label_as(user: str) -> str:
+        tx = MqttTransport(
+            "127.0.0.1", broker.port, f"probe-{user}", protocol="5", username=user, password=f"{user}-pw"
+        )
+        await tx.start(wait_s=10)
+        try:
+            await tx.publish("edgefl/f/labels/dev-1", encode_label(Label("s0", 1)), qos=1, timeout_s=5)
+            return "accepted"
+        except TransportError as exc:
+            return f"refused: {exc}"
+        finally:
+            await tx.stop()
+
+    try:
+        outcomes = [asyncio.run(label_as(u)) for u in ("gateway", "dev-1", "dev-2")]
+    finally:
+        stop_broker(broker)
+    assert outcomes[0] == "accepted"
+    for refused in outcomes[1:]:
+        assert refused.startswith("refused") and "Not authorized" in refused, outcomes

@@ -56,6 +56,7 @@ class Reason(StrEnum):
     # live ingest at the device (samples/labels topics: docs/protocol.md, "Sample", "Label")
     BAD_LABEL = "bad_label"
     UNKNOWN_SAMPLE = "unknown_sample"
+    LABEL_CONFLICT = "label_conflict"
     # a device that cannot answer a round (a Decline message; the memory governor)
     OVER_BUDGET = "over_budget"
     # a device whose store holds fewer labelled examples than training.min_examples (a Decline)
