@@ -40,9 +40,9 @@ import numpy as np
 
 from edgefl.aio import wait_event
 from edgefl.coordinator.rounds import Round, RoundPhase
-from edgefl.coordinator.service import ADOPT_WAIT_S, LOGGED_REFUSALS, PUBLISH_RETRY_S, Coordinator, shorten
+from edgefl.coordinator.service import ADOPT_WAIT_S, LOGGED_REFUSALS, Coordinator, shorten
 from edgefl.coordinator.strategy import SiteSums
-from edgefl.errors import TransportError, UpdateRejected
+from edgefl.errors import UpdateRejected
 from edgefl.records import read_record, write_record
 from edgefl.transport import Message
 from edgefl.wire.cbor import MessageType
@@ -487,23 +487,12 @@ class SiteAggregator(Coordinator):
 
     async def _send(self, payload: bytes) -> None:
         """Publish a partial (QoS 1, not retained), waiting out a broker outage for ``PUBLISH_RETRY_S``."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + PUBLISH_RETRY_S
         topic = self.topics.partial(self.site)
         # larger than the packet limit (a big head, many update ids): chunks on the same topic
         limit = min(self.max_packet_bytes, self.transport.packet_limit())
         parts = split_message(payload, topic, limit, msg_id=f"partial-{self.site}-{self.closed_round}")
         for part in parts:
-            while True:
-                try:
-                    await self.transport.publish(topic, part, qos=1, retain=False)
-                    break
-                except TransportError:
-                    remaining = deadline - loop.time()
-                    if remaining <= 0:
-                        raise
-                    await wait_event(self.transport.connected, min(remaining, 5.0))
-                    await asyncio.sleep(0.05)
+            await self._publish(topic, part, retain=False)
 
     # -- the site's record ----------------------------------------------------------------------------
     def _persist_site(self, rnd: Round | None) -> None:

@@ -501,8 +501,8 @@ class Coordinator:
             await self._publish(f"{base}/{i}", b"")
         self._global_chunks = len(parts) if len(parts) > 1 else 0
 
-    async def _publish(self, topic: str, payload: bytes) -> None:
-        """Publish retained with QoS 1, waiting out a broker outage for up to ``PUBLISH_RETRY_S``.
+    async def _publish(self, topic: str, payload: bytes, *, retain: bool = True) -> None:
+        """Publish (retained by default) with QoS 1, waiting out a broker outage for ``PUBLISH_RETRY_S``.
 
         Raises
         ------
@@ -513,7 +513,7 @@ class Coordinator:
         deadline = loop.time() + PUBLISH_RETRY_S
         while True:
             try:
-                await self.transport.publish(topic, payload, qos=1, retain=True)
+                await self.transport.publish(topic, payload, qos=1, retain=retain)
                 return
             except TransportError:
                 remaining = deadline - loop.time()
