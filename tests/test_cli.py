@@ -57,9 +57,8 @@ def test_check_config_of_a_coordinator_profile_names_its_role() -> None:
     profile = str(ROOT / "firmware_configs" / "coordinator.toml")
     flat = edgefl("check-config", profile)
     site = edgefl("check-config", profile, "--set", "hierarchy.role=site", "--set", "hierarchy.site=lyon")
-    root = edgefl(
-        "check-config", profile, "--set", "hierarchy.role=root", "--set", "hierarchy.expected_sites=20"
-    )
+    root_sets = ["hierarchy.role=root", "hierarchy.expected_sites=20", "hierarchy.allow_unsigned_sites=true"]
+    root = edgefl("check-config", profile, *[arg for item in root_sets for arg in ("--set", item)])
     want = f"{profile}: ok (coordinator of fleet default, 10 rounds of trimmed-mean, role flat)\n"
     assert flat.stdout == want, flat.stdout + flat.stderr
     assert site.stdout.rstrip().endswith(", role site lyon)"), site.stdout + site.stderr
