@@ -31,7 +31,9 @@ pytestmark = pytest.mark.timeout(240)
 def test_chaos_short(tmp_path: Path) -> None:
     """3 agents, 8 rounds: dev-2 killed -9 twice (mid-train, mid-publish) and restarted, the broker
     restarted once, the coordinator killed -9 and restarted once; against a fault-free run."""
-    deadline_s = 6.0
+    # 10 s: under load (CI shares 2 cores) agents re-syncing after the coordinator's restart missed a
+    # 6 s round (0 updates in round 7, seen twice); a quiet run closes every round early anyway
+    deadline_s = 10.0
     faults = (
         Fault(2, "mid-train", "dev-2"),
         Fault(3, "broker"),
