@@ -184,8 +184,8 @@ def test_coordinator_round_declined_by_every_device_closes_and_names_the_cause(
     ), done.stderr
     rec = json.loads(summary.read_text())["rounds"][0]
     assert rec["declined"] == 1 and rec["clients"] == 0
-    # closed on the decline (sent after 20 s, half the deadline), not at the 40 s deadline
-    assert rec["duration_s"] < 40, rec
+    # closed on the decline (sent after 20 s, half the deadline), not by the deadline (which logs it)
+    assert "deadline passed" not in done.stderr, done.stderr
 
 
 def test_coordinator_invalid_profile_exits_1_and_lists_problems(tmp_path: Path) -> None:
