@@ -60,6 +60,18 @@ async def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> N
 TEST_STATUS_INTERVAL_S = "0.2"
 
 
+async def next_status_fields(transport: Any) -> dict[str, Any]:
+    """The next non-empty DeviceStatus on ``transport``'s queue (subscribed to a status topic): its
+    fields plus ``state``; empty payloads (a cleared retained status) are skipped."""
+    from edgefl.wire.codec import decode_status
+
+    while True:
+        msg = await transport.queue.get()
+        if msg.payload:
+            st = decode_status(msg.payload)
+            return dict(st.fields, state=st.state)
+
+
 async def next_status(coord: Any, device: str, timeout_s: float = 15.0) -> dict[str, Any]:
     """Wait until ``coord`` (a Coordinator) holds a status of ``device`` newer than the one it holds now.
 

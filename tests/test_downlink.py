@@ -13,7 +13,7 @@ from typing import Any
 import cbor2
 import numpy as np
 import pytest
-from conftest import INT8_MODEL, Broker, start_replay_agent
+from conftest import INT8_MODEL, Broker, next_status_fields, start_replay_agent
 
 from edgefl.datasets import load_digits
 from edgefl.errors import DecodeError
@@ -344,11 +344,7 @@ def test_heartbeat_status_only_on_change_and_on_a_slow_heartbeat(
         await t.subscribe(topics.status("dev-1"), 1)
 
         async def next_fields() -> dict[str, Any]:
-            while True:
-                msg = await t.queue.get()
-                if msg.payload:
-                    st = decode_status(msg.payload)
-                    return dict(st.fields, state=st.state)
+            return await next_status_fields(t)
 
         try:
             async with asyncio.timeout(90):

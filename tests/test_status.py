@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import INT8_MODEL, Broker, start_replay_agent
+from conftest import INT8_MODEL, Broker, next_status_fields, start_replay_agent
 
 from edgefl.agent.status import ROUND_STATES, status_news
 from edgefl.coordinator.service import Coordinator
@@ -172,11 +172,7 @@ def test_status_redelivery_is_published_at_once(mosquitto: Broker, fleet: str, t
         await t.subscribe(topics.status("dev-1"), 1)
 
         async def next_fields() -> dict[str, Any]:
-            while True:
-                msg = await t.queue.get()
-                if msg.payload:
-                    st = decode_status(msg.payload)
-                    return dict(st.fields, state=st.state)
+            return await next_status_fields(t)
 
         try:
             async with asyncio.timeout(90):
