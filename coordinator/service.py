@@ -475,8 +475,27 @@ class Coordinator:
         self.state.version = int(doc["version"])
         self.state.history = [RoundRecord(*h) for h in doc["history"]]
         self.counted = {int(k): list(v) for k, v in doc.get("counted", {}).items()}
+        self._record_unrecorded_round()
         logger.info("resumed at round %d, version %d from %s", self.state.round, self.state.version, path)
         return True
+
+    def _record_unrecorded_round(self) -> None:
+        """Rebuild the record of a round saved after aggregation but before its record.
+
+        The state is written once the new head is aggregated (before it is published) and again when
+        the round's record exists; a coordinator killed in between comes back with the round's counted
+        update ids and head but no record, and would otherwise leave that round out of its history and
+        log. The record is rebuilt from the counted ids and an evaluation of the saved head (which is
+        that round's result); the update size and duration were not saved and read 0.
+        """
+        r = self.state.round
+        if r not in self.counted or any(h.round == r for h in self.state.history):
+            return
+        accuracy = float("nan")
+        if self.evaluate is not None:
+            accuracy = float(self.evaluate(self.W, self.b))
+        self.state.history.append(RoundRecord(r, len(self.counted[r]), accuracy, 0.0, 0.0))
+        logger.warning("round %d was aggregated but not recorded before a restart: record rebuilt", r)
 
     async def publish_global(self, round_no: int) -> None:
         """Publish the current head as GlobalModel (QoS 1, retained) and wait for the PUBACK."""
