@@ -282,8 +282,16 @@ def _log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:
     missing = [h for h in coord.state.history if h.round > last]
     if not missing:
         return 0
+    # the version each round published: the state's for the last, one less before each round that
+    # published a head (a round with updates whose aggregate was not refused)
+    versions: list[int] = []
+    v = coord.state.version
+    for rec in reversed(missing):
+        versions.append(v)
+        v -= int(rec.clients > 0 and not rec.refused)
+    versions.reverse()
     with open(log, "a") as f:
-        for rec in missing:
+        for rec, version in zip(missing, versions, strict=True):
             entry = {
                 "round": rec.round,
                 "clients": rec.clients,
@@ -291,7 +299,9 @@ def _log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:
                 "update_bytes_mean": rec.update_bytes_mean,
                 "duration_s": rec.duration_s,
                 "update_ids": coord.counted.get(rec.round, []),
+                "version": version,
                 "strategy": strategy,
+                "refused": rec.refused or None,
                 "recovered": True,
             }
             f.write(json.dumps(entry) + "\n")

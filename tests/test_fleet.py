@@ -468,6 +468,7 @@ def test_coordinator_restarted_without_state_adopts_the_fleets_round_and_head(
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [e["round"] for e in lines] == [1, 2] and lines[1]["recovered"] is True
     assert lines[1]["update_ids"] == json.loads(full[1])["update_ids"] and len(lines[1]["update_ids"]) == 2
+    assert lines[1]["version"] == json.loads(full[1])["version"] == 2
     # killed one step earlier: round 2's head was aggregated and saved (version and counted ids) but
     # its record was not (CI's chaos run): the record is rebuilt, with an evaluation of the saved head
     doc = cbor2.loads(read_record(state) or b"")
@@ -482,6 +483,7 @@ def test_coordinator_restarted_without_state_adopts_the_fleets_round_and_head(
     assert [e["round"] for e in lines] == [1, 2] and lines[1]["recovered"] is True
     assert lines[1]["update_ids"] == json.loads(full[1])["update_ids"] and lines[1]["clients"] == 2
     assert lines[1]["accuracy"] == pytest.approx(json.loads(full[1])["accuracy"], abs=1e-9)
+    assert lines[1]["version"] == json.loads(full[1])["version"] == 2
     # a new coordinator with no state file: it adopts round 2 / version 2 from the retained messages,
     # so the agents (which hold round 2) answer rounds 3 and 4 instead of refusing them as stale
     summary = tmp_path / "second.json"
