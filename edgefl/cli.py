@@ -202,8 +202,9 @@ def _stopped_by_fault(exc: BaseException) -> int:
 class DashboardPage:
     """The device's status page: ``edgefl.dashboard`` behind the daemon's ``StatusPage`` interface.
 
-    Built here, the composition root, so the device package never imports the dashboard; aiohttp
-    (~12 MiB of RSS) is imported only when the page starts.
+    Built here, the composition root, so the device package never imports the dashboard; aiohttp's
+    server (~7.7 MiB of RSS; its client stays unloaded, ``edgefl.dashboard.aiohttp_server``) is
+    imported only when the page starts.
 
     Parameters
     ----------
