@@ -55,7 +55,7 @@ def defer_client() -> bool:
     def complete(name: str) -> object:
         # ``from . import web_app`` asks the package for a submodule first: say "not yet", and the
         # import system imports it (without the client)
-        if importlib.util.find_spec(f"aiohttp.{name}") is not None:
+        if "." not in name and importlib.util.find_spec(f"aiohttp.{name}") is not None:
             raise AttributeError(name)
         del package.__getattr__  # type: ignore[attr-defined]
         loader.exec_module(package)  # the real __init__: the client, and its own __getattr__
