@@ -410,8 +410,8 @@ def estimate_train_bytes(
     gather of a chunk and its labels; one SGD batch (its embeddings, logits and softmax); about six
     ``[D, K]`` float32 arrays (working copy, gradient, proximal term, delta, final head); the
     per-epoch permutation of ``num_examples`` (``Shuffler``: uint64 keys, a temporary, the int64
-    order); and the store's mapped pages, which
-    become resident as they are read (file-backed, counted as RSS, reclaimable).
+    order); and the store's mapped pages, which become resident as they are read (file-backed,
+    counted as RSS, reclaimable).
 
     Parameters
     ----------

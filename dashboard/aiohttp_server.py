@@ -64,4 +64,3 @@ def defer_client() -> bool:
     package.__getattr__ = complete  # type: ignore[attr-defined,method-assign]
     sys.modules["aiohttp"] = package
     return True
-

@@ -447,7 +447,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     helping = "-h" in words or "--help" in words
     if _command_word(words) != "run" or helping:
         # the tools' modules (memory-report pulls in the coordinator and the demo) are not the
-        # agent's: `edgefl run` leaves them unloaded (~0.35 MiB of the agent's RSS, python -OO)
+        # agent's: `edgefl run` leaves them unloaded (0.35 MiB after the imports, python -OO; 0.14 MiB
+        # of bench.peer's agents' peak)
         from edgefl.agent import memreport, profiler
 
         profiler.add_parser(sub)
