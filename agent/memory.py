@@ -409,8 +409,9 @@ def estimate_train_bytes(
     Terms: two float32 chunks alive at once (the loop's and the next one being built), the float16
     gather of a chunk and its labels; one SGD batch (its embeddings, logits and softmax); about six
     ``[D, K]`` float32 arrays (working copy, gradient, proximal term, delta, final head); the
-    per-epoch permutation of ``num_examples`` (int64, twice); and the store's mapped pages, which
-    become resident as they are read (file-backed, counted as RSS, reclaimable).
+    per-epoch permutation of ``num_examples`` (``Shuffler``: uint64 keys, a temporary, the int64
+    order); and the store's mapped pages, which become resident as they are read (file-backed,
+    counted as RSS, reclaimable).
 
     Parameters
     ----------
@@ -434,7 +435,7 @@ def estimate_train_bytes(
     chunk_bytes = chunk * (dim * (4 + 4 + 2) + 8 + 2 + 8)
     step_bytes = min(batch_size, chunk) * (dim * 4 + classes * 4 * 4)
     head_bytes = 6 * (dim * classes + classes) * 4
-    order_bytes = num_examples * 8 * 2
+    order_bytes = num_examples * 8 * 3
     mapped = num_examples * (2 * dim + 2)
     first = FIRST_RUN_BYTES if first_run else 0
     return chunk_bytes + step_bytes + head_bytes + order_bytes + mapped + _FIXED_BYTES + first

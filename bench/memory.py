@@ -4,8 +4,8 @@ Every figure comes from a fresh child process (``python -m bench.memory --child 
 that nothing measured before leaks into it:
 
 - **import baseline**: ``VmHWM``, ``RssAnon``/``RssFile`` and PSS of a bare Python, then with
-  numpy, LiteRT, aiohttp, paho-mqtt and cbor2 imported one after the other (cumulative), each in
-  its own process.
+  numpy, LiteRT, aiohttp (its server, as ``edgefl.dashboard`` imports it), paho-mqtt and cbor2
+  imported one after the other (cumulative), each in its own process.
 - **phases**: ``edgefl.agent.memreport.run_round`` (the device core the daemon runs,
   ``edgefl.agent.core.DeviceCore``: classify, answer a round, publish, apply; in-process, tracemalloc
   off) for the digits CNN and MobileNetV2-0.35-96, float32 and int8;
@@ -65,7 +65,8 @@ IMPORT_STEPS = [
     ("python", ""),
     ("+ numpy", "import numpy"),
     ("+ LiteRT", "from ai_edge_litert import interpreter"),
-    ("+ aiohttp", "import aiohttp, aiohttp.web"),
+    # as the dashboard imports it: the server without aiohttp's client (edgefl.dashboard.aiohttp_server)
+    ("+ aiohttp", "import edgefl.dashboard, aiohttp.web"),
     ("+ paho-mqtt", "import paho.mqtt.client"),
     ("+ cbor2", "import cbor2"),
 ]

@@ -25,7 +25,8 @@ client process; final test accuracy.
 With ``--repeats N`` every figure is the median over the N alternating repeats.
 
 Run: ``.venv/bin/python -m bench.peer --json PATH`` writes ``{"ratios": {METRIC: edgefl/Flower},
-"accuracy": {...}, "runs": [...]}`` and prints a markdown table.
+"accuracy": {...}, "runs": [...]}`` and prints a markdown table. ``--rss-only N`` measures only
+edgefl's agents' peak RSS, dashboard on and off, N runs each (no Flower, no network).
 """
 
 from __future__ import annotations
@@ -514,8 +515,23 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"ratios": ratios, "accuracy": acc, "absolute": absolute}
 
 
+def rss_only(runs: int) -> dict[str, Any]:
+    """Peak RSS (VmHWM) of edgefl's agents only: the ``int8`` variant ``runs`` times with the dashboard
+    on and ``runs`` times off, alternating; medians over every agent of every run, in KiB."""
+    base = next(v for v in VARIANTS if v.name == "int8")
+    hwm: dict[str, list[int]] = {"dashboard_on": [], "dashboard_off": []}
+    with tempfile.TemporaryDirectory(prefix="peer-") as tmp:
+        work = Path(tmp)
+        job = make_job(work)
+        for _ in range(runs):
+            for on in (True, False):
+                v = Variant(base.name, base.uplink, base.downlink, base.broker_nodelay, on)
+                hwm["dashboard_on" if on else "dashboard_off"] += run_edgefl(work, job, v)["peak_rss_kib"]
+    return {"peak_rss_kib": hwm, "median_kib": {k: statistics.median(v) for k, v in hwm.items()}}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m bench.peer [--repeats N] [--json PATH] [--flower-venv DIR]``."""
+    """``python -m bench.peer [--repeats N] [--json PATH] [--flower-venv DIR] [--rss-only N]``."""
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["proxy"]:
         asyncio.run(_proxy_main(args_in[1], args_in[2:]))
@@ -524,7 +540,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--flower-venv", type=Path, default=Path("/work/peer-venv"))
+    p.add_argument(
+        "--rss-only",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only edgefl's agents' peak RSS: the int8 variant N times with the dashboard on and off",
+    )
     args = p.parse_args(args_in)
+    if args.rss_only > 0:
+        out = rss_only(args.rss_only)
+        for key, kib in out["median_kib"].items():
+            each = ", ".join(f"{k / 1024:.1f}" for k in out["peak_rss_kib"][key])
+            print(f"{key}: median {kib / 1024:.2f} MiB ({each})")
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(out, indent=1))
+        return
     ensure_flower(args.flower_venv)
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="peer-") as tmp:

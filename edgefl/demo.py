@@ -112,7 +112,11 @@ def launch_agent(
         cmd += ["--set", f"{key}={val}"]
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "MALLOC_ARENA_MAX": "2"}
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            # as the systemd unit: two arenas, a fixed mmap threshold (large frees go back to the kernel)
+            env={**os.environ, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"},
         )
 
 

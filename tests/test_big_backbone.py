@@ -219,7 +219,7 @@ def test_own_model_governor_refuses_over_budget_work_and_the_coordinator_records
     store.flush()
     del store
     # The start-up check refuses a cap under the model's floor (the process with the model loaded, the
-    # store, one sample's inference), measured before the dashboard's aiohttp is imported (+11 MiB or
+    # store, one sample's inference), measured before the dashboard's aiohttp is imported (+7 MiB or
     # more, docs/benchmarks.md): a cap 1 MiB above that floor passes it, and the running agent,
     # dashboard on, is then over its cap whatever this machine's figures.
     probe = _start_big_agent(mosquitto, fleet, tmp_path, memory__cap_mb="40")

@@ -53,6 +53,28 @@ def test_help_lists_the_sub_commands() -> None:
         assert name in r.stdout, name
 
 
+def test_run_parses_without_importing_the_tools() -> None:
+    # the agent's process (`edgefl run`) does not load the tools' modules; other commands see them all
+    code = (
+        "import sys; from edgefl.cli import build_parser\n"
+        "tools = ('edgefl.agent.memreport', 'edgefl.feed', 'edgefl.modeltool',"
+        " 'edgefl.coordinator.bridge')\n"
+        "runs = (['--log-level', 'run', 'run', 'p.toml'], ['--log-level=INFO', 'model', 'inspect', 'm'])\n"
+        "for argv in runs:\n"
+        "    args = build_parser(argv).parse_args(argv)\n"
+        "    print(args.command, sorted(m for m in tools if m in sys.modules))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "run []",
+        "model ['edgefl.agent.memreport', 'edgefl.coordinator.bridge', 'edgefl.feed', 'edgefl.modeltool']",
+    ]
+    assert edgefl("run", "--help").returncode == 0
+    unknown = edgefl("nosuch")
+    assert unknown.returncode == 2 and "'memory-report'" in unknown.stderr
+
+
 def test_check_config_of_a_coordinator_profile_names_its_role() -> None:
     profile = str(ROOT / "firmware_configs" / "coordinator.toml")
     flat = edgefl("check-config", profile)

@@ -8,6 +8,7 @@ import struct
 import time
 import tracemalloc
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 import cbor2
@@ -268,8 +269,20 @@ def test_topk_count_reads_fraction_as_decimal() -> None:
     assert topk_count(10, 0.1) == 1
     assert topk_count(7, 1.0) == 7
     assert topk_count(101, 0.5) == 51
+    assert topk_count(10**6, 1e-05) == 10  # exponent notation: repr(1e-05) == "1e-05"
+    assert topk_count(10**9, 2.5e-07) == 250
+    assert topk_count(3, 0.30000000000000004) == 1  # ceil(0.90000000000000012)
     with pytest.raises(ValueError):
         topk_count(10, 0.0)
+    # the decimal it prints as, exactly: the same k as fractions.Fraction(repr(fraction)) gives
+    rng = np.random.default_rng(3)
+    for fraction in [*rng.random(300), *(1 / np.arange(1, 200)), 0.1, 0.2, 0.7, 1e-300, 5e-324]:
+        fraction = float(fraction)
+        if fraction <= 0.0:
+            continue
+        for size in (1, 7, 30, 5120, 12800, 10**7):
+            want = min(size, math.ceil(Fraction(repr(fraction)) * size))
+            assert topk_count(size, fraction) == want, (size, fraction)
 
 
 def typed_tag(sub: dict[str, object], key: str) -> int:

@@ -653,3 +653,47 @@ def test_dashboard_create_app_factory_runs_under_any_runner() -> None:
             await runner.cleanup()
 
     run(body())
+
+
+LEAN_SERVER = r"""
+import asyncio, json, socket, sys, urllib.request
+from edgefl.dashboard.app import DashboardState, serve
+
+async def main():
+    runner, port = await serve(DashboardState("device", "lean", lambda: {"rss_bytes": 5}), "127.0.0.1", 0)
+    loop = asyncio.get_running_loop()
+    def fetch(path):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status, r.read()
+    def first_event():
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"GET /api/events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            data = b""
+            while b"\n" not in data.partition(b"\ndata: ")[2]:  # one whole data line (chunked body)
+                data += s.recv(65536)
+            return data.split(b"\ndata: ", 1)[1].split(b"\n", 1)[0]
+    out = {path: (await loop.run_in_executor(None, fetch, path))[0] for path in ROUTES}
+    out["event"] = json.loads(await loop.run_in_executor(None, first_event))["status"]["rss_bytes"]
+    await runner.cleanup()
+    return out
+
+ROUTES = json.loads(sys.argv[1])
+served = asyncio.run(main())
+lean = sorted(m for m in ("aiohttp.client", "aiohttp.connector", "aiohttp.cookiejar") if m in sys.modules)
+import aiohttp  # another user of aiohttp in the process still gets the whole package
+after = aiohttp.ClientSession.__module__
+print(json.dumps({"served": served, "client_modules": lean, "client_after": after}))
+"""
+
+
+def test_dashboard_serves_without_aiohttp_client() -> None:
+    # an agent's dashboard imports aiohttp's server only (edgefl.dashboard.aiohttp_server): every
+    # route and the event stream still served; aiohttp's client loads on its first use, not before
+    out = subprocess.run(
+        [sys.executable, "-c", LEAN_SERVER, json.dumps(ROUTES)], capture_output=True, text=True, cwd=ROOT,
+        timeout=60, check=True,
+    ).stdout
+    doc = json.loads(out)
+    assert doc["served"] == {**{route: 200 for route in ROUTES}, "event": 5}
+    assert doc["client_modules"] == []
+    assert doc["client_after"] == "aiohttp.client"

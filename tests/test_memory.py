@@ -564,8 +564,11 @@ def test_wired_tight_cap_shrinks_or_defers_training_keeps_classifying(
     deferred = last["deferrals"].get("train", 0) >= 1
     assert shrunk or deferred, train
     if deferred:
-        assert clients.count(0) >= 1
         assert "train" in last["last_deferral"]["reason"]
+        # the agent retries a deferred round (issue 14): the round is lost (declined) unless a retry
+        # fitted, shrunk (main and this branch, venv read back from disk: deferred once or twice, then
+        # trained a chunk of 16-256 in both rounds, clients [1, 1])
+        assert clients.count(0) >= 1 or shrunk, (clients, train)
 
 
 def test_latency_status_without_measuring_reads_nothing_from_proc(tmp_path: Path) -> None:

@@ -17,7 +17,6 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from fractions import Fraction
 from typing import Any, Final
 
 import cbor2
@@ -106,7 +105,21 @@ def topk_count(size: int, fraction: float) -> int:
     """
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"topk fraction {fraction} must be in (0, 1]")
-    return min(size, math.ceil(Fraction(repr(float(fraction))) * size))
+    num, den = _decimal_ratio(repr(float(fraction)))
+    return min(size, -(-num * size // den))  # ceil, exact in integers
+
+
+def _decimal_ratio(text: str) -> tuple[int, int]:
+    """``repr`` of a finite float (``"0.1"``, ``"1e-05"``, ``"2.5e-07"``) as an exact ratio of ints.
+
+    What ``fractions.Fraction(text)`` gives, without importing ``fractions`` and ``decimal`` into
+    the agent (0.36 MiB of RSS, measured, issue 17).
+    """
+    mantissa, _, exponent = text.lower().partition("e")
+    whole, _, decimals = mantissa.partition(".")
+    num, den = int(whole + decimals), 10 ** len(decimals)
+    shift = int(exponent or 0)
+    return (num * 10**shift, den) if shift >= 0 else (num, den * 10**-shift)
 
 
 def _quantise(x: F32, scale: F32, rng: np.random.Generator | None) -> npt.NDArray[np.int8]:

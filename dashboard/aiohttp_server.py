@@ -1,0 +1,66 @@
+"""aiohttp's server without its HTTP client: what the dashboard imports in an agent.
+
+``import aiohttp.web`` first runs the package's ``aiohttp/__init__.py``, which imports the whole HTTP
+client (connector, client request/response, cookie jar, tracing, digest auth, form data, resolver,
+happy eyeballs) and builds two SSL contexts that load the system's CA store, at import time. A
+dashboard that only serves never uses any of it; in an agent it cost 3.7 MiB of RSS (11.1 ->
+7.4 MiB for ``aiohttp.web`` after the agent's own imports, python -OO, aiohttp 3.14; see
+docs/benchmarks.md, "Side by side with Flower").
+
+:func:`defer_client` registers the ``aiohttp`` package without running its ``__init__``, so that
+``import aiohttp.web`` loads the server's modules only. The package stays whole for everyone else:
+the first access to a name its ``__init__`` defines (``aiohttp.ClientSession``, ``from aiohttp
+import TCPConnector``) runs that ``__init__`` then (a module ``__getattr__``, PEP 562), exactly as a
+plain import would have. Submodules still import as usual.
+
+Source: PEP 562 (module ``__getattr__``); Python's import system, "The module cache" and
+"Submodules" (docs.python.org/3/reference/import.html).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+
+_VERSION = re.compile(r'^__version__ = "([^"]+)"$', re.MULTILINE)
+
+
+def defer_client() -> bool:
+    """Register ``aiohttp`` with its ``__init__`` deferred, unless it is imported already.
+
+    Returns
+    -------
+    bool
+        True if the package was registered deferred; False if aiohttp was imported already (the
+        coordinator's tests, a process that uses its client) or could not be read (not installed,
+        no ``__version__`` line): then a plain import happens, as before.
+    """
+    if "aiohttp" in sys.modules:
+        return False
+    spec = importlib.util.find_spec("aiohttp")
+    if spec is None or spec.loader is None or spec.origin is None or spec.submodule_search_locations is None:
+        return False
+    try:
+        with open(spec.origin, encoding="utf-8") as fh:
+            found = _VERSION.search(fh.read())
+    except OSError:
+        return False
+    if found is None:
+        return False
+    package = importlib.util.module_from_spec(spec)
+    package.__version__ = found.group(1)  # type: ignore[attr-defined]  # aiohttp.http reads it
+    loader = spec.loader
+
+    def complete(name: str) -> object:
+        # ``from . import web_app`` asks the package for a submodule first: say "not yet", and the
+        # import system imports it (without the client)
+        if "." not in name and importlib.util.find_spec(f"aiohttp.{name}") is not None:
+            raise AttributeError(name)
+        del package.__getattr__  # type: ignore[attr-defined]
+        loader.exec_module(package)  # the real __init__: the client, and its own __getattr__
+        return getattr(package, name)
+
+    package.__getattr__ = complete  # type: ignore[attr-defined,method-assign]
+    sys.modules["aiohttp"] = package
+    return True
