@@ -243,3 +243,25 @@ def test_compressed_delta_round_trips_and_matches_the_decoder() -> None:
             np.testing.assert_array_equal(packed.decoded_W, u.delta_W)
     with pytest.raises(ValueError, match="NaN"):
         compress_head_delta(np.full((2, 2), np.nan, np.float32), np.zeros(2, np.float32), Compression.INT8)
+
+
+def test_floats_take_their_shortest_exact_width_and_keys_keep_their_order() -> None:
+    # RFC 8949 §4.1 preferred serialization: 60.0, 1.0 and 0.0 fit half precision, 0.05 does not
+    assert cbor.dumps(60.0) == bytes.fromhex("f95380") and cbor.dumps(0.05) == cbor2.dumps(0.05)
+    assert cbor.dumps(100000.0) == bytes.fromhex("fa47c35000")
+    assert cbor.dumps(float("nan")) == bytes.fromhex("f97e00")
+    nested = {"b": [1.5, "x", {"z": 0.1, "a": 2.0}], "a": -0.0, "signature": b"s"}
+    out = cbor.dumps(nested)
+    assert cbor2.loads(out) == nested and list(cbor2.loads(out)) == ["b", "a", "signature"]
+    assert len(out) == len(cbor2.dumps(nested)) - 3 * 6  # 1.5, 2.0 and -0.0: 3 bytes instead of 9
+    many = {f"k{i}": i for i in range(300)}  # a map head with a 2-byte argument
+    assert cbor.dumps(many) == cbor2.dumps(many)
+
+    key = signing.generate_signing_key()
+    ann = RoundAnnouncement(4, 3, 60.0, 1, 0.05, 32, 2, 1.0, prox_mu=0.0)
+    payload = signing.sign_message(encode_round, ann, key, fleet="f")
+    signing.verify_payload(payload, key.verify_key, fleet="f", kind=cbor.MessageType.ROUND)
+    back = decode_round(payload)
+    assert (back.deadline_s, back.lr, back.selected, back.prox_mu) == (60.0, 0.05, 1.0, 0.0)
+    plain = cbor2.dumps(cbor2.loads(payload))  # what cbor2's default (all doubles) would have sent
+    assert len(plain) - len(payload) == 3 * 6  # deadline_s, selected and prox_mu

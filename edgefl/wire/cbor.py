@@ -38,6 +38,7 @@ __all__ = [
     "MessageType",
     "cbor_head_bytes",
     "check_keys",
+    "dumps",
     "load",
     "load_message",
     "prescan",
@@ -142,6 +143,45 @@ def cbor_head_bytes(argument: int) -> int:
     if argument < 2**16:
         return 3
     return 5 if argument < 2**32 else 9
+
+
+def _head(major: int, argument: int) -> bytes:
+    """The initial byte(s) of a CBOR data item: major type and argument (RFC 8949 §3)."""
+    if argument < 24:
+        return bytes([major << 5 | argument])
+    width = cbor_head_bytes(argument) - 1
+    info = {1: 24, 2: 25, 4: 26, 8: 27}[width]
+    return bytes([major << 5 | info]) + argument.to_bytes(width, "big")
+
+
+def dumps(obj: object) -> bytes:
+    """Encode a message with CBOR's preferred serialization of floats; the key order is kept.
+
+    A float is written in the shortest of half, single and double precision that holds its value
+    exactly (``60.0``: 3 bytes instead of 9; ``0.05`` stays double), inside maps and arrays at any
+    depth; every other item is cbor2's own encoding. Map keys keep their order (a signed message's
+    ``"signature"`` stays last), unlike ``cbor2.dumps(..., canonical=True)``, which sorts them. Every
+    reader of schema 1 and later takes any float width (``prescan`` accepts additional information
+    25, 26 and 27), so no schema bump is needed.
+
+    Raises
+    ------
+    cbor2.CBOREncodeError
+        For a value cbor2 cannot encode.
+
+    Source: RFC 8949 §4.1 (preferred serialization), §3.3 (floating-point numbers).
+    """
+    if type(obj) is float:
+        return cbor2.dumps(obj, canonical=True)
+    if type(obj) is dict:
+        parts = [_head(5, len(obj))]
+        for key, value in obj.items():
+            parts.append(dumps(key))
+            parts.append(dumps(value))
+        return b"".join(parts)
+    if type(obj) is list:
+        return _head(4, len(obj)) + b"".join(dumps(item) for item in obj)
+    return cbor2.dumps(obj)
 
 
 def show(text: str) -> str:

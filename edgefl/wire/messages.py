@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Final
 
-import cbor2
 import numpy as np
 import numpy.typing as npt
 
@@ -36,6 +35,7 @@ from edgefl.wire.cbor import (
     Limits,
     MessageType,
     check_keys,
+    dumps,
     load_message,
     prescan,
     read_device_id,
@@ -449,7 +449,7 @@ def encode_global_model(msg: GlobalModel) -> bytes:
             obj["v"] = DEFLATE_SCHEMA_VERSION
         obj["head"] = {"W": sub_W, "b": sub_b}
     obj["signature"] = bytes(msg.signature)
-    return cbor2.dumps(obj)
+    return dumps(obj)
 
 
 def decode_global_model(
@@ -620,7 +620,7 @@ def encode_round(msg: RoundAnnouncement) -> bytes:
     selected: object = (
         float(msg.selected) if isinstance(msg.selected, int | float) else [str(d) for d in msg.selected]
     )
-    return cbor2.dumps(
+    return dumps(
         {
             "v": _written_version(msg.signature),
             "type": MessageType.ROUND.value,
@@ -755,7 +755,7 @@ def encode_update(
             "eval_count": int(msg.metrics.eval_count),
         }
     new = _deflated(sub_W, sub_b) or bool(evaluation)  # both schema 4
-    return cbor2.dumps(
+    return dumps(
         {
             "v": _written_version(msg.signature, "rice" in sub_W or "rice" in sub_b, new),
             "type": MessageType.UPDATE.value,
@@ -874,7 +874,7 @@ def encode_decline(msg: Decline) -> bytes:
         "update_id", "signature"}`` (``v`` = 2 when signed, else 1).
     """
     detail = "".join(c if " " <= c <= "~" else "?" for c in msg.detail)[:200]
-    return cbor2.dumps(
+    return dumps(
         {
             "v": _written_version(msg.signature),
             "type": MessageType.DECLINE.value,
@@ -945,7 +945,7 @@ def encode_status(msg: DeviceStatus) -> bytes:
     cbor2.CBOREncodeError
         If ``fields`` holds a value cbor2 cannot encode.
     """
-    return cbor2.dumps(
+    return dumps(
         {
             "v": MIN_SCHEMA_VERSION,
             "type": MessageType.STATUS.value,
@@ -1098,7 +1098,7 @@ def encode_partial(msg: Partial) -> bytes:
 
     Source: RFC 8746 §2.1 (tag 86), §3.1.1 (tag 40).
     """
-    return cbor2.dumps(
+    return dumps(
         {
             "v": _written_version(msg.signature),
             "type": MessageType.PARTIAL.value,
@@ -1323,7 +1323,7 @@ def encode_sample(msg: Sample) -> bytes:
         obj["label"] = int(msg.label)
     if msg.ts is not None:
         obj["ts"] = float(msg.ts)
-    return cbor2.dumps(obj)
+    return dumps(obj)
 
 
 def decode_sample(
@@ -1393,7 +1393,7 @@ def encode_label(msg: Label) -> bytes:
     }
     if msg.ts is not None:
         obj["ts"] = float(msg.ts)
-    return cbor2.dumps(obj)
+    return dumps(obj)
 
 
 def decode_label(payload: bytes, *, limits: Limits = DEFAULT_LIMITS, num_classes: int | None = None) -> Label:
@@ -1436,7 +1436,7 @@ def encode_prediction(msg: Prediction) -> bytes:
     bytes
         ``{"v": 1, "type": "prediction", "id", "class", "score", "version", "latency_s"}``.
     """
-    return cbor2.dumps(
+    return dumps(
         {
             "v": MIN_SCHEMA_VERSION,
             "type": MessageType.PREDICTION.value,
