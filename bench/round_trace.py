@@ -89,8 +89,17 @@ def _probe_hops() -> None:
     transport.MqttTransport._hop = hop  # type: ignore[method-assign]
 
 
+def _maybe_no_quickack() -> None:
+    """``BENCH_NO_QUICKACK=1`` (``--no-quickack``): this process leaves delayed ACKs on, as before."""
+    import edgefl.transport as transport
+
+    if os.environ.get("BENCH_NO_QUICKACK"):
+        transport.TCP_QUICKACK = None
+
+
 def install_agent_probes() -> None:
     """Timing wrappers in an agent process (see the module docstring)."""
+    _maybe_no_quickack()
     import edgefl.agent.core as core
     import edgefl.agent.daemon as daemon
     import edgefl.agent.feedback as feedback
@@ -195,6 +204,7 @@ def traced_run(rounds: int, nodelay: bool, work: Path) -> dict[str, Any]:
     )
     _wrap(service.Coordinator, "run_round", "coord:run_round")
     _probe_hops()
+    _maybe_no_quickack()
     profile = peer.HERE.parent / "firmware_configs" / "dev_x86.toml"
     run_dir = Path(tempfile.mkdtemp(prefix="trace-", dir=work))
     traces = [run_dir / f"trace-{i}.json" for i in (1, 2)]
@@ -330,7 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodelay", action="store_true", help="mosquitto with set_tcp_nodelay true")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--show-round", type=int, default=3)
+    p.add_argument(
+        "--no-quickack", action="store_true", help="TCP_QUICKACK off in agents, coordinator and proxy"
+    )
     args = p.parse_args(argv)
+    if args.no_quickack:
+        os.environ["BENCH_NO_QUICKACK"] = "1"
     with tempfile.TemporaryDirectory(prefix="trace-") as tmp:
         doc = traced_run(args.rounds, args.nodelay, Path(tmp))
     starts = {int(k): v for k, v in doc["starts"].items()}
