@@ -99,7 +99,8 @@ HEAD_FILE = "global_head.rec"
 OUTBOX_FILE = "outbox.rec"
 """Updates awaiting their PUBACK (:class:`~edgefl.agent.outbox.Outbox`)."""
 ANSWERED_FILE = "answered_round.rec"
-"""The last round this device answered (exactly once across restarts; :class:`Answered`)."""
+"""Where versions before issue 17's latency work kept the last answered round (still read; the round
+is now recorded in the outbox record, in the write that keeps its update: :class:`Answered`)."""
 SEEN_VERSION_FILE = "seen_version.rec"
 """The newest head version named by a signed round announcement (the device's rollback floor)."""
 
@@ -280,10 +281,12 @@ class Evaluation:
 
 @dataclass(frozen=True, slots=True)
 class Answered:
-    """The last round this device answered, persisted in ``<state_dir>/answered_round.rec``.
+    """The last round this device answered, persisted with the outbox (``<state_dir>/outbox.rec``).
 
-    Stored as a CBOR map ``{"v": 1, "fleet": str, "round": int, "update_id": str}`` inside a
-    checksummed record (:mod:`edgefl.records`); a record for another fleet is ignored.
+    Stored as a CBOR map ``{"v": 1, "fleet": str, "round": int, "update_id": str}`` under the outbox
+    record's ``answered`` key, written by the same atomic write that keeps the round's update (or
+    Decline); earlier versions wrote it alone to ``answered_round.rec``, still read (the newer round
+    wins). A record for another fleet is ignored.
     """
 
     fleet: str
@@ -548,31 +551,54 @@ class DeviceCore:
             logger.warning("stored global head %s unusable (%s); using the factory head", self.head_path, exc)
 
     def _load_answered(self) -> Answered | None:
+        """The last answered round: the newer of the outbox record's and ``answered_round.rec``'s.
+
+        Since issue 17 the record is written with the outbox (one atomic write with the update that
+        answers the round); ``answered_round.rec`` is what earlier versions wrote, still read.
+        """
+        found = [
+            a
+            for a in (
+                self._parse_answered(self.outbox.answered, f"outbox {self.outbox.path}"),
+                self._parse_answered(self._read_answered_file(), f"record {self.answered_path}"),
+            )
+            if a is not None
+        ]
+        if not found:
+            return None
+        last = max(found, key=lambda a: a.round)
+        logger.info("last answered round %d (%s)", last.round, last.update_id)
+        return last
+
+    def _read_answered_file(self) -> Any:
         data = read_record(self.answered_path)
         if data is None:
             return None
         try:
-            obj = cbor2.loads(data)
-            if not isinstance(obj, dict) or obj.get("v") != 1:
-                raise ValueError("not an answered-round record")
-            fleet, round_no, update_id = obj.get("fleet"), obj.get("round"), obj.get("update_id")
-            if (
-                type(fleet) is not str
-                or type(round_no) is not int
-                or round_no < 0
-                or type(update_id) is not str
-            ):
-                raise ValueError("bad fields")
+            return cbor2.loads(data)
         except (cbor2.CBORDecodeError, ValueError, TypeError) as exc:
-            logger.error(
-                "answered-round record %s has an unknown layout (%s); ignored", self.answered_path, exc
-            )
+            logger.error("answered-round record %s unreadable (%s); ignored", self.answered_path, exc)
+            return None
+
+    def _parse_answered(self, obj: Any, where: str) -> Answered | None:
+        """An :class:`Answered` from its CBOR map (None when absent, malformed or of another fleet)."""
+        if obj is None:
+            return None
+        fleet = round_no = update_id = None
+        if isinstance(obj, dict) and obj.get("v") == 1:
+            fleet, round_no, update_id = obj.get("fleet"), obj.get("round"), obj.get("update_id")
+        if type(fleet) is not str or type(round_no) is not int or round_no < 0 or type(update_id) is not str:
+            logger.error("%s: the answered round has an unknown layout; ignored", where)
             return None
         if fleet != self.fleet:
-            logger.info("answered-round record %s is for fleet %s; ignored", self.answered_path, fleet)
+            logger.info("%s: answered round is for fleet %s; ignored", where, fleet)
             return None
-        logger.info("last answered round %d (%s)", round_no, update_id)
         return Answered(fleet, round_no, update_id)
+
+    @staticmethod
+    def _answered_map(answered: Answered) -> dict[str, Any]:
+        """The CBOR map of an :class:`Answered` (kept in the outbox record)."""
+        return {"v": 1, "fleet": answered.fleet, "round": answered.round, "update_id": answered.update_id}
 
     @property
     def seen_version_path(self) -> Path:
@@ -611,11 +637,6 @@ class DeviceCore:
             write_record(self.seen_version_path, cbor2.dumps(payload))
 
         self._persist("seen_version", write)
-
-    def _save_answered(self, answered: Answered) -> None:
-        obj = {"v": 1, "fleet": answered.fleet, "round": answered.round, "update_id": answered.update_id}
-        write_record(self.answered_path, cbor2.dumps(obj))
-        self.answered = answered
 
     def _persist(self, what: str, write: Callable[[], object]) -> bool:
         """Run one state write; on ``OSError`` count it, log it, mark the core degraded, keep it to retry.
@@ -1004,21 +1025,24 @@ class DeviceCore:
             del update, delta_W, delta_b
             # kept until its PUBACK: a restart re-sends it (same update_id), never re-trains the round
             added: list[Dropped] = []
+            answered = Answered(self.fleet, ann.round, update_id)
             if not self._persist(
-                # sends=1: the daemon publishes it next; the write that keeps it counts that first
-                # attempt, so no second atomic write (two fsyncs) sits between training and the
-                # publish (issue 17, round latency)
+                # one atomic write keeps the update, counts its first send (sends=1: the daemon
+                # publishes it next) and records the round as answered: one fsync pair between
+                # training and the publish instead of three (issue 17, round latency)
                 "outbox",
-                lambda: added.extend(self.outbox.add(update_id, ann.round, payload, sends=1)),
+                lambda: added.extend(
+                    self.outbox.add(
+                        update_id, ann.round, payload, sends=1, answered=self._answered_map(answered)
+                    )
+                ),
             ):
                 # not sent: a round whose update is not on disk could be answered twice after a restart
                 self.outbox.forget(update_id)
                 self._unsaved["outbox"] = self.outbox.save
                 raise OSError(errno.EIO, f"update not kept: outbox not persisted ({self.degraded})")
             dropped = tuple(added)
-            answered = Answered(self.fleet, ann.round, update_id)
             self.answered = answered
-            self._persist("answered", lambda: self._save_answered(answered))
         entry = OutboxEntry(update_id, ann.round, payload)
         if self.deferred is not None and self.deferred.ann.round <= ann.round:
             self.deferred = None
@@ -1112,13 +1136,15 @@ class DeviceCore:
         else:
             payload = encode_decline(msg)
         added: list[Dropped] = []
-        if not self._persist("outbox", lambda: added.extend(self.outbox.add(update_id, ann.round, payload))):
+        answered = Answered(self.fleet, ann.round, update_id)
+        amap = self._answered_map(answered)
+        if not self._persist(
+            "outbox", lambda: added.extend(self.outbox.add(update_id, ann.round, payload, answered=amap))
+        ):
             self.outbox.forget(update_id)
             self._unsaved["outbox"] = self.outbox.save
             raise OSError(errno.EIO, f"decline not kept: outbox not persisted ({self.degraded})")
-        answered = Answered(self.fleet, ann.round, update_id)
         self.answered = answered
-        self._persist("answered", lambda: self._save_answered(answered))
         self.declined_total += 1
         logger.warning("round %d declined (%s): %s", ann.round, reason, detail)
         return RoundResult(

@@ -116,7 +116,6 @@ def install_agent_probes() -> None:
         "apply_global",
         "evaluate",
         "acknowledged",
-        "_save_answered",
     ):
         _wrap(core.DeviceCore, attr, attr)
     for attr in ("train_local", "sign_message", "decode_round", "decode_global_model", "encode_global_model"):
@@ -269,8 +268,7 @@ KEY_PHASES = (
     ("agent: train_local", "agent", "train_local", ""),
     ("agent: feedback.compress (+ residual write)", "agent", "feedback.compress", ""),
     ("agent: sign_message", "agent", "sign_message", ""),
-    ("agent: outbox.save", "agent", "outbox.save", ""),
-    ("agent: _save_answered", "agent", "_save_answered", ""),
+    ("agent: outbox.save (update + answered round)", "agent", "outbox.save", ""),
     ("agent: publish update (+ PUBACK)", "agent", "publish", "update"),
     ("proxy: update PUBLISH <- client", "proxy", "proxy:up PUBLISH update", ""),
     ("coord: update handled", "coord", "coord:handle", "update"),

@@ -14,12 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import cbor2
 import numpy as np
 import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, Broker, start_replay_agent
 
 from edgefl.agent.config import Profile, load_profile
-from edgefl.agent.core import ANSWERED_FILE, ApplyStatus, DeviceCore, RoundStatus
+from edgefl.agent.core import ANSWERED_FILE, OUTBOX_FILE, ApplyStatus, DeviceCore, RoundStatus
 from edgefl.datasets import load_digits
 from edgefl.demo import stop_agents
 from edgefl.records import read_record
@@ -120,7 +121,11 @@ def test_exactly_once_core_across_restarts(tmp_path: Path, digits: tuple[np.ndar
     core.observe(x[:16], y[:16])
     assert core.answer_round(announcement(1)).status == RoundStatus.TRAINED
     assert core.answer_round(announcement(1)).status == RoundStatus.ANSWERED
-    assert read_record(tmp_path / "state" / ANSWERED_FILE) is not None
+    # the answered round is recorded by the write that keeps its update (one atomic write, issue 17)
+    kept = cbor2.loads(read_record(tmp_path / "state" / OUTBOX_FILE) or b"")
+    assert kept["answered"] == {"v": 1, "fleet": "f1", "round": 1, "update_id": "dev-1:1:0"}
+    assert [e[0] for e in kept["entries"]] == ["dev-1:1:0"]
+    assert read_record(tmp_path / "state" / ANSWERED_FILE) is None  # no second write any more
     core.flush()  # as the daemon does at shutdown
 
     again = DeviceCore.open(profile_for(tmp_path))  # a restart on the same state directory
@@ -132,6 +137,53 @@ def test_exactly_once_core_across_restarts(tmp_path: Path, digits: tuple[np.ndar
 
     # the record belongs to its fleet: the same state directory in another fleet starts fresh
     other = DeviceCore.open(profile_for(tmp_path, fleet="f2"))
+    assert other.answered is None
+
+
+def test_exactly_once_answered_round_survives_the_outbox_ack_and_restart(
+    tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """The answered round lives in the outbox record: the write after the PUBACK (outbox now empty)
+    keeps it, so a restart after the answer still does not train or send that round again."""
+    x, y = digits
+    core = DeviceCore.open(profile_for(tmp_path))
+    core.observe(x[:16], y[:16])
+    res = core.answer_round(announcement(1))
+    assert res.status == RoundStatus.TRAINED and res.entry is not None
+    assert core.acknowledged(res.entry.update_id) and not core.outbox.pending()
+    assert core.to_resend(2) == ([], [])  # a later round opened: nothing stale, nothing to send
+
+    again = DeviceCore.open(profile_for(tmp_path))
+    assert again.answered is not None and (again.answered.round, again.answered.update_id) == (1, "dev-1:1:0")
+    assert again.receive_round(encode_round(announcement(1))).status == RoundStatus.ANSWERED
+    assert again.outbox.pending() == []  # nothing re-made, nothing to re-send
+    declined = again.decline(announcement(2), "over_budget", "test")  # a Decline answers a round too
+    assert declined.status == RoundStatus.DECLINED
+    third = DeviceCore.open(profile_for(tmp_path))
+    assert third.answered is not None and third.answered.round == 2
+    assert third.answer_round(announcement(2)).status == RoundStatus.ANSWERED
+
+
+def test_exactly_once_legacy_answered_round_file_is_still_honoured(
+    tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """A state directory from before the merge (``answered_round.rec`` alone) keeps its answered round;
+    the newer of the two records wins."""
+    from edgefl.records import write_record
+
+    state = tmp_path / "state"
+    state.mkdir()
+    legacy = {"v": 1, "fleet": "f1", "round": 3, "update_id": "dev-1:3:0"}
+    write_record(state / ANSWERED_FILE, cbor2.dumps(legacy))
+    x, y = digits
+    core = DeviceCore.open(profile_for(tmp_path))
+    assert core.answered is not None and core.answered.round == 3
+    core.observe(x[:16], y[:16])
+    assert core.answer_round(announcement(3)).status == RoundStatus.ANSWERED
+    assert core.answer_round(announcement(4)).status == RoundStatus.TRAINED
+    again = DeviceCore.open(profile_for(tmp_path))  # outbox says 4, the legacy file 3
+    assert again.answered is not None and again.answered.round == 4
+    other = DeviceCore.open(profile_for(tmp_path, fleet="f2"))  # both records are f1's
     assert other.answered is None
 
 
