@@ -456,6 +456,11 @@ class DeviceCore:
         self.declined_total = 0
         """Rounds refused to the coordinator with a Decline message."""
         self._declines: list[RoundResult] = []  # declines of superseded deferred rounds, to send
+        self.defer_head_write = False
+        """Write an applied head later (:meth:`write_head`) instead of before :meth:`apply_global`
+        returns: the daemon answers the round that follows a head first (issue 17, round latency).
+        A restart before the write comes back with the older head and takes the retained one again."""
+        self._head_unsaved: GlobalModel | None = None
         self.shapes = memory.model_shapes(pipeline.backbone) if pipeline is not None else None
 
     @classmethod
@@ -1097,6 +1102,11 @@ class DeviceCore:
             self.deferred = dataclasses.replace(self.deferred, since_s=d.since_s)
         return result
 
+    @property
+    def declines_waiting(self) -> bool:
+        """Declines of superseded deferred rounds wait for :meth:`take_declines`."""
+        return bool(self._declines)
+
     def take_declines(self) -> list[RoundResult]:
         """Declines of deferred rounds a newer round superseded (DECLINED results to publish); cleared."""
         out, self._declines = self._declines, []
@@ -1251,10 +1261,13 @@ class DeviceCore:
         except UpdateRejected as exc:
             return ApplyResult(ApplyStatus.REFUSED, gm.version, gm.round, exc.reason, exc.detail)
         new = Head(gm.W, gm.b, gm.version)
-        with self._phase("apply"):
-            # a head that cannot be written (a full disk) still runs: the retained head is delivered
-            # again after a restart, and the write is retried once there is room
-            self._persist("head", lambda: write_record(self.head_path, encode_global_model(gm)))
+        if self.defer_head_write:
+            self._head_unsaved = gm  # written by write_head(), after the round that follows it
+        else:
+            with self._phase("apply"):
+                # a head that cannot be written (a full disk) still runs: the retained head is
+                # delivered again after a restart, and the write is retried once there is room
+                self._persist("head", lambda: write_record(self.head_path, encode_global_model(gm)))
         self.head = new
         self.evaluate()
         logger.info("applied global head version %d (round %d)", gm.version, gm.round)
@@ -1303,13 +1316,31 @@ class DeviceCore:
             self._unsaved["outbox"] = self.outbox.save
         return dropped, [e for e in self.outbox.pending() if e.sends < max_sends]
 
-    def flush(self) -> bool:
-        """Write the store's pending pages and metadata (end of a replay, shutdown); False if not written.
+    @property
+    def head_unsaved(self) -> bool:
+        """An applied head waits for :meth:`write_head` (:attr:`defer_head_write`)."""
+        return self._head_unsaved is not None
 
-        A failed write (a full disk) is counted and logged, marks the core :attr:`degraded` and is
-        retried by :meth:`retry_persist`; it never raises.
+    def write_head(self) -> bool:
+        """Persist the applied head whose write was deferred; True when nothing is left to write.
+
+        A failed write (a full disk) is counted, logged and retried as any state write
+        (:meth:`retry_persist`); it never raises.
         """
-        return self._persist("store", self.store.flush)
+        gm = self._head_unsaved
+        if gm is None:
+            return True
+        self._head_unsaved = None
+        return self._persist("head", lambda: write_record(self.head_path, encode_global_model(gm)))
+
+    def flush(self) -> bool:
+        """Write the store's pending pages and metadata and a deferred head (end of a replay, shutdown).
+
+        Returns False if something was not written: a failed write (a full disk) is counted and
+        logged, marks the core :attr:`degraded` and is retried by :meth:`retry_persist`; it never raises.
+        """
+        head = self.write_head()
+        return self._persist("store", self.store.flush) and head
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -58,6 +58,9 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+HEAD_WRITE_GRACE_S = 0.5
+"""How long an applied head's write waits for the round that usually follows it (seconds)."""
+
 COMPACT_STATUS_FIELDS = frozenset(
     {
         "model_sha256",
@@ -152,6 +155,9 @@ class Agent:
         self.tls_context = ssl_context_for(profile.broker)  # bad certificate files fail at start-up
         self.state = AgentState()
         self.core = DeviceCore.open(profile, progress=self._progress)
+        # a new head is written after the round that follows it is answered (control_loop, on_round):
+        # its fsyncs no longer sit between the announcement and the update (issue 17)
+        self.core.defer_head_write = True
         self.governor = self.core.governor
         self.max_packet_bytes = profile.broker.max_packet_bytes
         self.reassembler = Reassembler(
@@ -419,9 +425,21 @@ class Agent:
                 await self._control.put(msg)
 
     async def control_loop(self) -> None:
-        """Handle round and global messages in order (each guarded: a bad one is counted, never raised)."""
+        """Handle round and global messages in order (each guarded: a bad one is counted, never raised).
+
+        A head applied without a round following it within :data:`HEAD_WRITE_GRACE_S` is written then
+        (a round that follows is answered first, :meth:`on_round` writes the head after it).
+        """
         while True:
-            await self.handle(await self._control.get())
+            if self.core.head_unsaved and self._control.empty():
+                try:
+                    msg = await asyncio.wait_for(self._control.get(), HEAD_WRITE_GRACE_S)
+                except TimeoutError:
+                    await self._work(self.core.write_head)  # never raises: a full disk degrades
+                    continue
+            else:
+                msg = await self._control.get()
+            await self.handle(msg)
 
     def _fault(self, where: str, what: str, exc: BaseException) -> None:
         """Count and log (one line, its reason) a failure the daemon survives."""
@@ -480,6 +498,8 @@ class Agent:
 
     async def answer_ready(self) -> None:
         """Answer the core's pending round if it became answerable (head applied, samples stored)."""
+        if self.core.pending_round is None:  # set only by worker calls already returned: no hop needed
+            return
         ann = await self._work(self.core.take_ready_round)
         if ann is not None:
             await self.on_round(await self._work(self.core.answer_round, ann))
@@ -489,8 +509,9 @@ class Agent:
 
         Declines of deferred rounds that this answer's round superseded are published first.
         """
-        for declined in await self._work(self.core.take_declines):
-            await self._declined(declined)
+        if self.core.declines_waiting:  # appended only by the worker call that produced ``result``
+            for declined in await self._work(self.core.take_declines):
+                await self._declined(declined)
         if result.round:
             self.state.round = max(self.state.round, result.round)
         status = result.status
@@ -512,6 +533,8 @@ class Agent:
             await self._declined(result)
         else:
             self._changed()
+        if self.core.head_unsaved:  # the head this round built on, deferred until it was answered
+            await self._work(self.core.write_head)
 
     async def _sent(self, result: RoundResult) -> None:
         entry, local = result.entry, result.local

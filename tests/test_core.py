@@ -223,6 +223,39 @@ def test_core_global_bytes_applied_persisted_and_refusals(
     np.testing.assert_array_equal(restarted.head.W, W)
 
 
+def test_core_deferred_head_write_answers_first_and_a_restart_takes_the_retained_head_again(
+    tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """With ``defer_head_write`` (the daemon's setting) a head is applied at once and written after the
+    round that follows: killed in between, the device restarts on the older head, takes the retained
+    head again and still does not answer the round twice."""
+    x, y = digits
+    prof = profile_for(tmp_path)
+    core = DeviceCore.open(prof)
+    core.defer_head_write = True
+    core.observe(x[:16], y[:16])
+    gm = GlobalModel(1, 1, core.model_sha256, core.head.W + np.float32(0.01), core.head.b.copy())
+    retained = encode_global_model(gm)
+    assert core.receive_global(retained).status == ApplyStatus.APPLIED
+    assert core.head.version == 1 and core.head_unsaved
+    assert read_record(tmp_path / "state" / "global_head.rec") is None  # not written yet
+    res = core.answer_round(announcement(2, base_version=1))
+    assert res.status == RoundStatus.TRAINED and core.head_unsaved  # answered on the applied head
+
+    crashed = DeviceCore.open(prof)  # killed before write_head: the older head, the round answered
+    assert crashed.head.version == 0 and crashed.answered is not None and crashed.answered.round == 2
+    assert crashed.receive_global(retained).status == ApplyStatus.APPLIED  # the broker's retained head
+    assert crashed.answer_round(announcement(2, base_version=1)).status == RoundStatus.ANSWERED
+    assert [e.update_id for e in crashed.outbox.pending()] == ["dev-1:2:1"]  # owed once, not re-made
+
+    assert core.write_head() and not core.head_unsaved
+    assert DeviceCore.open(prof).head.version == 1
+    gm2 = GlobalModel(2, 2, core.model_sha256, gm.W + np.float32(0.01), gm.b)
+    assert core.receive_global(encode_global_model(gm2)).status == ApplyStatus.APPLIED
+    assert core.flush() and not core.head_unsaved  # shutdown writes a head still waiting
+    assert DeviceCore.open(prof).head.version == 2
+
+
 def test_core_round_waits_for_its_head_and_for_samples(
     tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
 ) -> None:

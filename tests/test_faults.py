@@ -635,7 +635,10 @@ def test_corrupt_state_files_are_ignored_with_a_clear_log(
             for r in (1, 2):
                 assert (await coord.run_round(r)).clients == 1
             await wait_until(lambda: dev().get("version") == 2, 10, "dev-1 on version 2")
-            assert head.exists() and prev_path(head).exists() and outbox.exists()
+            # an applied head is written after the round that follows it, or HEAD_WRITE_GRACE_S later
+            await wait_until(
+                lambda: head.exists() and prev_path(head).exists() and outbox.exists(), 10, "state written"
+            )
 
             def tear_newest() -> None:  # a torn write of the newest generations
                 head.write_bytes(head.read_bytes()[: head.stat().st_size // 2])
