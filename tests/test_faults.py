@@ -453,6 +453,60 @@ def test_fault_round_completes_under_broker_packet_limit(
 
 
 # --- 3. the outbox across a kill -9 mid-publish ------------------------------------------------------
+def test_fault_round_collects_before_the_announcement_puback_counts_once_and_fails_without_it(
+    fleet: str, tmp_path: Path, digits: Digits, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator collects as the announcement leaves (issue 17: no wait for its PUBACK first): an
+    update sent twice in the open round is counted once; an announcement the broker never
+    acknowledges (broker gone) still fails its round with TransportError, nothing recorded."""
+    import edgefl.coordinator.service as service
+    from edgefl.errors import TransportError
+    from edgefl.wire.codec import decode_round
+
+    monkeypatch.setattr(service, "PUBLISH_RETRY_S", 1.0)
+    broker = start_mosquitto(tmp_path)
+
+    async def main() -> None:
+        t = MqttTransport(broker.host, broker.port, f"coord-{fleet}")
+        dev = MqttTransport(broker.host, broker.port, f"devs-{fleet}")
+        await t.start(wait_s=10)
+        await dev.start(wait_s=10)
+        coord = make_coordinator(t, fleet, digits, min_clients=2, deadline_s=30)
+        topics = coord.topics
+        pump = asyncio.create_task(coord.pump())
+
+        async def devices() -> None:  # answer the round at once: dev-a twice (a re-send), then dev-b
+            while True:
+                msg = await dev.queue.get()
+                if msg.topic == topics.round and msg.payload:
+                    ann = decode_round(msg.payload)
+                    for name in ("dev-a", "dev-a", "dev-b"):
+                        upd = fake_update(name, ann.round, ann.base_version, coord.shape)
+                        await dev.publish(topics.update(name), encode_update(upd), qos=1)
+
+        answering = asyncio.create_task(devices())
+        try:
+            await coord.start()
+            await dev.subscribe(topics.round, 1)
+            rec = await coord.run_round(1)
+            assert rec.clients == 2 and coord.counted[1] == ["dev-a:1:0", "dev-b:1:0"]
+            assert coord.state.version == 1
+            stop_broker(broker)
+            with pytest.raises(TransportError):
+                await coord.run_round(2)
+            assert [h.round for h in coord.state.history] == [1] and coord.state.version == 1
+        finally:
+            answering.cancel()
+            pump.cancel()
+            await dev.stop(timeout_s=1)
+            await t.stop(timeout_s=1)
+
+    try:
+        asyncio.run(main())
+    finally:
+        stop_broker(broker)
+
+
 def test_outbox_resends_after_restart_and_coordinator_counts_once(
     fleet: str, tmp_path: Path, digits: Digits
 ) -> None:
