@@ -456,11 +456,16 @@ class DeviceCore:
         self.declined_total = 0
         """Rounds refused to the coordinator with a Decline message."""
         self._declines: list[RoundResult] = []  # declines of superseded deferred rounds, to send
-        self.defer_head_write = False
-        """Write an applied head later (:meth:`write_head`) instead of before :meth:`apply_global`
-        returns: the daemon answers the round that follows a head first (issue 17, round latency).
-        A restart before the write comes back with the older head and takes the retained one again."""
-        self._head_unsaved: GlobalModel | None = None
+        self.defer_writes = False
+        """Leave two state writes that no guarantee needs at once for :meth:`write_deferred` (the
+        daemon runs it when no message waits; issue 17, round latency): an applied head (a restart
+        before the write comes back with the older head and takes the retained head again) and the
+        outbox after a PUBACK (a restart before the write sends that update once more; the
+        coordinator counts an update id once). False (the default): both are written at once."""
+        self._deferred: dict[str, Callable[[], object]] = {}  # state -> its write, when idle
+        self._deferred_since: float | None = None  # time.monotonic() of the oldest deferred write
+        self.acks_unrecorded = 0
+        """Updates acknowledged (PUBACK) since the outbox was last written: a restart re-sends them."""
         self.shapes = memory.model_shapes(pipeline.backbone) if pipeline is not None else None
 
     @classmethod
@@ -659,6 +664,9 @@ class DeviceCore:
         bool
             Whether the write succeeded.
         """
+        self._deferred.pop(what, None)  # this write supersedes a deferred one (whole state from memory)
+        if not self._deferred:
+            self._deferred_since = None
         try:
             write()
         except OSError as exc:
@@ -678,6 +686,8 @@ class DeviceCore:
             self.degraded = problem
             return False
         self._unsaved.pop(what, None)
+        if what == "outbox":
+            self.acks_unrecorded = 0
         if self.degraded and not self._unsaved:
             logger.warning("state writable again: persisting resumed (was %s)", self.degraded)
             self.degraded = ""
@@ -1261,8 +1271,8 @@ class DeviceCore:
         except UpdateRejected as exc:
             return ApplyResult(ApplyStatus.REFUSED, gm.version, gm.round, exc.reason, exc.detail)
         new = Head(gm.W, gm.b, gm.version)
-        if self.defer_head_write:
-            self._head_unsaved = gm  # written by write_head(), after the round that follows it
+        if self.defer_writes:
+            self._defer_write("head", lambda: write_record(self.head_path, encode_global_model(gm)))
         else:
             with self._phase("apply"):
                 # a head that cannot be written (a full disk) still runs: the retained head is
@@ -1287,7 +1297,17 @@ class DeviceCore:
         return attempts
 
     def acknowledged(self, update_id: str) -> bool:
-        """The broker acknowledged ``update_id`` (PUBACK): forget it (persisted); whether it was kept."""
+        """The broker acknowledged ``update_id`` (PUBACK): forget it (persisted); whether it was kept.
+
+        With :attr:`defer_writes` the outbox is written by :meth:`write_deferred` or by its next
+        write (a new update), and :attr:`acks_unrecorded` counts the entry until then.
+        """
+        if self.defer_writes:
+            kept = self.outbox.forget(update_id)
+            if kept:
+                self.acks_unrecorded += 1
+                self._defer_write("outbox", self.outbox.save)
+            return kept
         kept = update_id in {e.update_id for e in self.outbox.pending()}
         if not self._persist("outbox", lambda: self.outbox.ack(update_id)):
             self._unsaved["outbox"] = self.outbox.save
@@ -1316,31 +1336,44 @@ class DeviceCore:
             self._unsaved["outbox"] = self.outbox.save
         return dropped, [e for e in self.outbox.pending() if e.sends < max_sends]
 
+    def _defer_write(self, what: str, write: Callable[[], object]) -> None:
+        """Keep ``write`` of state ``what`` for :meth:`write_deferred` (a later one replaces it)."""
+        self._deferred[what] = write
+        if self._deferred_since is None:
+            self._deferred_since = time.monotonic()
+
     @property
     def head_unsaved(self) -> bool:
-        """An applied head waits for :meth:`write_head` (:attr:`defer_head_write`)."""
-        return self._head_unsaved is not None
+        """An applied head waits for :meth:`write_deferred` (:attr:`defer_writes`)."""
+        return "head" in self._deferred
 
-    def write_head(self) -> bool:
-        """Persist the applied head whose write was deferred; True when nothing is left to write.
+    @property
+    def deferred_age_s(self) -> float | None:
+        """Seconds the oldest deferred write has waited (None when none waits)."""
+        since = self._deferred_since
+        return None if since is None else time.monotonic() - since
+
+    def write_deferred(self) -> bool:
+        """Run the writes :attr:`defer_writes` left for later; True when all succeeded.
 
         A failed write (a full disk) is counted, logged and retried as any state write
         (:meth:`retry_persist`); it never raises.
         """
-        gm = self._head_unsaved
-        if gm is None:
-            return True
-        self._head_unsaved = None
-        return self._persist("head", lambda: write_record(self.head_path, encode_global_model(gm)))
+        ok = True
+        for what, write in list(self._deferred.items()):
+            ok = self._persist(what, write) and ok
+        self._deferred.clear()
+        self._deferred_since = None
+        return ok
 
     def flush(self) -> bool:
-        """Write the store's pending pages and metadata and a deferred head (end of a replay, shutdown).
+        """Write the store's pending pages and metadata and deferred writes (end of a replay, shutdown).
 
         Returns False if something was not written: a failed write (a full disk) is counted and
         logged, marks the core :attr:`degraded` and is retried by :meth:`retry_persist`; it never raises.
         """
-        head = self.write_head()
-        return self._persist("store", self.store.flush) and head
+        deferred = self.write_deferred()
+        return self._persist("store", self.store.flush) and deferred
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

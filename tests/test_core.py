@@ -226,13 +226,13 @@ def test_core_global_bytes_applied_persisted_and_refusals(
 def test_core_deferred_head_write_answers_first_and_a_restart_takes_the_retained_head_again(
     tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
 ) -> None:
-    """With ``defer_head_write`` (the daemon's setting) a head is applied at once and written after the
-    round that follows: killed in between, the device restarts on the older head, takes the retained
-    head again and still does not answer the round twice."""
+    """With ``defer_writes`` (the daemon's setting) a head is applied at once and written later (after
+    the round that follows): killed in between, the device restarts on the older head, takes the
+    retained head again and still does not answer the round twice."""
     x, y = digits
     prof = profile_for(tmp_path)
     core = DeviceCore.open(prof)
-    core.defer_head_write = True
+    core.defer_writes = True
     core.observe(x[:16], y[:16])
     gm = GlobalModel(1, 1, core.model_sha256, core.head.W + np.float32(0.01), core.head.b.copy())
     retained = encode_global_model(gm)
@@ -242,18 +242,47 @@ def test_core_deferred_head_write_answers_first_and_a_restart_takes_the_retained
     res = core.answer_round(announcement(2, base_version=1))
     assert res.status == RoundStatus.TRAINED and core.head_unsaved  # answered on the applied head
 
-    crashed = DeviceCore.open(prof)  # killed before write_head: the older head, the round answered
+    crashed = DeviceCore.open(prof)  # killed before write_deferred: the older head, the round answered
     assert crashed.head.version == 0 and crashed.answered is not None and crashed.answered.round == 2
     assert crashed.receive_global(retained).status == ApplyStatus.APPLIED  # the broker's retained head
     assert crashed.answer_round(announcement(2, base_version=1)).status == RoundStatus.ANSWERED
     assert [e.update_id for e in crashed.outbox.pending()] == ["dev-1:2:1"]  # owed once, not re-made
 
-    assert core.write_head() and not core.head_unsaved
+    assert core.write_deferred() and not core.head_unsaved
     assert DeviceCore.open(prof).head.version == 1
     gm2 = GlobalModel(2, 2, core.model_sha256, gm.W + np.float32(0.01), gm.b)
     assert core.receive_global(encode_global_model(gm2)).status == ApplyStatus.APPLIED
     assert core.flush() and not core.head_unsaved  # shutdown writes a head still waiting
     assert DeviceCore.open(prof).head.version == 2
+
+
+def test_exactly_once_deferred_ack_write_resends_the_same_update_and_never_retrains(
+    tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """With ``defer_writes`` the outbox write after a PUBACK waits: a restart before it sends that
+    update once more (same update_id: the coordinator counts it once) and still does not train the
+    round again; the next answer's write, or ``write_deferred``, records the ack."""
+    x, y = digits
+    prof = profile_for(tmp_path)
+    core = DeviceCore.open(prof)
+    core.defer_writes = True
+    core.observe(x[:16], y[:16])
+    first = core.answer_round(announcement(1))
+    assert first.status == RoundStatus.TRAINED and first.entry is not None
+    assert core.acknowledged("dev-1:1:0") and not core.outbox.pending() and core.acks_unrecorded == 1
+
+    crashed = DeviceCore.open(prof)  # killed before the ack was written
+    assert [e.update_id for e in crashed.outbox.pending()] == ["dev-1:1:0"]
+    assert crashed.outbox.pending()[0].payload == first.entry.payload  # the same bytes, re-sent once
+    assert crashed.answer_round(announcement(1)).status == RoundStatus.ANSWERED
+
+    assert core.answer_round(announcement(2)).status == RoundStatus.TRAINED  # its write records the ack
+    assert core.acks_unrecorded == 0 and core.deferred_age_s is None
+    assert [e.update_id for e in DeviceCore.open(prof).outbox.pending()] == ["dev-1:2:0"]
+    assert core.acknowledged("dev-1:2:0") and core.deferred_age_s is not None
+    assert core.write_deferred() and core.acks_unrecorded == 0
+    again = DeviceCore.open(prof)
+    assert again.outbox.pending() == [] and again.answered is not None and again.answered.round == 2
 
 
 def test_core_round_waits_for_its_head_and_for_samples(

@@ -686,10 +686,12 @@ def test_corrupt_state_files_are_ignored_with_a_clear_log(
         try:
             await coord.start()
             await coord.wait_for_devices(1, timeout_s=60)
-            for r in (1, 2):
-                assert (await coord.run_round(r)).clients == 1
+            # an applied head is written once the device is idle (the daemon's housekeeping, issue 17):
+            # each head gets its generation when the rounds are apart
+            assert (await coord.run_round(1)).clients == 1
+            await wait_until(lambda: head.exists(), 10, "head version 1 written")
+            assert (await coord.run_round(2)).clients == 1
             await wait_until(lambda: dev().get("version") == 2, 10, "dev-1 on version 2")
-            # an applied head is written after the round that follows it, or HEAD_WRITE_GRACE_S later
             await wait_until(
                 lambda: head.exists() and prev_path(head).exists() and outbox.exists(), 10, "state written"
             )
@@ -1038,6 +1040,8 @@ def test_fault_full_disk_degrades_keeps_classifying_and_recovers(
                 await wait_until(lambda: bool(dev().get("ready")), 60, "replay done")
                 assert (await coord.run_round(1)).clients == 1
                 await wait_until(lambda: dev().get("version") == 1, 10, "dev-1 on version 1")
+                # the PUBACK's outbox write is left for idle time (issue 17): the room below assumes it
+                await wait_until(lambda: dev().get("outbox_pending") == 0, 10, "round 1's ack recorded")
                 fill(filler)
                 # keeping the update fits (replacing outbox.rec frees its old generation); counting the
                 # send does not: the update is sent from memory, the outbox waits for room
