@@ -457,15 +457,17 @@ class DeviceCore:
         """Rounds refused to the coordinator with a Decline message."""
         self._declines: list[RoundResult] = []  # declines of superseded deferred rounds, to send
         self.defer_writes = False
-        """Leave two state writes that no guarantee needs at once for :meth:`write_deferred` (the
-        daemon runs it when no message waits; issue 17, round latency): an applied head (a restart
-        before the write comes back with the older head and takes the retained head again) and the
-        outbox after a PUBACK (a restart before the write sends that update once more; the
-        coordinator counts an update id once). False (the default): both are written at once."""
+        """Leave state writes that no guarantee needs at once for :meth:`write_deferred` (the daemon
+        runs it when no message waits; issue 17, round latency): an applied head (a restart before
+        the write comes back with the older head and takes the retained head again), the outbox
+        after a PUBACK (a restart before the write sends that update once more; the coordinator
+        counts an update id once) and the error-feedback file (the outbox record that keeps the
+        update carries the new residual until then). False (the default): all are written at once."""
         self._deferred: dict[str, Callable[[], object]] = {}  # state -> its write, when idle
         self._deferred_since: float | None = None  # time.monotonic() of the oldest deferred write
         self.acks_unrecorded = 0
         """Updates acknowledged (PUBACK) since the outbox was last written: a restart re-sends them."""
+        self._take_carried_residual()
         self.shapes = memory.model_shapes(pipeline.backbone) if pipeline is not None else None
 
     @classmethod
@@ -605,6 +607,25 @@ class DeviceCore:
             return None
         return Answered(fleet, round_no, update_id)
 
+    def _save_residual(self) -> None:
+        """Write the error-feedback file; the outbox's next write stops carrying the residual."""
+        self.feedback.save()
+        self.outbox.residual = None
+
+    def _take_carried_residual(self) -> None:
+        """A residual the outbox carries that is newer than the file (its write was lost): take it."""
+        carried = self.outbox.residual
+        if carried is None:
+            return
+        fb = self.feedback
+        prior = (fb.residual_W, fb.residual_b, fb.round)
+        if fb.load_bytes(carried, f"outbox {self.outbox.path}") and fb.round > prior[2]:
+            logger.info("error-feedback residual of round %d taken from the outbox record", fb.round)
+            self._persist("residual", self._save_residual)
+            return
+        fb.residual_W, fb.residual_b, fb.round = prior
+        self.outbox.residual = None  # the file has it already (or it is unusable)
+
     @staticmethod
     def _answered_map(answered: Answered) -> dict[str, Any]:
         """The CBOR map of an :class:`Answered` (kept in the outbox record)."""
@@ -654,7 +675,7 @@ class DeviceCore:
         Parameters
         ----------
         what : str
-            Names the state (``store``, ``outbox``, ``head``, ``answered``, ``seen_version``).
+            Names the state (``store``, ``outbox``, ``head``, ``residual``, ``seen_version``).
         write : callable
             Writes it (from the in-memory state, so a retry writes the latest); on failure it is
             run again by :meth:`retry_persist` until it succeeds or a later write of ``what`` does.
@@ -1003,12 +1024,22 @@ class DeviceCore:
         with self._phase("encode"):
             delta_W, delta_b = result.delta_W, result.delta_b
             compressed: CompressedDelta | None = None
+            fb = self.feedback
+            prior_fb = (fb.residual_W, fb.residual_b, fb.round)
+            carry: bytes | None = None
             if ann.compression != Compression.NONE:
-                # add what earlier compression dropped, keep what this one drops (persisted); the wire
-                # form is made once, here
-                delta_W, delta_b, compressed = self.feedback.compress(
-                    delta_W, delta_b, ann.compression, topk_fraction=ann.topk_fraction
+                # add what earlier compression dropped, keep what this one drops (persisted: with
+                # defer_writes by the outbox write below, its own file later); the wire form is made
+                # once, here
+                delta_W, delta_b, compressed = fb.compress(
+                    delta_W,
+                    delta_b,
+                    ann.compression,
+                    topk_fraction=ann.topk_fraction,
+                    persist=not self.defer_writes,
+                    round=ann.round,
                 )
+                carry = fb.to_bytes() if self.defer_writes else None
             update = Update(
                 round=ann.round,
                 base_version=ann.base_version,
@@ -1041,6 +1072,9 @@ class DeviceCore:
             # kept until its PUBACK: a restart re-sends it (same update_id), never re-trains the round
             added: list[Dropped] = []
             answered = Answered(self.fleet, ann.round, update_id)
+            prior_carry = self.outbox.residual
+            if carry is not None:
+                self.outbox.residual = carry  # kept by the outbox's writes until the file is written
             if not self._persist(
                 # one atomic write keeps the update, counts its first send (sends=1: the daemon
                 # publishes it next) and records the round as answered: one fsync pair between
@@ -1054,10 +1088,15 @@ class DeviceCore:
             ):
                 # not sent: a round whose update is not on disk could be answered twice after a restart
                 self.outbox.forget(update_id)
+                if carry is not None:  # the residual stays as it was on disk
+                    self.outbox.residual = prior_carry
+                    fb.residual_W, fb.residual_b, fb.round = prior_fb
                 self._unsaved["outbox"] = self.outbox.save
                 raise OSError(errno.EIO, f"update not kept: outbox not persisted ({self.degraded})")
             dropped = tuple(added)
             self.answered = answered
+            if carry is not None:
+                self._defer_write("residual", self._save_residual)
         entry = OutboxEntry(update_id, ann.round, payload)
         if self.deferred is not None and self.deferred.ann.round <= ann.round:
             self.deferred = None

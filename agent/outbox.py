@@ -3,9 +3,11 @@
 An update survives a reconnect or a restart and is re-sent with the same ``update_id`` (the
 coordinator de-duplicates by it). Bounded in bytes; updates of rounds that closed are dropped with a
 reason. Persisted as a checksummed record (:mod:`edgefl.records`): a CBOR map ``{"v": 1, "entries":
-[[update_id, round, payload, sends], ...], "answered": {...}}``; ``answered`` (optional, opaque here)
-is the device's last answered round, written in the same atomic write as the update that answers it
-(one write and one fsync pair before the publish instead of two: issue 17, round latency).
+[[update_id, round, payload, sends], ...], "answered": {...}, "residual": bytes}``; ``answered`` and
+``residual`` (optional, opaque here) are the device's last answered round and the error-feedback
+residual that answer left, written in the same atomic write as the update (one write and one fsync
+pair before the publish instead of three: issue 17, round latency); the residual is carried until
+the device has written its own file.
 """
 
 from __future__ import annotations
@@ -97,6 +99,9 @@ class Outbox:
         self.max_bytes = max_bytes
         self.answered: dict[str, Any] | None = None
         """The last answered round as the device core stores it (a CBOR map), kept in every write."""
+        self.residual: bytes | None = None
+        """The error-feedback residual of the last answer, carried by every write until the core has
+        written its own file (opaque bytes here; ``edgefl.agent.feedback``)."""
         self._entries: list[OutboxEntry] = self._load()
         if self._entries:
             logger.info(
@@ -133,11 +138,14 @@ class Outbox:
             answered = obj.get("answered")
             if answered is not None and not isinstance(answered, dict):
                 raise ValueError("bad answered-round map")
+            residual = obj.get("residual")
+            if residual is not None and type(residual) is not bytes:
+                raise ValueError("bad residual")
         except (cbor2.CBORDecodeError, ValueError, TypeError) as exc:
             # the checksum matched, so this is a format change, not corruption
             logger.error("outbox %s has an unknown layout (%s); starting empty", self.path, exc)
             return []
-        self.answered = answered
+        self.answered, self.residual = answered, residual
         return entries
 
     def _save(self) -> None:
@@ -147,6 +155,8 @@ class Outbox:
         }
         if self.answered is not None:
             obj["answered"] = self.answered
+        if self.residual is not None:
+            obj["residual"] = self.residual
         write_record(self.path, cbor2.dumps(obj))
 
     def save(self) -> None:

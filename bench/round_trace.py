@@ -179,7 +179,7 @@ def agent_main(trace_path: str, cli_args: list[str]) -> int:
 
 
 # --- the traced run -----------------------------------------------------------------------------
-def traced_run(rounds: int, nodelay: bool, work: Path) -> dict[str, Any]:
+def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) -> dict[str, Any]:
     """One run of ``bench.peer``'s int8 job with probes everywhere; the merged events."""
     import subprocess
 
@@ -221,7 +221,7 @@ def traced_run(rounds: int, nodelay: bool, work: Path) -> dict[str, Any]:
                 "source.path": str(job.raw_shards[i - 1]),
                 "model.path": str(job.model),
                 "training.store_capacity": "1024",
-                "dashboard.enabled": "false",
+                "dashboard.enabled": "true" if dashboard else "false",
                 "status.heartbeat_s": "60",
             }
             cmd = [sys.executable, "-OO", "-m", "bench.round_trace", "agent", str(traces[i - 1]), "--"]
@@ -338,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodelay", action="store_true", help="mosquitto with set_tcp_nodelay true")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--show-round", type=int, default=3)
+    p.add_argument("--dashboard", action="store_true", help="the agents' status pages on (bench.peer's int8)")
     p.add_argument(
         "--no-quickack", action="store_true", help="TCP_QUICKACK off in agents, coordinator and proxy"
     )
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_quickack:
         os.environ["BENCH_NO_QUICKACK"] = "1"
     with tempfile.TemporaryDirectory(prefix="trace-") as tmp:
-        doc = traced_run(args.rounds, args.nodelay, Path(tmp))
+        doc = traced_run(args.rounds, args.nodelay, Path(tmp), args.dashboard)
     starts = {int(k): v for k, v in doc["starts"].items()}
     round_ms = [1e3 * (doc["agg_at"][r] - starts[r]) for r in range(2, args.rounds + 1)]
     print(

@@ -285,6 +285,39 @@ def test_exactly_once_deferred_ack_write_resends_the_same_update_and_never_retra
     assert again.outbox.pending() == [] and again.answered is not None and again.answered.round == 2
 
 
+def test_error_feedback_residual_goes_with_the_update_and_survives_a_restart_before_its_file(
+    tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
+) -> None:
+    """With ``defer_writes`` the residual a compressed answer leaves is written by the outbox write that
+    keeps the update (no separate fsync'd file before the publish): killed before its own file is
+    written, the device restarts with that residual (nothing sent twice, nothing dropped); once the
+    file is written the outbox stops carrying it."""
+    from edgefl.agent.feedback import RESIDUAL_FILE
+
+    x, y = digits
+    prof = profile_for(tmp_path)
+    core = DeviceCore.open(prof)
+    core.defer_writes = True
+    core.observe(x[:16], y[:16])
+    res = core.answer_round(announcement(1, compression=Compression.INT8))
+    assert res.status == RoundStatus.TRAINED
+    kept_W = core.feedback.residual_W.copy()
+    assert np.count_nonzero(kept_W) > 0 and core.feedback.round == 1
+    assert not (tmp_path / "state" / RESIDUAL_FILE).exists()  # its own file waits for idle time
+    record = cbor2.loads(read_record(tmp_path / "state" / OUTBOX_FILE) or b"")
+    assert isinstance(record.get("residual"), bytes)
+
+    crashed = DeviceCore.open(prof)  # killed before the file: the outbox record's copy is taken
+    np.testing.assert_array_equal(crashed.feedback.residual_W, kept_W)
+    assert crashed.feedback.round == 1 and (tmp_path / "state" / RESIDUAL_FILE).exists()
+
+    assert core.acknowledged("dev-1:1:0") and core.write_deferred()
+    assert "residual" not in cbor2.loads(read_record(tmp_path / "state" / OUTBOX_FILE) or b"")
+    again = DeviceCore.open(prof)
+    np.testing.assert_array_equal(again.feedback.residual_W, kept_W)
+    assert again.feedback.round == 1 and again.outbox.pending() == []
+
+
 def test_core_round_waits_for_its_head_and_for_samples(
     tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
 ) -> None:
