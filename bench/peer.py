@@ -4,7 +4,10 @@ Both systems run the same job on this machine, alternately: 2 clients, 5 rounds,
 512 x 10 (the shipped ``digits_cnn_int8_rawin`` backbone) trained 1 local epoch (SGD, lr 0.05, batch 32)
 on the same non-IID digits shards (``edgefl.datasets``), evaluated on the same test split. Each client
 talks to its server through its own port of a byte-counting TCP proxy on 127.0.0.1 (TCP payload bytes,
-both directions: framing, statuses and keep-alives included).
+both directions: framing, statuses and keep-alives included). The proxy's socket toward the server
+stands for the client's own: ``TCP_NODELAY`` for both systems, and for edgefl's agents also
+``TCP_QUICKACK`` re-armed after every read, as ``edgefl.transport`` does (``BENCH_NO_QUICKACK=1``
+leaves it off).
 
 - **edgefl**: a real mosquitto (``bench.round_overhead.mosquitto``), 2 real agent processes
   (``edgefl run firmware_configs/dev_x86.toml`` with the gateway profiles' ``status.heartbeat_s = 60``:
