@@ -5,7 +5,8 @@ real mosquitto, the real ``Coordinator.run_round`` in this process), with timing
 functions a round passes through: in each agent (``python -m bench.round_trace agent TRACE -- ARGS``
 installs them, then runs ``edgefl.cli``) the paho thread's hops, the message handler, every worker
 call (queued -> started -> done), ``receive_round``/``receive_global`` and their steps (training,
-error feedback, signing, state writes, each ``fsync``), the publishes and their PUBACKs; in the
+error feedback, signing, state writes, each ``fsync``), the publishes and their PUBACKs, the status
+checks and the cyclic GC's collections; in the
 coordinator the announcement, each update's arrival and ``publish_global``; the proxy adds when each
 MQTT packet passed it. Wrappers add a few microseconds a call; nothing else differs from the product.
 
@@ -97,9 +98,26 @@ def _maybe_no_quickack() -> None:
         transport.TCP_QUICKACK = None
 
 
+def _probe_gc() -> None:
+    """Record each cyclic garbage collection (generation, ms) as ``gc`` events."""
+    import gc
+
+    started: list[float] = []
+
+    def cb(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started.append(time.time())
+        elif started:
+            t0 = started.pop()
+            _rec("gc", f"gen{info.get('generation')}", t0, time.time())
+
+    gc.callbacks.append(cb)
+
+
 def install_agent_probes() -> None:
     """Timing wrappers in an agent process (see the module docstring)."""
     _maybe_no_quickack()
+    _probe_gc()
     import edgefl.agent.core as core
     import edgefl.agent.daemon as daemon
     import edgefl.agent.feedback as feedback
@@ -125,6 +143,7 @@ def install_agent_probes() -> None:
     _wrap(memory, "malloc_trim", "malloc_trim")
     _wrap(daemon.Agent, "handle", "handle", lambda self, msg: _topic_kind(msg.topic))
     _wrap(daemon.Agent, "_send_update", "send_update")
+    _wrap(daemon.Agent, "_status_tick", "status_tick")
     _wrap(
         transport.MqttTransport,
         "publish",
