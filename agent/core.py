@@ -99,7 +99,8 @@ HEAD_FILE = "global_head.rec"
 OUTBOX_FILE = "outbox.rec"
 """Updates awaiting their PUBACK (:class:`~edgefl.agent.outbox.Outbox`)."""
 ANSWERED_FILE = "answered_round.rec"
-"""The last round this device answered (exactly once across restarts; :class:`Answered`)."""
+"""Where versions before issue 17's latency work kept the last answered round (still read; the round
+is now recorded in the outbox record, in the write that keeps its update: :class:`Answered`)."""
 SEEN_VERSION_FILE = "seen_version.rec"
 """The newest head version named by a signed round announcement (the device's rollback floor)."""
 
@@ -280,10 +281,12 @@ class Evaluation:
 
 @dataclass(frozen=True, slots=True)
 class Answered:
-    """The last round this device answered, persisted in ``<state_dir>/answered_round.rec``.
+    """The last round this device answered, persisted with the outbox (``<state_dir>/outbox.rec``).
 
-    Stored as a CBOR map ``{"v": 1, "fleet": str, "round": int, "update_id": str}`` inside a
-    checksummed record (:mod:`edgefl.records`); a record for another fleet is ignored.
+    Stored as a CBOR map ``{"v": 1, "fleet": str, "round": int, "update_id": str}`` under the outbox
+    record's ``answered`` key, written by the same atomic write that keeps the round's update (or
+    Decline); earlier versions wrote it alone to ``answered_round.rec``, still read (the newer round
+    wins). A record for another fleet is ignored.
     """
 
     fleet: str
@@ -453,6 +456,18 @@ class DeviceCore:
         self.declined_total = 0
         """Rounds refused to the coordinator with a Decline message."""
         self._declines: list[RoundResult] = []  # declines of superseded deferred rounds, to send
+        self.defer_writes = False
+        """Leave state writes that no guarantee needs at once for :meth:`write_deferred` (the daemon
+        runs it when no message waits; issue 17, round latency): an applied head (a restart before
+        the write comes back with the older head and takes the retained head again), the outbox
+        after a PUBACK (a restart before the write sends that update once more; the coordinator
+        counts an update id once) and the error-feedback file (the outbox record that keeps the
+        update carries the new residual until then). False (the default): all are written at once."""
+        self._deferred: dict[str, Callable[[], object]] = {}  # state -> its write, when idle
+        self._deferred_since: float | None = None  # time.monotonic() of the oldest deferred write
+        self.acks_unrecorded = 0
+        """Updates acknowledged (PUBACK) since the outbox was last written: a restart re-sends them."""
+        self._take_carried_residual()
         self.shapes = memory.model_shapes(pipeline.backbone) if pipeline is not None else None
 
     @classmethod
@@ -548,31 +563,73 @@ class DeviceCore:
             logger.warning("stored global head %s unusable (%s); using the factory head", self.head_path, exc)
 
     def _load_answered(self) -> Answered | None:
+        """The last answered round: the newer of the outbox record's and ``answered_round.rec``'s.
+
+        Since issue 17 the record is written with the outbox (one atomic write with the update that
+        answers the round); ``answered_round.rec`` is what earlier versions wrote, still read.
+        """
+        found = [
+            a
+            for a in (
+                self._parse_answered(self.outbox.answered, f"outbox {self.outbox.path}"),
+                self._parse_answered(self._read_answered_file(), f"record {self.answered_path}"),
+            )
+            if a is not None
+        ]
+        if not found:
+            return None
+        last = max(found, key=lambda a: a.round)
+        logger.info("last answered round %d (%s)", last.round, last.update_id)
+        return last
+
+    def _read_answered_file(self) -> Any:
         data = read_record(self.answered_path)
         if data is None:
             return None
         try:
-            obj = cbor2.loads(data)
-            if not isinstance(obj, dict) or obj.get("v") != 1:
-                raise ValueError("not an answered-round record")
-            fleet, round_no, update_id = obj.get("fleet"), obj.get("round"), obj.get("update_id")
-            if (
-                type(fleet) is not str
-                or type(round_no) is not int
-                or round_no < 0
-                or type(update_id) is not str
-            ):
-                raise ValueError("bad fields")
+            return cbor2.loads(data)
         except (cbor2.CBORDecodeError, ValueError, TypeError) as exc:
-            logger.error(
-                "answered-round record %s has an unknown layout (%s); ignored", self.answered_path, exc
-            )
+            logger.error("answered-round record %s unreadable (%s); ignored", self.answered_path, exc)
+            return None
+
+    def _parse_answered(self, obj: Any, where: str) -> Answered | None:
+        """An :class:`Answered` from its CBOR map (None when absent, malformed or of another fleet)."""
+        if obj is None:
+            return None
+        fleet = round_no = update_id = None
+        if isinstance(obj, dict) and obj.get("v") == 1:
+            fleet, round_no, update_id = obj.get("fleet"), obj.get("round"), obj.get("update_id")
+        if type(fleet) is not str or type(round_no) is not int or round_no < 0 or type(update_id) is not str:
+            logger.error("%s: the answered round has an unknown layout; ignored", where)
             return None
         if fleet != self.fleet:
-            logger.info("answered-round record %s is for fleet %s; ignored", self.answered_path, fleet)
+            logger.info("%s: answered round is for fleet %s; ignored", where, fleet)
             return None
-        logger.info("last answered round %d (%s)", round_no, update_id)
         return Answered(fleet, round_no, update_id)
+
+    def _save_residual(self) -> None:
+        """Write the error-feedback file; the outbox's next write stops carrying the residual."""
+        self.feedback.save()
+        self.outbox.residual = None
+
+    def _take_carried_residual(self) -> None:
+        """A residual the outbox carries that is newer than the file (its write was lost): take it."""
+        carried = self.outbox.residual
+        if carried is None:
+            return
+        fb = self.feedback
+        prior = (fb.residual_W, fb.residual_b, fb.round)
+        if fb.load_bytes(carried, f"outbox {self.outbox.path}") and fb.round > prior[2]:
+            logger.info("error-feedback residual of round %d taken from the outbox record", fb.round)
+            self._persist("residual", self._save_residual)
+            return
+        fb.residual_W, fb.residual_b, fb.round = prior
+        self.outbox.residual = None  # the file has it already (or it is unusable)
+
+    @staticmethod
+    def _answered_map(answered: Answered) -> dict[str, Any]:
+        """The CBOR map of an :class:`Answered` (kept in the outbox record)."""
+        return {"v": 1, "fleet": answered.fleet, "round": answered.round, "update_id": answered.update_id}
 
     @property
     def seen_version_path(self) -> Path:
@@ -612,18 +669,13 @@ class DeviceCore:
 
         self._persist("seen_version", write)
 
-    def _save_answered(self, answered: Answered) -> None:
-        obj = {"v": 1, "fleet": answered.fleet, "round": answered.round, "update_id": answered.update_id}
-        write_record(self.answered_path, cbor2.dumps(obj))
-        self.answered = answered
-
     def _persist(self, what: str, write: Callable[[], object]) -> bool:
         """Run one state write; on ``OSError`` count it, log it, mark the core degraded, keep it to retry.
 
         Parameters
         ----------
         what : str
-            Names the state (``store``, ``outbox``, ``head``, ``answered``, ``seen_version``).
+            Names the state (``store``, ``outbox``, ``head``, ``residual``, ``seen_version``).
         write : callable
             Writes it (from the in-memory state, so a retry writes the latest); on failure it is
             run again by :meth:`retry_persist` until it succeeds or a later write of ``what`` does.
@@ -633,6 +685,9 @@ class DeviceCore:
         bool
             Whether the write succeeded.
         """
+        self._deferred.pop(what, None)  # this write supersedes a deferred one (whole state from memory)
+        if not self._deferred:
+            self._deferred_since = None
         try:
             write()
         except OSError as exc:
@@ -652,6 +707,8 @@ class DeviceCore:
             self.degraded = problem
             return False
         self._unsaved.pop(what, None)
+        if what == "outbox":
+            self.acks_unrecorded = 0
         if self.degraded and not self._unsaved:
             logger.warning("state writable again: persisting resumed (was %s)", self.degraded)
             self.degraded = ""
@@ -967,12 +1024,22 @@ class DeviceCore:
         with self._phase("encode"):
             delta_W, delta_b = result.delta_W, result.delta_b
             compressed: CompressedDelta | None = None
+            fb = self.feedback
+            prior_fb = (fb.residual_W, fb.residual_b, fb.round)
+            carry: bytes | None = None
             if ann.compression != Compression.NONE:
-                # add what earlier compression dropped, keep what this one drops (persisted); the wire
-                # form is made once, here
-                delta_W, delta_b, compressed = self.feedback.compress(
-                    delta_W, delta_b, ann.compression, topk_fraction=ann.topk_fraction
+                # add what earlier compression dropped, keep what this one drops (persisted: with
+                # defer_writes by the outbox write below, its own file later); the wire form is made
+                # once, here
+                delta_W, delta_b, compressed = fb.compress(
+                    delta_W,
+                    delta_b,
+                    ann.compression,
+                    topk_fraction=ann.topk_fraction,
+                    persist=not self.defer_writes,
+                    round=ann.round,
                 )
+                carry = fb.to_bytes() if self.defer_writes else None
             update = Update(
                 round=ann.round,
                 base_version=ann.base_version,
@@ -1004,21 +1071,32 @@ class DeviceCore:
             del update, delta_W, delta_b
             # kept until its PUBACK: a restart re-sends it (same update_id), never re-trains the round
             added: list[Dropped] = []
+            answered = Answered(self.fleet, ann.round, update_id)
+            prior_carry = self.outbox.residual
+            if carry is not None:
+                self.outbox.residual = carry  # kept by the outbox's writes until the file is written
             if not self._persist(
-                # sends=1: the daemon publishes it next; the write that keeps it counts that first
-                # attempt, so no second atomic write (two fsyncs) sits between training and the
-                # publish (issue 17, round latency)
+                # one atomic write keeps the update, counts its first send (sends=1: the daemon
+                # publishes it next) and records the round as answered: one fsync pair between
+                # training and the publish instead of three (issue 17, round latency)
                 "outbox",
-                lambda: added.extend(self.outbox.add(update_id, ann.round, payload, sends=1)),
+                lambda: added.extend(
+                    self.outbox.add(
+                        update_id, ann.round, payload, sends=1, answered=self._answered_map(answered)
+                    )
+                ),
             ):
                 # not sent: a round whose update is not on disk could be answered twice after a restart
                 self.outbox.forget(update_id)
+                if carry is not None:  # the residual stays as it was on disk
+                    self.outbox.residual = prior_carry
+                    fb.residual_W, fb.residual_b, fb.round = prior_fb
                 self._unsaved["outbox"] = self.outbox.save
                 raise OSError(errno.EIO, f"update not kept: outbox not persisted ({self.degraded})")
             dropped = tuple(added)
-            answered = Answered(self.fleet, ann.round, update_id)
             self.answered = answered
-            self._persist("answered", lambda: self._save_answered(answered))
+            if carry is not None:
+                self._defer_write("residual", self._save_residual)
         entry = OutboxEntry(update_id, ann.round, payload)
         if self.deferred is not None and self.deferred.ann.round <= ann.round:
             self.deferred = None
@@ -1073,6 +1151,11 @@ class DeviceCore:
             self.deferred = dataclasses.replace(self.deferred, since_s=d.since_s)
         return result
 
+    @property
+    def declines_waiting(self) -> bool:
+        """Declines of superseded deferred rounds wait for :meth:`take_declines`."""
+        return bool(self._declines)
+
     def take_declines(self) -> list[RoundResult]:
         """Declines of deferred rounds a newer round superseded (DECLINED results to publish); cleared."""
         out, self._declines = self._declines, []
@@ -1112,13 +1195,15 @@ class DeviceCore:
         else:
             payload = encode_decline(msg)
         added: list[Dropped] = []
-        if not self._persist("outbox", lambda: added.extend(self.outbox.add(update_id, ann.round, payload))):
+        answered = Answered(self.fleet, ann.round, update_id)
+        amap = self._answered_map(answered)
+        if not self._persist(
+            "outbox", lambda: added.extend(self.outbox.add(update_id, ann.round, payload, answered=amap))
+        ):
             self.outbox.forget(update_id)
             self._unsaved["outbox"] = self.outbox.save
             raise OSError(errno.EIO, f"decline not kept: outbox not persisted ({self.degraded})")
-        answered = Answered(self.fleet, ann.round, update_id)
         self.answered = answered
-        self._persist("answered", lambda: self._save_answered(answered))
         self.declined_total += 1
         logger.warning("round %d declined (%s): %s", ann.round, reason, detail)
         return RoundResult(
@@ -1225,10 +1310,13 @@ class DeviceCore:
         except UpdateRejected as exc:
             return ApplyResult(ApplyStatus.REFUSED, gm.version, gm.round, exc.reason, exc.detail)
         new = Head(gm.W, gm.b, gm.version)
-        with self._phase("apply"):
-            # a head that cannot be written (a full disk) still runs: the retained head is delivered
-            # again after a restart, and the write is retried once there is room
-            self._persist("head", lambda: write_record(self.head_path, encode_global_model(gm)))
+        if self.defer_writes:
+            self._defer_write("head", lambda: write_record(self.head_path, encode_global_model(gm)))
+        else:
+            with self._phase("apply"):
+                # a head that cannot be written (a full disk) still runs: the retained head is
+                # delivered again after a restart, and the write is retried once there is room
+                self._persist("head", lambda: write_record(self.head_path, encode_global_model(gm)))
         self.head = new
         self.evaluate()
         logger.info("applied global head version %d (round %d)", gm.version, gm.round)
@@ -1248,7 +1336,17 @@ class DeviceCore:
         return attempts
 
     def acknowledged(self, update_id: str) -> bool:
-        """The broker acknowledged ``update_id`` (PUBACK): forget it (persisted); whether it was kept."""
+        """The broker acknowledged ``update_id`` (PUBACK): forget it (persisted); whether it was kept.
+
+        With :attr:`defer_writes` the outbox is written by :meth:`write_deferred` or by its next
+        write (a new update), and :attr:`acks_unrecorded` counts the entry until then.
+        """
+        if self.defer_writes:
+            kept = self.outbox.forget(update_id)
+            if kept:
+                self.acks_unrecorded += 1
+                self._defer_write("outbox", self.outbox.save)
+            return kept
         kept = update_id in {e.update_id for e in self.outbox.pending()}
         if not self._persist("outbox", lambda: self.outbox.ack(update_id)):
             self._unsaved["outbox"] = self.outbox.save
@@ -1277,13 +1375,44 @@ class DeviceCore:
             self._unsaved["outbox"] = self.outbox.save
         return dropped, [e for e in self.outbox.pending() if e.sends < max_sends]
 
-    def flush(self) -> bool:
-        """Write the store's pending pages and metadata (end of a replay, shutdown); False if not written.
+    def _defer_write(self, what: str, write: Callable[[], object]) -> None:
+        """Keep ``write`` of state ``what`` for :meth:`write_deferred` (a later one replaces it)."""
+        self._deferred[what] = write
+        if self._deferred_since is None:
+            self._deferred_since = time.monotonic()
 
-        A failed write (a full disk) is counted and logged, marks the core :attr:`degraded` and is
-        retried by :meth:`retry_persist`; it never raises.
+    @property
+    def head_unsaved(self) -> bool:
+        """An applied head waits for :meth:`write_deferred` (:attr:`defer_writes`)."""
+        return "head" in self._deferred
+
+    @property
+    def deferred_age_s(self) -> float | None:
+        """Seconds the oldest deferred write has waited (None when none waits)."""
+        since = self._deferred_since
+        return None if since is None else time.monotonic() - since
+
+    def write_deferred(self) -> bool:
+        """Run the writes :attr:`defer_writes` left for later; True when all succeeded.
+
+        A failed write (a full disk) is counted, logged and retried as any state write
+        (:meth:`retry_persist`); it never raises.
         """
-        return self._persist("store", self.store.flush)
+        ok = True
+        for what, write in list(self._deferred.items()):
+            ok = self._persist(what, write) and ok
+        self._deferred.clear()
+        self._deferred_since = None
+        return ok
+
+    def flush(self) -> bool:
+        """Write the store's pending pages and metadata and deferred writes (end of a replay, shutdown).
+
+        Returns False if something was not written: a failed write (a full disk) is counted and
+        logged, marks the core :attr:`degraded` and is retried by :meth:`retry_persist`; it never raises.
+        """
+        deferred = self.write_deferred()
+        return self._persist("store", self.store.flush) and deferred
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -58,6 +58,11 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+IDLE_GRACE_S = 0.5
+"""Housekeeping (deferred writes, ``malloc_trim``) waits until no message came for this long (seconds)."""
+DEFERRED_WRITE_MAX_S = 30.0
+"""A deferred state write waits at most about this long (seconds) when rounds come back to back."""
+
 COMPACT_STATUS_FIELDS = frozenset(
     {
         "model_sha256",
@@ -152,6 +157,13 @@ class Agent:
         self.tls_context = ssl_context_for(profile.broker)  # bad certificate files fail at start-up
         self.state = AgentState()
         self.core = DeviceCore.open(profile, progress=self._progress)
+        # a new head, and the outbox after a PUBACK, are written when no message waits (control_loop):
+        # their fsyncs no longer sit between an announcement and its update (issue 17)
+        self.core.defer_writes = True
+        self._trim_wanted = False  # a round's garbage is returned to the kernel when idle
+        self._idle_work = asyncio.Event()  # deferred writes or a trim wait (housekeeping_loop)
+        self._control_activity = asyncio.Event()  # a round or global message arrived or was handled
+        self._control_busy = False
         self.governor = self.core.governor
         self.max_packet_bytes = profile.broker.max_packet_bytes
         self.reassembler = Reassembler(
@@ -417,11 +429,51 @@ class Agent:
                 self.receive_ingest(msg)
             else:
                 await self._control.put(msg)
+                self._control_activity.set()
 
     async def control_loop(self) -> None:
         """Handle round and global messages in order (each guarded: a bad one is counted, never raised)."""
         while True:
-            await self.handle(await self._control.get())
+            msg = await self._control.get()
+            self._control_busy = True
+            try:
+                await self.handle(msg)
+            finally:
+                self._control_busy = False
+                self._control_activity.set()
+                self._want_housekeeping()
+
+    def _want_housekeeping(self) -> None:
+        if self.core.deferred_age_s is not None or self._trim_wanted:
+            self._idle_work.set()
+
+    async def housekeeping_loop(self) -> None:
+        """Deferred state writes and ``malloc_trim``, once no round or global message moved for a while.
+
+        Runs when no such message came or was handled for :data:`IDLE_GRACE_S`: the writes the core
+        deferred (an applied head, the outbox after a PUBACK) and returning a round's heap. A new head
+        is usually followed by its round within milliseconds, and the next round's head comes while
+        the last update's tail would run: that work waits (one worker thread, whose queue it would
+        otherwise hold up). Writes deferred for longer than
+        :data:`DEFERRED_WRITE_MAX_S` are done after the next round's answer instead (:meth:`on_round`).
+        """
+        while True:
+            await self._idle_work.wait()
+            while True:
+                self._control_activity.clear()
+                if await wait_event(self._control_activity, IDLE_GRACE_S):
+                    continue
+                if not self._control_busy and self._control.empty():
+                    break
+            self._idle_work.clear()
+            await self._work(self._housekeeping)
+
+    def _housekeeping(self) -> None:
+        """Deferred state writes (never raise: a full disk degrades) and ``malloc_trim`` (worker thread)."""
+        self.core.write_deferred()
+        if self._trim_wanted:
+            self._trim_wanted = False
+            memory.malloc_trim()
 
     def _fault(self, where: str, what: str, exc: BaseException) -> None:
         """Count and log (one line, its reason) a failure the daemon survives."""
@@ -480,6 +532,8 @@ class Agent:
 
     async def answer_ready(self) -> None:
         """Answer the core's pending round if it became answerable (head applied, samples stored)."""
+        if self.core.pending_round is None:  # set only by worker calls already returned: no hop needed
+            return
         ann = await self._work(self.core.take_ready_round)
         if ann is not None:
             await self.on_round(await self._work(self.core.answer_round, ann))
@@ -489,8 +543,9 @@ class Agent:
 
         Declines of deferred rounds that this answer's round superseded are published first.
         """
-        for declined in await self._work(self.core.take_declines):
-            await self._declined(declined)
+        if self.core.declines_waiting:  # appended only by the worker call that produced ``result``
+            for declined in await self._work(self.core.take_declines):
+                await self._declined(declined)
         if result.round:
             self.state.round = max(self.state.round, result.round)
         status = result.status
@@ -512,6 +567,10 @@ class Agent:
             await self._declined(result)
         else:
             self._changed()
+        age = self.core.deferred_age_s
+        if age is not None and age > DEFERRED_WRITE_MAX_S:  # rounds back to back: no idle time came
+            await self._work(self.core.write_deferred)
+        self._want_housekeeping()
 
     async def _sent(self, result: RoundResult) -> None:
         entry, local = result.entry, result.local
@@ -537,7 +596,7 @@ class Agent:
             local.train_s * 1e3,
         )
         self._set_state("waiting")
-        await self._work(memory.malloc_trim)
+        self._trim_wanted = True  # when idle (housekeeping_loop): the next round's message may be here
 
     async def _declined(self, result: RoundResult) -> None:
         """Publish a Decline (kept in the outbox like an update: re-sent after a reconnect)."""
@@ -646,7 +705,8 @@ class Agent:
             "inference_accuracy": (s.correct_total / s.labelled_total) if s.labelled_total else None,
             "last_update_bytes": s.last_update_bytes,
             "redelivered_total": core.redelivered,
-            "outbox_pending": len(core.outbox),  # updates not yet acknowledged (PUBACK)
+            # updates a restart would send again: not yet acknowledged (PUBACK), or the ack not yet written
+            "outbox_pending": len(core.outbox) + core.acks_unrecorded,
             **self.ingest_fields(),
             "deferred_round": core.deferred.ann.round if core.deferred is not None else None,
             "declined_total": core.declined_total,  # rounds refused to the coordinator (Decline)
@@ -823,6 +883,7 @@ class Agent:
                         tg.create_task(self.control_loop()),
                         tg.create_task(self.status_loop()),
                         tg.create_task(self.outbox_loop()),
+                        tg.create_task(self.housekeeping_loop()),
                     ]
                     await self.stop_event.wait()
                     for t in tasks:

@@ -6,9 +6,12 @@ residual is ``corrected - decoded``, where ``decoded`` is exactly what the coord
 hands the wire form on to ``encode_update(..., compressed=...)``. Nothing is lost, only delayed, which
 is what lets top-k keep 10 % of the coordinates without hurting accuracy.
 
-The residual lives in the device's state directory (``feedback_residual.npz``), written with
-``edgefl.records.atomic_write`` (temporary file, fsync, rename, fsync of the folder) so it survives a
-restart or a power cut; a residual for another head shape or another model is discarded.
+The residual lives in the device's state directory (``feedback_residual.npz``, with the round that
+left it), written with ``edgefl.records.atomic_write`` (temporary file, fsync, rename, fsync of the
+folder) so it survives a restart or a power cut; a residual for another head shape or another model
+is discarded. The daemon writes that file when idle: until then the outbox record that keeps the
+round's update carries a copy (one atomic write before the publish; ``edgefl.agent.core``), and a
+restart takes the copy when it is newer than the file.
 
 Source: Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory" (NeurIPS), Algorithm 1;
 Karimireddy et al. 2019 ("Error Feedback Fixes SignSGD").
@@ -56,6 +59,9 @@ class ErrorFeedback:
         self.model_sha256 = model_sha256
         self.residual_W: F32 = np.zeros(shape, np.float32)
         self.residual_b: F32 = np.zeros(shape[1], np.float32)
+        self.round = -1
+        """The round whose compression left this residual (-1: none, or a file from before rounds
+        were recorded); decides between this file and a newer copy kept with the outbox."""
         self._load()
 
     @property
@@ -67,27 +73,59 @@ class ErrorFeedback:
         if not self.path.exists():
             return
         try:
-            with np.load(self.path) as data:
-                W = np.asarray(data["W"], dtype=np.float32)
-                b = np.asarray(data["b"], dtype=np.float32)
-                sha = str(data["model_sha256"])
-        except (OSError, ValueError, KeyError) as exc:
+            data = self.path.read_bytes()
+        except OSError as exc:
             logger.warning("error-feedback residual %s unreadable (%s); starting from zero", self.path, exc)
             return
+        self.load_bytes(data, str(self.path))
+
+    def load_bytes(self, data: bytes, where: str) -> bool:
+        """Take the residual from ``data`` (what :meth:`to_bytes` made); whether it was usable.
+
+        A residual for another model or shape, non-finite, or unreadable is ignored (logged).
+        """
+        try:
+            with np.load(io.BytesIO(data)) as npz:
+                W = np.asarray(npz["W"], dtype=np.float32)
+                b = np.asarray(npz["b"], dtype=np.float32)
+                sha = str(npz["model_sha256"])
+                round_no = int(npz["round"]) if "round" in npz.files else -1
+        except (OSError, ValueError, KeyError, EOFError) as exc:
+            logger.warning("error-feedback residual %s unreadable (%s); starting from zero", where, exc)
+            return False
         if sha != self.model_sha256 or W.shape != self.shape or b.shape != (self.shape[1],):
-            logger.info(
-                "error-feedback residual %s is for another model or shape; starting from zero", self.path
-            )
-            return
+            logger.info("error-feedback residual %s is for another model or shape; starting from zero", where)
+            return False
         if not (np.isfinite(W).all() and np.isfinite(b).all()):
-            logger.warning("error-feedback residual %s not finite; starting from zero", self.path)
-            return
-        self.residual_W, self.residual_b = W, b
+            logger.warning("error-feedback residual %s not finite; starting from zero", where)
+            return False
+        self.residual_W, self.residual_b, self.round = W, b, round_no
+        return True
+
+    def to_bytes(self) -> bytes:
+        """The residual as an ``.npz`` (``W``, ``b``, ``model_sha256``, ``round``): the file's content."""
+        buf = io.BytesIO()
+        np.savez(
+            buf,
+            W=self.residual_W,
+            b=self.residual_b,
+            model_sha256=np.str_(self.model_sha256),
+            round=np.int64(self.round),
+        )
+        return buf.getvalue()
+
+    def save(self) -> None:
+        """Write the residual file atomically (after a :meth:`compress` with ``persist=False``).
+
+        Raises
+        ------
+        OSError
+            If the state directory cannot be written.
+        """
+        self._save()
 
     def _save(self) -> None:
-        buf = io.BytesIO()
-        np.savez(buf, W=self.residual_W, b=self.residual_b, model_sha256=np.str_(self.model_sha256))
-        atomic_write(self.path, buf.getvalue())
+        atomic_write(self.path, self.to_bytes())
 
     def compensate(self, delta_W: F32, delta_b: F32) -> tuple[F32, F32]:
         """Add the residual to a fresh delta.
@@ -112,7 +150,16 @@ class ErrorFeedback:
             raise ValueError(f"ErrorFeedback: delta {delta_W.shape}/{delta_b.shape}, head {self.shape}")
         return (delta_W + self.residual_W).astype(np.float32), (delta_b + self.residual_b).astype(np.float32)
 
-    def record(self, corrected_W: F32, corrected_b: F32, decoded_W: F32, decoded_b: F32) -> None:
+    def record(
+        self,
+        corrected_W: F32,
+        corrected_b: F32,
+        decoded_W: F32,
+        decoded_b: F32,
+        *,
+        persist: bool = True,
+        round: int = -1,
+    ) -> None:
         """Keep what the wire dropped, ``corrected - decoded``, and save it atomically.
 
         Parameters
@@ -125,6 +172,10 @@ class ErrorFeedback:
             What the coordinator decodes (``compressed_roundtrip`` of ``corrected_W``).
         decoded_b : float32 [K]
             Its bias part.
+        persist : bool
+            Write the file now (False: the caller persists :meth:`to_bytes` itself, then :meth:`save`).
+        round : int
+            The round this compression answers (:attr:`round`).
 
         Raises
         ------
@@ -133,12 +184,15 @@ class ErrorFeedback:
         """
         self.residual_W = (corrected_W - decoded_W).astype(np.float32)
         self.residual_b = (corrected_b - decoded_b).astype(np.float32)
-        self._save()
+        self.round = round
+        if persist:
+            self._save()
 
     def reset(self) -> None:
         """Forget the residual (and delete its file)."""
         self.residual_W = np.zeros(self.shape, np.float32)
         self.residual_b = np.zeros(self.shape[1], np.float32)
+        self.round = -1
         self.path.unlink(missing_ok=True)
 
     def compress(
@@ -149,6 +203,8 @@ class ErrorFeedback:
         *,
         topk_fraction: float = 0.1,
         seed: int | None = None,
+        persist: bool = True,
+        round: int = -1,
     ) -> tuple[F32, F32, CompressedDelta]:
         """Compensate, compress once, record the new residual; return the wire form with it.
 
@@ -164,6 +220,8 @@ class ErrorFeedback:
             The round's top-k fraction.
         seed : int or None
             Seed of stochastic int8 rounding (None = deterministic rounding).
+        persist, round
+            As :meth:`record`.
 
         Returns
         -------
@@ -185,7 +243,7 @@ class ErrorFeedback:
         cW, cb = self.compensate(delta_W, delta_b)
         rng = np.random.default_rng(seed) if seed is not None else None
         packed = compress_head_delta(cW, cb, compression, topk_fraction=topk_fraction, rng=rng)
-        self.record(cW, cb, packed.decoded_W, packed.decoded_b)
+        self.record(cW, cb, packed.decoded_W, packed.decoded_b, persist=persist, round=round)
         return cW, cb, packed
 
     def apply(

@@ -9,7 +9,7 @@ from typing import Final
 import numpy as np
 
 from edgefl.agent.store import EmbeddingStore
-from edgefl.head import Head, loss_and_grad, sgd_step
+from edgefl.head import Head, loss_and_grad, sgd_step, softmax
 from edgefl.types import F32, I64
 
 _GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
@@ -182,9 +182,18 @@ def train_local(
     final = Head(head.W + delta_W, head.b + delta_b, head.version)
     # the same n samples that were trained on (the store may grow meanwhile if a caller adds to it)
     for emb, lbl in store.chunks(chunk_size, np.arange(n, dtype=np.int64)):
-        loss, _, _ = loss_and_grad(final.W, final.b, emb, lbl)
+        if final.shape[1] == 1:
+            loss, _, _ = loss_and_grad(final.W, final.b, emb, lbl)
+            pred = final.predict(emb)
+        else:
+            # the same loss as cross_entropy and the same predictions as Head.predict, from one set
+            # of logits and without the gradient nobody uses here (issue 17: ~1 ms of each round)
+            z = final.logits(emb)
+            p = softmax(z)
+            loss = float(-np.mean(np.log(np.maximum(p[np.arange(len(lbl)), lbl], 1e-12))))
+            pred = np.argmax(z, axis=1)
         loss_sum += loss * emb.shape[0]
-        correct += int(np.sum(final.predict(emb) == lbl))
+        correct += int(np.sum(pred == lbl))
     return LocalResult(delta_W, delta_b, n, loss_sum / n, correct / n, train_s)
 
 

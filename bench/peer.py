@@ -4,7 +4,10 @@ Both systems run the same job on this machine, alternately: 2 clients, 5 rounds,
 512 x 10 (the shipped ``digits_cnn_int8_rawin`` backbone) trained 1 local epoch (SGD, lr 0.05, batch 32)
 on the same non-IID digits shards (``edgefl.datasets``), evaluated on the same test split. Each client
 talks to its server through its own port of a byte-counting TCP proxy on 127.0.0.1 (TCP payload bytes,
-both directions: framing, statuses and keep-alives included).
+both directions: framing, statuses and keep-alives included). The proxy's socket toward the server
+stands for the client's own: ``TCP_NODELAY`` for both systems, and for edgefl's agents also
+``TCP_QUICKACK`` re-armed after every read, as ``edgefl.transport`` does (``BENCH_NO_QUICKACK=1``
+leaves it off).
 
 - **edgefl**: a real mosquitto (``bench.round_overhead.mosquitto``), 2 real agent processes
   (``edgefl run firmware_configs/dev_x86.toml`` with the gateway profiles' ``status.heartbeat_s = 60``:
@@ -57,7 +60,7 @@ from edgefl.demo import accuracy, embed_all, free_port, launch_agent, stop_agent
 from edgefl.resources import shipped
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
-from edgefl.transport import MqttTransport
+from edgefl.transport import MqttTransport, quickack
 from edgefl.wire.compression import Compression
 from edgefl.wire.messages import HeadLayout
 
@@ -145,11 +148,23 @@ async def _proxy_main(log_path: str, specs: Sequence[str]) -> None:
     counts: list[tuple[float, str, str, int, str]] = []
     mqtt_labels = {spec.split(":")[0] for spec in specs if spec.endswith(":mqtt")}
 
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, label: str, way: str) -> None:
+    async def pipe(
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        label: str,
+        way: str,
+        server_sock: Any = None,
+    ) -> None:
         # an MQTT stream is logged packet by packet, anything else (gRPC) read by read
         splitter = MqttSplitter() if label in mqtt_labels else None
+        # the proxy's socket toward the server stands for the client's own: for edgefl's agents it
+        # re-arms TCP_QUICKACK after every read as the agent's transport does (edgefl.transport)
+        quick = way == "down" and splitter is not None and not os.environ.get("BENCH_NO_QUICKACK")
+        sock = server_sock if quick else None
         try:
             while data := await reader.read(65536):
+                if sock is not None:
+                    quickack(sock)
                 now = time.time()
                 if splitter is None:
                     counts.append((now, label, way, len(data), "-"))
@@ -167,7 +182,8 @@ async def _proxy_main(log_path: str, specs: Sequence[str]) -> None:
             sr, sw = await asyncio.open_connection("127.0.0.1", target)
             for s in (cw, sw):
                 s.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await asyncio.gather(pipe(cr, sw, label, "up"), pipe(sr, cw, label, "down"))
+            server_sock = sw.get_extra_info("socket")
+            await asyncio.gather(pipe(cr, sw, label, "up"), pipe(sr, cw, label, "down", server_sock))
 
         return handle
 

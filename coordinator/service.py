@@ -894,7 +894,10 @@ class Coordinator:
     async def _announce(
         self, round_no: int, cfg: RoundConfig, selected: tuple[str, ...] | None = None
     ) -> None:
-        """Publish the RoundAnnouncement of ``round_no`` (QoS 1, retained) and wait for its PUBACK."""
+        """Publish the RoundAnnouncement of ``round_no`` (QoS 1, retained) and wait for its PUBACK.
+
+        :meth:`run_round` runs it as a task and collects updates meanwhile (issue 17, round latency).
+        """
         ann = RoundAnnouncement(
             round=round_no,
             base_version=self.state.version,
@@ -967,18 +970,32 @@ class Coordinator:
             except UpdateRejected as exc:
                 self.state.rejected[exc.reason] += 1
                 logger.warning("held update %s refused: %s", update.update_id, exc)
-        await self._announce(round_no, cfg, selected)
+        # collecting starts as the announcement leaves, not after its PUBACK: a failed announcement
+        # (no PUBACK within PUBLISH_RETRY_S) still ends the round with its TransportError
+        announce = asyncio.create_task(self._announce(round_no, cfg, selected))
+        announce.add_done_callback(lambda _: self._round_changed.set())
         self._notify()
         loop = asyncio.get_running_loop()
-        while not rnd.complete():
-            remaining = rnd.deadline_at - time.monotonic()
-            if remaining <= 0:
-                logger.warning(
-                    "round %d: deadline passed with %d of %d updates", round_no, rnd.clients, cfg.min_clients
-                )
-                break
-            self._round_changed.clear()
-            await wait_event(self._round_changed, remaining)
+        try:
+            while not rnd.complete():
+                if announce.done() and announce.exception() is not None:
+                    break
+                remaining = rnd.deadline_at - time.monotonic()
+                if remaining <= 0:
+                    logger.warning(
+                        "round %d: deadline passed with %d of %d updates",
+                        round_no,
+                        rnd.clients,
+                        cfg.min_clients,
+                    )
+                    break
+                self._round_changed.clear()
+                await wait_event(self._round_changed, remaining)
+            await announce  # its PUBACK (long back in a round that completed), or its TransportError
+        finally:
+            if not announce.done():
+                announce.cancel()
+                await asyncio.gather(announce, return_exceptions=True)
         rnd.close()
         refused = ""
         if rnd.clients > 0:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cbor2
 import pytest
 
 from edgefl.agent.outbox import Dropped, Outbox, OutboxEntry
@@ -225,6 +226,45 @@ def test_outbox_unknown_layout_starts_empty(tmp_path: Path, caplog: pytest.LogCa
     with caplog.at_level(logging.ERROR, logger="edgefl.agent.outbox"):
         assert len(Outbox(path, max_bytes=10)) == 0
     assert "unknown layout" in caplog.text
+
+
+def test_outbox_answered_round_goes_with_the_update_and_every_later_write(tmp_path: Path) -> None:
+    """The answered-round map is written by the same write that keeps the update, and kept by every
+    later write (send count, PUBACK, stale drop) and across a restart; a failed write leaves the
+    previous one (the round is then not answered)."""
+    path = tmp_path / "o.rec"
+    a1 = {"v": 1, "fleet": "f", "round": 1, "update_id": "d:1:0"}
+    box = Outbox(path, max_bytes=100)
+    assert box.add("d:1:0", 1, b"u1", sends=1, answered=a1) == []
+    assert decode_record(path.read_bytes())[0] == 0  # one write (generation 0) kept both
+    assert Outbox(path, max_bytes=100).answered == a1
+    box.mark_sent("d:1:0")
+    box.ack("d:1:0")
+    assert box.drop_stale(5) == []
+    again = Outbox(path, max_bytes=100)
+    assert (again.pending(), again.answered) == ([], a1)
+    # an update too large to keep still records its round as answered; the same id again too
+    a2 = {"v": 1, "fleet": "f", "round": 2, "update_id": "d:2:0"}
+    assert again.add("d:2:0", 2, b"x" * 101, answered=a2) == [Dropped("d:2:0", 2, "too_large")]
+    assert Outbox(path, max_bytes=100).answered == a2
+    # a write that fails keeps the previous answered round, in memory and on disk
+    a3 = {"v": 1, "fleet": "f", "round": 3, "update_id": "d:3:0"}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.mkdir()  # the atomic write's temporary file cannot be created: an OSError
+    with pytest.raises(OSError):
+        again.add("d:3:0", 3, b"u3", answered=a3)
+    tmp.rmdir()
+    assert again.answered == a2 and Outbox(path, max_bytes=100).answered == a2
+
+
+def test_outbox_record_with_a_bad_answered_map_is_an_unknown_layout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "o.rec"
+    write_record(path, cbor2.dumps({"v": 1, "entries": [], "answered": [1, 2]}))
+    with caplog.at_level(logging.ERROR, logger="edgefl.agent.outbox"):
+        box = Outbox(path, max_bytes=10)
+    assert (len(box), box.answered) == (0, None) and "unknown layout" in caplog.text
 
 
 def test_outbox_write_is_durable_file_is_a_record(tmp_path: Path) -> None:

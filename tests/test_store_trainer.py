@@ -57,6 +57,30 @@ def test_train_local_learns_and_reports(tmp_path: Path) -> None:
     assert norm == pytest.approx(0.1, rel=1e-4)
 
 
+@pytest.mark.parametrize("classes", [3, 1])
+def test_train_local_metrics_are_the_final_heads_loss_and_accuracy(tmp_path: Path, classes: int) -> None:
+    """The reported loss and accuracy are those of the trained head over every stored sample: the
+    sample-weighted mean of ``loss_and_grad``'s loss per chunk and ``Head.predict`` (K = 3 and the
+    logistic K = 1), whatever the chunk size."""
+    from edgefl.head import loss_and_grad
+
+    emb, y = _blobs(150, 2)
+    if classes == 1:
+        y = (y == 0).astype(np.int64)
+    s = EmbeddingStore(tmp_path, capacity=256, dim=4)
+    s.add(emb, y)
+    head = Head(np.zeros((4, classes), np.float32), np.zeros(classes, np.float32))
+    for chunk in (7, 64, 150):
+        res = train_local(head, s, local_epochs=1, lr=0.3, batch_size=8, chunk_size=chunk)
+        final = Head(head.W + res.delta_W, head.b + res.delta_b)
+        loss_sum = 0.0
+        for e, lbl in s.chunks(chunk, np.arange(150, dtype=np.int64)):
+            loss_sum += loss_and_grad(final.W, final.b, e, lbl)[0] * len(lbl)
+        stored = np.concatenate([e for e, _ in s.chunks(150)])
+        assert res.loss == loss_sum / 150
+        assert res.accuracy == float(np.sum(final.predict(stored) == y)) / 150
+
+
 def test_chunk_size_changes_memory_not_result_much(tmp_path: Path) -> None:
     emb, y = _blobs(120, 1)
     s = EmbeddingStore(tmp_path, capacity=128, dim=4)

@@ -319,3 +319,59 @@ def test_packet_filter_replaces_oversize_publish_whatever_the_read_sizes(mqtt5: 
         assert f.dropped_total == 1
     with pytest.raises(ConnectionError, match="over our limit"):  # an oversize packet of another type
         transport_mod.PacketFilter(16, mqtt5=True).feed(bytes([0x90, 0x80, 0x01]))
+
+
+@pytest.mark.skipif(transport_mod.TCP_QUICKACK is None, reason="TCP_QUICKACK is Linux's")
+def test_quickack_rearmed_after_every_read(mosquitto: Broker, fleet: str) -> None:
+    """Every read re-arms TCP_QUICKACK: a broker at its defaults (Nagle) never waits for our delayed ACK.
+
+    The socket is put in delayed-ACK (pingpong) mode before a QoS 0 message arrives (no reply is sent,
+    so only the read path can leave that mode at once); once it is read, quickack mode is on again.
+    """
+    import socket
+
+    opt = transport_mod.TCP_QUICKACK
+    assert opt is not None
+
+    async def main() -> None:
+        a = MqttTransport(mosquitto.host, mosquitto.port, f"a-{fleet}")
+        b = MqttTransport(mosquitto.host, mosquitto.port, f"b-{fleet}")
+        await a.start()
+        await b.start()
+        try:
+            await b.subscribe(f"{fleet}/q", 0)
+            client = b._client
+            assert client is not None
+            sock = client.socket()
+            assert isinstance(sock, socket.socket)
+            sock.setsockopt(socket.IPPROTO_TCP, opt, 0)  # delayed ACKs, as after a request/response
+            assert sock.getsockopt(socket.IPPROTO_TCP, opt) == 0
+            await a.publish(f"{fleet}/q", b"x", qos=0)
+            msg = await asyncio.wait_for(b.queue.get(), 5)
+            assert msg.payload == b"x"
+            assert sock.getsockopt(socket.IPPROTO_TCP, opt) == 1
+        finally:
+            await a.stop()
+            await b.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(transport_mod.TCP_QUICKACK is None, reason="TCP_QUICKACK is Linux's")
+def test_quickack_sets_the_option_and_ignores_closed_sockets() -> None:
+    import socket
+
+    opt = transport_mod.TCP_QUICKACK
+    assert opt is not None
+    server = socket.create_server(("127.0.0.1", 0))
+    try:
+        with socket.create_connection(server.getsockname()) as c, server.accept()[0] as s:
+            c.setsockopt(socket.IPPROTO_TCP, opt, 0)
+            s.sendall(b"x")
+            assert c.recv(1) == b"x"
+            transport_mod.quickack(c)
+            assert c.getsockopt(socket.IPPROTO_TCP, opt) == 1
+        transport_mod.quickack(c)  # closed: nothing raised
+        transport_mod.quickack(None)
+    finally:
+        server.close()

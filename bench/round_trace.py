@@ -1,0 +1,387 @@
+"""Where a round's milliseconds go: one traced edgefl run of ``bench.peer``'s job, phase by phase.
+
+The same job as ``bench/peer.py``'s int8 variant (2 real agent processes behind the counting proxy, a
+real mosquitto, the real ``Coordinator.run_round`` in this process), with timing wrappers around the
+functions a round passes through: in each agent (``python -m bench.round_trace agent TRACE -- ARGS``
+installs them, then runs ``edgefl.cli``) the paho thread's hops, the message handler, every worker
+call (queued -> started -> done), ``receive_round``/``receive_global`` and their steps (training,
+error feedback, signing, state writes, each ``fsync``), the publishes and their PUBACKs, the status
+checks and the cyclic GC's collections; in the
+coordinator the announcement, each update's arrival and ``publish_global``; the proxy adds when each
+MQTT packet passed it. Wrappers add a few microseconds a call; nothing else differs from the product.
+
+Run: ``.venv/bin/python -m bench.round_trace [--rounds 7] [--nodelay] [--json PATH]`` prints, per
+phase, the median over rounds 2.. of its start and end in ms after ``run_round`` began, and one
+round's full timeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+EVENTS: list[tuple[str, str, float, float, str]] = []  # (name, detail, start s, end s, thread)
+
+
+def _rec(name: str, detail: str, t0: float, t1: float) -> None:
+    EVENTS.append((name, detail, t0, t1, threading.current_thread().name))
+
+
+def _wrap(owner: Any, attr: str, name: str, detail: Callable[..., str] | None = None) -> None:
+    """Replace ``owner.attr`` (sync or async) with a timed wrapper recording ``name``."""
+    orig = getattr(owner, attr)
+    if asyncio.iscoroutinefunction(orig):
+
+        @functools.wraps(orig)
+        async def awrapped(*a: Any, **k: Any) -> Any:
+            t0 = time.time()
+            try:
+                return await orig(*a, **k)
+            finally:
+                _rec(name, detail(*a, **k) if detail else "", t0, time.time())
+
+        setattr(owner, attr, awrapped)
+    else:
+
+        @functools.wraps(orig)
+        def wrapped(*a: Any, **k: Any) -> Any:
+            t0 = time.time()
+            try:
+                return orig(*a, **k)
+            finally:
+                _rec(name, detail(*a, **k) if detail else "", t0, time.time())
+
+        setattr(owner, attr, wrapped)
+
+
+def _topic_kind(topic: str) -> str:
+    parts = topic.split("/")[2:]
+    return parts[0] if parts else topic
+
+
+def _probe_hops() -> None:
+    """Record each hop from paho's network thread to the event loop (a message, a PUBACK)."""
+    import edgefl.transport as transport
+
+    orig_hop = transport.MqttTransport._hop
+
+    def hop(self: Any, fn: Callable[..., None], *args: Any) -> None:
+        detail = getattr(fn, "__name__", "?")
+        for a in args:
+            topic = getattr(a, "topic", None)
+            if isinstance(topic, str):
+                detail += " " + _topic_kind(topic)
+        t = time.time()
+        _rec("paho:hop", detail, t, t)
+        orig_hop(self, fn, *args)
+
+    transport.MqttTransport._hop = hop  # type: ignore[method-assign]
+
+
+def _maybe_no_quickack() -> None:
+    """``BENCH_NO_QUICKACK=1`` (``--no-quickack``): this process leaves delayed ACKs on, as before."""
+    import edgefl.transport as transport
+
+    if os.environ.get("BENCH_NO_QUICKACK"):
+        transport.TCP_QUICKACK = None
+
+
+def _probe_gc() -> None:
+    """Record each cyclic garbage collection (generation, ms) as ``gc`` events."""
+    import gc
+
+    started: list[float] = []
+
+    def cb(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started.append(time.time())
+        elif started:
+            t0 = started.pop()
+            _rec("gc", f"gen{info.get('generation')}", t0, time.time())
+
+    gc.callbacks.append(cb)
+
+
+def install_agent_probes() -> None:
+    """Timing wrappers in an agent process (see the module docstring)."""
+    _maybe_no_quickack()
+    _probe_gc()
+    import edgefl.agent.core as core
+    import edgefl.agent.daemon as daemon
+    import edgefl.agent.feedback as feedback
+    import edgefl.agent.memory as memory
+    import edgefl.agent.outbox as outbox
+    import edgefl.records as records
+    import edgefl.transport as transport
+
+    _wrap(os, "fsync", "fsync")
+    _wrap(records, "atomic_write", "atomic_write", lambda path, data: Path(path).name)
+    for attr in (
+        "receive_global",
+        "receive_round",
+        "apply_global",
+        "evaluate",
+        "acknowledged",
+    ):
+        _wrap(core.DeviceCore, attr, attr)
+    for attr in ("train_local", "sign_message", "decode_round", "decode_global_model", "encode_global_model"):
+        _wrap(core, attr, attr)
+    _wrap(feedback.ErrorFeedback, "compress", "feedback.compress")
+    _wrap(outbox.Outbox, "_save", "outbox.save")
+    _wrap(memory, "malloc_trim", "malloc_trim")
+    _wrap(daemon.Agent, "handle", "handle", lambda self, msg: _topic_kind(msg.topic))
+    _wrap(daemon.Agent, "_send_update", "send_update")
+    _wrap(daemon.Agent, "_status_tick", "status_tick")
+    _wrap(
+        transport.MqttTransport,
+        "publish",
+        "publish",
+        lambda self, topic, payload, **k: _topic_kind(topic),
+    )
+    _wrap(
+        transport.MqttTransport,
+        "_handle_message",
+        "on_loop:message",
+        lambda self, conn, mid, qos, msg: _topic_kind(msg.topic),
+    )
+    _wrap(
+        transport.MqttTransport,
+        "_handle_puback",
+        "on_loop:puback",
+    )
+    _probe_hops()
+    orig_work = daemon.Agent._work
+
+    async def work(self: Any, fn: Callable[..., Any], *args: Any) -> Any:
+        name = getattr(fn, "__name__", "?")
+        t_sub = time.time()
+        started: list[float] = []
+
+        def run(*a: Any) -> Any:
+            started.append(time.time())
+            return fn(*a)
+
+        try:
+            return await orig_work(self, run, *args)
+        finally:
+            t_end = time.time()
+            _rec("work:queued", name, t_sub, started[0] if started else t_end)
+            _rec("work", name, t_sub, t_end)
+
+    daemon.Agent._work = work  # type: ignore[method-assign]
+
+
+def _dump(path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump(EVENTS, fh)
+
+
+def agent_main(trace_path: str, cli_args: list[str]) -> int:
+    """Run ``edgefl.cli`` with the probes installed; the events are written to ``trace_path`` at exit."""
+    install_agent_probes()
+    atexit.register(_dump, trace_path)
+    from edgefl.cli import main
+
+    return main(cli_args)
+
+
+# --- the traced run -----------------------------------------------------------------------------
+def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) -> dict[str, Any]:
+    """One run of ``bench.peer``'s int8 job with probes everywhere; the merged events."""
+    import subprocess
+
+    from bench import peer
+    from bench.round_overhead import mosquitto
+    from edgefl.coordinator import service
+    from edgefl.demo import stop_agents
+    from edgefl.wire.compression import Compression
+    from edgefl.wire.messages import HeadLayout
+
+    job = peer.make_job(work)
+    v = peer.Variant("int8", Compression.INT8, HeadLayout.INT8, nodelay, False)
+    peer.ROUNDS = rounds
+    coord_events: list[tuple[str, str, float, float, str]] = EVENTS
+    _wrap(service.Coordinator, "_announce", "coord:announce")
+    _wrap(
+        service.Coordinator,
+        "handle",
+        "coord:handle",
+        lambda self, msg: _topic_kind(msg.topic) + " " + msg.topic.rsplit("/", 1)[-1],
+    )
+    _wrap(service.Coordinator, "run_round", "coord:run_round")
+    _probe_hops()
+    _maybe_no_quickack()
+    profile = peer.HERE.parent / "firmware_configs" / "dev_x86.toml"
+    run_dir = Path(tempfile.mkdtemp(prefix="trace-", dir=work))
+    traces = [run_dir / f"trace-{i}.json" for i in (1, 2)]
+    with mosquitto(run_dir, "set_tcp_nodelay true" if nodelay else "") as port:
+        proxy = peer.Proxy(run_dir, {"c1": port, "c2": port}, mqtt=True)
+        fleet = f"trace{os.getpid()}"
+        procs = []
+        for i in (1, 2):
+            overrides = {
+                "device.id": f"dev-{i}",
+                "device.fleet": fleet,
+                "device.state_dir": str(run_dir / f"state{i}"),
+                "broker.url": f"mqtt://127.0.0.1:{proxy.ports[f'c{i}']}",
+                "source.kind": "replay",
+                "source.path": str(job.raw_shards[i - 1]),
+                "model.path": str(job.model),
+                "training.store_capacity": "1024",
+                "dashboard.enabled": "true" if dashboard else "false",
+                "status.heartbeat_s": "60",
+            }
+            cmd = [sys.executable, "-OO", "-m", "bench.round_trace", "agent", str(traces[i - 1]), "--"]
+            cmd += ["--log-level", "WARNING", "run", str(profile)]
+            for key, val in overrides.items():
+                cmd += ["--set", f"{key}={val}"]
+            with open(run_dir / f"dev-{i}.log", "ab") as log:
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env={**os.environ, "MALLOC_ARENA_MAX": "2"},
+                        cwd=peer.HERE.parent,
+                    )
+                )
+        try:
+            starts, coord = asyncio.run(peer._edgefl_rounds(port, job, v, fleet))
+        finally:
+            stop_agents(procs)
+            rows = proxy.stop()
+    events = [("coord:" + e[0].removeprefix("coord:"), *e[1:]) for e in coord_events]
+    per_agent = {f"dev-{i}": json.loads(traces[i - 1].read_text()) for i in (1, 2)}
+    proxy_events = [(f"proxy:{way} {kind}", label, t, t, "proxy") for t, label, way, _n, kind in rows]
+    return {
+        "starts": starts,
+        "agg_at": coord.agg_at,
+        "coordinator": events,
+        "agents": per_agent,
+        "proxy": proxy_events,
+        "loadavg": os.getloadavg(),
+    }
+
+
+KEY_PHASES = (
+    # (label, where, event name, detail startswith)
+    ("coord: announce (publish + PUBACK)", "coord", "coord:announce", ""),
+    ("proxy: round PUBLISH -> client", "proxy", "proxy:down PUBLISH round", ""),
+    ("agent: paho hop of the round", "agent", "paho:hop", "_handle_message round"),
+    ("agent: handle(global)", "agent", "handle", "global"),
+    ("agent: handle(round)", "agent", "handle", "round"),
+    ("agent: worker queue wait (receive_round)", "agent", "work:queued", "receive_round"),
+    ("agent: receive_round", "agent", "receive_round", ""),
+    ("agent: train_local", "agent", "train_local", ""),
+    ("agent: feedback.compress (+ residual write)", "agent", "feedback.compress", ""),
+    ("agent: sign_message", "agent", "sign_message", ""),
+    ("agent: outbox.save (update + answered round)", "agent", "outbox.save", ""),
+    ("agent: publish update (+ PUBACK)", "agent", "publish", "update"),
+    ("proxy: update PUBLISH <- client", "proxy", "proxy:up PUBLISH update", ""),
+    ("coord: update handled", "coord", "coord:handle", "update"),
+    ("agent: acknowledged (outbox write)", "agent", "acknowledged", ""),
+    ("agent: malloc_trim", "agent", "malloc_trim", ""),
+)
+
+
+def summarize(doc: dict[str, Any], rounds: int) -> list[tuple[str, float, float, float]]:
+    """Per key phase: median over rounds 2.. of (start ms, end ms, duration ms) after run_round began."""
+    starts = {int(k): v for k, v in doc["starts"].items()}
+    out = []
+    for label, where, name, detail in KEY_PHASES:
+        s_list, e_list, d_list = [], [], []
+        for r in range(2, rounds + 1):
+            t0, t1 = starts[r], starts[r + 1]
+            if where == "coord":
+                pools = [doc["coordinator"]]
+            elif where == "proxy":
+                pools = [doc["proxy"]]
+            else:
+                pools = list(doc["agents"].values())
+            for pool in pools:
+                for ev in pool:
+                    if ev[0] == name and ev[1].startswith(detail) and t0 <= ev[2] < t1:
+                        s_list.append(1e3 * (ev[2] - t0))
+                        e_list.append(1e3 * (ev[3] - t0))
+                        d_list.append(1e3 * (ev[3] - ev[2]))
+                        break  # the first in this round (and pool)
+        if s_list:
+            out.append(
+                (label, statistics.median(s_list), statistics.median(e_list), statistics.median(d_list))
+            )
+    return out
+
+
+def timeline(doc: dict[str, Any], r: int) -> list[str]:
+    """Every event of round ``r`` (ms after run_round began), sorted."""
+    starts = {int(k): v for k, v in doc["starts"].items()}
+    t0, t1 = starts[r], starts[r + 1]
+    rows: list[tuple[float, str]] = []
+    pools = [("coord", doc["coordinator"]), ("proxy", doc["proxy"])]
+    pools += [(dev, evs) for dev, evs in doc["agents"].items()]
+    for who, evs in pools:
+        for name, detail, a, b, thread in evs:
+            if t0 <= a < t1:
+                rows.append(
+                    (
+                        a,
+                        f"{1e3 * (a - t0):8.2f} {1e3 * (b - t0):8.2f} {1e3 * (b - a):7.2f}  "
+                        f"{who:6} {thread[:14]:14} {name} {detail}",
+                    )
+                )
+    agg = doc["agg_at"].get(str(r), doc["agg_at"].get(r))
+    if agg is not None:
+        rows.append((agg, f"{1e3 * (agg - t0):8.2f}                   coord  publish_global called"))
+    return [line for _, line in sorted(rows)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: ``agent TRACE -- ARGS`` (internal) or the traced run."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "agent":
+        return agent_main(argv[1], argv[3:])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--nodelay", action="store_true", help="mosquitto with set_tcp_nodelay true")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--show-round", type=int, default=3)
+    p.add_argument("--dashboard", action="store_true", help="the agents' status pages on (bench.peer's int8)")
+    p.add_argument(
+        "--no-quickack", action="store_true", help="TCP_QUICKACK off in agents, coordinator and proxy"
+    )
+    args = p.parse_args(argv)
+    if args.no_quickack:
+        os.environ["BENCH_NO_QUICKACK"] = "1"
+    with tempfile.TemporaryDirectory(prefix="trace-") as tmp:
+        doc = traced_run(args.rounds, args.nodelay, Path(tmp), args.dashboard)
+    starts = {int(k): v for k, v in doc["starts"].items()}
+    round_ms = [1e3 * (doc["agg_at"][r] - starts[r]) for r in range(2, args.rounds + 1)]
+    print(
+        f"load average {doc['loadavg']}; round start -> aggregation, rounds 2..: "
+        + ", ".join(f"{x:.1f}" for x in round_ms)
+        + f" ms (median {statistics.median(round_ms):.1f})"
+    )
+    print("\nphase (median over rounds 2.., both devices) | starts ms | ends ms | takes ms")
+    for label, s, e, d in summarize(doc, args.rounds):
+        print(f"{label:48} {s:8.1f} {e:8.1f} {d:8.2f}")
+    print(f"\nround {args.show_round}: start ms, end ms, takes ms, who, thread, event")
+    print("\n".join(timeline(doc, args.show_round)))
+    if args.json is not None:
+        args.json.write_text(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
