@@ -470,6 +470,7 @@ async def run(
         print(f"device {device} runs another model ({why}): left out of rounds", flush=True)
 
     coord.on_mismatch = mismatch
+    transport.on_connect_cb = coord.on_transport_connect  # a broker that lost our session: announce again
     if isinstance(coord, SiteAggregator):
         return await _run_site(coord, profile, transport, page)
     if files.state is not None:

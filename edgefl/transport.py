@@ -419,6 +419,10 @@ class MqttTransport:
         #: The broker's last CONNACK refusal (None once a connection is accepted).
         self.last_refusal: ReasonCode | None = None
         self.broker_max_packet_bytes: int | None = None  # MQTT 5 CONNACK Maximum Packet Size, when sent
+        #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1, 3.1.1 §3.2.2.2): False after a
+        #: reconnect means the broker had no session for us (it lost its state, or the session expired):
+        #: whatever was published to our subscriptions while we were away is gone.
+        self.session_present = False
 
     @property
     def _client(self) -> _Client | None:
@@ -483,7 +487,8 @@ class MqttTransport:
 
         def on_connect(client: Any, userdata: Any, flags: Any, rc: ReasonCode, props: Any) -> None:
             limit = getattr(props, "MaximumPacketSize", None) if props is not None else None
-            self._hop(self._handle_connect, conn, rc, limit)
+            present = bool(getattr(flags, "session_present", False))
+            self._hop(self._handle_connect, conn, rc, limit, present)
 
         def on_disconnect(client: Any, userdata: Any, flags: Any, rc: ReasonCode, props: Any) -> None:
             self._hop(self._handle_disconnect, conn, rc)
@@ -516,7 +521,9 @@ class MqttTransport:
         c.on_socket_open = guarded("on_socket_open", _set_nodelay)
 
     # --- loop side -------------------------------------------------------------------------
-    def _handle_connect(self, conn: _Connection, rc: ReasonCode, max_packet: int | None = None) -> None:
+    def _handle_connect(
+        self, conn: _Connection, rc: ReasonCode, max_packet: int | None = None, session_present: bool = False
+    ) -> None:
         if conn is not self._conn:
             return
         if rc.is_failure:
@@ -529,6 +536,7 @@ class MqttTransport:
             return
         self.broker_max_packet_bytes = int(max_packet) if max_packet else None
         self.last_refusal = None
+        self.session_present = session_present
         conn.acked = True
         subacks = [
             self._send_subscribe(conn, topic, qos, live_only)
