@@ -417,6 +417,7 @@ async def run(
         max_packet_bytes=broker.max_packet_bytes,
         max_incoming_packet_bytes=broker.max_incoming_packet_bytes,
         session_expiry_s=3600,
+        alternates=broker.alternate_addresses,  # the other nodes of a clustered broker, tried in turn
     )
     st = profile.strategy
     try:
