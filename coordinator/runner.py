@@ -418,6 +418,8 @@ async def run(
         max_incoming_packet_bytes=broker.max_incoming_packet_bytes,
         session_expiry_s=3600,
         alternates=broker.alternate_addresses,  # the other nodes of a clustered broker, tried in turn
+        # a site acknowledges an update once its round record holds it: a SIGKILL loses none
+        ack_on_commit=hier.role == "site" and files.state is not None,
     )
     st = profile.strategy
     try:

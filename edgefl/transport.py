@@ -268,14 +268,14 @@ class Message:
 class _FlowQueue(asyncio.Queue[Message]):
     """The incoming queue: each take lets the transport move a held QoS 1 message in (and PUBACK it)."""
 
-    def __init__(self, maxsize: int, on_take: Callable[[], None]) -> None:
+    def __init__(self, maxsize: int, on_take: Callable[[Message], None]) -> None:
         super().__init__(maxsize=maxsize)
         self._on_take = on_take
 
     def get_nowait(self) -> Message:
         """As :meth:`asyncio.Queue.get_nowait` (``get`` ends in it too), then refill from the hold line."""
         item = super().get_nowait()
-        self._on_take()
+        self._on_take(item)
         return item
 
 
@@ -355,6 +355,12 @@ class MqttTransport:
         Other nodes of the same (clustered) broker. After a failed connect or a lost connection the
         next attempt goes to the next address, round robin from ``(host, port)``; ``host`` and
         ``port`` name the address in use. Empty (the default): one broker.
+    ack_on_commit : bool
+        False (the default): a QoS 1 message is acknowledged once it is in :attr:`queue`. True: only
+        once the consumer took it *and* called :meth:`commit` (after writing what it did with it), so
+        a process killed in between gets it again from its session (needs ``session_expiry_s``).
+        Messages taken but not committed count against the broker's in-flight window: commit at
+        least every few messages.
     """
 
     def __init__(
@@ -375,6 +381,7 @@ class MqttTransport:
         max_incoming_packet_bytes: int = 268_435_455,
         session_expiry_s: int = 0,
         alternates: Sequence[tuple[str, int]] = (),
+        ack_on_commit: bool = False,
     ) -> None:
         self.host = host
         self.port = port
@@ -391,7 +398,10 @@ class MqttTransport:
         self.max_packet_bytes = max_packet_bytes
         self.max_incoming_packet_bytes = max_incoming_packet_bytes
         self.session_expiry_s = session_expiry_s
-        self.queue: asyncio.Queue[Message] = _FlowQueue(queue_size, self._refill)
+        self.queue: asyncio.Queue[Message] = _FlowQueue(queue_size, self._took)
+        self.ack_on_commit = ack_on_commit
+        self._unacked: dict[int, tuple[_Connection, int, int]] = {}  # id(message in the queue) → its ack
+        self._taken: list[tuple[_Connection, int, int]] = []  # taken from the queue, not committed
         # QoS 1 messages received while the queue was full, not yet acknowledged: (connection, mid, qos,
         # message); the broker's flow control bounds it, and so does HOLD_FACTOR x queue_size
         self._held: collections.deque[tuple[_Connection, int, int, Message]] = collections.deque()
@@ -618,8 +628,7 @@ class MqttTransport:
 
     def _handle_message(self, conn: _Connection, mid: int, qos: int, msg: Message) -> None:
         if not self._held and not self.queue.full():
-            self.queue.put_nowait(msg)
-            self._ack(conn, mid, qos)
+            self._enqueue(conn, mid, qos, msg)
             return
         if qos > 0 and len(self._held) < self.held_max:
             self._held.append((conn, mid, qos, msg))  # acknowledged when it moves into the queue
@@ -636,14 +645,39 @@ class MqttTransport:
                 f" ({n} dropped so far; every 1000th logged)" if n > LOGGED_DROPS else "",
             )
 
+    def _enqueue(self, conn: _Connection, mid: int, qos: int, msg: Message) -> None:
+        """Put a message in the queue; acknowledge it now, or (``ack_on_commit``) at its commit."""
+        self.queue.put_nowait(msg)
+        if self.ack_on_commit and qos > 0:
+            self._unacked[id(msg)] = (conn, mid, qos)
+        else:
+            self._ack(conn, mid, qos)
+
+    def _took(self, msg: Message) -> None:
+        """The consumer took ``msg``: its ack waits for :meth:`commit`; held messages move in."""
+        ack = self._unacked.pop(id(msg), None)
+        if ack is not None:
+            self._taken.append(ack)
+        self._refill()
+
+    def commit(self) -> None:
+        """Acknowledge every message taken from the queue so far (``ack_on_commit``; else a no-op).
+
+        Call it once what those messages changed is on disk: a message acknowledged is never sent
+        again. One lost with its connection meanwhile is not acknowledged (the broker sends it again
+        on the next connection, from the session).
+        """
+        taken, self._taken = self._taken, []
+        for conn, mid, qos in taken:
+            self._ack(conn, mid, qos)
+
     def _refill(self) -> None:
         """Move held QoS 1 messages into the queue while it has room, acknowledging each."""
         while self._held and not self.queue.full():
             conn, mid, qos, msg = self._held.popleft()
             if conn.closed:
                 continue  # unacknowledged on a lost connection: the broker sends it again (session)
-            self.queue.put_nowait(msg)
-            self._ack(conn, mid, qos)
+            self._enqueue(conn, mid, qos, msg)
 
     def _send_subscribe(
         self, conn: _Connection, topic: str, qos: int, live_only: bool = False

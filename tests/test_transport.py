@@ -319,3 +319,48 @@ def test_packet_filter_replaces_oversize_publish_whatever_the_read_sizes(mqtt5: 
         assert f.dropped_total == 1
     with pytest.raises(ConnectionError, match="over our limit"):  # an oversize packet of another type
         transport_mod.PacketFilter(16, mqtt5=True).feed(bytes([0x90, 0x80, 0x01]))
+
+
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+@pytest.mark.parametrize("ack_on_commit", [True, False])
+def test_site_transport_ack_on_commit_gets_an_uncommitted_message_again(
+    mosquitto: Broker, fleet: str, protocol: str, ack_on_commit: bool
+) -> None:
+    """``ack_on_commit`` (a site aggregator with a state file): a message taken but not committed when the
+    process goes is not acknowledged, so the broker sends it again to the next process of the same
+    session; a committed one never comes again. Without it a message is acknowledged once queued."""
+
+    async def main() -> list[bytes]:
+        a = MqttTransport(mosquitto.host, mosquitto.port, f"a-{fleet}")
+        def site() -> MqttTransport:  # the same session each time
+            return MqttTransport(
+                mosquitto.host, mosquitto.port, f"site-{fleet}", protocol=protocol, session_expiry_s=60,
+                ack_on_commit=ack_on_commit,
+            )  # fmt: skip
+
+        b = site()
+        await a.start()
+        await b.start()
+        try:
+            await b.subscribe(f"{fleet}/u", 1)
+            await a.publish(f"{fleet}/u", b"m1", qos=1)
+            await a.publish(f"{fleet}/u", b"m2", qos=1)
+            assert (await asyncio.wait_for(b.queue.get(), 5)).payload == b"m1"
+            b.commit()  # m1 is written: acknowledged
+            assert (await asyncio.wait_for(b.queue.get(), 5)).payload == b"m2"  # taken, not committed
+            await b.stop()  # the process goes before writing m2
+            await a.publish(f"{fleet}/u", b"m3", qos=1)
+            again = site()
+            await again.start()
+            try:
+                got = [(await asyncio.wait_for(again.queue.get(), 5)).payload]
+                if got[0] != b"m3":
+                    got.append((await asyncio.wait_for(again.queue.get(), 5)).payload)
+                again.commit()
+                return got
+            finally:
+                await again.stop()
+        finally:
+            await a.stop()
+
+    assert asyncio.run(main()) == ([b"m2", b"m3"] if ack_on_commit else [b"m3"])
