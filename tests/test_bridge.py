@@ -272,6 +272,9 @@ def test_bridge_config_names_the_site_topics() -> None:
     assert "topic f1/partial/site-a out 1 edgefl/ edgefl/\n" in text
     assert "topic f1/round in 1 edgefl/ edgefl/\n" in text
     assert "topic f1/global/# in 1 edgefl/ edgefl/\n" in text
+    assert "restart_timeout 1 10\n" in text  # back within ~10 s of the root after an outage
+    with pytest.raises(ValueError, match="base <= cap"):
+        bridge_config("site-a", "mqtt://10.0.0.1:1883", restart_timeout_s=(5, 2))
     with pytest.raises(ValueError, match="ca-file"):
         bridge_config("site-a", "mqtts://root:8883")
     proc = subprocess.run(
@@ -279,6 +282,12 @@ def test_bridge_config_names_the_site_topics() -> None:
         capture_output=True, text=True, cwd=ROOT, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 0 and "address r:1884" in proc.stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "edgefl.cli", "bridge-config", "--site", "s1", "--root-url", "mqtt://r:1884",
+         "--restart-timeout", "2", "20"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "restart_timeout 2 20\n" in proc.stdout
 
 
 def test_bridge_hierarch_two_sites_equal_flat_and_late_partial_refused(tier: Tier) -> None:
