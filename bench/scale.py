@@ -48,9 +48,10 @@ first update) each affected site aggregator is killed (SIGKILL) and started agai
 mosquitto runs with ``persistence false``, so ``--root-outage`` brings it back without the root
 coordinator's session or the retained round (as a crash between saves or a new node would).
 ``--root-cluster N`` (hierarchical): the root broker is an N-node nats-server cluster
-(:mod:`bench.cluster`); every site bridge lists all nodes, the root coordinator and the bench's
-watcher use the last one, and node 0 stops as round 1's updates start (no ``$SYS``: the message and
-byte counts are null).
+(:mod:`bench.cluster`); every site bridge lists all nodes, the bench's watcher uses the last one, and
+node 0 stops as round 1's updates start (no ``$SYS``: the message and byte counts are null). The root
+coordinator connects to node 0 too, with the others as ``broker.alternates`` (``--root-on-last-node``:
+to the last node only, as before that key existed).
 
 Run: ``.venv/bin/python -m bench.scale --devices 10000 --sites 20 --rounds 3 --json PATH``
 (``--flat`` for the same N through one flat coordinator).
@@ -597,6 +598,7 @@ class Options:
     site_restart: bool
     affected_sites: int
     root_stateless: bool
+    root_on_last_node: bool
     json_path: Path | None
     keep: Path | None
 
@@ -667,6 +669,11 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             sites = [Site(i, free_port(), devs) for i, devs in enumerate(per_site)]
             keys = tmp / "keys"
             root_sets = hierarchical_root_sets(common, root_port, opts, root_log, keys)
+            if uplinks and not opts.root_on_last_node:
+                # the root coordinator on node 0, the node that stops, failing over to the others
+                root_sets["broker.url"] = f"mqtt://127.0.0.1:{uplinks[0]}"
+                others = ", ".join(f'"mqtt://127.0.0.1:{port}"' for port in uplinks[1:])
+                root_sets["broker.alternates"] = f"[{others}]"
             site_conf = {s.index: site_sets(common, s, keys, tmp, opts.rounds) for s in sites}
             affected = opts.affected_sites or opts.sites
             for site in sites:
@@ -821,6 +828,9 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             "head_shape": list(shape),
             "encode_s": round(encode_s, 1),
             "root_broker_persistence": not (opts.root_stateless or opts.root_cluster),
+            "root_coordinator_node": (0 if not opts.root_on_last_node else opts.root_cluster - 1)
+            if opts.root_cluster
+            else None,
             "machine": machine(),
             "rounds": rounds,
         }
@@ -1040,6 +1050,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the root mosquitto keeps no state (persistence false): --root-outage then loses its sessions",
     )
+    ap.add_argument(
+        "--root-on-last-node",
+        action="store_true",
+        help="--root-cluster: the root coordinator on the last node only (default: node 0 + alternates)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--keep", type=Path, default=None, help="work in this folder and keep the logs")
     args = ap.parse_args(argv)
@@ -1065,6 +1080,7 @@ def main(argv: list[str] | None = None) -> int:
         args.site_restart,
         max(0, args.affected_sites),
         args.root_stateless,
+        args.root_on_last_node,
         args.json,
         args.keep,
     )
