@@ -288,6 +288,20 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout_s: fl
             time.sleep(0.05)
 
 
+def distinct_ports(n: int) -> list[int]:
+    """``n`` different free TCP ports on 127.0.0.1 (all bound at once, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            socks.append(sock)
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def mosquitto_conf(port: int, extra: str = "") -> str:
     """A loopback mosquitto config for the bench: unlimited queues (QoS 1 must not be dropped)."""
     return (
@@ -305,7 +319,11 @@ def start_mosquitto(tmp: Path, name: str, port: int, extra: str = "") -> subproc
     with open(tmp / f"{name}.log", "ab") as log:
         proc = subprocess.Popen([exe, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
     wait_port(port, proc, name)
-    return proc
+    try:  # another process on the port answers wait_port while ours exits ("Address already in use")
+        proc.wait(0.2)
+        raise RuntimeError(f"{name} exited with {proc.returncode} (see {tmp / (name + '.log')})")
+    except subprocess.TimeoutExpired:
+        return proc
 
 
 def start_coordinator(sets: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -625,7 +643,10 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
     proxies: dict[int, Uplink] = {}  # site index → its uplink (--uplink-cut)
     root_log = tmp / "root-rounds.jsonl"
     try:
-        root_port = free_port()
+        # every broker's port at once: free_port() twice in a row can return the same port (a run had
+        # two site brokers on one port: the second exited, "Address already in use", and its site's
+        # devices and aggregator talked to the other site's broker)
+        root_port, *site_ports = distinct_ports(1 + opts.sites)
         # persistence: a root broker stopped mid-round (--root-outage) keeps the root's session
         db = tmp / "root-broker-db"
         db.mkdir(exist_ok=True)
@@ -666,7 +687,7 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
                 "files.log": str(root_log),
             }
         else:
-            sites = [Site(i, free_port(), devs) for i, devs in enumerate(per_site)]
+            sites = [Site(i, site_ports[i], devs) for i, devs in enumerate(per_site)]
             keys = tmp / "keys"
             root_sets = hierarchical_root_sets(common, root_port, opts, root_log, keys)
             if uplinks and not opts.root_on_last_node:
