@@ -361,6 +361,10 @@ class MqttTransport:
         a process killed in between gets it again from its session (needs ``session_expiry_s``).
         Messages taken but not committed count against the broker's in-flight window: commit at
         least every few messages.
+    reconnect_max_s : float or None
+        Cap of the reconnect back-off (:meth:`backoff_s`), seconds; None: ``RECONNECT_MAX_S`` (30 s,
+        for a fleet of devices that must not reconnect in lock-step). A single client such as a
+        coordinator may retry sooner.
     """
 
     def __init__(
@@ -382,6 +386,7 @@ class MqttTransport:
         session_expiry_s: int = 0,
         alternates: Sequence[tuple[str, int]] = (),
         ack_on_commit: bool = False,
+        reconnect_max_s: float | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -400,6 +405,7 @@ class MqttTransport:
         self.session_expiry_s = session_expiry_s
         self.queue: asyncio.Queue[Message] = _FlowQueue(queue_size, self._took)
         self.ack_on_commit = ack_on_commit
+        self.reconnect_max_s = reconnect_max_s
         self._unacked: dict[int, tuple[_Connection, int, int]] = {}  # id(message in the queue) → its ack
         self._taken: list[tuple[_Connection, int, int]] = []  # taken from the queue, not committed
         # QoS 1 messages received while the queue was full, not yet acknowledged: (connection, mid, qos,
@@ -754,15 +760,17 @@ class MqttTransport:
             raise TransportError(f"no connection to broker {self.host}:{self.port} after {wait_s} s") from exc
 
     @staticmethod
-    def backoff_s(failures: int, rng: random.Random | None = None) -> float:
+    def backoff_s(failures: int, rng: random.Random | None = None, max_s: float | None = None) -> float:
         """Delay before reconnect attempt ``failures`` (>= 1): full jitter over an exponential cap.
 
-        ``uniform(0, min(RECONNECT_MAX_S, RECONNECT_MIN_S * 2 ** (failures - 1)))`` seconds, so a fleet
-        that lost its broker at the same instant does not reconnect in lock-step.
+        ``uniform(0, min(max_s, RECONNECT_MIN_S * 2 ** (failures - 1)))`` seconds (``max_s`` None:
+        ``RECONNECT_MAX_S``), so a fleet that lost its broker at the same instant does not reconnect in
+        lock-step.
 
         Source: M. Brooker, "Exponential Backoff And Jitter", AWS Architecture Blog, 2015 ("Full Jitter").
         """
-        cap = min(float(RECONNECT_MAX_S), float(RECONNECT_MIN_S) * 2.0 ** max(0, failures - 1))
+        top = float(RECONNECT_MAX_S if max_s is None else max_s)
+        cap = min(top, float(RECONNECT_MIN_S) * 2.0 ** max(0, failures - 1))
         return (rng or random).uniform(0.0, cap)
 
     def _connect(self, client: mqtt.Client) -> None:
@@ -820,7 +828,7 @@ class MqttTransport:
                     )
                 failures += 1
                 self._next_address()
-                await asyncio.sleep(self.backoff_s(failures))
+                await asyncio.sleep(self.backoff_s(failures, max_s=self.reconnect_max_s))
                 continue
             conn.client.loop_start()
             await conn.lost.wait()
@@ -849,7 +857,7 @@ class MqttTransport:
                 )
             failures = 1 if self.connects_total > connects_before else failures + 1
             self._next_address()
-            await asyncio.sleep(self.backoff_s(failures))
+            await asyncio.sleep(self.backoff_s(failures, max_s=self.reconnect_max_s))
 
     async def subscribe(
         self, topic: str, qos: int = 1, *, live_only: bool = False, timeout_s: float = SUBACK_TIMEOUT_S

@@ -132,6 +132,9 @@ def test_backoff_full_jitter_bounds() -> None:
         assert min(draws) >= 0.0 and max(draws) <= cap
         assert max(draws) > 0.8 * cap and min(draws) < 0.2 * cap  # spread over the whole range
     assert np.isclose(np.mean([MqttTransport.backoff_s(6, rng) for _ in range(4000)]), 15.0, rtol=0.05)
+    # a coordinator's cap (one client, not a fleet): 5 s
+    draws = [MqttTransport.backoff_s(20, rng, max_s=5.0) for _ in range(400)]
+    assert min(draws) >= 0.0 and 4.0 < max(draws) <= 5.0
 
 
 def test_last_will_marks_a_killed_agent_offline(mosquitto: Broker, fleet: str, tmp_path: Path) -> None:
