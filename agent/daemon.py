@@ -853,6 +853,7 @@ class Agent:
             tls_context=self.tls_context,
             max_packet_bytes=self.max_packet_bytes,
             max_incoming_packet_bytes=b.max_incoming_packet_bytes,
+            alternates=b.alternate_addresses,  # the other nodes of a clustered broker, tried in turn
         )
         async with contextlib.AsyncExitStack() as stack:
             await self.transport.start(wait_s=None)

@@ -39,10 +39,19 @@ for its PUBACKs), waits for the global head of that round at every site broker, 
 ``--root-outage S`` (hierarchical): the root mosquitto (``persistence true``) is stopped as round 1's
 updates start and started again S seconds later; the sites' bridges (``cleansession false``) hold
 the partials meanwhile. That round's ``messages_into_root``/``bytes_into_root`` count from the restart.
+``--uplink-cut S`` (hierarchical): each affected site's bridge reaches the root broker through a TCP
+proxy of the bench (:class:`Uplink`); as round 1's updates start the proxies drop their connections and
+refuse new ones for S seconds (the site brokers, their devices and site aggregators keep running).
+``--site-restart`` (hierarchical): halfway through round 1's sending (``--spread`` / 2 s after the
+first update) each affected site aggregator is killed (SIGKILL) and started again on its state file.
+``--affected-sites K``: the first K sites (0, the default: every site). ``--root-stateless``: the root
+mosquitto runs with ``persistence false``, so ``--root-outage`` brings it back without the root
+coordinator's session or the retained round (as a crash between saves or a new node would).
 ``--root-cluster N`` (hierarchical): the root broker is an N-node nats-server cluster
-(:mod:`bench.cluster`); every site bridge lists all nodes, the root coordinator and the bench's
-watcher use the last one, and node 0 stops as round 1's updates start (no ``$SYS``: the message and
-byte counts are null).
+(:mod:`bench.cluster`); every site bridge lists all nodes, the bench's watcher uses the last one, and
+node 0 stops as round 1's updates start (no ``$SYS``: the message and byte counts are null). The root
+coordinator connects to node 0 too, with the others as ``broker.alternates`` (``--root-on-last-node``:
+to the last node only, as before that key existed).
 
 Run: ``.venv/bin/python -m bench.scale --devices 10000 --sites 20 --rounds 3 --json PATH``
 (``--flat`` for the same N through one flat coordinator).
@@ -279,6 +288,20 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout_s: fl
             time.sleep(0.05)
 
 
+def distinct_ports(n: int) -> list[int]:
+    """``n`` different free TCP ports on 127.0.0.1 (all bound at once, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            socks.append(sock)
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def mosquitto_conf(port: int, extra: str = "") -> str:
     """A loopback mosquitto config for the bench: unlimited queues (QoS 1 must not be dropped)."""
     return (
@@ -296,7 +319,11 @@ def start_mosquitto(tmp: Path, name: str, port: int, extra: str = "") -> subproc
     with open(tmp / f"{name}.log", "ab") as log:
         proc = subprocess.Popen([exe, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
     wait_port(port, proc, name)
-    return proc
+    try:  # another process on the port answers wait_port while ours exits ("Address already in use")
+        proc.wait(0.2)
+        raise RuntimeError(f"{name} exited with {proc.returncode} (see {tmp / (name + '.log')})")
+    except subprocess.TimeoutExpired:
+        return proc
 
 
 def start_coordinator(sets: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -436,6 +463,77 @@ async def sys_counters(w: Watch, at_least: int = 0) -> tuple[int, int, int]:
     return w.sys[SYS_MESSAGES], w.sys[SYS_BYTES], w.sys[SYS_DROPPED]
 
 
+class Uplink:
+    """A TCP proxy on 127.0.0.1 between one site broker's bridge and the root broker: the site's uplink.
+
+    :meth:`cut` drops its connections and refuses new ones (each accepted connection is closed at
+    once, as an unreachable root looks to the bridge) until :meth:`restore`.
+
+    Parameters
+    ----------
+    target_port : int
+        The root broker's port; the bridge's ``address`` names :attr:`port` instead.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self.up = True
+        self.cuts = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        """Listen on a free 127.0.0.1 port (:attr:`port`)."""
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.up:
+            writer.close()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+        pair = (writer, up_writer)
+        self._writers.update(pair)
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                for w in pair:
+                    w.close()
+                    self._writers.discard(w)
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+    def cut(self) -> None:
+        """Drop every connection through the proxy and refuse new ones."""
+        self.up = False
+        self.cuts += 1
+        for w in list(self._writers):
+            w.transport.abort()
+        self._writers.clear()
+
+    def restore(self) -> None:
+        """Accept (and forward) the bridge's connections again."""
+        self.up = True
+
+    async def close(self) -> None:
+        """Stop listening and drop the connections."""
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
 # --------------------------------------------------------------------------------------------------
 # The bench
 # --------------------------------------------------------------------------------------------------
@@ -514,6 +612,11 @@ class Options:
     spread_s: float
     root_outage_s: float
     root_cluster: int
+    uplink_cut_s: float
+    site_restart: bool
+    affected_sites: int
+    root_stateless: bool
+    root_on_last_node: bool
     json_path: Path | None
     keep: Path | None
 
@@ -537,14 +640,21 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
     pumps: list[asyncio.Task[None]] = []
     sites: list[Site] = []
     cluster: Cluster | None = None
+    proxies: dict[int, Uplink] = {}  # site index → its uplink (--uplink-cut)
     root_log = tmp / "root-rounds.jsonl"
     try:
-        root_port = free_port()
+        # every broker's port at once: free_port() twice in a row can return the same port (a run had
+        # two site brokers on one port: the second exited, "Address already in use", and its site's
+        # devices and aggregator talked to the other site's broker)
+        root_port, *site_ports = distinct_ports(1 + opts.sites)
         # persistence: a root broker stopped mid-round (--root-outage) keeps the root's session
         db = tmp / "root-broker-db"
         db.mkdir(exist_ok=True)
         db.chmod(0o777)  # mosquitto started as root drops to user mosquitto, who must write it
-        root_extra = f"persistence true\npersistence_location {db}/\n"
+        # ... and reach it: a TemporaryDirectory is 0700, and a root broker that cannot save its state
+        # comes back from --root-outage without the root coordinator's session (it then loses partials)
+        tmp.chmod(tmp.stat().st_mode | 0o011)
+        root_extra = "" if opts.root_stateless else f"persistence true\npersistence_location {db}/\n"
         uplinks: list[int] = []
         if opts.root_cluster:
             (tmp / "root-cluster").mkdir(exist_ok=True)
@@ -577,12 +687,23 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
                 "files.log": str(root_log),
             }
         else:
-            sites = [Site(i, free_port(), devs) for i, devs in enumerate(per_site)]
+            sites = [Site(i, site_ports[i], devs) for i, devs in enumerate(per_site)]
             keys = tmp / "keys"
             root_sets = hierarchical_root_sets(common, root_port, opts, root_log, keys)
+            if uplinks and not opts.root_on_last_node:
+                # the root coordinator on node 0, the node that stops, failing over to the others
+                root_sets["broker.url"] = f"mqtt://127.0.0.1:{uplinks[0]}"
+                others = ", ".join(f'"mqtt://127.0.0.1:{port}"' for port in uplinks[1:])
+                root_sets["broker.alternates"] = f"[{others}]"
             site_conf = {s.index: site_sets(common, s, keys, tmp, opts.rounds) for s in sites}
+            affected = opts.affected_sites or opts.sites
             for site in sites:
-                conf = bridge(site, root_port, fleet, uplinks)
+                to_root = root_port
+                if opts.uplink_cut_s and site.index < affected:
+                    proxies[site.index] = Uplink(root_port)
+                    await proxies[site.index].start()
+                    to_root = proxies[site.index].port
+                conf = bridge(site, to_root, fleet, uplinks)
                 procs.append(start_mosquitto(tmp, f"site{site.index}-broker", site.port, conf))
         counting = not opts.root_cluster  # nats-server has no $SYS over MQTT
         root_watch = await start_watch(root_port, topics, f"bench-watch-root-{fleet}", counting)
@@ -633,6 +754,18 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             if cluster is not None and r == 1:
                 # node 0 of the root cluster (every bridge's first address) stops as the updates start
                 node_stop = asyncio.create_task(asyncio.to_thread(cluster.stop_node, 0))
+            cut = opts.uplink_cut_s if r == 1 else 0.0
+            if cut:
+                # the affected sites' uplinks drop as the devices start sending; back ``cut`` s later
+                for proxy in proxies.values():
+                    proxy.cut()
+                rejoin = asyncio.create_task(restore_after(list(proxies.values()), cut))
+            restarted: asyncio.Task[list[int]] | None = None
+            if opts.site_restart and r == 1:
+                half = opts.spread_s / 2
+                restarted = asyncio.create_task(
+                    restart_sites(sites[: opts.affected_sites or opts.sites], site_conf, tmp, procs, half)
+                )
             if outage:
                 # the root broker stops as the devices start sending: the sites' partials wait in their
                 # bridges' sessions; it comes back ``outage`` s later (its $SYS counters restart at 0)
@@ -651,6 +784,9 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             t_sent = time.monotonic()
             if node_stop is not None:
                 await node_stop
+            if cut:
+                await rejoin
+            killed = await restarted if restarted is not None else []
             for w in site_watches:
                 await w.until(
                     lambda w=w, r=r: r in w.globals, opts.deadline_s + 120, f"round {r} global head"
@@ -693,6 +829,9 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
                     "root_node_stopped": node_stop is not None,
                     "bytes_sent_by_devices": sent_bytes,
                     "root_outage_s": outage,
+                    "uplink_cut_s": cut,
+                    "uplink_cut_sites": len(proxies) if cut else 0,
+                    "sites_restarted": len(killed),
                     "root_clients": entry.get("clients"),
                     "root_refused_updates": entry.get("refused_updates", {}),
                 }
@@ -709,6 +848,10 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             "update_bytes": update_bytes,
             "head_shape": list(shape),
             "encode_s": round(encode_s, 1),
+            "root_broker_persistence": not (opts.root_stateless or opts.root_cluster),
+            "root_coordinator_node": (0 if not opts.root_on_last_node else opts.root_cluster - 1)
+            if opts.root_cluster
+            else None,
             "machine": machine(),
             "rounds": rounds,
         }
@@ -731,6 +874,38 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
                 p.wait()
         if cluster is not None:
             cluster.stop()
+        for proxy in proxies.values():
+            await proxy.close()
+
+
+async def restore_after(proxies: Sequence[Uplink], seconds: float) -> None:
+    """Restore the cut uplinks after ``seconds``."""
+    await asyncio.sleep(seconds)
+    for proxy in proxies:
+        proxy.restore()
+
+
+async def restart_sites(
+    sites: Sequence[Site],
+    site_conf: dict[int, dict[str, str]],
+    tmp: Path,
+    procs: list[subprocess.Popen[bytes]],
+    after_s: float,
+) -> list[int]:
+    """After ``after_s`` s, kill (SIGKILL) each site's aggregator and start it again; their indexes."""
+    await asyncio.sleep(after_s)
+    killed: list[int] = []
+    for site in sites:
+        old = site.coordinator
+        if old is None or old.poll() is not None:
+            continue
+        old.kill()
+        await asyncio.to_thread(old.wait, 30)
+        procs.remove(old)
+        site.coordinator = start_coordinator(site_conf[site.index], tmp / f"site{site.index}-coordinator.log")
+        procs.append(site.coordinator)
+        killed.append(site.index)
+    return killed
 
 
 async def wait_round_logged(
@@ -877,6 +1052,30 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="hierarchical: the root broker is an N-node nats-server cluster; node 0 stops in round 1",
     )
+    ap.add_argument(
+        "--uplink-cut",
+        type=float,
+        default=0.0,
+        help="hierarchical: cut the affected sites' bridges to the root for this many seconds in round 1",
+    )
+    ap.add_argument(
+        "--site-restart",
+        action="store_true",
+        help="hierarchical: kill -9 the affected site aggregators halfway through round 1's sending, restart",
+    )
+    ap.add_argument(
+        "--affected-sites", type=int, default=0, help="the first K sites (0: all)"
+    )
+    ap.add_argument(
+        "--root-stateless",
+        action="store_true",
+        help="the root mosquitto keeps no state (persistence false): --root-outage then loses its sessions",
+    )
+    ap.add_argument(
+        "--root-on-last-node",
+        action="store_true",
+        help="--root-cluster: the root coordinator on the last node only (default: node 0 + alternates)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--keep", type=Path, default=None, help="work in this folder and keep the logs")
     args = ap.parse_args(argv)
@@ -884,6 +1083,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("need devices >= sites >= 1 and rounds >= 1")
     if (args.root_outage or args.root_cluster) and args.flat:
         ap.error("--root-outage and --root-cluster are for the hierarchical run")
+    if (args.uplink_cut or args.site_restart) and args.flat:
+        ap.error("--uplink-cut and --site-restart are for the hierarchical run")
     if args.root_outage and args.root_cluster:
         ap.error("--root-outage (mosquitto root) or --root-cluster (nats root), not both")
     opts = Options(
@@ -896,6 +1097,11 @@ def main(argv: list[str] | None = None) -> int:
         args.spread,
         args.root_outage,
         args.root_cluster,
+        args.uplink_cut,
+        args.site_restart,
+        max(0, args.affected_sites),
+        args.root_stateless,
+        args.root_on_last_node,
         args.json,
         args.keep,
     )

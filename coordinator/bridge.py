@@ -31,7 +31,7 @@ def bridge_config(
     ca_file: Path | None = None,
     username: str | None = None,
     password: str | None = None,
-    restart_timeout_s: tuple[int, int] = (1, 30),
+    restart_timeout_s: tuple[int, int] = (1, 10),
 ) -> str:
     """The ``connection`` block a site broker's ``mosquitto.conf`` includes.
 
@@ -50,7 +50,9 @@ def bridge_config(
     username, password : str or None
         The bridge's credentials at the root broker.
     restart_timeout_s : (int, int)
-        Reconnect back-off base and cap, seconds (mosquitto 2.0 ``restart_timeout base cap``).
+        Reconnect back-off base and cap, seconds (mosquitto 2.0 ``restart_timeout base cap``,
+        "decorrelated jitter"): after an outage the bridge is back within about ``cap`` seconds of the
+        root (one TCP connect attempt per site every ``cap`` s at most while the root is away).
 
     Returns
     -------
@@ -66,6 +68,9 @@ def bridge_config(
     if fleet != "+":
         check_device_id(fleet)
     scheme, host, port = parse_broker_url(root_url)
+    base, cap = restart_timeout_s
+    if not 1 <= base <= cap:
+        raise ValueError(f"restart timeout {base} {cap}: need 1 <= base <= cap (seconds)")
     if scheme == "mqtts" and ca_file is None:
         raise ValueError("an mqtts:// root needs --ca-file (the bridge always verifies the root broker)")
     name = f"edgefl-bridge-{site}" if fleet == "+" else f"edgefl-bridge-{fleet}-{site}"
@@ -116,6 +121,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--ca-file", default=None, help="CA of the root broker (mqtts://)")
     p.add_argument("--username", default=None, help="the bridge's user name at the root broker")
     p.add_argument("--password-file", default=None, help="file whose first line is the bridge's password")
+    p.add_argument(
+        "--restart-timeout",
+        nargs=2,
+        type=int,
+        default=(1, 10),
+        metavar=("BASE", "CAP"),
+        help="reconnect back-off base and cap, seconds (default: %(default)s)",
+    )
     p.add_argument("--out", default=None, help="write the configuration here instead of stdout")
     p.set_defaults(func=main)
     return p
@@ -135,6 +148,7 @@ def main(args: argparse.Namespace) -> int:
             ca_file=Path(args.ca_file) if args.ca_file else None,
             username=args.username,
             password=password,
+            restart_timeout_s=(int(args.restart_timeout[0]), int(args.restart_timeout[1])),
         )
     except (ValueError, OSError, IndexError) as exc:
         print(f"edgefl bridge-config: {exc}", file=sys.stderr)

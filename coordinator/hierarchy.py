@@ -442,6 +442,7 @@ class SiteAggregator(Coordinator):
         self.closed_round = ann.round
         self._unsent = payload
         self._persist_site(None)  # closed, partial kept: a crash before the PUBACK re-sends the same bytes
+        self.transport.commit()  # the updates the pump had taken are in the partial now
         await self._send(payload)
         self._unsent, self._sent = None, payload
         self._persist_site(None)
@@ -465,17 +466,22 @@ class SiteAggregator(Coordinator):
 
         The record is written once the queue is drained, or every ``PERSIST_EVERY`` messages under a
         flood, rather than after every update: at 500 updates a round, one fsync each would bound a
-        site by its disk. An update the client received is already acknowledged to the broker, so a
-        SIGKILL loses what was received and not yet written either way; batching widens that window
-        from one message to at most ``PERSIST_EVERY``.
+        site by its disk. The messages are acknowledged to the broker (``MqttTransport.commit``, with
+        the transport's ``ack_on_commit``, which ``edgefl coordinator`` sets for a site with a state
+        file) only once the record holding them is written: a site killed (SIGKILL) in between gets
+        them again from its session when it comes back, and its resumed record tells which it had.
         """
         handled = 0
         while True:
             msg = await self.transport.queue.get()
             self.handle(msg)
             handled += 1
-            if self._dirty and (self.transport.queue.empty() or handled % PERSIST_EVERY == 0):
-                self._flush()
+            if self._dirty:
+                if self.transport.queue.empty() or handled % PERSIST_EVERY == 0:
+                    self._flush()
+                    self.transport.commit()
+            else:
+                self.transport.commit()  # everything taken so far is in the record (or changed nothing)
             if handled % 32 == 0:
                 await asyncio.sleep(0)
 

@@ -55,6 +55,11 @@ EXIT_MODEL: Final = 3
 EXIT_RUNTIME: Final = 4
 EXIT_EMPTY_ROUND: Final = 5
 
+COORDINATOR_RECONNECT_MAX_S: Final = 5.0
+"""Cap of the coordinator's reconnect back-off, seconds (devices keep the transport's 30 s: a fleet must
+not reconnect in lock-step; one coordinator may retry sooner, and a 60 s root outage closed its
+round 25 s after the broker was back with 30 s)."""
+
 #: ``--flag`` → profile key: the flags are overrides of the profile (``--set`` spells any key).
 FLAG_KEYS: Final = {
     "broker": "broker.url",
@@ -427,6 +432,11 @@ async def run(
         max_packet_bytes=broker.max_packet_bytes,
         max_incoming_packet_bytes=broker.max_incoming_packet_bytes,
         session_expiry_s=3600,
+        alternates=broker.alternate_addresses,  # the other nodes of a clustered broker, tried in turn
+        # a site acknowledges an update once its round record holds it: a SIGKILL loses none
+        ack_on_commit=hier.role == "site" and files.state is not None,
+        # one client, not a fleet: back within ~5 s of its broker (a root's partials wait for it)
+        reconnect_max_s=COORDINATOR_RECONNECT_MAX_S,
     )
     st = profile.strategy
     try:
@@ -480,6 +490,7 @@ async def run(
         print(f"device {device} runs another model ({why}): left out of rounds", flush=True)
 
     coord.on_mismatch = mismatch
+    transport.on_connect_cb = coord.on_transport_connect  # a broker that lost our session: announce again
     if isinstance(coord, SiteAggregator):
         return await _run_site(coord, profile, transport, page)
     if files.state is not None:

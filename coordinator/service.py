@@ -308,6 +308,9 @@ class Coordinator:
         self._adopted_round = 0
         self._adopted_head: GlobalModel | None = None
         self._adopt_chunks = Reassembler()
+        self._announcement: tuple[int, bytes] | None = None  # (round, payload) of the last announcement
+        self._reannounce_task: asyncio.Task[None] | None = None
+        self.reannounced = 0  # announcements published again after a reconnect without our session
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -911,7 +914,43 @@ class Coordinator:
             topk_fraction=self.topk_fraction,
             prox_mu=cfg.prox_mu,
         )
-        await self._publish(self.topics.round, self._sign(encode_round, ann))
+        payload = self._sign(encode_round, ann)
+        self._announcement = (round_no, payload)
+        await self._publish(self.topics.round, payload)
+
+    def on_transport_connect(self) -> None:
+        """Announce the open round again after a reconnect that found no session of ours at the broker.
+
+        Called by the transport (its ``on_connect``) after every CONNACK, once the subscriptions are
+        renewed. A broker that restarted without its state (no ``persistence``, a crash between saves,
+        a new node) lost our session and the retained announcement with it; what was published on our
+        subscriptions meanwhile (a site's partial the bridge forwarded before we were back, a device's
+        update) was delivered to nobody. Publishing the same announcement (same bytes, retained) now,
+        after our subscriptions are in place, restores it for later subscribers and makes a site that
+        had closed the round send its partial again (:class:`~edgefl.coordinator.hierarchy.SiteAggregator`);
+        a copy the root had already counted is refused as ``duplicate``. With the session present
+        nothing was lost and nothing is published.
+        """
+        rnd, ann = self.state.current, self._announcement
+        if self.transport.session_present or rnd is None or ann is None:
+            return
+        if rnd.phase is not RoundPhase.OPEN or ann[0] != rnd.number:
+            return
+        if self._reannounce_task is not None and not self._reannounce_task.done():
+            return
+        self._reannounce_task = asyncio.create_task(self._reannounce(*ann), name="coordinator-reannounce")
+
+    async def _reannounce(self, round_no: int, payload: bytes) -> None:
+        logger.warning(
+            "round %d: the broker had no session of ours (it lost its state?): announcing the round again",
+            round_no,
+        )
+        try:
+            await self._publish(self.topics.round, payload)
+        except TransportError as exc:
+            logger.warning("round %d: announcement not published again: %s", round_no, exc)
+            return
+        self.reannounced += 1
 
     async def run_round(self, round_no: int, selected: tuple[str, ...] | None = None) -> RoundRecord:
         """Run round ``round_no``: announce, collect until complete or deadline, aggregate, check, publish.

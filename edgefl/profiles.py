@@ -96,6 +96,11 @@ class BrokerConfig:
         True exactly when the URL scheme is ``mqtts`` (derived from it when the key is absent).
     ca_file, client_cert, client_key : Path or None
         PEM files for TLS (absolute after loading); cert and key come together; all require TLS.
+    alternates : tuple of str
+        Other nodes of the same (clustered) broker, ``mqtt://`` or ``mqtts://`` URLs of ``url``'s scheme
+        (same credentials and TLS files). After a failed connect or a lost connection the next attempt
+        goes to the next URL, round robin from ``url`` (:class:`edgefl.transport.MqttTransport`
+        ``alternates``). Empty (the default): one broker.
     """
 
     url: str = "mqtt://127.0.0.1:1883"
@@ -112,6 +117,12 @@ class BrokerConfig:
     ca_file: Path | None = None
     client_cert: Path | None = None
     client_key: Path | None = None
+    alternates: tuple[str, ...] = ()
+
+    @property
+    def alternate_addresses(self) -> list[tuple[str, int]]:
+        """(host, port) of each of :attr:`alternates`, in order (raises ValueError on a bad URL)."""
+        return [parse_broker_url(u)[1:] for u in self.alternates]
 
     @property
     def scheme(self) -> str:
@@ -164,7 +175,7 @@ class DashboardConfig:
     max_connections_per_client: int = 16
 
 
-Kind = Literal["str", "int", "float", "bool", "path", "floats", "choice"]
+Kind = Literal["str", "int", "float", "bool", "path", "floats", "strs", "choice"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +205,8 @@ def field_specs(cls: type[Any]) -> dict[str, FieldSpec]:
             kind, choices = "choice", tuple(str(a) for a in typing.get_args(hint))
         elif hint == tuple[float, ...]:
             kind = "floats"
+        elif hint == tuple[str, ...]:
+            kind = "strs"
         elif hint is Path:
             kind = "path"
         elif hint is bool:
@@ -288,6 +301,8 @@ def convert(spec: FieldSpec, value: object, base_dir: Path, *, from_text: bool) 
             except ValueError as exc:
                 raise ValueError("must be a number") from exc
         return check_finite_float(value)
+    if kind == "strs":
+        return _strings(value, from_text=from_text)
     # floats: a TOML array of numbers, a single number, or "a,b,c" / "[a, b, c]" from the command line
     items: object = value
     if from_text and isinstance(value, str):
@@ -308,6 +323,18 @@ def convert(spec: FieldSpec, value: object, base_dir: Path, *, from_text: bool) 
         return tuple(check_finite_float(v) for v in items)
     except ValueError as exc:
         raise ValueError(f"must be an array of finite numbers ({exc})") from exc
+
+
+def _strings(value: object, *, from_text: bool) -> tuple[str, ...]:
+    """A TOML array of strings, or ``a,b`` / ``["a", "b"]`` from the command line (may be empty)."""
+    if from_text and isinstance(value, str):
+        text = value.strip()
+        if text.startswith("[") and text.endswith("]"):  # the TOML array syntax, as in the profile
+            text = text[1:-1].strip()
+        return tuple(part.strip().strip("\"'") for part in text.split(",") if part.strip())
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError("must be an array of strings")
+    return tuple(value)
 
 
 class Problems:
@@ -390,6 +417,15 @@ def check_broker(p: Problems, c: BrokerConfig, raw: Mapping[str, object], check_
             problem = file_problem(c.password_file, raw.get("password_file"))
             if problem is not None:
                 p.add("broker.password_file", raw.get("password_file"), problem)
+    for i, alt in enumerate(c.alternates):
+        try:
+            alt_scheme = parse_broker_url(alt)[0]
+        except ValueError as exc:
+            p.add(f"broker.alternates[{i}]", alt, str(exc))
+            continue
+        if scheme is not None and alt_scheme != scheme:
+            why = f"must use broker.url's scheme ({scheme}://): one TLS setting serves every node"
+            p.add(f"broker.alternates[{i}]", alt, why, involves=("broker.url",))
     if scheme is not None and "tls" in raw and c.tls != (scheme == "mqtts"):
         p.add("broker.tls", c.tls, f"contradicts the {scheme}:// url (TLS is used exactly for mqtts://)")
     tls = scheme == "mqtts"

@@ -290,14 +290,14 @@ class Message:
 class _FlowQueue(asyncio.Queue[Message]):
     """The incoming queue: each take lets the transport move a held QoS 1 message in (and PUBACK it)."""
 
-    def __init__(self, maxsize: int, on_take: Callable[[], None]) -> None:
+    def __init__(self, maxsize: int, on_take: Callable[[Message], None]) -> None:
         super().__init__(maxsize=maxsize)
         self._on_take = on_take
 
     def get_nowait(self) -> Message:
         """As :meth:`asyncio.Queue.get_nowait` (``get`` ends in it too), then refill from the hold line."""
         item = super().get_nowait()
-        self._on_take()
+        self._on_take(item)
         return item
 
 
@@ -377,6 +377,16 @@ class MqttTransport:
         Other nodes of the same (clustered) broker. After a failed connect or a lost connection the
         next attempt goes to the next address, round robin from ``(host, port)``; ``host`` and
         ``port`` name the address in use. Empty (the default): one broker.
+    ack_on_commit : bool
+        False (the default): a QoS 1 message is acknowledged once it is in :attr:`queue`. True: only
+        once the consumer took it *and* called :meth:`commit` (after writing what it did with it), so
+        a process killed in between gets it again from its session (needs ``session_expiry_s``).
+        Messages taken but not committed count against the broker's in-flight window: commit at
+        least every few messages.
+    reconnect_max_s : float or None
+        Cap of the reconnect back-off (:meth:`backoff_s`), seconds; None: ``RECONNECT_MAX_S`` (30 s,
+        for a fleet of devices that must not reconnect in lock-step). A single client such as a
+        coordinator may retry sooner.
     """
 
     def __init__(
@@ -397,6 +407,8 @@ class MqttTransport:
         max_incoming_packet_bytes: int = 268_435_455,
         session_expiry_s: int = 0,
         alternates: Sequence[tuple[str, int]] = (),
+        ack_on_commit: bool = False,
+        reconnect_max_s: float | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -413,7 +425,11 @@ class MqttTransport:
         self.max_packet_bytes = max_packet_bytes
         self.max_incoming_packet_bytes = max_incoming_packet_bytes
         self.session_expiry_s = session_expiry_s
-        self.queue: asyncio.Queue[Message] = _FlowQueue(queue_size, self._refill)
+        self.queue: asyncio.Queue[Message] = _FlowQueue(queue_size, self._took)
+        self.ack_on_commit = ack_on_commit
+        self.reconnect_max_s = reconnect_max_s
+        self._unacked: dict[int, tuple[_Connection, int, int]] = {}  # id(message in the queue) → its ack
+        self._taken: list[tuple[_Connection, int, int]] = []  # taken from the queue, not committed
         # QoS 1 messages received while the queue was full, not yet acknowledged: (connection, mid, qos,
         # message); the broker's flow control bounds it, and so does HOLD_FACTOR x queue_size
         self._held: collections.deque[tuple[_Connection, int, int, Message]] = collections.deque()
@@ -441,6 +457,10 @@ class MqttTransport:
         #: The broker's last CONNACK refusal (None once a connection is accepted).
         self.last_refusal: ReasonCode | None = None
         self.broker_max_packet_bytes: int | None = None  # MQTT 5 CONNACK Maximum Packet Size, when sent
+        #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1, 3.1.1 §3.2.2.2): False after a
+        #: reconnect means the broker had no session for us (it lost its state, or the session expired):
+        #: whatever was published to our subscriptions while we were away is gone.
+        self.session_present = False
 
     @property
     def _client(self) -> _Client | None:
@@ -505,7 +525,8 @@ class MqttTransport:
 
         def on_connect(client: Any, userdata: Any, flags: Any, rc: ReasonCode, props: Any) -> None:
             limit = getattr(props, "MaximumPacketSize", None) if props is not None else None
-            self._hop(self._handle_connect, conn, rc, limit)
+            present = bool(getattr(flags, "session_present", False))
+            self._hop(self._handle_connect, conn, rc, limit, present)
 
         def on_disconnect(client: Any, userdata: Any, flags: Any, rc: ReasonCode, props: Any) -> None:
             self._hop(self._handle_disconnect, conn, rc)
@@ -538,7 +559,9 @@ class MqttTransport:
         c.on_socket_open = guarded("on_socket_open", _set_nodelay)
 
     # --- loop side -------------------------------------------------------------------------
-    def _handle_connect(self, conn: _Connection, rc: ReasonCode, max_packet: int | None = None) -> None:
+    def _handle_connect(
+        self, conn: _Connection, rc: ReasonCode, max_packet: int | None = None, session_present: bool = False
+    ) -> None:
         if conn is not self._conn:
             return
         if rc.is_failure:
@@ -551,6 +574,7 @@ class MqttTransport:
             return
         self.broker_max_packet_bytes = int(max_packet) if max_packet else None
         self.last_refusal = None
+        self.session_present = session_present
         conn.acked = True
         subacks = [
             self._send_subscribe(conn, topic, qos, live_only)
@@ -632,8 +656,7 @@ class MqttTransport:
 
     def _handle_message(self, conn: _Connection, mid: int, qos: int, msg: Message) -> None:
         if not self._held and not self.queue.full():
-            self.queue.put_nowait(msg)
-            self._ack(conn, mid, qos)
+            self._enqueue(conn, mid, qos, msg)
             return
         if qos > 0 and len(self._held) < self.held_max:
             self._held.append((conn, mid, qos, msg))  # acknowledged when it moves into the queue
@@ -650,14 +673,39 @@ class MqttTransport:
                 f" ({n} dropped so far; every 1000th logged)" if n > LOGGED_DROPS else "",
             )
 
+    def _enqueue(self, conn: _Connection, mid: int, qos: int, msg: Message) -> None:
+        """Put a message in the queue; acknowledge it now, or (``ack_on_commit``) at its commit."""
+        self.queue.put_nowait(msg)
+        if self.ack_on_commit and qos > 0:
+            self._unacked[id(msg)] = (conn, mid, qos)
+        else:
+            self._ack(conn, mid, qos)
+
+    def _took(self, msg: Message) -> None:
+        """The consumer took ``msg``: its ack waits for :meth:`commit`; held messages move in."""
+        ack = self._unacked.pop(id(msg), None)
+        if ack is not None:
+            self._taken.append(ack)
+        self._refill()
+
+    def commit(self) -> None:
+        """Acknowledge every message taken from the queue so far (``ack_on_commit``; else a no-op).
+
+        Call it once what those messages changed is on disk: a message acknowledged is never sent
+        again. One lost with its connection meanwhile is not acknowledged (the broker sends it again
+        on the next connection, from the session).
+        """
+        taken, self._taken = self._taken, []
+        for conn, mid, qos in taken:
+            self._ack(conn, mid, qos)
+
     def _refill(self) -> None:
         """Move held QoS 1 messages into the queue while it has room, acknowledging each."""
         while self._held and not self.queue.full():
             conn, mid, qos, msg = self._held.popleft()
             if conn.closed:
                 continue  # unacknowledged on a lost connection: the broker sends it again (session)
-            self.queue.put_nowait(msg)
-            self._ack(conn, mid, qos)
+            self._enqueue(conn, mid, qos, msg)
 
     def _send_subscribe(
         self, conn: _Connection, topic: str, qos: int, live_only: bool = False
@@ -734,15 +782,17 @@ class MqttTransport:
             raise TransportError(f"no connection to broker {self.host}:{self.port} after {wait_s} s") from exc
 
     @staticmethod
-    def backoff_s(failures: int, rng: random.Random | None = None) -> float:
+    def backoff_s(failures: int, rng: random.Random | None = None, max_s: float | None = None) -> float:
         """Delay before reconnect attempt ``failures`` (>= 1): full jitter over an exponential cap.
 
-        ``uniform(0, min(RECONNECT_MAX_S, RECONNECT_MIN_S * 2 ** (failures - 1)))`` seconds, so a fleet
-        that lost its broker at the same instant does not reconnect in lock-step.
+        ``uniform(0, min(max_s, RECONNECT_MIN_S * 2 ** (failures - 1)))`` seconds (``max_s`` None:
+        ``RECONNECT_MAX_S``), so a fleet that lost its broker at the same instant does not reconnect in
+        lock-step.
 
         Source: M. Brooker, "Exponential Backoff And Jitter", AWS Architecture Blog, 2015 ("Full Jitter").
         """
-        cap = min(float(RECONNECT_MAX_S), float(RECONNECT_MIN_S) * 2.0 ** max(0, failures - 1))
+        top = float(RECONNECT_MAX_S if max_s is None else max_s)
+        cap = min(top, float(RECONNECT_MIN_S) * 2.0 ** max(0, failures - 1))
         return (rng or random).uniform(0.0, cap)
 
     def _connect(self, client: mqtt.Client) -> None:
@@ -800,7 +850,7 @@ class MqttTransport:
                     )
                 failures += 1
                 self._next_address()
-                await asyncio.sleep(self.backoff_s(failures))
+                await asyncio.sleep(self.backoff_s(failures, max_s=self.reconnect_max_s))
                 continue
             conn.client.loop_start()
             await conn.lost.wait()
@@ -829,7 +879,7 @@ class MqttTransport:
                 )
             failures = 1 if self.connects_total > connects_before else failures + 1
             self._next_address()
-            await asyncio.sleep(self.backoff_s(failures))
+            await asyncio.sleep(self.backoff_s(failures, max_s=self.reconnect_max_s))
 
     async def subscribe(
         self, topic: str, qos: int = 1, *, live_only: bool = False, timeout_s: float = SUBACK_TIMEOUT_S

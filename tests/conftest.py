@@ -115,6 +115,15 @@ def start_mosquitto(tmp: Path, extra: str = "", port: int | None = None) -> Brok
         f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
         f"set_tcp_nodelay true\nlog_dest stderr\n{extra}\n"
     )
+    return _run_mosquitto(tmp, conf, port)
+
+
+def restart_mosquitto(b: Broker) -> Broker:
+    """Start a stopped broker again: the same configuration file, the same port (its log appended)."""
+    return _run_mosquitto(b.conf.parent, b.conf, b.port)
+
+
+def _run_mosquitto(tmp: Path, conf: Path, port: int) -> Broker:
     log = open(tmp / f"mosquitto-{port}.log", "ab")  # noqa: SIM115 - lives as long as the broker
     proc = subprocess.Popen([mosquitto_path(), "-c", str(conf)], stdout=log, stderr=log)
     deadline = time.monotonic() + 10

@@ -26,7 +26,18 @@ from typing import Any
 import cbor2
 import numpy as np
 import pytest
-from conftest import INT8_MODEL, ROOT, BridgedBrokers, free_port, start_replay_agent, wait_until
+from conftest import (
+    INT8_MODEL,
+    ROOT,
+    BridgedBrokers,
+    Link,
+    free_port,
+    restart_mosquitto,
+    start_bridged_brokers,
+    start_replay_agent,
+    stop_broker,
+    wait_until,
+)
 
 from edgefl.coordinator.bridge import bridge_config
 from edgefl.coordinator.strategy import FedAvg, Offer
@@ -261,6 +272,9 @@ def test_bridge_config_names_the_site_topics() -> None:
     assert "topic f1/partial/site-a out 1 edgefl/ edgefl/\n" in text
     assert "topic f1/round in 1 edgefl/ edgefl/\n" in text
     assert "topic f1/global/# in 1 edgefl/ edgefl/\n" in text
+    assert "restart_timeout 1 10\n" in text  # back within ~10 s of the root after an outage
+    with pytest.raises(ValueError, match="base <= cap"):
+        bridge_config("site-a", "mqtt://10.0.0.1:1883", restart_timeout_s=(5, 2))
     with pytest.raises(ValueError, match="ca-file"):
         bridge_config("site-a", "mqtts://root:8883")
     proc = subprocess.run(
@@ -268,6 +282,12 @@ def test_bridge_config_names_the_site_topics() -> None:
         capture_output=True, text=True, cwd=ROOT, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 0 and "address r:1884" in proc.stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "edgefl.cli", "bridge-config", "--site", "s1", "--root-url", "mqtt://r:1884",
+         "--restart-timeout", "2", "20"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "restart_timeout 2 20\n" in proc.stdout
 
 
 def test_bridge_hierarch_two_sites_equal_flat_and_late_partial_refused(tier: Tier) -> None:
@@ -461,6 +481,70 @@ def test_site_partial_resent_to_a_restarted_root(tier: Tier) -> None:
     assert [ln["round"] for ln in lines] == [1, 2]
     counted = sorted(u for ln in lines for u in ln["update_ids"])
     assert counted == sorted(f"{d}:{r}:{r - 1}" for r in (1, 2) for devs in SITES.values() for d in devs)
+
+
+def test_bridge_root_broker_back_without_state_gets_partials_again(tmp_path: Path) -> None:
+    """The root broker dies and comes back without its state (sessions, retained messages) while both
+    sites' partials of round 1 wait in their bridges. The bridges reconnect and forward them before the
+    root coordinator is back: the fresh broker has no session of the root, so they reach nobody (the
+    outcome of the 60 s root outage in docs/benchmarks.md). The root, back without its session, announces
+    round 1 again; the sites send their partials again; each update is counted once."""
+    (tmp_path / "brokers").mkdir()
+    bb = start_bridged_brokers(tmp_path / "brokers", tuple(SITES))
+    root_link = Link(bb.root.port)  # the root coordinator's own connection, which the test holds back
+    tier = Tier(bb, f"h{uuid.uuid4().hex[:8]}", tmp_path, _keys(tmp_path), rounds=1)
+    tier.root_flags = ("--broker", f"mqtt://127.0.0.1:{root_link.port}")
+
+    async def main() -> None:
+        dev = Devices(tier)
+        await dev.start()
+        for name in ("site-a", "site-b", "root"):
+            tier.start(name)
+        try:
+            await dev.head(0)
+            base = await dev.announced(1)
+            for link in (*bb.links.values(), root_link):
+                link.cut()
+            for site, devices in SITES.items():
+                for d in devices:
+                    await dev.send(site, d, 1, base)
+            # each partial acknowledged by its own broker, queued in its bridge
+            await wait_until(lambda: all(len(tier.log(s)) == 1 for s in SITES), 30, "both sites' partials")
+            bb.root.proc.kill()
+            bb.root.proc.wait(timeout=10)
+            (tmp_path / "brokers" / "store-root" / "mosquitto.db").unlink(missing_ok=True)  # state lost
+            bb.root = restart_mosquitto(bb.root)
+            spy = MqttTransport("127.0.0.1", bb.root.port, f"spy-{uuid.uuid4().hex[:6]}")
+            await spy.start(wait_s=10)
+            await spy.subscribe(dev.topics.partial("+"), 1)
+            for site in SITES:
+                bb.links[site].restore()
+            forwarded = {(await asyncio.wait_for(spy.queue.get(), 20)).topic for _ in SITES}
+            assert forwarded == {dev.topics.partial(s) for s in SITES}  # at the root broker, to nobody else
+            await spy.stop()
+            assert 1 not in dev.heads["site-a"]
+            root_link.restore()
+            await dev.head(1, timeout_s=40)
+            _assert_head(dev, 1)
+        finally:
+            await dev.stop()
+
+    try:
+        asyncio.run(main())
+        assert tier.procs["root"].wait(timeout=30) == 0
+        _assert_counted_once(tier, 1)
+        line = tier.log("root")[0]
+        assert line["partials"] - line["duplicate_partials"] == 2
+        assert "announcing the round again" in tier.output("root")
+    finally:
+        tier.stop()
+        for name in tier.procs:
+            print(f"--- {name}\n{tier.output(name)}")
+        root_link.close()
+        for link in bb.links.values():
+            link.close()
+        for broker in (*bb.sites.values(), bb.root):
+            stop_broker(broker)
 
 
 def test_bridge_hierarch_real_agents_at_two_sites(bridged_brokers: BridgedBrokers, tmp_path: Path) -> None:

@@ -230,6 +230,8 @@ def test_broker_url_helpers() -> None:
     )
     tls = BrokerConfig(url="mqtts://[::1]:8884")
     assert (tls.scheme, tls.host, tls.port) == ("mqtts", "::1", 8884)
+    nodes = BrokerConfig(url="mqtt://a", alternates=("mqtt://b:1884", "mqtt://[::1]"))
+    assert nodes.alternate_addresses == [("b", 1884), ("::1", 1883)]
 
 
 def test_tls_follows_the_scheme(write: Writer) -> None:
@@ -323,6 +325,19 @@ def test_replay_source_must_be_an_npz_with_x_and_y(write: Writer, tmp_path: Path
             "status.interval_s = 0.01: must be between 0.05 and 3600 seconds",
         ),
         ("[broker]\nprotocol = 5\n", "broker.protocol = 5: must be one of 'auto', '5', '3.1.1'"),
+        (
+            '[broker]\nalternates = ["mqtt://b:1884", "http://c"]\n',
+            "broker.alternates[1] = 'http://c': must start with mqtt:// or mqtts://",
+        ),
+        (
+            '[broker]\nalternates = ["mqtts://b"]\n',
+            "broker.alternates[0] = 'mqtts://b': must use broker.url's scheme (mqtt://): one TLS setting"
+            " serves every node",
+        ),
+        (
+            '[broker]\nalternates = "mqtt://b"\n',
+            "broker.alternates = 'mqtt://b': must be an array of strings",
+        ),
         ('[broker]\npassword = "hunter2"\n', "broker.password = '***': requires broker.username"),
         (
             '[broker]\nurl = "mqtts://b"\ntls = false\n',

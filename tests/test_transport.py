@@ -132,6 +132,9 @@ def test_backoff_full_jitter_bounds() -> None:
         assert min(draws) >= 0.0 and max(draws) <= cap
         assert max(draws) > 0.8 * cap and min(draws) < 0.2 * cap  # spread over the whole range
     assert np.isclose(np.mean([MqttTransport.backoff_s(6, rng) for _ in range(4000)]), 15.0, rtol=0.05)
+    # a coordinator's cap (one client, not a fleet): 5 s
+    draws = [MqttTransport.backoff_s(20, rng, max_s=5.0) for _ in range(400)]
+    assert min(draws) >= 0.0 and 4.0 < max(draws) <= 5.0
 
 
 def test_last_will_marks_a_killed_agent_offline(mosquitto: Broker, fleet: str, tmp_path: Path) -> None:
@@ -375,3 +378,48 @@ def test_quickack_sets_the_option_and_ignores_closed_sockets() -> None:
         transport_mod.quickack(None)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+@pytest.mark.parametrize("ack_on_commit", [True, False])
+def test_site_transport_ack_on_commit_gets_an_uncommitted_message_again(
+    mosquitto: Broker, fleet: str, protocol: str, ack_on_commit: bool
+) -> None:
+    """``ack_on_commit`` (a site aggregator with a state file): a message taken but not committed when the
+    process goes is not acknowledged, so the broker sends it again to the next process of the same
+    session; a committed one never comes again. Without it a message is acknowledged once queued."""
+
+    async def main() -> list[bytes]:
+        a = MqttTransport(mosquitto.host, mosquitto.port, f"a-{fleet}")
+        def site() -> MqttTransport:  # the same session each time
+            return MqttTransport(
+                mosquitto.host, mosquitto.port, f"site-{fleet}", protocol=protocol, session_expiry_s=60,
+                ack_on_commit=ack_on_commit,
+            )  # fmt: skip
+
+        b = site()
+        await a.start()
+        await b.start()
+        try:
+            await b.subscribe(f"{fleet}/u", 1)
+            await a.publish(f"{fleet}/u", b"m1", qos=1)
+            await a.publish(f"{fleet}/u", b"m2", qos=1)
+            assert (await asyncio.wait_for(b.queue.get(), 5)).payload == b"m1"
+            b.commit()  # m1 is written: acknowledged
+            assert (await asyncio.wait_for(b.queue.get(), 5)).payload == b"m2"  # taken, not committed
+            await b.stop()  # the process goes before writing m2
+            await a.publish(f"{fleet}/u", b"m3", qos=1)
+            again = site()
+            await again.start()
+            try:
+                got = [(await asyncio.wait_for(again.queue.get(), 5)).payload]
+                if got[0] != b"m3":
+                    got.append((await asyncio.wait_for(again.queue.get(), 5)).payload)
+                again.commit()
+                return got
+            finally:
+                await again.stop()
+        finally:
+            await a.stop()
+
+    assert asyncio.run(main()) == ([b"m2", b"m3"] if ack_on_commit else [b"m3"])

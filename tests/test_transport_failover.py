@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
-from conftest import free_port, start_mosquitto, stop_broker, wait_until
+from conftest import INT8_MODEL, ROOT, free_port, start_mosquitto, stop_broker, wait_until
 
 import edgefl.transport as transport_mod
+from edgefl.runtime import Backbone
+from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
+from edgefl.wire.codec import Update, UpdateMetrics, decode_global_model, decode_round, encode_update
+
+W0 = Backbone(INT8_MODEL).head_from_model()[0]
 
 
 @pytest.fixture(autouse=True)
@@ -58,3 +67,69 @@ def test_transport_starts_on_the_next_address_when_the_first_is_down(tmp_path: P
         assert asyncio.run(main()) == b.port
     finally:
         stop_broker(b)
+
+
+def test_coordinator_fails_over_to_broker_alternates(tmp_path: Path, fleet: str) -> None:
+    """`edgefl coordinator` with ``broker.alternates``: its broker stops while round 1 is open; it connects
+    to the next URL, announces the round there (that broker has no session of it), and closes the round
+    with a device's update published on that broker (QoS 1, the global head retained there)."""
+    a, b = start_mosquitto(tmp_path), start_mosquitto(tmp_path)
+    log = tmp_path / "rounds.jsonl"
+    cmd = [
+        sys.executable, "-m", "edgefl.cli", "--log-level", "INFO", "coordinator",
+        "--fleet", fleet, "--model", str(INT8_MODEL), "--rounds", "1", "--strategy", "fedavg",
+        "--min-clients", "1", "--deadline", "60", "--broker", a.url, "--log", str(log),
+        "--set", f'broker.alternates=["{b.url}"]',
+    ]  # fmt: skip
+    out = open(tmp_path / "coordinator.out", "ab")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out)
+    topics = Topics("edgefl", fleet)
+
+    async def main() -> int:
+        watch_a = MqttTransport(a.host, a.port, f"watch-a-{fleet}")
+        await watch_a.start(wait_s=10)
+        await watch_a.subscribe(topics.round, 1)
+        ann = decode_round((await asyncio.wait_for(watch_a.queue.get(), 60)).payload)  # round 1 is open
+        await watch_a.stop()
+        stop_broker(a)
+        device = MqttTransport(b.host, b.port, f"dev-{fleet}")
+        await device.start(wait_s=10)
+        try:
+            await device.subscribe(topics.round, 1)
+            await device.subscribe(topics.global_model, 1)
+            again = await _next(device, topics.round, 30)  # announced again, on b
+            assert decode_round(again).round == ann.round == 1
+            shape = (W0.shape[0], W0.shape[1])
+            dW, db = np.full(shape, 0.01, np.float32), np.zeros(shape[1], np.float32)
+            upd = Update(1, ann.base_version, "d1", 20, dW, db, UpdateMetrics(0.5, 0.5, 0.1, 1000), "d1:1:0")
+            await device.publish(topics.update("d1"), encode_update(upd), qos=1)
+            head = decode_global_model(await _next(device, topics.global_model, 30, version=1))
+            return head.version
+        finally:
+            await device.stop()
+
+    try:
+        assert asyncio.run(main()) == 1
+        assert proc.wait(timeout=30) == 0
+        line = json.loads(log.read_text().splitlines()[0])
+        assert line["update_ids"] == ["d1:1:0"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+        print((tmp_path / "coordinator.out").read_text(errors="replace")[-3000:])
+        stop_broker(b)
+        stop_broker(a)
+
+
+async def _next(t: MqttTransport, topic: str, timeout_s: float, version: int | None = None) -> bytes:
+    """The next non-empty payload on ``topic`` (a global head of ``version`` when given)."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + timeout_s
+    while True:
+        msg = await asyncio.wait_for(t.queue.get(), max(0.1, until - loop.time()))
+        if msg.topic != topic or not msg.payload:
+            continue
+        if version is None or decode_global_model(msg.payload).version == version:
+            return msg.payload
