@@ -10,9 +10,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import INT8_MODEL, ROOT, free_port, start_mosquitto, stop_broker, wait_until
+from conftest import (
+    INT8_MODEL,
+    ROOT,
+    free_port,
+    start_mosquitto,
+    start_replay_agent,
+    stop_broker,
+    wait_until,
+)
 
 import edgefl.transport as transport_mod
+from edgefl.datasets import load_digits, split_digits
+from edgefl.demo import stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
@@ -119,6 +129,45 @@ def test_coordinator_fails_over_to_broker_alternates(tmp_path: Path, fleet: str)
             proc.wait()
         out.close()
         print((tmp_path / "coordinator.out").read_text(errors="replace")[-3000:])
+        stop_broker(b)
+        stop_broker(a)
+
+
+def test_agent_fails_over_to_broker_alternates(tmp_path: Path, fleet: str) -> None:
+    """`edgefl run` with ``broker.alternates``: its broker stops after it came online; it connects to the
+    next URL, and a coordinator there counts its update of round 1."""
+    a, b = start_mosquitto(tmp_path), start_mosquitto(tmp_path)
+    x, y = load_digits()
+    pool = split_digits(y).devices[:300]
+    agent = start_replay_agent(
+        a, fleet, tmp_path, "dev-1", x[pool], y[pool], broker__alternates=f'["{b.url}"]'
+    )
+    topics = Topics("edgefl", fleet)
+
+    async def online_on_a() -> None:
+        watch = MqttTransport(a.host, a.port, f"watch-a-{fleet}")
+        await watch.start(wait_s=10)
+        try:
+            await watch.subscribe(topics.status("dev-1"), 1)
+            await _next(watch, topics.status("dev-1"), 60)
+        finally:
+            await watch.stop()
+
+    log = tmp_path / "rounds.jsonl"
+    try:
+        asyncio.run(online_on_a())
+        stop_broker(a)
+        cmd = [
+            sys.executable, "-m", "edgefl.cli", "coordinator", "--fleet", fleet, "--model", str(INT8_MODEL),
+            "--rounds", "1", "--strategy", "fedavg", "--min-clients", "1", "--deadline", "90",
+            "--broker", b.url, "--log", str(log),
+        ]  # fmt: skip
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+        line = json.loads(log.read_text().splitlines()[0])
+        assert line["update_ids"] == ["dev-1:1:0"], (tmp_path / "dev-1.log").read_text()[-3000:]
+    finally:
+        stop_agents([agent])
         stop_broker(b)
         stop_broker(a)
 
