@@ -18,7 +18,11 @@ Record layout (all integers little-endian)::
     24      32    SHA-256 of bytes 0..23 followed by the payload
     56      n     payload
 
-The device's outbox (:mod:`edgefl.agent.outbox`) and the coordinator's state are stored as records.
+A record file may be followed by zero bytes (``decode_record(padded=True)``, which the readers
+here use): a :class:`RecordSlot` rewrites its two files in place, in whole 4 KiB blocks.
+
+The device's outbox (:mod:`edgefl.agent.outbox`, through a :class:`RecordSlot`: one ``fdatasync``
+between a round's training and its publish) and the coordinator's state are stored as records.
 
 Source: POSIX ``rename(2)`` atomicity and ``fsync(2)`` of the containing directory (see also
 "Files are hard", Pillai et al., OSDI 2014, "All File Systems Are Not Created Equal").
