@@ -179,15 +179,16 @@ def train_local(
     for _ in range(local_epochs):
         if stop_at is not None and time.perf_counter() > stop_at:
             break
-        # the epoch's order, then each chunk's own shuffle, from one draw (Shuffler.keys)
-        keys = shuffler.keys(2 * n)
-        order = np.argsort(keys[:n])
+        # the epoch's order, then the keys of every chunk's own shuffle in one draw (Shuffler.keys;
+        # at most 3 x 8 bytes a sample alive, as memory.estimate_train_bytes counts)
+        order = np.argsort(shuffler.keys(n))
+        within = shuffler.keys(n)
         for start in range(0, n, chunk):
             if stop_at is not None and time.perf_counter() > stop_at:
                 break
             m = min(chunk, n - start)
             # slots sorted (the store's pages in order), then shuffled within the chunk
-            sel = np.sort(order[start : start + m])[np.argsort(keys[n + start : n + start + m])]
+            sel = np.sort(order[start : start + m])[np.argsort(within[start : start + m])]
             store.read(sel, emb[:m], lbl[:m])
             for s in range(0, m, batch_size):
                 e = emb[s : min(m, s + batch_size)]
