@@ -52,7 +52,7 @@ class Shuffler:
 
         ``argsort`` of consecutive slices of one ``keys(a + b)`` call gives exactly the permutations
         ``permutation(a)`` then ``permutation(b)`` would (the generator is counter-based and the keys
-        distinct, so any sort ranks them the same): the trainer draws a whole epoch's at once.
+        distinct, so any sort ranks them the same): the trainer draws an epoch's chunk shuffles at once.
         """
         z = np.arange(self._drawn + 1, self._drawn + n + 1, dtype=np.uint64)
         self._drawn += n
