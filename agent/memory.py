@@ -406,8 +406,10 @@ def estimate_train_bytes(
 ) -> int:
     """Bytes ``edgefl.agent.trainer.train_local`` may add to RSS with a given chunk size.
 
-    Terms: two float32 chunks alive at once (the loop's and the next one being built), the float16
-    gather of a chunk and its labels; one SGD batch (its embeddings, logits and softmax); about six
+    Terms: the one float32 chunk buffer the trainer reuses, the float16 gather it is read from, the
+    labels (int64 buffer, int16 gather) and the chunk's slot order and shuffle (int64 each; issue 17:
+    the trainer no longer allocates a chunk per read); one SGD batch (its embeddings, logits and
+    softmax); about six
     ``[D, K]`` float32 arrays (working copy, gradient, proximal term, delta, final head); the
     per-epoch permutation of ``num_examples`` (``Shuffler``: uint64 keys, a temporary, the int64
     order); and the store's mapped pages, which become resident as they are read (file-backed,
@@ -432,7 +434,7 @@ def estimate_train_bytes(
         Bytes.
     """
     chunk = min(chunk, max(1, num_examples))
-    chunk_bytes = chunk * (dim * (4 + 4 + 2) + 8 + 2 + 8)
+    chunk_bytes = chunk * (dim * (4 + 2) + 8 + 2 + 8 + 8)
     step_bytes = min(batch_size, chunk) * (dim * 4 + classes * 4 * 4)
     head_bytes = 6 * (dim * classes + classes) * 4
     order_bytes = num_examples * 8 * 3

@@ -7,7 +7,9 @@ reason. Persisted as a checksummed record (:mod:`edgefl.records`): a CBOR map ``
 ``residual`` (optional, opaque here) are the device's last answered round and the error-feedback
 residual that answer left, written in the same atomic write as the update (one write and one fsync
 pair before the publish instead of three: issue 17, round latency); the residual is carried until
-the device has written its own file.
+the device has written its own file. The record is rewritten in place in ``outbox.rec`` and
+``outbox.rec.prev`` in turn (:class:`edgefl.records.RecordSlot`: one ``fdatasync``, the newest good
+generation never overwritten).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import cbor2
 
-from edgefl.records import read_record, write_record
+from edgefl.records import RecordSlot
 from edgefl.wire.cbor import strict_loads
 from edgefl.wire.messages import UPDATE_ID_RE
 
@@ -97,6 +99,7 @@ class Outbox:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
+        self._record = RecordSlot(self.path)
         self.answered: dict[str, Any] | None = None
         """The last answered round as the device core stores it (a CBOR map), kept in every write."""
         self.residual: bytes | None = None
@@ -112,7 +115,7 @@ class Outbox:
             )
 
     def _load(self) -> list[OutboxEntry]:
-        data = read_record(self.path)
+        data = self._record.read()
         if data is None:
             return []
         try:
@@ -157,7 +160,7 @@ class Outbox:
             obj["answered"] = self.answered
         if self.residual is not None:
             obj["residual"] = self.residual
-        write_record(self.path, cbor2.dumps(obj))
+        self._record.write(cbor2.dumps(obj))
 
     def save(self) -> None:
         """Persist the entries as they are in memory (after a write that failed: a full disk).

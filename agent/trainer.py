@@ -9,7 +9,7 @@ from typing import Final
 import numpy as np
 
 from edgefl.agent.store import EmbeddingStore
-from edgefl.head import Head, loss_and_grad, sgd_step, softmax
+from edgefl.head import Head, cross_entropy_grad_into, loss_and_grad, sgd_step, softmax
 from edgefl.types import F32, I64
 
 _GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
@@ -44,6 +44,16 @@ class Shuffler:
 
     def permutation(self, n: int) -> I64:
         """Return int64 [n]: 0..n-1 in the next random order; 24 bytes a sample at most, briefly."""
+        order: I64 = np.argsort(self.keys(n)).astype(np.int64, copy=False)
+        return order
+
+    def keys(self, n: int) -> np.ndarray:
+        """Return uint64 [n]: the next ``n`` SplitMix64 outputs (distinct); ranking them is a permutation.
+
+        ``argsort`` of consecutive slices of one ``keys(a + b)`` call gives exactly the permutations
+        ``permutation(a)`` then ``permutation(b)`` would (the generator is counter-based and the keys
+        distinct, so any sort ranks them the same): the trainer draws an epoch's chunk shuffles at once.
+        """
         z = np.arange(self._drawn + 1, self._drawn + n + 1, dtype=np.uint64)
         self._drawn += n
         z *= _GOLDEN  # the SplitMix64 states seed + j * golden, j = 1, 2, ... (mod 2**64)
@@ -53,8 +63,7 @@ class Shuffler:
         z ^= z >> np.uint64(27)
         z *= _MIX2
         z ^= z >> np.uint64(31)
-        order: I64 = np.argsort(z).astype(np.int64, copy=False)
-        return order
+        return z
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,20 +161,51 @@ def train_local(
     t0 = time.perf_counter()
     W = head.W.copy()
     b = head.b.copy()
+    D, K = head.shape
     shuffler = Shuffler(seed)
     stop_at = t0 + time_budget_s if time_budget_s is not None else None
+    # the heap the loop uses, allocated once (issue 17: per-step allocations and the per-chunk
+    # float16 cast were most of a round's training): one float32 chunk and its labels, one batch's
+    # logits, the gradient; the chunk is read already in its shuffled order, so a batch is a view
+    chunk = min(chunk_size, n)
+    emb = np.empty((chunk, D), np.float32)
+    lbl = np.empty(chunk, np.int64)
+    step = min(batch_size, chunk)
+    z = np.empty((step, K), np.float32)
+    grad_W = np.empty((D, K), np.float32)
+    grad_b = np.empty(K, np.float32)
+    rows = np.arange(step, dtype=np.int64)
+    lr32 = np.float32(lr)
     for _ in range(local_epochs):
         if stop_at is not None and time.perf_counter() > stop_at:
             break
-        order = shuffler.permutation(n)
-        for emb, lbl in store.chunks(chunk_size, order):
+        # the epoch's order, then the keys of every chunk's own shuffle in one draw (Shuffler.keys;
+        # at most 3 x 8 bytes a sample alive, as memory.estimate_train_bytes counts)
+        order = np.argsort(shuffler.keys(n))
+        within = shuffler.keys(n)
+        for start in range(0, n, chunk):
             if stop_at is not None and time.perf_counter() > stop_at:
                 break
-            perm = shuffler.permutation(emb.shape[0])
-            for s in range(0, emb.shape[0], batch_size):
-                sel = perm[s : s + batch_size]
-                _, gW, gb = loss_and_grad(W, b, emb[sel], lbl[sel])
-                sgd_step(W, b, gW, gb, lr, prox_mu=prox_mu, W0=head.W, b0=head.b)
+            m = min(chunk, n - start)
+            # slots sorted (the store's pages in order), then shuffled within the chunk
+            sel = np.sort(order[start : start + m])[np.argsort(within[start : start + m])]
+            store.read(sel, emb[:m], lbl[:m])
+            for s in range(0, m, batch_size):
+                e = emb[s : min(m, s + batch_size)]
+                y = lbl[s : s + e.shape[0]]
+                if K == 1:
+                    _, gW, gb = loss_and_grad(W, b, e, y)
+                else:
+                    cross_entropy_grad_into(W, b, e, y, z[: len(y)], grad_W, grad_b, rows[: len(y)])
+                    gW, gb = grad_W, grad_b
+                if prox_mu > 0.0:
+                    sgd_step(W, b, gW, gb, lr, prox_mu=prox_mu, W0=head.W, b0=head.b)
+                else:
+                    # sgd_step's `W -= lr * grad` with the product written over the spent gradient
+                    gW *= lr32
+                    W -= gW
+                    gb *= lr32
+                    b -= gb
     train_s = time.perf_counter() - t0
     delta_W: F32 = (W - head.W).astype(np.float32)
     delta_b: F32 = (b - head.b).astype(np.float32)
@@ -180,20 +220,24 @@ def train_local(
     loss_sum = 0.0
     correct = 0
     final = Head(head.W + delta_W, head.b + delta_b, head.version)
-    # the same n samples that were trained on (the store may grow meanwhile if a caller adds to it)
-    for emb, lbl in store.chunks(chunk_size, np.arange(n, dtype=np.int64)):
-        if final.shape[1] == 1:
-            loss, _, _ = loss_and_grad(final.W, final.b, emb, lbl)
-            pred = final.predict(emb)
+    # the same n samples that were trained on (the store may grow meanwhile if a caller adds to it),
+    # in storage order, through the same chunk buffer
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        e, y = emb[:m], lbl[:m]
+        store.read(np.arange(start, start + m, dtype=np.int64), e, y)
+        if K == 1:
+            loss, _, _ = loss_and_grad(final.W, final.b, e, y)
+            pred = final.predict(e)
         else:
             # the same loss as cross_entropy and the same predictions as Head.predict, from one set
             # of logits and without the gradient nobody uses here (issue 17: ~1 ms of each round)
-            z = final.logits(emb)
-            p = softmax(z)
-            loss = float(-np.mean(np.log(np.maximum(p[np.arange(len(lbl)), lbl], 1e-12))))
-            pred = np.argmax(z, axis=1)
-        loss_sum += loss * emb.shape[0]
-        correct += int(np.sum(pred == lbl))
+            logits = final.logits(e)
+            p = softmax(logits)
+            loss = float(-np.mean(np.log(np.maximum(p[np.arange(m), y], 1e-12))))
+            pred = np.argmax(logits, axis=1)
+        loss_sum += loss * m
+        correct += int(np.sum(pred == y))
     return LocalResult(delta_W, delta_b, n, loss_sum / n, correct / n, train_s)
 
 

@@ -568,7 +568,7 @@ def audit(workdir: Path, plan: ChaosPlan, res: ChaosResult) -> ChaosResult:
         state = workdir / f"dev-{k + 1}"
         for rec in sorted(state.glob("*.rec")) + sorted(state.glob("*.rec.prev")):
             try:
-                decode_record(rec.read_bytes())
+                decode_record(rec.read_bytes(), padded=True)  # a RecordSlot pads to whole blocks
             except RecordError as exc:
                 res.corrupt_records.append(f"{rec.relative_to(workdir)}: {exc}")
         head = read_record(state / "global_head.rec")
@@ -586,7 +586,7 @@ def audit(workdir: Path, plan: ChaosPlan, res: ChaosResult) -> ChaosResult:
     coord_state = workdir / "coordinator.rec"
     if coord_state.exists():
         try:
-            decode_record(coord_state.read_bytes())
+            decode_record(coord_state.read_bytes(), padded=True)
         except RecordError as exc:
             res.corrupt_records.append(f"coordinator.rec: {exc}")
     return res

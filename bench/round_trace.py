@@ -5,8 +5,8 @@ real mosquitto, the real ``Coordinator.run_round`` in this process), with timing
 functions a round passes through: in each agent (``python -m bench.round_trace agent TRACE -- ARGS``
 installs them, then runs ``edgefl.cli``) the paho thread's hops, the message handler, every worker
 call (queued -> started -> done), ``receive_round``/``receive_global`` and their steps (training,
-error feedback, signing, state writes, each ``fsync``), the publishes and their PUBACKs, the status
-checks and the cyclic GC's collections; in the
+error feedback, signing, state writes, each ``fsync`` and ``fdatasync``), the publishes and their
+PUBACKs, the status checks and the cyclic GC's collections; in the
 coordinator the announcement, each update's arrival and ``publish_global``; the proxy adds when each
 MQTT packet passed it. Wrappers add a few microseconds a call; nothing else differs from the product.
 
@@ -127,6 +127,7 @@ def install_agent_probes() -> None:
     import edgefl.transport as transport
 
     _wrap(os, "fsync", "fsync")
+    _wrap(os, "fdatasync", "fdatasync")  # records.RecordSlot's in-place writes (the outbox)
     _wrap(records, "atomic_write", "atomic_write", lambda path, data: Path(path).name)
     for attr in (
         "receive_global",
@@ -288,6 +289,7 @@ KEY_PHASES = (
     ("agent: feedback.compress (+ residual write)", "agent", "feedback.compress", ""),
     ("agent: sign_message", "agent", "sign_message", ""),
     ("agent: outbox.save (update + answered round)", "agent", "outbox.save", ""),
+    ("agent: of which fdatasync (outbox in place)", "agent", "fdatasync", ""),
     ("agent: publish update (+ PUBACK)", "agent", "publish", "update"),
     ("proxy: update PUBLISH <- client", "proxy", "proxy:up PUBLISH update", ""),
     ("coord: update handled", "coord", "coord:handle", "update"),

@@ -240,6 +240,46 @@ def cross_entropy(W: F32, b: F32, emb: F32, labels: I64) -> tuple[float, F32, F3
     return loss, grad_W, grad_b
 
 
+def cross_entropy_grad_into(
+    W: F32, b: F32, emb: F32, labels: I64, z: F32, grad_W: F32, grad_b: F32, rows: I64
+) -> None:
+    """The gradient of :func:`cross_entropy` into caller-owned buffers, without the loss.
+
+    The same floating-point operations in the same order as :func:`cross_entropy`'s gradient, so
+    the result is bit for bit the same, with no heap allocation but numpy's small reductions: the
+    device's local SGD runs this once a batch (issue 17: the loss was computed and dropped at every
+    step, and each step allocated its logits, probabilities and gradients anew).
+
+    Parameters
+    ----------
+    W : float32 [D, K]
+    b : float32 [K]
+    emb : float32 [N, D], C-contiguous (N >= 1)
+    labels : int64 [N]
+        Class indices in ``[0, K)``.
+    z : float32 [N, K], C-contiguous
+        Scratch: left holding ``(softmax(emb @ W + b) - onehot(labels)) / N``.
+    grad_W : float32 [D, K], C-contiguous
+        Receives the gradient with respect to ``W``.
+    grad_b : float32 [K]
+        Receives the gradient with respect to ``b``.
+    rows : int64 [N]
+        ``arange(N)`` (kept by the caller to save allocating it every step).
+
+    Source: as :func:`cross_entropy` (Bishop 2006, §4.3.4).
+    """
+    n = emb.shape[0]
+    np.matmul(emb, W, out=z)
+    z += b
+    z -= z.max(axis=1, keepdims=True)
+    np.exp(z, out=z)
+    z /= z.sum(axis=1, keepdims=True)
+    z[rows, labels] -= 1.0
+    z /= n
+    np.matmul(emb.T, z, out=grad_W)
+    np.sum(z, axis=0, out=grad_b)
+
+
 def binary_cross_entropy(W: F32, b: F32, emb: F32, labels: I64) -> tuple[float, F32, F32]:
     """Mean binary cross-entropy of a logistic head (K = 1) and its gradient.
 

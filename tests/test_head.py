@@ -10,6 +10,7 @@ from edgefl.head import (
     binary_cross_entropy,
     check_labels,
     cross_entropy,
+    cross_entropy_grad_into,
     loss_and_grad,
     sgd_step,
     sigmoid,
@@ -51,6 +52,20 @@ def test_cross_entropy_gradient_matches_finite_differences() -> None:
         bp[j] += eps
         bm[j] -= eps
         assert gb[j] == pytest.approx((loss64(W64, bp) - loss64(W64, bm)) / (2 * eps), abs=2e-4)
+
+
+def test_cross_entropy_grad_into_is_cross_entropys_gradient_bit_for_bit() -> None:
+    rng = np.random.default_rng(4)
+    W = rng.normal(0, 0.5, (512, 10)).astype(np.float32)
+    b = rng.normal(0, 0.5, 10).astype(np.float32)
+    emb = rng.normal(0, 1, (32, 512)).astype(np.float32)
+    y = rng.integers(0, 10, 32).astype(np.int64)
+    _, gW, gb = cross_entropy(W, b, emb, y)
+    z, out_W, out_b = np.empty((32, 10), np.float32), np.empty_like(W), np.empty_like(b)
+    cross_entropy_grad_into(W, b, emb, y, z, out_W, out_b, np.arange(32, dtype=np.int64))
+    assert out_W.tobytes() == gW.tobytes() and out_b.tobytes() == gb.tobytes()
+    # z holds (softmax - onehot) / N: each row sums to 0 (to rounding), the label's entry negative
+    assert np.allclose(z.sum(axis=1), 0, atol=1e-7) and (z[np.arange(32), y] < 0).all()
 
 
 def test_cross_entropy_value_by_hand() -> None:

@@ -213,10 +213,15 @@ def test_outbox_corrupt_file_falls_back_to_previous_generation(tmp_path: Path) -
     path = tmp_path / "o.rec"
     box = Outbox(path, max_bytes=1000)
     box.add("a", 1, b"A")
-    box.add("b", 1, b"B")  # newest generation holds a and b; .prev holds a
-    data = bytearray(path.read_bytes())
-    data[-1] ^= 0xFF
-    path.write_bytes(bytes(data))
+    box.add("b", 1, b"B")
+    # written in place in turn (RecordSlot): o.rec holds generation 0 (a), o.rec.prev generation 1 (a, b)
+    assert decode_record(path.read_bytes(), padded=True)[0] == 0
+    newest = prev_path(path)
+    assert decode_record(newest.read_bytes(), padded=True)[0] == 1
+    assert [e.update_id for e in Outbox(path, max_bytes=1000).pending()] == ["a", "b"]
+    data = bytearray(newest.read_bytes())
+    data[HEADER_BYTES] ^= 0xFF  # a payload byte of the newest generation
+    newest.write_bytes(bytes(data))
     assert [e.update_id for e in Outbox(path, max_bytes=1000).pending()] == ["a"]
 
 
@@ -236,7 +241,7 @@ def test_outbox_answered_round_goes_with_the_update_and_every_later_write(tmp_pa
     a1 = {"v": 1, "fleet": "f", "round": 1, "update_id": "d:1:0"}
     box = Outbox(path, max_bytes=100)
     assert box.add("d:1:0", 1, b"u1", sends=1, answered=a1) == []
-    assert decode_record(path.read_bytes())[0] == 0  # one write (generation 0) kept both
+    assert decode_record(path.read_bytes(), padded=True)[0] == 0  # one write (generation 0) kept both
     assert Outbox(path, max_bytes=100).answered == a1
     box.mark_sent("d:1:0")
     box.ack("d:1:0")
@@ -270,10 +275,14 @@ def test_outbox_record_with_a_bad_answered_map_is_an_unknown_layout(
 def test_outbox_write_is_durable_file_is_a_record(tmp_path: Path) -> None:
     path = tmp_path / "o.rec"
     Outbox(path, max_bytes=100).add("a", 0, b"payload")
-    gen, payload = decode_record(path.read_bytes())
+    gen, payload = decode_record(path.read_bytes(), padded=True)
     assert gen == 0 and b"payload" in payload
     assert not any(f.name.endswith(".tmp") for f in tmp_path.iterdir())
-    assert os.stat(path).st_size == HEADER_BYTES + len(payload)
+    # zero-padded to whole 4 KiB blocks (RecordSlot: later writes overwrite it in place)
+    assert os.stat(path).st_size == 4096
+    assert path.read_bytes()[HEADER_BYTES + len(payload) :] == bytes(4096 - HEADER_BYTES - len(payload))
+    with pytest.raises(RecordError, match="bad_length"):  # padding is only accepted when asked for
+        decode_record(path.read_bytes())
 
 
 def test_one_atomic_writer_for_every_file_the_product_replaces() -> None:
@@ -290,3 +299,76 @@ def test_one_atomic_writer_for_every_file_the_product_replaces() -> None:
                 if needle in text:
                     offenders.append(f"{path.relative_to(ROOT)}: {needle}")
     assert offenders == []
+
+
+# --- records rewritten in place (RecordSlot) -------------------------------------------------------------
+
+
+def test_record_slot_writes_in_turn_in_place_and_never_over_the_newest(tmp_path: Path) -> None:
+    from edgefl.records import RecordSlot
+
+    path, prev = tmp_path / "r.rec", prev_path(tmp_path / "r.rec")
+    slot = RecordSlot(path)
+    assert slot.read() is None
+    assert [slot.write(b"g0"), slot.write(b"g1")] == [0, 1]  # first write of each file: atomic_write
+    assert decode_record(path.read_bytes(), padded=True) == (0, b"g0")
+    assert decode_record(prev.read_bytes(), padded=True) == (1, b"g1")
+    inodes = (path.stat().st_ino, prev.stat().st_ino)
+    assert slot.write(b"g2-longer") == 2  # over the older one (r.rec), in place: same file, same size
+    assert (path.stat().st_ino, prev.stat().st_ino) == inodes and path.stat().st_size == 4096
+    assert decode_record(prev.read_bytes(), padded=True) == (1, b"g1")  # the newest before it, untouched
+    assert read_record(path) == b"g2-longer"
+    assert slot.write(b"g3") == 3 and read_record(path) == b"g3" and prev.stat().st_ino == inodes[1]
+    # a new process reads the newest and goes on in turn
+    again = RecordSlot(path)
+    assert again.read() == b"g3" and again.write(b"g4") == 4
+    assert decode_record(path.read_bytes(), padded=True) == (4, b"g4") and read_record(path) == b"g4"
+    # a record longer than a block grows the file; a short one after it is zero-padded to its size
+    assert again.write(bytes(range(256)) * 20) == 5 and prev.stat().st_size == 8192
+    assert again.write(b"g6") == 6 and again.write(b"g7") == 7
+    assert prev.stat().st_size == 8192 and read_record(path) == b"g7"
+
+
+def test_record_slot_torn_write_leaves_the_newest_good_record(tmp_path: Path) -> None:
+    """A power cut mid-write tears only the slot being written: the reader takes the other one."""
+    from edgefl.records import RecordSlot
+
+    path = tmp_path / "r.rec"
+    slot = RecordSlot(path)
+    slot.write(b"old")
+    slot.write(b"newest good")  # in r.rec.prev; the next write goes over r.rec
+    torn = encode_record(b"the write the power cut tore", 2)
+    with open(path, "r+b") as f:  # what an in-place write leaves when cut half-way
+        f.write(torn[: len(torn) // 2])
+    assert read_record(path) == b"newest good"
+    again = RecordSlot(path)
+    assert again.read() == b"newest good" and again.write(b"next") == 2
+    assert decode_record(path.read_bytes(), padded=True) == (2, b"next")
+
+
+def test_record_slot_breaks_a_hard_link_left_by_write_record(tmp_path: Path) -> None:
+    """write_record stages .prev as a hard link of the file: cut there, the two names are one file,
+    which a write in place would overwrite both of. The first write of each name replaces it."""
+    from edgefl.records import RecordSlot
+
+    path, prev = tmp_path / "r.rec", prev_path(tmp_path / "r.rec")
+    write_record(path, b"only copy")
+    os.link(path, prev)
+    slot = RecordSlot(path)
+    assert slot.read() == b"only copy"
+    slot.write(b"next")  # into .prev (not newer than r.rec): a new file
+    assert path.stat().st_ino != prev.stat().st_ino
+    assert decode_record(path.read_bytes(), padded=True) == (0, b"only copy")
+    assert read_record(path) == b"next"
+
+
+def test_write_record_after_record_slot_keeps_the_newest_as_prev(tmp_path: Path) -> None:
+    from edgefl.records import RecordSlot
+
+    path = tmp_path / "r.rec"
+    slot = RecordSlot(path)
+    slot.write(b"g0")
+    slot.write(b"g1")  # newest in .prev
+    assert write_record(path, b"g2") == 2
+    assert decode_record(prev_path(path).read_bytes(), padded=True) == (1, b"g1")
+    assert read_record(path) == b"g2"

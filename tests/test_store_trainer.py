@@ -216,3 +216,127 @@ def test_device_training_does_not_import_numpy_random(tmp_path: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["32", "False"]
+
+
+def _train_local_before(
+    W0: np.ndarray,
+    b0: np.ndarray,
+    emb16: np.ndarray,
+    labels: np.ndarray,
+    *,
+    local_epochs: int,
+    lr: float,
+    batch_size: int,
+    chunk_size: int,
+    prox_mu: float,
+    clip_norm: float | None,
+    seed: int,
+) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """train_local as it was before issue 17's training work (commit c467618), on in-memory float16
+    arrays: numpy's cast per chunk, a gathered copy and ``loss_and_grad`` + ``sgd_step`` per batch."""
+    from edgefl.head import loss_and_grad, sgd_step, softmax
+
+    n = len(labels)
+    W, b = W0.copy(), b0.copy()
+    shuffler = Shuffler(seed)
+    for _ in range(local_epochs):
+        order = shuffler.permutation(n)
+        for start in range(0, n, chunk_size):
+            sel = np.sort(order[start : start + chunk_size])
+            emb, lbl = emb16[sel].astype(np.float32), labels[sel].astype(np.int64)
+            perm = shuffler.permutation(emb.shape[0])
+            for s in range(0, emb.shape[0], batch_size):
+                pick = perm[s : s + batch_size]
+                _, gW, gb = loss_and_grad(W, b, emb[pick], lbl[pick])
+                sgd_step(W, b, gW, gb, lr, prox_mu=prox_mu, W0=W0, b0=b0)
+    delta_W, delta_b = (W - W0).astype(np.float32), (b - b0).astype(np.float32)
+    if clip_norm is not None:
+        sq = np.sum(delta_W.astype(np.float64) ** 2) + np.sum(delta_b.astype(np.float64) ** 2)
+        norm = float(np.sqrt(sq))
+        if norm > clip_norm > 0:
+            delta_W *= np.float32(clip_norm / norm)
+            delta_b *= np.float32(clip_norm / norm)
+    final = Head(W0 + delta_W, b0 + delta_b)
+    loss_sum, correct = 0.0, 0
+    for start in range(0, n, chunk_size):
+        emb = emb16[start : start + chunk_size].astype(np.float32)
+        lbl = labels[start : start + chunk_size].astype(np.int64)
+        if W0.shape[1] == 1:
+            loss = loss_and_grad(final.W, final.b, emb, lbl)[0]
+        else:
+            p = softmax(final.logits(emb))
+            loss = float(-np.mean(np.log(np.maximum(p[np.arange(len(lbl)), lbl], 1e-12))))
+        loss_sum += loss * len(lbl)
+        correct += int(np.sum(final.predict(emb) == lbl))
+    return delta_W, delta_b, loss_sum / n, correct / n
+
+
+@pytest.mark.parametrize(
+    ("classes", "epochs", "batch", "chunk", "prox_mu", "clip"),
+    [
+        (10, 1, 32, 64, 0.0, None),  # the demo's round: D = 512 below, K = 10, batch 32, chunk 64
+        (10, 3, 10, 37, 0.01, 0.5),  # ragged chunks and batches, FedProx, clipping
+        (10, 2, 100, 16, 0.0, None),  # batch larger than the chunk
+        (10, 2, 32, 1000, 0.0, None),  # one chunk holds the store
+        (1, 2, 8, 24, 0.0, 2.0),  # logistic head
+    ],
+)
+def test_train_local_is_bit_for_bit_the_sgd_before_the_buffers(
+    tmp_path: Path, classes: int, epochs: int, batch: int, chunk: int, prox_mu: float, clip: float | None
+) -> None:
+    """The buffered trainer (chunks read in their shuffled order into one float32 buffer, the
+    gradient into preallocated arrays) computes exactly what the allocating one did: the same
+    delta, loss and accuracy, bit for bit, on 541 samples of D = 512."""
+    rng = np.random.default_rng(classes + epochs)
+    n, D = 541, 512
+    y = rng.integers(0, 2 if classes == 1 else classes, n).astype(np.int64)
+    centres = rng.normal(0, 1, (max(classes, 2), D)).astype(np.float32)
+    emb = (centres[y] + rng.normal(0, 2, (n, D))).astype(np.float32)
+    s = EmbeddingStore(tmp_path, capacity=1024, dim=D, num_classes=classes)
+    s.add(emb, y)
+    W0 = rng.normal(0, 0.05, (D, classes)).astype(np.float32)
+    b0 = rng.normal(0, 0.05, classes).astype(np.float32)
+    res = train_local(
+        Head(W0, b0), s, local_epochs=epochs, lr=0.05, batch_size=batch, chunk_size=chunk,
+        prox_mu=prox_mu, clip_norm=clip, seed=11,
+    )
+    dW, db, loss, acc = _train_local_before(
+        W0, b0, emb.astype(np.float16), y, local_epochs=epochs, lr=0.05, batch_size=batch,
+        chunk_size=chunk, prox_mu=prox_mu, clip_norm=clip, seed=11,
+    )
+    assert res.delta_W.tobytes() == dW.tobytes() and res.delta_b.tobytes() == db.tobytes()
+    assert (res.loss, res.accuracy, res.num_examples) == (loss, acc, n)
+    assert np.abs(dW).max() > 1e-4  # it did learn something
+
+
+def test_store_half_bits_to_float32_is_numpys_cast_for_every_finite_half() -> None:
+    from edgefl.agent.store import half_bits_to_float32
+
+    bits = np.arange(1 << 16, dtype=np.int64).astype(np.uint16)
+    halves = bits.view(np.float16)[np.isfinite(bits.view(np.float16))]  # 63,488: zeros, subnormals
+    out = np.empty(halves.shape, np.float32)
+    assert half_bits_to_float32(halves.view(np.int16), out) is out
+    assert out.view(np.uint32).tolist() == halves.astype(np.float32).view(np.uint32).tolist()
+    assert (np.signbit(out) == np.signbit(halves)).all() and out[halves == 0].size == 2
+
+
+def test_store_read_fills_buffers_in_the_given_order(tmp_path: Path) -> None:
+    s = EmbeddingStore(tmp_path, capacity=8, dim=3)
+    emb = np.array([[0.5, -1.0, 2.0], [3.0, 4.0, -0.25], [1e-6, 65504.0, -6e-8]], np.float32)
+    s.add(emb, np.array([7, 8, 9], np.int64))
+    e, lbl = np.full((4, 3), np.nan, np.float32), np.zeros(4, np.int64)
+    s.read(np.array([2, 0, 2, 1], np.int64), e, lbl)
+    assert lbl.tolist() == [9, 7, 9, 8]
+    assert e.tolist() == emb.astype(np.float16).astype(np.float32)[[2, 0, 2, 1]].tolist()
+    with pytest.raises(ValueError, match="3 rows into emb"):
+        s.read(np.arange(3, dtype=np.int64), e, lbl)
+
+
+def test_shuffler_keys_of_one_draw_rank_as_successive_permutations() -> None:
+    a, b = Shuffler(3), Shuffler(3)
+    keys = a.keys(50 + 20 + 30)
+    assert keys.dtype == np.uint64 and len(set(keys.tolist())) == 100
+    assert np.argsort(keys[:50]).tolist() == b.permutation(50).tolist()
+    assert np.argsort(keys[50:70]).tolist() == b.permutation(20).tolist()
+    assert np.argsort(keys[70:]).tolist() == b.permutation(30).tolist()
+    assert a.permutation(5).tolist() == b.permutation(5).tolist()  # both streams moved on alike
