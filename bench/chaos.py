@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from edgefl.agent.core import OUTBOX_FILE
 from edgefl.agent.outbox import Outbox
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.demo import free_port
@@ -62,6 +63,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"
 MODEL = ROOT / "models" / "digits_cnn_int8.tflite"
 FAULT_KINDS = ("mid-train", "mid-publish", "random", "broker", "coordinator")
+#: State files the device rewrites in place, two slots in turn (``edgefl.records.RecordSlot``): a kill -9
+#: during a write may tear one slot, and the device reads the other (counted as ``torn_slots``)
+IN_PLACE_RECORDS = frozenset({OUTBOX_FILE})
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +167,7 @@ class ChaosResult:
     broker_restarts: int = 0
     coordinator_restarts: int = 0
     corrupt_records: list[str] = field(default_factory=list)
+    torn_slots: list[str] = field(default_factory=list)
     final_accuracy: float = float("nan")
     final_version: int = 0
     agent_versions: dict[str, int] = field(default_factory=dict)
@@ -570,7 +575,14 @@ def audit(workdir: Path, plan: ChaosPlan, res: ChaosResult) -> ChaosResult:
             try:
                 decode_record(rec.read_bytes(), padded=True)  # a RecordSlot pads to whole blocks
             except RecordError as exc:
-                res.corrupt_records.append(f"{rec.relative_to(workdir)}: {exc}")
+                where = f"{rec.relative_to(workdir)}: {exc}"
+                base = rec.with_name(rec.name.removesuffix(".prev"))
+                if base.name in IN_PLACE_RECORDS and read_record(base) is not None:
+                    # a kill -9 during an in-place write tears that slot; the other slot holds the
+                    # newest good record, which is what the device reads (edgefl.records.RecordSlot)
+                    res.torn_slots.append(where)
+                else:
+                    res.corrupt_records.append(where)
         head = read_record(state / "global_head.rec")
         if head is not None:
             try:
@@ -625,6 +637,7 @@ def summary(chaos: ChaosResult, reference: ChaosResult) -> dict[str, Any]:
         "coordinator_restarts": chaos.coordinator_restarts,
         "counted_once": chaos.counted_once,
         "corrupt_records": chaos.corrupt_records,
+        "torn_slots": chaos.torn_slots,
         "coordinator_rejected": chaos.coordinator_rejected,
         "coordinator_crashes": chaos.coordinator_crashes,
         "final_accuracy": chaos.final_accuracy,
@@ -686,6 +699,7 @@ runs a short plan (3 agents, 8 rounds) in CI.
 | coordinator crashes (restarted by the harness) | {len(s["coordinator_crashes"])} | |
 | every update counted exactly once | {"yes" if s["counted_once"] else "NO"} | |
 | corrupt state records | {len(s["corrupt_records"])} | |
+| torn in-place slots (the other slot read) | {len(s.get("torn_slots", []))} | |
 | final accuracy (digits test set) | {s["final_accuracy"]:.3f} | {s["reference_accuracy"]:.3f} |
 | agents' highest peak RSS / cap (MiB) | {max(s["peak_rss_mib"].values(), default=0):.1f} / {s["cap_mib"]} | |
 | wall time (s) | {s["wall_s"]} | {s["reference_wall_s"]} |
