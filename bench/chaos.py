@@ -575,14 +575,14 @@ def audit(workdir: Path, plan: ChaosPlan, res: ChaosResult) -> ChaosResult:
             try:
                 decode_record(rec.read_bytes(), padded=True)  # a RecordSlot pads to whole blocks
             except RecordError as exc:
-                where = f"{rec.relative_to(workdir)}: {exc}"
+                found = f"{rec.relative_to(workdir)}: {exc}"
                 base = rec.with_name(rec.name.removesuffix(".prev"))
                 if base.name in IN_PLACE_RECORDS and read_record(base) is not None:
                     # a kill -9 during an in-place write tears that slot; the other slot holds the
                     # newest good record, which is what the device reads (edgefl.records.RecordSlot)
-                    res.torn_slots.append(where)
+                    res.torn_slots.append(found)
                 else:
-                    res.corrupt_records.append(where)
+                    res.corrupt_records.append(found)
         head = read_record(state / "global_head.rec")
         if head is not None:
             try:
