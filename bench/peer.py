@@ -364,6 +364,24 @@ async def _edgefl_rounds(
     return starts, coord
 
 
+def agent_overrides(
+    run_dir: Path, proxy: Proxy, fleet: str, job: Job, i: int, *, dashboard: bool
+) -> dict[str, str]:
+    """Profile overrides of the bench's agent ``dev-<i>`` (i = 1, 2): replaying shard i through the proxy."""
+    return {
+        "device.id": f"dev-{i}",
+        "device.fleet": fleet,
+        "device.state_dir": str(run_dir / f"state{i}"),
+        "broker.url": f"mqtt://127.0.0.1:{proxy.ports[f'c{i}']}",
+        "source.kind": "replay",
+        "source.path": str(job.raw_shards[i - 1]),
+        "model.path": str(job.model),
+        "training.store_capacity": "1024",
+        "dashboard.enabled": "true" if dashboard else "false",
+        "status.heartbeat_s": "60",  # as the gateway profiles
+    }
+
+
 def run_edgefl(work: Path, job: Job, v: Variant) -> dict[str, Any]:
     """One edgefl run of variant ``v``; per-client figures."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"edgefl-{v.name}-", dir=work))
@@ -374,18 +392,7 @@ def run_edgefl(work: Path, job: Job, v: Variant) -> dict[str, Any]:
         procs = [
             launch_agent(
                 profile,
-                {
-                    "device.id": f"dev-{i}",
-                    "device.fleet": fleet,
-                    "device.state_dir": str(run_dir / f"state{i}"),
-                    "broker.url": f"mqtt://127.0.0.1:{proxy.ports[f'c{i}']}",
-                    "source.kind": "replay",
-                    "source.path": str(job.raw_shards[i - 1]),
-                    "model.path": str(job.model),
-                    "training.store_capacity": "1024",
-                    "dashboard.enabled": "true" if v.dashboard else "false",
-                    "status.heartbeat_s": "60",  # as the gateway profiles
-                },
+                agent_overrides(run_dir, proxy, fleet, job, i, dashboard=v.dashboard),
                 run_dir / f"dev-{i}.log",
             )
             for i in (1, 2)

@@ -232,18 +232,7 @@ def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) 
         fleet = f"trace{os.getpid()}"
         procs = []
         for i in (1, 2):
-            overrides = {
-                "device.id": f"dev-{i}",
-                "device.fleet": fleet,
-                "device.state_dir": str(run_dir / f"state{i}"),
-                "broker.url": f"mqtt://127.0.0.1:{proxy.ports[f'c{i}']}",
-                "source.kind": "replay",
-                "source.path": str(job.raw_shards[i - 1]),
-                "model.path": str(job.model),
-                "training.store_capacity": "1024",
-                "dashboard.enabled": "true" if dashboard else "false",
-                "status.heartbeat_s": "60",
-            }
+            overrides = peer.agent_overrides(run_dir, proxy, fleet, job, i, dashboard=dashboard)
             cmd = [sys.executable, "-OO", "-m", "bench.round_trace", "agent", str(traces[i - 1]), "--"]
             cmd += ["--log-level", "WARNING", "run", str(profile)]
             for key, val in overrides.items():
