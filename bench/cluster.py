@@ -54,7 +54,14 @@ RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")
 """Debian's own scripts: they run as the caller (``/usr/sbin/rabbitmq-*`` switch to user rabbitmq)."""
 
 
-def _wait_port(port: int, proc: subprocess.Popen[bytes] | None, what: str, timeout_s: float) -> None:
+def wait_port(port: int, proc: subprocess.Popen[bytes] | None, what: str, timeout_s: float = 15.0) -> None:
+    """Wait until 127.0.0.1:``port`` accepts a connection.
+
+    Raises
+    ------
+    RuntimeError
+        ``proc`` (when given) exited first, or the port is not open after ``timeout_s`` seconds.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -64,8 +71,8 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes] | None, what: str, timeo
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"{what} exited with {proc.returncode}") from None
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{what}: port {port} not open after {timeout_s} s") from None
-            time.sleep(0.1)
+                raise RuntimeError(f"{what} not listening on {port} after {timeout_s} s") from None
+            time.sleep(0.05)
 
 
 @dataclass
@@ -98,7 +105,7 @@ class Cluster:
             self.procs[i] = subprocess.Popen(
                 [exe, "-c", str(self._nats_conf(i))], stdout=log, stderr=subprocess.STDOUT
             )
-        _wait_port(self.mqtt_ports[i], self.procs[i], f"nats-server n{i}", 30)
+        wait_port(self.mqtt_ports[i], self.procs[i], f"nats-server n{i}", 30)
 
     # -- rabbitmq ------------------------------------------------------------------------------
     def _rabbit_env(self, i: int) -> dict[str, str]:
@@ -153,7 +160,7 @@ class Cluster:
             self._rabbitmqctl(i, "stop_app")
             self._rabbitmqctl(i, "join_cluster", "edgefl-scale-0@localhost")
             self._rabbitmqctl(i, "start_app")
-        _wait_port(self.mqtt_ports[i], self.procs[i], f"rabbitmq node {i}", 120)
+        wait_port(self.mqtt_ports[i], self.procs[i], f"rabbitmq node {i}", 120)
 
     # -- both ----------------------------------------------------------------------------------
     def start(self) -> None:

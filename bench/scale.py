@@ -81,13 +81,13 @@ from typing import Any
 
 import numpy as np
 
-from bench.cluster import Cluster
+from bench.cluster import Cluster, wait_port
 from edgefl.coordinator.bridge import bridge_config
 from edgefl.demo import free_port
 from edgefl.resources import shipped
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
-from edgefl.transport import Message, MqttTransport
+from edgefl.transport import Message, MqttTransport, remaining_length
 from edgefl.types import F32
 from edgefl.wire.codec import Update, decode_global_model, decode_round
 from edgefl.wire.messages import UpdateMetrics, encode_update
@@ -104,16 +104,6 @@ MODEL = "models/digits_cnn_int8_rawin.tflite"
 # --------------------------------------------------------------------------------------------------
 
 
-def _varint(n: int) -> bytes:
-    """MQTT "Remaining Length" (MQTT 3.1.1 section 2.2.3): 7 bits a byte, high bit = more."""
-    out = bytearray()
-    while True:
-        n, digit = divmod(n, 128)
-        out.append(digit | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def _utf8(s: str) -> bytes:
     raw = s.encode()
     return struct.pack("!H", len(raw)) + raw
@@ -122,13 +112,13 @@ def _utf8(s: str) -> bytes:
 def connect_packet(client_id: str, keepalive_s: int = 0) -> bytes:
     """CONNECT, MQTT 3.1.1, clean session, no will, no credentials (bytes on the wire)."""
     body = _utf8("MQTT") + bytes([4, 0x02]) + struct.pack("!H", keepalive_s) + _utf8(client_id)
-    return b"\x10" + _varint(len(body)) + body
+    return b"\x10" + remaining_length(len(body)) + body
 
 
 def publish_packet(topic: str, payload: bytes, packet_id: int) -> bytes:
     """PUBLISH with QoS 1, not retained (bytes on the wire); ``packet_id`` in 1..65535."""
     body = _utf8(topic) + struct.pack("!H", packet_id) + payload
-    return b"\x32" + _varint(len(body)) + body
+    return b"\x32" + remaining_length(len(body)) + body
 
 
 class MiniPublisher:
@@ -271,21 +261,6 @@ def encode_updates(
 # --------------------------------------------------------------------------------------------------
 # Processes: brokers and coordinators
 # --------------------------------------------------------------------------------------------------
-
-
-def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 15.0) -> None:
-    """Wait until 127.0.0.1:``port`` accepts a connection (raises RuntimeError if ``proc`` exits)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with {proc.returncode}") from None
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what} not listening on {port} after {timeout_s} s") from None
-            time.sleep(0.05)
 
 
 def distinct_ports(n: int) -> list[int]:

@@ -195,11 +195,14 @@ class PacketFilter:
         self._hdr.clear()
         self._vh.clear()
         self.dropped_total += 1
-        return bytes([flags]) + _varint(len(body)) + body
+        return bytes([flags]) + remaining_length(len(body)) + body
 
 
-def _varint(n: int) -> bytes:
-    """MQTT variable byte integer (MQTT 5.0 §1.5.5)."""
+def remaining_length(n: int) -> bytes:
+    """Encode ``n`` >= 0 as an MQTT variable byte integer ("Remaining Length"): 7 bits a byte.
+
+    Source: MQTT 5.0 §1.5.5; MQTT 3.1.1 §2.2.3 (the same encoding).
+    """
     out = bytearray()
     while True:
         n, digit = divmod(n, 128)

@@ -296,7 +296,7 @@ def _publish_packet(topic: str, payload: bytes, *, qos: int, packet_id: int, mqt
     body += packet_id.to_bytes(2, "big") if qos else b""
     body += b"\x00" if mqtt5 else b""
     body += payload
-    return bytes([0x30 | qos << 1]) + transport_mod._varint(len(body)) + body
+    return bytes([0x30 | qos << 1]) + transport_mod.remaining_length(len(body)) + body
 
 
 @pytest.mark.parametrize("mqtt5", [True, False])
@@ -423,3 +423,10 @@ def test_site_transport_ack_on_commit_gets_an_uncommitted_message_again(
             await a.stop()
 
     assert asyncio.run(main()) == ([b"m2", b"m3"] if ack_on_commit else [b"m3"])
+
+
+def test_remaining_length_encodes_mqtt_variable_byte_integers() -> None:
+    # MQTT 5.0 §1.5.5's table: the edges of 1, 2, 3 and 4 bytes
+    cases = {0: "00", 127: "7f", 128: "8001", 16_383: "ff7f", 16_384: "808001", 2_097_152: "80808001"}
+    for n, hexed in cases.items():
+        assert transport_mod.remaining_length(n) == bytes.fromhex(hexed), n
