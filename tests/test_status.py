@@ -171,17 +171,16 @@ def test_status_redelivery_is_published_at_once(mosquitto: Broker, fleet: str, t
         await t.start(wait_s=10)
         await t.subscribe(topics.status("dev-1"), 1)
 
-        async def next_fields() -> dict[str, Any]:
-            return await next_status_fields(t)
-
         try:
-            async with asyncio.timeout(90):
-                while not (await next_fields()).get("ready"):
-                    pass
+            async with asyncio.timeout(90):  # statuses until the agent is ready
+                f = await next_status_fields(t)
+                while not f.get("ready"):
+                    f = await next_status_fields(t)
             await t.publish(topics.global_model, same, qos=1, retain=False)
-            async with asyncio.timeout(10):  # well under status.interval_s
-                while (f := await next_fields()).get("redelivered_total") != 1:
-                    pass
+            async with asyncio.timeout(10):  # well under status.interval_s: the redelivery's own status
+                f = await next_status_fields(t)
+                while f.get("redelivered_total") != 1:
+                    f = await next_status_fields(t)
             return f
         finally:
             await t.stop()
