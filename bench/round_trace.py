@@ -57,11 +57,13 @@ def _wrap(owner: Any, attr: str, name: str, detail: Callable[..., str] | None = 
 
         @functools.wraps(orig)
         def wrapped(*a: Any, **k: Any) -> Any:
-            t0 = time.time()
+            t0, c0 = time.time(), time.thread_time()
             try:
                 return orig(*a, **k)
             finally:
-                _rec(name, detail(*a, **k) if detail else "", t0, time.time())
+                # the thread's own CPU time: what a call costs when it is not waiting for a core
+                cpu = f" cpu={1e3 * (time.thread_time() - c0):.2f}"
+                _rec(name, (detail(*a, **k) if detail else "") + cpu, t0, time.time())
 
         setattr(owner, attr, wrapped)
 
@@ -137,8 +139,18 @@ def install_agent_probes() -> None:
         "acknowledged",
     ):
         _wrap(core.DeviceCore, attr, attr)
-    for attr in ("train_local", "sign_message", "decode_round", "decode_global_model", "encode_global_model"):
+    for attr in (
+        "train_local",
+        "sign_message",
+        "decode_round",
+        "decode_global_model",
+        "encode_global_model",
+        "encode_update",
+    ):
         _wrap(core, attr, attr)
+    _wrap(core.DeviceCore, "_verified", "verify")
+    _wrap(memory.Governor, "admit", "governor.admit")
+    _wrap(memory, "reset_peak", "reset_peak")
     _wrap(feedback.ErrorFeedback, "compress", "feedback.compress")
     _wrap(outbox.Outbox, "_save", "outbox.save")
     _wrap(memory, "malloc_trim", "malloc_trim")

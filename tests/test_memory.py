@@ -589,3 +589,34 @@ def test_latency_status_without_measuring_reads_nothing_from_proc(tmp_path: Path
     measured = {"rss_bytes", "pss_bytes", "peak_rss_bytes", "system_available_bytes"}
     assert set(full) - set(light) == measured and set(light) <= set(full)
     assert {k: full[k] for k in light} == light
+
+
+def test_own_proc_files_are_read_live_through_kept_descriptors_and_a_forked_child_reads_its_own() -> None:
+    """The readers keep ``/proc/self/*`` open (pread): every read is live (64 MiB touched shows in RSS
+    and in the peak; a reset brings the peak back down), ``MemAvailable`` agrees with a fresh read of
+    ``/proc/meminfo``, and a forked child measures itself, not the parent whose descriptors it
+    inherited (a 128 MiB allocation in the child shows in the child's readings)."""
+    mib = 1 << 20
+    before, peak_before = memory.rss_bytes(), memory.peak_rss_bytes()
+    big = np.ones(64 * mib // 8)
+    assert memory.rss_bytes() - before >= 60 * mib
+    assert memory.peak_rss_bytes() - peak_before >= 60 * mib - (peak_before - before)
+    del big
+    assert memory.reset_peak()
+    assert memory.peak_rss_bytes() <= memory.rss_bytes() + 4 * mib
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    fresh = next(ln for ln in meminfo if ln.startswith("MemAvailable:"))
+    assert abs(memory.system_available_bytes() - int(fresh.split()[1]) * 1024) < 256 * mib
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if its readings follow its own memory
+        code = 1
+        try:
+            r0 = memory.rss_bytes()
+            child = np.ones(128 * mib // 8)
+            grew = memory.rss_bytes() - r0 >= 120 * mib and memory.peak_rss_bytes() >= r0 + 120 * mib
+            code = 0 if grew else 3
+            del child
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
