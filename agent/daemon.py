@@ -164,6 +164,8 @@ class Agent:
         self._idle_work = asyncio.Event()  # deferred writes or a trim wait (housekeeping_loop)
         self._control_activity = asyncio.Event()  # a round or global message arrived or was handled
         self._control_busy = False
+        self._control_idle = asyncio.Event()  # set while no round or global message is in hand
+        self._control_idle.set()
         self.governor = self.core.governor
         self.max_packet_bytes = profile.broker.max_packet_bytes
         self.reassembler = Reassembler(
@@ -436,10 +438,13 @@ class Agent:
         while True:
             msg = await self._control.get()
             self._control_busy = True
+            self._control_idle.clear()
             try:
                 await self.handle(msg)
             finally:
                 self._control_busy = False
+                if self._control.empty():
+                    self._control_idle.set()
                 self._control_activity.set()
                 self._want_housekeeping()
 
@@ -783,16 +788,22 @@ class Agent:
     async def status_loop(self) -> None:
         """Publish the retained status when it says something new, and at least every ``status.heartbeat_s``.
 
-        Checked on every change and every ``status.interval_s``; a change of the volatile figures or
-        of the round's progress alone is not news (:func:`edgefl.agent.status.status_news`). Every
-        (re)connect publishes (the broker may hold the "offline" last will). While the core is
-        degraded (state not persisted: a full disk), each check retries the writes.
+        Checked on every change and every ``status.interval_s``, a change during a round or global
+        message's handling once that message is handled (at most one interval later); a change of
+        the volatile figures or of the round's progress alone is not news
+        (:func:`edgefl.agent.status.status_news`). Every (re)connect publishes (the broker may hold
+        the "offline" last will). While the core is degraded (state not persisted: a full disk),
+        each check retries the writes.
         """
         assert self.transport is not None
         cfg = self.profile.status
         heartbeat_s = cfg.interval_s if cfg.heartbeat_s is None else cfg.heartbeat_s
         while True:
             await wait_event(self._status_dirty, cfg.interval_s)
+            # a round marks the status changed at each step (received, trained, sent, acknowledged):
+            # checked once when its messages are handled, not beside its training and publish
+            # (issue 17, round time); never later than one interval
+            await wait_event(self._control_idle, cfg.interval_s)
             self._status_dirty.clear()
             try:
                 await self.retry_deferred()
