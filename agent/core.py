@@ -1039,7 +1039,7 @@ class DeviceCore:
                     persist=not self.defer_writes,
                     round=ann.round,
                 )
-                carry = fb.to_bytes() if self.defer_writes else None
+                carry = fb.carry_bytes() if self.defer_writes else None
             update = Update(
                 round=ann.round,
                 base_version=ann.base_version,

@@ -11,7 +11,9 @@ left it), written with ``edgefl.records.atomic_write`` (temporary file, fsync, r
 folder) so it survives a restart or a power cut; a residual for another head shape or another model
 is discarded. The daemon writes that file when idle: until then the outbox record that keeps the
 round's update carries a copy (one atomic write before the publish; ``edgefl.agent.core``), and a
-restart takes the copy when it is newer than the file.
+restart takes the copy when it is newer than the file. That copy is the compact form
+(:meth:`ErrorFeedback.carry_bytes`: a CBOR map of RFC 8746 typed arrays, ~10 us to make where the
+``.npz`` takes ~200 us, before every publish: issue 17).
 
 Source: Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory" (NeurIPS), Algorithm 1;
 Karimireddy et al. 2019 ("Error Feedback Fixes SignSGD").
@@ -23,10 +25,14 @@ import io
 import logging
 from pathlib import Path
 
+import cbor2
 import numpy as np
 
+from edgefl.errors import DecodeError
 from edgefl.records import atomic_write
 from edgefl.types import F32
+from edgefl.wire.arrays import decode_array, encode_array
+from edgefl.wire.cbor import DEFAULT_LIMITS
 from edgefl.wire.compression import CompressedDelta, Compression, compress_head_delta
 
 logger = logging.getLogger(__name__)
@@ -80,17 +86,20 @@ class ErrorFeedback:
         self.load_bytes(data, str(self.path))
 
     def load_bytes(self, data: bytes, where: str) -> bool:
-        """Take the residual from ``data`` (what :meth:`to_bytes` made); whether it was usable.
+        """Take the residual from ``data`` (:meth:`to_bytes` or :meth:`carry_bytes`); whether it was usable.
 
         A residual for another model or shape, non-finite, or unreadable is ignored (logged).
         """
         try:
-            with np.load(io.BytesIO(data)) as npz:
-                W = np.asarray(npz["W"], dtype=np.float32)
-                b = np.asarray(npz["b"], dtype=np.float32)
-                sha = str(npz["model_sha256"])
-                round_no = int(npz["round"]) if "round" in npz.files else -1
-        except (OSError, ValueError, KeyError, EOFError) as exc:
+            if data[:1] == _CARRY_HEAD:
+                W, b, sha, round_no = _read_carry(data)
+            else:
+                with np.load(io.BytesIO(data)) as npz:
+                    W = np.asarray(npz["W"], dtype=np.float32)
+                    b = np.asarray(npz["b"], dtype=np.float32)
+                    sha = str(npz["model_sha256"])
+                    round_no = int(npz["round"]) if "round" in npz.files else -1
+        except (OSError, ValueError, KeyError, EOFError, DecodeError, cbor2.CBORDecodeError) as exc:
             logger.warning("error-feedback residual %s unreadable (%s); starting from zero", where, exc)
             return False
         if sha != self.model_sha256 or W.shape != self.shape or b.shape != (self.shape[1],):
@@ -113,6 +122,22 @@ class ErrorFeedback:
             round=np.int64(self.round),
         )
         return buf.getvalue()
+
+    def carry_bytes(self) -> bytes:
+        """The residual in its compact form, the copy the outbox record carries before the publish.
+
+        A CBOR map ``{"W": float32 [D, K], "b": float32 [K], "model_sha256": str, "round": int}``, the
+        arrays RFC 8746 typed arrays (tag 40 over tag 85); :meth:`load_bytes` reads it as it reads
+        the ``.npz`` file. Source: RFC 8949, RFC 8746 §2.1, §3.1.1.
+        """
+        return cbor2.dumps(
+            {
+                "W": encode_array(self.residual_W),
+                "b": encode_array(self.residual_b),
+                "model_sha256": self.model_sha256,
+                "round": self.round,
+            }
+        )
 
     def save(self) -> None:
         """Write the residual file atomically (after a :meth:`compress` with ``persist=False``).
@@ -269,3 +294,25 @@ class ErrorFeedback:
         """
         cW, cb, _ = self.compress(delta_W, delta_b, compression, topk_fraction=topk_fraction, seed=seed)
         return cW, cb
+
+
+_CARRY_HEAD = b"\xa4"  # a CBOR map of 4 pairs; an .npz (a zip file) starts with "PK"
+
+
+def _read_carry(data: bytes) -> tuple[F32, F32, str, int]:
+    """``(W, b, model_sha256, round)`` of :meth:`ErrorFeedback.carry_bytes`'s form.
+
+    Raises
+    ------
+    ValueError, DecodeError, cbor2.CBORDecodeError
+        If ``data`` is not that map.
+    """
+    obj = cbor2.loads(data)
+    if not isinstance(obj, dict):
+        raise ValueError("not a residual record")
+    if type(obj.get("model_sha256")) is not str or type(obj.get("round")) is not int:
+        raise ValueError("residual record without its model or round")
+    floats = frozenset({"float32"})
+    W = decode_array(obj.get("W"), limits=DEFAULT_LIMITS, dtypes=floats, name="W")
+    b = decode_array(obj.get("b"), limits=DEFAULT_LIMITS, dtypes=floats, name="b")
+    return W, b, obj["model_sha256"], obj["round"]

@@ -119,3 +119,22 @@ def test_compressed_delta_of_another_layout_is_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="compressed delta is int8, the update says topk"):
         encode_update(update, compressed=packed)
+
+
+def test_carried_residual_compact_form_reads_back_like_the_file(tmp_path: Path) -> None:
+    """The outbox's copy (``carry_bytes``: CBOR of RFC 8746 typed arrays) and the file's ``.npz`` give
+    the same residual and round; a damaged copy, or one for another model, is ignored."""
+    fb = ErrorFeedback(tmp_path / "a", (3, 2), "sha-a")
+    dW = np.array([[3.0, 1.0], [0.5, 2.0], [-1.0, 0.25]], np.float32)
+    fb.compress(dW, np.array([1.0, -2.0], np.float32), Compression.TOPK, topk_fraction=0.25, round=4)
+    carry, npz = fb.carry_bytes(), fb.to_bytes()
+    assert carry[:1] == b"\xa4" and npz[:2] == b"PK"
+    for data in (carry, npz):
+        other = ErrorFeedback(tmp_path / "b", (3, 2), "sha-a")
+        assert other.load_bytes(data, "test")
+        assert other.residual_W.tobytes() == fb.residual_W.tobytes()
+        assert other.residual_b.tobytes() == fb.residual_b.tobytes() and other.round == 4
+    fresh = ErrorFeedback(tmp_path / "c", (3, 2), "sha-a")
+    assert not fresh.load_bytes(carry[:-3], "truncated")
+    assert not ErrorFeedback(tmp_path / "d", (3, 2), "sha-b").load_bytes(carry, "other model")
+    assert not fresh.residual_W.any() and fresh.round == -1
