@@ -176,6 +176,7 @@ def train_local(
     grad_b = np.empty(K, np.float32)
     rows = np.arange(step, dtype=np.int64)
     lr32 = np.float32(lr)
+    whole = False  # the buffer holds every sample (one chunk, read whole in the last epoch)
     for _ in range(local_epochs):
         if stop_at is not None and time.perf_counter() > stop_at:
             break
@@ -190,6 +191,7 @@ def train_local(
             # slots sorted (the store's pages in order), then shuffled within the chunk
             sel = np.sort(order[start : start + m])[np.argsort(within[start : start + m])]
             store.read(sel, emb[:m], lbl[:m])
+            whole = m == n
             for s in range(0, m, batch_size):
                 e = emb[s : min(m, s + batch_size)]
                 y = lbl[s : s + e.shape[0]]
@@ -221,11 +223,14 @@ def train_local(
     correct = 0
     final = Head(head.W + delta_W, head.b + delta_b, head.version)
     # the same n samples that were trained on (the store may grow meanwhile if a caller adds to it),
-    # in storage order, through the same chunk buffer
+    # through the same chunk buffer; when one chunk held them all it holds them still (in the last
+    # epoch's order: the sums below differ from storage order's in the last bits at most), and the
+    # store is not read again (issue 17: a read of the whole store before every update)
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
         e, y = emb[:m], lbl[:m]
-        store.read(np.arange(start, start + m, dtype=np.int64), e, y)
+        if not whole:
+            store.read(np.arange(start, start + m, dtype=np.int64), e, y)
         if K == 1:
             loss, _, _ = loss_and_grad(final.W, final.b, e, y)
             pred = final.predict(e)
