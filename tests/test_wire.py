@@ -14,7 +14,13 @@ from edgefl.errors import DecodeError
 from edgefl.wire import arrays, cbor, chunking, codec, compression, messages, signing
 from edgefl.wire.cbor import ALLOWED_TAGS, DEFAULT_LIMITS, SCHEMA_VERSION, prescan
 from edgefl.wire.chunking import is_chunk, split_message
-from edgefl.wire.compression import Compression, compress_delta, compress_head_delta, delta_wire_bytes
+from edgefl.wire.compression import (
+    Compression,
+    compress_delta,
+    compress_head_delta,
+    decompress_delta,
+    delta_wire_bytes,
+)
 from edgefl.wire.messages import (
     DeviceStatus,
     GlobalModel,
@@ -241,6 +247,17 @@ def test_compressed_delta_round_trips_and_matches_the_decoder() -> None:
         np.testing.assert_array_equal(got.delta_b, packed.decoded_b)
         if mode is Compression.NONE:
             np.testing.assert_array_equal(packed.decoded_W, u.delta_W)
+    # the dense int8 decode the sender computes itself (no re-read of its bytes) is the decoder's,
+    # bit for bit: an all-zero output unit (scale 0), values over 30 binary orders, stochastic rounding
+    rng = np.random.default_rng(9)
+    W = (rng.normal(size=(300, 7)) * 2.0 ** rng.integers(-20, 10, size=(300, 7))).astype(np.float32)
+    W[:, 3] = 0.0
+    for stochastic in (None, np.random.default_rng(2)):
+        packed = compress_head_delta(W, W[0], Compression.INT8, rng=stochastic)
+        assert not packed.decoded_W[:, 3].any()
+        for sub, dense, shape in ((packed.W, packed.decoded_W, W.shape), (packed.b, packed.decoded_b, (7,))):
+            wire = decompress_delta(sub, shape, limits=DEFAULT_LIMITS, compression=Compression.INT8)
+            assert wire.tobytes() == dense.tobytes()
     with pytest.raises(ValueError, match="NaN"):
         compress_head_delta(np.full((2, 2), np.nan, np.float32), np.zeros(2, np.float32), Compression.INT8)
 
