@@ -164,8 +164,10 @@ class Agent:
         self._idle_work = asyncio.Event()  # deferred writes or a trim wait (housekeeping_loop)
         self._control_activity = asyncio.Event()  # a round or global message arrived or was handled
         self._control_busy = False
-        self._control_idle = asyncio.Event()  # set while no round or global message is in hand
-        self._control_idle.set()
+        # the status may be checked now: no round or global message in hand, or a (re)connect's
+        # status is due (the broker may hold the "offline" will: it never waits for a round)
+        self._status_go = asyncio.Event()
+        self._status_go.set()
         self.governor = self.core.governor
         self.max_packet_bytes = profile.broker.max_packet_bytes
         self.reassembler = Reassembler(
@@ -438,13 +440,14 @@ class Agent:
         while True:
             msg = await self._control.get()
             self._control_busy = True
-            self._control_idle.clear()
+            if not self._status_connected:
+                self._status_go.clear()
             try:
                 await self.handle(msg)
             finally:
                 self._control_busy = False
                 if self._control.empty():
-                    self._control_idle.set()
+                    self._status_go.set()
                 self._control_activity.set()
                 self._want_housekeeping()
 
@@ -627,6 +630,7 @@ class Agent:
 
     def _on_transport_connect(self) -> None:
         self._status_connected = True  # the next status check publishes (the broker may hold the will)
+        self._status_go.set()  # ... at once, even beside a round
         self._reconnected.set()
         self._changed()
 
@@ -802,8 +806,8 @@ class Agent:
             await wait_event(self._status_dirty, cfg.interval_s)
             # a round marks the status changed at each step (received, trained, sent, acknowledged):
             # checked once when its messages are handled, not beside its training and publish
-            # (issue 17, round time); never later than one interval
-            await wait_event(self._control_idle, cfg.interval_s)
+            # (issue 17, round time); never later than one interval, at once after a (re)connect
+            await wait_event(self._status_go, cfg.interval_s)
             self._status_dirty.clear()
             try:
                 await self.retry_deferred()

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 
@@ -58,57 +58,86 @@ _V1_UNLIMITED = 1 << 62
 
 # --- /proc readers ------------------------------------------------------------------------------
 _OWN_FILES_LOCK = threading.Lock()
-_own_pid = 0
 _own_fds: dict[str, int] = {}
+# what each kept file starts with: a descriptor whose number was closed and reused under us reads
+# something else, and is dropped rather than trusted (statm starts with a digit)
+_OWN_HEADS: Final = {"self/status": "Name:", "meminfo": "MemTotal:", "self/statm": ""}
 
 
-def _own_fd(name: str, flags: int) -> int:
-    """A descriptor kept open on ``/proc/<name>`` of this process (``self/statm``, ``meminfo``...).
+def _forget_own_fds() -> None:
+    """In a forked child (``os.register_at_fork``): the kept descriptors name the parent's files."""
+    global _OWN_FILES_LOCK
+    _OWN_FILES_LOCK = threading.Lock()  # another thread may have held the parent's at the fork
+    for inherited in _own_fds.values():
+        with suppress(OSError):
+            os.close(inherited)
+    _own_fds.clear()
+
+
+os.register_at_fork(after_in_child=_forget_own_fds)
+
+
+def _own_fd(name: str) -> int:
+    """A read-only descriptor kept open on ``/proc/<name>`` (``self/statm``, ``self/status``, ``meminfo``).
 
     A round reads these files a dozen times; opening, reading through a Python file object and
     closing each time cost 27-64 us a read here, a ``pread`` on a kept descriptor 1-12 us (issue 17,
-    the device's CPU per round). A forked child opens its own (the parent's name its parent's files).
+    the device's CPU per round). A forked child opens its own (:func:`_forget_own_fds`).
     """
-    global _own_pid
-    pid = os.getpid()
     with _OWN_FILES_LOCK:
-        if pid != _own_pid:
-            for inherited in _own_fds.values():  # the child's copies of its parent's descriptors
-                with suppress(OSError):
-                    os.close(inherited)
-            _own_fds.clear()
-            _own_pid = pid
         fd = _own_fds.get(name)
         if fd is None:
-            fd = _own_fds[name] = os.open(f"/proc/{name}", flags | os.O_CLOEXEC)
+            fd = _own_fds[name] = os.open(f"/proc/{name}", os.O_RDONLY | os.O_CLOEXEC)
         return fd
 
 
-def _drop_own_fd(name: str) -> None:
+_clear_refs_ident: tuple[int, int] = (-1, -1)
+
+
+def _clear_refs_fd() -> tuple[int, tuple[int, int]]:
+    """The kept write-only descriptor on ``/proc/self/clear_refs`` and the (device, inode) it had."""
+    global _clear_refs_ident
     with _OWN_FILES_LOCK:
-        fd = _own_fds.pop(name, None)
-    if fd is not None:
-        with suppress(OSError):
-            os.close(fd)
+        fd = _own_fds.get("self/clear_refs")
+        if fd is None:
+            fd = _own_fds["self/clear_refs"] = os.open("/proc/self/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
+            st = os.fstat(fd)
+            _clear_refs_ident = (st.st_dev, st.st_ino)
+        return fd, _clear_refs_ident
+
+
+def _drop_own_fd(name: str) -> None:
+    """Forget a kept descriptor that failed or reads another file, without closing it.
+
+    Its number may belong to another part of the process by now: at worst one descriptor leaks
+    (``O_CLOEXEC``).
+    """
+    with _OWN_FILES_LOCK:
+        _own_fds.pop(name, None)
 
 
 def _read_proc(proc: Path, pid: int | str | None, filename: str) -> str:
     """The text of ``<proc>/<pid>/<filename>`` (``<proc>/<filename>`` for pid None).
 
-    This process's own files under the real ``/proc`` are read with ``pread`` on a kept descriptor
-    (:func:`_own_fd`); any other path (another process, a test's fake ``/proc``) is opened each time.
+    This process's own ``statm``, ``status`` and ``meminfo`` under the real ``/proc`` are read with
+    ``pread`` on a kept descriptor (:func:`_own_fd`), checked by their first bytes; any other path
+    (another process, a test's fake ``/proc``), or a kept read that fails, is opened each time.
 
     Raises
     ------
     OSError
         If the file cannot be read.
     """
-    if proc == PROC and pid in ("self", None):
-        name = filename if pid is None else f"self/{filename}"
+    name = filename if pid is None else f"self/{filename}"
+    head = _OWN_HEADS.get(name) if proc == PROC and pid in ("self", None) else None
+    if head is not None:
         try:
-            return os.pread(_own_fd(name, os.O_RDONLY), 16384, 0).decode("ascii", "replace")
+            text = os.pread(_own_fd(name), 16384, 0).decode("ascii", "replace")
         except OSError:
-            _drop_own_fd(name)  # opened again next time (or the plain read below says why it fails)
+            text = ""
+        if text.startswith(head) and (head or text[:1].isdigit()):
+            return text
+        _drop_own_fd(name)  # opened again next time (or the plain read below says why it fails)
     path = proc / filename if pid is None else proc / str(pid) / filename
     return path.read_text()
 
@@ -130,7 +159,8 @@ def _status_kb(pid: int | str, key: str, proc: Path = PROC) -> int:
     at = text.find(f"\n{key}:")
     if at < 0:
         raise OSError(f"{proc}/{pid}/status has no {key}")
-    return int(text[at + len(key) + 2 : text.find("\n", at + 1)].split()[0]) * 1024
+    end = text.find("\n", at + 1)
+    return int(text[at + len(key) + 2 : end if end >= 0 else None].split()[0]) * 1024
 
 
 def peak_rss_bytes(pid: int | str = "self", *, proc: Path = PROC) -> int:
@@ -184,7 +214,8 @@ def system_available_bytes(*, proc: Path = PROC) -> int:
     at = text.find("\nMemAvailable:")
     if at < 0:
         raise OSError(f"{proc}/meminfo has no MemAvailable")
-    return int(text[at + 14 : text.find("\n", at + 1)].split()[0]) * 1024
+    end = text.find("\n", at + 1)
+    return int(text[at + 14 : end if end >= 0 else None].split()[0]) * 1024
 
 
 def reset_peak(*, proc: Path = PROC) -> bool:
@@ -194,10 +225,16 @@ def reset_peak(*, proc: Path = PROC) -> bool:
     """
     if proc == PROC:
         try:
-            os.write(_own_fd("self/clear_refs", os.O_WRONLY), b"5")
-            return True
+            # a kept descriptor (a round resets the peak at every phase), written only while it is
+            # still the file opened: an fstat (~1 us) against the open's (device, inode)
+            fd, ident = _clear_refs_fd()
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == ident:
+                os.write(fd, b"5")
+                return True
         except OSError:
-            _drop_own_fd("self/clear_refs")
+            pass
+        _drop_own_fd("self/clear_refs")
     try:
         with open(proc / "self" / "clear_refs", "w") as f:
             f.write("5")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -230,3 +231,72 @@ def test_status_evaluation_travels_in_the_update() -> None:
         with _pytest.raises(DecodeError) as info:
             decode_update(cbor2.dumps(bad))
         assert info.value.reason == reason, (info.value, reason)
+
+
+def test_status_after_a_reconnect_is_published_at_once_beside_a_long_round(tmp_path: Path) -> None:
+    """A device's status check waits while a round is in hand (one check after the round, not three
+    beside its training), except after a (re)connect: the broker may hold the "offline" will, and
+    the coordinator leaves an offline device out of rounds. The broker restarts while the device
+    trains a round of many epochs (status checked every 30 s): its status comes back, saying
+    "training", while the round still trains."""
+    from conftest import restart_mosquitto, start_mosquitto
+
+    from edgefl.wire.codec import Compression, RoundAnnouncement, encode_round
+
+    broker = start_mosquitto(tmp_path)
+    fleet = "reconnect"
+    x, y = load_digits()
+    proc = start_replay_agent(
+        broker, fleet, tmp_path, "dev-1", x[:1600], y[:1600],
+        status__interval_s="30", status__heartbeat_s="3600",
+    )
+    topics = Topics("edgefl", fleet)
+    ann = RoundAnnouncement(
+        round=1, base_version=0, deadline_s=600.0, local_epochs=1000, lr=0.001, batch_size=16,
+        min_clients=1, selected=1.0, compression=Compression.NONE, topk_fraction=0.1, prox_mu=0.0,
+    )
+
+    async def watch(b: Broker) -> dict[str, Any]:
+        t = MqttTransport(b.host, b.port, f"peer-{fleet}")
+        await t.start(wait_s=10)
+        await t.subscribe(topics.status("dev-1"), 1)
+        try:
+            async with asyncio.timeout(20):
+                f = await next_status_fields(t)
+                while f.get("state") != "training":
+                    f = await next_status_fields(t)
+            return f
+        finally:
+            await t.stop()
+
+    async def until_ready_then_round() -> None:
+        t = MqttTransport(broker.host, broker.port, f"coord-{fleet}")
+        await t.start(wait_s=10)
+        await t.subscribe(topics.status("dev-1"), 1)
+        try:
+            async with asyncio.timeout(90):
+                f = await next_status_fields(t)
+                while not f.get("ready"):
+                    f = await next_status_fields(t)
+            await t.publish(topics.round, encode_round(ann), qos=1, retain=False)
+            await asyncio.sleep(1.0)  # the device is training (1,000 epochs of ~100 steps: seconds)
+        finally:
+            await t.stop()
+
+    try:
+        asyncio.run(until_ready_then_round())
+        broker.proc.terminate()
+        broker.proc.wait(timeout=10)
+        broker = restart_mosquitto(broker)  # no persistence: no will, no retained status left
+        t0 = time.monotonic()
+        fields = asyncio.run(watch(broker))
+        waited = time.monotonic() - t0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        broker.proc.terminate()
+        broker.proc.wait(timeout=10)
+    # published after the reconnect while the round was still training (before the fix: after the
+    # round, or at the next 30 s check)
+    assert fields["state"] == "training"
+    assert waited < 20
