@@ -11,8 +11,9 @@ coordinator the announcement, each update's arrival and ``publish_global``; the 
 MQTT packet passed it. Wrappers add a few microseconds a call; nothing else differs from the product.
 
 Run: ``.venv/bin/python -m bench.round_trace [--rounds 7] [--nodelay] [--json PATH]`` prints, per
-phase, the median over rounds 2.. of its start and end in ms after ``run_round`` began, and one
-round's full timeline.
+phase, the median over rounds 2.. of its start and end in ms after ``run_round`` began, the CPU
+each process used from a round's start to its aggregation (every thread's, ``schedstat``), and one
+round's full timeline; a synchronous step's ``cpu=`` is its thread's own CPU time.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -66,6 +68,16 @@ def _wrap(owner: Any, attr: str, name: str, detail: Callable[..., str] | None = 
                 _rec(name, (detail(*a, **k) if detail else "") + cpu, t0, time.time())
 
         setattr(owner, attr, wrapped)
+
+
+def process_cpu_ms(pid: int) -> float:
+    """CPU time of every thread of process ``pid`` so far, in ms (``/proc/<pid>/task/*/schedstat``,
+    field 1: ns on a CPU); threads that ended before the read are not counted."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total += int(task.read_text().split()[0])
+    return total / 1e6
 
 
 def _topic_kind(topic: str) -> str:
@@ -259,9 +271,26 @@ def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) 
                         cwd=peer.HERE.parent,
                     )
                 )
+        # CPU of each process from a round's start to its aggregation (the coordinator is this process)
+        pids = {"coordinator": os.getpid(), "dev-1": procs[0].pid, "dev-2": procs[1].pid}
+        cpu: dict[int, dict[str, float]] = {}
+        timed = peer._TimedCoordinator
+        orig_round, orig_publish = timed.run_round, timed.publish_global
+
+        async def run_round(self: Any, round_no: int, *a: Any, **k: Any) -> Any:
+            cpu[round_no] = {who: -process_cpu_ms(pid) for who, pid in pids.items()}
+            return await orig_round(self, round_no, *a, **k)
+
+        async def publish_global(self: Any, round_no: int) -> None:
+            if round_no in cpu:
+                cpu[round_no] = {who: ms + process_cpu_ms(pids[who]) for who, ms in cpu[round_no].items()}
+            await orig_publish(self, round_no)
+
+        timed.run_round, timed.publish_global = run_round, publish_global  # type: ignore[method-assign]
         try:
             starts, coord = asyncio.run(peer._edgefl_rounds(port, job, v, fleet))
         finally:
+            timed.run_round, timed.publish_global = orig_round, orig_publish  # type: ignore[method-assign]
             stop_agents(procs)
             rows = proxy.stop()
     events = [("coord:" + e[0].removeprefix("coord:"), *e[1:]) for e in coord_events]
@@ -273,6 +302,7 @@ def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) 
         "coordinator": events,
         "agents": per_agent,
         "proxy": proxy_events,
+        "cpu_ms": cpu,
         "loadavg": os.getloadavg(),
     }
 
@@ -379,6 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\nphase (median over rounds 2.., both devices) | starts ms | ends ms | takes ms")
     for label, s, e, d in summarize(doc, args.rounds):
         print(f"{label:48} {s:8.1f} {e:8.1f} {d:8.2f}")
+    rounds = [r for r in range(2, args.rounds + 1) if r in doc["cpu_ms"]]
+    if rounds:
+        print("\nCPU per round (start -> aggregation), median over rounds 2.., ms:")
+        for who in doc["cpu_ms"][rounds[0]]:
+            print(f"  {who:12} {statistics.median(doc['cpu_ms'][r][who] for r in rounds):7.2f}")
     print(f"\nround {args.show_round}: start ms, end ms, takes ms, who, thread, event")
     print("\n".join(timeline(doc, args.show_round)))
     if args.json is not None:
