@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +234,10 @@ def test_status_evaluation_travels_in_the_update() -> None:
         assert info.value.reason == reason, (info.value, reason)
 
 
+def _training(fields: dict[str, Any]) -> bool:
+    return fields.get("state") == "training"
+
+
 def test_status_after_a_reconnect_is_published_at_once_beside_a_long_round(tmp_path: Path) -> None:
     """A device's status check waits while a round is in hand (one check after the round, not three
     beside its training), except after a (re)connect: the broker may hold the "offline" will, and
@@ -256,40 +261,32 @@ def test_status_after_a_reconnect_is_published_at_once_beside_a_long_round(tmp_p
         min_clients=1, selected=1.0, compression=Compression.NONE, topk_fraction=0.1, prox_mu=0.0,
     )
 
-    async def watch(b: Broker) -> dict[str, Any]:
-        t = MqttTransport(b.host, b.port, f"peer-{fleet}")
+    async def statuses_until(
+        b: Broker, client: str, timeout_s: float, done: Callable[[dict[str, Any]], bool], announce: bool
+    ) -> dict[str, Any]:
+        """dev-1's statuses on ``b`` until ``done`` holds; then, with ``announce``, the round."""
+        t = MqttTransport(b.host, b.port, f"{client}-{fleet}")
         await t.start(wait_s=10)
         await t.subscribe(topics.status("dev-1"), 1)
         try:
-            async with asyncio.timeout(20):
+            async with asyncio.timeout(timeout_s):
                 f = await next_status_fields(t)
-                while f.get("state") != "training":
+                while not done(f):
                     f = await next_status_fields(t)
+            if announce:
+                await t.publish(topics.round, encode_round(ann), qos=1, retain=False)
+                await asyncio.sleep(1.0)  # the device is training (1,000 epochs of ~100 steps: seconds)
             return f
         finally:
             await t.stop()
 
-    async def until_ready_then_round() -> None:
-        t = MqttTransport(broker.host, broker.port, f"coord-{fleet}")
-        await t.start(wait_s=10)
-        await t.subscribe(topics.status("dev-1"), 1)
-        try:
-            async with asyncio.timeout(90):
-                f = await next_status_fields(t)
-                while not f.get("ready"):
-                    f = await next_status_fields(t)
-            await t.publish(topics.round, encode_round(ann), qos=1, retain=False)
-            await asyncio.sleep(1.0)  # the device is training (1,000 epochs of ~100 steps: seconds)
-        finally:
-            await t.stop()
-
     try:
-        asyncio.run(until_ready_then_round())
+        asyncio.run(statuses_until(broker, "coord", 90, lambda f: bool(f.get("ready")), announce=True))
         broker.proc.terminate()
         broker.proc.wait(timeout=10)
         broker = restart_mosquitto(broker)  # no persistence: no will, no retained status left
         t0 = time.monotonic()
-        fields = asyncio.run(watch(broker))
+        training = asyncio.run(statuses_until(broker, "peer", 20, _training, False))
         waited = time.monotonic() - t0
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -298,5 +295,5 @@ def test_status_after_a_reconnect_is_published_at_once_beside_a_long_round(tmp_p
         broker.proc.wait(timeout=10)
     # published after the reconnect while the round was still training (before the fix: after the
     # round, or at the next 30 s check)
-    assert fields["state"] == "training"
+    assert training["state"] == "training"
     assert waited < 20
