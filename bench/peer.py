@@ -163,14 +163,14 @@ async def _proxy_main(log_path: str, specs: Sequence[str]) -> None:
         sock = server_sock if quick else None
         try:
             while data := await reader.read(65536):
+                now = time.time()
+                writer.write(data)  # forwarded first: the counting below is not on the message's path
                 if sock is not None:
                     quickack(sock)
-                now = time.time()
                 if splitter is None:
                     counts.append((now, label, way, len(data), "-"))
                 else:
                     counts.extend((now, label, way, n, kind) for kind, n in splitter.feed(data))
-                writer.write(data)
                 await writer.drain()
         except (ConnectionError, asyncio.CancelledError):
             pass
