@@ -570,6 +570,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         metavar="N",
         help="only edgefl's agents' peak RSS: the int8 variant N times with the dashboard on and off",
     )
+    p.add_argument(
+        "--tmp-root",
+        type=Path,
+        default=None,
+        help="folder for the run's files, the agents' state included (default: the system's temporary "
+        "folder); a tmpfs mount (memory) makes a device's durable write free, to measure what it costs",
+    )
     args = p.parse_args(args_in)
     if args.rss_only > 0:
         out = rss_only(args.rss_only)
@@ -582,7 +589,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     ensure_flower(args.flower_venv)
     runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="peer-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="peer-", dir=args.tmp_root) as tmp:
         work = Path(tmp)
         job = make_job(work)
         for rep in range(args.repeats):
