@@ -257,7 +257,7 @@ def test_status_after_a_reconnect_is_published_at_once_beside_a_long_round(tmp_p
     )
     topics = Topics("edgefl", fleet)
     ann = RoundAnnouncement(
-        round=1, base_version=0, deadline_s=600.0, local_epochs=1000, lr=0.001, batch_size=16,
+        round=1, base_version=0, deadline_s=600.0, local_epochs=1000, lr=0.001, batch_size=8,
         min_clients=1, selected=1.0, compression=Compression.NONE, topk_fraction=0.1, prox_mu=0.0,
     )
 
@@ -275,7 +275,7 @@ def test_status_after_a_reconnect_is_published_at_once_beside_a_long_round(tmp_p
                     f = await next_status_fields(t)
             if announce:
                 await t.publish(topics.round, encode_round(ann), qos=1, retain=False)
-                await asyncio.sleep(1.0)  # the device is training (1,000 epochs of ~100 steps: seconds)
+                await asyncio.sleep(1.0)  # the device is training (1,000 epochs of 200 steps: 10 s or more)
             return f
         finally:
             await t.stop()
