@@ -58,7 +58,7 @@ _V1_UNLIMITED = 1 << 62
 
 # --- /proc readers ------------------------------------------------------------------------------
 _OWN_FILES_LOCK = threading.Lock()
-_own_fds: dict[str, int] = {}
+_own_fds: dict[str, tuple[int, tuple[int, int]]] = {}  # name -> (descriptor, (device, inode))
 # what each kept file starts with: a descriptor whose number was closed and reused under us reads
 # something else, and is dropped rather than trusted (statm starts with a digit)
 _OWN_HEADS: Final = {"self/status": "Name:", "meminfo": "MemTotal:", "self/statm": ""}
@@ -68,7 +68,7 @@ def _forget_own_fds() -> None:
     """In a forked child (``os.register_at_fork``): the kept descriptors name the parent's files."""
     global _OWN_FILES_LOCK
     _OWN_FILES_LOCK = threading.Lock()  # another thread may have held the parent's at the fork
-    for inherited in _own_fds.values():
+    for inherited, _ in _own_fds.values():
         with suppress(OSError):
             os.close(inherited)
     _own_fds.clear()
@@ -77,33 +77,44 @@ def _forget_own_fds() -> None:
 os.register_at_fork(after_in_child=_forget_own_fds)
 
 
-def _own_fd(name: str) -> int:
-    """A read-only descriptor kept open on ``/proc/<name>`` (``self/statm``, ``self/status``, ``meminfo``).
+def _own_fd(name: str, flags: int = os.O_RDONLY) -> tuple[int, tuple[int, int]]:
+    """A descriptor kept open on ``/proc/<name>`` and the (device, inode) it had when opened.
 
-    A round reads these files a dozen times; opening, reading through a Python file object and
-    closing each time cost 27-64 us a read here, a ``pread`` on a kept descriptor 1-12 us (issue 17,
-    the device's CPU per round). A forked child opens its own (:func:`_forget_own_fds`).
+    ``name`` is ``self/statm``, ``self/status``, ``meminfo`` or ``self/clear_refs``. A round reads
+    these files a dozen times and resets the peak at every phase; opening, reading through a Python
+    file object and closing each time cost 27-64 us here, a ``pread``/``write`` on a kept
+    descriptor 1-12 us (issue 17, the device's CPU per round). A forked child opens its own
+    (:func:`_forget_own_fds`).
+
+    Raises
+    ------
+    OSError
+        If the file cannot be opened.
     """
     with _OWN_FILES_LOCK:
-        fd = _own_fds.get(name)
-        if fd is None:
-            fd = _own_fds[name] = os.open(f"/proc/{name}", os.O_RDONLY | os.O_CLOEXEC)
-        return fd
-
-
-_clear_refs_ident: tuple[int, int] = (-1, -1)
-
-
-def _clear_refs_fd() -> tuple[int, tuple[int, int]]:
-    """The kept write-only descriptor on ``/proc/self/clear_refs`` and the (device, inode) it had."""
-    global _clear_refs_ident
-    with _OWN_FILES_LOCK:
-        fd = _own_fds.get("self/clear_refs")
-        if fd is None:
-            fd = _own_fds["self/clear_refs"] = os.open("/proc/self/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
+        kept = _own_fds.get(name)
+        if kept is None:
+            fd = os.open(f"/proc/{name}", flags | os.O_CLOEXEC)
             st = os.fstat(fd)
-            _clear_refs_ident = (st.st_dev, st.st_ino)
-        return fd, _clear_refs_ident
+            kept = _own_fds[name] = (fd, (st.st_dev, st.st_ino))
+        return kept
+
+
+def _write_own(name: str, data: bytes) -> bool:
+    """Write ``data`` through the kept descriptor on ``/proc/<name>``; whether it was written.
+
+    False if the write failed or the descriptor no longer names that file (its number closed and
+    reused under us: checked by an fstat, ~1 us, before writing).
+    """
+    try:
+        fd, ident = _own_fd(name, os.O_WRONLY)
+        st = os.fstat(fd)
+        written = (st.st_dev, st.st_ino) == ident and os.write(fd, data) == len(data)
+    except OSError:
+        written = False
+    if not written:
+        _drop_own_fd(name)  # opened again next time; the caller falls back to a plain write
+    return written
 
 
 def _drop_own_fd(name: str) -> None:
@@ -132,7 +143,7 @@ def _read_proc(proc: Path, pid: int | str | None, filename: str) -> str:
     head = _OWN_HEADS.get(name) if proc == PROC and pid in ("self", None) else None
     if head is not None:
         try:
-            text = os.pread(_own_fd(name), 16384, 0).decode("ascii", "replace")
+            text = os.pread(_own_fd(name)[0], 16384, 0).decode("ascii", "replace")
         except OSError:
             text = ""
         if text.startswith(head) and (head or text[:1].isdigit()):
@@ -223,18 +234,8 @@ def reset_peak(*, proc: Path = PROC) -> bool:
 
     Source: proc(5), ``/proc/<pid>/clear_refs``: writing 5 resets the peak resident set size.
     """
-    if proc == PROC:
-        try:
-            # a kept descriptor (a round resets the peak at every phase), written only while it is
-            # still the file opened: an fstat (~1 us) against the open's (device, inode)
-            fd, ident = _clear_refs_fd()
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) == ident:
-                os.write(fd, b"5")
-                return True
-        except OSError:
-            pass
-        _drop_own_fd("self/clear_refs")
+    if proc == PROC and _write_own("self/clear_refs", b"5"):
+        return True
     try:
         with open(proc / "self" / "clear_refs", "w") as f:
             f.write("5")

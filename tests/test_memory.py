@@ -609,12 +609,20 @@ def test_own_proc_files_are_read_live_through_kept_descriptors_and_a_forked_chil
     fresh = next(ln for ln in meminfo if ln.startswith("MemAvailable:"))
     assert abs(memory.system_available_bytes() - int(fresh.split()[1]) * 1024) < 256 * mib
     # a kept descriptor whose number now names another file (closed and reused under us) is dropped
-    kept = memory._own_fds["self/statm"]
+    kept = memory._own_fds["self/statm"][0]
     other = os.open("/proc/self/status", os.O_RDONLY)
     os.dup2(other, kept)
     os.close(other)
     fresh_rss = int(Path("/proc/self/statm").read_text().split()[1]) * memory.PAGE_BYTES
     assert abs(memory.rss_bytes() - fresh_rss) < 16 * mib
+    # the same for the kept clear_refs descriptor, recognised by its inode before any write
+    kept = memory._own_fds["self/clear_refs"][0]
+    other = os.open("/proc/self/statm", os.O_RDONLY)
+    os.dup2(other, kept)
+    os.close(other)
+    assert memory.reset_peak()  # written through a fresh open, not into the statm it now names
+    assert "self/clear_refs" not in memory._own_fds
+    assert memory.reset_peak() and "self/clear_refs" in memory._own_fds  # kept again
     pid = os.fork()
     if pid == 0:  # the child: exit 0 only if its readings follow its own memory
         code = 1
