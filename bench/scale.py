@@ -476,13 +476,13 @@ class Uplink:
         self._writers.update(pair)
 
         async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            # a reset or cut connection ends the pump like an EOF: both sides are closed below
             try:
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            except (ConnectionError, OSError):
-                pass
-            finally:
+                with contextlib.suppress(ConnectionError, OSError):
+                    while data := await src.read(65536):
+                        dst.write(data)
+                        await dst.drain()
+            finally:  # cancelled too
                 for w in pair:
                     w.close()
                     self._writers.discard(w)
