@@ -249,6 +249,15 @@ class Devices:
         return W, b
 
 
+async def watch_and_start_tiers(tier: Tier) -> Devices:
+    """The devices' side watching both site brokers, then both site aggregators and the root started."""
+    dev = Devices(tier)
+    await dev.start()
+    for name in ("site-a", "site-b", "root"):
+        tier.start(name)
+    return dev
+
+
 def _assert_head(dev: Devices, version: int) -> None:
     W, b = dev.flat(version)
     for site in SITES:
@@ -295,10 +304,7 @@ def test_bridge_hierarch_two_sites_equal_flat_and_late_partial_refused(tier: Tie
     arriving in round 2 is refused by its round number (``stale_round``)."""
 
     async def main() -> None:
-        dev = Devices(tier)
-        await dev.start()
-        for name in ("site-a", "site-b", "root"):
-            tier.start(name)
+        dev = await watch_and_start_tiers(tier)
         try:
             await dev.head(0)
             for r in (1, 2):
@@ -341,10 +347,7 @@ def test_site_uplink_cut_counts_each_update_once(tier: Tier) -> None:
     and reaches the root when the link is back; every update id is counted once over 2 rounds."""
 
     async def main() -> None:
-        dev = Devices(tier)
-        await dev.start()
-        for name in ("site-a", "site-b", "root"):
-            tier.start(name)
+        dev = await watch_and_start_tiers(tier)
         try:
             await dev.head(0)
             base = await dev.announced(1)
@@ -397,10 +400,7 @@ def test_site_restart_mid_round(tier: Tier) -> None:
         return len(doc["open"]["update_ids"]) if doc.get("open") else 0
 
     async def main() -> None:
-        dev = Devices(tier)
-        await dev.start()
-        for name in ("site-a", "site-b", "root"):
-            tier.start(name)
+        dev = await watch_and_start_tiers(tier)
         try:
             await dev.head(0)
             base = await dev.announced(1)
@@ -452,10 +452,7 @@ def test_site_partial_resent_to_a_restarted_root(tier: Tier) -> None:
         tier.start("root")
 
     async def main() -> None:
-        dev = Devices(tier)
-        await dev.start()
-        for name in ("site-a", "site-b", "root"):
-            tier.start(name)
+        dev = await watch_and_start_tiers(tier)
         try:
             await dev.head(0)
             base = await dev.announced(1)
@@ -496,10 +493,7 @@ def test_bridge_root_broker_back_without_state_gets_partials_again(tmp_path: Pat
     tier.root_flags = ("--broker", f"mqtt://127.0.0.1:{root_link.port}")
 
     async def main() -> None:
-        dev = Devices(tier)
-        await dev.start()
-        for name in ("site-a", "site-b", "root"):
-            tier.start(name)
+        dev = await watch_and_start_tiers(tier)
         try:
             await dev.head(0)
             base = await dev.announced(1)
