@@ -4,10 +4,13 @@ broker restarts (lost/back logged once each), backoff with full jitter."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,13 +28,25 @@ from edgefl.wire.codec import decode_status
 pytestmark = pytest.mark.timeout(120)
 
 
+@contextlib.asynccontextmanager
+async def two_clients(
+    broker: Broker, fleet: str, **b_options: Any
+) -> AsyncIterator[tuple[MqttTransport, MqttTransport]]:
+    """Clients ``a-<fleet>`` and ``b-<fleet>`` (``b_options`` for b's transport) started, then stopped."""
+    a = MqttTransport(broker.host, broker.port, f"a-{fleet}")
+    b = MqttTransport(broker.host, broker.port, f"b-{fleet}", **b_options)
+    await a.start()
+    await b.start()
+    try:
+        yield a, b
+    finally:
+        await a.stop()
+        await b.stop()
+
+
 def test_transport_roundtrip_puback_and_retained(mosquitto: Broker, fleet: str) -> None:
     async def main() -> None:
-        a = MqttTransport(mosquitto.host, mosquitto.port, f"a-{fleet}")
-        b = MqttTransport(mosquitto.host, mosquitto.port, f"b-{fleet}")
-        await a.start()
-        await b.start()
-        try:
+        async with two_clients(mosquitto, fleet) as (a, b):
             await b.subscribe(f"{fleet}/x", 1)  # returns after the SUBACK: no sleep needed
             await a.publish(f"{fleet}/x", b"hello", qos=1)  # returns only after the PUBACK
             msg = await asyncio.wait_for(b.queue.get(), 5)
@@ -43,9 +58,6 @@ def test_transport_roundtrip_puback_and_retained(mosquitto: Broker, fleet: str) 
             late = await asyncio.wait_for(c.queue.get(), 5)
             assert (late.payload, late.retain) == (b"kept", True)
             await c.stop()
-        finally:
-            await a.stop()
-            await b.stop()
 
     asyncio.run(main())
 
@@ -57,11 +69,7 @@ def test_transport_bounded_queue_holds_qos1_unacknowledged_and_drops_only_qos0(
     """A QoS 1 burst into a full queue waits unacknowledged (nothing lost); QoS 0 is dropped and counted."""
 
     async def main() -> None:
-        a = MqttTransport(mosquitto.host, mosquitto.port, f"a-{fleet}")
-        b = MqttTransport(mosquitto.host, mosquitto.port, f"b-{fleet}", queue_size=3, protocol=protocol)
-        await a.start()
-        await b.start()
-        try:
+        async with two_clients(mosquitto, fleet, queue_size=3, protocol=protocol) as (a, b):
             await b.subscribe(f"{fleet}/q", 1)
             for i in range(8):
                 await a.publish(f"{fleet}/q", bytes([i]), qos=1)
@@ -77,9 +85,6 @@ def test_transport_bounded_queue_holds_qos1_unacknowledged_and_drops_only_qos0(
             await a.publish(f"{fleet}/q0", b"end", qos=1)
             await wait_until(lambda: b.dropped_total == 6, 10, "6 dropped QoS 0 messages")
             assert [(await b.queue.get()).payload for _ in range(3)] == [b"\x00", b"\x01", b"\x02"]
-        finally:
-            await a.stop()
-            await b.stop()
 
     asyncio.run(main())
 
@@ -337,11 +342,7 @@ def test_quickack_rearmed_after_every_read(mosquitto: Broker, fleet: str) -> Non
     assert opt is not None
 
     async def main() -> None:
-        a = MqttTransport(mosquitto.host, mosquitto.port, f"a-{fleet}")
-        b = MqttTransport(mosquitto.host, mosquitto.port, f"b-{fleet}")
-        await a.start()
-        await b.start()
-        try:
+        async with two_clients(mosquitto, fleet) as (a, b):
             await b.subscribe(f"{fleet}/q", 0)
             client = b._client
             assert client is not None
@@ -353,9 +354,6 @@ def test_quickack_rearmed_after_every_read(mosquitto: Broker, fleet: str) -> Non
             msg = await asyncio.wait_for(b.queue.get(), 5)
             assert msg.payload == b"x"
             assert sock.getsockopt(socket.IPPROTO_TCP, opt) == 1
-        finally:
-            await a.stop()
-            await b.stop()
 
     asyncio.run(main())
 
