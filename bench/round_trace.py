@@ -246,6 +246,9 @@ def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) 
         lambda self, msg: _topic_kind(msg.topic) + " " + msg.topic.rsplit("/", 1)[-1],
     )
     _wrap(service.Coordinator, "run_round", "coord:run_round")
+    _wrap(service, "aggregate_checked", "coord:aggregate_checked")
+    _wrap(service.Coordinator, "_persist", "coord:persist")
+    _wrap(service.Round, "close", "coord:round.close")
     _probe_hops()
     _maybe_no_quickack()
     profile = peer.HERE.parent / "firmware_configs" / "dev_x86.toml"

@@ -1,9 +1,17 @@
 """MQTT transport: paho-mqtt 2.x (callback API v2) bridged into asyncio.
 
-paho runs its network loop in its own thread (``loop_start``); its callbacks only hop to the event
-loop with ``call_soon_threadsafe`` (STYLE.md rule 6); an exception in that thread (a callback, or
-paho's loop itself) is counted (``thread_errors_total``) and logged, never swallowed. Every public call
-is async with a timeout. Each connection is one paho client and one :class:`_Connection`: its QoS 1
+The event loop drives paho (paho's "external event loop" API: ``loop_read``, ``loop_write``,
+``loop_misc``): the connected socket is watched with ``add_reader``, a packet paho queues is written
+at once by the caller or on the loop's next turn (``add_writer`` only while the kernel's send buffer
+is full), and ``loop_misc`` runs every second for the keep-alive. Only the blocking connect (TCP and
+the TLS handshake) runs in a thread. A message reaches its handler without a thread switch, and a
+publish leaves without waking another thread (issue 17: the two hops of paho's own network thread
+were ~0.6-0.9 ms each on a loaded 2-core gateway, four of them on a round's critical path). paho's
+callbacks still only schedule the transport's handlers (``call_soon``, STYLE.md rule 6: nothing runs
+inside paho's locks); an exception in paho's network code or a socket callback is counted
+(``thread_errors_total``, the ``thread_errors`` counter: the name is from when paho had a thread of
+its own) and logged, never swallowed, and ends the connection. Every public call is async with a
+timeout. Each connection is one paho client and one :class:`_Connection`: its QoS 1
 publishes wait for their PUBACK and its subscribes for their SUBACK by ``mid`` inside it, and all of
 them fail with TransportError when it is lost (a new client's mids restart at 1). ``connected`` is set
 only once the renewed subscriptions are acknowledged. Incoming bytes pass :class:`PacketFilter`
@@ -27,6 +35,7 @@ import logging
 import random
 import socket
 import ssl
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +67,12 @@ HOLD_FACTOR = 4
 #: are the broker's, MQTT 5.0 §4.7.2). Its payload is ``b"<packet bytes>\n<topic>"``.
 OVERSIZE_TOPIC = "$edgefl/oversize"
 _DISCARD_READ_BYTES = 65_536  # socket read size while discarding an oversize packet's body
+#: Seconds between two ``loop_misc`` calls (keep-alive PINGREQ, and the end of a connection whose
+#: PINGRESP is overdue), paho's own loop's select timeout.
+MISC_INTERVAL_S = 1.0
+#: Packets read in one turn of the event loop when more wait above the socket (TLS, PacketFilter):
+#: the rest are read on the next turn, so a flood cannot hold the loop.
+READS_PER_TURN = 64
 
 
 class PacketFilter:
@@ -212,10 +227,10 @@ def remaining_length(n: int) -> bytes:
 
 
 class _Client(mqtt.Client):
-    """paho's client with a bounded read (:class:`PacketFilter`) and a counted network-thread crash.
+    """paho's client with a bounded read (:class:`PacketFilter`), driven by the event loop.
 
-    Overrides two paho 2.x internals: ``_sock_recv`` (every socket read) and ``_thread_main`` (the body
-    of ``loop_start``'s thread).
+    Uses three paho 2.x internals: ``_sock_recv`` (every socket read, overridden), and ``_sock_close``
+    and ``_ssl`` (:meth:`edgefl_close`, :meth:`edgefl_buffered`).
     """
 
     def __init__(self, *args: Any, max_incoming_packet_bytes: int, **kwargs: Any) -> None:
@@ -224,7 +239,22 @@ class _Client(mqtt.Client):
             max_incoming_packet_bytes, mqtt5=kwargs.get("protocol") == MQTTProtocolVersion.MQTTv5
         )
         self._edgefl_out = bytearray()
-        self._edgefl_on_thread_error: Callable[[BaseException], None] | None = None
+
+    def edgefl_buffered(self) -> bool:
+        """True when read bytes wait above the socket, where ``add_reader`` cannot see them.
+
+        Both places: :class:`PacketFilter`'s output beyond what paho asked for, and a TLS record
+        already decrypted by the ``ssl`` module (``SSLSocket.pending``).
+        """
+        if self._edgefl_out:
+            return True
+        sock = self._sock
+        pending = getattr(sock, "pending", None) if self._ssl else None
+        return bool(pending is not None and pending() > 0)
+
+    def edgefl_close(self) -> None:
+        """Close the socket if it is still open (paho's ``on_socket_close`` callback runs first)."""
+        self._sock_close()
 
     def _sock_recv(self, bufsize: int) -> bytes:
         while not self._edgefl_out:
@@ -239,14 +269,6 @@ class _Client(mqtt.Client):
         out = bytes(self._edgefl_out[:bufsize])
         del self._edgefl_out[:bufsize]
         return out
-
-    def _thread_main(self) -> None:
-        try:
-            super()._thread_main()  # type: ignore[misc]
-        except Exception as exc:  # paho's thread would die silently: count, log, let the supervisor act
-            if self._edgefl_on_thread_error is None:
-                raise
-            self._edgefl_on_thread_error(exc)
 
 
 TCP_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
@@ -328,6 +350,9 @@ class _Connection:
     subacks: dict[int, asyncio.Future[list[ReasonCode]]] = field(default_factory=dict)
     acked: bool = False  # a successful CONNACK arrived
     closed: bool = False
+    sock: Any = None  # the socket the event loop watches (None before the connect and after the close)
+    writing: bool = False  # the loop waits for the socket to be writable (the send buffer was full)
+    misc: asyncio.TimerHandle | None = None  # the next ``loop_misc`` (keep-alive)
 
     def fail_all(self, reason: str) -> None:
         """Fail every pending PUBACK/SUBACK future with ``TransportError(reason)``; mark closed."""
@@ -448,6 +473,7 @@ class MqttTransport:
         self._lost_logged = False
         self._subscriptions: dict[str, tuple[int, bool]] = {}  # topic -> (qos, live_only)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0  # threading.get_ident() of the event loop's thread
         self._conn: _Connection | None = None
         self._mqtt5 = protocol in ("auto", "5")
         self._fallback_wanted = False
@@ -496,13 +522,20 @@ class MqttTransport:
 
     # --- paho thread side: hop to the loop, never raise -------------------------------------
     def _thread_error(self, where: str, exc: BaseException) -> None:
-        """Count and log an exception raised in paho's network thread (called in that thread)."""
+        """Count and log an exception raised in paho's network code or a socket callback (any thread)."""
         self.thread_errors_total += 1  # one int store under the GIL; read on the loop
-        logger.error("error in the MQTT network thread (%s): %r", where, exc, exc_info=exc)
+        logger.error("error in the MQTT network loop (%s): %r", where, exc, exc_info=exc)
 
     def _hop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Schedule ``fn(*args)`` on the event loop (paho's callbacks return at once, outside its locks).
+
+        ``call_soon`` on the loop's own thread, ``call_soon_threadsafe`` from the connect thread.
+        """
         loop = self._loop
         if loop is None or loop.is_closed():
+            return
+        if threading.get_ident() == self._loop_thread:
+            loop.call_soon(self._guard, fn, *args)
             return
         with contextlib.suppress(RuntimeError):  # loop closing during shutdown
             loop.call_soon_threadsafe(self._guard, fn, *args)
@@ -514,17 +547,20 @@ class MqttTransport:
             self.callback_errors_total += 1
             logger.exception("error in MQTT callback %s", getattr(fn, "__name__", fn))
 
+    def _guarded(self, name: str, fn: Callable[..., None]) -> Callable[..., None]:
+        """``fn`` as a paho callback: an exception in it is counted and logged (:meth:`_thread_error`)."""
+
+        def cb(*args: Any) -> None:
+            try:
+                fn(*args)
+            except Exception as exc:
+                self._thread_error(name, exc)
+
+        return cb
+
     def _bind(self, conn: _Connection) -> None:
-        """Point paho's callbacks at ``conn``: each only hops to the loop (STYLE.md rule 6)."""
-
-        def guarded(name: str, fn: Callable[..., None]) -> Callable[..., None]:
-            def cb(*args: Any) -> None:
-                try:
-                    fn(*args)
-                except Exception as exc:
-                    self._thread_error(name, exc)
-
-            return cb
+        """Point paho's callbacks at ``conn``: each only schedules a handler (STYLE.md rule 6)."""
+        guarded = self._guarded
 
         def on_connect(client: Any, userdata: Any, flags: Any, rc: ReasonCode, props: Any) -> None:
             limit = getattr(props, "MaximumPacketSize", None) if props is not None else None
@@ -548,18 +584,116 @@ class MqttTransport:
                 message = Message(msg.topic, bytes(msg.payload), bool(msg.retain))
                 self._hop(self._handle_message, conn, msg.mid, msg.qos, message)
 
-        def on_thread_crash(exc: BaseException) -> None:
-            self._thread_error("network loop", exc)
-            self._hop(self._handle_disconnect, conn, f"network thread failed: {exc!r}")
-
         c = conn.client
-        c._edgefl_on_thread_error = on_thread_crash
         c.on_connect = guarded("on_connect", on_connect)
         c.on_disconnect = guarded("on_disconnect", on_disconnect)
         c.on_publish = guarded("on_publish", on_publish)
         c.on_subscribe = guarded("on_subscribe", on_subscribe)
         c.on_message = guarded("on_message", on_message)
         c.on_socket_open = guarded("on_socket_open", _set_nodelay)
+
+    # --- the network loop, driven by the event loop -----------------------------------------
+    def _drive(self, conn: _Connection) -> None:
+        """Watch ``conn``'s connected socket on the event loop (after the blocking connect).
+
+        paho's socket callbacks are set only now, on the loop's thread: before, during the connect,
+        paho wrote the CONNECT itself in the connect thread.
+        """
+        loop = self._loop
+        client = conn.client
+        sock = client.socket()
+        if loop is None or sock is None:
+            self._handle_disconnect(conn, "socket closed during the connect")
+            return
+        conn.sock = sock
+
+        def register_write(client: Any, userdata: Any, sock: Any) -> None:
+            loop.call_soon(self._flush, conn)  # paho queued a packet itself (a PINGREQ...)
+
+        client.on_socket_register_write = self._guarded("on_socket_register_write", register_write)
+        client.on_socket_close = self._guarded("on_socket_close", lambda c, u, s: self._unwatch(conn))
+        loop.add_reader(sock, self._net_read, conn)
+        conn.misc = loop.call_later(MISC_INTERVAL_S, self._net_misc, conn)
+        self._flush(conn)  # whatever the connect could not write (normally nothing)
+
+    def _net_read(self, conn: _Connection) -> None:
+        """The socket is readable: let paho read and dispatch (its callbacks schedule our handlers)."""
+        client = conn.client
+        for _ in range(READS_PER_TURN):
+            try:
+                client.loop_read()
+            except Exception as exc:
+                self._net_failed(conn, "read", exc)
+                return
+            if conn.sock is None:
+                return  # paho closed the socket (connection lost; on_disconnect is scheduled)
+            if not client.edgefl_buffered():
+                break
+        else:
+            if self._loop is not None:
+                self._loop.call_soon(self._net_read, conn)  # more is buffered: the rest next turn
+        if client.want_write():
+            self._flush(conn)
+
+    def _flush(self, conn: _Connection) -> None:
+        """Write what paho has queued; ``add_writer`` only while the kernel's send buffer is full."""
+        loop, client = self._loop, conn.client
+        if loop is None or conn.sock is None:
+            return
+        try:
+            client.loop_write()
+        except Exception as exc:
+            self._net_failed(conn, "write", exc)
+            return
+        sock = conn.sock
+        if sock is None:
+            return  # closed by the write (a DISCONNECT sent, or the connection lost)
+        if client.want_write():
+            if not conn.writing:
+                loop.add_writer(sock, self._flush, conn)
+                conn.writing = True
+        elif conn.writing:
+            loop.remove_writer(sock)
+            conn.writing = False
+
+    def _net_misc(self, conn: _Connection) -> None:
+        """Every :data:`MISC_INTERVAL_S`: paho's keep-alive (PINGREQ, or the end of a dead link)."""
+        conn.misc = None
+        if conn.sock is None or self._loop is None:
+            return
+        try:
+            conn.client.loop_misc()
+        except Exception as exc:
+            self._net_failed(conn, "keep-alive", exc)
+            return
+        if conn.sock is not None:
+            self._flush(conn)
+            conn.misc = self._loop.call_later(MISC_INTERVAL_S, self._net_misc, conn)
+
+    def _net_failed(self, conn: _Connection, where: str, exc: Exception) -> None:
+        """The network code raised: count and log it, close the socket, end the connection."""
+        self._thread_error(where, exc)
+        self._release(conn)
+        self._handle_disconnect(conn, f"network loop failed: {exc!r}")
+
+    def _unwatch(self, conn: _Connection) -> None:
+        """Stop watching ``conn``'s socket (paho's ``on_socket_close``: before the socket closes)."""
+        loop, sock = self._loop, conn.sock
+        conn.sock = None
+        conn.writing = False
+        if conn.misc is not None:
+            conn.misc.cancel()
+            conn.misc = None
+        if loop is not None and sock is not None and not loop.is_closed():
+            with contextlib.suppress(ValueError, KeyError, OSError):
+                loop.remove_reader(sock)
+                loop.remove_writer(sock)
+
+    def _release(self, conn: _Connection) -> None:
+        """The connection is over: stop watching its socket and close it if paho has not."""
+        self._unwatch(conn)
+        with contextlib.suppress(Exception):
+            conn.client.edgefl_close()
 
     # --- loop side -------------------------------------------------------------------------
     def _handle_connect(
@@ -656,6 +790,7 @@ class MqttTransport:
         """PUBACK ``mid`` on the connection it came on (a new connection's mids are another count)."""
         if qos > 0 and not conn.closed:
             conn.client.ack(mid, qos)
+            self._flush(conn)
 
     def _handle_message(self, conn: _Connection, mid: int, qos: int, msg: Message) -> None:
         if not self._held and not self.queue.full():
@@ -775,6 +910,7 @@ class MqttTransport:
             If ``wait_s`` is given and no connection succeeded within it.
         """
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._stopping = False
         self._supervisor = asyncio.create_task(self._supervise(), name=f"mqtt-supervisor-{self.client_id}")
         if wait_s is None:
@@ -833,7 +969,8 @@ class MqttTransport:
 
         A fresh paho client per connection (paho's own reconnect is off), so the protocol can fall back
         from MQTT 5 to 3.1.1 when a broker refuses MQTT 5 before any CONNACK. paho's network thread
-        runs only while a connection is up; the event loop never blocks (connect runs in a thread).
+        is driven by the event loop while a connection is up (:meth:`_drive`); the event loop never
+        blocks (the connect, with its TLS handshake, runs in a thread).
         """
         failures = 0
         while not self._stopping:
@@ -855,11 +992,11 @@ class MqttTransport:
                 self._next_address()
                 await asyncio.sleep(self.backoff_s(failures, max_s=self.reconnect_max_s))
                 continue
-            conn.client.loop_start()
+            self._drive(conn)
             await conn.lost.wait()
             self.connected.clear()
             conn.fail_all(f"connection to {self.host}:{self.port} lost before the acknowledgement")
-            await asyncio.to_thread(conn.client.loop_stop)
+            self._release(conn)
             if self._stopping:
                 break
             if self._fallback_wanted and self._mqtt5 and self.protocol == "auto":
@@ -949,6 +1086,7 @@ class MqttTransport:
         info = conn.client.publish(topic, payload, qos=qos, retain=retain)
         if info.rc != mqtt.MQTT_ERR_SUCCESS:
             raise TransportError(f"publish to {topic} failed: {mqtt.error_string(info.rc)}")
+        self._flush(conn)  # written now, not on the loop's next turn
         if qos == 0:
             return
         conn.pubacks[info.mid] = fut  # before any hop of its PUBACK can run: we have not yielded yet
@@ -980,6 +1118,7 @@ class MqttTransport:
         conn = self._conn
         if conn is not None and self.connected.is_set():
             conn.client.disconnect()
+            self._flush(conn)
             await wait_event(conn.lost, timeout_s)
         if conn is not None:
             conn.fail_all("transport stopped")
@@ -993,5 +1132,5 @@ class MqttTransport:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ready_task
         if conn is not None:
-            await asyncio.to_thread(conn.client.loop_stop)
+            self._release(conn)
         self.connected.clear()
