@@ -6,6 +6,7 @@ import asyncio
 import logging
 import socket
 import ssl
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from conftest import PASSWORD, USER, Broker, Pki, start_mosquitto, stop_broker, 
 from edgefl.agent.config import BrokerConfig
 from edgefl.errors import ConfigError, TransportError
 from edgefl.tlsconf import make_ssl_context, ssl_context_for
-from edgefl.transport import MqttTransport
+from edgefl.transport import MqttTransport, remaining_length
 
 UNTRUSTED = {
     "self-signed certificate in certificate chain",
@@ -198,3 +199,70 @@ def test_tls_context_from_profile_broker_table(pki: Pki) -> None:
         )
     )
     assert ctx is not None and ctx.verify_mode == ssl.CERT_REQUIRED
+
+
+def _read_packet(sock: ssl.SSLSocket) -> tuple[int, bytes]:
+    """One MQTT packet from ``sock``: (first byte, body)."""
+    first = sock.recv(1)[0]
+    length, shift = 0, 0
+    while True:
+        byte = sock.recv(1)[0]
+        length |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            break
+    body = b""
+    while len(body) < length:
+        body += sock.recv(length - len(body))
+    return first, body
+
+
+def test_tls_record_holding_several_packets_is_read_whole_without_more_bytes(pki: Pki) -> None:
+    """A TLS record carrying a SUBACK and three PUBLISH packets: all three messages arrive at once.
+
+    paho reads one packet at a time; the rest of the record waits already decrypted in the ``ssl``
+    module (``SSLSocket.pending``), where the event loop's reader cannot see it, and no more bytes
+    come (the server here waits). The transport reads on while bytes are pending; without that the
+    messages would wait for the next keep-alive (30 s).
+    """
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(pki.server_cert, pki.server_key)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    done = threading.Event()
+    payloads = [b"first", b"second" * 50, b"third"]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with server_ctx.wrap_socket(conn, server_side=True) as tls:
+            assert _read_packet(tls)[0] >> 4 == 1  # CONNECT
+            tls.sendall(b"\x20\x02\x00\x00")  # CONNACK, accepted (MQTT 3.1.1 §3.2)
+            first, body = _read_packet(tls)
+            assert first >> 4 == 8  # SUBSCRIBE
+            publishes = b"".join(
+                b"\x30" + remaining_length(2 + 9 + len(p)) + (9).to_bytes(2, "big") + b"burst/one" + p
+                for p in payloads
+            )
+            tls.sendall(b"\x90\x03" + body[:2] + b"\x01" + publishes)  # one write: one TLS record
+            done.wait(10)
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+
+    async def main() -> list[bytes]:
+        ctx = make_ssl_context(pki.ca)
+        t = MqttTransport("127.0.0.1", port, "tls-burst", protocol="3.1.1", tls_context=ctx)
+        await t.subscribe("burst/one", 1)  # sent with the CONNECT's acknowledgement
+        try:
+            await t.start(wait_s=5)
+            return [(await asyncio.wait_for(t.queue.get(), 3)).payload for _ in payloads]
+        finally:
+            done.set()
+            await t.stop(timeout_s=1)
+
+    try:
+        assert asyncio.run(main()) == payloads
+    finally:
+        done.set()
+        server.join(5)
+        listener.close()

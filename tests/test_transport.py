@@ -8,6 +8,7 @@ import contextlib
 import logging
 import random
 import signal
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,51 @@ def test_transport_roundtrip_puback_and_retained(mosquitto: Broker, fleet: str) 
             late = await asyncio.wait_for(c.queue.get(), 5)
             assert (late.payload, late.retain) == (b"kept", True)
             await c.stop()
+
+    asyncio.run(main())
+
+
+def test_no_network_thread_the_event_loop_reads_and_writes_the_socket(
+    mosquitto: Broker, fleet: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """paho is driven by the event loop: no network thread runs, every packet is read and written on
+    the loop's own thread, and the keep-alive still goes out (PINGREQ from ``loop_misc``)."""
+    threads: set[int] = set()
+    reads, writes = MqttTransport._net_read, MqttTransport._flush
+
+    def read(self: MqttTransport, conn: Any) -> None:
+        threads.add(threading.get_ident())
+        reads(self, conn)
+
+    def write(self: MqttTransport, conn: Any) -> None:
+        threads.add(threading.get_ident())
+        writes(self, conn)
+
+    monkeypatch.setattr(MqttTransport, "_net_read", read)
+    monkeypatch.setattr(MqttTransport, "_flush", write)
+    monkeypatch.setattr(transport_mod, "MISC_INTERVAL_S", 0.05)
+
+    async def main() -> None:
+        a = MqttTransport(mosquitto.host, mosquitto.port, f"a-{fleet}", keepalive_s=1)
+        await a.start()
+        try:
+            assert not [t.name for t in threading.enumerate() if t.name.startswith("paho")]
+            await a.subscribe(f"{fleet}/x", 1)
+            await a.publish(f"{fleet}/x", b"hello", qos=1)
+            assert (await asyncio.wait_for(a.queue.get(), 5)).payload == b"hello"
+            client = a._client
+            assert client is not None
+            logged: list[str] = []
+            client.on_log = lambda c, u, level, line: logged.append(line)  # paho's own log lines
+            await asyncio.sleep(2.5)  # idle: a 1 s keep-alive wants a PINGREQ every second
+            assert sum(line.startswith("Sending PINGREQ") for line in logged) >= 2, logged
+            assert sum(line.startswith("Received PINGRESP") for line in logged) >= 2, logged
+            assert a.connected.is_set() and a.connects_total == 1
+            await a.publish(f"{fleet}/x", b"after", qos=1)
+            assert (await asyncio.wait_for(a.queue.get(), 5)).payload == b"after"
+        finally:
+            await a.stop()
+        assert threads == {threading.get_ident()}
 
     asyncio.run(main())
 
