@@ -230,6 +230,7 @@ def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) 
     from bench import peer
     from bench.round_overhead import mosquitto
     from edgefl.coordinator import service
+    from edgefl.coordinator.rounds import Round
     from edgefl.demo import stop_agents
     from edgefl.wire.compression import Compression
     from edgefl.wire.messages import HeadLayout
@@ -248,7 +249,7 @@ def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) 
     _wrap(service.Coordinator, "run_round", "coord:run_round")
     _wrap(service, "aggregate_checked", "coord:aggregate_checked")
     _wrap(service.Coordinator, "_persist", "coord:persist")
-    _wrap(service.Round, "close", "coord:round.close")
+    _wrap(Round, "close", "coord:round.close")
     _probe_hops()
     _maybe_no_quickack()
     profile = peer.HERE.parent / "firmware_configs" / "dev_x86.toml"
