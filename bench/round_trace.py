@@ -251,6 +251,7 @@ def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) 
     _wrap(service.Coordinator, "_persist", "coord:persist")
     _wrap(Round, "close", "coord:round.close")
     _probe_hops()
+    _probe_gc()
     _maybe_no_quickack()
     profile = peer.HERE.parent / "firmware_configs" / "dev_x86.toml"
     run_dir = Path(tempfile.mkdtemp(prefix="trace-", dir=work))
