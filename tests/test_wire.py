@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import cbor2
@@ -221,6 +222,36 @@ def test_prescan_captures_top_level_headers_only() -> None:
     with pytest.raises(DecodeError) as info:
         prescan(payload + b"\x00", DEFAULT_LIMITS, ("v",))
     assert info.value.reason == "trailing_bytes"
+
+
+def test_prescan_remembers_a_payload_object_but_never_a_changed_one_or_other_limits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    key = signing.generate_signing_key()
+    payload = signing.sign_message(encode_update, make_update(Compression.INT8), key, fleet="f")
+    blank = signing.unsigned_form(payload)
+    scans: list[int] = []
+    scan = cbor._scan
+
+    def counted(data: bytes, limits: cbor.Limits) -> dict[str, int | str]:
+        scans.append(len(data))
+        return scan(data, limits)
+
+    monkeypatch.setattr(cbor, "_scan", counted)
+    for _ in range(3):  # a message's kind, its unsigned form for the signature, its decode: 2 scans
+        assert prescan(payload, DEFAULT_LIMITS, ("type",)) == {"type": "update"}
+        prescan(blank, DEFAULT_LIMITS)
+    assert scans == [len(payload), len(blank)]
+    # the same bytes under other limits, and an equal but distinct object, are scanned again
+    with pytest.raises(DecodeError) as info:
+        prescan(payload, dataclasses.replace(DEFAULT_LIMITS, max_items=3))
+    assert info.value.reason == "too_large"
+    assert prescan(bytes(bytearray(payload)), DEFAULT_LIMITS, ("round",)) == {"round": 3}
+    assert len(scans) == 4
+    # nor is a payload over PRESCAN_MEMO_BYTES kept alive
+    big = cbor2.dumps({"type": "update", "x": b"\x00" * cbor.PRESCAN_MEMO_BYTES})
+    prescan(big, DEFAULT_LIMITS)
+    assert all(seen is not big for seen, _, _ in cbor._memo)
 
 
 def test_schema_1_update_with_rice_from_before_the_bump_is_read() -> None:

@@ -175,6 +175,21 @@ class _Ed25519(Protocol):
     def verify(self, public: bytes, signature: bytes, message: bytes) -> bool: ...
 
 
+#: Private keys a backend keeps expanded (a process signs with one key, a test with a few): making
+#: one from its seed is a scalar multiplication, ~50 us, that every signature paid (issue 17).
+_KEYS_KEPT: Final = 4
+
+
+def _kept(cache: dict[bytes, Any], seed: bytes, make: Callable[[bytes], Any]) -> Any:
+    """The backend's key object for ``seed``, made once (at most :data:`_KEYS_KEPT` kept)."""
+    key = cache.get(seed)
+    if key is None:
+        if len(cache) >= _KEYS_KEPT:
+            cache.clear()
+        key = cache[seed] = make(seed)
+    return key
+
+
 class _Nacl:
     name = "pynacl"
 
@@ -184,12 +199,13 @@ class _Nacl:
 
         self._signing = nacl.signing
         self._bad = nacl.exceptions.BadSignatureError
+        self._keys: dict[bytes, Any] = {}
 
     def public(self, seed: bytes) -> bytes:
-        return bytes(self._signing.SigningKey(seed).verify_key)
+        return bytes(_kept(self._keys, seed, self._signing.SigningKey).verify_key)
 
     def sign(self, seed: bytes, message: bytes) -> bytes:
-        return bytes(self._signing.SigningKey(seed).sign(message).signature)
+        return bytes(_kept(self._keys, seed, self._signing.SigningKey).sign(message).signature)
 
     def verify(self, public: bytes, signature: bytes, message: bytes) -> bool:
         try:
@@ -210,14 +226,14 @@ class _Cryptography:
         self._ed = ed25519
         self._bad = InvalidSignature
         self._raw = (Encoding.Raw, PublicFormat.Raw)
+        self._keys: dict[bytes, Any] = {}
 
     def public(self, seed: bytes) -> bytes:
-        return bytes(
-            self._ed.Ed25519PrivateKey.from_private_bytes(seed).public_key().public_bytes(*self._raw)
-        )
+        key = _kept(self._keys, seed, self._ed.Ed25519PrivateKey.from_private_bytes)
+        return bytes(key.public_key().public_bytes(*self._raw))
 
     def sign(self, seed: bytes, message: bytes) -> bytes:
-        return bytes(self._ed.Ed25519PrivateKey.from_private_bytes(seed).sign(message))
+        return bytes(_kept(self._keys, seed, self._ed.Ed25519PrivateKey.from_private_bytes).sign(message))
 
     def verify(self, public: bytes, signature: bytes, message: bytes) -> bool:
         try:
