@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import random
 import socket
@@ -349,6 +350,7 @@ class _Connection:
     pubacks: dict[int, asyncio.Future[None]] = field(default_factory=dict)
     subacks: dict[int, asyncio.Future[list[ReasonCode]]] = field(default_factory=dict)
     acked: bool = False  # a successful CONNACK arrived
+    answered: bool = False  # a CONNACK arrived, accepting or refusing (the broker speaks our protocol)
     closed: bool = False
     sock: Any = None  # the socket the event loop watches (None before the connect and after the close)
     writing: bool = False  # the loop waits for the socket to be writable (the send buffer was full)
@@ -689,6 +691,12 @@ class MqttTransport:
                 loop.remove_reader(sock)
                 loop.remove_writer(sock)
 
+    def _abandon(self, conn: _Connection, connect: asyncio.Future[None]) -> None:
+        """A connect the caller stopped waiting for is over: close whatever it opened."""
+        if not connect.cancelled():
+            connect.exception()  # retrieved (a failed connect opened nothing to close)
+        self._release(conn)
+
     def _release(self, conn: _Connection) -> None:
         """The connection is over: stop watching its socket and close it if paho has not."""
         self._unwatch(conn)
@@ -701,6 +709,7 @@ class MqttTransport:
     ) -> None:
         if conn is not self._conn:
             return
+        conn.answered = True
         if rc.is_failure:
             if self.last_refusal is None or self.last_refusal != rc:
                 logger.warning("broker %s:%s refused the connection: %s", self.host, self.port, rc)
@@ -752,7 +761,7 @@ class MqttTransport:
     def _handle_disconnect(self, conn: _Connection, rc: object) -> None:
         if conn is not self._conn:
             return
-        if self.protocol == "auto" and self._mqtt5 and not self.ever_connected:
+        if self.protocol == "auto" and self._mqtt5 and not self.ever_connected and not conn.answered:
             # 3.1.1-only brokers (amqtt) close the socket on an MQTT 5 CONNECT instead of answering it.
             self._fallback_wanted = True
         was = self.connected.is_set()
@@ -979,8 +988,15 @@ class MqttTransport:
             self._conn = conn
             self._fallback_wanted = False
             connects_before = self.connects_total
+            # shielded: a stop() during the connect must not leave the thread's socket open behind
+            # it (a connected client nobody reads, holding our client id until the broker's
+            # keep-alive runs out); the socket is closed when the thread is done
+            connect = asyncio.ensure_future(asyncio.to_thread(self._connect, conn.client))
             try:
-                await asyncio.to_thread(self._connect, conn.client)
+                await asyncio.shield(connect)
+            except asyncio.CancelledError:
+                connect.add_done_callback(functools.partial(self._abandon, conn))
+                raise
             except (OSError, ValueError, ssl.SSLError) as exc:
                 conn.fail_all("connect failed")
                 if not self._unreachable_logged:

@@ -7,6 +7,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,9 +133,11 @@ def test_tls_wrong_server_address_fails(pki: Pki, tmp_path: Path) -> None:
 
 
 def test_tls_wrong_password_fails(tls_broker: Broker, pki: Pki, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="edgefl.transport"):
+    with caplog.at_level(logging.INFO, logger="edgefl.transport"):
         assert not connect(tls_broker, make_ssl_context(pki.ca), password="wrong", wait_s=2)
     assert "refused the connection: Not authorized" in caplog.text
+    # a refusal is an answer in MQTT 5: the transport keeps it (it used to fall back to 3.1.1 for good)
+    assert "trying MQTT 3.1.1" not in caplog.text
     assert caplog.text.count("refused the connection") == 1  # logged once, not at every retry
     assert PASSWORD not in caplog.text and "wrong" not in caplog.text.replace("wrong_", "")
 
@@ -266,3 +269,46 @@ def test_tls_record_holding_several_packets_is_read_whole_without_more_bytes(pki
         done.set()
         server.join(5)
         listener.close()
+
+
+def test_stop_during_a_slow_tls_handshake_closes_the_connection_it_was_making(pki: Pki) -> None:
+    """``stop()`` while the connect thread waits for the server: the socket it opens is closed.
+
+    The thread cannot be interrupted; before, its connection stayed open once it finished (CONNECT
+    sent, nobody reading: a client holding our id until the broker's keep-alive ran out).
+    """
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(pki.server_cert, pki.server_key)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    seen: list[str] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        time.sleep(1.0)  # the client's connect thread waits in the handshake; stop() comes meanwhile
+        with server_ctx.wrap_socket(conn, server_side=True) as tls:
+            seen.append("connect" if _read_packet(tls)[0] >> 4 == 1 else "other")
+            tls.settimeout(5)
+            try:
+                seen.append("closed" if tls.recv(1) == b"" else "data")
+            except (ssl.SSLEOFError, ConnectionResetError):
+                seen.append("closed")
+            except TimeoutError:
+                seen.append("still open")
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+
+    async def main() -> None:
+        t = MqttTransport("127.0.0.1", port, "slow-tls", tls_context=make_ssl_context(pki.ca))
+        await t.start(wait_s=None)
+        await asyncio.sleep(0.3)
+        await t.stop(timeout_s=1)
+        await asyncio.to_thread(server.join, 8)
+
+    try:
+        asyncio.run(main())
+        assert seen == ["connect", "closed"]
+    finally:
+        listener.close()
+
