@@ -34,6 +34,7 @@ import contextlib
 import functools
 import logging
 import random
+import select
 import socket
 import ssl
 import threading
@@ -71,8 +72,10 @@ _DISCARD_READ_BYTES = 65_536  # socket read size while discarding an oversize pa
 #: Seconds between two ``loop_misc`` calls (keep-alive PINGREQ, and the end of a connection whose
 #: PINGRESP is overdue), paho's own loop's select timeout.
 MISC_INTERVAL_S = 1.0
-#: Packets read in one turn of the event loop when more wait above the socket (TLS, PacketFilter):
-#: the rest are read on the next turn, so a flood cannot hold the loop.
+#: Packets read in one turn of the event loop while more bytes wait (in the socket, or above it:
+#: TLS, PacketFilter): a burst lands in the queue together, as paho's thread used to put it there
+#: (a site aggregator writes its record once the queue is drained: one packet a turn made that
+#: one fsync per update), and the rest is read on the next turn, so a flood cannot hold the loop.
 READS_PER_TURN = 64
 
 
@@ -355,6 +358,7 @@ class _Connection:
     sock: Any = None  # the socket the event loop watches (None before the connect and after the close)
     writing: bool = False  # the loop waits for the socket to be writable (the send buffer was full)
     misc: asyncio.TimerHandle | None = None  # the next ``loop_misc`` (keep-alive)
+    poller: Any = None  # select.poll of the socket: whether more bytes wait after a packet
 
     def fail_all(self, reason: str) -> None:
         """Fail every pending PUBACK/SUBACK future with ``TransportError(reason)``; mark closed."""
@@ -608,6 +612,8 @@ class MqttTransport:
             self._handle_disconnect(conn, "socket closed during the connect")
             return
         conn.sock = sock
+        conn.poller = select.poll()
+        conn.poller.register(sock, select.POLLIN)
 
         def register_write(client: Any, userdata: Any, sock: Any) -> None:
             loop.call_soon(self._flush, conn)  # paho queued a packet itself (a PINGREQ...)
@@ -619,7 +625,11 @@ class MqttTransport:
         self._flush(conn)  # whatever the connect could not write (normally nothing)
 
     def _net_read(self, conn: _Connection) -> None:
-        """The socket is readable: let paho read and dispatch (its callbacks schedule our handlers)."""
+        """The socket is readable: let paho read and dispatch (its callbacks schedule our handlers).
+
+        paho reads one packet a call; more are read in the same turn while bytes wait (a zero-timeout
+        ``poll``), up to :data:`READS_PER_TURN`.
+        """
         client = conn.client
         for _ in range(READS_PER_TURN):
             try:
@@ -629,8 +639,8 @@ class MqttTransport:
                 return
             if conn.sock is None:
                 return  # paho closed the socket (connection lost; on_disconnect is scheduled)
-            if not client.edgefl_buffered():
-                break
+            if not client.edgefl_buffered() and not conn.poller.poll(0):
+                break  # nothing more waits: the loop watches the socket again
         else:
             if self._loop is not None:
                 self._loop.call_soon(self._net_read, conn)  # more is buffered: the rest next turn

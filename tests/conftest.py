@@ -86,6 +86,22 @@ async def next_status(coord: Any, device: str, timeout_s: float = 15.0) -> dict[
     return dict(coord.state.devices[device])
 
 
+def read_mqtt_packet(sock: socket.socket) -> tuple[int, bytes]:
+    """One MQTT packet read from ``sock`` (plain or TLS): (its first byte, its body)."""
+    first = sock.recv(1)[0]
+    length, shift = 0, 0
+    while True:
+        byte = sock.recv(1)[0]
+        length |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            break
+    body = b""
+    while len(body) < length:
+        body += sock.recv(length - len(body))
+    return first, body
+
+
 def mosquitto_path() -> str:
     path = shutil.which("mosquitto") or (
         "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import PASSWORD, USER, Broker, Pki, start_mosquitto, stop_broker, tls_conf
+from conftest import PASSWORD, USER, Broker, Pki, read_mqtt_packet, start_mosquitto, stop_broker, tls_conf
 
 from edgefl.agent.config import BrokerConfig
 from edgefl.errors import ConfigError, TransportError
@@ -204,22 +204,6 @@ def test_tls_context_from_profile_broker_table(pki: Pki) -> None:
     assert ctx is not None and ctx.verify_mode == ssl.CERT_REQUIRED
 
 
-def _read_packet(sock: ssl.SSLSocket) -> tuple[int, bytes]:
-    """One MQTT packet from ``sock``: (first byte, body)."""
-    first = sock.recv(1)[0]
-    length, shift = 0, 0
-    while True:
-        byte = sock.recv(1)[0]
-        length |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            break
-    body = b""
-    while len(body) < length:
-        body += sock.recv(length - len(body))
-    return first, body
-
-
 def test_tls_record_holding_several_packets_is_read_whole_without_more_bytes(pki: Pki) -> None:
     """A TLS record carrying a SUBACK and three PUBLISH packets: all three messages arrive at once.
 
@@ -238,9 +222,9 @@ def test_tls_record_holding_several_packets_is_read_whole_without_more_bytes(pki
     def serve() -> None:
         conn, _ = listener.accept()
         with server_ctx.wrap_socket(conn, server_side=True) as tls:
-            assert _read_packet(tls)[0] >> 4 == 1  # CONNECT
+            assert read_mqtt_packet(tls)[0] >> 4 == 1  # CONNECT
             tls.sendall(b"\x20\x02\x00\x00")  # CONNACK, accepted (MQTT 3.1.1 §3.2)
-            first, body = _read_packet(tls)
+            first, body = read_mqtt_packet(tls)
             assert first >> 4 == 8  # SUBSCRIBE
             publishes = b"".join(
                 b"\x30" + remaining_length(2 + 9 + len(p)) + (9).to_bytes(2, "big") + b"burst/one" + p
@@ -287,7 +271,7 @@ def test_stop_during_a_slow_tls_handshake_closes_the_connection_it_was_making(pk
         conn, _ = listener.accept()
         time.sleep(1.0)  # the client's connect thread waits in the handshake; stop() comes meanwhile
         with server_ctx.wrap_socket(conn, server_side=True) as tls:
-            seen.append("connect" if _read_packet(tls)[0] >> 4 == 1 else "other")
+            seen.append("connect" if read_mqtt_packet(tls)[0] >> 4 == 1 else "other")
             tls.settimeout(5)
             try:
                 seen.append("closed" if tls.recv(1) == b"" else "data")
