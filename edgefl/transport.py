@@ -359,6 +359,8 @@ class _Connection:
     writing: bool = False  # the loop waits for the socket to be writable (the send buffer was full)
     misc: asyncio.TimerHandle | None = None  # the next ``loop_misc`` (keep-alive)
     poller: Any = None  # select.poll of the socket: whether more bytes wait after a packet
+    paused: bool = False  # reading stopped: no room for another message (TCP holds the rest)
+    unhandled: int = 0  # messages paho has read whose _handle_message has not run yet
 
     def fail_all(self, reason: str) -> None:
         """Fail every pending PUBACK/SUBACK future with ``TransportError(reason)``; mark closed."""
@@ -588,6 +590,7 @@ class MqttTransport:
                 self._hop(self._ack, conn, msg.mid, msg.qos)  # dropped, but its flow-control slot freed
             else:
                 message = Message(msg.topic, bytes(msg.payload), bool(msg.retain))
+                conn.unhandled += 1  # read, not yet in the queue or the hold line (_room)
                 self._hop(self._handle_message, conn, msg.mid, msg.qos, message)
 
         c = conn.client
@@ -631,7 +634,12 @@ class MqttTransport:
         ``poll``), up to :data:`READS_PER_TURN`.
         """
         client = conn.client
+        if conn.paused:
+            return  # a read scheduled before the queue and the hold line filled
         for _ in range(READS_PER_TURN):
+            if self._room(conn) <= 0:
+                self._pause_reading(conn)
+                return
             try:
                 client.loop_read()
             except Exception as exc:
@@ -812,6 +820,7 @@ class MqttTransport:
             self._flush(conn)
 
     def _handle_message(self, conn: _Connection, mid: int, qos: int, msg: Message) -> None:
+        conn.unhandled = max(0, conn.unhandled - 1)
         if not self._held and not self.queue.full():
             self._enqueue(conn, mid, qos, msg)
             return
@@ -863,6 +872,36 @@ class MqttTransport:
             if conn.closed:
                 continue  # unacknowledged on a lost connection: the broker sends it again (session)
             self._enqueue(conn, mid, qos, msg)
+        live = self._conn
+        if live is not None and live.paused and self._room(live) >= min(READS_PER_TURN, self.held_max // 2):
+            self._resume_reading(live)
+
+    def _room(self, conn: _Connection) -> int:
+        """Messages the queue and the hold line can still take, less those read and not yet handled."""
+        if self.queue.maxsize <= 0:
+            return READS_PER_TURN  # an unbounded queue: never full
+        free = self.queue.maxsize - self.queue.qsize() + self.held_max - len(self._held)
+        return free - conn.unhandled
+
+    def _pause_reading(self, conn: _Connection) -> None:
+        """Stop reading ``conn``'s socket: the queue and the hold line have no room for another message.
+
+        A broker that ignores our Receive Maximum (mosquitto sends an offline session's whole queue
+        at once) then waits on TCP's flow control instead of having its messages dropped: with
+        paho's own thread the transport read on regardless, and dropped what the hold line could not
+        take. Reading resumes as the consumer takes messages (:meth:`_refill`), once there is room
+        for a turn's packets (or half the hold line).
+        """
+        conn.paused = True
+        if conn.sock is not None and self._loop is not None:
+            self._loop.remove_reader(conn.sock)
+
+    def _resume_reading(self, conn: _Connection) -> None:
+        """Watch ``conn``'s socket again, and read now what waits above it (TLS, PacketFilter)."""
+        conn.paused = False
+        if conn.sock is not None and self._loop is not None:
+            self._loop.add_reader(conn.sock, self._net_read, conn)
+            self._loop.call_soon(self._net_read, conn)
 
     def _send_subscribe(
         self, conn: _Connection, topic: str, qos: int, live_only: bool = False

@@ -10,7 +10,7 @@ import random
 import signal
 import socket
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,16 +118,14 @@ def test_no_network_thread_the_event_loop_reads_and_writes_the_socket(
     asyncio.run(main())
 
 
-def test_a_burst_already_in_the_socket_reaches_the_queue_in_one_turn() -> None:
-    """Thirty PUBLISH packets that arrived together are all queued before the consumer runs.
+@contextlib.contextmanager
+def burst_broker(publishes: bytes) -> Iterator[int]:
+    """A one-client MQTT 3.1.1 server on 127.0.0.1: CONNACK, then SUBACK and ``publishes`` in one write.
 
-    paho reads one packet a call; the transport reads on while bytes wait. A site aggregator
-    writes its record whenever its queue is drained: fed one packet a turn it wrote one record
-    (an fsync) per update, and a burst of 10,000 updates over 20 sites closed 29 s after the last
-    one instead of 0.1 s (``bench.scale --spread 0``).
+    Yields its port. It never reads again (PUBACKs stay in its socket) and takes no notice of any
+    flow control, as a broker emptying an offline session's queue.
     """
     listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
     done = threading.Event()
 
     def serve() -> None:
@@ -136,17 +134,36 @@ def test_a_burst_already_in_the_socket_reaches_the_queue_in_one_turn() -> None:
             assert read_mqtt_packet(conn)[0] >> 4 == 1  # CONNECT
             conn.sendall(b"\x20\x02\x00\x00")  # CONNACK, accepted (MQTT 3.1.1 §3.2)
             _, body = read_mqtt_packet(conn)  # SUBSCRIBE
-            publishes = b"".join(
-                b"\x30" + transport_mod.remaining_length(2 + 5 + 2) + b"\x00\x05burst" + b"%02d" % i
-                for i in range(30)
-            )
-            conn.sendall(b"\x90\x03" + body[:2] + b"\x01" + publishes)  # SUBACK and 30 PUBLISH at once
-            done.wait(10)
+            conn.sendall(b"\x90\x03" + body[:2] + b"\x01" + publishes)  # SUBACK and the burst at once
+            done.wait(20)
 
     server = threading.Thread(target=serve, daemon=True)
     server.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        done.set()
+        server.join(5)
+        listener.close()
 
-    async def main() -> tuple[bytes, int]:
+
+def publish_packet(topic: bytes, payload: bytes, packet_id: int = 0) -> bytes:
+    """An MQTT 3.1.1 PUBLISH: QoS 1 with ``packet_id``, QoS 0 without."""
+    head, pid = (b"\x32", packet_id.to_bytes(2, "big")) if packet_id else (b"\x30", b"")
+    body = len(topic).to_bytes(2, "big") + topic + pid + payload
+    return head + transport_mod.remaining_length(len(body)) + body
+
+
+def test_a_burst_already_in_the_socket_reaches_the_queue_in_one_turn() -> None:
+    """Thirty PUBLISH packets that arrived together are all queued before the consumer runs.
+
+    paho reads one packet a call; the transport reads on while bytes wait. A site aggregator
+    writes its record whenever its queue is drained: fed one packet a turn it wrote one record
+    (an fsync) per update, and a burst of 10,000 updates over 20 sites closed 29 s after the last
+    one instead of 0.1 s (``bench.scale --spread 0``).
+    """
+
+    async def main(port: int) -> tuple[bytes, int]:
         t = MqttTransport("127.0.0.1", port, "burst", protocol="3.1.1")
         await t.subscribe("burst", 0)
         try:
@@ -154,15 +171,35 @@ def test_a_burst_already_in_the_socket_reaches_the_queue_in_one_turn() -> None:
             first = await asyncio.wait_for(t.queue.get(), 5)
             return first.payload, t.queue.qsize()
         finally:
-            done.set()
             await t.stop(timeout_s=1)
 
-    try:
-        assert asyncio.run(main()) == (b"00", 29)
-    finally:
-        done.set()
-        server.join(5)
-        listener.close()
+    with burst_broker(b"".join(publish_packet(b"burst", b"%02d" % i) for i in range(30))) as port:
+        assert asyncio.run(main(port)) == (b"00", 29)
+
+
+def test_a_burst_past_the_hold_line_waits_in_tcp_and_nothing_is_lost() -> None:
+    """500 QoS 1 messages at once into a queue of 3 and a hold line of 64: all arrive, in order.
+
+    A broker that ignores our Receive Maximum (mosquitto emptying an offline session's queue) sent
+    more than the hold line takes; the transport dropped the rest (acknowledged: lost). It now stops
+    reading the socket while there is no room, so TCP's flow control holds the burst.
+    """
+
+    async def main(port: int) -> tuple[list[bytes], int]:
+        t = MqttTransport("127.0.0.1", port, "burst", protocol="3.1.1", queue_size=3)
+        await t.subscribe("burst", 1)
+        try:
+            await t.start(wait_s=5)
+            await asyncio.sleep(0.3)  # the consumer is late: the queue and the hold line fill
+            got = [(await asyncio.wait_for(t.queue.get(), 5)).payload for _ in range(500)]
+            return got, t.dropped_total
+        finally:
+            await t.stop(timeout_s=1)
+
+    burst = b"".join(publish_packet(b"burst", b"%03d" % i, packet_id=i + 1) for i in range(500))
+    with burst_broker(burst) as port:
+        got, dropped = asyncio.run(main(port))
+    assert dropped == 0 and got == [b"%03d" % i for i in range(500)]
 
 
 @pytest.mark.parametrize("protocol", ["5", "3.1.1"])
