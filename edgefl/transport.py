@@ -19,9 +19,11 @@ only once the renewed subscriptions are acknowledged. Incoming bytes pass :class
 queue (the RAM cap covers buffers too). A QoS 1 message is acknowledged (PUBACK, paho's manual ack)
 only once it is in that queue: when the queue is full it waits, unacknowledged, in a short hold line
 that the broker's own flow control bounds (MQTT 5 Receive Maximum = the queue's size, §3.1.2.11.3;
-mosquitto's ``max_inflight_messages`` on 3.1.1), and moves in as the consumer takes messages. So a burst
-is never acknowledged and then lost; only QoS 0 messages (and anything over the hold line's own bound)
-are dropped when the queue is full, and counted.
+mosquitto's ``max_inflight_messages`` on 3.1.1), and moves in as the consumer takes messages. A broker
+that ignores that bound (mosquitto emptying an offline session's queue) meets a closed door instead:
+the transport stops reading the socket while the queue and the hold line have no room, and TCP's
+flow control holds the rest. So a burst is never acknowledged and then lost; only QoS 0 messages are
+dropped when the queue is full, and counted.
 
 Source: MQTT 5.0 (OASIS 2019) and MQTT 3.1.1 (OASIS 2014); paho-mqtt 2.x client API.
 """
