@@ -334,9 +334,21 @@ def reset_peak(pid: int) -> bool:
         return False
 
 
-def peak_rss(pid: int) -> int:
-    """``VmHWM`` of a process, bytes."""
-    return _status_field(pid, "VmHWM")
+def peak_rss(proc: subprocess.Popen[bytes]) -> int:
+    """``VmHWM`` of a child process, bytes.
+
+    A child that has already exited (the root ends after its last round, and may be gone by the time
+    the global head reaches every site) has no ``VmHWM`` left: it is reaped here, and its lifetime
+    peak comes from ``wait4``'s ``ru_maxrss`` (KiB on Linux), which a ``reset_peak`` does not lower.
+    """
+    try:
+        return _status_field(proc.pid, "VmHWM")
+    except (RuntimeError, OSError):
+        if proc.returncode is not None:
+            raise
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        return int(usage.ru_maxrss) * 1024
 
 
 # --------------------------------------------------------------------------------------------------
@@ -767,9 +779,9 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
                     lambda w=w, r=r: r in w.globals, opts.deadline_s + 120, f"round {r} global head"
                 )
             t1 = max(w.globals[r] for w in site_watches)
-            root_peak = peak_rss(root.pid)
+            root_peak = peak_rss(root)
             site_peak = max(
-                (peak_rss(s.coordinator.pid) for s in sites if s.coordinator is not None), default=None
+                (peak_rss(s.coordinator) for s in sites if s.coordinator is not None), default=None
             )
             after = (
                 await sys_counters_or_none(root_watch, msgs0 + (len(every) if opts.flat else opts.sites))

@@ -642,13 +642,8 @@ class MqttTransport:
             if self._room(conn) <= 0:
                 self._pause_reading(conn)
                 return
-            try:
-                client.loop_read()
-            except Exception as exc:
-                self._net_failed(conn, "read", exc)
-                return
-            if conn.sock is None:
-                return  # paho closed the socket (connection lost; on_disconnect is scheduled)
+            if not self._net_step(conn, "read", client.loop_read):
+                return  # the connection ended (on_disconnect is scheduled)
             if not client.edgefl_buffered() and not conn.poller.poll(0):
                 break  # nothing more waits: the loop watches the socket again
         else:
@@ -662,14 +657,9 @@ class MqttTransport:
         loop, client = self._loop, conn.client
         if loop is None or conn.sock is None:
             return
-        try:
-            client.loop_write()
-        except Exception as exc:
-            self._net_failed(conn, "write", exc)
-            return
-        sock = conn.sock
-        if sock is None:
+        if not self._net_step(conn, "write", client.loop_write):
             return  # closed by the write (a DISCONNECT sent, or the connection lost)
+        sock = conn.sock
         if client.want_write():
             if not conn.writing:
                 loop.add_writer(sock, self._flush, conn)
@@ -683,14 +673,18 @@ class MqttTransport:
         conn.misc = None
         if conn.sock is None or self._loop is None:
             return
-        try:
-            conn.client.loop_misc()
-        except Exception as exc:
-            self._net_failed(conn, "keep-alive", exc)
-            return
-        if conn.sock is not None:
+        if self._net_step(conn, "keep-alive", conn.client.loop_misc):
             self._flush(conn)
             conn.misc = self._loop.call_later(MISC_INTERVAL_S, self._net_misc, conn)
+
+    def _net_step(self, conn: _Connection, where: str, step: Callable[[], object]) -> bool:
+        """Run one of paho's network steps; False when the connection ended in it (or it raised)."""
+        try:
+            step()
+        except Exception as exc:
+            self._net_failed(conn, where, exc)
+            return False
+        return conn.sock is not None
 
     def _net_failed(self, conn: _Connection, where: str, exc: Exception) -> None:
         """The network code raised: count and log it, close the socket, end the connection."""

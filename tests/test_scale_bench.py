@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 from conftest import Broker
 
-from bench.scale import MiniPublisher, connect_packet, device_ids, main, publish_packet
+from bench.scale import MiniPublisher, connect_packet, device_ids, main, peak_rss, publish_packet
 from edgefl.transport import Message, MqttTransport
 
 pytestmark = pytest.mark.timeout(240)
@@ -91,3 +94,15 @@ def test_flat_scale_bench_smoke(tmp_path: Path) -> None:
     assert (rnd["updates_counted"], rnd["duplicates"], rnd["missing"]) == (20, 0, 0)
     assert rnd["messages_into_root"] == 20
     assert rnd["site_peak_rss_bytes"] is None
+
+
+def test_peak_rss_of_a_child_that_already_exited_comes_from_its_rusage() -> None:
+    """The root coordinator ends after its last round, sometimes before the bench reads its peak."""
+    child = subprocess.Popen([sys.executable, "-c", "x = bytearray(64 << 20)"])
+    status = Path(f"/proc/{child.pid}/status")
+    deadline = time.monotonic() + 30
+    while "VmHWM" in status.read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)  # running; then a zombie (not reaped: no VmHWM left)
+    assert peak_rss(child) >= 64 << 20  # its lifetime peak held the 64 MiB buffer
+    assert child.returncode == 0
+
