@@ -7,7 +7,6 @@ import logging
 import socket
 import ssl
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -266,10 +265,12 @@ def test_stop_during_a_slow_tls_handshake_closes_the_connection_it_was_making(pk
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     seen: list[str] = []
+    accepted, stopped = threading.Event(), threading.Event()
 
     def serve() -> None:
         conn, _ = listener.accept()
-        time.sleep(1.0)  # the client's connect thread waits in the handshake; stop() comes meanwhile
+        accepted.set()
+        stopped.wait(10)  # the client's connect thread waits in the handshake until stop() returned
         with server_ctx.wrap_socket(conn, server_side=True) as tls:
             seen.append("connect" if read_mqtt_packet(tls)[0] >> 4 == 1 else "other")
             tls.settimeout(5)
@@ -286,9 +287,10 @@ def test_stop_during_a_slow_tls_handshake_closes_the_connection_it_was_making(pk
     async def main() -> None:
         t = MqttTransport("127.0.0.1", port, "slow-tls", tls_context=make_ssl_context(pki.ca))
         await t.start(wait_s=None)
-        await asyncio.sleep(0.3)
+        assert await asyncio.to_thread(accepted.wait, 10)
         await t.stop(timeout_s=1)
-        await asyncio.to_thread(server.join, 8)
+        stopped.set()
+        await asyncio.to_thread(server.join, 15)
 
     try:
         asyncio.run(main())
