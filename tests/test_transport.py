@@ -105,9 +105,11 @@ def test_no_network_thread_the_event_loop_reads_and_writes_the_socket(
             assert client is not None
             logged: list[str] = []
             client.on_log = lambda c, u, level, line: logged.append(line)  # paho's own log lines
-            await asyncio.sleep(2.5)  # idle: a 1 s keep-alive wants a PINGREQ every second
+            # idle: a 1 s keep-alive wants a PINGREQ every second, each answered
+            await wait_until(
+                lambda: sum(line.startswith("Received PINGRESP") for line in logged) >= 2, 10, "2 PINGRESP"
+            )
             assert sum(line.startswith("Sending PINGREQ") for line in logged) >= 2, logged
-            assert sum(line.startswith("Received PINGRESP") for line in logged) >= 2, logged
             assert a.connected.is_set() and a.connects_total == 1
             await a.publish(f"{fleet}/x", b"after", qos=1)
             assert (await asyncio.wait_for(a.queue.get(), 5)).payload == b"after"
@@ -190,7 +192,8 @@ def test_a_burst_past_the_hold_line_waits_in_tcp_and_nothing_is_lost() -> None:
         await t.subscribe("burst", 1)
         try:
             await t.start(wait_s=5)
-            await asyncio.sleep(0.3)  # the consumer is late: the queue and the hold line fill
+            # the consumer is late: the queue and the hold line fill, and reading stops
+            await wait_until(lambda: len(t._held) == t.held_max, 10, "a full hold line")
             got = [(await asyncio.wait_for(t.queue.get(), 5)).payload for _ in range(500)]
             return got, t.dropped_total
         finally:
