@@ -25,6 +25,7 @@ import contextlib
 import functools
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -39,6 +40,11 @@ EVENTS: list[tuple[str, str, float, float, str]] = []  # (name, detail, start s,
 
 def _rec(name: str, detail: str, t0: float, t1: float) -> None:
     EVENTS.append((name, detail, t0, t1, threading.current_thread().name))
+
+
+def _faults() -> int:
+    """Minor page faults of the calling thread so far (``getrusage(RUSAGE_THREAD)``)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
 def _wrap(owner: Any, attr: str, name: str, detail: Callable[..., str] | None = None) -> None:
@@ -59,15 +65,27 @@ def _wrap(owner: Any, attr: str, name: str, detail: Callable[..., str] | None = 
 
         @functools.wraps(orig)
         def wrapped(*a: Any, **k: Any) -> Any:
-            t0, c0 = time.time(), time.thread_time()
+            t0, c0, f0 = time.time(), time.thread_time(), _faults()
             try:
                 return orig(*a, **k)
             finally:
-                # the thread's own CPU time: what a call costs when it is not waiting for a core
-                cpu = f" cpu={1e3 * (time.thread_time() - c0):.2f}"
+                # the thread's own CPU time: what a call costs when it is not waiting for a core; and
+                # its page faults (each one a fresh page: a large temporary mmap-ed and freed)
+                cpu = f" cpu={1e3 * (time.thread_time() - c0):.2f} flt={_faults() - f0}"
                 _rec(name, (detail(*a, **k) if detail else "") + cpu, t0, time.time())
 
         setattr(owner, attr, wrapped)
+
+
+def thread_cpu_ms(pid: int) -> dict[str, float]:
+    """CPU time of process ``pid``'s main thread (``main``) and of its other threads (``others``) so
+    far, in ms (as :func:`process_cpu_ms`)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            name = "main" if task.name == str(pid) else "others"
+            out[name] = out.get(name, 0.0) + int((task / "schedstat").read_text().split()[0]) / 1e6
+    return out
 
 
 def process_cpu_ms(pid: int) -> float:
@@ -279,10 +297,12 @@ def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) 
         # CPU of each process from a round's start to its aggregation (the coordinator is this process)
         pids = {"coordinator": os.getpid(), "dev-1": procs[0].pid, "dev-2": procs[1].pid}
         cpu: dict[int, dict[str, float]] = {}
+        threads: dict[int, dict[str, dict[str, float]]] = {}  # per thread, at each round's start
         timed = peer._TimedCoordinator
         orig_round, orig_publish = timed.run_round, timed.publish_global
 
         async def run_round(self: Any, round_no: int, *a: Any, **k: Any) -> Any:
+            threads[round_no] = {who: thread_cpu_ms(pid) for who, pid in pids.items()}
             cpu[round_no] = {who: -process_cpu_ms(pid) for who, pid in pids.items()}
             return await orig_round(self, round_no, *a, **k)
 
@@ -308,6 +328,16 @@ def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) 
         "agents": per_agent,
         "proxy": proxy_events,
         "cpu_ms": cpu,
+        # CPU per thread over whole rounds (one round's start to the next's: the global head's
+        # handling included), per process and thread name
+        "thread_cpu_ms": {
+            r: {
+                who: {t: ms - threads[r][who].get(t, 0.0) for t, ms in threads[r + 1][who].items()}
+                for who in threads[r]
+            }
+            for r in threads
+            if r + 1 in threads
+        },
         "loadavg": os.getloadavg(),
     }
 
@@ -419,6 +449,15 @@ def main(argv: list[str] | None = None) -> int:
         print("\nCPU per round (start -> aggregation), median over rounds 2.., ms:")
         for who in doc["cpu_ms"][rounds[0]]:
             print(f"  {who:12} {statistics.median(doc['cpu_ms'][r][who] for r in rounds):7.2f}")
+    cycles = [r for r in range(2, args.rounds) if r in doc["thread_cpu_ms"]]
+    if cycles:
+        print("\nCPU per whole round (a round's start to the next's) by thread, median, ms:")
+        first = doc["thread_cpu_ms"][cycles[0]]
+        for who in first:
+            for t in first[who]:
+                ms = statistics.median(doc["thread_cpu_ms"][r][who].get(t, 0.0) for r in cycles)
+                if ms >= 0.05:
+                    print(f"  {who:12} {t:16} {ms:7.2f}")
     print(f"\nround {args.show_round}: start ms, end ms, takes ms, who, thread, event")
     print("\n".join(timeline(doc, args.show_round)))
     if args.json is not None:

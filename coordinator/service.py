@@ -344,6 +344,13 @@ class Coordinator:
                 )
             self._adopting = False
             self._apply_adopted()
+            # adopted: from now on these subscriptions would only bring our own round and head back
+            # (twice the bytes of every announcement and head, each decoded, refused and acknowledged)
+            for topic in (self.topics.round, self.topics.global_model + "/#"):
+                try:
+                    await self.transport.unsubscribe(topic)
+                except TransportError as exc:  # harmless: the echoes are ignored, as before
+                    logger.warning("unsubscribe from %s after adopting: %s", topic, exc)
         for topic in self._data_topics():
             await self.subscribe(topic)
         await self.publish_global(self.state.round)

@@ -586,6 +586,9 @@ class MqttTransport:
         def on_subscribe(client: Any, userdata: Any, mid: int, rcs: list[ReasonCode], props: Any) -> None:
             self._hop(self._handle_suback, conn, mid, list(rcs))
 
+        def on_unsubscribe(client: Any, userdata: Any, mid: int, rcs: list[ReasonCode], props: Any) -> None:
+            self._hop(self._handle_suback, conn, mid, list(rcs))  # the same wait: by packet id
+
         def on_message(client: Any, userdata: Any, msg: mqtt.MQTTMessage) -> None:
             if msg.topic == OVERSIZE_TOPIC:
                 self._hop(self._handle_oversize, bytes(msg.payload))
@@ -600,6 +603,7 @@ class MqttTransport:
         c.on_disconnect = guarded("on_disconnect", on_disconnect)
         c.on_publish = guarded("on_publish", on_publish)
         c.on_subscribe = guarded("on_subscribe", on_subscribe)
+        c.on_unsubscribe = guarded("on_unsubscribe", on_unsubscribe)
         c.on_message = guarded("on_message", on_message)
         c.on_socket_open = guarded("on_socket_open", _set_nodelay)
 
@@ -795,6 +799,7 @@ class MqttTransport:
                 fut.set_result(None)
 
     def _handle_suback(self, conn: _Connection, mid: int, rcs: list[ReasonCode]) -> None:
+        # a SUBACK or an UNSUBACK: the future waiting for that packet id gets its reason codes
         fut = conn.subacks.pop(mid, None)
         if fut is not None and not fut.done():
             fut.set_result(rcs)
@@ -1111,6 +1116,49 @@ class MqttTransport:
             self._check_suback(topic, await within(fut, timeout_s))
         except TimeoutError as exc:
             raise TransportError(f"no SUBACK for {topic} within {timeout_s} s") from exc
+
+    async def unsubscribe(self, topic: str, *, timeout_s: float = SUBACK_TIMEOUT_S) -> None:
+        """Drop a subscription made with :meth:`subscribe` (not renewed after a reconnect).
+
+        When connected, UNSUBSCRIBE is sent and its UNSUBACK awaited (MQTT 5.0 §3.10-3.11; 3.1.1
+        §3.10-3.11). A topic not subscribed is still sent (the broker answers it; MQTT 5: 0x11).
+
+        Raises
+        ------
+        TransportError
+            If the UNSUBACK refused it (an MQTT 5 reason code >= 0x80, e.g. 0x87 not authorized), no
+            UNSUBACK arrived within ``timeout_s``, or the connection was lost before it.
+        """
+        self._subscriptions.pop(topic, None)
+        conn = self._conn
+        if conn is None or not conn.acked or conn.closed:
+            return  # not renewed on the next CONNACK: that is the whole unsubscribe
+        assert self._loop is not None
+        fut: asyncio.Future[list[ReasonCode]] = self._loop.create_future()
+        rc, mid = conn.client.unsubscribe(topic)
+        if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
+            raise TransportError(f"unsubscribe from {topic} failed: {mqtt.error_string(rc)}")
+        conn.subacks[mid] = fut
+        try:
+            rcs = await within(fut, timeout_s)
+        except TimeoutError as exc:
+            raise TransportError(f"no UNSUBACK for {topic} within {timeout_s} s") from exc
+        self._check_unsuback(topic, rcs)
+
+    @staticmethod
+    def _check_unsuback(topic: str, rcs: list[ReasonCode]) -> None:
+        """Raise TransportError if the UNSUBACK refused (MQTT 5.0 §3.11.2.2: a code >= 0x80).
+
+        3.1.1's UNSUBACK carries no code: an empty list here.
+        """
+        refused = [rc for rc in rcs if rc.is_failure]
+        if refused:
+            raise TransportError(f"unsubscribe from {topic} refused by broker: {refused[0]}")
+
+    @property
+    def subscriptions(self) -> tuple[str, ...]:
+        """The topic filters subscribed (renewed after every reconnect), in the order subscribed."""
+        return tuple(self._subscriptions)
 
     async def publish(
         self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, timeout_s: float = 10.0

@@ -430,6 +430,44 @@ def test_downlink_coordinator_publishes_its_profile_layout(mosquitto: Broker, fl
     np.testing.assert_allclose(got.W, w0, atol=float(np.abs(w0).max()) / 127 / 2 + 1e-7, rtol=0)
 
 
+@pytest.mark.timeout(120)
+def test_redelivery_a_coordinator_that_adopted_no_longer_receives_its_own_round_and_head(
+    mosquitto: Broker, fleet: str
+) -> None:
+    """A coordinator without state subscribes to the retained ``round`` and ``global`` to adopt them,
+    then unsubscribes: its own announcements and heads are not delivered back to it (each was a
+    second copy through the broker, decoded, ignored and acknowledged). Its queue after ``start``
+    (which publishes the head) holds only a device's status sent after it."""
+    from edgefl.coordinator.service import Coordinator
+    from edgefl.coordinator.strategy import FedAvg
+
+    w0, b0 = make_head(5)
+    topics = Topics("edgefl", fleet)
+
+    async def main() -> None:
+        coord_t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
+        peer = MqttTransport(mosquitto.host, mosquitto.port, f"peer-{fleet}")
+        await coord_t.start(wait_s=10)
+        await peer.start(wait_s=10)
+        try:
+            coord = Coordinator(
+                coord_t, topics, w0, b0, model_sha256=SHA, strategy=FedAvg(min_clients=1, deadline_s=5.0)
+            )
+            await coord.start(adopt_wait_s=0.2)  # no pump: what arrives stays in the queue
+            assert coord_t.subscriptions == (topics.update("+"), topics.status("+"))
+            await coord.publish_global(0)  # the head again, after the unsubscribe
+            await peer.publish(topics.status("dev-x"), b"marker", qos=1)
+            msg = await asyncio.wait_for(coord_t.queue.get(), 10)
+            assert (msg.topic, msg.payload) == (topics.status("dev-x"), b"marker")
+            assert coord_t.queue.empty()
+        finally:
+            await peer.publish(topics.global_model, b"", qos=1, retain=True)
+            await peer.stop()
+            await coord_t.stop()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("mode", [Compression.INT8, Compression.TOPK_INT8])
 def test_downlink_deflated_int8_levels_are_lossless_and_used_only_when_smaller(mode: Compression) -> None:
     """``qz`` carries exactly the levels ``q`` would (same decoded floats), and only when it is smaller:

@@ -354,6 +354,45 @@ def test_subscribe_awaits_suback_and_fails_when_refused(mosquitto: Broker, fleet
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_unsubscribe_awaits_unsuback_and_the_topic_stops_arriving(
+    mosquitto: Broker, fleet: str, protocol: str
+) -> None:
+    """After unsubscribe returns, the broker delivers nothing more on that filter (a message published
+    on it, then one on a filter still subscribed: only the second arrives), and the filter is no
+    longer among those renewed after a reconnect."""
+
+    async def main() -> None:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"u-{fleet}", protocol=protocol)
+        await t.start()
+        try:
+            await t.subscribe(f"{fleet}/gone/#", 1)
+            await t.subscribe(f"{fleet}/kept", 1)
+            await t.publish(f"{fleet}/gone/x", b"first", qos=1)
+            assert (await asyncio.wait_for(t.queue.get(), 5)).payload == b"first"
+            await t.unsubscribe(f"{fleet}/gone/#")
+            assert t.subscriptions == (f"{fleet}/kept",)
+            await t.publish(f"{fleet}/gone/x", b"after", qos=1)
+            await t.publish(f"{fleet}/kept", b"marker", qos=1)
+            msg = await asyncio.wait_for(t.queue.get(), 5)
+            assert (msg.topic, msg.payload) == (f"{fleet}/kept", b"marker")
+            assert t.queue.empty()
+        finally:
+            await t.stop()
+
+    asyncio.run(main())
+
+
+def test_unsuback_reason_codes_are_checked() -> None:
+    """An MQTT 5 UNSUBACK code >= 0x80 raises; Success, No subscription existed (0x11) and 3.1.1's
+    empty list pass."""
+    MqttTransport._check_unsuback("a/b", [])
+    for code in (0x00, 0x11):
+        MqttTransport._check_unsuback("a/b", [ReasonCode(PacketTypes.UNSUBACK, identifier=code)])
+    with pytest.raises(TransportError, match="unsubscribe from a/b refused by broker: Not authorized"):
+        MqttTransport._check_unsuback("a/b", [ReasonCode(PacketTypes.UNSUBACK, identifier=0x87)])
+
+
 def test_suback_reason_codes_are_checked() -> None:
     """MQTT 5 refusals (>= 0x80, e.g. 0x87 Not authorized) and 3.1.1's 0x80 raise; granted QoS passes."""
     ok = ReasonCode(PacketTypes.SUBACK, identifier=1)
