@@ -30,6 +30,8 @@ With ``--repeats N`` every figure is the median over the N alternating repeats.
 Run: ``.venv/bin/python -m bench.peer --json PATH`` writes ``{"ratios": {METRIC: edgefl/Flower},
 "accuracy": {...}, "runs": [...]}`` and prints a markdown table. ``--rss-only N`` measures only
 edgefl's agents' peak RSS, dashboard on and off, N runs each (no Flower, no network).
+``--cpu-rounds N`` measures only the CPU each system uses per round, every process counted
+(:func:`cpu_per_round`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import signal
 import socket
 import statistics
@@ -336,7 +339,9 @@ async def _edgefl_rounds(
         job.b0,
         model_sha256=job.sha256,
         strategy=strategy,
-        evaluate=lambda W, b: accuracy(W, b, job.emb_test, job.y_test),
+        # no central evaluation between rounds (Flower's server runs none either: fraction_evaluate 0,
+        # no evaluate_fn); the final head is evaluated once, after the run (run_edgefl)
+        evaluate=None,
         compression=v.uplink,
         downlink=v.downlink,
         lr_decay=1.0,
@@ -415,7 +420,7 @@ def run_edgefl(work: Path, job: Job, v: Variant) -> dict[str, Any]:
         "round_ms": 1e3 * statistics.median(coord.agg_at[r] - starts[r] for r in rounds),
         "breakdown": _breakdown(rows, starts[1], starts[ROUNDS + 1]),
         "peak_rss_kib": hwm,
-        "accuracy": coord.state.history[-1].accuracy,
+        "accuracy": accuracy(coord.W, coord.b, job.emb_test, job.y_test),
     }
 
 
@@ -494,6 +499,56 @@ def ensure_flower(venv: Path) -> None:
         return
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(py), "-m", "pip", "install", "-q", f"flwr=={FLOWER_VERSION}", "numpy"], check=True)
+
+
+def _cpu_ms() -> float:
+    """CPU time (user + system) of this process and of its waited-for children so far, in ms."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return 1e3 * (own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime)
+
+
+def cpu_per_round(work: Path, job: Job, venv: Path, extra: int, repeats: int) -> dict[str, Any]:
+    """CPU time per round of each system, every process of it counted (``--cpu-rounds``).
+
+    Each system runs the job with :data:`ROUNDS` rounds and with ``ROUNDS + extra``; the difference of
+    the CPU they used (``getrusage``: this process, where edgefl's coordinator runs, and the children
+    waited for: Flower's server and clients, edgefl's agents and mosquitto, the counting proxy),
+    divided by ``extra``, is what one more round costs, start-up and shutdown left out. edgefl runs
+    its ``int8_nodelay`` variant. Systems alternate; ``repeats`` pairs of runs each.
+
+    Returns
+    -------
+    dict
+        ``cpu_ms_per_round`` {"flower", "edgefl": median ms}, ``ratio`` (edgefl / Flower),
+        ``runs`` {system: [ms per round, one per repeat]}, ``extra_rounds``.
+    """
+    global ROUNDS
+    base = ROUNDS
+    variant = next(v for v in VARIANTS if v.name == "int8_nodelay")
+    runs: dict[str, list[float]] = {"flower": [], "edgefl": []}
+    try:
+        for rep in range(repeats):
+            for system in ("flower", "edgefl") if rep % 2 == 0 else ("edgefl", "flower"):
+                used = []
+                for rounds in (base, base + extra):
+                    ROUNDS = rounds
+                    before = _cpu_ms()
+                    if system == "flower":
+                        run_flower(work, job, venv)
+                    else:
+                        run_edgefl(work, job, variant)
+                    used.append(_cpu_ms() - before)
+                runs[system].append((used[1] - used[0]) / extra)
+                print(f"{system}: {runs[system][-1]:.2f} ms of CPU per round", flush=True)
+    finally:
+        ROUNDS = base
+    med = {system: statistics.median(values) for system, values in runs.items()}
+    return {
+        "cpu_ms_per_round": med,
+        "ratio": med["edgefl"] / med["flower"],
+        "runs": runs,
+        "extra_rounds": extra,
+    }
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -577,7 +632,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="folder for the run's files, the agents' state included (default: the system's temporary "
         "folder); a tmpfs mount (memory) makes a device's durable write free, to measure what it costs",
     )
+    p.add_argument(
+        "--cpu-rounds",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only the CPU each system uses per round: runs of 5 and 5 + N rounds (int8_nodelay), "
+        "--repeats pairs",
+    )
     args = p.parse_args(args_in)
+    if args.cpu_rounds > 0:
+        ensure_flower(args.flower_venv)
+        with tempfile.TemporaryDirectory(prefix="peer-", dir=args.tmp_root) as tmp:
+            work = Path(tmp)
+            doc = cpu_per_round(work, make_job(work), args.flower_venv, args.cpu_rounds, args.repeats)
+        cpu = doc["cpu_ms_per_round"]
+        print(
+            f"CPU per round, every process: Flower {cpu['flower']:.1f} ms, edgefl {cpu['edgefl']:.1f} ms "
+            f"(ratio {doc['ratio']:.2f})"
+        )
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(doc, indent=1))
+        return
     if args.rss_only > 0:
         out = rss_only(args.rss_only)
         for key, kib in out["median_kib"].items():

@@ -468,6 +468,20 @@ def test_redelivery_a_coordinator_that_adopted_no_longer_receives_its_own_round_
     asyncio.run(main())
 
 
+def test_downlink_int8_level_maps_are_counted_to_the_byte() -> None:
+    """The sizes that choose ``q`` or ``qz`` (counted, not encoded) are exactly cbor2's, for 1-D and
+    2-D levels whose lengths cross CBOR's head-size steps (24, 256, 65,536)."""
+    from edgefl.wire.arrays import encode_array
+    from edgefl.wire.compression import _q_cbor_bytes, _qz_cbor_bytes
+
+    for shape in ((1,), (23,), (24,), (300,), (70_000,), (512, 10), (1280, 1000), (3, 300)):
+        q = np.zeros(shape, np.int8)
+        assert _q_cbor_bytes(shape) == len(cbor2.dumps({"q": encode_array(q)})), shape
+        for packed in (0, 23, 24, 255, 256, 70_000):
+            doc = {"qz": [list(shape), bytes(packed)]}
+            assert _qz_cbor_bytes(shape, packed) == len(cbor2.dumps(doc)), (shape, packed)
+
+
 @pytest.mark.parametrize("mode", [Compression.INT8, Compression.TOPK_INT8])
 def test_downlink_deflated_int8_levels_are_lossless_and_used_only_when_smaller(mode: Compression) -> None:
     """``qz`` carries exactly the levels ``q`` would (same decoded floats), and only when it is smaller:

@@ -7,6 +7,7 @@ its retained status: they need ``agent/daemon.py`` to publish ``Governor.status(
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import mmap
@@ -150,6 +151,7 @@ def test_admission_shrinks_to_floor_then_defers(tmp_path: Path) -> None:
     assert (f.work, f.budget_bytes) == (2, 2 * MIB)
     st = gov.status()
     assert st["admissions"]["train"]["work"] == 2
+    assert st["admissions"]["train"] == dataclasses.asdict(f)  # every field, as asdict gives them
     assert st["cap_bytes"] == 100 * MIB and st["rss_bytes"] == 88 * MIB
     json.dumps(st)  # JSON-like, for the status message
 

@@ -162,8 +162,20 @@ def _q_entry(q: npt.NDArray[np.int8], allow_deflate: bool) -> dict[str, object]:
         return plain
     packer = zlib.compressobj(_DEFLATE_LEVEL, zlib.DEFLATED, _DEFLATE_WBITS)
     packed = packer.compress(np.ascontiguousarray(q).tobytes()) + packer.flush()
-    deflated: dict[str, object] = {"qz": [list(q.shape), packed]}
-    return deflated if len(cbor2.dumps(deflated)) < len(cbor2.dumps(plain)) else plain
+    if _qz_cbor_bytes(q.shape, len(packed)) >= _q_cbor_bytes(q.shape):
+        return plain
+    return {"qz": [list(q.shape), packed]}
+
+
+def _q_cbor_bytes(shape: tuple[int, ...]) -> int:
+    """CBOR bytes of the map ``{"q": encode_array(levels)}`` for int8 levels of ``shape``."""
+    return 1 + _text_cbor_bytes("q") + _ndarray_cbor_bytes(shape, 1)
+
+
+def _qz_cbor_bytes(shape: tuple[int, ...], packed_bytes: int) -> int:
+    """CBOR bytes of the map ``{"qz": [shape, deflated]}`` (counted, not encoded: issue 17)."""
+    dims = cbor_head_bytes(len(shape)) + sum(cbor_head_bytes(d) for d in shape)
+    return 1 + _text_cbor_bytes("qz") + 1 + dims + cbor_head_bytes(packed_bytes) + packed_bytes
 
 
 def _read_q(sub: Mapping[str, Any], name: str, limits: Limits) -> npt.NDArray[np.int8]:
