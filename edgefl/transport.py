@@ -482,6 +482,9 @@ class MqttTransport:
         self.ever_connected = False
         self._lost_logged = False
         self._subscriptions: dict[str, tuple[int, bool]] = {}  # topic -> (qos, live_only)
+        # unsubscribed while no UNSUBACK could come: sent on the next connection (a persistent
+        # session keeps the broker's copy of the subscription across the reconnect)
+        self._unsubscribing: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0  # threading.get_ident() of the event loop's thread
         self._conn: _Connection | None = None
@@ -744,14 +747,33 @@ class MqttTransport:
             self._send_subscribe(conn, topic, qos, live_only)
             for topic, (qos, live_only) in self._subscriptions.items()
         ]
+        unsubacks = [self._send_unsubscribe(conn, topic) for topic in sorted(self._unsubscribing)]
         self._ready_task = asyncio.create_task(
-            self._ready(conn, subacks), name=f"mqtt-ready-{self.client_id}"
+            self._ready(conn, subacks, unsubacks), name=f"mqtt-ready-{self.client_id}"
         )
 
     async def _ready(
-        self, conn: _Connection, subacks: list[tuple[str, asyncio.Future[list[ReasonCode]]]]
+        self,
+        conn: _Connection,
+        subacks: list[tuple[str, asyncio.Future[list[ReasonCode]]]],
+        unsubacks: Sequence[tuple[str, asyncio.Future[list[ReasonCode]]]] = (),
     ) -> None:
-        """After CONNACK: wait for the renewed subscriptions' SUBACKs, then report the connection up."""
+        """After CONNACK: wait for the renewed subscriptions' SUBACKs, then report the connection up.
+
+        The UNSUBACKs of unsubscriptions that had waited for this connection are awaited first; one
+        refused is not sent again, one without an answer is sent again on the next connection.
+        """
+        for topic, fut in unsubacks:
+            try:
+                self._check_unsuback(topic, await within(fut, SUBACK_TIMEOUT_S))
+                self._unsubscribing.discard(topic)
+            except TimeoutError:
+                logger.warning("unsubscribe from %s: no UNSUBACK", topic)
+            except TransportError as exc:
+                if conn.closed:
+                    return
+                self._unsubscribing.discard(topic)  # refused: sending it again cannot help
+                logger.warning("%s", exc)
         for topic, fut in subacks:
             try:
                 self._check_suback(topic, await within(fut, SUBACK_TIMEOUT_S))
@@ -1108,6 +1130,7 @@ class MqttTransport:
             SUBACK arrived within ``timeout_s``, or the connection was lost before it.
         """
         self._subscriptions[topic] = (qos, live_only)
+        self._unsubscribing.discard(topic)
         conn = self._conn
         if conn is None or not conn.acked or conn.closed:
             return  # sent with the others on the next CONNACK
@@ -1130,20 +1153,32 @@ class MqttTransport:
             UNSUBACK arrived within ``timeout_s``, or the connection was lost before it.
         """
         self._subscriptions.pop(topic, None)
+        self._unsubscribing.add(topic)  # until an UNSUBACK: sent again on the next connection
         conn = self._conn
         if conn is None or not conn.acked or conn.closed:
-            return  # not renewed on the next CONNACK: that is the whole unsubscribe
-        assert self._loop is not None
-        fut: asyncio.Future[list[ReasonCode]] = self._loop.create_future()
-        rc, mid = conn.client.unsubscribe(topic)
-        if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
-            raise TransportError(f"unsubscribe from {topic} failed: {mqtt.error_string(rc)}")
-        conn.subacks[mid] = fut
+            return  # sent with the next CONNACK's subscriptions
+        _, fut = self._send_unsubscribe(conn, topic)
         try:
             rcs = await within(fut, timeout_s)
         except TimeoutError as exc:
             raise TransportError(f"no UNSUBACK for {topic} within {timeout_s} s") from exc
+        self._unsubscribing.discard(topic)
         self._check_unsuback(topic, rcs)
+
+    def _send_unsubscribe(
+        self, conn: _Connection, topic: str
+    ) -> tuple[str, asyncio.Future[list[ReasonCode]]]:
+        """UNSUBSCRIBE on ``conn``; the future gets the UNSUBACK's reason codes or a TransportError."""
+        assert self._loop is not None
+        fut: asyncio.Future[list[ReasonCode]] = self._loop.create_future()
+        rc, mid = conn.client.unsubscribe(topic)
+        if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
+            fut.set_exception(TransportError(f"unsubscribe from {topic} failed: {mqtt.error_string(rc)}"))
+        elif conn.closed:
+            fut.set_exception(TransportError(f"unsubscribe from {topic}: connection lost"))
+        else:
+            conn.subacks[mid] = fut
+        return topic, fut
 
     @staticmethod
     def _check_unsuback(topic: str, rcs: list[ReasonCode]) -> None:

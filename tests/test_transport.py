@@ -22,6 +22,7 @@ from conftest import (
     Broker,
     free_port,
     read_mqtt_packet,
+    restart_mosquitto,
     start_mosquitto,
     stop_broker,
     wait_until,
@@ -381,6 +382,49 @@ def test_unsubscribe_awaits_unsuback_and_the_topic_stops_arriving(
             await t.stop()
 
     asyncio.run(main())
+
+
+def test_unsubscribe_while_disconnected_reaches_the_persistent_session_on_reconnect(
+    tmp_path: Path, fleet: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A persistent session keeps the broker's copy of a subscription across a reconnect: an
+    unsubscribe made while the broker is away is sent on the next connection, before ``connected``
+    is set, so the restored session delivers nothing more on that filter."""
+    monkeypatch.setattr(transport_mod, "RECONNECT_MIN_S", 0.05)
+    monkeypatch.setattr(transport_mod, "RECONNECT_MAX_S", 0.3)
+    # kept as root: the dropped user could not write into pytest's private temporary folder
+    keep = f"persistence true\npersistence_location {tmp_path}/\nuser root\n"
+    broker = start_mosquitto(tmp_path, keep)
+
+    async def main() -> None:
+        nonlocal broker
+        t = MqttTransport(broker.host, broker.port, f"p-{fleet}", session_expiry_s=300)
+        await t.start()
+        try:
+            await t.subscribe(f"{fleet}/gone", 1)
+            await t.subscribe(f"{fleet}/kept", 1)
+            stop_broker(broker)  # saves the session, its two subscriptions with it
+            await wait_until(lambda: not t.connected.is_set(), 10, "the connection lost")
+            await t.unsubscribe(f"{fleet}/gone")  # no broker: returns at once
+            assert t.subscriptions == (f"{fleet}/kept",)
+            broker = restart_mosquitto(broker)
+            await asyncio.wait_for(t.connected.wait(), 10)
+            assert t.session_present  # the broker restored the session (both subscriptions)
+            other = MqttTransport(broker.host, broker.port, f"o-{fleet}")
+            await other.start()
+            await other.publish(f"{fleet}/gone", b"after", qos=1)
+            await other.publish(f"{fleet}/kept", b"marker", qos=1)
+            await other.stop()
+            msg = await asyncio.wait_for(t.queue.get(), 5)
+            assert (msg.topic, msg.payload) == (f"{fleet}/kept", b"marker")
+            assert t.queue.empty()
+        finally:
+            await t.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        stop_broker(broker)
 
 
 def test_unsuback_reason_codes_are_checked() -> None:
