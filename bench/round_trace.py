@@ -12,8 +12,10 @@ MQTT packet passed it. Wrappers add a few microseconds a call; nothing else diff
 
 Run: ``.venv/bin/python -m bench.round_trace [--rounds 7] [--nodelay] [--json PATH]`` prints, per
 phase, the median over rounds 2.. of its start and end in ms after ``run_round`` began, the CPU
-each process used from a round's start to its aggregation (every thread's, ``schedstat``), and one
-round's full timeline; a synchronous step's ``cpu=`` is its thread's own CPU time.
+each process used from a round's start to its aggregation (every thread's, ``schedstat``), the CPU
+of each process's main thread and of its other threads over whole rounds (one round's start to the
+next's), and one round's full timeline; a synchronous step's ``cpu=`` is its thread's own CPU time
+and ``flt=`` its thread's minor page faults (fresh pages: a large temporary mapped and freed).
 """
 
 from __future__ import annotations
