@@ -930,8 +930,6 @@ class MqttTransport:
         self, conn: _Connection, topic: str, qos: int, live_only: bool = False
     ) -> tuple[str, asyncio.Future[list[ReasonCode]]]:
         """SUBSCRIBE on ``conn``; the returned future gets the SUBACK's reason codes or a TransportError."""
-        assert self._loop is not None
-        fut: asyncio.Future[list[ReasonCode]] = self._loop.create_future()
         if live_only and self._mqtt5:  # MQTT 5.0 §3.8.3.1: Retain Handling 2, Retain As Published
             opts = SubscribeOptions(
                 qos=qos, retainAsPublished=True, retainHandling=SubscribeOptions.RETAIN_DO_NOT_SEND
@@ -939,13 +937,25 @@ class MqttTransport:
             rc, mid = conn.client.subscribe(topic, options=opts)
         else:
             rc, mid = conn.client.subscribe(topic, qos)
+        return topic, self._ack_future(conn, rc, mid, f"subscribe to {topic}")
+
+    def _ack_future(
+        self, conn: _Connection, rc: int, mid: int | None, what: str
+    ) -> asyncio.Future[list[ReasonCode]]:
+        """The future the SUBACK or UNSUBACK of packet ``mid`` resolves with its reason codes.
+
+        It holds a TransportError at once if paho did not send the packet (``rc``) or the connection
+        is gone.
+        """
+        assert self._loop is not None
+        fut: asyncio.Future[list[ReasonCode]] = self._loop.create_future()
         if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
-            fut.set_exception(TransportError(f"subscribe to {topic} failed: {mqtt.error_string(rc)}"))
+            fut.set_exception(TransportError(f"{what} failed: {mqtt.error_string(rc)}"))
         elif conn.closed:
-            fut.set_exception(TransportError(f"subscribe to {topic}: connection lost"))
+            fut.set_exception(TransportError(f"{what}: connection lost"))
         else:
             conn.subacks[mid] = fut
-        return topic, fut
+        return fut
 
     @staticmethod
     def _check_suback(topic: str, rcs: list[ReasonCode]) -> None:
@@ -1169,16 +1179,8 @@ class MqttTransport:
         self, conn: _Connection, topic: str
     ) -> tuple[str, asyncio.Future[list[ReasonCode]]]:
         """UNSUBSCRIBE on ``conn``; the future gets the UNSUBACK's reason codes or a TransportError."""
-        assert self._loop is not None
-        fut: asyncio.Future[list[ReasonCode]] = self._loop.create_future()
         rc, mid = conn.client.unsubscribe(topic)
-        if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
-            fut.set_exception(TransportError(f"unsubscribe from {topic} failed: {mqtt.error_string(rc)}"))
-        elif conn.closed:
-            fut.set_exception(TransportError(f"unsubscribe from {topic}: connection lost"))
-        else:
-            conn.subacks[mid] = fut
-        return topic, fut
+        return topic, self._ack_future(conn, rc, mid, f"unsubscribe from {topic}")
 
     @staticmethod
     def _check_unsuback(topic: str, rcs: list[ReasonCode]) -> None:
