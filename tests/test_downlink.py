@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import signal
 import zlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -383,6 +384,24 @@ def test_heartbeat_status_only_on_change_and_on_a_slow_heartbeat(
     assert 1 <= quiet <= 3, quiet
 
 
+@contextlib.asynccontextmanager
+async def coordinator_and_peer(
+    broker: Broker, fleet: str
+) -> AsyncIterator[tuple[MqttTransport, MqttTransport]]:
+    """A coordinator's transport and a peer's, started; afterwards the retained head is cleared and
+    both are stopped."""
+    coord_t = MqttTransport(broker.host, broker.port, f"coord-{fleet}")
+    peer = MqttTransport(broker.host, broker.port, f"peer-{fleet}")
+    await coord_t.start(wait_s=10)
+    await peer.start(wait_s=10)
+    try:
+        yield coord_t, peer
+    finally:
+        await peer.publish(Topics("edgefl", fleet).global_model, b"", qos=1, retain=True)
+        await peer.stop()
+        await coord_t.stop()
+
+
 @pytest.mark.timeout(120)
 def test_downlink_coordinator_publishes_its_profile_layout(mosquitto: Broker, fleet: str) -> None:
     """``[rounds] downlink = "int8"``: the retained global head goes out in that layout (5,068 bytes
@@ -396,11 +415,7 @@ def test_downlink_coordinator_publishes_its_profile_layout(mosquitto: Broker, fl
     topics = Topics("edgefl", fleet)
 
     async def main() -> bytes:
-        coord_t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
-        peer = MqttTransport(mosquitto.host, mosquitto.port, f"peer-{fleet}")
-        await coord_t.start(wait_s=10)
-        await peer.start(wait_s=10)
-        try:
+        async with coordinator_and_peer(mosquitto, fleet) as (coord_t, peer):
             coord = Coordinator(
                 coord_t,
                 topics,
@@ -417,10 +432,6 @@ def test_downlink_coordinator_publishes_its_profile_layout(mosquitto: Broker, fl
                 while not (msg := await peer.queue.get()).payload:
                     pass
             return msg.payload
-        finally:
-            await peer.publish(topics.global_model, b"", qos=1, retain=True)
-            await peer.stop()
-            await coord_t.stop()
 
     payload = asyncio.run(main())
     # 5,380 bytes with plain int8 levels, 5,068 with them deflated (qz, schema 4)
@@ -445,11 +456,7 @@ def test_redelivery_a_coordinator_that_adopted_no_longer_receives_its_own_round_
     topics = Topics("edgefl", fleet)
 
     async def main() -> None:
-        coord_t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
-        peer = MqttTransport(mosquitto.host, mosquitto.port, f"peer-{fleet}")
-        await coord_t.start(wait_s=10)
-        await peer.start(wait_s=10)
-        try:
+        async with coordinator_and_peer(mosquitto, fleet) as (coord_t, peer):
             coord = Coordinator(
                 coord_t, topics, w0, b0, model_sha256=SHA, strategy=FedAvg(min_clients=1, deadline_s=5.0)
             )
@@ -460,10 +467,6 @@ def test_redelivery_a_coordinator_that_adopted_no_longer_receives_its_own_round_
             msg = await asyncio.wait_for(coord_t.queue.get(), 10)
             assert (msg.topic, msg.payload) == (topics.status("dev-x"), b"marker")
             assert coord_t.queue.empty()
-        finally:
-            await peer.publish(topics.global_model, b"", qos=1, retain=True)
-            await peer.stop()
-            await coord_t.stop()
 
     asyncio.run(main())
 
