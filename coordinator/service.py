@@ -324,16 +324,17 @@ class Coordinator:
         first adopts the fleet's round and head from the retained ``round`` and ``global`` messages,
         so devices that hold a later round are not answered with ``stale_round`` for rounds on end.
         The retained head is adopted only if it decodes with this head's shape, names this backbone's
-        sha256 and, when a signing key is set, carries a valid signature by it. Then, adopting or
-        not, it unsubscribes from ``round`` and ``global`` (its own messages would come back). The
-        caller's :meth:`pump` must be running.
+        sha256 and, when a signing key is set, carries a valid signature by it. Then, after adopting
+        or when the broker resumed an earlier session of this client, it unsubscribes from ``round``
+        and ``global`` (its own messages would come back). The caller's :meth:`pump` must be running.
 
         Parameters
         ----------
         adopt_wait_s : float
             How long to wait for the retained messages (seconds); they arrive right after SUBACK.
         """
-        if self.state.version == 0 and self.state.round == 0:
+        adopting = self.state.version == 0 and self.state.round == 0
+        if adopting:
             self._adopting = True
             # control topics first: a flood on update/+ must not stand between us and their SUBACKs
             await self.subscribe(self.topics.round)
@@ -347,13 +348,14 @@ class Coordinator:
             self._apply_adopted()
         # From now on these subscriptions would only bring our own round and head back (a second copy
         # of every announcement and head through the broker, each read, ignored and acknowledged):
-        # dropped after adopting, and at every start, since the broker's persistent session of an
-        # earlier run that adopted may still hold them.
-        for topic in (self.topics.round, self.topics.global_model + "/#"):
-            try:
-                await self.transport.unsubscribe(topic)
-            except TransportError as exc:  # harmless: the echoes are ignored, as before
-                logger.warning("unsubscribe from %s: %s", topic, exc)
+        # dropped after adopting, and whenever the broker resumed a session of ours (an earlier run
+        # that adopted may have left them in it)
+        if adopting or self.transport.session_present:
+            for topic in (self.topics.round, self.topics.global_model + "/#"):
+                try:
+                    await self.transport.unsubscribe(topic)
+                except TransportError as exc:  # harmless: the echoes are ignored, as before
+                    logger.warning("unsubscribe from %s: %s", topic, exc)
         for topic in self._data_topics():
             await self.subscribe(topic)
         await self.publish_global(self.state.round)

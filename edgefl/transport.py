@@ -354,6 +354,7 @@ class _Connection:
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     pubacks: dict[int, asyncio.Future[None]] = field(default_factory=dict)
     subacks: dict[int, asyncio.Future[list[ReasonCode]]] = field(default_factory=dict)
+    unsubacks: dict[int, asyncio.Future[list[ReasonCode]]] = field(default_factory=dict)
     acked: bool = False  # a successful CONNACK arrived
     answered: bool = False  # a CONNACK arrived, accepting or refusing (the broker speaks our protocol)
     closed: bool = False
@@ -365,13 +366,19 @@ class _Connection:
     unhandled: int = 0  # messages paho has read whose _handle_message has not run yet
 
     def fail_all(self, reason: str) -> None:
-        """Fail every pending PUBACK/SUBACK future with ``TransportError(reason)``; mark closed."""
+        """Fail every pending PUBACK/SUBACK/UNSUBACK future with ``TransportError(reason)``; mark closed."""
         self.closed = True
-        for futs in (self.pubacks, self.subacks):
+        for futs in (self.pubacks, self.subacks, self.unsubacks):
             for mid, fut in futs.items():
                 if not fut.done():
                     fut.set_exception(TransportError(f"{reason} (mid={mid})"))
             futs.clear()
+
+
+def _retrieve_all(futures: Sequence[asyncio.Future[Any]]) -> None:
+    """Mark the outcome of futures nobody will await as seen (no "exception was never retrieved")."""
+    for fut in futures:
+        fut.add_done_callback(lambda f: None if f.cancelled() else f.exception())
 
 
 class MqttTransport:
@@ -482,9 +489,9 @@ class MqttTransport:
         self.ever_connected = False
         self._lost_logged = False
         self._subscriptions: dict[str, tuple[int, bool]] = {}  # topic -> (qos, live_only)
-        # unsubscribed while no UNSUBACK could come: sent on the next connection (a persistent
-        # session keeps the broker's copy of the subscription across the reconnect)
-        self._unsubscribing: set[str] = set()
+        # unsubscribed without an UNSUBACK yet (topic -> the latest call's token): sent once more on
+        # the next connection (a persistent session keeps the broker's copy across the reconnect)
+        self._unsubscribing: dict[str, object] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0  # threading.get_ident() of the event loop's thread
         self._conn: _Connection | None = None
@@ -590,7 +597,7 @@ class MqttTransport:
             self._hop(self._handle_suback, conn, mid, list(rcs))
 
         def on_unsubscribe(client: Any, userdata: Any, mid: int, rcs: list[ReasonCode], props: Any) -> None:
-            self._hop(self._handle_suback, conn, mid, list(rcs))  # the same wait: by packet id
+            self._hop(self._handle_unsuback, conn, mid, list(rcs))
 
         def on_message(client: Any, userdata: Any, msg: mqtt.MQTTMessage) -> None:
             if msg.topic == OVERSIZE_TOPIC:
@@ -743,11 +750,15 @@ class MqttTransport:
         self.last_refusal = None
         self.session_present = session_present
         conn.acked = True
+        # the last try of each unsubscribe still unanswered: sent before the subscriptions (the broker
+        # has taken it when their SUBACKs are in), then forgotten, whatever comes of it: a broker that
+        # closes the connection on it must not be sent it again at every reconnect
+        pending, self._unsubscribing = self._unsubscribing, {}
+        unsubacks = [self._send_unsubscribe(conn, topic) for topic in sorted(pending)]
         subacks = [
             self._send_subscribe(conn, topic, qos, live_only)
             for topic, (qos, live_only) in self._subscriptions.items()
         ]
-        unsubacks = [self._send_unsubscribe(conn, topic) for topic in sorted(self._unsubscribing)]
         self._ready_task = asyncio.create_task(
             self._ready(conn, subacks, unsubacks), name=f"mqtt-ready-{self.client_id}"
         )
@@ -760,29 +771,20 @@ class MqttTransport:
     ) -> None:
         """After CONNACK: wait for the renewed subscriptions' SUBACKs, then report the connection up.
 
-        The UNSUBACKs of unsubscriptions that had waited for this connection are awaited first; one
-        refused is not sent again, one without an answer is sent again on the next connection.
+        The UNSUBACKs of the unsubscriptions sent again with this connection (``unsubacks``) are only
+        logged when they fail, after ``connected`` is set: they never hold it back.
         """
-        for topic, fut in unsubacks:
-            try:
-                self._check_unsuback(topic, await within(fut, SUBACK_TIMEOUT_S))
-                self._unsubscribing.discard(topic)
-            except TimeoutError:
-                logger.warning("unsubscribe from %s: no UNSUBACK", topic)
-            except TransportError as exc:
-                if conn.closed:
-                    return
-                self._unsubscribing.discard(topic)  # refused: sending it again cannot help
-                logger.warning("%s", exc)
         for topic, fut in subacks:
             try:
                 self._check_suback(topic, await within(fut, SUBACK_TIMEOUT_S))
             except (TransportError, TimeoutError) as exc:
                 if conn.closed:
+                    _retrieve_all([f for _, f in (*subacks, *unsubacks)])
                     return
                 self.subscribe_failures_total += 1
                 logger.warning("subscription to %s not renewed: %s", topic, exc or "no SUBACK")
         if conn is not self._conn or conn.closed:
+            _retrieve_all([f for _, f in unsubacks])
             return
         if self.ever_connected and self._lost_logged:
             logger.info("broker back: %s:%s", self.host, self.port)
@@ -797,6 +799,13 @@ class MqttTransport:
         self.connected.set()
         if self.on_connect_cb is not None:
             self.on_connect_cb()
+        for topic, fut in unsubacks:
+            try:
+                self._check_unsuback(topic, await within(fut, SUBACK_TIMEOUT_S))
+            except TimeoutError:
+                logger.warning("unsubscribe from %s: no UNSUBACK (not sent again)", topic)
+            except TransportError as exc:
+                logger.warning("%s (not sent again)", exc)
 
     def _handle_disconnect(self, conn: _Connection, rc: object) -> None:
         if conn is not self._conn:
@@ -821,8 +830,12 @@ class MqttTransport:
                 fut.set_result(None)
 
     def _handle_suback(self, conn: _Connection, mid: int, rcs: list[ReasonCode]) -> None:
-        # a SUBACK or an UNSUBACK: the future waiting for that packet id gets its reason codes
         fut = conn.subacks.pop(mid, None)
+        if fut is not None and not fut.done():
+            fut.set_result(rcs)
+
+    def _handle_unsuback(self, conn: _Connection, mid: int, rcs: list[ReasonCode]) -> None:
+        fut = conn.unsubacks.pop(mid, None)
         if fut is not None and not fut.done():
             fut.set_result(rcs)
 
@@ -937,15 +950,21 @@ class MqttTransport:
             rc, mid = conn.client.subscribe(topic, options=opts)
         else:
             rc, mid = conn.client.subscribe(topic, qos)
-        return topic, self._ack_future(conn, rc, mid, f"subscribe to {topic}")
+        return topic, self._ack_future(conn, conn.subacks, rc, mid, f"subscribe to {topic}")
 
     def _ack_future(
-        self, conn: _Connection, rc: int, mid: int | None, what: str
+        self,
+        conn: _Connection,
+        waiting: dict[int, asyncio.Future[list[ReasonCode]]],
+        rc: int,
+        mid: int | None,
+        what: str,
     ) -> asyncio.Future[list[ReasonCode]]:
         """The future the SUBACK or UNSUBACK of packet ``mid`` resolves with its reason codes.
 
-        It holds a TransportError at once if paho did not send the packet (``rc``) or the connection
-        is gone.
+        Kept in ``waiting`` (``conn.subacks`` or ``conn.unsubacks``: an answer of the wrong kind finds
+        none). It holds a TransportError at once if paho did not send the packet (``rc``) or the
+        connection is gone.
         """
         assert self._loop is not None
         fut: asyncio.Future[list[ReasonCode]] = self._loop.create_future()
@@ -954,7 +973,7 @@ class MqttTransport:
         elif conn.closed:
             fut.set_exception(TransportError(f"{what}: connection lost"))
         else:
-            conn.subacks[mid] = fut
+            waiting[mid] = fut
         return fut
 
     @staticmethod
@@ -1140,7 +1159,7 @@ class MqttTransport:
             SUBACK arrived within ``timeout_s``, or the connection was lost before it.
         """
         self._subscriptions[topic] = (qos, live_only)
-        self._unsubscribing.discard(topic)
+        self._unsubscribing.pop(topic, None)
         conn = self._conn
         if conn is None or not conn.acked or conn.closed:
             return  # sent with the others on the next CONNACK
@@ -1163,16 +1182,18 @@ class MqttTransport:
             UNSUBACK arrived within ``timeout_s``, or the connection was lost before it.
         """
         self._subscriptions.pop(topic, None)
-        self._unsubscribing.add(topic)  # until an UNSUBACK: sent again on the next connection
+        token = object()  # this call's: an answer to an earlier call must not clear a later one
+        self._unsubscribing[topic] = token  # until an answer: sent once more with the next CONNACK
         conn = self._conn
         if conn is None or not conn.acked or conn.closed:
-            return  # sent with the next CONNACK's subscriptions
+            return
         _, fut = self._send_unsubscribe(conn, topic)
         try:
             rcs = await within(fut, timeout_s)
         except TimeoutError as exc:
             raise TransportError(f"no UNSUBACK for {topic} within {timeout_s} s") from exc
-        self._unsubscribing.discard(topic)
+        if self._unsubscribing.get(topic) is token:
+            del self._unsubscribing[topic]  # answered: refused or not, sending it again cannot help
         self._check_unsuback(topic, rcs)
 
     def _send_unsubscribe(
@@ -1180,7 +1201,7 @@ class MqttTransport:
     ) -> tuple[str, asyncio.Future[list[ReasonCode]]]:
         """UNSUBSCRIBE on ``conn``; the future gets the UNSUBACK's reason codes or a TransportError."""
         rc, mid = conn.client.unsubscribe(topic)
-        return topic, self._ack_future(conn, rc, mid, f"unsubscribe from {topic}")
+        return topic, self._ack_future(conn, conn.unsubacks, rc, mid, f"unsubscribe from {topic}")
 
     @staticmethod
     def _check_unsuback(topic: str, rcs: list[ReasonCode]) -> None:

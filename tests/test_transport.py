@@ -150,6 +150,77 @@ def burst_broker(publishes: bytes) -> Iterator[int]:
         listener.close()
 
 
+class ScriptedBroker:
+    """An MQTT 3.1.1 server on 127.0.0.1 for one client at a time, scripted for UNSUBSCRIBE.
+
+    It accepts every CONNECT, grants every SUBSCRIBE and answers PINGREQ; the n-th UNSUBSCRIBE
+    (counted over all connections) gets ``unsubscribe[n]`` ("ack": UNSUBACK, "ignore": no answer,
+    "close": the connection closed; past the list's end, "ack"). ``connections`` holds, per
+    connection, the (kind, topic) of every SUBSCRIBE and UNSUBSCRIBE it read; :meth:`drop` closes
+    the current connection. Source: MQTT 3.1.1 §3.8-3.11.
+    """
+
+    def __init__(self, unsubscribe: list[str]) -> None:
+        self.unsubscribe = unsubscribe
+        self.unsubscribes = 0
+        self.connections: list[list[tuple[str, str]]] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._conn: socket.socket | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            if self._stop:  # close()'s own connection, made to end the accept
+                conn.close()
+                return
+            seen: list[tuple[str, str]] = []
+            self._conn = conn
+            self.connections.append(seen)
+            with contextlib.suppress(OSError, IndexError), conn:  # IndexError: read at EOF
+                while True:
+                    first, body = read_mqtt_packet(conn)
+                    kind = first >> 4
+                    if kind == 1:
+                        conn.sendall(b"\x20\x02\x00\x00")  # CONNACK, accepted
+                    elif kind in (8, 10):  # SUBSCRIBE, UNSUBSCRIBE: packet id, one topic filter
+                        topic = body[4 : 4 + int.from_bytes(body[2:4], "big")].decode()
+                        seen.append(("SUBSCRIBE" if kind == 8 else "UNSUBSCRIBE", topic))
+                        if kind == 8:
+                            conn.sendall(b"\x90\x03" + body[:2] + b"\x01")  # SUBACK, QoS 1
+                            continue
+                        n, self.unsubscribes = self.unsubscribes, self.unsubscribes + 1
+                        action = self.unsubscribe[n] if n < len(self.unsubscribe) else "ack"
+                        if action == "close":
+                            break
+                        if action == "ack":
+                            conn.sendall(b"\xb0\x02" + body[:2])  # UNSUBACK
+                    elif kind == 12:
+                        conn.sendall(b"\xd0\x00")  # PINGRESP
+                    elif kind == 14:
+                        break  # DISCONNECT
+
+    def drop(self) -> None:
+        """Close the current connection (the client reconnects)."""
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._stop = True
+        self.drop()
+        with contextlib.suppress(OSError):  # a blocked accept() returns only for a connection
+            socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+        self._thread.join(5)
+        self.listener.close()
+
+
 def publish_packet(topic: bytes, payload: bytes, packet_id: int = 0) -> bytes:
     """An MQTT 3.1.1 PUBLISH: QoS 1 with ``packet_id``, QoS 0 without."""
     head, pid = (b"\x32", packet_id.to_bytes(2, "big")) if packet_id else (b"\x30", b"")
@@ -388,8 +459,8 @@ def test_unsubscribe_while_disconnected_reaches_the_persistent_session_on_reconn
     tmp_path: Path, fleet: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A persistent session keeps the broker's copy of a subscription across a reconnect: an
-    unsubscribe made while the broker is away is sent on the next connection, before ``connected``
-    is set, so the restored session delivers nothing more on that filter."""
+    unsubscribe made while the broker is away is sent first on the next connection, so nothing
+    published on that filter once ``connected`` is set again is delivered."""
     monkeypatch.setattr(transport_mod, "RECONNECT_MIN_S", 0.05)
     monkeypatch.setattr(transport_mod, "RECONNECT_MAX_S", 0.3)
     # kept as root: the dropped user could not write into pytest's private temporary folder
@@ -425,6 +496,108 @@ def test_unsubscribe_while_disconnected_reaches_the_persistent_session_on_reconn
         asyncio.run(main())
     finally:
         stop_broker(broker)
+
+
+@pytest.fixture
+def fast_reconnect(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport_mod, "RECONNECT_MIN_S", 0.05)
+    monkeypatch.setattr(transport_mod, "RECONNECT_MAX_S", 0.2)
+
+
+async def _connected_to(t: MqttTransport, broker: ScriptedBroker, n: int) -> None:
+    """Wait until ``t`` is connected on ``broker``'s n-th connection with its subscriptions renewed."""
+    await wait_until(
+        lambda: len(broker.connections) >= n and t.connected.is_set() and bool(broker.connections[n - 1]),
+        10,
+        f"connection {n} up",
+    )
+
+
+@pytest.mark.usefixtures("fast_reconnect")
+def test_unsubscribe_a_broker_closes_the_connection_on_is_sent_once_more_then_dropped() -> None:
+    """MQTT 3.1.1 has no refusal in an UNSUBACK: a broker may close the connection instead. The
+    unsubscribe is sent once more with the next connection, then forgotten: the transport is
+    connected again on the third, which carries only the renewed subscription."""
+    broker = ScriptedBroker(["close", "close", "close"])
+
+    async def main() -> None:
+        t = MqttTransport("127.0.0.1", broker.port, "t-close", protocol="3.1.1")
+        await t.start()
+        try:
+            await t.subscribe("a/y", 1)
+            with pytest.raises(TransportError, match="lost before the acknowledgement"):
+                await t.unsubscribe("a/x")
+            await _connected_to(t, broker, 3)
+            assert broker.connections[1][0] == ("UNSUBSCRIBE", "a/x")
+            assert broker.connections[2] == [("SUBSCRIBE", "a/y")]
+            assert t.subscriptions == ("a/y",)
+        finally:
+            await t.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        broker.close()
+
+
+@pytest.mark.usefixtures("fast_reconnect")
+def test_unsubscribe_without_an_unsuback_never_holds_connected_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unsubscribe left without an UNSUBACK is sent first on the next connection, whose
+    ``connected`` waits only for the SUBACKs (not for the 30 s an UNSUBACK could take here), and
+    not on the one after."""
+    monkeypatch.setattr(transport_mod, "SUBACK_TIMEOUT_S", 30.0)
+    broker = ScriptedBroker(["ignore", "ignore", "ignore"])
+
+    async def main() -> None:
+        t = MqttTransport("127.0.0.1", broker.port, "t-ignore", protocol="3.1.1")
+        await t.start()
+        try:
+            await t.subscribe("a/y", 1)
+            with pytest.raises(TransportError, match=r"no UNSUBACK for a/x within 0\.3 s"):
+                await t.unsubscribe("a/x", timeout_s=0.3)
+            broker.drop()
+            await _connected_to(t, broker, 2)  # within 10 s: the UNSUBACK is not awaited first
+            assert broker.connections[1] == [("UNSUBSCRIBE", "a/x"), ("SUBSCRIBE", "a/y")]
+            broker.drop()
+            await _connected_to(t, broker, 3)
+            assert broker.connections[2] == [("SUBSCRIBE", "a/y")]
+        finally:
+            await t.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        broker.close()
+
+
+@pytest.mark.usefixtures("fast_reconnect")
+def test_unsubscribe_an_earlier_unsuback_does_not_clear_a_later_unsubscribe() -> None:
+    """unsubscribe, subscribe, unsubscribe of one topic before any answer; the first is
+    acknowledged, the second is lost with the connection: it is the one sent again."""
+    broker = ScriptedBroker(["ack", "close"])
+
+    async def main() -> None:
+        t = MqttTransport("127.0.0.1", broker.port, "t-token", protocol="3.1.1")
+        await t.start()
+        try:
+            await t.subscribe("a/y", 1)
+            calls = [t.unsubscribe("a/x"), t.subscribe("a/x", 1), t.unsubscribe("a/x")]
+            first, second, third = await asyncio.gather(*calls, return_exceptions=True)
+            assert first is None and second is None and isinstance(third, TransportError)
+            assert broker.connections[0][1:] == [
+                ("UNSUBSCRIBE", "a/x"),
+                ("SUBSCRIBE", "a/x"),
+                ("UNSUBSCRIBE", "a/x"),
+            ]
+            await _connected_to(t, broker, 2)
+            assert broker.connections[1] == [("UNSUBSCRIBE", "a/x"), ("SUBSCRIBE", "a/y")]
+        finally:
+            await t.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        broker.close()
 
 
 def test_unsuback_reason_codes_are_checked() -> None:
