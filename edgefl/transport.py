@@ -767,7 +767,7 @@ class MqttTransport:
         self,
         conn: _Connection,
         subacks: list[tuple[str, asyncio.Future[list[ReasonCode]]]],
-        unsubacks: Sequence[tuple[str, asyncio.Future[list[ReasonCode]]]] = (),
+        unsubacks: list[tuple[str, asyncio.Future[list[ReasonCode]]]],
     ) -> None:
         """After CONNACK: wait for the renewed subscriptions' SUBACKs, then report the connection up.
 
@@ -1174,6 +1174,9 @@ class MqttTransport:
 
         When connected, UNSUBSCRIBE is sent and its UNSUBACK awaited (MQTT 5.0 §3.10-3.11; 3.1.1
         §3.10-3.11). A topic not subscribed is still sent (the broker answers it; MQTT 5: 0x11).
+        Not connected, or left without an answer (lost connection, timeout), it is sent once more,
+        first, with the next connection (a persistent session keeps the broker's copy), then
+        forgotten; a refusal is not sent again.
 
         Raises
         ------

@@ -157,25 +157,23 @@ def _q_entry(q: npt.NDArray[np.int8], allow_deflate: bool) -> dict[str, object]:
     D = 512, and mostly zeros in a sparse aggregate): a lossless deflate stage saves ~8 % of a dense
     int8 array and most of a sparse one. Source: RFC 1951 (DEFLATE, raw stream).
     """
-    plain: dict[str, object] = {"q": encode_array(q)}
-    if not allow_deflate:
-        return plain
-    packer = zlib.compressobj(_DEFLATE_LEVEL, zlib.DEFLATED, _DEFLATE_WBITS)
-    packed = packer.compress(np.ascontiguousarray(q).tobytes()) + packer.flush()
-    if _qz_cbor_bytes(q.shape, len(packed)) >= _q_cbor_bytes(q.shape):
-        return plain
-    return {"qz": [list(q.shape), packed]}
+    if allow_deflate:
+        packer = zlib.compressobj(_DEFLATE_LEVEL, zlib.DEFLATED, _DEFLATE_WBITS)
+        packed = packer.compress(np.ascontiguousarray(q).tobytes()) + packer.flush()
+        if _qz_cbor_bytes(q.shape, len(packed)) < _q_cbor_bytes(q.shape):
+            return {"qz": [list(q.shape), packed]}
+    return {"q": encode_array(q)}
 
 
 def _q_cbor_bytes(shape: tuple[int, ...]) -> int:
-    """CBOR bytes of the map ``{"q": encode_array(levels)}`` for int8 levels of ``shape``."""
-    return 1 + _text_cbor_bytes("q") + _ndarray_cbor_bytes(shape, 1)
+    """CBOR bytes of the pair ``"q": encode_array(levels)`` for int8 levels of ``shape``."""
+    return _text_cbor_bytes("q") + _ndarray_cbor_bytes(shape, 1)
 
 
 def _qz_cbor_bytes(shape: tuple[int, ...], packed_bytes: int) -> int:
-    """CBOR bytes of the map ``{"qz": [shape, deflated]}`` (counted, not encoded: issue 17)."""
+    """CBOR bytes of the pair ``"qz": [shape, deflated]`` (counted, not encoded: issue 17)."""
     dims = cbor_head_bytes(len(shape)) + sum(cbor_head_bytes(d) for d in shape)
-    return 1 + _text_cbor_bytes("qz") + 1 + dims + cbor_head_bytes(packed_bytes) + packed_bytes
+    return _text_cbor_bytes("qz") + 1 + dims + cbor_head_bytes(packed_bytes) + packed_bytes
 
 
 def _read_q(sub: Mapping[str, Any], name: str, limits: Limits) -> npt.NDArray[np.int8]:
@@ -805,8 +803,7 @@ def delta_wire_bytes(
         return 1 + _text_cbor_bytes("values") + _ndarray_cbor_bytes(shape, itemsize)
     if mode is Compression.INT8:
         scales = shape[-1] if len(shape) > 1 else 1
-        q = _text_cbor_bytes("q") + _ndarray_cbor_bytes(shape, 1)
-        return 1 + q + _text_cbor_bytes("scale") + array_cbor_bytes(scales, 4)
+        return 1 + _q_cbor_bytes(shape) + _text_cbor_bytes("scale") + array_cbor_bytes(scales, 4)
     k = topk_count(size, topk_fraction)
     shape_bytes = (
         _text_cbor_bytes("shape") + cbor_head_bytes(len(shape)) + sum(cbor_head_bytes(d) for d in shape)
