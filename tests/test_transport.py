@@ -10,7 +10,7 @@ import random
 import signal
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -513,24 +513,19 @@ async def _connected_to(t: MqttTransport, broker: ScriptedBroker, n: int) -> Non
     )
 
 
-@pytest.mark.usefixtures("fast_reconnect")
-def test_unsubscribe_a_broker_closes_the_connection_on_is_sent_once_more_then_dropped() -> None:
-    """MQTT 3.1.1 has no refusal in an UNSUBACK: a broker may close the connection instead. The
-    unsubscribe is sent once more with the next connection, then forgotten: the transport is
-    connected again on the third, which carries only the renewed subscription."""
-    broker = ScriptedBroker(["close", "close", "close"])
+def run_scripted(
+    unsubscribe: list[str], body: Callable[[MqttTransport, ScriptedBroker], Awaitable[None]]
+) -> None:
+    """Run ``body`` with a :class:`ScriptedBroker` (``unsubscribe`` its script) and an MQTT 3.1.1
+    transport connected to it and subscribed to ``a/y``; both stopped afterwards."""
+    broker = ScriptedBroker(unsubscribe)
 
     async def main() -> None:
-        t = MqttTransport("127.0.0.1", broker.port, "t-close", protocol="3.1.1")
+        t = MqttTransport("127.0.0.1", broker.port, "t-scripted", protocol="3.1.1")
         await t.start()
         try:
             await t.subscribe("a/y", 1)
-            with pytest.raises(TransportError, match="lost before the acknowledgement"):
-                await t.unsubscribe("a/x")
-            await _connected_to(t, broker, 3)
-            assert broker.connections[1][0] == ("UNSUBSCRIBE", "a/x")
-            assert broker.connections[2] == [("SUBSCRIBE", "a/y")]
-            assert t.subscriptions == ("a/y",)
+            await body(t, broker)
         finally:
             await t.stop()
 
@@ -538,6 +533,23 @@ def test_unsubscribe_a_broker_closes_the_connection_on_is_sent_once_more_then_dr
         asyncio.run(main())
     finally:
         broker.close()
+
+
+@pytest.mark.usefixtures("fast_reconnect")
+def test_unsubscribe_a_broker_closes_the_connection_on_is_sent_once_more_then_dropped() -> None:
+    """MQTT 3.1.1 has no refusal in an UNSUBACK: a broker may close the connection instead. The
+    unsubscribe is sent once more with the next connection, then forgotten: the transport is
+    connected again on the third, which carries only the renewed subscription."""
+
+    async def body(t: MqttTransport, broker: ScriptedBroker) -> None:
+        with pytest.raises(TransportError, match="lost before the acknowledgement"):
+            await t.unsubscribe("a/x")
+        await _connected_to(t, broker, 3)
+        assert broker.connections[1][0] == ("UNSUBSCRIBE", "a/x")
+        assert broker.connections[2] == [("SUBSCRIBE", "a/y")]
+        assert t.subscriptions == ("a/y",)
+
+    run_scripted(["close", "close", "close"], body)
 
 
 @pytest.mark.usefixtures("fast_reconnect")
@@ -546,58 +558,38 @@ def test_unsubscribe_without_an_unsuback_never_holds_connected_back(monkeypatch:
     ``connected`` waits only for the SUBACKs (not for the 30 s an UNSUBACK could take here), and
     not on the one after."""
     monkeypatch.setattr(transport_mod, "SUBACK_TIMEOUT_S", 30.0)
-    broker = ScriptedBroker(["ignore", "ignore", "ignore"])
 
-    async def main() -> None:
-        t = MqttTransport("127.0.0.1", broker.port, "t-ignore", protocol="3.1.1")
-        await t.start()
-        try:
-            await t.subscribe("a/y", 1)
-            with pytest.raises(TransportError, match=r"no UNSUBACK for a/x within 0\.3 s"):
-                await t.unsubscribe("a/x", timeout_s=0.3)
-            broker.drop()
-            await _connected_to(t, broker, 2)  # within 10 s: the UNSUBACK is not awaited first
-            assert broker.connections[1] == [("UNSUBSCRIBE", "a/x"), ("SUBSCRIBE", "a/y")]
-            broker.drop()
-            await _connected_to(t, broker, 3)
-            assert broker.connections[2] == [("SUBSCRIBE", "a/y")]
-        finally:
-            await t.stop()
+    async def body(t: MqttTransport, broker: ScriptedBroker) -> None:
+        with pytest.raises(TransportError, match=r"no UNSUBACK for a/x within 0\.3 s"):
+            await t.unsubscribe("a/x", timeout_s=0.3)
+        broker.drop()
+        await _connected_to(t, broker, 2)  # within 10 s: the UNSUBACK is not awaited first
+        assert broker.connections[1] == [("UNSUBSCRIBE", "a/x"), ("SUBSCRIBE", "a/y")]
+        broker.drop()
+        await _connected_to(t, broker, 3)
+        assert broker.connections[2] == [("SUBSCRIBE", "a/y")]
 
-    try:
-        asyncio.run(main())
-    finally:
-        broker.close()
+    run_scripted(["ignore", "ignore", "ignore"], body)
 
 
 @pytest.mark.usefixtures("fast_reconnect")
 def test_unsubscribe_an_earlier_unsuback_does_not_clear_a_later_unsubscribe() -> None:
     """unsubscribe, subscribe, unsubscribe of one topic before any answer; the first is
     acknowledged, the second is lost with the connection: it is the one sent again."""
-    broker = ScriptedBroker(["ack", "close"])
 
-    async def main() -> None:
-        t = MqttTransport("127.0.0.1", broker.port, "t-token", protocol="3.1.1")
-        await t.start()
-        try:
-            await t.subscribe("a/y", 1)
-            calls = [t.unsubscribe("a/x"), t.subscribe("a/x", 1), t.unsubscribe("a/x")]
-            first, second, third = await asyncio.gather(*calls, return_exceptions=True)
-            assert first is None and second is None and isinstance(third, TransportError)
-            assert broker.connections[0][1:] == [
-                ("UNSUBSCRIBE", "a/x"),
-                ("SUBSCRIBE", "a/x"),
-                ("UNSUBSCRIBE", "a/x"),
-            ]
-            await _connected_to(t, broker, 2)
-            assert broker.connections[1] == [("UNSUBSCRIBE", "a/x"), ("SUBSCRIBE", "a/y")]
-        finally:
-            await t.stop()
+    async def body(t: MqttTransport, broker: ScriptedBroker) -> None:
+        calls = [t.unsubscribe("a/x"), t.subscribe("a/x", 1), t.unsubscribe("a/x")]
+        first, second, third = await asyncio.gather(*calls, return_exceptions=True)
+        assert first is None and second is None and isinstance(third, TransportError)
+        assert broker.connections[0][1:] == [
+            ("UNSUBSCRIBE", "a/x"),
+            ("SUBSCRIBE", "a/x"),
+            ("UNSUBSCRIBE", "a/x"),
+        ]
+        await _connected_to(t, broker, 2)
+        assert broker.connections[1] == [("UNSUBSCRIBE", "a/x"), ("SUBSCRIBE", "a/y")]
 
-    try:
-        asyncio.run(main())
-    finally:
-        broker.close()
+    run_scripted(["ack", "close"], body)
 
 
 def test_unsuback_reason_codes_are_checked() -> None:
