@@ -81,7 +81,8 @@ def _wrap(owner: Any, attr: str, name: str, detail: Callable[..., str] | None = 
 
 def thread_cpu_ms(pid: int) -> dict[str, float]:
     """CPU time of process ``pid``'s main thread (``main``) and of its other threads (``others``) so
-    far, in ms (as :func:`process_cpu_ms`)."""
+    far, in ms (``/proc/<pid>/task/*/schedstat``, field 1: ns on a CPU); threads that ended before
+    the read are not counted."""
     out: dict[str, float] = {}
     for task in Path(f"/proc/{pid}/task").glob("*"):
         with contextlib.suppress(OSError, ValueError, IndexError):
@@ -93,11 +94,7 @@ def thread_cpu_ms(pid: int) -> dict[str, float]:
 def process_cpu_ms(pid: int) -> float:
     """CPU time of every thread of process ``pid`` so far, in ms (``/proc/<pid>/task/*/schedstat``,
     field 1: ns on a CPU); threads that ended before the read are not counted."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").glob("*/schedstat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            total += int(task.read_text().split()[0])
-    return total / 1e6
+    return sum(thread_cpu_ms(pid).values())
 
 
 def _topic_kind(topic: str) -> str:
