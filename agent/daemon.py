@@ -192,6 +192,7 @@ class Agent:
             Ingest(src.queue_max, src.pending_max, src.label_expiry_s) if src.kind == "mqtt" else None
         )
         self._ingest_wake = asyncio.Event()
+        self._stored = asyncio.Event()  # samples were stored: flush_loop makes them durable in time
         # round and global messages wait here while the pump files samples (a round's training must not
         # hold up the transport's queue, whose overflow would drop a round or a head)
         self._control: asyncio.Queue[Message] = asyncio.Queue(maxsize=64)
@@ -243,6 +244,7 @@ class Agent:
                 self.state.correct_total += int(np.sum(out.predictions == lbl))
                 self.state.labelled_total += len(lbl)
                 self.state.stored_total += len(lbl)
+                self._stored.set()
                 if src.rate_hz > 0:
                     await asyncio.sleep(max(0.0, len(lbl) / src.rate_hz - (time.monotonic() - t0)))
                 else:
@@ -325,6 +327,7 @@ class Agent:
                     refused, not_finite = await self._work(self.core.keep, emb, labels)
                     self._count_refused(refused, not_finite)
                     self.state.stored_total += len(labels) - refused - not_finite
+                    self._stored.set()
                     self.state.correct_total += int(np.sum(predicted == labels))
                     self.state.labelled_total += len(labels)
                 if self.core.pending_round is not None:
@@ -353,6 +356,7 @@ class Agent:
         n_labelled = int(labelled.sum())
         self.state.inferred_total += len(rows)
         self.state.stored_total += n_labelled - out.refused_labels - out.refused_not_finite
+        self._stored.set()
         if n_labelled:
             self.state.correct_total += int(np.sum(out.predictions[labelled] == labels[labelled]))
             self.state.labelled_total += n_labelled
@@ -476,6 +480,28 @@ class Agent:
             self._idle_work.clear()
             await self._work(self._housekeeping)
 
+    async def flush_loop(self) -> None:
+        """Flush the store within ``training.flush_interval_s`` of a sample's store.
+
+        The core flushes at once every ``training.flush_every`` samples (:meth:`DeviceCore.keep`);
+        this covers a slow feed. A flush that failed (a full disk) is left to ``retry_persist``.
+        """
+        interval_s = self.profile.training.flush_interval_s
+        while True:
+            await self._stored.wait()
+            self._stored.clear()
+            while True:
+                since = self.core.unflushed_since()
+                if since is None:
+                    break
+                wait_s = since + interval_s - time.monotonic()
+                if wait_s > 0:
+                    await asyncio.sleep(wait_s)
+                    continue
+                if self.core.flush_due():
+                    await self._work(self.core.flush_store)
+                break
+
     def _housekeeping(self) -> None:
         """Deferred state writes (never raise: a full disk degrades) and ``malloc_trim`` (worker thread)."""
         self.core.write_deferred()
@@ -561,8 +587,6 @@ class Agent:
             self._reject(result.reason, f"round {result.round}", result.detail)
             if result.reason == "failed":
                 self._set_state("idle", f"round {result.round} failed: {result.detail}")
-        elif status == RoundStatus.NO_SAMPLES:
-            self._set_state("deferred", "no local samples")
         elif status == RoundStatus.DEFERRED:
             self._next_retry_at = time.monotonic() + self.profile.status.interval_s
             self._set_state("deferred", result.reason)
@@ -900,6 +924,7 @@ class Agent:
                         tg.create_task(self.status_loop()),
                         tg.create_task(self.outbox_loop()),
                         tg.create_task(self.housekeeping_loop()),
+                        tg.create_task(self.flush_loop()),
                     ]
                     await self.stop_event.wait()
                     for t in tasks:
