@@ -37,7 +37,15 @@ from edgefl.agent.core import ApplyStatus, Classified, DeviceCore, RoundResult, 
 from edgefl.agent.ingest import LOGGED_REFUSALS, Ingest, Queued
 from edgefl.agent.status import status_news
 from edgefl.aio import wait_event
-from edgefl.errors import BudgetExceeded, DecodeError, EdgeflError, TransportError, UpdateRejected
+from edgefl.errors import (
+    BudgetExceeded,
+    CredentialsRefused,
+    DecodeError,
+    EdgeflError,
+    StartupError,
+    TransportError,
+    UpdateRejected,
+)
 from edgefl.profiles import broker_password
 from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
@@ -58,6 +66,8 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+REFUSED_NOT_AUTHORIZED = "refused: not authorized"
+"""What the status, the page and ``/healthz`` say while the broker refuses the agent's credentials."""
 IDLE_GRACE_S = 0.5
 """Housekeeping (deferred writes, ``malloc_trim``) waits until no message came for this long (seconds)."""
 DEFERRED_WRITE_MAX_S = 30.0
@@ -728,7 +738,9 @@ class Agent:
         return {
             "round": s.round,
             "version": core.head.version,
-            "reason": f"degraded: {core.degraded}" if core.degraded else s.reason,
+            "reason": self._reason(),
+            "broker": self.broker_state(),
+            "health": self.health(),
             "degraded": core.degraded,
             "write_failures": core.write_failures,
             "ready": s.replay_done or s.ingest_ready,
@@ -772,6 +784,62 @@ class Agent:
                 else {}
             ),
         }
+
+    def broker_state(self) -> str:
+        """``connected``, ``refused: not authorized`` (credentials refused), ``lost`` or ``connecting``."""
+        t = self.transport
+        if t is None:
+            return "connecting"
+        if t.connected.is_set():
+            return "connected"
+        if t.credentials_refused:
+            return REFUSED_NOT_AUTHORIZED
+        return "lost" if t.ever_connected else "connecting"
+
+    def health(self) -> str:
+        """``ok``, or the problem that makes ``/healthz`` answer 503 (the broker refused our credentials)."""
+        return REFUSED_NOT_AUTHORIZED if self.broker_state() == REFUSED_NOT_AUTHORIZED else "ok"
+
+    def _reason(self) -> str:
+        if self.broker_state() == REFUSED_NOT_AUTHORIZED:
+            return f"{REFUSED_NOT_AUTHORIZED} (broker.username / password)"
+        return f"degraded: {self.core.degraded}" if self.core.degraded else self.state.reason
+
+    async def auth_watch(self) -> None:
+        """Report every refusal of our credentials; after ``broker.auth_retries`` in a row, give up.
+
+        Raises
+        ------
+        CredentialsRefused
+            Once the broker refused the credentials ``broker.auth_retries`` times in a row (the CLI
+            exits with code 5: a wrong password does not fix itself, the unit does not restart it).
+        """
+        t = self.transport
+        assert t is not None
+        limit = self.profile.broker.auth_retries
+        while True:
+            await t.refused.wait()
+            t.refused.clear()
+            self._changed()  # the page says "refused: not authorized", /healthz 503
+            if not t.credentials_refused:
+                continue
+            n = t.auth_refusals
+            if n >= limit:
+                raise CredentialsRefused(
+                    f"broker {t.host}:{t.port} refused the credentials {n} times in a row "
+                    f"({t.last_refusal}): check broker.username and broker.password / password_file "
+                    "against the broker's password file and ACL",
+                    n,
+                )
+            logger.error(
+                "%s: broker %s:%s refused the credentials (%s), %d of broker.auth_retries = %d",
+                REFUSED_NOT_AUTHORIZED,
+                t.host,
+                t.port,
+                t.last_refusal,
+                n,
+                limit,
+            )
 
     def ingest_fields(self) -> dict[str, int]:
         """The live ingest's counters and levels (``{}`` unless ``source.kind = "mqtt"``)."""
@@ -901,7 +969,14 @@ class Agent:
             )
             stack.callback(self.executor.shutdown, wait=True)
             if self.profile.dashboard.enabled and self.status_page is not None:
-                self.dashboard_url = await self.status_page.start(self.dashboard_status)
+                d = self.profile.dashboard
+                try:
+                    self.dashboard_url = await self.status_page.start(self.dashboard_status)
+                except OSError as exc:  # EADDRINUSE, EADDRNOTAVAIL, EACCES: a start-up error, not a crash
+                    raise StartupError(
+                        f"dashboard cannot listen on {d.host}:{d.port} (dashboard.host / dashboard.port): "
+                        f"{exc.strerror or exc}"
+                    ) from exc
                 stack.push_async_callback(self.status_page.stop)
                 logger.info("dashboard on %s", self.dashboard_url)
             # "global/#" matches "global" itself and the chunk topics "global/<i>" of a large head
@@ -925,6 +1000,7 @@ class Agent:
                         tg.create_task(self.outbox_loop()),
                         tg.create_task(self.housekeeping_loop()),
                         tg.create_task(self.flush_loop()),
+                        tg.create_task(self.auth_watch()),
                     ]
                     await self.stop_event.wait()
                     for t in tasks:
