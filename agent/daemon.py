@@ -138,6 +138,8 @@ class AgentState:
     last_update_bytes: int = 0
     local_accuracy: float = float("nan")
     rejected: Counter[str] = field(default_factory=Counter)
+    last_rejected: dict[str, str] = field(default_factory=dict)
+    """The last live-ingest refusal: ``reason``, ``detail``, ``topic`` (a feed shows it)."""
     over_budget_batches: int = 0
     """Sample batches the memory governor refused to run (each retried once memory frees)."""
     faults: Counter[str] = field(default_factory=Counter)
@@ -184,6 +186,15 @@ class Agent:
             max_message_bytes=self.core.limits.max_message_bytes,
             max_chunk_bytes=self.max_packet_bytes,
             max_total_bytes=2 * self.core.limits.max_message_bytes,
+        )
+        # samples larger than a packet come in chunks on their own topic: a set of their own, so a
+        # stream of them never evicts a global head's half-received chunks
+        self.sample_chunks = Reassembler(
+            max_sets=2,
+            max_message_bytes=self.core.limits.max_message_bytes,
+            max_chunk_bytes=profile.broker.max_incoming_packet_bytes,
+            max_total_bytes=2 * self.core.limits.max_message_bytes,
+            expiry_s=30.0,
         )
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgefl-worker")
         self.transport: MqttTransport | None = None
@@ -291,8 +302,14 @@ class Agent:
             if msg.retain:
                 raise DecodeError(Reason.BAD_VALUE, "retained: samples and labels are never retained")
             if msg.topic == self.topics.samples(self.device):
+                payload = msg.payload
+                if is_chunk(payload):  # a sample larger than the packet limit ("Chunks")
+                    whole = self.sample_chunks.feed(msg.topic, payload)
+                    if whole is None:
+                        return
+                    payload = whole
                 sample = decode_sample(
-                    msg.payload,
+                    payload,
                     limits=self.core.limits,
                     sample_shape=pipeline.sample_shape,
                     dtype=self.profile.pipeline.raw_dtype,
@@ -305,6 +322,8 @@ class Agent:
                 ingest.offer_label(decode_label(msg.payload, limits=self.core.limits, num_classes=K))
         except (DecodeError, UpdateRejected) as exc:
             self.state.rejected[exc.reason] += 1
+            last = {"reason": str(exc.reason), "detail": exc.detail[:200], "topic": msg.topic}
+            self.state.last_rejected = last
             n = self.state.rejected[exc.reason]
             if n <= LOGGED_REFUSALS or n % 1000 == 0:
                 more = f" ({n} {exc.reason} so far)" if n > LOGGED_REFUSALS else ""
@@ -323,6 +342,7 @@ class Agent:
             await wait_event(self._ingest_wake, tick_s)
             self._ingest_wake.clear()
             ingest.expire()
+            self.sample_chunks.expire()
             while ingest.has_work():
                 rows = ingest.take(pipeline.batch)
                 if rows:
@@ -758,6 +778,7 @@ class Agent:
             "over_budget_batches": s.over_budget_batches,  # inference refused by the governor
             **self.governor.status(measure=measure),
             "rejected": dict(s.rejected),
+            "last_rejected": dict(s.last_rejected),
             "faults": dict(s.faults),
             "pipeline_mode": pipeline.mode,
             "pipeline": pipeline.counters(),
