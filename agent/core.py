@@ -524,7 +524,7 @@ class DeviceCore:
         return cls(
             profile,
             Head(W, b, 0),
-            backbone.sha256,
+            backbone.backbone_sha256,
             pipeline=pipeline,
             governor=governor,
             state_dir=directory,
