@@ -205,3 +205,21 @@ def test_durable_empty_store_declines_the_round_at_once(
         "no_samples",
         "no labelled samples stored",
     )
+
+
+def test_durable_profile_keys_have_their_defaults_and_are_checked() -> None:
+    from conftest import DEV_PROFILE
+
+    from edgefl.agent.config import load_profile
+    from edgefl.errors import ConfigError
+
+    p = load_profile(DEV_PROFILE, check_files=False)
+    assert (p.training.flush_interval_s, p.training.flush_every, p.broker.auth_retries) == (5.0, 64, 3)
+    bad = {"training.flush_every": "0", "training.flush_interval_s": "-1", "broker.auth_retries": "0"}
+    with pytest.raises(ConfigError) as err:
+        load_profile(DEV_PROFILE, bad, check_files=False)
+    assert sorted(str(e) for e in err.value.problems) == [
+        "broker.auth_retries = 0: must be an integer >= 1",
+        "training.flush_every = 0: must be an integer >= 1",
+        "training.flush_interval_s = -1.0: must be a finite number of seconds > 0",
+    ]
