@@ -2,8 +2,8 @@
 
 Embeddings are stored as float16 (half the bytes of float32; the head is trained in float32 chunks
 read back from the map), labels as int16. The store is a ring: when full, the oldest sample is
-overwritten, so its size is fixed at ``capacity * (2 * D + 2)`` bytes of file-backed pages that the
-kernel can drop under pressure.
+overwritten, so its size is fixed at ``capacity * (2 * D + 2 + 16)`` bytes (with the row records) of
+file-backed pages that the kernel can drop under pressure.
 
 Durability and integrity: every slot has a row record in ``store_rows.u64`` (``uint64 [capacity, 2]``,
 little-endian): ``seq + 1`` (the sample's number since the store was created, 0 = never written) and
@@ -458,8 +458,8 @@ class EmbeddingStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the backing files (embeddings + labels)."""
-        return self.capacity * (2 * self.dim + 2)
+        """Bytes of the backing files (embeddings, labels and row records)."""
+        return self.capacity * (2 * self.dim + 2 + 16)
 
     def add(self, emb: F32, labels: I64) -> int:
         """Append a batch of labelled embeddings, overwriting the oldest when full.
