@@ -251,9 +251,10 @@ class SecurityConfig:
         This device's Ed25519 private key (64 hex digits or PEM); its updates are signed with it.
         The key is read once at start-up and never logged.
     coordinator_public_key : str or None
-        The coordinator's Ed25519 public key, 64 hex digits. When set, every GlobalModel and
-        RoundAnnouncement must carry a valid signature by it: unsigned ones are refused (``unsigned``)
-        whatever ``require_signatures`` says. Rotation: ``docs/security.md``.
+        The coordinator's Ed25519 public key: 64 hex digits or a PEM ``PUBLIC KEY`` block (what
+        ``edgefl keys`` prints and writes). When set, every GlobalModel and RoundAnnouncement must
+        carry a valid signature by it: unsigned ones are refused (``unsigned``) whatever
+        ``require_signatures`` says. Rotation: ``docs/security.md``.
     require_signatures : bool
         Refuse unsigned messages; needs ``coordinator_public_key`` (which implies it: kept so a
         profile can state it, and so a profile that asks for signatures without a key is refused).
@@ -460,9 +461,14 @@ def _check_source(p: Problems, c: SourceConfig, raw: Mapping[str, object], check
 
 
 def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    from edgefl.wire.signing import library_problem, load_signing_key, parse_verify_key
+
     key = c.coordinator_public_key
-    if key is not None and (len(key) != 64 or any(ch not in "0123456789abcdefABCDEF" for ch in key)):
-        p.add("security.coordinator_public_key", key, "must be 64 hexadecimal digits (an Ed25519 public key)")
+    if key is not None:
+        try:
+            parse_verify_key(key)
+        except ValueError as exc:
+            p.add("security.coordinator_public_key", key, f"not an Ed25519 {exc}")
     if c.require_signatures and key is None:
         p.add(
             "security.require_signatures",
@@ -474,11 +480,14 @@ def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], c
         p.add("security.outbox_max_bytes", c.outbox_max_bytes, "must be > 0")
     if check_files and c.signing_key_file is not None:
         problem = file_problem(c.signing_key_file, raw.get("signing_key_file"))
+        if problem is None:
+            try:
+                load_signing_key(c.signing_key_file)
+            except (OSError, ValueError) as exc:
+                problem = str(exc)
         if problem is not None:
             p.add("security.signing_key_file", raw.get("signing_key_file"), problem)
     if check_files:
-        from edgefl.wire.signing import library_problem
-
         for name in ("signing_key_file", "coordinator_public_key"):
             why = library_problem(f"security.{name}") if getattr(c, name) is not None else None
             if why is not None:

@@ -253,7 +253,8 @@ class SecurityRef:
     signing_key_file : Path or None
         The coordinator's Ed25519 private key (64 hex digits or PEM).
     device_keys_dir : Path or None
-        Folder of ``<device>.pub`` keys; when set, every update must be signed by its device.
+        Folder of ``<device>.pub`` keys (64 hex digits or PEM, as ``edgefl keys generate`` writes);
+        when set, every update must be signed by its device.
     """
 
     signing_key_file: Path | None = None
@@ -418,11 +419,9 @@ def _check_security(p: Problems, c: SecurityRef, raw: Mapping[str, object], chec
     if not check_files:
         return
     if c.signing_key_file is not None:
-        problem = file_problem(c.signing_key_file, raw.get("signing_key_file"))
-        if problem is not None:
-            p.add("security.signing_key_file", raw.get("signing_key_file"), problem)
-    if c.device_keys_dir is not None and not c.device_keys_dir.is_dir():
-        p.add("security.device_keys_dir", raw.get("device_keys_dir"), "not a folder")
+        _check_key_file(p, "security.signing_key_file", c.signing_key_file, raw, private=True)
+    if c.device_keys_dir is not None:
+        _check_key_dir(p, "security.device_keys_dir", c.device_keys_dir, raw)
     _check_library(p, c, ("signing_key_file", "device_keys_dir"), "security")
 
 
@@ -442,13 +441,40 @@ def _check_hierarchy(p: Problems, c: HierarchyConfig, raw: Mapping[str, object],
         p.add("hierarchy.site_keys_dir", None, why)
     if not check_files:
         return
-    if c.site_keys_dir is not None and not c.site_keys_dir.is_dir():
-        p.add("hierarchy.site_keys_dir", raw.get("site_keys_dir"), "not a folder")
+    if c.site_keys_dir is not None:
+        _check_key_dir(p, "hierarchy.site_keys_dir", c.site_keys_dir, raw)
     if c.root_key_file is not None:
-        problem = file_problem(c.root_key_file, raw.get("root_key_file"))
-        if problem is not None:
-            p.add("hierarchy.root_key_file", raw.get("root_key_file"), problem)
+        _check_key_file(p, "hierarchy.root_key_file", c.root_key_file, raw, private=False)
     _check_library(p, c, ("site_keys_dir", "root_key_file"), "hierarchy")
+
+
+def _check_key_file(p: Problems, key: str, path: Path, raw: Mapping[str, object], *, private: bool) -> None:
+    """Problem of ``key`` unless ``path`` holds an Ed25519 private (or public) key, hex or PEM."""
+    from edgefl.wire.signing import load_signing_key, load_verify_key
+
+    name = key.rpartition(".")[2]
+    problem = file_problem(path, raw.get(name))
+    if problem is None:
+        try:
+            (load_signing_key if private else load_verify_key)(path)
+        except (OSError, ValueError) as exc:
+            problem = str(exc)
+    if problem is not None:
+        p.add(key, raw.get(name), problem)
+
+
+def _check_key_dir(p: Problems, key: str, path: Path, raw: Mapping[str, object]) -> None:
+    """Problem of ``key`` unless ``path`` is a folder whose ``*.pub`` files all hold public keys."""
+    from edgefl.wire.signing import load_verify_keys
+
+    name = key.rpartition(".")[2]
+    if not path.is_dir():
+        p.add(key, raw.get(name), "not a folder")
+        return
+    try:
+        load_verify_keys(path)
+    except (OSError, ValueError) as exc:
+        p.add(key, raw.get(name), str(exc))
 
 
 def _check_library(p: Problems, c: object, names: tuple[str, ...], table: str) -> None:

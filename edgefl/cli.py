@@ -453,10 +453,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
         profiler.add_parser(sub)
         memreport.add_parser(sub)
-        from edgefl import feed, modeltool
+        from edgefl import feed, keys, modeltool
 
         modeltool.add_parser(sub)
         feed.add_parser(sub)
+        keys.add_parser(sub)
         from edgefl.cross_build.cli import add_wheelhouse_parser
 
         add_wheelhouse_parser(sub)
