@@ -32,7 +32,7 @@ lint: $(VENV)/.test-installed
 	$(BIN)/ruff check .
 
 typecheck: $(VENV)/.test-installed
-	$(BIN)/mypy
+	$(BIN)/python -m tools.typecheck
 
 pytest: $(VENV)/.test-installed
 	$(BIN)/pytest -q

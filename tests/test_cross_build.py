@@ -1,7 +1,7 @@
 """Tests of cross_build/: manylinux tag lists, marker evaluation, lock files, closure checks, the unit.
 
 Fast and offline by default. The tests that need a real wheelhouse use the cached one under
-``cache/wheelhouse/<target>/`` (made by ``python cross_build/wheelhouse.py --target T --out
+``cache/wheelhouse/<target>/`` (made by ``python -m cross_build.wheelhouse --target T --out
 cache/wheelhouse/T``) and skip when it is absent; with ``EDGEFL_NETWORK_TESTS=1`` they build it into a
 temporary folder instead (downloads from the package index, ~10-30 s per target).
 """
@@ -22,12 +22,10 @@ from pathlib import Path
 import pytest
 from packaging.utils import parse_wheel_filename
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # cross_build/ is a build-machine tool, not an installed package
-    sys.path.append(str(ROOT))
+from cross_build import cli as wh_cli
+from cross_build import wheelhouse as wh
 
-from cross_build import cli as wh_cli  # noqa: E402
-from cross_build import wheelhouse as wh  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # The Debian 12 (CPython 3.11) flavours; the Python-specific tests name their Python.
 AARCH64 = wh.target_for("aarch64", "3.11")
@@ -413,11 +411,13 @@ def test_cli_hook_knows_every_target_and_the_default_prefix() -> None:
 
 
 def test_cli_hook_does_not_import_the_builder() -> None:
-    # `edgefl run` in a checkout imports edgefl.cross_build.cli: not packaging nor the builder.
-    code = ("import sys; sys.path.append(sys.argv[1]); import edgefl.cross_build.cli; "
-            "print('edgefl.cross_build.wheelhouse' in sys.modules, 'packaging.requirements' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "False"]
+    # `edgefl --help` in a checkout loads cross_build.cli from beside edgefl/: not packaging nor the builder.
+    code = ("import argparse, sys; from edgefl import cli; "
+            "cli._add_checkout_parsers(argparse.ArgumentParser().add_subparsers()); "
+            "print('cross_build.cli' in sys.modules, 'cross_build.wheelhouse' in sys.modules, "
+            "'packaging.requirements' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False", "False"]
 
 
 def test_wheelhouse_build_failure_exits_1_with_the_name(tmp_path: Path) -> None:
