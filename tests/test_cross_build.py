@@ -347,6 +347,7 @@ def test_unit_refuses_a_state_dir_outside_var_lib() -> None:
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+@pytest.mark.subprocess
 def test_rendered_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     # verify checks that ExecStart's program exists: give it a prefix with one.
     prefix = tmp_path / "opt"
@@ -410,6 +411,7 @@ def test_cli_hook_knows_every_target_and_the_default_prefix() -> None:
     assert wh_cli.DEFAULT_PREFIX == wh.DEFAULT_PREFIX
 
 
+@pytest.mark.subprocess
 def test_cli_hook_does_not_import_the_builder() -> None:
     # `edgefl --help` in a checkout loads cross_build.cli from beside edgefl/: not packaging nor the builder.
     code = ("import argparse, sys; from edgefl import cli; "
@@ -420,6 +422,7 @@ def test_cli_hook_does_not_import_the_builder() -> None:
     assert out.stdout.split() == ["True", "False", "False"]
 
 
+@pytest.mark.subprocess
 def test_wheelhouse_build_failure_exits_1_with_the_name(tmp_path: Path) -> None:
     # An unknown repo path: pip wheel fails for edgefl, before any download.
     rc = wh.main(["--target", "aarch64", "--out", str(tmp_path / "out"), "--repo", str(tmp_path / "nope")])
@@ -520,6 +523,7 @@ def fake_system(tmp_path: Path) -> FakeSystem:
     return FakeSystem(tmp_path, state, tmp_path / "etc", tmp_path / "opt", env)
 
 
+@pytest.mark.subprocess
 def test_install_sh_refuses_another_machine_before_touching_anything(tmp_path: Path) -> None:
     house = _fake_house(tmp_path, "aarch64" if os.uname().machine != "aarch64" else "x86_64")
     prefix = tmp_path / "prefix"
@@ -533,6 +537,7 @@ def test_install_sh_refuses_another_machine_before_touching_anything(tmp_path: P
     assert not prefix.exists()
 
 
+@pytest.mark.subprocess
 def test_install_sh_refuses_another_python_in_one_line_naming_both(tmp_path: Path) -> None:
     other = "3.13" if RUNNING_PYTHON != "3.13" else "3.12"
     house = _fake_house(tmp_path, os.uname().machine, python=other)
@@ -551,6 +556,7 @@ def test_install_sh_refuses_another_python_in_one_line_naming_both(tmp_path: Pat
     assert not prefix.exists()
 
 
+@pytest.mark.subprocess
 def test_install_sh_refuses_when_systemd_is_not_pid_1(tmp_path: Path, fake_system: FakeSystem) -> None:
     house = _fake_house(tmp_path, os.uname().machine)
     proc = fake_system.install(house, fail="pid1")
@@ -562,6 +568,7 @@ def test_install_sh_refuses_when_systemd_is_not_pid_1(tmp_path: Path, fake_syste
     assert fake_system.calls() == ["systemctl is-system-running"]
 
 
+@pytest.mark.subprocess
 def test_install_sh_rollback_needs_a_previous_release(tmp_path: Path) -> None:
     house = _fake_house(tmp_path, os.uname().machine)
     proc = subprocess.run(
@@ -713,6 +720,7 @@ def test_install_sh_upgrade_keeps_the_running_release_when_restart_fails(
 # --- check_emulated.sh: the suite argument (refusals happen before any tool or download is needed) ----
 
 
+@pytest.mark.subprocess
 def test_emulated_install_check_refuses_armv7l_on_trixie_up_front() -> None:
     proc = subprocess.run(
         ["bash", str(ROOT / "cross_build" / "check_emulated.sh"), "armv7l", "trixie"],
@@ -724,6 +732,7 @@ def test_emulated_install_check_refuses_armv7l_on_trixie_up_front() -> None:
     assert proc.stdout == ""
 
 
+@pytest.mark.subprocess
 def test_emulated_install_check_names_an_unknown_suite() -> None:
     proc = subprocess.run(
         ["bash", str(ROOT / "cross_build" / "check_emulated.sh"), "aarch64", "sid"],
