@@ -24,7 +24,7 @@ from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.demo import free_port, launch_agent, stop_agents
 from edgefl.wire.signing import load_signing_key, load_verify_keys
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.broker, pytest.mark.subprocess]
 
 DOC = ROOT / "docs" / "operations.md"
 DEVICE_PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"
