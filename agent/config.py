@@ -468,7 +468,10 @@ def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], c
         try:
             parse_verify_key(key)
         except ValueError as exc:
-            p.add("security.coordinator_public_key", key, f"not an Ed25519 {exc}")
+            reason = f"not an Ed25519 {exc}"
+            if "\n" not in key and Path(key.strip()).is_file():
+                reason += "; this is a file's name: the setting holds the key itself (edgefl keys show FILE)"
+            p.add("security.coordinator_public_key", key, reason)
     if c.require_signatures and key is None:
         p.add(
             "security.require_signatures",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import tomllib
 from pathlib import Path
 
@@ -69,6 +70,28 @@ def test_sign_keys_device_profile_errors_name_the_setting(tmp_path: Path) -> Non
     with pytest.raises(ConfigError) as info:
         load_profile(DEV_PROFILE, overrides)
     assert any("62 hex digits; an Ed25519 key is 64" in p for p in problems(info)), problems(info)
+    overrides["security.coordinator_public_key"] = str(public)  # the file's name instead of its key
+    with pytest.raises(ConfigError) as info:
+        load_profile(DEV_PROFILE, overrides)
+    assert any(
+        p.startswith("security.coordinator_public_key = ")
+        and "this is a file's name: the setting holds the key itself (edgefl keys show FILE)" in p
+        for p in problems(info)
+    ), problems(info)
+
+
+def test_sign_keys_permission_warning_only_for_a_private_key(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    private, public, _ = write_key_pair(tmp_path, "gw-7")
+    public.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="edgefl.wire.signing"), pytest.raises(ValueError):
+        load_signing_key(public)  # a public key given as the private one: an error, not a mode warning
+    assert caplog.text == ""
+    private.chmod(0o640)
+    with caplog.at_level(logging.WARNING, logger="edgefl.wire.signing"):
+        load_signing_key(private)
+    assert "is accessible by group/others (mode 640); chmod 600 it" in caplog.text
 
 
 def test_sign_keys_coordinator_profile_checks_every_key_file_and_folder(tmp_path: Path) -> None:

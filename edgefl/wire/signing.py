@@ -433,16 +433,17 @@ def load_signing_key(path: Path) -> SigningKey:
     """
     path = Path(path)
     mode = path.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        logger.warning(
-            "private key %s is accessible by group/others (mode %o); chmod 600 it", path, mode & 0o777
-        )
     try:
-        return parse_signing_key(path.read_text(encoding="ascii"))
+        key = parse_signing_key(path.read_text(encoding="ascii"))
     except UnicodeDecodeError:
         raise ValueError(f"{path}: private key: not a text file (64 hex digits or PEM)") from None
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning(
+            "private key %s is accessible by group/others (mode %o); chmod 600 it", path, mode & 0o777
+        )
+    return key
 
 
 def load_verify_key(path: Path) -> VerifyKey:
