@@ -187,16 +187,23 @@ class StrategyConfig:
 
 @dataclass(frozen=True, slots=True)
 class RobustnessConfig:
-    """``[robustness]``: the bound on each update's L2 norm before aggregation.
+    """``[robustness]``: hostile devices a round withstands, and the bound on each update's L2 norm.
 
     Parameters
     ----------
+    tolerate : int
+        Hostile devices every aggregated round must withstand, >= 0 (default 1). Each strategy
+        derives the fewest updates it aggregates from it (trimmed mean: ``floor(trim_fraction n) >=
+        tolerate``; median and the FedAvg family: ``2 tolerate + 1``); a round with fewer waits to
+        its deadline, then is refused as ``too_few`` (``Strategy.min_updates``).
     norm_bound : float or None
-        Fixed bound, > 0; None: adaptive (``adaptive_factor`` x the round's median update norm).
+        Fixed bound, > 0; None: adaptive (``adaptive_factor`` x the median honest-looking norm of
+        the last rounds).
     adaptive_factor : float
-        Multiple of the round's median norm used when ``norm_bound`` is None, >= 1.
+        Multiple of that median used when ``norm_bound`` is None, >= 1.
     """
 
+    tolerate: int = 1
     norm_bound: float | None = None
     adaptive_factor: float = 2.0
 
@@ -391,6 +398,8 @@ def _check_strategy(p: Problems, c: StrategyConfig, raw: Mapping[str, object], c
 
 def _check_robustness(p: Problems, c: RobustnessConfig, raw: Mapping[str, object], check_files: bool) -> None:
     _positive(p, "robustness.norm_bound", c.norm_bound)
+    if isinstance(c.tolerate, bool) or not isinstance(c.tolerate, int) or c.tolerate < 0:
+        p.add("robustness.tolerate", c.tolerate, "must be an integer >= 0")
     if not c.adaptive_factor >= 1:
         p.add("robustness.adaptive_factor", c.adaptive_factor, "must be >= 1")
 

@@ -208,6 +208,7 @@ def build_strategy(profile: CoordinatorProfile) -> Strategy:
         deadline_s=rounds.deadline_s,
         clip_norm=rob.norm_bound,
         clip_multiplier=rob.adaptive_factor,
+        tolerate=rob.tolerate,
         **own,
     )
     if not dp.enabled:
@@ -509,7 +510,8 @@ async def run(
     where = f"{broker.scheme}://{broker.host}:{broker.port}"
     role = "" if hier.role == "flat" else f" ({hier.role} of {hier.expected_sites or 'any number of'} sites)"
     print(
-        f"coordinator{role} of fleet {fleet} at {where}: {_plural(rounds.count, 'round')} of {st.name}",
+        f"coordinator{role} of fleet {fleet} at {where}: {_plural(rounds.count, 'round')} of {st.name}, "
+        f"{strategy.tolerance()}",
         flush=True,
     )
     stop_page: Callable[[], Awaitable[None]] | None = None

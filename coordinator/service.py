@@ -459,6 +459,7 @@ class Coordinator:
             "shape": list(self.shape),
             "history": [list(dataclasses.astuple(h)) for h in self.state.history],
             "counted": {str(k): sorted(v) for k, v in self.counted.items()},
+            "strategy": self.strategy.durable_state(),  # norm history, server optimiser, DP ledger
         }
         write_record(path, cbor2.dumps(doc))
 
@@ -490,6 +491,11 @@ class Coordinator:
         self.state.version = int(doc["version"])
         self.state.history = [RoundRecord(*h) for h in doc["history"]]
         self.counted = {int(k): list(v) for k, v in doc.get("counted", {}).items()}
+        try:
+            self.strategy.restore_durable(doc.get("strategy", {}))
+        except (ValueError, KeyError, TypeError) as exc:
+            why = f"{path}: the strategy's saved state does not fit ({exc})"
+            raise UpdateRejected("bad_state", why) from exc
         self._record_unrecorded_round()
         logger.info("resumed at round %d, version %d from %s", self.state.round, self.state.version, path)
         return True
@@ -1055,9 +1061,9 @@ class Coordinator:
                 refused = refusal.reason
                 self.state.refused_rounds[refused] += 1
                 logger.error(
-                    "round %d refused: the aggregated head would be refused by the agents (%s); "
-                    "keeping version %d",
+                    "round %d refused: %s (%s); keeping version %d",
                     round_no,
+                    "abandoned" if refused == "too_few" else "the agents would refuse the aggregated head",
                     refusal,
                     self.state.version,
                 )
