@@ -85,6 +85,7 @@ FLAG_KEYS: Final = {
     "device_keys": "security.device_keys_dir",
     "clip_norm": "robustness.norm_bound",
     "clip_multiplier": "robustness.adaptive_factor",
+    "tolerate": "robustness.tolerate",
     "trim_fraction": "strategy.trim_fraction",
     "max_updates": "strategy.max_updates",
     "buffer_size": "strategy.buffer_size",
@@ -105,6 +106,8 @@ FLAG_MEANING: Final = {
     "and expect as many clients a round; ",
     "clip_norm": "bound on each update's L2 norm at the coordinator (not the devices' "
     "training.clip_norm); ",
+    "tolerate": "hostile devices every aggregated round withstands (sets each strategy's fewest "
+    "updates a round); ",
 }
 
 
