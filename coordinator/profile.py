@@ -194,8 +194,8 @@ class RobustnessConfig:
     tolerate : int
         Hostile devices every aggregated round must withstand, >= 0 (default 1). Each strategy
         derives the fewest updates it aggregates from it (trimmed mean: ``floor(trim_fraction n) >=
-        tolerate``; median and the FedAvg family: ``2 tolerate + 1``); a round with fewer waits to
-        its deadline, then is refused as ``too_few`` (``Strategy.min_updates``).
+        tolerate``; median: ``2 tolerate + 1``; the FedAvg family: ``5 tolerate``); a round with
+        fewer waits to its deadline, then is refused as ``too_few`` (``Strategy.min_updates``).
     norm_bound : float or None
         Fixed bound, > 0; None: adaptive (``adaptive_factor`` x the median honest-looking norm of
         the last rounds).

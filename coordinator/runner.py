@@ -528,7 +528,7 @@ async def run(
     try:
         await _connected_or_refused(transport, where, 60.0)
         await coord.start()
-        expected = max(rounds.expected_clients, rounds.min_clients)
+        expected = max(rounds.expected_clients, rounds.min_clients, strategy.min_updates)
         if coord.state.round >= rounds.count:
             print(
                 f"nothing to do: fleet {fleet} is at round {coord.state.round} of {rounds.count} "

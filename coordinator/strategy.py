@@ -507,6 +507,10 @@ def scale_delta(delta: F32, factor: float) -> F32:
     return out
 
 
+HOSTILE_SHARE = 0.2
+"""Largest share of a FedAvg-family aggregate's updates that may be hostile (``Strategy.min_updates``)."""
+
+
 class FleetHistory:
     """Honest-looking values of the fleet's last rounds (update norms, example counts) and their median.
 
@@ -518,7 +522,8 @@ class FleetHistory:
     Parameters
     ----------
     rounds : int >= 1
-        Committed rounds kept.
+        Committed rounds kept (1: the last aggregated round, whose norms lag the current ones least
+        while the learning rate decays).
     per_round : int >= 1
         Values kept from one round (the first ones; later ones are not needed for a median).
 
@@ -528,7 +533,7 @@ class FleetHistory:
         If ``rounds`` or ``per_round`` is < 1.
     """
 
-    def __init__(self, rounds: int = 2, per_round: int = 1024) -> None:
+    def __init__(self, rounds: int = 1, per_round: int = 1024) -> None:
         if rounds < 1 or per_round < 1:
             raise ValueError(f"FleetHistory: rounds = {rounds}, per_round = {per_round}: need >= 1")
         self.per_round = per_round
@@ -894,11 +899,15 @@ class Strategy(ABC):
     def min_updates(self) -> int:
         """Fewest updates a round may aggregate and still withstand ``tolerate`` hostile ones.
 
-        The FedAvg family's: ``2 tolerate + 1``, so the hostile updates, each within the norm
-        bound, are a minority of every aggregate (and of the norms a first round's bound warms up
-        on); 1 when nothing is tolerated. Robust rules derive theirs from their own breakdown point.
+        The FedAvg family's comes from the norm bound: an aggregate of ``n`` bounded updates moves
+        at most ``tolerate x bound / n`` towards the hostile ones, so ``n >= tolerate /
+        HOSTILE_SHARE`` (5 for one) keeps them to a fifth of it, and a majority of the norms a
+        first round's bound warms up on honest (``2 tolerate + 1``); 1 when nothing is tolerated.
+        Robust rules derive theirs from their own breakdown point.
         """
-        return 2 * self.tolerate + 1
+        if self.tolerate == 0:
+            return 1
+        return max(2 * self.tolerate + 1, math.ceil(self.tolerate / HOSTILE_SHARE - 1e-9))
 
     def tolerance(self) -> str:
         """What the strategy withstands, for the start line and ``check-config``.
