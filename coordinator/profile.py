@@ -319,6 +319,10 @@ class HierarchyConfig:
         Root: start without ``site_keys_dir`` (anyone who can publish on ``partial/<site>`` then
         sets the global head; a loud warning at start). A root refuses to start without site keys
         unless this is true.
+    site_devices : int
+        Root: most devices one site may have registered, >= 0 (0: ``MAX_PARTIAL_UPDATES``, what a
+        partial can list); a partial claiming more updates is refused, so a site whose key was
+        stolen weighs at most that many updates.
     """
 
     role: Literal["flat", "site", "root"] = "flat"
@@ -329,6 +333,7 @@ class HierarchyConfig:
     site_keys_dir: Path | None = None
     root_key_file: Path | None = None
     allow_unsigned_sites: bool = False
+    site_devices: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,6 +449,8 @@ def _check_hierarchy(p: Problems, c: HierarchyConfig, raw: Mapping[str, object],
         p.add("hierarchy.expected_sites", c.expected_sites, "must be >= 0")
     if c.expected_devices < 0:
         p.add("hierarchy.expected_devices", c.expected_devices, "must be >= 0")
+    if c.site_devices < 0:
+        p.add("hierarchy.site_devices", c.site_devices, "must be >= 0")
     if not c.close_margin_s >= 0:
         p.add("hierarchy.close_margin_s", c.close_margin_s, "must be >= 0")
     if c.role == "root" and c.site_keys_dir is None and not c.allow_unsigned_sites:

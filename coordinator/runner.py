@@ -461,6 +461,7 @@ async def run(
         role_kwargs = {
             "site_keys": load_verify_keys(hier.site_keys_dir) if hier.site_keys_dir else None,
             "expected_sites": hier.expected_sites,
+            "site_devices": hier.site_devices,
         }
     elif hier.role == "site":
         cls = SiteAggregator

@@ -351,7 +351,7 @@ class Coordinator:
         # dropped after adopting, and whenever the broker resumed a session of ours (an earlier run
         # that adopted may have left them in it)
         if adopting or self.transport.session_present:
-            for topic in (self.topics.round, self.topics.global_model + "/#"):
+            for topic in (self.topics.round, self.topics.global_model + "/#", *self._dropped_topics()):
                 try:
                     await self.transport.unsubscribe(topic)
                 except TransportError as exc:  # harmless: the echoes are ignored, as before
@@ -363,6 +363,10 @@ class Coordinator:
     def _data_topics(self) -> list[str]:
         """The device-facing topics :meth:`start` subscribes to after the control topics."""
         return [self.topics.update("+"), self.topics.status("+")]
+
+    def _dropped_topics(self) -> list[str]:
+        """Topics an earlier session of this client may hold that this one must not receive."""
+        return []
 
     async def subscribe(self, topic: str, budget_s: float = PUBLISH_RETRY_S) -> None:
         """Subscribe with QoS 1, retrying a late SUBACK with backoff (1, 2, 4 ... 16 s) for ``budget_s``.

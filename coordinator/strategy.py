@@ -637,6 +637,7 @@ class NormBound:
         self.weight_multiplier = weight_multiplier
         self.history = FleetHistory()
         self.weights = FleetHistory()
+        self.history_warmup = warmup  # values the history needs to set a round's bounds
         self.norms: list[float] = []  # the round's first norms and claims, while there is no history
         self.claims: list[float] = []
         self._bound: float | None = clip_norm
@@ -648,10 +649,10 @@ class NormBound:
         self.history.discard()
         self.weights.discard()
         self._bound = self.clip_norm
-        if self._bound is None and len(self.history) >= self.warmup:
+        if self._bound is None and len(self.history) >= self.history_warmup:
             self._bound = self.multiplier * self.history.median()
         self._weight_cap = math.inf if math.isinf(self.weight_multiplier) else None
-        if self._weight_cap is None and len(self.weights) >= self.warmup:
+        if self._weight_cap is None and len(self.weights) >= self.history_warmup:
             self._weight_cap = self.weight_multiplier * self.weights.median()
 
     def observe(self, norm: float, weight: float = 1.0) -> None:
@@ -664,6 +665,10 @@ class NormBound:
             self._bound = self.multiplier * float(np.median(self.norms))
         if self._weight_cap is None and len(self.claims) >= self.warmup:
             self._weight_cap = self.weight_multiplier * float(np.median(self.claims))
+
+    def history_bound(self) -> bool:
+        """True when this round's norm bound is fixed or comes from the history (not the round's norms)."""
+        return self._bound is not None and not self.norms
 
     def ready(self) -> bool:
         """True when the bounds can be applied (fixed or from the history, or ``warmup`` seen)."""
@@ -1071,10 +1076,50 @@ class Strategy(ABC):
         # a coordinate-wise median can be longer than every update it covers: only sums are checked
         if bound is not None and sums.combine == "sum" and mean_norm > bound * (1 + 1e-6):
             raise UpdateRejected("bad_value", f"partial mean norm {mean_norm:.4g} > norm bound {bound:.4g}")
+        clipped = sums.clipped
+        if sums.combine == "sum":
+            sums, scaled = self._bounded_sum(sums, mean_norm)
+            clipped += sums.count if scaled else 0
         self._fold_sums(sums)
         self.accepted += sums.count
-        self._round_clipped += sums.clipped
+        self._round_clipped += clipped
         self._last_bound = bound if bound is not None else self._last_bound
+
+    def bound_site_weights(self, multiplier: float = 2.0) -> None:
+        """Bound each site's claimed weight per update at the root (``offer_sums``).
+
+        Parameters
+        ----------
+        multiplier : float >= 1
+            A partial's weight per update is at most ``multiplier x`` the median weight per update of
+            the partials of the last aggregated round (``NormBound.weight_cap``).
+        """
+        self.norm_bound.weight_multiplier = multiplier
+        self.norm_bound.history_warmup = 1  # a root hears a few sites a round, not many devices
+        self.norm_bound.begin()
+
+    def _bounded_sum(self, sums: SiteSums, mean_norm: float) -> tuple[SiteSums, bool]:
+        """A sum partial scaled down to what its site may claim: weight per update and mean norm.
+
+        The weight per update is bounded by ``NormBound.weight_cap`` (from the last round's partials
+        when ``bound_site_weights`` was called), the mean's norm by the adaptive bound from the last
+        round's honest-looking partial means (a fixed bound refuses instead: see ``offer_sums``). Both
+        join the history. Returns the (possibly scaled) sums and whether they were scaled.
+        """
+        per = sums.weight / sums.count
+        cap = self.norm_bound.weight_cap()
+        bound = self.norm_bound.bound() if self.norm_bound.history_bound() else math.inf
+        self.norm_bound.weights.add(min(per, cap))
+        self.norm_bound.history.add(min(mean_norm, bound))
+        weight, f = sums.weight, 1.0
+        if per > cap:
+            weight = cap * sums.count
+            f = weight / sums.weight  # the same mean, at the capped weight
+        if mean_norm > bound:
+            f *= bound / mean_norm  # the mean within the bound
+        if weight == sums.weight and f == 1.0:
+            return sums, False
+        return replace(sums, W=sums.W * f, b=sums.b * f, weight=weight), True
 
     combine = "sum"
     """How this strategy's site shares combine at the root (``SiteSums.combine``)."""
