@@ -205,7 +205,7 @@ class RobustnessConfig:
 
     tolerate: int = 1
     norm_bound: float | None = None
-    adaptive_factor: float = 2.0
+    adaptive_factor: float = 1.5
 
 
 @dataclass(frozen=True, slots=True)

@@ -581,14 +581,16 @@ class FleetHistory:
 class NormBound:
     """Bound on each update's joint L2 norm, and on its weight: fixed, or from the fleet's history.
 
-    Adaptive: a round's bound is ``multiplier x`` the median of the honest-looking norms of the last
-    aggregated rounds (``FleetHistory``), fixed when the round opens, so nothing offered in the
-    current round moves it. An update's norm joins the history as ``min(norm, bound)``: a clipped
-    update counts at the bound, so a minority cannot raise the median, while a majority whose
-    norms grew (drift, a new learning rate) moves it by at most ``multiplier`` a round. Before the
-    fleet has a history (``warmup`` norms), the bound is ``multiplier x`` the median of the
-    round's first ``warmup`` norms (updates wait until they are known): with ``warmup = 2t + 1``,
-    ``t`` hostile updates cannot move that median outside the honest ones'.
+    Adaptive: a round's bound is ``multiplier x`` the lower of two medians: of the honest-looking
+    norms of the last aggregated round (``FleetHistory``, known when the round opens) and of the
+    round's first ``warmup`` norms (updates wait until they are known, then the bound is frozen
+    for the round). The history caps it, so hostile updates arriving first cannot widen it; the
+    round's own median can only tighten it (the norms shrink as the learning rate decays, and the
+    history lags them by a round); with ``warmup = 2t + 1``, ``t`` hostile updates cannot move that
+    median outside the honest ones'. An update's norm joins the history as ``min(norm, bound)``: a
+    clipped update counts at the bound, so a minority cannot raise the median, while a majority
+    whose norms grew (drift) moves it by at most ``multiplier`` a round. Before the fleet has a
+    history, the round's median alone sets it.
 
     The weight (claimed example count) can be bounded the same way, by ``weight_multiplier x`` the
     median honest-looking claim (the root bounds a site's claim per update so; a device's own
@@ -641,19 +643,25 @@ class NormBound:
         self.norms: list[float] = []  # the round's first norms and claims, while there is no history
         self.claims: list[float] = []
         self._bound: float | None = clip_norm
+        self._history_bound: float | None = None
         self._weight_cap: float | None = math.inf if math.isinf(weight_multiplier) else None
 
     def begin(self) -> None:
-        """Open a round: its bounds from the history (when there is enough), nothing observed yet."""
+        """Open a round: the history's bound (when there is enough history), nothing observed yet."""
         self.norms, self.claims = [], []
         self.history.discard()
         self.weights.discard()
         self._bound = self.clip_norm
-        if self._bound is None and len(self.history) >= self.history_warmup:
-            self._bound = self.multiplier * self.history.median()
+        self._history_bound = None
+        if self.clip_norm is None and len(self.history) >= self.history_warmup:
+            self._history_bound = self.multiplier * self.history.median()
         self._weight_cap = math.inf if math.isinf(self.weight_multiplier) else None
         if self._weight_cap is None and len(self.weights) >= self.history_warmup:
             self._weight_cap = self.weight_multiplier * self.weights.median()
+
+    def _with_history(self, round_bound: float) -> float:
+        h = self._history_bound
+        return round_bound if h is None else min(round_bound, h)
 
     def observe(self, norm: float, weight: float = 1.0) -> None:
         """Record an update offered in this round (only needed while the bounds wait for it)."""
@@ -662,25 +670,36 @@ class NormBound:
             self.norms.append(norm)
             self.claims.append(weight)
         if self._bound is None and len(self.norms) >= self.warmup:
-            self._bound = self.multiplier * float(np.median(self.norms))
+            self._bound = self._with_history(self.multiplier * float(np.median(self.norms)))
         if self._weight_cap is None and len(self.claims) >= self.warmup:
             self._weight_cap = self.weight_multiplier * float(np.median(self.claims))
 
-    def history_bound(self) -> bool:
-        """True when this round's norm bound is fixed or comes from the history (not the round's norms)."""
-        return self._bound is not None and not self.norms
+    def history_bound(self) -> float:
+        """The bound the history alone sets for this round: fixed, else from the last round (inf: none).
+
+        The root bounds sites' partials with it (it hears a few partials a round, not ``warmup``
+        norms of the same kind).
+        """
+        if self.clip_norm is not None:
+            return self.clip_norm
+        h = self._history_bound
+        return math.inf if h is None else h
 
     def ready(self) -> bool:
-        """True when the bounds can be applied (fixed or from the history, or ``warmup`` seen)."""
+        """True when the bounds can be applied (fixed, or ``warmup`` norms of the round seen)."""
         return self._bound is not None and self._weight_cap is not None
 
     def bound(self) -> float:
-        """The norm bound now: fixed, from the history, from the warm-up; else the round's median so far."""
+        """The norm bound now.
+
+        Fixed; else ``multiplier x`` the lower of the history's median and the median of the round's
+        first ``warmup`` norms (of those seen so far before then; inf when there is neither).
+        """
         if self._bound is not None:
             return self._bound
         if not self.norms:
-            return math.inf
-        return self.multiplier * float(np.median(self.norms))
+            return self.history_bound()
+        return self._with_history(self.multiplier * float(np.median(self.norms)))
 
     def weight_cap(self) -> float:
         """The weight bound now (as :meth:`bound`; inf before any claim, or without a multiplier)."""
@@ -1108,7 +1127,7 @@ class Strategy(ABC):
         """
         per = sums.weight / sums.count
         cap = self.norm_bound.weight_cap()
-        bound = self.norm_bound.bound() if self.norm_bound.history_bound() else math.inf
+        bound = self.norm_bound.history_bound()
         self.norm_bound.weights.add(min(per, cap))
         self.norm_bound.history.add(min(mean_norm, bound))
         weight, f = sums.weight, 1.0
@@ -1338,8 +1357,14 @@ class FedAvg(Strategy):
         """Bound on a momentum or adaptive server step: the round's per-update norm bound (``clip_step``)."""
         return self.step_factor * self._last_bound
 
-    step_factor = 1.0
-    """A server step's bound in units of the round's per-update norm bound."""
+    step_factor = 0.25
+    """A momentum or adaptive server step's bound in units of the round's per-update norm bound.
+
+    The mean of a round's norm-bounded updates from non-IID devices is far shorter than the bound
+    (their directions differ): in the clean runs of ``bench/poison.py`` the FedAvg step is about a
+    quarter of it. A longer momentum or adaptive step carries more than a round's mean, which is
+    what a persistent hostile direction builds up; at 0.25 FedAvgM, FedAdam and FedYogi keep every
+    attack of that bench within 0.06 of their clean runs (docs/benchmarks.md, "Poisoning")."""
 
     def step(self, W: F32, b: F32, mean_dW: F32, mean_db: F32) -> tuple[F32, F32]:
         """Server step from the round's mean delta: ``W + server_lr * mean_dW`` (and b alike).

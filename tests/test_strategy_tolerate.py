@@ -79,9 +79,10 @@ def test_shipped_round_below_the_minimum_is_refused_too_few_and_keeps_the_head()
 
 
 def test_shipped_adaptive_bound_comes_from_the_fleets_history_never_the_round_alone() -> None:
-    """Round 1 warms up on its first three norms (0.6, 0.8, 1.6 → bound 2 x 0.8). Round 2 opens with
-    the bound of round 1's honest-looking norms before anything arrives: two hostile updates of norm
-    100 arriving first are clipped to it, however many of them there are."""
+    """Round 1 warms up on its first three norms (0.6, 0.8, 1.6 → bound 2 x 0.8 = 1.6). In round 2 two
+    hostile updates of norm 100 arrive first: the round's first three norms (100, 100, 0.5) would
+    set 200, the history caps it at 2 x median of round 1's honest-looking norms (1.6): both are
+    clipped to 1.6. The bound is the lower of the two, so the round can tighten it, never widen it."""
     s = FedAvg()
     s.configure_round(1, (1, 2))
     for dev, v in (("a", 0.6), ("b", 0.8), ("c", 1.6)):
@@ -89,16 +90,20 @@ def test_shipped_adaptive_bound_comes_from_the_fleets_history_never_the_round_al
     assert s.norm_bound.bound() == pytest.approx(1.6)  # 2 x median(0.6, 0.8, 1.6)
     aggregate_checked(s, W0, B0)
     s.configure_round(2, (1, 2))
-    assert s.norm_bound.ready() and s.norm_bound.bound() == pytest.approx(1.6)  # 2 x median of round 1
+    assert s.norm_bound.bound() == pytest.approx(1.6)  # before anything arrives: the history's
     offer(s, "evil1", (100.0, 0.0))
     offer(s, "evil2", (100.0, 0.0))
     offer(s, "a", (0.5, 0.0))
     W1, _, _ = aggregate_checked(s, W0, B0)
     assert s.clipped == {"evil1": 1, "evil2": 1}
     np.testing.assert_allclose(W1, [[(1.6 + 1.6 + 0.5) / 3, 0.0]], rtol=1e-6)
-    # round 3's history: round 2's norms, the clipped ones at the bound (1.6, 1.6, 0.5)
+    # round 3's history: round 2's norms, the clipped ones at the bound (1.6, 1.6, 0.5); the round's
+    # own first three (0.1, 0.1, 0.2) tighten it to 2 x 0.1
     s.configure_round(3, (1, 2))
     assert s.norm_bound.bound() == pytest.approx(2 * 1.6)
+    for dev, v in (("a", 0.1), ("b", 0.1), ("c", 0.2)):
+        offer(s, dev, (v, 0.0))
+    assert s.norm_bound.bound() == pytest.approx(0.2)
 
 
 def test_shipped_history_is_o1_per_update_and_bounded() -> None:
@@ -112,10 +117,11 @@ def test_shipped_history_is_o1_per_update_and_bounded() -> None:
     assert nb.norms == []  # nothing of the round kept once the history bounds it
 
 
-def test_shipped_momentum_step_is_clipped_to_the_rounds_bound() -> None:
-    """FedAvgM (beta 0.9, fixed bound 1): a steady mean delta of norm 1 would grow the momentum buffer
-    towards 10; clipped, the buffer and the step stay at norm 1."""
-    s = FedAvgM(server_momentum=0.9, clip_norm=1.0)
+def test_shipped_momentum_step_is_clipped_to_a_quarter_of_the_rounds_bound() -> None:
+    """FedAvgM (beta 0.9, fixed bound 4): a steady mean delta of norm 1 would grow the momentum buffer
+    towards 10; clipped to ``step_factor x 4 = 1``, the buffer and the step stay at norm 1."""
+    assert FedAvgM.step_factor == 0.25
+    s = FedAvgM(server_momentum=0.9, clip_norm=4.0)
     W, b = W0, B0
     for r in range(1, 6):
         s.configure_round(r, (1, 2))
@@ -131,7 +137,7 @@ def test_shipped_momentum_step_is_clipped_to_the_rounds_bound() -> None:
 
 
 def test_shipped_fedadam_step_is_clipped_too() -> None:
-    s = make_strategy("fedadam", clip_norm=0.01, server_lr=1.0)
+    s = make_strategy("fedadam", clip_norm=0.04, server_lr=1.0)
     s.configure_round(1, (1, 2))
     offer(s, "a", (0.01, 0.0))
     W1, b1, _ = aggregate_checked(s, W0, B0)
