@@ -584,6 +584,9 @@ async def run(
             if rec.clients == 0:
                 why = _empty_cause(refused_round, declined_round, len(coord.online_devices()))
                 empty.append(f"round {rec.round} aggregated nothing ({why})")
+            elif rec.refused == "too_few":  # abandoned: fewer updates than robustness.tolerate needs
+                why = f"{rec.clients} updates, {strategy.name} needs {strategy.min_updates}: {strategy.tolerance()}"
+                empty.append(f"round {rec.round} aggregated nothing (abandoned: {why})")
             if files.log is not None:
                 entry = {
                     "round": rec.round,
