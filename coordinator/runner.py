@@ -585,7 +585,8 @@ async def run(
                 why = _empty_cause(refused_round, declined_round, len(coord.online_devices()))
                 empty.append(f"round {rec.round} aggregated nothing ({why})")
             elif rec.refused == "too_few":  # abandoned: fewer updates than robustness.tolerate needs
-                why = f"{rec.clients} updates, {strategy.name} needs {strategy.min_updates}: {strategy.tolerance()}"
+                need = f"{strategy.name} needs {strategy.min_updates}"
+                why = f"{rec.clients} updates, {need}: {strategy.tolerance()}"
                 empty.append(f"round {rec.round} aggregated nothing (abandoned: {why})")
             if files.log is not None:
                 entry = {
