@@ -187,18 +187,25 @@ class StrategyConfig:
 
 @dataclass(frozen=True, slots=True)
 class RobustnessConfig:
-    """``[robustness]``: the bound on each update's L2 norm before aggregation.
+    """``[robustness]``: hostile devices a round withstands, and the bound on each update's L2 norm.
 
     Parameters
     ----------
+    tolerate : int
+        Hostile devices every aggregated round must withstand, >= 0 (default 1). Each strategy
+        derives the fewest updates it aggregates from it (trimmed mean: ``floor(trim_fraction n) >=
+        tolerate``; median: ``2 tolerate + 1``; the FedAvg family: ``5 tolerate``); a round with
+        fewer waits to its deadline, then is refused as ``too_few`` (``Strategy.min_updates``).
     norm_bound : float or None
-        Fixed bound, > 0; None: adaptive (``adaptive_factor`` x the round's median update norm).
+        Fixed bound, > 0; None: adaptive (``adaptive_factor`` x the median honest-looking norm of
+        the last rounds).
     adaptive_factor : float
-        Multiple of the round's median norm used when ``norm_bound`` is None, >= 1.
+        Multiple of that median used when ``norm_bound`` is None, >= 1.
     """
 
+    tolerate: int = 1
     norm_bound: float | None = None
-    adaptive_factor: float = 2.0
+    adaptive_factor: float = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,6 +320,10 @@ class HierarchyConfig:
         Root: start without ``site_keys_dir`` (anyone who can publish on ``partial/<site>`` then
         sets the global head; a loud warning at start). A root refuses to start without site keys
         unless this is true.
+    site_devices : int
+        Root: most devices one site may have registered, >= 0 (0: ``MAX_PARTIAL_UPDATES``, what a
+        partial can list); a partial claiming more updates is refused, so a site whose key was
+        stolen weighs at most that many updates.
     """
 
     role: Literal["flat", "site", "root"] = "flat"
@@ -323,6 +334,7 @@ class HierarchyConfig:
     site_keys_dir: Path | None = None
     root_key_file: Path | None = None
     allow_unsigned_sites: bool = False
+    site_devices: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,6 +404,8 @@ def _check_strategy(p: Problems, c: StrategyConfig, raw: Mapping[str, object], c
 
 def _check_robustness(p: Problems, c: RobustnessConfig, raw: Mapping[str, object], check_files: bool) -> None:
     _positive(p, "robustness.norm_bound", c.norm_bound)
+    if isinstance(c.tolerate, bool) or not isinstance(c.tolerate, int) or c.tolerate < 0:
+        p.add("robustness.tolerate", c.tolerate, "must be an integer >= 0")
     if not c.adaptive_factor >= 1:
         p.add("robustness.adaptive_factor", c.adaptive_factor, "must be >= 1")
 
@@ -434,6 +448,8 @@ def _check_hierarchy(p: Problems, c: HierarchyConfig, raw: Mapping[str, object],
         p.add("hierarchy.expected_sites", c.expected_sites, "must be >= 0")
     if c.expected_devices < 0:
         p.add("hierarchy.expected_devices", c.expected_devices, "must be >= 0")
+    if c.site_devices < 0:
+        p.add("hierarchy.site_devices", c.site_devices, "must be >= 0")
     if not c.close_margin_s >= 0:
         p.add("hierarchy.close_margin_s", c.close_margin_s, "must be >= 0")
     if c.role == "root" and c.site_keys_dir is None and not c.allow_unsigned_sites:

@@ -85,6 +85,7 @@ FLAG_KEYS: Final = {
     "device_keys": "security.device_keys_dir",
     "clip_norm": "robustness.norm_bound",
     "clip_multiplier": "robustness.adaptive_factor",
+    "tolerate": "robustness.tolerate",
     "trim_fraction": "strategy.trim_fraction",
     "max_updates": "strategy.max_updates",
     "buffer_size": "strategy.buffer_size",
@@ -105,6 +106,8 @@ FLAG_MEANING: Final = {
     "and expect as many clients a round; ",
     "clip_norm": "bound on each update's L2 norm at the coordinator (not the devices' "
     "training.clip_norm); ",
+    "tolerate": "hostile devices every aggregated round withstands (sets each strategy's fewest "
+    "updates a round); ",
 }
 
 
@@ -208,6 +211,7 @@ def build_strategy(profile: CoordinatorProfile) -> Strategy:
         deadline_s=rounds.deadline_s,
         clip_norm=rob.norm_bound,
         clip_multiplier=rob.adaptive_factor,
+        tolerate=rob.tolerate,
         **own,
     )
     if not dp.enabled:
@@ -457,6 +461,7 @@ async def run(
         role_kwargs = {
             "site_keys": load_verify_keys(hier.site_keys_dir) if hier.site_keys_dir else None,
             "expected_sites": hier.expected_sites,
+            "site_devices": hier.site_devices,
         }
     elif hier.role == "site":
         cls = SiteAggregator
@@ -509,7 +514,8 @@ async def run(
     where = f"{broker.scheme}://{broker.host}:{broker.port}"
     role = "" if hier.role == "flat" else f" ({hier.role} of {hier.expected_sites or 'any number of'} sites)"
     print(
-        f"coordinator{role} of fleet {fleet} at {where}: {_plural(rounds.count, 'round')} of {st.name}",
+        f"coordinator{role} of fleet {fleet} at {where}: {_plural(rounds.count, 'round')} of {st.name}, "
+        f"{strategy.tolerance()}",
         flush=True,
     )
     stop_page: Callable[[], Awaitable[None]] | None = None
@@ -523,7 +529,7 @@ async def run(
     try:
         await _connected_or_refused(transport, where, 60.0)
         await coord.start()
-        expected = max(rounds.expected_clients, rounds.min_clients)
+        expected = max(rounds.expected_clients, rounds.min_clients, strategy.min_updates)
         if coord.state.round >= rounds.count:
             print(
                 f"nothing to do: fleet {fleet} is at round {coord.state.round} of {rounds.count} "
@@ -578,6 +584,10 @@ async def run(
             if rec.clients == 0:
                 why = _empty_cause(refused_round, declined_round, len(coord.online_devices()))
                 empty.append(f"round {rec.round} aggregated nothing ({why})")
+            elif rec.refused == "too_few":  # abandoned: fewer updates than robustness.tolerate needs
+                need = f"{strategy.name} needs {strategy.min_updates}"
+                why = f"{rec.clients} updates, {need}: {strategy.tolerance()}"
+                empty.append(f"round {rec.round} aggregated nothing (abandoned: {why})")
             if files.log is not None:
                 entry = {
                     "round": rec.round,

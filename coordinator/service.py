@@ -351,7 +351,7 @@ class Coordinator:
         # dropped after adopting, and whenever the broker resumed a session of ours (an earlier run
         # that adopted may have left them in it)
         if adopting or self.transport.session_present:
-            for topic in (self.topics.round, self.topics.global_model + "/#"):
+            for topic in (self.topics.round, self.topics.global_model + "/#", *self._dropped_topics()):
                 try:
                     await self.transport.unsubscribe(topic)
                 except TransportError as exc:  # harmless: the echoes are ignored, as before
@@ -363,6 +363,10 @@ class Coordinator:
     def _data_topics(self) -> list[str]:
         """The device-facing topics :meth:`start` subscribes to after the control topics."""
         return [self.topics.update("+"), self.topics.status("+")]
+
+    def _dropped_topics(self) -> list[str]:
+        """Topics an earlier session of this client may hold that this one must not receive."""
+        return []
 
     async def subscribe(self, topic: str, budget_s: float = PUBLISH_RETRY_S) -> None:
         """Subscribe with QoS 1, retrying a late SUBACK with backoff (1, 2, 4 ... 16 s) for ``budget_s``.
@@ -459,6 +463,7 @@ class Coordinator:
             "shape": list(self.shape),
             "history": [list(dataclasses.astuple(h)) for h in self.state.history],
             "counted": {str(k): sorted(v) for k, v in self.counted.items()},
+            "strategy": self.strategy.durable_state(),  # norm history, server optimiser, DP ledger
         }
         write_record(path, cbor2.dumps(doc))
 
@@ -490,6 +495,11 @@ class Coordinator:
         self.state.version = int(doc["version"])
         self.state.history = [RoundRecord(*h) for h in doc["history"]]
         self.counted = {int(k): list(v) for k, v in doc.get("counted", {}).items()}
+        try:
+            self.strategy.restore_durable(doc.get("strategy", {}))
+        except (ValueError, KeyError, TypeError) as exc:
+            why = f"{path}: the strategy's saved state does not fit ({exc})"
+            raise UpdateRejected("bad_state", why) from exc
         self._record_unrecorded_round()
         logger.info("resumed at round %d, version %d from %s", self.state.round, self.state.version, path)
         return True
@@ -1055,9 +1065,9 @@ class Coordinator:
                 refused = refusal.reason
                 self.state.refused_rounds[refused] += 1
                 logger.error(
-                    "round %d refused: the aggregated head would be refused by the agents (%s); "
-                    "keeping version %d",
+                    "round %d refused: %s (%s); keeping version %d",
                     round_no,
+                    "abandoned" if refused == "too_few" else "the agents would refuse the aggregated head",
                     refusal,
                     self.state.version,
                 )

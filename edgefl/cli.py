@@ -285,10 +285,18 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             for problem in exc.problems:
                 print(f"  {problem}", file=sys.stderr)
             return EXIT_INVALID
+        from edgefl.coordinator.runner import build_strategy
+
+        try:
+            tolerance = build_strategy(coordinator).tolerance()
+        except ValueError as exc:
+            print(f"edgefl: invalid coordinator profile {args.profile}:", file=sys.stderr)
+            print(f"  [strategy]/[robustness]/[privacy]: {exc}", file=sys.stderr)
+            return EXIT_INVALID
         print(
             f"{args.profile}: ok (coordinator of fleet {coordinator.fleet.name}, {coordinator.rounds.count} "
             f"round{'' if coordinator.rounds.count == 1 else 's'} of {coordinator.strategy.name}, "
-            f"role {_role(coordinator.hierarchy)})"
+            f"role {_role(coordinator.hierarchy)}, {tolerance})"
         )
         if args.print:
             print(json.dumps(SCHEMA.to_dict(coordinator), indent=2, default=str))
