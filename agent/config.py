@@ -182,7 +182,14 @@ class TrainingConfig:
         holding some but fewer declines the round (a Decline with reason ``too_few_examples``); one
         holding none keeps the round pending until it holds this many. Default 32: rounds trained on
         a handful of examples while a feed was still going (6, 14 examples: loss 5.5-9.7) made the
-        federated head worse than the factory head.
+        federated head worse than the factory head. A device holding none declines at once (reason
+        ``no_samples``) rather than holding the round.
+    flush_interval_s : float
+        Longest time, in seconds, a stored sample waits before the store is flushed (its pages written
+        back and its metadata recorded: it then survives a power cut), > 0. Default 5.
+    flush_every : int
+        Unflushed samples that trigger a flush at once, >= 1 (whichever of the two comes first); a
+        flush costs one ``msync`` and one ``fsync``, never one per sample. Default 64.
     """
 
     store_capacity: int = 4096
@@ -192,6 +199,8 @@ class TrainingConfig:
     seed: int = 0
     holdout_every: int = 20
     min_examples: int = 32
+    flush_interval_s: float = 5.0
+    flush_every: int = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +419,10 @@ def _check_training(p: Problems, c: TrainingConfig, raw: Mapping[str, object], c
         p.add("training.seed", c.seed, "must be >= 0")
     if c.holdout_every < 0 or c.holdout_every == 1:
         p.add("training.holdout_every", c.holdout_every, "must be 0 (no holdout) or >= 2")
+    if not c.flush_interval_s > 0.0 or c.flush_interval_s == float("inf"):
+        p.add("training.flush_interval_s", c.flush_interval_s, "must be a finite number of seconds > 0")
+    if isinstance(c.flush_every, bool) or not isinstance(c.flush_every, int) or c.flush_every < 1:
+        p.add("training.flush_every", c.flush_every, "must be an integer >= 1")
     if isinstance(c.min_examples, bool) or not isinstance(c.min_examples, int) or c.min_examples < 1:
         p.add("training.min_examples", c.min_examples, "must be an integer >= 1")
     elif c.min_examples > c.store_capacity:

@@ -477,7 +477,7 @@ async def run(
         Topics(broker.topic_prefix, fleet),
         W0,
         b0,
-        model_sha256=backbone.sha256,
+        model_sha256=backbone.backbone_sha256,
         strategy=strategy,
         evaluate=evaluate,
         compression=Compression(rounds.compression),

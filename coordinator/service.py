@@ -657,7 +657,14 @@ class Coordinator:
         devices[device] = entry
         sha = entry.get("model_sha256")
         if isinstance(sha, str) and sha != self.model_sha256:
-            why = f"backbone sha256 {sha[:12]}… differs from the coordinator's {self.model_sha256[:12]}…"
+            # an `edgefl model prepare` output carries its original's sha256: a difference is another model
+            why = (
+                f"backbone sha256 {sha[:12]}… differs from the coordinator's {self.model_sha256[:12]}…: "
+                "another model (a `model prepare` output counts as its original)"
+            )
+            shape = entry.get("head_shape")
+            if isinstance(shape, list) and shape != [int(n) for n in self.W.shape]:
+                why += f"; head {shape}, the coordinator's {list(self.W.shape)}"
             if self.mismatched.get(device) != why:
                 self.mismatched[device] = why
                 logger.warning("device %s runs another model: %s; left out of rounds", device, why)

@@ -402,12 +402,13 @@ def _systemd_version() -> int:
 
 def test_fault_unit_restarts_runtime_faults_with_backoff_never_config_errors() -> None:
     v = _unit_values(wh.render_unit(ROOT / "firmware_configs" / "gateway_aarch64_256mb.toml"))
-    assert (v["Restart"], v["RestartPreventExitStatus"]) == ("on-failure", "1 2 3")
+    assert (v["Restart"], v["RestartPreventExitStatus"]) == ("on-failure", "1 2 3 5")
     assert (v["RestartSec"], v["RestartSteps"], v["RestartMaxDelaySec"]) == ("5s", "6", "5min")
     assert v["StartLimitIntervalSec"] == "0"
-    from edgefl.cli import EXIT_RUNTIME, EXIT_TEMPFAIL
+    from edgefl.cli import EXIT_CREDENTIALS, EXIT_RUNTIME, EXIT_TEMPFAIL
 
     assert (EXIT_RUNTIME, EXIT_TEMPFAIL) == (4, 75)  # both restarted: not in RestartPreventExitStatus
+    assert EXIT_CREDENTIALS == 5  # a wrong password does not fix itself: in RestartPreventExitStatus
 
 
 # --- CLI hook -----------------------------------------------------------------------------------

@@ -259,7 +259,9 @@
 
     const broker = document.getElementById("broker");
     const connected = s.broker_connected;
-    broker.textContent = connected === true ? "broker connected" : connected === false ? "broker lost" : "broker " + DASH;
+    // the agent names its broker state ("refused: not authorized" is not "broker lost")
+    const said = typeof s.broker === "string" && s.broker !== "connected" ? "broker " + s.broker : null;
+    broker.textContent = connected === true ? "broker connected" : said !== null ? said : connected === false ? "broker lost" : "broker " + DASH;
     broker.className = "pill " + (connected === true ? "pill-ok" : connected === false ? "pill-bad" : "");
 
     const peaks = s.phase_peaks && typeof s.phase_peaks === "object" ? s.phase_peaks : {};
