@@ -320,14 +320,18 @@ class Agent:
                     logger.debug("ingest queue full: dropped sample %s (oldest)", dropped.id)
             else:
                 ingest.offer_label(decode_label(msg.payload, limits=self.core.limits, num_classes=K))
-        except (DecodeError, UpdateRejected) as exc:
-            self.state.rejected[exc.reason] += 1
-            last = {"reason": str(exc.reason), "detail": exc.detail[:200], "topic": msg.topic}
-            self.state.last_rejected = last
-            n = self.state.rejected[exc.reason]
+        except Exception as exc:
+            # DecodeError/UpdateRejected name their reason; any other fault is counted as ``failed``
+            known = isinstance(exc, (DecodeError, UpdateRejected))
+            reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
+            detail = exc.detail if isinstance(exc, (DecodeError, UpdateRejected)) else repr(exc)
+            self.state.rejected[reason] += 1
+            self.state.last_rejected = {"reason": str(reason), "detail": detail[:200], "topic": msg.topic}
+            n = self.state.rejected[reason]
             if n <= LOGGED_REFUSALS or n % 1000 == 0:
-                more = f" ({n} {exc.reason} so far)" if n > LOGGED_REFUSALS else ""
-                logger.warning("rejected %s: %s: %s%s", what, exc.reason, exc.detail, more)
+                more = f" ({n} {reason} so far)" if n > LOGGED_REFUSALS else ""
+                log = logger.warning if known else logger.error
+                log("rejected %s: %s: %s%s", what, reason, detail, more)
             return
         self._ingest_wake.set()
 
@@ -588,10 +592,15 @@ class Agent:
                 raise DecodeError("bad_topic", f"unexpected topic {topic}")
         except DecodeError as exc:
             self._reject(exc.reason, what, exc.detail)
-        except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
-            # last line of defence: whatever a message made us do failed; count it, keep running
+        except Exception as exc:
+            # last line of defence: whatever a message made us do failed; count it, keep running (the
+            # message was acknowledged when it reached the queue: a run of such messages never makes
+            # the daemon deaf)
             self.state.rejected["failed"] += 1
-            logger.error("handling %s failed: %s: %s", what, type(exc).__name__, exc)
+            n = self.state.rejected["failed"]
+            if n <= LOGGED_REFUSALS or n % 1000 == 0:
+                more = f" ({n} failed so far)" if n > LOGGED_REFUSALS else ""
+                logger.error("handling %s failed: %s: %s%s", what, type(exc).__name__, exc, more)
             self._set_state("idle", f"last message failed: {exc}")
 
     async def answer_ready(self) -> None:
@@ -1000,9 +1009,14 @@ class Agent:
                     ) from exc
                 stack.push_async_callback(self.status_page.stop)
                 logger.info("dashboard on %s", self.dashboard_url)
+            # The round first: its retained announcement (signed: its base version is the rollback
+            # floor) reaches the core before any retained head, so a device without a head never
+            # applies one older than the fleet's current version (an old signed head replayed on
+            # "global"). The broker sends a subscription's retained messages after its SUBACK and
+            # handles SUBSCRIBEs in order; the transport renews subscriptions in this order too.
+            await self.transport.subscribe(self.topics.round, 1)
             # "global/#" matches "global" itself and the chunk topics "global/<i>" of a large head
             await self.transport.subscribe(self.topics.global_model + "/#", 1)
-            await self.transport.subscribe(self.topics.round, 1)
             if self.ingest is not None:
                 src = self.profile.source
                 # MQTT 5: no retained sample/label at subscribe, and the retain flag kept as published

@@ -29,12 +29,14 @@ from edgefl.profiles import (
     check_broker,
     check_dashboard,
     file_problem,
+    output_file_problem,
     read_toml,
     sha256_file,
 )
 from edgefl.validators import check_device_id
 
 __all__ = [
+    "DP_WRAPS",
     "SCHEMA",
     "CoordinatorProfile",
     "EvaluationConfig",
@@ -47,6 +49,7 @@ __all__ = [
     "RoundsConfig",
     "SecurityRef",
     "StrategyConfig",
+    "combination_problems",
     "is_coordinator_profile",
     "load_coordinator_profile",
 ]
@@ -63,6 +66,8 @@ STRATEGIES: Final = (
     "trimmed-mean",
     "fedbuff",
 )
+#: The strategies the DP wrapper takes (the FedAvg family: a weighted mean whose sensitivity is bounded).
+DP_WRAPS: Final = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi")
 COMPRESSIONS: Final = ("none", "float16", "int8", "topk", "topk-int8")
 
 
@@ -504,8 +509,43 @@ def _check_library(p: Problems, c: object, names: tuple[str, ...], table: str) -
             return
 
 
-def _no_check(p: Problems, c: object, raw: Mapping[str, object], check_files: bool) -> None:
-    return None
+def _check_files(p: Problems, c: FilesConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    """Each output file must be writable where it is named (checked without writing anything)."""
+    if not check_files:
+        return
+    for name in ("state", "log", "json"):
+        path = getattr(c, name)
+        problem = output_file_problem(path) if path is not None else None
+        if problem is not None:
+            p.add(f"files.{name}", raw.get(name, str(path)), problem)
+
+
+def combination_problems(profile: CoordinatorProfile) -> list[str]:
+    """Problems of keys that are valid alone but not together (each names its dotted key).
+
+    FedBuff aggregates as updates arrive and has no site/root form; DP's noisy mean wraps the FedAvg
+    family only (its sensitivity bound is a mean's), so a robust strategy under DP is refused here,
+    before the strategy is built.
+
+    Parameters
+    ----------
+    profile : CoordinatorProfile
+
+    Returns
+    -------
+    list of str
+        ``key = value: reason`` lines; empty when the combination can run.
+    """
+    problems = []
+    st, role = profile.strategy.name, profile.hierarchy.role
+    if st == "fedbuff" and role != "flat":
+        problems.append(f"hierarchy.role = {role!r}: fedbuff runs flat only (strategy.name = 'fedbuff')")
+    if profile.privacy.enabled and st not in DP_WRAPS:
+        problems.append(
+            f"privacy.enabled = true: DP wraps {', '.join(DP_WRAPS[:-1])} or {DP_WRAPS[-1]}, not {st} "
+            "(strategy.name; or set privacy.enabled = false)"
+        )
+    return problems
 
 
 _TABLES: Final[dict[str, type[Any]]] = {
@@ -533,7 +573,7 @@ _CHECKS: Final[dict[str, Check]] = {
     "evaluation": _check_evaluation,
     "dashboard": check_dashboard,
     "security": _check_security,
-    "files": _no_check,
+    "files": _check_files,
     "hierarchy": _check_hierarchy,
 }
 SCHEMA: Final = Schema(_TABLES, _CHECKS, {"model.path": Path("_")})
@@ -563,7 +603,8 @@ def load_coordinator_profile(
         ``{"table.key": value}`` on top of the file (strings coerced; relative paths from the working
         directory).
     check_files : bool
-        Check that the model, key and evaluation files exist and the model's sha256 matches.
+        Check that the model, key and evaluation files exist and the model's sha256 matches, and that
+        the output files (``[files]``) can be written where they are named (nothing is written).
 
     Returns
     -------
@@ -578,4 +619,8 @@ def load_coordinator_profile(
     if "device" in data:
         raise ConfigError([f"{file}: a device profile (it has [device]); run it with 'edgefl run'"])
     built = SCHEMA.parse(data, file.parent, check_files, overrides or {})
-    return CoordinatorProfile(path=file, **built)
+    profile = CoordinatorProfile(path=file, **built)
+    problems = combination_problems(profile)
+    if problems:
+        raise ConfigError(problems)
+    return profile

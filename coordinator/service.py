@@ -611,13 +611,18 @@ class Coordinator:
                 self._notify()
             else:
                 self._handle_update(device, msg)
-        except (DecodeError, UpdateRejected) as exc:
-            self.state.rejected[exc.reason] += 1
+        except Exception as exc:
+            # DecodeError/UpdateRejected carry their reason; anything else is the last line of defence
+            # (a fault in handling): counted as ``failed`` so the pump never stops (a peer never deaf)
+            known = isinstance(exc, (DecodeError, UpdateRejected))
+            reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
+            why = str(exc) if known else f"failed: handling raised {type(exc).__name__}: {exc}"
+            self.state.rejected[reason] += 1
             if device is not None and (
                 device in self.state.devices or len(self.rejected_by_device) < self.max_devices
             ):
-                self.rejected_by_device.setdefault(device, Counter())[exc.reason] += 1
-            n = self.state.rejected[exc.reason]
+                self.rejected_by_device.setdefault(device, Counter())[reason] += 1
+            n = self.state.rejected[reason]
             # every refusal is counted; the log names the first ones of each reason, then every 1000th
             # (a flood of forged messages must not become a flood of log lines)
             if n <= LOGGED_REFUSALS or n % 1000 == 0:
@@ -625,8 +630,8 @@ class Coordinator:
                     "rejected message on %s (%d bytes): %s%s",
                     msg.topic,
                     len(msg.payload),
-                    exc,
-                    f" ({n} {exc.reason} so far)" if n > LOGGED_REFUSALS else "",
+                    why,
+                    f" ({n} {reason} so far)" if n > LOGGED_REFUSALS else "",
                 )
 
     def _register(self, device: str, entry: dict[str, Any]) -> None:

@@ -304,8 +304,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     from edgefl.coordinator.profile import SCHEMA, is_coordinator_profile, load_coordinator_profile
 
     if is_coordinator_profile(data):
+        from edgefl.coordinator.runner import strategy_problems
+
         try:
             coordinator = load_coordinator_profile(args.profile, _parse_sets(args.set))
+            problems = strategy_problems(coordinator)  # what `edgefl coordinator` refuses, refused here
+            if problems:
+                raise ConfigError(problems)
         except ConfigError as exc:
             print(f"edgefl: invalid coordinator profile {args.profile}:", file=sys.stderr)
             for problem in exc.problems:
