@@ -7,9 +7,14 @@ nothing changes state):
   coordinator), plain HTML + ``static/app.js`` + ``static/style.css``, no build step, no CDN.
 - ``/api/status``: ``{"kind", "title", "status"}`` where ``status`` is ``get_status()`` made JSON-safe
   (non-finite floats become ``null``).
-- ``/api/history``: the RSS history kept by the app (device only), ``{"interval_s", "rss": [[age_s,
-  bytes], ...]}``, oldest first; ages are relative to the response so browser and gateway clocks
-  need not agree.
+- ``/api/history``: the memory history kept by the app, oldest first; ages are relative to the
+  response so browser and gateway clocks need not agree. Device: ``{"interval_s", "rss": [[age_s,
+  bytes], ...]}``; coordinator: ``{"interval_s", "devices": {device: [[age_s, rss_bytes, cap_bytes],
+  ...]}}`` (each device's reported RSS, at most ``MAX_HISTORY_DEVICES`` devices).
+- ``/api/rounds?after=N&limit=M``: the round records from ``get_rounds`` (coordinator) whose
+  ``round`` is above ``N`` (default: all), at most ``M`` of them (default and maximum
+  ``MAX_ROUNDS_PAGE``, the oldest first): ``{"rounds": [...], "total": int, "last": int or null}``.
+  The page loads the whole history once and then only what is new.
 - ``/api/events``: SSE; every event's data is the ``/api/status`` document. One shared publisher
   serialises the status once per change for all streams; a client that goes away is dropped at once
   (the app enables aiohttp's handler cancellation), a stalled one after ``WRITE_TIMEOUT_S``.
@@ -39,7 +44,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -63,6 +68,10 @@ WRITE_TIMEOUT_S = 10.0
 """A stream whose client does not take an event within this many seconds is dropped."""
 SSE_RETRY_MS = 2000
 """Reconnect delay the browser is told to use after a stream ends."""
+MAX_ROUNDS_PAGE = 5000
+"""Round records served by one ``/api/rounds`` response at most."""
+MAX_HISTORY_DEVICES = 64
+"""Devices whose RSS the coordinator page's memory history keeps (the first seen, by name)."""
 
 DEVICE_PHASES: Final = ("inference", "batch", "train", "encode", "publish", "apply")
 DEVICE_STATES: Final = ("idle", "training", "uploading", "waiting", "deferred", "offline")
@@ -110,7 +119,11 @@ class DashboardState:
           ``rejected`` {reason: count}, ``broker_connected``, ``store_samples``, ``inferred_total``.
         - coordinator: ``round``, ``state``, ``updates_received``, ``updates_expected``,
           ``deadline_s_left``, ``version``, ``accuracy_history`` [{round, accuracy}], ``devices``
-          {device: {state, online, rss_bytes, cap_bytes, last_round, reason}}, ``rejected``.
+          {device: {state, online, rss_bytes, cap_bytes, peak_rss_bytes, last_round, reason,
+          refused, declined, personal_accuracy, global_accuracy, eval_accuracy, broker_state}},
+          ``rejected``, ``fleet_state`` {state, text, ...} (collecting / waiting_samples /
+          waiting_devices / paused / finished / broker_unreachable), ``broker_connected``,
+          ``rounds`` (the latest round records, as from ``get_rounds``).
     token : str or None
         Bearer token; required by :func:`serve` for a non-loopback host. When set, every route
         requires it.
@@ -121,6 +134,11 @@ class DashboardState:
         RSS history sampling period (s), device only.
     history_len : int
         RSS history length in samples (150 x 2 s = the last 5 minutes); a bounded deque.
+    get_rounds : callable () -> Sequence[Mapping[str, Any]], optional
+        Coordinator: every round record so far, oldest first (``round``, ``time``, ``asked``,
+        ``counted``, ``clients``, ``accuracy``, ``fed_accuracy``, ``fed_worst_decile``,
+        ``refused`` {reason: n}, ``declined`` {reason: n}, ...), served by ``/api/rounds``. Called on
+        the event loop once per request: return a list that exists already, do not build one.
     max_streams : int
         Open SSE streams allowed at once; more get 503.
     header_timeout_s : float
@@ -146,6 +164,7 @@ class DashboardState:
     push_interval_s: float = 1.0
     history_interval_s: float = 2.0
     history_len: int = 150
+    get_rounds: Callable[[], Sequence[Mapping[str, Any]]] | None = None
     max_streams: int = 16
     header_timeout_s: float = 10.0
     body_timeout_s: float = 10.0
@@ -233,6 +252,8 @@ class _Hub:
         self.streams = 0
         self.closing = False
         self.history: deque[tuple[float, int]] = deque(maxlen=state.history_len)
+        # coordinator: device -> (monotonic s, rss bytes, cap bytes or -1)
+        self.device_history: dict[str, deque[tuple[float, int, int]]] = {}
         self.registry: CollectorRegistry | None = None
         self._status_json = b""
         self._new_frame = asyncio.Event()
@@ -294,15 +315,33 @@ class _Hub:
 
     def sample_history(self) -> None:
         try:
-            rss = _number(self.status().get("rss_bytes"))
+            status = self.status()
         except Exception:
             return  # refresh() logs the failure
-        if rss is not None:
-            self.history.append((time.monotonic(), int(rss)))
+        now = time.monotonic()
+        if self.state.kind == "device":
+            rss = _number(status.get("rss_bytes"))
+            if rss is not None:
+                self.history.append((now, int(rss)))
+            return
+        devices = status.get("devices")
+        if not isinstance(devices, Mapping):
+            return
+        for name, entry in devices.items():
+            rss = _number(entry.get("rss_bytes")) if isinstance(entry, Mapping) else None
+            if rss is None:
+                continue
+            series = self.device_history.get(str(name))
+            if series is None:
+                if len(self.device_history) >= MAX_HISTORY_DEVICES:
+                    continue
+                series = self.device_history[str(name)] = deque(maxlen=self.state.history_len)
+            cap = _number(entry.get("cap_bytes"))
+            series.append((now, int(rss), int(cap) if cap is not None else -1))
 
     async def run(self) -> None:
         """Sample the RSS history and, while streams are open, poll and push the status."""
-        sample = self.state.kind == "device"
+        sample = True
         next_sample = time.monotonic()
         while not self.closing:
             now = time.monotonic()
@@ -412,11 +451,46 @@ async def _status(request: web.Request) -> web.Response:
 async def _history(request: web.Request) -> web.Response:
     hub = request.app[HUB_KEY]
     now = time.monotonic()
-    doc = {
-        "interval_s": hub.state.history_interval_s,
-        "rss": [[round(now - t, 1), rss] for t, rss in hub.history],
-    }
+    doc: dict[str, Any] = {"interval_s": hub.state.history_interval_s}
+    if hub.state.kind == "device":
+        doc["rss"] = [[round(now - t, 1), rss] for t, rss in hub.history]
+    else:
+        doc["devices"] = {
+            name: [[round(now - t, 1), rss, cap if cap >= 0 else None] for t, rss, cap in series]
+            for name, series in hub.device_history.items()
+        }
     return web.json_response(doc)
+
+
+def _query_int(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise web.HTTPBadRequest(text=f"{name} = {raw[:20]!r}: must be an integer\n") from None
+
+
+async def _rounds(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    after = _query_int(request, "after", -1)
+    limit = min(max(1, _query_int(request, "limit", MAX_ROUNDS_PAGE)), MAX_ROUNDS_PAGE)
+    records: Sequence[Mapping[str, Any]] = state.get_rounds() if state.get_rounds is not None else ()
+    # records are in round order: find the first one after ``after`` by bisection
+    lo, hi = 0, len(records)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        number = _number(records[mid].get("round"))
+        if number is not None and number <= after:
+            lo = mid + 1
+        else:
+            hi = mid
+    page = records[lo : lo + limit]
+    last = _number(records[-1].get("round")) if records else None
+    doc = {"rounds": jsonable(list(page)), "total": len(records), "last": None if last is None else int(last)}
+    body = json.dumps(doc, allow_nan=False, separators=(",", ":"))
+    return web.Response(text=body, content_type="application/json")
 
 
 async def _events(request: web.Request) -> web.StreamResponse:
@@ -671,8 +745,8 @@ def create_app(state: DashboardState) -> web.Application:
     -------
     aiohttp.web.Application
         Read-only routes ``/``, ``/static/{name}``, ``/api/status``, ``/api/history``,
-        ``/api/events``, ``/metrics``, ``/healthz``. The status publisher runs as a background
-        task of the app (``cleanup_ctx``), so it starts and stops with the runner. Serve it with
+        ``/api/rounds``, ``/api/events``, ``/metrics``, ``/healthz``. The status publisher runs as a
+        background task of the app (``cleanup_ctx``), so it starts and stops with the runner. Serve it with
         :func:`serve` or its own ``AppRunner``, not as a sub-app: the handler cancellation that
         drops a vanished SSE client at once is an option of the top-level application.
     """
@@ -688,6 +762,7 @@ def create_app(state: DashboardState) -> web.Application:
     app.router.add_get("/static/{name}", _static)
     app.router.add_get("/api/status", _status)
     app.router.add_get("/api/history", _history)
+    app.router.add_get("/api/rounds", _rounds)
     app.router.add_get("/api/events", _events, allow_head=False)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/healthz", _healthz)
