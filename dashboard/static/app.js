@@ -171,9 +171,11 @@
       ctx.stroke();
       ctx.restore();
       ctx.fillStyle = line.color;
-      ctx.textAlign = "left";
       ctx.textBaseline = "bottom";
-      ctx.fillText(line.label, pad.l + 4, Y(line.y) - 2);
+      // labels alternate between the left and the right end, so two close lines stay readable
+      const right = (opts.lines || []).indexOf(line) % 2 === 1;
+      ctx.textAlign = right ? "right" : "left";
+      ctx.fillText(line.label, right ? pad.l + pw - 4 : pad.l + 4, Y(line.y) - 2);
     }
     for (const s of opts.series) {
       ctx.strokeStyle = s.color;
