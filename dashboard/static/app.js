@@ -377,6 +377,8 @@
     if (s.state === "collecting") {
       return { state: "collecting", text: `collecting ${FORMATS.int(s.updates_received)} of ${FORMATS.int(s.updates_expected)}` };
     }
+    if (s.state === "aggregated") return { state: "aggregated", text: `between rounds: round ${FORMATS.int(s.round)} aggregated` };
+    if (s.state === "idle") return { state: "idle", text: "idle: no round opened yet" };
     if (typeof s.state === "string" && s.state) return { state: s.state, text: s.state };
     return { state: "", text: DASH };
   }
@@ -541,6 +543,12 @@
     if (latest && isNum(latest.round) && latest.round !== have && roundsServed) loadRounds();
   }
 
+  // a round's closing time: ``time`` (ISO 8601) or ``closed_unix`` (Unix s)
+  function roundTime(r) {
+    if (typeof r.time === "string" && r.time) return r.time;
+    return isNum(r.closed_unix) ? new Date(r.closed_unix * 1000).toISOString() : null;
+  }
+
   function timeText(iso) {
     if (typeof iso !== "string" || !iso) return DASH;
     const t = new Date(iso);
@@ -563,8 +571,9 @@
       const row = body.insertRow();
       row.dataset.round = String(r.round);
       cell(row, "round", FORMATS.int(r.round), "num");
-      const t = cell(row, "time", timeText(r.time));
-      if (typeof r.time === "string") t.title = r.time;
+      const when = roundTime(r);
+      const t = cell(row, "time", timeText(when));
+      if (when) t.title = when;
       const counted = isNum(r.counted) ? r.counted : r.clients;
       cell(row, "clients", isNum(r.asked) ? `${FORMATS.int(counted)} of ${FORMATS.int(r.asked)}` : FORMATS.int(counted), "num");
       cell(row, "accuracy", acc3(r.accuracy), "num");
@@ -613,7 +622,10 @@
 
   function xTicksFor(xMin, xMax, widthPx) {
     const room = Math.max(2, Math.floor(widthPx / 70)); // labels ~70 px apart: no overlap on a phone
-    const step = Math.max(1, niceStep((xMax - xMin) / room));
+    // whole rounds only: 1, 2, 5 x 10^k
+    let step = Math.max(1, niceStep((xMax - xMin) / room));
+    if (!Number.isInteger(step) || String(step)[0] === "2" && String(step).includes("5")) step = niceStep(step * 1.01);
+    if (!Number.isInteger(step)) step = Math.ceil(step);
     const ticks = [];
     for (let x = Math.ceil(xMin / step) * step; x <= xMax; x += step) ticks.push(x);
     return ticks;
