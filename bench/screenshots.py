@@ -38,8 +38,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 WIDE = {"width": 1366, "height": 900}
 PHONE = {"width": 390, "height": 844}
 BEGIN, END = "<!-- screenshots:begin -->", "<!-- screenshots:end -->"
@@ -54,7 +62,9 @@ def _free_port() -> int:
 
 def _start_mosquitto(work: Path) -> tuple[subprocess.Popen[bytes], str] | None:
     """A mosquitto on a free loopback port, or None when it is not installed."""
-    exe = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
+    exe = shutil.which("mosquitto") or (
+        "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
+    )
     if exe is None:
         return None
     port = _free_port()
@@ -123,8 +133,20 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="edgefl-shots-") as tmp:
         work = Path(tmp)
         broker = _start_mosquitto(work)
-        cmd = [sys.executable, "-m", "edgefl.cli", "demo", "--devices", str(args.devices),
-               "--rounds", str(args.rounds), "--hold", "60", "--workdir", str(work / "demo")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "edgefl.cli",
+            "demo",
+            "--devices",
+            str(args.devices),
+            "--rounds",
+            str(args.rounds),
+            "--hold",
+            "60",
+            "--workdir",
+            str(work / "demo"),
+        ]
         if broker is not None:
             cmd += ["--broker", broker[1]]
         out = work / "demo.out"
@@ -135,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
             deadline = time.monotonic() + 300
             while "coordinator" not in urls or "dev-1" not in urls:
                 if demo.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the demo printed no dashboard URLs:\n" + out.read_text(errors="replace"))
+                    raise RuntimeError(
+                        "the demo printed no dashboard URLs:\n" + out.read_text(errors="replace")
+                    )
                 for line in out.read_text(errors="replace").splitlines():
                     found = URL_LINE.match(line)
                     if found:
@@ -147,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                 if rounds and rounds[-1].get("round", 0) >= args.at_round:
                     break
                 if demo.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"round {args.at_round} never closed:\n" + out.read_text(errors="replace"))
+                    raise RuntimeError(
+                        f"round {args.at_round} never closed:\n" + out.read_text(errors="replace")
+                    )
                 time.sleep(0.2)
             shots = work / "shots"
             shots.mkdir()
@@ -174,8 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_readme:
         readme = ROOT / "README.md"
         text = readme.read_text()
-        block = _readme_block(args.devices, args.at_round, args.rounds,
-                              "a local mosquitto" if broker is not None else "the embedded broker")
+        block = _readme_block(
+            args.devices,
+            args.at_round,
+            args.rounds,
+            "a local mosquitto" if broker is not None else "the embedded broker",
+        )
         if BEGIN in text and END in text:
             text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :]
             readme.write_text(text)

@@ -635,6 +635,7 @@ _COORDINATOR_GAUGES: Final = (
     ("edgefl_round_updates_received", "updates_received", "Updates received this round."),
     ("edgefl_round_updates_expected", "updates_expected", "Updates expected this round."),
     ("edgefl_round_deadline_left_seconds", "deadline_s_left", "Seconds left before the round deadline."),
+    ("edgefl_broker_connected", "broker_connected", "1 when the coordinator is connected to its broker."),
 )
 
 
@@ -700,7 +701,8 @@ def coordinator_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
     Iterator[prometheus_client.Metric]
         ``edgefl_round``, ``edgefl_global_version``, ``edgefl_round_updates_received``,
         ``edgefl_round_updates_expected``, ``edgefl_round_deadline_left_seconds``,
-        ``edgefl_coordinator_state{state}``, ``edgefl_test_accuracy`` (0..1, latest round),
+        ``edgefl_broker_connected`` (0/1), ``edgefl_coordinator_state{state}``,
+        ``edgefl_test_accuracy`` (0..1, latest round),
         ``edgefl_device_online{device}`` (0/1), ``edgefl_device_rss_bytes{device}``,
         ``edgefl_device_cap_bytes{device}``, ``edgefl_device_last_round{device}``,
         ``edgefl_rejected_total{reason}``.

@@ -125,7 +125,10 @@ def fleet_page() -> Iterator[tuple[ThreadedDashboard, dict[str, Any]]]:
     rounds = round_records(1200)
     progress: dict[str, Any] = {"round": 1201, "rounds": rounds}
     state = DashboardState(
-        "coordinator", "fleet console", fleet_status(progress), get_rounds=lambda: progress["rounds"],
+        "coordinator",
+        "fleet console",
+        fleet_status(progress),
+        get_rounds=lambda: progress["rounds"],
         push_interval_s=0.25,
     )
     server = ThreadedDashboard(state)
@@ -149,8 +152,8 @@ def test_fleet_page_console_ten_devices_on_the_first_screen_worst_first(
     assert page.evaluate("window.scrollY") == 0
     rows = page.evaluate(ROWS_JS)
     for row in rows:  # every row whole inside the 1366x900 viewport, without scrolling
-        assert 0 <= row["top"] and row["bottom"] <= WIDE["height"], row
-        assert 0 <= row["left"] and row["right"] <= WIDE["width"], row
+        assert row["top"] >= 0 and row["bottom"] <= WIDE["height"], row
+        assert row["left"] >= 0 and row["right"] <= WIDE["width"], row
     # worst headroom first, and the state in words above them
     assert [r["device"] for r in rows] == [f"gw-{i:02d}" for i in range(9, -1, -1)]
     expect(page.locator("#fleet-state")).to_have_text("collecting 4 of 10")
@@ -163,7 +166,10 @@ def test_fleet_page_console_ten_devices_on_the_first_screen_worst_first(
     levels = {f"gw-{i:02d}": page.get_attribute(cell.format(f"gw-{i:02d}"), "data-level") for i in range(10)}
     assert levels == {
         **{f"gw-{i:02d}": "ok" for i in range(6)},
-        "gw-06": "warn", "gw-07": "warn", "gw-08": "bad", "gw-09": "bad",
+        "gw-06": "warn",
+        "gw-07": "warn",
+        "gw-08": "bad",
+        "gw-09": "bad",
     }
     row9 = '#devices tr[data-device="gw-09"] td'
     assert page.text_content(row9 + '[data-col="peak"]') == "96.1 MiB · 100 %"
@@ -230,7 +236,9 @@ def test_fleet_page_console_header_and_value_columns_align(
         assert col["values"], col
         for value in col["values"]:
             # each value sits under its own header, on the same side: right edges for numbers
-            assert col["cell"]["left"] - 0.5 <= value["left"] and value["right"] <= col["cell"]["right"] + 0.5, col
+            assert (
+                col["cell"]["left"] - 0.5 <= value["left"] and value["right"] <= col["cell"]["right"] + 0.5
+            ), col
             if col["num"]:
                 assert abs(value["right"] - col["head"]["right"]) <= 2, col
             else:
@@ -250,7 +258,9 @@ def test_fleet_page_console_rounds_paged_with_times_counts_and_reasons(
     newest = '#rounds tr[data-round="1197"] td'
     expected_time = (T0 + datetime.timedelta(seconds=4 * 1197)).astimezone()
     assert page.text_content(newest + '[data-col="time"]') in (
-        expected_time.strftime("%H:%M:%S"), expected_time.strftime("%Y-%m-%d %H:%M:%S"))
+        expected_time.strftime("%H:%M:%S"),
+        expected_time.strftime("%Y-%m-%d %H:%M:%S"),
+    )
     assert page.text_content(newest + '[data-col="clients"]') == "9 of 10"
     assert page.text_content(newest + '[data-col="refused"]') == "stale_round 1"
     assert page.text_content('#rounds tr[data-round="1195"] td[data-col="declined"]') == "over_budget 2"
@@ -279,10 +289,15 @@ def test_fleet_page_console_rounds_paged_with_times_counts_and_reasons(
 
 def test_fleet_page_console_finished_job_shows_within_5_s_and_stays_readable(browser: Browser) -> None:
     progress: dict[str, Any] = {"round": 1201, "rounds": round_records(1200)}
-    server = ThreadedDashboard(DashboardState(
-        "coordinator", "fleet console", fleet_status(progress), get_rounds=lambda: progress["rounds"],
-        push_interval_s=0.25,
-    ))
+    server = ThreadedDashboard(
+        DashboardState(
+            "coordinator",
+            "fleet console",
+            fleet_status(progress),
+            get_rounds=lambda: progress["rounds"],
+            push_interval_s=0.25,
+        )
+    )
     page, errors = open_page(browser, server.url, WIDE)
     expect(page.locator("#fleet-state")).to_have_attribute("data-state", "collecting")
     progress["fleet_state"] = {"state": "finished", "text": "finished: 1,200 rounds"}
@@ -323,7 +338,11 @@ def test_fleet_page_console_stopped_broker_shows_within_5_s(browser: Browser, ow
         transport = MqttTransport(own_broker.host, own_broker.port, f"coord-{topics.fleet}")
         await transport.start(wait_s=10)
         holder["coord"] = Coordinator(
-            transport, topics, np.zeros((4, 3), np.float32), np.zeros(3, np.float32), model_sha256="0" * 64,
+            transport,
+            topics,
+            np.zeros((4, 3), np.float32),
+            np.zeros(3, np.float32),
+            model_sha256="0" * 64,
             strategy=FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=60),
         )
 
@@ -335,7 +354,9 @@ def test_fleet_page_console_stopped_broker_shows_within_5_s(browser: Browser, ow
         page, errors = open_page(browser, server.url, WIDE)
         expect(page.locator("#broker")).to_have_text("broker connected", timeout=5000)
         stop_broker(own_broker)
-        expect(page.locator("#fleet-state")).to_have_attribute("data-state", "broker_unreachable", timeout=5000)
+        expect(page.locator("#fleet-state")).to_have_attribute(
+            "data-state", "broker_unreachable", timeout=5000
+        )
         expect(page.locator("#broker")).to_have_text("broker unreachable")
         expect(page.locator("#live")).to_have_text("live")  # the page's own link is fine
         assert errors.items == []
@@ -351,7 +372,8 @@ OVERFLOW_JS = """() => {
   for (const el of document.body.querySelectorAll('*')) {
     const b = el.getBoundingClientRect();
     if (b.width === 0 || b.height === 0) continue;
-    if (b.left < -0.5 || b.right > W + 0.5) out.push(`${el.tagName}#${el.id}.${el.className} ${b.left}-${b.right}`);
+    if (b.left < -0.5 || b.right > W + 0.5)
+      out.push(`${el.tagName}#${el.id}.${el.className} ${b.left}-${b.right}`);
   }
   return {W, scroll: document.documentElement.scrollWidth, out};
 }"""
@@ -371,25 +393,60 @@ OVERLAP_JS = """(selectors) => {
   }
   return out;
 }"""
-GROUPS = [".top", ".pills", ".fleet-line", ".fleet-facts", ".card-head", ".legend", "#devices tbody tr",
-          "#rounds tbody tr", ".figures", ".rows", ".rows > div", "main", ".pager", ".window"]
+GROUPS = [
+    ".top",
+    ".pills",
+    ".fleet-line",
+    ".fleet-facts",
+    ".card-head",
+    ".legend",
+    "#devices tbody tr",
+    "#rounds tbody tr",
+    ".figures",
+    ".rows",
+    ".rows > div",
+    "main",
+    ".pager",
+    ".window",
+]
 
 
 def device_status() -> dict[str, Any]:
     now = time.time()
     return {
-        "device": "gw-kitchen-with-a-long-name-01", "state": "deferred",
+        "device": "gw-kitchen-with-a-long-name-01",
+        "state": "deferred",
         "reason": "memory: train estimate 41.2 MiB exceeds the headroom left (12.0 MiB)",
-        "round": 1204, "version": 1203, "cap_bytes": 96 * MiB, "rss_bytes": 90 * MiB, "pss_bytes": 70 * MiB,
-        "peak_rss_bytes": 93 * MiB, "system_available_bytes": 310 * MiB,
-        "phase_peaks": {"inference": 70 * MiB, "train": 93 * MiB, "encode": 71 * MiB, "publish": 70 * MiB,
-                        "apply": 70 * MiB},
+        "round": 1204,
+        "version": 1203,
+        "cap_bytes": 96 * MiB,
+        "rss_bytes": 90 * MiB,
+        "pss_bytes": 70 * MiB,
+        "peak_rss_bytes": 93 * MiB,
+        "system_available_bytes": 310 * MiB,
+        "phase_peaks": {
+            "inference": 70 * MiB,
+            "train": 93 * MiB,
+            "encode": 71 * MiB,
+            "publish": 70 * MiB,
+            "apply": 70 * MiB,
+        },
         "phase_rise": {"inference": 1 * MiB, "train": 22 * MiB, "encode": 2 * MiB, "publish": 0, "apply": 0},
-        "last_update_bytes": 20_890, "last_update_ts": now - 12.0, "ts": now,
-        "local_accuracy": 0.91, "eval_accuracy": 0.87, "eval_count": 120, "personal_accuracy": 0.93,
-        "inference_accuracy": 0.89, "inference_rate": 410.0, "pipeline_mode": "fused",
-        "rejected": {"bad_cbor_with_a_long_reason_name": 1}, "broker_connected": False,
-        "broker_state": "refused: not authorized", "store_samples": 512, "inferred_total": 123456,
+        "last_update_bytes": 20_890,
+        "last_update_ts": now - 12.0,
+        "ts": now,
+        "local_accuracy": 0.91,
+        "eval_accuracy": 0.87,
+        "eval_count": 120,
+        "personal_accuracy": 0.93,
+        "inference_accuracy": 0.89,
+        "inference_rate": 410.0,
+        "pipeline_mode": "fused",
+        "rejected": {"bad_cbor_with_a_long_reason_name": 1},
+        "broker_connected": False,
+        "broker_state": "refused: not authorized",
+        "store_samples": 512,
+        "inferred_total": 123456,
     }
 
 
@@ -432,14 +489,20 @@ def test_console_device_page_says_what_it_measures(browser: Browser) -> None:
         assert 12 <= int(text.split(", ")[1].split()[0]) <= 20, text
         # accuracies named by what they are measured on
         labels = page.locator("dl.rows dt").all_text_contents()
-        for label in ("Global head · holdout", "Personal head · holdout", "Live predictions · labels",
-                      "Last training · its own samples"):
+        for label in (
+            "Global head · holdout",
+            "Personal head · holdout",
+            "Live predictions · labels",
+            "Last training · its own samples",
+        ):
             assert label in labels
         assert page.text_content("#global-accuracy") == "87.0 % of 120"
         assert page.text_content("#personal-accuracy") == "93.0 %"
         # per-phase rise beside the absolute peak; batch is part of the fused inference
         assert page.text_content('#phases tr[data-phase="train"] td.num') == "93.0 MiB · 97 % · +22.0 MiB"
-        assert page.text_content('#phases tr[data-phase="batch"] td.num') == "part of inference (fused pipeline)"
+        assert (
+            page.text_content('#phases tr[data-phase="batch"] td.num') == "part of inference (fused pipeline)"
+        )
         assert "(lifetime)" in (page.text_content("#h-memory ~ dl") or "")
         # 6 MiB of 96 free (6.25 %): amber, not red; red below 5 %
         assert page.get_attribute("#gauge", "data-level") == "warn"
@@ -488,14 +551,18 @@ def test_console_coordinator_history_keeps_each_devices_memory() -> None:
     rss = {"gw-a": 40 * MiB, "gw-b": 90 * MiB}
 
     def status() -> Mapping[str, Any]:
-        return {"devices": {
-            "gw-a": {"rss_bytes": rss["gw-a"], "cap_bytes": 96 * MiB},
-            "gw-b": {"rss_bytes": rss["gw-b"], "cap_bytes": 96 * MiB},
-            "gw-off": {"rss_bytes": None, "cap_bytes": 64 * MiB},
-            "bad": "not a mapping",
-        }}
+        return {
+            "devices": {
+                "gw-a": {"rss_bytes": rss["gw-a"], "cap_bytes": 96 * MiB},
+                "gw-b": {"rss_bytes": rss["gw-b"], "cap_bytes": 96 * MiB},
+                "gw-off": {"rss_bytes": None, "cap_bytes": 64 * MiB},
+                "bad": "not a mapping",
+            }
+        }
 
-    server = ThreadedDashboard(DashboardState("coordinator", "f", status, history_interval_s=0.05, history_len=4))
+    server = ThreadedDashboard(
+        DashboardState("coordinator", "f", status, history_interval_s=0.05, history_len=4)
+    )
     try:
         deadline = time.monotonic() + 10
         doc: dict[str, Any] = {}
