@@ -7,8 +7,8 @@ instead, make the fixture start one (with its dashboard enabled) and return its 
 ``advance`` that drives a round through the coordinator; the tests do not change.
 
 Screenshots go to the test's temp dir; with ``EDGEFL_DOCS_SCREENSHOTS=1`` the device and coordinator
-tests also run their scenario for a minute and write ``docs/dashboard-device.png`` and
-``docs/dashboard-coordinator.png`` for the README.
+tests run their scenario for a minute. The README's pictures come from a real run instead
+(``python -m bench.screenshots``).
 """
 
 from __future__ import annotations
@@ -284,8 +284,6 @@ def painted_pixels(page: Page, canvas_id: str) -> int:
 
 def docs_screenshot(page: Page, name: str, tmp_path: Path) -> None:
     page.screenshot(path=tmp_path / name, full_page=True)
-    if DOCS:
-        page.screenshot(path=ROOT / "docs" / name, full_page=True)
 
 
 def test_browser_device_page_shows_real_rss_and_live_round_state(
