@@ -2,7 +2,8 @@
 
 Starts a mosquitto on 127.0.0.1 (the demo's embedded broker when mosquitto is not installed), runs
 ``edgefl demo`` against it (real agent processes, each serving its device page, and the coordinator
-serving the fleet page), waits until round ``--at-round`` has closed, and photographs the pages in
+serving the fleet page), waits until round ``--at-round`` has closed (the demo's rounds are quick: the
+job may be further on), and photographs the pages in
 Debian's Chromium driven by playwright:
 
 - ``docs/dashboard-coordinator.png``: the fleet page at 1366x900, the whole page;
@@ -11,7 +12,7 @@ Debian's Chromium driven by playwright:
   the first screen.
 
 The block between ``<!-- screenshots:begin -->`` and ``<!-- screenshots:end -->`` in ``README.md`` is
-rewritten with the pictures and the run they come from (date, devices, round).
+rewritten with the pictures and the run they come from (date, devices, the round the pages show).
 
 Run: ``.venv/bin/python -m bench.screenshots`` (``--devices 4 --rounds 40 --at-round 25``; about a
 minute). Nothing is written when the run fails.
@@ -89,7 +90,8 @@ def _status(url: str) -> dict[str, Any]:
         return doc
 
 
-def _shoot(url: str, path: Path, viewport: dict[str, int], *, full_page: bool, settle_s: float) -> None:
+def _shoot(url: str, path: Path, viewport: dict[str, int], *, full_page: bool, settle_s: float) -> str:
+    """Photograph the page at ``url``; return the round it showed."""
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as p:
@@ -100,11 +102,12 @@ def _shoot(url: str, path: Path, viewport: dict[str, int], *, full_page: bool, s
             expect(page.locator("#live")).to_have_text("live", timeout=10_000)
             time.sleep(settle_s)  # a few pushes: the charts gather points
             page.screenshot(path=str(path), full_page=full_page)
+            return page.text_content("#round") or "?"
         finally:
             browser.close()
 
 
-def _readme_block(devices: int, at_round: int, rounds: int, broker: str) -> str:
+def _readme_block(devices: int, at_round: str, rounds: int, broker: str) -> str:
     day = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     return (
         f"{BEGIN}\n"
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.2)
             shots = work / "shots"
             shots.mkdir()
-            _shoot(fleet, shots / "dashboard-coordinator.png", WIDE, full_page=True, settle_s=3.0)
+            at_round = _shoot(fleet, shots / "dashboard-coordinator.png", WIDE, full_page=True, settle_s=3.0)
             _shoot(urls["dev-1"], shots / "dashboard-device.png", WIDE, full_page=True, settle_s=3.0)
             _shoot(fleet, shots / "dashboard-coordinator-phone.png", PHONE, full_page=False, settle_s=1.0)
             _shoot(urls["dev-1"], shots / "dashboard-device-phone.png", PHONE, full_page=False, settle_s=1.0)
@@ -202,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         text = readme.read_text()
         block = _readme_block(
             args.devices,
-            args.at_round,
+            at_round,
             args.rounds,
             "a local mosquitto" if broker is not None else "the embedded broker",
         )
