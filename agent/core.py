@@ -99,7 +99,7 @@ HEAD_FILE = "global_head.rec"
 OUTBOX_FILE = "outbox.rec"
 """Updates awaiting their PUBACK (:class:`~edgefl.agent.outbox.Outbox`)."""
 ANSWERED_FILE = "answered_round.rec"
-"""Where versions before issue 17's latency work kept the last answered round (still read; the round
+"""Where earlier versions kept the last answered round (still read; the round
 is now recorded in the outbox record, in the write that keeps its update: :class:`Answered`)."""
 SEEN_VERSION_FILE = "seen_version.rec"
 """The newest head version named by a signed round announcement (the device's rollback floor)."""
@@ -458,7 +458,7 @@ class DeviceCore:
         self._declines: list[RoundResult] = []  # declines of superseded deferred rounds, to send
         self.defer_writes = False
         """Leave state writes that no guarantee needs at once for :meth:`write_deferred` (the daemon
-        runs it when no message waits; issue 17, round latency): an applied head (a restart before
+        runs it when no message waits: round latency): an applied head (a restart before
         the write comes back with the older head and takes the retained head again), the outbox
         after a PUBACK (a restart before the write sends that update once more; the coordinator
         counts an update id once) and the error-feedback file (the outbox record that keeps the
@@ -565,7 +565,7 @@ class DeviceCore:
     def _load_answered(self) -> Answered | None:
         """The last answered round: the newer of the outbox record's and ``answered_round.rec``'s.
 
-        Since issue 17 the record is written with the outbox (one atomic write with the update that
+        The record is written with the outbox (one atomic write with the update that
         answers the round); ``answered_round.rec`` is what earlier versions wrote, still read.
         """
         found = [
@@ -1052,7 +1052,7 @@ class DeviceCore:
                     result.accuracy,
                     result.train_s,
                     gov.peak_rss_bytes,
-                    # the base head's federated evaluation rides with the update (issue 17: the
+                    # the base head's federated evaluation rides with the update (the
                     # status no longer goes out for it)
                     eval_accuracy=base_eval.accuracy if base_eval is not None else None,
                     eval_count=base_eval.count if base_eval is not None else 0,
@@ -1078,7 +1078,7 @@ class DeviceCore:
             if not self._persist(
                 # one atomic write keeps the update, counts its first send (sends=1: the daemon
                 # publishes it next) and records the round as answered: one fsync pair between
-                # training and the publish instead of three (issue 17, round latency)
+                # training and the publish instead of three (round latency)
                 "outbox",
                 lambda: added.extend(
                     self.outbox.add(

@@ -160,7 +160,7 @@ class Agent:
         self.state = AgentState()
         self.core = DeviceCore.open(profile, progress=self._progress)
         # a new head, and the outbox after a PUBACK, are written when no message waits (control_loop):
-        # their fsyncs no longer sit between an announcement and its update (issue 17)
+        # their fsyncs no longer sit between an announcement and its update
         self.core.defer_writes = True
         self._trim_wanted = False  # a round's garbage is returned to the kernel when idle
         self._idle_work = asyncio.Event()  # deferred writes or a trim wait (housekeeping_loop)
@@ -810,7 +810,7 @@ class Agent:
             await wait_event(self._status_dirty, cfg.interval_s)
             # a round marks the status changed at each step (received, trained, sent, acknowledged):
             # checked once when its messages are handled, not beside its training and publish
-            # (issue 17, round time); never later than one interval, at once after a (re)connect
+            # (round time); never later than one interval, at once after a (re)connect
             await wait_event(self._status_go, cfg.interval_s)
             self._status_dirty.clear()
             try:

@@ -83,7 +83,7 @@ def _own_fd(name: str, flags: int = os.O_RDONLY) -> tuple[int, tuple[int, int]]:
     ``name`` is ``self/statm``, ``self/status``, ``meminfo`` or ``self/clear_refs``. A round reads
     these files a dozen times and resets the peak at every phase; opening, reading through a Python
     file object and closing each time cost 27-64 us here, a ``pread``/``write`` on a kept
-    descriptor 1-12 us (issue 17, the device's CPU per round). A forked child opens its own
+    descriptor 1-12 us (the device's CPU per round). A forked child opens its own
     (:func:`_forget_own_fds`).
 
     Raises
@@ -509,7 +509,7 @@ def estimate_train_bytes(
     """Bytes ``edgefl.agent.trainer.train_local`` may add to RSS with a given chunk size.
 
     Terms: the one float32 chunk buffer the trainer reuses, the float16 gather it is read from, the
-    labels (int64 buffer, int16 gather) and the chunk's slot order and shuffle (int64 each; issue 17:
+    labels (int64 buffer, int16 gather) and the chunk's slot order and shuffle (int64 each;
     the trainer no longer allocates a chunk per read); one SGD batch (its embeddings, logits and
     softmax); about six
     ``[D, K]`` float32 arrays (working copy, gradient, proximal term, delta, final head); the
@@ -652,7 +652,7 @@ class Admission:
         """JSON-like form (status message, dashboard): every field by name.
 
         Built field by field: ``dataclasses.asdict`` deep-copies through its generic recursion, ~40 us
-        an admission, and a device's status check reads every phase's (issue 17, a round's CPU).
+        an admission, and a device's status check reads every phase's (a round's CPU).
         """
         return {f: getattr(self, f) for f in _ADMISSION_FIELDS}
 
@@ -972,7 +972,7 @@ class Governor:
             False leaves out the figures read from ``/proc`` (``rss_bytes``, ``pss_bytes``,
             ``peak_rss_bytes``, ``system_available_bytes``): reading ``smaps_rollup`` takes
             milliseconds on a loaded gateway, and the daemon's check for news, run at every state
-            change of a round on the event loop, needs none of them (issue 17, round latency).
+            change of a round on the event loop, needs none of them (round latency).
 
         Returns
         -------
@@ -1045,7 +1045,7 @@ _M_ARENA_MAX = -8
 @functools.cache
 def _libc() -> Any | None:
     # cached: find_library runs ``ldconfig -p`` in a child process, and malloc_trim runs after
-    # every round (a fork and exec on the round's path: seen with strace, issue 17)
+    # every round (a fork and exec on the round's path: seen with strace)
     name = ctypes.util.find_library("c") or "libc.so.6"
     try:
         lib = ctypes.CDLL(name)

@@ -1,4 +1,4 @@
-"""What a device's retained status says, and when saying it again is news (issue 17, item 2).
+"""What a device's retained status says, and when saying it again is news.
 
 A status costs a few hundred bytes to 2 kB on a metered uplink; the daemon publishes one only when
 :func:`status_news` changed (and on ``status.heartbeat_s``, and at every connect). Two kinds of field

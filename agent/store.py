@@ -5,7 +5,7 @@ read back from the map), labels as int16. The store is a ring: when full, the ol
 overwritten, so its size is fixed at ``capacity * (2 * D + 2)`` bytes of file-backed pages that the
 kernel can drop under pressure.
 
-Integrity (issue 15 item 5): the metadata (capacity, D, count, ring head and the SHA-256 of the
+Integrity: the metadata (capacity, D, count, ring head and the SHA-256 of the
 label file) is a checksummed record (:mod:`edgefl.records`) written by :meth:`EmbeddingStore.flush`.
 At open the metadata must be sane (``count <= capacity``, head in range, files of the right size),
 the label file must match its checksum, its labels must lie in ``0..K-1`` and the stored embeddings
@@ -52,7 +52,7 @@ def half_bits_to_float32(half_bits: np.ndarray, out: F32) -> F32:
 
     numpy's own float16 -> float32 cast goes element by element through a scalar routine on
     builds without an F16C/FP16 SIMD path (``X86_V2`` baseline wheels: ~3 ns a value, the largest
-    cost of a round's local training, issue 17). This is four vectorised integer/float passes,
+    cost of a round's local training). This is four vectorised integer/float passes,
     exactly equal to ``astype(np.float32)`` for every finite half, zeros and subnormals included:
     the sign-extended 16 bits shifted left by 13 put the sign at bit 31 (after masking) and the
     exponent and mantissa in float32's fields with float16's bias; multiplying by 2**112 rebiases

@@ -780,7 +780,7 @@ class Coordinator:
         )
         rnd.record(update, size_bytes)
         self._remember(update.update_id)
-        # Devices no longer publish a status for their round's progress (agent/status.py, issue 17):
+        # Devices no longer publish a status for their round's progress (agent/status.py):
         # the update says it, so the fleet registry takes the device's round, update size and its
         # evaluation of the base head (federated evaluation, read at the round's close) from it.
         entry = self.state.devices.get(update.device)
@@ -933,7 +933,7 @@ class Coordinator:
     ) -> None:
         """Publish the RoundAnnouncement of ``round_no`` (QoS 1, retained) and wait for its PUBACK.
 
-        :meth:`run_round` runs it as a task and collects updates meanwhile (issue 17, round latency).
+        :meth:`run_round` runs it as a task and collects updates meanwhile (round latency).
         """
         ann = RoundAnnouncement(
             round=round_no,

@@ -974,8 +974,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m edgefl.cross_build.wheelhouse --target T [--python V] --out DIR``: exit code 0 or 1."""
-    from edgefl.cross_build.cli import add_arguments
+    """``python -m cross_build.wheelhouse --target T [--python V] --out DIR``: exit code 0 or 1."""
+    from .cli import add_arguments
 
     p = argparse.ArgumentParser(prog="wheelhouse", description=__doc__.splitlines()[0] if __doc__ else None)
     add_arguments(p)
@@ -987,6 +987,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if str(REPO_ROOT) not in sys.path:  # run as a script: make the cross_build package importable
-        sys.path.insert(0, str(REPO_ROOT))
     sys.exit(main())

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -340,6 +342,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(opts)
 
 
+def _add_checkout_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``edgefl wheelhouse`` when edgefl runs from a source checkout.
+
+    The wheelhouse builder (``cross_build/``, a build-machine tool) is not in the wheel; in a checkout it
+    stands beside ``edgefl/`` and is loaded from there under its one name, ``cross_build``, without
+    putting the checkout on ``sys.path``.
+
+    Parameters
+    ----------
+    sub : argparse._SubParsersAction
+        The ``add_subparsers()`` result of :func:`build_parser`.
+    """
+    init = Path(__file__).resolve().parent.parent / "cross_build" / "__init__.py"
+    if not init.is_file():
+        return
+    if "cross_build" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "cross_build", init, submodule_search_locations=[str(init.parent)])
+        if spec is None or spec.loader is None:
+            return
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["cross_build"] = module
+        spec.loader.exec_module(module)
+    importlib.import_module("cross_build.cli").add_wheelhouse_parser(sub)
+
+
 def _command_word(words: Sequence[str]) -> str | None:
     """The sub-command named in ``words`` (the first word that is not an option or its value)."""
     it = iter(words)
@@ -457,9 +485,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
         modeltool.add_parser(sub)
         feed.add_parser(sub)
-        from edgefl.cross_build.cli import add_wheelhouse_parser
-
-        add_wheelhouse_parser(sub)
+        _add_checkout_parsers(sub)
         from edgefl.coordinator import bridge
 
         bridge.add_parser(sub)

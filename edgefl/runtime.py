@@ -331,7 +331,7 @@ class Backbone:
             raise ModelError(str(path), "model file not found")
         self.sha256 = file_sha256(path)
         # One guard on every invoke path (run, resize, reset, reading weights, pipelines): two threads
-        # on one interpreter give silently wrong outputs, so a second caller waits (issue 15 item 9).
+        # on one interpreter give silently wrong outputs, so a second caller waits.
         self._lock = threading.RLock()
         self._holder = ""
         try:

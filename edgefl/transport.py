@@ -5,7 +5,7 @@ The event loop drives paho (paho's "external event loop" API: ``loop_read``, ``l
 at once by the caller or on the loop's next turn (``add_writer`` only while the kernel's send buffer
 is full), and ``loop_misc`` runs every second for the keep-alive. Only the blocking connect (TCP and
 the TLS handshake) runs in a thread. A message reaches its handler without a thread switch, and a
-publish leaves without waking another thread (issue 17: the two hops of paho's own network thread
+publish leaves without waking another thread (the two hops of paho's own network thread
 were ~0.6-0.9 ms each on a loaded 2-core gateway, four of them on a round's critical path). paho's
 callbacks still only schedule the transport's handlers (``call_soon``, STYLE.md rule 6: nothing runs
 inside paho's locks); an exception in paho's network code or a socket callback is counted

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
+pytestmark = pytest.mark.subprocess  # every test here starts a process
+
 ALL_PROFILES = sorted((ROOT / "firmware_configs").glob("*.toml"))
 PROFILES = [p for p in ALL_PROFILES if p.name != "coordinator.toml"]  # device profiles
 

@@ -91,6 +91,7 @@ def test_coordinator_dp_reports_epsilon_every_round_with_real_agents(
     assert lines[-1]["clipped_by_device"].keys() <= {"dev-0", "dev-1"}
 
 
+@pytest.mark.subprocess
 def test_coordinator_refuses_dp_around_a_robust_strategy() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "edgefl.cli", "coordinator",

@@ -1,7 +1,7 @@
 """Tests of cross_build/: manylinux tag lists, marker evaluation, lock files, closure checks, the unit.
 
 Fast and offline by default. The tests that need a real wheelhouse use the cached one under
-``cache/wheelhouse/<target>/`` (made by ``python cross_build/wheelhouse.py --target T --out
+``cache/wheelhouse/<target>/`` (made by ``python -m cross_build.wheelhouse --target T --out
 cache/wheelhouse/T``) and skip when it is absent; with ``EDGEFL_NETWORK_TESTS=1`` they build it into a
 temporary folder instead (downloads from the package index, ~10-30 s per target).
 """
@@ -22,12 +22,10 @@ from pathlib import Path
 import pytest
 from packaging.utils import parse_wheel_filename
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # cross_build/ is a build-machine tool, not an installed package
-    sys.path.append(str(ROOT))
+from cross_build import cli as wh_cli
+from cross_build import wheelhouse as wh
 
-from cross_build import cli as wh_cli  # noqa: E402
-from cross_build import wheelhouse as wh  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # The Debian 12 (CPython 3.11) flavours; the Python-specific tests name their Python.
 AARCH64 = wh.target_for("aarch64", "3.11")
@@ -349,6 +347,7 @@ def test_unit_refuses_a_state_dir_outside_var_lib() -> None:
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+@pytest.mark.subprocess
 def test_rendered_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     # verify checks that ExecStart's program exists: give it a prefix with one.
     prefix = tmp_path / "opt"
@@ -412,14 +411,18 @@ def test_cli_hook_knows_every_target_and_the_default_prefix() -> None:
     assert wh_cli.DEFAULT_PREFIX == wh.DEFAULT_PREFIX
 
 
+@pytest.mark.subprocess
 def test_cli_hook_does_not_import_the_builder() -> None:
-    # `edgefl run` in a checkout imports edgefl.cross_build.cli: not packaging nor the builder.
-    code = ("import sys; sys.path.append(sys.argv[1]); import edgefl.cross_build.cli; "
-            "print('edgefl.cross_build.wheelhouse' in sys.modules, 'packaging.requirements' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "False"]
+    # `edgefl --help` in a checkout loads cross_build.cli from beside edgefl/: not packaging nor the builder.
+    code = ("import argparse, sys; from edgefl import cli; "
+            "cli._add_checkout_parsers(argparse.ArgumentParser().add_subparsers()); "
+            "print('cross_build.cli' in sys.modules, 'cross_build.wheelhouse' in sys.modules, "
+            "'packaging.requirements' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "False", "False"]
 
 
+@pytest.mark.subprocess
 def test_wheelhouse_build_failure_exits_1_with_the_name(tmp_path: Path) -> None:
     # An unknown repo path: pip wheel fails for edgefl, before any download.
     rc = wh.main(["--target", "aarch64", "--out", str(tmp_path / "out"), "--repo", str(tmp_path / "nope")])
@@ -520,6 +523,7 @@ def fake_system(tmp_path: Path) -> FakeSystem:
     return FakeSystem(tmp_path, state, tmp_path / "etc", tmp_path / "opt", env)
 
 
+@pytest.mark.subprocess
 def test_install_sh_refuses_another_machine_before_touching_anything(tmp_path: Path) -> None:
     house = _fake_house(tmp_path, "aarch64" if os.uname().machine != "aarch64" else "x86_64")
     prefix = tmp_path / "prefix"
@@ -533,6 +537,7 @@ def test_install_sh_refuses_another_machine_before_touching_anything(tmp_path: P
     assert not prefix.exists()
 
 
+@pytest.mark.subprocess
 def test_install_sh_refuses_another_python_in_one_line_naming_both(tmp_path: Path) -> None:
     other = "3.13" if RUNNING_PYTHON != "3.13" else "3.12"
     house = _fake_house(tmp_path, os.uname().machine, python=other)
@@ -551,6 +556,7 @@ def test_install_sh_refuses_another_python_in_one_line_naming_both(tmp_path: Pat
     assert not prefix.exists()
 
 
+@pytest.mark.subprocess
 def test_install_sh_refuses_when_systemd_is_not_pid_1(tmp_path: Path, fake_system: FakeSystem) -> None:
     house = _fake_house(tmp_path, os.uname().machine)
     proc = fake_system.install(house, fail="pid1")
@@ -562,6 +568,7 @@ def test_install_sh_refuses_when_systemd_is_not_pid_1(tmp_path: Path, fake_syste
     assert fake_system.calls() == ["systemctl is-system-running"]
 
 
+@pytest.mark.subprocess
 def test_install_sh_rollback_needs_a_previous_release(tmp_path: Path) -> None:
     house = _fake_house(tmp_path, os.uname().machine)
     proc = subprocess.run(
@@ -713,6 +720,7 @@ def test_install_sh_upgrade_keeps_the_running_release_when_restart_fails(
 # --- check_emulated.sh: the suite argument (refusals happen before any tool or download is needed) ----
 
 
+@pytest.mark.subprocess
 def test_emulated_install_check_refuses_armv7l_on_trixie_up_front() -> None:
     proc = subprocess.run(
         ["bash", str(ROOT / "cross_build" / "check_emulated.sh"), "armv7l", "trixie"],
@@ -724,6 +732,7 @@ def test_emulated_install_check_refuses_armv7l_on_trixie_up_front() -> None:
     assert proc.stdout == ""
 
 
+@pytest.mark.subprocess
 def test_emulated_install_check_names_an_unknown_suite() -> None:
     proc = subprocess.run(
         ["bash", str(ROOT / "cross_build" / "check_emulated.sh"), "aarch64", "sid"],

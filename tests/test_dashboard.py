@@ -686,6 +686,7 @@ print(json.dumps({"served": served, "client_modules": lean, "client_after": afte
 """
 
 
+@pytest.mark.subprocess
 def test_dashboard_serves_without_aiohttp_client() -> None:
     # an agent's dashboard imports aiohttp's server only (edgefl.dashboard.aiohttp_server): every
     # route and the event stream still served; aiohttp's client loads on its first use, not before

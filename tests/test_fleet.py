@@ -191,6 +191,7 @@ def test_coordinator_round_declined_by_every_device_closes_and_names_the_cause(
     assert "deadline passed" not in done.stderr, done.stderr
 
 
+@pytest.mark.subprocess
 def test_coordinator_invalid_profile_exits_1_and_lists_problems(tmp_path: Path) -> None:
     done = run_coordinator(tmp_path, "rounds.count=0", "broker.qos=7", timeout_s=60)
     assert done.returncode == 1

@@ -26,7 +26,7 @@ from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.codec import decode_status
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.subprocess]
 
 HUNDRED_MB = 100 * 1000 * 1000
 

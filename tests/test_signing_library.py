@@ -16,6 +16,8 @@ from conftest import DEV_PROFILE, ROOT
 
 from edgefl.wire.signing import generate_signing_key
 
+pytestmark = pytest.mark.subprocess  # every test here starts a process
+
 BLOCKER = '''
 import sys
 

@@ -28,6 +28,8 @@ from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.codec import Update, UpdateMetrics, decode_global_model, decode_round, encode_update
 
+pytestmark = pytest.mark.subprocess  # every test here starts a process
+
 W0 = Backbone(INT8_MODEL).head_from_model()[0]
 
 

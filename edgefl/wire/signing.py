@@ -176,7 +176,7 @@ class _Ed25519(Protocol):
 
 
 #: Private keys a backend keeps expanded (a process signs with one key, a test with a few): making
-#: one from its seed is a scalar multiplication, ~50 us, that every signature paid (issue 17).
+#: one from its seed is a scalar multiplication, ~50 us, that every signature paid.
 _KEYS_KEPT: Final = 4
 
 
