@@ -324,6 +324,7 @@ def own_broker(tmp_path: Path) -> Iterator[Broker]:
             stop_broker(broker)
 
 
+@pytest.mark.broker
 def test_fleet_page_console_stopped_broker_shows_within_5_s(browser: Browser, own_broker: Broker) -> None:
     """A real coordinator on a real broker: the broker stops, the page says so (and not "live" only)."""
     topics = Topics("edgefl", f"console-{time.monotonic_ns()}")
