@@ -851,18 +851,7 @@ class Coordinator:
                 {"round": h.round, "accuracy": None if h.accuracy != h.accuracy else h.accuracy}
                 for h in self.state.history
             ],
-            "rounds": [
-                {
-                    "round": h.round,
-                    "clients": h.clients,
-                    "accuracy": None if h.accuracy != h.accuracy else h.accuracy,
-                    "update_bytes_mean": h.update_bytes_mean,
-                    "duration_s": h.duration_s,
-                    "fed_accuracy": None if math.isnan(h.fed_accuracy) else h.fed_accuracy,
-                    "fed_worst_decile": None if math.isnan(h.fed_worst_decile) else h.fed_worst_decile,
-                }
-                for h in self.state.history[-50:]
-            ],
+            "rounds": self.dashboard_rounds()[-50:],  # the latest records, as /api/rounds has them
             "devices": devices,
             "model_mismatches": dict(self.mismatched),
             "rejected": dict(self.state.rejected),

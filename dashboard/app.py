@@ -17,7 +17,8 @@ nothing changes state):
   The page loads the whole history once and then only what is new.
 - ``/api/events``: SSE; every event's data is the ``/api/status`` document. One shared publisher
   serialises the status once per change for all streams; a client that goes away is dropped at once
-  (the app enables aiohttp's handler cancellation), a stalled one after ``WRITE_TIMEOUT_S``.
+  (the app enables aiohttp's handler cancellation), a stalled one after ``WRITE_TIMEOUT_S``. At
+  shutdown every open stream gets the final status before it ends (a finished job reads finished).
 - ``/metrics``: Prometheus text exposition format (prometheus-client) built from ``get_status()``
   (``dashboard/metrics.py``).
 - ``/healthz``: ``ok``.
@@ -38,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import bisect
 import contextlib
 import hmac
 import json
@@ -69,6 +71,8 @@ WRITE_TIMEOUT_S = 10.0
 """A stream whose client does not take an event within this many seconds is dropped."""
 SSE_RETRY_MS = 2000
 """Reconnect delay the browser is told to use after a stream ends."""
+FINAL_WRITE_TIMEOUT_S = 1.0
+"""At shutdown, each open stream gets this long to take the final status."""
 MAX_ROUNDS_PAGE = 5000
 """Round records served by one ``/api/rounds`` response at most."""
 MAX_HISTORY_DEVICES = 64
@@ -468,15 +472,8 @@ async def _rounds(request: web.Request) -> web.Response:
     after = _query_int(request, "after", -1)
     limit = min(max(1, _query_int(request, "limit", MAX_ROUNDS_PAGE)), MAX_ROUNDS_PAGE)
     records: Sequence[Mapping[str, Any]] = state.get_rounds() if state.get_rounds is not None else ()
-    # records are in round order: find the first one after ``after`` by bisection
-    lo, hi = 0, len(records)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        number = finite_number(records[mid].get("round"))
-        if number is not None and number <= after:
-            lo = mid + 1
-        else:
-            hi = mid
+    # records are in round order: the first one after ``after`` by bisection
+    lo = bisect.bisect_right(records, float(after), key=lambda r: finite_number(r.get("round")) or 0.0)
     page = records[lo : lo + limit]
     last = finite_number(records[-1].get("round")) if records else None
     doc = {"rounds": jsonable(list(page)), "total": len(records), "last": None if last is None else int(last)}
@@ -496,9 +493,15 @@ async def _events(request: web.Request) -> web.StreamResponse:
         await response.write(b"retry: %d\n\n" % SSE_RETRY_MS)
         hub.refresh()
         seq = -1
-        while not hub.closing:
+        while True:
             new_seq, frame = await hub.next_frame(seq, KEEPALIVE_S)
-            if hub.closing or request.transport is None or request.transport.is_closing():
+            if request.transport is None or request.transport.is_closing():
+                break
+            if hub.closing:
+                # the last status (a finished job, its final round) still reaches the open pages
+                if new_seq != seq:
+                    async with asyncio.timeout(FINAL_WRITE_TIMEOUT_S):
+                        await response.write(frame)
                 break
             async with asyncio.timeout(WRITE_TIMEOUT_S):
                 await response.write(frame if new_seq != seq else b": keepalive\n\n")
@@ -586,6 +589,7 @@ def create_app(state: DashboardState) -> web.Application:
             await task
 
     async def end_streams(app: web.Application) -> None:
+        hub.refresh()  # the final status, sent to every open stream before it ends
         hub.close()  # open SSE handlers return, so the runner's shutdown does not wait for them
 
     app.cleanup_ctx.append(publisher)

@@ -579,3 +579,28 @@ def test_console_coordinator_history_keeps_each_devices_memory() -> None:
         assert "rss" not in doc
     finally:
         server.close()
+
+
+def test_fleet_page_console_final_status_reaches_the_page_at_shutdown(browser: Browser) -> None:
+    """A coordinator that stops right after its job: the page gets the final status, not the one before."""
+    progress: dict[str, Any] = {"round": 40, "rounds": round_records(39)}
+    # no pushes but the one at shutdown: the poll interval is longer than the test
+    server = ThreadedDashboard(
+        DashboardState(
+            "coordinator",
+            "fleet console",
+            fleet_status(progress),
+            get_rounds=lambda: progress["rounds"],
+            push_interval_s=3600.0,
+        )
+    )
+    page, errors = open_page(browser, server.url, WIDE)
+    expect(page.locator("#fleet-state")).to_have_attribute("data-state", "collecting")
+    progress.update(round=41, rounds=round_records(40))
+    progress["fleet_state"] = {"state": "finished", "text": "finished: 40 rounds"}
+    server.close()
+    expect(page.locator("#fleet-state")).to_have_attribute("data-state", "finished", timeout=5000)
+    expect(page.locator("#round")).to_have_text("41")
+    expect(page.locator("#live")).to_have_attribute("data-state", "stale", timeout=5000)
+    assert [e for e in errors.items if "ERR_CONNECTION_REFUSED" not in e] == []
+    page.context.close()

@@ -518,7 +518,7 @@
           rounds.length = 0; // another history (a new job): start over
           continue;
         }
-        for (const e of got) rounds.push(e);
+        for (const e of got) if (!rounds.length || e.round > rounds[rounds.length - 1].round) rounds.push(e);
         if (!got.length || !isNum(doc.last) || rounds[rounds.length - 1].round >= doc.last) break;
       }
     } catch (err) {
@@ -537,13 +537,25 @@
     for (const e of s.rounds) if (obj(e) && isNum(e.round)) rounds.push(e);
   }
 
+  // The status carries the latest round records: new ones join the history from there; a gap
+  // (the page was away) or another history (a new job) is read from /api/rounds.
   function maybeLoadRounds(s) {
-    const latest = Array.isArray(s.rounds) && s.rounds.length ? s.rounds[s.rounds.length - 1] : null;
-    const have = rounds.length ? rounds[rounds.length - 1].round : -1;
-    if (latest && isNum(latest.round) && latest.round !== have && roundsServed) loadRounds();
+    if (roundsLoading || !Array.isArray(s.rounds) || !s.rounds.length) return;
+    const latest = obj(s.rounds[s.rounds.length - 1]);
+    const first = obj(s.rounds[0]);
+    if (!latest || !first || !isNum(latest.round) || !isNum(first.round)) return;
+    const have = rounds.length ? rounds[rounds.length - 1].round : null;
+    if (have === latest.round) return;
+    if (have === null || latest.round < have || first.round > have + 1) {
+      if (latest.round < (have ?? -1)) rounds.length = 0;
+      loadRounds();
+      return;
+    }
+    for (const e of s.rounds) if (obj(e) && isNum(e.round) && e.round > have) rounds.push(e);
+    drawAccuracyChart();
+    renderRounds();
   }
 
-  // a round's closing time: ``time`` (ISO 8601) or ``closed_unix`` (Unix s)
   function roundTime(r) {
     if (typeof r.time === "string" && r.time) return r.time;
     return isNum(r.closed_unix) ? new Date(r.closed_unix * 1000).toISOString() : null;
