@@ -424,7 +424,7 @@
     device: "device", headroom: "headroom", peak: "peak", state: "state", reason: "reason",
     last_round: "last round", personal: "personal", global: "global", round: "round", time: "time",
     clients: "clients", accuracy: "accuracy", federated: "federated", refused: "refused",
-    declined: "declined", bytes: "bytes / update", seconds: "seconds",
+    declined: "declined", bytes: "per update", seconds: "seconds",
   };
 
   function renderDevices(s) {
