@@ -833,7 +833,6 @@ class Coordinator:
                 "personal_accuracy": st.get("personal_accuracy"),
                 "global_accuracy": st.get("global_accuracy"),
                 "eval_accuracy": st.get("eval_accuracy"),
-                "broker_state": st.get("broker_state"),
             }
         return {
             "broker_connected": self.transport.connected.is_set(),

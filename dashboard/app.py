@@ -118,13 +118,16 @@ class DashboardState:
         - device: ``device``, ``state`` (idle / training / uploading / waiting / deferred /
           offline), ``reason``, ``round``, ``version``, ``cap_bytes``, ``rss_bytes``, ``pss_bytes``,
           ``peak_rss_bytes``, ``system_available_bytes``, ``phase_peaks`` {phase: bytes} (phases
-          inference, batch, train, encode, publish, apply), ``last_update_bytes``,
-          ``local_accuracy`` (0..1), ``inference_rate`` (samples/s), ``pipeline_mode``,
-          ``rejected`` {reason: count}, ``broker_connected``, ``store_samples``, ``inferred_total``.
+          inference, batch, train, encode, publish, apply), ``phase_rise`` {phase: bytes},
+          ``last_update_bytes``, ``last_update_ts`` and ``ts`` (Unix s, the device's clock),
+          ``local_accuracy``, ``eval_accuracy``, ``personal_accuracy``, ``global_accuracy``,
+          ``inference_accuracy`` (0..1), ``inference_rate`` (samples/s), ``pipeline_mode``,
+          ``rejected`` {reason: count}, ``broker_connected``, ``broker`` (the agent's words:
+          connected / connecting / lost / refused: not authorized), ``store_samples``, ``inferred_total``.
         - coordinator: ``round``, ``state``, ``updates_received``, ``updates_expected``,
           ``deadline_s_left``, ``version``, ``accuracy_history`` [{round, accuracy}], ``devices``
           {device: {state, online, rss_bytes, cap_bytes, peak_rss_bytes, last_round, reason,
-          refused, declined, personal_accuracy, global_accuracy, eval_accuracy, broker_state}},
+          refused, declined, personal_accuracy, global_accuracy, eval_accuracy}},
           ``rejected``, ``fleet_state`` {state, text, ...} (collecting / waiting_samples /
           waiting_devices / paused / finished / broker_unreachable), ``broker_connected``,
           ``rounds`` (the latest round records, as from ``get_rounds``).

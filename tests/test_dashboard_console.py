@@ -445,7 +445,7 @@ def device_status() -> dict[str, Any]:
         "pipeline_mode": "fused",
         "rejected": {"bad_cbor_with_a_long_reason_name": 1},
         "broker_connected": False,
-        "broker_state": "refused: not authorized",
+        "broker": "refused: not authorized",
         "store_samples": 512,
         "inferred_total": 123456,
     }

@@ -291,10 +291,11 @@
     setBadge(document.getElementById("state"), s.state);
     setText("reason", typeof s.reason === "string" && s.reason ? s.reason : "");
 
-    // the agent's own words for its broker connection ("refused: not authorized") come first
+    // the agent's own words for its broker connection ("refused: not authorized", "connecting",
+    // "lost") come first: a device that never connected does not say "lost"
     const broker = document.getElementById("broker");
     const connected = s.broker_connected;
-    const said = typeof s.broker_state === "string" && s.broker_state ? s.broker_state : null;
+    const said = typeof s.broker === "string" && s.broker && s.broker !== "connected" ? s.broker : null;
     broker.textContent = said ? "broker " + said
       : connected === true ? "broker connected" : connected === false ? "broker disconnected" : "broker " + DASH;
     broker.className = "pill " + (connected === true ? "pill-ok" : connected === false || said ? "pill-bad" : "");
@@ -466,7 +467,6 @@
       setBadge(st, d.online === false && !d.state ? "offline" : d.state);
       cell(row, "state").appendChild(st);
       const parts = [];
-      if (typeof d.broker_state === "string" && d.broker_state && d.broker_state !== "connected") parts.push(`broker ${d.broker_state}`);
       if (typeof d.model_mismatch === "string" && d.model_mismatch) parts.push("model mismatch: " + d.model_mismatch);
       if (typeof d.reason === "string" && d.reason) parts.push(d.reason);
       const refused = countsText(d.refused);
