@@ -443,6 +443,11 @@ def test_fleet_page_from_the_standalone_coordinator(
                 assert 0.5 < float(page.inner_text(row + "[data-col='accuracy']")) <= 1.0
                 expect(page.locator(row + "[data-col='bytes']")).to_contain_text("KiB")
                 expect(page.locator("#devices tbody tr[data-device='dev-1']")).to_be_visible()
+                # the agent's real headroom: free MiB and % of its cap, coloured against 15 % / 5 %
+                headroom = page.locator("#devices tr[data-device='dev-1'] td[data-col='headroom']")
+                expect(headroom).to_have_text(re.compile(r"^\d+\.\d MiB · \d+ %$"))
+                expect(headroom).to_have_attribute("data-level", re.compile(r"^(ok|warn|bad)$"))
+                expect(page.locator("#broker")).to_have_text("broker connected")
                 expect(page.locator("#mismatch-count")).to_have_text("model mismatches 0")
                 expect(page.locator("#online-count")).to_have_text("devices 2 / 2 online")
                 page.screenshot(path=str(tmp_path / "fleet-page.png"), full_page=True)

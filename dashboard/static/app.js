@@ -667,7 +667,7 @@
     for (let y = 100; y >= yMin; y -= yStep) yTicks.push(y);
     drawChart(canvas, {
       xMin, xMax, yMin, yMax: 100, yTicks,
-      xTicks: xTicksFor(xMin, xMax, canvas.clientWidth - 70),
+      xTicks: xs.length ? xTicksFor(xMin, xMax, canvas.clientWidth - 70) : [],
       xFmt: (x) => "r" + x, yFmt: (y) => y.toFixed(0) + " %",
       series, lines: [],
     });
