@@ -604,3 +604,26 @@ def test_fleet_page_console_final_status_reaches_the_page_at_shutdown(browser: B
     expect(page.locator("#live")).to_have_attribute("data-state", "stale", timeout=5000)
     assert [e for e in errors.items if "ERR_CONNECTION_REFUSED" not in e] == []
     page.context.close()
+
+
+def test_fleet_page_console_large_fleet_shows_the_worst_20_first(browser: Browser) -> None:
+    cap = 96 * MiB
+    devices = {
+        f"gw-{i:03d}": {"state": "idle", "online": True, "rss_bytes": cap // 2 + i * MiB, "cap_bytes": cap}
+        for i in range(30)
+    }
+    server = ThreadedDashboard(DashboardState("coordinator", "big", lambda: {"devices": devices}))
+    try:
+        page, errors = open_page(browser, server.url, WIDE)
+        rows = page.locator("#devices tbody tr")
+        expect(rows).to_have_count(20)
+        assert rows.first.get_attribute("data-device") == "gw-029"  # the least headroom
+        expect(page.locator("#devices-more")).to_have_text("show all 30 devices")
+        expect(page.locator("#online-count")).to_have_text("devices 30 / 30 online")
+        page.click("#devices-more")
+        expect(rows).to_have_count(30)
+        expect(page.locator("#devices-more")).to_have_text("show the first 20")
+        assert errors.items == []
+        page.context.close()
+    finally:
+        server.close()

@@ -406,6 +406,8 @@
     global: (name, d) => (isNum(accuracyOf(d, "global")) ? accuracyOf(d, "global") : 2),
   };
   let sortBy = { key: "headroom", dir: 1 };
+  const DEVICE_ROWS = 20;
+  let showAllDevices = false;
 
   function countsText(counts) {
     const o = obj(counts);
@@ -444,6 +446,11 @@
     for (const name of names) {
       const d = entry(name);
       if (d.online !== false && d.state !== "offline") online += 1;
+    }
+    // a large fleet: the worst rows first, the rest one click away (the charts stay near the top)
+    const shown = showAllDevices ? names : names.slice(0, DEVICE_ROWS);
+    for (const name of shown) {
+      const d = entry(name);
       const row = body.insertRow();
       row.dataset.device = name;
       cell(row, "device", name);
@@ -486,6 +493,9 @@
       td.textContent = devices ? "no device has reported yet" : DASH;
     }
     table.replaceChild(body, table.tBodies[0]);
+    const more = document.getElementById("devices-more");
+    more.hidden = names.length <= DEVICE_ROWS;
+    more.textContent = showAllDevices ? `show the first ${DEVICE_ROWS}` : `show all ${names.length} devices`;
     for (const b of table.querySelectorAll("th button[data-sort]")) {
       const th = b.parentElement;
       if (b.dataset.sort === sortBy.key) th.setAttribute("aria-sort", sortBy.dir > 0 ? "ascending" : "descending");
@@ -789,6 +799,10 @@
         renderDevices(lastCoordinator);
       });
     }
+    document.getElementById("devices-more").addEventListener("click", () => {
+      showAllDevices = !showAllDevices;
+      renderDevices(lastCoordinator);
+    });
     for (const b of document.querySelectorAll(".window button[data-window]")) {
       b.addEventListener("click", () => {
         accuracyWindow = Number(b.dataset.window);
