@@ -866,11 +866,13 @@ class Coordinator:
     def dashboard_rounds(self) -> list[dict[str, Any]]:
         """Every round record so far as JSON-like dicts, oldest first (the fleet page's ``/api/rounds``).
 
-        The list is rebuilt only when the history changed (appended or replaced), so a page polling
-        it costs one length check.
+        Records already converted are kept while they still line up with the history (rounds
+        appended, the oldest trimmed), so a page polling it costs a few comparisons.
         """
         history = self.state.history
         cached = self._dashboard_rounds
+        if history and cached and cached[0]["round"] < history[0].round:  # the oldest were trimmed
+            cached = [c for c in cached if c["round"] >= history[0].round]
         if len(cached) > len(history) or (cached and cached[-1]["round"] != history[len(cached) - 1].round):
             cached = []
         if len(cached) < len(history):

@@ -627,3 +627,32 @@ def test_fleet_page_console_large_fleet_shows_the_worst_20_first(browser: Browse
         page.context.close()
     finally:
         server.close()
+
+
+def test_console_coordinator_round_records_follow_its_history() -> None:
+    from edgefl.coordinator.service import RoundRecord
+
+    coord = Coordinator(
+        MqttTransport("127.0.0.1", 1, "console-records"),  # never started: no connection
+        Topics("edgefl", "console"),
+        np.zeros((4, 3), np.float32),
+        np.zeros(3, np.float32),
+        model_sha256="0" * 64,
+        strategy=FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=60),
+    )
+    history = coord.state.history
+    history.extend(RoundRecord(r, 2, 0.5 + r / 100, 100.0, 1.0) for r in range(1, 6))
+    first = coord.dashboard_rounds()
+    assert [r["round"] for r in first] == [1, 2, 3, 4, 5]
+    assert first[0]["accuracy"] == 0.51 and first[0]["clients"] == 2
+    assert coord.dashboard_rounds() is first  # unchanged history: the same list
+    history.append(RoundRecord(6, 1, math.nan, 0.0, 2.0))
+    del history[:2]  # trimmed, as a long-running service keeps its latest rounds
+    again = coord.dashboard_rounds()
+    assert [r["round"] for r in again] == [3, 4, 5, 6]
+    assert again[0] is first[2]  # converted once
+    assert math.isnan(again[-1]["accuracy"])
+    coord.state.history = [RoundRecord(1, 3, 0.9, 10.0, 1.0)]  # another history (a state file loaded)
+    assert [(r["round"], r["clients"]) for r in coord.dashboard_rounds()] == [(1, 3)]
+    status = coord.dashboard_status()
+    assert status["rounds"] == coord.dashboard_rounds() and status["broker_connected"] is False
