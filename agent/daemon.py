@@ -136,6 +136,8 @@ class AgentState:
     labelled_total: int = 0
     """Classified samples that had a label (the denominator of ``inference_accuracy``)."""
     last_update_bytes: int = 0
+    last_update_ts: float | None = None
+    """Wall-clock time (Unix s) the last update was sent: with ``ts`` the page tells its age."""
     local_accuracy: float = float("nan")
     rejected: Counter[str] = field(default_factory=Counter)
     last_rejected: dict[str, str] = field(default_factory=dict)
@@ -657,6 +659,7 @@ class Agent:
             self._set_state("idle", f"update not delivered yet: {exc}")
             return
         self.state.last_update_bytes = result.update_bytes
+        self.state.last_update_ts = round(time.time(), 3)
         self.state.local_accuracy = local.accuracy
         logger.info(
             "round %d: sent update (%d examples, %d bytes, loss %.3f, %.1f ms)",
@@ -778,6 +781,7 @@ class Agent:
             "inferred_total": s.inferred_total,
             "inference_accuracy": (s.correct_total / s.labelled_total) if s.labelled_total else None,
             "last_update_bytes": s.last_update_bytes,
+            "last_update_ts": s.last_update_ts,
             "redelivered_total": core.redelivered,
             # updates a restart would send again: not yet acknowledged (PUBACK), or the ack not yet written
             "outbox_pending": len(core.outbox) + core.acks_unrecorded,

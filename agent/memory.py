@@ -697,6 +697,9 @@ class Governor:
         Largest peak RSS seen in each phase, bytes (absolute RSS, not a delta).
     phase_last : dict[str, int]
         Peak RSS of the latest run of each phase, bytes.
+    phase_rise : dict[str, int]
+        Largest rise of a phase's peak RSS above the RSS at its start, bytes: the phase's own
+        high-water mark, which tells phases apart when they all run on the same resident base.
 
     Notes
     -----
@@ -731,6 +734,7 @@ class Governor:
         self.sample_interval_s = sample_interval_s
         self.phase_peaks: dict[str, int] = {}
         self.phase_last: dict[str, int] = {}
+        self.phase_rise: dict[str, int] = {}
         self.phase_counts: dict[str, int] = {}
         self.max_work: dict[str, int] = {}
         self.admissions: dict[str, Admission] = {}
@@ -787,7 +791,8 @@ class Governor:
         """Measure the peak RSS of the enclosed block as phase ``name``.
 
         On exit, ``phase_last[name]`` is the block's peak RSS and ``phase_peaks[name]`` the largest
-        ever seen; :attr:`peak_rss_bytes` includes it.
+        ever seen; :attr:`peak_rss_bytes` includes it. ``phase_rise[name]`` is the largest
+        ``peak - rss at entry`` seen (the phase's own growth; 0 when it grew nothing).
 
         Parameters
         ----------
@@ -795,6 +800,7 @@ class Governor:
             A phase name (see :data:`PHASES`).
         """
         sampler: _Sampler | None = None
+        start = self.rss_bytes()
         with self._lock:
             self._active += 1
             if self.peak_method == "clear_refs" and self._active == 1:
@@ -813,6 +819,7 @@ class Governor:
                 self._peak = max(self._peak, peak)
                 self.phase_last[name] = peak
                 self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), peak)
+                self.phase_rise[name] = max(self.phase_rise.get(name, 0), peak - start)
                 self.phase_counts[name] = self.phase_counts.get(name, 0) + 1
 
     # --- admission ---------------------------------------------------------------------------
@@ -973,7 +980,8 @@ class Governor:
             ``cap_bytes``, ``profile_cap_bytes``, ``cgroup_limit_bytes``, ``reserve_bytes``,
             ``rss_bytes``, ``pss_bytes`` (None where unreadable), ``peak_rss_bytes`` (lifetime),
             ``system_available_bytes``, ``min_system_available_bytes``, ``peak_method``,
-            ``phase_peaks`` {phase: bytes}, ``phase_last`` {phase: bytes}, ``admissions``
+            ``phase_peaks`` {phase: bytes}, ``phase_last`` {phase: bytes}, ``phase_rise`` {phase:
+            bytes} (each phase's own rise above its starting RSS), ``admissions``
             {phase: Admission as dict}, ``deferrals`` {phase: count}, ``last_deferral`` (dict or None).
         """
         peak = self.peak_rss_bytes if measure else 0
@@ -998,6 +1006,7 @@ class Governor:
                 "peak_method": self.peak_method,
                 "phase_peaks": dict(self.phase_peaks),
                 "phase_last": dict(self.phase_last),
+                "phase_rise": dict(self.phase_rise),
                 "admissions": {k: v.as_dict() for k, v in self.admissions.items()},
                 "deferrals": dict(self.deferrals),
                 "last_deferral": self.last_deferral.as_dict() if self.last_deferral else None,

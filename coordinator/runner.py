@@ -23,7 +23,7 @@ import math
 import signal
 import sys
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Final
@@ -258,10 +258,11 @@ Evaluation = Callable[[CoordinatorProfile, Backbone], Callable[[F32, F32], float
 """Builds the central evaluation of a head for a profile and backbone (None: no central set)."""
 
 PageServer = Callable[
-    [DashboardConfig, str, Callable[[], Mapping[str, Any]]],
+    [DashboardConfig, str, Callable[[], Mapping[str, Any]], Callable[[], Sequence[Mapping[str, Any]]]],
     Awaitable[tuple[Callable[[], Awaitable[None]], int]],
 ]
-"""Serves the fleet page: ``(dashboard config, title, get_status) -> (stop, port)``; given by the CLI."""
+"""Serves the fleet page: ``(dashboard config, title, get_status, get_rounds) -> (stop, port)``; given by
+the CLI."""
 
 
 def main(
@@ -546,7 +547,9 @@ async def run(
     )
     stop_page: Callable[[], Awaitable[None]] | None = None
     if page is not None and profile.dashboard.enabled:
-        stop_page, port = await page(profile.dashboard, f"fleet {fleet}", coord.dashboard_status)
+        stop_page, port = await page(
+            profile.dashboard, f"fleet {fleet}", coord.dashboard_status, coord.dashboard_rounds
+        )
         print(f"fleet page: http://{profile.dashboard.host}:{port}/", flush=True)
     await transport.start(wait_s=None)
     pump = asyncio.create_task(coord.pump())
@@ -693,7 +696,9 @@ async def _run_site(
             loop.add_signal_handler(sig, stop.set)
     stop_page: Callable[[], Awaitable[None]] | None = None
     if page is not None and profile.dashboard.enabled:
-        stop_page, port = await page(profile.dashboard, f"site {site.site}", site.dashboard_status)
+        stop_page, port = await page(
+            profile.dashboard, f"site {site.site}", site.dashboard_status, site.dashboard_rounds
+        )
         print(f"site page: http://{profile.dashboard.host}:{port}/", flush=True)
     await transport.start(wait_s=None)
     pump = asyncio.create_task(site.pump())

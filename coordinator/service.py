@@ -298,6 +298,7 @@ class Coordinator:
         self.on_mismatch: Callable[[str, str], None] | None = None
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
+        self._dashboard_rounds: list[dict[str, Any]] = []
         self._seen_update_ids: dict[str, None] = {}  # insertion-ordered, bounded: see _remember
         self.max_seen_update_ids = SEEN_UPDATE_IDS
         self._held: list[tuple[Update, int]] = []  # arrived while a buffered step was being published
@@ -850,8 +851,13 @@ class Coordinator:
                 "declined": dict(self.declined_by_device.get(dev, {})),
                 "model_mismatch": self.mismatched.get(dev),
                 "clipped": self.strategy.clipped.get(dev, 0),
+                # accuracies the device reports, each measured on its own holdout
+                "personal_accuracy": st.get("personal_accuracy"),
+                "global_accuracy": st.get("global_accuracy"),
+                "eval_accuracy": st.get("eval_accuracy"),
             }
         return {
+            "broker_connected": self.transport.connected.is_set(),
             "round": self.state.round,
             "state": "collecting" if open_round else ("idle" if not self.state.history else "aggregated"),
             "updates_received": rnd.clients if rnd is not None else 0,
@@ -866,18 +872,7 @@ class Coordinator:
                 {"round": h.round, "accuracy": None if h.accuracy != h.accuracy else h.accuracy}
                 for h in self.state.history
             ],
-            "rounds": [
-                {
-                    "round": h.round,
-                    "clients": h.clients,
-                    "accuracy": None if h.accuracy != h.accuracy else h.accuracy,
-                    "update_bytes_mean": h.update_bytes_mean,
-                    "duration_s": h.duration_s,
-                    "fed_accuracy": None if math.isnan(h.fed_accuracy) else h.fed_accuracy,
-                    "fed_worst_decile": None if math.isnan(h.fed_worst_decile) else h.fed_worst_decile,
-                }
-                for h in self.state.history[-50:]
-            ],
+            "rounds": self.dashboard_rounds()[-50:],  # the latest records, as /api/rounds has them
             "devices": devices,
             "model_mismatches": dict(self.mismatched),
             "rejected": dict(self.state.rejected),
@@ -889,6 +884,23 @@ class Coordinator:
             if not self.state.history or math.isnan(self.state.history[-1].epsilon)
             else self.state.history[-1].epsilon,
         }
+
+    def dashboard_rounds(self) -> list[dict[str, Any]]:
+        """Every round record so far as JSON-like dicts, oldest first (the fleet page's ``/api/rounds``).
+
+        Records already converted are kept while they still line up with the history (rounds
+        appended, the oldest trimmed), so a page polling it costs a few comparisons.
+        """
+        history = self.state.history
+        cached = self._dashboard_rounds
+        if history and cached and cached[0]["round"] < history[0].round:  # the oldest were trimmed
+            cached = [c for c in cached if c["round"] >= history[0].round]
+        if len(cached) > len(history) or (cached and cached[-1]["round"] != history[len(cached) - 1].round):
+            cached = []
+        if len(cached) < len(history):
+            cached = cached + [dataclasses.asdict(h) for h in history[len(cached) :]]
+        self._dashboard_rounds = cached
+        return cached
 
     def _notify(self) -> None:
         if self.on_change is not None:

@@ -4,6 +4,7 @@ passwords and a per-device ACL, on a real mosquitto with real agent processes an
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -442,11 +443,16 @@ def test_fleet_page_from_the_standalone_coordinator(
                 expect(first).to_be_visible(timeout=20_000)
                 shown = first.get_attribute("data-round")
                 assert shown is not None and int(shown) >= 1
-                row = page.locator(f"#rounds tbody tr[data-round='{shown}'] td")
-                expect(row.nth(1)).to_have_text("2")
-                assert 0.5 < float(row.nth(2).inner_text()) <= 1.0
-                expect(row.nth(4)).to_contain_text("KiB")
+                row = f"#rounds tbody tr[data-round='{shown}'] td"
+                expect(page.locator(row + "[data-col='clients']")).to_have_text(re.compile(r"^2( of 2)?$"))
+                assert 0.5 < float(page.inner_text(row + "[data-col='accuracy']")) <= 1.0
+                expect(page.locator(row + "[data-col='bytes']")).to_contain_text("KiB")
                 expect(page.locator("#devices tbody tr[data-device='dev-1']")).to_be_visible()
+                # the agent's real headroom: free MiB and % of its cap, coloured against 15 % / 5 %
+                headroom = page.locator("#devices tr[data-device='dev-1'] td[data-col='headroom']")
+                expect(headroom).to_have_text(re.compile(r"^\d+\.\d MiB · \d+ %$"))
+                expect(headroom).to_have_attribute("data-level", re.compile(r"^(ok|warn|bad)$"))
+                expect(page.locator("#broker")).to_have_text("broker connected")
                 expect(page.locator("#mismatch-count")).to_have_text("model mismatches 0")
                 expect(page.locator("#online-count")).to_have_text("devices 2 / 2 online")
                 page.screenshot(path=str(tmp_path / "fleet-page.png"), full_page=True)
