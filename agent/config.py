@@ -221,7 +221,7 @@ class PersonalConfig:
     """
 
     enabled: bool = True
-    prox_lambda: float = 0.1
+    prox_lambda: float = 0.5
     epochs: int = 0
     lr: float = 0.0
 

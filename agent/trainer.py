@@ -9,7 +9,7 @@ from typing import Final
 import numpy as np
 
 from edgefl.agent.store import EmbeddingStore
-from edgefl.head import Head, cross_entropy_grad_into, ditto_step, loss_and_grad, sgd_step, softmax
+from edgefl.head import Head, cross_entropy_grad_into, ditto_update, loss_and_grad, sgd_step, softmax
 from edgefl.types import F32, I64
 
 _GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
@@ -350,6 +350,8 @@ def train_personal(
     grad_b = np.empty(K, np.float32)
     rows = np.arange(step, dtype=np.int64)
     steps = 0
+    lr32, lam32 = np.float32(lr), np.float32(lam)
+    tied = None if columns.all() else ~columns  # one step is edgefl.head.ditto_step's
     if not columns.any():
         W[...] = global_head.W  # nothing to personalise: the global head
         b[...] = global_head.b
@@ -373,7 +375,7 @@ def train_personal(
                 else:
                     cross_entropy_grad_into(W, b, e, y, z[: len(y)], grad_W, grad_b, rows[: len(y)])
                     gW, gb = grad_W, grad_b
-                ditto_step(W, b, gW, gb, lr, lam, global_head.W, global_head.b, columns)
+                ditto_update(W, b, gW, gb, lr32, lam32, global_head.W, global_head.b, tied)
                 steps += 1
     if steps == 0:  # stopped before the first step: the tied columns are still the global head's
         tied = ~columns

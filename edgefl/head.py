@@ -462,14 +462,35 @@ def ditto_step(
         )
     if lr <= 0 or lam < 0:
         raise ValueError(f"ditto_step: lr = {lr} must be > 0 and lam = {lam} >= 0")
-    lr32, lam32 = np.float32(lr), np.float32(lam)
-    if columns.all():
-        W -= lr32 * (grad_W + lam32 * (W - W_global))
-        b -= lr32 * (grad_b + lam32 * (b - b_global))
-        return
-    cols = np.flatnonzero(columns)
-    W[:, cols] -= lr32 * (grad_W[:, cols] + lam32 * (W[:, cols] - W_global[:, cols]))
-    b[cols] -= lr32 * (grad_b[cols] + lam32 * (b[cols] - b_global[cols]))
-    tied = np.flatnonzero(~columns)
-    W[:, tied] = W_global[:, tied]
-    b[tied] = b_global[tied]
+    ditto_update(W, b, grad_W.copy(), grad_b.copy(), np.float32(lr), np.float32(lam), W_global, b_global,
+                 None if columns.all() else ~columns)  # fmt: skip
+
+
+def ditto_update(
+    W: F32,
+    b: F32,
+    grad_W: F32,
+    grad_b: F32,
+    lr: np.float32,
+    lam: np.float32,
+    W_global: F32,
+    b_global: F32,
+    tied: np.ndarray | None,
+) -> None:
+    """:func:`ditto_step` without its checks, writing over the gradient (the trainer's inner loop).
+
+    Parameters as :func:`ditto_step`, except: ``grad_W``/``grad_b`` are overwritten (they hold the
+    step on return), ``lr``/``lam`` are float32 scalars, and ``tied`` is the bool [K] complement of
+    ``columns`` or None when every column is personal.
+    """
+    # every column stepped (whole-array operations, no gather), then the tied ones overwritten:
+    # the same values as stepping the personal columns alone
+    grad_W += lam * (W - W_global)
+    grad_W *= lr
+    W -= grad_W
+    grad_b += lam * (b - b_global)
+    grad_b *= lr
+    b -= grad_b
+    if tied is not None:
+        W[:, tied] = W_global[:, tied]
+        b[tied] = b_global[tied]
