@@ -29,6 +29,7 @@ from edgefl.agent.core import PERSONAL_FILE, DeviceCore, RoundStatus
 from edgefl.agent.pipeline import Pipeline
 from edgefl.agent.store import EmbeddingStore
 from edgefl.agent.trainer import train_personal
+from edgefl.coordinator.service import personal_heads_summary
 from edgefl.datasets import load_digits
 from edgefl.demo import stop_agents
 from edgefl.errors import ConfigError, DecodeError
@@ -415,3 +416,19 @@ def test_personal_agent_never_changes_the_update_bytes(
     assert (tmp_path / "on" / "p-3" / PERSONAL_FILE).exists()
     assert not (tmp_path / "off" / "p-3" / PERSONAL_FILE).exists()
     assert all(p.poll() is None for p in agents), "the agent died"
+
+
+def test_personal_heads_fleet_summary_mean_and_worst_decile() -> None:
+    devices: dict[str, dict[str, Any]] = {
+        f"d{i}": {"personal_accuracy": 0.5 + 0.05 * i, "global_accuracy": 0.6, "eval_count": 10,
+                  "serving_head": "personal" if i else "global"}
+        for i in range(11)
+    }  # fmt: skip
+    devices["old"] = {"eval_accuracy": 0.9, "eval_count": 10}  # a device without personal heads
+    s = personal_heads_summary(devices)
+    assert s is not None
+    assert s["devices"] == 11 and s["serving_personal"] == 10
+    assert s["personal_mean"] == pytest.approx(0.75)  # 0.5 .. 1.0 in steps of 0.05, equal weights
+    assert s["personal_worst_decile"] == pytest.approx(0.525)  # the worst 2 of 11: 0.5 and 0.55
+    assert s["global_mean"] == pytest.approx(0.6) and s["global_worst_decile"] == pytest.approx(0.6)
+    assert personal_heads_summary({"old": devices["old"]}) is None
