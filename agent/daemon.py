@@ -80,6 +80,9 @@ COMPACT_STATUS_FIELDS = frozenset(
         "ts",
         "eval_version",
         "eval_accuracy",
+        "personal_accuracy",
+        "global_accuracy",
+        "serving_head",
         "eval_count",
         "round",
         "version",
@@ -402,7 +405,12 @@ class Agent:
         scores = out.scores if out.scores is not None else np.ones(len(rows), dtype=np.float32)
         predictions = [
             Prediction(
-                r.id, int(out.predictions[i]), float(scores[i]), out.version, max(0.0, done - r.arrived_s)
+                r.id,
+                int(out.predictions[i]),
+                float(scores[i]),
+                out.version,
+                max(0.0, done - r.arrived_s),
+                head=out.head,
             )
             for i, r in enumerate(rows)
         ]
@@ -636,6 +644,9 @@ class Agent:
             self._changed()
         elif status == RoundStatus.TRAINED:
             await self._sent(result)
+            # the personal head's step, once the update is out (it changes nothing that is sent)
+            if self.core.personal_due and await self._work(self.core.personalise) is not None:
+                self._changed()
         elif status == RoundStatus.DECLINED:
             await self._declined(result)
         else:
@@ -809,6 +820,8 @@ class Agent:
                 if core.evaluation is not None
                 else {}
             ),
+            # the personal head beside the global one (same holdout), and which one serves predictions
+            **self.personal_fields(),
             "pid": os.getpid(),
             "dashboard_url": self.dashboard_url,
             "transport": self.transport.counters() if self.transport is not None else {},
@@ -874,6 +887,24 @@ class Agent:
                 n,
                 limit,
             )
+
+    def personal_fields(self) -> dict[str, Any]:
+        """``serving_head`` and, once both heads were evaluated, ``personal_accuracy``/``global_accuracy``.
+
+        ``serving_head`` is ``"personal"`` or ``"global"`` (before the first personal step, with
+        ``personal.enabled`` false, or while the personal head is behind the global one on the
+        holdout: ``personal_fallback`` true).
+        """
+        core = self.core
+        out: dict[str, Any] = {
+            "serving_head": core.serving_head()[1],
+            "personal_fallback": core.personal_fallback,
+        }
+        pe, ge = core.personal_evaluation, core.evaluation
+        if pe is not None and ge is not None:
+            out["personal_accuracy"] = pe.accuracy
+            out["global_accuracy"] = ge.accuracy
+        return out
 
     def ingest_fields(self) -> dict[str, int]:
         """The live ingest's counters and levels (``{}`` unless ``source.kind = "mqtt"``)."""

@@ -63,6 +63,12 @@ ROUND_PROGRESS_FIELDS: Final = frozenset(
         "eval_version",
         "eval_accuracy",
         "eval_count",
+        "personal_accuracy",
+        "global_accuracy",
+        # which head serves follows the rounds: the first personal step switches it, and on a small
+        # holdout the two heads' order can change from round to round (the log says each change)
+        "serving_head",
+        "personal_fallback",
     }
 )
 """Fields a round moves on every device, visible to the coordinator through the update itself."""

@@ -187,6 +187,46 @@ def federated_evaluation(reports: Sequence[tuple[float, int]]) -> tuple[float, f
     return mean, sum(worst) / len(worst), len(usable)
 
 
+def personal_heads_summary(devices: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The fleet's personal and global heads on the devices' holdouts, from their latest statuses.
+
+    Parameters
+    ----------
+    devices : {device: status fields}
+        Each may carry ``personal_accuracy``, ``global_accuracy`` (in [0, 1]) and ``eval_count``
+        (holdout samples, the weight), ``serving_head``.
+
+    Returns
+    -------
+    dict or None
+        ``{"devices", "personal_mean", "personal_worst_decile", "global_mean", "global_worst_decile",
+        "serving_personal"}``: means weighted by holdout samples, worst deciles as
+        :func:`federated_evaluation` (mean of the worst ceil(10 %) of devices), and how many devices
+        serve their personal head; None when no device reports both accuracies.
+    """
+    personal: list[tuple[float, int]] = []
+    glob: list[tuple[float, int]] = []
+    serving = 0
+    for st in devices.values():
+        p, g, n = st.get("personal_accuracy"), st.get("global_accuracy"), st.get("eval_count")
+        if isinstance(p, int | float) and isinstance(g, int | float) and isinstance(n, int) and n > 0:
+            personal.append((float(p), n))
+            glob.append((float(g), n))
+            serving += st.get("serving_head") == "personal"
+    if not personal:
+        return None
+    pm, pw, count = federated_evaluation(personal)
+    gm, gw, _ = federated_evaluation(glob)
+    return {
+        "devices": count,
+        "personal_mean": pm,
+        "personal_worst_decile": pw,
+        "global_mean": gm,
+        "global_worst_decile": gw,
+        "serving_personal": serving,
+    }
+
+
 @dataclass
 class CoordinatorState:
     """What the coordinator knows, for its dashboard and for the demo."""
@@ -855,6 +895,7 @@ class Coordinator:
                 "personal_accuracy": st.get("personal_accuracy"),
                 "global_accuracy": st.get("global_accuracy"),
                 "eval_accuracy": st.get("eval_accuracy"),
+                "serving_head": st.get("serving_head"),
             }
         return {
             "broker_connected": self.transport.connected.is_set(),
@@ -880,6 +921,7 @@ class Coordinator:
             "refused_rounds": dict(self.state.refused_rounds),
             "declined": dict(self.state.declined),
             "held_updates": len(self._held),
+            "personal_heads": personal_heads_summary(self.state.devices),
             "epsilon": None
             if not self.state.history or math.isnan(self.state.history[-1].epsilon)
             else self.state.history[-1].epsilon,
