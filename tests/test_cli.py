@@ -81,7 +81,7 @@ def test_check_config_of_a_coordinator_profile_names_its_role() -> None:
     site = edgefl("check-config", profile, "--set", "hierarchy.role=site", "--set", "hierarchy.site=lyon")
     root_sets = ["hierarchy.role=root", "hierarchy.expected_sites=20", "hierarchy.allow_unsigned_sites=true"]
     root = edgefl("check-config", profile, *[arg for item in root_sets for arg in ("--set", item)])
-    want = f"{profile}: ok (coordinator of fleet default, 10 rounds of trimmed-mean, role flat)\n"
+    want = f"{profile}: ok (coordinator of fleet default, rounds until stopped of trimmed-mean, role flat)\n"
     assert flat.stdout == want, flat.stdout + flat.stderr
     assert site.stdout.rstrip().endswith(", role site lyon)"), site.stdout + site.stderr
     assert root.stdout.rstrip().endswith(", role root of 20 sites)"), root.stdout + root.stderr
