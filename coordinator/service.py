@@ -361,6 +361,7 @@ class Coordinator:
         # with the state (an update the broker acknowledged is never lost)
         self._unfolded: dict[str, tuple[str, bytes]] = {}
         self._round_lr = math.nan  # the client learning rate the open round announced
+        self.state_loaded = False  # load_state found a state file
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -383,7 +384,8 @@ class Coordinator:
         adopt_wait_s : float
             How long to wait for the retained messages (seconds); they arrive right after SUBACK.
         """
-        adopting = self.state.version == 0 and self.state.round == 0
+        # a state file, even one written in round 1 (its open round), is this fleet's truth
+        adopting = self.state.version == 0 and self.state.round == 0 and not self.state_loaded
         if adopting:
             self._adopting = True
             # control topics first: a flood on update/+ must not stand between us and their SUBACKs
@@ -571,6 +573,7 @@ class Coordinator:
         self.state.history = [RoundRecord(*h) for h in doc["history"]]
         self.counted = {int(k): list(v) for k, v in doc.get("counted", {}).items()}
         self._settled = self.state.round
+        self.state_loaded = True
         for r in sorted(self.counted):  # an update counted before the restart is refused as a duplicate
             for update_id in self.counted[r]:
                 self._remember(update_id)

@@ -122,6 +122,12 @@ def _report(title: str, problems: Sequence[str]) -> None:
         print(f"  {problem}", file=sys.stderr)
 
 
+def cmd_coordinator(main: Callable[..., int], args: argparse.Namespace, **parts: Any) -> int:
+    """``edgefl coordinator``: set up the log (``--log-level``, on stderr), then run the coordinator."""
+    _setup_logging(args.log_level)
+    return main(args, **parts)
+
+
 def lock_coordinator_state(folder: Path) -> object:
     """Lock a coordinator's state folder with the agents' ``flock`` (``coordinator.lock``) for its life.
 
@@ -491,6 +497,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
         runner.add_parser(sub).set_defaults(
             func=functools.partial(
+                cmd_coordinator,
                 runner.main,
                 evaluation=central_evaluation,
                 page=serve_coordinator_page,
