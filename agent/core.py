@@ -448,6 +448,9 @@ class DeviceCore:
             else None
         )
         self._labelled = len(self.store) + (len(self.holdout) if self.holdout is not None else 0)
+        self.new_samples = len(self.store)
+        """Labelled samples stored since this device last trained for a round (the status's
+        ``new_samples``, which paces the coordinator's rounds); after a restart, the whole store."""
         self.evaluation: Evaluation | None = None
         self.personal: Head | None = None
         """The personal head (None until the first personal step; :meth:`personalise`)."""
@@ -882,11 +885,13 @@ class DeviceCore:
         before = self.store.refused_not_finite + (self.holdout.refused_not_finite if self.holdout else 0)
         if self.holdout is None or not every:
             refused = self.store.add(embeddings, labels)
+            self.new_samples += len(labels) - refused
         else:
             # every n-th labelled sample is held out of training, for federated evaluation
             held = (self._labelled + np.arange(len(labels))) % every == every - 1
             self._labelled += len(labels)
             refused = self.store.add(embeddings[~held], labels[~held])
+            self.new_samples += int((~held).sum()) - refused
             if held.any():
                 refused += self.holdout.add(embeddings[held], labels[held])
         after = self.store.refused_not_finite + (self.holdout.refused_not_finite if self.holdout else 0)
@@ -1100,6 +1105,7 @@ class DeviceCore:
             return self._defer(ann, adm.reason)
         if self._progress is not None:
             self._progress("training", adm.reason)
+        self.new_samples = 0  # what is stored from now on is new for the next round
         with self._phase("train"):
             result = train_local(
                 head,

@@ -35,7 +35,7 @@ from edgefl.agent import memory
 from edgefl.agent.config import Profile
 from edgefl.agent.core import ApplyStatus, Classified, DeviceCore, RoundResult, RoundStatus
 from edgefl.agent.ingest import LOGGED_REFUSALS, Ingest, Queued
-from edgefl.agent.status import status_news
+from edgefl.agent.status import samples_level, status_news
 from edgefl.aio import wait_event
 from edgefl.errors import (
     BudgetExceeded,
@@ -89,6 +89,7 @@ COMPACT_STATUS_FIELDS = frozenset(
         "reason",
         "ready",
         "store_samples",
+        "new_samples",
         "rss_bytes",
         "peak_rss_bytes",
         "cap_bytes",
@@ -211,6 +212,7 @@ class Agent:
         self._reconnected = asyncio.Event()
         self._status_connected = False  # a (re)connect happened: the next status check publishes
         self._last_said, self._last_at = "", -math.inf  # what the last published status said, and when
+        self._last_level = 0  # samples_level of the last status published, lowered as it drops
         self._loop: asyncio.AbstractEventLoop | None = None
         self._next_retry_at = -math.inf  # when the deferred round may be retried again (monotonic)
         src = profile.source
@@ -788,6 +790,7 @@ class Agent:
             "write_failures": core.write_failures,
             "ready": s.replay_done or s.ingest_ready,
             "store_samples": len(core.store),
+            "new_samples": core.new_samples,  # labelled samples stored since the last round (paces rounds)
             "stored_total": s.stored_total,  # labelled samples stored (store and holdout) since start
             "inferred_total": s.inferred_total,
             "inference_accuracy": (s.correct_total / s.labelled_total) if s.labelled_total else None,
@@ -984,10 +987,17 @@ class Agent:
             return
         topic = self.topics.status(self.device)
         # round progress and volatile figures are not news; the /proc reads wait until a publish
-        said = status_news(self.state.state, self.status_fields(measure=False))
+        quick = self.status_fields(measure=False)
+        said = status_news(self.state.state, quick)
         if self._status_connected:
             self._status_connected, self._last_said = False, ""
-        if said == self._last_said and time.monotonic() - self._last_at < heartbeat_s:
+        level = samples_level(quick)
+        self._last_level = min(self._last_level, level)  # trained on: the next rise is news again
+        if (
+            said == self._last_said
+            and level <= self._last_level
+            and time.monotonic() - self._last_at < heartbeat_s
+        ):
             return
         fields = self.status_fields()
         payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
@@ -1001,7 +1011,7 @@ class Agent:
             logger.debug("status not published: %s", exc)
             self._last_said = ""  # try again at the next check
             return
-        self._last_said, self._last_at = said, time.monotonic()
+        self._last_said, self._last_at, self._last_level = said, time.monotonic(), level
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> None:
