@@ -612,7 +612,9 @@ async def run(
     if page is not None and profile.dashboard.enabled:
         dash = profile.dashboard
         try:
-            stop_page, port = await page(dash, f"fleet {fleet}", coord.dashboard_status, coord.dashboard_rounds)
+            stop_page, port = await page(
+                dash, f"fleet {fleet}", coord.dashboard_status, coord.dashboard_rounds
+            )
         except OSError as exc:
             why = exc.strerror or str(exc)
             raise ConfigError(
