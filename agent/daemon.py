@@ -35,7 +35,7 @@ from edgefl.agent import memory
 from edgefl.agent.config import Profile
 from edgefl.agent.core import ApplyStatus, Classified, DeviceCore, RoundResult, RoundStatus
 from edgefl.agent.ingest import LOGGED_REFUSALS, Ingest, Queued
-from edgefl.agent.status import status_news
+from edgefl.agent.status import samples_level, status_news
 from edgefl.aio import wait_event
 from edgefl.errors import (
     BudgetExceeded,
@@ -80,12 +80,16 @@ COMPACT_STATUS_FIELDS = frozenset(
         "ts",
         "eval_version",
         "eval_accuracy",
+        "personal_accuracy",
+        "global_accuracy",
+        "serving_head",
         "eval_count",
         "round",
         "version",
         "reason",
         "ready",
         "store_samples",
+        "new_samples",
         "rss_bytes",
         "peak_rss_bytes",
         "cap_bytes",
@@ -136,6 +140,8 @@ class AgentState:
     labelled_total: int = 0
     """Classified samples that had a label (the denominator of ``inference_accuracy``)."""
     last_update_bytes: int = 0
+    last_update_ts: float | None = None
+    """Wall-clock time (Unix s) the last update was sent: with ``ts`` the page tells its age."""
     local_accuracy: float = float("nan")
     rejected: Counter[str] = field(default_factory=Counter)
     last_rejected: dict[str, str] = field(default_factory=dict)
@@ -170,7 +176,7 @@ class Agent:
         self.state = AgentState()
         self.core = DeviceCore.open(profile, progress=self._progress)
         # a new head, and the outbox after a PUBACK, are written when no message waits (control_loop):
-        # their fsyncs no longer sit between an announcement and its update (issue 17)
+        # their fsyncs no longer sit between an announcement and its update
         self.core.defer_writes = True
         self._trim_wanted = False  # a round's garbage is returned to the kernel when idle
         self._idle_work = asyncio.Event()  # deferred writes or a trim wait (housekeeping_loop)
@@ -206,6 +212,7 @@ class Agent:
         self._reconnected = asyncio.Event()
         self._status_connected = False  # a (re)connect happened: the next status check publishes
         self._last_said, self._last_at = "", -math.inf  # what the last published status said, and when
+        self._last_level = 0  # samples_level of the last status published, lowered as it drops
         self._loop: asyncio.AbstractEventLoop | None = None
         self._next_retry_at = -math.inf  # when the deferred round may be retried again (monotonic)
         src = profile.source
@@ -320,14 +327,18 @@ class Agent:
                     logger.debug("ingest queue full: dropped sample %s (oldest)", dropped.id)
             else:
                 ingest.offer_label(decode_label(msg.payload, limits=self.core.limits, num_classes=K))
-        except (DecodeError, UpdateRejected) as exc:
-            self.state.rejected[exc.reason] += 1
-            last = {"reason": str(exc.reason), "detail": exc.detail[:200], "topic": msg.topic}
-            self.state.last_rejected = last
-            n = self.state.rejected[exc.reason]
+        except Exception as exc:
+            # DecodeError/UpdateRejected name their reason; any other fault is counted as ``failed``
+            known = isinstance(exc, (DecodeError, UpdateRejected))
+            reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
+            detail = exc.detail if isinstance(exc, (DecodeError, UpdateRejected)) else repr(exc)
+            self.state.rejected[reason] += 1
+            self.state.last_rejected = {"reason": str(reason), "detail": detail[:200], "topic": msg.topic}
+            n = self.state.rejected[reason]
             if n <= LOGGED_REFUSALS or n % 1000 == 0:
-                more = f" ({n} {exc.reason} so far)" if n > LOGGED_REFUSALS else ""
-                logger.warning("rejected %s: %s: %s%s", what, exc.reason, exc.detail, more)
+                more = f" ({n} {reason} so far)" if n > LOGGED_REFUSALS else ""
+                log = logger.warning if known else logger.error
+                log("rejected %s: %s: %s%s", what, reason, detail, more)
             return
         self._ingest_wake.set()
 
@@ -396,7 +407,12 @@ class Agent:
         scores = out.scores if out.scores is not None else np.ones(len(rows), dtype=np.float32)
         predictions = [
             Prediction(
-                r.id, int(out.predictions[i]), float(scores[i]), out.version, max(0.0, done - r.arrived_s)
+                r.id,
+                int(out.predictions[i]),
+                float(scores[i]),
+                out.version,
+                max(0.0, done - r.arrived_s),
+                head=out.head,
             )
             for i, r in enumerate(rows)
         ]
@@ -588,10 +604,15 @@ class Agent:
                 raise DecodeError("bad_topic", f"unexpected topic {topic}")
         except DecodeError as exc:
             self._reject(exc.reason, what, exc.detail)
-        except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
-            # last line of defence: whatever a message made us do failed; count it, keep running
+        except Exception as exc:
+            # last line of defence: whatever a message made us do failed; count it, keep running (the
+            # message was acknowledged when it reached the queue: a run of such messages never makes
+            # the daemon deaf)
             self.state.rejected["failed"] += 1
-            logger.error("handling %s failed: %s: %s", what, type(exc).__name__, exc)
+            n = self.state.rejected["failed"]
+            if n <= LOGGED_REFUSALS or n % 1000 == 0:
+                more = f" ({n} failed so far)" if n > LOGGED_REFUSALS else ""
+                logger.error("handling %s failed: %s: %s%s", what, type(exc).__name__, exc, more)
             self._set_state("idle", f"last message failed: {exc}")
 
     async def answer_ready(self) -> None:
@@ -625,6 +646,9 @@ class Agent:
             self._changed()
         elif status == RoundStatus.TRAINED:
             await self._sent(result)
+            # the personal head's step, once the update is out (it changes nothing that is sent)
+            if self.core.personal_due and await self._work(self.core.personalise) is not None:
+                self._changed()
         elif status == RoundStatus.DECLINED:
             await self._declined(result)
         else:
@@ -648,6 +672,7 @@ class Agent:
             self._set_state("idle", f"update not delivered yet: {exc}")
             return
         self.state.last_update_bytes = result.update_bytes
+        self.state.last_update_ts = round(time.time(), 3)
         self.state.local_accuracy = local.accuracy
         logger.info(
             "round %d: sent update (%d examples, %d bytes, loss %.3f, %.1f ms)",
@@ -765,10 +790,12 @@ class Agent:
             "write_failures": core.write_failures,
             "ready": s.replay_done or s.ingest_ready,
             "store_samples": len(core.store),
+            "new_samples": core.new_samples,  # labelled samples stored since the last round (paces rounds)
             "stored_total": s.stored_total,  # labelled samples stored (store and holdout) since start
             "inferred_total": s.inferred_total,
             "inference_accuracy": (s.correct_total / s.labelled_total) if s.labelled_total else None,
             "last_update_bytes": s.last_update_bytes,
+            "last_update_ts": s.last_update_ts,
             "redelivered_total": core.redelivered,
             # updates a restart would send again: not yet acknowledged (PUBACK), or the ack not yet written
             "outbox_pending": len(core.outbox) + core.acks_unrecorded,
@@ -796,6 +823,8 @@ class Agent:
                 if core.evaluation is not None
                 else {}
             ),
+            # the personal head beside the global one (same holdout), and which one serves predictions
+            **self.personal_fields(),
             "pid": os.getpid(),
             "dashboard_url": self.dashboard_url,
             "transport": self.transport.counters() if self.transport is not None else {},
@@ -862,6 +891,24 @@ class Agent:
                 limit,
             )
 
+    def personal_fields(self) -> dict[str, Any]:
+        """``serving_head`` and, once both heads were evaluated, ``personal_accuracy``/``global_accuracy``.
+
+        ``serving_head`` is ``"personal"`` or ``"global"`` (before the first personal step, with
+        ``personal.enabled`` false, or while the personal head is behind the global one on the
+        holdout: ``personal_fallback`` true).
+        """
+        core = self.core
+        out: dict[str, Any] = {
+            "serving_head": core.serving_head()[1],
+            "personal_fallback": core.personal_fallback,
+        }
+        pe, ge = core.personal_evaluation, core.evaluation
+        if pe is not None and ge is not None:
+            out["personal_accuracy"] = pe.accuracy
+            out["global_accuracy"] = ge.accuracy
+        return out
+
     def ingest_fields(self) -> dict[str, int]:
         """The live ingest's counters and levels (``{}`` unless ``source.kind = "mqtt"``)."""
         if self.ingest is None:
@@ -919,7 +966,7 @@ class Agent:
             await wait_event(self._status_dirty, cfg.interval_s)
             # a round marks the status changed at each step (received, trained, sent, acknowledged):
             # checked once when its messages are handled, not beside its training and publish
-            # (issue 17, round time); never later than one interval, at once after a (re)connect
+            # (round time); never later than one interval, at once after a (re)connect
             await wait_event(self._status_go, cfg.interval_s)
             self._status_dirty.clear()
             try:
@@ -940,10 +987,17 @@ class Agent:
             return
         topic = self.topics.status(self.device)
         # round progress and volatile figures are not news; the /proc reads wait until a publish
-        said = status_news(self.state.state, self.status_fields(measure=False))
+        quick = self.status_fields(measure=False)
+        said = status_news(self.state.state, quick)
         if self._status_connected:
             self._status_connected, self._last_said = False, ""
-        if said == self._last_said and time.monotonic() - self._last_at < heartbeat_s:
+        level = samples_level(quick)
+        self._last_level = min(self._last_level, level)  # trained on: the next rise is news again
+        if (
+            said == self._last_said
+            and level <= self._last_level
+            and time.monotonic() - self._last_at < heartbeat_s
+        ):
             return
         fields = self.status_fields()
         payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
@@ -957,7 +1011,7 @@ class Agent:
             logger.debug("status not published: %s", exc)
             self._last_said = ""  # try again at the next check
             return
-        self._last_said, self._last_at = said, time.monotonic()
+        self._last_said, self._last_at, self._last_level = said, time.monotonic(), level
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -1000,9 +1054,14 @@ class Agent:
                     ) from exc
                 stack.push_async_callback(self.status_page.stop)
                 logger.info("dashboard on %s", self.dashboard_url)
+            # The round first: its retained announcement (signed: its base version is the rollback
+            # floor) reaches the core before any retained head, so a device without a head never
+            # applies one older than the fleet's current version (an old signed head replayed on
+            # "global"). The broker sends a subscription's retained messages after its SUBACK and
+            # handles SUBSCRIBEs in order; the transport renews subscriptions in this order too.
+            await self.transport.subscribe(self.topics.round, 1)
             # "global/#" matches "global" itself and the chunk topics "global/<i>" of a large head
             await self.transport.subscribe(self.topics.global_model + "/#", 1)
-            await self.transport.subscribe(self.topics.round, 1)
             if self.ingest is not None:
                 src = self.profile.source
                 # MQTT 5: no retained sample/label at subscribe, and the retain flag kept as published

@@ -1,4 +1,4 @@
-"""Start-up checks of what a valid profile still cannot run with on this machine (issue 15 item 8).
+"""Start-up checks of what a valid profile still cannot run with on this machine.
 
 ``edgefl check-config`` and ``edgefl run`` both call :func:`preflight` after the profile validated and
 before the agent allocates anything: the state folder must be a writable folder (not a file, not under

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -123,6 +125,32 @@ def _report(title: str, problems: Sequence[str]) -> None:
     print(f"edgefl: {title}:", file=sys.stderr)
     for problem in problems:
         print(f"  {problem}", file=sys.stderr)
+
+
+def cmd_coordinator(main: Callable[..., int], args: argparse.Namespace, **parts: Any) -> int:
+    """``edgefl coordinator``: set up the log (``--log-level``, on stderr), then run the coordinator."""
+    _setup_logging(args.log_level)
+    return main(args, **parts)
+
+
+def lock_coordinator_state(folder: Path) -> object:
+    """Lock a coordinator's state folder with the agents' ``flock`` (``coordinator.lock``) for its life.
+
+    Raises
+    ------
+    edgefl.coordinator.lease.LeaseHeld
+        If another live process holds it (``edgefl coordinator`` exits 6).
+    OSError
+        If the folder or the lock file cannot be created.
+    """
+    from edgefl.agent.statelock import StateDirBusy, lock_state_dir
+    from edgefl.coordinator.lease import LeaseHeld
+
+    try:
+        return lock_state_dir(folder, lock_file="coordinator.lock", owner="coordinator")
+    except StateDirBusy as exc:
+        holder = f"pid {exc.pid}" if exc.pid is not None else "a process whose pid is unknown"
+        raise LeaseHeld(f"state folder {folder}", holder) from exc
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -302,17 +330,31 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     from edgefl.coordinator.profile import SCHEMA, is_coordinator_profile, load_coordinator_profile
 
     if is_coordinator_profile(data):
+        from edgefl.coordinator.runner import strategy_problems
+
         try:
             coordinator = load_coordinator_profile(args.profile, _parse_sets(args.set))
+            problems = strategy_problems(coordinator)  # what `edgefl coordinator` refuses, refused here
+            if problems:
+                raise ConfigError(problems)
         except ConfigError as exc:
             print(f"edgefl: invalid coordinator profile {args.profile}:", file=sys.stderr)
             for problem in exc.problems:
                 print(f"  {problem}", file=sys.stderr)
             return EXIT_INVALID
+        from edgefl.coordinator.runner import build_strategy
+
+        try:
+            tolerance = build_strategy(coordinator).tolerance()
+        except ValueError as exc:
+            print(f"edgefl: invalid coordinator profile {args.profile}:", file=sys.stderr)
+            print(f"  [strategy]/[robustness]/[privacy]: {exc}", file=sys.stderr)
+            return EXIT_INVALID
+        n = coordinator.rounds.count
+        rounds = f"{n} round{'' if n == 1 else 's'}" if n else "rounds until stopped"
         print(
-            f"{args.profile}: ok (coordinator of fleet {coordinator.fleet.name}, {coordinator.rounds.count} "
-            f"round{'' if coordinator.rounds.count == 1 else 's'} of {coordinator.strategy.name}, "
-            f"role {_role(coordinator.hierarchy)})"
+            f"{args.profile}: ok (coordinator of fleet {coordinator.fleet.name}, {rounds} of "
+            f"{coordinator.strategy.name}, role {_role(coordinator.hierarchy)}, {tolerance})"
         )
         if args.print:
             print(json.dumps(SCHEMA.to_dict(coordinator), indent=2, default=str))
@@ -364,6 +406,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
         label_delay_s=args.label_delay,
     )
     return run_demo(opts)
+
+
+def _add_checkout_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``edgefl wheelhouse`` when edgefl runs from a source checkout.
+
+    The wheelhouse builder (``cross_build/``, a build-machine tool) is not in the wheel; in a checkout it
+    stands beside ``edgefl/`` and is loaded from there under its one name, ``cross_build``, without
+    putting the checkout on ``sys.path``.
+
+    Parameters
+    ----------
+    sub : argparse._SubParsersAction
+        The ``add_subparsers()`` result of :func:`build_parser`.
+    """
+    init = Path(__file__).resolve().parent.parent / "cross_build" / "__init__.py"
+    if not init.is_file():
+        return
+    if "cross_build" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "cross_build", init, submodule_search_locations=[str(init.parent)])
+        if spec is None or spec.loader is None:
+            return
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["cross_build"] = module
+        spec.loader.exec_module(module)
+    importlib.import_module("cross_build.cli").add_wheelhouse_parser(sub)
 
 
 def _command_word(words: Sequence[str]) -> str | None:
@@ -486,13 +554,12 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
         profiler.add_parser(sub)
         memreport.add_parser(sub)
-        from edgefl import feed, modeltool
+        from edgefl import feed, keys, modeltool
 
         modeltool.add_parser(sub)
         feed.add_parser(sub)
-        from edgefl.cross_build.cli import add_wheelhouse_parser
-
-        add_wheelhouse_parser(sub)
+        keys.add_parser(sub)
+        _add_checkout_parsers(sub)
         from edgefl.coordinator import bridge
 
         bridge.add_parser(sub)
@@ -502,7 +569,13 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         from edgefl.demo import central_evaluation, serve_coordinator_page
 
         runner.add_parser(sub).set_defaults(
-            func=functools.partial(runner.main, evaluation=central_evaluation, page=serve_coordinator_page)
+            func=functools.partial(
+                cmd_coordinator,
+                runner.main,
+                evaluation=central_evaluation,
+                page=serve_coordinator_page,
+                lock=lock_coordinator_state,
+            )
         )
     return p
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import os
 import tomllib
 import types
 import typing
@@ -50,6 +51,7 @@ __all__ = [
     "check_broker",
     "check_dashboard",
     "file_problem",
+    "output_file_problem",
     "read_toml",
     "sha256_file",
 ]
@@ -380,6 +382,48 @@ def file_problem(path: Path, raw: object) -> str | None:
         return None
     where = "" if Path(str(raw)).is_absolute() else f" (resolved to {str(path)!r})"
     return ("not a file" if path.exists() else "file not found") + where
+
+
+#: Kernel file systems: nothing the product writes belongs there (``files.log = "/proc/x"`` would fail
+#: only when the first round's line is written).
+PSEUDO_FS: Final = (Path("/proc"), Path("/sys"), Path("/dev"))
+
+
+def output_file_problem(path: Path) -> str | None:
+    """Why a file the product creates or replaces at ``path`` could not be written, or None if it could.
+
+    The product writes such a file atomically (a temporary file beside it, then a rename) or appends
+    to it, so its folder must exist and be writable, and the path must not be a folder, another kind
+    of file, or on a kernel file system (``/proc``, ``/sys``, ``/dev``). Nothing is written: the
+    answer comes from ``stat`` and ``access(2)`` only.
+
+    Parameters
+    ----------
+    path : Path
+        The file's path (absolute, or relative to the working directory).
+
+    Returns
+    -------
+    str or None
+        The reason, worded to follow ``key = value:`` (``"is a folder"``), or None.
+    """
+    resolved = path.resolve()
+    if any(resolved == fs or fs in resolved.parents for fs in PSEUDO_FS):
+        return "is on a pseudo file system (/proc, /sys, /dev)"
+    if resolved.is_dir():
+        return "is a folder (a file name is needed)"
+    if resolved.exists() and not resolved.is_file():
+        return "is not a regular file"
+    folder = resolved.parent
+    if not folder.exists():
+        return f"its folder {folder} does not exist"
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"its folder {folder} is not writable"
+    if resolved.exists() and not os.access(resolved, os.W_OK):
+        return "is not writable"
+    return None
 
 
 def sha256_file(path: Path) -> str:

@@ -338,7 +338,7 @@ class Backbone:
         ``edgefl model prepare`` output (its outputs, or folded input, do not make it another
         backbone), else the file's own :attr:`sha256`."""
         # One guard on every invoke path (run, resize, reset, reading weights, pipelines): two threads
-        # on one interpreter give silently wrong outputs, so a second caller waits (issue 15 item 9).
+        # on one interpreter give silently wrong outputs, so a second caller waits.
         self._lock = threading.RLock()
         self._holder = ""
         try:

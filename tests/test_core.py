@@ -504,6 +504,7 @@ def test_core_fault_unwritable_head_file_degrades_then_recovers(
     assert restarted.head.version == 1  # persisted once there was room
 
 
+@pytest.mark.subprocess
 def test_latency_fresh_update_kept_with_its_first_send_counted(
     tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
 ) -> None:

@@ -208,6 +208,7 @@ def test_shuffler_permutations_are_seeded_and_fresh_each_draw() -> None:
     assert first.min() > 900 and first.max() < 1100
 
 
+@pytest.mark.subprocess
 def test_device_training_does_not_import_numpy_random(tmp_path: Path) -> None:
     code = (
         "import sys, numpy as np; from pathlib import Path\n"

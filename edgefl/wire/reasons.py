@@ -53,6 +53,8 @@ class Reason(StrEnum):
     STALE_ROUND = "stale_round"
     NOT_SELECTED = "not_selected"
     TOO_MANY = "too_many"
+    # a round closed with fewer updates than its strategy needs to tolerate robustness.tolerate
+    TOO_FEW = "too_few"
     # live ingest at the device (samples/labels topics: docs/protocol.md, "Sample", "Label")
     BAD_LABEL = "bad_label"
     UNKNOWN_SAMPLE = "unknown_sample"
