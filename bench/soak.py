@@ -28,7 +28,8 @@ What is measured (the JSON, ``--json PATH``):
   ``double_counted``: ids counted more than once.
 - ``samples_fed``; ``samples_lost_max_per_kill``: for each agent kill, samples acknowledged to that
   device during the killed lifetime (less the last 0.3 s, still in flight) minus the store rows that
-  lifetime added and the restarted agent recovered (its first status's ``store_samples``);
+  lifetime added and the restarted agent recovered (its first status's ``store_samples`` and
+  ``holdout_samples``);
   ``flush_window_samples``: ``training.flush_every`` of the profile in force.
 - ``new_classes``: ``introduced_round``, ``rounds_to_learn`` (rounds until the global head's accuracy on
   test samples of the new classes reaches 0.8; null if never), ``accuracy_on_new`` (20 rounds after the
@@ -274,6 +275,9 @@ class Soak:
             "rounds.interval_s": str(self.args.interval_s),
             "rounds.min_new_samples": str(self.args.min_new_samples),
         }
+        for item in self.args.coordinator_set:
+            key, _, value = item.partition("=")
+            sets[key] = value
         cmd = [sys.executable, "-OO", "-m", "edgefl.cli", "--log-level", "INFO", "coordinator"]
         cmd.append(str(COORDINATOR_PROFILE))
         for k, v in sets.items():
@@ -316,7 +320,8 @@ class Soak:
                 "first_alive": first is not None and first.poll() is None and first is self.coordinator,
                 "records_intact": after[: len(before)] == before
                 and len(set(rounds_before)) == len(rounds_before),
-                "wrote_nothing": same_state or not any(state.iterdir()),
+                # its own lock file aside (taken before it asks the broker), nothing in its folder
+                "wrote_nothing": same_state or not [f for f in state.iterdir() if f.suffix != ".lock"],
             }
         )
 
@@ -401,6 +406,7 @@ class Soak:
                 rows = st.get("store_samples")
                 if not isinstance(rows, int):
                     continue
+                rows += int(st.get("holdout_samples", 0))  # every n-th labelled sample is held out
                 if f.pending_kill is not None and f.rows_at_start is not None:
                     fed = sum(1 for a in f.acks if f.lifetime_start <= a < f.pending_kill - IN_FLIGHT_S)
                     self.lost_per_kill.append(max(0, fed - (rows - f.rows_at_start)))
@@ -544,7 +550,7 @@ class Soak:
         late = {
             (d, int(r)) for d, r in re.findall(r"update from (\S+) for round (\d+) refused: late", coord_log)
         }
-        abandoned = {int(r) for r in re.findall(r"round (\d+) abandoned", coord_log)}
+        abandoned = {int(r) for r in re.findall(r"round (\d+) refused: abandoned", coord_log)}
         lost = sorted(k for k in acked - counted_keys if k not in late and k[1] not in abandoned)
         intro = self.introduced_round
         new: dict[str, Any] = {"introduced_round": intro, "rounds_to_learn": None, "accuracy_on_new": None}
@@ -556,6 +562,7 @@ class Soak:
             at = [h for h in after if h[0] <= intro + 20]
             if at:
                 new["accuracy_on_new"] = round(at[-1][2], 4)
+            new["accuracy_on_new_by_round"] = [[h[0], round(h[2], 3)] for h in after[::5]]
         agent_growth = [_growth_mib_per_hour(self.lifetimes.get(d, [])) for d in self.devices]
         second_ok = bool(self.second) and all(
             s["exit"] == EXIT_ANOTHER_COORDINATOR
@@ -595,6 +602,7 @@ class Soak:
                 "rounds.interval_s": self.args.interval_s,
                 "rounds.min_new_samples": self.args.min_new_samples,
                 "dashboard.enabled (agents)": False,
+                **dict(item.partition("=")[::2] for item in self.args.coordinator_set),
             },
         }
 
@@ -655,6 +663,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--coordinator-kills", type=int, default=None, help="default: one every two minutes")
     p.add_argument("--broker-kills", type=int, default=None, help="default: one every two minutes")
     p.add_argument("--workdir", type=Path, default=None, help="keep the run's files here")
+    p.add_argument(
+        "--coordinator-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another change to the shipped coordinator profile (listed in the JSON's settings_changed)",
+    )
     args = p.parse_args(argv)
     every_two = max(1, math.ceil(args.minutes / 2))
     for k in ("agent_kills", "coordinator_kills", "broker_kills"):
