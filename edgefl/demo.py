@@ -85,7 +85,7 @@ class DemoOptions:
 
 
 def launch_agent(
-    profile: Path, overrides: dict[str, str], log_path: Path, *, optimize: bool = True
+    profile: Path, overrides: dict[str, str], log_path: Path, *, optimize: bool = True, malloc: bool = True
 ) -> subprocess.Popen[bytes]:
     """Start one agent as a separate OS process: ``python -m edgefl.cli run PROFILE --set k=v ...``.
 
@@ -99,6 +99,9 @@ def launch_agent(
         File receiving the agent's stdout and stderr.
     optimize : bool
         Run with ``-OO`` (as the systemd unit's ``PYTHONOPTIMIZE=2``); False for plain ``python``.
+    malloc : bool
+        glibc malloc set as the systemd unit sets it (``MALLOC_ARENA_MAX=2``, a fixed
+        ``MALLOC_MMAP_THRESHOLD_``); False: the environment as it is.
 
     Returns
     -------
@@ -116,9 +119,12 @@ def launch_agent(
             stdout=log,
             stderr=subprocess.STDOUT,
             # as the systemd unit: two arenas, a fixed mmap threshold (large frees go back to the kernel)
-            env={**os.environ, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"},
+            env={**os.environ, **(MALLOC_ENV if malloc else {})},
         )
 
+
+MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}
+"""glibc malloc as the systemd unit sets it: two arenas, a fixed mmap threshold (large frees go back)."""
 
 HEAD_ACCURACY_KEYS = ("personal_accuracy", "global_accuracy")
 """The agents' accuracies of their two heads on their holdout (status fields, ``--json`` keys)."""
