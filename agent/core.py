@@ -1100,6 +1100,7 @@ class DeviceCore:
             classes=K,
             batch_size=ann.batch_size,
             num_examples=len(self.store),
+            resident_rows=self.store.resident_rows,
         )
         if adm.deferred:
             return self._defer(ann, adm.reason)

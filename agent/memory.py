@@ -441,6 +441,10 @@ _DEFLATE_STATE_BYTES = 256 << 10
 # The first run of a phase faults in the code pages of the library paths it uses (numpy's sort and
 # BLAS kernels, LiteRT's kernels for a new shape): measured 1.5 MiB of RssFile for training.
 FIRST_RUN_BYTES = 2 << 20
+# Training's own first-run allowance, measured (tests/test_memory_estimates.py): the first
+# train_local in an agent that has run inference maps in numpy's BLAS and sort code, +0.9-1.0 MiB of
+# RssFile on x86-64 (digits int8, MobileNet int8 and float32 backbones alike), and little heap.
+TRAIN_FIRST_RUN_BYTES = 896 << 10
 
 
 def estimate_batch_bytes(shapes: ModelShapes, batch: int, *, fused: bool = False) -> int:
@@ -504,18 +508,26 @@ def estimate_inference_bytes(
 
 
 def estimate_train_bytes(
-    chunk: int, dim: int, classes: int, batch_size: int, num_examples: int, *, first_run: bool = True
+    chunk: int,
+    dim: int,
+    classes: int,
+    batch_size: int,
+    num_examples: int,
+    *,
+    first_run: bool = True,
+    resident_rows: int = 0,
 ) -> int:
     """Bytes ``edgefl.agent.trainer.train_local`` may add to RSS with a given chunk size.
 
-    Terms: the one float32 chunk buffer the trainer reuses, the float16 gather it is read from, the
-    labels (int64 buffer, int16 gather) and the chunk's slot order and shuffle (int64 each;
-    the trainer no longer allocates a chunk per read); one SGD batch (its embeddings, logits and
-    softmax); about six
-    ``[D, K]`` float32 arrays (working copy, gradient, proximal term, delta, final head); the
-    per-epoch permutation of ``num_examples`` (``Shuffler``: uint64 keys, a temporary, the int64
-    order); and the store's mapped pages, which become resident as they are read (file-backed,
-    counted as RSS, reclaimable).
+    Terms, each checked against what a run adds (``tests/test_memory_estimates.py``, real LiteRT
+    backbones, 25 %): the one float32 chunk buffer the trainer reuses, the float16 gather it is read
+    from, the labels (int64 buffer, int16 gather) and the chunk's slot order and shuffle (int64
+    each); four ``[D, K]`` float32 arrays alive at the peak (working copy, gradient, delta, final
+    head; the batch's own arrays are ``[batch, K]`` and come out of freed heap); the per-epoch
+    permutation of ``num_examples`` (``Shuffler``: uint64 keys, a temporary, the int64 order); the
+    store's mapped pages of the samples this process has not touched yet (they become resident as
+    they are read: file-backed, counted as RSS, reclaimable); and on the first run the code pages
+    training maps in (:data:`TRAIN_FIRST_RUN_BYTES`, measured).
 
     Parameters
     ----------
@@ -528,7 +540,10 @@ def estimate_train_bytes(
     num_examples : int
         Samples in the store.
     first_run : bool
-        Add :data:`FIRST_RUN_BYTES` for code pages faulted in by the first call.
+        Add :data:`TRAIN_FIRST_RUN_BYTES` for code pages faulted in by the first call.
+    resident_rows : int
+        Stored samples whose pages this process already has mapped
+        (``EmbeddingStore.resident_rows``: the samples it stored or read); 0 counts every one.
 
     Returns
     -------
@@ -537,12 +552,11 @@ def estimate_train_bytes(
     """
     chunk = min(chunk, max(1, num_examples))
     chunk_bytes = chunk * (dim * (4 + 2) + 8 + 2 + 8 + 8)
-    step_bytes = min(batch_size, chunk) * (dim * 4 + classes * 4 * 4)
-    head_bytes = 6 * (dim * classes + classes) * 4
+    head_bytes = 4 * (dim * classes + classes) * 4
     order_bytes = num_examples * 8 * 3
-    mapped = num_examples * (2 * dim + 2)
-    first = FIRST_RUN_BYTES if first_run else 0
-    return chunk_bytes + step_bytes + head_bytes + order_bytes + mapped + _FIXED_BYTES + first
+    mapped = max(0, num_examples - max(0, resident_rows)) * (2 * dim + 2)
+    first = TRAIN_FIRST_RUN_BYTES if first_run else 0
+    return chunk_bytes + head_bytes + order_bytes + mapped + first
 
 
 def personal_head_bytes(dim: int, classes: int) -> int:
@@ -994,16 +1008,28 @@ class Governor:
         return self.admit("inference", need, batch, 1)
 
     def admit_train(
-        self, chunk: int, floor: int, *, dim: int, classes: int, batch_size: int, num_examples: int
+        self,
+        chunk: int,
+        floor: int,
+        *,
+        dim: int,
+        classes: int,
+        batch_size: int,
+        num_examples: int,
+        resident_rows: int = 0,
     ) -> Admission:
-        """Admit local training with ``chunk`` samples per store chunk (halved down to ``floor``)."""
+        """Admit local training with ``chunk`` samples per store chunk (halved down to ``floor``).
+
+        ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
+        """
         first = self.phase_counts.get("train", 0) == 0
-        return self.admit(
-            "train",
-            lambda n: estimate_train_bytes(n, dim, classes, batch_size, num_examples, first_run=first),
-            chunk,
-            floor,
-        )
+
+        def need(n: int) -> int:
+            return estimate_train_bytes(
+                n, dim, classes, batch_size, num_examples, first_run=first, resident_rows=resident_rows
+            )
+
+        return self.admit("train", need, chunk, floor)
 
     def admit_personal(
         self, chunk: int, floor: int, *, dim: int, classes: int, batch_size: int, num_examples: int
