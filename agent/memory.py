@@ -25,6 +25,7 @@ import math
 import os
 import threading
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, fields
@@ -658,6 +659,71 @@ def estimate_apply_bytes(dim: int, classes: int) -> int:
     head and the ``.npz`` written to the state directory.
     """
     return 6 * (dim * classes + classes) * 4 + _FIXED_BYTES
+
+
+_NPY_READ_CHUNK_BYTES = 1 << 18  # numpy.lib.format.read_array's buffer when reading from a zip member
+
+
+def npz_headers(path: Path | str) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
+    """Shape and dtype of every array of an ``.npz`` file, read from the headers only (no data).
+
+    Parameters
+    ----------
+    path : Path or str
+        An ``.npz`` written by ``numpy.savez`` / ``savez_compressed``.
+
+    Returns
+    -------
+    dict
+        Array name (``"x"``, ``"y"``...) → (shape, dtype).
+
+    Raises
+    ------
+    ValueError
+        Not a zip of ``.npy`` members, or a header numpy cannot read (named in the message).
+    OSError
+        The file cannot be read.
+
+    Source: the NPY format (``numpy.lib.format``: magic string, version, header dict).
+    """
+    out: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
+    fmt = np.lib.format
+    try:
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                with zf.open(info) as fh:
+                    version = fmt.read_magic(fh)
+                    if version == (1, 0):
+                        shape, _, dtype = fmt.read_array_header_1_0(fh)
+                    elif version == (2, 0):
+                        shape, _, dtype = fmt.read_array_header_2_0(fh)
+                    else:
+                        raise ValueError(f"{info.filename}: NPY version {version} not read")
+                out[info.filename[: -len(".npy")]] = (tuple(int(d) for d in shape), np.dtype(dtype))
+    except zipfile.BadZipFile as exc:
+        raise ValueError(f"{path}: not an .npz file ({exc})") from exc
+    return out
+
+
+def estimate_replay_bytes(path: Path | str) -> int:
+    """Bytes loading a replay file (``source.path``: ``x`` samples, ``y`` labels) adds to RSS.
+
+    Every array of the file as loaded (``numpy.load`` reads a member into a new array through a
+    256 KiB buffer), plus the labels' int64 copy the daemon makes; computed from the headers
+    (:func:`npz_headers`), before anything is loaded.
+
+    Raises
+    ------
+    ValueError, OSError
+        As :func:`npz_headers`.
+    """
+    arrays = npz_headers(path)
+    total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in arrays.values())
+    if "y" in arrays:
+        total += math.prod(arrays["y"][0]) * 8
+    return total + _NPY_READ_CHUNK_BYTES + _FIXED_BYTES
 
 
 # --- the governor -------------------------------------------------------------------------------

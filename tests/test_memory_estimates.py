@@ -18,8 +18,10 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import MODELS
 
@@ -94,3 +96,55 @@ def test_memory_estimates_train_within_25_percent_of_measured_rise(
     if steady_too:
         steady = max(rises[1:])
         assert abs(estimates[1] - steady) <= 0.25 * steady, rows
+
+
+_LOAD = r"""
+import gc, json, sys
+import numpy as np
+from edgefl.agent import memory as m
+
+path = sys.argv[1]
+est = m.estimate_replay_bytes(path)  # headers only: nothing loaded yet
+gc.collect(); m.malloc_trim()
+m.reset_peak(); before = m.rss_bytes()
+with np.load(path) as data:  # as the daemon's replay loads it
+    x = np.asarray(data["x"])
+    y = np.asarray(data["y"]).astype(np.int64)
+print(json.dumps({"estimate": est, "rise": m.peak_rss_bytes() - before, "n": len(y) + 0 * int(x.size)}))
+"""
+
+
+@pytest.mark.subprocess
+def test_memory_estimates_replay_file_from_headers(tmp_path: Path) -> None:
+    from edgefl.agent.memory import estimate_replay_bytes, npz_headers
+
+    n = 9000  # digits-sized samples: 9000 x 8 x 8 x 1 float64 = 4.4 MiB, as a replay file of the demo's
+    x = np.random.default_rng(0).random((n, 8, 8, 1))
+    y = np.arange(n, dtype=np.int16) % 10
+    path = tmp_path / "replay.npz"
+    np.savez(path, x=x, y=y)
+    assert npz_headers(path) == {"x": ((n, 8, 8, 1), np.dtype("float64")), "y": ((n,), np.dtype("int16"))}
+    fixed = estimate_replay_bytes(path) - (x.nbytes + y.nbytes + n * 8)
+    assert 0 < fixed <= 512 << 10  # the read buffer and small objects
+    env = {**os.environ, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOAD, str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    )
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    rise, est = data["rise"], data["estimate"]
+    assert data["n"] == n
+    assert abs(est - rise) <= 0.25 * rise, (rise / MIB, est / MIB)
+
+
+def test_memory_estimates_replay_file_not_an_npz_is_named(tmp_path: Path) -> None:
+    from edgefl.agent.memory import npz_headers
+
+    bad = tmp_path / "samples.npz"
+    bad.write_bytes(b"not a zip at all")
+    with pytest.raises(ValueError, match=r"samples\.npz: not an \.npz file"):
+        npz_headers(bad)
