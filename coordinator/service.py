@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
 import logging
 import math
 import time
@@ -75,6 +76,24 @@ ids of others, and it holds the last ``4096 / devices-per-round`` rounds' ids.""
 
 
 LOGGED_REFUSALS = 20
+#: Devices outside the registry whose refusals and declines are counted one by one (the last ones).
+STRANGERS_KEPT = 100
+#: Devices the page's status document lists (``devices``; ``devices_total`` counts the registry).
+PAGE_DEVICES = 100
+#: Rounds of ``accuracy_history`` in the page's status document (the last ones).
+PAGE_HISTORY = 500
+#: Reasons of a per-device counter map in the page's document (the largest counts).
+PAGE_REASONS = 8
+
+
+def _top_counts(counts: object) -> dict[str, Any]:
+    """The ``PAGE_REASONS`` largest entries of a per-device counter map (a device's own is any JSON)."""
+    if not isinstance(counts, dict):
+        return {}
+    numeric = [(str(k)[:64], v) for k, v in counts.items() if isinstance(v, int | float)]
+    return dict(heapq.nlargest(PAGE_REASONS, numeric, key=lambda kv: kv[1]))
+
+
 """Refusals of one reason logged one by one before the log only names every 1000th."""
 
 ADOPT_WAIT_S = 2.0
@@ -292,9 +311,12 @@ class Coordinator:
         self.state = CoordinatorState()
         self.max_devices = max_devices
         self.device_expiry_s = device_expiry_s
-        self.mismatched: dict[str, str] = {}  # device → why its model differs (named once on stdout/log)
+        # device → why its model differs; only devices in the registry, forgotten with them (_forget)
+        self.mismatched: dict[str, str] = {}
+        self.mismatches_total = 0  # devices seen with another model (the log names the first ones)
         self.rejected_by_device: dict[str, Counter[str]] = {}
         self.declined_by_device: dict[str, Counter[str]] = {}
+        self._strangers: dict[str, None] = {}  # devices counted above that the registry does not hold
         self.on_mismatch: Callable[[str, str], None] | None = None
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
@@ -590,7 +612,7 @@ class Coordinator:
                 raise DecodeError("bad_topic", f"unexpected topic {msg.topic}")
             if msg.topic == self.topics.status(device):
                 if not msg.payload:
-                    self.state.devices.pop(device, None)  # retained status cleared
+                    self._forget(device)  # retained status cleared
                     return
                 status = decode_status(msg.payload, limits=self.limits)
                 entry = dict(status.fields)
@@ -608,10 +630,8 @@ class Coordinator:
             reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
             why = str(exc) if known else f"failed: handling raised {type(exc).__name__}: {exc}"
             self.state.rejected[reason] += 1
-            if device is not None and (
-                device in self.state.devices or len(self.rejected_by_device) < self.max_devices
-            ):
-                self.rejected_by_device.setdefault(device, Counter())[reason] += 1
+            if device is not None:
+                self._count_by_device(self.rejected_by_device, device, reason)
             n = self.state.rejected[reason]
             # every refusal is counted; the log names the first ones of each reason, then every 1000th
             # (a flood of forged messages must not become a flood of log lines)
@@ -646,20 +666,50 @@ class Coordinator:
                     raise UpdateRejected(
                         "registry_full", f"{self.max_devices} devices known; {device} not kept"
                     )
-                oldest = min(offline, key=lambda d: float(devices[d].get("seen_at", 0.0)))
-                del devices[oldest]
-                self.rejected_by_device.pop(oldest, None)
+                self._forget(min(offline, key=lambda d: float(devices[d].get("seen_at", 0.0))))
         devices[device] = entry
         sha = entry.get("model_sha256")
         if isinstance(sha, str) and sha != self.model_sha256:
             why = f"backbone sha256 {sha[:12]}… differs from the coordinator's {self.model_sha256[:12]}…"
             if self.mismatched.get(device) != why:
-                self.mismatched[device] = why
-                logger.warning("device %s runs another model: %s; left out of rounds", device, why)
-                if self.on_mismatch is not None:
-                    self.on_mismatch(device, why)
+                self.mismatched[device] = why  # only for a device in the registry: forgotten with it
+                self.mismatches_total += 1
+                n = self.mismatches_total
+                # named one by one for the first ones, then every 1000th with the count (ghost statuses
+                # naming another backbone must not become a flood of log lines)
+                if n <= LOGGED_REFUSALS or n % 1000 == 0:
+                    more = f" ({n} devices with another model so far)" if n > LOGGED_REFUSALS else ""
+                    logger.warning(
+                        "device %s runs another model: %s; left out of rounds%s", device, why, more
+                    )
+                    if self.on_mismatch is not None:
+                        self.on_mismatch(device, why)
         else:
             self.mismatched.pop(device, None)
+
+    def _count_by_device(self, table: dict[str, Counter[str]], device: str, reason: str) -> None:
+        """Count ``reason`` for ``device`` in ``table`` (bounded).
+
+        Kept for devices in the registry (forgotten with them, :meth:`_forget`) and for the last
+        :data:`STRANGERS_KEPT` devices it does not hold (the oldest dropped).
+        """
+        if device not in table and device not in self.state.devices:
+            self._strangers[device] = None
+            while len(self._strangers) > STRANGERS_KEPT:
+                old = next(iter(self._strangers))
+                del self._strangers[old]
+                if old not in self.state.devices:
+                    self.rejected_by_device.pop(old, None)
+                    self.declined_by_device.pop(old, None)
+        table.setdefault(device, Counter())[reason] += 1
+
+    def _forget(self, device: str) -> None:
+        """Drop ``device`` from the registry and from every per-device record kept beside it."""
+        self.state.devices.pop(device, None)
+        self.mismatched.pop(device, None)
+        self.rejected_by_device.pop(device, None)
+        self.declined_by_device.pop(device, None)
+        self.strategy.clipped.pop(device, None)
 
     def _expire(self, now: float) -> None:
         """Forget devices whose last status is older than ``device_expiry_s``."""
@@ -668,8 +718,7 @@ class Coordinator:
             for d, st in self.state.devices.items()
             if now - float(st.get("seen_at", now)) > self.device_expiry_s
         ]:
-            del self.state.devices[dev]
-            self.rejected_by_device.pop(dev, None)
+            self._forget(dev)
 
     def _handle_update(self, device: str, msg: Message) -> None:
         payload = msg.payload
@@ -755,8 +804,7 @@ class Coordinator:
             raise UpdateRejected("duplicate", f"{device} already answered round {rnd.number}")
         self._remember(decline.update_id)
         self.state.declined[decline.reason] += 1
-        if device in self.state.devices or len(self.declined_by_device) < self.max_devices:
-            self.declined_by_device.setdefault(device, Counter())[decline.reason] += 1
+        self._count_by_device(self.declined_by_device, device, decline.reason)
         rnd.declined.append(device)
         n = self.state.declined[decline.reason]
         if n <= LOGGED_REFUSALS or n % 1000 == 0:
@@ -819,7 +867,21 @@ class Coordinator:
         rnd = self.state.current
         open_round = rnd is not None and rnd.phase.value == "open"
         devices = {}
-        for dev, st in self.state.devices.items():
+        registry = self.state.devices
+        # the page lists a bounded number of devices (online and ready first, then the most recently
+        # seen): a registry of thousands, or of ghosts, must not make the document megabytes
+        shown = heapq.nsmallest(
+            PAGE_DEVICES,
+            registry,
+            key=lambda d: (
+                registry[d].get("state") == "offline",
+                not registry[d].get("ready"),
+                -float(registry[d].get("seen_at", 0.0)),
+            ),
+        )
+        for dev in shown:
+            st = registry[dev]
+            reason = st.get("reason")
             devices[dev] = {
                 "state": st.get("state"),
                 "online": st.get("state") != "offline",
@@ -827,10 +889,10 @@ class Coordinator:
                 "cap_bytes": st.get("cap_bytes"),
                 "peak_rss_bytes": st.get("peak_rss_bytes"),
                 "last_round": st.get("round"),
-                "reason": st.get("reason") or "",
-                "rejected": st.get("rejected") or {},
-                "refused": dict(self.rejected_by_device.get(dev, {})),
-                "declined": dict(self.declined_by_device.get(dev, {})),
+                "reason": shorten(reason) if isinstance(reason, str) else "",
+                "rejected": _top_counts(st.get("rejected")),
+                "refused": _top_counts(self.rejected_by_device.get(dev)),
+                "declined": _top_counts(self.declined_by_device.get(dev)),
                 "model_mismatch": self.mismatched.get(dev),
                 "clipped": self.strategy.clipped.get(dev, 0),
             }
@@ -847,7 +909,7 @@ class Coordinator:
             "compression": str(self.compression),
             "accuracy_history": [
                 {"round": h.round, "accuracy": None if h.accuracy != h.accuracy else h.accuracy}
-                for h in self.state.history
+                for h in self.state.history[-PAGE_HISTORY:]
             ],
             "rounds": [
                 {
@@ -862,7 +924,9 @@ class Coordinator:
                 for h in self.state.history[-50:]
             ],
             "devices": devices,
-            "model_mismatches": dict(self.mismatched),
+            "devices_total": len(registry),
+            "model_mismatches": {d: self.mismatched[d] for d in shown if d in self.mismatched},
+            "model_mismatches_total": len(self.mismatched),
             "rejected": dict(self.state.rejected),
             "clipped": dict(self.strategy.clipped),
             "refused_rounds": dict(self.state.refused_rounds),
