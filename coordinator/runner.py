@@ -590,10 +590,10 @@ async def run(
             records.append(rec)
             refused = Counter(coord.state.rejected)
             refused.subtract(refused_before)
-            refused_round = {k: v for k, v in refused.items() if v > 0}
+            refused_round = {str(k): v for k, v in refused.items() if v > 0}  # labels as values, not reprs
             declined = Counter(coord.state.declined)
             declined.subtract(declined_before)
-            declined_round = {k: v for k, v in declined.items() if v > 0}
+            declined_round = {str(k): v for k, v in declined.items() if v > 0}
             if files.state is not None:
                 coord.save_state(files.state)
             # at the root the messages in are the sites' partials (~41 kB for 512x10 float64 sums)
@@ -717,7 +717,7 @@ async def _run_site(
                 break
             refused = Counter(site.state.rejected)
             refused.subtract(refused_before)
-            refused_round = {k: v for k, v in refused.items() if v > 0}
+            refused_round = {str(k): v for k, v in refused.items() if v > 0}  # labels as values, not reprs
             print(
                 f"site {site.site} round {rec.round}: {rec.updates} updates, {rec.partial_bytes} bytes up, "
                 f"{rec.duration_s:.2f} s, refused: {refused_round or 'none'}",

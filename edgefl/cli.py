@@ -247,12 +247,13 @@ class DashboardPage:
             await self._runner.cleanup()
 
     def counters(self) -> dict[str, int]:
-        """Connections the page refused (over its caps) and closed (header or body timeout)."""
+        """Connections the page refused (over its caps), closed (header or body timeout), bad requests."""
         if self._state is None:
             return {}
         return {
             "refused": self._state.connections_refused_total,
             "timed_out": self._state.connections_timed_out_total,
+            "bad_requests": self._state.bad_requests_total,
         }
 
 
