@@ -19,6 +19,7 @@ import dataclasses
 import heapq
 import logging
 import math
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -84,6 +85,23 @@ PAGE_DEVICES = 100
 PAGE_HISTORY = 500
 #: Reasons of a per-device counter map in the page's document (the largest counts).
 PAGE_REASONS = 8
+
+
+def _interned(value: Any) -> Any:
+    """``value`` (a decoded status's JSON-like fields) with its map keys and short strings interned.
+
+    Every status a fleet sends repeats the same ~45 field names and the same backbone sha256; decoded,
+    each is a fresh string. Interned, a registry entry costs about half (2.5 against 5.6 KiB for an
+    agent's status, measured with tracemalloc), so ``fleet.max_devices`` statuses, honest or not,
+    hold less of the coordinator's memory.
+    """
+    if isinstance(value, dict):
+        return {sys.intern(str(k)): _interned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interned(v) for v in value]
+    if isinstance(value, str) and len(value) <= 64:
+        return sys.intern(value)
+    return value
 
 
 def _top_counts(counts: object) -> dict[str, Any]:
@@ -615,8 +633,8 @@ class Coordinator:
                     self._forget(device)  # retained status cleared
                     return
                 status = decode_status(msg.payload, limits=self.limits)
-                entry = dict(status.fields)
-                entry["state"] = status.state
+                entry = _interned(status.fields)
+                entry["state"] = sys.intern(status.state)
                 entry["seen_at"] = time.time()
                 self._register(device, entry)
                 self._status_changed.set()
