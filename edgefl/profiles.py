@@ -103,6 +103,11 @@ class BrokerConfig:
         (same credentials and TLS files). After a failed connect or a lost connection the next attempt
         goes to the next URL, round robin from ``url`` (:class:`edgefl.transport.MqttTransport`
         ``alternates``). Empty (the default): one broker.
+    auth_retries : int
+        The agent: connection attempts the broker refuses for the credentials (CONNACK "not
+        authorized" or "bad user name or password") in a row before the agent exits with code 5
+        (not restarted by the unit: a wrong password does not fix itself), >= 1. Default 3. Until
+        then its status and page say "refused: not authorized" and ``/healthz`` answers 503.
     """
 
     url: str = "mqtt://127.0.0.1:1883"
@@ -120,6 +125,7 @@ class BrokerConfig:
     client_cert: Path | None = None
     client_key: Path | None = None
     alternates: tuple[str, ...] = ()
+    auth_retries: int = 3
 
     @property
     def alternate_addresses(self) -> list[tuple[str, int]]:
@@ -448,6 +454,8 @@ def check_broker(p: Problems, c: BrokerConfig, raw: Mapping[str, object], check_
             c.max_incoming_packet_bytes,
             f"must be between 1 and {MQTT_MAX_PACKET_BYTES}",
         )
+    if isinstance(c.auth_retries, bool) or not isinstance(c.auth_retries, int) or c.auth_retries < 1:
+        p.add("broker.auth_retries", c.auth_retries, "must be an integer >= 1")
     if c.username is not None and not c.username:
         p.add("broker.username", c.username, "must not be empty")
     if c.password is not None and c.username is None:

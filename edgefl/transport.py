@@ -5,7 +5,7 @@ The event loop drives paho (paho's "external event loop" API: ``loop_read``, ``l
 at once by the caller or on the loop's next turn (``add_writer`` only while the kernel's send buffer
 is full), and ``loop_misc`` runs every second for the keep-alive. Only the blocking connect (TCP and
 the TLS handshake) runs in a thread. A message reaches its handler without a thread switch, and a
-publish leaves without waking another thread (issue 17: the two hops of paho's own network thread
+publish leaves without waking another thread (the two hops of paho's own network thread
 were ~0.6-0.9 ms each on a loaded 2-core gateway, four of them on a round's critical path). paho's
 callbacks still only schedule the transport's handlers (``call_soon``, STYLE.md rule 6: nothing runs
 inside paho's locks); an exception in paho's network code or a socket callback is counted
@@ -507,6 +507,10 @@ class MqttTransport:
         self.connects_total = 0
         #: The broker's last CONNACK refusal (None once a connection is accepted).
         self.last_refusal: ReasonCode | None = None
+        #: CONNACKs in a row that refused our credentials (:attr:`credentials_refused`); 0 once accepted.
+        self.auth_refusals = 0
+        #: Set at every CONNACK refusal (the caller clears it): wakes whoever reports refusals.
+        self.refused = asyncio.Event()
         self.broker_max_packet_bytes: int | None = None  # MQTT 5 CONNACK Maximum Packet Size, when sent
         #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1, 3.1.1 §3.2.2.2): False after a
         #: reconnect means the broker had no session for us (it lost its state, or the session expired):
@@ -745,12 +749,16 @@ class MqttTransport:
             if self.last_refusal is None or self.last_refusal != rc:
                 logger.warning("broker %s:%s refused the connection: %s", self.host, self.port, rc)
             self.last_refusal = rc
+            if self.credentials_refused:
+                self.auth_refusals += 1
+            self.refused.set()
             if self._mqtt5 and self.protocol == "auto" and int(rc.value) in (1, 132):
                 self._fallback_wanted = True
             conn.lost.set()
             return
         self.broker_max_packet_bytes = int(max_packet) if max_packet else None
         self.last_refusal = None
+        self.auth_refusals = 0
         self.session_present = session_present
         conn.acked = True
         # the last try of each unsubscribe still unanswered: sent before the subscriptions (the broker

@@ -30,7 +30,7 @@ from edgefl.wire.codec import decode_status, encode_global_model, encode_round
 from edgefl.wire.messages import GlobalModel, RoundAnnouncement
 from edgefl.wire.signing import SigningKey, sign_message
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.subprocess]
 
 HUNDRED_MB = 100 * 1000 * 1000
 
