@@ -777,7 +777,7 @@ class Coordinator:
         handled = 0
         while True:
             msg = await self.transport.queue.get()
-            self.handle(msg)
+            self._handle_guarded(msg)
             handled += 1
             if self._dirty:
                 batch_done = self.transport.queue.empty() or handled % PERSIST_EVERY == 0
@@ -787,6 +787,27 @@ class Coordinator:
                 self.transport.commit()  # everything taken so far is written (or changed nothing)
             if handled % 32 == 0:
                 await asyncio.sleep(0)
+
+    def _handle_guarded(self, msg: Message) -> None:
+        """:meth:`handle` (or a subclass's), with any fault it lets through counted as ``failed``.
+
+        The pump then acknowledges the message like any refused one: a run of messages whose handling
+        fails never stops the pump nor fills the broker's in-flight window (a peer never goes deaf).
+        """
+        try:
+            self.handle(msg)
+        except Exception as exc:
+            self.state.rejected["failed"] += 1
+            n = self.state.rejected["failed"]
+            if n <= LOGGED_REFUSALS or n % 1000 == 0:
+                logger.error(
+                    "rejected message on %s (%d bytes): failed: handling raised %s: %s%s",
+                    msg.topic,
+                    len(msg.payload),
+                    type(exc).__name__,
+                    shorten(str(exc)),
+                    f" ({n} failed so far)" if n > LOGGED_REFUSALS else "",
+                )
 
     def _flush(self) -> bool:
         """Write what the messages handled since the last write changed (the open round, held updates).

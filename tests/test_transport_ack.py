@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, Broker, wait_until
 
+from edgefl.coordinator.hierarchy import SiteAggregator
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import FedAvg
 from edgefl.runtime import Backbone
@@ -134,3 +135,53 @@ def test_transport_ack_coordinator_handler_faults_never_make_it_deaf(
     assert failed == BAD
     assert list(devices) == ["good"]
     assert np.isfinite(W0).all()
+
+
+def test_transport_ack_site_faults_on_the_roots_heads_never_make_it_deaf(
+    mosquitto: Broker, fleet: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site acknowledges at commit (``ack_on_commit``): 300 heads whose handling raises, then a good
+    status: it is registered, the 300 counted as ``failed``, and nothing is left unacknowledged."""
+    bb = Backbone(INT8_MODEL)
+    W0, b0 = bb.head_from_model()
+
+    def faulty_head(self: SiteAggregator, msg: Message) -> None:
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(SiteAggregator, "_on_head", faulty_head)
+    topics = Topics("edgefl", fleet)
+
+    async def main() -> tuple[int, list[str], int]:
+        t = MqttTransport(
+            mosquitto.host, mosquitto.port, f"site-{fleet}", ack_on_commit=True, session_expiry_s=60
+        )
+        tx = MqttTransport(mosquitto.host, mosquitto.port, f"root-{fleet}")
+        await t.start(wait_s=10)
+        await tx.start(wait_s=10)
+        site = SiteAggregator(
+            t,
+            topics,
+            W0,
+            b0,
+            model_sha256=bb.sha256,
+            strategy=FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=5),
+            site="s1",
+        )
+        pump = asyncio.create_task(site.pump())
+        try:
+            await site.start()
+            await _publish_many(tx, [(topics.global_model, b"head %d" % i) for i in range(BAD)])
+            await tx.publish(
+                topics.status("good"), encode_status(DeviceStatus("good", "online", {"round": 0})), qos=1
+            )
+            await wait_until(lambda: "good" in site.state.devices, 30, "the good status")
+            return site.state.rejected["failed"], list(site.state.devices), len(t._taken)
+        finally:
+            pump.cancel()
+            await tx.stop()
+            await t.stop()
+
+    failed, devices, uncommitted = asyncio.run(main())
+    assert failed == BAD
+    assert devices == ["good"]
+    assert uncommitted == 0
