@@ -626,7 +626,8 @@ class _Pool:
     """The connections of one listening site: open counts by client, and those not yet proven.
 
     ``open`` maps a client address to its open connections (key ``""``: all of them); ``unproven``
-    holds, oldest first, the admitted connections that have not yet sent a whole header block.
+    holds, oldest first, the admitted connections waiting for the rest of a header block (their
+    first request's, or a next one's on a kept-alive connection).
     """
 
     def __init__(self) -> None:
@@ -634,9 +635,9 @@ class _Pool:
         self.unproven: dict[_ConnectionGuard, None] = {}
 
     def victim(self, client: str | None, now: float) -> _ConnectionGuard | None:
-        """The oldest unproven connection (of ``client``, or of anyone) accepted before the grace."""
+        """The oldest unproven connection (of ``client``, or of anyone) waiting longer than the grace."""
         for conn in self.unproven:
-            if now - conn.accepted_at < EVICT_MIN_AGE_S:
+            if now - conn.waiting_since < EVICT_MIN_AGE_S:
                 return None  # the rest are younger still
             if client is None or conn.client == client:
                 return conn
@@ -653,8 +654,10 @@ class _ConnectionGuard(asyncio.Protocol):
     not arrive in time. At a cap, a newcomer takes the place of the oldest connection that has not yet
     sent a whole header block (and is older than :data:`EVICT_MIN_AGE_S`): half-open connections can
     hold the page only for a moment, and a client that sends its request at once (a health check
-    behind the same proxy address as the flood) is answered. A connection that completed a request is
-    never closed for another. Every other event goes to aiohttp's protocol unchanged.
+    behind the same proxy address as the flood) is answered. A connection is never closed for another
+    while a request of its own is being answered or it idles between requests (aiohttp's keep-alive
+    timeout ends those); one that starts a next request and stalls in its headers is unproven again.
+    Every other event goes to aiohttp's protocol unchanged.
     """
 
     _IDLE, _HEAD, _BODY = range(3)
@@ -667,7 +670,7 @@ class _ConnectionGuard(asyncio.Protocol):
         self.client = ""
         self.admitted = False  # events go to aiohttp's protocol
         self.counted = False  # holds a place in the pool's counts
-        self.accepted_at = 0.0
+        self.waiting_since = 0.0
         self.phase = self._HEAD
         self.head = bytearray()
         self.body_left = 0
@@ -679,7 +682,7 @@ class _ConnectionGuard(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.client = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         st, pool = self.state, self.pool
-        self.accepted_at = time.monotonic()
+        self.waiting_since = time.monotonic()
         if not self._room():
             st.connections_refused_total += 1
             if (
@@ -708,7 +711,7 @@ class _ConnectionGuard(asyncio.Protocol):
         for client, cap in ((self.client, st.max_connections_per_client), (None, st.max_connections)):
             if pool.open.get(client or "", 0) < cap:
                 continue
-            victim = pool.victim(client, self.accepted_at)
+            victim = pool.victim(client, self.waiting_since)
             if victim is None:
                 return False
             victim.evict()
@@ -766,6 +769,9 @@ class _ConnectionGuard(asyncio.Protocol):
             elif self.phase == self._IDLE:
                 self.phase = self._HEAD  # the first byte of the next request
                 self._arm(self.state.header_timeout_s)
+                if self.counted:  # until its header block is whole, it may make room for a newcomer
+                    self.waiting_since = time.monotonic()
+                    self.pool.unproven[self] = None
             else:
                 room = _MAX_HEADER_BYTES - len(self.head)
                 if room <= 0:
@@ -777,7 +783,7 @@ class _ConnectionGuard(asyncio.Protocol):
                     view = view[room:]
                     continue
                 view = view[end + len(_HEADER_END) - before :]
-                self.pool.unproven.pop(self, None)  # a whole request: never closed for a newcomer
+                self.pool.unproven.pop(self, None)  # a whole request: not closed for a newcomer
                 self.body_left = _content_length(bytes(self.head[:end]))
                 self.head.clear()
                 self.phase = self._BODY if self.body_left else self._IDLE
