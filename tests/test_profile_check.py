@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import DEV_PROFILE
 
@@ -45,6 +46,8 @@ COORDINATOR_CASES = [
     ("dp-trimmed-mean", ["privacy.enabled=true"], "privacy.enabled"),
     ("fedbuff-site", ["strategy.name=fedbuff", "hierarchy.role=site", "hierarchy.site=s1"], "hierarchy.role"),
     ("option-of-another-strategy", ["strategy.server_momentum=0.9"], "strategy.server_momentum"),
+    ("evaluation-not-npz", ["evaluation.path={tmp}/not.npz"], "evaluation.path"),
+    ("evaluation-x-y-lengths", ["evaluation.path={tmp}/mis.npz"], "evaluation.path"),
 ]
 
 
@@ -56,6 +59,8 @@ def test_shipped_coordinator_profile_refused_by_check_config_and_before_round_1(
     tmp_path: Path, overrides: list[str], key: str
 ) -> None:
     sets = _sets([o.replace("{tmp}", str(tmp_path)) for o in overrides])
+    (tmp_path / "not.npz").write_bytes(b"not a zip archive")
+    np.savez(tmp_path / "mis.npz", x=np.zeros((5, 8, 8, 1), np.uint8), y=np.zeros(4, np.int64))
     before = sorted(p.name for p in tmp_path.iterdir())
     check = _edgefl("check-config", str(COORDINATOR), *sets, cwd=tmp_path)
     assert check.returncode == 1, check.stdout + check.stderr
