@@ -311,6 +311,18 @@ class DashboardPage:
         }
 
 
+def _model_problems(path: Path) -> list[str]:
+    """``model.path``'s problem when the coordinator could not load it (as it does at start), else []."""
+    from edgefl.errors import ModelError
+    from edgefl.runtime import Backbone
+
+    try:
+        Backbone(path).head_from_model()
+    except ModelError as exc:
+        return [f"model.path = {str(path)!r}: {exc}"]
+    return []
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     """``edgefl check-config PROFILE``: validate a device or coordinator profile (exit 0, or 1 listing all).
 
@@ -336,6 +348,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         try:
             coordinator = load_coordinator_profile(args.profile, _parse_sets(args.set))
             problems = strategy_problems(coordinator)  # what `edgefl coordinator` refuses, refused here
+            problems += _model_problems(coordinator.model.path)
             if problems:
                 raise ConfigError(problems)
         except ConfigError as exc:

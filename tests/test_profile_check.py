@@ -77,6 +77,20 @@ def test_shipped_coordinator_profile_refused_by_check_config_and_before_round_1(
 
 
 @pytest.mark.subprocess
+def test_shipped_coordinator_profile_with_a_model_that_cannot_load(tmp_path: Path) -> None:
+    """check-config loads the model as the coordinator does at start: exit 1 naming model.path; the
+    coordinator itself refuses it before connecting with its model error (exit 3), no traceback."""
+    (tmp_path / "bad.tflite").write_bytes(b"\x00" * 4096)
+    sets = ["--set", f"model.path={tmp_path}/bad.tflite"]
+    check = _edgefl("check-config", str(COORDINATOR), *sets, cwd=tmp_path)
+    assert check.returncode == 1 and "  model.path = " in check.stderr, check.stderr
+    run = _edgefl(
+        "coordinator", str(COORDINATOR), "--set", "broker.url=mqtt://127.0.0.1:1", *sets, cwd=tmp_path
+    )
+    assert run.returncode == 3 and "model error" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr + run.stdout
+
+
 def test_shipped_coordinator_profile_with_writable_files_passes(tmp_path: Path) -> None:
     sets = _sets([f"files.{name}={tmp_path}/out.{name}" for name in ("state", "log", "json")])
     check = _edgefl("check-config", str(COORDINATOR), *sets, cwd=tmp_path)
