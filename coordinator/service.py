@@ -779,8 +779,9 @@ class Coordinator:
         self._notify()
 
     def min_updates(self) -> int:
-        """The fewest updates the strategy aggregates (its own floor; a round never closes early below it)."""
-        return 1
+        """The fewest updates the strategy aggregates (``robustness.tolerate`` sets it): a round opens only
+        once that many devices are ready, so a round is not asked of too few and then abandoned."""
+        return max(1, self.strategy.min_updates)
 
     def handle(self, msg: Message) -> None:
         """Dispatch one message; a bad one is logged with topic, size and reason and counted, never raised."""
