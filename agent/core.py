@@ -149,8 +149,6 @@ class RoundStatus(StrEnum):
     """This round (or a later one) was already answered, maybe before a restart: nothing is sent again."""
     WAITING_HEAD = "waiting_head"
     """The round builds on a global head not yet applied; kept pending (``take_ready_round``)."""
-    NO_SAMPLES = "no_samples"
-    """The store is empty; kept pending until samples are stored."""
     DEFERRED = "deferred"
     """The memory governor deferred training or encoding (``reason`` says why); kept as
     :attr:`DeviceCore.deferred` and retried by :meth:`DeviceCore.retry_deferred`."""
@@ -526,7 +524,7 @@ class DeviceCore:
         return cls(
             profile,
             Head(W, b, 0),
-            backbone.sha256,
+            backbone.backbone_sha256,
             pipeline=pipeline,
             governor=governor,
             state_dir=directory,
@@ -853,7 +851,40 @@ class DeviceCore:
             if held.any():
                 refused += self.holdout.add(embeddings[held], labels[held])
         after = self.store.refused_not_finite + (self.holdout.refused_not_finite if self.holdout else 0)
+        # a full disk: the failed flush waits for retry_persist rather than failing at every batch
+        if self._unflushed() >= self.profile.training.flush_every and "store" not in self._unsaved:
+            self.flush_store()
         return refused, after - before
+
+    def _unflushed(self) -> int:
+        return self.store.unflushed + (self.holdout.unflushed if self.holdout is not None else 0)
+
+    def flush_due(self) -> bool:
+        """Whether a store flush is due (``training.flush_every`` or ``flush_interval_s`` reached)."""
+        cfg = self.profile.training
+        stores = (self.store,) if self.holdout is None else (self.store, self.holdout)
+        if "store" in self._unsaved or "holdout" in self._unsaved:
+            return False  # retry_persist writes it once there is room
+        if self._unflushed() >= cfg.flush_every:
+            return True
+        return any(s.flush_due(cfg.flush_every, cfg.flush_interval_s) for s in stores)
+
+    def unflushed_since(self) -> float | None:
+        """``time.monotonic()`` of the oldest sample stored since the last flush (None: all flushed)."""
+        times = [s.unflushed_since for s in (self.store, self.holdout) if s is not None]
+        known = [t for t in times if t is not None]
+        return min(known) if known else None
+
+    def flush_store(self) -> bool:
+        """Make the stored samples durable: flush the store and the holdout (never raises).
+
+        Returns False if a write failed (a full disk: counted, logged, the core :attr:`degraded`,
+        retried by :meth:`retry_persist`).
+        """
+        ok = self._persist("store", self.store.flush)
+        if self.holdout is not None:
+            ok = self._persist("holdout", self.holdout.flush) and ok
+        return ok
 
     def evaluate(self) -> Evaluation | None:
         """Accuracy of the current head on the holdout store (federated evaluation), or None without one.
@@ -919,7 +950,7 @@ class DeviceCore:
 
         In order: not selected -> NOT_SELECTED; round <= the last answered one (persisted across
         restarts) -> ANSWERED; base version newer than the head -> WAITING_HEAD (kept pending);
-        older -> REFUSED ``stale_round``; empty store -> NO_SAMPLES (kept pending); fewer than
+        older -> REFUSED ``stale_round``; empty store -> DECLINED ``no_samples`` at once; fewer than
         ``training.min_examples`` labelled examples -> DEFERRED (retried as for memory, declined
         ``too_few_examples`` after half the deadline: :meth:`retry_deferred`); the governor
         defers -> DEFERRED; else local epochs on the store (phase ``train``), error feedback on a
@@ -969,8 +1000,13 @@ class DeviceCore:
                 ),
             )
         if len(self.store) == 0:
-            self.pending_round = ann  # retried as soon as samples are stored
-            return RoundResult(RoundStatus.NO_SAMPLES, ann.round, detail="no local samples")
+            # nothing to train on: say so now rather than hold the round to its deadline
+            if self.pending_round is not None and self.pending_round.round <= ann.round:
+                self.pending_round = None
+            try:
+                return self.decline(ann, Reason.NO_SAMPLES, "no labelled samples stored")
+            except OSError as exc:
+                return RoundResult(RoundStatus.REFUSED, ann.round, "failed", str(exc))
         if self.pending_round is not None and self.pending_round.round <= ann.round:
             self.pending_round = None
         need = self.profile.training.min_examples
@@ -1412,7 +1448,7 @@ class DeviceCore:
         logged, marks the core :attr:`degraded` and is retried by :meth:`retry_persist`; it never raises.
         """
         deferred = self.write_deferred()
-        return self._persist("store", self.store.flush) and deferred
+        return self.flush_store() and deferred
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -85,6 +85,7 @@ FLAG_KEYS: Final = {
     "device_keys": "security.device_keys_dir",
     "clip_norm": "robustness.norm_bound",
     "clip_multiplier": "robustness.adaptive_factor",
+    "tolerate": "robustness.tolerate",
     "trim_fraction": "strategy.trim_fraction",
     "max_updates": "strategy.max_updates",
     "buffer_size": "strategy.buffer_size",
@@ -105,6 +106,8 @@ FLAG_MEANING: Final = {
     "and expect as many clients a round; ",
     "clip_norm": "bound on each update's L2 norm at the coordinator (not the devices' "
     "training.clip_norm); ",
+    "tolerate": "hostile devices every aggregated round withstands (sets each strategy's fewest "
+    "updates a round); ",
 }
 
 
@@ -208,6 +211,7 @@ def build_strategy(profile: CoordinatorProfile) -> Strategy:
         deadline_s=rounds.deadline_s,
         clip_norm=rob.norm_bound,
         clip_multiplier=rob.adaptive_factor,
+        tolerate=rob.tolerate,
         **own,
     )
     if not dp.enabled:
@@ -219,6 +223,35 @@ def build_strategy(profile: CoordinatorProfile) -> Strategy:
         expected_clients=dp.expected_clients or float(rounds.min_clients),
         delta=dp.delta,
     )
+
+
+#: The strategies' constructor arguments that another table's key sets (the rest are ``strategy.<name>``).
+_ARGUMENT_KEYS: Final = {
+    "clip_norm": "robustness.norm_bound",
+    "clip_multiplier": "robustness.adaptive_factor",
+}
+
+
+def strategy_problems(profile: CoordinatorProfile) -> list[str]:
+    """Why :func:`build_strategy` refuses ``profile``, each line naming its dotted key; empty if it builds.
+
+    ``edgefl check-config`` and ``edgefl coordinator`` both ask (the coordinator before it connects),
+    so a profile that one accepts the other runs. Building a strategy allocates nothing of the head.
+    """
+    name = profile.strategy.name
+    try:
+        build_strategy(profile)
+    except TypeError as exc:  # an option the named strategy does not take (server_momentum for median)
+        arg = str(exc).rpartition("argument ")[2].strip("'\" ")
+        key = _ARGUMENT_KEYS.get(arg, f"strategy.{arg}")
+        table, _, field_name = key.partition(".")
+        value = getattr(getattr(profile, table), field_name, None)
+        return [f"{key} = {value!r}: not an option of strategy.name = {name!r}"]
+    except ValueError as exc:
+        key = "privacy.enabled" if profile.privacy.enabled and "DP" in str(exc) else "strategy.name"
+        value = "true" if key == "privacy.enabled" else repr(name)
+        return [f"{key} = {value}: {exc}"]
+    return []
 
 
 Evaluation = Callable[[CoordinatorProfile, Backbone], Callable[[F32, F32], float] | None]
@@ -250,14 +283,11 @@ def main(
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
         return EXIT_INVALID
-    try:
-        strategy = build_strategy(profile)  # a combination no strategy accepts is a profile problem
-        if profile.hierarchy.role != "flat" and profile.strategy.name == "fedbuff":
-            raise ValueError(f"hierarchy.role = {profile.hierarchy.role!r}: fedbuff runs flat only")
-        del strategy
-    except ValueError as exc:
+    problems = strategy_problems(profile)  # a combination no strategy accepts is a profile problem
+    if problems:
         print(f"edgefl coordinator: invalid profile {args.profile}:", file=sys.stderr)
-        print(f"  [strategy]/[privacy]: {exc}", file=sys.stderr)
+        for problem in problems:
+            print(f"  {problem}", file=sys.stderr)
         return EXIT_INVALID
     try:
         return asyncio.run(run(profile, evaluation, page))
@@ -458,6 +488,7 @@ async def run(
         role_kwargs = {
             "site_keys": load_verify_keys(hier.site_keys_dir) if hier.site_keys_dir else None,
             "expected_sites": hier.expected_sites,
+            "site_devices": hier.site_devices,
         }
     elif hier.role == "site":
         cls = SiteAggregator
@@ -473,7 +504,7 @@ async def run(
         Topics(broker.topic_prefix, fleet),
         W0,
         b0,
-        model_sha256=backbone.sha256,
+        model_sha256=backbone.backbone_sha256,
         strategy=strategy,
         evaluate=evaluate,
         compression=Compression(rounds.compression),
@@ -510,7 +541,8 @@ async def run(
     where = f"{broker.scheme}://{broker.host}:{broker.port}"
     role = "" if hier.role == "flat" else f" ({hier.role} of {hier.expected_sites or 'any number of'} sites)"
     print(
-        f"coordinator{role} of fleet {fleet} at {where}: {_plural(rounds.count, 'round')} of {st.name}",
+        f"coordinator{role} of fleet {fleet} at {where}: {_plural(rounds.count, 'round')} of {st.name}, "
+        f"{strategy.tolerance()}",
         flush=True,
     )
     stop_page: Callable[[], Awaitable[None]] | None = None
@@ -526,7 +558,7 @@ async def run(
     try:
         await _connected_or_refused(transport, where, 60.0)
         await coord.start()
-        expected = max(rounds.expected_clients, rounds.min_clients)
+        expected = max(rounds.expected_clients, rounds.min_clients, strategy.min_updates)
         if coord.state.round >= rounds.count:
             print(
                 f"nothing to do: fleet {fleet} is at round {coord.state.round} of {rounds.count} "
@@ -581,6 +613,10 @@ async def run(
             if rec.clients == 0:
                 why = _empty_cause(refused_round, declined_round, len(coord.online_devices()))
                 empty.append(f"round {rec.round} aggregated nothing ({why})")
+            elif rec.refused == "too_few":  # abandoned: fewer updates than robustness.tolerate needs
+                need = f"{strategy.name} needs {strategy.min_updates}"
+                why = f"{rec.clients} updates, {need}: {strategy.tolerance()}"
+                empty.append(f"round {rec.round} aggregated nothing (abandoned: {why})")
             if files.log is not None:
                 entry = {
                     "round": rec.round,

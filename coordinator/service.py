@@ -352,7 +352,7 @@ class Coordinator:
         # dropped after adopting, and whenever the broker resumed a session of ours (an earlier run
         # that adopted may have left them in it)
         if adopting or self.transport.session_present:
-            for topic in (self.topics.round, self.topics.global_model + "/#"):
+            for topic in (self.topics.round, self.topics.global_model + "/#", *self._dropped_topics()):
                 try:
                     await self.transport.unsubscribe(topic)
                 except TransportError as exc:  # harmless: the echoes are ignored, as before
@@ -364,6 +364,10 @@ class Coordinator:
     def _data_topics(self) -> list[str]:
         """The device-facing topics :meth:`start` subscribes to after the control topics."""
         return [self.topics.update("+"), self.topics.status("+")]
+
+    def _dropped_topics(self) -> list[str]:
+        """Topics an earlier session of this client may hold that this one must not receive."""
+        return []
 
     async def subscribe(self, topic: str, budget_s: float = PUBLISH_RETRY_S) -> None:
         """Subscribe with QoS 1, retrying a late SUBACK with backoff (1, 2, 4 ... 16 s) for ``budget_s``.
@@ -460,6 +464,7 @@ class Coordinator:
             "shape": list(self.shape),
             "history": [list(dataclasses.astuple(h)) for h in self.state.history],
             "counted": {str(k): sorted(v) for k, v in self.counted.items()},
+            "strategy": self.strategy.durable_state(),  # norm history, server optimiser, DP ledger
         }
         write_record(path, cbor2.dumps(doc))
 
@@ -491,6 +496,11 @@ class Coordinator:
         self.state.version = int(doc["version"])
         self.state.history = [RoundRecord(*h) for h in doc["history"]]
         self.counted = {int(k): list(v) for k, v in doc.get("counted", {}).items()}
+        try:
+            self.strategy.restore_durable(doc.get("strategy", {}))
+        except (ValueError, KeyError, TypeError) as exc:
+            why = f"{path}: the strategy's saved state does not fit ({exc})"
+            raise UpdateRejected("bad_state", why) from exc
         self._record_unrecorded_round()
         logger.info("resumed at round %d, version %d from %s", self.state.round, self.state.version, path)
         return True
@@ -602,13 +612,18 @@ class Coordinator:
                 self._notify()
             else:
                 self._handle_update(device, msg)
-        except (DecodeError, UpdateRejected) as exc:
-            self.state.rejected[exc.reason] += 1
+        except Exception as exc:
+            # DecodeError/UpdateRejected carry their reason; anything else is the last line of defence
+            # (a fault in handling): counted as ``failed`` so the pump never stops (a peer never deaf)
+            known = isinstance(exc, (DecodeError, UpdateRejected))
+            reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
+            why = str(exc) if known else f"failed: handling raised {type(exc).__name__}: {exc}"
+            self.state.rejected[reason] += 1
             if device is not None and (
                 device in self.state.devices or len(self.rejected_by_device) < self.max_devices
             ):
-                self.rejected_by_device.setdefault(device, Counter())[exc.reason] += 1
-            n = self.state.rejected[exc.reason]
+                self.rejected_by_device.setdefault(device, Counter())[reason] += 1
+            n = self.state.rejected[reason]
             # every refusal is counted; the log names the first ones of each reason, then every 1000th
             # (a flood of forged messages must not become a flood of log lines)
             if n <= LOGGED_REFUSALS or n % 1000 == 0:
@@ -616,8 +631,8 @@ class Coordinator:
                     "rejected message on %s (%d bytes): %s%s",
                     msg.topic,
                     len(msg.payload),
-                    exc,
-                    f" ({n} {exc.reason} so far)" if n > LOGGED_REFUSALS else "",
+                    why,
+                    f" ({n} {reason} so far)" if n > LOGGED_REFUSALS else "",
                 )
 
     def _register(self, device: str, entry: dict[str, Any]) -> None:
@@ -648,7 +663,14 @@ class Coordinator:
         devices[device] = entry
         sha = entry.get("model_sha256")
         if isinstance(sha, str) and sha != self.model_sha256:
-            why = f"backbone sha256 {sha[:12]}… differs from the coordinator's {self.model_sha256[:12]}…"
+            # an `edgefl model prepare` output carries its original's sha256: a difference is another model
+            why = (
+                f"backbone sha256 {sha[:12]}… differs from the coordinator's {self.model_sha256[:12]}…: "
+                "another model (a `model prepare` output counts as its original)"
+            )
+            shape = entry.get("head_shape")
+            if isinstance(shape, list) and shape != [int(n) for n in self.W.shape]:
+                why += f"; head {shape}, the coordinator's {list(self.W.shape)}"
             if self.mismatched.get(device) != why:
                 self.mismatched[device] = why
                 logger.warning("device %s runs another model: %s; left out of rounds", device, why)
@@ -1067,9 +1089,9 @@ class Coordinator:
                 refused = refusal.reason
                 self.state.refused_rounds[refused] += 1
                 logger.error(
-                    "round %d refused: the aggregated head would be refused by the agents (%s); "
-                    "keeping version %d",
+                    "round %d refused: %s (%s); keeping version %d",
                     round_no,
+                    "abandoned" if refused == "too_few" else "the agents would refuse the aggregated head",
                     refusal,
                     self.state.version,
                 )

@@ -21,7 +21,8 @@ nothing changes state):
   shutdown every open stream gets the final status before it ends (a finished job reads finished).
 - ``/metrics``: Prometheus text exposition format (prometheus-client) built from ``get_status()``
   (``dashboard/metrics.py``).
-- ``/healthz``: ``ok``.
+- ``/healthz``: ``ok`` (200), or 503 with the problem when the status's ``health`` field is not ``ok``
+  (an agent whose broker refuses its credentials: ``refused: not authorized``).
 
 Security: when ``token`` is set every route requires ``Authorization: Bearer <token>`` or HTTP Basic
 with the token as password (browsers prompt for it; ``EventSource`` then sends it too), compared in
@@ -539,6 +540,16 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _healthz(request: web.Request) -> web.Response:
+    """``ok`` (200), or 503 with the problem when the status's ``health`` field names one.
+
+    A status that cannot be read leaves it at 200: the process serves (``/api/status`` says 503).
+    """
+    try:
+        health = request.app[HUB_KEY].status().get("health", "ok")
+    except Exception:
+        health = "ok"
+    if health != "ok":
+        raise web.HTTPServiceUnavailable(text=f"{health}\n")
     return web.Response(text="ok\n")
 
 
