@@ -14,6 +14,7 @@ import asyncio
 import datetime
 import json
 import math
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -656,3 +657,33 @@ def test_console_coordinator_round_records_follow_its_history() -> None:
     assert [(r["round"], r["clients"]) for r in coord.dashboard_rounds()] == [(1, 3)]
     status = coord.dashboard_status()
     assert status["rounds"] == coord.dashboard_rounds() and status["broker_connected"] is False
+
+
+def test_console_page_marks_a_server_that_stops_answering_stale(browser: Browser) -> None:
+    """The stream stays open but the server's loop is stuck: the page says stale, then live again."""
+    server = ThreadedDashboard(DashboardState("device", "gw", device_status, push_interval_s=0.2))
+    try:
+        context = browser.new_context(viewport=WIDE)  # type: ignore[arg-type]
+        context.add_init_script("window.edgeflProbeS = 0.4")  # probes every 0.4 s: silent after 1 s
+        page = context.new_page()
+        errors = PageErrors(page)
+        page.goto(server.url + "/")
+        expect(page.locator("#live")).to_have_text("live", timeout=5000)
+        released = threading.Event()
+
+        async def stuck() -> None:  # blocks the server's event loop, as a hung process would
+            while not released.is_set():
+                time.sleep(0.05)
+
+        server.loop.call_soon_threadsafe(lambda: server.loop.create_task(stuck()))
+        try:
+            expect(page.locator("#live")).to_have_attribute("data-state", "stale", timeout=5000)
+            expect(page.locator("#stale-note")).to_contain_text("the agent does not answer")
+        finally:
+            released.set()
+        expect(page.locator("#live")).to_have_attribute("data-state", "live", timeout=5000)
+        expect(page.locator("#stale-note")).to_be_hidden()
+        assert errors.items == []
+        context.close()
+    finally:
+        server.close()

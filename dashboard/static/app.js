@@ -831,17 +831,28 @@
     setText("updated", new Date().toLocaleTimeString());
   }
 
-  // The page's own liveness: "live" while the event stream is open; once it drops, the data on the
-  // page is marked stale with its age (and stays, so a finished job's last state remains readable).
+  // The page's own liveness: "live" while the event stream is open and the server answers a probe
+  // of /healthz every PROBE_S; once either fails, the data on the page is marked stale with its age
+  // (and stays, so a finished job's last state remains readable). Pushes come only on change, so
+  // the data is as old as the last moment the server was known to answer. window.edgeflProbeS
+  // (set by a test before the page loads) shortens the probe period.
+  const PROBE_S = Number(window.edgeflProbeS) > 0 ? Number(window.edgeflProbeS) : 10;
+  const SILENT_S = 2.5 * PROBE_S;
   let lastDataAt = null; // local s of the last document received
+  let lastAliveAt = null; // local s the server last answered (document, stream opened, probe)
   let streamOpen = false;
+
+  function alive() {
+    lastAliveAt = nowS();
+  }
 
   function setLive() {
     const live = document.getElementById("live");
     const note = document.getElementById("stale-note");
     const main = document.getElementById("main");
     const who = KIND === "device" ? "agent" : "coordinator";
-    if (streamOpen) {
+    const silent = lastAliveAt !== null && nowS() - lastAliveAt > SILENT_S;
+    if (streamOpen && !silent) {
       live.textContent = "live";
       live.className = "pill pill-ok";
       live.dataset.state = "live";
@@ -855,19 +866,34 @@
       live.dataset.state = "connecting";
       return;
     }
-    const age = nowS() - lastDataAt;
+    const age = nowS() - (lastAliveAt ?? lastDataAt);
     live.textContent = `stale · ${ago(age).replace(" ago", " old")}`;
     live.className = "pill pill-bad";
     live.dataset.state = "stale";
     note.hidden = false;
-    note.textContent = `the ${who} does not answer: what you see is from ${ago(age)} (${new Date(Date.now() - age * 1000).toLocaleTimeString("en-GB", { hour12: false })})`;
+    const at = new Date(Date.now() - age * 1000).toLocaleTimeString("en-GB", { hour12: false });
+    note.textContent = `the ${who} does not answer: what you see is from ${ago(age)} (${at})`;
     main.classList.add("stale");
+  }
+
+  async function probe() {
+    const abort = new AbortController();
+    const timer = setTimeout(() => abort.abort(), (PROBE_S * 1000) / 2);
+    try {
+      await fetch("/healthz", { cache: "no-store", signal: abort.signal });
+      alive(); // any answer (503 names a problem the status shows) means the server runs
+    } catch (err) {
+      // no answer in time: the data ages (setLive tells)
+    } finally {
+      clearTimeout(timer);
+    }
+    setLive();
   }
 
   async function loadStatus() {
     try {
       const r = await fetch("/api/status", { cache: "no-store" });
-      if (r.ok) { render(await r.json()); lastDataAt = nowS(); }
+      if (r.ok) { render(await r.json()); lastDataAt = nowS(); alive(); }
     } catch (err) {
       console.warn("edgefl: status unavailable", err);
     }
@@ -879,6 +905,7 @@
     const source = new EventSource("/api/events");
     source.onopen = () => {
       streamOpen = true;
+      alive();
       setLive();
       if (reloadHistory) {
         if (KIND === "device") loadHistory(); else { loadDeviceHistory(); loadRounds(); }
@@ -889,7 +916,9 @@
       try {
         render(JSON.parse(ev.data));
         lastDataAt = nowS();
-        if (!streamOpen) { streamOpen = true; setLive(); }
+        alive();
+        if (!streamOpen) streamOpen = true;
+        setLive();
       } catch (err) {
         console.warn("edgefl: bad event", err);
       }
@@ -898,6 +927,7 @@
       // EventSource reconnects by itself (retry: from the server) unless the server answered with
       // an error (503: too many streams, 401); then try again in a while. After a reconnect the
       // history is reloaded so the charts have no gap.
+      if (streamOpen) alive(); // the data was current until now
       streamOpen = false;
       setLive();
       reloadHistory = true;
@@ -911,7 +941,8 @@
   window.addEventListener("resize", () => {
     if (KIND === "device") drawRssChart(); else { drawAccuracyChart(); drawMemoryChart(); }
   });
-  setInterval(() => { if (!streamOpen) setLive(); }, 1000);
+  setInterval(setLive, 1000);
+  setInterval(() => { if (streamOpen) probe(); }, PROBE_S * 1000);
   if (KIND === "coordinator") {
     setInterval(tickDeadline, 500);
     setInterval(() => { if (streamOpen) drawMemoryChart(); }, 5000); // keeps the time axis moving
