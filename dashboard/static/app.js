@@ -227,7 +227,9 @@
     const pts = rssPoints.map(([t, v]) => [t - now, v / 1024 ** 2]);
     const span = pts.length ? -pts[0][0] : 0;
     const win = Math.min(CHART_WINDOW_S, Math.max(60, Math.ceil(span / 60) * 60));
-    const tickStep = win <= 60 ? 10 : win <= 180 ? 30 : 60;
+    // labels at least ~60 px apart: none overlap on a phone
+    const room = Math.max(2, Math.floor((canvas.clientWidth - 70) / 60));
+    const tickStep = [10, 15, 30, 60, 120].find((st) => win / st <= room) || 300;
     const ticks = [];
     for (let x = -win; x <= 0; x += tickStep) ticks.push(x);
     setText("chart-window", win < 120 ? `last ${win} s` : `last ${win / 60} min`);
