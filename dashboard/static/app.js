@@ -508,7 +508,11 @@
 
   // ---- the rounds history: the whole of it from /api/rounds, then what is new ----
 
-  const rounds = []; // round records, oldest first
+  const rounds = []; // round records, oldest first, at most MAX_ROUNDS_KEPT
+  const MAX_ROUNDS_KEPT = 20000; // a page left open for months stays small
+  function keepRounds() {
+    if (rounds.length > MAX_ROUNDS_KEPT) rounds.splice(0, rounds.length - MAX_ROUNDS_KEPT);
+  }
   let roundsLoading = false;
   let roundsServed = true; // false when the coordinator serves no /api/rounds (then: status.rounds)
   const PAGE_ROWS = 15;
@@ -531,6 +535,7 @@
           continue;
         }
         for (const e of got) if (!rounds.length || e.round > rounds[rounds.length - 1].round) rounds.push(e);
+        keepRounds();
         if (!got.length || !isNum(doc.last) || rounds[rounds.length - 1].round >= doc.last) break;
       }
     } catch (err) {
@@ -564,6 +569,7 @@
       return;
     }
     for (const e of s.rounds) if (obj(e) && isNum(e.round) && e.round > have) rounds.push(e);
+    keepRounds();
     drawAccuracyChart();
     renderRounds();
   }
