@@ -1,10 +1,10 @@
 """Device profiles: a TOML file turned into frozen dataclasses, validated once at load.
 
 One dataclass per TOML table (``[device]``, ``[model]``, ``[pipeline]``, ``[broker]``, ``[memory]``,
-``[training]``, ``[source]``, ``[dashboard]``). Unknown tables and keys are refused; a missing table
-takes its defaults; ``device.id`` and ``model.path`` are required. Every problem is collected and
-reported at once in one :class:`~edgefl.errors.ConfigError`, each naming the dotted key, the value and
-the reason (``memory.cap_mb = 0: must be > 0``).
+``[training]``, ``[personal]``, ``[source]``, ``[dashboard]``). Unknown tables and keys are refused;
+a missing table takes its defaults; ``device.id`` and ``model.path`` are required. Every problem is
+collected and reported at once in one :class:`~edgefl.errors.ConfigError`, each naming the dotted
+key, the value and the reason (``memory.cap_mb = 0: must be > 0``).
 
 Relative paths (``model.path``, ``device.state_dir``, ``source.path``, the TLS files) resolve against
 the directory of the profile file. Secrets (``broker.password``, ``dashboard.token``) never appear in a
@@ -48,6 +48,7 @@ __all__ = [
     "DeviceConfig",
     "MemoryConfig",
     "ModelConfig",
+    "PersonalConfig",
     "PipelineConfig",
     "Profile",
     "SourceConfig",
@@ -204,6 +205,37 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PersonalConfig:
+    """``[personal]``: the device's personal head, trained beside the global one.
+
+    After each round's local training the device takes class-restricted Ditto steps on its own
+    head: local SGD on its labelled store with a pull ``prox_lambda`` toward the global head, the
+    columns of classes it never had a label for kept equal to the global head's. That head serves
+    the device's predictions while it does at least as well as the global head on the holdout; the
+    update sent stays the global one's (no new bytes).
+
+    Parameters
+    ----------
+    enabled : bool
+        Train and serve a personal head.
+    prox_lambda : float
+        Ditto's proximal coefficient lambda, 0..1000 (0 = local training alone).
+    epochs : int
+        Passes over the store per round, 0..100; 0 = the round's ``local_epochs``.
+    lr : float
+        SGD learning rate, 0..10; 0 = the round's ``lr``.
+
+    Source: Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through
+    Personalization", ICML 2021. Defaults from ``python -m bench.personal`` (docs/benchmarks.md).
+    """
+
+    enabled: bool = True
+    prox_lambda: float = 0.5
+    epochs: int = 0
+    lr: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class SourceConfig:
     """``[source]``: where local samples come from.
 
@@ -304,7 +336,7 @@ class Profile:
     ----------
     path : Path
         The profile file (absolute), or ``Path("<inline>")`` when parsed from a mapping without one.
-    device, model, pipeline, broker, memory, training, source, dashboard, security, status
+    device, model, pipeline, broker, memory, training, source, dashboard, security, status, personal
         One value object per TOML table.
     """
 
@@ -319,6 +351,7 @@ class Profile:
     dashboard: DashboardConfig
     security: SecurityConfig = field(default_factory=SecurityConfig)
     status: StatusConfig = field(default_factory=StatusConfig)
+    personal: PersonalConfig = field(default_factory=PersonalConfig)
 
     @property
     def cap_bytes(self) -> int:
@@ -337,6 +370,7 @@ _TABLES: dict[str, type[Any]] = {
     "dashboard": DashboardConfig,
     "security": SecurityConfig,
     "status": StatusConfig,
+    "personal": PersonalConfig,
 }
 
 
@@ -518,6 +552,15 @@ def _check_status(p: Problems, c: StatusConfig, raw: Mapping[str, object], check
         p.add("status.heartbeat_s", c.heartbeat_s, "must be between status.interval_s and 86400 seconds")
 
 
+def _check_personal(p: Problems, c: PersonalConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    if not 0.0 <= c.prox_lambda <= 1000.0:
+        p.add("personal.prox_lambda", c.prox_lambda, "must be between 0 and 1000")
+    if isinstance(c.epochs, bool) or not isinstance(c.epochs, int) or not 0 <= c.epochs <= 100:
+        p.add("personal.epochs", c.epochs, "must be an integer between 0 and 100 (0: the round's)")
+    if not 0.0 <= c.lr <= 10.0:
+        p.add("personal.lr", c.lr, "must be between 0 and 10 (0: the round's)")
+
+
 _CHECKS: dict[str, Check] = {
     "device": _check_device,
     "model": _check_model,
@@ -529,6 +572,7 @@ _CHECKS: dict[str, Check] = {
     "dashboard": check_dashboard,
     "security": _check_security,
     "status": _check_status,
+    "personal": _check_personal,
 }
 
 # Placeholders for required fields that are missing or mistyped, so the rest of the table is still

@@ -35,7 +35,7 @@ from edgefl.agent import memory
 from edgefl.agent.config import Profile
 from edgefl.agent.core import ApplyStatus, Classified, DeviceCore, RoundResult, RoundStatus
 from edgefl.agent.ingest import LOGGED_REFUSALS, Ingest, Queued
-from edgefl.agent.status import status_news
+from edgefl.agent.status import samples_level, status_news
 from edgefl.aio import wait_event
 from edgefl.errors import (
     BudgetExceeded,
@@ -80,12 +80,16 @@ COMPACT_STATUS_FIELDS = frozenset(
         "ts",
         "eval_version",
         "eval_accuracy",
+        "personal_accuracy",
+        "global_accuracy",
+        "serving_head",
         "eval_count",
         "round",
         "version",
         "reason",
         "ready",
         "store_samples",
+        "new_samples",
         "rss_bytes",
         "peak_rss_bytes",
         "cap_bytes",
@@ -208,6 +212,7 @@ class Agent:
         self._reconnected = asyncio.Event()
         self._status_connected = False  # a (re)connect happened: the next status check publishes
         self._last_said, self._last_at = "", -math.inf  # what the last published status said, and when
+        self._last_level = 0  # samples_level of the last status published, lowered as it drops
         self._loop: asyncio.AbstractEventLoop | None = None
         self._next_retry_at = -math.inf  # when the deferred round may be retried again (monotonic)
         src = profile.source
@@ -402,7 +407,12 @@ class Agent:
         scores = out.scores if out.scores is not None else np.ones(len(rows), dtype=np.float32)
         predictions = [
             Prediction(
-                r.id, int(out.predictions[i]), float(scores[i]), out.version, max(0.0, done - r.arrived_s)
+                r.id,
+                int(out.predictions[i]),
+                float(scores[i]),
+                out.version,
+                max(0.0, done - r.arrived_s),
+                head=out.head,
             )
             for i, r in enumerate(rows)
         ]
@@ -636,6 +646,9 @@ class Agent:
             self._changed()
         elif status == RoundStatus.TRAINED:
             await self._sent(result)
+            # the personal head's step, once the update is out (it changes nothing that is sent)
+            if self.core.personal_due and await self._work(self.core.personalise) is not None:
+                self._changed()
         elif status == RoundStatus.DECLINED:
             await self._declined(result)
         else:
@@ -777,6 +790,7 @@ class Agent:
             "write_failures": core.write_failures,
             "ready": s.replay_done or s.ingest_ready,
             "store_samples": len(core.store),
+            "new_samples": core.new_samples,  # labelled samples stored since the last round (paces rounds)
             "stored_total": s.stored_total,  # labelled samples stored (store and holdout) since start
             "inferred_total": s.inferred_total,
             "inference_accuracy": (s.correct_total / s.labelled_total) if s.labelled_total else None,
@@ -809,6 +823,8 @@ class Agent:
                 if core.evaluation is not None
                 else {}
             ),
+            # the personal head beside the global one (same holdout), and which one serves predictions
+            **self.personal_fields(),
             "pid": os.getpid(),
             "dashboard_url": self.dashboard_url,
             "transport": self.transport.counters() if self.transport is not None else {},
@@ -874,6 +890,24 @@ class Agent:
                 n,
                 limit,
             )
+
+    def personal_fields(self) -> dict[str, Any]:
+        """``serving_head`` and, once both heads were evaluated, ``personal_accuracy``/``global_accuracy``.
+
+        ``serving_head`` is ``"personal"`` or ``"global"`` (before the first personal step, with
+        ``personal.enabled`` false, or while the personal head is behind the global one on the
+        holdout: ``personal_fallback`` true).
+        """
+        core = self.core
+        out: dict[str, Any] = {
+            "serving_head": core.serving_head()[1],
+            "personal_fallback": core.personal_fallback,
+        }
+        pe, ge = core.personal_evaluation, core.evaluation
+        if pe is not None and ge is not None:
+            out["personal_accuracy"] = pe.accuracy
+            out["global_accuracy"] = ge.accuracy
+        return out
 
     def ingest_fields(self) -> dict[str, int]:
         """The live ingest's counters and levels (``{}`` unless ``source.kind = "mqtt"``)."""
@@ -953,10 +987,17 @@ class Agent:
             return
         topic = self.topics.status(self.device)
         # round progress and volatile figures are not news; the /proc reads wait until a publish
-        said = status_news(self.state.state, self.status_fields(measure=False))
+        quick = self.status_fields(measure=False)
+        said = status_news(self.state.state, quick)
         if self._status_connected:
             self._status_connected, self._last_said = False, ""
-        if said == self._last_said and time.monotonic() - self._last_at < heartbeat_s:
+        level = samples_level(quick)
+        self._last_level = min(self._last_level, level)  # trained on: the next rise is news again
+        if (
+            said == self._last_said
+            and level <= self._last_level
+            and time.monotonic() - self._last_at < heartbeat_s
+        ):
             return
         fields = self.status_fields()
         payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
@@ -970,7 +1011,7 @@ class Agent:
             logger.debug("status not published: %s", exc)
             self._last_said = ""  # try again at the next check
             return
-        self._last_said, self._last_at = said, time.monotonic()
+        self._last_said, self._last_at, self._last_level = said, time.monotonic(), level
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> None:

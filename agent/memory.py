@@ -48,9 +48,9 @@ PHASES = ("batch", "inference", "train", "encode", "publish", "apply")
 #: Phases that can wait for a later round (training and its upload). Inference (and its batch
 #: preparation) cannot wait that long: it is shrunk to its floor, and refused only while even the
 #: floor is over budget (the caller retries once memory frees).
-DEFERRABLE = frozenset({"train", "encode", "publish"})
+DEFERRABLE = frozenset({"train", "encode", "publish", "personal"})
 #: Phases held back while the system's MemAvailable is under the profile's threshold.
-SYSTEM_GUARDED = frozenset({"train"})
+SYSTEM_GUARDED = frozenset({"train", "personal"})
 
 # cgroup v1 reports "no limit" as a huge page-aligned number (PAGE_COUNTER_MAX * page size).
 _V1_UNLIMITED = 1 << 62
@@ -545,6 +545,49 @@ def estimate_train_bytes(
     return chunk_bytes + step_bytes + head_bytes + order_bytes + mapped + _FIXED_BYTES + first
 
 
+def personal_head_bytes(dim: int, classes: int) -> int:
+    """Bytes of one float32 head ``W [D, K]`` plus ``b [K]``: the personal head a device keeps resident."""
+    return (dim * classes + classes) * 4
+
+
+def estimate_personal_bytes(
+    chunk: int, dim: int, classes: int, batch_size: int, num_examples: int, *, first_run: bool = True
+) -> int:
+    """Bytes ``edgefl.agent.trainer.train_personal`` may add to RSS with a given chunk size.
+
+    The personal head itself (created from the global head on the first step; trained in place
+    after) and its gradient: two ``[D, K]`` heads, against :func:`estimate_train_bytes`' six; then
+    the same chunk, batch, shuffle and mapped-page terms as local training, which the personal
+    step reads the same way (and which local training has just made resident).
+
+    Parameters
+    ----------
+    chunk : int
+        Samples per chunk read from the store.
+    dim, classes : int
+        D and K.
+    batch_size : int
+        Samples per SGD step.
+    num_examples : int
+        Samples in the store.
+    first_run : bool
+        Add :data:`FIRST_RUN_BYTES` for code pages faulted in by the first call.
+
+    Returns
+    -------
+    int
+        Bytes.
+    """
+    chunk = min(chunk, max(1, num_examples))
+    chunk_bytes = chunk * (dim * (4 + 2) + 8 + 2 + 8 + 8)
+    step_bytes = min(batch_size, chunk) * (dim * 4 + classes * 4 * 4)
+    head_bytes = 2 * personal_head_bytes(dim, classes)
+    order_bytes = num_examples * 8 * 3
+    mapped = num_examples * (2 * dim + 2)
+    first = FIRST_RUN_BYTES if first_run else 0
+    return chunk_bytes + step_bytes + head_bytes + order_bytes + mapped + _FIXED_BYTES + first
+
+
 def wire_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 0.1) -> int:
     """Bytes of an encoded Update's deltas on the wire: the two layouts' CBOR sizes.
 
@@ -958,6 +1001,22 @@ class Governor:
         return self.admit(
             "train",
             lambda n: estimate_train_bytes(n, dim, classes, batch_size, num_examples, first_run=first),
+            chunk,
+            floor,
+        )
+
+    def admit_personal(
+        self, chunk: int, floor: int, *, dim: int, classes: int, batch_size: int, num_examples: int
+    ) -> Admission:
+        """Admit a personal-head step with ``chunk`` samples per store chunk (halved down to ``floor``).
+
+        Counted as :func:`estimate_personal_bytes`: one extra head plus its gradient beside the
+        chunk buffers; deferred (the step waits for the next round) when even ``floor`` is over budget.
+        """
+        first = self.phase_counts.get("personal", 0) == 0
+        return self.admit(
+            "personal",
+            lambda n: estimate_personal_bytes(n, dim, classes, batch_size, num_examples, first_run=first),
             chunk,
             floor,
         )

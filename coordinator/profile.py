@@ -108,14 +108,25 @@ class ModelRef:
 
 @dataclass(frozen=True, slots=True)
 class RoundsConfig:
-    """``[rounds]``: how many rounds, who takes part, and what devices are told to do.
+    """``[rounds]``: how many rounds, when they open, who takes part, and what devices are told to do.
 
     Parameters
     ----------
     count : int
-        Rounds to run, > 0.
+        Rounds to run, >= 0. 0 (the default): a **service** that runs until stopped (SIGTERM), its
+        rounds paced by ``interval_s`` and ``min_new_samples``. N > 0: a **job** of N rounds back to
+        back (tests, demos, benches), which ignores the pacing keys and exits after round N.
+    interval_s : float
+        Service: least time between two round starts, seconds, >= 0.
+    min_new_samples : int
+        Service: a round opens only once the ready devices report at least this many labelled samples
+        stored since their last round (the DeviceStatus ``new_samples`` field), >= 0 (0: no wait).
     min_clients : int
-        Updates that close a round before its deadline, > 0.
+        Ready devices a service's round needs to open (also: updates that close a job's round opened
+        before any device was ready), > 0. The strategy's own minimum applies on top.
+    quorum : float
+        Share of the devices asked (the ready devices, or the strategy's sample of them) whose updates
+        close a round before its deadline, in (0, 1]; 1.0: a round waits for every device it asked.
     expected_clients : int
         Ready devices to wait for before round 1 (0: do not wait), >= 0.
     wait_devices_s : float
@@ -125,9 +136,11 @@ class RoundsConfig:
     local_epochs : int
         Client epochs per round, > 0.
     lr : float
-        Client learning rate of round 1, > 0.
+        Client learning rate, > 0: the same every round by default (a fleet's data keeps changing;
+        see ``docs/operations.md``, "Learning rate").
     lr_decay : float
-        Per-round factor on the client learning rate, in (0, 1].
+        Factor on the client learning rate per round within an episode, in (0, 1]; an episode restarts
+        at every round whose devices report new labelled samples (1.0, the default: constant).
     batch_size : int
         Client SGD batch size, > 0.
     compression : str
@@ -138,14 +151,17 @@ class RoundsConfig:
         release or later).
     """
 
-    count: int = 10
+    count: int = 0
+    interval_s: float = 60.0
+    min_new_samples: int = 32
     min_clients: int = 2
+    quorum: float = 1.0
     expected_clients: int = 0
     wait_devices_s: float = 120.0
     deadline_s: float = 60.0
     local_epochs: int = 2
     lr: float = 0.05
-    lr_decay: float = 0.8
+    lr_decay: float = 1.0
     batch_size: int = 16
     compression: Literal["none", "float16", "int8", "topk", "topk-int8"] = "none"
     downlink: Literal["float32", "float16", "int8"] = "float32"
@@ -386,10 +402,13 @@ def _check_model(p: Problems, c: ModelRef, raw: Mapping[str, object], check_file
 
 
 def _check_rounds(p: Problems, c: RoundsConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    for name in ("count", "min_clients", "local_epochs", "batch_size", "deadline_s", "lr", "wait_devices_s"):
+    for name in ("min_clients", "local_epochs", "batch_size", "deadline_s", "lr", "wait_devices_s"):
         _positive(p, f"rounds.{name}", getattr(c, name))
-    if c.expected_clients < 0:
-        p.add("rounds.expected_clients", c.expected_clients, "must be >= 0")
+    for name in ("count", "expected_clients", "min_new_samples", "interval_s"):
+        if not getattr(c, name) >= 0:
+            p.add(f"rounds.{name}", getattr(c, name), "must be >= 0")
+    if not 0 < c.quorum <= 1:
+        p.add("rounds.quorum", c.quorum, "must be in (0, 1]")
     if not 0 < c.lr_decay <= 1:
         p.add("rounds.lr_decay", c.lr_decay, "must be in (0, 1]")
 

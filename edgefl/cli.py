@@ -127,6 +127,32 @@ def _report(title: str, problems: Sequence[str]) -> None:
         print(f"  {problem}", file=sys.stderr)
 
 
+def cmd_coordinator(main: Callable[..., int], args: argparse.Namespace, **parts: Any) -> int:
+    """``edgefl coordinator``: set up the log (``--log-level``, on stderr), then run the coordinator."""
+    _setup_logging(args.log_level)
+    return main(args, **parts)
+
+
+def lock_coordinator_state(folder: Path) -> object:
+    """Lock a coordinator's state folder with the agents' ``flock`` (``coordinator.lock``) for its life.
+
+    Raises
+    ------
+    edgefl.coordinator.lease.LeaseHeld
+        If another live process holds it (``edgefl coordinator`` exits 6).
+    OSError
+        If the folder or the lock file cannot be created.
+    """
+    from edgefl.agent.statelock import StateDirBusy, lock_state_dir
+    from edgefl.coordinator.lease import LeaseHeld
+
+    try:
+        return lock_state_dir(folder, lock_file="coordinator.lock", owner="coordinator")
+    except StateDirBusy as exc:
+        holder = f"pid {exc.pid}" if exc.pid is not None else "a process whose pid is unknown"
+        raise LeaseHeld(f"state folder {folder}", holder) from exc
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """``edgefl run PROFILE``: run the agent daemon until SIGTERM/SIGINT."""
     from edgefl.errors import EdgeflError, ModelError
@@ -324,10 +350,11 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             print(f"edgefl: invalid coordinator profile {args.profile}:", file=sys.stderr)
             print(f"  [strategy]/[robustness]/[privacy]: {exc}", file=sys.stderr)
             return EXIT_INVALID
+        n = coordinator.rounds.count
+        rounds = f"{n} round{'' if n == 1 else 's'}" if n else "rounds until stopped"
         print(
-            f"{args.profile}: ok (coordinator of fleet {coordinator.fleet.name}, {coordinator.rounds.count} "
-            f"round{'' if coordinator.rounds.count == 1 else 's'} of {coordinator.strategy.name}, "
-            f"role {_role(coordinator.hierarchy)}, {tolerance})"
+            f"{args.profile}: ok (coordinator of fleet {coordinator.fleet.name}, {rounds} of "
+            f"{coordinator.strategy.name}, role {_role(coordinator.hierarchy)}, {tolerance})"
         )
         if args.print:
             print(json.dumps(SCHEMA.to_dict(coordinator), indent=2, default=str))
@@ -542,7 +569,13 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         from edgefl.demo import central_evaluation, serve_coordinator_page
 
         runner.add_parser(sub).set_defaults(
-            func=functools.partial(runner.main, evaluation=central_evaluation, page=serve_coordinator_page)
+            func=functools.partial(
+                cmd_coordinator,
+                runner.main,
+                evaluation=central_evaluation,
+                page=serve_coordinator_page,
+                lock=lock_coordinator_state,
+            )
         )
     return p
 

@@ -120,6 +120,15 @@ def launch_agent(
         )
 
 
+HEAD_ACCURACY_KEYS = ("personal_accuracy", "global_accuracy")
+"""The agents' accuracies of their two heads on their holdout (status fields, ``--json`` keys)."""
+
+
+def _accuracy(value: object) -> float | None:
+    """A status accuracy as a float (None when absent or not a number)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 def stop_agents(procs: list[subprocess.Popen[bytes]], timeout_s: float = 15.0) -> None:
     """SIGTERM every agent still running, wait up to ``timeout_s`` each, then SIGKILL."""
     for p in procs:
@@ -370,6 +379,9 @@ async def _run(opts: DemoOptions) -> int:
                         "cap_bytes": cap,
                         "peak_rss_bytes": peak,
                         **{key: int(status.get(key) or 0) for key in INGEST_KEYS},
+                        # both heads on the agent's holdout, from its latest status (null before both
+                        # were evaluated)
+                        **{key: _accuracy(status.get(key)) for key in HEAD_ACCURACY_KEYS},
                     }
                 )
         finally:

@@ -650,6 +650,7 @@ def test_profile_to_dict_round_trips(write: Writer, tmp_path: Path) -> None:
         "dashboard",
         "security",
         "status",
+        "personal",
     ]
     assert rendered["pipeline"] == {
         "mode": "fused",

@@ -76,13 +76,13 @@ def agents(mosquitto: Broker, fleet: str, tmp_path: Path) -> Iterator[list[Any]]
 
 def test_coordinator_profile_lists_every_problem(tmp_path: Path) -> None:
     bad = tmp_path / "c.toml"
-    bad.write_text('[rounds]\ncount = 0\nlr_decay = 2.0\n[strategy]\nname = "fedsgd"\n[bogus]\nx = 1\n')
+    bad.write_text('[rounds]\ncount = -1\nlr_decay = 2.0\n[strategy]\nname = "fedsgd"\n[bogus]\nx = 1\n')
     with pytest.raises(ConfigError) as err:
         load_coordinator_profile(bad)
     assert err.value.problems == [
         "[bogus]: unknown table",
         "model.path: required",
-        "rounds.count = 0: must be > 0",
+        "rounds.count = -1: must be >= 0",
         "rounds.lr_decay = 2.0: must be in (0, 1]",
         "strategy.name = 'fedsgd': must be one of 'fedavg', 'fedprox', 'fedavgm', 'fedadam', 'fedyogi', "
         "'median', 'trimmed-mean', 'fedbuff'",
@@ -197,9 +197,9 @@ def test_coordinator_round_declined_by_every_device_closes_and_names_the_cause(
 
 @pytest.mark.subprocess
 def test_coordinator_invalid_profile_exits_1_and_lists_problems(tmp_path: Path) -> None:
-    done = run_coordinator(tmp_path, "rounds.count=0", "broker.qos=7", timeout_s=60)
+    done = run_coordinator(tmp_path, "rounds.count=-1", "broker.qos=7", timeout_s=60)
     assert done.returncode == 1
-    assert "rounds.count = 0: must be > 0" in done.stderr
+    assert "rounds.count = -1: must be >= 0" in done.stderr
     assert "broker.qos = 7: must be 0, 1 or 2" in done.stderr
 
 
