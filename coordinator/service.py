@@ -1135,6 +1135,10 @@ class Coordinator:
 
     def fleet_state(self) -> FleetState:
         """The fleet's state for its page: collecting, waiting for samples or devices, paused, finished..."""
+        if self.finished:  # before the broker: a job that ended stops its transport before its page
+            return FleetState(
+                FleetPhase.FINISHED, f"finished after round {self.state.round}", round=self.state.round
+            )
         if not self.transport.connected.is_set():
             where = f"{self.transport.host}:{self.transport.port}"
             return FleetState(
@@ -1143,10 +1147,6 @@ class Coordinator:
         rnd = self.state.current
         if rnd is not None and rnd.phase is RoundPhase.OPEN:
             return collecting(rnd)
-        if self.finished:
-            return FleetState(
-                FleetPhase.FINISHED, f"finished after round {self.state.round}", round=self.state.round
-            )
         return self.pacing_state()
 
     async def wait_to_open(self, stop: asyncio.Event) -> bool:

@@ -687,3 +687,19 @@ def test_console_page_marks_a_server_that_stops_answering_stale(browser: Browser
         context.close()
     finally:
         server.close()
+
+
+def test_console_finished_job_reads_finished_after_its_transport_stopped() -> None:
+    """The runner stops the transport before the page: the page's last status still says finished."""
+    coord = Coordinator(
+        MqttTransport("127.0.0.1", 1, "console-finished"),  # never started: not connected
+        Topics("edgefl", "console"),
+        np.zeros((4, 3), np.float32),
+        np.zeros(3, np.float32),
+        model_sha256="0" * 64,
+        strategy=FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=60),
+    )
+    assert coord.dashboard_status()["fleet_state"]["state"] == "broker_unreachable"
+    coord.finished = True
+    status = coord.dashboard_status()
+    assert status["fleet_state"]["state"] == "finished" and status["broker_connected"] is False
