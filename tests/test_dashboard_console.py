@@ -326,8 +326,12 @@ def own_broker(tmp_path: Path) -> Iterator[Broker]:
 
 
 @pytest.mark.broker
-def test_fleet_page_console_stopped_broker_shows_within_5_s(browser: Browser, own_broker: Broker) -> None:
-    """A real coordinator on a real broker: the broker stops, the page says so (and not "live" only)."""
+def test_fleet_page_console_stopped_broker_and_finished_job_show_within_5_s(
+    browser: Browser, own_broker: Broker
+) -> None:
+    """A real coordinator on a real broker: the broker stops, the page says so within 5 s (not "live"
+    only); the job then ends as the runner ends it (transport stopped, then the page) and the page
+    reads finished."""
     topics = Topics("edgefl", f"console-{time.monotonic_ns()}")
     holder: dict[str, Coordinator] = {}
 
@@ -348,24 +352,33 @@ def test_fleet_page_console_stopped_broker_shows_within_5_s(browser: Browser, ow
             strategy=FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=60),
         )
 
-    async def stop() -> None:
+    async def finish() -> None:
+        holder["coord"].finished = True
         await holder["coord"].transport.stop()
 
     asyncio.run_coroutine_threadsafe(start(), server.loop).result(15)
+    closed = False
     try:
         page, errors = open_page(browser, server.url, WIDE)
         expect(page.locator("#broker")).to_have_text("broker connected", timeout=5000)
         stop_broker(own_broker)
-        expect(page.locator("#fleet-state")).to_have_attribute(
-            "data-state", "broker_unreachable", timeout=5000
-        )
+        state = page.locator("#fleet-state")
+        expect(state).to_have_attribute("data-state", "broker_unreachable", timeout=5000)
+        expect(state).to_have_text(f"broker unreachable: {own_broker.host}:{own_broker.port}")
         expect(page.locator("#broker")).to_have_text("broker unreachable")
         expect(page.locator("#live")).to_have_text("live")  # the page's own link is fine
-        assert errors.items == []
+        asyncio.run_coroutine_threadsafe(finish(), server.loop).result(15)
+        server.close()  # the runner's order: transport, then the page (its final status goes out)
+        closed = True
+        expect(state).to_have_attribute("data-state", "finished", timeout=5000)
+        expect(state).to_have_text("finished after round 0")
+        expect(page.locator("#live")).to_have_attribute("data-state", "stale", timeout=5000)
+        assert [e for e in errors.items if "ERR_CONNECTION_REFUSED" not in e] == []
         page.context.close()
     finally:
-        asyncio.run_coroutine_threadsafe(stop(), server.loop).result(15)
-        server.close()
+        if not closed:
+            asyncio.run_coroutine_threadsafe(finish(), server.loop).result(15)
+            server.close()
 
 
 OVERFLOW_JS = """() => {

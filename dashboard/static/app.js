@@ -368,15 +368,15 @@
   const obj = (v) => (v && typeof v === "object" && !Array.isArray(v) ? v : null);
 
   // The fleet's state in words: the coordinator's fleet_state when it sends one; otherwise what its
-  // other fields tell. A broker the coordinator cannot reach outranks everything but a finished job.
+  // other fields tell (a broker the coordinator cannot reach first).
   function fleetState(s) {
     const fs = obj(s.fleet_state);
-    let state = fs && typeof fs.state === "string" ? fs.state : null;
-    let text = fs && typeof fs.text === "string" && fs.text ? fs.text : null;
-    if (state !== "finished" && s.broker_connected === false) {
+    const state = fs && typeof fs.state === "string" && fs.state ? fs.state : null;
+    const text = fs && typeof fs.text === "string" && fs.text ? fs.text : null;
+    if (state) return { state, text: text || state.replace(/_/g, " ") };
+    if (s.broker_connected === false) {
       return { state: "broker_unreachable", text: "broker unreachable: the coordinator is reconnecting" };
     }
-    if (state) return { state, text: text || state.replace(/_/g, " ") };
     if (s.state === "collecting") {
       return { state: "collecting", text: `collecting ${FORMATS.int(s.updates_received)} of ${FORMATS.int(s.updates_expected)}` };
     }
