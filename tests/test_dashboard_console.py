@@ -666,6 +666,15 @@ def test_console_coordinator_round_records_follow_its_history() -> None:
     assert [r["round"] for r in again] == [3, 4, 5, 6]
     assert again[0] is first[2]  # converted once
     assert math.isnan(again[-1]["accuracy"])
+    # the round log's keys: time, counted, refusals and declines by reason (given by the runner)
+    assert again[-1]["time"] is None and again[-1]["counted"] == 1 and "refused" not in again[-1]
+    coord.note_round_reasons(6, {"stale_round": 2}, {"over_budget": 1})  # after its conversion
+    assert again[-1]["refused"] == {"stale_round": 2} and again[-1]["declined"] == {"over_budget": 1}
+    coord.note_round_reasons(7, {}, {"no_data": 3})  # before it
+    history.append(RoundRecord(7, 0, 0.5, 0.0, 1.0, refused="too_few", declined=3, closed_unix=1.8e9))
+    seventh = coord.dashboard_rounds()[-1]
+    assert seventh["time"] == "2027-01-15T08:00:00Z" and seventh["round_refused"] == "too_few"
+    assert seventh["declined"] == {"no_data": 3} and seventh["declined_devices"] == 3
     coord.state.history = [RoundRecord(1, 3, 0.9, 10.0, 1.0)]  # another history (a state file loaded)
     assert [(r["round"], r["clients"]) for r in coord.dashboard_rounds()] == [(1, 3)]
     status = coord.dashboard_status()

@@ -609,9 +609,14 @@
       cell(row, "accuracy", acc3(r.accuracy), "num");
       cell(row, "federated", isNum(r.fed_accuracy)
         ? `${acc3(r.fed_accuracy)} (${acc3(r.fed_worst_decile)})` : DASH, "num");
-      const refused = obj(r.refused) ? countsText(r.refused) : typeof r.refused === "string" ? r.refused : "";
+      // refused updates by reason, and why the round's head was not published (round_refused)
+      const refused = [obj(r.refused) ? countsText(r.refused) : typeof r.refused === "string" ? r.refused : "",
+        typeof r.round_refused === "string" && r.round_refused ? `head kept: ${r.round_refused}` : ""]
+        .filter((t) => t).join(" · ");
       cell(row, "refused", refused || DASH, "reason-cell");
-      const declined = obj(r.declined) ? countsText(r.declined) : isNum(r.declined) && r.declined > 0 ? String(r.declined) : "";
+      const devices = isNum(r.declined_devices) ? r.declined_devices : isNum(r.declined) ? r.declined : 0;
+      const declined = obj(r.declined) && countsText(r.declined) ? countsText(r.declined)
+        : devices > 0 ? `${devices} device${devices === 1 ? "" : "s"}` : "";
       cell(row, "declined", declined || DASH, "reason-cell");
       cell(row, "bytes", isNum(r.update_bytes_mean) && r.update_bytes_mean > 0 ? bytes(r.update_bytes_mean) : DASH, "num");
       cell(row, "seconds", isNum(r.duration_s) ? r.duration_s.toFixed(2) : DASH, "num");
