@@ -9,8 +9,11 @@ The service never looks at a strategy's type: ``RoundConfig.schedule`` says whet
 synchronous or a buffered-asynchronous step.
 
 Robust by default: every update's joint L2 norm is bounded before it is folded in (``NormBound``:
-a fixed bound, or ``multiplier x`` the running median norm of the round), and a clipped update is
-counted by device. The maths lives in pure numpy functions tested on hand-checkable arrays.
+a fixed bound, or ``multiplier x`` a median norm that the fleet's history caps), and a clipped
+update is counted by device; a strategy never aggregates fewer than ``min_updates`` updates, what it
+needs to withstand ``tolerate`` hostile devices (``aggregate_checked`` refuses the round as
+``too_few``); momentum and adaptive server steps are bounded too (``clip_step``). The maths lives in
+pure numpy functions tested on hand-checkable arrays.
 """
 
 from __future__ import annotations
