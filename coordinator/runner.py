@@ -506,6 +506,10 @@ async def run(
         coord.state_path = files.state
         if files.log is not None:
             _log_missing_rounds(files.log, coord, strategy.name)
+    elif profile.privacy.enabled:
+        why = "privacy.enabled without files.state: the privacy accountant starts again at every start"
+        print(f"warning: {why}", flush=True)
+        logger.warning("%s", why)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
