@@ -226,3 +226,22 @@ class FedBuff(Strategy):
 
     def _aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:
         return self._buffer.flush(W, b)
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The buffer as CBOR-able values (the coordinator writes it with its open step)."""
+        buf = self._buffer
+        return {
+            "W": buf._sum_W.tobytes(),
+            "b": buf._sum_b.tobytes(),
+            "examples": buf.total_examples,
+            "count": buf.count,
+            "staleness": list(buf.staleness),
+        }
+
+    def _restore(self, acc: dict[str, Any], shape: tuple[int, int]) -> None:
+        buf = self._buffer
+        buf._sum_W[:] = np.frombuffer(acc["W"], np.float64).reshape(shape)
+        buf._sum_b[:] = np.frombuffer(acc["b"], np.float64).reshape(shape[1])
+        buf.total_examples = int(acc["examples"])
+        buf.count = int(acc["count"])
+        buf.staleness = [int(x) for x in acc["staleness"]]

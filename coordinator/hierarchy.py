@@ -47,7 +47,7 @@ from edgefl.records import read_record, write_record
 from edgefl.transport import Message
 from edgefl.wire.cbor import MessageType
 from edgefl.wire.chunking import Reassembler, is_chunk, split_message
-from edgefl.wire.codec import DecodeError, RoundAnnouncement, Update, decode_global_model, decode_round
+from edgefl.wire.codec import DecodeError, RoundAnnouncement, decode_global_model, decode_round
 from edgefl.wire.messages import MAX_PARTIAL_UPDATES, Partial, decode_partial, encode_partial
 from edgefl.wire.signing import VerifyKey, sign_message, verify_payload
 
@@ -61,9 +61,6 @@ ROOT_SEEN_UPDATE_IDS = 100_000
 
 LOGGED_OVERLAPS = 20
 """Partials listing another site's update ids logged one by one before only every 1000th is."""
-
-PERSIST_EVERY = 32
-"""A site writes its open round's record at least every this many messages (see ``SiteAggregator.pump``)."""
 
 SEEN_PARTIALS = 10_000
 """(site, round, partial id) keys a root remembers to refuse a bridge's redelivery."""
@@ -198,6 +195,7 @@ class RootCoordinator(Coordinator):
         if p.count > 0:  # an empty partial only says the site is done
             self.strategy.offer_sums(SiteSums(p.combine, p.W, p.b, p.weight, p.count, p.clipped))
         rnd.record_partial(site, p.update_ids, len(payload))
+        self._dirty = True  # acknowledged once the state file holds it (``Coordinator.pump``)
         self._seen_partials[seen] = None
         while len(self._seen_partials) > SEEN_PARTIALS:
             del self._seen_partials[next(iter(self._seen_partials))]
@@ -492,39 +490,13 @@ class SiteAggregator(Coordinator):
         )
         return SiteRecord(ann.round, len(ids), len(payload), time.time() - self._opened_unix, ids)
 
-    def _accept(self, rnd: Round, update: Update, size_bytes: int) -> None:
-        super()._accept(rnd, update, size_bytes)
-        self._dirty = True  # written by pump() before it waits for more messages
-
-    async def pump(self) -> None:
-        """Consume incoming messages forever, writing the open round's record after each batch.
-
-        The record is written once the queue is drained, or every ``PERSIST_EVERY`` messages under a
-        flood, rather than after every update: at 500 updates a round, one fsync each would bound a
-        site by its disk. The messages are acknowledged to the broker (``MqttTransport.commit``, with
-        the transport's ``ack_on_commit``, which ``edgefl coordinator`` sets for a site with a state
-        file) only once the record holding them is written: a site killed (SIGKILL) in between gets
-        them again from its session when it comes back, and its resumed record tells which it had.
-        """
-        handled = 0
-        while True:
-            msg = await self.transport.queue.get()
-            self.handle(msg)
-            handled += 1
-            if self._dirty:
-                if self.transport.queue.empty() or handled % PERSIST_EVERY == 0:
-                    self._flush()
-                    self.transport.commit()
-            else:
-                self.transport.commit()  # everything taken so far is in the record (or changed nothing)
-            if handled % 32 == 0:
-                await asyncio.sleep(0)
-
-    def _flush(self) -> None:
+    def _flush(self) -> bool:
+        """Write the open round's record (the site's own file; see ``Coordinator.pump``)."""
         self._dirty = False
         rnd = self.state.current
         if rnd is not None and rnd.phase is RoundPhase.OPEN:  # a closed round is written by its close
             self._persist_site(rnd)
+        return True
 
     async def _send(self, payload: bytes) -> None:
         """Publish a partial (QoS 1, not retained), waiting out a broker outage for ``PUBLISH_RETRY_S``."""

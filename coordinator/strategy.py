@@ -1366,8 +1366,8 @@ class FedAvg(Strategy):
     The mean of a round's norm-bounded updates from non-IID devices is far shorter than the bound
     (their directions differ): in the clean runs of ``bench/poison.py`` the FedAvg step is about a
     quarter of it. A longer momentum or adaptive step carries more than a round's mean, which is
-    what a persistent hostile direction builds up; at 0.25 FedAvgM, FedAdam and FedYogi keep every
-    attack of that bench within 0.06 of their clean runs (docs/benchmarks.md, "Poisoning")."""
+    what a persistent hostile direction builds up (measured with that bench: docs/benchmarks.md,
+    "Poisoning, as shipped"; a smaller factor slows the clean runs more than it helps)."""
 
     def step(self, W: F32, b: F32, mean_dW: F32, mean_db: F32) -> tuple[F32, F32]:
         """Server step from the round's mean delta: ``W + server_lr * mean_dW`` (and b alike).

@@ -84,7 +84,7 @@ def test_check_config_of_a_coordinator_profile_names_its_role() -> None:
     root_sets = ["hierarchy.role=root", "hierarchy.expected_sites=20", "hierarchy.allow_unsigned_sites=true"]
     root = edgefl("check-config", profile, *[arg for item in root_sets for arg in ("--set", item)])
     want = (
-        f"{profile}: ok (coordinator of fleet default, 10 rounds of trimmed-mean, role flat, "
+        f"{profile}: ok (coordinator of fleet default, rounds until stopped of trimmed-mean, role flat, "
         "tolerates 1 hostile device of 5)\n"
     )
     assert flat.stdout == want, flat.stdout + flat.stderr

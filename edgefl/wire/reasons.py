@@ -63,6 +63,8 @@ class Reason(StrEnum):
     OVER_BUDGET = "over_budget"
     # a device whose store holds fewer labelled examples than training.min_examples (a Decline)
     TOO_FEW_EXAMPLES = "too_few_examples"
+    # a device whose store holds no labelled sample at all (a Decline, at once)
+    NO_SAMPLES = "no_samples"
     # the coordinator's bounded device registry (statuses)
     REGISTRY_FULL = "registry_full"
     EXPIRED = "expired"
