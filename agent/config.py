@@ -221,7 +221,7 @@ class PersonalConfig:
     """
 
     enabled: bool = True
-    prox_lambda: float = 0.5
+    prox_lambda: float = 0.1
     epochs: int = 0
     lr_scale: float = 1.2
 

@@ -132,7 +132,7 @@ def test_personal_prediction_head_key_round_trip_and_refusal() -> None:
 def test_personal_config_table_and_errors(tmp_path: Path) -> None:
     base = {"device": {"id": "d"}, "model": {"path": str(RAWIN_MODEL)}}
     p = parse_profile(base, tmp_path).personal
-    assert (p.enabled, p.prox_lambda, p.epochs, p.lr_scale) == (True, 0.5, 0, 1.2)
+    assert (p.enabled, p.prox_lambda, p.epochs, p.lr_scale) == (True, 0.1, 0, 1.2)
     with pytest.raises(ConfigError) as exc:
         parse_profile({**base, "personal": {"prox_lambda": -1.0, "epochs": 101, "bogus": 1}}, tmp_path)
     text = str(exc.value)
