@@ -183,7 +183,14 @@ class TrainingConfig:
         holding some but fewer declines the round (a Decline with reason ``too_few_examples``); one
         holding none keeps the round pending until it holds this many. Default 32: rounds trained on
         a handful of examples while a feed was still going (6, 14 examples: loss 5.5-9.7) made the
-        federated head worse than the factory head.
+        federated head worse than the factory head. A device holding none declines at once (reason
+        ``no_samples``) rather than holding the round.
+    flush_interval_s : float
+        Longest time, in seconds, a stored sample waits before the store is flushed (its pages written
+        back and its metadata recorded: it then survives a power cut), > 0. Default 5.
+    flush_every : int
+        Unflushed samples that trigger a flush at once, >= 1 (whichever of the two comes first); a
+        flush costs one ``msync`` and one ``fsync``, never one per sample. Default 64.
     """
 
     store_capacity: int = 4096
@@ -193,6 +200,8 @@ class TrainingConfig:
     seed: int = 0
     holdout_every: int = 20
     min_examples: int = 32
+    flush_interval_s: float = 5.0
+    flush_every: int = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,9 +292,10 @@ class SecurityConfig:
         This device's Ed25519 private key (64 hex digits or PEM); its updates are signed with it.
         The key is read once at start-up and never logged.
     coordinator_public_key : str or None
-        The coordinator's Ed25519 public key, 64 hex digits. When set, every GlobalModel and
-        RoundAnnouncement must carry a valid signature by it: unsigned ones are refused (``unsigned``)
-        whatever ``require_signatures`` says. Rotation: ``docs/security.md``.
+        The coordinator's Ed25519 public key: 64 hex digits or a PEM ``PUBLIC KEY`` block (what
+        ``edgefl keys`` prints and writes). When set, every GlobalModel and RoundAnnouncement must
+        carry a valid signature by it: unsigned ones are refused (``unsigned``) whatever
+        ``require_signatures`` says. Rotation: ``docs/security.md``.
     require_signatures : bool
         Refuse unsigned messages; needs ``coordinator_public_key`` (which implies it: kept so a
         profile can state it, and so a profile that asks for signatures without a key is refused).
@@ -443,6 +453,10 @@ def _check_training(p: Problems, c: TrainingConfig, raw: Mapping[str, object], c
         p.add("training.seed", c.seed, "must be >= 0")
     if c.holdout_every < 0 or c.holdout_every == 1:
         p.add("training.holdout_every", c.holdout_every, "must be 0 (no holdout) or >= 2")
+    if not c.flush_interval_s > 0.0 or c.flush_interval_s == float("inf"):
+        p.add("training.flush_interval_s", c.flush_interval_s, "must be a finite number of seconds > 0")
+    if isinstance(c.flush_every, bool) or not isinstance(c.flush_every, int) or c.flush_every < 1:
+        p.add("training.flush_every", c.flush_every, "must be an integer >= 1")
     if isinstance(c.min_examples, bool) or not isinstance(c.min_examples, int) or c.min_examples < 1:
         p.add("training.min_examples", c.min_examples, "must be an integer >= 1")
     elif c.min_examples > c.store_capacity:
@@ -494,9 +508,17 @@ def _check_source(p: Problems, c: SourceConfig, raw: Mapping[str, object], check
 
 
 def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    from edgefl.wire.signing import library_problem, load_signing_key, parse_verify_key
+
     key = c.coordinator_public_key
-    if key is not None and (len(key) != 64 or any(ch not in "0123456789abcdefABCDEF" for ch in key)):
-        p.add("security.coordinator_public_key", key, "must be 64 hexadecimal digits (an Ed25519 public key)")
+    if key is not None:
+        try:
+            parse_verify_key(key)
+        except ValueError as exc:
+            reason = f"not an Ed25519 {exc}"
+            if "\n" not in key and Path(key.strip()).is_file():
+                reason += "; this is a file's name: the setting holds the key itself (edgefl keys show FILE)"
+            p.add("security.coordinator_public_key", key, reason)
     if c.require_signatures and key is None:
         p.add(
             "security.require_signatures",
@@ -508,11 +530,14 @@ def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], c
         p.add("security.outbox_max_bytes", c.outbox_max_bytes, "must be > 0")
     if check_files and c.signing_key_file is not None:
         problem = file_problem(c.signing_key_file, raw.get("signing_key_file"))
+        if problem is None:
+            try:
+                load_signing_key(c.signing_key_file)
+            except (OSError, ValueError) as exc:
+                problem = str(exc)
         if problem is not None:
             p.add("security.signing_key_file", raw.get("signing_key_file"), problem)
     if check_files:
-        from edgefl.wire.signing import library_problem
-
         for name in ("signing_key_file", "coordinator_public_key"):
             why = library_problem(f"security.{name}") if getattr(c, name) is not None else None
             if why is not None:

@@ -100,7 +100,7 @@ HEAD_FILE = "global_head.rec"
 OUTBOX_FILE = "outbox.rec"
 """Updates awaiting their PUBACK (:class:`~edgefl.agent.outbox.Outbox`)."""
 ANSWERED_FILE = "answered_round.rec"
-"""Where versions before issue 17's latency work kept the last answered round (still read; the round
+"""Where earlier versions kept the last answered round (still read; the round
 is now recorded in the outbox record, in the write that keeps its update: :class:`Answered`)."""
 PERSONAL_FILE = "personal_head.rec"
 """The device's personal head, the classes it may personalise and the global version it was last
@@ -159,8 +159,6 @@ class RoundStatus(StrEnum):
     """This round (or a later one) was already answered, maybe before a restart: nothing is sent again."""
     WAITING_HEAD = "waiting_head"
     """The round builds on a global head not yet applied; kept pending (``take_ready_round``)."""
-    NO_SAMPLES = "no_samples"
-    """The store is empty; kept pending until samples are stored."""
     DEFERRED = "deferred"
     """The memory governor deferred training or encoding (``reason`` says why); kept as
     :attr:`DeviceCore.deferred` and retried by :meth:`DeviceCore.retry_deferred`."""
@@ -477,6 +475,9 @@ class DeviceCore:
             else None
         )
         self._labelled = len(self.store) + (len(self.holdout) if self.holdout is not None else 0)
+        self.new_samples = len(self.store)
+        """Labelled samples stored since this device last trained for a round (the status's
+        ``new_samples``, which paces the coordinator's rounds); after a restart, the whole store."""
         self.evaluation: Evaluation | None = None
         self.personal: Head | None = None
         """The personal head (None until the first personal step; :meth:`personalise`)."""
@@ -507,7 +508,7 @@ class DeviceCore:
         self._declines: list[RoundResult] = []  # declines of superseded deferred rounds, to send
         self.defer_writes = False
         """Leave state writes that no guarantee needs at once for :meth:`write_deferred` (the daemon
-        runs it when no message waits; issue 17, round latency): an applied head (a restart before
+        runs it when no message waits: round latency): an applied head (a restart before
         the write comes back with the older head and takes the retained head again), the outbox
         after a PUBACK (a restart before the write sends that update once more; the coordinator
         counts an update id once) and the error-feedback file (the outbox record that keeps the
@@ -575,7 +576,7 @@ class DeviceCore:
         return cls(
             profile,
             Head(W, b, 0),
-            backbone.sha256,
+            backbone.backbone_sha256,
             pipeline=pipeline,
             governor=governor,
             state_dir=directory,
@@ -614,7 +615,7 @@ class DeviceCore:
     def _load_answered(self) -> Answered | None:
         """The last answered round: the newer of the outbox record's and ``answered_round.rec``'s.
 
-        Since issue 17 the record is written with the outbox (one atomic write with the update that
+        The record is written with the outbox (one atomic write with the update that
         answers the round); ``answered_round.rec`` is what earlier versions wrote, still read.
         """
         found = [
@@ -911,15 +912,50 @@ class DeviceCore:
         before = self.store.refused_not_finite + (self.holdout.refused_not_finite if self.holdout else 0)
         if self.holdout is None or not every:
             refused = self.store.add(embeddings, labels)
+            self.new_samples += len(labels) - refused
         else:
             # every n-th labelled sample is held out of training, for federated evaluation
             held = (self._labelled + np.arange(len(labels))) % every == every - 1
             self._labelled += len(labels)
             refused = self.store.add(embeddings[~held], labels[~held])
+            self.new_samples += int((~held).sum()) - refused
             if held.any():
                 refused += self.holdout.add(embeddings[held], labels[held])
         after = self.store.refused_not_finite + (self.holdout.refused_not_finite if self.holdout else 0)
+        # a full disk: the failed flush waits for retry_persist rather than failing at every batch
+        if self._unflushed() >= self.profile.training.flush_every and "store" not in self._unsaved:
+            self.flush_store()
         return refused, after - before
+
+    def _unflushed(self) -> int:
+        return self.store.unflushed + (self.holdout.unflushed if self.holdout is not None else 0)
+
+    def flush_due(self) -> bool:
+        """Whether a store flush is due (``training.flush_every`` or ``flush_interval_s`` reached)."""
+        cfg = self.profile.training
+        stores = (self.store,) if self.holdout is None else (self.store, self.holdout)
+        if "store" in self._unsaved or "holdout" in self._unsaved:
+            return False  # retry_persist writes it once there is room
+        if self._unflushed() >= cfg.flush_every:
+            return True
+        return any(s.flush_due(cfg.flush_every, cfg.flush_interval_s) for s in stores)
+
+    def unflushed_since(self) -> float | None:
+        """``time.monotonic()`` of the oldest sample stored since the last flush (None: all flushed)."""
+        times = [s.unflushed_since for s in (self.store, self.holdout) if s is not None]
+        known = [t for t in times if t is not None]
+        return min(known) if known else None
+
+    def flush_store(self) -> bool:
+        """Make the stored samples durable: flush the store and the holdout (never raises).
+
+        Returns False if a write failed (a full disk: counted, logged, the core :attr:`degraded`,
+        retried by :meth:`retry_persist`).
+        """
+        ok = self._persist("store", self.store.flush)
+        if self.holdout is not None:
+            ok = self._persist("holdout", self.holdout.flush) and ok
+        return ok
 
     def evaluate(self) -> Evaluation | None:
         """Accuracy of the current head on the holdout store (federated evaluation), or None without one.
@@ -1012,7 +1048,7 @@ class DeviceCore:
 
         In order: not selected -> NOT_SELECTED; round <= the last answered one (persisted across
         restarts) -> ANSWERED; base version newer than the head -> WAITING_HEAD (kept pending);
-        older -> REFUSED ``stale_round``; empty store -> NO_SAMPLES (kept pending); fewer than
+        older -> REFUSED ``stale_round``; empty store -> DECLINED ``no_samples`` at once; fewer than
         ``training.min_examples`` labelled examples -> DEFERRED (retried as for memory, declined
         ``too_few_examples`` after half the deadline: :meth:`retry_deferred`); the governor
         defers -> DEFERRED; else local epochs on the store (phase ``train``), error feedback on a
@@ -1064,8 +1100,13 @@ class DeviceCore:
                 ),
             )
         if len(self.store) == 0:
-            self.pending_round = ann  # retried as soon as samples are stored
-            return RoundResult(RoundStatus.NO_SAMPLES, ann.round, detail="no local samples")
+            # nothing to train on: say so now rather than hold the round to its deadline
+            if self.pending_round is not None and self.pending_round.round <= ann.round:
+                self.pending_round = None
+            try:
+                return self.decline(ann, Reason.NO_SAMPLES, "no labelled samples stored")
+            except OSError as exc:
+                return RoundResult(RoundStatus.REFUSED, ann.round, "failed", str(exc))
         if self.pending_round is not None and self.pending_round.round <= ann.round:
             self.pending_round = None
         need = self.profile.training.min_examples
@@ -1095,6 +1136,7 @@ class DeviceCore:
             return self._defer(ann, adm.reason)
         if self._progress is not None:
             self._progress("training", adm.reason)
+        self.new_samples = 0  # what is stored from now on is new for the next round
         with self._phase("train"):
             result = train_local(
                 head,
@@ -1147,7 +1189,7 @@ class DeviceCore:
                     result.accuracy,
                     result.train_s,
                     gov.peak_rss_bytes,
-                    # the base head's federated evaluation rides with the update (issue 17: the
+                    # the base head's federated evaluation rides with the update (the
                     # status no longer goes out for it)
                     eval_accuracy=base_eval.accuracy if base_eval is not None else None,
                     eval_count=base_eval.count if base_eval is not None else 0,
@@ -1173,7 +1215,7 @@ class DeviceCore:
             if not self._persist(
                 # one atomic write keeps the update, counts its first send (sends=1: the daemon
                 # publishes it next) and records the round as answered: one fsync pair between
-                # training and the publish instead of three (issue 17, round latency)
+                # training and the publish instead of three (round latency)
                 "outbox",
                 lambda: added.extend(
                     self.outbox.add(
@@ -1658,7 +1700,7 @@ class DeviceCore:
         logged, marks the core :attr:`degraded` and is retried by :meth:`retry_persist`; it never raises.
         """
         deferred = self.write_deferred()
-        return self._persist("store", self.store.flush) and deferred
+        return self.flush_store() and deferred
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -83,7 +83,7 @@ def _own_fd(name: str, flags: int = os.O_RDONLY) -> tuple[int, tuple[int, int]]:
     ``name`` is ``self/statm``, ``self/status``, ``meminfo`` or ``self/clear_refs``. A round reads
     these files a dozen times and resets the peak at every phase; opening, reading through a Python
     file object and closing each time cost 27-64 us here, a ``pread``/``write`` on a kept
-    descriptor 1-12 us (issue 17, the device's CPU per round). A forked child opens its own
+    descriptor 1-12 us (the device's CPU per round). A forked child opens its own
     (:func:`_forget_own_fds`).
 
     Raises
@@ -509,7 +509,7 @@ def estimate_train_bytes(
     """Bytes ``edgefl.agent.trainer.train_local`` may add to RSS with a given chunk size.
 
     Terms: the one float32 chunk buffer the trainer reuses, the float16 gather it is read from, the
-    labels (int64 buffer, int16 gather) and the chunk's slot order and shuffle (int64 each; issue 17:
+    labels (int64 buffer, int16 gather) and the chunk's slot order and shuffle (int64 each;
     the trainer no longer allocates a chunk per read); one SGD batch (its embeddings, logits and
     softmax); about six
     ``[D, K]`` float32 arrays (working copy, gradient, proximal term, delta, final head); the
@@ -695,7 +695,7 @@ class Admission:
         """JSON-like form (status message, dashboard): every field by name.
 
         Built field by field: ``dataclasses.asdict`` deep-copies through its generic recursion, ~40 us
-        an admission, and a device's status check reads every phase's (issue 17, a round's CPU).
+        an admission, and a device's status check reads every phase's (a round's CPU).
         """
         return {f: getattr(self, f) for f in _ADMISSION_FIELDS}
 
@@ -740,6 +740,9 @@ class Governor:
         Largest peak RSS seen in each phase, bytes (absolute RSS, not a delta).
     phase_last : dict[str, int]
         Peak RSS of the latest run of each phase, bytes.
+    phase_rise : dict[str, int]
+        Largest rise of a phase's peak RSS above the RSS at its start, bytes: the phase's own
+        high-water mark, which tells phases apart when they all run on the same resident base.
 
     Notes
     -----
@@ -774,6 +777,7 @@ class Governor:
         self.sample_interval_s = sample_interval_s
         self.phase_peaks: dict[str, int] = {}
         self.phase_last: dict[str, int] = {}
+        self.phase_rise: dict[str, int] = {}
         self.phase_counts: dict[str, int] = {}
         self.max_work: dict[str, int] = {}
         self.admissions: dict[str, Admission] = {}
@@ -830,7 +834,8 @@ class Governor:
         """Measure the peak RSS of the enclosed block as phase ``name``.
 
         On exit, ``phase_last[name]`` is the block's peak RSS and ``phase_peaks[name]`` the largest
-        ever seen; :attr:`peak_rss_bytes` includes it.
+        ever seen; :attr:`peak_rss_bytes` includes it. ``phase_rise[name]`` is the largest
+        ``peak - rss at entry`` seen (the phase's own growth; 0 when it grew nothing).
 
         Parameters
         ----------
@@ -838,6 +843,7 @@ class Governor:
             A phase name (see :data:`PHASES`).
         """
         sampler: _Sampler | None = None
+        start = self.rss_bytes()
         with self._lock:
             self._active += 1
             if self.peak_method == "clear_refs" and self._active == 1:
@@ -856,6 +862,7 @@ class Governor:
                 self._peak = max(self._peak, peak)
                 self.phase_last[name] = peak
                 self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), peak)
+                self.phase_rise[name] = max(self.phase_rise.get(name, 0), peak - start)
                 self.phase_counts[name] = self.phase_counts.get(name, 0) + 1
 
     # --- admission ---------------------------------------------------------------------------
@@ -1024,7 +1031,7 @@ class Governor:
             False leaves out the figures read from ``/proc`` (``rss_bytes``, ``pss_bytes``,
             ``peak_rss_bytes``, ``system_available_bytes``): reading ``smaps_rollup`` takes
             milliseconds on a loaded gateway, and the daemon's check for news, run at every state
-            change of a round on the event loop, needs none of them (issue 17, round latency).
+            change of a round on the event loop, needs none of them (round latency).
 
         Returns
         -------
@@ -1032,7 +1039,8 @@ class Governor:
             ``cap_bytes``, ``profile_cap_bytes``, ``cgroup_limit_bytes``, ``reserve_bytes``,
             ``rss_bytes``, ``pss_bytes`` (None where unreadable), ``peak_rss_bytes`` (lifetime),
             ``system_available_bytes``, ``min_system_available_bytes``, ``peak_method``,
-            ``phase_peaks`` {phase: bytes}, ``phase_last`` {phase: bytes}, ``admissions``
+            ``phase_peaks`` {phase: bytes}, ``phase_last`` {phase: bytes}, ``phase_rise`` {phase:
+            bytes} (each phase's own rise above its starting RSS), ``admissions``
             {phase: Admission as dict}, ``deferrals`` {phase: count}, ``last_deferral`` (dict or None).
         """
         peak = self.peak_rss_bytes if measure else 0
@@ -1057,6 +1065,7 @@ class Governor:
                 "peak_method": self.peak_method,
                 "phase_peaks": dict(self.phase_peaks),
                 "phase_last": dict(self.phase_last),
+                "phase_rise": dict(self.phase_rise),
                 "admissions": {k: v.as_dict() for k, v in self.admissions.items()},
                 "deferrals": dict(self.deferrals),
                 "last_deferral": self.last_deferral.as_dict() if self.last_deferral else None,
@@ -1095,7 +1104,7 @@ _M_ARENA_MAX = -8
 @functools.cache
 def _libc() -> Any | None:
     # cached: find_library runs ``ldconfig -p`` in a child process, and malloc_trim runs after
-    # every round (a fork and exec on the round's path: seen with strace, issue 17)
+    # every round (a fork and exec on the round's path: seen with strace)
     name = ctypes.util.find_library("c") or "libc.so.6"
     try:
         lib = ctypes.CDLL(name)

@@ -164,7 +164,7 @@ def train_local(
     D, K = head.shape
     shuffler = Shuffler(seed)
     stop_at = t0 + time_budget_s if time_budget_s is not None else None
-    # the heap the loop uses, allocated once (issue 17: per-step allocations and the per-chunk
+    # the heap the loop uses, allocated once (per-step allocations and the per-chunk
     # float16 cast were most of a round's training): one float32 chunk and its labels, one batch's
     # logits, the gradient; the chunk is read already in its shuffled order, so a batch is a view
     chunk = min(chunk_size, n)
@@ -225,7 +225,7 @@ def train_local(
     # the same n samples that were trained on (the store may grow meanwhile if a caller adds to it),
     # through the same chunk buffer; when one chunk held them all it holds them still (in the last
     # epoch's order: the sums below differ from storage order's in the last bits at most), and the
-    # store is not read again (issue 17: a read of the whole store before every update)
+    # store is not read again (a read of the whole store before every update)
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
         e, y = emb[:m], lbl[:m]
@@ -236,7 +236,7 @@ def train_local(
             pred = final.predict(e)
         else:
             # the same loss as cross_entropy and the same predictions as Head.predict, from one set
-            # of logits and without the gradient nobody uses here (issue 17: ~1 ms of each round)
+            # of logits and without the gradient nobody uses here (~1 ms of each round)
             logits = final.logits(e)
             p = softmax(logits)
             loss = float(-np.mean(np.log(np.maximum(p[np.arange(m), y], 1e-12))))

@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -322,7 +322,9 @@ async def _run(opts: DemoOptions) -> int:
             pump = asyncio.create_task(coord.pump())
             from edgefl.dashboard.app import DashboardState, serve
 
-            board = DashboardState("coordinator", f"fleet {fleet}", coord.dashboard_status)
+            board = DashboardState(
+                "coordinator", f"fleet {fleet}", coord.dashboard_status, get_rounds=coord.dashboard_rounds
+            )
             coord.on_change = board.notify
             runner, board_port = await serve(board, "127.0.0.1", 0)
             try:
@@ -567,7 +569,10 @@ def central_evaluation(profile: CoordinatorProfile, backbone: Backbone) -> Calla
 
 
 async def serve_coordinator_page(
-    dashboard: DashboardConfig, title: str, get_status: Callable[[], Mapping[str, Any]]
+    dashboard: DashboardConfig,
+    title: str,
+    get_status: Callable[[], Mapping[str, Any]],
+    get_rounds: Callable[[], Sequence[Mapping[str, Any]]] | None = None,
 ) -> tuple[Callable[[], Awaitable[None]], int]:
     """Serve the standalone coordinator's fleet page (``edgefl coordinator`` with ``[dashboard]`` on).
 
@@ -576,6 +581,7 @@ async def serve_coordinator_page(
     dashboard : the profile's ``[dashboard]`` (bind address, port, bearer token)
     title : shown in the page header
     get_status : the coordinator's status document (:meth:`Coordinator.dashboard_status`)
+    get_rounds : its round records (:meth:`Coordinator.dashboard_rounds`), for ``/api/rounds``
 
     Returns
     -------
@@ -590,6 +596,15 @@ async def serve_coordinator_page(
     """
     from edgefl.dashboard.app import DashboardState, serve
 
-    board = DashboardState("coordinator", title, get_status, token=dashboard.token)
+    # memory per device over the last 30 minutes (180 samples, 10 s apart)
+    board = DashboardState(
+        "coordinator",
+        title,
+        get_status,
+        token=dashboard.token,
+        get_rounds=get_rounds,
+        history_interval_s=10.0,
+        history_len=180,
+    )
     runner, port = await serve(board, dashboard.host, dashboard.port)
     return runner.cleanup, port

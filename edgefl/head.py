@@ -247,7 +247,7 @@ def cross_entropy_grad_into(
 
     The same floating-point operations in the same order as :func:`cross_entropy`'s gradient, so
     the result is bit for bit the same, with no heap allocation but numpy's small reductions: the
-    device's local SGD runs this once a batch (issue 17: the loss was computed and dropped at every
+    device's local SGD runs this once a batch (the loss was computed and dropped at every
     step, and each step allocated its logits, probabilities and gradients anew).
 
     Parameters

@@ -261,7 +261,7 @@ class UpdateMetrics:
     eval_accuracy : float or None
         Accuracy in [0, 1] of the base head (``base_version``) on the device's holdout, never trained
         on (federated evaluation; schema 4). None: no holdout. It travels with the update so the
-        device's status need not be published for it (issue 17).
+        device's status need not be published for it.
     eval_count : int
         Holdout samples behind ``eval_accuracy``, >= 1 when it is set.
     """

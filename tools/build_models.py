@@ -5,7 +5,7 @@ separate venv::
 
     python3 -m venv .venv-build
     .venv-build/bin/pip install tensorflow-cpu numpy ai-edge-litert
-    .venv-build/bin/python models/build.py [--out models] [--seed 0] [--only digits|mobilenet]
+    .venv-build/bin/python tools/build_models.py [--out models] [--seed 0] [--only digits|mobilenet]
 
 Models
 ------
