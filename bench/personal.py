@@ -75,7 +75,7 @@ logger = logging.getLogger(__name__)
 
 
 def model_path(name: str) -> Path:
-    """The set's backbone (``models/build.py --only natural``)."""
+    """The set's backbone (``tools/build_models.py --only natural``)."""
     return ROOT / "models" / f"natural_{name.replace('-', '_')}_float32.tflite"
 
 
