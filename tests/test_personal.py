@@ -24,6 +24,7 @@ from conftest import (
     wait_until,
 )
 
+from edgefl.agent import memory
 from edgefl.agent.config import parse_profile
 from edgefl.agent.core import PERSONAL_FILE, DeviceCore, RoundStatus, personal_behind
 from edgefl.agent.pipeline import Pipeline
@@ -442,3 +443,17 @@ def test_personal_behind_needs_more_than_chance() -> None:
     assert not personal_behind(3, 1)  # 2 > sqrt(4) is false
     assert personal_behind(5, 1)  # 4 > sqrt(6)
     assert not personal_behind(1, 5)
+
+
+def test_personal_step_admitted_by_the_governor(tmp_path: Path) -> None:
+    """Over budget (a 1 MiB cap), the personal step is deferred, counted and the head left as it was."""
+    x, y = load_digits()
+    core = _core(tmp_path, True)
+    core.observe(x[:64], y[:64])
+    ann = RoundAnnouncement(1, 0, 60.0, 1, 0.05, 16, 1, 1.0, Compression.NONE)
+    assert core.receive_round(encode_round(ann)).status == RoundStatus.TRAINED and core.personal_due
+    core.governor = memory.Governor(1 << 20, 0, 0)
+    assert core.personalise() is None
+    assert core.personal_deferred == 1 and core.personal is None and not core.personal_due
+    assert core.governor.deferrals == {"personal": 1}
+    assert not (tmp_path / PERSONAL_FILE).exists()
