@@ -13,7 +13,12 @@ Local-only: a head trained on the device's stored samples alone (``fit_head``, a
 the federated runs' rounds x local epochs), from the backbone's factory head.
 
 Accuracy is per device on its own test samples (never stored); ``worst_decile`` is the mean of the
-worst tenth of devices (at least one).
+worst tenth of devices (at least one); each setting's figures are the averages over ``--seeds`` runs
+(3: training shuffles and, for ``half``, the classes kept). ``extra_bytes_per_round`` compares every
+Update of the two runs, byte for byte but for its training time and peak RSS (the figures two runs
+never share); ``extra_ram_bytes_per_device`` is the personal head a device keeps plus the gradient its
+step allocates (the class mask adds K bytes); ``personal_pass_ratio`` is the personal steps' time over
+the local training's, summed over every device and round.
 
 Settings: HAPT split by session (train on the first, test on the second) and by bout (a user's
 bouts of each activity alternate between train and test), all labels and half of the classes
