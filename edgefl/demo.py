@@ -377,6 +377,8 @@ async def _run(opts: DemoOptions) -> int:
                     coord.state.version,
                     2 * profile.status.interval_s + 1.0,
                 )
+                coord.finished = True  # the fleet page says so (while --hold keeps it up)
+                board.notify()
                 if opts.hold_s > 0:
                     print(f"  holding the dashboards open for {opts.hold_s:.0f} s (Ctrl-C to stop)")
                     with contextlib.suppress(asyncio.CancelledError):
