@@ -1,7 +1,7 @@
 """Personal heads on natural-client data: local-only, FedAvg and the device's personal head, per device.
 
 Each device is the shipped device core (:class:`edgefl.agent.core.DeviceCore`, opened from a profile
-with the set's LiteRT backbone ``models/natural_*_float32.tflite``): its training samples go through
+with the set's LiteRT backbone ``models/natural/natural_*_float32.tflite``): its training samples go through
 ``observe`` (LiteRT embedding, store and holdout), every round's announcement through
 ``receive_round`` (local training, encoding, outbox) and every global head through
 ``receive_global``; the personal step is ``DeviceCore.personalise``. The coordinator's side is the
@@ -81,7 +81,7 @@ logger = logging.getLogger(__name__)
 
 def model_path(name: str) -> Path:
     """The set's backbone (``tools/build_models.py --only natural``)."""
-    return ROOT / "models" / f"natural_{name.replace('-', '_')}_float32.tflite"
+    return ROOT / "models" / "natural" / f"natural_{name.replace('-', '_')}_float32.tflite"
 
 
 @dataclass
