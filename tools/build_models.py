@@ -1057,8 +1057,7 @@ NATURAL_EPOCHS = 300
 
 
 def natural_model_path(out: Path, name: str) -> Path:
-    """``<out>/natural/natural_<name with _>_float32.tflite``: the backbone of one natural-client set
-    (a benchmark's model, beside ``test/``: not one the wheel ships)."""
+    """``<out>/natural/natural_<name with _>_float32.tflite``: a natural-client set's backbone (not shipped)."""
     return out / "natural" / f"natural_{name.replace('-', '_')}_float32.tflite"
 
 
