@@ -1057,7 +1057,7 @@ NATURAL_EPOCHS = 300
 
 
 def natural_model_path(out: Path, name: str) -> Path:
-    """``<out>/natural/natural_<name with _>_float32.tflite``: a natural-client set's backbone (not shipped)."""
+    """``<out>/natural/natural_<name>_float32.tflite``: a natural-client set's backbone (not shipped)."""
     return out / "natural" / f"natural_{name.replace('-', '_')}_float32.tflite"
 
 
