@@ -634,6 +634,10 @@ async def run(
             coord.state_path = files.state
             if files.log is not None:
                 _log_missing_rounds(files.log, coord, strategy.name)
+        elif profile.privacy.enabled:
+            why = "privacy.enabled without files.state: the privacy accountant starts again at every start"
+            print(f"warning: {why}", flush=True)
+            logger.warning("%s", why)
         await transport.start(wait_s=None)
         pump = asyncio.create_task(coord.pump())
         await _connected_or_refused(transport, where, 60.0)
@@ -677,7 +681,7 @@ async def run(
             if rec.clients == 0 and job:
                 why = _empty_cause(refused_round, declined_round, len(coord.online_devices()))
                 empty.append(f"round {rec.round} aggregated nothing ({why})")
-            elif rec.refused == "too_few":  # abandoned: fewer updates than robustness.tolerate needs
+            elif rec.refused == "too_few" and job:  # abandoned: fewer updates than tolerate needs
                 need = f"{strategy.name} needs {strategy.min_updates}"
                 why = f"{rec.clients} updates, {need}: {strategy.tolerance()}"
                 empty.append(f"round {rec.round} aggregated nothing (abandoned: {why})")
