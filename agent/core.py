@@ -1584,6 +1584,7 @@ class DeviceCore:
             classes=K,
             batch_size=ann.batch_size,
             num_examples=len(self.store),
+            resident_rows=self.store.resident_rows,
         )
         if adm.deferred:
             self.personal_deferred += 1

@@ -566,14 +566,22 @@ def personal_head_bytes(dim: int, classes: int) -> int:
 
 
 def estimate_personal_bytes(
-    chunk: int, dim: int, classes: int, batch_size: int, num_examples: int, *, first_run: bool = True
+    chunk: int,
+    dim: int,
+    classes: int,
+    batch_size: int,
+    num_examples: int,
+    *,
+    first_run: bool = True,
+    resident_rows: int = 0,
 ) -> int:
     """Bytes ``edgefl.agent.trainer.train_personal`` may add to RSS with a given chunk size.
 
     The personal head itself (created from the global head on the first step; trained in place
     after) and its gradient: two ``[D, K]`` heads, against :func:`estimate_train_bytes`' six; then
     the same chunk, batch, shuffle and mapped-page terms as local training, which the personal
-    step reads the same way (and which local training has just made resident).
+    step reads the same way (the mapped pages only of samples this process has not touched:
+    ``resident_rows``, as :func:`estimate_train_bytes`; local training has just read them all).
 
     Parameters
     ----------
@@ -598,7 +606,7 @@ def estimate_personal_bytes(
     step_bytes = min(batch_size, chunk) * (dim * 4 + classes * 4 * 4)
     head_bytes = 2 * personal_head_bytes(dim, classes)
     order_bytes = num_examples * 8 * 3
-    mapped = num_examples * (2 * dim + 2)
+    mapped = max(0, num_examples - max(0, resident_rows)) * (2 * dim + 2)
     first = FIRST_RUN_BYTES if first_run else 0
     return chunk_bytes + step_bytes + head_bytes + order_bytes + mapped + _FIXED_BYTES + first
 
@@ -1098,20 +1106,30 @@ class Governor:
         return self.admit("train", need, chunk, floor)
 
     def admit_personal(
-        self, chunk: int, floor: int, *, dim: int, classes: int, batch_size: int, num_examples: int
+        self,
+        chunk: int,
+        floor: int,
+        *,
+        dim: int,
+        classes: int,
+        batch_size: int,
+        num_examples: int,
+        resident_rows: int = 0,
     ) -> Admission:
         """Admit a personal-head step with ``chunk`` samples per store chunk (halved down to ``floor``).
 
         Counted as :func:`estimate_personal_bytes`: one extra head plus its gradient beside the
         chunk buffers; deferred (the step waits for the next round) when even ``floor`` is over budget.
+        ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
         """
         first = self.phase_counts.get("personal", 0) == 0
-        return self.admit(
-            "personal",
-            lambda n: estimate_personal_bytes(n, dim, classes, batch_size, num_examples, first_run=first),
-            chunk,
-            floor,
-        )
+
+        def need(n: int) -> int:
+            return estimate_personal_bytes(
+                n, dim, classes, batch_size, num_examples, first_run=first, resident_rows=resident_rows
+            )
+
+        return self.admit("personal", need, chunk, floor)
 
     # --- report ------------------------------------------------------------------------------
     def status(self, measure: bool = True) -> dict[str, Any]:
