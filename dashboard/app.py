@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
+from edgefl.dashboard.connections import GuardedSite
 from edgefl.dashboard.metrics import StatusCollector, finite_number
 from edgefl.errors import ConfigError
 from edgefl.validators import is_loopback_host
@@ -611,167 +612,6 @@ def create_app(state: DashboardState) -> web.Application:
     return app
 
 
-_HEADER_END = b"\r\n\r\n"
-_MAX_HEADER_BYTES = 32_768  # scanned for the end of the header block; aiohttp refuses larger ones itself
-
-
-class _ConnectionGuard(asyncio.Protocol):
-    """Wrap aiohttp's per-connection protocol: connection caps and header/body deadlines.
-
-    aiohttp's server has an idle keep-alive timeout but no deadline for a request's headers or body, so
-    1,100 half-open connections used to hold 1,100 file descriptors for ever (``EMFILE``). This wrapper
-    closes a connection over :attr:`DashboardState.max_connections` (or the per-client cap) at once,
-    and one whose header block (up to its empty line, RFC 9112 §2.1) or ``Content-Length`` body does not
-    arrive in time. Every other event goes to aiohttp's protocol unchanged.
-    """
-
-    _IDLE, _HEAD, _BODY = range(3)
-
-    def __init__(self, inner: asyncio.Protocol, state: DashboardState, open_: dict[str, int]) -> None:
-        self.inner = inner
-        self.state = state
-        self.open = open_  # client address -> open connections; key "" holds the total
-        self.transport: asyncio.Transport | None = None
-        self.client = ""
-        self.admitted = False
-        self.phase = self._HEAD
-        self.head = bytearray()
-        self.body_left = 0
-        self.timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        peer = transport.get_extra_info("peername")
-        self.client = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-        st = self.state
-        if self.open.get("", 0) >= st.max_connections or self.open.get(self.client, 0) >= (
-            st.max_connections_per_client
-        ):
-            st.connections_refused_total += 1
-            if (
-                st.connections_refused_total in (1, 10, 100, 1000)
-                or st.connections_refused_total % 10_000 == 0
-            ):
-                logger.warning(
-                    "dashboard: connection from %s refused (%d open, %d from it; %d refused so far)",
-                    self.client,
-                    self.open.get("", 0),
-                    self.open.get(self.client, 0),
-                    st.connections_refused_total,
-                )
-            transport.abort()
-            return
-        self.admitted = True
-        self.open[""] = self.open.get("", 0) + 1
-        self.open[self.client] = self.open.get(self.client, 0) + 1
-        self._arm(st.header_timeout_s)
-        self.inner.connection_made(transport)
-
-    def _arm(self, seconds: float | None) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-        self.timer = None
-        if seconds is not None:
-            self.timer = asyncio.get_running_loop().call_later(seconds, self._expire)
-
-    def _expire(self) -> None:
-        self.state.connections_timed_out_total += 1
-        logger.debug("dashboard: %s too slow (%s), closed", self.client, "body" if self.phase else "headers")
-        if self.transport is not None:
-            self.transport.abort()
-
-    def data_received(self, data: bytes) -> None:
-        if not self.admitted:
-            return
-        self._scan(data)
-        self.inner.data_received(data)
-
-    def _scan(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            if self.phase == self._BODY:
-                n = min(self.body_left, len(view))
-                self.body_left -= n
-                view = view[n:]
-                if self.body_left == 0:
-                    self.phase = self._IDLE
-                    self._arm(None)
-            elif self.phase == self._IDLE:
-                self.phase = self._HEAD  # the first byte of the next request
-                self._arm(self.state.header_timeout_s)
-            else:
-                room = _MAX_HEADER_BYTES - len(self.head)
-                if room <= 0:
-                    return  # an oversized header block: aiohttp answers it; the header deadline still runs
-                before = len(self.head)
-                self.head += view[:room]
-                end = self.head.find(_HEADER_END, max(0, before - 3))
-                if end < 0:
-                    view = view[room:]
-                    continue
-                view = view[end + len(_HEADER_END) - before :]
-                self.body_left = _content_length(bytes(self.head[:end]))
-                self.head.clear()
-                self.phase = self._BODY if self.body_left else self._IDLE
-                self._arm(self.state.body_timeout_s if self.body_left else None)
-
-    def eof_received(self) -> bool | None:
-        return self.inner.eof_received() if self.admitted else None
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._arm(None)
-        if not self.admitted:
-            return
-        self.admitted = False
-        for key in ("", self.client):
-            left = self.open.get(key, 1) - 1
-            if left > 0:
-                self.open[key] = left
-            else:
-                self.open.pop(key, None)
-        self.inner.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.inner.resume_writing()
-
-
-def _content_length(head: bytes) -> int:
-    """The ``Content-Length`` of a header block, 0 if absent or unreadable (aiohttp rejects it then)."""
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            try:
-                return max(0, int(value.strip()))
-            except ValueError:
-                return 0
-    return 0
-
-
-class _GuardedSite(web.TCPSite):
-    """``web.TCPSite`` whose connections pass through :class:`_ConnectionGuard` (aiohttp 3.x)."""
-
-    def __init__(self, runner: web.AppRunner, state: DashboardState, host: str, port: int) -> None:
-        super().__init__(runner, host, port)
-        self._state = state
-        self._open: dict[str, int] = {}
-
-    async def start(self) -> None:
-        await web.BaseSite.start(self)
-        server = self._runner.server
-        assert server is not None
-
-        def factory() -> asyncio.Protocol:
-            return _ConnectionGuard(server(), self._state, self._open)
-
-        self._server = await asyncio.get_running_loop().create_server(
-            factory, self._host, self._port, backlog=self._backlog, reuse_address=self._reuse_address
-        )
-
-
 async def serve(state: DashboardState, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
     """Start the dashboard on ``host:port``; stop it with ``await runner.cleanup()``.
 
@@ -801,7 +641,7 @@ async def serve(state: DashboardState, host: str = "127.0.0.1", port: int = 0) -
     runner = web.AppRunner(create_app(state), access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     try:
-        site = _GuardedSite(runner, state, host, port)
+        site = GuardedSite(runner, state, host, port)
         await site.start()
     except BaseException:
         await runner.cleanup()
