@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import cbor2
 import numpy as np
 import pytest
 from conftest import INT8_MODEL, ROOT, Broker, start_replay_agent
@@ -20,6 +21,7 @@ from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.errors import UpdateRejected
+from edgefl.records import read_record
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
@@ -72,7 +74,7 @@ def test_coordinator_fedbuff_runs_buffered_steps_with_real_agents(
     assert [ln["clients"] for ln in lines] == [2, 2, 2]
     assert [ln["version"] for ln in lines] == [1, 2, 3]
     assert lines[-1]["accuracy"] > 0.5
-    assert all(ln["refused"] is None and ln["epsilon"] is None for ln in lines)
+    assert all(ln["round_refused"] is None and ln["epsilon"] is None for ln in lines)
 
 
 def test_coordinator_dp_reports_epsilon_every_round_with_real_agents(
@@ -211,8 +213,9 @@ def test_coordinator_refuses_a_round_whose_head_the_agents_would_refuse(
                 await opened(rnd)
                 await dev.publish(topics.update("a"), update(rnd, value), qos=1)
                 records.append(await task)
-                if rnd == 1:
-                    assert not state.exists()  # nothing persisted for the refused round
+                if rnd == 1:  # the refused head is never persisted: the state keeps version 0's
+                    doc = cbor2.loads(read_record(state) or b"")
+                    assert (doc["version"], doc["W"], doc["open"]) == (0, W0.tobytes(), None)
             heads.append(decode_global_model((await asyncio.wait_for(dev.queue.get(), 10)).payload))
             return coord, records, heads
         finally:
