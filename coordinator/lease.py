@@ -1,8 +1,8 @@
 """One coordinator per fleet: a lock on its state folder and a lease on the broker.
 
-**The lock.** The state folder (the folder of ``files.state``) is locked with the agents' own
-``flock`` (``edgefl.agent.statelock``, given by the composition root): a second coordinator on the
-same folder is refused before it reads or writes anything there.
+**The lock.** The state file (``files.state``) is locked with the agents' own ``flock``
+(``edgefl.agent.statelock``, a ``<state>.lock`` beside it, given by the composition root): a second
+coordinator on the same state is refused before it reads or writes anything.
 
 **The lease.** A running coordinator keeps a retained :class:`~edgefl.wire.presence.Presence` on
 ``<prefix>/<fleet>/coordinator`` naming its instance, republished every ``heartbeat_s`` with a higher
@@ -63,7 +63,7 @@ class LeaseHeld(EdgeflError):
     Parameters
     ----------
     where : str
-        What is held: ``"fleet F on broker B"`` or ``"state folder P"``.
+        What is held: ``"fleet F on broker B"`` or ``"state file P"``.
     holder : str
         Who holds it, in words (instance, host and pid, or the lock's pid).
     """

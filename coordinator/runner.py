@@ -1,7 +1,7 @@
 """``edgefl coordinator [PROFILE] [--set key=value ...]``: the coordinator as a long-running service.
 
 Its settings come from a coordinator profile (:mod:`edgefl.coordinator.profile`; the shipped example
-is ``firmware_configs/coordinator.toml``); flags are overrides on top of it. It locks its state folder
+is ``firmware_configs/coordinator.toml``); flags are overrides on top of it. It locks its state file
 and checks the fleet's lease on the broker (:mod:`edgefl.coordinator.lease`) before it writes or
 publishes anything, connects as the profile says (``mqtts://`` always verifies the broker;
 credentials from the profile), resumes from its state file after a restart (the open round
@@ -17,7 +17,7 @@ runs N rounds back to back and exits.
 Exit codes: 0 done (or stopped); 1 invalid profile, or the broker refused its credentials; 3 the
 model could not be loaded; 4 a runtime error at start-up (broker unreachable, bad key file, the fleet
 page's port in use); 5 the job ended with a round that aggregated nothing (the reason is the last line
-on stderr); 6 another coordinator runs this fleet (its state folder is locked, or a live coordinator
+on stderr); 6 another coordinator runs this fleet (its state file is locked, or a live coordinator
 holds the fleet's lease on the broker).
 """
 
@@ -44,7 +44,7 @@ from edgefl.coordinator.lease import Lease, LeaseHeld, new_instance, probe_lease
 from edgefl.coordinator.privacy import DPFedAvg
 from edgefl.coordinator.profile import CoordinatorProfile, load_coordinator_profile
 from edgefl.coordinator.rounds import Pacing
-from edgefl.coordinator.service import Coordinator, RoundRecord
+from edgefl.coordinator.service import HISTORY_ROUNDS, Coordinator, RoundRecord
 from edgefl.coordinator.strategy import Strategy, make_strategy
 from edgefl.errors import ConfigError, ModelError, TransportError, UpdateRejected
 from edgefl.profiles import DashboardConfig, broker_password
@@ -69,7 +69,7 @@ EXIT_EMPTY_ROUND: Final = 5
 EXIT_LEASE: Final = 6
 
 StateLock = Callable[[Path], object]
-"""Locks a state folder for as long as the returned object lives (raises ``LeaseHeld`` when held)."""
+"""Locks a state file for as long as the returned object lives (raises ``LeaseHeld`` when held)."""
 
 COORDINATOR_RECONNECT_MAX_S: Final = 5.0
 """Cap of the coordinator's reconnect back-off, seconds (devices keep the transport's 30 s: a fleet must
@@ -263,7 +263,7 @@ def main(
     args : the parsed command line (see :func:`add_parser`)
     evaluation : builds the central evaluation; given by the composition root (``edgefl.cli``)
     page : serves the fleet page when ``dashboard.enabled``; given by the composition root
-    lock : locks the state folder (the folder of ``files.state``) for this process's life, raising
+    lock : locks the state file (``files.state``, with a lock file beside it) for this process's life, raising
         :class:`~edgefl.coordinator.lease.LeaseHeld` when another process holds it; given by the
         composition root (the agents' ``flock``)
     """
@@ -286,12 +286,12 @@ def main(
     held: object = None
     try:
         if lock is not None and profile.files.state is not None:
-            held = lock(profile.files.state.parent)  # kept until this function returns
+            held = lock(profile.files.state)  # kept until this function returns
         return asyncio.run(run(profile, evaluation, page))
     except LeaseHeld as exc:
         print(f"edgefl coordinator: {exc}", file=sys.stderr)
         return EXIT_LEASE
-    except OSError as exc:  # the state folder cannot be created or locked
+    except OSError as exc:  # the state file's folder or lock cannot be created
         print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
     except ModelError as exc:
@@ -629,6 +629,7 @@ async def run(
                 break
             rec = runner.result()
             records.append(rec)
+            del records[:-HISTORY_ROUNDS]  # the summary keeps the last rounds; the round log has them all
             refused_round = _since(coord.state.rejected, refused_before)
             declined_round = _since(coord.state.declined, declined_before)
             if files.state is not None:
@@ -773,7 +774,9 @@ async def _run_site(
     """
     broker, rounds, files = profile.broker, profile.rounds, profile.files
     where = f"{broker.scheme}://{broker.host}:{broker.port}"
-    print(f"site {site.site} of fleet {profile.fleet.name} at {where}: rounds 1-{rounds.count}", flush=True)
+    last_round = rounds.count or sys.maxsize  # 0: the root's rounds until stopped
+    span = f"rounds 1-{rounds.count}" if rounds.count else "the root's rounds until stopped"
+    print(f"site {site.site} of fleet {profile.fleet.name} at {where}: {span}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -801,7 +804,7 @@ async def _run_site(
         )
         while not stop.is_set():
             refused_before = Counter(site.state.rejected)
-            runner = asyncio.create_task(_next_site_round(site, rounds.count))
+            runner = asyncio.create_task(_next_site_round(site, last_round))
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()

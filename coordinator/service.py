@@ -505,9 +505,6 @@ class Coordinator:
         accumulator, the update ids) and the updates held for later: whatever the broker was told
         was received is in this file (see :meth:`pump`).
         """
-        del self.state.history[:-HISTORY_ROUNDS]
-        for old in sorted(self.counted)[:-HISTORY_ROUNDS]:
-            del self.counted[old]
         closed = self.state.current is None or self.state.current.number <= self._settled
         doc = {
             "v": 1,
@@ -1361,5 +1358,8 @@ class Coordinator:
             new_samples=new_samples,
         )
         self.state.history.append(record)
+        del self.state.history[:-HISTORY_ROUNDS]  # a service runs for months: memory and state stay bounded
+        for old in sorted(self.counted)[:-HISTORY_ROUNDS]:
+            del self.counted[old]
         self._notify()
         return record

@@ -1,4 +1,4 @@
-"""One coordinator per fleet: the state folder's lock, the broker lease (exit 6), a busy page port (exit 4).
+"""One coordinator per fleet: the state file's lock, the broker lease (exit 6), a busy page port (exit 4).
 
 Real ``edgefl coordinator`` processes against the session's real mosquitto; the lease is read by a
 real MQTT client, as a second coordinator reads it.
@@ -115,7 +115,7 @@ def test_lease_second_coordinator_exits_6_before_it_writes_and_the_first_is_unha
     try:
         seen = asyncio.run(presences(mosquitto, fleet, 2, 30))  # the holder's presence, then its heartbeat
         assert seen[0].instance == seen[1].instance and seen[1].seq > seen[0].seq, seen
-        # another state folder (the lock cannot see it): the broker lease does
+        # another state file (the lock cannot see it): the broker lease does
         second = start_coordinator(
             tmp_path,
             "b",
@@ -130,19 +130,18 @@ def test_lease_second_coordinator_exits_6_before_it_writes_and_the_first_is_unha
         out = read_log(tmp_path, "b")
         assert "another coordinator runs this fleet" in out and seen[0].instance[:8] in out, out
         assert "Traceback" not in out and "fleet page" not in out, out
-        assert sorted(p.name for p in b_dir.iterdir()) == ["coordinator.lock"], list(b_dir.iterdir())
+        assert sorted(p.name for p in b_dir.iterdir()) == ["state.rec.lock"], list(b_dir.iterdir())
         # the first one kept its connection and its lease
         assert first.poll() is None, read_log(tmp_path, "a")
         again = asyncio.run(presences(mosquitto, fleet, 1, 10))[0]
         assert again.instance == seen[0].instance
         assert "broker lost" not in read_log(tmp_path, "a"), read_log(tmp_path, "a")
-        # same state folder: the lock refuses it at once, naming the holder's pid
+        # same state file: the lock refuses it at once, naming the holder's pid
         third = start_coordinator(tmp_path, "c", mosquitto, fleet, f"files.state={a_dir / 'state.rec'}")
         assert third.wait(timeout=60) == 6, read_log(tmp_path, "c")
         out = read_log(tmp_path, "c")
-        assert (
-            f"another coordinator runs this fleet: state folder {a_dir} is held by pid {first.pid}" in out
-        ), out
+        held = f"state file {a_dir / 'state.rec'} is held by pid {first.pid}"
+        assert f"another coordinator runs this fleet: {held}" in out, out
     finally:
         if first.poll() is None:
             first.send_signal(signal.SIGTERM)
