@@ -1,13 +1,15 @@
-# edgefl: the two set-up commands of the README.
+# edgefl: the set-up commands of the README.
 #   make demo   creates .venv, installs edgefl, runs a federated job on real data, prints the result
-#   make test   installs the test extras, runs ruff, mypy (strict) and pytest
+#   make check  the fast tier, every minute: the tests that start no broker and no process (< 1 min)
+#   make test   what CI runs: ruff, mypy (strict) and every test, on $(WORKERS) parallel workers
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 DEMO_ARGS ?= --json out/demo.json
+WORKERS ?= 2
 
-.PHONY: demo test lint typecheck pytest clean
+.PHONY: demo check test tools lint typecheck pytest clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,12 +34,22 @@ lint: $(VENV)/.test-installed
 	$(BIN)/ruff check .
 
 typecheck: $(VENV)/.test-installed
-	$(BIN)/mypy
+	$(BIN)/python -m tools.typecheck
 
-pytest: $(VENV)/.test-installed
-	$(BIN)/pytest -q
+# the tests start a real mosquitto and drive a real chromium: say so at once, not after 900 errors
+tools:
+	@command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || \
+	  { echo "make test: mosquitto is missing: sudo apt-get install mosquitto (or run .ci/run)" >&2; exit 1; }
+	@[ -x /usr/bin/chromium ] || \
+	  { echo "make test: chromium is missing: sudo apt-get install chromium (or run .ci/run)" >&2; exit 1; }
 
-test: lint typecheck pytest
+pytest: $(VENV)/.test-installed tools
+	$(BIN)/pytest -q -n $(WORKERS) --dist loadfile
+
+check: $(VENV)/.test-installed
+	EDGEFL_FAST_TIER=1 $(BIN)/pytest -q -n $(WORKERS) -m "not broker and not subprocess"
+
+test: tools lint typecheck pytest
 
 clean:
 	rm -rf $(VENV) out build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -13,7 +13,7 @@ is discarded. The daemon writes that file when idle: until then the outbox recor
 round's update carries a copy (one atomic write before the publish; ``edgefl.agent.core``), and a
 restart takes the copy when it is newer than the file. That copy is the compact form
 (:meth:`ErrorFeedback.carry_bytes`: a CBOR map of RFC 8746 typed arrays, ~10 us to make where the
-``.npz`` takes ~200 us, before every publish: issue 17).
+``.npz`` takes ~200 us, before every publish).
 
 Source: Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory" (NeurIPS), Algorithm 1;
 Karimireddy et al. 2019 ("Error Feedback Fixes SignSGD").

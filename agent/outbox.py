@@ -6,7 +6,7 @@ reason. Persisted as a checksummed record (:mod:`edgefl.records`): a CBOR map ``
 [[update_id, round, payload, sends], ...], "answered": {...}, "residual": bytes}``; ``answered`` and
 ``residual`` (optional, opaque here) are the device's last answered round and the error-feedback
 residual that answer left, written in the same atomic write as the update (one write and one fsync
-pair before the publish instead of three: issue 17, round latency); the residual is carried until
+pair before the publish instead of three: round latency); the residual is carried until
 the device has written its own file. The record is rewritten in place in ``outbox.rec`` and
 ``outbox.rec.prev`` in turn (:class:`edgefl.records.RecordSlot`: one ``fdatasync``, the newest good
 generation never overwritten).

@@ -5,7 +5,7 @@ into the interpreter's input tensor) and ``invoke`` alone (input already in plac
 as the median of repeated, interleaved runs in this process; the peak extra bytes of preprocessing
 one batch (tracemalloc: numpy allocations) and the minor page faults it causes (fresh pages: what
 the RSS pays for new arrays). Prints a table, the chosen configuration and the per-stage times of
-the chosen batch; ``--json PATH`` writes the figures (the contract of issue 4, plus per-stage times).
+the chosen batch; ``--json PATH`` writes the figures (the profile contract plus per-stage times).
 
 The measurement itself is :func:`~edgefl.agent.pipeline.measure`; the choice :func:`~.pipeline.decide`, the
 same rule ``pipeline.mode = "auto"`` uses at start-up.

@@ -1,4 +1,4 @@
-"""What a device's retained status says, and when saying it again is news (issue 17, item 2).
+"""What a device's retained status says, and when saying it again is news.
 
 A status costs a few hundred bytes to 2 kB on a metered uplink; the daemon publishes one only when
 :func:`status_news` changed (and on ``status.heartbeat_s``, and at every connect). Two kinds of field
@@ -37,6 +37,7 @@ VOLATILE_STATUS_FIELDS: Final = frozenset(
         "min_system_available_bytes",
         "phase_peaks",
         "phase_last",
+        "phase_rise",
         "admissions",
         "inferred_total",
         "inference_accuracy",
@@ -60,12 +61,19 @@ ROUND_PROGRESS_FIELDS: Final = frozenset(
         "round",
         "version",
         "last_update_bytes",
+        "last_update_ts",
         "outbox_pending",
         "store_samples",
         "new_samples",
         "eval_version",
         "eval_accuracy",
         "eval_count",
+        "personal_accuracy",
+        "global_accuracy",
+        # which head serves follows the rounds: the first personal step switches it, and on a small
+        # holdout the two heads' order can change from round to round (the log says each change)
+        "serving_head",
+        "personal_fallback",
     }
 )
 """Fields a round moves on every device, visible to the coordinator through the update itself."""

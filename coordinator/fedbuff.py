@@ -204,7 +204,7 @@ class FedBuff(Strategy):
     def round_config(self, round_no: int) -> RoundConfig:
         """Client settings, ``min_clients = buffer_size`` (updates per step), ``Schedule.BUFFERED``."""
         cfg = super().round_config(round_no)
-        return replace(cfg, min_clients=self.buffer_size, schedule=Schedule.BUFFERED)
+        return replace(cfg, min_clients=max(self.buffer_size, self.min_updates), schedule=Schedule.BUFFERED)
 
     def _check(self, update: Offer) -> None:
         if not 0 <= update.staleness <= self.max_staleness:

@@ -84,6 +84,14 @@ class RootCoordinator(Coordinator):
         When set, a partial must carry a valid signature by its site's key (unknown sites refused).
     expected_sites : int
         Partials that close a round before its deadline (0: ``min_clients`` updates close it).
+    site_devices : int
+        Most updates one site's partial may cover (its registered devices; 0: ``MAX_PARTIAL_UPDATES``).
+
+    Every path into the aggregate is authenticated and bounded: a root without ``device_keys`` does
+    not subscribe to ``update/+`` and refuses any device update that reaches it (``unsigned``); a
+    partial's count is at most ``site_devices``, its weight per update and its mean's norm at most
+    the strategy's bounds (``Strategy.offer_sums``); the round's clients are the updates of what it
+    accepted.
     """
 
     def __init__(
@@ -91,11 +99,14 @@ class RootCoordinator(Coordinator):
         *args: Any,
         site_keys: Mapping[str, VerifyKey] | None = None,
         expected_sites: int = 0,
+        site_devices: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.site_keys = dict(site_keys) if site_keys is not None else None
         self.expected_sites = expected_sites
+        self.site_devices = site_devices or MAX_PARTIAL_UPDATES
+        self.strategy.bound_site_weights()
         self.max_seen_update_ids = ROOT_SEEN_UPDATE_IDS
         self._seen_partials: dict[tuple[str, int, str], None] = {}
         self.partials_received = 0
@@ -106,8 +117,29 @@ class RootCoordinator(Coordinator):
         self.overlaps = 0  # partials that listed ids another site listed first
 
     def _data_topics(self) -> list[str]:
-        """As :meth:`Coordinator._data_topics`, and ``partial/+`` (subscribed after the control topics)."""
-        return [self.topics.partial("+"), *super()._data_topics()]
+        """``partial/+`` and the devices' statuses; ``update/+`` only with device keys to verify them."""
+        topics = [self.topics.partial("+"), *super()._data_topics()]
+        if self.device_keys is None:
+            topics.remove(self.topics.update("+"))
+        return topics
+
+    def _dropped_topics(self) -> list[str]:
+        """``update/+`` without device keys (a resumed session of an earlier run may hold it)."""
+        return [self.topics.update("+")] if self.device_keys is None else []
+
+    def _handle_update(self, device: str, msg: Message) -> None:
+        """A device update at the root: verified with device keys as a flat coordinator does, else refused.
+
+        Raises
+        ------
+        DecodeError
+            ``unsigned`` when the root has no device keys (a persistent session or a broker ACL
+            may still deliver one: it never reaches the aggregate).
+        """
+        if self.device_keys is None:
+            why = "a root takes device updates only with security.device_keys_dir"
+            raise DecodeError("unsigned", f"device update from {device}: {why}")
+        super()._handle_update(device, msg)
 
     def handle(self, msg: Message) -> None:
         """Dispatch one message: partials here, anything else as a flat coordinator (never raises)."""
@@ -147,6 +179,9 @@ class RootCoordinator(Coordinator):
         if rnd is None:
             raise UpdateRejected("no_round", "no round is open")
         rnd.admit_partial(site, p.round, p.base_version, p.update_ids)
+        if p.count > self.site_devices:
+            why = f"partial of {site} covers {p.count} updates, a site may have {self.site_devices} devices"
+            raise UpdateRejected("bad_value", why)
         tail = f":{p.round}:{p.base_version}"
         bad = next((u for u in p.update_ids if u.count(":") != 2 or not u.endswith(tail) or u == tail), None)
         if bad is not None:

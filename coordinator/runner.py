@@ -33,7 +33,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Final
@@ -104,6 +104,7 @@ FLAG_KEYS: Final = {
     "device_keys": "security.device_keys_dir",
     "clip_norm": "robustness.norm_bound",
     "clip_multiplier": "robustness.adaptive_factor",
+    "tolerate": "robustness.tolerate",
     "trim_fraction": "strategy.trim_fraction",
     "max_updates": "strategy.max_updates",
     "buffer_size": "strategy.buffer_size",
@@ -122,7 +123,10 @@ FLAG_KEYS: Final = {
 FLAG_MEANING: Final = {
     "wait_devices": "wait for this many devices to be ready before round 1 (up to rounds.wait_devices_s) "
     "and expect as many clients a round; ",
-    "clip_norm": "bound on each update's L2 norm at the coordinator (not the devices' training.clip_norm); ",
+    "clip_norm": "bound on each update's L2 norm at the coordinator (not the devices' "
+    "training.clip_norm); ",
+    "tolerate": "hostile devices every aggregated round withstands (sets each strategy's fewest "
+    "updates a round); ",
 }
 
 
@@ -227,6 +231,7 @@ def build_strategy(profile: CoordinatorProfile) -> Strategy:
         deadline_s=rounds.deadline_s,
         clip_norm=rob.norm_bound,
         clip_multiplier=rob.adaptive_factor,
+        tolerate=rob.tolerate,
         **own,
     )
     if not dp.enabled:
@@ -240,14 +245,44 @@ def build_strategy(profile: CoordinatorProfile) -> Strategy:
     )
 
 
+#: The strategies' constructor arguments that another table's key sets (the rest are ``strategy.<name>``).
+_ARGUMENT_KEYS: Final = {
+    "clip_norm": "robustness.norm_bound",
+    "clip_multiplier": "robustness.adaptive_factor",
+}
+
+
+def strategy_problems(profile: CoordinatorProfile) -> list[str]:
+    """Why :func:`build_strategy` refuses ``profile``, each line naming its dotted key; empty if it builds.
+
+    ``edgefl check-config`` and ``edgefl coordinator`` both ask (the coordinator before it connects),
+    so a profile that one accepts the other runs. Building a strategy allocates nothing of the head.
+    """
+    name = profile.strategy.name
+    try:
+        build_strategy(profile)
+    except TypeError as exc:  # an option the named strategy does not take (server_momentum for median)
+        arg = str(exc).rpartition("argument ")[2].strip("'\" ")
+        key = _ARGUMENT_KEYS.get(arg, f"strategy.{arg}")
+        table, _, field_name = key.partition(".")
+        value = getattr(getattr(profile, table), field_name, None)
+        return [f"{key} = {value!r}: not an option of strategy.name = {name!r}"]
+    except ValueError as exc:
+        key = "privacy.enabled" if profile.privacy.enabled and "DP" in str(exc) else "strategy.name"
+        value = "true" if key == "privacy.enabled" else repr(name)
+        return [f"{key} = {value}: {exc}"]
+    return []
+
+
 Evaluation = Callable[[CoordinatorProfile, Backbone], Callable[[F32, F32], float] | None]
 """Builds the central evaluation of a head for a profile and backbone (None: no central set)."""
 
 PageServer = Callable[
-    [DashboardConfig, str, Callable[[], Mapping[str, Any]]],
+    [DashboardConfig, str, Callable[[], Mapping[str, Any]], Callable[[], Sequence[Mapping[str, Any]]]],
     Awaitable[tuple[Callable[[], Awaitable[None]], int]],
 ]
-"""Serves the fleet page: ``(dashboard config, title, get_status) -> (stop, port)``; given by the CLI."""
+"""Serves the fleet page: ``(dashboard config, title, get_status, get_rounds) -> (stop, port)``; given by
+the CLI."""
 
 
 def main(
@@ -274,14 +309,11 @@ def main(
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
         return EXIT_INVALID
-    try:
-        strategy = build_strategy(profile)  # a combination no strategy accepts is a profile problem
-        if profile.hierarchy.role != "flat" and profile.strategy.name == "fedbuff":
-            raise ValueError(f"hierarchy.role = {profile.hierarchy.role!r}: fedbuff runs flat only")
-        del strategy
-    except ValueError as exc:
+    problems = strategy_problems(profile)  # a combination no strategy accepts is a profile problem
+    if problems:
         print(f"edgefl coordinator: invalid profile {args.profile}:", file=sys.stderr)
-        print(f"  [strategy]/[privacy]: {exc}", file=sys.stderr)
+        for problem in problems:
+            print(f"  {problem}", file=sys.stderr)
         return EXIT_INVALID
     held: object = None
     try:
@@ -511,6 +543,7 @@ async def run(
         role_kwargs = {
             "site_keys": load_verify_keys(hier.site_keys_dir) if hier.site_keys_dir else None,
             "expected_sites": hier.expected_sites,
+            "site_devices": hier.site_devices,
         }
     elif hier.role == "site":
         cls = SiteAggregator
@@ -527,7 +560,7 @@ async def run(
         topics,
         W0,
         b0,
-        model_sha256=backbone.sha256,
+        model_sha256=backbone.backbone_sha256,
         strategy=strategy,
         evaluate=evaluate,
         compression=Compression(rounds.compression),
@@ -574,12 +607,14 @@ async def run(
             f"rounds of {st.name} until stopped, at most one every {rounds.interval_s:g} s, each once the "
             f"ready devices report {rounds.min_new_samples} new samples"
         )
-    print(f"coordinator{role} of fleet {fleet} at {where}: {what}", flush=True)
+    print(f"coordinator{role} of fleet {fleet} at {where}: {what}, {strategy.tolerance()}", flush=True)
     stop_page: Callable[[], Awaitable[None]] | None = None
     if page is not None and profile.dashboard.enabled:
         dash = profile.dashboard
         try:
-            stop_page, port = await page(dash, f"fleet {fleet}", coord.dashboard_status)
+            stop_page, port = await page(
+                dash, f"fleet {fleet}", coord.dashboard_status, coord.dashboard_rounds
+            )
         except OSError as exc:
             why = exc.strerror or str(exc)
             raise ConfigError(
@@ -642,6 +677,10 @@ async def run(
             if rec.clients == 0 and job:
                 why = _empty_cause(refused_round, declined_round, len(coord.online_devices()))
                 empty.append(f"round {rec.round} aggregated nothing ({why})")
+            elif rec.refused == "too_few":  # abandoned: fewer updates than robustness.tolerate needs
+                need = f"{strategy.name} needs {strategy.min_updates}"
+                why = f"{rec.clients} updates, {need}: {strategy.tolerance()}"
+                empty.append(f"round {rec.round} aggregated nothing (abandoned: {why})")
             if files.log is not None:
                 entry = _log_entry(coord, rec, strategy, refused_round, declined_round)
                 with open(files.log, "a") as f:
@@ -784,7 +823,9 @@ async def _run_site(
             loop.add_signal_handler(sig, stop.set)
     stop_page: Callable[[], Awaitable[None]] | None = None
     if page is not None and profile.dashboard.enabled:
-        stop_page, port = await page(profile.dashboard, f"site {site.site}", site.dashboard_status)
+        stop_page, port = await page(
+            profile.dashboard, f"site {site.site}", site.dashboard_status, site.dashboard_rounds
+        )
         print(f"site page: http://{profile.dashboard.host}:{port}/", flush=True)
     await transport.start(wait_s=None)
     pump = asyncio.create_task(site.pump())

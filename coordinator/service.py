@@ -216,6 +216,46 @@ def federated_evaluation(reports: Sequence[tuple[float, int]]) -> tuple[float, f
     return mean, sum(worst) / len(worst), len(usable)
 
 
+def personal_heads_summary(devices: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The fleet's personal and global heads on the devices' holdouts, from their latest statuses.
+
+    Parameters
+    ----------
+    devices : {device: status fields}
+        Each may carry ``personal_accuracy``, ``global_accuracy`` (in [0, 1]) and ``eval_count``
+        (holdout samples, the weight), ``serving_head``.
+
+    Returns
+    -------
+    dict or None
+        ``{"devices", "personal_mean", "personal_worst_decile", "global_mean", "global_worst_decile",
+        "serving_personal"}``: means weighted by holdout samples, worst deciles as
+        :func:`federated_evaluation` (mean of the worst ceil(10 %) of devices), and how many devices
+        serve their personal head; None when no device reports both accuracies.
+    """
+    personal: list[tuple[float, int]] = []
+    glob: list[tuple[float, int]] = []
+    serving = 0
+    for st in devices.values():
+        p, g, n = st.get("personal_accuracy"), st.get("global_accuracy"), st.get("eval_count")
+        if isinstance(p, int | float) and isinstance(g, int | float) and isinstance(n, int) and n > 0:
+            personal.append((float(p), n))
+            glob.append((float(g), n))
+            serving += st.get("serving_head") == "personal"
+    if not personal:
+        return None
+    pm, pw, count = federated_evaluation(personal)
+    gm, gw, _ = federated_evaluation(glob)
+    return {
+        "devices": count,
+        "personal_mean": pm,
+        "personal_worst_decile": pw,
+        "global_mean": gm,
+        "global_worst_decile": gw,
+        "serving_personal": serving,
+    }
+
+
 @dataclass
 class CoordinatorState:
     """What the coordinator knows, for its dashboard and for the demo."""
@@ -335,6 +375,7 @@ class Coordinator:
         self.on_mismatch: Callable[[str, str], None] | None = None
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
+        self._dashboard_rounds: list[dict[str, Any]] = []
         self._seen_update_ids: dict[str, None] = {}  # insertion-ordered, bounded: see _remember
         self.max_seen_update_ids = SEEN_UPDATE_IDS
         self._held: list[tuple[Update, int]] = []  # arrived while a buffered step was being published
@@ -403,7 +444,7 @@ class Coordinator:
         # dropped after adopting, and whenever the broker resumed a session of ours (an earlier run
         # that adopted may have left them in it)
         if adopting or self.transport.session_present:
-            for topic in (self.topics.round, self.topics.global_model + "/#"):
+            for topic in (self.topics.round, self.topics.global_model + "/#", *self._dropped_topics()):
                 try:
                     await self.transport.unsubscribe(topic)
                 except TransportError as exc:  # harmless: the echoes are ignored, as before
@@ -415,6 +456,10 @@ class Coordinator:
     def _data_topics(self) -> list[str]:
         """The device-facing topics :meth:`start` subscribes to after the control topics."""
         return [self.topics.update("+"), self.topics.status("+")]
+
+    def _dropped_topics(self) -> list[str]:
+        """Topics an earlier session of this client may hold that this one must not receive."""
+        return []
 
     async def subscribe(self, topic: str, budget_s: float = PUBLISH_RETRY_S) -> None:
         """Subscribe with QoS 1, retrying a late SUBACK with backoff (1, 2, 4 ... 16 s) for ``budget_s``.
@@ -515,6 +560,7 @@ class Coordinator:
             "shape": list(self.shape),
             "history": [list(dataclasses.astuple(h)) for h in self.state.history],
             "counted": {str(k): sorted(v) for k, v in self.counted.items()},
+            "strategy": self.strategy.durable_state(),  # norm history, server optimiser, DP ledger
             "open": self._open_round_doc(),
             "unfolded": [[topic, payload] for topic, payload in self._unfolded.values()],
         }
@@ -569,6 +615,11 @@ class Coordinator:
         self.state.version = int(doc["version"])
         self.state.history = [RoundRecord(*h) for h in doc["history"]]
         self.counted = {int(k): list(v) for k, v in doc.get("counted", {}).items()}
+        try:
+            self.strategy.restore_durable(doc.get("strategy", {}))
+        except (ValueError, KeyError, TypeError) as exc:
+            why = f"{path}: the strategy's saved state does not fit ({exc})"
+            raise UpdateRejected("bad_state", why) from exc
         self._settled = self.state.round
         self.state_loaded = True
         for r in sorted(self.counted):  # an update counted before the restart is refused as a duplicate
@@ -726,7 +777,7 @@ class Coordinator:
 
     def min_updates(self) -> int:
         """The fewest updates the strategy aggregates (its own floor; a round never closes early below it)."""
-        return 1
+        return self.strategy.min_updates
 
     def handle(self, msg: Message) -> None:
         """Dispatch one message; a bad one is logged with topic, size and reason and counted, never raised."""
@@ -755,13 +806,18 @@ class Coordinator:
                 self._notify()
             else:
                 self._handle_update(device, msg)
-        except (DecodeError, UpdateRejected) as exc:
-            self.state.rejected[exc.reason] += 1
+        except Exception as exc:
+            # DecodeError/UpdateRejected carry their reason; anything else is the last line of defence
+            # (a fault in handling): counted as ``failed`` so the pump never stops (a peer never deaf)
+            known = isinstance(exc, (DecodeError, UpdateRejected))
+            reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
+            why = str(exc) if known else f"failed: handling raised {type(exc).__name__}: {exc}"
+            self.state.rejected[reason] += 1
             if device is not None and (
                 device in self.state.devices or len(self.rejected_by_device) < self.max_devices
             ):
-                self.rejected_by_device.setdefault(device, Counter())[exc.reason] += 1
-            n = self.state.rejected[exc.reason]
+                self.rejected_by_device.setdefault(device, Counter())[reason] += 1
+            n = self.state.rejected[reason]
             # every refusal is counted; the log names the first ones of each reason, then every 1000th
             # (a flood of forged messages must not become a flood of log lines)
             if n <= LOGGED_REFUSALS or n % 1000 == 0:
@@ -769,8 +825,8 @@ class Coordinator:
                     "rejected message on %s (%d bytes): %s%s",
                     msg.topic,
                     len(msg.payload),
-                    exc,
-                    f" ({n} {exc.reason} so far)" if n > LOGGED_REFUSALS else "",
+                    why,
+                    f" ({n} {reason} so far)" if n > LOGGED_REFUSALS else "",
                 )
 
     def _register(self, device: str, entry: dict[str, Any]) -> None:
@@ -801,7 +857,14 @@ class Coordinator:
         devices[device] = entry
         sha = entry.get("model_sha256")
         if isinstance(sha, str) and sha != self.model_sha256:
-            why = f"backbone sha256 {sha[:12]}… differs from the coordinator's {self.model_sha256[:12]}…"
+            # an `edgefl model prepare` output carries its original's sha256: a difference is another model
+            why = (
+                f"backbone sha256 {sha[:12]}… differs from the coordinator's {self.model_sha256[:12]}…: "
+                "another model (a `model prepare` output counts as its original)"
+            )
+            shape = entry.get("head_shape")
+            if isinstance(shape, list) and shape != [int(n) for n in self.W.shape]:
+                why += f"; head {shape}, the coordinator's {list(self.W.shape)}"
             if self.mismatched.get(device) != why:
                 self.mismatched[device] = why
                 logger.warning("device %s runs another model: %s; left out of rounds", device, why)
@@ -939,7 +1002,7 @@ class Coordinator:
         rnd.record(update, size_bytes)
         self._remember(update.update_id)
         self._dirty = True
-        # Devices no longer publish a status for their round's progress (agent/status.py, issue 17):
+        # Devices no longer publish a status for their round's progress (agent/status.py):
         # the update says it, so the fleet registry takes the device's round, update size and its
         # evaluation of the base head (federated evaluation, read at the round's close) from it.
         entry = self.state.devices.get(update.device)
@@ -989,8 +1052,14 @@ class Coordinator:
                 "declined": dict(self.declined_by_device.get(dev, {})),
                 "model_mismatch": self.mismatched.get(dev),
                 "clipped": self.strategy.clipped.get(dev, 0),
+                # accuracies the device reports, each measured on its own holdout
+                "personal_accuracy": st.get("personal_accuracy"),
+                "global_accuracy": st.get("global_accuracy"),
+                "eval_accuracy": st.get("eval_accuracy"),
+                "serving_head": st.get("serving_head"),
             }
         return {
+            "broker_connected": self.transport.connected.is_set(),
             "round": self.state.round,
             "state": "collecting" if open_round else ("idle" if not self.state.history else "aggregated"),
             "fleet_state": self.fleet_state().as_dict(),
@@ -1004,18 +1073,7 @@ class Coordinator:
                 {"round": h.round, "accuracy": None if h.accuracy != h.accuracy else h.accuracy}
                 for h in self.state.history
             ],
-            "rounds": [
-                {
-                    "round": h.round,
-                    "clients": h.clients,
-                    "accuracy": None if h.accuracy != h.accuracy else h.accuracy,
-                    "update_bytes_mean": h.update_bytes_mean,
-                    "duration_s": h.duration_s,
-                    "fed_accuracy": None if math.isnan(h.fed_accuracy) else h.fed_accuracy,
-                    "fed_worst_decile": None if math.isnan(h.fed_worst_decile) else h.fed_worst_decile,
-                }
-                for h in self.state.history[-50:]
-            ],
+            "rounds": self.dashboard_rounds()[-50:],  # the latest records, as /api/rounds has them
             "devices": devices,
             "model_mismatches": dict(self.mismatched),
             "rejected": dict(self.state.rejected),
@@ -1023,10 +1081,28 @@ class Coordinator:
             "refused_rounds": dict(self.state.refused_rounds),
             "declined": dict(self.state.declined),
             "held_updates": len(self._held),
+            "personal_heads": personal_heads_summary(self.state.devices),
             "epsilon": None
             if not self.state.history or math.isnan(self.state.history[-1].epsilon)
             else self.state.history[-1].epsilon,
         }
+
+    def dashboard_rounds(self) -> list[dict[str, Any]]:
+        """Every round record so far as JSON-like dicts, oldest first (the fleet page's ``/api/rounds``).
+
+        Records already converted are kept while they still line up with the history (rounds
+        appended, the oldest trimmed), so a page polling it costs a few comparisons.
+        """
+        history = self.state.history
+        cached = self._dashboard_rounds
+        if history and cached and cached[0]["round"] < history[0].round:  # the oldest were trimmed
+            cached = [c for c in cached if c["round"] >= history[0].round]
+        if len(cached) > len(history) or (cached and cached[-1]["round"] != history[len(cached) - 1].round):
+            cached = []
+        if len(cached) < len(history):
+            cached = cached + [dataclasses.asdict(h) for h in history[len(cached) :]]
+        self._dashboard_rounds = cached
+        return cached
 
     def _notify(self) -> None:
         if self.on_change is not None:
@@ -1134,7 +1210,7 @@ class Coordinator:
     ) -> None:
         """Publish the RoundAnnouncement of ``round_no`` (QoS 1, retained) and wait for its PUBACK.
 
-        :meth:`run_round` runs it as a task and collects updates meanwhile (issue 17, round latency).
+        :meth:`run_round` runs it as a task and collects updates meanwhile (round latency).
         """
         ann = RoundAnnouncement(
             round=round_no,
@@ -1311,9 +1387,9 @@ class Coordinator:
                 refused = refusal.reason
                 self.state.refused_rounds[refused] += 1
                 logger.error(
-                    "round %d refused: the aggregated head would be refused by the agents (%s); "
-                    "keeping version %d",
+                    "round %d refused: %s (%s); keeping version %d",
                     round_no,
+                    "abandoned" if refused == "too_few" else "the agents would refuse the aggregated head",
                     refusal,
                     self.state.version,
                 )

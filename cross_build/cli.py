@@ -1,7 +1,7 @@
 """The ``edgefl wheelhouse`` sub-command: argument parsing only, cheap to import.
 
 ``edgefl/cli.py`` imports this module (in a source checkout) to register the sub-command; the builder,
-:mod:`edgefl.cross_build.wheelhouse`, and its dependencies (``packaging``, ~200 ms and ~4.6 MB RSS measured)
+:mod:`cross_build.wheelhouse`, and its dependencies (``packaging``, ~200 ms and ~4.6 MB RSS measured)
 are imported only when the sub-command runs, so ``edgefl run`` does not pay for them.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-# Must equal sorted(edgefl.cross_build.wheelhouse.TARGETS) (checked by tests/test_cross_build.py).
+# Must equal sorted(cross_build.wheelhouse.TARGETS) (checked by tests/test_cross_build.py).
 TARGET_NAMES = ("aarch64", "armv7l", "x86_64")
-# Must equal edgefl.cross_build.wheelhouse.PYTHONS (same test).
+# Must equal cross_build.wheelhouse.PYTHONS (same test).
 PYTHON_VERSIONS = ("3.11", "3.12", "3.13")
 DEFAULT_PREFIX = "/opt/edgefl"
 
@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     Parameters
     ----------
     p : argparse.ArgumentParser
-        The ``wheelhouse`` sub-parser, or the parser of ``python -m edgefl.cross_build.wheelhouse``.
+        The ``wheelhouse`` sub-parser, or the parser of ``python -m cross_build.wheelhouse``.
     """
     p.add_argument("--target", required=True, choices=TARGET_NAMES, help="gateway platform")
     p.add_argument("--python", default=None, choices=PYTHON_VERSIONS,
@@ -50,6 +50,6 @@ def add_wheelhouse_parser(sub: argparse._SubParsersAction[argparse.ArgumentParse
 
 def run_wheelhouse(args: argparse.Namespace) -> int:
     """Build the wheelhouse the parsed arguments ask for; returns the exit code (0 built, 1 failed)."""
-    from edgefl.cross_build.wheelhouse import run
+    from .wheelhouse import run
 
     return run(args)

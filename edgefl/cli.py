@@ -1,9 +1,10 @@
 """The ``edgefl`` command: run the agent, check a profile, run the demo.
 
 Exit codes: 0 success; 1 invalid profile (``check-config``) or the demo's job failed; 2 usage error;
-3 the model could not be loaded (missing, corrupt, or wrong shape); 4 a runtime error at start-up;
-75 (``EX_TEMPFAIL``, sysexits.h) a fault that stopped a running agent (one log line, no traceback for a
-known fault). The shipped unit restarts 4 and 75 with a growing delay, never 1, 2, 3.
+3 the model could not be loaded (missing, corrupt, or wrong shape); 4 a runtime error at start-up (e.g.
+the dashboard's port in use); 5 the broker refused the agent's credentials ``broker.auth_retries`` times
+in a row; 75 (``EX_TEMPFAIL``, sysexits.h) a fault that stopped a running agent (one log line, no
+traceback for a known fault). The shipped unit restarts 4 and 75 with a growing delay, never 1, 2, 3, 5.
 Logging handlers are configured here only (STYLE.md rule 10).
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -38,6 +41,8 @@ EXIT_INVALID = 1
 EXIT_USAGE = 2
 EXIT_MODEL = 3
 EXIT_RUNTIME = 4
+EXIT_CREDENTIALS = 5
+"""The broker refused the agent's credentials ``broker.auth_retries`` times in a row; not restarted."""
 EXIT_TEMPFAIL = 75
 """A fault stopped the running agent (sysexits.h ``EX_TEMPFAIL``: try again later); restarted."""
 
@@ -187,10 +192,40 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(agent.run())
     except (Exception, BaseExceptionGroup) as group:  # the last line of defence: never a crash loop
-        return _stopped_by_fault(group)
+        return _stopped_by(group)
     finally:
         lock.close()
     return EXIT_OK
+
+
+def _stopped_by(exc: BaseException) -> int:
+    """The exit code for what stopped the agent: refused credentials (5), a start-up error (4), a fault."""
+    from edgefl.errors import CredentialsRefused, StartupError
+
+    leaves = _leaves(exc)
+    for e in leaves:
+        if isinstance(e, CredentialsRefused):
+            logger.error("agent stopped (exit %d): %s", EXIT_CREDENTIALS, e)
+            print(f"edgefl: {e}", file=sys.stderr)
+            return EXIT_CREDENTIALS
+    for e in leaves:
+        if isinstance(e, StartupError):
+            print(f"edgefl: cannot start: {e}", file=sys.stderr)
+            return EXIT_RUNTIME
+    return _stopped_by_fault(exc)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside ``exc`` (itself, or the leaves of an ``ExceptionGroup`` tree)."""
+    leaves: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        else:
+            leaves.append(e)
+    return leaves
 
 
 _KNOWN_FAULTS = (OSError, MemoryError, ArithmeticError, ValueError)
@@ -206,14 +241,7 @@ def _stopped_by_fault(exc: BaseException) -> int:
     """
     from edgefl.errors import EdgeflError
 
-    leaves: list[BaseException] = []
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if isinstance(e, BaseExceptionGroup):
-            todo.extend(e.exceptions)
-        else:
-            leaves.append(e)
+    leaves = _leaves(exc)
     for e in leaves:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise e
@@ -302,18 +330,31 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     from edgefl.coordinator.profile import SCHEMA, is_coordinator_profile, load_coordinator_profile
 
     if is_coordinator_profile(data):
+        from edgefl.coordinator.runner import strategy_problems
+
         try:
             coordinator = load_coordinator_profile(args.profile, _parse_sets(args.set))
+            problems = strategy_problems(coordinator)  # what `edgefl coordinator` refuses, refused here
+            if problems:
+                raise ConfigError(problems)
         except ConfigError as exc:
             print(f"edgefl: invalid coordinator profile {args.profile}:", file=sys.stderr)
             for problem in exc.problems:
                 print(f"  {problem}", file=sys.stderr)
             return EXIT_INVALID
+        from edgefl.coordinator.runner import build_strategy
+
+        try:
+            tolerance = build_strategy(coordinator).tolerance()
+        except ValueError as exc:
+            print(f"edgefl: invalid coordinator profile {args.profile}:", file=sys.stderr)
+            print(f"  [strategy]/[robustness]/[privacy]: {exc}", file=sys.stderr)
+            return EXIT_INVALID
         n = coordinator.rounds.count
         rounds = f"{n} round{'' if n == 1 else 's'}" if n else "rounds until stopped"
         print(
             f"{args.profile}: ok (coordinator of fleet {coordinator.fleet.name}, {rounds} of "
-            f"{coordinator.strategy.name}, role {_role(coordinator.hierarchy)})"
+            f"{coordinator.strategy.name}, role {_role(coordinator.hierarchy)}, {tolerance})"
         )
         if args.print:
             print(json.dumps(SCHEMA.to_dict(coordinator), indent=2, default=str))
@@ -367,6 +408,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(opts)
 
 
+def _add_checkout_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``edgefl wheelhouse`` when edgefl runs from a source checkout.
+
+    The wheelhouse builder (``cross_build/``, a build-machine tool) is not in the wheel; in a checkout it
+    stands beside ``edgefl/`` and is loaded from there under its one name, ``cross_build``, without
+    putting the checkout on ``sys.path``.
+
+    Parameters
+    ----------
+    sub : argparse._SubParsersAction
+        The ``add_subparsers()`` result of :func:`build_parser`.
+    """
+    init = Path(__file__).resolve().parent.parent / "cross_build" / "__init__.py"
+    if not init.is_file():
+        return
+    if "cross_build" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "cross_build", init, submodule_search_locations=[str(init.parent)])
+        if spec is None or spec.loader is None:
+            return
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["cross_build"] = module
+        spec.loader.exec_module(module)
+    importlib.import_module("cross_build.cli").add_wheelhouse_parser(sub)
+
+
 def _command_word(words: Sequence[str]) -> str | None:
     """The sub-command named in ``words`` (the first word that is not an option or its value)."""
     it = iter(words)
@@ -399,7 +466,14 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    r = sub.add_parser("run", help="run the device agent with a profile")
+    r = sub.add_parser(
+        "run",
+        help="run the device agent with a profile",
+        description="Run the device agent until SIGTERM/SIGINT. Exit codes: 0 stopped; 1 invalid profile or "
+        "state folder in use; 2 usage; 3 model cannot be loaded; 4 start-up error (e.g. dashboard port in "
+        "use); 5 the broker refused the credentials broker.auth_retries times in a row (not restarted); "
+        "75 a fault stopped the running agent (restarted).",
+    )
     r.add_argument("profile", help="TOML profile (see firmware_configs/)")
     r.add_argument(
         "--set",
@@ -480,13 +554,12 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
         profiler.add_parser(sub)
         memreport.add_parser(sub)
-        from edgefl import feed, modeltool
+        from edgefl import feed, keys, modeltool
 
         modeltool.add_parser(sub)
         feed.add_parser(sub)
-        from edgefl.cross_build.cli import add_wheelhouse_parser
-
-        add_wheelhouse_parser(sub)
+        keys.add_parser(sub)
+        _add_checkout_parsers(sub)
         from edgefl.coordinator import bridge
 
         bridge.add_parser(sub)

@@ -10,7 +10,7 @@ The digits set is split once, by a seed, into three disjoint parts:
   (:func:`partition_non_iid`) or by Dirichlet label skew (:func:`dirichlet_partition`).
 
 numpy only: this module is imported by the agent, the coordinator demo, the benchmarks and
-``models/build.py``.
+``tools/build_models.py``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -118,6 +118,15 @@ def launch_agent(
             # as the systemd unit: two arenas, a fixed mmap threshold (large frees go back to the kernel)
             env={**os.environ, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"},
         )
+
+
+HEAD_ACCURACY_KEYS = ("personal_accuracy", "global_accuracy")
+"""The agents' accuracies of their two heads on their holdout (status fields, ``--json`` keys)."""
+
+
+def _accuracy(value: object) -> float | None:
+    """A status accuracy as a float (None when absent or not a number)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def stop_agents(procs: list[subprocess.Popen[bytes]], timeout_s: float = 15.0) -> None:
@@ -313,7 +322,9 @@ async def _run(opts: DemoOptions) -> int:
             pump = asyncio.create_task(coord.pump())
             from edgefl.dashboard.app import DashboardState, serve
 
-            board = DashboardState("coordinator", f"fleet {fleet}", coord.dashboard_status)
+            board = DashboardState(
+                "coordinator", f"fleet {fleet}", coord.dashboard_status, get_rounds=coord.dashboard_rounds
+            )
             coord.on_change = board.notify
             runner, board_port = await serve(board, "127.0.0.1", 0)
             try:
@@ -368,6 +379,9 @@ async def _run(opts: DemoOptions) -> int:
                         "cap_bytes": cap,
                         "peak_rss_bytes": peak,
                         **{key: int(status.get(key) or 0) for key in INGEST_KEYS},
+                        # both heads on the agent's holdout, from its latest status (null before both
+                        # were evaluated)
+                        **{key: _accuracy(status.get(key)) for key in HEAD_ACCURACY_KEYS},
                     }
                 )
         finally:
@@ -555,7 +569,10 @@ def central_evaluation(profile: CoordinatorProfile, backbone: Backbone) -> Calla
 
 
 async def serve_coordinator_page(
-    dashboard: DashboardConfig, title: str, get_status: Callable[[], Mapping[str, Any]]
+    dashboard: DashboardConfig,
+    title: str,
+    get_status: Callable[[], Mapping[str, Any]],
+    get_rounds: Callable[[], Sequence[Mapping[str, Any]]] | None = None,
 ) -> tuple[Callable[[], Awaitable[None]], int]:
     """Serve the standalone coordinator's fleet page (``edgefl coordinator`` with ``[dashboard]`` on).
 
@@ -564,6 +581,7 @@ async def serve_coordinator_page(
     dashboard : the profile's ``[dashboard]`` (bind address, port, bearer token)
     title : shown in the page header
     get_status : the coordinator's status document (:meth:`Coordinator.dashboard_status`)
+    get_rounds : its round records (:meth:`Coordinator.dashboard_rounds`), for ``/api/rounds``
 
     Returns
     -------
@@ -578,6 +596,15 @@ async def serve_coordinator_page(
     """
     from edgefl.dashboard.app import DashboardState, serve
 
-    board = DashboardState("coordinator", title, get_status, token=dashboard.token)
+    # memory per device over the last 30 minutes (180 samples, 10 s apart)
+    board = DashboardState(
+        "coordinator",
+        title,
+        get_status,
+        token=dashboard.token,
+        get_rounds=get_rounds,
+        history_interval_s=10.0,
+        history_len=180,
+    )
     runner, port = await serve(board, dashboard.host, dashboard.port)
     return runner.cleanup, port

@@ -365,7 +365,7 @@ class RecordSlot:
 
     :func:`write_record` costs a read of the current file, a hard link, a rename, a new file's
     ``fsync`` and the folder's ``fsync`` (two journal commits on ext4, 1-7 ms on a shared disk):
-    too much for the one write between a device's training and its publish (issue 17, round
+    too much for the one write between a device's training and its publish (round
     latency). Here each write overwrites the file holding the *older* generation, from offset 0,
     zero-padded to the file's size (whole 4 KiB blocks) and ``fdatasync``-ed: the blocks are already
     allocated and the size unchanged, so no metadata is journalled and no name changes. The newest

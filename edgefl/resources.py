@@ -1,16 +1,19 @@
-"""Files the package ships (models, profiles, data sets), found the same way in a checkout and a wheel.
+"""Files the package ships (models, profiles, the demo's data set), found alike in a checkout and a wheel.
 
-A source checkout reaches them through ``edgefl/models`` etc. (symlinks to the top-level folders); an
-installed wheel carries them as package data (setup.cfg ``package_data``).
+They live in the top-level folders ``models/``, ``firmware_configs/`` and ``data/``, which setup.cfg's
+``package_dir`` maps to the data-only packages ``edgefl.models``, ``edgefl.firmware_configs`` and
+``edgefl.data``; the import system finds those folders in a wheel and in an editable install alike.
 """
 
 from __future__ import annotations
 
+import importlib.resources
 from pathlib import Path
 
 __all__ = ["shipped"]
 
-_ROOT = Path(__file__).resolve().parent
+FOLDERS = ("models", "firmware_configs", "data")
+"""The shipped folders: the packages ``edgefl.models``, ``edgefl.firmware_configs`` and ``edgefl.data``."""
 
 
 def shipped(relative: str) -> Path:
@@ -20,11 +23,19 @@ def shipped(relative: str) -> Path:
     ----------
     relative : str
         Path under the package, with ``/`` separators: ``models/...``, ``firmware_configs/...``,
-        ``data/...``.
+        ``data/sklearn_digits/...``.
 
     Returns
     -------
     Path
         Absolute path (it may not exist when the wheel was built without that file).
+
+    Raises
+    ------
+    ValueError
+        ``relative`` does not start with one of :data:`FOLDERS`.
     """
-    return _ROOT / relative
+    folder, *rest = relative.strip("/").split("/")
+    if folder not in FOLDERS:
+        raise ValueError(f"{relative!r}: not under a folder edgefl ships ({', '.join(FOLDERS)})")
+    return Path(str(importlib.resources.files(f"edgefl.{folder}"))).joinpath(*rest)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import ipaddress
+import os
 import shutil
 import socket
 import subprocess
@@ -45,6 +46,49 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
+
+
+BROKER_FIXTURES = frozenset({"mosquitto", "bridged_brokers", "tls_broker", "mtls_broker", "acl_broker"})
+"""Fixtures that start a mosquitto: a test using one (directly or through another) is marked ``broker``."""
+SUBPROCESS_FIXTURES = BROKER_FIXTURES | {
+    "pki", "wheel", "host_house", "sse_server", "browser", "two_agents", "agents", "agent_log",
+}
+"""Fixtures that start a process: a test that uses one is marked ``subprocess``."""
+FAST_TIER_ENV = "EDGEFL_FAST_TIER"
+"""Set by ``make check``: a test there that starts a process fails, naming the marker it lacks."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests whose fixtures start mosquitto or a process (``make check`` deselects them)."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names & BROKER_FIXTURES:
+            item.add_marker(pytest.mark.broker)
+        if names & SUBPROCESS_FIXTURES:
+            item.add_marker(pytest.mark.subprocess)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_no_process(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """In ``make check`` (the fast tier), a test that starts a process fails: mark it ``subprocess``."""
+    node = request.node
+    if not os.environ.get(FAST_TIER_ENV) or any(node.get_closest_marker(m) for m in ("broker", "subprocess")):
+        yield
+        return
+    started: list[str] = []
+    popen_init = subprocess.Popen.__init__
+
+    def refuse(self: subprocess.Popen[Any], args: Any, *rest: Any, **kwargs: Any) -> None:
+        started.append(str(args)[:120])
+        raise AssertionError(f"{node.nodeid} starts a process ({str(args)[:120]}): mark it "
+                             "@pytest.mark.subprocess (or broker), the fast tier runs none")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    yield
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen_init)
+    assert started == [], f"started a process in the fast tier: {started}"
 
 
 async def wait_until(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -124,14 +168,24 @@ class Broker:
 
 
 def start_mosquitto(tmp: Path, extra: str = "", port: int | None = None) -> Broker:
-    """Start a mosquitto on 127.0.0.1 with a config written to ``tmp``; wait until it accepts connections."""
-    port = port or free_port()
-    conf = tmp / f"mosquitto-{port}.conf"
-    conf.write_text(
-        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-        f"set_tcp_nodelay true\nlog_dest stderr\n{extra}\n"
-    )
-    return _run_mosquitto(tmp, conf, port)
+    """Start a mosquitto on 127.0.0.1 with a config written to ``tmp``; wait until it accepts connections.
+
+    Without ``port``, a free one; if another process (a parallel test worker) takes it first, the broker
+    starts again on another (three tries).
+    """
+    for attempt in range(3):
+        chosen = port or free_port()
+        conf = tmp / f"mosquitto-{chosen}.conf"
+        conf.write_text(
+            f"listener {chosen} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+            f"set_tcp_nodelay true\nlog_dest stderr\n{extra}\n"
+        )
+        try:
+            return _run_mosquitto(tmp, conf, chosen)
+        except RuntimeError:
+            if port is not None or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def restart_mosquitto(b: Broker) -> Broker:

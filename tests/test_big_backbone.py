@@ -55,6 +55,7 @@ def _announcement(round_no: int, deadline_s: float = 10.0) -> RoundAnnouncement:
     )
 
 
+@pytest.mark.subprocess
 def test_own_model_deferred_round_retried_when_memory_frees_else_declined(tmp_path: Path) -> None:
     proc = fake_proc(tmp_path, rss=95 * MIB)  # 1 MiB under the cap: nothing deferrable fits
     gov = Governor(96 * MIB, 8 * MIB, 0, proc=proc, cgroup_root=tmp_path / "none")

@@ -104,7 +104,7 @@ class Tier:
         common = [
             sys.executable, "-m", "edgefl.cli", "--log-level", "INFO", "coordinator",
             "--fleet", self.fleet, "--model", str(INT8_MODEL), "--rounds", str(self.rounds),
-            "--strategy", "fedavg", "--clip-norm", str(NORM_BOUND), "--deadline", "45",
+            "--strategy", "fedavg", "--clip-norm", str(NORM_BOUND), "--deadline", "45", "--tolerate", "0",
             "--log", str(self.tmp / f"{name}.jsonl"),
         ]  # fmt: skip
         if name == "root":
@@ -274,6 +274,7 @@ def _assert_counted_once(tier: Tier, rounds: int) -> None:
     assert [ln["clients"] for ln in lines] == [6] * rounds
 
 
+@pytest.mark.subprocess
 def test_bridge_config_names_the_site_topics() -> None:
     text = bridge_config("site-a", "mqtt://10.0.0.1:1883", fleet="f1")
     assert "address 10.0.0.1:1883\n" in text
@@ -480,6 +481,7 @@ def test_site_partial_resent_to_a_restarted_root(tier: Tier) -> None:
     assert counted == sorted(f"{d}:{r}:{r - 1}" for r in (1, 2) for devs in SITES.values() for d in devs)
 
 
+@pytest.mark.subprocess
 def test_bridge_root_broker_back_without_state_gets_partials_again(tmp_path: Path) -> None:
     """The root broker dies and comes back without its state (sessions, retained messages) while both
     sites' partials of round 1 wait in their bridges. The bridges reconnect and forward them before the

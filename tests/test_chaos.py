@@ -25,7 +25,7 @@ from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.codec import Update, UpdateMetrics, encode_update
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.subprocess]
 
 
 def test_chaos_short(tmp_path: Path) -> None:

@@ -279,6 +279,7 @@ class Collector:
         self.client.loop_stop()
 
 
+@pytest.mark.subprocess
 def test_chunking_through_mosquitto_with_max_packet_size(tmp_path: Path) -> None:
     limit = 4096
     broker = start_mosquitto(tmp_path, extra=f"max_packet_size {limit}")
@@ -325,6 +326,7 @@ def test_chunking_through_mosquitto_with_max_packet_size(tmp_path: Path) -> None
         stop_broker(broker)
 
 
+@pytest.mark.subprocess
 def test_chunking_oversized_packet_is_refused_by_mosquitto(tmp_path: Path) -> None:
     """The same broker drops a publisher whose packet is over the limit: why nothing may exceed it.
 

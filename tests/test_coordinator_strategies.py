@@ -46,7 +46,7 @@ def run_coordinator(
     cmd = [
         sys.executable, "-m", "edgefl.cli", "--log-level", "INFO", "coordinator",
         "--broker", broker.url, "--fleet", fleet, "--model", str(INT8_MODEL),
-        "--wait-devices", str(n_agents), "--deadline", "60", "--log", str(log), *flags,
+        "--wait-devices", str(n_agents), "--deadline", "60", "--log", str(log), "--tolerate", "0", *flags,
     ]  # fmt: skip
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -93,6 +93,7 @@ def test_coordinator_dp_reports_epsilon_every_round_with_real_agents(
     assert lines[-1]["clipped_by_device"].keys() <= {"dev-0", "dev-1"}
 
 
+@pytest.mark.subprocess
 def test_coordinator_refuses_dp_around_a_robust_strategy() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "edgefl.cli", "coordinator",

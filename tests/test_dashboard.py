@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 TOKEN = "s3cret-token-for-tests-0123456789"
 ROUTES = ("/", "/static/app.js", "/static/style.css", "/static/favicon.svg", "/api/status", "/api/history",
-          "/metrics", "/healthz")
+          "/api/rounds", "/metrics", "/healthz")
 
 
 def run(coro: Awaitable[None], timeout_s: float = 20.0) -> None:
@@ -686,6 +686,7 @@ print(json.dumps({"served": served, "client_modules": lean, "client_after": afte
 """
 
 
+@pytest.mark.subprocess
 def test_dashboard_serves_without_aiohttp_client() -> None:
     # an agent's dashboard imports aiohttp's server only (edgefl.dashboard.aiohttp_server): every
     # route and the event stream still served; aiohttp's client loads on its first use, not before

@@ -339,6 +339,7 @@ def test_forgery_agent_refuses_a_head_signed_for_another_fleet(
 
 
 # --- 2. chunking under the broker's packet limit ------------------------------------------------------
+@pytest.mark.subprocess
 def test_chunked_round_under_broker_max_packet_size(fleet: str, tmp_path: Path, digits: Digits) -> None:
     limit = 1024
     broker = start_mosquitto(tmp_path, extra=f"max_packet_size {limit}\nlog_type all")
@@ -401,6 +402,7 @@ def test_chunked_round_under_broker_max_packet_size(fleet: str, tmp_path: Path, 
         ("5", 8_192, "262144"),  # MQTT 5: the CONNACK's Maximum Packet Size beats the profile's larger one
     ],
 )
+@pytest.mark.subprocess
 def test_fault_round_completes_under_broker_packet_limit(
     fleet: str, tmp_path: Path, digits: Digits, protocol: str, broker_limit: int, profile_limit: str | None
 ) -> None:
@@ -453,6 +455,7 @@ def test_fault_round_completes_under_broker_packet_limit(
 
 
 # --- 3. the outbox across a kill -9 mid-publish ------------------------------------------------------
+@pytest.mark.subprocess
 def test_fault_round_collects_before_the_announcement_puback_counts_once_and_fails_without_it(
     fleet: str, tmp_path: Path, digits: Digits, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -507,6 +510,7 @@ def test_fault_round_collects_before_the_announcement_puback_counts_once_and_fai
         stop_broker(broker)
 
 
+@pytest.mark.subprocess
 def test_outbox_resends_after_restart_and_coordinator_counts_once(
     fleet: str, tmp_path: Path, digits: Digits
 ) -> None:
@@ -727,6 +731,7 @@ def test_corrupt_state_files_are_ignored_with_a_clear_log(
     assert "Traceback" not in log()
 
 
+@pytest.mark.subprocess
 def test_corrupt_model_and_bad_profile_fail_at_startup_with_exit_code(tmp_path: Path) -> None:
     truncated = tmp_path / "truncated.tflite"
     truncated.write_bytes(INT8_MODEL.read_bytes()[:1000])

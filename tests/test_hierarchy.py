@@ -284,6 +284,7 @@ def test_site_profile_keys_are_validated_like_the_others() -> None:
     assert err.value.problems[0].startswith("hierarchy.role = 'middle'")
 
 
+@pytest.mark.subprocess
 def test_site_role_refuses_fedbuff_at_start() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "edgefl.cli", "coordinator", "--role", "site", "--site", "s1",

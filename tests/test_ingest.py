@@ -685,6 +685,7 @@ pattern write edgefl/+/predictions/%u
 """
 
 
+@pytest.mark.subprocess
 def test_ingest_acl_refuses_a_label_from_a_non_app_account(tmp_path: Path) -> None:
     """Only the gateway account writes labels/<device>: a device's Label is refused (MQTT 5 PUBACK 0x87)."""
     passwd = tmp_path / "ingest.passwd"

@@ -263,6 +263,7 @@ def test_overlapping_phases_from_threads_are_safe() -> None:
     assert gov.phase_counts == {"inference": 1, "train": 1}
 
 
+@pytest.mark.subprocess
 def test_malloc_trim_gives_back_freed_heap() -> None:
     if not memory.apply_hygiene()["arena_max"]:
         pytest.skip("not glibc")
@@ -353,6 +354,7 @@ SMALL_SLACK = 3 * MIB
         "mobilenet_v2_035_96_float32.tflite",
     ],
 )
+@pytest.mark.subprocess
 def test_estimates_bound_measured_peaks(model: str) -> None:
     # a fixed mmap threshold: freed temporaries go back to the kernel instead of being reused by the
     # next phase, so each phase's own peak is measured

@@ -191,7 +191,7 @@ def test_prepare_folds_a_half_integer_mean_within_half_an_input_step(tmp_path: P
     step, y = _pipeline_outputs(out, 127.0, 127.5, raw)
     assert step == "copy"
     # exactly the table path given the mean the fold could represent (127), and the converter's own
-    # raw-input model (models/build.py) bit for bit
+    # raw-input model (tools/build_models.py) bit for bit
     np.testing.assert_array_equal(y, _pipeline_outputs(src, 127.0, 127.5, raw)[1])
     np.testing.assert_array_equal(
         y, _pipeline_outputs(MODELS / "mobilenet_v2_035_96_int8_rawin.tflite", 127.0, 127.5, raw)[1]

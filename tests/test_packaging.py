@@ -41,6 +41,9 @@ def test_wheel_claims_only_the_edgefl_import_name(wheel: Path) -> None:
         "edgefl/wire/codec.py",
     ):
         assert shipped in names, shipped
+    # build-machine tools and the benches' data stay in the checkout
+    assert [n for n in names if n.startswith(("edgefl/cross_build/", "edgefl/data/japanese_vowels/"))] == []
+    assert "edgefl/models/build.py" not in names and "edgefl/tools/build_models.py" not in names
 
 
 def test_unpacked_wheel_defaults_work_outside_the_checkout(wheel: Path, tmp_path: Path) -> None:

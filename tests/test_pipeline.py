@@ -216,7 +216,7 @@ def test_folded_models_take_the_copy_step(
 
 
 def test_folded_digits_model_equals_the_int8_model_on_real_digits() -> None:
-    # models/build.py folds raw / 16 into the input quantisation (uint8, scale 1/16, zero point 0); its
+    # tools/build_models.py folds raw / 16 into the input quantisation (uint8, scale 1/16, zero point 0); its
     # QUANTIZE op gives the int8 model's input exactly, so every output is bit-identical
     raw = load_digits()[0]
     folded = Backbone(MODELS / "digits_cnn_int8_rawin.tflite")

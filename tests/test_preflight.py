@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import DEV_PROFILE, ROOT
 
+pytestmark = pytest.mark.subprocess  # every test here starts a process
+
 
 def edgefl(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

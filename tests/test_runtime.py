@@ -149,6 +149,7 @@ def test_prepare_an_internal_embedding_in_memory_or_refuse_naming_the_command() 
         Backbone(INT8_MODEL, embedding_tensor=inner, prepare=False)
 
 
+@pytest.mark.subprocess
 def test_own_model_numpy_2_with_tflite_runtime_stops_naming_numpy_lt_2(tmp_path: Path) -> None:
     import subprocess
     import sys

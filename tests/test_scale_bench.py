@@ -57,6 +57,7 @@ def test_scale_bench_publisher_delivers_qos1(mosquitto: Broker, fleet: str) -> N
     assert sent == 5 * len(publish_packet(f"{fleet}/u/0", b"\x00" * 300, 1))
 
 
+@pytest.mark.subprocess
 def test_hierarch_scale_bench_smoke(tmp_path: Path) -> None:
     """20 devices over 2 sites, 1 round: every update counted once, 2 partials into the root broker."""
     out = tmp_path / "scale.json"
@@ -73,6 +74,7 @@ def test_hierarch_scale_bench_smoke(tmp_path: Path) -> None:
     assert rnd["root_peak_rss_bytes"] > 0 and rnd["site_peak_rss_bytes"] > 0
 
 
+@pytest.mark.subprocess
 def test_flat_scale_bench_smoke(tmp_path: Path) -> None:
     """The same 20 devices through one flat coordinator: 20 updates into the (only) broker."""
     out = tmp_path / "scale.json"
@@ -96,6 +98,7 @@ def test_flat_scale_bench_smoke(tmp_path: Path) -> None:
     assert rnd["site_peak_rss_bytes"] is None
 
 
+@pytest.mark.subprocess
 def test_peak_rss_of_a_child_that_already_exited_comes_from_its_rusage() -> None:
     """The root coordinator ends after its last round, sometimes before the bench reads its peak."""
     child = subprocess.Popen([sys.executable, "-c", "x = bytearray(64 << 20)"])

@@ -128,6 +128,7 @@ def test_corrupt_missing_newest_uses_previous(tmp_path: Path) -> None:
     assert read_record(tmp_path / "never-written.rec") is None
 
 
+@pytest.mark.subprocess
 def test_corrupt_recovery_after_kill_mid_write(tmp_path: Path) -> None:
     """A child process writes generations in a loop and is SIGKILLed; the survivor reads a good record."""
     p = tmp_path / "s.rec"

@@ -238,6 +238,7 @@ def _training(fields: dict[str, Any]) -> bool:
     return fields.get("state") == "training"
 
 
+@pytest.mark.subprocess
 def test_status_after_a_reconnect_is_published_at_once_beside_a_long_round(tmp_path: Path) -> None:
     """A device's status check waits while a round is in hand (one check after the round, not three
     beside its training), except after a (re)connect: the broker may hold the "offline" will, and

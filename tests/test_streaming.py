@@ -15,7 +15,7 @@ from edgefl.head import activate
 from edgefl.runtime import Backbone
 
 STREAMING = MODELS / "test" / "streaming_kws_int8.tflite"
-EMBEDDING = 18  # the last FULLY_CONNECTED's input in that file (models/build.py build_streaming)
+EMBEDDING = 18  # the last FULLY_CONNECTED's input in that file (tools/build_models.py build_streaming)
 
 
 def _frames(n: int, seed: int) -> np.ndarray:

@@ -304,6 +304,7 @@ def test_transport_bounded_queue_holds_qos1_unacknowledged_and_drops_only_qos0(
     asyncio.run(main())
 
 
+@pytest.mark.subprocess
 def test_transport_broker_down_at_start_then_restart(
     tmp_path: Path, fleet: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -455,6 +456,7 @@ def test_unsubscribe_awaits_unsuback_and_the_topic_stops_arriving(
     asyncio.run(main())
 
 
+@pytest.mark.subprocess
 def test_unsubscribe_while_disconnected_reaches_the_persistent_session_on_reconnect(
     tmp_path: Path, fleet: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -613,6 +615,7 @@ def test_suback_reason_codes_are_checked() -> None:
         MqttTransport._check_suback("a/b", [ok, ok])
 
 
+@pytest.mark.subprocess
 def test_puback_future_fails_on_connection_loss_and_new_connection_is_untouched(
     tmp_path: Path, fleet: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -245,7 +245,7 @@ def prescan(data: bytes, limits: Limits, capture: Iterable[str] = ()) -> dict[st
     check scans its unsigned form, then the decoder checks it): the scans of the last two ``bytes``
     objects of at most :data:`PRESCAN_MEMO_BYTES` are remembered, and a call with one of those very
     objects (identity, not equality: ``bytes`` is immutable) and the same ``limits`` object returns
-    its result without walking it again (issue 17: four scans of each update on the coordinator,
+    its result without walking it again (four scans of each update on the coordinator,
     ~0.1 ms each, now two). A scan that fails is not remembered; a larger payload is not kept
     alive by the memo.
 

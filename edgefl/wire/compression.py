@@ -113,7 +113,7 @@ def _decimal_ratio(text: str) -> tuple[int, int]:
     """``repr`` of a finite float (``"0.1"``, ``"1e-05"``, ``"2.5e-07"``) as an exact ratio of ints.
 
     What ``fractions.Fraction(text)`` gives, without importing ``fractions`` and ``decimal`` into
-    the agent (0.36 MiB of RSS, measured, issue 17).
+    the agent (0.36 MiB of RSS, measured).
     """
     mantissa, _, exponent = text.lower().partition("e")
     whole, _, decimals = mantissa.partition(".")
@@ -171,7 +171,7 @@ def _q_cbor_bytes(shape: tuple[int, ...]) -> int:
 
 
 def _qz_cbor_bytes(shape: tuple[int, ...], packed_bytes: int) -> int:
-    """CBOR bytes of the pair ``"qz": [shape, deflated]`` (counted, not encoded: issue 17)."""
+    """CBOR bytes of the pair ``"qz": [shape, deflated]`` (counted, not encoded)."""
     dims = cbor_head_bytes(len(shape)) + sum(cbor_head_bytes(d) for d in shape)
     return _text_cbor_bytes("qz") + 1 + dims + cbor_head_bytes(packed_bytes) + packed_bytes
 
@@ -745,7 +745,7 @@ def compress_head_delta(
 
     def decoded(sub: dict[str, object], dense: F32 | None, shape: tuple[int, ...], name: str) -> F32:
         # the dense int8 layout's decode is the receiver's own dequantisation of the levels just made
-        # (no inflate and re-read of the bytes: ~0.2 ms of each compressed update, issue 17); the
+        # (no inflate and re-read of the bytes: ~0.2 ms of each compressed update); the
         # other layouts are decoded from their wire form
         if dense is not None:
             return _finite_or_raise(dense, name)

@@ -1,0 +1,1 @@
+"""The shipped device and coordinator profiles, read as package data; no code."""
