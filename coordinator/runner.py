@@ -123,8 +123,7 @@ FLAG_KEYS: Final = {
 FLAG_MEANING: Final = {
     "wait_devices": "wait for this many devices to be ready before round 1 (up to rounds.wait_devices_s) "
     "and expect as many clients a round; ",
-    "clip_norm": "bound on each update's L2 norm at the coordinator (not the devices' "
-    "training.clip_norm); ",
+    "clip_norm": "bound on each update's L2 norm at the coordinator (not the devices' training.clip_norm); ",
     "tolerate": "hostile devices every aggregated round withstands (sets each strategy's fewest "
     "updates a round); ",
 }
@@ -493,7 +492,7 @@ async def run(
     instance = new_instance()
     leased = hier.role != "site"  # one coordinator per fleet; a site is one per site broker
 
-    def transport_for(cid: str, *, persistent: bool) -> MqttTransport:
+    def transport_for(cid: str, *, persistent: bool, probe: bool = False) -> MqttTransport:
         return MqttTransport(
             broker.host,
             broker.port,
@@ -506,17 +505,17 @@ async def run(
             max_packet_bytes=broker.max_packet_bytes,
             max_incoming_packet_bytes=broker.max_incoming_packet_bytes,
             # A persistent session: updates published while the coordinator restarts wait for it
-            session_expiry_s=3600 if persistent else 0,
+            session_expiry_s=3600 if persistent or probe else 0,
             alternates=broker.alternate_addresses,  # the other nodes of a clustered broker, tried in turn
             # an update is acknowledged once the state file holds it: a SIGKILL loses none
-            ack_on_commit=persistent and files.state is not None,
+            ack_on_commit=probe or (persistent and files.state is not None),
             # one client, not a fleet: back within ~5 s of its broker (a root's partials wait for it)
             reconnect_max_s=COORDINATOR_RECONNECT_MAX_S,
             will=Lease.will(topics.coordinator) if persistent and leased else None,
         )
 
     if leased:  # before anything is published or written: is a live coordinator running this fleet?
-        probe = transport_for(f"{client_id}-probe-{instance[:8]}", persistent=False)
+        probe = transport_for(f"{client_id}-probe-{instance[:8]}", persistent=False, probe=True)
         await probe_lease(
             probe,
             topics.coordinator,
@@ -677,7 +676,7 @@ async def run(
             if rec.clients == 0 and job:
                 why = _empty_cause(refused_round, declined_round, len(coord.online_devices()))
                 empty.append(f"round {rec.round} aggregated nothing ({why})")
-            elif rec.refused == "too_few":  # abandoned: fewer updates than robustness.tolerate needs
+            elif job and rec.refused == "too_few":  # abandoned: fewer updates than robustness.tolerate needs
                 need = f"{strategy.name} needs {strategy.min_updates}"
                 why = f"{rec.clients} updates, {need}: {strategy.tolerance()}"
                 empty.append(f"round {rec.round} aggregated nothing (abandoned: {why})")

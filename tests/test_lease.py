@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Broker, free_port
+from conftest import ROOT, Broker, free_port, start_mosquitto, stop_broker
 
 from edgefl.coordinator.lease import LEASE_HEARTBEAT_S, PROBE_MARGIN_S
 from edgefl.errors import DecodeError
@@ -42,9 +42,11 @@ def read_log(tmp: Path, name: str) -> str:
     return (tmp / f"{name}.log").read_text()
 
 
-async def presences(broker: Broker, fleet: str, n: int, timeout_s: float) -> list[Presence]:
+async def presences(
+    broker: Broker, fleet: str, n: int, timeout_s: float, username: str | None = None
+) -> list[Presence]:
     """The first ``n`` presences seen on the fleet's lease topic (the retained one first)."""
-    t = MqttTransport(broker.host, broker.port, f"watch-{fleet}-{time.monotonic_ns()}")
+    t = MqttTransport(broker.host, broker.port, f"watch-{fleet}-{time.monotonic_ns()}", username=username)
     await t.start(wait_s=10)
     try:
         topic = Topics("edgefl", fleet).coordinator
@@ -187,3 +189,33 @@ def test_lease_fleet_page_port_in_use_is_a_clean_exit_4(
     assert f"cannot start: dashboard.port = {port}: cannot serve the fleet page on 127.0.0.1" in out, out
     assert "Traceback" not in out, out
     assert asyncio.run(retained_lease(mosquitto, fleet)) is None  # it never took the lease
+
+
+def test_lease_probe_renamed_by_the_broker_to_the_running_coordinator_is_refused(
+    tmp_path: Path, fleet: str
+) -> None:
+    """``use_username_as_clientid true`` (docs/operations.md's broker) gives the second coordinator's probe
+    the running one's client id: the probe sees that session, waits for the holder's presence (it comes
+    back within a heartbeat), and exits 6; the first one reconnects and keeps running."""
+    broker = start_mosquitto(tmp_path, "use_username_as_clientid true")
+    try:
+        account = "broker.username=coordinator"
+        first = start_coordinator(tmp_path, "a", broker, fleet, account, f"files.state={tmp_path / 'a.rec'}")
+        try:
+            seen = asyncio.run(presences(broker, fleet, 2, 30, username="watch-1"))
+            second = start_coordinator(
+                tmp_path, "b", broker, fleet, account, f"files.state={tmp_path / 'b.rec'}"
+            )
+            assert second.wait(timeout=60) == 6, read_log(tmp_path, "b")
+            out = read_log(tmp_path, "b")
+            assert "another coordinator runs this fleet" in out and seen[0].instance[:8] in out, out
+            assert "an existing session" in out, out
+            assert not (tmp_path / "b.rec").exists()
+            assert first.poll() is None, read_log(tmp_path, "a")
+            again = asyncio.run(presences(broker, fleet, 2, 30, username="watch-2"))
+            assert {p.instance for p in again} == {seen[0].instance}, again
+        finally:
+            first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=30) == 0, read_log(tmp_path, "a")
+    finally:
+        stop_broker(broker)

@@ -88,6 +88,7 @@ def test_pacing_a_round_waits_for_the_devices_it_asked() -> None:
 def start_coordinator(tmp: Path, name: str, broker: Broker, fleet: str, *sets: str) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "edgefl.cli", "--log-level", "INFO", "coordinator", str(PROFILE)]
     cmd += ["--broker", broker.url, "--fleet", fleet, "--strategy", "fedavg", "--model", str(INT8_MODEL)]
+    cmd += ["--set", "robustness.tolerate=0"]  # two or three devices: no hostile one tolerated
     for item in sets:
         cmd += ["--set", item]
     log = open(tmp / f"{name}.log", "a")  # noqa: SIM115 - closed with the process
