@@ -364,8 +364,14 @@ def _log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:
     versions.reverse()
     with open(log, "a") as f:
         for rec, version in zip(missing, versions, strict=True):
+            closed = rec.closed_unix if math.isfinite(rec.closed_unix) else time.time()
             entry = {
                 "round": rec.round,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(closed)),
+                "asked": rec.asked,
+                "counted": rec.clients,
+                "refused": {},  # the refusals by reason were not saved
+                "declined": {},
                 "clients": rec.clients,
                 "accuracy": None if math.isnan(rec.accuracy) else rec.accuracy,
                 "update_bytes_mean": rec.update_bytes_mean,
@@ -373,7 +379,9 @@ def _log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:
                 "update_ids": coord.counted.get(rec.round, []),
                 "version": version,
                 "strategy": strategy,
-                "refused": rec.refused or None,
+                "lr": rec.lr if math.isfinite(rec.lr) else None,
+                "new_samples": rec.new_samples if rec.new_samples >= 0 else None,
+                "round_refused": rec.refused or None,
                 "recovered": True,
             }
             f.write(json.dumps(entry) + "\n")
@@ -571,9 +579,7 @@ async def run(
         max_devices=profile.fleet.max_devices,
         device_expiry_s=profile.fleet.device_expiry_s,
         quorum=rounds.quorum,
-        pacing=Pacing(0.0, 0, 1)
-        if job
-        else Pacing(rounds.interval_s, rounds.min_new_samples, rounds.min_clients),
+        pacing=pacing_for(profile),
         **role_kwargs,
     )
 
@@ -731,6 +737,19 @@ async def run(
         )
         return EXIT_EMPTY_ROUND
     return EXIT_OK
+
+
+def pacing_for(profile: CoordinatorProfile) -> Pacing:
+    """When the next round opens (a job's at once; a root's by time only; a flat one's by all three).
+
+    A root's devices report to their sites' brokers, not to it: it paces by ``rounds.interval_s``.
+    """
+    rounds = profile.rounds
+    if rounds.count > 0:
+        return Pacing(0.0, 0, 1)
+    if profile.hierarchy.role == "root":
+        return Pacing(rounds.interval_s, 0, 0)
+    return Pacing(rounds.interval_s, rounds.min_new_samples, rounds.min_clients)
 
 
 def _since(now: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:

@@ -1126,7 +1126,9 @@ class Coordinator:
 
     def pacing_state(self) -> FleetState:
         """Where the fleet stands before the next round (see :meth:`Pacing.check`)."""
-        pacing = replace_min_devices(self.pacing, self.min_updates())
+        pacing = self.pacing
+        if pacing.min_devices > 0:  # 0: a root, whose devices report to their sites
+            pacing = replace_min_devices(pacing, self.min_updates())
         since = None if self._last_start is None else time.monotonic() - self._last_start
         return pacing.check(self.state.round, self.ready_new_samples(), since)
 

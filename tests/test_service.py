@@ -22,7 +22,9 @@ from typing import Any
 import pytest
 from conftest import INT8_MODEL, ROOT, Broker, free_port, start_replay_agent
 
+from edgefl.coordinator.profile import load_coordinator_profile
 from edgefl.coordinator.rounds import FleetPhase, Pacing, Round
+from edgefl.coordinator.runner import pacing_for
 from edgefl.datasets import load_digits
 from edgefl.demo import stop_agents
 from edgefl.topics import Topics
@@ -82,6 +84,17 @@ def test_pacing_a_round_waits_for_the_devices_it_asked() -> None:
     assert rnd(selected=frozenset({"a", "b", "c", "d", "e"}), quorum=0.6).close_at == 3
     assert rnd(quorum=1.0).close_at == 2  # nobody ready at the opening: min_clients
     assert rnd(online=online).close_at == 2  # no quorum (library use): min_clients, as before
+
+
+def test_pacing_of_a_job_a_root_and_a_flat_service() -> None:
+    def pacing(**sets: str) -> Pacing:
+        return pacing_for(load_coordinator_profile(PROFILE, {"model.path": str(INT8_MODEL), **sets}))
+
+    assert pacing() == Pacing(60.0, 32, 2)  # the shipped service
+    assert pacing(**{"rounds.count": "3"}) == Pacing(0.0, 0, 1)  # a job: back to back
+    root = pacing(**{"hierarchy.role": "root", "hierarchy.allow_unsigned_sites": "true"})
+    assert root == Pacing(60.0, 0, 0)  # its devices report to their sites: time only
+    assert root.check(4, {}, 60.0).text == "opening round 5"
 
 
 # -- real processes -------------------------------------------------------------------------------
