@@ -965,8 +965,8 @@ def test_malformed_cbor_reason(payload: bytes, reason: str) -> None:
 
 
 def test_all_message_types_are_distinct() -> None:
-    kinds = {"global_model", "round", "update", "decline", "status", "chunk", "partial"}
-    kinds |= {"sample", "label", "prediction", "presence"}
+    kinds = {"global_model", "round", "update", "decline", "status", "chunk", "partial", "presence"}
+    kinds |= {"sample", "label", "prediction"}
     assert {m.value for m in MessageType} == kinds
     # 2 added the rice layout and the canonical signed bytes, 3 head layouts, 4 deflated int8 levels
     assert SCHEMA_VERSION == 4
