@@ -191,6 +191,8 @@ def test_lease_fleet_page_port_in_use_is_a_clean_exit_4(
     assert asyncio.run(retained_lease(mosquitto, fleet)) is None  # it never took the lease
 
 
+@pytest.mark.subprocess
+@pytest.mark.broker
 def test_lease_probe_renamed_by_the_broker_to_the_running_coordinator_is_refused(
     tmp_path: Path, fleet: str
 ) -> None:
