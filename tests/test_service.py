@@ -19,12 +19,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import INT8_MODEL, ROOT, Broker, free_port, start_replay_agent
 
 from edgefl.coordinator.profile import load_coordinator_profile
 from edgefl.coordinator.rounds import FleetPhase, Pacing, Round
 from edgefl.coordinator.runner import pacing_for
+from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits
 from edgefl.demo import stop_agents
 from edgefl.topics import Topics
@@ -84,6 +87,28 @@ def test_pacing_a_round_waits_for_the_devices_it_asked() -> None:
     assert rnd(selected=frozenset({"a", "b", "c", "d", "e"}), quorum=0.6).close_at == 3
     assert rnd(quorum=1.0).close_at == 2  # nobody ready at the opening: min_clients
     assert rnd(online=online).close_at == 2  # no quorum (library use): min_clients, as before
+
+
+def test_pacing_fleet_state_of_a_coordinator_without_its_broker_and_with_a_round_open() -> None:
+    W, b = np.zeros((4, 2), np.float32), np.zeros(2, np.float32)
+    transport = MqttTransport("127.0.0.1", 1883, "never-started")
+    coord = Coordinator(transport, Topics("edgefl", "f"), W, b, model_sha256="0" * 64, strategy=FedAvg())
+    assert coord.fleet_state().as_dict()["state"] == "broker_unreachable"
+    assert coord.fleet_state().text == "broker unreachable: 127.0.0.1:1883"
+    transport.connected.set()  # as the transport says once connected
+    coord.pacing = Pacing(0.0, 0, 1)
+    assert coord.fleet_state().text == "waiting for devices: 0 of 1 ready"
+    coord.state.current = Round(3, 0, (4, 2), 30.0, 1, online=frozenset({"a", "b", "c"}), quorum=1.0)
+    fs = coord.fleet_state().as_dict()
+    assert (fs["state"], fs["text"], fs["round"], fs["asked"], fs["counted"], fs["close_at"]) == (
+        "collecting",
+        "collecting 0 of 3",
+        3,
+        3,
+        0,
+        3,
+    )
+    assert coord.dashboard_status()["fleet_state"] == fs
 
 
 def test_pacing_of_a_job_a_root_and_a_flat_service() -> None:
