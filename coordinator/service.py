@@ -93,6 +93,10 @@ EARLY_UPDATES_MAX = 4096
 """Updates held for the next round before it opens (see ``Coordinator._early``)."""
 
 
+PACING_RECHECK_S = 0.5
+"""Least time between two checks of the pacing while a service waits (a fleet's statuses come in bursts:
+each check reads every ready device's status)."""
+
 PERSIST_EVERY = 32
 """With a state file, the open round is written at least every this many messages (``Coordinator.pump``)."""
 
@@ -1167,10 +1171,11 @@ class Coordinator:
             st = self.pacing_state()
             if st.state is FleetPhase.PAUSED and not st.next_round_in_s:
                 return True
-            if st.state is not FleetPhase.PAUSED and st.text != said:
-                logger.info("before round %d: %s", self.state.round + 1, st.text)
+            if st.text != said:
+                if st.state is not FleetPhase.PAUSED:
+                    logger.info("before round %d: %s", self.state.round + 1, st.text)
                 said = st.text
-            self._notify()
+                self._notify()
             self._status_changed.clear()
             wake = st.next_round_in_s if st.state is FleetPhase.PAUSED else 60.0
             waiter = asyncio.ensure_future(self._status_changed.wait())
@@ -1179,10 +1184,14 @@ class Coordinator:
                 await asyncio.wait(
                     {waiter, stopper}, timeout=max(0.05, wake or 0.05), return_when="FIRST_COMPLETED"
                 )
+                woke = waiter.done()
             finally:
                 for t in (waiter, stopper):
                     t.cancel()
                 await asyncio.gather(waiter, stopper, return_exceptions=True)
+            if woke and not stop.is_set():  # a status changed: let a fleet's burst of them settle first
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), PACING_RECHECK_S)
         return False
 
     async def wait_for_devices(self, n: int, timeout_s: float, key: str = "ready") -> list[str]:
