@@ -1141,20 +1141,31 @@ class Coordinator:
         return pacing.check(self.state.round, self.ready_new_samples(), since)
 
     def fleet_state(self) -> FleetState:
-        """The fleet's state for its page: collecting, waiting for samples or devices, paused, finished..."""
+        """The fleet's state for its page: collecting, waiting for samples or devices, paused, finished...
+
+        Every state carries the pacing's numbers (devices ready and needed, new samples); an open
+        round adds its own (asked, counted, close_at).
+        """
+        paced = self.pacing_state()
         if not self.transport.connected.is_set():
             where = f"{self.transport.host}:{self.transport.port}"
-            return FleetState(
-                FleetPhase.BROKER_UNREACHABLE, f"broker unreachable: {where}", round=self.state.round
+            return dataclasses.replace(
+                paced,
+                state=FleetPhase.BROKER_UNREACHABLE,
+                text=f"broker unreachable: {where}",
+                next_round_in_s=None,
             )
         rnd = self.state.current
         if rnd is not None and rnd.phase is RoundPhase.OPEN:
-            return collecting(rnd)
+            st = collecting(rnd)
+            return dataclasses.replace(
+                paced, state=st.state, text=st.text, round=st.round, asked=st.asked, counted=st.counted,
+                close_at=st.close_at, next_round_in_s=None,
+            )  # fmt: skip
         if self.finished:
-            return FleetState(
-                FleetPhase.FINISHED, f"finished after round {self.state.round}", round=self.state.round
-            )
-        return self.pacing_state()
+            text = f"finished after round {self.state.round}"
+            return dataclasses.replace(paced, state=FleetPhase.FINISHED, text=text, next_round_in_s=None)
+        return paced
 
     async def wait_to_open(self, stop: asyncio.Event) -> bool:
         """Wait until the pacing lets the next round open (devices, new samples, interval), or ``stop``.
