@@ -4,8 +4,9 @@ The coordinator is the shipped one: its strategy is built from the shipped
 ``firmware_configs/coordinator.toml`` by ``edgefl coordinator``'s own ``build_strategy`` (only
 ``strategy.name`` changes between rows: every bound, ``min_clients``, ``robustness.tolerate``,
 learning rate and decay, epochs and rounds are the profile's), and a round closes as the service
-closes it: at ``RoundConfig.min_clients`` accepted updates (the profile's ``min_clients`` raised to
-the strategy's ``min_updates``), aggregated by ``aggregate_checked`` (a round below the strategy's
+closes it: at the service's ``Round.close_at`` accepted updates (``ceil(quorum x asked)`` of the
+devices asked, or the profile's ``min_clients``, never below the strategy's ``min_updates``),
+aggregated by ``aggregate_checked`` (a round below the strategy's
 minimum is abandoned as ``too_few``). Five devices run the device core (``bench/learning.py``:
 ``EmbeddingStore`` → ``train_local`` → ``encode_update`` → ``decode_update``) on non-IID digits shards
 (the shipped int8 CNN's embeddings, ``partition_non_iid``, ``primary_share = 0.5``). Each round every
@@ -47,6 +48,7 @@ import numpy as np
 
 from bench.learning import STATE_ROOT, Task, client_update, deliver, digits_embeddings, make_devices
 from edgefl.coordinator.profile import CoordinatorProfile, load_coordinator_profile
+from edgefl.coordinator.rounds import Round
 from edgefl.coordinator.runner import build_strategy
 from edgefl.coordinator.strategy import DEFAULT_STRATEGY, Offer, aggregate_checked
 from edgefl.datasets import partition_non_iid, split_digits
@@ -234,8 +236,13 @@ def run_poisoned(
             arrivals = ([ATTACKER] if attack is not None else []) + list(order.permutation(honest))
             if attack is None:
                 arrivals = list(order.permutation(N_DEVICES))
+            # the service's Round: closes at ceil(quorum x asked), at least the strategy's minimum
+            close_at = Round(
+                r, version, (D, K), cfg.deadline_s, cfg.min_clients, online=frozenset(d.name for d in devs),
+                quorum=rounds.quorum, min_updates=strategy.min_updates,
+            ).close_at  # fmt: skip
             for i in arrivals:
-                if strategy.accepted >= cfg.min_clients:
+                if strategy.accepted >= close_at:
                     break  # the round closed: later answers are refused as round_closed
                 dW, db = sends[i][: D * K].reshape(D, K), sends[i][D * K :]
                 try:

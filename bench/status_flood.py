@@ -1,4 +1,4 @@
-"""Coordinator RSS under a status flood: retained statuses from invented device ids (issue 13 item 10).
+"""Coordinator RSS and page size under a status flood: retained statuses from invented device ids.
 
 A real mosquitto on 127.0.0.1 and a real ``edgefl coordinator`` process (the shipped
 ``firmware_configs/coordinator.toml``, waiting for a device that never comes, so it only handles
@@ -6,7 +6,12 @@ statuses). A flooder publishes ``--messages`` retained ``status/<id>`` messages 
 ids. The coordinator's RSS (``VmRSS``) is read before, after the flood, and after a restart (the broker
 delivers every retained status again). The registry is bounded by ``fleet.max_devices``.
 
-Run: ``.venv/bin/python -m bench.status_flood [--messages 50000] [--max-devices 10000] --json PATH``.
+``--kind`` picks the ghosts: ``minimal`` (two fields), ``mismatch`` (naming another backbone, which
+used to grow the coordinator's mismatch list without bound), ``honest`` (a copy of a real agent's
+status, ~1.2 kB, naming the right backbone). The coordinator's page is on: ``/api/status`` is
+fetched after the flood and its size in bytes recorded. ``--no-restart`` skips the restart.
+
+Run: ``.venv/bin/python -m bench.status_flood [--messages 50000] [--max-devices N] [--kind K] --json PATH``.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 from edgefl.demo import free_port
+from edgefl.profiles import sha256_file
 from edgefl.resources import shipped
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
@@ -39,7 +46,9 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def start_coordinator(port: int, fleet: str, max_devices: int, log: Path) -> subprocess.Popen[bytes]:
+def start_coordinator(
+    port: int, fleet: str, max_devices: int, log: Path, page_port: int
+) -> subprocess.Popen[bytes]:
     """An ``edgefl coordinator`` that waits (up to 1 h) for one ready device and never runs a round."""
     cmd = [
         sys.executable,
@@ -52,6 +61,8 @@ def start_coordinator(port: int, fleet: str, max_devices: int, log: Path) -> sub
         f"broker.url=mqtt://127.0.0.1:{port}",
         f"fleet.name={fleet}",
         f"fleet.max_devices={max_devices}",
+        "dashboard.enabled=true",
+        f"dashboard.port={page_port}",
         "rounds.expected_clients=1",
         "rounds.wait_devices_s=3600",
     ):
@@ -73,7 +84,30 @@ def settle(pid: int, seconds: float = 30.0) -> int:
     return last
 
 
-async def flood(port: int, fleet: str, n: int) -> float:
+def ghost_fields(kind: str, i: int) -> dict[str, Any]:
+    """The status fields of ghost ``i`` of ``kind`` (see the module docstring)."""
+    if kind == "minimal":
+        return {"ready": False, "round": i}
+    if kind == "mismatch":
+        return {"ready": True, "round": i, "model_sha256": f"{i:064x}"}
+    # a real agent's status fields (dev_x86.toml, replay source), as it publishes them
+    sha = sha256_file(shipped("models/digits_cnn_int8_rawin.tflite"))
+    counters = {"connects": 1, "queue_dropped": 0, "oversize_dropped": 0, "callback_errors": 0}
+    return {
+        "round": i, "version": 3, "reason": "", "degraded": False, "write_failures": 0, "ready": True,
+        "store_samples": 512, "stored_total": 512, "inferred_total": 1024, "inference_accuracy": 0.91,
+        "last_update_bytes": 20611, "redelivered_total": 0, "outbox_pending": 0, "deferred_round": None,
+        "declined_total": 0, "over_budget_batches": 0, "cap_bytes": 100663296, "rss_bytes": 48000000,
+        "pss_bytes": 46000000, "peak_rss_bytes": 52000000, "system_available_bytes": 1 << 30,
+        "phase_peaks": {p: 1000000 for p in ("inference", "batch", "train", "encode", "publish", "apply")},
+        "rejected": {"stale_round": 1}, "faults": {}, "pipeline_mode": "fused",
+        "pipeline": {"batches": 32, "samples": 1024}, "model_sha256": sha, "head_shape": [512, 10],
+        "ts": round(time.time(), 3), "eval_version": 3, "eval_accuracy": 0.9, "eval_count": 64,
+        "pid": 1000 + i, "dashboard_url": "", "transport": counters,
+    }  # fmt: skip
+
+
+async def flood(port: int, fleet: str, n: int, kind: str = "minimal") -> float:
     """Publish ``n`` retained statuses from invented ids; returns the seconds it took."""
     topics = Topics("edgefl", fleet)
     tx = MqttTransport("127.0.0.1", port, "flooder")
@@ -85,7 +119,7 @@ async def flood(port: int, fleet: str, n: int) -> float:
                 *(
                     tx.publish(
                         topics.status(f"fake-{i}"),
-                        encode_status(DeviceStatus(f"fake-{i}", "online", {"ready": False, "round": i})),
+                        encode_status(DeviceStatus(f"fake-{i}", "online", ghost_fields(kind, i))),
                         qos=1,
                         retain=True,
                     )
@@ -102,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--messages", type=int, default=50_000)
     ap.add_argument("--max-devices", type=int, default=10_000)
+    ap.add_argument("--kind", choices=("minimal", "mismatch", "honest"), default="minimal")
+    ap.add_argument("--no-restart", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     mosquitto = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
@@ -112,34 +148,48 @@ def main(argv: list[str] | None = None) -> int:
         broker = subprocess.Popen([mosquitto, "-c", str(tmp / "m.conf")], stderr=subprocess.DEVNULL)
         time.sleep(0.5)
         try:
-            coord = start_coordinator(port, "flood", args.max_devices, tmp / "c.log")
+            page = free_port()
+            coord = start_coordinator(port, "flood", args.max_devices, tmp / "c.log", page)
             time.sleep(8)  # imports, model, adoption wait
             before = settle(coord.pid)
-            seconds = asyncio.run(flood(port, "flood", args.messages))
+            seconds = asyncio.run(flood(port, "flood", args.messages, args.kind))
             after = settle(coord.pid, 60)
+            with urllib.request.urlopen(f"http://127.0.0.1:{page}/api/status", timeout=30) as r:
+                page_bytes = len(r.read())
             coord.terminate()
             coord.wait(180)
-            again = start_coordinator(port, "flood", args.max_devices, tmp / "c.log")
-            time.sleep(8)
-            restarted = settle(again.pid, 60)
-            again.terminate()
-            again.wait(180)
+            restarted = 0
+            if not args.no_restart:
+                again = start_coordinator(port, "flood", args.max_devices, tmp / "c.log", free_port())
+                time.sleep(8)
+                restarted = settle(again.pid, 60)
+                again.terminate()
+                again.wait(180)
+            lines = (tmp / "c.log").read_text(errors="replace").count("\n")
         finally:
             broker.terminate()
             broker.wait(10)
     result: dict[str, Any] = {
         "messages": args.messages,
+        "kind": args.kind,
         "max_devices": args.max_devices,
         "flood_s": round(seconds, 1),
         "rss_before_mib": round(before / MIB, 1),
         "rss_after_flood_mib": round(after / MIB, 1),
-        "rss_after_restart_mib": round(restarted / MIB, 1),
+        "rss_after_restart_mib": round(restarted / MIB, 1) if restarted else None,
+        "rss_growth_mib": round((after - before) / MIB, 1),
+        "api_status_bytes": page_bytes,
+        "log_lines": lines,
     }
-    print("| messages | max_devices | RSS before | after the flood | after a restart |")
-    print("|---|---|---|---|---|")
     print(
-        f"| {args.messages:,} | {args.max_devices:,} | {result['rss_before_mib']} MiB | "
-        f"{result['rss_after_flood_mib']} MiB | {result['rss_after_restart_mib']} MiB |"
+        "| messages | kind | max_devices | RSS before | after the flood | growth | after a restart "
+        "| /api/status | log lines |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        f"| {args.messages:,} | {args.kind} | {args.max_devices:,} | {result['rss_before_mib']} MiB | "
+        f"{result['rss_after_flood_mib']} MiB | {result['rss_growth_mib']} MiB | "
+        f"{result['rss_after_restart_mib']} MiB | {page_bytes:,} B | {lines} |"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -13,10 +13,13 @@ This module reads files only: it never opens a socket and never imports LiteRT.
 from __future__ import annotations
 
 import logging
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
+
+import numpy as np
 
 from edgefl.errors import ConfigError
 from edgefl.profiles import (
@@ -449,9 +452,36 @@ def _check_evaluation(p: Problems, c: EvaluationConfig, raw: Mapping[str, object
     if any(s <= 0 for s in c.std):
         p.add("evaluation.std", list(c.std), "must be > 0")
     if check_files and c.path is not None:
-        problem = file_problem(c.path, raw.get("path"))
+        problem = file_problem(c.path, raw.get("path")) or _npz_problem(c.path)
         if problem is not None:
             p.add("evaluation.path", raw.get("path"), problem)
+
+
+def _npz_problem(path: Path) -> str | None:
+    """Why ``path`` is not an ``.npz`` with arrays ``x`` and ``y`` of one length, or None.
+
+    Reads the archive's directory and the two arrays' ``.npy`` headers only (NumPy format 1.0 and 2.0),
+    never their data, and never unpickles.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            lengths = []
+            for name in ("x", "y"):
+                with archive.open(f"{name}.npy") as fh:
+                    fmt = np.lib.format
+                    major, _ = fmt.read_magic(fh)
+                    read = fmt.read_array_header_1_0 if major == 1 else fmt.read_array_header_2_0
+                    shape, _, dtype = read(fh)
+                    if dtype.hasobject:
+                        return f"{name} holds Python objects (only numeric arrays are read)"
+                    lengths.append(shape[0] if shape else -1)
+    except KeyError as exc:
+        return f"not an .npz with x and y (no {exc})"
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        return f"not an .npz with x and y ({exc})"
+    if lengths[0] != lengths[1] or lengths[0] < 1:
+        return f"x and y differ in length or are empty ({lengths[0]} and {lengths[1]} rows)"
+    return None
 
 
 def _check_security(p: Problems, c: SecurityRef, raw: Mapping[str, object], check_files: bool) -> None:

@@ -639,6 +639,10 @@ async def run(
             coord.state_path = files.state
             if files.log is not None:
                 _log_missing_rounds(files.log, coord, strategy.name)
+        elif profile.privacy.enabled:
+            why = "privacy.enabled without files.state: the privacy accountant starts again at every start"
+            print(f"warning: {why}", flush=True)
+            logger.warning("%s", why)
         await transport.start(wait_s=None)
         pump = asyncio.create_task(coord.pump())
         await _connected_or_refused(transport, where, 60.0)
@@ -672,6 +676,7 @@ async def run(
             del records[:-HISTORY_ROUNDS]  # the summary keeps the last rounds; the round log has them all
             refused_round = _since(coord.state.rejected, refused_before)
             declined_round = _since(coord.state.declined, declined_before)
+            coord.note_round_reasons(rec.round, refused_round, declined_round)
             if files.state is not None:
                 coord.save_state(files.state)
             # at the root the messages in are the sites' partials (~41 kB for 512x10 float64 sums)
@@ -682,7 +687,7 @@ async def run(
             if rec.clients == 0 and job:
                 why = _empty_cause(refused_round, declined_round, len(coord.online_devices()))
                 empty.append(f"round {rec.round} aggregated nothing ({why})")
-            elif job and rec.refused == "too_few":  # abandoned: fewer updates than robustness.tolerate needs
+            elif rec.refused == "too_few" and job:  # abandoned: fewer updates than tolerate needs
                 need = f"{strategy.name} needs {strategy.min_updates}"
                 why = f"{rec.clients} updates, {need}: {strategy.tolerance()}"
                 empty.append(f"round {rec.round} aggregated nothing (abandoned: {why})")
@@ -754,7 +759,8 @@ def pacing_for(profile: CoordinatorProfile) -> Pacing:
 
 def _since(now: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:
     """The counts by reason ``now`` has more of than ``before`` (one round's refusals or declines)."""
-    return {k: v - before.get(k, 0) for k, v in sorted(now.items()) if v > before.get(k, 0)}
+    # str(): a reason label (a StrEnum) prints as its value, never as the enum's repr
+    return {str(k): v - before.get(k, 0) for k, v in sorted(now.items()) if v > before.get(k, 0)}
 
 
 def _log_entry(
@@ -877,7 +883,7 @@ async def _run_site(
                 break
             refused = Counter(site.state.rejected)
             refused.subtract(refused_before)
-            refused_round = {k: v for k, v in refused.items() if v > 0}
+            refused_round = {str(k): v for k, v in refused.items() if v > 0}  # labels as values, not reprs
             print(
                 f"site {site.site} round {rec.round}: {rec.updates} updates, {rec.partial_bytes} bytes up, "
                 f"{rec.duration_s:.2f} s, refused: {refused_round or 'none'}",

@@ -16,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
 import logging
 import math
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -84,6 +86,54 @@ ids of others, and it holds the last ``4096 / devices-per-round`` rounds' ids.""
 
 
 LOGGED_REFUSALS = 20
+#: Devices outside the registry whose refusals and declines are counted one by one (the last ones).
+STRANGERS_KEPT = 100
+#: Devices the page's status document lists (``devices``; ``devices_total`` counts the registry).
+PAGE_DEVICES = 100
+#: Rounds of ``accuracy_history`` in the page's status document (the last ones).
+PAGE_HISTORY = 500
+#: Reasons of a per-device counter map in the page's document (the largest counts).
+PAGE_REASONS = 8
+
+
+def _interned(value: Any) -> Any:
+    """``value`` (a decoded status's JSON-like fields) with its map keys and short strings interned.
+
+    Every status a fleet sends repeats the same ~45 field names and the same backbone sha256; decoded,
+    each is a fresh string. Interned, a registry entry costs about half (2.5 against 5.6 KiB for an
+    agent's status, measured with tracemalloc), so ``fleet.max_devices`` statuses, honest or not,
+    hold less of the coordinator's memory.
+    """
+    if isinstance(value, dict):
+        return {sys.intern(str(k)): _interned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interned(v) for v in value]
+    if isinstance(value, str) and len(value) <= 64:
+        return sys.intern(value)
+    return value
+
+
+def _page_order(entry: Mapping[str, Any]) -> tuple[bool, bool, float, float]:
+    """Sort key of a registry entry for the page's bounded device list (smallest first)."""
+    rss, cap = entry.get("rss_bytes"), entry.get("cap_bytes")
+    used = rss / cap if isinstance(rss, int | float) and isinstance(cap, int | float) and cap > 0 else 0.0
+    seen = entry.get("seen_at")
+    return (
+        entry.get("state") == "offline",
+        not entry.get("ready"),
+        -float(used),
+        -float(seen) if isinstance(seen, int | float) else 0.0,
+    )
+
+
+def _top_counts(counts: object) -> dict[str, Any]:
+    """The ``PAGE_REASONS`` largest entries of a per-device counter map (a device's own is any JSON)."""
+    if not isinstance(counts, dict):
+        return {}
+    numeric = [(str(k)[:64], v) for k, v in counts.items() if isinstance(v, int | float)]
+    return dict(heapq.nlargest(PAGE_REASONS, numeric, key=lambda kv: kv[1]))
+
+
 """Refusals of one reason logged one by one before the log only names every 1000th."""
 
 ADOPT_WAIT_S = 2.0
@@ -377,13 +427,17 @@ class Coordinator:
         self.state = CoordinatorState()
         self.max_devices = max_devices
         self.device_expiry_s = device_expiry_s
-        self.mismatched: dict[str, str] = {}  # device → why its model differs (named once on stdout/log)
+        # device → why its model differs; only devices in the registry, forgotten with them (_forget)
+        self.mismatched: dict[str, str] = {}
+        self.mismatches_total = 0  # devices seen with another model (the log names the first ones)
         self.rejected_by_device: dict[str, Counter[str]] = {}
         self.declined_by_device: dict[str, Counter[str]] = {}
+        self._strangers: dict[str, None] = {}  # devices counted above that the registry does not hold
         self.on_mismatch: Callable[[str, str], None] | None = None
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
         self._dashboard_rounds: list[dict[str, Any]] = []
+        self._round_reasons: dict[int, dict[str, dict[str, int]]] = {}  # round -> refused, declined
         self._seen_update_ids: dict[str, None] = {}  # insertion-ordered, bounded: see _remember
         self.max_seen_update_ids = SEEN_UPDATE_IDS
         self._held: list[tuple[Update, int]] = []  # arrived while a buffered step was being published
@@ -729,7 +783,7 @@ class Coordinator:
         handled = 0
         while True:
             msg = await self.transport.queue.get()
-            self.handle(msg)
+            self._handle_guarded(msg)
             handled += 1
             if self._dirty:
                 batch_done = self.transport.queue.empty() or handled % PERSIST_EVERY == 0
@@ -739,6 +793,27 @@ class Coordinator:
                 self.transport.commit()  # everything taken so far is written (or changed nothing)
             if handled % 32 == 0:
                 await asyncio.sleep(0)
+
+    def _handle_guarded(self, msg: Message) -> None:
+        """:meth:`handle` (or a subclass's), with any fault it lets through counted as ``failed``.
+
+        The pump then acknowledges the message like any refused one: a run of messages whose handling
+        fails never stops the pump nor fills the broker's in-flight window (a peer never goes deaf).
+        """
+        try:
+            self.handle(msg)
+        except Exception as exc:
+            self.state.rejected["failed"] += 1
+            n = self.state.rejected["failed"]
+            if n <= LOGGED_REFUSALS or n % 1000 == 0:
+                logger.error(
+                    "rejected message on %s (%d bytes): failed: handling raised %s: %s%s",
+                    msg.topic,
+                    len(msg.payload),
+                    type(exc).__name__,
+                    shorten(str(exc)),
+                    f" ({n} failed so far)" if n > LOGGED_REFUSALS else "",
+                )
 
     def _flush(self) -> bool:
         """Write what the messages handled since the last write changed (the open round, held updates).
@@ -784,8 +859,11 @@ class Coordinator:
         self._notify()
 
     def min_updates(self) -> int:
-        """The fewest updates the strategy aggregates (its own floor; a round never closes early below it)."""
-        return self.strategy.min_updates
+        """The fewest updates the strategy aggregates (``robustness.tolerate`` sets it).
+
+        A round opens only once that many devices are ready, so it is not asked of too few and abandoned.
+        """
+        return max(1, self.strategy.min_updates)
 
     def handle(self, msg: Message) -> None:
         """Dispatch one message; a bad one is logged with topic, size and reason and counted, never raised."""
@@ -802,12 +880,12 @@ class Coordinator:
                 raise DecodeError("bad_topic", f"unexpected topic {msg.topic}")
             if msg.topic == self.topics.status(device):
                 if not msg.payload:
-                    self.state.devices.pop(device, None)  # retained status cleared
+                    self._forget(device)  # retained status cleared
                     return
                 status = decode_status(msg.payload, limits=self.limits)
                 read_new_samples(status.fields)  # a bad count refuses the status (bad_value, wrong_type)
-                entry = dict(status.fields)
-                entry["state"] = status.state
+                entry = _interned(status.fields)
+                entry["state"] = sys.intern(status.state)
                 entry["seen_at"] = time.time()
                 self._register(device, entry)
                 self._status_changed.set()
@@ -821,10 +899,8 @@ class Coordinator:
             reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
             why = str(exc) if known else f"failed: handling raised {type(exc).__name__}: {exc}"
             self.state.rejected[reason] += 1
-            if device is not None and (
-                device in self.state.devices or len(self.rejected_by_device) < self.max_devices
-            ):
-                self.rejected_by_device.setdefault(device, Counter())[reason] += 1
+            if device is not None:
+                self._count_by_device(self.rejected_by_device, device, reason)
             n = self.state.rejected[reason]
             # every refusal is counted; the log names the first ones of each reason, then every 1000th
             # (a flood of forged messages must not become a flood of log lines)
@@ -859,9 +935,7 @@ class Coordinator:
                     raise UpdateRejected(
                         "registry_full", f"{self.max_devices} devices known; {device} not kept"
                     )
-                oldest = min(offline, key=lambda d: float(devices[d].get("seen_at", 0.0)))
-                del devices[oldest]
-                self.rejected_by_device.pop(oldest, None)
+                self._forget(min(offline, key=lambda d: float(devices[d].get("seen_at", 0.0))))
         devices[device] = entry
         sha = entry.get("model_sha256")
         if isinstance(sha, str) and sha != self.model_sha256:
@@ -874,12 +948,44 @@ class Coordinator:
             if isinstance(shape, list) and shape != [int(n) for n in self.W.shape]:
                 why += f"; head {shape}, the coordinator's {list(self.W.shape)}"
             if self.mismatched.get(device) != why:
-                self.mismatched[device] = why
-                logger.warning("device %s runs another model: %s; left out of rounds", device, why)
-                if self.on_mismatch is not None:
-                    self.on_mismatch(device, why)
+                self.mismatched[device] = why  # only for a device in the registry: forgotten with it
+                self.mismatches_total += 1
+                n = self.mismatches_total
+                # named one by one for the first ones, then every 1000th with the count (ghost statuses
+                # naming another backbone must not become a flood of log lines)
+                if n <= LOGGED_REFUSALS or n % 1000 == 0:
+                    more = f" ({n} devices with another model so far)" if n > LOGGED_REFUSALS else ""
+                    logger.warning(
+                        "device %s runs another model: %s; left out of rounds%s", device, why, more
+                    )
+                    if self.on_mismatch is not None:
+                        self.on_mismatch(device, why)
         else:
             self.mismatched.pop(device, None)
+
+    def _count_by_device(self, table: dict[str, Counter[str]], device: str, reason: str) -> None:
+        """Count ``reason`` for ``device`` in ``table`` (bounded).
+
+        Kept for devices in the registry (forgotten with them, :meth:`_forget`) and for the last
+        :data:`STRANGERS_KEPT` devices it does not hold (the oldest dropped).
+        """
+        if device not in table and device not in self.state.devices:
+            self._strangers[device] = None
+            while len(self._strangers) > STRANGERS_KEPT:
+                old = next(iter(self._strangers))
+                del self._strangers[old]
+                if old not in self.state.devices:
+                    self.rejected_by_device.pop(old, None)
+                    self.declined_by_device.pop(old, None)
+        table.setdefault(device, Counter())[reason] += 1
+
+    def _forget(self, device: str) -> None:
+        """Drop ``device`` from the registry and from every per-device record kept beside it."""
+        self.state.devices.pop(device, None)
+        self.mismatched.pop(device, None)
+        self.rejected_by_device.pop(device, None)
+        self.declined_by_device.pop(device, None)
+        self.strategy.clipped.pop(device, None)
 
     def _expire(self, now: float) -> None:
         """Forget devices whose last status is older than ``device_expiry_s``."""
@@ -888,8 +994,7 @@ class Coordinator:
             for d, st in self.state.devices.items()
             if now - float(st.get("seen_at", now)) > self.device_expiry_s
         ]:
-            del self.state.devices[dev]
-            self.rejected_by_device.pop(dev, None)
+            self._forget(dev)
 
     def _handle_update(self, device: str, msg: Message) -> None:
         payload = msg.payload
@@ -979,8 +1084,7 @@ class Coordinator:
             raise UpdateRejected("duplicate", f"{device} already answered round {rnd.number}")
         self._remember(decline.update_id)
         self.state.declined[decline.reason] += 1
-        if device in self.state.devices or len(self.declined_by_device) < self.max_devices:
-            self.declined_by_device.setdefault(device, Counter())[decline.reason] += 1
+        self._count_by_device(self.declined_by_device, device, decline.reason)
         rnd.declined.append(device)
         self._dirty = True
         n = self.state.declined[decline.reason]
@@ -1046,7 +1150,14 @@ class Coordinator:
         rnd = self.state.current
         open_round = rnd is not None and rnd.phase.value == "open"
         devices = {}
-        for dev, st in self.state.devices.items():
+        registry = self.state.devices
+        # the page lists a bounded number of devices (online and ready first, the least memory
+        # headroom first, then the most recently seen): a registry of thousands, or of ghosts, must
+        # not make the document megabytes
+        shown = heapq.nsmallest(PAGE_DEVICES, registry, key=lambda d: _page_order(registry[d]))
+        for dev in shown:
+            st = registry[dev]
+            reason = st.get("reason")
             devices[dev] = {
                 "state": st.get("state"),
                 "online": st.get("state") != "offline",
@@ -1054,10 +1165,10 @@ class Coordinator:
                 "cap_bytes": st.get("cap_bytes"),
                 "peak_rss_bytes": st.get("peak_rss_bytes"),
                 "last_round": st.get("round"),
-                "reason": st.get("reason") or "",
-                "rejected": st.get("rejected") or {},
-                "refused": dict(self.rejected_by_device.get(dev, {})),
-                "declined": dict(self.declined_by_device.get(dev, {})),
+                "reason": shorten(reason) if isinstance(reason, str) else "",
+                "rejected": _top_counts(st.get("rejected")),
+                "refused": _top_counts(self.rejected_by_device.get(dev)),
+                "declined": _top_counts(self.declined_by_device.get(dev)),
                 "model_mismatch": self.mismatched.get(dev),
                 "clipped": self.strategy.clipped.get(dev, 0),
                 # accuracies the device reports, each measured on its own holdout
@@ -1079,11 +1190,13 @@ class Coordinator:
             "compression": str(self.compression),
             "accuracy_history": [
                 {"round": h.round, "accuracy": None if h.accuracy != h.accuracy else h.accuracy}
-                for h in self.state.history
+                for h in self.state.history[-PAGE_HISTORY:]
             ],
             "rounds": self.dashboard_rounds()[-50:],  # the latest records, as /api/rounds has them
             "devices": devices,
-            "model_mismatches": dict(self.mismatched),
+            "devices_total": len(registry),
+            "model_mismatches": {d: self.mismatched[d] for d in shown if d in self.mismatched},
+            "model_mismatches_total": len(self.mismatched),
             "rejected": dict(self.state.rejected),
             "clipped": dict(self.strategy.clipped),
             "refused_rounds": dict(self.state.refused_rounds),
@@ -1095,11 +1208,48 @@ class Coordinator:
             else self.state.history[-1].epsilon,
         }
 
+    def note_round_reasons(
+        self, round_no: int, refused: Mapping[str, int], declined: Mapping[str, int]
+    ) -> None:
+        """Keep a closed round's refused updates and declines by reason for its record on the fleet page.
+
+        Parameters
+        ----------
+        round_no : int
+        refused, declined : {reason: count}
+            What arrived between the round's opening and its close (the runner counts them).
+        """
+        reasons = {"refused": dict(refused), "declined": dict(declined)}
+        self._round_reasons[round_no] = reasons
+        for old in sorted(self._round_reasons)[:-HISTORY_ROUNDS]:
+            del self._round_reasons[old]
+        for record in reversed(self._dashboard_rounds):  # converted already: completed in place
+            if record["round"] == round_no:
+                record.update(reasons)
+                break
+
+    def _page_record(self, h: RoundRecord) -> dict[str, Any]:
+        """One round's record as the fleet page reads it: the round log's keys where they exist."""
+        record = dataclasses.asdict(h)
+        record["round_refused"] = record.pop("refused") or None  # why the head was not published
+        record["declined_devices"] = record.pop("declined")
+        record["counted"] = h.clients
+        record["time"] = (
+            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(h.closed_unix))
+            if math.isfinite(h.closed_unix)
+            else None
+        )
+        record.update(self._round_reasons.get(h.round, {}))
+        return record
+
     def dashboard_rounds(self) -> list[dict[str, Any]]:
         """Every round record so far as JSON-like dicts, oldest first (the fleet page's ``/api/rounds``).
 
-        Records already converted are kept while they still line up with the history (rounds
-        appended, the oldest trimmed), so a page polling it costs a few comparisons.
+        Each is the :class:`RoundRecord` with the round log's keys (``time``, ``counted``,
+        ``refused`` and ``declined`` {reason: n} once :meth:`note_round_reasons` gave them,
+        ``round_refused``; ``declined_devices`` counts the devices that declined). Records already
+        converted are kept while they still line up with the history (rounds appended, the oldest
+        trimmed), so a page polling it costs a few comparisons.
         """
         history = self.state.history
         cached = self._dashboard_rounds
@@ -1108,7 +1258,7 @@ class Coordinator:
         if len(cached) > len(history) or (cached and cached[-1]["round"] != history[len(cached) - 1].round):
             cached = []
         if len(cached) < len(history):
-            cached = cached + [dataclasses.asdict(h) for h in history[len(cached) :]]
+            cached = cached + [self._page_record(h) for h in history[len(cached) :]]
         self._dashboard_rounds = cached
         return cached
 
@@ -1147,6 +1297,9 @@ class Coordinator:
         round adds its own (asked, counted, close_at).
         """
         paced = self.pacing_state()
+        if self.finished:  # before the broker: a job that ended stops its transport before its page
+            text = f"finished after round {self.state.round}"
+            return dataclasses.replace(paced, state=FleetPhase.FINISHED, text=text, next_round_in_s=None)
         if not self.transport.connected.is_set():
             where = f"{self.transport.host}:{self.transport.port}"
             return dataclasses.replace(
@@ -1162,9 +1315,6 @@ class Coordinator:
                 paced, state=st.state, text=st.text, round=st.round, asked=st.asked, counted=st.counted,
                 close_at=st.close_at, next_round_in_s=None,
             )  # fmt: skip
-        if self.finished:
-            text = f"finished after round {self.state.round}"
-            return dataclasses.replace(paced, state=FleetPhase.FINISHED, text=text, next_round_in_s=None)
         return paced
 
     async def wait_to_open(self, stop: asyncio.Event) -> bool:

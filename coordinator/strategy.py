@@ -9,8 +9,11 @@ The service never looks at a strategy's type: ``RoundConfig.schedule`` says whet
 synchronous or a buffered-asynchronous step.
 
 Robust by default: every update's joint L2 norm is bounded before it is folded in (``NormBound``:
-a fixed bound, or ``multiplier x`` the running median norm of the round), and a clipped update is
-counted by device. The maths lives in pure numpy functions tested on hand-checkable arrays.
+a fixed bound, or ``multiplier x`` a median norm that the fleet's history caps), and a clipped
+update is counted by device; a strategy never aggregates fewer than ``min_updates`` updates, what it
+needs to withstand ``tolerate`` hostile devices (``aggregate_checked`` refuses the round as
+``too_few``); momentum and adaptive server steps are bounded too (``clip_step``). The maths lives in
+pure numpy functions tested on hand-checkable arrays.
 """
 
 from __future__ import annotations
@@ -1363,8 +1366,8 @@ class FedAvg(Strategy):
     The mean of a round's norm-bounded updates from non-IID devices is far shorter than the bound
     (their directions differ): in the clean runs of ``bench/poison.py`` the FedAvg step is about a
     quarter of it. A longer momentum or adaptive step carries more than a round's mean, which is
-    what a persistent hostile direction builds up; at 0.25 FedAvgM, FedAdam and FedYogi keep every
-    attack of that bench within 0.06 of their clean runs (docs/benchmarks.md, "Poisoning")."""
+    what a persistent hostile direction builds up (measured with that bench: docs/benchmarks.md,
+    "Poisoning, as shipped"; a smaller factor slows the clean runs more than it helps)."""
 
     def step(self, W: F32, b: F32, mean_dW: F32, mean_db: F32) -> tuple[F32, F32]:
         """Server step from the round's mean delta: ``W + server_lr * mean_dW`` (and b alike).

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from aiohttp import hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
 from edgefl.dashboard.metrics import StatusCollector, finite_number
@@ -180,6 +181,7 @@ class DashboardState:
     max_connections_per_client: int = 16
     connections_refused_total: int = field(default=0, init=False)
     connections_timed_out_total: int = field(default=0, init=False)
+    bad_requests_total: int = field(default=0, init=False)
     _listeners: list[Callable[[], None]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -615,25 +617,60 @@ _HEADER_END = b"\r\n\r\n"
 _MAX_HEADER_BYTES = 32_768  # scanned for the end of the header block; aiohttp refuses larger ones itself
 
 
+#: A connection that has not yet sent a whole header block is protected this long after its accept;
+#: older, it may be closed to admit a newcomer when the caps are reached (see :class:`_ConnectionGuard`).
+EVICT_MIN_AGE_S = 0.1
+
+
+class _Pool:
+    """The connections of one listening site: open counts by client, and those not yet proven.
+
+    ``open`` maps a client address to its open connections (key ``""``: all of them); ``unproven``
+    holds, oldest first, the admitted connections waiting for the rest of a header block (their
+    first request's, or a next one's on a kept-alive connection).
+    """
+
+    def __init__(self) -> None:
+        self.open: dict[str, int] = {}
+        self.unproven: dict[_ConnectionGuard, None] = {}
+
+    def victim(self, client: str | None, now: float) -> _ConnectionGuard | None:
+        """The oldest unproven connection (of ``client``, or of anyone) waiting longer than the grace."""
+        for conn in self.unproven:
+            if now - conn.waiting_since < EVICT_MIN_AGE_S:
+                return None  # the rest are younger still
+            if client is None or conn.client == client:
+                return conn
+        return None
+
+
 class _ConnectionGuard(asyncio.Protocol):
-    """Wrap aiohttp's per-connection protocol: connection caps and header/body deadlines.
+    """Wrap aiohttp's per-connection protocol: connection caps, a share for requests, deadlines.
 
     aiohttp's server has an idle keep-alive timeout but no deadline for a request's headers or body, so
     1,100 half-open connections used to hold 1,100 file descriptors for ever (``EMFILE``). This wrapper
-    closes a connection over :attr:`DashboardState.max_connections` (or the per-client cap) at once,
-    and one whose header block (up to its empty line, RFC 9112 §2.1) or ``Content-Length`` body does not
-    arrive in time. Every other event goes to aiohttp's protocol unchanged.
+    caps the open connections (:attr:`DashboardState.max_connections`, and per client address), and
+    closes one whose header block (up to its empty line, RFC 9112 §2.1) or ``Content-Length`` body does
+    not arrive in time. At a cap, a newcomer takes the place of the oldest connection that has not yet
+    sent a whole header block (and is older than :data:`EVICT_MIN_AGE_S`): half-open connections can
+    hold the page only for a moment, and a client that sends its request at once (a health check
+    behind the same proxy address as the flood) is answered. A connection is never closed for another
+    while a request of its own is being answered or it idles between requests (aiohttp's keep-alive
+    timeout ends those); one that starts a next request and stalls in its headers is unproven again.
+    Every other event goes to aiohttp's protocol unchanged.
     """
 
     _IDLE, _HEAD, _BODY = range(3)
 
-    def __init__(self, inner: asyncio.Protocol, state: DashboardState, open_: dict[str, int]) -> None:
+    def __init__(self, inner: asyncio.Protocol, state: DashboardState, pool: _Pool) -> None:
         self.inner = inner
         self.state = state
-        self.open = open_  # client address -> open connections; key "" holds the total
+        self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.client = ""
-        self.admitted = False
+        self.admitted = False  # events go to aiohttp's protocol
+        self.counted = False  # holds a place in the pool's counts
+        self.waiting_since = 0.0
         self.phase = self._HEAD
         self.head = bytearray()
         self.body_left = 0
@@ -644,10 +681,9 @@ class _ConnectionGuard(asyncio.Protocol):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.client = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-        st = self.state
-        if self.open.get("", 0) >= st.max_connections or self.open.get(self.client, 0) >= (
-            st.max_connections_per_client
-        ):
+        st, pool = self.state, self.pool
+        self.waiting_since = time.monotonic()
+        if not self._room():
             st.connections_refused_total += 1
             if (
                 st.connections_refused_total in (1, 10, 100, 1000)
@@ -656,17 +692,50 @@ class _ConnectionGuard(asyncio.Protocol):
                 logger.warning(
                     "dashboard: connection from %s refused (%d open, %d from it; %d refused so far)",
                     self.client,
-                    self.open.get("", 0),
-                    self.open.get(self.client, 0),
+                    pool.open.get("", 0),
+                    pool.open.get(self.client, 0),
                     st.connections_refused_total,
                 )
             transport.abort()
             return
-        self.admitted = True
-        self.open[""] = self.open.get("", 0) + 1
-        self.open[self.client] = self.open.get(self.client, 0) + 1
+        self.admitted = self.counted = True
+        pool.open[""] = pool.open.get("", 0) + 1
+        pool.open[self.client] = pool.open.get(self.client, 0) + 1
+        pool.unproven[self] = None
         self._arm(st.header_timeout_s)
         self.inner.connection_made(transport)
+
+    def _room(self) -> bool:
+        """Whether this connection fits under the caps, closing an older unproven one if that makes room."""
+        st, pool = self.state, self.pool
+        for client, cap in ((self.client, st.max_connections_per_client), (None, st.max_connections)):
+            if pool.open.get(client or "", 0) < cap:
+                continue
+            victim = pool.victim(client, self.waiting_since)
+            if victim is None:
+                return False
+            victim.evict()
+        return True
+
+    def evict(self) -> None:
+        """Close this (unproven) connection to make room for a newcomer; counted as refused."""
+        self.state.connections_refused_total += 1
+        logger.debug("dashboard: %s sent no request in time, closed for a newcomer", self.client)
+        self._uncount()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _uncount(self) -> None:
+        if not self.counted:
+            return
+        self.counted = False
+        self.pool.unproven.pop(self, None)
+        for key in ("", self.client):
+            left = self.pool.open.get(key, 1) - 1
+            if left > 0:
+                self.pool.open[key] = left
+            else:
+                self.pool.open.pop(key, None)
 
     def _arm(self, seconds: float | None) -> None:
         if self.timer is not None:
@@ -700,6 +769,9 @@ class _ConnectionGuard(asyncio.Protocol):
             elif self.phase == self._IDLE:
                 self.phase = self._HEAD  # the first byte of the next request
                 self._arm(self.state.header_timeout_s)
+                if self.counted:  # until its header block is whole, it may make room for a newcomer
+                    self.waiting_since = time.monotonic()
+                    self.pool.unproven[self] = None
             else:
                 room = _MAX_HEADER_BYTES - len(self.head)
                 if room <= 0:
@@ -711,6 +783,7 @@ class _ConnectionGuard(asyncio.Protocol):
                     view = view[room:]
                     continue
                 view = view[end + len(_HEADER_END) - before :]
+                self.pool.unproven.pop(self, None)  # a whole request: not closed for a newcomer
                 self.body_left = _content_length(bytes(self.head[:end]))
                 self.head.clear()
                 self.phase = self._BODY if self.body_left else self._IDLE
@@ -721,15 +794,10 @@ class _ConnectionGuard(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._arm(None)
+        self._uncount()
         if not self.admitted:
             return
         self.admitted = False
-        for key in ("", self.client):
-            left = self.open.get(key, 1) - 1
-            if left > 0:
-                self.open[key] = left
-            else:
-                self.open.pop(key, None)
         self.inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -751,13 +819,46 @@ def _content_length(head: bytes) -> int:
     return 0
 
 
+class _RequestLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server log for the dashboard: a request it cannot parse is one counted line.
+
+    aiohttp logs every malformed or oversized request (a header line over its limit, a bad request
+    line) with a full traceback; an unauthenticated client could write ~10 log lines a request. Here
+    such a request is counted (:attr:`DashboardState.bad_requests_total`) and logged on one line for
+    the 1st, 10th, 100th, 1000th and every 10,000th; aiohttp still answers it (400/431) and closes the
+    connection. Any other error keeps its traceback.
+    """
+
+    def __init__(self, state: DashboardState) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+        self.state = state
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else None
+        if not isinstance(exc, HttpProcessingError):
+            super().exception(msg, *args, exc_info=exc_info, **kwargs)
+            return
+        st = self.state
+        st.bad_requests_total += 1
+        n = st.bad_requests_total
+        if n in (1, 10, 100, 1000) or n % 10_000 == 0:
+            where = f" from {args[0]}" if args else ""
+            logger.warning(
+                "dashboard: bad request%s refused: %s %s (%d so far)",
+                where,
+                exc.code,
+                exc.message.splitlines()[0][:120] if exc.message else type(exc).__name__,
+                n,
+            )
+
+
 class _GuardedSite(web.TCPSite):
     """``web.TCPSite`` whose connections pass through :class:`_ConnectionGuard` (aiohttp 3.x)."""
 
     def __init__(self, runner: web.AppRunner, state: DashboardState, host: str, port: int) -> None:
         super().__init__(runner, host, port)
         self._state = state
-        self._open: dict[str, int] = {}
+        self._pool = _Pool()
 
     async def start(self) -> None:
         await web.BaseSite.start(self)
@@ -765,7 +866,7 @@ class _GuardedSite(web.TCPSite):
         assert server is not None
 
         def factory() -> asyncio.Protocol:
-            return _ConnectionGuard(server(), self._state, self._open)
+            return _ConnectionGuard(server(), self._state, self._pool)
 
         self._server = await asyncio.get_running_loop().create_server(
             factory, self._host, self._port, backlog=self._backlog, reuse_address=self._reuse_address
@@ -798,7 +899,9 @@ async def serve(state: DashboardState, host: str = "127.0.0.1", port: int = 0) -
     """
     if not is_loopback_host(host) and not state.token:
         raise ConfigError([f"dashboard.host = {host!r}: a non-loopback host requires dashboard.token"])
-    runner = web.AppRunner(create_app(state), access_log=None, shutdown_timeout=2.0)
+    runner = web.AppRunner(
+        create_app(state), access_log=None, shutdown_timeout=2.0, logger=_RequestLog(state)
+    )
     await runner.setup()
     try:
         site = _GuardedSite(runner, state, host, port)

@@ -301,13 +301,26 @@ class DashboardPage:
             await self._runner.cleanup()
 
     def counters(self) -> dict[str, int]:
-        """Connections the page refused (over its caps) and closed (header or body timeout)."""
+        """Connections the page refused (over its caps), closed (header or body timeout), bad requests."""
         if self._state is None:
             return {}
         return {
             "refused": self._state.connections_refused_total,
             "timed_out": self._state.connections_timed_out_total,
+            "bad_requests": self._state.bad_requests_total,
         }
+
+
+def _model_problems(path: Path) -> list[str]:
+    """``model.path``'s problem when the coordinator could not load it (as it does at start), else []."""
+    from edgefl.errors import ModelError
+    from edgefl.runtime import Backbone
+
+    try:
+        Backbone(path).head_from_model()
+    except ModelError as exc:
+        return [f"model.path = {str(path)!r}: {exc}"]
+    return []
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -335,6 +348,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         try:
             coordinator = load_coordinator_profile(args.profile, _parse_sets(args.set))
             problems = strategy_problems(coordinator)  # what `edgefl coordinator` refuses, refused here
+            problems += _model_problems(coordinator.model.path)
             if problems:
                 raise ConfigError(problems)
         except ConfigError as exc:

@@ -139,4 +139,4 @@ def test_poison_shipped_profile_real_processes_attacker_first(
     assert all(r["clients"] == 5 and not r["refused"] for r in rounds), rounds
     assert all("dev-0:" in " ".join(r["update_ids"]) for r in rounds)  # the attacker was in every round
     assert rounds[-1]["clipped_by_device"].get("dev-0") == 3, rounds[-1]
-    assert rounds[-1]["accuracy"] > 0.8, rounds
+    assert rounds[-1]["accuracy"] > 0.6, rounds  # learning (an undefended round of 2 ends near 0.1)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import DEV_PROFILE
 
@@ -45,6 +46,8 @@ COORDINATOR_CASES = [
     ("dp-trimmed-mean", ["privacy.enabled=true"], "privacy.enabled"),
     ("fedbuff-site", ["strategy.name=fedbuff", "hierarchy.role=site", "hierarchy.site=s1"], "hierarchy.role"),
     ("option-of-another-strategy", ["strategy.server_momentum=0.9"], "strategy.server_momentum"),
+    ("evaluation-not-npz", ["evaluation.path={tmp}/not.npz"], "evaluation.path"),
+    ("evaluation-x-y-lengths", ["evaluation.path={tmp}/mis.npz"], "evaluation.path"),
 ]
 
 
@@ -56,6 +59,8 @@ def test_shipped_coordinator_profile_refused_by_check_config_and_before_round_1(
     tmp_path: Path, overrides: list[str], key: str
 ) -> None:
     sets = _sets([o.replace("{tmp}", str(tmp_path)) for o in overrides])
+    (tmp_path / "not.npz").write_bytes(b"not a zip archive")
+    np.savez(tmp_path / "mis.npz", x=np.zeros((5, 8, 8, 1), np.uint8), y=np.zeros(4, np.int64))
     before = sorted(p.name for p in tmp_path.iterdir())
     check = _edgefl("check-config", str(COORDINATOR), *sets, cwd=tmp_path)
     assert check.returncode == 1, check.stdout + check.stderr
@@ -72,6 +77,20 @@ def test_shipped_coordinator_profile_refused_by_check_config_and_before_round_1(
 
 
 @pytest.mark.subprocess
+def test_shipped_coordinator_profile_with_a_model_that_cannot_load(tmp_path: Path) -> None:
+    """check-config loads the model as the coordinator does at start: exit 1 naming model.path; the
+    coordinator itself refuses it before connecting with its model error (exit 3), no traceback."""
+    (tmp_path / "bad.tflite").write_bytes(b"\x00" * 4096)
+    sets = ["--set", f"model.path={tmp_path}/bad.tflite"]
+    check = _edgefl("check-config", str(COORDINATOR), *sets, cwd=tmp_path)
+    assert check.returncode == 1 and "  model.path = " in check.stderr, check.stderr
+    run = _edgefl(
+        "coordinator", str(COORDINATOR), "--set", "broker.url=mqtt://127.0.0.1:1", *sets, cwd=tmp_path
+    )
+    assert run.returncode == 3 and "model error" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr + run.stdout
+
+
 def test_shipped_coordinator_profile_with_writable_files_passes(tmp_path: Path) -> None:
     sets = _sets([f"files.{name}={tmp_path}/out.{name}" for name in ("state", "log", "json")])
     check = _edgefl("check-config", str(COORDINATOR), *sets, cwd=tmp_path)

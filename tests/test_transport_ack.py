@@ -10,12 +10,18 @@ checks that a good message still arrives and that the faults were counted.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import INT8_MODEL, Broker, wait_until
+from conftest import DEV_PROFILE, INT8_MODEL, Broker, wait_until
 
+from edgefl.agent.config import load_profile
+from edgefl.agent.core import DeviceCore, RoundResult
+from edgefl.agent.daemon import Agent
+from edgefl.coordinator.hierarchy import SiteAggregator
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import FedAvg
 from edgefl.runtime import Backbone
@@ -134,3 +140,112 @@ def test_transport_ack_coordinator_handler_faults_never_make_it_deaf(
     assert failed == BAD
     assert list(devices) == ["good"]
     assert np.isfinite(W0).all()
+
+
+def test_transport_ack_site_faults_on_the_roots_heads_never_make_it_deaf(
+    mosquitto: Broker, fleet: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site acknowledges at commit (``ack_on_commit``): 300 heads whose handling raises, then a good
+    status: it is registered, the 300 counted as ``failed``, and nothing is left unacknowledged."""
+    bb = Backbone(INT8_MODEL)
+    W0, b0 = bb.head_from_model()
+
+    def faulty_head(self: SiteAggregator, msg: Message) -> None:
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(SiteAggregator, "_on_head", faulty_head)
+    topics = Topics("edgefl", fleet)
+
+    async def main() -> tuple[int, list[str], int]:
+        t = MqttTransport(
+            mosquitto.host, mosquitto.port, f"site-{fleet}", ack_on_commit=True, session_expiry_s=60
+        )
+        tx = MqttTransport(mosquitto.host, mosquitto.port, f"root-{fleet}")
+        await t.start(wait_s=10)
+        await tx.start(wait_s=10)
+        site = SiteAggregator(
+            t,
+            topics,
+            W0,
+            b0,
+            model_sha256=bb.sha256,
+            strategy=FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=5),
+            site="s1",
+        )
+        pump = asyncio.create_task(site.pump())
+        try:
+            await site.start()
+            await _publish_many(tx, [(topics.global_model, b"head %d" % i) for i in range(BAD)])
+            await tx.publish(
+                topics.status("good"), encode_status(DeviceStatus("good", "online", {"round": 0})), qos=1
+            )
+            await wait_until(lambda: "good" in site.state.devices, 30, "the good status")
+            return site.state.rejected["failed"], list(site.state.devices), len(t._taken)
+        finally:
+            pump.cancel()
+            await tx.stop()
+            await t.stop()
+
+    failed, devices, uncommitted = asyncio.run(main())
+    assert failed == BAD
+    assert devices == ["good"]
+    assert uncommitted == 0
+
+
+def test_transport_ack_agent_handler_faults_never_make_it_deaf(
+    mosquitto: Broker, fleet: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent daemon (in-process, real broker, real model): 300 round messages whose handling raises,
+    more than its control queue (64) and its transport queue (256) hold, then a bad round: the bad
+    round is still refused with its own reason, and the 300 are counted as ``failed``."""
+    receive_round = DeviceCore.receive_round
+
+    def faulty_round(self: DeviceCore, payload: bytes) -> RoundResult:
+        if payload.startswith(b"fault"):
+            raise KeyError("injected fault")
+        return receive_round(self, payload)
+
+    monkeypatch.setattr(DeviceCore, "receive_round", faulty_round)
+    profile = load_profile(
+        DEV_PROFILE,
+        {
+            "device.id": "dev-ack",
+            "device.fleet": fleet,
+            "device.state_dir": str(tmp_path / "dev-ack"),
+            "broker.url": mosquitto.url,
+            "model.path": str(INT8_MODEL),
+            "dashboard.enabled": "false",
+        },
+    )
+    agent = Agent(profile)
+    topics = Topics("edgefl", fleet)
+
+    async def main() -> dict[str, int]:
+        run = asyncio.create_task(agent.run())
+        tx = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
+        await tx.start(wait_s=10)
+        try:
+            transport = await _wait_for(lambda: agent.transport)
+            # the head's subscription is made once the round's is acknowledged (Agent.run's order)
+            subscribed = topics.global_model + "/#"
+            await wait_until(lambda: subscribed in transport.subscriptions, 60, "the agent subscribed")
+            await wait_until(transport.connected.is_set, 60, "the agent connected")
+            await _publish_many(tx, [(topics.round, b"fault %d" % i) for i in range(BAD)])
+            await tx.publish(topics.round, b"\xff not cbor", qos=1)
+            await wait_until(lambda: sum(agent.state.rejected.values()) > BAD, 60, "the bad round refused")
+            return dict(agent.state.rejected)
+        finally:
+            await tx.stop()
+            agent.stop_event.set()
+            await asyncio.wait_for(run, 30)
+
+    rejected = asyncio.run(main())
+    assert rejected.pop("failed") == BAD
+    assert sum(rejected.values()) == 1, rejected
+
+
+async def _wait_for(get: Callable[[], MqttTransport | None]) -> MqttTransport:
+    await wait_until(lambda: get() is not None, 60, "the agent's transport")
+    value = get()
+    assert value is not None
+    return value
