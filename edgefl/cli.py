@@ -133,8 +133,8 @@ def cmd_coordinator(main: Callable[..., int], args: argparse.Namespace, **parts:
     return main(args, **parts)
 
 
-def lock_coordinator_state(folder: Path) -> object:
-    """Lock a coordinator's state folder with the agents' ``flock`` (``coordinator.lock``) for its life.
+def lock_coordinator_state(state: Path) -> object:
+    """Lock a coordinator's state file with the agents' ``flock`` (``<state>.lock`` beside it) for its life.
 
     Raises
     ------
@@ -147,10 +147,10 @@ def lock_coordinator_state(folder: Path) -> object:
     from edgefl.coordinator.lease import LeaseHeld
 
     try:
-        return lock_state_dir(folder, lock_file="coordinator.lock", owner="coordinator")
+        return lock_state_dir(state.parent, lock_file=f"{state.name}.lock", owner="coordinator")
     except StateDirBusy as exc:
         holder = f"pid {exc.pid}" if exc.pid is not None else "a process whose pid is unknown"
-        raise LeaseHeld(f"state folder {folder}", holder) from exc
+        raise LeaseHeld(f"state file {state}", holder) from exc
 
 
 def cmd_run(args: argparse.Namespace) -> int:
