@@ -53,11 +53,11 @@ import numpy as np
 from edgefl.agent.core import OUTBOX_FILE
 from edgefl.agent.outbox import Outbox
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
-from edgefl.demo import free_port
+from edgefl.launcher import free_port
 from edgefl.records import RecordError, decode_record, read_record
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import decode_global_model, decode_round, decode_status
+from edgefl.wire.messages import decode_global_model, decode_round, decode_status
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"

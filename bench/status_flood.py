@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edgefl.demo import free_port
+from edgefl.launcher import free_port
 from edgefl.resources import shipped
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import DeviceStatus, encode_status
+from edgefl.wire.messages import DeviceStatus, encode_status
 
 MIB = 1 << 20
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from edgefl.errors import UpdateRejected
-from edgefl.wire.codec import Update
+from edgefl.wire.messages import Update
 
 
 class RoundPhase(StrEnum):

@@ -46,16 +46,17 @@ from edgefl.records import read_record
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
-from edgefl.wire.codec import (
+from edgefl.wire.messages import (
+    Partial,
     Update,
     UpdateMetrics,
     decode_global_model,
     decode_round,
     decode_status,
     decode_update,
+    encode_partial,
     encode_update,
 )
-from edgefl.wire.messages import Partial, encode_partial
 from edgefl.wire.signing import SigningKey, generate_signing_key, sign_message
 
 SITES = {"site-a": ("a1", "a2", "a3"), "site-b": ("b1", "b2", "b3")}

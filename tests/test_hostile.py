@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, Broker, free_port, start_mosquitto, stop_broker, wait_until
 
-from edgefl.demo import launch_agent, stop_agents
+from edgefl.launcher import launch_agent, stop_agents
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import decode_status
+from edgefl.wire.messages import decode_status
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.subprocess]
 

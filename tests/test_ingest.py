@@ -33,14 +33,14 @@ from conftest import (
 from edgefl.agent.ingest import Ingest
 from edgefl.agent.pipeline import Pipeline
 from edgefl.datasets import load_digits
-from edgefl.demo import stop_agents
 from edgefl.errors import DecodeError, TransportError, UpdateRejected
 from edgefl.head import Head
+from edgefl.launcher import stop_agents
 from edgefl.runtime import Backbone
 from edgefl.tlsconf import make_ssl_context
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import (
+from edgefl.wire.messages import (
     Decline,
     Label,
     Prediction,

@@ -123,7 +123,7 @@ def _launch_in(cg: ChildCgroup, overrides: dict[str, str], log: Path) -> subproc
 def _run_rounds(
     mosquitto: Broker, fleet: str, tmp: Path, cg: ChildCgroup, rounds: int
 ) -> tuple[list[int], dict[str, Any], subprocess.Popen[bytes]]:
-    from edgefl.demo import stop_agents
+    from edgefl.launcher import stop_agents
 
     proc = _launch_in(
         cg,

@@ -13,11 +13,11 @@ from conftest import INT8_MODEL, Broker, start_replay_agent, wait_until
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
-from edgefl.demo import stop_agents
+from edgefl.launcher import stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import Message, MqttTransport
-from edgefl.wire.codec import Update, UpdateMetrics, encode_update
+from edgefl.wire.messages import Update, UpdateMetrics, encode_update
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -129,7 +129,7 @@ def test_robust_transport_survives_a_raising_callback(
 )
 def test_robust_round_settings_out_of_bounds_are_refused(field: str, value: float) -> None:
     from edgefl.errors import DecodeError
-    from edgefl.wire.codec import RoundAnnouncement, decode_round, encode_round
+    from edgefl.wire.messages import RoundAnnouncement, decode_round, encode_round
 
     fields: dict[str, Any] = {
         "round": 1,

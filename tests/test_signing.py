@@ -16,8 +16,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edgefl.errors import DecodeError
 from edgefl.wire import signing
-from edgefl.wire.codec import (
-    Compression,
+from edgefl.wire.compression import Compression
+from edgefl.wire.messages import (
     DeviceStatus,
     GlobalModel,
     RoundAnnouncement,

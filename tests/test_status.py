@@ -19,8 +19,7 @@ from edgefl.datasets import load_digits
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import decode_status
-from edgefl.wire.messages import Update, UpdateMetrics, decode_update, encode_update
+from edgefl.wire.messages import Update, UpdateMetrics, decode_status, decode_update, encode_update
 
 FIELDS: dict[str, Any] = {
     "round": 3,
@@ -150,7 +149,7 @@ def test_status_not_published_for_round_progress_the_coordinator_sees_it_in_the_
 def test_status_redelivery_is_published_at_once(mosquitto: Broker, fleet: str, tmp_path: Path) -> None:
     """Checked only every 30 s, an agent still publishes a counted redelivery at once (it used to
     wait for the next state change, and landed in the next round's bytes)."""
-    from edgefl.wire.codec import GlobalModel, encode_global_model
+    from edgefl.wire.messages import GlobalModel, encode_global_model
 
     x, y = load_digits()
     backbone = Backbone(INT8_MODEL)
@@ -247,7 +246,8 @@ def test_status_after_a_reconnect_is_published_at_once_beside_a_long_round(tmp_p
     "training", while the round still trains."""
     from conftest import restart_mosquitto, start_mosquitto
 
-    from edgefl.wire.codec import Compression, RoundAnnouncement, encode_round
+    from edgefl.wire.compression import Compression
+    from edgefl.wire.messages import RoundAnnouncement, encode_round
 
     broker = start_mosquitto(tmp_path)
     fleet = "reconnect"
