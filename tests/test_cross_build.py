@@ -26,6 +26,8 @@ from cross_build import cli as wh_cli
 from cross_build import wheelhouse as wh
 
 ROOT = Path(__file__).resolve().parents[1]
+# the wheelhouse builds pip-wheel the checkout in its source tree: with test_packaging, on one worker
+pytestmark = pytest.mark.xdist_group("wheel")
 
 # The Debian 12 (CPython 3.11) flavours; the Python-specific tests name their Python.
 AARCH64 = wh.target_for("aarch64", "3.11")

@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
+# pip builds in the source tree (build/): one worker builds edgefl's wheels (make test's --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("wheel")
+
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:

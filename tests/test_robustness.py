@@ -87,7 +87,7 @@ def test_robust_rounds_with_a_straggler_and_a_late_joiner(
     assert coord.state.rejected["stale_round"] == 1
     assert coord.state.version == 4
     assert dev2["version"] == 4  # joined at version 3 (retained), trained on it, then applied 4
-    assert all(h.duration_s < 10 for h in coord.state.history)
+    assert [h.clients for h in coord.state.history] == [1, 1, 1, 2]  # no round stalled below min_clients
 
 
 def test_robust_transport_survives_a_raising_callback(

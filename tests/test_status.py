@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -286,9 +285,8 @@ def test_status_after_a_reconnect_is_published_at_once_beside_a_long_round(tmp_p
         broker.proc.terminate()
         broker.proc.wait(timeout=10)
         broker = restart_mosquitto(broker)  # no persistence: no will, no retained status left
-        t0 = time.monotonic()
+        # within 20 s (statuses_until's timeout), while the round still trains
         training = asyncio.run(statuses_until(broker, "peer", 20, _training, False))
-        waited = time.monotonic() - t0
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -297,4 +295,3 @@ def test_status_after_a_reconnect_is_published_at_once_beside_a_long_round(tmp_p
     # published after the reconnect while the round was still training (before the fix: after the
     # round, or at the next 30 s check)
     assert training["state"] == "training"
-    assert waited < 20
