@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,11 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edgefl.launcher import free_port
 from edgefl.resources import shipped
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.messages import DeviceStatus, encode_status
+from tests.support.broker import start_mosquitto, stop_broker
 
 MIB = 1 << 20
 
@@ -104,13 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-devices", type=int, default=10_000)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    mosquitto = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
     with tempfile.TemporaryDirectory(prefix="edgefl-flood-") as d:
         tmp = Path(d)
-        port = free_port()
-        (tmp / "m.conf").write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
-        broker = subprocess.Popen([mosquitto, "-c", str(tmp / "m.conf")], stderr=subprocess.DEVNULL)
-        time.sleep(0.5)
+        broker = start_mosquitto(tmp)
+        port = broker.port
         try:
             coord = start_coordinator(port, "flood", args.max_devices, tmp / "c.log")
             time.sleep(8)  # imports, model, adoption wait
@@ -125,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             again.terminate()
             again.wait(180)
         finally:
-            broker.terminate()
-            broker.wait(10)
+            stop_broker(broker)
     result: dict[str, Any] = {
         "messages": args.messages,
         "max_devices": args.max_devices,
