@@ -1,10 +1,10 @@
 """Device profiles: a TOML file turned into frozen dataclasses, validated once at load.
 
 One dataclass per TOML table (``[device]``, ``[model]``, ``[pipeline]``, ``[broker]``, ``[memory]``,
-``[training]``, ``[source]``, ``[dashboard]``). Unknown tables and keys are refused; a missing table
-takes its defaults; ``device.id`` and ``model.path`` are required. Every problem is collected and
-reported at once in one :class:`~edgefl.errors.ConfigError`, each naming the dotted key, the value and
-the reason (``memory.cap_mb = 0: must be > 0``).
+``[training]``, ``[personal]``, ``[source]``, ``[dashboard]``). Unknown tables and keys are refused;
+a missing table takes its defaults; ``device.id`` and ``model.path`` are required. Every problem is
+collected and reported at once in one :class:`~edgefl.errors.ConfigError`, each naming the dotted
+key, the value and the reason (``memory.cap_mb = 0: must be > 0``).
 
 Relative paths (``model.path``, ``device.state_dir``, ``source.path``, the TLS files) resolve against
 the directory of the profile file. Secrets (``broker.password``, ``dashboard.token``) never appear in a
@@ -48,6 +48,7 @@ __all__ = [
     "DeviceConfig",
     "MemoryConfig",
     "ModelConfig",
+    "PersonalConfig",
     "PipelineConfig",
     "Profile",
     "SourceConfig",
@@ -182,7 +183,14 @@ class TrainingConfig:
         holding some but fewer declines the round (a Decline with reason ``too_few_examples``); one
         holding none keeps the round pending until it holds this many. Default 32: rounds trained on
         a handful of examples while a feed was still going (6, 14 examples: loss 5.5-9.7) made the
-        federated head worse than the factory head.
+        federated head worse than the factory head. A device holding none declines at once (reason
+        ``no_samples``) rather than holding the round.
+    flush_interval_s : float
+        Longest time, in seconds, a stored sample waits before the store is flushed (its pages written
+        back and its metadata recorded: it then survives a power cut), > 0. Default 5.
+    flush_every : int
+        Unflushed samples that trigger a flush at once, >= 1 (whichever of the two comes first); a
+        flush costs one ``msync`` and one ``fsync``, never one per sample. Default 64.
     """
 
     store_capacity: int = 4096
@@ -192,6 +200,39 @@ class TrainingConfig:
     seed: int = 0
     holdout_every: int = 20
     min_examples: int = 32
+    flush_interval_s: float = 5.0
+    flush_every: int = 64
+
+
+@dataclass(frozen=True, slots=True)
+class PersonalConfig:
+    """``[personal]``: the device's personal head, trained beside the global one.
+
+    After each round's local training the device takes class-restricted Ditto steps on its own
+    head: local SGD on its labelled store with a pull ``prox_lambda`` toward the global head, the
+    columns of classes it never had a label for kept equal to the global head's. That head serves
+    the device's predictions while it does at least as well as the global head on the holdout; the
+    update sent stays the global one's (no new bytes).
+
+    Parameters
+    ----------
+    enabled : bool
+        Train and serve a personal head.
+    prox_lambda : float
+        Ditto's proximal coefficient lambda, 0..1000 (0 = local training alone).
+    epochs : int
+        Passes over the store per round, 0..100; 0 = the round's ``local_epochs``.
+    lr : float
+        SGD learning rate, 0..10; 0 = the round's ``lr``.
+
+    Source: Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through
+    Personalization", ICML 2021. Defaults from ``python -m bench.personal`` (docs/benchmarks.md).
+    """
+
+    enabled: bool = True
+    prox_lambda: float = 0.5
+    epochs: int = 0
+    lr: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,9 +292,10 @@ class SecurityConfig:
         This device's Ed25519 private key (64 hex digits or PEM); its updates are signed with it.
         The key is read once at start-up and never logged.
     coordinator_public_key : str or None
-        The coordinator's Ed25519 public key, 64 hex digits. When set, every GlobalModel and
-        RoundAnnouncement must carry a valid signature by it: unsigned ones are refused (``unsigned``)
-        whatever ``require_signatures`` says. Rotation: ``docs/security.md``.
+        The coordinator's Ed25519 public key: 64 hex digits or a PEM ``PUBLIC KEY`` block (what
+        ``edgefl keys`` prints and writes). When set, every GlobalModel and RoundAnnouncement must
+        carry a valid signature by it: unsigned ones are refused (``unsigned``) whatever
+        ``require_signatures`` says. Rotation: ``docs/security.md``.
     require_signatures : bool
         Refuse unsigned messages; needs ``coordinator_public_key`` (which implies it: kept so a
         profile can state it, and so a profile that asks for signatures without a key is refused).
@@ -294,7 +336,7 @@ class Profile:
     ----------
     path : Path
         The profile file (absolute), or ``Path("<inline>")`` when parsed from a mapping without one.
-    device, model, pipeline, broker, memory, training, source, dashboard, security, status
+    device, model, pipeline, broker, memory, training, source, dashboard, security, status, personal
         One value object per TOML table.
     """
 
@@ -309,6 +351,7 @@ class Profile:
     dashboard: DashboardConfig
     security: SecurityConfig = field(default_factory=SecurityConfig)
     status: StatusConfig = field(default_factory=StatusConfig)
+    personal: PersonalConfig = field(default_factory=PersonalConfig)
 
     @property
     def cap_bytes(self) -> int:
@@ -327,6 +370,7 @@ _TABLES: dict[str, type[Any]] = {
     "dashboard": DashboardConfig,
     "security": SecurityConfig,
     "status": StatusConfig,
+    "personal": PersonalConfig,
 }
 
 
@@ -409,6 +453,10 @@ def _check_training(p: Problems, c: TrainingConfig, raw: Mapping[str, object], c
         p.add("training.seed", c.seed, "must be >= 0")
     if c.holdout_every < 0 or c.holdout_every == 1:
         p.add("training.holdout_every", c.holdout_every, "must be 0 (no holdout) or >= 2")
+    if not c.flush_interval_s > 0.0 or c.flush_interval_s == float("inf"):
+        p.add("training.flush_interval_s", c.flush_interval_s, "must be a finite number of seconds > 0")
+    if isinstance(c.flush_every, bool) or not isinstance(c.flush_every, int) or c.flush_every < 1:
+        p.add("training.flush_every", c.flush_every, "must be an integer >= 1")
     if isinstance(c.min_examples, bool) or not isinstance(c.min_examples, int) or c.min_examples < 1:
         p.add("training.min_examples", c.min_examples, "must be an integer >= 1")
     elif c.min_examples > c.store_capacity:
@@ -460,9 +508,17 @@ def _check_source(p: Problems, c: SourceConfig, raw: Mapping[str, object], check
 
 
 def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    from edgefl.wire.signing import library_problem, load_signing_key, parse_verify_key
+
     key = c.coordinator_public_key
-    if key is not None and (len(key) != 64 or any(ch not in "0123456789abcdefABCDEF" for ch in key)):
-        p.add("security.coordinator_public_key", key, "must be 64 hexadecimal digits (an Ed25519 public key)")
+    if key is not None:
+        try:
+            parse_verify_key(key)
+        except ValueError as exc:
+            reason = f"not an Ed25519 {exc}"
+            if "\n" not in key and Path(key.strip()).is_file():
+                reason += "; this is a file's name: the setting holds the key itself (edgefl keys show FILE)"
+            p.add("security.coordinator_public_key", key, reason)
     if c.require_signatures and key is None:
         p.add(
             "security.require_signatures",
@@ -474,11 +530,14 @@ def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], c
         p.add("security.outbox_max_bytes", c.outbox_max_bytes, "must be > 0")
     if check_files and c.signing_key_file is not None:
         problem = file_problem(c.signing_key_file, raw.get("signing_key_file"))
+        if problem is None:
+            try:
+                load_signing_key(c.signing_key_file)
+            except (OSError, ValueError) as exc:
+                problem = str(exc)
         if problem is not None:
             p.add("security.signing_key_file", raw.get("signing_key_file"), problem)
     if check_files:
-        from edgefl.wire.signing import library_problem
-
         for name in ("signing_key_file", "coordinator_public_key"):
             why = library_problem(f"security.{name}") if getattr(c, name) is not None else None
             if why is not None:
@@ -493,6 +552,15 @@ def _check_status(p: Problems, c: StatusConfig, raw: Mapping[str, object], check
         p.add("status.heartbeat_s", c.heartbeat_s, "must be between status.interval_s and 86400 seconds")
 
 
+def _check_personal(p: Problems, c: PersonalConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    if not 0.0 <= c.prox_lambda <= 1000.0:
+        p.add("personal.prox_lambda", c.prox_lambda, "must be between 0 and 1000")
+    if isinstance(c.epochs, bool) or not isinstance(c.epochs, int) or not 0 <= c.epochs <= 100:
+        p.add("personal.epochs", c.epochs, "must be an integer between 0 and 100 (0: the round's)")
+    if not 0.0 <= c.lr <= 10.0:
+        p.add("personal.lr", c.lr, "must be between 0 and 10 (0: the round's)")
+
+
 _CHECKS: dict[str, Check] = {
     "device": _check_device,
     "model": _check_model,
@@ -504,6 +572,7 @@ _CHECKS: dict[str, Check] = {
     "dashboard": check_dashboard,
     "security": _check_security,
     "status": _check_status,
+    "personal": _check_personal,
 }
 
 # Placeholders for required fields that are missing or mistyped, so the rest of the table is still

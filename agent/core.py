@@ -43,9 +43,9 @@ from edgefl.agent.feedback import ErrorFeedback
 from edgefl.agent.outbox import Dropped, Outbox, OutboxEntry
 from edgefl.agent.pipeline import Pipeline, choose
 from edgefl.agent.store import EmbeddingStore
-from edgefl.agent.trainer import LocalResult, train_local
+from edgefl.agent.trainer import LocalResult, PersonalResult, train_local, train_personal
 from edgefl.errors import BudgetExceeded, DecodeError, EdgeflError, ModelError, UpdateRejected
-from edgefl.head import Head, validate_head
+from edgefl.head import Head, personal_columns, validate_head
 from edgefl.records import read_record, write_record
 from edgefl.runtime import Backbone
 from edgefl.types import F32, I64
@@ -81,6 +81,7 @@ __all__ = [
     "ANSWERED_FILE",
     "HEAD_FILE",
     "OUTBOX_FILE",
+    "PERSONAL_FILE",
     "SEEN_VERSION_FILE",
     "Answered",
     "ApplyResult",
@@ -100,6 +101,12 @@ OUTBOX_FILE = "outbox.rec"
 ANSWERED_FILE = "answered_round.rec"
 """Where earlier versions kept the last answered round (still read; the round
 is now recorded in the outbox record, in the write that keeps its update: :class:`Answered`)."""
+PERSONAL_FILE = "personal_head.rec"
+"""The device's personal head, the classes it may personalise and the global version it was last
+pulled toward (a checksummed record; CBOR ``{"v": 1, "fleet", "model_sha256", "version", "shape",
+"W", "b", "columns"}``, the arrays as little-endian float32 / uint8 bytes)."""
+PERSONAL_SEED_OFFSET = 0x5EED
+"""Added to the round's shuffle seed for the personal step (its own sample order)."""
 SEEN_VERSION_FILE = "seen_version.rec"
 """The newest head version named by a signed round announcement (the device's rollback floor)."""
 
@@ -127,6 +134,8 @@ class Classified:
         Samples :meth:`DeviceCore.observe` did not store: their embedding is not finite (``not_finite``).
     scores : float32 [N] or None
         Probability of each predicted class (:meth:`Head.scores`: softmax, or the sigmoid for K = 1).
+    head : "personal" | "global"
+        Which head classified the batch (:meth:`DeviceCore.serving_head`).
     """
 
     embeddings: F32
@@ -135,6 +144,7 @@ class Classified:
     refused_labels: int = 0
     refused_not_finite: int = 0
     scores: F32 | None = None
+    head: str = "global"
 
 
 class RoundStatus(StrEnum):
@@ -148,8 +158,6 @@ class RoundStatus(StrEnum):
     """This round (or a later one) was already answered, maybe before a restart: nothing is sent again."""
     WAITING_HEAD = "waiting_head"
     """The round builds on a global head not yet applied; kept pending (``take_ready_round``)."""
-    NO_SAMPLES = "no_samples"
-    """The store is empty; kept pending until samples are stored."""
     DEFERRED = "deferred"
     """The memory governor deferred training or encoding (``reason`` says why); kept as
     :attr:`DeviceCore.deferred` and retried by :meth:`DeviceCore.retry_deferred`."""
@@ -439,7 +447,22 @@ class DeviceCore:
             else None
         )
         self._labelled = len(self.store) + (len(self.holdout) if self.holdout is not None else 0)
+        self.new_samples = len(self.store)
+        """Labelled samples stored since this device last trained for a round (the status's
+        ``new_samples``, which paces the coordinator's rounds); after a restart, the whole store."""
         self.evaluation: Evaluation | None = None
+        self.personal: Head | None = None
+        """The personal head (None until the first personal step; :meth:`personalise`)."""
+        self.personal_columns: np.ndarray = np.zeros(self.head.shape[1], dtype=bool)
+        """bool [K]: the classes this device has had a label for (the columns it personalises)."""
+        self.personal_evaluation: Evaluation | None = None
+        """The personal head's accuracy on the holdout (:meth:`evaluate`)."""
+        self.personal_fallback = False
+        """The personal head did worse than the global head on the holdout: predictions use the global."""
+        self.personal_deferred = 0
+        """Personal steps the memory governor deferred (each waits for the next round)."""
+        self._personal_due: RoundAnnouncement | None = None  # a round trained, its personal step not yet
+        self._load_personal()
         self.redelivered = 0  # retained heads of the version held, skipped before decoding
         self.answered: Answered | None = self._load_answered()
         self.seen_version: int = self._load_seen_version()
@@ -525,7 +548,7 @@ class DeviceCore:
         return cls(
             profile,
             Head(W, b, 0),
-            backbone.sha256,
+            backbone.backbone_sha256,
             pipeline=pipeline,
             governor=governor,
             state_dir=directory,
@@ -758,8 +781,23 @@ class DeviceCore:
             with self._phase("inference"):
                 parts.append(self.pipeline.run(raw[s : s + step])[0])
         emb = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        head = self.head  # one reference read: a swap between batches is atomic
-        return Classified(emb, head.predict(emb), head.version, scores=head.scores(emb)[1])
+        head, kind = self.serving_head()  # one reference read: a swap between batches is atomic
+        classes, scores = head.scores(emb)
+        return Classified(emb, classes, head.version, scores=scores, head=kind)
+
+    def serving_head(self) -> tuple[Head, str]:
+        """The head that classifies: the personal one once it exists, unless it fell behind.
+
+        Returns
+        -------
+        (Head, "personal" | "global")
+            The global head when ``personal.enabled`` is false, before the first personal step, or
+            while :attr:`personal_fallback` (the personal head did worse on the holdout).
+        """
+        personal = self.personal
+        if personal is None or self.personal_fallback or not self.profile.personal.enabled:
+            return self.head, "global"
+        return personal, "personal"
 
     def _admit_inference(self, pipeline: Pipeline, shapes: memory.ModelShapes, n: int) -> int:
         """The governor's grant for ``n`` samples: rows per invoke, the pipeline's batch set to fit.
@@ -841,18 +879,55 @@ class DeviceCore:
             Samples not stored for their label, and for a non-finite embedding.
         """
         every = self.profile.training.holdout_every
+        if len(labels):
+            self.personal_columns |= personal_columns(labels, self.head.shape[1])
         before = self.store.refused_not_finite + (self.holdout.refused_not_finite if self.holdout else 0)
         if self.holdout is None or not every:
             refused = self.store.add(embeddings, labels)
+            self.new_samples += len(labels) - refused
         else:
             # every n-th labelled sample is held out of training, for federated evaluation
             held = (self._labelled + np.arange(len(labels))) % every == every - 1
             self._labelled += len(labels)
             refused = self.store.add(embeddings[~held], labels[~held])
+            self.new_samples += int((~held).sum()) - refused
             if held.any():
                 refused += self.holdout.add(embeddings[held], labels[held])
         after = self.store.refused_not_finite + (self.holdout.refused_not_finite if self.holdout else 0)
+        # a full disk: the failed flush waits for retry_persist rather than failing at every batch
+        if self._unflushed() >= self.profile.training.flush_every and "store" not in self._unsaved:
+            self.flush_store()
         return refused, after - before
+
+    def _unflushed(self) -> int:
+        return self.store.unflushed + (self.holdout.unflushed if self.holdout is not None else 0)
+
+    def flush_due(self) -> bool:
+        """Whether a store flush is due (``training.flush_every`` or ``flush_interval_s`` reached)."""
+        cfg = self.profile.training
+        stores = (self.store,) if self.holdout is None else (self.store, self.holdout)
+        if "store" in self._unsaved or "holdout" in self._unsaved:
+            return False  # retry_persist writes it once there is room
+        if self._unflushed() >= cfg.flush_every:
+            return True
+        return any(s.flush_due(cfg.flush_every, cfg.flush_interval_s) for s in stores)
+
+    def unflushed_since(self) -> float | None:
+        """``time.monotonic()`` of the oldest sample stored since the last flush (None: all flushed)."""
+        times = [s.unflushed_since for s in (self.store, self.holdout) if s is not None]
+        known = [t for t in times if t is not None]
+        return min(known) if known else None
+
+    def flush_store(self) -> bool:
+        """Make the stored samples durable: flush the store and the holdout (never raises).
+
+        Returns False if a write failed (a full disk: counted, logged, the core :attr:`degraded`,
+        retried by :meth:`retry_persist`).
+        """
+        ok = self._persist("store", self.store.flush)
+        if self.holdout is not None:
+            ok = self._persist("holdout", self.holdout.flush) and ok
+        return ok
 
     def evaluate(self) -> Evaluation | None:
         """Accuracy of the current head on the holdout store (federated evaluation), or None without one.
@@ -866,11 +941,34 @@ class DeviceCore:
         if self.holdout is None or len(self.holdout) == 0:
             return None
         head = self.head
-        correct = total = 0
+        personal = self.personal
+        correct = correct_p = total = 0
         for emb, lbl in self.holdout.chunks(256):
             correct += int(np.sum(head.predict(emb) == lbl))
+            if personal is not None:
+                correct_p += int(np.sum(personal.predict(emb) == lbl))
             total += len(lbl)
         self.evaluation = Evaluation(head.version, correct / total, total)
+        if personal is not None:
+            self.personal_evaluation = Evaluation(personal.version, correct_p / total, total)
+            behind = correct_p < correct
+            if behind != self.personal_fallback:
+                if behind:
+                    logger.warning(
+                        "personal head behind the global head on the holdout (%.3f < %.3f, %d samples): "
+                        "predictions use the global head",
+                        correct_p / total,
+                        correct / total,
+                        total,
+                    )
+                else:
+                    logger.info(
+                        "personal head back level with the global head on the holdout (%.3f >= %.3f): "
+                        "predictions use the personal head",
+                        correct_p / total,
+                        correct / total,
+                    )
+            self.personal_fallback = behind
         return self.evaluation
 
     # --- rounds -----------------------------------------------------------------------------------
@@ -918,7 +1016,7 @@ class DeviceCore:
 
         In order: not selected -> NOT_SELECTED; round <= the last answered one (persisted across
         restarts) -> ANSWERED; base version newer than the head -> WAITING_HEAD (kept pending);
-        older -> REFUSED ``stale_round``; empty store -> NO_SAMPLES (kept pending); fewer than
+        older -> REFUSED ``stale_round``; empty store -> DECLINED ``no_samples`` at once; fewer than
         ``training.min_examples`` labelled examples -> DEFERRED (retried as for memory, declined
         ``too_few_examples`` after half the deadline: :meth:`retry_deferred`); the governor
         defers -> DEFERRED; else local epochs on the store (phase ``train``), error feedback on a
@@ -938,6 +1036,8 @@ class DeviceCore:
         -----
         Error feedback: Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory", Algorithm 1.
         """
+        if self._personal_due is not None:
+            self.personalise()  # the last round's personal step, if its caller left it for later
         prior = self.deferred
         if prior is not None and prior.ann.round < ann.round:
             # a newer round supersedes the deferred one: refuse it to the coordinator, never drop it
@@ -968,8 +1068,13 @@ class DeviceCore:
                 ),
             )
         if len(self.store) == 0:
-            self.pending_round = ann  # retried as soon as samples are stored
-            return RoundResult(RoundStatus.NO_SAMPLES, ann.round, detail="no local samples")
+            # nothing to train on: say so now rather than hold the round to its deadline
+            if self.pending_round is not None and self.pending_round.round <= ann.round:
+                self.pending_round = None
+            try:
+                return self.decline(ann, Reason.NO_SAMPLES, "no labelled samples stored")
+            except OSError as exc:
+                return RoundResult(RoundStatus.REFUSED, ann.round, "failed", str(exc))
         if self.pending_round is not None and self.pending_round.round <= ann.round:
             self.pending_round = None
         need = self.profile.training.min_examples
@@ -999,6 +1104,7 @@ class DeviceCore:
             return self._defer(ann, adm.reason)
         if self._progress is not None:
             self._progress("training", adm.reason)
+        self.new_samples = 0  # what is stored from now on is new for the next round
         with self._phase("train"):
             result = train_local(
                 head,
@@ -1099,6 +1205,8 @@ class DeviceCore:
         entry = OutboxEntry(update_id, ann.round, payload)
         if self.deferred is not None and self.deferred.ann.round <= ann.round:
             self.deferred = None
+        if self.profile.personal.enabled:
+            self._personal_due = ann  # after the update is kept: it never depends on the personal head
         return RoundResult(
             RoundStatus.TRAINED,
             ann.round,
@@ -1317,9 +1425,157 @@ class DeviceCore:
                 # delivered again after a restart, and the write is retried once there is room
                 self._persist("head", lambda: write_record(self.head_path, encode_global_model(gm)))
         self.head = new
+        self._tie_personal()
         self.evaluate()
         logger.info("applied global head version %d (round %d)", gm.version, gm.round)
         return ApplyResult(ApplyStatus.APPLIED, gm.version, gm.round)
+
+    # --- personal head ----------------------------------------------------------------------------
+    @property
+    def personal_path(self) -> Path:
+        """The persisted personal head (:data:`PERSONAL_FILE`)."""
+        return self.state_dir / PERSONAL_FILE
+
+    @property
+    def personal_due(self) -> bool:
+        """A round was trained and its personal step waits for :meth:`personalise`."""
+        return self._personal_due is not None
+
+    def _load_personal(self) -> None:
+        """Restore the personal head and its classes from their record (previous generation if torn).
+
+        Without a usable record the classes come from the labels already stored (a device that
+        stored samples before it had a personal head), and the head waits for the next round.
+        """
+        D, K = self.head.shape
+        data = read_record(self.personal_path)
+        if data is not None:
+            try:
+                obj = cbor2.loads(data)
+                if not isinstance(obj, dict) or obj.get("v") != 1:
+                    raise ValueError("not a personal-head record")
+                if obj.get("fleet") != self.fleet or obj.get("model_sha256") != self.model_sha256:
+                    raise ValueError("for another fleet or model")
+                version, shape = obj.get("version"), obj.get("shape")
+                raw_W, raw_b, raw_c = obj.get("W"), obj.get("b"), obj.get("columns")
+                if type(version) is not int or version < 0 or shape != [D, K]:
+                    raise ValueError(f"version {version!r}, shape {shape!r}: expected shape {[D, K]}")
+                if not (isinstance(raw_W, bytes) and isinstance(raw_b, bytes) and isinstance(raw_c, bytes)):
+                    raise ValueError("W, b and columns must be byte strings")
+                if len(raw_W) != D * K * 4 or len(raw_b) != K * 4 or len(raw_c) != K:
+                    raise ValueError("array sizes do not match the shape")
+                W = np.frombuffer(raw_W, dtype="<f4").reshape(D, K).astype(np.float32)
+                b = np.frombuffer(raw_b, dtype="<f4").astype(np.float32)
+                validate_head(W, b, (D, K))
+                self.personal = Head(W, b, version)
+                self.personal_columns = np.frombuffer(raw_c, dtype=np.uint8) != 0
+                self._tie_personal()
+                logger.info(
+                    "restored personal head (pulled toward version %d, %d of %d classes personal) from %s",
+                    version,
+                    int(self.personal_columns.sum()),
+                    K,
+                    self.personal_path,
+                )
+                return
+            except (cbor2.CBORDecodeError, ValueError, TypeError, UpdateRejected) as exc:
+                logger.warning(
+                    "stored personal head %s unusable (%s); a new one is trained", self.personal_path, exc
+                )
+        stores = [self.store] + ([self.holdout] if self.holdout is not None else [])
+        for st in stores:
+            for _, lbl in st.chunks(1024):
+                self.personal_columns |= personal_columns(lbl, K)
+
+    def _tie_personal(self) -> None:
+        """Set the personal head's columns of never-labelled classes to the global head's (in place)."""
+        personal = self.personal
+        if personal is None or self.personal_columns.all():
+            return
+        tied = ~self.personal_columns
+        personal.W[:, tied] = self.head.W[:, tied]
+        personal.b[tied] = self.head.b[tied]
+
+    def _save_personal(self) -> None:
+        """Write the personal head, its classes and version (the one atomic, checksummed writer)."""
+        personal = self.personal
+        if personal is None:
+            return
+        payload = {
+            "v": 1,
+            "fleet": self.fleet,
+            "model_sha256": self.model_sha256,
+            "version": personal.version,
+            "shape": list(personal.shape),
+            "W": personal.W.astype("<f4").tobytes(),
+            "b": personal.b.astype("<f4").tobytes(),
+            "columns": self.personal_columns.astype(np.uint8).tobytes(),
+        }
+        write_record(self.personal_path, cbor2.dumps(payload))
+
+    def personalise(self) -> PersonalResult | None:
+        """The personal step of the last trained round: class-restricted Ditto steps, persisted, evaluated.
+
+        Pulls the personal head (the global head's copy the first time) toward the current global
+        head with ``personal.prox_lambda`` over ``personal.epochs`` passes of the store (0: the round's
+        ``local_epochs``) at ``personal.lr`` (0: the round's), the columns of classes never labelled
+        here tied to the global head (:func:`edgefl.agent.trainer.train_personal`); phase
+        ``personal``, admitted by the governor as one head plus its gradient beside the chunk
+        buffers. Then the head is written (:data:`PERSONAL_FILE`) and both heads are evaluated on
+        the holdout (:meth:`evaluate`: a personal head behind the global one stops serving).
+        The update of the round is already kept: nothing here changes what is sent.
+
+        Returns
+        -------
+        PersonalResult or None
+            None when no step is due, personal heads are off, the store is empty or the governor
+            deferred the step (:attr:`personal_deferred` counts it; the next round tries again).
+        """
+        ann = self._personal_due
+        self._personal_due = None
+        cfg = self.profile.personal
+        if ann is None or not cfg.enabled or len(self.store) == 0:
+            return None
+        tcfg = self.profile.training
+        glob = self.head
+        D, K = glob.shape
+        adm = self.governor.admit_personal(
+            tcfg.chunk_size,
+            tcfg.chunk_floor,
+            dim=D,
+            classes=K,
+            batch_size=ann.batch_size,
+            num_examples=len(self.store),
+        )
+        if adm.deferred:
+            self.personal_deferred += 1
+            return None
+        current = self.personal
+        # trained in place: the personal head's arrays are only read by this (single) caller thread
+        W, b = (glob.W.copy(), glob.b.copy()) if current is None else (current.W, current.b)
+        with self._phase("personal"):
+            result = train_personal(
+                W,
+                b,
+                glob,
+                self.store,
+                self.personal_columns.copy(),
+                lam=cfg.prox_lambda,
+                epochs=cfg.epochs or ann.local_epochs,
+                lr=cfg.lr or ann.lr,
+                batch_size=ann.batch_size,
+                chunk_size=adm.work,
+                seed=tcfg.seed + ann.round + PERSONAL_SEED_OFFSET,
+                time_budget_s=ann.deadline_s,
+            )
+        if not (np.isfinite(W).all() and np.isfinite(b).all()):
+            logger.warning("personal step gave non-finite values; the next starts again from the global head")
+            self.personal = None
+            return result
+        self.personal = Head(W, b, glob.version)
+        self._persist("personal", self._save_personal)
+        self.evaluate()
+        return result
 
     # --- outbox -----------------------------------------------------------------------------------
     def mark_sent(self, update_id: str) -> int:
@@ -1411,7 +1667,7 @@ class DeviceCore:
         logged, marks the core :attr:`degraded` and is retried by :meth:`retry_persist`; it never raises.
         """
         deferred = self.write_deferred()
-        return self._persist("store", self.store.flush) and deferred
+        return self.flush_store() and deferred
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -35,9 +35,17 @@ from edgefl.agent import memory
 from edgefl.agent.config import Profile
 from edgefl.agent.core import ApplyStatus, Classified, DeviceCore, RoundResult, RoundStatus
 from edgefl.agent.ingest import LOGGED_REFUSALS, Ingest, Queued
-from edgefl.agent.status import status_news
+from edgefl.agent.status import samples_level, status_news
 from edgefl.aio import wait_event
-from edgefl.errors import BudgetExceeded, DecodeError, EdgeflError, TransportError, UpdateRejected
+from edgefl.errors import (
+    BudgetExceeded,
+    CredentialsRefused,
+    DecodeError,
+    EdgeflError,
+    StartupError,
+    TransportError,
+    UpdateRejected,
+)
 from edgefl.profiles import broker_password
 from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
@@ -58,6 +66,8 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+REFUSED_NOT_AUTHORIZED = "refused: not authorized"
+"""What the status, the page and ``/healthz`` say while the broker refuses the agent's credentials."""
 IDLE_GRACE_S = 0.5
 """Housekeeping (deferred writes, ``malloc_trim``) waits until no message came for this long (seconds)."""
 DEFERRED_WRITE_MAX_S = 30.0
@@ -70,12 +80,16 @@ COMPACT_STATUS_FIELDS = frozenset(
         "ts",
         "eval_version",
         "eval_accuracy",
+        "personal_accuracy",
+        "global_accuracy",
+        "serving_head",
         "eval_count",
         "round",
         "version",
         "reason",
         "ready",
         "store_samples",
+        "new_samples",
         "rss_bytes",
         "peak_rss_bytes",
         "cap_bytes",
@@ -126,8 +140,12 @@ class AgentState:
     labelled_total: int = 0
     """Classified samples that had a label (the denominator of ``inference_accuracy``)."""
     last_update_bytes: int = 0
+    last_update_ts: float | None = None
+    """Wall-clock time (Unix s) the last update was sent: with ``ts`` the page tells its age."""
     local_accuracy: float = float("nan")
     rejected: Counter[str] = field(default_factory=Counter)
+    last_rejected: dict[str, str] = field(default_factory=dict)
+    """The last live-ingest refusal: ``reason``, ``detail``, ``topic`` (a feed shows it)."""
     over_budget_batches: int = 0
     """Sample batches the memory governor refused to run (each retried once memory frees)."""
     faults: Counter[str] = field(default_factory=Counter)
@@ -175,6 +193,15 @@ class Agent:
             max_chunk_bytes=self.max_packet_bytes,
             max_total_bytes=2 * self.core.limits.max_message_bytes,
         )
+        # samples larger than a packet come in chunks on their own topic: a set of their own, so a
+        # stream of them never evicts a global head's half-received chunks
+        self.sample_chunks = Reassembler(
+            max_sets=2,
+            max_message_bytes=self.core.limits.max_message_bytes,
+            max_chunk_bytes=profile.broker.max_incoming_packet_bytes,
+            max_total_bytes=2 * self.core.limits.max_message_bytes,
+            expiry_s=30.0,
+        )
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgefl-worker")
         self.transport: MqttTransport | None = None
         self.stop_event = asyncio.Event()
@@ -185,6 +212,7 @@ class Agent:
         self._reconnected = asyncio.Event()
         self._status_connected = False  # a (re)connect happened: the next status check publishes
         self._last_said, self._last_at = "", -math.inf  # what the last published status said, and when
+        self._last_level = 0  # samples_level of the last status published, lowered as it drops
         self._loop: asyncio.AbstractEventLoop | None = None
         self._next_retry_at = -math.inf  # when the deferred round may be retried again (monotonic)
         src = profile.source
@@ -192,6 +220,7 @@ class Agent:
             Ingest(src.queue_max, src.pending_max, src.label_expiry_s) if src.kind == "mqtt" else None
         )
         self._ingest_wake = asyncio.Event()
+        self._stored = asyncio.Event()  # samples were stored: flush_loop makes them durable in time
         # round and global messages wait here while the pump files samples (a round's training must not
         # hold up the transport's queue, whose overflow would drop a round or a head)
         self._control: asyncio.Queue[Message] = asyncio.Queue(maxsize=64)
@@ -243,6 +272,7 @@ class Agent:
                 self.state.correct_total += int(np.sum(out.predictions == lbl))
                 self.state.labelled_total += len(lbl)
                 self.state.stored_total += len(lbl)
+                self._stored.set()
                 if src.rate_hz > 0:
                     await asyncio.sleep(max(0.0, len(lbl) / src.rate_hz - (time.monotonic() - t0)))
                 else:
@@ -279,8 +309,14 @@ class Agent:
             if msg.retain:
                 raise DecodeError(Reason.BAD_VALUE, "retained: samples and labels are never retained")
             if msg.topic == self.topics.samples(self.device):
+                payload = msg.payload
+                if is_chunk(payload):  # a sample larger than the packet limit ("Chunks")
+                    whole = self.sample_chunks.feed(msg.topic, payload)
+                    if whole is None:
+                        return
+                    payload = whole
                 sample = decode_sample(
-                    msg.payload,
+                    payload,
                     limits=self.core.limits,
                     sample_shape=pipeline.sample_shape,
                     dtype=self.profile.pipeline.raw_dtype,
@@ -291,12 +327,18 @@ class Agent:
                     logger.debug("ingest queue full: dropped sample %s (oldest)", dropped.id)
             else:
                 ingest.offer_label(decode_label(msg.payload, limits=self.core.limits, num_classes=K))
-        except (DecodeError, UpdateRejected) as exc:
-            self.state.rejected[exc.reason] += 1
-            n = self.state.rejected[exc.reason]
+        except Exception as exc:
+            # DecodeError/UpdateRejected name their reason; any other fault is counted as ``failed``
+            known = isinstance(exc, (DecodeError, UpdateRejected))
+            reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
+            detail = exc.detail if isinstance(exc, (DecodeError, UpdateRejected)) else repr(exc)
+            self.state.rejected[reason] += 1
+            self.state.last_rejected = {"reason": str(reason), "detail": detail[:200], "topic": msg.topic}
+            n = self.state.rejected[reason]
             if n <= LOGGED_REFUSALS or n % 1000 == 0:
-                more = f" ({n} {exc.reason} so far)" if n > LOGGED_REFUSALS else ""
-                logger.warning("rejected %s: %s: %s%s", what, exc.reason, exc.detail, more)
+                more = f" ({n} {reason} so far)" if n > LOGGED_REFUSALS else ""
+                log = logger.warning if known else logger.error
+                log("rejected %s: %s: %s%s", what, reason, detail, more)
             return
         self._ingest_wake.set()
 
@@ -311,6 +353,7 @@ class Agent:
             await wait_event(self._ingest_wake, tick_s)
             self._ingest_wake.clear()
             ingest.expire()
+            self.sample_chunks.expire()
             while ingest.has_work():
                 rows = ingest.take(pipeline.batch)
                 if rows:
@@ -325,6 +368,7 @@ class Agent:
                     refused, not_finite = await self._work(self.core.keep, emb, labels)
                     self._count_refused(refused, not_finite)
                     self.state.stored_total += len(labels) - refused - not_finite
+                    self._stored.set()
                     self.state.correct_total += int(np.sum(predicted == labels))
                     self.state.labelled_total += len(labels)
                 if self.core.pending_round is not None:
@@ -353,6 +397,7 @@ class Agent:
         n_labelled = int(labelled.sum())
         self.state.inferred_total += len(rows)
         self.state.stored_total += n_labelled - out.refused_labels - out.refused_not_finite
+        self._stored.set()
         if n_labelled:
             self.state.correct_total += int(np.sum(out.predictions[labelled] == labels[labelled]))
             self.state.labelled_total += n_labelled
@@ -362,7 +407,12 @@ class Agent:
         scores = out.scores if out.scores is not None else np.ones(len(rows), dtype=np.float32)
         predictions = [
             Prediction(
-                r.id, int(out.predictions[i]), float(scores[i]), out.version, max(0.0, done - r.arrived_s)
+                r.id,
+                int(out.predictions[i]),
+                float(scores[i]),
+                out.version,
+                max(0.0, done - r.arrived_s),
+                head=out.head,
             )
             for i, r in enumerate(rows)
         ]
@@ -476,6 +526,28 @@ class Agent:
             self._idle_work.clear()
             await self._work(self._housekeeping)
 
+    async def flush_loop(self) -> None:
+        """Flush the store within ``training.flush_interval_s`` of a sample's store.
+
+        The core flushes at once every ``training.flush_every`` samples (:meth:`DeviceCore.keep`);
+        this covers a slow feed. A flush that failed (a full disk) is left to ``retry_persist``.
+        """
+        interval_s = self.profile.training.flush_interval_s
+        while True:
+            await self._stored.wait()
+            self._stored.clear()
+            while True:
+                since = self.core.unflushed_since()
+                if since is None:
+                    break
+                wait_s = since + interval_s - time.monotonic()
+                if wait_s > 0:
+                    await asyncio.sleep(wait_s)
+                    continue
+                if self.core.flush_due():
+                    await self._work(self.core.flush_store)
+                break
+
     def _housekeeping(self) -> None:
         """Deferred state writes (never raise: a full disk degrades) and ``malloc_trim`` (worker thread)."""
         self.core.write_deferred()
@@ -532,10 +604,15 @@ class Agent:
                 raise DecodeError("bad_topic", f"unexpected topic {topic}")
         except DecodeError as exc:
             self._reject(exc.reason, what, exc.detail)
-        except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
-            # last line of defence: whatever a message made us do failed; count it, keep running
+        except Exception as exc:
+            # last line of defence: whatever a message made us do failed; count it, keep running (the
+            # message was acknowledged when it reached the queue: a run of such messages never makes
+            # the daemon deaf)
             self.state.rejected["failed"] += 1
-            logger.error("handling %s failed: %s: %s", what, type(exc).__name__, exc)
+            n = self.state.rejected["failed"]
+            if n <= LOGGED_REFUSALS or n % 1000 == 0:
+                more = f" ({n} failed so far)" if n > LOGGED_REFUSALS else ""
+                logger.error("handling %s failed: %s: %s%s", what, type(exc).__name__, exc, more)
             self._set_state("idle", f"last message failed: {exc}")
 
     async def answer_ready(self) -> None:
@@ -561,8 +638,6 @@ class Agent:
             self._reject(result.reason, f"round {result.round}", result.detail)
             if result.reason == "failed":
                 self._set_state("idle", f"round {result.round} failed: {result.detail}")
-        elif status == RoundStatus.NO_SAMPLES:
-            self._set_state("deferred", "no local samples")
         elif status == RoundStatus.DEFERRED:
             self._next_retry_at = time.monotonic() + self.profile.status.interval_s
             self._set_state("deferred", result.reason)
@@ -571,6 +646,9 @@ class Agent:
             self._changed()
         elif status == RoundStatus.TRAINED:
             await self._sent(result)
+            # the personal head's step, once the update is out (it changes nothing that is sent)
+            if self.core.personal_due and await self._work(self.core.personalise) is not None:
+                self._changed()
         elif status == RoundStatus.DECLINED:
             await self._declined(result)
         else:
@@ -594,6 +672,7 @@ class Agent:
             self._set_state("idle", f"update not delivered yet: {exc}")
             return
         self.state.last_update_bytes = result.update_bytes
+        self.state.last_update_ts = round(time.time(), 3)
         self.state.local_accuracy = local.accuracy
         logger.info(
             "round %d: sent update (%d examples, %d bytes, loss %.3f, %.1f ms)",
@@ -704,15 +783,19 @@ class Agent:
         return {
             "round": s.round,
             "version": core.head.version,
-            "reason": f"degraded: {core.degraded}" if core.degraded else s.reason,
+            "reason": self._reason(),
+            "broker": self.broker_state(),
+            "health": self.health(),
             "degraded": core.degraded,
             "write_failures": core.write_failures,
             "ready": s.replay_done or s.ingest_ready,
             "store_samples": len(core.store),
+            "new_samples": core.new_samples,  # labelled samples stored since the last round (paces rounds)
             "stored_total": s.stored_total,  # labelled samples stored (store and holdout) since start
             "inferred_total": s.inferred_total,
             "inference_accuracy": (s.correct_total / s.labelled_total) if s.labelled_total else None,
             "last_update_bytes": s.last_update_bytes,
+            "last_update_ts": s.last_update_ts,
             "redelivered_total": core.redelivered,
             # updates a restart would send again: not yet acknowledged (PUBACK), or the ack not yet written
             "outbox_pending": len(core.outbox) + core.acks_unrecorded,
@@ -722,6 +805,7 @@ class Agent:
             "over_budget_batches": s.over_budget_batches,  # inference refused by the governor
             **self.governor.status(measure=measure),
             "rejected": dict(s.rejected),
+            "last_rejected": dict(s.last_rejected),
             "faults": dict(s.faults),
             "pipeline_mode": pipeline.mode,
             "pipeline": pipeline.counters(),
@@ -739,6 +823,8 @@ class Agent:
                 if core.evaluation is not None
                 else {}
             ),
+            # the personal head beside the global one (same holdout), and which one serves predictions
+            **self.personal_fields(),
             "pid": os.getpid(),
             "dashboard_url": self.dashboard_url,
             "transport": self.transport.counters() if self.transport is not None else {},
@@ -748,6 +834,80 @@ class Agent:
                 else {}
             ),
         }
+
+    def broker_state(self) -> str:
+        """``connected``, ``refused: not authorized`` (credentials refused), ``lost`` or ``connecting``."""
+        t = self.transport
+        if t is None:
+            return "connecting"
+        if t.connected.is_set():
+            return "connected"
+        if t.credentials_refused:
+            return REFUSED_NOT_AUTHORIZED
+        return "lost" if t.ever_connected else "connecting"
+
+    def health(self) -> str:
+        """``ok``, or the problem that makes ``/healthz`` answer 503 (the broker refused our credentials)."""
+        return REFUSED_NOT_AUTHORIZED if self.broker_state() == REFUSED_NOT_AUTHORIZED else "ok"
+
+    def _reason(self) -> str:
+        if self.broker_state() == REFUSED_NOT_AUTHORIZED:
+            return f"{REFUSED_NOT_AUTHORIZED} (broker.username / password)"
+        return f"degraded: {self.core.degraded}" if self.core.degraded else self.state.reason
+
+    async def auth_watch(self) -> None:
+        """Report every refusal of our credentials; after ``broker.auth_retries`` in a row, give up.
+
+        Raises
+        ------
+        CredentialsRefused
+            Once the broker refused the credentials ``broker.auth_retries`` times in a row (the CLI
+            exits with code 5: a wrong password does not fix itself, the unit does not restart it).
+        """
+        t = self.transport
+        assert t is not None
+        limit = self.profile.broker.auth_retries
+        while True:
+            await t.refused.wait()
+            t.refused.clear()
+            self._changed()  # the page says "refused: not authorized", /healthz 503
+            if not t.credentials_refused:
+                continue
+            n = t.auth_refusals
+            if n >= limit:
+                raise CredentialsRefused(
+                    f"broker {t.host}:{t.port} refused the credentials {n} times in a row "
+                    f"({t.last_refusal}): check broker.username and broker.password / password_file "
+                    "against the broker's password file and ACL",
+                    n,
+                )
+            logger.error(
+                "%s: broker %s:%s refused the credentials (%s), %d of broker.auth_retries = %d",
+                REFUSED_NOT_AUTHORIZED,
+                t.host,
+                t.port,
+                t.last_refusal,
+                n,
+                limit,
+            )
+
+    def personal_fields(self) -> dict[str, Any]:
+        """``serving_head`` and, once both heads were evaluated, ``personal_accuracy``/``global_accuracy``.
+
+        ``serving_head`` is ``"personal"`` or ``"global"`` (before the first personal step, with
+        ``personal.enabled`` false, or while the personal head is behind the global one on the
+        holdout: ``personal_fallback`` true).
+        """
+        core = self.core
+        out: dict[str, Any] = {
+            "serving_head": core.serving_head()[1],
+            "personal_fallback": core.personal_fallback,
+        }
+        pe, ge = core.personal_evaluation, core.evaluation
+        if pe is not None and ge is not None:
+            out["personal_accuracy"] = pe.accuracy
+            out["global_accuracy"] = ge.accuracy
+        return out
 
     def ingest_fields(self) -> dict[str, int]:
         """The live ingest's counters and levels (``{}`` unless ``source.kind = "mqtt"``)."""
@@ -827,10 +987,17 @@ class Agent:
             return
         topic = self.topics.status(self.device)
         # round progress and volatile figures are not news; the /proc reads wait until a publish
-        said = status_news(self.state.state, self.status_fields(measure=False))
+        quick = self.status_fields(measure=False)
+        said = status_news(self.state.state, quick)
         if self._status_connected:
             self._status_connected, self._last_said = False, ""
-        if said == self._last_said and time.monotonic() - self._last_at < heartbeat_s:
+        level = samples_level(quick)
+        self._last_level = min(self._last_level, level)  # trained on: the next rise is news again
+        if (
+            said == self._last_said
+            and level <= self._last_level
+            and time.monotonic() - self._last_at < heartbeat_s
+        ):
             return
         fields = self.status_fields()
         payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
@@ -844,7 +1011,7 @@ class Agent:
             logger.debug("status not published: %s", exc)
             self._last_said = ""  # try again at the next check
             return
-        self._last_said, self._last_at = said, time.monotonic()
+        self._last_said, self._last_at, self._last_level = said, time.monotonic(), level
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -877,12 +1044,24 @@ class Agent:
             )
             stack.callback(self.executor.shutdown, wait=True)
             if self.profile.dashboard.enabled and self.status_page is not None:
-                self.dashboard_url = await self.status_page.start(self.dashboard_status)
+                d = self.profile.dashboard
+                try:
+                    self.dashboard_url = await self.status_page.start(self.dashboard_status)
+                except OSError as exc:  # EADDRINUSE, EADDRNOTAVAIL, EACCES: a start-up error, not a crash
+                    raise StartupError(
+                        f"dashboard cannot listen on {d.host}:{d.port} (dashboard.host / dashboard.port): "
+                        f"{exc.strerror or exc}"
+                    ) from exc
                 stack.push_async_callback(self.status_page.stop)
                 logger.info("dashboard on %s", self.dashboard_url)
+            # The round first: its retained announcement (signed: its base version is the rollback
+            # floor) reaches the core before any retained head, so a device without a head never
+            # applies one older than the fleet's current version (an old signed head replayed on
+            # "global"). The broker sends a subscription's retained messages after its SUBACK and
+            # handles SUBSCRIBEs in order; the transport renews subscriptions in this order too.
+            await self.transport.subscribe(self.topics.round, 1)
             # "global/#" matches "global" itself and the chunk topics "global/<i>" of a large head
             await self.transport.subscribe(self.topics.global_model + "/#", 1)
-            await self.transport.subscribe(self.topics.round, 1)
             if self.ingest is not None:
                 src = self.profile.source
                 # MQTT 5: no retained sample/label at subscribe, and the retain flag kept as published
@@ -900,6 +1079,8 @@ class Agent:
                         tg.create_task(self.status_loop()),
                         tg.create_task(self.outbox_loop()),
                         tg.create_task(self.housekeeping_loop()),
+                        tg.create_task(self.flush_loop()),
+                        tg.create_task(self.auth_watch()),
                     ]
                     await self.stop_event.wait()
                     for t in tasks:

@@ -48,9 +48,9 @@ PHASES = ("batch", "inference", "train", "encode", "publish", "apply")
 #: Phases that can wait for a later round (training and its upload). Inference (and its batch
 #: preparation) cannot wait that long: it is shrunk to its floor, and refused only while even the
 #: floor is over budget (the caller retries once memory frees).
-DEFERRABLE = frozenset({"train", "encode", "publish"})
+DEFERRABLE = frozenset({"train", "encode", "publish", "personal"})
 #: Phases held back while the system's MemAvailable is under the profile's threshold.
-SYSTEM_GUARDED = frozenset({"train"})
+SYSTEM_GUARDED = frozenset({"train", "personal"})
 
 # cgroup v1 reports "no limit" as a huge page-aligned number (PAGE_COUNTER_MAX * page size).
 _V1_UNLIMITED = 1 << 62
@@ -531,6 +531,49 @@ def estimate_train_bytes(
     return chunk_bytes + step_bytes + head_bytes + order_bytes + mapped + _FIXED_BYTES + first
 
 
+def personal_head_bytes(dim: int, classes: int) -> int:
+    """Bytes of one float32 head ``W [D, K]`` plus ``b [K]``: the personal head a device keeps resident."""
+    return (dim * classes + classes) * 4
+
+
+def estimate_personal_bytes(
+    chunk: int, dim: int, classes: int, batch_size: int, num_examples: int, *, first_run: bool = True
+) -> int:
+    """Bytes ``edgefl.agent.trainer.train_personal`` may add to RSS with a given chunk size.
+
+    The personal head itself (created from the global head on the first step; trained in place
+    after) and its gradient: two ``[D, K]`` heads, against :func:`estimate_train_bytes`' six; then
+    the same chunk, batch, shuffle and mapped-page terms as local training, which the personal
+    step reads the same way (and which local training has just made resident).
+
+    Parameters
+    ----------
+    chunk : int
+        Samples per chunk read from the store.
+    dim, classes : int
+        D and K.
+    batch_size : int
+        Samples per SGD step.
+    num_examples : int
+        Samples in the store.
+    first_run : bool
+        Add :data:`FIRST_RUN_BYTES` for code pages faulted in by the first call.
+
+    Returns
+    -------
+    int
+        Bytes.
+    """
+    chunk = min(chunk, max(1, num_examples))
+    chunk_bytes = chunk * (dim * (4 + 2) + 8 + 2 + 8 + 8)
+    step_bytes = min(batch_size, chunk) * (dim * 4 + classes * 4 * 4)
+    head_bytes = 2 * personal_head_bytes(dim, classes)
+    order_bytes = num_examples * 8 * 3
+    mapped = num_examples * (2 * dim + 2)
+    first = FIRST_RUN_BYTES if first_run else 0
+    return chunk_bytes + step_bytes + head_bytes + order_bytes + mapped + _FIXED_BYTES + first
+
+
 def wire_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 0.1) -> int:
     """Bytes of an encoded Update's deltas on the wire: the two layouts' CBOR sizes.
 
@@ -675,6 +718,9 @@ class Governor:
         Largest peak RSS seen in each phase, bytes (absolute RSS, not a delta).
     phase_last : dict[str, int]
         Peak RSS of the latest run of each phase, bytes.
+    phase_rise : dict[str, int]
+        Largest rise of a phase's peak RSS above the RSS at its start, bytes: the phase's own
+        high-water mark, which tells phases apart when they all run on the same resident base.
 
     Notes
     -----
@@ -709,6 +755,7 @@ class Governor:
         self.sample_interval_s = sample_interval_s
         self.phase_peaks: dict[str, int] = {}
         self.phase_last: dict[str, int] = {}
+        self.phase_rise: dict[str, int] = {}
         self.phase_counts: dict[str, int] = {}
         self.max_work: dict[str, int] = {}
         self.admissions: dict[str, Admission] = {}
@@ -765,7 +812,8 @@ class Governor:
         """Measure the peak RSS of the enclosed block as phase ``name``.
 
         On exit, ``phase_last[name]`` is the block's peak RSS and ``phase_peaks[name]`` the largest
-        ever seen; :attr:`peak_rss_bytes` includes it.
+        ever seen; :attr:`peak_rss_bytes` includes it. ``phase_rise[name]`` is the largest
+        ``peak - rss at entry`` seen (the phase's own growth; 0 when it grew nothing).
 
         Parameters
         ----------
@@ -773,6 +821,7 @@ class Governor:
             A phase name (see :data:`PHASES`).
         """
         sampler: _Sampler | None = None
+        start = self.rss_bytes()
         with self._lock:
             self._active += 1
             if self.peak_method == "clear_refs" and self._active == 1:
@@ -791,6 +840,7 @@ class Governor:
                 self._peak = max(self._peak, peak)
                 self.phase_last[name] = peak
                 self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), peak)
+                self.phase_rise[name] = max(self.phase_rise.get(name, 0), peak - start)
                 self.phase_counts[name] = self.phase_counts.get(name, 0) + 1
 
     # --- admission ---------------------------------------------------------------------------
@@ -933,6 +983,22 @@ class Governor:
             floor,
         )
 
+    def admit_personal(
+        self, chunk: int, floor: int, *, dim: int, classes: int, batch_size: int, num_examples: int
+    ) -> Admission:
+        """Admit a personal-head step with ``chunk`` samples per store chunk (halved down to ``floor``).
+
+        Counted as :func:`estimate_personal_bytes`: one extra head plus its gradient beside the
+        chunk buffers; deferred (the step waits for the next round) when even ``floor`` is over budget.
+        """
+        first = self.phase_counts.get("personal", 0) == 0
+        return self.admit(
+            "personal",
+            lambda n: estimate_personal_bytes(n, dim, classes, batch_size, num_examples, first_run=first),
+            chunk,
+            floor,
+        )
+
     # --- report ------------------------------------------------------------------------------
     def status(self, measure: bool = True) -> dict[str, Any]:
         """JSON-like memory figures for the status message and the dashboard.
@@ -951,7 +1017,8 @@ class Governor:
             ``cap_bytes``, ``profile_cap_bytes``, ``cgroup_limit_bytes``, ``reserve_bytes``,
             ``rss_bytes``, ``pss_bytes`` (None where unreadable), ``peak_rss_bytes`` (lifetime),
             ``system_available_bytes``, ``min_system_available_bytes``, ``peak_method``,
-            ``phase_peaks`` {phase: bytes}, ``phase_last`` {phase: bytes}, ``admissions``
+            ``phase_peaks`` {phase: bytes}, ``phase_last`` {phase: bytes}, ``phase_rise`` {phase:
+            bytes} (each phase's own rise above its starting RSS), ``admissions``
             {phase: Admission as dict}, ``deferrals`` {phase: count}, ``last_deferral`` (dict or None).
         """
         peak = self.peak_rss_bytes if measure else 0
@@ -976,6 +1043,7 @@ class Governor:
                 "peak_method": self.peak_method,
                 "phase_peaks": dict(self.phase_peaks),
                 "phase_last": dict(self.phase_last),
+                "phase_rise": dict(self.phase_rise),
                 "admissions": {k: v.as_dict() for k, v in self.admissions.items()},
                 "deferrals": dict(self.deferrals),
                 "last_deferral": self.last_deferral.as_dict() if self.last_deferral else None,

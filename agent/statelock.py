@@ -1,8 +1,10 @@
-"""One agent per state folder: an exclusive ``flock`` on ``<state_dir>/agent.lock``.
+"""One process per state folder: an exclusive ``flock`` on ``<state_dir>/agent.lock``.
 
-Two agents on one folder would map the same store and overwrite each other's outbox and head. The
-lock is advisory (``flock(2)``, Linux/BSD), taken at start-up and held for the life of the process;
-the kernel drops it when the process exits, however it exits, so a stale lock file never blocks.
+Two agents on one folder would map the same store and overwrite each other's outbox and head; two
+coordinators on one folder each other's state and round log (the CLI locks a coordinator's folder
+with ``lock_file = "coordinator.lock"``). The lock is advisory (``flock(2)``, Linux/BSD), taken at
+start-up and held for the life of the process; the kernel drops it when the process exits, however
+it exits, so a stale lock file never blocks.
 """
 
 from __future__ import annotations
@@ -32,23 +34,30 @@ class StateDirBusy(EdgeflError):
         The pid written by the holder, None if it could not be read.
     """
 
-    def __init__(self, state_dir: Path, pid: int | None) -> None:
+    def __init__(self, state_dir: Path, pid: int | None, owner: str = "agent") -> None:
         who = f"pid {pid}" if pid is not None else "a process whose pid is unknown"
-        super().__init__(
-            f"state folder {state_dir} is in use by another agent ({who}); give each agent its own "
-            "folder (device.state_dir, or a distinct device.id with the default state/<device.id>)"
+        hint = (
+            "give each agent its own folder (device.state_dir, or a distinct device.id with the default "
+            "state/<device.id>)"
+            if owner == "agent"
+            else f"one {owner} per state folder"
         )
+        super().__init__(f"state folder {state_dir} is in use by another {owner} ({who}); {hint}")
         self.state_dir = state_dir
         self.pid = pid
 
 
-def lock_state_dir(state_dir: Path) -> IO[str]:
+def lock_state_dir(state_dir: Path, *, lock_file: str = LOCK_FILE, owner: str = "agent") -> IO[str]:
     """Take the exclusive lock of ``state_dir`` (created if missing) and write our pid into it.
 
     Parameters
     ----------
     state_dir : Path
-        The agent's state folder.
+        The agent's (or coordinator's) state folder.
+    lock_file : str
+        Name of the lock file inside it.
+    owner : str
+        What holds such folders, for the error (``"agent"``, ``"coordinator"``).
 
     Returns
     -------
@@ -66,7 +75,7 @@ def lock_state_dir(state_dir: Path) -> IO[str]:
     Source: ``flock(2)`` (Linux man-pages), ``LOCK_EX | LOCK_NB``.
     """
     state_dir.mkdir(parents=True, exist_ok=True)
-    path = state_dir / LOCK_FILE
+    path = state_dir / lock_file
     handle = open(path, "a+", encoding="ascii")  # noqa: SIM115 - held for the process's life
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -77,7 +86,7 @@ def lock_state_dir(state_dir: Path) -> IO[str]:
         handle.seek(0)
         text = handle.read().strip()
         handle.close()
-        raise StateDirBusy(state_dir, int(text) if text.isdecimal() else None) from None
+        raise StateDirBusy(state_dir, int(text) if text.isdecimal() else None, owner) from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"{os.getpid()}\n")

@@ -13,7 +13,11 @@ are not news on their own:
 
 What stays news: a state outside the round's routine (``deferred``, a failure...), any change of
 ``reason`` (a governor deferral, an undelivered update), readiness, refusals, faults, degradation,
-the model's identity, the dashboard's address.
+the model's identity, the dashboard's address; and ``new_samples`` (labelled samples stored since the
+last round, which paces a service coordinator's rounds) each time it rises past a power of two
+(:func:`samples_level`: ~11 statuses between two rounds for 1,000 new samples, and the coordinator's
+count is never below half the device's). Its drop to 0 when a round trains is no news: the
+coordinator sees the update.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, Final
 
-__all__ = ["ROUND_PROGRESS_FIELDS", "ROUND_STATES", "VOLATILE_STATUS_FIELDS", "status_news"]
+__all__ = ["ROUND_PROGRESS_FIELDS", "ROUND_STATES", "VOLATILE_STATUS_FIELDS", "samples_level", "status_news"]
 
 VOLATILE_STATUS_FIELDS: Final = frozenset(
     {
@@ -33,6 +37,7 @@ VOLATILE_STATUS_FIELDS: Final = frozenset(
         "min_system_available_bytes",
         "phase_peaks",
         "phase_last",
+        "phase_rise",
         "admissions",
         "inferred_total",
         "inference_accuracy",
@@ -56,11 +61,19 @@ ROUND_PROGRESS_FIELDS: Final = frozenset(
         "round",
         "version",
         "last_update_bytes",
+        "last_update_ts",
         "outbox_pending",
         "store_samples",
+        "new_samples",
         "eval_version",
         "eval_accuracy",
         "eval_count",
+        "personal_accuracy",
+        "global_accuracy",
+        # which head serves follows the rounds: the first personal step switches it, and on a small
+        # holdout the two heads' order can change from round to round (the log says each change)
+        "serving_head",
+        "personal_fallback",
     }
 )
 """Fields a round moves on every device, visible to the coordinator through the update itself."""
@@ -92,3 +105,13 @@ def status_news(state: str, fields: Mapping[str, Any]) -> str:
         sort_keys=True,
         default=str,
     )
+
+
+def samples_level(fields: Mapping[str, Any]) -> int:
+    """The power of two ``new_samples`` has reached: ``n.bit_length()`` (0 for none or when absent).
+
+    A status is news when this rises above the level of the last status published (the daemon keeps
+    the lowest level seen since, so a drop to 0 after a round and a rise again is news again).
+    """
+    n = fields.get("new_samples")
+    return n.bit_length() if isinstance(n, int) and n > 0 else 0

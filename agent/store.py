@@ -2,18 +2,26 @@
 
 Embeddings are stored as float16 (half the bytes of float32; the head is trained in float32 chunks
 read back from the map), labels as int16. The store is a ring: when full, the oldest sample is
-overwritten, so its size is fixed at ``capacity * (2 * D + 2)`` bytes of file-backed pages that the
-kernel can drop under pressure.
+overwritten, so its size is fixed at ``capacity * (2 * D + 2 + 16)`` bytes (with the row records) of
+file-backed pages that the kernel can drop under pressure.
 
-Integrity: the metadata (capacity, D, count, ring head and the SHA-256 of the
-label file) is a checksummed record (:mod:`edgefl.records`) written by :meth:`EmbeddingStore.flush`.
-At open the metadata must be sane (``count <= capacity``, head in range, files of the right size),
-the label file must match its checksum, its labels must lie in ``0..K-1`` and the stored embeddings
-must be finite; otherwise the files are set aside (renamed ``<name>.corrupt``) and the store starts
-empty, with one log line. Non-finite embeddings (or ones that overflow float16) are refused by
-:meth:`EmbeddingStore.add`, counted in ``refused_not_finite``. A store not flushed since its last
-change (a kill -9 or power cut mid-replay) fails the checksum and is rebuilt the same way: it is a
-cache of recent samples, and a wrong label costs more than a lost one.
+Durability and integrity: every slot has a row record in ``store_rows.u64`` (``uint64 [capacity, 2]``,
+little-endian): ``seq + 1`` (the sample's number since the store was created, 0 = never written) and
+the CRC-32 of the slot's embedding bits, label and ``seq``. Sample ``seq`` always lives in slot
+``seq % capacity``, so the rows alone say which slots hold the newest contiguous run of samples.
+:meth:`EmbeddingStore.flush` writes the maps back (``msync``) and then the metadata (capacity, D,
+count, ring head, ``total`` samples ever stored) as a checksummed record (:mod:`edgefl.records`); the
+caller flushes every ``training.flush_every`` samples or ``training.flush_interval_s`` seconds, whichever
+comes first, so a power cut loses at most that window and a ``kill -9`` (the page cache survives)
+usually nothing. At open the store is recovered from the rows, newest first, each checked against
+its CRC: the run stops at the first row that is torn (written half-way when the process died), rotten
+or missing, and every sample the metadata or the rows vouched for that could not be recovered is
+logged with its count. Insane metadata (``count > capacity``, head out of range), a recovered label
+outside ``0..K-1`` (a store of another head) or a non-finite recovered embedding sets the files aside
+(renamed ``<name>.corrupt``) and the store starts empty, with one log line. Non-finite embeddings (or
+ones that overflow float16) are refused by :meth:`EmbeddingStore.add`, counted in
+``refused_not_finite``. Stores written before the row records (metadata with the label file's SHA-256,
+or a JSON file without a checksum) are checked as then and given their rows.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import hashlib
 import json
 import logging
 import os
+import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 EMB_FILE = "store_emb.f16"
 LBL_FILE = "store_lbl.i16"
+ROWS_FILE = "store_rows.u64"
+"""Row records: ``uint64 [capacity, 2]`` little-endian, ``(seq + 1, CRC-32)`` per slot (module docstring)."""
 META_FILE = "store_meta.rec"
 """Checksummed record of the store's metadata (JSON map, see :meth:`EmbeddingStore.flush`)."""
 LEGACY_META_FILE = "store_meta.json"
@@ -52,7 +64,7 @@ def half_bits_to_float32(half_bits: np.ndarray, out: F32) -> F32:
 
     numpy's own float16 -> float32 cast goes element by element through a scalar routine on
     builds without an F16C/FP16 SIMD path (``X86_V2`` baseline wheels: ~3 ns a value, the largest
-    cost of a round's local training). This is four vectorised integer/float passes,
+    cost of a round's local training, issue 17). This is four vectorised integer/float passes,
     exactly equal to ``astype(np.float32)`` for every finite half, zeros and subnormals included:
     the sign-extended 16 bits shifted left by 13 put the sign at bit 31 (after masking) and the
     exponent and mantissa in float32's fields with float16's bias; multiplying by 2**112 rebiases
@@ -83,6 +95,20 @@ def half_bits_to_float32(half_bits: np.ndarray, out: F32) -> F32:
     return out
 
 
+def _size(path: Path) -> int:
+    """Bytes of ``path``, -1 if it does not exist."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return -1
+
+
+def _describe(path: Path, size: int) -> str:
+    """Why ``path`` does not fit: "missing" or "has N bytes, expected M"."""
+    actual = _size(path)
+    return "missing" if actual < 0 else f"has {actual} bytes, expected {size}"
+
+
 def _allocate(path: Path, size: int) -> None:
     """Give a sparse file its blocks now (``posix_fallocate``).
 
@@ -109,13 +135,24 @@ class StoreCorrupt(ValueError):
     """The store's files disagree with their metadata or checksum (internal: the store is set aside)."""
 
 
+def _row_crc(emb_bits: np.ndarray, label: np.ndarray, seq: int) -> int:
+    """CRC-32 binding one slot's embedding bits (int16 [D]), label (int16 [1]) and ``seq``.
+
+    Source: ISO-HDLC CRC-32 as ``zlib.crc32`` computes it (ITU-T V.42).
+    """
+    crc = zlib.crc32(np.ascontiguousarray(emb_bits, dtype="<i2").tobytes())
+    crc = zlib.crc32(np.ascontiguousarray(label, dtype="<i2").tobytes(), crc)
+    return zlib.crc32(seq.to_bytes(8, "little"), crc)
+
+
 class EmbeddingStore:
     """Ring buffer of ``(embedding float16 [D], label int16)`` in memory-mapped files.
 
     Parameters
     ----------
     directory : Path
-        Where the files ``store_emb.f16``, ``store_lbl.i16`` and ``store_meta.rec`` live; created if missing.
+        Where the files ``store_emb.f16``, ``store_lbl.i16``, ``store_rows.u64`` and
+        ``store_meta.rec`` live; created if missing.
     capacity : int
         Maximum number of samples kept (older ones are overwritten).
     dim : int
@@ -134,7 +171,8 @@ class EmbeddingStore:
     Notes
     -----
     A store whose metadata does not match ``capacity``/``dim`` (another model) is reset, with a log
-    line; a corrupt one is set aside (module docstring). ``set_aside`` tells which happened at open.
+    line; a corrupt one is set aside (module docstring). ``set_aside`` tells which happened at open,
+    ``recovered_after_flush`` and ``lost_at_open`` what the recovery found.
     """
 
     def __init__(self, directory: Path, capacity: int, dim: int, num_classes: int | None = None) -> None:
@@ -147,40 +185,85 @@ class EmbeddingStore:
         self.refused_not_finite = 0
         self.set_aside = ""
         """Why the files found at open were set aside ("" if they were not)."""
+        self.recovered_after_flush = 0
+        """Samples found at open that were stored after the last flush (their rows checked)."""
+        self.lost_at_open = 0
+        """Samples the metadata or the rows vouched for that could not be recovered at open."""
+        self.unflushed = 0
+        """Samples stored since the last :meth:`flush` (not yet durable against a power cut)."""
+        self.unflushed_since: float | None = None
+        """``time.monotonic()`` of the oldest unflushed sample's store (None when all are flushed)."""
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self.capacity = capacity
         self.dim = dim
         self._meta_path = directory / META_FILE
-        emb_path, lbl_path = directory / EMB_FILE, directory / LBL_FILE
-        count, head = 0, 0
+        emb_path, lbl_path, rows_path = directory / EMB_FILE, directory / LBL_FILE, directory / ROWS_FILE
+        sizes = ((emb_path, capacity * dim * 2), (lbl_path, capacity * 2), (rows_path, capacity * 16))
+        meta: dict[str, object] | None = None
+        legacy = False
         mode = "w+"
         try:
             meta = self._read_meta()
-            if meta is not None:
-                count, head = self._check(meta, emb_path, lbl_path)
+            if meta is not None and "total" not in meta:  # written before the row records
+                self._check_legacy(meta, emb_path, lbl_path)
+                legacy, mode = True, "r+"
+            elif not self._other_shape and all(_size(p) == n for p, n in sizes):
+                if meta is not None:
+                    self._check_meta(meta)
                 mode = "r+"
+            elif meta is not None:
+                bad = [f"{p.name} {_describe(p, n)}" for p, n in sizes if _size(p) != n]
+                raise StoreCorrupt(", ".join(bad))
         except StoreCorrupt as exc:
             self._set_aside(str(exc))
-            count, head = 0, 0
-        self._emb = np.memmap(emb_path, dtype=np.float16, mode=mode, shape=(capacity, dim))  # type: ignore[call-overload]
-        self._lbl = np.memmap(lbl_path, dtype=np.int16, mode=mode, shape=(capacity,))  # type: ignore[call-overload]
-        for path, size in ((emb_path, capacity * dim * 2), (lbl_path, capacity * 2)):
-            _allocate(path, size)
+            meta, legacy, mode = None, False, "w+"
+        if legacy and _size(rows_path) != capacity * 16:
+            rows_path.unlink(missing_ok=True)
+        self._map(mode, rows_mode="w+" if legacy and not rows_path.exists() else mode)
+        self._count = 0
+        self._head = 0
+        self._total = 0
+        try:
+            if legacy:
+                assert meta is not None
+                self._adopt_legacy(meta)
+            elif mode == "r+":
+                self._recover(meta)
+        except StoreCorrupt as exc:
+            self._count = self._head = self._total = 0
+            self._unmap()
+            self._set_aside(str(exc))
+            self._map("w+")
+
+    def _map(self, mode: str, rows_mode: str | None = None) -> None:
+        """Map the three files (``"r+"``: as found, ``"w+"``: new and zero) and give them their blocks."""
+        d, cap, dim = self.directory, self.capacity, self.dim
+        self._emb = np.memmap(d / EMB_FILE, dtype=np.float16, mode=mode, shape=(cap, dim))  # type: ignore[call-overload]
+        self._lbl = np.memmap(d / LBL_FILE, dtype=np.int16, mode=mode, shape=(cap,))  # type: ignore[call-overload]
+        self._rows = np.memmap(d / ROWS_FILE, dtype="<u8", mode=rows_mode or mode, shape=(cap, 2))  # type: ignore[call-overload]
+        for name, size in ((EMB_FILE, cap * dim * 2), (LBL_FILE, cap * 2), (ROWS_FILE, cap * 16)):
+            _allocate(d / name, size)
         # plain ndarray views of the maps: indexing a memmap wraps every result in a memmap object
         self._emb_bits: np.ndarray = np.asarray(self._emb).view(np.int16)
         self._lbl_raw: np.ndarray = np.asarray(self._lbl)
-        self._count = count
-        self._head = head
+        self._rows_raw: np.ndarray = np.asarray(self._rows)
+
+    def _unmap(self) -> None:
+        """Drop the maps (before their files are renamed)."""
+        del self._emb_bits, self._lbl_raw, self._rows_raw, self._emb, self._lbl, self._rows
 
     def _read_meta(self) -> dict[str, object] | None:
-        """The metadata map (record, else the legacy JSON file); None = start empty (no files, other shape).
+        """The metadata map (record, else the legacy JSON file); None = none, or another model shape.
+
+        Sets ``_other_shape`` when the metadata is for another ``capacity``/``dim``.
 
         Raises
         ------
         StoreCorrupt
             If the metadata is unreadable.
         """
+        self._other_shape = False
         legacy = self.directory / LEGACY_META_FILE
         data = read_record(self._meta_path)
         if data is None and legacy.exists():
@@ -198,11 +281,12 @@ class EmbeddingStore:
             raise StoreCorrupt(f"metadata unreadable: {exc}") from exc
         if meta.get("capacity") != self.capacity or meta.get("dim") != self.dim:
             logger.info("store in %s was built for another model shape; starting empty", self.directory)
+            self._other_shape = True
             return None
         return meta
 
-    def _check(self, meta: dict[str, object], emb_path: Path, lbl_path: Path) -> tuple[int, int]:
-        """Validate metadata against the files; return ``(count, head)``.
+    def _check_meta(self, meta: dict[str, object]) -> tuple[int, int]:
+        """Sanity of the metadata's ``count`` and ``head`` (and ``total``); return ``(count, head)``.
 
         Raises
         ------
@@ -215,37 +299,150 @@ class EmbeddingStore:
             raise StoreCorrupt(f"count {count!r} / head {head!r} are not integers")
         if not 0 <= count <= cap:
             raise StoreCorrupt(f"count = {count}: must be in 0..capacity {cap}")
-        if not 0 <= head < cap or (count < cap and head != count):
+        if not 0 <= head < cap:
+            raise StoreCorrupt(f"head = {head}: out of range for count {count}, capacity {cap}")
+        total = meta.get("total", count if count < cap else cap + head)
+        if type(total) is not int or total < count or total % cap != head:
+            raise StoreCorrupt(f"total = {total!r}: does not agree with head {head}, capacity {cap}")
+        return count, head
+
+    def _check_legacy(self, meta: dict[str, object], emb_path: Path, lbl_path: Path) -> None:
+        """Validate a store written before the row records (label file checksum or none).
+
+        Raises
+        ------
+        StoreCorrupt
+            Naming the first problem found.
+        """
+        count, head = self._check_meta(meta)
+        cap = self.capacity
+        if count < cap and head != count:
             raise StoreCorrupt(f"head = {head}: out of range for count {count}, capacity {cap}")
         for path, size in ((emb_path, cap * self.dim * 2), (lbl_path, cap * 2)):
-            try:
-                actual = path.stat().st_size
-            except FileNotFoundError:
-                raise StoreCorrupt(f"{path.name} missing") from None
-            if actual != size:
-                raise StoreCorrupt(f"{path.name} has {actual} bytes, expected {size}")
+            if _size(path) != size:
+                raise StoreCorrupt(f"{path.name} {_describe(path, size)}")
         lbl = np.memmap(lbl_path, dtype=np.int16, mode="r", shape=(cap,))  # type: ignore[call-overload]
         want = meta.get("labels_sha256")
         if want is not None or "v" in meta:  # a legacy JSON file has no checksum to compare
             got = hashlib.sha256(lbl.tobytes()).hexdigest()
             if got != want:
                 raise StoreCorrupt(f"{lbl_path.name} does not match its checksum")
-        if self.num_classes is not None and count:
-            ok = check_labels(np.asarray(lbl[:count]), self.num_classes)
-            if not ok.all():
-                bad = int(np.asarray(lbl[:count])[~ok][0])
-                raise StoreCorrupt(f"label {bad} outside 0..{label_range(self.num_classes) - 1}")
         del lbl
-        emb = np.memmap(emb_path, dtype=np.float16, mode="r", shape=(cap, self.dim))  # type: ignore[call-overload]
-        for s in range(0, count, _SCAN_ROWS):
-            if not np.isfinite(emb[s : min(count, s + _SCAN_ROWS)]).all():
-                raise StoreCorrupt(f"{emb_path.name} holds non-finite values")
-        del emb
-        return count, head
+
+    def _adopt_legacy(self, meta: dict[str, object]) -> None:
+        """Give a checked legacy store its row records (sample ``seq`` in slot ``seq % capacity``)."""
+        count, head = self._check_meta(meta)
+        cap = self.capacity
+        total = count if count < cap else cap + head
+        for seq in range(total - count, total):
+            self._write_row(seq % cap, seq)
+        self._count, self._head, self._total = count, head, total
+        self._check_content()
+
+    def _row_ok(self, slot: int, seq: int) -> bool:
+        row = self._rows_raw[slot]
+        if int(row[0]) != seq + 1:
+            return False
+        return int(row[1]) == _row_crc(self._emb_bits[slot], self._lbl_raw[slot : slot + 1], seq)
+
+    def _write_row(self, slot: int, seq: int) -> None:
+        crc = _row_crc(self._emb_bits[slot], self._lbl_raw[slot : slot + 1], seq)
+        # the seq last: a row caught half-way (old seq, new CRC) fails its check at open
+        self._rows_raw[slot, 1] = crc
+        self._rows_raw[slot, 0] = seq + 1
+
+    def _recover(self, meta: dict[str, object] | None) -> None:
+        """Find the newest contiguous run of rows whose CRCs check; log what was found and lost.
+
+        Raises
+        ------
+        StoreCorrupt
+            If a recovered label is outside ``0..K-1`` or a recovered embedding is not finite.
+        """
+        cap = self.capacity
+        seqs = self._rows_raw[:, 0]
+        written = seqs != 0
+        meta_total = int(meta["total"]) if meta is not None and "total" in meta else 0  # type: ignore[call-overload]
+        meta_count = int(meta["count"]) if meta is not None else 0  # type: ignore[call-overload]
+        if not written.any() and meta_total == 0:
+            return
+        top = max(int(seqs.max()) - 1, meta_total - 1)  # newest sample anything vouches for
+        newest = top
+        while newest >= max(0, top - cap + 1) and not self._row_ok(newest % cap, newest):
+            newest -= 1
+        if newest < max(0, top - cap + 1):
+            total, count = 0, 0
+        else:
+            total, count = newest + 1, 1
+            while count < min(cap, total) and self._row_ok((total - count - 1) % cap, total - count - 1):
+                count += 1
+        # what something vouched for: rows naming a live seq, and the metadata's flushed samples
+        live_lo = max(0, top + 1 - cap)
+        claimed = int(np.count_nonzero(written & (seqs >= live_lo + 1)))
+        vouched = max(0, meta_total - max(meta_total - meta_count, live_lo))
+        kept = max(0, min(total, meta_total) - max(total - count, meta_total - meta_count, live_lo))
+        self.lost_at_open = max(claimed - count, vouched - kept, 0)
+        self.recovered_after_flush = max(0, total - max(meta_total, total - count))
+        self._count, self._head, self._total = count, total % cap, total
+        stale = written & ~self._live_mask()
+        self._rows_raw[stale] = 0  # rows outside the run never come back as samples
+        self._check_content()
+        if self.lost_at_open:
+            logger.warning(
+                "store in %s: %d sample(s) could not be recovered (torn or failing their checksum); "
+                "%d recovered",
+                self.directory,
+                self.lost_at_open,
+                count,
+            )
+        if self.recovered_after_flush:  # a crash (a clean stop flushes): worth a line at WARNING
+            logger.warning(
+                "store in %s: not closed cleanly; %d sample(s) stored after the last flush recovered "
+                "(%d in all)",
+                self.directory,
+                self.recovered_after_flush,
+                count,
+            )
+
+    def _live_mask(self) -> np.ndarray:
+        """The slots holding the stored samples: bool [capacity]."""
+        cap = self.capacity
+        mask = np.zeros(cap, dtype=bool)
+        first = (self._head - self._count) % cap
+        slots = (np.arange(self._count) + first) % cap
+        mask[slots] = True
+        return mask
+
+    def _slots(self, rows: I64) -> I64:
+        """Storage slots of logical rows ``0..len-1`` (the identity unless recovery dropped the oldest)."""
+        first = (self._head - self._count) % self.capacity
+        if first == 0 or self._count == self.capacity:
+            return rows
+        return (rows + first) % self.capacity
+
+    def _check_content(self) -> None:
+        """Labels in ``0..K-1`` and finite embeddings in the stored samples.
+
+        Raises
+        ------
+        StoreCorrupt
+            Naming the first problem found.
+        """
+        live = np.flatnonzero(self._live_mask())
+        if self.num_classes is not None and len(live):
+            lbl = self._lbl_raw[live]
+            ok = check_labels(lbl, self.num_classes)
+            if not ok.all():
+                bad = int(lbl[~ok][0])
+                raise StoreCorrupt(f"label {bad} outside 0..{label_range(self.num_classes) - 1}")
+        for s in range(0, len(live), _SCAN_ROWS):
+            if not np.isfinite(self._emb[live[s : s + _SCAN_ROWS]]).all():
+                raise StoreCorrupt(f"{EMB_FILE} holds non-finite values")
 
     def _set_aside(self, reason: str) -> None:
         """Rename the store's files to ``<name>.corrupt`` (replacing older ones) and log one line."""
-        for name in (EMB_FILE, LBL_FILE, META_FILE, prev_path(Path(META_FILE)).name, LEGACY_META_FILE):
+        names = (EMB_FILE, LBL_FILE, ROWS_FILE, META_FILE, prev_path(Path(META_FILE)).name, LEGACY_META_FILE)
+        for name in names:
             set_aside(self.directory / name, CORRUPT_SUFFIX)
         self.set_aside = reason
         logger.error(
@@ -261,8 +458,8 @@ class EmbeddingStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the backing files (embeddings + labels)."""
-        return self.capacity * (2 * self.dim + 2)
+        """Bytes of the backing files (embeddings, labels and row records)."""
+        return self.capacity * (2 * self.dim + 2 + 16)
 
     def add(self, emb: F32, labels: I64) -> int:
         """Append a batch of labelled embeddings, overwriting the oldest when full.
@@ -316,10 +513,18 @@ class EmbeddingStore:
             emb16, labels = emb16[finite], labels[finite]
             n = emb16.shape[0]
         for i in range(n):
-            self._emb[self._head] = emb16[i]
-            self._lbl[self._head] = labels[i]
-            self._head = (self._head + 1) % self.capacity
-        self._count = min(self.capacity, self._count + n)
+            slot = self._head
+            self._rows_raw[slot, 0] = 0  # the slot's old sample is gone from here on
+            self._emb[slot] = emb16[i]
+            self._lbl[slot] = labels[i]
+            self._write_row(slot, self._total)
+            self._total += 1
+            self._head = (slot + 1) % self.capacity
+            self._count = min(self.capacity, self._count + 1)
+        if n:
+            self.unflushed += n
+            if self.unflushed_since is None:
+                self.unflushed_since = time.monotonic()
         return refused
 
     def chunks(self, chunk_size: int, order: I64 | None = None) -> Iterator[tuple[F32, I64]]:
@@ -371,30 +576,54 @@ class EmbeddingStore:
             raise ValueError(
                 f"store.read: {m} rows into emb {emb_out.shape} and labels {lbl_out.shape}, D = {self.dim}"
             )
-        half_bits_to_float32(self._emb_bits[rows], emb_out)
-        np.copyto(lbl_out, self._lbl_raw[rows], casting="unsafe")
+        slots = self._slots(rows)
+        half_bits_to_float32(self._emb_bits[slots], emb_out)
+        np.copyto(lbl_out, self._lbl_raw[slots], casting="unsafe")
 
     def flush(self) -> None:
-        """Write the maps, then the metadata with the label file's SHA-256 (a checksummed record).
+        """Write the maps back (``msync``), then the metadata as a checksummed record.
 
-        The record's payload is the JSON map ``{"v": 1, "capacity", "dim", "count", "head",
-        "labels_sha256"}``; it is written atomically after the maps (``edgefl.records``).
+        Afterwards every stored sample survives a power cut. The record's payload is the JSON map
+        ``{"v": 2, "capacity", "dim", "count", "head", "total"}``; it is written atomically after
+        the maps (``edgefl.records``), so it never vouches for a sample whose pages are not on disk.
 
         Raises
         ------
         OSError
-            If the file system refuses the write (e.g. ``ENOSPC``); the maps stay usable.
+            If the file system refuses the write (e.g. ``ENOSPC``); the maps stay usable and the
+            samples stay counted in :attr:`unflushed`.
         """
         self._emb.flush()
         self._lbl.flush()
+        self._rows.flush()
         meta = {
-            "v": 1,
+            "v": 2,
             "capacity": self.capacity,
             "dim": self.dim,
             "count": self._count,
             "head": self._head,
-            "labels_sha256": hashlib.sha256(self._lbl.tobytes()).hexdigest(),
+            "total": self._total,
         }
         write_record(self._meta_path, json.dumps(meta).encode())
+        self.unflushed, self.unflushed_since = 0, None
         with contextlib.suppress(FileNotFoundError):
             (self.directory / LEGACY_META_FILE).unlink()
+
+    def flush_due(self, every: int, interval_s: float, now: float | None = None) -> bool:
+        """Whether a :meth:`flush` is due: ``every`` samples unflushed, or the oldest ``interval_s`` old.
+
+        Parameters
+        ----------
+        every : int
+            Samples (``training.flush_every``).
+        interval_s : float
+            Seconds (``training.flush_interval_s``).
+        now : float or None
+            ``time.monotonic()`` (read when None).
+        """
+        if not self.unflushed:
+            return False
+        if self.unflushed >= every:
+            return True
+        since = self.unflushed_since
+        return since is not None and (time.monotonic() if now is None else now) - since >= interval_s

@@ -9,7 +9,7 @@ from typing import Final
 import numpy as np
 
 from edgefl.agent.store import EmbeddingStore
-from edgefl.head import Head, cross_entropy_grad_into, loss_and_grad, sgd_step, softmax
+from edgefl.head import Head, cross_entropy_grad_into, ditto_update, loss_and_grad, sgd_step, softmax
 from edgefl.types import F32, I64
 
 _GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
@@ -244,6 +244,144 @@ def train_local(
         loss_sum += loss * m
         correct += int(np.sum(pred == y))
     return LocalResult(delta_W, delta_b, n, loss_sum / n, correct / n, train_s)
+
+
+@dataclass(frozen=True, slots=True)
+class PersonalResult:
+    """What a personal step did.
+
+    Attributes
+    ----------
+    steps : int
+        SGD steps taken.
+    num_examples : int
+        Samples it passed over (the store's size when it started).
+    train_s : float
+        Wall time, in seconds.
+    """
+
+    steps: int
+    num_examples: int
+    train_s: float
+
+
+def train_personal(
+    W: F32,
+    b: F32,
+    global_head: Head,
+    store: EmbeddingStore,
+    columns: np.ndarray,
+    *,
+    lam: float,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    chunk_size: int,
+    seed: int = 0,
+    time_budget_s: float | None = None,
+) -> PersonalResult:
+    """Train a personal head in place: ``epochs`` passes of class-restricted Ditto steps over ``store``.
+
+    The same reading of the store as :func:`train_local` (one float32 chunk buffer of
+    ``chunk_size`` samples, read in a shuffled order, shuffled within), one gradient ``[D, K]`` and
+    one batch's logits: the only heap beyond the personal head itself is its gradient and the
+    chunk. Each batch takes one :func:`edgefl.head.ditto_step` toward ``global_head`` on the
+    classes of ``columns``; the other columns are the global head's on return (even after 0 steps).
+
+    Parameters
+    ----------
+    W : float32 [D, K], C-contiguous
+        The personal head's weights, updated in place.
+    b : float32 [K]
+        Its biases, updated in place.
+    global_head : Head
+        The global head it is pulled toward (not modified).
+    store : EmbeddingStore
+        The device's labelled embeddings (must not be empty).
+    columns : bool [K]
+        Classes the device may personalise (:func:`edgefl.head.personal_columns`).
+    lam : float
+        Ditto's proximal coefficient (>= 0).
+    epochs : int
+        Passes over the store (>= 1).
+    lr : float
+        SGD learning rate (> 0).
+    batch_size : int
+        Samples per step (>= 1).
+    chunk_size : int
+        Samples read from the store at once (>= 1; the memory governor's grant).
+    seed : int
+        Seed of the shuffles (:class:`Shuffler`).
+    time_budget_s : float or None
+        Stop after the chunk during which this many seconds have passed; None = no limit.
+
+    Returns
+    -------
+    PersonalResult
+
+    Raises
+    ------
+    ValueError
+        If the store is empty, an argument is out of range or shapes disagree.
+
+    Source: Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through
+    Personalization", ICML 2021, Algorithm 1 (the personal model's local steps).
+    """
+    n = len(store)
+    if n == 0:
+        raise ValueError("train_personal: the store is empty")
+    if epochs < 1 or batch_size < 1 or chunk_size < 1 or lr <= 0 or lam < 0:
+        raise ValueError(
+            f"train_personal: epochs={epochs}, batch_size={batch_size}, chunk_size={chunk_size}, "
+            f"lr={lr}, lam={lam}"
+        )
+    D, K = global_head.shape
+    if W.shape != (D, K) or b.shape != (K,) or columns.shape != (K,):
+        raise ValueError(f"train_personal: W {W.shape}, b {b.shape}, columns {columns.shape}, head {(D, K)}")
+    t0 = time.perf_counter()
+    stop_at = t0 + time_budget_s if time_budget_s is not None else None
+    shuffler = Shuffler(seed)
+    chunk = min(chunk_size, n)
+    emb = np.empty((chunk, D), np.float32)
+    lbl = np.empty(chunk, np.int64)
+    step = min(batch_size, chunk)
+    z = np.empty((step, K), np.float32)
+    grad_W = np.empty((D, K), np.float32)
+    grad_b = np.empty(K, np.float32)
+    rows = np.arange(step, dtype=np.int64)
+    steps = 0
+    lr32, lam32 = np.float32(lr), np.float32(lam)
+    tied = None if columns.all() else ~columns  # one step is edgefl.head.ditto_step's
+    if not columns.any():
+        W[...] = global_head.W  # nothing to personalise: the global head
+        b[...] = global_head.b
+        return PersonalResult(0, n, time.perf_counter() - t0)
+    for _ in range(epochs):
+        if stop_at is not None and time.perf_counter() > stop_at:
+            break
+        order = np.argsort(shuffler.keys(n))
+        within = shuffler.keys(n)
+        for start in range(0, n, chunk):
+            if stop_at is not None and time.perf_counter() > stop_at:
+                break
+            m = min(chunk, n - start)
+            sel = np.sort(order[start : start + m])[np.argsort(within[start : start + m])]
+            store.read(sel, emb[:m], lbl[:m])
+            for s in range(0, m, batch_size):
+                e = emb[s : min(m, s + batch_size)]
+                y = lbl[s : s + e.shape[0]]
+                if K == 1:
+                    _, gW, gb = loss_and_grad(W, b, e, y)
+                else:
+                    cross_entropy_grad_into(W, b, e, y, z[: len(y)], grad_W, grad_b, rows[: len(y)])
+                    gW, gb = grad_W, grad_b
+                ditto_update(W, b, gW, gb, lr32, lam32, global_head.W, global_head.b, tied)
+                steps += 1
+    if steps == 0:  # stopped before the first step: the tied columns are still the global head's
+        tied = ~columns
+        W[:, tied] = global_head.W[:, tied]
+        b[tied] = global_head.b[tied]
+    return PersonalResult(steps, n, time.perf_counter() - t0)
 
 
 def fit_head(

@@ -283,7 +283,7 @@ class Job:
         p = self.plan
         cmd = [sys.executable, "-m", "edgefl.cli", "--log-level", "INFO", "coordinator"]
         cmd += ["--broker", self.broker_url, "--fleet", self.fleet, "--rounds", str(p.rounds)]
-        cmd += ["--min-clients", str(p.agents), "--deadline", str(p.deadline_s)]
+        cmd += ["--min-clients", str(p.agents), "--deadline", str(p.deadline_s), "--tolerate", "0"]
         cmd += ["--wait-devices", str(p.agents), "--state", str(self.workdir / "coordinator.rec")]
         cmd += ["--log", str(self.workdir / "rounds.jsonl"), "--model", str(MODEL)]
         with open(self.workdir / "coordinator.log", "ab") as log:

@@ -204,7 +204,7 @@ class FedBuff(Strategy):
     def round_config(self, round_no: int) -> RoundConfig:
         """Client settings, ``min_clients = buffer_size`` (updates per step), ``Schedule.BUFFERED``."""
         cfg = super().round_config(round_no)
-        return replace(cfg, min_clients=self.buffer_size, schedule=Schedule.BUFFERED)
+        return replace(cfg, min_clients=max(self.buffer_size, self.min_updates), schedule=Schedule.BUFFERED)
 
     def _check(self, update: Offer) -> None:
         if not 0 <= update.staleness <= self.max_staleness:
@@ -226,3 +226,22 @@ class FedBuff(Strategy):
 
     def _aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:
         return self._buffer.flush(W, b)
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The buffer as CBOR-able values (the coordinator writes it with its open step)."""
+        buf = self._buffer
+        return {
+            "W": buf._sum_W.tobytes(),
+            "b": buf._sum_b.tobytes(),
+            "examples": buf.total_examples,
+            "count": buf.count,
+            "staleness": list(buf.staleness),
+        }
+
+    def _restore(self, acc: dict[str, Any], shape: tuple[int, int]) -> None:
+        buf = self._buffer
+        buf._sum_W[:] = np.frombuffer(acc["W"], np.float64).reshape(shape)
+        buf._sum_b[:] = np.frombuffer(acc["b"], np.float64).reshape(shape[1])
+        buf.total_examples = int(acc["examples"])
+        buf.count = int(acc["count"])
+        buf.staleness = [int(x) for x in acc["staleness"]]

@@ -51,7 +51,6 @@ from edgefl.wire.messages import (
     MAX_PARTIAL_UPDATES,
     Partial,
     RoundAnnouncement,
-    Update,
     decode_global_model,
     decode_partial,
     decode_round,
@@ -69,9 +68,6 @@ ROOT_SEEN_UPDATE_IDS = 100_000
 
 LOGGED_OVERLAPS = 20
 """Partials listing another site's update ids logged one by one before only every 1000th is."""
-
-PERSIST_EVERY = 32
-"""A site writes its open round's record at least every this many messages (see ``SiteAggregator.pump``)."""
 
 SEEN_PARTIALS = 10_000
 """(site, round, partial id) keys a root remembers to refuse a bridge's redelivery."""
@@ -95,6 +91,14 @@ class RootCoordinator(Coordinator):
         When set, a partial must carry a valid signature by its site's key (unknown sites refused).
     expected_sites : int
         Partials that close a round before its deadline (0: ``min_clients`` updates close it).
+    site_devices : int
+        Most updates one site's partial may cover (its registered devices; 0: ``MAX_PARTIAL_UPDATES``).
+
+    Every path into the aggregate is authenticated and bounded: a root without ``device_keys`` does
+    not subscribe to ``update/+`` and refuses any device update that reaches it (``unsigned``); a
+    partial's count is at most ``site_devices``, its weight per update and its mean's norm at most
+    the strategy's bounds (``Strategy.offer_sums``); the round's clients are the updates of what it
+    accepted.
     """
 
     def __init__(
@@ -102,11 +106,14 @@ class RootCoordinator(Coordinator):
         *args: Any,
         site_keys: Mapping[str, VerifyKey] | None = None,
         expected_sites: int = 0,
+        site_devices: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.site_keys = dict(site_keys) if site_keys is not None else None
         self.expected_sites = expected_sites
+        self.site_devices = site_devices or MAX_PARTIAL_UPDATES
+        self.strategy.bound_site_weights()
         self.max_seen_update_ids = ROOT_SEEN_UPDATE_IDS
         self._seen_partials: dict[tuple[str, int, str], None] = {}
         self.partials_received = 0
@@ -117,8 +124,29 @@ class RootCoordinator(Coordinator):
         self.overlaps = 0  # partials that listed ids another site listed first
 
     def _data_topics(self) -> list[str]:
-        """As :meth:`Coordinator._data_topics`, and ``partial/+`` (subscribed after the control topics)."""
-        return [self.topics.partial("+"), *super()._data_topics()]
+        """``partial/+`` and the devices' statuses; ``update/+`` only with device keys to verify them."""
+        topics = [self.topics.partial("+"), *super()._data_topics()]
+        if self.device_keys is None:
+            topics.remove(self.topics.update("+"))
+        return topics
+
+    def _dropped_topics(self) -> list[str]:
+        """``update/+`` without device keys (a resumed session of an earlier run may hold it)."""
+        return [self.topics.update("+")] if self.device_keys is None else []
+
+    def _handle_update(self, device: str, msg: Message) -> None:
+        """A device update at the root: verified with device keys as a flat coordinator does, else refused.
+
+        Raises
+        ------
+        DecodeError
+            ``unsigned`` when the root has no device keys (a persistent session or a broker ACL
+            may still deliver one: it never reaches the aggregate).
+        """
+        if self.device_keys is None:
+            why = "a root takes device updates only with security.device_keys_dir"
+            raise DecodeError("unsigned", f"device update from {device}: {why}")
+        super()._handle_update(device, msg)
 
     def handle(self, msg: Message) -> None:
         """Dispatch one message: partials here, anything else as a flat coordinator (never raises)."""
@@ -158,6 +186,9 @@ class RootCoordinator(Coordinator):
         if rnd is None:
             raise UpdateRejected("no_round", "no round is open")
         rnd.admit_partial(site, p.round, p.base_version, p.update_ids)
+        if p.count > self.site_devices:
+            why = f"partial of {site} covers {p.count} updates, a site may have {self.site_devices} devices"
+            raise UpdateRejected("bad_value", why)
         tail = f":{p.round}:{p.base_version}"
         bad = next((u for u in p.update_ids if u.count(":") != 2 or not u.endswith(tail) or u == tail), None)
         if bad is not None:
@@ -171,6 +202,7 @@ class RootCoordinator(Coordinator):
         if p.count > 0:  # an empty partial only says the site is done
             self.strategy.offer_sums(SiteSums(p.combine, p.W, p.b, p.weight, p.count, p.clipped))
         rnd.record_partial(site, p.update_ids, len(payload))
+        self._dirty = True  # acknowledged once the state file holds it (``Coordinator.pump``)
         self._seen_partials[seen] = None
         while len(self._seen_partials) > SEEN_PARTIALS:
             del self._seen_partials[next(iter(self._seen_partials))]
@@ -465,39 +497,13 @@ class SiteAggregator(Coordinator):
         )
         return SiteRecord(ann.round, len(ids), len(payload), time.time() - self._opened_unix, ids)
 
-    def _accept(self, rnd: Round, update: Update, size_bytes: int) -> None:
-        super()._accept(rnd, update, size_bytes)
-        self._dirty = True  # written by pump() before it waits for more messages
-
-    async def pump(self) -> None:
-        """Consume incoming messages forever, writing the open round's record after each batch.
-
-        The record is written once the queue is drained, or every ``PERSIST_EVERY`` messages under a
-        flood, rather than after every update: at 500 updates a round, one fsync each would bound a
-        site by its disk. The messages are acknowledged to the broker (``MqttTransport.commit``, with
-        the transport's ``ack_on_commit``, which ``edgefl coordinator`` sets for a site with a state
-        file) only once the record holding them is written: a site killed (SIGKILL) in between gets
-        them again from its session when it comes back, and its resumed record tells which it had.
-        """
-        handled = 0
-        while True:
-            msg = await self.transport.queue.get()
-            self.handle(msg)
-            handled += 1
-            if self._dirty:
-                if self.transport.queue.empty() or handled % PERSIST_EVERY == 0:
-                    self._flush()
-                    self.transport.commit()
-            else:
-                self.transport.commit()  # everything taken so far is in the record (or changed nothing)
-            if handled % 32 == 0:
-                await asyncio.sleep(0)
-
-    def _flush(self) -> None:
+    def _flush(self) -> bool:
+        """Write the open round's record (the site's own file; see ``Coordinator.pump``)."""
         self._dirty = False
         rnd = self.state.current
         if rnd is not None and rnd.phase is RoundPhase.OPEN:  # a closed round is written by its close
             self._persist_site(rnd)
+        return True
 
     async def _send(self, payload: bytes) -> None:
         """Publish a partial (QoS 1, not retained), waiting out a broker outage for ``PUBLISH_RETRY_S``."""

@@ -23,6 +23,7 @@ Models" (ICLR), Algorithm 1 (DP-FedAvg with the fixed-denominator estimator); Ab
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -227,6 +228,108 @@ def dp_epsilon(
     return float(acc.get_epsilon(delta))
 
 
+def ledger_epsilon(
+    runs: Sequence[tuple[float, float, int]], delta: float, accountant: Literal["rdp", "pld"] = "rdp"
+) -> float:
+    """Epsilon of a run of DP rounds whose noise or sampling rate may have changed between restarts.
+
+    Parameters
+    ----------
+    runs : sequence of (noise_multiplier, sampling_rate, rounds)
+        Consecutive rounds run with the same settings (``PrivacyLedger.runs``).
+    delta : float in (0, 1)
+        Target delta.
+    accountant : "rdp" | "pld"
+        As ``dp_epsilon``.
+
+    Returns
+    -------
+    float: epsilon of the composition of every run (``dp_epsilon`` for a single run; ``inf`` when a
+    run had no noise; 0.0 without rounds).
+
+    Raises
+    ------
+    ValueError
+        On out-of-range values.
+    ImportError
+        If ``dp-accounting`` is not installed.
+
+    Source: Google ``dp-accounting``: a ``ComposedDpEvent`` of ``SelfComposedDpEvent`` runs of a
+    ``PoissonSampledDpEvent`` of a ``GaussianDpEvent`` (Mironov 2017: RDP composes additively).
+    """
+    live = [(z, q, n) for z, q, n in runs if n > 0]
+    if len(live) <= 1:
+        z, q, n = live[0] if live else (1.0, 1.0, 0)
+        return dp_epsilon(z, q, n, delta, accountant)
+    for z, q, _ in live:
+        dp_epsilon(z, q, 0, delta)  # validates each run's values
+        if z == 0:
+            return math.inf
+    import dp_accounting  # type: ignore[import-untyped, import-not-found, unused-ignore]
+
+    events = [
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), n
+        )
+        for z, q, n in live
+    ]
+    acc = dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else dp_accounting.pld.PLDAccountant()
+    acc.compose(dp_accounting.ComposedDpEvent(events))
+    return float(acc.get_epsilon(delta))
+
+
+class PrivacyLedger:
+    """The DP rounds a coordinator has run: part of its durable state, so epsilon survives restarts.
+
+    Rounds are kept as runs of identical settings (a few entries for a run of years), so a restart
+    with another noise multiplier composes the old rounds with the new ones and epsilon never goes
+    down.
+
+    Attributes
+    ----------
+    runs : list of [noise_multiplier, sampling_rate, rounds]
+    """
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[float, float, int]] = []
+
+    @property
+    def rounds(self) -> int:
+        """Rounds run in total."""
+        return sum(n for _, _, n in self.runs)
+
+    def add(self, noise_multiplier: float, sampling_rate: float) -> None:
+        """Count one more aggregated round of these settings."""
+        if self.runs and self.runs[-1][:2] == (noise_multiplier, sampling_rate):
+            z, q, n = self.runs[-1]
+            self.runs[-1] = (z, q, n + 1)
+        else:
+            self.runs.append((noise_multiplier, sampling_rate, 1))
+
+    def epsilon(self, delta: float) -> float:
+        """Epsilon of every round run, at ``delta`` (``ledger_epsilon``)."""
+        return ledger_epsilon(self.runs, delta)
+
+    def snapshot(self) -> list[list[float]]:
+        """The runs as CBOR-able lists."""
+        return [[z, q, n] for z, q, n in self.runs]
+
+    def restore(self, runs: Sequence[Sequence[float]]) -> None:
+        """Put back a :meth:`snapshot`.
+
+        Raises
+        ------
+        ValueError
+            If an entry is not ``[z >= 0, 0 < q <= 1, rounds >= 0]``.
+        """
+        out = []
+        for z, q, n in runs:
+            if not (float(z) >= 0 and 0 < float(q) <= 1 and int(n) >= 0):
+                raise ValueError(f"privacy ledger entry {[z, q, n]}: need z >= 0, 0 < q <= 1, rounds >= 0")
+            out.append((float(z), float(q), int(n)))
+        self.runs = out
+
+
 class DPFedAvg(Strategy):
     """Central DP around a FedAvg-family strategy: fixed clipping, Gaussian noise, the inner server step.
 
@@ -294,6 +397,7 @@ class DPFedAvg(Strategy):
             fraction=inner.fraction,
             seed=inner.seed,
             clip_norm=clip_norm,
+            tolerate=inner.tolerate,
         )
         self.inner: FedAvg = inner
         self.name = f"dp-{inner.name}"
@@ -306,7 +410,21 @@ class DPFedAvg(Strategy):
         if not 0 < self.sampling_rate <= 1:
             raise ValueError(f"sampling_rate = {self.sampling_rate}: must be in (0, 1]")
         self.rng = rng if rng is not None else np.random.default_rng()
-        self.rounds = 0
+        self.ledger = PrivacyLedger()
+
+    @property
+    def rounds(self) -> int:
+        """DP rounds aggregated, by this process and (restored) before it."""
+        return self.ledger.rounds
+
+    def durable_state(self) -> dict[str, Any]:
+        """The inner state and the privacy ledger (``PrivacyLedger``): epsilon survives restarts."""
+        return {**super().durable_state(), "dp": self.ledger.snapshot()}
+
+    def restore_durable(self, doc: Mapping[str, Any]) -> None:
+        """Put back :meth:`durable_state` (the ledger's rounds count towards epsilon from now on)."""
+        super().restore_durable(doc)
+        self.ledger.restore(doc.get("dp", []))
 
     def round_config(self, round_no: int) -> RoundConfig:
         """The inner strategy's settings."""
@@ -338,12 +456,12 @@ class DPFedAvg(Strategy):
 
     def _aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:
         mean_dW, mean_db = self._sum.noisy_mean(self.noise_multiplier, self.expected_clients, self.rng)
-        self.rounds += 1
+        self.ledger.add(self.noise_multiplier, self.sampling_rate)
         return self.inner.step(W, b, mean_dW, mean_db)
 
     def epsilon(self) -> float:
-        """Epsilon spent by the rounds aggregated so far, at ``delta`` (RDP accountant: ``dp_epsilon``)."""
-        return dp_epsilon(self.noise_multiplier, self.sampling_rate, self.rounds, self.delta)
+        """Epsilon spent by every round aggregated, restarts included, at ``delta`` (``ledger_epsilon``)."""
+        return self.ledger.epsilon(self.delta)
 
     def report(self) -> RoundReport:
         """Clipping figures plus epsilon at ``delta``."""

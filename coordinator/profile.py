@@ -29,12 +29,14 @@ from edgefl.profiles import (
     check_broker,
     check_dashboard,
     file_problem,
+    output_file_problem,
     read_toml,
     sha256_file,
 )
 from edgefl.validators import check_device_id
 
 __all__ = [
+    "DP_WRAPS",
     "SCHEMA",
     "CoordinatorProfile",
     "EvaluationConfig",
@@ -47,6 +49,7 @@ __all__ = [
     "RoundsConfig",
     "SecurityRef",
     "StrategyConfig",
+    "combination_problems",
     "is_coordinator_profile",
     "load_coordinator_profile",
 ]
@@ -63,6 +66,8 @@ STRATEGIES: Final = (
     "trimmed-mean",
     "fedbuff",
 )
+#: The strategies the DP wrapper takes (the FedAvg family: a weighted mean whose sensitivity is bounded).
+DP_WRAPS: Final = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi")
 COMPRESSIONS: Final = ("none", "float16", "int8", "topk", "topk-int8")
 
 
@@ -103,14 +108,25 @@ class ModelRef:
 
 @dataclass(frozen=True, slots=True)
 class RoundsConfig:
-    """``[rounds]``: how many rounds, who takes part, and what devices are told to do.
+    """``[rounds]``: how many rounds, when they open, who takes part, and what devices are told to do.
 
     Parameters
     ----------
     count : int
-        Rounds to run, > 0.
+        Rounds to run, >= 0. 0 (the default): a **service** that runs until stopped (SIGTERM), its
+        rounds paced by ``interval_s`` and ``min_new_samples``. N > 0: a **job** of N rounds back to
+        back (tests, demos, benches), which ignores the pacing keys and exits after round N.
+    interval_s : float
+        Service: least time between two round starts, seconds, >= 0.
+    min_new_samples : int
+        Service: a round opens only once the ready devices report at least this many labelled samples
+        stored since their last round (the DeviceStatus ``new_samples`` field), >= 0 (0: no wait).
     min_clients : int
-        Updates that close a round before its deadline, > 0.
+        Ready devices a service's round needs to open (also: updates that close a job's round opened
+        before any device was ready), > 0. The strategy's own minimum applies on top.
+    quorum : float
+        Share of the devices asked (the ready devices, or the strategy's sample of them) whose updates
+        close a round before its deadline, in (0, 1]; 1.0: a round waits for every device it asked.
     expected_clients : int
         Ready devices to wait for before round 1 (0: do not wait), >= 0.
     wait_devices_s : float
@@ -120,9 +136,11 @@ class RoundsConfig:
     local_epochs : int
         Client epochs per round, > 0.
     lr : float
-        Client learning rate of round 1, > 0.
+        Client learning rate, > 0: the same every round by default (a fleet's data keeps changing;
+        see ``docs/operations.md``, "Learning rate").
     lr_decay : float
-        Per-round factor on the client learning rate, in (0, 1].
+        Factor on the client learning rate per round within an episode, in (0, 1]; an episode restarts
+        at every round whose devices report new labelled samples (1.0, the default: constant).
     batch_size : int
         Client SGD batch size, > 0.
     compression : str
@@ -133,14 +151,17 @@ class RoundsConfig:
         release or later).
     """
 
-    count: int = 10
+    count: int = 0
+    interval_s: float = 60.0
+    min_new_samples: int = 32
     min_clients: int = 2
+    quorum: float = 1.0
     expected_clients: int = 0
     wait_devices_s: float = 120.0
     deadline_s: float = 60.0
     local_epochs: int = 2
     lr: float = 0.05
-    lr_decay: float = 0.8
+    lr_decay: float = 1.0
     batch_size: int = 16
     compression: Literal["none", "float16", "int8", "topk", "topk-int8"] = "none"
     downlink: Literal["float32", "float16", "int8"] = "float32"
@@ -187,18 +208,25 @@ class StrategyConfig:
 
 @dataclass(frozen=True, slots=True)
 class RobustnessConfig:
-    """``[robustness]``: the bound on each update's L2 norm before aggregation.
+    """``[robustness]``: hostile devices a round withstands, and the bound on each update's L2 norm.
 
     Parameters
     ----------
+    tolerate : int
+        Hostile devices every aggregated round must withstand, >= 0 (default 1). Each strategy
+        derives the fewest updates it aggregates from it (trimmed mean: ``floor(trim_fraction n) >=
+        tolerate``; median: ``2 tolerate + 1``; the FedAvg family: ``5 tolerate``); a round with
+        fewer waits to its deadline, then is refused as ``too_few`` (``Strategy.min_updates``).
     norm_bound : float or None
-        Fixed bound, > 0; None: adaptive (``adaptive_factor`` x the round's median update norm).
+        Fixed bound, > 0; None: adaptive (``adaptive_factor`` x the median honest-looking norm of
+        the last rounds).
     adaptive_factor : float
-        Multiple of the round's median norm used when ``norm_bound`` is None, >= 1.
+        Multiple of that median used when ``norm_bound`` is None, >= 1.
     """
 
+    tolerate: int = 1
     norm_bound: float | None = None
-    adaptive_factor: float = 2.0
+    adaptive_factor: float = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +281,8 @@ class SecurityRef:
     signing_key_file : Path or None
         The coordinator's Ed25519 private key (64 hex digits or PEM).
     device_keys_dir : Path or None
-        Folder of ``<device>.pub`` keys; when set, every update must be signed by its device.
+        Folder of ``<device>.pub`` keys (64 hex digits or PEM, as ``edgefl keys generate`` writes);
+        when set, every update must be signed by its device.
     """
 
     signing_key_file: Path | None = None
@@ -312,6 +341,10 @@ class HierarchyConfig:
         Root: start without ``site_keys_dir`` (anyone who can publish on ``partial/<site>`` then
         sets the global head; a loud warning at start). A root refuses to start without site keys
         unless this is true.
+    site_devices : int
+        Root: most devices one site may have registered, >= 0 (0: ``MAX_PARTIAL_UPDATES``, what a
+        partial can list); a partial claiming more updates is refused, so a site whose key was
+        stolen weighs at most that many updates.
     """
 
     role: Literal["flat", "site", "root"] = "flat"
@@ -322,6 +355,7 @@ class HierarchyConfig:
     site_keys_dir: Path | None = None
     root_key_file: Path | None = None
     allow_unsigned_sites: bool = False
+    site_devices: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,10 +402,13 @@ def _check_model(p: Problems, c: ModelRef, raw: Mapping[str, object], check_file
 
 
 def _check_rounds(p: Problems, c: RoundsConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    for name in ("count", "min_clients", "local_epochs", "batch_size", "deadline_s", "lr", "wait_devices_s"):
+    for name in ("min_clients", "local_epochs", "batch_size", "deadline_s", "lr", "wait_devices_s"):
         _positive(p, f"rounds.{name}", getattr(c, name))
-    if c.expected_clients < 0:
-        p.add("rounds.expected_clients", c.expected_clients, "must be >= 0")
+    for name in ("count", "expected_clients", "min_new_samples", "interval_s"):
+        if not getattr(c, name) >= 0:
+            p.add(f"rounds.{name}", getattr(c, name), "must be >= 0")
+    if not 0 < c.quorum <= 1:
+        p.add("rounds.quorum", c.quorum, "must be in (0, 1]")
     if not 0 < c.lr_decay <= 1:
         p.add("rounds.lr_decay", c.lr_decay, "must be in (0, 1]")
 
@@ -391,6 +428,8 @@ def _check_strategy(p: Problems, c: StrategyConfig, raw: Mapping[str, object], c
 
 def _check_robustness(p: Problems, c: RobustnessConfig, raw: Mapping[str, object], check_files: bool) -> None:
     _positive(p, "robustness.norm_bound", c.norm_bound)
+    if isinstance(c.tolerate, bool) or not isinstance(c.tolerate, int) or c.tolerate < 0:
+        p.add("robustness.tolerate", c.tolerate, "must be an integer >= 0")
     if not c.adaptive_factor >= 1:
         p.add("robustness.adaptive_factor", c.adaptive_factor, "must be >= 1")
 
@@ -418,11 +457,9 @@ def _check_security(p: Problems, c: SecurityRef, raw: Mapping[str, object], chec
     if not check_files:
         return
     if c.signing_key_file is not None:
-        problem = file_problem(c.signing_key_file, raw.get("signing_key_file"))
-        if problem is not None:
-            p.add("security.signing_key_file", raw.get("signing_key_file"), problem)
-    if c.device_keys_dir is not None and not c.device_keys_dir.is_dir():
-        p.add("security.device_keys_dir", raw.get("device_keys_dir"), "not a folder")
+        _check_key_file(p, "security.signing_key_file", c.signing_key_file, raw, private=True)
+    if c.device_keys_dir is not None:
+        _check_key_dir(p, "security.device_keys_dir", c.device_keys_dir, raw)
     _check_library(p, c, ("signing_key_file", "device_keys_dir"), "security")
 
 
@@ -435,6 +472,8 @@ def _check_hierarchy(p: Problems, c: HierarchyConfig, raw: Mapping[str, object],
         p.add("hierarchy.expected_sites", c.expected_sites, "must be >= 0")
     if c.expected_devices < 0:
         p.add("hierarchy.expected_devices", c.expected_devices, "must be >= 0")
+    if c.site_devices < 0:
+        p.add("hierarchy.site_devices", c.site_devices, "must be >= 0")
     if not c.close_margin_s >= 0:
         p.add("hierarchy.close_margin_s", c.close_margin_s, "must be >= 0")
     if c.role == "root" and c.site_keys_dir is None and not c.allow_unsigned_sites:
@@ -442,13 +481,40 @@ def _check_hierarchy(p: Problems, c: HierarchyConfig, raw: Mapping[str, object],
         p.add("hierarchy.site_keys_dir", None, why)
     if not check_files:
         return
-    if c.site_keys_dir is not None and not c.site_keys_dir.is_dir():
-        p.add("hierarchy.site_keys_dir", raw.get("site_keys_dir"), "not a folder")
+    if c.site_keys_dir is not None:
+        _check_key_dir(p, "hierarchy.site_keys_dir", c.site_keys_dir, raw)
     if c.root_key_file is not None:
-        problem = file_problem(c.root_key_file, raw.get("root_key_file"))
-        if problem is not None:
-            p.add("hierarchy.root_key_file", raw.get("root_key_file"), problem)
+        _check_key_file(p, "hierarchy.root_key_file", c.root_key_file, raw, private=False)
     _check_library(p, c, ("site_keys_dir", "root_key_file"), "hierarchy")
+
+
+def _check_key_file(p: Problems, key: str, path: Path, raw: Mapping[str, object], *, private: bool) -> None:
+    """Problem of ``key`` unless ``path`` holds an Ed25519 private (or public) key, hex or PEM."""
+    from edgefl.wire.signing import load_signing_key, load_verify_key
+
+    name = key.rpartition(".")[2]
+    problem = file_problem(path, raw.get(name))
+    if problem is None:
+        try:
+            (load_signing_key if private else load_verify_key)(path)
+        except (OSError, ValueError) as exc:
+            problem = str(exc)
+    if problem is not None:
+        p.add(key, raw.get(name), problem)
+
+
+def _check_key_dir(p: Problems, key: str, path: Path, raw: Mapping[str, object]) -> None:
+    """Problem of ``key`` unless ``path`` is a folder whose ``*.pub`` files all hold public keys."""
+    from edgefl.wire.signing import load_verify_keys
+
+    name = key.rpartition(".")[2]
+    if not path.is_dir():
+        p.add(key, raw.get(name), "not a folder")
+        return
+    try:
+        load_verify_keys(path)
+    except (OSError, ValueError) as exc:
+        p.add(key, raw.get(name), str(exc))
 
 
 def _check_library(p: Problems, c: object, names: tuple[str, ...], table: str) -> None:
@@ -462,8 +528,43 @@ def _check_library(p: Problems, c: object, names: tuple[str, ...], table: str) -
             return
 
 
-def _no_check(p: Problems, c: object, raw: Mapping[str, object], check_files: bool) -> None:
-    return None
+def _check_files(p: Problems, c: FilesConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    """Each output file must be writable where it is named (checked without writing anything)."""
+    if not check_files:
+        return
+    for name in ("state", "log", "json"):
+        path = getattr(c, name)
+        problem = output_file_problem(path) if path is not None else None
+        if problem is not None:
+            p.add(f"files.{name}", raw.get(name, str(path)), problem)
+
+
+def combination_problems(profile: CoordinatorProfile) -> list[str]:
+    """Problems of keys that are valid alone but not together (each names its dotted key).
+
+    FedBuff aggregates as updates arrive and has no site/root form; DP's noisy mean wraps the FedAvg
+    family only (its sensitivity bound is a mean's), so a robust strategy under DP is refused here,
+    before the strategy is built.
+
+    Parameters
+    ----------
+    profile : CoordinatorProfile
+
+    Returns
+    -------
+    list of str
+        ``key = value: reason`` lines; empty when the combination can run.
+    """
+    problems = []
+    st, role = profile.strategy.name, profile.hierarchy.role
+    if st == "fedbuff" and role != "flat":
+        problems.append(f"hierarchy.role = {role!r}: fedbuff runs flat only (strategy.name = 'fedbuff')")
+    if profile.privacy.enabled and st not in DP_WRAPS:
+        problems.append(
+            f"privacy.enabled = true: DP wraps {', '.join(DP_WRAPS[:-1])} or {DP_WRAPS[-1]}, not {st} "
+            "(strategy.name; or set privacy.enabled = false)"
+        )
+    return problems
 
 
 _TABLES: Final[dict[str, type[Any]]] = {
@@ -491,7 +592,7 @@ _CHECKS: Final[dict[str, Check]] = {
     "evaluation": _check_evaluation,
     "dashboard": check_dashboard,
     "security": _check_security,
-    "files": _no_check,
+    "files": _check_files,
     "hierarchy": _check_hierarchy,
 }
 SCHEMA: Final = Schema(_TABLES, _CHECKS, {"model.path": Path("_")})
@@ -521,7 +622,8 @@ def load_coordinator_profile(
         ``{"table.key": value}`` on top of the file (strings coerced; relative paths from the working
         directory).
     check_files : bool
-        Check that the model, key and evaluation files exist and the model's sha256 matches.
+        Check that the model, key and evaluation files exist and the model's sha256 matches, and that
+        the output files (``[files]``) can be written where they are named (nothing is written).
 
     Returns
     -------
@@ -536,4 +638,8 @@ def load_coordinator_profile(
     if "device" in data:
         raise ConfigError([f"{file}: a device profile (it has [device]); run it with 'edgefl run'"])
     built = SCHEMA.parse(data, file.parent, check_files, overrides or {})
-    return CoordinatorProfile(path=file, **built)
+    profile = CoordinatorProfile(path=file, **built)
+    problems = combination_problems(profile)
+    if problems:
+        raise ConfigError(problems)
+    return profile

@@ -1,16 +1,25 @@
-"""One federated round's state machine at the coordinator: open → collecting → closed.
+"""One federated round's state machine at the coordinator: open → collecting → closed; and when to open one.
 
 The round checks who may take part (round number and base version in a synchronous round,
 selection, duplicate ``update_id`` or device) and keeps the round's figures (devices, update ids,
 bytes, losses). What is aggregated is the strategy's business: an accepted update is handed to
 ``Strategy.offer``, which owns the accumulator.
+
+How many updates a round waits for lives here and only here (:attr:`Round.close_at`): the devices
+asked (the selection, or every ready device at the opening), times ``rounds.quorum``, never fewer
+than the strategy's own minimum. When a service opens the next round lives here too
+(:class:`Pacing`): enough ready devices, enough new labelled samples on them, and the least time
+between two round starts. :class:`FleetState` is what the fleet page shows of both.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from edgefl.errors import UpdateRejected
 from edgefl.wire.messages import Update
@@ -48,6 +57,12 @@ class Round:
     online : frozenset[str]
         Devices online when the round opened (used when ``selected`` is None): once one of them
         declined and every one answered or declined, the round closes (``min_clients`` cannot come).
+    quorum : float in (0, 1] or None
+        Share of the devices asked (:attr:`asked`) whose updates close the round before its deadline
+        (``rounds.quorum``); None: ``min_clients`` updates close it, however many were asked.
+    min_updates : int
+        The fewest updates the strategy aggregates (its own floor, >= 1): the round never closes
+        early below it.
     """
 
     number: int
@@ -59,6 +74,8 @@ class Round:
     check_round: bool = True
     expected_sites: int = 0
     online: frozenset[str] = frozenset()
+    quorum: float | None = None
+    min_updates: int = 1
     opened_at: float = field(default_factory=time.monotonic)
     phase: RoundPhase = RoundPhase.OPEN
     devices: list[str] = field(default_factory=list)
@@ -79,21 +96,43 @@ class Round:
         """Monotonic time (s) at which the round closes regardless."""
         return self.opened_at + self.deadline_s
 
-    def complete(self) -> bool:
-        """True when ``min_clients`` updates arrived, or every selected device answered or declined.
+    @property
+    def asked(self) -> int:
+        """Devices asked to take part: the selection, else the devices ready when the round opened."""
+        return len(self.selected) if self.selected is not None else len(self.online)
 
-        Without a selection: also when some device declined and every device online at the opening
-        answered or declined (no more updates are coming; waiting for the deadline would not help).
-        At the root of a hierarchy with ``expected_sites``: when that many sites' partials arrived.
+    @property
+    def close_at(self) -> int:
+        """Updates that close the round before its deadline ("N of M": N counted of :attr:`asked`).
+
+        ``ceil(quorum x asked)``, at least ``min_updates``; ``min_clients`` without a quorum or
+        when nobody was asked (a round opened before any device said it is ready).
+        """
+        if self.quorum is None or self.asked == 0:
+            return max(self.min_clients, self.min_updates)
+        return max(math.ceil(self.quorum * self.asked - 1e-9), self.min_updates, 1)
+
+    def complete(self) -> bool:
+        """True when :attr:`close_at` updates arrived, or every device asked answered or declined.
+
+        Without a selection and without a quorum, every device online at the opening answering
+        closes the round only once one of them declined (no more updates are coming; waiting for
+        the deadline would not help). At the root of a hierarchy with ``expected_sites``: when
+        that many sites' partials arrived.
         """
         if self.expected_sites > 0:
             return len(self.sites) >= self.expected_sites
         answered = set(self.devices) | set(self.declined)
         if self.selected is not None and answered >= self.selected:
             return True
-        if self.selected is None and self.declined and self.online and answered >= self.online:
+        if (
+            self.selected is None
+            and self.online
+            and (self.declined or self.quorum is not None)
+            and answered >= self.online
+        ):
             return True
-        return self.clients >= self.min_clients
+        return self.clients >= self.close_at
 
     def admit(self, update: Update) -> None:
         """Check that ``update`` may take part in this round (it is not recorded yet: see ``record``).
@@ -166,3 +205,166 @@ class Round:
     def close(self) -> None:
         """Stop accepting updates."""
         self.phase = RoundPhase.CLOSED
+
+
+class FleetPhase(StrEnum):
+    """What a coordinator's fleet is doing (``fleet_state.state`` on its page and ``/api/status``)."""
+
+    COLLECTING = "collecting"
+    """A round is open: updates are being collected."""
+    WAITING_SAMPLES = "waiting_samples"
+    """Enough devices are ready, but they report fewer new labelled samples than a round needs."""
+    WAITING_DEVICES = "waiting_devices"
+    """Fewer devices are ready than a round needs."""
+    PAUSED = "paused"
+    """A round could open, but the least time between two round starts has not passed yet."""
+    FINISHED = "finished"
+    """A job's last round closed (``rounds.count > 0``), or the service is stopping."""
+    BROKER_UNREACHABLE = "broker_unreachable"
+    """The coordinator has no connection to its broker."""
+
+
+@dataclass(frozen=True, slots=True)
+class FleetState:
+    """The fleet's state as its page shows it: one phase, human words, and the numbers behind them.
+
+    Attributes
+    ----------
+    state : FleetPhase
+    text : str
+        E.g. ``"collecting 3 of 5"``, ``"waiting: 12 of 200 new samples"``, ``"waiting for devices:
+        3 of 4 ready"``, ``"paused: next round in 42 s"``.
+    round : int
+        The open round, else the last one opened (0: none yet).
+    ready : int
+        Devices ready (status ``ready``, online, running the coordinator's backbone).
+    needed : int
+        Ready devices a round needs to open.
+    new_samples : int or None
+        Labelled samples the ready devices stored since their last round (None: no device reports it).
+    min_new_samples : int
+        New samples a round needs to open (0: none).
+    asked, counted, close_at : int or None
+        In an open round: devices asked, updates counted, updates that close it early.
+    next_round_in_s : float or None
+        Seconds until the least interval between round starts has passed (paused only).
+    """
+
+    state: FleetPhase
+    text: str
+    round: int = 0
+    ready: int = 0
+    needed: int = 0
+    new_samples: int | None = None
+    min_new_samples: int = 0
+    asked: int | None = None
+    counted: int | None = None
+    close_at: int | None = None
+    next_round_in_s: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON object of ``/api/status``'s ``fleet_state`` (every key always present)."""
+        return {
+            "state": self.state.value,
+            "text": self.text,
+            "round": self.round,
+            "ready": self.ready,
+            "needed": self.needed,
+            "new_samples": self.new_samples,
+            "min_new_samples": self.min_new_samples,
+            "asked": self.asked,
+            "counted": self.counted,
+            "close_at": self.close_at,
+            "next_round_in_s": None if self.next_round_in_s is None else round(self.next_round_in_s, 1),
+        }
+
+
+def collecting(rnd: Round) -> FleetState:
+    """The state of a fleet whose round ``rnd`` is open: ``"collecting N of M"`` (N counted, M asked)."""
+    asked = rnd.asked or rnd.close_at
+    return FleetState(
+        FleetPhase.COLLECTING,
+        f"collecting {rnd.clients} of {asked}",
+        round=rnd.number,
+        asked=asked,
+        counted=rnd.clients,
+        close_at=rnd.close_at,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Pacing:
+    """When a service opens its next round (``rounds.interval_s``, ``rounds.min_new_samples``).
+
+    A round opens once (1) at least ``min_devices`` devices are ready, (2) the ready devices report
+    at least ``min_new_samples`` labelled samples stored since their last round (a device that does
+    not report the count does not hold a round back: an older agent), and (3) ``interval_s``
+    seconds passed since the last round started. A fleet whose devices learn nothing new waits, and
+    says so: the model changes only when the data does.
+
+    Parameters
+    ----------
+    interval_s : float >= 0
+        Least time between two round starts, seconds.
+    min_new_samples : int >= 0
+        New labelled samples (summed over the ready devices) a round needs.
+    min_devices : int >= 1
+        Ready devices a round needs (``rounds.min_clients``, at least the strategy's own minimum).
+    """
+
+    interval_s: float = 0.0
+    min_new_samples: int = 0
+    min_devices: int = 1
+
+    def check(
+        self, round_no: int, new_samples: Mapping[str, int | None], since_start_s: float | None
+    ) -> FleetState:
+        """The fleet's state before round ``round_no + 1`` (PAUSED, ``next_round_in_s = 0``: open it now).
+
+        Parameters
+        ----------
+        round_no : int
+            The last round opened (0: none).
+        new_samples : mapping device → int or None
+            The ready devices and the new labelled samples each reports (None: not reported).
+        since_start_s : float or None
+            Seconds since the last round started (None: no round started in this process).
+
+        Returns
+        -------
+        FleetState
+            WAITING_DEVICES, WAITING_SAMPLES, or PAUSED (``next_round_in_s`` > 0 while the interval
+            runs, 0.0 when the next round may open now).
+        """
+        ready = len(new_samples)
+        reported = [n for n in new_samples.values() if n is not None]
+        new = sum(reported) if reported else None
+
+        def state(phase: FleetPhase, text: str, left: float | None = None) -> FleetState:
+            return FleetState(
+                phase,
+                text,
+                round_no,
+                ready,
+                self.min_devices,
+                new,
+                self.min_new_samples,
+                next_round_in_s=left,
+            )
+
+        if ready < self.min_devices:
+            text = f"waiting for devices: {ready} of {self.min_devices} ready"
+            return state(FleetPhase.WAITING_DEVICES, text)
+        gated = self.min_new_samples > 0 and new is not None and len(reported) == ready
+        if gated and new is not None and new < self.min_new_samples:
+            return state(FleetPhase.WAITING_SAMPLES, f"waiting: {new} of {self.min_new_samples} new samples")
+        left = 0.0 if since_start_s is None else max(0.0, self.interval_s - since_start_s)
+        text = f"paused: next round in {math.ceil(left)} s" if left > 0 else f"opening round {round_no + 1}"
+        return state(FleetPhase.PAUSED, text, left)
+
+
+def replace_min_devices(pacing: Pacing, strategy_min: int) -> Pacing:
+    """``pacing`` needing at least ``strategy_min`` ready devices (the strategy's own floor)."""
+    if strategy_min <= pacing.min_devices:
+        return pacing
+    return Pacing(pacing.interval_s, pacing.min_new_samples, strategy_min)

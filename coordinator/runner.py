@@ -1,15 +1,24 @@
-"""``edgefl coordinator [PROFILE] [--set key=value ...]``: the coordinator as a long-running process.
+"""``edgefl coordinator [PROFILE] [--set key=value ...]``: the coordinator as a long-running service.
 
 Its settings come from a coordinator profile (:mod:`edgefl.coordinator.profile`; the shipped example
-is ``firmware_configs/coordinator.toml``); flags are overrides on top of it. It connects as the profile
-says (``mqtts://`` always verifies the broker; credentials from the profile), resumes from its state
-file after a restart, prints one line per round on stdout, appends one JSON line per closed round to
+is ``firmware_configs/coordinator.toml``); flags are overrides on top of it. It locks its state folder
+and checks the fleet's lease on the broker (:mod:`edgefl.coordinator.lease`) before it writes or
+publishes anything, connects as the profile says (``mqtts://`` always verifies the broker;
+credentials from the profile), resumes from its state file after a restart (the open round
+included), prints one line per round on stdout, appends one JSON line per closed round to
 ``files.log``, writes a summary to ``files.json``, and evaluates each new head on a central set when
 there is one (``[evaluation]``, or the digits test split for the shipped digits model).
 
-Exit codes: 0 every round aggregated; 1 invalid profile, or the broker refused its credentials; 3 the
-model could not be loaded; 4 a runtime error at start-up (broker unreachable, bad key file); 5 the
-job ended with a round that aggregated nothing (the reason is the last line on stderr).
+With ``rounds.count = 0`` (the shipped default) it runs until SIGTERM/SIGINT, opening a round when
+the pacing allows (``rounds.interval_s``, ``rounds.min_new_samples``, ready devices); a stop leaves
+the open round in the state file (resumed at the restart) and exits 0. With ``rounds.count = N`` it
+runs N rounds back to back and exits.
+
+Exit codes: 0 done (or stopped); 1 invalid profile, or the broker refused its credentials; 3 the
+model could not be loaded; 4 a runtime error at start-up (broker unreachable, bad key file, the fleet
+page's port in use); 5 the job ended with a round that aggregated nothing (the reason is the last line
+on stderr); 6 another coordinator runs this fleet (its state folder is locked, or a live coordinator
+holds the fleet's lease on the broker).
 """
 
 from __future__ import annotations
@@ -22,16 +31,19 @@ import logging
 import math
 import signal
 import sys
+import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Final
 
 from edgefl.aio import within
 from edgefl.coordinator.hierarchy import RootCoordinator, SiteAggregator, SiteRecord
+from edgefl.coordinator.lease import Lease, LeaseHeld, new_instance, probe_lease
 from edgefl.coordinator.privacy import DPFedAvg
 from edgefl.coordinator.profile import CoordinatorProfile, load_coordinator_profile
+from edgefl.coordinator.rounds import Pacing
 from edgefl.coordinator.service import Coordinator, RoundRecord
 from edgefl.coordinator.strategy import Strategy, make_strategy
 from edgefl.errors import ConfigError, ModelError, TransportError, UpdateRejected
@@ -54,6 +66,10 @@ EXIT_INVALID: Final = 1
 EXIT_MODEL: Final = 3
 EXIT_RUNTIME: Final = 4
 EXIT_EMPTY_ROUND: Final = 5
+EXIT_LEASE: Final = 6
+
+StateLock = Callable[[Path], object]
+"""Locks a state folder for as long as the returned object lives (raises ``LeaseHeld`` when held)."""
 
 COORDINATOR_RECONNECT_MAX_S: Final = 5.0
 """Cap of the coordinator's reconnect back-off, seconds (devices keep the transport's 30 s: a fleet must
@@ -68,6 +84,9 @@ FLAG_KEYS: Final = {
     "fleet": "fleet.name",
     "model": "model.path",
     "rounds": "rounds.count",
+    "interval": "rounds.interval_s",
+    "min_new_samples": "rounds.min_new_samples",
+    "quorum": "rounds.quorum",
     "min_clients": "rounds.min_clients",
     "deadline": "rounds.deadline_s",
     "wait_devices": "rounds.expected_clients",
@@ -85,6 +104,7 @@ FLAG_KEYS: Final = {
     "device_keys": "security.device_keys_dir",
     "clip_norm": "robustness.norm_bound",
     "clip_multiplier": "robustness.adaptive_factor",
+    "tolerate": "robustness.tolerate",
     "trim_fraction": "strategy.trim_fraction",
     "max_updates": "strategy.max_updates",
     "buffer_size": "strategy.buffer_size",
@@ -105,6 +125,8 @@ FLAG_MEANING: Final = {
     "and expect as many clients a round; ",
     "clip_norm": "bound on each update's L2 norm at the coordinator (not the devices' "
     "training.clip_norm); ",
+    "tolerate": "hostile devices every aggregated round withstands (sets each strategy's fewest "
+    "updates a round); ",
 }
 
 
@@ -123,7 +145,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="run the coordinator of a fleet",
         description="Run federated rounds for one fleet over MQTT, as a coordinator profile says; flags "
         "override the profile's keys. Exit codes: 0 done, 1 invalid profile or credentials refused, 2 usage "
-        "(a bad flag or --set), 3 model error, 4 start-up error, 5 a round aggregated nothing.",
+        "(a bad flag or --set), 3 model error, 4 start-up error (broker unreachable, fleet page port in "
+        "use), 5 a round aggregated nothing, 6 another coordinator runs this fleet.",
     )
     p.add_argument(
         "profile",
@@ -208,6 +231,7 @@ def build_strategy(profile: CoordinatorProfile) -> Strategy:
         deadline_s=rounds.deadline_s,
         clip_norm=rob.norm_bound,
         clip_multiplier=rob.adaptive_factor,
+        tolerate=rob.tolerate,
         **own,
     )
     if not dp.enabled:
@@ -221,18 +245,51 @@ def build_strategy(profile: CoordinatorProfile) -> Strategy:
     )
 
 
+#: The strategies' constructor arguments that another table's key sets (the rest are ``strategy.<name>``).
+_ARGUMENT_KEYS: Final = {
+    "clip_norm": "robustness.norm_bound",
+    "clip_multiplier": "robustness.adaptive_factor",
+}
+
+
+def strategy_problems(profile: CoordinatorProfile) -> list[str]:
+    """Why :func:`build_strategy` refuses ``profile``, each line naming its dotted key; empty if it builds.
+
+    ``edgefl check-config`` and ``edgefl coordinator`` both ask (the coordinator before it connects),
+    so a profile that one accepts the other runs. Building a strategy allocates nothing of the head.
+    """
+    name = profile.strategy.name
+    try:
+        build_strategy(profile)
+    except TypeError as exc:  # an option the named strategy does not take (server_momentum for median)
+        arg = str(exc).rpartition("argument ")[2].strip("'\" ")
+        key = _ARGUMENT_KEYS.get(arg, f"strategy.{arg}")
+        table, _, field_name = key.partition(".")
+        value = getattr(getattr(profile, table), field_name, None)
+        return [f"{key} = {value!r}: not an option of strategy.name = {name!r}"]
+    except ValueError as exc:
+        key = "privacy.enabled" if profile.privacy.enabled and "DP" in str(exc) else "strategy.name"
+        value = "true" if key == "privacy.enabled" else repr(name)
+        return [f"{key} = {value}: {exc}"]
+    return []
+
+
 Evaluation = Callable[[CoordinatorProfile, Backbone], Callable[[F32, F32], float] | None]
 """Builds the central evaluation of a head for a profile and backbone (None: no central set)."""
 
 PageServer = Callable[
-    [DashboardConfig, str, Callable[[], Mapping[str, Any]]],
+    [DashboardConfig, str, Callable[[], Mapping[str, Any]], Callable[[], Sequence[Mapping[str, Any]]]],
     Awaitable[tuple[Callable[[], Awaitable[None]], int]],
 ]
-"""Serves the fleet page: ``(dashboard config, title, get_status) -> (stop, port)``; given by the CLI."""
+"""Serves the fleet page: ``(dashboard config, title, get_status, get_rounds) -> (stop, port)``; given by
+the CLI."""
 
 
 def main(
-    args: argparse.Namespace, evaluation: Evaluation | None = None, page: PageServer | None = None
+    args: argparse.Namespace,
+    evaluation: Evaluation | None = None,
+    page: PageServer | None = None,
+    lock: StateLock | None = None,
 ) -> int:
     """Run the coordinator until the profile's rounds closed or SIGTERM; returns the exit code.
 
@@ -241,6 +298,9 @@ def main(
     args : the parsed command line (see :func:`add_parser`)
     evaluation : builds the central evaluation; given by the composition root (``edgefl.cli``)
     page : serves the fleet page when ``dashboard.enabled``; given by the composition root
+    lock : locks the state folder (the folder of ``files.state``) for this process's life, raising
+        :class:`~edgefl.coordinator.lease.LeaseHeld` when another process holds it; given by the
+        composition root (the agents' ``flock``)
     """
     try:
         profile = load_coordinator_profile(args.profile, overrides_from(args))
@@ -249,17 +309,23 @@ def main(
         for problem in exc.problems:
             print(f"  {problem}", file=sys.stderr)
         return EXIT_INVALID
-    try:
-        strategy = build_strategy(profile)  # a combination no strategy accepts is a profile problem
-        if profile.hierarchy.role != "flat" and profile.strategy.name == "fedbuff":
-            raise ValueError(f"hierarchy.role = {profile.hierarchy.role!r}: fedbuff runs flat only")
-        del strategy
-    except ValueError as exc:
+    problems = strategy_problems(profile)  # a combination no strategy accepts is a profile problem
+    if problems:
         print(f"edgefl coordinator: invalid profile {args.profile}:", file=sys.stderr)
-        print(f"  [strategy]/[privacy]: {exc}", file=sys.stderr)
+        for problem in problems:
+            print(f"  {problem}", file=sys.stderr)
         return EXIT_INVALID
+    held: object = None
     try:
+        if lock is not None and profile.files.state is not None:
+            held = lock(profile.files.state.parent)  # kept until this function returns
         return asyncio.run(run(profile, evaluation, page))
+    except LeaseHeld as exc:
+        print(f"edgefl coordinator: {exc}", file=sys.stderr)
+        return EXIT_LEASE
+    except OSError as exc:  # the state folder cannot be created or locked
+        print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
     except ModelError as exc:
         print(f"edgefl coordinator: model error: {exc}", file=sys.stderr)
         return EXIT_MODEL
@@ -269,6 +335,8 @@ def main(
     except (ConfigError, TransportError) as exc:
         print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
+    finally:
+        del held  # the lock is released with its file (or the process's end)
 
 
 def _log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:
@@ -368,7 +436,6 @@ def _empty_cause(refused: Mapping[str, int], declined: Mapping[str, int], online
 def _round_line(
     rec: RoundRecord,
     total: int,
-    expected: int,
     refused: Mapping[str, int],
     declined: Mapping[str, int] | None = None,
     per: str = "update",
@@ -387,8 +454,10 @@ def _round_line(
         extra += f", privacy epsilon {rec.epsilon:.3g} at delta {rec.delta:g}"
     if rec.refused:
         extra += f", ROUND REFUSED ({rec.refused}): head kept"
+    # "N/M clients": N updates counted of the M devices asked, in every round and on the fleet page
+    number = f"{rec.round}/{total}" if total else f"{rec.round}"
     return (
-        f"round {rec.round}/{total}: {rec.clients}/{expected} clients, refused: {why}, accuracy {acc}, "
+        f"round {number}: {rec.clients}/{rec.asked} clients, refused: {why}, accuracy {acc}, "
         f"{rec.update_bytes_mean:.0f} B/{per}, {rec.duration_s:.2f} s{extra}"
     )
 
@@ -419,25 +488,42 @@ async def run(
     fleet = profile.fleet.name
     hier = profile.hierarchy
     client_id = f"edgefl-site-{hier.site}-{fleet}" if hier.role == "site" else f"edgefl-coordinator-{fleet}"
-    # A persistent session: updates published while the coordinator restarts wait for it at the broker.
-    transport = MqttTransport(
-        broker.host,
-        broker.port,
-        client_id,
-        protocol=broker.protocol,
-        keepalive_s=broker.keepalive_s,
-        username=broker.username,
-        password=broker_password(broker),
-        tls_context=ssl_context_for(broker),
-        max_packet_bytes=broker.max_packet_bytes,
-        max_incoming_packet_bytes=broker.max_incoming_packet_bytes,
-        session_expiry_s=3600,
-        alternates=broker.alternate_addresses,  # the other nodes of a clustered broker, tried in turn
-        # a site acknowledges an update once its round record holds it: a SIGKILL loses none
-        ack_on_commit=hier.role == "site" and files.state is not None,
-        # one client, not a fleet: back within ~5 s of its broker (a root's partials wait for it)
-        reconnect_max_s=COORDINATOR_RECONNECT_MAX_S,
-    )
+    topics = Topics(broker.topic_prefix, fleet)
+    where = f"{broker.scheme}://{broker.host}:{broker.port}"
+    instance = new_instance()
+    leased = hier.role != "site"  # one coordinator per fleet; a site is one per site broker
+
+    def transport_for(cid: str, *, persistent: bool) -> MqttTransport:
+        return MqttTransport(
+            broker.host,
+            broker.port,
+            cid,
+            protocol=broker.protocol,
+            keepalive_s=broker.keepalive_s,
+            username=broker.username,
+            password=broker_password(broker),
+            tls_context=ssl_context_for(broker),
+            max_packet_bytes=broker.max_packet_bytes,
+            max_incoming_packet_bytes=broker.max_incoming_packet_bytes,
+            # A persistent session: updates published while the coordinator restarts wait for it
+            session_expiry_s=3600 if persistent else 0,
+            alternates=broker.alternate_addresses,  # the other nodes of a clustered broker, tried in turn
+            # an update is acknowledged once the state file holds it: a SIGKILL loses none
+            ack_on_commit=persistent and files.state is not None,
+            # one client, not a fleet: back within ~5 s of its broker (a root's partials wait for it)
+            reconnect_max_s=COORDINATOR_RECONNECT_MAX_S,
+            will=Lease.will(topics.coordinator) if persistent and leased else None,
+        )
+
+    if leased:  # before anything is published or written: is a live coordinator running this fleet?
+        probe = transport_for(f"{client_id}-probe-{instance[:8]}", persistent=False)
+        await probe_lease(
+            probe,
+            topics.coordinator,
+            f"fleet {fleet} on broker {where}",
+            lambda t: _connected_or_refused(t, where, 60.0),
+        )
+    transport = transport_for(client_id, persistent=True)
     st = profile.strategy
     try:
         strategy = build_strategy(profile)
@@ -452,11 +538,12 @@ async def run(
             logger.warning(
                 "hierarchy.allow_unsigned_sites = true: partials are NOT verified; anyone who can "
                 "publish on %s sets the global head",
-                Topics(broker.topic_prefix, fleet).partial("+"),
+                topics.partial("+"),
             )
         role_kwargs = {
             "site_keys": load_verify_keys(hier.site_keys_dir) if hier.site_keys_dir else None,
             "expected_sites": hier.expected_sites,
+            "site_devices": hier.site_devices,
         }
     elif hier.role == "site":
         cls = SiteAggregator
@@ -467,12 +554,13 @@ async def run(
             "close_margin_s": hier.close_margin_s,
             "site_state": files.state,
         }
+    job = rounds.count > 0  # N rounds back to back; 0: a service, paced
     coord = cls(
         transport,
-        Topics(broker.topic_prefix, fleet),
+        topics,
         W0,
         b0,
-        model_sha256=backbone.sha256,
+        model_sha256=backbone.backbone_sha256,
         strategy=strategy,
         evaluate=evaluate,
         compression=Compression(rounds.compression),
@@ -483,6 +571,10 @@ async def run(
         max_packet_bytes=broker.max_packet_bytes,
         max_devices=profile.fleet.max_devices,
         device_expiry_s=profile.fleet.device_expiry_s,
+        quorum=rounds.quorum,
+        pacing=Pacing(0.0, 0, 1)
+        if job
+        else Pacing(rounds.interval_s, rounds.min_new_samples, rounds.min_clients),
         **role_kwargs,
     )
 
@@ -490,64 +582,74 @@ async def run(
         print(f"device {device} runs another model ({why}): left out of rounds", flush=True)
 
     coord.on_mismatch = mismatch
-    transport.on_connect_cb = coord.on_transport_connect  # a broker that lost our session: announce again
     if isinstance(coord, SiteAggregator):
+        transport.on_connect_cb = coord.on_transport_connect
         return await _run_site(coord, profile, transport, page)
-    if files.state is not None:
-        try:
-            coord.load_state(files.state)
-        except UpdateRejected as exc:
-            raise ConfigError([f"files.state = {str(files.state)!r}: {exc}"]) from exc
-        coord.state_path = files.state
-        if files.log is not None:
-            _log_missing_rounds(files.log, coord, strategy.name)
+    lease = Lease(transport, topics.coordinator, instance)
     stop = asyncio.Event()
+    lease.on_lost = stop.set
+    coord.on_lease_message = lease.handle
+
+    def connected() -> None:
+        coord.on_transport_connect()  # a broker that lost our session: announce again
+        lease.on_connect()  # our presence again (the broker may have lost it, or a will cleared it)
+
+    transport.on_connect_cb = connected
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    where = f"{broker.scheme}://{broker.host}:{broker.port}"
     role = "" if hier.role == "flat" else f" ({hier.role} of {hier.expected_sites or 'any number of'} sites)"
-    print(
-        f"coordinator{role} of fleet {fleet} at {where}: {_plural(rounds.count, 'round')} of {st.name}",
-        flush=True,
-    )
+    if job:
+        what = f"{_plural(rounds.count, 'round')} of {st.name}"
+    else:
+        what = (
+            f"rounds of {st.name} until stopped, at most one every {rounds.interval_s:g} s, each once the "
+            f"ready devices report {rounds.min_new_samples} new samples"
+        )
+    print(f"coordinator{role} of fleet {fleet} at {where}: {what}, {strategy.tolerance()}", flush=True)
     stop_page: Callable[[], Awaitable[None]] | None = None
     if page is not None and profile.dashboard.enabled:
-        stop_page, port = await page(profile.dashboard, f"fleet {fleet}", coord.dashboard_status)
+        dash = profile.dashboard
+        try:
+            stop_page, port = await page(
+                dash, f"fleet {fleet}", coord.dashboard_status, coord.dashboard_rounds
+            )
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            raise ConfigError(
+                [f"dashboard.port = {dash.port}: cannot serve the fleet page on {dash.host} ({why})"]
+            ) from exc
         print(f"fleet page: http://{profile.dashboard.host}:{port}/", flush=True)
-    await transport.start(wait_s=None)
-    pump = asyncio.create_task(coord.pump())
     records: list[RoundRecord] = []
     empty: list[str] = []
+    pump: asyncio.Task[None] | None = None
+    holding: asyncio.Task[None] | None = None
     try:
+        if files.state is not None:
+            try:
+                coord.load_state(files.state)
+            except UpdateRejected as exc:
+                raise ConfigError([f"files.state = {str(files.state)!r}: {exc}"]) from exc
+            coord.state_path = files.state
+            if files.log is not None:
+                _log_missing_rounds(files.log, coord, strategy.name)
+        await transport.start(wait_s=None)
+        pump = asyncio.create_task(coord.pump())
         await _connected_or_refused(transport, where, 60.0)
+        holding = asyncio.create_task(lease.hold())
         await coord.start()
-        expected = max(rounds.expected_clients, rounds.min_clients)
-        if coord.state.round >= rounds.count:
+        if job and coord.state.round >= rounds.count:
             print(
                 f"nothing to do: fleet {fleet} is at round {coord.state.round} of {rounds.count} "
                 "(raise rounds.count or use a new fleet.name)",
                 flush=True,
             )
         elif rounds.expected_clients:
-            waiting = asyncio.create_task(
-                coord.wait_for_devices(rounds.expected_clients, timeout_s=rounds.wait_devices_s)
-            )
-            stopper = asyncio.create_task(stop.wait())
-            await asyncio.wait({waiting, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            stopper.cancel()
-            if not waiting.done():  # SIGTERM while waiting for the devices
-                waiting.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await waiting
-            else:
-                try:
-                    waiting.result()
-                except TimeoutError as exc:
-                    print(f"{exc}; starting the rounds anyway", flush=True)
-                    logger.warning("%s; starting the rounds anyway", exc)
-        while coord.state.round < rounds.count and not stop.is_set():
+            await _wait_for_expected(coord, rounds.expected_clients, rounds.wait_devices_s, stop)
+        while not stop.is_set() and not (job and coord.state.round >= rounds.count):
+            if not job and not coord.resuming and not await coord.wait_to_open(stop):
+                break
             r = coord.state.round + 1
             refused_before = Counter(coord.state.rejected)
             declined_before = Counter(coord.state.declined)
@@ -555,62 +657,58 @@ async def run(
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
-            if runner not in done:
+            if runner not in done:  # stopped: the open round stays in the state file, resumed at restart
                 runner.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await runner
                 break
             rec = runner.result()
             records.append(rec)
-            refused = Counter(coord.state.rejected)
-            refused.subtract(refused_before)
-            refused_round = {k: v for k, v in refused.items() if v > 0}
-            declined = Counter(coord.state.declined)
-            declined.subtract(declined_before)
-            declined_round = {k: v for k, v in declined.items() if v > 0}
+            refused_round = _since(coord.state.rejected, refused_before)
+            declined_round = _since(coord.state.declined, declined_before)
             if files.state is not None:
                 coord.save_state(files.state)
             # at the root the messages in are the sites' partials (~41 kB for 512x10 float64 sums)
             per = "partial" if isinstance(coord, RootCoordinator) else "update"
-            line = _round_line(rec, rounds.count, expected, refused_round, declined_round, per)
+            line = _round_line(rec, rounds.count, refused_round, declined_round, per)
             print(line, flush=True)
             logger.info("%s", line)
-            if rec.clients == 0:
+            if rec.clients == 0 and job:
                 why = _empty_cause(refused_round, declined_round, len(coord.online_devices()))
                 empty.append(f"round {rec.round} aggregated nothing ({why})")
+            elif rec.refused == "too_few":  # abandoned: fewer updates than robustness.tolerate needs
+                need = f"{strategy.name} needs {strategy.min_updates}"
+                why = f"{rec.clients} updates, {need}: {strategy.tolerance()}"
+                empty.append(f"round {rec.round} aggregated nothing (abandoned: {why})")
             if files.log is not None:
-                entry = {
-                    "round": rec.round,
-                    "clients": rec.clients,
-                    "accuracy": rec.accuracy,
-                    "update_bytes_mean": rec.update_bytes_mean,
-                    "duration_s": rec.duration_s,
-                    "refused_updates": refused_round,
-                    "update_ids": coord.counted.get(rec.round, []),
-                    "version": coord.state.version,
-                    "strategy": strategy.name,
-                    "clipped": rec.clipped,
-                    "clipped_by_device": dict(strategy.clipped),  # since the start of this process
-                    "norm_bound": rec.norm_bound if math.isfinite(rec.norm_bound) else None,
-                    "epsilon": None if math.isnan(rec.epsilon) else rec.epsilon,
-                    "delta": None if math.isnan(rec.delta) else rec.delta,
-                    "refused": rec.refused or None,
-                }
-                if isinstance(coord, RootCoordinator):  # since the start of this process
-                    # update_bytes_mean is kept (same key as a flat run); at the root it is this
-                    entry["partial_bytes_mean"] = rec.update_bytes_mean
-                    entry["partials"] = coord.partials_received
-                    entry["partial_bytes"] = coord.partial_bytes
-                    entry["duplicate_partials"] = coord.duplicates
+                entry = _log_entry(coord, rec, strategy, refused_round, declined_round)
                 with open(files.log, "a") as f:
                     f.write(json.dumps(entry) + "\n")
+        coord.finished = True
+        coord.notify()
     finally:
-        pump.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await pump
+        if pump is not None:
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+        if holding is not None:
+            holding.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await holding
+        if files.state is not None and coord.state_path is not None and not lease.lost.is_set():
+            with contextlib.suppress(OSError):
+                coord.save_state(files.state)  # an open round, as it stands: resumed at the restart
+        if not lease.lost.is_set():
+            await lease.release()
         await transport.stop()
         if stop_page is not None:
             await stop_page()
+    if lease.lost.is_set():
+        print(
+            f"edgefl coordinator: another coordinator runs this fleet ({lease.lost_to}): stopped",
+            file=sys.stderr,
+        )
+        return EXIT_LEASE
     if files.json is not None:
         summary = {
             "fleet": fleet,
@@ -635,6 +733,71 @@ async def run(
     return EXIT_OK
 
 
+def _since(now: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:
+    """The counts by reason ``now`` has more of than ``before`` (one round's refusals or declines)."""
+    return {k: v - before.get(k, 0) for k, v in sorted(now.items()) if v > before.get(k, 0)}
+
+
+def _log_entry(
+    coord: Coordinator,
+    rec: RoundRecord,
+    strategy: Strategy,
+    refused: Mapping[str, int],
+    declined: Mapping[str, int],
+) -> dict[str, Any]:
+    """One closed round's line of ``files.log`` (``docs/operations.md``, "The round log")."""
+    closed = rec.closed_unix if math.isfinite(rec.closed_unix) else time.time()
+    entry: dict[str, Any] = {
+        "round": rec.round,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(closed)),
+        "asked": rec.asked,
+        "counted": rec.clients,
+        "refused": dict(refused),
+        "declined": dict(declined),
+        "clients": rec.clients,
+        "accuracy": rec.accuracy,
+        "update_bytes_mean": rec.update_bytes_mean,
+        "duration_s": rec.duration_s,
+        "refused_updates": dict(refused),
+        "update_ids": coord.counted.get(rec.round, []),
+        "version": coord.state.version,
+        "strategy": strategy.name,
+        "lr": rec.lr if math.isfinite(rec.lr) else None,
+        "new_samples": rec.new_samples if rec.new_samples >= 0 else None,
+        "clipped": rec.clipped,
+        "clipped_by_device": dict(strategy.clipped),  # since the start of this process
+        "norm_bound": rec.norm_bound if math.isfinite(rec.norm_bound) else None,
+        "epsilon": None if math.isnan(rec.epsilon) else rec.epsilon,
+        "delta": None if math.isnan(rec.delta) else rec.delta,
+        "round_refused": rec.refused or None,
+    }
+    if isinstance(coord, RootCoordinator):  # since the start of this process
+        # update_bytes_mean is kept (same key as a flat run); at the root it is this
+        entry["partial_bytes_mean"] = rec.update_bytes_mean
+        entry["partials"] = coord.partials_received
+        entry["partial_bytes"] = coord.partial_bytes
+        entry["duplicate_partials"] = coord.duplicates
+    return entry
+
+
+async def _wait_for_expected(coord: Coordinator, n: int, timeout_s: float, stop: asyncio.Event) -> None:
+    """Wait for ``n`` ready devices before round 1 (``rounds.expected_clients``), ``timeout_s`` at most."""
+    waiting = asyncio.create_task(coord.wait_for_devices(n, timeout_s=timeout_s))
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({waiting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not waiting.done():  # SIGTERM while waiting for the devices
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        return
+    try:
+        waiting.result()
+    except TimeoutError as exc:
+        print(f"{exc}; starting the rounds anyway", flush=True)
+        logger.warning("%s; starting the rounds anyway", exc)
+
+
 async def _run_site(
     site: SiteAggregator, profile: CoordinatorProfile, transport: MqttTransport, page: PageServer | None
 ) -> int:
@@ -657,7 +820,9 @@ async def _run_site(
             loop.add_signal_handler(sig, stop.set)
     stop_page: Callable[[], Awaitable[None]] | None = None
     if page is not None and profile.dashboard.enabled:
-        stop_page, port = await page(profile.dashboard, f"site {site.site}", site.dashboard_status)
+        stop_page, port = await page(
+            profile.dashboard, f"site {site.site}", site.dashboard_status, site.dashboard_rounds
+        )
         print(f"site page: http://{profile.dashboard.host}:{port}/", flush=True)
     await transport.start(wait_s=None)
     pump = asyncio.create_task(site.pump())

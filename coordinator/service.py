@@ -29,7 +29,15 @@ import cbor2
 import numpy as np
 
 from edgefl.aio import wait_event
-from edgefl.coordinator.rounds import Round, RoundPhase
+from edgefl.coordinator.rounds import (
+    FleetPhase,
+    FleetState,
+    Pacing,
+    Round,
+    RoundPhase,
+    collecting,
+    replace_min_devices,
+)
 from edgefl.coordinator.strategy import Offer, RoundConfig, Schedule, Strategy, aggregate_checked
 from edgefl.errors import DecodeError, TransportError, UpdateRejected
 from edgefl.head import validate_head
@@ -53,6 +61,7 @@ from edgefl.wire.messages import (
     encode_global_model,
     encode_round,
 )
+from edgefl.wire.presence import read_new_samples
 from edgefl.wire.signing import SigningKey, VerifyKey, sign_message, verify_payload
 
 logger = logging.getLogger(__name__)
@@ -79,6 +88,14 @@ ADOPT_WAIT_S = 2.0
 
 EARLY_UPDATES_MAX = 4096
 """Updates held for the next round before it opens (see ``Coordinator._early``)."""
+
+
+PERSIST_EVERY = 32
+"""With a state file, the open round is written at least every this many messages (``Coordinator.pump``)."""
+
+HISTORY_ROUNDS = 500
+"""Closed rounds kept in memory and in the state file (records and counted update ids): a service runs
+for months, and the round log (``files.log``) keeps them all."""
 
 
 DECLINE_SUFFIX = ":declined"
@@ -145,6 +162,14 @@ class RoundRecord:
         Mean accuracy of the worst tenth of those devices (at least one).
     fed_devices : int
         Devices whose evaluation of the base head was counted.
+    asked : int
+        Devices asked to take part (the selection, or the devices ready at the opening).
+    lr : float
+        Client learning rate the round announced.
+    closed_unix : float
+        Unix time the round closed, seconds (NaN in records of older state files).
+    new_samples : int
+        New labelled samples the ready devices reported at the opening (-1: none reported).
     """
 
     round: int
@@ -161,6 +186,10 @@ class RoundRecord:
     fed_accuracy: float = math.nan
     fed_worst_decile: float = math.nan
     fed_devices: int = 0
+    asked: int = 0
+    lr: float = math.nan
+    closed_unix: float = math.nan
+    new_samples: int = -1
 
 
 def federated_evaluation(reports: Sequence[tuple[float, int]]) -> tuple[float, float, int]:
@@ -182,6 +211,46 @@ def federated_evaluation(reports: Sequence[tuple[float, int]]) -> tuple[float, f
     mean = sum(a * n for a, n in usable) / total
     worst = sorted(a for a, _ in usable)[: max(1, math.ceil(len(usable) / 10))]
     return mean, sum(worst) / len(worst), len(usable)
+
+
+def personal_heads_summary(devices: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The fleet's personal and global heads on the devices' holdouts, from their latest statuses.
+
+    Parameters
+    ----------
+    devices : {device: status fields}
+        Each may carry ``personal_accuracy``, ``global_accuracy`` (in [0, 1]) and ``eval_count``
+        (holdout samples, the weight), ``serving_head``.
+
+    Returns
+    -------
+    dict or None
+        ``{"devices", "personal_mean", "personal_worst_decile", "global_mean", "global_worst_decile",
+        "serving_personal"}``: means weighted by holdout samples, worst deciles as
+        :func:`federated_evaluation` (mean of the worst ceil(10 %) of devices), and how many devices
+        serve their personal head; None when no device reports both accuracies.
+    """
+    personal: list[tuple[float, int]] = []
+    glob: list[tuple[float, int]] = []
+    serving = 0
+    for st in devices.values():
+        p, g, n = st.get("personal_accuracy"), st.get("global_accuracy"), st.get("eval_count")
+        if isinstance(p, int | float) and isinstance(g, int | float) and isinstance(n, int) and n > 0:
+            personal.append((float(p), n))
+            glob.append((float(g), n))
+            serving += st.get("serving_head") == "personal"
+    if not personal:
+        return None
+    pm, pw, count = federated_evaluation(personal)
+    gm, gw, _ = federated_evaluation(glob)
+    return {
+        "devices": count,
+        "personal_mean": pm,
+        "personal_worst_decile": pw,
+        "global_mean": gm,
+        "global_worst_decile": gw,
+        "serving_personal": serving,
+    }
 
 
 @dataclass
@@ -232,9 +301,15 @@ class Coordinator:
     device_expiry_s : float
         A status older than this (seconds since it was received, or since its ``ts`` field) is forgotten.
     lr_decay : float
-        Client learning-rate schedule: round ``r`` announces ``lr * lr_decay ** (r - 1)`` (1.0 = constant).
-        A decaying step damps the round-to-round swings of FedAvg on non-IID devices (Li et al. 2020,
-        "On the Convergence of FedAvg on Non-IID Data", which needs a decaying step to converge).
+        Client learning-rate schedule within an episode: a round announces ``lr * lr_decay ** e``, ``e``
+        the rounds since the episode began; an episode begins at the first round and at every round
+        whose ready devices report new labelled samples (1.0, the default: constant). A fleet's data
+        keeps changing, so its step must not vanish (``docs/operations.md``, "Learning rate").
+    quorum : float in (0, 1] or None
+        Share of the devices asked whose updates close a round early (``Round.close_at``); None:
+        ``min_clients`` updates do.
+    pacing : Pacing or None
+        When :meth:`wait_to_open` opens the next round (None: at once).
     """
 
     def __init__(
@@ -257,6 +332,8 @@ class Coordinator:
         max_packet_bytes: int = 256 * 1024,
         max_devices: int = 10_000,
         device_expiry_s: float = 7 * 24 * 3600.0,
+        quorum: float | None = None,
+        pacing: Pacing | None = None,
     ) -> None:
         self.transport = transport
         self.topics = topics
@@ -295,6 +372,7 @@ class Coordinator:
         self.on_mismatch: Callable[[str, str], None] | None = None
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
+        self._dashboard_rounds: list[dict[str, Any]] = []
         self._seen_update_ids: dict[str, None] = {}  # insertion-ordered, bounded: see _remember
         self.max_seen_update_ids = SEEN_UPDATE_IDS
         self._held: list[tuple[Update, int]] = []  # arrived while a buffered step was being published
@@ -308,6 +386,20 @@ class Coordinator:
         self._announcement: tuple[int, bytes] | None = None  # (round, payload) of the last announcement
         self._reannounce_task: asyncio.Task[None] | None = None
         self.reannounced = 0  # announcements published again after a reconnect without our session
+        self.quorum = quorum
+        self.pacing = pacing or Pacing()
+        self.finished = False  # a job's last round closed, or the service is stopping (fleet page)
+        self.on_lease_message: Callable[[Message], None] | None = None  # the lease topic's messages
+        self._last_start: float | None = None  # time.monotonic() of the last round's opening
+        self._episode_start = 1  # the round the learning-rate episode began with
+        self._dirty = False  # the open round changed since the state file was written (see pump)
+        self._settled = 0  # the last round whose result is in the state file
+        self._resume: dict[str, Any] | None = None  # the open round of the state file, until re-opened
+        # update id -> (topic, payload) of updates held in _early or _held: acknowledged, so written
+        # with the state (an update the broker acknowledged is never lost)
+        self._unfolded: dict[str, tuple[str, bytes]] = {}
+        self._round_lr = math.nan  # the client learning rate the open round announced
+        self.state_loaded = False  # load_state found a state file
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -330,7 +422,8 @@ class Coordinator:
         adopt_wait_s : float
             How long to wait for the retained messages (seconds); they arrive right after SUBACK.
         """
-        adopting = self.state.version == 0 and self.state.round == 0
+        # a state file, even one written in round 1 (its open round), is this fleet's truth
+        adopting = self.state.version == 0 and self.state.round == 0 and not self.state_loaded
         if adopting:
             self._adopting = True
             # control topics first: a flood on update/+ must not stand between us and their SUBACKs
@@ -348,7 +441,7 @@ class Coordinator:
         # dropped after adopting, and whenever the broker resumed a session of ours (an earlier run
         # that adopted may have left them in it)
         if adopting or self.transport.session_present:
-            for topic in (self.topics.round, self.topics.global_model + "/#"):
+            for topic in (self.topics.round, self.topics.global_model + "/#", *self._dropped_topics()):
                 try:
                     await self.transport.unsubscribe(topic)
                 except TransportError as exc:  # harmless: the echoes are ignored, as before
@@ -360,6 +453,10 @@ class Coordinator:
     def _data_topics(self) -> list[str]:
         """The device-facing topics :meth:`start` subscribes to after the control topics."""
         return [self.topics.update("+"), self.topics.status("+")]
+
+    def _dropped_topics(self) -> list[str]:
+        """Topics an earlier session of this client may hold that this one must not receive."""
+        return []
 
     async def subscribe(self, topic: str, budget_s: float = PUBLISH_RETRY_S) -> None:
         """Subscribe with QoS 1, retrying a late SUBACK with backoff (1, 2, 4 ... 16 s) for ``budget_s``.
@@ -443,21 +540,52 @@ class Coordinator:
             )
 
     def save_state(self, path: Path) -> None:
-        """Persist the global head, version, round and history (atomic, checksummed record).
+        """Persist the global head, version, round, recent history and the open round (atomic, checksummed).
 
-        A coordinator restarted with the same state file resumes after its last closed round.
+        A coordinator restarted with the same state file resumes after its last closed round, and
+        re-opens the round that was open, with every update it had accepted (the strategy's
+        accumulator, the update ids) and the updates held for later: whatever the broker was told
+        was received is in this file (see :meth:`pump`).
         """
+        del self.state.history[:-HISTORY_ROUNDS]
+        for old in sorted(self.counted)[:-HISTORY_ROUNDS]:
+            del self.counted[old]
+        closed = self.state.current is None or self.state.current.number <= self._settled
         doc = {
             "v": 1,
-            "round": self.state.round,
+            "round": self.state.round if closed else self.state.round - 1,
             "version": self.state.version,
             "W": self.W.tobytes(),
             "b": self.b.tobytes(),
             "shape": list(self.shape),
             "history": [list(dataclasses.astuple(h)) for h in self.state.history],
             "counted": {str(k): sorted(v) for k, v in self.counted.items()},
+            "strategy": self.strategy.durable_state(),  # norm history, server optimiser, DP ledger
+            "open": self._open_round_doc(),
+            "unfolded": [[topic, payload] for topic, payload in self._unfolded.values()],
         }
         write_record(path, cbor2.dumps(doc))
+
+    def _open_round_doc(self) -> dict[str, Any] | None:
+        """The open round as the state file keeps it (None when no round is open, or its result is saved)."""
+        rnd = self.state.current
+        if rnd is None or rnd.number <= self._settled:
+            return self._resume  # a resumed round not re-opened yet stays in the file
+        return {
+            "round": rnd.number,
+            "base_version": rnd.base_version,
+            "opened_unix": time.time() - (time.monotonic() - rnd.opened_at),
+            "deadline_s": rnd.deadline_s,
+            "selected": sorted(rnd.selected) if rnd.selected is not None else None,
+            "online": sorted(rnd.online),
+            "update_ids": sorted(rnd.update_ids),
+            "devices": list(rnd.devices),
+            "declined": list(rnd.declined),
+            "sites": list(rnd.sites),
+            "update_bytes": list(rnd.update_bytes),
+            "lr": self._round_lr,
+            "snapshot": self.strategy.snapshot() if self.strategy.accepted else None,
+        }
 
     def load_state(self, path: Path) -> bool:
         """Resume from a state file written by :meth:`save_state` (False when there is none).
@@ -487,6 +615,20 @@ class Coordinator:
         self.state.version = int(doc["version"])
         self.state.history = [RoundRecord(*h) for h in doc["history"]]
         self.counted = {int(k): list(v) for k, v in doc.get("counted", {}).items()}
+        try:
+            self.strategy.restore_durable(doc.get("strategy", {}))
+        except (ValueError, KeyError, TypeError) as exc:
+            why = f"{path}: the strategy's saved state does not fit ({exc})"
+            raise UpdateRejected("bad_state", why) from exc
+        self._settled = self.state.round
+        self.state_loaded = True
+        for r in sorted(self.counted):  # an update counted before the restart is refused as a duplicate
+            for update_id in self.counted[r]:
+                self._remember(update_id)
+        self._resume = doc.get("open")
+        self._unfolded = {}
+        for topic, payload in doc.get("unfolded", []):
+            self.handle(Message(str(topic), bytes(payload), False))  # held again for their round
         self._record_unrecorded_round()
         logger.info("resumed at round %d, version %d from %s", self.state.round, self.state.version, path)
         return True
@@ -563,7 +705,15 @@ class Coordinator:
         return sign_message(encode, msg, self.signing_key, fleet=self.topics.fleet)
 
     async def pump(self) -> None:
-        """Consume incoming messages forever: statuses and updates (each handler is guarded).
+        """Consume incoming messages forever (each handler is guarded), committing what they changed.
+
+        With a state file and the transport's ``ack_on_commit`` (``edgefl coordinator`` sets both), an
+        update, decline or partial is acknowledged to the broker (PUBACK) only once the state file
+        holds it: the open round is written once the queue is drained, or every ``PERSIST_EVERY``
+        messages under a flood (one write per batch, not one fsync per update), then
+        ``MqttTransport.commit`` acknowledges every message taken so far. A coordinator killed in
+        between gets them again from its persistent session, and its resumed round tells which it
+        had. Messages that changed nothing (statuses, refusals) are acknowledged at once.
 
         ``Queue.get`` on a non-empty queue does not suspend: under a flood the loop would never run
         anything else (signals, the round's deadline, the page), so it yields every 32 messages.
@@ -573,11 +723,68 @@ class Coordinator:
             msg = await self.transport.queue.get()
             self.handle(msg)
             handled += 1
+            if self._dirty:
+                batch_done = self.transport.queue.empty() or handled % PERSIST_EVERY == 0
+                if batch_done and self._flush():
+                    self.transport.commit()
+            else:
+                self.transport.commit()  # everything taken so far is written (or changed nothing)
             if handled % 32 == 0:
                 await asyncio.sleep(0)
 
+    def _flush(self) -> bool:
+        """Write what the messages handled since the last write changed (the open round, held updates).
+
+        Returns False when the write failed (logged; nothing is acknowledged, the next batch tries again).
+        """
+        try:
+            self._persist()
+        except OSError as exc:
+            logger.error("state not written (%s): updates stay unacknowledged until it is", exc)
+            return False
+        self._dirty = False
+        return True
+
+    def _resume_round(self, rnd: Round, doc: Mapping[str, Any]) -> None:
+        """Put back the open round of the state file into ``rnd`` (just configured): its updates count."""
+        rnd.opened_at = time.monotonic() - max(0.0, time.time() - float(doc["opened_unix"]))
+        rnd.update_ids = set(doc["update_ids"])
+        rnd.devices = list(doc["devices"])
+        rnd.declined = list(doc["declined"])
+        rnd.sites = list(doc["sites"])
+        rnd.update_bytes = [int(n) for n in doc["update_bytes"]]
+        if doc["snapshot"] is not None:
+            self.strategy.restore(doc["snapshot"])
+        for update_id in rnd.update_ids:
+            self._remember(update_id)
+        left = rnd.deadline_at - time.monotonic()
+        logger.warning(
+            "round %d resumed from the state file: %d updates, %d declines, %.0f s left",
+            rnd.number,
+            rnd.clients,
+            len(rnd.declined),
+            max(0.0, left),
+        )
+
+    @property
+    def resuming(self) -> bool:
+        """True while the state file's open round waits to be re-opened (it opens without pacing)."""
+        return self._resume is not None
+
+    def notify(self) -> None:
+        """Tell the page that something changed (``on_change``)."""
+        self._notify()
+
+    def min_updates(self) -> int:
+        """The fewest updates the strategy aggregates (its own floor; a round never closes early below it)."""
+        return 1
+
     def handle(self, msg: Message) -> None:
         """Dispatch one message; a bad one is logged with topic, size and reason and counted, never raised."""
+        if msg.topic == self.topics.coordinator:
+            if self.on_lease_message is not None:
+                self.on_lease_message(msg)
+            return
         device = self.topics.device_of(msg.topic)
         try:
             if device is None and self._is_own_topic(msg.topic):
@@ -590,6 +797,7 @@ class Coordinator:
                     self.state.devices.pop(device, None)  # retained status cleared
                     return
                 status = decode_status(msg.payload, limits=self.limits)
+                read_new_samples(status.fields)  # a bad count refuses the status (bad_value, wrong_type)
                 entry = dict(status.fields)
                 entry["state"] = status.state
                 entry["seen_at"] = time.time()
@@ -598,13 +806,18 @@ class Coordinator:
                 self._notify()
             else:
                 self._handle_update(device, msg)
-        except (DecodeError, UpdateRejected) as exc:
-            self.state.rejected[exc.reason] += 1
+        except Exception as exc:
+            # DecodeError/UpdateRejected carry their reason; anything else is the last line of defence
+            # (a fault in handling): counted as ``failed`` so the pump never stops (a peer never deaf)
+            known = isinstance(exc, (DecodeError, UpdateRejected))
+            reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
+            why = str(exc) if known else f"failed: handling raised {type(exc).__name__}: {exc}"
+            self.state.rejected[reason] += 1
             if device is not None and (
                 device in self.state.devices or len(self.rejected_by_device) < self.max_devices
             ):
-                self.rejected_by_device.setdefault(device, Counter())[exc.reason] += 1
-            n = self.state.rejected[exc.reason]
+                self.rejected_by_device.setdefault(device, Counter())[reason] += 1
+            n = self.state.rejected[reason]
             # every refusal is counted; the log names the first ones of each reason, then every 1000th
             # (a flood of forged messages must not become a flood of log lines)
             if n <= LOGGED_REFUSALS or n % 1000 == 0:
@@ -612,8 +825,8 @@ class Coordinator:
                     "rejected message on %s (%d bytes): %s%s",
                     msg.topic,
                     len(msg.payload),
-                    exc,
-                    f" ({n} {exc.reason} so far)" if n > LOGGED_REFUSALS else "",
+                    why,
+                    f" ({n} {reason} so far)" if n > LOGGED_REFUSALS else "",
                 )
 
     def _register(self, device: str, entry: dict[str, Any]) -> None:
@@ -644,7 +857,14 @@ class Coordinator:
         devices[device] = entry
         sha = entry.get("model_sha256")
         if isinstance(sha, str) and sha != self.model_sha256:
-            why = f"backbone sha256 {sha[:12]}… differs from the coordinator's {self.model_sha256[:12]}…"
+            # an `edgefl model prepare` output carries its original's sha256: a difference is another model
+            why = (
+                f"backbone sha256 {sha[:12]}… differs from the coordinator's {self.model_sha256[:12]}…: "
+                "another model (a `model prepare` output counts as its original)"
+            )
+            shape = entry.get("head_shape")
+            if isinstance(shape, list) and shape != [int(n) for n in self.W.shape]:
+                why += f"; head {shape}, the coordinator's {list(self.W.shape)}"
             if self.mismatched.get(device) != why:
                 self.mismatched[device] = why
                 logger.warning("device %s runs another model: %s; left out of rounds", device, why)
@@ -696,6 +916,8 @@ class Coordinator:
         if rnd is None or (rnd.check_round and rnd.phase is not RoundPhase.OPEN):
             if update.round == self.state.round + 1 and len(self._early) < EARLY_UPDATES_MAX:
                 self._early[update.update_id] = (update, len(payload))
+                self._unfolded[update.update_id] = (msg.topic, msg.payload)
+                self._dirty = True
                 logger.info("round %d: update from %s held until the round opens", update.round, device)
                 return
             if rnd is None:
@@ -705,6 +927,8 @@ class Coordinator:
             # A buffered step is full or being published: the update counts in the next step (a
             # step aggregates exactly its buffer size, and FedBuff loses no device's work).
             self._held.append((update, len(payload)))
+            self._unfolded[update.update_id] = (msg.topic, msg.payload)
+            self._dirty = True
             logger.info("update %s held for the next buffered step", update.update_id)
             self._notify()
             return
@@ -750,6 +974,7 @@ class Coordinator:
         if device in self.state.devices or len(self.declined_by_device) < self.max_devices:
             self.declined_by_device.setdefault(device, Counter())[decline.reason] += 1
         rnd.declined.append(device)
+        self._dirty = True
         n = self.state.declined[decline.reason]
         if n <= LOGGED_REFUSALS or n % 1000 == 0:
             logger.warning(
@@ -776,6 +1001,7 @@ class Coordinator:
         )
         rnd.record(update, size_bytes)
         self._remember(update.update_id)
+        self._dirty = True
         # Devices no longer publish a status for their round's progress (agent/status.py):
         # the update says it, so the fleet registry takes the device's round, update size and its
         # evaluation of the base head (federated evaluation, read at the round's close) from it.
@@ -785,6 +1011,7 @@ class Coordinator:
             if not isinstance(shown, int) or shown < update.round:
                 entry["round"] = update.round
             entry["last_update_bytes"] = size_bytes
+            entry["new_samples"] = 0  # trained on: its next status says how many came since
             m = update.metrics
             if m.eval_accuracy is not None:
                 entry.update(
@@ -825,14 +1052,19 @@ class Coordinator:
                 "declined": dict(self.declined_by_device.get(dev, {})),
                 "model_mismatch": self.mismatched.get(dev),
                 "clipped": self.strategy.clipped.get(dev, 0),
+                # accuracies the device reports, each measured on its own holdout
+                "personal_accuracy": st.get("personal_accuracy"),
+                "global_accuracy": st.get("global_accuracy"),
+                "eval_accuracy": st.get("eval_accuracy"),
+                "serving_head": st.get("serving_head"),
             }
         return {
+            "broker_connected": self.transport.connected.is_set(),
             "round": self.state.round,
             "state": "collecting" if open_round else ("idle" if not self.state.history else "aggregated"),
+            "fleet_state": self.fleet_state().as_dict(),
             "updates_received": rnd.clients if rnd is not None else 0,
-            "updates_expected": (len(rnd.selected) if rnd.selected else rnd.min_clients)
-            if rnd is not None
-            else 0,
+            "updates_expected": (rnd.asked or rnd.close_at) if rnd is not None else 0,
             "deadline_s_left": max(0.0, rnd.deadline_at - time.monotonic()) if open_round and rnd else None,
             "version": self.state.version,
             "strategy": self.strategy.name,
@@ -841,18 +1073,7 @@ class Coordinator:
                 {"round": h.round, "accuracy": None if h.accuracy != h.accuracy else h.accuracy}
                 for h in self.state.history
             ],
-            "rounds": [
-                {
-                    "round": h.round,
-                    "clients": h.clients,
-                    "accuracy": None if h.accuracy != h.accuracy else h.accuracy,
-                    "update_bytes_mean": h.update_bytes_mean,
-                    "duration_s": h.duration_s,
-                    "fed_accuracy": None if math.isnan(h.fed_accuracy) else h.fed_accuracy,
-                    "fed_worst_decile": None if math.isnan(h.fed_worst_decile) else h.fed_worst_decile,
-                }
-                for h in self.state.history[-50:]
-            ],
+            "rounds": self.dashboard_rounds()[-50:],  # the latest records, as /api/rounds has them
             "devices": devices,
             "model_mismatches": dict(self.mismatched),
             "rejected": dict(self.state.rejected),
@@ -860,10 +1081,28 @@ class Coordinator:
             "refused_rounds": dict(self.state.refused_rounds),
             "declined": dict(self.state.declined),
             "held_updates": len(self._held),
+            "personal_heads": personal_heads_summary(self.state.devices),
             "epsilon": None
             if not self.state.history or math.isnan(self.state.history[-1].epsilon)
             else self.state.history[-1].epsilon,
         }
+
+    def dashboard_rounds(self) -> list[dict[str, Any]]:
+        """Every round record so far as JSON-like dicts, oldest first (the fleet page's ``/api/rounds``).
+
+        Records already converted are kept while they still line up with the history (rounds
+        appended, the oldest trimmed), so a page polling it costs a few comparisons.
+        """
+        history = self.state.history
+        cached = self._dashboard_rounds
+        if history and cached and cached[0]["round"] < history[0].round:  # the oldest were trimmed
+            cached = [c for c in cached if c["round"] >= history[0].round]
+        if len(cached) > len(history) or (cached and cached[-1]["round"] != history[len(cached) - 1].round):
+            cached = []
+        if len(cached) < len(history):
+            cached = cached + [dataclasses.asdict(h) for h in history[len(cached) :]]
+        self._dashboard_rounds = cached
+        return cached
 
     def _notify(self) -> None:
         if self.on_change is not None:
@@ -876,6 +1115,69 @@ class Coordinator:
             for d, s in self.state.devices.items()
             if s.get("ready") and s.get("state") != "offline" and d not in self.mismatched
         )
+
+    def ready_new_samples(self) -> dict[str, int | None]:
+        """The ready devices (:meth:`online_devices`) and the new labelled samples each reports (or None)."""
+        out: dict[str, int | None] = {}
+        for dev in self.online_devices():
+            n = self.state.devices[dev].get("new_samples")
+            out[dev] = n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+        return out
+
+    def pacing_state(self) -> FleetState:
+        """Where the fleet stands before the next round (see :meth:`Pacing.check`)."""
+        pacing = replace_min_devices(self.pacing, self.min_updates())
+        since = None if self._last_start is None else time.monotonic() - self._last_start
+        return pacing.check(self.state.round, self.ready_new_samples(), since)
+
+    def fleet_state(self) -> FleetState:
+        """The fleet's state for its page: collecting, waiting for samples or devices, paused, finished..."""
+        if not self.transport.connected.is_set():
+            where = f"{self.transport.host}:{self.transport.port}"
+            return FleetState(
+                FleetPhase.BROKER_UNREACHABLE, f"broker unreachable: {where}", round=self.state.round
+            )
+        rnd = self.state.current
+        if rnd is not None and rnd.phase is RoundPhase.OPEN:
+            return collecting(rnd)
+        if self.finished:
+            return FleetState(
+                FleetPhase.FINISHED, f"finished after round {self.state.round}", round=self.state.round
+            )
+        return self.pacing_state()
+
+    async def wait_to_open(self, stop: asyncio.Event) -> bool:
+        """Wait until the pacing lets the next round open (devices, new samples, interval), or ``stop``.
+
+        A change of what blocks the round (state and text) is logged once, e.g. ``waiting: 12 of 200
+        new samples``; the fleet page shows it live.
+
+        Returns
+        -------
+        True when the round may open, False when ``stop`` was set first.
+        """
+        said = ""
+        while not stop.is_set():
+            st = self.pacing_state()
+            if st.state is FleetPhase.PAUSED and not st.next_round_in_s:
+                return True
+            if st.state is not FleetPhase.PAUSED and st.text != said:
+                logger.info("before round %d: %s", self.state.round + 1, st.text)
+                said = st.text
+            self._notify()
+            self._status_changed.clear()
+            wake = st.next_round_in_s if st.state is FleetPhase.PAUSED else 60.0
+            waiter = asyncio.ensure_future(self._status_changed.wait())
+            stopper = asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait(
+                    {waiter, stopper}, timeout=max(0.05, wake or 0.05), return_when="FIRST_COMPLETED"
+                )
+            finally:
+                for t in (waiter, stopper):
+                    t.cancel()
+                await asyncio.gather(waiter, stopper, return_exceptions=True)
+        return False
 
     async def wait_for_devices(self, n: int, timeout_s: float, key: str = "ready") -> list[str]:
         """Wait until ``n`` devices report a status whose field ``key`` is true.
@@ -915,7 +1217,7 @@ class Coordinator:
             base_version=self.state.version,
             deadline_s=cfg.deadline_s,
             local_epochs=cfg.local_epochs,
-            lr=cfg.lr * self.lr_decay ** (round_no - 1),
+            lr=self._round_lr,
             batch_size=cfg.batch_size,
             min_clients=cfg.min_clients,
             selected=tuple(selected) if selected else 1.0,
@@ -984,8 +1286,28 @@ class Coordinator:
         """
         cfg = self.strategy.configure_round(round_no, self.shape)
         t0 = time.monotonic()
-        if selected is None and self.strategy.fraction < 1.0:
-            selected = self.strategy.sample_clients(self.online_devices(), round_no) or None
+        resume, self._resume = self._resume, None
+        if resume is not None and int(resume["round"]) != round_no:
+            logger.warning(
+                "state file's open round %s is not round %d: not resumed", resume["round"], round_no
+            )
+            resume = None
+        reports = [n for n in self.ready_new_samples().values() if n is not None]
+        new_samples = sum(reports) if reports else -1
+        online: frozenset[str] = frozenset()
+        if resume is not None:
+            selected = tuple(resume["selected"]) if resume["selected"] is not None else None
+            online = frozenset(resume["online"])
+            self._round_lr = float(resume["lr"])
+        else:
+            if selected is None and self.strategy.fraction < 1.0:
+                selected = self.strategy.sample_clients(self.online_devices(), round_no) or None
+            if not selected:
+                online = frozenset(self.online_devices())
+            if new_samples > 0:
+                self._episode_start = round_no  # new data: the learning-rate episode begins again
+            self._round_lr = cfg.lr * self.lr_decay ** (round_no - self._episode_start)
+        sync = cfg.schedule is Schedule.SYNC
         rnd = Round(
             round_no,
             self.state.version,
@@ -993,21 +1315,28 @@ class Coordinator:
             cfg.deadline_s,
             cfg.min_clients,
             frozenset(selected) if selected else None,
-            check_round=cfg.schedule is Schedule.SYNC,
+            check_round=sync,
             expected_sites=self.expected_sites,
-            online=frozenset(self.online_devices()) if not selected else frozenset(),
+            online=online,
+            quorum=self.quorum if sync else None,
+            min_updates=self.min_updates(),
         )
+        if resume is not None:
+            self._resume_round(rnd, resume)
         self.state.current = rnd
         self.state.round = round_no
+        self._last_start = time.monotonic()
         early, self._early = self._early, {}
         for update, size in early.values():
             if update.round != round_no:
+                self._unfolded.pop(update.update_id, None)
                 continue
             try:
                 self._accept(rnd, update, size)
             except UpdateRejected as exc:
                 self.state.rejected[exc.reason] += 1
                 logger.warning("round %d: held update from %s refused: %s", round_no, update.device, exc)
+            self._unfolded.pop(update.update_id, None)
         held, self._held = self._held, []
         for i, (update, size_bytes) in enumerate(held):
             if rnd.complete():  # more held than one step takes: they wait for the next
@@ -1018,6 +1347,8 @@ class Coordinator:
             except UpdateRejected as exc:
                 self.state.rejected[exc.reason] += 1
                 logger.warning("held update %s refused: %s", update.update_id, exc)
+            self._unfolded.pop(update.update_id, None)
+        self._flush()  # the round is in the state file before devices hear of it
         # collecting starts as the announcement leaves, not after its PUBACK: a failed announcement
         # (no PUBACK within PUBLISH_RETRY_S) still ends the round with its TransportError
         announce = asyncio.create_task(self._announce(round_no, cfg, selected))
@@ -1046,15 +1377,19 @@ class Coordinator:
                 await asyncio.gather(announce, return_exceptions=True)
         rnd.close()
         refused = ""
-        if rnd.clients > 0:
+        self._settled = round_no  # from here on the state file holds the round's result, not the round
+        if rnd.clients == 0:
+            self._persist()
+        else:
             self.W, self.b, refusal = aggregate_checked(self.strategy, self.W, self.b)
             if refusal is not None:
+                self._persist()
                 refused = refusal.reason
                 self.state.refused_rounds[refused] += 1
                 logger.error(
-                    "round %d refused: the aggregated head would be refused by the agents (%s); "
-                    "keeping version %d",
+                    "round %d refused: %s (%s); keeping version %d",
                     round_no,
+                    "abandoned" if refused == "too_few" else "the agents would refuse the aggregated head",
                     refusal,
                     self.state.version,
                 )
@@ -1093,6 +1428,10 @@ class Coordinator:
             fed_accuracy=fed[0],
             fed_worst_decile=fed[1],
             fed_devices=fed[2],
+            asked=rnd.asked,
+            lr=self._round_lr,
+            closed_unix=time.time(),
+            new_samples=new_samples,
         )
         self.state.history.append(record)
         self._notify()

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
@@ -262,6 +262,31 @@ def adaptive_step(x: F32, m: F32, v: F32, server_lr: float, tau: float) -> F32:
     return out
 
 
+def clip_step(step_W: F32, step_b: F32, bound: float) -> tuple[F32, F32]:
+    """Scale a server step ``(step_W, step_b)`` down to joint L2 norm ``bound`` when it is longer.
+
+    A momentum or adaptive server step can be longer than any update of the round: momentum sums
+    past rounds' steps (up to ``1 / (1 - beta)`` of them), and Adam divides by a second moment that
+    a run of small steps shrinks. Bounding the step by the round's per-update norm bound keeps a
+    clipped hostile direction from being carried and amplified round after round.
+
+    Parameters
+    ----------
+    step_W : float32 [D, K]
+    step_b : float32 [K]
+    bound : float > 0 (``inf``: no bound)
+
+    Returns
+    -------
+    (step_W, step_b) float32, the same arrays when within the bound.
+
+    Source: norm clipping of the server update, as the per-update clipping of McMahan et al. 2018
+    applied to the aggregate (Sun et al. 2019, norm difference clipping).
+    """
+    f = clip_factor(update_norm(step_W, step_b), bound)
+    return scale_delta(step_W, f), scale_delta(step_b, f)
+
+
 def _stack(deltas: Sequence[F32], where: str) -> npt.NDArray[np.float64]:
     if not deltas:
         raise ValueError(f"{where}: no update")
@@ -323,6 +348,37 @@ def trimmed_mean(deltas: Sequence[F32], beta: float) -> F32:
     k = math.floor(beta * x.shape[0])
     out: F32 = x[k : x.shape[0] - k].mean(axis=0).astype(np.float32)
     return out
+
+
+def trimmed_minimum(beta: float, tolerate: int) -> int:
+    """Fewest updates ``n`` for which a beta-trimmed mean drops ``tolerate`` values at each end.
+
+    Parameters
+    ----------
+    beta : float in (0, 0.5)
+        Trimmed fraction at each end (``trimmed_mean``).
+    tolerate : int >= 0
+        Hostile values to withstand per coordinate.
+
+    Returns
+    -------
+    int: the least ``n >= 2 tolerate + 1`` with ``floor(beta n) >= tolerate`` (1 when ``tolerate = 0``).
+
+    Raises
+    ------
+    ValueError
+        If ``tolerate > 0`` and ``beta`` is outside (0, 0.5).
+
+    Source: Yin et al. 2018, Definition 2 (``floor(beta m)`` values trimmed at each end).
+    """
+    if tolerate <= 0:
+        return 1
+    if not 0.0 < beta < 0.5:
+        raise ValueError(f"trimmed_minimum: beta = {beta}: must be in (0, 0.5) to tolerate {tolerate}")
+    n = max(2 * tolerate + 1, math.ceil(tolerate / beta) - 1)
+    while math.floor(beta * n + 1e-9) < tolerate:
+        n += 1
+    return n
 
 
 def weighted_coordinate_median(estimates: Sequence[npt.NDArray[np.float64]], weights: Sequence[float]) -> F32:
@@ -451,22 +507,106 @@ def scale_delta(delta: F32, factor: float) -> F32:
     return out
 
 
-class NormBound:
-    """Bound on each update's joint L2 norm: fixed, or adaptive from the round's running median norm.
+HOSTILE_SHARE = 0.2
+"""Largest share of a FedAvg-family aggregate's updates that may be hostile (``Strategy.min_updates``)."""
 
-    Adaptive: an update is clipped to ``multiplier x median`` of the norms offered in the round so
-    far (itself included). The first ``warmup`` updates of a round wait until ``warmup`` norms are
-    known, so the first update of a round cannot set the bound alone; a round that closes with fewer
-    uses the median of what it has.
+
+class FleetHistory:
+    """Honest-looking values of the fleet's last rounds (update norms, example counts) and their median.
+
+    Values of the open round are gathered with :meth:`add` (O(1); at most ``per_round`` kept a
+    round) and join the history at :meth:`commit`, once the round is aggregated; the history keeps
+    the last ``rounds`` committed rounds. :meth:`median` is computed once per round (at most
+    ``rounds x per_round`` values), so the cost per update is O(1) whatever the fleet's size.
+
+    Parameters
+    ----------
+    rounds : int >= 1
+        Committed rounds kept (1: the last aggregated round, whose norms lag the current ones least
+        while the learning rate decays).
+    per_round : int >= 1
+        Values kept from one round (the first ones; later ones are not needed for a median).
+
+    Raises
+    ------
+    ValueError
+        If ``rounds`` or ``per_round`` is < 1.
+    """
+
+    def __init__(self, rounds: int = 1, per_round: int = 1024) -> None:
+        if rounds < 1 or per_round < 1:
+            raise ValueError(f"FleetHistory: rounds = {rounds}, per_round = {per_round}: need >= 1")
+        self.per_round = per_round
+        self._rounds: deque[list[float]] = deque(maxlen=rounds)
+        self._open: list[float] = []
+
+    def add(self, value: float) -> None:
+        """Note one value of the open round (ignored beyond ``per_round``)."""
+        if len(self._open) < self.per_round:
+            self._open.append(float(value))
+
+    def discard(self) -> None:
+        """Forget the open round's values (its aggregate was not adopted)."""
+        self._open = []
+
+    def commit(self) -> None:
+        """The open round's values join the history (the oldest round leaves it)."""
+        if self._open:
+            self._rounds.append(self._open)
+        self._open = []
+
+    def __len__(self) -> int:
+        """Values in the committed history."""
+        return sum(len(r) for r in self._rounds)
+
+    def median(self) -> float:
+        """Median of the committed history (NaN when it is empty)."""
+        values = [v for r in self._rounds for v in r]
+        return float(np.median(values)) if values else math.nan
+
+    def snapshot(self) -> list[list[float]]:
+        """The committed rounds' values, oldest first (CBOR-able)."""
+        return [list(r) for r in self._rounds]
+
+    def restore(self, rounds: Sequence[Sequence[float]]) -> None:
+        """Put back a :meth:`snapshot` (non-finite or negative values are dropped)."""
+        self._rounds.clear()
+        for r in rounds:
+            kept = [float(v) for v in r if math.isfinite(float(v)) and float(v) >= 0][: self.per_round]
+            if kept:
+                self._rounds.append(kept)
+        self._open = []
+
+
+class NormBound:
+    """Bound on each update's joint L2 norm, and on its weight: fixed, or from the fleet's history.
+
+    Adaptive: a round's bound is ``multiplier x`` the lower of two medians: of the honest-looking
+    norms of the last aggregated round (``FleetHistory``, known when the round opens) and of the
+    round's first ``warmup`` norms (updates wait until they are known, then the bound is frozen
+    for the round). The history caps it, so hostile updates arriving first cannot widen it; the
+    round's own median can only tighten it (the norms shrink as the learning rate decays, and the
+    history lags them by a round); with ``warmup = 2t + 1``, ``t`` hostile updates cannot move that
+    median outside the honest ones'. An update's norm joins the history as ``min(norm, bound)``: a
+    clipped update counts at the bound, so a minority cannot raise the median, while a majority
+    whose norms grew (drift) moves it by at most ``multiplier`` a round. Before the fleet has a
+    history, the round's median alone sets it.
+
+    The weight (claimed example count) can be bounded the same way, by ``weight_multiplier x`` the
+    median honest-looking claim (the root bounds a site's claim per update so; a device's own
+    claim is bounded by ``MAX_UPDATE_EXAMPLES`` only, so that a flat round and the same round split
+    over sites aggregate alike).
 
     Parameters
     ----------
     clip_norm : float > 0 or None
         Fixed bound C; None = adaptive.
     multiplier : float >= 1
-        Adaptive bound in units of the round's median norm.
+        Adaptive bound in units of the history's median norm.
     warmup : int >= 1
-        Norms needed before the adaptive bound applies.
+        Norms needed before an adaptive bound applies.
+    weight_multiplier : float >= 1
+        Weight bound in units of the history's median claim (inf: none).
 
     Raises
     ------
@@ -474,39 +614,119 @@ class NormBound:
         On out-of-range parameters.
 
     Source: fixed clipping as McMahan et al. 2018 (DP-FedAvg); a median-based bound as Sun et al.
-    2019, "Can You Really Backdoor Federated Learning?" (norm difference clipping), with the bound
-    taken from the round's median rather than a quantile estimate (Andrew et al. 2021).
+    2019, "Can You Really Backdoor Federated Learning?" (norm difference clipping), with the
+    median taken over past rounds as Andrew et al. 2021 ("Differentially Private Learning with
+    Adaptive Clipping") estimate theirs from past rounds, never from the round it bounds.
     """
 
-    def __init__(self, clip_norm: float | None = None, *, multiplier: float = 2.0, warmup: int = 3) -> None:
+    def __init__(
+        self,
+        clip_norm: float | None = None,
+        *,
+        multiplier: float = 2.0,
+        warmup: int = 3,
+        weight_multiplier: float = math.inf,
+    ) -> None:
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm = {clip_norm}: must be > 0")
-        if not multiplier >= 1.0 or warmup < 1:
-            raise ValueError(f"clip_multiplier = {multiplier}, warmup = {warmup}: need >= 1")
+        if not multiplier >= 1.0 or warmup < 1 or not weight_multiplier >= 1.0:
+            why = f"clip_multiplier = {multiplier}, warmup = {warmup}, weight_multiplier = "
+            why += str(weight_multiplier)
+            raise ValueError(f"{why}: need >= 1")
         self.clip_norm = clip_norm
         self.multiplier = multiplier
         self.warmup = warmup
-        self.norms: list[float] = []
+        self.weight_multiplier = weight_multiplier
+        self.history = FleetHistory()
+        self.weights = FleetHistory()
+        self.history_warmup = warmup  # values the history needs to set a round's bounds
+        self.norms: list[float] = []  # the round's first norms and claims, while there is no history
+        self.claims: list[float] = []
+        self._bound: float | None = clip_norm
+        self._history_bound: float | None = None
+        self._weight_cap: float | None = math.inf if math.isinf(weight_multiplier) else None
 
     def begin(self) -> None:
-        """Forget the previous round's norms."""
-        self.norms = []
+        """Open a round: the history's bound (when there is enough history), nothing observed yet."""
+        self.norms, self.claims = [], []
+        self.history.discard()
+        self.weights.discard()
+        self._bound = self.clip_norm
+        self._history_bound = None
+        if self.clip_norm is None and len(self.history) >= self.history_warmup:
+            self._history_bound = self.multiplier * self.history.median()
+        self._weight_cap = math.inf if math.isinf(self.weight_multiplier) else None
+        if self._weight_cap is None and len(self.weights) >= self.history_warmup:
+            self._weight_cap = self.weight_multiplier * self.weights.median()
 
-    def observe(self, norm: float) -> None:
-        """Record the norm of an update offered in this round."""
-        self.norms.append(norm)
+    def _with_history(self, round_bound: float) -> float:
+        h = self._history_bound
+        return round_bound if h is None else min(round_bound, h)
 
-    def ready(self) -> bool:
-        """True when the bound can be applied (fixed, or ``warmup`` norms seen)."""
-        return self.clip_norm is not None or len(self.norms) >= self.warmup
+    def observe(self, norm: float, weight: float = 1.0) -> None:
+        """Record an update offered in this round (only needed while the bounds wait for it)."""
+        waiting = self._bound is None or self._weight_cap is None
+        if waiting and len(self.norms) < self.warmup:
+            self.norms.append(norm)
+            self.claims.append(weight)
+        if self._bound is None and len(self.norms) >= self.warmup:
+            self._bound = self._with_history(self.multiplier * float(np.median(self.norms)))
+        if self._weight_cap is None and len(self.claims) >= self.warmup:
+            self._weight_cap = self.weight_multiplier * float(np.median(self.claims))
 
-    def bound(self) -> float:
-        """The bound now: ``clip_norm``, or ``multiplier x`` the round's median norm (inf if none)."""
+    def history_bound(self) -> float:
+        """The bound the history alone sets for this round: fixed, else from the last round (inf: none).
+
+        The root bounds sites' partials with it (it hears a few partials a round, not ``warmup``
+        norms of the same kind).
+        """
         if self.clip_norm is not None:
             return self.clip_norm
+        h = self._history_bound
+        return math.inf if h is None else h
+
+    def ready(self) -> bool:
+        """True when the bounds can be applied (fixed, or ``warmup`` norms of the round seen)."""
+        return self._bound is not None and self._weight_cap is not None
+
+    def bound(self) -> float:
+        """The norm bound now.
+
+        Fixed; else ``multiplier x`` the lower of the history's median and the median of the round's
+        first ``warmup`` norms (of those seen so far before then; inf when there is neither).
+        """
+        if self._bound is not None:
+            return self._bound
         if not self.norms:
+            return self.history_bound()
+        return self._with_history(self.multiplier * float(np.median(self.norms)))
+
+    def weight_cap(self) -> float:
+        """The weight bound now (as :meth:`bound`; inf before any claim, or without a multiplier)."""
+        if self._weight_cap is not None:
+            return self._weight_cap
+        if not self.claims:
             return math.inf
-        return self.multiplier * float(np.median(self.norms))
+        return self.weight_multiplier * float(np.median(self.claims))
+
+    def accept(self, norm: float, weight: float) -> None:
+        """Note an accepted update's norm and weight, each at most its bound, for the history."""
+        self.history.add(min(norm, self.bound()))
+        self.weights.add(min(weight, self.weight_cap()))
+
+    def commit(self) -> None:
+        """The round was aggregated: its honest-looking values join the history."""
+        self.history.commit()
+        self.weights.commit()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The history as CBOR-able values (part of the coordinator's durable state)."""
+        return {"norms": self.history.snapshot(), "weights": self.weights.snapshot()}
+
+    def restore(self, snap: Mapping[str, Any]) -> None:
+        """Put back a :meth:`snapshot`."""
+        self.history.restore(snap.get("norms", []))
+        self.weights.restore(snap.get("weights", []))
 
 
 class Schedule(StrEnum):
@@ -645,6 +865,12 @@ class Strategy(ABC):
         round's median norm).
     clip_multiplier : float >= 1
         See ``NormBound``.
+    tolerate : int >= 0
+        Hostile devices a round must withstand (``robustness.tolerate``, 1 in a coordinator
+        profile; 0 here, for library use): the strategy never aggregates fewer than
+        ``min_updates`` updates (a round with fewer is refused as ``too_few`` by
+        ``aggregate_checked``), and the adaptive norm bound warms up on ``max(3, 2 tolerate + 1)``
+        norms.
 
     Raises
     ------
@@ -667,9 +893,13 @@ class Strategy(ABC):
         seed: int = 0,
         clip_norm: float | None = None,
         clip_multiplier: float = 2.0,
+        tolerate: int = 0,
     ) -> None:
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"fraction = {fraction}: must be in (0, 1]")
+        if tolerate < 0:
+            raise ValueError(f"tolerate = {tolerate}: must be >= 0")
+        self.tolerate = tolerate
         self.local_epochs = local_epochs
         self.lr = lr
         self.batch_size = batch_size
@@ -678,7 +908,7 @@ class Strategy(ABC):
         self.server_lr = server_lr
         self.fraction = fraction
         self.seed = seed
-        self.norm_bound = NormBound(clip_norm, multiplier=clip_multiplier)
+        self.norm_bound = NormBound(clip_norm, multiplier=clip_multiplier, warmup=max(3, 2 * tolerate + 1))
         self.server_state: dict[str, F32] = {}
         self.clipped: Counter[str] = Counter()
         self.accepted = 0
@@ -689,9 +919,36 @@ class Strategy(ABC):
         self._saved: dict[str, F32] = {}
 
     # -- the interface ----------------------------------------------------------------------------
+    @property
+    def min_updates(self) -> int:
+        """Fewest updates a round may aggregate and still withstand ``tolerate`` hostile ones.
+
+        The FedAvg family's comes from the norm bound: an aggregate of ``n`` bounded updates moves
+        at most ``tolerate x bound / n`` towards the hostile ones, so ``n >= tolerate /
+        HOSTILE_SHARE`` (5 for one) keeps them to a fifth of it, and a majority of the norms a
+        first round's bound warms up on honest (``2 tolerate + 1``); 1 when nothing is tolerated.
+        Robust rules derive theirs from their own breakdown point.
+        """
+        if self.tolerate == 0:
+            return 1
+        return max(2 * self.tolerate + 1, math.ceil(self.tolerate / HOSTILE_SHARE - 1e-9))
+
+    def tolerance(self) -> str:
+        """What the strategy withstands, for the start line and ``check-config``.
+
+        Returns
+        -------
+        str, e.g. ``"tolerates 1 hostile device of 5"`` (``"tolerates no hostile device"`` at 0).
+        """
+        if self.tolerate == 0:
+            return "tolerates no hostile device"
+        dev = "device" if self.tolerate == 1 else "devices"
+        return f"tolerates {self.tolerate} hostile {dev} of {self.min_updates}"
+
     def round_config(self, round_no: int) -> RoundConfig:
-        """Settings of round ``round_no`` (the same every round unless a subclass says otherwise)."""
-        return RoundConfig(self.local_epochs, self.lr, self.batch_size, self.min_clients, self.deadline_s)
+        """Settings of round ``round_no``: ``min_clients`` is at least ``min_updates``."""
+        need = max(self.min_clients, self.min_updates)
+        return RoundConfig(self.local_epochs, self.lr, self.batch_size, need, self.deadline_s)
 
     def configure_round(self, round_no: int, shape: tuple[int, int]) -> RoundConfig:
         """Begin round ``round_no``: a fresh accumulator for heads of ``shape`` (D, K), and its settings.
@@ -747,7 +1004,7 @@ class Strategy(ABC):
             raise UpdateRejected("not_finite", f"update from {update.device} has norm {norm}")
         self._check(update)
         self.accepted += 1
-        self.norm_bound.observe(norm)
+        self.norm_bound.observe(norm, update.num_examples)
         self._pending.append((update, norm))
         if self.norm_bound.ready():
             self._drain()
@@ -776,6 +1033,7 @@ class Strategy(ABC):
         if self.accepted == 0:
             raise ValueError(f"{self.name}: no update to aggregate")
         self._saved = dict(self.server_state)
+        self.norm_bound.commit()
         return self._aggregate(W.astype(np.float32), b.astype(np.float32))
 
     def site_sums(self) -> SiteSums:
@@ -837,10 +1095,50 @@ class Strategy(ABC):
         # a coordinate-wise median can be longer than every update it covers: only sums are checked
         if bound is not None and sums.combine == "sum" and mean_norm > bound * (1 + 1e-6):
             raise UpdateRejected("bad_value", f"partial mean norm {mean_norm:.4g} > norm bound {bound:.4g}")
+        clipped = sums.clipped
+        if sums.combine == "sum":
+            sums, scaled = self._bounded_sum(sums, mean_norm)
+            clipped += sums.count if scaled else 0
         self._fold_sums(sums)
         self.accepted += sums.count
-        self._round_clipped += sums.clipped
+        self._round_clipped += clipped
         self._last_bound = bound if bound is not None else self._last_bound
+
+    def bound_site_weights(self, multiplier: float = 2.0) -> None:
+        """Bound each site's claimed weight per update at the root (``offer_sums``).
+
+        Parameters
+        ----------
+        multiplier : float >= 1
+            A partial's weight per update is at most ``multiplier x`` the median weight per update of
+            the partials of the last aggregated round (``NormBound.weight_cap``).
+        """
+        self.norm_bound.weight_multiplier = multiplier
+        self.norm_bound.history_warmup = 1  # a root hears a few sites a round, not many devices
+        self.norm_bound.begin()
+
+    def _bounded_sum(self, sums: SiteSums, mean_norm: float) -> tuple[SiteSums, bool]:
+        """A sum partial scaled down to what its site may claim: weight per update and mean norm.
+
+        The weight per update is bounded by ``NormBound.weight_cap`` (from the last round's partials
+        when ``bound_site_weights`` was called), the mean's norm by the adaptive bound from the last
+        round's honest-looking partial means (a fixed bound refuses instead: see ``offer_sums``). Both
+        join the history. Returns the (possibly scaled) sums and whether they were scaled.
+        """
+        per = sums.weight / sums.count
+        cap = self.norm_bound.weight_cap()
+        bound = self.norm_bound.history_bound()
+        self.norm_bound.weights.add(min(per, cap))
+        self.norm_bound.history.add(min(mean_norm, bound))
+        weight, f = sums.weight, 1.0
+        if per > cap:
+            weight = cap * sums.count
+            f = weight / sums.weight  # the same mean, at the capped weight
+        if mean_norm > bound:
+            f *= bound / mean_norm  # the mean within the bound
+        if weight == sums.weight and f == 1.0:
+            return sums, False
+        return replace(sums, W=sums.W * f, b=sums.b * f, weight=weight), True
 
     combine = "sum"
     """How this strategy's site shares combine at the root (``SiteSums.combine``)."""
@@ -869,6 +1167,7 @@ class Strategy(ABC):
             "accepted": self.accepted,
             "clipped": self._round_clipped,
             "norms": list(self.norm_bound.norms),
+            "claims": list(self.norm_bound.claims),
             "pending": pending,
             "acc": self._snapshot(),
         }
@@ -887,7 +1186,10 @@ class Strategy(ABC):
         self._restore(snap["acc"], shape)
         self.accepted = int(snap["accepted"])
         self._round_clipped = int(snap["clipped"])
-        self.norm_bound.norms = [float(n) for n in snap["norms"]]
+        self.norm_bound.norms, self.norm_bound.claims = [], []
+        claims = snap.get("claims") or [1.0] * len(snap["norms"])
+        for norm, claim in zip(snap["norms"], claims, strict=True):
+            self.norm_bound.observe(float(norm), float(claim))
         self._pending = [
             (
                 Offer(
@@ -940,7 +1242,7 @@ class Strategy(ABC):
         if not available:
             return ()
         rng = np.random.default_rng([self.seed, round_no])
-        return sample_clients(available, self.fraction, self.min_clients, rng)
+        return sample_clients(available, self.fraction, max(self.min_clients, self.min_updates), rng)
 
     # -- what subclasses define -------------------------------------------------------------------
     def _check(self, update: Offer) -> None:
@@ -961,15 +1263,45 @@ class Strategy(ABC):
 
     def _drain(self) -> None:
         bound = self.norm_bound.bound()
+        cap = self.norm_bound.weight_cap()
         self._last_bound = bound
         for upd, norm in self._pending:
+            self.norm_bound.accept(norm, upd.num_examples)
             f = clip_factor(norm, bound)
             if f < 1.0:
                 self.clipped[upd.device] += 1
                 self._round_clipped += 1
                 upd = replace(upd, delta_W=scale_delta(upd.delta_W, f), delta_b=scale_delta(upd.delta_b, f))
+            if upd.num_examples > cap:
+                upd = replace(upd, num_examples=max(1, int(cap)))
             self._fold(upd)
         self._pending = []
+
+    # -- durable state ----------------------------------------------------------------------------
+    def durable_state(self) -> dict[str, Any]:
+        """What must survive a restart: the fleet's norm history and the server optimiser's state.
+
+        Returns
+        -------
+        dict of CBOR-able values (the coordinator saves it with its head; see ``restore_durable``).
+        """
+        server = {k: [list(v.shape), v.astype(np.float32).tobytes()] for k, v in self.server_state.items()}
+        return {"bound": self.norm_bound.snapshot(), "server": server}
+
+    def restore_durable(self, doc: Mapping[str, Any]) -> None:
+        """Put back a :meth:`durable_state` (before the first round of this process).
+
+        Raises
+        ------
+        ValueError, KeyError, TypeError
+            If the document does not fit (the caller refuses the state file as ``bad_state``).
+        """
+        self.norm_bound.restore(doc.get("bound", {}))
+        server: dict[str, F32] = {}
+        for k, (shape, raw) in doc.get("server", {}).items():
+            server[str(k)] = np.frombuffer(raw, np.float32).reshape([int(n) for n in shape]).copy()
+        self.server_state.clear()
+        self.server_state.update(server)
 
 
 class FedAvg(Strategy):
@@ -1020,6 +1352,19 @@ class FedAvg(Strategy):
         if weight > 0:
             self._sum_W.add_sum(np.frombuffer(acc["W"], np.float64).reshape(shape), weight)
             self._sum_b.add_sum(np.frombuffer(acc["b"], np.float64).reshape(shape[1]), weight)
+
+    def step_bound(self) -> float:
+        """Bound on a momentum or adaptive server step: the round's per-update norm bound (``clip_step``)."""
+        return self.step_factor * self._last_bound
+
+    step_factor = 0.25
+    """A momentum or adaptive server step's bound in units of the round's per-update norm bound.
+
+    The mean of a round's norm-bounded updates from non-IID devices is far shorter than the bound
+    (their directions differ): in the clean runs of ``bench/poison.py`` the FedAvg step is about a
+    quarter of it. A longer momentum or adaptive step carries more than a round's mean, which is
+    what a persistent hostile direction builds up; at 0.25 FedAvgM, FedAdam and FedYogi keep every
+    attack of that bench within 0.06 of their clean runs (docs/benchmarks.md, "Poisoning")."""
 
     def step(self, W: F32, b: F32, mean_dW: F32, mean_db: F32) -> tuple[F32, F32]:
         """Server step from the round's mean delta: ``W + server_lr * mean_dW`` (and b alike).
@@ -1095,6 +1440,7 @@ class FedAvgM(FedAvg):
         """Fold the round's mean delta into the momentum buffers and step the head along them."""
         vW = server_momentum(self.server_state.get("v_W"), mean_dW, self.beta)
         vb = server_momentum(self.server_state.get("v_b"), mean_db, self.beta)
+        vW, vb = clip_step(vW, vb, self.step_bound())  # the buffer itself: a clipped direction fades
         self.server_state["v_W"], self.server_state["v_b"] = vW, vb
         eta = np.float32(self.server_lr)
         return (W + eta * vW).astype(np.float32), (b + eta * vb).astype(np.float32)
@@ -1147,7 +1493,9 @@ class FedAdam(FedAvg):
             m, v = self._moments(m0, v0, d)
             self.server_state["m_" + name], self.server_state["v_" + name] = m, v
             out.append(adaptive_step(x, m, v, self.server_lr, self.tau))
-        return out[0], out[1]
+        step_W, step_b = (out[0] - W).astype(np.float32), (out[1] - b).astype(np.float32)
+        sW, sb = clip_step(step_W, step_b, self.step_bound())
+        return (W + sW).astype(np.float32), (b + sb).astype(np.float32)
 
 
 class FedYogi(FedAdam):
@@ -1191,6 +1539,11 @@ class _Robust(Strategy):
         self._site_W: list[npt.NDArray[np.float64]] = []
         self._site_b: list[npt.NDArray[np.float64]] = []
         self._site_n: list[float] = []
+
+    def _check_min(self) -> None:
+        if self.min_updates > self.max_updates:
+            why = f"{self.name} needs {self.min_updates} updates to tolerate {self.tolerate}"
+            raise ValueError(f"max_updates = {self.max_updates}: {why}")
 
     def _check(self, update: Offer) -> None:
         if self.accepted >= self.max_updates:
@@ -1279,6 +1632,19 @@ class Median(_Robust):
     name = "median"
     combine = "median"
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._check_min()
+
+    @property
+    def min_updates(self) -> int:
+        """``2 tolerate + 1`` updates.
+
+        Then ``tolerate`` values cannot move a coordinate's median outside the honest values (Yin
+        et al. 2018: breakdown point 1/2).
+        """
+        return 2 * self.tolerate + 1
+
     def _combine(self, deltas: Sequence[F32]) -> F32:
         return coordinate_median(deltas)
 
@@ -1308,6 +1674,19 @@ class TrimmedMean(_Robust):
         if not 0.0 <= trim_fraction < 0.5:
             raise ValueError(f"trim_fraction = {trim_fraction}: must be in [0, 0.5)")
         self.trim_fraction = trim_fraction
+        if self.tolerate > 0 and trim_fraction == 0.0:
+            why = f"it cannot tolerate {self.tolerate} hostile device"
+            raise ValueError(f"trim_fraction = 0 trims nothing: {why}")
+        self._check_min()
+
+    @property
+    def min_updates(self) -> int:
+        """Fewest ``n`` with ``floor(trim_fraction n) >= tolerate`` (and at least ``2 tolerate + 1``).
+
+        Each coordinate then drops ``tolerate`` values at both ends, so ``tolerate`` hostile
+        values are trimmed or lie between honest ones (Yin et al. 2018, Definition 2).
+        """
+        return trimmed_minimum(self.trim_fraction, self.tolerate)
 
     def _combine(self, deltas: Sequence[F32]) -> F32:
         return trimmed_mean(deltas, self.trim_fraction)
@@ -1385,6 +1764,7 @@ def aggregate_checked(strategy: Strategy, W: F32, b: F32) -> tuple[F32, F32, Upd
     Returns
     -------
     (W, b, refused): the new head and None, or the current head and the refusal (its ``reason``:
+    ``too_few`` when fewer than ``strategy.min_updates`` updates were accepted, nothing aggregated;
     ``not_finite``, ``bad_value``, ``bad_shape``, ``bad_dtype``).
 
     Raises
@@ -1392,6 +1772,12 @@ def aggregate_checked(strategy: Strategy, W: F32, b: F32) -> tuple[F32, F32, Upd
     ValueError
         If no update was accepted in the round.
     """
+    if strategy.accepted < strategy.min_updates:
+        why = (
+            f"{strategy.accepted} updates, {strategy.name} needs {strategy.min_updates} "
+            f"to tolerate {strategy.tolerate} hostile"
+        )
+        return W, b, UpdateRejected("too_few", why)
     W1, b1 = strategy.aggregate(W, b)
     try:
         validate_head(W1, b1, (int(W.shape[0]), int(W.shape[1])))

@@ -41,7 +41,7 @@ case "$TARGET" in
   aarch64) DARCH=arm64; QEMU=qemu-aarch64-static; RUNTIME=litert; PROFILE=gateway_aarch64_256mb
            PKGS=python3,python3-venv ;;
   armv7l)  DARCH=armhf; QEMU=qemu-arm-static; RUNTIME=tflite; PROFILE=gateway_armv7_512mb
-           PKGS=python3,python3-venv,python3-numpy ;;
+           PKGS=python3,python3-venv,python3-numpy,python3-nacl,python3-cffi ;;
   *) echo "check_emulated.sh: unknown target $TARGET (aarch64 or armv7l); $USAGE" >&2; exit 2 ;;
 esac
 # A target/Python pair the builder refuses (no runtime wheel exists) is refused here before any work.

@@ -5,7 +5,8 @@ Three sub-commands, so the same file runs on the build machine and inside the em
     classify.py export-test-set OUT.npz            (host) the digits test split, raw uint8
     classify.py run MODEL RUNTIME TESTSET OUT.npz  (guest and host) logits and predictions
     classify.py compare GUEST.npz HOST.npz         (host) exit 0 only if every prediction matches
-    classify.py codec                              (guest) codec round trip with the installed cbor2
+    classify.py codec                              (guest) codec round trip with the installed cbor2,
+                                                   and a signature with the installed PyNaCl
 
 ``run`` goes through :class:`edgefl.runtime.Backbone` (the code the agent ships), with the profiles'
 digits normalisation (``raw / 16``) quantised by the model's input scale.
@@ -127,6 +128,45 @@ def codec_round_trip() -> int:
         print(f"{platform.machine()} cbor2 {version('cbor2')}: codec round trip FAILED: {exc}")
         return 1
     print(f"{platform.machine()} cbor2 {version('cbor2')}: codec round trip {'ok' if ok else 'MISMATCH'}")
+    return (0 if ok else 1) | signing_check()
+
+
+def signing_check() -> int:
+    """Sign and verify with the installed Ed25519 library (PyNaCl): the RFC 8032 vector and a round.
+
+    Returns
+    -------
+    int
+        0 if the RFC 8032 §7.1 TEST 1 signature comes out exactly and a signed RoundAnnouncement
+        verifies (and fails for another fleet), else 1 (the reason is printed).
+
+    Source: RFC 8032 §7.1 (test vector).
+    """
+    from importlib.metadata import version
+
+    from edgefl.errors import DecodeError
+    from edgefl.wire.messages import RoundAnnouncement, encode_round
+    from edgefl.wire.signing import SigningKey, sign_message, verify_payload
+
+    seed = bytes.fromhex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60")
+    expected = bytes.fromhex(
+        "e5564300c360ac729086e2cc806e828a84877f1eb8e5d974d873e065224901555fb8821590a33bacc61e39701cf9b46bd25bf5f0595bbe24655141438e7a100b"
+    )
+    import nacl.signing
+
+    vector_ok = bytes(nacl.signing.SigningKey(seed).sign(b"").signature) == expected
+    key = SigningKey(seed)
+    announcement = RoundAnnouncement(1, 0, 30.0, 1, 0.1, 16, 1, ("gw-1",))
+    payload = sign_message(encode_round, announcement, key, fleet="f")
+    try:
+        verify_payload(payload, key.verify_key, fleet="f", kind="round")
+        verify_payload(payload, key.verify_key, fleet="other", kind="round")
+        bound = False  # a signature must not verify for another fleet
+    except DecodeError:
+        bound = True
+    ok = vector_ok and bound
+    print(f"{platform.machine()} PyNaCl {version('pynacl')}: Ed25519 RFC 8032 vector "
+          f"{'ok' if vector_ok else 'MISMATCH'}, signed round {'ok' if bound else 'NOT BOUND'}")
     return 0 if ok else 1
 
 

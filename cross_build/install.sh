@@ -96,8 +96,11 @@ pyver=${got#* }
 "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null || die "$PYTHON cannot create venvs: apt-get install python3-venv"
 VENV_FLAGS=""
 if [ "$SYSSITE" = 1 ]; then
-  # numpy comes from the OS on this target (no wheel on PyPI for it): see requirements.lock's header.
-  "$PYTHON" -c 'import numpy' 2>/dev/null || die "numpy missing: apt-get install python3-numpy"
+  # numpy and the signing library (PyNaCl) come from the OS on this target (no wheel on PyPI for
+  # them): see requirements.lock's header.
+  for pair in $(get system_modules); do
+    "$PYTHON" -c "import ${pair%%=*}" 2>/dev/null || die "${pair%%=*} missing: apt-get install ${pair#*=}"
+  done
   VENV_FLAGS="--system-site-packages"
 fi
 

@@ -27,6 +27,12 @@ the Python of the newest Debian stable the target runs on, :attr:`Target.python_
   with a pure-Python implementation, built here from its sdist with ``CBOR2_BUILD_C_EXTENSION=0``.
 - ``x86_64``: glibc >= 2.28, CPython 3.11, 3.12 or 3.13 (default 3.13), for completeness.
 
+Every wheelhouse carries the signing library, edgefl's ``security`` extra (PyNaCl), so an offline
+gateway can sign and verify: PyNaCl's abi3 wheels (``manylinux_2_26_aarch64``, ``manylinux_2_17_x86_64``)
+and cffi's; on armv7l PyPI has neither a PyNaCl nor a cffi (>= 2) wheel, so PyNaCl is Debian's
+``python3-nacl`` (1.5.0, with ``python3-cffi`` 1.15.1 for its metadata) like numpy, and ``install.sh``
+refuses to install without them.
+
 pip evaluates environment markers against the *build* machine even with ``--platform`` (so edgefl's
 ``platform_machine != "armv7l"`` marker would pull LiteRT into the armv7l set): edgefl's requirements are
 evaluated here against the target's marker environment, and after the download every wheel's
@@ -136,7 +142,8 @@ class Target:
         CPython ``major.minor`` → why no wheelhouse can be built for it (no runtime wheel exists);
         :func:`target_for` refuses these before any download.
     extras : tuple[str, ...]
-        edgefl extras installed on this target (``("tflite",)`` on armv7l).
+        edgefl extras installed on this target: ``"security"`` (the signing library) everywhere,
+        plus ``"tflite"`` on armv7l.
     pins : tuple[str, ...]
         Extra requirement specifiers for the download (narrow a dependency, e.g.
         ``"tflite-runtime==2.14.0"``).
@@ -144,6 +151,9 @@ class Target:
         Distributions taken from the device's OS (a ``--system-site-packages`` venv), name → the
         version Debian 12 ships. They are not downloaded; requirements on them are checked
         against that version.
+    system_modules : Mapping[str, str]
+        Module ``install.sh`` imports before installing → the Debian package that provides it (its
+        refusal names the package), for the system packages.
     no_deps : tuple[str, ...]
         Requirements downloaded without their dependencies, because a dependency is a system
         package (pip cannot be told to leave one out); their ``Requires-Dist`` are checked by
@@ -163,9 +173,10 @@ class Target:
     glibc: tuple[int, int]
     python_version: str = "3.11"
     refused: Mapping[str, str] = field(default_factory=dict)
-    extras: tuple[str, ...] = ()
+    extras: tuple[str, ...] = ("security",)
     pins: tuple[str, ...] = ()
     system_packages: Mapping[str, str] = field(default_factory=dict)
+    system_modules: Mapping[str, str] = field(default_factory=dict)
     no_deps: tuple[str, ...] = ()
     pure: tuple[PureWheel, ...] = ()
     expect: tuple[str, ...] = ()
@@ -200,21 +211,25 @@ _NO_ARMV7L_RUNTIME = (
 TARGETS: Mapping[str, Target] = {
     "aarch64": Target(
         name="aarch64", machine="aarch64", glibc=(2, 28), python_version="3.13",
-        pins=("ai-edge-litert>=2",), expect=("ai-edge-litert>=2", "cbor2>=6"),
+        pins=("ai-edge-litert>=2",), expect=("ai-edge-litert>=2", "cbor2>=6", "pynacl>=1.5"),
         default_profile="gateway_aarch64_256mb",
     ),
     "armv7l": Target(
         name="armv7l", machine="armv7l", glibc=(2, 36), python_version="3.11",
-        refused={py: _NO_ARMV7L_RUNTIME.format(py=py) for py in ("3.12", "3.13")}, extras=("tflite",),
-        pins=("tflite-runtime==2.14.0",), system_packages={"numpy": "1.24.2"},
+        refused={py: _NO_ARMV7L_RUNTIME.format(py=py) for py in ("3.12", "3.13")},
+        extras=("tflite", "security"),
+        pins=("tflite-runtime==2.14.0",),
+        # PyPI has no armv7l wheel of numpy, PyNaCl or cffi >= 2 (checked with pip download, 2026-12)
+        system_packages={"numpy": "1.24.2", "pynacl": "1.5.0", "cffi": "1.15.1"},
+        system_modules={"numpy": "python3-numpy", "nacl.signing": "python3-nacl", "cffi": "python3-cffi"},
         no_deps=("tflite-runtime",), pure=(CBOR2_PURE,),
         expect=("tflite-runtime==2.14.0", "cbor2==5.9.0"),
         default_profile="gateway_armv7_512mb",
-        debian_packages=("python3", "python3-venv", "python3-numpy"),
+        debian_packages=("python3", "python3-venv", "python3-numpy", "python3-nacl", "python3-cffi"),
     ),
     "x86_64": Target(
         name="x86_64", machine="x86_64", glibc=(2, 28), python_version="3.13",
-        pins=("ai-edge-litert>=2",), expect=("ai-edge-litert>=2",),
+        pins=("ai-edge-litert>=2",), expect=("ai-edge-litert>=2", "pynacl>=1.5"),
         default_profile="dev_x86",
     ),
 }
@@ -944,7 +959,8 @@ def build_wheelhouse(
         f"target={target.name}\nmachine={target.machine}\npython={target.python_version}\n"
         f"glibc={target.glibc[0]}.{target.glibc[1]}\nsystem_site_packages={int(bool(target.system_packages))}\n"
         f"default_profile={target.default_profile}\nprefix={prefix}\n"
-        f"debian_packages={' '.join(target.debian_packages)}\n",
+        f"debian_packages={' '.join(target.debian_packages)}\n"
+        f"system_modules={' '.join(f'{m}={d}' for m, d in target.system_modules.items())}\n",
         encoding="utf-8",
     )
     install = out / "install.sh"

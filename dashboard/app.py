@@ -7,14 +7,22 @@ nothing changes state):
   coordinator), plain HTML + ``static/app.js`` + ``static/style.css``, no build step, no CDN.
 - ``/api/status``: ``{"kind", "title", "status"}`` where ``status`` is ``get_status()`` made JSON-safe
   (non-finite floats become ``null``).
-- ``/api/history``: the RSS history kept by the app (device only), ``{"interval_s", "rss": [[age_s,
-  bytes], ...]}``, oldest first; ages are relative to the response so browser and gateway clocks
-  need not agree.
+- ``/api/history``: the memory history kept by the app, oldest first; ages are relative to the
+  response so browser and gateway clocks need not agree. Device: ``{"interval_s", "rss": [[age_s,
+  bytes], ...]}``; coordinator: ``{"interval_s", "devices": {device: [[age_s, rss_bytes, cap_bytes],
+  ...]}}`` (each device's reported RSS, at most ``MAX_HISTORY_DEVICES`` devices).
+- ``/api/rounds?after=N&limit=M``: the round records from ``get_rounds`` (coordinator) whose
+  ``round`` is above ``N`` (default: all), at most ``M`` of them (default and maximum
+  ``MAX_ROUNDS_PAGE``, the oldest first): ``{"rounds": [...], "total": int, "last": int or null}``.
+  The page loads the whole history once and then only what is new.
 - ``/api/events``: SSE; every event's data is the ``/api/status`` document. One shared publisher
   serialises the status once per change for all streams; a client that goes away is dropped at once
-  (the app enables aiohttp's handler cancellation), a stalled one after ``WRITE_TIMEOUT_S``.
-- ``/metrics``: Prometheus text exposition format (prometheus-client) built from ``get_status()``.
-- ``/healthz``: ``ok``.
+  (the app enables aiohttp's handler cancellation), a stalled one after ``WRITE_TIMEOUT_S``. At
+  shutdown every open stream gets the final status before it ends (a finished job reads finished).
+- ``/metrics``: Prometheus text exposition format (prometheus-client) built from ``get_status()``
+  (``dashboard/metrics.py``).
+- ``/healthz``: ``ok`` (200), or 503 with the problem when the status's ``health`` field is not ``ok``
+  (an agent whose broker refuses its credentials: ``refused: not authorized``).
 
 Security: when ``token`` is set every route requires ``Authorization: Bearer <token>`` or HTTP Basic
 with the token as password (browsers prompt for it; ``EventSource`` then sends it too), compared in
@@ -32,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import bisect
 import contextlib
 import hmac
 import json
@@ -39,7 +48,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -47,11 +56,11 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
+from edgefl.dashboard.metrics import StatusCollector, finite_number
 from edgefl.errors import ConfigError
 from edgefl.validators import is_loopback_host
 
 if TYPE_CHECKING:
-    from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import CollectorRegistry
 
 logger = logging.getLogger(__name__)
@@ -63,9 +72,14 @@ WRITE_TIMEOUT_S = 10.0
 """A stream whose client does not take an event within this many seconds is dropped."""
 SSE_RETRY_MS = 2000
 """Reconnect delay the browser is told to use after a stream ends."""
+FINAL_WRITE_TIMEOUT_S = 1.0
+"""At shutdown, each open stream gets this long to take the final status."""
+MAX_ROUNDS_PAGE = 5000
+"""Round records served by one ``/api/rounds`` response at most."""
+MAX_HISTORY_DEVICES = 64
+"""Devices whose RSS the coordinator page's memory history keeps (the first seen, by name)."""
 
 DEVICE_PHASES: Final = ("inference", "batch", "train", "encode", "publish", "apply")
-DEVICE_STATES: Final = ("idle", "training", "uploading", "waiting", "deferred", "offline")
 
 _STATIC_TYPES: Final = {
     "app.js": "text/javascript",
@@ -105,12 +119,19 @@ class DashboardState:
         - device: ``device``, ``state`` (idle / training / uploading / waiting / deferred /
           offline), ``reason``, ``round``, ``version``, ``cap_bytes``, ``rss_bytes``, ``pss_bytes``,
           ``peak_rss_bytes``, ``system_available_bytes``, ``phase_peaks`` {phase: bytes} (phases
-          inference, batch, train, encode, publish, apply), ``last_update_bytes``,
-          ``local_accuracy`` (0..1), ``inference_rate`` (samples/s), ``pipeline_mode``,
-          ``rejected`` {reason: count}, ``broker_connected``, ``store_samples``, ``inferred_total``.
+          inference, batch, train, encode, publish, apply), ``phase_rise`` {phase: bytes},
+          ``last_update_bytes``, ``last_update_ts`` and ``ts`` (Unix s, the device's clock),
+          ``local_accuracy``, ``eval_accuracy``, ``personal_accuracy``, ``global_accuracy``,
+          ``inference_accuracy`` (0..1), ``inference_rate`` (samples/s), ``pipeline_mode``,
+          ``rejected`` {reason: count}, ``broker_connected``, ``broker`` (the agent's words:
+          connected / connecting / lost / refused: not authorized), ``store_samples``, ``inferred_total``.
         - coordinator: ``round``, ``state``, ``updates_received``, ``updates_expected``,
           ``deadline_s_left``, ``version``, ``accuracy_history`` [{round, accuracy}], ``devices``
-          {device: {state, online, rss_bytes, cap_bytes, last_round, reason}}, ``rejected``.
+          {device: {state, online, rss_bytes, cap_bytes, peak_rss_bytes, last_round, reason,
+          refused, declined, personal_accuracy, global_accuracy, eval_accuracy}},
+          ``rejected``, ``fleet_state`` {state, text, ...} (collecting / waiting_samples /
+          waiting_devices / paused / finished / broker_unreachable), ``broker_connected``,
+          ``rounds`` (the latest round records, as from ``get_rounds``).
     token : str or None
         Bearer token; required by :func:`serve` for a non-loopback host. When set, every route
         requires it.
@@ -121,6 +142,11 @@ class DashboardState:
         RSS history sampling period (s), device only.
     history_len : int
         RSS history length in samples (150 x 2 s = the last 5 minutes); a bounded deque.
+    get_rounds : callable () -> Sequence[Mapping[str, Any]], optional
+        Coordinator: every round record so far, oldest first (``round``, ``time``, ``asked``,
+        ``counted``, ``clients``, ``accuracy``, ``fed_accuracy``, ``fed_worst_decile``,
+        ``refused`` {reason: n}, ``declined`` {reason: n}, ...), served by ``/api/rounds``. Called on
+        the event loop once per request: return a list that exists already, do not build one.
     max_streams : int
         Open SSE streams allowed at once; more get 503.
     header_timeout_s : float
@@ -146,6 +172,7 @@ class DashboardState:
     push_interval_s: float = 1.0
     history_interval_s: float = 2.0
     history_len: int = 150
+    get_rounds: Callable[[], Sequence[Mapping[str, Any]]] | None = None
     max_streams: int = 16
     header_timeout_s: float = 10.0
     body_timeout_s: float = 10.0
@@ -214,15 +241,6 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _number(value: Any) -> float | None:
-    """Return a status value as a finite float (bool as 0/1), or None."""
-    if isinstance(value, bool):
-        return float(value)
-    if isinstance(value, (int, float)) and math.isfinite(value):
-        return float(value)
-    return None
-
-
 class _Hub:
     """The app's live part: one status publisher shared by every SSE stream, and the RSS history."""
 
@@ -233,6 +251,8 @@ class _Hub:
         self.streams = 0
         self.closing = False
         self.history: deque[tuple[float, int]] = deque(maxlen=state.history_len)
+        # coordinator: device -> (monotonic s, rss bytes, cap bytes or -1)
+        self.device_history: dict[str, deque[tuple[float, int, int]]] = {}
         self.registry: CollectorRegistry | None = None
         self._status_json = b""
         self._new_frame = asyncio.Event()
@@ -294,15 +314,33 @@ class _Hub:
 
     def sample_history(self) -> None:
         try:
-            rss = _number(self.status().get("rss_bytes"))
+            status = self.status()
         except Exception:
             return  # refresh() logs the failure
-        if rss is not None:
-            self.history.append((time.monotonic(), int(rss)))
+        now = time.monotonic()
+        if self.state.kind == "device":
+            rss = finite_number(status.get("rss_bytes"))
+            if rss is not None:
+                self.history.append((now, int(rss)))
+            return
+        devices = status.get("devices")
+        if not isinstance(devices, Mapping):
+            return
+        for name, entry in devices.items():
+            rss = finite_number(entry.get("rss_bytes")) if isinstance(entry, Mapping) else None
+            if rss is None:
+                continue
+            series = self.device_history.get(str(name))
+            if series is None:
+                if len(self.device_history) >= MAX_HISTORY_DEVICES:
+                    continue
+                series = self.device_history[str(name)] = deque(maxlen=self.state.history_len)
+            cap = finite_number(entry.get("cap_bytes"))
+            series.append((now, int(rss), int(cap) if cap is not None else -1))
 
     async def run(self) -> None:
         """Sample the RSS history and, while streams are open, poll and push the status."""
-        sample = self.state.kind == "device"
+        sample = True
         next_sample = time.monotonic()
         while not self.closing:
             now = time.monotonic()
@@ -412,11 +450,39 @@ async def _status(request: web.Request) -> web.Response:
 async def _history(request: web.Request) -> web.Response:
     hub = request.app[HUB_KEY]
     now = time.monotonic()
-    doc = {
-        "interval_s": hub.state.history_interval_s,
-        "rss": [[round(now - t, 1), rss] for t, rss in hub.history],
-    }
+    doc: dict[str, Any] = {"interval_s": hub.state.history_interval_s}
+    if hub.state.kind == "device":
+        doc["rss"] = [[round(now - t, 1), rss] for t, rss in hub.history]
+    else:
+        doc["devices"] = {
+            name: [[round(now - t, 1), rss, cap if cap >= 0 else None] for t, rss, cap in series]
+            for name, series in hub.device_history.items()
+        }
     return web.json_response(doc)
+
+
+def _query_int(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise web.HTTPBadRequest(text=f"{name} = {raw[:20]!r}: must be an integer\n") from None
+
+
+async def _rounds(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    after = _query_int(request, "after", -1)
+    limit = min(max(1, _query_int(request, "limit", MAX_ROUNDS_PAGE)), MAX_ROUNDS_PAGE)
+    records: Sequence[Mapping[str, Any]] = state.get_rounds() if state.get_rounds is not None else ()
+    # records are in round order: the first one after ``after`` by bisection
+    lo = bisect.bisect_right(records, float(after), key=lambda r: finite_number(r.get("round")) or 0.0)
+    page = records[lo : lo + limit]
+    last = finite_number(records[-1].get("round")) if records else None
+    doc = {"rounds": jsonable(list(page)), "total": len(records), "last": None if last is None else int(last)}
+    body = json.dumps(doc, allow_nan=False, separators=(",", ":"))
+    return web.Response(text=body, content_type="application/json")
 
 
 async def _events(request: web.Request) -> web.StreamResponse:
@@ -431,9 +497,15 @@ async def _events(request: web.Request) -> web.StreamResponse:
         await response.write(b"retry: %d\n\n" % SSE_RETRY_MS)
         hub.refresh()
         seq = -1
-        while not hub.closing:
+        while True:
             new_seq, frame = await hub.next_frame(seq, KEEPALIVE_S)
-            if hub.closing or request.transport is None or request.transport.is_closing():
+            if request.transport is None or request.transport.is_closing():
+                break
+            if hub.closing:
+                # the last status (a finished job, its final round) still reaches the open pages
+                if new_seq != seq:
+                    async with asyncio.timeout(FINAL_WRITE_TIMEOUT_S):
+                        await response.write(frame)
                 break
             async with asyncio.timeout(WRITE_TIMEOUT_S):
                 await response.write(frame if new_seq != seq else b": keepalive\n\n")
@@ -458,7 +530,7 @@ async def _metrics(request: web.Request) -> web.Response:
 
     if hub.registry is None:
         hub.registry = CollectorRegistry(auto_describe=False)
-        hub.registry.register(_StatusCollector(hub))
+        hub.registry.register(StatusCollector(hub.status, hub.state.kind, lambda: hub.streams))
     try:
         body = generate_latest(hub.registry)
     except Exception as exc:
@@ -468,191 +540,17 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _healthz(request: web.Request) -> web.Response:
+    """``ok`` (200), or 503 with the problem when the status's ``health`` field names one.
+
+    A status that cannot be read leaves it at 200: the process serves (``/api/status`` says 503).
+    """
+    try:
+        health = request.app[HUB_KEY].status().get("health", "ok")
+    except Exception:
+        health = "ok"
+    if health != "ok":
+        raise web.HTTPServiceUnavailable(text=f"{health}\n")
     return web.Response(text="ok\n")
-
-
-# --------------------------------------------------------------------------------------------------
-# Prometheus
-
-
-class _StatusCollector:
-    """A prometheus_client collector reading ``get_status()`` at scrape time (nothing cached)."""
-
-    def __init__(self, hub: _Hub) -> None:
-        self.hub = hub
-
-    def collect(self) -> Iterator[Metric]:
-        status = self.hub.status()
-        if self.hub.state.kind == "device":
-            yield from device_metrics(status)
-        else:
-            yield from coordinator_metrics(status)
-        from prometheus_client.metrics_core import GaugeMetricFamily
-
-        yield GaugeMetricFamily(
-            "edgefl_dashboard_sse_streams",
-            "Open Server-Sent Events streams of this dashboard.",
-            value=self.hub.streams,
-        )
-
-
-def _gauge(name: str, doc: str, value: Any) -> Iterator[Metric]:
-    from prometheus_client.metrics_core import GaugeMetricFamily
-
-    number = _number(value)
-    if number is not None:
-        yield GaugeMetricFamily(name, doc, value=number)
-
-
-def _labelled(
-    name: str, doc: str, label: str, values: Any, *, counter: bool = False, known: tuple[str, ...] = ()
-) -> Iterator[Metric]:
-    from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
-
-    family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=[label])
-    items = dict(values) if isinstance(values, Mapping) else {}
-    for key in known:
-        items.setdefault(key, None)
-    for key, value in items.items():
-        number = _number(value)
-        if number is not None:
-            family.add_metric([str(key)], number)
-    yield family
-
-
-def _state_set(name: str, doc: str, state: Any, known: tuple[str, ...]) -> Iterator[Metric]:
-    """One gauge per known state, 1 for the current one (the Prometheus enum idiom)."""
-    from prometheus_client.metrics_core import GaugeMetricFamily
-
-    if not isinstance(state, str):
-        return
-    family = GaugeMetricFamily(name, doc, labels=["state"])
-    for known_state in dict.fromkeys((*known, state)):
-        family.add_metric([known_state], 1.0 if known_state == state else 0.0)
-    yield family
-
-
-_DEVICE_GAUGES: Final = (
-    ("edgefl_memory_cap_bytes", "cap_bytes", "Memory cap of the agent."),
-    ("edgefl_memory_rss_bytes", "rss_bytes", "Resident set size of the agent."),
-    ("edgefl_memory_pss_bytes", "pss_bytes", "Proportional set size of the agent."),
-    ("edgefl_memory_peak_rss_bytes", "peak_rss_bytes", "Peak RSS of the agent."),
-    ("edgefl_system_available_bytes", "system_available_bytes", "MemAvailable of the system."),
-    ("edgefl_round", "round", "Current round known to the device."),
-    ("edgefl_global_version", "version", "Version of the global head in use."),
-    ("edgefl_last_update_bytes", "last_update_bytes", "Wire size of the last update sent."),
-    ("edgefl_local_accuracy", "local_accuracy", "Accuracy of the last local training (0..1)."),
-    ("edgefl_inference_rate_samples_per_second", "inference_rate", "Inference rate."),
-    ("edgefl_store_samples", "store_samples", "Labelled embeddings in the store."),
-    ("edgefl_broker_connected", "broker_connected", "1 when connected to the MQTT broker."),
-    ("edgefl_ingest_queued", "ingest_queued", "Live samples received, not yet classified."),
-    ("edgefl_pending_labels", "pending_labels", "Classified live samples waiting for a late label."),
-)
-_DEVICE_COUNTERS: Final = (  # live ingest (source.kind = "mqtt"): absent otherwise
-    ("edgefl_ingest_samples_received", "samples_received", "Live samples accepted."),
-    ("edgefl_ingest_labels_received", "labels_received", "Labels accepted, inline or late."),
-    ("edgefl_ingest_predictions_published", "predictions_published", "Predictions published."),
-    ("edgefl_ingest_dropped", "ingest_dropped", "Live samples dropped unclassified (queue full, oldest)."),
-    ("edgefl_ingest_pending_expired", "pending_expired", "Live samples whose late label never came."),
-)
-_COORDINATOR_GAUGES: Final = (
-    ("edgefl_round", "round", "Current round."),
-    ("edgefl_global_version", "version", "Version of the global head."),
-    ("edgefl_round_updates_received", "updates_received", "Updates received this round."),
-    ("edgefl_round_updates_expected", "updates_expected", "Updates expected this round."),
-    ("edgefl_round_deadline_left_seconds", "deadline_s_left", "Seconds left before the round deadline."),
-)
-
-
-def device_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
-    """Prometheus metric families for a device status (missing or null values are left out).
-
-    Parameters
-    ----------
-    status : Mapping[str, Any]
-        A device status as returned by the agent's ``get_status``.
-
-    Returns
-    -------
-    Iterator[prometheus_client.Metric]
-        ``edgefl_memory_{cap,rss,pss,peak_rss}_bytes``, ``edgefl_system_available_bytes``,
-        ``edgefl_phase_peak_bytes{phase}``, ``edgefl_round``, ``edgefl_global_version``,
-        ``edgefl_last_update_bytes``, ``edgefl_local_accuracy`` (0..1),
-        ``edgefl_inference_rate_samples_per_second``, ``edgefl_inferred_samples_total``,
-        ``edgefl_store_samples``, ``edgefl_broker_connected`` (0/1), ``edgefl_agent_state{state}``,
-        ``edgefl_pipeline_info{mode}``, ``edgefl_rejected_total{reason}``; with live ingest
-        ``edgefl_ingest_queued``, ``edgefl_pending_labels`` and the counters
-        ``edgefl_ingest_{samples_received,labels_received,predictions_published,dropped,pending_expired}_total``.
-    """
-    from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
-
-    for name, key, doc in _DEVICE_GAUGES[:5]:
-        yield from _gauge(name, doc, status.get(key))
-    yield from _labelled(
-        "edgefl_phase_peak_bytes", "Peak RSS measured during each phase.", "phase", status.get("phase_peaks")
-    )
-    for name, key, doc in _DEVICE_GAUGES[5:]:
-        yield from _gauge(name, doc, status.get(key))
-    inferred = _number(status.get("inferred_total"))
-    if inferred is not None:
-        yield CounterMetricFamily("edgefl_inferred_samples", "Samples classified.", value=inferred)
-    for name, key, doc in _DEVICE_COUNTERS:
-        count = _number(status.get(key))
-        if count is not None:
-            yield CounterMetricFamily(name, doc, value=count)
-    yield from _state_set(
-        "edgefl_agent_state", "Agent state (1 = current).", status.get("state"), DEVICE_STATES
-    )
-    mode = status.get("pipeline_mode")
-    if isinstance(mode, str):
-        info = GaugeMetricFamily("edgefl_pipeline_info", "Input pipeline mode in use.", labels=["mode"])
-        info.add_metric([mode], 1.0)
-        yield info
-    yield from _labelled(
-        "edgefl_rejected", "Messages rejected, by reason.", "reason", status.get("rejected"), counter=True
-    )
-
-
-def coordinator_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
-    """Prometheus metric families for a coordinator status (missing or null values are left out).
-
-    Parameters
-    ----------
-    status : Mapping[str, Any]
-        A coordinator status as returned by the coordinator's ``get_status``.
-
-    Returns
-    -------
-    Iterator[prometheus_client.Metric]
-        ``edgefl_round``, ``edgefl_global_version``, ``edgefl_round_updates_received``,
-        ``edgefl_round_updates_expected``, ``edgefl_round_deadline_left_seconds``,
-        ``edgefl_coordinator_state{state}``, ``edgefl_test_accuracy`` (0..1, latest round),
-        ``edgefl_device_online{device}`` (0/1), ``edgefl_device_rss_bytes{device}``,
-        ``edgefl_device_cap_bytes{device}``, ``edgefl_device_last_round{device}``,
-        ``edgefl_rejected_total{reason}``.
-    """
-    for name, key, doc in _COORDINATOR_GAUGES:
-        yield from _gauge(name, doc, status.get(key))
-    yield from _state_set(
-        "edgefl_coordinator_state", "Coordinator state (1 = current).", status.get("state"), ()
-    )
-    history = status.get("accuracy_history")
-    if isinstance(history, list) and history and isinstance(history[-1], Mapping):
-        accuracy = history[-1].get("accuracy")
-        yield from _gauge("edgefl_test_accuracy", "Test accuracy of the latest global head (0..1).", accuracy)
-    devices = status.get("devices")
-    devices = devices if isinstance(devices, Mapping) else {}
-    for key, name, doc in (
-        ("online", "edgefl_device_online", "1 when the device's retained status says online."),
-        ("rss_bytes", "edgefl_device_rss_bytes", "RSS reported by the device."),
-        ("cap_bytes", "edgefl_device_cap_bytes", "Memory cap reported by the device."),
-        ("last_round", "edgefl_device_last_round", "Last round the device took part in."),
-    ):
-        values = {d: e.get(key) for d, e in devices.items() if isinstance(e, Mapping)}
-        yield from _labelled(name, doc, "device", values)
-    yield from _labelled(
-        "edgefl_rejected", "Messages rejected, by reason.", "reason", status.get("rejected"), counter=True
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -671,8 +569,8 @@ def create_app(state: DashboardState) -> web.Application:
     -------
     aiohttp.web.Application
         Read-only routes ``/``, ``/static/{name}``, ``/api/status``, ``/api/history``,
-        ``/api/events``, ``/metrics``, ``/healthz``. The status publisher runs as a background
-        task of the app (``cleanup_ctx``), so it starts and stops with the runner. Serve it with
+        ``/api/rounds``, ``/api/events``, ``/metrics``, ``/healthz``. The status publisher runs as a
+        background task of the app (``cleanup_ctx``), so it starts and stops with the runner. Serve it with
         :func:`serve` or its own ``AppRunner``, not as a sub-app: the handler cancellation that
         drops a vanished SSE client at once is an option of the top-level application.
     """
@@ -688,6 +586,7 @@ def create_app(state: DashboardState) -> web.Application:
     app.router.add_get("/static/{name}", _static)
     app.router.add_get("/api/status", _status)
     app.router.add_get("/api/history", _history)
+    app.router.add_get("/api/rounds", _rounds)
     app.router.add_get("/api/events", _events, allow_head=False)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/healthz", _healthz)
@@ -704,6 +603,7 @@ def create_app(state: DashboardState) -> web.Application:
             await task
 
     async def end_streams(app: web.Application) -> None:
+        hub.refresh()  # the final status, sent to every open stream before it ends
         hub.close()  # open SSE handlers return, so the runner's shutdown does not wait for them
 
     app.cleanup_ctx.append(publisher)

@@ -1,9 +1,10 @@
 """The ``edgefl`` command: run the agent, check a profile, run the demo.
 
 Exit codes: 0 success; 1 invalid profile (``check-config``) or the demo's job failed; 2 usage error;
-3 the model could not be loaded (missing, corrupt, or wrong shape); 4 a runtime error at start-up;
-75 (``EX_TEMPFAIL``, sysexits.h) a fault that stopped a running agent (one log line, no traceback for a
-known fault). The shipped unit restarts 4 and 75 with a growing delay, never 1, 2, 3.
+3 the model could not be loaded (missing, corrupt, or wrong shape); 4 a runtime error at start-up (e.g.
+the dashboard's port in use); 5 the broker refused the agent's credentials ``broker.auth_retries`` times
+in a row; 75 (``EX_TEMPFAIL``, sysexits.h) a fault that stopped a running agent (one log line, no
+traceback for a known fault). The shipped unit restarts 4 and 75 with a growing delay, never 1, 2, 3, 5.
 Logging handlers are configured here only (STYLE.md rule 10).
 """
 
@@ -41,6 +42,8 @@ EXIT_INVALID = 1
 EXIT_USAGE = 2
 EXIT_MODEL = 3
 EXIT_RUNTIME = 4
+EXIT_CREDENTIALS = 5
+"""The broker refused the agent's credentials ``broker.auth_retries`` times in a row; not restarted."""
 EXIT_TEMPFAIL = 75
 """A fault stopped the running agent (sysexits.h ``EX_TEMPFAIL``: try again later); restarted."""
 
@@ -125,6 +128,32 @@ def _report(title: str, problems: Sequence[str]) -> None:
         print(f"  {problem}", file=sys.stderr)
 
 
+def cmd_coordinator(main: Callable[..., int], args: argparse.Namespace, **parts: Any) -> int:
+    """``edgefl coordinator``: set up the log (``--log-level``, on stderr), then run the coordinator."""
+    _setup_logging(args.log_level)
+    return main(args, **parts)
+
+
+def lock_coordinator_state(folder: Path) -> object:
+    """Lock a coordinator's state folder with the agents' ``flock`` (``coordinator.lock``) for its life.
+
+    Raises
+    ------
+    edgefl.coordinator.lease.LeaseHeld
+        If another live process holds it (``edgefl coordinator`` exits 6).
+    OSError
+        If the folder or the lock file cannot be created.
+    """
+    from edgefl.agent.statelock import StateDirBusy, lock_state_dir
+    from edgefl.coordinator.lease import LeaseHeld
+
+    try:
+        return lock_state_dir(folder, lock_file="coordinator.lock", owner="coordinator")
+    except StateDirBusy as exc:
+        holder = f"pid {exc.pid}" if exc.pid is not None else "a process whose pid is unknown"
+        raise LeaseHeld(f"state folder {folder}", holder) from exc
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """``edgefl run PROFILE``: run the agent daemon until SIGTERM/SIGINT."""
     from edgefl.errors import EdgeflError, ModelError
@@ -164,10 +193,40 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(agent.run())
     except (Exception, BaseExceptionGroup) as group:  # the last line of defence: never a crash loop
-        return _stopped_by_fault(group)
+        return _stopped_by(group)
     finally:
         lock.close()
     return EXIT_OK
+
+
+def _stopped_by(exc: BaseException) -> int:
+    """The exit code for what stopped the agent: refused credentials (5), a start-up error (4), a fault."""
+    from edgefl.errors import CredentialsRefused, StartupError
+
+    leaves = _leaves(exc)
+    for e in leaves:
+        if isinstance(e, CredentialsRefused):
+            logger.error("agent stopped (exit %d): %s", EXIT_CREDENTIALS, e)
+            print(f"edgefl: {e}", file=sys.stderr)
+            return EXIT_CREDENTIALS
+    for e in leaves:
+        if isinstance(e, StartupError):
+            print(f"edgefl: cannot start: {e}", file=sys.stderr)
+            return EXIT_RUNTIME
+    return _stopped_by_fault(exc)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside ``exc`` (itself, or the leaves of an ``ExceptionGroup`` tree)."""
+    leaves: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        else:
+            leaves.append(e)
+    return leaves
 
 
 _KNOWN_FAULTS = (OSError, MemoryError, ArithmeticError, ValueError)
@@ -183,14 +242,7 @@ def _stopped_by_fault(exc: BaseException) -> int:
     """
     from edgefl.errors import EdgeflError
 
-    leaves: list[BaseException] = []
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if isinstance(e, BaseExceptionGroup):
-            todo.extend(e.exceptions)
-        else:
-            leaves.append(e)
+    leaves = _leaves(exc)
     for e in leaves:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise e
@@ -279,17 +331,31 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     from edgefl.coordinator.profile import SCHEMA, is_coordinator_profile, load_coordinator_profile
 
     if is_coordinator_profile(data):
+        from edgefl.coordinator.runner import strategy_problems
+
         try:
             coordinator = load_coordinator_profile(args.profile, _parse_sets(args.set))
+            problems = strategy_problems(coordinator)  # what `edgefl coordinator` refuses, refused here
+            if problems:
+                raise ConfigError(problems)
         except ConfigError as exc:
             print(f"edgefl: invalid coordinator profile {args.profile}:", file=sys.stderr)
             for problem in exc.problems:
                 print(f"  {problem}", file=sys.stderr)
             return EXIT_INVALID
+        from edgefl.coordinator.runner import build_strategy
+
+        try:
+            tolerance = build_strategy(coordinator).tolerance()
+        except ValueError as exc:
+            print(f"edgefl: invalid coordinator profile {args.profile}:", file=sys.stderr)
+            print(f"  [strategy]/[robustness]/[privacy]: {exc}", file=sys.stderr)
+            return EXIT_INVALID
+        n = coordinator.rounds.count
+        rounds = f"{n} round{'' if n == 1 else 's'}" if n else "rounds until stopped"
         print(
-            f"{args.profile}: ok (coordinator of fleet {coordinator.fleet.name}, {coordinator.rounds.count} "
-            f"round{'' if coordinator.rounds.count == 1 else 's'} of {coordinator.strategy.name}, "
-            f"role {_role(coordinator.hierarchy)})"
+            f"{args.profile}: ok (coordinator of fleet {coordinator.fleet.name}, {rounds} of "
+            f"{coordinator.strategy.name}, role {_role(coordinator.hierarchy)}, {tolerance})"
         )
         if args.print:
             print(json.dumps(SCHEMA.to_dict(coordinator), indent=2, default=str))
@@ -401,7 +467,14 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    r = sub.add_parser("run", help="run the device agent with a profile")
+    r = sub.add_parser(
+        "run",
+        help="run the device agent with a profile",
+        description="Run the device agent until SIGTERM/SIGINT. Exit codes: 0 stopped; 1 invalid profile or "
+        "state folder in use; 2 usage; 3 model cannot be loaded; 4 start-up error (e.g. dashboard port in "
+        "use); 5 the broker refused the credentials broker.auth_retries times in a row (not restarted); "
+        "75 a fault stopped the running agent (restarted).",
+    )
     r.add_argument("profile", help="TOML profile (see firmware_configs/)")
     r.add_argument(
         "--set",
@@ -482,10 +555,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
         profiler.add_parser(sub)
         memreport.add_parser(sub)
-        from edgefl import feed, modeltool
+        from edgefl import feed, keys, modeltool
 
         modeltool.add_parser(sub)
         feed.add_parser(sub)
+        keys.add_parser(sub)
         _add_checkout_parsers(sub)
         from edgefl.coordinator import bridge
 
@@ -496,13 +570,22 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         from edgefl.evaluation import central_evaluation
 
         runner.add_parser(sub).set_defaults(
-            func=functools.partial(runner.main, evaluation=central_evaluation, page=serve_coordinator_page)
+            func=functools.partial(
+                cmd_coordinator,
+                runner.main,
+                evaluation=central_evaluation,
+                page=serve_coordinator_page,
+                lock=lock_coordinator_state,
+            )
         )
     return p
 
 
 async def serve_coordinator_page(
-    dashboard: DashboardConfig, title: str, get_status: Callable[[], Mapping[str, Any]]
+    dashboard: DashboardConfig,
+    title: str,
+    get_status: Callable[[], Mapping[str, Any]],
+    get_rounds: Callable[[], Sequence[Mapping[str, Any]]] | None = None,
 ) -> tuple[Callable[[], Awaitable[None]], int]:
     """Serve the standalone coordinator's fleet page (``edgefl coordinator`` with ``[dashboard]`` on).
 
@@ -511,6 +594,7 @@ async def serve_coordinator_page(
     dashboard : the profile's ``[dashboard]`` (bind address, port, bearer token)
     title : shown in the page header
     get_status : the coordinator's status document (:meth:`Coordinator.dashboard_status`)
+    get_rounds : its round records (:meth:`Coordinator.dashboard_rounds`), for ``/api/rounds``
 
     Returns
     -------
@@ -525,7 +609,16 @@ async def serve_coordinator_page(
     """
     from edgefl.dashboard.app import DashboardState, serve
 
-    board = DashboardState("coordinator", title, get_status, token=dashboard.token)
+    # memory per device over the last 30 minutes (180 samples, 10 s apart)
+    board = DashboardState(
+        "coordinator",
+        title,
+        get_status,
+        token=dashboard.token,
+        get_rounds=get_rounds,
+        history_interval_s=10.0,
+        history_len=180,
+    )
     runner, port = await serve(board, dashboard.host, dashboard.port)
     return runner.cleanup, port
 

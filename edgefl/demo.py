@@ -76,6 +76,15 @@ class DemoOptions:
     label_delay_s: float = 0.0
 
 
+HEAD_ACCURACY_KEYS = ("personal_accuracy", "global_accuracy")
+"""The agents' accuracies of their two heads on their holdout (status fields, ``--json`` keys)."""
+
+
+def _accuracy(value: object) -> float | None:
+    """A status accuracy as a float (None when absent or not a number)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 @contextlib.contextmanager
 def _workdir(path: Path | None) -> Iterator[Path]:
     if path is not None:
@@ -235,7 +244,9 @@ async def _run(opts: DemoOptions) -> int:
             pump = asyncio.create_task(coord.pump())
             from edgefl.dashboard.app import DashboardState, serve
 
-            board = DashboardState("coordinator", f"fleet {fleet}", coord.dashboard_status)
+            board = DashboardState(
+                "coordinator", f"fleet {fleet}", coord.dashboard_status, get_rounds=coord.dashboard_rounds
+            )
             coord.on_change = board.notify
             runner, board_port = await serve(board, "127.0.0.1", 0)
             try:
@@ -290,6 +301,9 @@ async def _run(opts: DemoOptions) -> int:
                         "cap_bytes": cap,
                         "peak_rss_bytes": peak,
                         **{key: int(status.get(key) or 0) for key in INGEST_KEYS},
+                        # both heads on the agent's holdout, from its latest status (null before both
+                        # were evaluated)
+                        **{key: _accuracy(status.get(key)) for key in HEAD_ACCURACY_KEYS},
                     }
                 )
         finally:

@@ -98,6 +98,38 @@ class TransportError(EdgeflError):
         super().__init__(detail)
 
 
+class CredentialsRefused(TransportError):
+    """The broker refused the agent's credentials ``attempts`` times in a row (CONNACK 0x86/0x87).
+
+    A wrong password does not fix itself: the agent exits with code 5, which the unit does not restart.
+
+    Parameters
+    ----------
+    detail : str
+        Human-readable explanation (broker, reason code, what to check).
+    attempts : int
+        Refused connection attempts in a row.
+    """
+
+    def __init__(self, detail: str, attempts: int) -> None:
+        self.attempts = attempts
+        super().__init__(detail)
+
+
+class StartupError(EdgeflError):
+    """A resource the agent needs at start-up is unavailable (e.g. the dashboard's port is in use).
+
+    Parameters
+    ----------
+    detail : str
+        Human-readable explanation naming the profile key involved.
+    """
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(detail)
+
+
 class ModelError(EdgeflError):
     """A model file is missing, corrupt, or not the shape the profile expects.
 

@@ -12,7 +12,18 @@ of every sample it sent. Messages: ``docs/protocol.md`` ("Live ingest").
 The broker connection is made as the agent makes it: ``--profile`` names a TOML file whose
 ``[broker]`` table (validated as a device profile's; other tables are not read, so a file with only
 ``[broker]`` or a whole device profile both do) gives TLS files, credentials (``password_file``),
-protocol and topic prefix; ``--broker`` gives the URL.
+protocol and topic prefix; ``--broker`` gives the URL. When that file is a whole device profile (it
+has a ``[model]`` table), the samples are checked against the device's model first (shape, dtype,
+label range: :func:`check_samples`), and a misfit is named before anything is sent.
+
+A sample whose message is larger than the packet limit travels as chunks on the same topic
+(``docs/protocol.md``, "Chunks"); the device reassembles it, up to its own message limit. The feed
+also reads the device's retained status: when samples got no prediction, the device's ``rejected``
+counters and ``last_rejected`` say why, and the feed prints it.
+
+A streaming model (a stateful one: ``edgefl model prepare`` reports it) takes one frame per sample,
+its state carrying the previous frames: send a device's frames in order, and its labels in runs
+(every frame of one event labelled with that event's class).
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +50,20 @@ from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.validators import check_device_id, parse_broker_url
-from edgefl.wire.messages import Label, Prediction, Sample, decode_prediction, encode_label, encode_sample
+from edgefl.wire.chunking import split_message
+from edgefl.wire.messages import (
+    Label,
+    Prediction,
+    Sample,
+    decode_prediction,
+    decode_status,
+    encode_label,
+    encode_sample,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FeedOptions", "FeedResult", "add_parser", "feed", "load_samples"]
+__all__ = ["FeedOptions", "FeedResult", "add_parser", "check_samples", "feed", "load_samples"]
 
 IN_FLIGHT = 64
 """QoS 1 publishes awaiting their PUBACK at once (as fast as the broker acknowledges, not one RTT each)."""
@@ -116,6 +136,15 @@ class FeedResult:
         predictions received: median and 95th percentile, seconds.
     publish_s : float or None
         Seconds from the first publish to the last one acknowledged (labels included).
+    refused : dict[str, int]
+        What the device refused while the feed ran: the rise of its status's ``rejected`` counters,
+        by reason (``bad_shape``, ``bad_dtype``, ``bad_label``...); empty when nothing was refused or
+        the device published no status.
+    refused_detail : str
+        The device's ``last_rejected`` detail (e.g. ``x: shape [64], this model takes samples of
+        [8, 8, 1]``), "" if none.
+    chunked : int
+        Samples sent in chunks (larger than the packet limit).
     """
 
     samples_sent: int
@@ -127,6 +156,9 @@ class FeedResult:
     latency_s_median: float | None = None
     latency_s_p95: float | None = None
     publish_s: float | None = None
+    refused: dict[str, int] = field(default_factory=dict)
+    refused_detail: str = ""
+    chunked: int = 0
 
     @property
     def accuracy(self) -> float | None:
@@ -204,11 +236,25 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
         await transport.start(wait_s=15)
     predicted: dict[int, Prediction] = {}
     all_in = asyncio.Event()
+    statuses: list[dict[str, Any]] = []  # the retained one first (the baseline), then the device's news
+    status_topic = topics.status(opts.device)
+
+    def refused_now() -> dict[str, int]:
+        return _rise(statuses[0], statuses[-1]) if statuses else {}
 
     async def collect() -> None:
         assert transport is not None
         while True:
             msg = await transport.queue.get()
+            if msg.topic == status_topic:
+                try:
+                    statuses.append(dict(decode_status(msg.payload).fields))
+                except DecodeError as exc:
+                    logger.warning("status refused: %s", exc)
+                    continue
+                if n and len(predicted) + sum(refused_now().values()) >= n:
+                    all_in.set()  # every sample answered or refused: nothing more will come
+                continue
             if msg.topic != topics.predictions(opts.device):
                 continue
             try:
@@ -219,7 +265,7 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
             i = index.get(p.id)
             if i is not None:
                 predicted.setdefault(i, p)
-                if len(predicted) == n:
+                if len(predicted) + sum(refused_now().values()) >= n:
                     all_in.set()
 
     sem = asyncio.Semaphore(IN_FLIGHT)
@@ -245,9 +291,11 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
 
     collector = asyncio.create_task(collect())
     late: list[tuple[float, int]] = []  # (due monotonic, sample index), a heap
-    inline = late_sent = 0
+    inline = late_sent = chunked = 0
     t0 = time.monotonic()
     try:
+        # the retained status first: its rejected counters are the baseline the feed's refusals rise from
+        await transport.subscribe(status_topic, 1)
         await transport.subscribe(topics.predictions(opts.device), 1)
         sample_topic, label_topic = topics.samples(opts.device), topics.labels(opts.device)
 
@@ -267,7 +315,11 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
             await send_due_labels(time.monotonic())
             with_label = bool(labelled[i]) and opts.label_delay_s <= 0
             sample = Sample(ids[i], x[i], int(y[i]) if with_label else None, time.time())
-            await spawn(sample_topic, encode_sample(sample), opts.qos)
+            limit = transport.packet_limit()
+            parts = split_message(encode_sample(sample), sample_topic, limit)  # a random chunk set id
+            chunked += len(parts) > 1
+            for part in parts:  # in order: the device reassembles a sample larger than a packet
+                await spawn(sample_topic, part, opts.qos)
             inline += with_label
             if labelled[i] and opts.label_delay_s > 0:
                 heapq.heappush(late, (time.monotonic() + opts.label_delay_s, i))
@@ -292,6 +344,9 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
             await transport.stop()
     correct = sum(int(p.cls == y[i]) for i, p in predicted.items())
     lat = np.array([p.latency_s for p in predicted.values()], dtype=np.float64)
+    last = statuses[-1].get("last_rejected") if statuses else None
+    refused = refused_now()
+    detail = str(last.get("detail", "")) if isinstance(last, dict) and refused else ""
     return FeedResult(
         n,
         inline,
@@ -302,7 +357,80 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
         float(np.median(lat)) if len(lat) else None,
         float(np.percentile(lat, 95)) if len(lat) else None,
         publish_s,
+        refused,
+        detail,
+        chunked,
     )
+
+
+def _rise(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    """By how much each of a device status's ``rejected`` counters rose from ``before`` to ``after``."""
+    b, a = before.get("rejected"), after.get("rejected")
+    if not isinstance(a, dict):
+        return {}
+    b = b if isinstance(b, dict) else {}
+    out = {}
+    for reason, count in a.items():
+        if isinstance(count, int) and count > int(b.get(reason, 0) or 0):
+            out[str(reason)] = count - int(b.get(reason, 0) or 0)
+    return out
+
+
+def check_samples(profile_path: Path | str, x: np.ndarray, y: np.ndarray) -> list[str]:
+    """What the device of a profile would refuse in ``x``, ``y`` (shape, dtype, label range), if anything.
+
+    Parameters
+    ----------
+    profile_path : Path or str
+        A device profile (its ``[model]`` and ``[pipeline]`` tables are read, the model loaded). A
+        file without a ``[model]`` table (only ``[broker]``) checks nothing.
+    x : [N, *sample_shape]
+        Raw samples.
+    y : int [N]
+        Labels.
+
+    Returns
+    -------
+    list[str]
+        One line per problem, naming the data, the device's expectation and the profile key; empty
+        when the samples fit.
+
+    Raises
+    ------
+    ConfigError
+        If the profile is invalid.
+    ModelError
+        If the profile's model cannot be loaded.
+    """
+    from edgefl.agent.config import load_profile  # here: the profile and LiteRT only with --profile
+    from edgefl.head import check_labels, label_range
+    from edgefl.runtime import Backbone
+
+    _, data = read_toml(profile_path)
+    if "model" not in data:
+        return []
+    profile = load_profile(profile_path, check_files=False)
+    m = profile.model
+    bb = Backbone(m.path, num_threads=1, runtime=m.runtime, embedding_tensor=m.embedding_tensor)
+    shape, k = bb.sample_shape, int(bb.head_from_model()[0].shape[1])
+    dtype = profile.pipeline.raw_dtype
+    problems = []
+    if tuple(x.shape[1:]) != shape:
+        frame = " (one frame: a streaming model's state carries the earlier ones)" if bb.stateful else ""
+        problems.append(
+            f"x: samples of shape {list(x.shape[1:])}, the device's model ({m.path.name}) takes samples "
+            f"of {list(shape)}{frame}"
+        )
+    if x.dtype != np.dtype(dtype):
+        problems.append(f"x: dtype {x.dtype}, the device takes {dtype} (pipeline.raw_dtype)")
+    ok = check_labels(y, k)
+    if not ok.all():
+        bad = sorted({int(v) for v in y[~ok]})
+        problems.append(
+            f"y: {int((~ok).sum())} label(s) outside 0..{label_range(k) - 1} (the model's head has "
+            f"K = {k} classes): {bad[:5]}{' ...' if len(bad) > 5 else ''}"
+        )
+    return problems
 
 
 # --- the command ---------------------------------------------------------------------------------------
@@ -314,8 +442,14 @@ the samples is labelled: with --label-delay 0 the label travels inline in its Sa
 sent as a Label message on labels/<device> (QoS 1) S seconds after its sample, and the sample's
 embedding waits on the device for it (source.label_expiry_s). Unlabelled samples are only classified.
 Meanwhile the feed listens on predictions/<device> and at the end waits up to --wait seconds for a
-prediction of every sample. Prints one summary line (and --json PATH). Exit 0 when every sample got a
-prediction, 1 when some did not, 2 on bad arguments, 4 when the broker cannot be reached."""
+prediction of every sample; a sample larger than the packet limit travels in chunks. With --profile
+naming a device profile, the samples are first checked against its model (shape, dtype, labels).
+When samples got no prediction, the device's status says why (its rejected counters): printed.
+A streaming model takes one frame per sample, its state carrying the earlier frames: send frames in
+order and labels in runs. Prints one summary line (and --json PATH).
+Exit 0 when every sample got a prediction; 1 when some did not (the device's refusals are named);
+2 on bad arguments or samples the --profile's device would refuse (each problem named); 4 when the
+broker cannot be reached or refuses the feed (credentials, ACL)."""
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -354,7 +488,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--profile",
         default=None,
         help="a TOML file (a device profile, or only a [broker] table) whose [broker] table gives TLS "
-        "files, credentials, protocol and prefix",
+        "files, credentials, protocol and prefix; a device profile also checks the samples against its "
+        "model (shape, dtype, label range) before sending",
     )
     p.add_argument("--prefix", default=None, help="topic prefix (default: the profile's, or edgefl)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summary as JSON")
@@ -430,7 +565,16 @@ def cmd_feed(args: argparse.Namespace) -> int:
             id_prefix=args.id_prefix,
             limit=args.limit,
         )
-        load_samples(opts.data)
+        x, y = load_samples(opts.data)
+        if args.profile is not None:
+            if args.limit is not None:
+                x, y = x[: args.limit], y[: args.limit]
+            problems = check_samples(args.profile, x, y)
+            if problems:
+                print(f"edgefl feed: {opts.data} does not fit device {opts.device}:", file=sys.stderr)
+                for problem in problems:
+                    print(f"  {problem}", file=sys.stderr)
+                return 2
     except (ValueError, EdgeflError) as exc:
         print(f"edgefl feed: {exc}", file=sys.stderr)
         return 2
@@ -449,7 +593,11 @@ def cmd_feed(args: argparse.Namespace) -> int:
     if args.json:
         doc = {**asdict(result), "accuracy": acc}
         atomic_write(Path(args.json), (json.dumps(doc, indent=2) + "\n").encode())
-    if result.samples_sent and not result.predictions_received:
+    if result.refused:
+        counts = ", ".join(f"{reason} {n}" for reason, n in sorted(result.refused.items()))
+        last = f": last: {result.refused_detail}" if result.refused_detail else ""
+        print(f"edgefl feed: device {opts.device} refused samples ({counts}){last}", file=sys.stderr)
+    elif result.samples_sent and not result.predictions_received:
         topic = Topics(opts.broker.topic_prefix, opts.fleet).predictions(opts.device)
         print(
             f"edgefl feed: no prediction came back on {topic} in {opts.wait_s:g} s: check --fleet and "

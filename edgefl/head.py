@@ -373,3 +373,124 @@ def sgd_step(
     else:
         W -= np.float32(lr) * grad_W
         b -= np.float32(lr) * grad_b
+
+
+def personal_columns(labels: np.ndarray, num_classes: int) -> np.ndarray:
+    """The head columns a device may personalise: the classes it has had a label for.
+
+    Parameters
+    ----------
+    labels : integer array [N]
+        Labels the device has had (values outside the head's range are ignored).
+    num_classes : int
+        K (1 = logistic head, labels 0/1).
+
+    Returns
+    -------
+    bool [K]
+        True for class ``k`` when some label equals ``k``. For a logistic head (K = 1) the one
+        column separates class 0 from class 1, so it is True only when both have been seen.
+    """
+    y = np.asarray(labels).astype(np.int64, copy=False)
+    y = y[check_labels(y, num_classes)]
+    counts = np.bincount(y, minlength=label_range(num_classes))
+    if num_classes == 1:
+        return np.array([bool(counts[0] > 0 and counts[1] > 0)])
+    seen: np.ndarray = counts > 0
+    return seen
+
+
+def ditto_step(
+    W: F32,
+    b: F32,
+    grad_W: F32,
+    grad_b: F32,
+    lr: float,
+    lam: float,
+    W_global: F32,
+    b_global: F32,
+    columns: np.ndarray,
+) -> None:
+    """One in-place class-restricted proximal step on a personal head.
+
+    For the classes in ``columns``: ``W[:, k] -= lr * (grad_W[:, k] + lam * (W[:, k] - W_global[:, k]))``
+    (and the same for ``b[k]``); every other column is set equal to the global head's. A device
+    with labels for some classes only thus never moves the scores of classes it has no evidence
+    about (their logits stay the global head's, so a later label of such a class is still recognised
+    as well as the fleet recognises it), while the classes it knows are fitted to its own data
+    with a pull ``lam`` toward the global head.
+
+    Parameters
+    ----------
+    W : float32 [D, K]
+        The personal head's weights, updated in place.
+    b : float32 [K]
+        The personal head's biases, updated in place.
+    grad_W : float32 [D, K]
+        Gradient of the local loss with respect to ``W`` (the personal head's).
+    grad_b : float32 [K]
+    lr : float
+        Learning rate (> 0).
+    lam : float
+        Proximal coefficient lambda (>= 0): 0 = local training alone; large = the global head.
+    W_global, b_global : float32 [D, K], [K]
+        The global head the device last applied.
+    columns : bool [K]
+        Classes the device may personalise (:func:`personal_columns`).
+
+    Raises
+    ------
+    ValueError
+        If shapes disagree, ``lr <= 0`` or ``lam < 0``.
+
+    Source: Ditto's personal objective ``min_v F_k(v) + lam/2 ||v - w*||^2`` and its local update,
+    T. Li, S. Hu, A. Beirami, V. Smith, "Ditto: Fair and Robust Federated Learning Through
+    Personalization", ICML 2021, Algorithm 1; restricted to the device's labelled classes here.
+    """
+    K = W.shape[1]
+    if (
+        W.shape != W_global.shape
+        or grad_W.shape != W.shape
+        or b.shape != (K,)
+        or grad_b.shape != (K,)
+        or b_global.shape != (K,)
+        or columns.shape != (K,)
+    ):
+        raise ValueError(
+            f"ditto_step: W {W.shape}, grad_W {grad_W.shape}, W_global {W_global.shape}, "
+            f"b {b.shape}, columns {columns.shape}"
+        )
+    if lr <= 0 or lam < 0:
+        raise ValueError(f"ditto_step: lr = {lr} must be > 0 and lam = {lam} >= 0")
+    ditto_update(W, b, grad_W.copy(), grad_b.copy(), np.float32(lr), np.float32(lam), W_global, b_global,
+                 None if columns.all() else ~columns)  # fmt: skip
+
+
+def ditto_update(
+    W: F32,
+    b: F32,
+    grad_W: F32,
+    grad_b: F32,
+    lr: np.float32,
+    lam: np.float32,
+    W_global: F32,
+    b_global: F32,
+    tied: np.ndarray | None,
+) -> None:
+    """:func:`ditto_step` without its checks, writing over the gradient (the trainer's inner loop).
+
+    Parameters as :func:`ditto_step`, except: ``grad_W``/``grad_b`` are overwritten (they hold the
+    step on return), ``lr``/``lam`` are float32 scalars, and ``tied`` is the bool [K] complement of
+    ``columns`` or None when every column is personal.
+    """
+    # every column stepped (whole-array operations, no gather), then the tied ones overwritten:
+    # the same values as stepping the personal columns alone
+    grad_W += lam * (W - W_global)
+    grad_W *= lr
+    W -= grad_W
+    grad_b += lam * (b - b_global)
+    grad_b *= lr
+    b -= grad_b
+    if tied is not None:
+        W[:, tied] = W_global[:, tied]
+        b[tied] = b_global[tied]

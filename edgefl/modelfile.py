@@ -430,3 +430,54 @@ def np_dtype(info: TensorInfo) -> np.dtype[np.generic] | None:
         return np.dtype(info.dtype)
     except TypeError:
         return None
+
+
+# --- backbone identity ----------------------------------------------------------------------------
+ORIGIN_MAGIC = b"EFLO"
+_ORIGIN = struct.Struct("<4sI32s4s")  # magic, format version (1), SHA-256 of the original, magic
+ORIGIN_TRAILER_BYTES = _ORIGIN.size
+"""Bytes of the trailer ``edgefl model prepare`` appends: the original model's SHA-256 (44 bytes)."""
+
+
+def read_origin(buf: ModelBytes) -> str | None:
+    """The original model's SHA-256 (64 hex digits) recorded by ``edgefl model prepare``, or None.
+
+    The trailer is the file's last :data:`ORIGIN_TRAILER_BYTES` bytes, after everything the
+    flatbuffer references (a TFLite loader never reads it): ``b"EFLO"``, u32 version 1, the 32-byte
+    digest, ``b"EFLO"``.
+    """
+    if len(buf) < ORIGIN_TRAILER_BYTES:
+        return None
+    magic, version, digest, end = _ORIGIN.unpack(bytes(buf[len(buf) - ORIGIN_TRAILER_BYTES :]))
+    if magic != ORIGIN_MAGIC or end != ORIGIN_MAGIC or version != 1:
+        return None
+    return bytes(digest).hex()
+
+
+def strip_origin(buf: ModelBytes) -> bytes:
+    """The model without its origin trailer (``bytes(buf)`` when it has none)."""
+    data = bytes(buf)
+    return data[: len(data) - ORIGIN_TRAILER_BYTES] if read_origin(data) is not None else data
+
+
+def with_origin(buf: ModelBytes, origin_sha256: str) -> bytes:
+    """The model with a trailer recording ``origin_sha256`` (4-byte aligned; an older trailer replaced).
+
+    Parameters
+    ----------
+    buf : bytes
+        The ``.tflite`` file (a prepared model).
+    origin_sha256 : str
+        64 hex digits: SHA-256 of the model it was prepared from.
+
+    Raises
+    ------
+    ValueError
+        If ``origin_sha256`` is not 64 hex digits.
+    """
+    digest = bytes.fromhex(origin_sha256)
+    if len(digest) != 32:
+        raise ValueError(f"origin_sha256 = {origin_sha256!r}: must be 64 hex digits")
+    data = strip_origin(buf)
+    pad = b"\0" * (-len(data) % 4)
+    return data + pad + _ORIGIN.pack(ORIGIN_MAGIC, 1, digest, ORIGIN_MAGIC)

@@ -9,6 +9,7 @@ estimates.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -44,7 +45,9 @@ def describe(path: Path, *, embedding_tensor: str | None = None) -> dict[str, An
         {``index``, ``name``, ``dtype``, ``shape``, ``scale``, ``zero_point``}; ``stateful`` (bool) and
         ``stateful_ops``; ``embedding_output`` (the embedding is already a model output);
         ``batch_resizable``; ``memory_bytes_per_batch`` {batch: bytes} (estimated bytes an inference
-        call adds to RSS: ``edgefl.agent.memory.estimate_inference_bytes``); ``sha256``; ``runtime``.
+        call adds to RSS: ``edgefl.agent.memory.estimate_inference_bytes``); ``sha256`` (the file's);
+        ``backbone_sha256`` (the model's identity on the wire: the original's for a prepared model);
+        ``runtime``.
 
     Raises
     ------
@@ -65,6 +68,7 @@ def describe(path: Path, *, embedding_tensor: str | None = None) -> dict[str, An
     return {
         "model": str(path),
         "sha256": bb.sha256,
+        "backbone_sha256": bb.backbone_sha256,
         "runtime": bb.runtime_name,
         "input": {
             "name": tin.name,
@@ -164,7 +168,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     """``edgefl model prepare MODEL --out OUT [--mean M --std S --raw-dtype uint8]``.
 
     Writes the model with its embedding as an extra output and, given ``--mean``/``--std``, the
-    normalisation folded into a uint8 input (:func:`edgefl.modelfold.fold_input_normalisation`).
+    normalisation folded into a uint8 input (:func:`edgefl.modelfold.fold_input_normalisation`),
+    followed by the original's SHA-256 (:func:`edgefl.modelfile.with_origin`): the prepared model is
+    the same backbone as its original for devices and coordinator (``model_sha256``).
     Exit 0, 2 (usage: only one of --mean/--std, or --mean/--std on a float-input model, whose
     normalisation belongs in ``pipeline.mean``/``std``) or 3 (the model cannot be prepared).
     """
@@ -180,6 +186,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         if not src.is_file():
             raise ModelError(str(src), "model file not found")
         buf = src.read_bytes()
+        origin = modelfile.read_origin(buf) or hashlib.sha256(buf).hexdigest()  # prepared twice: the first
+        buf = modelfile.strip_origin(buf)
         if args.mean is not None:
             from edgefl.modelfold import fold_input_normalisation
 
@@ -198,7 +206,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                 buf, args.mean, args.std, raw_dtype=args.raw_dtype, path=str(src)
             )
         out = prepare_bytes(buf, embedding_tensor=args.embedding_tensor, path=str(src))
-        atomic_write(Path(args.out), out)
+        # the original's identity travels with the prepared file: devices running it and a coordinator
+        # loading the original agree on the backbone (model_sha256)
+        atomic_write(Path(args.out), modelfile.with_origin(out, origin))
         bb = Backbone(Path(args.out), embedding_tensor=args.embedding_tensor, prepare=False)
     except ModelError as exc:
         print(f"edgefl: model error: {exc}", file=sys.stderr)

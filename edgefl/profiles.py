@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import os
 import tomllib
 import types
 import typing
@@ -50,6 +51,7 @@ __all__ = [
     "check_broker",
     "check_dashboard",
     "file_problem",
+    "output_file_problem",
     "read_toml",
     "sha256_file",
 ]
@@ -101,6 +103,11 @@ class BrokerConfig:
         (same credentials and TLS files). After a failed connect or a lost connection the next attempt
         goes to the next URL, round robin from ``url`` (:class:`edgefl.transport.MqttTransport`
         ``alternates``). Empty (the default): one broker.
+    auth_retries : int
+        The agent: connection attempts the broker refuses for the credentials (CONNACK "not
+        authorized" or "bad user name or password") in a row before the agent exits with code 5
+        (not restarted by the unit: a wrong password does not fix itself), >= 1. Default 3. Until
+        then its status and page say "refused: not authorized" and ``/healthz`` answers 503.
     """
 
     url: str = "mqtt://127.0.0.1:1883"
@@ -118,6 +125,7 @@ class BrokerConfig:
     client_cert: Path | None = None
     client_key: Path | None = None
     alternates: tuple[str, ...] = ()
+    auth_retries: int = 3
 
     @property
     def alternate_addresses(self) -> list[tuple[str, int]]:
@@ -376,6 +384,48 @@ def file_problem(path: Path, raw: object) -> str | None:
     return ("not a file" if path.exists() else "file not found") + where
 
 
+#: Kernel file systems: nothing the product writes belongs there (``files.log = "/proc/x"`` would fail
+#: only when the first round's line is written).
+PSEUDO_FS: Final = (Path("/proc"), Path("/sys"), Path("/dev"))
+
+
+def output_file_problem(path: Path) -> str | None:
+    """Why a file the product creates or replaces at ``path`` could not be written, or None if it could.
+
+    The product writes such a file atomically (a temporary file beside it, then a rename) or appends
+    to it, so its folder must exist and be writable, and the path must not be a folder, another kind
+    of file, or on a kernel file system (``/proc``, ``/sys``, ``/dev``). Nothing is written: the
+    answer comes from ``stat`` and ``access(2)`` only.
+
+    Parameters
+    ----------
+    path : Path
+        The file's path (absolute, or relative to the working directory).
+
+    Returns
+    -------
+    str or None
+        The reason, worded to follow ``key = value:`` (``"is a folder"``), or None.
+    """
+    resolved = path.resolve()
+    if any(resolved == fs or fs in resolved.parents for fs in PSEUDO_FS):
+        return "is on a pseudo file system (/proc, /sys, /dev)"
+    if resolved.is_dir():
+        return "is a folder (a file name is needed)"
+    if resolved.exists() and not resolved.is_file():
+        return "is not a regular file"
+    folder = resolved.parent
+    if not folder.exists():
+        return f"its folder {folder} does not exist"
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"its folder {folder} is not writable"
+    if resolved.exists() and not os.access(resolved, os.W_OK):
+        return "is not writable"
+    return None
+
+
 def sha256_file(path: Path) -> str:
     """SHA-256 of a file as 64 lowercase hex digits, read in 1 MiB blocks (raises ``OSError``)."""
     digest = hashlib.sha256()
@@ -404,6 +454,8 @@ def check_broker(p: Problems, c: BrokerConfig, raw: Mapping[str, object], check_
             c.max_incoming_packet_bytes,
             f"must be between 1 and {MQTT_MAX_PACKET_BYTES}",
         )
+    if isinstance(c.auth_retries, bool) or not isinstance(c.auth_retries, int) or c.auth_retries < 1:
+        p.add("broker.auth_retries", c.auth_retries, "must be an integer >= 1")
     if c.username is not None and not c.username:
         p.add("broker.username", c.username, "must not be empty")
     if c.password is not None and c.username is None:

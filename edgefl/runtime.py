@@ -330,6 +330,13 @@ class Backbone:
         if not path.is_file():
             raise ModelError(str(path), "model file not found")
         self.sha256 = file_sha256(path)
+        with path.open("rb") as fh:  # the trailer edgefl model prepare appends (modelfile.read_origin)
+            fh.seek(max(0, path.stat().st_size - modelfile.ORIGIN_TRAILER_BYTES))
+            origin = modelfile.read_origin(fh.read())
+        self.backbone_sha256 = origin or self.sha256
+        """The backbone's identity on the wire (``model_sha256``): the original model's SHA-256 for an
+        ``edgefl model prepare`` output (its outputs, or folded input, do not make it another
+        backbone), else the file's own :attr:`sha256`."""
         # One guard on every invoke path (run, resize, reset, reading weights, pipelines): two threads
         # on one interpreter give silently wrong outputs, so a second caller waits.
         self._lock = threading.RLock()

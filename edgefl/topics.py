@@ -35,6 +35,11 @@ class Topics:
         """Retained RoundAnnouncement, coordinator → devices."""
         return f"{self.base}/round"
 
+    @property
+    def coordinator(self) -> str:
+        """Retained Presence of the coordinator that runs the fleet (its lease); its last will clears it."""
+        return f"{self.base}/coordinator"
+
     def update(self, device: str) -> str:
         """Update of one device, device → coordinator (``"+"`` for the wildcard)."""
         return f"{self.base}/update/{device}"

@@ -23,7 +23,8 @@ mosquitto's ``max_inflight_messages`` on 3.1.1), and moves in as the consumer ta
 that ignores that bound (mosquitto emptying an offline session's queue) meets a closed door instead:
 the transport stops reading the socket while the queue and the hold line have no room, and TCP's
 flow control holds the rest. So a burst is never acknowledged and then lost; only QoS 0 messages are
-dropped when the queue is full, and counted.
+dropped when the queue is full, and counted. A message whose handling raises is acknowledged,
+counted (``refused``) and dropped: no run of bad messages can fill the broker's in-flight window.
 
 Source: MQTT 5.0 (OASIS 2019) and MQTT 3.1.1 (OASIS 2014); paho-mqtt 2.x client API.
 """
@@ -483,6 +484,7 @@ class MqttTransport:
         self.held_peak = 0  # most QoS 1 messages held at once, waiting for room in the queue
         self.oversize_dropped_total = 0
         self.callback_errors_total = 0
+        self.refused_total = 0  # messages whose handling raised: acknowledged, counted, dropped
         self.thread_errors_total = 0
         self.subscribe_failures_total = 0
         self.connected = asyncio.Event()
@@ -505,6 +507,10 @@ class MqttTransport:
         self.connects_total = 0
         #: The broker's last CONNACK refusal (None once a connection is accepted).
         self.last_refusal: ReasonCode | None = None
+        #: CONNACKs in a row that refused our credentials (:attr:`credentials_refused`); 0 once accepted.
+        self.auth_refusals = 0
+        #: Set at every CONNACK refusal (the caller clears it): wakes whoever reports refusals.
+        self.refused = asyncio.Event()
         self.broker_max_packet_bytes: int | None = None  # MQTT 5 CONNACK Maximum Packet Size, when sent
         #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1, 3.1.1 §3.2.2.2): False after a
         #: reconnect means the broker had no session for us (it lost its state, or the session expired):
@@ -536,6 +542,7 @@ class MqttTransport:
             "queue_dropped": self.dropped_total,
             "oversize_dropped": self.oversize_dropped_total,
             "callback_errors": self.callback_errors_total,
+            "refused": self.refused_total,
             "thread_errors": self.thread_errors_total,
             "subscribe_failures": self.subscribe_failures_total,
         }
@@ -606,7 +613,7 @@ class MqttTransport:
             else:
                 message = Message(msg.topic, bytes(msg.payload), bool(msg.retain))
                 conn.unhandled += 1  # read, not yet in the queue or the hold line (_room)
-                self._hop(self._handle_message, conn, msg.mid, msg.qos, message)
+                self._hop(self._receive, conn, msg.mid, msg.qos, message)
 
         c = conn.client
         c.on_connect = guarded("on_connect", on_connect)
@@ -742,12 +749,16 @@ class MqttTransport:
             if self.last_refusal is None or self.last_refusal != rc:
                 logger.warning("broker %s:%s refused the connection: %s", self.host, self.port, rc)
             self.last_refusal = rc
+            if self.credentials_refused:
+                self.auth_refusals += 1
+            self.refused.set()
             if self._mqtt5 and self.protocol == "auto" and int(rc.value) in (1, 132):
                 self._fallback_wanted = True
             conn.lost.set()
             return
         self.broker_max_packet_bytes = int(max_packet) if max_packet else None
         self.last_refusal = None
+        self.auth_refusals = 0
         self.session_present = session_present
         conn.acked = True
         # the last try of each unsubscribe still unanswered: sent before the subscriptions (the broker
@@ -854,6 +865,32 @@ class MqttTransport:
         if qos > 0 and not conn.closed:
             conn.client.ack(mid, qos)
             self._flush(conn)
+
+    def _receive(self, conn: _Connection, mid: int, qos: int, msg: Message) -> None:
+        """Take one incoming message (:meth:`_handle_message`); one whose handling raises is refused.
+
+        A refused message is acknowledged, counted (``refused_total``) and logged on one line: left
+        unacknowledged it would hold one of the broker's in-flight slots for the connection's life,
+        and a run of such messages (the broker's window, MQTT 5.0 §4.9) would leave the transport
+        connected but deaf.
+        """
+        try:
+            self._handle_message(conn, mid, qos, msg)
+        except Exception as exc:
+            self.refused_total += 1
+            n = self.refused_total
+            if n <= LOGGED_DROPS or n % 1000 == 0:
+                logger.error(
+                    "refused message on %s (%d bytes): handling failed: %s: %s%s",
+                    msg.topic,
+                    len(msg.payload),
+                    type(exc).__name__,
+                    exc,
+                    f" ({n} refused so far; every 1000th logged)" if n > LOGGED_DROPS else "",
+                )
+            self._unacked.pop(id(msg), None)  # acknowledged here, never again at a commit
+            with contextlib.suppress(Exception):  # a connection closed meanwhile: nothing to ack
+                self._ack(conn, mid, qos)
 
     def _handle_message(self, conn: _Connection, mid: int, qos: int, msg: Message) -> None:
         conn.unhandled = max(0, conn.unhandled - 1)

@@ -104,7 +104,7 @@ class Tier:
         common = [
             sys.executable, "-m", "edgefl.cli", "--log-level", "INFO", "coordinator",
             "--fleet", self.fleet, "--model", str(INT8_MODEL), "--rounds", str(self.rounds),
-            "--strategy", "fedavg", "--clip-norm", str(NORM_BOUND), "--deadline", "45",
+            "--strategy", "fedavg", "--clip-norm", str(NORM_BOUND), "--deadline", "45", "--tolerate", "0",
             "--log", str(self.tmp / f"{name}.jsonl"),
         ]  # fmt: skip
         if name == "root":

@@ -1,4 +1,5 @@
-"""Tests of edgefl/wire/codec.py: round trips, compression bounds, interoperability, malformed input."""
+"""Tests of the wire codec (edgefl/wire/messages.py, compression.py, cbor.py): round trips, compression
+bounds, interoperability, malformed input."""
 
 from __future__ import annotations
 
@@ -965,7 +966,7 @@ def test_malformed_cbor_reason(payload: bytes, reason: str) -> None:
 
 
 def test_all_message_types_are_distinct() -> None:
-    kinds = {"global_model", "round", "update", "decline", "status", "chunk", "partial"}
+    kinds = {"global_model", "round", "update", "decline", "status", "chunk", "partial", "presence"}
     kinds |= {"sample", "label", "prediction"}
     assert {m.value for m in MessageType} == kinds
     # 2 added the rice layout and the canonical signed bytes, 3 head layouts, 4 deflated int8 levels

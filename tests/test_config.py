@@ -650,6 +650,7 @@ def test_profile_to_dict_round_trips(write: Writer, tmp_path: Path) -> None:
         "dashboard",
         "security",
         "status",
+        "personal",
     ]
     assert rendered["pipeline"] == {
         "mode": "fused",
@@ -776,6 +777,7 @@ def test_security_table(write: Writer, tmp_path: Path) -> None:
         "security.require_signatures = true: needs security.coordinator_public_key"
     ]
     assert problems_of(write('[security]\ncoordinator_public_key = "xyz"\noutbox_max_bytes = 0\n')) == [
-        "security.coordinator_public_key = 'xyz': must be 64 hexadecimal digits (an Ed25519 public key)",
+        "security.coordinator_public_key = 'xyz': not an Ed25519 public key: expected 64 hex digits or a PEM"
+        " block (-----BEGIN ...-----)",
         "security.outbox_max_bytes = 0: must be > 0",
     ]

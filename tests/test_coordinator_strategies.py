@@ -44,7 +44,7 @@ def run_coordinator(
     cmd = [
         sys.executable, "-m", "edgefl.cli", "--log-level", "INFO", "coordinator",
         "--broker", broker.url, "--fleet", fleet, "--model", str(INT8_MODEL),
-        "--wait-devices", str(n_agents), "--deadline", "60", "--log", str(log), *flags,
+        "--wait-devices", str(n_agents), "--deadline", "60", "--log", str(log), "--tolerate", "0", *flags,
     ]  # fmt: skip
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)

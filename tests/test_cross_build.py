@@ -9,6 +9,8 @@ temporary folder instead (downloads from the package index, ~10-30 s per target)
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import os
 import re
 import shutil
@@ -46,6 +48,7 @@ EDGEFL_REQUIRES = [
     'amqtt>=0.11; extra == "demo"',
     'tflite-runtime>=2.14; extra == "tflite"',
     'numpy<2; extra == "tflite"',
+    'PyNaCl>=1.5; extra == "security"',
 ]
 
 
@@ -123,13 +126,14 @@ def test_armv7l_requirements_drop_litert_and_take_the_tflite_extra() -> None:
     reqs = wh.applicable_requirements(EDGEFL_REQUIRES, ARMV7L, ARMV7L.extras)
     assert _names(list(reqs)) == [
         "numpy>=1.24", "cbor2>=5.9", "paho-mqtt>=2.0", "aiohttp>=3.9", "tflite-runtime>=2.14", "numpy<2",
+        "PyNaCl>=1.5",
     ]
 
 
-def test_aarch64_requirements_keep_litert_without_extras() -> None:
+def test_aarch64_requirements_keep_litert_with_only_the_security_extra() -> None:
     reqs = wh.applicable_requirements(EDGEFL_REQUIRES, AARCH64, AARCH64.extras)
     assert _names(list(reqs)) == ["ai-edge-litert>=2.0", "numpy>=1.24", "cbor2>=5.9", "paho-mqtt>=2.0",
-                                  "aiohttp>=3.9"]
+                                  "aiohttp>=3.9", "PyNaCl>=1.5"]
 
 
 def test_markers_use_the_target_not_the_build_machine() -> None:
@@ -217,13 +221,14 @@ def test_parse_lock_names_the_bad_line() -> None:
 
 
 def test_expectations_catch_the_litert_1_4_fallback() -> None:
-    lock = [wh.LockEntry("ai-edge-litert", "1.4.0", "0" * 64), wh.LockEntry("cbor2", "6.3.0", "1" * 64)]
+    lock = [wh.LockEntry("ai-edge-litert", "1.4.0", "0" * 64), wh.LockEntry("cbor2", "6.3.0", "1" * 64),
+            wh.LockEntry("pynacl", "1.6.2", "2" * 64)]
     with pytest.raises(wh.WheelhouseError) as err:
         wh.check_expectations(lock, AARCH64)
     assert err.value.name == "ai-edge-litert"
     assert err.value.platform == "cp311-manylinux_2_28_aarch64"
     assert "locked 1.4.0, expected ai-edge-litert>=2" in str(err.value)
-    wh.check_expectations([wh.LockEntry("ai-edge-litert", "2.3.0", "0" * 64), lock[1]], AARCH64)
+    wh.check_expectations([wh.LockEntry("ai-edge-litert", "2.3.0", "0" * 64), *lock[1:]], AARCH64)
 
 
 def test_expectations_catch_a_missing_distribution() -> None:
@@ -272,6 +277,25 @@ def _armv7l_house(tmp: Path, *, with_aiohttp: bool = True) -> list[wh.WheelInfo]
 
 def test_closure_accepts_debian_numpy_on_armv7l(tmp_path: Path) -> None:
     wh.check_closure(_armv7l_house(tmp_path), ARMV7L)
+
+
+def test_wheelhouse_carries_the_signing_library_on_every_target() -> None:
+    """PyNaCl (the security extra): a wheel on aarch64 and x86_64, Debian's python3-nacl on armv7l."""
+    for target in (AARCH64, AARCH64_313, X86_64, ARMV7L):
+        assert "security" in target.extras, target.name
+        names = {r.name for r in wh.applicable_requirements(EDGEFL_REQUIRES, target, target.extras)}
+        assert "PyNaCl" in names, target.name
+    assert "pynacl>=1.5" in AARCH64.expect and "pynacl>=1.5" in X86_64.expect
+    assert ARMV7L.system_packages["pynacl"] == "1.5.0"  # Debian 12's python3-nacl
+    assert ARMV7L.system_modules["nacl.signing"] == "python3-nacl"
+    assert {"python3-nacl", "python3-cffi"} <= set(ARMV7L.debian_packages)
+
+
+def test_closure_checks_debian_pynacl_on_armv7l(tmp_path: Path) -> None:
+    without = dataclasses.replace(ARMV7L, system_packages={"numpy": "1.24.2"})
+    with pytest.raises(wh.WheelhouseError) as err:
+        wh.check_closure(_armv7l_house(tmp_path), without)
+    assert (err.value.name, err.value.reason) == ("pynacl", "no wheel (required by edgefl 0.1.0)")
 
 
 def test_closure_names_the_missing_dependency_and_platform(tmp_path: Path) -> None:
@@ -380,12 +404,13 @@ def _systemd_version() -> int:
 
 def test_fault_unit_restarts_runtime_faults_with_backoff_never_config_errors() -> None:
     v = _unit_values(wh.render_unit(ROOT / "firmware_configs" / "gateway_aarch64_256mb.toml"))
-    assert (v["Restart"], v["RestartPreventExitStatus"]) == ("on-failure", "1 2 3")
+    assert (v["Restart"], v["RestartPreventExitStatus"]) == ("on-failure", "1 2 3 5")
     assert (v["RestartSec"], v["RestartSteps"], v["RestartMaxDelaySec"]) == ("5s", "6", "5min")
     assert v["StartLimitIntervalSec"] == "0"
-    from edgefl.cli import EXIT_RUNTIME, EXIT_TEMPFAIL
+    from edgefl.cli import EXIT_CREDENTIALS, EXIT_RUNTIME, EXIT_TEMPFAIL
 
     assert (EXIT_RUNTIME, EXIT_TEMPFAIL) == (4, 75)  # both restarted: not in RestartPreventExitStatus
+    assert EXIT_CREDENTIALS == 5  # a wrong password does not fix itself: in RestartPreventExitStatus
 
 
 # --- CLI hook -----------------------------------------------------------------------------------
@@ -618,7 +643,8 @@ def test_aarch64_wheelhouse_locks_litert_2(python: str, tmp_path_factory: pytest
     assert int(lock["ai-edge-litert"].version.split(".")[0]) >= 2
     assert lock["ai-edge-litert"].filename.endswith(f"-{target.abi}-{target.abi}-manylinux_2_27_aarch64.whl")
     assert "tflite-runtime" not in lock
-    assert {"edgefl", "numpy", "cbor2", "paho-mqtt", "aiohttp"} <= set(lock)
+    assert {"edgefl", "numpy", "cbor2", "paho-mqtt", "aiohttp", "pynacl", "cffi"} <= set(lock)
+    assert lock["pynacl"].filename.endswith("-abi3-manylinux_2_26_aarch64.manylinux_2_28_aarch64.whl")
     # Every CPython-specific wheel is for this Python: its own ABI or the stable ABI, never another cp3XX.
     for e in lock.values():
         for tag in parse_wheel_filename(e.filename)[3]:
@@ -636,6 +662,10 @@ def test_armv7l_wheelhouse_has_tflite_runtime_and_pure_cbor2(
     assert lock["tflite-runtime"].version == "2.14.0"
     assert lock["cbor2"].filename == "cbor2-5.9.0-py3-none-any.whl"
     assert "numpy" not in lock  # Debian's python3-numpy, through --system-site-packages
+    assert "pynacl" not in lock and "cffi" not in lock  # Debian's python3-nacl and python3-cffi
+    assert "system_modules=numpy=python3-numpy nacl.signing=python3-nacl cffi=python3-cffi\n" in (
+        house / "TARGET"
+    ).read_text()
     assert "ai-edge-litert" not in lock
     with zipfile.ZipFile(house / "wheels" / lock["cbor2"].filename) as zf:
         assert not [n for n in zf.namelist() if n.endswith(".so")]
@@ -717,6 +747,50 @@ def test_install_sh_upgrade_keeps_the_running_release_when_restart_fails(
     assert os.readlink(fake_system.prefix / "previous") == old
     assert os.readlink(fake_system.prefix / "current") != old
     assert "MemoryMax=192M" in fake_system.unit.read_text()
+
+
+def test_install_sh_release_signs_offline_with_the_wheelhouse_signing_library(
+    host_house: Path, fake_system: FakeSystem, tmp_path: Path
+) -> None:
+    """The offline install carries PyNaCl: the release makes keys and a profile with them checks."""
+    assert "pynacl" in _locked(host_house)
+    proc = fake_system.install(host_house, "--profile", "gateway_aarch64_256mb", "--no-start")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    venv_bin = fake_system.prefix / "current" / "venv" / "bin"
+    # the release's own Python, without this checkout or the test venv on its path
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    run = functools.partial(
+        subprocess.run, capture_output=True, text=True, check=False, env=env, cwd=tmp_path
+    )
+    where = run(
+        [str(venv_bin / "python"), "-c", "import nacl, edgefl; print(nacl.__file__, edgefl.__file__)"]
+    )
+    assert where.returncode == 0, where.stderr
+    assert all(str(fake_system.prefix) in f for f in where.stdout.split()), where.stdout
+    keys = run(
+        [str(venv_bin / "edgefl"), "keys", "generate", "--out", str(tmp_path / "keys"), "--name", "gw-7"]
+    )
+    assert keys.returncode == 0, keys.stderr
+    public = keys.stdout.strip().rsplit(" ", 1)[-1]
+    assert re.fullmatch(r"[0-9a-f]{64}", public)
+    signs = run([
+        str(venv_bin / "python"), "-c",
+        "import sys; from edgefl.wire.signing import load_signing_key, sign_message; "
+        "from edgefl.wire.messages import RoundAnnouncement, encode_round; "
+        "k = load_signing_key(sys.argv[1]); "
+        "m = RoundAnnouncement(1, 0, 30.0, 1, 0.1, 16, 1, ('gw-7',)); "
+        "p = sign_message(encode_round, m, k, fleet='f'); "
+        "print(k.verify_key.hex, len(p))",
+        str(tmp_path / "keys" / "gw-7.key"),
+    ])
+    assert signs.returncode == 0, signs.stderr
+    assert signs.stdout.split()[0] == public
+    profile = fake_system.prefix / "current" / "firmware_configs" / "gateway_aarch64_256mb.toml"
+    check = run([str(venv_bin / "edgefl"), "check-config", str(profile),
+                 "--set", f"security.signing_key_file={tmp_path / 'keys' / 'gw-7.key'}",
+                 "--set", f"security.coordinator_public_key={public}",
+                 "--set", f"device.state_dir={tmp_path / 'state'}"])
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 # --- check_emulated.sh: the suite argument (refusals happen before any tool or download is needed) ----

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 TOKEN = "s3cret-token-for-tests-0123456789"
 ROUTES = ("/", "/static/app.js", "/static/style.css", "/static/favicon.svg", "/api/status", "/api/history",
-          "/metrics", "/healthz")
+          "/api/rounds", "/metrics", "/healthz")
 
 
 def run(coro: Awaitable[None], timeout_s: float = 20.0) -> None:

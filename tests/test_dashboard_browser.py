@@ -7,8 +7,8 @@ instead, make the fixture start one (with its dashboard enabled) and return its 
 ``advance`` that drives a round through the coordinator; the tests do not change.
 
 Screenshots go to the test's temp dir; with ``EDGEFL_DOCS_SCREENSHOTS=1`` the device and coordinator
-tests also run their scenario for a minute and write ``docs/dashboard-device.png`` and
-``docs/dashboard-coordinator.png`` for the README.
+tests run their scenario for a minute. The README's pictures come from a real run instead
+(``python -m bench.screenshots``).
 """
 
 from __future__ import annotations
@@ -284,8 +284,6 @@ def painted_pixels(page: Page, canvas_id: str) -> int:
 
 def docs_screenshot(page: Page, name: str, tmp_path: Path) -> None:
     page.screenshot(path=tmp_path / name, full_page=True)
-    if DOCS:
-        page.screenshot(path=ROOT / "docs" / name, full_page=True)
 
 
 def test_browser_device_page_shows_real_rss_and_live_round_state(
@@ -413,10 +411,16 @@ def test_browser_coordinator_page_live(context: BrowserContext, tmp_path: Path) 
         names = [rows.nth(i).locator("td").first.text_content() for i in range(5)]
         assert "<img src=x onerror=alert(1)>" in names  # text, not markup
         assert page.locator("#devices img").count() == 0
-        shed = page.locator('#devices tr[data-device="gw-shed"] td')
-        assert shed.nth(1).text_content() == "offline"
-        assert shed.nth(3).text_content() == f"{DASH} of 64.0 MiB"
-        assert shed.nth(5).text_content() == "last will"
+        shed = '#devices tr[data-device="gw-shed"] td'
+        assert page.text_content(shed + '[data-col="state"]') == "offline"
+        assert page.text_content(shed + '[data-col="headroom"]') == DASH  # no RSS reported
+        assert page.text_content(shed + '[data-col="reason"]') == "last will"
+        # worst first: the offline device, one without a memory report, then the least headroom
+        order = [rows.nth(i).get_attribute("data-device") for i in range(5)]
+        assert order == ["gw-shed", "<img src=x onerror=alert(1)>", "gw-garage", "gw-attic", "gw-kitchen"]
+        garage = '#devices tr[data-device="gw-garage"] td[data-col="headroom"]'
+        assert page.text_content(garage) == "8.0 MiB · 8 %"
+        assert page.get_attribute(garage, "data-level") == "warn"  # under 15 % of the cap free
         assert page.text_content("#online-count") == "devices 4 / 5 online"
         first = deadline_s(page)
         assert 25 <= first <= 30
@@ -435,7 +439,8 @@ def test_browser_coordinator_page_live(context: BrowserContext, tmp_path: Path) 
             server.notify()
         progress.update(state="collecting", hostile=False)
         server.notify()
-        expect_state(page, "collecting")
+        expect(page.locator("#fleet-state")).to_have_attribute("data-state", "collecting", timeout=3000)
+        expect(page.locator("#fleet-state")).to_have_text(f"collecting {progress['received']} of 4")
         expect(rows).to_have_count(4)
         assert page.evaluate("window.__sameDocument") is True
         docs_screenshot(page, "dashboard-coordinator.png", tmp_path)
@@ -452,7 +457,7 @@ def test_browser_missing_keys_render_as_dash(context: BrowserContext, kind: str)
         page, errors = open_page(context, server.url)
         texts = page.eval_on_selector_all("[data-field]", "els => els.map(e => e.textContent)")
         assert texts and set(texts) == {DASH}
-        assert page.text_content("#state") == DASH
+        assert page.text_content("#state" if kind == "device" else "#fleet-state") == DASH
         if kind == "device":
             assert page.text_content("#rss-pct") == DASH and page.text_content("#headroom") == DASH
             assert page.locator("#phases td.num").all_text_contents() == [DASH] * 6
@@ -475,7 +480,8 @@ def test_browser_page_reconnects_after_the_agent_restarts(
     page, errors = open_page(context, server.url)
     expect_state(page, "training")
     server.close()
-    expect(page.locator("#live")).to_have_text("reconnecting…", timeout=3000)
+    expect(page.locator("#live")).to_have_attribute("data-state", "stale", timeout=3000)
+    expect(page.locator("#stale-note")).to_contain_text("the agent does not answer")
     second = LiveDevice(state="deferred")
     server = ThreadedDashboard(DashboardState("device", "gw", second.status), port=server.port)
     try:

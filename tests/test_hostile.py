@@ -18,13 +18,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, Broker, free_port, start_mosquitto, stop_broker, wait_until
 
 from edgefl.launcher import launch_agent, stop_agents
+from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import decode_status
+from edgefl.wire.messages import (
+    GlobalModel,
+    RoundAnnouncement,
+    decode_status,
+    encode_global_model,
+    encode_round,
+)
+from edgefl.wire.signing import SigningKey, sign_message
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.subprocess]
 
@@ -205,3 +214,76 @@ def test_hostile_1100_half_open_dashboard_connections(mosquitto: Broker, fleet: 
     assert counts["timed_out"] >= 16 and counts["refused"] >= 1100 - failed - 16 * 10
     log = (tmp_path / f"{dev}.log").read_text(errors="replace")
     assert "Traceback" not in log and "Too many open files" not in log
+
+
+@pytest.mark.parametrize("protocol", ["3.1.1", "5"])
+def test_hostile_forgery_new_device_never_rolls_back_to_an_old_signed_head(
+    mosquitto: Broker, fleet: str, tmp_path: Path, protocol: str
+) -> None:
+    """An old signed head (version 1) retained on ``global``, the current signed round (base 3) on
+    ``round``: a device without state takes the round's base version as its floor before any head, so
+    it refuses version 1 (``not_newer``, a rollback) and keeps the model's own head (version 0)."""
+    key = SigningKey(bytes(range(32)))
+    bb = Backbone(INT8_MODEL)
+    W0, b0 = bb.head_from_model()
+    topics = Topics("edgefl", fleet)
+    old = GlobalModel(1, 1, bb.sha256, (W0 + np.float32(0.25)).astype(np.float32), b0)
+    current = RoundAnnouncement(4, 3, 60.0, 1, 0.05, 16, 2, 1.0)
+    dev = "dev-fresh"
+
+    async def plant() -> None:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"old-coordinator-{fleet}")
+        await t.start(wait_s=10)
+        try:
+            await t.publish(
+                topics.global_model,
+                sign_message(encode_global_model, old, key, fleet=fleet),
+                qos=1,
+                retain=True,
+            )
+            await t.publish(
+                topics.round, sign_message(encode_round, current, key, fleet=fleet), qos=1, retain=True
+            )
+        finally:
+            await t.stop()
+
+    async def watch() -> dict[str, Any]:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"watcher-{fleet}")
+        await t.start(wait_s=10)
+        latest: dict[str, Any] = {}
+        try:
+            await t.subscribe(topics.status(dev), 1)
+
+            async def statuses() -> None:
+                while True:
+                    msg = await t.queue.get()
+                    if msg.payload:
+                        st = decode_status(msg.payload)
+                        latest.update(st.fields, state=st.state)
+
+            reader = asyncio.create_task(statuses())
+            await wait_until(
+                lambda: latest.get("rejected", {}).get("not_newer", 0) >= 1, 60, "the old head refused"
+            )
+            reader.cancel()
+            return latest
+        finally:
+            await t.stop()
+
+    asyncio.run(plant())
+    proc = _agent(
+        mosquitto,
+        fleet,
+        tmp_path,
+        dev,
+        broker__protocol=protocol,
+        security__coordinator_public_key=key.verify_key.hex,
+    )
+    try:
+        status = asyncio.run(watch())
+        assert proc.poll() is None, "the agent died"
+    finally:
+        stop_agents([proc])
+    assert status["version"] == 0, status
+    log = (tmp_path / f"{dev}.log").read_text(errors="replace")
+    assert "older than version 3 announced by a signed round (a rollback)" in log

@@ -1,12 +1,28 @@
 from __future__ import annotations
 
+import asyncio
+import itertools
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import INT8_MODEL, Broker, wait_until
 
-from edgefl.coordinator.privacy import DPFedAvg, PrivateSum, clip_update, dp_epsilon
-from edgefl.coordinator.strategy import FedAvgM, Offer, aggregate_checked, make_strategy
+from edgefl.coordinator.privacy import (
+    DPFedAvg,
+    PrivacyLedger,
+    PrivateSum,
+    clip_update,
+    dp_epsilon,
+    ledger_epsilon,
+)
+from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.strategy import FedAvg, FedAvgM, Offer, aggregate_checked, make_strategy
+from edgefl.runtime import Backbone
+from edgefl.topics import Topics
+from edgefl.transport import MqttTransport
+from edgefl.wire.messages import Update, UpdateMetrics, encode_update
 
 
 def test_clip_update_by_hand() -> None:
@@ -123,3 +139,90 @@ def test_dp_wraps_only_the_fedavg_family() -> None:
     for name in ("median", "trimmed-mean", "fedbuff"):
         with pytest.raises(ValueError, match="DP wraps fedavg"):
             DPFedAvg(make_strategy(name), clip_norm=1.0, noise_multiplier=1.0, expected_clients=2.0)
+
+
+def test_accountant_ledger_composes_runs_as_dp_accounting_does() -> None:
+    """Runs of (z, q, rounds): one run is ``dp_epsilon``; two runs are their composition, computed
+    here with dp_accounting's own events; a ledger merges equal consecutive rounds and restores."""
+    import dp_accounting
+
+    assert ledger_epsilon([(1.1, 1.0, 3)], 1e-5) == dp_epsilon(1.1, 1.0, 3, 1e-5)
+    acc = dp_accounting.rdp.RdpAccountant()
+    for z, n in ((1.1, 3), (1.5, 2)):
+        acc.compose(
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(1.0, dp_accounting.GaussianDpEvent(z)), n
+            )
+        )
+    assert ledger_epsilon([(1.1, 1.0, 3), (1.5, 1.0, 2)], 1e-5) == pytest.approx(acc.get_epsilon(1e-5))
+    ledger = PrivacyLedger()
+    for z in (1.1, 1.1, 1.1, 1.5, 1.5):
+        ledger.add(z, 1.0)
+    assert ledger.runs == [(1.1, 1.0, 3), (1.5, 1.0, 2)] and ledger.rounds == 5
+    again = PrivacyLedger()
+    again.restore(ledger.snapshot())
+    assert again.runs == ledger.runs
+    with pytest.raises(ValueError, match="privacy ledger entry"):
+        again.restore([[1.0, 2.0, 1]])
+
+
+def test_accountant_survives_coordinator_restarts(mosquitto: Broker, fleet: str, tmp_path: Path) -> None:
+    """A DP coordinator on a real broker runs 2 rounds, is restarted from its state file (a new
+    coordinator, transport and strategy) and runs 2 more, then restarted again with a larger noise
+    multiplier for 1 more: epsilon after each round equals dp_accounting's for every round run so
+    far (computed here from dp_accounting's events), and never goes down."""
+    import dp_accounting
+
+    bb = Backbone(INT8_MODEL)
+    W0, b0 = bb.head_from_model()
+    topics = Topics("edgefl", fleet)
+    state = tmp_path / "state.rec"
+    devices = ("dev-1", "dev-2")
+
+    def update(dev: str, rnd: int, base: int) -> bytes:
+        up = Update(rnd, base, dev, 10, np.full_like(W0, 0.001), np.zeros_like(b0),
+                    UpdateMetrics(0.1, 0.9, 0.01, 1), f"{dev}:{rnd}:{base}")  # fmt: skip
+        return encode_update(up)
+
+    async def run(z: float, rounds: int, start: int) -> list[float]:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
+        dev = MqttTransport(mosquitto.host, mosquitto.port, f"dev-{fleet}")
+        await t.start(wait_s=10)
+        await dev.start(wait_s=10)
+        inner = FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=2, deadline_s=30)
+        dp = DPFedAvg(inner, clip_norm=1.0, noise_multiplier=z, expected_clients=2.0, delta=1e-5)
+        coord = Coordinator(t, topics, W0, b0, model_sha256=bb.sha256, strategy=dp)
+        resumed = coord.load_state(state)
+        assert resumed == (start > 1)
+        coord.state_path = state
+        pump = asyncio.create_task(coord.pump())
+        eps = []
+        try:
+            await coord.start(adopt_wait_s=0.5)
+            for r in range(start, start + rounds):
+                run_r = asyncio.create_task(coord.run_round(r, selected=devices))
+                await wait_until(lambda r=r: coord.state.round == r, 10, f"round {r} open")  # type: ignore[misc]
+                for d in devices:
+                    await dev.publish(topics.update(d), update(d, r, coord.state.version), qos=1)
+                rec = await run_r
+                assert rec.clients == 2 and not rec.refused
+                coord.save_state(state)  # as the runner does after every round
+                eps.append(rec.epsilon)
+        finally:
+            pump.cancel()
+            await dev.stop()
+            await t.stop()
+        return eps
+
+    eps = asyncio.run(run(1.1, 2, 1)) + asyncio.run(run(1.1, 2, 3)) + asyncio.run(run(1.5, 1, 5))
+
+    def truth(runs: list[tuple[float, int]]) -> float:
+        acc = dp_accounting.rdp.RdpAccountant()
+        for z, n in runs:
+            event = dp_accounting.PoissonSampledDpEvent(1.0, dp_accounting.GaussianDpEvent(z))
+            acc.compose(dp_accounting.SelfComposedDpEvent(event, n))
+        return float(acc.get_epsilon(1e-5))
+
+    want = [truth([(1.1, n)]) for n in (1, 2, 3, 4)] + [truth([(1.1, 4), (1.5, 1)])]
+    assert eps == pytest.approx(want, rel=1e-9)
+    assert all(b > a for a, b in itertools.pairwise(eps))

@@ -173,3 +173,55 @@ def test_robust_training_stops_at_its_time_budget(tmp_path: Path) -> None:
     )
     assert time.perf_counter() - t0 < 5.0
     assert res.num_examples == 512 and 0.0 <= res.accuracy <= 1.0
+
+
+def test_shipped_round_below_the_minimum_waits_to_its_deadline_then_is_abandoned(
+    mosquitto: Broker, fleet: str
+) -> None:
+    """Trimmed mean (beta 0.2) tolerating 1 of 5, ``min_clients = 2`` (the shipped profile's): two
+    updates do not close the round (it announces ``min_clients = 5``); at the deadline the round is
+    abandoned as ``too_few`` with nothing aggregated (version and head kept, no history committed)."""
+    from edgefl.coordinator.strategy import TrimmedMean
+    from edgefl.wire.messages import decode_round
+
+    bb = Backbone(INT8_MODEL)
+    W0, b0 = bb.head_from_model()
+    topics = Topics("edgefl", fleet)
+
+    def update(dev: str) -> bytes:
+        up = Update(1, 0, dev, 10, np.full_like(W0, -0.5 if dev == "evil" else 0.01), np.zeros_like(b0),
+                    UpdateMetrics(0.1, 0.9, 0.01, 1), f"{dev}:1:0")  # fmt: skip
+        return encode_update(up)
+
+    async def main() -> tuple[Coordinator, Any, int]:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
+        dev = MqttTransport(mosquitto.host, mosquitto.port, f"dev-{fleet}")
+        await t.start(wait_s=10)
+        await dev.start(wait_s=10)
+        await dev.subscribe(topics.round, 1)
+        strategy = TrimmedMean(trim_fraction=0.2, tolerate=1, min_clients=2, deadline_s=3.0)
+        coord = Coordinator(t, topics, W0, b0, model_sha256=bb.sha256, strategy=strategy)
+        pump = asyncio.create_task(coord.pump())
+        try:
+            await coord.start(adopt_wait_s=0.5)
+            run1 = asyncio.create_task(coord.run_round(1))
+            ann = None
+            while ann is None:
+                msg = await asyncio.wait_for(dev.queue.get(), 10)
+                if msg.topic == topics.round and msg.payload:
+                    ann = decode_round(msg.payload)
+            for d in ("evil", "dev-1"):
+                await dev.publish(topics.update(d), update(d), qos=1)
+            record = await run1
+            return coord, record, ann.min_clients
+        finally:
+            pump.cancel()
+            await dev.stop()
+            await t.stop()
+
+    coord, record, announced = asyncio.run(main())
+    assert announced == 5
+    assert record.refused == "too_few" and record.clients == 2
+    assert coord.state.version == 0 and dict(coord.state.refused_rounds) == {"too_few": 1}
+    np.testing.assert_array_equal(coord.W, W0)
+    assert len(coord.strategy.norm_bound.history) == 0

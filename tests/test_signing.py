@@ -5,14 +5,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import cbor2
 import numpy as np
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edgefl.errors import DecodeError
 from edgefl.wire import signing
@@ -42,6 +39,8 @@ from edgefl.wire.signing import (
     load_verify_keys,
     parse_signing_key,
     parse_verify_key,
+    private_pem,
+    public_pem,
     sign_message,
     sign_payload,
     signed_bytes,
@@ -58,13 +57,19 @@ RFC_SIGNATURE = bytes.fromhex(
 SHA = "ab" * 32
 FLEET = "f1"
 GM, ROUND, UPDATE = "global_model", "round", "update"
-
-
-@pytest.fixture(params=["pynacl", "cryptography"])
-def backend(request: pytest.FixtureRequest) -> Iterator[str]:
-    signing.set_backend(request.param)
-    yield request.param
-    signing.set_backend("auto")
+# RFC 8410 §10.3 and §10.1: an Ed25519 private key in PKCS #8 PEM and its public key in SPKI PEM
+RFC8410_PRIVATE_PEM = (
+    "-----BEGIN PRIVATE KEY-----\n"
+    "MC4CAQAwBQYDK2VwBCIEINTuctv5E1hK1bbY8fdp+K06/nwoy/HU++CXqI9EdVhC\n"
+    "-----END PRIVATE KEY-----\n"
+)
+RFC8410_PUBLIC_PEM = (
+    "-----BEGIN PUBLIC KEY-----\n"
+    "MCowBQYDK2VwAyEAGb9ECWmEzf6FQbrBZ9w7lshQhqowtrbLDFw4rXAxZuE=\n"
+    "-----END PUBLIC KEY-----\n"
+)
+RFC8410_SEED = bytes.fromhex("d4ee72dbf913584ad5b6d8f1f769f8ad3afe7c28cbf1d4fbe097a88f44755842")
+RFC8410_PUBLIC = bytes.fromhex("19bf44096984cdfe8541bac167dc3b96c85086aa30b6b6cb0c5c38ad703166e1")
 
 
 def make_update() -> Update:
@@ -86,16 +91,15 @@ def make_round() -> RoundAnnouncement:
     return RoundAnnouncement(4, 3, 30.0, 2, 0.1, 16, 2, ("dev-1", "dev-2"))
 
 
-def test_sign_rfc8032_test_vector(backend: str) -> None:
-    impl = signing._BACKENDS[backend]()
+def test_sign_rfc8032_test_vector() -> None:
+    impl = signing._backend()
     assert impl.public(RFC_SEED) == RFC_PUBLIC
     assert impl.sign(RFC_SEED, b"") == RFC_SIGNATURE
     assert impl.verify(RFC_PUBLIC, RFC_SIGNATURE, b"")
     assert not impl.verify(RFC_PUBLIC, RFC_SIGNATURE, b"x")
-    assert signing.backend_name() == backend
 
 
-def test_sign_good_signature_accepted_for_every_signed_message(backend: str) -> None:
+def test_sign_good_signature_accepted_for_every_signed_message() -> None:
     key = SigningKey(RFC_SEED)
     gm = GlobalModel(2, 3, SHA, np.ones((16, 4), np.float32), np.zeros(4, np.float32))
     payload = sign_message(encode_global_model, gm, key, fleet=FLEET)
@@ -116,7 +120,7 @@ def test_sign_good_signature_accepted_for_every_signed_message(backend: str) -> 
     assert decode_update(payload, expect_shape=(16, 4)).update_id == "dev-2:4:3"
 
 
-def test_sign_signed_bytes_are_the_canonical_context_string(backend: str) -> None:
+def test_sign_signed_bytes_are_the_canonical_context_string() -> None:
     key = SigningKey(RFC_SEED)
     ann = make_round()
     blank = encode_round(dataclasses.replace(ann, signature=PLACEHOLDER))
@@ -143,24 +147,7 @@ def test_sign_signed_bytes_are_the_canonical_context_string(backend: str) -> Non
     assert sign_message(encode_round, decode_round(payload), key, fleet=FLEET) == payload
 
 
-def test_sign_backends_produce_identical_signatures() -> None:
-    key = SigningKey(bytes(range(32)))
-    payloads = {}
-    for name in ("pynacl", "cryptography"):
-        signing.set_backend(name)
-        payloads[name] = sign_message(encode_round, make_round(), key, fleet=FLEET)
-    signing.set_backend("cryptography")
-    verify_payload(payloads["pynacl"], key.verify_key, fleet=FLEET, kind=ROUND)
-    signing.set_backend("pynacl")
-    verify_payload(payloads["cryptography"], key.verify_key, fleet=FLEET, kind=ROUND)
-    signing.set_backend("auto")
-    assert payloads["pynacl"] == payloads["cryptography"]
-    assert signing.backend_name() == "pynacl"  # auto prefers the smaller library
-    with pytest.raises(ValueError, match="signing backend"):
-        signing.set_backend("openssl")
-
-
-def test_sign_wrong_key_rejected(backend: str) -> None:
+def test_sign_wrong_key_rejected() -> None:
     payload = sign_message(encode_round, make_round(), SigningKey(RFC_SEED), fleet=FLEET)
     other = SigningKey(bytes(32)).verify_key
     with pytest.raises(DecodeError) as info:
@@ -173,7 +160,7 @@ def test_sign_wrong_key_rejected(backend: str) -> None:
         verify_payload(forged, SigningKey(RFC_SEED).verify_key, fleet=FLEET, kind=GM)
 
 
-def test_sign_tampered_byte_anywhere_rejected(backend: str) -> None:
+def test_sign_tampered_byte_anywhere_rejected() -> None:
     key = SigningKey(RFC_SEED)
     payload = sign_message(encode_round, make_round(), key, fleet=FLEET)
     for i in range(len(payload)):
@@ -190,7 +177,7 @@ def test_sign_tampered_byte_anywhere_rejected(backend: str) -> None:
         verify_payload(cbor2.dumps(obj), key.verify_key, fleet=FLEET, kind=ROUND)
 
 
-def test_sign_missing_signature_rejected(backend: str) -> None:
+def test_sign_missing_signature_rejected() -> None:
     key = SigningKey(RFC_SEED).verify_key
     unsigned = encode_round(make_round())
     for payload in (
@@ -212,33 +199,78 @@ def test_sign_refuses_messages_without_a_trailing_signature_entry() -> None:
 
 
 def test_sign_keys_parse_hex_and_pem(tmp_path: Path) -> None:
-    private = Ed25519PrivateKey.from_private_bytes(RFC_SEED)
-    pem = private.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    ).decode()
-    pub_pem = (
-        private.public_key()
-        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-        .decode()
-    )
-    assert parse_signing_key(pem).seed == RFC_SEED
+    # RFC 8410's PEM examples read as the RFC says, and written back byte for byte
+    assert parse_signing_key(RFC8410_PRIVATE_PEM).seed == RFC8410_SEED
+    assert parse_signing_key(RFC8410_PRIVATE_PEM).verify_key.raw == RFC8410_PUBLIC
+    assert parse_verify_key(RFC8410_PUBLIC_PEM).raw == RFC8410_PUBLIC
+    assert private_pem(SigningKey(RFC8410_SEED)) == RFC8410_PRIVATE_PEM
+    assert public_pem(VerifyKey(RFC8410_PUBLIC)) == RFC8410_PUBLIC_PEM
+    # a PEM block on one line (a --set value) and hex in either case
+    assert parse_verify_key(" ".join(RFC8410_PUBLIC_PEM.split("\n"))).raw == RFC8410_PUBLIC
     assert parse_signing_key(RFC_SEED.hex().upper() + "\n").seed == RFC_SEED
-    assert parse_verify_key(pub_pem).raw == RFC_PUBLIC
     assert parse_verify_key(RFC_PUBLIC.hex()) == VerifyKey(RFC_PUBLIC)
     assert SigningKey(RFC_SEED).verify_key.hex == RFC_PUBLIC.hex()
-    with pytest.raises(ValueError, match="not an Ed25519 key"):
-        parse_verify_key(pem.replace("PRIVATE", "PUBLIC"))  # a private key where a public one belongs
-    with pytest.raises(ValueError, match="64 hex digits"):
-        parse_signing_key(RFC_SEED.hex()[:-2])
     with pytest.raises(ValueError, match="32 bytes"):
         VerifyKey(b"short")
     keys = tmp_path / "device_keys"
     keys.mkdir()
     (keys / "dev-1.pub").write_text(RFC_PUBLIC.hex() + "\n")
-    (keys / "dev-2.pub").write_text(pub_pem)
+    (keys / "dev-2.pub").write_text(RFC8410_PUBLIC_PEM)
     (keys / "README").write_text("not a key")
-    assert load_verify_keys(keys) == {"dev-1": VerifyKey(RFC_PUBLIC), "dev-2": VerifyKey(RFC_PUBLIC)}
+    assert load_verify_keys(keys) == {"dev-1": VerifyKey(RFC_PUBLIC), "dev-2": VerifyKey(RFC8410_PUBLIC)}
     assert load_verify_key(keys / "dev-1.pub").raw == RFC_PUBLIC
+
+
+# an X25519 private key (RFC 8410 §10.3's layout with OID 1.3.101.110) and an RSA public key header
+X25519_PEM = (
+    "-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQYDK2VuBCIEINTuctv5E1hK1bbY8fdp+K06/nwoy/HU++CXqI9EdVhC\n"
+    "-----END PRIVATE KEY-----\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("parse", "text", "why"),
+    [
+        (parse_verify_key, RFC8410_PRIVATE_PEM, "a PRIVATE KEY where a public key belongs; give its"),
+        (parse_signing_key, RFC8410_PUBLIC_PEM, "a PUBLIC KEY where the private key belongs"),
+        (parse_signing_key, RFC8410_PRIVATE_PEM.replace("PRIVATE", "ENCRYPTED PRIVATE"), "an encrypted key"),
+        (parse_signing_key, X25519_PEM, "PEM 'PRIVATE KEY' is not an Ed25519 key"),
+        (parse_verify_key, RFC8410_PUBLIC_PEM.replace("PUBLIC KEY", "RSA PUBLIC KEY"), "a PEM 'RSA PUBL"),
+        (parse_verify_key, RFC8410_PUBLIC_PEM.replace("MCow", "MCo*"), "not valid base64"),
+        (parse_verify_key, RFC8410_PUBLIC_PEM.rsplit("-----END", 1)[0], "without its matching -----END"),
+        (parse_signing_key, RFC_SEED.hex()[:-2], "62 hex digits; an Ed25519 key is 64"),
+        (parse_signing_key, "   ", "empty"),
+        (parse_verify_key, "ssh-ed25519 AAAAC3Nza", "expected 64 hex digits or a PEM block"),
+    ],
+)
+def test_sign_key_errors_say_what_the_text_is_never_quoting_it(
+    parse: object, text: str, why: str
+) -> None:
+    assert callable(parse)
+    with pytest.raises(ValueError) as info:
+        parse(text)
+    message = str(info.value)
+    assert why in message
+    assert message.split(":")[0] in ("private key", "public key")
+    for secret in (RFC_SEED.hex()[:16], "INTuctv5E1hK1bbY8fdp", "AyEAGb9ECWmEzf6F"):
+        assert secret not in message
+
+
+def test_sign_keys_write_key_pair_pem_0600_never_replaced(tmp_path: Path) -> None:
+    private, public, key = signing.write_key_pair(tmp_path / "keys", "gw-7")
+    assert (private.name, public.name) == ("gw-7.key", "gw-7.pub")
+    assert private.stat().st_mode & 0o777 == 0o600
+    assert public.stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "keys").stat().st_mode & 0o777 == 0o700
+    assert private.read_text().startswith("-----BEGIN PRIVATE KEY-----\n")
+    assert load_signing_key(private) == key
+    assert load_verify_keys(tmp_path / "keys") == {"gw-7": key.verify_key}
+    before = private.read_bytes()
+    with pytest.raises(FileExistsError, match=r"gw-7\.key exists: not replaced"):
+        signing.write_key_pair(tmp_path / "keys", "gw-7")
+    assert private.read_bytes() == before
+    with pytest.raises(ValueError, match="without '/'"):
+        signing.write_key_pair(tmp_path, "a/b")
 
 
 def test_sign_private_key_never_logged_or_shown(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -268,7 +300,7 @@ def test_sign_private_key_never_logged_or_shown(tmp_path: Path, caplog: pytest.L
 # Forgeries: the signed bytes bind fleet, kind, round, version and (for updates) the device
 
 
-def test_forgery_head_signed_for_fleet_f1_fails_on_fleet_f2(backend: str) -> None:
+def test_forgery_head_signed_for_fleet_f1_fails_on_fleet_f2() -> None:
     key = SigningKey(RFC_SEED)
     gm = GlobalModel(2, 3, SHA, np.ones((16, 4), np.float32), np.zeros(4, np.float32))
     payload = sign_message(encode_global_model, gm, key, fleet="f1")
@@ -279,7 +311,7 @@ def test_forgery_head_signed_for_fleet_f1_fails_on_fleet_f2(backend: str) -> Non
     assert "fleet 'f2'" in info.value.detail
 
 
-def test_forgery_update_signed_for_device_a_fails_as_device_b(backend: str) -> None:
+def test_forgery_update_signed_for_device_a_fails_as_device_b() -> None:
     key = SigningKey(RFC_SEED)  # even with one key shared by both devices
     payload = sign_message(encode_update, make_update(), key, fleet=FLEET)  # device "dev-2"
     verify_payload(payload, key.verify_key, fleet=FLEET, kind=UPDATE, device="dev-2")
@@ -291,7 +323,7 @@ def test_forgery_update_signed_for_device_a_fails_as_device_b(backend: str) -> N
         verify_payload(payload, key.verify_key, fleet=FLEET, kind=UPDATE)
 
 
-def test_forgery_round_announcement_replayed_as_global_head(backend: str) -> None:
+def test_forgery_round_announcement_replayed_as_global_head() -> None:
     key = SigningKey(RFC_SEED)
     payload = sign_message(encode_round, make_round(), key, fleet=FLEET)
     with pytest.raises(DecodeError) as info:
@@ -302,7 +334,7 @@ def test_forgery_round_announcement_replayed_as_global_head(backend: str) -> Non
         verify_payload(payload, key.verify_key, fleet=FLEET, kind="status")
 
 
-def test_forgery_round_or_version_changed_after_signing(backend: str) -> None:
+def test_forgery_round_or_version_changed_after_signing() -> None:
     key = SigningKey(RFC_SEED)
     gm = GlobalModel(2, 3, SHA, np.ones((16, 4), np.float32), np.zeros(4, np.float32))
     payload = sign_message(encode_global_model, gm, key, fleet=FLEET)
@@ -314,7 +346,7 @@ def test_forgery_round_or_version_changed_after_signing(backend: str) -> None:
         assert info.value.reason == "bad_signature", field
 
 
-def test_forgery_schema1_signature_is_refused(backend: str) -> None:
+def test_forgery_schema1_signature_is_refused() -> None:
     # the scheme before schema 2 signed CONTEXT_v1 || the encoding with "signature": h''
     key = SigningKey(RFC_SEED)
     unsigned = encode_round(make_round())
@@ -330,7 +362,7 @@ def test_forgery_schema1_signature_is_refused(backend: str) -> None:
         sign_payload(unsigned[:-1] + b"\x58\x40" + PLACEHOLDER, key, fleet=FLEET)
 
 
-def test_forgery_signed_fields_unreadable_or_newer_schema(backend: str) -> None:
+def test_forgery_signed_fields_unreadable_or_newer_schema() -> None:
     key = SigningKey(RFC_SEED)
     sig = b"s" * 64
     cases = {

@@ -115,22 +115,26 @@ def test_integrity_store_refuses_non_finite_embeddings_and_sets_aside_corrupt_fi
     s.flush()
     assert len(EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)) == 2  # intact: kept
 
-    # one flipped bit in the label file: the checksum catches it, the files are set aside
+    # one flipped bit in the oldest sample's label: its row's checksum catches it; the newer sample is
+    # recovered, the lost one logged with its count
     lbl = tmp_path / "store_lbl.i16"
     data = bytearray(lbl.read_bytes())
     data[1] ^= 0x40
     lbl.write_bytes(bytes(data))
-    with caplog.at_level("ERROR", logger="edgefl.agent.store"):
+    with caplog.at_level("WARNING", logger="edgefl.agent.store"):
         again = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)
-    assert len(again) == 0 and again.set_aside == "store_lbl.i16 does not match its checksum"
-    assert (tmp_path / "store_lbl.i16.corrupt").read_bytes() == bytes(data)
-    assert [r.message for r in caplog.records if "set aside" in r.message] == [
-        f"store in {tmp_path} is corrupt (store_lbl.i16 does not match its checksum): "
-        "set aside as *.corrupt, starting empty"
+    assert (len(again), again.lost_at_open, again.set_aside) == (1, 1, "")
+    got = np.concatenate([e for e, _ in again.chunks(8)])
+    np.testing.assert_array_equal(got, [[3, 4]])
+    assert [r.message for r in caplog.records if "could not be recovered" in r.message] == [
+        f"store in {tmp_path}: 1 sample(s) could not be recovered (torn or failing their checksum); "
+        "1 recovered"
     ]
     again.add(np.ones((3, 2), np.float32), np.array([0, 1, 2], np.int64))
     again.flush()
-    assert len(EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)) == 3  # rebuilt, usable
+    back = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)
+    assert (len(back), back.lost_at_open) == (4, 0)  # rebuilt, usable
+    assert np.concatenate([lab for _, lab in back.chunks(8)]).tolist() == [1, 0, 1, 2]
 
 
 def test_integrity_store_refuses_insane_metadata_even_with_a_good_checksum(tmp_path: Path) -> None:

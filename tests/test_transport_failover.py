@@ -90,7 +90,7 @@ def test_coordinator_fails_over_to_broker_alternates(tmp_path: Path, fleet: str)
     cmd = [
         sys.executable, "-m", "edgefl.cli", "--log-level", "INFO", "coordinator",
         "--fleet", fleet, "--model", str(INT8_MODEL), "--rounds", "1", "--strategy", "fedavg",
-        "--min-clients", "1", "--deadline", "60", "--broker", a.url, "--log", str(log),
+        "--min-clients", "1", "--tolerate", "0", "--deadline", "60", "--broker", a.url, "--log", str(log),
         "--set", f'broker.alternates=["{b.url}"]',
     ]  # fmt: skip
     out = open(tmp_path / "coordinator.out", "ab")  # noqa: SIM115 - closed with the process
@@ -161,8 +161,8 @@ def test_agent_fails_over_to_broker_alternates(tmp_path: Path, fleet: str) -> No
         stop_broker(a)
         cmd = [
             sys.executable, "-m", "edgefl.cli", "coordinator", "--fleet", fleet, "--model", str(INT8_MODEL),
-            "--rounds", "1", "--strategy", "fedavg", "--min-clients", "1", "--deadline", "90",
-            "--broker", b.url, "--log", str(log),
+            "--rounds", "1", "--strategy", "fedavg", "--min-clients", "1", "--tolerate", "0",
+            "--deadline", "90", "--broker", b.url, "--log", str(log),
         ]  # fmt: skip
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
         assert done.returncode == 0, done.stdout + done.stderr

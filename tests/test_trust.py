@@ -28,6 +28,7 @@ from edgefl.resources import shipped
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
+from edgefl.types import F32
 from edgefl.wire.messages import (
     Decline,
     Partial,
@@ -296,3 +297,133 @@ def test_trust_coordinator_starts_during_a_junk_flood_and_logs_declines_throttle
     decline_lines = [r.getMessage() for r in caplog.records if " declined: over_budget" in r.getMessage()]
     assert len(decline_lines) == 20
     assert all("y" * 79 + "…" in m and "y" * 80 not in m for m in decline_lines)
+
+
+def test_forgery_root_without_device_keys_takes_no_device_update(mosquitto: Broker, fleet: str) -> None:
+    """A root with site keys and no device keys (as documented): it does not subscribe to ``update/+``;
+    forged device updates queued for its persistent session from an earlier subscription are refused
+    as ``unsigned``; the round counts only the site's partial (0 unsigned or unknown-device updates)."""
+    bb = Backbone(INT8_MODEL)
+    W0, b0 = bb.head_from_model()
+    D, K = W0.shape
+    key = generate_signing_key()
+    topics = Topics("edgefl", fleet)
+    v = 0.05 / np.sqrt(D * K)
+
+    def forged(dev: str) -> bytes:
+        up = Update(1, 0, dev, 1000, np.full_like(W0, -5.0), np.zeros_like(b0),
+                    UpdateMetrics(0.1, 0.9, 0.01, 1), f"{dev}:1:0")  # fmt: skip
+        return encode_update(up)
+
+    async def main() -> tuple[RootCoordinator, int, list[str]]:
+        cid = f"root-{fleet}"
+        earlier = MqttTransport(mosquitto.host, mosquitto.port, cid, session_expiry_s=3600)
+        await earlier.start(wait_s=10)
+        await earlier.subscribe(topics.update("+"), 1)  # an older root's subscription, kept by the broker
+        await earlier.stop()
+        pub = MqttTransport(mosquitto.host, mosquitto.port, f"evil-{fleet}")
+        await pub.start(wait_s=10)
+        for dev in ("ghost-1", "ghost-2", "ghost-3"):
+            await pub.publish(topics.update(dev), forged(dev), qos=1)
+        t = MqttTransport(mosquitto.host, mosquitto.port, cid, session_expiry_s=3600)
+        await t.start(wait_s=10)
+        strategy = FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=30)
+        root = RootCoordinator(
+            t, topics, W0, b0, model_sha256=bb.sha256, strategy=strategy,
+            site_keys={"site-a": key.verify_key}, expected_sites=1,
+        )  # fmt: skip
+        pump = asyncio.create_task(root.pump())
+        try:
+            assert topics.update("+") not in root._data_topics()
+            await root.start(adopt_wait_s=0.5)
+            await wait_until(lambda: root.state.rejected["unsigned"] == 3, 10, "queued forgeries refused")
+            run1 = asyncio.create_task(root.run_round(1))
+            await wait_until(lambda: root.state.round == 1, 10, "round 1 open")
+            for dev in ("ghost-4", "ghost-5"):  # after the root's own subscriptions: never delivered
+                await pub.publish(topics.update(dev), forged(dev), qos=1)
+            msg = Partial(1, 0, "site-a", "site-a:1", "sum", 2, 20.0, 0, ("a1:1:0", "a2:1:0"),
+                          np.full((D, K), v * 20.0), np.zeros(K))  # fmt: skip
+            signed = sign_message(encode_partial, msg, key, fleet=fleet)
+            await pub.publish(topics.partial("site-a"), signed, qos=1)
+            record = await run1
+            return root, record.clients, root.counted[1]
+        finally:
+            pump.cancel()
+            await pub.stop()
+            await t.stop()
+
+    root, clients, counted = asyncio.run(main())
+    assert dict(root.state.rejected) == {"unsigned": 3}  # the queued ones; the later two never arrived
+    assert clients == 2 and counted == ["a1:1:0", "a2:1:0"]
+    np.testing.assert_allclose(root.W - W0, np.full((D, K), v, np.float32), rtol=1e-4, atol=1e-7)
+
+
+def test_forgery_stolen_site_key_is_bounded_by_what_its_site_may_claim(
+    mosquitto: Broker, fleet: str
+) -> None:
+    """A FedAvg root (adaptive bound) with three honest sites and one whose key was stolen, each with
+    2 registered devices (``site_devices = 2``). Round 1: all honest (mean v, 10 examples per update).
+    Round 2: the thief claims 16,000 invented ids (refused, ``bad_value``), then 2 updates of weight
+    2e6 whose mean is -100 v: its weight per update is cut to 2 x the last round's median (20), its
+    mean to 2 x the last round's median mean norm (-2 v). The head moves by
+    (3 x 20 v - 40 x 2 v) / (60 + 40) = -0.2 v, where the thief alone would set -100 v; the round counts
+    the 8 updates it accepted."""
+    bb = Backbone(INT8_MODEL)
+    W0, b0 = bb.head_from_model()
+    D, K = W0.shape
+    sites = ("site-a", "site-b", "site-c", "site-x")
+    keys = {s: generate_signing_key() for s in sites}
+    topics = Topics("edgefl", fleet)
+    v = 0.05 / np.sqrt(D * K)
+
+    def partial(site: str, rnd: int, ids: list[str], weight: float, mean: float, pid: str = "") -> bytes:
+        msg = Partial(rnd, rnd - 1, site, pid or f"{site}:{rnd}", "sum", len(ids), weight, 0, tuple(ids),
+                      np.full((D, K), mean * weight), np.zeros(K))  # fmt: skip
+        return sign_message(encode_partial, msg, keys[site], fleet=fleet)
+
+    async def main() -> tuple[RootCoordinator, list[int], F32]:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"root-{fleet}")
+        pub = MqttTransport(mosquitto.host, mosquitto.port, f"sites-{fleet}")
+        await t.start(wait_s=10)
+        await pub.start(wait_s=10)
+        strategy = FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=30)
+        root = RootCoordinator(
+            t, topics, W0, b0, model_sha256=bb.sha256, strategy=strategy,
+            site_keys={s: k.verify_key for s, k in keys.items()}, expected_sites=4, site_devices=2,
+        )  # fmt: skip
+        pump = asyncio.create_task(root.pump())
+        clients = []
+        W1 = W0
+        try:
+            await root.start(adopt_wait_s=0.5)
+            for rnd in (1, 2):
+                run = asyncio.create_task(root.run_round(rnd))
+                opened = lambda rnd=rnd: root.state.round == rnd  # noqa: E731
+                await wait_until(opened, 10, f"round {rnd} open")
+                for s in sites[:3]:
+                    ids = [f"{s}-d{i}:{rnd}:{rnd - 1}" for i in (1, 2)]
+                    await pub.publish(topics.partial(s), partial(s, rnd, ids, 20.0, v), qos=1)
+                x_ids = [f"x-d{i}:{rnd}:{rnd - 1}" for i in (1, 2)]
+                if rnd == 1:
+                    await pub.publish(topics.partial("site-x"), partial("site-x", 1, x_ids, 20.0, v), qos=1)
+                else:
+                    many = [f"x{i}:2:1" for i in range(16_000)]
+                    to_x = topics.partial("site-x")
+                    await pub.publish(to_x, partial("site-x", 2, many, 1e6, -v, "m"), qos=1)
+                    await wait_until(lambda: root.state.rejected["bad_value"] == 1, 20, "16,000 ids refused")
+                    await pub.publish(to_x, partial("site-x", 2, x_ids, 2e6, -100 * v), qos=1)
+                record = await run
+                clients.append(record.clients)
+                if rnd == 1:
+                    W1 = root.W.copy()
+            return root, clients, W1
+        finally:
+            pump.cancel()
+            await pub.stop()
+            await t.stop()
+
+    root, clients, W1 = asyncio.run(main())
+    assert clients == [8, 8] and dict(root.state.rejected) == {"bad_value": 1}
+    np.testing.assert_allclose(W1 - W0, np.full((D, K), v, np.float32), rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(root.W - W1, np.full((D, K), -0.2 * v, np.float32), rtol=1e-3, atol=1e-7)
+    assert root.strategy.report().clipped == 2  # the thief's two updates

@@ -1050,6 +1050,72 @@ def verify_softmax(out: Path, seed: int) -> None:
               f"head vs model max |diff| {diff:.3g}{step}")  # fmt: skip
 
 
+NATURAL_HIDDEN = 64
+"""Width of the natural-client backbones' two ReLU layers (the embedding is the second: D = 64)."""
+NATURAL_EPOCHS = 300
+
+
+def natural_model_path(out: Path, name: str) -> Path:
+    """``<out>/natural_<name with _>_float32.tflite``: the backbone of one natural-client set."""
+    return out / f"natural_{name.replace('-', '_')}_float32.tflite"
+
+
+def build_natural(out: Path, seed: int) -> None:
+    """Build one float32 backbone per natural-client set, from the model builder's clients only.
+
+    ``features -> standardise (the builder's mean and std, folded in as constants) -> Dense(64, relu)
+    -> Dense(64, relu) = embedding -> Dense(K)`` trained with Adam on the samples of the clients the
+    set reserves for the model builder (``bench.natural_clients``: HAPT users 25-30, Deterding
+    speakers 12-14, the Japanese vowels' train file); the devices' clients are never seen. The
+    last Dense is the factory head the devices start from.
+    """
+    from bench.natural_clients import DATASETS, load_natural
+
+    for name in DATASETS:
+        tf = _seed_everything(seed)
+        keras = tf.keras
+        ds = load_natural(name)
+        mask = ds.builder_mask()
+        x, y = ds.x[mask], ds.y[mask]
+        mu = x.mean(0).astype(np.float32)
+        sd = (x.std(0) + 1e-3).astype(np.float32)
+        inputs = keras.Input(shape=(x.shape[1],), name="features")
+        z = keras.layers.Rescaling(1.0 / sd, offset=-mu / sd, name="standardise")(inputs)
+        z = keras.layers.Dense(NATURAL_HIDDEN, activation="relu", name="hidden")(z)
+        z = keras.layers.Dense(NATURAL_HIDDEN, activation="relu", name="embedding")(z)
+        logits = keras.layers.Dense(ds.num_classes, name="head")(z)
+        model = keras.Model(inputs, logits)
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-3),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        hist = model.fit(x, y, epochs=NATURAL_EPOCHS, batch_size=BATCH_SIZE, verbose=0, shuffle=True)
+        logger.info("%s: builder accuracy %.3f on %d samples", name, hist.history["accuracy"][-1], len(y))
+        print(f"{name}: backbone trained on {len(y)} builder samples, train accuracy "
+              f"{hist.history['accuracy'][-1]:.3f}")  # fmt: skip
+        frozen = _frozen_concrete_function(model, (x.shape[1],))
+        _write(natural_model_path(out, name), _convert(frozen, None))
+
+
+def verify_natural(out: Path, seed: int) -> None:
+    """Run each natural-client backbone with LiteRT: the factory head's accuracy on builder and devices."""
+    from bench.natural_clients import DATASETS, load_natural
+    from edgefl.runtime import Backbone
+
+    for name in DATASETS:
+        ds = load_natural(name)
+        path = natural_model_path(out, name)
+        bb = Backbone(path, xnnpack=False)
+        W, b = bb.head_from_model()
+        emb, _ = bb.run(ds.x)
+        pred = np.argmax(emb @ W + b, axis=1)
+        mask = ds.builder_mask()
+        print(f"{path.name}: D={bb.embedding_dim}, K={W.shape[1]}, {path.stat().st_size} bytes; factory head "
+              f"accuracy builder {np.mean(pred[mask] == ds.y[mask]):.3f}, devices "
+              f"{np.mean(pred[~mask] == ds.y[~mask]):.3f}; sha256 {sha256_of(path)[:12]}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, build the selected models, verify them with LiteRT and print the card numbers."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
@@ -1057,25 +1123,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the split, training and calibration")
     parser.add_argument(
         "--only",
-        choices=("digits", "mobilenet", "streaming", "softmax"),
+        choices=("digits", "mobilenet", "streaming", "softmax", "natural"),
         help="build one model family only",
     )
     parser.add_argument(
         "--verify-only", action="store_true", help="do not build; run the existing files with LiteRT (no TF)"
     )
     args = parser.parse_args(argv)
-    families = [args.only] if args.only else ["digits", "mobilenet", "streaming", "softmax"]
+    families = [args.only] if args.only else ["digits", "mobilenet", "streaming", "softmax", "natural"]
     builders = {
         "digits": build_digits,
         "mobilenet": build_mobilenet,
         "streaming": build_streaming,
         "softmax": build_softmax,
+        "natural": build_natural,
     }
     verifiers = {
         "digits": verify_digits,
         "mobilenet": verify_mobilenet,
         "streaming": verify_streaming,
         "softmax": verify_softmax,
+        "natural": verify_natural,
     }
     if not args.verify_only:
         for family in families:

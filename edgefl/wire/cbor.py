@@ -84,6 +84,7 @@ class MessageType(StrEnum):
     SAMPLE = "sample"
     LABEL = "label"
     PREDICTION = "prediction"
+    PRESENCE = "presence"
 
 
 @dataclass(frozen=True, slots=True)

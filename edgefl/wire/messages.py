@@ -1247,6 +1247,10 @@ class Label:
     ts: float | None = None
 
 
+PREDICTION_HEADS: Final = frozenset({"personal", "global"})
+"""The values of a Prediction's optional ``head`` key."""
+
+
 @dataclass(frozen=True, slots=True)
 class Prediction:
     """The device's classification of one sample (topic ``predictions/<device>``, not retained).
@@ -1264,6 +1268,10 @@ class Prediction:
         The global head version that classified it.
     latency_s : float
         Seconds from the sample's arrival at the device to its classification (queueing included).
+    head : "personal" | "global" | None
+        Which of the device's heads classified it (optional key ``"head"``; None: not said, as
+        devices before personal heads send). ``version`` is the global version the head came from
+        (for a personal head: the global head it was last pulled toward).
     """
 
     id: str
@@ -1271,6 +1279,7 @@ class Prediction:
     score: float
     version: int
     latency_s: float
+    head: str | None = None
 
 
 def _label_bound(num_classes: int | None) -> int:
@@ -1434,19 +1443,27 @@ def encode_prediction(msg: Prediction) -> bytes:
     Returns
     -------
     bytes
-        ``{"v": 1, "type": "prediction", "id", "class", "score", "version", "latency_s"}``.
+        ``{"v": 1, "type": "prediction", "id", "class", "score", "version", "latency_s"[, "head"]}``.
+
+    Raises
+    ------
+    ValueError
+        If ``head`` is set to something other than ``"personal"`` or ``"global"``.
     """
-    return dumps(
-        {
-            "v": MIN_SCHEMA_VERSION,
-            "type": MessageType.PREDICTION.value,
-            "id": msg.id,
-            "class": int(msg.cls),
-            "score": float(msg.score),
-            "version": int(msg.version),
-            "latency_s": float(msg.latency_s),
-        }
-    )
+    obj: dict[str, object] = {
+        "v": MIN_SCHEMA_VERSION,
+        "type": MessageType.PREDICTION.value,
+        "id": msg.id,
+        "class": int(msg.cls),
+        "score": float(msg.score),
+        "version": int(msg.version),
+        "latency_s": float(msg.latency_s),
+    }
+    if msg.head is not None:
+        if msg.head not in PREDICTION_HEADS:
+            raise ValueError(f"Prediction.head = {msg.head!r}: expected one of {sorted(PREDICTION_HEADS)}")
+        obj["head"] = msg.head
+    return dumps(obj)
 
 
 def decode_prediction(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Prediction:
@@ -1470,11 +1487,20 @@ def decode_prediction(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Pre
         negative latency.
     """
     obj = load_message(payload, limits, MessageType.PREDICTION)
-    check_keys(obj, "", ("v", "type", "id", "class", "score", "version", "latency_s"))
+    check_keys(obj, "", ("v", "type", "id", "class", "score", "version", "latency_s"), ("head",))
+    head: str | None = None
+    if "head" in obj:
+        value = obj["head"]
+        if not isinstance(value, str):
+            raise DecodeError(Reason.WRONG_TYPE, f"head: expected text, got {type(value).__name__}")
+        if value not in PREDICTION_HEADS:
+            raise DecodeError(Reason.BAD_VALUE, f"head = {show(value)}: expected personal or global")
+        head = value
     return Prediction(
         id=read_text(obj, "id", "", SAMPLE_ID_RE),
         cls=read_int(obj, "class", ""),
         score=read_float(obj, "score", "", 0.0, 1.0),
         version=read_int(obj, "version", ""),
         latency_s=read_float(obj, "latency_s", "", 0.0),
+        head=head,
     )

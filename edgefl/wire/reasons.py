@@ -53,6 +53,8 @@ class Reason(StrEnum):
     STALE_ROUND = "stale_round"
     NOT_SELECTED = "not_selected"
     TOO_MANY = "too_many"
+    # a round closed with fewer updates than its strategy needs to tolerate robustness.tolerate
+    TOO_FEW = "too_few"
     # live ingest at the device (samples/labels topics: docs/protocol.md, "Sample", "Label")
     BAD_LABEL = "bad_label"
     UNKNOWN_SAMPLE = "unknown_sample"
@@ -61,6 +63,8 @@ class Reason(StrEnum):
     OVER_BUDGET = "over_budget"
     # a device whose store holds fewer labelled examples than training.min_examples (a Decline)
     TOO_FEW_EXAMPLES = "too_few_examples"
+    # a device whose store holds no labelled sample at all (a Decline, at once)
+    NO_SAMPLES = "no_samples"
     # the coordinator's bounded device registry (statuses)
     REGISTRY_FULL = "registry_full"
     EXPIRED = "expired"

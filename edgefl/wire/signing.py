@@ -14,10 +14,11 @@ as a head or an update signed for another device fails. Layout and examples: ``d
 ("Signatures"); key rotation: ``docs/security.md``.
 
 Keys are 32-byte Ed25519 seeds / public keys, as 64 hex digits or PEM (PKCS #8 ``PRIVATE KEY`` /
-SPKI ``PUBLIC KEY``, as written by ``openssl genpkey -algorithm ed25519``); a :class:`SigningKey`'s
-``repr`` shows only its public key. Ed25519 is deterministic, so the two supported libraries give
-identical signatures: PyNaCl (~1.2 MB of RSS at import) is preferred, ``cryptography`` (~8.6 MB) the
-fallback; both are imported lazily, on the first signature operation.
+SPKI ``PUBLIC KEY``, as written by ``edgefl keys generate`` or ``openssl genpkey -algorithm ed25519``),
+parsed here (the DER of an Ed25519 key is a fixed prefix and the 32 key bytes); a :class:`SigningKey`'s
+``repr`` shows only its public key. The Ed25519 arithmetic is PyNaCl's (libsodium; ~1.2 MB of RSS,
+imported lazily, on the first signature operation): the one library with a build for every gateway,
+PyPI wheels on aarch64 and x86_64, Debian's ``python3-nacl`` on armv7l (``docs/operations.md``).
 
 Source: RFC 8032 §5.1 (Ed25519); RFC 8410 §7, §10.3 (Ed25519 keys in PKCS #8 / SPKI); RFC 8949
 §4.2.1 (deterministic encoding).
@@ -36,7 +37,7 @@ import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, TypeVar
 
 import cbor2
 
@@ -63,7 +64,6 @@ __all__ = [
     "SIGNED_SCHEMA_VERSION",
     "SigningKey",
     "VerifyKey",
-    "backend_name",
     "generate_signing_key",
     "is_signed",
     "load_signing_key",
@@ -71,12 +71,14 @@ __all__ = [
     "load_verify_keys",
     "parse_signing_key",
     "parse_verify_key",
-    "set_backend",
+    "private_pem",
+    "public_pem",
     "sign_message",
     "sign_payload",
     "signed_bytes",
     "unsigned_form",
     "verify_payload",
+    "write_key_pair",
 ]
 
 CONTEXT: Final = b"edgefl-sig-v2\x00"
@@ -103,7 +105,7 @@ _SIGNED_TAIL: Final = _KEY + b"\x58\x40"  # "signature": 64-byte string header
 _PKCS8_PREFIX: Final = bytes.fromhex("302e020100300506032b657004220420")  # RFC 8410 §10.3
 _SPKI_PREFIX: Final = bytes.fromhex("302a300506032b6570032100")  # RFC 8410 §10.1
 _HEX_RE: Final = re.compile(r"[0-9a-fA-F]{64}")
-_PEM_RE: Final = re.compile(r"-----BEGIN ([A-Z ]+)-----\s*([A-Za-z0-9+/=\s]+?)\s*-----END \1-----")
+_PEM_RE: Final = re.compile(r"-----BEGIN ([A-Z0-9 ]+)-----(.*?)-----END \1-----", re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,34 +166,16 @@ class SigningKey:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Backends (imported lazily: the agent pays their memory only when signatures are on)
+# The Ed25519 library (imported lazily: the agent pays its memory only when signatures are on)
 
 
-class _Ed25519(Protocol):
-    name: str
-
-    def public(self, seed: bytes) -> bytes: ...
-    def sign(self, seed: bytes, message: bytes) -> bytes: ...
-    def verify(self, public: bytes, signature: bytes, message: bytes) -> bool: ...
-
-
-#: Private keys a backend keeps expanded (a process signs with one key, a test with a few): making
-#: one from its seed is a scalar multiplication, ~50 us, that every signature paid.
+#: Private keys kept expanded (a process signs with one key, a test with a few): making one from its
+#: seed is a scalar multiplication, ~50 us, that every signature would pay.
 _KEYS_KEPT: Final = 4
 
 
-def _kept(cache: dict[bytes, Any], seed: bytes, make: Callable[[bytes], Any]) -> Any:
-    """The backend's key object for ``seed``, made once (at most :data:`_KEYS_KEPT` kept)."""
-    key = cache.get(seed)
-    if key is None:
-        if len(cache) >= _KEYS_KEPT:
-            cache.clear()
-        key = cache[seed] = make(seed)
-    return key
-
-
 class _Nacl:
-    name = "pynacl"
+    """PyNaCl's Ed25519 (libsodium ``crypto_sign``), with the last few expanded private keys kept."""
 
     def __init__(self) -> None:
         import nacl.exceptions
@@ -201,11 +185,19 @@ class _Nacl:
         self._bad = nacl.exceptions.BadSignatureError
         self._keys: dict[bytes, Any] = {}
 
+    def _key(self, seed: bytes) -> Any:
+        key = self._keys.get(seed)
+        if key is None:
+            if len(self._keys) >= _KEYS_KEPT:
+                self._keys.clear()
+            key = self._keys[seed] = self._signing.SigningKey(seed)
+        return key
+
     def public(self, seed: bytes) -> bytes:
-        return bytes(_kept(self._keys, seed, self._signing.SigningKey).verify_key)
+        return bytes(self._key(seed).verify_key)
 
     def sign(self, seed: bytes, message: bytes) -> bytes:
-        return bytes(_kept(self._keys, seed, self._signing.SigningKey).sign(message).signature)
+        return bytes(self._key(seed).sign(message).signature)
 
     def verify(self, public: bytes, signature: bytes, message: bytes) -> bool:
         try:
@@ -215,74 +207,22 @@ class _Nacl:
         return True
 
 
-class _Cryptography:
-    name = "cryptography"
-
-    def __init__(self) -> None:
-        from cryptography.exceptions import InvalidSignature
-        from cryptography.hazmat.primitives.asymmetric import ed25519
-        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-
-        self._ed = ed25519
-        self._bad = InvalidSignature
-        self._raw = (Encoding.Raw, PublicFormat.Raw)
-        self._keys: dict[bytes, Any] = {}
-
-    def public(self, seed: bytes) -> bytes:
-        key = _kept(self._keys, seed, self._ed.Ed25519PrivateKey.from_private_bytes)
-        return bytes(key.public_key().public_bytes(*self._raw))
-
-    def sign(self, seed: bytes, message: bytes) -> bytes:
-        return bytes(_kept(self._keys, seed, self._ed.Ed25519PrivateKey.from_private_bytes).sign(message))
-
-    def verify(self, public: bytes, signature: bytes, message: bytes) -> bool:
-        try:
-            self._ed.Ed25519PublicKey.from_public_bytes(public).verify(signature, message)
-        except (self._bad, ValueError):
-            return False
-        return True
+_loaded: _Nacl | None = None
 
 
-_BACKENDS: Final[Mapping[str, Callable[[], _Ed25519]]] = {"pynacl": _Nacl, "cryptography": _Cryptography}
-_choice = "auto"
-_loaded: _Ed25519 | None = None
-
-
-def set_backend(name: str) -> None:
-    """Choose the Ed25519 library: ``"auto"`` (PyNaCl, else cryptography), ``"pynacl"`` or ``"cryptography"``.
-
-    Raises
-    ------
-    ValueError
-        If ``name`` is unknown.
-    """
-    global _choice, _loaded
-    if name != "auto" and name not in _BACKENDS:
-        raise ValueError(f"signing backend {name!r}: expected auto, pynacl or cryptography")
-    _choice, _loaded = name, None
-
-
-def _backend() -> _Ed25519:
+def _backend() -> _Nacl:
     global _loaded
     if _loaded is None:
-        names = list(_BACKENDS) if _choice == "auto" else [_choice]
-        errors = []
-        for name in names:
-            try:
-                _loaded = _BACKENDS[name]()
-                break
-            except ImportError as exc:
-                errors.append(f"{name}: {exc}")
-        else:
-            raise RuntimeError(
-                "no Ed25519 library: install PyNaCl or cryptography (" + "; ".join(errors) + ")"
-            )
-        logger.debug("Ed25519 backend: %s", _loaded.name)
+        try:
+            _loaded = _Nacl()
+        except ImportError as exc:
+            why = f"no Ed25519 library: PyNaCl cannot be imported ({exc}); {INSTALL_HINT}"
+            raise RuntimeError(why) from exc
     return _loaded
 
 
-INSTALL_HINT: Final = "pip install 'edgefl[security]'"
-"""How to get an Ed25519 library (the ``security`` extra: PyNaCl)."""
+INSTALL_HINT: Final = "pip install 'edgefl[security]' (or apt-get install python3-nacl)"
+"""How to get PyNaCl: the ``security`` extra, or Debian's package (what the armv7l wheelhouse uses)."""
 
 
 def library_problem(setting: str) -> str | None:
@@ -305,15 +245,10 @@ def library_problem(setting: str) -> str | None:
         _backend()
     except RuntimeError:
         return (
-            f"{setting}: a key is configured but no Ed25519 library (PyNaCl or cryptography) can be "
-            f"imported; {INSTALL_HINT}"
+            f"{setting}: a key is configured but the Ed25519 library (PyNaCl) cannot be imported; "
+            f"{INSTALL_HINT}"
         )
     return None
-
-
-def backend_name() -> str:
-    """Name of the Ed25519 library in use (imports it)."""
-    return _backend().name
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -321,33 +256,74 @@ def backend_name() -> str:
 
 
 def generate_signing_key() -> SigningKey:
-    """A new random signing key (``os.urandom``); store ``key.seed.hex()`` in an owner-only (0600) file."""
+    """A new random signing key (``os.urandom``); :func:`write_key_pair` stores it."""
     return SigningKey(os.urandom(32))
 
 
+_PEM_LABELS: Final = {"private key": "PRIVATE KEY", "public key": "PUBLIC KEY"}
+_ED25519_OID: Final = bytes.fromhex("06032b6570")  # 1.3.101.112, RFC 8410 §3
+
+
 def _decode_text(text: str, prefix: bytes, kind: str) -> bytes:
+    """The 32 key bytes of ``text`` (64 hex digits or a PEM block); errors never quote the key."""
     text = text.strip()
     if _HEX_RE.fullmatch(text):
         return bytes.fromhex(text)
+    if not text:
+        raise ValueError(f"{kind}: empty; expected 64 hex digits or a PEM block")
     m = _PEM_RE.search(text)
     if m is None:
-        raise ValueError(f"{kind}: expected 64 hex digits or a PEM block")
+        if re.fullmatch(r"[0-9a-fA-F]+", text):
+            raise ValueError(f"{kind}: {len(text)} hex digits; an Ed25519 key is 64 (32 bytes)")
+        if "-----BEGIN" in text:
+            raise ValueError(f"{kind}: a PEM block without its matching -----END line")
+        raise ValueError(f"{kind}: expected 64 hex digits or a PEM block (-----BEGIN ...-----)")
+    label, wanted = m.group(1), _PEM_LABELS[kind]
+    if label != wanted:
+        if label == "ENCRYPTED PRIVATE KEY":
+            why = "an encrypted key; edgefl reads unencrypted PKCS #8 (openssl pkey -in KEY -out PLAIN.key)"
+        elif label == "PUBLIC KEY":
+            why = "a PUBLIC KEY where the private key belongs"
+        elif label == "PRIVATE KEY":
+            why = (
+                "a PRIVATE KEY where a public key belongs; give its public half "
+                "(edgefl keys show KEY, or openssl pkey -in KEY -pubout)"
+            )
+        else:
+            why = f"a PEM {label!r} block; expected {wanted!r} (PKCS #8 / SPKI, RFC 8410)"
+        raise ValueError(f"{kind}: {why}")
     try:
         der = base64.b64decode("".join(m.group(2).split()), validate=True)
     except binascii.Error as exc:
-        raise ValueError(f"{kind}: PEM block is not valid base64") from exc
+        raise ValueError(f"{kind}: the PEM block is not valid base64") from exc
     if len(der) != len(prefix) + 32 or not der.startswith(prefix):
-        raise ValueError(f"{kind}: PEM block {m.group(1)!r} is not an Ed25519 key (RFC 8410)")
+        algorithm = "an Ed25519 key of another layout" if _ED25519_OID in der else "not an Ed25519 key"
+        raise ValueError(
+            f"{kind}: PEM {label!r} is {algorithm} (expected RFC 8410's, as edgefl keys generate and "
+            "openssl genpkey -algorithm ed25519 write)"
+        )
     return der[len(prefix) :]
 
 
 def parse_signing_key(text: str) -> SigningKey:
     """Parse a private key: 64 hex digits (the seed) or PKCS #8 PEM ``PRIVATE KEY``.
 
+    Parameters
+    ----------
+    text : str
+        The key file's text (surrounding whitespace ignored).
+
+    Returns
+    -------
+    SigningKey
+
     Raises
     ------
     ValueError
-        If the text is neither (the message never contains the key material).
+        Saying what the text is instead (a public key, an encrypted or non-Ed25519 PEM block, a wrong
+        number of hex digits); the message never contains key material.
+
+    Source: RFC 8410 §7, §10.3 (Ed25519 in PKCS #8).
     """
     return SigningKey(_decode_text(text, _PKCS8_PREFIX, "private key"))
 
@@ -355,12 +331,94 @@ def parse_signing_key(text: str) -> SigningKey:
 def parse_verify_key(text: str) -> VerifyKey:
     """Parse a public key: 64 hex digits or SubjectPublicKeyInfo PEM ``PUBLIC KEY``.
 
+    Parameters
+    ----------
+    text : str
+        A profile value or a ``.pub`` file's text (a PEM block may be on one line).
+
+    Returns
+    -------
+    VerifyKey
+
     Raises
     ------
     ValueError
-        If the text is neither.
+        Saying what the text is instead (a private key, another algorithm, a wrong number of hex
+        digits); the message never contains key material.
+
+    Source: RFC 8410 §4, §10.1 (Ed25519 in SPKI).
     """
     return VerifyKey(_decode_text(text, _SPKI_PREFIX, "public key"))
+
+
+def _pem(label: str, der: bytes) -> str:
+    b64 = base64.b64encode(der).decode("ascii")
+    lines = [b64[i : i + 64] for i in range(0, len(b64), 64)]
+    return "\n".join([f"-----BEGIN {label}-----", *lines, f"-----END {label}-----"]) + "\n"
+
+
+def private_pem(key: SigningKey) -> str:
+    """The private key as PKCS #8 PEM (``-----BEGIN PRIVATE KEY-----``), as openssl writes it.
+
+    Source: RFC 8410 §7, §10.3; RFC 7468 §10 (PEM labels).
+    """
+    return _pem("PRIVATE KEY", _PKCS8_PREFIX + key.seed)
+
+
+def public_pem(key: VerifyKey) -> str:
+    """The public key as SubjectPublicKeyInfo PEM (``-----BEGIN PUBLIC KEY-----``).
+
+    Source: RFC 8410 §4, §10.1; RFC 7468 §13.
+    """
+    return _pem("PUBLIC KEY", _SPKI_PREFIX + key.raw)
+
+
+def write_key_pair(directory: Path, name: str) -> tuple[Path, Path, SigningKey]:
+    """Generate a key pair and write ``<name>.key`` (PKCS #8 PEM, mode 0600) and ``<name>.pub`` (SPKI PEM).
+
+    The private key file is created owner-only from the start (``O_EXCL``, mode 0600) and fsynced,
+    so it is never readable by others, not even for a moment; an existing file is never replaced.
+
+    Parameters
+    ----------
+    directory : Path
+        Folder for the two files (created, mode 0700, if missing).
+    name : str
+        File stem: a device id for a device's key (the coordinator's ``device_keys_dir`` names
+        ``<device>.pub`` by it), ``coordinator``, a site name.
+
+    Returns
+    -------
+    tuple[Path, Path, SigningKey]
+        The private key file, the public key file and the key.
+
+    Raises
+    ------
+    FileExistsError
+        If either file exists (nothing is written).
+    OSError
+        If the folder or a file cannot be written.
+    ValueError
+        If ``name`` is empty or holds a path separator.
+    """
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"key name {name!r}: a file stem, without '/'")
+    directory = Path(directory)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    private, public = directory / f"{name}.key", directory / f"{name}.pub"
+    for path in (private, public):
+        if path.exists():
+            raise FileExistsError(f"{path} exists: not replaced (rotate keys on purpose: docs/security.md)")
+    key = generate_signing_key()
+    for path, text, mode in ((private, private_pem(key), 0o600), (public, public_pem(key.verify_key), 0o644)):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            os.fchmod(fd, mode)  # the umask may have narrowed the public key's mode
+            os.write(fd, text.encode("ascii"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return private, public, key
 
 
 def load_signing_key(path: Path) -> SigningKey:
@@ -375,14 +433,17 @@ def load_signing_key(path: Path) -> SigningKey:
     """
     path = Path(path)
     mode = path.stat().st_mode
+    try:
+        key = parse_signing_key(path.read_text(encoding="ascii"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: private key: not a text file (64 hex digits or PEM)") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         logger.warning(
             "private key %s is accessible by group/others (mode %o); chmod 600 it", path, mode & 0o777
         )
-    try:
-        return parse_signing_key(path.read_text(encoding="ascii"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: no Ed25519 private key ({type(exc).__name__})") from None
+    return key
 
 
 def load_verify_key(path: Path) -> VerifyKey:
@@ -396,8 +457,10 @@ def load_verify_key(path: Path) -> VerifyKey:
     path = Path(path)
     try:
         return parse_verify_key(path.read_text(encoding="ascii"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: {exc}") from exc
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: public key: not a text file (64 hex digits or PEM)") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
 def load_verify_keys(directory: Path, suffix: str = ".pub") -> dict[str, VerifyKey]:

@@ -1,0 +1,255 @@
+"""One coordinator per fleet: a lock on its state folder and a lease on the broker.
+
+**The lock.** The state folder (the folder of ``files.state``) is locked with the agents' own
+``flock`` (``edgefl.agent.statelock``, given by the composition root): a second coordinator on the
+same folder is refused before it reads or writes anything there.
+
+**The lease.** A running coordinator keeps a retained :class:`~edgefl.wire.presence.Presence` on
+``<prefix>/<fleet>/coordinator`` naming its instance, republished every ``heartbeat_s`` with a higher
+``seq``; its last will (an empty retained payload) clears it when the process dies, and a clean stop
+clears it too. Before a coordinator connects with the fleet's client id (which would take the
+running one's connection and session away from it), :func:`probe_lease` connects under a client id
+of its own and reads the retained presence:
+
+- none: the fleet is free;
+- one whose ``seq`` moves within ``2 x heartbeat_s + PROBE_MARGIN_S``: a live coordinator holds it,
+  :class:`LeaseHeld` is raised (``edgefl coordinator`` exits 6) before anything is published or
+  written;
+- one that does not move: stale (a broker that restarted from its persistence after the holder
+  died, so its will never ran): the fleet is free.
+
+A holder that later sees a live presence of another instance (two coordinators that probed at the
+same moment, or one that took the fleet while this one was cut off from the broker) keeps the
+lease only if it took it first (``started``, then ``instance``); the other stops
+(:attr:`Lease.lost`).
+
+Source: the MQTT "birth and last will" presence pattern (MQTT 5.0 §3.1.2.5, Will Message; §3.3.1.3,
+retained messages).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from edgefl.errors import DecodeError, EdgeflError, TransportError
+from edgefl.transport import Message, MqttTransport, Will
+from edgefl.wire.presence import Presence, decode_presence, encode_presence
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LEASE_HEARTBEAT_S", "Lease", "LeaseHeld", "new_instance", "probe_lease"]
+
+LEASE_HEARTBEAT_S: Final = 5.0
+"""Seconds between two republishes of a holder's presence (a tiny retained message)."""
+
+PROBE_RETAINED_WAIT_S: Final = 1.0
+"""How long a probe waits for the retained presence after its SUBACK (it comes right after)."""
+
+PROBE_MARGIN_S: Final = 1.0
+"""Added to two heartbeats before a presence that did not move is called stale (seconds)."""
+
+
+class LeaseHeld(EdgeflError):
+    """Another live coordinator runs this fleet (``edgefl coordinator`` exits 6).
+
+    Parameters
+    ----------
+    where : str
+        What is held: ``"fleet F on broker B"`` or ``"state folder P"``.
+    holder : str
+        Who holds it, in words (instance, host and pid, or the lock's pid).
+    """
+
+    def __init__(self, where: str, holder: str) -> None:
+        super().__init__(f"another coordinator runs this fleet: {where} is held by {holder}")
+        self.where = where
+        self.holder = holder
+
+
+def new_instance() -> str:
+    """A fresh random instance id (32 lowercase hex digits)."""
+    return secrets.token_hex(16)
+
+
+def describe(p: Presence) -> str:
+    """``instance 1a2b3c4d on host gw (pid 42), since 2026-12-06T04:00:00Z``."""
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(p.started))
+    return f"instance {p.instance[:8]} on host {p.host} (pid {p.pid}), since {since}"
+
+
+async def probe_lease(
+    transport: MqttTransport,
+    topic: str,
+    fleet_where: str,
+    connected: Callable[[MqttTransport], Awaitable[None]],
+) -> Presence | None:
+    """Read the fleet's lease through ``transport`` (a client id of its own, clean session); publish nothing.
+
+    Parameters
+    ----------
+    transport : MqttTransport
+        Not started; started and stopped here.
+    topic : str
+        The lease topic (``Topics.coordinator``).
+    fleet_where : str
+        ``"fleet F on broker B"``, for the error.
+    connected : async callable (transport) -> None
+        Waits until ``transport`` is connected, raising what the caller makes of a broker that cannot
+        be reached or refuses the credentials.
+
+    Returns
+    -------
+    Presence or None
+        The stale presence found (its holder is gone), or None when there is none.
+
+    Raises
+    ------
+    LeaseHeld
+        If a live coordinator holds the lease.
+    TransportError
+        What ``connected`` raises, or the broker refused the subscription.
+    """
+    await transport.start(wait_s=None)
+    try:
+        await connected(transport)
+        await transport.subscribe(topic, 1)
+        first = await _next_presence(transport, topic, PROBE_RETAINED_WAIT_S)
+        if first is None:
+            return None
+        wait_s = 2 * first.heartbeat_s + PROBE_MARGIN_S
+        loop = asyncio.get_running_loop()
+        end = loop.time() + wait_s
+        while (left := end - loop.time()) > 0:
+            seen = await _next_presence(transport, topic, left)
+            if seen is None:
+                break
+            if seen.instance != first.instance or seen.seq != first.seq:
+                raise LeaseHeld(fleet_where, describe(seen))
+        logger.warning(
+            "the fleet's lease names %s, silent for %.0f s: stale, taken over", describe(first), wait_s
+        )
+        return first
+    finally:
+        await transport.stop()
+
+
+async def _next_presence(transport: MqttTransport, topic: str, timeout_s: float) -> Presence | None:
+    """The next decodable presence on ``topic`` within ``timeout_s`` (None: none came, or it was cleared)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while (left := end - loop.time()) > 0:
+        try:
+            msg = await asyncio.wait_for(transport.queue.get(), left)
+        except TimeoutError:
+            return None
+        if msg.topic != topic or not msg.payload:
+            continue
+        try:
+            return decode_presence(msg.payload)
+        except DecodeError as exc:
+            logger.warning("lease topic %s: unreadable presence (%d bytes): %s", topic, len(msg.payload), exc)
+    return None
+
+
+class Lease:
+    """The lease a running coordinator holds: its presence, heartbeat and last will.
+
+    Parameters
+    ----------
+    transport : MqttTransport
+        The coordinator's own transport (give it :meth:`will` before it starts).
+    topic : str
+        ``Topics.coordinator``.
+    instance : str
+        This process's instance id (:func:`new_instance`).
+    heartbeat_s : float
+        Seconds between two republishes.
+    """
+
+    def __init__(
+        self, transport: MqttTransport, topic: str, instance: str, heartbeat_s: float = LEASE_HEARTBEAT_S
+    ) -> None:
+        self.transport = transport
+        self.topic = topic
+        self.presence = Presence(
+            instance=instance,
+            host=(socket.gethostname() or "unknown").replace(" ", "_")[:255],
+            pid=os.getpid(),
+            started=time.time(),
+            seq=0,
+            heartbeat_s=heartbeat_s,
+        )
+        self.lost = asyncio.Event()
+        """Set when a live coordinator that took the lease first is seen (this one must stop)."""
+        self.lost_to = ""
+        self.on_lost: Callable[[], None] | None = None
+        self._kick = asyncio.Event()
+
+    @staticmethod
+    def will(topic: str) -> Will:
+        """The last will that clears the lease when the process dies (empty, retained, QoS 1)."""
+        return Will(topic, b"", qos=1, retain=True)
+
+    def on_connect(self) -> None:
+        """Republish the presence at once after a (re)connect (the will may have cleared it)."""
+        self._kick.set()
+
+    async def hold(self) -> None:
+        """Publish the presence now and every ``heartbeat_s`` (a failed publish waits for the next)."""
+        while True:
+            if self.transport.connected.is_set():
+                self.presence = _next(self.presence)
+                try:
+                    await self.transport.publish(
+                        self.topic, encode_presence(self.presence), qos=1, retain=True
+                    )
+                except TransportError as exc:
+                    logger.debug("lease heartbeat not published: %s", exc)
+            self._kick.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), self.presence.heartbeat_s)
+
+    def handle(self, msg: Message) -> None:
+        """A message on the lease topic: another instance's live presence taken first ends our lease."""
+        if not msg.payload:
+            self._kick.set()  # cleared (another instance's will): say we are here again
+            return
+        try:
+            other = decode_presence(msg.payload)
+        except DecodeError as exc:
+            logger.warning(
+                "lease topic %s: unreadable presence (%d bytes): %s", msg.topic, len(msg.payload), exc
+            )
+            return
+        mine = self.presence
+        if other.instance == mine.instance or msg.retain:
+            return  # our own echo, or a retained copy (maybe stale): a live one comes again unretained
+        if (other.started, other.instance) < (mine.started, mine.instance):
+            self.lost_to = describe(other)
+            logger.error("another coordinator took this fleet first (%s): stopping", self.lost_to)
+            self.lost.set()
+            if self.on_lost is not None:
+                self.on_lost()
+        else:
+            self._kick.set()  # we were first: our presence again, the other one steps down
+
+    async def release(self) -> None:
+        """Clear the lease (an empty retained payload) on a clean stop; a failure is only logged."""
+        if not self.transport.connected.is_set():
+            return
+        try:
+            await self.transport.publish(self.topic, b"", qos=1, retain=True, timeout_s=5.0)
+        except TransportError as exc:
+            logger.warning("lease not cleared (%s): the broker clears it when the connection closes", exc)
+
+
+def _next(p: Presence) -> Presence:
+    return Presence(p.instance, p.host, p.pid, p.started, p.seq + 1, p.heartbeat_s)

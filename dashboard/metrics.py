@@ -1,0 +1,224 @@
+"""The dashboard's Prometheus export: metric families built from a device's or a coordinator's status.
+
+``prometheus_client`` (with http.server, wsgiref and urllib, about 1.8 MB RSS) is imported inside the
+functions, so an agent nobody scrapes never loads it. Missing or null values are left out.
+
+Source: Prometheus text exposition format; the enum idiom (one gauge per state, 1 for the current one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+DEVICE_STATES: Final = ("idle", "training", "uploading", "waiting", "deferred", "offline")
+
+
+def finite_number(value: Any) -> float | None:
+    """Return a status value as a finite float (bool as 0/1), or None (missing, NaN, inf, not a number)."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+class StatusCollector:
+    """A prometheus_client collector reading the status at scrape time (nothing cached).
+
+    Parameters
+    ----------
+    get_status : callable () -> Mapping[str, Any]
+        The dashboard's status (``DashboardState.get_status``).
+    kind : {"device", "coordinator"}
+        Which families to export (:func:`device_metrics` or :func:`coordinator_metrics`).
+    streams : callable () -> int
+        Open Server-Sent Events streams, exported as ``edgefl_dashboard_sse_streams``.
+    """
+
+    def __init__(
+        self, get_status: Callable[[], Mapping[str, Any]], kind: str, streams: Callable[[], int]
+    ) -> None:
+        self.get_status = get_status
+        self.kind = kind
+        self.streams = streams
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield every metric family of the current status (prometheus_client's collector protocol)."""
+        status = self.get_status()
+        if self.kind == "device":
+            yield from device_metrics(status)
+        else:
+            yield from coordinator_metrics(status)
+        from prometheus_client.metrics_core import GaugeMetricFamily
+
+        yield GaugeMetricFamily(
+            "edgefl_dashboard_sse_streams",
+            "Open Server-Sent Events streams of this dashboard.",
+            value=self.streams(),
+        )
+
+
+def _gauge(name: str, doc: str, value: Any) -> Iterator[Metric]:
+    from prometheus_client.metrics_core import GaugeMetricFamily
+
+    number = finite_number(value)
+    if number is not None:
+        yield GaugeMetricFamily(name, doc, value=number)
+
+
+def _labelled(
+    name: str, doc: str, label: str, values: Any, *, counter: bool = False, known: tuple[str, ...] = ()
+) -> Iterator[Metric]:
+    from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+
+    family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=[label])
+    items = dict(values) if isinstance(values, Mapping) else {}
+    for key in known:
+        items.setdefault(key, None)
+    for key, value in items.items():
+        number = finite_number(value)
+        if number is not None:
+            family.add_metric([str(key)], number)
+    yield family
+
+
+def _state_set(name: str, doc: str, state: Any, known: tuple[str, ...]) -> Iterator[Metric]:
+    """One gauge per known state, 1 for the current one (the Prometheus enum idiom)."""
+    from prometheus_client.metrics_core import GaugeMetricFamily
+
+    if not isinstance(state, str):
+        return
+    family = GaugeMetricFamily(name, doc, labels=["state"])
+    for known_state in dict.fromkeys((*known, state)):
+        family.add_metric([known_state], 1.0 if known_state == state else 0.0)
+    yield family
+
+
+_DEVICE_GAUGES: Final = (
+    ("edgefl_memory_cap_bytes", "cap_bytes", "Memory cap of the agent."),
+    ("edgefl_memory_rss_bytes", "rss_bytes", "Resident set size of the agent."),
+    ("edgefl_memory_pss_bytes", "pss_bytes", "Proportional set size of the agent."),
+    ("edgefl_memory_peak_rss_bytes", "peak_rss_bytes", "Peak RSS of the agent."),
+    ("edgefl_system_available_bytes", "system_available_bytes", "MemAvailable of the system."),
+    ("edgefl_round", "round", "Current round known to the device."),
+    ("edgefl_global_version", "version", "Version of the global head in use."),
+    ("edgefl_last_update_bytes", "last_update_bytes", "Wire size of the last update sent."),
+    ("edgefl_local_accuracy", "local_accuracy", "Accuracy of the last local training (0..1)."),
+    ("edgefl_inference_rate_samples_per_second", "inference_rate", "Inference rate."),
+    ("edgefl_store_samples", "store_samples", "Labelled embeddings in the store."),
+    ("edgefl_broker_connected", "broker_connected", "1 when connected to the MQTT broker."),
+    ("edgefl_ingest_queued", "ingest_queued", "Live samples received, not yet classified."),
+    ("edgefl_pending_labels", "pending_labels", "Classified live samples waiting for a late label."),
+)
+_DEVICE_COUNTERS: Final = (  # live ingest (source.kind = "mqtt"): absent otherwise
+    ("edgefl_ingest_samples_received", "samples_received", "Live samples accepted."),
+    ("edgefl_ingest_labels_received", "labels_received", "Labels accepted, inline or late."),
+    ("edgefl_ingest_predictions_published", "predictions_published", "Predictions published."),
+    ("edgefl_ingest_dropped", "ingest_dropped", "Live samples dropped unclassified (queue full, oldest)."),
+    ("edgefl_ingest_pending_expired", "pending_expired", "Live samples whose late label never came."),
+)
+_COORDINATOR_GAUGES: Final = (
+    ("edgefl_round", "round", "Current round."),
+    ("edgefl_global_version", "version", "Version of the global head."),
+    ("edgefl_round_updates_received", "updates_received", "Updates received this round."),
+    ("edgefl_round_updates_expected", "updates_expected", "Updates expected this round."),
+    ("edgefl_round_deadline_left_seconds", "deadline_s_left", "Seconds left before the round deadline."),
+    ("edgefl_broker_connected", "broker_connected", "1 when the coordinator is connected to its broker."),
+)
+
+
+def device_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
+    """Prometheus metric families for a device status (missing or null values are left out).
+
+    Parameters
+    ----------
+    status : Mapping[str, Any]
+        A device status as returned by the agent's ``get_status``.
+
+    Returns
+    -------
+    Iterator[prometheus_client.Metric]
+        ``edgefl_memory_{cap,rss,pss,peak_rss}_bytes``, ``edgefl_system_available_bytes``,
+        ``edgefl_phase_peak_bytes{phase}``, ``edgefl_round``, ``edgefl_global_version``,
+        ``edgefl_last_update_bytes``, ``edgefl_local_accuracy`` (0..1),
+        ``edgefl_inference_rate_samples_per_second``, ``edgefl_inferred_samples_total``,
+        ``edgefl_store_samples``, ``edgefl_broker_connected`` (0/1), ``edgefl_agent_state{state}``,
+        ``edgefl_pipeline_info{mode}``, ``edgefl_rejected_total{reason}``; with live ingest
+        ``edgefl_ingest_queued``, ``edgefl_pending_labels`` and the counters
+        ``edgefl_ingest_{samples_received,labels_received,predictions_published,dropped,pending_expired}_total``.
+    """
+    from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+
+    for name, key, doc in _DEVICE_GAUGES[:5]:
+        yield from _gauge(name, doc, status.get(key))
+    yield from _labelled(
+        "edgefl_phase_peak_bytes", "Peak RSS measured during each phase.", "phase", status.get("phase_peaks")
+    )
+    for name, key, doc in _DEVICE_GAUGES[5:]:
+        yield from _gauge(name, doc, status.get(key))
+    inferred = finite_number(status.get("inferred_total"))
+    if inferred is not None:
+        yield CounterMetricFamily("edgefl_inferred_samples", "Samples classified.", value=inferred)
+    for name, key, doc in _DEVICE_COUNTERS:
+        count = finite_number(status.get(key))
+        if count is not None:
+            yield CounterMetricFamily(name, doc, value=count)
+    yield from _state_set(
+        "edgefl_agent_state", "Agent state (1 = current).", status.get("state"), DEVICE_STATES
+    )
+    mode = status.get("pipeline_mode")
+    if isinstance(mode, str):
+        info = GaugeMetricFamily("edgefl_pipeline_info", "Input pipeline mode in use.", labels=["mode"])
+        info.add_metric([mode], 1.0)
+        yield info
+    yield from _labelled(
+        "edgefl_rejected", "Messages rejected, by reason.", "reason", status.get("rejected"), counter=True
+    )
+
+
+def coordinator_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
+    """Prometheus metric families for a coordinator status (missing or null values are left out).
+
+    Parameters
+    ----------
+    status : Mapping[str, Any]
+        A coordinator status as returned by the coordinator's ``get_status``.
+
+    Returns
+    -------
+    Iterator[prometheus_client.Metric]
+        ``edgefl_round``, ``edgefl_global_version``, ``edgefl_round_updates_received``,
+        ``edgefl_round_updates_expected``, ``edgefl_round_deadline_left_seconds``,
+        ``edgefl_broker_connected`` (0/1), ``edgefl_coordinator_state{state}``,
+        ``edgefl_test_accuracy`` (0..1, latest round),
+        ``edgefl_device_online{device}`` (0/1), ``edgefl_device_rss_bytes{device}``,
+        ``edgefl_device_cap_bytes{device}``, ``edgefl_device_last_round{device}``,
+        ``edgefl_rejected_total{reason}``.
+    """
+    for name, key, doc in _COORDINATOR_GAUGES:
+        yield from _gauge(name, doc, status.get(key))
+    yield from _state_set(
+        "edgefl_coordinator_state", "Coordinator state (1 = current).", status.get("state"), ()
+    )
+    history = status.get("accuracy_history")
+    if isinstance(history, list) and history and isinstance(history[-1], Mapping):
+        accuracy = history[-1].get("accuracy")
+        yield from _gauge("edgefl_test_accuracy", "Test accuracy of the latest global head (0..1).", accuracy)
+    devices = status.get("devices")
+    devices = devices if isinstance(devices, Mapping) else {}
+    for key, name, doc in (
+        ("online", "edgefl_device_online", "1 when the device's retained status says online."),
+        ("rss_bytes", "edgefl_device_rss_bytes", "RSS reported by the device."),
+        ("cap_bytes", "edgefl_device_cap_bytes", "Memory cap reported by the device."),
+        ("last_round", "edgefl_device_last_round", "Last round the device took part in."),
+    ):
+        values = {d: e.get(key) for d, e in devices.items() if isinstance(e, Mapping)}
+        yield from _labelled(name, doc, "device", values)
+    yield from _labelled(
+        "edgefl_rejected", "Messages rejected, by reason.", "reason", status.get("rejected"), counter=True
+    )

@@ -1,0 +1,122 @@
+"""Coordinator presence (the fleet's lease) and the DeviceStatus field that paces a service's rounds.
+
+``Presence`` (``type = "presence"``) is the retained message a running coordinator keeps on
+``<prefix>/<fleet>/coordinator`` and republishes every ``heartbeat_s`` with ``seq`` one higher; its
+last will clears the topic. ``read_new_samples`` reads a DeviceStatus's optional ``new_samples``
+field (labelled samples stored since the device's last round). Both are specified in
+``docs/protocol.md`` ("Presence", "DeviceStatus").
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+from edgefl.errors import DecodeError
+from edgefl.wire.cbor import (
+    DEFAULT_LIMITS,
+    INT_MAX,
+    Limits,
+    MessageType,
+    check_keys,
+    dumps,
+    load_message,
+    read_float,
+    read_int,
+    read_text,
+)
+from edgefl.wire.reasons import Reason
+
+__all__ = ["NEW_SAMPLES_FIELD", "Presence", "decode_presence", "encode_presence", "read_new_samples"]
+
+NEW_SAMPLES_FIELD: Final = "new_samples"
+"""The DeviceStatus field: labelled samples the device stored since its last round (uint)."""
+
+_INSTANCE_RE: Final = re.compile(r"[0-9a-f]{8,64}")
+_HOST_RE: Final = re.compile(r"[\x21-\x7e]{1,255}")
+MAX_HEARTBEAT_S: Final = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Presence:
+    """A running coordinator's claim on its fleet (retained on ``<prefix>/<fleet>/coordinator``).
+
+    Parameters
+    ----------
+    instance : str
+        Random id of this coordinator process (8-64 lowercase hex digits).
+    host : str
+        Host name it runs on (printable ASCII, no space; for the operator).
+    pid : int
+        Its process id.
+    started : float
+        Unix time it took the lease, seconds (orders two coordinators that took it at once).
+    seq : int
+        Heartbeat counter, one higher at each republish: a newer ``seq`` seen live proves the holder runs.
+    heartbeat_s : float
+        Seconds between two republishes, in (0, 3600].
+    """
+
+    instance: str
+    host: str
+    pid: int
+    started: float
+    seq: int
+    heartbeat_s: float
+
+
+def encode_presence(msg: Presence) -> bytes:
+    """Encode a :class:`Presence` (``docs/protocol.md``, "Presence"); returns the CBOR bytes."""
+    return dumps(
+        {
+            "v": 1,
+            "type": MessageType.PRESENCE.value,
+            "instance": msg.instance,
+            "host": msg.host,
+            "pid": msg.pid,
+            "started": float(msg.started),
+            "seq": msg.seq,
+            "heartbeat_s": float(msg.heartbeat_s),
+        }
+    )
+
+
+def decode_presence(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Presence:
+    """Decode and validate a :class:`Presence`.
+
+    Raises
+    ------
+    DecodeError
+        The reasons of ``docs/protocol.md`` ("Refusals"): e.g. ``unknown_key``, ``bad_value``.
+    """
+    obj = load_message(payload, limits, MessageType.PRESENCE)
+    keys = ("v", "type", "instance", "host", "pid", "started", "seq", "heartbeat_s")
+    check_keys(obj, "", keys)
+    return Presence(
+        instance=read_text(obj, "instance", "", _INSTANCE_RE),
+        host=read_text(obj, "host", "", _HOST_RE),
+        pid=read_int(obj, "pid", ""),
+        started=read_float(obj, "started", "", 0.0),
+        seq=read_int(obj, "seq", ""),
+        heartbeat_s=read_float(obj, "heartbeat_s", "", 0.0, MAX_HEARTBEAT_S, lo_open=True),
+    )
+
+
+def read_new_samples(fields: Mapping[str, object]) -> int | None:
+    """The ``new_samples`` field of a DeviceStatus's ``fields`` (None when the device does not report it).
+
+    Raises
+    ------
+    DecodeError
+        ``wrong_type`` (not an integer) or ``bad_value`` (negative).
+    """
+    value = fields.get(NEW_SAMPLES_FIELD)
+    if value is None:
+        return None
+    if type(value) is not int:
+        raise DecodeError(Reason.WRONG_TYPE, f"fields.{NEW_SAMPLES_FIELD}: expected an integer")
+    if not 0 <= value <= INT_MAX:
+        raise DecodeError(Reason.BAD_VALUE, f"fields.{NEW_SAMPLES_FIELD} = {value}: must be >= 0")
+    return value

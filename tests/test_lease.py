@@ -1,0 +1,190 @@
+"""One coordinator per fleet: the state folder's lock, the broker lease (exit 6), a busy page port (exit 4).
+
+Real ``edgefl coordinator`` processes against the session's real mosquitto; the lease is read by a
+real MQTT client, as a second coordinator reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, Broker, free_port
+
+from edgefl.coordinator.lease import LEASE_HEARTBEAT_S, PROBE_MARGIN_S
+from edgefl.errors import DecodeError
+from edgefl.topics import Topics
+from edgefl.transport import MqttTransport
+from edgefl.wire.presence import Presence, decode_presence, encode_presence, read_new_samples
+
+pytestmark = pytest.mark.timeout(180)
+
+PROFILE = ROOT / "firmware_configs" / "coordinator.toml"
+
+
+def start_coordinator(tmp: Path, name: str, broker: Broker, fleet: str, *sets: str) -> subprocess.Popen[str]:
+    """``edgefl coordinator`` on the shipped profile (a service), its output in ``tmp/<name>.log``."""
+    cmd = [sys.executable, "-m", "edgefl.cli", "coordinator", str(PROFILE), "--broker", broker.url]
+    cmd += ["--fleet", fleet]
+    for item in sets:
+        cmd += ["--set", item]
+    log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=tmp)
+
+
+def read_log(tmp: Path, name: str) -> str:
+    return (tmp / f"{name}.log").read_text()
+
+
+async def presences(broker: Broker, fleet: str, n: int, timeout_s: float) -> list[Presence]:
+    """The first ``n`` presences seen on the fleet's lease topic (the retained one first)."""
+    t = MqttTransport(broker.host, broker.port, f"watch-{fleet}-{time.monotonic_ns()}")
+    await t.start(wait_s=10)
+    try:
+        topic = Topics("edgefl", fleet).coordinator
+        await t.subscribe(topic, 1)
+        seen: list[Presence] = []
+        end = time.monotonic() + timeout_s
+        while len(seen) < n:
+            msg = await asyncio.wait_for(t.queue.get(), max(0.01, end - time.monotonic()))
+            if msg.topic == topic and msg.payload:
+                seen.append(decode_presence(msg.payload))
+        return seen
+    finally:
+        await t.stop()
+
+
+async def retained_lease(broker: Broker, fleet: str) -> bytes | None:
+    """The retained payload on the lease topic (None when there is none), read within 2 s."""
+    t = MqttTransport(broker.host, broker.port, f"peek-{fleet}-{time.monotonic_ns()}")
+    await t.start(wait_s=10)
+    try:
+        await t.subscribe(Topics("edgefl", fleet).coordinator, 1)
+        try:
+            msg = await asyncio.wait_for(t.queue.get(), 2.0)
+        except TimeoutError:
+            return None
+        return msg.payload
+    finally:
+        await t.stop()
+
+
+def wait_for_log(tmp: Path, name: str, text: str, proc: subprocess.Popen[str], timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while text not in read_log(tmp, name):
+        assert proc.poll() is None, read_log(tmp, name)
+        assert time.monotonic() < end, f"no {text!r} in {name}.log:\n{read_log(tmp, name)}"
+        time.sleep(0.05)
+
+
+def test_lease_presence_round_trip_and_refusals() -> None:
+    p = Presence("0123456789abcdef", "gw-1", 42, 1_765_000_000.5, 7, 5.0)
+    assert decode_presence(encode_presence(p)) == p
+    bad = encode_presence(Presence("0123456789abcdef", "gw-1", 42, 1.0, 7, 5.0)).replace(b"gw-1", b"gw 1")
+    with pytest.raises(DecodeError) as err:
+        decode_presence(bad)
+    assert err.value.reason == "bad_value"
+    assert read_new_samples({"new_samples": 12}) == 12
+    assert read_new_samples({}) is None
+    for value, reason in ((-1, "bad_value"), ("12", "wrong_type"), (True, "wrong_type")):
+        with pytest.raises(DecodeError) as err:
+            read_new_samples({"new_samples": value})
+        assert err.value.reason == reason
+
+
+def test_lease_second_coordinator_exits_6_before_it_writes_and_the_first_is_unharmed(
+    tmp_path: Path, mosquitto: Broker, fleet: str
+) -> None:
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    a_dir.mkdir()
+    b_dir.mkdir()
+    first = start_coordinator(
+        tmp_path,
+        "a",
+        mosquitto,
+        fleet,
+        f"files.state={a_dir / 'state.rec'}",
+        f"files.log={a_dir / 'rounds.jsonl'}",
+    )
+    try:
+        seen = asyncio.run(presences(mosquitto, fleet, 2, 30))  # the holder's presence, then its heartbeat
+        assert seen[0].instance == seen[1].instance and seen[1].seq > seen[0].seq, seen
+        # another state folder (the lock cannot see it): the broker lease does
+        second = start_coordinator(
+            tmp_path,
+            "b",
+            mosquitto,
+            fleet,
+            f"files.state={b_dir / 'state.rec'}",
+            f"files.log={b_dir / 'rounds.jsonl'}",
+            "dashboard.enabled=true",
+            f"dashboard.port={free_port()}",
+        )
+        assert second.wait(timeout=2 * LEASE_HEARTBEAT_S + PROBE_MARGIN_S + 30) == 6, read_log(tmp_path, "b")
+        out = read_log(tmp_path, "b")
+        assert "another coordinator runs this fleet" in out and seen[0].instance[:8] in out, out
+        assert "Traceback" not in out and "fleet page" not in out, out
+        assert sorted(p.name for p in b_dir.iterdir()) == ["coordinator.lock"], list(b_dir.iterdir())
+        # the first one kept its connection and its lease
+        assert first.poll() is None, read_log(tmp_path, "a")
+        again = asyncio.run(presences(mosquitto, fleet, 1, 10))[0]
+        assert again.instance == seen[0].instance
+        assert "broker lost" not in read_log(tmp_path, "a"), read_log(tmp_path, "a")
+        # same state folder: the lock refuses it at once, naming the holder's pid
+        third = start_coordinator(tmp_path, "c", mosquitto, fleet, f"files.state={a_dir / 'state.rec'}")
+        assert third.wait(timeout=60) == 6, read_log(tmp_path, "c")
+        out = read_log(tmp_path, "c")
+        assert (
+            f"another coordinator runs this fleet: state folder {a_dir} is held by pid {first.pid}" in out
+        ), out
+    finally:
+        if first.poll() is None:
+            first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=30) == 0, read_log(tmp_path, "a")
+    # a clean stop clears the lease: the next coordinator starts at once
+    assert asyncio.run(retained_lease(mosquitto, fleet)) is None
+
+
+def test_lease_stale_presence_is_taken_over(tmp_path: Path, mosquitto: Broker, fleet: str) -> None:
+    """A retained presence nobody refreshes (a broker restored it after its holder died) is stale."""
+    stale = Presence("feedfacefeedface", "gone", 1, 1.0, 3, 1.0)
+
+    async def plant() -> None:
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"plant-{fleet}")
+        await t.start(wait_s=10)
+        await t.publish(Topics("edgefl", fleet).coordinator, encode_presence(stale), qos=1, retain=True)
+        await t.stop()
+
+    asyncio.run(plant())
+    proc = start_coordinator(tmp_path, "a", mosquitto, fleet)
+    try:
+        seen = asyncio.run(presences(mosquitto, fleet, 2, 40))
+        assert seen[0] == stale and seen[1].instance != stale.instance, seen
+        out = read_log(tmp_path, "a")
+        assert "stale, taken over" in out and "instance feedface" in out, out
+    finally:
+        proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, read_log(tmp_path, "a")
+
+
+def test_lease_fleet_page_port_in_use_is_a_clean_exit_4(
+    tmp_path: Path, mosquitto: Broker, fleet: str
+) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = start_coordinator(
+            tmp_path, "a", mosquitto, fleet, "dashboard.enabled=true", f"dashboard.port={port}"
+        )
+        assert proc.wait(timeout=60) == 4, read_log(tmp_path, "a")
+    out = read_log(tmp_path, "a")
+    assert f"cannot start: dashboard.port = {port}: cannot serve the fleet page on 127.0.0.1" in out, out
+    assert "Traceback" not in out, out
+    assert asyncio.run(retained_lease(mosquitto, fleet)) is None  # it never took the lease
