@@ -64,7 +64,7 @@ def half_bits_to_float32(half_bits: np.ndarray, out: F32) -> F32:
 
     numpy's own float16 -> float32 cast goes element by element through a scalar routine on
     builds without an F16C/FP16 SIMD path (``X86_V2`` baseline wheels: ~3 ns a value, the largest
-    cost of a round's local training, issue 17). This is four vectorised integer/float passes,
+    cost of a round's local training). This is four vectorised integer/float passes,
     exactly equal to ``astype(np.float32)`` for every finite half, zeros and subnormals included:
     the sign-extended 16 bits shifted left by 13 put the sign at bit 31 (after masking) and the
     exponent and mantissa in float32's fields with float16's bias; multiplying by 2**112 rebiases

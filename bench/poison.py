@@ -168,8 +168,17 @@ def poison_task(profile: CoordinatorProfile, seed: int = 0, primary_share: float
         "digits", primary_share, seed, W, b,
         [emb[pool[p]] for p in parts], [y[pool[p]] for p in parts],
         emb[split.test], y[split.test],
-        lr=r.lr, local_epochs=r.local_epochs, batch_size=r.batch_size, rounds=r.count,
+        lr=r.lr, local_epochs=r.local_epochs, batch_size=r.batch_size, rounds=bench_rounds(profile),
     )  # fmt: skip
+
+
+SERVICE_ROUNDS = 8
+"""Rounds run for a profile whose ``rounds.count`` is 0 (a service runs until stopped)."""
+
+
+def bench_rounds(profile: CoordinatorProfile) -> int:
+    """The rounds a poisoning run takes: the profile's ``rounds.count``, or :data:`SERVICE_ROUNDS`."""
+    return profile.rounds.count or SERVICE_ROUNDS
 
 
 @dataclass
@@ -213,7 +222,7 @@ def run_poisoned(
     version = 0
     with tempfile.TemporaryDirectory(dir=STATE_ROOT) as tmp:
         devs = make_devices(task, Path(tmp))  # device cores: the shipped round (train, encode, outbox)
-        for r in range(1, rounds.count + 1):
+        for r in range(1, bench_rounds(profile) + 1):
             cfg = strategy.configure_round(r, (D, K))
             rtask = replace(task, lr=rounds.lr * rounds.lr_decay ** (r - 1))
             real = [client_update(rtask, dev, version, r, Compression.NONE, cfg.prox_mu)[0] for dev in devs]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, ROOT, Broker, start_replay_agent
 
-from bench.poison import ATTACKS, poison_task, run_poisoned, shipped_profile
+from bench.poison import ATTACKS, bench_rounds, poison_task, run_poisoned, shipped_profile
 from edgefl.coordinator.strategy import DEFAULT_STRATEGY, FedAvg, Offer, aggregate_checked
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.launcher import stop_agents
@@ -53,7 +53,7 @@ def test_poison_shipped_fedavg_rounds_wait_for_five() -> None:
     """FedAvg on the shipped profile (min_clients 2, tolerate 1): rounds of 5, never 2 or 3."""
     profile = shipped_profile("fedavg")
     run = run_poisoned(poison_task(profile, seed=0), profile, "signflip")
-    assert run.sizes == [5] * profile.rounds.count
+    assert run.sizes == [5] * bench_rounds(profile)
 
 
 def test_poison_huge_update_never_reaches_the_published_head() -> None:

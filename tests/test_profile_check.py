@@ -51,6 +51,7 @@ COORDINATOR_CASES = [
 @pytest.mark.parametrize(
     ("overrides", "key"), [c[1:] for c in COORDINATOR_CASES], ids=[c[0] for c in COORDINATOR_CASES]
 )
+@pytest.mark.subprocess
 def test_shipped_coordinator_profile_refused_by_check_config_and_before_round_1(
     tmp_path: Path, overrides: list[str], key: str
 ) -> None:
@@ -70,6 +71,7 @@ def test_shipped_coordinator_profile_refused_by_check_config_and_before_round_1(
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
 
 
+@pytest.mark.subprocess
 def test_shipped_coordinator_profile_with_writable_files_passes(tmp_path: Path) -> None:
     sets = _sets([f"files.{name}={tmp_path}/out.{name}" for name in ("state", "log", "json")])
     check = _edgefl("check-config", str(COORDINATOR), *sets, cwd=tmp_path)
@@ -84,6 +86,7 @@ DEVICE_CASES = [
 
 
 @pytest.mark.parametrize(("override", "key"), [c[1:] for c in DEVICE_CASES], ids=[c[0] for c in DEVICE_CASES])
+@pytest.mark.subprocess
 def test_shipped_device_profile_refused_by_check_config_and_run(
     tmp_path: Path, override: str, key: str
 ) -> None:
