@@ -790,6 +790,7 @@ class Agent:
             "write_failures": core.write_failures,
             "ready": s.replay_done or s.ingest_ready,
             "store_samples": len(core.store),
+            "holdout_samples": len(core.holdout) if core.holdout is not None else 0,
             "new_samples": core.new_samples,  # labelled samples stored since the last round (paces rounds)
             "stored_total": s.stored_total,  # labelled samples stored (store and holdout) since start
             "inferred_total": s.inferred_total,

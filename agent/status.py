@@ -64,6 +64,7 @@ ROUND_PROGRESS_FIELDS: Final = frozenset(
         "last_update_ts",
         "outbox_pending",
         "store_samples",
+        "holdout_samples",
         "new_samples",
         "eval_version",
         "eval_accuracy",

@@ -124,6 +124,24 @@ def _readme_block(devices: int, at_round: str, rounds: int, broker: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the demo, photograph its pages and write them to ``docs/`` (and the README's block).
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        Command-line arguments (``--devices``, ``--rounds``, ``--at-round``, ``--no-readme``).
+
+    Returns
+    -------
+    int
+        0 once the pictures are written.
+
+    Raises
+    ------
+    RuntimeError
+        If the demo prints no dashboard URLs, round ``--at-round`` never closes, or a picture is not
+        a PNG (nothing is written then).
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--devices", type=int, default=4, help="agent processes (default 4)")
     ap.add_argument("--rounds", type=int, default=40, help="rounds of the job (default 40)")

@@ -373,6 +373,7 @@ class Coordinator:
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
         self._dashboard_rounds: list[dict[str, Any]] = []
+        self._round_reasons: dict[int, dict[str, dict[str, int]]] = {}  # round -> refused, declined
         self._seen_update_ids: dict[str, None] = {}  # insertion-ordered, bounded: see _remember
         self.max_seen_update_ids = SEEN_UPDATE_IDS
         self._held: list[tuple[Update, int]] = []  # arrived while a buffered step was being published
@@ -776,8 +777,9 @@ class Coordinator:
         self._notify()
 
     def min_updates(self) -> int:
-        """The fewest updates the strategy aggregates (its own floor; a round never closes early below it)."""
-        return 1
+        """The fewest updates the strategy aggregates (``robustness.tolerate`` sets it): a round opens only
+        once that many devices are ready, so a round is not asked of too few and then abandoned."""
+        return max(1, self.strategy.min_updates)
 
     def handle(self, msg: Message) -> None:
         """Dispatch one message; a bad one is logged with topic, size and reason and counted, never raised."""
@@ -1087,11 +1089,48 @@ class Coordinator:
             else self.state.history[-1].epsilon,
         }
 
+    def note_round_reasons(
+        self, round_no: int, refused: Mapping[str, int], declined: Mapping[str, int]
+    ) -> None:
+        """Keep a closed round's refused updates and declines by reason for its record on the fleet page.
+
+        Parameters
+        ----------
+        round_no : int
+        refused, declined : {reason: count}
+            What arrived between the round's opening and its close (the runner counts them).
+        """
+        reasons = {"refused": dict(refused), "declined": dict(declined)}
+        self._round_reasons[round_no] = reasons
+        for old in sorted(self._round_reasons)[:-HISTORY_ROUNDS]:
+            del self._round_reasons[old]
+        for record in reversed(self._dashboard_rounds):  # converted already: completed in place
+            if record["round"] == round_no:
+                record.update(reasons)
+                break
+
+    def _page_record(self, h: RoundRecord) -> dict[str, Any]:
+        """One round's record as the fleet page reads it: the round log's keys where they exist."""
+        record = dataclasses.asdict(h)
+        record["round_refused"] = record.pop("refused") or None  # why the head was not published
+        record["declined_devices"] = record.pop("declined")
+        record["counted"] = h.clients
+        record["time"] = (
+            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(h.closed_unix))
+            if math.isfinite(h.closed_unix)
+            else None
+        )
+        record.update(self._round_reasons.get(h.round, {}))
+        return record
+
     def dashboard_rounds(self) -> list[dict[str, Any]]:
         """Every round record so far as JSON-like dicts, oldest first (the fleet page's ``/api/rounds``).
 
-        Records already converted are kept while they still line up with the history (rounds
-        appended, the oldest trimmed), so a page polling it costs a few comparisons.
+        Each is the :class:`RoundRecord` with the round log's keys (``time``, ``counted``,
+        ``refused`` and ``declined`` {reason: n} once :meth:`note_round_reasons` gave them,
+        ``round_refused``; ``declined_devices`` counts the devices that declined). Records already
+        converted are kept while they still line up with the history (rounds appended, the oldest
+        trimmed), so a page polling it costs a few comparisons.
         """
         history = self.state.history
         cached = self._dashboard_rounds
@@ -1100,7 +1139,7 @@ class Coordinator:
         if len(cached) > len(history) or (cached and cached[-1]["round"] != history[len(cached) - 1].round):
             cached = []
         if len(cached) < len(history):
-            cached = cached + [dataclasses.asdict(h) for h in history[len(cached) :]]
+            cached = cached + [self._page_record(h) for h in history[len(cached) :]]
         self._dashboard_rounds = cached
         return cached
 
@@ -1132,6 +1171,10 @@ class Coordinator:
 
     def fleet_state(self) -> FleetState:
         """The fleet's state for its page: collecting, waiting for samples or devices, paused, finished..."""
+        if self.finished:  # before the broker: a job that ended stops its transport before its page
+            return FleetState(
+                FleetPhase.FINISHED, f"finished after round {self.state.round}", round=self.state.round
+            )
         if not self.transport.connected.is_set():
             where = f"{self.transport.host}:{self.transport.port}"
             return FleetState(
@@ -1140,10 +1183,6 @@ class Coordinator:
         rnd = self.state.current
         if rnd is not None and rnd.phase is RoundPhase.OPEN:
             return collecting(rnd)
-        if self.finished:
-            return FleetState(
-                FleetPhase.FINISHED, f"finished after round {self.state.round}", round=self.state.round
-            )
         return self.pacing_state()
 
     async def wait_to_open(self, stop: asyncio.Event) -> bool:

@@ -19,7 +19,19 @@ DEVICE_STATES: Final = ("idle", "training", "uploading", "waiting", "deferred", 
 
 
 def finite_number(value: Any) -> float | None:
-    """Return a status value as a finite float (bool as 0/1), or None (missing, NaN, inf, not a number)."""
+    """Read a status value as a number.
+
+    Parameters
+    ----------
+    value : Any
+        A status value (int, float, bool, or anything else).
+
+    Returns
+    -------
+    float or None
+        The value as a finite float (bool as 0/1); None when it is missing, NaN, infinite or not a
+        number.
+    """
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, (int, float)) and math.isfinite(value):

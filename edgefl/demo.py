@@ -273,6 +273,8 @@ async def _run(opts: DemoOptions) -> int:
                     if rec.clients == 0:
                         rc = 1
                 await asyncio.sleep(0.5)  # let the agents apply the last global head
+                coord.finished = True  # the fleet page says so (while --hold keeps it up)
+                board.notify()
                 if opts.hold_s > 0:
                     print(f"  holding the dashboards open for {opts.hold_s:.0f} s (Ctrl-C to stop)")
                     with contextlib.suppress(asyncio.CancelledError):

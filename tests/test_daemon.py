@@ -62,6 +62,7 @@ def wait_until(cond: object, timeout_s: float, what: str) -> None:
     asyncio.run(wait_until_async(cond, timeout_s, what))  # type: ignore[arg-type]
 
 
+@pytest.mark.broker  # authed_broker: a mosquitto of its own
 def test_loud_auth_refused_credentials_say_so_503_then_exit_5(
     authed_broker: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
 ) -> None:

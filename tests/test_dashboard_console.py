@@ -14,6 +14,7 @@ import asyncio
 import datetime
 import json
 import math
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -325,8 +326,12 @@ def own_broker(tmp_path: Path) -> Iterator[Broker]:
 
 
 @pytest.mark.broker
-def test_fleet_page_console_stopped_broker_shows_within_5_s(browser: Browser, own_broker: Broker) -> None:
-    """A real coordinator on a real broker: the broker stops, the page says so (and not "live" only)."""
+def test_fleet_page_console_stopped_broker_and_finished_job_show_within_5_s(
+    browser: Browser, own_broker: Broker
+) -> None:
+    """A real coordinator on a real broker: the broker stops, the page says so within 5 s (not "live"
+    only); the job then ends as the runner ends it (transport stopped, then the page) and the page
+    reads finished."""
     topics = Topics("edgefl", f"console-{time.monotonic_ns()}")
     holder: dict[str, Coordinator] = {}
 
@@ -347,24 +352,33 @@ def test_fleet_page_console_stopped_broker_shows_within_5_s(browser: Browser, ow
             strategy=FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=60),
         )
 
-    async def stop() -> None:
+    async def finish() -> None:
+        holder["coord"].finished = True
         await holder["coord"].transport.stop()
 
     asyncio.run_coroutine_threadsafe(start(), server.loop).result(15)
+    closed = False
     try:
         page, errors = open_page(browser, server.url, WIDE)
         expect(page.locator("#broker")).to_have_text("broker connected", timeout=5000)
         stop_broker(own_broker)
-        expect(page.locator("#fleet-state")).to_have_attribute(
-            "data-state", "broker_unreachable", timeout=5000
-        )
+        state = page.locator("#fleet-state")
+        expect(state).to_have_attribute("data-state", "broker_unreachable", timeout=5000)
+        expect(state).to_have_text(f"broker unreachable: {own_broker.host}:{own_broker.port}")
         expect(page.locator("#broker")).to_have_text("broker unreachable")
         expect(page.locator("#live")).to_have_text("live")  # the page's own link is fine
-        assert errors.items == []
+        asyncio.run_coroutine_threadsafe(finish(), server.loop).result(15)
+        server.close()  # the runner's order: transport, then the page (its final status goes out)
+        closed = True
+        expect(state).to_have_attribute("data-state", "finished", timeout=5000)
+        expect(state).to_have_text("finished after round 0")
+        expect(page.locator("#live")).to_have_attribute("data-state", "stale", timeout=5000)
+        assert [e for e in errors.items if "ERR_CONNECTION_REFUSED" not in e] == []
         page.context.close()
     finally:
-        asyncio.run_coroutine_threadsafe(stop(), server.loop).result(15)
-        server.close()
+        if not closed:
+            asyncio.run_coroutine_threadsafe(finish(), server.loop).result(15)
+            server.close()
 
 
 OVERFLOW_JS = """() => {
@@ -652,7 +666,62 @@ def test_console_coordinator_round_records_follow_its_history() -> None:
     assert [r["round"] for r in again] == [3, 4, 5, 6]
     assert again[0] is first[2]  # converted once
     assert math.isnan(again[-1]["accuracy"])
+    # the round log's keys: time, counted, refusals and declines by reason (given by the runner)
+    assert again[-1]["time"] is None and again[-1]["counted"] == 1 and "refused" not in again[-1]
+    coord.note_round_reasons(6, {"stale_round": 2}, {"over_budget": 1})  # after its conversion
+    assert again[-1]["refused"] == {"stale_round": 2} and again[-1]["declined"] == {"over_budget": 1}
+    coord.note_round_reasons(7, {}, {"no_data": 3})  # before it
+    history.append(RoundRecord(7, 0, 0.5, 0.0, 1.0, refused="too_few", declined=3, closed_unix=1.8e9))
+    seventh = coord.dashboard_rounds()[-1]
+    assert seventh["time"] == "2027-01-15T08:00:00Z" and seventh["round_refused"] == "too_few"
+    assert seventh["declined"] == {"no_data": 3} and seventh["declined_devices"] == 3
     coord.state.history = [RoundRecord(1, 3, 0.9, 10.0, 1.0)]  # another history (a state file loaded)
     assert [(r["round"], r["clients"]) for r in coord.dashboard_rounds()] == [(1, 3)]
     status = coord.dashboard_status()
     assert status["rounds"] == coord.dashboard_rounds() and status["broker_connected"] is False
+
+
+def test_console_page_marks_a_server_that_stops_answering_stale(browser: Browser) -> None:
+    """The stream stays open but the server's loop is stuck: the page says stale, then live again."""
+    server = ThreadedDashboard(DashboardState("device", "gw", device_status, push_interval_s=0.2))
+    try:
+        context = browser.new_context(viewport=WIDE)  # type: ignore[arg-type]
+        context.add_init_script("window.edgeflProbeS = 0.4")  # probes every 0.4 s: silent after 1 s
+        page = context.new_page()
+        errors = PageErrors(page)
+        page.goto(server.url + "/")
+        expect(page.locator("#live")).to_have_text("live", timeout=5000)
+        released = threading.Event()
+
+        async def stuck() -> None:  # blocks the server's event loop, as a hung process would
+            while not released.is_set():
+                time.sleep(0.05)
+
+        server.loop.call_soon_threadsafe(lambda: server.loop.create_task(stuck()))
+        try:
+            expect(page.locator("#live")).to_have_attribute("data-state", "stale", timeout=5000)
+            expect(page.locator("#stale-note")).to_contain_text("the agent does not answer")
+        finally:
+            released.set()
+        expect(page.locator("#live")).to_have_attribute("data-state", "live", timeout=5000)
+        expect(page.locator("#stale-note")).to_be_hidden()
+        assert errors.items == []
+        context.close()
+    finally:
+        server.close()
+
+
+def test_console_finished_job_reads_finished_after_its_transport_stopped() -> None:
+    """The runner stops the transport before the page: the page's last status still says finished."""
+    coord = Coordinator(
+        MqttTransport("127.0.0.1", 1, "console-finished"),  # never started: not connected
+        Topics("edgefl", "console"),
+        np.zeros((4, 3), np.float32),
+        np.zeros(3, np.float32),
+        model_sha256="0" * 64,
+        strategy=FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=60),
+    )
+    assert coord.dashboard_status()["fleet_state"]["state"] == "broker_unreachable"
+    coord.finished = True
+    status = coord.dashboard_status()
+    assert status["fleet_state"]["state"] == "finished" and status["broker_connected"] is False

@@ -909,7 +909,7 @@ def test_integrity_corrupt_store_is_set_aside_and_rebuilt_by_the_daemon(
         good = json.loads(read_record(meta) or b"")
         write_record(meta, json.dumps({**good, "count": 100000}).encode())
 
-    def infinite_embedding() -> None:  # the embeddings carry no checksum: an inf is caught at open
+    def infinite_embedding() -> None:  # sample 0's row checksum covers its embedding: caught at open
         data = bytearray(emb.read_bytes())
         data[0:2] = np.array([np.inf], np.float16).tobytes()
         emb.write_bytes(bytes(data))
@@ -920,10 +920,21 @@ def test_integrity_corrupt_store_is_set_aside_and_rebuilt_by_the_daemon(
     def replayed(pid: int) -> Callable[[dict[str, Any]], bool]:
         return lambda s: s.get("pid") == pid and bool(s.get("ready"))
 
+    def lost(k: int, kept: int) -> str:
+        why = "torn or failing their checksum"
+        return f"store in {state}: {k} sample(s) could not be recovered ({why}); {kept} recovered"
+
+    # (corruption, samples after the restart's replay, the log line): a bad row loses it and every
+    # older sample (the newest run is kept, the loss counted); insane metadata sets the store aside
     corruptions = [
-        (flip_label_bit, "store_lbl.i16 does not match its checksum"),
-        (insane_count, f"count = 100000: must be in 0..capacity {4 * n}"),
-        (infinite_embedding, "store_emb.f16 holds non-finite values"),
+        (flip_label_bit, 3 * n - 6, lost(6, 2 * n - 6)),  # samples 0..5 behind the bad row
+        (
+            insane_count,
+            n,
+            f"store in {state} is corrupt (count = 100000: must be in 0..capacity {4 * n}): "
+            "set aside as *.corrupt, starting empty",
+        ),
+        (infinite_embedding, 2 * n - 1, lost(1, n - 1)),
     ]
 
     async def main() -> None:
@@ -935,16 +946,14 @@ def test_integrity_corrupt_store_is_set_aside_and_rebuilt_by_the_daemon(
             await st.until(replayed(procs[-1].pid), "replay done")
             assert st.latest["store_samples"] == n
             # a clean restart keeps the store: the replay adds to it
-            for corrupt, why in [(nothing, ""), *corruptions]:
+            for corrupt, expect, line in [(nothing, 2 * n, ""), *corruptions]:
                 procs[-1].send_signal(signal.SIGTERM)
                 assert procs[-1].wait(timeout=15) == 0
                 corrupt()
                 procs.append(launch(tmp_path, "dev-1", fleet, mosquitto, shard, digits, **extra))
-                await st.until(replayed(procs[-1].pid), f"replay done ({why})")
-                expect = 2 * n if not why else n  # set aside: rebuilt from this run's samples only
-                assert st.latest["store_samples"] == expect, (why, st.latest["store_samples"])
-                if why:
-                    line = f"store in {state} is corrupt ({why}): set aside as *.corrupt, starting empty"
+                await st.until(replayed(procs[-1].pid), f"replay done ({line})")
+                assert st.latest["store_samples"] == expect, (line, st.latest["store_samples"])
+                if line:
                     log = (tmp_path / "dev-1.log").read_text()
                     assert log.count(line) == 1, log[-3000:]
         finally:
@@ -958,6 +967,7 @@ def test_integrity_corrupt_store_is_set_aside_and_rebuilt_by_the_daemon(
         "store_lbl.i16.corrupt",
         "store_meta.rec.corrupt",
         "store_meta.rec.prev.corrupt",
+        "store_rows.u64.corrupt",
     ]
     log = (tmp_path / "dev-1.log").read_text()
     assert "Traceback" not in log and "IndexError" not in log
@@ -1085,29 +1095,21 @@ def test_fault_full_disk_degrades_keeps_classifying_and_recovers(
         assert persisted is not None and decode_global_model(persisted).version >= 2
 
 
-def test_fault_escaping_the_running_agent_exits_75_in_one_line(mosquitto: Broker, tmp_path: Path) -> None:
-    # before: a runtime fault (here the dashboard's port taken by another process) ended the agent
-    # with a traceback and exit 1, which the unit does not restart; now exit 75 (EX_TEMPFAIL), restarted
-    # by the unit with backoff, and one log line
-    import socket
+def test_fault_escaping_the_running_agent_exits_75_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    # a runtime fault that escapes the running agent (here a full disk, inside the TaskGroup's
+    # ExceptionGroup) is exit 75 (EX_TEMPFAIL), restarted by the unit with backoff, in one log line; a
+    # dashboard port in use is a start-up error instead (exit 4: tests/test_daemon.py), refused
+    # credentials exit 5 (not restarted)
+    import errno
 
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        cmd = [sys.executable, "-m", "edgefl.cli", "--log-level", "WARNING", "run", str(DEV_PROFILE)]
-        for s in (
-            f"device.state_dir={tmp_path / 'state'}",
-            f"broker.url={mosquitto.url}",
-            "dashboard.enabled=true",
-            f"dashboard.port={port}",
-        ):
-            cmd += ["--set", s]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert r.returncode == 75, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if "ERROR" in ln]
-    assert len(lines) == 1, r.stderr
-    assert "agent stopped by a fault (exit 75): OSError:" in lines[0] and "address" in lines[0].lower(), (
-        r.stderr
-    )
-    assert "Traceback" not in r.stderr + r.stdout
+    from edgefl.cli import _stopped_by
+    from edgefl.errors import CredentialsRefused
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with caplog.at_level("ERROR", logger="edgefl"):
+        assert _stopped_by(ExceptionGroup("unhandled errors in a TaskGroup", [full])) == 75
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert lines == ["agent stopped by a fault (exit 75): OSError: [Errno 28] No space left on device"]
+    assert all(r.exc_info is None for r in caplog.records)  # no traceback for a known fault
+    refused = CredentialsRefused("broker 127.0.0.1:1883 refused the credentials 3 times in a row", 3)
+    assert _stopped_by(ExceptionGroup("unhandled errors in a TaskGroup", [refused])) == 5

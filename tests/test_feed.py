@@ -49,7 +49,7 @@ def ready(broker: Broker, fleet: str, device: str) -> None:
     asyncio.run(main())
 
 
-@pytest.mark.subprocess
+@pytest.mark.subprocess  # the edgefl feed CLI
 def test_feed_profile_checks_shape_dtype_and_labels_before_sending(tmp_path: Path) -> None:
     x, y = load_digits()
     assert check_samples(DEV_PROFILE, x[:5], y[:5]) == []

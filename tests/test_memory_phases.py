@@ -6,6 +6,7 @@ apart, while their rises above the RSS they started at tell them apart.
 
 from __future__ import annotations
 
+import mmap
 import time
 
 import numpy as np
@@ -15,6 +16,17 @@ from edgefl.agent import memory
 from edgefl.agent.memory import MIB, Governor
 
 
+def touch(nbytes: int, hold_s: float = 0.0) -> None:
+    """Make ``nbytes`` of new anonymous memory resident for ``hold_s``, then give it back.
+
+    An mmap of its own: never heap pages that were resident already, so the rise is all of it.
+    """
+    block = mmap.mmap(-1, nbytes)
+    np.frombuffer(block, dtype=np.uint8)[:] = 1
+    time.sleep(hold_s)  # the sampling fallback sees what lives long enough
+    block.close()
+
+
 def test_console_phase_rise_tells_phases_apart_and_keeps_the_lifetime_peak() -> None:
     gov = Governor(1 << 40, 0, 0)
     if gov.peak_method != "clear_refs":
@@ -22,11 +34,9 @@ def test_console_phase_rise_tells_phases_apart_and_keeps_the_lifetime_peak() -> 
     with gov.phase("warm"):
         pass
     with gov.phase("small"):
-        a = np.ones(8 * MIB, dtype=np.uint8)  # touched: resident, then given back
-        del a
+        touch(8 * MIB)
     with gov.phase("large"):
-        b = np.ones(40 * MIB, dtype=np.uint8)
-        del b
+        touch(40 * MIB)
     with gov.phase("none"):
         pass
     rise = gov.status()["phase_rise"]
@@ -43,9 +53,7 @@ def test_console_phase_rise_keeps_the_largest_run() -> None:
         pass
     first = gov.phase_rise["train"]
     with gov.phase("train"):
-        a = np.ones(24 * MIB, dtype=np.uint8)
-        time.sleep(0.05)  # the sampler sees what lives long enough
-        del a
+        touch(24 * MIB, hold_s=0.05)
     with gov.phase("train"):
         pass
     assert gov.phase_rise["train"] >= max(first, 23 * MIB)

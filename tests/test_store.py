@@ -223,3 +223,21 @@ def test_durable_profile_keys_have_their_defaults_and_are_checked() -> None:
         "training.flush_every = 0: must be an integer >= 1",
         "training.flush_interval_s = -1.0: must be a finite number of seconds > 0",
     ]
+
+
+def test_durable_core_flushes_every_flush_every_samples_without_waiting(tmp_path: Path) -> None:
+    """The transport-free core flushes as soon as ``training.flush_every`` samples wait (no timer)."""
+    from test_core import profile_for
+
+    from edgefl.agent.core import DeviceCore
+
+    x, y = load_digits()
+    core = DeviceCore.open(profile_for(tmp_path, **{"training.flush_every": "16"}))
+    state = tmp_path / "state"
+    core.observe(x[:10], y[:10].astype(np.int64))
+    assert meta_total(state) == 0 and core.store.unflushed == 10 and core.flush_due() is False
+    core.observe(x[10:20], y[10:20].astype(np.int64))  # 20 >= 16: flushed at once, all 20
+    assert (meta_total(state), core.store.unflushed, core.unflushed_since()) == (20, 0, None)
+    core.observe(x[20:25], y[20:25].astype(np.int64))
+    assert meta_total(state) == 20 and core.store.unflushed == 5
+    assert core.flush_store() and meta_total(state) == 25

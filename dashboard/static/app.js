@@ -227,7 +227,9 @@
     const pts = rssPoints.map(([t, v]) => [t - now, v / 1024 ** 2]);
     const span = pts.length ? -pts[0][0] : 0;
     const win = Math.min(CHART_WINDOW_S, Math.max(60, Math.ceil(span / 60) * 60));
-    const tickStep = win <= 60 ? 10 : win <= 180 ? 30 : 60;
+    // labels at least ~60 px apart: none overlap on a phone
+    const room = Math.max(2, Math.floor((canvas.clientWidth - 70) / 60));
+    const tickStep = [10, 15, 30, 60, 120].find((st) => win / st <= room) || 300;
     const ticks = [];
     for (let x = -win; x <= 0; x += tickStep) ticks.push(x);
     setText("chart-window", win < 120 ? `last ${win} s` : `last ${win / 60} min`);
@@ -366,15 +368,15 @@
   const obj = (v) => (v && typeof v === "object" && !Array.isArray(v) ? v : null);
 
   // The fleet's state in words: the coordinator's fleet_state when it sends one; otherwise what its
-  // other fields tell. A broker the coordinator cannot reach outranks everything but a finished job.
+  // other fields tell (a broker the coordinator cannot reach first).
   function fleetState(s) {
     const fs = obj(s.fleet_state);
-    let state = fs && typeof fs.state === "string" ? fs.state : null;
-    let text = fs && typeof fs.text === "string" && fs.text ? fs.text : null;
-    if (state !== "finished" && s.broker_connected === false) {
+    const state = fs && typeof fs.state === "string" && fs.state ? fs.state : null;
+    const text = fs && typeof fs.text === "string" && fs.text ? fs.text : null;
+    if (state) return { state, text: text || state.replace(/_/g, " ") };
+    if (s.broker_connected === false) {
       return { state: "broker_unreachable", text: "broker unreachable: the coordinator is reconnecting" };
     }
-    if (state) return { state, text: text || state.replace(/_/g, " ") };
     if (s.state === "collecting") {
       return { state: "collecting", text: `collecting ${FORMATS.int(s.updates_received)} of ${FORMATS.int(s.updates_expected)}` };
     }
@@ -506,7 +508,11 @@
 
   // ---- the rounds history: the whole of it from /api/rounds, then what is new ----
 
-  const rounds = []; // round records, oldest first
+  const rounds = []; // round records, oldest first, at most MAX_ROUNDS_KEPT
+  const MAX_ROUNDS_KEPT = 20000; // a page left open for months stays small
+  function keepRounds() {
+    if (rounds.length > MAX_ROUNDS_KEPT) rounds.splice(0, rounds.length - MAX_ROUNDS_KEPT);
+  }
   let roundsLoading = false;
   let roundsServed = true; // false when the coordinator serves no /api/rounds (then: status.rounds)
   const PAGE_ROWS = 15;
@@ -529,6 +535,7 @@
           continue;
         }
         for (const e of got) if (!rounds.length || e.round > rounds[rounds.length - 1].round) rounds.push(e);
+        keepRounds();
         if (!got.length || !isNum(doc.last) || rounds[rounds.length - 1].round >= doc.last) break;
       }
     } catch (err) {
@@ -562,6 +569,7 @@
       return;
     }
     for (const e of s.rounds) if (obj(e) && isNum(e.round) && e.round > have) rounds.push(e);
+    keepRounds();
     drawAccuracyChart();
     renderRounds();
   }
@@ -601,9 +609,14 @@
       cell(row, "accuracy", acc3(r.accuracy), "num");
       cell(row, "federated", isNum(r.fed_accuracy)
         ? `${acc3(r.fed_accuracy)} (${acc3(r.fed_worst_decile)})` : DASH, "num");
-      const refused = obj(r.refused) ? countsText(r.refused) : typeof r.refused === "string" ? r.refused : "";
+      // refused updates by reason, and why the round's head was not published (round_refused)
+      const refused = [obj(r.refused) ? countsText(r.refused) : typeof r.refused === "string" ? r.refused : "",
+        typeof r.round_refused === "string" && r.round_refused ? `head kept: ${r.round_refused}` : ""]
+        .filter((t) => t).join(" · ");
       cell(row, "refused", refused || DASH, "reason-cell");
-      const declined = obj(r.declined) ? countsText(r.declined) : isNum(r.declined) && r.declined > 0 ? String(r.declined) : "";
+      const devices = isNum(r.declined_devices) ? r.declined_devices : isNum(r.declined) ? r.declined : 0;
+      const declined = obj(r.declined) && countsText(r.declined) ? countsText(r.declined)
+        : devices > 0 ? `${devices} device${devices === 1 ? "" : "s"}` : "";
       cell(row, "declined", declined || DASH, "reason-cell");
       cell(row, "bytes", isNum(r.update_bytes_mean) && r.update_bytes_mean > 0 ? bytes(r.update_bytes_mean) : DASH, "num");
       cell(row, "seconds", isNum(r.duration_s) ? r.duration_s.toFixed(2) : DASH, "num");
@@ -831,17 +844,28 @@
     setText("updated", new Date().toLocaleTimeString());
   }
 
-  // The page's own liveness: "live" while the event stream is open; once it drops, the data on the
-  // page is marked stale with its age (and stays, so a finished job's last state remains readable).
+  // The page's own liveness: "live" while the event stream is open and the server answers a probe
+  // of /healthz every PROBE_S; once either fails, the data on the page is marked stale with its age
+  // (and stays, so a finished job's last state remains readable). Pushes come only on change, so
+  // the data is as old as the last moment the server was known to answer. window.edgeflProbeS
+  // (set by a test before the page loads) shortens the probe period.
+  const PROBE_S = Number(window.edgeflProbeS) > 0 ? Number(window.edgeflProbeS) : 10;
+  const SILENT_S = 2.5 * PROBE_S;
   let lastDataAt = null; // local s of the last document received
+  let lastAliveAt = null; // local s the server last answered (document, stream opened, probe)
   let streamOpen = false;
+
+  function alive() {
+    lastAliveAt = nowS();
+  }
 
   function setLive() {
     const live = document.getElementById("live");
     const note = document.getElementById("stale-note");
     const main = document.getElementById("main");
     const who = KIND === "device" ? "agent" : "coordinator";
-    if (streamOpen) {
+    const silent = lastAliveAt !== null && nowS() - lastAliveAt > SILENT_S;
+    if (streamOpen && !silent) {
       live.textContent = "live";
       live.className = "pill pill-ok";
       live.dataset.state = "live";
@@ -855,19 +879,34 @@
       live.dataset.state = "connecting";
       return;
     }
-    const age = nowS() - lastDataAt;
+    const age = nowS() - (lastAliveAt ?? lastDataAt);
     live.textContent = `stale · ${ago(age).replace(" ago", " old")}`;
     live.className = "pill pill-bad";
     live.dataset.state = "stale";
     note.hidden = false;
-    note.textContent = `the ${who} does not answer: what you see is from ${ago(age)} (${new Date(Date.now() - age * 1000).toLocaleTimeString("en-GB", { hour12: false })})`;
+    const at = new Date(Date.now() - age * 1000).toLocaleTimeString("en-GB", { hour12: false });
+    note.textContent = `the ${who} does not answer: what you see is from ${ago(age)} (${at})`;
     main.classList.add("stale");
+  }
+
+  async function probe() {
+    const abort = new AbortController();
+    const timer = setTimeout(() => abort.abort(), (PROBE_S * 1000) / 2);
+    try {
+      await fetch("/healthz", { cache: "no-store", signal: abort.signal });
+      alive(); // any answer (503 names a problem the status shows) means the server runs
+    } catch (err) {
+      // no answer in time: the data ages (setLive tells)
+    } finally {
+      clearTimeout(timer);
+    }
+    setLive();
   }
 
   async function loadStatus() {
     try {
       const r = await fetch("/api/status", { cache: "no-store" });
-      if (r.ok) { render(await r.json()); lastDataAt = nowS(); }
+      if (r.ok) { render(await r.json()); lastDataAt = nowS(); alive(); }
     } catch (err) {
       console.warn("edgefl: status unavailable", err);
     }
@@ -879,6 +918,7 @@
     const source = new EventSource("/api/events");
     source.onopen = () => {
       streamOpen = true;
+      alive();
       setLive();
       if (reloadHistory) {
         if (KIND === "device") loadHistory(); else { loadDeviceHistory(); loadRounds(); }
@@ -889,7 +929,9 @@
       try {
         render(JSON.parse(ev.data));
         lastDataAt = nowS();
-        if (!streamOpen) { streamOpen = true; setLive(); }
+        alive();
+        if (!streamOpen) streamOpen = true;
+        setLive();
       } catch (err) {
         console.warn("edgefl: bad event", err);
       }
@@ -898,6 +940,7 @@
       // EventSource reconnects by itself (retry: from the server) unless the server answered with
       // an error (503: too many streams, 401); then try again in a while. After a reconnect the
       // history is reloaded so the charts have no gap.
+      if (streamOpen) alive(); // the data was current until now
       streamOpen = false;
       setLive();
       reloadHistory = true;
@@ -911,7 +954,8 @@
   window.addEventListener("resize", () => {
     if (KIND === "device") drawRssChart(); else { drawAccuracyChart(); drawMemoryChart(); }
   });
-  setInterval(() => { if (!streamOpen) setLive(); }, 1000);
+  setInterval(setLive, 1000);
+  setInterval(() => { if (streamOpen) probe(); }, PROBE_S * 1000);
   if (KIND === "coordinator") {
     setInterval(tickDeadline, 500);
     setInterval(() => { if (streamOpen) drawMemoryChart(); }, 5000); // keeps the time axis moving
