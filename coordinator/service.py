@@ -777,8 +777,11 @@ class Coordinator:
         self._notify()
 
     def min_updates(self) -> int:
-        """The fewest updates the strategy aggregates (``robustness.tolerate`` sets it): a round opens only
-        once that many devices are ready, so a round is not asked of too few and then abandoned."""
+        """The fewest updates the strategy aggregates (``robustness.tolerate`` sets it).
+
+        A round opens only once that many devices are ready, so a round is not asked of too few and then
+        abandoned.
+        """
         return max(1, self.strategy.min_updates)
 
     def handle(self, msg: Message) -> None:
