@@ -222,17 +222,17 @@ class PersonalConfig:
         Ditto's proximal coefficient lambda, 0..1000 (0 = local training alone).
     epochs : int
         Passes over the store per round, 0..100; 0 = the round's ``local_epochs``.
-    lr : float
-        SGD learning rate, 0..10; 0 = the round's ``lr``.
+    lr_scale : float
+        The personal step's SGD learning rate as a multiple of the round's ``lr``, > 0 and <= 10.
 
     Source: Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through
     Personalization", ICML 2021. Defaults from ``python -m bench.personal`` (docs/benchmarks.md).
     """
 
     enabled: bool = True
-    prox_lambda: float = 0.5
+    prox_lambda: float = 0.1
     epochs: int = 0
-    lr: float = 0.0
+    lr_scale: float = 1.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -557,8 +557,8 @@ def _check_personal(p: Problems, c: PersonalConfig, raw: Mapping[str, object], c
         p.add("personal.prox_lambda", c.prox_lambda, "must be between 0 and 1000")
     if isinstance(c.epochs, bool) or not isinstance(c.epochs, int) or not 0 <= c.epochs <= 100:
         p.add("personal.epochs", c.epochs, "must be an integer between 0 and 100 (0: the round's)")
-    if not 0.0 <= c.lr <= 10.0:
-        p.add("personal.lr", c.lr, "must be between 0 and 10 (0: the round's)")
+    if not 0.0 < c.lr_scale <= 10.0:
+        p.add("personal.lr_scale", c.lr_scale, "must be > 0 and <= 10 (a multiple of the round's lr)")
 
 
 _CHECKS: dict[str, Check] = {

@@ -262,6 +262,33 @@ class Deferred:
     decline: str = Reason.OVER_BUDGET
 
 
+def personal_behind(only_global: int, only_personal: int) -> bool:
+    """Whether the personal head is behind the global one on the holdout by more than chance.
+
+    Only the samples the two heads disagree on tell them apart: ``only_global`` the global head gets
+    right and the personal one wrong, ``only_personal`` the reverse. The personal head is behind
+    when ``only_global - only_personal > sqrt(only_global + only_personal)``: more than one
+    standard deviation of that difference were both heads equally good (each disagreement a fair
+    coin). A holdout of a few samples thus needs two more wins of the global head than of the
+    personal one, not one, before predictions leave the personal head.
+
+    Parameters
+    ----------
+    only_global, only_personal : int >= 0
+        Holdout samples only the global (resp. only the personal) head classifies right.
+
+    Returns
+    -------
+    bool
+
+    Source: McNemar's statistic for paired proportions, ``(b - c) / sqrt(b + c)`` (Q. McNemar,
+    "Note on the sampling error of the difference between correlated proportions or
+    percentages", Psychometrika 12(2), 1947), at one standard deviation.
+    """
+    diff = only_global - only_personal
+    return diff > 0 and diff * diff > only_global + only_personal
+
+
 def holdout_capacity(store_capacity: int, every: int) -> int:
     """Samples the holdout store keeps: ``store_capacity // every``, at least 16 (0 when ``every`` is 0)."""
     return max(16, store_capacity // every) if every else 0
@@ -942,16 +969,20 @@ class DeviceCore:
             return None
         head = self.head
         personal = self.personal
-        correct = correct_p = total = 0
+        correct = correct_p = total = only_global = only_personal = 0
         for emb, lbl in self.holdout.chunks(256):
-            correct += int(np.sum(head.predict(emb) == lbl))
+            right = head.predict(emb) == lbl
+            correct += int(np.sum(right))
             if personal is not None:
-                correct_p += int(np.sum(personal.predict(emb) == lbl))
+                right_p = personal.predict(emb) == lbl
+                correct_p += int(np.sum(right_p))
+                only_global += int(np.sum(right & ~right_p))
+                only_personal += int(np.sum(right_p & ~right))
             total += len(lbl)
         self.evaluation = Evaluation(head.version, correct / total, total)
         if personal is not None:
             self.personal_evaluation = Evaluation(personal.version, correct_p / total, total)
-            behind = correct_p < correct
+            behind = personal_behind(only_global, only_personal)
             if behind != self.personal_fallback:
                 if behind:
                     logger.warning(
@@ -1517,12 +1548,13 @@ class DeviceCore:
         """The personal step of the last trained round: class-restricted Ditto steps, persisted, evaluated.
 
         Pulls the personal head (the global head's copy the first time) toward the current global
-        head with ``personal.prox_lambda`` over ``personal.epochs`` passes of the store (0: the round's
-        ``local_epochs``) at ``personal.lr`` (0: the round's), the columns of classes never labelled
-        here tied to the global head (:func:`edgefl.agent.trainer.train_personal`); phase
-        ``personal``, admitted by the governor as one head plus its gradient beside the chunk
-        buffers. Then the head is written (:data:`PERSONAL_FILE`) and both heads are evaluated on
-        the holdout (:meth:`evaluate`: a personal head behind the global one stops serving).
+        head with ``personal.prox_lambda`` over ``personal.epochs`` passes of the store (0: the
+        round's ``local_epochs``) at ``personal.lr_scale`` times the round's ``lr``, the columns of
+        classes never labelled here tied to the global head
+        (:func:`edgefl.agent.trainer.train_personal`); phase ``personal``, admitted by the governor
+        as one head plus its gradient beside the chunk buffers. Then the head is written
+        (:data:`PERSONAL_FILE`) and both heads are evaluated on the holdout (:meth:`evaluate`: a
+        personal head behind the global one stops serving, :func:`personal_behind`).
         The update of the round is already kept: nothing here changes what is sent.
 
         Returns
@@ -1562,7 +1594,7 @@ class DeviceCore:
                 self.personal_columns.copy(),
                 lam=cfg.prox_lambda,
                 epochs=cfg.epochs or ann.local_epochs,
-                lr=cfg.lr or ann.lr,
+                lr=cfg.lr_scale * ann.lr,
                 batch_size=ann.batch_size,
                 chunk_size=adm.work,
                 seed=tcfg.seed + ann.round + PERSONAL_SEED_OFFSET,

@@ -8,7 +8,7 @@ Three sets whose clients are real people, each turned by :func:`main` (``--build
 - ``client`` int64 [N]: the person (0-based);
 - ``session`` int64 [N]: the recording session of that person (HAPT: 0/1; otherwise 0);
 - ``bout`` int64 [N]: a contiguous stretch of one activity (HAPT) or the repetition index (vowels);
-- ``builder`` int64 [M]: the clients set aside for the model builder (``models/build.py`` trains the
+- ``builder`` int64 [M]: the clients set aside for the model builder (``tools/build_models.py`` trains the
   backbone on them); the benchmark's devices are the other clients, never these.
 
 Sets

@@ -1,7 +1,7 @@
 """Personal heads on natural-client data: local-only, FedAvg and the device's personal head, per device.
 
 Each device is the shipped device core (:class:`edgefl.agent.core.DeviceCore`, opened from a profile
-with the set's LiteRT backbone ``models/natural_*_float32.tflite``): its training samples go through
+with the set's LiteRT backbone ``models/natural/natural_*_float32.tflite``): its training samples go through
 ``observe`` (LiteRT embedding, store and holdout), every round's announcement through
 ``receive_round`` (local training, encoding, outbox) and every global head through
 ``receive_global``; the personal step is ``DeviceCore.personalise``. The coordinator's side is the
@@ -13,7 +13,12 @@ Local-only: a head trained on the device's stored samples alone (``fit_head``, a
 the federated runs' rounds x local epochs), from the backbone's factory head.
 
 Accuracy is per device on its own test samples (never stored); ``worst_decile`` is the mean of the
-worst tenth of devices (at least one).
+worst tenth of devices (at least one); each setting's figures are the averages over ``--seeds`` runs
+(3: training shuffles and, for ``half``, the classes kept). ``extra_bytes_per_round`` compares every
+Update of the two runs, byte for byte but for its training time and peak RSS (the figures two runs
+never share); ``extra_ram_bytes_per_device`` is the personal head a device keeps plus the gradient its
+step allocates (the class mask adds K bytes); ``personal_pass_ratio`` is the personal steps' time over
+the local training's, summed over every device and round.
 
 Settings: HAPT split by session (train on the first, test on the second) and by bout (a user's
 bouts of each activity alternate between train and test), all labels and half of the classes
@@ -82,8 +87,8 @@ logger = logging.getLogger(__name__)
 
 
 def model_path(name: str) -> Path:
-    """The set's backbone (``models/build.py --only natural``)."""
-    return ROOT / "models" / f"natural_{name.replace('-', '_')}_float32.tflite"
+    """The set's backbone (``tools/build_models.py --only natural``)."""
+    return ROOT / "models" / "natural" / f"natural_{name.replace('-', '_')}_float32.tflite"
 
 
 @dataclass
@@ -170,8 +175,10 @@ class RunResult:
     fallbacks: int = 0
 
 
-def run_federated(dataset: str, devs: Sequence[DeviceData], seed: int, personal: bool) -> RunResult:
-    """``ROUNDS`` synchronous FedAvg rounds over the devices' cores; accuracy of what serves at the end."""
+def run_federated(
+    dataset: str, devs: Sequence[DeviceData], seed: int, rounds: int, personal: bool
+) -> RunResult:
+    """``rounds`` synchronous FedAvg rounds over the devices' cores; accuracy of what serves at the end."""
     gov = memory.Governor(4096 << 20, 0, 0)
     strategy = FedAvg(local_epochs=LOCAL_EPOCHS, lr=LR, batch_size=BATCH, min_clients=1, deadline_s=3600)
     out = RunResult([], [])
@@ -187,7 +194,7 @@ def run_federated(dataset: str, devs: Sequence[DeviceData], seed: int, personal:
             cores.append(core)
         W, b = cores[0].head.W.copy(), cores[0].head.b.copy()
         sha = cores[0].model_sha256
-        for r in range(1, ROUNDS + 1):
+        for r in range(1, rounds + 1):
             cfg = strategy.configure_round(r, (int(W.shape[0]), int(W.shape[1])))
             ann = RoundAnnouncement(
                 round=r,
@@ -241,7 +248,7 @@ def run_federated(dataset: str, devs: Sequence[DeviceData], seed: int, personal:
     return out
 
 
-def run_local_only(dataset: str, devs: Sequence[DeviceData], seed: int) -> list[float]:
+def run_local_only(dataset: str, devs: Sequence[DeviceData], seed: int, rounds: int) -> list[float]:
     """Each device alone: a head fitted on its stored samples' embeddings, from the factory head."""
     accs = []
     with tempfile.TemporaryDirectory(dir=STATE_ROOT) as tmp:
@@ -255,7 +262,7 @@ def run_local_only(dataset: str, devs: Sequence[DeviceData], seed: int) -> list[
             parts = list(core.store.chunks(4096))
             emb = np.concatenate([p[0] for p in parts])
             lbl = np.concatenate([p[1] for p in parts])
-            epochs = ROUNDS * LOCAL_EPOCHS
+            epochs = rounds * LOCAL_EPOCHS
             W, b = fit_head(core.head.W, core.head.b, emb, lbl, epochs=epochs, lr=LR, batch_size=BATCH)
             test_emb = core.classify(d.x_test).embeddings
             accs.append(float(np.mean(np.argmax(test_emb @ W + b, axis=1) == d.y_test)))
@@ -269,40 +276,55 @@ def summary(accs: Sequence[float]) -> dict[str, float]:
     return {"mean": round(float(a.mean()), 4), "worst_decile": round(float(a[:k].mean()), 4)}
 
 
-def run(seed: int = 0, settings: Sequence[tuple[str, str, str]] = SETTINGS) -> dict[str, Any]:
-    """Every setting once; the result document of ``--json``."""
+def _mean_summary(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The seeds' ``{"mean", "worst_decile"}`` averaged key by key."""
+    return {k: round(float(np.mean([p[k] for p in parts])), 4) for k in ("mean", "worst_decile")}
+
+
+def run(
+    seeds: Sequence[int] = (0, 1, 2),
+    settings: Sequence[tuple[str, str, str]] = SETTINGS,
+    rounds: int = ROUNDS,
+) -> dict[str, Any]:
+    """Every setting under each seed (training shuffles and, for ``half``, the labelled classes).
+
+    A setting's ``mean`` and ``worst_decile`` are the averages over the seeds of each run's figures
+    (one seed's devices number a few dozen at most: a run's worst decile is two or three devices).
+    """
     rows = []
     extra_bytes = 0
     mismatched = 0
-    rounds = 0
+    total_rounds = 0
     train_s = personal_s = 0.0
     extra_ram = 0
     for dataset, how, labels in settings:
         ds = load_natural(dataset)
-        devs = split(ds, how, labels, seed)
-        off = run_federated(dataset, devs, seed, personal=False)
-        on = run_federated(dataset, devs, seed, personal=True)
-        local = run_local_only(dataset, devs, seed)
-        extra_bytes += sum(on.update_bytes) - sum(off.update_bytes)
-        mismatched += sum(a != b for a, b in zip(on.payloads, off.payloads, strict=True))
-        rounds += ROUNDS
-        train_s += on.train_s
-        personal_s += on.personal_s
-        extra_ram = max(extra_ram, on.extra_ram_bytes)
-        row = {
-            "dataset": dataset,
-            "split": how,
-            "labels": labels,
-            "devices": len(devs),
-            "local_only": summary(local),
-            "fedavg": summary(off.accuracy),
-            "personal": summary(on.accuracy),
-        }
-        print(json.dumps(row), f"fallbacks {on.fallbacks}, updates differing {mismatched}", flush=True)
+        parts: dict[str, list[dict[str, float]]] = {"local_only": [], "fedavg": [], "personal": []}
+        fallbacks = 0
+        n_devices = 0
+        for seed in seeds:
+            devs = split(ds, how, labels, seed)
+            n_devices = len(devs)
+            off = run_federated(dataset, devs, seed, rounds, personal=False)
+            on = run_federated(dataset, devs, seed, rounds, personal=True)
+            local = run_local_only(dataset, devs, seed, rounds)
+            extra_bytes += sum(on.update_bytes) - sum(off.update_bytes)
+            mismatched += sum(a != b for a, b in zip(on.payloads, off.payloads, strict=True))
+            total_rounds += rounds
+            train_s += on.train_s
+            personal_s += on.personal_s
+            extra_ram = max(extra_ram, on.extra_ram_bytes)
+            fallbacks += on.fallbacks
+            parts["local_only"].append(summary(local))
+            parts["fedavg"].append(summary(off.accuracy))
+            parts["personal"].append(summary(on.accuracy))
+        row: dict[str, Any] = {"dataset": dataset, "split": how, "labels": labels, "devices": n_devices}
+        row.update({k: _mean_summary(v) for k, v in parts.items()})
+        print(json.dumps(row), f"fallbacks {fallbacks}, updates differing {mismatched}", flush=True)
         rows.append(row)
     return {
         "settings": rows,
-        "extra_bytes_per_round": extra_bytes / max(rounds, 1),
+        "extra_bytes_per_round": extra_bytes / max(total_rounds, 1),
         "extra_ram_bytes_per_device": extra_ram,
         "personal_pass_ratio": round(personal_s / train_s, 3) if train_s > 0 else None,
     }
@@ -312,7 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; ``--json PATH`` writes the result document."""
     ap = argparse.ArgumentParser(prog="python -m bench.personal", description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, help="write the result here")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, default=3, help="runs per setting (seeds 0..N-1), averaged")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"federated rounds (default {ROUNDS})")
     ap.add_argument(
         "--set",
         action="append",
@@ -327,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"--set {item}: only personal.* keys")
         PERSONAL_OVERRIDES[key] = value
     logging.basicConfig(level=logging.ERROR)
-    result = run(args.seed)
+    result = run(tuple(range(args.seeds)), rounds=args.rounds)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -39,18 +39,20 @@ from edgefl.coordinator.rounds import (
     replace_min_devices,
 )
 from edgefl.coordinator.strategy import Offer, RoundConfig, Schedule, Strategy, aggregate_checked
-from edgefl.errors import DecodeError, TransportError, UpdateRejected
+from edgefl.errors import TransportError, UpdateRejected
 from edgefl.head import validate_head
 from edgefl.records import read_record, write_record
 from edgefl.topics import Topics
 from edgefl.transport import Message, MqttTransport
 from edgefl.types import F32
-from edgefl.wire.cbor import Limits, MessageType, prescan
+from edgefl.wire.cbor import prescan
 from edgefl.wire.chunking import Reassembler, is_chunk, split_message
-from edgefl.wire.compression import Compression
-from edgefl.wire.messages import (
+from edgefl.wire.codec import (
+    Compression,
+    DecodeError,
     GlobalModel,
-    HeadLayout,
+    Limits,
+    MessageType,
     RoundAnnouncement,
     Update,
     decode_decline,
@@ -61,6 +63,7 @@ from edgefl.wire.messages import (
     encode_global_model,
     encode_round,
 )
+from edgefl.wire.messages import HeadLayout
 from edgefl.wire.presence import read_new_samples
 from edgefl.wire.signing import SigningKey, VerifyKey, sign_message, verify_payload
 
@@ -779,8 +782,7 @@ class Coordinator:
     def min_updates(self) -> int:
         """The fewest updates the strategy aggregates (``robustness.tolerate`` sets it).
 
-        A round opens only once that many devices are ready, so a round is not asked of too few and then
-        abandoned.
+        A round opens only once that many devices are ready, so it is not asked of too few and abandoned.
         """
         return max(1, self.strategy.min_updates)
 

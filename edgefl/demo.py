@@ -80,6 +80,25 @@ HEAD_ACCURACY_KEYS = ("personal_accuracy", "global_accuracy")
 """The agents' accuracies of their two heads on their holdout (status fields, ``--json`` keys)."""
 
 
+async def _wait_head_accuracies(
+    devices: Mapping[str, Mapping[str, Any]], names: list[str], version: int, timeout_s: float
+) -> None:
+    """Wait (at most ``timeout_s``) until each device's latest status evaluates both heads on ``version``.
+
+    The statuses say ``personal_accuracy`` and ``global_accuracy`` with the global head ``version``
+    they hold; a device without a holdout never does, so the wait is bounded (no error).
+    """
+    loop = asyncio.get_running_loop()
+    until = loop.time() + timeout_s
+
+    def done(name: str) -> bool:
+        st = devices.get(name, {})
+        return st.get("version") == version and _accuracy(st.get("personal_accuracy")) is not None
+
+    while loop.time() < until and not all(done(n) for n in names):
+        await asyncio.sleep(0.1)
+
+
 def _accuracy(value: object) -> float | None:
     """A status accuracy as a float (None when absent or not a number)."""
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
@@ -273,6 +292,13 @@ async def _run(opts: DemoOptions) -> int:
                     if rec.clients == 0:
                         rc = 1
                 await asyncio.sleep(0.5)  # let the agents apply the last global head
+                # their statuses carry both heads' holdout accuracy on the last head (status.interval_s)
+                await _wait_head_accuracies(
+                    coord.state.devices,
+                    [f"dev-{k + 1}" for k in range(len(procs))],
+                    coord.state.version,
+                    2 * profile.status.interval_s + 1.0,
+                )
                 coord.finished = True  # the fleet page says so (while --hold keeps it up)
                 board.notify()
                 if opts.hold_s > 0:

@@ -24,8 +24,9 @@ from conftest import (
     wait_until,
 )
 
+from edgefl.agent import memory
 from edgefl.agent.config import parse_profile
-from edgefl.agent.core import PERSONAL_FILE, DeviceCore, RoundStatus
+from edgefl.agent.core import PERSONAL_FILE, DeviceCore, RoundStatus, personal_behind
 from edgefl.agent.pipeline import Pipeline
 from edgefl.agent.store import EmbeddingStore
 from edgefl.agent.trainer import train_personal
@@ -133,7 +134,7 @@ def test_personal_prediction_head_key_round_trip_and_refusal() -> None:
 def test_personal_config_table_and_errors(tmp_path: Path) -> None:
     base = {"device": {"id": "d"}, "model": {"path": str(RAWIN_MODEL)}}
     p = parse_profile(base, tmp_path).personal
-    assert (p.enabled, p.prox_lambda, p.epochs, p.lr) == (True, 0.5, 0, 0.0)
+    assert (p.enabled, p.prox_lambda, p.epochs, p.lr_scale) == (True, 0.1, 0, 1.2)
     with pytest.raises(ConfigError) as exc:
         parse_profile({**base, "personal": {"prox_lambda": -1.0, "epochs": 101, "bogus": 1}}, tmp_path)
     text = str(exc.value)
@@ -433,3 +434,27 @@ def test_personal_heads_fleet_summary_mean_and_worst_decile() -> None:
     assert s["personal_worst_decile"] == pytest.approx(0.525)  # the worst 2 of 11: 0.5 and 0.55
     assert s["global_mean"] == pytest.approx(0.6) and s["global_worst_decile"] == pytest.approx(0.6)
     assert personal_heads_summary({"old": devices["old"]}) is None
+
+
+def test_personal_behind_needs_more_than_chance() -> None:
+    """Only the disagreements count: the global head must win by more than sqrt(disagreements)."""
+    assert not personal_behind(0, 0)
+    assert not personal_behind(1, 0)  # one sample: 1 > sqrt(1) is false
+    assert personal_behind(2, 0)  # 2 > sqrt(2)
+    assert not personal_behind(3, 1)  # 2 > sqrt(4) is false
+    assert personal_behind(5, 1)  # 4 > sqrt(6)
+    assert not personal_behind(1, 5)
+
+
+def test_personal_step_admitted_by_the_governor(tmp_path: Path) -> None:
+    """Over budget (a 1 MiB cap), the personal step is deferred, counted and the head left as it was."""
+    x, y = load_digits()
+    core = _core(tmp_path, True)
+    core.observe(x[:64], y[:64])
+    ann = RoundAnnouncement(1, 0, 60.0, 1, 0.05, 16, 1, 1.0, Compression.NONE)
+    assert core.receive_round(encode_round(ann)).status == RoundStatus.TRAINED and core.personal_due
+    core.governor = memory.Governor(1 << 20, 0, 0)
+    assert core.personalise() is None
+    assert core.personal_deferred == 1 and core.personal is None and not core.personal_due
+    assert core.governor.deferrals == {"personal": 1}
+    assert not (tmp_path / PERSONAL_FILE).exists()

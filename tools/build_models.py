@@ -784,6 +784,7 @@ def _write_raw_input(out: Path, frozen: Any, representative: F32, int8_name: str
 
 
 def _write(path: Path, blob: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(blob)
     print(f"wrote {path} ({len(blob)} bytes)")
 
@@ -1056,8 +1057,8 @@ NATURAL_EPOCHS = 300
 
 
 def natural_model_path(out: Path, name: str) -> Path:
-    """``<out>/natural_<name with _>_float32.tflite``: the backbone of one natural-client set."""
-    return out / f"natural_{name.replace('-', '_')}_float32.tflite"
+    """``<out>/natural/natural_<name>_float32.tflite``: a natural-client set's backbone (not shipped)."""
+    return out / "natural" / f"natural_{name.replace('-', '_')}_float32.tflite"
 
 
 def build_natural(out: Path, seed: int) -> None:
