@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import INT8_MODEL, MODELS, Broker, start_replay_agent
-from test_fleet import run_coordinator
 from test_modelfile import _without_embedding_output
+from test_runner import run_coordinator
 
 from edgefl import modelfile
 from edgefl.cli import main
