@@ -54,7 +54,7 @@ from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
-from edgefl.wire.codec import Compression
+from edgefl.wire.compression import Compression
 from edgefl.wire.messages import HeadLayout
 from edgefl.wire.signing import load_signing_key, load_verify_key, load_verify_keys
 

@@ -41,20 +41,18 @@ from edgefl.coordinator.rounds import (
     replace_min_devices,
 )
 from edgefl.coordinator.strategy import Offer, RoundConfig, Schedule, Strategy, aggregate_checked
-from edgefl.errors import TransportError, UpdateRejected
+from edgefl.errors import DecodeError, TransportError, UpdateRejected
 from edgefl.head import validate_head
 from edgefl.records import read_record, write_record
 from edgefl.topics import Topics
 from edgefl.transport import Message, MqttTransport
 from edgefl.types import F32
-from edgefl.wire.cbor import prescan
+from edgefl.wire.cbor import Limits, MessageType, prescan
 from edgefl.wire.chunking import Reassembler, is_chunk, split_message
-from edgefl.wire.codec import (
-    Compression,
-    DecodeError,
+from edgefl.wire.compression import Compression
+from edgefl.wire.messages import (
     GlobalModel,
-    Limits,
-    MessageType,
+    HeadLayout,
     RoundAnnouncement,
     Update,
     decode_decline,
@@ -65,7 +63,6 @@ from edgefl.wire.codec import (
     encode_global_model,
     encode_round,
 )
-from edgefl.wire.messages import HeadLayout
 from edgefl.wire.presence import read_new_samples
 from edgefl.wire.signing import SigningKey, VerifyKey, sign_message, verify_payload
 

@@ -23,7 +23,7 @@ from edgefl.errors import UpdateRejected
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import GlobalModel, Update, UpdateMetrics, decode_global_model, encode_update
+from edgefl.wire.messages import GlobalModel, Update, UpdateMetrics, decode_global_model, encode_update
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -32,6 +32,8 @@ from cross_build.lock import LockEntry
 from cross_build.targets import WheelhouseError
 
 ROOT = Path(__file__).resolve().parents[1]
+# the wheelhouse builds pip-wheel the checkout in its source tree: with test_packaging, on one worker
+pytestmark = pytest.mark.xdist_group("wheel")
 
 # The Debian 12 (CPython 3.11) flavours; the Python-specific tests name their Python.
 AARCH64 = wh_targets.target_for("aarch64", "3.11")

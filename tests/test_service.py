@@ -29,10 +29,10 @@ from edgefl.coordinator.runner import pacing_for
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits
-from edgefl.demo import stop_agents
+from edgefl.launcher import stop_agents
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import DeviceStatus, encode_status
+from edgefl.wire.messages import DeviceStatus, encode_status
 
 pytestmark = pytest.mark.timeout(300)
 
