@@ -369,8 +369,12 @@ def check_model_fits(profile: Profile, backbone: Backbone) -> None:
         )
     src = profile.source
     if src.kind == "replay" and src.path is not None:
-        with np.load(src.path) as data:
-            shape = tuple(int(d) for d in data["x"].shape[1:])
+        try:  # the header only: the samples are loaded once admitted (the daemon's replay)
+            shape = memory.npz_headers(src.path)["x"][0][1:]
+        except (KeyError, ValueError) as exc:
+            raise ModelError(
+                str(profile.model.path), f"source.path {src.path}: no sample array x ({exc})"
+            ) from exc
         if shape != backbone.sample_shape:
             raise ModelError(
                 str(profile.model.path),
@@ -1130,6 +1134,7 @@ class DeviceCore:
             classes=K,
             batch_size=ann.batch_size,
             num_examples=len(self.store),
+            resident_rows=self.store.resident_rows,
         )
         if adm.deferred:
             return self._defer(ann, adm.reason)

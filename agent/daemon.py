@@ -243,6 +243,13 @@ class Agent:
             return
         if src.kind != "replay" or src.path is None:
             return
+        # admitted before it is loaded (it cannot wait: it may use the reserve, never the cap)
+        need = memory.estimate_replay_bytes(src.path)
+        adm = self.core.governor.admit("replay", lambda _: need, 1, 1, deferrable=False)
+        if adm.deferred:
+            why = BudgetExceeded("replay", adm.estimate_bytes, max(0, adm.budget_bytes))
+            self._fault("replay", f"loading {src.path}", why)
+            return
         with np.load(src.path) as data:
             x = np.asarray(data["x"])
             y = np.asarray(data["y"]).astype(np.int64)
@@ -1055,6 +1062,7 @@ class Agent:
                     ) from exc
                 stack.push_async_callback(self.status_page.stop)
                 logger.info("dashboard on %s", self.dashboard_url)
+            memory.malloc_trim()  # start-up's freed heap (imports, model, page) back to the kernel
             # The round first: its retained announcement (signed: its base version is the rollback
             # floor) reaches the core before any retained head, so a device without a head never
             # applies one older than the fleet's current version (an old signed head replayed on

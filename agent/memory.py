@@ -25,6 +25,7 @@ import math
 import os
 import threading
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, fields
@@ -427,6 +428,10 @@ _DEFLATE_STATE_BYTES = 256 << 10
 # The first run of a phase faults in the code pages of the library paths it uses (numpy's sort and
 # BLAS kernels, LiteRT's kernels for a new shape): measured 1.5 MiB of RssFile for training.
 FIRST_RUN_BYTES = 2 << 20
+# Training's own first-run allowance, measured (tests/test_memory_estimates.py): the first
+# train_local in an agent that has run inference maps in numpy's BLAS and sort code, +0.9-1.0 MiB of
+# RssFile on x86-64 (digits int8, MobileNet int8 and float32 backbones alike), and little heap.
+TRAIN_FIRST_RUN_BYTES = 896 << 10
 
 
 def estimate_batch_bytes(shapes: ModelShapes, batch: int, *, fused: bool = False) -> int:
@@ -490,18 +495,26 @@ def estimate_inference_bytes(
 
 
 def estimate_train_bytes(
-    chunk: int, dim: int, classes: int, batch_size: int, num_examples: int, *, first_run: bool = True
+    chunk: int,
+    dim: int,
+    classes: int,
+    batch_size: int,
+    num_examples: int,
+    *,
+    first_run: bool = True,
+    resident_rows: int = 0,
 ) -> int:
     """Bytes ``edgefl.agent.trainer.train_local`` may add to RSS with a given chunk size.
 
-    Terms: the one float32 chunk buffer the trainer reuses, the float16 gather it is read from, the
-    labels (int64 buffer, int16 gather) and the chunk's slot order and shuffle (int64 each;
-    the trainer no longer allocates a chunk per read); one SGD batch (its embeddings, logits and
-    softmax); about six
-    ``[D, K]`` float32 arrays (working copy, gradient, proximal term, delta, final head); the
-    per-epoch permutation of ``num_examples`` (``Shuffler``: uint64 keys, a temporary, the int64
-    order); and the store's mapped pages, which become resident as they are read (file-backed,
-    counted as RSS, reclaimable).
+    Terms, each checked against what a run adds (``tests/test_memory_estimates.py``, real LiteRT
+    backbones, 25 %): the one float32 chunk buffer the trainer reuses, the float16 gather it is read
+    from, the labels (int64 buffer, int16 gather) and the chunk's slot order and shuffle (int64
+    each); four ``[D, K]`` float32 arrays alive at the peak (working copy, gradient, delta, final
+    head; the batch's own arrays are ``[batch, K]`` and come out of freed heap); the per-epoch
+    permutation of ``num_examples`` (``Shuffler``: uint64 keys, a temporary, the int64 order); the
+    store's mapped pages of the samples this process has not touched yet (they become resident as
+    they are read: file-backed, counted as RSS, reclaimable); and on the first run the code pages
+    training maps in (:data:`TRAIN_FIRST_RUN_BYTES`, measured).
 
     Parameters
     ----------
@@ -514,7 +527,10 @@ def estimate_train_bytes(
     num_examples : int
         Samples in the store.
     first_run : bool
-        Add :data:`FIRST_RUN_BYTES` for code pages faulted in by the first call.
+        Add :data:`TRAIN_FIRST_RUN_BYTES` for code pages faulted in by the first call.
+    resident_rows : int
+        Stored samples whose pages this process already has mapped
+        (``EmbeddingStore.resident_rows``: the samples it stored or read); 0 counts every one.
 
     Returns
     -------
@@ -523,12 +539,11 @@ def estimate_train_bytes(
     """
     chunk = min(chunk, max(1, num_examples))
     chunk_bytes = chunk * (dim * (4 + 2) + 8 + 2 + 8 + 8)
-    step_bytes = min(batch_size, chunk) * (dim * 4 + classes * 4 * 4)
-    head_bytes = 6 * (dim * classes + classes) * 4
+    head_bytes = 4 * (dim * classes + classes) * 4
     order_bytes = num_examples * 8 * 3
-    mapped = num_examples * (2 * dim + 2)
-    first = FIRST_RUN_BYTES if first_run else 0
-    return chunk_bytes + step_bytes + head_bytes + order_bytes + mapped + _FIXED_BYTES + first
+    mapped = max(0, num_examples - max(0, resident_rows)) * (2 * dim + 2)
+    first = TRAIN_FIRST_RUN_BYTES if first_run else 0
+    return chunk_bytes + head_bytes + order_bytes + mapped + first
 
 
 def personal_head_bytes(dim: int, classes: int) -> int:
@@ -622,6 +637,71 @@ def estimate_apply_bytes(dim: int, classes: int) -> int:
     head and the ``.npz`` written to the state directory.
     """
     return 6 * (dim * classes + classes) * 4 + _FIXED_BYTES
+
+
+_NPY_READ_CHUNK_BYTES = 1 << 18  # numpy.lib.format.read_array's buffer when reading from a zip member
+
+
+def npz_headers(path: Path | str) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
+    """Shape and dtype of every array of an ``.npz`` file, read from the headers only (no data).
+
+    Parameters
+    ----------
+    path : Path or str
+        An ``.npz`` written by ``numpy.savez`` / ``savez_compressed``.
+
+    Returns
+    -------
+    dict
+        Array name (``"x"``, ``"y"``...) → (shape, dtype).
+
+    Raises
+    ------
+    ValueError
+        Not a zip of ``.npy`` members, or a header numpy cannot read (named in the message).
+    OSError
+        The file cannot be read.
+
+    Source: the NPY format (``numpy.lib.format``: magic string, version, header dict).
+    """
+    out: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
+    fmt = np.lib.format
+    try:
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                with zf.open(info) as fh:
+                    version = fmt.read_magic(fh)
+                    if version == (1, 0):
+                        shape, _, dtype = fmt.read_array_header_1_0(fh)
+                    elif version == (2, 0):
+                        shape, _, dtype = fmt.read_array_header_2_0(fh)
+                    else:
+                        raise ValueError(f"{info.filename}: NPY version {version} not read")
+                out[info.filename[: -len(".npy")]] = (tuple(int(d) for d in shape), np.dtype(dtype))
+    except zipfile.BadZipFile as exc:
+        raise ValueError(f"{path}: not an .npz file ({exc})") from exc
+    return out
+
+
+def estimate_replay_bytes(path: Path | str) -> int:
+    """Bytes loading a replay file (``source.path``: ``x`` samples, ``y`` labels) adds to RSS.
+
+    Every array of the file as loaded (``numpy.load`` reads a member into a new array through a
+    256 KiB buffer), plus the labels' int64 copy the daemon makes; computed from the headers
+    (:func:`npz_headers`), before anything is loaded.
+
+    Raises
+    ------
+    ValueError, OSError
+        As :func:`npz_headers`.
+    """
+    arrays = npz_headers(path)
+    total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in arrays.values())
+    if "y" in arrays:
+        total += math.prod(arrays["y"][0]) * 8
+    return total + _NPY_READ_CHUNK_BYTES + _FIXED_BYTES
 
 
 # --- the governor -------------------------------------------------------------------------------
@@ -972,16 +1052,28 @@ class Governor:
         return self.admit("inference", need, batch, 1)
 
     def admit_train(
-        self, chunk: int, floor: int, *, dim: int, classes: int, batch_size: int, num_examples: int
+        self,
+        chunk: int,
+        floor: int,
+        *,
+        dim: int,
+        classes: int,
+        batch_size: int,
+        num_examples: int,
+        resident_rows: int = 0,
     ) -> Admission:
-        """Admit local training with ``chunk`` samples per store chunk (halved down to ``floor``)."""
+        """Admit local training with ``chunk`` samples per store chunk (halved down to ``floor``).
+
+        ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
+        """
         first = self.phase_counts.get("train", 0) == 0
-        return self.admit(
-            "train",
-            lambda n: estimate_train_bytes(n, dim, classes, batch_size, num_examples, first_run=first),
-            chunk,
-            floor,
-        )
+
+        def need(n: int) -> int:
+            return estimate_train_bytes(
+                n, dim, classes, batch_size, num_examples, first_run=first, resident_rows=resident_rows
+            )
+
+        return self.admit("train", need, chunk, floor)
 
     def admit_personal(
         self, chunk: int, floor: int, *, dim: int, classes: int, batch_size: int, num_examples: int

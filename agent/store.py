@@ -248,6 +248,9 @@ class EmbeddingStore:
         self._emb_bits: np.ndarray = np.asarray(self._emb).view(np.int16)
         self._lbl_raw: np.ndarray = np.asarray(self._lbl)
         self._rows_raw: np.ndarray = np.asarray(self._rows)
+        # slots this process wrote or read through the maps since they were made: their pages are
+        # resident (counted in RSS); the others become resident when read (see resident_rows)
+        self._touched = np.zeros(cap, dtype=bool)
 
     def _unmap(self) -> None:
         """Drop the maps (before their files are renamed)."""
@@ -457,6 +460,18 @@ class EmbeddingStore:
         return self._count
 
     @property
+    def resident_rows(self) -> int:
+        """Stored slots this process has written or read through the maps since it opened them.
+
+        Their pages are mapped in (part of RSS, file-backed); reading the other slots maps theirs in
+        (a store reopened after a restart). The memory governor counts only those as new memory for
+        a phase that reads the store (``edgefl.agent.memory.estimate_train_bytes``). The kernel may
+        drop clean mapped pages under pressure: RSS then falls, and reading them again only brings
+        it back.
+        """
+        return int(np.count_nonzero(self._touched))
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the backing files (embeddings, labels and row records)."""
         return self.capacity * (2 * self.dim + 2 + 16)
@@ -516,6 +531,7 @@ class EmbeddingStore:
             slot = self._head
             self._rows_raw[slot, 0] = 0  # the slot's old sample is gone from here on
             self._emb[slot] = emb16[i]
+            self._touched[slot] = True
             self._lbl[slot] = labels[i]
             self._write_row(slot, self._total)
             self._total += 1
@@ -577,6 +593,7 @@ class EmbeddingStore:
                 f"store.read: {m} rows into emb {emb_out.shape} and labels {lbl_out.shape}, D = {self.dim}"
             )
         slots = self._slots(rows)
+        self._touched[slots] = True
         half_bits_to_float32(self._emb_bits[slots], emb_out)
         np.copyto(lbl_out, self._lbl_raw[slots], casting="unsafe")
 

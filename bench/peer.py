@@ -12,19 +12,28 @@ leaves it off).
 - **edgefl**: a real mosquitto (``bench.round_overhead.mosquitto``), 2 real agent processes
   (``edgefl run firmware_configs/dev_x86.toml`` with the gateway profiles' ``status.heartbeat_s = 60``:
   replay -> LiteRT -> store -> head training -> CBOR update, QoS 1) and the real coordinator
-  (``Coordinator.run_round``) in this process, connected to the broker directly. Variants: uplink
-  ``none``/``int8``/``topk-int8`` with the downlink ``float32``/``int8``/``int8``; the int8 variant
-  also with mosquitto's ``set_tcp_nodelay true``; the int8 variant runs with the agents' dashboards on.
+  (``Coordinator.run_round``) in this process, connected to the broker directly. Variants
+  (:data:`VARIANTS`): ``int8`` as shipped (int8 both ways, mosquitto's defaults, the agents'
+  dashboards on) and four that each change one thing of it: ``float32`` and
+  ``topk_int8`` (the wire), ``int8_nodelay`` (mosquitto's ``set_tcp_nodelay true``),
+  ``int8_no_dashboard`` (the dashboards off).
 - **Flower**: the legacy gRPC ``start_server`` (FedAvg) and 2 ``start_client`` NumPyClients
   (``bench/peer_flower.py``), run with the python of Flower's own venv (``--flower-venv``, created
   with ``flwr==1.42.0`` and numpy when absent; the only network use is that pip install), training
   on the embeddings edgefl's backbone gives for the same shards.
 
-Figures: bytes (up + down) per client per round over rounds 1..5, and for edgefl the same bytes by MQTT
+Figures (both systems alike: the same interpreter flags, -OO unless ``--plain``, the same glibc malloc
+settings, bytecode compiled for those flags and every file read once before the first run): bytes
+(up + down) per client per round over rounds 1..5, and for edgefl the same bytes by MQTT
 packet kind (PUBLISH per topic kind, PUBACK, PINGREQ...: :class:`MqttSplitter` in the proxy); round
 start -> aggregation (edgefl: ``run_round`` begins -> ``publish_global`` called; Flower:
-``configure_fit`` -> ``aggregate_fit`` returned), median of rounds 2..5; peak RSS (VmHWM) of each
-client process; final test accuracy.
+``configure_fit`` -> ``aggregate_fit`` returned), median of rounds 2..5; ``cycle_ms``: one round's
+start to the next round's start (edgefl's new head encoded and published included, as Flower's model
+goes out inside its round), median of rounds 2..4; ``cpu_ms_per_round_device`` (each client process,
+every thread) and ``cpu_ms_per_round_server`` (edgefl: the coordinator, in this process, plus mosquitto;
+Flower: its server process) over the same start-to-start cycles; peak RSS (VmHWM) of each client
+process; final test accuracy. Ratios: ``peak_rss_like_for_like_d512`` against ``int8_no_dashboard``
+(no page, as Flower's client has none), the others against ``int8``.
 With ``--repeats N`` every figure is the median over the N alternating repeats.
 
 Run: ``.venv/bin/python -m bench.peer --json PATH`` writes ``{"ratios": {METRIC: edgefl/Flower},
@@ -60,6 +69,7 @@ from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import make_strategy
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy, embed_all
+from edgefl.launcher import MALLOC_ENV as DEMO_MALLOC_ENV
 from edgefl.launcher import free_port, launch_agent, stop_agents
 from edgefl.resources import shipped
 from edgefl.runtime import Backbone
@@ -86,11 +96,20 @@ class Variant:
 
 
 VARIANTS = (
-    Variant("float32", Compression.NONE, HeadLayout.FLOAT32, False, False),
     Variant("int8", Compression.INT8, HeadLayout.INT8, False, True),
-    Variant("topk_int8", Compression.TOPK_INT8, HeadLayout.INT8, False, False),
-    Variant("int8_nodelay", Compression.INT8, HeadLayout.INT8, True, False),
+    Variant("float32", Compression.NONE, HeadLayout.FLOAT32, False, True),
+    Variant("topk_int8", Compression.TOPK_INT8, HeadLayout.INT8, False, True),
+    Variant("int8_nodelay", Compression.INT8, HeadLayout.INT8, True, True),
+    Variant("int8_no_dashboard", Compression.INT8, HeadLayout.INT8, False, False),
 )
+"""``int8`` (int8 both ways, mosquitto's defaults, the agents' dashboards on, as shipped) and variants
+that each change one thing of it: the wire (``float32``, ``topk_int8``), the broker's
+``set_tcp_nodelay`` (``int8_nodelay``), or the dashboards off (``int8_no_dashboard``)."""
+
+INTERPRETER_FLAGS: tuple[str, ...] = ("-OO",)
+"""Both systems' processes (edgefl's agents, Flower's server and clients) run with these flags and
+with :data:`MALLOC_ENV` (as edgefl's systemd unit runs an agent); ``--plain`` runs both without."""
+MALLOC_ENV: dict[str, str] = dict(DEMO_MALLOC_ENV)
 
 
 # --- the counting proxy (a child process: ``python -m bench.peer proxy LOG LABEL:LPORT:TPORT ...``) --------
@@ -269,6 +288,59 @@ def _vm_hwm_kib(pid: int) -> int:
     raise RuntimeError(f"no VmHWM for pid {pid}")
 
 
+def task_cpu_s(pid: int) -> float:
+    """CPU time (s) of every live thread of ``pid``: ``/proc/<pid>/task/*/schedstat``'s first fields summed.
+
+    Nanosecond resolution (``/proc/<pid>/stat``'s ticks are 10 ms, as much as a round's work); threads
+    that already exited are not in it (an agent's threads live as long as it does).
+    """
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
+
+
+def _pid_of_conf(conf_name: str) -> int:
+    """The pid of the process whose command line names ``conf_name`` (the bench's mosquitto)."""
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if conf_name in (d / "cmdline").read_bytes().decode("utf-8", "replace"):
+                    return int(d.name)
+            except OSError:
+                continue
+    raise RuntimeError(f"no process runs {conf_name}")
+
+
+def per_cycle(marks: dict[int, float]) -> list[float]:
+    """Differences between consecutive round starts ``marks[r + 1] - marks[r]`` for r = 2 .. ROUNDS - 1.
+
+    Round 1 (start-up traffic) and the last round (no next start) are left out, for both systems.
+    """
+    return [marks[r + 1] - marks[r] for r in range(2, ROUNDS)]
+
+
+def warm_page_cache(roots: Sequence[Path]) -> int:
+    """Read every ``.py``, ``.pyc`` and shared library under ``roots`` once (both systems start warm).
+
+    Returns the bytes read.
+    """
+    n = 0
+    for root in roots:
+        for path in root.rglob("*"):
+            if path.suffix in (".py", ".pyc", ".so") or ".so." in path.name:
+                try:
+                    with open(path, "rb") as fh:
+                        while chunk := fh.read(1 << 20):
+                            n += len(chunk)
+                except OSError:
+                    continue
+    return n
+
+
 # --- the shared job -----------------------------------------------------------------------------------------
 @dataclass
 class Job:
@@ -326,8 +398,8 @@ class _TimedCoordinator(Coordinator):
 
 
 async def _edgefl_rounds(
-    port: int, job: Job, v: Variant, fleet: str
-) -> tuple[dict[int, float], _TimedCoordinator]:
+    port: int, job: Job, v: Variant, fleet: str, cpu: dict[str, int] | None = None
+) -> tuple[dict[int, float], dict[str, dict[int, float]], _TimedCoordinator]:
     transport = MqttTransport("127.0.0.1", port, f"coord-{fleet}")
     await transport.start(wait_s=15)
     strategy = make_strategy(
@@ -350,6 +422,8 @@ async def _edgefl_rounds(
     coord.agg_at = {}
     pump = asyncio.create_task(coord.pump())
     starts: dict[int, float] = {}
+    cpu = cpu or {}  # label -> pid whose CPU is read as each round starts
+    marks: dict[str, dict[int, float]] = {label: {} for label in (*cpu, "coordinator")}
     try:
         await coord.start()
         await coord.wait_for_devices(2, timeout_s=180)
@@ -358,6 +432,9 @@ async def _edgefl_rounds(
         await asyncio.sleep(1.0)
         for r in range(1, ROUNDS + 1):
             starts[r] = time.time()
+            for label, pid in cpu.items():
+                marks[label][r] = task_cpu_s(pid)
+            marks["coordinator"][r] = time.process_time()  # this process: the coordinator
             rec = await coord.run_round(r)
             if rec.clients != 2:
                 raise RuntimeError(f"edgefl {v.name} round {r}: {rec.clients} updates")
@@ -367,7 +444,7 @@ async def _edgefl_rounds(
         pump.cancel()
         await asyncio.gather(pump, return_exceptions=True)
         await transport.stop()
-    return starts, coord
+    return starts, marks, coord
 
 
 def agent_overrides(
@@ -400,11 +477,14 @@ def run_edgefl(work: Path, job: Job, v: Variant) -> dict[str, Any]:
                 profile,
                 agent_overrides(run_dir, proxy, fleet, job, i, dashboard=v.dashboard),
                 run_dir / f"dev-{i}.log",
+                optimize="-OO" in INTERPRETER_FLAGS,
+                malloc=bool(MALLOC_ENV),
             )
             for i in (1, 2)
         ]
+        pids = {"c1": procs[0].pid, "c2": procs[1].pid, "broker": _pid_of_conf(f"mosquitto-{port}.conf")}
         try:
-            starts, coord = asyncio.run(_edgefl_rounds(port, job, v, fleet))
+            starts, marks, coord = asyncio.run(_edgefl_rounds(port, job, v, fleet, pids))
             hwm = [_vm_hwm_kib(p.pid) for p in procs]
         finally:
             stop_agents(procs)
@@ -419,6 +499,13 @@ def run_edgefl(work: Path, job: Job, v: Variant) -> dict[str, Any]:
             for i in (1, 2)
         ],
         "round_ms": 1e3 * statistics.median(coord.agg_at[r] - starts[r] for r in rounds),
+        "cycle_ms": 1e3 * statistics.median(per_cycle(starts)),
+        "cpu_ms_per_round_device": [1e3 * statistics.median(per_cycle(marks[c])) for c in ("c1", "c2")],
+        "cpu_ms_per_round_server": 1e3
+        * statistics.median(
+            a + b for a, b in zip(per_cycle(marks["coordinator"]), per_cycle(marks["broker"]), strict=True)
+        ),
+        "cpu_ms_per_round_broker": 1e3 * statistics.median(per_cycle(marks["broker"])),
         "breakdown": _breakdown(rows, starts[1], starts[ROUNDS + 1]),
         "peak_rss_kib": hwm,
         "accuracy": accuracy(coord.W, coord.b, job.emb_test, job.y_test),
@@ -428,20 +515,22 @@ def run_edgefl(work: Path, job: Job, v: Variant) -> dict[str, Any]:
 def run_flower(work: Path, job: Job, venv: Path) -> dict[str, Any]:
     """One Flower run (legacy gRPC server and clients); per-client figures."""
     run_dir = Path(tempfile.mkdtemp(prefix="flower-", dir=work))
-    py = str(venv / "bin" / "python")
+    py = [str(venv / "bin" / "python"), *INTERPRETER_FLAGS]
     env = dict(
         os.environ,
         FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
         PYTHONUNBUFFERED="1",
         OMP_NUM_THREADS="1",
         OPENBLAS_NUM_THREADS="1",
+        **MALLOC_ENV,
     )
     sport = free_port()
     script = str(HERE / "peer_flower.py")
     out = run_dir / "server.json"
     logs = [open(run_dir / f"{n}.log", "wb") for n in ("server", "c1", "c2")]  # noqa: SIM115 - closed below
     server = subprocess.Popen(
-        [py, script, "server", f"127.0.0.1:{sport}", str(ROUNDS), str(job.init), str(out)],
+        [*py, script, "server", f"127.0.0.1:{sport}", str(ROUNDS), str(job.init), str(out)],
         stdout=logs[0],
         stderr=subprocess.STDOUT,
         env=env,
@@ -452,7 +541,7 @@ def run_flower(work: Path, job: Job, venv: Path) -> dict[str, Any]:
         proxy = Proxy(run_dir, {"c1": sport, "c2": sport})
         for i in (1, 2):
             cmd = [
-                py,
+                *py,
                 script,
                 "client",
                 f"127.0.0.1:{proxy.ports[f'c{i}']}",
@@ -476,6 +565,8 @@ def run_flower(work: Path, job: Job, venv: Path) -> dict[str, Any]:
     doc = json.loads(out.read_text())
     start = {r: t for e, r, t in doc["events"] if e == "fit_start"}
     end = {r: t for e, r, t in doc["events"] if e == "fit_end"}
+    server_cpu = {r: c for e, r, c in doc["events"] if e == "fit_start_cpu"}
+    clients = [json.loads((run_dir / f"c{i}.json").read_text()) for i in (1, 2)]
     final = np.load(str(out) + ".npz")
     t_end = end[ROUNDS] + 1.0
     return {
@@ -485,7 +576,14 @@ def run_flower(work: Path, job: Job, venv: Path) -> dict[str, Any]:
             _bytes_per_round([r for r in rows if r[2] == "up"], f"c{i}", start[1], t_end) for i in (1, 2)
         ],
         "round_ms": 1e3 * statistics.median(end[r] - start[r] for r in range(2, ROUNDS + 1)),
-        "peak_rss_kib": [json.loads((run_dir / f"c{i}.json").read_text())["status"]["VmHWM"] for i in (1, 2)],
+        "cycle_ms": 1e3 * statistics.median(per_cycle(start)),
+        # a client's round r begins with its fit(r): its CPU from one fit's start to the next
+        "cpu_ms_per_round_device": [
+            1e3 * statistics.median(per_cycle({k + 1: f[1] for k, f in enumerate(c["fits"])}))
+            for c in clients
+        ],
+        "cpu_ms_per_round_server": 1e3 * statistics.median(per_cycle(server_cpu)),
+        "peak_rss_kib": [c["status"]["VmHWM"] for c in clients],
         "accuracy": accuracy(final["W"], final["b"], job.emb_test, job.y_test),
     }
 
@@ -500,6 +598,26 @@ def ensure_flower(venv: Path) -> None:
         return
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(py), "-m", "pip", "install", "-q", f"flwr=={FLOWER_VERSION}", "numpy"], check=True)
+
+
+def prepare_interpreters(venv: Path) -> None:
+    """Both systems alike before any run: bytecode compiled for :data:`INTERPRETER_FLAGS` in both
+    environments (``compileall -o 2`` for ``-OO``, as ``make demo`` does for edgefl: an interpreter that
+    compiles its imports at start-up would pay for it in RSS and time), then their files read once
+    (:func:`warm_page_cache`: the first run of either system starts as warm as the others)."""
+    level = "2" if "-OO" in INTERPRETER_FLAGS else "0"
+    ours = Path(sys.prefix)
+    for python, root in ((venv / "bin" / "python", venv), (Path(sys.executable), ours)):
+        sites = sorted(root.glob("lib/python3*/site-packages"))
+        subprocess.run(
+            [str(python), "-m", "compileall", "-q", "-j", "0", "-o", level, *map(str, sites)],
+            capture_output=True,
+        )
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", "-o", level, str(HERE.parent / "edgefl")],
+        capture_output=True,
+    )
+    warm_page_cache([venv, ours, HERE.parent])
 
 
 def _cpu_ms() -> float:
@@ -571,12 +689,22 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "round_ms_default_broker": med("edgefl", "round_ms", "int8") / frt,
         "round_ms_nodelay_broker": med("edgefl", "round_ms", "int8_nodelay") / frt,
         "peak_rss_dashboard_on_d512": med("edgefl", "peak_rss_kib", "int8") / frss,
+        "cycle_ms_default_broker": med("edgefl", "cycle_ms", "int8") / med("flower", "cycle_ms"),
+        "cycle_ms_nodelay_broker": med("edgefl", "cycle_ms", "int8_nodelay") / med("flower", "cycle_ms"),
+        "cpu_ms_per_round_device": med("edgefl", "cpu_ms_per_round_device", "int8")
+        / med("flower", "cpu_ms_per_round_device"),
+        "cpu_ms_per_round_server": med("edgefl", "cpu_ms_per_round_server", "int8")
+        / med("flower", "cpu_ms_per_round_server"),
+        "peak_rss_like_for_like_d512": med("edgefl", "peak_rss_kib", "int8_no_dashboard") / frss,
     }
     absolute = {
         "flower": {
             "bytes_per_round": fb,
             "up_per_round": med("flower", "up_per_round"),
             "round_ms": frt,
+            "cycle_ms": med("flower", "cycle_ms"),
+            "cpu_ms_per_round_device": med("flower", "cpu_ms_per_round_device"),
+            "cpu_ms_per_round_server": med("flower", "cpu_ms_per_round_server"),
             "peak_rss_kib": frss,
         },
         **{
@@ -584,12 +712,20 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 "bytes_per_round": med("edgefl", "bytes_per_round", v.name),
                 "up_per_round": med("edgefl", "up_per_round", v.name),
                 "round_ms": med("edgefl", "round_ms", v.name),
+                "cycle_ms": med("edgefl", "cycle_ms", v.name),
+                "cpu_ms_per_round_device": med("edgefl", "cpu_ms_per_round_device", v.name),
+                "cpu_ms_per_round_server": med("edgefl", "cpu_ms_per_round_server", v.name),
+                "cpu_ms_per_round_broker": med("edgefl", "cpu_ms_per_round_broker", v.name),
                 "peak_rss_kib": med("edgefl", "peak_rss_kib", v.name),
             }
             for v in VARIANTS
         },
     }
-    acc = {v.name: med("edgefl", "accuracy", v.name) for v in VARIANTS if v.name != "int8_nodelay"}
+    acc = {
+        v.name: med("edgefl", "accuracy", v.name)
+        for v in VARIANTS
+        if v.name in ("int8", "float32", "topk_int8")
+    }
     acc["flower_float32"] = med("flower", "accuracy")
     return {"ratios": ratios, "accuracy": acc, "absolute": absolute}
 
@@ -641,7 +777,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="only the CPU each system uses per round: runs of 5 and 5 + N rounds (int8_nodelay), "
         "--repeats pairs",
     )
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="both systems' processes without -OO and without the malloc settings (default: both with)",
+    )
     args = p.parse_args(args_in)
+    if args.plain:
+        global INTERPRETER_FLAGS, MALLOC_ENV
+        INTERPRETER_FLAGS, MALLOC_ENV = (), {}
     if args.cpu_rounds > 0:
         ensure_flower(args.flower_venv)
         with tempfile.TemporaryDirectory(prefix="peer-", dir=args.tmp_root) as tmp:
@@ -666,6 +810,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.json.write_text(json.dumps(out, indent=1))
         return
     ensure_flower(args.flower_venv)
+    prepare_interpreters(args.flower_venv)
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="peer-", dir=args.tmp_root) as tmp:
         work = Path(tmp)
@@ -680,6 +825,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     summary = summarize(runs)
     summary["runs"] = runs
     summary["machine"] = {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()}
+    summary["like_for_like"] = {"interpreter_flags": list(INTERPRETER_FLAGS), "malloc_env": MALLOC_ENV}
     a = summary["absolute"]
     print("\n| per client per round, D = 512 | Flower | edgefl | ratio |\n|---|---|---|---|")
     for name in ("float32", "int8", "topk_int8"):
@@ -689,15 +835,25 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{a[name]['bytes_per_round'] / a['flower']['bytes_per_round']:.2f} |"
         )
     for name, label in (("int8", "defaults"), ("int8_nodelay", "set_tcp_nodelay true")):
+        for key, what in (
+            ("cycle_ms", "round start -> next round start"),
+            ("round_ms", "round start -> aggregation"),
+        ):
+            print(
+                f"| {what}, broker {label} | {a['flower'][key]:.1f} ms | "
+                f"{a[name][key]:.1f} ms | {a[name][key] / a['flower'][key]:.2f} |"
+            )
+    for key, what in (("cpu_ms_per_round_device", "a client"), ("cpu_ms_per_round_server", "the server")):
         print(
-            f"| round start -> aggregation, broker {label} | {a['flower']['round_ms']:.1f} ms | "
-            f"{a[name]['round_ms']:.1f} ms | {a[name]['round_ms'] / a['flower']['round_ms']:.2f} |"
+            f"| CPU per round, {what} | {a['flower'][key]:.1f} ms | {a['int8'][key]:.1f} ms | "
+            f"{a['int8'][key] / a['flower'][key]:.2f} |"
         )
-    print(
-        f"| peak RSS of a client (edgefl dashboard on) | {a['flower']['peak_rss_kib'] / 1024:.1f} MiB | "
-        f"{a['int8']['peak_rss_kib'] / 1024:.1f} MiB | "
-        f"{summary['ratios']['peak_rss_dashboard_on_d512']:.2f} |"
-    )
+    for name, label in (("int8", "dashboard on"), ("int8_no_dashboard", "dashboard off")):
+        print(
+            f"| peak RSS of a client (edgefl {label}) | {a['flower']['peak_rss_kib'] / 1024:.1f} MiB | "
+            f"{a[name]['peak_rss_kib'] / 1024:.1f} MiB | "
+            f"{a[name]['peak_rss_kib'] / a['flower']['peak_rss_kib']:.2f} |"
+        )
     print("accuracy:", json.dumps(summary["accuracy"]))
     print(
         "\n| edgefl, per client per round: MQTT packets by kind | "

@@ -64,6 +64,7 @@ def server(addr: str, rounds: int, init: str, out: str) -> None:
     class TimedFedAvg(FedAvg):  # type: ignore[misc]
         def configure_fit(self, server_round: int, parameters: Any, client_manager: Any) -> Any:
             events.append(("fit_start", server_round, time.time()))
+            events.append(("fit_start_cpu", server_round, time.process_time()))  # every thread, ns
             return super().configure_fit(server_round, parameters, client_manager)
 
         def aggregate_fit(self, server_round: int, results: Any, failures: Any) -> Any:
@@ -94,14 +95,14 @@ def client(addr: str, data: str, epochs: int, lr: float, batch: int, out: str) -
 
     shard = np.load(data)
     x, y = shard["x"].astype(np.float32), shard["y"].astype(np.int64)
-    fits: list[float] = []
+    fits: list[tuple[float, float]] = []  # (time.time(), time.process_time()) as each fit starts
 
     class HeadClient(NumPyClient):  # type: ignore[misc]
         def get_parameters(self, config: Any) -> Any:
             return [np.zeros((x.shape[1], 10), np.float32), np.zeros(10, np.float32)]
 
         def fit(self, parameters: Any, config: Any) -> Any:
-            fits.append(time.time())
+            fits.append((time.time(), time.process_time()))
             w, b = train(parameters[0], parameters[1], x, y, epochs, lr, batch, seed=len(fits))
             return [w, b], len(x), {}
 

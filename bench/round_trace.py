@@ -312,7 +312,7 @@ def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) 
 
         timed.run_round, timed.publish_global = run_round, publish_global  # type: ignore[method-assign]
         try:
-            starts, coord = asyncio.run(peer._edgefl_rounds(port, job, v, fleet))
+            starts, _, coord = asyncio.run(peer._edgefl_rounds(port, job, v, fleet))
         finally:
             timed.run_round, timed.publish_global = orig_round, orig_publish  # type: ignore[method-assign]
             stop_agents(procs)

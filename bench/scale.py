@@ -30,6 +30,10 @@ for its PUBACKs), waits for the global head of that round at every site broker, 
 - ``root_peak_rss_bytes`` / ``site_peak_rss_bytes``: the processes' ``VmHWM``, reset at the round's
   start by writing ``5`` to ``/proc/<pid>/clear_refs`` (Linux >= 4.0; ``peak_reset`` false when not
   permitted: the peak is then since the process started); sites: the largest site;
+- ``updates_per_s_drained`` / ``cpu_us_per_update``: the root (flat: the one) coordinator's updates
+  counted over ``seconds_to_close``, and its CPU time (user + system, ``/proc/<pid>/stat``) over the
+  same window per update counted (null if it exited before it was read); ``sites_drain``: the same
+  per site aggregator (its devices' updates counted at the root);
 - ``messages_into_root`` / ``bytes_into_root``: increase of the root mosquitto's
   ``$SYS/broker/publish/messages/received`` (mosquitto 2.0 leaves retained publishes out of it, so
   the root coordinator's own ``round`` and ``global`` are not counted) and ``$SYS/broker/bytes/received``
@@ -322,6 +326,30 @@ def _status_field(pid: int, name: str) -> int:
         if line.startswith(name + ":"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no {name} for pid {pid}")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system, s) a process used so far (``/proc/<pid>/stat``); None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def drain_figures(counted: int, seconds: float, cpu0: float | None, cpu1: float | None) -> dict[str, Any]:
+    """``updates_per_s_drained`` and ``cpu_us_per_update`` of one aggregator in one round.
+
+    ``counted`` updates (device updates the aggregator counted), over ``seconds`` (first update sent →
+    the round's global head seen), and its CPU time over the same window (None when the process had
+    exited before it was read).
+    """
+    rate = round(counted / seconds, 1) if seconds > 0 and counted else None
+    cpu = None
+    if cpu0 is not None and cpu1 is not None and counted:
+        cpu = round((cpu1 - cpu0) * 1e6 / counted, 1)
+    return {"updates_per_s_drained": rate, "cpu_us_per_update": cpu}
 
 
 def reset_peak(pid: int) -> bool:
@@ -734,6 +762,8 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             before = await sys_counters_or_none(root_watch) if counting else None
             msgs0, bytes0, drop0 = before if before is not None else (0, 0, 0)
             have_before = before is not None
+            aggregators = [root, *(s.coordinator for s in sites if s.coordinator is not None)]
+            cpu0 = {p.pid: cpu_seconds(p.pid) for p in aggregators}
             outage = opts.root_outage_s if r == 1 and not opts.flat else 0.0
             t0 = time.monotonic()
             node_stop = None
@@ -778,6 +808,7 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
                     lambda w=w, r=r: r in w.globals, opts.deadline_s + 120, f"round {r} global head"
                 )
             t1 = max(w.globals[r] for w in site_watches)
+            cpu1 = {pid: cpu_seconds(pid) for pid in cpu0}
             root_peak = peak_rss(root)
             site_peak = max(
                 (peak_rss(s.coordinator) for s in sites if s.coordinator is not None), default=None
@@ -796,6 +827,20 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
             dup = sum(n - 1 for n in this.values()) + sum(1 for i in this if counted_before[i])
             counted_before.update(this)
             sent_ids = {f"{d}:{r}:{r - 1}" for d in every}
+            per_site_counted = Counter(i.split("-", 1)[0] for i in this)
+            site_figures = [
+                {
+                    "site": site.index,
+                    **drain_figures(
+                        per_site_counted[f"s{site.index:03d}"],
+                        t1 - t0,
+                        cpu0.get(site.coordinator.pid),
+                        cpu1.get(site.coordinator.pid),
+                    ),
+                }
+                for site in sites
+                if site.coordinator is not None
+            ]
             rounds.append(
                 {
                     "round": r,
@@ -819,6 +864,8 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
                     "uplink_cut_sites": len(proxies) if cut else 0,
                     "sites_restarted": len(killed),
                     "root_clients": entry.get("clients"),
+                    **drain_figures(len(this), t1 - t0, cpu0[root.pid], cpu1[root.pid]),
+                    "sites_drain": site_figures,
                     "root_refused_updates": entry.get("refused_updates", {}),
                 }
             )
@@ -958,6 +1005,7 @@ def site_sets(common: dict[str, str], site: Site, keys: Path, tmp: Path, rounds:
     shutil.copy(pub, keys / "sites" / pub.name)
     device_keys = keys / f"devices-{site.index}"
     write_keys(site.devices, device_keys)
+    (tmp / f"site{site.index}-state").mkdir(exist_ok=True)
     return {
         **common,
         "hierarchy.role": "site",
@@ -970,7 +1018,8 @@ def site_sets(common: dict[str, str], site: Site, keys: Path, tmp: Path, rounds:
         "rounds.min_clients": str(len(site.devices)),
         "rounds.count": str(rounds + 1),  # still up (and measurable) after the last round; stopped by us
         "files.log": str(tmp / f"site{site.index}-rounds.jsonl"),
-        "files.state": str(tmp / f"site{site.index}-state.rec"),
+        # a folder each: a coordinator holds its state file's folder (one coordinator per folder)
+        "files.state": str(tmp / f"site{site.index}-state" / "state.rec"),
     }
 
 

@@ -85,6 +85,9 @@ class Round:
     sites: list[str] = field(default_factory=list)
     declined: list[str] = field(default_factory=list)
     """Devices that refused this round with a Decline (e.g. ``over_budget``)."""
+    # Kept in step with ``devices`` and ``declined`` (appended to, or replaced whole on a resume), so
+    # that admitting an update and asking whether the round is complete cost O(1), not O(round).
+    _tally: _Answered | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def clients(self) -> int:
@@ -128,12 +131,36 @@ class Round:
         """
         if self.expected_sites > 0:
             return len(self.sites) >= self.expected_sites
-        answered = set(self.devices) | set(self.declined)
-        if self.selected is not None and answered >= self.selected:
+        tally = self.answered()
+        if self.selected is not None and tally.of_selected >= len(self.selected):
             return True
-        if self.selected is None and self.declined and self.online and answered >= self.online:
+        if self.selected is None and self.declined and self.online and tally.of_online >= len(self.online):
             return True
         return self.clients >= self.close_at
+
+    def answered(self) -> _Answered:
+        """Devices that answered (an update counted) or declined, kept incrementally.
+
+        Catches up with what was appended to :attr:`devices` and :attr:`declined` since the last
+        call (O(new entries)); a list replaced whole (a resumed round) is read again once.
+        """
+        tally = self._tally
+        if (
+            tally is None
+            or tally.devices is not self.devices
+            or tally.declined is not self.declined
+            or tally.selected is not self.selected
+            or tally.online is not self.online
+            or tally.seen_devices > len(self.devices)
+            or tally.seen_declined > len(self.declined)
+        ):
+            tally = self._tally = _Answered(self.devices, self.declined, self.selected, self.online)
+        tally.catch_up()
+        return tally
+
+    def has_answered(self, device: str) -> bool:
+        """True when ``device`` has an update counted or a decline in this round (O(1))."""
+        return device in self.answered().members
 
     def admit(self, update: Update) -> None:
         """Check that ``update`` may take part in this round (it is not recorded yet: see ``record``).
@@ -163,7 +190,7 @@ class Round:
             raise UpdateRejected(
                 "not_selected", f"device {update.device} not selected for round {self.number}"
             )
-        if update.update_id in self.update_ids or update.device in self.devices:
+        if update.update_id in self.update_ids or update.device in self.answered().counted:
             raise UpdateRejected(
                 "duplicate", f"update {update.update_id} from {update.device} already counted"
             )
@@ -206,6 +233,64 @@ class Round:
     def close(self) -> None:
         """Stop accepting updates."""
         self.phase = RoundPhase.CLOSED
+
+
+class _Answered:
+    """The devices of a round that answered, as sets and counts (see :meth:`Round.answered`).
+
+    ``counted``: devices with an update counted; ``members``: those and the devices that declined;
+    ``of_selected`` / ``of_online``: how many of ``members`` are in the selection / the online set.
+    """
+
+    __slots__ = (
+        "counted",
+        "declined",
+        "devices",
+        "members",
+        "of_online",
+        "of_selected",
+        "online",
+        "seen_declined",
+        "seen_devices",
+        "selected",
+    )
+
+    def __init__(
+        self, devices: list[str], declined: list[str], selected: frozenset[str] | None, online: frozenset[str]
+    ) -> None:
+        self.devices = devices
+        self.declined = declined
+        self.selected = selected
+        self.online = online
+        self.counted: set[str] = set()
+        self.members: set[str] = set()
+        self.of_selected = 0
+        self.of_online = 0
+        self.seen_devices = 0
+        self.seen_declined = 0
+
+    def _add(self, device: str) -> None:
+        if device in self.members:
+            return
+        self.members.add(device)
+        if self.selected is not None and device in self.selected:
+            self.of_selected += 1
+        if device in self.online:
+            self.of_online += 1
+
+    def catch_up(self) -> None:
+        """Take in what was appended to the round's lists since the last call."""
+        n = len(self.devices)
+        if self.seen_devices < n:
+            for device in self.devices[self.seen_devices :]:
+                self.counted.add(device)
+                self._add(device)
+            self.seen_devices = n
+        n = len(self.declined)
+        if self.seen_declined < n:
+            for device in self.declined[self.seen_declined :]:
+                self._add(device)
+            self.seen_declined = n
 
 
 class FleetPhase(StrEnum):

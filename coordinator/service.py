@@ -1000,11 +1000,13 @@ class Coordinator:
             if whole is None:
                 return
             payload = whole
+        key = None
         if self.device_keys is not None:
             key = self.device_keys.get(device)
             if key is None:
                 raise DecodeError("unknown_device", f"no public key for device {device}")
-            kind = prescan(payload, self.limits, ("type",)).get("type")
+        kind = prescan(payload, self.limits, ("type",)).get("type")  # once: verify and dispatch use it
+        if key is not None:
             verify_payload(
                 payload,
                 key,
@@ -1013,7 +1015,7 @@ class Coordinator:
                 device=device,
                 limits=self.limits,
             )
-        if prescan(payload, self.limits, ("type",)).get("type") == MessageType.DECLINE:
+        if kind == MessageType.DECLINE:
             self._handle_decline(device, payload)
             return
         if device in self.mismatched:
@@ -1077,7 +1079,7 @@ class Coordinator:
             raise UpdateRejected("stale_base", why)
         if rnd.selected is not None and device not in rnd.selected:
             raise UpdateRejected("not_selected", f"device {device} not selected for round {rnd.number}")
-        if device in rnd.declined or device in rnd.devices or decline.update_id in self._seen_update_ids:
+        if rnd.has_answered(device) or decline.update_id in self._seen_update_ids:
             raise UpdateRejected("duplicate", f"{device} already answered round {rnd.number}")
         self._remember(decline.update_id)
         self.state.declined[decline.reason] += 1

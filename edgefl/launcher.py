@@ -13,11 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["free_port", "launch_agent", "stop_agents"]
+__all__ = ["MALLOC_ENV", "free_port", "launch_agent", "stop_agents"]
+
+MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}
+"""glibc malloc as the systemd unit sets it: two arenas, a fixed mmap threshold (large frees go back)."""
 
 
 def launch_agent(
-    profile: Path, overrides: dict[str, str], log_path: Path, *, optimize: bool = True
+    profile: Path, overrides: dict[str, str], log_path: Path, *, optimize: bool = True, malloc: bool = True
 ) -> subprocess.Popen[bytes]:
     """Start one agent as a separate OS process: ``python -m edgefl.cli run PROFILE --set k=v ...``.
 
@@ -31,6 +34,8 @@ def launch_agent(
         File receiving the agent's stdout and stderr.
     optimize : bool
         Run with ``-OO`` (as the systemd unit's ``PYTHONOPTIMIZE=2``); False for plain ``python``.
+    malloc : bool
+        glibc malloc set as the systemd unit sets it (:data:`MALLOC_ENV`); False: the environment as it is.
 
     Returns
     -------
@@ -48,7 +53,7 @@ def launch_agent(
             stdout=log,
             stderr=subprocess.STDOUT,
             # as the systemd unit: two arenas, a fixed mmap threshold (large frees go back to the kernel)
-            env={**os.environ, "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"},
+            env={**os.environ, **(MALLOC_ENV if malloc else {})},
         )
 
 

@@ -26,8 +26,8 @@ from conftest import DEV_PROFILE, INT8_MODEL, MODELS, TEST_STATUS_INTERVAL_S, Br
 
 from edgefl.agent import memory
 from edgefl.agent.memory import (
-    FIRST_RUN_BYTES,
     MIB,
+    TRAIN_FIRST_RUN_BYTES,
     Governor,
     ModelShapes,
     cgroup_memory_limit_bytes,
@@ -190,7 +190,7 @@ def test_convenience_admissions_use_the_estimates(tmp_path: Path) -> None:
     with gov.phase("train"):
         pass
     t2 = gov.admit_train(t.work, 16, dim=1280, classes=10, batch_size=16, num_examples=4096)
-    assert t2.estimate_bytes == t.estimate_bytes - FIRST_RUN_BYTES
+    assert t2.estimate_bytes == t.estimate_bytes - TRAIN_FIRST_RUN_BYTES
     # the arena of the largest admitted batch counts as resident
     i1 = gov.admit_inference(shapes, 8)
     i2 = gov.admit_inference(shapes, 8)
@@ -569,7 +569,8 @@ def test_wired_tight_cap_shrinks_or_defers_training_keeps_classifying(
     deferred = last["deferrals"].get("train", 0) >= 1
     assert shrunk or deferred, train
     if deferred:
-        assert "train" in last["last_deferral"]["reason"]
+        # the last deferral may be the personal step's, admitted after training (its own estimate)
+        assert last["last_deferral"]["reason"].split(":")[0] in ("train", "personal")
         # the agent retries a deferred round (issue 14): the round is lost (declined) unless a retry
         # fitted, shrunk (main and this branch, venv read back from disk: deferred once or twice, then
         # trained a chunk of 16-256 in both rounds, clients [1, 1])

@@ -72,6 +72,10 @@ def test_hierarch_scale_bench_smoke(tmp_path: Path) -> None:
     assert (rnd["duplicates"], rnd["missing"], rnd["root_broker_dropped"]) == (0, 0, 0)
     assert rnd["messages_into_root"] == 2  # one partial per site, not 20 updates
     assert rnd["root_peak_rss_bytes"] > 0 and rnd["site_peak_rss_bytes"] > 0
+    # each site aggregator's drain figures: its 10 devices' updates, CPU it spent (or null once gone)
+    assert [s["site"] for s in rnd["sites_drain"]] == [0, 1]
+    assert all(s["updates_per_s_drained"] > 0 for s in rnd["sites_drain"])
+    assert rnd["updates_per_s_drained"] == pytest.approx(20 / rnd["seconds_to_close"], rel=0.01)
 
 
 @pytest.mark.subprocess
@@ -96,6 +100,9 @@ def test_flat_scale_bench_smoke(tmp_path: Path) -> None:
     assert (rnd["updates_counted"], rnd["duplicates"], rnd["missing"]) == (20, 0, 0)
     assert rnd["messages_into_root"] == 20
     assert rnd["site_peak_rss_bytes"] is None
+    assert rnd["updates_per_s_drained"] == pytest.approx(20 / rnd["seconds_to_close"], rel=0.01)
+    assert rnd["cpu_us_per_update"] is None or rnd["cpu_us_per_update"] > 0
+    assert rnd["sites_drain"] == []
 
 
 @pytest.mark.subprocess
