@@ -44,7 +44,7 @@ tools:
 	  { echo "make test: chromium is missing: sudo apt-get install chromium (or run .ci/run)" >&2; exit 1; }
 
 pytest: $(VENV)/.test-installed tools
-	$(BIN)/pytest -q -n $(WORKERS) --dist loadfile
+	$(BIN)/pytest -q -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 check: $(VENV)/.test-installed
 	EDGEFL_FAST_TIER=1 $(BIN)/pytest -q -n $(WORKERS) -m "not broker and not subprocess"

@@ -14,7 +14,7 @@ calls it from one worker thread and wires the transport, signals and dashboard a
 ``edgefl memory-report``, ``bench/memory.py``, ``bench/learning.py`` and the demo's agents run the
 same methods, so their figures measure the shipped path. Refusals come back as results with a reason
 (``RoundResult.reason``, ``ApplyResult.reason``), never as exceptions; the message formats are
-``edgefl.wire.codec``'s.
+:mod:`edgefl.wire.messages`'s.
 
 Not thread-safe: one caller thread at a time (the daemon's single worker).
 """
@@ -49,13 +49,11 @@ from edgefl.head import Head, personal_columns, validate_head
 from edgefl.records import read_record, write_record
 from edgefl.runtime import Backbone
 from edgefl.types import F32, I64
-from edgefl.wire.codec import (
-    CompressedDelta,
-    Compression,
+from edgefl.wire.cbor import Limits, MessageType
+from edgefl.wire.compression import CompressedDelta, Compression
+from edgefl.wire.messages import (
     Decline,
     GlobalModel,
-    Limits,
-    MessageType,
     RoundAnnouncement,
     Update,
     UpdateMetrics,
@@ -64,8 +62,9 @@ from edgefl.wire.codec import (
     encode_decline,
     encode_global_model,
     encode_update,
+    global_model_version,
+    resolve_global_head,
 )
-from edgefl.wire.messages import global_model_version, resolve_global_head
 from edgefl.wire.reasons import Reason
 from edgefl.wire.signing import (
     SigningKey,

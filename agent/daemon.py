@@ -51,16 +51,16 @@ from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
 from edgefl.transport import Message, MqttTransport, Will
 from edgefl.wire.chunking import Reassembler, is_chunk, publish_packet_bytes, split_message
-from edgefl.wire.codec import (
+from edgefl.wire.messages import (
     DeviceStatus,
     Prediction,
-    Reason,
     decode_label,
     decode_sample,
     encode_prediction,
     encode_status,
     offline_status,
 )
+from edgefl.wire.reasons import Reason
 
 logger = logging.getLogger(__name__)
 

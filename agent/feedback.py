@@ -194,7 +194,7 @@ class ErrorFeedback:
         corrected_b : float32 [K]
             Its bias part.
         decoded_W : float32 [D, K]
-            What the coordinator decodes (``compressed_roundtrip`` of ``corrected_W``).
+            What the coordinator decodes (``decompress_delta(compress_delta(corrected_W))``).
         decoded_b : float32 [K]
             Its bias part.
         persist : bool

@@ -200,20 +200,6 @@ def pss_bytes(pid: int | str = "self", *, proc: Path = PROC) -> int | None:
     return None
 
 
-def rss_breakdown_bytes(pid: int | str = "self", *, proc: Path = PROC) -> dict[str, int]:
-    """``RssAnon``, ``RssFile`` and ``RssShmem`` of a process (``/proc/<pid>/status``), in bytes.
-
-    Anonymous pages are the heap and stacks; file pages are mapped files (shared libraries, the
-    model when LiteRT maps it, the embedding store), which the kernel can drop under pressure.
-
-    Raises
-    ------
-    OSError
-        If the process does not exist or the kernel does not report these fields (before 4.5).
-    """
-    return {key: _status_kb(pid, key, proc) for key in ("RssAnon", "RssFile", "RssShmem")}
-
-
 def system_available_bytes(*, proc: Path = PROC) -> int:
     """The system's ``MemAvailable`` from ``/proc/meminfo``, in bytes.
 
@@ -623,7 +609,7 @@ def wire_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 
 
 
 def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 0.1) -> int:
-    """Bytes ``edgefl.wire.codec.encode_update`` may add to RSS.
+    """Bytes ``edgefl.wire.messages.encode_update`` may add to RSS.
 
     The dense delta's float32 temporaries (finite check, clip or scale, absolute values), the int64
     partition of top-k and the code pages its first call touches (partition, packbits, the Rice
@@ -636,7 +622,7 @@ def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fractio
     dim, classes : int
         D and K.
     compression : str
-        An ``edgefl.wire.codec.Compression`` value.
+        An ``edgefl.wire.compression.Compression`` value.
     topk_fraction : float
 
     Returns
@@ -650,14 +636,6 @@ def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fractio
     if "int8" in compression:
         temps += _DEFLATE_STATE_BYTES + n
     return temps + 3 * wire_bytes(dim, classes, compression, topk_fraction) + _FIXED_BYTES
-
-
-def estimate_publish_bytes(payload_bytes: int) -> int:
-    """Bytes an MQTT publish of ``payload_bytes`` may add to RSS.
-
-    The packet paho builds, the copy kept until PUBACK (QoS 1), and the socket buffer's copy.
-    """
-    return 3 * payload_bytes + _FIXED_BYTES
 
 
 def estimate_apply_bytes(dim: int, classes: int) -> int:

@@ -213,13 +213,8 @@ def run_round(
     RoundReport
     """
     from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
-    from edgefl.wire.codec import (
-        Compression,
-        GlobalModel,
-        RoundAnnouncement,
-        encode_global_model,
-        encode_round,
-    )
+    from edgefl.wire.compression import Compression
+    from edgefl.wire.messages import GlobalModel, RoundAnnouncement, encode_global_model, encode_round
 
     gov = governor or memory.Governor(
         profile.cap_bytes,

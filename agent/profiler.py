@@ -7,8 +7,8 @@ one batch (tracemalloc: numpy allocations) and the minor page faults it causes (
 the RSS pays for new arrays). Prints a table, the chosen configuration and the per-stage times of
 the chosen batch; ``--json PATH`` writes the figures (the profile contract plus per-stage times).
 
-The measurement itself is :func:`~edgefl.agent.pipeline.measure`; the choice :func:`~.pipeline.decide`, the
-same rule ``pipeline.mode = "auto"`` uses at start-up.
+The measurement itself is :func:`~edgefl.agent.pipeline_measure.measure`; the choice
+:func:`~edgefl.agent.pipeline_measure.decide`, the same rule ``pipeline.mode = "auto"`` uses at start-up.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from edgefl.agent.pipeline import DEFAULT_MARGIN, KERNEL_TRIALS, BatchMeasurement, Pipeline, decide, measure
+from edgefl.agent.pipeline import DEFAULT_MARGIN, KERNEL_TRIALS, Pipeline
+from edgefl.agent.pipeline_measure import BatchMeasurement, decide, measure
 from edgefl.errors import ModelError
 from edgefl.records import atomic_write
 from edgefl.runtime import Backbone

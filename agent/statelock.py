@@ -1,8 +1,8 @@
 """One process per state folder: an exclusive ``flock`` on ``<state_dir>/agent.lock``.
 
 Two agents on one folder would map the same store and overwrite each other's outbox and head; two
-coordinators on one folder each other's state and round log (the CLI locks a coordinator's folder
-with ``lock_file = "coordinator.lock"``). The lock is advisory (``flock(2)``, Linux/BSD), taken at
+coordinators each other's state and round log (the CLI locks a coordinator's state file with
+``lock_file = "<state file>.lock"`` in its folder). The lock is advisory (``flock(2)``, Linux/BSD), taken at
 start-up and held for the life of the process; the kernel drops it when the process exits, however
 it exits, so a stale lock file never blocks.
 """

@@ -36,7 +36,7 @@ import numpy as np
 from edgefl.agent.memory import rss_bytes
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import FedAvg
-from edgefl.demo import launch_agent, stop_agents
+from edgefl.launcher import launch_agent, stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import start_mosquitto, stop_broker
+    from tests.support.broker import start_mosquitto, stop_broker
 
     tmp = Path(tempfile.mkdtemp(prefix="edgefl-big-"))
     broker = start_mosquitto(tmp)

@@ -38,9 +38,7 @@ import math
 import os
 import random
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -53,11 +51,12 @@ import numpy as np
 from edgefl.agent.core import OUTBOX_FILE
 from edgefl.agent.outbox import Outbox
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
-from edgefl.demo import free_port
+from edgefl.launcher import free_port
 from edgefl.records import RecordError, decode_record, read_record
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import decode_global_model, decode_round, decode_status
+from edgefl.wire.messages import decode_global_model, decode_round, decode_status
+from tests.support.broker import Broker, restart_mosquitto, start_mosquitto, stop_broker
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"
@@ -200,49 +199,31 @@ class ChaosResult:
 
 
 # --- processes ---------------------------------------------------------------------------------------
-def _mosquitto() -> str:
-    path = shutil.which("mosquitto") or (
-        "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
-    )
-    if path is None:
-        raise RuntimeError("mosquitto not installed (apt-get install mosquitto)")
-    return path
-
-
 class BrokerProcess:
-    """mosquitto on 127.0.0.1:``port``, persistence in ``workdir`` (retained messages survive restarts)."""
+    """mosquitto on 127.0.0.1:``port``, persistence in ``workdir`` (retained messages survive restarts).
+
+    Started, and started again, by the one launcher of tests and benches (``tests/support/broker.py``).
+    """
 
     def __init__(self, workdir: Path, port: int) -> None:
         self.workdir, self.port = workdir, port
-        self.conf = workdir / "mosquitto.conf"
-        self.conf.write_text(
-            f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
-            f"persistence_location {workdir}/\nset_tcp_nodelay true\nlog_dest stderr\n"
-        )
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.extra = f"persistence true\npersistence_location {workdir}/"
+        self.broker: Broker | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        """The running mosquitto, or None before the first start."""
+        return None if self.broker is None else self.broker.proc
 
     def start(self) -> None:
-        with open(self.workdir / "mosquitto.log", "ab") as log:
-            self.proc = subprocess.Popen([_mosquitto(), "-c", str(self.conf)], stdout=log, stderr=log)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mosquitto exited with {self.proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("mosquitto did not listen within 10 s")
+        if self.broker is None:
+            self.broker = start_mosquitto(self.workdir, self.extra, port=self.port)
+        else:
+            self.broker = restart_mosquitto(self.broker)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()  # mosquitto saves its persistence file on SIGTERM
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.broker is not None and self.broker.proc.poll() is None:
+            stop_broker(self.broker)  # mosquitto saves its persistence file on SIGTERM
 
 
 class Job:

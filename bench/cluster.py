@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgefl.demo import free_port
 from edgefl.errors import TransportError
+from edgefl.launcher import free_port
 from edgefl.transport import MqttTransport
 
 RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")

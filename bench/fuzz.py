@@ -39,8 +39,8 @@ import numpy as np
 from edgefl.errors import DecodeError
 from edgefl.records import RecordError, decode_record, encode_record
 from edgefl.wire.chunking import Reassembler, decode_chunk, split_message
-from edgefl.wire.codec import (
-    Compression,
+from edgefl.wire.compression import Compression
+from edgefl.wire.messages import (
     DeviceStatus,
     GlobalModel,
     RoundAnnouncement,

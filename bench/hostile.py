@@ -16,18 +16,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import platform
-import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from edgefl.demo import free_port, launch_agent, stop_agents
+from edgefl.launcher import free_port, launch_agent, stop_agents
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import decode_status
+from edgefl.wire.messages import decode_status
+from tests.support.broker import start_mosquitto
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"
@@ -44,23 +43,8 @@ def _vm_hwm(pid: int) -> int:
 
 
 def _mosquitto(tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
-    exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-    port = free_port()
-    conf = tmp / "mosquitto.conf"
-    conf.write_text(
-        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nmessage_size_limit 0\n"
-    )
-    proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc, port
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("mosquitto did not start") from None
-            time.sleep(0.05)
+    broker = start_mosquitto(tmp, "message_size_limit 0")
+    return broker.proc, broker.port
 
 
 async def _flood(port: int, fleet: str, dev: str, proc: subprocess.Popen[bytes]) -> dict[str, Any]:

@@ -31,14 +31,14 @@ import numpy as np
 
 from bench.memory import mosquitto
 from edgefl.datasets import load_digits
-from edgefl.demo import launch_agent, stop_agents
 from edgefl.feed import FeedOptions, feed
+from edgefl.launcher import launch_agent, stop_agents
 from edgefl.profiles import BrokerConfig
 from edgefl.resources import shipped
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.validators import parse_broker_url
-from edgefl.wire.codec import decode_status
+from edgefl.wire.messages import decode_status
 
 PROFILE = shipped("firmware_configs/dev_x86.toml")
 

@@ -26,12 +26,11 @@ from typing import Any
 
 from bench.ingest import PROFILE, _status_when
 from bench.memory import mosquitto
-from edgefl.demo import launch_agent, stop_agents
+from edgefl.launcher import launch_agent, stop_agents
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.validators import parse_broker_url
-from edgefl.wire.codec import decode_status, encode_label
-from edgefl.wire.messages import Label
+from edgefl.wire.messages import Label, decode_status, encode_label
 
 
 async def flood(url: str, fleet: str, device: str, n: int, in_flight: int = 20) -> dict[str, Any]:

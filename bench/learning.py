@@ -48,14 +48,16 @@ from edgefl.coordinator.strategy import Offer, Strategy, aggregate_checked, make
 from edgefl.datasets import dirichlet_partition, load_digits, split_digits
 from edgefl.head import Head
 from edgefl.types import F32, I64
-from edgefl.wire.codec import (
-    Compression,
+from edgefl.wire.compression import Compression
+from edgefl.wire.messages import (
+    GlobalModel,
+    HeadLayout,
     RoundAnnouncement,
     Update,
     decode_update,
+    encode_global_model,
     encode_round,
 )
-from edgefl.wire.messages import GlobalModel, HeadLayout, encode_global_model
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -31,7 +31,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from tests.support.broker import mosquitto_path, start_mosquitto, stop_broker
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -170,7 +171,7 @@ def child_leak(model: str, rounds: int) -> dict[str, Any]:
 
     from edgefl.agent import memory
     from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
-    from edgefl.wire.codec import GlobalModel, RoundAnnouncement, encode_global_model, encode_round
+    from edgefl.wire.messages import GlobalModel, RoundAnnouncement, encode_global_model, encode_round
 
     profile = _profile(model, cap_mb=1024, extra={"device.id": "leak"})
     state = Path(tempfile.mkdtemp(prefix="edgefl-leak-"))
@@ -282,28 +283,18 @@ def run_child(args: list[str], env: dict[str, str] | None = None, timeout: float
 
 @contextlib.contextmanager
 def mosquitto() -> Iterator[str | None]:
-    exe = shutil.which("mosquitto") or (
-        "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
-    )
-    if exe is None:
+    """A mosquitto (tests/support/broker.py) for the bench's duration: its URL, or None if not installed."""
+    try:
+        mosquitto_path()
+    except RuntimeError:
         yield None
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
-        conf = Path(d) / "m.conf"
-        conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
-        p = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        broker = start_mosquitto(Path(d))
         try:
-            for _ in range(100):
-                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                    break
-                time.sleep(0.05)
-            yield f"mqtt://127.0.0.1:{port}"
+            yield broker.url
         finally:
-            p.terminate()
-            p.wait(5)
+            stop_broker(broker)
 
 
 def lowest_cap(model: str, lo: int, hi: int) -> tuple[int, dict[str, Any]]:

@@ -68,8 +68,9 @@ from bench.round_overhead import mosquitto
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import make_strategy
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
-from edgefl.demo import MALLOC_ENV as DEMO_MALLOC_ENV
-from edgefl.demo import accuracy, embed_all, free_port, launch_agent, stop_agents
+from edgefl.evaluation import accuracy, embed_all
+from edgefl.launcher import MALLOC_ENV as DEMO_MALLOC_ENV
+from edgefl.launcher import free_port, launch_agent, stop_agents
 from edgefl.resources import shipped
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics

@@ -54,8 +54,15 @@ from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
 from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.strategy import FedAvg, Offer, aggregate_checked
 from edgefl.types import F32, I64
-from edgefl.wire.codec import Compression, RoundAnnouncement, decode_update, encode_round, encode_update
-from edgefl.wire.messages import GlobalModel, encode_global_model
+from edgefl.wire.compression import Compression
+from edgefl.wire.messages import (
+    GlobalModel,
+    RoundAnnouncement,
+    decode_update,
+    encode_global_model,
+    encode_round,
+    encode_update,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"

@@ -4,7 +4,7 @@ The models: the four of ``models/README.md`` and the two raw-input int8 variants
 normalisation folded into a uint8 input quantisation, so the fused step is a copy).
 
 Each figure is a median of ``--repeats`` interleaved runs in this one process
-(:func:`edgefl.agent.pipeline.measure`): one batch of seeded random uint8 frames through the unfused
+(:func:`edgefl.agent.pipeline_measure.measure`): one batch of seeded random uint8 frames through the unfused
 pipeline, the fused pipeline, then ``invoke`` alone with the input in place (the ceiling). End to end
 = preprocess + invoke (``Pipeline.forward``); "run" figures add reading and dequantising the outputs
 (``Pipeline.run``, the same code in both modes). Models run as the agent runs them: with XNNPACK
@@ -34,7 +34,8 @@ from pathlib import Path
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from edgefl.agent.pipeline import BatchMeasurement, Pipeline, decide, measure
+from edgefl.agent.pipeline import Pipeline
+from edgefl.agent.pipeline_measure import BatchMeasurement, decide, measure
 from edgefl.runtime import Backbone
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,7 +66,7 @@ def stage_ratio(r: BatchMeasurement) -> float:
 
     The whole-run medians of the three configurations are taken from different runs, so a burst of
     load on a shared machine moves one ratio by more than the whole preprocessing; the per-stage
-    medians (what :func:`edgefl.agent.pipeline.decide` compares) are less noisy.
+    medians (what :func:`edgefl.agent.pipeline_measure.decide` compares) are less noisy.
     """
     invoke = (r.stages_fused.get("invoke", 0.0) + r.stages_unfused.get("invoke", 0.0)) / 2.0
     return invoke / (r.preprocess_fused_s_per_sample + invoke)

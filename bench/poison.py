@@ -55,7 +55,7 @@ from edgefl.datasets import partition_non_iid, split_digits
 from edgefl.errors import UpdateRejected
 from edgefl.resources import shipped
 from edgefl.types import F32
-from edgefl.wire.codec import Compression
+from edgefl.wire.compression import Compression
 
 N_DEVICES = 5
 ATTACKER = 0

@@ -22,13 +22,11 @@ import asyncio
 import contextlib
 import json
 import multiprocessing as mp
-import shutil
 import socket
 import statistics
-import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,41 +35,23 @@ import paho.mqtt.client as mqtt
 
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import FedAvg
-from edgefl.demo import free_port
 from edgefl.topics import Topics
 from edgefl.transport import Message, MqttTransport
-from edgefl.wire.codec import Update, UpdateMetrics, decode_round, encode_update
+from edgefl.wire.messages import Update, UpdateMetrics, decode_round, encode_update
+from tests.support.broker import start_mosquitto, stop_broker
 
 D, K = 1280, 10
 N_DEVICES = 4
 
 
 @contextlib.contextmanager
-def mosquitto(tmp: Path, extra: str) -> Any:
-    """A mosquitto on a free 127.0.0.1 port, configured as tests/conftest.py does, plus ``extra``."""
-    exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-    port = free_port()
-    conf = tmp / f"mosquitto-{port}.conf"
-    conf.write_text(
-        f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\nlog_dest stderr\n{extra}\n"
-    )
-    log = open(tmp / f"mosquitto-{port}.log", "ab")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([exe, "-c", str(conf)], stdout=log, stderr=log)
+def mosquitto(tmp: Path, extra: str) -> Iterator[int]:
+    """A mosquitto on a free 127.0.0.1 port (tests/support/broker.py, as the tests run it) plus ``extra``."""
+    broker = start_mosquitto(tmp, extra)
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("mosquitto did not start") from None
-                time.sleep(0.05)
-        yield port
+        yield broker.port
     finally:
-        proc.terminate()
-        proc.wait(timeout=5)
-        log.close()
+        stop_broker(broker)
 
 
 def _nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:

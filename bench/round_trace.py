@@ -248,7 +248,7 @@ def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) 
     from bench.round_overhead import mosquitto
     from edgefl.coordinator import service
     from edgefl.coordinator.rounds import Round
-    from edgefl.demo import stop_agents
+    from edgefl.launcher import stop_agents
     from edgefl.wire.compression import Compression
     from edgefl.wire.messages import HeadLayout
 

@@ -87,14 +87,13 @@ import numpy as np
 
 from bench.cluster import Cluster, wait_port
 from edgefl.coordinator.bridge import bridge_config
-from edgefl.demo import free_port
+from edgefl.launcher import free_port
 from edgefl.resources import shipped
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import Message, MqttTransport, remaining_length
 from edgefl.types import F32
-from edgefl.wire.codec import Update, decode_global_model, decode_round
-from edgefl.wire.messages import UpdateMetrics, encode_update
+from edgefl.wire.messages import Update, UpdateMetrics, decode_global_model, decode_round, encode_update
 from edgefl.wire.signing import SigningKey, sign_message
 
 MIB = 1 << 20

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,12 +27,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from edgefl.demo import free_port
+from edgefl.launcher import free_port
 from edgefl.profiles import sha256_file
 from edgefl.resources import shipped
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import DeviceStatus, encode_status
+from edgefl.wire.messages import DeviceStatus, encode_status
+from tests.support.broker import start_mosquitto, stop_broker
 
 MIB = 1 << 20
 
@@ -140,13 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-restart", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    mosquitto = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
     with tempfile.TemporaryDirectory(prefix="edgefl-flood-") as d:
         tmp = Path(d)
-        port = free_port()
-        (tmp / "m.conf").write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
-        broker = subprocess.Popen([mosquitto, "-c", str(tmp / "m.conf")], stderr=subprocess.DEVNULL)
-        time.sleep(0.5)
+        broker = start_mosquitto(tmp)
+        port = broker.port
         try:
             page = free_port()
             coord = start_coordinator(port, "flood", args.max_devices, tmp / "c.log", page)
@@ -167,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 again.wait(180)
             lines = (tmp / "c.log").read_text(errors="replace").count("\n")
         finally:
-            broker.terminate()
-            broker.wait(10)
+            stop_broker(broker)
     result: dict[str, Any] = {
         "messages": args.messages,
         "kind": args.kind,

@@ -24,9 +24,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edgefl.wire.compression import Compression, compress_head_delta, compressed_roundtrip
+from edgefl.wire.compression import Compression, compress_head_delta
 from edgefl.wire.messages import GlobalModel, Update, UpdateMetrics, encode_global_model, encode_update
 from edgefl.wire.signing import SigningKey, sign_message, verify_payload
+from tests.support.wire import compressed_roundtrip
 
 SHAPES = ((512, 10), (1280, 10))
 MODES = (Compression.INT8, Compression.TOPK, Compression.TOPK_INT8)

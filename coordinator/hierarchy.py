@@ -42,13 +42,20 @@ from edgefl.aio import wait_event
 from edgefl.coordinator.rounds import Round, RoundPhase
 from edgefl.coordinator.service import ADOPT_WAIT_S, LOGGED_REFUSALS, Coordinator, shorten
 from edgefl.coordinator.strategy import SiteSums
-from edgefl.errors import UpdateRejected
+from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.records import read_record, write_record
 from edgefl.transport import Message
 from edgefl.wire.cbor import MessageType
 from edgefl.wire.chunking import Reassembler, is_chunk, split_message
-from edgefl.wire.codec import DecodeError, RoundAnnouncement, decode_global_model, decode_round
-from edgefl.wire.messages import MAX_PARTIAL_UPDATES, Partial, decode_partial, encode_partial
+from edgefl.wire.messages import (
+    MAX_PARTIAL_UPDATES,
+    Partial,
+    RoundAnnouncement,
+    decode_global_model,
+    decode_partial,
+    decode_round,
+    encode_partial,
+)
 from edgefl.wire.signing import VerifyKey, sign_message, verify_payload
 
 logger = logging.getLogger(__name__)

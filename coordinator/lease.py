@@ -1,8 +1,8 @@
 """One coordinator per fleet: a lock on its state folder and a lease on the broker.
 
-**The lock.** The state folder (the folder of ``files.state``) is locked with the agents' own
-``flock`` (``edgefl.agent.statelock``, given by the composition root): a second coordinator on the
-same folder is refused before it reads or writes anything there.
+**The lock.** The state file (``files.state``) is locked with the agents' own ``flock``
+(``edgefl.agent.statelock``, a ``<state>.lock`` beside it, given by the composition root): a second
+coordinator on the same state is refused before it reads or writes anything.
 
 **The lease.** A running coordinator keeps a retained :class:`~edgefl.wire.presence.Presence` on
 ``<prefix>/<fleet>/coordinator`` naming its instance, republished every ``heartbeat_s`` with a higher
@@ -63,7 +63,7 @@ class LeaseHeld(EdgeflError):
     Parameters
     ----------
     where : str
-        What is held: ``"fleet F on broker B"`` or ``"state folder P"``.
+        What is held: ``"fleet F on broker B"`` or ``"state file P"``.
     holder : str
         Who holds it, in words (instance, host and pid, or the lock's pid).
     """
@@ -96,7 +96,9 @@ async def probe_lease(
     Parameters
     ----------
     transport : MqttTransport
-        Not started; started and stopped here.
+        Not started; started and stopped here. Give it a persistent session (``session_expiry_s`` as
+        the coordinator's) and ``ack_on_commit``: a broker that renames it to a running
+        coordinator's client id then keeps that coordinator's session and unacknowledged messages.
     topic : str
         The lease topic (``Topics.coordinator``).
     fleet_where : str
@@ -120,8 +122,19 @@ async def probe_lease(
     await transport.start(wait_s=None)
     try:
         await connected(transport)
+        # A probe's client id is new: a session at the broker means the broker renamed it (mosquitto's
+        # use_username_as_clientid) to a running coordinator's, which it has just disconnected (its
+        # will cleared the lease). Nothing taken here is acknowledged (ack_on_commit, no commit), so
+        # that session keeps its messages; a live holder reconnects and republishes its presence.
+        renamed = transport.session_present
+        if renamed:
+            logger.warning(
+                "the broker gave the lease probe an existing session (it names clients after their "
+                "account?): waiting for its coordinator's presence"
+            )
         await transport.subscribe(topic, 1)
-        first = await _next_presence(transport, topic, PROBE_RETAINED_WAIT_S)
+        first_wait = 2 * LEASE_HEARTBEAT_S + PROBE_MARGIN_S if renamed else PROBE_RETAINED_WAIT_S
+        first = await _next_presence(transport, topic, first_wait)
         if first is None:
             return None
         wait_s = 2 * first.heartbeat_s + PROBE_MARGIN_S
@@ -138,6 +151,9 @@ async def probe_lease(
         )
         return first
     finally:
+        if transport.connected.is_set():  # nothing may pile up for the probe's session
+            with contextlib.suppress(TransportError):
+                await transport.unsubscribe(topic)
         await transport.stop()
 
 

@@ -125,11 +125,12 @@ class RoundsConfig:
         Service: a round opens only once the ready devices report at least this many labelled samples
         stored since their last round (the DeviceStatus ``new_samples`` field), >= 0 (0: no wait).
     min_clients : int
-        Ready devices a service's round needs to open (also: updates that close a job's round opened
-        before any device was ready), > 0. The strategy's own minimum applies on top.
+        Ready devices a service's round needs to open, and the fewest updates that close any round
+        before its deadline, > 0. The strategy's own minimum applies on top.
     quorum : float
-        Share of the devices asked (the ready devices, or the strategy's sample of them) whose updates
-        close a round before its deadline, in (0, 1]; 1.0: a round waits for every device it asked.
+        Share of the devices asked (the ready devices, or the strategy's sample of them, and any that
+        answer the retained announcement meanwhile) whose updates close a round before its deadline,
+        in (0, 1]; 1.0: a round waits for every device it asked.
     expected_clients : int
         Ready devices to wait for before round 1 (0: do not wait), >= 0.
     wait_devices_s : float

@@ -22,7 +22,7 @@ from enum import StrEnum
 from typing import Any
 
 from edgefl.errors import UpdateRejected
-from edgefl.wire.codec import Update
+from edgefl.wire.messages import Update
 
 
 class RoundPhase(StrEnum):
@@ -101,39 +101,40 @@ class Round:
 
     @property
     def asked(self) -> int:
-        """Devices asked to take part: the selection, else the devices ready when the round opened."""
-        return len(self.selected) if self.selected is not None else len(self.online)
+        """Devices asked to take part: the selection, else those ready at the opening or answering since.
+
+        The announcement is retained: a device back during the round answers it too.
+        """
+        if self.selected is not None:
+            return len(self.selected)
+        return len(self.online | set(self.devices) | set(self.declined))
 
     @property
     def close_at(self) -> int:
         """Updates that close the round before its deadline ("N of M": N counted of :attr:`asked`).
 
-        ``ceil(quorum x asked)``, at least ``min_updates``; ``min_clients`` without a quorum or
-        when nobody was asked (a round opened before any device said it is ready).
+        ``ceil(quorum x asked)``, and never fewer than ``min_clients`` nor the strategy's
+        ``min_updates``; without a quorum (library use), ``min_clients`` (and ``min_updates``).
         """
-        if self.quorum is None or self.asked == 0:
-            return max(self.min_clients, self.min_updates)
-        return max(math.ceil(self.quorum * self.asked - 1e-9), self.min_updates, 1)
+        floor = max(self.min_clients, self.min_updates, 1)
+        if self.quorum is None:
+            return floor
+        return max(math.ceil(self.quorum * self.asked - 1e-9), floor)
 
     def complete(self) -> bool:
-        """True when :attr:`close_at` updates arrived, or every device asked answered or declined.
+        """True when :attr:`close_at` updates arrived, or every selected device answered or declined.
 
-        Without a selection and without a quorum, every device online at the opening answering
-        closes the round only once one of them declined (no more updates are coming; waiting for
-        the deadline would not help). At the root of a hierarchy with ``expected_sites``: when
-        that many sites' partials arrived.
+        Without a selection, every device online at the opening answering closes the round once one
+        of them declined (no more updates are coming from those asked; waiting for the deadline would
+        not help). At the root of a hierarchy with ``expected_sites``: when that many sites' partials
+        arrived.
         """
         if self.expected_sites > 0:
             return len(self.sites) >= self.expected_sites
         tally = self.answered()
         if self.selected is not None and tally.of_selected >= len(self.selected):
             return True
-        if (
-            self.selected is None
-            and self.online
-            and (self.declined or self.quorum is not None)
-            and tally.of_online >= len(self.online)
-        ):
+        if self.selected is None and self.declined and self.online and tally.of_online >= len(self.online):
             return True
         return self.clients >= self.close_at
 

@@ -1,7 +1,7 @@
 """``edgefl coordinator [PROFILE] [--set key=value ...]``: the coordinator as a long-running service.
 
 Its settings come from a coordinator profile (:mod:`edgefl.coordinator.profile`; the shipped example
-is ``firmware_configs/coordinator.toml``); flags are overrides on top of it. It locks its state folder
+is ``firmware_configs/coordinator.toml``); flags are overrides on top of it. It locks its state file
 and checks the fleet's lease on the broker (:mod:`edgefl.coordinator.lease`) before it writes or
 publishes anything, connects as the profile says (``mqtts://`` always verifies the broker;
 credentials from the profile), resumes from its state file after a restart (the open round
@@ -17,7 +17,7 @@ runs N rounds back to back and exits.
 Exit codes: 0 done (or stopped); 1 invalid profile, or the broker refused its credentials; 3 the
 model could not be loaded; 4 a runtime error at start-up (broker unreachable, bad key file, the fleet
 page's port in use); 5 the job ended with a round that aggregated nothing (the reason is the last line
-on stderr); 6 another coordinator runs this fleet (its state folder is locked, or a live coordinator
+on stderr); 6 another coordinator runs this fleet (its state file is locked, or a live coordinator
 holds the fleet's lease on the broker).
 """
 
@@ -44,7 +44,7 @@ from edgefl.coordinator.lease import Lease, LeaseHeld, new_instance, probe_lease
 from edgefl.coordinator.privacy import DPFedAvg
 from edgefl.coordinator.profile import CoordinatorProfile, load_coordinator_profile
 from edgefl.coordinator.rounds import Pacing
-from edgefl.coordinator.service import Coordinator, RoundRecord
+from edgefl.coordinator.service import HISTORY_ROUNDS, Coordinator, RoundRecord
 from edgefl.coordinator.strategy import Strategy, make_strategy
 from edgefl.errors import ConfigError, ModelError, TransportError, UpdateRejected
 from edgefl.profiles import DashboardConfig, broker_password
@@ -54,7 +54,7 @@ from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
-from edgefl.wire.codec import Compression
+from edgefl.wire.compression import Compression
 from edgefl.wire.messages import HeadLayout
 from edgefl.wire.signing import load_signing_key, load_verify_key, load_verify_keys
 
@@ -69,7 +69,7 @@ EXIT_EMPTY_ROUND: Final = 5
 EXIT_LEASE: Final = 6
 
 StateLock = Callable[[Path], object]
-"""Locks a state folder for as long as the returned object lives (raises ``LeaseHeld`` when held)."""
+"""Locks a state file for as long as the returned object lives (raises ``LeaseHeld`` when held)."""
 
 COORDINATOR_RECONNECT_MAX_S: Final = 5.0
 """Cap of the coordinator's reconnect back-off, seconds (devices keep the transport's 30 s: a fleet must
@@ -123,8 +123,7 @@ FLAG_KEYS: Final = {
 FLAG_MEANING: Final = {
     "wait_devices": "wait for this many devices to be ready before round 1 (up to rounds.wait_devices_s) "
     "and expect as many clients a round; ",
-    "clip_norm": "bound on each update's L2 norm at the coordinator (not the devices' "
-    "training.clip_norm); ",
+    "clip_norm": "bound on each update's L2 norm at the coordinator (not the devices' training.clip_norm); ",
     "tolerate": "hostile devices every aggregated round withstands (sets each strategy's fewest "
     "updates a round); ",
 }
@@ -298,7 +297,7 @@ def main(
     args : the parsed command line (see :func:`add_parser`)
     evaluation : builds the central evaluation; given by the composition root (``edgefl.cli``)
     page : serves the fleet page when ``dashboard.enabled``; given by the composition root
-    lock : locks the state folder (the folder of ``files.state``) for this process's life, raising
+    lock : locks the state file (``files.state``, with a lock file beside it) for this process's life, raising
         :class:`~edgefl.coordinator.lease.LeaseHeld` when another process holds it; given by the
         composition root (the agents' ``flock``)
     """
@@ -318,12 +317,12 @@ def main(
     held: object = None
     try:
         if lock is not None and profile.files.state is not None:
-            held = lock(profile.files.state.parent)  # kept until this function returns
+            held = lock(profile.files.state)  # kept until this function returns
         return asyncio.run(run(profile, evaluation, page))
     except LeaseHeld as exc:
         print(f"edgefl coordinator: {exc}", file=sys.stderr)
         return EXIT_LEASE
-    except OSError as exc:  # the state folder cannot be created or locked
+    except OSError as exc:  # the state file's folder or lock cannot be created
         print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
     except ModelError as exc:
@@ -365,8 +364,14 @@ def _log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:
     versions.reverse()
     with open(log, "a") as f:
         for rec, version in zip(missing, versions, strict=True):
+            closed = rec.closed_unix if math.isfinite(rec.closed_unix) else time.time()
             entry = {
                 "round": rec.round,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(closed)),
+                "asked": rec.asked,
+                "counted": rec.clients,
+                "refused": {},  # the refusals by reason were not saved
+                "declined": {},
                 "clients": rec.clients,
                 "accuracy": None if math.isnan(rec.accuracy) else rec.accuracy,
                 "update_bytes_mean": rec.update_bytes_mean,
@@ -374,7 +379,9 @@ def _log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:
                 "update_ids": coord.counted.get(rec.round, []),
                 "version": version,
                 "strategy": strategy,
-                "refused": rec.refused or None,
+                "lr": rec.lr if math.isfinite(rec.lr) else None,
+                "new_samples": rec.new_samples if rec.new_samples >= 0 else None,
+                "round_refused": rec.refused or None,
                 "recovered": True,
             }
             f.write(json.dumps(entry) + "\n")
@@ -493,7 +500,7 @@ async def run(
     instance = new_instance()
     leased = hier.role != "site"  # one coordinator per fleet; a site is one per site broker
 
-    def transport_for(cid: str, *, persistent: bool) -> MqttTransport:
+    def transport_for(cid: str, *, persistent: bool, probe: bool = False) -> MqttTransport:
         return MqttTransport(
             broker.host,
             broker.port,
@@ -506,17 +513,17 @@ async def run(
             max_packet_bytes=broker.max_packet_bytes,
             max_incoming_packet_bytes=broker.max_incoming_packet_bytes,
             # A persistent session: updates published while the coordinator restarts wait for it
-            session_expiry_s=3600 if persistent else 0,
+            session_expiry_s=3600 if persistent or probe else 0,
             alternates=broker.alternate_addresses,  # the other nodes of a clustered broker, tried in turn
             # an update is acknowledged once the state file holds it: a SIGKILL loses none
-            ack_on_commit=persistent and files.state is not None,
+            ack_on_commit=probe or (persistent and files.state is not None),
             # one client, not a fleet: back within ~5 s of its broker (a root's partials wait for it)
             reconnect_max_s=COORDINATOR_RECONNECT_MAX_S,
             will=Lease.will(topics.coordinator) if persistent and leased else None,
         )
 
     if leased:  # before anything is published or written: is a live coordinator running this fleet?
-        probe = transport_for(f"{client_id}-probe-{instance[:8]}", persistent=False)
+        probe = transport_for(f"{client_id}-probe-{instance[:8]}", persistent=False, probe=True)
         await probe_lease(
             probe,
             topics.coordinator,
@@ -572,9 +579,7 @@ async def run(
         max_devices=profile.fleet.max_devices,
         device_expiry_s=profile.fleet.device_expiry_s,
         quorum=rounds.quorum,
-        pacing=Pacing(0.0, 0, 1)
-        if job
-        else Pacing(rounds.interval_s, rounds.min_new_samples, rounds.min_clients),
+        pacing=pacing_for(profile),
         **role_kwargs,
     )
 
@@ -668,6 +673,7 @@ async def run(
                 break
             rec = runner.result()
             records.append(rec)
+            del records[:-HISTORY_ROUNDS]  # the summary keeps the last rounds; the round log has them all
             refused_round = _since(coord.state.rejected, refused_before)
             declined_round = _since(coord.state.declined, declined_before)
             coord.note_round_reasons(rec.round, refused_round, declined_round)
@@ -736,6 +742,19 @@ async def run(
         )
         return EXIT_EMPTY_ROUND
     return EXIT_OK
+
+
+def pacing_for(profile: CoordinatorProfile) -> Pacing:
+    """When the next round opens (a job's at once; a root's by time only; a flat one's by all three).
+
+    A root's devices report to their sites' brokers, not to it: it paces by ``rounds.interval_s``.
+    """
+    rounds = profile.rounds
+    if rounds.count > 0:
+        return Pacing(0.0, 0, 1)
+    if profile.hierarchy.role == "root":
+        return Pacing(rounds.interval_s, 0, 0)
+    return Pacing(rounds.interval_s, rounds.min_new_samples, rounds.min_clients)
 
 
 def _since(now: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:
@@ -818,7 +837,9 @@ async def _run_site(
     """
     broker, rounds, files = profile.broker, profile.rounds, profile.files
     where = f"{broker.scheme}://{broker.host}:{broker.port}"
-    print(f"site {site.site} of fleet {profile.fleet.name} at {where}: rounds 1-{rounds.count}", flush=True)
+    last_round = rounds.count or sys.maxsize  # 0: the root's rounds until stopped
+    span = f"rounds 1-{rounds.count}" if rounds.count else "the root's rounds until stopped"
+    print(f"site {site.site} of fleet {profile.fleet.name} at {where}: {span}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -848,7 +869,7 @@ async def _run_site(
         )
         while not stop.is_set():
             refused_before = Counter(site.state.rejected)
-            runner = asyncio.create_task(_next_site_round(site, rounds.count))
+            runner = asyncio.create_task(_next_site_round(site, last_round))
             stopper = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()

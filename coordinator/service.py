@@ -41,20 +41,18 @@ from edgefl.coordinator.rounds import (
     replace_min_devices,
 )
 from edgefl.coordinator.strategy import Offer, RoundConfig, Schedule, Strategy, aggregate_checked
-from edgefl.errors import TransportError, UpdateRejected
+from edgefl.errors import DecodeError, TransportError, UpdateRejected
 from edgefl.head import validate_head
 from edgefl.records import read_record, write_record
 from edgefl.topics import Topics
 from edgefl.transport import Message, MqttTransport
 from edgefl.types import F32
-from edgefl.wire.cbor import prescan
+from edgefl.wire.cbor import Limits, MessageType, prescan
 from edgefl.wire.chunking import Reassembler, is_chunk, split_message
-from edgefl.wire.codec import (
-    Compression,
-    DecodeError,
+from edgefl.wire.compression import Compression
+from edgefl.wire.messages import (
     GlobalModel,
-    Limits,
-    MessageType,
+    HeadLayout,
     RoundAnnouncement,
     Update,
     decode_decline,
@@ -65,7 +63,6 @@ from edgefl.wire.codec import (
     encode_global_model,
     encode_round,
 )
-from edgefl.wire.messages import HeadLayout
 from edgefl.wire.presence import read_new_samples
 from edgefl.wire.signing import SigningKey, VerifyKey, sign_message, verify_payload
 
@@ -143,12 +140,20 @@ EARLY_UPDATES_MAX = 4096
 """Updates held for the next round before it opens (see ``Coordinator._early``)."""
 
 
+PACING_RECHECK_S = 0.5
+"""Least time between two checks of the pacing while a service waits (a fleet's statuses come in bursts:
+each check reads every ready device's status)."""
+
 PERSIST_EVERY = 32
 """With a state file, the open round is written at least every this many messages (``Coordinator.pump``)."""
 
-HISTORY_ROUNDS = 500
-"""Closed rounds kept in memory and in the state file (records and counted update ids): a service runs
-for months, and the round log (``files.log``) keeps them all."""
+HISTORY_ROUNDS = 200
+"""Closed rounds whose records are kept in memory and in the state file: a service runs for months, and
+the round log (``files.log``) keeps them all."""
+
+COUNTED_ROUNDS = 20
+"""Closed rounds whose counted update ids are kept (the state file is written after every batch of
+updates: 20 rounds of 200 devices' ids is ~80 kB)."""
 
 
 DECLINE_SUFFIX = ":declined"
@@ -604,9 +609,6 @@ class Coordinator:
         accumulator, the update ids) and the updates held for later: whatever the broker was told
         was received is in this file (see :meth:`pump`).
         """
-        del self.state.history[:-HISTORY_ROUNDS]
-        for old in sorted(self.counted)[:-HISTORY_ROUNDS]:
-            del self.counted[old]
         closed = self.state.current is None or self.state.current.number <= self._settled
         doc = {
             "v": 1,
@@ -1281,25 +1283,38 @@ class Coordinator:
 
     def pacing_state(self) -> FleetState:
         """Where the fleet stands before the next round (see :meth:`Pacing.check`)."""
-        pacing = replace_min_devices(self.pacing, self.min_updates())
+        pacing = self.pacing
+        if pacing.min_devices > 0:  # 0: a root, whose devices report to their sites
+            pacing = replace_min_devices(pacing, self.min_updates())
         since = None if self._last_start is None else time.monotonic() - self._last_start
         return pacing.check(self.state.round, self.ready_new_samples(), since)
 
     def fleet_state(self) -> FleetState:
-        """The fleet's state for its page: collecting, waiting for samples or devices, paused, finished..."""
+        """The fleet's state for its page: collecting, waiting for samples or devices, paused, finished...
+
+        Every state carries the pacing's numbers (devices ready and needed, new samples); an open
+        round adds its own (asked, counted, close_at).
+        """
+        paced = self.pacing_state()
         if self.finished:  # before the broker: a job that ended stops its transport before its page
-            return FleetState(
-                FleetPhase.FINISHED, f"finished after round {self.state.round}", round=self.state.round
-            )
+            text = f"finished after round {self.state.round}"
+            return dataclasses.replace(paced, state=FleetPhase.FINISHED, text=text, next_round_in_s=None)
         if not self.transport.connected.is_set():
             where = f"{self.transport.host}:{self.transport.port}"
-            return FleetState(
-                FleetPhase.BROKER_UNREACHABLE, f"broker unreachable: {where}", round=self.state.round
+            return dataclasses.replace(
+                paced,
+                state=FleetPhase.BROKER_UNREACHABLE,
+                text=f"broker unreachable: {where}",
+                next_round_in_s=None,
             )
         rnd = self.state.current
         if rnd is not None and rnd.phase is RoundPhase.OPEN:
-            return collecting(rnd)
-        return self.pacing_state()
+            st = collecting(rnd)
+            return dataclasses.replace(
+                paced, state=st.state, text=st.text, round=st.round, asked=st.asked, counted=st.counted,
+                close_at=st.close_at, next_round_in_s=None,
+            )  # fmt: skip
+        return paced
 
     async def wait_to_open(self, stop: asyncio.Event) -> bool:
         """Wait until the pacing lets the next round open (devices, new samples, interval), or ``stop``.
@@ -1316,10 +1331,11 @@ class Coordinator:
             st = self.pacing_state()
             if st.state is FleetPhase.PAUSED and not st.next_round_in_s:
                 return True
-            if st.state is not FleetPhase.PAUSED and st.text != said:
-                logger.info("before round %d: %s", self.state.round + 1, st.text)
+            if st.text != said:
+                if st.state is not FleetPhase.PAUSED:
+                    logger.info("before round %d: %s", self.state.round + 1, st.text)
                 said = st.text
-            self._notify()
+                self._notify()
             self._status_changed.clear()
             wake = st.next_round_in_s if st.state is FleetPhase.PAUSED else 60.0
             waiter = asyncio.ensure_future(self._status_changed.wait())
@@ -1328,10 +1344,14 @@ class Coordinator:
                 await asyncio.wait(
                     {waiter, stopper}, timeout=max(0.05, wake or 0.05), return_when="FIRST_COMPLETED"
                 )
+                woke = waiter.done()
             finally:
                 for t in (waiter, stopper):
                     t.cancel()
                 await asyncio.gather(waiter, stopper, return_exceptions=True)
+            if woke and not stop.is_set():  # a status changed: let a fleet's burst of them settle first
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), PACING_RECHECK_S)
         return False
 
     async def wait_for_devices(self, n: int, timeout_s: float, key: str = "ready") -> list[str]:
@@ -1589,5 +1609,8 @@ class Coordinator:
             new_samples=new_samples,
         )
         self.state.history.append(record)
+        del self.state.history[:-HISTORY_ROUNDS]  # a service runs for months: memory and state stay bounded
+        for old in sorted(self.counted)[:-COUNTED_ROUNDS]:
+            del self.counted[old]
         self._notify()
         return record

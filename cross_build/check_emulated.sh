@@ -46,7 +46,7 @@ case "$TARGET" in
 esac
 # A target/Python pair the builder refuses (no runtime wheel exists) is refused here before any work.
 if ! REFUSAL=$(PYTHONPATH="$ROOT" "$PY" -c 'import sys
-from cross_build.wheelhouse import refusal
+from cross_build.targets import refusal
 r = refusal(sys.argv[1], sys.argv[2])
 print(r or "")
 sys.exit(1 if r else 0)' "$TARGET" "$PYVER"); then
@@ -153,7 +153,7 @@ if [ -z "${3:-}" ] && [ -f "$HOUSE/requirements.lock" ] && [ "$(cat "$HOUSE/SOUR
 fi
 if [ ! -f "$HOUSE/requirements.lock" ]; then
   log "building the wheelhouse into $HOUSE"
-  "$PY" "$ROOT/cross_build/wheelhouse.py" --target "$TARGET" --python "$PYVER" --out "$HOUSE"
+  PYTHONPATH="$ROOT" "$PY" -m cross_build.wheelhouse --target "$TARGET" --python "$PYVER" --out "$HOUSE"
   [ -n "${3:-}" ] || echo "$SOURCE_ID" > "$HOUSE/SOURCE"
 fi
 log "wheelhouse $HOUSE: wheels $(du -sh "$HOUSE/wheels" | cut -f1), total $(du -sh "$HOUSE" | cut -f1)"
@@ -179,7 +179,7 @@ guest "$ROOTFS" /bin/sh /opt/wheelhouse/install.sh --no-systemd --prefix /opt/ed
 INSTALL_S=$(( $(date +%s) - t0 ))
 log "install under emulation: $INSTALL_S s; installed release $(du -sh "$ROOTFS"/opt/edgefl/releases/* | cut -f1)"
 
-log "codec round trip under emulation (edgefl.wire.codec with the cbor2 of the wheelhouse)"
+log "codec round trip under emulation (edgefl.wire.messages with the cbor2 of the wheelhouse)"
 CODEC_RC=0
 guest "$ROOTFS" /opt/edgefl/current/venv/bin/python /opt/check/classify.py codec 2>&1 | sed 's/^/  guest: /' \
   || CODEC_RC=1

@@ -109,7 +109,7 @@ def compare(guest: Path, host: Path) -> int:
 
 
 def codec_round_trip() -> int:
-    """Encode and decode a DeviceStatus with :mod:`edgefl.wire.codec` and the installed cbor2.
+    """Encode and decode a DeviceStatus with :mod:`edgefl.wire.messages` and the installed cbor2.
 
     Returns
     -------
@@ -119,7 +119,7 @@ def codec_round_trip() -> int:
     from importlib.metadata import version
 
     from edgefl.errors import DecodeError
-    from edgefl.wire.codec import DeviceStatus, decode_status, encode_status
+    from edgefl.wire.messages import DeviceStatus, decode_status, encode_status
 
     msg = DeviceStatus(device="gw-1", state="online")
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-# Must equal sorted(cross_build.wheelhouse.TARGETS) (checked by tests/test_cross_build.py).
+# Must equal sorted(cross_build.targets.TARGETS) (checked by tests/test_cross_build.py).
 TARGET_NAMES = ("aarch64", "armv7l", "x86_64")
 # Must equal cross_build.wheelhouse.PYTHONS (same test).
 PYTHON_VERSIONS = ("3.11", "3.12", "3.13")

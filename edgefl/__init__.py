@@ -10,7 +10,9 @@ The installed distribution claims this one import name. Layout (one home per con
 - neutral modules shared by device and coordinator: ``errors``, ``types``, ``validators``, ``aio``,
   ``topics``, ``transport`` (paho bridged into asyncio), ``records`` (the atomic writer), ``runtime``
   (the LiteRT backbone), ``head`` (the head's maths), ``datasets``, ``resources`` (shipped files)
-- ``edgefl.cli``          the composition root above device, coordinator and dashboard
+- ``edgefl.cli``          the composition root above device, coordinator and dashboard, with
+  ``evaluation`` (the coordinator's central evaluation through the device's pipeline), ``launcher``
+  (agent processes, as the unit runs them) and ``demo`` (``edgefl demo``)
 
 ``edgefl.agent``, ``edgefl.coordinator`` and ``edgefl.dashboard`` live in the top-level folders the
 design names (``agent/``...); setup.cfg's ``package_dir`` maps them under ``edgefl`` in the wheel and in

@@ -18,13 +18,14 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from edgefl.agent.config import Profile
     from edgefl.coordinator.profile import HierarchyConfig
+    from edgefl.profiles import DashboardConfig
 
 # One BLAS thread and two malloc arenas: on a small gateway each extra thread or arena costs RSS.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -133,8 +134,8 @@ def cmd_coordinator(main: Callable[..., int], args: argparse.Namespace, **parts:
     return main(args, **parts)
 
 
-def lock_coordinator_state(folder: Path) -> object:
-    """Lock a coordinator's state folder with the agents' ``flock`` (``coordinator.lock``) for its life.
+def lock_coordinator_state(state: Path) -> object:
+    """Lock a coordinator's state file with the agents' ``flock`` (``<state>.lock`` beside it) for its life.
 
     Raises
     ------
@@ -147,10 +148,10 @@ def lock_coordinator_state(folder: Path) -> object:
     from edgefl.coordinator.lease import LeaseHeld
 
     try:
-        return lock_state_dir(folder, lock_file="coordinator.lock", owner="coordinator")
+        return lock_state_dir(state.parent, lock_file=f"{state.name}.lock", owner="coordinator")
     except StateDirBusy as exc:
         holder = f"pid {exc.pid}" if exc.pid is not None else "a process whose pid is unknown"
-        raise LeaseHeld(f"state folder {folder}", holder) from exc
+        raise LeaseHeld(f"state file {state}", holder) from exc
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -580,7 +581,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     if "coordinator" in words or helping:
         # imported only when asked for: the agent process never runs it (~1 MiB of RSS saved)
         from edgefl.coordinator import runner
-        from edgefl.demo import central_evaluation, serve_coordinator_page
+        from edgefl.evaluation import central_evaluation
 
         runner.add_parser(sub).set_defaults(
             func=functools.partial(
@@ -592,6 +593,48 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
             )
         )
     return p
+
+
+async def serve_coordinator_page(
+    dashboard: DashboardConfig,
+    title: str,
+    get_status: Callable[[], Mapping[str, Any]],
+    get_rounds: Callable[[], Sequence[Mapping[str, Any]]] | None = None,
+) -> tuple[Callable[[], Awaitable[None]], int]:
+    """Serve the standalone coordinator's fleet page (``edgefl coordinator`` with ``[dashboard]`` on).
+
+    Parameters
+    ----------
+    dashboard : the profile's ``[dashboard]`` (bind address, port, bearer token)
+    title : shown in the page header
+    get_status : the coordinator's status document (:meth:`Coordinator.dashboard_status`)
+    get_rounds : its round records (:meth:`Coordinator.dashboard_rounds`), for ``/api/rounds``
+
+    Returns
+    -------
+    (stop, port) : an async function that stops the server, and the port bound
+
+    Raises
+    ------
+    ConfigError
+        If the bind address is not loopback and no token is set (``dashboard.app.serve``).
+    OSError
+        If the port cannot be bound.
+    """
+    from edgefl.dashboard.app import DashboardState, serve
+
+    # memory per device over the last 30 minutes (180 samples, 10 s apart)
+    board = DashboardState(
+        "coordinator",
+        title,
+        get_status,
+        token=dashboard.token,
+        get_rounds=get_rounds,
+        history_interval_s=10.0,
+        history_len=180,
+    )
+    runner, port = await serve(board, dashboard.host, dashboard.port)
+    return runner.cleanup, port
 
 
 def _role(h: HierarchyConfig) -> str:

@@ -19,14 +19,12 @@ import logging
 import math
 import os
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -37,21 +35,15 @@ from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import make_strategy
 from edgefl.datasets import FACTORY_CLASSES, load_digits, partition_non_iid, split_digits
-from edgefl.errors import ConfigError
+from edgefl.evaluation import accuracy
 from edgefl.feed import FeedOptions, FeedResult, feed
-from edgefl.head import Head
+from edgefl.launcher import free_port, launch_agent, stop_agents
 from edgefl.profiles import BrokerConfig
 from edgefl.records import atomic_write
 from edgefl.resources import shipped
-from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.types import F32, I64
-from edgefl.wire.codec import Compression
-
-if TYPE_CHECKING:
-    from edgefl.coordinator.profile import CoordinatorProfile
-    from edgefl.profiles import DashboardConfig
+from edgefl.wire.compression import Compression
 
 logger = logging.getLogger(__name__)
 
@@ -84,48 +76,6 @@ class DemoOptions:
     label_delay_s: float = 0.0
 
 
-def launch_agent(
-    profile: Path, overrides: dict[str, str], log_path: Path, *, optimize: bool = True, malloc: bool = True
-) -> subprocess.Popen[bytes]:
-    """Start one agent as a separate OS process: ``python -m edgefl.cli run PROFILE --set k=v ...``.
-
-    Parameters
-    ----------
-    profile : Path
-        The TOML profile.
-    overrides : dict
-        Dotted profile keys and values (``device.id``, ``broker.url``, ...).
-    log_path : Path
-        File receiving the agent's stdout and stderr.
-    optimize : bool
-        Run with ``-OO`` (as the systemd unit's ``PYTHONOPTIMIZE=2``); False for plain ``python``.
-    malloc : bool
-        glibc malloc set as the systemd unit sets it (``MALLOC_ARENA_MAX=2``, a fixed
-        ``MALLOC_MMAP_THRESHOLD_``); False: the environment as it is.
-
-    Returns
-    -------
-    The running process (the caller stops it with SIGTERM and waits).
-    """
-    # -OO drops docstrings and asserts: ~2.6 MiB less RSS per agent once the optimised bytecode is
-    # compiled (``make demo`` runs ``compileall -o 2``; without it, -OO would compile every import).
-    cmd = [sys.executable, *(["-OO"] if optimize else []), "-m", "edgefl.cli", "--log-level", "WARNING"]
-    cmd += ["run", str(profile)]
-    for key, val in overrides.items():
-        cmd += ["--set", f"{key}={val}"]
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            # as the systemd unit: two arenas, a fixed mmap threshold (large frees go back to the kernel)
-            env={**os.environ, **(MALLOC_ENV if malloc else {})},
-        )
-
-
-MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}
-"""glibc malloc as the systemd unit sets it: two arenas, a fixed mmap threshold (large frees go back)."""
-
 HEAD_ACCURACY_KEYS = ("personal_accuracy", "global_accuracy")
 """The agents' accuracies of their two heads on their holdout (status fields, ``--json`` keys)."""
 
@@ -152,40 +102,6 @@ async def _wait_head_accuracies(
 def _accuracy(value: object) -> float | None:
     """A status accuracy as a float (None when absent or not a number)."""
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def stop_agents(procs: list[subprocess.Popen[bytes]], timeout_s: float = 15.0) -> None:
-    """SIGTERM every agent still running, wait up to ``timeout_s`` each, then SIGKILL."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def embed_all(
-    backbone: Backbone, x: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...], batch: int = 1
-) -> F32:
-    """Embeddings of raw samples ``x`` [N, *sample_shape] → float32 [N, D], through the unfused pipeline."""
-    from edgefl.agent.pipeline import Pipeline
-
-    return Pipeline(backbone, mean, std, mode="unfused", batch=batch).run(x)[0]
-
-
-def accuracy(W: F32, b: F32, emb: F32, y: I64) -> float:
-    """Fraction of ``emb`` [N, D] whose argmax logit equals ``y`` [N]."""
-    return float(np.mean(Head(W, b).predict(emb) == y))
 
 
 @contextlib.contextmanager
@@ -553,92 +469,3 @@ async def _feed_devices(
     return list(results)
 
 
-def central_evaluation(profile: CoordinatorProfile, backbone: Backbone) -> Callable[[F32, F32], float] | None:
-    """The coordinator's central evaluation: accuracy of a head on the profile's ``[evaluation]`` set.
-
-    Without ``evaluation.path`` the shipped digits model is evaluated on the digits test split, any other
-    model not at all (devices report their own evaluation). Composed here, above device and coordinator:
-    the raw samples go through the device's unfused pipeline.
-
-    Parameters
-    ----------
-    profile : CoordinatorProfile
-    backbone : Backbone
-
-    Returns
-    -------
-    callable (W float32 [D, K], b float32 [K]) -> accuracy in [0, 1], or None
-
-    Raises
-    ------
-    ConfigError
-        If ``evaluation.path`` is not an ``.npz`` with ``x`` and ``y`` fitting the model.
-    """
-    ev = profile.evaluation
-    if ev.path is not None:
-        try:
-            with np.load(ev.path, allow_pickle=False) as data:
-                x, y = np.asarray(data["x"]), np.asarray(data["y"], dtype=np.int64)
-        except (OSError, KeyError, ValueError) as exc:
-            raise ConfigError(
-                [f"evaluation.path = {str(ev.path)!r}: not an .npz with x and y ({exc})"]
-            ) from exc
-        if x.shape[1:] != backbone.sample_shape or len(x) != len(y):
-            shapes = f"x {x.shape} / y {y.shape}"
-            raise ConfigError([f"evaluation.path: {shapes} do not fit the samples {backbone.sample_shape}"])
-        emb, labels = embed_all(backbone, x, ev.mean, ev.std), y
-    elif backbone.sample_shape == (8, 8, 1):
-        from edgefl.datasets import load_digits, split_digits
-
-        x, y = load_digits()
-        test = split_digits(y).test
-        emb, labels = embed_all(backbone, x[test], (0.0,), (16.0,)), y[test]
-    else:
-        return None
-
-    def evaluate(W: F32, b: F32) -> float:
-        return accuracy(W, b, emb, labels)
-
-    return evaluate
-
-
-async def serve_coordinator_page(
-    dashboard: DashboardConfig,
-    title: str,
-    get_status: Callable[[], Mapping[str, Any]],
-    get_rounds: Callable[[], Sequence[Mapping[str, Any]]] | None = None,
-) -> tuple[Callable[[], Awaitable[None]], int]:
-    """Serve the standalone coordinator's fleet page (``edgefl coordinator`` with ``[dashboard]`` on).
-
-    Parameters
-    ----------
-    dashboard : the profile's ``[dashboard]`` (bind address, port, bearer token)
-    title : shown in the page header
-    get_status : the coordinator's status document (:meth:`Coordinator.dashboard_status`)
-    get_rounds : its round records (:meth:`Coordinator.dashboard_rounds`), for ``/api/rounds``
-
-    Returns
-    -------
-    (stop, port) : an async function that stops the server, and the port bound
-
-    Raises
-    ------
-    ConfigError
-        If the bind address is not loopback and no token is set (``dashboard.app.serve``).
-    OSError
-        If the port cannot be bound.
-    """
-    from edgefl.dashboard.app import DashboardState, serve
-
-    # memory per device over the last 30 minutes (180 samples, 10 s apart)
-    board = DashboardState(
-        "coordinator",
-        title,
-        get_status,
-        token=dashboard.token,
-        get_rounds=get_rounds,
-        history_interval_s=10.0,
-        history_len=180,
-    )
-    runner, port = await serve(board, dashboard.host, dashboard.port)
-    return runner.cleanup, port

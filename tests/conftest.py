@@ -24,9 +24,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from edgefl.demo import free_port
+from edgefl.launcher import free_port
+from tests.support.broker import Broker, mosquitto_path, restart_mosquitto, start_mosquitto, stop_broker
 
-__all__ = ["free_port"]  # the one free_port (tests, bench and the demo share it)
+# tests import these from here; the launcher is tests/support/broker.py (benches use it too)
+__all__ = ["Broker", "free_port", "mosquitto_path", "restart_mosquitto", "start_mosquitto", "stop_broker"]
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -107,7 +109,7 @@ TEST_STATUS_INTERVAL_S = "0.2"
 async def next_status_fields(transport: Any) -> dict[str, Any]:
     """The next non-empty DeviceStatus on ``transport``'s queue (subscribed to a status topic): its
     fields plus ``state``; empty payloads (a cleared retained status) are skipped."""
-    from edgefl.wire.codec import decode_status
+    from edgefl.wire.messages import decode_status
 
     while True:
         msg = await transport.queue.get()
@@ -144,80 +146,6 @@ def read_mqtt_packet(sock: socket.socket) -> tuple[int, bytes]:
     while len(body) < length:
         body += sock.recv(length - len(body))
     return first, body
-
-
-def mosquitto_path() -> str:
-    path = shutil.which("mosquitto") or (
-        "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
-    )
-    if path is None:
-        raise RuntimeError("mosquitto not installed: run .ci/run (apt-get install mosquitto)")
-    return path
-
-
-@dataclass
-class Broker:
-    host: str
-    port: int
-    proc: subprocess.Popen[bytes]
-    conf: Path
-
-    @property
-    def url(self) -> str:
-        return f"mqtt://{self.host}:{self.port}"
-
-
-def start_mosquitto(tmp: Path, extra: str = "", port: int | None = None) -> Broker:
-    """Start a mosquitto on 127.0.0.1 with a config written to ``tmp``; wait until it accepts connections.
-
-    Without ``port``, a free one; if another process (a parallel test worker) takes it first, the broker
-    starts again on another (three tries).
-    """
-    for attempt in range(3):
-        chosen = port or free_port()
-        conf = tmp / f"mosquitto-{chosen}.conf"
-        conf.write_text(
-            f"listener {chosen} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-            f"set_tcp_nodelay true\nlog_dest stderr\n{extra}\n"
-        )
-        try:
-            return _run_mosquitto(tmp, conf, chosen)
-        except RuntimeError:
-            if port is not None or attempt == 2:
-                raise
-    raise AssertionError("unreachable")
-
-
-def restart_mosquitto(b: Broker) -> Broker:
-    """Start a stopped broker again: the same configuration file, the same port (its log appended)."""
-    return _run_mosquitto(b.conf.parent, b.conf, b.port)
-
-
-def _run_mosquitto(tmp: Path, conf: Path, port: int) -> Broker:
-    log = open(tmp / f"mosquitto-{port}.log", "ab")  # noqa: SIM115 - lives as long as the broker
-    proc = subprocess.Popen([mosquitto_path(), "-c", str(conf)], stdout=log, stderr=log)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"mosquitto exited with {proc.returncode}: {(tmp / f'mosquitto-{port}.log').read_text()}"
-            )
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return Broker("127.0.0.1", port, proc, conf)
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("mosquitto did not start listening within 10 s")
-
-
-def stop_broker(b: Broker) -> None:
-    b.proc.terminate()
-    try:
-        b.proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        b.proc.kill()
-        b.proc.wait()
 
 
 @pytest.fixture(scope="session")
@@ -353,7 +281,7 @@ def start_replay_agent(
     """Start a real agent process (dev profile, int8 model) replaying x, y; its log is tmp/<dev>.log."""
     import numpy as np
 
-    from edgefl.demo import launch_agent
+    from edgefl.launcher import launch_agent
 
     np.savez(tmp / f"{dev}.npz", x=x, y=y)
     overrides = {
@@ -379,7 +307,7 @@ def start_ingest_agent(
     ``source.kind = "mqtt"``: samples on ``samples/<dev>``, labels on ``labels/<dev>``, predictions on
     ``predictions/<dev>``. Extra keys as ``start_replay_agent``'s (``source__queue_max="4"``).
     """
-    from edgefl.demo import launch_agent
+    from edgefl.launcher import launch_agent
 
     overrides = {
         "device.id": dev,

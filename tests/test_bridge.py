@@ -15,7 +15,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -46,16 +45,17 @@ from edgefl.records import read_record
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
-from edgefl.wire.codec import (
+from edgefl.wire.messages import (
+    Partial,
     Update,
     UpdateMetrics,
     decode_global_model,
     decode_round,
     decode_status,
     decode_update,
+    encode_partial,
     encode_update,
 )
-from edgefl.wire.messages import Partial, encode_partial
 from edgefl.wire.signing import SigningKey, generate_signing_key, sign_message
 
 SITES = {"site-a": ("a1", "a2", "a3"), "site-b": ("b1", "b2", "b3")}
@@ -361,7 +361,7 @@ def test_site_uplink_cut_counts_each_update_once(tier: Tier) -> None:
                     await dev.send(site, d, 1, base)
             # site-a's partial is acknowledged by its own broker, the uplink still down
             await wait_until(lambda: len(tier.log("site-a")) == 1, 30, "site-a's partial of round 1")
-            time.sleep(3.0)  # the outage itself
+            await asyncio.sleep(3.0)  # the outage itself: a head that must not come (nothing to wait for)
             assert 1 not in dev.heads["site-b"]  # the root waits for site-a
             tier.bb.links["site-a"].restore()
             await dev.head(1)

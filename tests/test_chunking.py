@@ -30,7 +30,7 @@ from edgefl.wire.chunking import (
     publish_packet_bytes,
     split_message,
 )
-from edgefl.wire.codec import Update, UpdateMetrics, decode_update, encode_update
+from edgefl.wire.messages import Update, UpdateMetrics, decode_update, encode_update
 
 
 class FakeClock:

@@ -1,4 +1,5 @@
-"""Tests of edgefl/wire/codec.py: round trips, compression bounds, interoperability, malformed input."""
+"""Tests of the wire codec (edgefl/wire/messages.py, compression.py, cbor.py): round trips, compression
+bounds, interoperability, malformed input."""
 
 from __future__ import annotations
 
@@ -19,20 +20,22 @@ from hypothesis import strategies as st
 
 from edgefl.errors import DecodeError
 from edgefl.types import F32
-from edgefl.wire.codec import (
-    REASONS,
-    SCHEMA_VERSION,
+from edgefl.wire.arrays import decode_array, encode_array
+from edgefl.wire.cbor import SCHEMA_VERSION, Limits, MessageType
+from edgefl.wire.compression import (  # the Rice coder's own unit tests
     Compression,
+    _rice_encode,
+    _rice_parameter,
+    compress_delta,
+    decompress_delta,
+    topk_count,
+)
+from edgefl.wire.messages import (
     DeviceStatus,
     GlobalModel,
-    Limits,
-    MessageType,
     RoundAnnouncement,
     Update,
     UpdateMetrics,
-    compress_delta,
-    compressed_roundtrip,
-    decode_array,
     decode_decline,
     decode_global_model,
     decode_label,
@@ -41,17 +44,15 @@ from edgefl.wire.codec import (
     decode_sample,
     decode_status,
     decode_update,
-    decompress_delta,
-    encode_array,
     encode_global_model,
     encode_round,
     encode_status,
     encode_update,
     is_valid_device_id,
     offline_status,
-    topk_count,
 )
-from edgefl.wire.compression import _rice_encode, _rice_parameter  # the Rice coder's own unit tests
+from edgefl.wire.reasons import REASONS
+from tests.support.wire import compressed_roundtrip
 
 SHA = "ab" * 32
 

@@ -23,7 +23,7 @@ from edgefl.errors import UpdateRejected
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import GlobalModel, Update, UpdateMetrics, decode_global_model, encode_update
+from edgefl.wire.messages import GlobalModel, Update, UpdateMetrics, decode_global_model, encode_update
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,7 +72,7 @@ def test_coordinator_fedbuff_runs_buffered_steps_with_real_agents(
     assert [ln["clients"] for ln in lines] == [2, 2, 2]
     assert [ln["version"] for ln in lines] == [1, 2, 3]
     assert lines[-1]["accuracy"] > 0.5
-    assert all(ln["refused"] is None and ln["epsilon"] is None for ln in lines)
+    assert all(ln["round_refused"] is None and ln["epsilon"] is None for ln in lines)
 
 
 def test_coordinator_dp_reports_epsilon_every_round_with_real_agents(
@@ -212,8 +212,12 @@ def test_coordinator_refuses_a_round_whose_head_the_agents_would_refuse(
                 await opened(rnd)
                 await dev.publish(topics.update("a"), update(rnd, value), qos=1)
                 records.append(await task)
-                if rnd == 1:
-                    assert not state.exists()  # nothing persisted for the refused round
+                if rnd == 1:  # the open round's updates were persisted (acknowledged on commit), no head
+                    saved = Coordinator(
+                        None, topics, W0, b0, model_sha256=bb.sha256, strategy=FedAvg()  # type: ignore[arg-type]
+                    )
+                    saved.load_state(state)
+                    assert saved.state.version == 0 and np.array_equal(saved.W, W0)
             heads.append(decode_global_model((await asyncio.wait_for(dev.queue.get(), 10)).payload))
             return coord, records, heads
         finally:

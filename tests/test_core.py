@@ -22,21 +22,21 @@ from conftest import DEV_PROFILE, INT8_MODEL, Broker, start_replay_agent
 from edgefl.agent.config import Profile, load_profile
 from edgefl.agent.core import ANSWERED_FILE, OUTBOX_FILE, ApplyStatus, DeviceCore, RoundStatus
 from edgefl.datasets import load_digits
-from edgefl.demo import stop_agents
+from edgefl.launcher import stop_agents
 from edgefl.records import read_record
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import (
-    Compression,
+from edgefl.wire.compression import Compression
+from edgefl.wire.messages import (
     GlobalModel,
     RoundAnnouncement,
-    compressed_roundtrip,
     decode_status,
     decode_update,
     encode_global_model,
     encode_round,
 )
 from edgefl.wire.signing import generate_signing_key, sign_message, verify_payload
+from tests.support.wire import compressed_roundtrip
 
 pytestmark = pytest.mark.timeout(180)
 

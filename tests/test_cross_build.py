@@ -25,15 +25,21 @@ import pytest
 from packaging.utils import parse_wheel_filename
 
 from cross_build import cli as wh_cli
+from cross_build import lock as wh_lock
+from cross_build import targets as wh_targets
 from cross_build import wheelhouse as wh
+from cross_build.lock import LockEntry
+from cross_build.targets import WheelhouseError
 
 ROOT = Path(__file__).resolve().parents[1]
+# the wheelhouse builds pip-wheel the checkout in its source tree: with test_packaging, on one worker
+pytestmark = pytest.mark.xdist_group("wheel")
 
 # The Debian 12 (CPython 3.11) flavours; the Python-specific tests name their Python.
-AARCH64 = wh.target_for("aarch64", "3.11")
-AARCH64_313 = wh.target_for("aarch64", "3.13")
-ARMV7L = wh.TARGETS["armv7l"]
-X86_64 = wh.target_for("x86_64", "3.11")
+AARCH64 = wh_targets.target_for("aarch64", "3.11")
+AARCH64_313 = wh_targets.target_for("aarch64", "3.13")
+ARMV7L = wh_targets.TARGETS["armv7l"]
+X86_64 = wh_targets.target_for("x86_64", "3.11")
 
 # edgefl's Requires-Dist as setuptools writes them from setup.cfg (install_requires + extras).
 EDGEFL_REQUIRES = [
@@ -54,14 +60,14 @@ EDGEFL_REQUIRES = [
 
 
 def test_aarch64_tags_list_every_glibc_from_2_28_down_to_2_17() -> None:
-    tags = wh.manylinux_tags("aarch64", (2, 28))
+    tags = wh_targets.manylinux_tags("aarch64", (2, 28))
     assert tags == [f"manylinux_2_{m}_aarch64" for m in range(28, 16, -1)] + ["manylinux2014_aarch64"]
     # ai-edge-litert 2.x is tagged only manylinux_2_27_aarch64: without it pip picks LiteRT 1.4.0.
     assert "manylinux_2_27_aarch64" in tags
 
 
 def test_armv7l_tags_reach_tflite_runtime_2_34() -> None:
-    tags = wh.manylinux_tags("armv7l", (2, 36))
+    tags = wh_targets.manylinux_tags("armv7l", (2, 36))
     assert tags[0] == "manylinux_2_36_armv7l"
     assert "manylinux_2_34_armv7l" in tags
     assert tags[-2:] == ["manylinux_2_17_armv7l", "manylinux2014_armv7l"]
@@ -69,7 +75,7 @@ def test_armv7l_tags_reach_tflite_runtime_2_34() -> None:
 
 
 def test_x86_64_tags_include_the_legacy_aliases_in_place() -> None:
-    tags = wh.manylinux_tags("x86_64", (2, 17))
+    tags = wh_targets.manylinux_tags("x86_64", (2, 17))
     assert tags[:2] == ["manylinux_2_17_x86_64", "manylinux2014_x86_64"]
     i = tags.index("manylinux_2_12_x86_64")
     assert tags[i + 1] == "manylinux2010_x86_64"
@@ -80,7 +86,7 @@ def test_x86_64_tags_include_the_legacy_aliases_in_place() -> None:
 @pytest.mark.parametrize(("machine", "glibc"), [("aarch64", (2, 16)), ("x86_64", (2, 4)), ("armv7l", (3, 0))])
 def test_tags_reject_a_glibc_without_manylinux(machine: str, glibc: tuple[int, int]) -> None:
     with pytest.raises(ValueError, match="no manylinux tag"):
-        wh.manylinux_tags(machine, glibc)
+        wh_targets.manylinux_tags(machine, glibc)
 
 
 @pytest.mark.parametrize(
@@ -109,8 +115,8 @@ def test_tags_reject_a_glibc_without_manylinux(machine: str, glibc: tuple[int, i
         ("paho_mqtt-2.2.0-py3-none-any.whl", AARCH64_313, True),
     ],
 )
-def test_supported_wheel(filename: str, target: wh.Target, ok: bool) -> None:
-    assert wh.supported_wheel(filename, target) is ok
+def test_supported_wheel(filename: str, target: wh_targets.Target, ok: bool) -> None:
+    assert wh_targets.supported_wheel(filename, target) is ok
 
 
 # --- markers ------------------------------------------------------------------------------------
@@ -121,7 +127,7 @@ def _names(reqs: list[object]) -> list[str]:
 
 
 def test_armv7l_requirements_drop_litert_and_take_the_tflite_extra() -> None:
-    reqs = wh.applicable_requirements(EDGEFL_REQUIRES, ARMV7L, ARMV7L.extras)
+    reqs = wh_targets.applicable_requirements(EDGEFL_REQUIRES, ARMV7L, ARMV7L.extras)
     assert _names(list(reqs)) == [
         "numpy>=1.24", "cbor2>=5.9", "paho-mqtt>=2.0", "aiohttp>=3.9", "tflite-runtime>=2.14", "numpy<2",
         "PyNaCl>=1.5",
@@ -129,17 +135,17 @@ def test_armv7l_requirements_drop_litert_and_take_the_tflite_extra() -> None:
 
 
 def test_aarch64_requirements_keep_litert_with_only_the_security_extra() -> None:
-    reqs = wh.applicable_requirements(EDGEFL_REQUIRES, AARCH64, AARCH64.extras)
+    reqs = wh_targets.applicable_requirements(EDGEFL_REQUIRES, AARCH64, AARCH64.extras)
     assert _names(list(reqs)) == ["ai-edge-litert>=2.0", "numpy>=1.24", "cbor2>=5.9", "paho-mqtt>=2.0",
                                   "aiohttp>=3.9", "PyNaCl>=1.5"]
 
 
 def test_markers_use_the_target_not_the_build_machine() -> None:
-    env = wh.target_environment(ARMV7L)
+    env = wh_targets.target_environment(ARMV7L)
     assert env["platform_machine"] == "armv7l"
     assert env["python_version"] == "3.11"
     assert env["sys_platform"] == "linux"
-    env = wh.target_environment(AARCH64_313)
+    env = wh_targets.target_environment(AARCH64_313)
     assert (env["python_version"], env["python_full_version"]) == ("3.13", "3.13.0")
 
 
@@ -148,25 +154,25 @@ def test_markers_use_the_target_not_the_build_machine() -> None:
 
 def test_wheelhouse_defaults_to_the_python_of_the_targets_debian_stable() -> None:
     # aarch64/x86_64: Debian 13 (CPython 3.13); armv7l: Debian 12 (3.11), its newest with a runtime.
-    got = {name: wh.target_for(name).python_version for name in wh.TARGETS}
+    got = {name: wh_targets.target_for(name).python_version for name in wh_targets.TARGETS}
     assert got == {"aarch64": "3.13", "armv7l": "3.11", "x86_64": "3.13"}
 
 
 @pytest.mark.parametrize(("python", "abi"), [("3.11", "cp311"), ("3.12", "cp312"), ("3.13", "cp313")])
 def test_wheelhouse_target_for_python_tags_the_abi(python: str, abi: str) -> None:
-    t = wh.target_for("aarch64", python)
+    t = wh_targets.target_for("aarch64", python)
     assert (t.python_version, t.abi, t.platform) == (python, abi, f"{abi}-manylinux_2_28_aarch64")
-    assert t.pins == wh.TARGETS["aarch64"].pins  # only the Python changes
+    assert t.pins == wh_targets.TARGETS["aarch64"].pins  # only the Python changes
 
 
 @pytest.mark.parametrize("python", ["3.12", "3.13"])
 def test_wheelhouse_refuses_armv7l_without_a_runtime_up_front(
     python: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    why = wh.refusal("armv7l", python)
+    why = wh_targets.refusal("armv7l", python)
     assert why is not None and "no TFLite runtime wheel exists for armv7l" in why and python in why
-    with pytest.raises(wh.WheelhouseError, match=r"tflite-runtime 2\.14\.0"):
-        wh.target_for("armv7l", python)
+    with pytest.raises(WheelhouseError, match=r"tflite-runtime 2\.14\.0"):
+        wh_targets.target_for("armv7l", python)
     out = tmp_path / "out"
     rc = wh.main(["--target", "armv7l", "--python", python, "--out", str(out)])
     assert rc == 1
@@ -179,16 +185,16 @@ def test_wheelhouse_build_refuses_a_refused_target_too(tmp_path: Path) -> None:
     import dataclasses
 
     t = dataclasses.replace(ARMV7L, python_version="3.13")
-    with pytest.raises(wh.WheelhouseError, match=r"armv7l CPython 3\.13"):
+    with pytest.raises(WheelhouseError, match=r"armv7l CPython 3\.13"):
         wh.build_wheelhouse(t, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
 def test_wheelhouse_refusal_names_unknown_pythons_and_targets() -> None:
-    assert wh.refusal("aarch64", "3.13") is None
-    assert wh.refusal("armv7l", "3.11") is None
-    assert wh.refusal("aarch64", "3.10") == "unsupported CPython '3.10' (one of 3.11, 3.12, 3.13)"
-    assert wh.refusal("mips", "3.11") == "unknown target 'mips' (one of aarch64, armv7l, x86_64)"
+    assert wh_targets.refusal("aarch64", "3.13") is None
+    assert wh_targets.refusal("armv7l", "3.11") is None
+    assert wh_targets.refusal("aarch64", "3.10") == "unsupported CPython '3.10' (one of 3.11, 3.12, 3.13)"
+    assert wh_targets.refusal("mips", "3.11") == "unknown target 'mips' (one of aarch64, armv7l, x86_64)"
 
 
 # --- lock ---------------------------------------------------------------------------------------
@@ -196,11 +202,11 @@ def test_wheelhouse_refusal_names_unknown_pythons_and_targets() -> None:
 
 def test_lock_round_trip_is_sorted_with_file_comments() -> None:
     entries = [
-        wh.LockEntry("numpy", "2.4.6", "b" * 64, "numpy-2.4.6-cp311-cp311-manylinux_2_27_aarch64.whl"),
-        wh.LockEntry("ai-edge-litert", "2.3.0", "a" * 64,
+        LockEntry("numpy", "2.4.6", "b" * 64, "numpy-2.4.6-cp311-cp311-manylinux_2_27_aarch64.whl"),
+        LockEntry("ai-edge-litert", "2.3.0", "a" * 64,
                      "ai_edge_litert-2.3.0-cp311-cp311-manylinux_2_27_aarch64.whl"),
     ]
-    text = wh.format_lock(entries, "edgefl wheelhouse for aarch64")
+    text = wh_lock.format_lock(entries, "edgefl wheelhouse for aarch64")
     assert text.splitlines() == [
         "# edgefl wheelhouse for aarch64",
         "# ai_edge_litert-2.3.0-cp311-cp311-manylinux_2_27_aarch64.whl",
@@ -208,36 +214,36 @@ def test_lock_round_trip_is_sorted_with_file_comments() -> None:
         "# numpy-2.4.6-cp311-cp311-manylinux_2_27_aarch64.whl",
         "numpy==2.4.6 --hash=sha256:" + "b" * 64,
     ]
-    assert wh.parse_lock(text) == sorted(entries, key=lambda e: e.name)
+    assert wh_lock.parse_lock(text) == sorted(entries, key=lambda e: e.name)
 
 
 def test_parse_lock_names_the_bad_line() -> None:
     with pytest.raises(ValueError, match="line 3"):
-        wh.parse_lock("# header\nnumpy==1.0 --hash=sha256:" + "0" * 64 + "\nnumpy>=1.0\n")
+        wh_lock.parse_lock("# header\nnumpy==1.0 --hash=sha256:" + "0" * 64 + "\nnumpy>=1.0\n")
     with pytest.raises(ValueError, match="line 1"):
-        wh.parse_lock("numpy==1.0 --hash=sha256:abc\n")  # not 64 hex digits
+        wh_lock.parse_lock("numpy==1.0 --hash=sha256:abc\n")  # not 64 hex digits
 
 
 def test_expectations_catch_the_litert_1_4_fallback() -> None:
-    lock = [wh.LockEntry("ai-edge-litert", "1.4.0", "0" * 64), wh.LockEntry("cbor2", "6.3.0", "1" * 64),
-            wh.LockEntry("pynacl", "1.6.2", "2" * 64)]
-    with pytest.raises(wh.WheelhouseError) as err:
-        wh.check_expectations(lock, AARCH64)
+    lock = [LockEntry("ai-edge-litert", "1.4.0", "0" * 64), LockEntry("cbor2", "6.3.0", "1" * 64),
+            LockEntry("pynacl", "1.6.2", "2" * 64)]
+    with pytest.raises(WheelhouseError) as err:
+        wh_lock.check_expectations(lock, AARCH64)
     assert err.value.name == "ai-edge-litert"
     assert err.value.platform == "cp311-manylinux_2_28_aarch64"
     assert "locked 1.4.0, expected ai-edge-litert>=2" in str(err.value)
-    wh.check_expectations([wh.LockEntry("ai-edge-litert", "2.3.0", "0" * 64), *lock[1:]], AARCH64)
+    wh_lock.check_expectations([LockEntry("ai-edge-litert", "2.3.0", "0" * 64), *lock[1:]], AARCH64)
 
 
 def test_expectations_catch_a_missing_distribution() -> None:
-    with pytest.raises(wh.WheelhouseError, match=r"tflite-runtime for cp311-manylinux_2_36_armv7l: missing"):
-        wh.check_expectations([wh.LockEntry("cbor2", "5.9.0", "0" * 64)], ARMV7L)
+    with pytest.raises(WheelhouseError, match=r"tflite-runtime for cp311-manylinux_2_36_armv7l: missing"):
+        wh_lock.check_expectations([LockEntry("cbor2", "5.9.0", "0" * 64)], ARMV7L)
 
 
 # --- closure ------------------------------------------------------------------------------------
 
 
-def _wheel(tmp: Path, filename: str, requires: list[str]) -> wh.WheelInfo:
+def _wheel(tmp: Path, filename: str, requires: list[str]) -> wh_lock.WheelInfo:
     """Write a minimal real wheel (METADATA only) and read it back through read_wheel."""
     name, version = filename.split("-")[:2]
     path = tmp / filename
@@ -245,7 +251,7 @@ def _wheel(tmp: Path, filename: str, requires: list[str]) -> wh.WheelInfo:
     meta += [f"Requires-Dist: {r}" for r in requires]
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr(f"{name}-{version}.dist-info/METADATA", "\n".join(meta) + "\n")
-    return wh.read_wheel(path)
+    return wh_lock.read_wheel(path)
 
 
 def test_read_wheel_reads_requires_dist(tmp_path: Path) -> None:
@@ -257,11 +263,11 @@ def test_read_wheel_reads_requires_dist(tmp_path: Path) -> None:
 def test_read_wheel_rejects_a_non_wheel(tmp_path: Path) -> None:
     bad = tmp_path / "x-1.0-py3-none-any.whl"
     bad.write_bytes(b"not a zip")
-    with pytest.raises(wh.WheelhouseError, match="not a readable wheel"):
-        wh.read_wheel(bad)
+    with pytest.raises(WheelhouseError, match="not a readable wheel"):
+        wh_lock.read_wheel(bad)
 
 
-def _armv7l_house(tmp: Path, *, with_aiohttp: bool = True) -> list[wh.WheelInfo]:
+def _armv7l_house(tmp: Path, *, with_aiohttp: bool = True) -> list[wh_lock.WheelInfo]:
     house = [
         _wheel(tmp, "edgefl-0.1.0-py3-none-any.whl", EDGEFL_REQUIRES),
         _wheel(tmp, "cbor2-5.9.0-py3-none-any.whl", []),
@@ -274,14 +280,14 @@ def _armv7l_house(tmp: Path, *, with_aiohttp: bool = True) -> list[wh.WheelInfo]
 
 
 def test_closure_accepts_debian_numpy_on_armv7l(tmp_path: Path) -> None:
-    wh.check_closure(_armv7l_house(tmp_path), ARMV7L)
+    wh_lock.check_closure(_armv7l_house(tmp_path), ARMV7L)
 
 
 def test_wheelhouse_carries_the_signing_library_on_every_target() -> None:
     """PyNaCl (the security extra): a wheel on aarch64 and x86_64, Debian's python3-nacl on armv7l."""
     for target in (AARCH64, AARCH64_313, X86_64, ARMV7L):
         assert "security" in target.extras, target.name
-        names = {r.name for r in wh.applicable_requirements(EDGEFL_REQUIRES, target, target.extras)}
+        names = {r.name for r in wh_targets.applicable_requirements(EDGEFL_REQUIRES, target, target.extras)}
         assert "PyNaCl" in names, target.name
     assert "pynacl>=1.5" in AARCH64.expect and "pynacl>=1.5" in X86_64.expect
     assert ARMV7L.system_packages["pynacl"] == "1.5.0"  # Debian 12's python3-nacl
@@ -291,31 +297,31 @@ def test_wheelhouse_carries_the_signing_library_on_every_target() -> None:
 
 def test_closure_checks_debian_pynacl_on_armv7l(tmp_path: Path) -> None:
     without = dataclasses.replace(ARMV7L, system_packages={"numpy": "1.24.2"})
-    with pytest.raises(wh.WheelhouseError) as err:
-        wh.check_closure(_armv7l_house(tmp_path), without)
+    with pytest.raises(WheelhouseError) as err:
+        wh_lock.check_closure(_armv7l_house(tmp_path), without)
     assert (err.value.name, err.value.reason) == ("pynacl", "no wheel (required by edgefl 0.1.0)")
 
 
 def test_closure_names_the_missing_dependency_and_platform(tmp_path: Path) -> None:
-    with pytest.raises(wh.WheelhouseError) as err:
-        wh.check_closure(_armv7l_house(tmp_path, with_aiohttp=False), ARMV7L)
+    with pytest.raises(WheelhouseError) as err:
+        wh_lock.check_closure(_armv7l_house(tmp_path, with_aiohttp=False), ARMV7L)
     assert (err.value.name, err.value.platform) == ("aiohttp", "cp311-manylinux_2_36_armv7l")
     assert "required by edgefl 0.1.0" in err.value.reason
 
 
 def test_closure_checks_the_system_package_version(tmp_path: Path) -> None:
-    old_numpy = wh.Target(name="armv7l", machine="armv7l", glibc=(2, 36), extras=("tflite",),
+    old_numpy = wh_targets.Target(name="armv7l", machine="armv7l", glibc=(2, 36), extras=("tflite",),
                           system_packages={"numpy": "1.22.0"})
     pattern = r"numpy for .*: 1\.22\.0 does not satisfy numpy>=1\.24 \(required by edgefl\)"
-    with pytest.raises(wh.WheelhouseError, match=pattern):
-        wh.check_closure(_armv7l_house(tmp_path), old_numpy)
+    with pytest.raises(WheelhouseError, match=pattern):
+        wh_lock.check_closure(_armv7l_house(tmp_path), old_numpy)
 
 
 def test_closure_rejects_a_wheel_for_another_platform(tmp_path: Path) -> None:
     house = _armv7l_house(tmp_path)
     house.append(_wheel(tmp_path, "yarl-1.25.1-cp311-cp311-manylinux2014_aarch64.whl", []))
-    with pytest.raises(wh.WheelhouseError, match=r"yarl for .*armv7l: .* does not install on the target"):
-        wh.check_closure(house, ARMV7L)
+    with pytest.raises(WheelhouseError, match=r"yarl for .*armv7l: .* does not install on the target"):
+        wh_lock.check_closure(house, ARMV7L)
 
 
 # --- systemd unit -------------------------------------------------------------------------------
@@ -366,7 +372,7 @@ def test_unit_for_the_256mb_gateway_caps_at_96_mb() -> None:
 
 def test_unit_refuses_a_state_dir_outside_var_lib() -> None:
     # dev_x86 keeps its state next to the profile: ProtectSystem=strict would make it read-only.
-    with pytest.raises(wh.WheelhouseError, match="must be under /var/lib"):
+    with pytest.raises(WheelhouseError, match="must be under /var/lib"):
         wh.render_unit(ROOT / "firmware_configs" / "dev_x86.toml")
 
 
@@ -431,8 +437,8 @@ def test_wheelhouse_subcommand_parses() -> None:
 
 
 def test_cli_hook_knows_every_target_and_the_default_prefix() -> None:
-    assert tuple(sorted(wh.TARGETS)) == wh_cli.TARGET_NAMES
-    assert wh.PYTHONS == wh_cli.PYTHON_VERSIONS
+    assert tuple(sorted(wh_targets.TARGETS)) == wh_cli.TARGET_NAMES
+    assert wh_targets.PYTHONS == wh_cli.PYTHON_VERSIONS
     assert wh_cli.DEFAULT_PREFIX == wh.DEFAULT_PREFIX
 
 
@@ -614,29 +620,29 @@ def _house(name: str, python: str, tmp_path_factory: pytest.TempPathFactory) -> 
     if os.environ.get("EDGEFL_NETWORK_TESTS") != "1":
         pytest.skip(f"no cached wheelhouse at {cached.relative_to(ROOT)} (EDGEFL_NETWORK_TESTS=1 builds one)")
     out = tmp_path_factory.mktemp(f"wheelhouse-{name}-{python}")
-    wh.build_wheelhouse(wh.target_for(name, python), out)
+    wh.build_wheelhouse(wh_targets.target_for(name, python), out)
     return out
 
 
-def _locked(house: Path) -> dict[str, wh.LockEntry]:
-    entries = wh.parse_lock((house / "requirements.lock").read_text(encoding="utf-8"))
+def _locked(house: Path) -> dict[str, LockEntry]:
+    entries = wh_lock.parse_lock((house / "requirements.lock").read_text(encoding="utf-8"))
     return {e.name: e for e in entries}
 
 
-def _check_hashes_and_tags(house: Path, target: wh.Target) -> None:
+def _check_hashes_and_tags(house: Path, target: wh_targets.Target) -> None:
     lock = _locked(house)
     files = sorted((house / "wheels").glob("*.whl"))
     assert len(files) == len(lock)
     for f in files:
         entry = next(e for e in lock.values() if e.filename == f.name)
-        assert wh.sha256_file(f) == entry.sha256, f.name
-        assert wh.supported_wheel(f.name, target), f.name
+        assert wh_lock.sha256_file(f) == entry.sha256, f.name
+        assert wh_targets.supported_wheel(f.name, target), f.name
 
 
 @pytest.mark.parametrize("python", ["3.11", "3.12", "3.13"])
 def test_aarch64_wheelhouse_locks_litert_2(python: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     house = _house("aarch64", python, tmp_path_factory)
-    target = wh.target_for("aarch64", python)
+    target = wh_targets.target_for("aarch64", python)
     lock = _locked(house)
     assert int(lock["ai-edge-litert"].version.split(".")[0]) >= 2
     assert lock["ai-edge-litert"].filename.endswith(f"-{target.abi}-{target.abi}-manylinux_2_27_aarch64.whl")
@@ -677,7 +683,7 @@ def test_armv7l_wheelhouse_has_tflite_runtime_and_pure_cbor2(
 @pytest.fixture(scope="module")
 def host_house(tmp_path_factory: pytest.TempPathFactory) -> Path:
     machine = os.uname().machine
-    if machine not in wh.TARGETS:
+    if machine not in wh_targets.TARGETS:
         pytest.skip(f"no wheelhouse target for this build machine ({machine})")
     return _house(machine, RUNNING_PYTHON, tmp_path_factory)
 

@@ -19,7 +19,7 @@ from conftest import PASSWORD, USER, Broker, Pki, free_port, start_ingest_agent,
 from conftest import wait_until as wait_until_async
 
 from edgefl.cli import EXIT_CREDENTIALS, EXIT_RUNTIME
-from edgefl.demo import stop_agents
+from edgefl.launcher import stop_agents
 
 pytestmark = pytest.mark.timeout(180)
 

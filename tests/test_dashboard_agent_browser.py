@@ -24,7 +24,7 @@ from edgefl.agent import memory
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, split_digits
-from edgefl.demo import launch_agent, stop_agents
+from edgefl.launcher import launch_agent, stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport

@@ -18,7 +18,7 @@ import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, Broker, free_port
 
 from edgefl.dashboard.app import DashboardState, serve
-from edgefl.demo import launch_agent, stop_agents
+from edgefl.launcher import launch_agent, stop_agents
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -15,11 +15,12 @@ from conftest import INT8_MODEL, Broker, start_replay_agent, wait_until
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
-from edgefl.demo import accuracy, embed_all, stop_agents
+from edgefl.evaluation import accuracy, embed_all
+from edgefl.launcher import stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import GlobalModel, encode_global_model
+from edgefl.wire.messages import GlobalModel, encode_global_model
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -41,12 +41,12 @@ from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import FedAvg, Offer, aggregate_checked, make_strategy
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
-from edgefl.demo import accuracy, embed_all
+from edgefl.evaluation import accuracy, embed_all
 from edgefl.records import prev_path
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import (
+from edgefl.wire.messages import (
     GlobalModel,
     RoundAnnouncement,
     Update,
@@ -464,7 +464,7 @@ def test_fault_round_collects_before_the_announcement_puback_counts_once_and_fai
     acknowledges (broker gone) still fails its round with TransportError, nothing recorded."""
     import edgefl.coordinator.service as service
     from edgefl.errors import TransportError
-    from edgefl.wire.codec import decode_round
+    from edgefl.wire.messages import decode_round
 
     monkeypatch.setattr(service, "PUBLISH_RETRY_S", 1.0)
     broker = start_mosquitto(tmp_path)
@@ -1089,7 +1089,7 @@ def test_fault_full_disk_degrades_keeps_classifying_and_recovers(
         assert log.count("degraded: disk full") >= 1 and "persisting resumed (was disk full)" in log
         # the head applied while the disk was full was written once there was room
         from edgefl.records import read_record
-        from edgefl.wire.codec import decode_global_model
+        from edgefl.wire.messages import decode_global_model
 
         persisted = read_record(state / "global_head.rec")
         assert persisted is not None and decode_global_model(persisted).version >= 2

@@ -19,8 +19,8 @@ from conftest import DEV_PROFILE, Broker, start_ingest_agent
 from test_ingest import Gateway
 
 from edgefl.datasets import load_digits
-from edgefl.demo import stop_agents
 from edgefl.feed import check_samples
+from edgefl.launcher import stop_agents
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -6,14 +6,9 @@ import numpy as np
 import pytest
 
 from edgefl.agent.feedback import RESIDUAL_FILE, ErrorFeedback
-from edgefl.wire.codec import (
-    Compression,
-    Update,
-    UpdateMetrics,
-    compressed_roundtrip,
-    decode_update,
-    encode_update,
-)
+from edgefl.wire.compression import Compression
+from edgefl.wire.messages import Update, UpdateMetrics, decode_update, encode_update
+from tests.support.wire import compressed_roundtrip
 
 
 def test_topk_residual_by_hand_and_telescoping(tmp_path: Path) -> None:

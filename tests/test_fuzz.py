@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from edgefl.errors import DecodeError
 from edgefl.records import RecordError, decode_record
 from edgefl.wire.chunking import Reassembler, decode_chunk
-from edgefl.wire.codec import decode_global_model, decode_round, decode_status, decode_update
+from edgefl.wire.messages import decode_global_model, decode_round, decode_status, decode_update
 from edgefl.wire.signing import verify_payload
 
 if (

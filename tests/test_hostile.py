@@ -22,12 +22,17 @@ import numpy as np
 import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, Broker, free_port, start_mosquitto, stop_broker, wait_until
 
-from edgefl.demo import launch_agent, stop_agents
+from edgefl.launcher import launch_agent, stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import decode_status, encode_global_model, encode_round
-from edgefl.wire.messages import GlobalModel, RoundAnnouncement
+from edgefl.wire.messages import (
+    GlobalModel,
+    RoundAnnouncement,
+    decode_status,
+    encode_global_model,
+    encode_round,
+)
 from edgefl.wire.signing import SigningKey, sign_message
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.subprocess]

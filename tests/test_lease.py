@@ -1,4 +1,4 @@
-"""One coordinator per fleet: the state folder's lock, the broker lease (exit 6), a busy page port (exit 4).
+"""One coordinator per fleet: the state file's lock, the broker lease (exit 6), a busy page port (exit 4).
 
 Real ``edgefl coordinator`` processes against the session's real mosquitto; the lease is read by a
 real MQTT client, as a second coordinator reads it.
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Broker, free_port
+from conftest import ROOT, Broker, free_port, start_mosquitto, stop_broker
 
 from edgefl.coordinator.lease import LEASE_HEARTBEAT_S, PROBE_MARGIN_S
 from edgefl.errors import DecodeError
@@ -42,9 +42,11 @@ def read_log(tmp: Path, name: str) -> str:
     return (tmp / f"{name}.log").read_text()
 
 
-async def presences(broker: Broker, fleet: str, n: int, timeout_s: float) -> list[Presence]:
+async def presences(
+    broker: Broker, fleet: str, n: int, timeout_s: float, username: str | None = None
+) -> list[Presence]:
     """The first ``n`` presences seen on the fleet's lease topic (the retained one first)."""
-    t = MqttTransport(broker.host, broker.port, f"watch-{fleet}-{time.monotonic_ns()}")
+    t = MqttTransport(broker.host, broker.port, f"watch-{fleet}-{time.monotonic_ns()}", username=username)
     await t.start(wait_s=10)
     try:
         topic = Topics("edgefl", fleet).coordinator
@@ -115,7 +117,7 @@ def test_lease_second_coordinator_exits_6_before_it_writes_and_the_first_is_unha
     try:
         seen = asyncio.run(presences(mosquitto, fleet, 2, 30))  # the holder's presence, then its heartbeat
         assert seen[0].instance == seen[1].instance and seen[1].seq > seen[0].seq, seen
-        # another state folder (the lock cannot see it): the broker lease does
+        # another state file (the lock cannot see it): the broker lease does
         second = start_coordinator(
             tmp_path,
             "b",
@@ -130,19 +132,18 @@ def test_lease_second_coordinator_exits_6_before_it_writes_and_the_first_is_unha
         out = read_log(tmp_path, "b")
         assert "another coordinator runs this fleet" in out and seen[0].instance[:8] in out, out
         assert "Traceback" not in out and "fleet page" not in out, out
-        assert sorted(p.name for p in b_dir.iterdir()) == ["coordinator.lock"], list(b_dir.iterdir())
+        assert sorted(p.name for p in b_dir.iterdir()) == ["state.rec.lock"], list(b_dir.iterdir())
         # the first one kept its connection and its lease
         assert first.poll() is None, read_log(tmp_path, "a")
         again = asyncio.run(presences(mosquitto, fleet, 1, 10))[0]
         assert again.instance == seen[0].instance
         assert "broker lost" not in read_log(tmp_path, "a"), read_log(tmp_path, "a")
-        # same state folder: the lock refuses it at once, naming the holder's pid
+        # same state file: the lock refuses it at once, naming the holder's pid
         third = start_coordinator(tmp_path, "c", mosquitto, fleet, f"files.state={a_dir / 'state.rec'}")
         assert third.wait(timeout=60) == 6, read_log(tmp_path, "c")
         out = read_log(tmp_path, "c")
-        assert (
-            f"another coordinator runs this fleet: state folder {a_dir} is held by pid {first.pid}" in out
-        ), out
+        held = f"state file {a_dir / 'state.rec'} is held by pid {first.pid}"
+        assert f"another coordinator runs this fleet: {held}" in out, out
     finally:
         if first.poll() is None:
             first.send_signal(signal.SIGTERM)
@@ -188,3 +189,35 @@ def test_lease_fleet_page_port_in_use_is_a_clean_exit_4(
     assert f"cannot start: dashboard.port = {port}: cannot serve the fleet page on 127.0.0.1" in out, out
     assert "Traceback" not in out, out
     assert asyncio.run(retained_lease(mosquitto, fleet)) is None  # it never took the lease
+
+
+@pytest.mark.subprocess
+@pytest.mark.broker
+def test_lease_probe_renamed_by_the_broker_to_the_running_coordinator_is_refused(
+    tmp_path: Path, fleet: str
+) -> None:
+    """``use_username_as_clientid true`` (docs/operations.md's broker) gives the second coordinator's probe
+    the running one's client id: the probe sees that session, waits for the holder's presence (it comes
+    back within a heartbeat), and exits 6; the first one reconnects and keeps running."""
+    broker = start_mosquitto(tmp_path, "use_username_as_clientid true")
+    try:
+        account = "broker.username=coordinator"
+        first = start_coordinator(tmp_path, "a", broker, fleet, account, f"files.state={tmp_path / 'a.rec'}")
+        try:
+            seen = asyncio.run(presences(broker, fleet, 2, 30, username="watch-1"))
+            second = start_coordinator(
+                tmp_path, "b", broker, fleet, account, f"files.state={tmp_path / 'b.rec'}"
+            )
+            assert second.wait(timeout=60) == 6, read_log(tmp_path, "b")
+            out = read_log(tmp_path, "b")
+            assert "another coordinator runs this fleet" in out and seen[0].instance[:8] in out, out
+            assert "an existing session" in out, out
+            assert not (tmp_path / "b.rec").exists()
+            assert first.poll() is None, read_log(tmp_path, "a")
+            again = asyncio.run(presences(broker, fleet, 2, 30, username="watch-2"))
+            assert {p.instance for p in again} == {seen[0].instance}, again
+        finally:
+            first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=30) == 0, read_log(tmp_path, "a")
+    finally:
+        stop_broker(broker)

@@ -285,8 +285,9 @@ import json, sys, tempfile
 from pathlib import Path
 import numpy as np
 from edgefl.agent import memory as m
-from edgefl.wire.codec import (GlobalModel, Limits, Update, UpdateMetrics, decode_global_model,
-                         encode_global_model, encode_update)
+from edgefl.wire.messages import GlobalModel, Update, UpdateMetrics
+from edgefl.wire.messages import decode_global_model, encode_global_model, encode_update
+from edgefl.wire.cbor import Limits
 from edgefl.head import Head
 from edgefl.agent.pipeline import Pipeline
 from edgefl.runtime import dequantize
@@ -452,7 +453,7 @@ def _digits_shard(tmp: Path) -> Path:
 
 
 def _start_agent(broker: Broker, fleet: str, tmp: Path, extra: dict[str, str]) -> Any:
-    from edgefl.demo import launch_agent
+    from edgefl.launcher import launch_agent
 
     overrides = {
         "device.id": "dev-1",
@@ -550,7 +551,7 @@ def test_wired_tight_cap_shrinks_or_defers_training_keeps_classifying(
         first, last, clients = asyncio.run(main())
         alive = proc.poll() is None
     finally:
-        from edgefl.demo import stop_agents
+        from edgefl.launcher import stop_agents
 
         peak_outside = watch.stop()
         stop_agents([proc])

@@ -102,7 +102,7 @@ def child_cgroup() -> Iterator[ChildCgroup]:
 
 
 def _launch_in(cg: ChildCgroup, overrides: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """``edgefl.demo.launch_agent``'s command, with the child joining the cgroup before exec."""
+    """``edgefl.launcher.launch_agent``'s command, with the child joining the cgroup before exec."""
     cmd = [sys.executable, "-m", "edgefl.cli", "--log-level", "WARNING", "run", str(DEV_PROFILE)]
     for k, v in overrides.items():
         cmd += ["--set", f"{k}={v}"]
@@ -123,7 +123,7 @@ def _launch_in(cg: ChildCgroup, overrides: dict[str, str], log: Path) -> subproc
 def _run_rounds(
     mosquitto: Broker, fleet: str, tmp: Path, cg: ChildCgroup, rounds: int
 ) -> tuple[list[int], dict[str, Any], subprocess.Popen[bytes]]:
-    from edgefl.demo import stop_agents
+    from edgefl.launcher import stop_agents
 
     proc = _launch_in(
         cg,

@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import INT8_MODEL, MODELS, Broker, start_replay_agent
-from test_fleet import run_coordinator
 from test_modelfile import _without_embedding_output
+from test_runner import run_coordinator
 
 from edgefl import modelfile
 from edgefl.cli import main
 from edgefl.datasets import load_digits
-from edgefl.demo import stop_agents
+from edgefl.launcher import stop_agents
 from edgefl.runtime import Backbone, file_sha256
 
 pytestmark = pytest.mark.timeout(240)

@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
+# pip builds in the source tree (build/): one worker builds edgefl's wheels (make test's --dist loadgroup)
+pytestmark = pytest.mark.xdist_group("wheel")
+
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -38,7 +41,7 @@ def test_wheel_claims_only_the_edgefl_import_name(wheel: Path) -> None:
         "edgefl/dashboard/static/index.html",
         "edgefl/agent/daemon.py",
         "edgefl/coordinator/service.py",
-        "edgefl/wire/codec.py",
+        "edgefl/wire/messages.py",
     ):
         assert shipped in names, shipped
     # build-machine tools and the benches' data stay in the checkout

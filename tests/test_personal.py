@@ -32,27 +32,28 @@ from edgefl.agent.store import EmbeddingStore
 from edgefl.agent.trainer import train_personal
 from edgefl.coordinator.service import personal_heads_summary
 from edgefl.datasets import load_digits
-from edgefl.demo import stop_agents
 from edgefl.errors import ConfigError, DecodeError
 from edgefl.head import Head, ditto_step, personal_columns
+from edgefl.launcher import stop_agents
 from edgefl.records import read_record
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import (
-    Compression,
+from edgefl.wire.compression import Compression
+from edgefl.wire.messages import (
+    GlobalModel,
     Prediction,
     RoundAnnouncement,
     Sample,
     decode_prediction,
     decode_status,
     decode_update,
+    encode_global_model,
     encode_prediction,
     encode_round,
     encode_sample,
     encode_update,
 )
-from edgefl.wire.messages import GlobalModel, encode_global_model
 
 # ----------------------------------------------------------------------------------------------
 # The step, by hand

@@ -10,15 +10,8 @@ import numpy as np
 import pytest
 from conftest import MODELS
 
-from edgefl.agent.pipeline import (
-    BatchMeasurement,
-    Pipeline,
-    cache_path,
-    choose,
-    decide,
-    measure,
-    random_raw,
-)
+from edgefl.agent.pipeline import Pipeline, cache_path, choose, random_raw
+from edgefl.agent.pipeline_measure import BatchMeasurement, decide, measure
 from edgefl.datasets import load_digits
 from edgefl.head import Head
 from edgefl.runtime import Backbone, InterpreterBusy

@@ -91,6 +91,7 @@ def test_shipped_coordinator_profile_with_a_model_that_cannot_load(tmp_path: Pat
     assert "Traceback" not in run.stderr + run.stdout
 
 
+@pytest.mark.subprocess
 def test_shipped_coordinator_profile_with_writable_files_passes(tmp_path: Path) -> None:
     sets = _sets([f"files.{name}={tmp_path}/out.{name}" for name in ("state", "log", "json")])
     check = _edgefl("check-config", str(COORDINATOR), *sets, cwd=tmp_path)

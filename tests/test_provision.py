@@ -21,7 +21,7 @@ import pytest
 from conftest import ROOT, TEST_STATUS_INTERVAL_S, Broker, start_mosquitto, stop_broker
 
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
-from edgefl.demo import free_port, launch_agent, stop_agents
+from edgefl.launcher import free_port, launch_agent, stop_agents
 from edgefl.wire.signing import load_signing_key, load_verify_keys
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.broker, pytest.mark.subprocess]

@@ -19,15 +19,20 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import INT8_MODEL, ROOT, Broker, free_port, start_replay_agent
 
+from edgefl.coordinator.profile import load_coordinator_profile
 from edgefl.coordinator.rounds import FleetPhase, Pacing, Round
+from edgefl.coordinator.runner import pacing_for
+from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits
-from edgefl.demo import stop_agents
+from edgefl.launcher import stop_agents
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import DeviceStatus, encode_status
+from edgefl.wire.messages import DeviceStatus, encode_status
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,10 +89,44 @@ def test_pacing_a_round_waits_for_the_devices_it_asked() -> None:
     assert rnd(online=online).close_at == 2  # no quorum (library use): min_clients, as before
 
 
+def test_pacing_fleet_state_of_a_coordinator_without_its_broker_and_with_a_round_open() -> None:
+    W, b = np.zeros((4, 2), np.float32), np.zeros(2, np.float32)
+    transport = MqttTransport("127.0.0.1", 1883, "never-started")
+    coord = Coordinator(transport, Topics("edgefl", "f"), W, b, model_sha256="0" * 64, strategy=FedAvg())
+    assert coord.fleet_state().as_dict()["state"] == "broker_unreachable"
+    assert coord.fleet_state().text == "broker unreachable: 127.0.0.1:1883"
+    transport.connected.set()  # as the transport says once connected
+    coord.pacing = Pacing(0.0, 0, 1)
+    assert coord.fleet_state().text == "waiting for devices: 0 of 1 ready"
+    coord.state.current = Round(3, 0, (4, 2), 30.0, 1, online=frozenset({"a", "b", "c"}), quorum=1.0)
+    fs = coord.fleet_state().as_dict()
+    assert (fs["state"], fs["text"], fs["round"], fs["asked"], fs["counted"], fs["close_at"]) == (
+        "collecting",
+        "collecting 0 of 3",
+        3,
+        3,
+        0,
+        3,
+    )
+    assert coord.dashboard_status()["fleet_state"] == fs
+
+
+def test_pacing_of_a_job_a_root_and_a_flat_service() -> None:
+    def pacing(**sets: str) -> Pacing:
+        return pacing_for(load_coordinator_profile(PROFILE, {"model.path": str(INT8_MODEL), **sets}))
+
+    assert pacing() == Pacing(60.0, 32, 2)  # the shipped service
+    assert pacing(**{"rounds.count": "3"}) == Pacing(0.0, 0, 1)  # a job: back to back
+    root = pacing(**{"hierarchy.role": "root", "hierarchy.allow_unsigned_sites": "true"})
+    assert root == Pacing(60.0, 0, 0)  # its devices report to their sites: time only
+    assert root.check(4, {}, 60.0).text == "opening round 5"
+
+
 # -- real processes -------------------------------------------------------------------------------
 def start_coordinator(tmp: Path, name: str, broker: Broker, fleet: str, *sets: str) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "edgefl.cli", "--log-level", "INFO", "coordinator", str(PROFILE)]
     cmd += ["--broker", broker.url, "--fleet", fleet, "--strategy", "fedavg", "--model", str(INT8_MODEL)]
+    cmd += ["--set", "robustness.tolerate=0"]  # two or three devices: no hostile one tolerated
     for item in sets:
         cmd += ["--set", item]
     log = open(tmp / f"{name}.log", "a")  # noqa: SIM115 - closed with the process
@@ -188,12 +227,14 @@ def test_pacing_service_waits_for_new_samples_and_stops_cleanly(
     assert entry["lr"] == 0.05 and entry["new_samples"] >= 100, entry  # constant learning rate
 
 
+@pytest.mark.parametrize(("stop", "exit_code"), [(signal.SIGKILL, -signal.SIGKILL), (signal.SIGTERM, 0)])
 def test_durable_kill9_after_devices_sent_counts_every_update_once(
-    tmp_path: Path, mosquitto: Broker, fleet: str
+    tmp_path: Path, mosquitto: Broker, fleet: str, stop: signal.Signals, exit_code: int
 ) -> None:
     """A round asks three real devices and a fourth that never answers, so it stays open; the
-    coordinator is killed -9 right after the three updates arrived. Restarted, it resumes the round
-    and closes it at its deadline with each of the three updates counted exactly once."""
+    coordinator is killed -9 (or stopped: SIGTERM abandons the open round cleanly, saved) right after
+    the three updates arrived. Restarted, it resumes the round and closes it at its deadline with
+    each of the three updates counted exactly once."""
     x, y = load_digits()
     devices = ("dev-1", "dev-2", "dev-3")
     agents = [
@@ -230,8 +271,8 @@ def test_durable_kill9_after_devices_sent_counts_every_update_once(
             [coord],
             tmp_path,
         )
-        coord.send_signal(signal.SIGKILL)
-        assert coord.wait(timeout=10) == -signal.SIGKILL
+        coord.send_signal(stop)
+        assert coord.wait(timeout=30) == exit_code, coordinator_log.read_text()[-3000:]
         assert log_lines(log) == []  # the round had not closed
         coord = start_coordinator(tmp_path, "coordinator", mosquitto, fleet, *sets)
         wait_for(lambda: log_lines(log), 90, "round 1 closed after the restart", [coord], tmp_path)

@@ -13,8 +13,8 @@ import pytest
 
 from edgefl.errors import DecodeError
 from edgefl.wire import signing
-from edgefl.wire.codec import (
-    Compression,
+from edgefl.wire.compression import Compression
+from edgefl.wire.messages import (
     DeviceStatus,
     GlobalModel,
     RoundAnnouncement,

@@ -17,7 +17,7 @@ from pathlib import Path
 from conftest import DEV_PROFILE, INT8_MODEL, ROOT, TEST_STATUS_INTERVAL_S, Broker, wait_until
 
 from edgefl.agent.core import DISK_FULL, write_problem
-from edgefl.demo import launch_agent, stop_agents
+from edgefl.launcher import launch_agent, stop_agents
 
 
 def test_fault_two_agents_on_one_state_folder(tmp_path: Path, mosquitto: Broker, fleet: str) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,7 @@ from edgefl.datasets import load_digits
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import decode_status
-from edgefl.wire.messages import Update, UpdateMetrics, decode_update, encode_update
+from edgefl.wire.messages import Update, UpdateMetrics, decode_status, decode_update, encode_update
 
 FIELDS: dict[str, Any] = {
     "round": 3,
@@ -150,7 +148,7 @@ def test_status_not_published_for_round_progress_the_coordinator_sees_it_in_the_
 def test_status_redelivery_is_published_at_once(mosquitto: Broker, fleet: str, tmp_path: Path) -> None:
     """Checked only every 30 s, an agent still publishes a counted redelivery at once (it used to
     wait for the next state change, and landed in the next round's bytes)."""
-    from edgefl.wire.codec import GlobalModel, encode_global_model
+    from edgefl.wire.messages import GlobalModel, encode_global_model
 
     x, y = load_digits()
     backbone = Backbone(INT8_MODEL)
@@ -247,7 +245,8 @@ def test_status_after_a_reconnect_is_published_at_once_beside_a_long_round(tmp_p
     "training", while the round still trains."""
     from conftest import restart_mosquitto, start_mosquitto
 
-    from edgefl.wire.codec import Compression, RoundAnnouncement, encode_round
+    from edgefl.wire.compression import Compression
+    from edgefl.wire.messages import RoundAnnouncement, encode_round
 
     broker = start_mosquitto(tmp_path)
     fleet = "reconnect"
@@ -286,9 +285,8 @@ def test_status_after_a_reconnect_is_published_at_once_beside_a_long_round(tmp_p
         broker.proc.terminate()
         broker.proc.wait(timeout=10)
         broker = restart_mosquitto(broker)  # no persistence: no will, no retained status left
-        t0 = time.monotonic()
+        # within 20 s (statuses_until's timeout), while the round still trains
         training = asyncio.run(statuses_until(broker, "peer", 20, _training, False))
-        waited = time.monotonic() - t0
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -297,4 +295,3 @@ def test_status_after_a_reconnect_is_published_at_once_beside_a_long_round(tmp_p
     # published after the reconnect while the round was still training (before the fix: after the
     # round, or at the next 30 s check)
     assert training["state"] == "training"
-    assert waited < 20

@@ -19,9 +19,9 @@ from test_ingest import Gateway
 
 from edgefl.agent.store import ROWS_FILE, EmbeddingStore
 from edgefl.datasets import load_digits
-from edgefl.demo import stop_agents
+from edgefl.launcher import stop_agents
 from edgefl.records import read_record
-from edgefl.wire.codec import Decline, RoundAnnouncement, Sample, encode_round
+from edgefl.wire.messages import Decline, RoundAnnouncement, Sample, encode_round
 
 pytestmark = pytest.mark.timeout(180)
 

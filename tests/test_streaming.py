@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import MODELS, Broker, start_replay_agent
 
-from edgefl.demo import stop_agents
 from edgefl.head import activate
+from edgefl.launcher import stop_agents
 from edgefl.runtime import Backbone
 
 STREAMING = MODELS / "test" / "streaming_kws_int8.tflite"

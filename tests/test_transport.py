@@ -31,11 +31,11 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.reasoncodes import ReasonCode
 
 import edgefl.transport as transport_mod
-from edgefl.demo import launch_agent, stop_agents
 from edgefl.errors import TransportError
+from edgefl.launcher import launch_agent, stop_agents
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import decode_status
+from edgefl.wire.messages import decode_status
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -27,7 +27,7 @@ from edgefl.coordinator.strategy import FedAvg
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import Message, MqttTransport
-from edgefl.wire.codec import DeviceStatus, encode_status
+from edgefl.wire.messages import DeviceStatus, encode_status
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,11 +22,11 @@ from conftest import (
 
 import edgefl.transport as transport_mod
 from edgefl.datasets import load_digits, split_digits
-from edgefl.demo import stop_agents
+from edgefl.launcher import stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.codec import Update, UpdateMetrics, decode_global_model, decode_round, encode_update
+from edgefl.wire.messages import Update, UpdateMetrics, decode_global_model, decode_round, encode_update
 
 pytestmark = pytest.mark.subprocess  # every test here starts a process
 

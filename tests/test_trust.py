@@ -29,8 +29,15 @@ from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
-from edgefl.wire.codec import Decline, Update, UpdateMetrics, encode_decline, encode_update
-from edgefl.wire.messages import Partial, encode_partial
+from edgefl.wire.messages import (
+    Decline,
+    Partial,
+    Update,
+    UpdateMetrics,
+    encode_decline,
+    encode_partial,
+    encode_update,
+)
 from edgefl.wire.signing import generate_signing_key, sign_message
 
 pytestmark = pytest.mark.timeout(120)

@@ -12,7 +12,7 @@ import pytest
 
 from edgefl.agent.memory import wire_bytes
 from edgefl.errors import DecodeError
-from edgefl.wire import arrays, cbor, chunking, codec, compression, messages, signing
+from edgefl.wire import arrays, cbor, chunking, signing
 from edgefl.wire.cbor import ALLOWED_TAGS, DEFAULT_LIMITS, SCHEMA_VERSION, prescan
 from edgefl.wire.chunking import is_chunk, split_message
 from edgefl.wire.compression import (
@@ -148,7 +148,7 @@ def test_chunks_keep_schema_1() -> None:
 def test_every_refusal_reason_is_a_reason_member() -> None:
     members = set(Reason)
     assert members >= REASONS | CHUNK_REASONS | SIGNATURE_REASONS
-    assert codec.REASONS is REASONS and signing.SIGNATURE_REASONS is SIGNATURE_REASONS
+    assert signing.SIGNATURE_REASONS is SIGNATURE_REASONS
     assert chunking.CHUNK_REASONS is CHUNK_REASONS
     for path in WIRE.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -188,22 +188,6 @@ def test_no_module_imports_another_modules_private_names() -> None:
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("edgefl"):
                     private = [a.name for a in node.names if a.name.startswith("_")]
                     assert not private, (path, node.module, private)
-
-
-def test_codec_re_exports_every_name_it_exported_before_the_split() -> None:
-    before = {
-        "DEVICE_ID_RE", "REASONS", "SCHEMA_VERSION", "Compression", "DecodeError", "DeviceStatus",
-        "GlobalModel", "Limits", "MessageType", "RoundAnnouncement", "Update", "UpdateMetrics",
-        "compress_delta", "compressed_roundtrip", "decode_array", "decode_global_model", "decode_round",
-        "decode_status", "decode_update", "decompress_delta", "encode_array", "encode_global_model",
-        "encode_round", "encode_status", "encode_update", "is_valid_device_id", "offline_status",
-        "topk_count", "MAX_DEADLINE_S", "MAX_LOCAL_EPOCHS", "MAX_LR", "MAX_BATCH_SIZE", "MAX_CLIENTS",
-        "MAX_PROX_MU",
-    }  # fmt: skip
-    assert before <= set(codec.__all__)
-    assert all(getattr(codec, name) is not None for name in codec.__all__)
-    assert codec.encode_update is messages.encode_update and codec.Limits is cbor.Limits
-    assert codec.Compression is compression.Compression and codec.encode_array is arrays.encode_array
 
 
 def test_prescan_tags_are_the_typed_array_tags() -> None:

@@ -40,7 +40,6 @@ __all__ = [
     "Compression",
     "compress_delta",
     "compress_head_delta",
-    "compressed_roundtrip",
     "decompress_delta",
     "delta_wire_bytes",
     "read_compression",
@@ -289,7 +288,7 @@ def compress_delta(
       ``"mask"`` (LSB-first bitmask) when smaller, or ``"rice"`` (Golomb-Rice coded gaps) when
       smaller still and ``allow_rice``.
 
-    Rounding is to nearest by default: it is deterministic, so :func:`compressed_roundtrip` gives
+    Rounding is to nearest by default: it is deterministic, so ``decompress_delta(compress_delta(x))`` gives
     exactly what the coordinator decodes, and its error (≤ scale/2) is half the worst case of
     stochastic rounding; its bias is removed by the device's error feedback. With ``rng``,
     rounding is stochastic and unbiased (error ≤ scale), for use without error feedback.
@@ -618,46 +617,6 @@ def decompress_delta(
     dense = np.zeros(full_shape, dtype=np.float32)
     dense.reshape(-1)[kept] = values  # a view of the C-contiguous array: writes into dense
     return _finite_or_raise(dense, name)
-
-
-def compressed_roundtrip(
-    delta: F32,
-    compression: Compression,
-    *,
-    topk_fraction: float = 0.1,
-    rng: np.random.Generator | None = None,
-) -> F32:
-    """Return exactly what the coordinator will decode for ``delta`` (for error feedback).
-
-    The device keeps ``residual = delta - compressed_roundtrip(delta, ...)`` and adds it to the next
-    round's delta. With stochastic rounding (``rng``), pass a generator in the same state as the one
-    given to :func:`encode_update` (e.g. two ``default_rng(seed)``), compressing W then b, so the
-    draws match.
-
-    Parameters
-    ----------
-    delta : float32 [...]
-        Dense delta, finite.
-    compression : Compression
-        Wire encoding.
-    topk_fraction : float
-        Fraction kept by top-k.
-    rng : numpy.random.Generator, optional
-        Stochastic rounding for int8 layouts.
-
-    Returns
-    -------
-    float32, same shape as ``delta``
-        ``decompress_delta(compress_delta(delta, ...))``.
-
-    Raises
-    ------
-    ValueError
-        As :func:`compress_delta`.
-    """
-    x = np.asarray(delta, dtype=np.float32)
-    sub = compress_delta(x, compression, topk_fraction=topk_fraction, rng=rng)
-    return decompress_delta(sub, x.shape, limits=NO_LIMITS, compression=Compression(compression))
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Persistent state: atomic writes, checksummed records with fallback, the outbox (issue 6, faults)."""
+"""Tests of edgefl/records.py (atomic writes, checksummed records with fallback) and the outbox on it."""
 
 from __future__ import annotations
 

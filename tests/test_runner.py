@@ -31,8 +31,8 @@ from conftest import (
 
 from edgefl.coordinator.profile import load_coordinator_profile
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
-from edgefl.demo import stop_agents
 from edgefl.errors import ConfigError
+from edgefl.launcher import stop_agents
 from edgefl.records import read_record, write_record
 
 pytestmark = pytest.mark.timeout(300)
@@ -532,7 +532,7 @@ def test_fleet_registry_is_bounded_under_a_status_flood(mosquitto: Broker, fleet
     from edgefl.runtime import Backbone
     from edgefl.topics import Topics
     from edgefl.transport import MqttTransport
-    from edgefl.wire.codec import DeviceStatus, encode_status
+    from edgefl.wire.messages import DeviceStatus, encode_status
 
     async def main() -> tuple[Coordinator, int]:
         bb = Backbone(INT8_MODEL)

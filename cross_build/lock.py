@@ -1,0 +1,245 @@
+"""Check a wheelhouse's wheels against their target, and write and read its ``requirements.lock``.
+
+Every wheel's ``Requires-Dist`` must be met by another wheel of the wheelhouse or by the device's OS
+(:func:`check_closure`); the lock holds the versions meant for the target (:func:`check_expectations`);
+``requirements.lock`` is one ``name==version --hash=sha256:HEX`` line per wheel (:func:`format_lock`,
+:func:`parse_lock`).
+
+Source: PEP 427 (wheel files), core metadata 2.x (``Requires-Dist``), pip's secure installs
+(``--require-hashes``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import zipfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from email.parser import Parser
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name, parse_wheel_filename
+from packaging.version import Version
+
+from .targets import Target, WheelhouseError, applicable_requirements, supported_wheel
+
+
+@dataclass(frozen=True, slots=True)
+class LockEntry:
+    """One line of ``requirements.lock``.
+
+    Parameters
+    ----------
+    name : str
+        Canonical distribution name (PEP 503), e.g. ``"ai-edge-litert"``.
+    version : str
+        Exact version.
+    sha256 : str
+        Hex SHA-256 of the wheel file.
+    filename : str
+        The wheel's file name in ``wheels/`` (written as a comment).
+    """
+
+    name: str
+    version: str
+    sha256: str
+    filename: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class WheelInfo:
+    """What the wheelhouse needs to know about one wheel file.
+
+    Parameters
+    ----------
+    path : Path
+        The ``.whl`` file.
+    name : str
+        Canonical distribution name.
+    version : str
+        Version from the file name.
+    requires_dist : tuple[str, ...]
+        The ``Requires-Dist`` lines of its METADATA (PEP 508 strings, with markers).
+    """
+
+    path: Path
+    name: str
+    version: str
+    requires_dist: tuple[str, ...]
+
+
+def read_wheel(path: Path) -> WheelInfo:
+    """Read a wheel's name, version and ``Requires-Dist`` from its ``*.dist-info/METADATA``.
+
+    Parameters
+    ----------
+    path : Path
+        A ``.whl`` file.
+
+    Returns
+    -------
+    WheelInfo
+        Its name (canonical), version and requirements.
+
+    Raises
+    ------
+    WheelhouseError
+        If the file is not a readable wheel with a METADATA file.
+
+    Source: PEP 427 (wheel layout), core metadata 2.x (``Requires-Dist``).
+    """
+    try:
+        name, version, _build, _tags = parse_wheel_filename(path.name)
+        with zipfile.ZipFile(path) as zf:
+            meta_name = next(
+                n for n in zf.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1
+            )
+            text = zf.read(meta_name).decode("utf-8")
+    except (ValueError, StopIteration, OSError, zipfile.BadZipFile) as exc:
+        raise WheelhouseError(path.name, "-", f"not a readable wheel: {exc}") from exc
+    meta = Parser().parsestr(text, headersonly=True)
+    return WheelInfo(path, str(name), str(version), tuple(meta.get_all("Requires-Dist") or ()))
+
+
+def check_closure(wheels: Sequence[WheelInfo], target: Target, root: str = "edgefl") -> None:
+    """Check that every requirement of every wheel is met by the wheelhouse or the device's OS.
+
+    Parameters
+    ----------
+    wheels : Sequence[WheelInfo]
+        Every wheel of the wheelhouse.
+    target : Target
+        The platform (its extras apply to ``root``; its system packages count as installed).
+    root : str
+        The distribution the extras belong to.
+
+    Raises
+    ------
+    WheelhouseError
+        Naming the first unmet requirement (and who needs it), a wheel that does not install on the
+        target, or two wheels of one distribution.
+    """
+    have: dict[str, Version] = {}
+    for w in wheels:
+        if w.name in have:
+            raise WheelhouseError(w.name, target.platform, "two wheels of the same distribution")
+        if not supported_wheel(w.path.name, target):
+            raise WheelhouseError(w.name, target.platform, f"{w.path.name} does not install on the target")
+        have[w.name] = Version(w.version)
+    for sys_name, sys_version in target.system_packages.items():
+        have.setdefault(str(canonicalize_name(sys_name)), Version(sys_version))
+    for w in wheels:
+        extras = target.extras if w.name == root else ()
+        for req in applicable_requirements(w.requires_dist, target, extras):
+            dep = str(canonicalize_name(req.name))
+            if dep not in have:
+                raise WheelhouseError(dep, target.platform, f"no wheel (required by {w.name} {w.version})")
+            if not req.specifier.contains(have[dep], prereleases=True):
+                raise WheelhouseError(
+                    dep, target.platform, f"{have[dep]} does not satisfy {req} (required by {w.name})"
+                )
+
+
+def check_expectations(lock: Sequence[LockEntry], target: Target) -> None:
+    """Check that the lock holds the versions meant for the target (:attr:`Target.expect`).
+
+    Parameters
+    ----------
+    lock : Sequence[LockEntry]
+        The locked wheels.
+    target : Target
+        The platform.
+
+    Raises
+    ------
+    WheelhouseError
+        If an expected distribution is missing or locked at a version outside its specifier (e.g.
+        ai-edge-litert 1.4.0 when ``ai-edge-litert>=2`` is expected).
+    """
+    by_name = {e.name: e for e in lock}
+    for spec in target.expect:
+        req = Requirement(spec)
+        name = str(canonicalize_name(req.name))
+        entry = by_name.get(name)
+        if entry is None:
+            raise WheelhouseError(name, target.platform, f"missing from the lock (expected {spec})")
+        if not req.specifier.contains(Version(entry.version), prereleases=True):
+            raise WheelhouseError(name, target.platform, f"locked {entry.version}, expected {spec}")
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def format_lock(entries: Iterable[LockEntry], header: str = "") -> str:
+    """Render ``requirements.lock``: one ``name==version --hash=sha256:HEX`` per wheel, sorted by name.
+
+    Parameters
+    ----------
+    entries : Iterable[LockEntry]
+        The wheels.
+    header : str
+        Comment lines (without ``#``) written first.
+
+    Returns
+    -------
+    str
+        The file's text; each entry is preceded by a ``# <wheel file name>`` comment.
+
+    Source: pip's requirements file format and hash-checking mode.
+    """
+    lines = [f"# {h}" if h else "#" for h in header.splitlines()]
+    for e in sorted(entries, key=lambda e: e.name):
+        if e.filename:
+            lines.append(f"# {e.filename}")
+        lines.append(f"{e.name}=={e.version} --hash=sha256:{e.sha256}")
+    return "\n".join(lines) + "\n"
+
+
+_LOCK_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)\s+--hash=sha256:([0-9a-f]{64})$")
+
+
+def parse_lock(text: str) -> list[LockEntry]:
+    """Parse ``requirements.lock`` as written by :func:`format_lock`.
+
+    Parameters
+    ----------
+    text : str
+        The file's text.
+
+    Returns
+    -------
+    list[LockEntry]
+        The entries in file order (``filename`` from the preceding comment when it names a wheel).
+
+    Raises
+    ------
+    ValueError
+        On a line that is neither a comment, blank, nor ``name==version --hash=sha256:<64 hex>``
+        (message names the line number).
+    """
+    out: list[LockEntry] = []
+    last_comment = ""
+    for i, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith("#"):
+            last_comment = line[1:].strip()
+            continue
+        m = _LOCK_LINE.match(line)
+        if m is None:
+            raise ValueError(
+                f"requirements.lock line {i}: expected name==version --hash=sha256:<hex>: {line!r}"
+            )
+        filename = last_comment if last_comment.endswith(".whl") else ""
+        out.append(LockEntry(str(canonicalize_name(m.group(1))), m.group(2), m.group(3), filename))
+        last_comment = ""
+    return out

@@ -1,0 +1,86 @@
+"""The coordinator's central evaluation: a head's accuracy on a held-out set, through the device's pipeline.
+
+Composed above device and coordinator (``edgefl coordinator`` and ``edgefl demo`` pass it to the
+coordinator as a callable): raw samples go through the device's unfused pipeline to embeddings, and a
+head is scored on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from edgefl.errors import ConfigError
+from edgefl.head import Head
+from edgefl.runtime import Backbone
+from edgefl.types import F32, I64
+
+if TYPE_CHECKING:
+    from edgefl.coordinator.profile import CoordinatorProfile
+
+__all__ = ["accuracy", "central_evaluation", "embed_all"]
+
+
+def embed_all(
+    backbone: Backbone, x: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...], batch: int = 1
+) -> F32:
+    """Embeddings of raw samples ``x`` [N, *sample_shape] → float32 [N, D], through the unfused pipeline."""
+    from edgefl.agent.pipeline import Pipeline
+
+    return Pipeline(backbone, mean, std, mode="unfused", batch=batch).run(x)[0]
+
+
+def accuracy(W: F32, b: F32, emb: F32, y: I64) -> float:
+    """Fraction of ``emb`` [N, D] whose argmax logit equals ``y`` [N]."""
+    return float(np.mean(Head(W, b).predict(emb) == y))
+
+
+def central_evaluation(profile: CoordinatorProfile, backbone: Backbone) -> Callable[[F32, F32], float] | None:
+    """The coordinator's central evaluation: accuracy of a head on the profile's ``[evaluation]`` set.
+
+    Without ``evaluation.path`` the shipped digits model is evaluated on the digits test split, any other
+    model not at all (devices report their own evaluation). Composed here, above device and coordinator:
+    the raw samples go through the device's unfused pipeline.
+
+    Parameters
+    ----------
+    profile : CoordinatorProfile
+    backbone : Backbone
+
+    Returns
+    -------
+    callable (W float32 [D, K], b float32 [K]) -> accuracy in [0, 1], or None
+
+    Raises
+    ------
+    ConfigError
+        If ``evaluation.path`` is not an ``.npz`` with ``x`` and ``y`` fitting the model.
+    """
+    ev = profile.evaluation
+    if ev.path is not None:
+        try:
+            with np.load(ev.path, allow_pickle=False) as data:
+                x, y = np.asarray(data["x"]), np.asarray(data["y"], dtype=np.int64)
+        except (OSError, KeyError, ValueError) as exc:
+            raise ConfigError(
+                [f"evaluation.path = {str(ev.path)!r}: not an .npz with x and y ({exc})"]
+            ) from exc
+        if x.shape[1:] != backbone.sample_shape or len(x) != len(y):
+            shapes = f"x {x.shape} / y {y.shape}"
+            raise ConfigError([f"evaluation.path: {shapes} do not fit the samples {backbone.sample_shape}"])
+        emb, labels = embed_all(backbone, x, ev.mean, ev.std), y
+    elif backbone.sample_shape == (8, 8, 1):
+        from edgefl.datasets import load_digits, split_digits
+
+        x, y = load_digits()
+        test = split_digits(y).test
+        emb, labels = embed_all(backbone, x[test], (0.0,), (16.0,)), y[test]
+    else:
+        return None
+
+    def evaluate(W: F32, b: F32) -> float:
+        return accuracy(W, b, emb, labels)
+
+    return evaluate

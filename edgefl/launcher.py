@@ -1,0 +1,77 @@
+"""Agent processes started and stopped the way the shipped unit runs them.
+
+``edgefl demo`` starts its fleet with :func:`launch_agent`; tests and benches that need a real agent
+process use the same launcher, so what they measure is what the demo runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["MALLOC_ENV", "free_port", "launch_agent", "stop_agents"]
+
+MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}
+"""glibc malloc as the systemd unit sets it: two arenas, a fixed mmap threshold (large frees go back)."""
+
+
+def launch_agent(
+    profile: Path, overrides: dict[str, str], log_path: Path, *, optimize: bool = True, malloc: bool = True
+) -> subprocess.Popen[bytes]:
+    """Start one agent as a separate OS process: ``python -m edgefl.cli run PROFILE --set k=v ...``.
+
+    Parameters
+    ----------
+    profile : Path
+        The TOML profile.
+    overrides : dict
+        Dotted profile keys and values (``device.id``, ``broker.url``, ...).
+    log_path : Path
+        File receiving the agent's stdout and stderr.
+    optimize : bool
+        Run with ``-OO`` (as the systemd unit's ``PYTHONOPTIMIZE=2``); False for plain ``python``.
+    malloc : bool
+        glibc malloc set as the systemd unit sets it (:data:`MALLOC_ENV`); False: the environment as it is.
+
+    Returns
+    -------
+    The running process (the caller stops it with SIGTERM and waits).
+    """
+    # -OO drops docstrings and asserts: ~2.6 MiB less RSS per agent once the optimised bytecode is
+    # compiled (``make demo`` runs ``compileall -o 2``; without it, -OO would compile every import).
+    cmd = [sys.executable, *(["-OO"] if optimize else []), "-m", "edgefl.cli", "--log-level", "WARNING"]
+    cmd += ["run", str(profile)]
+    for key, val in overrides.items():
+        cmd += ["--set", f"{key}={val}"]
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            # as the systemd unit: two arenas, a fixed mmap threshold (large frees go back to the kernel)
+            env={**os.environ, **(MALLOC_ENV if malloc else {})},
+        )
+
+
+def stop_agents(procs: list[subprocess.Popen[bytes]], timeout_s: float = 15.0) -> None:
+    """SIGTERM every agent still running, wait up to ``timeout_s`` each, then SIGKILL."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,1 @@
+"""Test and bench harness (never shipped): the mosquitto launcher."""

@@ -1,0 +1,51 @@
+"""Wire helpers for tests and benches (never shipped)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgefl.types import F32
+from edgefl.wire.cbor import NO_LIMITS
+from edgefl.wire.compression import Compression, compress_delta, decompress_delta
+
+__all__ = ["compressed_roundtrip"]
+
+
+def compressed_roundtrip(
+    delta: F32,
+    compression: Compression,
+    *,
+    topk_fraction: float = 0.1,
+    rng: np.random.Generator | None = None,
+) -> F32:
+    """Return exactly what the coordinator will decode for ``delta`` (for error feedback).
+
+    The device keeps ``residual = delta - compressed_roundtrip(delta, ...)`` and adds it to the next
+    round's delta. With stochastic rounding (``rng``), pass a generator in the same state as the one
+    given to :func:`encode_update` (e.g. two ``default_rng(seed)``), compressing W then b, so the
+    draws match.
+
+    Parameters
+    ----------
+    delta : float32 [...]
+        Dense delta, finite.
+    compression : Compression
+        Wire encoding.
+    topk_fraction : float
+        Fraction kept by top-k.
+    rng : numpy.random.Generator, optional
+        Stochastic rounding for int8 layouts.
+
+    Returns
+    -------
+    float32, same shape as ``delta``
+        ``decompress_delta(compress_delta(delta, ...))``.
+
+    Raises
+    ------
+    ValueError
+        As :func:`compress_delta`.
+    """
+    x = np.asarray(delta, dtype=np.float32)
+    sub = compress_delta(x, compression, topk_fraction=topk_fraction, rng=rng)
+    return decompress_delta(sub, x.shape, limits=NO_LIMITS, compression=Compression(compression))
