@@ -923,7 +923,8 @@ def test_container_amplification_is_bounded() -> None:
     payload = b"\x9a" + (4_000_000).to_bytes(4, "big") + b"\x80" * 4_000_000
     tracemalloc.start()
     try:
-        assert reason_of(lambda: decode_status(payload, limits=Limits(max_message_bytes=2**23))) == "too_large"
+        limits = Limits(max_message_bytes=2**23)
+        assert reason_of(lambda: decode_status(payload, limits=limits)) == "too_large"
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
