@@ -213,7 +213,8 @@ def test_own_model_big_backbone_batch_shrinks_to_fit_and_the_round_is_answered(
 def test_own_model_governor_refuses_over_budget_work_and_the_coordinator_records_the_decline(
     mosquitto: Broker, fleet: str, tmp_path: Path
 ) -> None:
-    """A cap under the agent's own footprint: no inference or training runs; the round is declined."""
+    """A cap under the agent's own footprint: its replay file is refused before it is loaded, no
+    training runs, the round is declined."""
     rng = np.random.default_rng(2)
     store = EmbeddingStore(tmp_path / "dev-1", 1024, 1280, num_classes=10)  # the profile's store
     store.add(rng.standard_normal((32, 1280)).astype(np.float32), rng.integers(0, 10, 32))
@@ -236,9 +237,9 @@ def test_own_model_governor_refuses_over_budget_work_and_the_coordinator_records
         try:
             await coord.start()
             await wait_until(
-                lambda: (coord.state.devices.get("dev-1") or {}).get("over_budget_batches", 0) >= 1,
+                lambda: ((coord.state.devices.get("dev-1") or {}).get("faults") or {}).get("replay", 0) >= 1,
                 90,
-                "dev-1 refusing inference over budget",
+                "dev-1 refusing its replay file over budget",
             )
             record = await coord.run_round(1, selected=("dev-1",))
             await wait_until(
@@ -255,13 +256,13 @@ def test_own_model_governor_refuses_over_budget_work_and_the_coordinator_records
         stop_agents([proc])
     log = (tmp_path / "dev-1.log").read_text(errors="replace")
     assert "Traceback" not in log, log[-3000:]
-    # the governor judged every batch and the round's training over budget, and ran none of them
+    # the governor refused the replay file before loading it (every input is admitted first) and the
+    # round's training over budget, and ran neither
     assert status["cap_bytes"] == cap_mb * MIB
-    assert status["over_budget_batches"] >= 1 and status["deferrals"]["inference"] >= 1
+    assert status["faults"]["replay"] >= 1 and "BudgetExceeded: phase replay" in log
     assert status["deferrals"]["train"] >= 1
     assert "inference" not in status["phase_peaks"] and "train" not in status["phase_peaks"]
     assert status["inferred_total"] == 0 and status["pipeline"]["invokes"] == 0
-    assert "inference not run, over budget" in log
     # the deferred round was declined to the coordinator, which counted and logged it
     assert (record.clients, record.declined) == (0, 1)
     assert page["declined"] == {"over_budget": 1}
