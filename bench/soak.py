@@ -34,9 +34,12 @@ What is measured (the JSON, ``--json PATH``):
 - ``new_classes``: ``introduced_round``, ``rounds_to_learn`` (rounds until the global head's accuracy on
   test samples of the new classes reaches 0.8; null if never), ``accuracy_on_new`` (20 rounds after the
   introduction, or at the end).
-- ``rss_growth_mib_per_hour``: RSS sampled every 5 s from ``/proc``; the slope pooled over every
-  process lifetime of that role (each lifetime's first 60 s left out as warm-up), MiB per hour:
-  ``agents_max`` (the worst agent) and ``coordinator``.
+- ``rss_growth_mib_per_hour``: anonymous RSS (``RssAnon``: heap, stacks, the interpreter's own
+  memory) sampled every 5 s from ``/proc``; the slope pooled over every process lifetime of that role
+  (each lifetime's first 60 s left out as warm-up), MiB per hour: ``agents_max`` (the worst agent) and
+  ``coordinator``. A leak shows there. ``rss_total_growth_mib_per_hour`` is the same of ``VmRSS``, which
+  also counts the file-backed pages of the agents' memory-mapped stores: those grow with every
+  sample stored until the ring is full (``training.store_capacity`` rows), by design.
 - ``second_coordinator_refused``: every second coordinator exited 6 and the first kept running.
 
 Run: ``python -m bench.soak --minutes 8 --devices 5 --json out/soak.json``; docs/benchmarks.md
@@ -153,11 +156,12 @@ class Broker:
 
 @dataclass
 class Lifetime:
-    """One process's life: when it started, its RSS samples ``(t, bytes)``."""
+    """One process's life: when it started, its RSS samples ``(t, bytes)``: anonymous and total."""
 
     pid: int
     started: float
     rss: list[tuple[float, int]] = field(default_factory=list)
+    total: list[tuple[float, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -421,7 +425,8 @@ class Soak:
                 life = lives[-1]
                 rss = _rss_bytes(life.pid)
                 if rss is not None:
-                    life.rss.append((now, rss))
+                    life.rss.append((now, rss[0]))
+                    life.total.append((now, rss[1]))
             await asyncio.sleep(5.0)
 
     def plan(self, t0: float, duration: float) -> list[tuple[float, str]]:
@@ -564,6 +569,7 @@ class Soak:
                 new["accuracy_on_new"] = round(at[-1][2], 4)
             new["accuracy_on_new_by_round"] = [[h[0], round(h[2], 3)] for h in after[::5]]
         agent_growth = [_growth_mib_per_hour(self.lifetimes.get(d, [])) for d in self.devices]
+        agent_total = [_growth_mib_per_hour(self.lifetimes.get(d, []), total=True) for d in self.devices]
         second_ok = bool(self.second) and all(
             s["exit"] == EXIT_ANOTHER_COORDINATOR
             and s["first_alive"]
@@ -596,6 +602,10 @@ class Soak:
                 "agents_max": max((g for g in agent_growth if g is not None), default=None),
                 "coordinator": _growth_mib_per_hour(self.lifetimes.get("coordinator", [])),
             },
+            "rss_total_growth_mib_per_hour": {
+                "agents_max": max((g for g in agent_total if g is not None), default=None),
+                "coordinator": _growth_mib_per_hour(self.lifetimes.get("coordinator", []), total=True),
+            },
             "second_coordinator_refused": second_ok,
             "second_coordinators": self.second,
             "settings_changed": {
@@ -620,21 +630,20 @@ def _dev_round(update_id: str) -> tuple[str, int]:
     return dev, int(rnd)
 
 
-def _rss_bytes(pid: int) -> int | None:
+def _rss_bytes(pid: int) -> tuple[int, int] | None:
+    """``(RssAnon, VmRSS)`` of ``pid`` in bytes, None once it is gone."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        return int(fields["RssAnon"].split()[0]) * 1024, int(fields["VmRSS"].split()[0]) * 1024
+    except (OSError, ValueError, KeyError):
         return None
-    return None
 
 
-def _growth_mib_per_hour(lives: list[Lifetime]) -> float | None:
+def _growth_mib_per_hour(lives: list[Lifetime], *, total: bool = False) -> float | None:
     """Least-squares RSS slope pooled over lifetimes (each its own intercept), after warm-up; MiB/h."""
     sxx = sxy = 0.0
     for life in lives:
-        pts = [(t, r) for t, r in life.rss if t - life.started >= WARMUP_S]
+        pts = [(t, r) for t, r in (life.total if total else life.rss) if t - life.started >= WARMUP_S]
         if len(pts) < 3:
             continue
         t = np.array([p[0] for p in pts])
