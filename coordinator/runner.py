@@ -601,9 +601,16 @@ async def run(
 
     transport.on_connect_cb = connected
     loop = asyncio.get_running_loop()
+
+    def stop_on(sig: signal.Signals) -> None:
+        if not stop.is_set():
+            state = "the open round saved, resumed at the next start" if files.state else "no state file"
+            logger.info("%s: stopping at round %d (%s)", sig.name, coord.state.round, state)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, stop_on, sig)
     role = "" if hier.role == "flat" else f" ({hier.role} of {hier.expected_sites or 'any number of'} sites)"
     if job:
         what = f"{_plural(rounds.count, 'round')} of {st.name}"

@@ -143,6 +143,8 @@ EARLY_UPDATES_MAX = 4096
 PACING_RECHECK_S = 0.5
 """Least time between two checks of the pacing while a service waits (a fleet's statuses come in bursts:
 each check reads every ready device's status)."""
+WAIT_LOG_EVERY_S = 60.0
+"""A waiting service logs a new kind of wait at once, and a count moving within it at most this often (s)."""
 
 PERSIST_EVERY = 32
 """With a state file, the open round is written at least every this many messages (``Coordinator.pump``)."""
@@ -1319,21 +1321,27 @@ class Coordinator:
     async def wait_to_open(self, stop: asyncio.Event) -> bool:
         """Wait until the pacing lets the next round open (devices, new samples, interval), or ``stop``.
 
-        A change of what blocks the round (state and text) is logged once, e.g. ``waiting: 12 of 200
-        new samples``; the fleet page shows it live.
+        A new kind of wait is logged at once (``waiting: 12 of 200 new samples``, ``waiting for
+        devices: 3 of 5 ready``), a count moving within it at most every :data:`WAIT_LOG_EVERY_S`; the
+        fleet page shows it live.
 
         Returns
         -------
         True when the round may open, False when ``stop`` was set first.
         """
         said = ""
+        logged: tuple[FleetPhase | None, float] = (None, -math.inf)  # what was logged last, and when
         while not stop.is_set():
             st = self.pacing_state()
             if st.state is FleetPhase.PAUSED and not st.next_round_in_s:
                 return True
             if st.text != said:
-                if st.state is not FleetPhase.PAUSED:
+                now = time.monotonic()
+                # a new kind of wait is logged at once; a count moving within it once a minute at most
+                fresh = st.state is not logged[0] or now - logged[1] >= WAIT_LOG_EVERY_S
+                if st.state is not FleetPhase.PAUSED and fresh:
                     logger.info("before round %d: %s", self.state.round + 1, st.text)
+                    logged = (st.state, now)
                 said = st.text
                 self._notify()
             self._status_changed.clear()

@@ -43,7 +43,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 1
     print(f"private key: {private} (PKCS #8 PEM, mode 0600: security.signing_key_file)")
     print(f"public key:  {public} (PEM: a device_keys_dir / site_keys_dir entry, or root_key_file)")
-    print(f"public key (hex, for security.coordinator_public_key): {key.verify_key.hex}")
+    hexkey = key.verify_key.hex
+    print(f"public key (hex; a coordinator's goes in the devices' security.coordinator_public_key): {hexkey}")
     return 0
 
 

@@ -147,7 +147,8 @@ def test_sign_keys_cli_generate_and_show(tmp_path: Path, capsys: pytest.CaptureF
     assert printed == [
         f"private key: {out / 'gw-7.key'} (PKCS #8 PEM, mode 0600: security.signing_key_file)",
         f"public key:  {out / 'gw-7.pub'} (PEM: a device_keys_dir / site_keys_dir entry, or root_key_file)",
-        f"public key (hex, for security.coordinator_public_key): {key.verify_key.hex}",
+        "public key (hex; a coordinator's goes in the devices' security.coordinator_public_key): "
+        + key.verify_key.hex,
     ]
     assert (out / "gw-7.key").stat().st_mode & 0o777 == 0o600
     # show: the public key of either file, in both forms
