@@ -884,6 +884,11 @@ class Coordinator:
                 status = decode_status(msg.payload, limits=self.limits)
                 read_new_samples(status.fields)  # a bad count refuses the status (bad_value, wrong_type)
                 entry = _interned(status.fields)
+                last = self.state.devices.get(device)
+                if status.state == "offline" and not status.fields and last is not None:
+                    # a last will says nothing else: keep the last figures the device reported (its
+                    # memory, round, accuracies), shown as offline with their age, not blanked
+                    entry = {**last, "ready": False, "offline_since": time.time()}
                 entry["state"] = sys.intern(status.state)
                 entry["seen_at"] = time.time()
                 self._register(device, entry)
