@@ -369,7 +369,15 @@ class EmbeddingStore:
         meta_count = int(meta["count"]) if meta is not None else 0  # type: ignore[call-overload]
         if not written.any() and meta_total == 0:
             return
-        top = max(int(seqs.max()) - 1, meta_total - 1)  # newest sample anything vouches for
+        # The newest sample anything vouches for: the metadata's, or a newer row that checks out (its CRC
+        # covers its seq, and sample seq lives in slot seq % capacity). A row that does not (a flipped
+        # bit, a torn write) cannot vouch: one rogue seq must not outrank the metadata and every good row.
+        top = meta_total - 1
+        for slot in np.flatnonzero(seqs > meta_total)[np.argsort(-seqs[seqs > meta_total], kind="stable")]:
+            seq = int(seqs[slot]) - 1
+            if seq % cap == int(slot) and self._row_ok(int(slot), seq):
+                top = seq
+                break
         newest = top
         while newest >= max(0, top - cap + 1) and not self._row_ok(newest % cap, newest):
             newest -= 1

@@ -108,6 +108,28 @@ def test_durable_store_rotten_row_in_the_middle_keeps_the_newer_run(tmp_path: Pa
     assert contents(again) == list(range(5, 12))
 
 
+def test_durable_store_rogue_row_seq_cannot_outrank_the_metadata_and_good_rows(tmp_path: Path) -> None:
+    """A row whose seq is wrong (a flipped bit, garbage in an unused slot) fails its own CRC: it vouches
+    for nothing, so the store keeps what the metadata and the good rows hold."""
+    s = EmbeddingStore(tmp_path, capacity=16, dim=4, num_classes=3)
+    s.add(*rows(12))
+    s.flush()
+    del s
+    raw = np.memmap(tmp_path / ROWS_FILE, dtype="<u8", mode="r+", shape=(16, 2))
+    raw[14, 0] = 2**40  # an unused slot claims a sample far in the future
+    raw.flush()
+    del raw
+    again = EmbeddingStore(tmp_path, capacity=16, dim=4, num_classes=3)
+    assert contents(again) == list(range(12))  # nothing lost to the rogue row
+    del again
+    raw = np.memmap(tmp_path / ROWS_FILE, dtype="<u8", mode="r+", shape=(16, 2))
+    raw[5, 0] ^= 1 << 33  # sample 5's seq flipped: that row is bad, the newer ones are not
+    raw.flush()
+    del raw
+    third = EmbeddingStore(tmp_path, capacity=16, dim=4, num_classes=3)
+    assert contents(third) == list(range(6, 12)) and third.lost_at_open >= 6
+
+
 def test_durable_store_flush_is_due_by_count_or_by_age(tmp_path: Path) -> None:
     s = EmbeddingStore(tmp_path, capacity=64, dim=4)
     assert not s.flush_due(4, 5.0)
