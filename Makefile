@@ -42,6 +42,8 @@ tools:
 	  { echo "make test: mosquitto is missing: sudo apt-get install mosquitto (or run .ci/run)" >&2; exit 1; }
 	@[ -x /usr/bin/chromium ] || \
 	  { echo "make test: chromium is missing: sudo apt-get install chromium (or run .ci/run)" >&2; exit 1; }
+	@command -v openssl >/dev/null 2>&1 || \
+	  { echo "make test: openssl is missing: sudo apt-get install openssl (or run .ci/run)" >&2; exit 1; }
 
 pytest: $(VENV)/.test-installed tools
 	$(BIN)/pytest -q -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)

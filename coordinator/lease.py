@@ -56,6 +56,10 @@ PROBE_RETAINED_WAIT_S: Final = 1.0
 PROBE_MARGIN_S: Final = 1.0
 """Added to two heartbeats before a presence that did not move is called stale (seconds)."""
 
+PROBE_HEARTBEAT_MAX_S: Final = 30.0
+"""The longest heartbeat a probe believes: a presence claiming more (a forged or misconfigured one) is
+watched for two of these only, so a start-up never waits hours on it."""
+
 
 class LeaseHeld(EdgeflError):
     """Another live coordinator runs this fleet (``edgefl coordinator`` exits 6).
@@ -137,7 +141,7 @@ async def probe_lease(
         first = await _next_presence(transport, topic, first_wait)
         if first is None:
             return None
-        wait_s = 2 * first.heartbeat_s + PROBE_MARGIN_S
+        wait_s = 2 * min(first.heartbeat_s, PROBE_HEARTBEAT_MAX_S) + PROBE_MARGIN_S
         loop = asyncio.get_running_loop()
         end = loop.time() + wait_s
         while (left := end - loop.time()) > 0:

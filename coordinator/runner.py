@@ -655,6 +655,9 @@ async def run(
         await _connected_or_refused(transport, where, 60.0)
         holding = asyncio.create_task(lease.hold())
         await coord.start()
+        # watch the lease while running: a live coordinator that took the fleet first makes this one
+        # stop (exit 6), a cleared lease is published again (the transport renews it after a reconnect)
+        await transport.subscribe(topics.coordinator, 1)
         if job and coord.state.round >= rounds.count:
             print(
                 f"nothing to do: fleet {fleet} is at round {coord.state.round} of {rounds.count} "

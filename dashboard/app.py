@@ -468,9 +468,12 @@ def _query_int(request: web.Request, name: str, default: int) -> int:
     if raw is None:
         return default
     try:
-        return int(raw)
+        value = int(raw) if len(raw) <= 18 else None  # a round number or a page size, never more digits
     except ValueError:
-        raise web.HTTPBadRequest(text=f"{name} = {raw[:20]!r}: must be an integer\n") from None
+        value = None
+    if value is None:
+        raise web.HTTPBadRequest(text=f"{name} = {raw[:20]!r}: must be an integer of at most 18 digits\n")
+    return value
 
 
 async def _rounds(request: web.Request) -> web.Response:

@@ -22,6 +22,7 @@ from edgefl.wire.signing import (
     parse_signing_key,
     parse_verify_key,
     public_pem,
+    read_key_text,
     write_key_pair,
 )
 
@@ -49,7 +50,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _read_public(path: Path) -> VerifyKey:
-    text = path.read_text(encoding="ascii")
+    text = read_key_text(path, "key")
     try:
         return parse_signing_key(text).verify_key
     except ValueError as private_error:

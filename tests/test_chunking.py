@@ -20,6 +20,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 from edgefl.errors import DecodeError
 from edgefl.transport import MqttTransport
 from edgefl.wire.chunking import (
+    CHUNK_ENTRY_BYTES,
     Chunk,
     Reassembler,
     decode_chunk,
@@ -224,21 +225,35 @@ def test_reassembler_expires_abandoned_sets() -> None:
 
 
 def test_reassembler_bounded_sets_and_bytes() -> None:
-    r = Reassembler(max_sets=2, max_total_bytes=2500, max_message_bytes=2000, max_chunk_bytes=300)
+    small = 1000 + 9 * CHUNK_ENTRY_BYTES  # 1,000 bytes in 9 chunks: data and each chunk's bookkeeping
+    big_set = 2000 + 17 * CHUNK_ENTRY_BYTES
+    r = Reassembler(max_sets=2, max_total_bytes=4400, max_message_bytes=2000, max_chunk_bytes=300)
     msgs = {name: split_message(name.encode() * 1000, "t", 250, msg_id=name) for name in "xyz"}
+    assert {len(m) for m in msgs.values()} == {9}
     r.feed("t", msgs["x"][0])
     r.feed("t", msgs["y"][0])
     assert len(r) == 2
     r.feed("t", msgs["z"][0])  # evicts x, the least recently active
-    assert len(r) == 2 and r.evicted_total == 1 and r.reserved_bytes == 2000
+    assert len(r) == 2 and r.evicted_total == 1 and r.reserved_bytes == 2 * small
     big = split_message(b"w" * 2000, "t", 250, msg_id="w")
-    r.feed("t", big[0])  # 2000 declared bytes: both others evicted to stay under 2500
-    assert len(r) == 1 and r.evicted_total == 3 and r.reserved_bytes == 2000
+    assert len(big) == 17
+    r.feed("t", big[0])  # 2000 declared bytes in 17 chunks: both others evicted to stay under 4400
+    assert len(r) == 1 and r.evicted_total == 3 and r.reserved_bytes == big_set
     with pytest.raises(DecodeError) as info:
         r.feed("t", split_message(b"v" * 2001, "t", 250, msg_id="v")[0])
     assert info.value.reason == "too_large"
     with pytest.raises(ValueError, match="max_total_bytes"):
         Reassembler(max_total_bytes=10, max_message_bytes=11)
+
+
+def test_reassembler_refuses_a_set_of_a_million_one_byte_chunks() -> None:
+    """Declared sizes bound the data; the chunk count bounds the bookkeeping (a dict entry per chunk)."""
+    r = Reassembler(max_sets=2, max_total_bytes=2 << 20, max_message_bytes=1 << 20, max_chunk_bytes=300)
+    n = 1_000_000
+    tiny = encode_chunk(Chunk("m", 0, n, n, hashlib.sha256(b"x" * n).hexdigest(), b"x"))
+    with pytest.raises(DecodeError) as info:
+        r.feed("t", tiny)
+    assert info.value.reason == "too_large" and len(r) == 0 and r.reserved_bytes == 0
 
 
 # --- a real broker with max_packet_size below the update size ---------------------------------------

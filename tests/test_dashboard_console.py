@@ -550,6 +550,8 @@ def test_console_rounds_api_serves_the_history_in_pages() -> None:
         _, doc = get_json(server.url + f"/api/rounds?limit={MAX_ROUNDS_PAGE + 1000}")
         assert len(doc["rounds"]) == 1200
         assert get_json(server.url + "/api/rounds?after=x")[0] == 400
+        assert get_json(server.url + "/api/rounds?after=1" + "0" * 400)[0] == 400  # no float overflow, no 500
+        assert get_json(server.url + "/api/rounds?limit=-" + "9" * 400)[0] == 400
         records[0]["accuracy"] = math.nan  # served as null, never NaN
         _, doc = get_json(server.url + "/api/rounds?limit=1")
         assert doc["rounds"][0]["accuracy"] is None

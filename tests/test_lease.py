@@ -221,3 +221,29 @@ def test_lease_probe_renamed_by_the_broker_to_the_running_coordinator_is_refused
         assert first.wait(timeout=30) == 0, read_log(tmp_path, "a")
     finally:
         stop_broker(broker)
+
+
+def test_lease_running_coordinator_watches_its_lease_and_stops_for_an_earlier_holder(
+    tmp_path: Path, mosquitto: Broker, fleet: str
+) -> None:
+    """Two coordinators that got past the probe together (a cleared lease, a race): the running one
+    watches the lease topic, and the one that started later stops with exit 6."""
+    proc = start_coordinator(tmp_path, "a", mosquitto, fleet)
+    try:
+        mine = asyncio.run(presences(mosquitto, fleet, 1, 30))[0]
+        wait_for_log(tmp_path, "a", "before round 1", proc, 30)  # running: its lease is watched from here
+        earlier = Presence("0123456789abcdef", "other-host", 7, mine.started - 100.0, 1, LEASE_HEARTBEAT_S)
+
+        async def announce() -> None:
+            t = MqttTransport(mosquitto.host, mosquitto.port, f"other-{fleet}")
+            await t.start(wait_s=10)
+            await t.publish(Topics("edgefl", fleet).coordinator, encode_presence(earlier), qos=1, retain=True)
+            await t.stop()
+
+        asyncio.run(announce())
+        assert proc.wait(timeout=30) == 6, read_log(tmp_path, "a")
+        out = read_log(tmp_path, "a")
+        assert "another coordinator took this fleet first" in out and "other-host" in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()

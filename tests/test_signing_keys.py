@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import tomllib
 from pathlib import Path
 
@@ -176,3 +177,19 @@ def test_sign_keys_every_shipped_device_profile_shows_the_security_table(profile
     section = text[text.index("[security]") :]
     for shown in ("# signing_key_file = ", "# coordinator_public_key = ", "BEGIN PUBLIC KEY", "edgefl keys"):
         assert shown in section, (profile.name, shown)
+
+
+def test_provision_key_files_are_bounded_before_they_are_read(tmp_path: Path) -> None:
+    """A huge file or a special one (/dev/zero) named as a key is refused before it is read."""
+    from edgefl.wire.signing import MAX_KEY_FILE_BYTES, load_signing_key, load_verify_key
+
+    big = tmp_path / "big.key"
+    big.write_text("a" * (MAX_KEY_FILE_BYTES + 1))
+    with pytest.raises(ValueError, match="not a key file"):
+        load_signing_key(big)
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_verify_key(Path("/dev/zero"))
+    fifo = tmp_path / "fifo.pub"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        load_verify_key(fifo)  # opened without blocking, refused without a read

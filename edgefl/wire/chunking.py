@@ -40,6 +40,7 @@ from edgefl.wire.reasons import CHUNK_REASONS, Reason
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CHUNK_ENTRY_BYTES",
     "CHUNK_REASONS",
     "CHUNK_SCHEMA_VERSION",
     "Chunk",
@@ -363,6 +364,17 @@ class _Set:
     parts: dict[int, bytes] = field(default_factory=dict)
     held: int = 0
 
+    @property
+    def reserved(self) -> int:
+        """What the set may come to hold, bytes: its data and a held chunk's bookkeeping each."""
+        return self.size + self.count * CHUNK_ENTRY_BYTES
+
+
+CHUNK_ENTRY_BYTES = 128
+"""Bytes charged against a :class:`Reassembler`'s ``max_total_bytes`` for each chunk a set may hold, beside
+its data (a dict entry and a bytes object: ~100 bytes in CPython): a set declared as a million 1-byte
+chunks reserves 128 MiB and is refused, instead of holding 68 MiB of bookkeeping for 1 MiB of data."""
+
 
 class Reassembler:
     """Collects chunks into whole messages, with bounded memory and expiry.
@@ -422,8 +434,8 @@ class Reassembler:
 
     @property
     def reserved_bytes(self) -> int:
-        """Declared sizes of the partial messages held, bytes (>= the bytes actually held)."""
-        return sum(s.size for s in self._sets.values())
+        """What the partial messages held may come to, bytes: declared sizes and per-chunk bookkeeping."""
+        return sum(s.reserved for s in self._sets.values())
 
     def __len__(self) -> int:
         return len(self._sets)
@@ -489,8 +501,15 @@ class Reassembler:
         if s is None:
             if (key, c.id, c.sha256) in self._done:
                 return None  # late duplicate of a delivered message
-            self._evict_for(c.size)
-            s = self._sets[k] = _Set(c.count, c.size, c.sha256, self.clock())
+            s = _Set(c.count, c.size, c.sha256, self.clock())
+            if s.reserved > self.max_total_bytes:
+                raise DecodeError(
+                    Reason.TOO_LARGE,
+                    f"chunk set {c.id}: {c.count} chunks of {c.size} bytes in all would hold "
+                    f"{s.reserved} bytes > {self.max_total_bytes}",
+                )
+            self._evict_for(s.reserved)
+            self._sets[k] = s
         elif (s.count, s.size, s.sha256) != (c.count, c.size, c.sha256):
             raise DecodeError(
                 Reason.CHUNK_CONFLICT,

@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CONTEXT",
+    "MAX_KEY_FILE_BYTES",
     "PLACEHOLDER",
     "SIGNATURE_BYTES",
     "SIGNATURE_REASONS",
@@ -73,6 +74,7 @@ __all__ = [
     "parse_verify_key",
     "private_pem",
     "public_pem",
+    "read_key_text",
     "sign_message",
     "sign_payload",
     "signed_bytes",
@@ -421,6 +423,34 @@ def write_key_pair(directory: Path, name: str) -> tuple[Path, Path, SigningKey]:
     return private, public, key
 
 
+MAX_KEY_FILE_BYTES = 16 * 1024
+"""Largest key file read (a PEM key with comments is well under 1 KiB): a larger or special file
+(``/dev/zero``, a fifo) is refused before it is read."""
+
+
+def read_key_text(path: Path, what: str) -> str:
+    """The text of a key file, read only when it is a regular file of at most :data:`MAX_KEY_FILE_BYTES`.
+
+    Raises
+    ------
+    OSError
+        If the file cannot be read.
+    ValueError
+        If it is not a regular file, is larger than the bound, or is not ASCII text.
+    """
+    with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: {what}: not a regular file")
+        data = f.read(MAX_KEY_FILE_BYTES + 1)
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise ValueError(f"{path}: {what}: over {MAX_KEY_FILE_BYTES} bytes, not a key file")
+    try:
+        return data.decode("ascii")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: {what}: not a text file (64 hex digits or PEM)") from None
+
+
 def load_signing_key(path: Path) -> SigningKey:
     """Load a private key file (see :func:`parse_signing_key`); warn if others can read it.
 
@@ -433,10 +463,9 @@ def load_signing_key(path: Path) -> SigningKey:
     """
     path = Path(path)
     mode = path.stat().st_mode
+    text = read_key_text(path, "private key")
     try:
-        key = parse_signing_key(path.read_text(encoding="ascii"))
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: private key: not a text file (64 hex digits or PEM)") from None
+        key = parse_signing_key(text)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
@@ -455,10 +484,9 @@ def load_verify_key(path: Path) -> VerifyKey:
         If the file cannot be read or holds no Ed25519 public key.
     """
     path = Path(path)
+    text = read_key_text(path, "public key")
     try:
-        return parse_verify_key(path.read_text(encoding="ascii"))
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: public key: not a text file (64 hex digits or PEM)") from None
+        return parse_verify_key(text)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
 
