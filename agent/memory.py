@@ -537,13 +537,40 @@ def estimate_train_bytes(
     int
         Bytes.
     """
+    head_bytes = 4 * (dim * classes + classes) * 4
+    first = TRAIN_FIRST_RUN_BYTES if first_run else 0
+    return _store_read_bytes(chunk, dim, num_examples, resident_rows) + head_bytes + first
+
+
+def _store_read_bytes(chunk: int, dim: int, num_examples: int, resident_rows: int) -> int:
+    """Bytes a training pass over the store adds for reading it: chunk buffers, shuffle, mapped pages.
+
+    The float32 chunk buffer and the float16 gather it is read from, the labels (int64 buffer,
+    int16 gather), the chunk's slot order and shuffle (int64 each); the per-epoch permutation of
+    ``num_examples`` (uint64 keys, a temporary, the int64 order); and the mapped pages (float16
+    rows plus int16 label) of the samples this process has not touched yet.
+
+    Parameters
+    ----------
+    chunk : int
+        Samples per chunk read from the store (capped at ``num_examples``, at least 1).
+    dim : int
+        Embedding width D.
+    num_examples : int
+        Samples in the store.
+    resident_rows : int
+        Stored samples whose pages this process already has mapped; 0 counts every one.
+
+    Returns
+    -------
+    int
+        Bytes.
+    """
     chunk = min(chunk, max(1, num_examples))
     chunk_bytes = chunk * (dim * (4 + 2) + 8 + 2 + 8 + 8)
-    head_bytes = 4 * (dim * classes + classes) * 4
     order_bytes = num_examples * 8 * 3
     mapped = max(0, num_examples - max(0, resident_rows)) * (2 * dim + 2)
-    first = TRAIN_FIRST_RUN_BYTES if first_run else 0
-    return chunk_bytes + head_bytes + order_bytes + mapped + first
+    return chunk_bytes + order_bytes + mapped
 
 
 def personal_head_bytes(dim: int, classes: int) -> int:
@@ -581,20 +608,19 @@ def estimate_personal_bytes(
         Samples in the store.
     first_run : bool
         Add :data:`FIRST_RUN_BYTES` for code pages faulted in by the first call.
+    resident_rows : int
+        Stored samples whose pages this process already has mapped; 0 counts every one.
 
     Returns
     -------
     int
         Bytes.
     """
-    chunk = min(chunk, max(1, num_examples))
-    chunk_bytes = chunk * (dim * (4 + 2) + 8 + 2 + 8 + 8)
-    step_bytes = min(batch_size, chunk) * (dim * 4 + classes * 4 * 4)
+    step_bytes = min(batch_size, chunk, max(1, num_examples)) * (dim * 4 + classes * 4 * 4)
     head_bytes = 2 * personal_head_bytes(dim, classes)
-    order_bytes = num_examples * 8 * 3
-    mapped = max(0, num_examples - max(0, resident_rows)) * (2 * dim + 2)
     first = FIRST_RUN_BYTES if first_run else 0
-    return chunk_bytes + step_bytes + head_bytes + order_bytes + mapped + _FIXED_BYTES + first
+    read_bytes = _store_read_bytes(chunk, dim, num_examples, resident_rows)
+    return read_bytes + step_bytes + head_bytes + _FIXED_BYTES + first
 
 
 def wire_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 0.1) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -93,6 +94,83 @@ class LocalResult:
     train_s: float
 
 
+class _BatchReader:
+    """Shuffled mini-batches of a store, read one chunk at a time into buffers allocated once.
+
+    The heap a training loop uses (per-step allocations and the per-chunk float16 cast were most
+    of a round's training): one float32 chunk ``emb [chunk, D]`` and its labels ``lbl [chunk]``
+    (int64), one batch's logits ``[batch, K]`` float32 and the gradient ``[D, K]``, ``[K]``
+    float32. Each chunk is read already in its shuffled order, so a batch is a view of it.
+
+    Parameters
+    ----------
+    store : EmbeddingStore
+        Local labelled embeddings.
+    n : int
+        Samples of ``store`` to read (the first ``n``; >= 1).
+    dim, classes : int
+        D and K of the head trained.
+    chunk_size : int
+        Samples read from the store at once (>= 1; capped at ``n``).
+    batch_size : int
+        Samples per SGD step (>= 1).
+    """
+
+    def __init__(
+        self, store: EmbeddingStore, n: int, dim: int, classes: int, *, chunk_size: int, batch_size: int
+    ) -> None:
+        self.store, self.n, self.batch_size = store, n, batch_size
+        self.chunk = min(chunk_size, n)
+        self.emb: F32 = np.empty((self.chunk, dim), np.float32)
+        self.lbl: I64 = np.empty(self.chunk, np.int64)
+        step = min(batch_size, self.chunk)
+        self._z: F32 = np.empty((step, classes), np.float32)
+        self._grad_W: F32 = np.empty((dim, classes), np.float32)
+        self._grad_b: F32 = np.empty(classes, np.float32)
+        self._rows: I64 = np.arange(step, dtype=np.int64)
+        self._logistic = classes == 1
+
+    def batches(self, epochs: int, shuffler: Shuffler, stop_at: float | None) -> Iterator[tuple[F32, I64]]:
+        """Yield ``(emb [b, D] float32, labels [b] int64)`` views, ``epochs`` passes over the store.
+
+        Each epoch draws a new order (:class:`Shuffler`); each chunk's slots are read sorted (the
+        store's pages in order), then shuffled within the chunk. Stops before the next epoch or
+        chunk once ``time.perf_counter()`` is past ``stop_at`` (None = no limit). A view is valid
+        until the next one is asked for.
+        """
+        n, chunk, bs = self.n, self.chunk, self.batch_size
+        for _ in range(epochs):
+            if stop_at is not None and time.perf_counter() > stop_at:
+                return
+            # the epoch's order, then the keys of every chunk's own shuffle in one draw (Shuffler.keys;
+            # at most 3 x 8 bytes a sample alive, as memory.estimate_train_bytes counts)
+            order = np.argsort(shuffler.keys(n))
+            within = shuffler.keys(n)
+            for start in range(0, n, chunk):
+                if stop_at is not None and time.perf_counter() > stop_at:
+                    return
+                m = min(chunk, n - start)
+                sel = np.sort(order[start : start + m])[np.argsort(within[start : start + m])]
+                self.store.read(sel, self.emb[:m], self.lbl[:m])
+                for s in range(0, m, bs):
+                    e = self.emb[s : min(m, s + bs)]
+                    yield e, self.lbl[s : s + e.shape[0]]
+
+    def grad(self, W: F32, b: F32, e: F32, y: I64) -> tuple[F32, F32]:
+        """Gradient ``(dW [D, K], db [K])`` float32 of the batch's mean loss at ``(W, b)``.
+
+        Binary cross-entropy for a logistic head (K = 1, :func:`edgefl.head.loss_and_grad`),
+        softmax cross-entropy otherwise, into the reader's own buffers (overwritten by the next
+        call).
+        """
+        if self._logistic:
+            _, gW, gb = loss_and_grad(W, b, e, y)
+            return gW, gb
+        k = len(y)
+        cross_entropy_grad_into(W, b, e, y, self._z[:k], self._grad_W, self._grad_b, self._rows[:k])
+        return self._grad_W, self._grad_b
+
+
 def train_local(
     head: Head,
     store: EmbeddingStore,
@@ -167,47 +245,23 @@ def train_local(
     # the heap the loop uses, allocated once (per-step allocations and the per-chunk
     # float16 cast were most of a round's training): one float32 chunk and its labels, one batch's
     # logits, the gradient; the chunk is read already in its shuffled order, so a batch is a view
-    chunk = min(chunk_size, n)
-    emb = np.empty((chunk, D), np.float32)
-    lbl = np.empty(chunk, np.int64)
-    step = min(batch_size, chunk)
-    z = np.empty((step, K), np.float32)
-    grad_W = np.empty((D, K), np.float32)
-    grad_b = np.empty(K, np.float32)
-    rows = np.arange(step, dtype=np.int64)
+    reader = _BatchReader(store, n, D, K, chunk_size=chunk_size, batch_size=batch_size)
+    chunk, emb, lbl = reader.chunk, reader.emb, reader.lbl
     lr32 = np.float32(lr)
-    whole = False  # the buffer holds every sample (one chunk, read whole in the last epoch)
-    for _ in range(local_epochs):
-        if stop_at is not None and time.perf_counter() > stop_at:
-            break
-        # the epoch's order, then the keys of every chunk's own shuffle in one draw (Shuffler.keys;
-        # at most 3 x 8 bytes a sample alive, as memory.estimate_train_bytes counts)
-        order = np.argsort(shuffler.keys(n))
-        within = shuffler.keys(n)
-        for start in range(0, n, chunk):
-            if stop_at is not None and time.perf_counter() > stop_at:
-                break
-            m = min(chunk, n - start)
-            # slots sorted (the store's pages in order), then shuffled within the chunk
-            sel = np.sort(order[start : start + m])[np.argsort(within[start : start + m])]
-            store.read(sel, emb[:m], lbl[:m])
-            whole = m == n
-            for s in range(0, m, batch_size):
-                e = emb[s : min(m, s + batch_size)]
-                y = lbl[s : s + e.shape[0]]
-                if K == 1:
-                    _, gW, gb = loss_and_grad(W, b, e, y)
-                else:
-                    cross_entropy_grad_into(W, b, e, y, z[: len(y)], grad_W, grad_b, rows[: len(y)])
-                    gW, gb = grad_W, grad_b
-                if prox_mu > 0.0:
-                    sgd_step(W, b, gW, gb, lr, prox_mu=prox_mu, W0=head.W, b0=head.b)
-                else:
-                    # sgd_step's `W -= lr * grad` with the product written over the spent gradient
-                    gW *= lr32
-                    W -= gW
-                    gb *= lr32
-                    b -= gb
+    steps = 0
+    for e, y in reader.batches(local_epochs, shuffler, stop_at):
+        gW, gb = reader.grad(W, b, e, y)
+        if prox_mu > 0.0:
+            sgd_step(W, b, gW, gb, lr, prox_mu=prox_mu, W0=head.W, b0=head.b)
+        else:
+            # sgd_step's `W -= lr * grad` with the product written over the spent gradient
+            gW *= lr32
+            W -= gW
+            gb *= lr32
+            b -= gb
+        steps += 1
+    # the buffer holds every sample: one chunk, read whole (in the last epoch's order)
+    whole = chunk == n and steps > 0
     train_s = time.perf_counter() - t0
     delta_W: F32 = (W - head.W).astype(np.float32)
     delta_b: F32 = (b - head.b).astype(np.float32)
@@ -341,14 +395,7 @@ def train_personal(
     t0 = time.perf_counter()
     stop_at = t0 + time_budget_s if time_budget_s is not None else None
     shuffler = Shuffler(seed)
-    chunk = min(chunk_size, n)
-    emb = np.empty((chunk, D), np.float32)
-    lbl = np.empty(chunk, np.int64)
-    step = min(batch_size, chunk)
-    z = np.empty((step, K), np.float32)
-    grad_W = np.empty((D, K), np.float32)
-    grad_b = np.empty(K, np.float32)
-    rows = np.arange(step, dtype=np.int64)
+    reader = _BatchReader(store, n, D, K, chunk_size=chunk_size, batch_size=batch_size)
     steps = 0
     lr32, lam32 = np.float32(lr), np.float32(lam)
     tied = None if columns.all() else ~columns  # one step is edgefl.head.ditto_step's
@@ -356,27 +403,10 @@ def train_personal(
         W[...] = global_head.W  # nothing to personalise: the global head
         b[...] = global_head.b
         return PersonalResult(0, n, time.perf_counter() - t0)
-    for _ in range(epochs):
-        if stop_at is not None and time.perf_counter() > stop_at:
-            break
-        order = np.argsort(shuffler.keys(n))
-        within = shuffler.keys(n)
-        for start in range(0, n, chunk):
-            if stop_at is not None and time.perf_counter() > stop_at:
-                break
-            m = min(chunk, n - start)
-            sel = np.sort(order[start : start + m])[np.argsort(within[start : start + m])]
-            store.read(sel, emb[:m], lbl[:m])
-            for s in range(0, m, batch_size):
-                e = emb[s : min(m, s + batch_size)]
-                y = lbl[s : s + e.shape[0]]
-                if K == 1:
-                    _, gW, gb = loss_and_grad(W, b, e, y)
-                else:
-                    cross_entropy_grad_into(W, b, e, y, z[: len(y)], grad_W, grad_b, rows[: len(y)])
-                    gW, gb = grad_W, grad_b
-                ditto_update(W, b, gW, gb, lr32, lam32, global_head.W, global_head.b, tied)
-                steps += 1
+    for e, y in reader.batches(epochs, shuffler, stop_at):
+        gW, gb = reader.grad(W, b, e, y)
+        ditto_update(W, b, gW, gb, lr32, lam32, global_head.W, global_head.b, tied)
+        steps += 1
     if steps == 0:  # stopped before the first step: the tied columns are still the global head's
         tied = ~columns
         W[:, tied] = global_head.W[:, tied]

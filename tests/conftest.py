@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from edgefl.launcher import free_port
+from edgefl.launcher import free_port, stop_agents
 from tests.support.broker import Broker, mosquitto_path, restart_mosquitto, start_mosquitto, stop_broker
 
 # tests import these from here; the launcher is tests/support/broker.py (benches use it too)
@@ -68,6 +68,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.broker)
         if names & SUBPROCESS_FIXTURES:
             item.add_marker(pytest.mark.subprocess)
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Agent processes a test starts (it appends them): stopped after the test, then the last
+    3000 characters of every ``*.log`` in ``tmp_path`` printed (pytest shows them on a failure)."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        yield procs
+    finally:
+        stop_agents(procs)
+        for log in tmp_path.glob("*.log"):
+            print(log.read_text(errors="replace")[-3000:])
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,6 @@ from conftest import PASSWORD, USER, Broker, Pki, free_port, start_ingest_agent,
 from conftest import wait_until as wait_until_async
 
 from edgefl.cli import EXIT_CREDENTIALS, EXIT_RUNTIME
-from edgefl.launcher import stop_agents
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,17 +33,6 @@ def authed_broker(tmp_path: Path, pki: Pki) -> Iterator[Broker]:
         yield broker
     finally:
         stop_broker(broker)
-
-
-@pytest.fixture
-def agents(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        yield procs
-    finally:
-        stop_agents(procs)
-        for log in tmp_path.glob("*.log"):
-            print(log.read_text(errors="replace")[-3000:])
 
 
 def get(url: str) -> tuple[int, str]:

@@ -10,7 +10,6 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,20 +19,8 @@ from test_ingest import Gateway
 
 from edgefl.datasets import load_digits
 from edgefl.feed import check_samples
-from edgefl.launcher import stop_agents
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture
-def agents(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        yield procs
-    finally:
-        stop_agents(procs)
-        for log in tmp_path.glob("*.log"):
-            print(log.read_text(errors="replace")[-3000:])
 
 
 def feed_cmd(broker_url: str, fleet: str, device: str, data: Path, *more: str) -> list[str]:

@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,6 @@ from edgefl.agent.pipeline import Pipeline
 from edgefl.datasets import load_digits
 from edgefl.errors import DecodeError, TransportError, UpdateRejected
 from edgefl.head import Head
-from edgefl.launcher import stop_agents
 from edgefl.runtime import Backbone
 from edgefl.tlsconf import make_ssl_context
 from edgefl.topics import Topics
@@ -280,17 +278,6 @@ class Gateway:
         return self.status
 
 
-@pytest.fixture
-def agent_log(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        yield procs
-    finally:
-        stop_agents(procs)
-        for log in tmp_path.glob("*.log"):
-            print(log.read_text(errors="replace")[-3000:])
-
-
 def model_predictions(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The model's own classification of raw digits x: its head (factory, version 0) on its embedding."""
     bb = Backbone(RAWIN_MODEL)
@@ -299,14 +286,14 @@ def model_predictions(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_ingest_samples_and_late_labels_train_a_round(
-    mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
 ) -> None:
     started = time.monotonic()
     x, y = load_digits()
     x, y = x[:40], y[:40]
     want_cls, want_score = model_predictions(x)
     # 29 examples train the round below: under the default training.min_examples (32)
-    agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-1", training__min_examples="16"))
+    agents.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-1", training__min_examples="16"))
 
     async def main() -> dict[str, Any]:
         async with Gateway(mosquitto, fleet, "live-1") as gw:
@@ -340,17 +327,17 @@ def test_ingest_samples_and_late_labels_train_a_round(
     ran_s = time.monotonic() - started
     assert all(p.version == 0 and 0 <= p.latency_s <= ran_s for p in preds.values())
     assert (update.round, update.base_version, update.device, update.num_examples) == (1, 0, "live-1", 29)
-    assert all(p.poll() is None for p in agent_log), "the agent died"
+    assert all(p.poll() is None for p in agents), "the agent died"
 
 
 def test_ingest_too_few_examples_declines_then_trains(
-    mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
 ) -> None:
     """A round announced while the feed is still going: fewer than training.min_examples (32) stored ->
     the round waits for more (half its deadline), then a Decline ``too_few_examples``, not an update
     trained on a handful; once enough are stored the next round trains on all of them."""
     x, y = load_digits()
-    agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-3"))
+    agents.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-3"))
 
     async def main() -> list[Any]:
         async with Gateway(mosquitto, fleet, "live-3") as gw:
@@ -383,11 +370,11 @@ def test_ingest_too_few_examples_declines_then_trains(
     assert (declined.round, declined.device, declined.reason) == (1, "live-3", "too_few_examples")
     assert declined.detail == "19 labelled examples stored, training.min_examples is 32"
     assert (update.round, update.device, update.num_examples) == (2, "live-3", 38)
-    assert all(p.poll() is None for p in agent_log), "the agent died"
+    assert all(p.poll() is None for p in agents), "the agent died"
 
 
 def test_ingest_refuses_wrong_shape_dtype_label(
-    mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
 ) -> None:
     x, y = load_digits()
 
@@ -399,7 +386,7 @@ def test_ingest_refuses_wrong_shape_dtype_label(
     asyncio.run(stale())
     # MQTT 3.1.1: the broker hands the retained sample over at subscribe (retain flag set) and the
     # agent refuses it; over MQTT 5 it is never sent (Retain Handling 2: the label_conflict test)
-    agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-2", broker__protocol="3.1.1"))
+    agents.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-2", broker__protocol="3.1.1"))
 
     async def main() -> dict[str, Any]:
         async with Gateway(mosquitto, fleet, "live-2") as gw:
@@ -430,15 +417,15 @@ def test_ingest_refuses_wrong_shape_dtype_label(
         "unknown_sample": 1,
     }
     assert (st["samples_received"], st["predictions_published"], st["store_samples"]) == (2, 2, 2)
-    assert all(p.poll() is None for p in agent_log), "the agent died"
+    assert all(p.poll() is None for p in agents), "the agent died"
 
 
 def test_ingest_queue_drops_oldest_and_counts(
-    mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
 ) -> None:
     x, _ = load_digits()
     n = 200  # under the transport's incoming queue (256): the drops can only be the ingest queue's
-    agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-3", source__queue_max="2"))
+    agents.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-3", source__queue_max="2"))
 
     async def main() -> tuple[dict[str, Any], dict[str, Prediction]]:
         async with Gateway(mosquitto, fleet, "live-3") as gw:
@@ -464,14 +451,14 @@ def test_ingest_queue_drops_oldest_and_counts(
     assert len(preds) == published
     assert f"b{n - 1}" in preds  # drop-oldest never drops the newest sample
     assert st["transport"]["queue_dropped"] == 0  # the drops are the ingest queue's, counted there
-    assert all(p.poll() is None for p in agent_log), "the agent died"
+    assert all(p.poll() is None for p in agents), "the agent died"
 
 
 def test_ingest_pending_label_expiry(
-    mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
 ) -> None:
     x, y = load_digits()
-    agent_log.append(
+    agents.append(
         start_ingest_agent(mosquitto, fleet, tmp_path, "live-4", source__label_expiry_s="0.5")
     )
 
@@ -489,12 +476,12 @@ def test_ingest_pending_label_expiry(
 
 
 def test_ingest_feed_cli(
-    mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
 ) -> None:
     x, y = load_digits()
     n = 60
     np.savez(tmp_path / "shard.npz", x=x[:n], y=y[:n])
-    agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-5"))
+    agents.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-5"))
     want_cls, _ = model_predictions(x[:n])
 
     async def ready() -> None:
@@ -526,7 +513,7 @@ def test_ingest_feed_cli(
 
 
 def test_ingest_logistic_streaming_frames_in_order(
-    mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
 ) -> None:
     # the K = 1 streaming model (resource variables, logistic head): frames classified in arrival order
     # through one interpreter, so its state carries; labels are 0/1
@@ -535,7 +522,7 @@ def test_ingest_logistic_streaming_frames_in_order(
     bb = Backbone(streaming)
     emb = Pipeline(bb, (0.0,), (1.0,), mode="fused", batch=1).run(frames)[0]
     want_cls, want_score = Head(*bb.head_from_model()).scores(emb)
-    agent_log.append(
+    agents.append(
         start_ingest_agent(
             mosquitto,
             fleet,
@@ -568,7 +555,7 @@ def test_ingest_logistic_streaming_frames_in_order(
 
 
 def test_ingest_feed_cli_over_tls_with_the_profile_broker_table(
-    pki: Pki, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+    pki: Pki, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
 ) -> None:
     # TLS and a password: the feeder takes the CA, username and password file from a profile's
     # [broker] table (as the agent does); without them it cannot connect (exit 4)
@@ -580,7 +567,7 @@ def test_ingest_feed_cli_over_tls_with_the_profile_broker_table(
         password.write_text(PASSWORD + "\n")
         tls = {"broker__ca_file": str(pki.ca), "broker__username": USER}
         tls["broker__password_file"] = str(password)
-        agent_log.append(start_ingest_agent(broker, fleet, tmp_path, "tls-1", broker__url=url, **tls))
+        agents.append(start_ingest_agent(broker, fleet, tmp_path, "tls-1", broker__url=url, **tls))
         profile = tmp_path / "feeder.toml"
         # only a [broker] table: the docs say --profile "lends the [broker] table" (H17 item 4)
         profile.write_text(
@@ -631,7 +618,7 @@ def test_ingest_feed_cli_to_a_device_that_never_answers(
 
 
 def test_ingest_label_conflict_retained_and_throttled_log_on_a_real_agent(
-    mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: list[subprocess.Popen[bytes]]
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
 ) -> None:
     """A hijacker answers predictions first: the genuine labels are label_conflict, counted; a sample
     retained before or while the agent subscribes is never taken; refusals are logged 20 per reason."""
@@ -643,7 +630,7 @@ def test_ingest_label_conflict_retained_and_throttled_log_on_a_real_agent(
             await gw.t.publish(topics.samples("live-h"), encode_sample(Sample("r0", x[0])), retain=True)
 
     asyncio.run(stale())
-    agent_log.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-h"))
+    agents.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-h"))
 
     async def main() -> dict[str, Any]:
         async with Gateway(mosquitto, fleet, "live-h") as gw:

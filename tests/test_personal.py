@@ -7,7 +7,6 @@ import dataclasses
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,6 @@ from edgefl.coordinator.service import personal_heads_summary
 from edgefl.datasets import load_digits
 from edgefl.errors import ConfigError, DecodeError
 from edgefl.head import Head, ditto_step, personal_columns
-from edgefl.launcher import stop_agents
 from edgefl.records import read_record
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
@@ -265,17 +263,6 @@ class App:
     async def until(self, what: str, **want: Any) -> dict[str, Any]:
         await wait_until(lambda: all(self.status.get(k) == v for k, v in want.items()), 60, what)
         return self.status
-
-
-@pytest.fixture
-def agents(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        yield procs
-    finally:
-        stop_agents(procs)
-        for log in tmp_path.glob("*.log"):
-            print(log.read_text(errors="replace")[-3000:])
 
 
 def _personal_predictions(state_dir: Path, x: np.ndarray) -> np.ndarray:

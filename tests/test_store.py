@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,6 @@ from test_ingest import Gateway
 
 from edgefl.agent.store import ROWS_FILE, EmbeddingStore
 from edgefl.datasets import load_digits
-from edgefl.launcher import stop_agents
 from edgefl.records import read_record
 from edgefl.wire.messages import Decline, RoundAnnouncement, Sample, encode_round
 
@@ -142,17 +140,6 @@ def test_durable_store_flush_is_due_by_count_or_by_age(tmp_path: Path) -> None:
     assert s.unflushed_since == t0 and s.flush_due(4, 5.0, now=t0)  # 4 unflushed: at once
     s.flush()
     assert not s.flush_due(4, 5.0, now=t0 + 100)
-
-
-@pytest.fixture
-def agents(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        yield procs
-    finally:
-        stop_agents(procs)
-        for log in tmp_path.glob("*.log"):
-            print(log.read_text(errors="replace")[-3000:])
 
 
 def meta_total(state_dir: Path) -> int:
