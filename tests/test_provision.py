@@ -174,7 +174,9 @@ def test_provision_signed_round_over_tls_with_parallel_gateway_apps(
         sets = env_args(work / dev / "agent.env", work / dev)
         # the shipped profile's raw-input model (what the coordinator's profile names), fed over MQTT
         sets += [f"device.state_dir={tmp_path / dev / 'state'}", "source.kind=mqtt",
-                 "dashboard.enabled=false", f"status.interval_s={TEST_STATUS_INTERVAL_S}"]
+                 "dashboard.enabled=false", f"status.interval_s={TEST_STATUS_INTERVAL_S}",
+                 # the feeds count every prediction: QoS 1 (the shipped QoS 0 may lose one on a loaded host)
+                 "source.predictions_qos=1"]
         overrides = dict(item.split("=", 1) for item in sets)
         assert overrides["security.signing_key_file"] == str(work / dev / "signing.key")
         agents.append(launch_agent(DEVICE_PROFILE, overrides, tmp_path / f"{dev}.log"))
