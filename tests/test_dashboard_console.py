@@ -189,7 +189,7 @@ def test_fleet_page_console_ten_devices_on_the_first_screen_worst_first(
 def test_fleet_page_console_sorts_by_any_column(
     browser: Browser, fleet_page: tuple[ThreadedDashboard, dict[str, Any]]
 ) -> None:
-    server, _ = fleet_page
+    server, progress = fleet_page
     page, errors = open_page(browser, server.url, WIDE)
     expect(page.locator("#devices tbody tr")).to_have_count(10)
 
@@ -203,9 +203,10 @@ def test_fleet_page_console_sorts_by_any_column(
     assert order() == [f"gw-{i:02d}" for i in range(9, -1, -1)]
     page.click('#devices th button[data-sort="personal"]')  # lowest accuracy first
     assert order()[0] == "gw-09"
-    # the order holds across pushes
+    # the order holds across pushes: a new round number arrives and the rows are drawn again
+    progress["round"] = progress["round"] + 1
     server.notify()
-    time.sleep(0.6)
+    expect(page.locator("#round")).to_have_text(f"{progress['round']:,}")
     assert order()[0] == "gw-09" and order()[-1] == "gw-00"
     assert errors.items == []
     page.context.close()
