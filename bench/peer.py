@@ -66,7 +66,7 @@ import numpy as np
 
 from bench.round_overhead import mosquitto
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import make_strategy
+from edgefl.coordinator.strategies import make_strategy
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy, embed_all
 from edgefl.launcher import MALLOC_ENV as DEMO_MALLOC_ENV

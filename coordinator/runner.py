@@ -45,7 +45,8 @@ from edgefl.coordinator.privacy import DPFedAvg
 from edgefl.coordinator.profile import CoordinatorProfile, load_coordinator_profile
 from edgefl.coordinator.rounds import Pacing
 from edgefl.coordinator.service import HISTORY_ROUNDS, Coordinator, RoundRecord
-from edgefl.coordinator.strategy import Strategy, make_strategy
+from edgefl.coordinator.strategies import make_strategy
+from edgefl.coordinator.strategy import Strategy
 from edgefl.errors import ConfigError, ModelError, TransportError, UpdateRejected
 from edgefl.profiles import DashboardConfig, broker_password
 from edgefl.records import atomic_write

@@ -33,7 +33,7 @@ from edgefl.agent.config import load_profile
 from edgefl.agent.core import DeviceCore
 from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import make_strategy
+from edgefl.coordinator.strategies import make_strategy
 from edgefl.datasets import FACTORY_CLASSES, load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy
 from edgefl.feed import FeedOptions, FeedResult, feed

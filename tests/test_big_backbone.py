@@ -27,8 +27,8 @@ from edgefl.agent.config import load_profile
 from edgefl.agent.core import DeviceCore, RoundStatus
 from edgefl.agent.memory import MIB, Governor
 from edgefl.agent.store import EmbeddingStore
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.head import Head
 from edgefl.launcher import launch_agent, stop_agents
 from edgefl.runtime import Backbone

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, Broker, start_replay_agent, wait_until
 
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy, embed_all
 from edgefl.launcher import stop_agents

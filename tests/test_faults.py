@@ -38,8 +38,10 @@ from conftest import (
 
 from edgefl.agent.outbox import Outbox
 from edgefl.agent.trainer import fit_head
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg, Offer, aggregate_checked, make_strategy
+from edgefl.coordinator.strategies import make_strategy
+from edgefl.coordinator.strategy import Offer, aggregate_checked
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy, embed_all
 from edgefl.records import prev_path

@@ -27,7 +27,7 @@ PRODUCT = ("agent", "coordinator", "dashboard", "edgefl", "cross_build")
 MAX_MODULE_LINES = 800
 OVERSIZE = frozenset({
     "agent/core.py", "agent/daemon.py", "agent/memory.py",
-    "coordinator/runner.py", "coordinator/service.py", "coordinator/strategy.py",
+    "coordinator/runner.py", "coordinator/service.py",
     "edgefl/transport.py", "edgefl/wire/messages.py",
 })
 """Modules over the limit, to be split by job: a module leaves this list once it fits, none joins it."""

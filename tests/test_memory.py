@@ -482,8 +482,8 @@ def agent_log(tmp_path: Path) -> Iterator[Path]:
 
 
 async def _coordinator(broker: Broker, fleet: str, deadline_s: float) -> Any:
+    from edgefl.coordinator.fedavg import FedAvg
     from edgefl.coordinator.service import Coordinator
-    from edgefl.coordinator.strategy import FedAvg
     from edgefl.runtime import Backbone
     from edgefl.topics import Topics
     from edgefl.transport import MqttTransport

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, Broker, start_replay_agent, wait_until
 
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.launcher import stop_agents
 from edgefl.runtime import Backbone
@@ -181,7 +181,7 @@ def test_shipped_round_below_the_minimum_waits_to_its_deadline_then_is_abandoned
     """Trimmed mean (beta 0.2) tolerating 1 of 5, ``min_clients = 2`` (the shipped profile's): two
     updates do not close the round (it announces ``min_clients = 5``); at the deadline the round is
     abandoned as ``too_few`` with nothing aggregated (version and head kept, no history committed)."""
-    from edgefl.coordinator.strategy import TrimmedMean
+    from edgefl.coordinator.robust import TrimmedMean
     from edgefl.wire.messages import decode_round
 
     bb = Backbone(INT8_MODEL)

@@ -527,8 +527,8 @@ def test_fleet_registry_is_bounded_under_a_status_flood(mosquitto: Broker, fleet
     import asyncio
     import time
 
+    from edgefl.coordinator.fedavg import FedAvg
     from edgefl.coordinator.service import Coordinator
-    from edgefl.coordinator.strategy import FedAvg
     from edgefl.runtime import Backbone
     from edgefl.topics import Topics
     from edgefl.transport import MqttTransport

@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 from conftest import INT8_MODEL, Broker, wait_until
 
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import LOGGED_REFUSALS, PAGE_DEVICES, STRANGERS_KEPT, Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.dashboard.app import DashboardState, serve
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics

@@ -12,8 +12,8 @@ import pytest
 from conftest import INT8_MODEL, Broker, next_status_fields, start_replay_agent
 
 from edgefl.agent.status import ROUND_STATES, status_news
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics

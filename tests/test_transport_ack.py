@@ -21,9 +21,9 @@ from conftest import DEV_PROFILE, INT8_MODEL, Broker, wait_until
 from edgefl.agent.config import load_profile
 from edgefl.agent.core import DeviceCore, RoundResult
 from edgefl.agent.daemon import Agent
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.hierarchy import SiteAggregator
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import Message, MqttTransport
