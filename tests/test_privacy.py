@@ -22,7 +22,7 @@ from edgefl.coordinator.strategy import FedAvg, FedAvgM, Offer, aggregate_checke
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import Update, UpdateMetrics, encode_update
+from edgefl.wire.rounds import Update, UpdateMetrics, encode_update
 
 
 def test_clip_update_by_hand() -> None:

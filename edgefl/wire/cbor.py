@@ -27,13 +27,9 @@ __all__ = [
     "ALLOWED_TAGS",
     "CBOR2_STRICT",
     "DEFAULT_LIMITS",
-    "DEFLATE_SCHEMA_VERSION",
-    "HEAD_LAYOUT_SCHEMA_VERSION",
     "INT_MAX",
-    "MIN_SCHEMA_VERSION",
     "NO_LIMITS",
     "SCHEMA_VERSION",
-    "SIGNED_SCHEMA_VERSION",
     "Limits",
     "MessageType",
     "cbor_head_bytes",
@@ -51,19 +47,8 @@ __all__ = [
     "strict_loads",
 ]
 
-#: Newest schema this code reads and writes. 2 added the ``rice`` position layout of top-k deltas,
-#: 3 the compressed GlobalModel head (``layout``, ``base_version``), 4 deflated int8 levels (``qz``).
-SCHEMA_VERSION: Final = 4
-#: Oldest schema still read.
-MIN_SCHEMA_VERSION: Final = 1
-#: Schema written by a signed message or an update whose delta uses the ``rice`` layout (both new in
-#: schema 2); everything else is written as schema 1, which peers from before the bump read unchanged.
-SIGNED_SCHEMA_VERSION: Final = 2
-#: Schema written by a GlobalModel whose head is compressed or a delta (new in schema 3), signed or not.
-HEAD_LAYOUT_SCHEMA_VERSION: Final = 3
-#: Schema written by a message with an int8 sub-map whose levels travel deflated (``qz``), or by an
-#: Update carrying the base head's evaluation in its metrics (both new in 4).
-DEFLATE_SCHEMA_VERSION: Final = 4
+#: The schema every message is written in and the only one read (``docs/protocol.md``, "Versioning").
+SCHEMA_VERSION: Final = 1
 
 INT_MAX: Final = 2**63 - 1  # fits int64 everywhere downstream (JSON, Prometheus, numpy)
 #: Tags a message may hold: 40 (RFC 8746 §3.1.1 multi-dimensional array) and the RFC 8746 §2.1
@@ -96,8 +81,7 @@ class Limits:
     max_message_bytes : int
         Largest accepted payload, bytes (checked before parsing).
     max_depth : int
-        Deepest nesting of arrays, maps and tags (an update with an int8 delta needs 6, one with
-        Rice-coded top-k positions 7).
+        Deepest nesting of arrays, maps and tags (an update with an int8 delta needs 6).
     max_array_elements : int
         Largest element count of one array (typed or CBOR array, or map pairs).
     max_string_bytes : int
@@ -162,7 +146,7 @@ def dumps(obj: object) -> bytes:
     exactly (``60.0``: 3 bytes instead of 9; ``0.05`` stays double), inside maps and arrays at any
     depth; every other item is cbor2's own encoding. Map keys keep their order (a signed message's
     ``"signature"`` stays last), unlike ``cbor2.dumps(..., canonical=True)``, which sorts them. Every
-    reader of schema 1 and later takes any float width (``prescan`` accepts additional information
+    reader takes any float width (``prescan`` accepts additional information
     25, 26 and 27), so no schema bump is needed.
 
     Raises
@@ -441,14 +425,14 @@ def load_message(payload: bytes, limits: Limits, kind: MessageType) -> dict[str,
     -------
     dict[str, object]
         The decoded map; its fields are not checked yet (the caller's job, with :func:`check_keys`
-        and the ``read_*`` helpers). ``obj["v"]`` is an int in [MIN_SCHEMA_VERSION, SCHEMA_VERSION].
+        and the ``read_*`` helpers). ``obj["v"]`` is :data:`SCHEMA_VERSION`.
 
     Raises
     ------
     DecodeError
         As :func:`load`; ``not_a_map``; ``missing_key`` (``v``, ``type``); ``bad_version`` (not an
-        integer, or older than :data:`MIN_SCHEMA_VERSION`); ``newer_schema`` (newer than
-        :data:`SCHEMA_VERSION`: the sender runs a newer edgefl); ``wrong_type`` (another type).
+        integer, or below :data:`SCHEMA_VERSION`); ``newer_schema`` (above it: the sender runs a
+        newer edgefl); ``wrong_type`` (another type).
     """
     obj = load(payload, limits)
     if not isinstance(obj, dict):
@@ -456,15 +440,13 @@ def load_message(payload: bytes, limits: Limits, kind: MessageType) -> dict[str,
     if "v" not in obj:
         raise DecodeError(Reason.MISSING_KEY, "v")
     version = obj["v"]
-    if type(version) is not int or version < MIN_SCHEMA_VERSION:
-        raise DecodeError(
-            Reason.BAD_VERSION, f"v = {version!r:.20}, expected {MIN_SCHEMA_VERSION} to {SCHEMA_VERSION}"
-        )
+    if type(version) is not int or version < SCHEMA_VERSION:
+        raise DecodeError(Reason.BAD_VERSION, f"v = {version!r:.20}, expected {SCHEMA_VERSION}")
     if version > SCHEMA_VERSION:
         shown = str(version) if version < 10**20 else "huge"
         raise DecodeError(
             Reason.NEWER_SCHEMA,
-            f"v = {shown}: this peer reads schema {MIN_SCHEMA_VERSION} to {SCHEMA_VERSION}",
+            f"v = {shown}: this peer reads schema {SCHEMA_VERSION}",
         )
     if "type" not in obj:
         raise DecodeError(Reason.MISSING_KEY, "type")

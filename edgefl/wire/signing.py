@@ -2,8 +2,8 @@
 
 Owns the signed-bytes layout (:func:`signed_bytes`), signing (:func:`sign_message`,
 :func:`sign_payload`), verification before decoding (:func:`verify_payload`) and Ed25519 keys. A signed
-message carries its 64-byte signature as the value of its last key, ``"signature"``, and is schema 2;
-the signature covers::
+message carries its 64-byte signature as the value of its last key, ``"signature"``; the signature
+covers::
 
     "edgefl-sig-v2" 0x00 || CBOR([fleet, kind, round, version, device, SHA-256(blank form)])
 
@@ -46,7 +46,6 @@ from edgefl.wire.cbor import (
     DEFAULT_LIMITS,
     NO_LIMITS,
     SCHEMA_VERSION,
-    SIGNED_SCHEMA_VERSION,
     Limits,
     MessageType,
     prescan,
@@ -62,7 +61,6 @@ __all__ = [
     "SIGNATURE_BYTES",
     "SIGNATURE_REASONS",
     "SIGNED_KINDS",
-    "SIGNED_SCHEMA_VERSION",
     "SigningKey",
     "VerifyKey",
     "generate_signing_key",
@@ -602,7 +600,7 @@ def sign_payload(blank: bytes, key: SigningKey, *, fleet: str) -> bytes:
     Parameters
     ----------
     blank : bytes
-        E.g. ``encode_round(replace(msg, signature=PLACEHOLDER))`` (schema 2, signature last).
+        E.g. ``encode_round(replace(msg, signature=PLACEHOLDER))`` (signature last).
     key : SigningKey
     fleet : str
         Fleet the message is meant for.
@@ -615,8 +613,9 @@ def sign_payload(blank: bytes, key: SigningKey, *, fleet: str) -> bytes:
     Raises
     ------
     ValueError
-        If ``blank`` does not end with the placeholder signature, is not a schema-2 (or 3) GlobalModel,
-        RoundAnnouncement, Update or Partial, or lacks its round or version.
+        If ``blank`` does not end with the placeholder signature, is of another schema than
+        :data:`~edgefl.wire.cbor.SCHEMA_VERSION`, is not a GlobalModel, RoundAnnouncement, Update,
+        Decline or Partial, or lacks its round or version.
     """
     if not is_signed(blank) or bytes(blank[-SIGNATURE_BYTES:]) != PLACEHOLDER:
         raise ValueError(
@@ -626,11 +625,8 @@ def sign_payload(blank: bytes, key: SigningKey, *, fleet: str) -> bytes:
         fields = _signed_fields(bytes(blank), NO_LIMITS)
     except DecodeError as exc:
         raise ValueError(f"cannot sign this message: {exc}") from exc
-    if not SIGNED_SCHEMA_VERSION <= fields.schema <= SCHEMA_VERSION:
-        raise ValueError(
-            f"a signed message is written as schema {SIGNED_SCHEMA_VERSION} to {SCHEMA_VERSION},"
-            f" not {fields.schema}"
-        )
+    if fields.schema != SCHEMA_VERSION:
+        raise ValueError(f"a signed message is written as schema {SCHEMA_VERSION}, not {fields.schema}")
     digest = hashlib.sha256(blank).digest()
     message = signed_bytes(
         fleet=fleet,
@@ -706,8 +702,8 @@ def verify_payload(
     DecodeError
         ``unsigned`` (no 64-byte signature as the last entry, e.g. a message from an old or hostile
         sender); ``bad_signature`` (wrong key, any byte changed, signed for another fleet, kind or
-        device, a schema-1 signature, a schema newer than this peer's, or signed fields that cannot
-        be read; the detail says which).
+        device, another schema than this peer's, or signed fields that cannot be read; the detail
+        says which).
     ValueError
         If ``kind`` is not a signed kind, or is ``update`` (``partial``) without a ``device`` (site).
     """
@@ -721,14 +717,10 @@ def verify_payload(
         fields = _signed_fields(blank, limits)
     except DecodeError as exc:
         raise DecodeError(Reason.BAD_SIGNATURE, f"signed fields unreadable ({exc})") from exc
-    if fields.schema > SCHEMA_VERSION:
-        # the claim is unauthenticated until verified, and this peer only verifies schema-2 signatures
-        detail = f"v = {min(fields.schema, 10**6)}: newer than schema {SCHEMA_VERSION}, cannot verify it"
+    if fields.schema != SCHEMA_VERSION:
+        # the claim is unauthenticated until verified, and this peer only verifies its own schema
+        detail = f"v = {min(fields.schema, 10**6)}: not schema {SCHEMA_VERSION}, cannot verify it"
         raise DecodeError(Reason.BAD_SIGNATURE, detail)
-    if fields.schema < SIGNED_SCHEMA_VERSION:
-        raise DecodeError(
-            Reason.BAD_SIGNATURE, f"schema-{fields.schema} signature: the sender predates schema 2"
-        )
     wanted_device = device if expected in _SENDER_KEYS else ""
     message = signed_bytes(
         fleet=fleet,
