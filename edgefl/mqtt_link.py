@@ -34,6 +34,7 @@ import contextlib
 import logging
 import select
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,7 +75,9 @@ HOLD_FACTOR = 4
 #: Topic of the small stand-in PUBLISH that replaces an oversize one (never a real topic: ``$`` topics
 #: are the broker's, MQTT 5.0 §4.7.2). Its payload is ``b"<packet bytes>\n<topic>"``.
 OVERSIZE_TOPIC = "$edgefl/oversize"
-_DISCARD_READ_BYTES = 65_536  # socket read size while discarding an oversize packet's body
+#: Bytes asked of the socket in one read: a burst of small packets comes in one system call, and what
+#: waits above the socket (read, not yet taken by paho) stays under this bound.
+READ_BYTES = 65_536
 #: Seconds between two ``loop_misc`` calls (keep-alive PINGREQ, and the end of a connection whose
 #: PINGRESP is overdue), paho's own loop's select timeout.
 MISC_INTERVAL_S = 1.0
@@ -95,8 +98,8 @@ class PacketFilter:
     and packet identifier takes its place, so paho acknowledges it (PUBACK/PUBREC) and the broker's
     in-flight window never fills with packets we will not take. Any other oversize packet raises.
 
-    Memory: at most the fixed header, the topic (<= 65,535 bytes) and one read of the socket,
-    whatever the announced length (up to 268,435,455 bytes).
+    Memory: at most the fixed header, the topic (<= 65,535 bytes) and one read of the socket
+    (:data:`READ_BYTES`), whatever the announced length (up to 268,435,455 bytes).
 
     Parameters
     ----------
@@ -117,16 +120,6 @@ class PacketFilter:
         self._vh = bytearray()
         self._size = 0
         self.dropped_total = 0
-
-    def want(self, bufsize: int) -> int:
-        """How many bytes to read from the socket next so that no read crosses a packet boundary."""
-        if self._state == self._HDR:
-            return 1
-        if self._state == self._PASS:
-            return max(1, min(bufsize, self._left))
-        if self._state == self._VH:
-            return max(1, self._vh_need() - len(self._vh))
-        return min(self._left, _DISCARD_READ_BYTES)
 
     def _vh_need(self) -> int:
         if len(self._vh) < 2:
@@ -237,10 +230,15 @@ def remaining_length(n: int) -> bytes:
 
 
 class BoundedClient(mqtt.Client):
-    """paho's client with a bounded read (:class:`PacketFilter`), driven by the event loop.
+    """paho's client with bulk, bounded reads (:class:`PacketFilter`) and gathered writes, driven by the loop.
 
-    Uses three paho 2.x internals: ``_sock_recv`` (every socket read, overridden), and ``_sock_close``
-    and ``_ssl`` (:meth:`edgefl_close`, :meth:`edgefl_buffered`).
+    Reads take up to :data:`READ_BYTES` from the socket at once and serve paho's small reads (a packet's
+    first byte, its length bytes, its body) from what the filter let through; writes (paho writes one
+    packet a system call) are gathered and sent together by :meth:`edgefl_send`, so a burst of PUBACKs
+    is one system call. Uses paho 2.x internals: ``_sock_recv`` and ``_sock_send`` (every socket read
+    and write, overridden), ``_sock_close`` (overridden: what was gathered goes out first, the
+    DISCONNECT included), ``_sock``, ``_ssl`` and the wake-up socket pair ``_sockpairR`` /
+    ``_sockpairW`` of paho's own loop (:meth:`edgefl_drop_sockpair`).
     """
 
     def __init__(self, *args: Any, max_incoming_packet_bytes: int, **kwargs: Any) -> None:
@@ -248,7 +246,41 @@ class BoundedClient(mqtt.Client):
         self._edgefl_filter = PacketFilter(
             max_incoming_packet_bytes, mqtt5=kwargs.get("protocol") == MQTTProtocolVersion.MQTTv5
         )
-        self._edgefl_out = bytearray()
+        self._edgefl_out = bytearray()  # read and let through, not yet taken by paho
+        self._edgefl_wbuf = bytearray()  # written by paho, not yet sent
+
+    def edgefl_drop_sockpair(self) -> None:
+        """Close the socket pair paho's own loop wakes its ``select`` with (one system call a packet queued).
+
+        Nothing selects on it here: the event loop drives the client.
+        """
+        for name in ("_sockpairR", "_sockpairW"):
+            pair = getattr(self, name, None)
+            if pair is not None:
+                with contextlib.suppress(OSError):
+                    pair.close()
+                setattr(self, name, None)
+
+    def edgefl_send(self) -> bool:
+        """Send what paho wrote since the last call, in one system call; True when nothing is left.
+
+        Raises
+        ------
+        OSError
+            The connection failed (the caller ends it).
+        """
+        wbuf, sock = self._edgefl_wbuf, self._sock
+        if wbuf and sock is not None:
+            try:
+                sent = sock.send(wbuf)
+            except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                return False  # the kernel's send buffer is full: the caller waits for writability
+            del wbuf[:sent]
+        return not wbuf
+
+    def want_write(self) -> bool:
+        """True while paho has packets queued or their bytes wait in the gathered writes."""
+        return bool(self._edgefl_wbuf) or super().want_write()
 
     def edgefl_buffered(self) -> bool:
         """True when read bytes wait above the socket, where ``add_reader`` cannot see them.
@@ -267,18 +299,30 @@ class BoundedClient(mqtt.Client):
         self._sock_close()
 
     def _sock_recv(self, bufsize: int) -> bytes:
-        while not self._edgefl_out:
-            data = super()._sock_recv(self._edgefl_filter.want(bufsize))  # BlockingIOError: paho retries
+        pending = self._edgefl_out
+        while not pending:
+            data = super()._sock_recv(READ_BYTES)  # BlockingIOError: paho retries
             if not data:
                 return data
             quickack(self._sock)
-            out = self._edgefl_filter.feed(data)
-            if 0 < len(out) <= bufsize:
-                return out
-            self._edgefl_out += out
-        out = bytes(self._edgefl_out[:bufsize])
-        del self._edgefl_out[:bufsize]
+            pending += self._edgefl_filter.feed(data)
+        out = bytes(pending[:bufsize])
+        del pending[:bufsize]
         return out
+
+    def _sock_send(self, buf: bytes | bytearray) -> int:
+        if self._sock is None:
+            raise ConnectionError("self._sock is None")
+        self._edgefl_wbuf += buf
+        return len(buf)
+
+    def _sock_close(self) -> None:
+        sock = self._sock
+        if sock is not None and self._edgefl_wbuf:
+            with contextlib.suppress(OSError, ValueError):  # best effort: the connection is ending
+                sock.send(self._edgefl_wbuf)
+        self._edgefl_wbuf.clear()
+        super()._sock_close()
 
 
 TCP_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
@@ -360,6 +404,9 @@ class Connection:
     poller: Any = None  # select.poll of the socket: whether more bytes wait after a packet
     paused: bool = False  # reading stopped: no room for another message (TCP holds the rest)
     unhandled: int = 0  # messages paho has read whose _handle_message has not run yet
+    # messages paho has read, waiting for the loop's next turn (one turn takes them all): (mid, qos, msg)
+    inbox: collections.deque[tuple[int, int, Message]] = field(default_factory=collections.deque)
+    flush_due: bool = False  # a _flush is scheduled for the loop's next turn
 
     def fail_all(self, reason: str) -> None:
         """Fail every pending PUBACK/SUBACK/UNSUBACK future with ``TransportError(reason)``; mark closed."""
@@ -465,11 +512,12 @@ class Link:
             self._handle_disconnect(conn, "socket closed during the connect")
             return
         conn.sock = sock
+        client.edgefl_drop_sockpair()
         conn.poller = select.poll()
         conn.poller.register(sock, select.POLLIN)
 
         def register_write(client: Any, userdata: Any, sock: Any) -> None:
-            loop.call_soon(self._flush, conn)  # paho queued a packet itself (a PINGREQ...)
+            self._flush_soon(conn)  # paho queued a packet (a PUBACK, a PINGREQ...)
 
         client.on_socket_register_write = self._guarded("on_socket_register_write", register_write)
         client.on_socket_close = self._guarded("on_socket_close", lambda c, u, s: self._unwatch(conn))
@@ -501,12 +549,15 @@ class Link:
             self._flush(conn)
 
     def _flush(self, conn: Connection) -> None:
-        """Write what paho has queued; ``add_writer`` only while the kernel's send buffer is full."""
+        """Write what paho has queued, in one system call; ``add_writer`` while the send buffer is full."""
+        conn.flush_due = False
         loop, client = self._loop, conn.client
         if loop is None or conn.sock is None:
             return
         if not self._net_step(conn, "write", client.loop_write):
             return  # closed by the write (a DISCONNECT sent, or the connection lost)
+        if not self._net_step(conn, "write", client.edgefl_send):
+            return
         sock = conn.sock
         if client.want_write():
             if not conn.writing:
@@ -576,11 +627,38 @@ class Link:
             self.max_incoming_packet_bytes,
         )
 
+    def _flush_soon(self, conn: Connection) -> None:
+        """:meth:`_flush` on the loop's next turn, once for all the packets queued in this one."""
+        if not conn.flush_due and self._loop is not None:
+            conn.flush_due = True
+            self._loop.call_soon(self._flush, conn)
+
     def _ack(self, conn: Connection, mid: int, qos: int) -> None:
-        """PUBACK ``mid`` on the connection it came on (a new connection's mids are another count)."""
+        """PUBACK ``mid`` on the connection it came on (a new connection's mids are another count).
+
+        Sent with the other packets of this turn of the loop (:meth:`_flush_soon`).
+        """
         if qos > 0 and not conn.closed:
             conn.client.ack(mid, qos)
-            self._flush(conn)
+            self._flush_soon(conn)
+
+    def _read_message(self, conn: Connection, mid: int, qos: int, msg: Message) -> None:
+        """Paho read ``msg`` (its ``on_message``, inside its locks): it waits in ``conn.inbox``.
+
+        The first message of a turn schedules :meth:`_take_inbox`, which takes every message read in
+        that turn: one callback per burst, not one per message.
+        """
+        conn.unhandled += 1  # read, not yet in the queue or the hold line (_room)
+        conn.inbox.append((mid, qos, msg))
+        if len(conn.inbox) == 1:
+            self._hop(self._take_inbox, conn)
+
+    def _take_inbox(self, conn: Connection) -> None:
+        """Take the messages read since the last turn, in order (:meth:`_receive` each)."""
+        inbox = conn.inbox
+        while inbox:
+            mid, qos, msg = inbox.popleft()
+            self._receive(conn, mid, qos, msg)
 
     def _receive(self, conn: Connection, mid: int, qos: int, msg: Message) -> None:
         """Take one incoming message (:meth:`_handle_message`); one whose handling raises is refused.

@@ -243,8 +243,7 @@ class MqttTransport(Link):
                 self._hop(self._ack, conn, msg.mid, msg.qos)  # dropped, but its flow-control slot freed
             else:
                 message = Message(msg.topic, bytes(msg.payload), bool(msg.retain))
-                conn.unhandled += 1  # read, not yet in the queue or the hold line (_room)
-                self._hop(self._receive, conn, msg.mid, msg.qos, message)
+                self._read_message(conn, msg.mid, msg.qos, message)
 
         c = conn.client
         c.on_connect = guarded("on_connect", on_connect)

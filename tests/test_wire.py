@@ -203,34 +203,35 @@ def test_prescan_captures_top_level_headers_only() -> None:
     assert info.value.reason == "trailing_bytes"
 
 
-def test_prescan_remembers_a_payload_object_but_never_a_changed_one_or_other_limits(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_scan_once_for_the_signature_check_and_the_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     key = signing.generate_signing_key()
-    payload = signing.sign_message(encode_update, make_update(Compression.INT8), key, fleet="f")
-    blank = signing.unsigned_form(payload)
+    update = make_update(Compression.INT8)
+    payload = signing.sign_message(encode_update, update, key, fleet="f")
     scans: list[int] = []
-    scan = cbor._scan
+    walk = cbor._scan
 
     def counted(data: bytes, limits: cbor.Limits) -> dict[str, int | str]:
         scans.append(len(data))
-        return scan(data, limits)
+        return walk(data, limits)
 
     monkeypatch.setattr(cbor, "_scan", counted)
-    for _ in range(3):  # a message's kind, its unsigned form for the signature, its decode: 2 scans
-        assert prescan(payload, DEFAULT_LIMITS, ("type",)) == {"type": "update"}
-        prescan(blank, DEFAULT_LIMITS)
-    assert scans == [len(payload), len(blank)]
-    # the same bytes under other limits, and an equal but distinct object, are scanned again
+    scanned = cbor.scan(payload, DEFAULT_LIMITS)
+    assert scanned.header["type"] == "update" and scanned.header["round"] == update.round
+    signing.verify_payload(scanned, key.verify_key, fleet="f", kind="update", device=update.device)
+    assert decode_update(scanned).update_id == update.update_id
+    assert scans == [len(payload)]  # one walk of the headers for both
+    # under other limits the decoder walks it again, and refuses what those limits refuse
     with pytest.raises(DecodeError) as info:
-        prescan(payload, dataclasses.replace(DEFAULT_LIMITS, max_items=3))
+        decode_update(scanned, limits=dataclasses.replace(DEFAULT_LIMITS, max_items=3))
+    assert info.value.reason == "too_large" and len(scans) == 2
+    # a forged signature over the scanned form is still refused
+    forged = cbor.scan(payload[:-1] + bytes([payload[-1] ^ 1]), DEFAULT_LIMITS)
+    with pytest.raises(DecodeError) as info:
+        signing.verify_payload(forged, key.verify_key, fleet="f", kind="update", device=update.device)
+    assert info.value.reason == "bad_signature"
+    with pytest.raises(DecodeError) as info:
+        cbor.scan(b"\x00" * (DEFAULT_LIMITS.max_message_bytes + 1), DEFAULT_LIMITS)
     assert info.value.reason == "too_large"
-    assert prescan(bytes(bytearray(payload)), DEFAULT_LIMITS, ("round",)) == {"round": 3}
-    assert len(scans) == 4
-    # nor is a payload over PRESCAN_MEMO_BYTES kept alive
-    big = cbor2.dumps({"type": "update", "x": b"\x00" * cbor.PRESCAN_MEMO_BYTES})
-    prescan(big, DEFAULT_LIMITS)
-    assert all(seen is not big for seen, _, _ in cbor._memo)
 
 
 def test_compressed_delta_round_trips_and_matches_the_decoder() -> None:

@@ -1,7 +1,8 @@
 """Bounded CBOR and the message envelope: what every decoder runs before it looks at a field.
 
 Owns: the schema version (``"v"``) and message kinds (``"type"``), :class:`Limits`, the allocation-free
-header pre-scan, the strict cbor2 call, and the field readers every decoder shares (exact types,
+header pre-scan (:func:`scan`: once per message, its result reused by the signature check and the
+decoder), the strict cbor2 call, and the field readers every decoder shares (exact types,
 ranges, known keys). The rules and bounds are specified in ``docs/protocol.md`` ("Decoding",
 "Versioning").
 
@@ -32,6 +33,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "Limits",
     "MessageType",
+    "Scanned",
     "cbor_head_bytes",
     "check_keys",
     "dumps",
@@ -43,6 +45,7 @@ __all__ = [
     "read_int",
     "read_signature",
     "read_text",
+    "scan",
     "show",
     "strict_loads",
 ]
@@ -216,22 +219,8 @@ def strict_loads(data: bytes, max_depth: int) -> object:
     return cbor2.loads(data)  # cbor2 5.x (armv7l)
 
 
-#: Payloads up to this size have their :func:`prescan` remembered (the last two, see there).
-PRESCAN_MEMO_BYTES: Final = 65_536
-_Scanned = tuple[bytes, Limits, dict[str, int | str]]
-_memo: tuple[_Scanned, ...] = ()
-
-
 def prescan(data: bytes, limits: Limits, capture: Iterable[str] = ()) -> dict[str, int | str]:
     """Walk the CBOR item headers of ``data`` without building any object.
-
-    One message is often scanned several times on its way in (its kind is read, the signature
-    check scans its unsigned form, then the decoder checks it): the scans of the last two ``bytes``
-    objects of at most :data:`PRESCAN_MEMO_BYTES` are remembered, and a call with one of those very
-    objects (identity, not equality: ``bytes`` is immutable) and the same ``limits`` object returns
-    its result without walking it again (four scans of each update on the coordinator,
-    ~0.1 ms each, now two). A scan that fails is not remembered; a larger payload is not kept
-    alive by the memo.
 
     Refuses what cbor2 would otherwise turn into memory or surprises (see ``docs/protocol.md``,
     "Decoding"): lengths past the end, more than ``limits.max_items`` items, nesting deeper than
@@ -262,17 +251,62 @@ def prescan(data: bytes, limits: Limits, capture: Iterable[str] = ()) -> dict[st
 
     Source: RFC 8949 §3 (initial byte, argument), §3.2 (indefinite lengths), §3.3 (simple values).
     """
-    global _memo
-    memo = _memo  # one read: the other thread may replace it meanwhile
-    for seen, seen_limits, seen_found in memo:
-        if seen is data and seen_limits is limits:
-            found = seen_found
-            break
-    else:
-        found = _scan(data, limits)
-        if type(data) is bytes and len(data) <= PRESCAN_MEMO_BYTES:
-            _memo = ((data, limits, found), *memo[:1])  # one store: atomic for the other thread
+    found = _scan(data, limits)
     return {name: found[name] for name in capture if name in found}
+
+
+@dataclass(frozen=True, slots=True)
+class Scanned:
+    """A message whose item headers :func:`scan` walked and found sound: pass it on instead of its bytes.
+
+    The signature check (:func:`edgefl.wire.signing.verify_payload`) and the decoders
+    (:func:`load_message`) take it and do not walk the headers again.
+
+    Parameters
+    ----------
+    data : bytes
+        The message.
+    limits : Limits
+        The bounds it was scanned under (a decoder given other bounds scans it again).
+    header : Mapping[str, int | str]
+        Every top-level value that is an unsigned integer or a text string, by key (``v``, ``type``,
+        ``round``, ``base_version``, ``device``...).
+    """
+
+    data: bytes
+    limits: Limits
+    header: Mapping[str, int | str]
+
+
+def scan(payload: bytes, limits: Limits) -> Scanned:
+    """Check a received message's size and walk its item headers once (as :func:`prescan`).
+
+    Parameters
+    ----------
+    payload : bytes
+        The received bytes.
+    limits : Limits
+        Bounds.
+
+    Returns
+    -------
+    Scanned
+
+    Raises
+    ------
+    DecodeError
+        ``wrong_type`` (not bytes), ``too_large`` and the reasons of :func:`prescan`.
+    """
+    data = _payload_bytes(payload, limits)
+    return Scanned(data, limits, _scan(data, limits))
+
+
+def _payload_bytes(payload: object, limits: Limits) -> bytes:
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise DecodeError(Reason.WRONG_TYPE, f"payload is {type(payload).__name__}, not bytes")
+    if len(payload) > limits.max_message_bytes:
+        raise DecodeError(Reason.TOO_LARGE, f"{len(payload)} bytes > {limits.max_message_bytes}")
+    return bytes(payload)
 
 
 def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
@@ -372,13 +406,14 @@ def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
     return found
 
 
-def load(payload: bytes, limits: Limits) -> object:
+def load(payload: bytes | Scanned, limits: Limits) -> object:
     """Decode one CBOR item from the network: size check, :func:`prescan`, then strict cbor2.
 
     Parameters
     ----------
-    payload : bytes
-        The received bytes.
+    payload : bytes or Scanned
+        The received bytes, or what :func:`scan` made of them under the same ``limits`` (not
+        scanned again).
     limits : Limits
         Bounds, checked before anything is allocated.
 
@@ -393,12 +428,11 @@ def load(payload: bytes, limits: Limits) -> object:
         ``wrong_type`` (not bytes), ``too_large`` and the reasons of :func:`prescan`; ``bad_cbor``
         for what cbor2 refuses (e.g. invalid UTF-8).
     """
-    if not isinstance(payload, bytes | bytearray | memoryview):
-        raise DecodeError(Reason.WRONG_TYPE, f"payload is {type(payload).__name__}, not bytes")
-    if len(payload) > limits.max_message_bytes:
-        raise DecodeError(Reason.TOO_LARGE, f"{len(payload)} bytes > {limits.max_message_bytes}")
-    data = bytes(payload)
-    prescan(data, limits)
+    if isinstance(payload, Scanned) and payload.limits == limits:
+        data = payload.data
+    else:
+        data = _payload_bytes(payload.data if isinstance(payload, Scanned) else payload, limits)
+        _scan(data, limits)
     try:
         if CBOR2_STRICT:
             return cbor2.loads(
@@ -409,13 +443,13 @@ def load(payload: bytes, limits: Limits) -> object:
         raise DecodeError(Reason.BAD_CBOR, str(exc)[:200]) from exc
 
 
-def load_message(payload: bytes, limits: Limits, kind: MessageType) -> dict[str, object]:
+def load_message(payload: bytes | Scanned, limits: Limits, kind: MessageType) -> dict[str, object]:
     """Decode a message's envelope: a map whose ``"v"`` this code reads and whose ``"type"`` is ``kind``.
 
     Parameters
     ----------
-    payload : bytes
-        The received bytes.
+    payload : bytes or Scanned
+        The received bytes (see :func:`load`).
     limits : Limits
         Bounds (see :func:`load`).
     kind : MessageType

@@ -23,6 +23,7 @@ from edgefl.wire.cbor import (
     SCHEMA_VERSION,
     Limits,
     MessageType,
+    Scanned,
     check_keys,
     dumps,
     load_message,
@@ -132,14 +133,14 @@ def encode_partial(msg: Partial) -> bytes:
 
 
 def decode_partial(
-    payload: bytes, *, limits: Limits = DEFAULT_LIMITS, expect_shape: tuple[int, int] | None = None
+    payload: bytes | Scanned, *, limits: Limits = DEFAULT_LIMITS, expect_shape: tuple[int, int] | None = None
 ) -> Partial:
     """Decode and validate a :class:`Partial`.
 
     Parameters
     ----------
-    payload : bytes
-        The MQTT payload.
+    payload : bytes or Scanned
+        The MQTT payload, or what :func:`edgefl.wire.cbor.scan` made of it (not scanned again).
     limits : Limits
         Decoding bounds (the update ids count as items: ``max_items`` bounds them too).
     expect_shape : tuple[int, int], optional

@@ -25,6 +25,7 @@ from edgefl.wire.cbor import (
     SCHEMA_VERSION,
     Limits,
     MessageType,
+    Scanned,
     check_keys,
     dumps,
     load_message,
@@ -405,14 +406,14 @@ def encode_update(
 
 
 def decode_update(
-    payload: bytes, *, limits: Limits = DEFAULT_LIMITS, expect_shape: tuple[int, int] | None = None
+    payload: bytes | Scanned, *, limits: Limits = DEFAULT_LIMITS, expect_shape: tuple[int, int] | None = None
 ) -> Update:
     """Decode and validate an :class:`Update`, decompressing its deltas to dense float32.
 
     Parameters
     ----------
-    payload : bytes
-        The MQTT payload.
+    payload : bytes or Scanned
+        The MQTT payload, or what :func:`edgefl.wire.cbor.scan` made of it (not scanned again).
     limits : Limits
         Decoding bounds.
     expect_shape : tuple[int, int], optional
@@ -515,13 +516,13 @@ def encode_decline(msg: Decline) -> bytes:
     )
 
 
-def decode_decline(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Decline:
+def decode_decline(payload: bytes | Scanned, *, limits: Limits = DEFAULT_LIMITS) -> Decline:
     """Decode and validate a :class:`Decline`.
 
     Parameters
     ----------
-    payload : bytes
-        The MQTT payload (topic ``update/<device>``).
+    payload : bytes or Scanned
+        The MQTT payload, or what :func:`edgefl.wire.cbor.scan` made of it (not scanned again).
     limits : Limits
         Decoding bounds.
 

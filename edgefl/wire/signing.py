@@ -48,6 +48,7 @@ from edgefl.wire.cbor import (
     SCHEMA_VERSION,
     Limits,
     MessageType,
+    Scanned,
     prescan,
 )
 from edgefl.wire.reasons import SIGNATURE_REASONS, Reason
@@ -100,6 +101,8 @@ _SENDER_KEYS: Final[Mapping[MessageType, str]] = {
     MessageType.DECLINE: "device",
     MessageType.PARTIAL: "site",
 }
+#: The top-level keys the signed bytes are built from.
+_SIGNED_KEYS: Final = ("v", "type", "round", "version", "base_version", "device", "site")
 _KEY: Final = b"\x69signature"  # CBOR text string "signature"
 _SIGNED_TAIL: Final = _KEY + b"\x58\x40"  # "signature": 64-byte string header
 _PKCS8_PREFIX: Final = bytes.fromhex("302e020100300506032b657004220420")  # RFC 8410 §10.3
@@ -577,7 +580,11 @@ class _Signed:
 
 def _signed_fields(blank: bytes, limits: Limits) -> _Signed:
     """Read v, type, round, version and device from the blank form's headers (nothing is decoded)."""
-    found = prescan(blank, limits, ("v", "type", "round", "version", "base_version", "device", "site"))
+    return _signed_header(prescan(blank, limits, _SIGNED_KEYS))
+
+
+def _signed_header(found: Mapping[str, int | str]) -> _Signed:
+    """The signed fields among a message's top-level header values (its signature bytes are not one)."""
     schema, kind = found.get("v"), found.get("type")
     if type(schema) is not int:
         raise DecodeError(Reason.BAD_VERSION, "v: missing or not an unsigned integer")
@@ -671,7 +678,7 @@ def sign_message(encode: Callable[[_M], bytes], msg: _M, key: SigningKey, *, fle
 
 
 def verify_payload(
-    payload: bytes,
+    payload: bytes | Scanned,
     key: VerifyKey,
     *,
     fleet: str,
@@ -683,8 +690,9 @@ def verify_payload(
 
     Parameters
     ----------
-    payload : bytes
-        The received message.
+    payload : bytes or Scanned
+        The received message, or what :func:`edgefl.wire.cbor.scan` made of it: its header values
+        are the blank form's (they differ only in the signature bytes), so it is not scanned again.
     key : VerifyKey
         The sender's public key (the coordinator's, or the device named by the topic).
     fleet : str
@@ -712,9 +720,13 @@ def verify_payload(
         raise ValueError(f"{expected.value} messages are not signed")
     if expected in _SENDER_KEYS and not device:
         raise ValueError(f"verifying a {expected.value} needs the device (or site) its topic names")
-    blank = unsigned_form(payload)
+    data = payload.data if isinstance(payload, Scanned) else payload
+    blank = unsigned_form(data)
     try:
-        fields = _signed_fields(blank, limits)
+        if isinstance(payload, Scanned):
+            fields = _signed_header(payload.header)
+        else:
+            fields = _signed_fields(blank, limits)
     except DecodeError as exc:
         raise DecodeError(Reason.BAD_SIGNATURE, f"signed fields unreadable ({exc})") from exc
     if fields.schema != SCHEMA_VERSION:
@@ -730,7 +742,7 @@ def verify_payload(
         device=wanted_device,
         digest=hashlib.sha256(blank).digest(),
     )
-    if _backend().verify(key.raw, bytes(payload[-SIGNATURE_BYTES:]), message):
+    if _backend().verify(key.raw, bytes(data[-SIGNATURE_BYTES:]), message):
         return
     if fields.kind != expected.value:
         why = f"a {fields.kind[:40]!r} message where {expected.value!r} is expected"
