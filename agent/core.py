@@ -14,7 +14,7 @@ calls it from one worker thread and wires the transport, signals and dashboard a
 ``edgefl memory-report``, ``bench/memory.py``, ``bench/learning.py`` and the demo's agents run the
 same methods, so their figures measure the shipped path. Refusals come back as results with a reason
 (``RoundResult.reason``, ``ApplyResult.reason``), never as exceptions; the message formats are
-:mod:`edgefl.wire.messages`'s.
+:mod:`edgefl.wire.rounds` and :mod:`edgefl.wire.global_model`.
 
 Not thread-safe: one caller thread at a time (the daemon's single worker).
 """
@@ -51,21 +51,23 @@ from edgefl.runtime import Backbone
 from edgefl.types import F32, I64
 from edgefl.wire.cbor import Limits, MessageType
 from edgefl.wire.compression import CompressedDelta, Compression
-from edgefl.wire.messages import (
-    Decline,
+from edgefl.wire.global_model import (
     GlobalModel,
-    RoundAnnouncement,
-    Update,
-    UpdateMetrics,
     decode_global_model,
-    decode_round,
-    encode_decline,
     encode_global_model,
-    encode_update,
     global_model_version,
     resolve_global_head,
 )
 from edgefl.wire.reasons import Reason
+from edgefl.wire.rounds import (
+    Decline,
+    RoundAnnouncement,
+    Update,
+    UpdateMetrics,
+    decode_round,
+    encode_decline,
+    encode_update,
+)
 from edgefl.wire.signing import (
     SigningKey,
     VerifyKey,

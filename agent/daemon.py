@@ -46,21 +46,15 @@ from edgefl.errors import (
     TransportError,
     UpdateRejected,
 )
+from edgefl.mqtt_link import Message
 from edgefl.profiles import broker_password
 from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
-from edgefl.transport import Message, MqttTransport, Will
+from edgefl.transport import MqttTransport, Will
 from edgefl.wire.chunking import Reassembler, is_chunk, publish_packet_bytes, split_message
-from edgefl.wire.messages import (
-    DeviceStatus,
-    Prediction,
-    decode_label,
-    decode_sample,
-    encode_prediction,
-    encode_status,
-    offline_status,
-)
+from edgefl.wire.ingest import Prediction, decode_label, decode_sample, encode_prediction
 from edgefl.wire.reasons import Reason
+from edgefl.wire.status import DeviceStatus, encode_status, offline_status
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from edgefl.errors import UpdateRejected
 from edgefl.types import F32, I64
-from edgefl.wire.messages import Label, Sample
+from edgefl.wire.ingest import Label, Sample
 from edgefl.wire.reasons import Reason
 
 __all__ = ["DISPUTED", "LOGGED_REFUSALS", "RECENT_IDS", "Ingest", "IngestCounters", "Queued"]

@@ -50,15 +50,8 @@ from edgefl.datasets import dirichlet_partition, load_digits, split_digits
 from edgefl.head import Head
 from edgefl.types import F32, I64
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import (
-    GlobalModel,
-    HeadLayout,
-    RoundAnnouncement,
-    Update,
-    decode_update,
-    encode_global_model,
-    encode_round,
-)
+from edgefl.wire.global_model import GlobalModel, HeadLayout, encode_global_model
+from edgefl.wire.rounds import RoundAnnouncement, Update, decode_update, encode_round
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -56,14 +56,8 @@ from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.strategy import Offer, aggregate_checked
 from edgefl.types import F32, I64
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import (
-    GlobalModel,
-    RoundAnnouncement,
-    decode_update,
-    encode_global_model,
-    encode_round,
-    encode_update,
-)
+from edgefl.wire.global_model import GlobalModel, encode_global_model
+from edgefl.wire.rounds import RoundAnnouncement, decode_update, encode_round, encode_update
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"

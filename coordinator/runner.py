@@ -56,7 +56,7 @@ from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import HeadLayout
+from edgefl.wire.global_model import HeadLayout
 from edgefl.wire.signing import load_signing_key, load_verify_key, load_verify_keys
 
 logger = logging.getLogger(__name__)

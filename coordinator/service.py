@@ -43,28 +43,26 @@ from edgefl.coordinator.rounds import (
 from edgefl.coordinator.strategy import Offer, RoundConfig, Schedule, Strategy, aggregate_checked
 from edgefl.errors import DecodeError, TransportError, UpdateRejected
 from edgefl.head import validate_head
+from edgefl.mqtt_link import Message
 from edgefl.records import read_record, write_record
 from edgefl.topics import Topics
-from edgefl.transport import Message, MqttTransport
+from edgefl.transport import MqttTransport
 from edgefl.types import F32
 from edgefl.wire.cbor import Limits, MessageType, prescan
 from edgefl.wire.chunking import Reassembler, is_chunk, split_message
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import (
-    GlobalModel,
-    HeadLayout,
+from edgefl.wire.global_model import GlobalModel, HeadLayout, decode_global_model, encode_global_model
+from edgefl.wire.presence import read_new_samples
+from edgefl.wire.rounds import (
     RoundAnnouncement,
     Update,
     decode_decline,
-    decode_global_model,
     decode_round,
-    decode_status,
     decode_update,
-    encode_global_model,
     encode_round,
 )
-from edgefl.wire.presence import read_new_samples
 from edgefl.wire.signing import SigningKey, VerifyKey, sign_message, verify_payload
+from edgefl.wire.status import decode_status
 
 logger = logging.getLogger(__name__)
 

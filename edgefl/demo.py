@@ -137,7 +137,8 @@ def run_demo(opts: DemoOptions) -> int:
     for name in ("amqtt", "transitions", "passlib"):
         logging.getLogger(name).setLevel(logging.ERROR)
     # the per-update lines would interleave with the results table; warnings still show
-    for name in ("edgefl.coordinator.service", "edgefl.runtime", "edgefl.transport", "edgefl.dashboard.app"):
+    quiet = ("edgefl.coordinator.service", "edgefl.runtime", "edgefl.transport", "edgefl.mqtt_link")
+    for name in (*quiet, "edgefl.dashboard.app"):
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     return asyncio.run(_run(opts))
 

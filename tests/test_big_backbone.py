@@ -34,7 +34,7 @@ from edgefl.launcher import launch_agent, stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import RoundAnnouncement, decode_decline
+from edgefl.wire.rounds import RoundAnnouncement, decode_decline
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -273,7 +273,7 @@ def test_own_model_governor_refuses_over_budget_work_and_the_coordinator_records
 
 def test_own_model_decline_message_round_trip_and_malformed() -> None:
     from edgefl.errors import DecodeError
-    from edgefl.wire.messages import Decline, encode_decline
+    from edgefl.wire.rounds import Decline, encode_decline
     from edgefl.wire.signing import generate_signing_key, sign_message, verify_payload
 
     msg = Decline(7, 3, "dev-1", "over_budget", "train: needs 3.0 MiB at 16\x00é", "dev-1:7:3:declined")

@@ -20,7 +20,7 @@ from edgefl.launcher import stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import GlobalModel, encode_global_model
+from edgefl.wire.global_model import GlobalModel, encode_global_model
 
 pytestmark = pytest.mark.timeout(240)
 

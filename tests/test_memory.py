@@ -285,8 +285,10 @@ import json, sys, tempfile
 from pathlib import Path
 import numpy as np
 from edgefl.agent import memory as m
-from edgefl.wire.messages import GlobalModel, Update, UpdateMetrics
-from edgefl.wire.messages import decode_global_model, encode_global_model, encode_update
+from edgefl.wire.global_model import GlobalModel
+from edgefl.wire.rounds import Update, UpdateMetrics
+from edgefl.wire.global_model import decode_global_model, encode_global_model
+from edgefl.wire.rounds import encode_update
 from edgefl.wire.cbor import Limits
 from edgefl.head import Head
 from edgefl.agent.pipeline import Pipeline

@@ -532,7 +532,7 @@ def test_fleet_registry_is_bounded_under_a_status_flood(mosquitto: Broker, fleet
     from edgefl.runtime import Backbone
     from edgefl.topics import Topics
     from edgefl.transport import MqttTransport
-    from edgefl.wire.messages import DeviceStatus, encode_status
+    from edgefl.wire.status import DeviceStatus, encode_status
 
     async def main() -> tuple[Coordinator, int]:
         bb = Backbone(INT8_MODEL)

@@ -22,7 +22,7 @@ from edgefl.dashboard.app import DashboardState, serve
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import DeviceStatus, encode_status
+from edgefl.wire.status import DeviceStatus, encode_status
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -24,10 +24,11 @@ from edgefl.agent.daemon import Agent
 from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.hierarchy import SiteAggregator
 from edgefl.coordinator.service import Coordinator
+from edgefl.mqtt_link import Message
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
-from edgefl.transport import Message, MqttTransport
-from edgefl.wire.messages import DeviceStatus, encode_status
+from edgefl.transport import MqttTransport
+from edgefl.wire.status import DeviceStatus, encode_status
 
 pytestmark = pytest.mark.timeout(120)
 
