@@ -19,8 +19,9 @@ import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, Broker, wait_until
 
 from edgefl.agent.config import load_profile
-from edgefl.agent.core import DeviceCore, RoundResult
+from edgefl.agent.core import DeviceCore
 from edgefl.agent.daemon import Agent
+from edgefl.agent.round import RoundResult
 from edgefl.coordinator.hierarchy import SiteAggregator
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import FedAvg
