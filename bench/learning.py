@@ -40,7 +40,8 @@ from bench.vowels import N_CLASSES as VOWEL_CLASSES
 from bench.vowels import load_vowels
 from edgefl.agent import memory
 from edgefl.agent.config import Profile, load_profile
-from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
+from edgefl.agent.core import ApplyStatus, DeviceCore
+from edgefl.agent.round import RoundStatus
 from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.fedbuff import FedBuff
 from edgefl.coordinator.privacy import DPFedAvg

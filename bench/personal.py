@@ -50,7 +50,8 @@ import numpy as np
 from bench.natural_clients import NaturalSet, load_natural
 from edgefl.agent import memory
 from edgefl.agent.config import Profile, load_profile
-from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
+from edgefl.agent.core import ApplyStatus, DeviceCore
+from edgefl.agent.round import RoundStatus
 from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.strategy import Offer, aggregate_checked
@@ -239,7 +240,7 @@ def run_federated(
                 head_bytes = core.personal.W.nbytes + core.personal.b.nbytes
                 out.extra_ram_bytes = max(out.extra_ram_bytes, 2 * head_bytes)
         for core in cores:
-            core.flush()
+            core.flush_store()
     return out
 
 

@@ -24,8 +24,9 @@ from conftest import MODELS, ROOT, TEST_STATUS_INTERVAL_S, Broker, next_status, 
 from test_memory import fake_proc, set_rss
 
 from edgefl.agent.config import load_profile
-from edgefl.agent.core import DeviceCore, RoundStatus
+from edgefl.agent.core import DeviceCore
 from edgefl.agent.memory import MIB, Governor
+from edgefl.agent.round import RoundStatus
 from edgefl.agent.store import EmbeddingStore
 from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator

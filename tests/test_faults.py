@@ -685,8 +685,7 @@ def test_corrupt_state_files_are_ignored_with_a_clear_log(
         try:
             await coord.start()
             await coord.wait_for_devices(1, timeout_s=60)
-            # an applied head is written once the device is idle (the daemon's housekeeping, issue 17):
-            # each head gets its generation when the rounds are apart
+            # an applied head is written when it is applied: each head gets its generation
             assert (await coord.run_round(1)).clients == 1
             await wait_until(lambda: head.exists(), 10, "head version 1 written")
             assert (await coord.run_round(2)).clients == 1

@@ -19,11 +19,12 @@ import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, Broker, wait_until
 
 from edgefl.agent.config import load_profile
-from edgefl.agent.core import DeviceCore, RoundResult
+from edgefl.agent.core import DeviceCore
 from edgefl.agent.daemon import Agent
-from edgefl.coordinator.fedavg import FedAvg
+from edgefl.agent.round import RoundResult
 from edgefl.coordinator.hierarchy import SiteAggregator
 from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.mqtt_link import Message
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
