@@ -22,9 +22,9 @@ from edgefl.agent.config import load_profile
 from edgefl.agent.core import DeviceCore
 from edgefl.agent.daemon import Agent
 from edgefl.agent.round import RoundResult
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.hierarchy import SiteAggregator
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.fedavg import FedAvg
 from edgefl.mqtt_link import Message
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
