@@ -427,7 +427,7 @@ async def _edgefl_rounds(
     marks: dict[str, dict[int, float]] = {label: {} for label in (*cpu, "coordinator")}
     try:
         await coord.start()
-        await coord.wait_for_devices(2, timeout_s=180)
+        await coord.registry.wait_for_devices(2, timeout_s=180)
         # start-up statuses (ready; the coordinator's own retained head counted as a redelivery) are
         # not round traffic: left to arrive before round 1's window opens (they landed in it in some runs)
         await asyncio.sleep(1.0)

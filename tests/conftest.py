@@ -136,13 +136,14 @@ async def next_status(coord: Any, device: str, timeout_s: float = 15.0) -> dict[
 
     Each received status replaces the device's entry by a new dict, so identity tells a new one.
     """
-    before = coord.state.devices.get(device)
+    devices = coord.registry.devices
+    before = devices.get(device)
     await wait_until(
-        lambda: coord.state.devices.get(device) is not None and coord.state.devices.get(device) is not before,
+        lambda: devices.get(device) is not None and devices.get(device) is not before,
         timeout_s,
         f"a new status from {device}",
     )
-    return dict(coord.state.devices[device])
+    return dict(coord.registry.devices[device])
 
 
 def read_mqtt_packet(sock: socket.socket) -> tuple[int, bytes]:

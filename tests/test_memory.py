@@ -541,8 +541,8 @@ def test_wired_tight_cap_shrinks_or_defers_training_keeps_classifying(
         pump = asyncio.create_task(coord.pump())
         try:
             await coord.start()
-            await coord.wait_for_devices(1, timeout_s=90)
-            first = dict(coord.state.devices["dev-1"])
+            await coord.registry.wait_for_devices(1, timeout_s=90)
+            first = dict(coord.registry.devices["dev-1"])
             clients = [(await coord.run_round(r)).clients for r in (1, 2)]
             return first, await next_status(coord, "dev-1"), clients  # a status sent after the rounds
         finally:
