@@ -143,7 +143,7 @@ def test_coordinator_exits_5_naming_the_reason_when_a_round_aggregates_nothing(
         f"broker.url={mosquitto.url}",
         f"fleet.name={fleet}",
         f"model.path={MODELS / 'digits_cnn_float32.tflite'}",
-        "rounds.count=2",
+        "rounds.count=1",
         "rounds.expected_clients=2",
         "rounds.deadline_s=8",
     )
@@ -161,7 +161,7 @@ def test_coordinator_round_declined_by_every_device_closes_and_names_the_cause(
     mosquitto: Broker, fleet: str, tmp_path: Path
 ) -> None:
     """A real agent holding 19 labelled examples (under training.min_examples 32) declines the round
-    (too_few_examples) at half the deadline; the coordinator (min_clients 1, no selection) closes the
+    (too_few_examples) at half the deadline (10 s of 20); the coordinator (min_clients 1, no selection) closes the
     round on that decline instead of waiting out its deadline, counts it on the round line and names
     the cause in its last stderr line."""
     x, y = shards(1)[0]
@@ -176,7 +176,7 @@ def test_coordinator_round_declined_by_every_device_closes_and_names_the_cause(
             "rounds.count=1",
             "rounds.min_clients=1",
             "rounds.expected_clients=1",  # only so that dev-1 is online when the round opens
-            "rounds.deadline_s=40",
+            "rounds.deadline_s=20",
             f"files.json={summary}",
         )
     finally:
@@ -191,7 +191,7 @@ def test_coordinator_round_declined_by_every_device_closes_and_names_the_cause(
     ), done.stderr
     rec = json.loads(summary.read_text())["rounds"][0]
     assert rec["declined"] == 1 and rec["clients"] == 0
-    # closed on the decline (sent after 20 s, half the deadline), not by the deadline (which logs it)
+    # closed on the decline (sent after 10 s, half the deadline), not by the deadline (which logs it)
     assert "deadline passed" not in done.stderr, done.stderr
 
 
