@@ -161,9 +161,9 @@ def test_coordinator_round_declined_by_every_device_closes_and_names_the_cause(
     mosquitto: Broker, fleet: str, tmp_path: Path
 ) -> None:
     """A real agent holding 19 labelled examples (under training.min_examples 32) declines the round
-    (too_few_examples) at half the deadline (10 s of 20); the coordinator (min_clients 1, no selection) closes the
-    round on that decline instead of waiting out its deadline, counts it on the round line and names
-    the cause in its last stderr line."""
+    (too_few_examples) at half the deadline (10 s of 20); the coordinator (min_clients 1, no
+    selection) closes the round on that decline instead of waiting out its deadline, counts it on the
+    round line and names the cause in its last stderr line."""
     x, y = shards(1)[0]
     procs = [start_replay_agent(mosquitto, fleet, tmp_path, "dev-1", x[:20], y[:20])]
     summary = tmp_path / "summary.json"
