@@ -635,11 +635,11 @@ def wire_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 
 
 
 def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 0.1) -> int:
-    """Bytes ``edgefl.wire.messages.encode_update`` may add to RSS.
+    """Bytes ``edgefl.wire.rounds.encode_update`` may add to RSS.
 
     The dense delta's float32 temporaries (finite check, clip or scale, absolute values), the int64
-    partition of top-k and the code pages its first call touches (partition, packbits, the Rice
-    coder's cumsum: ~1 MiB of RSS in a fresh process for 67 KiB of tracemalloc peak at D=512, K=10),
+    partition of top-k and the code pages its first call touches (partition, packbits, the
+    mask's deflate: ~1 MiB of RSS in a fresh process for 67 KiB of tracemalloc peak at D=512, K=10),
     and the payload three times (typed-array bytes, the CBOR buffer and the returned ``bytes``), and
     for the int8 layouts zlib's deflate state (256 KiB) and the int8 levels once more.
 

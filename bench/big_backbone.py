@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from edgefl.agent.memory import rss_bytes
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.launcher import launch_agent, stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics

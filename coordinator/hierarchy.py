@@ -5,7 +5,7 @@ the root's RoundAnnouncement (retained, bridged down), verifies and decodes its 
 exactly as a flat coordinator does (the same handlers, the same strategy with its norm bound), and at
 ``deadline - close_margin_s`` (or when its expected devices answered) exports the strategy's
 accumulator (``Strategy.site_sums``: float64 weighted sums, or the site's robust estimate) as one
-signed :class:`~edgefl.wire.messages.Partial` on ``partial/<site>`` (QoS 1, not retained), which the
+signed :class:`~edgefl.wire.partial.Partial` on ``partial/<site>`` (QoS 1, not retained), which the
 bridge carries up and stores while the uplink is down. Its round is persisted (atomic, checksummed
 record) after each batch of received updates and before the partial is sent, so a restarted site
 resumes the round where it was, and re-sends a partial it had not seen acknowledged under the same
@@ -44,19 +44,13 @@ from edgefl.coordinator.rounds import Round, RoundPhase
 from edgefl.coordinator.service import ADOPT_WAIT_S, Coordinator
 from edgefl.coordinator.strategy import SiteSums
 from edgefl.errors import DecodeError, UpdateRejected
+from edgefl.mqtt_link import Message
 from edgefl.records import read_record, write_record
-from edgefl.transport import Message
 from edgefl.wire.cbor import MessageType
 from edgefl.wire.chunking import Reassembler, is_chunk, split_message
-from edgefl.wire.messages import (
-    MAX_PARTIAL_UPDATES,
-    Partial,
-    RoundAnnouncement,
-    decode_global_model,
-    decode_partial,
-    decode_round,
-    encode_partial,
-)
+from edgefl.wire.global_model import decode_global_model
+from edgefl.wire.partial import MAX_PARTIAL_UPDATES, Partial, decode_partial, encode_partial
+from edgefl.wire.rounds import RoundAnnouncement, decode_round
 from edgefl.wire.signing import VerifyKey, sign_message, verify_payload
 
 logger = logging.getLogger(__name__)

@@ -29,20 +29,15 @@ from edgefl.coordinator.rounds import Round, RoundPhase
 from edgefl.coordinator.strategy import Offer, Strategy
 from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.head import validate_head
+from edgefl.mqtt_link import Message
 from edgefl.records import read_record, write_record
 from edgefl.topics import Topics
-from edgefl.transport import Message, MqttTransport
+from edgefl.transport import MqttTransport
 from edgefl.types import F32
 from edgefl.wire.cbor import Limits, MessageType, prescan
 from edgefl.wire.chunking import Reassembler, is_chunk
-from edgefl.wire.messages import (
-    GlobalModel,
-    Update,
-    decode_decline,
-    decode_global_model,
-    decode_round,
-    decode_update,
-)
+from edgefl.wire.global_model import GlobalModel, decode_global_model
+from edgefl.wire.rounds import Update, decode_decline, decode_round, decode_update
 from edgefl.wire.signing import SigningKey, VerifyKey, verify_payload
 
 logger = logging.getLogger(__name__)

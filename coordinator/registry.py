@@ -20,8 +20,8 @@ from typing import Any
 from edgefl.aio import wait_event
 from edgefl.errors import UpdateRejected
 from edgefl.wire.cbor import Limits
-from edgefl.wire.messages import decode_status
 from edgefl.wire.presence import read_new_samples
+from edgefl.wire.status import decode_status
 
 logger = logging.getLogger(__name__)
 

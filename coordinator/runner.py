@@ -45,7 +45,8 @@ from edgefl.coordinator.roundlog import (
 )
 from edgefl.coordinator.rounds import Pacing
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import Strategy, make_strategy
+from edgefl.coordinator.strategies import make_strategy
+from edgefl.coordinator.strategy import Strategy
 from edgefl.errors import ConfigError, TransportError, UpdateRejected
 from edgefl.profiles import DashboardConfig, broker_password
 from edgefl.records import atomic_write
@@ -55,7 +56,7 @@ from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import HeadLayout
+from edgefl.wire.global_model import HeadLayout
 from edgefl.wire.signing import load_signing_key, load_verify_key, load_verify_keys
 
 logger = logging.getLogger(__name__)

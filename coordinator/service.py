@@ -52,13 +52,8 @@ from edgefl.types import F32
 from edgefl.wire.cbor import Limits
 from edgefl.wire.chunking import split_message
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import (
-    GlobalModel,
-    HeadLayout,
-    RoundAnnouncement,
-    encode_global_model,
-    encode_round,
-)
+from edgefl.wire.global_model import GlobalModel, HeadLayout, encode_global_model
+from edgefl.wire.rounds import RoundAnnouncement, encode_round
 from edgefl.wire.signing import SigningKey, VerifyKey, sign_message
 
 logger = logging.getLogger(__name__)

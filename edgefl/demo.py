@@ -33,7 +33,7 @@ from edgefl.agent.config import load_profile
 from edgefl.agent.core import DeviceCore
 from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import make_strategy
+from edgefl.coordinator.strategies import make_strategy
 from edgefl.datasets import FACTORY_CLASSES, load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy
 from edgefl.feed import FeedOptions, FeedResult, feed
@@ -137,7 +137,13 @@ def run_demo(opts: DemoOptions) -> int:
     for name in ("amqtt", "transitions", "passlib"):
         logging.getLogger(name).setLevel(logging.ERROR)
     # the per-update lines would interleave with the results table; warnings still show
-    quiet = ("edgefl.coordinator.intake", "edgefl.coordinator.service", "edgefl.runtime", "edgefl.transport")
+    quiet = (
+        "edgefl.coordinator.intake",
+        "edgefl.coordinator.service",
+        "edgefl.runtime",
+        "edgefl.transport",
+        "edgefl.mqtt_link",
+    )
     for name in (*quiet, "edgefl.dashboard.app"):
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     return asyncio.run(_run(opts))

@@ -133,7 +133,7 @@ TEST_STATUS_INTERVAL_S = "0.2"
 async def next_status_fields(transport: Any) -> dict[str, Any]:
     """The next non-empty DeviceStatus on ``transport``'s queue (subscribed to a status topic): its
     fields plus ``state``; empty payloads (a cleared retained status) are skipped."""
-    from edgefl.wire.messages import decode_status
+    from edgefl.wire.status import decode_status
 
     while True:
         msg = await transport.queue.get()

@@ -24,17 +24,18 @@ from conftest import MODELS, ROOT, TEST_STATUS_INTERVAL_S, Broker, next_status, 
 from test_memory import fake_proc, set_rss
 
 from edgefl.agent.config import load_profile
-from edgefl.agent.core import DeviceCore, RoundStatus
+from edgefl.agent.core import DeviceCore
 from edgefl.agent.memory import MIB, Governor
+from edgefl.agent.round import RoundStatus
 from edgefl.agent.store import EmbeddingStore
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.head import Head
 from edgefl.launcher import launch_agent, stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import RoundAnnouncement, decode_decline
+from edgefl.wire.rounds import RoundAnnouncement, decode_decline
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -274,7 +275,7 @@ def test_own_model_governor_refuses_over_budget_work_and_the_coordinator_records
 
 def test_own_model_decline_message_round_trip_and_malformed() -> None:
     from edgefl.errors import DecodeError
-    from edgefl.wire.messages import Decline, encode_decline
+    from edgefl.wire.rounds import Decline, encode_decline
     from edgefl.wire.signing import generate_signing_key, sign_message, verify_payload
 
     msg = Decline(7, 3, "dev-1", "over_budget", "train: needs 3.0 MiB at 16\x00é", "dev-1:7:3:declined")

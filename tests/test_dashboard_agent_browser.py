@@ -21,8 +21,8 @@ from conftest import CHROMIUM, CHROMIUM_ARGS, DEV_PROFILE, INT8_MODEL, Broker, f
 from playwright.sync_api import Browser, expect, sync_playwright
 
 from edgefl.agent import memory
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, split_digits
 from edgefl.launcher import launch_agent, stop_agents
 from edgefl.runtime import Backbone

@@ -28,8 +28,8 @@ from conftest import CHROMIUM, CHROMIUM_ARGS, Broker, start_mosquitto, stop_brok
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 from test_dashboard_browser import PageErrors, ThreadedDashboard, painted_pixels
 
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.dashboard.app import MAX_ROUNDS_PAGE, DashboardState
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport

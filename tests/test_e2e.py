@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, Broker, start_replay_agent, wait_until
 
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy, embed_all
 from edgefl.launcher import stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import GlobalModel, encode_global_model
+from edgefl.wire.global_model import GlobalModel, encode_global_model
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -38,25 +38,20 @@ from conftest import (
 
 from edgefl.agent.outbox import Outbox
 from edgefl.agent.trainer import fit_head
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg, Offer, aggregate_checked, make_strategy
+from edgefl.coordinator.strategies import make_strategy
+from edgefl.coordinator.strategy import Offer, aggregate_checked
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy, embed_all
 from edgefl.records import prev_path
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import (
-    GlobalModel,
-    RoundAnnouncement,
-    Update,
-    UpdateMetrics,
-    decode_status,
-    encode_global_model,
-    encode_round,
-    encode_update,
-)
+from edgefl.wire.global_model import GlobalModel, encode_global_model
+from edgefl.wire.rounds import RoundAnnouncement, Update, UpdateMetrics, encode_round, encode_update
 from edgefl.wire.signing import SigningKey, generate_signing_key, load_verify_keys, sign_message
+from edgefl.wire.status import decode_status
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -467,7 +462,7 @@ def test_fault_round_collects_before_the_announcement_puback_counts_once_and_fai
     acknowledges (broker gone) still fails its round with TransportError, nothing recorded."""
     import edgefl.coordinator.service as service
     from edgefl.errors import TransportError
-    from edgefl.wire.messages import decode_round
+    from edgefl.wire.rounds import decode_round
 
     monkeypatch.setattr(service, "PUBLISH_RETRY_S", 1.0)
     broker = start_mosquitto(tmp_path)
@@ -1092,7 +1087,7 @@ def test_fault_full_disk_degrades_keeps_classifying_and_recovers(
         assert log.count("degraded: disk full") >= 1 and "persisting resumed (was disk full)" in log
         # the head applied while the disk was full was written once there was room
         from edgefl.records import read_record
-        from edgefl.wire.messages import decode_global_model
+        from edgefl.wire.global_model import decode_global_model
 
         persisted = read_record(state / "global_head.rec")
         assert persisted is not None and decode_global_model(persisted).version >= 2

@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, Broker, start_replay_agent, wait_until
 
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.launcher import stop_agents
+from edgefl.mqtt_link import Message
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
-from edgefl.transport import Message, MqttTransport
-from edgefl.wire.messages import Update, UpdateMetrics, encode_update
+from edgefl.transport import MqttTransport
+from edgefl.wire.rounds import Update, UpdateMetrics, encode_update
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -129,7 +130,7 @@ def test_robust_transport_survives_a_raising_callback(
 )
 def test_robust_round_settings_out_of_bounds_are_refused(field: str, value: float) -> None:
     from edgefl.errors import DecodeError
-    from edgefl.wire.messages import RoundAnnouncement, decode_round, encode_round
+    from edgefl.wire.rounds import RoundAnnouncement, decode_round, encode_round
 
     fields: dict[str, Any] = {
         "round": 1,
@@ -181,8 +182,8 @@ def test_shipped_round_below_the_minimum_waits_to_its_deadline_then_is_abandoned
     """Trimmed mean (beta 0.2) tolerating 1 of 5, ``min_clients = 2`` (the shipped profile's): two
     updates do not close the round (it announces ``min_clients = 5``); at the deadline the round is
     abandoned as ``too_few`` with nothing aggregated (version and head kept, no history committed)."""
-    from edgefl.coordinator.strategy import TrimmedMean
-    from edgefl.wire.messages import decode_round
+    from edgefl.coordinator.robust import TrimmedMean
+    from edgefl.wire.rounds import decode_round
 
     bb = Backbone(INT8_MODEL)
     W0, b0 = bb.head_from_model()

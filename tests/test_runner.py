@@ -536,12 +536,12 @@ def test_fleet_registry_is_bounded_under_a_status_flood(mosquitto: Broker, fleet
     import asyncio
     import time
 
+    from edgefl.coordinator.fedavg import FedAvg
     from edgefl.coordinator.service import Coordinator
-    from edgefl.coordinator.strategy import FedAvg
     from edgefl.runtime import Backbone
     from edgefl.topics import Topics
     from edgefl.transport import MqttTransport
-    from edgefl.wire.messages import DeviceStatus, encode_status
+    from edgefl.wire.status import DeviceStatus, encode_status
 
     async def main() -> tuple[Coordinator, int]:
         bb = Backbone(INT8_MODEL)

@@ -16,14 +16,14 @@ import aiohttp
 import pytest
 from conftest import INT8_MODEL, Broker, wait_until
 
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.registry import LOGGED_REFUSALS, PAGE_DEVICES, STRANGERS_KEPT
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.dashboard.app import DashboardState, serve
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import DeviceStatus, encode_status
+from edgefl.wire.status import DeviceStatus, encode_status
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -92,8 +92,8 @@ def test_streaming_logistic_head_within_one_output_step() -> None:
 def test_streaming_agent_trains_logistic_rounds_with_labels_0_1(
     mosquitto: Broker, fleet: str, tmp_path: Path
 ) -> None:
+    from edgefl.coordinator.fedavg import FedAvg
     from edgefl.coordinator.service import Coordinator
-    from edgefl.coordinator.strategy import FedAvg
     from edgefl.topics import Topics
     from edgefl.transport import MqttTransport
 

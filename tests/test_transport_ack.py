@@ -19,16 +19,18 @@ import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, Broker, wait_until
 
 from edgefl.agent.config import load_profile
-from edgefl.agent.core import DeviceCore, RoundResult
+from edgefl.agent.core import DeviceCore
 from edgefl.agent.daemon import Agent
+from edgefl.agent.round import RoundResult
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.hierarchy import SiteAggregator
 from edgefl.coordinator.registry import DeviceRegistry
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
+from edgefl.mqtt_link import Message
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
-from edgefl.transport import Message, MqttTransport
-from edgefl.wire.messages import DeviceStatus, encode_status
+from edgefl.transport import MqttTransport
+from edgefl.wire.status import DeviceStatus, encode_status
 
 pytestmark = pytest.mark.timeout(120)
 
