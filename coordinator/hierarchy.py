@@ -222,7 +222,7 @@ class RootCoordinator(Coordinator):
                 )
         logger.info("round %d: partial of %s (%d updates, %d bytes)", rnd.number, site, p.count, len(payload))
         self._round_changed.set()
-        self._notify()
+        self.notify()
 
 
 @dataclass(frozen=True, slots=True)
@@ -441,7 +441,7 @@ class SiteAggregator(Coordinator):
                 except UpdateRejected as exc:
                     self.state.rejected[exc.reason] += 1
         self._persist_site(rnd)
-        self._notify()
+        self.notify()
         while not rnd.complete():
             remaining = rnd.deadline_at - time.monotonic()
             if remaining <= 0:

@@ -250,7 +250,7 @@ class Intake:
                     self.registry.forget(device)  # retained status cleared
                     return
                 self.registry.note_status(device, msg.payload)
-                self._notify()
+                self.notify()
             else:
                 self._handle_update(device, msg)
         except Exception as exc:
@@ -323,7 +323,7 @@ class Intake:
             self._unfolded[update.update_id] = (msg.topic, msg.payload)
             self._dirty = True
             logger.info("update %s held for the next buffered step", update.update_id)
-            self._notify()
+            self.notify()
             return
         self._accept(rnd, update, len(payload))
 
@@ -378,7 +378,7 @@ class Intake:
                 f" ({n} {decline.reason} so far)" if n > LOGGED_REFUSALS else "",
             )
         self._round_changed.set()
-        self._notify()
+        self.notify()
 
     def _accept(self, rnd: Round, update: Update, size_bytes: int) -> None:
         """Admit ``update`` to ``rnd``, offer it to the strategy and record it (raises ``UpdateRejected``)."""
@@ -418,7 +418,7 @@ class Intake:
             staleness,
         )
         self._round_changed.set()
-        self._notify()
+        self.notify()
 
     def _remember(self, update_id: str) -> None:
         self._seen_update_ids[update_id] = None
@@ -482,9 +482,6 @@ class Intake:
 
     def notify(self) -> None:
         """Tell the page that something changed (``on_change``)."""
-        self._notify()
-
-    def _notify(self) -> None:
         if self.on_change is not None:
             self.on_change()
 
