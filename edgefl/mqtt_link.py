@@ -286,9 +286,12 @@ class BoundedClient(mqtt.Client):
             del wbuf[:sent]
         return not wbuf
 
-    def want_write(self) -> bool:
-        """True while paho has packets queued or their bytes wait in the gathered writes."""
-        return bool(self._edgefl_wbuf) or super().want_write()
+    def edgefl_unsent(self) -> bool:
+        """True while paho has packets queued or their bytes wait in the gathered writes.
+
+        (paho's own ``want_write`` sees only its queue: it re-arms its write callback when that empties.)
+        """
+        return bool(self._edgefl_wbuf) or self.want_write()
 
     def edgefl_take(self) -> tuple[int, int, Message] | bool:
         """Take the next whole packet: a PUBLISH of QoS 0 or 1 as ``(mid, qos, message)``, else paho reads it.
@@ -641,7 +644,7 @@ class Link:
         else:
             if self._loop is not None:
                 self._loop.call_soon(self._net_read, conn)  # more is buffered: the rest next turn
-        if client.want_write():
+        if client.edgefl_unsent():
             self._flush(conn)
 
     def _flush(self, conn: Connection) -> None:
@@ -655,7 +658,7 @@ class Link:
         if not self._net_step(conn, "write", client.edgefl_send):
             return
         sock = conn.sock
-        if client.want_write():
+        if client.edgefl_unsent():
             if not conn.writing:
                 loop.add_writer(sock, self._flush, conn)
                 conn.writing = True
