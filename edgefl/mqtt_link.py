@@ -32,10 +32,10 @@ import asyncio
 import collections
 import contextlib
 import logging
-import select
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -232,13 +232,18 @@ def remaining_length(n: int) -> bytes:
 class BoundedClient(mqtt.Client):
     """paho's client with bulk, bounded reads (:class:`PacketFilter`) and gathered writes, driven by the loop.
 
-    Reads take up to :data:`READ_BYTES` from the socket at once and serve paho's small reads (a packet's
-    first byte, its length bytes, its body) from what the filter let through; writes (paho writes one
-    packet a system call) are gathered and sent together by :meth:`edgefl_send`, so a burst of PUBACKs
-    is one system call. Uses paho 2.x internals: ``_sock_recv`` and ``_sock_send`` (every socket read
-    and write, overridden), ``_sock_close`` (overridden: what was gathered goes out first, the
-    DISCONNECT included), ``_sock``, ``_ssl`` and the wake-up socket pair ``_sockpairR`` /
-    ``_sockpairW`` of paho's own loop (:meth:`edgefl_drop_sockpair`).
+    Reads take up to :data:`READ_BYTES` from the socket at once into a buffer of whole packets that
+    passed the filter (:meth:`edgefl_take`): a PUBLISH of QoS 0 or 1 is parsed there and returned as a
+    :class:`Message` (paho's per-message machinery is most of the receive path's CPU on an
+    aggregator), any other packet is handed to paho, which reads it from that buffer. Writes (paho
+    writes one packet a system call) are gathered and sent together by :meth:`edgefl_send`, so a
+    burst of PUBACKs is one system call. Uses paho 2.x internals: ``_sock_recv`` and ``_sock_send``
+    (every socket read and write, overridden), ``_sock_close`` (overridden: what was gathered goes out
+    first, the DISCONNECT included), ``_sock``, ``_last_msg_in`` (its keep-alive clock) and the
+    wake-up socket pair ``_sockpairR`` / ``_sockpairW`` of paho's own loop
+    (:meth:`edgefl_drop_sockpair`).
+
+    Source: MQTT 5.0 §2.1.4 (Remaining Length), §3.3 (PUBLISH); MQTT 3.1.1 §3.3.
     """
 
     def __init__(self, *args: Any, max_incoming_packet_bytes: int, **kwargs: Any) -> None:
@@ -246,7 +251,10 @@ class BoundedClient(mqtt.Client):
         self._edgefl_filter = PacketFilter(
             max_incoming_packet_bytes, mqtt5=kwargs.get("protocol") == MQTTProtocolVersion.MQTTv5
         )
-        self._edgefl_out = bytearray()  # read and let through, not yet taken by paho
+        self._edgefl_mqtt5 = kwargs.get("protocol") == MQTTProtocolVersion.MQTTv5
+        self._edgefl_out = bytearray()  # read and let through the filter, not yet taken
+        self._edgefl_eof = False  # the broker closed the connection (paho is told on its next read)
+        self._edgefl_allowed = 0  # bytes of the buffer paho may read: the one packet handed to it
         self._edgefl_wbuf = bytearray()  # written by paho, not yet sent
 
     def edgefl_drop_sockpair(self) -> None:
@@ -278,36 +286,116 @@ class BoundedClient(mqtt.Client):
             del wbuf[:sent]
         return not wbuf
 
-    def want_write(self) -> bool:
-        """True while paho has packets queued or their bytes wait in the gathered writes."""
-        return bool(self._edgefl_wbuf) or super().want_write()
+    def edgefl_unsent(self) -> bool:
+        """True while paho has packets queued or their bytes wait in the gathered writes.
 
-    def edgefl_buffered(self) -> bool:
-        """True when read bytes wait above the socket, where ``add_reader`` cannot see them.
-
-        Both places: :class:`PacketFilter`'s output beyond what paho asked for, and a TLS record
-        already decrypted by the ``ssl`` module (``SSLSocket.pending``).
+        (paho's own ``want_write`` sees only its queue: it re-arms its write callback when that empties.)
         """
-        if self._edgefl_out:
-            return True
-        sock = self._sock
-        pending = getattr(sock, "pending", None) if self._ssl else None
-        return bool(pending is not None and pending() > 0)
+        return bool(self._edgefl_wbuf) or self.want_write()
+
+    def edgefl_take(self) -> tuple[int, int, Message] | bool:
+        """Take the next whole packet: a PUBLISH of QoS 0 or 1 as ``(mid, qos, message)``, else paho reads it.
+
+        Returns
+        -------
+        (mid, qos, Message)
+            A PUBLISH, not yet acknowledged (mid 0 for QoS 0).
+        True
+            Another packet (or the end of the connection), which paho read and handled (its callbacks
+            were called; ``loop_read``'s result is checked by paho itself).
+        False
+            No whole packet is buffered and the socket has no more bytes now.
+
+        Raises
+        ------
+        ConnectionError
+            A malformed stream (:class:`PacketFilter`), or the socket is closed.
+        OSError
+            The connection failed.
+        """
+        buf = self._edgefl_out
+        while True:
+            size = len(buf)
+            if size >= 2:
+                remaining, shift, i = 0, 0, 1
+                while i < size and i <= 4:
+                    byte = buf[i]
+                    remaining |= (byte & 0x7F) << shift
+                    i += 1
+                    if not byte & 0x80:
+                        break
+                    shift += 7
+                else:
+                    i = -1  # the Remaining Length is not all here yet
+                if i > 0 and size >= i + remaining:
+                    return self._edgefl_packet(i, i + remaining)
+            if self._edgefl_eof:
+                self._edgefl_allowed = 0
+                self.loop_read()  # paho reads the end of the stream and reports the connection lost
+                return True
+            try:
+                data = super()._sock_recv(READ_BYTES)
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return False
+            if not data:
+                self._edgefl_eof = True
+                continue
+            quickack(self._sock)
+            buf += self._edgefl_filter.feed(data)
+
+    def _edgefl_packet(self, start: int, end: int) -> tuple[int, int, Message] | bool:
+        """The whole packet ``buf[:end]`` (its variable header from ``start``): parsed, or paho's."""
+        buf = self._edgefl_out
+        first = buf[0]
+        qos = (first >> 1) & 3
+        if first >> 4 == 3 and qos < 2:
+            pos = start + 2 + int.from_bytes(buf[start : start + 2], "big")
+            try:
+                topic = buf[start + 2 : pos].decode("utf-8")
+            except UnicodeDecodeError:
+                topic = None  # paho refuses it its own way
+            if topic is not None and pos + (2 if qos else 0) <= end:
+                mid = 0
+                if qos:
+                    mid = int.from_bytes(buf[pos : pos + 2], "big")
+                    pos += 2
+                if self._edgefl_mqtt5:  # the properties (none is used: no topic alias was offered)
+                    length, shift = 0, 0
+                    while pos < end:
+                        byte = buf[pos]
+                        pos += 1
+                        length |= (byte & 0x7F) << shift
+                        shift += 7
+                        if not byte & 0x80:
+                            break
+                    pos += length
+                if pos <= end:
+                    message = Message(topic, bytes(buf[pos:end]), bool(first & 1))
+                    del buf[:end]
+                    self._last_msg_in = time.monotonic()  # paho's keep-alive clock: a packet came
+                    return mid, qos, message
+        self._edgefl_allowed = end
+        try:
+            self.loop_read()  # paho reads exactly this packet from the buffer (_sock_recv)
+        finally:
+            self._edgefl_allowed = 0
+        return True
 
     def edgefl_close(self) -> None:
         """Close the socket if it is still open (paho's ``on_socket_close`` callback runs first)."""
         self._sock_close()
 
     def _sock_recv(self, bufsize: int) -> bytes:
-        pending = self._edgefl_out
-        while not pending:
-            data = super()._sock_recv(READ_BYTES)  # BlockingIOError: paho retries
-            if not data:
-                return data
-            quickack(self._sock)
-            pending += self._edgefl_filter.feed(data)
-        out = bytes(pending[:bufsize])
-        del pending[:bufsize]
+        # paho reads only the packet edgefl_take handed to it, or the end of the stream
+        allowed = self._edgefl_allowed
+        if not allowed:
+            if self._edgefl_eof and not self._edgefl_out:
+                return b""
+            raise BlockingIOError  # nothing for paho now (it says MQTT_ERR_AGAIN)
+        n = min(bufsize, allowed)
+        out = bytes(self._edgefl_out[:n])
+        del self._edgefl_out[:n]
+        self._edgefl_allowed = allowed - len(out)
         return out
 
     def _sock_send(self, buf: bytes | bytearray) -> int:
@@ -402,7 +490,6 @@ class Connection:
     sock: Any = None  # the socket the event loop watches (None before the connect and after the close)
     writing: bool = False  # the loop waits for the socket to be writable (the send buffer was full)
     misc: asyncio.TimerHandle | None = None  # the next ``loop_misc`` (keep-alive)
-    poller: Any = None  # select.poll of the socket: whether more bytes wait after a packet
     paused: bool = False  # reading stopped: no room for another message (TCP holds the rest)
     unhandled: int = 0  # messages paho has read whose _handle_message has not run yet
     # messages paho has read, waiting for the loop's next turn (one turn takes them all): (mid, qos, msg)
@@ -514,8 +601,6 @@ class Link:
             return
         conn.sock = sock
         client.edgefl_drop_sockpair()
-        conn.poller = select.poll()
-        conn.poller.register(sock, select.POLLIN)
 
         def register_write(client: Any, userdata: Any, sock: Any) -> None:
             self._flush_soon(conn)  # paho queued a packet (a PUBACK, a PINGREQ...)
@@ -527,10 +612,11 @@ class Link:
         self._flush(conn)  # whatever the connect could not write (normally nothing)
 
     def _net_read(self, conn: Connection) -> None:
-        """The socket is readable: let paho read and dispatch (its callbacks schedule our handlers).
+        """The socket is readable: take its whole packets (:meth:`BoundedClient.edgefl_take`).
 
-        paho reads one packet a call; more are read in the same turn while bytes wait (a zero-timeout
-        ``poll``), up to :data:`READS_PER_TURN`.
+        A PUBLISH goes to the inbox (:meth:`_read_message`), any other packet through paho (its
+        callbacks schedule our handlers); packets are taken until the socket has no more bytes, up to
+        :data:`READS_PER_TURN` a turn.
         """
         client = conn.client
         if conn.paused:
@@ -539,14 +625,27 @@ class Link:
             if self._room(conn) <= 0:
                 self._pause_reading(conn)
                 return
-            if not self._net_step(conn, "read", client.loop_read):
-                return  # the connection ended (on_disconnect is scheduled)
-            if not client.edgefl_buffered() and not conn.poller.poll(0):
+            try:
+                got = client.edgefl_take()
+            except Exception as exc:
+                self._net_failed(conn, "read", exc)
+                return
+            if got is False:
                 break  # nothing more waits: the loop watches the socket again
+            if got is True:
+                if conn.sock is None:
+                    return  # the connection ended (on_disconnect is scheduled)
+                continue
+            mid, qos, message = got
+            if message.topic == OVERSIZE_TOPIC:
+                self._handle_oversize(message.payload)
+                self._ack(conn, mid, qos)  # dropped, but its flow-control slot freed
+            else:
+                self._read_message(conn, mid, qos, message)
         else:
             if self._loop is not None:
                 self._loop.call_soon(self._net_read, conn)  # more is buffered: the rest next turn
-        if client.want_write():
+        if client.edgefl_unsent():
             self._flush(conn)
 
     def _flush(self, conn: Connection) -> None:
@@ -560,7 +659,7 @@ class Link:
         if not self._net_step(conn, "write", client.edgefl_send):
             return
         sock = conn.sock
-        if client.want_write():
+        if client.edgefl_unsent():
             if not conn.writing:
                 loop.add_writer(sock, self._flush, conn)
                 conn.writing = True
