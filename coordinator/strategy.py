@@ -458,8 +458,16 @@ class Strategy(ABC):
         self._round_clipped += clipped
         self._last_bound = bound if bound is not None else self._last_bound
 
-    def bound_site_weights(self, multiplier: float = 2.0) -> None:
+    def bound_site_weights(self, multiplier: float = 1.0) -> None:
         """Bound each site's claimed weight per update at the root (``offer_sums``).
+
+        At the median claim (``multiplier = 1``) a site's weight is at most ``count x`` the median
+        weight per update, and its mean at most the bound ``B``, so a site whose key was stolen pulls
+        the root's mean by at most ``count / N x B`` (its devices' share of the bound, ``N`` updates
+        in the round at the median claim) and shrinks the honest step by at most that share; with
+        ``multiplier = m`` both become ``m`` times larger. A site whose devices claim more examples
+        per update than the median is weighed at the median, so the root then differs from a flat
+        run.
 
         Parameters
         ----------
