@@ -112,7 +112,8 @@ class Tier:
             return [
                 *common, "--broker", self.bb.root.url, "--role", "root", "--expected-sites", "2",
                 "--min-clients", "6", "--signing-key", str(self.tmp / "root.key"),
-                "--set", f"hierarchy.site_keys_dir={self.tmp / 'sites'}", *self.root_flags,
+                "--set", f"hierarchy.site_keys_dir={self.tmp / 'sites'}", "--set", "hierarchy.site_devices=8",
+                *self.root_flags,
             ]  # fmt: skip
         site = [
             *common, "--broker", self.bb.sites[name].url, "--role", "site", "--site", name,

@@ -173,12 +173,13 @@ def test_hierarch_root_refuses_to_start_without_site_keys_unless_allowed() -> No
     with pytest.raises(ConfigError) as err:
         load_coordinator_profile(profile, {"hierarchy.role": "root"})
     assert err.value.problems == [
+        "hierarchy.site_devices = 0: required when hierarchy.role = 'root': the most devices one site "
+        "has (a site whose key was stolen may claim no more)",
         "hierarchy.site_keys_dir = None: required when hierarchy.role = 'root' "
-        "(or set hierarchy.allow_unsigned_sites = true)"
+        "(or set hierarchy.allow_unsigned_sites = true)",
     ]
-    ok = load_coordinator_profile(
-        profile, {"hierarchy.role": "root", "hierarchy.allow_unsigned_sites": "true"}
-    )
+    sets = {"hierarchy.role": "root", "hierarchy.allow_unsigned_sites": "true", "hierarchy.site_devices": "4"}
+    ok = load_coordinator_profile(profile, sets)
     assert ok.hierarchy.allow_unsigned_sites is True
 
 
