@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, Broker, wait_until
 
-from edgefl.coordinator.fedavg import FedAvg, RunningWeightedSum
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.hierarchy import RootCoordinator
 from edgefl.coordinator.profile import load_coordinator_profile
 from edgefl.coordinator.service import Coordinator
@@ -146,7 +146,7 @@ def test_hierarch_adaptive_bound_at_the_root_is_the_lower_median_site_norm() -> 
     assert root.report().clipped == 1
 
 
-def test_hierarch_sum_partial_weight_is_capped_per_update_and_overflow_is_not_finite() -> None:
+def test_hierarch_sum_partial_weight_is_capped_per_update_and_a_norm_overflow_is_not_finite() -> None:
     shape = (3, 2)
     st = make_strategy("fedavg")
     st.configure_round(1, shape)
@@ -157,9 +157,9 @@ def test_hierarch_sum_partial_weight_is_capped_per_update_and_overflow_is_not_fi
         assert err.value.reason == "bad_value" and "examples" in str(err.value)
     st.offer_sums(SiteSums("sum", small * 2e6, np.zeros(2), 2e6, 2, 0))  # the cap itself is fine
     assert st.accepted == 2
-    acc = RunningWeightedSum(shape)
-    acc.add_sum(np.full(shape, 1e308), 1.0)
-    assert not acc.fits(np.full(shape, 1e308), 1.0) and acc.fits(np.full(shape, -1e308), 1.0)
+    with pytest.raises(UpdateRejected) as err:  # its norm overflows float64: so no sum of partials can
+        st.offer_sums(SiteSums("sum", np.full(shape, 1e155), np.zeros(2), 1e6, 1, 0))
+    assert err.value.reason == "not_finite" and st.accepted == 2
     # a flat update claiming more examples than any device can hold
     with pytest.raises(UpdateRejected) as err:
         st.offer(
