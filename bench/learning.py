@@ -40,7 +40,8 @@ from bench.vowels import N_CLASSES as VOWEL_CLASSES
 from bench.vowels import load_vowels
 from edgefl.agent import memory
 from edgefl.agent.config import Profile, load_profile
-from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
+from edgefl.agent.core import ApplyStatus, DeviceCore
+from edgefl.agent.round import RoundStatus
 from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.fedbuff import FedBuff
 from edgefl.coordinator.privacy import DPFedAvg
@@ -50,15 +51,8 @@ from edgefl.datasets import dirichlet_partition, load_digits, split_digits
 from edgefl.head import Head
 from edgefl.types import F32, I64
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import (
-    GlobalModel,
-    HeadLayout,
-    RoundAnnouncement,
-    Update,
-    decode_update,
-    encode_global_model,
-    encode_round,
-)
+from edgefl.wire.global_model import GlobalModel, HeadLayout, encode_global_model
+from edgefl.wire.rounds import RoundAnnouncement, Update, decode_update, encode_round
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -50,20 +50,15 @@ import numpy as np
 from bench.natural_clients import NaturalSet, load_natural
 from edgefl.agent import memory
 from edgefl.agent.config import Profile, load_profile
-from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
+from edgefl.agent.core import ApplyStatus, DeviceCore
+from edgefl.agent.round import RoundStatus
 from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.strategy import Offer, aggregate_checked
 from edgefl.types import F32, I64
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import (
-    GlobalModel,
-    RoundAnnouncement,
-    decode_update,
-    encode_global_model,
-    encode_round,
-    encode_update,
-)
+from edgefl.wire.global_model import GlobalModel, encode_global_model
+from edgefl.wire.rounds import RoundAnnouncement, decode_update, encode_round, encode_update
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"
@@ -245,7 +240,7 @@ def run_federated(
                 head_bytes = core.personal.W.nbytes + core.personal.b.nbytes
                 out.extra_ram_bytes = max(out.extra_ram_bytes, 2 * head_bytes)
         for core in cores:
-            core.flush()
+            core.flush_store()
     return out
 
 

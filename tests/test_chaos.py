@@ -23,7 +23,7 @@ from edgefl.head import Head
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import Update, UpdateMetrics, encode_update
+from edgefl.wire.rounds import Update, UpdateMetrics, encode_update
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.subprocess]
 

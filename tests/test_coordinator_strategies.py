@@ -23,7 +23,8 @@ from edgefl.errors import UpdateRejected
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import GlobalModel, Update, UpdateMetrics, decode_global_model, encode_update
+from edgefl.wire.global_model import GlobalModel, decode_global_model
+from edgefl.wire.rounds import Update, UpdateMetrics, encode_update
 
 pytestmark = pytest.mark.timeout(300)
 

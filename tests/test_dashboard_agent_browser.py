@@ -100,7 +100,7 @@ def test_browser_real_agent_dashboard_during_real_rounds(
         coord_box["c"] = coord
         coord_box["pump"] = asyncio.ensure_future(coord.pump())  # type: ignore[assignment]
         await coord.start()
-        await coord.wait_for_devices(1, timeout_s=60)
+        await coord.registry.wait_for_devices(1, timeout_s=60)
 
     errors: list[str] = []
     try:

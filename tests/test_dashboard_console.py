@@ -647,7 +647,7 @@ def test_fleet_page_console_large_fleet_shows_the_worst_20_first(browser: Browse
 
 
 def test_console_coordinator_round_records_follow_its_history() -> None:
-    from edgefl.coordinator.service import RoundRecord
+    from edgefl.coordinator.history import RoundRecord
 
     coord = Coordinator(
         MqttTransport("127.0.0.1", 1, "console-records"),  # never started: no connection

@@ -28,7 +28,7 @@ from edgefl.topics import Topics
 from edgefl.types import F32
 from edgefl.wire.arrays import encode_array
 from edgefl.wire.cbor import MessageType
-from edgefl.wire.messages import Partial, decode_partial, encode_partial
+from edgefl.wire.partial import Partial, decode_partial, encode_partial
 from edgefl.wire.signing import generate_signing_key, sign_message, verify_payload
 
 SHAPE = (12, 4)

@@ -28,7 +28,7 @@ from edgefl.launcher import stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import Update, UpdateMetrics, decode_round, encode_update
+from edgefl.wire.rounds import Update, UpdateMetrics, decode_round, encode_update
 
 pytestmark = pytest.mark.timeout(600)
 SHIPPED = ROOT / "firmware_configs" / "coordinator.toml"

@@ -25,7 +25,7 @@ from edgefl.coordinator.strategy import Offer, aggregate_checked
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import Update, UpdateMetrics, encode_update
+from edgefl.wire.rounds import Update, UpdateMetrics, encode_update
 
 
 def test_clip_update_by_hand() -> None:

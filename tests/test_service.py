@@ -32,7 +32,7 @@ from edgefl.datasets import load_digits
 from edgefl.launcher import stop_agents
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import DeviceStatus, encode_status
+from edgefl.wire.status import DeviceStatus, encode_status
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -24,15 +24,8 @@ from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
-from edgefl.wire.messages import (
-    Decline,
-    Partial,
-    Update,
-    UpdateMetrics,
-    encode_decline,
-    encode_partial,
-    encode_update,
-)
+from edgefl.wire.partial import Partial, encode_partial
+from edgefl.wire.rounds import Decline, Update, UpdateMetrics, encode_decline, encode_update
 from edgefl.wire.signing import generate_signing_key, sign_message
 
 pytestmark = pytest.mark.timeout(120)
