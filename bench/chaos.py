@@ -48,8 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from edgefl.agent.core import OUTBOX_FILE
 from edgefl.agent.outbox import Outbox
+from edgefl.agent.state import OUTBOX_FILE
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.launcher import free_port
 from edgefl.records import RecordError, decode_record, read_record

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import paho.mqtt.client as mqtt
 
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.mqtt_link import Message
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport

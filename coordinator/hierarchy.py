@@ -39,8 +39,9 @@ import cbor2
 import numpy as np
 
 from edgefl.aio import wait_event
+from edgefl.coordinator.registry import LOGGED_REFUSALS, shorten
 from edgefl.coordinator.rounds import Round, RoundPhase
-from edgefl.coordinator.service import ADOPT_WAIT_S, LOGGED_REFUSALS, Coordinator, shorten
+from edgefl.coordinator.service import ADOPT_WAIT_S, Coordinator
 from edgefl.coordinator.strategy import SiteSums
 from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.mqtt_link import Message
@@ -221,7 +222,7 @@ class RootCoordinator(Coordinator):
                 )
         logger.info("round %d: partial of %s (%d updates, %d bytes)", rnd.number, site, p.count, len(payload))
         self._round_changed.set()
-        self._notify()
+        self.notify()
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,7 +420,8 @@ class SiteAggregator(Coordinator):
         elapsed = time.time() - self._opened_unix
         deadline_s = max(0.0, ann.deadline_s - self.close_margin_s - elapsed)
         selected = frozenset(ann.selected) if isinstance(ann.selected, tuple) else None
-        online = [d for d in self.online_devices() if selected is None or d in selected]  # asked, and here
+        # asked, and here
+        online = [d for d in self.registry.online_devices() if selected is None or d in selected]
         expected = self.expected_devices or len(online) or MAX_PARTIAL_UPDATES
         rnd = Round(ann.round, ann.base_version, self.shape, deadline_s, expected, selected)
         rnd.opened_at = time.monotonic()
@@ -439,7 +441,7 @@ class SiteAggregator(Coordinator):
                 except UpdateRejected as exc:
                     self.state.rejected[exc.reason] += 1
         self._persist_site(rnd)
-        self._notify()
+        self.notify()
         while not rnd.complete():
             remaining = rnd.deadline_at - time.monotonic()
             if remaining <= 0:

@@ -484,6 +484,7 @@ class Connection:
     subacks: dict[int, asyncio.Future[list[ReasonCode]]] = field(default_factory=dict)
     unsubacks: dict[int, asyncio.Future[list[ReasonCode]]] = field(default_factory=dict)
     acked: bool = False  # a successful CONNACK arrived
+    acked_at: float = 0.0  # time.monotonic() of the successful CONNACK
     answered: bool = False  # a CONNACK arrived, accepting or refusing (the broker speaks our protocol)
     closed: bool = False
     sock: Any = None  # the socket the event loop watches (None before the connect and after the close)
@@ -542,7 +543,7 @@ class Link:
         self._loop_thread = 0  # threading.get_ident() of the event loop's thread
         self._conn: Connection | None = None
 
-    def _handle_disconnect(self, conn: Connection, rc: object) -> None:
+    def _handle_disconnect(self, conn: Connection, rc: object, from_broker: bool = False) -> None:
         """The connection ended (:class:`edgefl.transport.MqttTransport` also logs and reconnects)."""
         conn.lost.set()
 

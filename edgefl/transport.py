@@ -21,6 +21,7 @@ import logging
 import random
 import ssl
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,12 @@ RECONNECT_MIN_S = 1
 RECONNECT_MAX_S = 30
 CONNECT_TIMEOUT_S = 10.0
 SUBACK_TIMEOUT_S = 10.0
+TAKEOVER_WINDOW_S = 10.0
+"""A connection closed without a reason this soon after its CONNACK counts towards :data:`TAKEOVER_LOSSES`."""
+TAKEOVER_LOSSES = 3
+"""Connections in a row closed within :data:`TAKEOVER_WINDOW_S` of their CONNACK: the transport then says
+another client probably takes over its client id's session at each connect (MQTT 5.0 §3.1.4: the
+broker closes the older connection of a client id; mosquitto 2.0 closes it without a DISCONNECT)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +168,7 @@ class MqttTransport(Link):
         self.connected = asyncio.Event()
         self.ever_connected = False
         self._lost_logged = False
+        self._quick_losses = 0  # connections in a row closed soon after their CONNACK (_note_takeover)
         self._subscriptions: dict[str, tuple[int, bool]] = {}  # topic -> (qos, live_only)
         # unsubscribed without an UNSUBACK yet (topic -> the latest call's token): sent once more on
         # the next connection (a persistent session keeps the broker's copy across the reconnect)
@@ -226,7 +234,8 @@ class MqttTransport(Link):
             self._hop(self._handle_connect, conn, rc, limit, present)
 
         def on_disconnect(client: Any, userdata: Any, flags: Any, rc: ReasonCode, props: Any) -> None:
-            self._hop(self._handle_disconnect, conn, rc)
+            from_broker = bool(getattr(flags, "is_disconnect_packet_from_server", False))
+            self._hop(self._handle_disconnect, conn, rc, from_broker)
 
         def on_publish(client: Any, userdata: Any, mid: int, rc: ReasonCode, props: Any) -> None:
             self._hop(self._handle_puback, conn, mid, rc)
@@ -278,6 +287,7 @@ class MqttTransport(Link):
         self.auth_refusals = 0
         self.session_present = session_present
         conn.acked = True
+        conn.acked_at = time.monotonic()
         # the last try of each unsubscribe still unanswered: sent before the subscriptions (the broker
         # has taken it when their SUBACKs are in), then forgotten, whatever comes of it: a broker that
         # closes the connection on it must not be sent it again at every reconnect
@@ -335,9 +345,49 @@ class MqttTransport(Link):
             except TransportError as exc:
                 logger.warning("%s (not sent again)", exc)
 
-    def _handle_disconnect(self, conn: Connection, rc: object) -> None:
+    def _loss_reason(self, rc: object, from_broker: bool) -> str:
+        """Why a connection ended, in words: the broker's DISCONNECT reason, else what may have closed it.
+
+        paho reports a connection closed without a DISCONNECT packet as "Unspecified error" (a
+        stand-in, not the broker's word); mosquitto 2.0 closes the older connection of a client id that
+        connects again that way, so the text names that cause with the others.
+        """
+        cid = self.client_id
+        if isinstance(rc, ReasonCode) and from_broker:
+            if int(rc.value) == 0x8E:  # MQTT 5.0 §3.14.2.1 Session taken over
+                return f"session taken over: another client connected with client id {cid!r}"
+            return f"the broker disconnected us: {rc}"
+        if isinstance(rc, ReasonCode):
+            return (
+                "connection closed without a reason: the broker stopped, the network dropped, or "
+                f"another client connected with client id {cid!r} and took over the session"
+            )
+        return str(rc)
+
+    def _note_takeover(self, conn: Connection, from_broker: bool, rc: object) -> None:
+        """Count connections closed soon after their CONNACK; say so at :data:`TAKEOVER_LOSSES` in a row."""
+        quick = conn.acked and time.monotonic() - conn.acked_at < TAKEOVER_WINDOW_S
+        taken = from_broker and isinstance(rc, ReasonCode) and int(rc.value) == 0x8E
+        if not (quick and (taken or not from_broker)):
+            self._quick_losses = 0
+            return
+        self._quick_losses += 1
+        if self._quick_losses == TAKEOVER_LOSSES and not self._stopping:
+            logger.error(
+                "the broker %s:%s closed each of the last %d connections within %.0f s of accepting it: "
+                "another client probably uses client id %r and takes over the session at each connect "
+                "(one client id per process; with use_username_as_clientid, one account per process)",
+                self.host,
+                self.port,
+                TAKEOVER_LOSSES,
+                TAKEOVER_WINDOW_S,
+                self.client_id,
+            )
+
+    def _handle_disconnect(self, conn: Connection, rc: object, from_broker: bool = False) -> None:
         if conn is not self._conn:
             return
+        self._note_takeover(conn, from_broker, rc)
         if self.protocol == "auto" and self._mqtt5 and not self.ever_connected and not conn.answered:
             # 3.1.1-only brokers (amqtt) close the socket on an MQTT 5 CONNECT instead of answering it.
             self._fallback_wanted = True
@@ -347,7 +397,8 @@ class MqttTransport(Link):
         conn.lost.set()
         if was and not self._lost_logged and not self._stopping:
             self._lost_logged = True
-            logger.warning("broker lost: %s:%s (%s)", self.host, self.port, rc)
+            why = self._loss_reason(rc, from_broker)
+            logger.warning("broker lost: %s:%s (%s)", self.host, self.port, why)
 
     def _handle_puback(self, conn: Connection, mid: int, rc: ReasonCode) -> None:
         fut = conn.pubacks.pop(mid, None)

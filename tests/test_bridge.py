@@ -39,7 +39,8 @@ from conftest import (
 )
 
 from edgefl.coordinator.bridge import bridge_config
-from edgefl.coordinator.strategy import FedAvg, Offer
+from edgefl.coordinator.fedavg import FedAvg
+from edgefl.coordinator.strategy import Offer
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.records import read_record
 from edgefl.topics import Topics

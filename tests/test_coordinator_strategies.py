@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, ROOT, Broker, start_replay_agent
 
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.fedbuff import FedBuff, staleness_weight
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.errors import UpdateRejected
 from edgefl.runtime import Backbone

@@ -400,9 +400,9 @@ async def coordinator_and_peer(
 def test_downlink_coordinator_publishes_its_profile_layout(mosquitto: Broker, fleet: str) -> None:
     """``[rounds] downlink = "int8"``: the retained global head goes out in that layout (5,068 bytes
     for a 512 x 10 head instead of 20,680), and the coordinator's own head stays float32."""
+    from edgefl.coordinator.fedavg import FedAvg
     from edgefl.coordinator.profile import RoundsConfig
     from edgefl.coordinator.service import Coordinator
-    from edgefl.coordinator.strategy import FedAvg
 
     assert RoundsConfig().downlink == "float32"  # the default every device reads
     w0, b0 = make_head(5)
@@ -443,8 +443,8 @@ def test_redelivery_a_coordinator_that_adopted_no_longer_receives_its_own_round_
     then unsubscribes: its own announcements and heads are not delivered back to it (each was a
     second copy through the broker, decoded, ignored and acknowledged). Its queue after ``start``
     (which publishes the head) holds only a device's status sent after it."""
+    from edgefl.coordinator.fedavg import FedAvg
     from edgefl.coordinator.service import Coordinator
-    from edgefl.coordinator.strategy import FedAvg
 
     w0, b0 = make_head(5)
     topics = Topics("edgefl", fleet)

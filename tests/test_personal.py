@@ -25,11 +25,13 @@ from conftest import (
 
 from edgefl.agent import memory
 from edgefl.agent.config import parse_profile
-from edgefl.agent.core import PERSONAL_FILE, DeviceCore, RoundStatus, personal_behind
+from edgefl.agent.core import DeviceCore
+from edgefl.agent.personal import PERSONAL_FILE, personal_behind
 from edgefl.agent.pipeline import Pipeline
+from edgefl.agent.round import RoundStatus
 from edgefl.agent.store import EmbeddingStore
 from edgefl.agent.trainer import train_personal
-from edgefl.coordinator.service import personal_heads_summary
+from edgefl.coordinator.history import personal_heads_summary
 from edgefl.datasets import load_digits
 from edgefl.errors import ConfigError, DecodeError
 from edgefl.head import Head, ditto_step, personal_columns

@@ -12,8 +12,8 @@ import pytest
 from conftest import INT8_MODEL, Broker, next_status_fields, start_replay_agent
 
 from edgefl.agent.status import ROUND_STATES, status_news
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
@@ -115,10 +115,10 @@ def test_status_not_published_for_round_progress_the_coordinator_sees_it_in_the_
         pump = asyncio.create_task(coord.pump())
         try:
             await coord.start()
-            await coord.wait_for_devices(1, timeout_s=90)
+            await coord.registry.wait_for_devices(1, timeout_s=90)
             # start-up news: the coordinator's own retained head (version 0, held already) counted as
             # a redelivery; wait for that status, then count from there
-            await coord.wait_for_devices(1, timeout_s=60, key="redelivered_total")
+            await coord.registry.wait_for_devices(1, timeout_s=60, key="redelivered_total")
             seen.clear()
             sizes = []
             for r in (1, 2, 3):
@@ -128,7 +128,7 @@ def test_status_not_published_for_round_progress_the_coordinator_sees_it_in_the_
                 assert rec.fed_devices == 1 and 0.0 <= rec.fed_accuracy <= 1.0, rec
                 sizes.append(int(rec.update_bytes_mean))
             await asyncio.sleep(0.5)  # 10 status checks after the last head went out
-            return seen, dict(coord.state.devices["dev-1"]), coord.dashboard_status(), sizes
+            return seen, dict(coord.registry.devices["dev-1"]), coord.dashboard_status(), sizes
         finally:
             pump.cancel()
             await asyncio.gather(pump, return_exceptions=True)

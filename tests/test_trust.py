@@ -12,17 +12,12 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, Broker, wait_until
 
+from edgefl.coordinator.fedavg import FedAvg, RunningWeightedSum
 from edgefl.coordinator.hierarchy import RootCoordinator
 from edgefl.coordinator.profile import load_coordinator_profile
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import (
-    MAX_UPDATE_EXAMPLES,
-    FedAvg,
-    Offer,
-    RunningWeightedSum,
-    SiteSums,
-    make_strategy,
-)
+from edgefl.coordinator.strategies import make_strategy
+from edgefl.coordinator.strategy import MAX_UPDATE_EXAMPLES, Offer, SiteSums
 from edgefl.errors import ConfigError, UpdateRejected
 from edgefl.resources import shipped
 from edgefl.runtime import Backbone
