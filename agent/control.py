@@ -19,10 +19,7 @@ from edgefl.agent.ingest import LOGGED_REFUSALS
 from edgefl.agent.round import RoundResult, RoundStatus
 from edgefl.agent.source import SampleSource
 from edgefl.aio import wait_event
-from edgefl.errors import (
-    DecodeError,
-    TransportError,
-)
+from edgefl.errors import DecodeError, EdgeflError, TransportError
 from edgefl.transport import Message
 from edgefl.wire.chunking import Reassembler, is_chunk, split_message
 
@@ -68,8 +65,11 @@ class RoundTask(SampleSource):
                 if self.core.personal_due:
                     # the personal step of the round just answered, once no message waits (it changes
                     # nothing that is sent; a round that comes first runs it before its training)
-                    if await self._work(self.core.personalise) is not None:
-                        self._changed()
+                    try:
+                        if await self._work(self.core.personalise) is not None:
+                            self._changed()
+                    except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
+                        self._fault("personal", "personal step", exc)  # the next round tries again
                     continue
                 self._status_go.set()
                 self._round_wake.clear()
@@ -84,12 +84,15 @@ class RoundTask(SampleSource):
             if not self._status_connected:
                 self._status_go.clear()  # a round's status changes are checked once it is handled
             asks, self._round_asks = self._round_asks, set()
-            if "resend" in asks:
-                await self.resend_outbox()
-            if "ready" in asks:
-                await self.answer_ready()
-            if self._retry_due():
-                await self.retry_deferred()
+            try:
+                if "resend" in asks:
+                    await self.resend_outbox()
+                if "ready" in asks:
+                    await self.answer_ready()
+                if self._retry_due():
+                    await self.retry_deferred()
+            except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
+                self._fault("round", " and ".join(sorted(asks)) or "deferred round retry", exc)
             if not self._control.empty():
                 await self.handle(self._control.get_nowait())
 
