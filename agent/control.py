@@ -20,7 +20,7 @@ from edgefl.agent.round import RoundResult, RoundStatus
 from edgefl.agent.source import SampleSource
 from edgefl.aio import wait_event
 from edgefl.errors import DecodeError, EdgeflError, TransportError
-from edgefl.transport import Message
+from edgefl.mqtt_link import Message
 from edgefl.wire.chunking import Reassembler, is_chunk, split_message
 
 logger = logging.getLogger(__name__)

@@ -48,14 +48,14 @@ from edgefl.head import Head, personal_columns, validate_head
 from edgefl.runtime import Backbone
 from edgefl.types import F32, I64
 from edgefl.wire.cbor import Limits, MessageType
-from edgefl.wire.messages import (
+from edgefl.wire.global_model import (
     GlobalModel,
-    RoundAnnouncement,
     decode_global_model,
     encode_global_model,
     global_model_version,
     resolve_global_head,
 )
+from edgefl.wire.rounds import RoundAnnouncement
 from edgefl.wire.signing import (
     SigningKey,
     VerifyKey,

@@ -37,9 +37,7 @@ from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport, Will
 from edgefl.wire.chunking import Reassembler
-from edgefl.wire.messages import (
-    offline_status,
-)
+from edgefl.wire.status import offline_status
 
 logger = logging.getLogger(__name__)
 

@@ -215,7 +215,8 @@ def run_round(
     from edgefl.agent.core import ApplyStatus, DeviceCore
     from edgefl.agent.round import RoundStatus
     from edgefl.wire.compression import Compression
-    from edgefl.wire.messages import GlobalModel, RoundAnnouncement, encode_global_model, encode_round
+    from edgefl.wire.global_model import GlobalModel, encode_global_model
+    from edgefl.wire.rounds import RoundAnnouncement, encode_round
 
     gov = governor or memory.Governor(
         profile.cap_bytes,

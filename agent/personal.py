@@ -22,9 +22,7 @@ from edgefl.agent.state import DeviceState
 from edgefl.agent.trainer import PersonalResult, train_personal
 from edgefl.errors import UpdateRejected
 from edgefl.head import Head, personal_columns, validate_head
-from edgefl.wire.messages import (
-    RoundAnnouncement,
-)
+from edgefl.wire.rounds import RoundAnnouncement
 
 logger = logging.getLogger(__name__)
 

@@ -33,10 +33,7 @@ from edgefl.errors import (
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.chunking import publish_packet_bytes
-from edgefl.wire.messages import (
-    DeviceStatus,
-    encode_status,
-)
+from edgefl.wire.status import DeviceStatus, encode_status
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.head import Head
 from edgefl.wire.cbor import MessageType
 from edgefl.wire.compression import CompressedDelta, Compression
-from edgefl.wire.messages import (
+from edgefl.wire.reasons import Reason
+from edgefl.wire.rounds import (
     Decline,
     RoundAnnouncement,
     Update,
@@ -36,7 +37,6 @@ from edgefl.wire.messages import (
     encode_decline,
     encode_update,
 )
-from edgefl.wire.reasons import Reason
 from edgefl.wire.signing import (
     sign_message,
     verify_payload,

@@ -28,14 +28,9 @@ from edgefl.errors import (
     TransportError,
     UpdateRejected,
 )
-from edgefl.transport import Message
+from edgefl.mqtt_link import Message
 from edgefl.wire.chunking import Reassembler, is_chunk
-from edgefl.wire.messages import (
-    Prediction,
-    decode_label,
-    decode_sample,
-    encode_prediction,
-)
+from edgefl.wire.ingest import Prediction, decode_label, decode_sample, encode_prediction
 from edgefl.wire.reasons import Reason
 
 logger = logging.getLogger(__name__)

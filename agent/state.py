@@ -35,9 +35,7 @@ from edgefl.errors import EdgeflError
 from edgefl.head import Head, validate_head
 from edgefl.records import RecordSlot
 from edgefl.wire.cbor import Limits
-from edgefl.wire.messages import (
-    decode_global_model,
-)
+from edgefl.wire.global_model import decode_global_model
 from edgefl.wire.signing import (
     SigningKey,
     VerifyKey,

@@ -172,7 +172,8 @@ def child_leak(model: str, rounds: int) -> dict[str, Any]:
     from edgefl.agent import memory
     from edgefl.agent.core import ApplyStatus, DeviceCore
     from edgefl.agent.round import RoundStatus
-    from edgefl.wire.messages import GlobalModel, RoundAnnouncement, encode_global_model, encode_round
+    from edgefl.wire.global_model import GlobalModel, encode_global_model
+    from edgefl.wire.rounds import RoundAnnouncement, encode_round
 
     profile = _profile(model, cap_mb=1024, extra={"device.id": "leak"})
     state = Path(tempfile.mkdtemp(prefix="edgefl-leak-"))

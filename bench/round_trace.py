@@ -123,10 +123,10 @@ def _probe_hops() -> None:
 
 def _maybe_no_quickack() -> None:
     """``BENCH_NO_QUICKACK=1`` (``--no-quickack``): this process leaves delayed ACKs on, as before."""
-    import edgefl.transport as transport
+    import edgefl.mqtt_link as link
 
     if os.environ.get("BENCH_NO_QUICKACK"):
-        transport.TCP_QUICKACK = None
+        link.TCP_QUICKACK = None
 
 
 def _probe_gc() -> None:
@@ -247,7 +247,7 @@ def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) 
     from edgefl.coordinator.rounds import Round
     from edgefl.launcher import stop_agents
     from edgefl.wire.compression import Compression
-    from edgefl.wire.messages import HeadLayout
+    from edgefl.wire.global_model import HeadLayout
 
     job = peer.make_job(work)
     v = peer.Variant("int8", Compression.INT8, HeadLayout.INT8, nodelay, False)

@@ -30,15 +30,10 @@ from edgefl.records import read_record
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import (
-    GlobalModel,
-    RoundAnnouncement,
-    decode_status,
-    decode_update,
-    encode_global_model,
-    encode_round,
-)
+from edgefl.wire.global_model import GlobalModel, encode_global_model
+from edgefl.wire.rounds import RoundAnnouncement, decode_update, encode_round
 from edgefl.wire.signing import generate_signing_key, sign_message, verify_payload
+from edgefl.wire.status import decode_status
 from tests.support.wire import compressed_roundtrip
 
 pytestmark = pytest.mark.timeout(180)

@@ -5,7 +5,7 @@ import pytest
 
 from edgefl.agent.feedback import ErrorFeedback
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import Update, UpdateMetrics, decode_update, encode_update
+from edgefl.wire.rounds import Update, UpdateMetrics, decode_update, encode_update
 from tests.support.wire import compressed_roundtrip
 
 
