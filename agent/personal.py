@@ -22,7 +22,6 @@ from edgefl.agent.state import DeviceState
 from edgefl.agent.trainer import PersonalResult, train_personal
 from edgefl.errors import UpdateRejected
 from edgefl.head import Head, personal_columns, validate_head
-from edgefl.records import read_record, write_record
 from edgefl.wire.rounds import RoundAnnouncement
 
 logger = logging.getLogger(__name__)
@@ -174,7 +173,7 @@ class PersonalHeads(DeviceState):
         stored samples before it had a personal head), and the head waits for the next round.
         """
         D, K = self.head.shape
-        data = read_record(self.personal_path)
+        data = self._read_state(PERSONAL_FILE)
         if data is not None:
             try:
                 obj = cbor2.loads(data)
@@ -237,7 +236,7 @@ class PersonalHeads(DeviceState):
             "b": personal.b.astype("<f4").tobytes(),
             "columns": self.personal_columns.astype(np.uint8).tobytes(),
         }
-        write_record(self.personal_path, cbor2.dumps(payload))
+        self._write_state(PERSONAL_FILE, cbor2.dumps(payload))
 
     def personalise(self) -> PersonalResult | None:
         """The personal step of the last trained round: class-restricted Ditto steps, persisted, evaluated.
