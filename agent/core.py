@@ -37,9 +37,10 @@ from typing import Any
 import cbor2
 import numpy as np
 
-from edgefl.agent import memory
+from edgefl.agent import estimates, heap
 from edgefl.agent.config import Profile
 from edgefl.agent.feedback import ErrorFeedback
+from edgefl.agent.governor import Admission, Governor
 from edgefl.agent.outbox import Dropped, Outbox, OutboxEntry
 from edgefl.agent.pipeline import Pipeline, choose
 from edgefl.agent.store import EmbeddingStore
@@ -370,7 +371,7 @@ def check_model_fits(profile: Profile, backbone: Backbone) -> None:
     src = profile.source
     if src.kind == "replay" and src.path is not None:
         try:  # the header only: the samples are loaded once admitted (the daemon's replay)
-            shape = memory.npz_headers(src.path)["x"][0][1:]
+            shape = estimates.npz_headers(src.path)["x"][0][1:]
         except (KeyError, ValueError) as exc:
             raise ModelError(
                 str(profile.model.path), f"source.path {src.path}: no sample array x ({exc})"
@@ -431,7 +432,7 @@ class DeviceCore:
         model_sha256: str,
         *,
         pipeline: Pipeline | None = None,
-        governor: memory.Governor | None = None,
+        governor: Governor | None = None,
         state_dir: Path | None = None,
         store_capacity: int | None = None,
         phase: PhaseHook | None = None,
@@ -445,7 +446,7 @@ class DeviceCore:
         self.state_dir = Path(state_dir if state_dir is not None else profile.device.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         mem = profile.memory
-        self.governor = governor or memory.Governor(
+        self.governor = governor or Governor(
             profile.cap_bytes, mem.reserve_mb << 20, mem.min_system_available_mb << 20
         )
         self._phase: PhaseHook = phase or self.governor.phase
@@ -521,14 +522,14 @@ class DeviceCore:
         self.acks_unrecorded = 0
         """Updates acknowledged (PUBACK) since the outbox was last written: a restart re-sends them."""
         self._take_carried_residual()
-        self.shapes = memory.model_shapes(pipeline.backbone) if pipeline is not None else None
+        self.shapes = estimates.model_shapes(pipeline.backbone) if pipeline is not None else None
 
     @classmethod
     def open(
         cls,
         profile: Profile,
         *,
-        governor: memory.Governor | None = None,
+        governor: Governor | None = None,
         state_dir: Path | None = None,
         store_capacity: int | None = None,
         phase: PhaseHook | None = None,
@@ -830,7 +831,7 @@ class DeviceCore:
             return self.head, "global"
         return personal, "personal"
 
-    def _admit_inference(self, pipeline: Pipeline, shapes: memory.ModelShapes, n: int) -> int:
+    def _admit_inference(self, pipeline: Pipeline, shapes: estimates.ModelShapes, n: int) -> int:
         """The governor's grant for ``n`` samples: rows per invoke, the pipeline's batch set to fit.
 
         A batch the governor shrinks becomes the pipeline's tensor batch (the arena is sized by the
@@ -845,13 +846,13 @@ class DeviceCore:
         """
         gov = self.governor
 
-        def ask() -> memory.Admission:
+        def ask() -> Admission:
             return gov.admit_inference(shapes, n, resident_batch=pipeline.allocated_batch, prep=pipeline.mode)
 
         adm = ask()
         if adm.deferred:
             gc.collect()
-            memory.malloc_trim()
+            heap.malloc_trim()
             adm = ask()
             if adm.deferred:
                 raise BudgetExceeded("inference", adm.estimate_bytes, max(0, adm.budget_bytes))
@@ -1155,7 +1156,10 @@ class DeviceCore:
                 time_budget_s=ann.deadline_s,
             )
         enc = gov.admit(
-            "encode", lambda _: memory.estimate_encode_bytes(D, K, ann.compression, ann.topk_fraction), 1, 1
+            "encode",
+            lambda _: estimates.estimate_encode_bytes(D, K, ann.compression, ann.topk_fraction),
+            1,
+            1,
         )
         if enc.deferred:
             return self._defer(ann, enc.reason)
@@ -1287,7 +1291,7 @@ class DeviceCore:
             self.deferred = None
             return self._decline_safely(d)
         gc.collect()
-        memory.malloc_trim()
+        heap.malloc_trim()
         self.deferred = None  # whatever the answer now (trained, stale, answered...), unless deferred again
         result = self.answer_round(d.ann)
         if result.status == RoundStatus.DEFERRED and self.deferred is not None:

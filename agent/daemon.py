@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from edgefl.agent import memory
+from edgefl.agent import estimates, heap
 from edgefl.agent.config import Profile
 from edgefl.agent.core import ApplyStatus, Classified, DeviceCore, RoundResult, RoundStatus
 from edgefl.agent.ingest import LOGGED_REFUSALS, Ingest, Queued
@@ -244,7 +244,7 @@ class Agent:
         if src.kind != "replay" or src.path is None:
             return
         # admitted before it is loaded (it cannot wait: it may use the reserve, never the cap)
-        need = memory.estimate_replay_bytes(src.path)
+        need = estimates.estimate_replay_bytes(src.path)
         adm = self.core.governor.admit("replay", lambda _: need, 1, 1, deferrable=False)
         if adm.deferred:
             why = BudgetExceeded("replay", adm.estimate_bytes, max(0, adm.budget_bytes))
@@ -560,7 +560,7 @@ class Agent:
         self.core.write_deferred()
         if self._trim_wanted:
             self._trim_wanted = False
-            memory.malloc_trim()
+            heap.malloc_trim()
 
     def _fault(self, where: str, what: str, exc: BaseException) -> None:
         """Count and log (one line, its reason) a failure the daemon survives."""
@@ -1062,7 +1062,7 @@ class Agent:
                     ) from exc
                 stack.push_async_callback(self.status_page.stop)
                 logger.info("dashboard on %s", self.dashboard_url)
-            memory.malloc_trim()  # start-up's freed heap (imports, model, page) back to the kernel
+            heap.malloc_trim()  # start-up's freed heap (imports, model, page) back to the kernel
             # The round first: its retained announcement (signed: its base version is the rollback
             # floor) reaches the core before any retained head, so a device without a head never
             # applies one older than the fleet's current version (an old signed head replayed on

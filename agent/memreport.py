@@ -5,7 +5,7 @@ daemon around it: classify the profile's replay samples (or random samples of th
 shape) batch by batch into the embedding store (phase ``inference``, batch preparation included),
 answer a round announcement (``train``; ``encode``: error feedback, encoding, signing, outbox),
 publish the update to a broker when one is given (``publish``), and verify, decode, apply and persist
-a global head (``apply``). Each phase runs inside :meth:`edgefl.agent.memory.Governor.phase` (exact
+a global head (``apply``). Each phase runs inside :meth:`edgefl.agent.governor.Governor.phase` (exact
 peak RSS) and, unless disabled, with :mod:`tracemalloc` on: the report prints per phase the peak of
 the Python heap and its top allocation sites (file:line) next to the RSS peak. Allocations made by
 the interpreter in C++ (its tensor arena) are not in the Python heap; the difference between the two
@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from edgefl.agent import memory
 from edgefl.agent.config import Profile
+from edgefl.agent.governor import PHASES, Governor
 from edgefl.errors import BudgetExceeded
 
 logger = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ def run_round(
     profile: Profile,
     *,
     samples: int = 512,
-    governor: memory.Governor | None = None,
+    governor: Governor | None = None,
     trace: bool = True,
     top: int = 5,
     broker: str | None = None,
@@ -216,14 +216,14 @@ def run_round(
     from edgefl.wire.compression import Compression
     from edgefl.wire.messages import GlobalModel, RoundAnnouncement, encode_global_model, encode_round
 
-    gov = governor or memory.Governor(
+    gov = governor or Governor(
         profile.cap_bytes,
         profile.memory.reserve_mb * MIB,
         profile.memory.min_system_available_mb * MIB,
     )
     baseline = gov.rss_bytes()
     # batch preparation runs inside "inference" on the shipped path (Pipeline.run): no phase of its own
-    reports: dict[str, PhaseReport] = {p: PhaseReport(p) for p in memory.PHASES if p != "batch"}
+    reports: dict[str, PhaseReport] = {p: PhaseReport(p) for p in PHASES if p != "batch"}
     if trace and not tracemalloc.is_tracing():
         tracemalloc.start(1)
 

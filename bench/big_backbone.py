@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from edgefl.agent.memory import rss_bytes
+from edgefl.agent.memstat import rss_bytes
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import FedAvg
 from edgefl.launcher import launch_agent, stop_agents

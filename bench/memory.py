@@ -81,7 +81,7 @@ def _status() -> dict[str, int]:
         key = line.split(":")[0]
         if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "Threads"):
             out[key] = int(line.split()[1]) * (1024 if key != "Threads" else 1)
-    from edgefl.agent.memory import pss_bytes
+    from edgefl.agent.memstat import pss_bytes
 
     out["Pss"] = pss_bytes() or 0
     return out
@@ -96,7 +96,7 @@ def child_imports(step: int) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _pss_sampler(peaks: dict[str, int], name: str) -> Iterator[None]:
-    from edgefl.agent.memory import pss_bytes
+    from edgefl.agent.memstat import pss_bytes
 
     stop = threading.Event()
     best = [pss_bytes() or 0]
@@ -144,11 +144,11 @@ def _profile(model: str, cap_mb: int = 96, reserve_mb: int = 8, extra: dict[str,
 def child_round(
     model: str, cap_mb: int, reserve_mb: int, broker: str | None, samples: int, pss: bool
 ) -> dict[str, Any]:
-    from edgefl.agent import memory
+    from edgefl.agent.governor import Governor
     from edgefl.agent.memreport import run_round
 
     profile = _profile(model, cap_mb, reserve_mb)
-    gov = memory.Governor(profile.cap_bytes, reserve_mb * MIB, 0)
+    gov = Governor(profile.cap_bytes, reserve_mb * MIB, 0)
     pss_peaks: dict[str, int] = {}
     rep = run_round(
         profile,
@@ -169,7 +169,7 @@ def child_leak(model: str, rounds: int) -> dict[str, Any]:
     """The device core's round in a loop: classify 64 samples, answer a round, apply the next head."""
     import numpy as np
 
-    from edgefl.agent import memory
+    from edgefl.agent import heap, memstat
     from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
     from edgefl.wire.messages import GlobalModel, RoundAnnouncement, encode_global_model, encode_round
 
@@ -202,9 +202,9 @@ def child_leak(model: str, rounds: int) -> dict[str, Any]:
             raise RuntimeError(f"round {r}: global head not applied")
         del gm_bytes
         core.flush()
-        memory.malloc_trim()
+        heap.malloc_trim()
         if r in (1, 10, 50, 100, 200, 300, 400, 500) or r == rounds:
-            rss[r] = memory.rss_bytes()
+            rss[r] = memstat.rss_bytes()
     n = len(core.store)
     shutil.rmtree(state, ignore_errors=True)
     return {"rss": rss, "seconds": time.perf_counter() - t0, "store": n}
@@ -212,7 +212,7 @@ def child_leak(model: str, rounds: int) -> dict[str, Any]:
 
 def child_hygiene(which: str) -> Any:
     """One hygiene measurement (the parent sets the environment)."""
-    from edgefl.agent import memory
+    from edgefl.agent import heap, memstat
 
     if which == "blas":
         import numpy as np
@@ -241,15 +241,15 @@ def child_hygiene(which: str) -> Any:
         bb = Backbone(MODELS / "mobilenet_v2_035_96_int8.tflite", num_threads=n)
         bb.resize(8)
         x = np.zeros((8, *bb.sample_shape), bb.input_dtype)
-        memory.reset_peak()
-        r0 = memory.rss_bytes()
+        memstat.reset_peak()
+        r0 = memstat.rss_bytes()
         bb.run(x)
-        return {"run_peak_delta": memory.peak_rss_bytes() - r0, **_status()}
+        return {"run_peak_delta": memstat.peak_rss_bytes() - r0, **_status()}
     if which == "trim":
         out = child_round("mobilenet_v2_035_96_int8.tflite", 200, 1, None, 256, False)
-        rss_before = memory.rss_bytes()
-        memory.malloc_trim()
-        return {"before": rss_before, "after": memory.rss_bytes(), "round_peak": out["lifetime_peak"]}
+        rss_before = memstat.rss_bytes()
+        heap.malloc_trim()
+        return {"before": rss_before, "after": memstat.rss_bytes(), "round_peak": out["lifetime_peak"]}
     if which == "store":
         import numpy as np
 

@@ -152,7 +152,8 @@ def install_agent_probes() -> None:
     import edgefl.agent.core as core
     import edgefl.agent.daemon as daemon
     import edgefl.agent.feedback as feedback
-    import edgefl.agent.memory as memory
+    import edgefl.agent.governor as governor
+    import edgefl.agent.heap as heap
     import edgefl.agent.outbox as outbox
     import edgefl.records as records
     import edgefl.transport as transport
@@ -178,11 +179,11 @@ def install_agent_probes() -> None:
     ):
         _wrap(core, attr, attr)
     _wrap(core.DeviceCore, "_verified", "verify")
-    _wrap(memory.Governor, "admit", "governor.admit")
-    _wrap(memory, "reset_peak", "reset_peak")
+    _wrap(governor.Governor, "admit", "governor.admit")
+    _wrap(governor, "reset_peak", "reset_peak")  # the name the governor calls
     _wrap(feedback.ErrorFeedback, "compress", "feedback.compress")
     _wrap(outbox.Outbox, "_save", "outbox.save")
-    _wrap(memory, "malloc_trim", "malloc_trim")
+    _wrap(heap, "malloc_trim", "malloc_trim")
     _wrap(daemon.Agent, "handle", "handle", lambda self, msg: _topic_kind(msg.topic))
     _wrap(daemon.Agent, "_send_update", "send_update")
     _wrap(daemon.Agent, "_status_tick", "status_tick")

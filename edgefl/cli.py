@@ -93,7 +93,7 @@ def _preflight(profile: Profile) -> list[str]:
     import gc
 
     import edgefl.agent.daemon  # noqa: F401 - the agent's imports are part of its floor
-    from edgefl.agent import memory
+    from edgefl.agent import estimates, memstat
     from edgefl.agent.preflight import broker_warnings, preflight, training_warning
     from edgefl.runtime import Backbone, runtime_available
 
@@ -111,8 +111,8 @@ def _preflight(profile: Profile) -> list[str]:
         runtime=profile.model.runtime,
         embedding_tensor=profile.model.embedding_tensor,
     )
-    shapes = memory.model_shapes(backbone)
-    rss = memory.rss_bytes()
+    shapes = estimates.model_shapes(backbone)
+    rss = memstat.rss_bytes()
     del backbone
     gc.collect()
     problems = preflight(profile, shapes, rss)
@@ -162,13 +162,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if profile is None:
         return EXIT_INVALID
     _setup_logging(args.log_level, profile.device.id)
-    from edgefl.agent import memory
+    from edgefl.agent import heap
     from edgefl.agent.daemon import Agent
     from edgefl.agent.statelock import StateDirBusy, lock_state_dir
 
     # arenas of threads not yet started (paho, worker, dashboard); a fixed mmap threshold (the unit and
     # the demo set it from the start with MALLOC_MMAP_THRESHOLD_): -0.2 to -0.3 MiB on bench.peer's agents
-    memory.apply_hygiene(arena_max=2, mmap_threshold_bytes=MMAP_THRESHOLD_BYTES)
+    heap.apply_hygiene(arena_max=2, mmap_threshold_bytes=MMAP_THRESHOLD_BYTES)
 
     try:
         problems = _preflight(profile)

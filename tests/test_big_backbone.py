@@ -25,7 +25,8 @@ from test_memory import fake_proc, set_rss
 
 from edgefl.agent.config import load_profile
 from edgefl.agent.core import DeviceCore, RoundStatus
-from edgefl.agent.memory import MIB, Governor
+from edgefl.agent.governor import Governor
+from edgefl.agent.memstat import MIB
 from edgefl.agent.store import EmbeddingStore
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategy import FedAvg

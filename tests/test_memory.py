@@ -24,15 +24,10 @@ import numpy as np
 import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, MODELS, TEST_STATUS_INTERVAL_S, Broker, next_status
 
-from edgefl.agent import memory
-from edgefl.agent.memory import (
-    MIB,
-    TRAIN_FIRST_RUN_BYTES,
-    Governor,
-    ModelShapes,
-    cgroup_memory_limit_bytes,
-    estimate_train_bytes,
-)
+from edgefl.agent import estimates, heap, memstat
+from edgefl.agent.estimates import TRAIN_FIRST_RUN_BYTES, ModelShapes, estimate_train_bytes
+from edgefl.agent.governor import Governor
+from edgefl.agent.memstat import MIB, cgroup_memory_limit_bytes
 from edgefl.datasets import load_digits
 
 # --- fake /proc and cgroup trees ------------------------------------------------------------------
@@ -56,7 +51,7 @@ def fake_proc(
 
 
 def set_rss(proc: Path, rss: int) -> None:
-    pages = rss // memory.PAGE_BYTES
+    pages = rss // memstat.PAGE_BYTES
     (proc / "self" / "statm").write_text(f"{pages * 3} {pages} 100 10 0 {pages} 0\n")
     (proc / "self" / "status").write_text(f"VmHWM:\t{rss // 1024} kB\nVmRSS:\t{rss // 1024} kB\n")
 
@@ -181,8 +176,8 @@ def test_convenience_admissions_use_the_estimates(tmp_path: Path) -> None:
     )
     # batch preparation cannot wait (it may use the reserve): budget 96 - 68 = 28 MiB; unfused int8
     # prep is 21 bytes per element: 64 samples = 37 MiB -> 32 samples
-    a = gov.admit_batch(shapes, 64)
-    assert a.work == 32 and a.estimate_bytes == memory.estimate_batch_bytes(shapes, 32)
+    a = gov.admit("batch", lambda n: estimates.estimate_batch_bytes(shapes, n), 64, 1)
+    assert a.work == 32 and a.estimate_bytes == estimates.estimate_batch_bytes(shapes, 32)
     t = gov.admit_train(4096, 16, dim=1280, classes=10, batch_size=16, num_examples=4096)
     assert t.work < 4096 and not t.deferred
     assert t.estimate_bytes == estimate_train_bytes(t.work, 1280, 10, 16, 4096, first_run=True)
@@ -206,11 +201,11 @@ def test_phase_peak_sees_50_mib_allocated_and_freed_inside() -> None:
         pytest.skip(f"/proc/self/clear_refs not writable here (peak method {gov.peak_method})")
     with gov.phase("warm"):
         pass
-    before = memory.rss_bytes()
+    before = memstat.rss_bytes()
     with gov.phase("alloc"):
         a = np.ones(50 * MIB, dtype=np.uint8)  # touched: resident
         del a
-    after = memory.rss_bytes()
+    after = memstat.rss_bytes()
     assert after < before + 10 * MIB, "the 50 MiB were given back (mmap-ed block)"
     assert gov.phase_last["alloc"] >= before + 50 * MIB - 1 * MIB
     # the next phase starts from a reset counter: it does not inherit the 50 MiB
@@ -218,7 +213,7 @@ def test_phase_peak_sees_50_mib_allocated_and_freed_inside() -> None:
         pass
     assert gov.phase_last["idle"] < before + 10 * MIB
     # ... while the lifetime peak keeps it, though VmHWM itself was reset
-    assert memory.peak_rss_bytes() < before + 10 * MIB
+    assert memstat.peak_rss_bytes() < before + 10 * MIB
     assert gov.peak_rss_bytes >= before + 49 * MIB
     assert gov.phase_peaks["alloc"] == gov.phase_last["alloc"]
     assert gov.status()["phase_peaks"]["alloc"] >= before + 49 * MIB
@@ -227,7 +222,7 @@ def test_phase_peak_sees_50_mib_allocated_and_freed_inside() -> None:
 def test_phase_peak_sampling_fallback() -> None:
     gov = Governor(1 << 40, 0, 0, peak_method="sampling", sample_interval_s=0.001)
     assert gov.peak_method == "sampling"
-    before = memory.rss_bytes()
+    before = memstat.rss_bytes()
     with gov.phase("alloc"):
         a = np.ones(50 * MIB, dtype=np.uint8)
         time.sleep(0.05)  # the sampler sees what lives long enough
@@ -237,7 +232,7 @@ def test_phase_peak_sampling_fallback() -> None:
 
 def test_overlapping_phases_from_threads_are_safe() -> None:
     gov = Governor(1 << 40, 0, 0)
-    before = memory.rss_bytes()
+    before = memstat.rss_bytes()
     started = threading.Event()
     release = threading.Event()
 
@@ -265,15 +260,15 @@ def test_overlapping_phases_from_threads_are_safe() -> None:
 
 @pytest.mark.subprocess
 def test_malloc_trim_gives_back_freed_heap() -> None:
-    if not memory.apply_hygiene()["arena_max"]:
+    if not heap.apply_hygiene()["arena_max"]:
         pytest.skip("not glibc")
     # 60 MiB of small blocks (heap, not mmap); keep every 64th alive so the top cannot be trimmed
     blocks = [bytearray(1000) for _ in range(60_000)]
     keep = blocks[::64]
     del blocks
-    high = memory.rss_bytes()
-    memory.malloc_trim()
-    low = memory.rss_bytes()
+    high = memstat.rss_bytes()
+    heap.malloc_trim()
+    low = memstat.rss_bytes()
     assert high - low > 20 * MIB, (high, low)
     assert len(keep) > 0
 
@@ -284,10 +279,8 @@ _MEASURE = r"""
 import json, sys, tempfile
 from pathlib import Path
 import numpy as np
-from edgefl.agent import memory as m
-from edgefl.wire.messages import GlobalModel, Update, UpdateMetrics
-from edgefl.wire.messages import decode_global_model, encode_global_model, encode_update
-from edgefl.wire.cbor import Limits
+from edgefl.agent import estimates, memstat
+from edgefl.wire.messages import Update, UpdateMetrics, encode_update
 from edgefl.head import Head
 from edgefl.agent.pipeline import Pipeline
 from edgefl.runtime import dequantize
@@ -297,11 +290,12 @@ from edgefl.agent.trainer import train_local
 
 model, batch, chunk, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 bb = Backbone(Path(model))
-shapes = m.model_shapes(bb)
+shapes = estimates.model_shapes(bb)
 D, K = shapes.embedding_dim, shapes.classes
 out = {}
 def measure(name, fn):
-    m.reset_peak(); r0 = m.rss_bytes(); res = fn(); out[name] = m.peak_rss_bytes() - r0; return res
+    memstat.reset_peak(); r0 = memstat.rss_bytes(); res = fn()
+    out[name] = memstat.peak_rss_bytes() - r0; return res
 raw = np.random.default_rng(0).integers(0, 256, (batch, *bb.sample_shape), dtype=np.uint8)
 pipes = {}
 def infer():
@@ -323,18 +317,14 @@ for comp in ("none", "float16", "int8", "topk"):
     up = Update(1, 1, "d", n, res.delta_W, res.delta_b, UpdateMetrics(0.0, 0.0, 0.0, 0), "d:1:1",
                 compression=comp)
     measure("encode_" + comp, lambda: encode_update(up))
-gm = encode_global_model(GlobalModel(1, 2, bb.sha256, W, b))
-measure("apply", lambda: decode_global_model(gm, limits=Limits(max_message_bytes=1 << 24),
-                                            expect_shape=head.shape))
 est = {
-    "batch": m.estimate_batch_bytes(shapes, batch),
-    "batch_fused": m.estimate_batch_bytes(shapes, batch, fused=True),
-    "inference": m.estimate_inference_bytes(shapes, batch, resident_batch=1),
-    "train": m.estimate_train_bytes(chunk, D, K, 16, n),
-    "apply": m.estimate_apply_bytes(D, K),
+    "batch": estimates.estimate_batch_bytes(shapes, batch),
+    "batch_fused": estimates.estimate_batch_bytes(shapes, batch, fused=True),
+    "inference": estimates.estimate_inference_bytes(shapes, batch, resident_batch=1),
+    "train": estimates.estimate_train_bytes(chunk, D, K, 16, n),
 }
 for comp in ("none", "float16", "int8", "topk"):
-    est["encode_" + comp] = m.estimate_encode_bytes(D, K, comp)
+    est["encode_" + comp] = estimates.estimate_encode_bytes(D, K, comp)
 print(json.dumps({"measured": out, "estimate": est}))
 """
 
@@ -388,9 +378,9 @@ def test_estimates_bound_measured_peaks(model: str) -> None:
 def test_model_shapes_of_the_real_models() -> None:
     from edgefl.runtime import Backbone
 
-    s = memory.model_shapes(Backbone(INT8_MODEL))
+    s = estimates.model_shapes(Backbone(INT8_MODEL))
     assert (s.sample_elems, s.input_itemsize, s.embedding_dim, s.classes) == (64, 1, 512, 10)
-    m = memory.model_shapes(Backbone(MODELS / "mobilenet_v2_035_96_float32.tflite"))
+    m = estimates.model_shapes(Backbone(MODELS / "mobilenet_v2_035_96_float32.tflite"))
     assert (m.sample_elems, m.input_itemsize, m.embedding_dim, m.classes) == (96 * 96 * 3, 4, 1280, 10)
     # the first op (stride-2 conv, 16 channels at alpha 0.35) has its input and output alive together
     assert m.activation_bytes >= 96 * 96 * 3 * 4 + 48 * 48 * 16 * 4
@@ -430,7 +420,7 @@ class RssWatch:
     def _run(self) -> None:
         while not self._stop.wait(0.005):
             try:
-                self.peak = max(self.peak, memory.rss_bytes(self.pid))
+                self.peak = max(self.peak, memstat.rss_bytes(self.pid))
                 self.samples += 1
             except OSError:
                 return
@@ -604,38 +594,38 @@ def test_own_proc_files_are_read_live_through_kept_descriptors_and_a_forked_chil
     a forked child measures itself, not the parent whose descriptors it inherited (a 128 MiB
     allocation in the child shows in the child's readings)."""
     mib = 1 << 20
-    before, peak_before = memory.rss_bytes(), memory.peak_rss_bytes()
+    before, peak_before = memstat.rss_bytes(), memstat.peak_rss_bytes()
     big = np.ones(64 * mib // 8)
-    assert memory.rss_bytes() - before >= 60 * mib
-    assert memory.peak_rss_bytes() - peak_before >= 60 * mib - (peak_before - before)
+    assert memstat.rss_bytes() - before >= 60 * mib
+    assert memstat.peak_rss_bytes() - peak_before >= 60 * mib - (peak_before - before)
     del big
-    assert memory.reset_peak()
-    assert memory.peak_rss_bytes() <= memory.rss_bytes() + 4 * mib
+    assert memstat.reset_peak()
+    assert memstat.peak_rss_bytes() <= memstat.rss_bytes() + 4 * mib
     meminfo = Path("/proc/meminfo").read_text().splitlines()
     fresh = next(ln for ln in meminfo if ln.startswith("MemAvailable:"))
-    assert abs(memory.system_available_bytes() - int(fresh.split()[1]) * 1024) < 256 * mib
+    assert abs(memstat.system_available_bytes() - int(fresh.split()[1]) * 1024) < 256 * mib
     # a kept descriptor whose number now names another file (closed and reused under us) is dropped
-    kept = memory._own_fds["self/statm"][0]
+    kept = memstat._own_fds["self/statm"][0]
     other = os.open("/proc/self/status", os.O_RDONLY)
     os.dup2(other, kept)
     os.close(other)
-    fresh_rss = int(Path("/proc/self/statm").read_text().split()[1]) * memory.PAGE_BYTES
-    assert abs(memory.rss_bytes() - fresh_rss) < 16 * mib
+    fresh_rss = int(Path("/proc/self/statm").read_text().split()[1]) * memstat.PAGE_BYTES
+    assert abs(memstat.rss_bytes() - fresh_rss) < 16 * mib
     # the same for the kept clear_refs descriptor, recognised by its inode before any write
-    kept = memory._own_fds["self/clear_refs"][0]
+    kept = memstat._own_fds["self/clear_refs"][0]
     other = os.open("/proc/self/statm", os.O_RDONLY)
     os.dup2(other, kept)
     os.close(other)
-    assert memory.reset_peak()  # written through a fresh open, not into the statm it now names
-    assert "self/clear_refs" not in memory._own_fds
-    assert memory.reset_peak() and "self/clear_refs" in memory._own_fds  # kept again
+    assert memstat.reset_peak()  # written through a fresh open, not into the statm it now names
+    assert "self/clear_refs" not in memstat._own_fds
+    assert memstat.reset_peak() and "self/clear_refs" in memstat._own_fds  # kept again
     pid = os.fork()
     if pid == 0:  # the child: exit 0 only if its readings follow its own memory
         code = 1
         try:
-            r0 = memory.rss_bytes()
+            r0 = memstat.rss_bytes()
             child = np.ones(128 * mib // 8)
-            grew = memory.rss_bytes() - r0 >= 120 * mib and memory.peak_rss_bytes() >= r0 + 120 * mib
+            grew = memstat.rss_bytes() - r0 >= 120 * mib and memstat.peak_rss_bytes() >= r0 + 120 * mib
             code = 0 if grew else 3
             del child
         finally:

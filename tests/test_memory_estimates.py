@@ -25,13 +25,13 @@ import numpy as np
 import pytest
 from conftest import MODELS
 
-from edgefl.agent.memory import MIB
+from edgefl.agent.memstat import MIB
 
 _TRAIN = r"""
 import gc, json, sys, tempfile
 from pathlib import Path
 import numpy as np
-from edgefl.agent import memory as m
+from edgefl.agent import estimates, heap, memstat
 from edgefl.agent.store import EmbeddingStore
 from edgefl.agent.trainer import train_local
 from edgefl.head import Head
@@ -39,22 +39,22 @@ from edgefl.runtime import Backbone
 
 model, K, n, chunk, bs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 bb = Backbone(Path(model))
-D = m.model_shapes(bb).embedding_dim
+D = estimates.model_shapes(bb).embedding_dim
 bb.interpreter.invoke()
 store = EmbeddingStore(Path(tempfile.mkdtemp()), n, D)
 rng = np.random.default_rng(1)
 for _ in range(0, n, 64):
     store.add(rng.standard_normal((64, D)).astype(np.float32), rng.integers(0, K, 64))
 head = Head((rng.standard_normal((D, K)) * 0.01).astype(np.float32), np.zeros(K, np.float32), 1)
-rises, estimates = [], []
+rises, ests = [], []
 for i in range(3):
-    gc.collect(); m.malloc_trim()
-    estimates.append(m.estimate_train_bytes(chunk, D, K, bs, len(store), first_run=i == 0,
-                                            resident_rows=store.resident_rows))
-    m.reset_peak(); before = m.rss_bytes()
+    gc.collect(); heap.malloc_trim()
+    ests.append(estimates.estimate_train_bytes(chunk, D, K, bs, len(store), first_run=i == 0,
+                                               resident_rows=store.resident_rows))
+    memstat.reset_peak(); before = memstat.rss_bytes()
     train_local(head, store, local_epochs=1, lr=0.1, batch_size=bs, chunk_size=chunk)
-    rises.append(m.peak_rss_bytes() - before)
-print(json.dumps({"D": D, "rises": rises, "estimates": estimates, "resident": store.resident_rows}))
+    rises.append(memstat.peak_rss_bytes() - before)
+print(json.dumps({"D": D, "rises": rises, "estimates": ests, "resident": store.resident_rows}))
 """
 
 
@@ -103,22 +103,22 @@ def test_memory_estimates_train_within_a_factor_of_two_of_measured_rise(
 _LOAD = r"""
 import gc, json, sys
 import numpy as np
-from edgefl.agent import memory as m
+from edgefl.agent import estimates, heap, memstat
 
 path = sys.argv[1]
-est = m.estimate_replay_bytes(path)  # headers only: nothing loaded yet
-gc.collect(); m.malloc_trim()
-m.reset_peak(); before = m.rss_bytes()
+est = estimates.estimate_replay_bytes(path)  # headers only: nothing loaded yet
+gc.collect(); heap.malloc_trim()
+memstat.reset_peak(); before = memstat.rss_bytes()
 with np.load(path) as data:  # as the daemon's replay loads it
     x = np.asarray(data["x"])
     y = np.asarray(data["y"]).astype(np.int64)
-print(json.dumps({"estimate": est, "rise": m.peak_rss_bytes() - before, "n": len(y) + 0 * int(x.size)}))
+print(json.dumps({"estimate": est, "rise": memstat.peak_rss_bytes() - before, "n": len(y) + 0 * int(x.size)}))
 """
 
 
 @pytest.mark.subprocess
 def test_memory_estimates_replay_file_from_headers(tmp_path: Path) -> None:
-    from edgefl.agent.memory import estimate_replay_bytes, npz_headers
+    from edgefl.agent.estimates import estimate_replay_bytes, npz_headers
 
     n = 9000  # digits-sized samples: 9000 x 8 x 8 x 1 float64 = 4.4 MiB, as a replay file of the demo's
     x = np.random.default_rng(0).random((n, 8, 8, 1))
@@ -144,7 +144,7 @@ def test_memory_estimates_replay_file_from_headers(tmp_path: Path) -> None:
 
 
 def test_memory_estimates_replay_file_not_an_npz_is_named(tmp_path: Path) -> None:
-    from edgefl.agent.memory import npz_headers
+    from edgefl.agent.estimates import npz_headers
 
     bad = tmp_path / "samples.npz"
     bad.write_bytes(b"not a zip at all")
