@@ -845,9 +845,26 @@ class DeviceCore:
             If one sample is still over budget (nothing was run; the governor counted a deferral).
         """
         gov = self.governor
+        cfg = self.profile.training
+        # a grown arena stays: it must leave the smallest training run room under cap - reserve
+        train_floor = estimates.estimate_train_bytes(
+            cfg.chunk_floor,
+            shapes.embedding_dim,
+            shapes.classes,
+            cfg.chunk_floor,
+            max(1, len(self.store)),
+            first_run=gov.phase_counts.get("train", 0) == 0,
+            resident_rows=self.store.resident_rows,
+        )
 
         def ask() -> Admission:
-            return gov.admit_inference(shapes, n, resident_batch=pipeline.allocated_batch, prep=pipeline.mode)
+            return gov.admit_inference(
+                shapes,
+                n,
+                resident_batch=pipeline.allocated_batch,
+                prep=pipeline.mode,
+                keep_bytes=train_floor,
+            )
 
         adm = ask()
         if adm.deferred:

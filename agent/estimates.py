@@ -126,18 +126,10 @@ def model_shapes(backbone: Any) -> ModelShapes:
 _ARENA_FACTOR = 2.0
 # XNNPACK: MobileNet int8 at batch 32 measured 4.4 MiB for a 4.2 MiB liveness bound (tests/test_memory.py)
 _DELEGATED_ARENA_FACTOR = 1.0
-FIXED_BYTES = 256 << 10  # small Python objects, page rounding
 _TOPK_CODE_BYTES = 768 << 10  # first-call code pages of the top-k encoder (see estimate_encode_bytes)
 # zlib's deflate state at level 9, 15-bit window: (1 << 17) + (1 << 17) bytes (zlib's zconf.h), for the
 # int8 levels' deflate stage (edgefl.wire.compression, "qz")
 _DEFLATE_STATE_BYTES = 256 << 10
-# The first run of a phase faults in the code pages of the library paths it uses (numpy's sort and
-# BLAS kernels, LiteRT's kernels for a new shape): measured 1.5 MiB of RssFile for training.
-FIRST_RUN_BYTES = 2 << 20
-# Training's own first-run allowance, measured (tests/test_memory_estimates.py): the first
-# train_local in an agent that has run inference maps in numpy's BLAS and sort code, +0.9-1.0 MiB of
-# RssFile on x86-64 (digits int8, MobileNet int8 and float32 backbones alike), and little heap.
-TRAIN_FIRST_RUN_BYTES = 896 << 10
 
 
 def estimate_batch_bytes(shapes: ModelShapes, batch: int, *, fused: bool = False) -> int:
@@ -162,14 +154,12 @@ def estimate_batch_bytes(shapes: ModelShapes, batch: int, *, fused: bool = False
     """
     elems = batch * shapes.sample_elems
     if fused:
-        return shapes.sample_elems * 4 + FIXED_BYTES  # one-sample float32 scratch
+        return shapes.sample_elems * 4  # one-sample float32 scratch
     copies = 5 if shapes.quantized_input else 3
-    return elems * (4 * copies + shapes.input_itemsize) + FIXED_BYTES
+    return elems * (4 * copies + shapes.input_itemsize)
 
 
-def estimate_inference_bytes(
-    shapes: ModelShapes, batch: int, *, resident_batch: int = 0, first_run: bool = True
-) -> int:
+def estimate_inference_bytes(shapes: ModelShapes, batch: int, *, resident_batch: int = 0) -> int:
     """Bytes one interpreter call on ``batch`` samples may add to RSS.
 
     The interpreter's arena grows with the batch and keeps its size when the batch shrinks again,
@@ -183,8 +173,6 @@ def estimate_inference_bytes(
         Samples per call (>= 1).
     resident_batch : int
         Largest batch the interpreter has already allocated (0 = none known).
-    first_run : bool
-        Add :data:`FIRST_RUN_BYTES` for code pages faulted in by the first call.
 
     Returns
     -------
@@ -197,7 +185,7 @@ def estimate_inference_bytes(
         shapes.input_itemsize
     )
     outputs = batch * (shapes.embedding_dim + shapes.classes) * (4 + 4 + 1)
-    return arena + outputs + FIXED_BYTES + (FIRST_RUN_BYTES if first_run else 0)
+    return arena + outputs
 
 
 def estimate_train_bytes(
@@ -212,15 +200,16 @@ def estimate_train_bytes(
 ) -> int:
     """Bytes ``edgefl.agent.trainer.train_local`` may add to RSS with a given chunk size.
 
-    Terms, each checked against what a run adds (``tests/test_memory_estimates.py``, real LiteRT
-    backbones, 25 %): the one float32 chunk buffer the trainer reuses, the float16 gather it is read
-    from, the labels (int64 buffer, int16 gather) and the chunk's slot order and shuffle (int64
-    each); four ``[D, K]`` float32 arrays alive at the peak (working copy, gradient, delta, final
-    head; the batch's own arrays are ``[batch, K]`` and come out of freed heap); the per-epoch
-    permutation of ``num_examples`` (``Shuffler``: uint64 keys, a temporary, the int64 order); the
-    store's mapped pages of the samples this process has not touched yet (they become resident as
-    they are read: file-backed, counted as RSS, reclaimable); and on the first run the code pages
-    training maps in (:data:`TRAIN_FIRST_RUN_BYTES`, measured).
+    Terms, each checked against what a run of the device core adds (``bench/memory.py``, real LiteRT
+    models): the one float32 chunk buffer the trainer reuses, the float16 gather it is read from,
+    the labels (int64 buffer, int16 gather) and the chunk's slot order and shuffle (int64 each); the
+    per-epoch permutation of ``num_examples`` (``Shuffler``: uint64 keys, a temporary, the int64
+    order); the store's mapped pages of the samples this process has not touched yet (they become
+    resident as they are read: file-backed, counted as RSS, reclaimable); and on the first run four
+    ``[D, K]`` float32 arrays alive at the peak (working copy, gradient, delta, final head). Later
+    rounds take those from the heap the previous round's heads and deltas freed (measured: their
+    rise stays within the chunk terms), and the code pages training uses are mapped before the first
+    round (the device core's start-up runs the same numpy paths).
 
     Parameters
     ----------
@@ -233,7 +222,7 @@ def estimate_train_bytes(
     num_examples : int
         Samples in the store.
     first_run : bool
-        Add :data:`TRAIN_FIRST_RUN_BYTES` for code pages faulted in by the first call.
+        The process has not trained yet: count the four heads.
     resident_rows : int
         Stored samples whose pages this process already has mapped
         (``EmbeddingStore.resident_rows``: the samples it stored or read); 0 counts every one.
@@ -243,9 +232,8 @@ def estimate_train_bytes(
     int
         Bytes.
     """
-    head_bytes = 4 * (dim * classes + classes) * 4
-    first = TRAIN_FIRST_RUN_BYTES if first_run else 0
-    return _store_read_bytes(chunk, dim, num_examples, resident_rows) + head_bytes + first
+    head_bytes = 4 * (dim * classes + classes) * 4 if first_run else 0
+    return _store_read_bytes(chunk, dim, num_examples, resident_rows) + head_bytes
 
 
 def _store_read_bytes(chunk: int, dim: int, num_examples: int, resident_rows: int) -> int:
@@ -286,13 +274,12 @@ def estimate_personal_bytes(
     batch_size: int,
     num_examples: int,
     *,
-    first_run: bool = True,
     resident_rows: int = 0,
 ) -> int:
     """Bytes ``edgefl.agent.trainer.train_personal`` may add to RSS with a given chunk size.
 
     The personal head itself (created from the global head on the first step; trained in place
-    after) and its gradient: two ``[D, K]`` heads, against :func:`estimate_train_bytes`' six; then
+    after) and its gradient: two ``[D, K]`` heads (measured new on every step); then
     the same chunk, batch, shuffle and mapped-page terms as local training, which the personal
     step reads the same way (the mapped pages only of samples this process has not touched:
     ``resident_rows``, as :func:`estimate_train_bytes`; local training has just read them all).
@@ -307,8 +294,6 @@ def estimate_personal_bytes(
         Samples per SGD step.
     num_examples : int
         Samples in the store.
-    first_run : bool
-        Add :data:`FIRST_RUN_BYTES` for code pages faulted in by the first call.
     resident_rows : int
         Stored samples whose pages this process already has mapped; 0 counts every one.
 
@@ -319,9 +304,8 @@ def estimate_personal_bytes(
     """
     step_bytes = min(batch_size, chunk, max(1, num_examples)) * (dim * 4 + classes * 4 * 4)
     head_bytes = 2 * (dim * classes + classes) * 4
-    first = FIRST_RUN_BYTES if first_run else 0
     read_bytes = _store_read_bytes(chunk, dim, num_examples, resident_rows)
-    return read_bytes + step_bytes + head_bytes + FIXED_BYTES + first
+    return read_bytes + step_bytes + head_bytes
 
 
 def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 0.1) -> int:
@@ -351,7 +335,7 @@ def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fractio
     temps = n * 4 * 2 + (n * 8 * 2 + _TOPK_CODE_BYTES if sparse else 0)
     if "int8" in compression:
         temps += _DEFLATE_STATE_BYTES + n
-    return temps + 3 * update_wire_bytes(dim, classes, compression, topk_fraction) + FIXED_BYTES
+    return temps + 3 * update_wire_bytes(dim, classes, compression, topk_fraction)
 
 
 _NPY_READ_CHUNK_BYTES = 1 << 18  # numpy.lib.format.read_array's buffer when reading from a zip member
@@ -404,7 +388,7 @@ def estimate_replay_bytes(path: Path | str) -> int:
     """Bytes loading a replay file (``source.path``: ``x`` samples, ``y`` labels) adds to RSS.
 
     Every array of the file as loaded (``numpy.load`` reads a member into a new array through a
-    256 KiB buffer), plus the labels' int64 copy the daemon makes; computed from the headers
+    buffer of up to 256 KiB), plus the labels' int64 copy the daemon makes; computed from the headers
     (:func:`npz_headers`), before anything is loaded.
 
     Raises
@@ -413,7 +397,8 @@ def estimate_replay_bytes(path: Path | str) -> int:
         As :func:`npz_headers`.
     """
     arrays = npz_headers(path)
-    total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in arrays.values())
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in arrays.values()]
+    total = sum(sizes) + min(_NPY_READ_CHUNK_BYTES, max(sizes, default=0))
     if "y" in arrays:
         total += math.prod(arrays["y"][0]) * 8
-    return total + _NPY_READ_CHUNK_BYTES + FIXED_BYTES
+    return total

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from edgefl.agent.estimates import (
-    FIXED_BYTES,
     ModelShapes,
     estimate_batch_bytes,
     estimate_inference_bytes,
@@ -279,6 +278,7 @@ class Governor:
         floor: int,
         *,
         deferrable: bool | None = None,
+        keep: Callable[[int], int] | None = None,
     ) -> Admission:
         """Decide how much of a phase may run now.
 
@@ -303,6 +303,9 @@ class Governor:
             Smallest work size worth running, 1 <= floor (clamped to ``work``).
         deferrable : bool, optional
             Override of ``phase in DEFERRABLE`` (only changes the reason's wording).
+        keep : callable(int) -> int, optional
+            Bytes that must stay free under the budget beside the estimate at a given work size
+            (not part of the estimate); default none.
 
         Returns
         -------
@@ -316,13 +319,17 @@ class Governor:
         # the reserve is kept for the phases that cannot wait (inference): they may use it, never the cap
         budget = self.cap_bytes - (self.reserve_bytes if can_defer else 0) - rss
         granted = work
+
+        def room(n: int) -> int:
+            return budget - (keep(n) if keep is not None else 0)
+
         need = int(estimate(granted))
-        while need > budget and granted > floor:
+        while need > room(granted) and granted > floor:
             granted = max(floor, granted // 2)
             need = int(estimate(granted))
         deferred = False
         reason = ""
-        if need > budget:
+        if need > room(granted):
             # work judged over budget is never run: a deferrable phase waits for a later round, any
             # other is refused for now (the caller frees what it can, retries, or counts the refusal)
             deferred = True
@@ -365,8 +372,14 @@ class Governor:
         *,
         resident_batch: int | None = None,
         prep: Literal["fused", "unfused"] | None = None,
+        keep_bytes: int = 0,
     ) -> Admission:
         """Admit an interpreter call on ``batch`` samples (floor 1; refused when even 1 is over budget).
+
+        A call may use the reserve (it cannot wait for a later round), but the arena a larger batch
+        grows is kept for the process's life: a batch that grows it is admitted only if it leaves the
+        reserve and ``keep_bytes`` free under the cap, else it is shrunk (down to the resident batch,
+        or one sample, which grow nothing).
 
         Parameters
         ----------
@@ -378,21 +391,27 @@ class Governor:
             default: the largest batch admitted so far.
         prep : "fused" | "unfused", optional
             Count the batch preparation too (when one call does both, as ``Pipeline.run``).
+        keep_bytes : int
+            Bytes a grown arena must leave free beside the reserve (the device core passes its
+            smallest training run, so that inference never takes the room a round needs).
 
         Returns
         -------
         Admission
         """
         resident = self.max_work.get("inference", 0) if resident_batch is None else resident_batch
-        first = self.phase_counts.get("inference", 0) == 0
 
         def need(n: int) -> int:
-            total = estimate_inference_bytes(shapes, n, resident_batch=resident, first_run=first)
+            total = estimate_inference_bytes(shapes, n, resident_batch=resident)
             if prep is not None:
-                total += estimate_batch_bytes(shapes, n, fused=prep == "fused") - FIXED_BYTES
+                total += estimate_batch_bytes(shapes, n, fused=prep == "fused")
             return total
 
-        return self.admit("inference", need, batch, 1)
+        def kept(n: int) -> int:
+            # the model's load allocated the arena for one sample: one never grows it
+            return self.reserve_bytes + keep_bytes if n > max(1, resident) else 0
+
+        return self.admit("inference", need, batch, 1, keep=kept)
 
     def admit_train(
         self,
@@ -435,11 +454,9 @@ class Governor:
         chunk buffers; deferred (the step waits for the next round) when even ``floor`` is over budget.
         ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
         """
-        first = self.phase_counts.get("personal", 0) == 0
-
         def need(n: int) -> int:
             return estimate_personal_bytes(
-                n, dim, classes, batch_size, num_examples, first_run=first, resident_rows=resident_rows
+                n, dim, classes, batch_size, num_examples, resident_rows=resident_rows
             )
 
         return self.admit("personal", need, chunk, floor)

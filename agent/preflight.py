@@ -81,20 +81,21 @@ def floor_bytes(
         RSS of a process that imported the agent and loaded the model, in bytes.
     training : bool
         False: to classify at all (the smallest inference phase; training may be deferred). True: to
-        also train (the smallest training chunk, ``training.chunk_floor``).
+        also train: the first training run at the smallest chunk (``training.chunk_floor``) over a
+        full store, whose pages the store term already counts. The governor keeps that room free of
+        the inference arena (``Governor.admit_inference``'s ``keep_bytes``), so the two add up.
     """
     phase = estimates.estimate_inference_bytes(shapes, 1)
     if training:
-        phase = max(
-            phase,
-            estimates.estimate_train_bytes(
-                profile.training.chunk_floor,
-                shapes.embedding_dim,
-                shapes.classes,
-                1,
-                profile.training.chunk_floor,
-                first_run=False,
-            ),
+        capacity = profile.training.store_capacity
+        phase += estimates.estimate_train_bytes(
+            profile.training.chunk_floor,
+            shapes.embedding_dim,
+            shapes.classes,
+            profile.training.chunk_floor,
+            capacity,
+            first_run=True,
+            resident_rows=capacity,
         )
     return (
         baseline_rss

@@ -27,6 +27,7 @@ import platform
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -79,20 +80,23 @@ def run_try(
     reserve_mb: int | None = None,
     deadline_s: float = 30.0,
     optimize: bool = True,
+    model: Path = MODEL,
 ) -> dict[str, Any]:
     """One fresh agent at ``cap_mb``: ``rounds`` rounds; its status and peaks afterwards.
 
     ``reserve_mb`` overrides the profile's ``memory.reserve_mb`` (None: the profile's, 4);
-    ``optimize`` False runs the agent without ``-OO`` (docstrings kept).
+    ``optimize`` False runs the agent without ``-OO`` (docstrings kept); ``model`` replaces the
+    profile's (``model.path``).
     """
     fleet = f"big{uuid.uuid4().hex[:8]}"
-    bb = Backbone(MODEL)
+    bb = Backbone(model)
+    classes = int(bb.head_from_model()[0].shape[1])
     rng = np.random.default_rng(0)
     data = tmp / f"{fleet}.npz"
     np.savez(
         data,
         x=rng.integers(0, 256, size=(64, *bb.sample_shape), dtype=np.uint8),
-        y=rng.integers(0, 10, size=64),
+        y=rng.integers(0, classes, size=64),
     )
     host, port = broker_url.removeprefix("mqtt://").split(":")
     overrides = {
@@ -102,6 +106,7 @@ def run_try(
         "broker.url": broker_url,
         "source.kind": "replay",
         "source.path": str(data),
+        "model.path": str(model),
         "memory.cap_mb": str(cap_mb),
         **({"memory.reserve_mb": str(reserve_mb)} if reserve_mb is not None else {}),
         "memory.min_system_available_mb": "0",
@@ -137,7 +142,12 @@ def run_try(
                 if done and st.get("version") == coord.state.version:
                     break
                 await asyncio.sleep(0.1)
-            return records, dict(coord.state.devices["dev-1"]), dict(coord.state.declined)
+            status = dict(coord.state.devices["dev-1"])
+            url = status.get("dashboard_url")
+            if isinstance(url, str):  # the agent's own status now (its retained one waits for news)
+                body = await asyncio.to_thread(_get, url.rstrip("/") + "/api/status")
+                status.update(json.loads(body)["status"])
+            return records, status, dict(coord.state.declined)
         finally:
             pump.cancel()
             await t.stop()
@@ -151,6 +161,8 @@ def run_try(
     pipe = status.get("pipeline", {})
     return {
         "cap_mb": cap_mb,
+        "records": [str(r) for r in records],
+        "status": status,
         "trained": sum(r.clients for r in records),
         "declined": sum(r.declined for r in records),
         "declined_by_reason": declined,
@@ -164,8 +176,16 @@ def run_try(
         "inference_admission": adm,
         "over_budget_batches": status.get("over_budget_batches"),
         "deferrals": status.get("deferrals", {}),
+        "admissions": status.get("admissions", {}),
+        "phase_rise": status.get("phase_rise", {}),
         "dashboard_url": status.get("dashboard_url"),
     }
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        body: bytes = resp.read()
+        return body
 
 
 def works(r: dict[str, Any]) -> bool:

@@ -92,7 +92,10 @@ def _preflight(profile: Profile) -> list[str]:
     """
     import gc
 
-    import edgefl.agent.daemon  # noqa: F401 - the agent's imports are part of its floor
+    import edgefl.agent.daemon  # the agent's imports are part of its floor
+
+    if profile.dashboard.enabled:
+        import edgefl.dashboard.app  # noqa: F401 - so is the device page's server (DashboardPage)
     from edgefl.agent import estimates, memstat
     from edgefl.agent.preflight import broker_warnings, preflight, training_warning
     from edgefl.runtime import Backbone, runtime_available

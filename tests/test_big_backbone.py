@@ -123,9 +123,11 @@ def _frames(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.integers(0, 256, size=(n, *shape), dtype=np.uint8), rng.integers(0, 10, size=n)
 
 
-def _start_big_agent(broker: Broker, fleet: str, tmp: Path, **overrides: str) -> subprocess.Popen[bytes]:
-    """A real agent on the shipped big-backbone profile (dashboard on, a free port), replaying 64 frames."""
-    x, y = _frames(64, seed=1)
+def _start_big_agent(
+    broker: Broker, fleet: str, tmp: Path, frames: int = 64, **overrides: str
+) -> subprocess.Popen[bytes]:
+    """A real agent on the shipped big-backbone profile (dashboard on, a free port), replaying ``frames``."""
+    x, y = _frames(frames, seed=1)
     np.savez(tmp / "frames.npz", x=x, y=y)
     return launch_agent(
         BIG_PROFILE,
@@ -221,16 +223,16 @@ def test_own_model_governor_refuses_over_budget_work_and_the_coordinator_records
     store.add(rng.standard_normal((32, 1280)).astype(np.float32), rng.integers(0, 10, 32))
     store.flush()
     del store
-    # The start-up check refuses a cap under the model's floor (the process with the model loaded, the
-    # store, one sample's inference), measured before the dashboard's aiohttp is imported (+7 MiB or
-    # more, docs/benchmarks.md): a cap 1 MiB above that floor passes it, and the running agent,
-    # dashboard on, is then over its cap whatever this machine's figures.
+    # The start-up check refuses a cap under the model's floor (the process with the model and the
+    # dashboard loaded, the whole store, one sample's inference): a cap 1 MiB above that floor passes
+    # it and leaves the running agent less than the reserve, so its 512-frame replay file (13.5 MiB)
+    # and its training are over budget whatever this machine's figures.
     probe = _start_big_agent(mosquitto, fleet, tmp_path, memory__cap_mb="40")
     assert probe.wait(timeout=60) != 0
     found = re.search(r"under the model's floor of ([0-9.]+) MiB", (tmp_path / "dev-1.log").read_text())
     assert found is not None, (tmp_path / "dev-1.log").read_text()[-2000:]
     cap_mb = math.ceil(float(found.group(1))) + 1
-    proc = _start_big_agent(mosquitto, fleet, tmp_path, memory__cap_mb=str(cap_mb))
+    proc = _start_big_agent(mosquitto, fleet, tmp_path, 512, memory__cap_mb=str(cap_mb))
 
     async def main() -> tuple[Any, dict[str, Any], dict[str, Any]]:
         t, coord = await _coordinator(mosquitto, fleet, deadline_s=4.0)
