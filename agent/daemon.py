@@ -561,6 +561,7 @@ class Agent:
         if self._trim_wanted:
             self._trim_wanted = False
             heap.malloc_trim()
+            heap.release_file_pages()  # code and constants the round faulted in and may not run again
 
     def _fault(self, where: str, what: str, exc: BaseException) -> None:
         """Count and log (one line, its reason) a failure the daemon survives."""
@@ -1063,6 +1064,7 @@ class Agent:
                 stack.push_async_callback(self.status_page.stop)
                 logger.info("dashboard on %s", self.dashboard_url)
             heap.malloc_trim()  # start-up's freed heap (imports, model, page) back to the kernel
+            heap.release_file_pages()  # and the library pages only start-up ran
             # The round first: its retained announcement (signed: its base version is the rollback
             # floor) reaches the core before any retained head, so a device without a head never
             # applies one older than the fleet's current version (an old signed head replayed on

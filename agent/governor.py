@@ -189,7 +189,7 @@ class Governor:
         self.last_deferral: Admission | None = None
         self._lock = threading.Lock()
         self._active = 0
-        self._peak = 0
+        self._peak = self._read_peak()  # the process's peak before this governor, kept across resets
         if peak_method == "sampling":
             self.peak_method: PeakMethod = "sampling"
         elif reset_peak(proc=proc):
@@ -199,7 +199,7 @@ class Governor:
         else:
             logger.info("cannot reset VmHWM through clear_refs; phase peaks are sampled")
             self.peak_method = "sampling"
-        self._peak = self._read_peak()
+        self._peak = max(self._peak, self._read_peak())
         if self.cgroup_limit_bytes is not None and self.cgroup_limit_bytes < cap_bytes:
             logger.info(
                 "memory cap %.1f MiB (cgroup limit; profile says %.1f MiB)",

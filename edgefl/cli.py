@@ -178,6 +178,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if problems:
             _report(f"profile {args.profile} cannot run here", problems)
             return EXIT_INVALID
+        # what the check mapped (every library page its imports and the model touched: the RSS it
+        # measured is an upper bound of the agent's), before the agent loads its own model
+        heap.release_file_pages()
         try:
             lock = lock_state_dir(profile.device.state_dir)  # held until this function returns
         except StateDirBusy as exc:

@@ -225,8 +225,9 @@ def test_memory_estimate_head19_trains_every_round_under_the_shipped_profile(
 def test_memory_estimate_replay_larger_than_the_headroom_is_refused_before_it_is_read(
     mosquitto: Broker, fleet: str, tmp_path: Path
 ) -> None:
-    # 1024 frames of 96 x 96 x 3 = 27 MiB: more than the shipped cap leaves above the running agent
-    proc, _ = _agent(mosquitto, fleet, tmp_path, FLOAT_MOBILENET, 1024)
+    # 3700 frames of 96 x 96 x 3 = 97.6 MiB: more than the shipped 96 MiB cap, let alone its headroom
+    frames = 3700
+    proc, _ = _agent(mosquitto, fleet, tmp_path, FLOAT_MOBILENET, frames)
 
     async def main() -> dict[str, Any]:
         t, coord = await _fleet_coordinator(mosquitto, fleet, FLOAT_MOBILENET)
@@ -252,7 +253,7 @@ def test_memory_estimate_replay_larger_than_the_headroom_is_refused_before_it_is
     assert "Traceback" not in log, log[-3000:]
     assert "BudgetExceeded: phase replay" in log
     adm = status["admissions"]["replay"]
-    assert adm["deferred"] and adm["estimate_bytes"] > (1024 * 96 * 96 * 3)
+    assert adm["deferred"] and adm["estimate_bytes"] > frames * 96 * 96 * 3
     # never loaded: the agent's lifetime peak stayed under its cap, and nothing was classified
     assert status["peak_rss_bytes"] < status["cap_bytes"] == 96 * MIB
     assert status["inferred_total"] == 0 and status["store_samples"] == 0
