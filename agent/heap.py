@@ -85,14 +85,11 @@ def apply_hygiene(*, arena_max: int = 2, mmap_threshold_bytes: int | None = None
     return done
 
 
-def release_file_pages(*, smaps: str = "/proc/self/smaps") -> int:
-    """Unmap this process's clean, read-only, private file pages; the RSS they held, in bytes.
+def readonly_file_rss(*, smaps: str = "/proc/self/smaps") -> dict[tuple[int, int], int]:
+    """RSS of each clean, read-only, private file mapping of this process, in bytes.
 
-    Every private mapping of a file that is read-only (code ``r-xp`` and constants ``r--p``) and
-    holds no private copy of a page (``Anonymous: 0 kB``: nothing was ever written to it, unlike a
-    relocated read-only segment) is dropped with ``madvise(MADV_DONTNEED)``: its pages stay in the
-    page cache, and a later access maps the file's page again (a minor fault), so the contents are
-    unchanged. Writable and shared mappings, anonymous memory and the heap are left alone.
+    The mappings :func:`release_file_pages` drops: private mappings of a file that are read-only
+    (code ``r-xp``, constants ``r--p``) and hold no private copy of a page (``Anonymous: 0 kB``).
 
     Parameters
     ----------
@@ -101,36 +98,65 @@ def release_file_pages(*, smaps: str = "/proc/self/smaps") -> int:
 
     Returns
     -------
-    int
-        The ``Rss`` of the mappings dropped, in bytes (0 where smaps or ``madvise`` is unavailable).
+    dict
+        (start, end) address of each such mapping holding pages -> its ``Rss`` in bytes; empty where
+        smaps cannot be read.
 
-    Source: madvise(2) (MADV_DONTNEED), proc(5) (smaps: Rss, Anonymous).
+    Source: proc(5) (smaps: Rss, Anonymous).
     """
-    lib = _libc()
-    madvise = getattr(lib, "madvise", None) if lib is not None else None
     try:
         text = Path(smaps).read_text()
     except OSError:
-        return 0
-    if madvise is None:
-        return 0
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    released = 0
+        return {}
+    out: dict[tuple[int, int], int] = {}
     span: tuple[int, int] | None = None
     rss = 0
     for line in text.splitlines():
         head = line.split(maxsplit=5)
         if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
-            perms = head[1]
             path = head[5] if len(head) == 6 else ""
             start, _, end = head[0].partition("-")
-            readonly_file = perms in ("r-xp", "r--p") and path.startswith("/")
+            readonly_file = head[1] in ("r-xp", "r--p") and path.startswith("/")
             span = (int(start, 16), int(end, 16)) if readonly_file else None
             rss = 0
         elif span is not None and head[0] == "Rss:":
             rss = int(head[1]) * 1024
         elif span is not None and head[0] == "Anonymous:":
-            if int(head[1]) == 0 and rss > 0 and madvise(span[0], span[1] - span[0], _MADV_DONTNEED) == 0:
-                released += rss
+            if int(head[1]) == 0 and rss > 0:
+                out[span] = rss
             span = None
-    return released
+    return out
+
+
+def release_file_pages(*, smaps: str = "/proc/self/smaps") -> dict[tuple[int, int], int]:
+    """Unmap this process's clean, read-only, private file pages (:func:`readonly_file_rss`'s).
+
+    Each such mapping is dropped with ``madvise(MADV_DONTNEED)``: its pages stay in the page cache,
+    and a later access maps the file's page again (a minor fault), so the contents are unchanged.
+    Writable and shared mappings, anonymous memory and the heap are left alone.
+
+    Parameters
+    ----------
+    smaps : str
+        The process's smaps file (another path only in tests).
+
+    Returns
+    -------
+    dict
+        (start, end) of each mapping dropped -> the ``Rss`` it held, in bytes (empty where smaps or
+        ``madvise`` is unavailable).
+
+    Source: madvise(2) (MADV_DONTNEED on a private file mapping: later accesses repopulate from the
+    file).
+    """
+    lib = _libc()
+    madvise = getattr(lib, "madvise", None) if lib is not None else None
+    if madvise is None:
+        return {}
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    mapped = readonly_file_rss(smaps=smaps)
+    dropped = {}
+    for (start, end), rss in mapped.items():
+        if madvise(start, end - start, _MADV_DONTNEED) == 0:
+            dropped[(start, end)] = rss
+    return dropped

@@ -96,13 +96,18 @@ def _preflight(profile: Profile) -> list[str]:
 
     if profile.dashboard.enabled:
         import edgefl.dashboard.app  # noqa: F401 - so is the device page's server (DashboardPage)
-    from edgefl.agent import estimates, memstat
+    from edgefl.agent import estimates, heap, memstat
     from edgefl.agent.preflight import broker_warnings, preflight, training_warning
     from edgefl.runtime import Backbone, runtime_available
 
     for note in broker_warnings(profile):
         print(f"edgefl: warning: {note}", file=sys.stderr)
 
+    # The floor is the RSS of the process with every page its imports and the model map, an upper
+    # bound of what the agent holds once it runs. The imports' library pages are dropped before the
+    # runtime's library and the model load (with them mapped, that is the process's peak) and counted
+    # back per mapping: what each held then and the load did not map again.
+    dropped = heap.release_file_pages()
     if not runtime_available(profile.model.runtime):
         # a profile for another kind of gateway (tflite-runtime on armv7l): what is not about this
         # machine is still checked; the rest is checked by `edgefl run` on the gateway itself
@@ -115,7 +120,8 @@ def _preflight(profile: Profile) -> list[str]:
         embedding_tensor=profile.model.embedding_tensor,
     )
     shapes = estimates.model_shapes(backbone)
-    rss = memstat.rss_bytes()
+    mapped = heap.readonly_file_rss()
+    rss = memstat.rss_bytes() + sum(max(0, held - mapped.get(span, 0)) for span, held in dropped.items())
     del backbone
     gc.collect()
     problems = preflight(profile, shapes, rss)
@@ -178,9 +184,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if problems:
             _report(f"profile {args.profile} cannot run here", problems)
             return EXIT_INVALID
-        # what the check mapped (every library page its imports and the model touched: the RSS it
-        # measured is an upper bound of the agent's), before the agent loads its own model
-        heap.release_file_pages()
+        heap.release_file_pages()  # what the check mapped, before the agent loads its own model
         try:
             lock = lock_state_dir(profile.device.state_dir)  # held until this function returns
         except StateDirBusy as exc:

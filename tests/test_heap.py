@@ -20,7 +20,7 @@ with open(path, "r+b") as f:  # a private file mapping with one page written: it
 written[:5] = b"local"
 x = np.arange(1000, dtype=np.float64)
 before = memstat.rss_bytes()
-released = heap.release_file_pages()
+released = sum(heap.release_file_pages().values())
 after = memstat.rss_bytes()
 print(json.dumps({
     "released": released, "dropped": before - after,
@@ -50,4 +50,5 @@ def test_memory_release_file_pages_drops_clean_library_pages_and_keeps_written_o
 def test_memory_release_file_pages_without_smaps_is_zero(tmp_path: Path) -> None:
     from edgefl.agent import heap
 
-    assert heap.release_file_pages(smaps=str(tmp_path / "missing")) == 0
+    assert heap.release_file_pages(smaps=str(tmp_path / "missing")) == {}
+    assert heap.readonly_file_rss(smaps=str(tmp_path / "missing")) == {}
