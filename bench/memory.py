@@ -213,9 +213,11 @@ def child_estimates(label: str, samples: int, rounds: int) -> dict[str, Any]:
 
     from edgefl.agent import estimates, heap, memstat
     from edgefl.agent.config import load_profile
-    from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
+    from edgefl.agent.core import ApplyStatus, DeviceCore
     from edgefl.agent.governor import Governor
-    from edgefl.wire.messages import GlobalModel, RoundAnnouncement, encode_global_model, encode_round
+    from edgefl.agent.round import RoundStatus
+    from edgefl.wire.global_model import GlobalModel, encode_global_model
+    from edgefl.wire.rounds import RoundAnnouncement, encode_round
 
     tmp = Path(tempfile.mkdtemp(prefix="edgefl-estimates-"))
     model, profile_path, extra = estimate_model(label, tmp)
@@ -267,7 +269,7 @@ def child_estimates(label: str, samples: int, rounds: int) -> dict[str, Any]:
     batch = core.pipeline.batch
     for s in range(0, samples, batch):
         core.observe(x[s : s + batch], y[s : s + batch])
-    core.flush()
+    core.flush_store()
     for r in range(1, rounds + 1):
         heap.malloc_trim()  # as the daemon after each round
         ann = RoundAnnouncement(r, core.head.version, 600.0, 2, 0.05, 16, 1, 1.0)
@@ -291,8 +293,10 @@ def child_leak(model: str, rounds: int) -> dict[str, Any]:
     import numpy as np
 
     from edgefl.agent import heap, memstat
-    from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
-    from edgefl.wire.messages import GlobalModel, RoundAnnouncement, encode_global_model, encode_round
+    from edgefl.agent.core import ApplyStatus, DeviceCore
+    from edgefl.agent.round import RoundStatus
+    from edgefl.wire.global_model import GlobalModel, encode_global_model
+    from edgefl.wire.rounds import RoundAnnouncement, encode_round
 
     profile = _profile(model, cap_mb=1024, extra={"device.id": "leak"})
     state = Path(tempfile.mkdtemp(prefix="edgefl-leak-"))
@@ -322,7 +326,7 @@ def child_leak(model: str, rounds: int) -> dict[str, Any]:
         if core.receive_global(gm_bytes).status != ApplyStatus.APPLIED:
             raise RuntimeError(f"round {r}: global head not applied")
         del gm_bytes
-        core.flush()
+        core.flush_store()
         heap.malloc_trim()
         if r in (1, 10, 50, 100, 200, 300, 400, 500) or r == rounds:
             rss[r] = memstat.rss_bytes()

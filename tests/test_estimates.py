@@ -26,8 +26,8 @@ from edgefl.agent.config import load_profile
 from edgefl.agent.governor import Governor
 from edgefl.agent.memstat import MIB
 from edgefl.agent.preflight import floor_bytes, store_bytes, training_warning
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.launcher import launch_agent, stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
@@ -192,9 +192,9 @@ def test_memory_estimate_head19_trains_every_round_under_the_shipped_profile(
         pump = asyncio.create_task(coord.pump())
         try:
             await coord.start()
-            await coord.wait_for_devices(1, timeout_s=120)
+            await coord.registry.wait_for_devices(1, timeout_s=120)
             records = [await coord.run_round(r, selected=("dev-1",)) for r in range(1, rounds + 1)]
-            applied = lambda: coord.state.devices["dev-1"].get("version") == rounds  # noqa: E731
+            applied = lambda: coord.registry.devices["dev-1"].get("version") == rounds  # noqa: E731
             await wait_until(applied, 30, "dev-1 applied the last head")
             return records, await next_status(coord, "dev-1")
         finally:
@@ -234,11 +234,11 @@ def test_memory_estimate_replay_larger_than_the_headroom_is_refused_before_it_is
         pump = asyncio.create_task(coord.pump())
         try:
             await coord.start()
-            await wait_until(
-                lambda: ((coord.state.devices.get("dev-1") or {}).get("faults") or {}).get("replay", 0) >= 1,
-                90,
-                "dev-1 refusing its replay file",
-            )
+            def refused() -> bool:
+                status = coord.registry.devices.get("dev-1") or {}
+                return int((status.get("faults") or {}).get("replay", 0)) >= 1
+
+            await wait_until(refused, 90, "dev-1 refusing its replay file")
             return await next_status(coord, "dev-1")
         finally:
             pump.cancel()

@@ -353,8 +353,8 @@ def agent_log(tmp_path: Path) -> Iterator[Path]:
 
 
 async def _coordinator(broker: Broker, fleet: str, deadline_s: float) -> Any:
+    from edgefl.coordinator.fedavg import FedAvg
     from edgefl.coordinator.service import Coordinator
-    from edgefl.coordinator.strategy import FedAvg
     from edgefl.runtime import Backbone
     from edgefl.topics import Topics
     from edgefl.transport import MqttTransport
@@ -416,8 +416,8 @@ def test_wired_tight_cap_shrinks_or_defers_training_keeps_classifying(
         pump = asyncio.create_task(coord.pump())
         try:
             await coord.start()
-            await coord.wait_for_devices(1, timeout_s=90)
-            first = dict(coord.state.devices["dev-1"])
+            await coord.registry.wait_for_devices(1, timeout_s=90)
+            first = dict(coord.registry.devices["dev-1"])
             clients = [(await coord.run_round(r)).clients for r in (1, 2)]
             return first, await next_status(coord, "dev-1"), clients  # a status sent after the rounds
         finally:
