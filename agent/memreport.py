@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from edgefl.agent.config import Profile
+from edgefl.agent.estimates import estimate_replay_bytes
 from edgefl.agent.governor import PHASES, Governor
 from edgefl.errors import BudgetExceeded
 
@@ -151,9 +152,16 @@ def _synthetic(shape: tuple[int, ...], n: int, classes: int, seed: int) -> tuple
     return x, y
 
 
-def _load_samples(profile: Profile, sample_shape: tuple[int, ...], classes: int, n: int) -> tuple[Any, Any]:
+def _load_samples(
+    profile: Profile, gov: Governor, sample_shape: tuple[int, ...], classes: int, n: int
+) -> tuple[Any, Any]:
     src = profile.source
     if src.kind == "replay" and src.path is not None:
+        # admitted before it is loaded, as the daemon's replay (it cannot wait: it may use the reserve)
+        need = estimate_replay_bytes(src.path)
+        if gov.admit("replay", lambda _: need, 1, 1, deferrable=False).deferred:
+            logger.warning("replay samples %s over budget (%d bytes): random samples", src.path, need)
+            return _synthetic(sample_shape, n, classes, profile.training.seed)
         with np.load(src.path) as data:
             x, y = np.asarray(data["x"]), np.asarray(data["y"]).astype(np.int64)
         if tuple(x.shape[1:]) == sample_shape:
@@ -275,7 +283,7 @@ def run_round(
         )
         assert core.pipeline is not None and core.shapes is not None
         model_name = core.pipeline.backbone.path.name
-        x, y = _load_samples(profile, core.pipeline.backbone.sample_shape, core.shapes.classes, samples)
+        x, y = _load_samples(profile, gov, core.pipeline.backbone.sample_shape, core.shapes.classes, samples)
         batch = core.pipeline.batch
         try:
             for start_i in range(0, len(x), batch):
