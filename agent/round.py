@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from enum import StrEnum
 
-from edgefl.agent import memory
+from edgefl.agent import estimates, heap
 from edgefl.agent.outbox import Dropped, OutboxEntry
 from edgefl.agent.personal import PersonalHeads
 from edgefl.agent.state import Answered, ProgressHook
@@ -288,7 +288,10 @@ class RoundAnswering(PersonalHeads):
                 time_budget_s=ann.deadline_s,
             )
         enc = gov.admit(
-            "encode", lambda _: memory.estimate_encode_bytes(D, K, ann.compression, ann.topk_fraction), 1, 1
+            "encode",
+            lambda _: estimates.estimate_encode_bytes(D, K, ann.compression, ann.topk_fraction),
+            1,
+            1,
         )
         if enc.deferred:
             return self._defer(ann, enc.reason)
@@ -416,7 +419,7 @@ class RoundAnswering(PersonalHeads):
             self.deferred = None
             return self._decline_safely(d)
         gc.collect()
-        memory.malloc_trim()
+        heap.malloc_trim()
         self.deferred = None  # whatever the answer now (trained, stale, answered...), unless deferred again
         result = self.answer_round(d.ann)
         if result.status == RoundStatus.DEFERRED and self.deferred is not None:
