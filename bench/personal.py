@@ -330,12 +330,25 @@ def run(
     }
 
 
+def _matches(setting: tuple[str, str, str], pattern: str) -> bool:
+    """Whether ``dataset[:split[:labels]]`` names ``setting`` (the parts given must all match)."""
+    parts = pattern.split(":")
+    return len(parts) <= 3 and all(p == s for p, s in zip(parts, setting, strict=False))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; ``--json PATH`` writes the result document."""
     ap = argparse.ArgumentParser(prog="python -m bench.personal", description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, help="write the result here")
     ap.add_argument("--seeds", type=int, default=3, help="runs per setting (seeds 0..N-1), averaged")
     ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"federated rounds (default {ROUNDS})")
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="DATASET[:SPLIT[:LABELS]]",
+        help="run only the matching settings (e.g. hapt:session:all, vowels-deterding); repeatable",
+    )
     ap.add_argument(
         "--set",
         action="append",
@@ -350,7 +363,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"--set {item}: only personal.* keys")
         PERSONAL_OVERRIDES[key] = value
     logging.basicConfig(level=logging.ERROR)
-    result = run(tuple(range(args.seeds)), rounds=args.rounds)
+    settings = SETTINGS
+    if args.only:
+        settings = tuple(s for s in SETTINGS if any(_matches(s, o) for o in args.only))
+        if not settings:
+            ap.error(f"--only {args.only}: no such setting (known: {[':'.join(s) for s in SETTINGS]})")
+    result = run(tuple(range(args.seeds)), settings, rounds=args.rounds)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -241,7 +241,15 @@ def cross_entropy(W: F32, b: F32, emb: F32, labels: I64) -> tuple[float, F32, F3
 
 
 def cross_entropy_grad_into(
-    W: F32, b: F32, emb: F32, labels: I64, z: F32, grad_W: F32, grad_b: F32, rows: I64
+    W: F32,
+    b: F32,
+    emb: F32,
+    labels: I64,
+    z: F32,
+    grad_W: F32,
+    grad_b: F32,
+    rows: I64,
+    logit_scale: F32 | None = None,
 ) -> None:
     """The gradient of :func:`cross_entropy` into caller-owned buffers, without the loss.
 
@@ -265,17 +273,26 @@ def cross_entropy_grad_into(
         Receives the gradient with respect to ``b``.
     rows : int64 [N]
         ``arange(N)`` (kept by the caller to save allocating it every step).
+    logit_scale : float32 [K] or None
+        If given, the loss is that of the scaled logits ``s_k * (emb @ W + b)_k`` and the gradient
+        is the chain rule's (``z`` is left holding ``s * (softmax - onehot) / N``); None = 1 for
+        every class, bit for bit the plain gradient. The personal step scales the classes a
+        device never had a label for by FedRS's alpha (:func:`restricted_logit_scale`).
 
     Source: as :func:`cross_entropy` (Bishop 2006, §4.3.4).
     """
     n = emb.shape[0]
     np.matmul(emb, W, out=z)
     z += b
+    if logit_scale is not None:
+        z *= logit_scale
     z -= z.max(axis=1, keepdims=True)
     np.exp(z, out=z)
     z /= z.sum(axis=1, keepdims=True)
     z[rows, labels] -= 1.0
     z /= n
+    if logit_scale is not None:
+        z *= logit_scale
     np.matmul(emb.T, z, out=grad_W)
     np.sum(z, axis=0, out=grad_b)
 
@@ -398,6 +415,46 @@ def personal_columns(labels: np.ndarray, num_classes: int) -> np.ndarray:
         return np.array([bool(counts[0] > 0 and counts[1] > 0)])
     seen: np.ndarray = counts > 0
     return seen
+
+
+def restricted_logit_scale(columns: np.ndarray, alpha: float) -> F32 | None:
+    """The personal step's logit scale: 1 for the classes a device may personalise, ``alpha`` for the rest.
+
+    A device that has labels for some classes only sees every one of its samples labelled with
+    one of them; plain softmax training then raises those classes' scores above every other
+    class everywhere (the other classes are never the answer on its data), and the device stops
+    predicting the classes it has no labels for even where the fleet's head recognises them.
+    FedRS's restricted softmax scales the absent classes' logits by ``alpha`` inside the local
+    loss (0: they count as a constant logit 0; 1: plain softmax), so the labelled classes are
+    fitted against each other rather than pushed above the absent ones. Prediction uses the
+    unscaled logits.
+
+    Parameters
+    ----------
+    columns : bool [K]
+        Classes the device may personalise (:func:`personal_columns`).
+    alpha : float
+        Scale of the other classes' logits in the loss, 0..1.
+
+    Returns
+    -------
+    float32 [K] or None
+        None when every class is personal or ``alpha`` is 1 (the plain softmax).
+
+    Raises
+    ------
+    ValueError
+        If ``alpha`` is outside 0..1.
+
+    Source: X.-C. Li, D.-C. Zhan, "FedRS: Federated Learning with Restricted Softmax for Label
+    Distribution Non-IID Data", KDD 2021, §4 (the scaled logits of missing classes).
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"restricted_logit_scale: alpha = {alpha} must be in 0..1")
+    if columns.all() or alpha == 1.0:
+        return None
+    scale: F32 = np.where(columns, np.float32(1.0), np.float32(alpha)).astype(np.float32)
+    return scale
 
 
 def ditto_step(
