@@ -426,14 +426,18 @@ def train_personal(
         W[...] = global_head.W  # nothing to personalise: the global head
         b[...] = global_head.b
         return PersonalResult(0, n, time.perf_counter() - t0)
-    for e, y in reader.batches(epochs, shuffler, stop_at):
-        gW, gb = reader.grad(W, b, e, y)
-        ditto_update(W, b, gW, gb, lr32, lam32, global_head.W, global_head.b, tied)
-        steps += 1
-    if steps == 0:  # stopped before the first step: the tied columns are still the global head's
-        tied = ~columns
+    step_tied = tied
+    if tied is not None:
         W[:, tied] = global_head.W[:, tied]
         b[tied] = global_head.b[tied]
+        if reader.logit_scale is not None and absent_alpha == 0.0:
+            # the absent classes' logits scaled to 0: their gradient is exactly 0, and so is their
+            # pull toward the global head they equal, so every step leaves them tied as they are
+            step_tied = None
+    for e, y in reader.batches(epochs, shuffler, stop_at):
+        gW, gb = reader.grad(W, b, e, y)
+        ditto_update(W, b, gW, gb, lr32, lam32, global_head.W, global_head.b, step_tied)
+        steps += 1
     return PersonalResult(steps, n, time.perf_counter() - t0)
 
 

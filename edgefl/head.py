@@ -536,18 +536,30 @@ def ditto_update(
 ) -> None:
     """:func:`ditto_step` without its checks, writing over the gradient (the trainer's inner loop).
 
-    Parameters as :func:`ditto_step`, except: ``grad_W``/``grad_b`` are overwritten (they hold the
-    step on return), ``lr``/``lam`` are float32 scalars, and ``tied`` is the bool [K] complement of
-    ``columns`` or None when every column is personal.
+    Parameters as :func:`ditto_step`, except: ``grad_W``/``grad_b`` are scratch (overwritten),
+    ``lr``/``lam`` are float32 scalars, and ``tied`` is the bool [K] complement of ``columns`` or
+    None when every column is personal. No heap beyond numpy's scalars: the step's only arrays
+    are the personal head and its gradient.
     """
     # every column stepped (whole-array operations, no gather), then the tied ones overwritten:
-    # the same values as stepping the personal columns alone
-    grad_W += lam * (W - W_global)
+    # the same values as stepping the personal columns alone. W - lr (g + lam (W - Wg)) is
+    # (1 - lr lam) W - lr g + lr lam Wg, in place: no temporary head (the gradient's buffer takes
+    # lr lam Wg once the step no longer needs it); lam 0 is plain SGD
     grad_W *= lr
-    W -= grad_W
-    grad_b += lam * (b - b_global)
     grad_b *= lr
-    b -= grad_b
+    if lam != 0:
+        c = lr * lam
+        W *= np.float32(1) - c
+        b *= np.float32(1) - c
+        W -= grad_W
+        b -= grad_b
+        np.multiply(W_global, c, out=grad_W)
+        np.multiply(b_global, c, out=grad_b)
+        W += grad_W
+        b += grad_b
+    else:
+        W -= grad_W
+        b -= grad_b
     if tied is not None:
         W[:, tied] = W_global[:, tied]
         b[tied] = b_global[tied]

@@ -183,6 +183,7 @@ def test_personal_restricted_softmax_keeps_the_fleets_classes(tmp_path: Path) ->
             W, b, glob, store, cols, lam=0.0, epochs=40, lr=0.1, batch_size=8, chunk_size=128,
             absent_alpha=alpha,
         )  # fmt: skip
+        assert W[:, 2].tolist() == glob.W[:, 2].tolist() and b[2] == glob.b[2]  # class 2 stays tied
         pred = Head(W, b).predict(test)
         right[alpha] = [int(np.sum(pred[test_y == k] == k)) for k in range(K)]
     glob_right = [int(np.sum(glob.predict(test)[test_y == k] == k)) for k in range(K)]
@@ -213,7 +214,7 @@ def test_personal_prediction_head_key_round_trip_and_refusal() -> None:
 def test_personal_config_table_and_errors(tmp_path: Path) -> None:
     base = {"device": {"id": "d"}, "model": {"path": str(RAWIN_MODEL)}}
     p = parse_profile(base, tmp_path).personal
-    assert (p.enabled, p.prox_lambda, p.epochs, p.lr_scale, p.absent_alpha) == (True, 0.1, 0, 1.2, 0.0)
+    assert (p.enabled, p.prox_lambda, p.epochs, p.lr_scale, p.absent_alpha) == (True, 0.0, 0, 1.6, 0.0)
     with pytest.raises(ConfigError) as exc:
         parse_profile(
             {**base, "personal": {"prox_lambda": -1.0, "epochs": 101, "absent_alpha": 2.0, "bogus": 1}},
