@@ -17,8 +17,8 @@ worst tenth of devices (at least one); each setting's figures are the averages o
 (3: training shuffles and, for ``half``, the classes kept). ``extra_bytes_per_round`` compares every
 Update of the two runs, byte for byte but for its training time and peak RSS (the figures two runs
 never share); ``extra_ram_bytes_per_device`` is the personal head a device keeps plus the gradient its
-step allocates (the class mask adds K bytes); ``personal_pass_ratio`` is the personal steps' time over
-the local training's, summed over every device and round.
+step allocates (the class mask and the loss's logit scale add 5K bytes); ``personal_pass_ratio`` is
+the personal steps' time over the local training's, summed over every device and round.
 
 Settings: HAPT split by session (train on the first, test on the second) and by bout (a user's
 bouts of each activity alternate between train and test), all labels and half of the classes
@@ -26,10 +26,12 @@ labelled per device (the device's test covers every class); the Deterding vowels
 four repetitions train, the last two test), all and half labelled; the Japanese vowels (listeners,
 every third utterance tests).
 
-Run: ``.venv/bin/python -m bench.personal --json out/personal.json``.
+Run: ``.venv/bin/python -m bench.personal --json out/personal.json`` (``--only hapt:session:all``,
+``--only vowels-deterding``: those settings alone; ``--set personal.KEY=VALUE``: other defaults).
 
 Source: Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through
-Personalization", ICML 2021; McMahan et al. 2017 (FedAvg).
+Personalization", ICML 2021; Li and Zhan, "FedRS: Federated Learning with Restricted Softmax for
+Label Distribution Non-IID Data", KDD 2021; McMahan et al. 2017 (FedAvg).
 """
 
 from __future__ import annotations
