@@ -39,24 +39,18 @@ from conftest import (
 )
 
 from edgefl.coordinator.bridge import bridge_config
-from edgefl.coordinator.strategy import FedAvg, Offer
+from edgefl.coordinator.fedavg import FedAvg
+from edgefl.coordinator.strategy import Offer
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.records import read_record
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
-from edgefl.wire.messages import (
-    Partial,
-    Update,
-    UpdateMetrics,
-    decode_global_model,
-    decode_round,
-    decode_status,
-    decode_update,
-    encode_partial,
-    encode_update,
-)
+from edgefl.wire.global_model import decode_global_model
+from edgefl.wire.partial import Partial, encode_partial
+from edgefl.wire.rounds import Update, UpdateMetrics, decode_round, decode_update, encode_update
 from edgefl.wire.signing import SigningKey, generate_signing_key, sign_message
+from edgefl.wire.status import decode_status
 
 SITES = {"site-a": ("a1", "a2", "a3"), "site-b": ("b1", "b2", "b3")}
 NORM_BOUND = 5.0

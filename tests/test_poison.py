@@ -20,13 +20,15 @@ import pytest
 from conftest import INT8_MODEL, ROOT, Broker, start_replay_agent
 
 from bench.poison import ATTACKS, bench_rounds, poison_task, run_poisoned, shipped_profile
-from edgefl.coordinator.strategy import DEFAULT_STRATEGY, FedAvg, Offer, aggregate_checked
+from edgefl.coordinator.fedavg import FedAvg
+from edgefl.coordinator.strategies import DEFAULT_STRATEGY
+from edgefl.coordinator.strategy import Offer, aggregate_checked
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.launcher import stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import Update, UpdateMetrics, decode_round, encode_update
+from edgefl.wire.rounds import Update, UpdateMetrics, decode_round, encode_update
 
 pytestmark = pytest.mark.timeout(600)
 SHIPPED = ROOT / "firmware_configs" / "coordinator.toml"

@@ -23,16 +23,16 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, ROOT, Broker, free_port, start_replay_agent
 
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.profile import load_coordinator_profile
 from edgefl.coordinator.rounds import FleetPhase, Pacing, Round
 from edgefl.coordinator.runner import pacing_for
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits
 from edgefl.launcher import stop_agents
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import DeviceStatus, encode_status
+from edgefl.wire.status import DeviceStatus, encode_status
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -5,30 +5,21 @@ from typing import Any
 import numpy as np
 import pytest
 
+from edgefl.coordinator.fedavg import FedAvg, FedProx
 from edgefl.coordinator.fedbuff import FedBuff
-from edgefl.coordinator.strategy import (
-    STRATEGY_NAMES,
+from edgefl.coordinator.normbound import NormBound, clip_factor, update_norm
+from edgefl.coordinator.optimisers import (
     FedAdam,
-    FedAvg,
     FedAvgM,
-    FedProx,
     FedYogi,
-    Median,
-    NormBound,
-    Offer,
-    TrimmedMean,
     adam_moments,
     adaptive_step,
-    aggregate_checked,
-    clip_factor,
-    coordinate_median,
-    make_strategy,
-    sample_clients,
     server_momentum,
-    trimmed_mean,
-    update_norm,
     yogi_moments,
 )
+from edgefl.coordinator.robust import Median, TrimmedMean, coordinate_median, trimmed_mean
+from edgefl.coordinator.strategies import STRATEGY_NAMES, make_strategy
+from edgefl.coordinator.strategy import Offer, aggregate_checked, sample_clients
 from edgefl.errors import UpdateRejected
 
 

@@ -10,21 +10,13 @@ import math
 import numpy as np
 import pytest
 
+from edgefl.coordinator.fedavg import FedAvg
+from edgefl.coordinator.normbound import NormBound, update_norm
+from edgefl.coordinator.optimisers import FedAvgM, clip_step
 from edgefl.coordinator.privacy import DPFedAvg
-from edgefl.coordinator.strategy import (
-    STRATEGY_NAMES,
-    FedAvg,
-    FedAvgM,
-    NormBound,
-    Offer,
-    Strategy,
-    TrimmedMean,
-    aggregate_checked,
-    clip_step,
-    make_strategy,
-    trimmed_minimum,
-    update_norm,
-)
+from edgefl.coordinator.robust import TrimmedMean, trimmed_minimum
+from edgefl.coordinator.strategies import STRATEGY_NAMES, make_strategy
+from edgefl.coordinator.strategy import Offer, Strategy, aggregate_checked
 
 W0, B0 = np.zeros((1, 2), np.float32), np.zeros(2, np.float32)
 

@@ -12,32 +12,20 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, Broker, wait_until
 
+from edgefl.coordinator.fedavg import FedAvg, RunningWeightedSum
 from edgefl.coordinator.hierarchy import RootCoordinator
 from edgefl.coordinator.profile import load_coordinator_profile
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import (
-    MAX_UPDATE_EXAMPLES,
-    FedAvg,
-    Offer,
-    RunningWeightedSum,
-    SiteSums,
-    make_strategy,
-)
+from edgefl.coordinator.strategies import make_strategy
+from edgefl.coordinator.strategy import MAX_UPDATE_EXAMPLES, Offer, SiteSums
 from edgefl.errors import ConfigError, UpdateRejected
 from edgefl.resources import shipped
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
-from edgefl.wire.messages import (
-    Decline,
-    Partial,
-    Update,
-    UpdateMetrics,
-    encode_decline,
-    encode_partial,
-    encode_update,
-)
+from edgefl.wire.partial import Partial, encode_partial
+from edgefl.wire.rounds import Decline, Update, UpdateMetrics, encode_decline, encode_update
 from edgefl.wire.signing import generate_signing_key, sign_message
 
 pytestmark = pytest.mark.timeout(120)
