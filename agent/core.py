@@ -259,9 +259,11 @@ class DeviceCore(RoundAnswering):
             else None
         )
         self._labelled = len(self.store) + (len(self.holdout) if self.holdout is not None else 0)
-        self.new_samples = len(self.store)
+        self.new_samples = self.store.since_mark
         """Labelled samples stored since this device last trained for a round (the status's
-        ``new_samples``, which paces the coordinator's rounds); after a restart, the whole store."""
+        ``new_samples``, which paces the coordinator's rounds); after a restart, those the store holds
+        after the mark its last round left (kept with the store's next flush: a crash within the flush
+        window counts the samples of that round again; a store without a mark counts all it holds)."""
         self.evaluation: Evaluation | None = None
         self.personal: Head | None = None
         """The personal head (None until the first personal step; :meth:`personalise`)."""

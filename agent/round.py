@@ -274,6 +274,7 @@ class RoundAnswering(PersonalHeads):
         if self._progress is not None:
             self._progress("training", adm.reason)
         self.new_samples = 0  # what is stored from now on is new for the next round
+        self.store.set_mark()  # ... after a restart too (written with the store's next flush)
         with self._phase("train"):
             result = train_local(
                 head,
