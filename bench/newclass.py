@@ -65,7 +65,7 @@ import json
 import logging
 import math
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -343,13 +343,19 @@ class Rule:
     make: Factory
 
 
-def shipped_factory(name: str, **sets: object) -> Factory:
-    profile = poison.shipped_profile(name, **sets)
+def shipped_factory(name: str, sets: Mapping[str, object] | None = None, **more: object) -> Factory:
+    """A shipped strategy as ``edgefl coordinator`` builds it from the shipped profile and ``sets``."""
+    profile = poison.shipped_profile(name, **{**(sets or {}), **more})
     return lambda: build_strategy(profile)
 
 
-def candidate_factory(rule: Callable[[Candidate, F64], F64], outer: float | None = None) -> Factory:
-    p = poison.shipped_profile("trimmed-mean")
+def candidate_factory(
+    rule: Callable[[Candidate, F64], F64],
+    sets: Mapping[str, object] | None = None,
+    outer: float | None = None,
+) -> Factory:
+    """A :class:`Candidate` on the shipped profile changed by ``sets``; ``outer``: its norm bound factor."""
+    p = poison.shipped_profile("trimmed-mean", **(sets or {}))
     r, rob = p.rounds, p.robustness
     kwargs: dict[str, Any] = {
         "local_epochs": r.local_epochs, "lr": r.lr, "batch_size": r.batch_size,
@@ -359,30 +365,34 @@ def candidate_factory(rule: Callable[[Candidate, F64], F64], outer: float | None
     return lambda: Candidate(rule, **kwargs)
 
 
-def candidates() -> list[Rule]:
-    """Every rule of the table, the shipped default first."""
+def candidates(sets: Mapping[str, object] | None = None) -> list[Rule]:
+    """Every rule of the table, the shipped default first; ``sets`` change the shipped profile."""
     shape = tuple(int(n) for n in digits_embeddings()[2].shape)
     D, K = shape[0], shape[1]
     yin, sun = "Yin et al. 2018", "Sun et al. 2019"
     cc = "Karimireddy et al. 2021"
     return [
-        Rule("trimmed-mean (default)", yin, shipped_factory("trimmed-mean")),
-        Rule("median", yin, shipped_factory("median")),
-        Rule("fedavg x1.5", sun, shipped_factory("fedavg")),
-        Rule("fedavg x3", sun, shipped_factory("fedavg", **{"robustness.adaptive_factor": 3.0})),
-        Rule("fedavg x6", sun, shipped_factory("fedavg", **{"robustness.adaptive_factor": 6.0})),
-        Rule("fedavg x20", sun, shipped_factory("fedavg", **{"robustness.adaptive_factor": 20.0})),
-        Rule("cc-trimmed tau x1", cc, candidate_factory(cc_trimmed(1.0))),
-        Rule("cc-trimmed tau x4, outer x6", cc, candidate_factory(cc_trimmed(4.0), outer=6.0)),
-        Rule("cc-momentum tau x2, beta 0", cc, candidate_factory(cc_momentum(2.0, 0.0))),
+        Rule("trimmed-mean (default)", yin, shipped_factory("trimmed-mean", sets)),
+        Rule("median", yin, shipped_factory("median", sets)),
+        Rule("fedavg x1.5", sun, shipped_factory("fedavg", sets)),
+        Rule("fedavg x3", sun, shipped_factory("fedavg", sets, **{"robustness.adaptive_factor": 3.0})),
+        Rule("fedavg x6", sun, shipped_factory("fedavg", sets, **{"robustness.adaptive_factor": 6.0})),
+        Rule("fedavg x20", sun, shipped_factory("fedavg", sets, **{"robustness.adaptive_factor": 20.0})),
+        Rule("cc-trimmed tau x1", cc, candidate_factory(cc_trimmed(1.0), sets)),
+        Rule("cc-trimmed tau x4, outer x6", cc, candidate_factory(cc_trimmed(4.0), sets, 6.0)),
+        Rule("cc-momentum tau x2, beta 0", cc, candidate_factory(cc_momentum(2.0, 0.0), sets)),
         Rule(
-            "cc-momentum tau x4, beta 0.9, outer x6", cc, candidate_factory(cc_momentum(4.0, 0.9), outer=6.0)
+            "cc-momentum tau x4, beta 0.9, outer x6", cc, candidate_factory(cc_momentum(4.0, 0.9), sets, 6.0)
         ),
-        Rule("support x1, w 1", "this bench", candidate_factory(support(1.0, 1.0, (D, K)))),
-        Rule("support unclipped, w 0.5", "this bench", candidate_factory(support(0.0, 0.5, (D, K)))),
-        Rule("support unclipped, w 1", "this bench", candidate_factory(support(0.0, 1.0, (D, K)))),
-        Rule("uncontested kappa 0.45, w 1", "this bench", candidate_factory(uncontested(0.45, 1.0, (D, K)))),
-        Rule("outlying ratio 3, w 1", "this bench", candidate_factory(outlying(3.0, 1.0, (D, K)))),
+        Rule("support x1, w 1", "this bench", candidate_factory(support(1.0, 1.0, (D, K)), sets)),
+        Rule("support unclipped, w 0.5", "this bench", candidate_factory(support(0.0, 0.5, (D, K)), sets)),
+        Rule("support unclipped, w 1", "this bench", candidate_factory(support(0.0, 1.0, (D, K)), sets)),
+        Rule(
+            "uncontested kappa 0.45, w 1",
+            "this bench",
+            candidate_factory(uncontested(0.45, 1.0, (D, K)), sets),
+        ),
+        Rule("outlying ratio 3, w 1", "this bench", candidate_factory(outlying(3.0, 1.0, (D, K)), sets)),
     ]
 
 
@@ -496,9 +506,9 @@ def new_class_run(
     }
 
 
-def poison_worst(make: Factory, seed: int) -> dict[str, Any]:
+def poison_worst(make: Factory, seed: int, sets: Mapping[str, object] | None = None) -> dict[str, Any]:
     """``bench.poison``'s clean run and every attack with the rule ``make`` builds; the worst loss."""
-    profile = poison.shipped_profile("trimmed-mean")  # the profile's rounds; the strategy is ``make``'s
+    profile = poison.shipped_profile("trimmed-mean", **(sets or {}))  # its rounds; the strategy is ``make``'s
     task = poison.poison_task(profile, seed)
     clean = poison.run_poisoned(task, profile, None, seed, make=make).accuracy
     loss = {
@@ -508,9 +518,11 @@ def poison_worst(make: Factory, seed: int) -> dict[str, Any]:
     return {"clean": round(clean, 3), "worst_loss": round(loss[worst], 3), "worst_attack": worst}
 
 
-def run_all(rules: Sequence[Rule], seeds: Sequence[int] = SEEDS) -> dict[str, Any]:
-    """Every rule on both goals; the JSON of ``--json``."""
-    profile = poison.shipped_profile("trimmed-mean")
+def run_all(
+    rules: Sequence[Rule], seeds: Sequence[int] = SEEDS, sets: Mapping[str, object] | None = None
+) -> dict[str, Any]:
+    """Every rule on both goals (the shipped profile changed by ``sets``); the JSON of ``--json``."""
+    profile = poison.shipped_profile("trimmed-mean", **(sets or {}))
     out = []
     for rule in rules:
         row: dict[str, Any] = {"rule": rule.name, "source": rule.source}
@@ -519,7 +531,7 @@ def run_all(rules: Sequence[Rule], seeds: Sequence[int] = SEEDS) -> dict[str, An
         row["rounds_to_learn"] = {s: new[s]["rounds_to_learn"] for s in seeds}
         row["accuracy_old"] = {s: new[s]["accuracy_old"] for s in seeds}
         row["curve"] = {s: new[s]["curve"] for s in seeds}
-        row["poison"] = {s: poison_worst(rule.make, s) for s in seeds}
+        row["poison"] = {s: poison_worst(rule.make, s, sets) for s in seeds}
         row["meets_both"] = all(row["accuracy_on_new"][s] >= GOAL_ACCURACY for s in seeds) and all(
             p["worst_loss"] <= POISON_GOAL for p in row["poison"].values()
         )
@@ -529,6 +541,7 @@ def run_all(rules: Sequence[Rule], seeds: Sequence[int] = SEEDS) -> dict[str, An
     settings = {
         "devices": N_DEVICES, "pre_rounds": PRE_ROUNDS, "post_rounds": POST_ROUNDS,
         "samples_per_round": PER_ROUND, "new_classes": list(NEW_CLASSES), "seeds": list(seeds),
+        "profile_changes": dict(sets or {}),
     }  # fmt: skip
     return {"goal": goal, "settings": settings, "rules": out}
 
@@ -548,17 +561,25 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bench.newclass [--json PATH] [--rule NAME ...] [--seed N ...]``: run, print, write."""
-    rules = {r.name: r for r in candidates()}
+    """``python -m bench.newclass [--json PATH] [--rule NAME ...] [--seed N ...] [--set KEY=VALUE ...]``."""
     p = argparse.ArgumentParser(prog="python -m bench.newclass", description=(__doc__ or "").split("\n")[0])
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the results as JSON")
-    p.add_argument("--rule", action="append", choices=list(rules), help="only these rules (repeatable)")
+    p.add_argument("--rule", action="append", help="only these rules, by name (repeatable)")
     p.add_argument("--seed", action="append", type=int, help="seeds (repeatable; default 0 and 1)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="change the shipped coordinator profile, e.g. rounds.lr=0.1 (repeatable)",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    sets = dict(item.partition("=")[::2] for item in args.set)
+    rules = {r.name: r for r in candidates(sets)}
+    unknown = [n for n in args.rule or [] if n not in rules]
+    if unknown:
+        p.error(f"--rule {unknown[0]!r}: choose one of {', '.join(rules)}")
     logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
     logging.getLogger("edgefl").setLevel(logging.WARNING)  # the device cores log every head applied
     chosen = [rules[n] for n in args.rule] if args.rule else list(rules.values())
-    doc = run_all(chosen, tuple(args.seed) if args.seed else SEEDS)
+    doc = run_all(chosen, tuple(args.seed) if args.seed else SEEDS, sets)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
