@@ -25,7 +25,7 @@ rounds after the introduction (the soak's figure); ``rounds_to_learn``: rounds u
 (the shipped ``coordinator.toml``, one attacker answering first: x1000, x -10, sign flip, 3e38,
 ALIE, Min-Max), seeds 0 and 1: the largest loss against the same rule's clean run.
 
-Candidates (:data:`CANDIDATES`), each after the shipped per-update norm bound
+Candidates (:func:`candidates`), each after the shipped per-update norm bound
 (``robustness.adaptive_factor`` x the fleet's history of median norms; ``outer`` in the table when a
 row changes that factor):
 
@@ -51,8 +51,9 @@ row changes that factor):
   median over devices of the column's norm (a novel class is one device doing far more in a column
   than the rest; after the norm bound, a scaled or flipped update is not).
 
-Run: ``.venv/bin/python -m bench.newclass --json out/newclass.json`` (~5 minutes on a shared 2-core
-host; ``--rule NAME`` repeatable). Writes ``{"goal": {...}, "settings": {...}, "rules": [{"rule",
+Run: ``.venv/bin/python -m bench.newclass --json out/newclass.json`` (~7 minutes on a shared 2-core
+host; ``--rule NAME`` and ``--seed N`` repeatable; ``--set KEY=VALUE`` changes the shipped profile
+for every rule, e.g. ``rounds.lr=0.1``). Writes ``{"goal": {...}, "settings": {...}, "rules": [{"rule",
 "source", "accuracy_on_new": {SEED: x}, "rounds_to_learn": {SEED: n|null}, "accuracy_old": {SEED:
 x}, "poison": {SEED: {"clean", "worst_loss", "worst_attack"}}, "meets_both": bool}]}`` and prints a
 markdown table (docs/benchmarks.md, "Soak").
