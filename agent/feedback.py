@@ -9,11 +9,11 @@ is what lets top-k keep 10 % of the coordinates without hurting accuracy.
 The residual lives in the device's state directory (``feedback_residual.npz``, with the round that
 left it), written with ``edgefl.records.atomic_write`` (temporary file, fsync, rename, fsync of the
 folder) so it survives a restart or a power cut; a residual for another head shape or another model
-is discarded. The daemon writes that file when idle: until then the outbox record that keeps the
-round's update carries a copy (one atomic write before the publish; ``edgefl.agent.core``), and a
-restart takes the copy when it is newer than the file. That copy is the compact form
-(:meth:`ErrorFeedback.carry_bytes`: a CBOR map of RFC 8746 typed arrays, ~10 us to make where the
-``.npz`` takes ~200 us, before every publish).
+is discarded. The device core writes that file after the update's PUBACK: until then the outbox
+record that keeps the round's update carries a copy (one atomic write before the publish;
+``edgefl.agent.round``), and a restart takes the copy when it is newer than the file. That copy is
+the compact form (:meth:`ErrorFeedback.carry_bytes`: a CBOR map of RFC 8746 typed arrays, ~10 us to
+make where the ``.npz`` takes ~200 us, before every publish).
 
 Source: Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory" (NeurIPS), Algorithm 1;
 Karimireddy et al. 2019 ("Error Feedback Fixes SignSGD").
@@ -140,16 +140,13 @@ class ErrorFeedback:
         )
 
     def save(self) -> None:
-        """Write the residual file atomically (after a :meth:`compress` with ``persist=False``).
+        """Write the residual file atomically (the device core does it after the update's PUBACK).
 
         Raises
         ------
         OSError
             If the state directory cannot be written.
         """
-        self._save()
-
-    def _save(self) -> None:
         atomic_write(self.path, self.to_bytes())
 
     def compensate(self, delta_W: F32, delta_b: F32) -> tuple[F32, F32]:
@@ -182,10 +179,9 @@ class ErrorFeedback:
         decoded_W: F32,
         decoded_b: F32,
         *,
-        persist: bool = True,
         round: int = -1,
     ) -> None:
-        """Keep what the wire dropped, ``corrected - decoded``, and save it atomically.
+        """Keep what the wire dropped, ``corrected - decoded`` (in memory: :meth:`save` writes it).
 
         Parameters
         ----------
@@ -197,21 +193,12 @@ class ErrorFeedback:
             What the coordinator decodes (``decompress_delta(compress_delta(corrected_W))``).
         decoded_b : float32 [K]
             Its bias part.
-        persist : bool
-            Write the file now (False: the caller persists :meth:`to_bytes` itself, then :meth:`save`).
         round : int
             The round this compression answers (:attr:`round`).
-
-        Raises
-        ------
-        OSError
-            If the state directory cannot be written.
         """
         self.residual_W = (corrected_W - decoded_W).astype(np.float32)
         self.residual_b = (corrected_b - decoded_b).astype(np.float32)
         self.round = round
-        if persist:
-            self._save()
 
     def reset(self) -> None:
         """Forget the residual (and delete its file)."""
@@ -228,7 +215,6 @@ class ErrorFeedback:
         *,
         topk_fraction: float = 0.1,
         seed: int | None = None,
-        persist: bool = True,
         round: int = -1,
     ) -> tuple[F32, F32, CompressedDelta]:
         """Compensate, compress once, record the new residual; return the wire form with it.
@@ -245,7 +231,7 @@ class ErrorFeedback:
             The round's top-k fraction.
         seed : int or None
             Seed of stochastic int8 rounding (None = deterministic rounding).
-        persist, round
+        round : int
             As :meth:`record`.
 
         Returns
@@ -262,38 +248,12 @@ class ErrorFeedback:
         ------
         ValueError
             As ``compress_head_delta`` (non-finite delta, bad fraction) or wrong shapes.
-        OSError
-            If the residual cannot be saved.
         """
         cW, cb = self.compensate(delta_W, delta_b)
         rng = np.random.default_rng(seed) if seed is not None else None
         packed = compress_head_delta(cW, cb, compression, topk_fraction=topk_fraction, rng=rng)
-        self.record(cW, cb, packed.decoded_W, packed.decoded_b, persist=persist, round=round)
+        self.record(cW, cb, packed.decoded_W, packed.decoded_b, round=round)
         return cW, cb, packed
-
-    def apply(
-        self,
-        delta_W: F32,
-        delta_b: F32,
-        compression: Compression,
-        *,
-        topk_fraction: float = 0.1,
-        seed: int | None = None,
-    ) -> tuple[F32, F32]:
-        """Compensate, compress, record the new residual; return the corrected deltas only.
-
-        For callers that encode the dense deltas themselves (``encode_update`` then compresses them
-        a second time, to the same bytes); :meth:`compress` hands the wire form on instead. With
-        stochastic int8 rounding, pass ``seed`` and encode with ``rng=np.random.default_rng(seed)``.
-
-        Parameters, Raises: as :meth:`compress`.
-
-        Returns
-        -------
-        (corrected_W, corrected_b) : float32 [D, K], [K], to be encoded into the Update.
-        """
-        cW, cb, _ = self.compress(delta_W, delta_b, compression, topk_fraction=topk_fraction, seed=seed)
-        return cW, cb
 
 
 _CARRY_HEAD = b"\xa4"  # a CBOR map of 4 pairs; an .npz (a zip file) starts with "PK"

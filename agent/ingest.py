@@ -27,7 +27,9 @@ interpreter, no thread (the daemon calls it from its event loop only).
   removal: ``agent/store.py``), counted in ``conflicts_stored``. Any later label for it is refused
   (``label_conflict``) too.
 
-Memory: ``queue_max`` raw samples + ``pending_max`` × D float32 + 2 × :data:`RECENT_IDS` ids.
+Memory: ``queue_max`` raw samples + ``pending_max`` × D float32 + the two id tables, allocated once at
+their full size (:class:`IdTable`: 8 + 10 bytes an entry, 72 KiB at :data:`RECENT_IDS`): a device fed
+for months holds as much after the first sample as after the millionth.
 """
 
 from __future__ import annotations
@@ -41,10 +43,10 @@ import numpy as np
 
 from edgefl.errors import UpdateRejected
 from edgefl.types import F32, I64
-from edgefl.wire.messages import Label, Sample
+from edgefl.wire.ingest import Label, Sample
 from edgefl.wire.reasons import Reason
 
-__all__ = ["DISPUTED", "LOGGED_REFUSALS", "RECENT_IDS", "Ingest", "IngestCounters", "Queued"]
+__all__ = ["DISPUTED", "LOGGED_REFUSALS", "RECENT_IDS", "IdTable", "Ingest", "IngestCounters", "Queued"]
 
 RECENT_IDS = 4096
 """How many of the latest sample ids (and labelled ids) are remembered (``duplicate``, ``label_conflict``)."""
@@ -54,6 +56,80 @@ LOGGED_REFUSALS = 20
 
 DISPUTED = -1
 """The remembered label of a sample that got two different labels (never a valid class)."""
+
+
+class IdTable:
+    """The latest ``capacity`` ids, optionally each with a small value and a time, in fixed arrays.
+
+    A ring: storing an id overwrites the oldest entry once full. An id is kept as its 64-bit hash
+    (Python's ``hash`` of the string: SipHash, keyed per process), so an entry costs 8 bytes (18 with
+    a value and a time) and nothing is allocated per id: the table's memory is fixed from the start.
+    Two different ids are mistaken for one another with a probability of about ``capacity / 2**64``
+    per lookup.
+
+    Parameters
+    ----------
+    capacity : int
+        Entries kept (>= 1).
+    values : bool
+        Keep an int16 value and a float64 time per entry (:meth:`get`); False: membership only.
+
+    Raises
+    ------
+    ValueError
+        If ``capacity`` < 1.
+    """
+
+    def __init__(self, capacity: int, *, values: bool = True) -> None:
+        if capacity < 1:
+            raise ValueError(f"IdTable: capacity {capacity} must be >= 1")
+        self._hash = np.zeros(capacity, dtype=np.int64)  # 0: an empty slot
+        self._value = np.zeros(capacity if values else 0, dtype=np.int16)
+        self._since = np.zeros(capacity if values else 0, dtype=np.float64)
+        self._next = 0
+
+    @staticmethod
+    def _key(item: str) -> int:
+        h = hash(item)
+        return h if h != 0 else 1
+
+    def _find(self, item: str) -> int:
+        """The slot holding ``item``, or -1."""
+        found = np.flatnonzero(self._hash == self._key(item))
+        return int(found[-1]) if len(found) else -1
+
+    def __contains__(self, item: str) -> bool:
+        return self._find(item) >= 0
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self._hash))
+
+    def add(self, item: str, value: int = 0, since: float = 0.0) -> None:
+        """Store ``item`` (with ``value`` and ``since``) as the newest entry, dropping an older one of it."""
+        old = self._find(item)
+        if old >= 0:
+            self._hash[old] = 0
+        i = self._next
+        self._hash[i] = self._key(item)
+        if len(self._value):
+            self._value[i] = value
+            self._since[i] = since
+        self._next = (i + 1) % len(self._hash)
+
+    def get(self, item: str) -> tuple[int, float] | None:
+        """``(value, since)`` of ``item``, or None when it is not held."""
+        i = self._find(item)
+        return None if i < 0 else (int(self._value[i]), float(self._since[i]))
+
+    def set_value(self, item: str, value: int) -> None:
+        """Change the value of a held ``item`` in place (its age unchanged); nothing if it is not held."""
+        i = self._find(item)
+        if i >= 0:
+            self._value[i] = value
+
+    def forget_until(self, limit: float) -> None:
+        """Drop every entry whose time is ``<= limit``."""
+        self._hash[(self._since <= limit) & (self._hash != 0)] = 0
 
 
 @dataclass(slots=True)
@@ -145,9 +221,9 @@ class Ingest:
         self._labelled: list[tuple[str, F32, int, int]] = []  # id, embedding [D], label, predicted
         # taken for classification, not settled yet: id -> [inline label, label that came meanwhile]
         self._inflight: dict[str, list[int | None]] = {}
-        self._recent: OrderedDict[str, None] = OrderedDict()
+        self._recent = IdTable(RECENT_IDS, values=False)
         # labelled lately: id -> (label, since); label DISPUTED once a conflicting one came
-        self._answered: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self._answered = IdTable(RECENT_IDS)
         # queued or in-flight samples whose label was disputed: classified, never stored nor parked
         self._disputed: set[str] = set()
 
@@ -185,9 +261,7 @@ class Ingest:
         """
         if sample.id in self._recent:
             raise UpdateRejected(Reason.DUPLICATE, f"sample {sample.id} already received")
-        self._recent[sample.id] = None
-        if len(self._recent) > RECENT_IDS:
-            self._recent.popitem(last=False)
+        self._recent.add(sample.id)
         dropped = None
         if len(self._queue) >= self.queue_max:
             _, dropped = self._queue.popitem(last=False)
@@ -202,15 +276,12 @@ class Ingest:
 
     def _answer(self, sample_id: str, label: int) -> None:
         """Remember that ``sample_id`` was labelled ``label`` now (bounded: the oldest id goes first)."""
-        self._answered.pop(sample_id, None)
-        self._answered[sample_id] = (label, self.clock())
-        if len(self._answered) > RECENT_IDS:
-            self._answered.popitem(last=False)
+        self._answered.add(sample_id, label, self.clock())
 
     def _dispute(self, sample_id: str) -> bool:
         """Drop a disputed sample's label wherever it is not stored yet; return whether it was stored."""
         self.counters.label_conflicts += 1
-        self._answered[sample_id] = (DISPUTED, self._answered[sample_id][1])
+        self._answered.set_value(sample_id, DISPUTED)
         queued = self._queue.get(sample_id)
         slot = self._inflight.get(sample_id)
         if queued is not None:
@@ -360,6 +431,5 @@ class Ingest:
             self._pending.popitem(last=False)
             n += 1
         self.counters.pending_expired += n
-        while self._answered and next(iter(self._answered.values()))[1] <= limit:
-            self._answered.popitem(last=False)
+        self._answered.forget_until(limit)
         return n

@@ -635,13 +635,14 @@ def wire_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 
 
 
 def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 0.1) -> int:
-    """Bytes ``edgefl.wire.messages.encode_update`` may add to RSS.
+    """Bytes ``edgefl.wire.rounds.encode_update`` may add to RSS.
 
     The dense delta's float32 temporaries (finite check, clip or scale, absolute values), the int64
-    partition of top-k and the code pages its first call touches (partition, packbits, the Rice
-    coder's cumsum: ~1 MiB of RSS in a fresh process for 67 KiB of tracemalloc peak at D=512, K=10),
-    and the payload three times (typed-array bytes, the CBOR buffer and the returned ``bytes``), and
-    for the int8 layouts zlib's deflate state (256 KiB) and the int8 levels once more.
+    partition of top-k and the code pages its first call touches (partition, packbits: ~1 MiB of
+    RSS in a fresh process for 67 KiB of tracemalloc peak at D=512, K=10), the payload three times
+    (typed-array bytes, the CBOR buffer and the returned ``bytes``), and for the int8 and top-k
+    layouts zlib's deflate state (256 KiB: int8 levels and top-k masks are deflated) and for int8
+    the levels once more.
 
     Parameters
     ----------
@@ -659,8 +660,8 @@ def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fractio
     n = dim * classes + classes
     sparse = compression.startswith("topk")
     temps = n * 4 * 2 + (n * 8 * 2 + _TOPK_CODE_BYTES if sparse else 0)
-    if "int8" in compression:
-        temps += _DEFLATE_STATE_BYTES + n
+    if "int8" in compression or sparse:
+        temps += _DEFLATE_STATE_BYTES + (n if "int8" in compression else 0)
     return temps + 3 * wire_bytes(dim, classes, compression, topk_fraction) + _FIXED_BYTES
 
 

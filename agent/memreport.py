@@ -212,9 +212,11 @@ def run_round(
     -------
     RoundReport
     """
-    from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
+    from edgefl.agent.core import ApplyStatus, DeviceCore
+    from edgefl.agent.round import RoundStatus
     from edgefl.wire.compression import Compression
-    from edgefl.wire.messages import GlobalModel, RoundAnnouncement, encode_global_model, encode_round
+    from edgefl.wire.global_model import GlobalModel, encode_global_model
+    from edgefl.wire.rounds import RoundAnnouncement, encode_round
 
     gov = governor or memory.Governor(
         profile.cap_bytes,
@@ -290,7 +292,7 @@ def run_round(
                 False,
                 f"inference not run: {exc}",
             )
-        core.flush()
+        core.flush_store()
 
         # the coordinator's side (announce, aggregate, encode the global head) is not the device's memory
         round_no = core.answered.round + 1 if core.answered is not None else 1

@@ -23,7 +23,7 @@ import cbor2
 
 from edgefl.records import RecordSlot
 from edgefl.wire.cbor import strict_loads
-from edgefl.wire.messages import UPDATE_ID_RE
+from edgefl.wire.rounds import UPDATE_ID_RE
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ _PSEUDO_FS: Final = (Path("/proc"), Path("/sys"), Path("/dev"))
 def store_bytes(capacity: int, dim: int, holdout_every: int = 0) -> int:
     """Bytes of the embedding store's files (float16 embeddings [capacity, dim], int16 labels, row records).
 
-    Plus the holdout store's when ``holdout_every`` > 0 (:func:`edgefl.agent.core.holdout_capacity`).
+    Plus the holdout store's when ``holdout_every`` > 0 (:func:`edgefl.agent.personal.holdout_capacity`).
     """
     extra = max(16, capacity // holdout_every) if holdout_every else 0
     return (capacity + extra) * (2 * dim + 2 + 16)  # + the row record (seq, CRC-32): 2 x uint64

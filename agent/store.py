@@ -193,6 +193,8 @@ class EmbeddingStore:
         """Samples stored since the last :meth:`flush` (not yet durable against a power cut)."""
         self.unflushed_since: float | None = None
         """``time.monotonic()`` of the oldest unflushed sample's store (None when all are flushed)."""
+        self.mark: int | None = None
+        """:attr:`total` when :meth:`set_mark` was last called (persisted by :meth:`flush`); None: never."""
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
         self.capacity = capacity
@@ -230,6 +232,9 @@ class EmbeddingStore:
                 self._adopt_legacy(meta)
             elif mode == "r+":
                 self._recover(meta)
+                mark = meta.get("mark") if meta is not None else None
+                # a mark ahead of what was recovered (samples lost): what comes from here on is new
+                self.mark = min(mark, self._total) if type(mark) is int and mark >= 0 else None
         except StoreCorrupt as exc:
             self._count = self._head = self._total = 0
             self._unmap()
@@ -468,6 +473,25 @@ class EmbeddingStore:
         return self._count
 
     @property
+    def total(self) -> int:
+        """Samples ever stored in this store (the next sample's ``seq``), kept across restarts."""
+        return self._total
+
+    @property
+    def since_mark(self) -> int:
+        """Samples held now that were stored after the last :meth:`set_mark` (all of them without a mark).
+
+        A mark found ahead of the samples recovered at open (those after it lost) is moved back to them.
+        """
+        if self.mark is None:
+            return self._count
+        return max(0, min(self._count, self._total - self.mark))
+
+    def set_mark(self) -> None:
+        """Remember :attr:`total` as the mark (what a round trained on); the next :meth:`flush` keeps it."""
+        self.mark = self._total
+
+    @property
     def resident_rows(self) -> int:
         """Stored slots this process has written or read through the maps since it opened them.
 
@@ -609,7 +633,8 @@ class EmbeddingStore:
         """Write the maps back (``msync``), then the metadata as a checksummed record.
 
         Afterwards every stored sample survives a power cut. The record's payload is the JSON map
-        ``{"v": 2, "capacity", "dim", "count", "head", "total"}``; it is written atomically after
+        ``{"v": 2, "capacity", "dim", "count", "head", "total"}`` and ``"mark"`` once :meth:`set_mark`
+        set one (readers of the layout ignore keys they do not know); it is written atomically after
         the maps (``edgefl.records``), so it never vouches for a sample whose pages are not on disk.
 
         Raises
@@ -629,6 +654,8 @@ class EmbeddingStore:
             "head": self._head,
             "total": self._total,
         }
+        if self.mark is not None:
+            meta["mark"] = self.mark
         write_record(self._meta_path, json.dumps(meta).encode())
         self.unflushed, self.unflushed_since = 0, None
         with contextlib.suppress(FileNotFoundError):

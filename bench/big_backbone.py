@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from edgefl.agent.memory import rss_bytes
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.launcher import launch_agent, stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
@@ -127,17 +127,17 @@ def run_try(
         pump = asyncio.create_task(coord.pump())
         try:
             await coord.start()
-            await coord.wait_for_devices(1, timeout_s=120)
+            await coord.registry.wait_for_devices(1, timeout_s=120)
             records = [await coord.run_round(r, selected=("dev-1",)) for r in range(1, rounds + 1)]
             # the status that follows the last round's global head (applied) or decline
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
-                st = coord.state.devices.get("dev-1", {})
+                st = coord.registry.devices.get("dev-1", {})
                 done = st.get("round") == rounds and st.get("state") in ("waiting", "idle")
                 if done and st.get("version") == coord.state.version:
                     break
                 await asyncio.sleep(0.1)
-            return records, dict(coord.state.devices["dev-1"]), dict(coord.state.declined)
+            return records, dict(coord.registry.devices["dev-1"]), dict(coord.state.declined)
         finally:
             pump.cancel()
             await t.stop()

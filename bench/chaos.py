@@ -48,14 +48,16 @@ from typing import Any
 
 import numpy as np
 
-from edgefl.agent.core import OUTBOX_FILE
 from edgefl.agent.outbox import Outbox
+from edgefl.agent.state import OUTBOX_FILE
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.launcher import free_port
 from edgefl.records import RecordError, decode_record, read_record
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import decode_global_model, decode_round, decode_status
+from edgefl.wire.global_model import decode_global_model
+from edgefl.wire.rounds import decode_round
+from edgefl.wire.status import decode_status
 from tests.support.broker import Broker, restart_mosquitto, start_mosquitto, stop_broker
 
 ROOT = Path(__file__).resolve().parent.parent

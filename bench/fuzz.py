@@ -40,22 +40,18 @@ from edgefl.errors import DecodeError
 from edgefl.records import RecordError, decode_record, encode_record
 from edgefl.wire.chunking import Reassembler, decode_chunk, split_message
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import (
-    DeviceStatus,
-    GlobalModel,
+from edgefl.wire.global_model import GlobalModel, decode_global_model, encode_global_model
+from edgefl.wire.rounds import (
     RoundAnnouncement,
     Update,
     UpdateMetrics,
-    decode_global_model,
     decode_round,
-    decode_status,
     decode_update,
-    encode_global_model,
     encode_round,
-    encode_status,
     encode_update,
 )
 from edgefl.wire.signing import SigningKey, sign_message, verify_payload
+from edgefl.wire.status import DeviceStatus, decode_status, encode_status
 
 SHAPE = (16, 4)
 KEY = SigningKey(bytes(range(32)))
@@ -100,8 +96,8 @@ def seeds() -> list[bytes]:
     out.append(sign_message(encode_update, u, KEY, fleet="f"))
     out.extend(split_message(out[0], "edgefl/f/global", 200, msg_id="g-2"))
     out.append(encode_record(out[2], 5))
-    # Rice-coded top-k positions: k = 0 at the expected shape (4 kept, clustered at the start, so
-    # the unary stream is 1 byte), and k > 0 with a remainder stream on a larger head
+    # deflated top-k masks: 4 kept, clustered at the start (a few bytes of deflate), and a larger
+    # head whose int8 levels and mask both travel deflated
     clustered = np.zeros(SHAPE, np.float32)
     clustered.flat[:4] = [4.0, -3.0, 2.0, 1.5]
     metrics = UpdateMetrics(0.5, 0.9, 0.01, 1000)

@@ -25,7 +25,7 @@ from typing import Any
 from edgefl.launcher import free_port, launch_agent, stop_agents
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import decode_status
+from edgefl.wire.status import decode_status
 from tests.support.broker import start_mosquitto
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -38,7 +38,7 @@ from edgefl.resources import shipped
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.validators import parse_broker_url
-from edgefl.wire.messages import decode_status
+from edgefl.wire.status import decode_status
 
 PROFILE = shipped("firmware_configs/dev_x86.toml")
 

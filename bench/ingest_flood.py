@@ -30,7 +30,8 @@ from edgefl.launcher import launch_agent, stop_agents
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.validators import parse_broker_url
-from edgefl.wire.messages import Label, decode_status, encode_label
+from edgefl.wire.ingest import Label, encode_label
+from edgefl.wire.status import decode_status
 
 
 async def flood(url: str, fleet: str, device: str, n: int, in_flight: int = 20) -> dict[str, Any]:

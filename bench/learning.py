@@ -6,7 +6,7 @@ round's RoundAnnouncement given as bytes to ``receive_round`` (local epochs, err
 compressed update, encoding, the outbox and the answered-round record: the Update bytes are counted
 exactly) and every new global head as GlobalModel bytes to ``receive_global`` (decode, validate,
 apply, persist). The coordinator decodes every payload with ``decode_update`` and aggregates with the
-``edgefl.coordinator.strategy`` classes, so what is measured is what the service would do, minus the
+``edgefl.coordinator`` strategies, so what is measured is what the service would do, minus the
 network. Device state lives on ``/dev/shm`` where it exists (fsync latency is not measured here).
 
 Datasets: digits (embeddings of the shipped int8 digits CNN, ``models/digits_cnn_int8.tflite``, the
@@ -40,24 +40,19 @@ from bench.vowels import N_CLASSES as VOWEL_CLASSES
 from bench.vowels import load_vowels
 from edgefl.agent import memory
 from edgefl.agent.config import Profile, load_profile
-from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
+from edgefl.agent.core import ApplyStatus, DeviceCore
+from edgefl.agent.round import RoundStatus
 from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.fedbuff import FedBuff
 from edgefl.coordinator.privacy import DPFedAvg
-from edgefl.coordinator.strategy import Offer, Strategy, aggregate_checked, make_strategy
+from edgefl.coordinator.strategies import make_strategy
+from edgefl.coordinator.strategy import Offer, Strategy, aggregate_checked
 from edgefl.datasets import dirichlet_partition, load_digits, split_digits
 from edgefl.head import Head
 from edgefl.types import F32, I64
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import (
-    GlobalModel,
-    HeadLayout,
-    RoundAnnouncement,
-    Update,
-    decode_update,
-    encode_global_model,
-    encode_round,
-)
+from edgefl.wire.global_model import GlobalModel, HeadLayout, encode_global_model
+from edgefl.wire.rounds import RoundAnnouncement, Update, decode_update, encode_round
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -170,8 +170,10 @@ def child_leak(model: str, rounds: int) -> dict[str, Any]:
     import numpy as np
 
     from edgefl.agent import memory
-    from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
-    from edgefl.wire.messages import GlobalModel, RoundAnnouncement, encode_global_model, encode_round
+    from edgefl.agent.core import ApplyStatus, DeviceCore
+    from edgefl.agent.round import RoundStatus
+    from edgefl.wire.global_model import GlobalModel, encode_global_model
+    from edgefl.wire.rounds import RoundAnnouncement, encode_round
 
     profile = _profile(model, cap_mb=1024, extra={"device.id": "leak"})
     state = Path(tempfile.mkdtemp(prefix="edgefl-leak-"))
@@ -201,7 +203,7 @@ def child_leak(model: str, rounds: int) -> dict[str, Any]:
         if core.receive_global(gm_bytes).status != ApplyStatus.APPLIED:
             raise RuntimeError(f"round {r}: global head not applied")
         del gm_bytes
-        core.flush()
+        core.flush_store()
         memory.malloc_trim()
         if r in (1, 10, 50, 100, 200, 300, 400, 500) or r == rounds:
             rss[r] = memory.rss_bytes()

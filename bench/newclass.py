@@ -78,21 +78,18 @@ from bench import poison
 from bench.learning import STATE_ROOT, digits_embeddings
 from edgefl.agent import memory
 from edgefl.agent.config import load_profile
-from edgefl.agent.core import DeviceCore, RoundStatus
+from edgefl.agent.core import DeviceCore
+from edgefl.agent.round import RoundStatus
 from edgefl.coordinator.profile import CoordinatorProfile
+from edgefl.coordinator.robust import trimmed_mean
 from edgefl.coordinator.runner import build_strategy
-from edgefl.coordinator.strategy import Offer, Strategy, aggregate_checked, trimmed_mean
+from edgefl.coordinator.strategy import Offer, Strategy, aggregate_checked
 from edgefl.datasets import partition_non_iid, split_digits
 from edgefl.head import Head
 from edgefl.types import F32
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import (
-    GlobalModel,
-    RoundAnnouncement,
-    decode_update,
-    encode_global_model,
-    encode_round,
-)
+from edgefl.wire.global_model import GlobalModel, encode_global_model
+from edgefl.wire.rounds import RoundAnnouncement, decode_update, encode_round
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE_PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"

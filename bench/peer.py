@@ -66,17 +66,18 @@ import numpy as np
 
 from bench.round_overhead import mosquitto
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import make_strategy
+from edgefl.coordinator.strategies import make_strategy
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy, embed_all
 from edgefl.launcher import MALLOC_ENV as DEMO_MALLOC_ENV
 from edgefl.launcher import free_port, launch_agent, stop_agents
+from edgefl.mqtt_link import quickack
 from edgefl.resources import shipped
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
-from edgefl.transport import MqttTransport, quickack
+from edgefl.transport import MqttTransport
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import HeadLayout
+from edgefl.wire.global_model import HeadLayout
 
 ROUNDS = 5
 EPOCHS, LR, BATCH = 1, 0.05, 32
@@ -426,7 +427,7 @@ async def _edgefl_rounds(
     marks: dict[str, dict[int, float]] = {label: {} for label in (*cpu, "coordinator")}
     try:
         await coord.start()
-        await coord.wait_for_devices(2, timeout_s=180)
+        await coord.registry.wait_for_devices(2, timeout_s=180)
         # start-up statuses (ready; the coordinator's own retained head counted as a redelivery) are
         # not round traffic: left to arrive before round 1's window opens (they landed in it in some runs)
         await asyncio.sleep(1.0)

@@ -5,7 +5,7 @@ with the set's LiteRT backbone ``models/natural/natural_*_float32.tflite``): its
 ``observe`` (LiteRT embedding, store and holdout), every round's announcement through
 ``receive_round`` (local training, encoding, outbox) and every global head through
 ``receive_global``; the personal step is ``DeviceCore.personalise``. The coordinator's side is the
-shipped FedAvg strategy (``edgefl.coordinator.strategy``) over the decoded updates. Two runs per
+shipped FedAvg strategy (``edgefl.coordinator.fedavg``) over the decoded updates. Two runs per
 setting on the same seed: personal heads off (FedAvg: what every device predicts with is the
 global head) and on (what serves the device's predictions: its personal head, or the global head
 while the personal one is behind on the holdout). Their Update bytes are compared round by round.
@@ -50,19 +50,15 @@ import numpy as np
 from bench.natural_clients import NaturalSet, load_natural
 from edgefl.agent import memory
 from edgefl.agent.config import Profile, load_profile
-from edgefl.agent.core import ApplyStatus, DeviceCore, RoundStatus
+from edgefl.agent.core import ApplyStatus, DeviceCore
+from edgefl.agent.round import RoundStatus
 from edgefl.agent.trainer import fit_head
-from edgefl.coordinator.strategy import FedAvg, Offer, aggregate_checked
+from edgefl.coordinator.fedavg import FedAvg
+from edgefl.coordinator.strategy import Offer, aggregate_checked
 from edgefl.types import F32, I64
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import (
-    GlobalModel,
-    RoundAnnouncement,
-    decode_update,
-    encode_global_model,
-    encode_round,
-    encode_update,
-)
+from edgefl.wire.global_model import GlobalModel, encode_global_model
+from edgefl.wire.rounds import RoundAnnouncement, decode_update, encode_round, encode_update
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"
@@ -244,7 +240,7 @@ def run_federated(
                 head_bytes = core.personal.W.nbytes + core.personal.b.nbytes
                 out.extra_ram_bytes = max(out.extra_ram_bytes, 2 * head_bytes)
         for core in cores:
-            core.flush()
+            core.flush_store()
     return out
 
 

@@ -50,7 +50,8 @@ from bench.learning import STATE_ROOT, Task, client_update, deliver, digits_embe
 from edgefl.coordinator.profile import CoordinatorProfile, load_coordinator_profile
 from edgefl.coordinator.rounds import Round
 from edgefl.coordinator.runner import build_strategy
-from edgefl.coordinator.strategy import DEFAULT_STRATEGY, Offer, Strategy, aggregate_checked
+from edgefl.coordinator.strategies import DEFAULT_STRATEGY
+from edgefl.coordinator.strategy import Offer, Strategy, aggregate_checked
 from edgefl.datasets import partition_non_iid, split_digits
 from edgefl.errors import UpdateRejected
 from edgefl.resources import shipped

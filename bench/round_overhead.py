@@ -33,11 +33,12 @@ from typing import Any
 import numpy as np
 import paho.mqtt.client as mqtt
 
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
+from edgefl.mqtt_link import Message
 from edgefl.topics import Topics
-from edgefl.transport import Message, MqttTransport
-from edgefl.wire.messages import Update, UpdateMetrics, decode_round, encode_update
+from edgefl.transport import MqttTransport
+from edgefl.wire.rounds import Update, UpdateMetrics, decode_round, encode_update
 from tests.support.broker import start_mosquitto, stop_broker
 
 D, K = 1280, 10

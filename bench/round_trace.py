@@ -123,10 +123,10 @@ def _probe_hops() -> None:
 
 def _maybe_no_quickack() -> None:
     """``BENCH_NO_QUICKACK=1`` (``--no-quickack``): this process leaves delayed ACKs on, as before."""
-    import edgefl.transport as transport
+    import edgefl.mqtt_link as link
 
     if os.environ.get("BENCH_NO_QUICKACK"):
-        transport.TCP_QUICKACK = None
+        link.TCP_QUICKACK = None
 
 
 def _probe_gc() -> None:
@@ -149,11 +149,13 @@ def install_agent_probes() -> None:
     """Timing wrappers in an agent process (see the module docstring)."""
     _maybe_no_quickack()
     _probe_gc()
+    import edgefl.agent.control as control
     import edgefl.agent.core as core
-    import edgefl.agent.daemon as daemon
     import edgefl.agent.feedback as feedback
     import edgefl.agent.memory as memory
     import edgefl.agent.outbox as outbox
+    import edgefl.agent.reporter as reporter
+    import edgefl.agent.round as round_
     import edgefl.records as records
     import edgefl.transport as transport
 
@@ -168,14 +170,9 @@ def install_agent_probes() -> None:
         "acknowledged",
     ):
         _wrap(core.DeviceCore, attr, attr)
-    for attr in (
-        "train_local",
-        "sign_message",
-        "decode_round",
-        "decode_global_model",
-        "encode_global_model",
-        "encode_update",
-    ):
+    for attr in ("train_local", "sign_message", "decode_round", "encode_update"):
+        _wrap(round_, attr, attr)
+    for attr in ("decode_global_model", "encode_global_model"):
         _wrap(core, attr, attr)
     _wrap(core.DeviceCore, "_verified", "verify")
     _wrap(memory.Governor, "admit", "governor.admit")
@@ -183,9 +180,9 @@ def install_agent_probes() -> None:
     _wrap(feedback.ErrorFeedback, "compress", "feedback.compress")
     _wrap(outbox.Outbox, "_save", "outbox.save")
     _wrap(memory, "malloc_trim", "malloc_trim")
-    _wrap(daemon.Agent, "handle", "handle", lambda self, msg: _topic_kind(msg.topic))
-    _wrap(daemon.Agent, "_send_update", "send_update")
-    _wrap(daemon.Agent, "_status_tick", "status_tick")
+    _wrap(control.RoundTask, "handle", "handle", lambda self, msg: _topic_kind(msg.topic))
+    _wrap(control.RoundTask, "_send_update", "send_update")
+    _wrap(reporter.StatusReporter, "_status_tick", "status_tick")
     _wrap(
         transport.MqttTransport,
         "publish",
@@ -204,7 +201,7 @@ def install_agent_probes() -> None:
         "on_loop:puback",
     )
     _probe_hops()
-    orig_work = daemon.Agent._work
+    orig_work = reporter.StatusReporter._work
 
     async def work(self: Any, fn: Callable[..., Any], *args: Any) -> Any:
         name = getattr(fn, "__name__", "?")
@@ -222,7 +219,7 @@ def install_agent_probes() -> None:
             _rec("work:queued", name, t_sub, started[0] if started else t_end)
             _rec("work", name, t_sub, t_end)
 
-    daemon.Agent._work = work  # type: ignore[method-assign]
+    reporter.StatusReporter._work = work  # type: ignore[method-assign]
 
 
 def _dump(path: str) -> None:
@@ -250,7 +247,7 @@ def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) 
     from edgefl.coordinator.rounds import Round
     from edgefl.launcher import stop_agents
     from edgefl.wire.compression import Compression
-    from edgefl.wire.messages import HeadLayout
+    from edgefl.wire.global_model import HeadLayout
 
     job = peer.make_job(work)
     v = peer.Variant("int8", Compression.INT8, HeadLayout.INT8, nodelay, False)

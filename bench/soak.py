@@ -75,14 +75,10 @@ from edgefl.profiles import read_toml
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import (
-    Sample,
-    decode_global_model,
-    decode_round,
-    decode_status,
-    encode_sample,
-    resolve_global_head,
-)
+from edgefl.wire.global_model import decode_global_model, resolve_global_head
+from edgefl.wire.ingest import Sample, encode_sample
+from edgefl.wire.rounds import decode_round
+from edgefl.wire.status import decode_status
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE_PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"

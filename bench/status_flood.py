@@ -32,7 +32,7 @@ from edgefl.profiles import sha256_file
 from edgefl.resources import shipped
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import DeviceStatus, encode_status
+from edgefl.wire.status import DeviceStatus, encode_status
 from tests.support.broker import start_mosquitto, stop_broker
 
 MIB = 1 << 20

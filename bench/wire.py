@@ -25,7 +25,8 @@ from collections.abc import Callable
 import numpy as np
 
 from edgefl.wire.compression import Compression, compress_head_delta
-from edgefl.wire.messages import GlobalModel, Update, UpdateMetrics, encode_global_model, encode_update
+from edgefl.wire.global_model import GlobalModel, encode_global_model
+from edgefl.wire.rounds import Update, UpdateMetrics, encode_update
 from edgefl.wire.signing import SigningKey, sign_message, verify_payload
 from tests.support.wire import compressed_roundtrip
 

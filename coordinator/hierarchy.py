@@ -5,7 +5,7 @@ the root's RoundAnnouncement (retained, bridged down), verifies and decodes its 
 exactly as a flat coordinator does (the same handlers, the same strategy with its norm bound), and at
 ``deadline - close_margin_s`` (or when its expected devices answered) exports the strategy's
 accumulator (``Strategy.site_sums``: float64 weighted sums, or the site's robust estimate) as one
-signed :class:`~edgefl.wire.messages.Partial` on ``partial/<site>`` (QoS 1, not retained), which the
+signed :class:`~edgefl.wire.partial.Partial` on ``partial/<site>`` (QoS 1, not retained), which the
 bridge carries up and stores while the uplink is down. Its round is persisted (atomic, checksummed
 record) after each batch of received updates and before the partial is sent, so a restarted site
 resumes the round where it was, and re-sends a partial it had not seen acknowledged under the same
@@ -39,23 +39,18 @@ import cbor2
 import numpy as np
 
 from edgefl.aio import wait_event
+from edgefl.coordinator.registry import LOGGED_REFUSALS, shorten
 from edgefl.coordinator.rounds import Round, RoundPhase
-from edgefl.coordinator.service import ADOPT_WAIT_S, LOGGED_REFUSALS, Coordinator, shorten
+from edgefl.coordinator.service import ADOPT_WAIT_S, Coordinator
 from edgefl.coordinator.strategy import SiteSums
 from edgefl.errors import DecodeError, UpdateRejected
+from edgefl.mqtt_link import Message
 from edgefl.records import read_record, write_record
-from edgefl.transport import Message
 from edgefl.wire.cbor import MessageType
 from edgefl.wire.chunking import Reassembler, is_chunk, split_message
-from edgefl.wire.messages import (
-    MAX_PARTIAL_UPDATES,
-    Partial,
-    RoundAnnouncement,
-    decode_global_model,
-    decode_partial,
-    decode_round,
-    encode_partial,
-)
+from edgefl.wire.global_model import decode_global_model
+from edgefl.wire.partial import MAX_PARTIAL_UPDATES, Partial, decode_partial, encode_partial
+from edgefl.wire.rounds import RoundAnnouncement, decode_round
 from edgefl.wire.signing import VerifyKey, sign_message, verify_payload
 
 logger = logging.getLogger(__name__)
@@ -425,7 +420,8 @@ class SiteAggregator(Coordinator):
         elapsed = time.time() - self._opened_unix
         deadline_s = max(0.0, ann.deadline_s - self.close_margin_s - elapsed)
         selected = frozenset(ann.selected) if isinstance(ann.selected, tuple) else None
-        online = [d for d in self.online_devices() if selected is None or d in selected]  # asked, and here
+        # asked, and here
+        online = [d for d in self.registry.online_devices() if selected is None or d in selected]
         expected = self.expected_devices or len(online) or MAX_PARTIAL_UPDATES
         rnd = Round(ann.round, ann.base_version, self.shape, deadline_s, expected, selected)
         rnd.opened_at = time.monotonic()

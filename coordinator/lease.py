@@ -40,7 +40,8 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 
 from edgefl.errors import DecodeError, EdgeflError, TransportError
-from edgefl.transport import Message, MqttTransport, Will
+from edgefl.mqtt_link import Message
+from edgefl.transport import MqttTransport, Will
 from edgefl.wire.presence import Presence, decode_presence, encode_presence
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,8 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from edgefl.coordinator.strategy import FedAvg, Offer, RoundConfig, RoundReport, SiteSums, Strategy
+from edgefl.coordinator.fedavg import FedAvg
+from edgefl.coordinator.strategy import Offer, RoundConfig, RoundReport, SiteSums, Strategy
 from edgefl.types import F32
 
 

@@ -22,7 +22,7 @@ from enum import StrEnum
 from typing import Any
 
 from edgefl.errors import UpdateRejected
-from edgefl.wire.messages import Update
+from edgefl.wire.rounds import Update
 
 
 class RoundPhase(StrEnum):

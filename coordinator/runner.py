@@ -1,29 +1,22 @@
-"""``edgefl coordinator [PROFILE] [--set key=value ...]``: the coordinator as a long-running service.
+"""The coordinator service's run: connect, take the fleet's lease, resume, run rounds until done or stopped.
 
-Its settings come from a coordinator profile (:mod:`edgefl.coordinator.profile`; the shipped example
-is ``firmware_configs/coordinator.toml``); flags are overrides on top of it. It locks its state file
-and checks the fleet's lease on the broker (:mod:`edgefl.coordinator.lease`) before it writes or
+:func:`run` runs what a coordinator profile describes (the command line is :mod:`edgefl.coordinator.command`).
+It checks the fleet's lease on the broker (:mod:`edgefl.coordinator.lease`) before it writes or
 publishes anything, connects as the profile says (``mqtts://`` always verifies the broker;
 credentials from the profile), resumes from its state file after a restart (the open round
-included), prints one line per round on stdout, appends one JSON line per closed round to
-``files.log``, writes a summary to ``files.json``, and evaluates each new head on a central set when
-there is one (``[evaluation]``, or the digits test split for the shipped digits model).
+included), prints one line per round on stdout and appends one JSON line per closed round to
+``files.log`` (:mod:`edgefl.coordinator.roundlog`), writes a summary to ``files.json``, and evaluates
+each new head on a central set when there is one. A site (``hierarchy.role = "site"``) sends one
+partial per round of its root instead.
 
 With ``rounds.count = 0`` (the shipped default) it runs until SIGTERM/SIGINT, opening a round when
 the pacing allows (``rounds.interval_s``, ``rounds.min_new_samples``, ready devices); a stop leaves
-the open round in the state file (resumed at the restart) and exits 0. With ``rounds.count = N`` it
-runs N rounds back to back and exits.
-
-Exit codes: 0 done (or stopped); 1 invalid profile, or the broker refused its credentials; 3 the
-model could not be loaded; 4 a runtime error at start-up (broker unreachable, bad key file, the fleet
-page's port in use); 5 the job ended with a round that aggregated nothing (the reason is the last line
-on stderr); 6 another coordinator runs this fleet (its state file is locked, or a live coordinator
-holds the fleet's lease on the broker).
+the open round in the state file (resumed at the restart) and returns 0. With ``rounds.count = N`` it
+runs N rounds back to back and returns.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -31,22 +24,30 @@ import logging
 import math
 import signal
 import sys
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Final
 
 from edgefl.aio import within
 from edgefl.coordinator.hierarchy import RootCoordinator, SiteAggregator, SiteRecord
-from edgefl.coordinator.lease import Lease, LeaseHeld, new_instance, probe_lease
+from edgefl.coordinator.history import HISTORY_ROUNDS, RoundRecord
+from edgefl.coordinator.lease import Lease, new_instance, probe_lease
 from edgefl.coordinator.privacy import DPFedAvg
-from edgefl.coordinator.profile import CoordinatorProfile, load_coordinator_profile
+from edgefl.coordinator.profile import CoordinatorProfile
+from edgefl.coordinator.roundlog import (
+    counts_since,
+    empty_cause,
+    log_entry,
+    log_missing_rounds,
+    plural,
+    round_line,
+)
 from edgefl.coordinator.rounds import Pacing
-from edgefl.coordinator.service import HISTORY_ROUNDS, Coordinator, RoundRecord
-from edgefl.coordinator.strategy import Strategy, make_strategy
-from edgefl.errors import ConfigError, ModelError, TransportError, UpdateRejected
+from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.strategies import make_strategy
+from edgefl.coordinator.strategy import Strategy
+from edgefl.errors import ConfigError, TransportError, UpdateRejected
 from edgefl.profiles import DashboardConfig, broker_password
 from edgefl.records import atomic_write
 from edgefl.runtime import Backbone
@@ -55,12 +56,12 @@ from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import HeadLayout
+from edgefl.wire.global_model import HeadLayout
 from edgefl.wire.signing import load_signing_key, load_verify_key, load_verify_keys
 
 logger = logging.getLogger(__name__)
 
-
+#: Exit codes of ``edgefl coordinator`` (:mod:`edgefl.coordinator.command` says what each means).
 EXIT_OK: Final = 0
 EXIT_INVALID: Final = 1
 EXIT_MODEL: Final = 3
@@ -68,134 +69,10 @@ EXIT_RUNTIME: Final = 4
 EXIT_EMPTY_ROUND: Final = 5
 EXIT_LEASE: Final = 6
 
-StateLock = Callable[[Path], object]
-"""Locks a state file for as long as the returned object lives (raises ``LeaseHeld`` when held)."""
-
 COORDINATOR_RECONNECT_MAX_S: Final = 5.0
 """Cap of the coordinator's reconnect back-off, seconds (devices keep the transport's 30 s: a fleet must
 not reconnect in lock-step; one coordinator may retry sooner, and a 60 s root outage closed its
 round 25 s after the broker was back with 30 s)."""
-
-#: ``--flag`` → profile key: the flags are overrides of the profile (``--set`` spells any key).
-FLAG_KEYS: Final = {
-    "broker": "broker.url",
-    "prefix": "broker.topic_prefix",
-    "max_packet_bytes": "broker.max_packet_bytes",
-    "fleet": "fleet.name",
-    "model": "model.path",
-    "rounds": "rounds.count",
-    "interval": "rounds.interval_s",
-    "min_new_samples": "rounds.min_new_samples",
-    "quorum": "rounds.quorum",
-    "min_clients": "rounds.min_clients",
-    "deadline": "rounds.deadline_s",
-    "wait_devices": "rounds.expected_clients",
-    "local_epochs": "rounds.local_epochs",
-    "lr": "rounds.lr",
-    "lr_decay": "rounds.lr_decay",
-    "batch_size": "rounds.batch_size",
-    "compression": "rounds.compression",
-    "downlink": "rounds.downlink",
-    "strategy": "strategy.name",
-    "state": "files.state",
-    "log": "files.log",
-    "json": "files.json",
-    "signing_key": "security.signing_key_file",
-    "device_keys": "security.device_keys_dir",
-    "clip_norm": "robustness.norm_bound",
-    "clip_multiplier": "robustness.adaptive_factor",
-    "tolerate": "robustness.tolerate",
-    "trim_fraction": "strategy.trim_fraction",
-    "max_updates": "strategy.max_updates",
-    "buffer_size": "strategy.buffer_size",
-    "max_staleness": "strategy.max_staleness",
-    "dp_noise_multiplier": "privacy.noise_multiplier",
-    "dp_clip_norm": "privacy.clip_norm",
-    "dp_delta": "privacy.delta",
-    "dp_expected_clients": "privacy.expected_clients",
-    "role": "hierarchy.role",
-    "site": "hierarchy.site",
-    "expected_sites": "hierarchy.expected_sites",
-}
-
-
-#: What the flags whose name differs from their profile key's mean (the help puts the key after it).
-FLAG_MEANING: Final = {
-    "wait_devices": "wait for this many devices to be ready before round 1 (up to rounds.wait_devices_s) "
-    "and expect as many clients a round; ",
-    "clip_norm": "bound on each update's L2 norm at the coordinator (not the devices' training.clip_norm); ",
-    "tolerate": "hostile devices every aggregated round withstands (sets each strategy's fewest "
-    "updates a round); ",
-}
-
-
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add the ``coordinator`` sub-command to an ``argparse`` sub-parsers object.
-
-    Returns
-    -------
-    argparse.ArgumentParser
-        The sub-command's parser (``func`` set to :func:`main`).
-    """
-    from edgefl.resources import shipped
-
-    p: argparse.ArgumentParser = sub.add_parser(
-        "coordinator",
-        help="run the coordinator of a fleet",
-        description="Run federated rounds for one fleet over MQTT, as a coordinator profile says; flags "
-        "override the profile's keys. Exit codes: 0 done, 1 invalid profile or credentials refused, 2 usage "
-        "(a bad flag or --set), 3 model error, 4 start-up error (broker unreachable, fleet page port in "
-        "use), 5 a round aggregated nothing, 6 another coordinator runs this fleet.",
-    )
-    p.add_argument(
-        "profile",
-        nargs="?",
-        default=str(shipped("firmware_configs/coordinator.toml")),
-        help="coordinator TOML profile (default: %(default)s)",
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a profile key, e.g. --set rounds.count=20 (repeatable)",
-    )
-    for flag, key in FLAG_KEYS.items():
-        what = FLAG_MEANING.get(flag, "")
-        p.add_argument(
-            "--" + flag.replace("_", "-"),
-            default=None,
-            metavar="VALUE",
-            help=f"{what}same as --set {key}=VALUE",
-        )
-    p.set_defaults(func=main)
-    return p
-
-
-def overrides_from(args: argparse.Namespace) -> dict[str, object]:
-    """The profile overrides a command line asks for: ``--set`` items, then the flags of :data:`FLAG_KEYS`.
-
-    Raises
-    ------
-    ConfigError
-        If a ``--set`` item is not ``key=value``.
-    """
-    out: dict[str, object] = {}
-    bad = []
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            bad.append(f"--set {item!r}: expected key=value")
-        out[key.strip()] = value
-    if bad:
-        raise ConfigError(bad)
-    for flag, key in FLAG_KEYS.items():
-        value = getattr(args, flag, None)
-        if value is not None:
-            out[key] = value
-    if getattr(args, "dp_noise_multiplier", None) is not None:
-        out["privacy.enabled"] = "true"  # the noise flag turns central DP on
-    return out
 
 
 def build_strategy(profile: CoordinatorProfile) -> Strategy:
@@ -284,110 +161,6 @@ PageServer = Callable[
 the CLI."""
 
 
-def main(
-    args: argparse.Namespace,
-    evaluation: Evaluation | None = None,
-    page: PageServer | None = None,
-    lock: StateLock | None = None,
-) -> int:
-    """Run the coordinator until the profile's rounds closed or SIGTERM; returns the exit code.
-
-    Parameters
-    ----------
-    args : the parsed command line (see :func:`add_parser`)
-    evaluation : builds the central evaluation; given by the composition root (``edgefl.cli``)
-    page : serves the fleet page when ``dashboard.enabled``; given by the composition root
-    lock : locks the state file (``files.state``, with a lock file beside it) for this process's life, raising
-        :class:`~edgefl.coordinator.lease.LeaseHeld` when another process holds it; given by the
-        composition root (the agents' ``flock``)
-    """
-    try:
-        profile = load_coordinator_profile(args.profile, overrides_from(args))
-    except ConfigError as exc:
-        print(f"edgefl coordinator: invalid profile {args.profile}:", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  {problem}", file=sys.stderr)
-        return EXIT_INVALID
-    problems = strategy_problems(profile)  # a combination no strategy accepts is a profile problem
-    if problems:
-        print(f"edgefl coordinator: invalid profile {args.profile}:", file=sys.stderr)
-        for problem in problems:
-            print(f"  {problem}", file=sys.stderr)
-        return EXIT_INVALID
-    held: object = None
-    try:
-        if lock is not None and profile.files.state is not None:
-            held = lock(profile.files.state)  # kept until this function returns
-        return asyncio.run(run(profile, evaluation, page))
-    except LeaseHeld as exc:
-        print(f"edgefl coordinator: {exc}", file=sys.stderr)
-        return EXIT_LEASE
-    except OSError as exc:  # the state file's folder or lock cannot be created
-        print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
-    except ModelError as exc:
-        print(f"edgefl coordinator: model error: {exc}", file=sys.stderr)
-        return EXIT_MODEL
-    except CredentialsRefused as exc:
-        print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    except (ConfigError, TransportError) as exc:
-        print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
-    finally:
-        del held  # the lock is released with its file (or the process's end)
-
-
-def _log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:
-    """Append the rounds the state file closed but ``log`` does not have; returns how many.
-
-    The state is saved before the round's line is appended, so a coordinator killed between the two
-    (seen in the chaos test) comes back with a round the log never got. Its line is rebuilt from the
-    state's history and counted update ids, marked ``"recovered": true``.
-    """
-    logged: set[int] = set()
-    with contextlib.suppress(FileNotFoundError):
-        for line in log.read_text().splitlines():
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                logged.add(int(json.loads(line)["round"]))
-    last = max(logged, default=0)
-    missing = [h for h in coord.state.history if h.round > last]
-    if not missing:
-        return 0
-    # the version each round published: the state's for the last, one less before each round that
-    # published a head (a round with updates whose aggregate was not refused)
-    versions: list[int] = []
-    v = coord.state.version
-    for rec in reversed(missing):
-        versions.append(v)
-        v -= int(rec.clients > 0 and not rec.refused)
-    versions.reverse()
-    with open(log, "a") as f:
-        for rec, version in zip(missing, versions, strict=True):
-            closed = rec.closed_unix if math.isfinite(rec.closed_unix) else time.time()
-            entry = {
-                "round": rec.round,
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(closed)),
-                "asked": rec.asked,
-                "counted": rec.clients,
-                "refused": {},  # the refusals by reason were not saved
-                "declined": {},
-                "clients": rec.clients,
-                "accuracy": None if math.isnan(rec.accuracy) else rec.accuracy,
-                "update_bytes_mean": rec.update_bytes_mean,
-                "duration_s": rec.duration_s,
-                "update_ids": coord.counted.get(rec.round, []),
-                "version": version,
-                "strategy": strategy,
-                "lr": rec.lr if math.isfinite(rec.lr) else None,
-                "new_samples": rec.new_samples if rec.new_samples >= 0 else None,
-                "round_refused": rec.refused or None,
-                "recovered": True,
-            }
-            f.write(json.dumps(entry) + "\n")
-    logger.warning("appended %d round(s) the log missed (closed and saved before a restart)", len(missing))
-    return len(missing)
-
 
 class CredentialsRefused(TransportError):
     """The broker refused the coordinator's username/password (CONNACK 0x86/0x87): a configuration error."""
@@ -417,56 +190,6 @@ async def _connected_or_refused(transport: MqttTransport, where: str, timeout_s:
         with contextlib.suppress(TimeoutError):
             await within(transport.connected.wait(), min(0.2, left))
 
-
-def _by_reason(counts: Mapping[str, int]) -> str:
-    """``"a 1, b 2"`` for ``{"a": 1, "b": 2}`` (sorted by reason), ``""`` when empty."""
-    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def _empty_cause(refused: Mapping[str, int], declined: Mapping[str, int], online: int) -> str:
-    """Why a round aggregated nothing: its declines and refusals by reason, and the devices online."""
-    parts = []
-    if declined:
-        parts.append(f"declined: {_by_reason(declined)}")
-    if refused:
-        parts.append(f"refused: {_by_reason(refused)}")
-    if not parts:
-        parts.append("no update arrived")
-    parts.append(f"{_plural(online, 'device')} online")
-    return "; ".join(parts)
-
-
-def _round_line(
-    rec: RoundRecord,
-    total: int,
-    refused: Mapping[str, int],
-    declined: Mapping[str, int] | None = None,
-    per: str = "update",
-) -> str:
-    why = _by_reason(refused) or "none"
-    if declined:
-        why += f", declined: {_by_reason(declined)}"
-    acc = "n/a" if math.isnan(rec.accuracy) else f"{rec.accuracy:.3f}"
-    extra = f", {rec.clipped} clipped" if rec.clipped else ""
-    if rec.fed_devices:
-        extra += (
-            f", federated accuracy {rec.fed_accuracy:.3f} (worst decile {rec.fed_worst_decile:.3f}, "
-            f"{rec.fed_devices} devices)"
-        )
-    if not math.isnan(rec.epsilon):
-        extra += f", privacy epsilon {rec.epsilon:.3g} at delta {rec.delta:g}"
-    if rec.refused:
-        extra += f", ROUND REFUSED ({rec.refused}): head kept"
-    # "N/M clients": N updates counted of the M devices asked, in every round and on the fleet page
-    number = f"{rec.round}/{total}" if total else f"{rec.round}"
-    return (
-        f"round {number}: {rec.clients}/{rec.asked} clients, refused: {why}, accuracy {acc}, "
-        f"{rec.update_bytes_mean:.0f} B/{per}, {rec.duration_s:.2f} s{extra}"
-    )
 
 
 async def run(
@@ -586,7 +309,7 @@ async def run(
     def mismatch(device: str, why: str) -> None:
         print(f"device {device} runs another model ({why}): left out of rounds", flush=True)
 
-    coord.on_mismatch = mismatch
+    coord.registry.on_mismatch = mismatch
     if isinstance(coord, SiteAggregator):
         transport.on_connect_cb = coord.on_transport_connect
         return await _run_site(coord, profile, transport, page)
@@ -613,7 +336,7 @@ async def run(
             loop.add_signal_handler(sig, stop_on, sig)
     role = "" if hier.role == "flat" else f" ({hier.role} of {hier.expected_sites or 'any number of'} sites)"
     if job:
-        what = f"{_plural(rounds.count, 'round')} of {st.name}"
+        what = f"{plural(rounds.count, 'round')} of {st.name}"
     else:
         what = (
             f"rounds of {st.name} until stopped, at most one every {rounds.interval_s:g} s, each once the "
@@ -645,7 +368,7 @@ async def run(
                 raise ConfigError([f"files.state = {str(files.state)!r}: {exc}"]) from exc
             coord.state_path = files.state
             if files.log is not None:
-                _log_missing_rounds(files.log, coord, strategy.name)
+                log_missing_rounds(files.log, coord, strategy.name)
         elif profile.privacy.enabled:
             why = "privacy.enabled without files.state: the privacy accountant starts again at every start"
             print(f"warning: {why}", flush=True)
@@ -684,25 +407,25 @@ async def run(
             rec = runner.result()
             records.append(rec)
             del records[:-HISTORY_ROUNDS]  # the summary keeps the last rounds; the round log has them all
-            refused_round = _since(coord.state.rejected, refused_before)
-            declined_round = _since(coord.state.declined, declined_before)
+            refused_round = counts_since(coord.state.rejected, refused_before)
+            declined_round = counts_since(coord.state.declined, declined_before)
             coord.note_round_reasons(rec.round, refused_round, declined_round)
             if files.state is not None:
                 coord.save_state(files.state)
             # at the root the messages in are the sites' partials (~41 kB for 512x10 float64 sums)
             per = "partial" if isinstance(coord, RootCoordinator) else "update"
-            line = _round_line(rec, rounds.count, refused_round, declined_round, per)
+            line = round_line(rec, rounds.count, refused_round, declined_round, per)
             print(line, flush=True)
             logger.info("%s", line)
             if rec.clients == 0 and job:
-                why = _empty_cause(refused_round, declined_round, len(coord.online_devices()))
+                why = empty_cause(refused_round, declined_round, len(coord.registry.online_devices()))
                 empty.append(f"round {rec.round} aggregated nothing ({why})")
             elif rec.refused == "too_few" and job:  # abandoned: fewer updates than tolerate needs
                 need = f"{strategy.name} needs {strategy.min_updates}"
                 why = f"{rec.clients} updates, {need}: {strategy.tolerance()}"
                 empty.append(f"round {rec.round} aggregated nothing (abandoned: {why})")
             if files.log is not None:
-                entry = _log_entry(coord, rec, strategy, refused_round, declined_round)
+                entry = log_entry(coord, rec, strategy, refused_round, declined_round)
                 with open(files.log, "a") as f:
                     f.write(json.dumps(entry) + "\n")
         coord.finished = True
@@ -767,57 +490,10 @@ def pacing_for(profile: CoordinatorProfile) -> Pacing:
     return Pacing(rounds.interval_s, rounds.min_new_samples, rounds.min_clients)
 
 
-def _since(now: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:
-    """The counts by reason ``now`` has more of than ``before`` (one round's refusals or declines)."""
-    # str(): a reason label (a StrEnum) prints as its value, never as the enum's repr
-    return {str(k): v - before.get(k, 0) for k, v in sorted(now.items()) if v > before.get(k, 0)}
-
-
-def _log_entry(
-    coord: Coordinator,
-    rec: RoundRecord,
-    strategy: Strategy,
-    refused: Mapping[str, int],
-    declined: Mapping[str, int],
-) -> dict[str, Any]:
-    """One closed round's line of ``files.log`` (``docs/operations.md``, "The round log")."""
-    closed = rec.closed_unix if math.isfinite(rec.closed_unix) else time.time()
-    entry: dict[str, Any] = {
-        "round": rec.round,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(closed)),
-        "asked": rec.asked,
-        "counted": rec.clients,
-        "refused": dict(refused),
-        "declined": dict(declined),
-        "clients": rec.clients,
-        "accuracy": rec.accuracy,
-        "update_bytes_mean": rec.update_bytes_mean,
-        "duration_s": rec.duration_s,
-        "refused_updates": dict(refused),
-        "update_ids": coord.counted.get(rec.round, []),
-        "version": coord.state.version,
-        "strategy": strategy.name,
-        "lr": rec.lr if math.isfinite(rec.lr) else None,
-        "new_samples": rec.new_samples if rec.new_samples >= 0 else None,
-        "clipped": rec.clipped,
-        "clipped_by_device": dict(strategy.clipped),  # since the start of this process
-        "norm_bound": rec.norm_bound if math.isfinite(rec.norm_bound) else None,
-        "epsilon": None if math.isnan(rec.epsilon) else rec.epsilon,
-        "delta": None if math.isnan(rec.delta) else rec.delta,
-        "round_refused": rec.refused or None,
-    }
-    if isinstance(coord, RootCoordinator):  # since the start of this process
-        # update_bytes_mean is kept (same key as a flat run); at the root it is this
-        entry["partial_bytes_mean"] = rec.update_bytes_mean
-        entry["partials"] = coord.partials_received
-        entry["partial_bytes"] = coord.partial_bytes
-        entry["duplicate_partials"] = coord.duplicates
-    return entry
-
 
 async def _wait_for_expected(coord: Coordinator, n: int, timeout_s: float, stop: asyncio.Event) -> None:
     """Wait for ``n`` ready devices before round 1 (``rounds.expected_clients``), ``timeout_s`` at most."""
-    waiting = asyncio.create_task(coord.wait_for_devices(n, timeout_s=timeout_s))
+    waiting = asyncio.create_task(coord.registry.wait_for_devices(n, timeout_s=timeout_s))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({waiting, stopper}, return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()

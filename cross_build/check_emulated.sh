@@ -179,7 +179,7 @@ guest "$ROOTFS" /bin/sh /opt/wheelhouse/install.sh --no-systemd --prefix /opt/ed
 INSTALL_S=$(( $(date +%s) - t0 ))
 log "install under emulation: $INSTALL_S s; installed release $(du -sh "$ROOTFS"/opt/edgefl/releases/* | cut -f1)"
 
-log "codec round trip under emulation (edgefl.wire.messages with the cbor2 of the wheelhouse)"
+log "codec round trip under emulation (edgefl.wire.status with the cbor2 of the wheelhouse)"
 CODEC_RC=0
 guest "$ROOTFS" /opt/edgefl/current/venv/bin/python /opt/check/classify.py codec 2>&1 | sed 's/^/  guest: /' \
   || CODEC_RC=1

@@ -109,7 +109,7 @@ def compare(guest: Path, host: Path) -> int:
 
 
 def codec_round_trip() -> int:
-    """Encode and decode a DeviceStatus with :mod:`edgefl.wire.messages` and the installed cbor2.
+    """Encode and decode a DeviceStatus with :mod:`edgefl.wire.status` and the installed cbor2.
 
     Returns
     -------
@@ -119,7 +119,7 @@ def codec_round_trip() -> int:
     from importlib.metadata import version
 
     from edgefl.errors import DecodeError
-    from edgefl.wire.messages import DeviceStatus, decode_status, encode_status
+    from edgefl.wire.status import DeviceStatus, decode_status, encode_status
 
     msg = DeviceStatus(device="gw-1", state="online")
     try:
@@ -145,7 +145,7 @@ def signing_check() -> int:
     from importlib.metadata import version
 
     from edgefl.errors import DecodeError
-    from edgefl.wire.messages import RoundAnnouncement, encode_round
+    from edgefl.wire.rounds import RoundAnnouncement, encode_round
     from edgefl.wire.signing import SigningKey, sign_message, verify_payload
 
     seed = bytes.fromhex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60")

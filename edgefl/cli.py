@@ -580,13 +580,13 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         bridge.add_parser(sub)
     if "coordinator" in words or helping:
         # imported only when asked for: the agent process never runs it (~1 MiB of RSS saved)
-        from edgefl.coordinator import runner
+        from edgefl.coordinator import command
         from edgefl.evaluation import central_evaluation
 
-        runner.add_parser(sub).set_defaults(
+        command.add_parser(sub).set_defaults(
             func=functools.partial(
                 cmd_coordinator,
-                runner.main,
+                command.main,
                 evaluation=central_evaluation,
                 page=serve_coordinator_page,
                 lock=lock_coordinator_state,

@@ -33,7 +33,7 @@ from edgefl.agent.config import load_profile
 from edgefl.agent.core import DeviceCore
 from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import make_strategy
+from edgefl.coordinator.strategies import make_strategy
 from edgefl.datasets import FACTORY_CLASSES, load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy
 from edgefl.feed import FeedOptions, FeedResult, feed
@@ -137,7 +137,14 @@ def run_demo(opts: DemoOptions) -> int:
     for name in ("amqtt", "transitions", "passlib"):
         logging.getLogger(name).setLevel(logging.ERROR)
     # the per-update lines would interleave with the results table; warnings still show
-    for name in ("edgefl.coordinator.service", "edgefl.runtime", "edgefl.transport", "edgefl.dashboard.app"):
+    quiet = (
+        "edgefl.coordinator.intake",
+        "edgefl.coordinator.service",
+        "edgefl.runtime",
+        "edgefl.transport",
+        "edgefl.mqtt_link",
+    )
+    for name in (*quiet, "edgefl.dashboard.app"):
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     return asyncio.run(_run(opts))
 
@@ -270,13 +277,13 @@ async def _run(opts: DemoOptions) -> int:
             runner, board_port = await serve(board, "127.0.0.1", 0)
             try:
                 await coord.start()
-                ready = await coord.wait_for_devices(opts.devices, timeout_s=120)
+                ready = await coord.registry.wait_for_devices(opts.devices, timeout_s=120)
                 print(f"  {len(ready)} agents ready: {', '.join(ready)}")
                 sizes = [len(s) for s in shards]
                 await _feed_devices(opts, coord, topics, host, port, work, sizes, broker is not None)
                 print(f"  coordinator dashboard: http://127.0.0.1:{board_port}/")
                 for dev in ready:
-                    url = coord.state.devices[dev].get("dashboard_url")
+                    url = coord.registry.devices[dev].get("dashboard_url")
                     if url:
                         print(f"  {dev} dashboard: {url}")
                 print(
@@ -294,7 +301,7 @@ async def _run(opts: DemoOptions) -> int:
                 await asyncio.sleep(0.5)  # let the agents apply the last global head
                 # their statuses carry both heads' holdout accuracy on the last head (status.interval_s)
                 await _wait_head_accuracies(
-                    coord.state.devices,
+                    coord.registry.devices,
                     [f"dev-{k + 1}" for k in range(len(procs))],
                     coord.state.version,
                     2 * profile.status.interval_s + 1.0,
@@ -316,7 +323,7 @@ async def _run(opts: DemoOptions) -> int:
                 dev = f"dev-{k + 1}"
                 # The agent's governor resets the kernel's VmHWM at each phase (clear_refs) and keeps the
                 # lifetime peak itself: take the larger of what it reports and what /proc says now.
-                status = coord.state.devices.get(dev, {})
+                status = coord.registry.devices.get(dev, {})
                 try:
                     vm_hwm = memory.peak_rss_bytes(p.pid)
                 except OSError:
@@ -454,7 +461,7 @@ async def _feed_devices(
     fed_s = loop.time() - t0
     for k, n in enumerate(sizes):
         dev = f"dev-{k + 1}"
-        while coord.state.devices.get(dev, {}).get("stored_total") != n:
+        while coord.registry.devices.get(dev, {}).get("stored_total") != n:
             if loop.time() - t0 > 60:
                 raise TimeoutError(f"{dev} did not store its {n} samples within 60 s")
             await asyncio.sleep(0.1)  # statuses come every status.interval_s

@@ -51,15 +51,8 @@ from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.validators import check_device_id, parse_broker_url
 from edgefl.wire.chunking import split_message
-from edgefl.wire.messages import (
-    Label,
-    Prediction,
-    Sample,
-    decode_prediction,
-    decode_status,
-    encode_label,
-    encode_sample,
-)
+from edgefl.wire.ingest import Label, Prediction, Sample, decode_prediction, encode_label, encode_sample
+from edgefl.wire.status import decode_status
 
 logger = logging.getLogger(__name__)
 

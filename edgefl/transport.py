@@ -1,30 +1,13 @@
-"""MQTT transport: paho-mqtt 2.x (callback API v2) bridged into asyncio.
+"""The MQTT client: connection lifecycle, subscriptions and publishes, async with timeouts (paho-mqtt 2.x).
 
-The event loop drives paho (paho's "external event loop" API: ``loop_read``, ``loop_write``,
-``loop_misc``): the connected socket is watched with ``add_reader``, a packet paho queues is written
-at once by the caller or on the loop's next turn (``add_writer`` only while the kernel's send buffer
-is full), and ``loop_misc`` runs every second for the keep-alive. Only the blocking connect (TCP and
-the TLS handshake) runs in a thread. A message reaches its handler without a thread switch, and a
-publish leaves without waking another thread (the two hops of paho's own network thread
-were ~0.6-0.9 ms each on a loaded 2-core gateway, four of them on a round's critical path). paho's
-callbacks still only schedule the transport's handlers (``call_soon``, STYLE.md rule 6: nothing runs
-inside paho's locks); an exception in paho's network code or a socket callback is counted
-(``thread_errors_total``, the ``thread_errors`` counter: the name is from when paho had a thread of
-its own) and logged, never swallowed, and ends the connection. Every public call is async with a
-timeout. Each connection is one paho client and one :class:`_Connection`: its QoS 1
-publishes wait for their PUBACK and its subscribes for their SUBACK by ``mid`` inside it, and all of
-them fail with TransportError when it is lost (a new client's mids restart at 1). ``connected`` is set
-only once the renewed subscriptions are acknowledged. Incoming bytes pass :class:`PacketFilter`
-(a PUBLISH over ``max_incoming_packet_bytes`` is dropped before paho buffers it), then a bounded
-queue (the RAM cap covers buffers too). A QoS 1 message is acknowledged (PUBACK, paho's manual ack)
-only once it is in that queue: when the queue is full it waits, unacknowledged, in a short hold line
-that the broker's own flow control bounds (MQTT 5 Receive Maximum = the queue's size, §3.1.2.11.3;
-mosquitto's ``max_inflight_messages`` on 3.1.1), and moves in as the consumer takes messages. A broker
-that ignores that bound (mosquitto emptying an offline session's queue) meets a closed door instead:
-the transport stops reading the socket while the queue and the hold line have no room, and TCP's
-flow control holds the rest. So a burst is never acknowledged and then lost; only QoS 0 messages are
-dropped when the queue is full, and counted. A message whose handling raises is acknowledged,
-counted (``refused``) and dropped: no run of bad messages can fill the broker's in-flight window.
+:class:`MqttTransport` is an asyncio-facing MQTT client on :class:`edgefl.mqtt_link.Link` (the socket
+driven by the event loop, PUBACKs, the bounded incoming queue). Only the blocking connect (TCP and
+the TLS handshake) runs in a thread. Every public call is async with a timeout. Each connection is one
+paho client and one :class:`~edgefl.mqtt_link.Connection`: its QoS 1 publishes wait for their PUBACK
+and its subscribes for their SUBACK by ``mid`` inside it, and all of them fail with TransportError
+when it is lost (a new client's mids restart at 1). ``connected`` is set only once the renewed
+subscriptions are acknowledged. Reconnects back off with full jitter; a broker that refuses MQTT 5
+is spoken to in 3.1.1.
 
 Source: MQTT 5.0 (OASIS 2019) and MQTT 3.1.1 (OASIS 2014); paho-mqtt 2.x client API.
 """
@@ -32,17 +15,15 @@ Source: MQTT 5.0 (OASIS 2019) and MQTT 3.1.1 (OASIS 2014); paho-mqtt 2.x client 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 import logging
 import random
-import select
-import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -52,6 +33,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edgefl.aio import wait_event, within
 from edgefl.errors import TransportError
+from edgefl.mqtt_link import OVERSIZE_TOPIC, BoundedClient, Connection, Link, Message, set_nodelay
 from edgefl.validators import MQTT_MAX_PACKET_BYTES
 from edgefl.wire.chunking import publish_packet_bytes
 
@@ -62,275 +44,12 @@ RECONNECT_MIN_S = 1
 RECONNECT_MAX_S = 30
 CONNECT_TIMEOUT_S = 10.0
 SUBACK_TIMEOUT_S = 10.0
-#: Drops of a full incoming queue logged one by one before the log only names every 1000th.
-LOGGED_DROPS = 20
-#: The hold line of QoS 1 messages waiting for room in the queue, in queue sizes (a broker that ignores
-#: our Receive Maximum cannot grow it further: beyond it messages are dropped and counted).
-HOLD_FACTOR = 4
-
-#: Topic of the small stand-in PUBLISH that replaces an oversize one (never a real topic: ``$`` topics
-#: are the broker's, MQTT 5.0 §4.7.2). Its payload is ``b"<packet bytes>\n<topic>"``.
-OVERSIZE_TOPIC = "$edgefl/oversize"
-_DISCARD_READ_BYTES = 65_536  # socket read size while discarding an oversize packet's body
-#: Seconds between two ``loop_misc`` calls (keep-alive PINGREQ, and the end of a connection whose
-#: PINGRESP is overdue), paho's own loop's select timeout.
-MISC_INTERVAL_S = 1.0
-#: Packets read in one turn of the event loop while more bytes wait (in the socket, or above it:
-#: TLS, PacketFilter): a burst lands in the queue together, as paho's thread used to put it there
-#: (a site aggregator writes its record once the queue is drained: one packet a turn made that
-#: one fsync per update), and the rest is read on the next turn, so a flood cannot hold the loop.
-READS_PER_TURN = 64
-
-
-class PacketFilter:
-    """Incoming MQTT byte stream filter: replace every PUBLISH over ``limit`` bytes before it is buffered.
-
-    Parses the fixed header (MQTT 5.0 §2.1.1, 3.1.1 §2.2: one type/flags byte, then the Remaining
-    Length as a 1–4 byte variable byte integer). A packet of at most ``limit`` bytes passes unchanged.
-    An oversize PUBLISH's variable header (topic, packet identifier) is read, its body is read and
-    discarded in bounded pieces, and a stand-in PUBLISH on :data:`OVERSIZE_TOPIC` with the same flags
-    and packet identifier takes its place, so paho acknowledges it (PUBACK/PUBREC) and the broker's
-    in-flight window never fills with packets we will not take. Any other oversize packet raises.
-
-    Memory: at most the fixed header, the topic (<= 65,535 bytes) and one read of the socket,
-    whatever the announced length (up to 268,435,455 bytes).
-
-    Parameters
-    ----------
-    limit : int
-        Largest packet accepted whole, in bytes including the fixed header (>= 2).
-    mqtt5 : bool
-        The connection speaks MQTT 5 (the stand-in then carries an empty property list).
-    """
-
-    _HDR, _PASS, _VH, _DISCARD = range(4)
-
-    def __init__(self, limit: int, *, mqtt5: bool) -> None:
-        self.limit = limit
-        self.mqtt5 = mqtt5
-        self._state = self._HDR
-        self._hdr = bytearray()
-        self._left = 0  # bytes of the current packet still to pass (PASS) or to consume (VH, DISCARD)
-        self._vh = bytearray()
-        self._size = 0
-        self.dropped_total = 0
-
-    def want(self, bufsize: int) -> int:
-        """How many bytes to read from the socket next so that no read crosses a packet boundary."""
-        if self._state == self._HDR:
-            return 1
-        if self._state == self._PASS:
-            return max(1, min(bufsize, self._left))
-        if self._state == self._VH:
-            return max(1, self._vh_need() - len(self._vh))
-        return min(self._left, _DISCARD_READ_BYTES)
-
-    def _vh_need(self) -> int:
-        if len(self._vh) < 2:
-            return 2
-        qos = (self._hdr[0] >> 1) & 3
-        return 2 + int.from_bytes(self._vh[:2], "big") + (2 if qos else 0)
-
-    def feed(self, data: bytes) -> bytes:
-        """Consume ``data`` (read from the broker); return the bytes paho may see (maybe none).
-
-        Raises
-        ------
-        ConnectionError
-            On a malformed Remaining Length, an oversize packet that is not a PUBLISH, or an oversize
-            PUBLISH too short for its own variable header (paho then drops the connection).
-        """
-        if self._state == self._PASS and len(data) <= self._left:  # the common case: no copy
-            self._left -= len(data)
-            if self._left == 0:
-                self._state = self._HDR
-            return data
-        out = bytearray()
-        view = memoryview(data)
-        while view:
-            if self._state == self._PASS:
-                n = min(self._left, len(view))
-                out += view[:n]
-                view = view[n:]
-                self._left -= n
-                if self._left == 0:
-                    self._state = self._HDR
-            elif self._state == self._HDR:
-                self._hdr.append(view[0])
-                view = view[1:]
-                if len(self._hdr) >= 2 and not self._hdr[-1] & 0x80:
-                    out += self._header_done()
-                elif len(self._hdr) > 5:
-                    raise ConnectionError("malformed MQTT remaining length from the broker")
-            elif self._state == self._VH:
-                n = min(self._vh_need() - len(self._vh), len(view), self._left)
-                self._vh += view[:n]
-                view = view[n:]
-                self._left -= n
-                if len(self._vh) >= 2 and len(self._vh) == self._vh_need():
-                    out += self._stand_in()
-                    self._state = self._DISCARD if self._left else self._HDR
-                elif self._left == 0:
-                    raise ConnectionError("oversize PUBLISH shorter than its variable header")
-            else:  # DISCARD
-                n = min(self._left, len(view))
-                view = view[n:]
-                self._left -= n
-                if self._left == 0:
-                    self._state = self._HDR
-        return bytes(out)
-
-    def _header_done(self) -> bytes:
-        remaining = sum((b & 0x7F) << (7 * i) for i, b in enumerate(self._hdr[1:]))
-        hdr = bytes(self._hdr)
-        self._size = len(hdr) + remaining
-        if self._size <= self.limit:
-            self._hdr.clear()
-            self._left = remaining
-            self._state = self._PASS if remaining else self._HDR
-            return hdr
-        if hdr[0] >> 4 != 3:
-            raise ConnectionError(
-                f"broker sent a {self._size}-byte packet (type {hdr[0] >> 4}) over our limit"
-            )
-        self._left = remaining
-        self._vh.clear()
-        self._state = self._VH
-        return b""
-
-    def _stand_in(self) -> bytes:
-        """A PUBLISH on OVERSIZE_TOPIC with the original flags and packet identifier (MQTT 5.0 §3.3)."""
-        flags = self._hdr[0]
-        qos = (flags >> 1) & 3
-        topic_len = int.from_bytes(self._vh[:2], "big")
-        topic = bytes(self._vh[2 : 2 + min(topic_len, 256)])
-        packet_id = bytes(self._vh[2 + topic_len :]) if qos else b""
-        sentinel = OVERSIZE_TOPIC.encode()
-        body = (
-            len(sentinel).to_bytes(2, "big")
-            + sentinel
-            + packet_id
-            + (b"\x00" if self.mqtt5 else b"")
-            + f"{self._size}\n".encode()
-            + topic
-        )
-        self._hdr.clear()
-        self._vh.clear()
-        self.dropped_total += 1
-        return bytes([flags]) + remaining_length(len(body)) + body
-
-
-def remaining_length(n: int) -> bytes:
-    """Encode ``n`` >= 0 as an MQTT variable byte integer ("Remaining Length"): 7 bits a byte.
-
-    Source: MQTT 5.0 §1.5.5; MQTT 3.1.1 §2.2.3 (the same encoding).
-    """
-    out = bytearray()
-    while True:
-        n, digit = divmod(n, 128)
-        out.append(digit | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-class _Client(mqtt.Client):
-    """paho's client with a bounded read (:class:`PacketFilter`), driven by the event loop.
-
-    Uses three paho 2.x internals: ``_sock_recv`` (every socket read, overridden), and ``_sock_close``
-    and ``_ssl`` (:meth:`edgefl_close`, :meth:`edgefl_buffered`).
-    """
-
-    def __init__(self, *args: Any, max_incoming_packet_bytes: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._edgefl_filter = PacketFilter(
-            max_incoming_packet_bytes, mqtt5=kwargs.get("protocol") == MQTTProtocolVersion.MQTTv5
-        )
-        self._edgefl_out = bytearray()
-
-    def edgefl_buffered(self) -> bool:
-        """True when read bytes wait above the socket, where ``add_reader`` cannot see them.
-
-        Both places: :class:`PacketFilter`'s output beyond what paho asked for, and a TLS record
-        already decrypted by the ``ssl`` module (``SSLSocket.pending``).
-        """
-        if self._edgefl_out:
-            return True
-        sock = self._sock
-        pending = getattr(sock, "pending", None) if self._ssl else None
-        return bool(pending is not None and pending() > 0)
-
-    def edgefl_close(self) -> None:
-        """Close the socket if it is still open (paho's ``on_socket_close`` callback runs first)."""
-        self._sock_close()
-
-    def _sock_recv(self, bufsize: int) -> bytes:
-        while not self._edgefl_out:
-            data = super()._sock_recv(self._edgefl_filter.want(bufsize))  # BlockingIOError: paho retries
-            if not data:
-                return data
-            quickack(self._sock)
-            out = self._edgefl_filter.feed(data)
-            if 0 < len(out) <= bufsize:
-                return out
-            self._edgefl_out += out
-        out = bytes(self._edgefl_out[:bufsize])
-        del self._edgefl_out[:bufsize]
-        return out
-
-
-TCP_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
-"""Linux's ``TCP_QUICKACK`` socket option (None elsewhere: nothing is set)."""
-
-
-def quickack(sock: Any) -> None:
-    """Acknowledge what was just read at once instead of after the delayed-ACK timer (Linux).
-
-    A broker left at its defaults (mosquitto without ``set_tcp_nodelay true``) runs Nagle's algorithm:
-    its next small write to us (the global head, the round announcement, an update for the
-    coordinator) waits until our kernel acknowledges its previous one (a PUBACK), and Linux delays
-    that ACK up to 40 ms when we have nothing to send back. ``TCP_QUICKACK`` is not sticky (the kernel
-    falls back to delayed ACKs), so it is set again after every read; setting it sends an ACK that is
-    due right away. Costs one ``setsockopt`` a read and, on the wire, at most one more bare ACK
-    (TCP/IP headers, no payload) per received segment. Source: tcp(7), ``TCP_QUICKACK``; RFC 1122
-    §4.2.3.2 (delayed ACK); RFC 896 (Nagle).
-    """
-    if TCP_QUICKACK is not None and sock is not None:
-        with contextlib.suppress(OSError, AttributeError, ValueError):
-            sock.setsockopt(socket.IPPROTO_TCP, TCP_QUICKACK, 1)
-
-
-def _set_nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
-    """Disable Nagle's algorithm on the broker socket (paho ``on_socket_open``).
-
-    A round is a few small request/response exchanges; with Nagle on both ends and delayed ACKs, each
-    costs ~40 ms of stall on loopback (bench/round_overhead.py: 95.8 ms → 11.1 ms per round with
-    TCP_NODELAY here and ``set_tcp_nodelay true`` in mosquitto).
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """One received MQTT message: ``topic`` (str), ``payload`` (bytes), ``retain`` (bool)."""
-
-    topic: str
-    payload: bytes
-    retain: bool
-
-
-class _FlowQueue(asyncio.Queue[Message]):
-    """The incoming queue: each take lets the transport move a held QoS 1 message in (and PUBACK it)."""
-
-    def __init__(self, maxsize: int, on_take: Callable[[Message], None]) -> None:
-        super().__init__(maxsize=maxsize)
-        self._on_take = on_take
-
-    def get_nowait(self) -> Message:
-        """As :meth:`asyncio.Queue.get_nowait` (``get`` ends in it too), then refill from the hold line."""
-        item = super().get_nowait()
-        self._on_take(item)
-        return item
+TAKEOVER_WINDOW_S = 10.0
+"""A connection closed without a reason this soon after its CONNACK counts towards :data:`TAKEOVER_LOSSES`."""
+TAKEOVER_LOSSES = 3
+"""Connections in a row closed within :data:`TAKEOVER_WINDOW_S` of their CONNACK: the transport then says
+another client probably takes over its client id's session at each connect (MQTT 5.0 §3.1.4: the
+broker closes the older connection of a client id; mosquitto 2.0 closes it without a DISCONNECT)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,37 +62,6 @@ class Will:
     retain: bool = True
 
 
-@dataclass(eq=False)
-class _Connection:
-    """One paho client's life: its in-flight PUBACK and SUBACK futures die with it.
-
-    paho numbers message ids per client from 1, so futures are keyed by ``mid`` inside one connection
-    only; a late callback or a stale timeout of an old connection can never touch a new one's futures.
-    """
-
-    client: _Client
-    lost: asyncio.Event = field(default_factory=asyncio.Event)
-    pubacks: dict[int, asyncio.Future[None]] = field(default_factory=dict)
-    subacks: dict[int, asyncio.Future[list[ReasonCode]]] = field(default_factory=dict)
-    unsubacks: dict[int, asyncio.Future[list[ReasonCode]]] = field(default_factory=dict)
-    acked: bool = False  # a successful CONNACK arrived
-    answered: bool = False  # a CONNACK arrived, accepting or refusing (the broker speaks our protocol)
-    closed: bool = False
-    sock: Any = None  # the socket the event loop watches (None before the connect and after the close)
-    writing: bool = False  # the loop waits for the socket to be writable (the send buffer was full)
-    misc: asyncio.TimerHandle | None = None  # the next ``loop_misc`` (keep-alive)
-    poller: Any = None  # select.poll of the socket: whether more bytes wait after a packet
-    paused: bool = False  # reading stopped: no room for another message (TCP holds the rest)
-    unhandled: int = 0  # messages paho has read whose _handle_message has not run yet
-
-    def fail_all(self, reason: str) -> None:
-        """Fail every pending PUBACK/SUBACK/UNSUBACK future with ``TransportError(reason)``; mark closed."""
-        self.closed = True
-        for futs in (self.pubacks, self.subacks, self.unsubacks):
-            for mid, fut in futs.items():
-                if not fut.done():
-                    fut.set_exception(TransportError(f"{reason} (mid={mid})"))
-            futs.clear()
 
 
 def _retrieve_all(futures: Sequence[asyncio.Future[Any]]) -> None:
@@ -382,7 +70,7 @@ def _retrieve_all(futures: Sequence[asyncio.Future[Any]]) -> None:
         fut.add_done_callback(lambda f: None if f.cancelled() else f.exception())
 
 
-class MqttTransport:
+class MqttTransport(Link):
     """An asyncio-facing MQTT client.
 
     Parameters
@@ -456,6 +144,11 @@ class MqttTransport:
         ack_on_commit: bool = False,
         reconnect_max_s: float | None = None,
     ) -> None:
+        super().__init__(
+            queue_size=queue_size,
+            ack_on_commit=ack_on_commit,
+            max_incoming_packet_bytes=max_incoming_packet_bytes,
+        )
         self.host = host
         self.port = port
         self.addresses: tuple[tuple[str, int], ...] = ((host, port), *alternates)
@@ -469,34 +162,17 @@ class MqttTransport:
         self.tls_context = tls_context
         self.on_connect_cb = on_connect
         self.max_packet_bytes = max_packet_bytes
-        self.max_incoming_packet_bytes = max_incoming_packet_bytes
         self.session_expiry_s = session_expiry_s
-        self.queue: asyncio.Queue[Message] = _FlowQueue(queue_size, self._took)
-        self.ack_on_commit = ack_on_commit
         self.reconnect_max_s = reconnect_max_s
-        self._unacked: dict[int, tuple[_Connection, int, int]] = {}  # id(message in the queue) → its ack
-        self._taken: list[tuple[_Connection, int, int]] = []  # taken from the queue, not committed
-        # QoS 1 messages received while the queue was full, not yet acknowledged: (connection, mid, qos,
-        # message); the broker's flow control bounds it, and so does HOLD_FACTOR x queue_size
-        self._held: collections.deque[tuple[_Connection, int, int, Message]] = collections.deque()
-        self.held_max = max(64, HOLD_FACTOR * queue_size)
-        self.dropped_total = 0
-        self.held_peak = 0  # most QoS 1 messages held at once, waiting for room in the queue
-        self.oversize_dropped_total = 0
-        self.callback_errors_total = 0
-        self.refused_total = 0  # messages whose handling raised: acknowledged, counted, dropped
-        self.thread_errors_total = 0
         self.subscribe_failures_total = 0
         self.connected = asyncio.Event()
         self.ever_connected = False
         self._lost_logged = False
+        self._quick_losses = 0  # connections in a row closed soon after their CONNACK (_note_takeover)
         self._subscriptions: dict[str, tuple[int, bool]] = {}  # topic -> (qos, live_only)
         # unsubscribed without an UNSUBACK yet (topic -> the latest call's token): sent once more on
         # the next connection (a persistent session keeps the broker's copy across the reconnect)
         self._unsubscribing: dict[str, object] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread = 0  # threading.get_ident() of the event loop's thread
-        self._conn: _Connection | None = None
         self._mqtt5 = protocol in ("auto", "5")
         self._fallback_wanted = False
         self._supervisor: asyncio.Task[None] | None = None
@@ -518,7 +194,7 @@ class MqttTransport:
         self.session_present = False
 
     @property
-    def _client(self) -> _Client | None:
+    def _client(self) -> BoundedClient | None:
         return self._conn.client if self._conn is not None else None
 
     @property
@@ -547,45 +223,8 @@ class MqttTransport:
             "subscribe_failures": self.subscribe_failures_total,
         }
 
-    # --- paho thread side: hop to the loop, never raise -------------------------------------
-    def _thread_error(self, where: str, exc: BaseException) -> None:
-        """Count and log an exception raised in paho's network code or a socket callback (any thread)."""
-        self.thread_errors_total += 1  # one int store under the GIL; read on the loop
-        logger.error("error in the MQTT network loop (%s): %r", where, exc, exc_info=exc)
 
-    def _hop(self, fn: Callable[..., None], *args: Any) -> None:
-        """Schedule ``fn(*args)`` on the event loop (paho's callbacks return at once, outside its locks).
-
-        ``call_soon`` on the loop's own thread, ``call_soon_threadsafe`` from the connect thread.
-        """
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        if threading.get_ident() == self._loop_thread:
-            loop.call_soon(self._guard, fn, *args)
-            return
-        with contextlib.suppress(RuntimeError):  # loop closing during shutdown
-            loop.call_soon_threadsafe(self._guard, fn, *args)
-
-    def _guard(self, fn: Callable[..., None], *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception:
-            self.callback_errors_total += 1
-            logger.exception("error in MQTT callback %s", getattr(fn, "__name__", fn))
-
-    def _guarded(self, name: str, fn: Callable[..., None]) -> Callable[..., None]:
-        """``fn`` as a paho callback: an exception in it is counted and logged (:meth:`_thread_error`)."""
-
-        def cb(*args: Any) -> None:
-            try:
-                fn(*args)
-            except Exception as exc:
-                self._thread_error(name, exc)
-
-        return cb
-
-    def _bind(self, conn: _Connection) -> None:
+    def _bind(self, conn: Connection) -> None:
         """Point paho's callbacks at ``conn``: each only schedules a handler (STYLE.md rule 6)."""
         guarded = self._guarded
 
@@ -595,7 +234,8 @@ class MqttTransport:
             self._hop(self._handle_connect, conn, rc, limit, present)
 
         def on_disconnect(client: Any, userdata: Any, flags: Any, rc: ReasonCode, props: Any) -> None:
-            self._hop(self._handle_disconnect, conn, rc)
+            from_broker = bool(getattr(flags, "is_disconnect_packet_from_server", False))
+            self._hop(self._handle_disconnect, conn, rc, from_broker)
 
         def on_publish(client: Any, userdata: Any, mid: int, rc: ReasonCode, props: Any) -> None:
             self._hop(self._handle_puback, conn, mid, rc)
@@ -612,8 +252,7 @@ class MqttTransport:
                 self._hop(self._ack, conn, msg.mid, msg.qos)  # dropped, but its flow-control slot freed
             else:
                 message = Message(msg.topic, bytes(msg.payload), bool(msg.retain))
-                conn.unhandled += 1  # read, not yet in the queue or the hold line (_room)
-                self._hop(self._receive, conn, msg.mid, msg.qos, message)
+                self._read_message(conn, msg.mid, msg.qos, message)
 
         c = conn.client
         c.on_connect = guarded("on_connect", on_connect)
@@ -622,125 +261,12 @@ class MqttTransport:
         c.on_subscribe = guarded("on_subscribe", on_subscribe)
         c.on_unsubscribe = guarded("on_unsubscribe", on_unsubscribe)
         c.on_message = guarded("on_message", on_message)
-        c.on_socket_open = guarded("on_socket_open", _set_nodelay)
+        c.on_socket_open = guarded("on_socket_open", set_nodelay)
 
-    # --- the network loop, driven by the event loop -----------------------------------------
-    def _drive(self, conn: _Connection) -> None:
-        """Watch ``conn``'s connected socket on the event loop (after the blocking connect).
-
-        paho's socket callbacks are set only now, on the loop's thread: before, during the connect,
-        paho wrote the CONNECT itself in the connect thread.
-        """
-        loop = self._loop
-        client = conn.client
-        sock = client.socket()
-        if loop is None or sock is None:
-            self._handle_disconnect(conn, "socket closed during the connect")
-            return
-        conn.sock = sock
-        conn.poller = select.poll()
-        conn.poller.register(sock, select.POLLIN)
-
-        def register_write(client: Any, userdata: Any, sock: Any) -> None:
-            loop.call_soon(self._flush, conn)  # paho queued a packet itself (a PINGREQ...)
-
-        client.on_socket_register_write = self._guarded("on_socket_register_write", register_write)
-        client.on_socket_close = self._guarded("on_socket_close", lambda c, u, s: self._unwatch(conn))
-        loop.add_reader(sock, self._net_read, conn)
-        conn.misc = loop.call_later(MISC_INTERVAL_S, self._net_misc, conn)
-        self._flush(conn)  # whatever the connect could not write (normally nothing)
-
-    def _net_read(self, conn: _Connection) -> None:
-        """The socket is readable: let paho read and dispatch (its callbacks schedule our handlers).
-
-        paho reads one packet a call; more are read in the same turn while bytes wait (a zero-timeout
-        ``poll``), up to :data:`READS_PER_TURN`.
-        """
-        client = conn.client
-        if conn.paused:
-            return  # a read scheduled before the queue and the hold line filled
-        for _ in range(READS_PER_TURN):
-            if self._room(conn) <= 0:
-                self._pause_reading(conn)
-                return
-            if not self._net_step(conn, "read", client.loop_read):
-                return  # the connection ended (on_disconnect is scheduled)
-            if not client.edgefl_buffered() and not conn.poller.poll(0):
-                break  # nothing more waits: the loop watches the socket again
-        else:
-            if self._loop is not None:
-                self._loop.call_soon(self._net_read, conn)  # more is buffered: the rest next turn
-        if client.want_write():
-            self._flush(conn)
-
-    def _flush(self, conn: _Connection) -> None:
-        """Write what paho has queued; ``add_writer`` only while the kernel's send buffer is full."""
-        loop, client = self._loop, conn.client
-        if loop is None or conn.sock is None:
-            return
-        if not self._net_step(conn, "write", client.loop_write):
-            return  # closed by the write (a DISCONNECT sent, or the connection lost)
-        sock = conn.sock
-        if client.want_write():
-            if not conn.writing:
-                loop.add_writer(sock, self._flush, conn)
-                conn.writing = True
-        elif conn.writing:
-            loop.remove_writer(sock)
-            conn.writing = False
-
-    def _net_misc(self, conn: _Connection) -> None:
-        """Every :data:`MISC_INTERVAL_S`: paho's keep-alive (PINGREQ, or the end of a dead link)."""
-        conn.misc = None
-        if conn.sock is None or self._loop is None:
-            return
-        if self._net_step(conn, "keep-alive", conn.client.loop_misc):
-            self._flush(conn)
-            conn.misc = self._loop.call_later(MISC_INTERVAL_S, self._net_misc, conn)
-
-    def _net_step(self, conn: _Connection, where: str, step: Callable[[], object]) -> bool:
-        """Run one of paho's network steps; False when the connection ended in it (or it raised)."""
-        try:
-            step()
-        except Exception as exc:
-            self._net_failed(conn, where, exc)
-            return False
-        return conn.sock is not None
-
-    def _net_failed(self, conn: _Connection, where: str, exc: Exception) -> None:
-        """The network code raised: count and log it, close the socket, end the connection."""
-        self._thread_error(where, exc)
-        self._release(conn)
-        self._handle_disconnect(conn, f"network loop failed: {exc!r}")
-
-    def _unwatch(self, conn: _Connection) -> None:
-        """Stop watching ``conn``'s socket (paho's ``on_socket_close``: before the socket closes)."""
-        loop, sock = self._loop, conn.sock
-        conn.sock = None
-        conn.writing = False
-        if conn.misc is not None:
-            conn.misc.cancel()
-            conn.misc = None
-        if loop is not None and sock is not None and not loop.is_closed():
-            with contextlib.suppress(ValueError, KeyError, OSError):
-                loop.remove_reader(sock)
-                loop.remove_writer(sock)
-
-    def _abandon(self, conn: _Connection, connect: asyncio.Future[None]) -> None:
-        """A connect the caller stopped waiting for is over: close whatever it opened."""
-        if not connect.cancelled():
-            connect.exception()  # retrieved (a failed connect opened nothing to close)
-        self._release(conn)
-
-    def _release(self, conn: _Connection) -> None:
-        """The connection is over: stop watching its socket and close it if paho has not."""
-        self._unwatch(conn)
-        with contextlib.suppress(Exception):
-            conn.client.edgefl_close()
 
     # --- loop side -------------------------------------------------------------------------
     def _handle_connect(
-        self, conn: _Connection, rc: ReasonCode, max_packet: int | None = None, session_present: bool = False
+        self, conn: Connection, rc: ReasonCode, max_packet: int | None = None, session_present: bool = False
     ) -> None:
         if conn is not self._conn:
             return
@@ -761,6 +287,7 @@ class MqttTransport:
         self.auth_refusals = 0
         self.session_present = session_present
         conn.acked = True
+        conn.acked_at = time.monotonic()
         # the last try of each unsubscribe still unanswered: sent before the subscriptions (the broker
         # has taken it when their SUBACKs are in), then forgotten, whatever comes of it: a broker that
         # closes the connection on it must not be sent it again at every reconnect
@@ -776,7 +303,7 @@ class MqttTransport:
 
     async def _ready(
         self,
-        conn: _Connection,
+        conn: Connection,
         subacks: list[tuple[str, asyncio.Future[list[ReasonCode]]]],
         unsubacks: list[tuple[str, asyncio.Future[list[ReasonCode]]]],
     ) -> None:
@@ -818,9 +345,49 @@ class MqttTransport:
             except TransportError as exc:
                 logger.warning("%s (not sent again)", exc)
 
-    def _handle_disconnect(self, conn: _Connection, rc: object) -> None:
+    def _loss_reason(self, rc: object, from_broker: bool) -> str:
+        """Why a connection ended, in words: the broker's DISCONNECT reason, else what may have closed it.
+
+        paho reports a connection closed without a DISCONNECT packet as "Unspecified error" (a
+        stand-in, not the broker's word); mosquitto 2.0 closes the older connection of a client id that
+        connects again that way, so the text names that cause with the others.
+        """
+        cid = self.client_id
+        if isinstance(rc, ReasonCode) and from_broker:
+            if int(rc.value) == 0x8E:  # MQTT 5.0 §3.14.2.1 Session taken over
+                return f"session taken over: another client connected with client id {cid!r}"
+            return f"the broker disconnected us: {rc}"
+        if isinstance(rc, ReasonCode):
+            return (
+                "connection closed without a reason: the broker stopped, the network dropped, or "
+                f"another client connected with client id {cid!r} and took over the session"
+            )
+        return str(rc)
+
+    def _note_takeover(self, conn: Connection, from_broker: bool, rc: object) -> None:
+        """Count connections closed soon after their CONNACK; say so at :data:`TAKEOVER_LOSSES` in a row."""
+        quick = conn.acked and time.monotonic() - conn.acked_at < TAKEOVER_WINDOW_S
+        taken = from_broker and isinstance(rc, ReasonCode) and int(rc.value) == 0x8E
+        if not (quick and (taken or not from_broker)):
+            self._quick_losses = 0
+            return
+        self._quick_losses += 1
+        if self._quick_losses == TAKEOVER_LOSSES and not self._stopping:
+            logger.error(
+                "the broker %s:%s closed each of the last %d connections within %.0f s of accepting it: "
+                "another client probably uses client id %r and takes over the session at each connect "
+                "(one client id per process; with use_username_as_clientid, one account per process)",
+                self.host,
+                self.port,
+                TAKEOVER_LOSSES,
+                TAKEOVER_WINDOW_S,
+                self.client_id,
+            )
+
+    def _handle_disconnect(self, conn: Connection, rc: object, from_broker: bool = False) -> None:
         if conn is not self._conn:
             return
+        self._note_takeover(conn, from_broker, rc)
         if self.protocol == "auto" and self._mqtt5 and not self.ever_connected and not conn.answered:
             # 3.1.1-only brokers (amqtt) close the socket on an MQTT 5 CONNECT instead of answering it.
             self._fallback_wanted = True
@@ -830,9 +397,10 @@ class MqttTransport:
         conn.lost.set()
         if was and not self._lost_logged and not self._stopping:
             self._lost_logged = True
-            logger.warning("broker lost: %s:%s (%s)", self.host, self.port, rc)
+            why = self._loss_reason(rc, from_broker)
+            logger.warning("broker lost: %s:%s (%s)", self.host, self.port, why)
 
-    def _handle_puback(self, conn: _Connection, mid: int, rc: ReasonCode) -> None:
+    def _handle_puback(self, conn: Connection, mid: int, rc: ReasonCode) -> None:
         fut = conn.pubacks.pop(mid, None)
         if fut is not None and not fut.done():
             if rc.is_failure:
@@ -840,144 +408,19 @@ class MqttTransport:
             else:
                 fut.set_result(None)
 
-    def _handle_suback(self, conn: _Connection, mid: int, rcs: list[ReasonCode]) -> None:
+    def _handle_suback(self, conn: Connection, mid: int, rcs: list[ReasonCode]) -> None:
         fut = conn.subacks.pop(mid, None)
         if fut is not None and not fut.done():
             fut.set_result(rcs)
 
-    def _handle_unsuback(self, conn: _Connection, mid: int, rcs: list[ReasonCode]) -> None:
+    def _handle_unsuback(self, conn: Connection, mid: int, rcs: list[ReasonCode]) -> None:
         fut = conn.unsubacks.pop(mid, None)
         if fut is not None and not fut.done():
             fut.set_result(rcs)
 
-    def _handle_oversize(self, info: bytes) -> None:
-        size, _, topic = info.partition(b"\n")
-        self.oversize_dropped_total += 1
-        logger.warning(
-            "dropped a %s-byte message on %s: over our %d-byte packet limit (not buffered)",
-            size.decode(errors="replace"),
-            topic.decode(errors="replace"),
-            self.max_incoming_packet_bytes,
-        )
-
-    def _ack(self, conn: _Connection, mid: int, qos: int) -> None:
-        """PUBACK ``mid`` on the connection it came on (a new connection's mids are another count)."""
-        if qos > 0 and not conn.closed:
-            conn.client.ack(mid, qos)
-            self._flush(conn)
-
-    def _receive(self, conn: _Connection, mid: int, qos: int, msg: Message) -> None:
-        """Take one incoming message (:meth:`_handle_message`); one whose handling raises is refused.
-
-        A refused message is acknowledged, counted (``refused_total``) and logged on one line: left
-        unacknowledged it would hold one of the broker's in-flight slots for the connection's life,
-        and a run of such messages (the broker's window, MQTT 5.0 §4.9) would leave the transport
-        connected but deaf.
-        """
-        try:
-            self._handle_message(conn, mid, qos, msg)
-        except Exception as exc:
-            self.refused_total += 1
-            n = self.refused_total
-            if n <= LOGGED_DROPS or n % 1000 == 0:
-                logger.error(
-                    "refused message on %s (%d bytes): handling failed: %s: %s%s",
-                    msg.topic,
-                    len(msg.payload),
-                    type(exc).__name__,
-                    exc,
-                    f" ({n} refused so far; every 1000th logged)" if n > LOGGED_DROPS else "",
-                )
-            self._unacked.pop(id(msg), None)  # acknowledged here, never again at a commit
-            with contextlib.suppress(Exception):  # a connection closed meanwhile: nothing to ack
-                self._ack(conn, mid, qos)
-
-    def _handle_message(self, conn: _Connection, mid: int, qos: int, msg: Message) -> None:
-        conn.unhandled = max(0, conn.unhandled - 1)
-        if not self._held and not self.queue.full():
-            self._enqueue(conn, mid, qos, msg)
-            return
-        if qos > 0 and len(self._held) < self.held_max:
-            self._held.append((conn, mid, qos, msg))  # acknowledged when it moves into the queue
-            self.held_peak = max(self.held_peak, len(self._held))
-            return
-        self.dropped_total += 1
-        self._ack(conn, mid, qos)
-        n = self.dropped_total
-        if n <= LOGGED_DROPS or n % 1000 == 0:  # a flood must not become a flood of log lines
-            logger.warning(
-                "incoming queue full: dropped message on %s (%d bytes)%s",
-                msg.topic,
-                len(msg.payload),
-                f" ({n} dropped so far; every 1000th logged)" if n > LOGGED_DROPS else "",
-            )
-
-    def _enqueue(self, conn: _Connection, mid: int, qos: int, msg: Message) -> None:
-        """Put a message in the queue; acknowledge it now, or (``ack_on_commit``) at its commit."""
-        self.queue.put_nowait(msg)
-        if self.ack_on_commit and qos > 0:
-            self._unacked[id(msg)] = (conn, mid, qos)
-        else:
-            self._ack(conn, mid, qos)
-
-    def _took(self, msg: Message) -> None:
-        """The consumer took ``msg``: its ack waits for :meth:`commit`; held messages move in."""
-        ack = self._unacked.pop(id(msg), None)
-        if ack is not None:
-            self._taken.append(ack)
-        self._refill()
-
-    def commit(self) -> None:
-        """Acknowledge every message taken from the queue so far (``ack_on_commit``; else a no-op).
-
-        Call it once what those messages changed is on disk: a message acknowledged is never sent
-        again. One lost with its connection meanwhile is not acknowledged (the broker sends it again
-        on the next connection, from the session).
-        """
-        taken, self._taken = self._taken, []
-        for conn, mid, qos in taken:
-            self._ack(conn, mid, qos)
-
-    def _refill(self) -> None:
-        """Move held QoS 1 messages into the queue while it has room, acknowledging each."""
-        while self._held and not self.queue.full():
-            conn, mid, qos, msg = self._held.popleft()
-            if conn.closed:
-                continue  # unacknowledged on a lost connection: the broker sends it again (session)
-            self._enqueue(conn, mid, qos, msg)
-        live = self._conn
-        if live is not None and live.paused and self._room(live) >= min(READS_PER_TURN, self.held_max // 2):
-            self._resume_reading(live)
-
-    def _room(self, conn: _Connection) -> int:
-        """Messages the queue and the hold line can still take, less those read and not yet handled."""
-        if self.queue.maxsize <= 0:
-            return READS_PER_TURN  # an unbounded queue: never full
-        free = self.queue.maxsize - self.queue.qsize() + self.held_max - len(self._held)
-        return free - conn.unhandled
-
-    def _pause_reading(self, conn: _Connection) -> None:
-        """Stop reading ``conn``'s socket: the queue and the hold line have no room for another message.
-
-        A broker that ignores our Receive Maximum (mosquitto sends an offline session's whole queue
-        at once) then waits on TCP's flow control instead of having its messages dropped: with
-        paho's own thread the transport read on regardless, and dropped what the hold line could not
-        take. Reading resumes as the consumer takes messages (:meth:`_refill`), once there is room
-        for a turn's packets (or half the hold line).
-        """
-        conn.paused = True
-        if conn.sock is not None and self._loop is not None:
-            self._loop.remove_reader(conn.sock)
-
-    def _resume_reading(self, conn: _Connection) -> None:
-        """Watch ``conn``'s socket again, and read now what waits above it (TLS, PacketFilter)."""
-        conn.paused = False
-        if conn.sock is not None and self._loop is not None:
-            self._loop.add_reader(conn.sock, self._net_read, conn)
-            self._loop.call_soon(self._net_read, conn)
 
     def _send_subscribe(
-        self, conn: _Connection, topic: str, qos: int, live_only: bool = False
+        self, conn: Connection, topic: str, qos: int, live_only: bool = False
     ) -> tuple[str, asyncio.Future[list[ReasonCode]]]:
         """SUBSCRIBE on ``conn``; the returned future gets the SUBACK's reason codes or a TransportError."""
         if live_only and self._mqtt5:  # MQTT 5.0 §3.8.3.1: Retain Handling 2, Retain As Published
@@ -991,7 +434,7 @@ class MqttTransport:
 
     def _ack_future(
         self,
-        conn: _Connection,
+        conn: Connection,
         waiting: dict[int, asyncio.Future[list[ReasonCode]]],
         rc: int,
         mid: int | None,
@@ -1021,9 +464,9 @@ class MqttTransport:
         if rcs[0].is_failure:
             raise TransportError(f"subscribe to {topic} refused by broker: {rcs[0]}")
 
-    def _make_client(self) -> _Client:
+    def _make_client(self) -> BoundedClient:
         proto = MQTTProtocolVersion.MQTTv5 if self._mqtt5 else MQTTProtocolVersion.MQTTv311
-        client = _Client(
+        client = BoundedClient(
             CallbackAPIVersion.VERSION2,
             client_id=self.client_id,
             protocol=proto,
@@ -1121,7 +564,7 @@ class MqttTransport:
         """
         failures = 0
         while not self._stopping:
-            conn = _Connection(self._make_client())
+            conn = Connection(self._make_client())
             self._bind(conn)
             self._conn = conn
             self._fallback_wanted = False
@@ -1237,7 +680,7 @@ class MqttTransport:
         self._check_unsuback(topic, rcs)
 
     def _send_unsubscribe(
-        self, conn: _Connection, topic: str
+        self, conn: Connection, topic: str
     ) -> tuple[str, asyncio.Future[list[ReasonCode]]]:
         """UNSUBSCRIBE on ``conn``; the future gets the UNSUBACK's reason codes or a TransportError."""
         rc, mid = conn.client.unsubscribe(topic)

@@ -122,7 +122,7 @@ TEST_STATUS_INTERVAL_S = "0.2"
 async def next_status_fields(transport: Any) -> dict[str, Any]:
     """The next non-empty DeviceStatus on ``transport``'s queue (subscribed to a status topic): its
     fields plus ``state``; empty payloads (a cleared retained status) are skipped."""
-    from edgefl.wire.messages import decode_status
+    from edgefl.wire.status import decode_status
 
     while True:
         msg = await transport.queue.get()
@@ -136,13 +136,14 @@ async def next_status(coord: Any, device: str, timeout_s: float = 15.0) -> dict[
 
     Each received status replaces the device's entry by a new dict, so identity tells a new one.
     """
-    before = coord.state.devices.get(device)
+    devices = coord.registry.devices
+    before = devices.get(device)
     await wait_until(
-        lambda: coord.state.devices.get(device) is not None and coord.state.devices.get(device) is not before,
+        lambda: devices.get(device) is not None and devices.get(device) is not before,
         timeout_s,
         f"a new status from {device}",
     )
-    return dict(coord.state.devices[device])
+    return dict(coord.registry.devices[device])
 
 
 def read_mqtt_packet(sock: socket.socket) -> tuple[int, bytes]:

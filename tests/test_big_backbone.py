@@ -24,17 +24,18 @@ from conftest import MODELS, ROOT, TEST_STATUS_INTERVAL_S, Broker, next_status, 
 from test_memory import fake_proc, set_rss
 
 from edgefl.agent.config import load_profile
-from edgefl.agent.core import DeviceCore, RoundStatus
+from edgefl.agent.core import DeviceCore
 from edgefl.agent.memory import MIB, Governor
+from edgefl.agent.round import RoundStatus
 from edgefl.agent.store import EmbeddingStore
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.head import Head
 from edgefl.launcher import launch_agent, stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import RoundAnnouncement, decode_decline
+from edgefl.wire.rounds import RoundAnnouncement, decode_decline
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -174,12 +175,12 @@ def test_own_model_big_backbone_batch_shrinks_to_fit_and_the_round_is_answered(
         pump = asyncio.create_task(coord.pump())
         try:
             await coord.start()
-            await coord.wait_for_devices(1, timeout_s=90)
+            await coord.registry.wait_for_devices(1, timeout_s=90)
             record = await coord.run_round(1, selected=("dev-1",))
             await wait_until(
                 lambda: (
-                    coord.state.devices["dev-1"].get("round") == 1
-                    and coord.state.devices["dev-1"].get("state") in ("waiting", "idle")
+                    coord.registry.devices["dev-1"].get("round") == 1
+                    and coord.registry.devices["dev-1"].get("state") in ("waiting", "idle")
                 ),
                 30,
                 "dev-1 done with round 1",
@@ -237,13 +238,14 @@ def test_own_model_governor_refuses_over_budget_work_and_the_coordinator_records
         try:
             await coord.start()
             await wait_until(
-                lambda: ((coord.state.devices.get("dev-1") or {}).get("faults") or {}).get("replay", 0) >= 1,
+                lambda: ((coord.registry.devices.get("dev-1") or {}).get("faults") or {}).get("replay", 0)
+                >= 1,
                 90,
                 "dev-1 refusing its replay file over budget",
             )
             record = await coord.run_round(1, selected=("dev-1",))
             await wait_until(
-                lambda: coord.state.devices["dev-1"].get("declined_total") == 1, 30, "dev-1's decline"
+                lambda: coord.registry.devices["dev-1"].get("declined_total") == 1, 30, "dev-1's decline"
             )
             return record, await next_status(coord, "dev-1"), coord.dashboard_status()
         finally:
@@ -273,7 +275,7 @@ def test_own_model_governor_refuses_over_budget_work_and_the_coordinator_records
 
 def test_own_model_decline_message_round_trip_and_malformed() -> None:
     from edgefl.errors import DecodeError
-    from edgefl.wire.messages import Decline, encode_decline
+    from edgefl.wire.rounds import Decline, encode_decline
     from edgefl.wire.signing import generate_signing_key, sign_message, verify_payload
 
     msg = Decline(7, 3, "dev-1", "over_budget", "train: needs 3.0 MiB at 16\x00é", "dev-1:7:3:declined")

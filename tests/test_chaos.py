@@ -17,13 +17,13 @@ from conftest import INT8_MODEL, free_port, start_mosquitto, stop_broker, wait_u
 from bench.chaos import ChaosPlan, Fault, run_chaos
 from edgefl.agent.store import EmbeddingStore
 from edgefl.agent.trainer import train_local
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.head import Head
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import Update, UpdateMetrics, encode_update
+from edgefl.wire.rounds import Update, UpdateMetrics, encode_update
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.subprocess]
 

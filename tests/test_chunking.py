@@ -31,7 +31,7 @@ from edgefl.wire.chunking import (
     publish_packet_bytes,
     split_message,
 )
-from edgefl.wire.messages import Update, UpdateMetrics, decode_update, encode_update
+from edgefl.wire.rounds import Update, UpdateMetrics, decode_update, encode_update
 
 
 class FakeClock:

@@ -15,15 +15,16 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, ROOT, Broker, start_replay_agent
 
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.fedbuff import FedBuff, staleness_weight
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.errors import UpdateRejected
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import GlobalModel, Update, UpdateMetrics, decode_global_model, encode_update
+from edgefl.wire.global_model import GlobalModel, decode_global_model
+from edgefl.wire.rounds import Update, UpdateMetrics, encode_update
 
 pytestmark = pytest.mark.timeout(300)
 

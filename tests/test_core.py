@@ -1,5 +1,6 @@
-"""The device core (agent/core.py): round bytes in -> signed outbox entry out, global bytes in -> applied,
-exactly once across restarts; and the real daemon process not answering a round twice after a kill -9.
+"""The device core (agent/core.py, round.py, state.py): round bytes in -> signed outbox entry out,
+global bytes in -> applied, exactly once across restarts; and the real daemon process not answering a
+round twice after a kill -9.
 
 Real parts: the int8 digits model through LiteRT, the digits data, state files on disk, and (for the
 daemon test) a real agent process and the session's mosquitto.
@@ -20,22 +21,19 @@ import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, Broker, start_replay_agent
 
 from edgefl.agent.config import Profile, load_profile
-from edgefl.agent.core import ANSWERED_FILE, OUTBOX_FILE, ApplyStatus, DeviceCore, RoundStatus
+from edgefl.agent.core import ApplyStatus, DeviceCore
+from edgefl.agent.round import RoundStatus
+from edgefl.agent.state import OUTBOX_FILE
 from edgefl.datasets import load_digits
 from edgefl.launcher import stop_agents
 from edgefl.records import read_record
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import (
-    GlobalModel,
-    RoundAnnouncement,
-    decode_status,
-    decode_update,
-    encode_global_model,
-    encode_round,
-)
+from edgefl.wire.global_model import GlobalModel, encode_global_model
+from edgefl.wire.rounds import RoundAnnouncement, decode_update, encode_round
 from edgefl.wire.signing import generate_signing_key, sign_message, verify_payload
+from edgefl.wire.status import decode_status
 from tests.support.wire import compressed_roundtrip
 
 pytestmark = pytest.mark.timeout(180)
@@ -125,8 +123,7 @@ def test_exactly_once_core_across_restarts(tmp_path: Path, digits: tuple[np.ndar
     kept = cbor2.loads(read_record(tmp_path / "state" / OUTBOX_FILE) or b"")
     assert kept["answered"] == {"v": 1, "fleet": "f1", "round": 1, "update_id": "dev-1:1:0"}
     assert [e[0] for e in kept["entries"]] == ["dev-1:1:0"]
-    assert read_record(tmp_path / "state" / ANSWERED_FILE) is None  # no second write any more
-    core.flush()  # as the daemon does at shutdown
+    core.flush_store()  # as the daemon does at shutdown
 
     again = DeviceCore.open(profile_for(tmp_path))  # a restart on the same state directory
     assert again.answered is not None and again.answered.round == 1
@@ -162,29 +159,6 @@ def test_exactly_once_answered_round_survives_the_outbox_ack_and_restart(
     third = DeviceCore.open(profile_for(tmp_path))
     assert third.answered is not None and third.answered.round == 2
     assert third.answer_round(announcement(2)).status == RoundStatus.ANSWERED
-
-
-def test_exactly_once_legacy_answered_round_file_is_still_honoured(
-    tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
-) -> None:
-    """A state directory from before the merge (``answered_round.rec`` alone) keeps its answered round;
-    the newer of the two records wins."""
-    from edgefl.records import write_record
-
-    state = tmp_path / "state"
-    state.mkdir()
-    legacy = {"v": 1, "fleet": "f1", "round": 3, "update_id": "dev-1:3:0"}
-    write_record(state / ANSWERED_FILE, cbor2.dumps(legacy))
-    x, y = digits
-    core = DeviceCore.open(profile_for(tmp_path))
-    assert core.answered is not None and core.answered.round == 3
-    core.observe(x[:16], y[:16])
-    assert core.answer_round(announcement(3)).status == RoundStatus.ANSWERED
-    assert core.answer_round(announcement(4)).status == RoundStatus.TRAINED
-    again = DeviceCore.open(profile_for(tmp_path))  # outbox says 4, the legacy file 3
-    assert again.answered is not None and again.answered.round == 4
-    other = DeviceCore.open(profile_for(tmp_path, fleet="f2"))  # both records are f1's
-    assert other.answered is None
 
 
 def test_core_global_bytes_applied_persisted_and_refusals(
@@ -223,87 +197,47 @@ def test_core_global_bytes_applied_persisted_and_refusals(
     np.testing.assert_array_equal(restarted.head.W, W)
 
 
-def test_core_deferred_head_write_answers_first_and_a_restart_takes_the_retained_head_again(
+def test_exactly_once_ack_is_written_at_once_and_a_restart_sends_nothing_again(
     tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
 ) -> None:
-    """With ``defer_writes`` (the daemon's setting) a head is applied at once and written later (after
-    the round that follows): killed in between, the device restarts on the older head, takes the
-    retained head again and still does not answer the round twice."""
+    """The outbox write after a PUBACK happens at once: a restart owes nothing and does not train the
+    round again; before the PUBACK a restart owes the same bytes once."""
     x, y = digits
     prof = profile_for(tmp_path)
     core = DeviceCore.open(prof)
-    core.defer_writes = True
-    core.observe(x[:16], y[:16])
-    gm = GlobalModel(1, 1, core.model_sha256, core.head.W + np.float32(0.01), core.head.b.copy())
-    retained = encode_global_model(gm)
-    assert core.receive_global(retained).status == ApplyStatus.APPLIED
-    assert core.head.version == 1 and core.head_unsaved
-    assert read_record(tmp_path / "state" / "global_head.rec") is None  # not written yet
-    res = core.answer_round(announcement(2, base_version=1))
-    assert res.status == RoundStatus.TRAINED and core.head_unsaved  # answered on the applied head
-
-    crashed = DeviceCore.open(prof)  # killed before write_deferred: the older head, the round answered
-    assert crashed.head.version == 0 and crashed.answered is not None and crashed.answered.round == 2
-    assert crashed.receive_global(retained).status == ApplyStatus.APPLIED  # the broker's retained head
-    assert crashed.answer_round(announcement(2, base_version=1)).status == RoundStatus.ANSWERED
-    assert [e.update_id for e in crashed.outbox.pending()] == ["dev-1:2:1"]  # owed once, not re-made
-
-    assert core.write_deferred() and not core.head_unsaved
-    assert DeviceCore.open(prof).head.version == 1
-    gm2 = GlobalModel(2, 2, core.model_sha256, gm.W + np.float32(0.01), gm.b)
-    assert core.receive_global(encode_global_model(gm2)).status == ApplyStatus.APPLIED
-    assert core.flush() and not core.head_unsaved  # shutdown writes a head still waiting
-    assert DeviceCore.open(prof).head.version == 2
-
-
-def test_exactly_once_deferred_ack_write_resends_the_same_update_and_never_retrains(
-    tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
-) -> None:
-    """With ``defer_writes`` the outbox write after a PUBACK waits: a restart before it sends that
-    update once more (same update_id: the coordinator counts it once) and still does not train the
-    round again; the next answer's write, or ``write_deferred``, records the ack."""
-    x, y = digits
-    prof = profile_for(tmp_path)
-    core = DeviceCore.open(prof)
-    core.defer_writes = True
     core.observe(x[:16], y[:16])
     first = core.answer_round(announcement(1))
     assert first.status == RoundStatus.TRAINED and first.entry is not None
-    assert core.acknowledged("dev-1:1:0") and not core.outbox.pending() and core.acks_unrecorded == 1
 
-    crashed = DeviceCore.open(prof)  # killed before the ack was written
+    crashed = DeviceCore.open(prof)  # killed before the PUBACK: the same bytes are owed once
     assert [e.update_id for e in crashed.outbox.pending()] == ["dev-1:1:0"]
-    assert crashed.outbox.pending()[0].payload == first.entry.payload  # the same bytes, re-sent once
+    assert crashed.outbox.pending()[0].payload == first.entry.payload
     assert crashed.answer_round(announcement(1)).status == RoundStatus.ANSWERED
 
-    assert core.answer_round(announcement(2)).status == RoundStatus.TRAINED  # its write records the ack
-    assert core.acks_unrecorded == 0 and core.deferred_age_s is None
-    assert [e.update_id for e in DeviceCore.open(prof).outbox.pending()] == ["dev-1:2:0"]
-    assert core.acknowledged("dev-1:2:0") and core.deferred_age_s is not None
-    assert core.write_deferred() and core.acks_unrecorded == 0
+    assert core.acknowledged("dev-1:1:0") and not core.outbox.pending()
     again = DeviceCore.open(prof)
-    assert again.outbox.pending() == [] and again.answered is not None and again.answered.round == 2
+    assert again.outbox.pending() == [] and again.answered is not None and again.answered.round == 1
+    assert again.answer_round(announcement(1)).status == RoundStatus.ANSWERED
 
 
 def test_error_feedback_residual_goes_with_the_update_and_survives_a_restart_before_its_file(
     tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
 ) -> None:
-    """With ``defer_writes`` the residual a compressed answer leaves is written by the outbox write that
-    keeps the update (no separate fsync'd file before the publish): killed before its own file is
-    written, the device restarts with that residual (nothing sent twice, nothing dropped); once the
-    file is written the outbox stops carrying it."""
+    """The residual a compressed answer leaves is written by the outbox write that keeps the update (no
+    separate fsync'd file before the publish): killed before its own file is written (at the PUBACK),
+    the device restarts with that residual (nothing sent twice, nothing dropped); once the file is
+    written the outbox stops carrying it."""
     from edgefl.agent.feedback import RESIDUAL_FILE
 
     x, y = digits
     prof = profile_for(tmp_path)
     core = DeviceCore.open(prof)
-    core.defer_writes = True
     core.observe(x[:16], y[:16])
     res = core.answer_round(announcement(1, compression=Compression.INT8))
     assert res.status == RoundStatus.TRAINED
     kept_W = core.feedback.residual_W.copy()
     assert np.count_nonzero(kept_W) > 0 and core.feedback.round == 1
-    assert not (tmp_path / "state" / RESIDUAL_FILE).exists()  # its own file waits for idle time
+    assert not (tmp_path / "state" / RESIDUAL_FILE).exists()  # its own file waits for the PUBACK
     record = cbor2.loads(read_record(tmp_path / "state" / OUTBOX_FILE) or b"")
     assert isinstance(record.get("residual"), bytes)
 
@@ -311,7 +245,7 @@ def test_error_feedback_residual_goes_with_the_update_and_survives_a_restart_bef
     np.testing.assert_array_equal(crashed.feedback.residual_W, kept_W)
     assert crashed.feedback.round == 1 and (tmp_path / "state" / RESIDUAL_FILE).exists()
 
-    assert core.acknowledged("dev-1:1:0") and core.write_deferred()
+    assert core.acknowledged("dev-1:1:0")
     assert "residual" not in cbor2.loads(read_record(tmp_path / "state" / OUTBOX_FILE) or b"")
     again = DeviceCore.open(prof)
     np.testing.assert_array_equal(again.feedback.residual_W, kept_W)

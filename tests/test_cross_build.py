@@ -780,7 +780,7 @@ def test_install_sh_release_signs_offline_with_the_wheelhouse_signing_library(
     signs = run([
         str(venv_bin / "python"), "-c",
         "import sys; from edgefl.wire.signing import load_signing_key, sign_message; "
-        "from edgefl.wire.messages import RoundAnnouncement, encode_round; "
+        "from edgefl.wire.rounds import RoundAnnouncement, encode_round; "
         "k = load_signing_key(sys.argv[1]); "
         "m = RoundAnnouncement(1, 0, 30.0, 1, 0.1, 16, 1, ('gw-7',)); "
         "p = sign_message(encode_round, m, k, fleet='f'); "

@@ -21,8 +21,8 @@ from conftest import CHROMIUM, CHROMIUM_ARGS, DEV_PROFILE, INT8_MODEL, Broker, f
 from playwright.sync_api import Browser, expect, sync_playwright
 
 from edgefl.agent import memory
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, split_digits
 from edgefl.launcher import launch_agent, stop_agents
 from edgefl.runtime import Backbone
@@ -100,7 +100,7 @@ def test_browser_real_agent_dashboard_during_real_rounds(
         coord_box["c"] = coord
         coord_box["pump"] = asyncio.ensure_future(coord.pump())  # type: ignore[assignment]
         await coord.start()
-        await coord.wait_for_devices(1, timeout_s=60)
+        await coord.registry.wait_for_devices(1, timeout_s=60)
 
     errors: list[str] = []
     try:

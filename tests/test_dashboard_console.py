@@ -28,8 +28,8 @@ from conftest import CHROMIUM, CHROMIUM_ARGS, Broker, start_mosquitto, stop_brok
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 from test_dashboard_browser import PageErrors, ThreadedDashboard, painted_pixels
 
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.dashboard.app import MAX_ROUNDS_PAGE, DashboardState
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
@@ -647,7 +647,7 @@ def test_fleet_page_console_large_fleet_shows_the_worst_20_first(browser: Browse
 
 
 def test_console_coordinator_round_records_follow_its_history() -> None:
-    from edgefl.coordinator.service import RoundRecord
+    from edgefl.coordinator.history import RoundRecord
 
     coord = Coordinator(
         MqttTransport("127.0.0.1", 1, "console-records"),  # never started: no connection

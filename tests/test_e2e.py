@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, Broker, start_replay_agent, wait_until
 
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy, embed_all
 from edgefl.launcher import stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import GlobalModel, encode_global_model
+from edgefl.wire.global_model import GlobalModel, encode_global_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -76,7 +76,7 @@ def test_e2e_accuracy_rises_and_bad_input_is_counted(
         pump = asyncio.create_task(coord.pump())
         try:
             await coord.start()
-            await coord.wait_for_devices(2, timeout_s=90)
+            await coord.registry.wait_for_devices(2, timeout_s=90)
             accs = [(await coord.run_round(r)).accuracy for r in (1, 2, 3)]
             assert all(h.clients == 2 for h in coord.state.history)
             # Hostile input on the agents' topics: garbage, a wrong-shaped head, a NaN head, an old version.
@@ -99,12 +99,13 @@ def test_e2e_accuracy_rises_and_bad_input_is_counted(
             assert rec.clients == 2
             await wait_until(  # statuses (every 0.2 s: status.interval_s) once both applied the last head
                 lambda: all(
-                    coord.state.devices[d].get("version") == coord.state.version for d in ("dev-1", "dev-2")
+                    coord.registry.devices[d].get("version") == coord.state.version
+                    for d in ("dev-1", "dev-2")
                 ),
                 15,
                 "both agents' statuses at the last version",
             )
-            return accs, coord.state.devices, coord.state.version
+            return accs, coord.registry.devices, coord.state.version
         finally:
             pump.cancel()
             await t.stop()

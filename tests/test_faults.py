@@ -38,25 +38,20 @@ from conftest import (
 
 from edgefl.agent.outbox import Outbox
 from edgefl.agent.trainer import fit_head
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg, Offer, aggregate_checked, make_strategy
+from edgefl.coordinator.strategies import make_strategy
+from edgefl.coordinator.strategy import Offer, aggregate_checked
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy, embed_all
 from edgefl.records import prev_path
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import (
-    GlobalModel,
-    RoundAnnouncement,
-    Update,
-    UpdateMetrics,
-    decode_status,
-    encode_global_model,
-    encode_round,
-    encode_update,
-)
+from edgefl.wire.global_model import GlobalModel, encode_global_model
+from edgefl.wire.rounds import RoundAnnouncement, Update, UpdateMetrics, encode_round, encode_update
 from edgefl.wire.signing import SigningKey, generate_signing_key, load_verify_keys, sign_message
+from edgefl.wire.status import decode_status
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -222,7 +217,7 @@ def test_sign_round_with_signed_messages_and_forgeries_rejected(
         pump = asyncio.create_task(coord.pump())
         try:
             await coord.start()
-            await coord.wait_for_devices(2, timeout_s=60)
+            await coord.registry.wait_for_devices(2, timeout_s=60)
             accs = [(await coord.run_round(r)).accuracy for r in (1, 2)]
             assert [h.clients for h in coord.state.history] == [2, 2]
             good = coord.state.version
@@ -245,7 +240,7 @@ def test_sign_round_with_signed_messages_and_forgeries_rejected(
             assert rec3.clients == 2  # the two real, signed updates; neither forgery took a slot
 
             def rejected(dev: str) -> dict[str, int]:
-                return dict(coord.state.devices.get(dev, {}).get("rejected") or {})
+                return dict(coord.registry.devices.get(dev, {}).get("rejected") or {})
 
             await wait_until(
                 lambda: (
@@ -253,7 +248,7 @@ def test_sign_round_with_signed_messages_and_forgeries_rejected(
                         rejected(d).get("unsigned", 0) >= 1 and rejected(d).get("bad_signature", 0) >= 1
                         for d in dev_keys
                     )
-                    and all(coord.state.devices[d].get("version") == coord.state.version for d in dev_keys)
+                    and all(coord.registry.devices[d].get("version") == coord.state.version for d in dev_keys)
                 ),
                 15,
                 "agents' statuses counting the forged heads",
@@ -273,7 +268,7 @@ def test_sign_round_with_signed_messages_and_forgeries_rejected(
     assert coord.state.version == 3
     assert accs[-1] > digits.acc(digits.W0, digits.b0) + 0.2, accs
     for dev in dev_keys:
-        st = coord.state.devices[dev]
+        st = coord.registry.devices[dev]
         assert st["version"] == 3
         assert st["rejected"]["unsigned"] == 1 and st["rejected"]["bad_signature"] == 1, st["rejected"]
     # the coordinator saw the attacker's updates as dev-1's but counted only dev-1's own
@@ -359,7 +354,7 @@ def test_chunked_round_under_broker_max_packet_size(fleet: str, tmp_path: Path, 
         try:
             await coord.start()
             assert coord._global_chunks > 1  # the retained head itself goes out in chunks
-            await coord.wait_for_devices(2, timeout_s=60)
+            await coord.registry.wait_for_devices(2, timeout_s=60)
             accs = [(await coord.run_round(r)).accuracy for r in (1, 2, 3)]
             await wait_until(
                 lambda: all(
@@ -425,10 +420,12 @@ def test_fault_round_completes_under_broker_packet_limit(
         pump = asyncio.create_task(coord.pump())
         try:
             await coord.start()
-            await coord.wait_for_devices(2, timeout_s=60)
+            await coord.registry.wait_for_devices(2, timeout_s=60)
             accs = [(await coord.run_round(r)).accuracy for r in (1, 2)]
             await wait_until(
-                lambda: all(coord.state.devices.get(d, {}).get("version") == 2 for d in ("dev-1", "dev-2")),
+                lambda: all(
+                    coord.registry.devices.get(d, {}).get("version") == 2 for d in ("dev-1", "dev-2")
+                ),
                 30,
                 "both agents' statuses at version 2",
             )
@@ -447,7 +444,8 @@ def test_fault_round_completes_under_broker_packet_limit(
     assert [h.clients for h in coord.state.history] == [2, 2]
     assert accs[-1] > baseline + 0.2, (baseline, accs)
     for dev in ("dev-1", "dev-2"):
-        assert coord.state.devices[dev]["transport"]["connects"] == 1  # never dropped for an oversize packet
+        # never dropped for an oversize packet
+        assert coord.registry.devices[dev]["transport"]["connects"] == 1
     blog = (tmp_path / f"mosquitto-{broker.port}.log").read_text(errors="replace")
     assert re.search(r"oversize|too large|malformed|protocol error", blog, re.I) is None, blog[-3000:]
     if broker_limit < 20_000:  # the digits update (~20 KB) went out in chunks
@@ -464,7 +462,7 @@ def test_fault_round_collects_before_the_announcement_puback_counts_once_and_fai
     acknowledges (broker gone) still fails its round with TransportError, nothing recorded."""
     import edgefl.coordinator.service as service
     from edgefl.errors import TransportError
-    from edgefl.wire.messages import decode_round
+    from edgefl.wire.rounds import decode_round
 
     monkeypatch.setattr(service, "PUBLISH_RETRY_S", 1.0)
     broker = start_mosquitto(tmp_path)
@@ -533,14 +531,14 @@ def test_outbox_resends_after_restart_and_coordinator_counts_once(
         pump = asyncio.create_task(coord.pump())
         try:
             await coord.start()
-            await coord.wait_for_devices(2, timeout_s=60)
+            await coord.registry.wait_for_devices(2, timeout_s=60)
             # dev-2 stops (its store persisted) and joins again later, so round 1 stays open for dev-1's
             # copies; a fresh agent joining an open round would not take part (test_chaos_agent_joining_...)
             procs[1].send_signal(signal.SIGTERM)
             procs[1].wait(timeout=15)
             run1 = asyncio.create_task(coord.run_round(1))
             await wait_until(
-                lambda: coord.state.devices["dev-1"].get("state") == "training" and coord.state.round == 1,
+                lambda: coord.registry.devices["dev-1"].get("state") == "training" and coord.state.round == 1,
                 20,
                 "dev-1 training",
             )
@@ -671,12 +669,12 @@ def test_corrupt_state_files_are_ignored_with_a_clear_log(
         pump = asyncio.create_task(coord.pump())
 
         def dev() -> dict[str, Any]:
-            return coord.state.devices.get("dev-1", {})
+            return coord.registry.devices.get("dev-1", {})
 
         async def restart(expect_version: int, expect_log: str) -> None:
             procs[-1].send_signal(signal.SIGTERM)
             procs[-1].wait(timeout=15)
-            coord.state.devices.pop("dev-1", None)
+            coord.registry.devices.pop("dev-1", None)
             tear()
             # no retained head on the broker: what the agent runs on is what it restored from disk
             await t.publish(topics.global_model, b"", qos=1, retain=True)
@@ -689,7 +687,7 @@ def test_corrupt_state_files_are_ignored_with_a_clear_log(
         tear: Callable[[], None]
         try:
             await coord.start()
-            await coord.wait_for_devices(1, timeout_s=60)
+            await coord.registry.wait_for_devices(1, timeout_s=60)
             # an applied head is written once the device is idle (the daemon's housekeeping, issue 17):
             # each head gets its generation when the rounds are apart
             assert (await coord.run_round(1)).clients == 1
@@ -1047,11 +1045,11 @@ def test_fault_full_disk_degrades_keeps_classifying_and_recovers(
             pump = asyncio.create_task(coord.pump())
 
             def dev() -> dict[str, Any]:
-                return coord.state.devices.get("dev-1", {})
+                return coord.registry.devices.get("dev-1", {})
 
             try:
                 await coord.start()
-                await coord.wait_for_devices(1, timeout_s=60)
+                await coord.registry.wait_for_devices(1, timeout_s=60)
                 await wait_until(lambda: bool(dev().get("ready")), 60, "replay done")
                 assert (await coord.run_round(1)).clients == 1
                 await wait_until(lambda: dev().get("version") == 1, 10, "dev-1 on version 1")
@@ -1089,7 +1087,7 @@ def test_fault_full_disk_degrades_keeps_classifying_and_recovers(
         assert log.count("degraded: disk full") >= 1 and "persisting resumed (was disk full)" in log
         # the head applied while the disk was full was written once there was room
         from edgefl.records import read_record
-        from edgefl.wire.messages import decode_global_model
+        from edgefl.wire.global_model import decode_global_model
 
         persisted = read_record(state / "global_head.rec")
         assert persisted is not None and decode_global_model(persisted).version >= 2

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from edgefl.coordinator.fedbuff import FedBuff, FedBuffer, staleness_weight
-from edgefl.coordinator.strategy import Offer, Schedule, make_strategy
+from edgefl.coordinator.strategies import make_strategy
+from edgefl.coordinator.strategy import Offer, Schedule
 from edgefl.errors import UpdateRejected
 
 

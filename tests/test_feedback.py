@@ -7,7 +7,7 @@ import pytest
 
 from edgefl.agent.feedback import RESIDUAL_FILE, ErrorFeedback
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import Update, UpdateMetrics, decode_update, encode_update
+from edgefl.wire.rounds import Update, UpdateMetrics, decode_update, encode_update
 from tests.support.wire import compressed_roundtrip
 
 
@@ -15,7 +15,7 @@ def test_topk_residual_by_hand_and_telescoping(tmp_path: Path) -> None:
     fb = ErrorFeedback(tmp_path, (2, 2), "sha")
     dW = np.array([[3.0, 1.0], [0.5, 2.0]], np.float32)
     db = np.array([0.0, -4.0], np.float32)
-    cW, cb = fb.apply(dW, db, Compression.TOPK, topk_fraction=0.25)
+    cW, cb, _ = fb.compress(dW, db, Compression.TOPK, topk_fraction=0.25)
     np.testing.assert_array_equal(cb, db)
     # first round: nothing to compensate; top-1 of W keeps 3, of b keeps -4
     np.testing.assert_array_equal(cW, dW)
@@ -25,7 +25,7 @@ def test_topk_residual_by_hand_and_telescoping(tmp_path: Path) -> None:
     np.testing.assert_array_equal(fb.residual_b, [0.0, 0.0])
     # second round with a zero delta: the residual alone is sent, its largest entry (2) goes out
     zW, zb = np.zeros((2, 2), np.float32), np.zeros(2, np.float32)
-    cW2, _ = fb.apply(zW, zb, Compression.TOPK, topk_fraction=0.25)
+    cW2, _, _ = fb.compress(zW, zb, Compression.TOPK, topk_fraction=0.25)
     np.testing.assert_array_equal(cW2, [[0.0, 1.0], [0.5, 2.0]])
     np.testing.assert_array_equal(fb.residual_W, [[0.0, 1.0], [0.5, 0.0]])
 
@@ -38,7 +38,7 @@ def test_sum_of_decoded_updates_equals_sum_of_deltas_minus_residual(tmp_path: Pa
     for _ in range(12):
         dW = rng.normal(size=(30, 4)).astype(np.float32)
         db = rng.normal(size=4).astype(np.float32)
-        cW, _ = fb.apply(dW, db, Compression.TOPK_INT8, topk_fraction=0.1)
+        cW, _, _ = fb.compress(dW, db, Compression.TOPK_INT8, topk_fraction=0.1)
         sent_W += compressed_roundtrip(cW, Compression.TOPK_INT8, topk_fraction=0.1)
         total_W += dW
     # Stich et al. 2018: what was sent plus what is held back is exactly what was produced
@@ -48,8 +48,10 @@ def test_sum_of_decoded_updates_equals_sum_of_deltas_minus_residual(tmp_path: Pa
 
 def test_residual_survives_restart_and_is_written_atomically(tmp_path: Path) -> None:
     fb = ErrorFeedback(tmp_path, (2, 2), "sha-a")
-    fb.apply(np.array([[3.0, 1.0], [0.5, 2.0]], np.float32), np.zeros(2, np.float32),
-             Compression.TOPK, topk_fraction=0.25)
+    fb.compress(np.array([[3.0, 1.0], [0.5, 2.0]], np.float32), np.zeros(2, np.float32),
+                Compression.TOPK, topk_fraction=0.25)
+    assert not (tmp_path / RESIDUAL_FILE).exists()  # kept in memory until saved
+    fb.save()
     assert (tmp_path / RESIDUAL_FILE).exists()
     assert not list(tmp_path.glob("*.tmp*"))  # the temporary file was renamed over
     again = ErrorFeedback(tmp_path, (2, 2), "sha-a")
@@ -71,7 +73,7 @@ def test_corrupt_residual_file_is_ignored(tmp_path: Path) -> None:
 def test_int8_feedback_keeps_rounding_error(tmp_path: Path) -> None:
     fb = ErrorFeedback(tmp_path, (1, 2))
     dW = np.array([[1.0, 0.3]], np.float32)
-    fb.apply(dW, np.zeros(2, np.float32), Compression.INT8)
+    fb.compress(dW, np.zeros(2, np.float32), Compression.INT8)
     decoded = compressed_roundtrip(dW, Compression.INT8)
     np.testing.assert_array_equal(fb.residual_W, dW - decoded)
     with pytest.raises(ValueError):
@@ -90,7 +92,7 @@ def test_compress_once_is_bit_identical_to_encoding_the_corrected_delta(
         dW = rng.normal(size=(40, 6)).astype(np.float32)
         db = rng.normal(size=6).astype(np.float32)
         cW, cb, packed = once.compress(dW, db, mode, topk_fraction=0.2, seed=seed)
-        cW2, cb2 = twice.apply(dW, db, mode, topk_fraction=0.2, seed=seed)
+        cW2, cb2, _ = twice.compress(dW, db, mode, topk_fraction=0.2, seed=seed)
         np.testing.assert_array_equal(cW, cW2)
         np.testing.assert_array_equal(cb, cb2)
         np.testing.assert_array_equal(once.residual_W, twice.residual_W)

@@ -20,8 +20,10 @@ from hypothesis import strategies as st
 from edgefl.errors import DecodeError
 from edgefl.records import RecordError, decode_record
 from edgefl.wire.chunking import Reassembler, decode_chunk
-from edgefl.wire.messages import decode_global_model, decode_round, decode_status, decode_update
+from edgefl.wire.global_model import decode_global_model
+from edgefl.wire.rounds import decode_round, decode_update
 from edgefl.wire.signing import verify_payload
+from edgefl.wire.status import decode_status
 
 if (
     str(ROOT) not in sys.path

@@ -16,25 +16,19 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.privacy import DPFedAvg
 from edgefl.coordinator.profile import load_coordinator_profile
-from edgefl.coordinator.strategy import (
-    FedAvg,
-    Offer,
-    SiteSums,
-    Strategy,
-    coordinate_median,
-    make_strategy,
-    trimmed_mean,
-    weighted_coordinate_median,
-)
+from edgefl.coordinator.robust import coordinate_median, trimmed_mean, weighted_coordinate_median
+from edgefl.coordinator.strategies import make_strategy
+from edgefl.coordinator.strategy import Offer, SiteSums, Strategy
 from edgefl.errors import ConfigError, DecodeError, UpdateRejected
 from edgefl.resources import shipped
 from edgefl.topics import Topics
 from edgefl.types import F32
 from edgefl.wire.arrays import encode_array
 from edgefl.wire.cbor import MessageType
-from edgefl.wire.messages import Partial, decode_partial, encode_partial
+from edgefl.wire.partial import Partial, decode_partial, encode_partial
 from edgefl.wire.signing import generate_signing_key, sign_message, verify_payload
 
 SHAPE = (12, 4)

@@ -26,14 +26,10 @@ from edgefl.launcher import launch_agent, stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import (
-    GlobalModel,
-    RoundAnnouncement,
-    decode_status,
-    encode_global_model,
-    encode_round,
-)
+from edgefl.wire.global_model import GlobalModel, encode_global_model
+from edgefl.wire.rounds import RoundAnnouncement, encode_round
 from edgefl.wire.signing import SigningKey, sign_message
+from edgefl.wire.status import decode_status
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.subprocess]
 

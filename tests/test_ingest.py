@@ -39,23 +39,19 @@ from edgefl.runtime import Backbone
 from edgefl.tlsconf import make_ssl_context
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import (
-    Decline,
+from edgefl.wire.ingest import (
     Label,
     Prediction,
-    RoundAnnouncement,
     Sample,
-    decode_decline,
     decode_label,
     decode_prediction,
     decode_sample,
-    decode_status,
-    decode_update,
     encode_label,
     encode_prediction,
-    encode_round,
     encode_sample,
 )
+from edgefl.wire.rounds import Decline, RoundAnnouncement, decode_decline, decode_update, encode_round
+from edgefl.wire.status import decode_status
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -26,9 +26,7 @@ PRODUCT = ("agent", "coordinator", "dashboard", "edgefl", "cross_build")
 """The product's folders (what the line count and the limits below speak of)."""
 MAX_MODULE_LINES = 800
 OVERSIZE = frozenset({
-    "agent/core.py", "agent/daemon.py", "agent/memory.py",
-    "coordinator/runner.py", "coordinator/service.py", "coordinator/strategy.py",
-    "edgefl/transport.py", "edgefl/wire/messages.py",
+    "agent/memory.py",
 })
 """Modules over the limit, to be split by job: a module leaves this list once it fits, none joins it."""
 NOT_IN_TREE = {".git", ".venv", ".venv-build", "build", "cache", "out", "dist", "node_modules",

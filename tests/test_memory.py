@@ -285,8 +285,10 @@ import json, sys, tempfile
 from pathlib import Path
 import numpy as np
 from edgefl.agent import memory as m
-from edgefl.wire.messages import GlobalModel, Update, UpdateMetrics
-from edgefl.wire.messages import decode_global_model, encode_global_model, encode_update
+from edgefl.wire.global_model import GlobalModel
+from edgefl.wire.rounds import Update, UpdateMetrics
+from edgefl.wire.global_model import decode_global_model, encode_global_model
+from edgefl.wire.rounds import encode_update
 from edgefl.wire.cbor import Limits
 from edgefl.head import Head
 from edgefl.agent.pipeline import Pipeline
@@ -482,8 +484,8 @@ def agent_log(tmp_path: Path) -> Iterator[Path]:
 
 
 async def _coordinator(broker: Broker, fleet: str, deadline_s: float) -> Any:
+    from edgefl.coordinator.fedavg import FedAvg
     from edgefl.coordinator.service import Coordinator
-    from edgefl.coordinator.strategy import FedAvg
     from edgefl.runtime import Backbone
     from edgefl.topics import Topics
     from edgefl.transport import MqttTransport
@@ -539,8 +541,8 @@ def test_wired_tight_cap_shrinks_or_defers_training_keeps_classifying(
         pump = asyncio.create_task(coord.pump())
         try:
             await coord.start()
-            await coord.wait_for_devices(1, timeout_s=90)
-            first = dict(coord.state.devices["dev-1"])
+            await coord.registry.wait_for_devices(1, timeout_s=90)
+            first = dict(coord.registry.devices["dev-1"])
             clients = [(await coord.run_round(r)).clients for r in (1, 2)]
             return first, await next_status(coord, "dev-1"), clients  # a status sent after the rounds
         finally:

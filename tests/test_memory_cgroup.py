@@ -147,7 +147,7 @@ def _run_rounds(
         pump = asyncio.create_task(coord.pump())
         try:
             await coord.start()
-            await coord.wait_for_devices(1, timeout_s=90)
+            await coord.registry.wait_for_devices(1, timeout_s=90)
             clients = [(await coord.run_round(r)).clients for r in range(1, rounds + 1)]
             return clients, await next_status(coord, "dev-1")  # a status sent after the rounds
         finally:

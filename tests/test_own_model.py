@@ -11,7 +11,8 @@ from conftest import MODELS
 from edgefl import modelfile
 from edgefl.agent.store import EmbeddingStore
 from edgefl.agent.trainer import train_local
-from edgefl.coordinator.strategy import Offer, make_strategy
+from edgefl.coordinator.strategies import make_strategy
+from edgefl.coordinator.strategy import Offer
 from edgefl.head import Head, activate
 from edgefl.runtime import Backbone
 

@@ -41,7 +41,7 @@ def test_wheel_claims_only_the_edgefl_import_name(wheel: Path) -> None:
         "edgefl/dashboard/static/index.html",
         "edgefl/agent/daemon.py",
         "edgefl/coordinator/service.py",
-        "edgefl/wire/messages.py",
+        "edgefl/wire/rounds.py",
     ):
         assert shipped in names, shipped
     # build-machine tools and the benches' data stay in the checkout

@@ -25,11 +25,13 @@ from conftest import (
 
 from edgefl.agent import memory
 from edgefl.agent.config import parse_profile
-from edgefl.agent.core import PERSONAL_FILE, DeviceCore, RoundStatus, personal_behind
+from edgefl.agent.core import DeviceCore
+from edgefl.agent.personal import PERSONAL_FILE, personal_behind
 from edgefl.agent.pipeline import Pipeline
+from edgefl.agent.round import RoundStatus
 from edgefl.agent.store import EmbeddingStore
 from edgefl.agent.trainer import train_personal
-from edgefl.coordinator.service import personal_heads_summary
+from edgefl.coordinator.history import personal_heads_summary
 from edgefl.datasets import load_digits
 from edgefl.errors import ConfigError, DecodeError
 from edgefl.head import Head, ditto_step, personal_columns
@@ -38,20 +40,10 @@ from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import (
-    GlobalModel,
-    Prediction,
-    RoundAnnouncement,
-    Sample,
-    decode_prediction,
-    decode_status,
-    decode_update,
-    encode_global_model,
-    encode_prediction,
-    encode_round,
-    encode_sample,
-    encode_update,
-)
+from edgefl.wire.global_model import GlobalModel, encode_global_model
+from edgefl.wire.ingest import Prediction, Sample, decode_prediction, encode_prediction, encode_sample
+from edgefl.wire.rounds import RoundAnnouncement, decode_update, encode_round, encode_update
+from edgefl.wire.status import decode_status
 
 # ----------------------------------------------------------------------------------------------
 # The step, by hand

@@ -20,13 +20,15 @@ import pytest
 from conftest import INT8_MODEL, ROOT, Broker, start_replay_agent
 
 from bench.poison import ATTACKS, bench_rounds, poison_task, run_poisoned, shipped_profile
-from edgefl.coordinator.strategy import DEFAULT_STRATEGY, FedAvg, Offer, aggregate_checked
+from edgefl.coordinator.fedavg import FedAvg
+from edgefl.coordinator.strategies import DEFAULT_STRATEGY
+from edgefl.coordinator.strategy import Offer, aggregate_checked
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.launcher import stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import Update, UpdateMetrics, decode_round, encode_update
+from edgefl.wire.rounds import Update, UpdateMetrics, decode_round, encode_update
 
 pytestmark = pytest.mark.timeout(600)
 SHIPPED = ROOT / "firmware_configs" / "coordinator.toml"
@@ -47,6 +49,20 @@ def test_poison_shipped_default_strategy_stays_within_003_of_clean() -> None:
         assert run.accuracy >= clean.accuracy - 0.03, (attack, clean.accuracy, run.accuracy)
         if attack in ("scale1000", "huge"):
             assert run.clipped >= task.rounds, (attack, run.clipped)  # the attacker is clipped every round
+
+
+@pytest.mark.parametrize("name", ["fedadam", "fedyogi"])
+def test_poison_shipped_adaptive_strategies_stay_within_006_of_clean(name: str) -> None:
+    """FedAdam and FedYogi on the shipped profile, every attack, attacker first: within 0.06 of clean.
+
+    Without the per-coordinate bound on the adaptive step, FedYogi under x -10 lost 0.089 here."""
+    profile = shipped_profile(name)
+    task = poison_task(profile, seed=0)
+    clean = run_poisoned(task, profile, None)
+    assert clean.accuracy > task.accuracy(task.W0, task.b0) + 0.3  # it learns
+    for attack in ATTACKS:
+        run = run_poisoned(task, profile, attack)
+        assert run.accuracy >= clean.accuracy - 0.06, (name, attack, clean.accuracy, run.accuracy)
 
 
 def test_poison_shipped_fedavg_rounds_wait_for_five() -> None:

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, Broker, wait_until
 
+from edgefl.coordinator.fedavg import FedAvg
+from edgefl.coordinator.optimisers import FedAvgM
 from edgefl.coordinator.privacy import (
     DPFedAvg,
     PrivacyLedger,
@@ -18,11 +20,12 @@ from edgefl.coordinator.privacy import (
     ledger_epsilon,
 )
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg, FedAvgM, Offer, aggregate_checked, make_strategy
+from edgefl.coordinator.strategies import make_strategy
+from edgefl.coordinator.strategy import Offer, aggregate_checked
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import Update, UpdateMetrics, encode_update
+from edgefl.wire.rounds import Update, UpdateMetrics, encode_update
 
 
 def test_clip_update_by_hand() -> None:

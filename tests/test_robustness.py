@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, Broker, start_replay_agent, wait_until
 
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.launcher import stop_agents
+from edgefl.mqtt_link import Message
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
-from edgefl.transport import Message, MqttTransport
-from edgefl.wire.messages import Update, UpdateMetrics, encode_update
+from edgefl.transport import MqttTransport
+from edgefl.wire.rounds import Update, UpdateMetrics, encode_update
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -49,7 +50,7 @@ def test_robust_rounds_with_a_straggler_and_a_late_joiner(
         pump = asyncio.create_task(coord.pump())
         try:
             await coord.start()
-            await coord.wait_for_devices(1, timeout_s=60)
+            await coord.registry.wait_for_devices(1, timeout_s=60)
             clients = [(await coord.run_round(r)).clients for r in (1, 2)]
             # a straggler's update for round 1 arrives while round 3 is open: refused by round number
             run3 = asyncio.create_task(coord.run_round(3))
@@ -68,12 +69,12 @@ def test_robust_rounds_with_a_straggler_and_a_late_joiner(
             clients.append((await run3).clients)
             # a device that was away for 3 rounds joins: it catches up from the retained global head
             procs.append(_agent(mosquitto, fleet, tmp_path, "dev-2", shards[1]))
-            await coord.wait_for_devices(2, timeout_s=60)
+            await coord.registry.wait_for_devices(2, timeout_s=60)
             clients.append((await coord.run_round(4)).clients)
             await wait_until(  # statuses every 0.2 s in tests (status.interval_s)
-                lambda: coord.state.devices["dev-2"].get("version") == 4, 15, "dev-2's status at version 4"
+                lambda: coord.registry.devices["dev-2"].get("version") == 4, 15, "dev-2's status at version 4"
             )
-            return clients, coord, dict(coord.state.devices["dev-2"])
+            return clients, coord, dict(coord.registry.devices["dev-2"])
         finally:
             pump.cancel()
             await late.stop()
@@ -129,7 +130,7 @@ def test_robust_transport_survives_a_raising_callback(
 )
 def test_robust_round_settings_out_of_bounds_are_refused(field: str, value: float) -> None:
     from edgefl.errors import DecodeError
-    from edgefl.wire.messages import RoundAnnouncement, decode_round, encode_round
+    from edgefl.wire.rounds import RoundAnnouncement, decode_round, encode_round
 
     fields: dict[str, Any] = {
         "round": 1,
@@ -181,8 +182,8 @@ def test_shipped_round_below_the_minimum_waits_to_its_deadline_then_is_abandoned
     """Trimmed mean (beta 0.2) tolerating 1 of 5, ``min_clients = 2`` (the shipped profile's): two
     updates do not close the round (it announces ``min_clients = 5``); at the deadline the round is
     abandoned as ``too_few`` with nothing aggregated (version and head kept, no history committed)."""
-    from edgefl.coordinator.strategy import TrimmedMean
-    from edgefl.wire.messages import decode_round
+    from edgefl.coordinator.robust import TrimmedMean
+    from edgefl.wire.rounds import decode_round
 
     bb = Backbone(INT8_MODEL)
     W0, b0 = bb.head_from_model()

@@ -11,7 +11,7 @@ import pytest
 
 from edgefl.coordinator.rounds import Round
 from edgefl.errors import UpdateRejected
-from edgefl.wire.messages import Update, UpdateMetrics
+from edgefl.wire.rounds import Update, UpdateMetrics
 
 
 def update(device: str, round_no: int = 1) -> Update:

@@ -527,12 +527,12 @@ def test_fleet_registry_is_bounded_under_a_status_flood(mosquitto: Broker, fleet
     import asyncio
     import time
 
+    from edgefl.coordinator.fedavg import FedAvg
     from edgefl.coordinator.service import Coordinator
-    from edgefl.coordinator.strategy import FedAvg
     from edgefl.runtime import Backbone
     from edgefl.topics import Topics
     from edgefl.transport import MqttTransport
-    from edgefl.wire.messages import DeviceStatus, encode_status
+    from edgefl.wire.status import DeviceStatus, encode_status
 
     async def main() -> tuple[Coordinator, int]:
         bb = Backbone(INT8_MODEL)
@@ -565,25 +565,25 @@ def test_fleet_registry_is_bounded_under_a_status_flood(mosquitto: Broker, fleet
             await flood.publish(topics.status("ancient"), encode_status(old), qos=1, retain=True)
             # every status handled: 200 kept + 800 refused + 1 expired (150 evicted along the way)
             deadline = time.monotonic() + 60
-            while len(coord.state.devices) + sum(coord.state.rejected.values()) < 1001:
-                assert time.monotonic() < deadline, (len(coord.state.devices), coord.state.rejected)
+            while len(coord.registry.devices) + sum(coord.state.rejected.values()) < 1001:
+                assert time.monotonic() < deadline, (len(coord.registry.devices), coord.state.rejected)
                 await asyncio.sleep(0.05)
-            return coord, len(coord.rejected_by_device)
+            return coord, len(coord.registry.rejected_by_device)
         finally:
             pump.cancel()
             await flood.stop()
             await t.stop()
 
     coord, tracked = asyncio.run(main())
-    assert len(coord.state.devices) == 200
-    assert all(st["state"] == "online" for st in coord.state.devices.values())
+    assert len(coord.registry.devices) == 200
+    assert all(st["state"] == "online" for st in coord.registry.devices.values())
     assert coord.state.rejected["registry_full"] == 800
     assert coord.state.rejected["expired"] == 1
     assert tracked <= 200  # refusals by device are bounded like the registry
 
 
 def test_fleet_federated_evaluation_weights_by_count_and_reports_the_worst_decile() -> None:
-    from edgefl.coordinator.service import federated_evaluation
+    from edgefl.coordinator.history import federated_evaluation
 
     mean, worst, n = federated_evaluation([(0.9, 100), (0.5, 50), (1.0, 50)])
     assert (round(mean, 6), worst, n) == (round((90 + 25 + 50) / 200, 6), 0.5, 3)

@@ -15,7 +15,8 @@ import pytest
 from conftest import Broker
 
 from bench.scale import MiniPublisher, connect_packet, device_ids, main, peak_rss, publish_packet
-from edgefl.transport import Message, MqttTransport
+from edgefl.mqtt_link import Message
+from edgefl.transport import MqttTransport
 
 pytestmark = pytest.mark.timeout(240)
 

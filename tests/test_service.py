@@ -23,16 +23,16 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, ROOT, Broker, free_port, start_replay_agent
 
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.profile import load_coordinator_profile
 from edgefl.coordinator.rounds import FleetPhase, Pacing, Round
 from edgefl.coordinator.runner import pacing_for
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits
 from edgefl.launcher import stop_agents
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import DeviceStatus, encode_status
+from edgefl.wire.status import DeviceStatus, encode_status
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -117,7 +117,9 @@ def test_pacing_of_a_job_a_root_and_a_flat_service() -> None:
 
     assert pacing() == Pacing(60.0, 32, 2)  # the shipped service
     assert pacing(**{"rounds.count": "3"}) == Pacing(0.0, 0, 1)  # a job: back to back
-    root = pacing(**{"hierarchy.role": "root", "hierarchy.allow_unsigned_sites": "true"})
+    root = pacing(
+        **{"hierarchy.role": "root", "hierarchy.allow_unsigned_sites": "true", "hierarchy.site_devices": "9"}
+    )
     assert root == Pacing(60.0, 0, 0)  # its devices report to their sites: time only
     assert root.check(4, {}, 60.0).text == "opening round 5"
 

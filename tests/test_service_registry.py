@@ -16,13 +16,14 @@ import aiohttp
 import pytest
 from conftest import INT8_MODEL, Broker, wait_until
 
-from edgefl.coordinator.service import LOGGED_REFUSALS, PAGE_DEVICES, STRANGERS_KEPT, Coordinator
-from edgefl.coordinator.strategy import FedAvg
+from edgefl.coordinator.fedavg import FedAvg
+from edgefl.coordinator.registry import LOGGED_REFUSALS, PAGE_DEVICES, STRANGERS_KEPT
+from edgefl.coordinator.service import Coordinator
 from edgefl.dashboard.app import DashboardState, serve
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import DeviceStatus, encode_status
+from edgefl.wire.status import DeviceStatus, encode_status
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -37,7 +38,7 @@ def test_hostile_ghost_statuses_keep_every_per_device_record_bounded(
     W0, b0 = bb.head_from_model()
     topics = Topics("edgefl", fleet)
     other = "0" * 64  # another backbone's sha256
-    caplog.set_level(logging.WARNING, logger="edgefl.coordinator.service")
+    caplog.set_level(logging.WARNING, logger="edgefl.coordinator.registry")
 
     def ghost(i: int) -> tuple[str, bytes]:
         dev = f"ghost-{i}"
@@ -83,7 +84,9 @@ def test_hostile_ghost_statuses_keep_every_per_device_record_bounded(
             last = DeviceStatus("ghost-1", "online", {"round": -1, "model_sha256": bb.sha256})
             await tx.publish(topics.status("ghost-1"), encode_status(last), qos=1)
             await wait_until(
-                lambda: coord.state.devices.get("ghost-1", {}).get("round") == -1, 120, "the ghosts handled"
+                lambda: coord.registry.devices.get("ghost-1", {}).get("round") == -1,
+                120,
+                "the ghosts handled",
             )
             async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/api/status") as r:
                 assert r.status == 200
@@ -97,18 +100,19 @@ def test_hostile_ghost_statuses_keep_every_per_device_record_bounded(
             await t.stop()
 
     coord, size, doc = asyncio.run(main())
-    registry = set(coord.state.devices)
+    reg = coord.registry
+    registry = set(reg.devices)
     assert len(registry) <= MAX_DEVICES
-    assert set(coord.mismatched) <= registry and len(coord.mismatched) == len(registry) - 1  # not ghost-1
-    assert len(set(coord.rejected_by_device) - registry) <= STRANGERS_KEPT  # refused, never registered
-    assert len(set(coord.declined_by_device) - registry) <= STRANGERS_KEPT
-    assert coord.mismatches_total > MAX_DEVICES  # evicted ghosts were forgotten, their mismatch with them
+    assert set(reg.mismatched) <= registry and len(reg.mismatched) == len(registry) - 1  # not ghost-1
+    assert len(set(reg.rejected_by_device) - registry) <= STRANGERS_KEPT  # refused, never registered
+    assert len(set(reg.declined_by_device) - registry) <= STRANGERS_KEPT
+    assert reg.mismatches_total > MAX_DEVICES  # evicted ghosts were forgotten, their mismatch with them
     status = doc["status"]
     assert len(status["devices"]) == min(PAGE_DEVICES, len(registry))
     assert status["devices_total"] == len(registry)
-    assert status["model_mismatches_total"] == len(coord.mismatched)
+    assert status["model_mismatches_total"] == len(reg.mismatched)
     assert len(status["model_mismatches"]) <= PAGE_DEVICES
     assert all(len(d["rejected"]) <= 8 and len(d["reason"]) <= 200 for d in status["devices"].values())
     assert size <= 100_000, size
     named = [r for r in caplog.records if "runs another model" in r.getMessage()]
-    assert LOGGED_REFUSALS <= len(named) <= LOGGED_REFUSALS + coord.mismatches_total // 1000
+    assert LOGGED_REFUSALS <= len(named) <= LOGGED_REFUSALS + reg.mismatches_total // 1000

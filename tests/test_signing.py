@@ -14,18 +14,14 @@ import pytest
 from edgefl.errors import DecodeError
 from edgefl.wire import signing
 from edgefl.wire.compression import Compression
-from edgefl.wire.messages import (
-    DeviceStatus,
-    GlobalModel,
+from edgefl.wire.global_model import GlobalModel, decode_global_model, encode_global_model
+from edgefl.wire.rounds import (
     RoundAnnouncement,
     Update,
     UpdateMetrics,
-    decode_global_model,
     decode_round,
     decode_update,
-    encode_global_model,
     encode_round,
-    encode_status,
     encode_update,
 )
 from edgefl.wire.signing import (
@@ -47,6 +43,7 @@ from edgefl.wire.signing import (
     unsigned_form,
     verify_payload,
 )
+from edgefl.wire.status import DeviceStatus, encode_status
 
 # RFC 8032 §7.1, TEST 1 (empty message)
 RFC_SEED = bytes.fromhex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60")
@@ -127,7 +124,7 @@ def test_sign_signed_bytes_are_the_canonical_context_string() -> None:
     payload = sign_payload(blank, key, fleet=FLEET)
     assert unsigned_form(payload) == blank
     assert payload[:-64] == blank[:-64] and payload[-66:-64] == b"\x58\x40"
-    assert cbor2.loads(payload)["v"] == 2  # signed messages are schema 2
+    assert cbor2.loads(payload)["v"] == 1  # signed or not, every message is schema 1
     digest = hashlib.sha256(blank).digest()
     # CONTEXT || CBOR [fleet, kind, round, version, device, sha256(blank)], written out by hand
     by_hand = (
@@ -346,20 +343,22 @@ def test_forgery_round_or_version_changed_after_signing() -> None:
         assert info.value.reason == "bad_signature", field
 
 
-def test_forgery_schema1_signature_is_refused() -> None:
-    # the scheme before schema 2 signed CONTEXT_v1 || the encoding with "signature": h''
+def test_forgery_signature_over_the_raw_encoding_is_refused() -> None:
+    # a signature over CONTEXT' || the encoding itself (not over the canonical signed bytes)
     key = SigningKey(RFC_SEED)
     unsigned = encode_round(make_round())
     assert cbor2.loads(unsigned)["v"] == 1
-    old = signing._backend().sign(key.seed, b"edgefl-sig-v1\x00" + unsigned)
-    payload = unsigned[:-1] + b"\x58\x40" + old
+    other = signing._backend().sign(key.seed, b"edgefl-sig-v1\x00" + unsigned)
+    payload = unsigned[:-1] + b"\x58\x40" + other
     with pytest.raises(DecodeError) as info:
         verify_payload(payload, key.verify_key, fleet=FLEET, kind=ROUND)
     assert info.value.reason == "bad_signature"
-    assert "schema-1 signature" in info.value.detail
-    # and a signer refuses to produce a schema-1 signed message
-    with pytest.raises(ValueError, match="schema 2"):
-        sign_payload(unsigned[:-1] + b"\x58\x40" + PLACEHOLDER, key, fleet=FLEET)
+    assert "does not verify" in info.value.detail
+    # and a signer refuses to sign a message of another schema
+    blank = cbor2.loads(encode_round(dataclasses.replace(make_round(), signature=PLACEHOLDER)))
+    blank["v"] = 2
+    with pytest.raises(ValueError, match="schema 1, not 2"):
+        sign_payload(cbor2.dumps(blank), key, fleet=FLEET)
 
 
 def test_forgery_signed_fields_unreadable_or_newer_schema() -> None:
@@ -381,7 +380,7 @@ def test_forgery_signed_fields_unreadable_or_newer_schema() -> None:
         # a newer schema: unauthenticated until verified, and this peer cannot verify it
         cbor2.dumps(
             {"v": 5, "type": "round", "round": 1, "base_version": 1, "signature": sig}
-        ): "newer than schema 4",
+        ): "not schema 1",
     }
     for payload, detail in cases.items():
         with pytest.raises(DecodeError) as info:

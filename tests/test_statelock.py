@@ -16,7 +16,7 @@ from pathlib import Path
 
 from conftest import DEV_PROFILE, INT8_MODEL, ROOT, TEST_STATUS_INTERVAL_S, Broker, wait_until
 
-from edgefl.agent.core import DISK_FULL, write_problem
+from edgefl.agent.state import DISK_FULL, write_problem
 from edgefl.launcher import launch_agent, stop_agents
 
 

@@ -12,13 +12,14 @@ import pytest
 from conftest import INT8_MODEL, Broker, next_status_fields, start_replay_agent
 
 from edgefl.agent.status import ROUND_STATES, status_news
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
 from edgefl.datasets import load_digits
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import Update, UpdateMetrics, decode_status, decode_update, encode_update
+from edgefl.wire.rounds import Update, UpdateMetrics, decode_update, encode_update
+from edgefl.wire.status import decode_status
 
 FIELDS: dict[str, Any] = {
     "round": 3,
@@ -114,10 +115,10 @@ def test_status_not_published_for_round_progress_the_coordinator_sees_it_in_the_
         pump = asyncio.create_task(coord.pump())
         try:
             await coord.start()
-            await coord.wait_for_devices(1, timeout_s=90)
+            await coord.registry.wait_for_devices(1, timeout_s=90)
             # start-up news: the coordinator's own retained head (version 0, held already) counted as
             # a redelivery; wait for that status, then count from there
-            await coord.wait_for_devices(1, timeout_s=60, key="redelivered_total")
+            await coord.registry.wait_for_devices(1, timeout_s=60, key="redelivered_total")
             seen.clear()
             sizes = []
             for r in (1, 2, 3):
@@ -127,7 +128,7 @@ def test_status_not_published_for_round_progress_the_coordinator_sees_it_in_the_
                 assert rec.fed_devices == 1 and 0.0 <= rec.fed_accuracy <= 1.0, rec
                 sizes.append(int(rec.update_bytes_mean))
             await asyncio.sleep(0.5)  # 10 status checks after the last head went out
-            return seen, dict(coord.state.devices["dev-1"]), coord.dashboard_status(), sizes
+            return seen, dict(coord.registry.devices["dev-1"]), coord.dashboard_status(), sizes
         finally:
             pump.cancel()
             await asyncio.gather(pump, return_exceptions=True)
@@ -148,7 +149,7 @@ def test_status_not_published_for_round_progress_the_coordinator_sees_it_in_the_
 def test_status_redelivery_is_published_at_once(mosquitto: Broker, fleet: str, tmp_path: Path) -> None:
     """Checked only every 30 s, an agent still publishes a counted redelivery at once (it used to
     wait for the next state change, and landed in the next round's bytes)."""
-    from edgefl.wire.messages import GlobalModel, encode_global_model
+    from edgefl.wire.global_model import GlobalModel, encode_global_model
 
     x, y = load_digits()
     backbone = Backbone(INT8_MODEL)
@@ -194,7 +195,7 @@ def test_status_redelivery_is_published_at_once(mosquitto: Broker, fleet: str, t
 
 
 def test_status_evaluation_travels_in_the_update() -> None:
-    """The base head's federated evaluation rides in the update's metrics (schema 4), both keys or none."""
+    """The base head's federated evaluation rides in the update's metrics , both keys or none."""
     import cbor2
     import numpy as np
     import pytest as _pytest
@@ -206,7 +207,7 @@ def test_status_evaluation_travels_in_the_update() -> None:
     upd = Update(3, 2, "dev-1", 12, w, np.zeros(3, np.float32), metrics, "dev-1:3:2")
     payload = encode_update(upd)
     obj = cbor2.loads(payload)
-    assert obj["v"] == 4 and obj["metrics"]["eval_accuracy"] == 0.8 and obj["metrics"]["eval_count"] == 20
+    assert obj["v"] == 1 and obj["metrics"]["eval_accuracy"] == 0.8 and obj["metrics"]["eval_count"] == 20
     got = decode_update(payload, expect_shape=(4, 3))
     assert (got.metrics.eval_accuracy, got.metrics.eval_count) == (0.8, 20)
     plain = encode_update(
@@ -246,7 +247,7 @@ def test_status_after_a_reconnect_is_published_at_once_beside_a_long_round(tmp_p
     from conftest import restart_mosquitto, start_mosquitto
 
     from edgefl.wire.compression import Compression
-    from edgefl.wire.messages import RoundAnnouncement, encode_round
+    from edgefl.wire.rounds import RoundAnnouncement, encode_round
 
     broker = start_mosquitto(tmp_path)
     fleet = "reconnect"

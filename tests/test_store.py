@@ -19,7 +19,8 @@ from test_ingest import Gateway
 from edgefl.agent.store import ROWS_FILE, EmbeddingStore
 from edgefl.datasets import load_digits
 from edgefl.records import read_record
-from edgefl.wire.messages import Decline, RoundAnnouncement, Sample, encode_round
+from edgefl.wire.ingest import Sample
+from edgefl.wire.rounds import Decline, RoundAnnouncement, encode_round
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -92,8 +92,8 @@ def test_streaming_logistic_head_within_one_output_step() -> None:
 def test_streaming_agent_trains_logistic_rounds_with_labels_0_1(
     mosquitto: Broker, fleet: str, tmp_path: Path
 ) -> None:
+    from edgefl.coordinator.fedavg import FedAvg
     from edgefl.coordinator.service import Coordinator
-    from edgefl.coordinator.strategy import FedAvg
     from edgefl.topics import Topics
     from edgefl.transport import MqttTransport
 
@@ -132,11 +132,11 @@ def test_streaming_agent_trains_logistic_rounds_with_labels_0_1(
         pump = asyncio.create_task(coord.pump())
         try:
             await coord.start()
-            await coord.wait_for_devices(1, timeout_s=60)
+            await coord.registry.wait_for_devices(1, timeout_s=60)
             for r in (1, 2):
                 assert (await coord.run_round(r)).clients == 1
             await asyncio.sleep(2.5)  # a status publish interval
-            return dict(coord.state.devices["kws-1"])
+            return dict(coord.registry.devices["kws-1"])
         finally:
             pump.cancel()
             await t.stop()

@@ -16,8 +16,9 @@ from conftest import PASSWORD, USER, Broker, Pki, read_mqtt_packet, start_mosqui
 
 from edgefl.agent.config import BrokerConfig
 from edgefl.errors import ConfigError, TransportError
+from edgefl.mqtt_link import remaining_length
 from edgefl.tlsconf import make_ssl_context, ssl_context_for
-from edgefl.transport import MqttTransport, remaining_length
+from edgefl.transport import MqttTransport
 
 UNTRUSTED = {
     "self-signed certificate in certificate chain",

@@ -30,12 +30,13 @@ from conftest import (
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.reasoncodes import ReasonCode
 
+import edgefl.mqtt_link as link_mod
 import edgefl.transport as transport_mod
 from edgefl.errors import TransportError
 from edgefl.launcher import launch_agent, stop_agents
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import decode_status
+from edgefl.wire.status import decode_status
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,7 +93,7 @@ def test_no_network_thread_the_event_loop_reads_and_writes_the_socket(
 
     monkeypatch.setattr(MqttTransport, "_net_read", read)
     monkeypatch.setattr(MqttTransport, "_flush", write)
-    monkeypatch.setattr(transport_mod, "MISC_INTERVAL_S", 0.05)
+    monkeypatch.setattr(link_mod, "MISC_INTERVAL_S", 0.05)
 
     async def main() -> None:
         a = MqttTransport(mosquitto.host, mosquitto.port, f"a-{fleet}", keepalive_s=1)
@@ -225,7 +226,7 @@ def publish_packet(topic: bytes, payload: bytes, packet_id: int = 0) -> bytes:
     """An MQTT 3.1.1 PUBLISH: QoS 1 with ``packet_id``, QoS 0 without."""
     head, pid = (b"\x32", packet_id.to_bytes(2, "big")) if packet_id else (b"\x30", b"")
     body = len(topic).to_bytes(2, "big") + topic + pid + payload
-    return head + transport_mod.remaining_length(len(body)) + body
+    return head + link_mod.remaining_length(len(body)) + body
 
 
 def test_a_burst_already_in_the_socket_reaches_the_queue_in_one_turn() -> None:
@@ -670,7 +671,7 @@ def test_exception_in_paho_thread_is_counted_and_logged(
     def boom(client: object, userdata: object, sock: object) -> None:
         raise RuntimeError("boom in on_socket_open")
 
-    monkeypatch.setattr(transport_mod, "_set_nodelay", boom)
+    monkeypatch.setattr(transport_mod, "set_nodelay", boom)
     caplog.set_level(logging.ERROR, logger="edgefl.transport")
 
     async def main() -> dict[str, int]:
@@ -695,7 +696,7 @@ def _publish_packet(topic: str, payload: bytes, *, qos: int, packet_id: int, mqt
     body += packet_id.to_bytes(2, "big") if qos else b""
     body += b"\x00" if mqtt5 else b""
     body += payload
-    return bytes([0x30 | qos << 1]) + transport_mod.remaining_length(len(body)) + body
+    return bytes([0x30 | qos << 1]) + link_mod.remaining_length(len(body)) + body
 
 
 @pytest.mark.parametrize("mqtt5", [True, False])
@@ -705,25 +706,23 @@ def test_packet_filter_replaces_oversize_publish_whatever_the_read_sizes(mqtt5: 
     big = _publish_packet("a/global", b"\xff" * 300_000, qos=1, packet_id=8, mqtt5=mqtt5)
     tail = bytes([0x90, 3, 0, 9, 1])  # a SUBACK after it
     stand_in = _publish_packet(
-        transport_mod.OVERSIZE_TOPIC, f"{len(big)}\na/global".encode(), qos=1, packet_id=8, mqtt5=mqtt5
+        link_mod.OVERSIZE_TOPIC, f"{len(big)}\na/global".encode(), qos=1, packet_id=8, mqtt5=mqtt5
     )
     rng = random.Random(1)
     for _ in range(20):
-        f = transport_mod.PacketFilter(1024, mqtt5=mqtt5)
+        f = link_mod.PacketFilter(1024, mqtt5=mqtt5)
         stream, out = small + big + tail, b""
         while stream:
-            n = f.want(rng.choice([1, 7, 4096, 1 << 20]))
-            assert n <= transport_mod._DISCARD_READ_BYTES  # never a read of the oversize body at once
-            piece = stream[: rng.randint(1, n)]
+            piece = stream[: rng.randint(1, rng.choice([1, 7, 4096, link_mod.READ_BYTES]))]
             stream = stream[len(piece) :]
             out += f.feed(piece)
         assert out == small + stand_in + tail
         assert f.dropped_total == 1
     with pytest.raises(ConnectionError, match="over our limit"):  # an oversize packet of another type
-        transport_mod.PacketFilter(16, mqtt5=True).feed(bytes([0x90, 0x80, 0x01]))
+        link_mod.PacketFilter(16, mqtt5=True).feed(bytes([0x90, 0x80, 0x01]))
 
 
-@pytest.mark.skipif(transport_mod.TCP_QUICKACK is None, reason="TCP_QUICKACK is Linux's")
+@pytest.mark.skipif(link_mod.TCP_QUICKACK is None, reason="TCP_QUICKACK is Linux's")
 def test_quickack_rearmed_after_every_read(mosquitto: Broker, fleet: str) -> None:
     """Every read re-arms TCP_QUICKACK: a broker at its defaults (Nagle) never waits for our delayed ACK.
 
@@ -732,7 +731,7 @@ def test_quickack_rearmed_after_every_read(mosquitto: Broker, fleet: str) -> Non
     """
     import socket
 
-    opt = transport_mod.TCP_QUICKACK
+    opt = link_mod.TCP_QUICKACK
     assert opt is not None
 
     async def main() -> None:
@@ -752,11 +751,11 @@ def test_quickack_rearmed_after_every_read(mosquitto: Broker, fleet: str) -> Non
     asyncio.run(main())
 
 
-@pytest.mark.skipif(transport_mod.TCP_QUICKACK is None, reason="TCP_QUICKACK is Linux's")
+@pytest.mark.skipif(link_mod.TCP_QUICKACK is None, reason="TCP_QUICKACK is Linux's")
 def test_quickack_sets_the_option_and_ignores_closed_sockets() -> None:
     import socket
 
-    opt = transport_mod.TCP_QUICKACK
+    opt = link_mod.TCP_QUICKACK
     assert opt is not None
     server = socket.create_server(("127.0.0.1", 0))
     try:
@@ -764,10 +763,10 @@ def test_quickack_sets_the_option_and_ignores_closed_sockets() -> None:
             c.setsockopt(socket.IPPROTO_TCP, opt, 0)
             s.sendall(b"x")
             assert c.recv(1) == b"x"
-            transport_mod.quickack(c)
+            link_mod.quickack(c)
             assert c.getsockopt(socket.IPPROTO_TCP, opt) == 1
-        transport_mod.quickack(c)  # closed: nothing raised
-        transport_mod.quickack(None)
+        link_mod.quickack(c)  # closed: nothing raised
+        link_mod.quickack(None)
     finally:
         server.close()
 
@@ -821,4 +820,4 @@ def test_remaining_length_encodes_mqtt_variable_byte_integers() -> None:
     # MQTT 5.0 §1.5.5's table: the edges of 1, 2, 3 and 4 bytes
     cases = {0: "00", 127: "7f", 128: "8001", 16_383: "ff7f", 16_384: "808001", 2_097_152: "80808001"}
     for n, hexed in cases.items():
-        assert transport_mod.remaining_length(n) == bytes.fromhex(hexed), n
+        assert link_mod.remaining_length(n) == bytes.fromhex(hexed), n

@@ -19,15 +19,18 @@ import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, Broker, wait_until
 
 from edgefl.agent.config import load_profile
-from edgefl.agent.core import DeviceCore, RoundResult
+from edgefl.agent.core import DeviceCore
 from edgefl.agent.daemon import Agent
+from edgefl.agent.round import RoundResult
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.hierarchy import SiteAggregator
+from edgefl.coordinator.registry import DeviceRegistry
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategy import FedAvg
+from edgefl.mqtt_link import Message
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
-from edgefl.transport import Message, MqttTransport
-from edgefl.wire.messages import DeviceStatus, encode_status
+from edgefl.transport import MqttTransport
+from edgefl.wire.status import DeviceStatus, encode_status
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,14 +98,14 @@ def test_transport_ack_coordinator_handler_faults_never_make_it_deaf(
     """
     bb = Backbone(INT8_MODEL)
     W0, b0 = bb.head_from_model()
-    register = Coordinator._register
+    register = DeviceRegistry.register
 
-    def faulty_register(self: Coordinator, device: str, entry: dict[str, Any]) -> None:
+    def faulty_register(self: DeviceRegistry, device: str, entry: dict[str, Any]) -> None:
         if device.startswith("bad-"):
             raise KeyError("injected fault")
         register(self, device, entry)
 
-    monkeypatch.setattr(Coordinator, "_register", faulty_register)
+    monkeypatch.setattr(DeviceRegistry, "register", faulty_register)
     topics = Topics("edgefl", fleet)
 
     async def main() -> tuple[int, dict[str, Any]]:
@@ -129,8 +132,8 @@ def test_transport_ack_coordinator_handler_faults_never_make_it_deaf(
             await tx.publish(
                 topics.status("good"), encode_status(DeviceStatus("good", "online", {"round": 0})), qos=1
             )
-            await wait_until(lambda: "good" in coord.state.devices, 30, "the good status")
-            return coord.state.rejected["failed"], dict(coord.state.devices)
+            await wait_until(lambda: "good" in coord.registry.devices, 30, "the good status")
+            return coord.state.rejected["failed"], dict(coord.registry.devices)
         finally:
             pump.cancel()
             await tx.stop()
@@ -179,8 +182,8 @@ def test_transport_ack_site_faults_on_the_roots_heads_never_make_it_deaf(
             await tx.publish(
                 topics.status("good"), encode_status(DeviceStatus("good", "online", {"round": 0})), qos=1
             )
-            await wait_until(lambda: "good" in site.state.devices, 30, "the good status")
-            return site.state.rejected["failed"], list(site.state.devices), len(t._taken)
+            await wait_until(lambda: "good" in site.registry.devices, 30, "the good status")
+            return site.state.rejected["failed"], list(site.registry.devices), len(t._taken)
         finally:
             pump.cancel()
             await tx.stop()

@@ -26,7 +26,8 @@ from edgefl.launcher import stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.messages import Update, UpdateMetrics, decode_global_model, decode_round, encode_update
+from edgefl.wire.global_model import decode_global_model
+from edgefl.wire.rounds import Update, UpdateMetrics, decode_round, encode_update
 
 pytestmark = pytest.mark.subprocess  # every test here starts a process
 

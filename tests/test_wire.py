@@ -22,21 +22,18 @@ from edgefl.wire.compression import (
     decompress_delta,
     delta_wire_bytes,
 )
-from edgefl.wire.messages import (
-    DeviceStatus,
-    GlobalModel,
+from edgefl.wire.global_model import GlobalModel, decode_global_model, encode_global_model
+from edgefl.wire.reasons import CHUNK_REASONS, REASONS, SIGNATURE_REASONS, Reason
+from edgefl.wire.rounds import (
     RoundAnnouncement,
     Update,
     UpdateMetrics,
-    decode_global_model,
     decode_round,
     decode_update,
-    encode_global_model,
     encode_round,
-    encode_status,
     encode_update,
 )
-from edgefl.wire.reasons import CHUNK_REASONS, REASONS, SIGNATURE_REASONS, Reason
+from edgefl.wire.status import DeviceStatus, encode_status
 
 WIRE = Path(__file__).resolve().parent.parent / "edgefl" / "wire"
 SHA = "cd" * 32
@@ -67,18 +64,21 @@ def test_delta_wire_bytes_matches_the_encoded_layout(shape: tuple[int, ...], mod
     x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
     for fraction in (0.01, 0.1, 0.5):
         predicted = delta_wire_bytes(shape, mode, fraction)
-        plain = compress_delta(x, mode, topk_fraction=fraction, allow_rice=False, allow_deflate=False)
-        assert predicted == len(cbor2.dumps(plain)), (shape, mode, fraction)
-        # the rice layout and deflated int8 levels (qz) are only written when smaller: an upper bound
-        assert len(cbor2.dumps(compress_delta(x, mode, topk_fraction=fraction))) <= predicted
+        sub = compress_delta(x, mode, topk_fraction=fraction)
+        # deflated int8 levels (qz) are only written when smaller, a mask when smaller than indices
+        assert len(cbor2.dumps(sub)) <= predicted, (shape, mode, fraction)
+        if "qz" not in sub and "mask" not in sub:
+            assert len(cbor2.dumps(sub)) == predicted, (shape, mode, fraction)
 
 
 def test_memory_wire_bytes_is_the_two_layouts() -> None:
     for mode in Compression:
         u = make_update(mode, (32, 10))
-        packed = compress_head_delta(u.delta_W, u.delta_b, mode, allow_rice=False, allow_deflate=False)
-        exact = len(cbor2.dumps(packed.W)) + len(cbor2.dumps(packed.b))
-        assert wire_bytes(32, 10, mode.value) == exact
+        packed = compress_head_delta(u.delta_W, u.delta_b, mode)
+        written = len(cbor2.dumps(packed.W)) + len(cbor2.dumps(packed.b))
+        deflated = any(key in sub for sub in (packed.W, packed.b) for key in ("qz", "mask"))
+        assert wire_bytes(32, 10, mode.value) >= written
+        assert deflated or wire_bytes(32, 10, mode.value) == written
     assert wire_bytes(512, 10, "none") == delta_wire_bytes((512, 10), "none") + delta_wire_bytes(
         (10,), "none"
     )
@@ -96,33 +96,28 @@ def test_layout_size_rejects_bad_arguments() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Versioning: the lowest schema that describes a message is written; newer ones are refused
+# Versioning: one schema, written by every message; any other is refused
 
 
-def test_schema_written_is_the_lowest_that_describes_the_message() -> None:
+def test_schema_every_message_is_written_in_the_one_schema() -> None:
     gm = GlobalModel(1, 2, SHA, np.ones((4, 3), np.float32), np.zeros(3, np.float32))
-    assert cbor2.loads(encode_global_model(gm))["v"] == 1
+    assert cbor2.loads(encode_global_model(gm))["v"] == SCHEMA_VERSION == 1
     assert cbor2.loads(encode_status(DeviceStatus("dev-1", "online", {})))["v"] == 1
-    # int8 levels deflated (qz: smaller for these Gaussian levels) need schema 4; plain ones schema 1
     int8 = make_update(Compression.INT8)
-    assert cbor2.loads(encode_update(int8))["v"] == 4
-    plain = compress_head_delta(int8.delta_W, int8.delta_b, Compression.INT8, allow_deflate=False)
-    assert not plain.uses_deflate and cbor2.loads(encode_update(int8, compressed=plain))["v"] == 1
+    assert cbor2.loads(encode_update(int8))["v"] == 1
     signed = GlobalModel(1, 2, SHA, gm.W, gm.b, signature=b"s" * 64)
-    assert cbor2.loads(encode_global_model(signed))["v"] == 2
+    assert cbor2.loads(encode_global_model(signed))["v"] == 1
     assert decode_global_model(encode_global_model(signed)).signature == b"s" * 64
-    # top-k with 1 % kept out of 20,000: Rice-coded gaps are smaller than indices or a mask
+    # top-k with 1 % kept out of 20,000: the deflated bitmask is smaller than indices or a plain mask
     sparse = make_update(Compression.TOPK, (2000, 10))
     payload = encode_update(sparse, topk_fraction=0.01)
     obj = cbor2.loads(payload)
-    assert "rice" in obj["delta"]["W"] and obj["v"] == 2
+    assert "mask" in obj["delta"]["W"] and obj["v"] == 1
     assert decode_update(payload, expect_shape=(2000, 10)).num_examples == 12
-    # the same update without the rice layout stays readable by a schema-1 peer
-    packed = compress_head_delta(
-        sparse.delta_W, sparse.delta_b, Compression.TOPK, topk_fraction=0.01, allow_rice=False
-    )
-    assert not packed.uses_rice
-    assert cbor2.loads(encode_update(sparse, compressed=packed))["v"] == 1
+    obj["v"] = 0
+    with pytest.raises(DecodeError) as info:
+        decode_update(cbor2.dumps(obj))
+    assert info.value.reason == "bad_version"
 
 
 @pytest.mark.parametrize("version", [SCHEMA_VERSION + 1, 17, 2**32])
@@ -133,7 +128,7 @@ def test_newer_schema_is_refused_with_its_reason(version: int) -> None:
     with pytest.raises(DecodeError) as info:
         decode_round(cbor2.dumps(obj))
     assert info.value.reason == "newer_schema" and Reason("newer_schema") is Reason.NEWER_SCHEMA
-    assert f"reads schema 1 to {SCHEMA_VERSION}" in info.value.detail
+    assert f"reads schema {SCHEMA_VERSION}" in info.value.detail
 
 
 def test_chunks_keep_schema_1() -> None:
@@ -208,48 +203,35 @@ def test_prescan_captures_top_level_headers_only() -> None:
     assert info.value.reason == "trailing_bytes"
 
 
-def test_prescan_remembers_a_payload_object_but_never_a_changed_one_or_other_limits(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_scan_once_for_the_signature_check_and_the_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     key = signing.generate_signing_key()
-    payload = signing.sign_message(encode_update, make_update(Compression.INT8), key, fleet="f")
-    blank = signing.unsigned_form(payload)
+    update = make_update(Compression.INT8)
+    payload = signing.sign_message(encode_update, update, key, fleet="f")
     scans: list[int] = []
-    scan = cbor._scan
+    walk = cbor._scan
 
     def counted(data: bytes, limits: cbor.Limits) -> dict[str, int | str]:
         scans.append(len(data))
-        return scan(data, limits)
+        return walk(data, limits)
 
     monkeypatch.setattr(cbor, "_scan", counted)
-    for _ in range(3):  # a message's kind, its unsigned form for the signature, its decode: 2 scans
-        assert prescan(payload, DEFAULT_LIMITS, ("type",)) == {"type": "update"}
-        prescan(blank, DEFAULT_LIMITS)
-    assert scans == [len(payload), len(blank)]
-    # the same bytes under other limits, and an equal but distinct object, are scanned again
+    scanned = cbor.scan(payload, DEFAULT_LIMITS)
+    assert scanned.header["type"] == "update" and scanned.header["round"] == update.round
+    signing.verify_payload(scanned, key.verify_key, fleet="f", kind="update", device=update.device)
+    assert decode_update(scanned).update_id == update.update_id
+    assert scans == [len(payload)]  # one walk of the headers for both
+    # under other limits the decoder walks it again, and refuses what those limits refuse
     with pytest.raises(DecodeError) as info:
-        prescan(payload, dataclasses.replace(DEFAULT_LIMITS, max_items=3))
+        decode_update(scanned, limits=dataclasses.replace(DEFAULT_LIMITS, max_items=3))
+    assert info.value.reason == "too_large" and len(scans) == 2
+    # a forged signature over the scanned form is still refused
+    forged = cbor.scan(payload[:-1] + bytes([payload[-1] ^ 1]), DEFAULT_LIMITS)
+    with pytest.raises(DecodeError) as info:
+        signing.verify_payload(forged, key.verify_key, fleet="f", kind="update", device=update.device)
+    assert info.value.reason == "bad_signature"
+    with pytest.raises(DecodeError) as info:
+        cbor.scan(b"\x00" * (DEFAULT_LIMITS.max_message_bytes + 1), DEFAULT_LIMITS)
     assert info.value.reason == "too_large"
-    assert prescan(bytes(bytearray(payload)), DEFAULT_LIMITS, ("round",)) == {"round": 3}
-    assert len(scans) == 4
-    # nor is a payload over PRESCAN_MEMO_BYTES kept alive
-    big = cbor2.dumps({"type": "update", "x": b"\x00" * cbor.PRESCAN_MEMO_BYTES})
-    prescan(big, DEFAULT_LIMITS)
-    assert all(seen is not big for seen, _, _ in cbor._memo)
-
-
-def test_schema_1_update_with_rice_from_before_the_bump_is_read() -> None:
-    # edgefl before schema 2 wrote the rice layout under v = 1: the layout is the same, so it is read
-    sparse = make_update(Compression.TOPK_INT8, (2000, 10))
-    packed = compress_head_delta(
-        sparse.delta_W, sparse.delta_b, Compression.TOPK_INT8, topk_fraction=0.01, allow_deflate=False
-    )
-    new = encode_update(sparse, compressed=packed)
-    obj = cbor2.loads(new)
-    assert obj["v"] == 2 and "rice" in obj["delta"]["W"]
-    obj["v"] = 1
-    old = decode_update(cbor2.dumps(obj), expect_shape=(2000, 10))
-    np.testing.assert_array_equal(old.delta_W, decode_update(new).delta_W)
 
 
 def test_compressed_delta_round_trips_and_matches_the_decoder() -> None:

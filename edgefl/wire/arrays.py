@@ -25,6 +25,7 @@ __all__ = [
     "TAG_NDARRAY",
     "TYPED_ARRAY_TAGS",
     "array_cbor_bytes",
+    "check_head_shapes",
     "decode_array",
     "encode_array",
     "read_shape",
@@ -205,3 +206,36 @@ def array_cbor_bytes(count: int, itemsize: int) -> int:
     """
     nbytes = count * itemsize
     return 2 + 1 + 1 + cbor_head_bytes(count) + 2 + cbor_head_bytes(nbytes) + nbytes
+
+
+def check_head_shapes(
+    w: npt.NDArray[Any], b: npt.NDArray[Any], where: str, expect_shape: tuple[int, int] | None
+) -> None:
+    """Check a decoded head (or head delta) pair: W [D, K] and b [K], of ``expect_shape`` when given.
+
+    Parameters
+    ----------
+    w : ndarray [D, K]
+        Weights (or their delta) as decoded.
+    b : ndarray [K]
+        Bias (or its delta) as decoded.
+    where : str
+        Dotted name of the pair's map (``"head"``, ``"delta"``), used in details.
+    expect_shape : tuple[int, int] or None
+        (D, K) the receiver's head has; None: W must be 2-D and b [W.shape[1]].
+
+    Raises
+    ------
+    DecodeError
+        ``bad_shape``.
+    """
+    if expect_shape is not None:
+        want_w, want_b = tuple(expect_shape), (expect_shape[1],)
+    else:
+        if w.ndim != 2:
+            raise DecodeError(Reason.BAD_SHAPE, f"{where}.W: shape {list(w.shape)}, expected [D, K]")
+        want_w, want_b = w.shape, (w.shape[1],)
+    if w.shape != want_w:
+        raise DecodeError(Reason.BAD_SHAPE, f"{where}.W: shape {list(w.shape)}, expected {list(want_w)}")
+    if b.shape != want_b:
+        raise DecodeError(Reason.BAD_SHAPE, f"{where}.b: shape {list(b.shape)}, expected {list(want_b)}")

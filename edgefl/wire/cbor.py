@@ -1,7 +1,8 @@
 """Bounded CBOR and the message envelope: what every decoder runs before it looks at a field.
 
 Owns: the schema version (``"v"``) and message kinds (``"type"``), :class:`Limits`, the allocation-free
-header pre-scan, the strict cbor2 call, and the field readers every decoder shares (exact types,
+header pre-scan (:func:`scan`: once per message, its result reused by the signature check and the
+decoder), the strict cbor2 call, and the field readers every decoder shares (exact types,
 ranges, known keys). The rules and bounds are specified in ``docs/protocol.md`` ("Decoding",
 "Versioning").
 
@@ -27,15 +28,12 @@ __all__ = [
     "ALLOWED_TAGS",
     "CBOR2_STRICT",
     "DEFAULT_LIMITS",
-    "DEFLATE_SCHEMA_VERSION",
-    "HEAD_LAYOUT_SCHEMA_VERSION",
     "INT_MAX",
-    "MIN_SCHEMA_VERSION",
     "NO_LIMITS",
     "SCHEMA_VERSION",
-    "SIGNED_SCHEMA_VERSION",
     "Limits",
     "MessageType",
+    "Scanned",
     "cbor_head_bytes",
     "check_keys",
     "dumps",
@@ -47,23 +45,13 @@ __all__ = [
     "read_int",
     "read_signature",
     "read_text",
+    "scan",
     "show",
     "strict_loads",
 ]
 
-#: Newest schema this code reads and writes. 2 added the ``rice`` position layout of top-k deltas,
-#: 3 the compressed GlobalModel head (``layout``, ``base_version``), 4 deflated int8 levels (``qz``).
-SCHEMA_VERSION: Final = 4
-#: Oldest schema still read.
-MIN_SCHEMA_VERSION: Final = 1
-#: Schema written by a signed message or an update whose delta uses the ``rice`` layout (both new in
-#: schema 2); everything else is written as schema 1, which peers from before the bump read unchanged.
-SIGNED_SCHEMA_VERSION: Final = 2
-#: Schema written by a GlobalModel whose head is compressed or a delta (new in schema 3), signed or not.
-HEAD_LAYOUT_SCHEMA_VERSION: Final = 3
-#: Schema written by a message with an int8 sub-map whose levels travel deflated (``qz``), or by an
-#: Update carrying the base head's evaluation in its metrics (both new in 4).
-DEFLATE_SCHEMA_VERSION: Final = 4
+#: The schema every message is written in and the only one read (``docs/protocol.md``, "Versioning").
+SCHEMA_VERSION: Final = 1
 
 INT_MAX: Final = 2**63 - 1  # fits int64 everywhere downstream (JSON, Prometheus, numpy)
 #: Tags a message may hold: 40 (RFC 8746 §3.1.1 multi-dimensional array) and the RFC 8746 §2.1
@@ -96,8 +84,7 @@ class Limits:
     max_message_bytes : int
         Largest accepted payload, bytes (checked before parsing).
     max_depth : int
-        Deepest nesting of arrays, maps and tags (an update with an int8 delta needs 6, one with
-        Rice-coded top-k positions 7).
+        Deepest nesting of arrays, maps and tags (an update with an int8 delta needs 6).
     max_array_elements : int
         Largest element count of one array (typed or CBOR array, or map pairs).
     max_string_bytes : int
@@ -162,7 +149,7 @@ def dumps(obj: object) -> bytes:
     exactly (``60.0``: 3 bytes instead of 9; ``0.05`` stays double), inside maps and arrays at any
     depth; every other item is cbor2's own encoding. Map keys keep their order (a signed message's
     ``"signature"`` stays last), unlike ``cbor2.dumps(..., canonical=True)``, which sorts them. Every
-    reader of schema 1 and later takes any float width (``prescan`` accepts additional information
+    reader takes any float width (``prescan`` accepts additional information
     25, 26 and 27), so no schema bump is needed.
 
     Raises
@@ -232,22 +219,8 @@ def strict_loads(data: bytes, max_depth: int) -> object:
     return cbor2.loads(data)  # cbor2 5.x (armv7l)
 
 
-#: Payloads up to this size have their :func:`prescan` remembered (the last two, see there).
-PRESCAN_MEMO_BYTES: Final = 65_536
-_Scanned = tuple[bytes, Limits, dict[str, int | str]]
-_memo: tuple[_Scanned, ...] = ()
-
-
 def prescan(data: bytes, limits: Limits, capture: Iterable[str] = ()) -> dict[str, int | str]:
     """Walk the CBOR item headers of ``data`` without building any object.
-
-    One message is often scanned several times on its way in (its kind is read, the signature
-    check scans its unsigned form, then the decoder checks it): the scans of the last two ``bytes``
-    objects of at most :data:`PRESCAN_MEMO_BYTES` are remembered, and a call with one of those very
-    objects (identity, not equality: ``bytes`` is immutable) and the same ``limits`` object returns
-    its result without walking it again (four scans of each update on the coordinator,
-    ~0.1 ms each, now two). A scan that fails is not remembered; a larger payload is not kept
-    alive by the memo.
 
     Refuses what cbor2 would otherwise turn into memory or surprises (see ``docs/protocol.md``,
     "Decoding"): lengths past the end, more than ``limits.max_items`` items, nesting deeper than
@@ -278,17 +251,62 @@ def prescan(data: bytes, limits: Limits, capture: Iterable[str] = ()) -> dict[st
 
     Source: RFC 8949 §3 (initial byte, argument), §3.2 (indefinite lengths), §3.3 (simple values).
     """
-    global _memo
-    memo = _memo  # one read: the other thread may replace it meanwhile
-    for seen, seen_limits, seen_found in memo:
-        if seen is data and seen_limits is limits:
-            found = seen_found
-            break
-    else:
-        found = _scan(data, limits)
-        if type(data) is bytes and len(data) <= PRESCAN_MEMO_BYTES:
-            _memo = ((data, limits, found), *memo[:1])  # one store: atomic for the other thread
+    found = _scan(data, limits)
     return {name: found[name] for name in capture if name in found}
+
+
+@dataclass(frozen=True, slots=True)
+class Scanned:
+    """A message whose item headers :func:`scan` walked and found sound: pass it on instead of its bytes.
+
+    The signature check (:func:`edgefl.wire.signing.verify_payload`) and the decoders
+    (:func:`load_message`) take it and do not walk the headers again.
+
+    Parameters
+    ----------
+    data : bytes
+        The message.
+    limits : Limits
+        The bounds it was scanned under (a decoder given other bounds scans it again).
+    header : Mapping[str, int | str]
+        Every top-level value that is an unsigned integer or a text string, by key (``v``, ``type``,
+        ``round``, ``base_version``, ``device``...).
+    """
+
+    data: bytes
+    limits: Limits
+    header: Mapping[str, int | str]
+
+
+def scan(payload: bytes, limits: Limits) -> Scanned:
+    """Check a received message's size and walk its item headers once (as :func:`prescan`).
+
+    Parameters
+    ----------
+    payload : bytes
+        The received bytes.
+    limits : Limits
+        Bounds.
+
+    Returns
+    -------
+    Scanned
+
+    Raises
+    ------
+    DecodeError
+        ``wrong_type`` (not bytes), ``too_large`` and the reasons of :func:`prescan`.
+    """
+    data = _payload_bytes(payload, limits)
+    return Scanned(data, limits, _scan(data, limits))
+
+
+def _payload_bytes(payload: object, limits: Limits) -> bytes:
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise DecodeError(Reason.WRONG_TYPE, f"payload is {type(payload).__name__}, not bytes")
+    if len(payload) > limits.max_message_bytes:
+        raise DecodeError(Reason.TOO_LARGE, f"{len(payload)} bytes > {limits.max_message_bytes}")
+    return bytes(payload)
 
 
 def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
@@ -298,9 +316,10 @@ def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
     size = len(data)
     pos = 0
     items = 0
-    remaining: list[int] = []  # children still expected by each open container
-    in_map: list[bool] = []
-    keys: list[set[bytes]] = []  # text keys seen in each open container (maps only)
+    max_items, max_depth = limits.max_items, limits.max_depth
+    max_string, max_elements = limits.max_string_bytes, limits.max_array_elements
+    left: list[int] = []  # children still expected by each open container
+    keysets: list[set[bytes] | None] = []  # text keys seen in each open map (None: an array or a tag)
     while True:
         if pos >= size:
             raise DecodeError(Reason.BAD_CBOR, f"truncated at byte {pos}")
@@ -321,66 +340,75 @@ def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
         else:
             raise DecodeError(Reason.BAD_CBOR, f"reserved additional information at byte {pos - 1}")
         items += 1
-        if items > limits.max_items:
-            raise DecodeError(Reason.TOO_LARGE, f"more than {limits.max_items} data items")
-        is_key = bool(in_map) and in_map[-1] and remaining[-1] % 2 == 0
-        if len(remaining) == 1 and in_map[0] and not is_key:
-            # (a key that is not UTF-8 is refused by cbor2 later; here it only must not raise)
-            if major == 0:
-                found[top_key.decode("utf-8", "replace")] = arg
-            elif major == 3 and arg <= min(size - pos, limits.max_string_bytes):
-                text = data[pos : pos + arg].decode("utf-8", "replace")
-                found[top_key.decode("utf-8", "replace")] = text
-        if is_key and major != 3:
-            raise DecodeError(Reason.WRONG_TYPE, f"map key at byte {pos - 1} is not a text string")
-        children = 0
-        if major in (2, 3):
+        if items > max_items:
+            raise DecodeError(Reason.TOO_LARGE, f"more than {max_items} data items")
+        if left:
+            keys = keysets[-1]
+            if keys is not None and not left[-1] & 1:  # a map key: an even count of children left
+                if major != 3:
+                    raise DecodeError(Reason.WRONG_TYPE, f"map key at byte {pos - 1} is not a text string")
+                if arg > size - pos:
+                    raise DecodeError(
+                        Reason.BAD_CBOR, f"string of {arg} bytes at byte {pos - 1} runs past the end"
+                    )
+                if arg > max_string:
+                    raise DecodeError(Reason.BAD_VALUE, f"text string of {arg} bytes > {max_string}")
+                key = data[pos : pos + arg]
+                if key in keys:  # checked here, not by cbor2: cbor2 5.x has no allow_duplicate_keys
+                    raise DecodeError(
+                        Reason.BAD_CBOR, f"duplicate map key {show(key.decode('utf-8', 'replace'))}"
+                    )
+                keys.add(key)
+                if len(left) == 1:
+                    top_key = key
+                pos += arg
+                left[-1] -= 1  # a key never completes its map
+                continue
+            if keys is not None and len(left) == 1:
+                # a value of the top-level map (a key that is not UTF-8 is refused by cbor2 later;
+                # here it only must not raise)
+                if major == 0:
+                    found[top_key.decode("utf-8", "replace")] = arg
+                elif major == 3 and arg <= min(size - pos, max_string):
+                    text = data[pos : pos + arg].decode("utf-8", "replace")
+                    found[top_key.decode("utf-8", "replace")] = text
+        if major == 2 or major == 3:
             if arg > size - pos:
                 raise DecodeError(
                     Reason.BAD_CBOR, f"string of {arg} bytes at byte {pos - 1} runs past the end"
                 )
-            if major == 3 and arg > limits.max_string_bytes:
-                raise DecodeError(Reason.BAD_VALUE, f"text string of {arg} bytes > {limits.max_string_bytes}")
-            if is_key:  # checked here, not by cbor2: cbor2 5.x has no allow_duplicate_keys
-                key = data[pos : pos + arg]
-                if key in keys[-1]:
-                    raise DecodeError(
-                        Reason.BAD_CBOR, f"duplicate map key {show(key.decode('utf-8', 'replace'))}"
-                    )
-                keys[-1].add(key)
-                if len(remaining) == 1:
-                    top_key = key
+            if major == 3 and arg > max_string:
+                raise DecodeError(Reason.BAD_VALUE, f"text string of {arg} bytes > {max_string}")
             pos += arg
-        elif major in (4, 5):
-            if arg > limits.max_array_elements:
-                raise DecodeError(
-                    Reason.TOO_LARGE, f"container of {arg} elements > {limits.max_array_elements}"
-                )
+        elif major == 4 or major == 5:
+            if arg > max_elements:
+                raise DecodeError(Reason.TOO_LARGE, f"container of {arg} elements > {max_elements}")
             children = arg if major == 4 else 2 * arg
             if children > size - pos:  # every child takes at least one byte
                 raise DecodeError(Reason.BAD_CBOR, f"container of {arg} elements runs past the end")
+            if len(left) + 1 > max_depth:
+                raise DecodeError(Reason.TOO_DEEP, f"nesting deeper than {max_depth}")
+            if children:
+                left.append(children)
+                keysets.append(set() if major == 5 else None)
+                continue
         elif major == 6:
             if arg not in ALLOWED_TAGS:
                 raise DecodeError(Reason.BAD_CBOR, f"unsupported tag {arg}")
-            children = 1
+            if len(left) + 1 > max_depth:
+                raise DecodeError(Reason.TOO_DEEP, f"nesting deeper than {max_depth}")
+            left.append(1)
+            keysets.append(None)
+            continue
         elif major == 7 and info not in (20, 21, 22, 25, 26, 27):  # false, true, null, floats
             raise DecodeError(Reason.BAD_CBOR, f"unsupported simple value at byte {pos - 1}")
-        if major in (4, 5, 6):
-            if len(remaining) + 1 > limits.max_depth:
-                raise DecodeError(Reason.TOO_DEEP, f"nesting deeper than {limits.max_depth}")
-            if children:
-                remaining.append(children)
-                in_map.append(major == 5)
-                keys.append(set())
-                continue
         # one item is complete: close every container it completes
-        while remaining:
-            remaining[-1] -= 1
-            if remaining[-1]:
+        while left:
+            left[-1] -= 1
+            if left[-1]:
                 break
-            remaining.pop()
-            in_map.pop()
-            keys.pop()
+            left.pop()
+            keysets.pop()
         else:
             break
     if pos != size:
@@ -388,13 +416,14 @@ def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
     return found
 
 
-def load(payload: bytes, limits: Limits) -> object:
+def load(payload: bytes | Scanned, limits: Limits) -> object:
     """Decode one CBOR item from the network: size check, :func:`prescan`, then strict cbor2.
 
     Parameters
     ----------
-    payload : bytes
-        The received bytes.
+    payload : bytes or Scanned
+        The received bytes, or what :func:`scan` made of them under the same ``limits`` (not
+        scanned again).
     limits : Limits
         Bounds, checked before anything is allocated.
 
@@ -409,12 +438,11 @@ def load(payload: bytes, limits: Limits) -> object:
         ``wrong_type`` (not bytes), ``too_large`` and the reasons of :func:`prescan`; ``bad_cbor``
         for what cbor2 refuses (e.g. invalid UTF-8).
     """
-    if not isinstance(payload, bytes | bytearray | memoryview):
-        raise DecodeError(Reason.WRONG_TYPE, f"payload is {type(payload).__name__}, not bytes")
-    if len(payload) > limits.max_message_bytes:
-        raise DecodeError(Reason.TOO_LARGE, f"{len(payload)} bytes > {limits.max_message_bytes}")
-    data = bytes(payload)
-    prescan(data, limits)
+    if isinstance(payload, Scanned) and payload.limits == limits:
+        data = payload.data
+    else:
+        data = _payload_bytes(payload.data if isinstance(payload, Scanned) else payload, limits)
+        _scan(data, limits)
     try:
         if CBOR2_STRICT:
             return cbor2.loads(
@@ -425,13 +453,13 @@ def load(payload: bytes, limits: Limits) -> object:
         raise DecodeError(Reason.BAD_CBOR, str(exc)[:200]) from exc
 
 
-def load_message(payload: bytes, limits: Limits, kind: MessageType) -> dict[str, object]:
+def load_message(payload: bytes | Scanned, limits: Limits, kind: MessageType) -> dict[str, object]:
     """Decode a message's envelope: a map whose ``"v"`` this code reads and whose ``"type"`` is ``kind``.
 
     Parameters
     ----------
-    payload : bytes
-        The received bytes.
+    payload : bytes or Scanned
+        The received bytes (see :func:`load`).
     limits : Limits
         Bounds (see :func:`load`).
     kind : MessageType
@@ -441,14 +469,14 @@ def load_message(payload: bytes, limits: Limits, kind: MessageType) -> dict[str,
     -------
     dict[str, object]
         The decoded map; its fields are not checked yet (the caller's job, with :func:`check_keys`
-        and the ``read_*`` helpers). ``obj["v"]`` is an int in [MIN_SCHEMA_VERSION, SCHEMA_VERSION].
+        and the ``read_*`` helpers). ``obj["v"]`` is :data:`SCHEMA_VERSION`.
 
     Raises
     ------
     DecodeError
         As :func:`load`; ``not_a_map``; ``missing_key`` (``v``, ``type``); ``bad_version`` (not an
-        integer, or older than :data:`MIN_SCHEMA_VERSION`); ``newer_schema`` (newer than
-        :data:`SCHEMA_VERSION`: the sender runs a newer edgefl); ``wrong_type`` (another type).
+        integer, or below :data:`SCHEMA_VERSION`); ``newer_schema`` (above it: the sender runs a
+        newer edgefl); ``wrong_type`` (another type).
     """
     obj = load(payload, limits)
     if not isinstance(obj, dict):
@@ -456,15 +484,13 @@ def load_message(payload: bytes, limits: Limits, kind: MessageType) -> dict[str,
     if "v" not in obj:
         raise DecodeError(Reason.MISSING_KEY, "v")
     version = obj["v"]
-    if type(version) is not int or version < MIN_SCHEMA_VERSION:
-        raise DecodeError(
-            Reason.BAD_VERSION, f"v = {version!r:.20}, expected {MIN_SCHEMA_VERSION} to {SCHEMA_VERSION}"
-        )
+    if type(version) is not int or version < SCHEMA_VERSION:
+        raise DecodeError(Reason.BAD_VERSION, f"v = {version!r:.20}, expected {SCHEMA_VERSION}")
     if version > SCHEMA_VERSION:
         shown = str(version) if version < 10**20 else "huge"
         raise DecodeError(
             Reason.NEWER_SCHEMA,
-            f"v = {shown}: this peer reads schema {MIN_SCHEMA_VERSION} to {SCHEMA_VERSION}",
+            f"v = {shown}: this peer reads schema {SCHEMA_VERSION}",
         )
     if "type" not in obj:
         raise DecodeError(Reason.MISSING_KEY, "type")

@@ -27,7 +27,7 @@ import cbor2
 
 from edgefl.errors import DecodeError
 from edgefl.wire.cbor import (
-    MIN_SCHEMA_VERSION,
+    SCHEMA_VERSION,
     Limits,
     MessageType,
     check_keys,
@@ -42,7 +42,6 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CHUNK_ENTRY_BYTES",
     "CHUNK_REASONS",
-    "CHUNK_SCHEMA_VERSION",
     "Chunk",
     "Reassembler",
     "decode_chunk",
@@ -54,16 +53,13 @@ __all__ = [
     "split_message",
 ]
 
-#: Schema written in chunks: their layout is unchanged since schema 1 (any readable "v" is accepted).
-CHUNK_SCHEMA_VERSION: Final = MIN_SCHEMA_VERSION
-
 _ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
 _MQTT_MAX_REMAINING: Final = 268_435_455  # largest Remaining Length (4-byte variable byte integer)
 _KEYS: Final = ("v", "type", "id", "index", "count", "size", "sha256", "data")
 # every chunk we encode starts with these bytes (map header, "v": 1, "type": "chunk")
 _PREFIX: Final = cbor2.dumps(
-    {"v": CHUNK_SCHEMA_VERSION, "type": MessageType.CHUNK.value, **dict.fromkeys(_KEYS[2:])}
+    {"v": SCHEMA_VERSION, "type": MessageType.CHUNK.value, **dict.fromkeys(_KEYS[2:])}
 )[: 1 + 2 + 1 + 5 + 6]
 
 
@@ -204,7 +200,7 @@ def encode_chunk(chunk: Chunk) -> bytes:
     """
     return cbor2.dumps(
         {
-            "v": CHUNK_SCHEMA_VERSION,
+            "v": SCHEMA_VERSION,
             "type": MessageType.CHUNK.value,
             "id": chunk.id,
             "index": int(chunk.index),

@@ -1,13 +1,14 @@
 """Delta compression: each layout of an update's delta written once, its decoder, and its size on the wire.
 
 Owns :class:`Compression`, :func:`compress_delta` / :func:`decompress_delta` (layouts ``none``,
-``float16``, ``int8``, ``topk``, ``topk-int8``; top-k positions as indices, a bitmask or Golomb-Rice
-gaps), :class:`CompressedDelta` (an update's delta compressed once, with what the receiver decodes,
-for error feedback and the encoder alike) and :func:`delta_wire_bytes` (the layout's size, for the
-memory governor). Field-by-field layouts: ``docs/protocol.md`` ("Delta layouts").
+``float16``, ``int8``, ``topk``, ``topk-int8``; top-k positions as indices or a deflated bitmask;
+int8 levels deflated when that is smaller), :class:`CompressedDelta` (an update's delta compressed
+once, with what the receiver decodes, for error feedback and the encoder alike) and
+:func:`delta_wire_bytes` (the layout's size, for the memory governor). Field-by-field layouts:
+``docs/protocol.md`` ("Delta layouts").
 
 Source: Alistarh et al. 2017, QSGD; Jacob et al. 2018 (per-channel int8); Aji & Heafield 2017 and
-Stich et al. 2018 (top-k with error feedback); Golomb 1966 and Rice 1979 (Rice codes).
+Stich et al. 2018 (top-k with error feedback); RFC 1951 (DEFLATE).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from edgefl.errors import DecodeError
-from edgefl.types import F32, I64
+from edgefl.types import F32
 from edgefl.wire.arrays import (
     MAX_NDIM,
     array_cbor_bytes,
@@ -50,9 +51,6 @@ _FLOAT16_MAX: Final = float(np.finfo(np.float16).max)
 # raw deflate (RFC 1951, no zlib header) at the strongest level: 5 kB of int8 take ~1 ms
 _DEFLATE_LEVEL: Final = 9
 _DEFLATE_WBITS: Final = -15
-# Rice parameters 0..15: remainders fit uint16; mean gaps above 2**15 mean so few kept entries that
-# uint32 indices are smaller anyway
-_RICE_MAX_K: Final = 15
 
 
 class Compression(StrEnum):
@@ -149,18 +147,45 @@ def _int8_scale(x: F32) -> F32:
     return scale
 
 
-def _q_entry(q: npt.NDArray[np.int8], allow_deflate: bool) -> dict[str, object]:
+def _deflate(raw: bytes) -> bytes:
+    """``raw`` as a raw deflate stream (RFC 1951, no zlib header) at the strongest level."""
+    packer = zlib.compressobj(_DEFLATE_LEVEL, zlib.DEFLATED, _DEFLATE_WBITS)
+    return packer.compress(raw) + packer.flush()
+
+
+def _inflate(packed: object, count: int, name: str) -> bytes:
+    """Inflate a raw deflate stream that must give exactly ``count`` bytes, never more than count + 1.
+
+    Raises
+    ------
+    DecodeError
+        ``wrong_type`` (not a byte string), ``bad_value`` (not a raw deflate stream, or another length).
+    """
+    if type(packed) is not bytes:
+        raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a byte string, got {type(packed).__name__}")
+    unpacker = zlib.decompressobj(_DEFLATE_WBITS)
+    try:
+        # never more than count + 1 bytes out, whatever the stream says (a deflate bomb stops here)
+        raw = unpacker.decompress(packed, count)
+        extra = b"" if unpacker.eof else unpacker.decompress(unpacker.unconsumed_tail, 1)
+    except zlib.error as exc:
+        raise DecodeError(Reason.BAD_VALUE, f"{name}: not a raw deflate stream ({exc})") from exc
+    if len(raw) != count or extra or not unpacker.eof or unpacker.unused_data:
+        got = f"{len(raw)}{'+' if extra else ''} bytes" + ("" if unpacker.eof else " (stream not ended)")
+        raise DecodeError(Reason.BAD_VALUE, f"{name}: inflates to {got}, expected {count}")
+    return raw
+
+
+def _q_entry(q: npt.NDArray[np.int8]) -> dict[str, object]:
     """The quantised values as ``{"q": int8 typed array}``, or ``{"qz": [shape, deflated]}`` when smaller.
 
     The int8 levels of a delta or head are far from uniform (about 7.2 bits of entropy per byte at
-    D = 512, and mostly zeros in a sparse aggregate): a lossless deflate stage saves ~8 % of a dense
+    D = 512, and mostly zeros in a sparse aggregate): a lossless deflate stage saves ~6 % of a dense
     int8 array and most of a sparse one. Source: RFC 1951 (DEFLATE, raw stream).
     """
-    if allow_deflate:
-        packer = zlib.compressobj(_DEFLATE_LEVEL, zlib.DEFLATED, _DEFLATE_WBITS)
-        packed = packer.compress(np.ascontiguousarray(q).tobytes()) + packer.flush()
-        if _qz_cbor_bytes(q.shape, len(packed)) < _q_cbor_bytes(q.shape):
-            return {"qz": [list(q.shape), packed]}
+    packed = _deflate(np.ascontiguousarray(q).tobytes())
+    if _qz_cbor_bytes(q.shape, len(packed)) < _q_cbor_bytes(q.shape):
+        return {"qz": [list(q.shape), packed]}
     return {"q": encode_array(q)}
 
 
@@ -199,73 +224,12 @@ def _read_q(sub: Mapping[str, Any], name: str, limits: Limits) -> npt.NDArray[np
     if not isinstance(obj, list) or len(obj) != 2:
         raise DecodeError(Reason.WRONG_TYPE, f"{name}.qz: expected [shape, bytes]")
     shape = read_shape(obj[0], f"{name}.qz", limits)
-    packed = obj[1]
-    if type(packed) is not bytes:
-        raise DecodeError(
-            Reason.WRONG_TYPE, f"{name}.qz: expected a byte string, got {type(packed).__name__}"
-        )
-    count = math.prod(shape)
-    unpacker = zlib.decompressobj(_DEFLATE_WBITS)
-    try:
-        # never more than count + 1 bytes out, whatever the stream says (a deflate bomb stops here)
-        raw = unpacker.decompress(packed, count)
-        extra = b"" if unpacker.eof else unpacker.decompress(unpacker.unconsumed_tail, 1)
-    except zlib.error as exc:
-        raise DecodeError(Reason.BAD_VALUE, f"{name}.qz: not a raw deflate stream ({exc})") from exc
-    if len(raw) != count or extra or not unpacker.eof or unpacker.unused_data:
-        got = f"{len(raw)}{'+' if extra else ''} bytes" + ("" if unpacker.eof else " (stream not ended)")
-        raise DecodeError(Reason.BAD_VALUE, f"{name}.qz: inflates to {got}, expected {count}")
+    raw = _inflate(obj[1], math.prod(shape), f"{name}.qz")
     return np.frombuffer(raw, dtype=np.int8).reshape(shape).copy()
 
 
 def _text_cbor_bytes(text: str) -> int:
     return cbor_head_bytes(len(text)) + len(text)  # map keys here are ASCII
-
-
-def _rice_cbor_bytes(count: int, rice_k: int, quotient_bits: int) -> int:
-    # "rice": {"k": k, "q": uint8 [ceil(q_bits/8)], "r": uint8 [ceil(count*k/8)] (absent if k = 0)}
-    size = _text_cbor_bytes("rice") + 1 + _text_cbor_bytes("k") + cbor_head_bytes(rice_k)
-    size += _text_cbor_bytes("q") + array_cbor_bytes((quotient_bits + 7) // 8, 1)
-    if rice_k:
-        size += _text_cbor_bytes("r") + array_cbor_bytes((count * rice_k + 7) // 8, 1)
-    return size
-
-
-def _rice_parameter(gaps: I64) -> tuple[int, int]:
-    """Pick the Rice parameter with the smallest encoded size; return (k, size in bytes).
-
-    The unary stream of parameter k has ``sum(g >> k) + count`` bits and the remainders
-    ``count * k`` bits; every k in [0, 15] is tried (16 vectorised passes) and ties go to the
-    smallest k.
-    """
-    count = int(gaps.size)
-    best_k, best_bytes = 0, -1
-    for rice_k in range(_RICE_MAX_K + 1):
-        quotient_bits = int(np.right_shift(gaps, rice_k).sum()) + count
-        size = _rice_cbor_bytes(count, rice_k, quotient_bits)
-        if best_bytes < 0 or size < best_bytes:
-            best_k, best_bytes = rice_k, size
-    return best_k, best_bytes
-
-
-def _rice_encode(kept: I64, rice_k: int) -> dict[str, object]:
-    """Golomb-Rice code the gaps between strictly increasing positions (layout: :func:`compress_delta`).
-
-    Source: Golomb 1966, "Run-length encodings", IEEE Trans. Inf. Theory 12(3); Rice 1979.
-    """
-    gaps = np.diff(kept, prepend=-1) - 1
-    quotients = np.right_shift(gaps, rice_k)
-    # quotient q_i is q_i one bits then a zero (the terminator): terminator i sits at
-    # sum_{j<=i}(q_j + 1) - 1; everything else in the stream is a one
-    terminators = np.cumsum(quotients + 1) - 1
-    unary = np.ones(int(terminators[-1]) + 1, dtype=np.uint8)
-    unary[terminators] = 0
-    out: dict[str, object] = {"k": rice_k, "q": encode_array(np.packbits(unary, bitorder="little"))}
-    if rice_k:
-        remainders = (gaps & ((1 << rice_k) - 1)).astype(np.uint16)
-        planes = np.right_shift(remainders[:, None], np.arange(rice_k, dtype=np.uint16)) & 1
-        out["r"] = encode_array(np.packbits(planes.astype(np.uint8).reshape(-1), bitorder="little"))
-    return out
 
 
 def compress_delta(
@@ -274,19 +238,18 @@ def compress_delta(
     *,
     topk_fraction: float = 0.1,
     rng: np.random.Generator | None = None,
-    allow_rice: bool = True,
-    allow_deflate: bool = True,
 ) -> dict[str, object]:
     """Encode one delta array as its wire sub-map (layouts: ``docs/protocol.md``, "Delta layouts").
 
     - ``none``: ``{"values": float32}``; ``float16``: ``{"values": float16}``, clipped to ±65504
       (the device's error-feedback residual keeps the excess) rather than sent as infinity.
     - ``int8``: ``{"q": int8, "scale": float32 [S]}``, one scale ``max|x| / 127`` per slice along
-      the last axis (``S = K`` for W [D, K], 1 for 1-D arrays).
+      the last axis (``S = K`` for W [D, K], 1 for 1-D arrays); the levels travel as ``"qz"``
+      (``[shape, raw deflate of the int8 bytes]``) instead of ``"q"`` when that is smaller.
     - ``topk`` / ``topk-int8``: the ``k = ceil(fraction * size)`` largest-|x| entries, ``{"shape",
-      "values"}`` (or ``"q", "scale"``) with their positions as ``"indices"`` (uint16/uint32),
-      ``"mask"`` (LSB-first bitmask) when smaller, or ``"rice"`` (Golomb-Rice coded gaps) when
-      smaller still and ``allow_rice``.
+      "values"}`` (or ``"q"``/``"qz"``, ``"scale"``) with their positions as ``"indices"``
+      (uint16/uint32) or ``"mask"`` (the LSB-first bitmask of the kept entries, raw deflate),
+      whichever is smaller.
 
     Rounding is to nearest by default: it is deterministic, so ``decompress_delta(compress_delta(x))`` gives
     exactly what the coordinator decodes, and its error (≤ scale/2) is half the worst case of
@@ -303,17 +266,11 @@ def compress_delta(
         Fraction in (0, 1] kept by ``topk``/``topk-int8``.
     rng : numpy.random.Generator, optional
         Enables stochastic rounding for ``int8``/``topk-int8``.
-    allow_rice : bool
-        False keeps to the schema-1 position layouts (indices or mask), for a schema-1 receiver.
-    allow_deflate : bool
-        False keeps the int8 levels as a typed array ``"q"``; True writes them as ``"qz"``
-        (``[shape, raw deflate of the int8 bytes]``, a schema-4 feature) when that is smaller.
 
     Returns
     -------
     dict[str, object]
-        The sub-map, ready for ``cbor2.dumps``; it holds ``"rice"`` only when ``allow_rice``,
-        ``"qz"`` only when ``allow_deflate``.
+        The sub-map, ready for ``cbor2.dumps``.
 
     Raises
     ------
@@ -322,10 +279,10 @@ def compress_delta(
         elements (top-k), or ``topk_fraction`` is not in (0, 1].
 
     Source: Alistarh et al. 2017, QSGD (stochastic rounding); Jacob et al. 2018 (per-channel int8);
-    Aji & Heafield 2017 and Stich et al. 2018 (top-k sparsification with error feedback); Golomb
-    1966, "Run-length encodings", IEEE Trans. Inf. Theory 12(3), and Rice 1979 (Rice codes).
+    Aji & Heafield 2017 and Stich et al. 2018 (top-k sparsification with error feedback); RFC 1951
+    (DEFLATE).
     """
-    return _compress(delta, compression, topk_fraction, rng, allow_rice, allow_deflate)[0]
+    return _compress(delta, compression, topk_fraction, rng)[0]
 
 
 def _compress(
@@ -333,8 +290,6 @@ def _compress(
     compression: Compression,
     topk_fraction: float,
     rng: np.random.Generator | None,
-    allow_rice: bool,
-    allow_deflate: bool,
 ) -> tuple[dict[str, object], F32 | None]:
     """:func:`compress_delta`, and for the dense int8 layout the values the receiver decodes (else None)."""
     x = np.ascontiguousarray(delta, dtype=np.float32)
@@ -350,7 +305,7 @@ def _compress(
     if mode is Compression.INT8:
         scale = _int8_scale(x)
         q = _quantise(x, scale, rng)
-        return {**_q_entry(q, allow_deflate), "scale": encode_array(scale)}, _dequantise(q, scale)
+        return {**_q_entry(q), "scale": encode_array(scale)}, _dequantise(q, scale)
     flat = x.reshape(-1)
     size = flat.size
     if size > 2**32:
@@ -360,20 +315,13 @@ def _compress(
     out: dict[str, object] = {"shape": list(x.shape)}
     index_dtype = np.uint16 if size <= 2**16 else np.uint32
     index_bytes = np.dtype(index_dtype).itemsize
-    mask_bytes = (size + 7) // 8
-    use_mask = mask_bytes < k * index_bytes
-    if use_mask:
-        chosen_bytes = _text_cbor_bytes("mask") + array_cbor_bytes(mask_bytes, 1)
-    else:
-        chosen_bytes = _text_cbor_bytes("indices") + array_cbor_bytes(k, index_bytes)
-    positions = kept.astype(np.int64)  # argpartition gives intp: int32 on armv7l
-    rice_k, rice_bytes = _rice_parameter(np.diff(positions, prepend=-1) - 1) if allow_rice else (0, 0)
-    if allow_rice and rice_bytes < chosen_bytes:
-        out["rice"] = _rice_encode(positions, rice_k)
-    elif use_mask:
-        mask = np.zeros(size, dtype=np.bool_)
-        mask[kept] = True
-        out["mask"] = encode_array(np.packbits(mask, bitorder="little"))
+    mask = np.zeros(size, dtype=np.bool_)
+    mask[kept] = True
+    packed_mask = np.packbits(mask, bitorder="little")
+    deflated = _deflate(packed_mask.tobytes())
+    indices_bytes = _text_cbor_bytes("indices") + array_cbor_bytes(k, index_bytes)
+    if _text_cbor_bytes("mask") + cbor_head_bytes(len(deflated)) + len(deflated) < indices_bytes:
+        out["mask"] = deflated
     else:
         out["indices"] = encode_array(kept.astype(index_dtype))
     values = flat[kept]
@@ -381,7 +329,7 @@ def _compress(
         out["values"] = encode_array(values)
     else:
         scale = _int8_scale(values)
-        out.update(_q_entry(_quantise(values, scale, rng), allow_deflate))
+        out.update(_q_entry(_quantise(values, scale, rng)))
         out["scale"] = encode_array(scale)
     return out, None
 
@@ -414,91 +362,6 @@ def _scale(obj: object, name: str, expected: tuple[int, ...], limits: Limits) ->
     if bool((scale < 0).any()):
         raise DecodeError(Reason.BAD_VALUE, f"{name}: scales must be >= 0")
     return scale
-
-
-def _rice_decode(obj: object, count: int, size: int, limits: Limits, name: str) -> I64:
-    """Decode Rice-coded positions (layout: :func:`compress_delta`), strictly and boundedly.
-
-    Parameters
-    ----------
-    obj : object
-        What cbor2 decoded for ``<name>.rice``.
-    count : int
-        Number of positions (the values' length), >= 1.
-    size : int
-        Element count of the dense array; every position must be < size.
-    limits : Limits
-        Decoding bounds for the two byte arrays.
-    name : str
-        Dotted field name of the rice map, used in error details.
-
-    Returns
-    -------
-    int64 [count]
-        Strictly increasing positions in [0, size).
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type``, ``unknown_key``, ``missing_key``, ``bad_dtype``, ``bad_shape`` (malformed
-        fields), ``bad_indices`` (k outside [0, 15], ``q`` longer than ``ceil(size/8)`` bytes, too
-        few terminators, bytes after the one holding the last terminator, one bits after it, ``r``
-        not ``ceil(count*k/8)`` bytes or its padding set, ``r`` present with k = 0, positions
-        >= size).
-
-    Source: Golomb 1966, "Run-length encodings", IEEE Trans. Inf. Theory 12(3); Rice 1979.
-    """
-    sub = check_keys(obj, name, ("k", "q"), ("r",))
-    rice_k = sub["k"]
-    if type(rice_k) is not int:
-        raise DecodeError(Reason.WRONG_TYPE, f"{name}.k: expected an integer, got {type(rice_k).__name__}")
-    if not 0 <= rice_k <= _RICE_MAX_K:
-        shown = str(rice_k) if abs(rice_k) < 10**20 else "huge"
-        raise DecodeError(Reason.BAD_INDICES, f"{name}.k = {shown}: must be in [0, {_RICE_MAX_K}]")
-    if count > size:
-        raise DecodeError(Reason.BAD_INDICES, f"{name}: {count} positions for {size} elements")
-    u8 = frozenset({"uint8"})
-    q = decode_array(sub["q"], limits=limits, dtypes=u8, name=f"{name}.q")
-    if q.ndim != 1:
-        raise DecodeError(Reason.BAD_SHAPE, f"{name}.q: must be 1-D")
-    # a valid stream has sum(g >> k) + count <= sum(g) + count = last position + 1 <= size bits:
-    # checked before unpacking, so the unpacked bits take at most size + 7 bytes
-    if q.size > (size + 7) // 8:
-        raise DecodeError(Reason.BAD_INDICES, f"{name}.q: {q.size} bytes > {(size + 7) // 8} for size {size}")
-    bits = np.unpackbits(q, bitorder="little")
-    zeros = np.flatnonzero(bits == 0)
-    if zeros.size < count:
-        raise DecodeError(Reason.BAD_INDICES, f"{name}.q: {zeros.size} terminators for {count} positions")
-    last = int(zeros[count - 1])
-    if last < 8 * (q.size - 1):
-        raise DecodeError(Reason.BAD_INDICES, f"{name}.q: bytes after the one holding the last terminator")
-    if bool(bits[last + 1 :].any()):
-        raise DecodeError(Reason.BAD_INDICES, f"{name}.q: bits set after the last terminator")
-    terminators: I64 = zeros[:count].astype(np.int64)
-    quotients: I64 = np.subtract(np.diff(terminators, prepend=-1), 1, dtype=np.int64)
-    if rice_k == 0:
-        if "r" in sub:
-            raise DecodeError(Reason.BAD_INDICES, f"{name}.r: present with k = 0")
-        gaps = quotients
-    else:
-        if "r" not in sub:
-            raise DecodeError(Reason.MISSING_KEY, f"{name}.r")
-        r = decode_array(sub["r"], limits=limits, dtypes=u8, name=f"{name}.r")
-        r_bits = count * rice_k
-        if r.shape != ((r_bits + 7) // 8,):
-            raise DecodeError(
-                Reason.BAD_INDICES, f"{name}.r: shape {list(r.shape)}, expected [{(r_bits + 7) // 8}]"
-            )
-        if r_bits % 8 and int(r[-1]) >> (r_bits % 8):
-            raise DecodeError(Reason.BAD_INDICES, f"{name}.r: padding bits set")
-        planes = np.unpackbits(r, count=r_bits, bitorder="little").reshape(count, rice_k)
-        remainders = planes @ np.left_shift(np.uint16(1), np.arange(rice_k, dtype=np.uint16))
-        # sum(quotients) <= 8 * len(q) and remainders < 2**15: no int64 overflow below
-        gaps = np.left_shift(quotients, rice_k) + remainders.astype(np.int64)
-    positions: I64 = np.cumsum(gaps + 1, dtype=np.int64) - 1
-    if int(positions[-1]) >= size:
-        raise DecodeError(Reason.BAD_INDICES, f"{name}: position {int(positions[-1])} >= size {size}")
-    return positions
 
 
 def decompress_delta(
@@ -535,8 +398,8 @@ def decompress_delta(
         ``wrong_type``, ``unknown_key``, ``missing_key``, ``bad_value`` (layout differs from
         ``compression``, negative scale), ``bad_shape``, ``bad_dtype``, ``too_large``,
         ``not_finite``, ``bad_indices`` (out of range, not strictly increasing, mask padding set,
-        count differs from the values, not exactly one of indices/mask/rice, malformed Rice
-        streams: see :func:`_rice_decode`).
+        count differs from the values, not exactly one of indices/mask), ``bad_value`` (a ``qz`` or
+        ``mask`` that is not a raw deflate stream of the right length).
     """
     if not isinstance(obj, dict):
         raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a map, got {type(obj).__name__}")
@@ -564,7 +427,7 @@ def decompress_delta(
         return _finite_or_raise(_dequantise(q, scale), name)
 
     value_keys = ("values",) if kind is Compression.TOPK else ("scale",)
-    position_keys = ("indices", "mask", "rice")
+    position_keys = ("indices", "mask")
     q_keys = () if kind is Compression.TOPK else ("q", "qz")
     sub = check_keys(obj, name, ("shape", *value_keys), (*position_keys, *q_keys))
     full_shape = read_shape(sub["shape"], f"{name}.shape", limits)
@@ -574,9 +437,8 @@ def decompress_delta(
     if present != 1:
         raise DecodeError(
             Reason.MISSING_KEY if present == 0 else Reason.BAD_INDICES,
-            f"{name}: exactly one of indices, mask, rice",
+            f"{name}: exactly one of indices, mask",
         )
-    # the values come first: their length is the position count the Rice decoder needs
     if kind is Compression.TOPK:
         f32 = frozenset({"float32"})
         values = decode_array(sub["values"], limits=limits, dtypes=f32, name=f"{name}.values")
@@ -586,9 +448,7 @@ def decompress_delta(
         values = _dequantise(q, scale)
     if values.ndim != 1:
         raise DecodeError(Reason.BAD_INDICES, f"{name}: values of shape {list(values.shape)}, expected 1-D")
-    if "rice" in sub:
-        kept = _rice_decode(sub["rice"], values.shape[0], size, limits, f"{name}.rice")
-    elif "indices" in sub:
+    if "indices" in sub:
         wire = decode_array(
             sub["indices"], limits=limits, dtypes=frozenset({"uint16", "uint32"}), name=f"{name}.indices"
         )
@@ -600,12 +460,7 @@ def decompress_delta(
         if kept.size > 1 and not bool((np.diff(kept) > 0).all()):
             raise DecodeError(Reason.BAD_INDICES, f"{name}.indices: not strictly increasing")
     else:
-        mask = decode_array(sub["mask"], limits=limits, dtypes=frozenset({"uint8"}), name=f"{name}.mask")
-        mask_bytes = (size + 7) // 8
-        if mask.shape != (mask_bytes,):
-            raise DecodeError(
-                Reason.BAD_SHAPE, f"{name}.mask: shape {list(mask.shape)}, expected [{mask_bytes}]"
-            )
+        mask = np.frombuffer(_inflate(sub["mask"], (size + 7) // 8, f"{name}.mask"), dtype=np.uint8)
         if size % 8 and int(mask[-1]) >> (size % 8):
             raise DecodeError(Reason.BAD_INDICES, f"{name}.mask: padding bits set")
         kept = np.flatnonzero(np.unpackbits(mask, count=size, bitorder="little"))
@@ -624,7 +479,7 @@ class CompressedDelta:
     """An update's delta compressed once: the wire sub-maps and exactly what a receiver decodes.
 
     Made by :func:`compress_head_delta`; error feedback keeps ``corrected - decoded`` and
-    ``edgefl.wire.messages.encode_update(msg, compressed=...)`` writes the sub-maps as they are, so
+    ``edgefl.wire.rounds.encode_update(msg, compressed=...)`` writes the sub-maps as they are, so
     the layouts run once per round.
 
     Parameters
@@ -647,16 +502,6 @@ class CompressedDelta:
     decoded_W: F32
     decoded_b: F32
 
-    @property
-    def uses_rice(self) -> bool:
-        """Whether a sub-map uses the ``rice`` layout (a schema-2 feature)."""
-        return "rice" in self.W or "rice" in self.b
-
-    @property
-    def uses_deflate(self) -> bool:
-        """Whether a sub-map carries deflated int8 levels ``qz`` (a schema-4 feature)."""
-        return "qz" in self.W or "qz" in self.b
-
 
 def compress_head_delta(
     delta_W: F32,
@@ -665,8 +510,6 @@ def compress_head_delta(
     *,
     topk_fraction: float = 0.1,
     rng: np.random.Generator | None = None,
-    allow_rice: bool = True,
-    allow_deflate: bool = True,
 ) -> CompressedDelta:
     """Compress a head delta (W, then b: the order stochastic rounding draws in) and decode it back.
 
@@ -682,8 +525,6 @@ def compress_head_delta(
         Fraction in (0, 1] kept by the top-k layouts.
     rng : numpy.random.Generator, optional
         Stochastic rounding for the int8 layouts.
-    allow_rice, allow_deflate : bool
-        See :func:`compress_delta`.
 
     Returns
     -------
@@ -699,8 +540,8 @@ def compress_head_delta(
     mode = Compression(compression)
     x_W = np.asarray(delta_W, dtype=np.float32)
     x_b = np.asarray(delta_b, dtype=np.float32)
-    sub_W, dense_W = _compress(x_W, mode, topk_fraction, rng, allow_rice, allow_deflate)
-    sub_b, dense_b = _compress(x_b, mode, topk_fraction, rng, allow_rice, allow_deflate)
+    sub_W, dense_W = _compress(x_W, mode, topk_fraction, rng)
+    sub_b, dense_b = _compress(x_b, mode, topk_fraction, rng)
 
     def decoded(sub: dict[str, object], dense: F32 | None, shape: tuple[int, ...], name: str) -> F32:
         # the dense int8 layout's decode is the receiver's own dequantisation of the levels just made
@@ -731,9 +572,9 @@ def delta_wire_bytes(
 ) -> int:
     """CBOR bytes of the sub-map :func:`compress_delta` writes for an array of ``shape``.
 
-    Exact for ``none``, ``float16`` and ``int8``. For the top-k layouts the positions take the
-    smaller of indices and bitmask (the Rice layout is only chosen when it is smaller still, so
-    this is an upper bound, reached when the kept entries are spread evenly).
+    Exact for ``none`` and ``float16``. For ``int8`` the levels count as a plain typed array (their
+    deflated form is only chosen when smaller) and for the top-k layouts the positions as the
+    smaller of indices and a bitmask that deflate does not shrink: an upper bound.
 
     Parameters
     ----------
@@ -769,10 +610,12 @@ def delta_wire_bytes(
     )
     index_bytes = 2 if size <= 2**16 else 4
     mask_bytes = (size + 7) // 8
-    if mask_bytes < k * index_bytes:
-        positions = _text_cbor_bytes("mask") + array_cbor_bytes(mask_bytes, 1)
-    else:
-        positions = _text_cbor_bytes("indices") + array_cbor_bytes(k, index_bytes)
+    # zlib's deflateBound: what deflate writes for bytes it cannot shrink (stored blocks), at most
+    stored = mask_bytes + (mask_bytes >> 12) + (mask_bytes >> 14) + (mask_bytes >> 25) + 13
+    positions = min(
+        _text_cbor_bytes("indices") + array_cbor_bytes(k, index_bytes),
+        _text_cbor_bytes("mask") + cbor_head_bytes(stored) + stored,
+    )
     if mode is Compression.TOPK:
         return 1 + shape_bytes + positions + _text_cbor_bytes("values") + array_cbor_bytes(k, 4)
     values = (

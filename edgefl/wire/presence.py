@@ -18,6 +18,7 @@ from edgefl.errors import DecodeError
 from edgefl.wire.cbor import (
     DEFAULT_LIMITS,
     INT_MAX,
+    SCHEMA_VERSION,
     Limits,
     MessageType,
     check_keys,
@@ -71,7 +72,7 @@ def encode_presence(msg: Presence) -> bytes:
     """Encode a :class:`Presence` (``docs/protocol.md``, "Presence"); returns the CBOR bytes."""
     return dumps(
         {
-            "v": 1,
+            "v": SCHEMA_VERSION,
             "type": MessageType.PRESENCE.value,
             "instance": msg.instance,
             "host": msg.host,

@@ -75,7 +75,7 @@ class Reason(StrEnum):
     BAD_STATE = "bad_state"
 
 
-#: Reasons the message decoders raise (``edgefl.wire.messages``, ``.compression``, ``.arrays``, ``.cbor``).
+#: Reasons the message decoders raise (``edgefl.wire`` messages, ``.compression``, ``.arrays``, ``.cbor``).
 REASONS: Final = frozenset(
     {
         Reason.TOO_LARGE,

@@ -2,8 +2,8 @@
 
 Owns the signed-bytes layout (:func:`signed_bytes`), signing (:func:`sign_message`,
 :func:`sign_payload`), verification before decoding (:func:`verify_payload`) and Ed25519 keys. A signed
-message carries its 64-byte signature as the value of its last key, ``"signature"``, and is schema 2;
-the signature covers::
+message carries its 64-byte signature as the value of its last key, ``"signature"``; the signature
+covers::
 
     "edgefl-sig-v2" 0x00 || CBOR([fleet, kind, round, version, device, SHA-256(blank form)])
 
@@ -46,9 +46,9 @@ from edgefl.wire.cbor import (
     DEFAULT_LIMITS,
     NO_LIMITS,
     SCHEMA_VERSION,
-    SIGNED_SCHEMA_VERSION,
     Limits,
     MessageType,
+    Scanned,
     prescan,
 )
 from edgefl.wire.reasons import SIGNATURE_REASONS, Reason
@@ -62,7 +62,6 @@ __all__ = [
     "SIGNATURE_BYTES",
     "SIGNATURE_REASONS",
     "SIGNED_KINDS",
-    "SIGNED_SCHEMA_VERSION",
     "SigningKey",
     "VerifyKey",
     "generate_signing_key",
@@ -102,6 +101,8 @@ _SENDER_KEYS: Final[Mapping[MessageType, str]] = {
     MessageType.DECLINE: "device",
     MessageType.PARTIAL: "site",
 }
+#: The top-level keys the signed bytes are built from.
+_SIGNED_KEYS: Final = ("v", "type", "round", "version", "base_version", "device", "site")
 _KEY: Final = b"\x69signature"  # CBOR text string "signature"
 _SIGNED_TAIL: Final = _KEY + b"\x58\x40"  # "signature": 64-byte string header
 _PKCS8_PREFIX: Final = bytes.fromhex("302e020100300506032b657004220420")  # RFC 8410 §10.3
@@ -579,19 +580,23 @@ class _Signed:
 
 def _signed_fields(blank: bytes, limits: Limits) -> _Signed:
     """Read v, type, round, version and device from the blank form's headers (nothing is decoded)."""
-    found = prescan(blank, limits, ("v", "type", "round", "version", "base_version", "device", "site"))
+    return _signed_header(prescan(blank, limits, _SIGNED_KEYS))
+
+
+def _signed_header(found: Mapping[str, int | str]) -> _Signed:
+    """The signed fields among a message's top-level header values (its signature bytes are not one)."""
     schema, kind = found.get("v"), found.get("type")
     if type(schema) is not int:
         raise DecodeError(Reason.BAD_VERSION, "v: missing or not an unsigned integer")
     if type(kind) is not str:
         raise DecodeError(Reason.MISSING_KEY, "type")
-    version_key = SIGNED_KINDS.get(MessageType(kind)) if kind in set(MessageType) else None
+    version_key = SIGNED_KINDS.get(kind)  # type: ignore[call-overload]  # a StrEnum key: text finds it
     if version_key is None:
         raise DecodeError(Reason.WRONG_TYPE, f"type = {kind[:40]!r}: not a signed message type")
     round_, version = found.get("round"), found.get(version_key)
     if type(round_) is not int or type(version) is not int:
         raise DecodeError(Reason.MISSING_KEY, f"round or {version_key}: missing or not unsigned integers")
-    sender_key = _SENDER_KEYS.get(MessageType(kind))
+    sender_key = _SENDER_KEYS.get(kind)  # type: ignore[call-overload]
     device = found.get(sender_key, "") if sender_key is not None else ""
     return _Signed(schema, kind, round_, version, device if type(device) is str else "")
 
@@ -602,7 +607,7 @@ def sign_payload(blank: bytes, key: SigningKey, *, fleet: str) -> bytes:
     Parameters
     ----------
     blank : bytes
-        E.g. ``encode_round(replace(msg, signature=PLACEHOLDER))`` (schema 2, signature last).
+        E.g. ``encode_round(replace(msg, signature=PLACEHOLDER))`` (signature last).
     key : SigningKey
     fleet : str
         Fleet the message is meant for.
@@ -615,8 +620,9 @@ def sign_payload(blank: bytes, key: SigningKey, *, fleet: str) -> bytes:
     Raises
     ------
     ValueError
-        If ``blank`` does not end with the placeholder signature, is not a schema-2 (or 3) GlobalModel,
-        RoundAnnouncement, Update or Partial, or lacks its round or version.
+        If ``blank`` does not end with the placeholder signature, is of another schema than
+        :data:`~edgefl.wire.cbor.SCHEMA_VERSION`, is not a GlobalModel, RoundAnnouncement, Update,
+        Decline or Partial, or lacks its round or version.
     """
     if not is_signed(blank) or bytes(blank[-SIGNATURE_BYTES:]) != PLACEHOLDER:
         raise ValueError(
@@ -626,11 +632,8 @@ def sign_payload(blank: bytes, key: SigningKey, *, fleet: str) -> bytes:
         fields = _signed_fields(bytes(blank), NO_LIMITS)
     except DecodeError as exc:
         raise ValueError(f"cannot sign this message: {exc}") from exc
-    if not SIGNED_SCHEMA_VERSION <= fields.schema <= SCHEMA_VERSION:
-        raise ValueError(
-            f"a signed message is written as schema {SIGNED_SCHEMA_VERSION} to {SCHEMA_VERSION},"
-            f" not {fields.schema}"
-        )
+    if fields.schema != SCHEMA_VERSION:
+        raise ValueError(f"a signed message is written as schema {SCHEMA_VERSION}, not {fields.schema}")
     digest = hashlib.sha256(blank).digest()
     message = signed_bytes(
         fleet=fleet,
@@ -675,7 +678,7 @@ def sign_message(encode: Callable[[_M], bytes], msg: _M, key: SigningKey, *, fle
 
 
 def verify_payload(
-    payload: bytes,
+    payload: bytes | Scanned,
     key: VerifyKey,
     *,
     fleet: str,
@@ -687,8 +690,9 @@ def verify_payload(
 
     Parameters
     ----------
-    payload : bytes
-        The received message.
+    payload : bytes or Scanned
+        The received message, or what :func:`edgefl.wire.cbor.scan` made of it: its header values
+        are the blank form's (they differ only in the signature bytes), so it is not scanned again.
     key : VerifyKey
         The sender's public key (the coordinator's, or the device named by the topic).
     fleet : str
@@ -706,8 +710,8 @@ def verify_payload(
     DecodeError
         ``unsigned`` (no 64-byte signature as the last entry, e.g. a message from an old or hostile
         sender); ``bad_signature`` (wrong key, any byte changed, signed for another fleet, kind or
-        device, a schema-1 signature, a schema newer than this peer's, or signed fields that cannot
-        be read; the detail says which).
+        device, another schema than this peer's, or signed fields that cannot be read; the detail
+        says which).
     ValueError
         If ``kind`` is not a signed kind, or is ``update`` (``partial``) without a ``device`` (site).
     """
@@ -716,19 +720,19 @@ def verify_payload(
         raise ValueError(f"{expected.value} messages are not signed")
     if expected in _SENDER_KEYS and not device:
         raise ValueError(f"verifying a {expected.value} needs the device (or site) its topic names")
-    blank = unsigned_form(payload)
+    data = payload.data if isinstance(payload, Scanned) else payload
+    blank = unsigned_form(data)
     try:
-        fields = _signed_fields(blank, limits)
+        if isinstance(payload, Scanned):
+            fields = _signed_header(payload.header)
+        else:
+            fields = _signed_fields(blank, limits)
     except DecodeError as exc:
         raise DecodeError(Reason.BAD_SIGNATURE, f"signed fields unreadable ({exc})") from exc
-    if fields.schema > SCHEMA_VERSION:
-        # the claim is unauthenticated until verified, and this peer only verifies schema-2 signatures
-        detail = f"v = {min(fields.schema, 10**6)}: newer than schema {SCHEMA_VERSION}, cannot verify it"
+    if fields.schema != SCHEMA_VERSION:
+        # the claim is unauthenticated until verified, and this peer only verifies its own schema
+        detail = f"v = {min(fields.schema, 10**6)}: not schema {SCHEMA_VERSION}, cannot verify it"
         raise DecodeError(Reason.BAD_SIGNATURE, detail)
-    if fields.schema < SIGNED_SCHEMA_VERSION:
-        raise DecodeError(
-            Reason.BAD_SIGNATURE, f"schema-{fields.schema} signature: the sender predates schema 2"
-        )
     wanted_device = device if expected in _SENDER_KEYS else ""
     message = signed_bytes(
         fleet=fleet,
@@ -738,7 +742,7 @@ def verify_payload(
         device=wanted_device,
         digest=hashlib.sha256(blank).digest(),
     )
-    if _backend().verify(key.raw, bytes(payload[-SIGNATURE_BYTES:]), message):
+    if _backend().verify(key.raw, bytes(data[-SIGNATURE_BYTES:]), message):
         return
     if fields.kind != expected.value:
         why = f"a {fields.kind[:40]!r} message where {expected.value!r} is expected"

@@ -1,0 +1,265 @@
+"""The daemon's round task: round and global messages in, updates and declines out.
+
+One task answers rounds (:meth:`RoundTask.round_loop`): it takes round and global messages in order
+from the message pump, answers a round the core kept waiting once its head or samples arrived, retries
+a round the memory governor deferred, re-sends the outbox after a (re)connect, publishes what the core
+produced, and returns a round's freed heap to the kernel once no message came for
+:data:`IDLE_GRACE_S`. Other tasks only ask it (:meth:`~edgefl.agent.reporter.StatusReporter._wake_rounds`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from edgefl.agent import memory
+from edgefl.agent.core import ApplyStatus
+from edgefl.agent.ingest import LOGGED_REFUSALS
+from edgefl.agent.round import RoundResult, RoundStatus
+from edgefl.agent.source import SampleSource
+from edgefl.aio import wait_event
+from edgefl.errors import (
+    DecodeError,
+    TransportError,
+)
+from edgefl.mqtt_link import Message
+from edgefl.wire.chunking import Reassembler, is_chunk, split_message
+
+logger = logging.getLogger(__name__)
+
+
+IDLE_GRACE_S = 0.5
+"""After a trained round, ``malloc_trim`` waits until no message came for this long (seconds): a new
+head is usually followed by its round within milliseconds."""
+
+
+class RoundTask(SampleSource):
+    """The one task that answers rounds, and the message pump (a part of ``edgefl.agent.daemon.Agent``)."""
+
+    reassembler: Reassembler
+    _control: asyncio.Queue[Message]
+    _trim_wanted: bool
+    _next_retry_at: float
+
+    async def pump(self) -> None:
+        """Take incoming messages: samples and labels to the ingest queue, the rest to the round task."""
+        assert self.transport is not None
+        while True:
+            msg = await self.transport.queue.get()
+            if self._is_ingest(msg.topic):
+                self.receive_ingest(msg)
+            else:
+                await self._control.put(msg)
+                self._round_wake.set()
+
+    async def round_loop(self) -> None:
+        """The round task: every round is answered here, in the order its messages and asks came.
+
+        Each pass: re-send the outbox if a (re)connect asked, answer the waiting round if samples
+        arrived for it, retry the deferred round once ``status.interval_s`` has passed, then handle
+        one round or global message (:meth:`handle`). With nothing in hand the status may be
+        checked (``_status_go``), and once no message came for :data:`IDLE_GRACE_S` after a trained
+        round, freed heap goes back to the kernel (``malloc_trim``).
+        """
+        while True:
+            if self._control.empty() and not self._round_asks and not self._retry_due():
+                self._status_go.set()
+                self._round_wake.clear()
+                idle_since, wait_s = time.monotonic(), self._idle_wait_s()
+                if wait_s is None:
+                    await self._round_wake.wait()
+                elif not await wait_event(self._round_wake, wait_s):
+                    if self._trim_wanted and time.monotonic() - idle_since >= IDLE_GRACE_S:
+                        self._trim_wanted = False
+                        await self._work(memory.malloc_trim)
+                    continue
+            if not self._status_connected:
+                self._status_go.clear()  # a round's status changes are checked once it is handled
+            asks, self._round_asks = self._round_asks, set()
+            if "resend" in asks:
+                await self.resend_outbox()
+            if "ready" in asks:
+                await self.answer_ready()
+            if self._retry_due():
+                await self.retry_deferred()
+            if not self._control.empty():
+                await self.handle(self._control.get_nowait())
+
+    def _retry_due(self) -> bool:
+        return self.core.deferred is not None and time.monotonic() >= self._next_retry_at
+
+    def _idle_wait_s(self) -> float | None:
+        """How long the idle round task waits for a message: the trim's grace, the deferred round's retry."""
+        waits = [IDLE_GRACE_S] if self._trim_wanted else []
+        if self.core.deferred is not None:
+            waits.append(max(0.0, self._next_retry_at - time.monotonic()))
+        return min(waits) if waits else None
+
+    async def handle(self, msg: Message) -> None:
+        """Dispatch one round or global message: GlobalModel (whole or in chunks) or RoundAnnouncement.
+
+        Anything else is ``bad_topic``. A bad message is logged with topic, size and reason, counted in
+        ``rejected``, and dropped.
+        """
+        what = f"message on {msg.topic} ({len(msg.payload)} bytes)"
+        try:
+            topic, payload = msg.topic, msg.payload
+            if not payload:
+                return  # a retained message being cleared
+            base = self.topics.global_model
+            if topic == base or topic.startswith(base + "/"):
+                if is_chunk(payload):
+                    whole = self.reassembler.feed(base, payload)
+                    if whole is None:
+                        return
+                    payload = whole
+                elif topic != base:
+                    raise DecodeError("bad_chunk", f"{topic}: not a chunk")
+                applied = await self._work(self.core.receive_global, payload)
+                if applied.status == ApplyStatus.REFUSED:
+                    self._reject(applied.reason, what, applied.detail)
+                elif applied.status == ApplyStatus.APPLIED:
+                    self._changed()
+                    await self.answer_ready()
+                else:
+                    # a redelivery counted (redelivered_total is news): say it now, not with the
+                    # next state change (it used to land in the next round's bytes)
+                    self._changed()
+            elif topic == self.topics.round:
+                await self.on_round(await self._work(self.core.receive_round, payload))
+            else:
+                raise DecodeError("bad_topic", f"unexpected topic {topic}")
+        except DecodeError as exc:
+            self._reject(exc.reason, what, exc.detail)
+        except Exception as exc:
+            # last line of defence: whatever a message made us do failed; count it, keep running (the
+            # message was acknowledged when it reached the queue: a run of such messages never makes
+            # the daemon deaf)
+            self.state.rejected["failed"] += 1
+            n = self.state.rejected["failed"]
+            if n <= LOGGED_REFUSALS or n % 1000 == 0:
+                more = f" ({n} failed so far)" if n > LOGGED_REFUSALS else ""
+                logger.error("handling %s failed: %s: %s%s", what, type(exc).__name__, exc, more)
+            self._set_state("idle", f"last message failed: {exc}")
+
+    async def answer_ready(self) -> None:
+        """Answer the core's pending round if it became answerable (head applied, samples stored)."""
+        if self.core.pending_round is None:  # set only by worker calls already returned: no hop needed
+            return
+        ann = await self._work(self.core.take_ready_round)
+        if ann is not None:
+            await self.on_round(await self._work(self.core.answer_round, ann))
+
+    async def on_round(self, result: RoundResult) -> None:
+        """Act on the core's answer to a round: publish a trained update, show a deferral, count a refusal.
+
+        Declines of deferred rounds that this answer's round superseded are published first.
+        """
+        if self.core.declines_waiting:  # appended only by the worker call that produced ``result``
+            for declined in await self._work(self.core.take_declines):
+                await self._declined(declined)
+        if result.round:
+            self.state.round = max(self.state.round, result.round)
+        status = result.status
+        if status == RoundStatus.REFUSED:
+            self._reject(result.reason, f"round {result.round}", result.detail)
+            if result.reason == "failed":
+                self._set_state("idle", f"round {result.round} failed: {result.detail}")
+        elif status == RoundStatus.DEFERRED:
+            self._next_retry_at = time.monotonic() + self.profile.status.interval_s
+            self._set_state("deferred", result.reason)
+        elif status == RoundStatus.ANSWERED:
+            logger.info("round %d: %s; not trained again", result.round, result.detail)
+            self._changed()
+        elif status == RoundStatus.TRAINED:
+            await self._sent(result)
+            # the personal head's step, once the update is out (it changes nothing that is sent)
+            if self.core.personal_due and await self._work(self.core.personalise) is not None:
+                self._changed()
+        elif status == RoundStatus.DECLINED:
+            await self._declined(result)
+        else:
+            self._changed()
+
+    async def _sent(self, result: RoundResult) -> None:
+        entry, local = result.entry, result.local
+        assert entry is not None and local is not None
+        for dropped in result.dropped:
+            logger.warning("outbox: dropped %s (%s)", dropped.update_id, dropped.reason)
+        self._set_state("uploading")
+        try:
+            await self._send_update(entry.update_id, entry.payload, counted=True)
+        except TransportError as exc:
+            # the outbox keeps it: re-sent after the next (re)connect, the round is not trained again
+            logger.warning("round %d: update not delivered yet: %s", result.round, exc)
+            self._set_state("idle", f"update not delivered yet: {exc}")
+            return
+        self.state.last_update_bytes = result.update_bytes
+        self.state.last_update_ts = round(time.time(), 3)
+        self.state.local_accuracy = local.accuracy
+        logger.info(
+            "round %d: sent update (%d examples, %d bytes, loss %.3f, %.1f ms)",
+            result.round,
+            local.num_examples,
+            result.update_bytes,
+            local.loss,
+            local.train_s * 1e3,
+        )
+        self._set_state("waiting")
+        self._trim_wanted = True  # when idle (round_loop): the next round's message may be here
+
+    async def _declined(self, result: RoundResult) -> None:
+        """Publish a Decline (kept in the outbox like an update: re-sent after a reconnect)."""
+        entry = result.entry
+        assert entry is not None
+        for dropped in result.dropped:
+            logger.warning("outbox: dropped %s (%s)", dropped.update_id, dropped.reason)
+        self._set_state("idle", f"round {result.round} declined: {result.detail}")
+        try:
+            await self._send_update(entry.update_id, entry.payload)
+        except TransportError as exc:
+            logger.warning("round %d: decline not delivered yet: %s", result.round, exc)
+
+    async def retry_deferred(self) -> None:
+        """Retry the core's deferred round (memory may have freed) or send its decline when time is up."""
+        now = time.monotonic()
+        if self.core.deferred is None or now < self._next_retry_at:
+            return
+        self._next_retry_at = now + self.profile.status.interval_s  # a retry's own news is no reason
+        result = await self._work(self.core.retry_deferred)
+        if result is not None:
+            await self.on_round(result)
+
+    async def _send_update(self, update_id: str, payload: bytes, counted: bool = False) -> None:
+        """Publish an update (chunked above the broker's packet limit), then drop it from the outbox.
+
+        ``counted``: the outbox already counted this attempt (a fresh update is kept with its
+        first send counted, ``DeviceCore.answer_round``); otherwise it is counted (persisted) first.
+
+        Raises
+        ------
+        TransportError
+            If a chunk was not acknowledged; the update stays in the outbox for a re-send.
+        """
+        assert self.transport is not None
+        topic = self.topics.update(self.device)
+        limit = self.packet_limit()
+        if not counted:
+            await self._work(self.core.mark_sent, update_id)
+        with self.core.phase("publish"):
+            for part in split_message(payload, topic, limit, msg_id=update_id.replace(":", "-")):
+                await self.transport.publish(topic, part, qos=1)
+        await self._work(self.core.acknowledged, update_id)
+
+    async def resend_outbox(self) -> None:
+        """After a (re)connect: send each unacknowledged update of the current round again, once."""
+        dropped, pending = await self._work(self.core.to_resend, self.state.round)
+        for d in dropped:
+            logger.info("outbox: dropped %s (%s)", d.update_id, d.reason)
+        for entry in pending:
+            try:
+                await self._send_update(entry.update_id, entry.payload)
+                logger.info("outbox: re-sent %s", entry.update_id)
+            except TransportError as exc:
+                logger.warning("outbox: re-send of %s failed: %s", entry.update_id, exc)

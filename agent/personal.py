@@ -1,0 +1,306 @@
+"""The personal head and federated evaluation: the device's own head beside the global one.
+
+After a round is answered, :meth:`PersonalHeads.personalise` pulls the personal head toward the new
+global head (class-restricted Ditto steps, ``edgefl.agent.trainer.train_personal``) and persists it;
+:meth:`PersonalHeads.evaluate` scores both heads on the holdout store (never trained on) and
+:meth:`PersonalHeads.serving_head` picks the one that classifies (the global head while the
+personal one is behind, :func:`personal_behind`).
+
+Source: T. Li et al., "Ditto: Fair and Robust Federated Learning Through Personalization", ICML 2021.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import cbor2
+import numpy as np
+
+from edgefl.agent.state import DeviceState
+from edgefl.agent.trainer import PersonalResult, train_personal
+from edgefl.errors import UpdateRejected
+from edgefl.head import Head, personal_columns, validate_head
+from edgefl.records import read_record, write_record
+from edgefl.wire.rounds import RoundAnnouncement
+
+logger = logging.getLogger(__name__)
+
+PERSONAL_FILE = "personal_head.rec"
+"""The device's personal head, the classes it may personalise and the global version it was last
+pulled toward (a checksummed record; CBOR ``{"v": 1, "fleet", "model_sha256", "version", "shape",
+"W", "b", "columns"}``, the arrays as little-endian float32 / uint8 bytes)."""
+PERSONAL_SEED_OFFSET = 0x5EED
+"""Added to the round's shuffle seed for the personal step (its own sample order)."""
+
+
+def personal_behind(only_global: int, only_personal: int) -> bool:
+    """Whether the personal head is behind the global one on the holdout by more than chance.
+
+    Only the samples the two heads disagree on tell them apart: ``only_global`` the global head gets
+    right and the personal one wrong, ``only_personal`` the reverse. The personal head is behind
+    when ``only_global - only_personal > sqrt(only_global + only_personal)``: more than one
+    standard deviation of that difference were both heads equally good (each disagreement a fair
+    coin). A holdout of a few samples thus needs two more wins of the global head than of the
+    personal one, not one, before predictions leave the personal head.
+
+    Parameters
+    ----------
+    only_global, only_personal : int >= 0
+        Holdout samples only the global (resp. only the personal) head classifies right.
+
+    Returns
+    -------
+    bool
+
+    Source: McNemar's statistic for paired proportions, ``(b - c) / sqrt(b + c)`` (Q. McNemar,
+    "Note on the sampling error of the difference between correlated proportions or
+    percentages", Psychometrika 12(2), 1947), at one standard deviation.
+    """
+    diff = only_global - only_personal
+    return diff > 0 and diff * diff > only_global + only_personal
+
+
+def holdout_capacity(store_capacity: int, every: int) -> int:
+    """Samples the holdout store keeps: ``store_capacity // every``, at least 16 (0 when ``every`` is 0)."""
+    return max(16, store_capacity // every) if every else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """Federated evaluation of one global head on the device's holdout (never trained on).
+
+    Attributes
+    ----------
+    version : int
+        The head's version.
+    accuracy : float
+        Fraction of the holdout samples the head classifies right, in [0, 1].
+    count : int
+        Holdout samples evaluated.
+    """
+
+    version: int
+    accuracy: float
+    count: int
+
+
+class PersonalHeads(DeviceState):
+    """The personal head, its classes, and the evaluation of both heads on the holdout (a core part)."""
+
+    evaluation: Evaluation | None
+    personal: Head | None
+    personal_columns: np.ndarray
+    personal_evaluation: Evaluation | None
+    personal_fallback: bool
+    personal_deferred: int
+    _personal_due: RoundAnnouncement | None
+
+    def serving_head(self) -> tuple[Head, str]:
+        """The head that classifies: the personal one once it exists, unless it fell behind.
+
+        Returns
+        -------
+        (Head, "personal" | "global")
+            The global head when ``personal.enabled`` is false, before the first personal step, or
+            while :attr:`personal_fallback` (the personal head did worse on the holdout).
+        """
+        personal = self.personal
+        if personal is None or self.personal_fallback or not self.profile.personal.enabled:
+            return self.head, "global"
+        return personal, "personal"
+
+    def evaluate(self) -> Evaluation | None:
+        """Accuracy of the current head on the holdout store (federated evaluation), or None without one.
+
+        Returns
+        -------
+        Evaluation or None
+            ``version`` of the head, ``accuracy`` in [0, 1] and ``count`` samples; None when holdout is
+            off or empty. Also kept in :attr:`evaluation` for the status.
+        """
+        if self.holdout is None or len(self.holdout) == 0:
+            return None
+        head = self.head
+        personal = self.personal
+        correct = correct_p = total = only_global = only_personal = 0
+        for emb, lbl in self.holdout.chunks(256):
+            right = head.predict(emb) == lbl
+            correct += int(np.sum(right))
+            if personal is not None:
+                right_p = personal.predict(emb) == lbl
+                correct_p += int(np.sum(right_p))
+                only_global += int(np.sum(right & ~right_p))
+                only_personal += int(np.sum(right_p & ~right))
+            total += len(lbl)
+        self.evaluation = Evaluation(head.version, correct / total, total)
+        if personal is not None:
+            self.personal_evaluation = Evaluation(personal.version, correct_p / total, total)
+            behind = personal_behind(only_global, only_personal)
+            if behind != self.personal_fallback:
+                if behind:
+                    logger.warning(
+                        "personal head behind the global head on the holdout (%.3f < %.3f, %d samples): "
+                        "predictions use the global head",
+                        correct_p / total,
+                        correct / total,
+                        total,
+                    )
+                else:
+                    logger.info(
+                        "personal head back level with the global head on the holdout (%.3f >= %.3f): "
+                        "predictions use the personal head",
+                        correct_p / total,
+                        correct / total,
+                    )
+            self.personal_fallback = behind
+        return self.evaluation
+
+    @property
+    def personal_path(self) -> Path:
+        """The persisted personal head (:data:`PERSONAL_FILE`)."""
+        return self.state_dir / PERSONAL_FILE
+
+    @property
+    def personal_due(self) -> bool:
+        """A round was trained and its personal step waits for :meth:`personalise`."""
+        return self._personal_due is not None
+
+    def _load_personal(self) -> None:
+        """Restore the personal head and its classes from their record (previous generation if torn).
+
+        Without a usable record the classes come from the labels already stored (a device that
+        stored samples before it had a personal head), and the head waits for the next round.
+        """
+        D, K = self.head.shape
+        data = read_record(self.personal_path)
+        if data is not None:
+            try:
+                obj = cbor2.loads(data)
+                if not isinstance(obj, dict) or obj.get("v") != 1:
+                    raise ValueError("not a personal-head record")
+                if obj.get("fleet") != self.fleet or obj.get("model_sha256") != self.model_sha256:
+                    raise ValueError("for another fleet or model")
+                version, shape = obj.get("version"), obj.get("shape")
+                raw_W, raw_b, raw_c = obj.get("W"), obj.get("b"), obj.get("columns")
+                if type(version) is not int or version < 0 or shape != [D, K]:
+                    raise ValueError(f"version {version!r}, shape {shape!r}: expected shape {[D, K]}")
+                if not (isinstance(raw_W, bytes) and isinstance(raw_b, bytes) and isinstance(raw_c, bytes)):
+                    raise ValueError("W, b and columns must be byte strings")
+                if len(raw_W) != D * K * 4 or len(raw_b) != K * 4 or len(raw_c) != K:
+                    raise ValueError("array sizes do not match the shape")
+                W = np.frombuffer(raw_W, dtype="<f4").reshape(D, K).astype(np.float32)
+                b = np.frombuffer(raw_b, dtype="<f4").astype(np.float32)
+                validate_head(W, b, (D, K))
+                self.personal = Head(W, b, version)
+                self.personal_columns = np.frombuffer(raw_c, dtype=np.uint8) != 0
+                self._tie_personal()
+                logger.info(
+                    "restored personal head (pulled toward version %d, %d of %d classes personal) from %s",
+                    version,
+                    int(self.personal_columns.sum()),
+                    K,
+                    self.personal_path,
+                )
+                return
+            except (cbor2.CBORDecodeError, ValueError, TypeError, UpdateRejected) as exc:
+                logger.warning(
+                    "stored personal head %s unusable (%s); a new one is trained", self.personal_path, exc
+                )
+        stores = [self.store] + ([self.holdout] if self.holdout is not None else [])
+        for st in stores:
+            for _, lbl in st.chunks(1024):
+                self.personal_columns |= personal_columns(lbl, K)
+
+    def _tie_personal(self) -> None:
+        """Set the personal head's columns of never-labelled classes to the global head's (in place)."""
+        personal = self.personal
+        if personal is None or self.personal_columns.all():
+            return
+        tied = ~self.personal_columns
+        personal.W[:, tied] = self.head.W[:, tied]
+        personal.b[tied] = self.head.b[tied]
+
+    def _save_personal(self) -> None:
+        """Write the personal head, its classes and version (the one atomic, checksummed writer)."""
+        personal = self.personal
+        if personal is None:
+            return
+        payload = {
+            "v": 1,
+            "fleet": self.fleet,
+            "model_sha256": self.model_sha256,
+            "version": personal.version,
+            "shape": list(personal.shape),
+            "W": personal.W.astype("<f4").tobytes(),
+            "b": personal.b.astype("<f4").tobytes(),
+            "columns": self.personal_columns.astype(np.uint8).tobytes(),
+        }
+        write_record(self.personal_path, cbor2.dumps(payload))
+
+    def personalise(self) -> PersonalResult | None:
+        """The personal step of the last trained round: class-restricted Ditto steps, persisted, evaluated.
+
+        Pulls the personal head (the global head's copy the first time) toward the current global
+        head with ``personal.prox_lambda`` over ``personal.epochs`` passes of the store (0: the
+        round's ``local_epochs``) at ``personal.lr_scale`` times the round's ``lr``, the columns of
+        classes never labelled here tied to the global head
+        (:func:`edgefl.agent.trainer.train_personal`); phase ``personal``, admitted by the governor
+        as one head plus its gradient beside the chunk buffers. Then the head is written
+        (:data:`PERSONAL_FILE`) and both heads are evaluated on the holdout (:meth:`evaluate`: a
+        personal head behind the global one stops serving, :func:`personal_behind`).
+        The update of the round is already kept: nothing here changes what is sent.
+
+        Returns
+        -------
+        PersonalResult or None
+            None when no step is due, personal heads are off, the store is empty or the governor
+            deferred the step (:attr:`personal_deferred` counts it; the next round tries again).
+        """
+        ann = self._personal_due
+        self._personal_due = None
+        cfg = self.profile.personal
+        if ann is None or not cfg.enabled or len(self.store) == 0:
+            return None
+        tcfg = self.profile.training
+        glob = self.head
+        D, K = glob.shape
+        adm = self.governor.admit_personal(
+            tcfg.chunk_size,
+            tcfg.chunk_floor,
+            dim=D,
+            classes=K,
+            batch_size=ann.batch_size,
+            num_examples=len(self.store),
+            resident_rows=self.store.resident_rows,
+        )
+        if adm.deferred:
+            self.personal_deferred += 1
+            return None
+        current = self.personal
+        # trained in place: the personal head's arrays are only read by this (single) caller thread
+        W, b = (glob.W.copy(), glob.b.copy()) if current is None else (current.W, current.b)
+        with self._phase("personal"):
+            result = train_personal(
+                W,
+                b,
+                glob,
+                self.store,
+                self.personal_columns.copy(),
+                lam=cfg.prox_lambda,
+                epochs=cfg.epochs or ann.local_epochs,
+                lr=cfg.lr_scale * ann.lr,
+                batch_size=ann.batch_size,
+                chunk_size=adm.work,
+                seed=tcfg.seed + ann.round + PERSONAL_SEED_OFFSET,
+                time_budget_s=ann.deadline_s,
+            )
+        if not (np.isfinite(W).all() and np.isfinite(b).all()):
+            logger.warning("personal step gave non-finite values; the next starts again from the global head")
+            self.personal = None
+            return result
+        self.personal = Head(W, b, glob.version)
+        self._persist("personal", self._save_personal)
+        self.evaluate()
+        return result

@@ -1,0 +1,392 @@
+"""The daemon's status task: the retained DeviceStatus and the status page's document.
+
+:meth:`StatusReporter.status_loop` publishes ``status/<device>`` (retained, QoS 1) when the status
+has news (:func:`edgefl.agent.status.status_news`), at every (re)connect and at least every
+``status.heartbeat_s``; :meth:`StatusReporter.dashboard_status` is what the status page shows.
+:class:`StatusReporter` also declares the fields the daemon's tasks share (``agent/source.py``,
+``agent/control.py``, ``agent/daemon.py`` set and use them) and the small hooks every task calls:
+run on the worker thread, mark the status changed, count a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from edgefl.agent import memory
+from edgefl.agent.config import Profile
+from edgefl.agent.core import DeviceCore
+from edgefl.agent.ingest import Ingest
+from edgefl.agent.status import samples_level, status_news
+from edgefl.aio import wait_event
+from edgefl.errors import (
+    EdgeflError,
+    TransportError,
+)
+from edgefl.topics import Topics
+from edgefl.transport import MqttTransport
+from edgefl.wire.chunking import publish_packet_bytes
+from edgefl.wire.status import DeviceStatus, encode_status
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+REFUSED_NOT_AUTHORIZED = "refused: not authorized"
+"""What the status, the page and ``/healthz`` say while the broker refuses the agent's credentials."""
+
+COMPACT_STATUS_FIELDS = frozenset(
+    {
+        "model_sha256",
+        "head_shape",
+        "ts",
+        "eval_version",
+        "eval_accuracy",
+        "personal_accuracy",
+        "global_accuracy",
+        "serving_head",
+        "eval_count",
+        "round",
+        "version",
+        "reason",
+        "ready",
+        "store_samples",
+        "new_samples",
+        "rss_bytes",
+        "peak_rss_bytes",
+        "cap_bytes",
+        "pss_bytes",
+        "system_available_bytes",
+        "last_update_bytes",
+        "rejected",
+        "pid",
+        "degraded",
+        "samples_received",
+        "labels_received",
+        "predictions_published",
+        "ingest_dropped",
+    }
+)
+"""Status fields kept when the full status would exceed the broker's maximum packet size."""
+
+
+class StatusPage(Protocol):
+    """What the daemon needs of a status page (the CLI builds one from ``edgefl.dashboard``)."""
+
+    async def start(self, status: Callable[[], dict[str, Any]]) -> str:
+        """Start serving ``status()`` documents; return the page's URL."""
+
+    def notify(self) -> None:
+        """The status changed: push it to open pages."""
+
+    async def stop(self) -> None:
+        """Stop serving."""
+
+    def counters(self) -> dict[str, int]:
+        """Connections the page refused (over its caps) and closed (header or body timeout)."""
+
+
+@dataclass
+class AgentState:
+    """Live figures of the agent (status message, dashboard)."""
+
+    state: str = "idle"
+    reason: str = ""
+    round: int = 0
+    inferred_total: int = 0
+    correct_total: int = 0
+    stored_total: int = 0
+    replay_done: bool = False
+    ingest_ready: bool = False
+    """Live ingest: subscribed to the samples and labels topics."""
+    labelled_total: int = 0
+    """Classified samples that had a label (the denominator of ``inference_accuracy``)."""
+    last_update_bytes: int = 0
+    last_update_ts: float | None = None
+    """Wall-clock time (Unix s) the last update was sent: with ``ts`` the page tells its age."""
+    local_accuracy: float = float("nan")
+    rejected: Counter[str] = field(default_factory=Counter)
+    last_rejected: dict[str, str] = field(default_factory=dict)
+    """The last live-ingest refusal: ``reason``, ``detail``, ``topic`` (a feed shows it)."""
+    over_budget_batches: int = 0
+    """Sample batches the memory governor refused to run (each retried once memory frees)."""
+    faults: Counter[str] = field(default_factory=Counter)
+    """Failures the daemon survived, by where: ``batch`` (a source batch), ``status`` (a status tick)."""
+
+
+class StatusReporter:
+    """The status task, and the fields and hooks the daemon's tasks share (the base of ``Agent``)."""
+
+    profile: Profile
+    device: str
+    topics: Topics
+    state: AgentState
+    core: DeviceCore
+    governor: memory.Governor
+    executor: ThreadPoolExecutor
+    transport: MqttTransport | None
+    stop_event: asyncio.Event
+    status_page: StatusPage | None
+    dashboard_url: str
+    ingest: Ingest | None
+    max_packet_bytes: int
+    _status_dirty: asyncio.Event
+    _status_go: asyncio.Event
+    _status_connected: bool
+    _last_said: str
+    _last_at: float
+    _last_level: int
+    _rate_window: deque[tuple[float, int]]
+    _round_wake: asyncio.Event
+    _round_asks: set[str]
+
+    async def _work(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run ``fn(*args)`` on the worker thread (every core call goes through here)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _wake_rounds(self, ask: str) -> None:
+        """Ask the round task for ``ask``: ``ready`` (a waiting round may be answerable), ``resend``."""
+        self._round_asks.add(ask)
+        self._round_wake.set()
+
+    def _fault(self, where: str, what: str, exc: BaseException) -> None:
+        """Count and log (one line, its reason) a failure the daemon survives."""
+        self.state.faults[where] += 1
+        logger.error("%s: %s failed: %s: %s", where, what, type(exc).__name__, exc)
+        self._changed()
+
+    def _reject(self, reason: str, what: str, detail: str) -> None:
+        self.state.rejected[reason] += 1
+        logger.warning("rejected %s: %s: %s", what, reason, detail)
+        self._changed()
+
+    def _changed(self) -> None:
+        """Mark the status as changed: republish it and push it to open status pages."""
+        self._status_dirty.set()
+        if self.status_page is not None:
+            self.status_page.notify()
+
+    def packet_limit(self) -> int:
+        """The largest MQTT packet we may send: the profile's limit, or the broker's (CONNACK) if smaller."""
+        broker = self.transport.broker_max_packet_bytes if self.transport is not None else None
+        return min(self.max_packet_bytes, broker or self.max_packet_bytes)
+
+    def _set_state(self, state: str, reason: str = "") -> None:
+        self.state.state = state
+        self.state.reason = reason
+        self._changed()
+
+    # --- status -------------------------------------------------------------------------------
+    def status_fields(self, measure: bool = True) -> dict[str, Any]:
+        """The DeviceStatus fields (JSON-like): memory, round, counters.
+
+        ``measure=False`` leaves out the memory figures read from ``/proc`` (see
+        ``Governor.status``): enough to tell whether a status has news.
+        """
+        s = self.state
+        core = self.core
+        pipeline = core.pipeline
+        assert pipeline is not None
+        return {
+            "round": s.round,
+            "version": core.head.version,
+            "reason": self._reason(),
+            "broker": self.broker_state(),
+            "health": self.health(),
+            "degraded": core.degraded,
+            "write_failures": core.write_failures,
+            "ready": s.replay_done or s.ingest_ready,
+            "store_samples": len(core.store),
+            "holdout_samples": len(core.holdout) if core.holdout is not None else 0,
+            "new_samples": core.new_samples,  # labelled samples stored since the last round (paces rounds)
+            "stored_total": s.stored_total,  # labelled samples stored (store and holdout) since start
+            "inferred_total": s.inferred_total,
+            "inference_accuracy": (s.correct_total / s.labelled_total) if s.labelled_total else None,
+            "last_update_bytes": s.last_update_bytes,
+            "last_update_ts": s.last_update_ts,
+            "redelivered_total": core.redelivered,
+            # updates a restart would send again: not yet acknowledged (PUBACK)
+            "outbox_pending": len(core.outbox),
+            **self.ingest_fields(),
+            "deferred_round": core.deferred.ann.round if core.deferred is not None else None,
+            "declined_total": core.declined_total,  # rounds refused to the coordinator (Decline)
+            "over_budget_batches": s.over_budget_batches,  # inference refused by the governor
+            **self.governor.status(measure=measure),
+            "rejected": dict(s.rejected),
+            "last_rejected": dict(s.last_rejected),
+            "faults": dict(s.faults),
+            "pipeline_mode": pipeline.mode,
+            "pipeline": pipeline.counters(),
+            # model identity: the coordinator leaves a device with another backbone out of rounds
+            "model_sha256": core.model_sha256,
+            "head_shape": list(core.head.shape),
+            "ts": round(time.time(), 3),
+            # federated evaluation of the current head on the holdout (never trained on)
+            **(
+                {
+                    "eval_version": core.evaluation.version,
+                    "eval_accuracy": core.evaluation.accuracy,
+                    "eval_count": core.evaluation.count,
+                }
+                if core.evaluation is not None
+                else {}
+            ),
+            # the personal head beside the global one (same holdout), and which one serves predictions
+            **self.personal_fields(),
+            "pid": os.getpid(),
+            "dashboard_url": self.dashboard_url,
+            "transport": self.transport.counters() if self.transport is not None else {},
+            **(
+                {"dashboard_connections": self.status_page.counters()}
+                if self.status_page is not None and self.dashboard_url
+                else {}
+            ),
+        }
+
+    def broker_state(self) -> str:
+        """``connected``, ``refused: not authorized`` (credentials refused), ``lost`` or ``connecting``."""
+        t = self.transport
+        if t is None:
+            return "connecting"
+        if t.connected.is_set():
+            return "connected"
+        if t.credentials_refused:
+            return REFUSED_NOT_AUTHORIZED
+        return "lost" if t.ever_connected else "connecting"
+
+    def health(self) -> str:
+        """``ok``, or the problem that makes ``/healthz`` answer 503 (the broker refused our credentials)."""
+        return REFUSED_NOT_AUTHORIZED if self.broker_state() == REFUSED_NOT_AUTHORIZED else "ok"
+
+    def _reason(self) -> str:
+        if self.broker_state() == REFUSED_NOT_AUTHORIZED:
+            return f"{REFUSED_NOT_AUTHORIZED} (broker.username / password)"
+        return f"degraded: {self.core.degraded}" if self.core.degraded else self.state.reason
+
+    def personal_fields(self) -> dict[str, Any]:
+        """``serving_head`` and, once both heads were evaluated, ``personal_accuracy``/``global_accuracy``.
+
+        ``serving_head`` is ``"personal"`` or ``"global"`` (before the first personal step, with
+        ``personal.enabled`` false, or while the personal head is behind the global one on the
+        holdout: ``personal_fallback`` true).
+        """
+        core = self.core
+        out: dict[str, Any] = {
+            "serving_head": core.serving_head()[1],
+            "personal_fallback": core.personal_fallback,
+        }
+        pe, ge = core.personal_evaluation, core.evaluation
+        if pe is not None and ge is not None:
+            out["personal_accuracy"] = pe.accuracy
+            out["global_accuracy"] = ge.accuracy
+        return out
+
+    def ingest_fields(self) -> dict[str, int]:
+        """The live ingest's counters and levels (``{}`` unless ``source.kind = "mqtt"``)."""
+        if self.ingest is None:
+            return {}
+        c = self.ingest.counters
+        return {
+            "samples_received": c.samples_received,
+            "labels_received": c.labels_received,
+            "predictions_published": c.predictions_published,
+            "predictions_failed": c.predictions_failed,
+            "ingest_dropped": c.ingest_dropped,
+            "ingest_queued": len(self.ingest),
+            "pending_labels": self.ingest.pending,
+            "conflicts_stored": c.conflicts_stored,
+            "pending_expired": c.pending_expired,
+            "pending_evicted": c.pending_evicted,
+        }
+
+    def inference_rate(self) -> float:
+        """Samples classified per second over the last few batches (0.0 when idle)."""
+        w = self._rate_window
+        if len(w) < 2 or time.monotonic() - w[-1][0] > 5.0:
+            return 0.0
+        (t0, n0), (t1, n1) = w[0], w[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def dashboard_status(self) -> dict[str, Any]:
+        """The device page's status document (see ``dashboard/app.py``): the status fields plus live ones."""
+        fields = self.status_fields()
+        fields.update(
+            device=self.device,
+            state=self.state.state,
+            local_accuracy=None
+            if self.state.local_accuracy != self.state.local_accuracy
+            else self.state.local_accuracy,
+            inference_rate=self.inference_rate(),
+            broker_connected=self.transport is not None and self.transport.connected.is_set(),
+        )
+        return fields
+
+    async def status_loop(self) -> None:
+        """Publish the retained status when it says something new, and at least every ``status.heartbeat_s``.
+
+        Checked on every change and every ``status.interval_s``, a change during a round or global
+        message's handling once that message is handled (at most one interval later); a change of
+        the volatile figures or of the round's progress alone is not news
+        (:func:`edgefl.agent.status.status_news`). Every (re)connect publishes (the broker may hold
+        the "offline" last will). While the core is degraded (state not persisted: a full disk),
+        each check retries the writes.
+        """
+        assert self.transport is not None
+        cfg = self.profile.status
+        heartbeat_s = cfg.interval_s if cfg.heartbeat_s is None else cfg.heartbeat_s
+        while True:
+            await wait_event(self._status_dirty, cfg.interval_s)
+            # a round marks the status changed at each step (received, trained, sent, acknowledged):
+            # checked once when its messages are handled, not beside its training and publish
+            # (round time); never later than one interval, at once after a (re)connect
+            await wait_event(self._status_go, cfg.interval_s)
+            self._status_dirty.clear()
+            try:
+                await self._status_tick(heartbeat_s)
+            except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
+                self._fault("status", "status tick", exc)  # e.g. EMFILE: the next tick tries again
+
+    async def _status_tick(self, heartbeat_s: float) -> None:
+        """Retry unsaved state if degraded, then publish the retained status if it has news (connected)."""
+        assert self.transport is not None
+        if self.core.degraded:  # a full disk: write what waits once there is room again
+            await self._work(self.core.retry_persist)
+            if not self.core.degraded:
+                self._changed()
+        if not self.transport.connected.is_set():
+            self._last_said = ""  # publish again once connected
+            return
+        topic = self.topics.status(self.device)
+        # round progress and volatile figures are not news; the /proc reads wait until a publish
+        quick = self.status_fields(measure=False)
+        said = status_news(self.state.state, quick)
+        if self._status_connected:
+            self._status_connected, self._last_said = False, ""
+        level = samples_level(quick)
+        self._last_level = min(self._last_level, level)  # trained on: the next rise is news again
+        if (
+            said == self._last_said
+            and level <= self._last_level
+            and time.monotonic() - self._last_at < heartbeat_s
+        ):
+            return
+        fields = self.status_fields()
+        payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
+        if publish_packet_bytes(topic, len(payload)) > self.packet_limit():
+            # A retained status is one message: under a small broker packet limit, send the essentials.
+            fields = {k: v for k, v in fields.items() if k in COMPACT_STATUS_FIELDS}
+            payload = encode_status(DeviceStatus(self.device, self.state.state, fields))
+        try:
+            await self.transport.publish(topic, payload, qos=1, retain=True)
+        except TransportError as exc:
+            logger.debug("status not published: %s", exc)
+            self._last_said = ""  # try again at the next check
+            return
+        self._last_said, self._last_at, self._last_level = said, time.monotonic(), level

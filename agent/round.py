@@ -1,0 +1,504 @@
+"""The device's round: a RoundAnnouncement in, an update (or a Decline) kept in the outbox out.
+
+:meth:`RoundAnswering.receive_round` verifies and decodes the announcement;
+:meth:`RoundAnswering.answer_round` checks it (selected, exactly once, base version, samples,
+memory), trains the head locally, applies error feedback, encodes and signs the update and keeps it
+in the outbox with the answered round in one write. A round the memory governor defers is retried
+(:meth:`RoundAnswering.retry_deferred`) and declined to the coordinator when its time is up.
+No transport, no asyncio: the caller publishes ``entry.payload``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import gc
+import logging
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+
+from edgefl.agent import memory
+from edgefl.agent.outbox import Dropped, OutboxEntry
+from edgefl.agent.personal import PersonalHeads
+from edgefl.agent.state import Answered, ProgressHook
+from edgefl.agent.trainer import LocalResult, train_local
+from edgefl.errors import DecodeError, UpdateRejected
+from edgefl.head import Head
+from edgefl.wire.cbor import MessageType
+from edgefl.wire.compression import CompressedDelta, Compression
+from edgefl.wire.reasons import Reason
+from edgefl.wire.rounds import (
+    Decline,
+    RoundAnnouncement,
+    Update,
+    UpdateMetrics,
+    decode_round,
+    encode_decline,
+    encode_update,
+)
+from edgefl.wire.signing import (
+    sign_message,
+    verify_payload,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class RoundStatus(StrEnum):
+    """What became of a round announcement (:attr:`RoundResult.status`)."""
+
+    TRAINED = "trained"
+    """An update was made and kept in the outbox (:attr:`RoundResult.entry`): send it."""
+    NOT_SELECTED = "not_selected"
+    """The announcement selects other devices."""
+    ANSWERED = "answered"
+    """This round (or a later one) was already answered, maybe before a restart: nothing is sent again."""
+    WAITING_HEAD = "waiting_head"
+    """The round builds on a global head not yet applied; kept pending (``take_ready_round``)."""
+    DEFERRED = "deferred"
+    """The memory governor deferred training or encoding (``reason`` says why); kept as
+    :attr:`DeviceCore.deferred` and retried by :meth:`DeviceCore.retry_deferred`."""
+    DECLINED = "declined"
+    """The round was refused to the coordinator: a signed Decline message kept in the outbox
+    (:attr:`RoundResult.entry`, publish it like an update); ``reason`` is its reason (``over_budget``)."""
+    REFUSED = "refused"
+    """A bad or unusable announcement: ``reason`` is the refusal's code (counted by the caller)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    """The outcome of one round announcement.
+
+    Attributes
+    ----------
+    status : RoundStatus
+    round : int
+        The announced round (0 when the bytes did not decode).
+    reason : str
+        For REFUSED the refusal code (``stale_round``, ``bad_signature``, ``unsigned``, a
+        :class:`~edgefl.errors.DecodeError` reason, ``failed``); for DEFERRED the governor's reason.
+    detail : str
+        Human-readable explanation.
+    entry : OutboxEntry or None
+        TRAINED: the signed, encoded Update as kept in the outbox (publish ``entry.payload``);
+        DECLINED: the Decline message, kept and published the same way.
+    dropped : tuple[Dropped, ...]
+        Older outbox entries evicted to make room (TRAINED only).
+    local : LocalResult or None
+        TRAINED only: the local training's delta, loss, accuracy and time.
+    update_bytes : int
+        TRAINED only: ``len(entry.payload)``.
+    """
+
+    status: RoundStatus
+    round: int
+    reason: str = ""
+    detail: str = ""
+    entry: OutboxEntry | None = None
+    dropped: tuple[Dropped, ...] = ()
+    local: LocalResult | None = None
+    update_bytes: int = 0
+
+
+DECLINE_AFTER_FRACTION = 0.5
+"""A deferred round is retried until this fraction of its ``deadline_s`` has passed, then declined."""
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """A round the memory governor deferred, waiting for memory (:meth:`DeviceCore.retry_deferred`).
+
+    Attributes
+    ----------
+    ann : RoundAnnouncement
+    since_s : float
+        ``time.monotonic()`` of its first deferral.
+    reason : str
+        The governor's latest reason (or why too few examples are stored).
+    decline : str
+        The Decline's reason when its time is up: ``over_budget`` (memory) or ``too_few_examples``
+        (fewer than ``training.min_examples`` labelled examples stored).
+    """
+
+    ann: RoundAnnouncement
+    since_s: float
+    reason: str
+    decline: str = Reason.OVER_BUDGET
+
+
+def _refused(round_no: int, exc: DecodeError | UpdateRejected) -> RoundResult:
+    return RoundResult(RoundStatus.REFUSED, round_no, exc.reason, exc.detail)
+
+
+class RoundAnswering(PersonalHeads):
+    """Answer round announcements at most once (a part of :class:`~edgefl.agent.core.DeviceCore`)."""
+
+    _progress: ProgressHook | None
+    pending_round: RoundAnnouncement | None
+    deferred: Deferred | None
+    declined_total: int
+    _declines: list[RoundResult]
+
+    def _verified(self, payload: bytes, kind: MessageType) -> bytes:
+        """Check the coordinator's signature if a key is set (DecodeError ``unsigned``/``bad_signature``).
+
+        A configured ``security.coordinator_public_key`` means every head and round must be signed by
+        it, whatever ``require_signatures`` says (an unsigned one is ``unsigned``). The signed bytes
+        bind this device's fleet and the message kind its topic carries (``docs/protocol.md``).
+        """
+        if self.coordinator_key is not None:
+            verify_payload(payload, self.coordinator_key, fleet=self.fleet, kind=kind, limits=self.limits)
+        return payload
+
+    def receive_round(self, payload: bytes) -> RoundResult:
+        """Round bytes in: verify, decode and answer a RoundAnnouncement (see :meth:`answer_round`).
+
+        Parameters
+        ----------
+        payload : bytes
+            The RoundAnnouncement message as received (whole, reassembled if it came in chunks).
+
+        Returns
+        -------
+        RoundResult
+            REFUSED with the DecodeError's reason for bad bytes; otherwise as :meth:`answer_round`.
+        """
+        try:
+            ann = decode_round(self._verified(payload, MessageType.ROUND), limits=self.limits)
+        except DecodeError as exc:
+            return _refused(0, exc)
+        if self.coordinator_key is not None:
+            # a round signed by the coordinator vouches for its base version: no head older than it
+            # is applied from now on, even an old head with a valid signature (a replay)
+            self._see_version(ann.base_version)
+        return self.answer_round(ann)
+
+    def _selected(self, ann: RoundAnnouncement) -> bool:
+        if isinstance(ann.selected, tuple):
+            return self.device in ann.selected
+        return True
+
+    def answer_round(self, ann: RoundAnnouncement) -> RoundResult:
+        """Answer a round at most once: train, error feedback, encode, sign, keep in the outbox, persist.
+
+        In order: not selected -> NOT_SELECTED; round <= the last answered one (persisted across
+        restarts) -> ANSWERED; base version newer than the head -> WAITING_HEAD (kept pending);
+        older -> REFUSED ``stale_round``; empty store -> DECLINED ``no_samples`` at once; fewer than
+        ``training.min_examples`` labelled examples -> DEFERRED (retried as for memory, declined
+        ``too_few_examples`` after half the deadline: :meth:`retry_deferred`); the governor
+        defers -> DEFERRED; else local epochs on the store (phase ``train``), error feedback on a
+        compressed delta, the Update encoded and signed (phase ``encode``), kept in the outbox and
+        the round recorded as answered -> TRAINED. The caller publishes ``entry.payload`` and acks
+        it in the outbox after the PUBACK; if the publish fails the outbox re-sends it.
+
+        Parameters
+        ----------
+        ann : RoundAnnouncement
+
+        Returns
+        -------
+        RoundResult
+
+        Notes
+        -----
+        Error feedback: Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory", Algorithm 1.
+        """
+        if self._personal_due is not None:
+            self.personalise()  # the last round's personal step, if its caller left it for later
+        prior = self.deferred
+        if prior is not None and prior.ann.round < ann.round:
+            # a newer round supersedes the deferred one: refuse it to the coordinator, never drop it
+            self.deferred = None
+            self._declines.append(self._decline_safely(prior))
+        if not self._selected(ann):
+            return RoundResult(RoundStatus.NOT_SELECTED, ann.round)
+        if self.answered is not None and ann.round <= self.answered.round:
+            return RoundResult(
+                RoundStatus.ANSWERED, ann.round, detail=f"round {self.answered.round} already answered"
+            )
+        head = self.head
+        if ann.base_version > head.version:
+            self.pending_round = ann  # the global head for this round has not arrived yet
+            return RoundResult(
+                RoundStatus.WAITING_HEAD,
+                ann.round,
+                detail=f"round {ann.round} uses version {ann.base_version}, device has {head.version}",
+            )
+        if self.evaluation is None or self.evaluation.version != head.version:
+            self.evaluate()  # the base head's federated evaluation (holdout grew since, or first round)
+        if ann.base_version < head.version:
+            return _refused(
+                ann.round,
+                UpdateRejected(
+                    "stale_round",
+                    f"round {ann.round} uses version {ann.base_version}, device has {head.version}",
+                ),
+            )
+        if len(self.store) == 0:
+            # nothing to train on: say so now rather than hold the round to its deadline
+            if self.pending_round is not None and self.pending_round.round <= ann.round:
+                self.pending_round = None
+            try:
+                return self.decline(ann, Reason.NO_SAMPLES, "no labelled samples stored")
+            except OSError as exc:
+                return RoundResult(RoundStatus.REFUSED, ann.round, "failed", str(exc))
+        if self.pending_round is not None and self.pending_round.round <= ann.round:
+            self.pending_round = None
+        need = self.profile.training.min_examples
+        if len(self.store) < need:
+            # a feed may still be going: wait for more like for memory, decline when the time is up
+            why = f"{len(self.store)} labelled examples stored, training.min_examples is {need}"
+            return self._defer(ann, why, Reason.TOO_FEW_EXAMPLES)
+        try:
+            return self._train_and_encode(ann, head)
+        except (ValueError, ArithmeticError, OSError) as exc:
+            # a delta the codec refuses, or a state file that cannot be written (a full disk)
+            return RoundResult(RoundStatus.REFUSED, ann.round, "failed", str(exc))
+
+    def _train_and_encode(self, ann: RoundAnnouncement, head: Head) -> RoundResult:
+        cfg = self.profile.training
+        gov = self.governor
+        D, K = head.shape
+        adm = gov.admit_train(
+            cfg.chunk_size,
+            cfg.chunk_floor,
+            dim=D,
+            classes=K,
+            batch_size=ann.batch_size,
+            num_examples=len(self.store),
+            resident_rows=self.store.resident_rows,
+        )
+        if adm.deferred:
+            return self._defer(ann, adm.reason)
+        if self._progress is not None:
+            self._progress("training", adm.reason)
+        self.new_samples = 0  # what is stored from now on is new for the next round
+        with self._phase("train"):
+            result = train_local(
+                head,
+                self.store,
+                local_epochs=ann.local_epochs,
+                lr=ann.lr,
+                batch_size=ann.batch_size,
+                chunk_size=adm.work,
+                prox_mu=ann.prox_mu,
+                clip_norm=cfg.clip_norm,
+                seed=cfg.seed + ann.round,
+                time_budget_s=ann.deadline_s,
+            )
+        enc = gov.admit(
+            "encode", lambda _: memory.estimate_encode_bytes(D, K, ann.compression, ann.topk_fraction), 1, 1
+        )
+        if enc.deferred:
+            return self._defer(ann, enc.reason)
+        update_id = f"{self.device}:{ann.round}:{ann.base_version}"
+        ev = self.evaluation
+        base_eval = ev if ev is not None and ev.version == ann.base_version else None
+        with self._phase("encode"):
+            delta_W, delta_b = result.delta_W, result.delta_b
+            compressed: CompressedDelta | None = None
+            fb = self.feedback
+            prior_fb = (fb.residual_W, fb.residual_b, fb.round)
+            carry: bytes | None = None
+            if ann.compression != Compression.NONE:
+                # add what earlier compression dropped, keep what this one drops: persisted by the
+                # outbox write below (its own file after the PUBACK, :meth:`acknowledged`); the wire
+                # form is made once, here
+                delta_W, delta_b, compressed = fb.compress(
+                    delta_W,
+                    delta_b,
+                    ann.compression,
+                    topk_fraction=ann.topk_fraction,
+                    round=ann.round,
+                )
+                carry = fb.carry_bytes()
+            update = Update(
+                round=ann.round,
+                base_version=ann.base_version,
+                device=self.device,
+                num_examples=result.num_examples,
+                delta_W=delta_W,
+                delta_b=delta_b,
+                metrics=UpdateMetrics(
+                    result.loss,
+                    result.accuracy,
+                    result.train_s,
+                    gov.peak_rss_bytes,
+                    # the base head's federated evaluation rides with the update (the
+                    # status no longer goes out for it)
+                    eval_accuracy=base_eval.accuracy if base_eval is not None else None,
+                    eval_count=base_eval.count if base_eval is not None else 0,
+                ),
+                update_id=update_id,
+                compression=ann.compression,
+            )
+
+            def encode(m: Update) -> bytes:
+                return encode_update(m, topk_fraction=ann.topk_fraction, compressed=compressed)
+
+            if self.signing_key is not None:
+                payload = sign_message(encode, update, self.signing_key, fleet=self.fleet)
+            else:
+                payload = encode(update)
+            del update, delta_W, delta_b
+            # kept until its PUBACK: a restart re-sends it (same update_id), never re-trains the round
+            added: list[Dropped] = []
+            answered = Answered(self.fleet, ann.round, update_id)
+            prior_carry = self.outbox.residual
+            if carry is not None:
+                self.outbox.residual = carry  # kept by the outbox's writes until the file is written
+            if not self._persist(
+                # one atomic write keeps the update, counts its first send (sends=1: the daemon
+                # publishes it next) and records the round as answered: one fsync pair between
+                # training and the publish instead of three (round latency)
+                "outbox",
+                lambda: added.extend(
+                    self.outbox.add(
+                        update_id, ann.round, payload, sends=1, answered=self._answered_map(answered)
+                    )
+                ),
+            ):
+                # not sent: a round whose update is not on disk could be answered twice after a restart
+                self.outbox.forget(update_id)
+                if carry is not None:  # the residual stays as it was on disk
+                    self.outbox.residual = prior_carry
+                    fb.residual_W, fb.residual_b, fb.round = prior_fb
+                self._unsaved["outbox"] = self.outbox.save
+                raise OSError(errno.EIO, f"update not kept: outbox not persisted ({self.degraded})")
+            dropped = tuple(added)
+            self.answered = answered
+        entry = OutboxEntry(update_id, ann.round, payload)
+        if self.deferred is not None and self.deferred.ann.round <= ann.round:
+            self.deferred = None
+        if self.profile.personal.enabled:
+            self._personal_due = ann  # after the update is kept: it never depends on the personal head
+        return RoundResult(
+            RoundStatus.TRAINED,
+            ann.round,
+            entry=entry,
+            dropped=dropped,
+            local=result,
+            update_bytes=len(payload),
+        )
+
+    def _defer(self, ann: RoundAnnouncement, reason: str, decline: str = Reason.OVER_BUDGET) -> RoundResult:
+        """Keep ``ann`` as the deferred round (its first deferral time kept when deferred again)."""
+        prior = self.deferred
+        since = prior.since_s if prior is not None and prior.ann.round == ann.round else time.monotonic()
+        self.deferred = Deferred(ann, since, reason, decline)
+        return RoundResult(RoundStatus.DEFERRED, ann.round, reason)
+
+    def retry_deferred(self, now_s: float | None = None) -> RoundResult | None:
+        """Retry the deferred round once memory may have freed, or decline it when its time is up.
+
+        Before :data:`DECLINE_AFTER_FRACTION` of the round's ``deadline_s`` has passed since its first
+        deferral, free heap is returned to the kernel and the round answered again
+        (:meth:`answer_round`: TRAINED, or DEFERRED again). After it, the round is refused to the
+        coordinator (DECLINED, reason ``over_budget`` or ``too_few_examples``, the latest reason as
+        detail) so that it is
+        counted there instead of silently lost. The daemon calls this every status interval.
+
+        Parameters
+        ----------
+        now_s : float, optional
+            ``time.monotonic()`` (tests pass their own).
+
+        Returns
+        -------
+        RoundResult or None
+            None when no round is deferred.
+        """
+        d = self.deferred
+        if d is None:
+            return None
+        now = time.monotonic() if now_s is None else now_s
+        if now - d.since_s >= DECLINE_AFTER_FRACTION * d.ann.deadline_s:
+            self.deferred = None
+            return self._decline_safely(d)
+        gc.collect()
+        memory.malloc_trim()
+        self.deferred = None  # whatever the answer now (trained, stale, answered...), unless deferred again
+        result = self.answer_round(d.ann)
+        if result.status == RoundStatus.DEFERRED and self.deferred is not None:
+            self.deferred = dataclasses.replace(self.deferred, since_s=d.since_s)
+        return result
+
+    @property
+    def declines_waiting(self) -> bool:
+        """Declines of superseded deferred rounds wait for :meth:`take_declines`."""
+        return bool(self._declines)
+
+    def take_declines(self) -> list[RoundResult]:
+        """Declines of deferred rounds a newer round superseded (DECLINED results to publish); cleared."""
+        out, self._declines = self._declines, []
+        return out
+
+    def _decline_safely(self, d: Deferred) -> RoundResult:
+        try:
+            return self.decline(d.ann, d.decline, d.reason)
+        except (ValueError, OSError) as exc:
+            return RoundResult(RoundStatus.REFUSED, d.ann.round, "failed", f"decline not kept: {exc}")
+
+    def decline(self, ann: RoundAnnouncement, reason: str, detail: str) -> RoundResult:
+        """Refuse a round to the coordinator: a (signed) Decline kept in the outbox, the round answered.
+
+        Parameters
+        ----------
+        ann : RoundAnnouncement
+        reason : str
+            A :class:`~edgefl.wire.reasons.Reason` value (``over_budget``).
+        detail : str
+            Why, for the coordinator's log (cut to 200 printable ASCII characters).
+
+        Returns
+        -------
+        RoundResult
+            DECLINED with the Decline as ``entry`` (publish it on ``update/<device>``).
+
+        Raises
+        ------
+        OSError
+            If the outbox cannot be persisted (the decline is then not kept).
+        """
+        update_id = f"{self.device}:{ann.round}:{ann.base_version}:declined"
+        msg = Decline(ann.round, ann.base_version, self.device, str(reason), detail, update_id)
+        if self.signing_key is not None:
+            payload = sign_message(encode_decline, msg, self.signing_key, fleet=self.fleet)
+        else:
+            payload = encode_decline(msg)
+        added: list[Dropped] = []
+        answered = Answered(self.fleet, ann.round, update_id)
+        amap = self._answered_map(answered)
+        if not self._persist(
+            "outbox", lambda: added.extend(self.outbox.add(update_id, ann.round, payload, answered=amap))
+        ):
+            self.outbox.forget(update_id)
+            self._unsaved["outbox"] = self.outbox.save
+            raise OSError(errno.EIO, f"decline not kept: outbox not persisted ({self.degraded})")
+        self.answered = answered
+        self.declined_total += 1
+        logger.warning("round %d declined (%s): %s", ann.round, reason, detail)
+        return RoundResult(
+            RoundStatus.DECLINED,
+            ann.round,
+            str(reason),
+            detail,
+            entry=OutboxEntry(update_id, ann.round, payload),
+            dropped=tuple(added),
+            update_bytes=len(payload),
+        )
+
+    def take_ready_round(self) -> RoundAnnouncement | None:
+        """The pending round, if it can be answered now (its head applied, samples stored); cleared.
+
+        Returns
+        -------
+        RoundAnnouncement or None
+            Pass it to :meth:`answer_round`.
+        """
+        ann = self.pending_round
+        if ann is None or ann.base_version > self.head.version or len(self.store) == 0:
+            return None
+        self.pending_round = None
+        return ann

@@ -1,0 +1,311 @@
+"""The daemon's sample task: a replay file or live MQTT samples and labels in, predictions out.
+
+:meth:`SampleSource.run_source` feeds batches to the core's observe path (classify, keep the
+labelled embeddings); with ``source.kind = "mqtt"`` the message pump files samples and labels into
+the bounded ingest queue at once (:meth:`SampleSource.receive_ingest`, ``agent/ingest.py``) and
+:meth:`SampleSource.run_ingest` classifies them and publishes a Prediction per sample.
+:meth:`SampleSource.flush_loop` makes stored samples durable within ``training.flush_interval_s``.
+A round that waits for samples is handed to the round task (``agent/control.py``), never answered here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+
+from edgefl.agent import memory
+from edgefl.agent.core import Classified
+from edgefl.agent.ingest import LOGGED_REFUSALS, Queued
+from edgefl.agent.reporter import StatusReporter
+from edgefl.aio import wait_event
+from edgefl.errors import (
+    BudgetExceeded,
+    DecodeError,
+    EdgeflError,
+    TransportError,
+    UpdateRejected,
+)
+from edgefl.mqtt_link import Message
+from edgefl.wire.chunking import Reassembler, is_chunk
+from edgefl.wire.ingest import Prediction, decode_label, decode_sample, encode_prediction
+from edgefl.wire.reasons import Reason
+
+logger = logging.getLogger(__name__)
+
+
+class SampleSource(StatusReporter):
+    """The sample source task and the live ingest (a part of :class:`~edgefl.agent.daemon.Agent`)."""
+
+    sample_chunks: Reassembler
+    _ingest_wake: asyncio.Event
+    _stored: asyncio.Event
+
+    async def run_source(self) -> None:
+        """Run the profile's source: live ingest (:meth:`run_ingest`), or replay a sample file."""
+        src = self.profile.source
+        if src.kind == "mqtt":
+            await self.run_ingest()
+            return
+        if src.kind != "replay" or src.path is None:
+            return
+        # admitted before it is loaded (it cannot wait: it may use the reserve, never the cap)
+        need = memory.estimate_replay_bytes(src.path)
+        adm = self.core.governor.admit("replay", lambda _: need, 1, 1, deferrable=False)
+        if adm.deferred:
+            why = BudgetExceeded("replay", adm.estimate_bytes, max(0, adm.budget_bytes))
+            self._fault("replay", f"loading {src.path}", why)
+            return
+        with np.load(src.path) as data:
+            x = np.asarray(data["x"])
+            y = np.asarray(data["y"]).astype(np.int64)
+        pipeline = self.core.pipeline
+        assert pipeline is not None
+        batch = pipeline.batch
+        while not self.stop_event.is_set():
+            for start in range(0, len(x), batch):
+                if self.stop_event.is_set():
+                    return
+                t0 = time.monotonic()
+                raw, lbl = x[start : start + batch], y[start : start + batch]
+                try:
+                    out = await self._observe(raw, lbl)
+                    if out is None:
+                        return  # stopping
+                except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
+                    # one batch failed (e.g. InterpreterBusy): counted and logged, the next one runs
+                    self._fault("batch", f"samples {start}..{start + len(lbl) - 1}", exc)
+                    await asyncio.sleep(0)
+                    continue
+                self._count_refused(out.refused_labels, out.refused_not_finite)
+                self.state.inferred_total += len(lbl)
+                self._rate_window.append((time.monotonic(), self.state.inferred_total))
+                if self.core.pending_round is not None:
+                    self._wake_rounds("ready")
+                self.state.correct_total += int(np.sum(out.predictions == lbl))
+                self.state.labelled_total += len(lbl)
+                self.state.stored_total += len(lbl)
+                self._stored.set()
+                if src.rate_hz > 0:
+                    await asyncio.sleep(max(0.0, len(lbl) / src.rate_hz - (time.monotonic() - t0)))
+                else:
+                    await asyncio.sleep(0)
+            await self._work(self.core.flush_store)  # never raises: a full disk marks the core degraded
+            if not self.state.replay_done:
+                self.state.replay_done = True
+                logger.info("replay done: %d samples stored", len(self.core.store))
+                self._changed()
+            if not src.loop:
+                return
+
+    # --- live ingest (MQTT samples and labels in, predictions out) -----------------------------
+    def receive_ingest(self, msg: Message) -> None:
+        """File a Sample into the ingest queue or apply a Label (on the loop, at once; never raises).
+
+        A sample of another shape or dtype than the model's, a label outside [0, K), a duplicate, a
+        label for no waiting sample, a label that contradicts an earlier one (``label_conflict``), or
+        a retained message (a stale sample the broker would hand over again at every reconnect) is
+        refused: counted in ``rejected``, and logged with topic, size and reason for the first
+        :data:`~edgefl.agent.ingest.LOGGED_REFUSALS` of each reason, then only every 1000th with the
+        count (a flood of bad samples must not become a flood of log lines). An empty payload (a
+        retained message being cleared) is ignored.
+        """
+        ingest = self.ingest
+        assert ingest is not None
+        pipeline = self.core.pipeline
+        assert pipeline is not None
+        if not msg.payload:
+            return
+        what = f"message on {msg.topic} ({len(msg.payload)} bytes)"
+        K = self.core.head.shape[1]
+        try:
+            if msg.retain:
+                raise DecodeError(Reason.BAD_VALUE, "retained: samples and labels are never retained")
+            if msg.topic == self.topics.samples(self.device):
+                payload = msg.payload
+                if is_chunk(payload):  # a sample larger than the packet limit ("Chunks")
+                    whole = self.sample_chunks.feed(msg.topic, payload)
+                    if whole is None:
+                        return
+                    payload = whole
+                sample = decode_sample(
+                    payload,
+                    limits=self.core.limits,
+                    sample_shape=pipeline.sample_shape,
+                    dtype=self.profile.pipeline.raw_dtype,
+                    num_classes=K,
+                )
+                dropped = ingest.offer_sample(sample)
+                if dropped is not None:
+                    logger.debug("ingest queue full: dropped sample %s (oldest)", dropped.id)
+            else:
+                ingest.offer_label(decode_label(msg.payload, limits=self.core.limits, num_classes=K))
+        except Exception as exc:
+            # DecodeError/UpdateRejected name their reason; any other fault is counted as ``failed``
+            known = isinstance(exc, (DecodeError, UpdateRejected))
+            reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
+            detail = exc.detail if isinstance(exc, (DecodeError, UpdateRejected)) else repr(exc)
+            self.state.rejected[reason] += 1
+            self.state.last_rejected = {"reason": str(reason), "detail": detail[:200], "topic": msg.topic}
+            n = self.state.rejected[reason]
+            if n <= LOGGED_REFUSALS or n % 1000 == 0:
+                more = f" ({n} {reason} so far)" if n > LOGGED_REFUSALS else ""
+                log = logger.warning if known else logger.error
+                log("rejected %s: %s: %s%s", what, reason, detail, more)
+            return
+        self._ingest_wake.set()
+
+    async def run_ingest(self) -> None:
+        """Classify queued samples in batches, store the labelled, park the rest, publish predictions."""
+        ingest = self.ingest
+        assert ingest is not None
+        pipeline = self.core.pipeline
+        assert pipeline is not None
+        tick_s = min(1.0, self.profile.source.label_expiry_s)
+        while True:
+            await wait_event(self._ingest_wake, tick_s)
+            self._ingest_wake.clear()
+            ingest.expire()
+            self.sample_chunks.expire()
+            while ingest.has_work():
+                rows = ingest.take(pipeline.batch)
+                if rows:
+                    try:
+                        await self._classify_rows(rows)
+                    except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
+                        ingest.forget(rows)
+                        self._fault("batch", f"samples {rows[0].id}..{rows[-1].id}", exc)
+                late = ingest.take_labelled()
+                if late is not None:
+                    emb, labels, predicted = late
+                    refused, not_finite = await self._work(self.core.keep, emb, labels)
+                    self._count_refused(refused, not_finite)
+                    self.state.stored_total += len(labels) - refused - not_finite
+                    self._stored.set()
+                    self.state.correct_total += int(np.sum(predicted == labels))
+                    self.state.labelled_total += len(labels)
+                if self.core.pending_round is not None:
+                    self._wake_rounds("ready")
+                await asyncio.sleep(0)  # let the pump file what arrived meanwhile
+
+    def _count_refused(self, refused_labels: int, refused_not_finite: int) -> None:
+        if refused_labels:
+            self.state.rejected["bad_label"] += refused_labels
+        if refused_not_finite:
+            self.state.rejected["not_finite"] += refused_not_finite
+
+    async def _classify_rows(self, rows: list[Queued]) -> None:
+        """One batch of live samples through the core's observe path, then a Prediction per sample."""
+        ingest = self.ingest
+        assert ingest is not None
+        raw = np.stack([r.x for r in rows])
+        labelled = np.array([r.label is not None for r in rows])
+        labels = np.array([r.label if r.label is not None else 0 for r in rows], dtype=np.int64)
+        out = await self._observe(raw, labels, labelled)  # waits while inference is over budget
+        if out is None:  # stopping
+            ingest.forget(rows)
+            return
+        done = time.monotonic()
+        self._count_refused(out.refused_labels, out.refused_not_finite)
+        n_labelled = int(labelled.sum())
+        self.state.inferred_total += len(rows)
+        self.state.stored_total += n_labelled - out.refused_labels - out.refused_not_finite
+        self._stored.set()
+        if n_labelled:
+            self.state.correct_total += int(np.sum(out.predictions[labelled] == labels[labelled]))
+            self.state.labelled_total += n_labelled
+        self._rate_window.append((done, self.state.inferred_total))
+        for i, r in enumerate(rows):  # the unlabelled wait for a late label (or one came meanwhile)
+            ingest.settle(r.id, out.embeddings[i], int(out.predictions[i]))
+        scores = out.scores if out.scores is not None else np.ones(len(rows), dtype=np.float32)
+        predictions = [
+            Prediction(
+                r.id,
+                int(out.predictions[i]),
+                float(scores[i]),
+                out.version,
+                max(0.0, done - r.arrived_s),
+                head=out.head,
+            )
+            for i, r in enumerate(rows)
+        ]
+        await self._publish_predictions(predictions)
+
+    async def _publish_predictions(self, predictions: list[Prediction]) -> None:
+        """Publish Predictions (``source.predictions_qos``; QoS 1 acknowledgements are awaited together)."""
+        assert self.transport is not None and self.ingest is not None
+        counters = self.ingest.counters
+        topic = self.topics.predictions(self.device)
+        qos = self.profile.source.predictions_qos
+        results = await asyncio.gather(
+            *(self.transport.publish(topic, encode_prediction(p), qos=qos) for p in predictions),
+            return_exceptions=True,
+        )
+        failed = 0
+        for res in results:
+            if isinstance(res, TransportError):
+                failed += 1
+            elif isinstance(res, BaseException):
+                raise res
+        counters.predictions_failed += failed
+        counters.predictions_published += len(results) - failed
+        if failed:
+            logger.debug("%d prediction(s) not published (broker unreachable or no PUBACK)", failed)
+
+    def _is_ingest(self, topic: str) -> bool:
+        return self.ingest is not None and topic in (
+            self.topics.samples(self.device),
+            self.topics.labels(self.device),
+        )
+
+    async def _observe(
+        self, raw: np.ndarray, lbl: np.ndarray, labelled: np.ndarray | None = None
+    ) -> Classified | None:
+        """``core.observe`` on the worker, retried every ``status.interval_s`` while it is over budget.
+
+        The governor never runs inference it judges over budget (``BudgetExceeded``: nothing ran);
+        each refusal is counted (``over_budget_batches``) and the batch waits for memory to free.
+
+        Returns
+        -------
+        Classified or None
+            None when the agent is stopping.
+        """
+        while True:
+            try:
+                out = await self._work(self.core.observe, raw, lbl, labelled)
+            except BudgetExceeded as exc:
+                self.state.over_budget_batches += 1
+                if self.state.state != "deferred":
+                    logger.warning("inference not run, over budget: %s; retried when memory frees", exc)
+                    self._set_state("deferred", f"inference over budget: {exc}")
+                if await wait_event(self.stop_event, self.profile.status.interval_s):
+                    return None
+                continue
+            if self.state.state == "deferred" and self.state.reason.startswith("inference"):
+                self._set_state("idle")
+            return out
+
+    async def flush_loop(self) -> None:
+        """Flush the store within ``training.flush_interval_s`` of a sample's store.
+
+        The core flushes at once every ``training.flush_every`` samples (:meth:`DeviceCore.keep`);
+        this covers a slow feed. A flush that failed (a full disk) is left to ``retry_persist``.
+        """
+        interval_s = self.profile.training.flush_interval_s
+        while True:
+            await self._stored.wait()
+            self._stored.clear()
+            while True:
+                since = self.core.unflushed_since()
+                if since is None:
+                    break
+                wait_s = since + interval_s - time.monotonic()
+                if wait_s > 0:
+                    await asyncio.sleep(wait_s)
+                    continue
+                if self.core.flush_due():
+                    await self._work(self.core.flush_store)
+                break

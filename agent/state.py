@@ -1,0 +1,358 @@
+"""The device's state on disk: which files hold it, how each is read back, and the one write policy.
+
+Every state write of the device goes through :meth:`DeviceState._persist`: it runs at once, and a
+write that fails (a full disk) is counted, logged once, marks the device ``degraded`` and is retried
+(:meth:`DeviceState.retry_persist`) while the device carries on. What is written when: the outbox
+record with the update, the answered round and the error-feedback residual in one write before an
+update is published; the outbox again after its PUBACK (the residual then in its own file); an
+applied global head at once; the embedding store every ``training.flush_every`` samples or within
+``training.flush_interval_s``. Each file is a checksummed record (``edgefl.records``); one for
+another fleet or model, or unreadable, is set aside with one log line.
+
+:class:`DeviceState` declares the device's fields that the other parts of the core
+(``agent/personal.py``, ``agent/round.py``, ``agent/core.py``) read, so each part states what it uses.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cbor2
+
+from edgefl.agent import memory
+from edgefl.agent.config import Profile
+from edgefl.agent.feedback import ErrorFeedback
+from edgefl.agent.outbox import Dropped, Outbox, OutboxEntry
+from edgefl.agent.pipeline import Pipeline
+from edgefl.agent.store import EmbeddingStore
+from edgefl.errors import EdgeflError
+from edgefl.head import Head, validate_head
+from edgefl.records import read_record, write_record
+from edgefl.wire.cbor import Limits
+from edgefl.wire.global_model import decode_global_model
+from edgefl.wire.signing import (
+    SigningKey,
+    VerifyKey,
+)
+
+logger = logging.getLogger(__name__)
+
+HEAD_FILE = "global_head.rec"
+"""The last applied global head (a checksummed record of the GlobalModel message)."""
+OUTBOX_FILE = "outbox.rec"
+"""Updates awaiting their PUBACK (:class:`~edgefl.agent.outbox.Outbox`)."""
+SEEN_VERSION_FILE = "seen_version.rec"
+"""The newest head version named by a signed round announcement (the device's rollback floor)."""
+
+PhaseHook = Callable[[str], AbstractContextManager[Any]]
+"""``phase(name)`` -> a context manager around one phase (default: the governor's measurement)."""
+ProgressHook = Callable[[str, str], None]
+"""``progress(state, reason)``: told when a phase of the round starts (called on the caller's thread)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """The last round this device answered, persisted with the outbox (``<state_dir>/outbox.rec``).
+
+    Stored as a CBOR map ``{"v": 1, "fleet": str, "round": int, "update_id": str}`` under the outbox
+    record's ``answered`` key, written by the same atomic write that keeps the round's update (or
+    Decline). A record for another fleet is ignored.
+    """
+
+    fleet: str
+    round: int
+    update_id: str
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+DISK_FULL = "disk full"
+""":attr:`DeviceCore.degraded` when a state write failed with ``ENOSPC`` or ``EDQUOT``."""
+
+
+def write_problem(exc: OSError) -> str:
+    """What a failed state write means for the device: ``"disk full"`` or ``"cannot write state: ..."``.
+
+    A missing file or folder (``ENOENT``) is named as such: the state folder was removed or renamed
+    under the running agent (a second agent on the same folder is refused at start, ``agent.lock``).
+    """
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DISK_FULL
+    if exc.errno == errno.ENOENT:
+        return "cannot write state: the state folder or a file in it is missing (removed while running?)"
+    return f"cannot write state: {exc.strerror or exc}"
+
+
+class DeviceState:
+    """The device's fields and its state on disk (the base of :class:`~edgefl.agent.core.DeviceCore`).
+
+    The attributes are set by ``DeviceCore.__init__`` (documented there); the methods read the
+    state back at start-up and write it (:meth:`_persist`, the one write policy).
+    """
+
+    profile: Profile
+    device: str
+    fleet: str
+    model_sha256: str
+    pipeline: Pipeline | None
+    state_dir: Path
+    governor: memory.Governor
+    _phase: PhaseHook
+    limits: Limits
+    head: Head
+    signing_key: SigningKey | None
+    coordinator_key: VerifyKey | None
+    outbox: Outbox
+    feedback: ErrorFeedback
+    store: EmbeddingStore
+    holdout: EmbeddingStore | None
+    new_samples: int
+    answered: Answered | None
+    seen_version: int
+    degraded: str
+    write_failures: int
+    _unsaved: dict[str, Callable[[], object]]
+    _logged: set[tuple[str, str]]
+
+    @property
+    def head_path(self) -> Path:
+        """The persisted global head."""
+        return self.state_dir / HEAD_FILE
+
+    def _load_head(self) -> None:
+        """Restore the last applied global head from its record (previous generation if torn)."""
+        data = read_record(self.head_path)
+        if data is None:
+            return
+        try:
+            gm = decode_global_model(data, limits=self.limits, expect_shape=self.head.shape)
+            if gm.model_sha256 != self.model_sha256:
+                logger.info("stored global head belongs to another model; using the factory head")
+                return
+            validate_head(gm.W, gm.b, self.head.shape)
+            self.head = Head(gm.W, gm.b, gm.version)
+            logger.info("restored global head version %d from %s", gm.version, self.head_path)
+        except EdgeflError as exc:
+            logger.warning("stored global head %s unusable (%s); using the factory head", self.head_path, exc)
+
+    def _load_answered(self) -> Answered | None:
+        """The last answered round, from the outbox record (written with the update that answers it)."""
+        last = self._parse_answered(self.outbox.answered, f"outbox {self.outbox.path}")
+        if last is not None:
+            logger.info("last answered round %d (%s)", last.round, last.update_id)
+        return last
+
+    def _parse_answered(self, obj: Any, where: str) -> Answered | None:
+        """An :class:`Answered` from its CBOR map (None when absent, malformed or of another fleet)."""
+        if obj is None:
+            return None
+        fleet = round_no = update_id = None
+        if isinstance(obj, dict) and obj.get("v") == 1:
+            fleet, round_no, update_id = obj.get("fleet"), obj.get("round"), obj.get("update_id")
+        if type(fleet) is not str or type(round_no) is not int or round_no < 0 or type(update_id) is not str:
+            logger.error("%s: the answered round has an unknown layout; ignored", where)
+            return None
+        if fleet != self.fleet:
+            logger.info("%s: answered round is for fleet %s; ignored", where, fleet)
+            return None
+        return Answered(fleet, round_no, update_id)
+
+    def _save_residual(self) -> None:
+        """Write the error-feedback file; the outbox's next write stops carrying the residual."""
+        self.feedback.save()
+        self.outbox.residual = None
+
+    def _take_carried_residual(self) -> None:
+        """A residual the outbox carries that is newer than the file (its write was lost): take it."""
+        carried = self.outbox.residual
+        if carried is None:
+            return
+        fb = self.feedback
+        prior = (fb.residual_W, fb.residual_b, fb.round)
+        if fb.load_bytes(carried, f"outbox {self.outbox.path}") and fb.round > prior[2]:
+            logger.info("error-feedback residual of round %d taken from the outbox record", fb.round)
+            self._persist("residual", self._save_residual)
+            return
+        fb.residual_W, fb.residual_b, fb.round = prior
+        self.outbox.residual = None  # the file has it already (or it is unusable)
+
+    @staticmethod
+    def _answered_map(answered: Answered) -> dict[str, Any]:
+        """The CBOR map of an :class:`Answered` (kept in the outbox record)."""
+        return {"v": 1, "fleet": answered.fleet, "round": answered.round, "update_id": answered.update_id}
+
+    @property
+    def seen_version_path(self) -> Path:
+        """The persisted rollback floor (:attr:`seen_version`)."""
+        return self.state_dir / SEEN_VERSION_FILE
+
+    def _load_seen_version(self) -> int:
+        """The newest version a signed round announced (CBOR ``{"v": 1, "fleet", "version"}``), else 0."""
+        data = read_record(self.seen_version_path)
+        if data is None:
+            return 0
+        try:
+            obj = cbor2.loads(data)
+            version = obj.get("version") if isinstance(obj, dict) and obj.get("v") == 1 else None
+            if type(version) is not int or version < 0:
+                raise ValueError("not a seen-version record")
+        except (cbor2.CBORDecodeError, ValueError, TypeError) as exc:
+            logger.error("seen-version record %s unusable (%s); ignored", self.seen_version_path, exc)
+            return 0
+        if obj.get("fleet") != self.fleet:
+            logger.info("seen-version record %s is for another fleet; ignored", self.seen_version_path)
+            return 0
+        return version
+
+    def _see_version(self, version: int) -> None:
+        """Raise the rollback floor to ``version`` (a signed round's base version) and persist it.
+
+        A write that fails (a full disk) keeps the floor in memory and is retried (:meth:`retry_persist`).
+        """
+        if version <= self.seen_version:
+            return
+        self.seen_version = version
+
+        def write() -> None:
+            payload = {"v": 1, "fleet": self.fleet, "version": self.seen_version}
+            write_record(self.seen_version_path, cbor2.dumps(payload))
+
+        self._persist("seen_version", write)
+
+    def _persist(self, what: str, write: Callable[[], object]) -> bool:
+        """Run one state write; on ``OSError`` count it, log it, mark the core degraded, keep it to retry.
+
+        Parameters
+        ----------
+        what : str
+            Names the state (``store``, ``outbox``, ``head``, ``residual``, ``seen_version``).
+        write : callable
+            Writes it (from the in-memory state, so a retry writes the latest); on failure it is
+            run again by :meth:`retry_persist` until it succeeds or a later write of ``what`` does.
+
+        Returns
+        -------
+        bool
+            Whether the write succeeded.
+        """
+        try:
+            write()
+        except OSError as exc:
+            self.write_failures += 1
+            problem = write_problem(exc)
+            self._unsaved[what] = write
+            if (problem, what) not in self._logged:  # once per state and problem, then only counted
+                self._logged.add((problem, what))
+                then = (
+                    "persisting waits for room"
+                    if problem == DISK_FULL
+                    else "writing is retried every status tick"
+                )
+                logger.warning(
+                    "degraded: %s (%s not persisted: %s); classifying goes on, %s", problem, what, exc, then
+                )
+            self.degraded = problem
+            return False
+        self._unsaved.pop(what, None)
+        if self.degraded and not self._unsaved:
+            logger.warning("state writable again: persisting resumed (was %s)", self.degraded)
+            self.degraded = ""
+            self._logged.clear()
+        return True
+
+    def retry_persist(self) -> bool:
+        """Write again what a failed write left unsaved (the daemon calls it every status interval).
+
+        Returns
+        -------
+        bool
+            True when nothing is left unsaved (:attr:`degraded` is then "").
+        """
+        for what, write in list(self._unsaved.items()):
+            if not self._persist(what, write):
+                return False
+        return not self._unsaved
+
+    def _unflushed(self) -> int:
+        return self.store.unflushed + (self.holdout.unflushed if self.holdout is not None else 0)
+
+    def flush_due(self) -> bool:
+        """Whether a store flush is due (``training.flush_every`` or ``flush_interval_s`` reached)."""
+        cfg = self.profile.training
+        stores = (self.store,) if self.holdout is None else (self.store, self.holdout)
+        if "store" in self._unsaved or "holdout" in self._unsaved:
+            return False  # retry_persist writes it once there is room
+        if self._unflushed() >= cfg.flush_every:
+            return True
+        return any(s.flush_due(cfg.flush_every, cfg.flush_interval_s) for s in stores)
+
+    def unflushed_since(self) -> float | None:
+        """``time.monotonic()`` of the oldest sample stored since the last flush (None: all flushed)."""
+        times = [s.unflushed_since for s in (self.store, self.holdout) if s is not None]
+        known = [t for t in times if t is not None]
+        return min(known) if known else None
+
+    def flush_store(self) -> bool:
+        """Make the stored samples durable: flush the store and the holdout (never raises).
+
+        Returns False if a write failed (a full disk: counted, logged, the core :attr:`degraded`,
+        retried by :meth:`retry_persist`).
+        """
+        ok = self._persist("store", self.store.flush)
+        if self.holdout is not None:
+            ok = self._persist("holdout", self.holdout.flush) and ok
+        return ok
+
+    # --- outbox -----------------------------------------------------------------------------------
+    def mark_sent(self, update_id: str) -> int:
+        """Count one publish attempt of an outbox entry (persisted); its attempts, 0 if unknown or unsaved."""
+        attempts = 0
+
+        def write() -> None:
+            nonlocal attempts
+            attempts = self.outbox.mark_sent(update_id)
+
+        if not self._persist("outbox", write):
+            self._unsaved["outbox"] = self.outbox.save  # the count is in memory; write the whole outbox
+        return attempts
+
+    def acknowledged(self, update_id: str) -> bool:
+        """The broker acknowledged ``update_id`` (PUBACK): forget it (persisted); whether it was kept.
+
+        An error-feedback residual the outbox record still carries is written to its own file first,
+        so this outbox write stops carrying it (off the path between training and the publish).
+        """
+        if self.outbox.residual is not None:
+            self._persist("residual", self._save_residual)
+        kept = update_id in {e.update_id for e in self.outbox.pending()}
+        if not self._persist("outbox", lambda: self.outbox.ack(update_id)):
+            self._unsaved["outbox"] = self.outbox.save
+        return kept
+
+    def to_resend(self, current_round: int, max_sends: int = 2) -> tuple[list[Dropped], list[OutboxEntry]]:
+        """After a (re)connect: drop entries of closed rounds, return those to send again.
+
+        Parameters
+        ----------
+        current_round : int
+            The round now open (entries of earlier rounds are dropped, ``stale_round``).
+        max_sends : int
+            Entries already sent this many times are not returned.
+
+        Returns
+        -------
+        (dropped, pending)
+        """
+        dropped: list[Dropped] = []
+
+        def write() -> None:
+            dropped.extend(self.outbox.drop_stale(current_round))
+
+        if not self._persist("outbox", write):
+            self._unsaved["outbox"] = self.outbox.save
+        return dropped, [e for e in self.outbox.pending() if e.sends < max_sends]

@@ -1,0 +1,216 @@
+"""``edgefl coordinator [PROFILE] [--set key=value ...]``: the command line of the coordinator service.
+
+Settings come from a coordinator profile (:mod:`edgefl.coordinator.profile`; the shipped example is
+``firmware_configs/coordinator.toml``); flags are overrides on top of it. :func:`main` reads the
+profile, locks its state file, runs the service (:func:`edgefl.coordinator.runner.run`: with
+``rounds.count = 0``, the shipped default, until SIGTERM/SIGINT; with ``rounds.count = N``, N rounds)
+and turns what stopped it into an exit code.
+
+Exit codes: 0 done (or stopped); 1 invalid profile, or the broker refused its credentials; 3 the
+model could not be loaded; 4 a runtime error at start-up (broker unreachable, bad key file, the fleet
+page's port in use); 5 the job ended with a round that aggregated nothing (the reason is the last line
+on stderr); 6 another coordinator runs this fleet (its state file is locked, or a live coordinator
+holds the fleet's lease on the broker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final
+
+from edgefl.coordinator.lease import LeaseHeld
+from edgefl.coordinator.profile import load_coordinator_profile
+from edgefl.coordinator.runner import (
+    EXIT_INVALID,
+    EXIT_LEASE,
+    EXIT_MODEL,
+    EXIT_RUNTIME,
+    CredentialsRefused,
+    Evaluation,
+    PageServer,
+    run,
+    strategy_problems,
+)
+from edgefl.errors import ConfigError, ModelError, TransportError
+
+StateLock = Callable[[Path], object]
+"""Locks a state file for as long as the returned object lives (raises ``LeaseHeld`` when held)."""
+
+#: ``--flag`` → profile key: the flags are overrides of the profile (``--set`` spells any key).
+FLAG_KEYS: Final = {
+    "broker": "broker.url",
+    "prefix": "broker.topic_prefix",
+    "max_packet_bytes": "broker.max_packet_bytes",
+    "fleet": "fleet.name",
+    "model": "model.path",
+    "rounds": "rounds.count",
+    "interval": "rounds.interval_s",
+    "min_new_samples": "rounds.min_new_samples",
+    "quorum": "rounds.quorum",
+    "min_clients": "rounds.min_clients",
+    "deadline": "rounds.deadline_s",
+    "wait_devices": "rounds.expected_clients",
+    "local_epochs": "rounds.local_epochs",
+    "lr": "rounds.lr",
+    "lr_decay": "rounds.lr_decay",
+    "batch_size": "rounds.batch_size",
+    "compression": "rounds.compression",
+    "downlink": "rounds.downlink",
+    "strategy": "strategy.name",
+    "state": "files.state",
+    "log": "files.log",
+    "json": "files.json",
+    "signing_key": "security.signing_key_file",
+    "device_keys": "security.device_keys_dir",
+    "clip_norm": "robustness.norm_bound",
+    "clip_multiplier": "robustness.adaptive_factor",
+    "tolerate": "robustness.tolerate",
+    "trim_fraction": "strategy.trim_fraction",
+    "max_updates": "strategy.max_updates",
+    "buffer_size": "strategy.buffer_size",
+    "max_staleness": "strategy.max_staleness",
+    "dp_noise_multiplier": "privacy.noise_multiplier",
+    "dp_clip_norm": "privacy.clip_norm",
+    "dp_delta": "privacy.delta",
+    "dp_expected_clients": "privacy.expected_clients",
+    "role": "hierarchy.role",
+    "site": "hierarchy.site",
+    "expected_sites": "hierarchy.expected_sites",
+}
+
+
+#: What the flags whose name differs from their profile key's mean (the help puts the key after it).
+FLAG_MEANING: Final = {
+    "wait_devices": "wait for this many devices to be ready before round 1 (up to rounds.wait_devices_s) "
+    "and expect as many clients a round; ",
+    "clip_norm": "bound on each update's L2 norm at the coordinator (not the devices' training.clip_norm); ",
+    "tolerate": "hostile devices every aggregated round withstands (sets each strategy's fewest "
+    "updates a round); ",
+}
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``coordinator`` sub-command to an ``argparse`` sub-parsers object.
+
+    Returns
+    -------
+    argparse.ArgumentParser
+        The sub-command's parser (``func`` set to :func:`main`).
+    """
+    from edgefl.resources import shipped
+
+    p: argparse.ArgumentParser = sub.add_parser(
+        "coordinator",
+        help="run the coordinator of a fleet",
+        description="Run federated rounds for one fleet over MQTT, as a coordinator profile says; flags "
+        "override the profile's keys. Exit codes: 0 done, 1 invalid profile or credentials refused, 2 usage "
+        "(a bad flag or --set), 3 model error, 4 start-up error (broker unreachable, fleet page port in "
+        "use), 5 a round aggregated nothing, 6 another coordinator runs this fleet.",
+    )
+    p.add_argument(
+        "profile",
+        nargs="?",
+        default=str(shipped("firmware_configs/coordinator.toml")),
+        help="coordinator TOML profile (default: %(default)s)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a profile key, e.g. --set rounds.count=20 (repeatable)",
+    )
+    for flag, key in FLAG_KEYS.items():
+        what = FLAG_MEANING.get(flag, "")
+        p.add_argument(
+            "--" + flag.replace("_", "-"),
+            default=None,
+            metavar="VALUE",
+            help=f"{what}same as --set {key}=VALUE",
+        )
+    p.set_defaults(func=main)
+    return p
+
+
+def overrides_from(args: argparse.Namespace) -> dict[str, object]:
+    """The profile overrides a command line asks for: ``--set`` items, then the flags of :data:`FLAG_KEYS`.
+
+    Raises
+    ------
+    ConfigError
+        If a ``--set`` item is not ``key=value``.
+    """
+    out: dict[str, object] = {}
+    bad = []
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            bad.append(f"--set {item!r}: expected key=value")
+        out[key.strip()] = value
+    if bad:
+        raise ConfigError(bad)
+    for flag, key in FLAG_KEYS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            out[key] = value
+    if getattr(args, "dp_noise_multiplier", None) is not None:
+        out["privacy.enabled"] = "true"  # the noise flag turns central DP on
+    return out
+
+
+def main(
+    args: argparse.Namespace,
+    evaluation: Evaluation | None = None,
+    page: PageServer | None = None,
+    lock: StateLock | None = None,
+) -> int:
+    """Run the coordinator until the profile's rounds closed or SIGTERM; returns the exit code.
+
+    Parameters
+    ----------
+    args : the parsed command line (see :func:`add_parser`)
+    evaluation : builds the central evaluation; given by the composition root (``edgefl.cli``)
+    page : serves the fleet page when ``dashboard.enabled``; given by the composition root
+    lock : locks the state file (``files.state``, with a lock file beside it) for this process's life, raising
+        :class:`~edgefl.coordinator.lease.LeaseHeld` when another process holds it; given by the
+        composition root (the agents' ``flock``)
+    """
+    try:
+        profile = load_coordinator_profile(args.profile, overrides_from(args))
+    except ConfigError as exc:
+        print(f"edgefl coordinator: invalid profile {args.profile}:", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    problems = strategy_problems(profile)  # a combination no strategy accepts is a profile problem
+    if problems:
+        print(f"edgefl coordinator: invalid profile {args.profile}:", file=sys.stderr)
+        for problem in problems:
+            print(f"  {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    held: object = None
+    try:
+        if lock is not None and profile.files.state is not None:
+            held = lock(profile.files.state)  # kept until this function returns
+        return asyncio.run(run(profile, evaluation, page))
+    except LeaseHeld as exc:
+        print(f"edgefl coordinator: {exc}", file=sys.stderr)
+        return EXIT_LEASE
+    except OSError as exc:  # the state file's folder or lock cannot be created
+        print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    except ModelError as exc:
+        print(f"edgefl coordinator: model error: {exc}", file=sys.stderr)
+        return EXIT_MODEL
+    except CredentialsRefused as exc:
+        print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except (ConfigError, TransportError) as exc:
+        print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    finally:
+        del held  # the lock is released with its file (or the process's end)

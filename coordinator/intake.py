@@ -1,0 +1,641 @@
+"""The coordinator's intake: each message a fleet sends, checked, counted and kept before it is acknowledged.
+
+Statuses go to the device registry (:mod:`edgefl.coordinator.registry`); updates and declines go into
+the open round (an update is checked against its device, round and base version, offered to the
+strategy, and counted once); updates that come before their round opens, or while a buffered step is
+being published, are held for it. With a state file, :meth:`Intake.pump` acknowledges a message to the
+broker only once the state file holds what it changed (:meth:`Intake.save_state`), so a coordinator
+killed at any moment comes back with every update the broker was told it received.
+:class:`~edgefl.coordinator.service.Coordinator` builds the round loop on top of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import cbor2
+import numpy as np
+
+from edgefl.coordinator.history import CoordinatorState, RoundRecord
+from edgefl.coordinator.registry import LOGGED_REFUSALS, DeviceRegistry, shorten
+from edgefl.coordinator.rounds import Round, RoundPhase
+from edgefl.coordinator.strategy import Offer, Strategy
+from edgefl.errors import DecodeError, UpdateRejected
+from edgefl.head import validate_head
+from edgefl.mqtt_link import Message
+from edgefl.records import read_record, write_record
+from edgefl.topics import Topics
+from edgefl.transport import MqttTransport
+from edgefl.types import F32
+from edgefl.wire.cbor import Limits, MessageType, prescan
+from edgefl.wire.chunking import Reassembler, is_chunk
+from edgefl.wire.global_model import GlobalModel, decode_global_model
+from edgefl.wire.rounds import Update, decode_decline, decode_round, decode_update
+from edgefl.wire.signing import SigningKey, VerifyKey, verify_payload
+
+logger = logging.getLogger(__name__)
+
+HELD_UPDATES = 64
+"""Updates held while a buffered step is published, offered to the next step (more are refused)."""
+
+SEEN_UPDATE_IDS = 4096
+"""Update ids remembered across rounds (a FedBuff step accepts updates of earlier rounds).
+
+An id is ``<device>:<round>:<base_version>`` of the (verified) topic's device and only an accepted
+update or decline enters the set, at most one per device per round: a device cannot fill it with
+ids of others, and it holds the last ``4096 / devices-per-round`` rounds' ids."""
+
+EARLY_UPDATES_MAX = 4096
+"""Updates held for the next round before it opens (see ``Intake._early``)."""
+
+PERSIST_EVERY = 32
+"""With a state file, the open round is written at least every this many messages (:meth:`Intake.pump`)."""
+
+DECLINE_SUFFIX = ":declined"
+"""What a Decline's ``update_id`` adds to the update id of the round it refuses."""
+
+
+def check_update_id(update_id: str, device: str, round_no: int, base_version: int, suffix: str = "") -> None:
+    """Check that an update's (or decline's) id is the one its device, round and base version give.
+
+    The id is ``f"{device}:{round}:{base_version}"`` (a Decline adds ``DECLINE_SUFFIX``), with
+    ``device`` the device of the topic it arrived on (verified by signature when keys are set): a
+    device cannot spend another device's ids (``docs/protocol.md``, "Update ids").
+
+    Raises
+    ------
+    UpdateRejected
+        ``bad_value`` for any other id.
+    """
+    expected = f"{device}:{round_no}:{base_version}{suffix}"
+    if update_id != expected:
+        why = f"update id {shorten(update_id, 60)!r} on update/{device}: must be {expected!r}"
+        raise UpdateRejected("bad_value", why)
+
+
+
+
+class Intake:
+    """Takes in a fleet's messages (statuses, updates, declines, retained round and head) and keeps them.
+
+    Parameters
+    ----------
+    transport : MqttTransport
+        Started by the caller.
+    topics : Topics
+    W : float32 [D, K], b : float32 [K]
+        Initial global head (version 0: the factory head).
+    model_sha256 : str
+        sha256 of the backbone .tflite the head belongs to (devices refuse a head for another backbone).
+    strategy : Strategy
+    evaluate : callable (W, b) -> accuracy, or None
+        Test-set evaluation of a head (fraction 0..1).
+    limits : Limits
+        Decoding bounds for incoming messages.
+    signing_key : SigningKey or None
+        The coordinator's key: a retained round or head is adopted only with its signature.
+    device_keys : mapping device → VerifyKey, or None
+        When set, an update must carry a valid signature by its device's key (unknown devices are refused).
+    max_packet_bytes : int
+        The broker's maximum packet size (chunks of a larger update are reassembled).
+    max_devices, device_expiry_s
+        Bounds of the device registry (:class:`~edgefl.coordinator.registry.DeviceRegistry`).
+    """
+
+    def __init__(
+        self,
+        transport: MqttTransport,
+        topics: Topics,
+        W: F32,
+        b: F32,
+        *,
+        model_sha256: str,
+        strategy: Strategy,
+        evaluate: Callable[[F32, F32], float] | None = None,
+        limits: Limits | None = None,
+        signing_key: SigningKey | None = None,
+        device_keys: Mapping[str, VerifyKey] | None = None,
+        max_packet_bytes: int = 256 * 1024,
+        max_devices: int = 10_000,
+        device_expiry_s: float = 7 * 24 * 3600.0,
+    ) -> None:
+        self.transport = transport
+        self.topics = topics
+        self.W = W.astype(np.float32)
+        self.b = b.astype(np.float32)
+        self.model_sha256 = model_sha256
+        self.strategy = strategy
+        self.evaluate = evaluate
+        self.limits = limits or Limits()
+        self.signing_key = signing_key
+        self.device_keys = dict(device_keys) if device_keys is not None else None
+        self.max_packet_bytes = max_packet_bytes
+        self.reassembler = Reassembler(
+            max_message_bytes=self.limits.max_message_bytes,
+            max_chunk_bytes=max_packet_bytes,
+            max_total_bytes=2 * self.limits.max_message_bytes,
+        )
+        self.state_path: Path | None = None  # set to persist state before each new global head
+        self.counted: dict[int, list[str]] = {}  # round → update_ids aggregated (audit, chaos test)
+        # Updates for the next round that arrive before it opens: after a restart, devices answer the
+        # retained announcement of a round whose close was not saved, and the broker's persistent
+        # session delivers their updates before the coordinator re-opens it. Bounded; offered at open.
+        self._early: dict[str, tuple[Update, int]] = {}
+        self.state = CoordinatorState()
+        self.registry = DeviceRegistry(
+            model_sha256=model_sha256,
+            head_shape=self.shape,
+            clipped=strategy.clipped,
+            limits=self.limits,
+            max_devices=max_devices,
+            expiry_s=device_expiry_s,
+        )
+        self._round_changed = asyncio.Event()
+        self.on_change: Callable[[], None] | None = None
+        self._seen_update_ids: dict[str, None] = {}  # insertion-ordered, bounded: see _remember
+        self.max_seen_update_ids = SEEN_UPDATE_IDS
+        self._held: list[tuple[Update, int]] = []  # arrived while a buffered step was being published
+        self._adopting = False
+        self._adopt_round_seen = asyncio.Event()
+        self._adopt_head_seen = asyncio.Event()
+        self._adopted_round = 0
+        self._adopted_head: GlobalModel | None = None
+        self._adopt_chunks = Reassembler()
+        self.on_lease_message: Callable[[Message], None] | None = None  # the lease topic's messages
+        self._dirty = False  # the open round changed since the state file was written (see pump)
+        self._settled = 0  # the last round whose result is in the state file
+        self._resume: dict[str, Any] | None = None  # the open round of the state file, until re-opened
+        # update id -> (topic, payload) of updates held in _early or _held: acknowledged, so written
+        # with the state (an update the broker acknowledged is never lost)
+        self._unfolded: dict[str, tuple[str, bytes]] = {}
+        self._round_lr = math.nan  # the client learning rate the open round announced
+        self.state_loaded = False  # load_state found a state file
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Head shape (D, K)."""
+        return (int(self.W.shape[0]), int(self.W.shape[1]))
+
+    async def pump(self) -> None:
+        """Consume incoming messages forever (each handler is guarded), committing what they changed.
+
+        With a state file and the transport's ``ack_on_commit`` (``edgefl coordinator`` sets both), an
+        update, decline or partial is acknowledged to the broker (PUBACK) only once the state file
+        holds it: the open round is written once the queue is drained, or every ``PERSIST_EVERY``
+        messages under a flood (one write per batch, not one fsync per update), then
+        ``MqttTransport.commit`` acknowledges every message taken so far. A coordinator killed in
+        between gets them again from its persistent session, and its resumed round tells which it
+        had. Messages that changed nothing (statuses, refusals) are acknowledged at once.
+
+        ``Queue.get`` on a non-empty queue does not suspend: under a flood the loop would never run
+        anything else (signals, the round's deadline, the page), so it yields every 32 messages.
+        """
+        handled = 0
+        while True:
+            msg = await self.transport.queue.get()
+            self._handle_guarded(msg)
+            handled += 1
+            if self._dirty:
+                batch_done = self.transport.queue.empty() or handled % PERSIST_EVERY == 0
+                if batch_done and self._flush():
+                    self.transport.commit()
+            else:
+                self.transport.commit()  # everything taken so far is written (or changed nothing)
+            if handled % 32 == 0:
+                await asyncio.sleep(0)
+
+    def _handle_guarded(self, msg: Message) -> None:
+        """:meth:`handle` (or a subclass's), with any fault it lets through counted as ``failed``.
+
+        The pump then acknowledges the message like any refused one: a run of messages whose handling
+        fails never stops the pump nor fills the broker's in-flight window (a peer never goes deaf).
+        """
+        try:
+            self.handle(msg)
+        except Exception as exc:
+            self.state.rejected["failed"] += 1
+            n = self.state.rejected["failed"]
+            if n <= LOGGED_REFUSALS or n % 1000 == 0:
+                logger.error(
+                    "rejected message on %s (%d bytes): failed: handling raised %s: %s%s",
+                    msg.topic,
+                    len(msg.payload),
+                    type(exc).__name__,
+                    shorten(str(exc)),
+                    f" ({n} failed so far)" if n > LOGGED_REFUSALS else "",
+                )
+
+    def handle(self, msg: Message) -> None:
+        """Dispatch one message; a bad one is logged with topic, size and reason and counted, never raised."""
+        if msg.topic == self.topics.coordinator:
+            if self.on_lease_message is not None:
+                self.on_lease_message(msg)
+            return
+        device = self.topics.device_of(msg.topic)
+        try:
+            if device is None and self._is_own_topic(msg.topic):
+                self._adopt(msg)
+                return
+            if device is None:
+                raise DecodeError("bad_topic", f"unexpected topic {msg.topic}")
+            if msg.topic == self.topics.status(device):
+                if not msg.payload:
+                    self.registry.forget(device)  # retained status cleared
+                    return
+                self.registry.note_status(device, msg.payload)
+                self._notify()
+            else:
+                self._handle_update(device, msg)
+        except Exception as exc:
+            # DecodeError/UpdateRejected carry their reason; anything else is the last line of defence
+            # (a fault in handling): counted as ``failed`` so the pump never stops (a peer never deaf)
+            known = isinstance(exc, (DecodeError, UpdateRejected))
+            reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
+            why = str(exc) if known else f"failed: handling raised {type(exc).__name__}: {exc}"
+            self.state.rejected[reason] += 1
+            if device is not None:
+                self.registry.count_by_device(self.registry.rejected_by_device, device, reason)
+            n = self.state.rejected[reason]
+            # every refusal is counted; the log names the first ones of each reason, then every 1000th
+            # (a flood of forged messages must not become a flood of log lines)
+            if n <= LOGGED_REFUSALS or n % 1000 == 0:
+                logger.warning(
+                    "rejected message on %s (%d bytes): %s%s",
+                    msg.topic,
+                    len(msg.payload),
+                    why,
+                    f" ({n} {reason} so far)" if n > LOGGED_REFUSALS else "",
+                )
+
+    def _handle_update(self, device: str, msg: Message) -> None:
+        payload = msg.payload
+        if is_chunk(payload):
+            whole = self.reassembler.feed(msg.topic, payload)
+            if whole is None:
+                return
+            payload = whole
+        key = None
+        if self.device_keys is not None:
+            key = self.device_keys.get(device)
+            if key is None:
+                raise DecodeError("unknown_device", f"no public key for device {device}")
+        kind = prescan(payload, self.limits, ("type",)).get("type")  # once: verify and dispatch use it
+        if key is not None:
+            verify_payload(
+                payload,
+                key,
+                fleet=self.topics.fleet,
+                kind=MessageType.DECLINE if kind == MessageType.DECLINE else MessageType.UPDATE,
+                device=device,
+                limits=self.limits,
+            )
+        if kind == MessageType.DECLINE:
+            self._handle_decline(device, payload)
+            return
+        if device in self.registry.mismatched:
+            raise UpdateRejected("wrong_model", f"device {device}: {self.registry.mismatched[device]}")
+        update = decode_update(payload, limits=self.limits, expect_shape=self.shape)
+        if update.device != device:
+            raise UpdateRejected("wrong_device", f"update names device {update.device} on {msg.topic}")
+        check_update_id(update.update_id, device, update.round, update.base_version)
+        rnd = self.state.current
+        if rnd is None or (rnd.check_round and rnd.phase is not RoundPhase.OPEN):
+            if update.round == self.state.round + 1 and len(self._early) < EARLY_UPDATES_MAX:
+                self._early[update.update_id] = (update, len(payload))
+                self._unfolded[update.update_id] = (msg.topic, msg.payload)
+                self._dirty = True
+                logger.info("round %d: update from %s held until the round opens", update.round, device)
+                return
+            if rnd is None:
+                raise UpdateRejected("no_round", "no round is open")
+        buffer_full = rnd.phase is RoundPhase.CLOSED or rnd.complete()
+        if not rnd.check_round and buffer_full and len(self._held) < HELD_UPDATES:
+            # A buffered step is full or being published: the update counts in the next step (a
+            # step aggregates exactly its buffer size, and FedBuff loses no device's work).
+            self._held.append((update, len(payload)))
+            self._unfolded[update.update_id] = (msg.topic, msg.payload)
+            self._dirty = True
+            logger.info("update %s held for the next buffered step", update.update_id)
+            self._notify()
+            return
+        self._accept(rnd, update, len(payload))
+
+    def _handle_decline(self, device: str, payload: bytes) -> None:
+        """Count and log a device's refusal of the open round (a Decline on ``update/<device>``).
+
+        A decline counts only for the open round and its base version, from a device selected for
+        it, once per (device, round); its id must be ``<device>:<round>:<base_version>:declined``
+        (so one device cannot spend another device's update ids). The log names the first
+        ``LOGGED_REFUSALS`` declines of each reason, then every 1000th, ``detail`` cut to 80 chars.
+
+        Raises
+        ------
+        DecodeError, UpdateRejected
+            As for an update: ``wrong_device``, ``bad_value`` (another id), ``no_round``,
+            ``round_closed``, ``stale_round``, ``stale_base``, ``not_selected``, ``duplicate``
+            (a decline sent again, or from a device that already answered the round).
+        """
+        decline = decode_decline(payload, limits=self.limits)
+        if decline.device != device:
+            raise UpdateRejected("wrong_device", f"decline names device {decline.device} on update/{device}")
+        check_update_id(decline.update_id, device, decline.round, decline.base_version, DECLINE_SUFFIX)
+        rnd = self.state.current
+        if rnd is None:
+            raise UpdateRejected("no_round", "no round is open")
+        if rnd.phase is not RoundPhase.OPEN:
+            raise UpdateRejected("round_closed", f"round {rnd.number} is closed")
+        if decline.round != rnd.number:
+            raise UpdateRejected(
+                "stale_round", f"decline for round {decline.round}, round {rnd.number} is open"
+            )
+        if decline.base_version != rnd.base_version:
+            why = f"decline from version {decline.base_version}, round uses {rnd.base_version}"
+            raise UpdateRejected("stale_base", why)
+        if rnd.selected is not None and device not in rnd.selected:
+            raise UpdateRejected("not_selected", f"device {device} not selected for round {rnd.number}")
+        if rnd.has_answered(device) or decline.update_id in self._seen_update_ids:
+            raise UpdateRejected("duplicate", f"{device} already answered round {rnd.number}")
+        self._remember(decline.update_id)
+        self.state.declined[decline.reason] += 1
+        self.registry.count_by_device(self.registry.declined_by_device, device, decline.reason)
+        rnd.declined.append(device)
+        self._dirty = True
+        n = self.state.declined[decline.reason]
+        if n <= LOGGED_REFUSALS or n % 1000 == 0:
+            logger.warning(
+                "round %d: %s declined: %s (%s)%s",
+                decline.round,
+                device,
+                decline.reason,
+                shorten(decline.detail),
+                f" ({n} {decline.reason} so far)" if n > LOGGED_REFUSALS else "",
+            )
+        self._round_changed.set()
+        self._notify()
+
+    def _accept(self, rnd: Round, update: Update, size_bytes: int) -> None:
+        """Admit ``update`` to ``rnd``, offer it to the strategy and record it (raises ``UpdateRejected``)."""
+        rnd.admit(update)
+        if update.update_id in self._seen_update_ids:  # an earlier step's update, sent again
+            raise UpdateRejected("duplicate", f"update {update.update_id} already counted")
+        staleness = self.state.version - update.base_version
+        if staleness < 0:
+            raise UpdateRejected("stale_base", f"update from future version {update.base_version}")
+        self.strategy.offer(
+            Offer(update.device, update.delta_W, update.delta_b, update.num_examples, staleness)
+        )
+        rnd.record(update, size_bytes)
+        self._remember(update.update_id)
+        self._dirty = True
+        # Devices no longer publish a status for their round's progress (agent/status.py):
+        # the update says it, so the fleet registry takes the device's round, update size and its
+        # evaluation of the base head (federated evaluation, read at the round's close) from it.
+        entry = self.registry.devices.get(update.device)
+        if entry is not None:
+            shown = entry.get("round")
+            if not isinstance(shown, int) or shown < update.round:
+                entry["round"] = update.round
+            entry["last_update_bytes"] = size_bytes
+            entry["new_samples"] = 0  # trained on: its next status says how many came since
+            m = update.metrics
+            if m.eval_accuracy is not None:
+                entry.update(
+                    eval_version=update.base_version, eval_accuracy=m.eval_accuracy, eval_count=m.eval_count
+                )
+        logger.info(
+            "round %d: update from %s (%d examples, %d bytes, staleness %d)",
+            rnd.number,
+            update.device,
+            update.num_examples,
+            size_bytes,
+            staleness,
+        )
+        self._round_changed.set()
+        self._notify()
+
+    def _remember(self, update_id: str) -> None:
+        self._seen_update_ids[update_id] = None
+        while len(self._seen_update_ids) > self.max_seen_update_ids:
+            del self._seen_update_ids[next(iter(self._seen_update_ids))]
+
+    def _is_own_topic(self, topic: str) -> bool:
+        base = self.topics.global_model
+        return topic in (self.topics.round, base) or topic.startswith(base + "/")
+
+    def _adopt(self, msg: Message) -> None:
+        """Note a retained ``round`` or ``global`` message while adopting (see :meth:`start`).
+
+        Raises
+        ------
+        DecodeError
+            If the message does not decode or its signature does not verify.
+        UpdateRejected
+            ``wrong_model`` if the head belongs to another backbone.
+        """
+        if not self._adopting or not msg.payload:
+            return  # our own retained publishes echoed back, or a cleared chunk
+        if msg.topic == self.topics.round:
+            if self.signing_key is not None:
+                verify_payload(
+                    msg.payload, self.signing_key.verify_key, fleet=self.topics.fleet, kind=MessageType.ROUND
+                )
+            ann = decode_round(msg.payload, limits=self.limits)
+            self._adopted_round = max(self._adopted_round, ann.round)
+            self._adopt_round_seen.set()
+            return
+        payload: bytes | None = msg.payload
+        if is_chunk(msg.payload):
+            payload = self._adopt_chunks.feed(self.topics.global_model, msg.payload)
+        if payload is None:
+            return
+        if self.signing_key is not None:
+            verify_payload(
+                payload, self.signing_key.verify_key, fleet=self.topics.fleet, kind=MessageType.GLOBAL_MODEL
+            )
+        head = decode_global_model(payload, limits=self.limits, expect_shape=self.shape)
+        if head.model_sha256 != self.model_sha256:
+            raise UpdateRejected("wrong_model", "the retained global head belongs to another backbone")
+        if self._adopted_head is None or head.version > self._adopted_head.version:
+            self._adopted_head = head
+        self._adopt_head_seen.set()
+
+    def _apply_adopted(self) -> None:
+        head = self._adopted_head
+        if head is not None and head.version > 0:
+            self.W, self.b = head.W.copy(), head.b.copy()
+            self.state.version = head.version
+        rounds = max(self._adopted_round, head.round if head is not None else 0)
+        if rounds > 0 or head is not None:
+            self.state.round = rounds
+            logger.warning(
+                "no state: adopted the fleet's round %d and head version %d from the retained messages",
+                self.state.round,
+                self.state.version,
+            )
+
+    def notify(self) -> None:
+        """Tell the page that something changed (``on_change``)."""
+        self._notify()
+
+    def _notify(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    @property
+    def resuming(self) -> bool:
+        """True while the state file's open round waits to be re-opened (it opens without pacing)."""
+        return self._resume is not None
+
+    def _flush(self) -> bool:
+        """Write what the messages handled since the last write changed (the open round, held updates).
+
+        Returns False when the write failed (logged; nothing is acknowledged, the next batch tries again).
+        """
+        try:
+            self._persist()
+        except OSError as exc:
+            logger.error("state not written (%s): updates stay unacknowledged until it is", exc)
+            return False
+        self._dirty = False
+        return True
+
+    def _persist(self) -> None:
+        if self.state_path is not None:
+            self.save_state(self.state_path)
+
+    def save_state(self, path: Path) -> None:
+        """Persist the global head, version, round, recent history and the open round (atomic, checksummed).
+
+        A coordinator restarted with the same state file resumes after its last closed round, and
+        re-opens the round that was open, with every update it had accepted (the strategy's
+        accumulator, the update ids) and the updates held for later: whatever the broker was told
+        was received is in this file (see :meth:`pump`).
+        """
+        closed = self.state.current is None or self.state.current.number <= self._settled
+        doc = {
+            "v": 1,
+            "round": self.state.round if closed else self.state.round - 1,
+            "version": self.state.version,
+            "W": self.W.tobytes(),
+            "b": self.b.tobytes(),
+            "shape": list(self.shape),
+            "history": [list(dataclasses.astuple(h)) for h in self.state.history],
+            "counted": {str(k): sorted(v) for k, v in self.counted.items()},
+            "strategy": self.strategy.durable_state(),  # norm history, server optimiser, DP ledger
+            "open": self._open_round_doc(),
+            "unfolded": [[topic, payload] for topic, payload in self._unfolded.values()],
+        }
+        write_record(path, cbor2.dumps(doc))
+
+    def _open_round_doc(self) -> dict[str, Any] | None:
+        """The open round as the state file keeps it (None when no round is open, or its result is saved)."""
+        rnd = self.state.current
+        if rnd is None or rnd.number <= self._settled:
+            return self._resume  # a resumed round not re-opened yet stays in the file
+        return {
+            "round": rnd.number,
+            "base_version": rnd.base_version,
+            "opened_unix": time.time() - (time.monotonic() - rnd.opened_at),
+            "deadline_s": rnd.deadline_s,
+            "selected": sorted(rnd.selected) if rnd.selected is not None else None,
+            "online": sorted(rnd.online),
+            "update_ids": sorted(rnd.update_ids),
+            "devices": list(rnd.devices),
+            "declined": list(rnd.declined),
+            "sites": list(rnd.sites),
+            "update_bytes": list(rnd.update_bytes),
+            "lr": self._round_lr,
+            "snapshot": self.strategy.snapshot() if self.strategy.accepted else None,
+        }
+
+    def load_state(self, path: Path) -> bool:
+        """Resume from a state file written by :meth:`save_state` (False when there is none).
+
+        Raises
+        ------
+        UpdateRejected
+            ``bad_state`` when the file holds a head of another shape, or one the agents would refuse
+            (non-finite, or a value beyond ``MAX_HEAD_ABS``).
+        """
+        data = read_record(path)
+        if data is None:
+            return False
+        doc = cbor2.loads(data)
+        if tuple(doc["shape"]) != self.shape:
+            raise UpdateRejected(
+                "bad_state", f"{path}: head shape {doc['shape']}, model has {list(self.shape)}"
+            )
+        W = np.frombuffer(doc["W"], dtype=np.float32).reshape(self.shape).copy()
+        b = np.frombuffer(doc["b"], dtype=np.float32).copy()
+        try:
+            validate_head(W, b, self.shape)
+        except UpdateRejected as exc:
+            raise UpdateRejected("bad_state", f"{path}: the saved head would be refused ({exc})") from exc
+        self.W, self.b = W, b
+        self.state.round = int(doc["round"])
+        self.state.version = int(doc["version"])
+        self.state.history = [RoundRecord(*h) for h in doc["history"]]
+        self.counted = {int(k): list(v) for k, v in doc.get("counted", {}).items()}
+        try:
+            self.strategy.restore_durable(doc.get("strategy", {}))
+        except (ValueError, KeyError, TypeError) as exc:
+            why = f"{path}: the strategy's saved state does not fit ({exc})"
+            raise UpdateRejected("bad_state", why) from exc
+        self._settled = self.state.round
+        self.state_loaded = True
+        for r in sorted(self.counted):  # an update counted before the restart is refused as a duplicate
+            for update_id in self.counted[r]:
+                self._remember(update_id)
+        self._resume = doc.get("open")
+        self._unfolded = {}
+        for topic, payload in doc.get("unfolded", []):
+            self.handle(Message(str(topic), bytes(payload), False))  # held again for their round
+        self._record_unrecorded_round()
+        logger.info("resumed at round %d, version %d from %s", self.state.round, self.state.version, path)
+        return True
+
+    def _resume_round(self, rnd: Round, doc: Mapping[str, Any]) -> None:
+        """Put back the open round of the state file into ``rnd`` (just configured): its updates count."""
+        rnd.opened_at = time.monotonic() - max(0.0, time.time() - float(doc["opened_unix"]))
+        rnd.update_ids = set(doc["update_ids"])
+        rnd.devices = list(doc["devices"])
+        rnd.declined = list(doc["declined"])
+        rnd.sites = list(doc["sites"])
+        rnd.update_bytes = [int(n) for n in doc["update_bytes"]]
+        if doc["snapshot"] is not None:
+            self.strategy.restore(doc["snapshot"])
+        for update_id in rnd.update_ids:
+            self._remember(update_id)
+        left = rnd.deadline_at - time.monotonic()
+        logger.warning(
+            "round %d resumed from the state file: %d updates, %d declines, %.0f s left",
+            rnd.number,
+            rnd.clients,
+            len(rnd.declined),
+            max(0.0, left),
+        )
+
+    def _record_unrecorded_round(self) -> None:
+        """Rebuild the record of a round saved after aggregation but before its record.
+
+        The state is written once the new head is aggregated (before it is published) and again when
+        the round's record exists; a coordinator killed in between comes back with the round's counted
+        update ids and head but no record, and would otherwise leave that round out of its history and
+        log. The record is rebuilt from the counted ids and an evaluation of the saved head (which is
+        that round's result); the update size and duration were not saved and read 0.
+        """
+        r = self.state.round
+        if r not in self.counted or any(h.round == r for h in self.state.history):
+            return
+        accuracy = float("nan")
+        if self.evaluate is not None:
+            accuracy = float(self.evaluate(self.W, self.b))
+        self.state.history.append(RoundRecord(r, len(self.counted[r]), accuracy, 0.0, 0.0))
+        logger.warning("round %d was aggregated but not recorded before a restart: record rebuilt", r)

@@ -1,0 +1,281 @@
+"""Bounds on what one update may move: its joint L2 norm and its claimed weight, from the fleet's history.
+
+Every strategy bounds every update before folding it in (``Strategy.offer``): a fixed bound C, or
+``multiplier x`` a median norm that the fleet's history of honest-looking norms caps
+(``NormBound``), so hostile updates arriving first cannot widen it. The maths is in pure functions
+(``update_norm``, ``clip_factor``, ``scale_delta``) tested on hand-checkable arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from edgefl.types import F32
+
+
+def update_norm(delta_W: F32, delta_b: F32) -> float:
+    """Joint L2 norm of an update ``sqrt(||dW||^2 + ||db||^2)``, accumulated in float64.
+
+    Parameters
+    ----------
+    delta_W : float32 [D, K]
+    delta_b : float32 [K]
+
+    Returns
+    -------
+    float (``inf`` or ``nan`` when a value is not finite).
+
+    Source: Abadi et al. 2016, Algorithm 1 (per-example norm); McMahan et al. 2018 (per-user norm).
+    """
+    sq = float(np.sum(np.square(delta_W, dtype=np.float64)) + np.sum(np.square(delta_b, dtype=np.float64)))
+    return math.sqrt(sq) if sq >= 0 else math.nan
+
+
+def clip_factor(norm: float, bound: float) -> float:
+    """Factor that brings an update of L2 norm ``norm`` within ``bound``: ``min(1, bound / norm)``.
+
+    Parameters
+    ----------
+    norm : float >= 0
+        The update's norm.
+    bound : float >= 0
+        The bound.
+
+    Returns
+    -------
+    float in [0, 1] (1 for a zero update).
+
+    Source: Abadi et al. 2016, Algorithm 1 (``g / max(1, ||g|| / C)``).
+    """
+    return min(1.0, bound / norm) if norm > 0 else 1.0
+
+
+def scale_delta(delta: F32, factor: float) -> F32:
+    """``delta * factor`` computed in float64 (a 3e38 value times 1e-40 stays exact), as float32."""
+    if factor == 1.0:
+        return delta
+    out: F32 = (delta.astype(np.float64) * factor).astype(np.float32)
+    return out
+
+
+class FleetHistory:
+    """Honest-looking values of the fleet's last rounds (update norms, example counts) and their median.
+
+    Values of the open round are gathered with :meth:`add` (O(1); at most ``per_round`` kept a
+    round) and join the history at :meth:`commit`, once the round is aggregated; the history keeps
+    the last ``rounds`` committed rounds. :meth:`median` is computed once per round (at most
+    ``rounds x per_round`` values), so the cost per update is O(1) whatever the fleet's size.
+
+    Parameters
+    ----------
+    rounds : int >= 1
+        Committed rounds kept (1: the last aggregated round, whose norms lag the current ones least
+        while the learning rate decays).
+    per_round : int >= 1
+        Values kept from one round (the first ones; later ones are not needed for a median).
+
+    Raises
+    ------
+    ValueError
+        If ``rounds`` or ``per_round`` is < 1.
+    """
+
+    def __init__(self, rounds: int = 1, per_round: int = 1024) -> None:
+        if rounds < 1 or per_round < 1:
+            raise ValueError(f"FleetHistory: rounds = {rounds}, per_round = {per_round}: need >= 1")
+        self.per_round = per_round
+        self._rounds: deque[list[float]] = deque(maxlen=rounds)
+        self._open: list[float] = []
+
+    def add(self, value: float) -> None:
+        """Note one value of the open round (ignored beyond ``per_round``)."""
+        if len(self._open) < self.per_round:
+            self._open.append(float(value))
+
+    def discard(self) -> None:
+        """Forget the open round's values (its aggregate was not adopted)."""
+        self._open = []
+
+    def commit(self) -> None:
+        """The open round's values join the history (the oldest round leaves it)."""
+        if self._open:
+            self._rounds.append(self._open)
+        self._open = []
+
+    def __len__(self) -> int:
+        """Values in the committed history."""
+        return sum(len(r) for r in self._rounds)
+
+    def median(self) -> float:
+        """Median of the committed history (NaN when it is empty)."""
+        values = [v for r in self._rounds for v in r]
+        return float(np.median(values)) if values else math.nan
+
+    def snapshot(self) -> list[list[float]]:
+        """The committed rounds' values, oldest first (CBOR-able)."""
+        return [list(r) for r in self._rounds]
+
+    def restore(self, rounds: Sequence[Sequence[float]]) -> None:
+        """Put back a :meth:`snapshot` (non-finite or negative values are dropped)."""
+        self._rounds.clear()
+        for r in rounds:
+            kept = [float(v) for v in r if math.isfinite(float(v)) and float(v) >= 0][: self.per_round]
+            if kept:
+                self._rounds.append(kept)
+        self._open = []
+
+
+class NormBound:
+    """Bound on each update's joint L2 norm, and on its weight: fixed, or from the fleet's history.
+
+    Adaptive: a round's bound is ``multiplier x`` the lower of two medians: of the honest-looking
+    norms of the last aggregated round (``FleetHistory``, known when the round opens) and of the
+    round's first ``warmup`` norms (updates wait until they are known, then the bound is frozen
+    for the round). The history caps it, so hostile updates arriving first cannot widen it; the
+    round's own median can only tighten it (the norms shrink as the learning rate decays, and the
+    history lags them by a round); with ``warmup = 2t + 1``, ``t`` hostile updates cannot move that
+    median outside the honest ones'. An update's norm joins the history as ``min(norm, bound)``: a
+    clipped update counts at the bound, so a minority cannot raise the median, while a majority
+    whose norms grew (drift) moves it by at most ``multiplier`` a round. Before the fleet has a
+    history, the round's median alone sets it.
+
+    The weight (claimed example count) can be bounded the same way, by ``weight_multiplier x`` the
+    median honest-looking claim (the root bounds a site's claim per update so; a device's own
+    claim is bounded by ``MAX_UPDATE_EXAMPLES`` only, so that a flat round and the same round split
+    over sites aggregate alike).
+
+    Parameters
+    ----------
+    clip_norm : float > 0 or None
+        Fixed bound C; None = adaptive.
+    multiplier : float >= 1
+        Adaptive bound in units of the history's median norm.
+    warmup : int >= 1
+        Norms needed before an adaptive bound applies.
+    weight_multiplier : float >= 1
+        Weight bound in units of the history's median claim (inf: none).
+
+    Raises
+    ------
+    ValueError
+        On out-of-range parameters.
+
+    Source: fixed clipping as McMahan et al. 2018 (DP-FedAvg); a median-based bound as Sun et al.
+    2019, "Can You Really Backdoor Federated Learning?" (norm difference clipping), with the
+    median taken over past rounds as Andrew et al. 2021 ("Differentially Private Learning with
+    Adaptive Clipping") estimate theirs from past rounds, never from the round it bounds.
+    """
+
+    def __init__(
+        self,
+        clip_norm: float | None = None,
+        *,
+        multiplier: float = 2.0,
+        warmup: int = 3,
+        weight_multiplier: float = math.inf,
+    ) -> None:
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"clip_norm = {clip_norm}: must be > 0")
+        if not multiplier >= 1.0 or warmup < 1 or not weight_multiplier >= 1.0:
+            why = f"clip_multiplier = {multiplier}, warmup = {warmup}, weight_multiplier = "
+            why += str(weight_multiplier)
+            raise ValueError(f"{why}: need >= 1")
+        self.clip_norm = clip_norm
+        self.multiplier = multiplier
+        self.warmup = warmup
+        self.weight_multiplier = weight_multiplier
+        self.history = FleetHistory()
+        self.weights = FleetHistory()
+        self.history_warmup = warmup  # values the history needs to set a round's bounds
+        self.norms: list[float] = []  # the round's first norms and claims, while there is no history
+        self.claims: list[float] = []
+        self._bound: float | None = clip_norm
+        self._history_bound: float | None = None
+        self._weight_cap: float | None = math.inf if math.isinf(weight_multiplier) else None
+
+    def begin(self) -> None:
+        """Open a round: the history's bound (when there is enough history), nothing observed yet."""
+        self.norms, self.claims = [], []
+        self.history.discard()
+        self.weights.discard()
+        self._bound = self.clip_norm
+        self._history_bound = None
+        if self.clip_norm is None and len(self.history) >= self.history_warmup:
+            self._history_bound = self.multiplier * self.history.median()
+        self._weight_cap = math.inf if math.isinf(self.weight_multiplier) else None
+        if self._weight_cap is None and len(self.weights) >= self.history_warmup:
+            self._weight_cap = self.weight_multiplier * self.weights.median()
+
+    def _with_history(self, round_bound: float) -> float:
+        h = self._history_bound
+        return round_bound if h is None else min(round_bound, h)
+
+    def observe(self, norm: float, weight: float = 1.0) -> None:
+        """Record an update offered in this round (only needed while the bounds wait for it)."""
+        waiting = self._bound is None or self._weight_cap is None
+        if waiting and len(self.norms) < self.warmup:
+            self.norms.append(norm)
+            self.claims.append(weight)
+        if self._bound is None and len(self.norms) >= self.warmup:
+            self._bound = self._with_history(self.multiplier * float(np.median(self.norms)))
+        if self._weight_cap is None and len(self.claims) >= self.warmup:
+            self._weight_cap = self.weight_multiplier * float(np.median(self.claims))
+
+    def history_bound(self) -> float:
+        """The bound the history alone sets for this round: fixed, else from the last round (inf: none).
+
+        The root bounds sites' partials with it (it hears a few partials a round, not ``warmup``
+        norms of the same kind).
+        """
+        if self.clip_norm is not None:
+            return self.clip_norm
+        h = self._history_bound
+        return math.inf if h is None else h
+
+    def ready(self) -> bool:
+        """True when the bounds can be applied (fixed, or ``warmup`` norms of the round seen)."""
+        return self._bound is not None and self._weight_cap is not None
+
+    def bound(self) -> float:
+        """The norm bound now.
+
+        Fixed; else ``multiplier x`` the lower of the history's median and the median of the round's
+        first ``warmup`` norms (of those seen so far before then; inf when there is neither).
+        """
+        if self._bound is not None:
+            return self._bound
+        if not self.norms:
+            return self.history_bound()
+        return self._with_history(self.multiplier * float(np.median(self.norms)))
+
+    def weight_cap(self) -> float:
+        """The weight bound now (as :meth:`bound`; inf before any claim, or without a multiplier)."""
+        if self._weight_cap is not None:
+            return self._weight_cap
+        if not self.claims:
+            return math.inf
+        return self.weight_multiplier * float(np.median(self.claims))
+
+    def accept(self, norm: float, weight: float) -> None:
+        """Note an accepted update's norm and weight, each at most its bound, for the history."""
+        self.history.add(min(norm, self.bound()))
+        self.weights.add(min(weight, self.weight_cap()))
+
+    def commit(self) -> None:
+        """The round was aggregated: its honest-looking values join the history."""
+        self.history.commit()
+        self.weights.commit()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The history as CBOR-able values (part of the coordinator's durable state)."""
+        return {"norms": self.history.snapshot(), "weights": self.weights.snapshot()}
+
+    def restore(self, snap: Mapping[str, Any]) -> None:
+        """Put back a :meth:`snapshot`."""
+        self.history.restore(snap.get("norms", []))
+        self.weights.restore(snap.get("weights", []))

@@ -1,0 +1,307 @@
+"""The fleet's device registry: the latest status of each device, bounded, with its refusals and model.
+
+A device's retained status (``status/<device>``) enters :meth:`DeviceRegistry.note_status`; the registry
+keeps at most ``max_devices`` of them (expired and offline devices dropped first), notes a device whose
+backbone differs from the coordinator's (left out of rounds), counts what was refused and declined per
+device, and answers which devices are ready and how many new samples they report (the pacing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from edgefl.aio import wait_event
+from edgefl.errors import UpdateRejected
+from edgefl.wire.cbor import Limits
+from edgefl.wire.presence import read_new_samples
+from edgefl.wire.status import decode_status
+
+logger = logging.getLogger(__name__)
+
+LOGGED_REFUSALS = 20
+"""Refusals of one reason logged one by one before the log only names every 1000th."""
+LOGGED_DETAIL_CHARS = 80
+"""A device's free-text ``detail`` is cut to this many characters in the coordinator's log."""
+#: Devices outside the registry whose refusals and declines are counted one by one (the last ones).
+STRANGERS_KEPT = 100
+#: Devices the page's status document lists (``devices``; ``devices_total`` counts the registry).
+PAGE_DEVICES = 100
+#: Reasons of a per-device counter map in the page's document (the largest counts).
+PAGE_REASONS = 8
+
+
+def shorten(text: str, limit: int = LOGGED_DETAIL_CHARS) -> str:
+    """``text`` cut to ``limit`` characters (with an ellipsis when cut), for a log line."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _interned(value: Any) -> Any:
+    """``value`` (a decoded status's JSON-like fields) with its map keys and short strings interned.
+
+    Every status a fleet sends repeats the same ~45 field names and the same backbone sha256; decoded,
+    each is a fresh string. Interned, a registry entry costs about half (2.5 against 5.6 KiB for an
+    agent's status, measured with tracemalloc), so ``fleet.max_devices`` statuses, honest or not,
+    hold less of the coordinator's memory.
+    """
+    if isinstance(value, dict):
+        return {sys.intern(str(k)): _interned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interned(v) for v in value]
+    if isinstance(value, str) and len(value) <= 64:
+        return sys.intern(value)
+    return value
+
+
+def _page_order(entry: Mapping[str, Any]) -> tuple[bool, bool, float, float]:
+    """Sort key of a registry entry for the page's bounded device list (smallest first)."""
+    rss, cap = entry.get("rss_bytes"), entry.get("cap_bytes")
+    used = rss / cap if isinstance(rss, int | float) and isinstance(cap, int | float) and cap > 0 else 0.0
+    seen = entry.get("seen_at")
+    return (
+        entry.get("state") == "offline",
+        not entry.get("ready"),
+        -float(used),
+        -float(seen) if isinstance(seen, int | float) else 0.0,
+    )
+
+
+def _top_counts(counts: object) -> dict[str, Any]:
+    """The ``PAGE_REASONS`` largest entries of a per-device counter map (a device's own is any JSON)."""
+    if not isinstance(counts, dict):
+        return {}
+    numeric = [(str(k)[:64], v) for k, v in counts.items() if isinstance(v, int | float)]
+    return dict(heapq.nlargest(PAGE_REASONS, numeric, key=lambda kv: kv[1]))
+
+
+
+class DeviceRegistry:
+    """The latest status of each device of a fleet (bounded), with what was refused and declined by device.
+
+    Parameters
+    ----------
+    model_sha256 : str
+        sha256 of the coordinator's backbone: a device whose status names another is left out of rounds.
+    head_shape : (D, K)
+        The coordinator's head shape (named in a mismatch's reason).
+    clipped : Counter
+        The strategy's updates clipped by device (a forgotten device leaves it too).
+    limits : Limits
+        Decoding bounds for statuses.
+    max_devices : int
+        Bound of the registry (statuses kept, > 0): when full, expired and offline devices are dropped
+        first; a new device is refused (``registry_full``) only when every entry is live.
+    expiry_s : float
+        A status older than this (seconds since it was received, or since its ``ts`` field) is forgotten.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_sha256: str,
+        head_shape: tuple[int, int],
+        clipped: Counter[str],
+        limits: Limits,
+        max_devices: int = 10_000,
+        expiry_s: float = 7 * 24 * 3600.0,
+    ) -> None:
+        self.model_sha256 = model_sha256
+        self.head_shape = head_shape
+        self.clipped = clipped
+        self.limits = limits
+        self.max_devices = max_devices
+        self.expiry_s = expiry_s
+        self.devices: dict[str, dict[str, Any]] = {}
+        # device → why its model differs; only devices in the registry, forgotten with them (forget)
+        self.mismatched: dict[str, str] = {}
+        self.mismatches_total = 0  # devices seen with another model (the log names the first ones)
+        self.rejected_by_device: dict[str, Counter[str]] = {}
+        self.declined_by_device: dict[str, Counter[str]] = {}
+        self._strangers: dict[str, None] = {}  # devices counted above that the registry does not hold
+        self.on_mismatch: Callable[[str, str], None] | None = None
+        self.changed = asyncio.Event()  # set by every status kept
+
+    def note_status(self, device: str, payload: bytes) -> None:
+        """Keep the status ``payload`` (not empty) of ``status/<device>`` and tell :attr:`changed`.
+
+        Raises
+        ------
+        DecodeError, UpdateRejected
+            A status that does not decode, a bad new-sample count, or as :meth:`register`.
+        """
+        status = decode_status(payload, limits=self.limits)
+        read_new_samples(status.fields)  # a bad count refuses the status (bad_value, wrong_type)
+        entry = _interned(status.fields)
+        last = self.devices.get(device)
+        if status.state == "offline" and not status.fields and last is not None:
+            # a last will says nothing else: keep the last figures the device reported (its
+            # memory, round, accuracies), shown as offline with their age, not blanked
+            entry = {**last, "ready": False, "offline_since": time.time()}
+        entry["state"] = sys.intern(status.state)
+        entry["seen_at"] = time.time()
+        self.register(device, entry)
+        self.changed.set()
+
+    def register(self, device: str, entry: dict[str, Any]) -> None:
+        """Keep a device's status in the bounded registry and check its model's identity.
+
+        Raises
+        ------
+        UpdateRejected
+            ``registry_full`` when the registry holds ``max_devices`` live devices, ``expired`` for a
+            status whose own timestamp ``ts`` (seconds since the epoch) is older than the expiry.
+        """
+        now = entry["seen_at"]
+        ts = entry.get("ts")
+        if isinstance(ts, (int, float)) and now - float(ts) > self.expiry_s:
+            raise UpdateRejected("expired", f"status of {device} is {now - float(ts):.0f} s old")
+        devices = self.devices
+        if device not in devices and len(devices) >= self.max_devices:
+            self.expire(now)
+            if len(devices) >= self.max_devices:
+                offline = [d for d, st in devices.items() if st.get("state") == "offline"]
+                if not offline:
+                    raise UpdateRejected(
+                        "registry_full", f"{self.max_devices} devices known; {device} not kept"
+                    )
+                self.forget(min(offline, key=lambda d: float(devices[d].get("seen_at", 0.0))))
+        devices[device] = entry
+        sha = entry.get("model_sha256")
+        if isinstance(sha, str) and sha != self.model_sha256:
+            # an `edgefl model prepare` output carries its original's sha256: a difference is another model
+            why = (
+                f"backbone sha256 {sha[:12]}… differs from the coordinator's {self.model_sha256[:12]}…: "
+                "another model (a `model prepare` output counts as its original)"
+            )
+            shape = entry.get("head_shape")
+            if isinstance(shape, list) and shape != list(self.head_shape):
+                why += f"; head {shape}, the coordinator's {list(self.head_shape)}"
+            if self.mismatched.get(device) != why:
+                self.mismatched[device] = why  # only for a device in the registry: forgotten with it
+                self.mismatches_total += 1
+                n = self.mismatches_total
+                # named one by one for the first ones, then every 1000th with the count (ghost statuses
+                # naming another backbone must not become a flood of log lines)
+                if n <= LOGGED_REFUSALS or n % 1000 == 0:
+                    more = f" ({n} devices with another model so far)" if n > LOGGED_REFUSALS else ""
+                    logger.warning(
+                        "device %s runs another model: %s; left out of rounds%s", device, why, more
+                    )
+                    if self.on_mismatch is not None:
+                        self.on_mismatch(device, why)
+        else:
+            self.mismatched.pop(device, None)
+
+    def count_by_device(self, table: dict[str, Counter[str]], device: str, reason: str) -> None:
+        """Count ``reason`` for ``device`` in ``table`` (bounded).
+
+        Kept for devices in the registry (forgotten with them, :meth:`forget`) and for the last
+        :data:`STRANGERS_KEPT` devices it does not hold (the oldest dropped).
+        """
+        if device not in table and device not in self.devices:
+            self._strangers[device] = None
+            while len(self._strangers) > STRANGERS_KEPT:
+                old = next(iter(self._strangers))
+                del self._strangers[old]
+                if old not in self.devices:
+                    self.rejected_by_device.pop(old, None)
+                    self.declined_by_device.pop(old, None)
+        table.setdefault(device, Counter())[reason] += 1
+
+    def forget(self, device: str) -> None:
+        """Drop ``device`` from the registry and from every per-device record kept beside it."""
+        self.devices.pop(device, None)
+        self.mismatched.pop(device, None)
+        self.rejected_by_device.pop(device, None)
+        self.declined_by_device.pop(device, None)
+        self.clipped.pop(device, None)
+
+    def expire(self, now: float) -> None:
+        """Forget devices whose last status is older than ``expiry_s``."""
+        for dev in [
+            d
+            for d, st in self.devices.items()
+            if now - float(st.get("seen_at", now)) > self.expiry_s
+        ]:
+            self.forget(dev)
+
+    def online_devices(self) -> list[str]:
+        """Device ids whose retained status says they are up and ready (sorted)."""
+        return sorted(
+            d
+            for d, s in self.devices.items()
+            if s.get("ready") and s.get("state") != "offline" and d not in self.mismatched
+        )
+
+    def ready_new_samples(self) -> dict[str, int | None]:
+        """The ready devices (:meth:`online_devices`) and the new labelled samples each reports (or None)."""
+        out: dict[str, int | None] = {}
+        for dev in self.online_devices():
+            n = self.devices[dev].get("new_samples")
+            out[dev] = n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+        return out
+
+    async def wait_for_devices(self, n: int, timeout_s: float, key: str = "ready") -> list[str]:
+        """Wait until ``n`` devices report a status whose field ``key`` is true.
+
+        Returns
+        -------
+        The ready device ids.
+
+        Raises
+        ------
+        TimeoutError
+            If fewer than ``n`` are ready after ``timeout_s`` seconds.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            ready = sorted(
+                d for d, s in self.devices.items() if s.get(key) and s.get("state") != "offline"
+            )
+            if len(ready) >= n:
+                return ready
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"only {len(ready)} of {n} devices ready after {timeout_s} s")
+            self.changed.clear()
+            await wait_event(self.changed, remaining)
+
+    def page_devices(self) -> dict[str, dict[str, Any]]:
+        """The devices the page's status document lists, with their figures (JSON-like).
+
+        A bounded number (:data:`PAGE_DEVICES`): online and ready first, the least memory headroom
+        first, then the most recently seen; a registry of thousands, or of ghosts, must not make the
+        document megabytes.
+        """
+        registry = self.devices
+        devices = {}
+        for dev in heapq.nsmallest(PAGE_DEVICES, registry, key=lambda d: _page_order(registry[d])):
+            st = registry[dev]
+            reason = st.get("reason")
+            devices[dev] = {
+                "state": st.get("state"),
+                "online": st.get("state") != "offline",
+                "rss_bytes": st.get("rss_bytes"),
+                "cap_bytes": st.get("cap_bytes"),
+                "peak_rss_bytes": st.get("peak_rss_bytes"),
+                "last_round": st.get("round"),
+                "reason": shorten(reason) if isinstance(reason, str) else "",
+                "rejected": _top_counts(st.get("rejected")),
+                "refused": _top_counts(self.rejected_by_device.get(dev)),
+                "declined": _top_counts(self.declined_by_device.get(dev)),
+                "model_mismatch": self.mismatched.get(dev),
+                "clipped": self.clipped.get(dev, 0),
+                # accuracies the device reports, each measured on its own holdout
+                "personal_accuracy": st.get("personal_accuracy"),
+                "global_accuracy": st.get("global_accuracy"),
+                "eval_accuracy": st.get("eval_accuracy"),
+                "serving_head": st.get("serving_head"),
+            }
+        return devices

@@ -1,0 +1,342 @@
+"""Robust aggregation rules: coordinate-wise median and trimmed mean, of updates or of sites' estimates.
+
+They need every update of a round at once (the accumulator holds at most ``max_updates``), weigh
+devices alike whatever they claim, and derive the fewest updates they aggregate from their
+breakdown point and ``tolerate``. The maths is in pure numpy functions (Yin et al. 2018).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from edgefl.coordinator.strategy import Offer, SiteSums, Strategy
+from edgefl.errors import UpdateRejected
+from edgefl.types import F32
+
+
+def _stack(deltas: Sequence[F32], where: str) -> npt.NDArray[np.float64]:
+    if not deltas:
+        raise ValueError(f"{where}: no update")
+    shape = deltas[0].shape
+    for d in deltas:
+        if d.shape != shape:
+            raise ValueError(f"{where}: shape {d.shape}, expected {shape}")
+    return np.stack([d.astype(np.float64) for d in deltas])
+
+
+def coordinate_median(deltas: Sequence[F32]) -> F32:
+    """Coordinate-wise median of the updates (unweighted; the mean of the two middle values when even).
+
+    Parameters
+    ----------
+    deltas : sequence of float32 arrays
+        The m updates, all the same shape.
+
+    Returns
+    -------
+    float32 array of that shape.
+
+    Raises
+    ------
+    ValueError
+        If empty or the shapes differ.
+
+    Source: Yin, Chen, Ramchandran, Bartlett 2018, "Byzantine-Robust Distributed Learning: Towards
+    Optimal Statistical Rates", Definition 1 (coordinate-wise median).
+    """
+    out: F32 = np.median(_stack(deltas, "coordinate_median"), axis=0).astype(np.float32)
+    return out
+
+
+def trimmed_mean(deltas: Sequence[F32], beta: float) -> F32:
+    """Coordinate-wise trimmed mean: per coordinate, drop the ``floor(beta m)`` largest and smallest values.
+
+    Parameters
+    ----------
+    deltas : sequence of float32 arrays
+        The m updates, all the same shape.
+    beta : float in [0, 0.5)
+        Fraction trimmed from each end (``beta = 0`` is the plain mean).
+
+    Returns
+    -------
+    float32 array of that shape: the mean of the ``m - 2 floor(beta m)`` remaining values.
+
+    Raises
+    ------
+    ValueError
+        If empty, the shapes differ, or ``beta`` is outside [0, 0.5).
+
+    Source: Yin et al. 2018, Definition 2 (coordinate-wise beta-trimmed mean).
+    """
+    if not 0.0 <= beta < 0.5:
+        raise ValueError(f"trimmed_mean: beta = {beta}: must be in [0, 0.5)")
+    x = np.sort(_stack(deltas, "trimmed_mean"), axis=0)
+    k = math.floor(beta * x.shape[0])
+    out: F32 = x[k : x.shape[0] - k].mean(axis=0).astype(np.float32)
+    return out
+
+
+def trimmed_minimum(beta: float, tolerate: int) -> int:
+    """Fewest updates ``n`` for which a beta-trimmed mean drops ``tolerate`` values at each end.
+
+    Parameters
+    ----------
+    beta : float in (0, 0.5)
+        Trimmed fraction at each end (``trimmed_mean``).
+    tolerate : int >= 0
+        Hostile values to withstand per coordinate.
+
+    Returns
+    -------
+    int: the least ``n >= 2 tolerate + 1`` with ``floor(beta n) >= tolerate`` (1 when ``tolerate = 0``).
+
+    Raises
+    ------
+    ValueError
+        If ``tolerate > 0`` and ``beta`` is outside (0, 0.5).
+
+    Source: Yin et al. 2018, Definition 2 (``floor(beta m)`` values trimmed at each end).
+    """
+    if tolerate <= 0:
+        return 1
+    if not 0.0 < beta < 0.5:
+        raise ValueError(f"trimmed_minimum: beta = {beta}: must be in (0, 0.5) to tolerate {tolerate}")
+    n = max(2 * tolerate + 1, math.ceil(tolerate / beta) - 1)
+    while math.floor(beta * n + 1e-9) < tolerate:
+        n += 1
+    return n
+
+
+def weighted_coordinate_median(estimates: Sequence[npt.NDArray[np.float64]], weights: Sequence[float]) -> F32:
+    """Coordinate-wise weighted median of site estimates (the root step of the median rule over sites).
+
+    Per coordinate, the values are sorted and the median is the value where the cumulative weight
+    first reaches half the total; when it lands exactly on half, the mean of that value and the next
+    (so equal weights give ``np.median``).
+
+    Parameters
+    ----------
+    estimates : sequence of float arrays
+        One per site, all the same shape.
+    weights : sequence of float > 0
+        The updates each estimate covers.
+
+    Returns
+    -------
+    float32 array of that shape.
+
+    Raises
+    ------
+    ValueError
+        If empty, lengths or shapes differ, or a weight is not positive.
+
+    Source: weighted median (Edgeworth 1888); used over site medians as in hierarchical robust
+    aggregation (docs/operations.md, "Many sites").
+    """
+    if not estimates or len(estimates) != len(weights) or any(not w > 0 for w in weights):
+        raise ValueError(f"weighted_coordinate_median: {len(estimates)} estimates, weights {list(weights)}")
+    x = _stack([np.asarray(e) for e in estimates], "weighted_coordinate_median")  # [S, ...]
+    w = np.asarray(weights, dtype=np.float64)
+    order = np.argsort(x, axis=0, kind="stable")
+    xs = np.take_along_axis(x, order, axis=0)
+    ws = w[order]
+    cum = np.cumsum(ws, axis=0)
+    half = cum[-1] / 2.0
+    idx = np.argmax(cum >= half * (1 - 1e-12), axis=0)  # first index reaching half the weight
+    lo = np.take_along_axis(xs, idx[None, ...], axis=0)[0]
+    at_half = np.isclose(np.take_along_axis(cum, idx[None, ...], axis=0)[0], half, rtol=1e-12, atol=0.0)
+    nxt = np.take_along_axis(xs, np.minimum(idx + 1, x.shape[0] - 1)[None, ...], axis=0)[0]
+    out: F32 = np.where(at_half, (lo + nxt) / 2.0, lo).astype(np.float32)
+    return out
+
+
+class _Robust(Strategy):
+    """Robust rules that need every update of a round at once: the accumulator is the round's updates.
+
+    Memory is O(max_updates x model). A device's claimed example count is not weighed: it would
+    let one device with a large claim dominate, which is what robust aggregation guards against
+    (Yin et al. 2018 weigh all machines alike).
+
+    Parameters
+    ----------
+    max_updates : int
+        Most updates held for one round; more are refused (``too_many``).
+    **kwargs
+        As ``Strategy``.
+    """
+
+    def __init__(self, *, max_updates: int = 64, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if max_updates < 1:
+            raise ValueError(f"max_updates = {max_updates}: must be >= 1")
+        self.max_updates = max_updates
+        self._kept_W: list[F32] = []
+        self._kept_b: list[F32] = []
+        self._site_W: list[npt.NDArray[np.float64]] = []
+        self._site_b: list[npt.NDArray[np.float64]] = []
+        self._site_n: list[float] = []
+
+    def _check_min(self) -> None:
+        if self.min_updates > self.max_updates:
+            why = f"{self.name} needs {self.min_updates} updates to tolerate {self.tolerate}"
+            raise ValueError(f"max_updates = {self.max_updates}: {why}")
+
+    def _check(self, update: Offer) -> None:
+        if self.accepted >= self.max_updates:
+            raise UpdateRejected("too_many", f"{self.name} holds at most {self.max_updates} updates a round")
+
+    def _begin(self, shape: tuple[int, int]) -> None:
+        self._kept_W, self._kept_b = [], []
+        self._site_W, self._site_b, self._site_n = [], [], []
+
+    def _fold(self, update: Offer) -> None:
+        self._kept_W.append(update.delta_W)
+        self._kept_b.append(update.delta_b)
+
+    @abstractmethod
+    def _combine(self, deltas: Sequence[F32]) -> F32:
+        """The robust rule itself (coordinate-wise median, trimmed mean)."""
+
+    @abstractmethod
+    def _combine_sites(self, estimates: Sequence[npt.NDArray[np.float64]], weights: Sequence[float]) -> F32:
+        """The root step: combine site estimates with ``weights`` (equal: see ``_bounded_sites``)."""
+
+    def _aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:
+        eta = np.float32(self.server_lr)
+        if self._site_n:  # root: site estimates, and any update offered directly as a site of one
+            site_W, site_b = self._bounded_sites()
+            weights = [1.0] * (len(site_W) + len(self._kept_W))
+            dW = self._combine_sites([*site_W, *(k.astype(np.float64) for k in self._kept_W)], weights)
+            db = self._combine_sites([*site_b, *(k.astype(np.float64) for k in self._kept_b)], weights)
+        else:
+            dW, db = self._combine(self._kept_W), self._combine(self._kept_b)
+        W1: F32 = (W + eta * dW).astype(np.float32)
+        b1: F32 = (b + eta * db).astype(np.float32)
+        return W1, b1
+
+    def _bounded_sites(self) -> tuple[list[npt.NDArray[np.float64]], list[npt.NDArray[np.float64]]]:
+        """The site estimates, each scaled down to the norm bound (counted in ``clipped``).
+
+        The bound is the fixed ``clip_norm``, else the lower median of the estimates' norms (with
+        a majority of honest sites, an honest site's norm). A site's self-reported weight is not
+        used: the root weighs sites alike (equal weights), so one site that claims a huge weight or
+        thousands of invented update ids is one estimate of S, moving the head by at most
+        ``bound / S`` (the trimmed mean) or not at all while it is not the median.
+        """
+        norms = [
+            math.sqrt(float(np.sum(w * w)) + float(np.sum(b * b)))
+            for w, b in zip(self._site_W, self._site_b, strict=True)
+        ]
+        bound = self.norm_bound.clip_norm
+        if bound is None:
+            bound = sorted(norms)[(len(norms) - 1) // 2]
+        out_W, out_b = [], []
+        for w, b, n in zip(self._site_W, self._site_b, norms, strict=True):
+            if n > bound * (1 + 1e-6):
+                w, b = w * (bound / n), b * (bound / n)
+                self._round_clipped += 1
+            out_W.append(w)
+            out_b.append(b)
+        self._last_bound = bound
+        return out_W, out_b
+
+    def _site_sums(self) -> SiteSums:
+        W = self._combine(self._kept_W).astype(np.float64)
+        b = self._combine(self._kept_b).astype(np.float64)
+        n = len(self._kept_W)
+        return SiteSums(self.combine, W, b, float(n), n, self._round_clipped)
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {"W": [w.tobytes() for w in self._kept_W], "b": [b.tobytes() for b in self._kept_b]}
+
+    def _restore(self, acc: dict[str, Any], shape: tuple[int, int]) -> None:
+        self._kept_W = [np.frombuffer(w, np.float32).reshape(shape).copy() for w in acc["W"]]
+        self._kept_b = [np.frombuffer(b, np.float32).reshape(shape[1]).copy() for b in acc["b"]]
+
+    def _fold_sums(self, sums: SiteSums) -> None:
+        self._site_W.append(sums.W)
+        self._site_b.append(sums.b)
+        self._site_n.append(sums.weight)
+
+
+class Median(_Robust):
+    """Coordinate-wise median of the round's deltas (see ``coordinate_median``).
+
+    Source: Yin et al. 2018, Definition 1.
+    """
+
+    name = "median"
+    combine = "median"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._check_min()
+
+    @property
+    def min_updates(self) -> int:
+        """``2 tolerate + 1`` updates.
+
+        Then ``tolerate`` values cannot move a coordinate's median outside the honest values (Yin
+        et al. 2018: breakdown point 1/2).
+        """
+        return 2 * self.tolerate + 1
+
+    def _combine(self, deltas: Sequence[F32]) -> F32:
+        return coordinate_median(deltas)
+
+    def _combine_sites(self, estimates: Sequence[npt.NDArray[np.float64]], weights: Sequence[float]) -> F32:
+        """Weighted coordinate median of the site medians (``weighted_coordinate_median``)."""
+        return weighted_coordinate_median(estimates, weights)
+
+
+class TrimmedMean(_Robust):
+    """Coordinate-wise trimmed mean of the round's deltas (see ``trimmed_mean``).
+
+    Parameters
+    ----------
+    trim_fraction : float in [0, 0.5)
+        beta: fraction dropped at each end per coordinate.
+    **kwargs
+        As ``_Robust``.
+
+    Source: Yin et al. 2018, Definition 2.
+    """
+
+    name = "trimmed-mean"
+    combine = "trimmed-mean"
+
+    def __init__(self, *, trim_fraction: float = 0.2, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not 0.0 <= trim_fraction < 0.5:
+            raise ValueError(f"trim_fraction = {trim_fraction}: must be in [0, 0.5)")
+        self.trim_fraction = trim_fraction
+        if self.tolerate > 0 and trim_fraction == 0.0:
+            why = f"it cannot tolerate {self.tolerate} hostile device"
+            raise ValueError(f"trim_fraction = 0 trims nothing: {why}")
+        self._check_min()
+
+    @property
+    def min_updates(self) -> int:
+        """Fewest ``n`` with ``floor(trim_fraction n) >= tolerate`` (and at least ``2 tolerate + 1``).
+
+        Each coordinate then drops ``tolerate`` values at both ends, so ``tolerate`` hostile
+        values are trimmed or lie between honest ones (Yin et al. 2018, Definition 2).
+        """
+        return trimmed_minimum(self.trim_fraction, self.tolerate)
+
+    def _combine(self, deltas: Sequence[F32]) -> F32:
+        return trimmed_mean(deltas, self.trim_fraction)
+
+    def _combine_sites(self, estimates: Sequence[npt.NDArray[np.float64]], weights: Sequence[float]) -> F32:
+        """Weighted mean of the site trimmed means (the root passes equal weights: see ``_bounded_sites``)."""
+        w = np.asarray(weights, dtype=np.float64)
+        x = _stack([np.asarray(e) for e in estimates], "trimmed_mean sites")
+        out: F32 = (np.tensordot(w, x, axes=1) / w.sum()).astype(np.float32)
+        return out

@@ -1,0 +1,182 @@
+"""What a coordinator writes of each closed round: its line on stdout and its JSON line in ``files.log``.
+
+:func:`round_line` is the line printed per round (``round 3/10: 2/2 clients, refused: none, ...``);
+:func:`log_entry` the round log's line (``docs/operations.md``, "The round log");
+:func:`log_missing_rounds` appends the lines a coordinator killed between saving a round and logging it
+missed; :func:`empty_cause` says why a round aggregated nothing; :func:`counts_since` is one round's
+refusals or declines by reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from edgefl.coordinator.hierarchy import RootCoordinator
+from edgefl.coordinator.history import RoundRecord
+from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.strategy import Strategy
+
+logger = logging.getLogger(__name__)
+
+
+def _by_reason(counts: Mapping[str, int]) -> str:
+    """``"a 1, b 2"`` for ``{"a": 1, "b": 2}`` (sorted by reason), ``""`` when empty."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+
+
+def plural(n: int, word: str) -> str:
+    """``"1 device"``, ``"2 devices"``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def empty_cause(refused: Mapping[str, int], declined: Mapping[str, int], online: int) -> str:
+    """Why a round aggregated nothing: its declines and refusals by reason, and the devices online."""
+    parts = []
+    if declined:
+        parts.append(f"declined: {_by_reason(declined)}")
+    if refused:
+        parts.append(f"refused: {_by_reason(refused)}")
+    if not parts:
+        parts.append("no update arrived")
+    parts.append(f"{plural(online, 'device')} online")
+    return "; ".join(parts)
+
+
+def round_line(
+    rec: RoundRecord,
+    total: int,
+    refused: Mapping[str, int],
+    declined: Mapping[str, int] | None = None,
+    per: str = "update",
+) -> str:
+    """The line printed for a closed round: ``total`` rounds in all (0: until stopped), ``per`` what came in.
+
+    ``refused`` and ``declined`` are the round's refusals and declines by reason (:func:`counts_since`).
+    """
+    why = _by_reason(refused) or "none"
+    if declined:
+        why += f", declined: {_by_reason(declined)}"
+    acc = "n/a" if math.isnan(rec.accuracy) else f"{rec.accuracy:.3f}"
+    extra = f", {rec.clipped} clipped" if rec.clipped else ""
+    if rec.fed_devices:
+        extra += (
+            f", federated accuracy {rec.fed_accuracy:.3f} (worst decile {rec.fed_worst_decile:.3f}, "
+            f"{rec.fed_devices} devices)"
+        )
+    if not math.isnan(rec.epsilon):
+        extra += f", privacy epsilon {rec.epsilon:.3g} at delta {rec.delta:g}"
+    if rec.refused:
+        extra += f", ROUND REFUSED ({rec.refused}): head kept"
+    # "N/M clients": N updates counted of the M devices asked, in every round and on the fleet page
+    number = f"{rec.round}/{total}" if total else f"{rec.round}"
+    return (
+        f"round {number}: {rec.clients}/{rec.asked} clients, refused: {why}, accuracy {acc}, "
+        f"{rec.update_bytes_mean:.0f} B/{per}, {rec.duration_s:.2f} s{extra}"
+    )
+
+
+def counts_since(now: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:
+    """The counts by reason ``now`` has more of than ``before`` (one round's refusals or declines)."""
+    # str(): a reason label (a StrEnum) prints as its value, never as the enum's repr
+    return {str(k): v - before.get(k, 0) for k, v in sorted(now.items()) if v > before.get(k, 0)}
+
+
+
+def log_entry(
+    coord: Coordinator,
+    rec: RoundRecord,
+    strategy: Strategy,
+    refused: Mapping[str, int],
+    declined: Mapping[str, int],
+) -> dict[str, Any]:
+    """One closed round's line of ``files.log`` (``docs/operations.md``, "The round log")."""
+    closed = rec.closed_unix if math.isfinite(rec.closed_unix) else time.time()
+    entry: dict[str, Any] = {
+        "round": rec.round,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(closed)),
+        "asked": rec.asked,
+        "counted": rec.clients,
+        "refused": dict(refused),
+        "declined": dict(declined),
+        "clients": rec.clients,
+        "accuracy": rec.accuracy,
+        "update_bytes_mean": rec.update_bytes_mean,
+        "duration_s": rec.duration_s,
+        "refused_updates": dict(refused),
+        "update_ids": coord.counted.get(rec.round, []),
+        "version": coord.state.version,
+        "strategy": strategy.name,
+        "lr": rec.lr if math.isfinite(rec.lr) else None,
+        "new_samples": rec.new_samples if rec.new_samples >= 0 else None,
+        "clipped": rec.clipped,
+        "clipped_by_device": dict(strategy.clipped),  # since the start of this process
+        "norm_bound": rec.norm_bound if math.isfinite(rec.norm_bound) else None,
+        "epsilon": None if math.isnan(rec.epsilon) else rec.epsilon,
+        "delta": None if math.isnan(rec.delta) else rec.delta,
+        "round_refused": rec.refused or None,
+    }
+    if isinstance(coord, RootCoordinator):  # since the start of this process
+        # update_bytes_mean is kept (same key as a flat run); at the root it is this
+        entry["partial_bytes_mean"] = rec.update_bytes_mean
+        entry["partials"] = coord.partials_received
+        entry["partial_bytes"] = coord.partial_bytes
+        entry["duplicate_partials"] = coord.duplicates
+    return entry
+
+
+def log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:
+    """Append the rounds the state file closed but ``log`` does not have; returns how many.
+
+    The state is saved before the round's line is appended, so a coordinator killed between the two
+    (seen in the chaos test) comes back with a round the log never got. Its line is rebuilt from the
+    state's history and counted update ids, marked ``"recovered": true``.
+    """
+    logged: set[int] = set()
+    with contextlib.suppress(FileNotFoundError):
+        for line in log.read_text().splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                logged.add(int(json.loads(line)["round"]))
+    last = max(logged, default=0)
+    missing = [h for h in coord.state.history if h.round > last]
+    if not missing:
+        return 0
+    # the version each round published: the state's for the last, one less before each round that
+    # published a head (a round with updates whose aggregate was not refused)
+    versions: list[int] = []
+    v = coord.state.version
+    for rec in reversed(missing):
+        versions.append(v)
+        v -= int(rec.clients > 0 and not rec.refused)
+    versions.reverse()
+    with open(log, "a") as f:
+        for rec, version in zip(missing, versions, strict=True):
+            closed = rec.closed_unix if math.isfinite(rec.closed_unix) else time.time()
+            entry = {
+                "round": rec.round,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(closed)),
+                "asked": rec.asked,
+                "counted": rec.clients,
+                "refused": {},  # the refusals by reason were not saved
+                "declined": {},
+                "clients": rec.clients,
+                "accuracy": None if math.isnan(rec.accuracy) else rec.accuracy,
+                "update_bytes_mean": rec.update_bytes_mean,
+                "duration_s": rec.duration_s,
+                "update_ids": coord.counted.get(rec.round, []),
+                "version": version,
+                "strategy": strategy,
+                "lr": rec.lr if math.isfinite(rec.lr) else None,
+                "new_samples": rec.new_samples if rec.new_samples >= 0 else None,
+                "round_refused": rec.refused or None,
+                "recovered": True,
+            }
+            f.write(json.dumps(entry) + "\n")
+    logger.warning("appended %d round(s) the log missed (closed and saved before a restart)", len(missing))
+    return len(missing)

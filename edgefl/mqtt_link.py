@@ -1,0 +1,871 @@
+"""The MQTT transport's link layer: the broker socket driven by the event loop, into a bounded queue.
+
+The event loop drives paho (paho's "external event loop" API: ``loop_read``, ``loop_write``,
+``loop_misc``): the connected socket is watched with ``add_reader``, a packet paho queues is written
+at once by the caller or on the loop's next turn (``add_writer`` only while the kernel's send buffer
+is full), and ``loop_misc`` runs every second for the keep-alive. A message reaches its handler
+without a thread switch, and a publish leaves without waking another thread (the two hops of paho's
+own network thread were ~0.6-0.9 ms each on a loaded 2-core gateway, four of them on a round's
+critical path). paho's callbacks only schedule handlers (``call_soon``, STYLE.md rule 6: nothing runs
+inside paho's locks); an exception in paho's network code or a socket callback is counted
+(``thread_errors_total``) and logged, never swallowed, and ends the connection.
+
+Incoming bytes pass :class:`PacketFilter` (a PUBLISH over ``max_incoming_packet_bytes`` is dropped
+before paho buffers it), then a bounded queue (the RAM cap covers buffers too). A QoS 1 message is
+acknowledged (PUBACK, paho's manual ack) only once it is in that queue (or, with ``ack_on_commit``,
+once the consumer committed it): when the queue is full it waits, unacknowledged, in a short hold
+line that the broker's own flow control bounds (MQTT 5 Receive Maximum = the queue's size,
+§3.1.2.11.3; mosquitto's ``max_inflight_messages`` on 3.1.1), and moves in as the consumer takes
+messages. A broker that ignores that bound meets a closed door instead: the link stops reading the
+socket while the queue and the hold line have no room, and TCP's flow control holds the rest. So a
+burst is never acknowledged and then lost; only QoS 0 messages are dropped when the queue is full,
+and counted. A message whose handling raises is acknowledged, counted (``refused``) and dropped.
+The connection's lifecycle (connect, subscriptions, publish, stop) is
+:class:`edgefl.transport.MqttTransport`'s, built on :class:`Link`.
+
+Source: MQTT 5.0 (OASIS 2019) and MQTT 3.1.1 (OASIS 2014); paho-mqtt 2.x client API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import MQTTProtocolVersion
+from paho.mqtt.reasoncodes import ReasonCode
+
+from edgefl.errors import TransportError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "HOLD_FACTOR",
+    "LOGGED_DROPS",
+    "MISC_INTERVAL_S",
+    "OVERSIZE_TOPIC",
+    "READS_PER_TURN",
+    "TCP_QUICKACK",
+    "BoundedClient",
+    "Connection",
+    "FlowQueue",
+    "Link",
+    "Message",
+    "PacketFilter",
+    "quickack",
+    "remaining_length",
+    "set_nodelay",
+]
+
+#: Drops of a full incoming queue logged one by one before the log only names every 1000th.
+LOGGED_DROPS = 20
+#: The hold line of QoS 1 messages waiting for room in the queue, in queue sizes (a broker that ignores
+#: our Receive Maximum cannot grow it further: beyond it messages are dropped and counted).
+HOLD_FACTOR = 4
+
+#: Topic of the small stand-in PUBLISH that replaces an oversize one (never a real topic: ``$`` topics
+#: are the broker's, MQTT 5.0 §4.7.2). Its payload is ``b"<packet bytes>\n<topic>"``.
+OVERSIZE_TOPIC = "$edgefl/oversize"
+#: Bytes asked of the socket in one read: a burst of small packets comes in one system call, and what
+#: waits above the socket (read, not yet taken by paho) stays under this bound.
+READ_BYTES = 65_536
+#: Seconds between two ``loop_misc`` calls (keep-alive PINGREQ, and the end of a connection whose
+#: PINGRESP is overdue), paho's own loop's select timeout.
+MISC_INTERVAL_S = 1.0
+#: Packets read in one turn of the event loop while more bytes wait (in the socket, or above it:
+#: TLS, PacketFilter): a burst lands in the queue together, as paho's thread used to put it there
+#: (a site aggregator writes its record once the queue is drained: one packet a turn made that
+#: one fsync per update), and the rest is read on the next turn, so a flood cannot hold the loop.
+READS_PER_TURN = 64
+
+
+class PacketFilter:
+    """Incoming MQTT byte stream filter: replace every PUBLISH over ``limit`` bytes before it is buffered.
+
+    Parses the fixed header (MQTT 5.0 §2.1.1, 3.1.1 §2.2: one type/flags byte, then the Remaining
+    Length as a 1–4 byte variable byte integer). A packet of at most ``limit`` bytes passes unchanged.
+    An oversize PUBLISH's variable header (topic, packet identifier) is read, its body is read and
+    discarded in bounded pieces, and a stand-in PUBLISH on :data:`OVERSIZE_TOPIC` with the same flags
+    and packet identifier takes its place, so paho acknowledges it (PUBACK/PUBREC) and the broker's
+    in-flight window never fills with packets we will not take. Any other oversize packet raises.
+
+    Memory: at most the fixed header, the topic (<= 65,535 bytes) and one read of the socket
+    (:data:`READ_BYTES`), whatever the announced length (up to 268,435,455 bytes).
+
+    Parameters
+    ----------
+    limit : int
+        Largest packet accepted whole, in bytes including the fixed header (>= 2).
+    mqtt5 : bool
+        The connection speaks MQTT 5 (the stand-in then carries an empty property list).
+    """
+
+    _HDR, _PASS, _VH, _DISCARD = range(4)
+
+    def __init__(self, limit: int, *, mqtt5: bool) -> None:
+        self.limit = limit
+        self.mqtt5 = mqtt5
+        self._state = self._HDR
+        self._hdr = bytearray()
+        self._left = 0  # bytes of the current packet still to pass (PASS) or to consume (VH, DISCARD)
+        self._vh = bytearray()
+        self._size = 0
+        self.dropped_total = 0
+
+    def _vh_need(self) -> int:
+        if len(self._vh) < 2:
+            return 2
+        qos = (self._hdr[0] >> 1) & 3
+        return 2 + int.from_bytes(self._vh[:2], "big") + (2 if qos else 0)
+
+    def feed(self, data: bytes) -> bytes:
+        """Consume ``data`` (read from the broker); return the bytes paho may see (maybe none).
+
+        Raises
+        ------
+        ConnectionError
+            On a malformed Remaining Length, an oversize packet that is not a PUBLISH, or an oversize
+            PUBLISH too short for its own variable header (paho then drops the connection).
+        """
+        if self._state == self._PASS and len(data) <= self._left:  # the common case: no copy
+            self._left -= len(data)
+            if self._left == 0:
+                self._state = self._HDR
+            return data
+        out = bytearray()
+        view = memoryview(data)
+        while view:
+            if self._state == self._PASS:
+                n = min(self._left, len(view))
+                out += view[:n]
+                view = view[n:]
+                self._left -= n
+                if self._left == 0:
+                    self._state = self._HDR
+            elif self._state == self._HDR:
+                self._hdr.append(view[0])
+                view = view[1:]
+                if len(self._hdr) >= 2 and not self._hdr[-1] & 0x80:
+                    out += self._header_done()
+                elif len(self._hdr) > 5:
+                    raise ConnectionError("malformed MQTT remaining length from the broker")
+            elif self._state == self._VH:
+                n = min(self._vh_need() - len(self._vh), len(view), self._left)
+                self._vh += view[:n]
+                view = view[n:]
+                self._left -= n
+                if len(self._vh) >= 2 and len(self._vh) == self._vh_need():
+                    out += self._stand_in()
+                    self._state = self._DISCARD if self._left else self._HDR
+                elif self._left == 0:
+                    raise ConnectionError("oversize PUBLISH shorter than its variable header")
+            else:  # DISCARD
+                n = min(self._left, len(view))
+                view = view[n:]
+                self._left -= n
+                if self._left == 0:
+                    self._state = self._HDR
+        return bytes(out)
+
+    def _header_done(self) -> bytes:
+        remaining = sum((b & 0x7F) << (7 * i) for i, b in enumerate(self._hdr[1:]))
+        hdr = bytes(self._hdr)
+        self._size = len(hdr) + remaining
+        if self._size <= self.limit:
+            self._hdr.clear()
+            self._left = remaining
+            self._state = self._PASS if remaining else self._HDR
+            return hdr
+        if hdr[0] >> 4 != 3:
+            raise ConnectionError(
+                f"broker sent a {self._size}-byte packet (type {hdr[0] >> 4}) over our limit"
+            )
+        self._left = remaining
+        self._vh.clear()
+        self._state = self._VH
+        return b""
+
+    def _stand_in(self) -> bytes:
+        """A PUBLISH on OVERSIZE_TOPIC with the original flags and packet identifier (MQTT 5.0 §3.3)."""
+        flags = self._hdr[0]
+        qos = (flags >> 1) & 3
+        topic_len = int.from_bytes(self._vh[:2], "big")
+        topic = bytes(self._vh[2 : 2 + min(topic_len, 256)])
+        packet_id = bytes(self._vh[2 + topic_len :]) if qos else b""
+        sentinel = OVERSIZE_TOPIC.encode()
+        body = (
+            len(sentinel).to_bytes(2, "big")
+            + sentinel
+            + packet_id
+            + (b"\x00" if self.mqtt5 else b"")
+            + f"{self._size}\n".encode()
+            + topic
+        )
+        self._hdr.clear()
+        self._vh.clear()
+        self.dropped_total += 1
+        return bytes([flags]) + remaining_length(len(body)) + body
+
+
+def remaining_length(n: int) -> bytes:
+    """Encode ``n`` >= 0 as an MQTT variable byte integer ("Remaining Length"): 7 bits a byte.
+
+    Source: MQTT 5.0 §1.5.5; MQTT 3.1.1 §2.2.3 (the same encoding).
+    """
+    out = bytearray()
+    while True:
+        n, digit = divmod(n, 128)
+        out.append(digit | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+class BoundedClient(mqtt.Client):
+    """paho's client with bulk, bounded reads (:class:`PacketFilter`) and gathered writes, driven by the loop.
+
+    Reads take up to :data:`READ_BYTES` from the socket at once into a buffer of whole packets that
+    passed the filter (:meth:`edgefl_take`): a PUBLISH of QoS 0 or 1 is parsed there and returned as a
+    :class:`Message` (paho's per-message machinery is most of the receive path's CPU on an
+    aggregator), any other packet is handed to paho, which reads it from that buffer. Writes (paho
+    writes one packet a system call) are gathered and sent together by :meth:`edgefl_send`, so a
+    burst of PUBACKs is one system call. Uses paho 2.x internals: ``_sock_recv`` and ``_sock_send``
+    (every socket read and write, overridden), ``_sock_close`` (overridden: what was gathered goes out
+    first, the DISCONNECT included), ``_sock``, ``_last_msg_in`` (its keep-alive clock) and the
+    wake-up socket pair ``_sockpairR`` / ``_sockpairW`` of paho's own loop
+    (:meth:`edgefl_drop_sockpair`).
+
+    Source: MQTT 5.0 §2.1.4 (Remaining Length), §3.3 (PUBLISH); MQTT 3.1.1 §3.3.
+    """
+
+    def __init__(self, *args: Any, max_incoming_packet_bytes: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._edgefl_filter = PacketFilter(
+            max_incoming_packet_bytes, mqtt5=kwargs.get("protocol") == MQTTProtocolVersion.MQTTv5
+        )
+        self._edgefl_mqtt5 = kwargs.get("protocol") == MQTTProtocolVersion.MQTTv5
+        self._edgefl_out = bytearray()  # read and let through the filter, not yet taken
+        self._edgefl_eof = False  # the broker closed the connection (paho is told on its next read)
+        self._edgefl_allowed = 0  # bytes of the buffer paho may read: the one packet handed to it
+        self._edgefl_wbuf = bytearray()  # written by paho, not yet sent
+
+    def edgefl_drop_sockpair(self) -> None:
+        """Close the socket pair paho's own loop wakes its ``select`` with (one system call a packet queued).
+
+        Nothing selects on it here: the event loop drives the client.
+        """
+        for name in ("_sockpairR", "_sockpairW"):
+            pair = getattr(self, name, None)
+            if pair is not None:
+                with contextlib.suppress(OSError):
+                    pair.close()
+                setattr(self, name, None)
+
+    def edgefl_send(self) -> bool:
+        """Send what paho wrote since the last call, in one system call; True when nothing is left.
+
+        Raises
+        ------
+        OSError
+            The connection failed (the caller ends it).
+        """
+        wbuf, sock = self._edgefl_wbuf, self._sock
+        if wbuf and sock is not None:
+            try:
+                sent = sock.send(wbuf)
+            except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                return False  # the kernel's send buffer is full: the caller waits for writability
+            del wbuf[:sent]
+        return not wbuf
+
+    def edgefl_unsent(self) -> bool:
+        """True while paho has packets queued or their bytes wait in the gathered writes.
+
+        (paho's own ``want_write`` sees only its queue: it re-arms its write callback when that empties.)
+        """
+        return bool(self._edgefl_wbuf) or self.want_write()
+
+    def edgefl_take(self) -> tuple[int, int, Message] | bool:
+        """Take the next whole packet: a PUBLISH of QoS 0 or 1 as ``(mid, qos, message)``, else paho reads it.
+
+        Returns
+        -------
+        (mid, qos, Message)
+            A PUBLISH, not yet acknowledged (mid 0 for QoS 0).
+        True
+            Another packet (or the end of the connection), which paho read and handled (its callbacks
+            were called; ``loop_read``'s result is checked by paho itself).
+        False
+            No whole packet is buffered and the socket has no more bytes now.
+
+        Raises
+        ------
+        ConnectionError
+            A malformed stream (:class:`PacketFilter`), or the socket is closed.
+        OSError
+            The connection failed.
+        """
+        buf = self._edgefl_out
+        while True:
+            size = len(buf)
+            if size >= 2:
+                remaining, shift, i = 0, 0, 1
+                while i < size and i <= 4:
+                    byte = buf[i]
+                    remaining |= (byte & 0x7F) << shift
+                    i += 1
+                    if not byte & 0x80:
+                        break
+                    shift += 7
+                else:
+                    i = -1  # the Remaining Length is not all here yet
+                if i > 0 and size >= i + remaining:
+                    return self._edgefl_packet(i, i + remaining)
+            if self._edgefl_eof:
+                self._edgefl_allowed = 0
+                self.loop_read()  # paho reads the end of the stream and reports the connection lost
+                return True
+            try:
+                data = super()._sock_recv(READ_BYTES)
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return False
+            if not data:
+                self._edgefl_eof = True
+                continue
+            quickack(self._sock)
+            buf += self._edgefl_filter.feed(data)
+
+    def _edgefl_packet(self, start: int, end: int) -> tuple[int, int, Message] | bool:
+        """The whole packet ``buf[:end]`` (its variable header from ``start``): parsed, or paho's."""
+        buf = self._edgefl_out
+        first = buf[0]
+        qos = (first >> 1) & 3
+        if first >> 4 == 3 and qos < 2:
+            pos = start + 2 + int.from_bytes(buf[start : start + 2], "big")
+            try:
+                topic = buf[start + 2 : pos].decode("utf-8")
+            except UnicodeDecodeError:
+                topic = None  # paho refuses it its own way
+            if topic is not None and pos + (2 if qos else 0) <= end:
+                mid = 0
+                if qos:
+                    mid = int.from_bytes(buf[pos : pos + 2], "big")
+                    pos += 2
+                if self._edgefl_mqtt5:  # the properties (none is used: no topic alias was offered)
+                    length, shift = 0, 0
+                    while pos < end:
+                        byte = buf[pos]
+                        pos += 1
+                        length |= (byte & 0x7F) << shift
+                        shift += 7
+                        if not byte & 0x80:
+                            break
+                    pos += length
+                if pos <= end:
+                    message = Message(topic, bytes(buf[pos:end]), bool(first & 1))
+                    del buf[:end]
+                    self._last_msg_in = time.monotonic()  # paho's keep-alive clock: a packet came
+                    return mid, qos, message
+        self._edgefl_allowed = end
+        try:
+            self.loop_read()  # paho reads exactly this packet from the buffer (_sock_recv)
+        finally:
+            self._edgefl_allowed = 0
+        return True
+
+    def edgefl_close(self) -> None:
+        """Close the socket if it is still open (paho's ``on_socket_close`` callback runs first)."""
+        self._sock_close()
+
+    def _sock_recv(self, bufsize: int) -> bytes:
+        # paho reads only the packet edgefl_take handed to it, or the end of the stream
+        allowed = self._edgefl_allowed
+        if not allowed:
+            if self._edgefl_eof and not self._edgefl_out:
+                return b""
+            raise BlockingIOError  # nothing for paho now (it says MQTT_ERR_AGAIN)
+        n = min(bufsize, allowed)
+        out = bytes(self._edgefl_out[:n])
+        del self._edgefl_out[:n]
+        self._edgefl_allowed = allowed - len(out)
+        return out
+
+    def _sock_send(self, buf: bytes | bytearray) -> int:
+        if self._sock is None:
+            raise ConnectionError("self._sock is None")
+        self._edgefl_wbuf += buf
+        return len(buf)
+
+    def _sock_close(self) -> None:
+        sock = self._sock
+        if sock is not None and self._edgefl_wbuf:
+            with contextlib.suppress(OSError, ValueError):  # best effort: the connection is ending
+                sock.send(self._edgefl_wbuf)
+        self._edgefl_wbuf.clear()
+        super()._sock_close()
+
+
+TCP_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
+"""Linux's ``TCP_QUICKACK`` socket option (None elsewhere: nothing is set)."""
+
+
+def quickack(sock: Any) -> None:
+    """Acknowledge what was just read at once instead of after the delayed-ACK timer (Linux).
+
+    A broker left at its defaults (mosquitto without ``set_tcp_nodelay true``) runs Nagle's algorithm:
+    its next small write to us (the global head, the round announcement, an update for the
+    coordinator) waits until our kernel acknowledges its previous one (a PUBACK), and Linux delays
+    that ACK up to 40 ms when we have nothing to send back. ``TCP_QUICKACK`` is not sticky (the kernel
+    falls back to delayed ACKs), so it is set again after every read; setting it sends an ACK that is
+    due right away. Costs one ``setsockopt`` a read and, on the wire, at most one more bare ACK
+    (TCP/IP headers, no payload) per received segment. Source: tcp(7), ``TCP_QUICKACK``; RFC 1122
+    §4.2.3.2 (delayed ACK); RFC 896 (Nagle).
+    """
+    if TCP_QUICKACK is not None and sock is not None:
+        with contextlib.suppress(OSError, AttributeError, ValueError):
+            sock.setsockopt(socket.IPPROTO_TCP, TCP_QUICKACK, 1)
+
+
+def set_nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
+    """Disable Nagle's algorithm on the broker socket (paho ``on_socket_open``).
+
+    A round is a few small request/response exchanges; with Nagle on both ends and delayed ACKs, each
+    costs ~40 ms of stall on loopback (bench/round_overhead.py: 95.8 ms → 11.1 ms per round with
+    TCP_NODELAY here and ``set_tcp_nodelay true`` in mosquitto).
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One received MQTT message: ``topic`` (str), ``payload`` (bytes), ``retain`` (bool)."""
+
+    topic: str
+    payload: bytes
+    retain: bool
+
+
+class FlowQueue(asyncio.Queue[Message]):
+    """The incoming queue: each take lets the transport move a held QoS 1 message in (and PUBACK it)."""
+
+    def __init__(self, maxsize: int, on_take: Callable[[Message], None]) -> None:
+        super().__init__(maxsize=maxsize)
+        self._on_take = on_take
+
+    def get_nowait(self) -> Message:
+        """As :meth:`asyncio.Queue.get_nowait` (``get`` ends in it too), then refill from the hold line."""
+        item = super().get_nowait()
+        self._on_take(item)
+        return item
+
+
+
+
+@dataclass(eq=False)
+class Connection:
+    """One paho client's life: its in-flight PUBACK and SUBACK futures die with it.
+
+    paho numbers message ids per client from 1, so futures are keyed by ``mid`` inside one connection
+    only; a late callback or a stale timeout of an old connection can never touch a new one's futures.
+    """
+
+    client: BoundedClient
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    pubacks: dict[int, asyncio.Future[None]] = field(default_factory=dict)
+    subacks: dict[int, asyncio.Future[list[ReasonCode]]] = field(default_factory=dict)
+    unsubacks: dict[int, asyncio.Future[list[ReasonCode]]] = field(default_factory=dict)
+    acked: bool = False  # a successful CONNACK arrived
+    acked_at: float = 0.0  # time.monotonic() of the successful CONNACK
+    answered: bool = False  # a CONNACK arrived, accepting or refusing (the broker speaks our protocol)
+    closed: bool = False
+    sock: Any = None  # the socket the event loop watches (None before the connect and after the close)
+    writing: bool = False  # the loop waits for the socket to be writable (the send buffer was full)
+    misc: asyncio.TimerHandle | None = None  # the next ``loop_misc`` (keep-alive)
+    paused: bool = False  # reading stopped: no room for another message (TCP holds the rest)
+    unhandled: int = 0  # messages paho has read whose _handle_message has not run yet
+    # messages paho has read, waiting for the loop's next turn (one turn takes them all): (mid, qos, msg)
+    inbox: collections.deque[tuple[int, int, Message]] = field(default_factory=collections.deque)
+    flush_due: bool = False  # a _flush is scheduled for the loop's next turn
+
+    def fail_all(self, reason: str) -> None:
+        """Fail every pending PUBACK/SUBACK/UNSUBACK future with ``TransportError(reason)``; mark closed."""
+        self.closed = True
+        for futs in (self.pubacks, self.subacks, self.unsubacks):
+            for mid, fut in futs.items():
+                if not fut.done():
+                    fut.set_exception(TransportError(f"{reason} (mid={mid})"))
+            futs.clear()
+
+
+class Link:
+    """The receive and network half of an MQTT client: socket, PUBACKs, bounded queue, hold line.
+
+    Subclassed by :class:`edgefl.transport.MqttTransport`, which owns the connection's lifecycle and
+    overrides :meth:`_handle_disconnect`.
+
+    Parameters
+    ----------
+    queue_size : int
+        Bound of the incoming-message queue (messages).
+    ack_on_commit : bool
+        False: a QoS 1 message is acknowledged once it is in :attr:`queue`. True: only once the
+        consumer took it *and* called :meth:`commit`.
+    max_incoming_packet_bytes : int
+        Largest packet accepted from the broker (:class:`PacketFilter`).
+    """
+
+    def __init__(self, *, queue_size: int, ack_on_commit: bool, max_incoming_packet_bytes: int) -> None:
+        self.max_incoming_packet_bytes = max_incoming_packet_bytes
+        self.queue: asyncio.Queue[Message] = FlowQueue(queue_size, self._took)
+        self.ack_on_commit = ack_on_commit
+        self._unacked: dict[int, tuple[Connection, int, int]] = {}  # id(message in the queue) → its ack
+        self._taken: list[tuple[Connection, int, int]] = []  # taken from the queue, not committed
+        # QoS 1 messages received while the queue was full, not yet acknowledged: (connection, mid, qos,
+        # message); the broker's flow control bounds it, and so does HOLD_FACTOR x queue_size
+        self._held: collections.deque[tuple[Connection, int, int, Message]] = collections.deque()
+        self.held_max = max(64, HOLD_FACTOR * queue_size)
+        self.dropped_total = 0
+        self.held_peak = 0  # most QoS 1 messages held at once, waiting for room in the queue
+        self.oversize_dropped_total = 0
+        self.callback_errors_total = 0
+        self.refused_total = 0  # messages whose handling raised: acknowledged, counted, dropped
+        self.thread_errors_total = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0  # threading.get_ident() of the event loop's thread
+        self._conn: Connection | None = None
+
+    def _handle_disconnect(self, conn: Connection, rc: object, from_broker: bool = False) -> None:
+        """The connection ended (:class:`edgefl.transport.MqttTransport` also logs and reconnects)."""
+        conn.lost.set()
+
+    # --- paho thread side: hop to the loop, never raise -------------------------------------
+    def _thread_error(self, where: str, exc: BaseException) -> None:
+        """Count and log an exception raised in paho's network code or a socket callback (any thread)."""
+        self.thread_errors_total += 1  # one int store under the GIL; read on the loop
+        logger.error("error in the MQTT network loop (%s): %r", where, exc, exc_info=exc)
+
+    def _hop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Schedule ``fn(*args)`` on the event loop (paho's callbacks return at once, outside its locks).
+
+        ``call_soon`` on the loop's own thread, ``call_soon_threadsafe`` from the connect thread.
+        """
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        if threading.get_ident() == self._loop_thread:
+            loop.call_soon(self._guard, fn, *args)
+            return
+        with contextlib.suppress(RuntimeError):  # loop closing during shutdown
+            loop.call_soon_threadsafe(self._guard, fn, *args)
+
+    def _guard(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            self.callback_errors_total += 1
+            logger.exception("error in MQTT callback %s", getattr(fn, "__name__", fn))
+
+    def _guarded(self, name: str, fn: Callable[..., None]) -> Callable[..., None]:
+        """``fn`` as a paho callback: an exception in it is counted and logged (:meth:`_thread_error`)."""
+
+        def cb(*args: Any) -> None:
+            try:
+                fn(*args)
+            except Exception as exc:
+                self._thread_error(name, exc)
+
+        return cb
+
+
+    # --- the network loop, driven by the event loop -----------------------------------------
+    def _drive(self, conn: Connection) -> None:
+        """Watch ``conn``'s connected socket on the event loop (after the blocking connect).
+
+        paho's socket callbacks are set only now, on the loop's thread: before, during the connect,
+        paho wrote the CONNECT itself in the connect thread.
+        """
+        loop = self._loop
+        client = conn.client
+        sock = client.socket()
+        if loop is None or sock is None:
+            self._handle_disconnect(conn, "socket closed during the connect")
+            return
+        conn.sock = sock
+        client.edgefl_drop_sockpair()
+
+        def register_write(client: Any, userdata: Any, sock: Any) -> None:
+            self._flush_soon(conn)  # paho queued a packet (a PUBACK, a PINGREQ...)
+
+        client.on_socket_register_write = self._guarded("on_socket_register_write", register_write)
+        client.on_socket_close = self._guarded("on_socket_close", lambda c, u, s: self._unwatch(conn))
+        loop.add_reader(sock, self._net_read, conn)
+        conn.misc = loop.call_later(MISC_INTERVAL_S, self._net_misc, conn)
+        self._flush(conn)  # whatever the connect could not write (normally nothing)
+
+    def _net_read(self, conn: Connection) -> None:
+        """The socket is readable: take its whole packets (:meth:`BoundedClient.edgefl_take`).
+
+        A PUBLISH goes to the inbox (:meth:`_read_message`), any other packet through paho (its
+        callbacks schedule our handlers); packets are taken until the socket has no more bytes, up to
+        :data:`READS_PER_TURN` a turn.
+        """
+        client = conn.client
+        if conn.paused:
+            return  # a read scheduled before the queue and the hold line filled
+        for _ in range(READS_PER_TURN):
+            if self._room(conn) <= 0:
+                self._pause_reading(conn)
+                return
+            try:
+                got = client.edgefl_take()
+            except Exception as exc:
+                self._net_failed(conn, "read", exc)
+                return
+            if got is False:
+                break  # nothing more waits: the loop watches the socket again
+            if got is True:
+                if conn.sock is None:
+                    return  # the connection ended (on_disconnect is scheduled)
+                continue
+            mid, qos, message = got
+            if message.topic == OVERSIZE_TOPIC:
+                self._handle_oversize(message.payload)
+                self._ack(conn, mid, qos)  # dropped, but its flow-control slot freed
+            else:
+                self._read_message(conn, mid, qos, message)
+        else:
+            if self._loop is not None:
+                self._loop.call_soon(self._net_read, conn)  # more is buffered: the rest next turn
+        if client.edgefl_unsent():
+            self._flush(conn)
+
+    def _flush(self, conn: Connection) -> None:
+        """Write what paho has queued, in one system call; ``add_writer`` while the send buffer is full."""
+        conn.flush_due = False
+        loop, client = self._loop, conn.client
+        if loop is None or conn.sock is None:
+            return
+        if not self._net_step(conn, "write", client.loop_write):
+            return  # closed by the write (a DISCONNECT sent, or the connection lost)
+        if not self._net_step(conn, "write", client.edgefl_send):
+            return
+        sock = conn.sock
+        if client.edgefl_unsent():
+            if not conn.writing:
+                loop.add_writer(sock, self._flush, conn)
+                conn.writing = True
+        elif conn.writing:
+            loop.remove_writer(sock)
+            conn.writing = False
+
+    def _net_misc(self, conn: Connection) -> None:
+        """Every :data:`MISC_INTERVAL_S`: paho's keep-alive (PINGREQ, or the end of a dead link)."""
+        conn.misc = None
+        if conn.sock is None or self._loop is None:
+            return
+        if self._net_step(conn, "keep-alive", conn.client.loop_misc):
+            self._flush(conn)
+            conn.misc = self._loop.call_later(MISC_INTERVAL_S, self._net_misc, conn)
+
+    def _net_step(self, conn: Connection, where: str, step: Callable[[], object]) -> bool:
+        """Run one of paho's network steps; False when the connection ended in it (or it raised)."""
+        try:
+            step()
+        except Exception as exc:
+            self._net_failed(conn, where, exc)
+            return False
+        return conn.sock is not None
+
+    def _net_failed(self, conn: Connection, where: str, exc: Exception) -> None:
+        """The network code raised: count and log it, close the socket, end the connection."""
+        self._thread_error(where, exc)
+        self._release(conn)
+        self._handle_disconnect(conn, f"network loop failed: {exc!r}")
+
+    def _unwatch(self, conn: Connection) -> None:
+        """Stop watching ``conn``'s socket (paho's ``on_socket_close``: before the socket closes)."""
+        loop, sock = self._loop, conn.sock
+        conn.sock = None
+        conn.writing = False
+        if conn.misc is not None:
+            conn.misc.cancel()
+            conn.misc = None
+        if loop is not None and sock is not None and not loop.is_closed():
+            with contextlib.suppress(ValueError, KeyError, OSError):
+                loop.remove_reader(sock)
+                loop.remove_writer(sock)
+
+    def _abandon(self, conn: Connection, connect: asyncio.Future[None]) -> None:
+        """A connect the caller stopped waiting for is over: close whatever it opened."""
+        if not connect.cancelled():
+            connect.exception()  # retrieved (a failed connect opened nothing to close)
+        self._release(conn)
+
+    def _release(self, conn: Connection) -> None:
+        """The connection is over: stop watching its socket and close it if paho has not."""
+        self._unwatch(conn)
+        with contextlib.suppress(Exception):
+            conn.client.edgefl_close()
+
+
+    def _handle_oversize(self, info: bytes) -> None:
+        size, _, topic = info.partition(b"\n")
+        self.oversize_dropped_total += 1
+        logger.warning(
+            "dropped a %s-byte message on %s: over our %d-byte packet limit (not buffered)",
+            size.decode(errors="replace"),
+            topic.decode(errors="replace"),
+            self.max_incoming_packet_bytes,
+        )
+
+    def _flush_soon(self, conn: Connection) -> None:
+        """:meth:`_flush` on the loop's next turn, once for all the packets queued in this one."""
+        if not conn.flush_due and self._loop is not None:
+            conn.flush_due = True
+            self._loop.call_soon(self._flush, conn)
+
+    def _ack(self, conn: Connection, mid: int, qos: int) -> None:
+        """PUBACK ``mid`` on the connection it came on (a new connection's mids are another count).
+
+        Sent with the other packets of this turn of the loop (:meth:`_flush_soon`).
+        """
+        if qos > 0 and not conn.closed:
+            conn.client.ack(mid, qos)
+            self._flush_soon(conn)
+
+    def _read_message(self, conn: Connection, mid: int, qos: int, msg: Message) -> None:
+        """Paho read ``msg`` (its ``on_message``, inside its locks): it waits in ``conn.inbox``.
+
+        The first message of a turn schedules :meth:`_take_inbox`, which takes every message read in
+        that turn: one callback per burst, not one per message.
+        """
+        conn.unhandled += 1  # read, not yet in the queue or the hold line (_room)
+        conn.inbox.append((mid, qos, msg))
+        if len(conn.inbox) == 1:
+            self._hop(self._take_inbox, conn)
+
+    def _take_inbox(self, conn: Connection) -> None:
+        """Take the messages read since the last turn, in order (:meth:`_receive` each)."""
+        inbox = conn.inbox
+        while inbox:
+            mid, qos, msg = inbox.popleft()
+            self._receive(conn, mid, qos, msg)
+
+    def _receive(self, conn: Connection, mid: int, qos: int, msg: Message) -> None:
+        """Take one incoming message (:meth:`_handle_message`); one whose handling raises is refused.
+
+        A refused message is acknowledged, counted (``refused_total``) and logged on one line: left
+        unacknowledged it would hold one of the broker's in-flight slots for the connection's life,
+        and a run of such messages (the broker's window, MQTT 5.0 §4.9) would leave the transport
+        connected but deaf.
+        """
+        try:
+            self._handle_message(conn, mid, qos, msg)
+        except Exception as exc:
+            self.refused_total += 1
+            n = self.refused_total
+            if n <= LOGGED_DROPS or n % 1000 == 0:
+                logger.error(
+                    "refused message on %s (%d bytes): handling failed: %s: %s%s",
+                    msg.topic,
+                    len(msg.payload),
+                    type(exc).__name__,
+                    exc,
+                    f" ({n} refused so far; every 1000th logged)" if n > LOGGED_DROPS else "",
+                )
+            self._unacked.pop(id(msg), None)  # acknowledged here, never again at a commit
+            with contextlib.suppress(Exception):  # a connection closed meanwhile: nothing to ack
+                self._ack(conn, mid, qos)
+
+    def _handle_message(self, conn: Connection, mid: int, qos: int, msg: Message) -> None:
+        conn.unhandled = max(0, conn.unhandled - 1)
+        if not self._held and not self.queue.full():
+            self._enqueue(conn, mid, qos, msg)
+            return
+        if qos > 0 and len(self._held) < self.held_max:
+            self._held.append((conn, mid, qos, msg))  # acknowledged when it moves into the queue
+            self.held_peak = max(self.held_peak, len(self._held))
+            return
+        self.dropped_total += 1
+        self._ack(conn, mid, qos)
+        n = self.dropped_total
+        if n <= LOGGED_DROPS or n % 1000 == 0:  # a flood must not become a flood of log lines
+            logger.warning(
+                "incoming queue full: dropped message on %s (%d bytes)%s",
+                msg.topic,
+                len(msg.payload),
+                f" ({n} dropped so far; every 1000th logged)" if n > LOGGED_DROPS else "",
+            )
+
+    def _enqueue(self, conn: Connection, mid: int, qos: int, msg: Message) -> None:
+        """Put a message in the queue; acknowledge it now, or (``ack_on_commit``) at its commit."""
+        self.queue.put_nowait(msg)
+        if self.ack_on_commit and qos > 0:
+            self._unacked[id(msg)] = (conn, mid, qos)
+        else:
+            self._ack(conn, mid, qos)
+
+    def _took(self, msg: Message) -> None:
+        """The consumer took ``msg``: its ack waits for :meth:`commit`; held messages move in."""
+        ack = self._unacked.pop(id(msg), None)
+        if ack is not None:
+            self._taken.append(ack)
+        self._refill()
+
+    def commit(self) -> None:
+        """Acknowledge every message taken from the queue so far (``ack_on_commit``; else a no-op).
+
+        Call it once what those messages changed is on disk: a message acknowledged is never sent
+        again. One lost with its connection meanwhile is not acknowledged (the broker sends it again
+        on the next connection, from the session).
+        """
+        taken, self._taken = self._taken, []
+        for conn, mid, qos in taken:
+            self._ack(conn, mid, qos)
+
+    def _refill(self) -> None:
+        """Move held QoS 1 messages into the queue while it has room, acknowledging each."""
+        while self._held and not self.queue.full():
+            conn, mid, qos, msg = self._held.popleft()
+            if conn.closed:
+                continue  # unacknowledged on a lost connection: the broker sends it again (session)
+            self._enqueue(conn, mid, qos, msg)
+        live = self._conn
+        if live is not None and live.paused and self._room(live) >= min(READS_PER_TURN, self.held_max // 2):
+            self._resume_reading(live)
+
+    def _room(self, conn: Connection) -> int:
+        """Messages the queue and the hold line can still take, less those read and not yet handled."""
+        if self.queue.maxsize <= 0:
+            return READS_PER_TURN  # an unbounded queue: never full
+        free = self.queue.maxsize - self.queue.qsize() + self.held_max - len(self._held)
+        return free - conn.unhandled
+
+    def _pause_reading(self, conn: Connection) -> None:
+        """Stop reading ``conn``'s socket: the queue and the hold line have no room for another message.
+
+        A broker that ignores our Receive Maximum (mosquitto sends an offline session's whole queue
+        at once) then waits on TCP's flow control instead of having its messages dropped: with
+        paho's own thread the transport read on regardless, and dropped what the hold line could not
+        take. Reading resumes as the consumer takes messages (:meth:`_refill`), once there is room
+        for a turn's packets (or half the hold line).
+        """
+        conn.paused = True
+        if conn.sock is not None and self._loop is not None:
+            self._loop.remove_reader(conn.sock)
+
+    def _resume_reading(self, conn: Connection) -> None:
+        """Watch ``conn``'s socket again, and read now what waits above it (TLS, PacketFilter)."""
+        conn.paused = False
+        if conn.sock is not None and self._loop is not None:
+            self._loop.add_reader(conn.sock, self._net_read, conn)
+            self._loop.call_soon(self._net_read, conn)

@@ -1,0 +1,554 @@
+"""The round messages: the announcement that opens a round and a device's answer (an update or a decline).
+
+Owns :class:`RoundAnnouncement` (``round``, retained), :class:`Update` with its :class:`UpdateMetrics`
+and :class:`Decline` (both on ``update/<device>``, QoS 1), their paired ``encode_x`` / ``decode_x``
+and the bounds of their fields. Field by field: ``docs/protocol.md`` ("RoundAnnouncement", "Update",
+"Decline"); decoding is bounded by :mod:`edgefl.wire.cbor`, update deltas are
+:mod:`edgefl.wire.compression`.
+
+Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+
+from edgefl.errors import DecodeError
+from edgefl.types import F32
+from edgefl.wire.arrays import check_head_shapes
+from edgefl.wire.cbor import (
+    DEFAULT_LIMITS,
+    SCHEMA_VERSION,
+    Limits,
+    MessageType,
+    Scanned,
+    check_keys,
+    dumps,
+    load_message,
+    read_device_id,
+    read_float,
+    read_int,
+    read_signature,
+    read_text,
+)
+from edgefl.wire.compression import (
+    CompressedDelta,
+    Compression,
+    compress_delta,
+    decompress_delta,
+    read_compression,
+)
+from edgefl.wire.reasons import Reason
+
+__all__ = [
+    "MAX_BATCH_SIZE",
+    "MAX_CLIENTS",
+    "MAX_DEADLINE_S",
+    "MAX_LOCAL_EPOCHS",
+    "MAX_LR",
+    "MAX_PROX_MU",
+    "UPDATE_ID_RE",
+    "Decline",
+    "RoundAnnouncement",
+    "Update",
+    "UpdateMetrics",
+    "decode_decline",
+    "decode_round",
+    "decode_update",
+    "encode_decline",
+    "encode_round",
+    "encode_update",
+]
+
+# Bounds on a RoundAnnouncement's training settings: a device must not be told to train for 2^62
+# epochs or with a step that overflows float32 (both were seen to hang or crash an agent).
+MAX_DEADLINE_S: Final = 86_400.0
+MAX_LOCAL_EPOCHS: Final = 1_000
+MAX_LR: Final = 10.0
+MAX_BATCH_SIZE: Final = 65_536
+MAX_CLIENTS: Final = 1_000_000
+MAX_PROX_MU: Final = 1_000.0
+#: Update ids: often "<device>:<round>:<n>" or a UUID, hence the colon and the longer bound.
+UPDATE_ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+_REASON_RE: Final = re.compile(r"[a-z0-9_]{1,32}")
+_DETAIL_RE: Final = re.compile(r"[\x20-\x7e]{0,200}")
+
+
+@dataclass(frozen=True, slots=True)
+class RoundAnnouncement:
+    """A round opened by the coordinator (topic ``round``, retained).
+
+    Parameters
+    ----------
+    round : int
+        Round number, >= 0.
+    base_version : int
+        Global head version the devices must train from.
+    deadline_s : float
+        Seconds from the announcement until updates stop being accepted, > 0.
+    local_epochs : int
+        Local epochs over the device store, >= 1.
+    lr : float
+        SGD learning rate, > 0.
+    batch_size : int
+        Training batch size, >= 1.
+    min_clients : int
+        Updates needed to aggregate, >= 1.
+    selected : tuple[str, ...] or float
+        Device ids asked to train, or the fraction in (0, 1] of devices that should self-select.
+    compression : Compression
+        Delta compression the devices must use.
+    topk_fraction : float
+        Fraction in (0, 1] of entries kept by ``topk``/``topk-int8``.
+    prox_mu : float
+        FedProx proximal coefficient, >= 0 (0 is plain FedAvg). Source: Li et al. 2020, FedProx.
+    signature : bytes
+        Optional signature bytes.
+    """
+
+    round: int
+    base_version: int
+    deadline_s: float
+    local_epochs: int
+    lr: float
+    batch_size: int
+    min_clients: int
+    selected: tuple[str, ...] | float
+    compression: Compression = Compression.NONE
+    topk_fraction: float = 0.1
+    prox_mu: float = 0.0
+    signature: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateMetrics:
+    """Training metrics sent with an update.
+
+    Parameters
+    ----------
+    loss : float
+        Mean training loss of the last local epoch.
+    accuracy : float
+        Training accuracy in [0, 1].
+    train_s : float
+        Wall time of local training, seconds, >= 0.
+    peak_rss_bytes : int
+        Peak resident set size during training, bytes, >= 0.
+    eval_accuracy : float or None
+        Accuracy in [0, 1] of the base head (``base_version``) on the device's holdout, never trained
+        on (federated evaluation). None: no holdout. It travels with the update so the
+        device's status need not be published for it.
+    eval_count : int
+        Holdout samples behind ``eval_accuracy``, >= 1 when it is set.
+    """
+
+    loss: float
+    accuracy: float
+    train_s: float
+    peak_rss_bytes: int
+    eval_accuracy: float | None = None
+    eval_count: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """A device's head update (topic ``update/<device>``).
+
+    Parameters
+    ----------
+    round : int
+        Round this update answers.
+    base_version : int
+        Global head version the delta was computed from.
+    device : str
+        Device id, matching :data:`DEVICE_ID_RE`.
+    num_examples : int
+        Training examples behind the delta (the FedAvg weight), >= 1.
+    delta_W : float32 [D, K]
+        Dense head-weight delta (local - global). Always dense here; ``compression`` only changes
+        the wire, and after decoding it holds what the wire carried.
+    delta_b : float32 [K]
+        Dense bias delta.
+    metrics : UpdateMetrics
+        Training metrics.
+    update_id : str
+        Unique id for de-duplication, ``[A-Za-z0-9_.:-]{1,128}``.
+    compression : Compression
+        How the deltas are encoded on the wire.
+    signature : bytes
+        Optional signature bytes.
+    """
+
+    round: int
+    base_version: int
+    device: str
+    num_examples: int
+    delta_W: F32
+    delta_b: F32
+    metrics: UpdateMetrics
+    update_id: str
+    compression: Compression = Compression.NONE
+    signature: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Decline:
+    """A device's refusal of a round it was asked to train (topic ``update/<device>``, QoS 1).
+
+    Sent instead of an Update when the device cannot answer the round (e.g. the memory governor
+    judged training over budget until the round's deadline drew near), so the coordinator counts and
+    logs the refusal instead of seeing a silent device. Specified in ``docs/protocol.md`` ("Decline").
+
+    Parameters
+    ----------
+    round : int
+        The round refused.
+    base_version : int
+        The round's base version.
+    device : str
+        Sender (must equal the topic's ``<device>``).
+    reason : str
+        A :class:`~edgefl.wire.reasons.Reason` value, ``[a-z0-9_]{1,32}`` (e.g. ``over_budget``).
+    detail : str
+        Human-readable explanation, at most 200 printable ASCII characters (longer ones are cut).
+    update_id : str
+        De-duplication id, ``<device>:<round>:<base_version>:declined``.
+    signature : bytes
+        Ed25519 signature (signed like an Update, kind ``decline``), or empty.
+    """
+
+    round: int
+    base_version: int
+    device: str
+    reason: str
+    detail: str
+    update_id: str
+    signature: bytes = b""
+
+
+
+def encode_round(msg: RoundAnnouncement) -> bytes:
+    """Encode a :class:`RoundAnnouncement`.
+
+    Parameters
+    ----------
+    msg : RoundAnnouncement
+        The round.
+
+    Returns
+    -------
+    bytes
+        ``{"v", "type": "round", "round", "base_version", "deadline_s", "local_epochs", "lr",
+        "batch_size", "min_clients", "selected", "compression", "topk_fraction", "prox_mu",
+        "signature"}``; ``selected`` is an array of device ids or a float fraction.
+    """
+    selected: object = (
+        float(msg.selected) if isinstance(msg.selected, int | float) else [str(d) for d in msg.selected]
+    )
+    return dumps(
+        {
+            "v": SCHEMA_VERSION,
+            "type": MessageType.ROUND.value,
+            "round": int(msg.round),
+            "base_version": int(msg.base_version),
+            "deadline_s": float(msg.deadline_s),
+            "local_epochs": int(msg.local_epochs),
+            "lr": float(msg.lr),
+            "batch_size": int(msg.batch_size),
+            "min_clients": int(msg.min_clients),
+            "selected": selected,
+            "compression": Compression(msg.compression).value,
+            "topk_fraction": float(msg.topk_fraction),
+            "prox_mu": float(msg.prox_mu),
+            "signature": bytes(msg.signature),
+        }
+    )
+
+
+def decode_round(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> RoundAnnouncement:
+    """Decode and validate a :class:`RoundAnnouncement`.
+
+    Parameters
+    ----------
+    payload : bytes
+        The MQTT payload.
+    limits : Limits
+        Decoding bounds.
+
+    Returns
+    -------
+    RoundAnnouncement
+        Keys with a dataclass default (``compression``, ``topk_fraction``, ``prox_mu``,
+        ``signature``) may be absent on the wire and take that default.
+
+    Raises
+    ------
+    DecodeError
+        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for out-of-range
+        numbers, a duplicate or invalid device id in ``selected``.
+    """
+    obj = load_message(payload, limits, MessageType.ROUND)
+    required = (
+        "v",
+        "type",
+        "round",
+        "base_version",
+        "deadline_s",
+        "local_epochs",
+        "lr",
+        "batch_size",
+        "min_clients",
+        "selected",
+    )
+    check_keys(obj, "", required, ("compression", "topk_fraction", "prox_mu", "signature"))
+    raw_selected = obj["selected"]
+    selected: tuple[str, ...] | float
+    if isinstance(raw_selected, list):
+        selected = tuple(read_device_id(device, f"selected[{i}]") for i, device in enumerate(raw_selected))
+        if len(set(selected)) != len(selected):
+            raise DecodeError(Reason.BAD_VALUE, "selected: duplicate device ids")
+    else:
+        selected = read_float(obj, "selected", "", 0.0, 1.0, lo_open=True)
+    return RoundAnnouncement(
+        round=read_int(obj, "round", ""),
+        base_version=read_int(obj, "base_version", ""),
+        deadline_s=read_float(obj, "deadline_s", "", 0.0, MAX_DEADLINE_S, lo_open=True),
+        local_epochs=read_int(obj, "local_epochs", "", 1, MAX_LOCAL_EPOCHS),
+        lr=read_float(obj, "lr", "", 0.0, MAX_LR, lo_open=True),
+        batch_size=read_int(obj, "batch_size", "", 1, MAX_BATCH_SIZE),
+        min_clients=read_int(obj, "min_clients", "", 1, MAX_CLIENTS),
+        selected=selected,
+        compression=read_compression(obj, "compression") if "compression" in obj else Compression.NONE,
+        topk_fraction=(
+            read_float(obj, "topk_fraction", "", 0.0, 1.0, lo_open=True) if "topk_fraction" in obj else 0.1
+        ),
+        prox_mu=read_float(obj, "prox_mu", "", 0.0, MAX_PROX_MU) if "prox_mu" in obj else 0.0,
+        signature=read_signature(obj, limits),
+    )
+
+
+def encode_update(
+    msg: Update,
+    *,
+    rng: np.random.Generator | None = None,
+    topk_fraction: float = 0.1,
+    compressed: CompressedDelta | None = None,
+) -> bytes:
+    """Encode an :class:`Update`, compressing its deltas per ``msg.compression`` (or taking them compressed).
+
+    Parameters
+    ----------
+    msg : Update
+        delta_W float32 [D, K], delta_b float32 [K], finite.
+    rng : numpy.random.Generator, optional
+        Stochastic rounding for int8 layouts (W is compressed before b).
+    topk_fraction : float
+        Fraction kept by ``topk``/``topk-int8`` (the round's ``topk_fraction``).
+    compressed : CompressedDelta, optional
+        The deltas already compressed (by error feedback, :func:`compress_head_delta`): written as
+        they are, so compression runs once; ``rng`` and ``topk_fraction`` are then unused and
+        ``msg.delta_W``/``msg.delta_b`` are not read. The result is byte for byte what encoding
+        the same dense deltas here gives.
+
+    Returns
+    -------
+    bytes
+        ``{"v", "type": "update", "round", "base_version", "device", "num_examples",
+        "compression", "delta": {"W": sub-map, "b": sub-map}, "metrics": {"loss", "accuracy",
+        "train_s", "peak_rss_bytes" [, "eval_accuracy", "eval_count"]}, "update_id", "signature"}``.
+
+    Raises
+    ------
+    ValueError
+        As :func:`edgefl.wire.compression.compress_delta` (non-finite delta, bad fraction), or
+        ``compressed`` is in another layout than ``msg.compression``.
+    """
+    mode = Compression(msg.compression)
+    if compressed is None:  # W before b: the order stochastic rounding draws in (as compress_head_delta)
+        sub_W = compress_delta(msg.delta_W, mode, topk_fraction=topk_fraction, rng=rng)
+        sub_b = compress_delta(msg.delta_b, mode, topk_fraction=topk_fraction, rng=rng)
+    elif compressed.compression is not mode:
+        raise ValueError(f"compressed delta is {compressed.compression.value}, the update says {mode.value}")
+    else:
+        sub_W, sub_b = compressed.W, compressed.b
+    delta = {"W": sub_W, "b": sub_b}
+    evaluation: dict[str, object] = {}
+    if msg.metrics.eval_accuracy is not None:
+        evaluation = {
+            "eval_accuracy": float(msg.metrics.eval_accuracy),
+            "eval_count": int(msg.metrics.eval_count),
+        }
+    return dumps(
+        {
+            "v": SCHEMA_VERSION,
+            "type": MessageType.UPDATE.value,
+            "round": int(msg.round),
+            "base_version": int(msg.base_version),
+            "device": msg.device,
+            "num_examples": int(msg.num_examples),
+            "compression": mode.value,
+            "delta": delta,
+            "metrics": {
+                "loss": float(msg.metrics.loss),
+                "accuracy": float(msg.metrics.accuracy),
+                "train_s": float(msg.metrics.train_s),
+                "peak_rss_bytes": int(msg.metrics.peak_rss_bytes),
+                **evaluation,
+            },
+            "update_id": msg.update_id,
+            "signature": bytes(msg.signature),
+        }
+    )
+
+
+def decode_update(
+    payload: bytes | Scanned, *, limits: Limits = DEFAULT_LIMITS, expect_shape: tuple[int, int] | None = None
+) -> Update:
+    """Decode and validate an :class:`Update`, decompressing its deltas to dense float32.
+
+    Parameters
+    ----------
+    payload : bytes or Scanned
+        The MQTT payload, or what :func:`edgefl.wire.cbor.scan` made of it (not scanned again).
+    limits : Limits
+        Decoding bounds.
+    expect_shape : tuple[int, int], optional
+        (D, K) of the global head; delta W must be [D, K] and b [K]. Without it, W must be 2-D and
+        b [W.shape[1]].
+
+    Returns
+    -------
+    Update
+        Dense float32 deltas (writable, owned), ``compression`` as sent.
+
+    Raises
+    ------
+    DecodeError
+        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for ``num_examples < 1``,
+        accuracy outside [0, 1], negative ``train_s``/``peak_rss_bytes``, invalid ids.
+    """
+    obj = load_message(payload, limits, MessageType.UPDATE)
+    required = (
+        "v",
+        "type",
+        "round",
+        "base_version",
+        "device",
+        "num_examples",
+        "compression",
+        "delta",
+        "metrics",
+        "update_id",
+    )
+    check_keys(obj, "", required, ("signature",))
+    mode = read_compression(obj, "compression")
+    delta = check_keys(obj["delta"], "delta", ("W", "b"))
+    want_w = tuple(expect_shape) if expect_shape is not None else None
+    delta_w = decompress_delta(delta["W"], want_w, limits=limits, compression=mode, name="delta.W")
+    want_b = (expect_shape[1],) if expect_shape is not None else None
+    delta_b = decompress_delta(delta["b"], want_b, limits=limits, compression=mode, name="delta.b")
+    check_head_shapes(delta_w, delta_b, "delta", expect_shape)
+    metrics = check_keys(
+        obj["metrics"],
+        "metrics",
+        ("loss", "accuracy", "train_s", "peak_rss_bytes"),
+        ("eval_accuracy", "eval_count"),
+    )
+    eval_accuracy: float | None = None
+    eval_count = 0
+    if "eval_accuracy" in metrics or "eval_count" in metrics:
+        if not ("eval_accuracy" in metrics and "eval_count" in metrics):
+            raise DecodeError(Reason.MISSING_KEY, "metrics: eval_accuracy and eval_count go together")
+        eval_accuracy = read_float(metrics, "eval_accuracy", "metrics", 0.0, 1.0)
+        eval_count = read_int(metrics, "eval_count", "metrics", 1)
+    return Update(
+        round=read_int(obj, "round", ""),
+        base_version=read_int(obj, "base_version", ""),
+        device=read_device_id(obj["device"], "device"),
+        num_examples=read_int(obj, "num_examples", "", 1),
+        delta_W=delta_w,
+        delta_b=delta_b,
+        metrics=UpdateMetrics(
+            loss=read_float(metrics, "loss", "metrics"),
+            accuracy=read_float(metrics, "accuracy", "metrics", 0.0, 1.0),
+            train_s=read_float(metrics, "train_s", "metrics", 0.0),
+            peak_rss_bytes=read_int(metrics, "peak_rss_bytes", "metrics"),
+            eval_accuracy=eval_accuracy,
+            eval_count=eval_count,
+        ),
+        update_id=read_text(obj, "update_id", "", UPDATE_ID_RE),
+        compression=mode,
+        signature=read_signature(obj, limits),
+    )
+
+
+def encode_decline(msg: Decline) -> bytes:
+    """Encode a :class:`Decline`.
+
+    Parameters
+    ----------
+    msg : Decline
+        ``detail`` is written as printable ASCII (anything else becomes ``?``), cut to 200 characters.
+
+    Returns
+    -------
+    bytes
+        ``{"v", "type": "decline", "round", "base_version", "device", "reason", "detail",
+        "update_id", "signature"}``.
+    """
+    detail = "".join(c if " " <= c <= "~" else "?" for c in msg.detail)[:200]
+    return dumps(
+        {
+            "v": SCHEMA_VERSION,
+            "type": MessageType.DECLINE.value,
+            "round": int(msg.round),
+            "base_version": int(msg.base_version),
+            "device": msg.device,
+            "reason": str(msg.reason),
+            "detail": detail,
+            "update_id": msg.update_id,
+            "signature": bytes(msg.signature),
+        }
+    )
+
+
+def decode_decline(payload: bytes | Scanned, *, limits: Limits = DEFAULT_LIMITS) -> Decline:
+    """Decode and validate a :class:`Decline`.
+
+    Parameters
+    ----------
+    payload : bytes or Scanned
+        The MQTT payload, or what :func:`edgefl.wire.cbor.scan` made of it (not scanned again).
+    limits : Limits
+        Decoding bounds.
+
+    Returns
+    -------
+    Decline
+
+    Raises
+    ------
+    DecodeError
+        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for a reason, detail or
+        update id outside its pattern.
+    """
+    obj = load_message(payload, limits, MessageType.DECLINE)
+    check_keys(
+        obj,
+        "",
+        ("v", "type", "round", "base_version", "device", "reason", "detail", "update_id"),
+        ("signature",),
+    )
+    return Decline(
+        round=read_int(obj, "round", ""),
+        base_version=read_int(obj, "base_version", ""),
+        device=read_device_id(obj["device"], "device"),
+        reason=read_text(obj, "reason", "", _REASON_RE),
+        detail=read_text(obj, "detail", "", _DETAIL_RE),
+        update_id=read_text(obj, "update_id", "", UPDATE_ID_RE),
+        signature=read_signature(obj, limits),
+    )
