@@ -76,9 +76,9 @@ import numpy.typing as npt
 
 from bench import poison
 from bench.learning import STATE_ROOT, digits_embeddings
-from edgefl.agent import memory
 from edgefl.agent.config import load_profile
 from edgefl.agent.core import DeviceCore
+from edgefl.agent.governor import Governor
 from edgefl.agent.round import RoundStatus
 from edgefl.coordinator.profile import CoordinatorProfile
 from edgefl.coordinator.robust import trimmed_mean
@@ -395,7 +395,7 @@ def candidates(sets: Mapping[str, object] | None = None) -> list[Rule]:
 
 
 # --- the new-class run ------------------------------------------------------------------------------
-def _device(name: str, seed: int, root: Path, W0: F32, b0: F32, gov: memory.Governor) -> DeviceCore:
+def _device(name: str, seed: int, root: Path, W0: F32, b0: F32, gov: Governor) -> DeviceCore:
     profile = load_profile(
         DEVICE_PROFILE,
         {
@@ -454,7 +454,7 @@ def new_class_run(
     D, K = (int(n) for n in W.shape)
     pos = [0] * N_DEVICES
     acc_new: list[float] = []
-    gov = memory.Governor(4096 << 20, 0, 0)
+    gov = Governor(4096 << 20, 0, 0)
     with tempfile.TemporaryDirectory(dir=STATE_ROOT) as tmp:
         cores = [
             _device(f"dev{i}", seed * 100_000 + i * 1000, Path(tmp), W0, b0, gov) for i in range(N_DEVICES)
