@@ -104,9 +104,17 @@ def test_loud_auth_refused_credentials_say_so_503_then_exit_5(
         dashboard__enabled="true",
     )
     agents.append(good)
-    wait_until(lambda: get(f"http://127.0.0.1:{port2}/healthz") == (200, "ok\n"), 60, "dev-g healthy")
-    status = json.loads(get(f"http://127.0.0.1:{port2}/api/status")[1])["status"]
-    assert (status["broker"], status["health"]) == ("connected", "ok")
+    good_status: dict[str, object] = {}
+
+    def connected() -> bool:
+        code, body = get(f"http://127.0.0.1:{port2}/api/status")
+        if code == 200:
+            good_status.update(json.loads(body)["status"])
+        return good_status.get("broker") == "connected"
+
+    wait_until(connected, 60, "dev-g connected")
+    assert good_status["health"] == "ok"
+    assert get(f"http://127.0.0.1:{port2}/healthz") == (200, "ok\n")
 
 
 def test_loud_dashboard_port_in_use_is_a_clean_startup_error(

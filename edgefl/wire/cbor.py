@@ -316,9 +316,10 @@ def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
     size = len(data)
     pos = 0
     items = 0
-    remaining: list[int] = []  # children still expected by each open container
-    in_map: list[bool] = []
-    keys: list[set[bytes]] = []  # text keys seen in each open container (maps only)
+    max_items, max_depth = limits.max_items, limits.max_depth
+    max_string, max_elements = limits.max_string_bytes, limits.max_array_elements
+    left: list[int] = []  # children still expected by each open container
+    keysets: list[set[bytes] | None] = []  # text keys seen in each open map (None: an array or a tag)
     while True:
         if pos >= size:
             raise DecodeError(Reason.BAD_CBOR, f"truncated at byte {pos}")
@@ -339,66 +340,75 @@ def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
         else:
             raise DecodeError(Reason.BAD_CBOR, f"reserved additional information at byte {pos - 1}")
         items += 1
-        if items > limits.max_items:
-            raise DecodeError(Reason.TOO_LARGE, f"more than {limits.max_items} data items")
-        is_key = bool(in_map) and in_map[-1] and remaining[-1] % 2 == 0
-        if len(remaining) == 1 and in_map[0] and not is_key:
-            # (a key that is not UTF-8 is refused by cbor2 later; here it only must not raise)
-            if major == 0:
-                found[top_key.decode("utf-8", "replace")] = arg
-            elif major == 3 and arg <= min(size - pos, limits.max_string_bytes):
-                text = data[pos : pos + arg].decode("utf-8", "replace")
-                found[top_key.decode("utf-8", "replace")] = text
-        if is_key and major != 3:
-            raise DecodeError(Reason.WRONG_TYPE, f"map key at byte {pos - 1} is not a text string")
-        children = 0
-        if major in (2, 3):
+        if items > max_items:
+            raise DecodeError(Reason.TOO_LARGE, f"more than {max_items} data items")
+        if left:
+            keys = keysets[-1]
+            if keys is not None and not left[-1] & 1:  # a map key: an even count of children left
+                if major != 3:
+                    raise DecodeError(Reason.WRONG_TYPE, f"map key at byte {pos - 1} is not a text string")
+                if arg > size - pos:
+                    raise DecodeError(
+                        Reason.BAD_CBOR, f"string of {arg} bytes at byte {pos - 1} runs past the end"
+                    )
+                if arg > max_string:
+                    raise DecodeError(Reason.BAD_VALUE, f"text string of {arg} bytes > {max_string}")
+                key = data[pos : pos + arg]
+                if key in keys:  # checked here, not by cbor2: cbor2 5.x has no allow_duplicate_keys
+                    raise DecodeError(
+                        Reason.BAD_CBOR, f"duplicate map key {show(key.decode('utf-8', 'replace'))}"
+                    )
+                keys.add(key)
+                if len(left) == 1:
+                    top_key = key
+                pos += arg
+                left[-1] -= 1  # a key never completes its map
+                continue
+            if keys is not None and len(left) == 1:
+                # a value of the top-level map (a key that is not UTF-8 is refused by cbor2 later;
+                # here it only must not raise)
+                if major == 0:
+                    found[top_key.decode("utf-8", "replace")] = arg
+                elif major == 3 and arg <= min(size - pos, max_string):
+                    text = data[pos : pos + arg].decode("utf-8", "replace")
+                    found[top_key.decode("utf-8", "replace")] = text
+        if major == 2 or major == 3:
             if arg > size - pos:
                 raise DecodeError(
                     Reason.BAD_CBOR, f"string of {arg} bytes at byte {pos - 1} runs past the end"
                 )
-            if major == 3 and arg > limits.max_string_bytes:
-                raise DecodeError(Reason.BAD_VALUE, f"text string of {arg} bytes > {limits.max_string_bytes}")
-            if is_key:  # checked here, not by cbor2: cbor2 5.x has no allow_duplicate_keys
-                key = data[pos : pos + arg]
-                if key in keys[-1]:
-                    raise DecodeError(
-                        Reason.BAD_CBOR, f"duplicate map key {show(key.decode('utf-8', 'replace'))}"
-                    )
-                keys[-1].add(key)
-                if len(remaining) == 1:
-                    top_key = key
+            if major == 3 and arg > max_string:
+                raise DecodeError(Reason.BAD_VALUE, f"text string of {arg} bytes > {max_string}")
             pos += arg
-        elif major in (4, 5):
-            if arg > limits.max_array_elements:
-                raise DecodeError(
-                    Reason.TOO_LARGE, f"container of {arg} elements > {limits.max_array_elements}"
-                )
+        elif major == 4 or major == 5:
+            if arg > max_elements:
+                raise DecodeError(Reason.TOO_LARGE, f"container of {arg} elements > {max_elements}")
             children = arg if major == 4 else 2 * arg
             if children > size - pos:  # every child takes at least one byte
                 raise DecodeError(Reason.BAD_CBOR, f"container of {arg} elements runs past the end")
+            if len(left) + 1 > max_depth:
+                raise DecodeError(Reason.TOO_DEEP, f"nesting deeper than {max_depth}")
+            if children:
+                left.append(children)
+                keysets.append(set() if major == 5 else None)
+                continue
         elif major == 6:
             if arg not in ALLOWED_TAGS:
                 raise DecodeError(Reason.BAD_CBOR, f"unsupported tag {arg}")
-            children = 1
+            if len(left) + 1 > max_depth:
+                raise DecodeError(Reason.TOO_DEEP, f"nesting deeper than {max_depth}")
+            left.append(1)
+            keysets.append(None)
+            continue
         elif major == 7 and info not in (20, 21, 22, 25, 26, 27):  # false, true, null, floats
             raise DecodeError(Reason.BAD_CBOR, f"unsupported simple value at byte {pos - 1}")
-        if major in (4, 5, 6):
-            if len(remaining) + 1 > limits.max_depth:
-                raise DecodeError(Reason.TOO_DEEP, f"nesting deeper than {limits.max_depth}")
-            if children:
-                remaining.append(children)
-                in_map.append(major == 5)
-                keys.append(set())
-                continue
         # one item is complete: close every container it completes
-        while remaining:
-            remaining[-1] -= 1
-            if remaining[-1]:
+        while left:
+            left[-1] -= 1
+            if left[-1]:
                 break
-            remaining.pop()
-            in_map.pop()
-            keys.pop()
+            left.pop()
+            keysets.pop()
         else:
             break
     if pos != size:

@@ -590,13 +590,13 @@ def _signed_header(found: Mapping[str, int | str]) -> _Signed:
         raise DecodeError(Reason.BAD_VERSION, "v: missing or not an unsigned integer")
     if type(kind) is not str:
         raise DecodeError(Reason.MISSING_KEY, "type")
-    version_key = SIGNED_KINDS.get(MessageType(kind)) if kind in set(MessageType) else None
+    version_key = SIGNED_KINDS.get(kind)  # type: ignore[call-overload]  # a StrEnum key: text finds it
     if version_key is None:
         raise DecodeError(Reason.WRONG_TYPE, f"type = {kind[:40]!r}: not a signed message type")
     round_, version = found.get("round"), found.get(version_key)
     if type(round_) is not int or type(version) is not int:
         raise DecodeError(Reason.MISSING_KEY, f"round or {version_key}: missing or not unsigned integers")
-    sender_key = _SENDER_KEYS.get(MessageType(kind))
+    sender_key = _SENDER_KEYS.get(kind)  # type: ignore[call-overload]
     device = found.get(sender_key, "") if sender_key is not None else ""
     return _Signed(schema, kind, round_, version, device if type(device) is str else "")
 
