@@ -244,7 +244,8 @@ class PersonalHeads(DeviceState):
         Pulls the personal head (the global head's copy the first time) toward the current global
         head with ``personal.prox_lambda`` over ``personal.epochs`` passes of the store (0: the
         round's ``local_epochs``) at ``personal.lr_scale`` times the round's ``lr``, the columns of
-        classes never labelled here tied to the global head
+        classes never labelled here tied to the global head and their logits scaled by
+        ``personal.absent_alpha`` in the loss (FedRS's restricted softmax)
         (:func:`edgefl.agent.trainer.train_personal`); phase ``personal``, admitted by the governor
         as one head plus its gradient beside the chunk buffers. Then the head is written
         (:data:`PERSONAL_FILE`) and both heads are evaluated on the holdout (:meth:`evaluate`: a
@@ -290,6 +291,7 @@ class PersonalHeads(DeviceState):
                 lam=cfg.prox_lambda,
                 epochs=cfg.epochs or ann.local_epochs,
                 lr=cfg.lr_scale * ann.lr,
+                absent_alpha=cfg.absent_alpha,
                 batch_size=ann.batch_size,
                 chunk_size=adm.work,
                 seed=tcfg.seed + ann.round + PERSONAL_SEED_OFFSET,
