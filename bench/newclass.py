@@ -76,9 +76,9 @@ import numpy.typing as npt
 
 from bench import poison
 from bench.learning import STATE_ROOT, digits_embeddings
-from edgefl.agent import memory
 from edgefl.agent.config import load_profile
 from edgefl.agent.core import DeviceCore
+from edgefl.agent.governor import Governor
 from edgefl.agent.round import RoundStatus
 from edgefl.coordinator.profile import CoordinatorProfile
 from edgefl.coordinator.robust import trimmed_mean
@@ -257,7 +257,7 @@ class Candidate(Strategy):
     def __init__(self, rule: Callable[[Candidate, F64], F64], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.rule = rule
-        self.memory: dict[str, Any] = {}
+        self.carried: dict[str, Any] = {}
         self._kept: list[F64] = []
 
     def _begin(self, shape: tuple[int, int]) -> None:
@@ -283,7 +283,7 @@ def cc_trimmed(factor: float) -> Callable[[Candidate, F64], F64]:
 
     def rule(s: Candidate, x: F64) -> F64:
         c = _trimmed(s, x)
-        hist = s.memory.setdefault("tau", DeviationHistory(factor))
+        hist = s.carried.setdefault("tau", DeviationHistory(factor))
         return centered_clip(x, c, hist.tau(np.linalg.norm(x - c, axis=1)))
 
     return rule
@@ -293,10 +293,10 @@ def cc_momentum(factor: float, beta: float) -> Callable[[Candidate, F64], F64]:
     """Centered clipping around the previous aggregate times ``beta`` (server momentum)."""
 
     def rule(s: Candidate, x: F64) -> F64:
-        v = beta * s.memory.get("v", np.zeros(x.shape[1]))
-        hist = s.memory.setdefault("tau", DeviationHistory(factor))
+        v = beta * s.carried.get("v", np.zeros(x.shape[1]))
+        hist = s.carried.setdefault("tau", DeviationHistory(factor))
         v = centered_clip(x, v, hist.tau(np.linalg.norm(x - v, axis=1)))
-        s.memory["v"] = v
+        s.carried["v"] = v
         return v
 
     return rule
@@ -395,7 +395,7 @@ def candidates(sets: Mapping[str, object] | None = None) -> list[Rule]:
 
 
 # --- the new-class run ------------------------------------------------------------------------------
-def _device(name: str, seed: int, root: Path, W0: F32, b0: F32, gov: memory.Governor) -> DeviceCore:
+def _device(name: str, seed: int, root: Path, W0: F32, b0: F32, gov: Governor) -> DeviceCore:
     profile = load_profile(
         DEVICE_PROFILE,
         {
@@ -454,7 +454,7 @@ def new_class_run(
     D, K = (int(n) for n in W.shape)
     pos = [0] * N_DEVICES
     acc_new: list[float] = []
-    gov = memory.Governor(4096 << 20, 0, 0)
+    gov = Governor(4096 << 20, 0, 0)
     with tempfile.TemporaryDirectory(dir=STATE_ROOT) as tmp:
         cores = [
             _device(f"dev{i}", seed * 100_000 + i * 1000, Path(tmp), W0, b0, gov) for i in range(N_DEVICES)
