@@ -249,7 +249,8 @@ class Candidate(Strategy):
     """A candidate rule behind the shipped ``Strategy`` interface (checks, norm bound, ``min_updates``).
 
     The round's norm-bounded updates are kept (O(n model)) and ``rule(self, X)`` combines them,
-    ``X`` float64 ``[n, D K + K]``; the FedAvg family's ``min_updates`` (5 for tolerate 1).
+    ``X`` float64 ``[n, D K + K]``; the FedAvg family's ``min_updates`` (5 for tolerate 1). A rule
+    keeps what it needs from round to round (momentum, deviation history) in ``carried``.
     """
 
     name = "candidate"
