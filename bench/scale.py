@@ -88,7 +88,8 @@ import numpy as np
 from bench.cluster import Cluster, wait_port
 from edgefl.coordinator.bridge import bridge_config
 from edgefl.launcher import free_port
-from edgefl.mqtt_link import Message, remaining_length
+from edgefl.mqtt_link import Message
+from edgefl.mqtt_socket import remaining_length
 from edgefl.resources import shipped
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics

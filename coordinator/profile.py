@@ -59,19 +59,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-STRATEGIES: Final = (
-    "fedavg",
-    "fedprox",
-    "fedavgm",
-    "fedadam",
-    "fedyogi",
-    "median",
-    "trimmed-mean",
-    "fedbuff",
-)
 #: The strategies the DP wrapper takes (the FedAvg family: a weighted mean whose sensitivity is bounded).
 DP_WRAPS: Final = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi")
-COMPRESSIONS: Final = ("none", "float16", "int8", "topk", "topk-int8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,9 +299,6 @@ class FilesConfig:
     state: Path | None = None
     log: Path | None = None
     json: Path | None = None
-
-
-ROLES: Final = ("flat", "site", "root")
 
 
 @dataclass(frozen=True, slots=True)
