@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 
-from edgefl.agent import memory
+from edgefl.agent import heap
 from edgefl.agent.core import ApplyStatus
 from edgefl.agent.ingest import LOGGED_REFUSALS
 from edgefl.agent.round import RoundResult, RoundStatus
@@ -58,7 +58,7 @@ class RoundTask(SampleSource):
         one round or global message (:meth:`handle`). With nothing in hand the last trained round's
         personal step runs, then the status may be checked (``_status_go``), and once no message
         came for :data:`IDLE_GRACE_S` after a trained round, freed heap goes back to the kernel
-        (``malloc_trim``).
+        (``malloc_trim``), and the library pages it mapped (``release_file_pages``).
         """
         while True:
             if self._control.empty() and not self._round_asks and not self._retry_due():
@@ -79,7 +79,9 @@ class RoundTask(SampleSource):
                 elif not await wait_event(self._round_wake, wait_s):
                     if self._trim_wanted and time.monotonic() - idle_since >= IDLE_GRACE_S:
                         self._trim_wanted = False
-                        await self._work(memory.malloc_trim)
+                        await self._work(heap.malloc_trim)
+                        # and the code and constants the round faulted in and may not run again
+                        await self._work(heap.release_file_pages)
                     continue
             if not self._status_connected:
                 self._status_go.clear()  # a round's status changes are checked once it is handled

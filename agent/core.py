@@ -34,9 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefl.agent import memory
+from edgefl.agent import estimates, heap
 from edgefl.agent.config import Profile
 from edgefl.agent.feedback import ErrorFeedback
+from edgefl.agent.governor import Admission, Governor
 from edgefl.agent.outbox import Outbox
 from edgefl.agent.personal import Evaluation, holdout_capacity
 from edgefl.agent.pipeline import Pipeline, choose
@@ -153,7 +154,7 @@ def check_model_fits(profile: Profile, backbone: Backbone) -> None:
     src = profile.source
     if src.kind == "replay" and src.path is not None:
         try:  # the header only: the samples are loaded once admitted (the daemon's replay)
-            shape = memory.npz_headers(src.path)["x"][0][1:]
+            shape = estimates.npz_headers(src.path)["x"][0][1:]
         except (KeyError, ValueError) as exc:
             raise ModelError(
                 str(profile.model.path), f"source.path {src.path}: no sample array x ({exc})"
@@ -210,7 +211,7 @@ class DeviceCore(RoundAnswering):
         model_sha256: str,
         *,
         pipeline: Pipeline | None = None,
-        governor: memory.Governor | None = None,
+        governor: Governor | None = None,
         state_dir: Path | None = None,
         store_capacity: int | None = None,
         phase: PhaseHook | None = None,
@@ -224,7 +225,7 @@ class DeviceCore(RoundAnswering):
         self.state_dir = Path(state_dir if state_dir is not None else profile.device.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         mem = profile.memory
-        self.governor = governor or memory.Governor(
+        self.governor = governor or Governor(
             profile.cap_bytes, mem.reserve_mb << 20, mem.min_system_available_mb << 20
         )
         self._phase: PhaseHook = phase or self.governor.phase
@@ -258,9 +259,11 @@ class DeviceCore(RoundAnswering):
             else None
         )
         self._labelled = len(self.store) + (len(self.holdout) if self.holdout is not None else 0)
-        self.new_samples = len(self.store)
+        self.new_samples = self.store.since_mark
         """Labelled samples stored since this device last trained for a round (the status's
-        ``new_samples``, which paces the coordinator's rounds); after a restart, the whole store."""
+        ``new_samples``, which paces the coordinator's rounds); after a restart, those the store holds
+        after the mark its last round left (kept with the store's next flush: a crash within the flush
+        window counts the samples of that round again; a store without a mark counts all it holds)."""
         self.evaluation: Evaluation | None = None
         self.personal: Head | None = None
         """The personal head (None until the first personal step; :meth:`personalise`)."""
@@ -290,14 +293,14 @@ class DeviceCore(RoundAnswering):
         """Rounds refused to the coordinator with a Decline message."""
         self._declines: list[RoundResult] = []  # declines of superseded deferred rounds, to send
         self._load_residual()
-        self.shapes = memory.model_shapes(pipeline.backbone) if pipeline is not None else None
+        self.shapes = estimates.model_shapes(pipeline.backbone) if pipeline is not None else None
 
     @classmethod
     def open(
         cls,
         profile: Profile,
         *,
-        governor: memory.Governor | None = None,
+        governor: Governor | None = None,
         state_dir: Path | None = None,
         store_capacity: int | None = None,
         phase: PhaseHook | None = None,
@@ -392,13 +395,15 @@ class DeviceCore(RoundAnswering):
         classes, scores = head.scores(emb)
         return Classified(emb, classes, head.version, scores=scores, head=kind)
 
-    def _admit_inference(self, pipeline: Pipeline, shapes: memory.ModelShapes, n: int) -> int:
+    def _admit_inference(self, pipeline: Pipeline, shapes: estimates.ModelShapes, n: int) -> int:
         """The governor's grant for ``n`` samples: rows per invoke, the pipeline's batch set to fit.
 
         A batch the governor shrinks becomes the pipeline's tensor batch (the arena is sized by the
         largest batch ever allocated, so it is shrunk before a large call, never after); once the
-        profile's batch fits again it is restored. Work judged over budget even at one sample is
-        not run: free heap is returned to the kernel and the request asked again once, then refused.
+        profile's batch fits again it is restored. A batch that would grow the arena into the
+        room of the smallest training run (``training.chunk_floor``) is shrunk. Work judged over
+        budget even at one sample is not run: free heap is returned to the kernel and the request
+        asked again once, then refused.
 
         Raises
         ------
@@ -406,14 +411,31 @@ class DeviceCore(RoundAnswering):
             If one sample is still over budget (nothing was run; the governor counted a deferral).
         """
         gov = self.governor
+        cfg = self.profile.training
+        # a grown arena stays: it must leave the smallest training run room under cap - reserve
+        train_floor = estimates.estimate_train_bytes(
+            cfg.chunk_floor,
+            shapes.embedding_dim,
+            shapes.classes,
+            cfg.chunk_floor,
+            max(1, len(self.store)),
+            first_run=gov.phase_counts.get("train", 0) == 0,
+            resident_rows=self.store.resident_rows,
+        )
 
-        def ask() -> memory.Admission:
-            return gov.admit_inference(shapes, n, resident_batch=pipeline.allocated_batch, prep=pipeline.mode)
+        def ask() -> Admission:
+            return gov.admit_inference(
+                shapes,
+                n,
+                resident_batch=pipeline.allocated_batch,
+                prep=pipeline.mode,
+                keep_bytes=train_floor,
+            )
 
         adm = ask()
         if adm.deferred:
             gc.collect()
-            memory.malloc_trim()
+            heap.malloc_trim()
             adm = ask()
             if adm.deferred:
                 raise BudgetExceeded("inference", adm.estimate_bytes, max(0, adm.budget_bytes))

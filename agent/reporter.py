@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from edgefl.agent import memory
 from edgefl.agent.config import Profile
 from edgefl.agent.core import DeviceCore
+from edgefl.agent.governor import Governor
 from edgefl.agent.ingest import Ingest
 from edgefl.agent.status import samples_level, status_news
 from edgefl.aio import wait_event
@@ -130,7 +130,7 @@ class StatusReporter:
     topics: Topics
     state: AgentState
     core: DeviceCore
-    governor: memory.Governor
+    governor: Governor
     executor: ThreadPoolExecutor
     transport: MqttTransport | None
     stop_event: asyncio.Event

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from enum import StrEnum
 
-from edgefl.agent import memory
+from edgefl.agent import estimates, heap
 from edgefl.agent.outbox import Dropped, OutboxEntry
 from edgefl.agent.personal import PersonalHeads
 from edgefl.agent.state import Answered, ProgressHook
@@ -274,6 +274,7 @@ class RoundAnswering(PersonalHeads):
         if self._progress is not None:
             self._progress("training", adm.reason)
         self.new_samples = 0  # what is stored from now on is new for the next round
+        self.store.set_mark()  # ... after a restart too (written with the store's next flush)
         with self._phase("train"):
             result = train_local(
                 head,
@@ -288,7 +289,10 @@ class RoundAnswering(PersonalHeads):
                 time_budget_s=ann.deadline_s,
             )
         enc = gov.admit(
-            "encode", lambda _: memory.estimate_encode_bytes(D, K, ann.compression, ann.topk_fraction), 1, 1
+            "encode",
+            lambda _: estimates.estimate_encode_bytes(D, K, ann.compression, ann.topk_fraction),
+            1,
+            1,
         )
         if enc.deferred:
             return self._defer(ann, enc.reason)
@@ -416,7 +420,7 @@ class RoundAnswering(PersonalHeads):
             self.deferred = None
             return self._decline_safely(d)
         gc.collect()
-        memory.malloc_trim()
+        heap.malloc_trim()
         self.deferred = None  # whatever the answer now (trained, stale, answered...), unless deferred again
         result = self.answer_round(d.ann)
         if result.status == RoundStatus.DEFERRED and self.deferred is not None:

@@ -25,9 +25,9 @@ from typing import Any
 
 import cbor2
 
-from edgefl.agent import memory
 from edgefl.agent.config import Profile
 from edgefl.agent.feedback import ErrorFeedback
+from edgefl.agent.governor import Governor
 from edgefl.agent.outbox import Dropped, Outbox, OutboxEntry
 from edgefl.agent.pipeline import Pipeline
 from edgefl.agent.store import EmbeddingStore
@@ -101,7 +101,7 @@ class DeviceState:
     model_sha256: str
     pipeline: Pipeline | None
     state_dir: Path
-    governor: memory.Governor
+    governor: Governor
     _phase: PhaseHook
     limits: Limits
     head: Head

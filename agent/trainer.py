@@ -153,7 +153,7 @@ class _BatchReader:
             if stop_at is not None and time.perf_counter() > stop_at:
                 return
             # the epoch's order, then the keys of every chunk's own shuffle in one draw (Shuffler.keys;
-            # at most 3 x 8 bytes a sample alive, as memory.estimate_train_bytes counts)
+            # at most 3 x 8 bytes a sample alive, as estimates.estimate_train_bytes counts)
             order = np.argsort(shuffler.keys(n))
             within = shuffler.keys(n)
             for start in range(0, n, chunk):

@@ -50,9 +50,9 @@ from typing import Any
 import numpy as np
 
 from bench.natural_clients import NaturalSet, load_natural
-from edgefl.agent import memory
 from edgefl.agent.config import Profile, load_profile
 from edgefl.agent.core import ApplyStatus, DeviceCore
+from edgefl.agent.governor import Governor
 from edgefl.agent.round import RoundStatus
 from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.fedavg import FedAvg
@@ -177,7 +177,7 @@ def run_federated(
     dataset: str, devs: Sequence[DeviceData], seed: int, rounds: int, personal: bool
 ) -> RunResult:
     """``rounds`` synchronous FedAvg rounds over the devices' cores; accuracy of what serves at the end."""
-    gov = memory.Governor(4096 << 20, 0, 0)
+    gov = Governor(4096 << 20, 0, 0)
     strategy = FedAvg(local_epochs=LOCAL_EPOCHS, lr=LR, batch_size=BATCH, min_clients=1, deadline_s=3600)
     out = RunResult([], [])
     with tempfile.TemporaryDirectory(dir=STATE_ROOT) as tmp:
@@ -253,7 +253,7 @@ def run_local_only(dataset: str, devs: Sequence[DeviceData], seed: int, rounds: 
         for i, d in enumerate(devs):
             core = DeviceCore.open(
                 device_profile(f"dev{i}", dataset, Path(tmp), seed * 1000 + i, False),
-                governor=memory.Governor(4096 << 20, 0, 0),
+                governor=Governor(4096 << 20, 0, 0),
                 store_capacity=max(len(d.y_train), 16),
             )
             core.observe(d.x_train, d.y_train)

@@ -441,7 +441,7 @@ def test_latency_fresh_update_kept_with_its_first_send_counted(
 ) -> None:
     """The write that keeps a trained update also counts its first publish attempt (no second
     atomic write between training and the publish); a re-send still counts, and the count persists."""
-    from edgefl.agent import memory
+    from edgefl.agent import heap
     from edgefl.agent.outbox import Outbox
 
     core = DeviceCore.open(profile_for(tmp_path))
@@ -456,6 +456,6 @@ def test_latency_fresh_update_kept_with_its_first_send_counted(
     # after one re-send the outbox stops offering it (max_sends = 2): as before, two attempts
     assert core.to_resend(1) == ([], [])
     # malloc_trim after every round finds the C library once (find_library runs ldconfig -p)
-    memory.malloc_trim()
-    memory.malloc_trim()
-    assert memory._libc.cache_info().misses <= 1 and memory._libc.cache_info().hits >= 1
+    heap.malloc_trim()
+    heap.malloc_trim()
+    assert heap._libc.cache_info().misses <= 1 and heap._libc.cache_info().hits >= 1

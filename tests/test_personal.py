@@ -23,9 +23,9 @@ from conftest import (
     wait_until,
 )
 
-from edgefl.agent import memory
 from edgefl.agent.config import parse_profile
 from edgefl.agent.core import DeviceCore
+from edgefl.agent.governor import Governor
 from edgefl.agent.personal import PERSONAL_FILE, personal_behind
 from edgefl.agent.pipeline import Pipeline
 from edgefl.agent.round import RoundStatus
@@ -520,7 +520,7 @@ def test_personal_step_admitted_by_the_governor(tmp_path: Path) -> None:
     core.observe(x[:64], y[:64])
     ann = RoundAnnouncement(1, 0, 60.0, 1, 0.05, 16, 1, 1.0, Compression.NONE)
     assert core.receive_round(encode_round(ann)).status == RoundStatus.TRAINED and core.personal_due
-    core.governor = memory.Governor(1 << 20, 0, 0)
+    core.governor = Governor(1 << 20, 0, 0)
     assert core.personalise() is None
     assert core.personal_deferred == 1 and core.personal is None and not core.personal_due
     assert core.governor.deferrals == {"personal": 1}
