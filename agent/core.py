@@ -42,11 +42,10 @@ from edgefl.agent.outbox import Outbox
 from edgefl.agent.personal import Evaluation, holdout_capacity
 from edgefl.agent.pipeline import Pipeline, choose
 from edgefl.agent.round import Deferred, RoundAnswering, RoundResult
-from edgefl.agent.state import OUTBOX_FILE, Answered, PhaseHook, ProgressHook
+from edgefl.agent.state import HEAD_FILE, OUTBOX_FILE, Answered, PhaseHook, ProgressHook
 from edgefl.agent.store import EmbeddingStore
 from edgefl.errors import BudgetExceeded, DecodeError, ModelError, UpdateRejected
 from edgefl.head import Head, personal_columns, validate_head
-from edgefl.records import write_record
 from edgefl.runtime import Backbone
 from edgefl.types import F32, I64
 from edgefl.wire.cbor import Limits, MessageType
@@ -233,6 +232,7 @@ class DeviceCore(RoundAnswering):
         self._progress = progress
         self.limits = Limits(max_message_bytes=max(profile.broker.max_packet_bytes, 1 << 20))
         self.head = head
+        self._records = {}
         self._load_head()
         sec = profile.security
         self.signing_key: SigningKey | None = (
@@ -242,7 +242,7 @@ class DeviceCore(RoundAnswering):
             parse_verify_key(sec.coordinator_public_key) if sec.coordinator_public_key else None
         )
         self.outbox = Outbox(self.state_dir / OUTBOX_FILE, sec.outbox_max_bytes)
-        self.feedback = ErrorFeedback(self.state_dir, self.head.shape, model_sha256)
+        self.feedback = ErrorFeedback(self.head.shape, model_sha256)
         capacity = store_capacity if store_capacity is not None else profile.training.store_capacity
         self.store = EmbeddingStore(
             self.state_dir, capacity, self.head.shape[0], num_classes=self.head.shape[1]
@@ -259,9 +259,11 @@ class DeviceCore(RoundAnswering):
             else None
         )
         self._labelled = len(self.store) + (len(self.holdout) if self.holdout is not None else 0)
-        self.new_samples = len(self.store)
+        self.new_samples = self.store.since_mark
         """Labelled samples stored since this device last trained for a round (the status's
-        ``new_samples``, which paces the coordinator's rounds); after a restart, the whole store."""
+        ``new_samples``, which paces the coordinator's rounds); after a restart, those the store holds
+        after the mark its last round left (kept with the store's next flush: a crash within the flush
+        window counts the samples of that round again; a store without a mark counts all it holds)."""
         self.evaluation: Evaluation | None = None
         self.personal: Head | None = None
         """The personal head (None until the first personal step; :meth:`personalise`)."""
@@ -290,7 +292,7 @@ class DeviceCore(RoundAnswering):
         self.declined_total = 0
         """Rounds refused to the coordinator with a Decline message."""
         self._declines: list[RoundResult] = []  # declines of superseded deferred rounds, to send
-        self._take_carried_residual()
+        self._load_residual()
         self.shapes = estimates.model_shapes(pipeline.backbone) if pipeline is not None else None
 
     @classmethod
@@ -544,12 +546,12 @@ class DeviceCore(RoundAnswering):
                 )
                 # a compressed head or a delta from the held version becomes a float32 head here
                 gm = resolve_global_head(gm, held.version, held.W, held.b)
+                return self._apply(gm)
         except DecodeError as exc:
             return ApplyResult(ApplyStatus.REFUSED, reason=exc.reason, detail=exc.detail)
-        return self.apply_global(gm)
 
     def apply_global(self, gm: GlobalModel) -> ApplyResult:
-        """Validate a decoded global head, persist it and swap it in atomically.
+        """Validate a decoded global head, persist it and swap it in atomically (phase ``apply``).
 
         Refused: ``wrong_model`` (backbone sha256 differs), ``bad_shape``/``not_finite`` (values, or
         non-finite logits on a few stored embeddings), ``not_newer`` (older than the running head, or
@@ -565,6 +567,10 @@ class DeviceCore(RoundAnswering):
         -------
         ApplyResult
         """
+        with self._phase("apply"):
+            return self._apply(gm)
+
+    def _apply(self, gm: GlobalModel) -> ApplyResult:
         try:
             if gm.model_sha256 != self.model_sha256:
                 raise UpdateRejected(
@@ -592,10 +598,9 @@ class DeviceCore(RoundAnswering):
         except UpdateRejected as exc:
             return ApplyResult(ApplyStatus.REFUSED, gm.version, gm.round, exc.reason, exc.detail)
         new = Head(gm.W, gm.b, gm.version)
-        with self._phase("apply"):
-            # a head that cannot be written (a full disk) still runs: the retained head is
-            # delivered again after a restart, and the write is retried once there is room
-            self._persist("head", lambda: write_record(self.head_path, encode_global_model(gm)))
+        # a head that cannot be written (a full disk) still runs: the retained head is delivered
+        # again after a restart, and the write is retried once there is room
+        self._persist("head", lambda: self._write_state(HEAD_FILE, encode_global_model(gm)))
         self.head = new
         self._tie_personal()
         self.evaluate()

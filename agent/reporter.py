@@ -118,7 +118,8 @@ class AgentState:
     over_budget_batches: int = 0
     """Sample batches the memory governor refused to run (each retried once memory frees)."""
     faults: Counter[str] = field(default_factory=Counter)
-    """Failures the daemon survived, by where: ``batch`` (a source batch), ``status`` (a status tick)."""
+    """Failures the daemon survived, by where: ``batch`` (a source batch), ``status`` (a status tick),
+    ``round`` (a re-send, a waiting or deferred round), ``personal`` (a personal step)."""
 
 
 class StatusReporter:

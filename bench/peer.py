@@ -6,7 +6,7 @@ on the same non-IID digits shards (``edgefl.datasets``), evaluated on the same t
 talks to its server through its own port of a byte-counting TCP proxy on 127.0.0.1 (TCP payload bytes,
 both directions: framing, statuses and keep-alives included). The proxy's socket toward the server
 stands for the client's own: ``TCP_NODELAY`` for both systems, and for edgefl's agents also
-``TCP_QUICKACK`` re-armed after every read, as ``edgefl.transport`` does (``BENCH_NO_QUICKACK=1``
+``TCP_QUICKACK`` re-armed after every read, as ``edgefl.mqtt_socket`` does (``BENCH_NO_QUICKACK=1``
 leaves it off).
 
 - **edgefl**: a real mosquitto (``bench.round_overhead.mosquitto``), 2 real agent processes
@@ -71,7 +71,7 @@ from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy, embed_all
 from edgefl.launcher import MALLOC_ENV as DEMO_MALLOC_ENV
 from edgefl.launcher import free_port, launch_agent, stop_agents
-from edgefl.mqtt_link import quickack
+from edgefl.mqtt_socket import quickack
 from edgefl.resources import shipped
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics

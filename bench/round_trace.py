@@ -123,10 +123,10 @@ def _probe_hops() -> None:
 
 def _maybe_no_quickack() -> None:
     """``BENCH_NO_QUICKACK=1`` (``--no-quickack``): this process leaves delayed ACKs on, as before."""
-    import edgefl.mqtt_link as link
+    import edgefl.mqtt_socket as mqtt_socket
 
     if os.environ.get("BENCH_NO_QUICKACK"):
-        link.TCP_QUICKACK = None
+        mqtt_socket.TCP_QUICKACK = None
 
 
 def _probe_gc() -> None:

@@ -88,7 +88,8 @@ import numpy as np
 from bench.cluster import Cluster, wait_port
 from edgefl.coordinator.bridge import bridge_config
 from edgefl.launcher import free_port
-from edgefl.mqtt_link import Message, remaining_length
+from edgefl.mqtt_link import Message
+from edgefl.mqtt_socket import remaining_length
 from edgefl.resources import shipped
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
@@ -993,6 +994,7 @@ def hierarchical_root_sets(
         "hierarchy.role": "root",
         "hierarchy.expected_sites": str(opts.sites),
         "hierarchy.site_keys_dir": str(keys / "sites"),
+        "hierarchy.site_devices": str(-(-opts.devices // opts.sites)),  # the most devices one site has
         "security.signing_key_file": str(root_key),
         "broker.url": f"mqtt://127.0.0.1:{port}",
         "rounds.min_clients": str(opts.devices),

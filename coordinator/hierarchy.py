@@ -46,7 +46,7 @@ from edgefl.coordinator.strategy import SiteSums
 from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.mqtt_link import Message
 from edgefl.records import read_record, write_record
-from edgefl.wire.cbor import MessageType
+from edgefl.wire.cbor import MessageType, scan
 from edgefl.wire.chunking import Reassembler, is_chunk, split_message
 from edgefl.wire.global_model import decode_global_model
 from edgefl.wire.partial import MAX_PARTIAL_UPDATES, Partial, decode_partial, encode_partial
@@ -165,13 +165,14 @@ class RootCoordinator(Coordinator):
             if whole is None:
                 return
             payload = whole
+        scanned = scan(payload, self.limits)  # once: the signature check and the decoder take it
         if self.site_keys is not None:
             key = self.site_keys.get(site)
             if key is None:
                 raise DecodeError("unknown_device", f"no public key for site {site}")
             fleet, kind = self.topics.fleet, MessageType.PARTIAL
-            verify_payload(payload, key, fleet=fleet, kind=kind, device=site, limits=self.limits)
-        p = decode_partial(payload, limits=self.limits, expect_shape=self.shape)
+            verify_payload(scanned, key, fleet=fleet, kind=kind, device=site, limits=self.limits)
+        p = decode_partial(scanned, limits=self.limits, expect_shape=self.shape)
         if p.site != site:
             raise UpdateRejected("wrong_device", f"partial names site {p.site} on {msg.topic}")
         seen = (site, p.round, p.partial_id)
@@ -222,7 +223,7 @@ class RootCoordinator(Coordinator):
                 )
         logger.info("round %d: partial of %s (%d updates, %d bytes)", rnd.number, site, p.count, len(payload))
         self._round_changed.set()
-        self._notify()
+        self.notify()
 
 
 @dataclass(frozen=True, slots=True)
@@ -441,7 +442,7 @@ class SiteAggregator(Coordinator):
                 except UpdateRejected as exc:
                     self.state.rejected[exc.reason] += 1
         self._persist_site(rnd)
-        self._notify()
+        self.notify()
         while not rnd.complete():
             remaining = rnd.deadline_at - time.monotonic()
             if remaining <= 0:

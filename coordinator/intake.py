@@ -34,7 +34,7 @@ from edgefl.records import read_record, write_record
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
-from edgefl.wire.cbor import Limits, MessageType, prescan
+from edgefl.wire.cbor import Limits, MessageType, Scanned, scan
 from edgefl.wire.chunking import Reassembler, is_chunk
 from edgefl.wire.global_model import GlobalModel, decode_global_model
 from edgefl.wire.rounds import Update, decode_decline, decode_round, decode_update
@@ -250,7 +250,7 @@ class Intake:
                     self.registry.forget(device)  # retained status cleared
                     return
                 self.registry.note_status(device, msg.payload)
-                self._notify()
+                self.notify()
             else:
                 self._handle_update(device, msg)
         except Exception as exc:
@@ -286,10 +286,11 @@ class Intake:
             key = self.device_keys.get(device)
             if key is None:
                 raise DecodeError("unknown_device", f"no public key for device {device}")
-        kind = prescan(payload, self.limits, ("type",)).get("type")  # once: verify and dispatch use it
+        scanned = scan(payload, self.limits)  # once: the signature check and the decoder take it
+        kind = scanned.header.get("type")
         if key is not None:
             verify_payload(
-                payload,
+                scanned,
                 key,
                 fleet=self.topics.fleet,
                 kind=MessageType.DECLINE if kind == MessageType.DECLINE else MessageType.UPDATE,
@@ -297,11 +298,11 @@ class Intake:
                 limits=self.limits,
             )
         if kind == MessageType.DECLINE:
-            self._handle_decline(device, payload)
+            self._handle_decline(device, scanned)
             return
         if device in self.registry.mismatched:
             raise UpdateRejected("wrong_model", f"device {device}: {self.registry.mismatched[device]}")
-        update = decode_update(payload, limits=self.limits, expect_shape=self.shape)
+        update = decode_update(scanned, limits=self.limits, expect_shape=self.shape)
         if update.device != device:
             raise UpdateRejected("wrong_device", f"update names device {update.device} on {msg.topic}")
         check_update_id(update.update_id, device, update.round, update.base_version)
@@ -323,11 +324,11 @@ class Intake:
             self._unfolded[update.update_id] = (msg.topic, msg.payload)
             self._dirty = True
             logger.info("update %s held for the next buffered step", update.update_id)
-            self._notify()
+            self.notify()
             return
         self._accept(rnd, update, len(payload))
 
-    def _handle_decline(self, device: str, payload: bytes) -> None:
+    def _handle_decline(self, device: str, payload: bytes | Scanned) -> None:
         """Count and log a device's refusal of the open round (a Decline on ``update/<device>``).
 
         A decline counts only for the open round and its base version, from a device selected for
@@ -378,7 +379,7 @@ class Intake:
                 f" ({n} {decline.reason} so far)" if n > LOGGED_REFUSALS else "",
             )
         self._round_changed.set()
-        self._notify()
+        self.notify()
 
     def _accept(self, rnd: Round, update: Update, size_bytes: int) -> None:
         """Admit ``update`` to ``rnd``, offer it to the strategy and record it (raises ``UpdateRejected``)."""
@@ -409,16 +410,18 @@ class Intake:
                 entry.update(
                     eval_version=update.base_version, eval_accuracy=m.eval_accuracy, eval_count=m.eval_count
                 )
-        logger.info(
-            "round %d: update from %s (%d examples, %d bytes, staleness %d)",
-            rnd.number,
-            update.device,
-            update.num_examples,
-            size_bytes,
-            staleness,
-        )
+        if rnd.clients <= LOGGED_REFUSALS or rnd.clients % 1000 == 0:  # a burst is not a burst of lines
+            logger.info(
+                "round %d: update from %s (%d examples, %d bytes, staleness %d)%s",
+                rnd.number,
+                update.device,
+                update.num_examples,
+                size_bytes,
+                staleness,
+                f" ({rnd.clients} counted; every 1000th logged)" if rnd.clients > LOGGED_REFUSALS else "",
+            )
         self._round_changed.set()
-        self._notify()
+        self.notify()
 
     def _remember(self, update_id: str) -> None:
         self._seen_update_ids[update_id] = None
@@ -482,9 +485,6 @@ class Intake:
 
     def notify(self) -> None:
         """Tell the page that something changed (``on_change``)."""
-        self._notify()
-
-    def _notify(self) -> None:
         if self.on_change is not None:
             self.on_change()
 

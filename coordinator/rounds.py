@@ -107,7 +107,8 @@ class Round:
         """
         if self.selected is not None:
             return len(self.selected)
-        return len(self.online | set(self.devices) | set(self.declined))
+        tally = self.answered()  # |online ∪ answered| = |online| + |answered| - |answered ∩ online|
+        return len(self.online) + len(tally.members) - tally.of_online
 
     @property
     def close_at(self) -> int:

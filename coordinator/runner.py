@@ -69,6 +69,9 @@ EXIT_RUNTIME: Final = 4
 EXIT_EMPTY_ROUND: Final = 5
 EXIT_LEASE: Final = 6
 
+CONNECT_WAIT_S: Final = 60.0
+"""How long the coordinator waits for its broker at start-up before it gives up (exit 4), seconds."""
+
 COORDINATOR_RECONNECT_MAX_S: Final = 5.0
 """Cap of the coordinator's reconnect back-off, seconds (devices keep the transport's 30 s: a fleet must
 not reconnect in lock-step; one coordinator may retry sooner, and a 60 s root outage closed its
@@ -209,7 +212,7 @@ async def run(
     CredentialsRefused
         If the broker refuses the profile's username/password.
     TransportError
-        If the broker cannot be reached within 60 s.
+        If the broker cannot be reached within :data:`CONNECT_WAIT_S`.
     """
     backbone = Backbone(profile.model.path)
     W0, b0 = backbone.head_from_model()
@@ -251,7 +254,7 @@ async def run(
             probe,
             topics.coordinator,
             f"fleet {fleet} on broker {where}",
-            lambda t: _connected_or_refused(t, where, 60.0),
+            lambda t: _connected_or_refused(t, where, CONNECT_WAIT_S),
         )
     transport = transport_for(client_id, persistent=True)
     st = profile.strategy
@@ -375,7 +378,7 @@ async def run(
             logger.warning("%s", why)
         await transport.start(wait_s=None)
         pump = asyncio.create_task(coord.pump())
-        await _connected_or_refused(transport, where, 60.0)
+        await _connected_or_refused(transport, where, CONNECT_WAIT_S)
         holding = asyncio.create_task(lease.hold())
         await coord.start()
         # watch the lease while running: a live coordinator that took the fleet first makes this one
@@ -541,9 +544,9 @@ async def _run_site(
     pump = asyncio.create_task(site.pump())
     try:
         try:
-            await within(transport.connected.wait(), 60)
+            await within(transport.connected.wait(), CONNECT_WAIT_S)
         except TimeoutError as exc:
-            raise TransportError(f"broker {where} not reachable within 60 s") from exc
+            raise TransportError(f"broker {where} not reachable within {CONNECT_WAIT_S:.0f} s") from exc
         try:
             await site.start()
         except UpdateRejected as exc:

@@ -260,7 +260,7 @@ class Coordinator(Intake):
                     logger.info("before round %d: %s", self.state.round + 1, st.text)
                     logged = (st.state, now)
                 said = st.text
-                self._notify()
+                self.notify()
             self.registry.changed.clear()
             wake = st.next_round_in_s if st.state is FleetPhase.PAUSED else 60.0
             waiter = asyncio.ensure_future(self.registry.changed.wait())
@@ -384,7 +384,7 @@ class Coordinator(Intake):
         # (no PUBACK within PUBLISH_RETRY_S) still ends the round with its TransportError
         announce = asyncio.create_task(self._announce(round_no, cfg, selected))
         announce.add_done_callback(lambda _: self._round_changed.set())
-        self._notify()
+        self.notify()
         loop = asyncio.get_running_loop()
         try:
             while not rnd.complete():
@@ -468,7 +468,7 @@ class Coordinator(Intake):
         del self.state.history[:-HISTORY_ROUNDS]  # a service runs for months: memory and state stay bounded
         for old in sorted(self.counted)[:-COUNTED_ROUNDS]:
             del self.counted[old]
-        self._notify()
+        self.notify()
         return record
     async def _announce(
         self, round_no: int, cfg: RoundConfig, selected: tuple[str, ...] | None = None

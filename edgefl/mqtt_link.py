@@ -1,17 +1,16 @@
 """The MQTT transport's link layer: the broker socket driven by the event loop, into a bounded queue.
 
-The event loop drives paho (paho's "external event loop" API: ``loop_read``, ``loop_write``,
-``loop_misc``): the connected socket is watched with ``add_reader``, a packet paho queues is written
-at once by the caller or on the loop's next turn (``add_writer`` only while the kernel's send buffer
-is full), and ``loop_misc`` runs every second for the keep-alive. A message reaches its handler
-without a thread switch, and a publish leaves without waking another thread (the two hops of paho's
-own network thread were ~0.6-0.9 ms each on a loaded 2-core gateway, four of them on a round's
-critical path). paho's callbacks only schedule handlers (``call_soon``, STYLE.md rule 6: nothing runs
-inside paho's locks); an exception in paho's network code or a socket callback is counted
-(``thread_errors_total``) and logged, never swallowed, and ends the connection.
+The event loop drives paho (paho's "external event loop" API) and the socket under it
+(:mod:`edgefl.mqtt_socket`): the connected socket is watched with ``add_reader``, what paho writes goes
+out once per turn of the loop (``add_writer`` only while the kernel's send buffer is full), and
+``loop_misc`` runs every second for the keep-alive. A message reaches its handler without a thread
+switch, and a publish leaves without waking another thread (the two hops of paho's own network thread
+were ~0.6-0.9 ms each on a loaded 2-core gateway). paho's callbacks only schedule handlers
+(``call_soon``, STYLE.md rule 6: nothing runs inside paho's locks); an exception in paho's network
+code or a socket callback is counted (``thread_errors_total``) and logged, never swallowed, and ends
+the connection.
 
-Incoming bytes pass :class:`PacketFilter` (a PUBLISH over ``max_incoming_packet_bytes`` is dropped
-before paho buffers it), then a bounded queue (the RAM cap covers buffers too). A QoS 1 message is
+Received messages go into a bounded queue (the RAM cap covers buffers too). A QoS 1 message is
 acknowledged (PUBACK, paho's manual ack) only once it is in that queue (or, with ``ack_on_commit``,
 once the consumer committed it): when the queue is full it waits, unacknowledged, in a short hold
 line that the broker's own flow control bounds (MQTT 5 Receive Maximum = the queue's size,
@@ -32,19 +31,15 @@ import asyncio
 import collections
 import contextlib
 import logging
-import socket
-import ssl
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import paho.mqtt.client as mqtt
-from paho.mqtt.enums import MQTTProtocolVersion
 from paho.mqtt.reasoncodes import ReasonCode
 
 from edgefl.errors import TransportError
+from edgefl.mqtt_socket import OVERSIZE_TOPIC, BoundedClient
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +47,11 @@ __all__ = [
     "HOLD_FACTOR",
     "LOGGED_DROPS",
     "MISC_INTERVAL_S",
-    "OVERSIZE_TOPIC",
     "READS_PER_TURN",
-    "TCP_QUICKACK",
-    "BoundedClient",
     "Connection",
     "FlowQueue",
     "Link",
     "Message",
-    "PacketFilter",
-    "quickack",
-    "remaining_length",
-    "set_nodelay",
 ]
 
 #: Drops of a full incoming queue logged one by one before the log only names every 1000th.
@@ -71,13 +59,6 @@ LOGGED_DROPS = 20
 #: The hold line of QoS 1 messages waiting for room in the queue, in queue sizes (a broker that ignores
 #: our Receive Maximum cannot grow it further: beyond it messages are dropped and counted).
 HOLD_FACTOR = 4
-
-#: Topic of the small stand-in PUBLISH that replaces an oversize one (never a real topic: ``$`` topics
-#: are the broker's, MQTT 5.0 §4.7.2). Its payload is ``b"<packet bytes>\n<topic>"``.
-OVERSIZE_TOPIC = "$edgefl/oversize"
-#: Bytes asked of the socket in one read: a burst of small packets comes in one system call, and what
-#: waits above the socket (read, not yet taken by paho) stays under this bound.
-READ_BYTES = 65_536
 #: Seconds between two ``loop_misc`` calls (keep-alive PINGREQ, and the end of a connection whose
 #: PINGRESP is overdue), paho's own loop's select timeout.
 MISC_INTERVAL_S = 1.0
@@ -86,364 +67,6 @@ MISC_INTERVAL_S = 1.0
 #: (a site aggregator writes its record once the queue is drained: one packet a turn made that
 #: one fsync per update), and the rest is read on the next turn, so a flood cannot hold the loop.
 READS_PER_TURN = 64
-
-
-class PacketFilter:
-    """Incoming MQTT byte stream filter: replace every PUBLISH over ``limit`` bytes before it is buffered.
-
-    Parses the fixed header (MQTT 5.0 §2.1.1, 3.1.1 §2.2: one type/flags byte, then the Remaining
-    Length as a 1–4 byte variable byte integer). A packet of at most ``limit`` bytes passes unchanged.
-    An oversize PUBLISH's variable header (topic, packet identifier) is read, its body is read and
-    discarded in bounded pieces, and a stand-in PUBLISH on :data:`OVERSIZE_TOPIC` with the same flags
-    and packet identifier takes its place, so paho acknowledges it (PUBACK/PUBREC) and the broker's
-    in-flight window never fills with packets we will not take. Any other oversize packet raises.
-
-    Memory: at most the fixed header, the topic (<= 65,535 bytes) and one read of the socket
-    (:data:`READ_BYTES`), whatever the announced length (up to 268,435,455 bytes).
-
-    Parameters
-    ----------
-    limit : int
-        Largest packet accepted whole, in bytes including the fixed header (>= 2).
-    mqtt5 : bool
-        The connection speaks MQTT 5 (the stand-in then carries an empty property list).
-    """
-
-    _HDR, _PASS, _VH, _DISCARD = range(4)
-
-    def __init__(self, limit: int, *, mqtt5: bool) -> None:
-        self.limit = limit
-        self.mqtt5 = mqtt5
-        self._state = self._HDR
-        self._hdr = bytearray()
-        self._left = 0  # bytes of the current packet still to pass (PASS) or to consume (VH, DISCARD)
-        self._vh = bytearray()
-        self._size = 0
-        self.dropped_total = 0
-
-    def _vh_need(self) -> int:
-        if len(self._vh) < 2:
-            return 2
-        qos = (self._hdr[0] >> 1) & 3
-        return 2 + int.from_bytes(self._vh[:2], "big") + (2 if qos else 0)
-
-    def feed(self, data: bytes) -> bytes:
-        """Consume ``data`` (read from the broker); return the bytes paho may see (maybe none).
-
-        Raises
-        ------
-        ConnectionError
-            On a malformed Remaining Length, an oversize packet that is not a PUBLISH, or an oversize
-            PUBLISH too short for its own variable header (paho then drops the connection).
-        """
-        if self._state == self._PASS and len(data) <= self._left:  # the common case: no copy
-            self._left -= len(data)
-            if self._left == 0:
-                self._state = self._HDR
-            return data
-        out = bytearray()
-        view = memoryview(data)
-        while view:
-            if self._state == self._PASS:
-                n = min(self._left, len(view))
-                out += view[:n]
-                view = view[n:]
-                self._left -= n
-                if self._left == 0:
-                    self._state = self._HDR
-            elif self._state == self._HDR:
-                self._hdr.append(view[0])
-                view = view[1:]
-                if len(self._hdr) >= 2 and not self._hdr[-1] & 0x80:
-                    out += self._header_done()
-                elif len(self._hdr) > 5:
-                    raise ConnectionError("malformed MQTT remaining length from the broker")
-            elif self._state == self._VH:
-                n = min(self._vh_need() - len(self._vh), len(view), self._left)
-                self._vh += view[:n]
-                view = view[n:]
-                self._left -= n
-                if len(self._vh) >= 2 and len(self._vh) == self._vh_need():
-                    out += self._stand_in()
-                    self._state = self._DISCARD if self._left else self._HDR
-                elif self._left == 0:
-                    raise ConnectionError("oversize PUBLISH shorter than its variable header")
-            else:  # DISCARD
-                n = min(self._left, len(view))
-                view = view[n:]
-                self._left -= n
-                if self._left == 0:
-                    self._state = self._HDR
-        return bytes(out)
-
-    def _header_done(self) -> bytes:
-        remaining = sum((b & 0x7F) << (7 * i) for i, b in enumerate(self._hdr[1:]))
-        hdr = bytes(self._hdr)
-        self._size = len(hdr) + remaining
-        if self._size <= self.limit:
-            self._hdr.clear()
-            self._left = remaining
-            self._state = self._PASS if remaining else self._HDR
-            return hdr
-        if hdr[0] >> 4 != 3:
-            raise ConnectionError(
-                f"broker sent a {self._size}-byte packet (type {hdr[0] >> 4}) over our limit"
-            )
-        self._left = remaining
-        self._vh.clear()
-        self._state = self._VH
-        return b""
-
-    def _stand_in(self) -> bytes:
-        """A PUBLISH on OVERSIZE_TOPIC with the original flags and packet identifier (MQTT 5.0 §3.3)."""
-        flags = self._hdr[0]
-        qos = (flags >> 1) & 3
-        topic_len = int.from_bytes(self._vh[:2], "big")
-        topic = bytes(self._vh[2 : 2 + min(topic_len, 256)])
-        packet_id = bytes(self._vh[2 + topic_len :]) if qos else b""
-        sentinel = OVERSIZE_TOPIC.encode()
-        body = (
-            len(sentinel).to_bytes(2, "big")
-            + sentinel
-            + packet_id
-            + (b"\x00" if self.mqtt5 else b"")
-            + f"{self._size}\n".encode()
-            + topic
-        )
-        self._hdr.clear()
-        self._vh.clear()
-        self.dropped_total += 1
-        return bytes([flags]) + remaining_length(len(body)) + body
-
-
-def remaining_length(n: int) -> bytes:
-    """Encode ``n`` >= 0 as an MQTT variable byte integer ("Remaining Length"): 7 bits a byte.
-
-    Source: MQTT 5.0 §1.5.5; MQTT 3.1.1 §2.2.3 (the same encoding).
-    """
-    out = bytearray()
-    while True:
-        n, digit = divmod(n, 128)
-        out.append(digit | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-class BoundedClient(mqtt.Client):
-    """paho's client with bulk, bounded reads (:class:`PacketFilter`) and gathered writes, driven by the loop.
-
-    Reads take up to :data:`READ_BYTES` from the socket at once into a buffer of whole packets that
-    passed the filter (:meth:`edgefl_take`): a PUBLISH of QoS 0 or 1 is parsed there and returned as a
-    :class:`Message` (paho's per-message machinery is most of the receive path's CPU on an
-    aggregator), any other packet is handed to paho, which reads it from that buffer. Writes (paho
-    writes one packet a system call) are gathered and sent together by :meth:`edgefl_send`, so a
-    burst of PUBACKs is one system call. Uses paho 2.x internals: ``_sock_recv`` and ``_sock_send``
-    (every socket read and write, overridden), ``_sock_close`` (overridden: what was gathered goes out
-    first, the DISCONNECT included), ``_sock``, ``_last_msg_in`` (its keep-alive clock) and the
-    wake-up socket pair ``_sockpairR`` / ``_sockpairW`` of paho's own loop
-    (:meth:`edgefl_drop_sockpair`).
-
-    Source: MQTT 5.0 §2.1.4 (Remaining Length), §3.3 (PUBLISH); MQTT 3.1.1 §3.3.
-    """
-
-    def __init__(self, *args: Any, max_incoming_packet_bytes: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._edgefl_filter = PacketFilter(
-            max_incoming_packet_bytes, mqtt5=kwargs.get("protocol") == MQTTProtocolVersion.MQTTv5
-        )
-        self._edgefl_mqtt5 = kwargs.get("protocol") == MQTTProtocolVersion.MQTTv5
-        self._edgefl_out = bytearray()  # read and let through the filter, not yet taken
-        self._edgefl_eof = False  # the broker closed the connection (paho is told on its next read)
-        self._edgefl_allowed = 0  # bytes of the buffer paho may read: the one packet handed to it
-        self._edgefl_wbuf = bytearray()  # written by paho, not yet sent
-
-    def edgefl_drop_sockpair(self) -> None:
-        """Close the socket pair paho's own loop wakes its ``select`` with (one system call a packet queued).
-
-        Nothing selects on it here: the event loop drives the client.
-        """
-        for name in ("_sockpairR", "_sockpairW"):
-            pair = getattr(self, name, None)
-            if pair is not None:
-                with contextlib.suppress(OSError):
-                    pair.close()
-                setattr(self, name, None)
-
-    def edgefl_send(self) -> bool:
-        """Send what paho wrote since the last call, in one system call; True when nothing is left.
-
-        Raises
-        ------
-        OSError
-            The connection failed (the caller ends it).
-        """
-        wbuf, sock = self._edgefl_wbuf, self._sock
-        if wbuf and sock is not None:
-            try:
-                sent = sock.send(wbuf)
-            except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
-                return False  # the kernel's send buffer is full: the caller waits for writability
-            del wbuf[:sent]
-        return not wbuf
-
-    def edgefl_unsent(self) -> bool:
-        """True while paho has packets queued or their bytes wait in the gathered writes.
-
-        (paho's own ``want_write`` sees only its queue: it re-arms its write callback when that empties.)
-        """
-        return bool(self._edgefl_wbuf) or self.want_write()
-
-    def edgefl_take(self) -> tuple[int, int, Message] | bool:
-        """Take the next whole packet: a PUBLISH of QoS 0 or 1 as ``(mid, qos, message)``, else paho reads it.
-
-        Returns
-        -------
-        (mid, qos, Message)
-            A PUBLISH, not yet acknowledged (mid 0 for QoS 0).
-        True
-            Another packet (or the end of the connection), which paho read and handled (its callbacks
-            were called; ``loop_read``'s result is checked by paho itself).
-        False
-            No whole packet is buffered and the socket has no more bytes now.
-
-        Raises
-        ------
-        ConnectionError
-            A malformed stream (:class:`PacketFilter`), or the socket is closed.
-        OSError
-            The connection failed.
-        """
-        buf = self._edgefl_out
-        while True:
-            size = len(buf)
-            if size >= 2:
-                remaining, shift, i = 0, 0, 1
-                while i < size and i <= 4:
-                    byte = buf[i]
-                    remaining |= (byte & 0x7F) << shift
-                    i += 1
-                    if not byte & 0x80:
-                        break
-                    shift += 7
-                else:
-                    i = -1  # the Remaining Length is not all here yet
-                if i > 0 and size >= i + remaining:
-                    return self._edgefl_packet(i, i + remaining)
-            if self._edgefl_eof:
-                self._edgefl_allowed = 0
-                self.loop_read()  # paho reads the end of the stream and reports the connection lost
-                return True
-            try:
-                data = super()._sock_recv(READ_BYTES)
-            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
-                return False
-            if not data:
-                self._edgefl_eof = True
-                continue
-            quickack(self._sock)
-            buf += self._edgefl_filter.feed(data)
-
-    def _edgefl_packet(self, start: int, end: int) -> tuple[int, int, Message] | bool:
-        """The whole packet ``buf[:end]`` (its variable header from ``start``): parsed, or paho's."""
-        buf = self._edgefl_out
-        first = buf[0]
-        qos = (first >> 1) & 3
-        if first >> 4 == 3 and qos < 2:
-            pos = start + 2 + int.from_bytes(buf[start : start + 2], "big")
-            try:
-                topic = buf[start + 2 : pos].decode("utf-8")
-            except UnicodeDecodeError:
-                topic = None  # paho refuses it its own way
-            if topic is not None and pos + (2 if qos else 0) <= end:
-                mid = 0
-                if qos:
-                    mid = int.from_bytes(buf[pos : pos + 2], "big")
-                    pos += 2
-                if self._edgefl_mqtt5:  # the properties (none is used: no topic alias was offered)
-                    length, shift = 0, 0
-                    while pos < end:
-                        byte = buf[pos]
-                        pos += 1
-                        length |= (byte & 0x7F) << shift
-                        shift += 7
-                        if not byte & 0x80:
-                            break
-                    pos += length
-                if pos <= end:
-                    message = Message(topic, bytes(buf[pos:end]), bool(first & 1))
-                    del buf[:end]
-                    self._last_msg_in = time.monotonic()  # paho's keep-alive clock: a packet came
-                    return mid, qos, message
-        self._edgefl_allowed = end
-        try:
-            self.loop_read()  # paho reads exactly this packet from the buffer (_sock_recv)
-        finally:
-            self._edgefl_allowed = 0
-        return True
-
-    def edgefl_close(self) -> None:
-        """Close the socket if it is still open (paho's ``on_socket_close`` callback runs first)."""
-        self._sock_close()
-
-    def _sock_recv(self, bufsize: int) -> bytes:
-        # paho reads only the packet edgefl_take handed to it, or the end of the stream
-        allowed = self._edgefl_allowed
-        if not allowed:
-            if self._edgefl_eof and not self._edgefl_out:
-                return b""
-            raise BlockingIOError  # nothing for paho now (it says MQTT_ERR_AGAIN)
-        n = min(bufsize, allowed)
-        out = bytes(self._edgefl_out[:n])
-        del self._edgefl_out[:n]
-        self._edgefl_allowed = allowed - len(out)
-        return out
-
-    def _sock_send(self, buf: bytes | bytearray) -> int:
-        if self._sock is None:
-            raise ConnectionError("self._sock is None")
-        self._edgefl_wbuf += buf
-        return len(buf)
-
-    def _sock_close(self) -> None:
-        sock = self._sock
-        if sock is not None and self._edgefl_wbuf:
-            with contextlib.suppress(OSError, ValueError):  # best effort: the connection is ending
-                sock.send(self._edgefl_wbuf)
-        self._edgefl_wbuf.clear()
-        super()._sock_close()
-
-
-TCP_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
-"""Linux's ``TCP_QUICKACK`` socket option (None elsewhere: nothing is set)."""
-
-
-def quickack(sock: Any) -> None:
-    """Acknowledge what was just read at once instead of after the delayed-ACK timer (Linux).
-
-    A broker left at its defaults (mosquitto without ``set_tcp_nodelay true``) runs Nagle's algorithm:
-    its next small write to us (the global head, the round announcement, an update for the
-    coordinator) waits until our kernel acknowledges its previous one (a PUBACK), and Linux delays
-    that ACK up to 40 ms when we have nothing to send back. ``TCP_QUICKACK`` is not sticky (the kernel
-    falls back to delayed ACKs), so it is set again after every read; setting it sends an ACK that is
-    due right away. Costs one ``setsockopt`` a read and, on the wire, at most one more bare ACK
-    (TCP/IP headers, no payload) per received segment. Source: tcp(7), ``TCP_QUICKACK``; RFC 1122
-    §4.2.3.2 (delayed ACK); RFC 896 (Nagle).
-    """
-    if TCP_QUICKACK is not None and sock is not None:
-        with contextlib.suppress(OSError, AttributeError, ValueError):
-            sock.setsockopt(socket.IPPROTO_TCP, TCP_QUICKACK, 1)
-
-
-def set_nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
-    """Disable Nagle's algorithm on the broker socket (paho ``on_socket_open``).
-
-    A round is a few small request/response exchanges; with Nagle on both ends and delayed ACKs, each
-    costs ~40 ms of stall on loopback (bench/round_overhead.py: 95.8 ms → 11.1 ms per round with
-    TCP_NODELAY here and ``set_tcp_nodelay true`` in mosquitto).
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
 
 @dataclass(frozen=True, slots=True)
 class Message:
@@ -612,7 +235,7 @@ class Link:
         self._flush(conn)  # whatever the connect could not write (normally nothing)
 
     def _net_read(self, conn: Connection) -> None:
-        """The socket is readable: take its whole packets (:meth:`BoundedClient.edgefl_take`).
+        """The socket is readable: take its whole packets (``BoundedClient.edgefl_take``).
 
         A PUBLISH goes to the inbox (:meth:`_read_message`), any other packet through paho (its
         callbacks schedule our handlers); packets are taken until the socket has no more bytes, up to
@@ -636,12 +259,11 @@ class Link:
                 if conn.sock is None:
                     return  # the connection ended (on_disconnect is scheduled)
                 continue
-            mid, qos, message = got
-            if message.topic == OVERSIZE_TOPIC:
-                self._handle_oversize(message.payload)
-                self._ack(conn, mid, qos)  # dropped, but its flow-control slot freed
+            if got.topic == OVERSIZE_TOPIC:
+                self._handle_oversize(got.payload)
+                self._ack(conn, got.mid, got.qos)  # dropped, but its flow-control slot freed
             else:
-                self._read_message(conn, mid, qos, message)
+                self._read_message(conn, got.mid, got.qos, Message(got.topic, got.payload, got.retain))
         else:
             if self._loop is not None:
                 self._loop.call_soon(self._net_read, conn)  # more is buffered: the rest next turn

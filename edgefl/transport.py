@@ -33,7 +33,8 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edgefl.aio import wait_event, within
 from edgefl.errors import TransportError
-from edgefl.mqtt_link import OVERSIZE_TOPIC, BoundedClient, Connection, Link, Message, set_nodelay
+from edgefl.mqtt_link import Connection, Link, Message
+from edgefl.mqtt_socket import OVERSIZE_TOPIC, BoundedClient, set_nodelay
 from edgefl.validators import MQTT_MAX_PACKET_BYTES
 from edgefl.wire.chunking import publish_packet_bytes
 

@@ -61,13 +61,24 @@ FAST_TIER_ENV = "EDGEFL_FAST_TIER"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the tests whose fixtures start mosquitto or a process (``make check`` deselects them)."""
+    """Mark the tests whose fixtures start mosquitto or a process (``make check`` deselects them), and
+    hand out the files that start processes before the others.
+
+    xdist gives each worker the next test as it finishes one, in this order: with the long tests
+    (processes, brokers) first and the many short in-process ones last, the workers end together
+    rather than one waiting out a long test handed out last. A file's tests keep their order.
+    """
+    heavy: dict[str, bool] = {}
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if names & BROKER_FIXTURES:
             item.add_marker(pytest.mark.broker)
         if names & SUBPROCESS_FIXTURES:
             item.add_marker(pytest.mark.subprocess)
+        path = item.nodeid.split("::")[0]
+        heavy[path] = heavy.get(path, False) or item.get_closest_marker("subprocess") is not None
+    first_seen = {path: i for i, path in enumerate(heavy)}
+    items.sort(key=lambda it: (not heavy[it.nodeid.split("::")[0]], first_seen[it.nodeid.split("::")[0]]))
 
 
 @pytest.fixture

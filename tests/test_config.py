@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 
 from edgefl.agent.config import (
-    BrokerConfig,
-    DashboardConfig,
     Profile,
     load_profile,
     parse_profile,
     profile_to_dict,
 )
 from edgefl.errors import ConfigError
+from edgefl.profiles import BrokerConfig, DashboardConfig
 from edgefl.validators import (
     check_device_id,
     check_finite_float,

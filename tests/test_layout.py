@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,64 @@ def test_layout_issue_reference_pattern() -> None:
     texts = ("(issue 17)", "issues 8, 18", "Issue #4", "tissue 3", "an issue")
     hits = [t for t in texts if ISSUE_REFERENCE.search(t)]
     assert hits == ["(issue 17)", "issues 8, 18", "Issue #4"]
+
+
+def module_statements(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements run at import: ``body`` and its ``if``/``try``/``with`` blocks (not function bodies)."""
+    for node in body:
+        yield node
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            for field in ("body", "orelse", "finalbody"):
+                yield from module_statements(getattr(node, field, []))
+            for handler in getattr(node, "handlers", []):
+                yield from module_statements(handler.body)
+
+
+def top_level_names(path: Path) -> tuple[set[str], set[str]]:
+    """The names ``path`` defines at module level (def, class, assignment) and the names it imports there."""
+    defined: set[str] = set()
+    imported: set[str] = set()
+    for node in module_statements(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            imported |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            defined.add(node.name)
+    return defined, imported
+
+
+def checkout_file(module: str, folders: dict[str, Path]) -> Path | None:
+    """The checkout's file of ``module`` (a package's ``__init__.py``), or None for a module not ours."""
+    package, _, leaf = module.rpartition(".")
+    folder = folders.get(module)
+    if folder is not None:
+        return ROOT / folder / "__init__.py"
+    base = ROOT / folders[package] / leaf if package in folders else ROOT / module.replace(".", "/")
+    return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
+
+
+def test_layout_every_name_is_imported_from_the_module_that_defines_it() -> None:
+    """``from M import n`` names the module that defines ``n``, never one that only imports it: no name
+    of the product, the tests or the benches has a second import path (no re-exports)."""
+    folders = package_folders(ROOT / "setup.cfg")
+    names: dict[Path, tuple[set[str], set[str]]] = {}
+    bad = []
+    for f in tree_files():
+        if f.suffix != ".py" or f.is_symlink():
+            continue
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"), filename=str(f))):
+            if not isinstance(node, ast.ImportFrom) or node.level or node.module is None:
+                continue
+            source = checkout_file(node.module, folders)
+            if source is None:
+                continue
+            defined, imported = names.setdefault(source, top_level_names(source))
+            bad += [
+                f"{f.relative_to(ROOT)}:{node.lineno}: {alias.name} from {node.module}, which imports it"
+                for alias in node.names
+                if alias.name in imported - defined
+                and checkout_file(f"{node.module}.{alias.name}", folders) is None  # not a submodule
+            ]
+    assert bad == []

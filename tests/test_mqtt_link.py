@@ -1,5 +1,5 @@
-"""Tests of the link layer (edgefl/mqtt_link.py): PUBLISH packets parsed from the read buffer, writes
-gathered per turn of the loop, on a real mosquitto."""
+"""Tests of the link layer (edgefl/mqtt_link.py, edgefl/mqtt_socket.py): PUBLISH packets parsed from the
+read buffer, writes gathered per turn of the loop, on a real mosquitto."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import pytest
 from conftest import Broker
 
 import edgefl.mqtt_link as link_mod
-from edgefl.mqtt_link import Message, PacketFilter
+import edgefl.mqtt_socket as socket_mod
+from edgefl.mqtt_link import Message
+from edgefl.mqtt_socket import PacketFilter
 from edgefl.transport import MqttTransport
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.broker]
@@ -22,7 +24,7 @@ def test_link_burst_of_publishes_arrives_whole_in_order_and_acknowledged(
     """A burst of QoS 1 and QoS 0 messages, small and larger than one socket read, retained or not,
     parsed from the read buffer: every one arrives once, intact, in order within its QoS; every QoS 1
     one is acknowledged (the sender's publishes all complete)."""
-    sizes = [0, 1, 300, 20_832, link_mod.READ_BYTES + 17, 3 * link_mod.READ_BYTES]
+    sizes = [0, 1, 300, 20_832, socket_mod.READ_BYTES + 17, 3 * socket_mod.READ_BYTES]
 
     async def main() -> list[Message]:
         a = MqttTransport(mosquitto.host, mosquitto.port, f"a-{fleet}", protocol=protocol)
@@ -79,10 +81,10 @@ def test_link_subscribe_after_a_write_goes_out_without_the_keepalive_tick(
 def test_link_packet_filter_passes_a_stream_of_packets_in_any_split() -> None:
     """Whole packets pass the filter unchanged, however the stream is cut into reads."""
     packets = b"".join(
-        bytes([0x30]) + link_mod.remaining_length(5 + n) + b"\x00\x03a/b" + b"x" * n
+        bytes([0x30]) + socket_mod.remaining_length(5 + n) + b"\x00\x03a/b" + b"x" * n
         for n in (0, 5, 200, 70_000)
     )
-    for step in (1, 3, 64, 4096, link_mod.READ_BYTES):
+    for step in (1, 3, 64, 4096, socket_mod.READ_BYTES):
         f = PacketFilter(1 << 20, mqtt5=False)
         out = b"".join(f.feed(packets[i : i + step]) for i in range(0, len(packets), step))
         assert out == packets and f.dropped_total == 0, step

@@ -3,11 +3,16 @@ refuses it before round 1 (exit 1, one line a problem naming the dotted key, no 
 written).
 
 Each case is the shipped ``firmware_configs/coordinator.toml`` (or ``dev_x86.toml``) with ``--set``
-overrides, run as real processes: ``edgefl check-config`` and ``edgefl coordinator`` / ``edgefl run``.
+overrides, given to ``edgefl check-config`` and ``edgefl coordinator`` / ``edgefl run``: the coordinator's
+refusals through the CLI's ``main`` in this process (a refused profile never gets past it), the model
+that cannot load, the profile that passes and the device's refusals as real processes (exit code, no
+traceback).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +33,23 @@ def _edgefl(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "edgefl.cli", *args], capture_output=True, text=True, timeout=60, cwd=cwd
     )
+
+
+def _edgefl_here(*args: str, cwd: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``edgefl ARGS`` through the CLI's ``main`` in this process, in ``cwd``: (exit code, stdout, stderr)."""
+    from edgefl import cli
+
+    root = logging.getLogger()
+    handlers, level, here = root.handlers[:], root.level, Path.cwd()
+    try:
+        os.chdir(cwd)
+        code = cli.main(list(args))
+    finally:
+        os.chdir(here)
+        root.handlers[:] = handlers  # the coordinator command sets up the log (basicConfig)
+        root.setLevel(level)
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def _sets(items: list[str]) -> list[str]:
@@ -54,25 +76,24 @@ COORDINATOR_CASES = [
 @pytest.mark.parametrize(
     ("overrides", "key"), [c[1:] for c in COORDINATOR_CASES], ids=[c[0] for c in COORDINATOR_CASES]
 )
-@pytest.mark.subprocess
 def test_shipped_coordinator_profile_refused_by_check_config_and_before_round_1(
-    tmp_path: Path, overrides: list[str], key: str
+    tmp_path: Path, overrides: list[str], key: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     sets = _sets([o.replace("{tmp}", str(tmp_path)) for o in overrides])
     (tmp_path / "not.npz").write_bytes(b"not a zip archive")
     np.savez(tmp_path / "mis.npz", x=np.zeros((5, 8, 8, 1), np.uint8), y=np.zeros(4, np.int64))
     before = sorted(p.name for p in tmp_path.iterdir())
-    check = _edgefl("check-config", str(COORDINATOR), *sets, cwd=tmp_path)
-    assert check.returncode == 1, check.stdout + check.stderr
-    assert f"  {key} = " in check.stderr, check.stderr
+    code, out, err = _edgefl_here("check-config", str(COORDINATOR), *sets, cwd=tmp_path, capsys=capsys)
+    assert code == 1, out + err
+    assert f"  {key} = " in err, err
     # an unreachable broker: a profile that passed would wait for it, never reach round 1
-    run = _edgefl(
-        "coordinator", str(COORDINATOR), "--set", "broker.url=mqtt://127.0.0.1:1", *sets, cwd=tmp_path
+    code, out, err = _edgefl_here(
+        "coordinator", str(COORDINATOR), "--set", "broker.url=mqtt://127.0.0.1:1", *sets, cwd=tmp_path,
+        capsys=capsys,
     )
-    assert run.returncode == 1, run.stdout + run.stderr
-    assert f"  {key} = " in run.stderr and "invalid profile" in run.stderr, run.stderr
-    assert "Traceback" not in run.stderr + run.stdout
-    assert "round 1" not in run.stdout + run.stderr
+    assert code == 1, out + err
+    assert f"  {key} = " in err and "invalid profile" in err, err
+    assert "round 1" not in out + err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
 
 

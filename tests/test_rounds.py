@@ -71,3 +71,22 @@ def test_rounds_incremental_lists_replaced_whole_are_read_again() -> None:
     r.declined = ["c", "x"]  # x was not online at the opening: it does not count towards "everybody"
     assert r.answered().of_online == 3 and r.answered().members == {"a", "b", "c", "x"}
     assert r.complete()
+
+
+def test_rounds_incremental_asked_is_the_online_devices_and_every_answer() -> None:
+    """Without a selection the devices asked are those online at the opening and any other that answered
+    (update or decline), counted once: what ``close_at`` takes a quorum of."""
+    r = Round(1, 0, (4, 2), 30.0, 1, online=frozenset({"a", "b", "c"}), quorum=0.5)
+    assert (r.asked, r.close_at) == (3, 2)
+    for dev in ("d", "a"):  # d was not online at the opening, a was
+        u = update(dev)
+        r.admit(u)
+        r.record(u, 100)
+    r.declined.append("e")
+    r.declined.append("b")
+    assert r.asked == len({"a", "b", "c"} | set(r.devices) | set(r.declined)) == 5
+    assert r.close_at == 3 and not r.complete()
+    u = update("c")
+    r.admit(u)
+    r.record(u, 100)
+    assert r.asked == 5 and r.complete()

@@ -32,6 +32,7 @@ from edgefl.datasets import load_digits
 from edgefl.launcher import stop_agents
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
+from edgefl.wire.rounds import Decline, encode_decline
 from edgefl.wire.status import DeviceStatus, encode_status
 
 pytestmark = pytest.mark.timeout(300)
@@ -117,7 +118,9 @@ def test_pacing_of_a_job_a_root_and_a_flat_service() -> None:
 
     assert pacing() == Pacing(60.0, 32, 2)  # the shipped service
     assert pacing(**{"rounds.count": "3"}) == Pacing(0.0, 0, 1)  # a job: back to back
-    root = pacing(**{"hierarchy.role": "root", "hierarchy.allow_unsigned_sites": "true"})
+    root = pacing(
+        **{"hierarchy.role": "root", "hierarchy.allow_unsigned_sites": "true", "hierarchy.site_devices": "9"}
+    )
     assert root == Pacing(60.0, 0, 0)  # its devices report to their sites: time only
     assert root.check(4, {}, 60.0).text == "opening round 5"
 
@@ -231,10 +234,10 @@ def test_pacing_service_waits_for_new_samples_and_stops_cleanly(
 def test_durable_kill9_after_devices_sent_counts_every_update_once(
     tmp_path: Path, mosquitto: Broker, fleet: str, stop: signal.Signals, exit_code: int
 ) -> None:
-    """A round asks three real devices and a fourth that never answers, so it stays open; the
+    """A round asks three real devices and a fourth that does not train, so it stays open; the
     coordinator is killed -9 (or stopped: SIGTERM abandons the open round cleanly, saved) right after
-    the three updates arrived. Restarted, it resumes the round and closes it at its deadline with
-    each of the three updates counted exactly once."""
+    the three updates arrived. Restarted, it resumes the round, and once the fourth declines it closes
+    it with each of the three updates counted exactly once."""
     x, y = load_digits()
     devices = ("dev-1", "dev-2", "dev-3")
     agents = [
@@ -251,13 +254,20 @@ def test_durable_kill9_after_devices_sent_counts_every_update_once(
         )
         await t.stop()
 
+    async def ghost_declines() -> None:  # the fourth answers: the round closes before its deadline
+        t = MqttTransport(mosquitto.host, mosquitto.port, f"ghost-{fleet}")
+        await t.start(wait_s=10)
+        no = Decline(1, 0, "dev-ghost", "too_few_examples", "a ghost", "dev-ghost:1:0:declined")
+        await t.publish(Topics("edgefl", fleet).update("dev-ghost"), encode_decline(no), qos=1)
+        await t.stop()
+
     asyncio.run(ghost())
     state, log = tmp_path / "state.rec", tmp_path / "rounds.jsonl"
     sets = (
         "rounds.interval_s=0",
         "rounds.min_new_samples=0",
         "rounds.min_clients=4",
-        "rounds.deadline_s=25",
+        "rounds.deadline_s=60",  # long: the round closes on the fourth device's decline
         f"files.state={state}",
         f"files.log={log}",
     )
@@ -275,6 +285,9 @@ def test_durable_kill9_after_devices_sent_counts_every_update_once(
         assert coord.wait(timeout=30) == exit_code, coordinator_log.read_text()[-3000:]
         assert log_lines(log) == []  # the round had not closed
         coord = start_coordinator(tmp_path, "coordinator", mosquitto, fleet, *sets)
+        resumed = "round 1 resumed from the state file"
+        wait_for(lambda: resumed in coordinator_log.read_text(), 90, resumed, [coord], tmp_path)
+        asyncio.run(ghost_declines())
         wait_for(lambda: log_lines(log), 90, "round 1 closed after the restart", [coord], tmp_path)
         coord.send_signal(signal.SIGTERM)
         assert coord.wait(timeout=30) == 0, coordinator_log.read_text()[-3000:]
@@ -290,3 +303,4 @@ def test_durable_kill9_after_devices_sent_counts_every_update_once(
     assert Counter(u.split(":")[0] for u in ids if u.endswith(":1:0")) == Counter(devices), ids
     assert sorted(first["update_ids"]) == [f"{d}:1:0" for d in devices], first
     assert first["counted"] == 3 and len(ids) == len(set(ids)), ids
+    assert first["declined"] == {"too_few_examples": 1}, first

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import PASSWORD, USER, Broker, Pki, read_mqtt_packet, start_mosquitto, stop_broker, tls_conf
 
-from edgefl.agent.config import BrokerConfig
 from edgefl.errors import ConfigError, TransportError
-from edgefl.mqtt_link import remaining_length
+from edgefl.mqtt_socket import remaining_length
+from edgefl.profiles import BrokerConfig
 from edgefl.tlsconf import make_ssl_context, ssl_context_for
 from edgefl.transport import MqttTransport
 

@@ -31,6 +31,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.reasoncodes import ReasonCode
 
 import edgefl.mqtt_link as link_mod
+import edgefl.mqtt_socket as socket_mod
 import edgefl.transport as transport_mod
 from edgefl.errors import TransportError
 from edgefl.launcher import launch_agent, stop_agents
@@ -226,7 +227,7 @@ def publish_packet(topic: bytes, payload: bytes, packet_id: int = 0) -> bytes:
     """An MQTT 3.1.1 PUBLISH: QoS 1 with ``packet_id``, QoS 0 without."""
     head, pid = (b"\x32", packet_id.to_bytes(2, "big")) if packet_id else (b"\x30", b"")
     body = len(topic).to_bytes(2, "big") + topic + pid + payload
-    return head + link_mod.remaining_length(len(body)) + body
+    return head + socket_mod.remaining_length(len(body)) + body
 
 
 def test_a_burst_already_in_the_socket_reaches_the_queue_in_one_turn() -> None:
@@ -696,7 +697,7 @@ def _publish_packet(topic: str, payload: bytes, *, qos: int, packet_id: int, mqt
     body += packet_id.to_bytes(2, "big") if qos else b""
     body += b"\x00" if mqtt5 else b""
     body += payload
-    return bytes([0x30 | qos << 1]) + link_mod.remaining_length(len(body)) + body
+    return bytes([0x30 | qos << 1]) + socket_mod.remaining_length(len(body)) + body
 
 
 @pytest.mark.parametrize("mqtt5", [True, False])
@@ -706,23 +707,23 @@ def test_packet_filter_replaces_oversize_publish_whatever_the_read_sizes(mqtt5: 
     big = _publish_packet("a/global", b"\xff" * 300_000, qos=1, packet_id=8, mqtt5=mqtt5)
     tail = bytes([0x90, 3, 0, 9, 1])  # a SUBACK after it
     stand_in = _publish_packet(
-        link_mod.OVERSIZE_TOPIC, f"{len(big)}\na/global".encode(), qos=1, packet_id=8, mqtt5=mqtt5
+        socket_mod.OVERSIZE_TOPIC, f"{len(big)}\na/global".encode(), qos=1, packet_id=8, mqtt5=mqtt5
     )
     rng = random.Random(1)
     for _ in range(20):
-        f = link_mod.PacketFilter(1024, mqtt5=mqtt5)
+        f = socket_mod.PacketFilter(1024, mqtt5=mqtt5)
         stream, out = small + big + tail, b""
         while stream:
-            piece = stream[: rng.randint(1, rng.choice([1, 7, 4096, link_mod.READ_BYTES]))]
+            piece = stream[: rng.randint(1, rng.choice([1, 7, 4096, socket_mod.READ_BYTES]))]
             stream = stream[len(piece) :]
             out += f.feed(piece)
         assert out == small + stand_in + tail
         assert f.dropped_total == 1
     with pytest.raises(ConnectionError, match="over our limit"):  # an oversize packet of another type
-        link_mod.PacketFilter(16, mqtt5=True).feed(bytes([0x90, 0x80, 0x01]))
+        socket_mod.PacketFilter(16, mqtt5=True).feed(bytes([0x90, 0x80, 0x01]))
 
 
-@pytest.mark.skipif(link_mod.TCP_QUICKACK is None, reason="TCP_QUICKACK is Linux's")
+@pytest.mark.skipif(socket_mod.TCP_QUICKACK is None, reason="TCP_QUICKACK is Linux's")
 def test_quickack_rearmed_after_every_read(mosquitto: Broker, fleet: str) -> None:
     """Every read re-arms TCP_QUICKACK: a broker at its defaults (Nagle) never waits for our delayed ACK.
 
@@ -731,7 +732,7 @@ def test_quickack_rearmed_after_every_read(mosquitto: Broker, fleet: str) -> Non
     """
     import socket
 
-    opt = link_mod.TCP_QUICKACK
+    opt = socket_mod.TCP_QUICKACK
     assert opt is not None
 
     async def main() -> None:
@@ -751,11 +752,11 @@ def test_quickack_rearmed_after_every_read(mosquitto: Broker, fleet: str) -> Non
     asyncio.run(main())
 
 
-@pytest.mark.skipif(link_mod.TCP_QUICKACK is None, reason="TCP_QUICKACK is Linux's")
+@pytest.mark.skipif(socket_mod.TCP_QUICKACK is None, reason="TCP_QUICKACK is Linux's")
 def test_quickack_sets_the_option_and_ignores_closed_sockets() -> None:
     import socket
 
-    opt = link_mod.TCP_QUICKACK
+    opt = socket_mod.TCP_QUICKACK
     assert opt is not None
     server = socket.create_server(("127.0.0.1", 0))
     try:
@@ -763,10 +764,10 @@ def test_quickack_sets_the_option_and_ignores_closed_sockets() -> None:
             c.setsockopt(socket.IPPROTO_TCP, opt, 0)
             s.sendall(b"x")
             assert c.recv(1) == b"x"
-            link_mod.quickack(c)
+            socket_mod.quickack(c)
             assert c.getsockopt(socket.IPPROTO_TCP, opt) == 1
-        link_mod.quickack(c)  # closed: nothing raised
-        link_mod.quickack(None)
+        socket_mod.quickack(c)  # closed: nothing raised
+        socket_mod.quickack(None)
     finally:
         server.close()
 
@@ -820,4 +821,4 @@ def test_remaining_length_encodes_mqtt_variable_byte_integers() -> None:
     # MQTT 5.0 §1.5.5's table: the edges of 1, 2, 3 and 4 bytes
     cases = {0: "00", 127: "7f", 128: "8001", 16_383: "ff7f", 16_384: "808001", 2_097_152: "80808001"}
     for n, hexed in cases.items():
-        assert link_mod.remaining_length(n) == bytes.fromhex(hexed), n
+        assert socket_mod.remaining_length(n) == bytes.fromhex(hexed), n
