@@ -4,10 +4,12 @@ Every state write of the device goes through :meth:`DeviceState._persist`: it ru
 write that fails (a full disk) is counted, logged once, marks the device ``degraded`` and is retried
 (:meth:`DeviceState.retry_persist`) while the device carries on. What is written when: the outbox
 record with the update, the answered round and the error-feedback residual in one write before an
-update is published; the outbox again after its PUBACK (the residual then in its own file); an
-applied global head at once; the embedding store every ``training.flush_every`` samples or within
-``training.flush_interval_s``. Each file is a checksummed record (``edgefl.records``); one for
-another fleet or model, or unreadable, is set aside with one log line.
+update is published, and again after its PUBACK; an applied global head, the personal head and the
+rollback floor when they change; the embedding store every ``training.flush_every`` samples or within
+``training.flush_interval_s`` (``agent/store.py``). The head's, personal head's, floor's and outbox's
+records are rewritten in place, in the file and its ``.prev`` in turn (:class:`~edgefl.records.RecordSlot`:
+one ``fdatasync``, the newest good generation never touched) and checksummed; one for another fleet or
+model, or unreadable, is set aside with one log line.
 
 :class:`DeviceState` declares the device's fields that the other parts of the core
 (``agent/personal.py``, ``agent/round.py``, ``agent/core.py``) read, so each part states what it uses.
