@@ -249,7 +249,8 @@ class Candidate(Strategy):
     """A candidate rule behind the shipped ``Strategy`` interface (checks, norm bound, ``min_updates``).
 
     The round's norm-bounded updates are kept (O(n model)) and ``rule(self, X)`` combines them,
-    ``X`` float64 ``[n, D K + K]``; the FedAvg family's ``min_updates`` (5 for tolerate 1).
+    ``X`` float64 ``[n, D K + K]``; the FedAvg family's ``min_updates`` (5 for tolerate 1). A rule
+    keeps what it needs from round to round (momentum, deviation history) in ``carried``.
     """
 
     name = "candidate"
@@ -257,7 +258,7 @@ class Candidate(Strategy):
     def __init__(self, rule: Callable[[Candidate, F64], F64], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.rule = rule
-        self.memory: dict[str, Any] = {}
+        self.carried: dict[str, Any] = {}
         self._kept: list[F64] = []
 
     def _begin(self, shape: tuple[int, int]) -> None:
@@ -283,7 +284,7 @@ def cc_trimmed(factor: float) -> Callable[[Candidate, F64], F64]:
 
     def rule(s: Candidate, x: F64) -> F64:
         c = _trimmed(s, x)
-        hist = s.memory.setdefault("tau", DeviationHistory(factor))
+        hist = s.carried.setdefault("tau", DeviationHistory(factor))
         return centered_clip(x, c, hist.tau(np.linalg.norm(x - c, axis=1)))
 
     return rule
@@ -293,10 +294,10 @@ def cc_momentum(factor: float, beta: float) -> Callable[[Candidate, F64], F64]:
     """Centered clipping around the previous aggregate times ``beta`` (server momentum)."""
 
     def rule(s: Candidate, x: F64) -> F64:
-        v = beta * s.memory.get("v", np.zeros(x.shape[1]))
-        hist = s.memory.setdefault("tau", DeviationHistory(factor))
+        v = beta * s.carried.get("v", np.zeros(x.shape[1]))
+        hist = s.carried.setdefault("tau", DeviationHistory(factor))
         v = centered_clip(x, v, hist.tau(np.linalg.norm(x - v, axis=1)))
-        s.memory["v"] = v
+        s.carried["v"] = v
         return v
 
     return rule

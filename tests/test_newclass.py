@@ -18,6 +18,7 @@ from bench.newclass import (
     centered_clip,
     columns,
     flatten,
+    main,
     new_class_run,
     outlying_columns,
     shipped_factory,
@@ -121,3 +122,12 @@ def test_newclass_outlying_columns_add_only_the_far_deviation() -> None:
     center = np.array([1.0, 1.0, 0.0, 0.0])
     out = outlying_columns(x, center, D, K, ratio=3.0, w=1.0)
     np.testing.assert_allclose(out, [4.0, 1.0, 0.0, 0.0])
+
+
+def test_newclass_cli_names_an_unknown_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--rule`` takes the table's names; another is refused with exit 2, naming the choices."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--rule", "krum"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--rule 'krum'" in err and "trimmed-mean (default)" in err
