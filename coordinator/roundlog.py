@@ -88,6 +88,35 @@ def counts_since(now: Mapping[str, int], before: Mapping[str, int]) -> dict[str,
     return {str(k): v - before.get(k, 0) for k, v in sorted(now.items()) if v > before.get(k, 0)}
 
 
+def _round_entry(
+    rec: RoundRecord,
+    version: int,
+    strategy: str,
+    update_ids: list[str],
+    refused: Mapping[str, int],
+    declined: Mapping[str, int],
+) -> dict[str, Any]:
+    """The keys of a round log line that a round's record gives (NaN and unset figures as null)."""
+    closed = rec.closed_unix if math.isfinite(rec.closed_unix) else time.time()
+    return {
+        "round": rec.round,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(closed)),
+        "asked": rec.asked,
+        "counted": rec.clients,
+        "refused": dict(refused),
+        "declined": dict(declined),
+        "clients": rec.clients,
+        "accuracy": None if math.isnan(rec.accuracy) else rec.accuracy,
+        "update_bytes_mean": rec.update_bytes_mean,
+        "duration_s": rec.duration_s,
+        "update_ids": update_ids,
+        "version": version,
+        "strategy": strategy,
+        "lr": rec.lr if math.isfinite(rec.lr) else None,
+        "new_samples": rec.new_samples if rec.new_samples >= 0 else None,
+        "round_refused": rec.refused or None,
+    }
+
 
 def log_entry(
     coord: Coordinator,
@@ -97,31 +126,16 @@ def log_entry(
     declined: Mapping[str, int],
 ) -> dict[str, Any]:
     """One closed round's line of ``files.log`` (``docs/operations.md``, "The round log")."""
-    closed = rec.closed_unix if math.isfinite(rec.closed_unix) else time.time()
-    entry: dict[str, Any] = {
-        "round": rec.round,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(closed)),
-        "asked": rec.asked,
-        "counted": rec.clients,
-        "refused": dict(refused),
-        "declined": dict(declined),
-        "clients": rec.clients,
-        "accuracy": rec.accuracy,
-        "update_bytes_mean": rec.update_bytes_mean,
-        "duration_s": rec.duration_s,
-        "refused_updates": dict(refused),
-        "update_ids": coord.counted.get(rec.round, []),
-        "version": coord.state.version,
-        "strategy": strategy.name,
-        "lr": rec.lr if math.isfinite(rec.lr) else None,
-        "new_samples": rec.new_samples if rec.new_samples >= 0 else None,
-        "clipped": rec.clipped,
-        "clipped_by_device": dict(strategy.clipped),  # since the start of this process
-        "norm_bound": rec.norm_bound if math.isfinite(rec.norm_bound) else None,
-        "epsilon": None if math.isnan(rec.epsilon) else rec.epsilon,
-        "delta": None if math.isnan(rec.delta) else rec.delta,
-        "round_refused": rec.refused or None,
-    }
+    update_ids = coord.counted.get(rec.round, [])
+    entry = _round_entry(rec, coord.state.version, strategy.name, update_ids, refused, declined)
+    entry.update(
+        refused_updates=dict(refused),
+        clipped=rec.clipped,
+        clipped_by_device=dict(strategy.clipped),  # since the start of this process
+        norm_bound=rec.norm_bound if math.isfinite(rec.norm_bound) else None,
+        epsilon=None if math.isnan(rec.epsilon) else rec.epsilon,
+        delta=None if math.isnan(rec.delta) else rec.delta,
+    )
     if isinstance(coord, RootCoordinator):  # since the start of this process
         # update_bytes_mean is kept (same key as a flat run); at the root it is this
         entry["partial_bytes_mean"] = rec.update_bytes_mean
@@ -157,26 +171,9 @@ def log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:
     versions.reverse()
     with open(log, "a") as f:
         for rec, version in zip(missing, versions, strict=True):
-            closed = rec.closed_unix if math.isfinite(rec.closed_unix) else time.time()
-            entry = {
-                "round": rec.round,
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(closed)),
-                "asked": rec.asked,
-                "counted": rec.clients,
-                "refused": {},  # the refusals by reason were not saved
-                "declined": {},
-                "clients": rec.clients,
-                "accuracy": None if math.isnan(rec.accuracy) else rec.accuracy,
-                "update_bytes_mean": rec.update_bytes_mean,
-                "duration_s": rec.duration_s,
-                "update_ids": coord.counted.get(rec.round, []),
-                "version": version,
-                "strategy": strategy,
-                "lr": rec.lr if math.isfinite(rec.lr) else None,
-                "new_samples": rec.new_samples if rec.new_samples >= 0 else None,
-                "round_refused": rec.refused or None,
-                "recovered": True,
-            }
+            # the refusals and declines by reason were not saved
+            entry = _round_entry(rec, version, strategy, coord.counted.get(rec.round, []), {}, {})
+            entry["recovered"] = True
             f.write(json.dumps(entry) + "\n")
     logger.warning("appended %d round(s) the log missed (closed and saved before a restart)", len(missing))
     return len(missing)
