@@ -219,20 +219,30 @@ class PersonalConfig:
     enabled : bool
         Train and serve a personal head.
     prox_lambda : float
-        Ditto's proximal coefficient lambda, 0..1000 (0 = local training alone).
+        Ditto's proximal coefficient lambda, 0..1000. 0 (the default): no pull; the personal head
+        starts as a copy of the global head and learns from the device's labels from there (on
+        the benchmark's sets every pull tried, 0.01 to 0.1, cost the devices that differ most).
     epochs : int
         Passes over the store per round, 0..100; 0 = the round's ``local_epochs``.
     lr_scale : float
         The personal step's SGD learning rate as a multiple of the round's ``lr``, > 0 and <= 10.
+    absent_alpha : float
+        FedRS's alpha, 0..1: in the personal step's loss the logits of the classes this device has
+        never had a label for are multiplied by it (0: a constant 0 logit; 1: plain softmax), so
+        the classes it knows are not pushed above every other class (the device would stop
+        predicting the classes only the fleet knows).
 
     Source: Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through
-    Personalization", ICML 2021. Defaults from ``python -m bench.personal`` (docs/benchmarks.md).
+    Personalization", ICML 2021; X.-C. Li, D.-C. Zhan, "FedRS: Federated Learning with Restricted
+    Softmax for Label Distribution Non-IID Data", KDD 2021. Defaults from ``python -m
+    bench.personal`` (docs/benchmarks.md).
     """
 
     enabled: bool = True
-    prox_lambda: float = 0.1
+    prox_lambda: float = 0.0
     epochs: int = 0
-    lr_scale: float = 1.2
+    lr_scale: float = 1.6
+    absent_alpha: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -559,6 +569,8 @@ def _check_personal(p: Problems, c: PersonalConfig, raw: Mapping[str, object], c
         p.add("personal.epochs", c.epochs, "must be an integer between 0 and 100 (0: the round's)")
     if not 0.0 < c.lr_scale <= 10.0:
         p.add("personal.lr_scale", c.lr_scale, "must be > 0 and <= 10 (a multiple of the round's lr)")
+    if not 0.0 <= c.absent_alpha <= 1.0:
+        p.add("personal.absent_alpha", c.absent_alpha, "must be between 0 and 1 (1: plain softmax)")
 
 
 _CHECKS: dict[str, Check] = {

@@ -13,16 +13,13 @@ import asyncio
 import logging
 import time
 
-from edgefl.agent import memory
+from edgefl.agent import heap
 from edgefl.agent.core import ApplyStatus
 from edgefl.agent.ingest import LOGGED_REFUSALS
 from edgefl.agent.round import RoundResult, RoundStatus
 from edgefl.agent.source import SampleSource
 from edgefl.aio import wait_event
-from edgefl.errors import (
-    DecodeError,
-    TransportError,
-)
+from edgefl.errors import DecodeError, EdgeflError, TransportError
 from edgefl.mqtt_link import Message
 from edgefl.wire.chunking import Reassembler, is_chunk, split_message
 
@@ -58,12 +55,22 @@ class RoundTask(SampleSource):
 
         Each pass: re-send the outbox if a (re)connect asked, answer the waiting round if samples
         arrived for it, retry the deferred round once ``status.interval_s`` has passed, then handle
-        one round or global message (:meth:`handle`). With nothing in hand the status may be
-        checked (``_status_go``), and once no message came for :data:`IDLE_GRACE_S` after a trained
-        round, freed heap goes back to the kernel (``malloc_trim``).
+        one round or global message (:meth:`handle`). With nothing in hand the last trained round's
+        personal step runs, then the status may be checked (``_status_go``), and once no message
+        came for :data:`IDLE_GRACE_S` after a trained round, freed heap goes back to the kernel
+        (``malloc_trim``), and the library pages it mapped (``release_file_pages``).
         """
         while True:
             if self._control.empty() and not self._round_asks and not self._retry_due():
+                if self.core.personal_due:
+                    # the personal step of the round just answered, once no message waits (it changes
+                    # nothing that is sent; a round that comes first runs it before its training)
+                    try:
+                        if await self._work(self.core.personalise) is not None:
+                            self._changed()
+                    except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
+                        self._fault("personal", "personal step", exc)  # the next round tries again
+                    continue
                 self._status_go.set()
                 self._round_wake.clear()
                 idle_since, wait_s = time.monotonic(), self._idle_wait_s()
@@ -72,17 +79,22 @@ class RoundTask(SampleSource):
                 elif not await wait_event(self._round_wake, wait_s):
                     if self._trim_wanted and time.monotonic() - idle_since >= IDLE_GRACE_S:
                         self._trim_wanted = False
-                        await self._work(memory.malloc_trim)
+                        await self._work(heap.malloc_trim)
+                        # and the code and constants the round faulted in and may not run again
+                        await self._work(heap.release_file_pages)
                     continue
             if not self._status_connected:
                 self._status_go.clear()  # a round's status changes are checked once it is handled
             asks, self._round_asks = self._round_asks, set()
-            if "resend" in asks:
-                await self.resend_outbox()
-            if "ready" in asks:
-                await self.answer_ready()
-            if self._retry_due():
-                await self.retry_deferred()
+            try:
+                if "resend" in asks:
+                    await self.resend_outbox()
+                if "ready" in asks:
+                    await self.answer_ready()
+                if self._retry_due():
+                    await self.retry_deferred()
+            except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
+                self._fault("round", " and ".join(sorted(asks)) or "deferred round retry", exc)
             if not self._control.empty():
                 await self.handle(self._control.get_nowait())
 
@@ -173,10 +185,7 @@ class RoundTask(SampleSource):
             logger.info("round %d: %s; not trained again", result.round, result.detail)
             self._changed()
         elif status == RoundStatus.TRAINED:
-            await self._sent(result)
-            # the personal head's step, once the update is out (it changes nothing that is sent)
-            if self.core.personal_due and await self._work(self.core.personalise) is not None:
-                self._changed()
+            await self._sent(result)  # the personal step follows when no message waits (round_loop)
         elif status == RoundStatus.DECLINED:
             await self._declined(result)
         else:

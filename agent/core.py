@@ -34,18 +34,18 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefl.agent import memory
+from edgefl.agent import estimates, heap
 from edgefl.agent.config import Profile
 from edgefl.agent.feedback import ErrorFeedback
+from edgefl.agent.governor import Admission, Governor
 from edgefl.agent.outbox import Outbox
 from edgefl.agent.personal import Evaluation, holdout_capacity
 from edgefl.agent.pipeline import Pipeline, choose
 from edgefl.agent.round import Deferred, RoundAnswering, RoundResult
-from edgefl.agent.state import OUTBOX_FILE, Answered, PhaseHook, ProgressHook
+from edgefl.agent.state import HEAD_FILE, OUTBOX_FILE, Answered, PhaseHook, ProgressHook
 from edgefl.agent.store import EmbeddingStore
 from edgefl.errors import BudgetExceeded, DecodeError, ModelError, UpdateRejected
 from edgefl.head import Head, personal_columns, validate_head
-from edgefl.records import write_record
 from edgefl.runtime import Backbone
 from edgefl.types import F32, I64
 from edgefl.wire.cbor import Limits, MessageType
@@ -154,7 +154,7 @@ def check_model_fits(profile: Profile, backbone: Backbone) -> None:
     src = profile.source
     if src.kind == "replay" and src.path is not None:
         try:  # the header only: the samples are loaded once admitted (the daemon's replay)
-            shape = memory.npz_headers(src.path)["x"][0][1:]
+            shape = estimates.npz_headers(src.path)["x"][0][1:]
         except (KeyError, ValueError) as exc:
             raise ModelError(
                 str(profile.model.path), f"source.path {src.path}: no sample array x ({exc})"
@@ -211,7 +211,7 @@ class DeviceCore(RoundAnswering):
         model_sha256: str,
         *,
         pipeline: Pipeline | None = None,
-        governor: memory.Governor | None = None,
+        governor: Governor | None = None,
         state_dir: Path | None = None,
         store_capacity: int | None = None,
         phase: PhaseHook | None = None,
@@ -225,13 +225,14 @@ class DeviceCore(RoundAnswering):
         self.state_dir = Path(state_dir if state_dir is not None else profile.device.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         mem = profile.memory
-        self.governor = governor or memory.Governor(
+        self.governor = governor or Governor(
             profile.cap_bytes, mem.reserve_mb << 20, mem.min_system_available_mb << 20
         )
         self._phase: PhaseHook = phase or self.governor.phase
         self._progress = progress
         self.limits = Limits(max_message_bytes=max(profile.broker.max_packet_bytes, 1 << 20))
         self.head = head
+        self._records = {}
         self._load_head()
         sec = profile.security
         self.signing_key: SigningKey | None = (
@@ -241,7 +242,7 @@ class DeviceCore(RoundAnswering):
             parse_verify_key(sec.coordinator_public_key) if sec.coordinator_public_key else None
         )
         self.outbox = Outbox(self.state_dir / OUTBOX_FILE, sec.outbox_max_bytes)
-        self.feedback = ErrorFeedback(self.state_dir, self.head.shape, model_sha256)
+        self.feedback = ErrorFeedback(self.head.shape, model_sha256)
         capacity = store_capacity if store_capacity is not None else profile.training.store_capacity
         self.store = EmbeddingStore(
             self.state_dir, capacity, self.head.shape[0], num_classes=self.head.shape[1]
@@ -258,9 +259,11 @@ class DeviceCore(RoundAnswering):
             else None
         )
         self._labelled = len(self.store) + (len(self.holdout) if self.holdout is not None else 0)
-        self.new_samples = len(self.store)
+        self.new_samples = self.store.since_mark
         """Labelled samples stored since this device last trained for a round (the status's
-        ``new_samples``, which paces the coordinator's rounds); after a restart, the whole store."""
+        ``new_samples``, which paces the coordinator's rounds); after a restart, those the store holds
+        after the mark its last round left (kept with the store's next flush: a crash within the flush
+        window counts the samples of that round again; a store without a mark counts all it holds)."""
         self.evaluation: Evaluation | None = None
         self.personal: Head | None = None
         """The personal head (None until the first personal step; :meth:`personalise`)."""
@@ -289,15 +292,15 @@ class DeviceCore(RoundAnswering):
         self.declined_total = 0
         """Rounds refused to the coordinator with a Decline message."""
         self._declines: list[RoundResult] = []  # declines of superseded deferred rounds, to send
-        self._take_carried_residual()
-        self.shapes = memory.model_shapes(pipeline.backbone) if pipeline is not None else None
+        self._load_residual()
+        self.shapes = estimates.model_shapes(pipeline.backbone) if pipeline is not None else None
 
     @classmethod
     def open(
         cls,
         profile: Profile,
         *,
-        governor: memory.Governor | None = None,
+        governor: Governor | None = None,
         state_dir: Path | None = None,
         store_capacity: int | None = None,
         phase: PhaseHook | None = None,
@@ -392,13 +395,15 @@ class DeviceCore(RoundAnswering):
         classes, scores = head.scores(emb)
         return Classified(emb, classes, head.version, scores=scores, head=kind)
 
-    def _admit_inference(self, pipeline: Pipeline, shapes: memory.ModelShapes, n: int) -> int:
+    def _admit_inference(self, pipeline: Pipeline, shapes: estimates.ModelShapes, n: int) -> int:
         """The governor's grant for ``n`` samples: rows per invoke, the pipeline's batch set to fit.
 
         A batch the governor shrinks becomes the pipeline's tensor batch (the arena is sized by the
         largest batch ever allocated, so it is shrunk before a large call, never after); once the
-        profile's batch fits again it is restored. Work judged over budget even at one sample is
-        not run: free heap is returned to the kernel and the request asked again once, then refused.
+        profile's batch fits again it is restored. A batch that would grow the arena into the
+        room of the smallest training run (``training.chunk_floor``) is shrunk. Work judged over
+        budget even at one sample is not run: free heap is returned to the kernel and the request
+        asked again once, then refused.
 
         Raises
         ------
@@ -406,14 +411,31 @@ class DeviceCore(RoundAnswering):
             If one sample is still over budget (nothing was run; the governor counted a deferral).
         """
         gov = self.governor
+        cfg = self.profile.training
+        # a grown arena stays: it must leave the smallest training run room under cap - reserve
+        train_floor = estimates.estimate_train_bytes(
+            cfg.chunk_floor,
+            shapes.embedding_dim,
+            shapes.classes,
+            cfg.chunk_floor,
+            max(1, len(self.store)),
+            first_run=gov.phase_counts.get("train", 0) == 0,
+            resident_rows=self.store.resident_rows,
+        )
 
-        def ask() -> memory.Admission:
-            return gov.admit_inference(shapes, n, resident_batch=pipeline.allocated_batch, prep=pipeline.mode)
+        def ask() -> Admission:
+            return gov.admit_inference(
+                shapes,
+                n,
+                resident_batch=pipeline.allocated_batch,
+                prep=pipeline.mode,
+                keep_bytes=train_floor,
+            )
 
         adm = ask()
         if adm.deferred:
             gc.collect()
-            memory.malloc_trim()
+            heap.malloc_trim()
             adm = ask()
             if adm.deferred:
                 raise BudgetExceeded("inference", adm.estimate_bytes, max(0, adm.budget_bytes))
@@ -524,12 +546,12 @@ class DeviceCore(RoundAnswering):
                 )
                 # a compressed head or a delta from the held version becomes a float32 head here
                 gm = resolve_global_head(gm, held.version, held.W, held.b)
+                return self._apply(gm)
         except DecodeError as exc:
             return ApplyResult(ApplyStatus.REFUSED, reason=exc.reason, detail=exc.detail)
-        return self.apply_global(gm)
 
     def apply_global(self, gm: GlobalModel) -> ApplyResult:
-        """Validate a decoded global head, persist it and swap it in atomically.
+        """Validate a decoded global head, persist it and swap it in atomically (phase ``apply``).
 
         Refused: ``wrong_model`` (backbone sha256 differs), ``bad_shape``/``not_finite`` (values, or
         non-finite logits on a few stored embeddings), ``not_newer`` (older than the running head, or
@@ -545,6 +567,10 @@ class DeviceCore(RoundAnswering):
         -------
         ApplyResult
         """
+        with self._phase("apply"):
+            return self._apply(gm)
+
+    def _apply(self, gm: GlobalModel) -> ApplyResult:
         try:
             if gm.model_sha256 != self.model_sha256:
                 raise UpdateRejected(
@@ -572,10 +598,9 @@ class DeviceCore(RoundAnswering):
         except UpdateRejected as exc:
             return ApplyResult(ApplyStatus.REFUSED, gm.version, gm.round, exc.reason, exc.detail)
         new = Head(gm.W, gm.b, gm.version)
-        with self._phase("apply"):
-            # a head that cannot be written (a full disk) still runs: the retained head is
-            # delivered again after a restart, and the write is retried once there is room
-            self._persist("head", lambda: write_record(self.head_path, encode_global_model(gm)))
+        # a head that cannot be written (a full disk) still runs: the retained head is delivered
+        # again after a restart, and the write is retried once there is room
+        self._persist("head", lambda: self._write_state(HEAD_FILE, encode_global_model(gm)))
         self.head = new
         self._tie_personal()
         self.evaluate()

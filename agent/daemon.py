@@ -22,7 +22,7 @@ import signal
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-from edgefl.agent import memory
+from edgefl.agent import heap
 from edgefl.agent.config import Profile
 from edgefl.agent.control import RoundTask
 from edgefl.agent.core import DeviceCore
@@ -198,7 +198,8 @@ class Agent(RoundTask):
                     ) from exc
                 stack.push_async_callback(self.status_page.stop)
                 logger.info("dashboard on %s", self.dashboard_url)
-            memory.malloc_trim()  # start-up's freed heap (imports, model, page) back to the kernel
+            heap.malloc_trim()  # start-up's freed heap (imports, model, page) back to the kernel
+            heap.release_file_pages()  # and the library pages only start-up ran
             # The round first: its retained announcement (signed: its base version is the rollback
             # floor) reaches the core before any retained head, so a device without a head never
             # applies one older than the fleet's current version (an old signed head replayed on

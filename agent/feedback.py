@@ -6,14 +6,11 @@ residual is ``corrected - decoded``, where ``decoded`` is exactly what the coord
 hands the wire form on to ``encode_update(..., compressed=...)``. Nothing is lost, only delayed, which
 is what lets top-k keep 10 % of the coordinates without hurting accuracy.
 
-The residual lives in the device's state directory (``feedback_residual.npz``, with the round that
-left it), written with ``edgefl.records.atomic_write`` (temporary file, fsync, rename, fsync of the
-folder) so it survives a restart or a power cut; a residual for another head shape or another model
-is discarded. The device core writes that file after the update's PUBACK: until then the outbox
-record that keeps the round's update carries a copy (one atomic write before the publish;
-``edgefl.agent.round``), and a restart takes the copy when it is newer than the file. That copy is
-the compact form (:meth:`ErrorFeedback.carry_bytes`: a CBOR map of RFC 8746 typed arrays, ~10 us to
-make where the ``.npz`` takes ~200 us, before every publish).
+The residual is kept by the device's outbox record (``edgefl.agent.outbox``): the write that keeps the
+round's update carries it, and so does every later write of the record, so a restart or a power cut
+loses neither (one ``fdatasync`` before the publish, no file of its own). It travels in the compact
+form of :meth:`ErrorFeedback.carry_bytes` (a CBOR map of RFC 8746 typed arrays); a residual for
+another head shape or another model is discarded.
 
 Source: Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory" (NeurIPS), Algorithm 1;
 Karimireddy et al. 2019 ("Error Feedback Fixes SignSGD").
@@ -21,15 +18,12 @@ Karimireddy et al. 2019 ("Error Feedback Fixes SignSGD").
 
 from __future__ import annotations
 
-import io
 import logging
-from pathlib import Path
 
 import cbor2
 import numpy as np
 
 from edgefl.errors import DecodeError
-from edgefl.records import atomic_write
 from edgefl.types import F32
 from edgefl.wire.arrays import decode_array, encode_array
 from edgefl.wire.cbor import DEFAULT_LIMITS
@@ -37,20 +31,16 @@ from edgefl.wire.compression import CompressedDelta, Compression, compress_head_
 
 logger = logging.getLogger(__name__)
 
-RESIDUAL_FILE = "feedback_residual.npz"
-
 
 class ErrorFeedback:
-    """The device's residual ``(e_W, e_b)``, loaded from and saved to ``state_dir``.
+    """The device's residual ``(e_W, e_b)``: what compression dropped, added to the next delta.
 
     Parameters
     ----------
-    state_dir : Path
-        The device's state directory (created if missing).
     shape : (D, K)
         Head shape.
     model_sha256 : str
-        sha256 of the backbone: a residual saved for another model is discarded.
+        sha256 of the backbone: a residual kept for another model is discarded (:meth:`load_bytes`).
 
     Attributes
     ----------
@@ -58,48 +48,22 @@ class ErrorFeedback:
     residual_b : float32 [K]
     """
 
-    def __init__(self, state_dir: Path, shape: tuple[int, int], model_sha256: str = "") -> None:
-        self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, shape: tuple[int, int], model_sha256: str = "") -> None:
         self.shape = shape
         self.model_sha256 = model_sha256
         self.residual_W: F32 = np.zeros(shape, np.float32)
         self.residual_b: F32 = np.zeros(shape[1], np.float32)
         self.round = -1
-        """The round whose compression left this residual (-1: none, or a file from before rounds
-        were recorded); decides between this file and a newer copy kept with the outbox."""
-        self._load()
-
-    @property
-    def path(self) -> Path:
-        """File holding the residual."""
-        return self.state_dir / RESIDUAL_FILE
-
-    def _load(self) -> None:
-        if not self.path.exists():
-            return
-        try:
-            data = self.path.read_bytes()
-        except OSError as exc:
-            logger.warning("error-feedback residual %s unreadable (%s); starting from zero", self.path, exc)
-            return
-        self.load_bytes(data, str(self.path))
+        """The round whose compression left this residual (-1: none)."""
 
     def load_bytes(self, data: bytes, where: str) -> bool:
-        """Take the residual from ``data`` (:meth:`to_bytes` or :meth:`carry_bytes`); whether it was usable.
+        """Take the residual from ``data`` (:meth:`carry_bytes`'s form); whether it was usable.
 
         A residual for another model or shape, non-finite, or unreadable is ignored (logged).
         """
         try:
-            if data[:1] == _CARRY_HEAD:
-                W, b, sha, round_no = _read_carry(data)
-            else:
-                with np.load(io.BytesIO(data)) as npz:
-                    W = np.asarray(npz["W"], dtype=np.float32)
-                    b = np.asarray(npz["b"], dtype=np.float32)
-                    sha = str(npz["model_sha256"])
-                    round_no = int(npz["round"]) if "round" in npz.files else -1
-        except (OSError, ValueError, KeyError, EOFError, DecodeError, cbor2.CBORDecodeError) as exc:
+            W, b, sha, round_no = _read_carry(data)
+        except (ValueError, KeyError, DecodeError, cbor2.CBORDecodeError) as exc:
             logger.warning("error-feedback residual %s unreadable (%s); starting from zero", where, exc)
             return False
         if sha != self.model_sha256 or W.shape != self.shape or b.shape != (self.shape[1],):
@@ -111,24 +75,12 @@ class ErrorFeedback:
         self.residual_W, self.residual_b, self.round = W, b, round_no
         return True
 
-    def to_bytes(self) -> bytes:
-        """The residual as an ``.npz`` (``W``, ``b``, ``model_sha256``, ``round``): the file's content."""
-        buf = io.BytesIO()
-        np.savez(
-            buf,
-            W=self.residual_W,
-            b=self.residual_b,
-            model_sha256=np.str_(self.model_sha256),
-            round=np.int64(self.round),
-        )
-        return buf.getvalue()
-
     def carry_bytes(self) -> bytes:
         """The residual in its compact form, the copy the outbox record carries before the publish.
 
         A CBOR map ``{"W": float32 [D, K], "b": float32 [K], "model_sha256": str, "round": int}``, the
-        arrays RFC 8746 typed arrays (tag 40 over tag 85); :meth:`load_bytes` reads it as it reads
-        the ``.npz`` file. Source: RFC 8949, RFC 8746 §2.1, §3.1.1.
+        arrays RFC 8746 typed arrays (tag 40 over tag 85); :meth:`load_bytes` reads it.
+        Source: RFC 8949, RFC 8746 §2.1, §3.1.1.
         """
         return cbor2.dumps(
             {
@@ -138,16 +90,6 @@ class ErrorFeedback:
                 "round": self.round,
             }
         )
-
-    def save(self) -> None:
-        """Write the residual file atomically (the device core does it after the update's PUBACK).
-
-        Raises
-        ------
-        OSError
-            If the state directory cannot be written.
-        """
-        atomic_write(self.path, self.to_bytes())
 
     def compensate(self, delta_W: F32, delta_b: F32) -> tuple[F32, F32]:
         """Add the residual to a fresh delta.
@@ -181,7 +123,7 @@ class ErrorFeedback:
         *,
         round: int = -1,
     ) -> None:
-        """Keep what the wire dropped, ``corrected - decoded`` (in memory: :meth:`save` writes it).
+        """Keep what the wire dropped, ``corrected - decoded`` (the outbox record persists it).
 
         Parameters
         ----------
@@ -201,11 +143,10 @@ class ErrorFeedback:
         self.round = round
 
     def reset(self) -> None:
-        """Forget the residual (and delete its file)."""
+        """Forget the residual."""
         self.residual_W = np.zeros(self.shape, np.float32)
         self.residual_b = np.zeros(self.shape[1], np.float32)
         self.round = -1
-        self.path.unlink(missing_ok=True)
 
     def compress(
         self,
@@ -254,9 +195,6 @@ class ErrorFeedback:
         packed = compress_head_delta(cW, cb, compression, topk_fraction=topk_fraction, rng=rng)
         self.record(cW, cb, packed.decoded_W, packed.decoded_b, round=round)
         return cW, cb, packed
-
-
-_CARRY_HEAD = b"\xa4"  # a CBOR map of 4 pairs; an .npz (a zip file) starts with "PK"
 
 
 def _read_carry(data: bytes) -> tuple[F32, F32, str, int]:

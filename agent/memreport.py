@@ -5,7 +5,7 @@ daemon around it: classify the profile's replay samples (or random samples of th
 shape) batch by batch into the embedding store (phase ``inference``, batch preparation included),
 answer a round announcement (``train``; ``encode``: error feedback, encoding, signing, outbox),
 publish the update to a broker when one is given (``publish``), and verify, decode, apply and persist
-a global head (``apply``). Each phase runs inside :meth:`edgefl.agent.memory.Governor.phase` (exact
+a global head (``apply``). Each phase runs inside :meth:`edgefl.agent.governor.Governor.phase` (exact
 peak RSS) and, unless disabled, with :mod:`tracemalloc` on: the report prints per phase the peak of
 the Python heap and its top allocation sites (file:line) next to the RSS peak. Allocations made by
 the interpreter in C++ (its tensor arena) are not in the Python heap; the difference between the two
@@ -30,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from edgefl.agent import memory
 from edgefl.agent.config import Profile
+from edgefl.agent.estimates import estimate_replay_bytes
+from edgefl.agent.governor import PHASES, Governor
 from edgefl.errors import BudgetExceeded
 
 logger = logging.getLogger(__name__)
@@ -151,9 +152,16 @@ def _synthetic(shape: tuple[int, ...], n: int, classes: int, seed: int) -> tuple
     return x, y
 
 
-def _load_samples(profile: Profile, sample_shape: tuple[int, ...], classes: int, n: int) -> tuple[Any, Any]:
+def _load_samples(
+    profile: Profile, gov: Governor, sample_shape: tuple[int, ...], classes: int, n: int
+) -> tuple[Any, Any]:
     src = profile.source
     if src.kind == "replay" and src.path is not None:
+        # admitted before it is loaded, as the daemon's replay (it cannot wait: it may use the reserve)
+        need = estimate_replay_bytes(src.path)
+        if gov.admit("replay", lambda _: need, 1, 1, deferrable=False).deferred:
+            logger.warning("replay samples %s over budget (%d bytes): random samples", src.path, need)
+            return _synthetic(sample_shape, n, classes, profile.training.seed)
         with np.load(src.path) as data:
             x, y = np.asarray(data["x"]), np.asarray(data["y"]).astype(np.int64)
         if tuple(x.shape[1:]) == sample_shape:
@@ -166,7 +174,7 @@ def run_round(
     profile: Profile,
     *,
     samples: int = 512,
-    governor: memory.Governor | None = None,
+    governor: Governor | None = None,
     trace: bool = True,
     top: int = 5,
     broker: str | None = None,
@@ -218,14 +226,14 @@ def run_round(
     from edgefl.wire.global_model import GlobalModel, encode_global_model
     from edgefl.wire.rounds import RoundAnnouncement, encode_round
 
-    gov = governor or memory.Governor(
+    gov = governor or Governor(
         profile.cap_bytes,
         profile.memory.reserve_mb * MIB,
         profile.memory.min_system_available_mb * MIB,
     )
     baseline = gov.rss_bytes()
     # batch preparation runs inside "inference" on the shipped path (Pipeline.run): no phase of its own
-    reports: dict[str, PhaseReport] = {p: PhaseReport(p) for p in memory.PHASES if p != "batch"}
+    reports: dict[str, PhaseReport] = {p: PhaseReport(p) for p in PHASES if p != "batch"}
     if trace and not tracemalloc.is_tracing():
         tracemalloc.start(1)
 
@@ -275,7 +283,7 @@ def run_round(
         )
         assert core.pipeline is not None and core.shapes is not None
         model_name = core.pipeline.backbone.path.name
-        x, y = _load_samples(profile, core.pipeline.backbone.sample_shape, core.shapes.classes, samples)
+        x, y = _load_samples(profile, gov, core.pipeline.backbone.sample_shape, core.shapes.classes, samples)
         batch = core.pipeline.batch
         try:
             for start_i in range(0, len(x), batch):

@@ -6,10 +6,9 @@ reason. Persisted as a checksummed record (:mod:`edgefl.records`): a CBOR map ``
 [[update_id, round, payload, sends], ...], "answered": {...}, "residual": bytes}``; ``answered`` and
 ``residual`` (optional, opaque here) are the device's last answered round and the error-feedback
 residual that answer left, written in the same atomic write as the update (one write and one fsync
-pair before the publish instead of three: round latency); the residual is carried until
-the device has written its own file. The record is rewritten in place in ``outbox.rec`` and
-``outbox.rec.prev`` in turn (:class:`edgefl.records.RecordSlot`: one ``fdatasync``, the newest good
-generation never overwritten).
+pair before the publish instead of three: round latency) and kept by every later write. The record
+is rewritten in place in ``outbox.rec`` and ``outbox.rec.prev`` in turn
+(:class:`edgefl.records.RecordSlot`: one ``fdatasync``, the newest good generation never overwritten).
 """
 
 from __future__ import annotations
@@ -103,8 +102,8 @@ class Outbox:
         self.answered: dict[str, Any] | None = None
         """The last answered round as the device core stores it (a CBOR map), kept in every write."""
         self.residual: bytes | None = None
-        """The error-feedback residual of the last answer, carried by every write until the core has
-        written its own file (opaque bytes here; ``edgefl.agent.feedback``)."""
+        """The error-feedback residual of the last answer, kept by every write (opaque bytes here;
+        ``edgefl.agent.feedback``)."""
         self._entries: list[OutboxEntry] = self._load()
         if self._entries:
             logger.info(

@@ -22,7 +22,6 @@ from edgefl.agent.state import DeviceState
 from edgefl.agent.trainer import PersonalResult, train_personal
 from edgefl.errors import UpdateRejected
 from edgefl.head import Head, personal_columns, validate_head
-from edgefl.records import read_record, write_record
 from edgefl.wire.rounds import RoundAnnouncement
 
 logger = logging.getLogger(__name__)
@@ -174,7 +173,7 @@ class PersonalHeads(DeviceState):
         stored samples before it had a personal head), and the head waits for the next round.
         """
         D, K = self.head.shape
-        data = read_record(self.personal_path)
+        data = self._read_state(PERSONAL_FILE)
         if data is not None:
             try:
                 obj = cbor2.loads(data)
@@ -237,7 +236,7 @@ class PersonalHeads(DeviceState):
             "b": personal.b.astype("<f4").tobytes(),
             "columns": self.personal_columns.astype(np.uint8).tobytes(),
         }
-        write_record(self.personal_path, cbor2.dumps(payload))
+        self._write_state(PERSONAL_FILE, cbor2.dumps(payload))
 
     def personalise(self) -> PersonalResult | None:
         """The personal step of the last trained round: class-restricted Ditto steps, persisted, evaluated.
@@ -245,7 +244,8 @@ class PersonalHeads(DeviceState):
         Pulls the personal head (the global head's copy the first time) toward the current global
         head with ``personal.prox_lambda`` over ``personal.epochs`` passes of the store (0: the
         round's ``local_epochs``) at ``personal.lr_scale`` times the round's ``lr``, the columns of
-        classes never labelled here tied to the global head
+        classes never labelled here tied to the global head and their logits scaled by
+        ``personal.absent_alpha`` in the loss (FedRS's restricted softmax)
         (:func:`edgefl.agent.trainer.train_personal`); phase ``personal``, admitted by the governor
         as one head plus its gradient beside the chunk buffers. Then the head is written
         (:data:`PERSONAL_FILE`) and both heads are evaluated on the holdout (:meth:`evaluate`: a
@@ -291,6 +291,7 @@ class PersonalHeads(DeviceState):
                 lam=cfg.prox_lambda,
                 epochs=cfg.epochs or ann.local_epochs,
                 lr=cfg.lr_scale * ann.lr,
+                absent_alpha=cfg.absent_alpha,
                 batch_size=ann.batch_size,
                 chunk_size=adm.work,
                 seed=tcfg.seed + ann.round + PERSONAL_SEED_OFFSET,

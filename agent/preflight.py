@@ -20,7 +20,7 @@ from typing import Final
 
 import numpy as np
 
-from edgefl.agent import memory
+from edgefl.agent import estimates, memstat
 from edgefl.agent.config import Profile
 from edgefl.agent.ingest import RECENT_IDS
 from edgefl.validators import is_loopback_host
@@ -51,7 +51,7 @@ def store_bytes(capacity: int, dim: int, holdout_every: int = 0) -> int:
     return (capacity + extra) * (2 * dim + 2 + 16)  # + the row record (seq, CRC-32): 2 x uint64
 
 
-def ingest_bytes(profile: Profile, shapes: memory.ModelShapes) -> int:
+def ingest_bytes(profile: Profile, shapes: estimates.ModelShapes) -> int:
     """RAM of the live ingest at its bounds (``source.kind = "mqtt"``; 0 otherwise), in bytes.
 
     ``source.queue_max`` raw samples (``pipeline.raw_dtype``) + ``source.pending_max`` embeddings
@@ -68,7 +68,7 @@ def ingest_bytes(profile: Profile, shapes: memory.ModelShapes) -> int:
 
 
 def floor_bytes(
-    profile: Profile, shapes: memory.ModelShapes, baseline_rss: int, *, training: bool = False
+    profile: Profile, shapes: estimates.ModelShapes, baseline_rss: int, *, training: bool = False
 ) -> int:
     """The least memory the agent needs with this model: a lower bound of its peak RSS, in bytes.
 
@@ -76,25 +76,26 @@ def floor_bytes(
     ----------
     profile : Profile
     shapes : ModelShapes
-        Of the loaded model (:func:`edgefl.agent.memory.model_shapes`).
+        Of the loaded model (:func:`edgefl.agent.estimates.model_shapes`).
     baseline_rss : int
         RSS of a process that imported the agent and loaded the model, in bytes.
     training : bool
         False: to classify at all (the smallest inference phase; training may be deferred). True: to
-        also train (the smallest training chunk, ``training.chunk_floor``).
+        also train: the first training run at the smallest chunk (``training.chunk_floor``) over a
+        full store, whose pages the store term already counts. The governor keeps that room free of
+        the inference arena (``Governor.admit_inference``'s ``keep_bytes``), so the two add up.
     """
-    phase = memory.estimate_inference_bytes(shapes, 1)
+    phase = estimates.estimate_inference_bytes(shapes, 1)
     if training:
-        phase = max(
-            phase,
-            memory.estimate_train_bytes(
-                profile.training.chunk_floor,
-                shapes.embedding_dim,
-                shapes.classes,
-                1,
-                profile.training.chunk_floor,
-                first_run=False,
-            ),
+        capacity = profile.training.store_capacity
+        phase += estimates.estimate_train_bytes(
+            profile.training.chunk_floor,
+            shapes.embedding_dim,
+            shapes.classes,
+            profile.training.chunk_floor,
+            capacity,
+            first_run=True,
+            resident_rows=capacity,
         )
     return (
         baseline_rss
@@ -125,15 +126,15 @@ def _state_dir_problem(state_dir: Path) -> str | None:
     return None
 
 
-def training_warning(profile: Profile, shapes: memory.ModelShapes, baseline_rss: int) -> str | None:
+def training_warning(profile: Profile, shapes: estimates.ModelShapes, baseline_rss: int) -> str | None:
     """A warning when the cap lets the agent classify but training would always be deferred, or None."""
     need = floor_bytes(profile, shapes, baseline_rss, training=True)
-    budget = profile.cap_bytes - profile.memory.reserve_mb * memory.MIB
+    budget = profile.cap_bytes - profile.memory.reserve_mb * memstat.MIB
     if need <= budget:
         return None
     return (
-        f"memory.cap_mb = {profile.memory.cap_mb}: training needs about {need / memory.MIB:.1f} MiB "
-        f"under the cap less reserve ({budget / memory.MIB:.1f} MiB): rounds defer until memory frees"
+        f"memory.cap_mb = {profile.memory.cap_mb}: training needs about {need / memstat.MIB:.1f} MiB "
+        f"under the cap less reserve ({budget / memstat.MIB:.1f} MiB): rounds defer until memory frees"
     )
 
 
@@ -160,7 +161,7 @@ def broker_warnings(profile: Profile) -> list[str]:
     return out
 
 
-def preflight(profile: Profile, shapes: memory.ModelShapes | None, baseline_rss: int) -> list[str]:
+def preflight(profile: Profile, shapes: estimates.ModelShapes | None, baseline_rss: int) -> list[str]:
     """Every reason this profile cannot run here (empty when it can).
 
     Parameters
@@ -189,7 +190,7 @@ def preflight(profile: Profile, shapes: memory.ModelShapes | None, baseline_rss:
         )
     if shapes is None:
         return problems
-    mib = memory.MIB
+    mib = memstat.MIB
     need = store_bytes(profile.training.store_capacity, shapes.embedding_dim, profile.training.holdout_every)
     cap = profile.cap_bytes
     budget = cap - profile.memory.reserve_mb * mib

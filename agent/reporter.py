@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from edgefl.agent import memory
 from edgefl.agent.config import Profile
 from edgefl.agent.core import DeviceCore
+from edgefl.agent.governor import Governor
 from edgefl.agent.ingest import Ingest
 from edgefl.agent.status import samples_level, status_news
 from edgefl.aio import wait_event
@@ -118,7 +118,8 @@ class AgentState:
     over_budget_batches: int = 0
     """Sample batches the memory governor refused to run (each retried once memory frees)."""
     faults: Counter[str] = field(default_factory=Counter)
-    """Failures the daemon survived, by where: ``batch`` (a source batch), ``status`` (a status tick)."""
+    """Failures the daemon survived, by where: ``batch`` (a source batch), ``status`` (a status tick),
+    ``round`` (a re-send, a waiting or deferred round), ``personal`` (a personal step)."""
 
 
 class StatusReporter:
@@ -129,7 +130,7 @@ class StatusReporter:
     topics: Topics
     state: AgentState
     core: DeviceCore
-    governor: memory.Governor
+    governor: Governor
     executor: ThreadPoolExecutor
     transport: MqttTransport | None
     stop_event: asyncio.Event

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from enum import StrEnum
 
-from edgefl.agent import memory
+from edgefl.agent import estimates, heap
 from edgefl.agent.outbox import Dropped, OutboxEntry
 from edgefl.agent.personal import PersonalHeads
 from edgefl.agent.state import Answered, ProgressHook
@@ -274,6 +274,7 @@ class RoundAnswering(PersonalHeads):
         if self._progress is not None:
             self._progress("training", adm.reason)
         self.new_samples = 0  # what is stored from now on is new for the next round
+        self.store.set_mark()  # ... after a restart too (written with the store's next flush)
         with self._phase("train"):
             result = train_local(
                 head,
@@ -288,7 +289,10 @@ class RoundAnswering(PersonalHeads):
                 time_budget_s=ann.deadline_s,
             )
         enc = gov.admit(
-            "encode", lambda _: memory.estimate_encode_bytes(D, K, ann.compression, ann.topk_fraction), 1, 1
+            "encode",
+            lambda _: estimates.estimate_encode_bytes(D, K, ann.compression, ann.topk_fraction),
+            1,
+            1,
         )
         if enc.deferred:
             return self._defer(ann, enc.reason)
@@ -303,8 +307,7 @@ class RoundAnswering(PersonalHeads):
             carry: bytes | None = None
             if ann.compression != Compression.NONE:
                 # add what earlier compression dropped, keep what this one drops: persisted by the
-                # outbox write below (its own file after the PUBACK, :meth:`acknowledged`); the wire
-                # form is made once, here
+                # outbox write below; the wire form is made once, here
                 delta_W, delta_b, compressed = fb.compress(
                     delta_W,
                     delta_b,
@@ -347,7 +350,7 @@ class RoundAnswering(PersonalHeads):
             answered = Answered(self.fleet, ann.round, update_id)
             prior_carry = self.outbox.residual
             if carry is not None:
-                self.outbox.residual = carry  # kept by the outbox's writes until the file is written
+                self.outbox.residual = carry  # kept by this write of the outbox and every later one
             if not self._persist(
                 # one atomic write keeps the update, counts its first send (sends=1: the daemon
                 # publishes it next) and records the round as answered: one fsync pair between
@@ -361,7 +364,7 @@ class RoundAnswering(PersonalHeads):
             ):
                 # not sent: a round whose update is not on disk could be answered twice after a restart
                 self.outbox.forget(update_id)
-                if carry is not None:  # the residual stays as it was on disk
+                if carry is not None:  # the residual stays as it was
                     self.outbox.residual = prior_carry
                     fb.residual_W, fb.residual_b, fb.round = prior_fb
                 self._unsaved["outbox"] = self.outbox.save
@@ -417,7 +420,7 @@ class RoundAnswering(PersonalHeads):
             self.deferred = None
             return self._decline_safely(d)
         gc.collect()
-        memory.malloc_trim()
+        heap.malloc_trim()
         self.deferred = None  # whatever the answer now (trained, stale, answered...), unless deferred again
         result = self.answer_round(d.ann)
         if result.status == RoundStatus.DEFERRED and self.deferred is not None:

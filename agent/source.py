@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from edgefl.agent import memory
+from edgefl.agent import estimates
 from edgefl.agent.core import Classified
 from edgefl.agent.ingest import LOGGED_REFUSALS, Queued
 from edgefl.agent.reporter import StatusReporter
@@ -52,7 +52,7 @@ class SampleSource(StatusReporter):
         if src.kind != "replay" or src.path is None:
             return
         # admitted before it is loaded (it cannot wait: it may use the reserve, never the cap)
-        need = memory.estimate_replay_bytes(src.path)
+        need = estimates.estimate_replay_bytes(src.path)
         adm = self.core.governor.admit("replay", lambda _: need, 1, 1, deferrable=False)
         if adm.deferred:
             why = BudgetExceeded("replay", adm.estimate_bytes, max(0, adm.budget_bytes))

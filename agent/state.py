@@ -25,15 +25,15 @@ from typing import Any
 
 import cbor2
 
-from edgefl.agent import memory
 from edgefl.agent.config import Profile
 from edgefl.agent.feedback import ErrorFeedback
+from edgefl.agent.governor import Governor
 from edgefl.agent.outbox import Dropped, Outbox, OutboxEntry
 from edgefl.agent.pipeline import Pipeline
 from edgefl.agent.store import EmbeddingStore
 from edgefl.errors import EdgeflError
 from edgefl.head import Head, validate_head
-from edgefl.records import read_record, write_record
+from edgefl.records import RecordSlot
 from edgefl.wire.cbor import Limits
 from edgefl.wire.global_model import decode_global_model
 from edgefl.wire.signing import (
@@ -101,7 +101,7 @@ class DeviceState:
     model_sha256: str
     pipeline: Pipeline | None
     state_dir: Path
-    governor: memory.Governor
+    governor: Governor
     _phase: PhaseHook
     limits: Limits
     head: Head
@@ -118,6 +118,25 @@ class DeviceState:
     write_failures: int
     _unsaved: dict[str, Callable[[], object]]
     _logged: set[tuple[str, str]]
+    _records: dict[str, RecordSlot]
+
+    def _read_state(self, name: str) -> bytes | None:
+        """The newest good record of the state file ``name`` (:class:`~edgefl.records.RecordSlot`).
+
+        Read once at start-up; the slot then writes the file (:meth:`_write_state`).
+        """
+        slot = self._records[name] = RecordSlot(self.state_dir / name)
+        return slot.read()
+
+    def _write_state(self, name: str, payload: bytes) -> None:
+        """Make ``payload`` the newest record of ``name``: rewritten in place, one ``fdatasync``.
+
+        Raises
+        ------
+        OSError
+            If the file system refuses the write (the newest good record is unchanged).
+        """
+        self._records[name].write(payload)
 
     @property
     def head_path(self) -> Path:
@@ -126,7 +145,7 @@ class DeviceState:
 
     def _load_head(self) -> None:
         """Restore the last applied global head from its record (previous generation if torn)."""
-        data = read_record(self.head_path)
+        data = self._read_state(HEAD_FILE)
         if data is None:
             return
         try:
@@ -162,24 +181,11 @@ class DeviceState:
             return None
         return Answered(fleet, round_no, update_id)
 
-    def _save_residual(self) -> None:
-        """Write the error-feedback file; the outbox's next write stops carrying the residual."""
-        self.feedback.save()
-        self.outbox.residual = None
-
-    def _take_carried_residual(self) -> None:
-        """A residual the outbox carries that is newer than the file (its write was lost): take it."""
+    def _load_residual(self) -> None:
+        """Restore the error-feedback residual the outbox record keeps (written with each answer)."""
         carried = self.outbox.residual
-        if carried is None:
-            return
-        fb = self.feedback
-        prior = (fb.residual_W, fb.residual_b, fb.round)
-        if fb.load_bytes(carried, f"outbox {self.outbox.path}") and fb.round > prior[2]:
-            logger.info("error-feedback residual of round %d taken from the outbox record", fb.round)
-            self._persist("residual", self._save_residual)
-            return
-        fb.residual_W, fb.residual_b, fb.round = prior
-        self.outbox.residual = None  # the file has it already (or it is unusable)
+        if carried is not None and not self.feedback.load_bytes(carried, f"outbox {self.outbox.path}"):
+            self.outbox.residual = None  # another model or shape, or unreadable: start from zero
 
     @staticmethod
     def _answered_map(answered: Answered) -> dict[str, Any]:
@@ -193,7 +199,7 @@ class DeviceState:
 
     def _load_seen_version(self) -> int:
         """The newest version a signed round announced (CBOR ``{"v": 1, "fleet", "version"}``), else 0."""
-        data = read_record(self.seen_version_path)
+        data = self._read_state(SEEN_VERSION_FILE)
         if data is None:
             return 0
         try:
@@ -220,7 +226,7 @@ class DeviceState:
 
         def write() -> None:
             payload = {"v": 1, "fleet": self.fleet, "version": self.seen_version}
-            write_record(self.seen_version_path, cbor2.dumps(payload))
+            self._write_state(SEEN_VERSION_FILE, cbor2.dumps(payload))
 
         self._persist("seen_version", write)
 
@@ -324,11 +330,8 @@ class DeviceState:
     def acknowledged(self, update_id: str) -> bool:
         """The broker acknowledged ``update_id`` (PUBACK): forget it (persisted); whether it was kept.
 
-        An error-feedback residual the outbox record still carries is written to its own file first,
-        so this outbox write stops carrying it (off the path between training and the publish).
+        The error-feedback residual stays in the outbox record (:meth:`_load_residual`).
         """
-        if self.outbox.residual is not None:
-            self._persist("residual", self._save_residual)
         kept = update_id in {e.update_id for e in self.outbox.pending()}
         if not self._persist("outbox", lambda: self.outbox.ack(update_id)):
             self._unsaved["outbox"] = self.outbox.save

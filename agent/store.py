@@ -497,7 +497,7 @@ class EmbeddingStore:
 
         Their pages are mapped in (part of RSS, file-backed); reading the other slots maps theirs in
         (a store reopened after a restart). The memory governor counts only those as new memory for
-        a phase that reads the store (``edgefl.agent.memory.estimate_train_bytes``). The kernel may
+        a phase that reads the store (``edgefl.agent.estimates.estimate_train_bytes``). The kernel may
         drop clean mapped pages under pressure: RSS then falls, and reading them again only brings
         it back.
         """

@@ -10,7 +10,15 @@ from typing import Final
 import numpy as np
 
 from edgefl.agent.store import EmbeddingStore
-from edgefl.head import Head, cross_entropy_grad_into, ditto_update, loss_and_grad, sgd_step, softmax
+from edgefl.head import (
+    Head,
+    cross_entropy_grad_into,
+    ditto_update,
+    loss_and_grad,
+    restricted_logit_scale,
+    sgd_step,
+    softmax,
+)
 from edgefl.types import F32, I64
 
 _GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
@@ -129,6 +137,8 @@ class _BatchReader:
         self._grad_b: F32 = np.empty(classes, np.float32)
         self._rows: I64 = np.arange(step, dtype=np.int64)
         self._logistic = classes == 1
+        self.logit_scale: F32 | None = None
+        """float32 [K] multiplying the logits in the loss (softmax heads only); None = plain."""
 
     def batches(self, epochs: int, shuffler: Shuffler, stop_at: float | None) -> Iterator[tuple[F32, I64]]:
         """Yield ``(emb [b, D] float32, labels [b] int64)`` views, ``epochs`` passes over the store.
@@ -143,7 +153,7 @@ class _BatchReader:
             if stop_at is not None and time.perf_counter() > stop_at:
                 return
             # the epoch's order, then the keys of every chunk's own shuffle in one draw (Shuffler.keys;
-            # at most 3 x 8 bytes a sample alive, as memory.estimate_train_bytes counts)
+            # at most 3 x 8 bytes a sample alive, as estimates.estimate_train_bytes counts)
             order = np.argsort(shuffler.keys(n))
             within = shuffler.keys(n)
             for start in range(0, n, chunk):
@@ -167,7 +177,9 @@ class _BatchReader:
             _, gW, gb = loss_and_grad(W, b, e, y)
             return gW, gb
         k = len(y)
-        cross_entropy_grad_into(W, b, e, y, self._z[:k], self._grad_W, self._grad_b, self._rows[:k])
+        cross_entropy_grad_into(
+            W, b, e, y, self._z[:k], self._grad_W, self._grad_b, self._rows[:k], self.logit_scale
+        )
         return self._grad_W, self._grad_b
 
 
@@ -331,6 +343,7 @@ def train_personal(
     lr: float,
     batch_size: int,
     chunk_size: int,
+    absent_alpha: float = 1.0,
     seed: int = 0,
     time_budget_s: float | None = None,
 ) -> PersonalResult:
@@ -341,6 +354,9 @@ def train_personal(
     one batch's logits: the only heap beyond the personal head itself is its gradient and the
     chunk. Each batch takes one :func:`edgefl.head.ditto_step` toward ``global_head`` on the
     classes of ``columns``; the other columns are the global head's on return (even after 0 steps).
+    In the loss the other columns' logits are scaled by ``absent_alpha`` (FedRS's restricted
+    softmax, :func:`edgefl.head.restricted_logit_scale`): the classes the device has labels for
+    are fitted against each other, not raised above the classes it has never seen.
 
     Parameters
     ----------
@@ -364,6 +380,9 @@ def train_personal(
         Samples per step (>= 1).
     chunk_size : int
         Samples read from the store at once (>= 1; the memory governor's grant).
+    absent_alpha : float
+        Scale of the logits of the classes outside ``columns`` in the loss, 0..1 (1 = plain
+        softmax; softmax heads only).
     seed : int
         Seed of the shuffles (:class:`Shuffler`).
     time_budget_s : float or None
@@ -379,15 +398,17 @@ def train_personal(
         If the store is empty, an argument is out of range or shapes disagree.
 
     Source: Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through
-    Personalization", ICML 2021, Algorithm 1 (the personal model's local steps).
+    Personalization", ICML 2021, Algorithm 1 (the personal model's local steps); the scaled logits
+    of absent classes from Li and Zhan, "FedRS: Federated Learning with Restricted Softmax for
+    Label Distribution Non-IID Data", KDD 2021.
     """
     n = len(store)
     if n == 0:
         raise ValueError("train_personal: the store is empty")
-    if epochs < 1 or batch_size < 1 or chunk_size < 1 or lr <= 0 or lam < 0:
+    if epochs < 1 or batch_size < 1 or chunk_size < 1 or lr <= 0 or lam < 0 or not 0 <= absent_alpha <= 1:
         raise ValueError(
             f"train_personal: epochs={epochs}, batch_size={batch_size}, chunk_size={chunk_size}, "
-            f"lr={lr}, lam={lam}"
+            f"lr={lr}, lam={lam}, absent_alpha={absent_alpha}"
         )
     D, K = global_head.shape
     if W.shape != (D, K) or b.shape != (K,) or columns.shape != (K,):
@@ -396,6 +417,8 @@ def train_personal(
     stop_at = t0 + time_budget_s if time_budget_s is not None else None
     shuffler = Shuffler(seed)
     reader = _BatchReader(store, n, D, K, chunk_size=chunk_size, batch_size=batch_size)
+    if K > 1:
+        reader.logit_scale = restricted_logit_scale(columns, absent_alpha)
     steps = 0
     lr32, lam32 = np.float32(lr), np.float32(lam)
     tied = None if columns.all() else ~columns  # one step is edgefl.head.ditto_step's
@@ -403,14 +426,18 @@ def train_personal(
         W[...] = global_head.W  # nothing to personalise: the global head
         b[...] = global_head.b
         return PersonalResult(0, n, time.perf_counter() - t0)
-    for e, y in reader.batches(epochs, shuffler, stop_at):
-        gW, gb = reader.grad(W, b, e, y)
-        ditto_update(W, b, gW, gb, lr32, lam32, global_head.W, global_head.b, tied)
-        steps += 1
-    if steps == 0:  # stopped before the first step: the tied columns are still the global head's
-        tied = ~columns
+    step_tied = tied
+    if tied is not None:
         W[:, tied] = global_head.W[:, tied]
         b[tied] = global_head.b[tied]
+        if reader.logit_scale is not None and absent_alpha == 0.0:
+            # the absent classes' logits scaled to 0: their gradient is exactly 0, and so is their
+            # pull toward the global head they equal, so every step leaves them tied as they are
+            step_tied = None
+    for e, y in reader.batches(epochs, shuffler, stop_at):
+        gW, gb = reader.grad(W, b, e, y)
+        ditto_update(W, b, gW, gb, lr32, lam32, global_head.W, global_head.b, step_tied)
+        steps += 1
     return PersonalResult(steps, n, time.perf_counter() - t0)
 
 

@@ -15,7 +15,9 @@ it granted; deferrals and declines) and the peak RSS sampled from outside every 
   works when every round was trained (none deferred past its deadline or declined) and the agent's
   peak RSS stayed under the cap.
 
-Run: ``.venv/bin/python -m bench.big_backbone`` (prints markdown for docs/benchmarks.md; ``--json PATH``).
+Run: ``.venv/bin/python -m bench.big_backbone`` (prints markdown for docs/benchmarks.md; ``--json PATH``);
+``--classes 19`` runs a 1280 x 19 float head (the shipped backbone's head replaced); ``--profile
+firmware_configs/dev_x86.toml --model models/digits_cnn_int8_rawin.tflite --no-bisect`` the demo's agent.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ import platform
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from edgefl.agent.memory import rss_bytes
+from edgefl.agent.memstat import rss_bytes
 from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
 from edgefl.launcher import launch_agent, stop_agents
@@ -79,20 +82,24 @@ def run_try(
     reserve_mb: int | None = None,
     deadline_s: float = 30.0,
     optimize: bool = True,
+    model: Path = MODEL,
+    profile: Path = PROFILE,
 ) -> dict[str, Any]:
     """One fresh agent at ``cap_mb``: ``rounds`` rounds; its status and peaks afterwards.
 
     ``reserve_mb`` overrides the profile's ``memory.reserve_mb`` (None: the profile's, 4);
-    ``optimize`` False runs the agent without ``-OO`` (docstrings kept).
+    ``optimize`` False runs the agent without ``-OO`` (docstrings kept); ``model`` replaces the
+    profile's (``model.path``); ``profile`` replaces the shipped big-backbone profile.
     """
     fleet = f"big{uuid.uuid4().hex[:8]}"
-    bb = Backbone(MODEL)
+    bb = Backbone(model)
+    classes = int(bb.head_from_model()[0].shape[1])
     rng = np.random.default_rng(0)
     data = tmp / f"{fleet}.npz"
     np.savez(
         data,
         x=rng.integers(0, 256, size=(64, *bb.sample_shape), dtype=np.uint8),
-        y=rng.integers(0, 10, size=64),
+        y=rng.integers(0, classes, size=64),
     )
     host, port = broker_url.removeprefix("mqtt://").split(":")
     overrides = {
@@ -102,6 +109,7 @@ def run_try(
         "broker.url": broker_url,
         "source.kind": "replay",
         "source.path": str(data),
+        "model.path": str(model),
         "memory.cap_mb": str(cap_mb),
         **({"memory.reserve_mb": str(reserve_mb)} if reserve_mb is not None else {}),
         "memory.min_system_available_mb": "0",
@@ -109,7 +117,7 @@ def run_try(
         "status.interval_s": "0.5",
     }
     log = tmp / f"{fleet}.log"
-    proc = launch_agent(PROFILE, overrides, log, optimize=optimize)
+    proc = launch_agent(profile, overrides, log, optimize=optimize)
     watch = OutsideRss(proc.pid)
 
     async def main() -> tuple[list[Any], dict[str, Any], dict[str, int]]:
@@ -137,7 +145,12 @@ def run_try(
                 if done and st.get("version") == coord.state.version:
                     break
                 await asyncio.sleep(0.1)
-            return records, dict(coord.registry.devices["dev-1"]), dict(coord.state.declined)
+            status = dict(coord.registry.devices["dev-1"])
+            url = status.get("dashboard_url")
+            if isinstance(url, str):  # the agent's own status now (its retained one waits for news)
+                body = await asyncio.to_thread(_get, url.rstrip("/") + "/api/status")
+                status.update(json.loads(body)["status"])
+            return records, status, dict(coord.state.declined)
         finally:
             pump.cancel()
             await t.stop()
@@ -151,6 +164,8 @@ def run_try(
     pipe = status.get("pipeline", {})
     return {
         "cap_mb": cap_mb,
+        "records": [str(r) for r in records],
+        "status": status,
         "trained": sum(r.clients for r in records),
         "declined": sum(r.declined for r in records),
         "declined_by_reason": declined,
@@ -164,8 +179,16 @@ def run_try(
         "inference_admission": adm,
         "over_budget_batches": status.get("over_budget_batches"),
         "deferrals": status.get("deferrals", {}),
+        "admissions": status.get("admissions", {}),
+        "phase_rise": status.get("phase_rise", {}),
         "dashboard_url": status.get("dashboard_url"),
     }
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        body: bytes = resp.read()
+        return body
 
 
 def works(r: dict[str, Any]) -> bool:
@@ -207,6 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--low", type=int, default=70, help="bisection's lower end (MiB, assumed failing)")
     p.add_argument("--reserve", type=int, help="memory.reserve_mb for the bisection (default: the profile's)")
     p.add_argument("--no-oo", action="store_true", help="run the agents without -OO (docstrings kept)")
+    p.add_argument("--profile", type=Path, default=PROFILE, help="the agents' profile (default: shipped)")
+    p.add_argument("--model", type=Path, default=MODEL, help="the agents' model (model.path)")
+    p.add_argument(
+        "--classes", type=int, help="a float head of K classes instead (tests/support/models.py)"
+    )
+    p.add_argument("--no-bisect", action="store_true", help="only the tries at the profile's cap")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     import sys
@@ -215,23 +244,30 @@ def main(argv: list[str] | None = None) -> int:
     from tests.support.broker import start_mosquitto, stop_broker
 
     tmp = Path(tempfile.mkdtemp(prefix="edgefl-big-"))
+    model = args.model
+    if args.classes is not None:
+        from tests.support.models import widen_head
+
+        model = tmp / f"{model.stem}_head{args.classes}.tflite"
+        model.write_bytes(widen_head(args.model, args.classes))
+    kw: dict[str, Any] = {"optimize": not args.no_oo, "model": model, "profile": args.profile}
     broker = start_mosquitto(tmp)
     out: dict[str, Any] = {"at_cap": [], "bisection": []}
     try:
         for _ in range(args.tries):
-            out["at_cap"].append(run_try(broker.url, 96, args.rounds, tmp, optimize=not args.no_oo))
+            out["at_cap"].append(run_try(broker.url, 96, args.rounds, tmp, **kw))
             print(row(out["at_cap"][-1]), flush=True)
-        lo, hi = args.low, 96
+        lo, hi = (95, 96) if args.no_bisect else (args.low, 96)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            r = run_try(broker.url, mid, args.rounds, tmp, reserve_mb=args.reserve, optimize=not args.no_oo)
+            r = run_try(broker.url, mid, args.rounds, tmp, reserve_mb=args.reserve, **kw)
             out["bisection"].append(r)
             print(row(r), "works" if works(r) else "fails", flush=True)
             if works(r):
                 hi = mid
             else:
                 lo = mid
-        out["lowest_cap_mb"] = hi
+        out["lowest_cap_mb"] = None if args.no_bisect else hi
     finally:
         stop_broker(broker)
     print(f"\nmachine: {platform.machine()}, {platform.platform()}, Python {platform.python_version()}")
@@ -239,9 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in out["at_cap"] + out["bisection"]:
         print(row(r))
     oo = "without -OO" if args.no_oo else "-OO"
-    print(
-        f"\nlowest working cap: {out['lowest_cap_mb']} MiB (reserve: {args.reserve or 'the profile'}, {oo})"
-    )
+    if not args.no_bisect:
+        reserve = args.reserve or "the profile"
+        print(f"\nlowest working cap: {out['lowest_cap_mb']} MiB (reserve: {reserve}, {oo})")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1, default=str))
     return 0

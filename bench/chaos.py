@@ -49,7 +49,8 @@ from typing import Any
 import numpy as np
 
 from edgefl.agent.outbox import Outbox
-from edgefl.agent.state import OUTBOX_FILE
+from edgefl.agent.personal import PERSONAL_FILE
+from edgefl.agent.state import HEAD_FILE, OUTBOX_FILE, SEEN_VERSION_FILE
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.launcher import free_port
 from edgefl.records import RecordError, decode_record, read_record
@@ -66,7 +67,7 @@ MODEL = ROOT / "models" / "digits_cnn_int8.tflite"
 FAULT_KINDS = ("mid-train", "mid-publish", "random", "broker", "coordinator")
 #: State files the device rewrites in place, two slots in turn (``edgefl.records.RecordSlot``): a kill -9
 #: during a write may tear one slot, and the device reads the other (counted as ``torn_slots``)
-IN_PLACE_RECORDS = frozenset({OUTBOX_FILE})
+IN_PLACE_RECORDS = frozenset({OUTBOX_FILE, HEAD_FILE, SEEN_VERSION_FILE, PERSONAL_FILE})
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ and ``/proc/<pid>/smaps_rollup`` after each (median of 5 readings, 0.2 s apart):
 
 1. ``base``: the agent without the dashboard.
 2. ``import``: ``import edgefl.dashboard.app`` (aiohttp and its dependencies).
-3. ``serve``: ``edgefl.dashboard.app.serve`` running, no client; status from ``edgefl.agent.memory`` figures.
+3. ``serve``: ``edgefl.dashboard.app.serve`` running, no client; status from ``edgefl.agent.memstat`` figures.
 4. ``5 SSE``: 5 browsers' worth of SSE streams open for ``--hold-s`` seconds, one push per second
    (raw sockets that read everything, as a browser does).
 5. ``scraped``: after 20 ``/metrics`` scrapes (prometheus_client is imported on the first one).
@@ -40,7 +40,7 @@ CHILD = r"""
 import asyncio, sys, time
 from pathlib import Path
 import edgefl.agent.daemon
-from edgefl.agent import memory
+from edgefl.agent import memstat
 from edgefl.runtime import Backbone
 
 model = Path(sys.argv[1])
@@ -52,8 +52,9 @@ def status():
     inferred += 1  # changes every call, so a stream gets one push per push interval
     return {
         "device": "bench", "state": "idle", "round": 1, "version": 1, "cap_bytes": 96 << 20,
-        "rss_bytes": memory.rss_bytes(), "pss_bytes": memory.pss_bytes(),
-        "peak_rss_bytes": memory.peak_rss_bytes(), "system_available_bytes": memory.system_available_bytes(),
+        "rss_bytes": memstat.rss_bytes(), "pss_bytes": memstat.pss_bytes(),
+        "peak_rss_bytes": memstat.peak_rss_bytes(),
+        "system_available_bytes": memstat.system_available_bytes(),
         "phase_peaks": {"inference": 1, "batch": 2, "train": 3, "encode": 4, "publish": 5, "apply": 6},
         "last_update_bytes": 5310, "local_accuracy": 0.9, "inference_rate": 100.0, "pipeline_mode": "fused",
         "rejected": {"bad_cbor": 1}, "broker_connected": True, "store_samples": 512,

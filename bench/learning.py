@@ -38,9 +38,9 @@ import numpy as np
 
 from bench.vowels import N_CLASSES as VOWEL_CLASSES
 from bench.vowels import load_vowels
-from edgefl.agent import memory
 from edgefl.agent.config import Profile, load_profile
 from edgefl.agent.core import ApplyStatus, DeviceCore
+from edgefl.agent.governor import Governor
 from edgefl.agent.round import RoundStatus
 from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.fedbuff import FedBuff
@@ -195,7 +195,7 @@ def model_sha256(task: Task) -> str:
 
 def make_devices(task: Task, root: Path) -> list[Device]:
     """One device core per device, its store filled with the device's embeddings."""
-    gov = memory.Governor(4096 << 20, 0, 0)
+    gov = Governor(4096 << 20, 0, 0)
     devs = []
     for i, (e, y) in enumerate(zip(task.dev_emb, task.dev_y, strict=True)):
         name = f"dev{i}"

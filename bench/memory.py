@@ -40,11 +40,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from edgefl.launcher import MALLOC_ENV
 from tests.support.broker import mosquitto_path, start_mosquitto, stop_broker
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
 PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"
+SHIPPED_MOBILENET = ROOT / "firmware_configs" / "gateway_aarch64_256mb_mobilenet.toml"
 DOC = ROOT / "docs" / "benchmarks.md"
 MIB = 1 << 20
 
@@ -81,7 +83,7 @@ def _status() -> dict[str, int]:
         key = line.split(":")[0]
         if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "Threads"):
             out[key] = int(line.split()[1]) * (1024 if key != "Threads" else 1)
-    from edgefl.agent.memory import pss_bytes
+    from edgefl.agent.memstat import pss_bytes
 
     out["Pss"] = pss_bytes() or 0
     return out
@@ -96,7 +98,7 @@ def child_imports(step: int) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _pss_sampler(peaks: dict[str, int], name: str) -> Iterator[None]:
-    from edgefl.agent.memory import pss_bytes
+    from edgefl.agent.memstat import pss_bytes
 
     stop = threading.Event()
     best = [pss_bytes() or 0]
@@ -144,11 +146,11 @@ def _profile(model: str, cap_mb: int = 96, reserve_mb: int = 8, extra: dict[str,
 def child_round(
     model: str, cap_mb: int, reserve_mb: int, broker: str | None, samples: int, pss: bool
 ) -> dict[str, Any]:
-    from edgefl.agent import memory
+    from edgefl.agent.governor import Governor
     from edgefl.agent.memreport import run_round
 
     profile = _profile(model, cap_mb, reserve_mb)
-    gov = memory.Governor(profile.cap_bytes, reserve_mb * MIB, 0)
+    gov = Governor(profile.cap_bytes, reserve_mb * MIB, 0)
     pss_peaks: dict[str, int] = {}
     rep = run_round(
         profile,
@@ -165,11 +167,132 @@ def child_round(
     return out
 
 
+#: The models whose admission estimates are checked against what each phase adds: label -> (model file,
+#: profile, overrides). The 1280 x 19 float head is built from the shipped float32 MobileNet
+#: (tests/support/models.py) and run under the shipped profile for that backbone.
+ESTIMATE_MODELS: dict[str, tuple[str, Path, dict[str, str]]] = {
+    "digits int8": ("digits_cnn_int8_rawin.tflite", PROFILE, {"pipeline.batch": "8"}),
+    "MobileNet int8": (
+        "mobilenet_v2_035_96_int8.tflite",
+        PROFILE,
+        MODEL_SETS["mobilenet_v2_035_96_int8.tflite"],
+    ),
+    "1280x19 float head": ("head19", SHIPPED_MOBILENET, {}),
+    "streaming wake-word int8": (
+        "test/streaming_kws_int8.tflite",
+        PROFILE,
+        {"pipeline.raw_dtype": "float32", "pipeline.mean": "0.0", "pipeline.std": "1.0"}
+        | {"pipeline.batch": "1"},
+    ),
+}
+
+
+def estimate_model(label: str, tmp: Path) -> tuple[Path, Path, dict[str, str]]:
+    """The model file, profile and overrides of :data:`ESTIMATE_MODELS` ``label`` (building the 1280 x 19)."""
+    name, profile, overrides = ESTIMATE_MODELS[label]
+    if name == "head19":
+        from tests.support.models import widen_head
+
+        path = tmp / "mobilenet_v2_035_96_float32_head19.tflite"
+        path.write_bytes(widen_head(MODELS / "mobilenet_v2_035_96_float32.tflite", 19))
+        return path, profile, overrides
+    return MODELS / name, profile, overrides
+
+
+def child_estimates(label: str, samples: int, rounds: int) -> dict[str, Any]:
+    """Each admitted phase's estimate beside what that run added to RSS, over ``rounds`` rounds.
+
+    The shipped device core (``DeviceCore``) with a governor whose cap admits everything as asked:
+    a replay file of ``samples`` samples admitted and loaded as the daemon does, the samples classified
+    in the profile's batches, then ``rounds`` rounds answered (train, encode; the personal step where
+    the profile keeps one) and their global heads applied. Each phase run is paired with the admission
+    made for it; "added" is the run's peak RSS (``VmHWM`` after a ``clear_refs`` reset) minus the RSS
+    at its start.
+    """
+    import numpy as np
+
+    from edgefl.agent import estimates, heap, memstat
+    from edgefl.agent.config import load_profile
+    from edgefl.agent.core import ApplyStatus, DeviceCore
+    from edgefl.agent.governor import Governor
+    from edgefl.agent.round import RoundStatus
+    from edgefl.wire.global_model import GlobalModel, encode_global_model
+    from edgefl.wire.rounds import RoundAnnouncement, encode_round
+
+    tmp = Path(tempfile.mkdtemp(prefix="edgefl-estimates-"))
+    model, profile_path, extra = estimate_model(label, tmp)
+    profile = load_profile(
+        profile_path,
+        {
+            "security.signing_key_file": _device_key(),
+            "model.path": str(model),
+            "memory.min_system_available_mb": "0",
+            "device.state_dir": str(tmp / "state"),
+            **extra,
+        },
+    )
+    gov = Governor(1 << 34, 0, 0)
+    runs: dict[str, list[tuple[int, int]]] = {}
+    seen: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def paired(name: str) -> Iterator[None]:
+        adm = gov.admissions.get(name)
+        fresh = adm is not None and adm.at_s > seen.get(name, 0.0) and not adm.deferred
+        if fresh and adm is not None:
+            seen[name] = adm.at_s
+        start = gov.rss_bytes()
+        with gov.phase(name):
+            yield
+        if fresh and adm is not None:
+            runs.setdefault(name, []).append((adm.estimate_bytes, gov.phase_last[name] - start))
+
+    core = DeviceCore.open(
+        profile, governor=gov, state_dir=tmp / "state", store_capacity=samples, phase=paired
+    )
+    assert core.pipeline is not None and core.shapes is not None
+    rng = np.random.default_rng(0)
+    shape, classes = core.pipeline.backbone.sample_shape, core.shapes.classes
+    raw_dtype = np.float32 if profile.pipeline.raw_dtype == "float32" else np.uint8
+    x = rng.integers(0, 17, size=(samples, *shape)).astype(raw_dtype)
+    replay = tmp / "replay.npz"
+    np.savez(replay, x=x, y=rng.integers(0, max(2, classes), size=samples))
+    del x
+    heap.malloc_trim()
+    # the replay file as the daemon admits and loads it
+    need = estimates.estimate_replay_bytes(replay)
+    memstat.reset_peak()
+    before = memstat.rss_bytes()
+    with np.load(replay) as data:
+        x, y = np.asarray(data["x"]), np.asarray(data["y"]).astype(np.int64)
+    runs["replay"] = [(need, memstat.peak_rss_bytes() - before)]
+    batch = core.pipeline.batch
+    for s in range(0, samples, batch):
+        core.observe(x[s : s + batch], y[s : s + batch])
+    core.flush_store()
+    for r in range(1, rounds + 1):
+        heap.malloc_trim()  # as the daemon after each round
+        ann = RoundAnnouncement(r, core.head.version, 600.0, 2, 0.05, 16, 1, 1.0)
+        res = core.receive_round(encode_round(ann))
+        if res.status != RoundStatus.TRAINED or res.entry is None or res.local is None:
+            raise RuntimeError(f"round {r}: {res.status} {res.reason} {res.detail}")
+        core.acknowledged(res.entry.update_id)
+        head = core.head
+        gm = GlobalModel(
+            r, head.version + 1, core.model_sha256, head.W + res.local.delta_W, head.b + res.local.delta_b
+        )
+        del res, head
+        if core.receive_global(encode_global_model(gm)).status != ApplyStatus.APPLIED:
+            raise RuntimeError(f"round {r}: global head not applied")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {"model": model.name, "D": core.shapes.embedding_dim, "K": classes, "runs": runs}
+
+
 def child_leak(model: str, rounds: int) -> dict[str, Any]:
     """The device core's round in a loop: classify 64 samples, answer a round, apply the next head."""
     import numpy as np
 
-    from edgefl.agent import memory
+    from edgefl.agent import heap, memstat
     from edgefl.agent.core import ApplyStatus, DeviceCore
     from edgefl.agent.round import RoundStatus
     from edgefl.wire.global_model import GlobalModel, encode_global_model
@@ -204,9 +327,9 @@ def child_leak(model: str, rounds: int) -> dict[str, Any]:
             raise RuntimeError(f"round {r}: global head not applied")
         del gm_bytes
         core.flush_store()
-        memory.malloc_trim()
+        heap.malloc_trim()
         if r in (1, 10, 50, 100, 200, 300, 400, 500) or r == rounds:
-            rss[r] = memory.rss_bytes()
+            rss[r] = memstat.rss_bytes()
     n = len(core.store)
     shutil.rmtree(state, ignore_errors=True)
     return {"rss": rss, "seconds": time.perf_counter() - t0, "store": n}
@@ -214,7 +337,7 @@ def child_leak(model: str, rounds: int) -> dict[str, Any]:
 
 def child_hygiene(which: str) -> Any:
     """One hygiene measurement (the parent sets the environment)."""
-    from edgefl.agent import memory
+    from edgefl.agent import heap, memstat
 
     if which == "blas":
         import numpy as np
@@ -243,15 +366,15 @@ def child_hygiene(which: str) -> Any:
         bb = Backbone(MODELS / "mobilenet_v2_035_96_int8.tflite", num_threads=n)
         bb.resize(8)
         x = np.zeros((8, *bb.sample_shape), bb.input_dtype)
-        memory.reset_peak()
-        r0 = memory.rss_bytes()
+        memstat.reset_peak()
+        r0 = memstat.rss_bytes()
         bb.run(x)
-        return {"run_peak_delta": memory.peak_rss_bytes() - r0, **_status()}
+        return {"run_peak_delta": memstat.peak_rss_bytes() - r0, **_status()}
     if which == "trim":
         out = child_round("mobilenet_v2_035_96_int8.tflite", 200, 1, None, 256, False)
-        rss_before = memory.rss_bytes()
-        memory.malloc_trim()
-        return {"before": rss_before, "after": memory.rss_bytes(), "round_peak": out["lifetime_peak"]}
+        rss_before = memstat.rss_bytes()
+        heap.malloc_trim()
+        return {"before": rss_before, "after": memstat.rss_bytes(), "round_peak": out["lifetime_peak"]}
     if which == "store":
         import numpy as np
 
@@ -372,6 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--quick", action="store_true", help="50-round leak loop instead of 500")
     p.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
+    p.add_argument(
+        "--estimates",
+        action="store_true",
+        help="only the admission estimates against what each phase adds (its subsection, in place)",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="fresh processes per model for --estimates")
     a = p.parse_args(argv)
     if a.child:
         task, *rest = a.child
@@ -384,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         elif task == "leak":
             out = child_leak(rest[0], int(rest[1]))
+        elif task == "estimates":
+            out = child_estimates(rest[0], int(rest[1]), int(rest[2]))
         elif task == "hygiene":
             out = child_hygiene(rest[0])
         else:
@@ -392,6 +523,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     results: dict[str, Any] = {"machine": machine()}
+    if a.estimates:
+        results["estimates"] = run_estimates(a.repeats)
+        text = render_estimates(results["estimates"], results["machine"])
+        print(text)
+        if a.json:
+            Path(a.json).write_text(json.dumps(results, indent=2) + "\n")
+        if not a.no_doc:
+            write_subsection(text)
+            print(f"wrote {DOC}")
+        return 0
     print(results["machine"])
     # import baseline
     imports = []
@@ -449,6 +590,91 @@ def main(argv: list[str] | None = None) -> int:
         write_section(render(results))
         print(f"wrote {DOC}")
     return 0
+
+
+ESTIMATE_PHASES = ("replay", "inference", "train", "encode", "personal")
+#: The resolution of an RSS reading here: Linux (>= 6.2) keeps a process's RSS in per-CPU counters
+#: that are read without summing the CPUs' pending counts, up to 32 pages each (mm/percpu_counter).
+RSS_RESOLUTION_BYTES = 32 * 4096 * (os.cpu_count() or 1)
+TOLERANCE = 0.25
+
+
+def run_estimates(repeats: int) -> dict[str, Any]:
+    """Per model and phase: the estimate and the most a run added, first run and later runs apart."""
+    out: dict[str, Any] = {}
+    for label in ESTIMATE_MODELS:
+        rows: dict[str, dict[str, int]] = {}
+        for _ in range(repeats):
+            child = run_child(["estimates", label, "256", "5"], env=MALLOC_ENV)
+            out.setdefault(label, {"model": child["model"], "D": child["D"], "K": child["K"]})
+            for phase, runs in child["runs"].items():
+                row = rows.setdefault(phase, {"first_est": 0, "first": 0, "later_est": 0, "later": 0})
+                row["first_est"] = max(row["first_est"], runs[0][0])
+                row["first"] = max(row["first"], runs[0][1])
+                for est, added in runs[1:]:
+                    row["later_est"] = max(row["later_est"], est)
+                    row["later"] = max(row["later"], added)
+        out[label]["phases"] = rows
+        print(f"  estimates {label}: {rows}", flush=True)
+    return out
+
+
+def within(estimate: int, added: int) -> bool:
+    """``estimate`` within :data:`TOLERANCE` of ``added``, or within one RSS reading's resolution."""
+    return abs(estimate - added) <= max(TOLERANCE * added, RSS_RESOLUTION_BYTES)
+
+
+def render_estimates(r: dict[str, Any], machine_line: str) -> str:
+    lines = [
+        "### Admission estimates against what each phase adds",
+        "",
+        "`.venv/bin/python -m bench.memory --estimates` (`child_estimates`): the shipped device core "
+        "(`DeviceCore`) in 3 fresh processes per model (glibc as the unit sets it), a 256-sample replay "
+        "file admitted and loaded as the daemon does, the samples classified in the profile's batches, "
+        "then 5 rounds answered (train, encode, the personal step) and their heads applied. Each phase "
+        "run is paired with the admission made for it; *added* = the run's peak RSS (VmHWM after a "
+        "`clear_refs` reset) minus the RSS at its start, the most over the processes; *later* = rounds "
+        "2-5 (inference: every call after the first). The 1280 x 19 float head is the shipped float32 "
+        "MobileNet with a 19-class head (`tests/support/models.py`) under "
+        "`gateway_aarch64_256mb_mobilenet.toml`; the others under `dev_x86.toml`. Within: |estimate - "
+        f"added| <= 25 % of added, or <= {RSS_RESOLUTION_BYTES >> 10} KiB (an RSS reading's resolution "
+        f"here: 32 pages per CPU, Linux's per-CPU RSS counters). {machine_line}; "
+        f"{time.strftime('%Y-%m-%d')}.",
+        "",
+        "Cells: estimate / added in MiB, first run; later runs after the semicolon.",
+        "",
+        "| model (D x K) | " + " | ".join(ESTIMATE_PHASES) + " | every phase within |",
+        "|---" * (len(ESTIMATE_PHASES) + 2) + "|",
+    ]
+    for label, m in r.items():
+        cells, ok = [], True
+        for phase in ESTIMATE_PHASES:
+            row = m["phases"].get(phase)
+            if row is None:
+                cells.append("–")
+                continue
+            cell = f"{row['first_est'] / MIB:.2f} / {row['first'] / MIB:.2f}"
+            ok = ok and within(row["first_est"], row["first"])
+            if phase != "replay":
+                cell += f"; {row['later_est'] / MIB:.2f} / {row['later'] / MIB:.2f}"
+                ok = ok and within(row["later_est"], row["later"])
+            cells.append(cell)
+        verdict = "yes" if ok else "**no**"
+        lines.append(f"| {label} ({m['D']} x {m['K']}) | " + " | ".join(cells) + f" | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_subsection(text: str) -> None:
+    """Replace the ``###`` subsection ``text`` starts with (or add it before the leak check's)."""
+    doc = DOC.read_text()
+    title = text.splitlines()[0]
+    pattern = re.compile(rf"^{re.escape(title)}\n.*?(?=^##|\Z)", re.S | re.M)
+    if pattern.search(doc):
+        doc = pattern.sub(lambda _: text.rstrip() + "\n\n", doc, count=1)
+    else:
+        anchor = "### RSS growth over rounds"
+        doc = doc.replace(anchor, text.rstrip() + "\n\n" + anchor, 1)
+    DOC.write_text(doc)
 
 
 def render(r: dict[str, Any]) -> str:

@@ -17,8 +17,8 @@ worst tenth of devices (at least one); each setting's figures are the averages o
 (3: training shuffles and, for ``half``, the classes kept). ``extra_bytes_per_round`` compares every
 Update of the two runs, byte for byte but for its training time and peak RSS (the figures two runs
 never share); ``extra_ram_bytes_per_device`` is the personal head a device keeps plus the gradient its
-step allocates (the class mask adds K bytes); ``personal_pass_ratio`` is the personal steps' time over
-the local training's, summed over every device and round.
+step allocates (the class mask and the loss's logit scale add 5K bytes); ``personal_pass_ratio`` is
+the personal steps' time over the local training's, summed over every device and round.
 
 Settings: HAPT split by session (train on the first, test on the second) and by bout (a user's
 bouts of each activity alternate between train and test), all labels and half of the classes
@@ -26,10 +26,12 @@ labelled per device (the device's test covers every class); the Deterding vowels
 four repetitions train, the last two test), all and half labelled; the Japanese vowels (listeners,
 every third utterance tests).
 
-Run: ``.venv/bin/python -m bench.personal --json out/personal.json``.
+Run: ``.venv/bin/python -m bench.personal --json out/personal.json`` (``--only hapt:session:all``,
+``--only vowels-deterding``: those settings alone; ``--set personal.KEY=VALUE``: other defaults).
 
 Source: Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through
-Personalization", ICML 2021; McMahan et al. 2017 (FedAvg).
+Personalization", ICML 2021; Li and Zhan, "FedRS: Federated Learning with Restricted Softmax for
+Label Distribution Non-IID Data", KDD 2021; McMahan et al. 2017 (FedAvg).
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ from typing import Any
 import numpy as np
 
 from bench.natural_clients import NaturalSet, load_natural
-from edgefl.agent import memory
 from edgefl.agent.config import Profile, load_profile
 from edgefl.agent.core import ApplyStatus, DeviceCore
+from edgefl.agent.governor import Governor
 from edgefl.agent.round import RoundStatus
 from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.fedavg import FedAvg
@@ -175,7 +177,7 @@ def run_federated(
     dataset: str, devs: Sequence[DeviceData], seed: int, rounds: int, personal: bool
 ) -> RunResult:
     """``rounds`` synchronous FedAvg rounds over the devices' cores; accuracy of what serves at the end."""
-    gov = memory.Governor(4096 << 20, 0, 0)
+    gov = Governor(4096 << 20, 0, 0)
     strategy = FedAvg(local_epochs=LOCAL_EPOCHS, lr=LR, batch_size=BATCH, min_clients=1, deadline_s=3600)
     out = RunResult([], [])
     with tempfile.TemporaryDirectory(dir=STATE_ROOT) as tmp:
@@ -251,7 +253,7 @@ def run_local_only(dataset: str, devs: Sequence[DeviceData], seed: int, rounds: 
         for i, d in enumerate(devs):
             core = DeviceCore.open(
                 device_profile(f"dev{i}", dataset, Path(tmp), seed * 1000 + i, False),
-                governor=memory.Governor(4096 << 20, 0, 0),
+                governor=Governor(4096 << 20, 0, 0),
                 store_capacity=max(len(d.y_train), 16),
             )
             core.observe(d.x_train, d.y_train)
@@ -326,12 +328,25 @@ def run(
     }
 
 
+def _matches(setting: tuple[str, str, str], pattern: str) -> bool:
+    """Whether ``dataset[:split[:labels]]`` names ``setting`` (the parts given must all match)."""
+    parts = pattern.split(":")
+    return len(parts) <= 3 and all(p == s for p, s in zip(parts, setting, strict=False))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; ``--json PATH`` writes the result document."""
     ap = argparse.ArgumentParser(prog="python -m bench.personal", description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, help="write the result here")
     ap.add_argument("--seeds", type=int, default=3, help="runs per setting (seeds 0..N-1), averaged")
     ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"federated rounds (default {ROUNDS})")
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="DATASET[:SPLIT[:LABELS]]",
+        help="run only the matching settings (e.g. hapt:session:all, vowels-deterding); repeatable",
+    )
     ap.add_argument(
         "--set",
         action="append",
@@ -346,7 +361,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"--set {item}: only personal.* keys")
         PERSONAL_OVERRIDES[key] = value
     logging.basicConfig(level=logging.ERROR)
-    result = run(tuple(range(args.seeds)), rounds=args.rounds)
+    settings = SETTINGS
+    if args.only:
+        settings = tuple(s for s in SETTINGS if any(_matches(s, o) for o in args.only))
+        if not settings:
+            ap.error(f"--only {args.only}: no such setting (known: {[':'.join(s) for s in SETTINGS]})")
+    result = run(tuple(range(args.seeds)), settings, rounds=args.rounds)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -15,7 +15,7 @@ batch (numpy allocations), the page faults are the thread's minor faults for tha
 The unfused cost depends heavily on the state of glibc's heap: batch-sized float32 temporaries above
 the mmap threshold are fresh ``mmap`` pages every batch (page faults: "cold"), while after glibc has
 raised its dynamic threshold they are reused heap memory ("warm"). Both are measured, with the
-threshold pinned by ``mallopt(M_MMAP_THRESHOLD)`` (128 KiB: cold, as ``memory.apply_hygiene`` with a
+threshold pinned by ``mallopt(M_MMAP_THRESHOLD)`` (128 KiB: cold, as ``heap.apply_hygiene`` with a
 fixed threshold leaves it; 64 MiB: warm).
 
 Run: ``.venv/bin/python -m bench.pipeline`` (prints a markdown table; ``--json PATH``).

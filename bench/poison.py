@@ -51,7 +51,7 @@ from edgefl.coordinator.profile import CoordinatorProfile, load_coordinator_prof
 from edgefl.coordinator.rounds import Round
 from edgefl.coordinator.runner import build_strategy
 from edgefl.coordinator.strategies import DEFAULT_STRATEGY
-from edgefl.coordinator.strategy import Offer, aggregate_checked
+from edgefl.coordinator.strategy import Offer, Strategy, aggregate_checked
 from edgefl.datasets import partition_non_iid, split_digits
 from edgefl.errors import UpdateRejected
 from edgefl.resources import shipped
@@ -196,7 +196,12 @@ class PoisonRun:
 
 
 def run_poisoned(
-    task: Task, profile: CoordinatorProfile, attack: str | None, seed: int = 0
+    task: Task,
+    profile: CoordinatorProfile,
+    attack: str | None,
+    seed: int = 0,
+    *,
+    make: Callable[[], Strategy] | None = None,
 ) -> PoisonRun:
     """Run the profile's rounds with device 0 attacking first (or no one, ``attack=None``).
 
@@ -210,13 +215,15 @@ def run_poisoned(
         A key of ``ATTACKS``.
     seed : int
         Seed of the honest devices' order of answering.
+    make : callable or None
+        Builds the strategy instead of the profile's (``bench/newclass.py``'s candidate rules).
 
     Returns
     -------
     PoisonRun: final test accuracy, refusals by reason (offers, and ``head_<reason>`` for heads),
     updates clipped, the size of every aggregated round, rounds abandoned (``too_few``).
     """
-    strategy = build_strategy(profile)
+    strategy = make() if make is not None else build_strategy(profile)
     rounds = profile.rounds
     order = np.random.default_rng(seed + 17)
     W, b = task.W0.copy(), task.b0.copy()

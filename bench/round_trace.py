@@ -152,12 +152,12 @@ def install_agent_probes() -> None:
     import edgefl.agent.control as control
     import edgefl.agent.core as core
     import edgefl.agent.feedback as feedback
-    import edgefl.agent.memory as memory
     import edgefl.agent.outbox as outbox
     import edgefl.agent.reporter as reporter
     import edgefl.agent.round as round_
     import edgefl.records as records
     import edgefl.transport as transport
+    from edgefl.agent import governor, heap
 
     _wrap(os, "fsync", "fsync")
     _wrap(os, "fdatasync", "fdatasync")  # records.RecordSlot's in-place writes (the outbox)
@@ -175,11 +175,11 @@ def install_agent_probes() -> None:
     for attr in ("decode_global_model", "encode_global_model"):
         _wrap(core, attr, attr)
     _wrap(core.DeviceCore, "_verified", "verify")
-    _wrap(memory.Governor, "admit", "governor.admit")
-    _wrap(memory, "reset_peak", "reset_peak")
+    _wrap(governor.Governor, "admit", "governor.admit")
+    _wrap(governor, "reset_peak", "reset_peak")  # the name the governor calls
     _wrap(feedback.ErrorFeedback, "compress", "feedback.compress")
     _wrap(outbox.Outbox, "_save", "outbox.save")
-    _wrap(memory, "malloc_trim", "malloc_trim")
+    _wrap(heap, "malloc_trim", "malloc_trim")
     _wrap(control.RoundTask, "handle", "handle", lambda self, msg: _topic_kind(msg.topic))
     _wrap(control.RoundTask, "_send_update", "send_update")
     _wrap(reporter.StatusReporter, "_status_tick", "status_tick")

@@ -994,6 +994,7 @@ def hierarchical_root_sets(
         "hierarchy.role": "root",
         "hierarchy.expected_sites": str(opts.sites),
         "hierarchy.site_keys_dir": str(keys / "sites"),
+        "hierarchy.site_devices": str(-(-opts.devices // opts.sites)),  # the most devices one site has
         "security.signing_key_file": str(root_key),
         "broker.url": f"mqtt://127.0.0.1:{port}",
         "rounds.min_clients": str(opts.devices),

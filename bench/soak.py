@@ -35,11 +35,17 @@ What is measured (the JSON, ``--json PATH``):
   test samples of the new classes reaches 0.8; null if never), ``accuracy_on_new`` (20 rounds after the
   introduction, or at the end).
 - ``rss_growth_mib_per_hour``: anonymous RSS (``RssAnon``: heap, stacks, the interpreter's own
-  memory) sampled every 5 s from ``/proc``; the slope pooled over every process lifetime of that role
-  (each lifetime's first 60 s left out as warm-up), MiB per hour: ``agents_max`` (the worst agent) and
-  ``coordinator``. A leak shows there. ``rss_total_growth_mib_per_hour`` is the same of ``VmRSS``, which
-  also counts the file-backed pages of the agents' memory-mapped stores: those grow with every
-  sample stored until the ring is full (``training.store_capacity`` rows), by design.
+  memory) sampled every 5 s from ``/proc``; the least-squares slope pooled over every process lifetime
+  of that role (each lifetime's first 60 s left out as warm-up, each its own intercept), MiB per hour:
+  ``agents_max`` (the worst agent) and ``coordinator``. A leak shows there. The slope is fitted to each
+  lifetime's resting level, the lowest sample of every 30 s: a round's transient peak (training,
+  aggregation), freed within seconds, is not growth. ``rss_total_growth_mib_per_hour`` is the same of
+  ``VmRSS``, which also counts the file-backed pages of the agents' memory-mapped stores: those grow
+  with every sample stored until the ring is full (``training.store_capacity`` rows), by design.
+  ``rss_settled_growth_mib_per_hour``: the same slope over lifetimes' parts older than 10 minutes
+  (null for a role no lifetime of which lived that long): an allocator's high-water marks and bounded
+  tables filling take minutes to settle, and the faults cut most lifetimes short of that.
+  ``rss_lifetimes``: per role, the lifetimes measured and the longest one (minutes).
 - ``second_coordinator_refused``: every second coordinator exited 6 and the first kept running.
 
 Run: ``python -m bench.soak --minutes 8 --devices 5 --json out/soak.json``; docs/benchmarks.md
@@ -86,6 +92,8 @@ COORDINATOR_PROFILE = ROOT / "firmware_configs" / "coordinator.toml"
 NEW_CLASSES = (8, 9)
 EXIT_ANOTHER_COORDINATOR = 6
 WARMUP_S = 60.0
+SETTLED_S = 600.0
+REST_WINDOW_S = 30.0
 IN_FLIGHT_S = 0.3
 
 
@@ -566,6 +574,10 @@ class Soak:
             new["accuracy_on_new_by_round"] = [[h[0], round(h[2], 3)] for h in after[::5]]
         agent_growth = [_growth_mib_per_hour(self.lifetimes.get(d, [])) for d in self.devices]
         agent_total = [_growth_mib_per_hour(self.lifetimes.get(d, []), total=True) for d in self.devices]
+        agent_settled = [
+            _growth_mib_per_hour(self.lifetimes.get(d, []), warmup_s=SETTLED_S) for d in self.devices
+        ]
+        agent_lives = [life for d in self.devices for life in self.lifetimes.get(d, [])]
         second_ok = bool(self.second) and all(
             s["exit"] == EXIT_ANOTHER_COORDINATOR
             and s["first_alive"]
@@ -602,6 +614,16 @@ class Soak:
                 "agents_max": max((g for g in agent_total if g is not None), default=None),
                 "coordinator": _growth_mib_per_hour(self.lifetimes.get("coordinator", []), total=True),
             },
+            "rss_settled_growth_mib_per_hour": {
+                "agents_max": max((g for g in agent_settled if g is not None), default=None),
+                "coordinator": _growth_mib_per_hour(
+                    self.lifetimes.get("coordinator", []), warmup_s=SETTLED_S
+                ),
+            },
+            "rss_lifetimes": {
+                "agents": _lives_summary(agent_lives),
+                "coordinator": _lives_summary(self.lifetimes.get("coordinator", [])),
+            },
             "second_coordinator_refused": second_ok,
             "second_coordinators": self.second,
             "settings_changed": {
@@ -635,11 +657,36 @@ def _rss_bytes(pid: int) -> tuple[int, int] | None:
         return None
 
 
-def _growth_mib_per_hour(lives: list[Lifetime], *, total: bool = False) -> float | None:
-    """Least-squares RSS slope pooled over lifetimes (each its own intercept), after warm-up; MiB/h."""
+def _resting(pts: list[tuple[float, int]], window_s: float = REST_WINDOW_S) -> list[tuple[float, int]]:
+    """The lowest sample of each ``window_s`` of ``pts`` (``(t, bytes)``, time order): the resting level."""
+    out: list[tuple[float, int]] = []
+    cur: list[tuple[float, int]] = []
+    for p in pts:
+        if cur and p[0] - cur[0][0] >= window_s:
+            out.append(min(cur, key=lambda q: q[1]))
+            cur = []
+        cur.append(p)
+    if cur and cur[-1][0] - cur[0][0] >= window_s / 2:  # a last window at least half full
+        out.append(min(cur, key=lambda q: q[1]))
+    return out
+
+
+def _lives_summary(lives: list[Lifetime]) -> dict[str, Any]:
+    """How many lifetimes were measured and the longest one (minutes, from the first to the last sample)."""
+    spans = [life.rss[-1][0] - life.started for life in lives if life.rss]
+    return {"measured": len(spans), "longest_minutes": round(max(spans, default=0.0) / 60, 1)}
+
+
+def _growth_mib_per_hour(
+    lives: list[Lifetime], *, total: bool = False, warmup_s: float = WARMUP_S
+) -> float | None:
+    """Least-squares slope of the resting RSS pooled over lifetimes (each its own intercept), after
+    ``warmup_s`` of each; MiB/h (None without enough samples)."""
     sxx = sxy = 0.0
     for life in lives:
-        pts = [(t, r) for t, r in (life.total if total else life.rss) if t - life.started >= WARMUP_S]
+        pts = _resting(
+            [(t, r) for t, r in (life.total if total else life.rss) if t - life.started >= warmup_s]
+        )
         if len(pts) < 3:
             continue
         t = np.array([p[0] for p in pts])

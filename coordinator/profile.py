@@ -332,9 +332,9 @@ class HierarchyConfig:
         sets the global head; a loud warning at start). A root refuses to start without site keys
         unless this is true.
     site_devices : int
-        Root: most devices one site may have registered, >= 0 (0: ``MAX_PARTIAL_UPDATES``, what a
-        partial can list); a partial claiming more updates is refused, so a site whose key was
-        stolen weighs at most that many updates.
+        Root: most devices one site has registered, > 0 (required for a root; 0 elsewhere); a
+        partial claiming more updates is refused, so a site whose key was stolen weighs at most
+        that many updates.
     """
 
     role: Literal["flat", "site", "root"] = "flat"
@@ -493,6 +493,9 @@ def _check_hierarchy(p: Problems, c: HierarchyConfig, raw: Mapping[str, object],
         p.add("hierarchy.site_devices", c.site_devices, "must be >= 0")
     if not c.close_margin_s >= 0:
         p.add("hierarchy.close_margin_s", c.close_margin_s, "must be >= 0")
+    if c.role == "root" and c.site_devices == 0:
+        why = "required when hierarchy.role = 'root': the most devices one site has (a site whose key"
+        p.add("hierarchy.site_devices", 0, why + " was stolen may claim no more)")
     if c.role == "root" and c.site_keys_dir is None and not c.allow_unsigned_sites:
         why = "required when hierarchy.role = 'root' (or set hierarchy.allow_unsigned_sites = true)"
         p.add("hierarchy.site_keys_dir", None, why)

@@ -268,6 +268,7 @@ class Strategy(ABC):
         self.accepted = 0
         self._shape: tuple[int, int] | None = None
         self._pending: list[tuple[Offer, float]] = []
+        self._pending_sums: list[tuple[SiteSums, float]] = []  # a root's sum partials and their mean norms
         self._round_clipped = 0
         self._last_bound = math.inf
         self._saved: dict[str, F32] = {}
@@ -320,6 +321,7 @@ class Strategy(ABC):
         """
         self._shape = shape
         self._pending = []
+        self._pending_sums = []
         self._round_clipped = 0
         self._last_bound = math.inf
         self.accepted = 0
@@ -383,6 +385,7 @@ class Strategy(ABC):
         ValueError
             If no update was accepted in the round.
         """
+        self._drain_sums()
         self._drain()
         if self.accepted == 0:
             raise ValueError(f"{self.name}: no update to aggregate")
@@ -414,6 +417,9 @@ class Strategy(ABC):
         With a fixed norm bound, a share of weighted sums (``combine = "sum"``) whose mean is longer
         than the bound is refused: every update folded into it was bounded, so its weighted mean
         cannot be longer (triangle inequality). A site that did not bound its updates is caught here.
+        Shares of sums are held until the round is aggregated, then bounded together
+        (``_drain_sums``): by the last round's partials and this round's own, so a site holding a
+        valid key is bounded in the first round too.
 
         Parameters
         ----------
@@ -422,9 +428,10 @@ class Strategy(ABC):
         Raises
         ------
         UpdateRejected
-            ``no_round``, ``bad_shape``, ``not_finite`` (also: the round's sums would overflow
-            float64), ``bad_value`` (another combine rule than this strategy's, a non-positive
-            weight, a weight above ``count x MAX_UPDATE_EXAMPLES``, or a mean beyond the norm bound).
+            ``no_round``, ``bad_shape``, ``not_finite`` (a norm that overflows float64: every value
+            of a partial taken is below 1e155, so any number of them sum finitely), ``bad_value``
+            (another combine rule than this strategy's, a non-positive weight, a weight above
+            ``count x MAX_UPDATE_EXAMPLES``, or a mean beyond a fixed norm bound).
             A robust estimate's weight is not trusted at all: the root weighs sites alike and
             bounds each estimate's norm (see ``coordinator/robust.py``).
         """
@@ -449,39 +456,67 @@ class Strategy(ABC):
         # a coordinate-wise median can be longer than every update it covers: only sums are checked
         if bound is not None and sums.combine == "sum" and mean_norm > bound * (1 + 1e-6):
             raise UpdateRejected("bad_value", f"partial mean norm {mean_norm:.4g} > norm bound {bound:.4g}")
-        clipped = sums.clipped
-        if sums.combine == "sum":
-            sums, scaled = self._bounded_sum(sums, mean_norm)
-            clipped += sums.count if scaled else 0
-        self._fold_sums(sums)
-        self.accepted += sums.count
-        self._round_clipped += clipped
         self._last_bound = bound if bound is not None else self._last_bound
+        if sums.combine != "sum":
+            self._fold_sums(sums)
+        else:  # bounded once the round's partials are all in (``_drain_sums``)
+            self._pending_sums.append((sums, mean_norm))
+        self.accepted += sums.count
+        self._round_clipped += sums.clipped
 
-    def bound_site_weights(self, multiplier: float = 2.0) -> None:
+    def bound_site_weights(self, multiplier: float = 1.0) -> None:
         """Bound each site's claimed weight per update at the root (``offer_sums``).
+
+        At the median claim (``multiplier = 1``) a site's weight is at most ``count x`` the median
+        weight per update, and its mean at most the bound ``B``, so a site whose key was stolen pulls
+        the root's mean by at most ``count / N x B`` (its devices' share of the bound, ``N`` updates
+        in the round at the median claim) and shrinks the honest step by at most that share; with
+        ``multiplier = m`` both become ``m`` times larger. A site whose devices claim more examples
+        per update than the median is weighed at the median, so the root then differs from a flat
+        run.
 
         Parameters
         ----------
         multiplier : float >= 1
             A partial's weight per update is at most ``multiplier x`` the median weight per update of
-            the partials of the last aggregated round (``NormBound.weight_cap``).
+            the round's partials, or of the last aggregated round's when lower (``_drain_sums``).
         """
         self.norm_bound.weight_multiplier = multiplier
         self.norm_bound.history_warmup = 1  # a root hears a few sites a round, not many devices
         self.norm_bound.begin()
 
-    def _bounded_sum(self, sums: SiteSums, mean_norm: float) -> tuple[SiteSums, bool]:
+    def _drain_sums(self) -> None:
+        """Bound the round's sum partials by what each site may claim, and fold them in.
+
+        The caps are the lower of the last round's (``NormBound.weight_cap``, ``history_bound``: inf
+        in a first round) and this round's: ``weight_multiplier x`` the median weight per update of
+        its partials, ``multiplier x`` the median of their means' norms (adaptive bound only). With
+        most sites honest, those medians are honest ones wherever a hostile partial arrives.
+        """
+        pending, self._pending_sums = self._pending_sums, []
+        if not pending:
+            return
+        nb = self.norm_bound
+        cap, bound = nb.weight_cap(), nb.history_bound()
+        if math.isfinite(nb.weight_multiplier):
+            cap = min(cap, nb.weight_multiplier * float(np.median([p.weight / p.count for p, _ in pending])))
+        if nb.clip_norm is None:
+            bound = min(bound, nb.multiplier * float(np.median([m for _, m in pending])))
+        for sums, mean_norm in pending:
+            bounded, scaled = self._bounded_sum(sums, mean_norm, cap, bound)
+            self._fold_sums(bounded)
+            self._round_clipped += sums.count if scaled else 0
+
+    def _bounded_sum(
+        self, sums: SiteSums, mean_norm: float, cap: float, bound: float
+    ) -> tuple[SiteSums, bool]:
         """A sum partial scaled down to what its site may claim: weight per update and mean norm.
 
-        The weight per update is bounded by ``NormBound.weight_cap`` (from the last round's partials
-        when ``bound_site_weights`` was called), the mean's norm by the adaptive bound from the last
-        round's honest-looking partial means (a fixed bound refuses instead: see ``offer_sums``). Both
-        join the history. Returns the (possibly scaled) sums and whether they were scaled.
+        The weight per update is bounded by ``cap``, the mean's norm by ``bound`` (a fixed bound
+        refuses instead: see ``offer_sums``); both, at most their caps, join the history. Returns the
+        (possibly scaled) sums and whether they were scaled.
         """
         per = sums.weight / sums.count
-        cap = self.norm_bound.weight_cap()
-        bound = self.norm_bound.history_bound()
         self.norm_bound.weights.add(min(per, cap))
         self.norm_bound.history.add(min(mean_norm, bound))
         weight, f = sums.weight, 1.0
@@ -504,7 +539,8 @@ class Strategy(ABC):
         -------
         dict
             ``accepted``, ``clipped``, ``norms`` (the adaptive bound's), ``pending`` (updates waiting
-            for the bound's warm-up, raw float32 bytes) and ``acc`` (the strategy's own sums).
+            for the bound's warm-up, raw float32 bytes), ``sums`` (a root's sum partials waiting for
+            the round's end, float64 bytes) and ``acc`` (the strategy's own sums).
 
         Raises
         ------
@@ -517,12 +553,16 @@ class Strategy(ABC):
             [u.device, u.delta_W.tobytes(), u.delta_b.tobytes(), u.num_examples, u.staleness, norm]
             for u, norm in self._pending
         ]
+        sums = [
+            [p.W.tobytes(), p.b.tobytes(), p.weight, p.count, p.clipped, m] for p, m in self._pending_sums
+        ]
         return {
             "accepted": self.accepted,
             "clipped": self._round_clipped,
             "norms": list(self.norm_bound.norms),
             "claims": list(self.norm_bound.claims),
             "pending": pending,
+            "sums": sums,
             "acc": self._snapshot(),
         }
 
@@ -556,6 +596,20 @@ class Strategy(ABC):
                 float(norm),
             )
             for dev, w, b, n, st, norm in snap["pending"]
+        ]
+        self._pending_sums = [
+            (
+                SiteSums(
+                    "sum",
+                    np.frombuffer(w, np.float64).reshape(shape).copy(),
+                    np.frombuffer(b, np.float64).reshape(shape[1]).copy(),
+                    float(weight),
+                    int(count),
+                    int(clipped),
+                ),
+                float(m),
+            )
+            for w, b, weight, count, clipped, m in snap.get("sums", [])
         ]
 
     def _snapshot(self) -> dict[str, Any]:

@@ -262,7 +262,9 @@ class _Hub:
         self._status_failed = False
 
     def wake(self) -> None:
-        self._wake.set()
+        """A status changed: push it to open streams (without one there is nothing to push)."""
+        if self.streams > 0:
+            self._wake.set()
 
     def close(self) -> None:
         self.closing = True

@@ -92,14 +92,22 @@ def _preflight(profile: Profile) -> list[str]:
     """
     import gc
 
-    import edgefl.agent.daemon  # noqa: F401 - the agent's imports are part of its floor
-    from edgefl.agent import memory
+    import edgefl.agent.daemon  # the agent's imports are part of its floor
+
+    if profile.dashboard.enabled:
+        import edgefl.dashboard.app  # noqa: F401 - so is the device page's server (DashboardPage)
+    from edgefl.agent import estimates, heap, memstat
     from edgefl.agent.preflight import broker_warnings, preflight, training_warning
     from edgefl.runtime import Backbone, runtime_available
 
     for note in broker_warnings(profile):
         print(f"edgefl: warning: {note}", file=sys.stderr)
 
+    # The floor is the RSS of the process with every page its imports and the model map, an upper
+    # bound of what the agent holds once it runs. The imports' library pages are dropped before the
+    # runtime's library and the model load (with them mapped, that is the process's peak) and counted
+    # back per mapping: what each held then and the load did not map again.
+    dropped = heap.release_file_pages()
     if not runtime_available(profile.model.runtime):
         # a profile for another kind of gateway (tflite-runtime on armv7l): what is not about this
         # machine is still checked; the rest is checked by `edgefl run` on the gateway itself
@@ -111,8 +119,9 @@ def _preflight(profile: Profile) -> list[str]:
         runtime=profile.model.runtime,
         embedding_tensor=profile.model.embedding_tensor,
     )
-    shapes = memory.model_shapes(backbone)
-    rss = memory.rss_bytes()
+    shapes = estimates.model_shapes(backbone)
+    mapped = heap.readonly_file_rss()
+    rss = memstat.rss_bytes() + sum(max(0, held - mapped.get(span, 0)) for span, held in dropped.items())
     del backbone
     gc.collect()
     problems = preflight(profile, shapes, rss)
@@ -162,19 +171,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     if profile is None:
         return EXIT_INVALID
     _setup_logging(args.log_level, profile.device.id)
-    from edgefl.agent import memory
+    from edgefl.agent import heap
     from edgefl.agent.daemon import Agent
     from edgefl.agent.statelock import StateDirBusy, lock_state_dir
 
     # arenas of threads not yet started (paho, worker, dashboard); a fixed mmap threshold (the unit and
     # the demo set it from the start with MALLOC_MMAP_THRESHOLD_): -0.2 to -0.3 MiB on bench.peer's agents
-    memory.apply_hygiene(arena_max=2, mmap_threshold_bytes=MMAP_THRESHOLD_BYTES)
+    heap.apply_hygiene(arena_max=2, mmap_threshold_bytes=MMAP_THRESHOLD_BYTES)
 
     try:
         problems = _preflight(profile)
         if problems:
             _report(f"profile {args.profile} cannot run here", problems)
             return EXIT_INVALID
+        heap.release_file_pages()  # what the check mapped, before the agent loads its own model
         try:
             lock = lock_state_dir(profile.device.state_dir)  # held until this function returns
         except StateDirBusy as exc:

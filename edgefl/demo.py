@@ -28,9 +28,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-from edgefl.agent import memory
+from edgefl.agent import memstat
 from edgefl.agent.config import load_profile
 from edgefl.agent.core import DeviceCore
+from edgefl.agent.governor import Governor
 from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategies import make_strategy
@@ -161,7 +162,7 @@ async def _run(opts: DemoOptions) -> int:
     with tempfile.TemporaryDirectory(prefix="edgefl-demo-core-") as core_dir:
         core = DeviceCore.open(
             profile,
-            governor=memory.Governor(1 << 32, 0, 0),  # the demo process is not a device under a cap
+            governor=Governor(1 << 32, 0, 0),  # the demo process is not a device under a cap
             state_dir=Path(core_dir),
             store_capacity=1,
         )
@@ -325,7 +326,7 @@ async def _run(opts: DemoOptions) -> int:
                 # lifetime peak itself: take the larger of what it reports and what /proc says now.
                 status = coord.registry.devices.get(dev, {})
                 try:
-                    vm_hwm = memory.peak_rss_bytes(p.pid)
+                    vm_hwm = memstat.peak_rss_bytes(p.pid)
                 except OSError:
                     vm_hwm = -1
                 peak = max(int(status.get("peak_rss_bytes") or -1), vm_hwm)

@@ -241,7 +241,15 @@ def cross_entropy(W: F32, b: F32, emb: F32, labels: I64) -> tuple[float, F32, F3
 
 
 def cross_entropy_grad_into(
-    W: F32, b: F32, emb: F32, labels: I64, z: F32, grad_W: F32, grad_b: F32, rows: I64
+    W: F32,
+    b: F32,
+    emb: F32,
+    labels: I64,
+    z: F32,
+    grad_W: F32,
+    grad_b: F32,
+    rows: I64,
+    logit_scale: F32 | None = None,
 ) -> None:
     """The gradient of :func:`cross_entropy` into caller-owned buffers, without the loss.
 
@@ -265,17 +273,26 @@ def cross_entropy_grad_into(
         Receives the gradient with respect to ``b``.
     rows : int64 [N]
         ``arange(N)`` (kept by the caller to save allocating it every step).
+    logit_scale : float32 [K] or None
+        If given, the loss is that of the scaled logits ``s_k * (emb @ W + b)_k`` and the gradient
+        is the chain rule's (``z`` is left holding ``s * (softmax - onehot) / N``); None = 1 for
+        every class, bit for bit the plain gradient. The personal step scales the classes a
+        device never had a label for by FedRS's alpha (:func:`restricted_logit_scale`).
 
     Source: as :func:`cross_entropy` (Bishop 2006, §4.3.4).
     """
     n = emb.shape[0]
     np.matmul(emb, W, out=z)
     z += b
+    if logit_scale is not None:
+        z *= logit_scale
     z -= z.max(axis=1, keepdims=True)
     np.exp(z, out=z)
     z /= z.sum(axis=1, keepdims=True)
     z[rows, labels] -= 1.0
     z /= n
+    if logit_scale is not None:
+        z *= logit_scale
     np.matmul(emb.T, z, out=grad_W)
     np.sum(z, axis=0, out=grad_b)
 
@@ -400,6 +417,46 @@ def personal_columns(labels: np.ndarray, num_classes: int) -> np.ndarray:
     return seen
 
 
+def restricted_logit_scale(columns: np.ndarray, alpha: float) -> F32 | None:
+    """The personal step's logit scale: 1 for the classes a device may personalise, ``alpha`` for the rest.
+
+    A device that has labels for some classes only sees every one of its samples labelled with
+    one of them; plain softmax training then raises those classes' scores above every other
+    class everywhere (the other classes are never the answer on its data), and the device stops
+    predicting the classes it has no labels for even where the fleet's head recognises them.
+    FedRS's restricted softmax scales the absent classes' logits by ``alpha`` inside the local
+    loss (0: they count as a constant logit 0; 1: plain softmax), so the labelled classes are
+    fitted against each other rather than pushed above the absent ones. Prediction uses the
+    unscaled logits.
+
+    Parameters
+    ----------
+    columns : bool [K]
+        Classes the device may personalise (:func:`personal_columns`).
+    alpha : float
+        Scale of the other classes' logits in the loss, 0..1.
+
+    Returns
+    -------
+    float32 [K] or None
+        None when every class is personal or ``alpha`` is 1 (the plain softmax).
+
+    Raises
+    ------
+    ValueError
+        If ``alpha`` is outside 0..1.
+
+    Source: X.-C. Li, D.-C. Zhan, "FedRS: Federated Learning with Restricted Softmax for Label
+    Distribution Non-IID Data", KDD 2021, §4 (the scaled logits of missing classes).
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"restricted_logit_scale: alpha = {alpha} must be in 0..1")
+    if columns.all() or alpha == 1.0:
+        return None
+    scale: F32 = np.where(columns, np.float32(1.0), np.float32(alpha)).astype(np.float32)
+    return scale
+
+
 def ditto_step(
     W: F32,
     b: F32,
@@ -479,18 +536,30 @@ def ditto_update(
 ) -> None:
     """:func:`ditto_step` without its checks, writing over the gradient (the trainer's inner loop).
 
-    Parameters as :func:`ditto_step`, except: ``grad_W``/``grad_b`` are overwritten (they hold the
-    step on return), ``lr``/``lam`` are float32 scalars, and ``tied`` is the bool [K] complement of
-    ``columns`` or None when every column is personal.
+    Parameters as :func:`ditto_step`, except: ``grad_W``/``grad_b`` are scratch (overwritten),
+    ``lr``/``lam`` are float32 scalars, and ``tied`` is the bool [K] complement of ``columns`` or
+    None when every column is personal. No heap beyond numpy's scalars: the step's only arrays
+    are the personal head and its gradient.
     """
     # every column stepped (whole-array operations, no gather), then the tied ones overwritten:
-    # the same values as stepping the personal columns alone
-    grad_W += lam * (W - W_global)
+    # the same values as stepping the personal columns alone. W - lr (g + lam (W - Wg)) is
+    # (1 - lr lam) W - lr g + lr lam Wg, in place: no temporary head (the gradient's buffer takes
+    # lr lam Wg once the step no longer needs it); lam 0 is plain SGD
     grad_W *= lr
-    W -= grad_W
-    grad_b += lam * (b - b_global)
     grad_b *= lr
-    b -= grad_b
+    if lam != 0:
+        c = lr * lam
+        W *= np.float32(1) - c
+        b *= np.float32(1) - c
+        W -= grad_W
+        b -= grad_b
+        np.multiply(W_global, c, out=grad_W)
+        np.multiply(b_global, c, out=grad_b)
+        W += grad_W
+        b += grad_b
+    else:
+        W -= grad_W
+        b -= grad_b
     if tied is not None:
         W[:, tied] = W_global[:, tied]
         b[tied] = b_global[tied]

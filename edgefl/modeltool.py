@@ -45,7 +45,7 @@ def describe(path: Path, *, embedding_tensor: str | None = None) -> dict[str, An
         {``index``, ``name``, ``dtype``, ``shape``, ``scale``, ``zero_point``}; ``stateful`` (bool) and
         ``stateful_ops``; ``embedding_output`` (the embedding is already a model output);
         ``batch_resizable``; ``memory_bytes_per_batch`` {batch: bytes} (estimated bytes an inference
-        call adds to RSS: ``edgefl.agent.memory.estimate_inference_bytes``); ``sha256`` (the file's);
+        call adds to RSS: ``edgefl.agent.estimates.estimate_inference_bytes``); ``sha256`` (the file's);
         ``backbone_sha256`` (the model's identity on the wire: the original's for a prepared model);
         ``runtime``.
 
@@ -54,7 +54,7 @@ def describe(path: Path, *, embedding_tensor: str | None = None) -> dict[str, An
     ModelError
         If the model cannot be loaded or has no head.
     """
-    from edgefl.agent import memory
+    from edgefl.agent import estimates
     from edgefl.runtime import Backbone
 
     bb = Backbone(path, embedding_tensor=embedding_tensor)
@@ -63,7 +63,7 @@ def describe(path: Path, *, embedding_tensor: str | None = None) -> dict[str, An
     tout = graph.tensors[bb.output_index]
     wi = bb.head_weights_index
     W, _ = bb.head_from_model() if wi is not None else (None, None)
-    shapes = memory.model_shapes(bb)
+    shapes = estimates.model_shapes(bb)
     batches = ESTIMATE_BATCHES if bb.resizable else (bb.batch,)
     return {
         "model": str(path),
@@ -95,7 +95,7 @@ def describe(path: Path, *, embedding_tensor: str | None = None) -> dict[str, An
         "stateful_ops": bb.stateful_ops,
         "embedding_output": bb.embedding_output,
         "batch_resizable": bb.resizable,
-        "memory_bytes_per_batch": {str(n): memory.estimate_inference_bytes(shapes, n) for n in batches},
+        "memory_bytes_per_batch": {str(n): estimates.estimate_inference_bytes(shapes, n) for n in batches},
     }
 
 

@@ -25,7 +25,8 @@ from test_memory import fake_proc, set_rss
 
 from edgefl.agent.config import load_profile
 from edgefl.agent.core import DeviceCore
-from edgefl.agent.memory import MIB, Governor
+from edgefl.agent.governor import Governor
+from edgefl.agent.memstat import MIB
 from edgefl.agent.round import RoundStatus
 from edgefl.agent.store import EmbeddingStore
 from edgefl.coordinator.fedavg import FedAvg
@@ -123,9 +124,11 @@ def _frames(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.integers(0, 256, size=(n, *shape), dtype=np.uint8), rng.integers(0, 10, size=n)
 
 
-def _start_big_agent(broker: Broker, fleet: str, tmp: Path, **overrides: str) -> subprocess.Popen[bytes]:
-    """A real agent on the shipped big-backbone profile (dashboard on, a free port), replaying 64 frames."""
-    x, y = _frames(64, seed=1)
+def _start_big_agent(
+    broker: Broker, fleet: str, tmp: Path, frames: int = 64, **overrides: str
+) -> subprocess.Popen[bytes]:
+    """A real agent on the shipped big-backbone profile (dashboard on, a free port), replaying ``frames``."""
+    x, y = _frames(frames, seed=1)
     np.savez(tmp / "frames.npz", x=x, y=y)
     return launch_agent(
         BIG_PROFILE,
@@ -167,8 +170,8 @@ async def _coordinator(broker: Broker, fleet: str, deadline_s: float) -> tuple[M
 def test_own_model_big_backbone_batch_shrinks_to_fit_and_the_round_is_answered(
     mosquitto: Broker, fleet: str, tmp_path: Path
 ) -> None:
-    """Asked for 64 frames per invoke (~58 MiB of arena), the agent runs what fits under 96 MiB."""
-    proc = _start_big_agent(mosquitto, fleet, tmp_path, pipeline__batch="64")
+    """Asked for 128 frames per invoke (~116 MiB of arena), the agent runs what fits under 96 MiB."""
+    proc = _start_big_agent(mosquitto, fleet, tmp_path, 256, pipeline__batch="128")
 
     async def main() -> tuple[Any, dict[str, Any], dict[str, Any]]:
         t, coord = await _coordinator(mosquitto, fleet, deadline_s=30.0)
@@ -198,11 +201,11 @@ def test_own_model_big_backbone_batch_shrinks_to_fit_and_the_round_is_answered(
     assert "Traceback" not in log, log[-3000:]
     assert status["cap_bytes"] == 96 * MIB and status["dashboard_url"].startswith("http://127.0.0.1:")
     pipe, adm = status["pipeline"], status["admissions"]["inference"]
-    # the batch asked for never fits: halved until it does, and the interpreter never allocated 64
-    assert pipe["batch"] == 64 and adm["requested_work"] == 64
-    assert 1 <= adm["work"] < 64 and pipe["tensor_batch"] == adm["work"]
-    assert pipe["allocated_batch"] < 64
-    assert status["inferred_total"] == 64 and status["store_samples"] > 0
+    # the batch asked for never fits: halved until it does, and the interpreter never allocated 128
+    assert pipe["batch"] == 128 and adm["requested_work"] == 128
+    assert 1 <= adm["work"] < 128 and pipe["tensor_batch"] == adm["work"]
+    assert pipe["allocated_batch"] < 128
+    assert status["inferred_total"] == 256 and status["store_samples"] > 0
     # the round is answered: trained, or declined with a reason the coordinator records
     assert record.clients + record.declined == 1
     if record.declined:
@@ -214,23 +217,25 @@ def test_own_model_big_backbone_batch_shrinks_to_fit_and_the_round_is_answered(
 def test_own_model_governor_refuses_over_budget_work_and_the_coordinator_records_the_decline(
     mosquitto: Broker, fleet: str, tmp_path: Path
 ) -> None:
-    """A cap under the agent's own footprint: its replay file is refused before it is loaded, no
+    """No room under cap - reserve: a replay file over the cap is refused before it is loaded, no
     training runs, the round is declined."""
     rng = np.random.default_rng(2)
     store = EmbeddingStore(tmp_path / "dev-1", 1024, 1280, num_classes=10)  # the profile's store
     store.add(rng.standard_normal((32, 1280)).astype(np.float32), rng.integers(0, 10, 32))
     store.flush()
     del store
-    # The start-up check refuses a cap under the model's floor (the process with the model loaded, the
-    # store, one sample's inference), measured before the dashboard's aiohttp is imported (+7 MiB or
-    # more, docs/benchmarks.md): a cap 1 MiB above that floor passes it, and the running agent,
-    # dashboard on, is then over its cap whatever this machine's figures.
+    # The start-up check refuses a cap under the model's floor (the process with every page its imports,
+    # the dashboard and the model mapped, the whole store, one sample's inference): a cap 1 MiB above
+    # it passes, and a reserve that leaves 20 MiB under the cap (less than any agent's RSS) puts its
+    # training over budget; its 3700-frame replay file (97.6 MiB) is over the cap itself.
     probe = _start_big_agent(mosquitto, fleet, tmp_path, memory__cap_mb="40")
     assert probe.wait(timeout=60) != 0
     found = re.search(r"under the model's floor of ([0-9.]+) MiB", (tmp_path / "dev-1.log").read_text())
     assert found is not None, (tmp_path / "dev-1.log").read_text()[-2000:]
     cap_mb = math.ceil(float(found.group(1))) + 1
-    proc = _start_big_agent(mosquitto, fleet, tmp_path, memory__cap_mb=str(cap_mb))
+    proc = _start_big_agent(
+        mosquitto, fleet, tmp_path, 3700, memory__cap_mb=str(cap_mb), memory__reserve_mb=str(cap_mb - 20)
+    )
 
     async def main() -> tuple[Any, dict[str, Any], dict[str, Any]]:
         t, coord = await _coordinator(mosquitto, fleet, deadline_s=4.0)

@@ -105,7 +105,8 @@ class Tier:
             return [
                 *common, "--broker", self.bb.root.url, "--role", "root", "--expected-sites", "2",
                 "--min-clients", "6", "--signing-key", str(self.tmp / "root.key"),
-                "--set", f"hierarchy.site_keys_dir={self.tmp / 'sites'}", *self.root_flags,
+                "--set", f"hierarchy.site_keys_dir={self.tmp / 'sites'}", "--set", "hierarchy.site_devices=8",
+                *self.root_flags,
             ]  # fmt: skip
         site = [
             *common, "--broker", self.bb.sites[name].url, "--role", "site", "--site", name,
@@ -217,7 +218,7 @@ class Devices:
 
     def update(self, device: str, round_no: int, base: int, shape: tuple[int, int]) -> tuple[Offer, bytes]:
         rng = np.random.default_rng([round_no, int(device[1:]), ord(device[0])])
-        n = int(rng.integers(10, 80))
+        n = 40  # every device claims alike: a root weighs a site's updates at most at the median claim
         dW = rng.normal(0, 0.02, shape).astype(np.float32)
         db = rng.normal(0, 0.02, shape[1]).astype(np.float32)
         metrics = UpdateMetrics(0.5, 0.5, 0.1, 1000)
@@ -539,12 +540,15 @@ def test_bridge_root_broker_back_without_state_gets_partials_again(tmp_path: Pat
 
 def test_bridge_hierarch_real_agents_at_two_sites(bridged_brokers: BridgedBrokers, tmp_path: Path) -> None:
     """One real agent per site broker, 2 rounds: the agents train on the root's rounds and apply its heads
-    (both bridged down); each head equals flat FedAvg on the updates the agents sent."""
+    (both bridged down); each head equals flat FedAvg on the updates the agents sent. The two shards
+    are cut to the same size: the root weighs a site's updates at most at the median claim of the
+    last round's partials, so sites claiming alike keep FedAvg's weights exactly."""
     tier = Tier(bridged_brokers, f"h{uuid.uuid4().hex[:8]}", tmp_path, _keys(tmp_path), rounds=2)
     tier.signed_devices = False
     x, y = load_digits()
     pool = split_digits(y).devices
     shards = partition_non_iid(y[pool], 2)
+    shards = [shard[: min(len(sh) for sh in shards)] for shard in shards]
     agents = []
 
     async def main() -> None:

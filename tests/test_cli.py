@@ -81,7 +81,8 @@ def test_check_config_of_a_coordinator_profile_names_its_role() -> None:
     profile = str(ROOT / "firmware_configs" / "coordinator.toml")
     flat = edgefl("check-config", profile)
     site = edgefl("check-config", profile, "--set", "hierarchy.role=site", "--set", "hierarchy.site=lyon")
-    root_sets = ["hierarchy.role=root", "hierarchy.expected_sites=20", "hierarchy.allow_unsigned_sites=true"]
+    root_sets = ["hierarchy.role=root", "hierarchy.expected_sites=20", "hierarchy.allow_unsigned_sites=true",
+                 "hierarchy.site_devices=50"]
     root = edgefl("check-config", profile, *[arg for item in root_sets for arg in ("--set", item)])
     want = (
         f"{profile}: ok (coordinator of fleet default, rounds until stopped of trimmed-mean, role flat, "

@@ -29,7 +29,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 import edgefl.dashboard.app
-from edgefl.agent import memory
+from edgefl.agent import memstat
 from edgefl.dashboard.app import DashboardState, create_app, jsonable, serve
 from edgefl.errors import ConfigError
 
@@ -57,10 +57,10 @@ def device_snapshot() -> dict[str, Any]:
         "round": 7,
         "version": 6,
         "cap_bytes": 96 * MiB,
-        "rss_bytes": memory.rss_bytes(),
-        "pss_bytes": memory.pss_bytes(),
-        "peak_rss_bytes": memory.peak_rss_bytes(),
-        "system_available_bytes": memory.system_available_bytes(),
+        "rss_bytes": memstat.rss_bytes(),
+        "pss_bytes": memstat.pss_bytes(),
+        "peak_rss_bytes": memstat.peak_rss_bytes(),
+        "system_available_bytes": memstat.system_available_bytes(),
         "phase_peaks": {"inference": 52 * MiB, "batch": 53 * MiB, "train": 61 * MiB, "encode": 58 * MiB,
                         "publish": 57 * MiB, "apply": 55 * MiB},
         "last_update_bytes": 5310,
@@ -370,7 +370,7 @@ def test_metrics_carry_the_device_status_numbers() -> None:
     assert sum(v for k, v in m.items() if k[0] == "edgefl_agent_state") == 1.0
     assert m[("edgefl_pipeline_info", (("mode", "fused"),))] == 1.0
     # real figures, not placeholders: RSS is this process's, within what /proc says now
-    assert abs(m[("edgefl_memory_rss_bytes", ())] - memory.rss_bytes()) < 64 * MiB
+    assert abs(m[("edgefl_memory_rss_bytes", ())] - memstat.rss_bytes()) < 64 * MiB
 
 
 def test_ingest_counters_in_metrics() -> None:
@@ -551,11 +551,11 @@ def test_sse_stalled_client_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
 
 SSE_SERVER = r"""
 import asyncio, sys
-from edgefl.agent import memory
+from edgefl.agent import memstat
 from edgefl.dashboard.app import DashboardState, serve
 
 def status():
-    return {"state": "idle", "rss_bytes": memory.rss_bytes(), "cap_bytes": 96 << 20}
+    return {"state": "idle", "rss_bytes": memstat.rss_bytes(), "cap_bytes": 96 << 20}
 
 async def main():
     # push_interval_s is long: during the test no event is pushed, so a dropped stream can only be
@@ -624,10 +624,10 @@ def test_sse_50_clients_connect_and_vanish(sse_server: tuple[int, int]) -> None:
     for _ in range(2):  # first waves: allocator pools, caches and the prometheus import settle
         connect_and_vanish(port, 50)
     time.sleep(0.2)
-    before = memory.rss_bytes(pid)
+    before = memstat.rss_bytes(pid)
     waves = [connect_and_vanish(port, 50) for _ in range(3)]
     time.sleep(0.2)
-    after = memory.rss_bytes(pid)
+    after = memstat.rss_bytes(pid)
     # dropped through the connection itself: no event is pushed in the meantime (push_interval_s = 600,
     # keepalive 15 s), and connect_and_vanish saw 0 streams within its 5 s (no speed figure asserted)
     assert len(waves) == 3, waves

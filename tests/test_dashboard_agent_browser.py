@@ -20,7 +20,7 @@ import pytest
 from conftest import CHROMIUM, CHROMIUM_ARGS, DEV_PROFILE, INT8_MODEL, Broker, free_port
 from playwright.sync_api import Browser, expect, sync_playwright
 
-from edgefl.agent import memory
+from edgefl.agent import memstat
 from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
 from edgefl.datasets import load_digits, split_digits
@@ -117,7 +117,7 @@ def test_browser_real_agent_dashboard_during_real_rounds(
 
         # the gauge shows the agent process's own RSS (its /proc), within the push interval's drift
         shown = int(page.get_attribute("#rss", "data-value") or 0)
-        actual = memory.rss_bytes(proc.pid)
+        actual = memstat.rss_bytes(proc.pid)
         assert abs(shown - actual) <= max(4 * MiB, 0.05 * actual), (shown, actual)
         assert int(page.get_attribute("#cap", "data-value") or 0) == 96 * MiB
 
@@ -132,7 +132,7 @@ def test_browser_real_agent_dashboard_during_real_rounds(
         # the wire size of the last update and its age, from the agent's own clock ("20.4 KiB, 3 s ago")
         expect(page.locator("#update-bytes")).to_have_text(re.compile(r"^\d+\.\d KiB, \d+ s ago$"))
         shown = int(page.get_attribute("#rss", "data-value") or 0)
-        actual = memory.rss_bytes(proc.pid)
+        actual = memstat.rss_bytes(proc.pid)
         assert abs(shown - actual) <= max(4 * MiB, 0.05 * actual), (shown, actual)
         page.screenshot(path=tmp_path / "agent-dashboard.png", full_page=True)
         assert (tmp_path / "agent-dashboard.png").stat().st_size > 10_000

@@ -38,7 +38,7 @@ from playwright.sync_api import (
 )
 
 import edgefl.dashboard.app
-from edgefl.agent import memory
+from edgefl.agent import memstat
 from edgefl.dashboard.app import DashboardState, serve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +102,7 @@ class LiveDevice:
     inferred_total: int = 0
 
     def status(self) -> dict[str, Any]:
-        rss = memory.rss_bytes()
+        rss = memstat.rss_bytes()
         self.inferred_total += 37
         for phase in PHASES_IN_STATE.get(self.state, ()):
             self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), rss)
@@ -114,9 +114,9 @@ class LiveDevice:
             "version": self.version,
             "cap_bytes": 256 * MiB,
             "rss_bytes": rss,
-            "pss_bytes": memory.pss_bytes(),
-            "peak_rss_bytes": memory.peak_rss_bytes(),
-            "system_available_bytes": memory.system_available_bytes(),
+            "pss_bytes": memstat.pss_bytes(),
+            "peak_rss_bytes": memstat.peak_rss_bytes(),
+            "system_available_bytes": memstat.system_available_bytes(),
             "phase_peaks": dict(self.phase_peaks),
             "last_update_bytes": self.last_update_bytes,
             "local_accuracy": self.local_accuracy,
@@ -294,7 +294,7 @@ def test_browser_device_page_shows_real_rss_and_live_round_state(
 
     # the gauge shows the agent's RSS as /proc reports it (figures read in one go: pushes go on)
     gauge = gauge_snapshot(page)
-    actual = memory.rss_bytes(target.pid)
+    actual = memstat.rss_bytes(target.pid)
     shown = int(gauge["rss"])
     assert abs(shown - actual) <= max(4 * MiB, 0.03 * actual), (shown, actual)
     assert gauge["rss_text"] == fmt_bytes(shown)
@@ -328,7 +328,7 @@ def test_browser_device_page_shows_real_rss_and_live_round_state(
 
     # still the real figure after the round
     shown = int(data_value(page, "#rss"))
-    actual = memory.rss_bytes(target.pid)
+    actual = memstat.rss_bytes(target.pid)
     assert abs(shown - actual) <= max(4 * MiB, 0.03 * actual), (shown, actual)
     assert painted_pixels(page, "rss-chart") > 500
     target.advance()  # training: the screenshot shows a round in progress
@@ -348,7 +348,7 @@ def test_browser_gauge_follows_the_process_rss(context: BrowserContext) -> None:
             return int(data_value(page, "#rss"))
 
         def agrees() -> bool:  # the page shows what /proc says now (the next push settles it)
-            return abs(shown() - memory.rss_bytes()) <= 4 * MiB
+            return abs(shown() - memstat.rss_bytes()) <= 4 * MiB
 
         before = shown()
         ballast = Ballast(48 * MiB)
@@ -507,7 +507,7 @@ def test_browser_token_dashboard_with_basic_credentials(browser: Browser) -> Non
         device.state = "training"
         server.notify()
         expect_state(page, "training")
-        assert abs(int(data_value(page, "#rss")) - memory.rss_bytes()) <= 4 * MiB
+        assert abs(int(data_value(page, "#rss")) - memstat.rss_bytes()) <= 4 * MiB
         assert errors.items == []
         authorised.close()
         anonymous = browser.new_context()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import os
 import re
 import signal
@@ -44,7 +45,7 @@ from edgefl.coordinator.strategies import make_strategy
 from edgefl.coordinator.strategy import Offer, aggregate_checked
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy, embed_all
-from edgefl.records import prev_path
+from edgefl.records import decode_record, prev_path
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
@@ -671,6 +672,9 @@ def test_corrupt_state_files_are_ignored_with_a_clear_log(
         def dev() -> dict[str, Any]:
             return coord.registry.devices.get("dev-1", {})
 
+        def on_version(version: int) -> bool:
+            return bool(dev().get("version") == version)
+
         async def restart(expect_version: int, expect_log: str) -> None:
             procs[-1].send_signal(signal.SIGTERM)
             procs[-1].wait(timeout=15)
@@ -688,22 +692,24 @@ def test_corrupt_state_files_are_ignored_with_a_clear_log(
         try:
             await coord.start()
             await coord.registry.wait_for_devices(1, timeout_s=60)
-            # an applied head is written once the device is idle (the daemon's housekeeping, issue 17):
-            # each head gets its generation when the rounds are apart
+            # an applied head is written when it is applied, in global_head.rec and .prev in turn
+            # (RecordSlot): versions 1 and 3 in the first, 2 in the second
             assert (await coord.run_round(1)).clients == 1
             await wait_until(lambda: head.exists(), 10, "head version 1 written")
-            assert (await coord.run_round(2)).clients == 1
-            await wait_until(lambda: dev().get("version") == 2, 10, "dev-1 on version 2")
+            for r in (2, 3):
+                assert (await coord.run_round(r)).clients == 1
+                await wait_until(functools.partial(on_version, r), 10, f"dev-1 on version {r}")
             await wait_until(
                 lambda: head.exists() and prev_path(head).exists() and outbox.exists(), 10, "state written"
             )
+            assert decode_record(head.read_bytes(), padded=True)[0] == 2  # the third generation
 
             def tear_newest() -> None:  # a torn write of the newest generations
                 head.write_bytes(head.read_bytes()[: head.stat().st_size // 2])
                 outbox.write_bytes(b"\x00" * 7)
 
             tear = tear_newest
-            await restart(1, "using the previous good generation global_head.rec.prev")
+            await restart(2, "using the previous good generation global_head.rec.prev")
             assert re.search(r"state file .*outbox\.rec is torn or corrupt", log())
 
             def tear_both() -> None:  # both generations of the head corrupt: a flipped byte in each
@@ -716,8 +722,8 @@ def test_corrupt_state_files_are_ignored_with_a_clear_log(
             await restart(0, "and so is global_head.rec.prev")
             # still working: a round completes with it and it takes the new head
             await coord.publish_global(coord.state.round)
-            assert (await coord.run_round(3)).clients == 1
-            await wait_until(lambda: dev().get("version") == 3, 10, "dev-1 on version 3")
+            assert (await coord.run_round(4)).clients == 1
+            await wait_until(lambda: dev().get("version") == 4, 10, "dev-1 on version 4")
             return coord
         finally:
             pump.cancel()

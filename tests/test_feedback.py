@@ -1,18 +1,16 @@
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from edgefl.agent.feedback import RESIDUAL_FILE, ErrorFeedback
+from edgefl.agent.feedback import ErrorFeedback
 from edgefl.wire.compression import Compression
 from edgefl.wire.rounds import Update, UpdateMetrics, decode_update, encode_update
 from tests.support.wire import compressed_roundtrip
 
 
-def test_topk_residual_by_hand_and_telescoping(tmp_path: Path) -> None:
-    fb = ErrorFeedback(tmp_path, (2, 2), "sha")
+def test_topk_residual_by_hand_and_telescoping() -> None:
+    fb = ErrorFeedback((2, 2), "sha")
     dW = np.array([[3.0, 1.0], [0.5, 2.0]], np.float32)
     db = np.array([0.0, -4.0], np.float32)
     cW, cb, _ = fb.compress(dW, db, Compression.TOPK, topk_fraction=0.25)
@@ -30,9 +28,9 @@ def test_topk_residual_by_hand_and_telescoping(tmp_path: Path) -> None:
     np.testing.assert_array_equal(fb.residual_W, [[0.0, 1.0], [0.5, 0.0]])
 
 
-def test_sum_of_decoded_updates_equals_sum_of_deltas_minus_residual(tmp_path: Path) -> None:
+def test_sum_of_decoded_updates_equals_sum_of_deltas_minus_residual() -> None:
     rng = np.random.default_rng(1)
-    fb = ErrorFeedback(tmp_path, (30, 4))
+    fb = ErrorFeedback((30, 4))
     sent_W = np.zeros((30, 4), np.float64)
     total_W = np.zeros((30, 4), np.float64)
     for _ in range(12):
@@ -46,32 +44,8 @@ def test_sum_of_decoded_updates_equals_sum_of_deltas_minus_residual(tmp_path: Pa
     assert np.abs(fb.residual_W).sum() > 0
 
 
-def test_residual_survives_restart_and_is_written_atomically(tmp_path: Path) -> None:
-    fb = ErrorFeedback(tmp_path, (2, 2), "sha-a")
-    fb.compress(np.array([[3.0, 1.0], [0.5, 2.0]], np.float32), np.zeros(2, np.float32),
-                Compression.TOPK, topk_fraction=0.25)
-    assert not (tmp_path / RESIDUAL_FILE).exists()  # kept in memory until saved
-    fb.save()
-    assert (tmp_path / RESIDUAL_FILE).exists()
-    assert not list(tmp_path.glob("*.tmp*"))  # the temporary file was renamed over
-    again = ErrorFeedback(tmp_path, (2, 2), "sha-a")
-    np.testing.assert_array_equal(again.residual_W, [[0.0, 1.0], [0.5, 2.0]])
-    # another model or another shape: start from zero
-    assert not ErrorFeedback(tmp_path, (2, 2), "sha-b").residual_W.any()
-    assert not ErrorFeedback(tmp_path, (3, 2), "sha-a").residual_W.any()
-    again.reset()
-    assert not (tmp_path / RESIDUAL_FILE).exists()
-    assert not ErrorFeedback(tmp_path, (2, 2), "sha-a").residual_W.any()
-
-
-def test_corrupt_residual_file_is_ignored(tmp_path: Path) -> None:
-    (tmp_path / RESIDUAL_FILE).write_bytes(b"not an npz")
-    fb = ErrorFeedback(tmp_path, (2, 2))
-    assert not fb.residual_W.any()
-
-
-def test_int8_feedback_keeps_rounding_error(tmp_path: Path) -> None:
-    fb = ErrorFeedback(tmp_path, (1, 2))
+def test_int8_feedback_keeps_rounding_error() -> None:
+    fb = ErrorFeedback((1, 2))
     dW = np.array([[1.0, 0.3]], np.float32)
     fb.compress(dW, np.zeros(2, np.float32), Compression.INT8)
     decoded = compressed_roundtrip(dW, Compression.INT8)
@@ -83,11 +57,11 @@ def test_int8_feedback_keeps_rounding_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize("mode", [m for m in Compression if m is not Compression.NONE])
 @pytest.mark.parametrize("seed", [None, 5])
 def test_compress_once_is_bit_identical_to_encoding_the_corrected_delta(
-    tmp_path: Path, mode: Compression, seed: int | None
+    mode: Compression, seed: int | None
 ) -> None:
     rng = np.random.default_rng(3)
-    once = ErrorFeedback(tmp_path / "once", (40, 6))
-    twice = ErrorFeedback(tmp_path / "twice", (40, 6))
+    once = ErrorFeedback((40, 6))
+    twice = ErrorFeedback((40, 6))
     for _ in range(3):  # the residual carried between rounds must agree too
         dW = rng.normal(size=(40, 6)).astype(np.float32)
         db = rng.normal(size=6).astype(np.float32)
@@ -107,8 +81,8 @@ def test_compress_once_is_bit_identical_to_encoding_the_corrected_delta(
         np.testing.assert_array_equal(once.residual_W, cW - packed.decoded_W)
 
 
-def test_compressed_delta_of_another_layout_is_refused(tmp_path: Path) -> None:
-    fb = ErrorFeedback(tmp_path, (4, 2))
+def test_compressed_delta_of_another_layout_is_refused() -> None:
+    fb = ErrorFeedback((4, 2))
     _, _, packed = fb.compress(np.ones((4, 2), np.float32), np.ones(2, np.float32), Compression.INT8)
     update = Update(
         1, 0, "d", 1, np.ones((4, 2), np.float32), np.ones(2, np.float32),
@@ -118,20 +92,22 @@ def test_compressed_delta_of_another_layout_is_refused(tmp_path: Path) -> None:
         encode_update(update, compressed=packed)
 
 
-def test_carried_residual_compact_form_reads_back_like_the_file(tmp_path: Path) -> None:
-    """The outbox's copy (``carry_bytes``: CBOR of RFC 8746 typed arrays) and the file's ``.npz`` give
-    the same residual and round; a damaged copy, or one for another model, is ignored."""
-    fb = ErrorFeedback(tmp_path / "a", (3, 2), "sha-a")
+def test_carried_residual_compact_form_reads_back() -> None:
+    """The outbox's copy (``carry_bytes``: CBOR of RFC 8746 typed arrays) gives the same residual and
+    round; a damaged copy, or one for another model or shape, is ignored."""
+    fb = ErrorFeedback((3, 2), "sha-a")
     dW = np.array([[3.0, 1.0], [0.5, 2.0], [-1.0, 0.25]], np.float32)
     fb.compress(dW, np.array([1.0, -2.0], np.float32), Compression.TOPK, topk_fraction=0.25, round=4)
-    carry, npz = fb.carry_bytes(), fb.to_bytes()
-    assert carry[:1] == b"\xa4" and npz[:2] == b"PK"
-    for data in (carry, npz):
-        other = ErrorFeedback(tmp_path / "b", (3, 2), "sha-a")
-        assert other.load_bytes(data, "test")
-        assert other.residual_W.tobytes() == fb.residual_W.tobytes()
-        assert other.residual_b.tobytes() == fb.residual_b.tobytes() and other.round == 4
-    fresh = ErrorFeedback(tmp_path / "c", (3, 2), "sha-a")
+    carry = fb.carry_bytes()
+    other = ErrorFeedback((3, 2), "sha-a")
+    assert other.load_bytes(carry, "test")
+    assert other.residual_W.tobytes() == fb.residual_W.tobytes()
+    assert other.residual_b.tobytes() == fb.residual_b.tobytes() and other.round == 4
+    fresh = ErrorFeedback((3, 2), "sha-a")
     assert not fresh.load_bytes(carry[:-3], "truncated")
-    assert not ErrorFeedback(tmp_path / "d", (3, 2), "sha-b").load_bytes(carry, "other model")
+    assert not fresh.load_bytes(b"not a residual", "garbage")
+    assert not ErrorFeedback((3, 2), "sha-b").load_bytes(carry, "other model")
+    assert not ErrorFeedback((2, 2), "sha-a").load_bytes(carry, "other shape")
     assert not fresh.residual_W.any() and fresh.round == -1
+    other.reset()
+    assert not other.residual_W.any() and other.round == -1

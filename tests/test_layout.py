@@ -26,9 +26,7 @@ PACKAGES = ("agent", "coordinator", "dashboard")
 PRODUCT = ("agent", "coordinator", "dashboard", "edgefl", "cross_build")
 """The product's folders (what the line count and the limits below speak of)."""
 MAX_MODULE_LINES = 800
-OVERSIZE = frozenset({
-    "agent/memory.py",
-})
+OVERSIZE: frozenset[str] = frozenset()
 """Modules over the limit, to be split by job: a module leaves this list once it fits, none joins it."""
 NOT_IN_TREE = {".git", ".venv", ".venv-build", "build", "cache", "out", "dist", "node_modules",
                ".mypy_cache", ".ruff_cache", ".pytest_cache", ".hypothesis", "__pycache__"}

@@ -12,8 +12,7 @@ import json
 import math
 import mmap
 import os
-import subprocess
-import sys
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -24,15 +23,10 @@ import numpy as np
 import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, MODELS, TEST_STATUS_INTERVAL_S, Broker, next_status
 
-from edgefl.agent import memory
-from edgefl.agent.memory import (
-    MIB,
-    TRAIN_FIRST_RUN_BYTES,
-    Governor,
-    ModelShapes,
-    cgroup_memory_limit_bytes,
-    estimate_train_bytes,
-)
+from edgefl.agent import estimates, heap, memstat
+from edgefl.agent.estimates import ModelShapes, estimate_train_bytes
+from edgefl.agent.governor import Governor
+from edgefl.agent.memstat import MIB, cgroup_memory_limit_bytes
 from edgefl.datasets import load_digits
 
 # --- fake /proc and cgroup trees ------------------------------------------------------------------
@@ -56,7 +50,7 @@ def fake_proc(
 
 
 def set_rss(proc: Path, rss: int) -> None:
-    pages = rss // memory.PAGE_BYTES
+    pages = rss // memstat.PAGE_BYTES
     (proc / "self" / "statm").write_text(f"{pages * 3} {pages} 100 10 0 {pages} 0\n")
     (proc / "self" / "status").write_text(f"VmHWM:\t{rss // 1024} kB\nVmRSS:\t{rss // 1024} kB\n")
 
@@ -181,16 +175,16 @@ def test_convenience_admissions_use_the_estimates(tmp_path: Path) -> None:
     )
     # batch preparation cannot wait (it may use the reserve): budget 96 - 68 = 28 MiB; unfused int8
     # prep is 21 bytes per element: 64 samples = 37 MiB -> 32 samples
-    a = gov.admit_batch(shapes, 64)
-    assert a.work == 32 and a.estimate_bytes == memory.estimate_batch_bytes(shapes, 32)
+    a = gov.admit("batch", lambda n: estimates.estimate_batch_bytes(shapes, n), 64, 1)
+    assert a.work == 32 and a.estimate_bytes == estimates.estimate_batch_bytes(shapes, 32)
     t = gov.admit_train(4096, 16, dim=1280, classes=10, batch_size=16, num_examples=4096)
     assert t.work < 4096 and not t.deferred
     assert t.estimate_bytes == estimate_train_bytes(t.work, 1280, 10, 16, 4096, first_run=True)
-    # after a first train phase, the code-page allowance is dropped
+    # after a first train phase, the four heads come out of the heap the last round freed
     with gov.phase("train"):
         pass
     t2 = gov.admit_train(t.work, 16, dim=1280, classes=10, batch_size=16, num_examples=4096)
-    assert t2.estimate_bytes == t.estimate_bytes - TRAIN_FIRST_RUN_BYTES
+    assert t2.estimate_bytes == t.estimate_bytes - 4 * (1280 * 10 + 10) * 4
     # the arena of the largest admitted batch counts as resident
     i1 = gov.admit_inference(shapes, 8)
     i2 = gov.admit_inference(shapes, 8)
@@ -206,11 +200,11 @@ def test_phase_peak_sees_50_mib_allocated_and_freed_inside() -> None:
         pytest.skip(f"/proc/self/clear_refs not writable here (peak method {gov.peak_method})")
     with gov.phase("warm"):
         pass
-    before = memory.rss_bytes()
+    before = memstat.rss_bytes()
     with gov.phase("alloc"):
         a = np.ones(50 * MIB, dtype=np.uint8)  # touched: resident
         del a
-    after = memory.rss_bytes()
+    after = memstat.rss_bytes()
     assert after < before + 10 * MIB, "the 50 MiB were given back (mmap-ed block)"
     assert gov.phase_last["alloc"] >= before + 50 * MIB - 1 * MIB
     # the next phase starts from a reset counter: it does not inherit the 50 MiB
@@ -218,7 +212,7 @@ def test_phase_peak_sees_50_mib_allocated_and_freed_inside() -> None:
         pass
     assert gov.phase_last["idle"] < before + 10 * MIB
     # ... while the lifetime peak keeps it, though VmHWM itself was reset
-    assert memory.peak_rss_bytes() < before + 10 * MIB
+    assert memstat.peak_rss_bytes() < before + 10 * MIB
     assert gov.peak_rss_bytes >= before + 49 * MIB
     assert gov.phase_peaks["alloc"] == gov.phase_last["alloc"]
     assert gov.status()["phase_peaks"]["alloc"] >= before + 49 * MIB
@@ -227,7 +221,7 @@ def test_phase_peak_sees_50_mib_allocated_and_freed_inside() -> None:
 def test_phase_peak_sampling_fallback() -> None:
     gov = Governor(1 << 40, 0, 0, peak_method="sampling", sample_interval_s=0.001)
     assert gov.peak_method == "sampling"
-    before = memory.rss_bytes()
+    before = memstat.rss_bytes()
     with gov.phase("alloc"):
         a = np.ones(50 * MIB, dtype=np.uint8)
         time.sleep(0.05)  # the sampler sees what lives long enough
@@ -237,7 +231,7 @@ def test_phase_peak_sampling_fallback() -> None:
 
 def test_overlapping_phases_from_threads_are_safe() -> None:
     gov = Governor(1 << 40, 0, 0)
-    before = memory.rss_bytes()
+    before = memstat.rss_bytes()
     started = threading.Event()
     release = threading.Event()
 
@@ -265,158 +259,33 @@ def test_overlapping_phases_from_threads_are_safe() -> None:
 
 @pytest.mark.subprocess
 def test_malloc_trim_gives_back_freed_heap() -> None:
-    if not memory.apply_hygiene()["arena_max"]:
+    if not heap.apply_hygiene()["arena_max"]:
         pytest.skip("not glibc")
     # 60 MiB of small blocks (heap, not mmap); keep every 64th alive so the top cannot be trimmed
     blocks = [bytearray(1000) for _ in range(60_000)]
     keep = blocks[::64]
     del blocks
-    high = memory.rss_bytes()
-    memory.malloc_trim()
-    low = memory.rss_bytes()
+    high = memstat.rss_bytes()
+    heap.malloc_trim()
+    low = memstat.rss_bytes()
     assert high - low > 20 * MIB, (high, low)
     assert len(keep) > 0
 
 
 # --- estimates against measured peaks on the real models --------------------------------------------
 
-_MEASURE = r"""
-import json, sys, tempfile
-from pathlib import Path
-import numpy as np
-from edgefl.agent import memory as m
-from edgefl.wire.global_model import GlobalModel
-from edgefl.wire.rounds import Update, UpdateMetrics
-from edgefl.wire.global_model import decode_global_model, encode_global_model
-from edgefl.wire.rounds import encode_update
-from edgefl.wire.cbor import Limits
-from edgefl.head import Head
-from edgefl.agent.pipeline import Pipeline
-from edgefl.runtime import dequantize
-from edgefl.runtime import Backbone
-from edgefl.agent.store import EmbeddingStore
-from edgefl.agent.trainer import train_local
-
-model, batch, chunk, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-bb = Backbone(Path(model))
-shapes = m.model_shapes(bb)
-D, K = shapes.embedding_dim, shapes.classes
-out = {}
-def measure(name, fn):
-    m.reset_peak(); r0 = m.rss_bytes(); res = fn(); out[name] = m.peak_rss_bytes() - r0; return res
-raw = np.random.default_rng(0).integers(0, 256, (batch, *bb.sample_shape), dtype=np.uint8)
-pipes = {}
-def infer():
-    pipes["unfused"] = p = Pipeline(bb, (127.5,), (127.5,), mode="unfused", batch=batch)
-    p.invoke_only()
-    return dequantize(bb.interpreter.get_tensor(bb.embedding_index), bb.embedding_quant)
-measure("inference", infer)
-measure("batch", lambda: pipes["unfused"].prepare(raw))
-fused = Pipeline(bb, (127.5,), (127.5,), mode="fused", batch=batch)
-measure("batch_fused", lambda: fused.prepare(raw))
-st = EmbeddingStore(Path(tempfile.mkdtemp()), n, D)
-rng = np.random.default_rng(1)
-for s in range(0, n, 256):
-    st.add(rng.standard_normal((256, D)).astype(np.float32), rng.integers(0, K, 256))
-W, b = bb.head_from_model()
-head = Head(W, b, 1)
-res = measure("train", lambda: train_local(head, st, local_epochs=1, lr=0.1, batch_size=16, chunk_size=chunk))
-for comp in ("none", "float16", "int8", "topk"):
-    up = Update(1, 1, "d", n, res.delta_W, res.delta_b, UpdateMetrics(0.0, 0.0, 0.0, 0), "d:1:1",
-                compression=comp)
-    measure("encode_" + comp, lambda: encode_update(up))
-gm = encode_global_model(GlobalModel(1, 2, bb.sha256, W, b))
-measure("apply", lambda: decode_global_model(gm, limits=Limits(max_message_bytes=1 << 24),
-                                            expect_shape=head.shape))
-est = {
-    "batch": m.estimate_batch_bytes(shapes, batch),
-    "batch_fused": m.estimate_batch_bytes(shapes, batch, fused=True),
-    "inference": m.estimate_inference_bytes(shapes, batch, resident_batch=1),
-    "train": m.estimate_train_bytes(chunk, D, K, 16, n),
-    "apply": m.estimate_apply_bytes(D, K),
-}
-for comp in ("none", "float16", "int8", "topk"):
-    est["encode_" + comp] = m.estimate_encode_bytes(D, K, comp)
-print(json.dumps({"measured": out, "estimate": est}))
-"""
-
-#: Estimates are upper bounds of the first run of a phase in a fresh process, and not wasteful:
-#: ``measured <= estimate``, and ``estimate <= ESTIMATE_FACTOR * measured`` for phases measuring
-#: at least BIG (below that, ``estimate <= measured + SMALL_SLACK``: page and code-page granularity).
-ESTIMATE_FACTOR = 2.5
-BIG = 4 * MIB
-SMALL_SLACK = 3 * MIB
-
-
-@pytest.mark.parametrize(
-    "model",
-    [
-        "digits_cnn_int8.tflite",
-        "digits_cnn_float32.tflite",
-        "mobilenet_v2_035_96_int8.tflite",
-        "mobilenet_v2_035_96_float32.tflite",
-    ],
-)
-@pytest.mark.subprocess
-def test_estimates_bound_measured_peaks(model: str) -> None:
-    # a fixed mmap threshold: freed temporaries go back to the kernel instead of being reused by the
-    # next phase, so each phase's own peak is measured
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(MODELS / model), "32", "1024", "4096"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=True,
-    )
-    data = json.loads(proc.stdout.strip().splitlines()[-1])
-    measured: dict[str, int] = data["measured"]
-    estimate: dict[str, int] = data["estimate"]
-    rows = []
-    for phase, got in measured.items():
-        est = estimate[phase]
-        rows.append(f"{phase}: measured {got / MIB:.2f} MiB, estimate {est / MIB:.2f} MiB")
-        assert got <= est, rows[-1]
-        if got >= BIG:
-            assert est <= ESTIMATE_FACTOR * got, rows[-1]
-        else:
-            assert est <= got + SMALL_SLACK, rows[-1]
-    print("\n".join(rows))
-    if model.startswith("mobilenet"):
-        assert measured["inference"] >= BIG and measured["batch"] >= BIG and measured["train"] >= BIG
-
-
 def test_model_shapes_of_the_real_models() -> None:
     from edgefl.runtime import Backbone
 
-    s = memory.model_shapes(Backbone(INT8_MODEL))
+    s = estimates.model_shapes(Backbone(INT8_MODEL))
     assert (s.sample_elems, s.input_itemsize, s.embedding_dim, s.classes) == (64, 1, 512, 10)
-    m = memory.model_shapes(Backbone(MODELS / "mobilenet_v2_035_96_float32.tflite"))
+    m = estimates.model_shapes(Backbone(MODELS / "mobilenet_v2_035_96_float32.tflite"))
     assert (m.sample_elems, m.input_itemsize, m.embedding_dim, m.classes) == (96 * 96 * 3, 4, 1280, 10)
     # the first op (stride-2 conv, 16 channels at alpha 0.35) has its input and output alive together
     assert m.activation_bytes >= 96 * 96 * 3 * 4 + 48 * 48 * 16 * 4
 
 
 # --- a real agent process (needs the governor wired into agent/daemon.py) --------------------------
-
-_BASELINE = (
-    "import numpy, ai_edge_litert.interpreter, paho.mqtt.client, cbor2, aiohttp\n"
-    "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
-)
-
-
-def import_baseline_bytes() -> int:
-    """Peak RSS of a fresh Python after importing numpy, LiteRT, paho, cbor2 and aiohttp."""
-    out = subprocess.run(
-        [sys.executable, "-c", _BASELINE],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "MALLOC_ARENA_MAX": "2", "OPENBLAS_NUM_THREADS": "1"},
-    )
-    return int(out.stdout.split()[-1]) * 1024
-
 
 class RssWatch:
     """Samples a process's RSS from outside every 5 ms (its VmHWM is reset by the governor)."""
@@ -432,7 +301,7 @@ class RssWatch:
     def _run(self) -> None:
         while not self._stop.wait(0.005):
             try:
-                self.peak = max(self.peak, memory.rss_bytes(self.pid))
+                self.peak = max(self.peak, memstat.rss_bytes(self.pid))
                 self.samples += 1
             except OSError:
                 return
@@ -509,15 +378,22 @@ async def _coordinator(broker: Broker, fleet: str, deadline_s: float) -> Any:
 def test_wired_tight_cap_shrinks_or_defers_training_keeps_classifying(
     mosquitto: Broker, fleet: str, tmp_path: Path, agent_log: Path
 ) -> None:
-    """Cap = import baseline + 8 MiB: training shrinks or defers, inference goes on, RSS stays under."""
-    baseline = import_baseline_bytes()
-    cap_mb = math.ceil((baseline + 8 * MIB) / MIB)
-    # A store of 1 MiB (float16 embeddings, file-backed pages that count in RSS), ~16k samples streamed
-    # through it and a training chunk of the whole store need a few MiB more than the ~1 MiB left
-    # under cap - reserve, whatever this machine's agent RSS is next to the baseline.
+    """Cap = the agent's floor + 2 MiB: training shrinks or defers, inference goes on, RSS stays under."""
     from edgefl.runtime import Backbone
 
-    capacity = MIB // (2 * Backbone(INT8_MODEL).embedding_dim)
+    capacity = 4 * MIB // (2 * Backbone(INT8_MODEL).embedding_dim)
+    # The start-up check names the agent's floor (the process with every page its imports and the model
+    # mapped, a full store, one sample's inference) when the cap is under it. 2 MiB above it, the
+    # profile's 8 MiB reserve leaves a few MiB at most beside a store of 4 MiB (float16 embeddings,
+    # file-backed pages that count in RSS) that ~16k samples streamed through fill: a training chunk
+    # of the whole store (12 MiB) does not fit, whatever this machine's figures.
+    overrides = {"training.chunk_size": str(capacity), "training.store_capacity": str(capacity)}
+    probe = _start_agent(mosquitto, fleet, tmp_path, {**overrides, "memory.cap_mb": "20"})
+    assert probe.wait(timeout=60) != 0
+    found = re.search(r"under the model's floor of ([0-9.]+) MiB", agent_log.read_text())
+    assert found is not None, agent_log.read_text()[-2000:]
+    baseline = float(found.group(1)) * MIB
+    cap_mb = math.ceil(float(found.group(1))) + 2
     x, y = load_digits()
     reps = 9
     big = tmp_path / "big.npz"
@@ -527,9 +403,8 @@ def test_wired_tight_cap_shrinks_or_defers_training_keeps_classifying(
         fleet,
         tmp_path,
         {
+            **overrides,
             "memory.cap_mb": str(cap_mb),
-            "training.chunk_size": str(capacity),
-            "training.store_capacity": str(capacity),
             "source.path": str(big),
             "source.rate_hz": "0",
         },
@@ -559,7 +434,7 @@ def test_wired_tight_cap_shrinks_or_defers_training_keeps_classifying(
         stop_agents([proc])
     assert alive, "the agent died"
     cap = cap_mb * MIB
-    print(f"baseline {baseline / MIB:.1f} MiB, cap {cap_mb} MiB, outside peak {peak_outside / MIB:.1f}")
+    print(f"floor {baseline / MIB:.1f} MiB, cap {cap_mb} MiB, outside peak {peak_outside / MIB:.1f}")
     print(json.dumps({k: last.get(k) for k in ("state", "reason", "admissions", "deferrals", "phase_peaks")}))
     assert last["cap_bytes"] == cap
     assert peak_outside <= cap and watch.samples > 100
@@ -606,38 +481,38 @@ def test_own_proc_files_are_read_live_through_kept_descriptors_and_a_forked_chil
     a forked child measures itself, not the parent whose descriptors it inherited (a 128 MiB
     allocation in the child shows in the child's readings)."""
     mib = 1 << 20
-    before, peak_before = memory.rss_bytes(), memory.peak_rss_bytes()
+    before, peak_before = memstat.rss_bytes(), memstat.peak_rss_bytes()
     big = np.ones(64 * mib // 8)
-    assert memory.rss_bytes() - before >= 60 * mib
-    assert memory.peak_rss_bytes() - peak_before >= 60 * mib - (peak_before - before)
+    assert memstat.rss_bytes() - before >= 60 * mib
+    assert memstat.peak_rss_bytes() - peak_before >= 60 * mib - (peak_before - before)
     del big
-    assert memory.reset_peak()
-    assert memory.peak_rss_bytes() <= memory.rss_bytes() + 4 * mib
+    assert memstat.reset_peak()
+    assert memstat.peak_rss_bytes() <= memstat.rss_bytes() + 4 * mib
     meminfo = Path("/proc/meminfo").read_text().splitlines()
     fresh = next(ln for ln in meminfo if ln.startswith("MemAvailable:"))
-    assert abs(memory.system_available_bytes() - int(fresh.split()[1]) * 1024) < 256 * mib
+    assert abs(memstat.system_available_bytes() - int(fresh.split()[1]) * 1024) < 256 * mib
     # a kept descriptor whose number now names another file (closed and reused under us) is dropped
-    kept = memory._own_fds["self/statm"][0]
+    kept = memstat._own_fds["self/statm"][0]
     other = os.open("/proc/self/status", os.O_RDONLY)
     os.dup2(other, kept)
     os.close(other)
-    fresh_rss = int(Path("/proc/self/statm").read_text().split()[1]) * memory.PAGE_BYTES
-    assert abs(memory.rss_bytes() - fresh_rss) < 16 * mib
+    fresh_rss = int(Path("/proc/self/statm").read_text().split()[1]) * memstat.PAGE_BYTES
+    assert abs(memstat.rss_bytes() - fresh_rss) < 16 * mib
     # the same for the kept clear_refs descriptor, recognised by its inode before any write
-    kept = memory._own_fds["self/clear_refs"][0]
+    kept = memstat._own_fds["self/clear_refs"][0]
     other = os.open("/proc/self/statm", os.O_RDONLY)
     os.dup2(other, kept)
     os.close(other)
-    assert memory.reset_peak()  # written through a fresh open, not into the statm it now names
-    assert "self/clear_refs" not in memory._own_fds
-    assert memory.reset_peak() and "self/clear_refs" in memory._own_fds  # kept again
+    assert memstat.reset_peak()  # written through a fresh open, not into the statm it now names
+    assert "self/clear_refs" not in memstat._own_fds
+    assert memstat.reset_peak() and "self/clear_refs" in memstat._own_fds  # kept again
     pid = os.fork()
     if pid == 0:  # the child: exit 0 only if its readings follow its own memory
         code = 1
         try:
-            r0 = memory.rss_bytes()
+            r0 = memstat.rss_bytes()
             child = np.ones(128 * mib // 8)
-            grew = memory.rss_bytes() - r0 >= 120 * mib and memory.peak_rss_bytes() >= r0 + 120 * mib
+            grew = memstat.rss_bytes() - r0 >= 120 * mib and memstat.peak_rss_bytes() >= r0 + 120 * mib
             code = 0 if grew else 3
             del child
         finally:

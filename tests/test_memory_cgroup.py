@@ -23,7 +23,7 @@ import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, TEST_STATUS_INTERVAL_S, Broker, next_status
 from test_memory import _coordinator, _digits_shard
 
-from edgefl.agent.memory import CGROUP_ROOT, MIB
+from edgefl.agent.memstat import CGROUP_ROOT, MIB
 
 pytestmark = pytest.mark.timeout(300)
 

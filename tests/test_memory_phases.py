@@ -12,8 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from edgefl.agent import memory
-from edgefl.agent.memory import MIB, Governor
+from edgefl.agent import memstat
+from edgefl.agent.governor import Governor
+from edgefl.agent.memstat import MIB
 
 
 def touch(nbytes: int, hold_s: float = 0.0) -> None:
@@ -44,7 +45,7 @@ def test_console_phase_rise_tells_phases_apart_and_keeps_the_lifetime_peak() -> 
     assert 39 * MIB <= rise["large"] < 40 * MIB + 4 * MIB
     assert 0 <= rise["none"] < 2 * MIB
     # the absolute peaks stay (lifetime, never hidden by the per-phase reset)
-    assert gov.peak_rss_bytes >= gov.phase_peaks["large"] >= memory.rss_bytes() + 30 * MIB
+    assert gov.peak_rss_bytes >= gov.phase_peaks["large"] >= memstat.rss_bytes() + 30 * MIB
 
 
 def test_console_phase_rise_keeps_the_largest_run() -> None:

@@ -23,9 +23,9 @@ from conftest import (
     wait_until,
 )
 
-from edgefl.agent import memory
 from edgefl.agent.config import parse_profile
 from edgefl.agent.core import DeviceCore
+from edgefl.agent.governor import Governor
 from edgefl.agent.personal import PERSONAL_FILE, personal_behind
 from edgefl.agent.pipeline import Pipeline
 from edgefl.agent.round import RoundStatus
@@ -34,7 +34,13 @@ from edgefl.agent.trainer import train_personal
 from edgefl.coordinator.history import personal_heads_summary
 from edgefl.datasets import load_digits
 from edgefl.errors import ConfigError, DecodeError
-from edgefl.head import Head, ditto_step, personal_columns
+from edgefl.head import (
+    Head,
+    cross_entropy_grad_into,
+    ditto_step,
+    personal_columns,
+    restricted_logit_scale,
+)
 from edgefl.records import read_record
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
@@ -107,6 +113,82 @@ def test_personal_train_ties_unlabelled_columns_and_moves_the_rest(tmp_path: Pat
     assert np.mean(Head(W, b).predict(emb) == lbl) > before  # fitted to the device's own labels
 
 
+def test_personal_restricted_softmax_gradient_is_the_scaled_losss() -> None:
+    """With a logit scale the gradient is that of the loss of the scaled logits (central differences)."""
+    rng = np.random.default_rng(7)
+    D, K, N = 5, 4, 6
+    W = rng.normal(0, 0.7, (D, K)).astype(np.float32)
+    b = rng.normal(0, 0.7, K).astype(np.float32)
+    emb = rng.normal(0, 1, (N, D)).astype(np.float32)
+    y = np.array([0, 1, 1, 0, 1, 0], np.int64)
+    scale = restricted_logit_scale(personal_columns(y, K), 0.25)
+    assert scale is not None and scale.tolist() == [1.0, 1.0, 0.25, 0.25]
+    z, gW, gb = np.empty((N, K), np.float32), np.empty_like(W), np.empty_like(b)
+    cross_entropy_grad_into(W, b, emb, y, z, gW, gb, np.arange(N, dtype=np.int64), scale)
+    s64, e64 = scale.astype(np.float64), emb.astype(np.float64)
+
+    def loss(W64: np.ndarray, b64: np.ndarray) -> float:
+        logits = (e64 @ W64 + b64) * s64
+        logits -= logits.max(axis=1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        return float(-logp[np.arange(N), y].mean())
+
+    eps = 1e-4
+    for i in range(D):
+        for j in range(K):
+            Wp, Wm = W.astype(np.float64), W.astype(np.float64)
+            Wp[i, j] += eps
+            Wm[i, j] -= eps
+            assert gW[i, j] == pytest.approx((loss(Wp, b) - loss(Wm, b)) / (2 * eps), abs=2e-5)
+    for j in range(K):
+        bp, bm = b.astype(np.float64), b.astype(np.float64)
+        bp[j] += eps
+        bm[j] -= eps
+        assert gb[j] == pytest.approx((loss(W, bp) - loss(W, bm)) / (2 * eps), abs=2e-5)
+    # alpha 1, or every class labelled: no scale (the plain softmax, bit for bit)
+    assert restricted_logit_scale(np.array([True, False]), 1.0) is None
+    assert restricted_logit_scale(np.array([True, True]), 0.0) is None
+    with pytest.raises(ValueError, match="alpha"):
+        restricted_logit_scale(np.array([True, False]), 1.5)
+
+
+def test_personal_restricted_softmax_keeps_the_fleets_classes(tmp_path: Path) -> None:
+    """A device with labels for 2 of 3 classes, its samples shifted toward class 2: with plain softmax
+    its personal head takes class 2's samples for its own classes; scaled to 0 it keeps recognising them.
+    """
+    rng = np.random.default_rng(1)
+    D, K = 2, 3
+    mu = np.array([[3.0, 0.0], [-3.0, 0.0], [0.0, 3.0]], np.float32)
+    glob = Head(mu.T.copy(), (-0.5 * (mu**2).sum(1)).astype(np.float32), 1)  # nearest class mean
+    shift = np.array([0.0, 1.5], np.float32)  # this device's samples sit 1.5 higher than the fleet's
+    lbl = np.array([0, 1] * 40, np.int64)
+    emb = (mu[lbl] + shift + rng.normal(0, 1, (80, D))).astype(np.float32)
+    test_y = np.repeat([0, 1, 2], 100)
+    test = (mu[test_y] + shift + rng.normal(0, 1, (300, D))).astype(np.float32)
+    store = EmbeddingStore(tmp_path, 128, D, num_classes=K)
+    store.add(emb, lbl)
+    cols = personal_columns(lbl, K)
+    right = {}
+    for alpha in (1.0, 0.0):
+        W, b = glob.W.copy(), glob.b.copy()
+        train_personal(
+            W, b, glob, store, cols, lam=0.0, epochs=40, lr=0.1, batch_size=8, chunk_size=128,
+            absent_alpha=alpha,
+        )  # fmt: skip
+        assert W[:, 2].tolist() == glob.W[:, 2].tolist() and b[2] == glob.b[2]  # class 2 stays tied
+        pred = Head(W, b).predict(test)
+        right[alpha] = [int(np.sum(pred[test_y == k] == k)) for k in range(K)]
+    glob_right = [int(np.sum(glob.predict(test)[test_y == k] == k)) for k in range(K)]
+    assert glob_right == [85, 83, 99]  # the shift costs the fleet's head on the labelled classes
+    # (measured: plain [98, 99, 92], scaled to 0 [93, 98, 97]; margins leave room for rounding)
+    for alpha in (1.0, 0.0):
+        assert right[alpha][0] + right[alpha][1] >= 185  # both fitted to the device's own classes
+    assert right[0.0][2] >= 96 and right[1.0][2] <= 93  # only the restricted one keeps class 2
+    with pytest.raises(ValueError, match="absent_alpha"):
+        train_personal(glob.W.copy(), glob.b.copy(), glob, store, cols, lam=0.0, epochs=1, lr=0.1,
+                       batch_size=8, chunk_size=128, absent_alpha=-0.5)  # fmt: skip
+
+
 def test_personal_prediction_head_key_round_trip_and_refusal() -> None:
     for head in ("personal", "global", None):
         p = Prediction("s:1", 3, 0.5, 7, 0.01, head=head)
@@ -124,12 +206,18 @@ def test_personal_prediction_head_key_round_trip_and_refusal() -> None:
 def test_personal_config_table_and_errors(tmp_path: Path) -> None:
     base = {"device": {"id": "d"}, "model": {"path": str(RAWIN_MODEL)}}
     p = parse_profile(base, tmp_path).personal
-    assert (p.enabled, p.prox_lambda, p.epochs, p.lr_scale) == (True, 0.1, 0, 1.2)
+    assert (p.enabled, p.prox_lambda, p.epochs, p.lr_scale, p.absent_alpha) == (True, 0.0, 0, 1.6, 0.0)
     with pytest.raises(ConfigError) as exc:
-        parse_profile({**base, "personal": {"prox_lambda": -1.0, "epochs": 101, "bogus": 1}}, tmp_path)
+        parse_profile(
+            {**base, "personal": {"prox_lambda": -1.0, "epochs": 101, "absent_alpha": 2.0, "bogus": 1}},
+            tmp_path,
+        )
     text = str(exc.value)
     assert (
-        "personal.prox_lambda = -1.0" in text and "personal.epochs = 101" in text and "personal.bogus" in text
+        "personal.prox_lambda = -1.0" in text
+        and "personal.epochs = 101" in text
+        and "personal.absent_alpha = 2.0" in text
+        and "personal.bogus" in text
     )
 
 
@@ -432,7 +520,7 @@ def test_personal_step_admitted_by_the_governor(tmp_path: Path) -> None:
     core.observe(x[:64], y[:64])
     ann = RoundAnnouncement(1, 0, 60.0, 1, 0.05, 16, 1, 1.0, Compression.NONE)
     assert core.receive_round(encode_round(ann)).status == RoundStatus.TRAINED and core.personal_due
-    core.governor = memory.Governor(1 << 20, 0, 0)
+    core.governor = Governor(1 << 20, 0, 0)
     assert core.personalise() is None
     assert core.personal_deferred == 1 and core.personal is None and not core.personal_due
     assert core.governor.deferrals == {"personal": 1}

@@ -51,6 +51,20 @@ def test_poison_shipped_default_strategy_stays_within_003_of_clean() -> None:
             assert run.clipped >= task.rounds, (attack, run.clipped)  # the attacker is clipped every round
 
 
+@pytest.mark.parametrize("name", ["fedadam", "fedyogi"])
+def test_poison_shipped_adaptive_strategies_stay_within_006_of_clean(name: str) -> None:
+    """FedAdam and FedYogi on the shipped profile, every attack, attacker first: within 0.06 of clean.
+
+    Without the per-coordinate bound on the adaptive step, FedYogi under x -10 lost 0.089 here."""
+    profile = shipped_profile(name)
+    task = poison_task(profile, seed=0)
+    clean = run_poisoned(task, profile, None)
+    assert clean.accuracy > task.accuracy(task.W0, task.b0) + 0.3  # it learns
+    for attack in ATTACKS:
+        run = run_poisoned(task, profile, attack)
+        assert run.accuracy >= clean.accuracy - 0.06, (name, attack, clean.accuracy, run.accuracy)
+
+
 def test_poison_shipped_fedavg_rounds_wait_for_five() -> None:
     """FedAvg on the shipped profile (min_clients 2, tolerate 1): rounds of 5, never 2 or 3."""
     profile = shipped_profile("fedavg")

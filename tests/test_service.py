@@ -118,7 +118,9 @@ def test_pacing_of_a_job_a_root_and_a_flat_service() -> None:
 
     assert pacing() == Pacing(60.0, 32, 2)  # the shipped service
     assert pacing(**{"rounds.count": "3"}) == Pacing(0.0, 0, 1)  # a job: back to back
-    root = pacing(**{"hierarchy.role": "root", "hierarchy.allow_unsigned_sites": "true"})
+    root = pacing(
+        **{"hierarchy.role": "root", "hierarchy.allow_unsigned_sites": "true", "hierarchy.site_devices": "9"}
+    )
     assert root == Pacing(60.0, 0, 0)  # its devices report to their sites: time only
     assert root.check(4, {}, 60.0).text == "opening round 5"
 

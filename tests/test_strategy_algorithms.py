@@ -14,6 +14,7 @@ from edgefl.coordinator.optimisers import (
     FedYogi,
     adam_moments,
     adaptive_step,
+    bound_coordinates,
     server_momentum,
     yogi_moments,
 )
@@ -72,8 +73,14 @@ def test_yogi_second_moment_moves_additively() -> None:
 
 
 def test_adaptive_step_by_hand() -> None:
-    # x + eta m / (sqrt(v) + tau) = 1 + 0.5 * 0.2 / (0.2 + 0.05)  (sqrt(0.04) = 0.2) = 1.4
-    np.testing.assert_allclose(adaptive_step(f32(1.0), f32(0.2), f32(0.04), 0.5, 0.05), [1.4], rtol=1e-6)
+    # eta m / (sqrt(v) + tau) = 0.5 * 0.2 / (0.2 + 0.05)  (sqrt(0.04) = 0.2) = 0.4
+    np.testing.assert_allclose(adaptive_step(f32(0.2), f32(0.04), 0.5, 0.05), [0.4], rtol=1e-6)
+
+
+def test_bound_coordinates_by_hand() -> None:
+    # |step_i| <= 2 |d_i|: 0.4 within 2 x 0.5; 0.4 cut to 0.2; -3 cut to -1; 0.3 cut to 0 where d = 0
+    out = bound_coordinates(f32(0.4, 0.4, -3.0, 0.3), f32(0.5, -0.1, 0.5, 0.0), 2.0)
+    np.testing.assert_allclose(out, [0.4, 0.2, -1.0, 0.0], rtol=1e-6)
 
 
 def test_fedadam_first_round_by_hand() -> None:

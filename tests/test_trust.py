@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, Broker, wait_until
 
-from edgefl.coordinator.fedavg import FedAvg, RunningWeightedSum
+from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.hierarchy import RootCoordinator
 from edgefl.coordinator.profile import load_coordinator_profile
 from edgefl.coordinator.service import Coordinator
@@ -139,7 +139,7 @@ def test_hierarch_adaptive_bound_at_the_root_is_the_lower_median_site_norm() -> 
     assert root.report().clipped == 1
 
 
-def test_hierarch_sum_partial_weight_is_capped_per_update_and_overflow_is_not_finite() -> None:
+def test_hierarch_sum_partial_weight_is_capped_per_update_and_a_norm_overflow_is_not_finite() -> None:
     shape = (3, 2)
     st = make_strategy("fedavg")
     st.configure_round(1, shape)
@@ -150,9 +150,9 @@ def test_hierarch_sum_partial_weight_is_capped_per_update_and_overflow_is_not_fi
         assert err.value.reason == "bad_value" and "examples" in str(err.value)
     st.offer_sums(SiteSums("sum", small * 2e6, np.zeros(2), 2e6, 2, 0))  # the cap itself is fine
     assert st.accepted == 2
-    acc = RunningWeightedSum(shape)
-    acc.add_sum(np.full(shape, 1e308), 1.0)
-    assert not acc.fits(np.full(shape, 1e308), 1.0) and acc.fits(np.full(shape, -1e308), 1.0)
+    with pytest.raises(UpdateRejected) as err:  # its norm overflows float64: so no sum of partials can
+        st.offer_sums(SiteSums("sum", np.full(shape, 1e155), np.zeros(2), 1e6, 1, 0))
+    assert err.value.reason == "not_finite" and st.accepted == 2
     # a flat update claiming more examples than any device can hold
     with pytest.raises(UpdateRejected) as err:
         st.offer(
@@ -166,12 +166,13 @@ def test_hierarch_root_refuses_to_start_without_site_keys_unless_allowed() -> No
     with pytest.raises(ConfigError) as err:
         load_coordinator_profile(profile, {"hierarchy.role": "root"})
     assert err.value.problems == [
+        "hierarchy.site_devices = 0: required when hierarchy.role = 'root': the most devices one site "
+        "has (a site whose key was stolen may claim no more)",
         "hierarchy.site_keys_dir = None: required when hierarchy.role = 'root' "
-        "(or set hierarchy.allow_unsigned_sites = true)"
+        "(or set hierarchy.allow_unsigned_sites = true)",
     ]
-    ok = load_coordinator_profile(
-        profile, {"hierarchy.role": "root", "hierarchy.allow_unsigned_sites": "true"}
-    )
+    sets = {"hierarchy.role": "root", "hierarchy.allow_unsigned_sites": "true", "hierarchy.site_devices": "4"}
+    ok = load_coordinator_profile(profile, sets)
     assert ok.hierarchy.allow_unsigned_sites is True
 
 
@@ -346,15 +347,20 @@ def test_forgery_root_without_device_keys_takes_no_device_update(mosquitto: Brok
     np.testing.assert_allclose(root.W - W0, np.full((D, K), v, np.float32), rtol=1e-4, atol=1e-7)
 
 
-def test_forgery_stolen_site_key_is_bounded_by_what_its_site_may_claim(
-    mosquitto: Broker, fleet: str
+@pytest.mark.parametrize("name", ["fedavg", "trimmed-mean"])
+def test_trust_hostile_site_moves_the_root_by_at_most_its_devices_share(
+    mosquitto: Broker, fleet: str, name: str
 ) -> None:
-    """A FedAvg root (adaptive bound) with three honest sites and one whose key was stolen, each with
-    2 registered devices (``site_devices = 2``). Round 1: all honest (mean v, 10 examples per update).
-    Round 2: the thief claims 16,000 invented ids (refused, ``bad_value``), then 2 updates of weight
-    2e6 whose mean is -100 v: its weight per update is cut to 2 x the last round's median (20), its
-    mean to 2 x the last round's median mean norm (-2 v). The head moves by
-    (3 x 20 v - 40 x 2 v) / (60 + 40) = -0.2 v, where the thief alone would set -100 v; the round counts
+    """A root (adaptive bound) with three honest sites and one whose key was stolen, each with 2
+    registered devices (``site_devices = 2``), over a real broker. Round 1: all honest (mean v, 10
+    examples per update). Round 2: the thief claims 16,000 invented ids (refused, ``bad_value``), then
+    2 updates of weight 2e6 whose mean is -100 v. Its devices' share is 2 of the round's 8 updates.
+
+    FedAvg: its weight per update is cut to the last round's median (10), its mean to 2 x the last
+    round's median mean norm (B = 2 v): the head moves by (3 x 20 v - 20 x 2 v) / 80 = 0.25 v, the
+    thief's pull -0.5 v = 2/8 x B. Trimmed mean (sites weighed alike): its estimate is scaled to the
+    lower median of the estimates' norms (B = v): (3 v - v) / 4 = 0.5 v, its pull -0.25 v = 2/8 x B.
+    Either way the head is within its share of B + v of the honest sites' v, and the round counts
     the 8 updates it accepted."""
     bb = Backbone(INT8_MODEL)
     W0, b0 = bb.head_from_model()
@@ -363,10 +369,13 @@ def test_forgery_stolen_site_key_is_bounded_by_what_its_site_may_claim(
     keys = {s: generate_signing_key() for s in sites}
     topics = Topics("edgefl", fleet)
     v = 0.05 / np.sqrt(D * K)
+    combine = "sum" if name == "fedavg" else name
 
     def partial(site: str, rnd: int, ids: list[str], weight: float, mean: float, pid: str = "") -> bytes:
-        msg = Partial(rnd, rnd - 1, site, pid or f"{site}:{rnd}", "sum", len(ids), weight, 0, tuple(ids),
-                      np.full((D, K), mean * weight), np.zeros(K))  # fmt: skip
+        n = len(ids)
+        W = np.full((D, K), mean * weight if combine == "sum" else mean)
+        msg = Partial(rnd, rnd - 1, site, pid or f"{site}:{rnd}", combine, n,
+                      weight if combine == "sum" else float(n), 0, tuple(ids), W, np.zeros(K))  # fmt: skip
         return sign_message(encode_partial, msg, keys[site], fleet=fleet)
 
     async def main() -> tuple[RootCoordinator, list[int], F32]:
@@ -374,7 +383,7 @@ def test_forgery_stolen_site_key_is_bounded_by_what_its_site_may_claim(
         pub = MqttTransport(mosquitto.host, mosquitto.port, f"sites-{fleet}")
         await t.start(wait_s=10)
         await pub.start(wait_s=10)
-        strategy = FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=30)
+        strategy = make_strategy(name, local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=30)
         root = RootCoordinator(
             t, topics, W0, b0, model_sha256=bb.sha256, strategy=strategy,
             site_keys={s: k.verify_key for s, k in keys.items()}, expected_sites=4, site_devices=2,
@@ -413,5 +422,8 @@ def test_forgery_stolen_site_key_is_bounded_by_what_its_site_may_claim(
     root, clients, W1 = asyncio.run(main())
     assert clients == [8, 8] and dict(root.state.rejected) == {"bad_value": 1}
     np.testing.assert_allclose(W1 - W0, np.full((D, K), v, np.float32), rtol=1e-4, atol=1e-7)
-    np.testing.assert_allclose(root.W - W1, np.full((D, K), -0.2 * v, np.float32), rtol=1e-3, atol=1e-7)
-    assert root.strategy.report().clipped == 2  # the thief's two updates
+    share, bound = 2 / 8, (2 * v if name == "fedavg" else v)
+    moved = float(np.mean(root.W - W1))
+    assert moved == pytest.approx(0.25 * v if name == "fedavg" else 0.5 * v, rel=1e-3)
+    assert abs(moved - v) <= share * (bound + v) * (1 + 1e-3)  # within its share of the honest v
+    assert root.strategy.report().clipped == (2 if name == "fedavg" else 1)  # the thief's partial

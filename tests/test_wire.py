@@ -10,7 +10,6 @@ import cbor2
 import numpy as np
 import pytest
 
-from edgefl.agent.memory import wire_bytes
 from edgefl.errors import DecodeError
 from edgefl.wire import arrays, cbor, chunking, signing
 from edgefl.wire.cbor import ALLOWED_TAGS, DEFAULT_LIMITS, SCHEMA_VERSION, scan
@@ -21,6 +20,7 @@ from edgefl.wire.compression import (
     compress_head_delta,
     decompress_delta,
     delta_wire_bytes,
+    update_wire_bytes,
 )
 from edgefl.wire.global_model import GlobalModel, decode_global_model, encode_global_model
 from edgefl.wire.reasons import CHUNK_REASONS, REASONS, SIGNATURE_REASONS, Reason
@@ -55,7 +55,7 @@ def make_update(compression: Compression, shape: tuple[int, int] = (64, 10), see
 
 
 # ----------------------------------------------------------------------------------------------
-# Layout sizes: what agent.memory budgets is what the codec writes
+# Layout sizes: what the memory estimates budget is what the codec writes
 
 
 @pytest.mark.parametrize("shape", [(1,), (7,), (300,), (64, 10), (512, 10), (3, 4, 5), (70_000,)])
@@ -71,19 +71,19 @@ def test_delta_wire_bytes_matches_the_encoded_layout(shape: tuple[int, ...], mod
             assert len(cbor2.dumps(sub)) == predicted, (shape, mode, fraction)
 
 
-def test_memory_wire_bytes_is_the_two_layouts() -> None:
+def test_update_wire_bytes_is_the_two_layouts() -> None:
     for mode in Compression:
         u = make_update(mode, (32, 10))
         packed = compress_head_delta(u.delta_W, u.delta_b, mode)
         written = len(cbor2.dumps(packed.W)) + len(cbor2.dumps(packed.b))
         deflated = any(key in sub for sub in (packed.W, packed.b) for key in ("qz", "mask"))
-        assert wire_bytes(32, 10, mode.value) >= written
-        assert deflated or wire_bytes(32, 10, mode.value) == written
-    assert wire_bytes(512, 10, "none") == delta_wire_bytes((512, 10), "none") + delta_wire_bytes(
+        assert update_wire_bytes(32, 10, mode.value) >= written
+        assert deflated or update_wire_bytes(32, 10, mode.value) == written
+    assert update_wire_bytes(512, 10, "none") == delta_wire_bytes((512, 10), "none") + delta_wire_bytes(
         (10,), "none"
     )
     # map head, "values", tag 40, [shape, typed], shape [512, 10], tag 85, bytes head, bytes
-    assert wire_bytes(512, 10, "none") == (1 + 7 + 2 + 1 + 5 + 2 + 3 + 20480) + (
+    assert update_wire_bytes(512, 10, "none") == (1 + 7 + 2 + 1 + 5 + 2 + 3 + 20480) + (
         1 + 7 + 2 + 1 + 2 + 2 + 2 + 40
     )
 

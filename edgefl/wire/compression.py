@@ -45,6 +45,7 @@ __all__ = [
     "delta_wire_bytes",
     "read_compression",
     "topk_count",
+    "update_wire_bytes",
 ]
 
 _FLOAT16_MAX: Final = float(np.finfo(np.float16).max)
@@ -622,3 +623,14 @@ def delta_wire_bytes(
         _text_cbor_bytes("q") + array_cbor_bytes(k, 1) + _text_cbor_bytes("scale") + array_cbor_bytes(1, 4)
     )
     return 1 + shape_bytes + positions + values
+
+
+def update_wire_bytes(
+    dim: int, classes: int, compression: Compression | str, topk_fraction: float = 0.1
+) -> int:
+    """CBOR bytes of an Update's ``delta_W [D, K]`` and ``delta_b [K]``: :func:`delta_wire_bytes` of each.
+
+    ``dim``, ``classes``: D and K; the other parameters, the bytes returned (exact or an upper bound)
+    and the ``ValueError`` raised are as :func:`delta_wire_bytes`'s.
+    """
+    return sum(delta_wire_bytes(shape, compression, topk_fraction) for shape in ((dim, classes), (classes,)))

@@ -1,0 +1,405 @@
+"""Estimates of the bytes each phase of a round adds to RSS, from the model's shapes and the work size.
+
+The governor (``edgefl.agent.governor``) admits a phase when ``rss + estimate`` fits under the cap;
+each term here is checked against what the phase adds in a real process (``bench/memory.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgefl.wire.compression import update_wire_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShapes:
+    """What the memory estimates need to know about a model, per sample.
+
+    Attributes
+    ----------
+    sample_elems : int
+        Elements of one model input sample (e.g. 96*96*3).
+    input_itemsize : int
+        Bytes per input element (1 for int8/uint8, 4 for float32).
+    activation_bytes : int
+        Largest sum of intermediate tensors alive at once while the graph runs, for one sample
+        (a lower bound of the interpreter's arena per sample; see :func:`model_shapes`).
+    embedding_dim : int
+        D.
+    classes : int
+        K.
+    delegated : bool
+        The interpreter runs the graph in XNNPACK, which plans its own workspace to about the
+        liveness bound (no im2col scratch): :func:`estimate_inference_bytes` uses factor 1, not 2.
+    """
+
+    sample_elems: int
+    input_itemsize: int
+    activation_bytes: int
+    embedding_dim: int
+    classes: int
+    delegated: bool = False
+
+    @property
+    def quantized_input(self) -> bool:
+        """Whether inputs are quantised (integer) rather than float32."""
+        return self.input_itemsize != 4
+
+
+def model_shapes(backbone: Any) -> ModelShapes:
+    """Read :class:`ModelShapes` from a loaded ``edgefl.runtime.Backbone``.
+
+    The activation figure is a liveness scan of the op list: a tensor is alive from the op that
+    writes it to the last op that reads it; the largest per-op sum, divided by the allocated batch,
+    is the per-sample figure. TFLite's arena planner packs tensors with this lower bound in mind, and
+    some kernels add scratch buffers (im2col, int32 accumulators), which :func:`estimate_inference_bytes`
+    covers with a factor.
+
+    Parameters
+    ----------
+    backbone : edgefl.runtime.Backbone
+        Uses ``interpreter``, ``input_index``, ``input_shape``, ``input_dtype``, ``batch``,
+        ``embedding_dim`` and ``head_from_model`` (or ``output`` shape when the head is unknown).
+
+    Returns
+    -------
+    ModelShapes
+    """
+    interp = backbone.interpreter
+    details = {int(d["index"]): d for d in interp.get_tensor_details()}
+    batch = max(1, int(backbone.batch))
+
+    def nbytes(index: int) -> int:
+        d = details[index]
+        n = 1
+        for dim in d["shape"]:
+            n *= max(1, int(dim))
+        return n * int(np.dtype(d["dtype"]).itemsize)
+
+    activation = 0
+    try:
+        # a delegated graph also lists its DELEGATE nodes (model inputs to outputs) after the ops they
+        # replaced: they would keep every tensor alive across the whole graph
+        ops = [op for op in interp._get_ops_details() if op["op_name"] != "DELEGATE"]
+        written: set[int] = {int(backbone.input_index)}
+        first: dict[int, int] = {int(backbone.input_index): 0}
+        last: dict[int, int] = {}
+        for k, op in enumerate(ops):
+            for i in op["inputs"]:
+                if int(i) in written:
+                    last[int(i)] = k
+            for o in op["outputs"]:
+                written.add(int(o))
+                first.setdefault(int(o), k)
+                last[int(o)] = max(last.get(int(o), k), k)
+        for k in range(len(ops)):
+            alive = sum(nbytes(t) for t in written if first.get(t, 0) <= k <= last.get(t, 0))
+            activation = max(activation, alive)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        activation = sum(nbytes(int(d["index"])) for d in interp.get_output_details())
+    sample_elems = 1
+    for dim in backbone.input_shape[1:]:
+        sample_elems *= int(dim)
+    try:
+        classes = int(backbone.head_from_model()[0].shape[1])
+    except Exception:  # any model without a known head: use the output width
+        details = {int(d["index"]): d for d in interp.get_output_details()}
+        classes = int(details[backbone.output_index]["shape"][-1])
+    return ModelShapes(
+        sample_elems=sample_elems,
+        input_itemsize=int(backbone.input_dtype.itemsize),
+        activation_bytes=math.ceil(activation / batch),
+        embedding_dim=int(backbone.embedding_dim),
+        classes=classes,
+        delegated=bool(getattr(backbone, "delegated", False)),
+    )
+
+
+# Factors fitted to the measured peaks (bench/memory.py, tests/test_memory.py) with headroom:
+# the arena is up to ~2x the liveness lower bound (im2col/accumulator scratch of int8 convs).
+_ARENA_FACTOR = 2.0
+# XNNPACK: MobileNet int8 at batch 32 measured 4.4 MiB for a 4.2 MiB liveness bound (tests/test_memory.py)
+_DELEGATED_ARENA_FACTOR = 1.0
+_TOPK_CODE_BYTES = 768 << 10  # first-call code pages of the top-k encoder (see estimate_encode_bytes)
+# zlib's deflate state at level 9, 15-bit window: (1 << 17) + (1 << 17) bytes (zlib's zconf.h), for the
+# int8 levels' deflate stage (edgefl.wire.compression, "qz")
+_DEFLATE_STATE_BYTES = 256 << 10
+
+
+def estimate_batch_bytes(shapes: ModelShapes, batch: int, *, fused: bool = False) -> int:
+    """Heap bytes to prepare one batch of raw samples for the model (normalise, quantise).
+
+    Unfused (``edgefl.agent.daemon.preprocess``): float32 copies of the batch alive at once (raw as
+    float32, minus mean, over std, the quantisation temporaries), about 5 for quantised inputs and
+    3 for float inputs, plus the result. Fused (``edgefl.agent.pipeline``): written in place into the
+    interpreter's input tensor (already resident), through a one-sample float32 scratch.
+
+    Parameters
+    ----------
+    shapes : ModelShapes
+    batch : int
+        Samples in the batch (>= 1).
+    fused : bool
+
+    Returns
+    -------
+    int
+        Bytes.
+    """
+    elems = batch * shapes.sample_elems
+    if fused:
+        return shapes.sample_elems * 4  # one-sample float32 scratch
+    copies = 5 if shapes.quantized_input else 3
+    return elems * (4 * copies + shapes.input_itemsize)
+
+
+def estimate_inference_bytes(shapes: ModelShapes, batch: int, *, resident_batch: int = 0) -> int:
+    """Bytes one interpreter call on ``batch`` samples may add to RSS.
+
+    The interpreter's arena grows with the batch and keeps its size when the batch shrinks again,
+    so only the part beyond the largest batch already run (``resident_batch``) is new memory; the
+    outputs (embedding and logits read back and dequantised to float32) are new every call.
+
+    Parameters
+    ----------
+    shapes : ModelShapes
+    batch : int
+        Samples per call (>= 1).
+    resident_batch : int
+        Largest batch the interpreter has already allocated (0 = none known).
+
+    Returns
+    -------
+    int
+        Bytes.
+    """
+    grow = max(0, batch - resident_batch)
+    factor = _DELEGATED_ARENA_FACTOR if shapes.delegated else _ARENA_FACTOR
+    arena = int(factor * shapes.activation_bytes * grow) + grow * shapes.sample_elems * (
+        shapes.input_itemsize
+    )
+    outputs = batch * (shapes.embedding_dim + shapes.classes) * (4 + 4 + 1)
+    return arena + outputs
+
+
+def estimate_train_bytes(
+    chunk: int,
+    dim: int,
+    classes: int,
+    batch_size: int,
+    num_examples: int,
+    *,
+    first_run: bool = True,
+    resident_rows: int = 0,
+) -> int:
+    """Bytes ``edgefl.agent.trainer.train_local`` may add to RSS with a given chunk size.
+
+    Terms, each checked against what a run of the device core adds (``bench/memory.py``, real LiteRT
+    models): the one float32 chunk buffer the trainer reuses, the float16 gather it is read from,
+    the labels (int64 buffer, int16 gather) and the chunk's slot order and shuffle (int64 each); the
+    per-epoch permutation of ``num_examples`` (``Shuffler``: uint64 keys, a temporary, the int64
+    order); the store's mapped pages of the samples this process has not touched yet (they become
+    resident as they are read: file-backed, counted as RSS, reclaimable); and on the first run four
+    ``[D, K]`` float32 arrays alive at the peak (working copy, gradient, delta, final head). Later
+    rounds take those from the heap the previous round's heads and deltas freed (measured: their
+    rise stays within the chunk terms), and the code pages training uses are mapped before the first
+    round (the device core's start-up runs the same numpy paths).
+
+    Parameters
+    ----------
+    chunk : int
+        Samples per chunk read from the store.
+    dim, classes : int
+        D and K.
+    batch_size : int
+        Samples per SGD step.
+    num_examples : int
+        Samples in the store.
+    first_run : bool
+        The process has not trained yet: count the four heads.
+    resident_rows : int
+        Stored samples whose pages this process already has mapped
+        (``EmbeddingStore.resident_rows``: the samples it stored or read); 0 counts every one.
+
+    Returns
+    -------
+    int
+        Bytes.
+    """
+    head_bytes = 4 * (dim * classes + classes) * 4 if first_run else 0
+    return _store_read_bytes(chunk, dim, num_examples, resident_rows) + head_bytes
+
+
+def _store_read_bytes(chunk: int, dim: int, num_examples: int, resident_rows: int) -> int:
+    """Bytes a training pass over the store adds for reading it: chunk buffers, shuffle, mapped pages.
+
+    The float32 chunk buffer and the float16 gather it is read from, the labels (int64 buffer,
+    int16 gather), the chunk's slot order and shuffle (int64 each); the per-epoch permutation of
+    ``num_examples`` (uint64 keys, a temporary, the int64 order); and the mapped pages (float16
+    rows plus int16 label) of the samples this process has not touched yet.
+
+    Parameters
+    ----------
+    chunk : int
+        Samples per chunk read from the store (capped at ``num_examples``, at least 1).
+    dim : int
+        Embedding width D.
+    num_examples : int
+        Samples in the store.
+    resident_rows : int
+        Stored samples whose pages this process already has mapped; 0 counts every one.
+
+    Returns
+    -------
+    int
+        Bytes.
+    """
+    chunk = min(chunk, max(1, num_examples))
+    chunk_bytes = chunk * (dim * (4 + 2) + 8 + 2 + 8 + 8)
+    order_bytes = num_examples * 8 * 3
+    mapped = max(0, num_examples - max(0, resident_rows)) * (2 * dim + 2)
+    return chunk_bytes + order_bytes + mapped
+
+
+def estimate_personal_bytes(
+    chunk: int,
+    dim: int,
+    classes: int,
+    batch_size: int,
+    num_examples: int,
+    *,
+    resident_rows: int = 0,
+) -> int:
+    """Bytes ``edgefl.agent.trainer.train_personal`` may add to RSS with a given chunk size.
+
+    The personal head itself (created from the global head on the first step; trained in place
+    after) and its gradient: two ``[D, K]`` heads (measured new on every step); then
+    the same chunk, batch, shuffle and mapped-page terms as local training, which the personal
+    step reads the same way (the mapped pages only of samples this process has not touched:
+    ``resident_rows``, as :func:`estimate_train_bytes`; local training has just read them all).
+
+    Parameters
+    ----------
+    chunk : int
+        Samples per chunk read from the store.
+    dim, classes : int
+        D and K.
+    batch_size : int
+        Samples per SGD step.
+    num_examples : int
+        Samples in the store.
+    resident_rows : int
+        Stored samples whose pages this process already has mapped; 0 counts every one.
+
+    Returns
+    -------
+    int
+        Bytes.
+    """
+    step_bytes = min(batch_size, chunk, max(1, num_examples)) * (dim * 4 + classes * 4 * 4)
+    head_bytes = 2 * (dim * classes + classes) * 4
+    read_bytes = _store_read_bytes(chunk, dim, num_examples, resident_rows)
+    return read_bytes + step_bytes + head_bytes
+
+
+def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 0.1) -> int:
+    """Bytes ``edgefl.wire.rounds.encode_update`` may add to RSS.
+
+    The dense delta's float32 temporaries (finite check, clip or scale, absolute values), the int64
+    partition of top-k and the code pages its first call touches (partition, packbits: ~1 MiB of
+    RSS in a fresh process for 67 KiB of tracemalloc peak at D=512, K=10), the payload three times
+    (typed-array bytes, the CBOR buffer and the returned ``bytes``), and for the int8 and top-k
+    layouts zlib's deflate state (256 KiB: int8 levels and top-k masks are deflated) and for int8
+    the levels once more.
+
+    Parameters
+    ----------
+    dim, classes : int
+        D and K.
+    compression : str
+        An ``edgefl.wire.compression.Compression`` value.
+    topk_fraction : float
+
+    Returns
+    -------
+    int
+        Bytes.
+    """
+    n = dim * classes + classes
+    sparse = compression.startswith("topk")
+    temps = n * 4 * 2 + (n * 8 * 2 + _TOPK_CODE_BYTES if sparse else 0)
+    if "int8" in compression or sparse:
+        temps += _DEFLATE_STATE_BYTES + (n if "int8" in compression else 0)
+    return temps + 3 * update_wire_bytes(dim, classes, compression, topk_fraction)
+
+
+_NPY_READ_CHUNK_BYTES = 1 << 18  # numpy.lib.format.read_array's buffer when reading from a zip member
+
+
+def npz_headers(path: Path | str) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
+    """Shape and dtype of every array of an ``.npz`` file, read from the headers only (no data).
+
+    Parameters
+    ----------
+    path : Path or str
+        An ``.npz`` written by ``numpy.savez`` / ``savez_compressed``.
+
+    Returns
+    -------
+    dict
+        Array name (``"x"``, ``"y"``...) → (shape, dtype).
+
+    Raises
+    ------
+    ValueError
+        Not a zip of ``.npy`` members, or a header numpy cannot read (named in the message).
+    OSError
+        The file cannot be read.
+
+    Source: the NPY format (``numpy.lib.format``: magic string, version, header dict).
+    """
+    out: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
+    fmt = np.lib.format
+    try:
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                with zf.open(info) as fh:
+                    version = fmt.read_magic(fh)
+                    if version == (1, 0):
+                        shape, _, dtype = fmt.read_array_header_1_0(fh)
+                    elif version == (2, 0):
+                        shape, _, dtype = fmt.read_array_header_2_0(fh)
+                    else:
+                        raise ValueError(f"{info.filename}: NPY version {version} not read")
+                out[info.filename[: -len(".npy")]] = (tuple(int(d) for d in shape), np.dtype(dtype))
+    except zipfile.BadZipFile as exc:
+        raise ValueError(f"{path}: not an .npz file ({exc})") from exc
+    return out
+
+
+def estimate_replay_bytes(path: Path | str) -> int:
+    """Bytes loading a replay file (``source.path``: ``x`` samples, ``y`` labels) adds to RSS.
+
+    Every array of the file as loaded (``numpy.load`` reads a member into a new array through a
+    buffer of up to 256 KiB), plus the labels' int64 copy the daemon makes; computed from the headers
+    (:func:`npz_headers`), before anything is loaded.
+
+    Raises
+    ------
+    ValueError, OSError
+        As :func:`npz_headers`.
+    """
+    arrays = npz_headers(path)
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in arrays.values()]
+    total = sum(sizes) + min(_NPY_READ_CHUNK_BYTES, max(sizes, default=0))
+    if "y" in arrays:
+        total += math.prod(arrays["y"][0]) * 8
+    return total

@@ -1,0 +1,535 @@
+"""The memory governor: knows the cap, measures each phase's peak RSS and admits phases under the cap.
+
+The cap is the profile's, lowered by a cgroup limit. The governor measures the exact peak RSS of
+each phase (``inference``, ``batch``, ``train``, ``encode``, ``publish``, ``apply``) by resetting
+the kernel's peak counter at the start of the phase, and admits each phase with an estimate in
+bytes (``edgefl.agent.estimates``): when ``rss + estimate > cap - reserve`` it halves the work down
+to a floor, then defers the phase.
+
+Source: proc(5) (``status`` VmHWM, ``clear_refs`` value 5 resets the peak RSS, Linux >= 4.0).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from edgefl.agent.estimates import (
+    ModelShapes,
+    estimate_batch_bytes,
+    estimate_inference_bytes,
+    estimate_personal_bytes,
+    estimate_train_bytes,
+)
+from edgefl.agent.memstat import (
+    CGROUP_ROOT,
+    MIB,
+    PROC,
+    cgroup_memory_limit_bytes,
+    peak_rss_bytes,
+    pss_bytes,
+    reset_peak,
+    rss_bytes,
+    system_available_bytes,
+)
+
+logger = logging.getLogger(__name__)
+
+#: The phases of the agent, in the order of a round.
+PHASES = ("batch", "inference", "train", "encode", "publish", "apply")
+#: Phases that can wait for a later round (training and its upload). Inference (and its batch
+#: preparation) cannot wait that long: it is shrunk to its floor, and refused only while even the
+#: floor is over budget (the caller retries once memory frees).
+DEFERRABLE = frozenset({"train", "encode", "publish", "personal"})
+#: Phases held back while the system's MemAvailable is under the profile's threshold.
+SYSTEM_GUARDED = frozenset({"train", "personal"})
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The governor's answer to one phase's request.
+
+    Attributes
+    ----------
+    phase : str
+        One of :data:`PHASES` (others allowed).
+    work : int
+        Granted work size (samples per batch or per chunk); the requested size, or halved down
+        to ``floor``.
+    requested_work : int
+        The size asked for.
+    estimate_bytes : int
+        Estimated bytes at ``work``.
+    budget_bytes : int
+        ``cap - reserve - rss`` at the time of the request (``cap - rss`` for a phase that cannot
+        wait, which may use the reserve); may be negative.
+    rss_bytes : int
+        RSS at the time of the request.
+    deferred : bool
+        True: do not run the phase now (over budget even at its floor, or a :data:`SYSTEM_GUARDED`
+        phase while the system is short of memory).
+    reason : str
+        Empty when admitted as asked; otherwise why the work was shrunk or deferred.
+    at_s : float
+        ``time.time()`` of the decision.
+    """
+
+    phase: str
+    work: int
+    requested_work: int
+    estimate_bytes: int
+    budget_bytes: int
+    rss_bytes: int
+    deferred: bool
+    reason: str
+    at_s: float
+
+    @property
+    def shrunk(self) -> bool:
+        """Whether less work than asked was granted."""
+        return self.work < self.requested_work
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-like form (status message, dashboard): every field by name.
+
+        Built field by field: ``dataclasses.asdict`` deep-copies through its generic recursion, ~40 us
+        an admission, and a device's status check reads every phase's (a round's CPU).
+        """
+        return {f: getattr(self, f) for f in _ADMISSION_FIELDS}
+
+
+_ADMISSION_FIELDS: Final = tuple(f.name for f in fields(Admission))
+
+PeakMethod = Literal["auto", "clear_refs", "sampling"]
+
+
+class Governor:
+    """Knows the cap, measures each phase's peak RSS, and admits phases under ``cap - reserve``.
+
+    Parameters
+    ----------
+    cap_bytes : int
+        The profile's cap (``memory.cap_mb`` in bytes), > 0.
+    reserve_bytes : int
+        Headroom kept free under the cap for what the estimates do not cover, >= 0.
+    min_system_available_bytes : int
+        Defer :data:`SYSTEM_GUARDED` phases while ``MemAvailable`` is below this; 0 disables.
+    proc : Path
+        The proc file system (fake trees in tests).
+    cgroup_root : Path
+        Where the cgroup file systems are mounted.
+    peak_method : "auto" | "clear_refs" | "sampling"
+        How phase peaks are measured: "auto" resets ``VmHWM`` through ``clear_refs`` and falls back
+        to sampling RSS from a thread where the kernel refuses the write.
+    sample_interval_s : float
+        Period of the sampling fallback.
+
+    Raises
+    ------
+    ValueError
+        If ``cap_bytes`` is not positive or the other sizes are negative.
+
+    Attributes
+    ----------
+    cap_bytes : int
+        ``min(profile cap, cgroup limit)``.
+    profile_cap_bytes, cgroup_limit_bytes : int, int or None
+    phase_peaks : dict[str, int]
+        Largest peak RSS seen in each phase, bytes (absolute RSS, not a delta).
+    phase_last : dict[str, int]
+        Peak RSS of the latest run of each phase, bytes.
+    phase_rise : dict[str, int]
+        Largest rise of a phase's peak RSS above the RSS at its start, bytes: the phase's own
+        high-water mark, which tells phases apart when they all run on the same resident base.
+
+    Notes
+    -----
+    Resetting ``VmHWM`` means the process's ``VmHWM`` alone no longer tells its lifetime peak:
+    :attr:`peak_rss_bytes` folds in every reading taken before each reset. Phases may overlap
+    (several threads): a phase only resets the counter when no other phase is running; an
+    overlapping phase then reports the peak since the earliest running phase began (an upper bound).
+    """
+
+    def __init__(
+        self,
+        cap_bytes: int,
+        reserve_bytes: int,
+        min_system_available_bytes: int,
+        *,
+        proc: Path = PROC,
+        cgroup_root: Path = CGROUP_ROOT,
+        peak_method: PeakMethod = "auto",
+        sample_interval_s: float = 0.002,
+    ) -> None:
+        if cap_bytes <= 0 or reserve_bytes < 0 or min_system_available_bytes < 0:
+            raise ValueError(
+                f"Governor: cap_bytes={cap_bytes} must be > 0, reserve_bytes={reserve_bytes} and "
+                f"min_system_available_bytes={min_system_available_bytes} >= 0"
+            )
+        self.proc = proc
+        self.profile_cap_bytes = cap_bytes
+        self.cgroup_limit_bytes = cgroup_memory_limit_bytes(proc=proc, cgroup_root=cgroup_root)
+        self.cap_bytes = min(cap_bytes, self.cgroup_limit_bytes or cap_bytes)
+        self.reserve_bytes = reserve_bytes
+        self.min_system_available_bytes = min_system_available_bytes
+        self.sample_interval_s = sample_interval_s
+        self.phase_peaks: dict[str, int] = {}
+        self.phase_last: dict[str, int] = {}
+        self.phase_rise: dict[str, int] = {}
+        self.phase_counts: dict[str, int] = {}
+        self.max_work: dict[str, int] = {}
+        self.admissions: dict[str, Admission] = {}
+        self.deferrals: dict[str, int] = {}
+        self.last_deferral: Admission | None = None
+        self._lock = threading.Lock()
+        self._active = 0
+        self._peak = self._read_peak()  # the process's peak before this governor, kept across resets
+        if peak_method == "sampling":
+            self.peak_method: PeakMethod = "sampling"
+        elif reset_peak(proc=proc):
+            self.peak_method = "clear_refs"
+        elif peak_method == "clear_refs":
+            raise ValueError(f"Governor: {proc}/self/clear_refs is not writable")
+        else:
+            logger.info("cannot reset VmHWM through clear_refs; phase peaks are sampled")
+            self.peak_method = "sampling"
+        self._peak = max(self._peak, self._read_peak())
+        if self.cgroup_limit_bytes is not None and self.cgroup_limit_bytes < cap_bytes:
+            logger.info(
+                "memory cap %.1f MiB (cgroup limit; profile says %.1f MiB)",
+                self.cap_bytes / MIB,
+                cap_bytes / MIB,
+            )
+
+    # --- measurement -----------------------------------------------------------------------
+    def rss_bytes(self) -> int:
+        """Current RSS in bytes (``statm``)."""
+        return rss_bytes(proc=self.proc)
+
+    def _read_peak(self) -> int:
+        try:
+            return peak_rss_bytes(proc=self.proc)
+        except OSError:
+            return self.rss_bytes()
+
+    @property
+    def peak_rss_bytes(self) -> int:
+        """Lifetime peak RSS of the process in bytes, across every peak reset."""
+        value = self._read_peak()
+        with self._lock:
+            self._peak = max(self._peak, value)
+            return self._peak
+
+    def system_available_bytes(self) -> int | None:
+        """``MemAvailable`` in bytes, or None where the kernel does not report it."""
+        try:
+            return system_available_bytes(proc=self.proc)
+        except OSError:
+            return None
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Measure the peak RSS of the enclosed block as phase ``name``.
+
+        On exit, ``phase_last[name]`` is the block's peak RSS and ``phase_peaks[name]`` the largest
+        ever seen; :attr:`peak_rss_bytes` includes it. ``phase_rise[name]`` is the largest
+        ``peak - rss at entry`` seen (the phase's own growth; 0 when it grew nothing).
+
+        Parameters
+        ----------
+        name : str
+            A phase name (see :data:`PHASES`).
+        """
+        sampler: _Sampler | None = None
+        start = self.rss_bytes()
+        with self._lock:
+            self._active += 1
+            if self.peak_method == "clear_refs" and self._active == 1:
+                self._peak = max(self._peak, self._read_peak())
+                if not reset_peak(proc=self.proc):
+                    self.peak_method = "sampling"
+        if self.peak_method == "sampling":
+            sampler = _Sampler(self.proc, self.sample_interval_s)
+            sampler.start()
+        try:
+            yield
+        finally:
+            peak = sampler.stop() if sampler is not None else self._read_peak()
+            with self._lock:
+                self._active -= 1
+                self._peak = max(self._peak, peak)
+                self.phase_last[name] = peak
+                self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), peak)
+                self.phase_rise[name] = max(self.phase_rise.get(name, 0), peak - start)
+                self.phase_counts[name] = self.phase_counts.get(name, 0) + 1
+
+    # --- admission ---------------------------------------------------------------------------
+    def admit(
+        self,
+        phase: str,
+        estimate: Callable[[int], int],
+        work: int,
+        floor: int,
+        *,
+        deferrable: bool | None = None,
+        keep: Callable[[int], int] | None = None,
+    ) -> Admission:
+        """Decide how much of a phase may run now.
+
+        While ``rss + estimate(work) > cap - reserve`` and ``work > floor``, halve ``work`` (never
+        below ``floor``); a phase that cannot wait (not :data:`DEFERRABLE`: inference) may use the
+        reserve, so its test is ``rss + estimate(work) > cap``. If it still does not fit, the phase
+        is not to run: ``deferred`` is True (a deferrable phase waits for a later round; another,
+        e.g. inference, is refused for now and its caller retries once memory frees), and the reason
+        says which. A
+        :data:`SYSTEM_GUARDED` phase is also deferred while the system's ``MemAvailable`` is under
+        ``min_system_available_bytes``.
+
+        Parameters
+        ----------
+        phase : str
+            Phase name.
+        estimate : callable(int) -> int
+            Bytes the phase needs for a given work size (one of the ``estimate_*`` functions).
+        work : int
+            Work size asked for (samples), >= 1.
+        floor : int
+            Smallest work size worth running, 1 <= floor (clamped to ``work``).
+        deferrable : bool, optional
+            Override of ``phase in DEFERRABLE`` (only changes the reason's wording).
+        keep : callable(int) -> int, optional
+            Bytes that must stay free under the budget beside the estimate at a given work size
+            (not part of the estimate); default none.
+
+        Returns
+        -------
+        Admission
+            Also kept in ``admissions[phase]``; a deferral increments ``deferrals[phase]``.
+        """
+        work = max(1, int(work))
+        floor = max(1, min(int(floor), work))
+        can_defer = phase in DEFERRABLE if deferrable is None else deferrable
+        rss = self.rss_bytes()
+        # the reserve is kept for the phases that cannot wait (inference): they may use it, never the cap
+        budget = self.cap_bytes - (self.reserve_bytes if can_defer else 0) - rss
+        granted = work
+
+        def room(n: int) -> int:
+            return budget - (keep(n) if keep is not None else 0)
+
+        need = int(estimate(granted))
+        while need > room(granted) and granted > floor:
+            granted = max(floor, granted // 2)
+            need = int(estimate(granted))
+        deferred = False
+        reason = ""
+        if need > room(granted):
+            # work judged over budget is never run: a deferrable phase waits for a later round, any
+            # other is refused for now (the caller frees what it can, retries, or counts the refusal)
+            deferred = True
+            if can_defer:
+                reason = (
+                    f"{phase}: needs {need / MIB:.1f} MiB at {granted}, "
+                    f"{max(0, budget) / MIB:.1f} MiB left under cap - reserve"
+                )
+            else:
+                reason = (
+                    f"{phase}: over budget at floor {granted} ({need / MIB:.1f} MiB > "
+                    f"{budget / MIB:.1f} MiB left under the cap); not run"
+                )
+        elif granted < work:
+            reason = f"{phase}: shrunk {work} -> {granted} to fit {budget / MIB:.1f} MiB"
+        if not deferred and phase in SYSTEM_GUARDED and self.min_system_available_bytes > 0:
+            available = self.system_available_bytes()
+            if available is not None and available < self.min_system_available_bytes:
+                deferred = True
+                reason = (
+                    f"{phase}: system MemAvailable {available / MIB:.0f} MiB < "
+                    f"{self.min_system_available_bytes / MIB:.0f} MiB"
+                )
+        decision = Admission(phase, granted, work, need, budget, rss, deferred, reason, time.time())
+        with self._lock:
+            self.admissions[phase] = decision
+            if deferred:
+                self.deferrals[phase] = self.deferrals.get(phase, 0) + 1
+                self.last_deferral = decision
+            else:
+                self.max_work[phase] = max(self.max_work.get(phase, 0), granted)
+        if reason:
+            logger.info("memory governor: %s", reason)
+        return decision
+
+    def admit_inference(
+        self,
+        shapes: ModelShapes,
+        batch: int,
+        *,
+        resident_batch: int | None = None,
+        prep: Literal["fused", "unfused"] | None = None,
+        keep_bytes: int = 0,
+    ) -> Admission:
+        """Admit an interpreter call on ``batch`` samples (floor 1; refused when even 1 is over budget).
+
+        A call may use the reserve (it cannot wait for a later round), but the arena a larger batch
+        grows is kept for the process's life: a batch that grows it is admitted only if it leaves the
+        reserve and ``keep_bytes`` free under the cap, else it is shrunk (down to the resident batch,
+        or one sample, which grow nothing).
+
+        Parameters
+        ----------
+        shapes : ModelShapes
+        batch : int
+            Samples asked for.
+        resident_batch : int, optional
+            Batch the interpreter's arena is already allocated for (``Pipeline.tensor_batch``);
+            default: the largest batch admitted so far.
+        prep : "fused" | "unfused", optional
+            Count the batch preparation too (when one call does both, as ``Pipeline.run``).
+        keep_bytes : int
+            Bytes a grown arena must leave free beside the reserve (the device core passes its
+            smallest training run, so that inference never takes the room a round needs).
+
+        Returns
+        -------
+        Admission
+        """
+        resident = self.max_work.get("inference", 0) if resident_batch is None else resident_batch
+
+        def need(n: int) -> int:
+            total = estimate_inference_bytes(shapes, n, resident_batch=resident)
+            if prep is not None:
+                total += estimate_batch_bytes(shapes, n, fused=prep == "fused")
+            return total
+
+        def kept(n: int) -> int:
+            # the model's load allocated the arena for one sample: one never grows it
+            return self.reserve_bytes + keep_bytes if n > max(1, resident) else 0
+
+        return self.admit("inference", need, batch, 1, keep=kept)
+
+    def admit_train(
+        self,
+        chunk: int,
+        floor: int,
+        *,
+        dim: int,
+        classes: int,
+        batch_size: int,
+        num_examples: int,
+        resident_rows: int = 0,
+    ) -> Admission:
+        """Admit local training with ``chunk`` samples per store chunk (halved down to ``floor``).
+
+        ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
+        """
+        first = self.phase_counts.get("train", 0) == 0
+
+        def need(n: int) -> int:
+            return estimate_train_bytes(
+                n, dim, classes, batch_size, num_examples, first_run=first, resident_rows=resident_rows
+            )
+
+        return self.admit("train", need, chunk, floor)
+
+    def admit_personal(
+        self,
+        chunk: int,
+        floor: int,
+        *,
+        dim: int,
+        classes: int,
+        batch_size: int,
+        num_examples: int,
+        resident_rows: int = 0,
+    ) -> Admission:
+        """Admit a personal-head step with ``chunk`` samples per store chunk (halved down to ``floor``).
+
+        Counted as :func:`estimate_personal_bytes`: one extra head plus its gradient beside the
+        chunk buffers; deferred (the step waits for the next round) when even ``floor`` is over budget.
+        ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
+        """
+        def need(n: int) -> int:
+            return estimate_personal_bytes(
+                n, dim, classes, batch_size, num_examples, resident_rows=resident_rows
+            )
+
+        return self.admit("personal", need, chunk, floor)
+
+    # --- report ------------------------------------------------------------------------------
+    def status(self, measure: bool = True) -> dict[str, Any]:
+        """JSON-like memory figures for the status message and the dashboard.
+
+        Parameters
+        ----------
+        measure : bool
+            False leaves out the figures read from ``/proc`` (``rss_bytes``, ``pss_bytes``,
+            ``peak_rss_bytes``, ``system_available_bytes``): reading ``smaps_rollup`` takes
+            milliseconds on a loaded gateway, and the daemon's check for news, run at every state
+            change of a round on the event loop, needs none of them (round latency).
+
+        Returns
+        -------
+        dict
+            ``cap_bytes``, ``profile_cap_bytes``, ``cgroup_limit_bytes``, ``reserve_bytes``,
+            ``rss_bytes``, ``pss_bytes`` (None where unreadable), ``peak_rss_bytes`` (lifetime),
+            ``system_available_bytes``, ``min_system_available_bytes``, ``peak_method``,
+            ``phase_peaks`` {phase: bytes}, ``phase_last`` {phase: bytes}, ``phase_rise`` {phase:
+            bytes} (each phase's own rise above its starting RSS), ``admissions``
+            {phase: Admission as dict}, ``deferrals`` {phase: count}, ``last_deferral`` (dict or None).
+        """
+        peak = self.peak_rss_bytes if measure else 0
+        with self._lock:
+            measured = (
+                {
+                    "rss_bytes": self.rss_bytes(),
+                    "pss_bytes": pss_bytes(proc=self.proc),
+                    "peak_rss_bytes": peak,
+                    "system_available_bytes": self.system_available_bytes(),
+                }
+                if measure
+                else {}
+            )
+            return {
+                "cap_bytes": self.cap_bytes,
+                "profile_cap_bytes": self.profile_cap_bytes,
+                "cgroup_limit_bytes": self.cgroup_limit_bytes,
+                "reserve_bytes": self.reserve_bytes,
+                **measured,
+                "min_system_available_bytes": self.min_system_available_bytes,
+                "peak_method": self.peak_method,
+                "phase_peaks": dict(self.phase_peaks),
+                "phase_last": dict(self.phase_last),
+                "phase_rise": dict(self.phase_rise),
+                "admissions": {k: v.as_dict() for k, v in self.admissions.items()},
+                "deferrals": dict(self.deferrals),
+                "last_deferral": self.last_deferral.as_dict() if self.last_deferral else None,
+            }
+
+
+class _Sampler:
+    """Fallback peak measurement: a thread reading RSS every ``interval_s`` (misses short spikes)."""
+
+    def __init__(self, proc: Path, interval_s: float) -> None:
+        self.proc = proc
+        self.interval_s = interval_s
+        self.peak = rss_bytes(proc=proc)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="edgefl-rss-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, rss_bytes(proc=self.proc))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, rss_bytes(proc=self.proc))

@@ -1,0 +1,162 @@
+"""Memory the agent gives back to the kernel: glibc's free heap, and file pages it mapped but does not use.
+
+A small process's RSS is mostly what it mapped while starting: glibc's heap after the imports, and
+the pages of its libraries (LiteRT's alone is ~11 MiB of RSS after a model loads: mapped whole
+folios of code and constants, most of it run once). :func:`malloc_trim` returns the free heap;
+:func:`release_file_pages` unmaps clean read-only file pages, which the kernel maps again from the
+page cache (a minor fault) when the code runs again. glibc's malloc settings are here too.
+
+Source: mallopt(3), malloc_trim(3), madvise(2) (``MADV_DONTNEED`` on a private file mapping:
+later accesses repopulate from the file), proc(5) (``/proc/self/smaps``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+from pathlib import Path
+from typing import Any
+
+_MADV_DONTNEED = 4
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+
+
+@functools.cache
+def _libc() -> Any | None:
+    # cached: find_library runs ``ldconfig -p`` in a child process, and malloc_trim runs after
+    # every round (a fork and exec on the round's path: seen with strace)
+    name = ctypes.util.find_library("c") or "libc.so.6"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
+        return None
+    return lib if hasattr(lib, "malloc_trim") and hasattr(lib, "mallopt") else None
+
+
+def malloc_trim() -> bool:
+    """Return free heap memory at the top and in the middle of glibc's arenas to the kernel.
+
+    Returns
+    -------
+    bool
+        glibc's answer (True: some memory was released); False also where the C library is not
+        glibc (musl has no ``malloc_trim``).
+
+    Source: malloc_trim(3).
+    """
+    lib = _libc()
+    return bool(lib.malloc_trim(0)) if lib is not None else False
+
+
+def apply_hygiene(*, arena_max: int = 2, mmap_threshold_bytes: int | None = None) -> dict[str, bool]:
+    """Set glibc malloc options that keep a small process small.
+
+    ``MALLOC_ARENA_MAX`` only takes effect through the environment at start-up (``edgefl/cli.py``
+    sets it, with one BLAS thread, before numpy loads); ``mallopt(M_ARENA_MAX)`` does the same for
+    arenas not created yet. A fixed ``M_MMAP_THRESHOLD`` stops glibc from raising the threshold
+    after each large free, so large numpy temporaries stay ``mmap``-ed and go back to the kernel
+    when freed instead of staying in the heap.
+
+    Parameters
+    ----------
+    arena_max : int
+        Maximum number of malloc arenas (threads share them beyond this).
+    mmap_threshold_bytes : int, optional
+        Fixed mmap threshold (e.g. 131072); None leaves glibc's dynamic threshold.
+
+    Returns
+    -------
+    dict[str, bool]
+        Which settings were applied (``arena_max``, ``mmap_threshold``); all False without glibc.
+
+    Source: mallopt(3) (M_ARENA_MAX, M_MMAP_THRESHOLD).
+    """
+    lib = _libc()
+    if lib is None:
+        return {"arena_max": False, "mmap_threshold": False}
+    done = {"arena_max": bool(lib.mallopt(_M_ARENA_MAX, int(arena_max)))}
+    done["mmap_threshold"] = (
+        bool(lib.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes)))
+        if mmap_threshold_bytes is not None
+        else False
+    )
+    return done
+
+
+def readonly_file_rss(*, smaps: str = "/proc/self/smaps") -> dict[tuple[int, int], int]:
+    """RSS of each clean, read-only, private file mapping of this process, in bytes.
+
+    The mappings :func:`release_file_pages` drops: private mappings of a file that are read-only
+    (code ``r-xp``, constants ``r--p``) and hold no private copy of a page (``Anonymous: 0 kB``).
+
+    Parameters
+    ----------
+    smaps : str
+        The process's smaps file (another path only in tests).
+
+    Returns
+    -------
+    dict
+        (start, end) address of each such mapping holding pages -> its ``Rss`` in bytes; empty where
+        smaps cannot be read.
+
+    Source: proc(5) (smaps: Rss, Anonymous).
+    """
+    try:
+        text = Path(smaps).read_text()
+    except OSError:
+        return {}
+    out: dict[tuple[int, int], int] = {}
+    span: tuple[int, int] | None = None
+    rss = 0
+    for line in text.splitlines():
+        head = line.split(maxsplit=5)
+        if len(head) >= 5 and "-" in head[0] and not head[0].endswith(":"):
+            path = head[5] if len(head) == 6 else ""
+            start, _, end = head[0].partition("-")
+            readonly_file = head[1] in ("r-xp", "r--p") and path.startswith("/")
+            span = (int(start, 16), int(end, 16)) if readonly_file else None
+            rss = 0
+        elif span is not None and head[0] == "Rss:":
+            rss = int(head[1]) * 1024
+        elif span is not None and head[0] == "Anonymous:":
+            if int(head[1]) == 0 and rss > 0:
+                out[span] = rss
+            span = None
+    return out
+
+
+def release_file_pages(*, smaps: str = "/proc/self/smaps") -> dict[tuple[int, int], int]:
+    """Unmap this process's clean, read-only, private file pages (:func:`readonly_file_rss`'s).
+
+    Each such mapping is dropped with ``madvise(MADV_DONTNEED)``: its pages stay in the page cache,
+    and a later access maps the file's page again (a minor fault), so the contents are unchanged.
+    Writable and shared mappings, anonymous memory and the heap are left alone.
+
+    Parameters
+    ----------
+    smaps : str
+        The process's smaps file (another path only in tests).
+
+    Returns
+    -------
+    dict
+        (start, end) of each mapping dropped -> the ``Rss`` it held, in bytes (empty where smaps or
+        ``madvise`` is unavailable).
+
+    Source: madvise(2) (MADV_DONTNEED on a private file mapping: later accesses repopulate from the
+    file).
+    """
+    lib = _libc()
+    madvise = getattr(lib, "madvise", None) if lib is not None else None
+    if madvise is None:
+        return {}
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    mapped = readonly_file_rss(smaps=smaps)
+    dropped = {}
+    for (start, end), rss in mapped.items():
+        if madvise(start, end - start, _MADV_DONTNEED) == 0:
+            dropped[(start, end)] = rss
+    return dropped

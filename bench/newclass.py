@@ -1,0 +1,589 @@
+"""New classes on one device against one poisoner in five: aggregation rules measured on both, in-process.
+
+A fleet that runs for months must learn a class that one device starts seeing (``bench/soak.py``'s
+goal: the global head's accuracy on test samples of the new classes >= 0.8 within 20 rounds of
+their introduction) and must hold against one hostile device in five (``bench/poison.py``'s goal:
+every attack within 0.03 of the clean run for the shipped default). A robust aggregate cannot tell
+one device's novel class from one device's attack; this bench measures, for each candidate rule,
+both sides on the same code: the novel device's new classes, and the worst poisoning loss.
+
+**New classes** (the soak's schedule, without processes, kills or network): five device cores
+(``edgefl.agent.core.DeviceCore``: the shipped round, trained by ``train_local`` on the device's
+``EmbeddingStore``, encoded and decoded as on the wire), fed the digits embeddings of the shipped
+int8 CNN as the soak feeds them: each device a non-IID shard of classes 0-7
+(``partition_non_iid(primary_share = 0.9)``), :data:`PER_ROUND` labelled samples per device per
+round (2 samples a second for the soak's ~4.4 s a round), five rounds' worth before the first.
+After :data:`PRE_ROUNDS` rounds device 0 also sees classes 8 and 9 (each of its samples one of
+them with probability 0.5, as in the soak). Every round every device answers (in a random order)
+and the strategy aggregates with ``aggregate_checked``, from the model's factory head, with the
+shipped profile's client settings (lr 0.05 constant, 2 epochs, batch 16, tolerate 1).
+``accuracy_on_new``: the global head's accuracy on the test samples of 8 and 9, :data:`GOAL_ROUNDS`
+rounds after the introduction (the soak's figure); ``rounds_to_learn``: rounds until it reaches
+0.8 (None: not within :data:`POST_ROUNDS`); ``accuracy_old``: on the test samples of 0-7 at the end.
+
+**Poisoning**: ``bench.poison.run_poisoned`` with the candidate in place of the profile's strategy
+(the shipped ``coordinator.toml``, one attacker answering first: x1000, x -10, sign flip, 3e38,
+ALIE, Min-Max), seeds 0 and 1: the largest loss against the same rule's clean run.
+
+Candidates (:func:`candidates`), each after the shipped per-update norm bound
+(``robustness.adaptive_factor`` x the fleet's history of median norms; ``outer`` in the table when a
+row changes that factor):
+
+* ``trimmed-mean`` (the shipped default), ``median``: Yin et al. 2018 (ICML), Definitions 1-2.
+* ``fedavg xF``: the norm-bounded mean, bound F x the fleet's history of median norms: Sun et al.
+  2019, "Can You Really Backdoor Federated Learning?" (norm difference clipping); F = 1.5 shipped.
+* ``cc-trimmed``: centered clipping around the round's trimmed mean, ``c + mean_i clip(x_i - c,
+  tau)``; ``cc-momentum``: centered clipping around the previous aggregate with server momentum
+  beta (``v <- beta v; v <- v + mean_i clip(x_i - v, tau)``): Karimireddy, He, Jaggi 2021,
+  "Learning from History for Byzantine Robust Optimization" (ICML), eq. (CC) and Algorithm 2.
+  ``tau`` = factor x the lower of the median deviation of the last round and of this one.
+* ``support``: trimmed mean per class column (``W[:, c]``, ``b[c]``), plus, in a column that at most
+  ``tolerate`` devices support, each supporter's deviation from it at weight w (clipped to factor x
+  the column's median deviation; unclipped when factor is 0). A device supports class c when its
+  bias delta for c is positive: under softmax cross-entropy a device without samples of c can only
+  push ``b[c]`` down (its gradient ``mean(p_c) > 0``), so this is what an update says about its
+  labels; a device can lie, and a lie buys at most the clipped deviation in each column a round.
+* ``uncontested``: trimmed mean, except in a class column the majority leaves alone (median over
+  devices of the column's norm <= kappa x its median over columns), where every device's deviation
+  from the trimmed mean enters at weight w (the restoring force: devices without class c push its
+  column down only while it scores on their data).
+* ``outlying``: trimmed mean, plus each device's column deviation that is at least ``ratio x`` the
+  median over devices of the column's norm (a novel class is one device doing far more in a column
+  than the rest; after the norm bound, a scaled or flipped update is not).
+
+Run: ``.venv/bin/python -m bench.newclass --json out/newclass.json`` (~7 minutes on a shared 2-core
+host; ``--rule NAME`` and ``--seed N`` repeatable; ``--set KEY=VALUE`` changes the shipped profile
+for every rule, e.g. ``rounds.lr=0.1``). Writes ``{"goal": {...}, "settings": {...}, "rules": [{"rule",
+"source", "accuracy_on_new": {SEED: x}, "rounds_to_learn": {SEED: n|null}, "accuracy_old": {SEED:
+x}, "poison": {SEED: {"clean", "worst_loss", "worst_attack"}}, "meets_both": bool}]}`` and prints a
+markdown table (docs/benchmarks.md, "Soak").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from bench import poison
+from bench.learning import STATE_ROOT, digits_embeddings
+from edgefl.agent.config import load_profile
+from edgefl.agent.core import DeviceCore
+from edgefl.agent.governor import Governor
+from edgefl.agent.round import RoundStatus
+from edgefl.coordinator.profile import CoordinatorProfile
+from edgefl.coordinator.robust import trimmed_mean
+from edgefl.coordinator.runner import build_strategy
+from edgefl.coordinator.strategy import Offer, Strategy, aggregate_checked
+from edgefl.datasets import partition_non_iid, split_digits
+from edgefl.head import Head
+from edgefl.types import F32
+from edgefl.wire.compression import Compression
+from edgefl.wire.global_model import GlobalModel, encode_global_model
+from edgefl.wire.rounds import RoundAnnouncement, decode_update, encode_round
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVICE_PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"
+NEW_CLASSES = (8, 9)
+N_DEVICES = 5
+NOVEL = 0
+"""The device that starts seeing the new classes."""
+PER_ROUND = 9
+"""Labelled samples per device per round (the soak: 2 a second, a round every ~4.4 s)."""
+PRE_ROUNDS = 30
+POST_ROUNDS = 30
+GOAL_ROUNDS = 20
+GOAL_ACCURACY = 0.8
+POISON_GOAL = 0.03
+SEEDS = (0, 1)
+F64 = npt.NDArray[np.float64]
+
+
+# --- candidate rules: pure numpy on the round's stacked, norm-bounded updates -------------------------
+def clip_rows(x: F64, tau: float) -> F64:
+    """Each row of ``x`` scaled down to L2 norm at most ``tau``.
+
+    Parameters
+    ----------
+    x : float64 [n, P]
+    tau : float >= 0 (inf: unchanged)
+
+    Returns
+    -------
+    float64 [n, P]
+    """
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    out: F64 = x * np.minimum(1.0, tau / np.maximum(norms, 1e-300))
+    return out
+
+
+def centered_clip(x: F64, center: F64, tau: float) -> F64:
+    """One step of centered clipping: ``center + mean_i clip(x_i - center, tau)``.
+
+    Parameters
+    ----------
+    x : float64 [n, P]
+        The round's updates (flattened W and b).
+    center : float64 [P]
+    tau : float >= 0
+
+    Returns
+    -------
+    float64 [P]; one update moves it by at most ``tau / n`` from ``center``.
+
+    Source: Karimireddy, He, Jaggi 2021, "Learning from History for Byzantine Robust Optimization"
+    (ICML), eq. (CC) with one iteration.
+    """
+    out: F64 = center + clip_rows(x - center, tau).mean(axis=0)
+    return out
+
+
+def columns(x: F64, D: int, K: int) -> F64:
+    """Flattened heads ``[n, D K + K]`` as class columns ``[n, D + 1, K]`` (``W[:, c]`` and ``b[c]``)."""
+    n = x.shape[0]
+    out: F64 = np.concatenate([x[:, : D * K].reshape(n, D, K), x[:, None, D * K :]], axis=1)
+    return out
+
+
+def flatten(cols: F64) -> F64:
+    """Inverse of :func:`columns` for one head: ``[D + 1, K]`` -> ``[D K + K]``."""
+    out: F64 = np.concatenate([cols[:-1].ravel(), cols[-1]])
+    return out
+
+
+def support_columns(x: F64, center: F64, D: int, K: int, tolerate: int, factor: float, w: float) -> F64:
+    """Trimmed-mean ``center`` plus, per class column supported by 1..``tolerate`` devices, their deviation.
+
+    Parameters
+    ----------
+    x : float64 [n, D K + K]
+        The round's updates.
+    center : float64 [D K + K]
+        The round's trimmed mean.
+    D, K : int
+        Head shape.
+    tolerate : int
+        Most supporters a column may have to be treated as a minority's.
+    factor : float >= 0
+        Each supporter's column deviation is clipped to ``factor x`` the column's median deviation
+        over devices (0: not clipped).
+    w : float > 0
+        Weight of the supporters' mean deviation.
+
+    Returns
+    -------
+    float64 [D K + K]
+    """
+    cols = columns(x, D, K)
+    c = columns(center[None], D, K)[0]
+    out = c.copy()
+    for k in range(K):
+        sup = np.flatnonzero(cols[:, D, k] > 0)
+        if 0 < len(sup) <= tolerate:
+            dev = cols[:, :, k] - c[:, k]
+            tau = factor * float(np.median(np.linalg.norm(dev, axis=1))) if factor > 0 else math.inf
+            out[:, k] += w * clip_rows(dev[sup], tau).mean(axis=0)
+    return flatten(out)
+
+
+def uncontested_columns(x: F64, center: F64, D: int, K: int, kappa: float, w: float) -> F64:
+    """Trimmed-mean ``center``, plus every deviation at weight ``w`` in columns the majority leaves alone.
+
+    A column is left alone when the median over devices of its norm is at most ``kappa x`` the
+    median of that figure over all columns.
+
+    Returns
+    -------
+    float64 [D K + K]
+    """
+    cols = columns(x, D, K)
+    c = columns(center[None], D, K)[0]
+    m = np.median(np.linalg.norm(cols, axis=1), axis=0)  # [K]
+    free = m <= kappa * float(np.median(m))
+    out = c.copy()
+    out[:, free] += w * (cols[:, :, free] - c[None, :, free]).sum(axis=0)
+    return flatten(out)
+
+
+def outlying_columns(x: F64, center: F64, D: int, K: int, ratio: float, w: float) -> F64:
+    """Trimmed-mean ``center``, plus each device's column deviation that is at least ``ratio x`` the
+    median over devices of that column's norm (one device doing far more in a class than the rest).
+
+    Returns
+    -------
+    float64 [D K + K]
+    """
+    cols = columns(x, D, K)
+    c = columns(center[None], D, K)[0]
+    dev = cols - c[None]
+    far = np.linalg.norm(dev, axis=1) >= ratio * np.median(np.linalg.norm(cols, axis=1), axis=0)  # [n, K]
+    out = c + w * np.einsum("ndk,nk->dk", dev, far.astype(np.float64))
+    return flatten(out)
+
+
+class DeviationHistory:
+    """``tau`` = factor x the lower median deviation of the last round and of this one (as ``NormBound``)."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self.last: float | None = None
+
+    def tau(self, deviations: F64) -> float:
+        """The round's ``tau`` from its deviations' norms ``[n]``; their clipped median joins the history."""
+        now = float(np.median(deviations))
+        tau = self.factor * (now if self.last is None else min(now, self.last))
+        self.last = float(np.median(np.minimum(deviations, tau)))
+        return tau
+
+
+class Candidate(Strategy):
+    """A candidate rule behind the shipped ``Strategy`` interface (checks, norm bound, ``min_updates``).
+
+    The round's norm-bounded updates are kept (O(n model)) and ``rule(self, X)`` combines them,
+    ``X`` float64 ``[n, D K + K]``; the FedAvg family's ``min_updates`` (5 for tolerate 1).
+    """
+
+    name = "candidate"
+
+    def __init__(self, rule: Callable[[Candidate, F64], F64], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.rule = rule
+        self.memory: dict[str, Any] = {}
+        self._kept: list[F64] = []
+
+    def _begin(self, shape: tuple[int, int]) -> None:
+        self._kept = []
+
+    def _fold(self, update: Offer) -> None:
+        self._kept.append(np.concatenate([update.delta_W.ravel(), update.delta_b]).astype(np.float64))
+
+    def _aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:
+        d = self.rule(self, np.stack(self._kept))
+        D, K = W.shape
+        W1: F32 = (W + d[: D * K].reshape(D, K)).astype(np.float32)
+        b1: F32 = (b + d[D * K :]).astype(np.float32)
+        return W1, b1
+
+
+def _trimmed(s: Candidate, x: F64) -> F64:
+    return trimmed_mean(list(x.astype(np.float32)), 0.2).astype(np.float64)
+
+
+def cc_trimmed(factor: float) -> Callable[[Candidate, F64], F64]:
+    """Centered clipping around the round's trimmed mean, ``tau`` from :class:`DeviationHistory`."""
+
+    def rule(s: Candidate, x: F64) -> F64:
+        c = _trimmed(s, x)
+        hist = s.memory.setdefault("tau", DeviationHistory(factor))
+        return centered_clip(x, c, hist.tau(np.linalg.norm(x - c, axis=1)))
+
+    return rule
+
+
+def cc_momentum(factor: float, beta: float) -> Callable[[Candidate, F64], F64]:
+    """Centered clipping around the previous aggregate times ``beta`` (server momentum)."""
+
+    def rule(s: Candidate, x: F64) -> F64:
+        v = beta * s.memory.get("v", np.zeros(x.shape[1]))
+        hist = s.memory.setdefault("tau", DeviationHistory(factor))
+        v = centered_clip(x, v, hist.tau(np.linalg.norm(x - v, axis=1)))
+        s.memory["v"] = v
+        return v
+
+    return rule
+
+
+def support(factor: float, w: float, shape: tuple[int, int]) -> Callable[[Candidate, F64], F64]:
+    """:func:`support_columns` around the round's trimmed mean."""
+
+    def rule(s: Candidate, x: F64) -> F64:
+        return support_columns(x, _trimmed(s, x), shape[0], shape[1], s.tolerate, factor, w)
+
+    return rule
+
+
+def uncontested(kappa: float, w: float, shape: tuple[int, int]) -> Callable[[Candidate, F64], F64]:
+    """:func:`uncontested_columns` around the round's trimmed mean."""
+
+    def rule(s: Candidate, x: F64) -> F64:
+        return uncontested_columns(x, _trimmed(s, x), shape[0], shape[1], kappa, w)
+
+    return rule
+
+
+def outlying(ratio: float, w: float, shape: tuple[int, int]) -> Callable[[Candidate, F64], F64]:
+    """:func:`outlying_columns` around the round's trimmed mean."""
+
+    def rule(s: Candidate, x: F64) -> F64:
+        return outlying_columns(x, _trimmed(s, x), shape[0], shape[1], ratio, w)
+
+    return rule
+
+
+Factory = Callable[[], Strategy]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A row of the table: its name, where it comes from, and how to build it."""
+
+    name: str
+    source: str
+    make: Factory
+
+
+def shipped_factory(name: str, sets: Mapping[str, object] | None = None, **more: object) -> Factory:
+    """A shipped strategy as ``edgefl coordinator`` builds it from the shipped profile and ``sets``."""
+    profile = poison.shipped_profile(name, **{**(sets or {}), **more})
+    return lambda: build_strategy(profile)
+
+
+def candidate_factory(
+    rule: Callable[[Candidate, F64], F64],
+    sets: Mapping[str, object] | None = None,
+    outer: float | None = None,
+) -> Factory:
+    """A :class:`Candidate` on the shipped profile changed by ``sets``; ``outer``: its norm bound factor."""
+    p = poison.shipped_profile("trimmed-mean", **(sets or {}))
+    r, rob = p.rounds, p.robustness
+    kwargs: dict[str, Any] = {
+        "local_epochs": r.local_epochs, "lr": r.lr, "batch_size": r.batch_size,
+        "min_clients": r.min_clients, "deadline_s": r.deadline_s, "clip_norm": rob.norm_bound,
+        "clip_multiplier": rob.adaptive_factor if outer is None else outer, "tolerate": rob.tolerate,
+    }  # fmt: skip
+    return lambda: Candidate(rule, **kwargs)
+
+
+def candidates(sets: Mapping[str, object] | None = None) -> list[Rule]:
+    """Every rule of the table, the shipped default first; ``sets`` change the shipped profile."""
+    shape = tuple(int(n) for n in digits_embeddings()[2].shape)
+    D, K = shape[0], shape[1]
+    yin, sun = "Yin et al. 2018", "Sun et al. 2019"
+    cc = "Karimireddy et al. 2021"
+    return [
+        Rule("trimmed-mean (default)", yin, shipped_factory("trimmed-mean", sets)),
+        Rule("median", yin, shipped_factory("median", sets)),
+        Rule("fedavg x1.5", sun, shipped_factory("fedavg", sets)),
+        Rule("fedavg x3", sun, shipped_factory("fedavg", sets, **{"robustness.adaptive_factor": 3.0})),
+        Rule("fedavg x6", sun, shipped_factory("fedavg", sets, **{"robustness.adaptive_factor": 6.0})),
+        Rule("fedavg x20", sun, shipped_factory("fedavg", sets, **{"robustness.adaptive_factor": 20.0})),
+        Rule("cc-trimmed tau x1", cc, candidate_factory(cc_trimmed(1.0), sets)),
+        Rule("cc-trimmed tau x4, outer x6", cc, candidate_factory(cc_trimmed(4.0), sets, 6.0)),
+        Rule("cc-momentum tau x2, beta 0", cc, candidate_factory(cc_momentum(2.0, 0.0), sets)),
+        Rule(
+            "cc-momentum tau x4, beta 0.9, outer x6", cc, candidate_factory(cc_momentum(4.0, 0.9), sets, 6.0)
+        ),
+        Rule("support x1, w 1", "this bench", candidate_factory(support(1.0, 1.0, (D, K)), sets)),
+        Rule("support unclipped, w 0.5", "this bench", candidate_factory(support(0.0, 0.5, (D, K)), sets)),
+        Rule("support unclipped, w 1", "this bench", candidate_factory(support(0.0, 1.0, (D, K)), sets)),
+        Rule(
+            "uncontested kappa 0.45, w 1",
+            "this bench",
+            candidate_factory(uncontested(0.45, 1.0, (D, K)), sets),
+        ),
+        Rule("outlying ratio 3, w 1", "this bench", candidate_factory(outlying(3.0, 1.0, (D, K)), sets)),
+    ]
+
+
+# --- the new-class run ------------------------------------------------------------------------------
+def _device(name: str, seed: int, root: Path, W0: F32, b0: F32, gov: Governor) -> DeviceCore:
+    profile = load_profile(
+        DEVICE_PROFILE,
+        {
+            "device.id": name,
+            "device.fleet": "bench",
+            "device.state_dir": str(root / name),
+            "model.path": str(ROOT / "models" / "digits_cnn_int8.tflite"),  # not loaded: no pipeline
+            "training.chunk_size": "256",
+            "training.seed": str(seed),
+            "memory.cap_mb": "4096",
+            "memory.min_system_available_mb": "0",
+        },
+    )
+    return DeviceCore(profile, Head(W0, b0, 0), "0" * 64, governor=gov)
+
+
+def new_class_run(
+    make: Factory, seed: int, profile: CoordinatorProfile, pre: int = PRE_ROUNDS, post: int = POST_ROUNDS
+) -> dict[str, Any]:
+    """One fleet of five device cores, device 0 seeing classes 8 and 9 after ``pre`` rounds.
+
+    Parameters
+    ----------
+    make : callable
+        Builds the strategy.
+    seed : int
+        Partition, feed and training seed.
+    profile : CoordinatorProfile
+        Its ``[rounds]`` give the client settings.
+    pre, post : int
+        Rounds before the introduction and after it (``post >= GOAL_ROUNDS``).
+
+    Returns
+    -------
+    dict: ``accuracy_on_new`` (after :data:`GOAL_ROUNDS` rounds), ``rounds_to_learn`` (or None),
+    ``accuracy_old`` (classes 0-7, at the end), ``curve`` (accuracy on new every 5 rounds after the
+    introduction).
+
+    Raises
+    ------
+    RuntimeError
+        If a device does not train or a round is refused.
+    """
+    emb, y, W0, b0 = digits_embeddings()
+    split = split_digits(y, seed=seed)
+    pool = split.devices
+    old = pool[y[pool] < min(NEW_CLASSES)]
+    new = pool[np.isin(y[pool], NEW_CLASSES)]
+    shards = [old[s] for s in partition_non_iid(y[old], N_DEVICES, seed=seed)]
+    test_e, test_y = emb[split.test], y[split.test]
+    is_new = np.isin(test_y, NEW_CLASSES)
+    rng = np.random.default_rng(seed + 5)
+    strategy = make()
+    rounds = profile.rounds
+    W, b = W0.copy(), b0.copy()
+    D, K = (int(n) for n in W.shape)
+    pos = [0] * N_DEVICES
+    acc_new: list[float] = []
+    gov = Governor(4096 << 20, 0, 0)
+    with tempfile.TemporaryDirectory(dir=STATE_ROOT) as tmp:
+        cores = [
+            _device(f"dev{i}", seed * 100_000 + i * 1000, Path(tmp), W0, b0, gov) for i in range(N_DEVICES)
+        ]
+        for r in range(1, pre + post + 1):
+            for i, core in enumerate(cores):
+                ids = []
+                for _ in range(PER_ROUND * (5 if r == 1 else 1)):  # min_examples (32) before round 1
+                    if i == NOVEL and r > pre and rng.random() < 0.5:
+                        ids.append(int(rng.choice(new)))
+                    else:
+                        ids.append(int(shards[i][pos[i] % len(shards[i])]))
+                        pos[i] += 1
+                core.store.add(emb[ids].astype(np.float32), y[ids].astype(np.int64))
+            strategy.configure_round(r, (D, K))
+            ann = RoundAnnouncement(
+                round=r, base_version=r - 1, deadline_s=3600.0, local_epochs=rounds.local_epochs,
+                lr=rounds.lr, batch_size=rounds.batch_size, min_clients=1, selected=1.0,
+                compression=Compression.NONE,
+            )  # fmt: skip
+            updates = []
+            for core in cores:
+                res = core.receive_round(encode_round(ann))
+                if res.status != RoundStatus.TRAINED or res.entry is None:
+                    raise RuntimeError(f"{core.device} round {r}: {res.status} {res.reason}")
+                core.acknowledged(res.entry.update_id)
+                updates.append(decode_update(res.entry.payload, expect_shape=(D, K)))
+            for j in rng.permutation(N_DEVICES):
+                u = updates[j]
+                strategy.offer(Offer(u.device, u.delta_W, u.delta_b, u.num_examples))
+            W, b, refused = aggregate_checked(strategy, W, b)
+            if refused is not None:
+                raise RuntimeError(f"round {r} refused: {refused}")
+            payload = encode_global_model(GlobalModel(r, r, "0" * 64, W, b))
+            for core in cores:
+                core.receive_global(payload)
+            pred = np.argmax(test_e @ W + b, axis=1)
+            acc_new.append(float(np.mean(pred[is_new] == test_y[is_new])))
+    after = acc_new[pre:]
+    learned = next((k + 1 for k, a in enumerate(after) if a >= GOAL_ACCURACY), None)
+    pred = np.argmax(test_e @ W + b, axis=1)
+    return {
+        "accuracy_on_new": round(after[GOAL_ROUNDS - 1], 3),
+        "rounds_to_learn": learned,
+        "accuracy_old": round(float(np.mean(pred[~is_new] == test_y[~is_new])), 3),
+        "curve": [round(a, 2) for a in after[4::5]],
+    }
+
+
+def poison_worst(make: Factory, seed: int, sets: Mapping[str, object] | None = None) -> dict[str, Any]:
+    """``bench.poison``'s clean run and every attack with the rule ``make`` builds; the worst loss."""
+    profile = poison.shipped_profile("trimmed-mean", **(sets or {}))  # its rounds; the strategy is ``make``'s
+    task = poison.poison_task(profile, seed)
+    clean = poison.run_poisoned(task, profile, None, seed, make=make).accuracy
+    loss = {
+        a: clean - poison.run_poisoned(task, profile, a, seed, make=make).accuracy for a in poison.ATTACKS
+    }
+    worst = max(loss, key=lambda a: loss[a])
+    return {"clean": round(clean, 3), "worst_loss": round(loss[worst], 3), "worst_attack": worst}
+
+
+def run_all(
+    rules: Sequence[Rule], seeds: Sequence[int] = SEEDS, sets: Mapping[str, object] | None = None
+) -> dict[str, Any]:
+    """Every rule on both goals (the shipped profile changed by ``sets``); the JSON of ``--json``."""
+    profile = poison.shipped_profile("trimmed-mean", **(sets or {}))
+    out = []
+    for rule in rules:
+        row: dict[str, Any] = {"rule": rule.name, "source": rule.source}
+        new = {s: new_class_run(rule.make, s, profile) for s in seeds}
+        row["accuracy_on_new"] = {s: new[s]["accuracy_on_new"] for s in seeds}
+        row["rounds_to_learn"] = {s: new[s]["rounds_to_learn"] for s in seeds}
+        row["accuracy_old"] = {s: new[s]["accuracy_old"] for s in seeds}
+        row["curve"] = {s: new[s]["curve"] for s in seeds}
+        row["poison"] = {s: poison_worst(rule.make, s, sets) for s in seeds}
+        row["meets_both"] = all(row["accuracy_on_new"][s] >= GOAL_ACCURACY for s in seeds) and all(
+            p["worst_loss"] <= POISON_GOAL for p in row["poison"].values()
+        )
+        logging.info("%s", json.dumps(row))
+        out.append(row)
+    goal = {"accuracy_on_new": GOAL_ACCURACY, "within_rounds": GOAL_ROUNDS, "poison_worst_loss": POISON_GOAL}
+    settings = {
+        "devices": N_DEVICES, "pre_rounds": PRE_ROUNDS, "post_rounds": POST_ROUNDS,
+        "samples_per_round": PER_ROUND, "new_classes": list(NEW_CLASSES), "seeds": list(seeds),
+        "profile_changes": dict(sets or {}),
+    }  # fmt: skip
+    return {"goal": goal, "settings": settings, "rules": out}
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The table: accuracy on new at +20 rounds and worst poisoning loss, per seed."""
+    seeds = doc["settings"]["seeds"]
+    head = " | ".join(f"on new, s{s}" for s in seeds) + " | " + " | ".join(f"worst loss, s{s}" for s in seeds)
+    lines = [f"| rule | {head} |", "|---|" + "---:|" * (2 * len(seeds))]
+    for row in doc["rules"]:
+        new = " | ".join(f"{row['accuracy_on_new'][s]:.2f}" for s in seeds)
+        worst = " | ".join(
+            f"{row['poison'][s]['worst_loss']:.3f} ({row['poison'][s]['worst_attack']})" for s in seeds
+        )
+        lines.append(f"| {row['rule']} | {new} | {worst} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.newclass [--json PATH] [--rule NAME ...] [--seed N ...] [--set KEY=VALUE ...]``."""
+    p = argparse.ArgumentParser(prog="python -m bench.newclass", description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--rule", action="append", help="only these rules, by name (repeatable)")
+    p.add_argument("--seed", action="append", type=int, help="seeds (repeatable; default 0 and 1)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="change the shipped coordinator profile, e.g. rounds.lr=0.1 (repeatable)",
+    )  # fmt: skip
+    args = p.parse_args(argv)
+    sets = dict(item.partition("=")[::2] for item in args.set)
+    rules = {r.name: r for r in candidates(sets)}
+    unknown = [n for n in args.rule or [] if n not in rules]
+    if unknown:
+        p.error(f"--rule {unknown[0]!r}: choose one of {', '.join(rules)}")
+    logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
+    logging.getLogger("edgefl").setLevel(logging.WARNING)  # the device cores log every head applied
+    chosen = [rules[n] for n in args.rule] if args.rule else list(rules.values())
+    doc = run_all(chosen, tuple(args.seed) if args.seed else SEEDS, sets)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

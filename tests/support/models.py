@@ -1,0 +1,69 @@
+"""Model files the tests and benches build from the shipped ones: a classifier with a wider head.
+
+A held-back model's shape is rebuilt here from a shipped backbone rather than shipped: the head of a
+shipped model (its last FULLY_CONNECTED op: weights ``[K, D]``, bias ``[K]``, output ``[-1, K]``) is
+replaced by a seeded random head of ``classes`` outputs; every other tensor, op and buffer is the
+original's. E.g. the MobileNetV2-0.35-96 float32 backbone with 19 classes is a 1280 x 19 float head
+(the shape of a third-party model with 19 classes).
+
+Needs LiteRT's generated schema (``ai_edge_litert.schema_py_generated``) and ``flatbuffers``, both
+installed with ai-edge-litert.
+
+Source: TFLite schema (``schema.fbs``: Model, SubGraph, Tensor, Buffer, Operator).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+FULLY_CONNECTED = 9
+
+
+def widen_head(model: Path, classes: int, *, seed: int = 0) -> bytes:
+    """The ``.tflite`` bytes of ``model`` with its float32 head replaced by one of ``classes`` outputs.
+
+    Parameters
+    ----------
+    model : Path
+        A float32 classifier whose last op is FULLY_CONNECTED (weights, bias) -> the model's output.
+    classes : int
+        K of the new head, >= 1.
+    seed : int
+        Seed of the new weights (normal, std 1/sqrt(D)) and bias (normal, std 0.1).
+
+    Returns
+    -------
+    bytes
+        The new model file.
+
+    Raises
+    ------
+    ValueError
+        If the last op is not a float32 FULLY_CONNECTED with constant weights and bias.
+    """
+    import flatbuffers  # type: ignore[import-untyped]
+    from ai_edge_litert import schema_py_generated as schema
+
+    m = schema.ModelT.InitFromPackedBuf(model.read_bytes(), 0)
+    g = m.subgraphs[0]
+    op = g.operators[-1]
+    code = m.operatorCodes[op.opcodeIndex]
+    if max(code.builtinCode, code.deprecatedBuiltinCode) != FULLY_CONNECTED or len(op.inputs) != 3:
+        raise ValueError(f"{model}: the last op is not FULLY_CONNECTED(x, W, b)")
+    w_t, b_t, out_t = (g.tensors[int(i)] for i in (op.inputs[1], op.inputs[2], op.outputs[0]))
+    if any(t.type != 0 for t in (w_t, b_t, out_t)):
+        raise ValueError(f"{model}: the head is not float32")
+    dim = int(w_t.shape[1])
+    rng = np.random.default_rng(seed)
+    w = rng.normal(0.0, 1.0 / np.sqrt(dim), (classes, dim)).astype("<f4")
+    b = rng.normal(0.0, 0.1, classes).astype("<f4")
+    for t, arr in ((w_t, w), (b_t, b)):
+        t.shape = np.array(arr.shape, np.int32)
+        m.buffers[t.buffer].data = np.frombuffer(arr.tobytes(), np.uint8)
+    out_t.shape = np.array([1, classes], np.int32)
+    out_t.shapeSignature = np.array([-1, classes], np.int32)
+    builder = flatbuffers.Builder(1 << 20)
+    builder.Finish(m.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())
