@@ -175,6 +175,9 @@ class Intake:
         # update id -> (topic, payload) of updates held in _early or _held: acknowledged, so written
         # with the state (an update the broker acknowledged is never lost)
         self._unfolded: dict[str, tuple[str, bytes]] = {}
+        # the history as the state file keeps it, rebuilt only when a round is recorded (the state is
+        # written after every batch of updates: 200 records as lists each time was most of its garbage)
+        self._history_doc: tuple[tuple[object, object, int], list[list[Any]]] | None = None
         self._round_lr = math.nan  # the client learning rate the open round announced
         self.state_loaded = False  # load_state found a state file
 
@@ -526,13 +529,28 @@ class Intake:
             "W": self.W.tobytes(),
             "b": self.b.tobytes(),
             "shape": list(self.shape),
-            "history": [list(dataclasses.astuple(h)) for h in self.state.history],
+            "history": self._history_rows(),
             "counted": {str(k): sorted(v) for k, v in self.counted.items()},
             "strategy": self.strategy.durable_state(),  # norm history, server optimiser, DP ledger
             "open": self._open_round_doc(),
             "unfolded": [[topic, payload] for topic, payload in self._unfolded.values()],
         }
         write_record(path, cbor2.dumps(doc))
+
+    def _history_rows(self) -> list[list[Any]]:
+        """The round history as the state file's rows (one list per :class:`RoundRecord`), cached.
+
+        Records are frozen and only appended or trimmed from the front: the first and last record and
+        the count identify the list.
+        """
+        history = self.state.history
+        first, last = (history[0], history[-1]) if history else (None, None)
+        cached = self._history_doc
+        if cached is not None and cached[0][:2] == (first, last) and cached[0][2] == len(history):
+            return cached[1]
+        rows = [list(dataclasses.astuple(h)) for h in history]
+        self._history_doc = ((first, last, len(history)), rows)
+        return rows
 
     def _open_round_doc(self) -> dict[str, Any] | None:
         """The open round as the state file keeps it (None when no round is open, or its result is saved)."""
