@@ -16,7 +16,7 @@ calls it from one worker thread and wires the transport, signals and dashboard a
 ``edgefl memory-report``, ``bench/memory.py``, ``bench/learning.py`` and the demo's agents run the
 same methods, so their figures measure the shipped path. Refusals come back as results with a reason
 (``RoundResult.reason``, ``ApplyResult.reason``), never as exceptions; the message formats are
-:mod:`edgefl.wire.messages`'s.
+:mod:`edgefl.wire.rounds` and :mod:`edgefl.wire.global_model`.
 
 Not thread-safe: one caller thread at a time (the daemon's single worker).
 """

@@ -313,8 +313,9 @@ def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fractio
 
     The dense delta's float32 temporaries (finite check, clip or scale, absolute values), the int64
     partition of top-k and the code pages its first call touches (partition, packbits: ~1 MiB of
-    RSS in a fresh process for 67 KiB of tracemalloc peak at D=512, K=10), the payload three times
-    (typed-array bytes, the CBOR buffer and the returned ``bytes``), and for the int8 and top-k
+    RSS in a fresh process for 67 KiB of tracemalloc peak at D=512, K=10), the payload twice (the
+    typed-array bytes and the CBOR output; a third copy is not seen in what the phase adds,
+    ``bench/memory.py --estimates``), and for the int8 and top-k
     layouts zlib's deflate state (256 KiB: int8 levels and top-k masks are deflated) and for int8
     the levels once more.
 
@@ -336,7 +337,7 @@ def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fractio
     temps = n * 4 * 2 + (n * 8 * 2 + _TOPK_CODE_BYTES if sparse else 0)
     if "int8" in compression or sparse:
         temps += _DEFLATE_STATE_BYTES + (n if "int8" in compression else 0)
-    return temps + 3 * update_wire_bytes(dim, classes, compression, topk_fraction)
+    return temps + 2 * update_wire_bytes(dim, classes, compression, topk_fraction)
 
 
 _NPY_READ_CHUNK_BYTES = 1 << 18  # numpy.lib.format.read_array's buffer when reading from a zip member

@@ -25,14 +25,15 @@ _M_ARENA_MAX = -8
 
 @functools.cache
 def _libc() -> Any | None:
-    # cached: find_library runs ``ldconfig -p`` in a child process, and malloc_trim runs after
-    # every round (a fork and exec on the round's path: seen with strace)
-    name = ctypes.util.find_library("c") or "libc.so.6"
-    try:
-        lib = ctypes.CDLL(name)
-    except OSError:
-        return None
-    return lib if hasattr(lib, "malloc_trim") and hasattr(lib, "mallopt") else None
+    # glibc's soname first: find_library runs ``ldconfig -p`` in a child process (cached: once)
+    for name in ("libc.so.6", None):
+        try:
+            lib = ctypes.CDLL(name if name is not None else ctypes.util.find_library("c"))
+        except (OSError, TypeError):
+            continue
+        if hasattr(lib, "malloc_trim") and hasattr(lib, "mallopt"):
+            return lib
+    return None
 
 
 def malloc_trim() -> bool:

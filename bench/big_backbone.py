@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import platform
 import tempfile
@@ -135,7 +136,12 @@ def run_try(
         pump = asyncio.create_task(coord.pump())
         try:
             await coord.start()
-            await coord.registry.wait_for_devices(1, timeout_s=120)
+            ready: list[str] = []
+            while not ready and proc.poll() is None:  # an agent the start-up check refused exits
+                with contextlib.suppress(TimeoutError):
+                    ready = await coord.registry.wait_for_devices(1, timeout_s=1)
+            if not ready:
+                return [], {"refused_start": log.read_text(errors="replace")[-400:]}, {}
             records = [await coord.run_round(r, selected=("dev-1",)) for r in range(1, rounds + 1)]
             # the status that follows the last round's global head (applied) or decline
             deadline = time.monotonic() + 20

@@ -32,7 +32,9 @@ def update_norm(delta_W: F32, delta_b: F32) -> float:
 
     Source: Abadi et al. 2016, Algorithm 1 (per-example norm); McMahan et al. 2018 (per-user norm).
     """
-    sq = float(np.sum(np.square(delta_W, dtype=np.float64)) + np.sum(np.square(delta_b, dtype=np.float64)))
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is the answer (inf), not a warning
+        sq = float(np.sum(np.square(delta_W, dtype=np.float64)))
+        sq += float(np.sum(np.square(delta_b, dtype=np.float64)))
     return math.sqrt(sq) if sq >= 0 else math.nan
 
 

@@ -20,7 +20,7 @@ from edgefl.errors import UpdateRejected
 from edgefl.types import F32
 
 
-def _stack(deltas: Sequence[F32], where: str) -> npt.NDArray[np.float64]:
+def _stack(deltas: Sequence[npt.NDArray[Any]], where: str) -> npt.NDArray[np.float64]:
     if not deltas:
         raise ValueError(f"{where}: no update")
     shape = deltas[0].shape
@@ -30,17 +30,17 @@ def _stack(deltas: Sequence[F32], where: str) -> npt.NDArray[np.float64]:
     return np.stack([d.astype(np.float64) for d in deltas])
 
 
-def coordinate_median(deltas: Sequence[F32]) -> F32:
+def coordinate_median(deltas: Sequence[npt.NDArray[Any]]) -> F32:
     """Coordinate-wise median of the updates (unweighted; the mean of the two middle values when even).
 
     Parameters
     ----------
-    deltas : sequence of float32 arrays
-        The m updates, all the same shape.
+    deltas : sequence of float arrays
+        The m updates (float32), or a root's site estimates (float64), all the same shape.
 
     Returns
     -------
-    float32 array of that shape.
+    float32 array of that shape (computed in float64).
 
     Raises
     ------
@@ -114,49 +114,6 @@ def trimmed_minimum(beta: float, tolerate: int) -> int:
     return n
 
 
-def weighted_coordinate_median(estimates: Sequence[npt.NDArray[np.float64]], weights: Sequence[float]) -> F32:
-    """Coordinate-wise weighted median of site estimates (the root step of the median rule over sites).
-
-    Per coordinate, the values are sorted and the median is the value where the cumulative weight
-    first reaches half the total; when it lands exactly on half, the mean of that value and the next
-    (so equal weights give ``np.median``).
-
-    Parameters
-    ----------
-    estimates : sequence of float arrays
-        One per site, all the same shape.
-    weights : sequence of float > 0
-        The updates each estimate covers.
-
-    Returns
-    -------
-    float32 array of that shape.
-
-    Raises
-    ------
-    ValueError
-        If empty, lengths or shapes differ, or a weight is not positive.
-
-    Source: weighted median (Edgeworth 1888); used over site medians as in hierarchical robust
-    aggregation (docs/operations.md, "Many sites").
-    """
-    if not estimates or len(estimates) != len(weights) or any(not w > 0 for w in weights):
-        raise ValueError(f"weighted_coordinate_median: {len(estimates)} estimates, weights {list(weights)}")
-    x = _stack([np.asarray(e) for e in estimates], "weighted_coordinate_median")  # [S, ...]
-    w = np.asarray(weights, dtype=np.float64)
-    order = np.argsort(x, axis=0, kind="stable")
-    xs = np.take_along_axis(x, order, axis=0)
-    ws = w[order]
-    cum = np.cumsum(ws, axis=0)
-    half = cum[-1] / 2.0
-    idx = np.argmax(cum >= half * (1 - 1e-12), axis=0)  # first index reaching half the weight
-    lo = np.take_along_axis(xs, idx[None, ...], axis=0)[0]
-    at_half = np.isclose(np.take_along_axis(cum, idx[None, ...], axis=0)[0], half, rtol=1e-12, atol=0.0)
-    nxt = np.take_along_axis(xs, np.minimum(idx + 1, x.shape[0] - 1)[None, ...], axis=0)[0]
-    out: F32 = np.where(at_half, (lo + nxt) / 2.0, lo).astype(np.float32)
-    return out
-
-
 class _Robust(Strategy):
     """Robust rules that need every update of a round at once: the accumulator is the round's updates.
 
@@ -181,7 +138,6 @@ class _Robust(Strategy):
         self._kept_b: list[F32] = []
         self._site_W: list[npt.NDArray[np.float64]] = []
         self._site_b: list[npt.NDArray[np.float64]] = []
-        self._site_n: list[float] = []
 
     def _check_min(self) -> None:
         if self.min_updates > self.max_updates:
@@ -194,7 +150,7 @@ class _Robust(Strategy):
 
     def _begin(self, shape: tuple[int, int]) -> None:
         self._kept_W, self._kept_b = [], []
-        self._site_W, self._site_b, self._site_n = [], [], []
+        self._site_W, self._site_b = [], []
 
     def _fold(self, update: Offer) -> None:
         self._kept_W.append(update.delta_W)
@@ -205,16 +161,15 @@ class _Robust(Strategy):
         """The robust rule itself (coordinate-wise median, trimmed mean)."""
 
     @abstractmethod
-    def _combine_sites(self, estimates: Sequence[npt.NDArray[np.float64]], weights: Sequence[float]) -> F32:
-        """The root step: combine site estimates with ``weights`` (equal: see ``_bounded_sites``)."""
+    def _combine_sites(self, estimates: Sequence[npt.NDArray[np.float64]]) -> F32:
+        """The root step: combine site estimates, weighed alike (see ``_bounded_sites``)."""
 
     def _aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:
         eta = np.float32(self.server_lr)
-        if self._site_n:  # root: site estimates, and any update offered directly as a site of one
+        if self._site_W:  # root: site estimates, and any update offered directly as a site of one
             site_W, site_b = self._bounded_sites()
-            weights = [1.0] * (len(site_W) + len(self._kept_W))
-            dW = self._combine_sites([*site_W, *(k.astype(np.float64) for k in self._kept_W)], weights)
-            db = self._combine_sites([*site_b, *(k.astype(np.float64) for k in self._kept_b)], weights)
+            dW = self._combine_sites([*site_W, *(k.astype(np.float64) for k in self._kept_W)])
+            db = self._combine_sites([*site_b, *(k.astype(np.float64) for k in self._kept_b)])
         else:
             dW, db = self._combine(self._kept_W), self._combine(self._kept_b)
         W1: F32 = (W + eta * dW).astype(np.float32)
@@ -263,7 +218,6 @@ class _Robust(Strategy):
     def _fold_sums(self, sums: SiteSums) -> None:
         self._site_W.append(sums.W)
         self._site_b.append(sums.b)
-        self._site_n.append(sums.weight)
 
 
 class Median(_Robust):
@@ -291,9 +245,9 @@ class Median(_Robust):
     def _combine(self, deltas: Sequence[F32]) -> F32:
         return coordinate_median(deltas)
 
-    def _combine_sites(self, estimates: Sequence[npt.NDArray[np.float64]], weights: Sequence[float]) -> F32:
-        """Weighted coordinate median of the site medians (``weighted_coordinate_median``)."""
-        return weighted_coordinate_median(estimates, weights)
+    def _combine_sites(self, estimates: Sequence[npt.NDArray[np.float64]]) -> F32:
+        """Coordinate-wise median of the site medians."""
+        return coordinate_median(estimates)
 
 
 class TrimmedMean(_Robust):
@@ -334,9 +288,7 @@ class TrimmedMean(_Robust):
     def _combine(self, deltas: Sequence[F32]) -> F32:
         return trimmed_mean(deltas, self.trim_fraction)
 
-    def _combine_sites(self, estimates: Sequence[npt.NDArray[np.float64]], weights: Sequence[float]) -> F32:
-        """Weighted mean of the site trimmed means (the root passes equal weights: see ``_bounded_sites``)."""
-        w = np.asarray(weights, dtype=np.float64)
-        x = _stack([np.asarray(e) for e in estimates], "trimmed_mean sites")
-        out: F32 = (np.tensordot(w, x, axes=1) / w.sum()).astype(np.float32)
+    def _combine_sites(self, estimates: Sequence[npt.NDArray[np.float64]]) -> F32:
+        """Mean of the site trimmed means."""
+        out: F32 = _stack(estimates, "trimmed_mean sites").mean(axis=0).astype(np.float32)
         return out

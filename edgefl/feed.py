@@ -7,7 +7,9 @@ random fraction ``--label-fraction`` of the samples gets its label: inline in th
 ``--label-delay`` is 0, else as a Label message on ``labels/<device>`` that many seconds after its
 sample (a label an operator or a downstream check gives later). It listens on
 ``predictions/<device>`` meanwhile and, at the end, waits (up to ``--wait`` seconds) for a prediction
-of every sample it sent. Messages: ``docs/protocol.md`` ("Live ingest").
+of every sample it sent. Before the first sample it waits (up to ``--wait`` seconds) for the device's
+status to say it is ready to take samples (online, subscribed): the broker keeps no sample for a
+device that has never subscribed. Messages: ``docs/protocol.md`` ("Live ingest").
 
 The broker connection is made as the agent makes it: ``--profile`` names a TOML file whose
 ``[broker]`` table (validated as a device profile's; other tables are not read, so a file with only
@@ -229,6 +231,7 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
         await transport.start(wait_s=15)
     predicted: dict[int, Prediction] = {}
     all_in = asyncio.Event()
+    device_ready = asyncio.Event()  # the device's status says it takes samples (its subscriptions are in)
     statuses: list[dict[str, Any]] = []  # the retained one first (the baseline), then the device's news
     status_topic = topics.status(opts.device)
 
@@ -241,10 +244,13 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
             msg = await transport.queue.get()
             if msg.topic == status_topic:
                 try:
-                    statuses.append(dict(decode_status(msg.payload).fields))
+                    st = decode_status(msg.payload)
                 except DecodeError as exc:
                     logger.warning("status refused: %s", exc)
                     continue
+                statuses.append(dict(st.fields))
+                if st.state != "offline" and st.fields.get("ready") is True:
+                    device_ready.set()
                 if n and len(predicted) + sum(refused_now().values()) >= n:
                     all_in.set()  # every sample answered or refused: nothing more will come
                 continue
@@ -291,6 +297,17 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
         await transport.subscribe(status_topic, 1)
         await transport.subscribe(topics.predictions(opts.device), 1)
         sample_topic, label_topic = topics.samples(opts.device), topics.labels(opts.device)
+        try:
+            await asyncio.wait_for(device_ready.wait(), opts.wait_s)
+        except TimeoutError:
+            logger.warning(
+                "device %s has not said it is ready in %g s (its status on %s): samples sent before "
+                "it subscribes are lost",
+                opts.device,
+                opts.wait_s,
+                status_topic,
+            )
+        t0 = time.monotonic()
 
         async def send_due_labels(now: float) -> None:
             nonlocal late_sent

@@ -292,6 +292,7 @@ class BoundedClient(mqtt.Client):
                 if i > 0 and size >= i + remaining:
                     return self._edgefl_packet(i, i + remaining)
             if self._edgefl_eof:
+                buf.clear()  # a packet cut by the end of the stream never completes
                 self._edgefl_allowed = 0
                 self.loop_read()  # paho reads the end of the stream and reports the connection lost
                 return True

@@ -1,5 +1,5 @@
-"""Tests of the wire codec (edgefl/wire/messages.py, compression.py, cbor.py): round trips, compression
-bounds, interoperability, malformed input."""
+"""Tests of the wire codec (edgefl/wire/ message modules, compression.py, cbor.py): round trips,
+compression bounds, interoperability, malformed input."""
 
 from __future__ import annotations
 

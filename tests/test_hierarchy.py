@@ -19,7 +19,7 @@ from conftest import ROOT
 from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.privacy import DPFedAvg
 from edgefl.coordinator.profile import load_coordinator_profile
-from edgefl.coordinator.robust import coordinate_median, trimmed_mean, weighted_coordinate_median
+from edgefl.coordinator.robust import coordinate_median, trimmed_mean
 from edgefl.coordinator.strategies import make_strategy
 from edgefl.coordinator.strategy import Offer, SiteSums, Strategy
 from edgefl.errors import ConfigError, DecodeError, UpdateRejected
@@ -147,23 +147,13 @@ def test_hierarch_median_of_site_medians_stays_within_site_range() -> None:
     ups = _updates(30, 11)
     sites = [ups[s::3] for s in range(3)]
     site_meds = [coordinate_median([u.delta_W for u in site]) for site in sites]
-    hier = weighted_coordinate_median([m.astype(np.float64) for m in site_meds], [10.0, 10.0, 10.0])
+    hier = coordinate_median([m.astype(np.float64) for m in site_meds])  # the root weighs sites alike
     flat = coordinate_median([u.delta_W for u in ups])
     lo, hi = np.min(site_meds, axis=0), np.max(site_meds, axis=0)
     assert np.all(flat >= lo) and np.all(flat <= hi)
     assert np.all(hier >= lo) and np.all(hier <= hi)
     assert not np.array_equal(hier, flat)  # not equal, as docs/operations.md says
     assert float(np.abs(hier - flat).max()) <= float((hi - lo).max())
-
-
-def test_hierarch_weighted_median_by_hand() -> None:
-    x = [np.array([1.0, 5.0]), np.array([2.0, 1.0]), np.array([10.0, 3.0])]
-    # weights 1, 1, 5: the heavy site holds the median of both coordinates
-    np.testing.assert_array_equal(weighted_coordinate_median(x, [1, 1, 5]), np.array([10.0, 3.0], np.float32))
-    # equal weights: np.median
-    np.testing.assert_array_equal(weighted_coordinate_median(x, [2, 2, 2]), np.array([2.0, 3.0], np.float32))
-    # two sites of equal weight: the mean of the two (as the median of an even count)
-    np.testing.assert_array_equal(weighted_coordinate_median(x[:2], [1, 1]), np.array([1.5, 3.0], np.float32))
 
 
 @pytest.mark.parametrize("name", ["median", "trimmed-mean"])

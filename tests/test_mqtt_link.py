@@ -88,3 +88,35 @@ def test_link_packet_filter_passes_a_stream_of_packets_in_any_split() -> None:
         f = PacketFilter(1 << 20, mqtt5=False)
         out = b"".join(f.feed(packets[i : i + step]) for i in range(0, len(packets), step))
         assert out == packets and f.dropped_total == 0, step
+
+
+def test_link_a_packet_cut_by_the_end_of_the_stream_ends_the_connection() -> None:
+    """A broker that closes the connection in the middle of a packet: the transport reports the
+    connection lost (and would reconnect) instead of waiting for the rest of the packet forever."""
+
+    async def main() -> bool:
+        accepted = asyncio.Event()
+
+        async def broker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readexactly(2)  # CONNECT's fixed header (its length fits one byte here)
+            accepted.set()
+            writer.write(bytes([0x20, 0x02, 0x00, 0x00]))  # CONNACK, accepted (MQTT 3.1.1)
+            writer.write(bytes([0x30, 0x40, 0x00, 0x03]) + b"a/b")  # a PUBLISH announcing 64 bytes
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(broker, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        t = MqttTransport("127.0.0.1", port, "cut-1", protocol="3.1.1")
+        try:
+            await t.start(wait_s=None)
+            await asyncio.wait_for(accepted.wait(), 20)
+            conn = t._conn
+            assert conn is not None
+            await asyncio.wait_for(conn.lost.wait(), 20)  # paho was told: the connection is over
+            return t.queue.empty()
+        finally:
+            await t.stop()
+            server.close()
+
+    assert asyncio.run(main())

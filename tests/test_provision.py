@@ -62,8 +62,10 @@ class Provisioned:
     url: str
 
 
-@pytest.fixture
-def provisioned(tmp_path: Path) -> Iterator[Provisioned]:
+@pytest.fixture(scope="module")
+def provisioned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Provisioned]:
+    """The recipe run once for the module (keys, passwords, ACL) and its broker: the tests only read them."""
+    tmp_path = tmp_path_factory.mktemp("provisioned")
     for tool in ("openssl", "mosquitto_passwd"):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} is not installed")

@@ -43,7 +43,7 @@ def test_trust_hostile_site_in_the_first_round_is_bounded_by_the_rounds_median()
     assert st.norm_bound.history.median() == pytest.approx(mean_norm)  # the thief counted at the bound
 
 
-def test_trust_hostile_site_alone_cannot_move_the_rounds_median() -> None:
+def test_trust_honest_claims_above_the_median_are_weighed_at_it() -> None:
     """Honest sites with different claims keep FedAvg's weights up to the median: 10 and 30 examples
     per update around a median of 20 are weighed 10 and 20."""
     st = _root()

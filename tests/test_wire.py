@@ -12,7 +12,7 @@ import pytest
 
 from edgefl.errors import DecodeError
 from edgefl.wire import arrays, cbor, chunking, signing
-from edgefl.wire.cbor import ALLOWED_TAGS, DEFAULT_LIMITS, SCHEMA_VERSION, prescan
+from edgefl.wire.cbor import ALLOWED_TAGS, DEFAULT_LIMITS, SCHEMA_VERSION, scan
 from edgefl.wire.chunking import is_chunk, split_message
 from edgefl.wire.compression import (
     Compression,
@@ -185,21 +185,20 @@ def test_no_module_imports_another_modules_private_names() -> None:
                     assert not private, (path, node.module, private)
 
 
-def test_prescan_tags_are_the_typed_array_tags() -> None:
+def test_scan_tags_are_the_typed_array_tags() -> None:
     assert frozenset({arrays.TAG_NDARRAY, *arrays.TYPED_ARRAY_TAGS}) == ALLOWED_TAGS
 
 
-def test_prescan_captures_top_level_headers_only() -> None:
+def test_scan_captures_top_level_headers_only() -> None:
     payload = cbor2.dumps(
         {"v": 2, "type": "update", "round": 7, "nested": {"round": 9}, "base_version": 300, "device": "d-1"}
     )
-    got = prescan(payload, DEFAULT_LIMITS, ("v", "type", "round", "base_version", "device", "absent"))
+    got = scan(payload, DEFAULT_LIMITS).header
     assert got == {"v": 2, "type": "update", "round": 7, "base_version": 300, "device": "d-1"}
-    assert prescan(payload, DEFAULT_LIMITS) == {}
     # negative or non-integer values are not captured (the signature check then refuses the message)
-    assert prescan(cbor2.dumps({"round": -1, "v": 1.5}), DEFAULT_LIMITS, ("round", "v")) == {}
+    assert scan(cbor2.dumps({"round": -1, "v": 1.5}), DEFAULT_LIMITS).header == {}
     with pytest.raises(DecodeError) as info:
-        prescan(payload + b"\x00", DEFAULT_LIMITS, ("v",))
+        scan(payload + b"\x00", DEFAULT_LIMITS)
     assert info.value.reason == "trailing_bytes"
 
 

@@ -1,7 +1,7 @@
 """Bounded CBOR and the message envelope: what every decoder runs before it looks at a field.
 
 Owns: the schema version (``"v"``) and message kinds (``"type"``), :class:`Limits`, the allocation-free
-header pre-scan (:func:`scan`: once per message, its result reused by the signature check and the
+header scan (:func:`scan`: once per message, its result reused by the signature check and the
 decoder), the strict cbor2 call, and the field readers every decoder shares (exact types,
 ranges, known keys). The rules and bounds are specified in ``docs/protocol.md`` ("Decoding",
 "Versioning").
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
@@ -39,7 +39,6 @@ __all__ = [
     "dumps",
     "load",
     "load_message",
-    "prescan",
     "read_device_id",
     "read_float",
     "read_int",
@@ -149,7 +148,7 @@ def dumps(obj: object) -> bytes:
     exactly (``60.0``: 3 bytes instead of 9; ``0.05`` stays double), inside maps and arrays at any
     depth; every other item is cbor2's own encoding. Map keys keep their order (a signed message's
     ``"signature"`` stays last), unlike ``cbor2.dumps(..., canonical=True)``, which sorts them. Every
-    reader takes any float width (``prescan`` accepts additional information
+    reader takes any float width (``scan`` accepts additional information
     25, 26 and 27), so no schema bump is needed.
 
     Raises
@@ -219,42 +218,6 @@ def strict_loads(data: bytes, max_depth: int) -> object:
     return cbor2.loads(data)  # cbor2 5.x (armv7l)
 
 
-def prescan(data: bytes, limits: Limits, capture: Iterable[str] = ()) -> dict[str, int | str]:
-    """Walk the CBOR item headers of ``data`` without building any object.
-
-    Refuses what cbor2 would otherwise turn into memory or surprises (see ``docs/protocol.md``,
-    "Decoding"): lengths past the end, more than ``limits.max_items`` items, nesting deeper than
-    ``limits.max_depth``, indefinite lengths, tags outside :data:`ALLOWED_TAGS`, non-text or
-    duplicate map keys, long text strings, simple values other than false/true/null/floats, and
-    trailing bytes.
-
-    Parameters
-    ----------
-    data : bytes
-        One CBOR item.
-    limits : Limits
-        Bounds.
-    capture : iterable of str
-        Keys of a top-level map whose unsigned-integer or text values to return (what a signature
-        check needs before any decode).
-
-    Returns
-    -------
-    dict[str, int | str]
-        The captured top-level values found (keys absent, or with other types, are left out).
-
-    Raises
-    ------
-    DecodeError
-        ``bad_cbor``, ``too_large``, ``too_deep``, ``wrong_type`` (non-text key), ``bad_value``
-        (long text), ``trailing_bytes``.
-
-    Source: RFC 8949 §3 (initial byte, argument), §3.2 (indefinite lengths), §3.3 (simple values).
-    """
-    found = _scan(data, limits)
-    return {name: found[name] for name in capture if name in found}
-
-
 @dataclass(frozen=True, slots=True)
 class Scanned:
     """A message whose item headers :func:`scan` walked and found sound: pass it on instead of its bytes.
@@ -279,23 +242,34 @@ class Scanned:
 
 
 def scan(payload: bytes, limits: Limits) -> Scanned:
-    """Check a received message's size and walk its item headers once (as :func:`prescan`).
+    """Check a received message's size and walk its CBOR item headers once, building no object.
+
+    Refuses what cbor2 would otherwise turn into memory or surprises (see ``docs/protocol.md``,
+    "Decoding"): lengths past the end, more than ``limits.max_items`` items, nesting deeper than
+    ``limits.max_depth``, indefinite lengths, tags outside :data:`ALLOWED_TAGS`, non-text or
+    duplicate map keys, long text strings, simple values other than false/true/null/floats, and
+    trailing bytes.
 
     Parameters
     ----------
     payload : bytes
-        The received bytes.
+        The received bytes (one CBOR item).
     limits : Limits
         Bounds.
 
     Returns
     -------
     Scanned
+        With the top-level unsigned-integer and text values (what a signature check needs before
+        any decode).
 
     Raises
     ------
     DecodeError
-        ``wrong_type`` (not bytes), ``too_large`` and the reasons of :func:`prescan`.
+        ``wrong_type`` (not bytes, or a non-text key), ``too_large``, ``bad_cbor``, ``too_deep``,
+        ``bad_value`` (long text), ``trailing_bytes``.
+
+    Source: RFC 8949 §3 (initial byte, argument), §3.2 (indefinite lengths), §3.3 (simple values).
     """
     data = _payload_bytes(payload, limits)
     return Scanned(data, limits, _scan(data, limits))
@@ -310,7 +284,7 @@ def _payload_bytes(payload: object, limits: Limits) -> bytes:
 
 
 def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
-    """:func:`prescan`'s walk; returns every top-level map value that is an unsigned int or text."""
+    """:func:`scan`'s walk; returns every top-level map value that is an unsigned int or text."""
     found: dict[str, int | str] = {}
     top_key = b""
     size = len(data)
@@ -417,7 +391,7 @@ def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
 
 
 def load(payload: bytes | Scanned, limits: Limits) -> object:
-    """Decode one CBOR item from the network: size check, :func:`prescan`, then strict cbor2.
+    """Decode one CBOR item from the network: size check, :func:`scan`, then strict cbor2.
 
     Parameters
     ----------
@@ -435,7 +409,7 @@ def load(payload: bytes | Scanned, limits: Limits) -> object:
     Raises
     ------
     DecodeError
-        ``wrong_type`` (not bytes), ``too_large`` and the reasons of :func:`prescan`; ``bad_cbor``
+        ``wrong_type`` (not bytes), ``too_large`` and the reasons of :func:`scan`; ``bad_cbor``
         for what cbor2 refuses (e.g. invalid UTF-8).
     """
     if isinstance(payload, Scanned) and payload.limits == limits:
@@ -448,7 +422,7 @@ def load(payload: bytes | Scanned, limits: Limits) -> object:
             return cbor2.loads(
                 data, max_depth=limits.max_depth, allow_indefinite=False, allow_duplicate_keys=False
             )
-        return cbor2.loads(data)  # cbor2 5.x (pure Python on armv7l): the prescan enforced the same rules
+        return cbor2.loads(data)  # cbor2 5.x (pure Python on armv7l): the scan enforced the same rules
     except (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError) as exc:
         raise DecodeError(Reason.BAD_CBOR, str(exc)[:200]) from exc
 

@@ -29,10 +29,10 @@ from edgefl.wire.cbor import (
     check_keys,
     dumps,
     load_message,
-    prescan,
     read_int,
     read_signature,
     read_text,
+    scan,
     show,
 )
 from edgefl.wire.compression import Compression, compress_delta, decompress_delta
@@ -287,9 +287,7 @@ def global_model_version(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> 
     ------
     DecodeError
         ``too_large`` (payload over ``limits.max_message_bytes``), else as
-        :func:`edgefl.wire.cbor.prescan` (malformed or oversized CBOR).
+        :func:`edgefl.wire.cbor.scan` (malformed or oversized CBOR).
     """
-    if len(payload) > limits.max_message_bytes:
-        raise DecodeError(Reason.TOO_LARGE, f"{len(payload)} bytes > {limits.max_message_bytes}")
-    version = prescan(payload, limits, ("version",)).get("version")
+    version = scan(payload, limits).header.get("version")
     return version if type(version) is int else None

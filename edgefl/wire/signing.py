@@ -49,7 +49,7 @@ from edgefl.wire.cbor import (
     Limits,
     MessageType,
     Scanned,
-    prescan,
+    scan,
 )
 from edgefl.wire.reasons import SIGNATURE_REASONS, Reason
 
@@ -101,8 +101,6 @@ _SENDER_KEYS: Final[Mapping[MessageType, str]] = {
     MessageType.DECLINE: "device",
     MessageType.PARTIAL: "site",
 }
-#: The top-level keys the signed bytes are built from.
-_SIGNED_KEYS: Final = ("v", "type", "round", "version", "base_version", "device", "site")
 _KEY: Final = b"\x69signature"  # CBOR text string "signature"
 _SIGNED_TAIL: Final = _KEY + b"\x58\x40"  # "signature": 64-byte string header
 _PKCS8_PREFIX: Final = bytes.fromhex("302e020100300506032b657004220420")  # RFC 8410 §10.3
@@ -580,7 +578,7 @@ class _Signed:
 
 def _signed_fields(blank: bytes, limits: Limits) -> _Signed:
     """Read v, type, round, version and device from the blank form's headers (nothing is decoded)."""
-    return _signed_header(prescan(blank, limits, _SIGNED_KEYS))
+    return _signed_header(scan(blank, limits).header)
 
 
 def _signed_header(found: Mapping[str, int | str]) -> _Signed:
