@@ -34,6 +34,7 @@ from edgefl.records import read_record, write_record
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
+from edgefl.validators import check_device_id
 from edgefl.wire.cbor import Limits, MessageType, Scanned, scan
 from edgefl.wire.chunking import Reassembler, is_chunk
 from edgefl.wire.global_model import GlobalModel, decode_global_model
@@ -247,7 +248,12 @@ class Intake:
                 self._adopt(msg)
                 return
             if device is None:
-                raise DecodeError("bad_topic", f"unexpected topic {msg.topic}")
+                raise DecodeError("bad_topic", f"unexpected topic {msg.topic[:200]}")
+            try:
+                check_device_id(device)
+            except ValueError as exc:
+                device = None  # never a key of the per-device counters
+                raise DecodeError("bad_topic", f"device id on the topic {exc}") from None
             if msg.topic == self.topics.status(device):
                 if not msg.payload:
                     self.registry.forget(device)  # retained status cleared
@@ -271,7 +277,7 @@ class Intake:
             if n <= LOGGED_REFUSALS or n % 1000 == 0:
                 logger.warning(
                     "rejected message on %s (%d bytes): %s%s",
-                    msg.topic,
+                    msg.topic[:200],
                     len(msg.payload),
                     why,
                     f" ({n} {reason} so far)" if n > LOGGED_REFUSALS else "",

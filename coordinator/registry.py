@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from edgefl.aio import wait_event
-from edgefl.errors import UpdateRejected
+from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.wire.cbor import Limits
 from edgefl.wire.presence import read_new_samples
 from edgefl.wire.status import decode_status
@@ -133,9 +133,12 @@ class DeviceRegistry:
         Raises
         ------
         DecodeError, UpdateRejected
-            A status that does not decode, a bad new-sample count, or as :meth:`register`.
+            A status that does not decode, names another device (``wrong_device``), a bad new-sample
+            count, or as :meth:`register`.
         """
         status = decode_status(payload, limits=self.limits)
+        if status.device != device:
+            raise DecodeError("wrong_device", f"status names device {status.device!r} on status/{device}")
         read_new_samples(status.fields)  # a bad count refuses the status (bad_value, wrong_type)
         entry = _interned(status.fields)
         last = self.devices.get(device)

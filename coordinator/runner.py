@@ -288,6 +288,11 @@ async def run(
             "site_state": files.state,
         }
     job = rounds.count > 0  # N rounds back to back; 0: a service, paced
+    if sec.device_keys_dir is None and hier.role != "root":
+        logger.warning(
+            "device updates are not signed (no security.device_keys_dir): the broker's accounts and ACL "
+            "are all that binds a device to update/<device> (docs/security.md); give device keys"
+        )
     coord = cls(
         transport,
         topics,

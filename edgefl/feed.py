@@ -381,8 +381,10 @@ def _rise(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
     b = b if isinstance(b, dict) else {}
     out = {}
     for reason, count in a.items():
-        if isinstance(count, int) and count > int(b.get(reason, 0) or 0):
-            out[str(reason)] = count - int(b.get(reason, 0) or 0)
+        base = b.get(reason, 0)
+        base = base if isinstance(base, int) and not isinstance(base, bool) and base >= 0 else 0
+        if isinstance(count, int) and not isinstance(count, bool) and count > base:
+            out[str(reason)] = count - base
     return out
 
 

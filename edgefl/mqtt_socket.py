@@ -313,11 +313,10 @@ class BoundedClient(mqtt.Client):
         qos = (first >> 1) & 3
         if first >> 4 == 3 and qos < 2:
             pos = start + 2 + int.from_bytes(buf[start : start + 2], "big")
-            try:
-                topic = buf[start + 2 : pos].decode("utf-8")
-            except UnicodeDecodeError:
-                topic = None  # paho refuses it its own way
-            if topic is not None and pos + (2 if qos else 0) <= end:
+            # not UTF-8 (MQTT 5.0 §1.5.4; only a broker that does not check would send it): the
+            # replacement character names no topic of ours, so the handler refuses it, acknowledged
+            topic = buf[start + 2 : pos].decode("utf-8", errors="replace")
+            if pos + (2 if qos else 0) <= end:
                 mid = 0
                 if qos:
                     mid = int.from_bytes(buf[pos : pos + 2], "big")

@@ -120,3 +120,45 @@ def test_link_a_packet_cut_by_the_end_of_the_stream_ends_the_connection() -> Non
             server.close()
 
     assert asyncio.run(main())
+
+
+def test_link_a_topic_that_is_not_utf8_is_acknowledged_never_held() -> None:
+    """A broker that passes a PUBLISH whose topic is not UTF-8 (MQTT 5.0 §1.5.4 forbids it): the
+    message is acknowledged like any other (a refused one must not hold an in-flight slot) and the
+    next one arrives."""
+
+    async def main() -> tuple[set[int], list[str]]:
+        acked: set[int] = set()
+        both = asyncio.Event()
+
+        async def broker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            first = await reader.readexactly(2)  # CONNECT's fixed header (its length fits one byte)
+            await reader.readexactly(first[1])
+            writer.write(bytes([0x20, 0x02, 0x00, 0x00]))  # CONNACK, accepted (MQTT 3.1.1)
+            for mid, topic in ((7, b"edgefl/\xff\xfe"), (8, b"a/b")):
+                body = len(topic).to_bytes(2, "big") + topic + mid.to_bytes(2, "big") + b"payload"
+                writer.write(bytes([0x32]) + socket_mod.remaining_length(len(body)) + body)
+            await writer.drain()
+            while not both.is_set():
+                head = await reader.readexactly(2)
+                rest = await reader.readexactly(head[1])
+                if head[0] == 0x40:  # PUBACK
+                    acked.add(int.from_bytes(rest[:2], "big"))
+                    if {7, 8} <= acked:
+                        both.set()
+
+        server = await asyncio.start_server(broker, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        t = MqttTransport("127.0.0.1", port, "utf8-1", protocol="3.1.1")
+        try:
+            await t.start(wait_s=None)
+            topics = [(await asyncio.wait_for(t.queue.get(), 20)).topic for _ in range(2)]
+            await asyncio.wait_for(both.wait(), 20)
+            return acked, topics
+        finally:
+            await t.stop()
+            server.close()
+
+    acked, topics = asyncio.run(main())
+    assert acked == {7, 8}
+    assert topics == ["edgefl/\ufffd\ufffd", "a/b"]
