@@ -32,7 +32,8 @@ for its PUBACKs), waits for the global head of that round at every site broker, 
   permitted: the peak is then since the process started); sites: the largest site;
 - ``updates_per_s_drained`` / ``cpu_us_per_update``: the root (flat: the one) coordinator's updates
   counted over ``seconds_to_close``, and its CPU time (user + system, ``/proc/<pid>/stat``) over the
-  same window per update counted (null if it exited before it was read); ``sites_drain``: the same
+  same window per update counted (null if it exited before it was read or used less than a clock
+  tick: a small round); ``sites_drain``: the same
   per site aggregator (its devices' updates counted at the root);
 - ``messages_into_root`` / ``bytes_into_root``: increase of the root mosquitto's
   ``$SYS/broker/publish/messages/received`` (mosquitto 2.0 leaves retained publishes out of it, so
@@ -346,11 +347,11 @@ def drain_figures(counted: int, seconds: float, cpu0: float | None, cpu1: float 
 
     ``counted`` updates (device updates the aggregator counted), over ``seconds`` (first update sent →
     the round's global head seen), and its CPU time over the same window (None when the process had
-    exited before it was read).
+    exited before it was read, or used less than one clock tick: ``/proc`` counts CPU in ticks).
     """
     rate = round(counted / seconds, 1) if seconds > 0 and counted else None
     cpu = None
-    if cpu0 is not None and cpu1 is not None and counted:
+    if cpu0 is not None and cpu1 is not None and counted and cpu1 > cpu0:
         cpu = round((cpu1 - cpu0) * 1e6 / counted, 1)
     return {"updates_per_s_drained": rate, "cpu_us_per_update": cpu}
 
