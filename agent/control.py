@@ -58,7 +58,7 @@ class RoundTask(SampleSource):
         one round or global message (:meth:`handle`). With nothing in hand the last trained round's
         personal step runs, then the status may be checked (``_status_go``), and once no message
         came for :data:`IDLE_GRACE_S` after a trained round, freed heap goes back to the kernel
-        (``malloc_trim``), and the library pages it mapped (``release_file_pages``).
+        (``malloc_trim``).
         """
         while True:
             if self._control.empty() and not self._round_asks and not self._retry_due():
@@ -80,8 +80,6 @@ class RoundTask(SampleSource):
                     if self._trim_wanted and time.monotonic() - idle_since >= IDLE_GRACE_S:
                         self._trim_wanted = False
                         await self._work(heap.malloc_trim)
-                        # and the code and constants the round faulted in and may not run again
-                        await self._work(heap.release_file_pages)
                     continue
             if not self._status_connected:
                 self._status_go.clear()  # a round's status changes are checked once it is handled

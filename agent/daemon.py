@@ -199,7 +199,8 @@ class Agent(RoundTask):
                 stack.push_async_callback(self.status_page.stop)
                 logger.info("dashboard on %s", self.dashboard_url)
             heap.malloc_trim()  # start-up's freed heap (imports, model, page) back to the kernel
-            heap.release_file_pages()  # and the library pages only start-up ran
+            # (library pages stay mapped: released, they fault back in at the next interpreter call
+            # beyond what the governor saw, and a batch admitted on the lower RSS overran the cap)
             # The round first: its retained announcement (signed: its base version is the rollback
             # floor) reaches the core before any retained head, so a device without a head never
             # applies one older than the fleet's current version (an old signed head replayed on
