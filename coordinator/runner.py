@@ -68,6 +68,7 @@ EXIT_MODEL: Final = 3
 EXIT_RUNTIME: Final = 4
 EXIT_EMPTY_ROUND: Final = 5
 EXIT_LEASE: Final = 6
+EXIT_FAULT: Final = 75
 
 CONNECT_WAIT_S: Final = 60.0
 """How long the coordinator waits for its broker at start-up before it gives up (exit 4), seconds."""
