@@ -334,11 +334,6 @@ def estimate_replay_bytes(path: Path | str) -> int:
     Every array as loaded (through ``numpy.load``'s buffer of up to 256 KiB) plus the labels' int64
     copy, computed from the headers alone (:func:`npz_headers`).
 
-    Returns
-    -------
-    int
-        Bytes.
-
     Raises
     ------
     ValueError, OSError

@@ -403,7 +403,7 @@ class Pipeline:
             if self._scratch is None:
                 self._scratch = np.empty(self.sample_shape, dtype=np.float32)
             for k in range(m):
-                self._write_in_place(view[k], rows[k], True)
+                self._write_quantised(view[k], rows[k])
         if m < view.shape[0]:
             view[m:] = self._pad
 
@@ -448,9 +448,9 @@ class Pipeline:
         np.subtract(rows, self.mean, out=dst, dtype=np.float32, casting="unsafe")
         np.divide(dst, self.std, out=dst)
 
-    def _write_in_place(self, row: np.ndarray, raw: np.ndarray, quantised: bool) -> None:
-        """The unfused arithmetic on one sample, in place (bit-identical to the stages)."""
-        s = self._scratch if quantised else row
+    def _write_quantised(self, row: np.ndarray, raw: np.ndarray) -> None:
+        """The unfused stages on one sample through the scratch, into ``row`` (bit-identical)."""
+        s = self._scratch
         assert s is not None
         if raw.dtype == np.float32:
             np.subtract(raw, self.mean, out=s)
@@ -458,8 +458,6 @@ class Pipeline:
             np.copyto(s, raw, casting="unsafe")  # the cast stage first, as to_float does
             np.subtract(s, self.mean, out=s)
         np.divide(s, self.std, out=s)
-        if not quantised:
-            return
         bb = self.backbone
         info = np.iinfo(bb.input_dtype)
         np.divide(s, np.float32(bb.input_quant.scale), out=s)
