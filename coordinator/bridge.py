@@ -19,8 +19,6 @@ from typing import Any
 
 from edgefl.validators import check_device_id, parse_broker_url
 
-__all__ = ["add_parser", "bridge_config", "main"]
-
 
 def bridge_config(
     site: str,
