@@ -26,7 +26,7 @@ import cbor2
 import numpy as np
 
 from edgefl.aio import wait_event
-from edgefl.coordinator.registry import LOGGED_REFUSALS, shorten
+from edgefl.coordinator.registry import shorten
 from edgefl.coordinator.rounds import Round, RoundPhase
 from edgefl.coordinator.service import ADOPT_WAIT_S, Coordinator
 from edgefl.coordinator.strategy import SiteSums
@@ -51,13 +51,6 @@ LOGGED_OVERLAPS = 20
 
 SEEN_PARTIALS = 10_000
 """(site, round, partial id) keys a root remembers to refuse a bridge's redelivery."""
-
-
-def _log_refusal(coord: Coordinator, exc: DecodeError | UpdateRejected, msg: Message) -> None:
-    coord.state.rejected[exc.reason] += 1
-    n = coord.state.rejected[exc.reason]
-    if n <= LOGGED_REFUSALS or n % 1000 == 0:
-        logger.warning("rejected message on %s (%d bytes): %s", msg.topic, len(msg.payload), exc)
 
 
 class RootCoordinator(Coordinator):
@@ -129,7 +122,7 @@ class RootCoordinator(Coordinator):
         except (DecodeError, UpdateRejected) as exc:
             if exc.reason == "duplicate":
                 self.duplicates += 1
-            _log_refusal(self, exc, msg)
+            self.refuse_message(msg, exc.reason, str(exc))
 
     def _handle_partial(self, site: str, msg: Message) -> None:
         payload = msg.payload
@@ -288,7 +281,7 @@ class SiteAggregator(Coordinator):
             try:
                 self._on_head(msg)
             except (DecodeError, UpdateRejected) as exc:
-                _log_refusal(self, exc, msg)
+                self.refuse_message(msg, exc.reason, str(exc))
             return
         if msg.topic != self.topics.round:
             super().handle(msg)
@@ -300,7 +293,7 @@ class SiteAggregator(Coordinator):
                 verify_payload(msg.payload, self.root_key, fleet=self.topics.fleet, kind=MessageType.ROUND)
             ann = decode_round(msg.payload, limits=self.limits)
         except DecodeError as exc:
-            _log_refusal(self, exc, msg)
+            self.refuse_message(msg, exc.reason, str(exc))
             return
         if self._latest is None or ann.round > self._latest.round:
             self._latest = ann

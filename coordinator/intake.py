@@ -67,6 +67,17 @@ def check_update_id(update_id: str, device: str, round_no: int, base_version: in
         raise UpdateRejected("bad_value", why)
 
 
+def sampled_log(n: int, what: str) -> str | None:
+    """Whether the ``n``-th event of a kind is logged, and the suffix its line ends with.
+
+    The first ``LOGGED_REFUSALS`` of each kind are logged (suffix ``""``), then every 1000th (suffix
+    ``" (n what so far)"``), so a flood of forged messages is not a flood of log lines; None: not logged.
+    """
+    if n <= LOGGED_REFUSALS:
+        return ""
+    return f" ({n} {what} so far)" if n % 1000 == 0 else None
+
+
 class Intake:
     """Takes in a fleet's messages (statuses, updates, declines, retained round and head) and keeps them.
 
@@ -198,17 +209,8 @@ class Intake:
         try:
             self.handle(msg)
         except Exception as exc:
-            self.state.rejected["failed"] += 1
-            n = self.state.rejected["failed"]
-            if n <= LOGGED_REFUSALS or n % 1000 == 0:
-                logger.error(
-                    "rejected message on %s (%d bytes): failed: handling raised %s: %s%s",
-                    msg.topic,
-                    len(msg.payload),
-                    type(exc).__name__,
-                    shorten(str(exc)),
-                    f" ({n} failed so far)" if n > LOGGED_REFUSALS else "",
-                )
+            why = f"failed: handling raised {type(exc).__name__}: {shorten(str(exc))}"
+            self.refuse_message(msg, "failed", why, level=logging.ERROR)
 
     def handle(self, msg: Message) -> None:
         """Dispatch one message; a bad one is logged with topic, size and reason and counted, never raised."""
@@ -242,20 +244,20 @@ class Intake:
             known = isinstance(exc, (DecodeError, UpdateRejected))
             reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
             why = str(exc) if known else f"failed: handling raised {type(exc).__name__}: {exc}"
-            self.state.rejected[reason] += 1
-            if device is not None:
-                self.registry.count_by_device(self.registry.rejected_by_device, device, reason)
-            n = self.state.rejected[reason]
-            # every refusal is counted; the log names the first ones of each reason, then every 1000th
-            # (a flood of forged messages must not become a flood of log lines)
-            if n <= LOGGED_REFUSALS or n % 1000 == 0:
-                logger.warning(
-                    "rejected message on %s (%d bytes): %s%s",
-                    msg.topic[:200],
-                    len(msg.payload),
-                    why,
-                    f" ({n} {reason} so far)" if n > LOGGED_REFUSALS else "",
-                )
+            self.refuse_message(msg, reason, why, device)
+
+    def refuse_message(
+        self, msg: Message, reason: str, why: str, device: str | None = None, level: int = logging.WARNING
+    ) -> None:
+        """Count a refused message by ``reason`` (and ``device``), and log it as :func:`sampled_log` says."""
+        self.state.rejected[reason] += 1
+        if device is not None:
+            self.registry.count_by_device(self.registry.rejected_by_device, device, reason)
+        more = sampled_log(self.state.rejected[reason], reason)
+        if more is not None:
+            logger.log(
+                level, "rejected message on %s (%d bytes): %s%s", msg.topic[:200], len(msg.payload), why, more
+            )
 
     def _handle_update(self, device: str, msg: Message) -> None:
         payload = msg.payload
@@ -338,15 +340,11 @@ class Intake:
         self.registry.count_by_device(self.registry.declined_by_device, device, decline.reason)
         rnd.declined.append(device)
         self._dirty = True
-        n = self.state.declined[decline.reason]
-        if n <= LOGGED_REFUSALS or n % 1000 == 0:
+        more = sampled_log(self.state.declined[decline.reason], decline.reason)
+        if more is not None:
+            detail = shorten(decline.detail)
             logger.warning(
-                "round %d: %s declined: %s (%s)%s",
-                decline.round,
-                device,
-                decline.reason,
-                shorten(decline.detail),
-                f" ({n} {decline.reason} so far)" if n > LOGGED_REFUSALS else "",
+                "round %d: %s declined: %s (%s)%s", decline.round, device, decline.reason, detail, more
             )
         self._round_changed.set()
         self.notify()
