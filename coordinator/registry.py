@@ -35,6 +35,8 @@ STRANGERS_KEPT = 100
 PAGE_DEVICES = 100
 #: Reasons of a per-device counter map in the page's document (the largest counts).
 PAGE_REASONS = 8
+#: Rows of devices' own refusals in the page's "rejected" box (the largest counts).
+PAGE_REFUSALS = 20
 
 
 def shorten(text: str, limit: int = LOGGED_DETAIL_CHARS) -> str:
@@ -275,6 +277,49 @@ class DeviceRegistry:
                 raise TimeoutError(f"only {len(ready)} of {n} devices ready after {timeout_s} s")
             self.changed.clear()
             await wait_event(self.changed, remaining)
+
+    def refusals(self, own: Mapping[str, int], limit: int = PAGE_REFUSALS) -> list[dict[str, Any]]:
+        """Who refused what: the coordinator's own refusals, then the devices' (their statuses' ``rejected``).
+
+        Parameters
+        ----------
+        own : {reason: count}
+            The coordinator's refused messages by reason (all of them are listed).
+        limit : int
+            Rows of devices' refusals kept (the largest counts first); a fleet of thousands, or of ghosts,
+            must not make the page's document megabytes.
+
+        Returns
+        -------
+        list of {"by", "reason", "count", "detail"}
+            ``by`` is ``"coordinator"`` or a device id; ``detail`` is a device's last refusal in words when
+            it has that reason (its status's ``last_rejected``), else ``""``. Largest counts first.
+        """
+        rows = [
+            {"by": "coordinator", "reason": str(reason), "count": n, "detail": ""}
+            for reason, n in sorted(own.items(), key=lambda kv: -kv[1])
+            if n > 0
+        ]
+        theirs: list[dict[str, Any]] = []
+        for dev, st in self.devices.items():
+            counts = st.get("rejected")
+            if not isinstance(counts, dict):
+                continue
+            last = st.get("last_rejected")
+            last = last if isinstance(last, dict) else {}
+            for reason, n in counts.items():
+                if type(n) is not int or n <= 0:
+                    continue
+                detail = last.get("detail") if last.get("reason") == reason else None
+                theirs.append(
+                    {
+                        "by": dev,
+                        "reason": str(reason)[:64],
+                        "count": n,
+                        "detail": shorten(detail) if isinstance(detail, str) else "",
+                    }
+                )
+        return rows + heapq.nlargest(limit, theirs, key=lambda r: (r["count"], r["by"]))
 
     def page_devices(self) -> dict[str, dict[str, Any]]:
         """The devices the page's status document lists, with their figures (JSON-like).
