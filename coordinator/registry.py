@@ -237,11 +237,19 @@ class DeviceRegistry:
             self.forget(dev)
 
     def online_devices(self) -> list[str]:
-        """Device ids whose retained status says they are up and ready (sorted)."""
+        """The ready devices (sorted): up, ready, on this backbone, and with labelled samples to train on.
+
+        A device whose status reports an empty store (``store_samples`` = 0) is not ready: it would only
+        decline the round (``no_samples``), so no round waits for it, opens for it or counts it among
+        the devices asked ("N of M" on the page, in the log and in the round log alike).
+        """
         return sorted(
             d
             for d, s in self.devices.items()
-            if s.get("ready") and s.get("state") != "offline" and d not in self.mismatched
+            if s.get("ready")
+            and s.get("state") != "offline"
+            and d not in self.mismatched
+            and s.get("store_samples") != 0
         )
 
     def ready_new_samples(self) -> dict[str, int | None]:

@@ -85,6 +85,8 @@ class Round:
     sites: list[str] = field(default_factory=list)
     declined: list[str] = field(default_factory=list)
     """Devices that refused this round with a Decline (e.g. ``over_budget``)."""
+    empty: list[str] = field(default_factory=list)
+    """Those of :attr:`declined` whose store was empty (``no_samples``): not counted as asked."""
     # Kept in step with ``devices`` and ``declined`` (appended to, or replaced whole on a resume), so
     # that admitting an update and asking whether the round is complete cost O(1), not O(round).
     _tally: _Answered | None = field(default=None, init=False, repr=False, compare=False)
@@ -103,12 +105,13 @@ class Round:
     def asked(self) -> int:
         """Devices asked to take part: the selection, else those ready at the opening or answering since.
 
-        The announcement is retained: a device back during the round answers it too.
+        The announcement is retained: a device back during the round answers it too. A device that
+        declined because its store is empty (:attr:`empty`) is not one the round asked or waits for.
         """
         if self.selected is not None:
-            return len(self.selected)
+            return len(self.selected) - len(self.empty)
         tally = self.answered()  # |online ∪ answered| = |online| + |answered| - |answered ∩ online|
-        return len(self.online) + len(tally.members) - tally.of_online
+        return len(self.online) + len(tally.members) - tally.of_online - len(self.empty)
 
     @property
     def close_at(self) -> int:
@@ -127,15 +130,20 @@ class Round:
 
         Without a selection, every device online at the opening answering closes the round once one
         of them declined (no more updates are coming from those asked; waiting for the deadline would
-        not help). At the root of a hierarchy with ``expected_sites``: when that many sites' partials
-        arrived.
+        not help); so does a decline when no device was ready and none but empty stores answered.
+        At the root of a hierarchy with ``expected_sites``: when that many sites' partials arrived.
         """
         if self.expected_sites > 0:
             return len(self.sites) >= self.expected_sites
         tally = self.answered()
         if self.selected is not None and tally.of_selected >= len(self.selected):
             return True
-        if self.selected is None and self.declined and self.online and tally.of_online >= len(self.online):
+        if (
+            self.selected is None
+            and self.declined
+            and tally.of_online >= len(self.online)
+            and (self.online or self.asked == 0)  # none ready at the opening: only empty stores answered
+        ):
             return True
         return self.clients >= self.close_at
 
