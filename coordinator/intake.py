@@ -34,6 +34,7 @@ from edgefl.validators import check_device_id
 from edgefl.wire.cbor import Limits, MessageType, Scanned, scan
 from edgefl.wire.chunking import Reassembler, is_chunk
 from edgefl.wire.global_model import GlobalModel, decode_global_model
+from edgefl.wire.reasons import Reason
 from edgefl.wire.rounds import Update, decode_decline, decode_round, decode_update
 from edgefl.wire.signing import SigningKey, VerifyKey, verify_payload
 
@@ -339,6 +340,8 @@ class Intake:
         self.state.declined[decline.reason] += 1
         self.registry.count_by_device(self.registry.declined_by_device, device, decline.reason)
         rnd.declined.append(device)
+        if decline.reason == Reason.NO_SAMPLES:
+            rnd.empty.append(device)  # nothing to train on: not among the devices the round asked
         self._dirty = True
         more = sampled_log(self.state.declined[decline.reason], decline.reason)
         if more is not None:
@@ -515,6 +518,7 @@ class Intake:
             "update_ids": sorted(rnd.update_ids),
             "devices": list(rnd.devices),
             "declined": list(rnd.declined),
+            "empty": list(rnd.empty),
             "sites": list(rnd.sites),
             "update_bytes": list(rnd.update_bytes),
             "lr": self._round_lr,
@@ -573,6 +577,7 @@ class Intake:
         rnd.update_ids = set(doc["update_ids"])
         rnd.devices = list(doc["devices"])
         rnd.declined = list(doc["declined"])
+        rnd.empty = list(doc.get("empty", []))  # a state file written before it kept them: none
         rnd.sites = list(doc["sites"])
         rnd.update_bytes = [int(n) for n in doc["update_bytes"]]
         if doc["snapshot"] is not None:

@@ -73,6 +73,7 @@ class Round:
     losses: list[float] = field(default_factory=list)
     sites: list[str] = field(default_factory=list)
     declined: list[str] = field(default_factory=list)  # devices that sent a Decline
+    empty: list[str] = field(default_factory=list)  # of those, stores empty (no_samples): not asked
     # kept in step with ``devices`` and ``declined``: admitting an update is O(1), not O(round)
     _tally: _Answered | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -88,11 +89,14 @@ class Round:
 
     @property
     def asked(self) -> int:
-        """Devices asked to take part: the selection, else those ready at the opening or answering since."""
+        """Devices asked to take part: the selection, else those ready at the opening or answering since.
+
+        A device that declined because its store is empty (:attr:`empty`) is not one the round waits for.
+        """
         if self.selected is not None:
-            return len(self.selected)
+            return len(self.selected) - len(self.empty)
         tally = self.answered()  # |online ∪ answered| = |online| + |answered| - |answered ∩ online|
-        return len(self.online) + len(tally.members) - tally.of_online
+        return len(self.online) + len(tally.members) - tally.of_online - len(self.empty)
 
     @property
     def close_at(self) -> int:
@@ -105,15 +109,21 @@ class Round:
     def complete(self) -> bool:
         """True when :attr:`close_at` updates arrived, or every device asked answered or declined.
 
-        Without a selection: every device online at the opening answered, one of them with a decline.
-        At a root with ``expected_sites``: that many sites' partials arrived.
+        Without a selection: every device online at the opening answered, one of them with a decline
+        (or, none ready, only empty stores answered). At a root with ``expected_sites``: that many
+        sites' partials arrived.
         """
         if self.expected_sites > 0:
             return len(self.sites) >= self.expected_sites
         tally = self.answered()
         if self.selected is not None and tally.of_selected >= len(self.selected):
             return True
-        if self.selected is None and self.declined and self.online and tally.of_online >= len(self.online):
+        if (
+            self.selected is None
+            and self.declined
+            and tally.of_online >= len(self.online)
+            and (self.online or self.asked == 0)  # none ready at the opening: only empty stores answered
+        ):
             return True
         return self.clients >= self.close_at
 

@@ -128,6 +128,7 @@ def test_lease_recorded_instance_does_not_excuse_another_live_coordinator(
     assert earlier.wait(timeout=30) == 0, read_log(tmp_path, "earlier")
     recorded = previous_instance(ours)
     assert recorded is not None
+
     def files() -> dict[str, bytes]:  # the lock file aside (each process writes its pid there)
         return {p.name: p.read_bytes() for p in ours.parent.iterdir() if p.suffix != ".lock"}
 
