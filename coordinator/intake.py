@@ -1,12 +1,8 @@
 """The coordinator's intake: each message a fleet sends, checked, counted and kept before it is acknowledged.
 
-Statuses go to the device registry (:mod:`edgefl.coordinator.registry`); updates and declines go into
-the open round (an update is checked against its device, round and base version, offered to the
-strategy, and counted once); updates that come before their round opens, or while a buffered step is
-being published, are held for it. With a state file, :meth:`Intake.pump` acknowledges a message to the
-broker only once the state file holds what it changed (:meth:`Intake.save_state`), so a coordinator
-killed at any moment comes back with every update the broker was told it received.
-:class:`~edgefl.coordinator.service.Coordinator` builds the round loop on top of it.
+Statuses go to the device registry; updates and declines into the open round (or held for the next
+one). With a state file, :meth:`Intake.pump` acknowledges a message only once the state file holds
+what it changed. :class:`~edgefl.coordinator.service.Coordinator` builds the round loop on top of it.
 """
 
 from __future__ import annotations
@@ -47,11 +43,7 @@ HELD_UPDATES = 64
 """Updates held while a buffered step is published, offered to the next step (more are refused)."""
 
 SEEN_UPDATE_IDS = 4096
-"""Update ids remembered across rounds (a FedBuff step accepts updates of earlier rounds).
-
-An id is ``<device>:<round>:<base_version>`` of the (verified) topic's device and only an accepted
-update or decline enters the set, at most one per device per round: a device cannot fill it with
-ids of others, and it holds the last ``4096 / devices-per-round`` rounds' ids."""
+"""Accepted update and decline ids remembered across rounds (a FedBuff step accepts earlier rounds')."""
 
 EARLY_UPDATES_MAX = 4096
 """Updates held for the next round before it opens (see ``Intake._early``)."""
@@ -64,16 +56,10 @@ DECLINE_SUFFIX = ":declined"
 
 
 def check_update_id(update_id: str, device: str, round_no: int, base_version: int, suffix: str = "") -> None:
-    """Check that an update's (or decline's) id is the one its device, round and base version give.
+    """Check that an update's (or decline's) id is ``f"{device}:{round}:{base_version}{suffix}"``.
 
-    The id is ``f"{device}:{round}:{base_version}"`` (a Decline adds ``DECLINE_SUFFIX``), with
-    ``device`` the device of the topic it arrived on (verified by signature when keys are set): a
-    device cannot spend another device's ids (``docs/protocol.md``, "Update ids").
-
-    Raises
-    ------
-    UpdateRejected
-        ``bad_value`` for any other id.
+    ``device`` is the topic's (``docs/protocol.md``, "Update ids"). Raises ``UpdateRejected``
+    (``bad_value``) for any other id.
     """
     expected = f"{device}:{round_no}:{base_version}{suffix}"
     if update_id != expected:
@@ -81,6 +67,15 @@ def check_update_id(update_id: str, device: str, round_no: int, base_version: in
         raise UpdateRejected("bad_value", why)
 
 
+def sampled_log(n: int, what: str) -> str | None:
+    """Whether the ``n``-th event of a kind is logged, and the suffix its line ends with.
+
+    The first ``LOGGED_REFUSALS`` of each kind are logged (suffix ``""``), then every 1000th (suffix
+    ``" (n what so far)"``), so a flood of forged messages is not a flood of log lines; None: not logged.
+    """
+    if n <= LOGGED_REFUSALS:
+        return ""
+    return f" ({n} {what} so far)" if n % 1000 == 0 else None
 
 
 class Intake:
@@ -190,16 +185,10 @@ class Intake:
     async def pump(self) -> None:
         """Consume incoming messages forever (each handler is guarded), committing what they changed.
 
-        With a state file and the transport's ``ack_on_commit`` (``edgefl coordinator`` sets both), an
-        update, decline or partial is acknowledged to the broker (PUBACK) only once the state file
-        holds it: the open round is written once the queue is drained, or every ``PERSIST_EVERY``
-        messages under a flood (one write per batch, not one fsync per update), then
-        ``MqttTransport.commit`` acknowledges every message taken so far. A coordinator killed in
-        between gets them again from its persistent session, and its resumed round tells which it
-        had. Messages that changed nothing (statuses, refusals) are acknowledged at once.
-
-        ``Queue.get`` on a non-empty queue does not suspend: under a flood the loop would never run
-        anything else (signals, the round's deadline, the page), so it yields every 32 messages.
+        With a state file and the transport's ``ack_on_commit``, a message that changed the round is
+        acknowledged (``MqttTransport.commit``) only once the state file holds it: written when the
+        queue is drained or every ``PERSIST_EVERY`` messages. Messages that changed nothing are
+        acknowledged at once. Yields to the loop every 32 messages under a flood.
         """
         handled = 0
         while True:
@@ -216,25 +205,12 @@ class Intake:
                 await asyncio.sleep(0)
 
     def _handle_guarded(self, msg: Message) -> None:
-        """:meth:`handle` (or a subclass's), with any fault it lets through counted as ``failed``.
-
-        The pump then acknowledges the message like any refused one: a run of messages whose handling
-        fails never stops the pump nor fills the broker's in-flight window (a peer never goes deaf).
-        """
+        """:meth:`handle`, with any fault it lets through counted as ``failed`` (the pump never stops)."""
         try:
             self.handle(msg)
         except Exception as exc:
-            self.state.rejected["failed"] += 1
-            n = self.state.rejected["failed"]
-            if n <= LOGGED_REFUSALS or n % 1000 == 0:
-                logger.error(
-                    "rejected message on %s (%d bytes): failed: handling raised %s: %s%s",
-                    msg.topic,
-                    len(msg.payload),
-                    type(exc).__name__,
-                    shorten(str(exc)),
-                    f" ({n} failed so far)" if n > LOGGED_REFUSALS else "",
-                )
+            why = f"failed: handling raised {type(exc).__name__}: {shorten(str(exc))}"
+            self.refuse_message(msg, "failed", why, level=logging.ERROR)
 
     def handle(self, msg: Message) -> None:
         """Dispatch one message; a bad one is logged with topic, size and reason and counted, never raised."""
@@ -268,20 +244,20 @@ class Intake:
             known = isinstance(exc, (DecodeError, UpdateRejected))
             reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
             why = str(exc) if known else f"failed: handling raised {type(exc).__name__}: {exc}"
-            self.state.rejected[reason] += 1
-            if device is not None:
-                self.registry.count_by_device(self.registry.rejected_by_device, device, reason)
-            n = self.state.rejected[reason]
-            # every refusal is counted; the log names the first ones of each reason, then every 1000th
-            # (a flood of forged messages must not become a flood of log lines)
-            if n <= LOGGED_REFUSALS or n % 1000 == 0:
-                logger.warning(
-                    "rejected message on %s (%d bytes): %s%s",
-                    msg.topic[:200],
-                    len(msg.payload),
-                    why,
-                    f" ({n} {reason} so far)" if n > LOGGED_REFUSALS else "",
-                )
+            self.refuse_message(msg, reason, why, device)
+
+    def refuse_message(
+        self, msg: Message, reason: str, why: str, device: str | None = None, level: int = logging.WARNING
+    ) -> None:
+        """Count a refused message by ``reason`` (and ``device``), and log it as :func:`sampled_log` says."""
+        self.state.rejected[reason] += 1
+        if device is not None:
+            self.registry.count_by_device(self.registry.rejected_by_device, device, reason)
+        more = sampled_log(self.state.rejected[reason], reason)
+        if more is not None:
+            logger.log(
+                level, "rejected message on %s (%d bytes): %s%s", msg.topic[:200], len(msg.payload), why, more
+            )
 
     def _handle_update(self, device: str, msg: Message) -> None:
         payload = msg.payload
@@ -338,20 +314,7 @@ class Intake:
         self._accept(rnd, update, len(payload))
 
     def _handle_decline(self, device: str, payload: bytes | Scanned) -> None:
-        """Count and log a device's refusal of the open round (a Decline on ``update/<device>``).
-
-        A decline counts only for the open round and its base version, from a device selected for
-        it, once per (device, round); its id must be ``<device>:<round>:<base_version>:declined``
-        (so one device cannot spend another device's update ids). The log names the first
-        ``LOGGED_REFUSALS`` declines of each reason, then every 1000th, ``detail`` cut to 80 chars.
-
-        Raises
-        ------
-        DecodeError, UpdateRejected
-            As for an update: ``wrong_device``, ``bad_value`` (another id), ``no_round``,
-            ``round_closed``, ``stale_round``, ``stale_base``, ``not_selected``, ``duplicate``
-            (a decline sent again, or from a device that already answered the round).
-        """
+        """Count and log a device's Decline of the open round (refused as an update would be)."""
         decline = decode_decline(payload, limits=self.limits)
         if decline.device != device:
             raise UpdateRejected("wrong_device", f"decline names device {decline.device} on update/{device}")
@@ -377,15 +340,11 @@ class Intake:
         self.registry.count_by_device(self.registry.declined_by_device, device, decline.reason)
         rnd.declined.append(device)
         self._dirty = True
-        n = self.state.declined[decline.reason]
-        if n <= LOGGED_REFUSALS or n % 1000 == 0:
+        more = sampled_log(self.state.declined[decline.reason], decline.reason)
+        if more is not None:
+            detail = shorten(decline.detail)
             logger.warning(
-                "round %d: %s declined: %s (%s)%s",
-                decline.round,
-                device,
-                decline.reason,
-                shorten(decline.detail),
-                f" ({n} {decline.reason} so far)" if n > LOGGED_REFUSALS else "",
+                "round %d: %s declined: %s (%s)%s", decline.round, device, decline.reason, detail, more
             )
         self._round_changed.set()
         self.notify()
@@ -442,15 +401,7 @@ class Intake:
         return topic in (self.topics.round, base) or topic.startswith(base + "/")
 
     def _adopt(self, msg: Message) -> None:
-        """Note a retained ``round`` or ``global`` message while adopting (see :meth:`start`).
-
-        Raises
-        ------
-        DecodeError
-            If the message does not decode or its signature does not verify.
-        UpdateRejected
-            ``wrong_model`` if the head belongs to another backbone.
-        """
+        """Note a retained ``round`` or ``global`` message while adopting (see ``Coordinator.start``)."""
         if not self._adopting or not msg.payload:
             return  # our own retained publishes echoed back, or a cleared chunk
         if msg.topic == self.topics.round:
@@ -503,10 +454,7 @@ class Intake:
         return self._resume is not None
 
     def _flush(self) -> bool:
-        """Write what the messages handled since the last write changed (the open round, held updates).
-
-        Returns False when the write failed (logged; nothing is acknowledged, the next batch tries again).
-        """
+        """Write what the messages handled since the last write changed; False when the write failed."""
         try:
             self._persist()
         except OSError as exc:
@@ -522,10 +470,8 @@ class Intake:
     def save_state(self, path: Path) -> None:
         """Persist the global head, version, round, recent history and the open round (atomic, checksummed).
 
-        A coordinator restarted with the same state file resumes after its last closed round, and
-        re-opens the round that was open, with every update it had accepted (the strategy's
-        accumulator, the update ids) and the updates held for later: whatever the broker was told
-        was received is in this file (see :meth:`pump`).
+        A coordinator restarted with this file re-opens the round that was open, with every update it
+        had accepted and the updates held for later.
         """
         closed = self.state.current is None or self.state.current.number <= self._settled
         doc = {
@@ -544,11 +490,7 @@ class Intake:
         write_record(path, cbor2.dumps(doc))
 
     def _history_rows(self) -> list[list[Any]]:
-        """The round history as the state file's rows (one list per :class:`RoundRecord`), cached.
-
-        Records are frozen and only appended or trimmed from the front: the first and last record and
-        the count identify the list.
-        """
+        """The round history as the state file's rows, cached (records are only appended or trimmed)."""
         history = self.state.history
         first, last = (history[0], history[-1]) if history else (None, None)
         cached = self._history_doc
@@ -647,14 +589,7 @@ class Intake:
         )
 
     def _record_unrecorded_round(self) -> None:
-        """Rebuild the record of a round saved after aggregation but before its record.
-
-        The state is written once the new head is aggregated (before it is published) and again when
-        the round's record exists; a coordinator killed in between comes back with the round's counted
-        update ids and head but no record, and would otherwise leave that round out of its history and
-        log. The record is rebuilt from the counted ids and an evaluation of the saved head (which is
-        that round's result); the update size and duration were not saved and read 0.
-        """
+        """Rebuild the record of a round saved after aggregation but not recorded (sizes read 0)."""
         r = self.state.round
         if r not in self.counted or any(h.round == r for h in self.state.history):
             return
