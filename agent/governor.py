@@ -427,6 +427,7 @@ class Governor:
         chunk buffers; deferred (the step waits for the next round) when even ``floor`` is over budget.
         ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
         """
+
         def need(n: int) -> int:
             return estimate_personal_bytes(
                 n, dim, classes, batch_size, num_examples, resident_rows=resident_rows

@@ -168,9 +168,6 @@ def run_round(
     top: int = 5,
     broker: str | None = None,
     state_dir: Path | None = None,
-    local_epochs: int = 2,
-    lr: float = 0.1,
-    batch_size: int = 16,
     compression: str = "none",
     phase_hook: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> RoundReport:
@@ -196,8 +193,9 @@ def run_round(
         ``mqtt://host:port``: publish the update there (QoS 1); None skips the ``publish`` phase.
     state_dir : Path, optional
         The core's state directory; default a temporary directory.
-    local_epochs, lr, batch_size, compression
-        The round's settings, sent to the core as a RoundAnnouncement.
+    compression : str
+        The round's compression (``edgefl.wire.compression.Compression``); 2 local epochs at lr 0.1,
+        batches of 16.
     phase_hook : callable(str) -> context manager, optional
         Entered around each phase inside the governor's measurement (e.g. a PSS sampler).
 
@@ -288,9 +286,9 @@ def run_round(
             round=round_no,
             base_version=core.head.version,
             deadline_s=600.0,
-            local_epochs=local_epochs,
-            lr=lr,
-            batch_size=batch_size,
+            local_epochs=2,
+            lr=0.1,
+            batch_size=16,
             min_clients=1,
             selected=1.0,
             compression=Compression(compression),

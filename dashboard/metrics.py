@@ -138,14 +138,7 @@ def device_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
     Yields
     ------
     prometheus_client.Metric
-        ``edgefl_memory_{cap,rss,pss,peak_rss}_bytes``, ``edgefl_system_available_bytes``,
-        ``edgefl_phase_peak_bytes{phase}``, ``edgefl_round``, ``edgefl_global_version``,
-        ``edgefl_last_update_bytes``, ``edgefl_local_accuracy`` (0..1),
-        ``edgefl_inference_rate_samples_per_second``, ``edgefl_inferred_samples_total``,
-        ``edgefl_store_samples``, ``edgefl_broker_connected`` (0/1), ``edgefl_agent_state{state}``,
-        ``edgefl_pipeline_info{mode}``, ``edgefl_rejected_total{reason}``; with live ingest
-        ``edgefl_ingest_queued``, ``edgefl_pending_labels`` and the counters
-        ``edgefl_ingest_{samples_received,labels_received,predictions_published,dropped,pending_expired}_total``.
+        The device's families (``docs/operations.md``, "The dashboard's routes").
     """
     from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
@@ -182,13 +175,7 @@ def coordinator_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
     Yields
     ------
     prometheus_client.Metric
-        ``edgefl_round``, ``edgefl_global_version``, ``edgefl_round_updates_received``,
-        ``edgefl_round_updates_expected``, ``edgefl_round_deadline_left_seconds``,
-        ``edgefl_broker_connected`` (0/1), ``edgefl_coordinator_state{state}``,
-        ``edgefl_test_accuracy`` (0..1, latest round),
-        ``edgefl_device_online{device}`` (0/1), ``edgefl_device_rss_bytes{device}``,
-        ``edgefl_device_cap_bytes{device}``, ``edgefl_device_last_round{device}``,
-        ``edgefl_rejected_total{reason}``.
+        The coordinator's families (``docs/operations.md``, "The dashboard's routes").
     """
     for name, key, doc in _COORDINATOR_GAUGES:
         yield from _gauge(name, doc, status.get(key))
