@@ -34,7 +34,7 @@ from edgefl.validators import check_device_id
 from edgefl.wire.cbor import Limits, MessageType, Scanned, scan
 from edgefl.wire.chunking import Reassembler, is_chunk
 from edgefl.wire.global_model import GlobalModel, decode_global_model
-from edgefl.wire.rounds import Update, decode_decline, decode_round, decode_update
+from edgefl.wire.rounds import RoundAnnouncement, Update, decode_decline, decode_round, decode_update
 from edgefl.wire.signing import SigningKey, VerifyKey, verify_payload
 
 logger = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class Intake:
         self._adopt_head_seen = asyncio.Event()
         self._adopted_round = 0
         self._adopted_head: GlobalModel | None = None
-        self._adopt_chunks = Reassembler()
+        self._head_chunks = Reassembler()  # a retained global head's chunks
         self.on_lease_message: Callable[[Message], None] | None = None  # the lease topic's messages
         self._dirty = False  # the open round changed since the state file was written (see pump)
         self._settled = 0  # the last round whose result is in the state file
@@ -259,13 +259,34 @@ class Intake:
                 level, "rejected message on %s (%d bytes): %s%s", msg.topic[:200], len(msg.payload), why, more
             )
 
-    def _handle_update(self, device: str, msg: Message) -> None:
-        payload = msg.payload
+    def _reassembled(self, msg: Message) -> bytes | None:
+        """The message's payload, or a chunked one's whole payload at its last chunk (None before)."""
+        if not is_chunk(msg.payload):
+            return msg.payload
+        return self.reassembler.feed(msg.topic, msg.payload)
+
+    def _read_round(self, payload: bytes, key: VerifyKey | None) -> RoundAnnouncement:
+        """A retained RoundAnnouncement, verified by ``key`` when set (raises ``DecodeError``)."""
+        if key is not None:
+            verify_payload(payload, key, fleet=self.topics.fleet, kind=MessageType.ROUND)
+        return decode_round(payload, limits=self.limits)
+
+    def _read_head(self, payload: bytes, key: VerifyKey | None) -> GlobalModel | None:
+        """A retained GlobalModel or its chunk (None until the last), verified by ``key`` when set."""
         if is_chunk(payload):
-            whole = self.reassembler.feed(msg.topic, payload)
+            whole = self._head_chunks.feed(self.topics.global_model, payload)
             if whole is None:
-                return
+                return None
             payload = whole
+        if key is not None:
+            kind = MessageType.GLOBAL_MODEL
+            verify_payload(payload, key, fleet=self.topics.fleet, kind=kind, limits=self.limits)
+        return decode_global_model(payload, limits=self.limits, expect_shape=self.shape)
+
+    def _handle_update(self, device: str, msg: Message) -> None:
+        payload = self._reassembled(msg)
+        if payload is None:
+            return
         key = None
         if self.device_keys is not None:
             key = self.device_keys.get(device)
@@ -322,17 +343,7 @@ class Intake:
         rnd = self.state.current
         if rnd is None:
             raise UpdateRejected("no_round", "no round is open")
-        if rnd.phase is not RoundPhase.OPEN:
-            raise UpdateRejected("round_closed", f"round {rnd.number} is closed")
-        if decline.round != rnd.number:
-            raise UpdateRejected(
-                "stale_round", f"decline for round {decline.round}, round {rnd.number} is open"
-            )
-        if decline.base_version != rnd.base_version:
-            why = f"decline from version {decline.base_version}, round uses {rnd.base_version}"
-            raise UpdateRejected("stale_base", why)
-        if rnd.selected is not None and device not in rnd.selected:
-            raise UpdateRejected("not_selected", f"device {device} not selected for round {rnd.number}")
+        rnd.check_open("decline", device, decline.round, decline.base_version)
         if rnd.has_answered(device) or decline.update_id in self._seen_update_ids:
             raise UpdateRejected("duplicate", f"{device} already answered round {rnd.number}")
         self._remember(decline.update_id)
@@ -404,25 +415,15 @@ class Intake:
         """Note a retained ``round`` or ``global`` message while adopting (see ``Coordinator.start``)."""
         if not self._adopting or not msg.payload:
             return  # our own retained publishes echoed back, or a cleared chunk
+        key = self.signing_key.verify_key if self.signing_key is not None else None
         if msg.topic == self.topics.round:
-            if self.signing_key is not None:
-                verify_payload(
-                    msg.payload, self.signing_key.verify_key, fleet=self.topics.fleet, kind=MessageType.ROUND
-                )
-            ann = decode_round(msg.payload, limits=self.limits)
+            ann = self._read_round(msg.payload, key)
             self._adopted_round = max(self._adopted_round, ann.round)
             self._adopt_round_seen.set()
             return
-        payload: bytes | None = msg.payload
-        if is_chunk(msg.payload):
-            payload = self._adopt_chunks.feed(self.topics.global_model, msg.payload)
-        if payload is None:
+        head = self._read_head(msg.payload, key)
+        if head is None:
             return
-        if self.signing_key is not None:
-            verify_payload(
-                payload, self.signing_key.verify_key, fleet=self.topics.fleet, kind=MessageType.GLOBAL_MODEL
-            )
-        head = decode_global_model(payload, limits=self.limits, expect_shape=self.shape)
         if head.model_sha256 != self.model_sha256:
             raise UpdateRejected("wrong_model", "the retained global head belongs to another backbone")
         if self._adopted_head is None or head.version > self._adopted_head.version:
