@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 import cbor2
 import numpy as np
@@ -78,6 +78,20 @@ def sampled_log(n: int, what: str) -> str | None:
     return f" ({n} {what} so far)" if n % 1000 == 0 else None
 
 
+class IntakeOptions(TypedDict, total=False):
+    """The keyword arguments of :class:`Intake` (and of the coordinators built on it)."""
+
+    model_sha256: Required[str]
+    strategy: Required[Strategy]
+    evaluate: Callable[[F32, F32], float] | None
+    limits: Limits | None
+    signing_key: SigningKey | None
+    device_keys: Mapping[str, VerifyKey] | None
+    max_packet_bytes: int
+    max_devices: int
+    device_expiry_s: float
+
+
 class Intake:
     """Takes in a fleet's messages (statuses, updates, declines, retained round and head) and keeps them.
 
@@ -93,46 +107,33 @@ class Intake:
     strategy : Strategy
     evaluate : callable (W, b) -> accuracy, or None
         Test-set evaluation of a head (fraction 0..1).
-    limits : Limits
-        Decoding bounds for incoming messages.
+    limits : Limits or None
+        Decoding bounds for incoming messages (default ``Limits()``).
     signing_key : SigningKey or None
         The coordinator's key: a retained round or head is adopted only with its signature.
     device_keys : mapping device → VerifyKey, or None
         When set, an update must carry a valid signature by its device's key (unknown devices are refused).
     max_packet_bytes : int
-        The broker's maximum packet size (chunks of a larger update are reassembled).
+        The broker's maximum packet size (chunks of a larger update are reassembled; 256 KiB).
     max_devices, device_expiry_s
-        Bounds of the device registry (:class:`~edgefl.coordinator.registry.DeviceRegistry`).
+        Bounds of the device registry (default 10,000 devices, 7 days; ``DeviceRegistry``).
     """
 
     def __init__(
-        self,
-        transport: MqttTransport,
-        topics: Topics,
-        W: F32,
-        b: F32,
-        *,
-        model_sha256: str,
-        strategy: Strategy,
-        evaluate: Callable[[F32, F32], float] | None = None,
-        limits: Limits | None = None,
-        signing_key: SigningKey | None = None,
-        device_keys: Mapping[str, VerifyKey] | None = None,
-        max_packet_bytes: int = 256 * 1024,
-        max_devices: int = 10_000,
-        device_expiry_s: float = 7 * 24 * 3600.0,
+        self, transport: MqttTransport, topics: Topics, W: F32, b: F32, **opts: Unpack[IntakeOptions]
     ) -> None:
         self.transport = transport
         self.topics = topics
         self.W = W.astype(np.float32)
         self.b = b.astype(np.float32)
-        self.model_sha256 = model_sha256
-        self.strategy = strategy
-        self.evaluate = evaluate
-        self.limits = limits or Limits()
-        self.signing_key = signing_key
+        self.model_sha256 = model_sha256 = opts["model_sha256"]
+        self.strategy = strategy = opts["strategy"]
+        self.evaluate = opts.get("evaluate")
+        self.limits = opts.get("limits") or Limits()
+        self.signing_key = opts.get("signing_key")
+        device_keys = opts.get("device_keys")
         self.device_keys = dict(device_keys) if device_keys is not None else None
-        self.max_packet_bytes = max_packet_bytes
+        self.max_packet_bytes = max_packet_bytes = opts.get("max_packet_bytes", 256 * 1024)
         self.reassembler = Reassembler(
             max_message_bytes=self.limits.max_message_bytes,
             max_chunk_bytes=max_packet_bytes,
@@ -150,8 +151,8 @@ class Intake:
             head_shape=self.shape,
             clipped=strategy.clipped,
             limits=self.limits,
-            max_devices=max_devices,
-            expiry_s=device_expiry_s,
+            max_devices=opts.get("max_devices", 10_000),
+            expiry_s=opts.get("device_expiry_s", 7 * 24 * 3600.0),
         )
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
