@@ -350,13 +350,7 @@ class SiteAggregator(Coordinator):
         self.state.current = rnd
         self.state.round = ann.round
         self.state.version = ann.base_version
-        early, self._early = self._early, {}
-        for update, size in early.values():
-            if update.round == ann.round:
-                try:
-                    self._accept(rnd, update, size)
-                except UpdateRejected as exc:
-                    self.state.rejected[exc.reason] += 1
+        self._accept_early(rnd)
         self._persist_site(rnd)
         self.notify()
         while not rnd.complete():

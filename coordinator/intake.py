@@ -403,6 +403,23 @@ class Intake:
         self._round_changed.set()
         self.notify()
 
+    def _accept_early(self, rnd: Round) -> None:
+        """Offer ``rnd`` the updates that came for it before it opened (the others are dropped)."""
+        early, self._early = self._early, {}
+        for update, size_bytes in early.values():
+            if update.round == rnd.number:
+                self._accept_held(rnd, update, size_bytes)
+            self._unfolded.pop(update.update_id, None)
+
+    def _accept_held(self, rnd: Round, update: Update, size_bytes: int) -> None:
+        """Offer ``rnd`` an update held for it; a refusal is counted and logged, never raised."""
+        try:
+            self._accept(rnd, update, size_bytes)
+        except UpdateRejected as exc:
+            self.state.rejected[exc.reason] += 1
+            logger.warning("round %d: held update %s refused: %s", rnd.number, update.update_id, exc)
+        self._unfolded.pop(update.update_id, None)
+
     def _remember(self, update_id: str) -> None:
         self._seen_update_ids[update_id] = None
         while len(self._seen_update_ids) > self.max_seen_update_ids:
