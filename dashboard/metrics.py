@@ -19,19 +19,7 @@ DEVICE_STATES: Final = ("idle", "training", "uploading", "waiting", "deferred", 
 
 
 def finite_number(value: Any) -> float | None:
-    """Read a status value as a number.
-
-    Parameters
-    ----------
-    value : Any
-        A status value (int, float, bool, or anything else).
-
-    Returns
-    -------
-    float or None
-        The value as a finite float (bool as 0/1); None when it is missing, NaN, infinite or not a
-        number.
-    """
+    """A status value as a finite float (bool as 0/1); None when missing, NaN, infinite or not a number."""
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, (int, float)) and math.isfinite(value):
@@ -145,16 +133,11 @@ _COORDINATOR_GAUGES: Final = (
 
 
 def device_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
-    """Prometheus metric families for a device status (missing or null values are left out).
+    """Prometheus metric families for a device status (``get_status``; missing or null values left out).
 
-    Parameters
-    ----------
-    status : Mapping[str, Any]
-        A device status as returned by the agent's ``get_status``.
-
-    Returns
-    -------
-    Iterator[prometheus_client.Metric]
+    Yields
+    ------
+    prometheus_client.Metric
         ``edgefl_memory_{cap,rss,pss,peak_rss}_bytes``, ``edgefl_system_available_bytes``,
         ``edgefl_phase_peak_bytes{phase}``, ``edgefl_round``, ``edgefl_global_version``,
         ``edgefl_last_update_bytes``, ``edgefl_local_accuracy`` (0..1),
@@ -194,16 +177,11 @@ def device_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
 
 
 def coordinator_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
-    """Prometheus metric families for a coordinator status (missing or null values are left out).
+    """Prometheus metric families for a coordinator status (``get_status``; missing or null values left out).
 
-    Parameters
-    ----------
-    status : Mapping[str, Any]
-        A coordinator status as returned by the coordinator's ``get_status``.
-
-    Returns
-    -------
-    Iterator[prometheus_client.Metric]
+    Yields
+    ------
+    prometheus_client.Metric
         ``edgefl_round``, ``edgefl_global_version``, ``edgefl_round_updates_received``,
         ``edgefl_round_updates_expected``, ``edgefl_round_deadline_left_seconds``,
         ``edgefl_broker_connected`` (0/1), ``edgefl_coordinator_state{state}``,

@@ -58,8 +58,6 @@ from edgefl.wire.status import decode_status
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FeedOptions", "FeedResult", "add_parser", "check_samples", "feed", "load_samples"]
-
 IN_FLIGHT = 64
 """QoS 1 publishes awaiting their PUBACK at once (as fast as the broker acknowledges, not one RTT each)."""
 

@@ -26,8 +26,6 @@ from edgefl.wire.signing import (
     write_key_pair,
 )
 
-__all__ = ["add_parser", "cmd_generate", "cmd_show"]
-
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Write a new key pair (``--out``, ``--name``); print the files and the hex public key.

@@ -13,8 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["MALLOC_ENV", "free_port", "launch_agent", "stop_agents"]
-
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}
 """glibc malloc as the systemd unit sets it: two arenas, a fixed mmap threshold (large frees go back)."""
 

@@ -43,17 +43,6 @@ from edgefl.mqtt_socket import OVERSIZE_TOPIC, BoundedClient
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "HOLD_FACTOR",
-    "LOGGED_DROPS",
-    "MISC_INTERVAL_S",
-    "READS_PER_TURN",
-    "Connection",
-    "FlowQueue",
-    "Link",
-    "Message",
-]
-
 #: Drops of a full incoming queue logged one by one before the log only names every 1000th.
 LOGGED_DROPS = 20
 #: The hold line of QoS 1 messages waiting for room in the queue, in queue sizes (a broker that ignores
@@ -67,6 +56,7 @@ MISC_INTERVAL_S = 1.0
 #: (a site aggregator writes its record once the queue is drained: one packet a turn made that
 #: one fsync per update), and the rest is read on the next turn, so a flood cannot hold the loop.
 READS_PER_TURN = 64
+
 
 @dataclass(frozen=True, slots=True)
 class Message:

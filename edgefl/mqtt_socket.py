@@ -20,17 +20,6 @@ from typing import Any, NamedTuple
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import MQTTProtocolVersion
 
-__all__ = [
-    "OVERSIZE_TOPIC",
-    "READ_BYTES",
-    "TCP_QUICKACK",
-    "BoundedClient",
-    "PacketFilter",
-    "Publish",
-    "quickack",
-    "remaining_length",
-    "set_nodelay",
-]
 
 class Publish(NamedTuple):
     """A PUBLISH of QoS 0 or 1 read from the socket, not yet acknowledged (``mid`` 0 for QoS 0)."""

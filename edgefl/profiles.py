@@ -37,25 +37,6 @@ from edgefl.validators import (
     parse_broker_url,
 )
 
-__all__ = [
-    "MASK",
-    "MIN_TOKEN_CHARS",
-    "SECRET",
-    "BrokerConfig",
-    "Check",
-    "DashboardConfig",
-    "Problems",
-    "Schema",
-    "broker_password",
-    "check",
-    "check_broker",
-    "check_dashboard",
-    "file_problem",
-    "output_file_problem",
-    "read_toml",
-    "sha256_file",
-]
-
 SECRET: Final = {"secret": True}
 """``field(metadata=SECRET)`` marks a value hidden from ``repr``, errors and :meth:`Schema.to_dict`."""
 MASK: Final = "***"
@@ -183,13 +164,13 @@ class DashboardConfig:
     max_connections_per_client: int = 16
 
 
-Kind = Literal["str", "int", "float", "bool", "path", "floats", "strs", "choice"]
+_Kind = Literal["str", "int", "float", "bool", "path", "floats", "strs", "choice"]
 
 
 @dataclass(frozen=True, slots=True)
-class FieldSpec:
+class _FieldSpec:
     name: str
-    kind: Kind
+    kind: _Kind
     optional: bool
     required: bool
     choices: tuple[str, ...]
@@ -197,9 +178,9 @@ class FieldSpec:
     default: object
 
 
-def field_specs(cls: type[Any]) -> dict[str, FieldSpec]:
+def _field_specs(cls: type[Any]) -> dict[str, _FieldSpec]:
     hints = typing.get_type_hints(cls)
-    specs: dict[str, FieldSpec] = {}
+    specs: dict[str, _FieldSpec] = {}
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         optional = False
@@ -208,7 +189,7 @@ def field_specs(cls: type[Any]) -> dict[str, FieldSpec]:
             optional = True
             (hint,) = [a for a in args if a is not type(None)]
         choices: tuple[str, ...] = ()
-        kind: Kind
+        kind: _Kind
         if typing.get_origin(hint) is Literal:
             kind, choices = "choice", tuple(str(a) for a in typing.get_args(hint))
         elif hint == tuple[float, ...]:
@@ -228,7 +209,7 @@ def field_specs(cls: type[Any]) -> dict[str, FieldSpec]:
         else:  # pragma: no cover - guards future fields with an unsupported type
             raise TypeError(f"{cls.__name__}.{f.name}: unsupported field type {hint!r}")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        specs[f.name] = FieldSpec(
+        specs[f.name] = _FieldSpec(
             name=f.name,
             kind=kind,
             optional=optional,
@@ -255,7 +236,7 @@ def show(value: object, *, secret: bool = False) -> str:
     return repr(value)
 
 
-def convert(spec: FieldSpec, value: object, base_dir: Path, *, from_text: bool) -> object:
+def convert(spec: _FieldSpec, value: object, base_dir: Path, *, from_text: bool) -> object:
     """Type-check one value (coercing strings when it came from a ``--set key=value`` override).
 
     Raises
@@ -348,7 +329,7 @@ def _strings(value: object, *, from_text: bool) -> tuple[str, ...]:
 class Problems:
     """Collects problems; drops follow-on problems about keys that already failed their type check."""
 
-    def __init__(self, specs: Mapping[str, Mapping[str, FieldSpec]]) -> None:
+    def __init__(self, specs: Mapping[str, Mapping[str, _FieldSpec]]) -> None:
         self.specs = specs
         self.items: list[str] = []
         self.bad: set[str] = set()
@@ -555,7 +536,7 @@ class Schema:
         self.tables = dict(tables)
         self.checks = dict(checks)
         self.placeholders = dict(placeholders or {})
-        self.specs = {name: field_specs(cls) for name, cls in self.tables.items()}
+        self.specs = {name: _field_specs(cls) for name, cls in self.tables.items()}
 
     def parse(
         self,

@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib.resources
 from pathlib import Path
 
-__all__ = ["shipped"]
-
 FOLDERS = ("models", "firmware_configs", "data")
 """The shipped folders: the packages ``edgefl.models``, ``edgefl.firmware_configs`` and ``edgefl.data``."""
 

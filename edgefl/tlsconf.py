@@ -21,8 +21,6 @@ from edgefl.profiles import BrokerConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["make_ssl_context", "ssl_context_for"]
-
 
 def make_ssl_context(
     ca_file: Path | None = None, client_cert: Path | None = None, client_key: Path | None = None

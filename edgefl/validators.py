@@ -13,18 +13,6 @@ import math
 import re
 from urllib.parse import urlsplit
 
-__all__ = [
-    "DEVICE_ID_PATTERN",
-    "MQTT_MAX_PACKET_BYTES",
-    "check_device_id",
-    "check_finite_float",
-    "check_positive_int",
-    "check_qos",
-    "check_topic_prefix",
-    "is_loopback_host",
-    "parse_broker_url",
-]
-
 DEVICE_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 """Device ids and fleet names: they become one MQTT topic level and part of file names."""
 

@@ -21,7 +21,6 @@ from edgefl.wire.cbor import (
     SCHEMA_VERSION,
     Limits,
     MessageType,
-    check_keys,
     dumps,
     load_message,
     read_float,
@@ -29,8 +28,6 @@ from edgefl.wire.cbor import (
     read_text,
 )
 from edgefl.wire.reasons import Reason
-
-__all__ = ["NEW_SAMPLES_FIELD", "Presence", "decode_presence", "encode_presence", "read_new_samples"]
 
 NEW_SAMPLES_FIELD: Final = "new_samples"
 """The DeviceStatus field: labelled samples the device stored since its last round (uint)."""
@@ -44,20 +41,8 @@ MAX_HEARTBEAT_S: Final = 3600.0
 class Presence:
     """A running coordinator's claim on its fleet (retained on ``<prefix>/<fleet>/coordinator``).
 
-    Parameters
-    ----------
-    instance : str
-        Random id of this coordinator process (8-64 lowercase hex digits).
-    host : str
-        Host name it runs on (printable ASCII, no space; for the operator).
-    pid : int
-        Its process id.
-    started : float
-        Unix time it took the lease, seconds (orders two coordinators that took it at once).
-    seq : int
-        Heartbeat counter, one higher at each republish: a newer ``seq`` seen live proves the holder runs.
-    heartbeat_s : float
-        Seconds between two republishes, in (0, 3600].
+    ``started`` is Unix seconds, ``seq`` the heartbeat counter, ``heartbeat_s`` seconds between
+    republishes; every field: ``docs/protocol.md`` ("Presence").
     """
 
     instance: str
@@ -92,9 +77,8 @@ def decode_presence(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Prese
     DecodeError
         The reasons of ``docs/protocol.md`` ("Refusals"): e.g. ``unknown_key``, ``bad_value``.
     """
-    obj = load_message(payload, limits, MessageType.PRESENCE)
-    keys = ("v", "type", "instance", "host", "pid", "started", "seq", "heartbeat_s")
-    check_keys(obj, "", keys)
+    keys = ("instance", "host", "pid", "started", "seq", "heartbeat_s")
+    obj = load_message(payload, limits, MessageType.PRESENCE, keys)
     return Presence(
         instance=read_text(obj, "instance", "", _INSTANCE_RE),
         host=read_text(obj, "host", "", _HOST_RE),

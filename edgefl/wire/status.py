@@ -23,7 +23,6 @@ from edgefl.wire.cbor import (
     SCHEMA_VERSION,
     Limits,
     MessageType,
-    check_keys,
     dumps,
     load_message,
     read_device_id,
@@ -32,8 +31,6 @@ from edgefl.wire.cbor import (
 )
 from edgefl.wire.reasons import Reason
 
-__all__ = ["DeviceStatus", "decode_status", "encode_status", "offline_status"]
-
 _STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 
 
@@ -41,16 +38,8 @@ _STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 class DeviceStatus:
     """A device's status (topic ``status/<device>``, retained; the last will is state ``offline``).
 
-    Parameters
-    ----------
-    device : str
-        Device id, matching :data:`DEVICE_ID_RE`.
-    state : str
-        Short label, ``[A-Za-z0-9_.-]{1,32}``: ``"online"``, ``"offline"``, ``"idle"``,
-        ``"training"``...
-    fields : Mapping[str, object]
-        Free-form JSON-like values (str, int, float, bool, None, list, dict with str keys): round,
-        version, rss_bytes, cap_bytes, reasons... Bounded by :class:`Limits`; floats must be finite.
+    ``state`` is a short label (``"online"``, ``"training"``...), ``fields`` free-form JSON-like
+    values with finite floats (``docs/protocol.md``, "DeviceStatus").
     """
 
     device: str
@@ -59,23 +48,7 @@ class DeviceStatus:
 
 
 def encode_status(msg: DeviceStatus) -> bytes:
-    """Encode a :class:`DeviceStatus`.
-
-    Parameters
-    ----------
-    msg : DeviceStatus
-        ``fields`` must hold plain Python JSON-like values (no numpy scalars).
-
-    Returns
-    -------
-    bytes
-        ``{"v", "type": "status", "device", "state", "fields": {...}}``.
-
-    Raises
-    ------
-    cbor2.CBOREncodeError
-        If ``fields`` holds a value cbor2 cannot encode.
-    """
+    """Encode a :class:`DeviceStatus` (plain Python values in ``fields``, else cbor2.CBOREncodeError)."""
     return dumps(
         {
             "v": SCHEMA_VERSION,
@@ -113,19 +86,7 @@ def _json_map(value: object, name: str) -> dict[str, object]:
 
 
 def decode_status(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> DeviceStatus:
-    """Decode and validate a :class:`DeviceStatus`.
-
-    Parameters
-    ----------
-    payload : bytes
-        The MQTT payload (retained ``status/<device>`` messages included).
-    limits : Limits
-        Decoding bounds; they also bound ``fields``.
-
-    Returns
-    -------
-    DeviceStatus
-        ``fields`` as a fresh dict of plain Python values (arrays as lists); ``{}`` if absent.
+    """Decode and validate a :class:`DeviceStatus`, its ``fields`` a fresh dict of plain values (or ``{}``).
 
     Raises
     ------
@@ -133,8 +94,7 @@ def decode_status(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> DeviceS
         The reasons of ``docs/protocol.md`` ("Refusals"); ``wrong_type`` for byte strings or
         tags inside ``fields``, ``not_finite`` for NaN/infinity.
     """
-    obj = load_message(payload, limits, MessageType.STATUS)
-    check_keys(obj, "", ("v", "type", "device", "state"), ("fields",))
+    obj = load_message(payload, limits, MessageType.STATUS, ("device", "state"), ("fields",))
     return DeviceStatus(
         device=read_device_id(obj["device"], "device"),
         state=read_text(obj, "state", "", _STATE_RE),
@@ -143,22 +103,6 @@ def decode_status(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> DeviceS
 
 
 def offline_status(device: str) -> bytes:
-    """Return the last-will payload of ``device``: a :class:`DeviceStatus` with state ``offline``.
-
-    Parameters
-    ----------
-    device : str
-        Device id.
-
-    Returns
-    -------
-    bytes
-        ``encode_status(DeviceStatus(device, "offline", {}))``.
-
-    Raises
-    ------
-    ValueError
-        If ``device`` is not a valid device id (the broker would publish it forever).
-    """
+    """The last-will payload of ``device``: its status with state ``offline``; ValueError for a bad id."""
     check_device_id(device)
     return encode_status(DeviceStatus(device=device, state="offline", fields={}))
