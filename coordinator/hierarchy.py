@@ -34,10 +34,9 @@ from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.mqtt_link import Message
 from edgefl.records import read_record, write_record
 from edgefl.wire.cbor import MessageType, scan
-from edgefl.wire.chunking import Reassembler, is_chunk, split_message
-from edgefl.wire.global_model import decode_global_model
+from edgefl.wire.chunking import split_message
 from edgefl.wire.partial import MAX_PARTIAL_UPDATES, Partial, decode_partial, encode_partial
-from edgefl.wire.rounds import RoundAnnouncement, decode_round
+from edgefl.wire.rounds import RoundAnnouncement
 from edgefl.wire.signing import VerifyKey, sign_message, verify_payload
 
 logger = logging.getLogger(__name__)
@@ -125,14 +124,11 @@ class RootCoordinator(Coordinator):
             self.refuse_message(msg, exc.reason, str(exc))
 
     def _handle_partial(self, site: str, msg: Message) -> None:
-        payload = msg.payload
         self.partials_received += 1
-        self.partial_bytes += len(payload)
-        if is_chunk(payload):
-            whole = self.reassembler.feed(msg.topic, payload)
-            if whole is None:
-                return
-            payload = whole
+        self.partial_bytes += len(msg.payload)
+        payload = self._reassembled(msg)
+        if payload is None:
+            return
         scanned = scan(payload, self.limits)  # once: the signature check and the decoder take it
         if self.site_keys is not None:
             key = self.site_keys.get(site)
@@ -149,7 +145,7 @@ class RootCoordinator(Coordinator):
         rnd = self.state.current
         if rnd is None:
             raise UpdateRejected("no_round", "no round is open")
-        rnd.admit_partial(site, p.round, p.base_version, p.update_ids)
+        rnd.admit_partial(site, p.round, p.base_version)
         if p.count > self.site_devices:
             why = f"partial of {site} covers {p.count} updates, a site may have {self.site_devices} devices"
             raise UpdateRejected("bad_value", why)
@@ -252,7 +248,6 @@ class SiteAggregator(Coordinator):
         self._resend = False
         self._dirty = False  # the open round changed since its record was written
         self.root_done_round = 0  # the newest round whose global head the root published (bridged down)
-        self._head_chunks = Reassembler()
         self._resume: dict[str, Any] | None = None  # the open round of the state file
         self._opened_unix = 0.0
 
@@ -276,23 +271,17 @@ class SiteAggregator(Coordinator):
 
     def handle(self, msg: Message) -> None:
         """Dispatch one message: the root's round and head here, updates and statuses as usual."""
-        head = self.topics.global_model
-        if msg.topic == head or msg.topic.startswith(head + "/"):
-            try:
-                self._on_head(msg)
-            except (DecodeError, UpdateRejected) as exc:
-                self.refuse_message(msg, exc.reason, str(exc))
-            return
-        if msg.topic != self.topics.round:
+        if not self._is_own_topic(msg.topic):
             super().handle(msg)
             return
         if not msg.payload:
-            return
+            return  # a cleared chunk topic, or the empty `global` of a chunked head
         try:
-            if self.root_key is not None:
-                verify_payload(msg.payload, self.root_key, fleet=self.topics.fleet, kind=MessageType.ROUND)
-            ann = decode_round(msg.payload, limits=self.limits)
-        except DecodeError as exc:
+            if msg.topic != self.topics.round:
+                self._on_head(msg)
+                return
+            ann = self._read_round(msg.payload, self.root_key)
+        except (DecodeError, UpdateRejected) as exc:
             self.refuse_message(msg, exc.reason, str(exc))
             return
         if self._latest is None or ann.round > self._latest.round:
@@ -306,18 +295,8 @@ class SiteAggregator(Coordinator):
 
     def _on_head(self, msg: Message) -> None:
         """Note the round of a GlobalModel the root published (whole or reassembled from its chunks)."""
-        payload: bytes | None = msg.payload
-        if not payload:
-            return  # a cleared chunk topic, or the empty `global` of a chunked head
-        if is_chunk(payload):
-            payload = self._head_chunks.feed(self.topics.global_model, payload)
-            if payload is None:
-                return
-        if self.root_key is not None:
-            kind = MessageType.GLOBAL_MODEL
-            verify_payload(payload, self.root_key, fleet=self.topics.fleet, kind=kind, limits=self.limits)
-        gm = decode_global_model(payload, limits=self.limits, expect_shape=self.shape)
-        if gm.round > self.root_done_round:
+        gm = self._read_head(msg.payload, self.root_key)
+        if gm is not None and gm.round > self.root_done_round:
             self.root_done_round = gm.round
             self._announced.set()
 
@@ -371,13 +350,7 @@ class SiteAggregator(Coordinator):
         self.state.current = rnd
         self.state.round = ann.round
         self.state.version = ann.base_version
-        early, self._early = self._early, {}
-        for update, size in early.values():
-            if update.round == ann.round:
-                try:
-                    self._accept(rnd, update, size)
-                except UpdateRejected as exc:
-                    self.state.rejected[exc.reason] += 1
+        self._accept_early(rnd)
         self._persist_site(rnd)
         self.notify()
         while not rnd.complete():

@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 import cbor2
 import numpy as np
@@ -35,7 +35,7 @@ from edgefl.wire.cbor import Limits, MessageType, Scanned, scan
 from edgefl.wire.chunking import Reassembler, is_chunk
 from edgefl.wire.global_model import GlobalModel, decode_global_model
 from edgefl.wire.reasons import Reason
-from edgefl.wire.rounds import Update, decode_decline, decode_round, decode_update
+from edgefl.wire.rounds import RoundAnnouncement, Update, decode_decline, decode_round, decode_update
 from edgefl.wire.signing import SigningKey, VerifyKey, verify_payload
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,20 @@ def sampled_log(n: int, what: str) -> str | None:
     return f" ({n} {what} so far)" if n % 1000 == 0 else None
 
 
+class IntakeOptions(TypedDict, total=False):
+    """The keyword arguments of :class:`Intake` (and of the coordinators built on it)."""
+
+    model_sha256: Required[str]
+    strategy: Required[Strategy]
+    evaluate: Callable[[F32, F32], float] | None
+    limits: Limits | None
+    signing_key: SigningKey | None
+    device_keys: Mapping[str, VerifyKey] | None
+    max_packet_bytes: int
+    max_devices: int
+    device_expiry_s: float
+
+
 class Intake:
     """Takes in a fleet's messages (statuses, updates, declines, retained round and head) and keeps them.
 
@@ -94,46 +108,33 @@ class Intake:
     strategy : Strategy
     evaluate : callable (W, b) -> accuracy, or None
         Test-set evaluation of a head (fraction 0..1).
-    limits : Limits
-        Decoding bounds for incoming messages.
+    limits : Limits or None
+        Decoding bounds for incoming messages (default ``Limits()``).
     signing_key : SigningKey or None
         The coordinator's key: a retained round or head is adopted only with its signature.
     device_keys : mapping device → VerifyKey, or None
         When set, an update must carry a valid signature by its device's key (unknown devices are refused).
     max_packet_bytes : int
-        The broker's maximum packet size (chunks of a larger update are reassembled).
+        The broker's maximum packet size (chunks of a larger update are reassembled; 256 KiB).
     max_devices, device_expiry_s
-        Bounds of the device registry (:class:`~edgefl.coordinator.registry.DeviceRegistry`).
+        Bounds of the device registry (default 10,000 devices, 7 days; ``DeviceRegistry``).
     """
 
     def __init__(
-        self,
-        transport: MqttTransport,
-        topics: Topics,
-        W: F32,
-        b: F32,
-        *,
-        model_sha256: str,
-        strategy: Strategy,
-        evaluate: Callable[[F32, F32], float] | None = None,
-        limits: Limits | None = None,
-        signing_key: SigningKey | None = None,
-        device_keys: Mapping[str, VerifyKey] | None = None,
-        max_packet_bytes: int = 256 * 1024,
-        max_devices: int = 10_000,
-        device_expiry_s: float = 7 * 24 * 3600.0,
+        self, transport: MqttTransport, topics: Topics, W: F32, b: F32, **opts: Unpack[IntakeOptions]
     ) -> None:
         self.transport = transport
         self.topics = topics
         self.W = W.astype(np.float32)
         self.b = b.astype(np.float32)
-        self.model_sha256 = model_sha256
-        self.strategy = strategy
-        self.evaluate = evaluate
-        self.limits = limits or Limits()
-        self.signing_key = signing_key
+        self.model_sha256 = model_sha256 = opts["model_sha256"]
+        self.strategy = strategy = opts["strategy"]
+        self.evaluate = opts.get("evaluate")
+        self.limits = opts.get("limits") or Limits()
+        self.signing_key = opts.get("signing_key")
+        device_keys = opts.get("device_keys")
         self.device_keys = dict(device_keys) if device_keys is not None else None
-        self.max_packet_bytes = max_packet_bytes
+        self.max_packet_bytes = max_packet_bytes = opts.get("max_packet_bytes", 256 * 1024)
         self.reassembler = Reassembler(
             max_message_bytes=self.limits.max_message_bytes,
             max_chunk_bytes=max_packet_bytes,
@@ -151,8 +152,8 @@ class Intake:
             head_shape=self.shape,
             clipped=strategy.clipped,
             limits=self.limits,
-            max_devices=max_devices,
-            expiry_s=device_expiry_s,
+            max_devices=opts.get("max_devices", 10_000),
+            expiry_s=opts.get("device_expiry_s", 7 * 24 * 3600.0),
         )
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
@@ -164,7 +165,7 @@ class Intake:
         self._adopt_head_seen = asyncio.Event()
         self._adopted_round = 0
         self._adopted_head: GlobalModel | None = None
-        self._adopt_chunks = Reassembler()
+        self._head_chunks = Reassembler()  # a retained global head's chunks
         self.on_lease_message: Callable[[Message], None] | None = None  # the lease topic's messages
         self._dirty = False  # the open round changed since the state file was written (see pump)
         self._settled = 0  # the last round whose result is in the state file
@@ -260,13 +261,34 @@ class Intake:
                 level, "rejected message on %s (%d bytes): %s%s", msg.topic[:200], len(msg.payload), why, more
             )
 
-    def _handle_update(self, device: str, msg: Message) -> None:
-        payload = msg.payload
+    def _reassembled(self, msg: Message) -> bytes | None:
+        """The message's payload, or a chunked one's whole payload at its last chunk (None before)."""
+        if not is_chunk(msg.payload):
+            return msg.payload
+        return self.reassembler.feed(msg.topic, msg.payload)
+
+    def _read_round(self, payload: bytes, key: VerifyKey | None) -> RoundAnnouncement:
+        """A retained RoundAnnouncement, verified by ``key`` when set (raises ``DecodeError``)."""
+        if key is not None:
+            verify_payload(payload, key, fleet=self.topics.fleet, kind=MessageType.ROUND)
+        return decode_round(payload, limits=self.limits)
+
+    def _read_head(self, payload: bytes, key: VerifyKey | None) -> GlobalModel | None:
+        """A retained GlobalModel or its chunk (None until the last), verified by ``key`` when set."""
         if is_chunk(payload):
-            whole = self.reassembler.feed(msg.topic, payload)
+            whole = self._head_chunks.feed(self.topics.global_model, payload)
             if whole is None:
-                return
+                return None
             payload = whole
+        if key is not None:
+            kind = MessageType.GLOBAL_MODEL
+            verify_payload(payload, key, fleet=self.topics.fleet, kind=kind, limits=self.limits)
+        return decode_global_model(payload, limits=self.limits, expect_shape=self.shape)
+
+    def _handle_update(self, device: str, msg: Message) -> None:
+        payload = self._reassembled(msg)
+        if payload is None:
+            return
         key = None
         if self.device_keys is not None:
             key = self.device_keys.get(device)
@@ -323,17 +345,7 @@ class Intake:
         rnd = self.state.current
         if rnd is None:
             raise UpdateRejected("no_round", "no round is open")
-        if rnd.phase is not RoundPhase.OPEN:
-            raise UpdateRejected("round_closed", f"round {rnd.number} is closed")
-        if decline.round != rnd.number:
-            raise UpdateRejected(
-                "stale_round", f"decline for round {decline.round}, round {rnd.number} is open"
-            )
-        if decline.base_version != rnd.base_version:
-            why = f"decline from version {decline.base_version}, round uses {rnd.base_version}"
-            raise UpdateRejected("stale_base", why)
-        if rnd.selected is not None and device not in rnd.selected:
-            raise UpdateRejected("not_selected", f"device {device} not selected for round {rnd.number}")
+        rnd.check_open("decline", device, decline.round, decline.base_version)
         if rnd.has_answered(device) or decline.update_id in self._seen_update_ids:
             raise UpdateRejected("duplicate", f"{device} already answered round {rnd.number}")
         self._remember(decline.update_id)
@@ -394,6 +406,23 @@ class Intake:
         self._round_changed.set()
         self.notify()
 
+    def _accept_early(self, rnd: Round) -> None:
+        """Offer ``rnd`` the updates that came for it before it opened (the others are dropped)."""
+        early, self._early = self._early, {}
+        for update, size_bytes in early.values():
+            if update.round == rnd.number:
+                self._accept_held(rnd, update, size_bytes)
+            self._unfolded.pop(update.update_id, None)
+
+    def _accept_held(self, rnd: Round, update: Update, size_bytes: int) -> None:
+        """Offer ``rnd`` an update held for it; a refusal is counted and logged, never raised."""
+        try:
+            self._accept(rnd, update, size_bytes)
+        except UpdateRejected as exc:
+            self.state.rejected[exc.reason] += 1
+            logger.warning("round %d: held update %s refused: %s", rnd.number, update.update_id, exc)
+        self._unfolded.pop(update.update_id, None)
+
     def _remember(self, update_id: str) -> None:
         self._seen_update_ids[update_id] = None
         while len(self._seen_update_ids) > self.max_seen_update_ids:
@@ -407,25 +436,15 @@ class Intake:
         """Note a retained ``round`` or ``global`` message while adopting (see ``Coordinator.start``)."""
         if not self._adopting or not msg.payload:
             return  # our own retained publishes echoed back, or a cleared chunk
+        key = self.signing_key.verify_key if self.signing_key is not None else None
         if msg.topic == self.topics.round:
-            if self.signing_key is not None:
-                verify_payload(
-                    msg.payload, self.signing_key.verify_key, fleet=self.topics.fleet, kind=MessageType.ROUND
-                )
-            ann = decode_round(msg.payload, limits=self.limits)
+            ann = self._read_round(msg.payload, key)
             self._adopted_round = max(self._adopted_round, ann.round)
             self._adopt_round_seen.set()
             return
-        payload: bytes | None = msg.payload
-        if is_chunk(msg.payload):
-            payload = self._adopt_chunks.feed(self.topics.global_model, msg.payload)
-        if payload is None:
+        head = self._read_head(msg.payload, key)
+        if head is None:
             return
-        if self.signing_key is not None:
-            verify_payload(
-                payload, self.signing_key.verify_key, fleet=self.topics.fleet, kind=MessageType.GLOBAL_MODEL
-            )
-        head = decode_global_model(payload, limits=self.limits, expect_shape=self.shape)
         if head.model_sha256 != self.model_sha256:
             raise UpdateRejected("wrong_model", "the retained global head belongs to another backbone")
         if self._adopted_head is None or head.version > self._adopted_head.version:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from edgefl.coordinator.fedavg import FedAvg
+from edgefl.coordinator.fedavg import FedAvg, RunningWeightedSum
 from edgefl.coordinator.strategy import Offer, RoundConfig, RoundReport, SiteSums, Strategy
 from edgefl.types import F32
 
@@ -72,8 +72,8 @@ class PrivateSum:
             raise ValueError(f"clip_norm = {clip_norm}: must be > 0")
         self.shape = shape
         self.clip_norm = clip_norm
-        self._sum_W: npt.NDArray[np.float64] = np.zeros(shape, np.float64)
-        self._sum_b: npt.NDArray[np.float64] = np.zeros(shape[1], np.float64)
+        self._sum_W = RunningWeightedSum(shape)
+        self._sum_b = RunningWeightedSum((shape[1],))
         self.count = 0
         self.clipped = 0
 
@@ -86,8 +86,8 @@ class PrivateSum:
         if delta_W.shape != self.shape or delta_b.shape != (self.shape[1],):
             raise ValueError(f"PrivateSum: delta {delta_W.shape}/{delta_b.shape}, head {self.shape}")
         cW, cb, norm = clip_update(delta_W, delta_b, self.clip_norm)
-        self._sum_W += cW
-        self._sum_b += cb
+        self._sum_W.add(cW, 1)
+        self._sum_b.add(cb, 1)
         self.count += 1
         self.clipped += int(norm > self.clip_norm)
         return norm
@@ -96,13 +96,13 @@ class PrivateSum:
         """Fold a site's sum of ``count`` clipped updates in (root); ValueError on a bad shape or count."""
         if sum_W.shape != self.shape or sum_b.shape != (self.shape[1],) or count < 1:
             raise ValueError(f"PrivateSum: sums {sum_W.shape}/{sum_b.shape} of {count}, head {self.shape}")
-        self._sum_W += sum_W
-        self._sum_b += sum_b
+        self._sum_W.add_sum(sum_W, count)
+        self._sum_b.add_sum(sum_b, count)
         self.count += count
 
     def sums(self) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
         """Copies of the float64 sums of clipped updates (W [D, K], b [K])."""
-        return self._sum_W.copy(), self._sum_b.copy()
+        return self._sum_W.sum, self._sum_b.sum
 
     def noisy_mean(
         self, noise_multiplier: float, expected_clients: float, rng: np.random.Generator
@@ -130,8 +130,9 @@ class PrivateSum:
         if noise_multiplier < 0 or expected_clients <= 0:
             raise ValueError(f"noise_multiplier = {noise_multiplier}, expected_clients = {expected_clients}")
         sd = noise_multiplier * self.clip_norm
-        W = (self._sum_W + rng.normal(0.0, sd, self._sum_W.shape)) / expected_clients
-        b = (self._sum_b + rng.normal(0.0, sd, self._sum_b.shape)) / expected_clients
+        W, b = self.sums()
+        W = (W + rng.normal(0.0, sd, W.shape)) / expected_clients
+        b = (b + rng.normal(0.0, sd, b.shape)) / expected_clients
         return W.astype(np.float32), b.astype(np.float32)
 
 

@@ -156,24 +156,32 @@ class Round:
             ``round_closed``, ``stale_round`` (other round number), ``stale_base`` (other base version),
             ``not_selected``, ``duplicate`` (same ``update_id`` or same device twice).
         """
-        if self.phase is not RoundPhase.OPEN:
-            raise UpdateRejected("round_closed", f"round {self.number} is closed")
-        if self.check_round and update.round != self.number:
-            raise UpdateRejected(
-                "stale_round", f"update for round {update.round}, round {self.number} is open"
-            )
-        if self.check_round and update.base_version != self.base_version:
-            raise UpdateRejected(
-                "stale_base", f"update from version {update.base_version}, round uses {self.base_version}"
-            )
-        if self.selected is not None and update.device not in self.selected:
-            raise UpdateRejected(
-                "not_selected", f"device {update.device} not selected for round {self.number}"
-            )
+        self.check_open("update", update.device, update.round, update.base_version, self.check_round)
         if update.update_id in self.update_ids or update.device in self.answered().counted:
             raise UpdateRejected(
                 "duplicate", f"update {update.update_id} from {update.device} already counted"
             )
+
+    def check_open(
+        self, what: str, device: str | None, round_no: int, base_version: int, check_round: bool = True
+    ) -> None:
+        """Check that a message (``what``) from ``device`` trained for (round, base version) may count.
+
+        Raises
+        ------
+        UpdateRejected
+            ``round_closed``, ``stale_round`` (other round number), ``stale_base`` (other base version),
+            both only with ``check_round``; ``not_selected`` (a ``device`` outside the selection).
+        """
+        if self.phase is not RoundPhase.OPEN:
+            raise UpdateRejected("round_closed", f"round {self.number} is closed")
+        if check_round and round_no != self.number:
+            raise UpdateRejected("stale_round", f"{what} for round {round_no}, round {self.number} is open")
+        if check_round and base_version != self.base_version:
+            why = f"{what} from version {base_version}, round uses {self.base_version}"
+            raise UpdateRejected("stale_base", why)
+        if device is not None and self.selected is not None and device not in self.selected:
+            raise UpdateRejected("not_selected", f"device {device} not selected for round {self.number}")
 
     def record(self, update: Update, size_bytes: int) -> None:
         """Record an update the strategy accepted (device, id, bytes on the wire, loss)."""
@@ -182,7 +190,7 @@ class Round:
         self.update_bytes.append(size_bytes)
         self.losses.append(update.metrics.loss)
 
-    def admit_partial(self, site: str, round_no: int, base_version: int, update_ids: tuple[str, ...]) -> None:
+    def admit_partial(self, site: str, round_no: int, base_version: int) -> None:
         """Check that a site's partial may count in this round (it is not recorded yet).
 
         Raises
@@ -191,14 +199,7 @@ class Round:
             ``round_closed``, ``stale_round`` (a partial of another round), ``stale_base``, ``duplicate``
             (the site already counted; ids another site listed too are the root's business).
         """
-        if self.phase is not RoundPhase.OPEN:
-            raise UpdateRejected("round_closed", f"round {self.number} is closed")
-        if round_no != self.number:
-            why = f"partial of {site} for round {round_no}, round {self.number} is open"
-            raise UpdateRejected("stale_round", why)
-        if base_version != self.base_version:
-            why = f"partial from version {base_version}, round uses {self.base_version}"
-            raise UpdateRejected("stale_base", why)
+        self.check_open(f"partial of {site}", None, round_no, base_version)
         if site in self.sites:
             raise UpdateRejected("duplicate", f"site {site} already counted in round {self.number}")
 
