@@ -507,7 +507,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-BROKER_SCHEMA = Schema({"broker": BrokerConfig}, {"broker": check_broker})
+BROKER_SCHEMA = Schema({"broker": (BrokerConfig, check_broker)})
 """The ``[broker]`` table alone, checked as a device profile's (:func:`edgefl.profiles.check_broker`)."""
 
 
