@@ -374,12 +374,9 @@ def output_file_problem(path: Path) -> str | None:
 
 
 def sha256_file(path: Path) -> str:
-    """SHA-256 of a file as 64 lowercase hex digits, read in 1 MiB blocks (raises ``OSError``)."""
-    digest = hashlib.sha256()
+    """SHA-256 of a file as 64 lowercase hex digits (raises ``OSError``)."""
     with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def check_broker(p: Problems, c: BrokerConfig, raw: Mapping[str, object], check_files: bool) -> None:

@@ -146,12 +146,9 @@ def open_interpreter(
 
 
 def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks (never the whole file in memory)."""
-    h = hashlib.sha256()
+    """Hex sha256 of a file, read in blocks (never the whole file in memory)."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
