@@ -15,19 +15,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from edgefl.profiles import (
-    BrokerConfig,
-    Check,
-    DashboardConfig,
-    Problems,
-    Schema,
-    check,
-    check_broker,
-    check_dashboard,
-    file_problem,
-    read_toml,
-    sha256_file,
-)
+from edgefl import profiles
+from edgefl.profiles import BrokerConfig, DashboardConfig, Problems, check
 from edgefl.validators import (
     MAX_BATCH,
     MAX_THREADS,
@@ -315,21 +304,6 @@ class Profile:
         return self.memory.cap_mb * 1024 * 1024
 
 
-_TABLES: dict[str, type[Any]] = {
-    "device": DeviceConfig,
-    "model": ModelConfig,
-    "pipeline": PipelineConfig,
-    "broker": BrokerConfig,
-    "memory": MemoryConfig,
-    "training": TrainingConfig,
-    "source": SourceConfig,
-    "dashboard": DashboardConfig,
-    "security": SecurityConfig,
-    "status": StatusConfig,
-    "personal": PersonalConfig,
-}
-
-
 # --- semantic checks, one per table, run on typed values ---------------------------------------------
 def _check_device(p: Problems, c: DeviceConfig, raw: Mapping[str, object], check_files: bool) -> None:
     check(p, "device.id", c.id, check_device_id)
@@ -344,11 +318,11 @@ def _check_model(p: Problems, c: ModelConfig, raw: Mapping[str, object], check_f
     if sha is not None and (len(sha) != 64 or any(ch not in "0123456789abcdefABCDEF" for ch in sha)):
         p.add("model.sha256", sha, "must be 64 hexadecimal digits")
     if check_files:
-        problem = file_problem(c.path, raw.get("path"))
+        problem = profiles.file_problem(c.path, raw.get("path"))
         if problem is not None:
             p.add("model.path", raw.get("path"), problem)
         elif sha is not None and "model.sha256" not in p.bad:
-            actual = sha256_file(c.path)
+            actual = profiles.sha256_file(c.path)
             if actual != sha.lower():
                 p.add(
                     "model.sha256",
@@ -454,7 +428,7 @@ def _check_source(p: Problems, c: SourceConfig, raw: Mapping[str, object], check
             p.note("source.path: required when source.kind = 'replay'")
         return
     if check_files:
-        problem = file_problem(c.path, raw.get("path")) or _npz_problem(c.path)
+        problem = profiles.file_problem(c.path, raw.get("path")) or _npz_problem(c.path)
         if problem is not None:
             p.add("source.path", raw.get("path"), problem)
 
@@ -481,7 +455,7 @@ def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], c
     if c.outbox_max_bytes <= 0:
         p.add("security.outbox_max_bytes", c.outbox_max_bytes, "must be > 0")
     if check_files and c.signing_key_file is not None:
-        problem = file_problem(c.signing_key_file, raw.get("signing_key_file"))
+        problem = profiles.file_problem(c.signing_key_file, raw.get("signing_key_file"))
         if problem is None:
             try:
                 load_signing_key(c.signing_key_file)
@@ -515,24 +489,23 @@ def _check_personal(p: Problems, c: PersonalConfig, raw: Mapping[str, object], c
         p.add("personal.absent_alpha", c.absent_alpha, "must be between 0 and 1 (1: plain softmax)")
 
 
-_CHECKS: dict[str, Check] = {
-    "device": _check_device,
-    "model": _check_model,
-    "pipeline": _check_pipeline,
-    "broker": check_broker,
-    "memory": _check_memory,
-    "training": _check_training,
-    "source": _check_source,
-    "dashboard": check_dashboard,
-    "security": _check_security,
-    "status": _check_status,
-    "personal": _check_personal,
+_TABLES: Final[dict[str, tuple[type[Any], profiles.Check]]] = {
+    "device": (DeviceConfig, _check_device),
+    "model": (ModelConfig, _check_model),
+    "pipeline": (PipelineConfig, _check_pipeline),
+    "broker": (BrokerConfig, profiles.check_broker),
+    "memory": (MemoryConfig, _check_memory),
+    "training": (TrainingConfig, _check_training),
+    "source": (SourceConfig, _check_source),
+    "dashboard": (DashboardConfig, profiles.check_dashboard),
+    "security": (SecurityConfig, _check_security),
+    "status": (StatusConfig, _check_status),
+    "personal": (PersonalConfig, _check_personal),
 }
-
 # Placeholders for required fields that are missing or mistyped, so the rest of the table is still
 # checked; problems about these keys are suppressed by Problems.bad.
 _PLACEHOLDERS: dict[str, object] = {"device.id": "_", "model.path": Path("_")}
-SCHEMA: Final = Schema(_TABLES, _CHECKS, _PLACEHOLDERS)
+SCHEMA: Final = profiles.Schema(_TABLES, _PLACEHOLDERS)
 """The device profile's tables, checks and parser."""
 
 
@@ -617,7 +590,7 @@ def load_profile(
 
     Source: TOML 1.0.0 (https://toml.io/en/v1.0.0), read with ``tomllib``.
     """
-    file, data = read_toml(path)
+    file, data = profiles.read_toml(path)
     profile = _parse(data, file.parent, file, check_files, overrides or {})
     logger.debug("loaded profile %s for device %s", file, profile.device.id)
     return profile

@@ -15,21 +15,9 @@ from typing import Any, Final, Literal
 
 import numpy as np
 
+from edgefl import profiles
 from edgefl.errors import ConfigError
-from edgefl.profiles import (
-    BrokerConfig,
-    Check,
-    DashboardConfig,
-    Problems,
-    Schema,
-    check,
-    check_broker,
-    check_dashboard,
-    file_problem,
-    output_file_problem,
-    read_toml,
-    sha256_file,
-)
+from edgefl.profiles import BrokerConfig, DashboardConfig, Problems, check
 from edgefl.validators import check_device_id
 
 #: The strategies the DP wrapper takes (the FedAvg family: a weighted mean whose sensitivity is bounded).
@@ -317,11 +305,11 @@ def _check_model(p: Problems, c: ModelRef, raw: Mapping[str, object], check_file
         return
     if not check_files:
         return
-    problem = file_problem(c.path, raw.get("path"))
+    problem = profiles.file_problem(c.path, raw.get("path"))
     if problem is not None:
         p.add("model.path", raw.get("path"), problem)
-    elif c.sha256 is not None and sha256_file(c.path) != c.sha256:
-        p.add("model.sha256", c.sha256, f"does not match {c.path.name} ({sha256_file(c.path)})")
+    elif c.sha256 is not None and profiles.sha256_file(c.path) != c.sha256:
+        p.add("model.sha256", c.sha256, f"does not match {c.path.name} ({profiles.sha256_file(c.path)})")
 
 
 def _check_rounds(p: Problems, c: RoundsConfig, raw: Mapping[str, object], check_files: bool) -> None:
@@ -371,7 +359,7 @@ def _check_evaluation(p: Problems, c: EvaluationConfig, raw: Mapping[str, object
     if any(s <= 0 for s in c.std):
         p.add("evaluation.std", list(c.std), "must be > 0")
     if check_files and c.path is not None:
-        problem = file_problem(c.path, raw.get("path")) or _npz_problem(c.path)
+        problem = profiles.file_problem(c.path, raw.get("path")) or _npz_problem(c.path)
         if problem is not None:
             p.add("evaluation.path", raw.get("path"), problem)
 
@@ -442,7 +430,7 @@ def _check_key_file(p: Problems, key: str, path: Path, raw: Mapping[str, object]
     from edgefl.wire.signing import load_signing_key, load_verify_key
 
     name = key.rpartition(".")[2]
-    problem = file_problem(path, raw.get(name))
+    problem = profiles.file_problem(path, raw.get(name))
     if problem is None:
         try:
             (load_signing_key if private else load_verify_key)(path)
@@ -483,7 +471,7 @@ def _check_files(p: Problems, c: FilesConfig, raw: Mapping[str, object], check_f
         return
     for name in ("state", "log", "json"):
         path = getattr(c, name)
-        problem = output_file_problem(path) if path is not None else None
+        problem = profiles.output_file_problem(path) if path is not None else None
         if problem is not None:
             p.add(f"files.{name}", raw.get(name, str(path)), problem)
 
@@ -505,35 +493,21 @@ def combination_problems(profile: CoordinatorProfile) -> list[str]:
     return problems
 
 
-_TABLES: Final[dict[str, type[Any]]] = {
-    "broker": BrokerConfig,
-    "fleet": FleetConfig,
-    "model": ModelRef,
-    "rounds": RoundsConfig,
-    "strategy": StrategyConfig,
-    "robustness": RobustnessConfig,
-    "privacy": PrivacyConfig,
-    "evaluation": EvaluationConfig,
-    "dashboard": DashboardConfig,
-    "security": SecurityRef,
-    "files": FilesConfig,
-    "hierarchy": HierarchyConfig,
+_TABLES: Final[dict[str, tuple[type[Any], profiles.Check]]] = {
+    "broker": (BrokerConfig, profiles.check_broker),
+    "fleet": (FleetConfig, _check_fleet),
+    "model": (ModelRef, _check_model),
+    "rounds": (RoundsConfig, _check_rounds),
+    "strategy": (StrategyConfig, _check_strategy),
+    "robustness": (RobustnessConfig, _check_robustness),
+    "privacy": (PrivacyConfig, _check_privacy),
+    "evaluation": (EvaluationConfig, _check_evaluation),
+    "dashboard": (DashboardConfig, profiles.check_dashboard),
+    "security": (SecurityRef, _check_security),
+    "files": (FilesConfig, _check_files),
+    "hierarchy": (HierarchyConfig, _check_hierarchy),
 }
-_CHECKS: Final[dict[str, Check]] = {
-    "broker": check_broker,
-    "fleet": _check_fleet,
-    "model": _check_model,
-    "rounds": _check_rounds,
-    "strategy": _check_strategy,
-    "robustness": _check_robustness,
-    "privacy": _check_privacy,
-    "evaluation": _check_evaluation,
-    "dashboard": check_dashboard,
-    "security": _check_security,
-    "files": _check_files,
-    "hierarchy": _check_hierarchy,
-}
-SCHEMA: Final = Schema(_TABLES, _CHECKS, {"model.path": Path("_")})
+SCHEMA: Final = profiles.Schema(_TABLES, {"model.path": Path("_")})
 """The coordinator profile's tables, checks and parser."""
 
 #: Tables only a coordinator profile has: how ``edgefl check-config`` tells the two kinds apart.
@@ -571,7 +545,7 @@ def load_coordinator_profile(
     ConfigError
         Every problem at once, e.g. ``["rounds.count = 0: must be > 0", "[bogus]: unknown table"]``.
     """
-    file, data = read_toml(path)
+    file, data = profiles.read_toml(path)
     if "device" in data:
         raise ConfigError([f"{file}: a device profile (it has [device]); run it with 'edgefl run'"])
     built = SCHEMA.parse(data, file.parent, check_files, overrides or {})

@@ -129,6 +129,11 @@ def dumps(obj: object) -> bytes:
     return cbor2.dumps(obj)
 
 
+def dump_message(kind: MessageType, fields: Mapping[str, object]) -> bytes:
+    """Encode a message of type ``kind``: ``v``, ``type``, then ``fields`` in their order (:func:`dumps`)."""
+    return dumps({"v": SCHEMA_VERSION, "type": kind.value, **fields})
+
+
 def show(text: str) -> str:
     """Attacker-chosen text as it may appear in an error detail: at most 64 characters, printable."""
     short = text[:64]

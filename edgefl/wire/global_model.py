@@ -20,11 +20,10 @@ from edgefl.types import F32
 from edgefl.wire.arrays import check_head_shapes, decode_array, encode_array
 from edgefl.wire.cbor import (
     DEFAULT_LIMITS,
-    SCHEMA_VERSION,
     Limits,
     MessageType,
     check_keys,
-    dumps,
+    dump_message,
     load_message,
     read_choice,
     read_int,
@@ -81,8 +80,6 @@ def encode_global_model(msg: GlobalModel) -> bytes:
     """Encode a :class:`GlobalModel` (ValueError for a non-finite head in a compressed layout)."""
     layout = HeadLayout(msg.layout)
     obj: dict[str, object] = {
-        "v": SCHEMA_VERSION,
-        "type": MessageType.GLOBAL_MODEL.value,
         "round": int(msg.round),
         "version": int(msg.version),
         "model_sha256": msg.model_sha256,
@@ -97,7 +94,7 @@ def encode_global_model(msg: GlobalModel) -> bytes:
         mode = _HEAD_COMPRESSION[layout]
         obj["head"] = {"W": compress_delta(w, mode), "b": compress_delta(b, mode)}
     obj["signature"] = bytes(msg.signature)
-    return dumps(obj)
+    return dump_message(MessageType.GLOBAL_MODEL, obj)
 
 
 def decode_global_model(

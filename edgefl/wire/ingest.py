@@ -21,10 +21,9 @@ from edgefl.wire.arrays import decode_array, encode_array
 from edgefl.wire.cbor import (
     DEFAULT_LIMITS,
     INT_MAX,
-    SCHEMA_VERSION,
     Limits,
     MessageType,
-    dumps,
+    dump_message,
     load_message,
     read_float,
     read_int,
@@ -101,8 +100,6 @@ def encode_sample(msg: Sample) -> bytes:
     if x.dtype.name not in RAW_DTYPES or not 1 <= x.ndim <= 4:
         raise ValueError(f"sample x: {x.dtype} {list(x.shape)}; expected uint8/int16/float32, 1 to 4 dims")
     obj: dict[str, object] = {
-        "v": SCHEMA_VERSION,
-        "type": MessageType.SAMPLE.value,
         "id": msg.id,
         "x": encode_array(np.ascontiguousarray(x)),
     }
@@ -110,7 +107,7 @@ def encode_sample(msg: Sample) -> bytes:
         obj["label"] = int(msg.label)
     if msg.ts is not None:
         obj["ts"] = float(msg.ts)
-    return dumps(obj)
+    return dump_message(MessageType.SAMPLE, obj)
 
 
 def decode_sample(
@@ -147,14 +144,12 @@ def decode_sample(
 def encode_label(msg: Label) -> bytes:
     """Encode a :class:`Label`."""
     obj: dict[str, object] = {
-        "v": SCHEMA_VERSION,
-        "type": MessageType.LABEL.value,
         "id": msg.id,
         "label": int(msg.label),
     }
     if msg.ts is not None:
         obj["ts"] = float(msg.ts)
-    return dumps(obj)
+    return dump_message(MessageType.LABEL, obj)
 
 
 def decode_label(payload: bytes, *, limits: Limits = DEFAULT_LIMITS, num_classes: int | None = None) -> Label:
@@ -174,8 +169,6 @@ def decode_label(payload: bytes, *, limits: Limits = DEFAULT_LIMITS, num_classes
 def encode_prediction(msg: Prediction) -> bytes:
     """Encode a :class:`Prediction`; ValueError if ``head`` is not None, ``"personal"`` or ``"global"``."""
     obj: dict[str, object] = {
-        "v": SCHEMA_VERSION,
-        "type": MessageType.PREDICTION.value,
         "id": msg.id,
         "class": int(msg.cls),
         "score": float(msg.score),
@@ -186,7 +179,7 @@ def encode_prediction(msg: Prediction) -> bytes:
         if msg.head not in PREDICTION_HEADS:
             raise ValueError(f"Prediction.head = {msg.head!r}: expected one of {sorted(PREDICTION_HEADS)}")
         obj["head"] = msg.head
-    return dumps(obj)
+    return dump_message(MessageType.PREDICTION, obj)
 
 
 def decode_prediction(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Prediction:

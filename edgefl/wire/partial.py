@@ -18,11 +18,10 @@ from edgefl.errors import DecodeError
 from edgefl.wire.arrays import check_head_shapes, decode_array, encode_array
 from edgefl.wire.cbor import (
     DEFAULT_LIMITS,
-    SCHEMA_VERSION,
     Limits,
     MessageType,
     Scanned,
-    dumps,
+    dump_message,
     load_message,
     read_device_id,
     read_float,
@@ -70,10 +69,9 @@ def encode_partial(msg: Partial) -> bytes:
 
     Source: RFC 8746 §2.1 (tag 86), §3.1.1 (tag 40).
     """
-    return dumps(
+    return dump_message(
+        MessageType.PARTIAL,
         {
-            "v": SCHEMA_VERSION,
-            "type": MessageType.PARTIAL.value,
             "round": int(msg.round),
             "base_version": int(msg.base_version),
             "site": msg.site,
@@ -86,7 +84,7 @@ def encode_partial(msg: Partial) -> bytes:
             "W": encode_array(np.ascontiguousarray(msg.W, dtype=np.float64)),
             "b": encode_array(np.ascontiguousarray(msg.b, dtype=np.float64)),
             "signature": bytes(msg.signature),
-        }
+        },
     )
 
 

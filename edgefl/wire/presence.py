@@ -15,18 +15,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from edgefl.errors import DecodeError
-from edgefl.wire.cbor import (
-    DEFAULT_LIMITS,
-    INT_MAX,
-    SCHEMA_VERSION,
-    Limits,
-    MessageType,
-    dumps,
-    load_message,
-    read_float,
-    read_int,
-    read_text,
-)
+from edgefl.wire import cbor
 from edgefl.wire.reasons import Reason
 
 NEW_SAMPLES_FIELD: Final = "new_samples"
@@ -55,21 +44,20 @@ class Presence:
 
 def encode_presence(msg: Presence) -> bytes:
     """Encode a :class:`Presence` (``docs/protocol.md``, "Presence"); returns the CBOR bytes."""
-    return dumps(
+    return cbor.dump_message(
+        cbor.MessageType.PRESENCE,
         {
-            "v": SCHEMA_VERSION,
-            "type": MessageType.PRESENCE.value,
             "instance": msg.instance,
             "host": msg.host,
             "pid": msg.pid,
             "started": float(msg.started),
             "seq": msg.seq,
             "heartbeat_s": float(msg.heartbeat_s),
-        }
+        },
     )
 
 
-def decode_presence(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Presence:
+def decode_presence(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS) -> Presence:
     """Decode and validate a :class:`Presence`.
 
     Raises
@@ -78,14 +66,14 @@ def decode_presence(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Prese
         The reasons of ``docs/protocol.md`` ("Refusals"): e.g. ``unknown_key``, ``bad_value``.
     """
     keys = ("instance", "host", "pid", "started", "seq", "heartbeat_s")
-    obj = load_message(payload, limits, MessageType.PRESENCE, keys)
+    obj = cbor.load_message(payload, limits, cbor.MessageType.PRESENCE, keys)
     return Presence(
-        instance=read_text(obj, "instance", "", _INSTANCE_RE),
-        host=read_text(obj, "host", "", _HOST_RE),
-        pid=read_int(obj, "pid", ""),
-        started=read_float(obj, "started", "", 0.0),
-        seq=read_int(obj, "seq", ""),
-        heartbeat_s=read_float(obj, "heartbeat_s", "", 0.0, MAX_HEARTBEAT_S, lo_open=True),
+        instance=cbor.read_text(obj, "instance", "", _INSTANCE_RE),
+        host=cbor.read_text(obj, "host", "", _HOST_RE),
+        pid=cbor.read_int(obj, "pid", ""),
+        started=cbor.read_float(obj, "started", "", 0.0),
+        seq=cbor.read_int(obj, "seq", ""),
+        heartbeat_s=cbor.read_float(obj, "heartbeat_s", "", 0.0, MAX_HEARTBEAT_S, lo_open=True),
     )
 
 
@@ -102,6 +90,6 @@ def read_new_samples(fields: Mapping[str, object]) -> int | None:
         return None
     if type(value) is not int:
         raise DecodeError(Reason.WRONG_TYPE, f"fields.{NEW_SAMPLES_FIELD}: expected an integer")
-    if not 0 <= value <= INT_MAX:
+    if not 0 <= value <= cbor.INT_MAX:
         raise DecodeError(Reason.BAD_VALUE, f"fields.{NEW_SAMPLES_FIELD} = {value}: must be >= 0")
     return value

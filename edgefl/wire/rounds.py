@@ -19,12 +19,11 @@ from edgefl.errors import DecodeError
 from edgefl.types import F32
 from edgefl.wire.cbor import (
     DEFAULT_LIMITS,
-    SCHEMA_VERSION,
     Limits,
     MessageType,
     Scanned,
     check_keys,
-    dumps,
+    dump_message,
     load_message,
     read_choice,
     read_device_id,
@@ -139,10 +138,9 @@ def encode_round(msg: RoundAnnouncement) -> bytes:
     selected: object = (
         float(msg.selected) if isinstance(msg.selected, int | float) else [str(d) for d in msg.selected]
     )
-    return dumps(
+    return dump_message(
+        MessageType.ROUND,
         {
-            "v": SCHEMA_VERSION,
-            "type": MessageType.ROUND.value,
             "round": int(msg.round),
             "base_version": int(msg.base_version),
             "deadline_s": float(msg.deadline_s),
@@ -155,7 +153,7 @@ def encode_round(msg: RoundAnnouncement) -> bytes:
             "topk_fraction": float(msg.topk_fraction),
             "prox_mu": float(msg.prox_mu),
             "signature": bytes(msg.signature),
-        }
+        },
     )
 
 
@@ -240,10 +238,9 @@ def encode_update(
             "eval_accuracy": float(msg.metrics.eval_accuracy),
             "eval_count": int(msg.metrics.eval_count),
         }
-    return dumps(
+    return dump_message(
+        MessageType.UPDATE,
         {
-            "v": SCHEMA_VERSION,
-            "type": MessageType.UPDATE.value,
             "round": int(msg.round),
             "base_version": int(msg.base_version),
             "device": msg.device,
@@ -259,7 +256,7 @@ def encode_update(
             },
             "update_id": msg.update_id,
             "signature": bytes(msg.signature),
-        }
+        },
     )
 
 
@@ -318,10 +315,9 @@ def decode_update(
 def encode_decline(msg: Decline) -> bytes:
     """Encode a :class:`Decline`, its ``detail`` as printable ASCII (others ``?``) cut to 200 characters."""
     detail = "".join(c if " " <= c <= "~" else "?" for c in msg.detail)[:200]
-    return dumps(
+    return dump_message(
+        MessageType.DECLINE,
         {
-            "v": SCHEMA_VERSION,
-            "type": MessageType.DECLINE.value,
             "round": int(msg.round),
             "base_version": int(msg.base_version),
             "device": msg.device,
@@ -329,7 +325,7 @@ def encode_decline(msg: Decline) -> bytes:
             "detail": detail,
             "update_id": msg.update_id,
             "signature": bytes(msg.signature),
-        }
+        },
     )
 
 

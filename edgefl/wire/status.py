@@ -17,18 +17,7 @@ from typing import Final
 
 from edgefl.errors import DecodeError
 from edgefl.validators import check_device_id
-from edgefl.wire.cbor import (
-    DEFAULT_LIMITS,
-    INT_MAX,
-    SCHEMA_VERSION,
-    Limits,
-    MessageType,
-    dumps,
-    load_message,
-    read_device_id,
-    read_text,
-    show,
-)
+from edgefl.wire import cbor
 from edgefl.wire.reasons import Reason
 
 _STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
@@ -49,14 +38,13 @@ class DeviceStatus:
 
 def encode_status(msg: DeviceStatus) -> bytes:
     """Encode a :class:`DeviceStatus` (plain Python values in ``fields``, else cbor2.CBOREncodeError)."""
-    return dumps(
+    return cbor.dump_message(
+        cbor.MessageType.STATUS,
         {
-            "v": SCHEMA_VERSION,
-            "type": MessageType.STATUS.value,
             "device": msg.device,
             "state": msg.state,
             "fields": dict(msg.fields),
-        }
+        },
     )
 
 
@@ -65,7 +53,7 @@ def _json_like(value: object, name: str) -> object:
     if value is None or isinstance(value, bool | str):
         return value
     if isinstance(value, int):
-        if abs(value) > INT_MAX:
+        if abs(value) > cbor.INT_MAX:
             raise DecodeError(Reason.BAD_VALUE, f"{name}: integer out of int64 range")
         return value
     if isinstance(value, float):
@@ -82,10 +70,10 @@ def _json_like(value: object, name: str) -> object:
 def _json_map(value: object, name: str) -> dict[str, object]:
     if not isinstance(value, dict):
         raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a map, got {type(value).__name__}")
-    return {str(key): _json_like(item, f"{name}.{show(str(key))}") for key, item in value.items()}
+    return {str(key): _json_like(item, f"{name}.{cbor.show(str(key))}") for key, item in value.items()}
 
 
-def decode_status(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> DeviceStatus:
+def decode_status(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS) -> DeviceStatus:
     """Decode and validate a :class:`DeviceStatus`, its ``fields`` a fresh dict of plain values (or ``{}``).
 
     Raises
@@ -94,10 +82,10 @@ def decode_status(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> DeviceS
         The reasons of ``docs/protocol.md`` ("Refusals"); ``wrong_type`` for byte strings or
         tags inside ``fields``, ``not_finite`` for NaN/infinity.
     """
-    obj = load_message(payload, limits, MessageType.STATUS, ("device", "state"), ("fields",))
+    obj = cbor.load_message(payload, limits, cbor.MessageType.STATUS, ("device", "state"), ("fields",))
     return DeviceStatus(
-        device=read_device_id(obj["device"], "device"),
-        state=read_text(obj, "state", "", _STATE_RE),
+        device=cbor.read_device_id(obj["device"], "device"),
+        state=cbor.read_text(obj, "state", "", _STATE_RE),
         fields=_json_map(obj["fields"], "fields") if "fields" in obj else {},
     )
 
