@@ -225,7 +225,7 @@ def test_personal_config_table_and_errors(tmp_path: Path) -> None:
 # The core (no broker)
 
 
-def _core(tmp: Path, personal: bool, fleet: str = "f") -> DeviceCore:
+def _core(tmp: Path, personal: bool, fleet: str = "f", epochs: int = 0) -> DeviceCore:
     profile = parse_profile(
         {
             "device": {"id": "dev-1", "fleet": fleet, "state_dir": str(tmp)},
@@ -233,7 +233,7 @@ def _core(tmp: Path, personal: bool, fleet: str = "f") -> DeviceCore:
             "pipeline": {"raw_dtype": "uint8", "mean": [0.0], "std": [16.0]},
             "memory": {"cap_mb": 4096, "min_system_available_mb": 0},
             "training": {"min_examples": 1, "holdout_every": 4},
-            "personal": {"enabled": personal},
+            "personal": {"enabled": personal, "epochs": epochs},
         },
         DEV_PROFILE.parent,
     )
@@ -514,9 +514,11 @@ def test_personal_behind_needs_more_than_chance() -> None:
 
 
 def test_personal_step_admitted_by_the_governor(tmp_path: Path) -> None:
-    """Over budget (a 1 MiB cap), the personal step is deferred, counted and the head left as it was."""
+    """Over budget (a 1 MiB cap), the personal step is deferred, counted and the head left as it was.
+
+    Two personal epochs against the round's one: the step runs on its own, after the round."""
     x, y = load_digits()
-    core = _core(tmp_path, True)
+    core = _core(tmp_path, True, epochs=2)
     core.observe(x[:64], y[:64])
     ann = RoundAnnouncement(1, 0, 60.0, 1, 0.05, 16, 1, 1.0, Compression.NONE)
     assert core.receive_round(encode_round(ann)).status == RoundStatus.TRAINED and core.personal_due
