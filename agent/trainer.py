@@ -133,10 +133,9 @@ class PersonalStep:
 
     The same steps as :func:`train_personal` (class-restricted Ditto on ``columns``, the other
     columns tied to the global head, their logits scaled by ``absent_alpha`` in the loss), taken
-    on the batches of the round's local training: the personal head's logits and gradient come
-    from the same two matrix products as the global head's
-    (:func:`edgefl.head.paired_cross_entropy_grad_into`), so the store is read and shuffled once
-    for both heads.
+    on the batches of the round's local training: both heads' logits and gradients come from one
+    stacked product each (:func:`edgefl.head.paired_cross_entropy_grad_into`), so the store is read
+    and shuffled once for both, and the global head's arithmetic is the same as alone.
 
     Attributes
     ----------
@@ -244,14 +243,13 @@ class _BatchReader:
 
 
 class _Pair:
-    """The global and a personal head side by side, ``[W | V]``, for :func:`train_local`'s ``personal``.
+    """The global and a personal head stacked, ``[W, V]``, for :func:`train_local`'s ``personal``.
 
-    One ``[D, 2K]`` float32 matrix holds the round's working copy of the global head and the
-    personal head, one ``[D, 2K]`` their gradients and one ``[batch, 2K]`` their logits: beside local
-    training's own buffers, one more head and its gradient, as a separate personal step allocates.
-    With plain SGD on the global head and Ditto's step without a pull or tied columns (the
-    defaults), one step updates the whole matrix with a learning rate per column (in-place
-    arithmetic on a half of it, a strided view, costs several times the whole).
+    One ``[2, D, K]`` float32 array holds the round's working copy of the global head and the
+    personal head, one ``[2, D, K]`` their gradients and one ``[2, batch, K]`` their logits: beside
+    local training's own buffers, one more head and its gradient, as a separate personal step
+    allocates. With plain SGD on the global head and Ditto's step without a pull or tied columns
+    (the defaults), one step updates both heads with a learning rate each.
     """
 
     def __init__(
@@ -267,17 +265,17 @@ class _Pair:
             raise ValueError(
                 f"train_local: personal lr={step.lr}, lam={step.lam}, absent_alpha={step.absent_alpha}"
             )
-        self.head, self.step_cfg, self.reader, self.K = head, step, reader, K
+        self.head, self.step_cfg, self.reader = head, step, reader
         self.lr, self.prox_mu = lr, prox_mu
-        self.W2: F32 = np.empty((D, 2 * K), np.float32)
-        self.b2: F32 = np.empty(2 * K, np.float32)
-        self.W2[:, :K], self.W2[:, K:] = head.W, step.W
-        self.b2[:K], self.b2[K:] = head.b, step.b
-        self.W, self.b = self.W2[:, :K], self.b2[:K]
-        self.V, self.c = self.W2[:, K:], self.b2[K:]
-        self._z: F32 = np.empty((len(reader._rows), 2 * K), np.float32)
-        self._gW: F32 = np.empty((D, 2 * K), np.float32)
-        self._gb: F32 = np.empty(2 * K, np.float32)
+        self.W2: F32 = np.empty((2, D, K), np.float32)
+        self.b2: F32 = np.empty((2, 1, K), np.float32)
+        self.W2[0], self.W2[1] = head.W, step.W
+        self.b2[0, 0], self.b2[1, 0] = head.b, step.b
+        self.W, self.b = self.W2[0], self.b2[0, 0]  # the global head's working copy
+        self.V, self.c = self.W2[1], self.b2[1, 0]
+        self._z: F32 = np.empty((2, len(reader._rows), K), np.float32)
+        self._gW: F32 = np.empty((2, D, K), np.float32)
+        self._gb: F32 = np.empty((2, 1, K), np.float32)
         self.scale = restricted_logit_scale(step.columns, step.absent_alpha)
         self.lr32, self.lam32 = np.float32(lr), np.float32(step.lam)
         self.lr_p32 = np.float32(step.lr)
@@ -288,36 +286,37 @@ class _Pair:
             self.c[tied] = head.b[tied]
         # absent logits scaled to 0: their gradient and their pull are 0, every step keeps them tied
         self.tied = None if tied is not None and self.scale is not None and step.absent_alpha == 0.0 else tied
-        # one learning rate per column of [W | V]: plain SGD on both halves at once
-        self.whole = prox_mu == 0.0 and step.lam == 0.0 and self.tied is None
-        self.lr2: F32 = np.repeat(np.array([lr, step.lr], np.float32), K)
+        self.both = prox_mu == 0.0 and step.lam == 0.0 and self.tied is None
+        self.lr2: F32 = np.array([lr, step.lr], np.float32).reshape(2, 1, 1)
         self.steps = 0
 
     def train_step(self, e: F32, y: I64) -> None:
         """One SGD step of the global head and one Ditto step of the personal head on the batch."""
-        K, k = self.K, len(y)
+        k = len(y)
         gW, gb = self._gW, self._gb
         paired_cross_entropy_grad_into(
-            self.W2, self.b2, e, y, self._z[:k], gW, gb, self.reader._rows[:k], self.scale
+            self.W2, self.b2, e, y, self._z[:, :k], gW, gb, self.reader._rows[:k], self.scale
         )
         self.steps += 1
-        if self.whole:
+        if self.both:  # plain SGD on each head, each with its own rate
             gW *= self.lr2
             self.W2 -= gW
             gb *= self.lr2
             self.b2 -= gb
             return
+        gw, gbias = gW[0], gb[0, 0]
         if self.prox_mu > 0.0:
             head = self.head
-            sgd_step(self.W, self.b, gW[:, :K], gb[:K], self.lr, prox_mu=self.prox_mu, W0=head.W, b0=head.b)
+            sgd_step(self.W, self.b, gw, gbias, self.lr, prox_mu=self.prox_mu, W0=head.W, b0=head.b)
         else:
-            self.W -= gW[:, :K] * self.lr32
-            self.b -= gb[:K] * self.lr32
+            gw *= self.lr32
+            self.W -= gw
+            gbias *= self.lr32
+            self.b -= gbias
         if self.active:
             ditto_update(
-                self.V, self.c, gW[:, K:], gb[K:], self.lr_p32, self.lam32, self.head.W, self.head.b,
-                self.tied,
-            )  # fmt: skip
+                self.V, self.c, gW[1], gb[1, 0], self.lr_p32, self.lam32, self.head.W, self.head.b, self.tied
+            )
 
     def finish(self, n: int) -> PersonalResult:
         """Copy the personal head back into the caller's arrays; what its steps did."""
@@ -378,8 +377,7 @@ def train_local(
     personal : PersonalStep or None
         A personal head trained on the same batches (softmax heads, K >= 2): its steps are
         :func:`train_personal`'s toward ``head``, in this training's sample order; its arrays are
-        updated in place. The global head's training is the same as without it (up to the last
-        bits of the shared matrix products).
+        updated in place. The global head's training is bit for bit the same as without it.
 
     Returns
     -------
@@ -417,7 +415,7 @@ def train_local(
     if pair is None:
         W, b = head.W.copy(), head.b.copy()
     else:
-        W, b = pair.W, pair.b  # the global half of [W | V]: views, trained in place
+        W, b = pair.W, pair.b  # the global head of [W, V]: trained in place
     for e, y in reader.batches(local_epochs, shuffler, stop_at):
         if pair is not None:
             pair.train_step(e, y)
