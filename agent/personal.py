@@ -173,9 +173,9 @@ class PersonalHeads(DeviceState):
     def _adopt_personal(self, W: np.ndarray, b: np.ndarray, version: int, result: PersonalResult) -> None:
         """Keep the personal head trained with the round's global training (``train_local``'s ``personal``).
 
-        Persisted and evaluated by :meth:`personalise` (the daemon calls it once the update is out),
-        or, when a new global head comes first, evaluated with it (:meth:`evaluate`) and written
-        behind (:meth:`persist_behind`); without :attr:`write_behind`, persisted at once.
+        Persisted (at once, or behind with :attr:`write_behind`: :meth:`persist_behind`) and
+        evaluated by :meth:`personalise` (the daemon calls it once the update is out), or by the
+        next global head's :meth:`evaluate` if that comes first.
         """
         if not (np.isfinite(W).all() and np.isfinite(b).all()):
             logger.warning("personal step gave non-finite values; the next starts again from the global head")
@@ -262,16 +262,17 @@ class PersonalHeads(DeviceState):
 
         A round whose training took the personal step along (``train_local``'s ``personal``: the personal
         epochs are the round's and the head a softmax one) leaves only its evaluation here, and its result
-        is returned. Otherwise the step runs now: it pulls the personal head (the global head's copy the
-        first time) toward the current global head with ``personal.prox_lambda`` over ``personal.epochs``
-        passes of the store (0: the round's ``local_epochs``) at ``personal.lr_scale`` times the round's
-        ``lr``, the columns of classes never labelled here tied to the global head and their logits scaled
-        by ``personal.absent_alpha`` in the loss (FedRS's restricted softmax)
+        is returned (its steps; its time is in the round's ``LocalResult.train_s``). Otherwise the step
+        runs now: it pulls the personal head (the global head's copy the first time) toward the current
+        global head with ``personal.prox_lambda`` over ``personal.epochs`` passes of the store (0: the
+        round's ``local_epochs``) at ``personal.lr_scale`` times the round's ``lr``, the columns of
+        classes never labelled here tied to the global head and their logits scaled by
+        ``personal.absent_alpha`` in the loss (FedRS's restricted softmax)
         (:func:`edgefl.agent.trainer.train_personal`); phase ``personal``, admitted by the governor as one
-        head plus its gradient beside the chunk buffers. Then the head is written (:data:`PERSONAL_FILE`)
-        and both heads are evaluated on the holdout (:meth:`evaluate`: a personal head behind the global
-        one stops serving, :func:`personal_behind`). The update of the round is already kept: nothing here
-        changes what is sent.
+        head plus its gradient beside the chunk buffers. Then the head is written (:data:`PERSONAL_FILE`,
+        behind with :attr:`write_behind`) and both heads are evaluated on the holdout (:meth:`evaluate`: a
+        personal head behind the global one stops serving, :func:`personal_behind`). The update of the
+        round is already kept: nothing here changes what is sent.
 
         Returns
         -------
@@ -283,10 +284,7 @@ class PersonalHeads(DeviceState):
         self._personal_due = None
         cfg = self.profile.personal
         if ann is None and self._personal_done is not None:
-            done = self._personal_done  # taken with the round's training: persist and evaluate it
-            write = self._behind.get("personal")
-            if write is not None:
-                self._persist("personal", write)
+            done = self._personal_done  # taken with the round's training: evaluate it
             self.evaluate()
             return done
         if ann is None or not cfg.enabled or len(self.store) == 0:
@@ -330,6 +328,6 @@ class PersonalHeads(DeviceState):
             self.personal = None
             return result
         self.personal = Head(W, b, glob.version)
-        self._persist("personal", self._save_personal)
+        self._persist("personal", self._save_personal, behind=True)
         self.evaluate()
         return result

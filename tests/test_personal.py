@@ -361,7 +361,7 @@ def test_personal_agent_serves_predictions_and_survives_kill9(
     mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
 ) -> None:
     """After its round the agent's predictions come from its personal head (``head`` = personal); killed
-    with SIGKILL and started again, it serves the same personal head from its record."""
+    with SIGKILL once it wrote that head and started again, it serves the same head from its record."""
     x, y = load_digits()
     train_x, train_y = x[:64], y[:64] % 4  # four classes labelled
     probe = x[200:230]
@@ -383,6 +383,9 @@ def test_personal_agent_serves_predictions_and_survives_kill9(
             await wait_until(
                 lambda: all(f"p{i}" in app.predictions for i in range(len(probe))), 60, "predictions"
             )
+            if first:  # written once the agent idles (the heads are written behind a round)
+                record = tmp_path / "p-1" / PERSONAL_FILE
+                await wait_until(record.exists, 30, "the personal head written")
             return dict(app.predictions)
 
     before = asyncio.run(phase(True))

@@ -96,9 +96,9 @@ def test_durable_outbox_write_takes_the_acknowledgement_left_behind(tmp_path: Pa
     assert core.behind_since is None  # the one write left behind was the outbox's
 
 
-def test_personal_head_trained_with_the_round_is_written_by_personalise(tmp_path: Path) -> None:
+def test_personal_head_trained_with_the_round_is_evaluated_then_written_behind(tmp_path: Path) -> None:
     """Personal heads on: the round's training takes the personal step; ``personalise`` (the daemon's
-    call once the update is out) persists and evaluates it, and returns its steps."""
+    call once the update is out) evaluates it and returns its steps; it is written behind."""
     x, y = load_digits()
     prof = profile_for(tmp_path, **{"training.holdout_every": "4"})
     core = DeviceCore.open(prof)
@@ -110,8 +110,9 @@ def test_personal_head_trained_with_the_round_is_written_by_personalise(tmp_path
     assert not (tmp_path / "state" / PERSONAL_FILE).exists()
     step = core.personalise()
     assert step is not None and step.steps == res.local.personal.steps == 2 * -(-48 // 16)
-    assert (tmp_path / "state" / PERSONAL_FILE).exists() and not core.personal_due
+    assert not core.personal_due and not (tmp_path / "state" / PERSONAL_FILE).exists()
     assert core.personal_evaluation is not None and core.personal_evaluation.count == 16
+    assert core.persist_behind() and (tmp_path / "state" / PERSONAL_FILE).exists()
     restarted = DeviceCore.open(prof)
     assert restarted.personal is not None
     np.testing.assert_array_equal(restarted.personal.W, core.personal.W)
