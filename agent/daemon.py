@@ -59,6 +59,7 @@ class Agent(RoundTask):
         self.tls_context = ssl_context_for(profile.broker)  # bad certificate files fail at start-up
         self.state = AgentState()
         self.core = DeviceCore.open(profile, progress=self._progress)
+        self.core.write_behind = True  # the heads and a PUBACK's outbox write wait for an idle moment
         self._trim_wanted = False  # a round's garbage is returned to the kernel when idle (round_loop)
         self._round_wake = asyncio.Event()  # a message or an ask for the round task
         self._round_asks = set()  # what other tasks asked the round task (_wake_rounds)
@@ -225,4 +226,5 @@ class Agent(RoundTask):
                         t.cancel()
             finally:
                 await self._work(self.core.flush_store)
+                await self._work(self.core.persist_behind)
         logger.info("agent %s stopped", self.device)

@@ -4,7 +4,9 @@ Every state write goes through :meth:`DeviceState._persist`: it runs at once, an
 (a full disk) is counted, logged once, marks the device ``degraded`` and is retried
 (:meth:`DeviceState.retry_persist`) while the device carries on. The outbox record (update, answered
 round, error-feedback residual) is written before an update is published and after its PUBACK; the
-global head, personal head and rollback floor when they change; the embedding store every
+global head, personal head and rollback floor when they change (the heads and the post-PUBACK outbox
+written behind, once a round's messages are handled: :meth:`DeviceState.persist_behind`); the embedding
+store every
 ``training.flush_every`` samples or within ``training.flush_interval_s``. Records are checksummed
 :class:`~edgefl.records.RecordSlot` files; one for another fleet or model, or unreadable, is set aside
 with one log line.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -108,6 +111,10 @@ class DeviceState:
     degraded: str
     write_failures: int
     _unsaved: dict[str, Callable[[], object]]
+    write_behind: bool
+    _behind: dict[str, Callable[[], object]]
+    behind_since: float | None
+    _acks_behind: int
     _logged: set[tuple[str, str]]
     _records: dict[str, RecordSlot]
 
@@ -205,21 +212,30 @@ class DeviceState:
 
         self._persist("seen_version", write)
 
-    def _persist(self, what: str, write: Callable[[], object]) -> bool:
+    def _persist(self, what: str, write: Callable[[], object], *, behind: bool = False) -> bool:
         """Run one state write; on ``OSError`` count it, log it, mark the core degraded, keep it to retry.
 
         Parameters
         ----------
         what : str
-            Names the state (``store``, ``outbox``, ``head``, ``residual``, ``seen_version``).
+            Names the state (``store``, ``outbox``, ``head``, ``personal``, ``seen_version``).
         write : callable
             Writes it from the in-memory state; after a failure :meth:`retry_persist` runs it again.
+        behind : bool
+            A write that may wait (the global and personal heads, the outbox after a PUBACK): with
+            :attr:`write_behind` set it is only noted (the newest of each ``what``) for
+            :meth:`persist_behind`.
 
         Returns
         -------
         bool
-            Whether the write succeeded.
+            Whether the write succeeded (True for a write left behind).
         """
+        if behind and self.write_behind:
+            self._behind[what] = write
+            if self.behind_since is None:
+                self.behind_since = time.monotonic()
+            return True
         try:
             write()
         except OSError as exc:
@@ -239,11 +255,35 @@ class DeviceState:
             self.degraded = problem
             return False
         self._unsaved.pop(what, None)
+        if what == "outbox":
+            self._acks_behind = 0
+        if self._behind.pop(what, None) is not None and not self._behind:
+            self.behind_since = None  # this write made the one left behind unneeded
         if self.degraded and not self._unsaved:
             logger.warning("state writable again: persisting resumed (was %s)", self.degraded)
             self.degraded = ""
             self._logged.clear()
         return True
+
+    def persist_behind(self) -> bool:
+        """Make the writes left behind (:attr:`write_behind`) now, each as :meth:`_persist` does.
+
+        What waits is the newest global head, the personal head and the outbox once an acknowledged
+        update left it: none of them is needed for a guarantee (a restart before this gets the
+        retained global head again, trains its personal head from the older one, and re-sends an
+        acknowledged update, which the coordinator counts once), so the daemon writes them once
+        a round's messages are handled rather than between a head's arrival and the next update.
+
+        Returns
+        -------
+        bool
+            True when every write succeeded (a failed one is left to :meth:`retry_persist`).
+        """
+        pending, self._behind, self.behind_since = self._behind, {}, None
+        ok = True
+        for what, write in pending.items():
+            ok = self._persist(what, write) and ok
+        return ok
 
     def retry_persist(self) -> bool:
         """Write again what a failed write left unsaved (the daemon calls it every status interval).
@@ -302,10 +342,23 @@ class DeviceState:
         return attempts
 
     def acknowledged(self, update_id: str) -> bool:
-        """The broker acknowledged ``update_id`` (PUBACK): forget it (persisted); whether it was kept."""
+        """The broker acknowledged ``update_id`` (PUBACK): forget it (persisted); whether it was kept.
+
+        With :attr:`write_behind` the outbox is written behind (:meth:`persist_behind`) or by its next write.
+        """
         kept = update_id in {e.update_id for e in self.outbox.pending()}
+        if self.write_behind:
+            if self.outbox.forget(update_id):
+                self._acks_behind += 1
+                self._persist("outbox", self.outbox.save, behind=True)
+            return kept
         self._persist_outbox(lambda: self.outbox.ack(update_id))
         return kept
+
+    @property
+    def outbox_pending(self) -> int:
+        """Updates a restart would send again (unacknowledged, or acknowledged but written behind)."""
+        return len(self.outbox) + self._acks_behind
 
     def to_resend(self, current_round: int, max_sends: int = 2) -> tuple[list[Dropped], list[OutboxEntry]]:
         """After a (re)connect: drop entries of closed rounds, return those to send again.
