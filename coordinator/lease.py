@@ -264,8 +264,15 @@ async def probe_lease(
 
 
 async def _retained_presence(transport: MqttTransport, topic: str) -> Presence | None:
-    """The retained presence on ``topic`` (None: none within :data:`PROBE_RETAINED_WAIT_S`), unsubscribed."""
-    await transport.subscribe(topic, 1)
+    """The retained presence on ``topic`` (None: none within :data:`PROBE_RETAINED_WAIT_S`), unsubscribed.
+
+    A subscription the broker refuses (an ACL without the topic) is None too: the caller waits instead.
+    """
+    try:
+        await transport.subscribe(topic, 1)
+    except TransportError as exc:
+        logger.info("lease holder topic %s not readable (%s): the lease is checked by waiting", topic, exc)
+        return None
     try:
         return await _next_presence(transport, topic, PROBE_RETAINED_WAIT_S)
     finally:

@@ -211,3 +211,38 @@ def test_lease_restart_after_kill_with_clients_named_after_their_account_takes_o
         assert second.wait(timeout=30) == 0, read_log(tmp_path, "b")
     finally:
         stop_broker(broker)
+
+
+def test_lease_restart_with_an_acl_without_the_holder_topic_still_starts(tmp_path: Path, fleet: str) -> None:
+    """An ACL written before the holder topic (the lease topic only): the holder is never published nor
+    read (mosquitto grants the subscription and delivers nothing), so the probe waits as for any
+    session, and the coordinator starts (never exit 4)."""
+    acl = tmp_path / "edgefl.acl"
+    acl.write_text(
+        "user coordinator\n"
+        f"topic readwrite edgefl/{fleet}/coordinator\ntopic readwrite edgefl/{fleet}/global/#\n"
+        f"topic readwrite edgefl/{fleet}/round\ntopic read edgefl/{fleet}/update/+\n"
+        f"topic read edgefl/{fleet}/status/+\n"
+    )
+    broker = start_mosquitto(tmp_path, f"user root\nuse_username_as_clientid true\nacl_file {acl}")
+    account = "broker.username=coordinator"
+    state = tmp_path / "coord" / "state.rec"
+    state.parent.mkdir()
+    try:
+        first = start_coordinator(tmp_path, "a", broker, fleet, account, f"files.state={state}")
+        try:
+            wait_for_log(tmp_path, "a", "before round 1", first, 30)
+        finally:
+            first.kill()
+        first.wait(timeout=30)
+        second = start_coordinator(tmp_path, "b", broker, fleet, account, f"files.state={state}")
+        try:
+            wait_for_log(tmp_path, "b", "before round 1", second, 60)
+            out = read_log(tmp_path, "b")
+            assert "an existing session" in out and "cannot start" not in out, out
+            assert "previous coordinator" not in out, out
+        finally:
+            second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=30) == 0, read_log(tmp_path, "b")
+    finally:
+        stop_broker(broker)
