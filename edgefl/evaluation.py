@@ -20,8 +20,6 @@ from edgefl.types import F32, I64
 if TYPE_CHECKING:
     from edgefl.coordinator.profile import CoordinatorProfile
 
-__all__ = ["accuracy", "central_evaluation", "embed_all"]
-
 
 def embed_all(
     backbone: Backbone, x: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...], batch: int = 1
