@@ -508,7 +508,7 @@ def pacing_for(profile: CoordinatorProfile) -> Pacing:
 
 async def _wait_for_expected(coord: Coordinator, n: int, timeout_s: float, stop: asyncio.Event) -> None:
     """Wait for ``n`` ready devices before round 1 (``rounds.expected_clients``), ``timeout_s`` at most."""
-    waiting = asyncio.create_task(coord.registry.wait_for_devices(n, timeout_s=timeout_s))
+    waiting = asyncio.create_task(coord.registry.wait_for_devices(n, timeout_s=timeout_s, key=None))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({waiting, stopper}, return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()
