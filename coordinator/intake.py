@@ -220,6 +220,8 @@ class Intake:
             if self.on_lease_message is not None:
                 self.on_lease_message(msg)
             return
+        if msg.topic == self.topics.coordinator_holder:
+            return  # read by a lease probe; one left unacknowledged in our session comes back here
         device = self.topics.device_of(msg.topic)
         try:
             if device is None and self._is_own_topic(msg.topic):

@@ -259,6 +259,7 @@ async def run(
             f"fleet {fleet} on broker {where}",
             lambda t: _connected_or_refused(t, where, CONNECT_WAIT_S),
             previous,
+            topics.coordinator_holder,
         )
         if files.state is not None:
             record_instance(files.state, instance)  # the next start knows this one's lease as its own
@@ -327,7 +328,7 @@ async def run(
     if isinstance(coord, SiteAggregator):
         transport.on_connect_cb = coord.on_transport_connect
         return await _run_site(coord, profile, transport, page)
-    lease = Lease(transport, topics.coordinator, instance)
+    lease = Lease(transport, topics.coordinator, instance, holder_topic=topics.coordinator_holder)
     stop = asyncio.Event()
     lease.on_lost = stop.set
     coord.on_lease_message = lease.handle
@@ -507,7 +508,7 @@ def pacing_for(profile: CoordinatorProfile) -> Pacing:
 
 async def _wait_for_expected(coord: Coordinator, n: int, timeout_s: float, stop: asyncio.Event) -> None:
     """Wait for ``n`` ready devices before round 1 (``rounds.expected_clients``), ``timeout_s`` at most."""
-    waiting = asyncio.create_task(coord.registry.wait_for_devices(n, timeout_s=timeout_s))
+    waiting = asyncio.create_task(coord.registry.wait_for_devices(n, timeout_s=timeout_s, key=None))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({waiting, stopper}, return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()
