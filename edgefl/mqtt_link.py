@@ -71,8 +71,6 @@ class FlowQueue(asyncio.Queue[Message]):
         return item
 
 
-
-
 @dataclass(eq=False)
 class Connection:
     """One paho client's life: its in-flight PUBACK and SUBACK futures, keyed by ``mid``, die with it."""
@@ -172,7 +170,6 @@ class Link:
                 self._thread_error(name, exc)
 
         return cb
-
 
     # --- the network loop, driven by the event loop -----------------------------------------
     def _drive(self, conn: Connection) -> None:
@@ -293,7 +290,6 @@ class Link:
         self._unwatch(conn)
         with contextlib.suppress(Exception):
             conn.client.edgefl_close()
-
 
     def _handle_oversize(self, info: bytes) -> None:
         size, _, topic = info.partition(b"\n")

@@ -116,19 +116,10 @@ class BrokerConfig:
 class DashboardConfig:
     """``[dashboard]``: the agent's HTTP page, JSON, SSE and ``/metrics``.
 
-    Parameters
-    ----------
-    enabled : bool
-    host : str
-        Listen address; anything but loopback requires ``token``.
-    port : int
-        0..65535; 0 picks a free port.
-    token : str or None
-        Bearer token, at least 16 characters, no whitespace; hidden from ``repr``.
-    header_timeout_s, body_timeout_s : float
-        Seconds a request's header block, then its body, may take (0.1..300).
-    max_connections, max_connections_per_client : int
-        Open connections at once (1..10000), and from one client address (1..max_connections).
+    ``host`` other than loopback requires ``token`` (at least 16 characters, no whitespace, hidden from
+    ``repr``); ``port`` 0..65535 (0: a free one); ``header_timeout_s``/``body_timeout_s`` seconds a
+    request's header block, then its body, may take (0.1..300); ``max_connections`` open at once
+    (1..10000), ``max_connections_per_client`` from one address.
     """
 
     enabled: bool = False
@@ -142,6 +133,15 @@ class DashboardConfig:
 
 
 _Kind = Literal["str", "int", "float", "bool", "path", "floats", "strs", "choice"]
+_KINDS: Final[dict[object, _Kind]] = {
+    str: "str",
+    int: "int",
+    float: "float",
+    bool: "bool",
+    Path: "path",
+    tuple[float, ...]: "floats",
+    tuple[str, ...]: "strs",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,20 +169,8 @@ def _field_specs(cls: type[Any]) -> dict[str, _FieldSpec]:
         kind: _Kind
         if typing.get_origin(hint) is Literal:
             kind, choices = "choice", tuple(str(a) for a in typing.get_args(hint))
-        elif hint == tuple[float, ...]:
-            kind = "floats"
-        elif hint == tuple[str, ...]:
-            kind = "strs"
-        elif hint is Path:
-            kind = "path"
-        elif hint is bool:
-            kind = "bool"
-        elif hint is int:
-            kind = "int"
-        elif hint is float:
-            kind = "float"
-        elif hint is str:
-            kind = "str"
+        elif hint in _KINDS:
+            kind = _KINDS[hint]
         else:  # pragma: no cover - guards future fields with an unsupported type
             raise TypeError(f"{cls.__name__}.{f.name}: unsupported field type {hint!r}")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING

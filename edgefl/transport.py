@@ -60,8 +60,6 @@ class Will:
     retain: bool = True
 
 
-
-
 def _retrieve_all(futures: Sequence[asyncio.Future[Any]]) -> None:
     """Mark the outcome of futures nobody will await as seen (no "exception was never retrieved")."""
     for fut in futures:
@@ -73,10 +71,8 @@ class MqttTransport(Link):
 
     Parameters
     ----------
-    host : str
-    port : int
-    client_id : str
-        Unique per broker.
+    host, port, client_id : str, int, str
+        The broker, and a client id unique on it.
     will : Will or None
         Last will, set before connecting.
     protocol : "auto" | "5" | "3.1.1"
@@ -88,21 +84,17 @@ class MqttTransport(Link):
     tls_context : ssl.SSLContext or None
     on_connect : callable or None
         Called on the event loop after every CONNACK and re-subscription (to publish "online").
-    max_packet_bytes : int
-        Largest PUBLISH this client may send (``broker.max_packet_bytes``), lowered by the CONNACK's
-        Maximum Packet Size.
-    max_incoming_packet_bytes : int
-        Largest packet accepted (``broker.max_incoming_packet_bytes``): the CONNECT Maximum Packet Size
-        on MQTT 5, enforced on every protocol by :class:`~edgefl.mqtt_socket.PacketFilter`; an oversize
-        PUBLISH is acknowledged, dropped, counted (``oversize_dropped_total``) and logged.
+    max_packet_bytes, max_incoming_packet_bytes : int
+        Largest PUBLISH sent (lowered by the CONNACK's Maximum Packet Size) and packet accepted (the
+        CONNECT's Maximum Packet Size; enforced on every protocol: an oversize PUBLISH is acknowledged,
+        dropped, counted in ``oversize_dropped_total`` and logged).
     session_expiry_s : int
-        0 = clean session; else the broker keeps the session (subscriptions, queued QoS 1 messages)
-        that long while the client is away (MQTT 5.0 §3.1.2.11). Needs a fixed ``client_id``.
+        0 = clean session; else the broker keeps the session that long while the client is away (MQTT
+        5.0 §3.1.2.11). Needs a fixed ``client_id``.
     alternates : sequence of (host, port)
         Other nodes of a clustered broker, tried round robin after a failed connect or a loss.
     ack_on_commit : bool
-        True: a QoS 1 message is acknowledged only once the consumer took it and called
-        :meth:`commit` (needs ``session_expiry_s``); False: once it is in :attr:`queue`.
+        Acknowledge a QoS 1 message only once the consumer called :meth:`commit` (needs a session).
     reconnect_max_s : float or None
         Cap of the reconnect back-off (:meth:`backoff_s`); None: ``RECONNECT_MAX_S``.
     """
@@ -205,7 +197,6 @@ class MqttTransport(Link):
             "subscribe_failures": self.subscribe_failures_total,
         }
 
-
     def _bind(self, conn: Connection) -> None:
         """Point paho's callbacks at ``conn``: each only schedules a handler (STYLE.md rule 6)."""
         guarded = self._guarded
@@ -244,7 +235,6 @@ class MqttTransport(Link):
         c.on_unsubscribe = guarded("on_unsubscribe", on_unsubscribe)
         c.on_message = guarded("on_message", on_message)
         c.on_socket_open = guarded("on_socket_open", set_nodelay)
-
 
     # --- loop side -------------------------------------------------------------------------
     def _handle_connect(
@@ -397,7 +387,6 @@ class MqttTransport(Link):
         fut = conn.unsubacks.pop(mid, None)
         if fut is not None and not fut.done():
             fut.set_result(rcs)
-
 
     def _send_subscribe(
         self, conn: Connection, topic: str, qos: int, live_only: bool = False
@@ -633,9 +622,7 @@ class MqttTransport(Link):
             del self._unsubscribing[topic]  # answered: refused or not, sending it again cannot help
         self._check_unsuback(topic, rcs)
 
-    def _send_unsubscribe(
-        self, conn: Connection, topic: str
-    ) -> tuple[str, asyncio.Future[list[ReasonCode]]]:
+    def _send_unsubscribe(self, conn: Connection, topic: str) -> tuple[str, asyncio.Future[list[ReasonCode]]]:
         """UNSUBSCRIBE on ``conn``; the future gets the UNSUBACK's reason codes or a TransportError."""
         rc, mid = conn.client.unsubscribe(topic)
         return topic, self._ack_future(conn, conn.unsubacks, rc, mid, f"unsubscribe from {topic}")
