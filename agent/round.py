@@ -22,7 +22,7 @@ from edgefl.agent import estimates, heap
 from edgefl.agent.outbox import Dropped, OutboxEntry
 from edgefl.agent.personal import PersonalHeads
 from edgefl.agent.state import Answered, ProgressHook
-from edgefl.agent.trainer import LocalResult, train_local
+from edgefl.agent.trainer import LocalResult, PersonalStep, train_local
 from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.head import Head
 from edgefl.wire.cbor import MessageType
@@ -275,6 +275,7 @@ class RoundAnswering(PersonalHeads):
             self._progress("training", adm.reason)
         self.new_samples = 0  # what is stored from now on is new for the next round
         self.store.set_mark()  # ... after a restart too (written with the store's next flush)
+        alongside = self._personal_alongside(ann, adm.estimate_bytes)
         with self._phase("train"):
             result = train_local(
                 head,
@@ -287,6 +288,7 @@ class RoundAnswering(PersonalHeads):
                 clip_norm=cfg.clip_norm,
                 seed=cfg.seed + ann.round,
                 time_budget_s=ann.deadline_s,
+                personal=alongside,
             )
         enc = gov.admit(
             "encode",
@@ -374,8 +376,11 @@ class RoundAnswering(PersonalHeads):
         entry = OutboxEntry(update_id, ann.round, payload)
         if self.deferred is not None and self.deferred.ann.round <= ann.round:
             self.deferred = None
-        if self.profile.personal.enabled:
-            self._personal_due = ann  # after the update is kept: it never depends on the personal head
+        if alongside is not None and result.personal is not None:
+            # trained with the global head, after the update is kept: nothing sent depends on it
+            self._adopt_personal(alongside.W, alongside.b, head.version, result.personal)
+        elif self.profile.personal.enabled:
+            self._personal_due = ann  # a step of its own, after the update is kept
         return RoundResult(
             RoundStatus.TRAINED,
             ann.round,
@@ -383,6 +388,28 @@ class RoundAnswering(PersonalHeads):
             dropped=dropped,
             local=result,
             update_bytes=len(payload),
+        )
+
+    def _personal_alongside(self, ann: RoundAnnouncement, train_bytes: int) -> PersonalStep | None:
+        """The personal step to take on the round's training batches, if it can (else None).
+
+        It can when personal heads are on, the head is a softmax one (K >= 2), ``personal.epochs``
+        is the round's (0 or ``local_epochs``) and the governor admits the personal head and its
+        gradient beside ``train_bytes`` (phase ``personal``). Otherwise the step runs on its own after
+        the update (:meth:`personalise`, with its own admission).
+        """
+        pcfg = self.profile.personal
+        D, K = self.head.shape
+        if not pcfg.enabled or K < 2 or pcfg.epochs not in (0, ann.local_epochs):
+            return None
+        head_bytes = 2 * (D * K + K) * 4  # as estimates.estimate_personal_bytes: the head and its gradient
+        adm = self.governor.admit("personal", lambda _: head_bytes, 1, 1, keep=lambda _: train_bytes)
+        if adm.deferred:
+            return None
+        current = self.personal
+        W, b = (self.head.W.copy(), self.head.b.copy()) if current is None else (current.W, current.b)
+        return PersonalStep(
+            W, b, self.personal_columns.copy(), pcfg.prox_lambda, pcfg.lr_scale * ann.lr, pcfg.absent_alpha
         )
 
     def _defer(self, ann: RoundAnnouncement, reason: str, decline: str = Reason.OVER_BUDGET) -> RoundResult:

@@ -14,9 +14,10 @@ leaves it off).
   replay -> LiteRT -> store -> head training -> CBOR update, QoS 1) and the real coordinator
   (``Coordinator.run_round``) in this process, connected to the broker directly. Variants
   (:data:`VARIANTS`): ``int8`` as shipped (int8 both ways, mosquitto's defaults, the agents'
-  dashboards on) and four that each change one thing of it: ``float32`` and
+  dashboards and personal heads on) and five that each change one thing of it: ``float32`` and
   ``topk_int8`` (the wire), ``int8_nodelay`` (mosquitto's ``set_tcp_nodelay true``),
-  ``int8_no_dashboard`` (the dashboards off).
+  ``int8_no_dashboard`` (the dashboards off), ``int8_no_personal`` (the personal heads off: work
+  Flower's client does not do; its ratios are named ``..._no_personal``, the headline stays ``int8``).
 - **Flower**: the legacy gRPC ``start_server`` (FedAvg) and 2 ``start_client`` NumPyClients
   (``bench/peer_flower.py``), run with the python of Flower's own venv (``--flower-venv``, created
   with ``flwr==1.42.0`` and numpy when absent; the only network use is that pip install), training
@@ -94,6 +95,7 @@ class Variant:
     downlink: HeadLayout
     broker_nodelay: bool
     dashboard: bool
+    personal: bool = True
 
 
 VARIANTS = (
@@ -101,11 +103,14 @@ VARIANTS = (
     Variant("float32", Compression.NONE, HeadLayout.FLOAT32, False, True),
     Variant("topk_int8", Compression.TOPK_INT8, HeadLayout.INT8, False, True),
     Variant("int8_nodelay", Compression.INT8, HeadLayout.INT8, True, True),
+    Variant("int8_no_personal", Compression.INT8, HeadLayout.INT8, False, True, personal=False),
     Variant("int8_no_dashboard", Compression.INT8, HeadLayout.INT8, False, False),
 )
-"""``int8`` (int8 both ways, mosquitto's defaults, the agents' dashboards on, as shipped) and variants
-that each change one thing of it: the wire (``float32``, ``topk_int8``), the broker's
-``set_tcp_nodelay`` (``int8_nodelay``), or the dashboards off (``int8_no_dashboard``)."""
+"""``int8`` (int8 both ways, mosquitto's defaults, the agents' dashboards and personal heads on, as
+shipped) and variants that each change one thing of it: the wire (``float32``, ``topk_int8``), the
+broker's ``set_tcp_nodelay`` (``int8_nodelay``), the personal heads off (``int8_no_personal``: work
+Flower's client does not do; ``personal.enabled = false``, not the shipped setting), or the
+dashboards off (``int8_no_dashboard``)."""
 
 INTERPRETER_FLAGS: tuple[str, ...] = ("-OO",)
 """Both systems' processes (edgefl's agents, Flower's server and clients) run with these flags and
@@ -449,7 +454,7 @@ async def _edgefl_rounds(
 
 
 def agent_overrides(
-    run_dir: Path, proxy: Proxy, fleet: str, job: Job, i: int, *, dashboard: bool
+    run_dir: Path, proxy: Proxy, fleet: str, job: Job, i: int, *, dashboard: bool, personal: bool = True
 ) -> dict[str, str]:
     """Profile overrides of the bench's agent ``dev-<i>`` (i = 1, 2): replaying shard i through the proxy."""
     return {
@@ -462,6 +467,7 @@ def agent_overrides(
         "model.path": str(job.model),
         "training.store_capacity": "1024",
         "dashboard.enabled": "true" if dashboard else "false",
+        "personal.enabled": "true" if personal else "false",
         "status.heartbeat_s": "60",  # as the gateway profiles
     }
 
@@ -476,7 +482,7 @@ def run_edgefl(work: Path, job: Job, v: Variant) -> dict[str, Any]:
         procs = [
             launch_agent(
                 profile,
-                agent_overrides(run_dir, proxy, fleet, job, i, dashboard=v.dashboard),
+                agent_overrides(run_dir, proxy, fleet, job, i, dashboard=v.dashboard, personal=v.personal),
                 run_dir / f"dev-{i}.log",
                 optimize="-OO" in INTERPRETER_FLAGS,
                 malloc=bool(MALLOC_ENV),
@@ -697,6 +703,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "cpu_ms_per_round_server": med("edgefl", "cpu_ms_per_round_server", "int8")
         / med("flower", "cpu_ms_per_round_server"),
         "peak_rss_like_for_like_d512": med("edgefl", "peak_rss_kib", "int8_no_dashboard") / frss,
+        # work Flower's client does not do, off (not the shipped setting): what the personal head costs
+        "cycle_ms_no_personal": med("edgefl", "cycle_ms", "int8_no_personal") / med("flower", "cycle_ms"),
+        "cpu_ms_per_round_device_no_personal": med("edgefl", "cpu_ms_per_round_device", "int8_no_personal")
+        / med("flower", "cpu_ms_per_round_device"),
     }
     absolute = {
         "flower": {
@@ -844,10 +854,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                 f"| {what}, broker {label} | {a['flower'][key]:.1f} ms | "
                 f"{a[name][key]:.1f} ms | {a[name][key] / a['flower'][key]:.2f} |"
             )
-    for key, what in (("cpu_ms_per_round_device", "a client"), ("cpu_ms_per_round_server", "the server")):
+    for key, what, name in (
+        ("cpu_ms_per_round_device", "a client", "int8"),
+        ("cpu_ms_per_round_device", "a client, personal heads off", "int8_no_personal"),
+        ("cpu_ms_per_round_server", "the server", "int8"),
+        ("cycle_ms", "round start -> next round start, personal heads off", "int8_no_personal"),
+    ):
         print(
-            f"| CPU per round, {what} | {a['flower'][key]:.1f} ms | {a['int8'][key]:.1f} ms | "
-            f"{a['int8'][key] / a['flower'][key]:.2f} |"
+            f"| {what if key == 'cycle_ms' else 'CPU per round, ' + what} | {a['flower'][key]:.1f} ms | "
+            f"{a[name][key]:.1f} ms | {a[name][key] / a['flower'][key]:.2f} |"
         )
     for name, label in (("int8", "dashboard on"), ("int8_no_dashboard", "dashboard off")):
         print(

@@ -16,7 +16,14 @@ of its own and reads the retained presence:
   :class:`LeaseHeld` is raised (``edgefl coordinator`` exits 6) before anything is published or
   written;
 - one that does not move: stale (a broker that restarted from its persistence after the holder
-  died, so its will never ran): the fleet is free.
+  died, so its will never ran): the fleet is free;
+- one naming this state file's previous instance (:func:`previous_instance`): that process is gone
+  (its successor holds the state file's lock) and the broker has not yet fired its will (a power cut
+  leaves the connection half open until the keepalive runs out): taken over at once.
+
+Each coordinator with a state file records its instance beside it (``<state>.instance``, a checksummed
+record naming the host and the state file) once it has taken the lease, so a restart after a crash
+knows its own debris from another coordinator's live lease.
 
 A holder that later sees a live presence of another instance (two coordinators that probed at the
 same moment, or one that took the fleet while this one was cut off from the broker) keeps the
@@ -31,22 +38,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Final
 
 from edgefl.errors import DecodeError, EdgeflError, TransportError
 from edgefl.mqtt_link import Message
+from edgefl.records import RecordError, atomic_write, decode_record, encode_record
 from edgefl.transport import MqttTransport, Will
 from edgefl.wire.presence import Presence, decode_presence, encode_presence
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LEASE_HEARTBEAT_S", "Lease", "LeaseHeld", "new_instance", "probe_lease"]
+__all__ = [
+    "LEASE_HEARTBEAT_S",
+    "Lease",
+    "LeaseHeld",
+    "instance_path",
+    "new_instance",
+    "previous_instance",
+    "probe_lease",
+    "record_instance",
+]
 
 LEASE_HEARTBEAT_S: Final = 5.0
 """Seconds between two republishes of a holder's presence (a tiny retained message)."""
@@ -84,6 +103,59 @@ def new_instance() -> str:
     return secrets.token_hex(16)
 
 
+def _host() -> str:
+    return (socket.gethostname() or "unknown").replace(" ", "_")[:255]
+
+
+def instance_path(state: Path) -> Path:
+    """Where the instance that holds ``state``'s lock records its id: ``<state>.instance`` beside it."""
+    return state.with_name(state.name + ".instance")
+
+
+def record_instance(state: Path, instance: str) -> None:
+    """Record ``instance`` as the coordinator of state file ``state`` (atomic, checksummed).
+
+    Written once the lease is taken (never before: a coordinator refused with exit 6 writes nothing),
+    while the state file's lock is held.
+
+    Raises
+    ------
+    OSError
+        If the file cannot be written.
+    """
+    doc = {"instance": instance, "host": _host(), "state": str(state.resolve()), "pid": os.getpid()}
+    atomic_write(instance_path(state), encode_record(json.dumps(doc, sort_keys=True).encode()))
+
+
+def previous_instance(state: Path) -> str | None:
+    """The instance id the last coordinator of ``state`` recorded (:func:`record_instance`), if it is ours.
+
+    Call it with the state file's lock held: that process is then gone. Only a record written on this
+    host for this very state file counts (a folder copied elsewhere, or restored on another gateway,
+    names another coordinator's instance as far as this one knows).
+
+    Returns
+    -------
+    str or None
+        The id, or None (no record, unreadable, or written for another host or state file; an
+        unreadable one is logged).
+    """
+    path = instance_path(state)
+    try:
+        _, payload = decode_record(path.read_bytes())
+        doc = json.loads(payload)
+    except FileNotFoundError:
+        return None
+    except (OSError, RecordError, ValueError) as exc:
+        logger.warning("%s unreadable (%s): the fleet's lease is checked as any other's", path, exc)
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("instance"), str):
+        return None
+    if doc.get("host") != _host() or doc.get("state") != str(state.resolve()):
+        return None
+    return str(doc["instance"])
+
+
 def describe(p: Presence) -> str:
     """``instance 1a2b3c4d on host gw (pid 42), since 2026-12-06T04:00:00Z``."""
     since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(p.started))
@@ -95,6 +167,7 @@ async def probe_lease(
     topic: str,
     fleet_where: str,
     connected: Callable[[MqttTransport], Awaitable[None]],
+    previous: str | None = None,
 ) -> Presence | None:
     """Read the fleet's lease through ``transport`` (a client id of its own, clean session); publish nothing.
 
@@ -111,6 +184,9 @@ async def probe_lease(
     connected : async callable (transport) -> None
         Waits until ``transport`` is connected, raising what the caller makes of a broker that cannot
         be reached or refuses the credentials.
+    previous : str or None
+        This state file's previous instance (:func:`previous_instance`): a presence naming it is
+        taken over at once (its holder is gone), with an INFO line.
 
     Returns
     -------
@@ -142,6 +218,13 @@ async def probe_lease(
         first = await _next_presence(transport, topic, first_wait)
         if first is None:
             return None
+        if previous is not None and first.instance == previous:
+            logger.info(
+                "the fleet's lease names %s, this state file's previous coordinator (it did not stop "
+                "cleanly; the broker has not cleared its lease yet): taken over",
+                describe(first),
+            )
+            return first
         wait_s = 2 * min(first.heartbeat_s, PROBE_HEARTBEAT_MAX_S) + PROBE_MARGIN_S
         loop = asyncio.get_running_loop()
         end = loop.time() + wait_s
@@ -202,7 +285,7 @@ class Lease:
         self.topic = topic
         self.presence = Presence(
             instance=instance,
-            host=(socket.gethostname() or "unknown").replace(" ", "_")[:255],
+            host=_host(),
             pid=os.getpid(),
             started=time.time(),
             seq=0,

@@ -32,7 +32,7 @@ from typing import Any, Final
 from edgefl.aio import within
 from edgefl.coordinator.hierarchy import RootCoordinator, SiteAggregator, SiteRecord
 from edgefl.coordinator.history import HISTORY_ROUNDS, RoundRecord
-from edgefl.coordinator.lease import Lease, new_instance, probe_lease
+from edgefl.coordinator.lease import Lease, new_instance, previous_instance, probe_lease, record_instance
 from edgefl.coordinator.privacy import DPFedAvg
 from edgefl.coordinator.profile import CoordinatorProfile
 from edgefl.coordinator.roundlog import (
@@ -68,6 +68,7 @@ EXIT_MODEL: Final = 3
 EXIT_RUNTIME: Final = 4
 EXIT_EMPTY_ROUND: Final = 5
 EXIT_LEASE: Final = 6
+EXIT_FAULT: Final = 75
 
 CONNECT_WAIT_S: Final = 60.0
 """How long the coordinator waits for its broker at start-up before it gives up (exit 4), seconds."""
@@ -250,12 +251,17 @@ async def run(
 
     if leased:  # before anything is published or written: is a live coordinator running this fleet?
         probe = transport_for(f"{client_id}-probe-{instance[:8]}", persistent=False, probe=True)
+        # the composition root holds the state file's lock: its previous instance is gone
+        previous = previous_instance(files.state) if files.state is not None else None
         await probe_lease(
             probe,
             topics.coordinator,
             f"fleet {fleet} on broker {where}",
             lambda t: _connected_or_refused(t, where, CONNECT_WAIT_S),
+            previous,
         )
+        if files.state is not None:
+            record_instance(files.state, instance)  # the next start knows this one's lease as its own
     transport = transport_for(client_id, persistent=True)
     st = profile.strategy
     try:
