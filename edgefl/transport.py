@@ -45,9 +45,7 @@ SUBACK_TIMEOUT_S = 10.0
 TAKEOVER_WINDOW_S = 10.0
 """A connection closed without a reason this soon after its CONNACK counts towards :data:`TAKEOVER_LOSSES`."""
 TAKEOVER_LOSSES = 3
-"""Connections in a row closed within :data:`TAKEOVER_WINDOW_S` of their CONNACK: the transport then says
-another client probably takes over its client id's session at each connect (MQTT 5.0 §3.1.4: the
-broker closes the older connection of a client id; mosquitto 2.0 closes it without a DISCONNECT)."""
+"""Such closes in a row: another client takes the client id's session at each connect (MQTT 5.0 §3.1.4)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,9 +162,8 @@ class MqttTransport(Link):
         #: Set at every CONNACK refusal (the caller clears it): wakes whoever reports refusals.
         self.refused = asyncio.Event()
         self.broker_max_packet_bytes: int | None = None  # MQTT 5 CONNACK Maximum Packet Size, when sent
-        #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1, 3.1.1 §3.2.2.2): False after a
-        #: reconnect means the broker had no session for us (it lost its state, or the session expired):
-        #: whatever was published to our subscriptions while we were away is gone.
+        #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1): False after a reconnect means
+        #: what was published to our subscriptions while we were away is gone.
         self.session_present = False
 
     @property
