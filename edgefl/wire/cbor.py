@@ -227,17 +227,18 @@ def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
         items += 1
         if items > max_items:
             raise DecodeError(Reason.TOO_LARGE, f"more than {max_items} data items")
+        if major == 2 or major == 3:
+            if arg > size - pos:
+                raise DecodeError(
+                    Reason.BAD_CBOR, f"string of {arg} bytes at byte {pos - 1} runs past the end"
+                )
+            if major == 3 and arg > max_string:
+                raise DecodeError(Reason.BAD_VALUE, f"text string of {arg} bytes > {max_string}")
         if left:
             keys = keysets[-1]
             if keys is not None and not left[-1] & 1:  # a map key: an even count of children left
                 if major != 3:
                     raise DecodeError(Reason.WRONG_TYPE, f"map key at byte {pos - 1} is not a text string")
-                if arg > size - pos:
-                    raise DecodeError(
-                        Reason.BAD_CBOR, f"string of {arg} bytes at byte {pos - 1} runs past the end"
-                    )
-                if arg > max_string:
-                    raise DecodeError(Reason.BAD_VALUE, f"text string of {arg} bytes > {max_string}")
                 key = data[pos : pos + arg]
                 if key in keys:  # checked here, not by cbor2: cbor2 5.x has no allow_duplicate_keys
                     raise DecodeError(
@@ -249,21 +250,12 @@ def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
                 pos += arg
                 left[-1] -= 1  # a key never completes its map
                 continue
-            if keys is not None and len(left) == 1:
+            if keys is not None and len(left) == 1 and (major == 0 or major == 3):
                 # a value of the top-level map (a key that is not UTF-8 is refused by cbor2 later;
                 # here it only must not raise)
-                if major == 0:
-                    found[top_key.decode("utf-8", "replace")] = arg
-                elif major == 3 and arg <= min(size - pos, max_string):
-                    text = data[pos : pos + arg].decode("utf-8", "replace")
-                    found[top_key.decode("utf-8", "replace")] = text
+                value = arg if major == 0 else data[pos : pos + arg].decode("utf-8", "replace")
+                found[top_key.decode("utf-8", "replace")] = value
         if major == 2 or major == 3:
-            if arg > size - pos:
-                raise DecodeError(
-                    Reason.BAD_CBOR, f"string of {arg} bytes at byte {pos - 1} runs past the end"
-                )
-            if major == 3 and arg > max_string:
-                raise DecodeError(Reason.BAD_VALUE, f"text string of {arg} bytes > {max_string}")
             pos += arg
         elif major == 4 or major == 5:
             if arg > max_elements:
