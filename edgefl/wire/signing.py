@@ -416,11 +416,6 @@ class _Signed:
     device: str
 
 
-def _signed_fields(blank: bytes, limits: Limits) -> _Signed:
-    """Read v, type, round, version and device from the blank form's headers (nothing is decoded)."""
-    return _signed_header(scan(blank, limits).header)
-
-
 def _signed_header(found: Mapping[str, int | str]) -> _Signed:
     """The signed fields among a message's top-level header values (its signature bytes are not one)."""
     schema, kind = found.get("v"), found.get("type")
@@ -451,7 +446,7 @@ def sign_payload(blank: bytes, key: SigningKey, *, fleet: str) -> bytes:
             "the message must end with a 64-byte zero 'signature' placeholder (signature=PLACEHOLDER)"
         )
     try:
-        fields = _signed_fields(bytes(blank), NO_LIMITS)
+        fields = _signed_header(scan(bytes(blank), NO_LIMITS).header)
     except DecodeError as exc:
         raise ValueError(f"cannot sign this message: {exc}") from exc
     if fields.schema != SCHEMA_VERSION:
@@ -512,11 +507,9 @@ def verify_payload(
         raise ValueError(f"verifying a {expected.value} needs the device (or site) its topic names")
     data = payload.data if isinstance(payload, Scanned) else payload
     blank = unsigned_form(data)
+    header = payload.header if isinstance(payload, Scanned) else None
     try:
-        if isinstance(payload, Scanned):
-            fields = _signed_header(payload.header)
-        else:
-            fields = _signed_fields(blank, limits)
+        fields = _signed_header(header if header is not None else scan(blank, limits).header)
     except DecodeError as exc:
         raise DecodeError(Reason.BAD_SIGNATURE, f"signed fields unreadable ({exc})") from exc
     if fields.schema != SCHEMA_VERSION:
