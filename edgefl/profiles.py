@@ -202,13 +202,7 @@ def show(value: object, *, secret: bool = False) -> str:
 
 
 def convert(spec: _FieldSpec, value: object, base_dir: Path, *, from_text: bool) -> object:
-    """Type-check one value (coercing strings when it came from a ``--set key=value`` override).
-
-    Raises
-    ------
-    ValueError
-        With the reason only; the caller adds the dotted key and value.
-    """
+    """Type-check one value (coercing strings from a ``--set`` override); ValueError with the reason only."""
     if value is None or (from_text and spec.optional and value == ""):
         if spec.optional:
             return None
@@ -588,13 +582,7 @@ class Schema:
 
 
 def broker_password(broker: BrokerConfig) -> str | None:
-    """The broker password: ``broker.password``, or the first line of ``broker.password_file``.
-
-    Raises
-    ------
-    ConfigError
-        If the password file cannot be read (names the key and the file).
-    """
+    """``broker.password``, or the first line of ``broker.password_file`` (ConfigError if unreadable)."""
     if broker.password_file is None:
         return broker.password
     try:

@@ -105,13 +105,7 @@ def _deflate(raw: bytes) -> bytes:
 
 
 def _inflate(packed: object, count: int, name: str) -> bytes:
-    """Inflate a raw deflate stream that must give exactly ``count`` bytes, never more than count + 1.
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type`` (not a byte string), ``bad_value`` (not a raw deflate stream, or another length).
-    """
+    """Inflate a raw deflate stream to exactly ``count`` bytes (never more than count + 1 come out)."""
     if type(packed) is not bytes:
         raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a byte string, got {type(packed).__name__}")
     unpacker = zlib.decompressobj(_DEFLATE_WBITS)

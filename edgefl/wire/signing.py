@@ -238,11 +238,8 @@ def _decode_text(text: str, prefix: bytes, kind: str) -> bytes:
 def parse_signing_key(text: str) -> SigningKey:
     """Parse a private key's text: 64 hex digits (the seed) or PKCS #8 PEM ``PRIVATE KEY``.
 
-    Raises
-    ------
-    ValueError
-        Saying what the text is instead (a public key, an encrypted or non-Ed25519 PEM block, a wrong
-        number of hex digits); the message never contains key material.
+    ValueError saying what the text is instead (a public key, an encrypted or non-Ed25519 PEM block, a
+    wrong number of hex digits), never quoting key material.
 
     Source: RFC 8410 §7, §10.3.
     """
@@ -252,12 +249,7 @@ def parse_signing_key(text: str) -> SigningKey:
 def parse_verify_key(text: str) -> VerifyKey:
     """Parse a public key (profile value or ``.pub`` text): 64 hex digits or SPKI PEM ``PUBLIC KEY``.
 
-    Raises
-    ------
-    ValueError
-        As :func:`parse_signing_key` (a private key, another algorithm...), never quoting the key.
-
-    Source: RFC 8410 §4, §10.1.
+    ValueError as :func:`parse_signing_key`. Source: RFC 8410 §4, §10.1.
     """
     return VerifyKey(_decode_text(text, _SPKI_PREFIX, "public key"))
 
