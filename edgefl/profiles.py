@@ -12,6 +12,7 @@ Source: TOML 1.0.0 (https://toml.io/en/v1.0.0), read with ``tomllib``.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -19,7 +20,7 @@ import os
 import tomllib
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -592,6 +593,31 @@ def broker_password(broker: BrokerConfig) -> str | None:
             [f"broker.password_file = {str(broker.password_file)!r}: cannot read ({exc})"]
         ) from exc
     return lines[0] if lines else ""
+
+
+def add_set_argument(parser: argparse.ArgumentParser, example: str) -> None:
+    """Add the repeatable ``--set KEY=VALUE`` option (a profile key overridden), e.g. ``example``."""
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a profile key, e.g. --set {example} (repeatable)",
+    )
+
+
+def parse_sets(items: Sequence[str]) -> dict[str, object]:
+    """``--set`` items as ``{"table.key": "value"}``; ConfigError listing each that is not ``key=value``."""
+    out: dict[str, object] = {}
+    bad = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            bad.append(f"--set {item!r}: expected key=value")
+        out[key.strip()] = value
+    if bad:
+        raise ConfigError(bad)
+    return out
 
 
 def read_toml(path: Path | str) -> tuple[Path, dict[str, Any]]:
