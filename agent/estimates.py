@@ -203,7 +203,7 @@ def estimate_train_bytes(
     Terms, each checked against what a run of the device core adds (``bench/memory.py``, real LiteRT
     models): the one float32 chunk buffer the trainer reuses, the float16 gather it is read from,
     the labels (int64 buffer, int16 gather) and the chunk's slot order and shuffle (int64 each); the
-    per-epoch permutation of ``num_examples`` (``Shuffler``: uint64 keys, a temporary, the int64
+    per-epoch permutation of ``num_examples`` (``Shuffler``: int64 keys, a temporary, the int64
     order); the store's mapped pages of the samples this process has not touched yet (they become
     resident as they are read: file-backed, counted as RSS, reclaimable); and on the first run four
     ``[D, K]`` float32 arrays alive at the peak (working copy, gradient, delta, final head). Later

@@ -29,6 +29,7 @@ from edgefl.coordinator.rounds import Round, RoundPhase
 from edgefl.coordinator.strategy import Offer, Strategy
 from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.head import validate_head
+from edgefl.idtable import IdTable
 from edgefl.mqtt_link import Message
 from edgefl.records import read_record, write_record
 from edgefl.topics import Topics
@@ -47,7 +48,8 @@ HELD_UPDATES = 64
 """Updates held while a buffered step is published, offered to the next step (more are refused)."""
 
 SEEN_UPDATE_IDS = 4096
-"""Update ids remembered across rounds (a FedBuff step accepts updates of earlier rounds).
+"""Update ids remembered across rounds (a FedBuff step accepts updates of earlier rounds), as 64-bit
+hashes in a ring (:class:`edgefl.idtable.IdTable`: 32 KiB from the start, however long the service runs).
 
 An id is ``<device>:<round>:<base_version>`` of the (verified) topic's device and only an accepted
 update or decline enters the set, at most one per device per round: a device cannot fill it with
@@ -55,6 +57,10 @@ ids of others, and it holds the last ``4096 / devices-per-round`` rounds' ids.""
 
 EARLY_UPDATES_MAX = 4096
 """Updates held for the next round before it opens (see ``Intake._early``)."""
+
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RoundRecord))
+"""A :class:`RoundRecord`'s fields in order (a state file's history row); read directly, not through
+``dataclasses.astuple``, whose deep copy makes a tuple per record every time the rows are rebuilt."""
 
 PERSIST_EVERY = 32
 """With a state file, the open round is written at least every this many messages (:meth:`Intake.pump`)."""
@@ -160,8 +166,7 @@ class Intake:
         )
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
-        self._seen_update_ids: dict[str, None] = {}  # insertion-ordered, bounded: see _remember
-        self.max_seen_update_ids = SEEN_UPDATE_IDS
+        self._seen_update_ids = IdTable(SEEN_UPDATE_IDS, values=False)  # fixed memory: see _remember
         self._held: list[tuple[Update, int]] = []  # arrived while a buffered step was being published
         self._adopting = False
         self._adopt_round_seen = asyncio.Event()
@@ -433,9 +438,7 @@ class Intake:
         self.notify()
 
     def _remember(self, update_id: str) -> None:
-        self._seen_update_ids[update_id] = None
-        while len(self._seen_update_ids) > self.max_seen_update_ids:
-            del self._seen_update_ids[next(iter(self._seen_update_ids))]
+        self._seen_update_ids.add(update_id)
 
     def _is_own_topic(self, topic: str) -> bool:
         base = self.topics.global_model
@@ -554,7 +557,7 @@ class Intake:
         cached = self._history_doc
         if cached is not None and cached[0][:2] == (first, last) and cached[0][2] == len(history):
             return cached[1]
-        rows = [list(dataclasses.astuple(h)) for h in history]
+        rows = [[getattr(h, name) for name in _RECORD_FIELDS] for h in history]
         self._history_doc = ((first, last, len(history)), rows)
         return rows
 
