@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, Final
 
+from edgefl.agent import heap
 from edgefl.aio import within
 from edgefl.coordinator.hierarchy import RootCoordinator, SiteAggregator, SiteRecord
 from edgefl.coordinator.history import HISTORY_ROUNDS, RoundRecord
@@ -443,6 +444,9 @@ async def run(
                 entry = log_entry(coord, rec, strategy, refused_round, declined_round)
                 with open(files.log, "a") as f:
                     f.write(json.dumps(entry) + "\n")
+            # the round's freed heap (decoded updates, aggregation temporaries, the state document) goes
+            # back to the kernel: a service's RSS stays its live data, not the sum of its rounds' free gaps
+            heap.malloc_trim()
         coord.finished = True
         coord.notify()
     finally:
