@@ -188,7 +188,7 @@ class StrategyConfig:
 
     name: Literal[
         "fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "median", "trimmed-mean", "fedbuff"
-    ] = "trimmed-mean"
+    ] = "median"
     server_lr: float | None = None
     server_momentum: float | None = None
     prox_mu: float | None = None
@@ -214,12 +214,13 @@ class RobustnessConfig:
         Fixed bound, > 0; None: adaptive (``adaptive_factor`` x the median honest-looking norm of
         the last rounds).
     adaptive_factor : float
-        Multiple of that median used when ``norm_bound`` is None, >= 1.
+        Multiple of that median used when ``norm_bound`` is None, >= 1 (default 1: the bound is the
+        median itself, the target quantile 0.5 of Andrew et al. 2021).
     """
 
     tolerate: int = 1
     norm_bound: float | None = None
-    adaptive_factor: float = 1.5
+    adaptive_factor: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
