@@ -65,7 +65,7 @@ from edgefl.wire.compression import Compression
 
 N_DEVICES = 5
 ATTACKER = 0
-STRATEGIES = ("trimmed-mean", "median", "fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi")
+STRATEGIES = ("median", "trimmed-mean", "fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi")
 """Rows of the table: the shipped default first, then the FedAvg family with their default bounds."""
 
 Attack = Callable[[F32, Sequence[F32]], F32]
