@@ -73,7 +73,7 @@ Attack = Callable[[F32, Sequence[F32]], F32]
 
 
 def alie(own: F32, benign: Sequence[F32], n: int = N_DEVICES, m: int = 1) -> F32:
-    """ "A little is enough": ``mu - z sigma`` per coordinate over the benign updates.
+    """"A little is enough": ``mu - z sigma`` per coordinate over the benign updates.
 
     Parameters
     ----------
