@@ -400,15 +400,19 @@ class Governor:
         batch_size: int,
         num_examples: int,
         resident_rows: int = 0,
+        personal: bool = False,
     ) -> Admission:
         """Admit local training with ``chunk`` samples per store chunk (halved down to ``floor``).
 
         ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
+        ``personal``: the personal head trains alongside (``train_local``'s ``personal``): its head and
+        gradient are counted too, as :func:`estimate_personal_bytes` counts them.
         """
         first = self.phase_counts.get("train", 0) == 0
+        heads = 2 * (dim * classes + classes) * 4 if personal else 0
 
         def need(n: int) -> int:
-            return estimate_train_bytes(
+            return heads + estimate_train_bytes(
                 n, dim, classes, batch_size, num_examples, first_run=first, resident_rows=resident_rows
             )
 
