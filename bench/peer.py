@@ -42,7 +42,7 @@ Run: ``.venv/bin/python -m bench.peer --json PATH`` writes ``{"ratios": {METRIC:
 "accuracy": {...}, "runs": [...]}`` and prints a markdown table. ``--rss-only N`` measures only
 edgefl's agents' peak RSS, dashboard on and off, N runs each (no Flower, no network).
 ``--cpu-rounds N`` measures only the CPU each system uses per round, every process counted
-(:func:`cpu_per_round`).
+(:func:`cpu_per_round`). ``--rounds N`` runs N rounds instead of 5 (steady-state medians).
 """
 
 from __future__ import annotations
@@ -789,7 +789,8 @@ def rss_only(runs: int) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m bench.peer [--repeats N] [--json PATH] [--flower-venv DIR] [--rss-only N]``."""
+    """``python -m bench.peer [--repeats N] [--rounds N] [--json PATH] [--flower-venv DIR] [--rss-only N]``"""
+    global ROUNDS
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["proxy"]:
         asyncio.run(_proxy_main(args_in[1], args_in[2:]))
@@ -821,11 +822,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--repeats pairs",
     )
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=ROUNDS,
+        metavar="N",
+        help=f"rounds per run (default {ROUNDS}); cycle and CPU figures are medians of rounds 2..N-1, so a "
+        "long run (e.g. 100) gives steady-state medians that one preempted process does not move",
+    )
+    p.add_argument(
         "--plain",
         action="store_true",
         help="both systems' processes without -OO and without the malloc settings (default: both with)",
     )
     args = p.parse_args(args_in)
+    if args.rounds < 5:
+        p.error("--rounds must be >= 5")
+    ROUNDS = args.rounds
     if args.plain:
         global INTERPRETER_FLAGS, MALLOC_ENV
         INTERPRETER_FLAGS, MALLOC_ENV = (), {}
