@@ -78,12 +78,13 @@ def _load_or_report(args: argparse.Namespace) -> Profile | None:
         return None
 
 
-def _preflight(profile: Profile) -> list[str]:
+def _preflight(profile: Profile, *, warn_unloaded: bool = True) -> list[str]:
     """What this profile cannot run with here (:func:`edgefl.agent.preflight.preflight`).
 
     Loads the model once (released before returning) and measures this process's RSS with the agent's
     modules imported, the floor the agent starts from. Without the profile's runtime here (a profile
-    for another kind of gateway) only the checks that are not about this machine run.
+    for another kind of gateway) only the checks that are not about this machine run, and
+    ``warn_unloaded`` prints what was left unchecked (``check-config``).
 
     Raises
     ------
@@ -113,7 +114,8 @@ def _preflight(profile: Profile) -> list[str]:
         # machine is still checked; the rest is checked by `edgefl run` on the gateway itself
         problems = preflight(profile, None, 0)
         elsewhere = [p for p in problems if p.startswith("device.state_dir")]
-        print(f"edgefl: warning: {_unchecked_here(profile, elsewhere)}", file=sys.stderr)
+        if warn_unloaded:  # `edgefl run` goes on to load the model and names why it cannot
+            print(f"edgefl: warning: {_unchecked_here(profile, elsewhere)}", file=sys.stderr)
         return [p for p in problems if p not in elsewhere]
 
     backbone = Backbone(
@@ -201,7 +203,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     heap.apply_hygiene(arena_max=2, mmap_threshold_bytes=MMAP_THRESHOLD_BYTES)
 
     try:
-        problems = _preflight(profile)
+        problems = _preflight(profile, warn_unloaded=False)
         if problems:
             _report(f"profile {args.profile} cannot run here", problems)
             return EXIT_INVALID
