@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 PHASES = ("batch", "inference", "train", "encode", "publish", "apply")
 #: Phases that can wait for a later round; inference cannot (shrunk to its floor, then refused).
 DEFERRABLE = frozenset({"train", "encode", "publish", "personal"})
+PSS_MAX_AGE_S: Final = 10.0
+""":meth:`Governor.status` reads PSS (``smaps_rollup``, a walk of every mapping: ~1 ms idle here, ~9 ms
+under load) at most this often (seconds); the dashboard's RSS history asks for a status every 2 s."""
 #: Phases held back while the system's MemAvailable is under the profile's threshold.
 SYSTEM_GUARDED = frozenset({"train", "personal"})
 
@@ -170,6 +173,7 @@ class Governor:
         self.admissions: dict[str, Admission] = {}
         self.deferrals: dict[str, int] = {}
         self.last_deferral: Admission | None = None
+        self._pss: tuple[float, int | None] | None = None  # (time.monotonic(), bytes) of the last PSS read
         self._lock = threading.Lock()
         self._active = 0
         self._peak = self._read_peak()  # the process's peak before this governor, kept across resets
@@ -396,15 +400,19 @@ class Governor:
         batch_size: int,
         num_examples: int,
         resident_rows: int = 0,
+        personal: bool = False,
     ) -> Admission:
         """Admit local training with ``chunk`` samples per store chunk (halved down to ``floor``).
 
         ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
+        ``personal``: the personal head trains alongside (``train_local``'s ``personal``): its head and
+        gradient are counted too, as :func:`estimate_personal_bytes` counts them.
         """
         first = self.phase_counts.get("train", 0) == 0
+        heads = 2 * (dim * classes + classes) * 4 if personal else 0
 
         def need(n: int) -> int:
-            return estimate_train_bytes(
+            return heads + estimate_train_bytes(
                 n, dim, classes, batch_size, num_examples, first_run=first, resident_rows=resident_rows
             )
 
@@ -436,6 +444,13 @@ class Governor:
         return self.admit("personal", need, chunk, floor)
 
     # --- report ------------------------------------------------------------------------------
+    def _pss_bytes(self) -> int | None:
+        """PSS in bytes (None where unreadable), read again once :data:`PSS_MAX_AGE_S` old."""
+        now = time.monotonic()
+        if self._pss is None or now - self._pss[0] >= PSS_MAX_AGE_S:
+            self._pss = (now, pss_bytes(proc=self.proc))
+        return self._pss[1]
+
     def status(self, measure: bool = True) -> dict[str, Any]:
         """JSON-like memory figures for the status message and the dashboard.
 
@@ -443,7 +458,8 @@ class Governor:
         ----------
         measure : bool
             False leaves out the figures read from ``/proc`` (``rss_bytes``, ``pss_bytes``,
-            ``peak_rss_bytes``, ``system_available_bytes``): reading them takes milliseconds.
+            ``peak_rss_bytes``, ``system_available_bytes``): reading them takes milliseconds. PSS is
+            read at most every :data:`PSS_MAX_AGE_S`, the last reading in between.
 
         Returns
         -------
@@ -460,7 +476,7 @@ class Governor:
             measured = (
                 {
                     "rss_bytes": self.rss_bytes(),
-                    "pss_bytes": pss_bytes(proc=self.proc),
+                    "pss_bytes": self._pss_bytes(),
                     "peak_rss_bytes": peak,
                     "system_available_bytes": self.system_available_bytes(),
                 }

@@ -260,6 +260,9 @@ class RoundAnswering(PersonalHeads):
         cfg = self.profile.training
         gov = self.governor
         D, K = head.shape
+        pcfg = self.profile.personal
+        # the personal step rides on the round's batches when its epochs are the round's (softmax heads)
+        along = pcfg.enabled and K > 1 and pcfg.epochs in (0, ann.local_epochs)
         adm = gov.admit_train(
             cfg.chunk_size,
             cfg.chunk_floor,
@@ -268,14 +271,26 @@ class RoundAnswering(PersonalHeads):
             batch_size=ann.batch_size,
             num_examples=len(self.store),
             resident_rows=self.store.resident_rows,
+            personal=along,
         )
+        if adm.deferred and along:
+            along = False  # no room for the personal head beside training: it trains alone, the step waits
+            adm = gov.admit_train(
+                cfg.chunk_size,
+                cfg.chunk_floor,
+                dim=D,
+                classes=K,
+                batch_size=ann.batch_size,
+                num_examples=len(self.store),
+                resident_rows=self.store.resident_rows,
+            )
         if adm.deferred:
             return self._defer(ann, adm.reason)
         if self._progress is not None:
             self._progress("training", adm.reason)
         self.new_samples = 0  # what is stored from now on is new for the next round
         self.store.set_mark()  # ... after a restart too (written with the store's next flush)
-        alongside = self._personal_alongside(ann, adm.estimate_bytes)
+        alongside = self._personal_step(ann) if along else None
         with self._phase("train"):
             result = train_local(
                 head,
@@ -390,22 +405,14 @@ class RoundAnswering(PersonalHeads):
             update_bytes=len(payload),
         )
 
-    def _personal_alongside(self, ann: RoundAnnouncement, train_bytes: int) -> PersonalStep | None:
-        """The personal step to take on the round's training batches, if it can (else None).
+    def _personal_step(self, ann: RoundAnnouncement) -> PersonalStep:
+        """The personal step to take on the round's training batches (admitted with the training).
 
-        It can when personal heads are on, the head is a softmax one (K >= 2), ``personal.epochs``
-        is the round's (0 or ``local_epochs``) and the governor admits the personal head and its
-        gradient beside ``train_bytes`` (phase ``personal``). Otherwise the step runs on its own after
-        the update (:meth:`personalise`, with its own admission).
+        Without it (personal heads off, a logistic head, ``personal.epochs`` other than the round's,
+        or no room beside training) the step runs on its own after the update (:meth:`personalise`,
+        with its own admission).
         """
         pcfg = self.profile.personal
-        D, K = self.head.shape
-        if not pcfg.enabled or K < 2 or pcfg.epochs not in (0, ann.local_epochs):
-            return None
-        head_bytes = 2 * (D * K + K) * 4  # as estimates.estimate_personal_bytes: the head and its gradient
-        adm = self.governor.admit("personal", lambda _: head_bytes, 1, 1, keep=lambda _: train_bytes)
-        if adm.deferred:
-            return None
         current = self.personal
         W, b = (self.head.W.copy(), self.head.b.copy()) if current is None else (current.W, current.b)
         return PersonalStep(

@@ -5,11 +5,10 @@ Every state write goes through :meth:`DeviceState._persist`: it runs at once, an
 (:meth:`DeviceState.retry_persist`) while the device carries on. The outbox record (update, answered
 round, error-feedback residual) is written before an update is published and after its PUBACK; the
 global head, personal head and rollback floor when they change (the heads and the post-PUBACK outbox
-written behind, once a round's messages are handled: :meth:`DeviceState.persist_behind`); the embedding
-store every
-``training.flush_every`` samples or within ``training.flush_interval_s``. Records are checksummed
-:class:`~edgefl.records.RecordSlot` files; one for another fleet or model, or unreadable, is set aside
-with one log line.
+written behind, once a round's messages are handled: :meth:`DeviceState.persist_behind`); the
+embedding store every ``training.flush_every`` samples or within ``training.flush_interval_s``.
+Records are checksummed :class:`~edgefl.records.RecordSlot` files; one for another fleet or model, or
+unreadable, is set aside with one log line.
 """
 
 from __future__ import annotations

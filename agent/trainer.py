@@ -18,7 +18,6 @@ from edgefl.head import (
     paired_cross_entropy_grad_into,
     restricted_logit_scale,
     sgd_step,
-    softmax,
 )
 from edgefl.types import F32, I64
 
@@ -455,6 +454,8 @@ def train_local(
     loss_sum = 0.0
     correct = 0
     final = Head(head.W + delta_W, head.b + delta_b, head.version)
+    z: F32 = np.empty((chunk, K), np.float32)  # one chunk's logits, then probabilities, in place
+    rows = np.arange(chunk, dtype=np.int64)
     # the same n samples that were trained on (the store may grow meanwhile if a caller adds to it),
     # through the same chunk buffer; when one chunk held them all it holds them still (in the last
     # epoch's order: the sums below differ from storage order's in the last bits at most), and the
@@ -469,11 +470,18 @@ def train_local(
             pred = final.predict(e)
         else:
             # the same loss as cross_entropy and the same predictions as Head.predict, from one set
-            # of logits and without the gradient nobody uses here (~1 ms of each round)
-            logits = final.logits(e)
-            p = softmax(logits)
-            loss = float(-np.mean(np.log(np.maximum(p[np.arange(m), y], 1e-12))))
-            pred = np.argmax(logits, axis=1)
+            # of logits and without the gradient nobody uses here; softmax's operations in place
+            zm = z[:m]
+            np.matmul(e, final.W, out=zm)
+            zm += final.b
+            pred = zm.argmax(axis=1)
+            zm -= zm.max(axis=1, keepdims=True)
+            np.exp(zm, out=zm)
+            zm /= zm.sum(axis=1, keepdims=True)
+            py = zm[rows[:m], y]
+            np.maximum(py, 1e-12, out=py)
+            np.log(py, out=py)
+            loss = float(-np.mean(py))
         loss_sum += loss * m
         correct += int(np.sum(pred == y))
     return LocalResult(delta_W, delta_b, n, loss_sum / n, correct / n, train_s, personal_result)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import threading
 import time
 from typing import Any
@@ -112,3 +113,15 @@ def test_peer_bench_summary_keeps_the_old_ratios_and_adds_the_like_for_like_ones
     # the personal heads off (work Flower's client does not do): ratios of their own, the headline is int8
     assert ratios["cpu_ms_per_round_device_no_personal"] == pytest.approx(5.0 / 4.0)
     assert ratios["cycle_ms_no_personal"] == pytest.approx(1.2)
+
+
+def test_peer_bench_cycle_split_adds_up_to_the_cycle() -> None:
+    """Start -> first update -> last update -> aggregated -> next start, per round (rounds 2-4)."""
+    starts = {r: 10.0 * r for r in range(1, 7)}
+    update_at = {r: [10.0 * r + 4.0, 10.0 * r + 3.0] for r in range(1, 6)}
+    agg_at = {r: 10.0 * r + 4.5 for r in range(1, 6)}
+    split = peer.cycle_split(starts, update_at, agg_at)
+    assert split == pytest.approx(
+        {"to_first_update": 3000.0, "to_last_update": 1000.0, "to_aggregate": 500.0, "to_next_start": 5500.0}
+    )
+    assert sum(split.values()) == pytest.approx(1e3 * statistics.median(peer.per_cycle(starts)))
