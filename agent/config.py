@@ -1,16 +1,10 @@
 """Device profiles: a TOML file turned into frozen dataclasses, validated once at load.
 
-One dataclass per TOML table (``[device]``, ``[model]``, ``[pipeline]``, ``[broker]``, ``[memory]``,
-``[training]``, ``[personal]``, ``[source]``, ``[dashboard]``). Unknown tables and keys are refused;
-a missing table takes its defaults; ``device.id`` and ``model.path`` are required. Every problem is
-collected and reported at once in one :class:`~edgefl.errors.ConfigError`, each naming the dotted
-key, the value and the reason (``memory.cap_mb = 0: must be > 0``).
-
-Relative paths (``model.path``, ``device.state_dir``, ``source.path``, the TLS files) resolve against
-the directory of the profile file. Secrets (``broker.password``, ``dashboard.token``) never appear in a
-``repr``, an error message or :func:`profile_to_dict`.
-
-This module reads files only: it never opens a socket and never imports LiteRT.
+One dataclass per TOML table; unknown tables and keys are refused, a missing table takes its
+defaults, ``device.id`` and ``model.path`` are required. Every problem is reported at once in one
+:class:`~edgefl.errors.ConfigError`, each naming the dotted key, the value and the reason
+(``memory.cap_mb = 0: must be > 0``). Relative paths resolve against the profile's directory; secrets
+never appear in a ``repr``, an error message or :func:`profile_to_dict`.
 """
 
 from __future__ import annotations
@@ -21,19 +15,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from edgefl.profiles import (
-    BrokerConfig,
-    Check,
-    DashboardConfig,
-    Problems,
-    Schema,
-    check,
-    check_broker,
-    check_dashboard,
-    file_problem,
-    read_toml,
-    sha256_file,
-)
+from edgefl import profiles
+from edgefl.profiles import BrokerConfig, DashboardConfig, Problems, check
 from edgefl.validators import (
     MAX_BATCH,
     MAX_THREADS,
@@ -42,28 +25,7 @@ from edgefl.validators import (
     check_positive_int,
 )
 
-__all__ = [
-    "BrokerConfig",
-    "DashboardConfig",
-    "DeviceConfig",
-    "MemoryConfig",
-    "ModelConfig",
-    "PersonalConfig",
-    "PipelineConfig",
-    "Profile",
-    "SourceConfig",
-    "TrainingConfig",
-    "load_profile",
-    "parse_profile",
-    "profile_to_dict",
-]
-
 logger = logging.getLogger(__name__)
-
-
-# --------------------------------------------------------------------------------------------------
-# The tables
-# --------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +39,8 @@ class DeviceConfig:
     fleet : str
         Fleet name, same pattern; topics live under ``<topic_prefix>/<fleet>/``.
     state_dir : Path
-        Directory for the embedding store, outbox and head versions (absolute after loading). Unset,
-        it is ``state/<id>`` next to the profile, so several devices run from one profile with
-        ``--set device.id=...`` never share a folder (an agent also holds ``<state_dir>/agent.lock``).
+        Directory for the embedding store, outbox and heads (absolute after loading); unset,
+        ``state/<id>`` next to the profile, so devices sharing a profile never share a folder.
     """
 
     id: str
@@ -114,10 +75,7 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class PipelineConfig:
-    """``[pipeline]``: raw samples to model input.
-
-    The model input is ``(raw - mean) / std`` per channel, then quantised with the input tensor's
-    scale and zero point (folded into one affine map when ``mode`` is ``fused``).
+    """``[pipeline]``: raw samples to model input, ``(raw - mean) / std`` per channel, then quantised.
 
     Parameters
     ----------
@@ -175,22 +133,17 @@ class TrainingConfig:
         Seed of the local shuffling RNG, >= 0.
     holdout_every : int
         Every n-th labelled sample is kept out of training in a holdout store (capacity
-        ``store_capacity // n``, at least 16) on which each new global head is evaluated (federated
-        evaluation: accuracy and count go into the status); 0 disables. 0 or >= 2. The default 20
-        costs the demo nothing measurable (final 0.947 as without; every 10th: 0.928).
+        ``store_capacity // n``, at least 16) on which each new global head is evaluated; 0 disables.
+        0 or >= 2.
     min_examples : int
         Fewest labelled examples the store must hold for the device to train a round, >= 1. A device
-        holding some but fewer declines the round (a Decline with reason ``too_few_examples``); one
-        holding none keeps the round pending until it holds this many. Default 32: rounds trained on
-        a handful of examples while a feed was still going (6, 14 examples: loss 5.5-9.7) made the
-        federated head worse than the factory head. A device holding none declines at once (reason
-        ``no_samples``) rather than holding the round.
+        holding some but fewer declines the round (reason ``too_few_examples``); one holding none
+        declines at once (reason ``no_samples``).
     flush_interval_s : float
-        Longest time, in seconds, a stored sample waits before the store is flushed (its pages written
-        back and its metadata recorded: it then survives a power cut), > 0. Default 5.
+        Longest time, in seconds, a stored sample waits before the store is flushed (it then
+        survives a power cut), > 0.
     flush_every : int
-        Unflushed samples that trigger a flush at once, >= 1 (whichever of the two comes first); a
-        flush costs one ``msync`` and one ``fsync``, never one per sample. Default 64.
+        Unflushed samples that trigger a flush at once, >= 1 (whichever of the two comes first).
     """
 
     store_capacity: int = 4096
@@ -209,33 +162,26 @@ class PersonalConfig:
     """``[personal]``: the device's personal head, trained beside the global one.
 
     After each round's local training the device takes class-restricted Ditto steps on its own
-    head: local SGD on its labelled store with a pull ``prox_lambda`` toward the global head, the
-    columns of classes it never had a label for kept equal to the global head's. That head serves
-    the device's predictions while it does at least as well as the global head on the holdout; the
-    update sent stays the global one's (no new bytes).
+    head; that head serves the device's predictions while it does at least as well as the global
+    head on the holdout. The update sent stays the global one's.
 
     Parameters
     ----------
     enabled : bool
         Train and serve a personal head.
     prox_lambda : float
-        Ditto's proximal coefficient lambda, 0..1000. 0 (the default): no pull; the personal head
-        starts as a copy of the global head and learns from the device's labels from there (on
-        the benchmark's sets every pull tried, 0.01 to 0.1, cost the devices that differ most).
+        Ditto's proximal coefficient lambda (pull toward the global head), 0..1000; 0: no pull.
     epochs : int
         Passes over the store per round, 0..100; 0 = the round's ``local_epochs``.
     lr_scale : float
         The personal step's SGD learning rate as a multiple of the round's ``lr``, > 0 and <= 10.
     absent_alpha : float
-        FedRS's alpha, 0..1: in the personal step's loss the logits of the classes this device has
-        never had a label for are multiplied by it (0: a constant 0 logit; 1: plain softmax), so
-        the classes it knows are not pushed above every other class (the device would stop
-        predicting the classes only the fleet knows).
+        FedRS's alpha, 0..1: the factor on the logits of the classes this device never had a label
+        for (0: a constant 0 logit; 1: plain softmax).
 
     Source: Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through
     Personalization", ICML 2021; X.-C. Li, D.-C. Zhan, "FedRS: Federated Learning with Restricted
-    Softmax for Label Distribution Non-IID Data", KDD 2021. Defaults from ``python -m
-    bench.personal`` (docs/benchmarks.md).
+    Softmax for Label Distribution Non-IID Data", KDD 2021.
     """
 
     enabled: bool = True
@@ -252,11 +198,9 @@ class SourceConfig:
     Parameters
     ----------
     kind : {"none", "replay", "mqtt"}
-        ``mqtt``: live ingest, the gateway's apps publish Sample messages on ``samples/<device>`` and
-        Label messages on ``labels/<device>``; the agent publishes a Prediction of every sample it
-        classifies on ``predictions/<device>`` (``docs/protocol.md``, "Live ingest"). ``replay``
-        (offline use) reads an ``.npz`` holding ``x`` (raw samples) and ``y`` (labels). ``none``: no
-        samples (a device that only trains on what its store already holds).
+        ``mqtt``: live ingest of Sample and Label messages, a Prediction published per sample
+        (``docs/protocol.md``, "Live ingest"); ``replay``: an ``.npz`` holding ``x`` (raw samples) and
+        ``y`` (labels); ``none``: only what the store already holds.
     path : Path or None
         The ``.npz`` file (absolute after loading); required when ``kind = "replay"``.
     rate_hz : float
@@ -264,21 +208,18 @@ class SourceConfig:
     loop : bool
         Replay: start again at the first sample after the last.
     queue_max : int
-        MQTT: samples received and not yet classified, 1..65536. When full, the OLDEST queued sample
-        is dropped for the new one (a sensor app wants the freshest data) and counted in
-        ``ingest_dropped``. RAM: ``queue_max`` × one raw sample.
+        MQTT: samples received and not yet classified, 1..65536; when full the oldest is dropped
+        (``ingest_dropped``).
     pending_max : int
-        MQTT: classified samples without a label kept for a late Label (their embedding, D float32
-        each), 0..1,000,000; when full the oldest is dropped (``pending_evicted``). 0: late labels are
-        all refused (``unknown_sample``).
+        MQTT: classified samples kept for a late Label, 0..1,000,000; when full the oldest is
+        dropped (``pending_evicted``); 0 refuses every late label.
     label_expiry_s : float
         MQTT: seconds a classified sample waits for its late Label, (0, 86400]; then it is dropped
         (``pending_expired``) and a Label for it is refused (``unknown_sample``).
     samples_qos : int
         MQTT: QoS of the subscriptions to ``samples/<device>`` (0 or 1; labels are always 1).
     predictions_qos : int
-        MQTT: QoS of the Prediction publishes, 0 or 1 (0: no PUBACK awaited, a lost prediction is
-        superseded by the next).
+        MQTT: QoS of the Prediction publishes, 0 or 1.
     """
 
     kind: Literal["none", "replay", "mqtt"] = "none"
@@ -300,15 +241,11 @@ class SecurityConfig:
     ----------
     signing_key_file : Path or None
         This device's Ed25519 private key (64 hex digits or PEM); its updates are signed with it.
-        The key is read once at start-up and never logged.
     coordinator_public_key : str or None
-        The coordinator's Ed25519 public key: 64 hex digits or a PEM ``PUBLIC KEY`` block (what
-        ``edgefl keys`` prints and writes). When set, every GlobalModel and RoundAnnouncement must
-        carry a valid signature by it: unsigned ones are refused (``unsigned``) whatever
-        ``require_signatures`` says. Rotation: ``docs/security.md``.
+        The coordinator's Ed25519 public key (64 hex digits or PEM); when set, every GlobalModel and
+        RoundAnnouncement must carry a valid signature by it (``docs/security.md``).
     require_signatures : bool
-        Refuse unsigned messages; needs ``coordinator_public_key`` (which implies it: kept so a
-        profile can state it, and so a profile that asks for signatures without a key is refused).
+        Refuse unsigned messages; needs ``coordinator_public_key`` (which implies it).
     outbox_max_bytes : int
         Bound of the persistent outbox of unacknowledged updates, in bytes (> 0).
     """
@@ -326,12 +263,10 @@ class StatusConfig:
     Parameters
     ----------
     interval_s : float
-        How often the status is checked, seconds, 0.05..3600: a change of state, round, version,
-        counters of refusals... publishes at once, a change of the moving figures alone (memory,
-        inference and transport counters) waits for the heartbeat.
+        How often the status is checked, seconds, 0.05..3600; news publishes at once, a change of
+        the moving figures alone waits for the heartbeat (``edgefl.agent.status``).
     heartbeat_s : float or None
-        Longest time between two status publishes, seconds, interval_s..86400; unset: interval_s
-        (every check publishes, as before this key). The gateway profiles set 60.
+        Longest time between two status publishes, seconds, interval_s..86400; unset: interval_s.
     """
 
     interval_s: float = 2.0
@@ -369,26 +304,7 @@ class Profile:
         return self.memory.cap_mb * 1024 * 1024
 
 
-_TABLES: dict[str, type[Any]] = {
-    "device": DeviceConfig,
-    "model": ModelConfig,
-    "pipeline": PipelineConfig,
-    "broker": BrokerConfig,
-    "memory": MemoryConfig,
-    "training": TrainingConfig,
-    "source": SourceConfig,
-    "dashboard": DashboardConfig,
-    "security": SecurityConfig,
-    "status": StatusConfig,
-    "personal": PersonalConfig,
-}
-
-
-# --------------------------------------------------------------------------------------------------
-# Semantic checks, one per table, run on typed values
-# --------------------------------------------------------------------------------------------------
-
-
+# --- semantic checks, one per table, run on typed values ---------------------------------------------
 def _check_device(p: Problems, c: DeviceConfig, raw: Mapping[str, object], check_files: bool) -> None:
     check(p, "device.id", c.id, check_device_id)
     check(p, "device.fleet", c.fleet, check_device_id)
@@ -402,11 +318,11 @@ def _check_model(p: Problems, c: ModelConfig, raw: Mapping[str, object], check_f
     if sha is not None and (len(sha) != 64 or any(ch not in "0123456789abcdefABCDEF" for ch in sha)):
         p.add("model.sha256", sha, "must be 64 hexadecimal digits")
     if check_files:
-        problem = file_problem(c.path, raw.get("path"))
+        problem = profiles.file_problem(c.path, raw.get("path"))
         if problem is not None:
             p.add("model.path", raw.get("path"), problem)
         elif sha is not None and "model.sha256" not in p.bad:
-            actual = sha256_file(c.path)
+            actual = profiles.sha256_file(c.path)
             if actual != sha.lower():
                 p.add(
                     "model.sha256",
@@ -512,7 +428,7 @@ def _check_source(p: Problems, c: SourceConfig, raw: Mapping[str, object], check
             p.note("source.path: required when source.kind = 'replay'")
         return
     if check_files:
-        problem = file_problem(c.path, raw.get("path")) or _npz_problem(c.path)
+        problem = profiles.file_problem(c.path, raw.get("path")) or _npz_problem(c.path)
         if problem is not None:
             p.add("source.path", raw.get("path"), problem)
 
@@ -539,7 +455,7 @@ def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], c
     if c.outbox_max_bytes <= 0:
         p.add("security.outbox_max_bytes", c.outbox_max_bytes, "must be > 0")
     if check_files and c.signing_key_file is not None:
-        problem = file_problem(c.signing_key_file, raw.get("signing_key_file"))
+        problem = profiles.file_problem(c.signing_key_file, raw.get("signing_key_file"))
         if problem is None:
             try:
                 load_signing_key(c.signing_key_file)
@@ -573,30 +489,24 @@ def _check_personal(p: Problems, c: PersonalConfig, raw: Mapping[str, object], c
         p.add("personal.absent_alpha", c.absent_alpha, "must be between 0 and 1 (1: plain softmax)")
 
 
-_CHECKS: dict[str, Check] = {
-    "device": _check_device,
-    "model": _check_model,
-    "pipeline": _check_pipeline,
-    "broker": check_broker,
-    "memory": _check_memory,
-    "training": _check_training,
-    "source": _check_source,
-    "dashboard": check_dashboard,
-    "security": _check_security,
-    "status": _check_status,
-    "personal": _check_personal,
+_TABLES: Final[dict[str, tuple[type[Any], profiles.Check]]] = {
+    "device": (DeviceConfig, _check_device),
+    "model": (ModelConfig, _check_model),
+    "pipeline": (PipelineConfig, _check_pipeline),
+    "broker": (BrokerConfig, profiles.check_broker),
+    "memory": (MemoryConfig, _check_memory),
+    "training": (TrainingConfig, _check_training),
+    "source": (SourceConfig, _check_source),
+    "dashboard": (DashboardConfig, profiles.check_dashboard),
+    "security": (SecurityConfig, _check_security),
+    "status": (StatusConfig, _check_status),
+    "personal": (PersonalConfig, _check_personal),
 }
-
 # Placeholders for required fields that are missing or mistyped, so the rest of the table is still
 # checked; problems about these keys are suppressed by Problems.bad.
 _PLACEHOLDERS: dict[str, object] = {"device.id": "_", "model.path": Path("_")}
-SCHEMA: Final = Schema(_TABLES, _CHECKS, _PLACEHOLDERS)
+SCHEMA: Final = profiles.Schema(_TABLES, _PLACEHOLDERS)
 """The device profile's tables, checks and parser."""
-
-
-# --------------------------------------------------------------------------------------------------
-# Public API
-# --------------------------------------------------------------------------------------------------
 
 
 def _parse(
@@ -663,11 +573,8 @@ def load_profile(
         The ``.toml`` profile; relative paths inside it resolve against its directory.
     overrides : Mapping[str, object] or None
         Dotted keys set on top of the file before validation, e.g. ``{"device.id": "dev-2"}``.
-        String values (from ``--set key=value``) are coerced to the field's type: ``"96"`` to int,
-        ``"true"``/``"false"`` to bool, ``"0.5,0.5"`` to a tuple of floats, ``""`` to None for
-        optional fields. Non-string values are type-checked as if they came from the TOML file.
-        A relative path given here resolves against the current working directory (it was typed on
-        a command line), unlike relative paths written in the profile.
+        String values (from ``--set key=value``) are coerced to the field's type (``"0.5,0.5"`` to a
+        tuple of floats, ``""`` to None); a relative path resolves against the working directory.
     check_files : bool
         See :func:`parse_profile`.
 
@@ -683,7 +590,7 @@ def load_profile(
 
     Source: TOML 1.0.0 (https://toml.io/en/v1.0.0), read with ``tomllib``.
     """
-    file, data = read_toml(path)
+    file, data = profiles.read_toml(path)
     profile = _parse(data, file.parent, file, check_files, overrides or {})
     logger.debug("loaded profile %s for device %s", file, profile.device.id)
     return profile
@@ -692,14 +599,12 @@ def load_profile(
 def profile_to_dict(p: Profile) -> dict[str, object]:
     """Render a profile as ``{table: {key: value}}`` for display, secrets masked.
 
-    Paths become strings, tuples become lists, unset optional values are None, and a set secret
-    (``broker.password``, ``dashboard.token``) becomes ``"***"``. Without None values and with real
-    secrets the result parses back to an equal profile with :func:`parse_profile`.
+    Paths become strings, tuples lists, a set secret ``"***"``; without None values and with real
+    secrets the result parses back to an equal profile.
 
     Parameters
     ----------
     p : Profile
-        The profile.
 
     Returns
     -------

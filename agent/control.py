@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 
 
 IDLE_GRACE_S = 0.5
-"""After a trained round, ``malloc_trim`` waits until no message came for this long (seconds): a new
-head is usually followed by its round within milliseconds."""
+"""After a trained round, the writes left behind and ``malloc_trim`` wait until no message came for
+this long (seconds): a new head is usually followed by its round within milliseconds."""
 
 
 class RoundTask(SampleSource):
@@ -57,8 +57,10 @@ class RoundTask(SampleSource):
         arrived for it, retry the deferred round once ``status.interval_s`` has passed, then handle
         one round or global message (:meth:`handle`). With nothing in hand the last trained round's
         personal step runs, then the status may be checked (``_status_go``), and once no message
-        came for :data:`IDLE_GRACE_S` after a trained round, freed heap goes back to the kernel
-        (``malloc_trim``).
+        came for :data:`IDLE_GRACE_S` the writes the core left behind are made
+        (``DeviceCore.persist_behind``: the heads, the outbox after a PUBACK; at once when the oldest
+        waited ``training.flush_interval_s``) and, after a trained round, freed heap goes back to
+        the kernel (``malloc_trim``).
         """
         while True:
             if self._control.empty() and not self._round_asks and not self._retry_due():
@@ -71,15 +73,23 @@ class RoundTask(SampleSource):
                     except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
                         self._fault("personal", "personal step", exc)  # the next round tries again
                     continue
+                behind = self.core.behind_since
+                if behind is not None and time.monotonic() - behind >= self.profile.training.flush_interval_s:
+                    # rounds back to back: the writes left behind still go out within the store's window
+                    await self._work(self.core.persist_behind)
+                    continue
                 self._status_go.set()
                 self._round_wake.clear()
                 idle_since, wait_s = time.monotonic(), self._idle_wait_s()
                 if wait_s is None:
                     await self._round_wake.wait()
                 elif not await wait_event(self._round_wake, wait_s):
-                    if self._trim_wanted and time.monotonic() - idle_since >= IDLE_GRACE_S:
-                        self._trim_wanted = False
-                        await self._work(heap.malloc_trim)
+                    if time.monotonic() - idle_since >= IDLE_GRACE_S:
+                        if self.core.behind_since is not None:
+                            await self._work(self.core.persist_behind)
+                        if self._trim_wanted:
+                            self._trim_wanted = False
+                            await self._work(heap.malloc_trim)
                     continue
             if not self._status_connected:
                 self._status_go.clear()  # a round's status changes are checked once it is handled
@@ -101,7 +111,7 @@ class RoundTask(SampleSource):
 
     def _idle_wait_s(self) -> float | None:
         """How long the idle round task waits for a message: the trim's grace, the deferred round's retry."""
-        waits = [IDLE_GRACE_S] if self._trim_wanted else []
+        waits = [IDLE_GRACE_S] if self._trim_wanted or self.core.behind_since is not None else []
         if self.core.deferred is not None:
             waits.append(max(0.0, self._next_retry_at - time.monotonic()))
         return min(waits) if waits else None

@@ -276,6 +276,7 @@ class DeviceCore(RoundAnswering):
         self.personal_deferred = 0
         """Personal steps the memory governor deferred (each waits for the next round)."""
         self._personal_due: RoundAnnouncement | None = None  # a round trained, its personal step not yet
+        self._personal_done = None  # a personal step taken with the round's training, not yet evaluated
         self._load_personal()
         self.redelivered = 0  # retained heads of the version held, skipped before decoding
         self.answered: Answered | None = self._load_answered()
@@ -285,6 +286,13 @@ class DeviceCore(RoundAnswering):
         self.write_failures = 0
         """State writes that failed (each logged; the device carries on, see :meth:`retry_persist`)."""
         self._unsaved: dict[str, Callable[[], object]] = {}  # what to write again once the disk has room
+        self.write_behind = False
+        """Write the global head, the personal head and an acknowledged update's removal from the
+        outbox behind, in :meth:`persist_behind` (the daemon: off a round's path), not at once."""
+        self._behind: dict[str, Callable[[], object]] = {}  # writes left for persist_behind
+        self._acks_behind = 0  # acknowledged updates still in the outbox record (written behind)
+        self.behind_since: float | None = None
+        """``time.monotonic()`` of the oldest write left behind (None: nothing behind)."""
         self._logged: set[tuple[str, str]] = set()
         self.pending_round: RoundAnnouncement | None = None
         self.deferred: Deferred | None = None
@@ -600,7 +608,7 @@ class DeviceCore(RoundAnswering):
         new = Head(gm.W, gm.b, gm.version)
         # a head that cannot be written (a full disk) still runs: the retained head is delivered
         # again after a restart, and the write is retried once there is room
-        self._persist("head", lambda: self._write_state(HEAD_FILE, encode_global_model(gm)))
+        self._persist("head", lambda: self._write_state(HEAD_FILE, encode_global_model(gm)), behind=True)
         self.head = new
         self._tie_personal()
         self.evaluate()

@@ -1,15 +1,9 @@
 """The agent daemon's start-up and shutdown: the device core, its transport and tasks, signals.
 
-:class:`Agent` loads the profile's model into the device core (:class:`edgefl.agent.core.DeviceCore`),
-connects (last will first), subscribes (the round before the head), starts the status page and runs
-the tasks in one ``TaskGroup``: the sample source (``agent/source.py``), the message pump and the
-round task (``agent/control.py``), the status task (``agent/reporter.py``), the store's flush and the
-credentials watch; SIGTERM/SIGINT stop them in reverse order. Every call into the core runs on one
-worker thread, so the interpreter, the store and the outbox are only ever used by one thread and the
-event loop never blocks.
-
-The status page is not built here: the composition root (``edgefl/cli.py``) hands the daemon a
-:class:`~edgefl.agent.reporter.StatusPage` (the device package does not import the dashboard).
+:class:`Agent` loads the device core (:class:`edgefl.agent.core.DeviceCore`), connects (last will
+first), subscribes (the round before the head), starts the status page it is handed and runs the
+tasks in one ``TaskGroup``; SIGTERM/SIGINT stop them in reverse order. Every call into the core runs
+on one worker thread, so the event loop never blocks.
 """
 
 from __future__ import annotations
@@ -65,6 +59,7 @@ class Agent(RoundTask):
         self.tls_context = ssl_context_for(profile.broker)  # bad certificate files fail at start-up
         self.state = AgentState()
         self.core = DeviceCore.open(profile, progress=self._progress)
+        self.core.write_behind = True  # the heads and a PUBACK's outbox write wait for an idle moment
         self._trim_wanted = False  # a round's garbage is returned to the kernel when idle (round_loop)
         self._round_wake = asyncio.Event()  # a message or an ask for the round task
         self._round_asks = set()  # what other tasks asked the round task (_wake_rounds)
@@ -127,8 +122,7 @@ class Agent(RoundTask):
         Raises
         ------
         CredentialsRefused
-            Once the broker refused the credentials ``broker.auth_retries`` times in a row (the CLI
-            exits with code 5: a wrong password does not fix itself, the unit does not restart it).
+            Once the broker refused the credentials ``broker.auth_retries`` times in a row.
         """
         t = self.transport
         assert t is not None
@@ -232,4 +226,5 @@ class Agent(RoundTask):
                         t.cancel()
             finally:
                 await self._work(self.core.flush_store)
+                await self._work(self.core.persist_behind)
         logger.info("agent %s stopped", self.device)

@@ -28,15 +28,11 @@ class ModelShapes:
     input_itemsize : int
         Bytes per input element (1 for int8/uint8, 4 for float32).
     activation_bytes : int
-        Largest sum of intermediate tensors alive at once while the graph runs, for one sample
-        (a lower bound of the interpreter's arena per sample; see :func:`model_shapes`).
-    embedding_dim : int
-        D.
-    classes : int
-        K.
+        Largest sum of intermediate tensors alive at once for one sample (the arena's lower bound).
+    embedding_dim, classes : int
+        D and K.
     delegated : bool
-        The interpreter runs the graph in XNNPACK, which plans its own workspace to about the
-        liveness bound (no im2col scratch): :func:`estimate_inference_bytes` uses factor 1, not 2.
+        The graph runs in XNNPACK, whose workspace is about the liveness bound (arena factor 1, not 2).
     """
 
     sample_elems: int
@@ -57,15 +53,12 @@ def model_shapes(backbone: Any) -> ModelShapes:
 
     The activation figure is a liveness scan of the op list: a tensor is alive from the op that
     writes it to the last op that reads it; the largest per-op sum, divided by the allocated batch,
-    is the per-sample figure. TFLite's arena planner packs tensors with this lower bound in mind, and
-    some kernels add scratch buffers (im2col, int32 accumulators), which :func:`estimate_inference_bytes`
-    covers with a factor.
+    is the per-sample figure (kernels' scratch buffers are covered by a factor in
+    :func:`estimate_inference_bytes`).
 
     Parameters
     ----------
     backbone : edgefl.runtime.Backbone
-        Uses ``interpreter``, ``input_index``, ``input_shape``, ``input_dtype``, ``batch``,
-        ``embedding_dim`` and ``head_from_model`` (or ``output`` shape when the head is unknown).
 
     Returns
     -------
@@ -135,10 +128,9 @@ _DEFLATE_STATE_BYTES = 256 << 10
 def estimate_batch_bytes(shapes: ModelShapes, batch: int, *, fused: bool = False) -> int:
     """Heap bytes to prepare one batch of raw samples for the model (normalise, quantise).
 
-    Unfused (``edgefl.agent.daemon.preprocess``): float32 copies of the batch alive at once (raw as
-    float32, minus mean, over std, the quantisation temporaries), about 5 for quantised inputs and
-    3 for float inputs, plus the result. Fused (``edgefl.agent.pipeline``): written in place into the
-    interpreter's input tensor (already resident), through a one-sample float32 scratch.
+    Unfused: the float32 copies of the batch alive at once (5 for quantised inputs, 3 for float
+    inputs) plus the result. Fused: written in place into the input tensor through a one-sample
+    float32 scratch.
 
     Parameters
     ----------
@@ -146,6 +138,7 @@ def estimate_batch_bytes(shapes: ModelShapes, batch: int, *, fused: bool = False
     batch : int
         Samples in the batch (>= 1).
     fused : bool
+        The pipeline's mode is ``fused``.
 
     Returns
     -------
@@ -162,9 +155,8 @@ def estimate_batch_bytes(shapes: ModelShapes, batch: int, *, fused: bool = False
 def estimate_inference_bytes(shapes: ModelShapes, batch: int, *, resident_batch: int = 0) -> int:
     """Bytes one interpreter call on ``batch`` samples may add to RSS.
 
-    The interpreter's arena grows with the batch and keeps its size when the batch shrinks again,
-    so only the part beyond the largest batch already run (``resident_batch``) is new memory; the
-    outputs (embedding and logits read back and dequantised to float32) are new every call.
+    The arena keeps its largest size, so only the part beyond ``resident_batch`` is new; the
+    dequantised outputs are new every call.
 
     Parameters
     ----------
@@ -200,16 +192,11 @@ def estimate_train_bytes(
 ) -> int:
     """Bytes ``edgefl.agent.trainer.train_local`` may add to RSS with a given chunk size.
 
-    Terms, each checked against what a run of the device core adds (``bench/memory.py``, real LiteRT
-    models): the one float32 chunk buffer the trainer reuses, the float16 gather it is read from,
-    the labels (int64 buffer, int16 gather) and the chunk's slot order and shuffle (int64 each); the
-    per-epoch permutation of ``num_examples`` (``Shuffler``: uint64 keys, a temporary, the int64
-    order); the store's mapped pages of the samples this process has not touched yet (they become
-    resident as they are read: file-backed, counted as RSS, reclaimable); and on the first run four
-    ``[D, K]`` float32 arrays alive at the peak (working copy, gradient, delta, final head). Later
-    rounds take those from the heap the previous round's heads and deltas freed (measured: their
-    rise stays within the chunk terms), and the code pages training uses are mapped before the first
-    round (the device core's start-up runs the same numpy paths).
+    Terms, each checked against a real run (``bench/memory.py``): the float32 chunk buffer the trainer
+    reuses, the float16 gather it is read from, the labels and the chunk's slot order and shuffle; the
+    per-epoch permutation of ``num_examples``; the store's mapped pages not yet touched (file-backed,
+    reclaimable); and on the first run four ``[D, K]`` float32 heads alive at the peak (working copy,
+    gradient, delta, final head). Later rounds reuse the heap the previous round freed.
 
     Parameters
     ----------
@@ -225,7 +212,7 @@ def estimate_train_bytes(
         The process has not trained yet: count the four heads.
     resident_rows : int
         Stored samples whose pages this process already has mapped
-        (``EmbeddingStore.resident_rows``: the samples it stored or read); 0 counts every one.
+        (``EmbeddingStore.resident_rows``); 0 counts every one.
 
     Returns
     -------
@@ -237,33 +224,12 @@ def estimate_train_bytes(
 
 
 def _store_read_bytes(chunk: int, dim: int, num_examples: int, resident_rows: int) -> int:
-    """Bytes a training pass over the store adds for reading it: chunk buffers, shuffle, mapped pages.
-
-    The float32 chunk buffer and the float16 gather it is read from, the labels (int64 buffer,
-    int16 gather), the chunk's slot order and shuffle (int64 each); the per-epoch permutation of
-    ``num_examples`` (uint64 keys, a temporary, the int64 order); and the mapped pages (float16
-    rows plus int16 label) of the samples this process has not touched yet.
-
-    Parameters
-    ----------
-    chunk : int
-        Samples per chunk read from the store (capped at ``num_examples``, at least 1).
-    dim : int
-        Embedding width D.
-    num_examples : int
-        Samples in the store.
-    resident_rows : int
-        Stored samples whose pages this process already has mapped; 0 counts every one.
-
-    Returns
-    -------
-    int
-        Bytes.
-    """
+    """Bytes a pass over the store adds: chunk buffers, the epoch's shuffle, pages not yet mapped."""
     chunk = min(chunk, max(1, num_examples))
+    # float32 buffer + float16 gather per row; labels int64 + int16; slot order and shuffle int64
     chunk_bytes = chunk * (dim * (4 + 2) + 8 + 2 + 8 + 8)
-    order_bytes = num_examples * 8 * 3
-    mapped = max(0, num_examples - max(0, resident_rows)) * (2 * dim + 2)
+    order_bytes = num_examples * 8 * 3  # the Shuffler's uint64 keys, a temporary, the int64 order
+    mapped = max(0, num_examples - max(0, resident_rows)) * (2 * dim + 2)  # float16 row + int16 label
     return chunk_bytes + order_bytes + mapped
 
 
@@ -278,29 +244,10 @@ def estimate_personal_bytes(
 ) -> int:
     """Bytes ``edgefl.agent.trainer.train_personal`` may add to RSS with a given chunk size.
 
-    The personal head itself (created from the global head on the first step; trained in place
-    after) and its gradient: two ``[D, K]`` heads (measured new on every step); then
-    the same chunk, batch, shuffle and mapped-page terms as local training, which the personal
-    step reads the same way (the mapped pages only of samples this process has not touched:
-    ``resident_rows``, as :func:`estimate_train_bytes`; local training has just read them all).
+    Two ``[D, K]`` heads (the personal head and its gradient, new on every step), one SGD step's
+    temporaries, and the store read as in local training.
 
-    Parameters
-    ----------
-    chunk : int
-        Samples per chunk read from the store.
-    dim, classes : int
-        D and K.
-    batch_size : int
-        Samples per SGD step.
-    num_examples : int
-        Samples in the store.
-    resident_rows : int
-        Stored samples whose pages this process already has mapped; 0 counts every one.
-
-    Returns
-    -------
-    int
-        Bytes.
+    Parameters and return value as :func:`estimate_train_bytes` (no ``first_run``).
     """
     step_bytes = min(batch_size, chunk, max(1, num_examples)) * (dim * 4 + classes * 4 * 4)
     head_bytes = 2 * (dim * classes + classes) * 4
@@ -311,13 +258,9 @@ def estimate_personal_bytes(
 def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fraction: float = 0.1) -> int:
     """Bytes ``edgefl.wire.rounds.encode_update`` may add to RSS.
 
-    The dense delta's float32 temporaries (finite check, clip or scale, absolute values), the int64
-    partition of top-k and the code pages its first call touches (partition, packbits: ~1 MiB of
-    RSS in a fresh process for 67 KiB of tracemalloc peak at D=512, K=10), the payload twice (the
-    typed-array bytes and the CBOR output; a third copy is not seen in what the phase adds,
-    ``bench/memory.py --estimates``), and for the int8 and top-k
-    layouts zlib's deflate state (256 KiB: int8 levels and top-k masks are deflated) and for int8
-    the levels once more.
+    The delta's float32 temporaries, top-k's int64 partition and first-call code pages, the payload
+    twice (typed-array bytes and CBOR output), zlib's deflate state for the int8 and top-k layouts,
+    and int8's levels once more.
 
     Parameters
     ----------
@@ -326,6 +269,7 @@ def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fractio
     compression : str
         An ``edgefl.wire.compression.Compression`` value.
     topk_fraction : float
+        Fraction of values a top-k layout keeps, (0, 1].
 
     Returns
     -------
@@ -389,9 +333,8 @@ def npz_headers(path: Path | str) -> dict[str, tuple[tuple[int, ...], np.dtype[A
 def estimate_replay_bytes(path: Path | str) -> int:
     """Bytes loading a replay file (``source.path``: ``x`` samples, ``y`` labels) adds to RSS.
 
-    Every array of the file as loaded (``numpy.load`` reads a member into a new array through a
-    buffer of up to 256 KiB), plus the labels' int64 copy the daemon makes; computed from the headers
-    (:func:`npz_headers`), before anything is loaded.
+    Every array as loaded (through ``numpy.load``'s buffer of up to 256 KiB) plus the labels' int64
+    copy, computed from the headers alone (:func:`npz_headers`).
 
     Raises
     ------

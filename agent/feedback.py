@@ -1,16 +1,9 @@
 """Error feedback for compressed updates: what compression dropped is kept on the device and sent later.
 
 Before compressing, the device adds its residual to the new delta; after compressing, the new
-residual is ``corrected - decoded``, where ``decoded`` is exactly what the coordinator will see.
-:meth:`ErrorFeedback.compress` compresses once (``edgefl.wire.compression.compress_head_delta``) and
-hands the wire form on to ``encode_update(..., compressed=...)``. Nothing is lost, only delayed, which
-is what lets top-k keep 10 % of the coordinates without hurting accuracy.
-
-The residual is kept by the device's outbox record (``edgefl.agent.outbox``): the write that keeps the
-round's update carries it, and so does every later write of the record, so a restart or a power cut
-loses neither (one ``fdatasync`` before the publish, no file of its own). It travels in the compact
-form of :meth:`ErrorFeedback.carry_bytes` (a CBOR map of RFC 8746 typed arrays); a residual for
-another head shape or another model is discarded.
+residual is ``corrected - decoded``, ``decoded`` being exactly what the coordinator will see. Nothing
+is lost, only delayed. The device's outbox record (``edgefl.agent.outbox``) carries the residual in
+the form of :meth:`ErrorFeedback.carry_bytes`, so a restart loses none of it.
 
 Source: Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory" (NeurIPS), Algorithm 1;
 Karimireddy et al. 2019 ("Error Feedback Fixes SignSGD").
@@ -96,14 +89,13 @@ class ErrorFeedback:
 
         Parameters
         ----------
-        delta_W : float32 [D, K]
-            This round's weight delta.
-        delta_b : float32 [K]
-            This round's bias delta.
+        delta_W, delta_b : float32 [D, K], float32 [K]
+            This round's delta.
 
         Returns
         -------
-        (delta_W + e_W, delta_b + e_b), float32 (new arrays).
+        tuple[F32, F32]
+            ``(delta_W + e_W, delta_b + e_b)``, new float32 arrays.
 
         Raises
         ------
@@ -113,34 +105,6 @@ class ErrorFeedback:
         if delta_W.shape != self.shape or delta_b.shape != (self.shape[1],):
             raise ValueError(f"ErrorFeedback: delta {delta_W.shape}/{delta_b.shape}, head {self.shape}")
         return (delta_W + self.residual_W).astype(np.float32), (delta_b + self.residual_b).astype(np.float32)
-
-    def record(
-        self,
-        corrected_W: F32,
-        corrected_b: F32,
-        decoded_W: F32,
-        decoded_b: F32,
-        *,
-        round: int = -1,
-    ) -> None:
-        """Keep what the wire dropped, ``corrected - decoded`` (the outbox record persists it).
-
-        Parameters
-        ----------
-        corrected_W : float32 [D, K]
-            The compensated delta that was compressed.
-        corrected_b : float32 [K]
-            Its bias part.
-        decoded_W : float32 [D, K]
-            What the coordinator decodes (``decompress_delta(compress_delta(corrected_W))``).
-        decoded_b : float32 [K]
-            Its bias part.
-        round : int
-            The round this compression answers (:attr:`round`).
-        """
-        self.residual_W = (corrected_W - decoded_W).astype(np.float32)
-        self.residual_b = (corrected_b - decoded_b).astype(np.float32)
-        self.round = round
 
     def reset(self) -> None:
         """Forget the residual."""
@@ -158,14 +122,12 @@ class ErrorFeedback:
         seed: int | None = None,
         round: int = -1,
     ) -> tuple[F32, F32, CompressedDelta]:
-        """Compensate, compress once, record the new residual; return the wire form with it.
+        """Compensate, compress once, keep ``corrected - decoded`` as the residual; return the wire form.
 
         Parameters
         ----------
-        delta_W : float32 [D, K]
-            This round's weight delta.
-        delta_b : float32 [K]
-            This round's bias delta.
+        delta_W, delta_b : float32 [D, K], float32 [K]
+            This round's delta.
         compression : Compression
             The round's compression.
         topk_fraction : float
@@ -173,14 +135,12 @@ class ErrorFeedback:
         seed : int or None
             Seed of stochastic int8 rounding (None = deterministic rounding).
         round : int
-            As :meth:`record`.
+            The round this compression answers (:attr:`round`).
 
         Returns
         -------
-        corrected_W : float32 [D, K]
-            ``delta_W + e_W``, what was compressed (kept whole as residual if the send fails).
-        corrected_b : float32 [K]
-            Its bias part.
+        corrected_W, corrected_b : float32 [D, K], float32 [K]
+            ``delta + e``, what was compressed.
         compressed : CompressedDelta
             The wire sub-maps for ``encode_update(update, compressed=compressed)`` and what the
             coordinator decodes from them.
@@ -193,18 +153,14 @@ class ErrorFeedback:
         cW, cb = self.compensate(delta_W, delta_b)
         rng = np.random.default_rng(seed) if seed is not None else None
         packed = compress_head_delta(cW, cb, compression, topk_fraction=topk_fraction, rng=rng)
-        self.record(cW, cb, packed.decoded_W, packed.decoded_b, round=round)
+        self.residual_W = (cW - packed.decoded_W).astype(np.float32)
+        self.residual_b = (cb - packed.decoded_b).astype(np.float32)
+        self.round = round
         return cW, cb, packed
 
 
 def _read_carry(data: bytes) -> tuple[F32, F32, str, int]:
-    """``(W, b, model_sha256, round)`` of :meth:`ErrorFeedback.carry_bytes`'s form.
-
-    Raises
-    ------
-    ValueError, DecodeError, cbor2.CBORDecodeError
-        If ``data`` is not that map.
-    """
+    """``(W, b, model_sha256, round)`` of :meth:`ErrorFeedback.carry_bytes`'s form (errors as decoded)."""
     obj = cbor2.loads(data)
     if not isinstance(obj, dict):
         raise ValueError("not a residual record")

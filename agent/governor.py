@@ -1,10 +1,8 @@
 """The memory governor: knows the cap, measures each phase's peak RSS and admits phases under the cap.
 
-The cap is the profile's, lowered by a cgroup limit. The governor measures the exact peak RSS of
-each phase (``inference``, ``batch``, ``train``, ``encode``, ``publish``, ``apply``) by resetting
-the kernel's peak counter at the start of the phase, and admits each phase with an estimate in
-bytes (``edgefl.agent.estimates``): when ``rss + estimate > cap - reserve`` it halves the work down
-to a floor, then defers the phase.
+The cap is the profile's, lowered by a cgroup limit. A phase's peak is exact (the kernel's peak
+counter reset at its start); a phase is admitted on an estimate in bytes (``edgefl.agent.estimates``):
+when ``rss + estimate > cap - reserve`` its work is halved down to a floor, then it is deferred.
 
 Source: proc(5) (``status`` VmHWM, ``clear_refs`` value 5 resets the peak RSS, Linux >= 4.0).
 """
@@ -43,10 +41,11 @@ logger = logging.getLogger(__name__)
 
 #: The phases of the agent, in the order of a round.
 PHASES = ("batch", "inference", "train", "encode", "publish", "apply")
-#: Phases that can wait for a later round (training and its upload). Inference (and its batch
-#: preparation) cannot wait that long: it is shrunk to its floor, and refused only while even the
-#: floor is over budget (the caller retries once memory frees).
+#: Phases that can wait for a later round; inference cannot (shrunk to its floor, then refused).
 DEFERRABLE = frozenset({"train", "encode", "publish", "personal"})
+PSS_MAX_AGE_S: Final = 10.0
+""":meth:`Governor.status` reads PSS (``smaps_rollup``, a walk of every mapping: ~1 ms idle here, ~9 ms
+under load) at most this often (seconds); the dashboard's RSS history asks for a status every 2 s."""
 #: Phases held back while the system's MemAvailable is under the profile's threshold.
 SYSTEM_GUARDED = frozenset({"train", "personal"})
 
@@ -59,21 +58,16 @@ class Admission:
     ----------
     phase : str
         One of :data:`PHASES` (others allowed).
-    work : int
-        Granted work size (samples per batch or per chunk); the requested size, or halved down
-        to ``floor``.
-    requested_work : int
-        The size asked for.
+    work, requested_work : int
+        Granted work size (samples per batch or chunk, halved down to the floor) and the size asked.
     estimate_bytes : int
         Estimated bytes at ``work``.
     budget_bytes : int
-        ``cap - reserve - rss`` at the time of the request (``cap - rss`` for a phase that cannot
-        wait, which may use the reserve); may be negative.
+        ``cap - reserve - rss`` at the request (``cap - rss`` for a phase that cannot wait); may be < 0.
     rss_bytes : int
         RSS at the time of the request.
     deferred : bool
-        True: do not run the phase now (over budget even at its floor, or a :data:`SYSTEM_GUARDED`
-        phase while the system is short of memory).
+        True: do not run the phase now (over budget at its floor, or the system short of memory).
     reason : str
         Empty when admitted as asked; otherwise why the work was shrunk or deferred.
     at_s : float
@@ -96,11 +90,7 @@ class Admission:
         return self.work < self.requested_work
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-like form (status message, dashboard): every field by name.
-
-        Built field by field: ``dataclasses.asdict`` deep-copies through its generic recursion, ~40 us
-        an admission, and a device's status check reads every phase's (a round's CPU).
-        """
+        """JSON-like form (status message, dashboard): every field by name."""
         return {f: getattr(self, f) for f in _ADMISSION_FIELDS}
 
 
@@ -140,20 +130,16 @@ class Governor:
     cap_bytes : int
         ``min(profile cap, cgroup limit)``.
     profile_cap_bytes, cgroup_limit_bytes : int, int or None
-    phase_peaks : dict[str, int]
-        Largest peak RSS seen in each phase, bytes (absolute RSS, not a delta).
-    phase_last : dict[str, int]
-        Peak RSS of the latest run of each phase, bytes.
+    phase_peaks, phase_last : dict[str, int]
+        Largest and latest peak RSS of each phase, bytes (absolute RSS).
     phase_rise : dict[str, int]
-        Largest rise of a phase's peak RSS above the RSS at its start, bytes: the phase's own
-        high-water mark, which tells phases apart when they all run on the same resident base.
+        Largest rise of a phase's peak RSS above the RSS at its start, bytes.
 
     Notes
     -----
-    Resetting ``VmHWM`` means the process's ``VmHWM`` alone no longer tells its lifetime peak:
-    :attr:`peak_rss_bytes` folds in every reading taken before each reset. Phases may overlap
-    (several threads): a phase only resets the counter when no other phase is running; an
-    overlapping phase then reports the peak since the earliest running phase began (an upper bound).
+    :attr:`peak_rss_bytes` folds in every reading taken before each ``VmHWM`` reset. A phase resets
+    the counter only when no other is running; an overlapping phase reports the peak since the
+    earliest running phase began (an upper bound).
     """
 
     def __init__(
@@ -187,6 +173,7 @@ class Governor:
         self.admissions: dict[str, Admission] = {}
         self.deferrals: dict[str, int] = {}
         self.last_deferral: Admission | None = None
+        self._pss: tuple[float, int | None] | None = None  # (time.monotonic(), bytes) of the last PSS read
         self._lock = threading.Lock()
         self._active = 0
         self._peak = self._read_peak()  # the process's peak before this governor, kept across resets
@@ -235,11 +222,7 @@ class Governor:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Measure the peak RSS of the enclosed block as phase ``name``.
-
-        On exit, ``phase_last[name]`` is the block's peak RSS and ``phase_peaks[name]`` the largest
-        ever seen; :attr:`peak_rss_bytes` includes it. ``phase_rise[name]`` is the largest
-        ``peak - rss at entry`` seen (the phase's own growth; 0 when it grew nothing).
+        """Measure the peak RSS of the enclosed block as phase ``name`` (``phase_last``, ``phase_peaks``).
 
         Parameters
         ----------
@@ -283,12 +266,9 @@ class Governor:
         """Decide how much of a phase may run now.
 
         While ``rss + estimate(work) > cap - reserve`` and ``work > floor``, halve ``work`` (never
-        below ``floor``); a phase that cannot wait (not :data:`DEFERRABLE`: inference) may use the
-        reserve, so its test is ``rss + estimate(work) > cap``. If it still does not fit, the phase
-        is not to run: ``deferred`` is True (a deferrable phase waits for a later round; another,
-        e.g. inference, is refused for now and its caller retries once memory frees), and the reason
-        says which. A
-        :data:`SYSTEM_GUARDED` phase is also deferred while the system's ``MemAvailable`` is under
+        below ``floor``); a phase that is not :data:`DEFERRABLE` may use the reserve (its test is
+        ``rss + estimate(work) > cap``). If it still does not fit, ``deferred`` is True and the reason
+        says why. A :data:`SYSTEM_GUARDED` phase is also deferred while ``MemAvailable`` is under
         ``min_system_available_bytes``.
 
         Parameters
@@ -376,10 +356,8 @@ class Governor:
     ) -> Admission:
         """Admit an interpreter call on ``batch`` samples (floor 1; refused when even 1 is over budget).
 
-        A call may use the reserve (it cannot wait for a later round), but the arena a larger batch
-        grows is kept for the process's life: a batch that grows it is admitted only if it leaves the
-        reserve and ``keep_bytes`` free under the cap, else it is shrunk (down to the resident batch,
-        or one sample, which grow nothing).
+        A call may use the reserve, but a batch that grows the arena (kept for the process's life) is
+        admitted only if it leaves the reserve and ``keep_bytes`` free under the cap, else it is shrunk.
 
         Parameters
         ----------
@@ -392,8 +370,7 @@ class Governor:
         prep : "fused" | "unfused", optional
             Count the batch preparation too (when one call does both, as ``Pipeline.run``).
         keep_bytes : int
-            Bytes a grown arena must leave free beside the reserve (the device core passes its
-            smallest training run, so that inference never takes the room a round needs).
+            Bytes a grown arena must leave free beside the reserve (the smallest training run).
 
         Returns
         -------
@@ -423,15 +400,19 @@ class Governor:
         batch_size: int,
         num_examples: int,
         resident_rows: int = 0,
+        personal: bool = False,
     ) -> Admission:
         """Admit local training with ``chunk`` samples per store chunk (halved down to ``floor``).
 
         ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
+        ``personal``: the personal head trains alongside (``train_local``'s ``personal``): its head and
+        gradient are counted too, as :func:`estimate_personal_bytes` counts them.
         """
         first = self.phase_counts.get("train", 0) == 0
+        heads = 2 * (dim * classes + classes) * 4 if personal else 0
 
         def need(n: int) -> int:
-            return estimate_train_bytes(
+            return heads + estimate_train_bytes(
                 n, dim, classes, batch_size, num_examples, first_run=first, resident_rows=resident_rows
             )
 
@@ -454,6 +435,7 @@ class Governor:
         chunk buffers; deferred (the step waits for the next round) when even ``floor`` is over budget.
         ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
         """
+
         def need(n: int) -> int:
             return estimate_personal_bytes(
                 n, dim, classes, batch_size, num_examples, resident_rows=resident_rows
@@ -462,6 +444,13 @@ class Governor:
         return self.admit("personal", need, chunk, floor)
 
     # --- report ------------------------------------------------------------------------------
+    def _pss_bytes(self) -> int | None:
+        """PSS in bytes (None where unreadable), read again once :data:`PSS_MAX_AGE_S` old."""
+        now = time.monotonic()
+        if self._pss is None or now - self._pss[0] >= PSS_MAX_AGE_S:
+            self._pss = (now, pss_bytes(proc=self.proc))
+        return self._pss[1]
+
     def status(self, measure: bool = True) -> dict[str, Any]:
         """JSON-like memory figures for the status message and the dashboard.
 
@@ -469,9 +458,8 @@ class Governor:
         ----------
         measure : bool
             False leaves out the figures read from ``/proc`` (``rss_bytes``, ``pss_bytes``,
-            ``peak_rss_bytes``, ``system_available_bytes``): reading ``smaps_rollup`` takes
-            milliseconds on a loaded gateway, and the daemon's check for news, run at every state
-            change of a round on the event loop, needs none of them (round latency).
+            ``peak_rss_bytes``, ``system_available_bytes``): reading them takes milliseconds. PSS is
+            read at most every :data:`PSS_MAX_AGE_S`, the last reading in between.
 
         Returns
         -------
@@ -488,7 +476,7 @@ class Governor:
             measured = (
                 {
                     "rss_bytes": self.rss_bytes(),
-                    "pss_bytes": pss_bytes(proc=self.proc),
+                    "pss_bytes": self._pss_bytes(),
                     "peak_rss_bytes": peak,
                     "system_available_bytes": self.system_available_bytes(),
                 }

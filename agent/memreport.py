@@ -1,15 +1,9 @@
 """``edgefl memory-report PROFILE``: one full round in-process, with the peak memory of every phase.
 
 The round is the device core the daemon runs (:class:`edgefl.agent.core.DeviceCore`), without the
-daemon around it: classify the profile's replay samples (or random samples of the model's input
-shape) batch by batch into the embedding store (phase ``inference``, batch preparation included),
-answer a round announcement (``train``; ``encode``: error feedback, encoding, signing, outbox),
-publish the update to a broker when one is given (``publish``), and verify, decode, apply and persist
-a global head (``apply``). Each phase runs inside :meth:`edgefl.agent.governor.Governor.phase` (exact
-peak RSS) and, unless disabled, with :mod:`tracemalloc` on: the report prints per phase the peak of
-the Python heap and its top allocation sites (file:line) next to the RSS peak. Allocations made by
-the interpreter in C++ (its tensor arena) are not in the Python heap; the difference between the two
-columns is them.
+daemon around it (:func:`run_round`). Beside each phase's RSS peak the report prints, unless disabled,
+the peak of the Python heap and its top allocation sites (:mod:`tracemalloc`); the difference between
+the two columns is what the interpreter allocates in C++ (its tensor arena).
 """
 
 from __future__ import annotations
@@ -34,6 +28,7 @@ from edgefl.agent.config import Profile
 from edgefl.agent.estimates import estimate_replay_bytes
 from edgefl.agent.governor import PHASES, Governor
 from edgefl.errors import BudgetExceeded
+from edgefl.profiles import add_set_argument, parse_sets
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +96,7 @@ class RoundReport:
 
 
 class _HeapWatch:
-    """Peak of the Python heap in a block, with a snapshot taken near the peak (a polling thread).
-
-    tracemalloc keeps the peak size but not where it was reached; a thread polls the traced size
-    every millisecond and snapshots whenever it is 5 % above the best seen, so the sites are those
-    live near the peak.
-    """
+    """Peak of the Python heap in a block, with a snapshot taken whenever it is 5 % above the best seen."""
 
     def __init__(self, interval_s: float = 0.002) -> None:
         self.interval_s = interval_s
@@ -179,21 +169,14 @@ def run_round(
     top: int = 5,
     broker: str | None = None,
     state_dir: Path | None = None,
-    local_epochs: int = 2,
-    lr: float = 0.1,
-    batch_size: int = 16,
     compression: str = "none",
     phase_hook: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> RoundReport:
     """Run one full round of the device core in this process and measure each phase.
 
-    The shipped path, :class:`edgefl.agent.core.DeviceCore` (what ``edgefl run`` drives): samples
-    classified into the store with :meth:`~edgefl.agent.core.DeviceCore.observe` (phase ``inference``,
-    batch preparation included as in the daemon), a RoundAnnouncement's bytes answered by
-    :meth:`~edgefl.agent.core.DeviceCore.receive_round` (``train``; ``encode`` = error feedback,
-    encoding, signing, the outbox and the answered-round record), the update published from the
-    outbox when a broker is given (``publish``), and a GlobalModel's bytes applied by
-    :meth:`~edgefl.agent.core.DeviceCore.receive_global` (``apply``: verify, decode, validate, persist).
+    Samples classified into the store (phase ``inference``), a RoundAnnouncement answered
+    (``train``, ``encode``), the update published when a broker is given (``publish``), and a
+    GlobalModel applied (``apply``), each through :class:`edgefl.agent.core.DeviceCore`.
 
     Parameters
     ----------
@@ -211,8 +194,9 @@ def run_round(
         ``mqtt://host:port``: publish the update there (QoS 1); None skips the ``publish`` phase.
     state_dir : Path, optional
         The core's state directory; default a temporary directory.
-    local_epochs, lr, batch_size, compression
-        The round's settings, sent to the core as a RoundAnnouncement.
+    compression : str
+        The round's compression (``edgefl.wire.compression.Compression``); 2 local epochs at lr 0.1,
+        batches of 16.
     phase_hook : callable(str) -> context manager, optional
         Entered around each phase inside the governor's measurement (e.g. a PSS sampler).
 
@@ -285,21 +269,16 @@ def run_round(
         model_name = core.pipeline.backbone.path.name
         x, y = _load_samples(profile, gov, core.pipeline.backbone.sample_shape, core.shapes.classes, samples)
         batch = core.pipeline.batch
+
+        def report(size: int, note: str) -> RoundReport:
+            n, peak = len(core.store), gov.peak_rss_bytes
+            return RoundReport(model_name, n, baseline, gov.cap_bytes, peak, reports, size, not note, note)
+
         try:
             for start_i in range(0, len(x), batch):
                 core.observe(x[start_i : start_i + batch], y[start_i : start_i + batch])
         except BudgetExceeded as exc:  # the governor ran no inference it judged over budget
-            return RoundReport(
-                model_name,
-                len(core.store),
-                baseline,
-                gov.cap_bytes,
-                gov.peak_rss_bytes,
-                reports,
-                0,
-                False,
-                f"inference not run: {exc}",
-            )
+            return report(0, f"inference not run: {exc}")
         core.flush_store()
 
         # the coordinator's side (announce, aggregate, encode the global head) is not the device's memory
@@ -308,9 +287,9 @@ def run_round(
             round=round_no,
             base_version=core.head.version,
             deadline_s=600.0,
-            local_epochs=local_epochs,
-            lr=lr,
-            batch_size=batch_size,
+            local_epochs=2,
+            lr=0.1,
+            batch_size=16,
             min_clients=1,
             selected=1.0,
             compression=Compression(compression),
@@ -320,17 +299,7 @@ def run_round(
             reports["train"].deferred = result.status == RoundStatus.DEFERRED
             admission = gov.admissions.get("train")
             reports["train"].work = admission.work if admission is not None else 0
-            return RoundReport(
-                model_name,
-                len(core.store),
-                baseline,
-                gov.cap_bytes,
-                gov.peak_rss_bytes,
-                reports,
-                0,
-                False,
-                f"round {result.status}: {result.reason} {result.detail}".strip(),
-            )
+            return report(0, f"round {result.status}: {result.reason} {result.detail}".strip())
         entry, local, update_bytes = result.entry, result.local, result.update_bytes
         note = ""
         if broker is not None:
@@ -351,18 +320,7 @@ def run_round(
         applied = core.receive_global(gm_bytes)
         if applied.status != ApplyStatus.APPLIED and not note:
             note = f"global head {applied.status}: {applied.reason} {applied.detail}".strip()
-        completed = note == ""
-        return RoundReport(
-            model_name,
-            len(core.store),
-            baseline,
-            gov.cap_bytes,
-            gov.peak_rss_bytes,
-            reports,
-            update_bytes,
-            completed,
-            note,
-        )
+        return report(update_bytes, note)
 
 
 def _publish(
@@ -371,9 +329,9 @@ def _publish(
     payload: bytes,
     measured: Callable[[str], contextlib.AbstractContextManager[None]],
 ) -> str:
-    """Publish ``payload`` on ``update/<device>`` with QoS 1 inside phase ``publish``; '' or the error.
+    """Publish ``payload`` on ``update/<device>`` (QoS 1, chunked as the daemon does) in phase ``publish``.
 
-    Split into chunks above the packet limit exactly as the daemon does (``split_message``).
+    Returns '' or the error.
     """
     import asyncio
 
@@ -446,7 +404,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "memory-report", help="run one round in-process and print the peak memory of every phase"
     )
     p.add_argument("profile", help="TOML profile (see firmware_configs/)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
+    add_set_argument(p, "memory.cap_mb=64")
     p.add_argument("--samples", type=int, default=512, help="samples classified before training")
     p.add_argument("--top", type=int, default=5, help="allocation sites per phase (default 5)")
     p.add_argument("--broker", default=None, help="mqtt://host:port to publish the update to")
@@ -462,15 +420,8 @@ def main(args: argparse.Namespace) -> int:
     from edgefl.agent.config import load_profile
     from edgefl.errors import ConfigError
 
-    overrides: dict[str, object] = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            print(f"--set {item!r}: expected key=value", file=sys.stderr)
-            return 2
-        overrides[key.strip()] = value
     try:
-        profile = load_profile(args.profile, overrides)
+        profile = load_profile(args.profile, parse_sets(args.set))
     except ConfigError as exc:
         print(f"edgefl: invalid profile {args.profile}:", file=sys.stderr)
         for problem in exc.problems:

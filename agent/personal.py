@@ -1,7 +1,9 @@
 """The personal head and federated evaluation: the device's own head beside the global one.
 
-After a round is answered, :meth:`PersonalHeads.personalise` pulls the personal head toward the new
-global head (class-restricted Ditto steps, ``edgefl.agent.trainer.train_personal``) and persists it;
+The personal head takes class-restricted Ditto steps toward the round's global head on the round's
+own training batches (``edgefl.agent.trainer.PersonalStep``), or, when its epochs differ from the
+round's, in a step of its own once the update is out (:meth:`PersonalHeads.personalise`,
+``edgefl.agent.trainer.train_personal``); either way it is persisted and evaluated;
 :meth:`PersonalHeads.evaluate` scores both heads on the holdout store (never trained on) and
 :meth:`PersonalHeads.serving_head` picks the one that classifies (the global head while the
 personal one is behind, :func:`personal_behind`).
@@ -95,6 +97,7 @@ class PersonalHeads(DeviceState):
     personal_fallback: bool
     personal_deferred: int
     _personal_due: RoundAnnouncement | None
+    _personal_done: PersonalResult | None
 
     def serving_head(self) -> tuple[Head, str]:
         """The head that classifies: the personal one once it exists, unless it fell behind.
@@ -119,6 +122,7 @@ class PersonalHeads(DeviceState):
             ``version`` of the head, ``accuracy`` in [0, 1] and ``count`` samples; None when holdout is
             off or empty. Also kept in :attr:`evaluation` for the status.
         """
+        self._personal_done = None  # a personal step taken with the round's training: evaluated here
         if self.holdout is None or len(self.holdout) == 0:
             return None
         head = self.head
@@ -163,8 +167,23 @@ class PersonalHeads(DeviceState):
 
     @property
     def personal_due(self) -> bool:
-        """A round was trained and its personal step waits for :meth:`personalise`."""
-        return self._personal_due is not None
+        """A round was trained and its personal step (or the evaluation of one taken with it) waits."""
+        return self._personal_due is not None or self._personal_done is not None
+
+    def _adopt_personal(self, W: np.ndarray, b: np.ndarray, version: int, result: PersonalResult) -> None:
+        """Keep the personal head trained with the round's global training (``train_local``'s ``personal``).
+
+        Persisted (at once, or behind with :attr:`write_behind`: :meth:`persist_behind`) and
+        evaluated by :meth:`personalise` (the daemon calls it once the update is out), or by the
+        next global head's :meth:`evaluate` if that comes first.
+        """
+        if not (np.isfinite(W).all() and np.isfinite(b).all()):
+            logger.warning("personal step gave non-finite values; the next starts again from the global head")
+            self.personal = None
+            return
+        self.personal = Head(W, b, version)
+        self._persist("personal", self._save_personal, behind=True)
+        self._personal_done = result
 
     def _load_personal(self) -> None:
         """Restore the personal head and its classes from their record (previous generation if torn).
@@ -241,16 +260,19 @@ class PersonalHeads(DeviceState):
     def personalise(self) -> PersonalResult | None:
         """The personal step of the last trained round: class-restricted Ditto steps, persisted, evaluated.
 
-        Pulls the personal head (the global head's copy the first time) toward the current global
-        head with ``personal.prox_lambda`` over ``personal.epochs`` passes of the store (0: the
+        A round whose training took the personal step along (``train_local``'s ``personal``: the personal
+        epochs are the round's and the head a softmax one) leaves only its evaluation here, and its result
+        is returned (its steps; its time is in the round's ``LocalResult.train_s``). Otherwise the step
+        runs now: it pulls the personal head (the global head's copy the first time) toward the current
+        global head with ``personal.prox_lambda`` over ``personal.epochs`` passes of the store (0: the
         round's ``local_epochs``) at ``personal.lr_scale`` times the round's ``lr``, the columns of
         classes never labelled here tied to the global head and their logits scaled by
         ``personal.absent_alpha`` in the loss (FedRS's restricted softmax)
-        (:func:`edgefl.agent.trainer.train_personal`); phase ``personal``, admitted by the governor
-        as one head plus its gradient beside the chunk buffers. Then the head is written
-        (:data:`PERSONAL_FILE`) and both heads are evaluated on the holdout (:meth:`evaluate`: a
-        personal head behind the global one stops serving, :func:`personal_behind`).
-        The update of the round is already kept: nothing here changes what is sent.
+        (:func:`edgefl.agent.trainer.train_personal`); phase ``personal``, admitted by the governor as one
+        head plus its gradient beside the chunk buffers. Then the head is written (:data:`PERSONAL_FILE`,
+        behind with :attr:`write_behind`) and both heads are evaluated on the holdout (:meth:`evaluate`: a
+        personal head behind the global one stops serving, :func:`personal_behind`). The update of the
+        round is already kept: nothing here changes what is sent.
 
         Returns
         -------
@@ -261,6 +283,10 @@ class PersonalHeads(DeviceState):
         ann = self._personal_due
         self._personal_due = None
         cfg = self.profile.personal
+        if ann is None and self._personal_done is not None:
+            done = self._personal_done  # taken with the round's training: evaluate it
+            self.evaluate()
+            return done
         if ann is None or not cfg.enabled or len(self.store) == 0:
             return None
         tcfg = self.profile.training
@@ -302,6 +328,6 @@ class PersonalHeads(DeviceState):
             self.personal = None
             return result
         self.personal = Head(W, b, glob.version)
-        self._persist("personal", self._save_personal)
+        self._persist("personal", self._save_personal, behind=True)
         self.evaluate()
         return result

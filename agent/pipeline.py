@@ -1,41 +1,19 @@
 """Raw samples to model input, unfused or fused, batched into the interpreter; chosen by measurement.
 
-Two paths over the same stage definitions (:func:`to_float`, :func:`normalise`, and the backbone's
-``quantize_input``):
+Two paths over the same stages (:func:`to_float`, :func:`normalise`, the backbone's ``quantize_input``):
 
-- **unfused**: each stage a separate numpy operation with its own output array (``cast``,
-  ``normalise``, ``quantise``, ``stack`` when a partial batch is padded), then ``set_tensor``.
-- **fused**: one stage (``fill``) writes each sample straight into a numpy view of the interpreter's
-  input tensor (sample ``k`` into row ``k``). For 8- and 16-bit integer raw samples the whole map
-  (normalise, quantise, round half to even, clip) is a lookup table built by running the unfused stages
-  on every possible raw value, so the fused tensor is bit-identical to the unfused one by construction.
-  (A table of byte pairs, 65,536 entries, one lookup per two outputs, was tried: ~1.4x faster in a hot
-  loop, but ``invoke`` evicts its 128 KiB between batches; in the pipeline it showed no clear gain at
-  batch 8 and was slower at batch 1, so it is not used: docs/benchmarks.md.) Where the table is the
-  identity (raw dtype == input dtype and ``table[i] == i``: a model whose input quantisation already
-  holds the normalisation, e.g. ``models/*_rawin.tflite``), the step is a plain ``np.copyto`` into the
-  tensor (fused step kind ``"copy"``). For float32 models the stages' own arithmetic written straight
-  into the tensor (two vectorised passes over the batch, kind ``"in_place"``) competes with the table:
-  a gather of 4-byte values is slower than two passes on x86 (MobileNet float32: ~57 vs ~19 us per
-  frame), so the pipeline times both on one tensor batch when it builds the table and keeps the faster
-  (``kernel_seconds``). For other raw dtypes of quantised models the unfused arithmetic runs one sample
-  at a time through a one-sample float32 scratch. All bit-identical: an algebraic fold ``x*a + c``
-  would differ from ``(x - mean) / std / scale`` by an ulp, and one ulp at a rounding tie is one
-  quantisation step.
+- **unfused**: each stage a numpy operation with its own output array, then ``set_tensor``.
+- **fused**: one stage (``fill``) writes each sample straight into a view of the interpreter's input
+  tensor: a copy where the raw samples already are the model input (``"copy"``), a lookup table built
+  by running the unfused stages on every 8- or 16-bit raw value (``"table"``), or the stages'
+  arithmetic in place (``"in_place"``; for float32 models timed against the table, the faster kept).
+  Every path is bit-identical to the unfused one (an algebraic fold ``x*a + c`` would not be).
 
-Rules kept here because LiteRT enforces them at run time:
+LiteRT refuses ``invoke()``, ``resize_tensor_input()`` and ``allocate_tensors()`` while a numpy view of
+a tensor is alive, so no view outlives the write (the frames of a failed write are cleared) and views
+are taken afresh for every batch. One thread uses the interpreter at a time (:meth:`Backbone.claim`).
 
-- No numpy view of an interpreter tensor outlives the write: LiteRT refuses ``invoke()``,
-  ``resize_tensor_input()`` and ``allocate_tensors()`` while one is alive. A view held by a frame in an
-  exception's traceback counts, so the frames of a failed write are cleared before re-raising.
-- Views are taken afresh for every batch, so a resize (by this pipeline, another pipeline or the
-  backbone) never leaves a stale one.
-- One interpreter is used by one thread at a time: a batch holds :meth:`Backbone.claim` (the guard every
-  invoke path of the backbone holds); a second thread waits, then gets :class:`InterpreterBusy`.
-
-Which mode and batch a model gets is measured (:mod:`edgefl.agent.pipeline_measure`, :func:`choose`),
-never assumed; the decision is cached per model sha256 so a restart does not re-profile. ``edgefl
-profile`` is in :mod:`edgefl.agent.profiler`.
+The mode and batch are measured (:func:`choose`), never assumed, and cached per model sha256.
 """
 
 from __future__ import annotations
@@ -63,8 +41,7 @@ MODES: tuple[Mode, Mode] = ("fused", "unfused")
 
 #: Stages that run before ``invoke`` (what "preprocessing" means in every measurement).
 PREPROCESS_STAGES = ("cast", "normalise", "quantise", "stack", "set_tensor", "fill")
-#: Raw values per table lookup call: the intp index copy numpy makes is 64 KiB, under one
-#: 96x96x3 float32 sample (110,592 bytes), so the fused step's peak stays below one sample.
+#: Raw values per table lookup call (its 64 KiB intp index copy stays under one sample).
 TABLE_CHUNK_ELEMS = 8192
 #: Largest lookup table built (bytes); a 16-bit raw into a float32 model per channel would exceed it.
 TABLE_MAX_BYTES = 256 * 1024
@@ -136,9 +113,7 @@ class Pipeline:
 
     Notes
     -----
-    The pipeline caches only what is fixed for the life of the model: the lookup tables (rebuilt if the
-    backbone's input quantisation ever differs from the one they were built for) and the one-sample
-    scratch. It holds no batch buffer, no head and no tensor view between calls; the arrays it returns
+    Only the lookup tables and the one-sample scratch are kept between calls; the arrays returned
     are new on every call.
     """
 
@@ -214,12 +189,10 @@ class Pipeline:
 
         Returns
         -------
-        dict with ``mode``, ``batch``, ``tensor_batch``, ``allocated_batch``, ``fused_step``
-        (``"copy"``, ``"table"``, ``"in_place"``, or ``""`` unfused; of the raw dtype of the last call,
-        uint8 before any),
-        ``samples``, ``invokes``, ``padded_rows`` and ``stages``: ``{name: {"calls": int, "total_s":
-        float, "s_per_sample": float}}`` in pipeline order (the fused step is one stage, ``fill``,
-        whatever its kind).
+        dict
+            ``mode``, ``batch``, ``tensor_batch``, ``allocated_batch``, ``fused_step`` (:meth:`fused_step`
+            of the last call's raw dtype, ``""`` unfused), ``samples``, ``invokes``, ``padded_rows``,
+            ``stages``: ``{name: {"calls": int, "total_s": float, "s_per_sample": float}}`` in order.
         """
         n = max(self.samples_total, 1)
         order = [s for s in (*PREPROCESS_STAGES, "invoke", "read") if s in self._calls]
@@ -243,15 +216,7 @@ class Pipeline:
         }
 
     def fused_step(self, raw_dtype: np.dtype[Any] | type | str = np.uint8) -> str:
-        """How the fused step maps raw samples of ``raw_dtype``.
-
-        Returns
-        -------
-        ``"copy"`` (the raw samples are already the model input: ``np.copyto``), ``"table"`` (a
-        lookup table of every raw value) or ``"in_place"`` (the stages' arithmetic written into the
-        tensor: the whole batch for float32 models, one sample at a time otherwise). For a float32
-        model the first call times the table against the arithmetic (``kernel_seconds``).
-        """
+        """How the fused step maps raw samples of ``raw_dtype``: ``"copy"``, ``"table"`` or ``"in_place"``."""
         table = self._table(np.dtype(raw_dtype))
         if table is None:
             return "in_place"
@@ -261,9 +226,8 @@ class Pipeline:
     def run(self, raw: np.ndarray) -> tuple[F32, F32]:
         """Embed and score raw samples, ``tensor_batch`` rows per invoke.
 
-        A last, partial group runs at its real row count when the model's batch is resizable (a resize
-        costs ~0.01-0.02 ms and the arena keeps its largest allocation, so nothing is re-allocated);
-        a fixed-batch model pads it (``padded_rows``).
+        A last, partial group runs at its real row count when the model's batch is resizable; a
+        fixed-batch model pads it (``padded_rows``).
 
         Parameters
         ----------
@@ -286,47 +250,31 @@ class Pipeline:
         n = self._check(raw)
         emb = np.empty((n, self.backbone.embedding_dim), dtype=np.float32)
         logits = np.empty((n, self.num_classes), dtype=np.float32)
-        tb = self.tensor_batch
-        with self.backbone.claim():
-            for g0 in range(0, n, tb):
-                rows = raw[g0 : g0 + tb]
-                self._size = len(rows) if self.backbone.resizable else tb
-                self._load(rows)
-                t0 = time.perf_counter()
-                self._interp.invoke()
-                t0 = self._time("invoke", t0)
-                self._read(emb[g0 : g0 + len(rows)], logits[g0 : g0 + len(rows)])
-                self._time("read", t0)
-                self.invokes_total += 1
+        self._invoke_groups(raw, n, (emb, logits))
         self.samples_total += n
         return emb, logits
 
     def forward(self, raw: np.ndarray) -> None:
-        """Preprocess and invoke every group of ``raw`` without reading the outputs (profiling).
+        """:meth:`run` without reading the outputs (what profiling times as end to end); raises as it."""
+        self._invoke_groups(raw, self._check(raw), None)
 
-        What :func:`~edgefl.agent.pipeline_measure.measure` times as end to end: everything before
-        ``invoke`` plus ``invoke``, the same work as :meth:`run` minus dequantising the embedding and
-        logits (identical in both modes).
-
-        Parameters
-        ----------
-        raw : [N, *sample_shape], N >= 1, any integer or float dtype
-
-        Raises
-        ------
-        ValueError
-            If ``raw`` is empty or its sample shape is not the model's.
-        InterpreterBusy
-            If another thread is using the interpreter.
-        """
-        n = self._check(raw)
+    def _invoke_groups(self, raw: np.ndarray, n: int, out: tuple[F32, F32] | None) -> None:
+        """Load and invoke ``raw`` ``tensor_batch`` rows at a time; read, time and count into ``out``."""
         tb = self.tensor_batch
         with self.backbone.claim():
             for g0 in range(0, n, tb):
                 rows = raw[g0 : g0 + tb]
                 self._size = len(rows) if self.backbone.resizable else tb
                 self._load(rows)
+                if out is None:
+                    self._interp.invoke()
+                    continue
+                t0 = time.perf_counter()
                 self._interp.invoke()
+                t0 = self._time("invoke", t0)
+                self._read(out[0][g0 : g0 + len(rows)], out[1][g0 : g0 + len(rows)])
+                self._time("read", t0)
+                self.invokes_total += 1
 
     def prepare(self, rows: np.ndarray) -> None:
         """Preprocess up to ``tensor_batch`` rows into the input tensor, without invoking (profiling).
@@ -367,10 +315,6 @@ class Pipeline:
 
     def set_tensor_batch(self, n: int) -> None:
         """Run ``n`` rows per invoke from the next call on (the memory governor shrinks or restores it).
-
-        The input is resized at the next call. The interpreter's arena keeps the largest size it was
-        allocated for (:attr:`allocated_batch`), so shrinking before the first large call is what
-        keeps memory down.
 
         Parameters
         ----------
@@ -459,7 +403,7 @@ class Pipeline:
             if self._scratch is None:
                 self._scratch = np.empty(self.sample_shape, dtype=np.float32)
             for k in range(m):
-                self._write_in_place(view[k], rows[k], True)
+                self._write_quantised(view[k], rows[k])
         if m < view.shape[0]:
             view[m:] = self._pad
 
@@ -484,14 +428,7 @@ class Pipeline:
                 np.take(table.flat, idx, out=dst[s:e], mode="clip")
 
     def _table_beats_arithmetic(self, table: _Table, raw_dtype: np.dtype[Any]) -> bool:
-        """Time the lookup against the two-pass float32 arithmetic on one sample; True if faster.
-
-        Best of :data:`KERNEL_TRIALS` interleaved trials each, into a one-sample scratch array (never
-        the tensor, and no more memory than the one-sample scratch the governor budgets for the fused
-        step: a batch-sized scratch was 4.2 MiB for MobileNet float32 at batch 32). One sample stands
-        for the batch: both kernels are linear in the number of values. The times are kept in
-        ``kernel_seconds`` (observability, ``edgefl profile``).
-        """
+        """Time the lookup against the float32 arithmetic on one sample (best of trials); True if faster."""
         rows = random_raw((1, *self.sample_shape), raw_dtype)
         dst = np.empty(rows.shape, dtype=np.float32)
         best = {"table": float("inf"), "in_place": float("inf")}
@@ -507,17 +444,13 @@ class Pipeline:
         return best["table"] < best["in_place"]
 
     def _write_float(self, dst: F32, rows: np.ndarray) -> None:
-        """The stages' arithmetic for a float32 model, whole batch, straight into ``dst`` (two passes).
-
-        ``np.subtract`` casts the raw values to float32 before subtracting, as ``to_float`` then
-        ``normalise`` do, so the result is bit-identical to the unfused path.
-        """
+        """The stages' arithmetic for a float32 model, whole batch, into ``dst`` (bit-identical)."""
         np.subtract(rows, self.mean, out=dst, dtype=np.float32, casting="unsafe")
         np.divide(dst, self.std, out=dst)
 
-    def _write_in_place(self, row: np.ndarray, raw: np.ndarray, quantised: bool) -> None:
-        """The unfused arithmetic on one sample, in place (bit-identical to the stages)."""
-        s = self._scratch if quantised else row
+    def _write_quantised(self, row: np.ndarray, raw: np.ndarray) -> None:
+        """The unfused stages on one sample through the scratch, into ``row`` (bit-identical)."""
+        s = self._scratch
         assert s is not None
         if raw.dtype == np.float32:
             np.subtract(raw, self.mean, out=s)
@@ -525,8 +458,6 @@ class Pipeline:
             np.copyto(s, raw, casting="unsafe")  # the cast stage first, as to_float does
             np.subtract(s, self.mean, out=s)
         np.divide(s, self.std, out=s)
-        if not quantised:
-            return
         bb = self.backbone
         info = np.iinfo(bb.input_dtype)
         np.divide(s, np.float32(bb.input_quant.scale), out=s)
@@ -642,30 +573,10 @@ def choose(
 ) -> tuple[Mode, int]:
     """``pipeline.mode = "auto"``: measure and pick (mode, batch), cached per model sha256 on disk.
 
-    The cache file holds the decision and the measurements with what they were measured for (model
-    sha256, runtime, mean, std, batches, raw dtype); a file for other parameters, unreadable or of an
-    older format is re-measured and replaced (written atomically).
-
-    Parameters
-    ----------
-    backbone : Backbone
-    mean, std : per-channel normalisation
-    batches : candidate batch sizes
-    cache_dir : directory of the cache (created), or None to measure every time
-    raw_dtype : dtype of the raw samples
-    repeats : timed runs per configuration
-    margin : see :func:`edgefl.agent.pipeline_measure.decide`
-
-    Returns
-    -------
-    (mode, batch)
-
-    Raises
-    ------
-    ValueError
-        If a batch size is < 1 or mean/std do not fit the model.
-    InterpreterBusy
-        If another thread is using the interpreter.
+    A cache file for other parameters (model, runtime, mean, std, batches, raw dtype), unreadable or
+    of an older format is measured again and replaced atomically. Parameters, return value and errors
+    as :func:`edgefl.agent.pipeline_measure.measure` and :func:`~edgefl.agent.pipeline_measure.decide`;
+    ``cache_dir`` is created, or None to measure every time.
     """
     key = _cache_key(backbone, mean, std, batches, str(np.dtype(raw_dtype)))
     path = cache_path(cache_dir, backbone.sha256) if cache_dir is not None else None

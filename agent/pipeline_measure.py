@@ -1,10 +1,6 @@
 """Measure the unfused and fused pipeline per batch size on one model, and pick the fastest (mode, batch).
 
-:func:`measure` times both modes and ``invoke`` alone, interleaved, on seeded random raw samples
-(:func:`edgefl.agent.pipeline.random_raw`) and returns medians per batch size
-(:class:`BatchMeasurement`); :func:`decide` compares the modes on the stages that differ.
-:func:`edgefl.agent.pipeline.choose` runs both and caches the decision per model; ``edgefl profile``
-(:mod:`edgefl.agent.profiler`) prints them.
+:func:`edgefl.agent.pipeline.choose` runs both and caches the decision; ``edgefl profile`` prints them.
 """
 
 from __future__ import annotations
@@ -68,7 +64,7 @@ def _minor_faults() -> int:
 
 
 def _peak_bytes(pipe: Pipeline, rows: np.ndarray) -> tuple[int, int]:
-    """(tracemalloc peak extra bytes, minor page faults) of ``prepare(rows)``, after one warm call."""
+    """(tracemalloc peak extra bytes, minor page faults) of ``prepare(rows)`` after a warm call."""
     pipe.prepare(rows)
     scratch = 0 if pipe._scratch is None else int(pipe._scratch.nbytes)
     was = tracemalloc.is_tracing()
@@ -102,22 +98,27 @@ def measure(
 ) -> list[BatchMeasurement]:
     """Time unfused, fused and invoke-only per batch size, interleaved, and take medians.
 
-    Each repeat runs one batch of seeded random raw samples through the unfused pipeline, the fused
-    pipeline and ``invoke`` alone, one after the other, so a burst of load from other processes hits
-    all three alike; ratios are only meaningful between figures of the same call.
+    Each repeat runs one batch of seeded random raw samples through both pipelines and ``invoke``
+    alone, one after the other, so a burst of load from other processes hits all three alike.
 
     Parameters
     ----------
     backbone : Backbone
-    mean, std : per-channel normalisation
-    batches : batch sizes to measure, each >= 1
-    raw_dtype : dtype of the raw samples (e.g. ``"uint8"`` camera frames)
-    repeats : timed runs per configuration (after 2 warm-up runs), >= 1
-    seed : seed of the raw samples
+    mean, std : tuple[float, ...]
+        Per-channel normalisation.
+    batches : Sequence[int]
+        Batch sizes to measure, each >= 1.
+    raw_dtype : numpy dtype or str
+        dtype of the raw samples (e.g. ``"uint8"`` camera frames).
+    repeats : int
+        Timed runs per configuration (after 2 warm-up runs), >= 1.
+    seed : int
+        Seed of the raw samples.
 
     Returns
     -------
-    One :class:`BatchMeasurement` per batch size, in the order given.
+    list[BatchMeasurement]
+        One per batch size, in the order given.
 
     Raises
     ------
@@ -197,21 +198,22 @@ def _differing_s(r: BatchMeasurement, mode: Mode) -> float:
 def decide(rows: Sequence[BatchMeasurement], *, margin: float = DEFAULT_MARGIN) -> tuple[Mode, int]:
     """The fastest (mode, batch); fused counts only where its own stages measure faster by ``margin``.
 
-    Both modes run the same ``invoke``; on a shared machine its time jitters by more than the whole
-    preprocessing of a large model, so the modes are compared on the stages that differ (preprocess and
-    read, timed per stage), and a configuration's cost is those stages plus the invoke time per sample
-    pooled over both modes. Fused is kept at a batch size only where its differing stages take less
-    than ``1 / (1 + margin)`` of the unfused ones; then the cheapest (mode, batch) wins.
+    ``invoke``'s time jitters by more than a large model's preprocessing, so a configuration costs
+    its differing stages (preprocess and read) plus the invoke time pooled over both modes; fused
+    counts at a batch size only where its differing stages take under ``1 / (1 + margin)`` of the
+    unfused ones.
 
     Parameters
     ----------
-    rows : measurements, one per batch size (non-empty)
+    rows : Sequence[BatchMeasurement]
+        One per batch size (non-empty).
     margin : float
         Fraction by which fused must beat unfused on the differing stages (noise guard), >= 0.
 
     Returns
     -------
-    (mode, batch)
+    tuple[Mode, int]
+        (mode, batch).
 
     Raises
     ------

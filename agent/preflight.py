@@ -1,14 +1,9 @@
 """Start-up checks of what a valid profile still cannot run with on this machine.
 
-``edgefl check-config`` and ``edgefl run`` both call :func:`preflight` after the profile validated and
-before the agent allocates anything: the state folder must be a writable folder (not a file, not under
-``/proc``, ``/sys`` or ``/dev``); the packet limit must leave room for a chunk; the embedding store
-(``store_capacity x (2 D + 2)`` bytes, memory-mapped, and its pages count in RSS) must fit both the
-disk and the memory cap; and the cap must be above the model's floor: the process's RSS with the
-model loaded plus the store plus the live ingest at its bounds (:func:`ingest_bytes`) plus the smallest
-inference phase. A cap that leaves no room for the
-smallest training chunk is a warning (:func:`training_warning`): the agent classifies, rounds defer.
-Each problem names the dotted key, its value and the figure it was compared with.
+``edgefl check-config`` and ``edgefl run`` call :func:`preflight` before the agent allocates anything:
+a writable state folder, a packet limit with room for a chunk, an embedding store that fits the disk
+and the cap, and a cap above the model's floor (:func:`floor_bytes`). Each problem names the dotted
+key, its value and the figure it was compared with.
 """
 
 from __future__ import annotations
@@ -25,28 +20,14 @@ from edgefl.agent.config import Profile
 from edgefl.agent.ingest import RECENT_IDS
 from edgefl.validators import is_loopback_host
 
-__all__ = [
-    "MIN_PACKET_BYTES",
-    "broker_warnings",
-    "floor_bytes",
-    "ingest_bytes",
-    "preflight",
-    "store_bytes",
-    "training_warning",
-]
-
 MIN_PACKET_BYTES: Final = 512
-"""Smallest usable ``broker.max_packet_bytes``: a chunk's fixed header, topic and CBOR envelope take
-about 200 bytes (tests/test_faults.py runs rounds at 1 KiB)."""
+"""Smallest usable ``broker.max_packet_bytes`` (a chunk's header, topic and envelope take ~200 bytes)."""
 
 _PSEUDO_FS: Final = (Path("/proc"), Path("/sys"), Path("/dev"))
 
 
 def store_bytes(capacity: int, dim: int, holdout_every: int = 0) -> int:
-    """Bytes of the embedding store's files (float16 embeddings [capacity, dim], int16 labels, row records).
-
-    Plus the holdout store's when ``holdout_every`` > 0 (:func:`edgefl.agent.personal.holdout_capacity`).
-    """
+    """Bytes of the embedding store's files, and the holdout store's when ``holdout_every`` > 0."""
     extra = max(16, capacity // holdout_every) if holdout_every else 0
     return (capacity + extra) * (2 * dim + 2 + 16)  # + the row record (seq, CRC-32): 2 x uint64
 
@@ -54,9 +35,8 @@ def store_bytes(capacity: int, dim: int, holdout_every: int = 0) -> int:
 def ingest_bytes(profile: Profile, shapes: estimates.ModelShapes) -> int:
     """RAM of the live ingest at its bounds (``source.kind = "mqtt"``; 0 otherwise), in bytes.
 
-    ``source.queue_max`` raw samples (``pipeline.raw_dtype``) + ``source.pending_max`` embeddings
-    (D float32) + :data:`~edgefl.agent.ingest.RECENT_IDS` remembered ids, each with ~300 bytes of
-    Python bookkeeping (object, array header, dict entry; measured order of magnitude, not exact).
+    ``source.queue_max`` raw samples + ``source.pending_max`` embeddings + the remembered ids, each
+    with ~300 bytes of Python bookkeeping (an order of magnitude, not exact).
     """
     src = profile.source
     if src.kind != "mqtt":
@@ -72,6 +52,9 @@ def floor_bytes(
 ) -> int:
     """The least memory the agent needs with this model: a lower bound of its peak RSS, in bytes.
 
+    The process with the model loaded, the store, the live ingest at its bounds and the smallest
+    inference phase.
+
     Parameters
     ----------
     profile : Profile
@@ -80,10 +63,7 @@ def floor_bytes(
     baseline_rss : int
         RSS of a process that imported the agent and loaded the model, in bytes.
     training : bool
-        False: to classify at all (the smallest inference phase; training may be deferred). True: to
-        also train: the first training run at the smallest chunk (``training.chunk_floor``) over a
-        full store, whose pages the store term already counts. The governor keeps that room free of
-        the inference arena (``Governor.admit_inference``'s ``keep_bytes``), so the two add up.
+        Also the first training run at ``training.chunk_floor`` over a full store.
     """
     phase = estimates.estimate_inference_bytes(shapes, 1)
     if training:
@@ -141,11 +121,8 @@ def training_warning(profile: Profile, shapes: estimates.ModelShapes, baseline_r
 def broker_warnings(profile: Profile) -> list[str]:
     """Broker settings that run but that an operator most likely did not mean (warnings, not problems).
 
-    - credentials over plain ``mqtt://`` to a host other than loopback: the password crosses the
-      network in clear text (MQTT 5.0 §5.4.1: the CONNECT carries it as is);
-    - a broker username other than ``device.id``: a broker ACL keyed on the username (mosquitto's
-      ``pattern write edgefl/+/update/%u``, docs/security.md) then refuses the device's own topics, and
-      mosquitto refuses a QoS 1 publish in silence on MQTT 3.1.1.
+    Credentials over plain ``mqtt://`` to a host other than loopback (MQTT 5.0 §5.4.1: in clear
+    text), and a username other than ``device.id`` (an ACL keyed on ``%u`` refuses the device's topics).
     """
     broker, out = profile.broker, []
     if broker.username is not None and not broker.tls and not is_loopback_host(broker.host):

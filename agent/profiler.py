@@ -1,14 +1,8 @@
 """``edgefl profile MODEL``: time every preprocessing stage both ways, per batch size, and pick one.
 
-For each batch size: the unfused path (every stage its own array), the fused path (one stage writing
-into the interpreter's input tensor) and ``invoke`` alone (input already in place: the ceiling), each
-as the median of repeated, interleaved runs in this process; the peak extra bytes of preprocessing
-one batch (tracemalloc: numpy allocations) and the minor page faults it causes (fresh pages: what
-the RSS pays for new arrays). Prints a table, the chosen configuration and the per-stage times of
-the chosen batch; ``--json PATH`` writes the figures (the profile contract plus per-stage times).
-
-The measurement itself is :func:`~edgefl.agent.pipeline_measure.measure`; the choice
-:func:`~edgefl.agent.pipeline_measure.decide`, the same rule ``pipeline.mode = "auto"`` uses at start-up.
+Prints the measurements of :func:`~edgefl.agent.pipeline_measure.measure` as a table, the choice of
+:func:`~edgefl.agent.pipeline_measure.decide` (the rule ``pipeline.mode = "auto"`` uses) and the
+per-stage times of the chosen batch; ``--json PATH`` writes the figures.
 """
 
 from __future__ import annotations
@@ -87,7 +81,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
     Returns
     -------
-    The new sub-parser (its ``func`` default is :func:`main`).
+    argparse.ArgumentParser
+        The new sub-parser (its ``func`` default is :func:`main`).
     """
     p: argparse.ArgumentParser = sub.add_parser(
         "profile",
@@ -145,16 +140,16 @@ def report(model: str, rows: list[BatchMeasurement], chosen: tuple[str, int]) ->
     ----------
     model : str
         The model file name.
-    rows : measurements, one per batch size
-    chosen : (mode, batch)
+    rows : list[BatchMeasurement]
+        One per batch size.
+    chosen : tuple[str, int]
+        (mode, batch).
 
     Returns
     -------
-    ``{"model", "chosen": {"mode", "batch"}, "batches": [...]}``; each batch entry has the contract
-    keys (``batch``, ``unfused_samples_per_s``, ``fused_samples_per_s``, ``invoke_only_samples_per_s``,
-    ``preprocess_unfused_s_per_sample``, ``preprocess_fused_s_per_sample``,
-    ``preprocess_unfused_peak_bytes``, ``preprocess_fused_peak_bytes``) plus the minor page faults,
-    the per-stage medians (s per sample) and the ``Pipeline.run`` throughputs (outputs read too).
+    dict
+        ``{"model", "chosen": {"mode", "batch"}, "batches": [...]}``, each batch entry every field
+        of :class:`~edgefl.agent.pipeline_measure.BatchMeasurement`.
     """
     return {
         "model": model,
@@ -212,9 +207,6 @@ def format_stages(r: BatchMeasurement) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``edgefl profile``; returns the exit code (0 ok, 2 bad arguments, 3 model error)."""
-    if args.repeats < 1:
-        print("edgefl profile: --repeats must be >= 1")
-        return EXIT_USAGE
     if args.json:
         target = Path(args.json)
         if target.is_dir() or not target.parent.is_dir():

@@ -214,7 +214,7 @@ class StatusReporter:
             "last_update_ts": s.last_update_ts,
             "redelivered_total": core.redelivered,
             # updates a restart would send again: not yet acknowledged (PUBACK)
-            "outbox_pending": len(core.outbox),
+            "outbox_pending": core.outbox_pending,
             **self.ingest_fields(),
             "deferred_round": core.deferred.ann.round if core.deferred is not None else None,
             "declined_total": core.declined_total,  # rounds refused to the coordinator (Decline)

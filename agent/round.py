@@ -22,7 +22,7 @@ from edgefl.agent import estimates, heap
 from edgefl.agent.outbox import Dropped, OutboxEntry
 from edgefl.agent.personal import PersonalHeads
 from edgefl.agent.state import Answered, ProgressHook
-from edgefl.agent.trainer import LocalResult, train_local
+from edgefl.agent.trainer import LocalResult, PersonalStep, train_local
 from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.head import Head
 from edgefl.wire.cbor import MessageType
@@ -260,6 +260,9 @@ class RoundAnswering(PersonalHeads):
         cfg = self.profile.training
         gov = self.governor
         D, K = head.shape
+        pcfg = self.profile.personal
+        # the personal step rides on the round's batches when its epochs are the round's (softmax heads)
+        along = pcfg.enabled and K > 1 and pcfg.epochs in (0, ann.local_epochs)
         adm = gov.admit_train(
             cfg.chunk_size,
             cfg.chunk_floor,
@@ -268,13 +271,26 @@ class RoundAnswering(PersonalHeads):
             batch_size=ann.batch_size,
             num_examples=len(self.store),
             resident_rows=self.store.resident_rows,
+            personal=along,
         )
+        if adm.deferred and along:
+            along = False  # no room for the personal head beside training: it trains alone, the step waits
+            adm = gov.admit_train(
+                cfg.chunk_size,
+                cfg.chunk_floor,
+                dim=D,
+                classes=K,
+                batch_size=ann.batch_size,
+                num_examples=len(self.store),
+                resident_rows=self.store.resident_rows,
+            )
         if adm.deferred:
             return self._defer(ann, adm.reason)
         if self._progress is not None:
             self._progress("training", adm.reason)
         self.new_samples = 0  # what is stored from now on is new for the next round
         self.store.set_mark()  # ... after a restart too (written with the store's next flush)
+        alongside = self._personal_step(ann) if along else None
         with self._phase("train"):
             result = train_local(
                 head,
@@ -287,6 +303,7 @@ class RoundAnswering(PersonalHeads):
                 clip_norm=cfg.clip_norm,
                 seed=cfg.seed + ann.round,
                 time_budget_s=ann.deadline_s,
+                personal=alongside,
             )
         enc = gov.admit(
             "encode",
@@ -374,8 +391,11 @@ class RoundAnswering(PersonalHeads):
         entry = OutboxEntry(update_id, ann.round, payload)
         if self.deferred is not None and self.deferred.ann.round <= ann.round:
             self.deferred = None
-        if self.profile.personal.enabled:
-            self._personal_due = ann  # after the update is kept: it never depends on the personal head
+        if alongside is not None and result.personal is not None:
+            # trained with the global head, after the update is kept: nothing sent depends on it
+            self._adopt_personal(alongside.W, alongside.b, head.version, result.personal)
+        elif self.profile.personal.enabled:
+            self._personal_due = ann  # a step of its own, after the update is kept
         return RoundResult(
             RoundStatus.TRAINED,
             ann.round,
@@ -383,6 +403,20 @@ class RoundAnswering(PersonalHeads):
             dropped=dropped,
             local=result,
             update_bytes=len(payload),
+        )
+
+    def _personal_step(self, ann: RoundAnnouncement) -> PersonalStep:
+        """The personal step to take on the round's training batches (admitted with the training).
+
+        Without it (personal heads off, a logistic head, ``personal.epochs`` other than the round's,
+        or no room beside training) the step runs on its own after the update (:meth:`personalise`,
+        with its own admission).
+        """
+        pcfg = self.profile.personal
+        current = self.personal
+        W, b = (self.head.W.copy(), self.head.b.copy()) if current is None else (current.W, current.b)
+        return PersonalStep(
+            W, b, self.personal_columns.copy(), pcfg.prox_lambda, pcfg.lr_scale * ann.lr, pcfg.absent_alpha
         )
 
     def _defer(self, ann: RoundAnnouncement, reason: str, decline: str = Reason.OVER_BUDGET) -> RoundResult:

@@ -1,24 +1,21 @@
 """The device's state on disk: which files hold it, how each is read back, and the one write policy.
 
-Every state write of the device goes through :meth:`DeviceState._persist`: it runs at once, and a
-write that fails (a full disk) is counted, logged once, marks the device ``degraded`` and is retried
-(:meth:`DeviceState.retry_persist`) while the device carries on. What is written when: the outbox
-record with the update, the answered round and the error-feedback residual in one write before an
-update is published, and again after its PUBACK; an applied global head, the personal head and the
-rollback floor when they change; the embedding store every ``training.flush_every`` samples or within
-``training.flush_interval_s`` (``agent/store.py``). The head's, personal head's, floor's and outbox's
-records are rewritten in place, in the file and its ``.prev`` in turn (:class:`~edgefl.records.RecordSlot`:
-one ``fdatasync``, the newest good generation never touched) and checksummed; one for another fleet or
-model, or unreadable, is set aside with one log line.
-
-:class:`DeviceState` declares the device's fields that the other parts of the core
-(``agent/personal.py``, ``agent/round.py``, ``agent/core.py``) read, so each part states what it uses.
+Every state write goes through :meth:`DeviceState._persist`: it runs at once, and a write that fails
+(a full disk) is counted, logged once, marks the device ``degraded`` and is retried
+(:meth:`DeviceState.retry_persist`) while the device carries on. The outbox record (update, answered
+round, error-feedback residual) is written before an update is published and after its PUBACK; the
+global head, personal head and rollback floor when they change (the heads and the post-PUBACK outbox
+written behind, once a round's messages are handled: :meth:`DeviceState.persist_behind`); the
+embedding store every ``training.flush_every`` samples or within ``training.flush_interval_s``.
+Records are checksummed :class:`~edgefl.records.RecordSlot` files; one for another fleet or model, or
+unreadable, is set aside with one log line.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -60,11 +57,10 @@ ProgressHook = Callable[[str, str], None]
 
 @dataclass(frozen=True, slots=True)
 class Answered:
-    """The last round this device answered, persisted with the outbox (``<state_dir>/outbox.rec``).
+    """The last round this device answered, kept in the outbox record's ``answered`` key.
 
-    Stored as a CBOR map ``{"v": 1, "fleet": str, "round": int, "update_id": str}`` under the outbox
-    record's ``answered`` key, written by the same atomic write that keeps the round's update (or
-    Decline). A record for another fleet is ignored.
+    A CBOR map ``{"v": 1, "fleet": str, "round": int, "update_id": str}`` written with the round's
+    update (or Decline); a record for another fleet is ignored.
     """
 
     fleet: str
@@ -78,11 +74,7 @@ DISK_FULL = "disk full"
 
 
 def write_problem(exc: OSError) -> str:
-    """What a failed state write means for the device: ``"disk full"`` or ``"cannot write state: ..."``.
-
-    A missing file or folder (``ENOENT``) is named as such: the state folder was removed or renamed
-    under the running agent (a second agent on the same folder is refused at start, ``agent.lock``).
-    """
+    """What a failed state write means for the device: ``"disk full"`` or ``"cannot write state: ..."``."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return DISK_FULL
     if exc.errno == errno.ENOENT:
@@ -93,8 +85,7 @@ def write_problem(exc: OSError) -> str:
 class DeviceState:
     """The device's fields and its state on disk (the base of :class:`~edgefl.agent.core.DeviceCore`).
 
-    The attributes are set by ``DeviceCore.__init__`` (documented there); the methods read the
-    state back at start-up and write it (:meth:`_persist`, the one write policy).
+    The attributes are set by ``DeviceCore.__init__``; the other parts of the core read them here.
     """
 
     profile: Profile
@@ -119,25 +110,20 @@ class DeviceState:
     degraded: str
     write_failures: int
     _unsaved: dict[str, Callable[[], object]]
+    write_behind: bool
+    _behind: dict[str, Callable[[], object]]
+    behind_since: float | None
+    _acks_behind: int
     _logged: set[tuple[str, str]]
     _records: dict[str, RecordSlot]
 
     def _read_state(self, name: str) -> bytes | None:
-        """The newest good record of the state file ``name`` (:class:`~edgefl.records.RecordSlot`).
-
-        Read once at start-up; the slot then writes the file (:meth:`_write_state`).
-        """
+        """The newest good record of the state file ``name``, read once at start-up."""
         slot = self._records[name] = RecordSlot(self.state_dir / name)
         return slot.read()
 
     def _write_state(self, name: str, payload: bytes) -> None:
-        """Make ``payload`` the newest record of ``name``: rewritten in place, one ``fdatasync``.
-
-        Raises
-        ------
-        OSError
-            If the file system refuses the write (the newest good record is unchanged).
-        """
+        """Make ``payload`` the newest record of ``name`` (``OSError`` leaves the newest good one)."""
         self._records[name].write(payload)
 
     @property
@@ -194,14 +180,10 @@ class DeviceState:
         """The CBOR map of an :class:`Answered` (kept in the outbox record)."""
         return {"v": 1, "fleet": answered.fleet, "round": answered.round, "update_id": answered.update_id}
 
-    @property
-    def seen_version_path(self) -> Path:
-        """The persisted rollback floor (:attr:`seen_version`)."""
-        return self.state_dir / SEEN_VERSION_FILE
-
     def _load_seen_version(self) -> int:
         """The newest version a signed round announced (CBOR ``{"v": 1, "fleet", "version"}``), else 0."""
         data = self._read_state(SEEN_VERSION_FILE)
+        path = self.state_dir / SEEN_VERSION_FILE
         if data is None:
             return 0
         try:
@@ -210,18 +192,15 @@ class DeviceState:
             if type(version) is not int or version < 0:
                 raise ValueError("not a seen-version record")
         except (cbor2.CBORDecodeError, ValueError, TypeError) as exc:
-            logger.error("seen-version record %s unusable (%s); ignored", self.seen_version_path, exc)
+            logger.error("seen-version record %s unusable (%s); ignored", path, exc)
             return 0
         if obj.get("fleet") != self.fleet:
-            logger.info("seen-version record %s is for another fleet; ignored", self.seen_version_path)
+            logger.info("seen-version record %s is for another fleet; ignored", path)
             return 0
         return version
 
     def _see_version(self, version: int) -> None:
-        """Raise the rollback floor to ``version`` (a signed round's base version) and persist it.
-
-        A write that fails (a full disk) keeps the floor in memory and is retried (:meth:`retry_persist`).
-        """
+        """Raise the rollback floor to ``version`` (a signed round's base version) and persist it."""
         if version <= self.seen_version:
             return
         self.seen_version = version
@@ -232,22 +211,30 @@ class DeviceState:
 
         self._persist("seen_version", write)
 
-    def _persist(self, what: str, write: Callable[[], object]) -> bool:
+    def _persist(self, what: str, write: Callable[[], object], *, behind: bool = False) -> bool:
         """Run one state write; on ``OSError`` count it, log it, mark the core degraded, keep it to retry.
 
         Parameters
         ----------
         what : str
-            Names the state (``store``, ``outbox``, ``head``, ``residual``, ``seen_version``).
+            Names the state (``store``, ``outbox``, ``head``, ``personal``, ``seen_version``).
         write : callable
-            Writes it (from the in-memory state, so a retry writes the latest); on failure it is
-            run again by :meth:`retry_persist` until it succeeds or a later write of ``what`` does.
+            Writes it from the in-memory state; after a failure :meth:`retry_persist` runs it again.
+        behind : bool
+            A write that may wait (the global and personal heads, the outbox after a PUBACK): with
+            :attr:`write_behind` set it is only noted (the newest of each ``what``) for
+            :meth:`persist_behind`.
 
         Returns
         -------
         bool
-            Whether the write succeeded.
+            Whether the write succeeded (True for a write left behind).
         """
+        if behind and self.write_behind:
+            self._behind[what] = write
+            if self.behind_since is None:
+                self.behind_since = time.monotonic()
+            return True
         try:
             write()
         except OSError as exc:
@@ -267,11 +254,35 @@ class DeviceState:
             self.degraded = problem
             return False
         self._unsaved.pop(what, None)
+        if what == "outbox":
+            self._acks_behind = 0
+        if self._behind.pop(what, None) is not None and not self._behind:
+            self.behind_since = None  # this write made the one left behind unneeded
         if self.degraded and not self._unsaved:
             logger.warning("state writable again: persisting resumed (was %s)", self.degraded)
             self.degraded = ""
             self._logged.clear()
         return True
+
+    def persist_behind(self) -> bool:
+        """Make the writes left behind (:attr:`write_behind`) now, each as :meth:`_persist` does.
+
+        What waits is the newest global head, the personal head and the outbox once an acknowledged
+        update left it: none of them is needed for a guarantee (a restart before this gets the
+        retained global head again, trains its personal head from the older one, and re-sends an
+        acknowledged update, which the coordinator counts once), so the daemon writes them once
+        a round's messages are handled rather than between a head's arrival and the next update.
+
+        Returns
+        -------
+        bool
+            True when every write succeeded (a failed one is left to :meth:`retry_persist`).
+        """
+        pending, self._behind, self.behind_since = self._behind, {}, None
+        ok = True
+        for what, write in pending.items():
+            ok = self._persist(what, write) and ok
+        return ok
 
     def retry_persist(self) -> bool:
         """Write again what a failed write left unsaved (the daemon calls it every status interval).
@@ -306,17 +317,18 @@ class DeviceState:
         return min(known) if known else None
 
     def flush_store(self) -> bool:
-        """Make the stored samples durable: flush the store and the holdout (never raises).
-
-        Returns False if a write failed (a full disk: counted, logged, the core :attr:`degraded`,
-        retried by :meth:`retry_persist`).
-        """
+        """Make the stored samples durable (never raises); False if a write failed (as :meth:`_persist`)."""
         ok = self._persist("store", self.store.flush)
         if self.holdout is not None:
             ok = self._persist("holdout", self.holdout.flush) and ok
         return ok
 
     # --- outbox -----------------------------------------------------------------------------------
+    def _persist_outbox(self, write: Callable[[], object]) -> None:
+        """Persist an outbox change; if it fails, the retry writes the whole outbox (kept in memory)."""
+        if not self._persist("outbox", write):
+            self._unsaved["outbox"] = self.outbox.save
+
     def mark_sent(self, update_id: str) -> int:
         """Count one publish attempt of an outbox entry (persisted); its attempts, 0 if unknown or unsaved."""
         attempts = 0
@@ -325,19 +337,27 @@ class DeviceState:
             nonlocal attempts
             attempts = self.outbox.mark_sent(update_id)
 
-        if not self._persist("outbox", write):
-            self._unsaved["outbox"] = self.outbox.save  # the count is in memory; write the whole outbox
+        self._persist_outbox(write)
         return attempts
 
     def acknowledged(self, update_id: str) -> bool:
         """The broker acknowledged ``update_id`` (PUBACK): forget it (persisted); whether it was kept.
 
-        The error-feedback residual stays in the outbox record (:meth:`_load_residual`).
+        With :attr:`write_behind` the outbox is written behind (:meth:`persist_behind`) or by its next write.
         """
         kept = update_id in {e.update_id for e in self.outbox.pending()}
-        if not self._persist("outbox", lambda: self.outbox.ack(update_id)):
-            self._unsaved["outbox"] = self.outbox.save
+        if self.write_behind:
+            if self.outbox.forget(update_id):
+                self._acks_behind += 1
+                self._persist("outbox", self.outbox.save, behind=True)
+            return kept
+        self._persist_outbox(lambda: self.outbox.ack(update_id))
         return kept
+
+    @property
+    def outbox_pending(self) -> int:
+        """Updates a restart would send again (unacknowledged, or acknowledged but written behind)."""
+        return len(self.outbox) + self._acks_behind
 
     def to_resend(self, current_round: int, max_sends: int = 2) -> tuple[list[Dropped], list[OutboxEntry]]:
         """After a (re)connect: drop entries of closed rounds, return those to send again.
@@ -351,13 +371,9 @@ class DeviceState:
 
         Returns
         -------
-        (dropped, pending)
+        tuple[list[Dropped], list[OutboxEntry]]
+            (dropped, pending).
         """
         dropped: list[Dropped] = []
-
-        def write() -> None:
-            dropped.extend(self.outbox.drop_stale(current_round))
-
-        if not self._persist("outbox", write):
-            self._unsaved["outbox"] = self.outbox.save
+        self._persist_outbox(lambda: dropped.extend(self.outbox.drop_stale(current_round)))
         return dropped, [e for e in self.outbox.pending() if e.sends < max_sends]

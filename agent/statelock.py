@@ -1,10 +1,8 @@
 """One process per state folder: an exclusive ``flock`` on ``<state_dir>/agent.lock``.
 
-Two agents on one folder would map the same store and overwrite each other's outbox and head; two
-coordinators each other's state and round log (the CLI locks a coordinator's state file with
-``lock_file = "<state file>.lock"`` in its folder). The lock is advisory (``flock(2)``, Linux/BSD), taken at
-start-up and held for the life of the process; the kernel drops it when the process exits, however
-it exits, so a stale lock file never blocks.
+Two agents (or coordinators) on one folder would overwrite each other's state. The lock is advisory
+(``flock(2)``), held for the life of the process and dropped by the kernel however it exits, so a stale
+lock file never blocks.
 """
 
 from __future__ import annotations
@@ -16,8 +14,6 @@ from pathlib import Path
 from typing import IO
 
 from edgefl.errors import EdgeflError
-
-__all__ = ["LOCK_FILE", "StateDirBusy", "lock_state_dir"]
 
 LOCK_FILE = "agent.lock"
 """Name of the lock file inside the state folder; it holds the owner's pid as decimal text."""

@@ -1,23 +1,10 @@
 """What a device's retained status says, and when saying it again is news.
 
-A status costs a few hundred bytes to 2 kB on a metered uplink; the daemon publishes one only when
-:func:`status_news` changed (and on ``status.heartbeat_s``, and at every connect). Two kinds of field
-are not news on their own:
-
-- **volatile** figures (:data:`VOLATILE_STATUS_FIELDS`: memory, counters, timestamps) that move all
-  the time;
-- **round progress** (:data:`ROUND_PROGRESS_FIELDS` and the states in :data:`ROUND_STATES`): the
-  coordinator learns a device's round, base version and update size from the update itself, so
-  "training", "uploading", "waiting" and a new head version would cost four statuses a round
-  (~6.8 kB at D = 512 in ``bench/peer.py``) and say nothing the coordinator does not see already.
-
-What stays news: a state outside the round's routine (``deferred``, a failure...), any change of
-``reason`` (a governor deferral, an undelivered update), readiness, refusals, faults, degradation,
-the model's identity, the dashboard's address; and ``new_samples`` (labelled samples stored since the
-last round, which paces a service coordinator's rounds) each time it rises past a power of two
-(:func:`samples_level`: ~11 statuses between two rounds for 1,000 new samples, and the coordinator's
-count is never below half the device's). Its drop to 0 when a round trains is no news: the
-coordinator sees the update.
+The daemon publishes a status only when :func:`status_news` changed, on ``status.heartbeat_s`` and at
+every connect. Volatile figures (:data:`VOLATILE_STATUS_FIELDS`) and round progress
+(:data:`ROUND_PROGRESS_FIELDS`, :data:`ROUND_STATES`: the coordinator sees it in the update itself) are
+not news on their own; ``new_samples`` is news each time it rises past a power of two
+(:func:`samples_level`).
 """
 
 from __future__ import annotations
@@ -25,8 +12,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from typing import Any, Final
-
-__all__ = ["ROUND_PROGRESS_FIELDS", "ROUND_STATES", "VOLATILE_STATUS_FIELDS", "samples_level", "status_news"]
 
 VOLATILE_STATUS_FIELDS: Final = frozenset(
     {
@@ -109,10 +94,6 @@ def status_news(state: str, fields: Mapping[str, Any]) -> str:
 
 
 def samples_level(fields: Mapping[str, Any]) -> int:
-    """The power of two ``new_samples`` has reached: ``n.bit_length()`` (0 for none or when absent).
-
-    A status is news when this rises above the level of the last status published (the daemon keeps
-    the lowest level seen since, so a drop to 0 after a round and a rise again is news again).
-    """
+    """The power of two ``new_samples`` has reached: ``n.bit_length()`` (0 for none or when absent)."""
     n = fields.get("new_samples")
     return n.bit_length() if isinstance(n, int) and n > 0 else 0

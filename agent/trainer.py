@@ -15,13 +15,14 @@ from edgefl.head import (
     cross_entropy_grad_into,
     ditto_update,
     loss_and_grad,
+    paired_cross_entropy_grad_into,
     restricted_logit_scale,
     sgd_step,
-    softmax,
 )
 from edgefl.types import F32, I64
 
 _GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
+_TOP: Final = np.uint64(1 << 63)
 _MIX1: Final = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2: Final = np.uint64(0x94D049BB133111EB)
 
@@ -56,8 +57,13 @@ class Shuffler:
         order: I64 = np.argsort(self.keys(n)).astype(np.int64, copy=False)
         return order
 
-    def keys(self, n: int) -> np.ndarray:
-        """Return uint64 [n]: the next ``n`` SplitMix64 outputs (distinct); ranking them is a permutation.
+    def keys(self, n: int) -> I64:
+        """Return int64 [n]: the next ``n`` SplitMix64 outputs (distinct); ranking them is a permutation.
+
+        Each output has its top bit flipped and is viewed as int64, which ranks exactly as the uint64
+        outputs do: numpy's argsort of uint64 (its x86 SIMD path) keeps malloc'ed memory it never
+        frees, growing with the lengths sorted (~70 bytes a stored sample while a store fills, on
+        numpy 2.4), where the int64 path keeps none.
 
         ``argsort`` of consecutive slices of one ``keys(a + b)`` call gives exactly the permutations
         ``permutation(a)`` then ``permutation(b)`` would (the generator is counter-based and the keys
@@ -72,7 +78,28 @@ class Shuffler:
         z ^= z >> np.uint64(27)
         z *= _MIX2
         z ^= z >> np.uint64(31)
-        return z
+        z ^= _TOP  # the order of the uint64 outputs, as int64 (see above)
+        return z.view(np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class PersonalResult:
+    """What a personal step did.
+
+    Attributes
+    ----------
+    steps : int
+        SGD steps taken.
+    num_examples : int
+        Samples it passed over (the store's size when it started).
+    train_s : float
+        Wall time, in seconds; 0 for a step taken with the round's local training
+        (:class:`PersonalStep`), whose time is in that training's ``LocalResult.train_s``.
+    """
+
+    steps: int
+    num_examples: int
+    train_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +118,10 @@ class LocalResult:
     accuracy : float
         Accuracy of the final head over the store (fraction, 0..1).
     train_s : float
-        Wall time of the local epochs, in seconds.
+        Wall time of the local epochs, in seconds (the personal head's steps included when it
+        trained alongside).
+    personal : PersonalResult or None
+        The personal head's steps when it trained alongside (:class:`PersonalStep`), else None.
     """
 
     delta_W: F32
@@ -100,6 +130,41 @@ class LocalResult:
     loss: float
     accuracy: float
     train_s: float
+    personal: PersonalResult | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PersonalStep:
+    """A personal head to train alongside the global one (:func:`train_local`'s ``personal``).
+
+    The same steps as :func:`train_personal` (class-restricted Ditto on ``columns``, the other
+    columns tied to the global head, their logits scaled by ``absent_alpha`` in the loss), taken
+    on the batches of the round's local training: both heads' logits and gradients come from one
+    stacked product each (:func:`edgefl.head.paired_cross_entropy_grad_into`), so the store is read
+    and shuffled once for both, and the global head's arithmetic is the same as alone.
+
+    Attributes
+    ----------
+    W : float32 [D, K], C-contiguous
+        The personal head's weights, updated in place when training returns.
+    b : float32 [K]
+        Its biases, updated in place.
+    columns : bool [K]
+        Classes the device may personalise (:func:`edgefl.head.personal_columns`).
+    lam : float
+        Ditto's proximal coefficient toward the round's global head (>= 0).
+    lr : float
+        The personal head's SGD learning rate (> 0).
+    absent_alpha : float
+        Scale of the other columns' logits in the loss, 0..1.
+    """
+
+    W: F32
+    b: F32
+    columns: np.ndarray
+    lam: float
+    lr: float
+    absent_alpha: float = 1.0
 
 
 class _BatchReader:
@@ -183,6 +248,93 @@ class _BatchReader:
         return self._grad_W, self._grad_b
 
 
+class _Pair:
+    """The global and a personal head stacked, ``[W, V]``, for :func:`train_local`'s ``personal``.
+
+    One ``[2, D, K]`` float32 array holds the round's working copy of the global head and the
+    personal head, one ``[2, D, K]`` their gradients and one ``[2, batch, K]`` their logits: beside
+    local training's own buffers, one more head and its gradient, as a separate personal step
+    allocates. With plain SGD on the global head and Ditto's step without a pull or tied columns
+    (the defaults), one step updates both heads with a learning rate each.
+    """
+
+    def __init__(
+        self, head: Head, step: PersonalStep, reader: _BatchReader, lr: float, prox_mu: float
+    ) -> None:
+        D, K = head.shape
+        if K < 2 or step.W.shape != (D, K) or step.b.shape != (K,) or step.columns.shape != (K,):
+            raise ValueError(
+                f"train_local: personal W {step.W.shape}, b {step.b.shape}, columns "
+                f"{step.columns.shape} for a head of {(D, K)} (K >= 2)"
+            )
+        if step.lr <= 0 or step.lam < 0 or not 0 <= step.absent_alpha <= 1:
+            raise ValueError(
+                f"train_local: personal lr={step.lr}, lam={step.lam}, absent_alpha={step.absent_alpha}"
+            )
+        self.head, self.step_cfg, self.reader = head, step, reader
+        self.lr, self.prox_mu = lr, prox_mu
+        self.W2: F32 = np.empty((2, D, K), np.float32)
+        self.b2: F32 = np.empty((2, 1, K), np.float32)
+        self.W2[0], self.W2[1] = head.W, step.W
+        self.b2[0, 0], self.b2[1, 0] = head.b, step.b
+        self.W, self.b = self.W2[0], self.b2[0, 0]  # the global head's working copy
+        self.V, self.c = self.W2[1], self.b2[1, 0]
+        self._z: F32 = np.empty((2, len(reader._rows), K), np.float32)
+        self._gW: F32 = np.empty((2, D, K), np.float32)
+        self._gb: F32 = np.empty((2, 1, K), np.float32)
+        self.scale = restricted_logit_scale(step.columns, step.absent_alpha)
+        self.lr32, self.lam32 = np.float32(lr), np.float32(step.lam)
+        self.lr_p32 = np.float32(step.lr)
+        self.active = bool(step.columns.any())
+        tied = None if step.columns.all() else ~step.columns
+        if tied is not None:  # as train_personal: the columns of classes never labelled are the global's
+            self.V[:, tied] = head.W[:, tied]
+            self.c[tied] = head.b[tied]
+        # absent logits scaled to 0: their gradient and their pull are 0, every step keeps them tied
+        self.tied = None if tied is not None and self.scale is not None and step.absent_alpha == 0.0 else tied
+        self.both = prox_mu == 0.0 and step.lam == 0.0 and self.tied is None
+        self.lr2: F32 = np.array([lr, step.lr], np.float32).reshape(2, 1, 1)
+        self.steps = 0
+
+    def train_step(self, e: F32, y: I64) -> None:
+        """One SGD step of the global head and one Ditto step of the personal head on the batch."""
+        k = len(y)
+        gW, gb = self._gW, self._gb
+        paired_cross_entropy_grad_into(
+            self.W2, self.b2, e, y, self._z[:, :k], gW, gb, self.reader._rows[:k], self.scale
+        )
+        self.steps += 1
+        if self.both:  # plain SGD on each head, each with its own rate
+            gW *= self.lr2
+            self.W2 -= gW
+            gb *= self.lr2
+            self.b2 -= gb
+            return
+        gw, gbias = gW[0], gb[0, 0]
+        if self.prox_mu > 0.0:
+            head = self.head
+            sgd_step(self.W, self.b, gw, gbias, self.lr, prox_mu=self.prox_mu, W0=head.W, b0=head.b)
+        else:
+            gw *= self.lr32
+            self.W -= gw
+            gbias *= self.lr32
+            self.b -= gbias
+        if self.active:
+            ditto_update(
+                self.V, self.c, gW[1], gb[1, 0], self.lr_p32, self.lam32, self.head.W, self.head.b, self.tied
+            )
+
+    def finish(self, n: int) -> PersonalResult:
+        """Copy the personal head back into the caller's arrays; what its steps did."""
+        if not self.active:  # nothing to personalise: the global head (train_personal's 0 steps)
+            self.step_cfg.W[...] = self.head.W
+            self.step_cfg.b[...] = self.head.b
+            return PersonalResult(0, n, 0.0)
+        self.step_cfg.W[...] = self.V
+        self.step_cfg.b[...] = self.c
+        return PersonalResult(self.steps, n, 0.0)
+
+
 def train_local(
     head: Head,
     store: EmbeddingStore,
@@ -195,6 +347,7 @@ def train_local(
     clip_norm: float | None = None,
     seed: int = 0,
     time_budget_s: float | None = None,
+    personal: PersonalStep | None = None,
 ) -> LocalResult:
     """Run ``local_epochs`` of mini-batch SGD on a copy of ``head`` over every sample of ``store``.
 
@@ -227,6 +380,10 @@ def train_local(
     time_budget_s : float or None
         Stop after the chunk during which this many seconds have passed (the round's deadline:
         an update after it is refused anyway); None = no limit.
+    personal : PersonalStep or None
+        A personal head trained on the same batches (softmax heads, K >= 2): its steps are
+        :func:`train_personal`'s toward ``head``, in this training's sample order; its arrays are
+        updated in place. The global head's training is bit for bit the same as without it.
 
     Returns
     -------
@@ -235,7 +392,8 @@ def train_local(
     Raises
     ------
     ValueError
-        If the store is empty or an argument is not positive.
+        If the store is empty, an argument is not positive, or ``personal`` does not fit the head
+        (shape, K = 1, ``lr``, ``lam`` or ``absent_alpha`` out of range).
 
     Source: ClientUpdate of FedAvg, McMahan et al. 2017, "Communication-Efficient Learning of Deep
     Networks from Decentralized Data", Algorithm 1; FedProx term from Li et al. 2020.
@@ -249,8 +407,6 @@ def train_local(
             f"chunk_size={chunk_size}, lr={lr}"
         )
     t0 = time.perf_counter()
-    W = head.W.copy()
-    b = head.b.copy()
     D, K = head.shape
     shuffler = Shuffler(seed)
     stop_at = t0 + time_budget_s if time_budget_s is not None else None
@@ -261,7 +417,16 @@ def train_local(
     chunk, emb, lbl = reader.chunk, reader.emb, reader.lbl
     lr32 = np.float32(lr)
     steps = 0
+    pair = _Pair(head, personal, reader, lr, prox_mu) if personal is not None else None
+    if pair is None:
+        W, b = head.W.copy(), head.b.copy()
+    else:
+        W, b = pair.W, pair.b  # the global head of [W, V]: trained in place
     for e, y in reader.batches(local_epochs, shuffler, stop_at):
+        if pair is not None:
+            pair.train_step(e, y)
+            steps += 1
+            continue
         gW, gb = reader.grad(W, b, e, y)
         if prox_mu > 0.0:
             sgd_step(W, b, gW, gb, lr, prox_mu=prox_mu, W0=head.W, b0=head.b)
@@ -275,6 +440,7 @@ def train_local(
     # the buffer holds every sample: one chunk, read whole (in the last epoch's order)
     whole = chunk == n and steps > 0
     train_s = time.perf_counter() - t0
+    personal_result = pair.finish(n) if pair is not None else None
     delta_W: F32 = (W - head.W).astype(np.float32)
     delta_b: F32 = (b - head.b).astype(np.float32)
     if clip_norm is not None:
@@ -288,6 +454,8 @@ def train_local(
     loss_sum = 0.0
     correct = 0
     final = Head(head.W + delta_W, head.b + delta_b, head.version)
+    z: F32 = np.empty((chunk, K), np.float32)  # one chunk's logits, then probabilities, in place
+    rows = np.arange(chunk, dtype=np.int64)
     # the same n samples that were trained on (the store may grow meanwhile if a caller adds to it),
     # through the same chunk buffer; when one chunk held them all it holds them still (in the last
     # epoch's order: the sums below differ from storage order's in the last bits at most), and the
@@ -302,33 +470,21 @@ def train_local(
             pred = final.predict(e)
         else:
             # the same loss as cross_entropy and the same predictions as Head.predict, from one set
-            # of logits and without the gradient nobody uses here (~1 ms of each round)
-            logits = final.logits(e)
-            p = softmax(logits)
-            loss = float(-np.mean(np.log(np.maximum(p[np.arange(m), y], 1e-12))))
-            pred = np.argmax(logits, axis=1)
+            # of logits and without the gradient nobody uses here; softmax's operations in place
+            zm = z[:m]
+            np.matmul(e, final.W, out=zm)
+            zm += final.b
+            pred = zm.argmax(axis=1)
+            zm -= zm.max(axis=1, keepdims=True)
+            np.exp(zm, out=zm)
+            zm /= zm.sum(axis=1, keepdims=True)
+            py = zm[rows[:m], y]
+            np.maximum(py, 1e-12, out=py)
+            np.log(py, out=py)
+            loss = float(-np.mean(py))
         loss_sum += loss * m
         correct += int(np.sum(pred == y))
-    return LocalResult(delta_W, delta_b, n, loss_sum / n, correct / n, train_s)
-
-
-@dataclass(frozen=True, slots=True)
-class PersonalResult:
-    """What a personal step did.
-
-    Attributes
-    ----------
-    steps : int
-        SGD steps taken.
-    num_examples : int
-        Samples it passed over (the store's size when it started).
-    train_s : float
-        Wall time, in seconds.
-    """
-
-    steps: int
-    num_examples: int
-    train_s: float
+    return LocalResult(delta_W, delta_b, n, loss_sum / n, correct / n, train_s, personal_result)
 
 
 def train_personal(

@@ -36,6 +36,7 @@ from typing import Any
 import cbor2
 import numpy as np
 
+from bench.partition import dirichlet_partition
 from bench.vowels import N_CLASSES as VOWEL_CLASSES
 from bench.vowels import load_vowels
 from edgefl.agent.config import Profile, load_profile
@@ -47,7 +48,7 @@ from edgefl.coordinator.fedbuff import FedBuff
 from edgefl.coordinator.privacy import DPFedAvg
 from edgefl.coordinator.strategies import make_strategy
 from edgefl.coordinator.strategy import Offer, Strategy, aggregate_checked
-from edgefl.datasets import dirichlet_partition, load_digits, split_digits
+from edgefl.datasets import load_digits, split_digits
 from edgefl.head import Head
 from edgefl.types import F32, I64
 from edgefl.wire.compression import Compression

@@ -14,9 +14,10 @@ leaves it off).
   replay -> LiteRT -> store -> head training -> CBOR update, QoS 1) and the real coordinator
   (``Coordinator.run_round``) in this process, connected to the broker directly. Variants
   (:data:`VARIANTS`): ``int8`` as shipped (int8 both ways, mosquitto's defaults, the agents'
-  dashboards on) and four that each change one thing of it: ``float32`` and
+  dashboards and personal heads on) and five that each change one thing of it: ``float32`` and
   ``topk_int8`` (the wire), ``int8_nodelay`` (mosquitto's ``set_tcp_nodelay true``),
-  ``int8_no_dashboard`` (the dashboards off).
+  ``int8_no_dashboard`` (the dashboards off), ``int8_no_personal`` (the personal heads off: work
+  Flower's client does not do; its ratios are named ``..._no_personal``, the headline stays ``int8``).
 - **Flower**: the legacy gRPC ``start_server`` (FedAvg) and 2 ``start_client`` NumPyClients
   (``bench/peer_flower.py``), run with the python of Flower's own venv (``--flower-venv``, created
   with ``flwr==1.42.0`` and numpy when absent; the only network use is that pip install), training
@@ -29,7 +30,8 @@ packet kind (PUBLISH per topic kind, PUBACK, PINGREQ...: :class:`MqttSplitter` i
 start -> aggregation (edgefl: ``run_round`` begins -> ``publish_global`` called; Flower:
 ``configure_fit`` -> ``aggregate_fit`` returned), median of rounds 2..5; ``cycle_ms``: one round's
 start to the next round's start (edgefl's new head encoded and published included, as Flower's model
-goes out inside its round), median of rounds 2..4; ``cpu_ms_per_round_device`` (each client process,
+goes out inside its round), median of rounds 2..4, and for edgefl where it goes (``cycle_split_ms``,
+:func:`cycle_split`); ``cpu_ms_per_round_device`` (each client process,
 every thread) and ``cpu_ms_per_round_server`` (edgefl: the coordinator, in this process, plus mosquitto;
 Flower: its server process) over the same start-to-start cycles; peak RSS (VmHWM) of each client
 process; final test accuracy. Ratios: ``peak_rss_like_for_like_d512`` against ``int8_no_dashboard``
@@ -40,7 +42,7 @@ Run: ``.venv/bin/python -m bench.peer --json PATH`` writes ``{"ratios": {METRIC:
 "accuracy": {...}, "runs": [...]}`` and prints a markdown table. ``--rss-only N`` measures only
 edgefl's agents' peak RSS, dashboard on and off, N runs each (no Flower, no network).
 ``--cpu-rounds N`` measures only the CPU each system uses per round, every process counted
-(:func:`cpu_per_round`).
+(:func:`cpu_per_round`). ``--rounds N`` runs N rounds instead of 5 (steady-state medians).
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class Variant:
     downlink: HeadLayout
     broker_nodelay: bool
     dashboard: bool
+    personal: bool = True
 
 
 VARIANTS = (
@@ -101,11 +104,14 @@ VARIANTS = (
     Variant("float32", Compression.NONE, HeadLayout.FLOAT32, False, True),
     Variant("topk_int8", Compression.TOPK_INT8, HeadLayout.INT8, False, True),
     Variant("int8_nodelay", Compression.INT8, HeadLayout.INT8, True, True),
+    Variant("int8_no_personal", Compression.INT8, HeadLayout.INT8, False, True, personal=False),
     Variant("int8_no_dashboard", Compression.INT8, HeadLayout.INT8, False, False),
 )
-"""``int8`` (int8 both ways, mosquitto's defaults, the agents' dashboards on, as shipped) and variants
-that each change one thing of it: the wire (``float32``, ``topk_int8``), the broker's
-``set_tcp_nodelay`` (``int8_nodelay``), or the dashboards off (``int8_no_dashboard``)."""
+"""``int8`` (int8 both ways, mosquitto's defaults, the agents' dashboards and personal heads on, as
+shipped) and variants that each change one thing of it: the wire (``float32``, ``topk_int8``), the
+broker's ``set_tcp_nodelay`` (``int8_nodelay``), the personal heads off (``int8_no_personal``: work
+Flower's client does not do; ``personal.enabled = false``, not the shipped setting), or the
+dashboards off (``int8_no_dashboard``)."""
 
 INTERPRETER_FLAGS: tuple[str, ...] = ("-OO",)
 """Both systems' processes (edgefl's agents, Flower's server and clients) run with these flags and
@@ -392,10 +398,35 @@ def make_job(work: Path) -> Job:
 # --- one edgefl run ------------------------------------------------------------------------------
 class _TimedCoordinator(Coordinator):
     agg_at: dict[int, float]
+    update_at: dict[int, list[float]]
+
+    def _accept(self, rnd: Any, update: Any, size_bytes: int) -> None:
+        self.update_at.setdefault(update.round, []).append(time.time())  # an update reached the round
+        super()._accept(rnd, update, size_bytes)
 
     async def publish_global(self, round_no: int) -> None:
         self.agg_at[round_no] = time.time()  # aggregation done, the new head about to go out
         await super().publish_global(round_no)
+
+
+def cycle_split(
+    starts: dict[int, float], update_at: dict[int, list[float]], agg_at: dict[int, float]
+) -> dict[str, float]:
+    """Where edgefl's cycle goes, ms, medians of rounds 2 .. ROUNDS - 1 (as :func:`per_cycle`).
+
+    ``to_first_update``: round start (announcement) -> the first update accepted (the global head's
+    and the announcement's way to a device, its training, the update's way back);
+    ``to_last_update``: first -> last update; ``to_aggregate``: last update -> aggregated;
+    ``to_next_start``: aggregated -> the next round's start (the head encoded and published).
+    """
+    rounds = range(2, ROUNDS)
+    parts = {
+        "to_first_update": [min(update_at[r]) - starts[r] for r in rounds],
+        "to_last_update": [max(update_at[r]) - min(update_at[r]) for r in rounds],
+        "to_aggregate": [agg_at[r] - max(update_at[r]) for r in rounds],
+        "to_next_start": [starts[r + 1] - agg_at[r] for r in rounds],
+    }
+    return {k: 1e3 * statistics.median(v) for k, v in parts.items()}
 
 
 async def _edgefl_rounds(
@@ -420,7 +451,7 @@ async def _edgefl_rounds(
         downlink=v.downlink,
         lr_decay=1.0,
     )
-    coord.agg_at = {}
+    coord.agg_at, coord.update_at = {}, {}
     pump = asyncio.create_task(coord.pump())
     starts: dict[int, float] = {}
     cpu = cpu or {}  # label -> pid whose CPU is read as each round starts
@@ -449,7 +480,7 @@ async def _edgefl_rounds(
 
 
 def agent_overrides(
-    run_dir: Path, proxy: Proxy, fleet: str, job: Job, i: int, *, dashboard: bool
+    run_dir: Path, proxy: Proxy, fleet: str, job: Job, i: int, *, dashboard: bool, personal: bool = True
 ) -> dict[str, str]:
     """Profile overrides of the bench's agent ``dev-<i>`` (i = 1, 2): replaying shard i through the proxy."""
     return {
@@ -462,6 +493,7 @@ def agent_overrides(
         "model.path": str(job.model),
         "training.store_capacity": "1024",
         "dashboard.enabled": "true" if dashboard else "false",
+        "personal.enabled": "true" if personal else "false",
         "status.heartbeat_s": "60",  # as the gateway profiles
     }
 
@@ -476,7 +508,7 @@ def run_edgefl(work: Path, job: Job, v: Variant) -> dict[str, Any]:
         procs = [
             launch_agent(
                 profile,
-                agent_overrides(run_dir, proxy, fleet, job, i, dashboard=v.dashboard),
+                agent_overrides(run_dir, proxy, fleet, job, i, dashboard=v.dashboard, personal=v.personal),
                 run_dir / f"dev-{i}.log",
                 optimize="-OO" in INTERPRETER_FLAGS,
                 malloc=bool(MALLOC_ENV),
@@ -500,6 +532,7 @@ def run_edgefl(work: Path, job: Job, v: Variant) -> dict[str, Any]:
             for i in (1, 2)
         ],
         "round_ms": 1e3 * statistics.median(coord.agg_at[r] - starts[r] for r in rounds),
+        "cycle_split_ms": cycle_split(starts, coord.update_at, coord.agg_at),
         "cycle_ms": 1e3 * statistics.median(per_cycle(starts)),
         "cpu_ms_per_round_device": [1e3 * statistics.median(per_cycle(marks[c])) for c in ("c1", "c2")],
         "cpu_ms_per_round_server": 1e3
@@ -682,6 +715,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 values.append(statistics.median(v) if isinstance(v, list) else v)
         return float(statistics.median(values))
 
+    def split(variant: str) -> dict[str, float]:
+        parts = [r["cycle_split_ms"] for r in runs if r.get("variant") == variant and "cycle_split_ms" in r]
+        return {k: float(statistics.median(p[k] for p in parts)) for k in (parts[0] if parts else {})}
+
     fb, frt, frss = med("flower", "bytes_per_round"), med("flower", "round_ms"), med("flower", "peak_rss_kib")
     ratios = {
         "bytes_total_float32_d512": med("edgefl", "bytes_per_round", "float32") / fb,
@@ -697,6 +734,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "cpu_ms_per_round_server": med("edgefl", "cpu_ms_per_round_server", "int8")
         / med("flower", "cpu_ms_per_round_server"),
         "peak_rss_like_for_like_d512": med("edgefl", "peak_rss_kib", "int8_no_dashboard") / frss,
+        # work Flower's client does not do, off (not the shipped setting): what the personal head costs
+        "cycle_ms_no_personal": med("edgefl", "cycle_ms", "int8_no_personal") / med("flower", "cycle_ms"),
+        "cpu_ms_per_round_device_no_personal": med("edgefl", "cpu_ms_per_round_device", "int8_no_personal")
+        / med("flower", "cpu_ms_per_round_device"),
     }
     absolute = {
         "flower": {
@@ -718,6 +759,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 "cpu_ms_per_round_server": med("edgefl", "cpu_ms_per_round_server", v.name),
                 "cpu_ms_per_round_broker": med("edgefl", "cpu_ms_per_round_broker", v.name),
                 "peak_rss_kib": med("edgefl", "peak_rss_kib", v.name),
+                "cycle_split_ms": split(v.name),
             }
             for v in VARIANTS
         },
@@ -747,7 +789,8 @@ def rss_only(runs: int) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m bench.peer [--repeats N] [--json PATH] [--flower-venv DIR] [--rss-only N]``."""
+    """``python -m bench.peer [--repeats N] [--rounds N] [--json PATH] [--flower-venv DIR] [--rss-only N]``"""
+    global ROUNDS
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in[:1] == ["proxy"]:
         asyncio.run(_proxy_main(args_in[1], args_in[2:]))
@@ -779,11 +822,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--repeats pairs",
     )
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=ROUNDS,
+        metavar="N",
+        help=f"rounds per run (default {ROUNDS}); cycle and CPU figures are medians of rounds 2..N-1, so a "
+        "long run (e.g. 100) gives steady-state medians that one preempted process does not move",
+    )
+    p.add_argument(
         "--plain",
         action="store_true",
         help="both systems' processes without -OO and without the malloc settings (default: both with)",
     )
     args = p.parse_args(args_in)
+    if args.rounds < 5:
+        p.error("--rounds must be >= 5")
+    ROUNDS = args.rounds
     if args.plain:
         global INTERPRETER_FLAGS, MALLOC_ENV
         INTERPRETER_FLAGS, MALLOC_ENV = (), {}
@@ -844,10 +898,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                 f"| {what}, broker {label} | {a['flower'][key]:.1f} ms | "
                 f"{a[name][key]:.1f} ms | {a[name][key] / a['flower'][key]:.2f} |"
             )
-    for key, what in (("cpu_ms_per_round_device", "a client"), ("cpu_ms_per_round_server", "the server")):
+    for key, what, name in (
+        ("cpu_ms_per_round_device", "a client", "int8"),
+        ("cpu_ms_per_round_device", "a client, personal heads off", "int8_no_personal"),
+        ("cpu_ms_per_round_server", "the server", "int8"),
+        ("cycle_ms", "round start -> next round start, personal heads off", "int8_no_personal"),
+    ):
         print(
-            f"| CPU per round, {what} | {a['flower'][key]:.1f} ms | {a['int8'][key]:.1f} ms | "
-            f"{a['int8'][key] / a['flower'][key]:.2f} |"
+            f"| {what if key == 'cycle_ms' else 'CPU per round, ' + what} | {a['flower'][key]:.1f} ms | "
+            f"{a[name][key]:.1f} ms | {a[name][key] / a['flower'][key]:.2f} |"
         )
     for name, label in (("int8", "dashboard on"), ("int8_no_dashboard", "dashboard off")):
         print(
@@ -856,6 +915,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{a[name]['peak_rss_kib'] / a['flower']['peak_rss_kib']:.2f} |"
         )
     print("accuracy:", json.dumps(summary["accuracy"]))
+    cut = a["int8"]["cycle_split_ms"]
+    print("edgefl int8 cycle, ms:", ", ".join(f"{k} {v:.1f}" for k, v in cut.items()))
     print(
         "\n| edgefl, per client per round: MQTT packets by kind | "
         + " | ".join(v.name for v in VARIANTS)

@@ -18,7 +18,9 @@ worst tenth of devices (at least one); each setting's figures are the averages o
 Update of the two runs, byte for byte but for its training time and peak RSS (the figures two runs
 never share); ``extra_ram_bytes_per_device`` is the personal head a device keeps plus the gradient its
 step allocates (the class mask and the loss's logit scale add 5K bytes); ``personal_pass_ratio`` is
-the personal steps' time over the local training's, summed over every device and round.
+the personal steps' time over the local training's, summed over every device and round: a step
+taken with the round's training (the default) costs what that training takes more with personal
+heads on than off (the same rounds, seed and data), a step of its own its own time.
 
 Settings: HAPT split by session (train on the first, test on the second) and by bout (a user's
 bouts of each activity alternate between train and test), all labels and half of the classes
@@ -309,8 +311,8 @@ def run(
             extra_bytes += sum(on.update_bytes) - sum(off.update_bytes)
             mismatched += sum(a != b for a, b in zip(on.payloads, off.payloads, strict=True))
             total_rounds += rounds
-            train_s += on.train_s
-            personal_s += on.personal_s
+            train_s += off.train_s
+            personal_s += on.personal_s + (on.train_s - off.train_s)
             extra_ram = max(extra_ram, on.extra_ram_bytes)
             fallbacks += on.fallbacks
             parts["local_only"].append(summary(local))

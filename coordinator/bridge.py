@@ -1,10 +1,7 @@
 """``edgefl bridge-config``: the mosquitto bridge that joins a site's broker to the root broker.
 
-The site broker keeps a persistent session at the root (``cleansession false``) and carries, with
-QoS 1, its site's partials up and the root's round announcement and global head down (retained as
-published: ``try_private true`` tells a mosquitto root that the peer is a bridge). While the uplink is
-down the site broker queues the partials and forwards them when it is back; with ``persistence true``
-in the site broker's own configuration the queue survives a restart of the site broker too.
+A persistent session at the root carries the site's partials up and the root's round and global head
+down, QoS 1 (``docs/operations.md``, "The bridge").
 
 Source: mosquitto.conf(5), "Configuring Bridges" (``connection``, ``address``, ``topic``,
 ``cleansession``, ``try_private``, ``restart_timeout``, ``bridge_cafile``, ``remote_username``).
@@ -18,8 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from edgefl.validators import check_device_id, parse_broker_url
-
-__all__ = ["add_parser", "bridge_config", "main"]
 
 
 def bridge_config(
@@ -50,14 +45,11 @@ def bridge_config(
     username, password : str or None
         The bridge's credentials at the root broker.
     restart_timeout_s : (int, int)
-        Reconnect back-off base and cap, seconds (mosquitto 2.0 ``restart_timeout base cap``,
-        "decorrelated jitter"): after an outage the bridge is back within about ``cap`` seconds of the
-        root (one TCP connect attempt per site every ``cap`` s at most while the root is away).
+        Reconnect back-off base and cap, seconds (mosquitto 2.0 ``restart_timeout base cap``).
 
     Returns
     -------
-    str
-        The configuration text (ends with a newline).
+    str: the configuration text (ends with a newline).
 
     Raises
     ------

@@ -10,13 +10,15 @@ Exit codes: 0 done (or stopped); 1 invalid profile, or the broker refused its cr
 model could not be loaded; 4 a runtime error at start-up (broker unreachable, bad key file, the fleet
 page's port in use); 5 the job ended with a round that aggregated nothing (the reason is the last line
 on stderr); 6 another coordinator runs this fleet (its state file is locked, or a live coordinator
-holds the fleet's lease on the broker).
+holds the fleet's lease on the broker); 75 (``EX_TEMPFAIL``) a fault stopped the running coordinator
+(logged with its traceback; the unit restarts it, as it does after 4 and 5, never after 1, 2, 3, 6).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +27,7 @@ from typing import Any, Final
 from edgefl.coordinator.lease import LeaseHeld
 from edgefl.coordinator.profile import load_coordinator_profile
 from edgefl.coordinator.runner import (
+    EXIT_FAULT,
     EXIT_INVALID,
     EXIT_LEASE,
     EXIT_MODEL,
@@ -36,6 +39,9 @@ from edgefl.coordinator.runner import (
     strategy_problems,
 )
 from edgefl.errors import ConfigError, ModelError, TransportError
+from edgefl.profiles import add_set_argument, parse_sets
+
+logger = logging.getLogger(__name__)
 
 StateLock = Callable[[Path], object]
 """Locks a state file for as long as the returned object lives (raises ``LeaseHeld`` when held)."""
@@ -109,7 +115,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         description="Run federated rounds for one fleet over MQTT, as a coordinator profile says; flags "
         "override the profile's keys. Exit codes: 0 done, 1 invalid profile or credentials refused, 2 usage "
         "(a bad flag or --set), 3 model error, 4 start-up error (broker unreachable, fleet page port in "
-        "use), 5 a round aggregated nothing, 6 another coordinator runs this fleet.",
+        "use), 5 a round aggregated nothing, 6 another coordinator runs this fleet, 75 a fault stopped it.",
     )
     p.add_argument(
         "profile",
@@ -117,13 +123,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=str(shipped("firmware_configs/coordinator.toml")),
         help="coordinator TOML profile (default: %(default)s)",
     )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a profile key, e.g. --set rounds.count=20 (repeatable)",
-    )
+    add_set_argument(p, "rounds.count=20")
     for flag, key in FLAG_KEYS.items():
         what = FLAG_MEANING.get(flag, "")
         p.add_argument(
@@ -144,15 +144,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, object]:
     ConfigError
         If a ``--set`` item is not ``key=value``.
     """
-    out: dict[str, object] = {}
-    bad = []
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            bad.append(f"--set {item!r}: expected key=value")
-        out[key.strip()] = value
-    if bad:
-        raise ConfigError(bad)
+    out = parse_sets(args.set)
     for flag, key in FLAG_KEYS.items():
         value = getattr(args, flag, None)
         if value is not None:
@@ -212,5 +204,9 @@ def main(
     except (ConfigError, TransportError) as exc:
         print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
+    except Exception as exc:  # a bug or a fault nobody foresaw: restarted (exit 1 would not be)
+        logger.error("coordinator stopped by an unexpected error (exit %d)", EXIT_FAULT, exc_info=exc)
+        print(f"edgefl coordinator: stopped by a fault: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAULT
     finally:
         del held  # the lock is released with its file (or the process's end)

@@ -1,8 +1,7 @@
 """Asynchronous aggregation (FedBuff): apply a buffer of K updates as they come, stale ones down-weighted.
 
-No round waits for the slowest device: each device trains from whatever global version it has,
-its update is folded into a buffer with weight ``s(staleness) * num_examples``, and after K updates
-the buffer is applied and a new global version is published. Memory is O(model) (a running sum).
+Each device trains from whatever global version it has; its update is folded into a running sum with
+weight ``s(staleness) * num_examples``, and every K updates a new global version is published.
 
 Source: Nguyen et al. 2022, "Federated Learning with Buffered Asynchronous Aggregation" (AISTATS),
 Algorithm 1; staleness weight ``s(tau) = 1 / sqrt(1 + tau)`` as in their experiments.
@@ -27,21 +26,9 @@ logger = logging.getLogger(__name__)
 def staleness_weight(staleness: int, exponent: float = 0.5) -> float:
     """Polynomial staleness discount ``(1 + tau)^-a``.
 
-    Parameters
-    ----------
-    staleness : int >= 0
-        tau: global versions published since the update's base version.
-    exponent : float >= 0
-        a (0.5 in Nguyen et al. 2022; 0 = no discount).
-
-    Returns
-    -------
-    float in (0, 1]; 1 for a fresh update.
-
-    Raises
-    ------
-    ValueError
-        If ``staleness < 0`` or ``exponent < 0``.
+    ``staleness`` tau >= 0: global versions published since the update's base version; ``exponent``
+    a >= 0 (0.5 in Nguyen et al. 2022; 0 = no discount). Returns a float in (0, 1], 1 for a fresh
+    update. Raises ValueError if either is negative.
 
     Source: Nguyen et al. 2022, §5 ("s(tau) = 1/sqrt(1+tau)"); Xie et al. 2019 (FedAsync), polynomial s.
     """
@@ -53,14 +40,12 @@ def staleness_weight(staleness: int, exponent: float = 0.5) -> float:
 class FedBuffer:
     """The server buffer: a staleness-weighted running sum of up to ``buffer_size`` updates.
 
-    ``flush`` applies ``W += server_lr * sum_k s(tau_k) n_k dW_k / sum_k n_k``. With equal ``n_k``
-    this is the paper's ``(1/K) sum_k s(tau_k) Delta_k``: a stale update shrinks the step instead of
-    being renormalised away.
+    ``flush`` applies ``W += server_lr * sum_k s(tau_k) n_k dW_k / sum_k n_k`` (with equal ``n_k`` the
+    paper's ``(1/K) sum_k s(tau_k) Delta_k``: a stale update shrinks the step).
 
     Parameters
     ----------
     shape : (D, K)
-        Head shape.
     buffer_size : int >= 1
         Updates per server step (the paper's K).
     server_lr : float
@@ -94,27 +79,10 @@ class FedBuffer:
         self.staleness: list[int] = []
 
     def offer(self, delta_W: F32, delta_b: F32, num_examples: int, staleness: int) -> bool:
-        """Fold one update into the buffer.
+        """Fold one update (``delta_W`` float32 [D, K], ``delta_b`` float32 [K]) into the buffer.
 
-        Parameters
-        ----------
-        delta_W : float32 [D, K]
-            Dense weight delta (local - base global).
-        delta_b : float32 [K]
-            Dense bias delta.
-        num_examples : int > 0
-            Training examples behind the update.
-        staleness : int >= 0
-            Current global version minus the update's base version.
-
-        Returns
-        -------
-        bool: True when the buffer holds ``buffer_size`` updates (call ``flush``).
-
-        Raises
-        ------
-        UpdateRejected
-            ``bad_shape``, ``no_examples``, ``too_stale`` (staleness > ``max_staleness``, or < 0).
+        Returns True when the buffer holds ``buffer_size`` updates (call ``flush``). Raises
+        ``UpdateRejected``: ``bad_shape``, ``no_examples``, ``too_stale`` (outside [0, max_staleness]).
         """
         if delta_W.shape != self.shape or delta_b.shape != (self.shape[1],):
             raise UpdateRejected("bad_shape", f"delta {delta_W.shape}, expected {self.shape}")
@@ -131,23 +99,9 @@ class FedBuffer:
         return self.count >= self.buffer_size
 
     def flush(self, W: F32, b: F32) -> tuple[F32, F32]:
-        """Apply the buffered updates to the global head and empty the buffer.
+        """Apply the buffer to the head (``W`` float32 [D, K], ``b`` float32 [K]) and empty it.
 
-        Parameters
-        ----------
-        W : float32 [D, K]
-            Current global weights.
-        b : float32 [K]
-            Current global biases.
-
-        Returns
-        -------
-        New (W, b), float32.
-
-        Raises
-        ------
-        ValueError
-            If the buffer is empty.
+        Returns the new float32 (W, b); raises ValueError if the buffer is empty.
         """
         if self.count == 0:
             raise ValueError("FedBuffer.flush: empty buffer")
@@ -166,11 +120,8 @@ class FedBuffer:
 class FedBuff(Strategy):
     """Buffered asynchronous strategy: devices train on; a server step every ``buffer_size`` updates.
 
-    Its rounds are ``Schedule.BUFFERED``: the service accepts updates trained from any earlier
-    version (``Offer.staleness`` = versions since their base) and closes a step when the buffer
-    holds ``buffer_size`` updates (or at the deadline, with what it has). The accumulator is one
-    staleness-weighted running sum (``FedBuffer``); updates are norm-bounded first, as in every
-    strategy.
+    Its rounds are ``Schedule.BUFFERED``: updates from any earlier version are welcome
+    (``Offer.staleness``), a step closes at ``buffer_size`` updates or the deadline.
 
     Parameters
     ----------
@@ -228,7 +179,6 @@ class FedBuff(Strategy):
         return self._buffer.flush(W, b)
 
     def _snapshot(self) -> dict[str, Any]:
-        """The buffer as CBOR-able values (the coordinator writes it with its open step)."""
         buf = self._buffer
         return {
             "W": buf._sum_W.tobytes(),

@@ -1,24 +1,11 @@
 """Site and root aggregators: one coordinator per site's broker, one root, joined by broker bridges.
 
-A **site** (``[hierarchy] role = "site"``) runs next to its site's broker. It learns each round from
-the root's RoundAnnouncement (retained, bridged down), verifies and decodes its devices' updates
-exactly as a flat coordinator does (the same handlers, the same strategy with its norm bound), and at
-``deadline - close_margin_s`` (or when its expected devices answered) exports the strategy's
-accumulator (``Strategy.site_sums``: float64 weighted sums, or the site's robust estimate) as one
-signed :class:`~edgefl.wire.partial.Partial` on ``partial/<site>`` (QoS 1, not retained), which the
-bridge carries up and stores while the uplink is down. Its round is persisted (atomic, checksummed
-record) after each batch of received updates and before the partial is sent, so a restarted site
-resumes the round where it was, and re-sends a partial it had not seen acknowledged under the same
-``partial_id``. A site that sees the round it closed announced again (a restarted root re-running it)
-sends its partial again; a root that had counted it refuses the copy as a duplicate.
-
-The **root** (``role = "root"``) owns rounds, the server optimiser, DP and the global head as a flat
-coordinator does, but takes partials: each is verified (``<site>.pub``), decoded, de-duplicated by
-``(site, round, partial_id)`` (a bridge redelivery is refused as ``duplicate``) and by update id across
-sites, and folded into the strategy (``Strategy.offer_sums``). A partial of an earlier round is
-refused by round number (``stale_round``): a site that misses the deadline loses that round, as a
-late device does in a flat run. The round closes when ``expected_sites`` partials arrived or at the
-deadline.
+A **site** (``[hierarchy] role = "site"``) takes its devices' updates as a flat coordinator does and
+sends the strategy's accumulator (``Strategy.site_sums``) up as one signed
+:class:`~edgefl.wire.partial.Partial` a round on ``partial/<site>``, its round persisted so a restarted
+site resumes it and re-sends an unacknowledged partial. The **root** (``role = "root"``) runs rounds as
+a flat coordinator, but folds verified, de-duplicated partials (``Strategy.offer_sums``). The walk
+through both, and what survives which fault, is ``docs/operations.md``, "Many sites".
 
 Source: Bonawitz et al. 2019, "Towards Federated Learning at Scale: System Design", §4 (aggregators
 and a master aggregator); the sums are McMahan et al. 2017, Algorithm 1, split by site.
@@ -39,40 +26,31 @@ import cbor2
 import numpy as np
 
 from edgefl.aio import wait_event
-from edgefl.coordinator.registry import LOGGED_REFUSALS, shorten
+from edgefl.coordinator.registry import shorten
 from edgefl.coordinator.rounds import Round, RoundPhase
 from edgefl.coordinator.service import ADOPT_WAIT_S, Coordinator
 from edgefl.coordinator.strategy import SiteSums
 from edgefl.errors import DecodeError, UpdateRejected
+from edgefl.idtable import IdTable
 from edgefl.mqtt_link import Message
 from edgefl.records import read_record, write_record
 from edgefl.wire.cbor import MessageType, scan
-from edgefl.wire.chunking import Reassembler, is_chunk, split_message
-from edgefl.wire.global_model import decode_global_model
+from edgefl.wire.chunking import split_message
 from edgefl.wire.partial import MAX_PARTIAL_UPDATES, Partial, decode_partial, encode_partial
-from edgefl.wire.rounds import RoundAnnouncement, decode_round
+from edgefl.wire.rounds import RoundAnnouncement
 from edgefl.wire.signing import VerifyKey, sign_message, verify_payload
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ROOT_SEEN_UPDATE_IDS", "RootCoordinator", "SiteAggregator", "SiteRecord"]
 
 ROOT_SEEN_UPDATE_IDS = 100_000
-"""Update ids a root remembers across rounds with the site that first listed each (ten rounds of
-10,000 devices; ~10 MB of strings)."""
+"""Update ids a root remembers across rounds with the site that first listed each (~10 MB of strings)."""
 
 LOGGED_OVERLAPS = 20
 """Partials listing another site's update ids logged one by one before only every 1000th is."""
 
 SEEN_PARTIALS = 10_000
 """(site, round, partial id) keys a root remembers to refuse a bridge's redelivery."""
-
-
-def _log_refusal(coord: Coordinator, exc: DecodeError | UpdateRejected, msg: Message) -> None:
-    coord.state.rejected[exc.reason] += 1
-    n = coord.state.rejected[exc.reason]
-    if n <= LOGGED_REFUSALS or n % 1000 == 0:
-        logger.warning("rejected message on %s (%d bytes): %s", msg.topic, len(msg.payload), exc)
 
 
 class RootCoordinator(Coordinator):
@@ -89,11 +67,8 @@ class RootCoordinator(Coordinator):
     site_devices : int
         Most updates one site's partial may cover (its registered devices; 0: ``MAX_PARTIAL_UPDATES``).
 
-    Every path into the aggregate is authenticated and bounded: a root without ``device_keys`` does
-    not subscribe to ``update/+`` and refuses any device update that reaches it (``unsigned``); a
-    partial's count is at most ``site_devices``, its weight per update and its mean's norm at most
-    the strategy's bounds (``Strategy.offer_sums``); the round's clients are the updates of what it
-    accepted.
+    A root without ``device_keys`` does not subscribe to ``update/+`` and refuses device updates
+    (``unsigned``); a partial's weight and mean are bounded by ``Strategy.offer_sums``.
     """
 
     def __init__(
@@ -110,6 +85,7 @@ class RootCoordinator(Coordinator):
         self.site_devices = site_devices or MAX_PARTIAL_UPDATES
         self.strategy.bound_site_weights()
         self.max_seen_update_ids = ROOT_SEEN_UPDATE_IDS
+        self._seen_update_ids = IdTable(ROOT_SEEN_UPDATE_IDS, values=False)
         self._seen_partials: dict[tuple[str, int, str], None] = {}
         self.partials_received = 0
         self.partial_bytes = 0
@@ -130,14 +106,7 @@ class RootCoordinator(Coordinator):
         return [self.topics.update("+")] if self.device_keys is None else []
 
     def _handle_update(self, device: str, msg: Message) -> None:
-        """A device update at the root: verified with device keys as a flat coordinator does, else refused.
-
-        Raises
-        ------
-        DecodeError
-            ``unsigned`` when the root has no device keys (a persistent session or a broker ACL
-            may still deliver one: it never reaches the aggregate).
-        """
+        """A device update at the root: verified with device keys, else refused (``unsigned``)."""
         if self.device_keys is None:
             why = "a root takes device updates only with security.device_keys_dir"
             raise DecodeError("unsigned", f"device update from {device}: {why}")
@@ -154,17 +123,14 @@ class RootCoordinator(Coordinator):
         except (DecodeError, UpdateRejected) as exc:
             if exc.reason == "duplicate":
                 self.duplicates += 1
-            _log_refusal(self, exc, msg)
+            self.refuse_message(msg, exc.reason, str(exc))
 
     def _handle_partial(self, site: str, msg: Message) -> None:
-        payload = msg.payload
         self.partials_received += 1
-        self.partial_bytes += len(payload)
-        if is_chunk(payload):
-            whole = self.reassembler.feed(msg.topic, payload)
-            if whole is None:
-                return
-            payload = whole
+        self.partial_bytes += len(msg.payload)
+        payload = self._reassembled(msg)
+        if payload is None:
+            return
         scanned = scan(payload, self.limits)  # once: the signature check and the decoder take it
         if self.site_keys is not None:
             key = self.site_keys.get(site)
@@ -181,7 +147,7 @@ class RootCoordinator(Coordinator):
         rnd = self.state.current
         if rnd is None:
             raise UpdateRejected("no_round", "no round is open")
-        rnd.admit_partial(site, p.round, p.base_version, p.update_ids)
+        rnd.admit_partial(site, p.round, p.base_version)
         if p.count > self.site_devices:
             why = f"partial of {site} covers {p.count} updates, a site may have {self.site_devices} devices"
             raise UpdateRejected("bad_value", why)
@@ -230,16 +196,8 @@ class RootCoordinator(Coordinator):
 class SiteRecord:
     """One round at a site (stdout line, ``files.log``).
 
-    Attributes
-    ----------
-    round : int
-    updates : int
-        Updates covered by the partial (0: nothing arrived; an empty partial says so).
-    partial_bytes : int
-        Size of the partial sent, bytes.
-    duration_s : float
-        Seconds from the site opening the round to the partial's PUBACK at the site broker.
-    update_ids : tuple of str
+    ``updates``: covered by the partial (0: an empty partial); ``partial_bytes``: its size;
+    ``duration_s``: seconds from the site opening the round to the partial's PUBACK.
     """
 
     round: int
@@ -292,7 +250,6 @@ class SiteAggregator(Coordinator):
         self._resend = False
         self._dirty = False  # the open round changed since its record was written
         self.root_done_round = 0  # the newest round whose global head the root published (bridged down)
-        self._head_chunks = Reassembler()
         self._resume: dict[str, Any] | None = None  # the open round of the state file
         self._opened_unix = 0.0
 
@@ -300,12 +257,8 @@ class SiteAggregator(Coordinator):
     async def start(self, adopt_wait_s: float = ADOPT_WAIT_S) -> None:
         """Resume the site's state, subscribe (updates, statuses, the round) and re-send an unsent partial.
 
-        The caller's :meth:`pump` must be running. ``adopt_wait_s`` is unused (a site adopts nothing).
-
-        Raises
-        ------
-        UpdateRejected
-            ``bad_state`` when the state file belongs to another site or head shape.
+        The caller's :meth:`pump` must be running; ``adopt_wait_s`` is unused. Raises ``UpdateRejected``
+        (``bad_state``) when the state file belongs to another site or head shape.
         """
         self._load_site_state()
         await self.subscribe(self.topics.round)  # control topics first (see Coordinator.subscribe)
@@ -320,24 +273,18 @@ class SiteAggregator(Coordinator):
 
     def handle(self, msg: Message) -> None:
         """Dispatch one message: the root's round and head here, updates and statuses as usual."""
-        head = self.topics.global_model
-        if msg.topic == head or msg.topic.startswith(head + "/"):
-            try:
-                self._on_head(msg)
-            except (DecodeError, UpdateRejected) as exc:
-                _log_refusal(self, exc, msg)
-            return
-        if msg.topic != self.topics.round:
+        if not self._is_own_topic(msg.topic):
             super().handle(msg)
             return
         if not msg.payload:
-            return
+            return  # a cleared chunk topic, or the empty `global` of a chunked head
         try:
-            if self.root_key is not None:
-                verify_payload(msg.payload, self.root_key, fleet=self.topics.fleet, kind=MessageType.ROUND)
-            ann = decode_round(msg.payload, limits=self.limits)
-        except DecodeError as exc:
-            _log_refusal(self, exc, msg)
+            if msg.topic != self.topics.round:
+                self._on_head(msg)
+                return
+            ann = self._read_round(msg.payload, self.root_key)
+        except (DecodeError, UpdateRejected) as exc:
+            self.refuse_message(msg, exc.reason, str(exc))
             return
         if self._latest is None or ann.round > self._latest.round:
             self._latest = ann
@@ -350,35 +297,16 @@ class SiteAggregator(Coordinator):
 
     def _on_head(self, msg: Message) -> None:
         """Note the round of a GlobalModel the root published (whole or reassembled from its chunks)."""
-        payload: bytes | None = msg.payload
-        if not payload:
-            return  # a cleared chunk topic, or the empty `global` of a chunked head
-        if is_chunk(payload):
-            payload = self._head_chunks.feed(self.topics.global_model, payload)
-            if payload is None:
-                return
-        if self.root_key is not None:
-            kind = MessageType.GLOBAL_MODEL
-            verify_payload(payload, self.root_key, fleet=self.topics.fleet, kind=kind, limits=self.limits)
-        gm = decode_global_model(payload, limits=self.limits, expect_shape=self.shape)
-        if gm.round > self.root_done_round:
+        gm = self._read_head(msg.payload, self.root_key)
+        if gm is not None and gm.round > self.root_done_round:
             self.root_done_round = gm.round
             self._announced.set()
 
     async def next_round(self, last_round: int, timeout_s: float | None = None) -> RoundAnnouncement | None:
         """Wait for an announced round later than the last one this site closed, up to ``last_round``.
 
-        Meanwhile, a partial is sent again when its round is announced again (see ``handle``).
-
-        Returns
-        -------
-        The announcement, or None once this site closed ``last_round`` and the root published the
-        head of that round (the job is over).
-
-        Raises
-        ------
-        TimeoutError
-            If nothing happens within ``timeout_s`` seconds.
+        Meanwhile a partial is sent again when its round is announced again. Returns None once this site
+        closed ``last_round`` and the root published its head; raises TimeoutError after ``timeout_s``.
         """
         loop = asyncio.get_running_loop()
         until = None if timeout_s is None else loop.time() + timeout_s
@@ -401,17 +329,7 @@ class SiteAggregator(Coordinator):
 
     # -- one round -------------------------------------------------------------------------------------
     async def run_site_round(self, ann: RoundAnnouncement) -> SiteRecord:
-        """Collect the round's updates at this site and send its partial (see the module docstring).
-
-        Parameters
-        ----------
-        ann : RoundAnnouncement
-            The root's round (verified).
-
-        Returns
-        -------
-        SiteRecord (``updates = 0``: nothing arrived, an empty partial was sent).
-        """
+        """Collect the root's (verified) round ``ann`` at this site and send its partial (maybe empty)."""
         self.strategy.configure_round(ann.round, self.shape)
         resume = self._resume
         self._resume = None
@@ -434,13 +352,7 @@ class SiteAggregator(Coordinator):
         self.state.current = rnd
         self.state.round = ann.round
         self.state.version = ann.base_version
-        early, self._early = self._early, {}
-        for update, size in early.values():
-            if update.round == ann.round:
-                try:
-                    self._accept(rnd, update, size)
-                except UpdateRejected as exc:
-                    self.state.rejected[exc.reason] += 1
+        self._accept_early(rnd)
         self._persist_site(rnd)
         self.notify()
         while not rnd.complete():

@@ -1,12 +1,8 @@
 """The coordinator's intake: each message a fleet sends, checked, counted and kept before it is acknowledged.
 
-Statuses go to the device registry (:mod:`edgefl.coordinator.registry`); updates and declines go into
-the open round (an update is checked against its device, round and base version, offered to the
-strategy, and counted once); updates that come before their round opens, or while a buffered step is
-being published, are held for it. With a state file, :meth:`Intake.pump` acknowledges a message to the
-broker only once the state file holds what it changed (:meth:`Intake.save_state`), so a coordinator
-killed at any moment comes back with every update the broker was told it received.
-:class:`~edgefl.coordinator.service.Coordinator` builds the round loop on top of it.
+Statuses go to the device registry; updates and declines into the open round (or held for the next
+one). With a state file, :meth:`Intake.pump` acknowledges a message only once the state file holds
+what it changed. :class:`~edgefl.coordinator.service.Coordinator` builds the round loop on top of it.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 import cbor2
 import numpy as np
@@ -29,6 +25,7 @@ from edgefl.coordinator.rounds import Round, RoundPhase
 from edgefl.coordinator.strategy import Offer, Strategy
 from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.head import validate_head
+from edgefl.idtable import IdTable
 from edgefl.mqtt_link import Message
 from edgefl.records import read_record, write_record
 from edgefl.topics import Topics
@@ -38,7 +35,8 @@ from edgefl.validators import check_device_id
 from edgefl.wire.cbor import Limits, MessageType, Scanned, scan
 from edgefl.wire.chunking import Reassembler, is_chunk
 from edgefl.wire.global_model import GlobalModel, decode_global_model
-from edgefl.wire.rounds import Update, decode_decline, decode_round, decode_update
+from edgefl.wire.reasons import Reason
+from edgefl.wire.rounds import RoundAnnouncement, Update, decode_decline, decode_round, decode_update
 from edgefl.wire.signing import SigningKey, VerifyKey, verify_payload
 
 logger = logging.getLogger(__name__)
@@ -47,14 +45,15 @@ HELD_UPDATES = 64
 """Updates held while a buffered step is published, offered to the next step (more are refused)."""
 
 SEEN_UPDATE_IDS = 4096
-"""Update ids remembered across rounds (a FedBuff step accepts updates of earlier rounds).
-
-An id is ``<device>:<round>:<base_version>`` of the (verified) topic's device and only an accepted
-update or decline enters the set, at most one per device per round: a device cannot fill it with
-ids of others, and it holds the last ``4096 / devices-per-round`` rounds' ids."""
+"""Accepted update and decline ids remembered across rounds (a FedBuff step accepts earlier rounds'),
+as 64-bit hashes in a fixed ring (:class:`edgefl.idtable.IdTable`, 32 KiB however long it runs)."""
 
 EARLY_UPDATES_MAX = 4096
 """Updates held for the next round before it opens (see ``Intake._early``)."""
+
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RoundRecord))
+"""A :class:`RoundRecord`'s fields in order (a state file's history row); read directly, not through
+``dataclasses.astuple``, whose deep copy makes a tuple per record every time the rows are rebuilt."""
 
 PERSIST_EVERY = 32
 """With a state file, the open round is written at least every this many messages (:meth:`Intake.pump`)."""
@@ -64,16 +63,10 @@ DECLINE_SUFFIX = ":declined"
 
 
 def check_update_id(update_id: str, device: str, round_no: int, base_version: int, suffix: str = "") -> None:
-    """Check that an update's (or decline's) id is the one its device, round and base version give.
+    """Check that an update's (or decline's) id is ``f"{device}:{round}:{base_version}{suffix}"``.
 
-    The id is ``f"{device}:{round}:{base_version}"`` (a Decline adds ``DECLINE_SUFFIX``), with
-    ``device`` the device of the topic it arrived on (verified by signature when keys are set): a
-    device cannot spend another device's ids (``docs/protocol.md``, "Update ids").
-
-    Raises
-    ------
-    UpdateRejected
-        ``bad_value`` for any other id.
+    ``device`` is the topic's (``docs/protocol.md``, "Update ids"). Raises ``UpdateRejected``
+    (``bad_value``) for any other id.
     """
     expected = f"{device}:{round_no}:{base_version}{suffix}"
     if update_id != expected:
@@ -81,6 +74,29 @@ def check_update_id(update_id: str, device: str, round_no: int, base_version: in
         raise UpdateRejected("bad_value", why)
 
 
+def sampled_log(n: int, what: str) -> str | None:
+    """Whether the ``n``-th event of a kind is logged, and the suffix its line ends with.
+
+    The first ``LOGGED_REFUSALS`` of each kind are logged (suffix ``""``), then every 1000th (suffix
+    ``" (n what so far)"``), so a flood of forged messages is not a flood of log lines; None: not logged.
+    """
+    if n <= LOGGED_REFUSALS:
+        return ""
+    return f" ({n} {what} so far)" if n % 1000 == 0 else None
+
+
+class IntakeOptions(TypedDict, total=False):
+    """The keyword arguments of :class:`Intake` (and of the coordinators built on it)."""
+
+    model_sha256: Required[str]
+    strategy: Required[Strategy]
+    evaluate: Callable[[F32, F32], float] | None
+    limits: Limits | None
+    signing_key: SigningKey | None
+    device_keys: Mapping[str, VerifyKey] | None
+    max_packet_bytes: int
+    max_devices: int
+    device_expiry_s: float
 
 
 class Intake:
@@ -98,46 +114,33 @@ class Intake:
     strategy : Strategy
     evaluate : callable (W, b) -> accuracy, or None
         Test-set evaluation of a head (fraction 0..1).
-    limits : Limits
-        Decoding bounds for incoming messages.
+    limits : Limits or None
+        Decoding bounds for incoming messages (default ``Limits()``).
     signing_key : SigningKey or None
         The coordinator's key: a retained round or head is adopted only with its signature.
     device_keys : mapping device → VerifyKey, or None
         When set, an update must carry a valid signature by its device's key (unknown devices are refused).
     max_packet_bytes : int
-        The broker's maximum packet size (chunks of a larger update are reassembled).
+        The broker's maximum packet size (chunks of a larger update are reassembled; 256 KiB).
     max_devices, device_expiry_s
-        Bounds of the device registry (:class:`~edgefl.coordinator.registry.DeviceRegistry`).
+        Bounds of the device registry (default 10,000 devices, 7 days; ``DeviceRegistry``).
     """
 
     def __init__(
-        self,
-        transport: MqttTransport,
-        topics: Topics,
-        W: F32,
-        b: F32,
-        *,
-        model_sha256: str,
-        strategy: Strategy,
-        evaluate: Callable[[F32, F32], float] | None = None,
-        limits: Limits | None = None,
-        signing_key: SigningKey | None = None,
-        device_keys: Mapping[str, VerifyKey] | None = None,
-        max_packet_bytes: int = 256 * 1024,
-        max_devices: int = 10_000,
-        device_expiry_s: float = 7 * 24 * 3600.0,
+        self, transport: MqttTransport, topics: Topics, W: F32, b: F32, **opts: Unpack[IntakeOptions]
     ) -> None:
         self.transport = transport
         self.topics = topics
         self.W = W.astype(np.float32)
         self.b = b.astype(np.float32)
-        self.model_sha256 = model_sha256
-        self.strategy = strategy
-        self.evaluate = evaluate
-        self.limits = limits or Limits()
-        self.signing_key = signing_key
+        self.model_sha256 = model_sha256 = opts["model_sha256"]
+        self.strategy = strategy = opts["strategy"]
+        self.evaluate = opts.get("evaluate")
+        self.limits = opts.get("limits") or Limits()
+        self.signing_key = opts.get("signing_key")
+        device_keys = opts.get("device_keys")
         self.device_keys = dict(device_keys) if device_keys is not None else None
-        self.max_packet_bytes = max_packet_bytes
+        self.max_packet_bytes = max_packet_bytes = opts.get("max_packet_bytes", 256 * 1024)
         self.reassembler = Reassembler(
             max_message_bytes=self.limits.max_message_bytes,
             max_chunk_bytes=max_packet_bytes,
@@ -155,20 +158,19 @@ class Intake:
             head_shape=self.shape,
             clipped=strategy.clipped,
             limits=self.limits,
-            max_devices=max_devices,
-            expiry_s=device_expiry_s,
+            max_devices=opts.get("max_devices", 10_000),
+            expiry_s=opts.get("device_expiry_s", 7 * 24 * 3600.0),
         )
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
-        self._seen_update_ids: dict[str, None] = {}  # insertion-ordered, bounded: see _remember
-        self.max_seen_update_ids = SEEN_UPDATE_IDS
+        self._seen_update_ids = IdTable(SEEN_UPDATE_IDS, values=False)  # fixed memory: see _remember
         self._held: list[tuple[Update, int]] = []  # arrived while a buffered step was being published
         self._adopting = False
         self._adopt_round_seen = asyncio.Event()
         self._adopt_head_seen = asyncio.Event()
         self._adopted_round = 0
         self._adopted_head: GlobalModel | None = None
-        self._adopt_chunks = Reassembler()
+        self._head_chunks = Reassembler()  # a retained global head's chunks
         self.on_lease_message: Callable[[Message], None] | None = None  # the lease topic's messages
         self._dirty = False  # the open round changed since the state file was written (see pump)
         self._settled = 0  # the last round whose result is in the state file
@@ -190,16 +192,10 @@ class Intake:
     async def pump(self) -> None:
         """Consume incoming messages forever (each handler is guarded), committing what they changed.
 
-        With a state file and the transport's ``ack_on_commit`` (``edgefl coordinator`` sets both), an
-        update, decline or partial is acknowledged to the broker (PUBACK) only once the state file
-        holds it: the open round is written once the queue is drained, or every ``PERSIST_EVERY``
-        messages under a flood (one write per batch, not one fsync per update), then
-        ``MqttTransport.commit`` acknowledges every message taken so far. A coordinator killed in
-        between gets them again from its persistent session, and its resumed round tells which it
-        had. Messages that changed nothing (statuses, refusals) are acknowledged at once.
-
-        ``Queue.get`` on a non-empty queue does not suspend: under a flood the loop would never run
-        anything else (signals, the round's deadline, the page), so it yields every 32 messages.
+        With a state file and the transport's ``ack_on_commit``, a message that changed the round is
+        acknowledged (``MqttTransport.commit``) only once the state file holds it: written when the
+        queue is drained or every ``PERSIST_EVERY`` messages. Messages that changed nothing are
+        acknowledged at once. Yields to the loop every 32 messages under a flood.
         """
         handled = 0
         while True:
@@ -216,25 +212,12 @@ class Intake:
                 await asyncio.sleep(0)
 
     def _handle_guarded(self, msg: Message) -> None:
-        """:meth:`handle` (or a subclass's), with any fault it lets through counted as ``failed``.
-
-        The pump then acknowledges the message like any refused one: a run of messages whose handling
-        fails never stops the pump nor fills the broker's in-flight window (a peer never goes deaf).
-        """
+        """:meth:`handle`, with any fault it lets through counted as ``failed`` (the pump never stops)."""
         try:
             self.handle(msg)
         except Exception as exc:
-            self.state.rejected["failed"] += 1
-            n = self.state.rejected["failed"]
-            if n <= LOGGED_REFUSALS or n % 1000 == 0:
-                logger.error(
-                    "rejected message on %s (%d bytes): failed: handling raised %s: %s%s",
-                    msg.topic,
-                    len(msg.payload),
-                    type(exc).__name__,
-                    shorten(str(exc)),
-                    f" ({n} failed so far)" if n > LOGGED_REFUSALS else "",
-                )
+            why = f"failed: handling raised {type(exc).__name__}: {shorten(str(exc))}"
+            self.refuse_message(msg, "failed", why, level=logging.ERROR)
 
     def handle(self, msg: Message) -> None:
         """Dispatch one message; a bad one is logged with topic, size and reason and counted, never raised."""
@@ -242,6 +225,8 @@ class Intake:
             if self.on_lease_message is not None:
                 self.on_lease_message(msg)
             return
+        if msg.topic == self.topics.coordinator_holder:
+            return  # read by a lease probe; one left unacknowledged in our session comes back here
         device = self.topics.device_of(msg.topic)
         try:
             if device is None and self._is_own_topic(msg.topic):
@@ -268,28 +253,49 @@ class Intake:
             known = isinstance(exc, (DecodeError, UpdateRejected))
             reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
             why = str(exc) if known else f"failed: handling raised {type(exc).__name__}: {exc}"
-            self.state.rejected[reason] += 1
-            if device is not None:
-                self.registry.count_by_device(self.registry.rejected_by_device, device, reason)
-            n = self.state.rejected[reason]
-            # every refusal is counted; the log names the first ones of each reason, then every 1000th
-            # (a flood of forged messages must not become a flood of log lines)
-            if n <= LOGGED_REFUSALS or n % 1000 == 0:
-                logger.warning(
-                    "rejected message on %s (%d bytes): %s%s",
-                    msg.topic[:200],
-                    len(msg.payload),
-                    why,
-                    f" ({n} {reason} so far)" if n > LOGGED_REFUSALS else "",
-                )
+            self.refuse_message(msg, reason, why, device)
+
+    def refuse_message(
+        self, msg: Message, reason: str, why: str, device: str | None = None, level: int = logging.WARNING
+    ) -> None:
+        """Count a refused message by ``reason`` (and ``device``), and log it as :func:`sampled_log` says."""
+        self.state.rejected[reason] += 1
+        if device is not None:
+            self.registry.count_by_device(self.registry.rejected_by_device, device, reason)
+        more = sampled_log(self.state.rejected[reason], reason)
+        if more is not None:
+            logger.log(
+                level, "rejected message on %s (%d bytes): %s%s", msg.topic[:200], len(msg.payload), why, more
+            )
+
+    def _reassembled(self, msg: Message) -> bytes | None:
+        """The message's payload, or a chunked one's whole payload at its last chunk (None before)."""
+        if not is_chunk(msg.payload):
+            return msg.payload
+        return self.reassembler.feed(msg.topic, msg.payload)
+
+    def _read_round(self, payload: bytes, key: VerifyKey | None) -> RoundAnnouncement:
+        """A retained RoundAnnouncement, verified by ``key`` when set (raises ``DecodeError``)."""
+        if key is not None:
+            verify_payload(payload, key, fleet=self.topics.fleet, kind=MessageType.ROUND)
+        return decode_round(payload, limits=self.limits)
+
+    def _read_head(self, payload: bytes, key: VerifyKey | None) -> GlobalModel | None:
+        """A retained GlobalModel or its chunk (None until the last), verified by ``key`` when set."""
+        if is_chunk(payload):
+            whole = self._head_chunks.feed(self.topics.global_model, payload)
+            if whole is None:
+                return None
+            payload = whole
+        if key is not None:
+            kind = MessageType.GLOBAL_MODEL
+            verify_payload(payload, key, fleet=self.topics.fleet, kind=kind, limits=self.limits)
+        return decode_global_model(payload, limits=self.limits, expect_shape=self.shape)
 
     def _handle_update(self, device: str, msg: Message) -> None:
-        payload = msg.payload
-        if is_chunk(payload):
-            whole = self.reassembler.feed(msg.topic, payload)
-            if whole is None:
-                return
-            payload = whole
+        payload = self._reassembled(msg)
+        if payload is None:
+            return
         key = None
         if self.device_keys is not None:
             key = self.device_keys.get(device)
@@ -338,20 +344,7 @@ class Intake:
         self._accept(rnd, update, len(payload))
 
     def _handle_decline(self, device: str, payload: bytes | Scanned) -> None:
-        """Count and log a device's refusal of the open round (a Decline on ``update/<device>``).
-
-        A decline counts only for the open round and its base version, from a device selected for
-        it, once per (device, round); its id must be ``<device>:<round>:<base_version>:declined``
-        (so one device cannot spend another device's update ids). The log names the first
-        ``LOGGED_REFUSALS`` declines of each reason, then every 1000th, ``detail`` cut to 80 chars.
-
-        Raises
-        ------
-        DecodeError, UpdateRejected
-            As for an update: ``wrong_device``, ``bad_value`` (another id), ``no_round``,
-            ``round_closed``, ``stale_round``, ``stale_base``, ``not_selected``, ``duplicate``
-            (a decline sent again, or from a device that already answered the round).
-        """
+        """Count and log a device's Decline of the open round (refused as an update would be)."""
         decline = decode_decline(payload, limits=self.limits)
         if decline.device != device:
             raise UpdateRejected("wrong_device", f"decline names device {decline.device} on update/{device}")
@@ -359,33 +352,21 @@ class Intake:
         rnd = self.state.current
         if rnd is None:
             raise UpdateRejected("no_round", "no round is open")
-        if rnd.phase is not RoundPhase.OPEN:
-            raise UpdateRejected("round_closed", f"round {rnd.number} is closed")
-        if decline.round != rnd.number:
-            raise UpdateRejected(
-                "stale_round", f"decline for round {decline.round}, round {rnd.number} is open"
-            )
-        if decline.base_version != rnd.base_version:
-            why = f"decline from version {decline.base_version}, round uses {rnd.base_version}"
-            raise UpdateRejected("stale_base", why)
-        if rnd.selected is not None and device not in rnd.selected:
-            raise UpdateRejected("not_selected", f"device {device} not selected for round {rnd.number}")
+        rnd.check_open("decline", device, decline.round, decline.base_version)
         if rnd.has_answered(device) or decline.update_id in self._seen_update_ids:
             raise UpdateRejected("duplicate", f"{device} already answered round {rnd.number}")
         self._remember(decline.update_id)
         self.state.declined[decline.reason] += 1
         self.registry.count_by_device(self.registry.declined_by_device, device, decline.reason)
         rnd.declined.append(device)
+        if decline.reason == Reason.NO_SAMPLES:
+            rnd.empty.append(device)  # nothing to train on: not among the devices the round asked
         self._dirty = True
-        n = self.state.declined[decline.reason]
-        if n <= LOGGED_REFUSALS or n % 1000 == 0:
+        more = sampled_log(self.state.declined[decline.reason], decline.reason)
+        if more is not None:
+            detail = shorten(decline.detail)
             logger.warning(
-                "round %d: %s declined: %s (%s)%s",
-                decline.round,
-                device,
-                decline.reason,
-                shorten(decline.detail),
-                f" ({n} {decline.reason} so far)" if n > LOGGED_REFUSALS else "",
+                "round %d: %s declined: %s (%s)%s", decline.round, device, decline.reason, detail, more
             )
         self._round_changed.set()
         self.notify()
@@ -432,46 +413,43 @@ class Intake:
         self._round_changed.set()
         self.notify()
 
+    def _accept_early(self, rnd: Round) -> None:
+        """Offer ``rnd`` the updates that came for it before it opened (the others are dropped)."""
+        early, self._early = self._early, {}
+        for update, size_bytes in early.values():
+            if update.round == rnd.number:
+                self._accept_held(rnd, update, size_bytes)
+            self._unfolded.pop(update.update_id, None)
+
+    def _accept_held(self, rnd: Round, update: Update, size_bytes: int) -> None:
+        """Offer ``rnd`` an update held for it; a refusal is counted and logged, never raised."""
+        try:
+            self._accept(rnd, update, size_bytes)
+        except UpdateRejected as exc:
+            self.state.rejected[exc.reason] += 1
+            logger.warning("round %d: held update %s refused: %s", rnd.number, update.update_id, exc)
+        self._unfolded.pop(update.update_id, None)
+
     def _remember(self, update_id: str) -> None:
-        self._seen_update_ids[update_id] = None
-        while len(self._seen_update_ids) > self.max_seen_update_ids:
-            del self._seen_update_ids[next(iter(self._seen_update_ids))]
+        self._seen_update_ids.add(update_id)
 
     def _is_own_topic(self, topic: str) -> bool:
         base = self.topics.global_model
         return topic in (self.topics.round, base) or topic.startswith(base + "/")
 
     def _adopt(self, msg: Message) -> None:
-        """Note a retained ``round`` or ``global`` message while adopting (see :meth:`start`).
-
-        Raises
-        ------
-        DecodeError
-            If the message does not decode or its signature does not verify.
-        UpdateRejected
-            ``wrong_model`` if the head belongs to another backbone.
-        """
+        """Note a retained ``round`` or ``global`` message while adopting (see ``Coordinator.start``)."""
         if not self._adopting or not msg.payload:
             return  # our own retained publishes echoed back, or a cleared chunk
+        key = self.signing_key.verify_key if self.signing_key is not None else None
         if msg.topic == self.topics.round:
-            if self.signing_key is not None:
-                verify_payload(
-                    msg.payload, self.signing_key.verify_key, fleet=self.topics.fleet, kind=MessageType.ROUND
-                )
-            ann = decode_round(msg.payload, limits=self.limits)
+            ann = self._read_round(msg.payload, key)
             self._adopted_round = max(self._adopted_round, ann.round)
             self._adopt_round_seen.set()
             return
-        payload: bytes | None = msg.payload
-        if is_chunk(msg.payload):
-            payload = self._adopt_chunks.feed(self.topics.global_model, msg.payload)
-        if payload is None:
+        head = self._read_head(msg.payload, key)
+        if head is None:
             return
-        if self.signing_key is not None:
-            verify_payload(
-                payload, self.signing_key.verify_key, fleet=self.topics.fleet, kind=MessageType.GLOBAL_MODEL
-            )
-        head = decode_global_model(payload, limits=self.limits, expect_shape=self.shape)
         if head.model_sha256 != self.model_sha256:
             raise UpdateRejected("wrong_model", "the retained global head belongs to another backbone")
         if self._adopted_head is None or head.version > self._adopted_head.version:
@@ -503,10 +481,7 @@ class Intake:
         return self._resume is not None
 
     def _flush(self) -> bool:
-        """Write what the messages handled since the last write changed (the open round, held updates).
-
-        Returns False when the write failed (logged; nothing is acknowledged, the next batch tries again).
-        """
+        """Write what the messages handled since the last write changed; False when the write failed."""
         try:
             self._persist()
         except OSError as exc:
@@ -522,10 +497,8 @@ class Intake:
     def save_state(self, path: Path) -> None:
         """Persist the global head, version, round, recent history and the open round (atomic, checksummed).
 
-        A coordinator restarted with the same state file resumes after its last closed round, and
-        re-opens the round that was open, with every update it had accepted (the strategy's
-        accumulator, the update ids) and the updates held for later: whatever the broker was told
-        was received is in this file (see :meth:`pump`).
+        A coordinator restarted with this file re-opens the round that was open, with every update it
+        had accepted and the updates held for later.
         """
         closed = self.state.current is None or self.state.current.number <= self._settled
         doc = {
@@ -544,17 +517,13 @@ class Intake:
         write_record(path, cbor2.dumps(doc))
 
     def _history_rows(self) -> list[list[Any]]:
-        """The round history as the state file's rows (one list per :class:`RoundRecord`), cached.
-
-        Records are frozen and only appended or trimmed from the front: the first and last record and
-        the count identify the list.
-        """
+        """The round history as the state file's rows, cached (records are only appended or trimmed)."""
         history = self.state.history
         first, last = (history[0], history[-1]) if history else (None, None)
         cached = self._history_doc
         if cached is not None and cached[0][:2] == (first, last) and cached[0][2] == len(history):
             return cached[1]
-        rows = [list(dataclasses.astuple(h)) for h in history]
+        rows = [[getattr(h, name) for name in _RECORD_FIELDS] for h in history]
         self._history_doc = ((first, last, len(history)), rows)
         return rows
 
@@ -573,6 +542,7 @@ class Intake:
             "update_ids": sorted(rnd.update_ids),
             "devices": list(rnd.devices),
             "declined": list(rnd.declined),
+            "empty": list(rnd.empty),
             "sites": list(rnd.sites),
             "update_bytes": list(rnd.update_bytes),
             "lr": self._round_lr,
@@ -631,6 +601,7 @@ class Intake:
         rnd.update_ids = set(doc["update_ids"])
         rnd.devices = list(doc["devices"])
         rnd.declined = list(doc["declined"])
+        rnd.empty = list(doc.get("empty", []))  # a state file written before it kept them: none
         rnd.sites = list(doc["sites"])
         rnd.update_bytes = [int(n) for n in doc["update_bytes"]]
         if doc["snapshot"] is not None:
@@ -647,14 +618,7 @@ class Intake:
         )
 
     def _record_unrecorded_round(self) -> None:
-        """Rebuild the record of a round saved after aggregation but before its record.
-
-        The state is written once the new head is aggregated (before it is published) and again when
-        the round's record exists; a coordinator killed in between comes back with the round's counted
-        update ids and head but no record, and would otherwise leave that round out of its history and
-        log. The record is rebuilt from the counted ids and an evaluation of the saved head (which is
-        that round's result); the update size and duration were not saved and read 0.
-        """
+        """Rebuild the record of a round saved after aggregation but not recorded (sizes read 0)."""
         r = self.state.round
         if r not in self.counted or any(h.round == r for h in self.state.history):
             return

@@ -16,7 +16,19 @@ of its own and reads the retained presence:
   :class:`LeaseHeld` is raised (``edgefl coordinator`` exits 6) before anything is published or
   written;
 - one that does not move: stale (a broker that restarted from its persistence after the holder
-  died, so its will never ran): the fleet is free.
+  died, so its will never ran): the fleet is free;
+- one naming this state file's previous instance (:func:`previous_instance`): that process is gone
+  (its successor holds the state file's lock) and the broker has not yet fired its will (a power cut
+  leaves the connection half open until the keepalive runs out): taken over at once.
+
+Each coordinator with a state file records its instance beside it (``<state>.instance``, a checksummed
+record naming the host and the state file) once it has taken the lease, so a restart after a crash
+knows its own debris from another coordinator's live lease. With a broker that names clients after
+their account (``use_username_as_clientid``) the probe takes the account's session, whose last will
+has cleared the lease by the time the probe reads it: the holder topic (``coordinator/holder``, the
+Presence of the coordinator that last took the lease, retained, never cleared) then tells whose
+session it was. It names this state file's previous instance: that session was its own, taken over
+at once; else the probe waits for a live holder's presence as before.
 
 A holder that later sees a live presence of another instance (two coordinators that probed at the
 same moment, or one that took the fleet while this one was cut off from the broker) keeps the
@@ -31,22 +43,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Final
 
 from edgefl.errors import DecodeError, EdgeflError, TransportError
 from edgefl.mqtt_link import Message
+from edgefl.records import RecordError, atomic_write, decode_record, encode_record
 from edgefl.transport import MqttTransport, Will
 from edgefl.wire.presence import Presence, decode_presence, encode_presence
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LEASE_HEARTBEAT_S", "Lease", "LeaseHeld", "new_instance", "probe_lease"]
+__all__ = [
+    "LEASE_HEARTBEAT_S",
+    "Lease",
+    "LeaseHeld",
+    "instance_path",
+    "new_instance",
+    "previous_instance",
+    "probe_lease",
+    "record_instance",
+]
 
 LEASE_HEARTBEAT_S: Final = 5.0
 """Seconds between two republishes of a holder's presence (a tiny retained message)."""
@@ -84,6 +108,59 @@ def new_instance() -> str:
     return secrets.token_hex(16)
 
 
+def _host() -> str:
+    return (socket.gethostname() or "unknown").replace(" ", "_")[:255]
+
+
+def instance_path(state: Path) -> Path:
+    """Where the instance that holds ``state``'s lock records its id: ``<state>.instance`` beside it."""
+    return state.with_name(state.name + ".instance")
+
+
+def record_instance(state: Path, instance: str) -> None:
+    """Record ``instance`` as the coordinator of state file ``state`` (atomic, checksummed).
+
+    Written once the lease is taken (never before: a coordinator refused with exit 6 writes nothing),
+    while the state file's lock is held.
+
+    Raises
+    ------
+    OSError
+        If the file cannot be written.
+    """
+    doc = {"instance": instance, "host": _host(), "state": str(state.resolve()), "pid": os.getpid()}
+    atomic_write(instance_path(state), encode_record(json.dumps(doc, sort_keys=True).encode()))
+
+
+def previous_instance(state: Path) -> str | None:
+    """The instance id the last coordinator of ``state`` recorded (:func:`record_instance`), if it is ours.
+
+    Call it with the state file's lock held: that process is then gone. Only a record written on this
+    host for this very state file counts (a folder copied elsewhere, or restored on another gateway,
+    names another coordinator's instance as far as this one knows).
+
+    Returns
+    -------
+    str or None
+        The id, or None (no record, unreadable, or written for another host or state file; an
+        unreadable one is logged).
+    """
+    path = instance_path(state)
+    try:
+        _, payload = decode_record(path.read_bytes())
+        doc = json.loads(payload)
+    except FileNotFoundError:
+        return None
+    except (OSError, RecordError, ValueError) as exc:
+        logger.warning("%s unreadable (%s): the fleet's lease is checked as any other's", path, exc)
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("instance"), str):
+        return None
+    if doc.get("host") != _host() or doc.get("state") != str(state.resolve()):
+        return None
+    return str(doc["instance"])
+
+
 def describe(p: Presence) -> str:
     """``instance 1a2b3c4d on host gw (pid 42), since 2026-12-06T04:00:00Z``."""
     since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(p.started))
@@ -95,6 +172,8 @@ async def probe_lease(
     topic: str,
     fleet_where: str,
     connected: Callable[[MqttTransport], Awaitable[None]],
+    previous: str | None = None,
+    holder_topic: str | None = None,
 ) -> Presence | None:
     """Read the fleet's lease through ``transport`` (a client id of its own, clean session); publish nothing.
 
@@ -111,6 +190,12 @@ async def probe_lease(
     connected : async callable (transport) -> None
         Waits until ``transport`` is connected, raising what the caller makes of a broker that cannot
         be reached or refuses the credentials.
+    previous : str or None
+        This state file's previous instance (:func:`previous_instance`): a presence naming it is
+        taken over at once (its holder is gone), with an INFO line; so is the account's session
+        (``use_username_as_clientid``) when ``holder_topic`` names it as the lease's last holder.
+    holder_topic : str or None
+        ``Topics.coordinator_holder``.
 
     Returns
     -------
@@ -132,6 +217,15 @@ async def probe_lease(
         # will cleared the lease). Nothing taken here is acknowledged (ack_on_commit, no commit), so
         # that session keeps its messages; a live holder reconnects and republishes its presence.
         renamed = transport.session_present
+        if renamed and previous is not None and holder_topic is not None:
+            last = await _retained_presence(transport, holder_topic)
+            if last is not None and last.instance == previous:
+                logger.info(
+                    "the broker gave the lease probe the session of %s, this state file's previous "
+                    "coordinator (gone: its state file's lock is ours): taken over",
+                    describe(last),
+                )
+                return None
         if renamed:
             logger.warning(
                 "the broker gave the lease probe an existing session (it names clients after their "
@@ -142,6 +236,13 @@ async def probe_lease(
         first = await _next_presence(transport, topic, first_wait)
         if first is None:
             return None
+        if previous is not None and first.instance == previous:
+            logger.info(
+                "the fleet's lease names %s, this state file's previous coordinator (gone: its state "
+                "file's lock is ours; the broker has not cleared its lease yet): taken over",
+                describe(first),
+            )
+            return first
         wait_s = 2 * min(first.heartbeat_s, PROBE_HEARTBEAT_MAX_S) + PROBE_MARGIN_S
         loop = asyncio.get_running_loop()
         end = loop.time() + wait_s
@@ -160,6 +261,23 @@ async def probe_lease(
             with contextlib.suppress(TransportError):
                 await transport.unsubscribe(topic)
         await transport.stop()
+
+
+async def _retained_presence(transport: MqttTransport, topic: str) -> Presence | None:
+    """The retained presence on ``topic`` (None: none within :data:`PROBE_RETAINED_WAIT_S`), unsubscribed.
+
+    A subscription the broker refuses (an ACL without the topic) is None too: the caller waits instead.
+    """
+    try:
+        await transport.subscribe(topic, 1)
+    except TransportError as exc:
+        logger.info("lease holder topic %s not readable (%s): the lease is checked by waiting", topic, exc)
+        return None
+    try:
+        return await _next_presence(transport, topic, PROBE_RETAINED_WAIT_S)
+    finally:
+        with contextlib.suppress(TransportError):
+            await transport.unsubscribe(topic)
 
 
 async def _next_presence(transport: MqttTransport, topic: str, timeout_s: float) -> Presence | None:
@@ -193,16 +311,26 @@ class Lease:
         This process's instance id (:func:`new_instance`).
     heartbeat_s : float
         Seconds between two republishes.
+    holder_topic : str or None
+        ``Topics.coordinator_holder``: the presence is also kept there (retained, no will clears it)
+        after each connect.
     """
 
     def __init__(
-        self, transport: MqttTransport, topic: str, instance: str, heartbeat_s: float = LEASE_HEARTBEAT_S
+        self,
+        transport: MqttTransport,
+        topic: str,
+        instance: str,
+        heartbeat_s: float = LEASE_HEARTBEAT_S,
+        holder_topic: str | None = None,
     ) -> None:
         self.transport = transport
         self.topic = topic
+        self.holder_topic = holder_topic
+        self._holder_due = holder_topic is not None
         self.presence = Presence(
             instance=instance,
-            host=(socket.gethostname() or "unknown").replace(" ", "_")[:255],
+            host=_host(),
             pid=os.getpid(),
             started=time.time(),
             seq=0,
@@ -221,6 +349,7 @@ class Lease:
 
     def on_connect(self) -> None:
         """Republish the presence at once after a (re)connect (the will may have cleared it)."""
+        self._holder_due = self.holder_topic is not None  # the broker may have lost it
         self._kick.set()
 
     async def hold(self) -> None:
@@ -234,6 +363,14 @@ class Lease:
                     )
                 except TransportError as exc:
                     logger.debug("lease heartbeat not published: %s", exc)
+                if self._holder_due and self.holder_topic is not None:
+                    try:  # who took the lease last: a restart after a crash knows its own session by it
+                        await self.transport.publish(
+                            self.holder_topic, encode_presence(self.presence), qos=1, retain=True
+                        )
+                        self._holder_due = False
+                    except TransportError as exc:
+                        logger.debug("lease holder not published: %s", exc)
             self._kick.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), self.presence.heartbeat_s)

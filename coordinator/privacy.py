@@ -1,23 +1,12 @@
 """Client-level differential privacy at the coordinator (central DP): clip each update, add Gaussian noise.
 
-``DPFedAvg`` is the strategy wrapper the service runs (``edgefl coordinator --dp-noise-multiplier``);
-``PrivateSum`` its accumulator; ``dp_epsilon`` the accountant.
-
-Each device's update (W and b together, one vector) is clipped to L2 norm ``clip_norm`` as it
-arrives and folded into a plain (unweighted) sum, so one device changes the sum by at most
-``clip_norm``. When the round closes, Gaussian noise of standard deviation
-``noise_multiplier * clip_norm`` is added to the sum, which is divided by the *expected* number of
-clients (a fixed denominator: dividing by the actual count would leak it). Weights by
-``num_examples`` are not used: they would raise one device's sensitivity above ``clip_norm``.
-
-The privacy loss of a run is computed by Google's ``dp-accounting`` library (PyPI ``dp-accounting``,
-the accountant behind TensorFlow Privacy): a Poisson-subsampled Gaussian mechanism with sampling
-rate ``q`` composed over the rounds, with the RDP accountant (Mironov 2017) by default or the PLD
-accountant (tighter). It is an optional dependency, imported only when epsilon is asked for.
+``DPFedAvg`` wraps a FedAvg-family strategy; ``PrivateSum`` is its accumulator (clipped updates summed
+unweighted, noised once, divided by the fixed expected number of clients); ``dp_epsilon`` and
+``ledger_epsilon`` account the privacy loss with the optional ``dp-accounting`` library. The choices are
+explained in ``docs/security.md``, "Differential privacy".
 
 Source: McMahan, Ramage, Talwar, Zhang 2018, "Learning Differentially Private Recurrent Language
-Models" (ICLR), Algorithm 1 (DP-FedAvg with the fixed-denominator estimator); Abadi et al. 2016
-(Gaussian mechanism with clipping); Mironov 2017 (Renyi DP).
+Models" (ICLR), Algorithm 1; Abadi et al. 2016 (clipping); Mironov 2017 (Renyi DP).
 """
 
 from __future__ import annotations
@@ -30,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from edgefl.coordinator.fedavg import FedAvg
+from edgefl.coordinator.fedavg import FedAvg, RunningWeightedSum
 from edgefl.coordinator.strategy import Offer, RoundConfig, RoundReport, SiteSums, Strategy
 from edgefl.types import F32
 
@@ -41,18 +30,13 @@ def clip_update(delta_W: F32, delta_b: F32, clip_norm: float) -> tuple[F32, F32,
     Parameters
     ----------
     delta_W : float32 [D, K]
-        Weight delta.
     delta_b : float32 [K]
-        Bias delta.
     clip_norm : float > 0
         Bound C on the joint L2 norm.
 
     Returns
     -------
-    clipped_W : float32 [D, K]
-    clipped_b : float32 [K]
-    norm : float
-        The joint L2 norm before clipping.
+    (clipped_W float32 [D, K], clipped_b float32 [K], norm before clipping : float)
 
     Raises
     ------
@@ -77,7 +61,6 @@ class PrivateSum:
     Parameters
     ----------
     shape : (D, K)
-        Head shape.
     clip_norm : float > 0
         C: bound on each update's joint L2 norm.
 
@@ -89,56 +72,37 @@ class PrivateSum:
             raise ValueError(f"clip_norm = {clip_norm}: must be > 0")
         self.shape = shape
         self.clip_norm = clip_norm
-        self._sum_W: npt.NDArray[np.float64] = np.zeros(shape, np.float64)
-        self._sum_b: npt.NDArray[np.float64] = np.zeros(shape[1], np.float64)
+        self._sum_W = RunningWeightedSum(shape)
+        self._sum_b = RunningWeightedSum((shape[1],))
         self.count = 0
         self.clipped = 0
 
     def add(self, delta_W: F32, delta_b: F32) -> float:
-        """Clip one update and fold it into the sum.
+        """Clip one update (``delta_W`` float32 [D, K], ``delta_b`` float32 [K]) and fold it into the sum.
 
-        Parameters
-        ----------
-        delta_W : float32 [D, K]
-            Weight delta.
-        delta_b : float32 [K]
-            Bias delta.
-
-        Returns
-        -------
-        float: the update's norm before clipping.
-
-        Raises
-        ------
-        ValueError
-            If the shapes are not the head's or the update is not finite.
+        Returns the update's norm before clipping. Raises ValueError if the shapes are not the head's
+        or the update is not finite.
         """
         if delta_W.shape != self.shape or delta_b.shape != (self.shape[1],):
             raise ValueError(f"PrivateSum: delta {delta_W.shape}/{delta_b.shape}, head {self.shape}")
         cW, cb, norm = clip_update(delta_W, delta_b, self.clip_norm)
-        self._sum_W += cW
-        self._sum_b += cb
+        self._sum_W.add(cW, 1)
+        self._sum_b.add(cb, 1)
         self.count += 1
         self.clipped += int(norm > self.clip_norm)
         return norm
 
     def add_sum(self, sum_W: npt.NDArray[np.float64], sum_b: npt.NDArray[np.float64], count: int) -> None:
-        """Fold a site's sum of ``count`` clipped updates in (the root of a hierarchy).
-
-        Raises
-        ------
-        ValueError
-            If the shapes are not the head's or ``count < 1``.
-        """
+        """Fold a site's sum of ``count`` clipped updates in (root); ValueError on a bad shape or count."""
         if sum_W.shape != self.shape or sum_b.shape != (self.shape[1],) or count < 1:
             raise ValueError(f"PrivateSum: sums {sum_W.shape}/{sum_b.shape} of {count}, head {self.shape}")
-        self._sum_W += sum_W
-        self._sum_b += sum_b
+        self._sum_W.add_sum(sum_W, count)
+        self._sum_b.add_sum(sum_b, count)
         self.count += count
 
     def sums(self) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
         """Copies of the float64 sums of clipped updates (W [D, K], b [K])."""
-        return self._sum_W.copy(), self._sum_b.copy()
+        return self._sum_W.sum, self._sum_b.sum
 
     def noisy_mean(
         self, noise_multiplier: float, expected_clients: float, rng: np.random.Generator
@@ -152,8 +116,7 @@ class PrivateSum:
         expected_clients : float > 0
             Expected number of updates per round (q x population), the fixed denominator.
         rng : numpy.random.Generator
-            Noise source (use a cryptographically seeded generator in production:
-            ``np.random.default_rng()`` draws its seed from the OS).
+            Noise source (``np.random.default_rng()`` draws its seed from the OS).
 
         Returns
         -------
@@ -167,8 +130,9 @@ class PrivateSum:
         if noise_multiplier < 0 or expected_clients <= 0:
             raise ValueError(f"noise_multiplier = {noise_multiplier}, expected_clients = {expected_clients}")
         sd = noise_multiplier * self.clip_norm
-        W = (self._sum_W + rng.normal(0.0, sd, self._sum_W.shape)) / expected_clients
-        b = (self._sum_b + rng.normal(0.0, sd, self._sum_b.shape)) / expected_clients
+        W, b = self.sums()
+        W = (W + rng.normal(0.0, sd, W.shape)) / expected_clients
+        b = (b + rng.normal(0.0, sd, b.shape)) / expected_clients
         return W.astype(np.float32), b.astype(np.float32)
 
 
@@ -192,8 +156,7 @@ def dp_epsilon(
     delta : float in (0, 1)
         Target delta (customarily < 1 / number of devices).
     accountant : "rdp" | "pld"
-        ``dp_accounting.rdp.RdpAccountant`` (Renyi DP, as Opacus and TF Privacy) or
-        ``dp_accounting.pld.PLDAccountant`` (privacy loss distributions, tighter).
+        ``dp_accounting``'s RDP accountant (as Opacus and TF Privacy) or PLD accountant (tighter).
 
     Returns
     -------
@@ -234,29 +197,12 @@ def ledger_epsilon(
 ) -> float:
     """Epsilon of a run of DP rounds whose noise or sampling rate may have changed between restarts.
 
-    Parameters
-    ----------
-    runs : sequence of (noise_multiplier, sampling_rate, rounds)
-        Consecutive rounds run with the same settings (``PrivacyLedger.runs``).
-    delta : float in (0, 1)
-        Target delta.
-    accountant : "rdp" | "pld"
-        As ``dp_epsilon``.
+    ``runs`` are ``(noise_multiplier, sampling_rate, rounds)`` of consecutive rounds with the same
+    settings (``PrivacyLedger.runs``); ``delta`` and ``accountant`` as ``dp_epsilon``. Returns the epsilon
+    of their composition (``dp_epsilon`` for a single run; ``inf`` when a run had no noise; 0.0 without
+    rounds). Raises ValueError on out-of-range values, ImportError without ``dp-accounting``.
 
-    Returns
-    -------
-    float: epsilon of the composition of every run (``dp_epsilon`` for a single run; ``inf`` when a
-    run had no noise; 0.0 without rounds).
-
-    Raises
-    ------
-    ValueError
-        On out-of-range values.
-    ImportError
-        If ``dp-accounting`` is not installed.
-
-    Source: Google ``dp-accounting``: a ``ComposedDpEvent`` of ``SelfComposedDpEvent`` runs of a
-    ``PoissonSampledDpEvent`` of a ``GaussianDpEvent`` (Mironov 2017: RDP composes additively).
+    Source: Google ``dp-accounting``, a ``ComposedDpEvent`` of the runs (Mironov 2017).
     """
     live = [(z, q, n) for z, q, n in runs if n > 0]
     if len(live) <= 1:
@@ -282,13 +228,8 @@ def ledger_epsilon(
 class PrivacyLedger:
     """The DP rounds a coordinator has run: part of its durable state, so epsilon survives restarts.
 
-    Rounds are kept as runs of identical settings (a few entries for a run of years), so a restart
-    with another noise multiplier composes the old rounds with the new ones and epsilon never goes
-    down.
-
-    Attributes
-    ----------
-    runs : list of [noise_multiplier, sampling_rate, rounds]
+    ``runs``: list of ``(noise_multiplier, sampling_rate, rounds)`` of identical settings, so epsilon
+    never goes down when a restart changes them.
     """
 
     def __init__(self) -> None:
@@ -316,13 +257,7 @@ class PrivacyLedger:
         return [[z, q, n] for z, q, n in self.runs]
 
     def restore(self, runs: Sequence[Sequence[float]]) -> None:
-        """Put back a :meth:`snapshot`.
-
-        Raises
-        ------
-        ValueError
-            If an entry is not ``[z >= 0, 0 < q <= 1, rounds >= 0]``.
-        """
+        """Put back a :meth:`snapshot`; ValueError if an entry is not ``[z >= 0, 0 < q <= 1, n >= 0]``."""
         out = []
         for z, q, n in runs:
             if not (float(z) >= 0 and 0 < float(q) <= 1 and int(n) >= 0):
@@ -334,17 +269,14 @@ class PrivacyLedger:
 class DPFedAvg(Strategy):
     """Central DP around a FedAvg-family strategy: fixed clipping, Gaussian noise, the inner server step.
 
-    Each update is clipped to ``clip_norm`` (this is the strategy's norm bound, fixed, never
-    adaptive: an adaptive bound would depend on other devices' data) and summed unweighted
-    (``PrivateSum``); at ``aggregate`` the sum gets N(0, (z C)^2) noise per coordinate, is divided
-    by ``expected_clients`` and handed to the inner strategy's server step (FedAvg, FedProx,
-    FedAvgM, FedAdam, FedYogi). Every aggregated round counts towards epsilon, also a round whose
-    head the service refuses (its refusal is observable).
+    Updates are clipped to ``clip_norm`` (the strategy's fixed norm bound) and summed unweighted
+    (``PrivateSum``); ``aggregate`` noises the sum, divides it by ``expected_clients`` and applies the
+    inner server step. Every aggregated round counts towards epsilon, a refused one too.
 
     Parameters
     ----------
     inner : FedAvg
-        The wrapped strategy: its client settings and server step are used.
+        The wrapped strategy (its client settings and server step).
     clip_norm : float > 0
         C, bound on each update's joint L2 norm.
     noise_multiplier : float >= 0
@@ -361,8 +293,8 @@ class DPFedAvg(Strategy):
     Raises
     ------
     ValueError
-        If ``inner`` is not of the FedAvg family (a median or trimmed mean has no sensitivity
-        bound of C / n; FedBuff's staleness weights change it), or on out-of-range arguments.
+        If ``inner`` is not of the FedAvg family (no sensitivity bound of C / n), or on out-of-range
+        arguments.
 
     Source: McMahan, Ramage, Talwar, Zhang 2018, Algorithm 1 (DP-FedAvg, fixed denominator);
     as Flower's ``DifferentialPrivacyServerSideFixedClipping`` wraps a strategy.
@@ -380,9 +312,7 @@ class DPFedAvg(Strategy):
         rng: np.random.Generator | None = None,
     ) -> None:
         if not isinstance(inner, FedAvg):
-            raise ValueError(
-                f"DP wraps fedavg, fedprox, fedavgm, fedadam or fedyogi, not {inner.name}"
-            )
+            raise ValueError(f"DP wraps fedavg, fedprox, fedavgm, fedadam or fedyogi, not {inner.name}")
         if noise_multiplier < 0 or expected_clients <= 0 or not 0 < delta < 1:
             raise ValueError(
                 f"noise_multiplier = {noise_multiplier}, expected_clients = {expected_clients}, "

@@ -1,18 +1,12 @@
 """Coordinator profiles: ``edgefl coordinator PROFILE``, one frozen dataclass per TOML table.
 
-Tables: ``[broker]`` and ``[dashboard]`` (shared with device profiles and spelled the same, see
-:mod:`edgefl.profiles`), ``[fleet]``, ``[model]``, ``[rounds]``, ``[strategy]``, ``[robustness]``,
-``[privacy]``, ``[evaluation]``, ``[security]``, ``[files]``, ``[hierarchy]``. Validated like device
-profiles: unknown tables and keys refused, every problem listed at once with its dotted key. The
-shipped, commented example is ``firmware_configs/coordinator.toml``; command-line flags are overrides
-on top of it.
-
-This module reads files only: it never opens a socket and never imports LiteRT.
+``[broker]`` and ``[dashboard]`` are shared with device profiles (:mod:`edgefl.profiles`); validated
+alike (unknown keys refused, every problem listed with its dotted key). The commented example is
+``firmware_configs/coordinator.toml``. This module reads files only: no socket, no LiteRT.
 """
 
 from __future__ import annotations
 
-import logging
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,43 +15,10 @@ from typing import Any, Final, Literal
 
 import numpy as np
 
+from edgefl import profiles
 from edgefl.errors import ConfigError
-from edgefl.profiles import (
-    BrokerConfig,
-    Check,
-    DashboardConfig,
-    Problems,
-    Schema,
-    check,
-    check_broker,
-    check_dashboard,
-    file_problem,
-    output_file_problem,
-    read_toml,
-    sha256_file,
-)
+from edgefl.profiles import BrokerConfig, DashboardConfig, Problems, check
 from edgefl.validators import check_device_id
-
-__all__ = [
-    "DP_WRAPS",
-    "SCHEMA",
-    "CoordinatorProfile",
-    "EvaluationConfig",
-    "FilesConfig",
-    "FleetConfig",
-    "HierarchyConfig",
-    "ModelRef",
-    "PrivacyConfig",
-    "RobustnessConfig",
-    "RoundsConfig",
-    "SecurityRef",
-    "StrategyConfig",
-    "combination_problems",
-    "is_coordinator_profile",
-    "load_coordinator_profile",
-]
-
-logger = logging.getLogger(__name__)
 
 #: The strategies the DP wrapper takes (the FedAvg family: a weighted mean whose sensitivity is bounded).
 DP_WRAPS: Final = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi")
@@ -70,11 +31,11 @@ class FleetConfig:
     Parameters
     ----------
     name : str
-        Fleet name, ``^[A-Za-z0-9_.-]{1,64}$``; topics live under ``<broker.topic_prefix>/<name>/``.
-    max_devices : int
-        Bound of the device registry (statuses kept), > 0; the oldest offline entries go first.
-    device_expiry_s : float
-        Seconds after which an offline or silent device's status is forgotten, > 0.
+        Fleet name (device-id pattern); topics live under ``<broker.topic_prefix>/<name>/``.
+    max_devices : int > 0
+        Bound of the device registry (statuses kept).
+    device_expiry_s : float > 0
+        Seconds after which a silent device's status is forgotten.
     """
 
     name: str = "default"
@@ -91,7 +52,7 @@ class ModelRef:
     path : Path
         The ``.tflite`` file (absolute after loading). Required.
     sha256 : str or None
-        Expected SHA-256 (64 hex digits), checked at load; devices reporting another are left out.
+        Expected SHA-256 (64 hex digits), checked at load.
     """
 
     path: Path
@@ -104,44 +65,31 @@ class RoundsConfig:
 
     Parameters
     ----------
-    count : int
-        Rounds to run, >= 0. 0 (the default): a **service** that runs until stopped (SIGTERM), its
-        rounds paced by ``interval_s`` and ``min_new_samples``. N > 0: a **job** of N rounds back to
-        back (tests, demos, benches), which ignores the pacing keys and exits after round N.
-    interval_s : float
-        Service: least time between two round starts, seconds, >= 0.
-    min_new_samples : int
-        Service: a round opens only once the ready devices report at least this many labelled samples
-        stored since their last round (the DeviceStatus ``new_samples`` field), >= 0 (0: no wait).
-    min_clients : int
+    count : int >= 0
+        Rounds to run: 0, a service that runs until stopped, paced by ``interval_s`` and
+        ``min_new_samples``; N, a job of N rounds back to back (pacing ignored).
+    interval_s : float >= 0
+        Service: least time between two round starts, seconds.
+    min_new_samples : int >= 0
+        Service: new labelled samples the ready devices must report before a round opens (0: no wait).
+    min_clients : int > 0
         Ready devices a service's round needs to open, and the fewest updates that close any round
-        before its deadline, > 0. The strategy's own minimum applies on top.
-    quorum : float
-        Share of the devices asked (the ready devices, or the strategy's sample of them, and any that
-        answer the retained announcement meanwhile) whose updates close a round before its deadline,
-        in (0, 1]; 1.0: a round waits for every device it asked.
-    expected_clients : int
-        Ready devices to wait for before round 1 (0: do not wait), >= 0.
-    wait_devices_s : float
-        How long to wait for them, seconds, > 0.
-    deadline_s : float
-        Round deadline, seconds, > 0.
-    local_epochs : int
-        Client epochs per round, > 0.
-    lr : float
-        Client learning rate, > 0: the same every round by default (a fleet's data keeps changing;
-        see ``docs/operations.md``, "Learning rate").
-    lr_decay : float
-        Factor on the client learning rate per round within an episode, in (0, 1]; an episode restarts
-        at every round whose devices report new labelled samples (1.0, the default: constant).
-    batch_size : int
-        Client SGD batch size, > 0.
+        early (the strategy's own minimum applies on top).
+    quorum : float in (0, 1]
+        Share of the devices asked whose updates close a round early (1.0: all of them).
+    expected_clients : int >= 0
+        Ready devices to wait for before round 1 (0: do not wait).
+    wait_devices_s, deadline_s : float > 0
+        How long to wait for them; round deadline (seconds).
+    local_epochs, batch_size : int > 0
+    lr : float > 0
+        Client learning rate (``docs/operations.md``, "Learning rate").
+    lr_decay : float in (0, 1]
+        Factor on the client learning rate per round within an episode (1.0: constant).
     compression : str
         Update compression devices use: none, float16, int8, topk, topk-int8.
     downlink : str
-        Layout of the global head sent down (``docs/protocol.md``, "Head layouts"): float32 (read by
-        every device), float16, or int8 with a scale per output unit (schema 3: devices of this
-        release or later).
+        Layout of the global head sent down: float32, float16 or int8 (``docs/protocol.md``).
     """
 
     count: int = 0
@@ -168,22 +116,10 @@ class StrategyConfig:
     ----------
     name : str
         fedavg, fedprox, fedavgm, fedadam, fedyogi, median, trimmed-mean or fedbuff.
-    server_lr : float or None
-        Server learning rate (FedAvgM, FedAdam, FedYogi), > 0; None: the strategy's default.
-    server_momentum : float or None
-        FedAvgM momentum in [0, 1); None: default.
-    prox_mu : float or None
-        FedProx proximal weight, >= 0; None: default.
-    tau : float or None
-        FedAdam/FedYogi adaptivity, > 0; None: default.
-    trim_fraction : float or None
-        Trimmed mean: fraction cut at each end, in [0, 0.5); None: default.
-    max_updates : int or None
-        Median / trimmed mean: most updates held per round, > 0; None: default.
-    buffer_size : int or None
-        FedBuff: updates per aggregation, > 0; None: default.
-    max_staleness : int or None
-        FedBuff: updates staler than this many versions are refused, >= 0; None: default.
+    server_lr, server_momentum, prox_mu, tau, trim_fraction, max_updates, buffer_size, max_staleness
+        The strategy's own parameters (None: its default): server_lr > 0, server_momentum in [0, 1),
+        prox_mu >= 0, tau > 0, trim_fraction in [0, 0.5), max_updates > 0, buffer_size > 0,
+        max_staleness >= 0.
     """
 
     name: Literal[
@@ -205,17 +141,12 @@ class RobustnessConfig:
 
     Parameters
     ----------
-    tolerate : int
-        Hostile devices every aggregated round must withstand, >= 0 (default 1). Each strategy
-        derives the fewest updates it aggregates from it (trimmed mean: ``floor(trim_fraction n) >=
-        tolerate``; median: ``2 tolerate + 1``; the FedAvg family: ``5 tolerate``); a round with
-        fewer waits to its deadline, then is refused as ``too_few`` (``Strategy.min_updates``).
-    norm_bound : float or None
-        Fixed bound, > 0; None: adaptive (``adaptive_factor`` x the median honest-looking norm of
-        the last rounds).
-    adaptive_factor : float
-        Multiple of that median used when ``norm_bound`` is None, >= 1 (default 1: the bound is the
-        median itself, the target quantile 0.5 of Andrew et al. 2021).
+    tolerate : int >= 0
+        Hostile devices every aggregated round must withstand (``Strategy.min_updates``).
+    norm_bound : float > 0 or None
+        Fixed bound; None: adaptive (``adaptive_factor`` x the median honest-looking norm of the last rounds).
+    adaptive_factor : float >= 1
+        Multiple of that median (default 1: the median itself, the target quantile 0.5 of Andrew et al. 2021).
     """
 
     tolerate: int = 1
@@ -231,14 +162,14 @@ class PrivacyConfig:
     ----------
     enabled : bool
         Wrap the strategy in the DP wrapper.
-    noise_multiplier : float
-        Gaussian noise std as a multiple of ``clip_norm``, > 0.
-    clip_norm : float
-        Per-update L2 clip, > 0.
-    delta : float
-        Target delta of the (epsilon, delta) accountant, in (0, 1).
-    expected_clients : float or None
-        Fixed denominator of the noisy mean (expected updates per round, > 0); None: ``rounds.min_clients``.
+    noise_multiplier : float > 0
+        Gaussian noise std as a multiple of ``clip_norm``.
+    clip_norm : float > 0
+        Per-update L2 clip.
+    delta : float in (0, 1)
+        Target delta of the accountant.
+    expected_clients : float > 0 or None
+        Fixed denominator of the noisy mean; None: ``rounds.min_clients``.
     """
 
     enabled: bool = False
@@ -255,8 +186,8 @@ class EvaluationConfig:
     Parameters
     ----------
     path : Path or None
-        An ``.npz`` with ``x`` (raw samples in the model's raw input dtype and shape) and ``y`` (labels);
-        None: the digits test split when the model is the shipped digits model, else no central set.
+        An ``.npz`` with ``x`` (raw samples) and ``y`` (labels); None: the digits test split for the
+        shipped digits model, else none.
     mean, std : tuple[float, ...]
         Per-channel normalisation of ``x`` (as the devices' ``[pipeline]``).
     """
@@ -275,8 +206,7 @@ class SecurityRef:
     signing_key_file : Path or None
         The coordinator's Ed25519 private key (64 hex digits or PEM).
     device_keys_dir : Path or None
-        Folder of ``<device>.pub`` keys (64 hex digits or PEM, as ``edgefl keys generate`` writes);
-        when set, every update must be signed by its device.
+        Folder of ``<device>.pub`` keys; when set, every update must be signed by its device.
     """
 
     signing_key_file: Path | None = None
@@ -290,11 +220,11 @@ class FilesConfig:
     Parameters
     ----------
     state : Path or None
-        State file (global head, version, round): resumed after a restart, saved every round.
+        State file (global head, version, round), resumed after a restart.
     log : Path or None
         One JSON line per closed round is appended here.
     json : Path or None
-        Summary written when the job ends (``rounds[]`` as the demo's JSON).
+        Summary written when the job ends.
     """
 
     state: Path | None = None
@@ -309,33 +239,24 @@ class HierarchyConfig:
     Parameters
     ----------
     role : str
-        ``flat`` (one coordinator: devices' updates in, global head out), ``site`` (an aggregator next
-        to a site's broker: devices' updates in, one signed Partial a round up to the root; rounds and
-        heads come down from the root over the broker bridge) or ``root`` (partials in, the server
-        optimiser, norm bound and DP, the global head and rounds out).
+        ``flat`` (one coordinator), ``site`` (devices' updates in, one signed Partial a round up) or
+        ``root`` (partials in, the global head and rounds out).
     site : str or None
-        The site id (device-id pattern), required when ``role = "site"``; topic ``partial/<site>``.
-    expected_sites : int
-        Root: partials that close a round before its deadline, >= 0 (0: ``rounds.min_clients``
-        updates close it, as in a flat run).
-    expected_devices : int
-        Site: updates that close the site's partial before ``deadline - close_margin_s``, >= 0 (0: the
-        devices online at the site when the round opens and selected by it; the deadline if none).
-    close_margin_s : float
-        Site: the partial closes this many seconds before the root's deadline, so it crosses the
-        bridge in time, >= 0.
+        Site id (device-id pattern), required when ``role = "site"``.
+    expected_sites : int >= 0
+        Root: partials that close a round early (0: ``rounds.min_clients`` updates do).
+    expected_devices : int >= 0
+        Site: updates that close its partial early (0: the devices online and selected at the opening).
+    close_margin_s : float >= 0
+        Site: the partial closes this many seconds before the root's deadline.
     site_keys_dir : Path or None
         Root: folder of ``<site>.pub`` keys; when set, every partial must be signed by its site.
     root_key_file : Path or None
         Site: the root's public key; when set, round announcements must be signed by it.
     allow_unsigned_sites : bool
-        Root: start without ``site_keys_dir`` (anyone who can publish on ``partial/<site>`` then
-        sets the global head; a loud warning at start). A root refuses to start without site keys
-        unless this is true.
+        Root: start without ``site_keys_dir`` (a loud warning; refused otherwise).
     site_devices : int
-        Root: most devices one site has registered, > 0 (required for a root; 0 elsewhere); a
-        partial claiming more updates is refused, so a site whose key was stolen weighs at most
-        that many updates.
+        Root: most devices one site has (> 0, required for a root); a partial claiming more is refused.
     """
 
     role: Literal["flat", "site", "root"] = "flat"
@@ -385,11 +306,11 @@ def _check_model(p: Problems, c: ModelRef, raw: Mapping[str, object], check_file
         return
     if not check_files:
         return
-    problem = file_problem(c.path, raw.get("path"))
+    problem = profiles.file_problem(c.path, raw.get("path"))
     if problem is not None:
         p.add("model.path", raw.get("path"), problem)
-    elif c.sha256 is not None and sha256_file(c.path) != c.sha256:
-        p.add("model.sha256", c.sha256, f"does not match {c.path.name} ({sha256_file(c.path)})")
+    elif c.sha256 is not None and profiles.sha256_file(c.path) != c.sha256:
+        p.add("model.sha256", c.sha256, f"does not match {c.path.name} ({profiles.sha256_file(c.path)})")
 
 
 def _check_rounds(p: Problems, c: RoundsConfig, raw: Mapping[str, object], check_files: bool) -> None:
@@ -439,17 +360,13 @@ def _check_evaluation(p: Problems, c: EvaluationConfig, raw: Mapping[str, object
     if any(s <= 0 for s in c.std):
         p.add("evaluation.std", list(c.std), "must be > 0")
     if check_files and c.path is not None:
-        problem = file_problem(c.path, raw.get("path")) or _npz_problem(c.path)
+        problem = profiles.file_problem(c.path, raw.get("path")) or _npz_problem(c.path)
         if problem is not None:
             p.add("evaluation.path", raw.get("path"), problem)
 
 
 def _npz_problem(path: Path) -> str | None:
-    """Why ``path`` is not an ``.npz`` with arrays ``x`` and ``y`` of one length, or None.
-
-    Reads the archive's directory and the two arrays' ``.npy`` headers only (NumPy format 1.0 and 2.0),
-    never their data, and never unpickles.
-    """
+    """Why ``path`` is not an ``.npz`` with arrays ``x`` and ``y`` of one length, or None (headers only)."""
     try:
         with zipfile.ZipFile(path) as archive:
             lengths = []
@@ -514,7 +431,7 @@ def _check_key_file(p: Problems, key: str, path: Path, raw: Mapping[str, object]
     from edgefl.wire.signing import load_signing_key, load_verify_key
 
     name = key.rpartition(".")[2]
-    problem = file_problem(path, raw.get(name))
+    problem = profiles.file_problem(path, raw.get(name))
     if problem is None:
         try:
             (load_signing_key if private else load_verify_key)(path)
@@ -555,26 +472,15 @@ def _check_files(p: Problems, c: FilesConfig, raw: Mapping[str, object], check_f
         return
     for name in ("state", "log", "json"):
         path = getattr(c, name)
-        problem = output_file_problem(path) if path is not None else None
+        problem = profiles.output_file_problem(path) if path is not None else None
         if problem is not None:
             p.add(f"files.{name}", raw.get(name, str(path)), problem)
 
 
 def combination_problems(profile: CoordinatorProfile) -> list[str]:
-    """Problems of keys that are valid alone but not together (each names its dotted key).
+    """Problems of keys that are valid alone but not together: ``key = value: reason`` lines, or [].
 
-    FedBuff aggregates as updates arrive and has no site/root form; DP's noisy mean wraps the FedAvg
-    family only (its sensitivity bound is a mean's), so a robust strategy under DP is refused here,
-    before the strategy is built.
-
-    Parameters
-    ----------
-    profile : CoordinatorProfile
-
-    Returns
-    -------
-    list of str
-        ``key = value: reason`` lines; empty when the combination can run.
+    FedBuff has no site/root form; DP wraps the FedAvg family only.
     """
     problems = []
     st, role = profile.strategy.name, profile.hierarchy.role
@@ -588,35 +494,21 @@ def combination_problems(profile: CoordinatorProfile) -> list[str]:
     return problems
 
 
-_TABLES: Final[dict[str, type[Any]]] = {
-    "broker": BrokerConfig,
-    "fleet": FleetConfig,
-    "model": ModelRef,
-    "rounds": RoundsConfig,
-    "strategy": StrategyConfig,
-    "robustness": RobustnessConfig,
-    "privacy": PrivacyConfig,
-    "evaluation": EvaluationConfig,
-    "dashboard": DashboardConfig,
-    "security": SecurityRef,
-    "files": FilesConfig,
-    "hierarchy": HierarchyConfig,
+_TABLES: Final[dict[str, tuple[type[Any], profiles.Check]]] = {
+    "broker": (BrokerConfig, profiles.check_broker),
+    "fleet": (FleetConfig, _check_fleet),
+    "model": (ModelRef, _check_model),
+    "rounds": (RoundsConfig, _check_rounds),
+    "strategy": (StrategyConfig, _check_strategy),
+    "robustness": (RobustnessConfig, _check_robustness),
+    "privacy": (PrivacyConfig, _check_privacy),
+    "evaluation": (EvaluationConfig, _check_evaluation),
+    "dashboard": (DashboardConfig, profiles.check_dashboard),
+    "security": (SecurityRef, _check_security),
+    "files": (FilesConfig, _check_files),
+    "hierarchy": (HierarchyConfig, _check_hierarchy),
 }
-_CHECKS: Final[dict[str, Check]] = {
-    "broker": check_broker,
-    "fleet": _check_fleet,
-    "model": _check_model,
-    "rounds": _check_rounds,
-    "strategy": _check_strategy,
-    "robustness": _check_robustness,
-    "privacy": _check_privacy,
-    "evaluation": _check_evaluation,
-    "dashboard": check_dashboard,
-    "security": _check_security,
-    "files": _check_files,
-    "hierarchy": _check_hierarchy,
-}
-SCHEMA: Final = Schema(_TABLES, _CHECKS, {"model.path": Path("_")})
+SCHEMA: Final = profiles.Schema(_TABLES, {"model.path": Path("_")})
 """The coordinator profile's tables, checks and parser."""
 
 #: Tables only a coordinator profile has: how ``edgefl check-config`` tells the two kinds apart.
@@ -640,11 +532,10 @@ def load_coordinator_profile(
     path : Path or str
         The ``.toml`` file; relative paths inside it resolve against its folder.
     overrides : Mapping[str, object] or None
-        ``{"table.key": value}`` on top of the file (strings coerced; relative paths from the working
-        directory).
+        ``{"table.key": value}`` on top of the file (strings coerced).
     check_files : bool
-        Check that the model, key and evaluation files exist and the model's sha256 matches, and that
-        the output files (``[files]``) can be written where they are named (nothing is written).
+        Check the input files (model and its sha256, keys, evaluation set) and that the output files
+        can be written (nothing is written).
 
     Returns
     -------
@@ -655,7 +546,7 @@ def load_coordinator_profile(
     ConfigError
         Every problem at once, e.g. ``["rounds.count = 0: must be > 0", "[bogus]: unknown table"]``.
     """
-    file, data = read_toml(path)
+    file, data = profiles.read_toml(path)
     if "device" in data:
         raise ConfigError([f"{file}: a device profile (it has [device]); run it with 'edgefl run'"])
     built = SCHEMA.parse(data, file.parent, check_files, overrides or {})

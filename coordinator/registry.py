@@ -35,6 +35,8 @@ STRANGERS_KEPT = 100
 PAGE_DEVICES = 100
 #: Reasons of a per-device counter map in the page's document (the largest counts).
 PAGE_REASONS = 8
+#: Rows of devices' own refusals in the page's "rejected" box (the largest counts).
+PAGE_REFUSALS = 20
 
 
 def shorten(text: str, limit: int = LOGGED_DETAIL_CHARS) -> str:
@@ -235,11 +237,19 @@ class DeviceRegistry:
             self.forget(dev)
 
     def online_devices(self) -> list[str]:
-        """Device ids whose retained status says they are up and ready (sorted)."""
+        """The ready devices (sorted): up, ready, on this backbone, and with labelled samples to train on.
+
+        A device whose status reports an empty store (``store_samples`` = 0) is not ready: it would only
+        decline the round (``no_samples``), so no round waits for it, opens for it or counts it among
+        the devices asked ("N of M" on the page, in the log and in the round log alike).
+        """
         return sorted(
             d
             for d, s in self.devices.items()
-            if s.get("ready") and s.get("state") != "offline" and d not in self.mismatched
+            if s.get("ready")
+            and s.get("state") != "offline"
+            and d not in self.mismatched
+            and s.get("store_samples") != 0
         )
 
     def ready_new_samples(self) -> dict[str, int | None]:
@@ -250,8 +260,11 @@ class DeviceRegistry:
             out[dev] = n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
         return out
 
-    async def wait_for_devices(self, n: int, timeout_s: float, key: str = "ready") -> list[str]:
+    async def wait_for_devices(self, n: int, timeout_s: float, key: str | None = "ready") -> list[str]:
         """Wait until ``n`` devices report a status whose field ``key`` is true.
+
+        ``key`` None: until ``n`` devices are ready to train (:meth:`online_devices`: a device with an
+        empty store is not), as pacing counts them.
 
         Returns
         -------
@@ -265,8 +278,10 @@ class DeviceRegistry:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            ready = sorted(
-                d for d, s in self.devices.items() if s.get(key) and s.get("state") != "offline"
+            ready = (
+                self.online_devices()
+                if key is None
+                else sorted(d for d, s in self.devices.items() if s.get(key) and s.get("state") != "offline")
             )
             if len(ready) >= n:
                 return ready
@@ -275,6 +290,49 @@ class DeviceRegistry:
                 raise TimeoutError(f"only {len(ready)} of {n} devices ready after {timeout_s} s")
             self.changed.clear()
             await wait_event(self.changed, remaining)
+
+    def refusals(self, own: Mapping[str, int], limit: int = PAGE_REFUSALS) -> list[dict[str, Any]]:
+        """Who refused what: the coordinator's own refusals, then the devices' (their statuses' ``rejected``).
+
+        Parameters
+        ----------
+        own : {reason: count}
+            The coordinator's refused messages by reason (all of them are listed).
+        limit : int
+            Rows of devices' refusals kept (the largest counts first); a fleet of thousands, or of ghosts,
+            must not make the page's document megabytes.
+
+        Returns
+        -------
+        list of {"by", "reason", "count", "detail"}
+            ``by`` is ``"coordinator"`` or a device id; ``detail`` is a device's last refusal in words when
+            it has that reason (its status's ``last_rejected``), else ``""``. Largest counts first.
+        """
+        rows = [
+            {"by": "coordinator", "reason": str(reason), "count": n, "detail": ""}
+            for reason, n in sorted(own.items(), key=lambda kv: -kv[1])
+            if n > 0
+        ]
+        theirs: list[dict[str, Any]] = []
+        for dev, st in self.devices.items():
+            counts = st.get("rejected")
+            if not isinstance(counts, dict):
+                continue
+            last = st.get("last_rejected")
+            last = last if isinstance(last, dict) else {}
+            for reason, n in counts.items():
+                if type(n) is not int or n <= 0:
+                    continue
+                detail = last.get("detail") if last.get("reason") == reason else None
+                theirs.append(
+                    {
+                        "by": dev,
+                        "reason": str(reason)[:64],
+                        "count": n,
+                        "detail": shorten(detail) if isinstance(detail, str) else "",
+                    }
+                )
+        return rows + heapq.nlargest(limit, theirs, key=lambda r: (r["count"], r["by"]))
 
     def page_devices(self) -> dict[str, dict[str, Any]]:
         """The devices the page's status document lists, with their figures (JSON-like).

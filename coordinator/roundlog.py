@@ -1,10 +1,6 @@
 """What a coordinator writes of each closed round: its line on stdout and its JSON line in ``files.log``.
 
-:func:`round_line` is the line printed per round (``round 3/10: 2/2 clients, refused: none, ...``);
-:func:`log_entry` the round log's line (``docs/operations.md``, "The round log");
-:func:`log_missing_rounds` appends the lines a coordinator killed between saving a round and logging it
-missed; :func:`empty_cause` says why a round aggregated nothing; :func:`counts_since` is one round's
-refusals or declines by reason.
+The log's keys are ``docs/operations.md``, "The round log".
 """
 
 from __future__ import annotations
@@ -148,9 +144,8 @@ def log_entry(
 def log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:
     """Append the rounds the state file closed but ``log`` does not have; returns how many.
 
-    The state is saved before the round's line is appended, so a coordinator killed between the two
-    (seen in the chaos test) comes back with a round the log never got. Its line is rebuilt from the
-    state's history and counted update ids, marked ``"recovered": true``.
+    A coordinator killed between saving a round and logging it comes back with a round the log never
+    got: its line is rebuilt from the state's history, marked ``"recovered": true``.
     """
     logged: set[int] = set()
     with contextlib.suppress(FileNotFoundError):

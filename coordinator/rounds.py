@@ -1,19 +1,14 @@
 """One federated round's state machine at the coordinator: open → collecting → closed; and when to open one.
 
-The round checks who may take part (round number and base version in a synchronous round,
-selection, duplicate ``update_id`` or device) and keeps the round's figures (devices, update ids,
-bytes, losses). What is aggregated is the strategy's business: an accepted update is handed to
-``Strategy.offer``, which owns the accumulator.
-
-How many updates a round waits for lives here and only here (:attr:`Round.close_at`): the devices
-asked (the selection, or every ready device at the opening), times ``rounds.quorum``, never fewer
-than the strategy's own minimum. When a service opens the next round lives here too
-(:class:`Pacing`): enough ready devices, enough new labelled samples on them, and the least time
-between two round starts. :class:`FleetState` is what the fleet page shows of both.
+:class:`Round` checks who may take part and keeps the round's figures (the strategy owns what is
+aggregated); how many updates close it lives only in :attr:`Round.close_at`. :class:`Pacing` says when
+a service opens the next round; :class:`FleetState` is what the fleet page shows of both.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import time
 from collections.abc import Mapping
@@ -43,7 +38,6 @@ class Round:
     base_version : int
         Global model version the devices must train from.
     shape : (D, K)
-        Head shape: updates of another shape are refused.
     deadline_s : float
         Seconds from opening until the round closes with what it has.
     min_clients : int
@@ -55,14 +49,11 @@ class Round:
     expected_sites : int
         At the root of a hierarchy: partials that close the round (0: ``min_clients`` updates do).
     online : frozenset[str]
-        Devices online when the round opened (used when ``selected`` is None): once one of them
-        declined and every one answered or declined, the round closes (``min_clients`` cannot come).
+        Devices online at the opening (without ``selected``: see :meth:`complete`).
     quorum : float in (0, 1] or None
-        Share of the devices asked (:attr:`asked`) whose updates close the round before its deadline
-        (``rounds.quorum``); None: ``min_clients`` updates close it, however many were asked.
+        Share of the devices asked whose updates close the round early (None: ``min_clients`` do).
     min_updates : int
-        The fewest updates the strategy aggregates (its own floor, >= 1): the round never closes
-        early below it.
+        The strategy's own floor (>= 1): the round never closes early below it.
     """
 
     number: int
@@ -83,10 +74,9 @@ class Round:
     update_bytes: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     sites: list[str] = field(default_factory=list)
-    declined: list[str] = field(default_factory=list)
-    """Devices that refused this round with a Decline (e.g. ``over_budget``)."""
-    # Kept in step with ``devices`` and ``declined`` (appended to, or replaced whole on a resume), so
-    # that admitting an update and asking whether the round is complete cost O(1), not O(round).
+    declined: list[str] = field(default_factory=list)  # devices that sent a Decline
+    empty: list[str] = field(default_factory=list)  # of those, stores empty (no_samples): not asked
+    # kept in step with ``devices`` and ``declined``: admitting an update is O(1), not O(round)
     _tally: _Answered | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -103,48 +93,44 @@ class Round:
     def asked(self) -> int:
         """Devices asked to take part: the selection, else those ready at the opening or answering since.
 
-        The announcement is retained: a device back during the round answers it too.
+        A device that declined because its store is empty (:attr:`empty`) is not one the round waits for.
         """
         if self.selected is not None:
-            return len(self.selected)
+            return len(self.selected) - len(self.empty)
         tally = self.answered()  # |online ∪ answered| = |online| + |answered| - |answered ∩ online|
-        return len(self.online) + len(tally.members) - tally.of_online
+        return len(self.online) + len(tally.members) - tally.of_online - len(self.empty)
 
     @property
     def close_at(self) -> int:
-        """Updates that close the round before its deadline ("N of M": N counted of :attr:`asked`).
-
-        ``ceil(quorum x asked)``, and never fewer than ``min_clients`` nor the strategy's
-        ``min_updates``; without a quorum (library use), ``min_clients`` (and ``min_updates``).
-        """
+        """Updates that close the round early: ``ceil(quorum x asked)``, at least min_clients, min_updates."""
         floor = max(self.min_clients, self.min_updates, 1)
         if self.quorum is None:
             return floor
         return max(math.ceil(self.quorum * self.asked - 1e-9), floor)
 
     def complete(self) -> bool:
-        """True when :attr:`close_at` updates arrived, or every selected device answered or declined.
+        """True when :attr:`close_at` updates arrived, or every device asked answered or declined.
 
-        Without a selection, every device online at the opening answering closes the round once one
-        of them declined (no more updates are coming from those asked; waiting for the deadline would
-        not help). At the root of a hierarchy with ``expected_sites``: when that many sites' partials
-        arrived.
+        Without a selection: every device online at the opening answered, one of them with a decline
+        (or, none ready, only empty stores answered). At a root with ``expected_sites``: that many
+        sites' partials arrived.
         """
         if self.expected_sites > 0:
             return len(self.sites) >= self.expected_sites
         tally = self.answered()
         if self.selected is not None and tally.of_selected >= len(self.selected):
             return True
-        if self.selected is None and self.declined and self.online and tally.of_online >= len(self.online):
+        if (
+            self.selected is None
+            and self.declined
+            and tally.of_online >= len(self.online)
+            and (self.online or self.asked == 0)  # none ready at the opening: only empty stores answered
+        ):
             return True
         return self.clients >= self.close_at
 
     def answered(self) -> _Answered:
-        """Devices that answered (an update counted) or declined, kept incrementally.
-
-        Catches up with what was appended to :attr:`devices` and :attr:`declined` since the last
-        call (O(new entries)); a list replaced whole (a resumed round) is read again once.
-        """
+        """Devices that answered (an update counted) or declined, caught up incrementally (O(new entries))."""
         tally = self._tally
         if (
             tally is None
@@ -164,12 +150,7 @@ class Round:
         return device in self.answered().members
 
     def admit(self, update: Update) -> None:
-        """Check that ``update`` may take part in this round (it is not recorded yet: see ``record``).
-
-        Parameters
-        ----------
-        update : Update
-            A decoded, validated update (dense float32 deltas).
+        """Check that the decoded ``update`` may take part in this round (not recorded yet: see ``record``).
 
         Raises
         ------
@@ -177,24 +158,32 @@ class Round:
             ``round_closed``, ``stale_round`` (other round number), ``stale_base`` (other base version),
             ``not_selected``, ``duplicate`` (same ``update_id`` or same device twice).
         """
-        if self.phase is not RoundPhase.OPEN:
-            raise UpdateRejected("round_closed", f"round {self.number} is closed")
-        if self.check_round and update.round != self.number:
-            raise UpdateRejected(
-                "stale_round", f"update for round {update.round}, round {self.number} is open"
-            )
-        if self.check_round and update.base_version != self.base_version:
-            raise UpdateRejected(
-                "stale_base", f"update from version {update.base_version}, round uses {self.base_version}"
-            )
-        if self.selected is not None and update.device not in self.selected:
-            raise UpdateRejected(
-                "not_selected", f"device {update.device} not selected for round {self.number}"
-            )
+        self.check_open("update", update.device, update.round, update.base_version, self.check_round)
         if update.update_id in self.update_ids or update.device in self.answered().counted:
             raise UpdateRejected(
                 "duplicate", f"update {update.update_id} from {update.device} already counted"
             )
+
+    def check_open(
+        self, what: str, device: str | None, round_no: int, base_version: int, check_round: bool = True
+    ) -> None:
+        """Check that a message (``what``) from ``device`` trained for (round, base version) may count.
+
+        Raises
+        ------
+        UpdateRejected
+            ``round_closed``, ``stale_round`` (other round number), ``stale_base`` (other base version),
+            both only with ``check_round``; ``not_selected`` (a ``device`` outside the selection).
+        """
+        if self.phase is not RoundPhase.OPEN:
+            raise UpdateRejected("round_closed", f"round {self.number} is closed")
+        if check_round and round_no != self.number:
+            raise UpdateRejected("stale_round", f"{what} for round {round_no}, round {self.number} is open")
+        if check_round and base_version != self.base_version:
+            why = f"{what} from version {base_version}, round uses {self.base_version}"
+            raise UpdateRejected("stale_base", why)
+        if device is not None and self.selected is not None and device not in self.selected:
+            raise UpdateRejected("not_selected", f"device {device} not selected for round {self.number}")
 
     def record(self, update: Update, size_bytes: int) -> None:
         """Record an update the strategy accepted (device, id, bytes on the wire, loss)."""
@@ -203,25 +192,16 @@ class Round:
         self.update_bytes.append(size_bytes)
         self.losses.append(update.metrics.loss)
 
-    def admit_partial(self, site: str, round_no: int, base_version: int, update_ids: tuple[str, ...]) -> None:
+    def admit_partial(self, site: str, round_no: int, base_version: int) -> None:
         """Check that a site's partial may count in this round (it is not recorded yet).
 
         Raises
         ------
         UpdateRejected
-            ``round_closed``, ``stale_round`` (a partial of another round: a site that missed the
-            deadline is refused by round number), ``stale_base``, ``duplicate`` (the site already
-            counted). Ids another site listed too are not refused here: the root keys ids by
-            (site, id) and logs and counts the overlap (``RootCoordinator``).
+            ``round_closed``, ``stale_round`` (a partial of another round), ``stale_base``, ``duplicate``
+            (the site already counted; ids another site listed too are the root's business).
         """
-        if self.phase is not RoundPhase.OPEN:
-            raise UpdateRejected("round_closed", f"round {self.number} is closed")
-        if round_no != self.number:
-            why = f"partial of {site} for round {round_no}, round {self.number} is open"
-            raise UpdateRejected("stale_round", why)
-        if base_version != self.base_version:
-            why = f"partial from version {base_version}, round uses {self.base_version}"
-            raise UpdateRejected("stale_base", why)
+        self.check_open(f"partial of {site}", None, round_no, base_version)
         if site in self.sites:
             raise UpdateRejected("duplicate", f"site {site} already counted in round {self.number}")
 
@@ -237,10 +217,10 @@ class Round:
 
 
 class _Answered:
-    """The devices of a round that answered, as sets and counts (see :meth:`Round.answered`).
+    """The devices of a round that answered (see :meth:`Round.answered`).
 
-    ``counted``: devices with an update counted; ``members``: those and the devices that declined;
-    ``of_selected`` / ``of_online``: how many of ``members`` are in the selection / the online set.
+    ``counted``: an update counted; ``members``: those and the decliners; ``of_selected`` /
+    ``of_online``: members in the selection / the online set.
     """
 
     __slots__ = (
@@ -295,46 +275,24 @@ class _Answered:
 
 
 class FleetPhase(StrEnum):
-    """What a coordinator's fleet is doing (``fleet_state.state`` on its page and ``/api/status``)."""
+    """What a coordinator's fleet is doing (``fleet_state.state`` on its page; ``docs/operations.md``)."""
 
     COLLECTING = "collecting"
-    """A round is open: updates are being collected."""
     WAITING_SAMPLES = "waiting_samples"
-    """Enough devices are ready, but they report fewer new labelled samples than a round needs."""
     WAITING_DEVICES = "waiting_devices"
-    """Fewer devices are ready than a round needs."""
     PAUSED = "paused"
-    """A round could open, but the least time between two round starts has not passed yet."""
     FINISHED = "finished"
-    """A job's last round closed (``rounds.count > 0``), or the service is stopping."""
     BROKER_UNREACHABLE = "broker_unreachable"
-    """The coordinator has no connection to its broker."""
 
 
 @dataclass(frozen=True, slots=True)
 class FleetState:
     """The fleet's state as its page shows it: one phase, human words, and the numbers behind them.
 
-    Attributes
-    ----------
-    state : FleetPhase
-    text : str
-        E.g. ``"collecting 3 of 5"``, ``"waiting: 12 of 200 new samples"``, ``"waiting for devices:
-        3 of 4 ready"``, ``"paused: next round in 42 s"``.
-    round : int
-        The open round, else the last one opened (0: none yet).
-    ready : int
-        Devices ready (status ``ready``, online, running the coordinator's backbone).
-    needed : int
-        Ready devices a round needs to open.
-    new_samples : int or None
-        Labelled samples the ready devices stored since their last round (None: no device reports it).
-    min_new_samples : int
-        New samples a round needs to open (0: none).
-    asked, counted, close_at : int or None
-        In an open round: devices asked, updates counted, updates that close it early.
-    next_round_in_s : float or None
-        Seconds until the least interval between round starts has passed (paused only).
+    ``text`` says it in words (``"collecting 3 of 5"``); ``round``: the open or last round; ``ready``
+    and ``needed`` devices; ``new_samples`` (None: not reported) and ``min_new_samples``; in an open
+    round ``asked``, ``counted``, ``close_at``; ``next_round_in_s`` while paused. The keys are
+    ``docs/operations.md``'s, "The round log and the fleet state".
     """
 
     state: FleetPhase
@@ -351,19 +309,10 @@ class FleetState:
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON object of ``/api/status``'s ``fleet_state`` (every key always present)."""
-        return {
-            "state": self.state.value,
-            "text": self.text,
-            "round": self.round,
-            "ready": self.ready,
-            "needed": self.needed,
-            "new_samples": self.new_samples,
-            "min_new_samples": self.min_new_samples,
-            "asked": self.asked,
-            "counted": self.counted,
-            "close_at": self.close_at,
-            "next_round_in_s": None if self.next_round_in_s is None else round(self.next_round_in_s, 1),
-        }
+        doc = dataclasses.asdict(self)
+        doc["state"] = self.state.value
+        doc["next_round_in_s"] = None if self.next_round_in_s is None else round(self.next_round_in_s, 1)
+        return doc
 
 
 def collecting(rnd: Round) -> FleetState:
@@ -383,11 +332,9 @@ def collecting(rnd: Round) -> FleetState:
 class Pacing:
     """When a service opens its next round (``rounds.interval_s``, ``rounds.min_new_samples``).
 
-    A round opens once (1) at least ``min_devices`` devices are ready, (2) the ready devices report
-    at least ``min_new_samples`` labelled samples stored since their last round (a device that does
-    not report the count does not hold a round back: an older agent), and (3) ``interval_s``
-    seconds passed since the last round started. A fleet whose devices learn nothing new waits, and
-    says so: the model changes only when the data does.
+    A round opens once at least ``min_devices`` devices are ready, they report at least
+    ``min_new_samples`` labelled samples stored since their last round (a device that does not report
+    the count does not hold a round back), and ``interval_s`` passed since the last round started.
 
     Parameters
     ----------
@@ -408,37 +355,21 @@ class Pacing:
     ) -> FleetState:
         """The fleet's state before round ``round_no + 1`` (PAUSED, ``next_round_in_s = 0``: open it now).
 
-        Parameters
-        ----------
-        round_no : int
-            The last round opened (0: none).
-        new_samples : mapping device → int or None
-            The ready devices and the new labelled samples each reports (None: not reported).
-        since_start_s : float or None
-            Seconds since the last round started (None: no round started in this process).
-
-        Returns
-        -------
-        FleetState
-            WAITING_DEVICES, WAITING_SAMPLES, or PAUSED (``next_round_in_s`` > 0 while the interval
-            runs, 0.0 when the next round may open now).
+        ``round_no``: the last round opened (0: none); ``new_samples``: the ready devices and the new
+        labelled samples each reports (None: not reported); ``since_start_s``: since the last round
+        started (None: none in this process). Returns WAITING_DEVICES, WAITING_SAMPLES or PAUSED.
         """
         ready = len(new_samples)
         reported = [n for n in new_samples.values() if n is not None]
         new = sum(reported) if reported else None
-
-        def state(phase: FleetPhase, text: str, left: float | None = None) -> FleetState:
-            return FleetState(
-                phase,
-                text,
-                round_no,
-                ready,
-                self.min_devices,
-                new,
-                self.min_new_samples,
-                next_round_in_s=left,
-            )
-
+        state = functools.partial(
+            FleetState,
+            round=round_no,
+            ready=ready,
+            needed=self.min_devices,
+            new_samples=new,
+            min_new_samples=self.min_new_samples,
+        )
         if ready < self.min_devices:
             text = f"waiting for devices: {ready} of {self.min_devices} ready"
             return state(FleetPhase.WAITING_DEVICES, text)
@@ -447,11 +378,9 @@ class Pacing:
             return state(FleetPhase.WAITING_SAMPLES, f"waiting: {new} of {self.min_new_samples} new samples")
         left = 0.0 if since_start_s is None else max(0.0, self.interval_s - since_start_s)
         text = f"paused: next round in {math.ceil(left)} s" if left > 0 else f"opening round {round_no + 1}"
-        return state(FleetPhase.PAUSED, text, left)
+        return state(FleetPhase.PAUSED, text, next_round_in_s=left)
 
 
 def replace_min_devices(pacing: Pacing, strategy_min: int) -> Pacing:
     """``pacing`` needing at least ``strategy_min`` ready devices (the strategy's own floor)."""
-    if strategy_min <= pacing.min_devices:
-        return pacing
-    return Pacing(pacing.interval_s, pacing.min_new_samples, strategy_min)
+    return dataclasses.replace(pacing, min_devices=max(pacing.min_devices, strategy_min))

@@ -29,10 +29,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, Final
 
+from edgefl.agent import heap
 from edgefl.aio import within
 from edgefl.coordinator.hierarchy import RootCoordinator, SiteAggregator, SiteRecord
 from edgefl.coordinator.history import HISTORY_ROUNDS, RoundRecord
-from edgefl.coordinator.lease import Lease, new_instance, probe_lease
+from edgefl.coordinator.lease import Lease, new_instance, previous_instance, probe_lease, record_instance
 from edgefl.coordinator.privacy import DPFedAvg
 from edgefl.coordinator.profile import CoordinatorProfile
 from edgefl.coordinator.roundlog import (
@@ -68,6 +69,7 @@ EXIT_MODEL: Final = 3
 EXIT_RUNTIME: Final = 4
 EXIT_EMPTY_ROUND: Final = 5
 EXIT_LEASE: Final = 6
+EXIT_FAULT: Final = 75
 
 CONNECT_WAIT_S: Final = 60.0
 """How long the coordinator waits for its broker at start-up before it gives up (exit 4), seconds."""
@@ -250,12 +252,18 @@ async def run(
 
     if leased:  # before anything is published or written: is a live coordinator running this fleet?
         probe = transport_for(f"{client_id}-probe-{instance[:8]}", persistent=False, probe=True)
+        # the composition root holds the state file's lock: its previous instance is gone
+        previous = previous_instance(files.state) if files.state is not None else None
         await probe_lease(
             probe,
             topics.coordinator,
             f"fleet {fleet} on broker {where}",
             lambda t: _connected_or_refused(t, where, CONNECT_WAIT_S),
+            previous,
+            topics.coordinator_holder,
         )
+        if files.state is not None:
+            record_instance(files.state, instance)  # the next start knows this one's lease as its own
     transport = transport_for(client_id, persistent=True)
     st = profile.strategy
     try:
@@ -321,7 +329,7 @@ async def run(
     if isinstance(coord, SiteAggregator):
         transport.on_connect_cb = coord.on_transport_connect
         return await _run_site(coord, profile, transport, page)
-    lease = Lease(transport, topics.coordinator, instance)
+    lease = Lease(transport, topics.coordinator, instance, holder_topic=topics.coordinator_holder)
     stop = asyncio.Event()
     lease.on_lost = stop.set
     coord.on_lease_message = lease.handle
@@ -436,6 +444,9 @@ async def run(
                 entry = log_entry(coord, rec, strategy, refused_round, declined_round)
                 with open(files.log, "a") as f:
                     f.write(json.dumps(entry) + "\n")
+            # the round's freed heap (decoded updates, aggregation temporaries, the state document) goes
+            # back to the kernel: a service's RSS stays its live data, not the sum of its rounds' free gaps
+            heap.malloc_trim()
         coord.finished = True
         coord.notify()
     finally:
@@ -501,7 +512,7 @@ def pacing_for(profile: CoordinatorProfile) -> Pacing:
 
 async def _wait_for_expected(coord: Coordinator, n: int, timeout_s: float, stop: asyncio.Event) -> None:
     """Wait for ``n`` ready devices before round 1 (``rounds.expected_clients``), ``timeout_s`` at most."""
-    waiting = asyncio.create_task(coord.registry.wait_for_devices(n, timeout_s=timeout_s))
+    waiting = asyncio.create_task(coord.registry.wait_for_devices(n, timeout_s=timeout_s, key=None))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({waiting, stopper}, return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()

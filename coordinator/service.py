@@ -604,6 +604,7 @@ class Coordinator(Intake):
             "model_mismatches": {d: registry.mismatched[d] for d in devices if d in registry.mismatched},
             "model_mismatches_total": len(registry.mismatched),
             "rejected": dict(self.state.rejected),
+            "refusals": registry.refusals(self.state.rejected),  # the coordinator's and the devices'
             "clipped": dict(self.strategy.clipped),
             "refused_rounds": dict(self.state.refused_rounds),
             "declined": dict(self.state.declined),

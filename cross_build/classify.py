@@ -24,18 +24,7 @@ import numpy as np
 
 
 def export_test_set(out: Path) -> int:
-    """Write the demo's test split (``split_digits(labels, seed=0).test``) to ``out``.
-
-    Parameters
-    ----------
-    out : Path
-        ``.npz`` with ``x`` uint8 [N, 8, 8, 1] (pixel values 0..16) and ``y`` int64 [N].
-
-    Returns
-    -------
-    int
-        0.
-    """
+    """Write the demo's test split to ``out``: ``x`` uint8 [N, 8, 8, 1] (0..16), ``y`` int64 [N]; 0."""
     from edgefl.datasets import load_digits, split_digits
 
     x, y = load_digits()
@@ -45,24 +34,10 @@ def export_test_set(out: Path) -> int:
 
 
 def run(model: Path, runtime: str, testset: Path, out: Path) -> int:
-    """Classify every test sample, one at a time, and write logits and predictions.
+    """Classify every test sample one at a time through :class:`edgefl.runtime.Backbone`; 0.
 
-    Parameters
-    ----------
-    model : Path
-        The ``.tflite`` file.
-    runtime : str
-        ``"litert"`` or ``"tflite"`` (as ``model.runtime`` in a profile).
-    testset : Path
-        ``.npz`` from :func:`export_test_set`.
-    out : Path
-        ``.npz`` with ``logits`` float32 [N, K], ``pred`` int64 [N], ``y`` int64 [N],
-        ``output_scale`` float64 (one quantisation step of the logits), ``runtime`` and ``machine``.
-
-    Returns
-    -------
-    int
-        0.
+    ``runtime`` is ``"litert"`` or ``"tflite"``; ``out`` gets ``logits`` float32 [N, K], ``pred`` and
+    ``y`` int64 [N], ``output_scale`` (one quantisation step of the logits), ``runtime``, ``machine``.
     """
     from edgefl.runtime import Backbone
 
@@ -85,19 +60,7 @@ def run(model: Path, runtime: str, testset: Path, out: Path) -> int:
 
 
 def compare(guest: Path, host: Path) -> int:
-    """Compare the guest's predictions and logits with the host's.
-
-    Parameters
-    ----------
-    guest, host : Path
-        Outputs of :func:`run`.
-
-    Returns
-    -------
-    int
-        0 if every prediction matches, else 1. Prints the match count and the largest logit
-        difference in quantisation steps.
-    """
+    """Compare the guest's predictions and logits with the host's: 0 if every prediction matches, else 1."""
     g, h = np.load(guest), np.load(host)
     same = int(np.sum(g["pred"] == h["pred"]))
     n = len(h["pred"])
@@ -109,13 +72,7 @@ def compare(guest: Path, host: Path) -> int:
 
 
 def codec_round_trip() -> int:
-    """Encode and decode a DeviceStatus with :mod:`edgefl.wire.status` and the installed cbor2.
-
-    Returns
-    -------
-    int
-        0 if the decoded message equals the original, else 1 (the DecodeError is printed).
-    """
+    """Round-trip a DeviceStatus with the installed cbor2: 0 if it comes back equal, else 1."""
     from importlib.metadata import version
 
     from edgefl.errors import DecodeError
@@ -132,15 +89,9 @@ def codec_round_trip() -> int:
 
 
 def signing_check() -> int:
-    """Sign and verify with the installed Ed25519 library (PyNaCl): the RFC 8032 vector and a round.
+    """Sign and verify with the installed PyNaCl: 0 if the RFC 8032 vector and a signed round check out.
 
-    Returns
-    -------
-    int
-        0 if the RFC 8032 §7.1 TEST 1 signature comes out exactly and a signed RoundAnnouncement
-        verifies (and fails for another fleet), else 1 (the reason is printed).
-
-    Source: RFC 8032 §7.1 (test vector).
+    Source: RFC 8032 §7.1 (TEST 1).
     """
     from importlib.metadata import version
 

@@ -28,19 +28,7 @@ from .targets import Target, WheelhouseError, applicable_requirements, supported
 
 @dataclass(frozen=True, slots=True)
 class LockEntry:
-    """One line of ``requirements.lock``.
-
-    Parameters
-    ----------
-    name : str
-        Canonical distribution name (PEP 503), e.g. ``"ai-edge-litert"``.
-    version : str
-        Exact version.
-    sha256 : str
-        Hex SHA-256 of the wheel file.
-    filename : str
-        The wheel's file name in ``wheels/`` (written as a comment).
-    """
+    """One line of ``requirements.lock``: canonical ``name``, ``version``, hex ``sha256``, ``filename``."""
 
     name: str
     version: str
@@ -50,19 +38,7 @@ class LockEntry:
 
 @dataclass(frozen=True, slots=True)
 class WheelInfo:
-    """What the wheelhouse needs to know about one wheel file.
-
-    Parameters
-    ----------
-    path : Path
-        The ``.whl`` file.
-    name : str
-        Canonical distribution name.
-    version : str
-        Version from the file name.
-    requires_dist : tuple[str, ...]
-        The ``Requires-Dist`` lines of its METADATA (PEP 508 strings, with markers).
-    """
+    """One wheel file: ``path``, canonical ``name``, ``version``, its ``requires_dist`` (PEP 508 strings)."""
 
     path: Path
     name: str
@@ -73,20 +49,7 @@ class WheelInfo:
 def read_wheel(path: Path) -> WheelInfo:
     """Read a wheel's name, version and ``Requires-Dist`` from its ``*.dist-info/METADATA``.
 
-    Parameters
-    ----------
-    path : Path
-        A ``.whl`` file.
-
-    Returns
-    -------
-    WheelInfo
-        Its name (canonical), version and requirements.
-
-    Raises
-    ------
-    WheelhouseError
-        If the file is not a readable wheel with a METADATA file.
+    WheelhouseError if the file is not a readable wheel with a METADATA file.
 
     Source: PEP 427 (wheel layout), core metadata 2.x (``Requires-Dist``).
     """
@@ -106,20 +69,9 @@ def read_wheel(path: Path) -> WheelInfo:
 def check_closure(wheels: Sequence[WheelInfo], target: Target, root: str = "edgefl") -> None:
     """Check that every requirement of every wheel is met by the wheelhouse or the device's OS.
 
-    Parameters
-    ----------
-    wheels : Sequence[WheelInfo]
-        Every wheel of the wheelhouse.
-    target : Target
-        The platform (its extras apply to ``root``; its system packages count as installed).
-    root : str
-        The distribution the extras belong to.
-
-    Raises
-    ------
-    WheelhouseError
-        Naming the first unmet requirement (and who needs it), a wheel that does not install on the
-        target, or two wheels of one distribution.
+    The target's extras apply to ``root``; its system packages count as installed. WheelhouseError
+    names the first unmet requirement (and who needs it), a wheel that does not install on the target,
+    or two wheels of one distribution.
     """
     have: dict[str, Version] = {}
     for w in wheels:
@@ -145,18 +97,8 @@ def check_closure(wheels: Sequence[WheelInfo], target: Target, root: str = "edge
 def check_expectations(lock: Sequence[LockEntry], target: Target) -> None:
     """Check that the lock holds the versions meant for the target (:attr:`Target.expect`).
 
-    Parameters
-    ----------
-    lock : Sequence[LockEntry]
-        The locked wheels.
-    target : Target
-        The platform.
-
-    Raises
-    ------
-    WheelhouseError
-        If an expected distribution is missing or locked at a version outside its specifier (e.g.
-        ai-edge-litert 1.4.0 when ``ai-edge-litert>=2`` is expected).
+    WheelhouseError if an expected distribution is missing or locked outside its specifier (e.g.
+    ai-edge-litert 1.4.0 when ``ai-edge-litert>=2`` is expected).
     """
     by_name = {e.name: e for e in lock}
     for spec in target.expect:
@@ -170,28 +112,15 @@ def check_expectations(lock: Sequence[LockEntry], target: Target) -> None:
 
 
 def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB chunks."""
-    h = hashlib.sha256()
+    """Hex SHA-256 of a file."""
     with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def format_lock(entries: Iterable[LockEntry], header: str = "") -> str:
     """Render ``requirements.lock``: one ``name==version --hash=sha256:HEX`` per wheel, sorted by name.
 
-    Parameters
-    ----------
-    entries : Iterable[LockEntry]
-        The wheels.
-    header : str
-        Comment lines (without ``#``) written first.
-
-    Returns
-    -------
-    str
-        The file's text; each entry is preceded by a ``# <wheel file name>`` comment.
+    ``header`` lines come first as comments; each entry follows a ``# <wheel file name>`` comment.
 
     Source: pip's requirements file format and hash-checking mode.
     """
@@ -207,23 +136,10 @@ _LOCK_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)\s+--hash=sha256:(
 
 
 def parse_lock(text: str) -> list[LockEntry]:
-    """Parse ``requirements.lock`` as written by :func:`format_lock`.
+    """Parse ``requirements.lock`` as :func:`format_lock` writes it: the entries in file order.
 
-    Parameters
-    ----------
-    text : str
-        The file's text.
-
-    Returns
-    -------
-    list[LockEntry]
-        The entries in file order (``filename`` from the preceding comment when it names a wheel).
-
-    Raises
-    ------
-    ValueError
-        On a line that is neither a comment, blank, nor ``name==version --hash=sha256:<64 hex>``
-        (message names the line number).
+    ValueError, naming the line number, for a line that is neither blank, a comment, nor
+    ``name==version --hash=sha256:<64 hex>``.
     """
     out: list[LockEntry] = []
     last_comment = ""

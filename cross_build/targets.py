@@ -1,31 +1,13 @@
 """The gateway platforms a wheelhouse is built for, and which wheels and requirements install on each.
 
-Targets (see :data:`TARGETS`); each wheelhouse is for one CPython (``--python 3.11|3.12|3.13``, default
-the Python of the newest Debian stable the target runs on, :attr:`Target.python_version`):
-
-- ``aarch64``: glibc >= 2.28, CPython 3.11, 3.12 or 3.13 (default 3.13, Debian 13). ai-edge-litert 2.x
-  is tagged only ``manylinux_2_27_aarch64``; with the usual ``manylinux2014``/``2_17``/``2_28`` list
-  pip silently falls back to ai-edge-litert 1.4.0, so the platform list holds every ``manylinux_2_Y``
-  the glibc allows (:func:`manylinux_tags`) and the lock is checked against :attr:`Target.expect`.
-- ``armv7l``: Debian 12 (glibc 2.36), CPython 3.11 only. LiteRT has no armv7l wheel: tflite-runtime 2.14.0
-  (the ``tflite`` extra), whose armv7l wheels stop at cp311, so 3.12 and 3.13 are refused up front
-  (:func:`refusal`). PyPI has no armv7l numpy wheel: numpy is Debian's ``python3-numpy`` (1.24.2)
-  through a ``--system-site-packages`` venv. cbor2 6.x is a Rust extension (no pure-Python code left in
-  its sdist, needs rustc >= 1.85) with no armv7l wheel, so cbor2 is pinned to 5.9.0, the last release
-  with a pure-Python implementation, built here from its sdist with ``CBOR2_BUILD_C_EXTENSION=0``.
-- ``x86_64``: glibc >= 2.28, CPython 3.11, 3.12 or 3.13 (default 3.13), for completeness.
-
-Every wheelhouse carries the signing library, edgefl's ``security`` extra (PyNaCl), so an offline
-gateway can sign and verify: PyNaCl's abi3 wheels (``manylinux_2_26_aarch64``, ``manylinux_2_17_x86_64``)
-and cffi's; on armv7l PyPI has neither a PyNaCl nor a cffi (>= 2) wheel, so PyNaCl is Debian's
-``python3-nacl`` (1.5.0, with ``python3-cffi`` 1.15.1 for its metadata) like numpy, and ``install.sh``
-refuses to install without them.
-
-pip evaluates environment markers against the *build* machine even with ``--platform`` (so edgefl's
-``platform_machine != "armv7l"`` marker would pull LiteRT into the armv7l set): edgefl's requirements are
-evaluated here against the target's marker environment, and after the download every wheel's
-``Requires-Dist`` is checked against the wheelhouse (:func:`cross_build.lock.check_closure`). Nothing is
-skipped silently: a missing wheel raises :class:`WheelhouseError` naming the dependency and the platform.
+The platforms, their Pythons and why armv7l differs (Debian's numpy and PyNaCl, cbor2 5.9.0 built
+pure, no runtime past CPython 3.11): ``docs/operations.md`` ("Platforms"). Two traps handled here:
+with pip's usual ``manylinux2014``/``2_17``/``2_28`` list aarch64 silently falls back to
+ai-edge-litert 1.4.0 (2.x is tagged ``manylinux_2_27``), so the platform list holds every
+``manylinux_2_Y`` the glibc allows and the lock is checked against :attr:`Target.expect`; and pip
+evaluates markers against the *build* machine, so edgefl's requirements are evaluated here against
+the target's marker environment and every wheel's ``Requires-Dist`` checked against the wheelhouse.
+A missing wheel raises :class:`WheelhouseError` naming the dependency and the platform.
 
 Source: PEP 600 (``manylinux_x_y`` tags), PEP 508 (environment markers), PEP 425 (compatibility tags).
 """
@@ -52,16 +34,9 @@ _LEGACY_ALIASES = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
 
 
 class WheelhouseError(EdgeflError):
-    """A wheelhouse could not be built completely.
+    """A wheelhouse could not be built completely: ``name`` (a distribution, or ``"edgefl"``) on ``platform``.
 
-    Parameters
-    ----------
-    name : str
-        The dependency (distribution name) at fault, or ``"edgefl"`` for the project's own wheel.
-    platform : str
-        The target platform, e.g. ``"cp311-manylinux_2_28_aarch64"``.
-    reason : str
-        What went wrong, e.g. ``"no binary wheel"``.
+    ``reason`` says what went wrong, e.g. ``"no binary wheel"``.
     """
 
     def __init__(self, name: str, platform: str, reason: str) -> None:
@@ -73,17 +48,7 @@ class WheelhouseError(EdgeflError):
 
 @dataclass(frozen=True, slots=True)
 class PureWheel:
-    """A dependency built here as a pure-Python wheel from its sdist (no compiler on the device).
-
-    Parameters
-    ----------
-    name : str
-        Distribution name, e.g. ``"cbor2"``.
-    version : str
-        The exact version to build.
-    env : Mapping[str, str]
-        Extra environment for the build, e.g. ``{"CBOR2_BUILD_C_EXTENSION": "0"}``.
-    """
+    """A dependency ``name==version`` built here as a pure-Python wheel from its sdist, with ``env``."""
 
     name: str
     version: str
@@ -97,42 +62,34 @@ class Target:
     Parameters
     ----------
     name : str
-        The ``--target`` value (``"aarch64"``, ``"armv7l"``, ``"x86_64"``).
+        The ``--target`` value.
     machine : str
-        ``platform.machine()`` on the device (the ``platform_machine`` marker), e.g. ``"armv7l"``.
+        ``platform.machine()`` on the device (the ``platform_machine`` marker).
     glibc : tuple[int, int]
-        The oldest glibc (major, minor) the wheelhouse must run on; bounds the manylinux tags.
+        The oldest glibc (major, minor) it must run on; bounds the manylinux tags.
     python_version : str
-        CPython ``major.minor`` on the device; in :data:`TARGETS`, the default: the Python of the newest
-        Debian stable the target runs on.
+        CPython ``major.minor`` on the device (in :data:`TARGETS`: the default).
     refused : Mapping[str, str]
-        CPython ``major.minor`` → why no wheelhouse can be built for it (no runtime wheel exists);
-        :func:`target_for` refuses these before any download.
+        CPython ``major.minor`` → why no wheelhouse can be built for it (:func:`target_for` refuses).
     extras : tuple[str, ...]
-        edgefl extras installed on this target: ``"security"`` (the signing library) everywhere,
-        plus ``"tflite"`` on armv7l.
+        edgefl extras installed (``"security"`` everywhere, ``"tflite"`` on armv7l).
     pins : tuple[str, ...]
-        Extra requirement specifiers for the download (narrow a dependency, e.g.
-        ``"tflite-runtime==2.14.0"``).
+        Extra requirement specifiers for the download.
     system_packages : Mapping[str, str]
-        Distributions taken from the device's OS (a ``--system-site-packages`` venv), name → the
-        version Debian 12 ships. They are not downloaded; requirements on them are checked
-        against that version.
+        Distributions from the device's OS (a ``--system-site-packages`` venv) → Debian 12's version:
+        not downloaded, requirements on them checked against that version.
     system_modules : Mapping[str, str]
-        Module ``install.sh`` imports before installing → the Debian package that provides it (its
-        refusal names the package), for the system packages.
+        Module ``install.sh`` imports first → the Debian package providing it.
     no_deps : tuple[str, ...]
-        Requirements downloaded without their dependencies, because a dependency is a system
-        package (pip cannot be told to leave one out); their ``Requires-Dist`` are checked by
-        :func:`check_closure` like every other wheel's.
+        Requirements downloaded without their dependencies (a dependency is a system package).
     pure : tuple[PureWheel, ...]
-        Dependencies built here as pure-Python wheels from their sdist.
+        Dependencies built here as pure-Python wheels.
     expect : tuple[str, ...]
         Specifiers the lock must satisfy (guards against pip's silent fallbacks).
     default_profile : str
-        Stem of the profile in ``firmware_configs/`` that ``install.sh`` uses by default.
+        Stem of the profile in ``firmware_configs/`` ``install.sh`` uses by default.
     debian_packages : tuple[str, ...]
-        Debian packages the device needs before ``install.sh`` (documented; checked by install.sh).
+        Debian packages the device needs before ``install.sh``.
     """
 
     name: str
@@ -203,20 +160,7 @@ TARGETS: Mapping[str, Target] = {
 
 
 def refusal(target: str, python: str) -> str | None:
-    """Why no wheelhouse can be built for a target and CPython, or None if one can.
-
-    Parameters
-    ----------
-    target : str
-        A key of :data:`TARGETS`, e.g. ``"armv7l"``.
-    python : str
-        CPython ``major.minor``, e.g. ``"3.13"``.
-
-    Returns
-    -------
-    str or None
-        The reason (names the missing runtime), None when the pair is supported.
-    """
+    """Why no wheelhouse can be built for ``target`` and CPython ``python``, or None if one can."""
     if target not in TARGETS:
         return f"unknown target {target!r} (one of {', '.join(sorted(TARGETS))})"
     if python not in PYTHONS:
@@ -225,24 +169,9 @@ def refusal(target: str, python: str) -> str | None:
 
 
 def target_for(name: str, python: str | None = None) -> Target:
-    """The target a wheelhouse is built for: :data:`TARGETS` ``[name]`` for one CPython.
+    """:data:`TARGETS` ``[name]`` for CPython ``python`` (None: the target's default).
 
-    Parameters
-    ----------
-    name : str
-        A key of :data:`TARGETS`.
-    python : str or None
-        CPython ``major.minor``; None takes the target's default (:attr:`Target.python_version`).
-
-    Returns
-    -------
-    Target
-        The target with ``python_version`` set (wheels are then tagged ``cp3XX``).
-
-    Raises
-    ------
-    WheelhouseError
-        If the pair is refused (:func:`refusal`), naming the target, the Python and the reason.
+    WheelhouseError if the pair is refused (:func:`refusal`), naming the target, the Python and why.
     """
     base = TARGETS.get(name)
     py = python if python is not None else (base.python_version if base is not None else "")
@@ -254,28 +183,11 @@ def target_for(name: str, python: str | None = None) -> Target:
 
 
 def manylinux_tags(machine: str, glibc: tuple[int, int]) -> list[str]:
-    """Every manylinux platform tag a target's glibc accepts, most specific first.
+    """Every manylinux platform tag a target's glibc (2.x) accepts, most specific first.
 
-    Parameters
-    ----------
-    machine : str
-        Architecture as in wheel tags: ``"aarch64"``, ``"armv7l"``, ``"x86_64"``.
-    glibc : tuple[int, int]
-        The target's glibc version (major, minor); only glibc 2.x is known.
-
-    Returns
-    -------
-    list[str]
-        ``manylinux_2_{minor}_{machine}`` down to the architecture's oldest (2.17 for ARM, 2.5 for
-        x86), each followed by its legacy alias where PEP 600 defines one (``manylinux2014`` for
-        2.17, ``manylinux2010`` for 2.12, ``manylinux1`` for 2.5). For aarch64 at glibc 2.28 that is
-        ``manylinux_2_28``, ``manylinux_2_27`` (where ai-edge-litert 2.x lives), ..., ``manylinux_2_17``,
-        ``manylinux2014``.
-
-    Raises
-    ------
-    ValueError
-        If ``glibc`` is not 2.x or older than the architecture's first manylinux tag.
+    ``manylinux_2_{minor}_{machine}`` down to the architecture's oldest (2.17 for ARM, 2.5 for x86),
+    each followed by its PEP 600 legacy alias where one exists. ValueError for a glibc that is not 2.x
+    or older than the architecture's first tag.
 
     Source: PEP 600 (``manylinux_x_y``, legacy aliases); packaging's ``_manylinux.platform_tags``.
     """
@@ -293,19 +205,7 @@ def manylinux_tags(machine: str, glibc: tuple[int, int]) -> list[str]:
 
 
 def target_environment(target: Target) -> dict[str, str]:
-    """Return the PEP 508 marker environment of the device, for evaluating requirements here.
-
-    Parameters
-    ----------
-    target : Target
-        The platform.
-
-    Returns
-    -------
-    dict[str, str]
-        This interpreter's environment with ``platform_machine``, ``sys_platform``, ``os_name``,
-        ``platform_system``, ``python_version``, ``python_full_version`` and the implementation keys
-        replaced by the target's (CPython on Linux).
+    """The PEP 508 marker environment of this interpreter, with the device's platform and CPython keys.
 
     Source: PEP 508 §Environment Markers.
     """
@@ -322,21 +222,7 @@ def target_environment(target: Target) -> dict[str, str]:
 def applicable_requirements(
     requires_dist: Iterable[str], target: Target, extras: Iterable[str] = ()
 ) -> list[Requirement]:
-    """Select the requirements that apply on the target (markers evaluated with the given extras).
-
-    Parameters
-    ----------
-    requires_dist : Iterable[str]
-        PEP 508 requirement strings, e.g. from a wheel's ``Requires-Dist``.
-    target : Target
-        The platform whose marker environment is used.
-    extras : Iterable[str]
-        Extras requested for the distribution these requirements belong to.
-
-    Returns
-    -------
-    list[Requirement]
-        The applicable requirements, markers stripped, in input order.
+    """The requirements of ``requires_dist`` that apply on the target with ``extras``, markers stripped.
 
     Source: PEP 508; the ``extra`` marker per the core metadata spec.
     """
@@ -354,20 +240,7 @@ def applicable_requirements(
 
 
 def supported_wheel(filename: str, target: Target) -> bool:
-    """Whether a wheel file can be installed on the target.
-
-    Parameters
-    ----------
-    filename : str
-        A wheel file name (PEP 427).
-    target : Target
-        The platform.
-
-    Returns
-    -------
-    bool
-        True if one of its tags is ``{py3*, cp3*, cp3XX}-{none, abi3, cp3XX}-{any, manylinux tag}``
-        with an interpreter and ABI the target's CPython (``cp3XX``) accepts.
+    """Whether a wheel file can be installed on the target (its interpreter, ABI and platform tags).
 
     Source: PEP 425 (compatibility tags), PEP 384 (abi3).
     """

@@ -8,7 +8,8 @@ dependency as a binary wheel for the target's platform, then write ``DIR``::
     DIR/wheels/*.whl            edgefl + every dependency (binary wheels for the target)
     DIR/requirements.lock       name==version --hash=sha256:... for every wheel in wheels/
     DIR/install.sh              offline install into a venv under /opt/edgefl, installs the systemd unit
-    DIR/systemd/<profile>.service  the unit rendered from each shipped profile (MemoryMax from its cap)
+    DIR/systemd/<profile>.service  the unit rendered from each shipped device profile (MemoryMax from its cap)
+    DIR/systemd/edgefl-coordinator.service  the coordinator's unit (a fleet's coordinator host installs it)
     DIR/firmware_configs/ DIR/models/   the shipped profiles and .tflite models (not in the wheel)
     DIR/TARGET                  what the wheelhouse was built for (read by install.sh)
 
@@ -21,6 +22,7 @@ Source: pip's secure installs (``--require-hashes``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -43,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 UNIT_TEMPLATE = Path(__file__).resolve().parent / "edgefl-agent.service"
+COORDINATOR_UNIT_TEMPLATE = Path(__file__).resolve().parent / "edgefl-coordinator.service"
+COORDINATOR_UNIT = "edgefl-coordinator.service"
+"""The coordinator's unit in ``<wheelhouse>/systemd/`` (no device profile has this stem)."""
 DEFAULT_PREFIX = "/opt/edgefl"
 
 
@@ -130,6 +135,87 @@ def render_unit(
     if leftover is not None:
         raise WheelhouseError("edgefl-agent.service", "-", f"unfilled template field {leftover.group(0)}")
     return text
+
+
+def render_coordinator_unit(prefix: str = DEFAULT_PREFIX, template: Path = COORDINATOR_UNIT_TEMPLATE) -> str:
+    """Render the coordinator's systemd unit for an install under ``prefix``.
+
+    Parameters
+    ----------
+    prefix : str
+        Install prefix on the host (the venv is ``<prefix>/current/venv``).
+    template : Path
+        The unit template with its ``@PREFIX@`` field.
+
+    Returns
+    -------
+    str
+        The unit: it runs ``edgefl coordinator /etc/edgefl/coordinator.toml``, restarts what may heal
+        and never exit 1, 2, 3 or 6 (:mod:`edgefl.coordinator.command` says what each means).
+
+    Raises
+    ------
+    WheelhouseError
+        If the template has a field left unfilled.
+    """
+    text = template.read_text(encoding="utf-8").replace("@PREFIX@", prefix.rstrip("/"))
+    leftover = re.search(r"@[A-Z_]+@", text)
+    if leftover is not None:
+        raise WheelhouseError(COORDINATOR_UNIT, "-", f"unfilled template field {leftover.group(0)}")
+    return text
+
+
+def write_support_files(out: Path, repo: Path = REPO_ROOT, prefix: str = DEFAULT_PREFIX) -> None:
+    """Write what a wheelhouse carries beside its wheels: profiles, models, units, ``install.sh``.
+
+    ``out/firmware_configs/`` and ``out/models/`` (copies of the checkout's), ``out/systemd/`` (one
+    agent unit per device profile that can have one, and the coordinator's unit) and
+    ``out/install.sh``; folders left by an earlier build are replaced.
+
+    Parameters
+    ----------
+    out : Path
+        The wheelhouse folder (exists).
+    repo : Path
+        The edgefl source checkout.
+    prefix : str
+        Install prefix on the device, written into the units.
+
+    Raises
+    ------
+    WheelhouseError
+        If the coordinator's unit template has a field left unfilled.
+    OSError
+        If a file cannot be copied or written.
+    """
+    from edgefl.coordinator.profile import is_coordinator_profile
+    from edgefl.errors import ConfigError
+    from edgefl.profiles import read_toml
+
+    for sub in ("firmware_configs", "models", "systemd"):
+        if (out / sub).exists():
+            shutil.rmtree(out / sub)
+    shutil.copytree(repo / "firmware_configs", out / "firmware_configs",
+                    ignore=shutil.ignore_patterns("state", "*.pyc"))
+    (out / "models").mkdir()
+    for model in sorted((repo / "models").glob("*.tflite")):
+        shutil.copy2(model, out / "models" / model.name)
+    (out / "systemd").mkdir()
+    for profile in sorted((out / "firmware_configs").glob("*.toml")):
+        with contextlib.suppress(ConfigError):
+            if is_coordinator_profile(read_toml(profile)[1]):
+                continue  # the coordinator's unit is one for every fleet, below
+        try:
+            unit = render_unit(profile, prefix)
+        except WheelhouseError as exc:
+            # install.sh refuses a profile without a unit unless told --no-systemd.
+            logger.warning("no systemd unit for %s: %s", profile.name, exc.reason)
+            continue
+        (out / "systemd" / f"{profile.stem}.service").write_text(unit, encoding="utf-8")
+    (out / "systemd" / COORDINATOR_UNIT).write_text(render_coordinator_unit(prefix), encoding="utf-8")
+    install = out / "install.sh"
+    shutil.copy2(Path(__file__).resolve().parent / "install.sh", install)
+    install.chmod(0o755)
 
 
 def _pip(args: Sequence[str], env: Mapping[str, str] | None = None) -> None:
@@ -344,23 +430,7 @@ def build_wheelhouse(
         )
     (out / "requirements.lock").write_text(format_lock(lock, header), encoding="utf-8")
 
-    for sub in ("firmware_configs", "models", "systemd"):
-        if (out / sub).exists():
-            shutil.rmtree(out / sub)
-    shutil.copytree(repo / "firmware_configs", out / "firmware_configs",
-                    ignore=shutil.ignore_patterns("state", "*.pyc"))
-    (out / "models").mkdir()
-    for model in sorted((repo / "models").glob("*.tflite")):
-        shutil.copy2(model, out / "models" / model.name)
-    (out / "systemd").mkdir()
-    for profile in sorted((out / "firmware_configs").glob("*.toml")):
-        try:
-            unit = render_unit(profile, prefix)
-        except WheelhouseError as exc:
-            # install.sh refuses a profile without a unit unless told --no-systemd.
-            logger.warning("no systemd unit for %s: %s", profile.name, exc.reason)
-            continue
-        (out / "systemd" / f"{profile.stem}.service").write_text(unit, encoding="utf-8")
+    write_support_files(out, repo, prefix)
     (out / "TARGET").write_text(
         f"target={target.name}\nmachine={target.machine}\npython={target.python_version}\n"
         f"glibc={target.glibc[0]}.{target.glibc[1]}\nsystem_site_packages={int(bool(target.system_packages))}\n"
@@ -369,9 +439,6 @@ def build_wheelhouse(
         f"system_modules={' '.join(f'{m}={d}' for m, d in target.system_modules.items())}\n",
         encoding="utf-8",
     )
-    install = out / "install.sh"
-    shutil.copy2(Path(__file__).resolve().parent / "install.sh", install)
-    install.chmod(0o755)
     return Wheelhouse(target, out, lock, _tree_bytes(wheels_dir), _tree_bytes(out), time.monotonic() - t0)
 
 

@@ -1,17 +1,9 @@
 """aiohttp's server without its HTTP client: what the dashboard imports in an agent.
 
-``import aiohttp.web`` first runs the package's ``aiohttp/__init__.py``, which imports the whole HTTP
-client (connector, client request/response, cookie jar, tracing, digest auth, form data, resolver,
-happy eyeballs) and builds two SSL contexts that load the system's CA store, at import time. A
-dashboard that only serves never uses any of it; in an agent it cost 3.7 MiB of RSS (11.1 ->
-7.4 MiB for ``aiohttp.web`` after the agent's own imports, python -OO, aiohttp 3.14; see
-docs/benchmarks.md, "Side by side with Flower").
-
-:func:`defer_client` registers the ``aiohttp`` package without running its ``__init__``, so that
-``import aiohttp.web`` loads the server's modules only. The package stays whole for everyone else:
-the first access to a name its ``__init__`` defines (``aiohttp.ClientSession``, ``from aiohttp
-import TCPConnector``) runs that ``__init__`` then (a module ``__getattr__``, PEP 562), exactly as a
-plain import would have. Submodules still import as usual.
+``import aiohttp.web`` first runs ``aiohttp/__init__.py``, which imports the whole HTTP client and
+loads the system's CA store: 3.7 MiB of RSS in an agent (docs/benchmarks.md, "Side by side with
+Flower"). :func:`defer_client` registers the package without running its ``__init__``; the first
+access to a name it defines runs it then (a module ``__getattr__``), as a plain import would have.
 
 Source: PEP 562 (module ``__getattr__``); Python's import system, "The module cache" and
 "Submodules" (docs.python.org/3/reference/import.html).
@@ -32,9 +24,8 @@ def defer_client() -> bool:
     Returns
     -------
     bool
-        True if the package was registered deferred; False if aiohttp was imported already (the
-        coordinator's tests, a process that uses its client) or could not be read (not installed,
-        no ``__version__`` line): then a plain import happens, as before.
+        True if the package was registered deferred; False if aiohttp was imported already or could
+        not be read (then a plain import happens).
     """
     if "aiohttp" in sys.modules:
         return False

@@ -130,7 +130,9 @@ class DashboardState:
           ``deadline_s_left``, ``version``, ``accuracy_history`` [{round, accuracy}], ``devices``
           {device: {state, online, rss_bytes, cap_bytes, peak_rss_bytes, last_round, reason,
           refused, declined, personal_accuracy, global_accuracy, eval_accuracy}},
-          ``rejected``, ``fleet_state`` {state, text, ...} (collecting / waiting_samples /
+          ``rejected`` {reason: count} (the coordinator's own), ``refusals`` [{by, reason, count,
+          detail}] (who refused what: the coordinator and each device), ``fleet_state`` {state, text,
+          ...} (collecting / waiting_samples /
           waiting_devices / paused / finished / broker_unreachable), ``broker_connected``,
           ``rounds`` (the latest round records, as from ``get_rounds``).
     token : str or None

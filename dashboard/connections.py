@@ -1,9 +1,7 @@
 """Bound the dashboard's connections at the socket: how many are open, and how long a request may take.
 
-aiohttp's server has an idle keep-alive timeout but no deadline for a request's headers or body, and no
-cap on open connections. :class:`GuardedSite` serves an aiohttp runner through :class:`ConnectionGuard`,
-which closes a connection over :attr:`~edgefl.dashboard.app.DashboardState.max_connections` (or the
-per-client cap) at once, and one whose header block or body does not arrive in time.
+aiohttp's server has no deadline for a request's headers or body and no cap on open connections:
+:class:`GuardedSite` serves an aiohttp runner through :class:`ConnectionGuard`, which adds both.
 
 Source: RFC 9112 §2.1 (message format: the header block ends with an empty line), §6.2
 (``Content-Length``).
@@ -28,17 +26,20 @@ _HEADER_END = b"\r\n\r\n"
 _MAX_HEADER_BYTES = 32_768  # scanned for the end of the header block; aiohttp refuses larger ones itself
 
 
-#: A connection that has not yet sent a whole header block is protected this long after its accept;
-#: older, it may be closed to admit a newcomer when the caps are reached (see :class:`ConnectionGuard`).
+#: Seconds after its accept during which a connection without a whole header block is not evicted.
 EVICT_MIN_AGE_S = 0.1
 
 
+def _log_due(n: int) -> bool:
+    """Whether the ``n``-th refusal is logged: the 1st, 10th, 100th, 1000th and every 10,000th."""
+    return n in (1, 10, 100, 1000) or n % 10_000 == 0
+
+
 class _Pool:
-    """The connections of one listening site: open counts by client, and those not yet proven.
+    """The connections of one listening site.
 
     ``open`` maps a client address to its open connections (key ``""``: all of them); ``unproven``
-    holds, oldest first, the admitted connections waiting for the rest of a header block (their
-    first request's, or a next one's on a kept-alive connection).
+    holds, oldest first, the admitted connections waiting for the rest of a header block.
     """
 
     def __init__(self) -> None:
@@ -58,17 +59,11 @@ class _Pool:
 class ConnectionGuard(asyncio.Protocol):
     """Wrap aiohttp's per-connection protocol: connection caps, a share for requests, deadlines.
 
-    aiohttp's server has an idle keep-alive timeout but no deadline for a request's headers or body, so
-    1,100 half-open connections used to hold 1,100 file descriptors for ever (``EMFILE``). This wrapper
-    caps the open connections (:attr:`DashboardState.max_connections`, and per client address), and
-    closes one whose header block (up to its empty line, RFC 9112 §2.1) or ``Content-Length`` body does
-    not arrive in time. At a cap, a newcomer takes the place of the oldest connection that has not yet
-    sent a whole header block (and is older than :data:`EVICT_MIN_AGE_S`): half-open connections can
-    hold the page only for a moment, and a client that sends its request at once (a health check
-    behind the same proxy address as the flood) is answered. A connection is never closed for another
-    while a request of its own is being answered or it idles between requests (aiohttp's keep-alive
-    timeout ends those); one that starts a next request and stalls in its headers is unproven again.
-    Every other event goes to aiohttp's protocol unchanged.
+    Caps the open connections (:attr:`DashboardState.max_connections`, and per client address) and
+    closes one whose header block or ``Content-Length`` body does not arrive in time. At a cap, a
+    newcomer takes the place of the oldest connection that has not yet sent a whole header block (and
+    is older than :data:`EVICT_MIN_AGE_S`); a connection answering or idling between requests is never
+    closed for another. Every other event goes to aiohttp's protocol unchanged.
     """
 
     _IDLE, _HEAD, _BODY = range(3)
@@ -97,10 +92,7 @@ class ConnectionGuard(asyncio.Protocol):
         self.waiting_since = time.monotonic()
         if not self._room():
             st.connections_refused_total += 1
-            if (
-                st.connections_refused_total in (1, 10, 100, 1000)
-                or st.connections_refused_total % 10_000 == 0
-            ):
+            if _log_due(st.connections_refused_total):
                 logger.warning(
                     "dashboard: connection from %s refused (%d open, %d from it; %d refused so far)",
                     self.client,
@@ -239,11 +231,9 @@ def _content_length(head: bytes) -> int:
 class RequestLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     """aiohttp's server log for the dashboard: a request it cannot parse is one counted line.
 
-    aiohttp logs every malformed or oversized request (a header line over its limit, a bad request
-    line) with a full traceback; an unauthenticated client could write ~10 log lines a request. Here
-    such a request is counted (:attr:`DashboardState.bad_requests_total`) and logged on one line for
-    the 1st, 10th, 100th, 1000th and every 10,000th; aiohttp still answers it (400/431) and closes the
-    connection. Any other error keeps its traceback.
+    aiohttp logs every malformed request with a full traceback; here it is counted
+    (:attr:`DashboardState.bad_requests_total`) and logged on one line now and then (aiohttp still
+    answers it). Any other error keeps its traceback.
     """
 
     def __init__(self, state: DashboardState) -> None:
@@ -259,7 +249,7 @@ class RequestLog(logging.LoggerAdapter):  # type: ignore[type-arg]
         st = self.state
         st.bad_requests_total += 1
         n = st.bad_requests_total
-        if n in (1, 10, 100, 1000) or n % 10_000 == 0:
+        if _log_due(n):
             where = f" from {args[0]}" if args else ""
             logger.warning(
                 "dashboard: bad request%s refused: %s %s (%d so far)",

@@ -19,19 +19,7 @@ DEVICE_STATES: Final = ("idle", "training", "uploading", "waiting", "deferred", 
 
 
 def finite_number(value: Any) -> float | None:
-    """Read a status value as a number.
-
-    Parameters
-    ----------
-    value : Any
-        A status value (int, float, bool, or anything else).
-
-    Returns
-    -------
-    float or None
-        The value as a finite float (bool as 0/1); None when it is missing, NaN, infinite or not a
-        number.
-    """
+    """A status value as a finite float (bool as 0/1); None when missing, NaN, infinite or not a number."""
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, (int, float)) and math.isfinite(value):
@@ -145,24 +133,12 @@ _COORDINATOR_GAUGES: Final = (
 
 
 def device_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
-    """Prometheus metric families for a device status (missing or null values are left out).
+    """Prometheus metric families for a device status (``get_status``; missing or null values left out).
 
-    Parameters
-    ----------
-    status : Mapping[str, Any]
-        A device status as returned by the agent's ``get_status``.
-
-    Returns
-    -------
-    Iterator[prometheus_client.Metric]
-        ``edgefl_memory_{cap,rss,pss,peak_rss}_bytes``, ``edgefl_system_available_bytes``,
-        ``edgefl_phase_peak_bytes{phase}``, ``edgefl_round``, ``edgefl_global_version``,
-        ``edgefl_last_update_bytes``, ``edgefl_local_accuracy`` (0..1),
-        ``edgefl_inference_rate_samples_per_second``, ``edgefl_inferred_samples_total``,
-        ``edgefl_store_samples``, ``edgefl_broker_connected`` (0/1), ``edgefl_agent_state{state}``,
-        ``edgefl_pipeline_info{mode}``, ``edgefl_rejected_total{reason}``; with live ingest
-        ``edgefl_ingest_queued``, ``edgefl_pending_labels`` and the counters
-        ``edgefl_ingest_{samples_received,labels_received,predictions_published,dropped,pending_expired}_total``.
+    Yields
+    ------
+    prometheus_client.Metric
+        The device's families (``docs/operations.md``, "The dashboard's routes").
     """
     from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
@@ -194,23 +170,12 @@ def device_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
 
 
 def coordinator_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
-    """Prometheus metric families for a coordinator status (missing or null values are left out).
+    """Prometheus metric families for a coordinator status (``get_status``; missing or null values left out).
 
-    Parameters
-    ----------
-    status : Mapping[str, Any]
-        A coordinator status as returned by the coordinator's ``get_status``.
-
-    Returns
-    -------
-    Iterator[prometheus_client.Metric]
-        ``edgefl_round``, ``edgefl_global_version``, ``edgefl_round_updates_received``,
-        ``edgefl_round_updates_expected``, ``edgefl_round_deadline_left_seconds``,
-        ``edgefl_broker_connected`` (0/1), ``edgefl_coordinator_state{state}``,
-        ``edgefl_test_accuracy`` (0..1, latest round),
-        ``edgefl_device_online{device}`` (0/1), ``edgefl_device_rss_bytes{device}``,
-        ``edgefl_device_cap_bytes{device}``, ``edgefl_device_last_round{device}``,
-        ``edgefl_rejected_total{reason}``.
+    Yields
+    ------
+    prometheus_client.Metric
+        The coordinator's families (``docs/operations.md``, "The dashboard's routes").
     """
     for name, key, doc in _COORDINATOR_GAUGES:
         yield from _gauge(name, doc, status.get(key))

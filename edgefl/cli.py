@@ -78,12 +78,13 @@ def _load_or_report(args: argparse.Namespace) -> Profile | None:
         return None
 
 
-def _preflight(profile: Profile) -> list[str]:
+def _preflight(profile: Profile, *, warn_unloaded: bool = True) -> list[str]:
     """What this profile cannot run with here (:func:`edgefl.agent.preflight.preflight`).
 
     Loads the model once (released before returning) and measures this process's RSS with the agent's
     modules imported, the floor the agent starts from. Without the profile's runtime here (a profile
-    for another kind of gateway) only the checks that are not about this machine run.
+    for another kind of gateway) only the checks that are not about this machine run, and
+    ``warn_unloaded`` prints what was left unchecked (``check-config``).
 
     Raises
     ------
@@ -111,7 +112,11 @@ def _preflight(profile: Profile) -> list[str]:
     if not runtime_available(profile.model.runtime):
         # a profile for another kind of gateway (tflite-runtime on armv7l): what is not about this
         # machine is still checked; the rest is checked by `edgefl run` on the gateway itself
-        return [p for p in preflight(profile, None, 0) if not p.startswith("device.state_dir")]
+        problems = preflight(profile, None, 0)
+        elsewhere = [p for p in problems if p.startswith("device.state_dir")]
+        if warn_unloaded:  # `edgefl run` goes on to load the model and names why it cannot
+            print(f"edgefl: warning: {_unchecked_here(profile, elsewhere)}", file=sys.stderr)
+        return [p for p in problems if p not in elsewhere]
 
     backbone = Backbone(
         profile.model.path,
@@ -129,6 +134,24 @@ def _preflight(profile: Profile) -> list[str]:
     if warning is not None:
         print(f"edgefl: warning: {warning}", file=sys.stderr)
     return problems
+
+
+def _unchecked_here(profile: Profile, elsewhere: Sequence[str]) -> str:
+    """What a profile for another kind of gateway leaves unchecked on this machine, in one warning."""
+    import platform
+
+    m = profile.model
+    runtime = {"tflite": "tflite-runtime", "litert": "ai-edge-litert"}.get(m.runtime, "a TFLite runtime")
+    text = (
+        f"model.runtime = {m.runtime!r}: {runtime} is not installed on this {platform.machine()} machine, "
+        f"so model.path = {str(m.path)!r} was NOT loaded and these were NOT checked: the model itself "
+        f"(it loads, its input and head shapes), the store's memory at its embedding size "
+        f"(training.store_capacity = {profile.training.store_capacity}) and the memory floor under "
+        f"memory.cap_mb = {profile.memory.cap_mb}"
+    )
+    if elsewhere:
+        text += "; nor " + "; ".join(elsewhere)
+    return text + ". Run `edgefl check-config` on the gateway itself (install.sh does) to check them."
 
 
 def _report(title: str, problems: Sequence[str]) -> None:
@@ -180,7 +203,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     heap.apply_hygiene(arena_max=2, mmap_threshold_bytes=MMAP_THRESHOLD_BYTES)
 
     try:
-        problems = _preflight(profile)
+        problems = _preflight(profile, warn_unloaded=False)
         if problems:
             _report(f"profile {args.profile} cannot run here", problems)
             return EXIT_INVALID
@@ -398,7 +421,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     if problems:
         _report(f"profile {args.profile} cannot run here", problems)
         return EXIT_INVALID
-    print(f"{args.profile}: ok (device {profile.device.id}, cap {profile.memory.cap_mb} MiB)")
+    from edgefl.runtime import runtime_available
+
+    partial = "" if runtime_available(profile.model.runtime) else "; model not loaded here: see the warning"
+    print(f"{args.profile}: ok (device {profile.device.id}, cap {profile.memory.cap_mb} MiB{partial})")
     if args.print:
         print(json.dumps(profile_to_dict(profile), indent=2, default=str))
     return EXIT_OK
@@ -509,7 +535,13 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     )
     r.set_defaults(func=cmd_run)
 
-    c = sub.add_parser("check-config", help="validate a profile (exit 0 valid, 1 invalid)")
+    c = sub.add_parser(
+        "check-config",
+        help="validate a profile (exit 0 valid, 1 invalid)",
+        description="Validate a device or coordinator profile, and whether this machine can run it. Exit "
+        "0: valid (a warning names what could not be checked here, e.g. a model for a runtime this "
+        "machine lacks); 1: invalid, every problem listed.",
+    )
     c.add_argument("profile", help="TOML profile (see firmware_configs/)")
     c.add_argument(
         "--set",

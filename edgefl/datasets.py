@@ -1,16 +1,8 @@
-"""The real dataset of the demo and the tests (UCI handwritten digits, 8x8), its split and partitions.
+"""The demo's real dataset (UCI handwritten digits, 8x8): loading, its split and its non-IID partition.
 
-The digits set is split once, by a seed, into three disjoint parts:
-
-- **test** (stratified, 20 %): never seen by any device; every accuracy in the model card and the
-  benchmarks is measured on it;
-- **public** (stratified, ~25 % of the rest): the data the model builder owns, used to pretrain the
-  backbone on all classes and to fit the *factory head* on a subset of classes (``FACTORY_CLASSES``);
-- **devices**: the pool the simulated fleet draws its local data from, partitioned non-IID
-  (:func:`partition_non_iid`) or by Dirichlet label skew (:func:`dirichlet_partition`).
-
-numpy only: this module is imported by the agent, the coordinator demo, the benchmarks and
-``tools/build_models.py``.
+The split is three disjoint parts: **test** (never seen by a device; every accuracy is measured on
+it), **public** (the model builder's: backbone pretraining, the factory head on ``FACTORY_CLASSES``)
+and **devices** (the pool the simulated fleet's shards come from). numpy only.
 """
 
 from __future__ import annotations
@@ -37,14 +29,7 @@ MAX_PIXEL = 16
 
 
 def digits_dir() -> Path:
-    """Return the directory holding ``digits.csv.gz``.
-
-    Returns
-    -------
-    Path
-        ``$EDGEFL_DATA_DIR`` when that environment variable is set and non-empty, else
-        the shipped ``data/sklearn_digits`` (:func:`edgefl.resources.shipped`).
-    """
+    """The directory holding ``digits.csv.gz``: ``$EDGEFL_DATA_DIR`` if set, else the shipped copy."""
     env = os.environ.get("EDGEFL_DATA_DIR")
     if env:
         return Path(env)
@@ -54,26 +39,10 @@ def digits_dir() -> Path:
 
 
 def load_digits(path: Path | None = None) -> tuple[U8, I64]:
-    """Load the 1797 UCI handwritten digits (the copy scikit-learn ships).
+    """Load the 1797 UCI handwritten digits from ``path`` (the file or its folder; None: :func:`digits_dir`).
 
-    Parameters
-    ----------
-    path : Path or None
-        The ``digits.csv.gz`` file, or a directory holding it. ``None`` means :func:`digits_dir`.
-
-    Returns
-    -------
-    x : uint8 [N, 8, 8, 1]
-        Images, row-major, pixel values 0..16 (N = 1797 for the shipped file).
-    y : int64 [N]
-        Class labels 0..9.
-
-    Raises
-    ------
-    FileNotFoundError
-        The file does not exist.
-    ValueError
-        The file is not 65 comma-separated integer columns (64 pixels 0..16, then a label 0..9).
+    Returns ``x`` uint8 [N, 8, 8, 1] (pixels 0..16) and ``y`` int64 [N] (0..9). FileNotFoundError; ValueError
+    for a file that is not 65 comma-separated integer columns in those ranges.
 
     Source: E. Alpaydin, C. Kaynak, "Optical Recognition of Handwritten Digits", UCI ML Repository
     (1998), test part, as ``sklearn/datasets/data/digits.csv.gz`` (scikit-learn 1.9.1).
@@ -108,24 +77,15 @@ def load_digits(path: Path | None = None) -> tuple[U8, I64]:
 
 @dataclass(frozen=True, slots=True)
 class DigitsSplit:
-    """Disjoint index sets into the full digits dataset.
-
-    Attributes
-    ----------
-    test : int64 [N_test]
-        Held-out evaluation set (no device ever sees it), sorted.
-    public : int64 [N_public]
-        The model builder's data (backbone pretraining, factory head), all classes, sorted.
-    devices : int64 [N_devices]
-        The pool the fleet's local data is partitioned from, sorted.
-    """
+    """Disjoint, sorted index sets into the digits: ``test``, ``public``, ``devices`` (int64 [n] each)."""
 
     test: I64
     public: I64
     devices: I64
 
 
-def _check_labels(labels: I64) -> I64:
+def check_labels(labels: I64) -> I64:
+    """``labels`` as int64 [N]; ValueError if not a non-empty 1-D integer array."""
     arr = np.asarray(labels)
     if arr.ndim != 1 or arr.size == 0:
         raise ValueError(f"labels must be a non-empty 1-D array, got shape {arr.shape}")
@@ -137,35 +97,13 @@ def _check_labels(labels: I64) -> I64:
 def split_digits(
     labels: I64, seed: int = 0, test_fraction: float = 0.2, public_fraction: float = 0.25
 ) -> DigitsSplit:
-    """Split a labelled dataset into test, public and device-pool parts, stratified by class.
+    """Split ``labels`` int64 [N] into test, public and device-pool parts, stratified by class.
 
-    Within each class the samples are shuffled (one generator, classes in ascending order), the first
-    ``round(n_c * test_fraction)`` go to test, then ``round(rest_c * public_fraction)`` of the rest go to
-    public, the remainder to the device pool. Every class's share of each part is thus within half a
-    sample of the target.
-
-    Parameters
-    ----------
-    labels : int64 [N]
-        Class label of every sample.
-    seed : int
-        Seed of ``numpy.random.default_rng``; the same seed gives the same split.
-    test_fraction : float
-        Share of each class put in test, in (0, 1).
-    public_fraction : float
-        Share of each class's non-test samples put in public, in (0, 1).
-
-    Returns
-    -------
-    DigitsSplit
-        Three disjoint, sorted index arrays covering ``range(N)``.
-
-    Raises
-    ------
-    ValueError
-        ``labels`` is not a non-empty 1-D integer array, or a fraction is outside (0, 1).
+    Within each class (shuffled by ``seed``) the first ``round(n_c * test_fraction)`` go to test, then
+    ``round(rest_c * public_fraction)`` to public, the rest to the pool: three disjoint, sorted index
+    arrays covering ``range(N)``. ValueError for bad labels or a fraction outside (0, 1).
     """
-    y = _check_labels(labels)
+    y = check_labels(labels)
     for name, value in (("test_fraction", test_fraction), ("public_fraction", public_fraction)):
         if not 0.0 < value < 1.0:
             raise ValueError(f"{name} = {value}: must be in (0, 1)")
@@ -183,63 +121,26 @@ def split_digits(
 
 
 def class_owners(n_classes: int, n_devices: int) -> list[list[int]]:
-    """Return the owner devices of each class for :func:`partition_non_iid`.
+    """``owners[c]``: the sorted devices owning class rank ``c`` (for :func:`partition_non_iid`).
 
-    Device ``d`` owns class rank ``d % n_classes`` when ``n_devices > n_classes``; otherwise class
-    rank ``c`` is owned by device ``c % n_devices``. Every class has at least one owner and every
-    device owns at least one class.
-
-    Parameters
-    ----------
-    n_classes : int
-        Number of distinct classes (ranks 0..n_classes-1).
-    n_devices : int
-        Number of devices, >= 1.
-
-    Returns
-    -------
-    list[list[int]]
-        ``owners[c]`` = sorted device ids owning class rank ``c``.
+    Device ``d`` owns class rank ``d % n_classes`` when ``n_devices > n_classes``, else class rank
+    ``c`` is owned by device ``c % n_devices``: every class has an owner, every device a class.
     """
     return [[d for d in range(n_devices) if d % n_classes == c % n_devices] for c in range(n_classes)]
 
 
 def partition_non_iid(labels: I64, n_devices: int, seed: int = 0, primary_share: float = 0.9) -> list[I64]:
-    """Partition samples over devices so that each device mostly sees its own few classes.
+    """Partition ``labels`` int64 [N] over ``n_devices`` (1..N), each device mostly seeing its own classes.
 
-    Each class (by rank among the distinct labels) has owner devices (:func:`class_owners`); with 10
-    classes, 4 devices own 3, 3, 2, 2 classes and 5 devices own 2 each. ``round(primary_share * n_c)``
-    of class ``c``'s samples (shuffled) are dealt round-robin to its owners, the rest round-robin to the
-    other devices (the dealing position carries on from class to class, so no device is favoured). With
-    a single device, it gets everything.
-
-    Parameters
-    ----------
-    labels : int64 [N]
-        Class label of every sample to partition (e.g. ``y[split.devices]``).
-    n_devices : int
-        Number of devices, 1..N.
-    seed : int
-        Seed of ``numpy.random.default_rng``; same inputs and seed give the same partition.
-    primary_share : float
-        Share of each class's samples that go to its owners, in [0, 1].
-
-    Returns
-    -------
-    list[int64 [n_d]]
-        ``n_devices`` sorted index arrays INTO ``labels``, disjoint and covering ``range(N)``. A shard can
-        only be empty when there are fewer samples than devices per class; for the digits device pool
-        (1079 samples) and 1..32 devices none is.
-
-    Raises
-    ------
-    ValueError
-        Bad ``labels``, ``n_devices`` outside 1..N, or ``primary_share`` outside [0, 1].
+    ``round(primary_share * n_c)`` of class ``c``'s shuffled samples are dealt round-robin to its owners
+    (:func:`class_owners`), the rest to the other devices. Returns ``n_devices`` sorted index arrays into
+    ``labels``, disjoint and covering ``range(N)``. ValueError for bad labels, ``n_devices`` or
+    ``primary_share`` (in [0, 1]).
 
     Source: the "pathological non-IID" shards of McMahan et al., "Communication-Efficient Learning of
     Deep Networks from Decentralized Data", AISTATS 2017 §3, with a tunable leak (``primary_share``).
     """
-    y = _check_labels(labels)
+    y = check_labels(labels)
     if not 1 <= n_devices <= y.size:
         raise ValueError(f"n_devices = {n_devices}: must be in 1..{y.size} (the number of samples)")
     if not 0.0 <= primary_share <= 1.0:
@@ -261,59 +162,3 @@ def partition_non_iid(labels: I64, n_devices: int, seed: int = 0, primary_share:
         deal += idx.size
     return [np.flatnonzero(assignment == d).astype(np.int64) for d in range(n_devices)]
 
-
-def dirichlet_partition(labels: I64, n_devices: int, alpha: float, seed: int = 0) -> list[I64]:
-    """Partition samples over devices with Dirichlet label skew.
-
-    For each class, proportions ``q ~ Dir(alpha * 1_n)`` are drawn and the class's shuffled samples
-    are cut at ``floor(cumsum(q) * n_c)``. Small ``alpha`` (0.1) gives each device few classes, large
-    ``alpha`` (100) approaches an IID split. Devices left empty then receive one random sample each
-    from the currently largest device, so every device has at least one sample.
-
-    Parameters
-    ----------
-    labels : int64 [N]
-        Class label of every sample to partition.
-    n_devices : int
-        Number of devices, 1..N.
-    alpha : float
-        Dirichlet concentration, > 0.
-    seed : int
-        Seed of ``numpy.random.default_rng``; same inputs and seed give the same partition.
-
-    Returns
-    -------
-    list[int64 [n_d]]
-        ``n_devices`` sorted, non-empty index arrays INTO ``labels``, disjoint and covering ``range(N)``.
-
-    Raises
-    ------
-    ValueError
-        Bad ``labels``, ``n_devices`` outside 1..N, or ``alpha <= 0``.
-
-    Source: T.-M. H. Hsu, H. Qi, M. Brown, "Measuring the Effects of Non-Identical Data Distribution
-    for Federated Visual Classification", arXiv:1909.06335 (2019) §3; cutting as in Li et al.,
-    "Federated Learning on Non-IID Data Silos: An Experimental Study", ICDE 2022 (NIID-Bench).
-    """
-    y = _check_labels(labels)
-    if not 1 <= n_devices <= y.size:
-        raise ValueError(f"n_devices = {n_devices}: must be in 1..{y.size} (the number of samples)")
-    if not alpha > 0.0:
-        raise ValueError(f"alpha = {alpha}: must be > 0")
-    rng = np.random.default_rng(seed)
-    assignment = np.empty(y.size, dtype=np.int64)
-    for cls in np.unique(y):
-        idx = rng.permutation(np.flatnonzero(y == cls))
-        q = rng.dirichlet(np.full(n_devices, alpha))
-        cuts = (np.cumsum(q)[:-1] * idx.size).astype(np.int64)
-        for device, chunk in enumerate(np.split(idx, cuts)):
-            assignment[chunk] = device
-    counts = np.bincount(assignment, minlength=n_devices)
-    for empty in np.flatnonzero(counts == 0):
-        device = int(empty)
-        donor = int(np.argmax(counts))
-        moved = int(rng.choice(np.flatnonzero(assignment == donor)))
-        assignment[moved] = device
-        counts[donor] -= 1
-        counts[device] += 1
-    return [np.flatnonzero(assignment == d).astype(np.int64) for d in range(n_devices)]

@@ -1,13 +1,9 @@
 """``edgefl demo``: a whole federated job on one machine, on real data.
 
-An embedded MQTT broker (amqtt) on a free 127.0.0.1 port (or an existing broker), the coordinator in
-this process, and N agents, each a separate OS process running the real daemon with its own profile
-overrides and its own non-IID shard of the digits data, which this process feeds it live over MQTT
-(``edgefl feed``'s code: Sample messages on ``samples/<device>`` carrying their labels, or with
-``--label-delay S`` each label as a Label message on ``labels/<device>`` S seconds later; a Prediction
-back for every sample) before the rounds start. Baselines (factory head, central training,
-local-only training) are computed here on the same embeddings, so the federated result can be read
-against its lower and upper bounds.
+An embedded MQTT broker (amqtt, or an existing one), the coordinator in this process and N agent
+processes running the real daemon, each fed its non-IID shard of the digits live over MQTT
+(``edgefl feed``'s code) before the rounds start. Baselines (factory head, central and local-only
+training) are computed on the same embeddings, as the result's lower and upper bounds.
 """
 
 from __future__ import annotations
@@ -84,11 +80,7 @@ HEAD_ACCURACY_KEYS = ("personal_accuracy", "global_accuracy")
 async def _wait_head_accuracies(
     devices: Mapping[str, Mapping[str, Any]], names: list[str], version: int, timeout_s: float
 ) -> None:
-    """Wait (at most ``timeout_s``) until each device's latest status evaluates both heads on ``version``.
-
-    The statuses say ``personal_accuracy`` and ``global_accuracy`` with the global head ``version``
-    they hold; a device without a holdout never does, so the wait is bounded (no error).
-    """
+    """Wait (at most ``timeout_s``) until each device's status evaluates both heads on ``version``."""
     loop = asyncio.get_running_loop()
     until = loop.time() + timeout_s
 
@@ -129,12 +121,7 @@ async def _embedded_broker(port: int) -> Any:
 
 
 def run_demo(opts: DemoOptions) -> int:
-    """Run the demo; print one line per round; write the JSON result if asked.
-
-    Returns
-    -------
-    Exit code: 0 when every round completed with at least one update, 1 otherwise.
-    """
+    """Run the demo, one line per round, the JSON result if asked; exit 0 when every round got an update."""
     for name in ("amqtt", "transitions", "passlib"):
         logging.getLogger(name).setLevel(logging.ERROR)
     # the per-update lines would interleave with the results table; warnings still show
@@ -409,17 +396,9 @@ async def _feed_devices(
     sizes: list[int],
     embedded: bool,
 ) -> list[FeedResult]:
-    """Feed each agent its shard over MQTT (all at once), then wait until each stored every labelled sample.
+    """Feed each agent its whole shard, labelled, over MQTT, then wait until each stored it.
 
-    Every sample is labelled (inline, or by a Label message ``opts.label_delay_s`` after its Sample), so
-    the stores hold what a replay of the shard would have put there, in the same order.
-
-    Raises
-    ------
-    TimeoutError
-        If an agent's status does not show its whole shard stored within 60 s.
-    TransportError
-        If the broker cannot be reached.
+    TimeoutError if a status does not show the whole shard stored within 60 s; TransportError.
     """
     protocol: Literal["3.1.1", "auto"] = "3.1.1" if embedded else "auto"
     broker = BrokerConfig(url=f"mqtt://{host}:{port}", topic_prefix=topics.prefix, protocol=protocol)
@@ -475,5 +454,3 @@ async def _feed_devices(
         f"{predicted} predictions back in {fed_s:.1f} s, all stored in {seconds:.1f} s"
     )
     return list(results)
-
-

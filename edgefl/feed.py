@@ -1,31 +1,12 @@
 """``edgefl feed``: publish a sample file to a device over MQTT, as a gateway's own app would.
 
-Reads an ``.npz`` holding ``x`` (raw samples [N, *sample_shape], the device's raw dtype) and ``y``
-(labels [N]) -- the format of the replay files (``source.kind = "replay"``) -- and publishes each sample
-as a Sample message on ``<prefix>/<fleet>/samples/<device>``, at ``--rate`` samples per second. A seeded
-random fraction ``--label-fraction`` of the samples gets its label: inline in the Sample when
-``--label-delay`` is 0, else as a Label message on ``labels/<device>`` that many seconds after its
-sample (a label an operator or a downstream check gives later). It listens on
-``predictions/<device>`` meanwhile and, at the end, waits (up to ``--wait`` seconds) for a prediction
-of every sample it sent. Before the first sample it waits (up to ``--wait`` seconds) for the device's
-status to say it is ready to take samples (online, subscribed): the broker keeps no sample for a
-device that has never subscribed. Messages: ``docs/protocol.md`` ("Live ingest").
-
-The broker connection is made as the agent makes it: ``--profile`` names a TOML file whose
-``[broker]`` table (validated as a device profile's; other tables are not read, so a file with only
-``[broker]`` or a whole device profile both do) gives TLS files, credentials (``password_file``),
-protocol and topic prefix; ``--broker`` gives the URL. When that file is a whole device profile (it
-has a ``[model]`` table), the samples are checked against the device's model first (shape, dtype,
-label range: :func:`check_samples`), and a misfit is named before anything is sent.
-
-A sample whose message is larger than the packet limit travels as chunks on the same topic
-(``docs/protocol.md``, "Chunks"); the device reassembles it, up to its own message limit. The feed
-also reads the device's retained status: when samples got no prediction, the device's ``rejected``
-counters and ``last_rejected`` say why, and the feed prints it.
-
-A streaming model (a stateful one: ``edgefl model prepare`` reports it) takes one frame per sample,
-its state carrying the previous frames: send a device's frames in order, and its labels in runs
-(every frame of one event labelled with that event's class).
+Each sample of a replay-format ``.npz`` (``x`` [N, *sample_shape] raw, ``y`` [N]) goes out as a
+Sample at ``--rate``; a seeded ``--label-fraction`` of them gets its label, inline or as a Label
+``--label-delay`` seconds later; the feed waits for the device to be ready first and for a
+prediction of every sample at the end, and reports what the device refused (its status's
+``rejected`` counters). The broker connection is the agent's (``--profile``'s ``[broker]``); a whole
+device profile also has the samples checked against its model first. Usage, exit codes and
+messages: ``docs/operations.md`` (the gateway's apps), ``docs/protocol.md`` ("Live ingest").
 """
 
 from __future__ import annotations
@@ -58,41 +39,20 @@ from edgefl.wire.status import decode_status
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FeedOptions", "FeedResult", "add_parser", "check_samples", "feed", "load_samples"]
-
 IN_FLIGHT = 64
 """QoS 1 publishes awaiting their PUBACK at once (as fast as the broker acknowledges, not one RTT each)."""
 
 
 @dataclass(frozen=True, slots=True)
 class FeedOptions:
-    """What to feed where (see ``edgefl feed --help``).
+    """What to feed where (``edgefl feed --help``).
 
-    Parameters
-    ----------
-    broker : BrokerConfig
-        URL, TLS files, credentials, protocol, topic prefix (``topic_prefix``).
-    fleet, device : str
-        Topics ``<prefix>/<fleet>/samples/<device>`` etc.
-    data : Path
-        ``.npz`` with ``x`` [N, *sample_shape] and ``y`` int [N].
-    rate_hz : float
-        Samples per second (> 0), or 0: as fast as the broker takes them.
-    label_fraction : float
-        Fraction in [0, 1] of the samples that get a label (a seeded random choice).
-    label_delay_s : float
-        0: the label travels inline in the Sample; > 0: as a Label this many seconds after it.
-    qos : int
-        QoS of the Sample publishes (0 or 1); Labels are always QoS 1.
-    wait_s : float
-        Seconds to wait at the end for the predictions still missing.
-    seed : int
-        Seed of the labelled fraction's choice.
-    id_prefix : str or None
-        Sample ids are ``<id_prefix><i>``; default a random 6-hex-digit token and ``-`` (so a re-run
-        is not refused as duplicates).
-    limit : int or None
-        Feed only the first ``limit`` samples.
+    ``data`` is an ``.npz`` with ``x`` [N, *sample_shape] and ``y`` int [N], sent to
+    ``<prefix>/<fleet>/samples/<device>``; ``rate_hz`` samples per second (0: as fast as the broker
+    takes them); ``label_fraction`` in [0, 1] of them labelled (chosen by ``seed``), inline or as a
+    Label ``label_delay_s`` seconds later; ``qos`` of the Samples (Labels: 1); ``wait_s`` seconds to
+    wait for the device's readiness and the missing predictions; sample ids ``<id_prefix><i>`` (default
+    a random token); ``limit`` the first samples only.
     """
 
     broker: BrokerConfig
@@ -111,35 +71,14 @@ class FeedOptions:
 
 @dataclass(frozen=True, slots=True)
 class FeedResult:
-    """What one feed did (``--json`` writes it).
+    """What one feed did (``--json`` writes it; the keys are a contract).
 
-    Attributes
-    ----------
-    samples_sent : int
-    labels_inline : int
-        Labels sent inside their Sample.
-    labels_late : int
-        Labels sent as Label messages.
-    predictions_received : int
-        Predictions received for the samples sent (one per id; duplicates not counted).
-    correct : int
-        Predictions equal to the sample's ``y`` (all samples, labelled or not).
-    seconds : float
-        Wall time from the first publish to the end.
-    latency_s_median, latency_s_p95 : float or None
-        The device's ``latency_s`` (arrival to classification, queueing included) over the
-        predictions received: median and 95th percentile, seconds.
-    publish_s : float or None
-        Seconds from the first publish to the last one acknowledged (labels included).
-    refused : dict[str, int]
-        What the device refused while the feed ran: the rise of its status's ``rejected`` counters,
-        by reason (``bad_shape``, ``bad_dtype``, ``bad_label``...); empty when nothing was refused or
-        the device published no status.
-    refused_detail : str
-        The device's ``last_rejected`` detail (e.g. ``x: shape [64], this model takes samples of
-        [8, 8, 1]``), "" if none.
-    chunked : int
-        Samples sent in chunks (larger than the packet limit).
+    ``labels_inline``/``labels_late`` count labels in a Sample / as Label messages;
+    ``predictions_received`` one per id; ``correct`` against ``y``; ``seconds`` from the first publish;
+    ``latency_s_median``/``latency_s_p95`` over the device's ``latency_s`` (seconds, None without
+    predictions); ``publish_s`` to the last acknowledged publish; ``refused`` the rise of the device's
+    ``rejected`` counters by reason, ``refused_detail`` its ``last_rejected``; ``chunked`` samples sent
+    in chunks.
     """
 
     samples_sent: int
@@ -162,13 +101,7 @@ class FeedResult:
 
 
 def load_samples(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Read a replay-format ``.npz``: ``x`` [N, ...] raw samples and ``y`` int64 [N] labels.
-
-    Raises
-    ------
-    ValueError
-        If the file is not such an ``.npz`` (names the problem).
-    """
+    """Read a replay-format ``.npz``: ``x`` [N, ...] raw, ``y`` int64 [N]; ValueError naming the problem."""
     try:
         with np.load(path, allow_pickle=False) as data:
             x, y = np.asarray(data["x"]), np.asarray(data["y"]).astype(np.int64)
@@ -182,15 +115,7 @@ def load_samples(path: Path) -> tuple[np.ndarray, np.ndarray]:
 async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> FeedResult:
     """Publish the samples (and labels) of ``opts.data`` to a device and collect its predictions.
 
-    Parameters
-    ----------
-    opts : FeedOptions
-    transport : MqttTransport, optional
-        A started transport to use (the demo shares none; each feed connects its own by default).
-
-    Returns
-    -------
-    FeedResult
+    ``transport``: a started transport to use (by default the feed connects its own).
 
     Raises
     ------
@@ -389,30 +314,11 @@ def _rise(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
 
 
 def check_samples(profile_path: Path | str, x: np.ndarray, y: np.ndarray) -> list[str]:
-    """What the device of a profile would refuse in ``x``, ``y`` (shape, dtype, label range), if anything.
+    """What the device of a profile would refuse in ``x`` [N, *sample_shape], ``y`` int [N], if anything.
 
-    Parameters
-    ----------
-    profile_path : Path or str
-        A device profile (its ``[model]`` and ``[pipeline]`` tables are read, the model loaded). A
-        file without a ``[model]`` table (only ``[broker]``) checks nothing.
-    x : [N, *sample_shape]
-        Raw samples.
-    y : int [N]
-        Labels.
-
-    Returns
-    -------
-    list[str]
-        One line per problem, naming the data, the device's expectation and the profile key; empty
-        when the samples fit.
-
-    Raises
-    ------
-    ConfigError
-        If the profile is invalid.
-    ModelError
-        If the profile's model cannot be loaded.
+    Its ``[model]`` and ``[pipeline]`` are read and the model loaded (a file without ``[model]`` checks
+    nothing); one line per problem, naming the data, the device's expectation and the profile key.
+    ConfigError for an invalid profile, ModelError for a model that cannot be loaded.
     """
     from edgefl.agent.config import load_profile  # here: the profile and LiteRT only with --profile
     from edgefl.head import check_labels, label_range
@@ -509,30 +415,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-BROKER_SCHEMA = Schema({"broker": BrokerConfig}, {"broker": check_broker})
+BROKER_SCHEMA = Schema({"broker": (BrokerConfig, check_broker)})
 """The ``[broker]`` table alone, checked as a device profile's (:func:`edgefl.profiles.check_broker`)."""
 
 
 def load_broker_table(path: Path | str, overrides: dict[str, object]) -> BrokerConfig:
-    """Read the ``[broker]`` table of a TOML file (other tables ignored), ``overrides`` on top.
+    """The validated ``[broker]`` table of a TOML file (other tables ignored), ``overrides`` on top.
 
-    Parameters
-    ----------
-    path : Path or str
-        A file with a ``[broker]`` table: a device profile, or a file holding only that table.
-        Relative paths in it resolve against its directory.
-    overrides : dict[str, object]
-        ``{"broker.key": value}`` set on top (``--broker``, ``--prefix``).
-
-    Returns
-    -------
-    BrokerConfig
-        The validated table (defaults for the keys not given).
-
-    Raises
-    ------
-    ConfigError
-        If the file cannot be read, is not TOML, or the table is invalid (every problem named).
+    ``overrides`` are ``{"broker.key": value}`` (``--broker``, ``--prefix``). ConfigError if the file
+    cannot be read, is not TOML, or the table is invalid (every problem named).
     """
     file, data = read_toml(path)
     table = data.get("broker", {})
@@ -599,8 +490,7 @@ def cmd_feed(args: argparse.Namespace) -> int:
     print(
         f"fed {result.samples_sent} samples to {opts.device} in {result.seconds:.1f} s "
         f"({result.labels_inline} labels inline, {result.labels_late} late); "
-        f"{result.predictions_received} predictions"
-        + (f", accuracy {acc:.3f}" if acc is not None else "")
+        f"{result.predictions_received} predictions" + (f", accuracy {acc:.3f}" if acc is not None else "")
     )
     if args.json:
         doc = {**asdict(result), "accuracy": acc}

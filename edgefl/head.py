@@ -297,6 +297,65 @@ def cross_entropy_grad_into(
     np.sum(z, axis=0, out=grad_b)
 
 
+def paired_cross_entropy_grad_into(
+    W2: F32,
+    b2: F32,
+    emb: F32,
+    labels: I64,
+    z: F32,
+    grad_W: F32,
+    grad_b: F32,
+    rows: I64,
+    logit_scale: F32 | None = None,
+) -> None:
+    """:func:`cross_entropy_grad_into` of two softmax heads stacked, each bit for bit its own.
+
+    ``W2 = [W, V]`` stacks two heads of the same shape; the batch's logits of both come from one
+    stacked ``emb @ W2`` and both gradients from one ``emb.T @ z`` (numpy multiplies each head
+    with the same BLAS call as alone, so each half is exactly :func:`cross_entropy_grad_into`'s),
+    and one softmax runs over both. The device trains its global and its personal head over the
+    same batches this way: half the Python calls of two heads, and the global head's arithmetic
+    unchanged by the personal one beside it.
+
+    Parameters
+    ----------
+    W2 : float32 [2, D, K], C-contiguous
+        ``[W, V]``: the first head's weights, then the second's.
+    b2 : float32 [2, 1, K]
+        Their biases.
+    emb : float32 [N, D], C-contiguous (N >= 1)
+    labels : int64 [N]
+        Class indices in ``[0, K)``.
+    z : float32 [2, N, K], C-contiguous
+        Scratch: left holding both heads' ``(softmax - onehot) / N`` (the second's times ``logit_scale``).
+    grad_W : float32 [2, D, K], C-contiguous
+        Receives ``[dW, dV]``.
+    grad_b : float32 [2, 1, K]
+        Receives both heads' bias gradients.
+    rows : int64 [N]
+        ``arange(N)``.
+    logit_scale : float32 [K] or None
+        The second head's logit scale (:func:`restricted_logit_scale`); the first head's loss is
+        always the plain softmax cross-entropy.
+
+    Source: as :func:`cross_entropy` (Bishop 2006, §4.3.4), per head.
+    """
+    n = emb.shape[0]
+    np.matmul(emb, W2, out=z)
+    z += b2
+    if logit_scale is not None:
+        z[1] *= logit_scale
+    z -= z.max(axis=2, keepdims=True)
+    np.exp(z, out=z)
+    z /= z.sum(axis=2, keepdims=True)
+    z[:, rows, labels] -= 1.0
+    z /= n
+    if logit_scale is not None:
+        z[1] *= logit_scale
+    np.matmul(emb.T, z, out=grad_W)
+    np.sum(z, axis=1, keepdims=True, out=grad_b)
+
+
 def binary_cross_entropy(W: F32, b: F32, emb: F32, labels: I64) -> tuple[float, F32, F32]:
     """Mean binary cross-entropy of a logistic head (K = 1) and its gradient.
 

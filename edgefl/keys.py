@@ -1,11 +1,9 @@
 """The ``edgefl keys`` command: make and show the Ed25519 keys that profiles take.
 
-``edgefl keys generate --out DIR --name NAME`` writes ``DIR/NAME.key`` (the private key, PKCS #8 PEM,
-mode 0600) and ``DIR/NAME.pub`` (the public key, SubjectPublicKeyInfo PEM), and prints the public key
-as 64 hex digits. ``edgefl keys show FILE`` prints the public key of a private or public key file
-(hex or PEM) in both forms. Every key setting of the device and coordinator profiles takes either
-form (``docs/security.md``, "Keys"). Exit codes: 0 done; 1 a file exists or cannot be read, written or
-parsed (the message names it and why); 2 usage.
+``generate --out DIR --name NAME`` writes ``NAME.key`` (PKCS #8 PEM, mode 0600) and ``NAME.pub``
+(SPKI PEM) and prints the public key in hex; ``show FILE`` prints a key file's public key in both
+forms, which every key setting takes (``docs/security.md``, "Keys"). Exit 0 done; 1 a file exists or
+cannot be read, written or parsed (named, with why); 2 usage.
 
 Source: RFC 8032 §5.1.5 (keys), RFC 8410 (their PKCS #8 / SPKI encoding), RFC 7468 (PEM).
 """
@@ -26,17 +24,9 @@ from edgefl.wire.signing import (
     write_key_pair,
 )
 
-__all__ = ["add_parser", "cmd_generate", "cmd_show"]
-
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Write a new key pair (``--out``, ``--name``); print the files and the hex public key.
-
-    Returns
-    -------
-    int
-        0 written; 1 a file exists (nothing replaced) or cannot be written.
-    """
+    """Write a new key pair (``--out``, ``--name``), print the files and the hex public key; 0, or 1."""
     try:
         private, public, key = write_key_pair(Path(args.out), args.name)
     except (OSError, ValueError) as exc:
@@ -61,13 +51,7 @@ def _read_public(path: Path) -> VerifyKey:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    """Print the public key of a key file as 64 hex digits and as PEM.
-
-    Returns
-    -------
-    int
-        0 printed; 1 the file cannot be read or holds no Ed25519 key (named, never quoted).
-    """
+    """Print the public key of a key file as 64 hex digits and as PEM; 0, or 1 (named, never quoted)."""
     path = Path(args.file)
     try:
         public = _read_public(path)

@@ -13,8 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["MALLOC_ENV", "free_port", "launch_agent", "stop_agents"]
-
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "131072"}
 """glibc malloc as the systemd unit sets it: two arenas, a fixed mmap threshold (large frees go back)."""
 
@@ -24,22 +22,9 @@ def launch_agent(
 ) -> subprocess.Popen[bytes]:
     """Start one agent as a separate OS process: ``python -m edgefl.cli run PROFILE --set k=v ...``.
 
-    Parameters
-    ----------
-    profile : Path
-        The TOML profile.
-    overrides : dict
-        Dotted profile keys and values (``device.id``, ``broker.url``, ...).
-    log_path : Path
-        File receiving the agent's stdout and stderr.
-    optimize : bool
-        Run with ``-OO`` (as the systemd unit's ``PYTHONOPTIMIZE=2``); False for plain ``python``.
-    malloc : bool
-        glibc malloc set as the systemd unit sets it (:data:`MALLOC_ENV`); False: the environment as it is.
-
-    Returns
-    -------
-    The running process (the caller stops it with SIGTERM and waits).
+    ``overrides`` are dotted profile keys; ``log_path`` receives stdout and stderr; ``optimize`` runs
+    ``-OO`` and ``malloc`` sets :data:`MALLOC_ENV`, as the systemd unit does. The caller stops the
+    returned process with SIGTERM and waits.
     """
     # -OO drops docstrings and asserts: ~2.6 MiB less RSS per agent once the optimised bytecode is
     # compiled (``make demo`` runs ``compileall -o 2``; without it, -OO would compile every import).

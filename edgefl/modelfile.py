@@ -1,11 +1,8 @@
 """Read a ``.tflite`` flatbuffer without TensorFlow, and add model outputs to it in place.
 
-A minimal reader of the TFLite schema (the tables and fields edgefl needs: tensors, operators,
-operator codes, buffers, quantisation) and one writer, :func:`add_outputs`, which appends a new
-``SubGraph.outputs`` vector at the end of the file and re-points the field at it: every other byte of
-the model (weights, alignment, metadata, signatures) stays where it was, so the original outputs are
-computed by exactly the same graph. Pure Python and numpy: it runs on the armv7 path where only
-tflite-runtime exists (no ``flatbuffers`` package, no schema module).
+A minimal reader of the TFLite schema (the tables and fields edgefl needs) and one writer,
+:func:`set_outputs`, which leaves every other byte of the model where it was. Pure Python: it runs on
+the armv7 path where only tflite-runtime exists (no ``flatbuffers`` package, no schema module).
 
 Source: FlatBuffers binary format (flatbuffers.dev, "Internals": little-endian, uoffset_t forward
 offsets, vtables of voffset_t); TFLite schema ``tensorflow/compiler/mlir/lite/schema/schema.fbs``
@@ -17,8 +14,6 @@ from __future__ import annotations
 import mmap
 import struct
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from edgefl.errors import ModelError
 
@@ -43,9 +38,6 @@ TENSOR_TYPES: dict[int, str] = {
     16: "uint16",
     17: "int4",
 }
-TYPE_FLOAT32 = 0
-TYPE_UINT8 = 3
-TYPE_INT8 = 9
 
 # BuiltinOperator codes (schema.fbs) edgefl looks for
 OP_NAMES: dict[int, str] = {
@@ -90,22 +82,8 @@ _PLACEHOLDER_FOR_GREATER_OP_CODES = 127
 class TensorInfo:
     """One tensor of subgraph 0.
 
-    Attributes
-    ----------
-    index : int
-    name : str
-    dtype : str
-        numpy dtype name, or ``resource``/``variant``/``type<N>``.
-    shape : tuple[int, ...]
-    shape_signature : tuple[int, ...]
-        With -1 for dynamic dimensions (empty when the file has none: same as ``shape``).
-    buffer : int
-        Index into the model's buffers (0 = no data).
-    has_data : bool
-        The tensor is a constant (its buffer holds bytes).
-    scales : tuple[float, ...]
-    zero_points : tuple[int, ...]
-    is_variable : bool
+    ``dtype`` is a numpy dtype name (or ``resource``/``variant``/``type<N>``); ``shape_signature`` has
+    -1 for dynamic dimensions (empty: as ``shape``); ``has_data``: a constant (its ``buffer`` holds bytes).
     """
 
     index: int
@@ -131,24 +109,16 @@ class OpInfo:
 
 @dataclass(frozen=True, slots=True)
 class GraphInfo:
-    """Subgraph 0 of a TFLite model (the one the interpreter runs), plus the model's subgraph count.
+    """Subgraph 0 of a TFLite model (the one the interpreter runs).
 
-    Attributes
-    ----------
-    tensors : list[TensorInfo]
-    ops : list[OpInfo]
-    inputs, outputs : tuple[int, ...]
-        Tensor indices of the graph's inputs and outputs.
-    num_subgraphs : int
-    outputs_field : int
-        Byte position of ``SubGraph.outputs``'s uoffset in the file (for :func:`add_outputs`).
+    ``inputs``/``outputs`` are tensor indices; ``outputs_field`` is the byte position of
+    ``SubGraph.outputs``'s uoffset in the file (for :func:`set_outputs`).
     """
 
     tensors: list[TensorInfo]
     ops: list[OpInfo]
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
-    num_subgraphs: int
     outputs_field: int = field(repr=False)
 
 
@@ -221,23 +191,9 @@ class _Reader:
 
 
 def read_graph(buf: ModelBytes, path: str = "<model>") -> GraphInfo:
-    """Parse subgraph 0 of a TFLite flatbuffer.
+    """Parse subgraph 0 of a whole ``.tflite`` file (``path`` names it in errors).
 
-    Parameters
-    ----------
-    buf : bytes or mmap
-        The whole ``.tflite`` file (a read-only map touches only the pages of the tables read).
-    path : str
-        For error messages.
-
-    Returns
-    -------
-    GraphInfo
-
-    Raises
-    ------
-    ModelError
-        If the bytes are not a TFLite model (no ``TFL3`` identifier) or an offset points outside.
+    ModelError if the bytes are not a TFLite model (no ``TFL3`` identifier) or an offset points outside.
     """
     if len(buf) < 8 or buf[4:8] != b"TFL3":
         raise ModelError(path, "not a TFLite flatbuffer (no TFL3 file identifier)")
@@ -293,7 +249,6 @@ def read_graph(buf: ModelBytes, path: str = "<model>") -> GraphInfo:
             ops=ops,
             inputs=r.ints(sg, 6),
             outputs=r.ints(sg, 8),
-            num_subgraphs=len(subgraphs),
             outputs_field=outputs_field,
         )
     except (ValueError, struct.error, IndexError) as exc:
@@ -301,29 +256,9 @@ def read_graph(buf: ModelBytes, path: str = "<model>") -> GraphInfo:
 
 
 def add_outputs(buf: ModelBytes, extra: list[int], path: str = "<model>") -> bytes:
-    """Return the model with tensors ``extra`` appended to subgraph 0's outputs.
+    """The model with tensors ``extra`` (those not outputs yet) appended to subgraph 0's outputs.
 
-    The original outputs keep their order and come first, so ``get_output_details()[i]`` is unchanged
-    for every original ``i``; see :func:`set_outputs` for how the file is rewritten.
-
-    Parameters
-    ----------
-    buf : bytes
-        The ``.tflite`` file.
-    extra : list of int
-        Tensor indices to add (those already outputs are skipped).
-    path : str
-        For error messages.
-
-    Returns
-    -------
-    bytes
-        The new model (``bytes(buf)`` when there is nothing to add).
-
-    Raises
-    ------
-    ModelError
-        As :func:`set_outputs`.
+    The original outputs come first, unchanged; ModelError as :func:`set_outputs`.
     """
     graph = read_graph(buf, path)
     new = [i for i in dict.fromkeys(extra) if i not in graph.outputs]
@@ -331,31 +266,11 @@ def add_outputs(buf: ModelBytes, extra: list[int], path: str = "<model>") -> byt
 
 
 def set_outputs(buf: ModelBytes, outputs: list[int], path: str = "<model>") -> bytes:
-    """Return the model with subgraph 0's outputs replaced by ``outputs``.
+    """The model with subgraph 0's outputs replaced by the tensor indices ``outputs`` (at least one).
 
-    The new outputs vector is appended at the end of the file (4-byte aligned) and the subgraph's
-    ``outputs`` field is re-pointed at it (a uoffset is a forward offset, and the end of the file is
-    after every field). Every other byte stays where it was: weights, their alignment, metadata and
-    signatures.
-
-    Parameters
-    ----------
-    buf : bytes
-        The ``.tflite`` file.
-    outputs : list of int
-        Tensor indices of subgraph 0, in output order (at least one).
-    path : str
-        For error messages.
-
-    Returns
-    -------
-    bytes
-
-    Raises
-    ------
-    ModelError
-        If the file is not a TFLite model, an index is not a tensor of subgraph 0, or the model keeps
-        buffers outside the flatbuffer (> 2 GiB models: appended bytes would shift them).
+    The new vector is appended at the end of the file (4-byte aligned) and the field re-pointed at it:
+    every other byte stays where it was. ModelError if the file is not a TFLite model, an index is not
+    a tensor of subgraph 0, or buffers live outside the flatbuffer (appended bytes would shift them).
     """
     graph = read_graph(buf, path)
     if not outputs:
@@ -416,20 +331,20 @@ def head_output(graph: GraphInfo, fc: int) -> int:
     return tensor
 
 
+def find_tensor(graph: GraphInfo, name: str, path: str) -> int:
+    """Index of the tensor called ``name`` (the profile's ``model.embedding_tensor``); ModelError if none."""
+    found = [t.index for t in graph.tensors if t.name == name]
+    if not found:
+        raise ModelError(path, f"embedding tensor {name!r} not found in the model")
+    return found[0]
+
+
 def stateful_ops(graph: GraphInfo) -> list[str]:
     """Names of the ops that carry state between invokes (sorted, unique)."""
     found = {op.name for op in graph.ops if op.name in STATEFUL_OPS}
     if any(t.is_variable for t in graph.tensors):
         found.add("variable tensors")
     return sorted(found)
-
-
-def np_dtype(info: TensorInfo) -> np.dtype[np.generic] | None:
-    """The numpy dtype of a tensor, or None for resource/variant/unknown types."""
-    try:
-        return np.dtype(info.dtype)
-    except TypeError:
-        return None
 
 
 # --- backbone identity ----------------------------------------------------------------------------
@@ -461,19 +376,9 @@ def strip_origin(buf: ModelBytes) -> bytes:
 
 
 def with_origin(buf: ModelBytes, origin_sha256: str) -> bytes:
-    """The model with a trailer recording ``origin_sha256`` (4-byte aligned; an older trailer replaced).
+    """The prepared model with a trailer recording the original's ``origin_sha256`` (64 hex digits).
 
-    Parameters
-    ----------
-    buf : bytes
-        The ``.tflite`` file (a prepared model).
-    origin_sha256 : str
-        64 hex digits: SHA-256 of the model it was prepared from.
-
-    Raises
-    ------
-    ValueError
-        If ``origin_sha256`` is not 64 hex digits.
+    4-byte aligned, an older trailer replaced; ValueError for another ``origin_sha256``.
     """
     digest = bytes.fromhex(origin_sha256)
     if len(digest) != 32:

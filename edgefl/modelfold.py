@@ -1,21 +1,12 @@
 """Fold an input normalisation into an int8 model: a uint8 input and one QUANTIZE op in front.
 
-For a model we did not build (``edgefl model prepare MODEL --mean M --std S --raw-dtype uint8``): the
-new uint8 input tensor carries the normalisation as its quantisation, ``real = (raw - zp) / std`` with
-``scale = 1 / std`` and ``zp`` the mean, and one QUANTIZE op requantises it to the model's int8 input.
-The pipeline's fused step is then a plain copy of the raw frames (``edgefl.agent.pipeline``).
-
-Exactness: with an integer mean the QUANTIZE op computes ``round((raw - mean) / (std * s)) + z`` (s, z
-the int8 input's scale and zero point), which is the table path's value except where it lies exactly
-half-way between two steps (LiteRT rounds half away from zero, the table half to even): then one
-step apart (:class:`FoldReport` counts such raw values). A mean that is not an integer cannot be a
-zero point: the nearer integer that keeps the most raw values distinct after the QUANTIZE is used,
-so inputs are within half an input step of the normalisation (``shift_steps``), and the pipeline is
-given that integer as its mean.
-
-Needs LiteRT's generated schema (``ai_edge_litert.schema_py_generated``) and the ``flatbuffers``
-package, both installed with ai-edge-litert (not on the armv7 tflite-runtime path: prepare the model
-on a development machine).
+For ``edgefl model prepare MODEL --mean M --std S --raw-dtype uint8``: the new uint8 input carries
+the normalisation as its quantisation (``scale = 1 / std``, zero point the mean), one QUANTIZE op
+requantises it to the model's int8 input, and the pipeline's fused step becomes a copy. With an
+integer mean it matches the table path but at exact half-way ties (LiteRT rounds half away from
+zero, the table half to even: :class:`FoldReport` counts them); a non-integer mean is replaced by
+the nearer integer that keeps the most raw values distinct. Needs LiteRT's generated schema and
+``flatbuffers`` (not on the armv7 tflite-runtime path: prepare the model on a development machine).
 
 Source: TFLite schema (``schema.fbs``: Tensor, Operator, QuantizeOptions); TensorFlow Lite 8-bit
 quantization specification (``real = scale * (q - zero_point)``).
@@ -38,22 +29,10 @@ BUFFER_ALIGNMENT = 16  # bytes: what the TFLite converter gives constant buffers
 class FoldReport:
     """What :func:`fold_input_normalisation` did.
 
-    Attributes
-    ----------
-    scale : float
-        The uint8 input's scale, ``1 / std`` (float32).
-    zero_point : int
-        The uint8 input's zero point (the mean, or the integer chosen for it).
-    mean_used : float
-        The mean the pipeline must be given so its table is the identity (= ``zero_point``).
-    shift_steps : float
-        ``(mean - zero_point) / (std * s)``: how far (in int8 input steps) every input is shifted
-        from the requested normalisation; 0 for an integer mean, at most 0.5.
-    ties : int
-        Raw values 0..255 whose requantised value lies exactly half-way between two int8 steps
-        (where LiteRT's rounding may differ from the table path's by one step).
-    clipped : int
-        Raw values that saturate at -128 or 127 after the QUANTIZE.
+    ``scale`` (``1 / std``) and ``zero_point`` of the uint8 input; ``mean_used`` the mean the pipeline
+    must be given (= ``zero_point``); ``shift_steps`` how far every input is shifted from the requested
+    normalisation, in int8 input steps (0 for an integer mean, at most 0.5); ``ties`` raw values whose
+    requantised value lies exactly half-way between two steps; ``clipped`` raw values that saturate.
     """
 
     scale: float
@@ -74,15 +53,10 @@ def _requantised(zp: int, std: float, s: float, z: int) -> tuple[np.ndarray, int
 
 
 def choose_zero_point(mean: float, std: float, s: float, z: int) -> int:
-    """The uint8 zero point for ``mean``.
+    """The uint8 zero point for ``mean`` (0..255, else ModelError).
 
     The mean itself when an integer, else its floor or ceiling, whichever keeps the most raw values
     distinct after requantising to the int8 input (the floor on a tie).
-
-    Raises
-    ------
-    ModelError
-        If the mean is outside 0..255.
     """
     if not 0.0 <= mean <= 255.0:
         raise ModelError("--mean", f"mean {mean} outside 0..255: not a uint8 zero point")
@@ -94,10 +68,7 @@ def choose_zero_point(mean: float, std: float, s: float, z: int) -> int:
 
 
 class _AlignedBuffer:
-    """Packs a Buffer table with its bytes aligned to :data:`BUFFER_ALIGNMENT`.
-
-    flatbuffers' own ``CreateNumpyVector`` aligns uint8 data to 1 byte only.
-    """
+    """Packs a Buffer table with its bytes aligned to :data:`BUFFER_ALIGNMENT` (flatbuffers aligns to 1)."""
 
     def __init__(self, data: Any, offset: int, size: int) -> None:
         self.data = data
@@ -128,22 +99,9 @@ def fold_input_normalisation(
 ) -> tuple[bytes, FoldReport]:
     """Give an int8-input model a uint8 input holding ``(raw - mean) / std``, through one QUANTIZE op.
 
-    Parameters
-    ----------
-    buf : bytes
-        The ``.tflite`` file (int8 input).
-    mean, std : float
-        The normalisation ``x = (raw - mean) / std`` the model expects (one value for all channels).
-    raw_dtype : "uint8"
-        The raw samples' dtype (the only one a QUANTIZE op to int8 can take here).
-    path : str
-        For error messages.
-
-    Returns
-    -------
-    bytes
-        The new model: tensor indices and outputs unchanged, one tensor and one op added.
-    FoldReport
+    ``buf`` is the ``.tflite`` file, ``raw_dtype`` must be ``"uint8"``, ``path`` names it in errors.
+    Returns the new model (tensor indices and outputs unchanged, one tensor and one op added) and a
+    :class:`FoldReport`.
 
     Raises
     ------

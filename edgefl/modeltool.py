@@ -1,9 +1,7 @@
 """``edgefl model inspect`` and ``edgefl model prepare``: a user's own .tflite, read and made usable.
 
 ``inspect`` says what the model holds; ``prepare`` adds the embedding as an output, without TensorFlow.
-
-A CLI-layer module (registered by ``edgefl.cli``): it may compose the runtime and the agent's memory
-estimates.
+A CLI-layer module: it may compose the runtime and the agent's memory estimates.
 """
 
 from __future__ import annotations
@@ -27,32 +25,13 @@ ESTIMATE_BATCHES = (1, 8, 32)
 
 
 def describe(path: Path, *, embedding_tensor: str | None = None) -> dict[str, Any]:
-    """What the agent needs to know about a model, as a JSON-ready dict.
+    """What the agent needs to know about a model, as a JSON-ready dict (``edgefl model inspect --json``).
 
-    Parameters
-    ----------
-    path : Path
-        The ``.tflite`` file.
-    embedding_tensor : str or None
-        As the profile's ``model.embedding_tensor`` (None = the last FULLY_CONNECTED's input).
-
-    Returns
-    -------
-    dict
-        ``input`` {``name``, ``shape``, ``shape_signature``, ``dtype``, ``scale``, ``zero_point``};
-        ``embedding_tensor`` {``index``, ``name``}; ``embedding_dim`` D; ``num_classes`` K;
-        ``head_weight_dtype``; ``head_activation`` (``softmax``/``logistic``/``none``); ``output``
-        {``index``, ``name``, ``dtype``, ``shape``, ``scale``, ``zero_point``}; ``stateful`` (bool) and
-        ``stateful_ops``; ``embedding_output`` (the embedding is already a model output);
-        ``batch_resizable``; ``memory_bytes_per_batch`` {batch: bytes} (estimated bytes an inference
-        call adds to RSS: ``edgefl.agent.estimates.estimate_inference_bytes``); ``sha256`` (the file's);
-        ``backbone_sha256`` (the model's identity on the wire: the original's for a prepared model);
-        ``runtime``.
-
-    Raises
-    ------
-    ModelError
-        If the model cannot be loaded or has no head.
+    ``embedding_tensor`` as the profile's ``model.embedding_tensor``. The keys (a contract of
+    ``--json``) are those built below: ``memory_bytes_per_batch`` is
+    :func:`edgefl.agent.estimates.estimate_inference_bytes` per batch, ``backbone_sha256`` the
+    identity on the wire (the original's for a prepared model). ModelError if the model cannot be
+    loaded or has no head.
     """
     from edgefl.agent import estimates
     from edgefl.runtime import Backbone
@@ -102,30 +81,12 @@ def describe(path: Path, *, embedding_tensor: str | None = None) -> dict[str, An
 def prepare_bytes(buf: bytes, *, embedding_tensor: str | None = None, path: str = "<model>") -> bytes:
     """The model with its embedding added as an extra output (the original outputs first, unchanged).
 
-    Parameters
-    ----------
-    buf : bytes
-        The ``.tflite`` file.
-    embedding_tensor : str or None
-        The embedding's tensor name (None = the input of the last FULLY_CONNECTED op).
-    path : str
-        For error messages.
-
-    Returns
-    -------
-    bytes
-
-    Raises
-    ------
-    ModelError
-        If the model has no FULLY_CONNECTED op (and no name is given) or the name is not a tensor.
+    ``embedding_tensor`` names it (None: the last FULLY_CONNECTED op's input). ModelError if there is
+    no such op (and no name) or the name is not a tensor.
     """
     graph = modelfile.read_graph(buf, path)
     if embedding_tensor:
-        found = [t.index for t in graph.tensors if t.name == embedding_tensor]
-        if not found:
-            raise ModelError(path, f"embedding tensor {embedding_tensor!r} not found in the model")
-        index = found[0]
+        index = modelfile.find_tensor(graph, embedding_tensor, path)
     else:
         fc = modelfile.head_fc(graph)
         if fc is None:

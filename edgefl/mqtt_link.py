@@ -1,28 +1,18 @@
 """The MQTT transport's link layer: the broker socket driven by the event loop, into a bounded queue.
 
-The event loop drives paho (paho's "external event loop" API) and the socket under it
-(:mod:`edgefl.mqtt_socket`): the connected socket is watched with ``add_reader``, what paho writes goes
-out once per turn of the loop (``add_writer`` only while the kernel's send buffer is full), and
-``loop_misc`` runs every second for the keep-alive. A message reaches its handler without a thread
-switch, and a publish leaves without waking another thread (the two hops of paho's own network thread
-were ~0.6-0.9 ms each on a loaded 2-core gateway). paho's callbacks only schedule handlers
-(``call_soon``, STYLE.md rule 6: nothing runs inside paho's locks); an exception in paho's network
-code or a socket callback is counted (``thread_errors_total``) and logged, never swallowed, and ends
-the connection.
+The event loop drives paho (its "external event loop" API) and the socket under it
+(:mod:`edgefl.mqtt_socket`): no thread hop on receive or publish. paho's callbacks only schedule
+handlers; an exception in paho's network code or a socket callback is counted
+(``thread_errors_total``), logged and ends the connection.
 
-Received messages go into a bounded queue (the RAM cap covers buffers too). A QoS 1 message is
-acknowledged (PUBACK, paho's manual ack) only once it is in that queue (or, with ``ack_on_commit``,
-once the consumer committed it): when the queue is full it waits, unacknowledged, in a short hold
-line that the broker's own flow control bounds (MQTT 5 Receive Maximum = the queue's size,
-§3.1.2.11.3; mosquitto's ``max_inflight_messages`` on 3.1.1), and moves in as the consumer takes
-messages. A broker that ignores that bound meets a closed door instead: the link stops reading the
-socket while the queue and the hold line have no room, and TCP's flow control holds the rest. So a
-burst is never acknowledged and then lost; only QoS 0 messages are dropped when the queue is full,
-and counted. A message whose handling raises is acknowledged, counted (``refused``) and dropped.
-The connection's lifecycle (connect, subscriptions, publish, stop) is
-:class:`edgefl.transport.MqttTransport`'s, built on :class:`Link`.
+A QoS 1 message is acknowledged only once it is in the bounded queue (or, with ``ack_on_commit``,
+once the consumer committed it); a full queue leaves it waiting unacknowledged in a hold line the
+broker's flow control bounds (MQTT 5 Receive Maximum = the queue's size), and a broker that ignores
+that bound finds the socket no longer read. So a burst is never acknowledged and then lost; only QoS
+0 messages are dropped when the queue is full, and counted. The connection's lifecycle is
+:class:`edgefl.transport.MqttTransport`'s.
 
-Source: MQTT 5.0 (OASIS 2019) and MQTT 3.1.1 (OASIS 2014); paho-mqtt 2.x client API.
+Source: MQTT 5.0 (OASIS 2019) §3.1.2.11.3, §4.9; MQTT 3.1.1 (OASIS 2014); paho-mqtt 2.x client API.
 """
 
 from __future__ import annotations
@@ -43,30 +33,16 @@ from edgefl.mqtt_socket import OVERSIZE_TOPIC, BoundedClient
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "HOLD_FACTOR",
-    "LOGGED_DROPS",
-    "MISC_INTERVAL_S",
-    "READS_PER_TURN",
-    "Connection",
-    "FlowQueue",
-    "Link",
-    "Message",
-]
-
 #: Drops of a full incoming queue logged one by one before the log only names every 1000th.
 LOGGED_DROPS = 20
-#: The hold line of QoS 1 messages waiting for room in the queue, in queue sizes (a broker that ignores
-#: our Receive Maximum cannot grow it further: beyond it messages are dropped and counted).
+#: The hold line of QoS 1 messages waiting for room in the queue, in queue sizes (beyond: dropped, counted).
 HOLD_FACTOR = 4
-#: Seconds between two ``loop_misc`` calls (keep-alive PINGREQ, and the end of a connection whose
-#: PINGRESP is overdue), paho's own loop's select timeout.
+#: Seconds between two ``loop_misc`` calls (keep-alive PINGREQ, overdue PINGRESP).
 MISC_INTERVAL_S = 1.0
-#: Packets read in one turn of the event loop while more bytes wait (in the socket, or above it:
-#: TLS, PacketFilter): a burst lands in the queue together, as paho's thread used to put it there
-#: (a site aggregator writes its record once the queue is drained: one packet a turn made that
-#: one fsync per update), and the rest is read on the next turn, so a flood cannot hold the loop.
+#: Packets read in one turn of the event loop while more bytes wait: a burst lands in the queue
+#: together (one write of a site's record, not one per update), and a flood cannot hold the loop.
 READS_PER_TURN = 64
+
 
 @dataclass(frozen=True, slots=True)
 class Message:
@@ -91,15 +67,9 @@ class FlowQueue(asyncio.Queue[Message]):
         return item
 
 
-
-
 @dataclass(eq=False)
 class Connection:
-    """One paho client's life: its in-flight PUBACK and SUBACK futures die with it.
-
-    paho numbers message ids per client from 1, so futures are keyed by ``mid`` inside one connection
-    only; a late callback or a stale timeout of an old connection can never touch a new one's futures.
-    """
+    """One paho client's life: its in-flight PUBACK and SUBACK futures, keyed by ``mid``, die with it."""
 
     client: BoundedClient
     lost: asyncio.Event = field(default_factory=asyncio.Event)
@@ -132,18 +102,10 @@ class Connection:
 class Link:
     """The receive and network half of an MQTT client: socket, PUBACKs, bounded queue, hold line.
 
-    Subclassed by :class:`edgefl.transport.MqttTransport`, which owns the connection's lifecycle and
-    overrides :meth:`_handle_disconnect`.
-
-    Parameters
-    ----------
-    queue_size : int
-        Bound of the incoming-message queue (messages).
-    ack_on_commit : bool
-        False: a QoS 1 message is acknowledged once it is in :attr:`queue`. True: only once the
-        consumer took it *and* called :meth:`commit`.
-    max_incoming_packet_bytes : int
-        Largest packet accepted from the broker (:class:`PacketFilter`).
+    Subclassed by :class:`edgefl.transport.MqttTransport`, which owns the connection's lifecycle.
+    ``queue_size`` bounds the incoming queue (messages); ``ack_on_commit`` acknowledges a QoS 1 message
+    only once the consumer took it and called :meth:`commit`; ``max_incoming_packet_bytes`` is the
+    largest packet accepted (:class:`~edgefl.mqtt_socket.PacketFilter`).
     """
 
     def __init__(self, *, queue_size: int, ack_on_commit: bool, max_incoming_packet_bytes: int) -> None:
@@ -177,10 +139,7 @@ class Link:
         logger.error("error in the MQTT network loop (%s): %r", where, exc, exc_info=exc)
 
     def _hop(self, fn: Callable[..., None], *args: Any) -> None:
-        """Schedule ``fn(*args)`` on the event loop (paho's callbacks return at once, outside its locks).
-
-        ``call_soon`` on the loop's own thread, ``call_soon_threadsafe`` from the connect thread.
-        """
+        """Schedule ``fn(*args)`` on the event loop (thread-safe from the connect thread)."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return
@@ -208,14 +167,9 @@ class Link:
 
         return cb
 
-
     # --- the network loop, driven by the event loop -----------------------------------------
     def _drive(self, conn: Connection) -> None:
-        """Watch ``conn``'s connected socket on the event loop (after the blocking connect).
-
-        paho's socket callbacks are set only now, on the loop's thread: before, during the connect,
-        paho wrote the CONNECT itself in the connect thread.
-        """
+        """Watch ``conn``'s connected socket on the event loop (its callbacks set now, on the loop)."""
         loop = self._loop
         client = conn.client
         sock = client.socket()
@@ -235,12 +189,7 @@ class Link:
         self._flush(conn)  # whatever the connect could not write (normally nothing)
 
     def _net_read(self, conn: Connection) -> None:
-        """The socket is readable: take its whole packets (``BoundedClient.edgefl_take``).
-
-        A PUBLISH goes to the inbox (:meth:`_read_message`), any other packet through paho (its
-        callbacks schedule our handlers); packets are taken until the socket has no more bytes, up to
-        :data:`READS_PER_TURN` a turn.
-        """
+        """The socket is readable: take its whole packets, up to :data:`READS_PER_TURN` a turn."""
         client = conn.client
         if conn.paused:
             return  # a read scheduled before the queue and the hold line filled
@@ -338,7 +287,6 @@ class Link:
         with contextlib.suppress(Exception):
             conn.client.edgefl_close()
 
-
     def _handle_oversize(self, info: bytes) -> None:
         size, _, topic = info.partition(b"\n")
         self.oversize_dropped_total += 1
@@ -356,20 +304,13 @@ class Link:
             self._loop.call_soon(self._flush, conn)
 
     def _ack(self, conn: Connection, mid: int, qos: int) -> None:
-        """PUBACK ``mid`` on the connection it came on (a new connection's mids are another count).
-
-        Sent with the other packets of this turn of the loop (:meth:`_flush_soon`).
-        """
+        """PUBACK ``mid`` on the connection it came on, with the other packets of this turn."""
         if qos > 0 and not conn.closed:
             conn.client.ack(mid, qos)
             self._flush_soon(conn)
 
     def _read_message(self, conn: Connection, mid: int, qos: int, msg: Message) -> None:
-        """Paho read ``msg`` (its ``on_message``, inside its locks): it waits in ``conn.inbox``.
-
-        The first message of a turn schedules :meth:`_take_inbox`, which takes every message read in
-        that turn: one callback per burst, not one per message.
-        """
+        """Paho read ``msg``: it waits in ``conn.inbox``, taken with the rest of this turn's messages."""
         conn.unhandled += 1  # read, not yet in the queue or the hold line (_room)
         conn.inbox.append((mid, qos, msg))
         if len(conn.inbox) == 1:
@@ -383,12 +324,9 @@ class Link:
             self._receive(conn, mid, qos, msg)
 
     def _receive(self, conn: Connection, mid: int, qos: int, msg: Message) -> None:
-        """Take one incoming message (:meth:`_handle_message`); one whose handling raises is refused.
+        """Take one incoming message; one whose handling raises is acknowledged, counted and logged.
 
-        A refused message is acknowledged, counted (``refused_total``) and logged on one line: left
-        unacknowledged it would hold one of the broker's in-flight slots for the connection's life,
-        and a run of such messages (the broker's window, MQTT 5.0 §4.9) would leave the transport
-        connected but deaf.
+        Left unacknowledged it would hold one of the broker's in-flight slots (MQTT 5.0 §4.9) for good.
         """
         try:
             self._handle_message(conn, mid, qos, msg)
@@ -446,9 +384,8 @@ class Link:
     def commit(self) -> None:
         """Acknowledge every message taken from the queue so far (``ack_on_commit``; else a no-op).
 
-        Call it once what those messages changed is on disk: a message acknowledged is never sent
-        again. One lost with its connection meanwhile is not acknowledged (the broker sends it again
-        on the next connection, from the session).
+        Call it once what those messages changed is on disk; one lost with its connection meanwhile comes
+        again from the session.
         """
         taken, self._taken = self._taken, []
         for conn, mid, qos in taken:
@@ -473,13 +410,10 @@ class Link:
         return free - conn.unhandled
 
     def _pause_reading(self, conn: Connection) -> None:
-        """Stop reading ``conn``'s socket: the queue and the hold line have no room for another message.
+        """Stop reading ``conn``'s socket while the queue and the hold line have no room.
 
-        A broker that ignores our Receive Maximum (mosquitto sends an offline session's whole queue
-        at once) then waits on TCP's flow control instead of having its messages dropped: with
-        paho's own thread the transport read on regardless, and dropped what the hold line could not
-        take. Reading resumes as the consumer takes messages (:meth:`_refill`), once there is room
-        for a turn's packets (or half the hold line).
+        A broker that ignores our Receive Maximum then waits on TCP's flow control; reading resumes as the
+        consumer takes messages (:meth:`_refill`).
         """
         conn.paused = True
         if conn.sock is not None and self._loop is not None:

@@ -20,17 +20,6 @@ from typing import Any, NamedTuple
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import MQTTProtocolVersion
 
-__all__ = [
-    "OVERSIZE_TOPIC",
-    "READ_BYTES",
-    "TCP_QUICKACK",
-    "BoundedClient",
-    "PacketFilter",
-    "Publish",
-    "quickack",
-    "remaining_length",
-    "set_nodelay",
-]
 
 class Publish(NamedTuple):
     """A PUBLISH of QoS 0 or 1 read from the socket, not yet acknowledged (``mid`` 0 for QoS 0)."""
@@ -53,22 +42,13 @@ READ_BYTES = 65_536
 class PacketFilter:
     """Incoming MQTT byte stream filter: replace every PUBLISH over ``limit`` bytes before it is buffered.
 
-    Parses the fixed header (MQTT 5.0 §2.1.1, 3.1.1 §2.2: one type/flags byte, then the Remaining
-    Length as a 1–4 byte variable byte integer). A packet of at most ``limit`` bytes passes unchanged.
-    An oversize PUBLISH's variable header (topic, packet identifier) is read, its body is read and
-    discarded in bounded pieces, and a stand-in PUBLISH on :data:`OVERSIZE_TOPIC` with the same flags
-    and packet identifier takes its place, so paho acknowledges it (PUBACK/PUBREC) and the broker's
-    in-flight window never fills with packets we will not take. Any other oversize packet raises.
+    An oversize PUBLISH's body is read and discarded in bounded pieces and a stand-in PUBLISH on
+    :data:`OVERSIZE_TOPIC` with its flags and packet identifier takes its place, so paho acknowledges it
+    and the broker's in-flight window never fills. Memory: the fixed header, the topic and one read,
+    whatever the announced length. ``limit`` counts the fixed header (>= 2); ``mqtt5`` gives the
+    stand-in an empty property list.
 
-    Memory: at most the fixed header, the topic (<= 65,535 bytes) and one read of the socket
-    (:data:`READ_BYTES`), whatever the announced length (up to 268,435,455 bytes).
-
-    Parameters
-    ----------
-    limit : int
-        Largest packet accepted whole, in bytes including the fixed header (>= 2).
-    mqtt5 : bool
-        The connection speaks MQTT 5 (the stand-in then carries an empty property list).
+    Source: MQTT 5.0 §2.1.1, MQTT 3.1.1 §2.2 (fixed header).
     """
 
     _HDR, _PASS, _VH, _DISCARD = range(4)
@@ -90,13 +70,10 @@ class PacketFilter:
         return 2 + int.from_bytes(self._vh[:2], "big") + (2 if qos else 0)
 
     def feed(self, data: bytes) -> bytes:
-        """Consume ``data`` (read from the broker); return the bytes paho may see (maybe none).
+        """Consume ``data`` read from the broker; the bytes paho may see (maybe none).
 
-        Raises
-        ------
-        ConnectionError
-            On a malformed Remaining Length, an oversize packet that is not a PUBLISH, or an oversize
-            PUBLISH too short for its own variable header (paho then drops the connection).
+        ConnectionError on a malformed Remaining Length, an oversize packet that is not a PUBLISH, or an
+        oversize PUBLISH too short for its own variable header.
         """
         if self._state == self._PASS and len(data) <= self._left:  # the common case: no copy
             self._left -= len(data)
@@ -194,16 +171,10 @@ def remaining_length(n: int) -> bytes:
 class BoundedClient(mqtt.Client):
     """paho's client with bulk, bounded reads (:class:`PacketFilter`) and gathered writes, driven by the loop.
 
-    Reads take up to :data:`READ_BYTES` from the socket at once into a buffer of whole packets that
-    passed the filter (:meth:`edgefl_take`): a PUBLISH of QoS 0 or 1 is parsed there and returned as a
-    :class:`Publish` (paho's per-message machinery is most of the receive path's CPU on an
-    aggregator), any other packet is handed to paho, which reads it from that buffer. Writes (paho
-    writes one packet a system call) are gathered and sent together by :meth:`edgefl_send`, so a
-    burst of PUBACKs is one system call. Uses paho 2.x internals: ``_sock_recv`` and ``_sock_send``
-    (every socket read and write, overridden), ``_sock_close`` (overridden: what was gathered goes out
-    first, the DISCONNECT included), ``_sock``, ``_last_msg_in`` (its keep-alive clock) and the
-    wake-up socket pair ``_sockpairR`` / ``_sockpairW`` of paho's own loop
-    (:meth:`edgefl_drop_sockpair`).
+    A PUBLISH of QoS 0 or 1 is parsed here (:meth:`edgefl_take`), any other packet handed to paho; what
+    paho writes goes out in one system call a turn (:meth:`edgefl_send`). Uses paho 2.x internals:
+    ``_sock_recv``, ``_sock_send``, ``_sock_close`` (overridden), ``_sock``, ``_last_msg_in`` and the
+    socket pair ``_sockpairR`` / ``_sockpairW``.
 
     Source: MQTT 5.0 §2.1.4 (Remaining Length), §3.3 (PUBLISH); MQTT 3.1.1 §3.3.
     """
@@ -220,10 +191,7 @@ class BoundedClient(mqtt.Client):
         self._edgefl_wbuf = bytearray()  # written by paho, not yet sent
 
     def edgefl_drop_sockpair(self) -> None:
-        """Close the socket pair paho's own loop wakes its ``select`` with (one system call a packet queued).
-
-        Nothing selects on it here: the event loop drives the client.
-        """
+        """Close the socket pair paho's own loop wakes its ``select`` with (nothing selects on it here)."""
         for name in ("_sockpairR", "_sockpairW"):
             pair = getattr(self, name, None)
             if pair is not None:
@@ -232,13 +200,7 @@ class BoundedClient(mqtt.Client):
                 setattr(self, name, None)
 
     def edgefl_send(self) -> bool:
-        """Send what paho wrote since the last call, in one system call; True when nothing is left.
-
-        Raises
-        ------
-        OSError
-            The connection failed (the caller ends it).
-        """
+        """Send what paho wrote since the last call, in one system call; True when nothing is left."""
         wbuf, sock = self._edgefl_wbuf, self._sock
         if wbuf and sock is not None:
             try:
@@ -249,31 +211,15 @@ class BoundedClient(mqtt.Client):
         return not wbuf
 
     def edgefl_unsent(self) -> bool:
-        """True while paho has packets queued or their bytes wait in the gathered writes.
-
-        (paho's own ``want_write`` sees only its queue: it re-arms its write callback when that empties.)
-        """
+        """True while paho has packets queued or their bytes wait in the gathered writes."""
         return bool(self._edgefl_wbuf) or self.want_write()
 
     def edgefl_take(self) -> Publish | bool:
-        """Take the next whole packet: a PUBLISH of QoS 0 or 1 as a :class:`Publish`, else paho reads it.
+        """Take the next whole packet.
 
-        Returns
-        -------
-        Publish
-            A PUBLISH of QoS 0 or 1.
-        True
-            Another packet (or the end of the connection), which paho read and handled (its callbacks
-            were called; ``loop_read``'s result is checked by paho itself).
-        False
-            No whole packet is buffered and the socket has no more bytes now.
-
-        Raises
-        ------
-        ConnectionError
-            A malformed stream (:class:`PacketFilter`), or the socket is closed.
-        OSError
-            The connection failed.
+        Returns a :class:`Publish` for a PUBLISH of QoS 0 or 1; True for another packet (or the end of the
+        connection), which paho read and handled; False when no whole packet is buffered and the socket has
+        no more bytes. ConnectionError for a malformed stream or a closed socket; OSError.
         """
         buf = self._edgefl_out
         while True:
@@ -382,14 +328,10 @@ TCP_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
 def quickack(sock: Any) -> None:
     """Acknowledge what was just read at once instead of after the delayed-ACK timer (Linux).
 
-    A broker left at its defaults (mosquitto without ``set_tcp_nodelay true``) runs Nagle's algorithm:
-    its next small write to us (the global head, the round announcement, an update for the
-    coordinator) waits until our kernel acknowledges its previous one (a PUBACK), and Linux delays
-    that ACK up to 40 ms when we have nothing to send back. ``TCP_QUICKACK`` is not sticky (the kernel
-    falls back to delayed ACKs), so it is set again after every read; setting it sends an ACK that is
-    due right away. Costs one ``setsockopt`` a read and, on the wire, at most one more bare ACK
-    (TCP/IP headers, no payload) per received segment. Source: tcp(7), ``TCP_QUICKACK``; RFC 1122
-    §4.2.3.2 (delayed ACK); RFC 896 (Nagle).
+    A broker running Nagle's algorithm otherwise holds its next small write up to 40 ms for our ACK.
+    ``TCP_QUICKACK`` is not sticky, so it is set after every read.
+
+    Source: tcp(7), ``TCP_QUICKACK``; RFC 1122 §4.2.3.2 (delayed ACK); RFC 896 (Nagle).
     """
     if TCP_QUICKACK is not None and sock is not None:
         with contextlib.suppress(OSError, AttributeError, ValueError):
@@ -397,11 +339,6 @@ def quickack(sock: Any) -> None:
 
 
 def set_nodelay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
-    """Disable Nagle's algorithm on the broker socket (paho ``on_socket_open``).
-
-    A round is a few small request/response exchanges; with Nagle on both ends and delayed ACKs, each
-    costs ~40 ms of stall on loopback (bench/round_overhead.py: 95.8 ms → 11.1 ms per round with
-    TCP_NODELAY here and ``set_tcp_nodelay true`` in mosquitto).
-    """
+    """Disable Nagle's algorithm on the broker socket: a round's small exchanges would stall ~40 ms each."""
     with contextlib.suppress(OSError, AttributeError):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

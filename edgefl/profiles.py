@@ -1,20 +1,18 @@
 """Profiles: TOML tables turned into frozen dataclasses, validated once at load (agent and coordinator).
 
-One dataclass per TOML table; unknown tables and keys are refused; a missing table takes its defaults.
-Every problem is collected and reported at once in one :class:`~edgefl.errors.ConfigError`, each
-naming the dotted key, the value and the reason (``memory.cap_mb = 0: must be > 0``). Relative paths
-resolve against the profile file's folder (a path given with ``--set`` against the working
-directory). Secrets never appear in a ``repr``, an error message or :meth:`Schema.to_dict`.
-
-This module owns the machinery and the tables both kinds of profile share (``[broker]``,
-``[dashboard]``), spelled the same in both; ``edgefl.agent.config`` and ``edgefl.coordinator.profile``
-declare their own tables. It reads files only: it never opens a socket.
+One dataclass per TOML table; unknown tables and keys are refused; a missing table takes its
+defaults; every problem is reported at once in one :class:`~edgefl.errors.ConfigError`, naming the
+dotted key, the value and the reason. Relative paths resolve against the profile's folder (given
+with ``--set``: the working directory). Secrets never appear in a ``repr``, an error or
+:meth:`Schema.to_dict`. This module owns the machinery and the tables both kinds share (``[broker]``,
+``[dashboard]``); it reads files only.
 
 Source: TOML 1.0.0 (https://toml.io/en/v1.0.0), read with ``tomllib``.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -22,7 +20,7 @@ import os
 import tomllib
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -37,25 +35,6 @@ from edgefl.validators import (
     parse_broker_url,
 )
 
-__all__ = [
-    "MASK",
-    "MIN_TOKEN_CHARS",
-    "SECRET",
-    "BrokerConfig",
-    "Check",
-    "DashboardConfig",
-    "Problems",
-    "Schema",
-    "broker_password",
-    "check",
-    "check_broker",
-    "check_dashboard",
-    "file_problem",
-    "output_file_problem",
-    "read_toml",
-    "sha256_file",
-]
-
 SECRET: Final = {"secret": True}
 """``field(metadata=SECRET)`` marks a value hidden from ``repr``, errors and :meth:`Schema.to_dict`."""
 MASK: Final = "***"
@@ -65,49 +44,35 @@ MIN_TOKEN_CHARS: Final = 16
 
 @dataclass(frozen=True, slots=True)
 class BrokerConfig:
-    """``[broker]``: the MQTT connection.
+    """``[broker]``: the MQTT connection (limits: ``docs/operations.md``, "Broker and dashboard limits").
 
     Parameters
     ----------
     url : str
-        ``mqtt://host[:port]`` (default port 1883) or ``mqtts://host[:port]`` (default 8883).
+        ``mqtt://host[:port]`` (port 1883) or ``mqtts://host[:port]`` (8883).
     topic_prefix : str
         First topic levels, e.g. ``edgefl``; no wildcards, no leading ``$``.
     qos : int
         QoS of device publishes, 0, 1 or 2.
     keepalive_s : int
-        MQTT keep alive in seconds, 1..65535 (0, "disabled", would stop the broker from ever
-        publishing our last will).
-    max_packet_bytes : int
-        Largest packet we send, 1..268435455 bytes. The limit in force is the smaller of this and the
-        broker's CONNACK Maximum Packet Size (MQTT 5 only: a 3.1.1 broker never says its limit, and
-        drops a client over an oversize packet); larger messages go out in chunks. Default 65,536:
-        under the common hardened broker limits (mosquitto ``max_packet_size`` 65536, AWS IoT 128 KB).
-    max_incoming_packet_bytes : int
-        Largest packet we accept, 1..268435455 bytes: announced in CONNECT (MQTT 5 Maximum Packet Size)
-        and enforced on every protocol before the packet is buffered (a larger PUBLISH is dropped and
-        counted). Default 1 MiB: above the coordinator's head chunks, far under a device's RAM cap.
+        MQTT keep alive, seconds, 1..65535.
+    max_packet_bytes, max_incoming_packet_bytes : int
+        Largest packet sent (lowered by an MQTT 5 broker's CONNACK; larger messages go in chunks) and
+        accepted (announced in CONNECT, enforced before buffering), 1..268435455 bytes.
     protocol : {"auto", "5", "3.1.1"}
-        MQTT version; ``auto`` tries 5 and falls back to 3.1.1.
+        ``auto`` tries 5 and falls back to 3.1.1.
     username, password : str or None
-        Credentials; ``password`` requires ``username`` and is hidden from ``repr``.
+        ``password`` requires ``username`` and is hidden from ``repr``.
     password_file : Path or None
-        A file holding the password (first line; trailing newline stripped), instead of ``password``,
-        so a profile can be world-readable while the secret is not (see :func:`broker_password`).
+        A file whose first line is the password, instead of ``password`` (:func:`broker_password`).
     tls : bool
-        True exactly when the URL scheme is ``mqtts`` (derived from it when the key is absent).
+        True exactly when the URL scheme is ``mqtts`` (derived from it when absent).
     ca_file, client_cert, client_key : Path or None
-        PEM files for TLS (absolute after loading); cert and key come together; all require TLS.
+        PEM files for TLS; cert and key come together.
     alternates : tuple of str
-        Other nodes of the same (clustered) broker, ``mqtt://`` or ``mqtts://`` URLs of ``url``'s scheme
-        (same credentials and TLS files). After a failed connect or a lost connection the next attempt
-        goes to the next URL, round robin from ``url`` (:class:`edgefl.transport.MqttTransport`
-        ``alternates``). Empty (the default): one broker.
+        Other nodes of a clustered broker, URLs of ``url``'s scheme, tried round robin.
     auth_retries : int
-        The agent: connection attempts the broker refuses for the credentials (CONNACK "not
-        authorized" or "bad user name or password") in a row before the agent exits with code 5
-        (not restarted by the unit: a wrong password does not fix itself), >= 1. Default 3. Until
-        then its status and page say "refused: not authorized" and ``/healthz`` answers 503.
+        Credential refusals in a row before the agent exits with code 5, >= 1.
     """
 
     url: str = "mqtt://127.0.0.1:1883"
@@ -152,25 +117,10 @@ class BrokerConfig:
 class DashboardConfig:
     """``[dashboard]``: the agent's HTTP page, JSON, SSE and ``/metrics``.
 
-    Parameters
-    ----------
-    enabled : bool
-        Serve the dashboard.
-    host : str
-        Listen address. Anything but loopback (``127.0.0.0/8``, ``::1``, ``localhost``) requires
-        ``token``.
-    port : int
-        TCP port, 0..65535; 0 picks a free port.
-    token : str or None
-        Bearer token, at least 16 characters, no whitespace; hidden from ``repr``.
-    header_timeout_s, body_timeout_s : float
-        Seconds a request's header block, then its body, may take to arrive (0.1..300); a slower or
-        half-open connection is closed.
-    max_connections : int
-        Open connections at once (1..10000); more are closed at accept. Keep it under the process's
-        file-descriptor limit (``ulimit -n``, often 1024) minus what the process itself uses.
-    max_connections_per_client : int
-        Open connections at once from one client IP address, 1..max_connections.
+    ``host`` other than loopback requires ``token`` (at least 16 characters, no whitespace, hidden from
+    ``repr``); ``port`` 0..65535 (0: a free one); ``header_timeout_s``/``body_timeout_s`` seconds a
+    request's header block, then its body, may take (0.1..300); ``max_connections`` open at once
+    (1..10000), ``max_connections_per_client`` from one address.
     """
 
     enabled: bool = False
@@ -183,13 +133,22 @@ class DashboardConfig:
     max_connections_per_client: int = 16
 
 
-Kind = Literal["str", "int", "float", "bool", "path", "floats", "strs", "choice"]
+_Kind = Literal["str", "int", "float", "bool", "path", "floats", "strs", "choice"]
+_KINDS: Final[dict[object, _Kind]] = {
+    str: "str",
+    int: "int",
+    float: "float",
+    bool: "bool",
+    Path: "path",
+    tuple[float, ...]: "floats",
+    tuple[str, ...]: "strs",
+}
 
 
 @dataclass(frozen=True, slots=True)
-class FieldSpec:
+class _FieldSpec:
     name: str
-    kind: Kind
+    kind: _Kind
     optional: bool
     required: bool
     choices: tuple[str, ...]
@@ -197,9 +156,9 @@ class FieldSpec:
     default: object
 
 
-def field_specs(cls: type[Any]) -> dict[str, FieldSpec]:
+def _field_specs(cls: type[Any]) -> dict[str, _FieldSpec]:
     hints = typing.get_type_hints(cls)
-    specs: dict[str, FieldSpec] = {}
+    specs: dict[str, _FieldSpec] = {}
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         optional = False
@@ -208,27 +167,15 @@ def field_specs(cls: type[Any]) -> dict[str, FieldSpec]:
             optional = True
             (hint,) = [a for a in args if a is not type(None)]
         choices: tuple[str, ...] = ()
-        kind: Kind
+        kind: _Kind
         if typing.get_origin(hint) is Literal:
             kind, choices = "choice", tuple(str(a) for a in typing.get_args(hint))
-        elif hint == tuple[float, ...]:
-            kind = "floats"
-        elif hint == tuple[str, ...]:
-            kind = "strs"
-        elif hint is Path:
-            kind = "path"
-        elif hint is bool:
-            kind = "bool"
-        elif hint is int:
-            kind = "int"
-        elif hint is float:
-            kind = "float"
-        elif hint is str:
-            kind = "str"
+        elif hint in _KINDS:
+            kind = _KINDS[hint]
         else:  # pragma: no cover - guards future fields with an unsupported type
             raise TypeError(f"{cls.__name__}.{f.name}: unsupported field type {hint!r}")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        specs[f.name] = FieldSpec(
+        specs[f.name] = _FieldSpec(
             name=f.name,
             kind=kind,
             optional=optional,
@@ -255,14 +202,8 @@ def show(value: object, *, secret: bool = False) -> str:
     return repr(value)
 
 
-def convert(spec: FieldSpec, value: object, base_dir: Path, *, from_text: bool) -> object:
-    """Type-check one value (coercing strings when it came from a ``--set key=value`` override).
-
-    Raises
-    ------
-    ValueError
-        With the reason only; the caller adds the dotted key and value.
-    """
+def convert(spec: _FieldSpec, value: object, base_dir: Path, *, from_text: bool) -> object:
+    """Type-check one value (coercing strings from a ``--set`` override); ValueError with the reason only."""
     if value is None or (from_text and spec.optional and value == ""):
         if spec.optional:
             return None
@@ -348,7 +289,7 @@ def _strings(value: object, *, from_text: bool) -> tuple[str, ...]:
 class Problems:
     """Collects problems; drops follow-on problems about keys that already failed their type check."""
 
-    def __init__(self, specs: Mapping[str, Mapping[str, FieldSpec]]) -> None:
+    def __init__(self, specs: Mapping[str, Mapping[str, _FieldSpec]]) -> None:
         self.specs = specs
         self.items: list[str] = []
         self.bad: set[str] = set()
@@ -390,22 +331,11 @@ PSEUDO_FS: Final = (Path("/proc"), Path("/sys"), Path("/dev"))
 
 
 def output_file_problem(path: Path) -> str | None:
-    """Why a file the product creates or replaces at ``path`` could not be written, or None if it could.
+    """Why the product could not create or replace a file at ``path``, or None if it could.
 
-    The product writes such a file atomically (a temporary file beside it, then a rename) or appends
-    to it, so its folder must exist and be writable, and the path must not be a folder, another kind
-    of file, or on a kernel file system (``/proc``, ``/sys``, ``/dev``). Nothing is written: the
-    answer comes from ``stat`` and ``access(2)`` only.
-
-    Parameters
-    ----------
-    path : Path
-        The file's path (absolute, or relative to the working directory).
-
-    Returns
-    -------
-    str or None
-        The reason, worded to follow ``key = value:`` (``"is a folder"``), or None.
+    Its folder must exist and be writable, and it must not be a folder, another kind of file, or on
+    ``/proc``, ``/sys``, ``/dev``. Nothing is written (``stat`` and ``access(2)`` only); the reason is
+    worded to follow ``key = value:``.
     """
     resolved = path.resolve()
     if any(resolved == fs or fs in resolved.parents for fs in PSEUDO_FS):
@@ -427,12 +357,9 @@ def output_file_problem(path: Path) -> str | None:
 
 
 def sha256_file(path: Path) -> str:
-    """SHA-256 of a file as 64 lowercase hex digits, read in 1 MiB blocks (raises ``OSError``)."""
-    digest = hashlib.sha256()
+    """SHA-256 of a file as 64 lowercase hex digits (raises ``OSError``)."""
     with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def check_broker(p: Problems, c: BrokerConfig, raw: Mapping[str, object], check_files: bool) -> None:
@@ -535,27 +462,18 @@ Check = Callable[[Problems, Any, Mapping[str, object], bool], None]
 class Schema:
     """The tables of one kind of profile, their checks, and the parser that builds them.
 
-    Parameters
-    ----------
-    tables : dict[str, type]
-        ``{table name: frozen dataclass}``, in file order.
-    checks : dict[str, Check]
-        One semantic check per table (run on typed values).
-    placeholders : dict[str, object]
-        Stand-in values for required keys that are missing or mistyped, so the rest of the table is
-        still checked (``{"device.id": "_"}``).
+    ``tables`` maps each table name, in file order, to its frozen dataclass and its semantic
+    :data:`Check`; ``placeholders`` stand in for required keys that are missing or mistyped, so the
+    rest of the table is still checked (``{"device.id": "_"}``).
     """
 
     def __init__(
-        self,
-        tables: Mapping[str, type[Any]],
-        checks: Mapping[str, Check],
-        placeholders: Mapping[str, object] | None = None,
+        self, tables: Mapping[str, tuple[type[Any], Check]], placeholders: Mapping[str, object] | None = None
     ) -> None:
-        self.tables = dict(tables)
-        self.checks = dict(checks)
+        self.tables = {name: cls for name, (cls, _) in tables.items()}
+        self.checks = {name: check for name, (_, check) in tables.items()}
         self.placeholders = dict(placeholders or {})
-        self.specs = {name: field_specs(cls) for name, cls in self.tables.items()}
+        self.specs = {name: _field_specs(cls) for name, cls in self.tables.items()}
 
     def parse(
         self,
@@ -564,25 +482,12 @@ class Schema:
         check_files: bool,
         overrides: Mapping[str, object],
     ) -> dict[str, Any]:
-        """Build and validate every table.
+        """Build and validate every table: ``{table name: dataclass instance}``.
 
-        Parameters
-        ----------
-        data : ``{table: {key: value}}`` as ``tomllib`` returns it
-        base_dir : folder relative paths in ``data`` resolve against
-        check_files : check that named input files exist
-        overrides : ``{"table.key": value}`` set on top (string values are coerced to the field's type;
-            relative paths resolve against the working directory)
-
-        Returns
-        -------
-        dict[str, Any]
-            ``{table name: dataclass instance}``.
-
-        Raises
-        ------
-        ConfigError
-            With every problem found.
+        ``data`` is ``{table: {key: value}}`` as ``tomllib`` returns it, its relative paths resolving
+        against ``base_dir``; ``check_files`` checks that named input files exist; ``overrides``
+        (``{"table.key": value}``) go on top, strings coerced to the field's type. ConfigError with every
+        problem found.
         """
         problems = Problems(self.specs)
         tables: dict[str, dict[str, object]] = {}
@@ -656,21 +561,9 @@ class Schema:
         return built
 
     def to_dict(self, profile: object) -> dict[str, object]:
-        """Render a profile as ``{table: {key: value}}`` for display, secrets masked.
+        """Render a profile as JSON-ready ``{table: {key: value}}`` in file order, secrets as ``"***"``.
 
-        Paths become strings, tuples become lists, unset optional values are None, and a set secret
-        becomes ``"***"``. Without None values and with real secrets the result parses back to an
-        equal profile.
-
-        Parameters
-        ----------
-        profile : object
-            An object with one attribute per table of this schema.
-
-        Returns
-        -------
-        dict[str, object]
-            JSON-serialisable; the keys are the table names in file order.
+        Without None values and with real secrets the result parses back to an equal profile.
         """
         out: dict[str, object] = {}
         for table in self.tables:
@@ -690,13 +583,7 @@ class Schema:
 
 
 def broker_password(broker: BrokerConfig) -> str | None:
-    """The broker password: ``broker.password``, or the first line of ``broker.password_file``.
-
-    Raises
-    ------
-    ConfigError
-        If the password file cannot be read (names the key and the file).
-    """
+    """``broker.password``, or the first line of ``broker.password_file`` (ConfigError if unreadable)."""
     if broker.password_file is None:
         return broker.password
     try:
@@ -708,24 +595,33 @@ def broker_password(broker: BrokerConfig) -> str | None:
     return lines[0] if lines else ""
 
 
+def add_set_argument(parser: argparse.ArgumentParser, example: str) -> None:
+    """Add the repeatable ``--set KEY=VALUE`` option (a profile key overridden), e.g. ``example``."""
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a profile key, e.g. --set {example} (repeatable)",
+    )
+
+
+def parse_sets(items: Sequence[str]) -> dict[str, object]:
+    """``--set`` items as ``{"table.key": "value"}``; ConfigError listing each that is not ``key=value``."""
+    out: dict[str, object] = {}
+    bad = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            bad.append(f"--set {item!r}: expected key=value")
+        out[key.strip()] = value
+    if bad:
+        raise ConfigError(bad)
+    return out
+
+
 def read_toml(path: Path | str) -> tuple[Path, dict[str, Any]]:
-    """Read a TOML file.
-
-    Parameters
-    ----------
-    path : Path or str
-        The file.
-
-    Returns
-    -------
-    (Path, dict)
-        The absolute path and the parsed mapping.
-
-    Raises
-    ------
-    ConfigError
-        If the file cannot be read or is not TOML (one problem naming the file).
-    """
+    """Read a TOML file: its absolute path and the parsed mapping (ConfigError naming the file)."""
     file = Path(path).absolute()
     try:
         text = file.read_bytes().decode("utf-8")

@@ -1,11 +1,8 @@
 """Files the product reads back: the atomic writer and checksummed records with a fallback generation.
 
-Gateways lose power mid-write. Every file written here goes through :func:`atomic_write` (temporary
-file, ``fsync``, ``os.replace``, ``fsync`` of the directory), so a reader sees either the old or the
-new content, never a mix, once the write returned. Flash storage and file systems still tear or rot
-files (a write the kernel reordered, a bad block), so a *record* also carries a SHA-256 checksum and
-the previous good generation is kept next to it (``<name>.prev``): a torn or corrupt newest file is
-detected and ignored in favour of the last good one, with one clear log line.
+:func:`atomic_write` leaves the old or the new content after a power cut, never a mix; a *record*
+also carries a SHA-256 checksum and keeps the previous good generation as ``<name>.prev``, so a torn
+or rotten newest file is ignored in favour of the last good one, with one log line.
 
 Record layout (all integers little-endian)::
 
@@ -18,11 +15,7 @@ Record layout (all integers little-endian)::
     24      32    SHA-256 of bytes 0..23 followed by the payload
     56      n     payload
 
-A record file may be followed by zero bytes (``decode_record(padded=True)``, which the readers
-here use): a :class:`RecordSlot` rewrites its two files in place, in whole 4 KiB blocks.
-
-The device's outbox (:mod:`edgefl.agent.outbox`, through a :class:`RecordSlot`: one ``fdatasync``
-between a round's training and its publish) and the coordinator's state are stored as records.
+Zero bytes may follow a record: a :class:`RecordSlot` rewrites its files in place in 4 KiB blocks.
 
 Source: POSIX ``rename(2)`` atomicity and ``fsync(2)`` of the containing directory (see also
 "Files are hard", Pillai et al., OSDI 2014, "All File Systems Are Not Created Equal").
@@ -40,20 +33,6 @@ from typing import Final
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "HEADER_BYTES",
-    "MAGIC",
-    "RecordError",
-    "RecordSlot",
-    "atomic_write",
-    "decode_record",
-    "encode_record",
-    "prev_path",
-    "read_record",
-    "set_aside",
-    "write_record",
-]
-
 MAGIC: Final = b"EFLR"
 FORMAT_VERSION: Final = 1
 _HEADER: Final = struct.Struct("<4sB3xQQ")  # magic, version, reserved, generation, length
@@ -61,14 +40,9 @@ HEADER_BYTES: Final = _HEADER.size + 32
 
 
 class RecordError(ValueError):
-    """A record file is torn, corrupt or not a record; ``reason`` is a short label.
+    """A record file is torn, corrupt or not a record; ``reason`` is a short label, ``detail`` says more.
 
-    Parameters
-    ----------
-    reason : str
-        ``"truncated"``, ``"bad_magic"``, ``"bad_version"``, ``"bad_length"`` or ``"bad_checksum"``.
-    detail : str
-        Human-readable explanation.
+    Reasons: ``"truncated"``, ``"bad_magic"``, ``"bad_version"``, ``"bad_length"``, ``"bad_checksum"``.
     """
 
     def __init__(self, reason: str, detail: str) -> None:
@@ -93,22 +67,10 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically and durably.
+    """Replace ``path`` (its directory existing) with ``data`` atomically and durably; one writer a path.
 
-    Writes ``<path>.tmp``, fsyncs it, renames it over ``path`` and fsyncs the directory. After a crash
-    at any point ``path`` holds either its old content or ``data``. One writer per path at a time.
-
-    Parameters
-    ----------
-    path : Path
-        Destination file; its directory must exist.
-    data : bytes
-        The new content.
-
-    Raises
-    ------
-    OSError
-        If the file system refuses the write (the temporary file is removed).
+    Writes ``<path>.tmp``, fsyncs it, renames it over ``path`` and fsyncs the directory. OSError if the
+    file system refuses (the temporary file is removed).
 
     Source: POSIX rename(2) (atomic replacement) and fsync(2).
     """
@@ -128,24 +90,9 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def set_aside(path: Path, suffix: str) -> Path | None:
-    """Rename a file the product cannot use to ``<name><suffix>`` (replacing an older one), durably.
+    """Rename a file the product cannot use to ``<name><suffix>`` (e.g. ``.corrupt``) durably; the new path.
 
-    Parameters
-    ----------
-    path : Path
-        The file; nothing happens when it does not exist.
-    suffix : str
-        Appended to the name, e.g. ``".corrupt"``.
-
-    Returns
-    -------
-    Path or None
-        The new path, or None when ``path`` did not exist.
-
-    Raises
-    ------
-    OSError
-        If the rename fails for another reason than a missing file.
+    None when ``path`` does not exist; OSError if the rename fails otherwise.
     """
     target = path.with_name(path.name + suffix)
     try:
@@ -163,20 +110,7 @@ def prev_path(path: Path) -> Path:
 
 
 def encode_record(payload: bytes, generation: int = 0) -> bytes:
-    """Frame ``payload`` as a checksummed record (see the module docstring for the layout).
-
-    Parameters
-    ----------
-    payload : bytes
-        Any bytes.
-    generation : int
-        Write counter, 0 <= generation < 2**64.
-
-    Returns
-    -------
-    bytes
-        ``HEADER_BYTES + len(payload)`` bytes.
-    """
+    """Frame ``payload`` as a checksummed record of ``generation`` (0 <= generation < 2**64)."""
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, generation, len(payload))
     digest = hashlib.sha256(header)
     digest.update(payload)
@@ -184,25 +118,10 @@ def encode_record(payload: bytes, generation: int = 0) -> bytes:
 
 
 def decode_record(data: bytes, *, padded: bool = False) -> tuple[int, bytes]:
-    """Check a record and return its generation and payload.
+    """Check a whole record file's ``data``; return its generation and payload.
 
-    Parameters
-    ----------
-    data : bytes
-        The whole file content.
-    padded : bool
-        Accept zero bytes after the record (a :class:`RecordSlot` file rewritten in place keeps its
-        size; any other trailing byte is still ``bad_length``).
-
-    Returns
-    -------
-    generation : int
-    payload : bytes
-
-    Raises
-    ------
-    RecordError
-        If the record is truncated, has trailing bytes, a wrong magic/version or a bad checksum.
+    ``padded`` accepts zero bytes after the record (a :class:`RecordSlot` file); RecordError if the
+    record is truncated, has other trailing bytes, a wrong magic or version, or a bad checksum.
     """
     if len(data) < HEADER_BYTES:
         raise RecordError("truncated", f"{len(data)} bytes, the header alone is {HEADER_BYTES}")
@@ -236,26 +155,9 @@ def _read(path: Path) -> tuple[int, bytes] | None:
 def write_record(path: Path, payload: bytes) -> int:
     """Write ``payload`` as the newest record at ``path``, keeping the previous good one as ``.prev``.
 
-    The current file becomes ``<path>.prev`` only if it is itself a good record (a corrupt newest file
-    never evicts the last good generation). It is hard-linked there first, so ``path`` never goes
-    missing; file systems without hard links (FAT) fall back to a rename.
-
-    Parameters
-    ----------
-    path : Path
-        Record file; its directory must exist.
-    payload : bytes
-        The new content.
-
-    Returns
-    -------
-    int
-        The generation written (previous good generation + 1, or 0).
-
-    Raises
-    ------
-    OSError
-        If the file system refuses the write.
+    The current file becomes ``<path>.prev`` only if it is a good record, hard-linked there first so
+    ``path`` never goes missing (a rename where there are no hard links). Returns the generation
+    written (the previous good one + 1, or 0); OSError if the file system refuses the write.
     """
     path = Path(path)
     prev = prev_path(path)
@@ -292,20 +194,10 @@ def write_record(path: Path, payload: bytes) -> int:
 
 
 def read_record(path: Path) -> bytes | None:
-    """Read the newest good record at ``path``, falling back to ``<path>.prev``.
+    """The payload of the newer good record of ``path`` and ``<path>.prev``, or None.
 
-    Parameters
-    ----------
-    path : Path
-        Record file written by :func:`write_record`.
-
-    Returns
-    -------
-    bytes or None
-        The payload of the newer good record of ``path`` and ``<path>.prev`` by generation (the
-        newer is ``path`` unless a :class:`RecordSlot` wrote them); when ``path`` is bad or missing,
-        that of ``<path>.prev`` is logged as a warning naming the file and the reason; None when
-        nothing is stored yet, or both are bad (logged as an error).
+    A bad or missing ``path`` read from ``.prev`` is a warning naming the file and the reason; None
+    when nothing is stored yet, or both are bad (an error).
     """
     found = _newest(Path(path))
     return None if found is None else found[2]
@@ -363,22 +255,10 @@ def _newest(path: Path) -> tuple[int, int, bytes] | None:
 class RecordSlot:
     """A record rewritten in place, in turn in ``path`` and ``<path>.prev``: one ``fdatasync`` a write.
 
-    :func:`write_record` costs a read of the current file, a hard link, a rename, a new file's
-    ``fsync`` and the folder's ``fsync`` (two journal commits on ext4, 1-7 ms on a shared disk):
-    too much for the one write between a device's training and its publish (round
-    latency). Here each write overwrites the file holding the *older* generation, from offset 0,
-    zero-padded to the file's size (whole 4 KiB blocks) and ``fdatasync``-ed: the blocks are already
-    allocated and the size unchanged, so no metadata is journalled and no name changes. The newest
-    good generation is never touched by a write, so a power cut mid-write leaves it readable
-    (:func:`read_record` takes the newer good one of the two; the torn one fails its checksum).
-    The first write of each file in a process replaces it with :func:`atomic_write` (a new file,
-    the folder ``fsync``-ed: the name is durable, and a hard link left by :func:`write_record`
-    never makes the two slots one file); so does the write after a failed one.
-
-    Parameters
-    ----------
-    path : Path
-        The record file; the same reader and names as :func:`write_record` (one writer per path).
+    Each write overwrites the file holding the *older* generation, zero-padded to whole 4 KiB
+    blocks, and ``fdatasync``-s it: no metadata is journalled, and a power cut mid-write leaves the
+    newest good generation readable. The first write of each file in a process (and the one after a
+    failure) replaces it with :func:`atomic_write`. Same files and reader as :func:`write_record`.
 
     Source: double-buffered (ping-pong) metadata pages with a checksum and a generation, as in
     LMDB's two meta pages (H. Chu, "MDB: A Memory-Mapped Database and Backend for OpenLDAP", 2011);
@@ -395,12 +275,7 @@ class RecordSlot:
         self._in_place = [False, False]  # replaced once by this process: safe to overwrite in place
 
     def read(self) -> bytes | None:
-        """The newest good payload (as :func:`read_record`), and which slot to write next.
-
-        Returns
-        -------
-        bytes or None
-        """
+        """The newest good payload (as :func:`read_record`); notes which slot to write next."""
         found = _newest(self.path)
         if found is None:
             self._good, self._generation = None, -1
@@ -411,20 +286,8 @@ class RecordSlot:
     def write(self, payload: bytes) -> int:
         """Make ``payload`` the newest record, durably, without touching the newest good one.
 
-        Parameters
-        ----------
-        payload : bytes
-
-        Returns
-        -------
-        int
-            The generation written.
-
-        Raises
-        ------
-        OSError
-            If the file system refuses the write; the newest good record is unchanged, and the
-            next write replaces the slot this one may have torn.
+        Returns the generation written. OSError if the file system refuses: the newest good record
+        is unchanged, and the next write replaces the slot this one may have torn.
         """
         target = 0 if self._good is None else 1 - self._good
         generation = self._generation + 1

@@ -1,9 +1,7 @@
 """The TFLite model on the device: load it, find the embedding tensor, embed a batch.
 
-LiteRT (or tflite-runtime) loads the model; the embedding is the input of the last FULLY_CONNECTED op.
-
-This is the only module that imports the interpreter (STYLE.md rule 1): ``ai_edge_litert`` first,
-``tflite_runtime`` as the fallback for gateways where LiteRT has no wheel (armv7l).
+The only module that imports the interpreter: ``ai_edge_litert``, or ``tflite_runtime`` where LiteRT
+has no wheel (armv7l).
 """
 
 from __future__ import annotations
@@ -31,16 +29,10 @@ RuntimeName = Literal["auto", "litert", "tflite"]
 
 
 def numpy_too_new_for_tflite_runtime() -> str | None:
-    """Why tflite-runtime cannot run here, or None: its wheels are built against numpy 1.x.
+    """Why tflite-runtime cannot run here (its wheels need numpy 1.x), or None.
 
-    Under numpy 2 importing it prints numpy's "compiled using NumPy 1.x" banner and the first
-    interpreter fails with ``SystemError: ... returned a result with an exception set``; so edgefl
-    checks the version first and never imports it then.
-
-    Returns
-    -------
-    str or None
-        The message (naming ``numpy<2``), when numpy's major version is 2 or more.
+    Under numpy 2 its first interpreter fails with a ``SystemError``, so edgefl never imports it then;
+    the message names ``numpy<2``.
     """
     major = int(np.__version__.split(".")[0])
     if major < 2:
@@ -52,10 +44,7 @@ def numpy_too_new_for_tflite_runtime() -> str | None:
 
 
 def _interpreter_classes(runtime: RuntimeName) -> tuple[list[tuple[str, Any]], list[str]]:
-    """Importable interpreter classes in order of preference (lazy imports: each costs RSS).
-
-    Returns the classes and the reasons a requested runtime was not used.
-    """
+    """Importable interpreter classes in order of preference, and why a requested runtime was not used."""
     found: list[tuple[str, Any]] = []
     notes: list[str] = []
     if runtime in ("auto", "litert"):
@@ -95,43 +84,13 @@ def open_interpreter(
     delegates: bool = False,
     content: bytes | None = None,
 ) -> tuple[str, Any]:
-    """Create and allocate an interpreter for ``path``, trying each available runtime in turn.
+    """Create and allocate an interpreter for ``path``: (runtime name, interpreter), each runtime in turn.
 
-    A runtime counts as working only once it has built an interpreter for the model. tflite-runtime is
-    not even imported under numpy 2 (:func:`numpy_too_new_for_tflite_runtime`): the refusal names
-    ``numpy<2``.
-
-    The model is given by path unless ``content`` is set: LiteRT then memory-maps the file, so no
-    second copy of the model lives in the heap.
-
-    ``delegates=False`` uses the built-in kernels without the default XNNPACK delegate: a delegated
-    graph keeps its intermediate tensors inside the delegate, and ``get_tensor`` on an intermediate
-    tensor then fails with "Tensor data is null". ``delegates=True`` applies XNNPACK (LiteRT's
-    ``OpResolverType.BUILTIN``): only the model's outputs are readable after ``invoke()``.
-
-    Parameters
-    ----------
-    path : Path
-        The ``.tflite`` file.
-    num_threads : int
-        Interpreter threads (the profile's ``model.num_threads``).
-    runtime : "auto" | "litert" | "tflite"
-        Which runtime to use; "auto" prefers LiteRT.
-    delegates : bool
-        Apply the runtime's default delegate (XNNPACK on CPU).
-    content : bytes or None
-        The model's bytes, when they differ from the file's (a model prepared in memory by
-        :func:`edgefl.modelfile.add_outputs`); ``path`` then only names it in messages.
-
-    Returns
-    -------
-    (runtime name, allocated interpreter)
-
-    Raises
-    ------
-    ModelError
-        If the file is missing, no runtime is importable, or every runtime failed to load it
-        (corrupt or unsupported model); the message names each runtime's error.
+    ``runtime`` "auto" prefers LiteRT; ``num_threads`` is ``model.num_threads``; ``delegates`` applies
+    XNNPACK (then only the model's outputs are readable after ``invoke()``); ``content`` gives the
+    model's bytes when they differ from the file's (otherwise LiteRT memory-maps the file). ModelError
+    if the file is missing, no runtime is importable, or every runtime failed to build an interpreter
+    (the message names each runtime's error).
     """
     if content is None and not path.is_file():
         raise ModelError(str(path), "model file not found")
@@ -169,12 +128,9 @@ def open_interpreter(
 
 
 def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks (never the whole file in memory)."""
-    h = hashlib.sha256()
+    """Hex sha256 of a file, read in blocks (never the whole file in memory)."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,16 +147,7 @@ def _quant(detail: dict[str, Any]) -> Quant:
 
 
 def dequantize(q: np.ndarray, quant: Quant) -> F32:
-    """Dequantise an integer tensor (float tensors are returned as float32 unchanged).
-
-    Parameters
-    ----------
-    q : int8/uint8/int32 array of any shape (or float32)
-    quant : Quant
-
-    Returns
-    -------
-    float32 array of the same shape: ``scale * (q - zero_point)``.
+    """``scale * (q - zero_point)`` of an integer tensor as float32 (a float tensor as float32 unchanged).
 
     Source: TensorFlow Lite 8-bit quantization specification
     (tensorflow.org/lite/performance/quantization_spec).
@@ -221,15 +168,7 @@ INVOKE_WAIT_S = 30.0
 
 
 class InterpreterBusy(EdgeflError):
-    """A second thread waited too long for an interpreter another thread is using.
-
-    Parameters
-    ----------
-    model : str
-        The model file.
-    holder : str
-        Name of the thread using the interpreter.
-    """
+    """A second thread waited too long for the ``model``'s interpreter the thread ``holder`` is using."""
 
     def __init__(self, model: str, holder: str) -> None:
         self.model = model
@@ -277,43 +216,17 @@ class _Guard:
 class Backbone:
     """A loaded model split at its embedding tensor: the frozen backbone plus the shipped head.
 
-    Parameters
-    ----------
-    path : Path
-        The ``.tflite`` file.
-    num_threads : int
-        Interpreter threads.
-    runtime : "auto" | "litert" | "tflite"
-    embedding_tensor : str or None
-        Name of the embedding tensor; None = the input of the model's last FULLY_CONNECTED op.
-    xnnpack : bool or None
-        Run with the XNNPACK delegate; None (default) = yes. The embedding is always a model output
-        (see ``prepare``), so it stays readable under the delegate. ``delegated`` records the choice.
-    prepare : bool
-        When the embedding is not one of the model's outputs, add it as an extra output in memory
-        (:func:`edgefl.modelfile.add_outputs`, ``prepared`` is then True). False refuses such a model
-        with a message naming ``edgefl model prepare``.
+    ``embedding_tensor`` names the embedding (None: the input of the last FULLY_CONNECTED op);
+    ``xnnpack`` None (default) runs with XNNPACK (``delegated`` says); ``prepare`` adds the embedding as
+    a model output in memory when it is not one (``prepared``), False refuses such a model with a
+    message naming ``edgefl model prepare``. ModelError if the model cannot be loaded or run (a trial
+    invoke), has no FULLY_CONNECTED op (and no named tensor), the named tensor does not exist, or
+    (``prepare=False``) the embedding is not an output.
 
-    Raises
-    ------
-    ModelError
-        If the model cannot be loaded, has no FULLY_CONNECTED op (and no named tensor), the named
-        tensor does not exist, or (``prepare=False``) the embedding is not a model output.
-
-    Notes
-    -----
-    The embedding is never read from an intermediate tensor: the interpreter's arena reuses the buffer
-    of an intermediate tensor once its last reader has run (a FC -> LOGISTIC -> QUANTIZE tail
-    overwrites the FC input), while a model output keeps its own buffer until the next ``invoke()``.
-    The logits are the model output fed by the head: the last FULLY_CONNECTED's output, or the output
-    of the SOFTMAX/LOGISTIC (and QUANTIZE) after it (``head_activation`` says which). With XNNPACK, int8
-    kernels round differently from the built-in ones: 1 step on some digits embedding values, up to
-    ~90 steps on the random-weight MobileNet int8 embedding, whose deep random layers amplify it
-    (models/README.md). A stateful model (resource variables, ``stateful``) keeps its batch, and its
-    samples run one by one in order through the one interpreter, so the state carries from frame to
-    frame; the construction's trial invoke does not leave state behind (the interpreter is rebuilt).
-    A model that loads but cannot run (damaged weights) is refused at construction by a trial invoke.
-    One interpreter is used by one thread at a time: the daemon calls it from one executor thread.
+    The embedding is always read from a model output (the arena reuses an intermediate tensor's buffer
+    once its last reader ran); the logits are the output the head feeds (``head_activation`` says
+    through what). A stateful model keeps its batch and runs its samples one by one, in order. One
+    thread at a time uses the interpreter (:meth:`claim`).
     """
 
     def __init__(
@@ -362,11 +275,7 @@ class Backbone:
     def _inspect(
         self, buf: modelfile.ModelBytes, embedding_tensor: str | None, prepare: bool
     ) -> bytes | None:
-        """Find the input, embedding, head and logits tensors in the flatbuffer.
-
-        Returns the model bytes to load when the embedding had to be added as an output, else None
-        (the file is loaded by path, memory-mapped).
-        """
+        """Find the tensors; the model bytes to load when the embedding was added as an output, else None."""
         path = str(self.path)
         try:
             graph = modelfile.read_graph(buf, path)
@@ -383,10 +292,7 @@ class Backbone:
         self.fc_output_index: int | None = None  # the head's logits tensor (before its activation)
         self.head_activation = "none"
         if embedding_tensor:
-            found = [t.index for t in graph.tensors if t.name == embedding_tensor]
-            if not found:
-                raise ModelError(path, f"embedding tensor {embedding_tensor!r} not found in the model")
-            self.embedding_index = found[0]
+            self.embedding_index = modelfile.find_tensor(graph, embedding_tensor, path)
         elif fc is None:
             raise ModelError(path, "no FULLY_CONNECTED op: set model.embedding_tensor in the profile")
         else:
@@ -425,13 +331,7 @@ class Backbone:
     def claim(self, timeout_s: float = INVOKE_WAIT_S) -> _Guard:
         """Hold the interpreter for the calling thread: ``with backbone.claim(): ...`` (re-entrant).
 
-        Every method that touches the interpreter holds it; a pipeline holds it across a batch (write
-        the input, invoke, read the outputs).
-
-        Raises
-        ------
-        InterpreterBusy
-            On entry, if another thread held it for ``timeout_s`` seconds.
+        Raises :class:`InterpreterBusy` on entry if another thread held it for ``timeout_s`` seconds.
         """
         return _Guard(self, timeout_s)
 
@@ -439,13 +339,8 @@ class Backbone:
     def reset_state(self) -> None:
         """Give a stateful model its initial state again: a new interpreter for the same model.
 
-        ``reset_all_variables()`` does not reset resource variables (checked with LiteRT 2.3.0), so the
-        interpreter is rebuilt; anything holding the old ``interpreter`` must read it again.
-
-        Raises
-        ------
-        ModelError
-            If the model can no longer be loaded.
+        ``reset_all_variables()`` does not reset resource variables, so anything holding the old
+        ``interpreter`` must read it again. ModelError if the model can no longer be loaded.
         """
         num_threads, runtime, content = self._reopen
         self.runtime_name, self.interpreter = open_interpreter(
@@ -472,13 +367,7 @@ class Backbone:
 
     @_held
     def _trial_invoke(self) -> None:
-        """Run the model once on zeros: a file whose weights are damaged can load and still not run.
-
-        Raises
-        ------
-        RuntimeError, ValueError
-            From LiteRT (e.g. "Input tensor 9 lacks data"); the caller turns them into ModelError.
-        """
+        """Run the model once on zeros: damaged weights can load and still not run (LiteRT raises)."""
         shape = tuple(int(d) for d in self.interpreter.get_input_details()[0]["shape"])
         self.interpreter.set_tensor(self.input_index, np.zeros(shape, dtype=self.input_dtype))
         self.interpreter.invoke()
@@ -503,8 +392,7 @@ class Backbone:
     def logits_range(self) -> tuple[float, float] | None:
         """The real range the model's own FC output can hold (its int8 saturation), or None (float).
 
-        A float head is not bound by it: where the model saturates (outside its calibration range) the
-        head's logits go on, so head-vs-model comparisons clip to it first.
+        A float head goes on past it, so head-vs-model comparisons clip to it first.
         """
         if self.fc_output_index is None:
             return None
@@ -527,19 +415,10 @@ class Backbone:
 
     @_held
     def head_from_model(self) -> tuple[F32, F32]:
-        """The head shipped inside the model (its last FULLY_CONNECTED op), dequantised.
+        """The head shipped inside the model (its last FULLY_CONNECTED op), dequantised: W [D, K], b [K].
 
-        Returns
-        -------
-        W : float32 [D, K]
-            (TFLite stores FC weights as [K, D]; transposed here.)
-        b : float32 [K]
-
-        Raises
-        ------
-        ModelError
-            If the embedding tensor was named in the profile (no FC op is known) or the weights
-            cannot be read.
+        ModelError if the embedding tensor was named in the profile (no FC op is known) or the weights
+        cannot be read.
         """
         if self._fc_weights is None:
             raise ModelError(str(self.path), "the model's head is unknown when model.embedding_tensor is set")
@@ -574,13 +453,7 @@ class Backbone:
 
     @_held
     def resize(self, batch: int) -> None:
-        """Resize the input to ``batch`` samples and re-allocate tensors (invalidates tensor views).
-
-        Raises
-        ------
-        ValueError
-            If ``batch < 1``.
-        """
+        """Resize the input to ``batch`` >= 1 samples (else ValueError) and re-allocate (views go stale)."""
         if batch < 1:
             raise ValueError(f"batch {batch} must be >= 1")
         if batch == self.batch:
@@ -590,16 +463,7 @@ class Backbone:
         self.batch = batch
 
     def quantize_input(self, x: F32) -> np.ndarray:
-        """Quantise a normalised float32 model input to the input tensor's dtype (round half to even, clip).
-
-        Parameters
-        ----------
-        x : float32 [N, *sample_shape]
-
-        Returns
-        -------
-        array [N, *sample_shape] of the input dtype (int8/uint8 quantised, or float32 as is).
-        """
+        """Quantise a normalised float32 input [N, *sample_shape] to the input dtype (half to even, clip)."""
         if self.input_dtype == np.float32:
             return x.astype(np.float32, copy=False)
         info = np.iinfo(self.input_dtype)
@@ -609,23 +473,9 @@ class Backbone:
 
     @_held
     def run(self, model_input: np.ndarray) -> tuple[F32, F32]:
-        """Invoke the model on one batch already in the input dtype.
+        """Invoke the model on one batch [N, *sample_shape] in the input dtype (else ValueError).
 
-        Parameters
-        ----------
-        model_input : [N, *sample_shape] of the input tensor's dtype, N >= 1
-
-        Returns
-        -------
-        embeddings : float32 [N, D]
-            The embedding tensor, dequantised.
-        logits : float32 [N, K]
-            The model's own output (with its shipped head), dequantised.
-
-        Raises
-        ------
-        ValueError
-            If the sample shape or dtype is not the model's.
+        Returns the embeddings float32 [N, D] and the model's own logits float32 [N, K], dequantised.
         """
         n = int(model_input.shape[0])
         if tuple(model_input.shape[1:]) != self.sample_shape or model_input.dtype != self.input_dtype:

@@ -1,10 +1,8 @@
 """TLS settings for the MQTT connection: an :class:`ssl.SSLContext` that verifies the broker.
 
-The context always verifies the server: its certificate must chain to ``ca_file`` (or to the
-system's CA store when none is given) and name the host we dialled (DNS name or IP address in the
-subjectAltName). TLS 1.2 is the floor. A client certificate is presented when the profile has one
-(brokers with ``require_certificate true``). File problems surface as one :class:`ConfigError` naming
-the profile key, at start-up, never as a traceback.
+The broker's certificate must chain to ``ca_file`` (or the system's store) and name the host dialled;
+TLS 1.2 is the floor; a client certificate is presented when the profile has one. File problems are
+one :class:`ConfigError` naming the profile key.
 
 Source: Python ``ssl`` module (``create_default_context``: CERT_REQUIRED, check_hostname);
 RFC 6125 §6 (server identity), RFC 5280 §4.2.1.6 (subjectAltName, iPAddress).
@@ -21,31 +19,16 @@ from edgefl.profiles import BrokerConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["make_ssl_context", "ssl_context_for"]
-
 
 def make_ssl_context(
     ca_file: Path | None = None, client_cert: Path | None = None, client_key: Path | None = None
 ) -> ssl.SSLContext:
-    """Build a client-side TLS context with server certificate and host name verification on.
+    """A client TLS context: ``CERT_REQUIRED``, ``check_hostname``, minimum TLS 1.2.
 
-    Parameters
-    ----------
-    ca_file : Path or None
-        PEM bundle of the CA(s) the broker certificate must chain to; None uses the system store.
-    client_cert, client_key : Path or None
-        PEM client certificate and its (unencrypted) private key; both or neither.
-
-    Returns
-    -------
-    ssl.SSLContext
-        ``verify_mode == CERT_REQUIRED``, ``check_hostname == True``, minimum TLS 1.2.
-
-    Raises
-    ------
-    ConfigError
-        If a file is missing or unreadable, not PEM, or the key does not match the certificate; each
-        problem names ``broker.ca_file`` / ``broker.client_cert`` / ``broker.client_key``.
+    ``ca_file``: the CA bundle the broker certificate must chain to (None: the system store);
+    ``client_cert``/``client_key``: a PEM client certificate and its unencrypted key, both or neither.
+    ConfigError if a file is missing, unreadable, not PEM, or the key does not match the certificate,
+    naming ``broker.ca_file`` / ``broker.client_cert`` / ``broker.client_key``.
     """
     problems: list[str] = []
     cause: BaseException | None = None
@@ -85,21 +68,7 @@ def _why(exc: BaseException) -> str:
 
 
 def ssl_context_for(broker: BrokerConfig) -> ssl.SSLContext | None:
-    """The TLS context a profile's ``[broker]`` asks for, or None for plain ``mqtt://``.
-
-    Parameters
-    ----------
-    broker : BrokerConfig
-
-    Returns
-    -------
-    ssl.SSLContext or None
-
-    Raises
-    ------
-    ConfigError
-        As :func:`make_ssl_context`.
-    """
+    """The TLS context a profile's ``[broker]`` asks for, or None for ``mqtt://`` (ConfigError as above)."""
     if not broker.tls:
         return None
     return make_ssl_context(broker.ca_file, broker.client_cert, broker.client_key)

@@ -7,15 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Topics:
-    """Topic names under ``<prefix>/<fleet>/``.
-
-    Parameters
-    ----------
-    prefix : str
-        Topic prefix (profile ``broker.topic_prefix``), e.g. ``"edgefl"``.
-    fleet : str
-        Fleet name (profile ``device.fleet``).
-    """
+    """Topic names under ``<prefix>/<fleet>/`` (``broker.topic_prefix``, ``device.fleet``)."""
 
     prefix: str
     fleet: str
@@ -40,6 +32,11 @@ class Topics:
         """Retained Presence of the coordinator that runs the fleet (its lease); its last will clears it."""
         return f"{self.base}/coordinator"
 
+    @property
+    def coordinator_holder(self) -> str:
+        """Retained Presence of the coordinator that last took the lease; no will clears it."""
+        return f"{self.base}/coordinator/holder"
+
     def update(self, device: str) -> str:
         """Update of one device, device → coordinator (``"+"`` for the wildcard)."""
         return f"{self.base}/update/{device}"
@@ -54,11 +51,7 @@ class Topics:
 
     def site_of(self, topic: str) -> str | None:
         """The ``<site>`` segment of a ``partial/<site>`` topic, else None."""
-        parts = topic.split("/")
-        base = self.base.split("/")
-        if len(parts) == len(base) + 2 and parts[: len(base)] == base and parts[-2] == "partial":
-            return parts[-1]
-        return None
+        return self._last_level(topic, ("partial",))
 
     def samples(self, device: str) -> str:
         """Samples for one device, gateway apps → device (live ingest; ``docs/protocol.md``, "Sample")."""
@@ -74,8 +67,10 @@ class Topics:
 
     def device_of(self, topic: str) -> str | None:
         """The ``<device>`` segment of an ``update/<device>`` or ``status/<device>`` topic, else None."""
-        parts = topic.split("/")
-        base = self.base.split("/")
-        if len(parts) == len(base) + 2 and parts[: len(base)] == base and parts[-2] in ("update", "status"):
+        return self._last_level(topic, ("update", "status"))
+
+    def _last_level(self, topic: str, kinds: tuple[str, ...]) -> str | None:
+        parts, base = topic.split("/"), self.base.split("/")
+        if len(parts) == len(base) + 2 and parts[: len(base)] == base and parts[-2] in kinds:
             return parts[-1]
         return None

@@ -1,13 +1,10 @@
 """The MQTT client: connection lifecycle, subscriptions and publishes, async with timeouts (paho-mqtt 2.x).
 
-:class:`MqttTransport` is an asyncio-facing MQTT client on :class:`edgefl.mqtt_link.Link` (the socket
-driven by the event loop, PUBACKs, the bounded incoming queue). Only the blocking connect (TCP and
-the TLS handshake) runs in a thread. Every public call is async with a timeout. Each connection is one
-paho client and one :class:`~edgefl.mqtt_link.Connection`: its QoS 1 publishes wait for their PUBACK
-and its subscribes for their SUBACK by ``mid`` inside it, and all of them fail with TransportError
-when it is lost (a new client's mids restart at 1). ``connected`` is set only once the renewed
-subscriptions are acknowledged. Reconnects back off with full jitter; a broker that refuses MQTT 5
-is spoken to in 3.1.1.
+:class:`MqttTransport` runs one paho client per connection on :class:`edgefl.mqtt_link.Link` (the
+socket driven by the event loop); only the blocking connect runs in a thread. QoS 1 publishes and
+subscribes wait for their acknowledgement by ``mid`` and fail with TransportError when the connection
+is lost; ``connected`` is set once the renewed subscriptions are acknowledged. Reconnects back off
+with full jitter; a broker that refuses MQTT 5 is spoken to in 3.1.1.
 
 Source: MQTT 5.0 (OASIS 2019) and MQTT 3.1.1 (OASIS 2014); paho-mqtt 2.x client API.
 """
@@ -48,9 +45,7 @@ SUBACK_TIMEOUT_S = 10.0
 TAKEOVER_WINDOW_S = 10.0
 """A connection closed without a reason this soon after its CONNACK counts towards :data:`TAKEOVER_LOSSES`."""
 TAKEOVER_LOSSES = 3
-"""Connections in a row closed within :data:`TAKEOVER_WINDOW_S` of their CONNACK: the transport then says
-another client probably takes over its client id's session at each connect (MQTT 5.0 §3.1.4: the
-broker closes the older connection of a client id; mosquitto 2.0 closes it without a DISCONNECT)."""
+"""Such closes in a row: another client takes the client id's session at each connect (MQTT 5.0 §3.1.4)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +56,6 @@ class Will:
     payload: bytes
     qos: int = 1
     retain: bool = True
-
-
 
 
 def _retrieve_all(futures: Sequence[asyncio.Future[Any]]) -> None:
@@ -76,52 +69,32 @@ class MqttTransport(Link):
 
     Parameters
     ----------
-    host : str
-    port : int
-    client_id : str
-        MQTT client identifier (unique per broker).
+    host, port, client_id : str, int, str
+        The broker, and a client id unique on it.
     will : Will or None
         Last will, set before connecting.
     protocol : "auto" | "5" | "3.1.1"
         "auto" tries MQTT 5 and falls back to 3.1.1 when the broker refuses it.
     keepalive_s : int
-        Keepalive interval in seconds.
     queue_size : int
         Bound of the incoming-message queue (messages).
     username, password : str or None
-        Broker credentials.
     tls_context : ssl.SSLContext or None
-        TLS settings (server certificate verification, optional client certificate).
     on_connect : callable or None
-        Called on the event loop after every successful CONNACK and re-subscription (used to publish
-        "online").
-    max_packet_bytes : int
-        Largest PUBLISH packet this client may send (the profile's ``broker.max_packet_bytes``); the
-        broker's CONNACK Maximum Packet Size lowers it further. Default: MQTT's own maximum.
-    max_incoming_packet_bytes : int
-        Largest packet accepted from the broker (the profile's ``broker.max_incoming_packet_bytes``):
-        announced as the CONNECT Maximum Packet Size on MQTT 5 (§3.1.2.11.4), and enforced on every
-        protocol by :class:`PacketFilter` before paho buffers a byte of the body; an oversize PUBLISH
-        is acknowledged, dropped, counted (``oversize_dropped_total``) and logged.
+        Called on the event loop after every CONNACK and re-subscription (to publish "online").
+    max_packet_bytes, max_incoming_packet_bytes : int
+        Largest PUBLISH sent (lowered by the CONNACK's Maximum Packet Size) and packet accepted (the
+        CONNECT's Maximum Packet Size; enforced on every protocol: an oversize PUBLISH is acknowledged,
+        dropped, counted in ``oversize_dropped_total`` and logged).
     session_expiry_s : int
-        0 = clean session. Otherwise ask the broker to keep this client's session (subscriptions and
-        queued QoS 1 messages) for that many seconds while it is away (MQTT 5 Session Expiry
-        Interval, §3.1.2.11; MQTT 3.1.1 clean session 0), so nothing published meanwhile is lost. Needs
-        a fixed ``client_id``.
+        0 = clean session; else the broker keeps the session that long while the client is away (MQTT
+        5.0 §3.1.2.11). Needs a fixed ``client_id``.
     alternates : sequence of (host, port)
-        Other nodes of the same (clustered) broker. After a failed connect or a lost connection the
-        next attempt goes to the next address, round robin from ``(host, port)``; ``host`` and
-        ``port`` name the address in use. Empty (the default): one broker.
+        Other nodes of a clustered broker, tried round robin after a failed connect or a loss.
     ack_on_commit : bool
-        False (the default): a QoS 1 message is acknowledged once it is in :attr:`queue`. True: only
-        once the consumer took it *and* called :meth:`commit` (after writing what it did with it), so
-        a process killed in between gets it again from its session (needs ``session_expiry_s``).
-        Messages taken but not committed count against the broker's in-flight window: commit at
-        least every few messages.
+        Acknowledge a QoS 1 message only once the consumer called :meth:`commit` (needs a session).
     reconnect_max_s : float or None
-        Cap of the reconnect back-off (:meth:`backoff_s`), seconds; None: ``RECONNECT_MAX_S`` (30 s,
-        for a fleet of devices that must not reconnect in lock-step). A single client such as a
-        coordinator may retry sooner.
+        Cap of the reconnect back-off (:meth:`backoff_s`); None: ``RECONNECT_MAX_S``.
     """
 
     def __init__(
@@ -189,9 +162,8 @@ class MqttTransport(Link):
         #: Set at every CONNACK refusal (the caller clears it): wakes whoever reports refusals.
         self.refused = asyncio.Event()
         self.broker_max_packet_bytes: int | None = None  # MQTT 5 CONNACK Maximum Packet Size, when sent
-        #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1, 3.1.1 §3.2.2.2): False after a
-        #: reconnect means the broker had no session for us (it lost its state, or the session expired):
-        #: whatever was published to our subscriptions while we were away is gone.
+        #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1): False after a reconnect means
+        #: what was published to our subscriptions while we were away is gone.
         self.session_present = False
 
     @property
@@ -200,11 +172,9 @@ class MqttTransport(Link):
 
     @property
     def credentials_refused(self) -> bool:
-        """True when the broker's last CONNACK refused our credentials.
+        """True when the broker's last CONNACK refused our credentials (MQTT 5.0 §3.2.2.2: 0x86, 0x87).
 
-        MQTT 5.0 §3.2.2.2 reason codes 0x86 "Bad User Name or Password" and 0x87 "Not authorized" (paho
-        maps MQTT 3.1.1's return codes 4 and 5 onto them). Retrying cannot help until the configuration
-        or the broker's password file/ACL changes.
+        Retrying cannot help until the configuration or the broker's password file/ACL changes.
         """
         return self.last_refusal is not None and int(self.last_refusal.value) in (0x86, 0x87)
 
@@ -223,7 +193,6 @@ class MqttTransport(Link):
             "thread_errors": self.thread_errors_total,
             "subscribe_failures": self.subscribe_failures_total,
         }
-
 
     def _bind(self, conn: Connection) -> None:
         """Point paho's callbacks at ``conn``: each only schedules a handler (STYLE.md rule 6)."""
@@ -263,7 +232,6 @@ class MqttTransport(Link):
         c.on_unsubscribe = guarded("on_unsubscribe", on_unsubscribe)
         c.on_message = guarded("on_message", on_message)
         c.on_socket_open = guarded("on_socket_open", set_nodelay)
-
 
     # --- loop side -------------------------------------------------------------------------
     def _handle_connect(
@@ -310,8 +278,7 @@ class MqttTransport(Link):
     ) -> None:
         """After CONNACK: wait for the renewed subscriptions' SUBACKs, then report the connection up.
 
-        The UNSUBACKs of the unsubscriptions sent again with this connection (``unsubacks``) are only
-        logged when they fail, after ``connected`` is set: they never hold it back.
+        Failed UNSUBACKs (``unsubacks``) are logged after ``connected`` is set: they never hold it back.
         """
         for topic, fut in subacks:
             try:
@@ -349,9 +316,8 @@ class MqttTransport(Link):
     def _loss_reason(self, rc: object, from_broker: bool) -> str:
         """Why a connection ended, in words: the broker's DISCONNECT reason, else what may have closed it.
 
-        paho reports a connection closed without a DISCONNECT packet as "Unspecified error" (a
-        stand-in, not the broker's word); mosquitto 2.0 closes the older connection of a client id that
-        connects again that way, so the text names that cause with the others.
+        paho reports a close without DISCONNECT as "Unspecified error"; mosquitto closes the older
+        connection of a client id that connects again that way, so the text names that cause too.
         """
         cid = self.client_id
         if isinstance(rc, ReasonCode) and from_broker:
@@ -419,7 +385,6 @@ class MqttTransport(Link):
         if fut is not None and not fut.done():
             fut.set_result(rcs)
 
-
     def _send_subscribe(
         self, conn: Connection, topic: str, qos: int, live_only: bool = False
     ) -> tuple[str, asyncio.Future[list[ReasonCode]]]:
@@ -441,11 +406,9 @@ class MqttTransport(Link):
         mid: int | None,
         what: str,
     ) -> asyncio.Future[list[ReasonCode]]:
-        """The future the SUBACK or UNSUBACK of packet ``mid`` resolves with its reason codes.
+        """The future the SUBACK or UNSUBACK of packet ``mid`` resolves with, kept in ``waiting``.
 
-        Kept in ``waiting`` (``conn.subacks`` or ``conn.unsubacks``: an answer of the wrong kind finds
-        none). It holds a TransportError at once if paho did not send the packet (``rc``) or the
-        connection is gone.
+        It holds a TransportError at once if paho did not send the packet (``rc``) or the connection is gone.
         """
         assert self._loop is not None
         fut: asyncio.Future[list[ReasonCode]] = self._loop.create_future()
@@ -489,16 +452,8 @@ class MqttTransport(Link):
     async def start(self, *, wait_s: float | None = CONNECT_TIMEOUT_S) -> None:
         """Start connecting, and reconnecting forever in the background, from an asyncio task.
 
-        Parameters
-        ----------
-        wait_s : float or None
-            Seconds to wait for the first CONNACK; None = do not wait (the broker may be down:
-            the caller keeps working and the transport connects when the broker appears).
-
-        Raises
-        ------
-        TransportError
-            If ``wait_s`` is given and no connection succeeded within it.
+        ``wait_s``: seconds to wait for the first CONNACK (TransportError if none), None = do not wait (the
+        transport connects when the broker appears).
         """
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
@@ -515,9 +470,8 @@ class MqttTransport(Link):
     def backoff_s(failures: int, rng: random.Random | None = None, max_s: float | None = None) -> float:
         """Delay before reconnect attempt ``failures`` (>= 1): full jitter over an exponential cap.
 
-        ``uniform(0, min(max_s, RECONNECT_MIN_S * 2 ** (failures - 1)))`` seconds (``max_s`` None:
-        ``RECONNECT_MAX_S``), so a fleet that lost its broker at the same instant does not reconnect in
-        lock-step.
+        ``uniform(0, min(max_s, RECONNECT_MIN_S * 2 ** (failures - 1)))`` seconds, so a fleet that lost its
+        broker at once does not reconnect in lock-step.
 
         Source: M. Brooker, "Exponential Backoff And Jitter", AWS Architecture Blog, 2015 ("Full Jitter").
         """
@@ -526,11 +480,7 @@ class MqttTransport(Link):
         return (rng or random).uniform(0.0, cap)
 
     def _connect(self, client: mqtt.Client) -> None:
-        """Blocking connect (run in a thread).
-
-        On MQTT 5 the CONNECT carries our Maximum Packet Size (§3.1.2.11.4: the broker must not send a
-        larger packet) and, when ``session_expiry_s`` > 0, a Session Expiry Interval.
-        """
+        """Blocking connect (run in a thread), with our Maximum Packet Size and Session Expiry on MQTT 5."""
         if not self._mqtt5:
             client.connect(self.host, self.port, self.keepalive_s)
             return
@@ -558,10 +508,7 @@ class MqttTransport(Link):
     async def _supervise(self) -> None:
         """Own the connection: connect, wait until it is lost, back off with jitter, reconnect.
 
-        A fresh paho client per connection (paho's own reconnect is off), so the protocol can fall back
-        from MQTT 5 to 3.1.1 when a broker refuses MQTT 5 before any CONNACK. paho's network thread
-        is driven by the event loop while a connection is up (:meth:`_drive`); the event loop never
-        blocks (the connect, with its TLS handshake, runs in a thread).
+        A fresh paho client per connection (paho's reconnect is off), so the protocol can fall back to 3.1.1.
         """
         failures = 0
         while not self._stopping:
@@ -624,20 +571,15 @@ class MqttTransport(Link):
     ) -> None:
         """Subscribe, now and again after every reconnect.
 
-        When connected, returns after the broker's SUBACK granted the subscription; when not, returns
-        at once (the subscription is sent, and its SUBACK awaited, before ``connected`` is next set).
-
-        ``live_only`` (MQTT 5 only; MQTT 5.0 §3.8.3.1 subscription options): Retain Handling 2, so the
-        broker sends no retained message at subscribe, and Retain As Published, so a message retained
-        while subscribed arrives with ``retain`` set and the caller can refuse it. Over MQTT 3.1.1 it
-        has no effect: retained messages come at subscribe with ``retain`` set, and later ones
-        without it (3.1.1 §3.3.1.3).
+        Connected, it returns once the SUBACK granted it; otherwise at once (it is sent, and its SUBACK
+        awaited, before ``connected`` is next set). ``live_only`` (MQTT 5 only, §3.8.3.1): Retain Handling
+        2 and Retain As Published, so no retained message comes at subscribe and a later retained one
+        arrives with ``retain`` set.
 
         Raises
         ------
         TransportError
-            If the SUBACK refused the subscription (MQTT 5.0 §3.9.3, 3.1.1 §3.9.3 failure 0x80), no
-            SUBACK arrived within ``timeout_s``, or the connection was lost before it.
+            If the SUBACK refused it, none arrived within ``timeout_s``, or the connection was lost first.
         """
         self._subscriptions[topic] = (qos, live_only)
         self._unsubscribing.pop(topic, None)
@@ -653,17 +595,14 @@ class MqttTransport(Link):
     async def unsubscribe(self, topic: str, *, timeout_s: float = SUBACK_TIMEOUT_S) -> None:
         """Drop a subscription made with :meth:`subscribe` (not renewed after a reconnect).
 
-        When connected, UNSUBSCRIBE is sent and its UNSUBACK awaited (MQTT 5.0 §3.10-3.11; 3.1.1
-        §3.10-3.11). A topic not subscribed is still sent (the broker answers it; MQTT 5: 0x11).
-        Not connected, or left without an answer (lost connection, timeout), it is sent once more,
-        first, with the next connection (a persistent session keeps the broker's copy), then
-        forgotten; a refusal is not sent again.
+        Connected, UNSUBSCRIBE is sent and its UNSUBACK awaited; not connected or left unanswered, it is
+        sent once more with the next connection, then forgotten; a refusal is not sent again.
 
         Raises
         ------
         TransportError
-            If the UNSUBACK refused it (an MQTT 5 reason code >= 0x80, e.g. 0x87 not authorized), no
-            UNSUBACK arrived within ``timeout_s``, or the connection was lost before it.
+            If the UNSUBACK refused it (a reason code >= 0x80), none arrived within ``timeout_s``, or the
+            connection was lost first.
         """
         self._subscriptions.pop(topic, None)
         token = object()  # this call's: an answer to an earlier call must not clear a later one
@@ -680,9 +619,7 @@ class MqttTransport(Link):
             del self._unsubscribing[topic]  # answered: refused or not, sending it again cannot help
         self._check_unsuback(topic, rcs)
 
-    def _send_unsubscribe(
-        self, conn: Connection, topic: str
-    ) -> tuple[str, asyncio.Future[list[ReasonCode]]]:
+    def _send_unsubscribe(self, conn: Connection, topic: str) -> tuple[str, asyncio.Future[list[ReasonCode]]]:
         """UNSUBSCRIBE on ``conn``; the future gets the UNSUBACK's reason codes or a TransportError."""
         rc, mid = conn.client.unsubscribe(topic)
         return topic, self._ack_future(conn, conn.unsubacks, rc, mid, f"unsubscribe from {topic}")
@@ -705,23 +642,14 @@ class MqttTransport(Link):
     async def publish(
         self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, timeout_s: float = 10.0
     ) -> None:
-        """Publish and, for QoS 1, wait for the broker's PUBACK.
-
-        Parameters
-        ----------
-        topic : str
-        payload : bytes
-        qos : int (0 or 1)
-        retain : bool
-        timeout_s : float
-            Seconds to wait for the PUBACK.
+        """Publish ``payload`` on ``topic`` and, for QoS 1, wait ``timeout_s`` for the broker's PUBACK.
 
         Raises
         ------
         TransportError
-            If not started, over :meth:`packet_limit`, not connected, refused, no PUBACK arrived within
-            ``timeout_s``, or the connection was lost before the PUBACK (the message may or may not
-            have reached the broker: QoS 1 is at least once).
+            If not started, over :meth:`packet_limit`, not connected, refused, no PUBACK arrived in time, or
+            the connection was lost before it (the message may have reached the broker: QoS 1 is at least
+            once).
         """
         if self._loop is None:
             raise TransportError("publish before start()")
@@ -749,14 +677,9 @@ class MqttTransport(Link):
             raise TransportError(f"no PUBACK for {topic} (mid={info.mid}) within {timeout_s} s") from exc
 
     async def stop(self, final: tuple[str, bytes] | None = None, timeout_s: float = 5.0) -> None:
-        """Clean stop: publish a final retained message (e.g. "offline"), disconnect, end the threads.
+        """Clean stop: publish ``final`` (topic, payload) retained and wait for its PUBACK, disconnect.
 
-        Parameters
-        ----------
-        final : (topic, payload) or None
-            Published retained with QoS 1 and waited for (PUBACK) before disconnecting.
-        timeout_s : float
-            Time budget for the final publish and for the disconnect.
+        ``timeout_s`` is the budget of the final publish and of the disconnect.
         """
         if self._supervisor is None:
             return

@@ -1,9 +1,8 @@
-"""Small reusable validators shared by the profile loader (``config.py``) and the wire codec.
+"""Small reusable validators shared by the profile loaders and the wire codec.
 
-Each validator takes a raw value, returns it normalised (and typed) when it is valid, and raises
-``ValueError`` otherwise. The message never names the field: the caller prefixes it with the dotted key
-and the value, so a profile problem reads ``memory.cap_mb = 0: must be > 0`` and a codec problem reads
-``num_examples = 0: must be > 0``.
+Each takes a raw value, returns it normalised when valid, and raises ``ValueError`` otherwise with a
+message that never names the field: the caller prefixes the dotted key and the value
+(``memory.cap_mb = 0: must be > 0``).
 """
 
 from __future__ import annotations
@@ -12,18 +11,6 @@ import ipaddress
 import math
 import re
 from urllib.parse import urlsplit
-
-__all__ = [
-    "DEVICE_ID_PATTERN",
-    "MQTT_MAX_PACKET_BYTES",
-    "check_device_id",
-    "check_finite_float",
-    "check_positive_int",
-    "check_qos",
-    "check_topic_prefix",
-    "is_loopback_host",
-    "parse_broker_url",
-]
 
 DEVICE_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 """Device ids and fleet names: they become one MQTT topic level and part of file names."""
@@ -40,25 +27,9 @@ MAX_BATCH = 4096
 
 
 def check_device_id(value: object) -> str:
-    """Check a device id (or fleet name): ``^[A-Za-z0-9_.-]{1,64}$``, and not ``.`` or ``..``.
+    """Check a device id (or fleet name): ``^[A-Za-z0-9_.-]{1,64}$``, not ``.`` or ``..``; return it.
 
-    The id is one MQTT topic level (``status/<device>``) so it must not contain ``/``, ``+``, ``#``
-    or ``$``; ids made only of dots are refused because the id may also name a file or directory.
-
-    Parameters
-    ----------
-    value : object
-        The candidate id.
-
-    Returns
-    -------
-    str
-        The id, unchanged.
-
-    Raises
-    ------
-    ValueError
-        If ``value`` is not a string or does not match the pattern.
+    It is one MQTT topic level (no ``/``, ``+``, ``#``, ``$``) and may name a file; ValueError otherwise.
     """
     if not isinstance(value, str):
         raise ValueError("must be a string")
@@ -70,24 +41,10 @@ def check_device_id(value: object) -> str:
 
 
 def check_topic_prefix(value: object) -> str:
-    """Check an MQTT topic prefix such as ``edgefl`` or ``acme/edgefl``.
+    """Check an MQTT topic prefix (``edgefl``, ``acme/edgefl``; topics are ``<prefix>/<fleet>/...``).
 
-    Parameters
-    ----------
-    value : object
-        The candidate prefix; topics are built as ``<prefix>/<fleet>/<suffix>``.
-
-    Returns
-    -------
-    str
-        The prefix, unchanged.
-
-    Raises
-    ------
-    ValueError
-        If it is not a non-empty string, contains a wildcard (``+``, ``#``) or NUL, starts with ``$``
-        (reserved for broker topics), starts or ends with ``/``, has an empty level, or is longer than
-        an MQTT topic can be.
+    ValueError if it is not a non-empty string, holds a wildcard or NUL, starts with ``$`` (broker
+    topics), starts or ends with ``/``, has an empty level, or is longer than an MQTT topic can be.
 
     Source: MQTT 5.0 §4.7 (topic names, wildcards, ``$`` topics) and §1.5.4 (UTF-8 string length).
     """
@@ -111,22 +68,7 @@ def check_topic_prefix(value: object) -> str:
 
 
 def check_qos(value: object) -> int:
-    """Check an MQTT QoS level.
-
-    Parameters
-    ----------
-    value : object
-        The candidate QoS.
-
-    Returns
-    -------
-    int
-        0, 1 or 2.
-
-    Raises
-    ------
-    ValueError
-        If it is not one of the integers 0, 1, 2 (``bool`` is refused).
+    """Check an MQTT QoS level: the integers 0, 1, 2 (``bool`` refused); ValueError otherwise.
 
     Source: MQTT 5.0 §4.3.
     """
@@ -136,26 +78,9 @@ def check_qos(value: object) -> int:
 
 
 def check_positive_int(name: str, value: object) -> int:
-    """Check a strictly positive integer (a count, a size in bytes, a capacity).
+    """Check an integer > 0 (``bool`` refused): ``"must be an integer"`` or ``"must be > 0"`` otherwise.
 
-    Parameters
-    ----------
-    name : str
-        The field name at the call site. It is not repeated in the message (the caller prefixes the
-        message with the dotted key); it is attached to the exception as a note for tracebacks.
-    value : object
-        The candidate value.
-
-    Returns
-    -------
-    int
-        The value.
-
-    Raises
-    ------
-    ValueError
-        ``"must be an integer"`` if it is not an ``int`` (``bool`` is refused), ``"must be > 0"``
-        otherwise.
+    ``name`` is attached to the ValueError as a note for tracebacks, not put in its message.
     """
     if isinstance(value, bool) or not isinstance(value, int):
         exc = ValueError("must be an integer")
@@ -169,27 +94,7 @@ def check_positive_int(name: str, value: object) -> int:
 
 
 def check_int_at_most(name: str, value: object, high: int) -> int:
-    """Check an integer in ``1..high`` (a thread count, a batch size).
-
-    Parameters
-    ----------
-    name : str
-        The field name at the call site (see :func:`check_positive_int`).
-    value : object
-        The candidate value.
-    high : int
-        The largest value allowed.
-
-    Returns
-    -------
-    int
-        The value.
-
-    Raises
-    ------
-    ValueError
-        As :func:`check_positive_int`, or ``"must be <= high"``.
-    """
+    """Check an integer in ``1..high`` (a thread count, a batch size), as :func:`check_positive_int`."""
     v = check_positive_int(name, value)
     if v > high:
         raise ValueError(f"must be <= {high}")
@@ -197,23 +102,7 @@ def check_int_at_most(name: str, value: object, high: int) -> int:
 
 
 def check_finite_float(value: object) -> float:
-    """Check a finite real number (``int`` or ``float``; not ``bool``, NaN or infinity).
-
-    Parameters
-    ----------
-    value : object
-        The candidate value.
-
-    Returns
-    -------
-    float
-        The value as a Python ``float``.
-
-    Raises
-    ------
-    ValueError
-        ``"must be a number"`` or ``"must be finite"``.
-    """
+    """A finite int or float as a float (not ``bool``); ValueError "must be a number" or "must be finite"."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError("must be a number")
     result = float(value)
@@ -223,28 +112,11 @@ def check_finite_float(value: object) -> float:
 
 
 def parse_broker_url(url: object) -> tuple[str, str, int]:
-    """Parse a broker URL ``mqtt://host[:port]`` or ``mqtts://host[:port]``.
+    """Parse ``mqtt://host[:port]`` or ``mqtts://host[:port]`` into ``(scheme, host, port)``.
 
-    The port defaults to 1883 for ``mqtt`` and 8883 for ``mqtts`` (the IANA ports). IPv6 hosts are
-    written in brackets (``mqtt://[::1]:1883``) and returned without them, as paho-mqtt expects.
-    Credentials in the URL are refused so that they never reach a log line or a ``repr``; they belong
-    in ``broker.username`` / ``broker.password``.
-
-    Parameters
-    ----------
-    url : object
-        The candidate URL.
-
-    Returns
-    -------
-    tuple[str, str, int]
-        ``(scheme, host, port)``, scheme is ``"mqtt"`` or ``"mqtts"``, port in 1..65535.
-
-    Raises
-    ------
-    ValueError
-        If the scheme is not ``mqtt``/``mqtts``, the host is missing, the port is not in 1..65535, or
-        the URL carries credentials, a path, a query or a fragment.
+    The port defaults to 1883 / 8883; an IPv6 host is written in brackets and returned without them.
+    ValueError for another scheme, no host, a port outside 1..65535, or credentials (they belong in
+    ``broker.username`` / ``broker.password``, never in a log line), a path, a query or a fragment.
 
     Source: RFC 3986 §3 (URI syntax); IANA service names ``mqtt`` (1883) and ``secure-mqtt`` (8883).
     """
@@ -278,20 +150,9 @@ def parse_broker_url(url: object) -> tuple[str, str, int]:
 
 
 def is_loopback_host(host: str) -> bool:
-    """Tell whether a listen address is loopback-only (``localhost``, 127.0.0.0/8, ``::1``).
+    """Whether a listen address is loopback-only (``localhost``, 127.0.0.0/8, ``::1``), with no lookup.
 
-    No name resolution is done: any other host name, and ``""`` / ``0.0.0.0`` / ``::`` (all
-    interfaces), count as reachable from the network.
-
-    Parameters
-    ----------
-    host : str
-        A host name or IP literal (IPv6 with or without brackets).
-
-    Returns
-    -------
-    bool
-        True if only the local machine can connect.
+    Any other name, and ``""`` / ``0.0.0.0`` / ``::``, counts as reachable from the network.
     """
     if host.lower() in {"localhost", "localhost."}:
         return True

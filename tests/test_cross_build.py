@@ -656,6 +656,7 @@ def test_aarch64_wheelhouse_locks_litert_2(python: str, tmp_path_factory: pytest
     _check_hashes_and_tags(house, target)
     assert f"python={python}\n" in (house / "TARGET").read_text()
     assert (house / "systemd" / "gateway_aarch64_256mb.service").is_file()
+    assert (house / "systemd" / "edgefl-coordinator.service").is_file()
 
 
 def test_armv7l_wheelhouse_has_tflite_runtime_and_pure_cbor2(

@@ -6,12 +6,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.partition import dirichlet_partition
 from edgefl.datasets import (
     FACTORY_CLASSES,
     DigitsSplit,
     class_owners,
     digits_dir,
-    dirichlet_partition,
     load_digits,
     partition_non_iid,
     split_digits,

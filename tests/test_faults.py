@@ -45,11 +45,11 @@ from edgefl.coordinator.strategies import make_strategy
 from edgefl.coordinator.strategy import Offer, aggregate_checked
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy, embed_all
-from edgefl.records import decode_record, prev_path
+from edgefl.records import decode_record, prev_path, read_record
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.global_model import GlobalModel, encode_global_model
+from edgefl.wire.global_model import GlobalModel, decode_global_model, encode_global_model
 from edgefl.wire.rounds import RoundAnnouncement, Update, UpdateMetrics, encode_round, encode_update
 from edgefl.wire.signing import SigningKey, generate_signing_key, load_verify_keys, sign_message
 from edgefl.wire.status import decode_status
@@ -692,13 +692,18 @@ def test_corrupt_state_files_are_ignored_with_a_clear_log(
         try:
             await coord.start()
             await coord.registry.wait_for_devices(1, timeout_s=60)
-            # an applied head is written when it is applied, in global_head.rec and .prev in turn
-            # (RecordSlot): versions 1 and 3 in the first, 2 in the second
+            # an applied head is written once the agent idles after it (behind the round), in
+            # global_head.rec and .prev in turn (RecordSlot): versions 1 and 3 in the first, 2 in the second
+            def written(version: int) -> bool:
+                data = read_record(head) if head.exists() else None
+                return data is not None and decode_global_model(data).version == version
+
             assert (await coord.run_round(1)).clients == 1
-            await wait_until(lambda: head.exists(), 10, "head version 1 written")
+            await wait_until(functools.partial(written, 1), 10, "head version 1 written")
             for r in (2, 3):
                 assert (await coord.run_round(r)).clients == 1
                 await wait_until(functools.partial(on_version, r), 10, f"dev-1 on version {r}")
+                await wait_until(functools.partial(written, r), 10, f"head version {r} written")
             await wait_until(
                 lambda: head.exists() and prev_path(head).exists() and outbox.exists(), 10, "state written"
             )

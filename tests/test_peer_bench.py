@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import threading
 import time
 from typing import Any
@@ -19,7 +20,7 @@ from bench import peer
 
 def test_peer_bench_each_variant_changes_one_thing_of_int8() -> None:
     base = next(v for v in peer.VARIANTS if v.name == "int8")
-    assert base.dashboard and not base.broker_nodelay  # as shipped
+    assert base.dashboard and base.personal and not base.broker_nodelay  # as shipped
     for v in peer.VARIANTS:
         if v is base:
             continue
@@ -29,7 +30,8 @@ def test_peer_bench_each_variant_changes_one_thing_of_int8() -> None:
             if f.name != "name" and getattr(v, f.name) != getattr(base, f.name)
         ]
         # the wire is one change (uplink and downlink together), everything else one field
-        assert changed in (["broker_nodelay"], ["dashboard"], ["uplink"], ["uplink", "downlink"]), (
+        one = (["broker_nodelay"], ["dashboard"], ["personal"], ["uplink"], ["uplink", "downlink"])
+        assert changed in one, (
             v.name,
             changed,
         )
@@ -93,6 +95,7 @@ def test_peer_bench_summary_keeps_the_old_ratios_and_adds_the_like_for_like_ones
     runs[1] = _run(
         "edgefl", "int8", cycle_ms=30.0, cpu_ms_per_round_device=[8.0, 6.0], cpu_ms_per_round_server=3.0
     )
+    runs[-2] = _run("edgefl", "int8_no_personal", cycle_ms=24.0, cpu_ms_per_round_device=[5.0, 5.0])
     ratios = peer.summarize(runs)["ratios"]
     assert {
         "bytes_total_float32_d512",
@@ -107,3 +110,18 @@ def test_peer_bench_summary_keeps_the_old_ratios_and_adds_the_like_for_like_ones
     assert ratios["cpu_ms_per_round_server"] == pytest.approx(1.5)
     assert ratios["peak_rss_like_for_like_d512"] == pytest.approx(0.45)
     assert ratios["peak_rss_dashboard_on_d512"] == pytest.approx(1.0)
+    # the personal heads off (work Flower's client does not do): ratios of their own, the headline is int8
+    assert ratios["cpu_ms_per_round_device_no_personal"] == pytest.approx(5.0 / 4.0)
+    assert ratios["cycle_ms_no_personal"] == pytest.approx(1.2)
+
+
+def test_peer_bench_cycle_split_adds_up_to_the_cycle() -> None:
+    """Start -> first update -> last update -> aggregated -> next start, per round (rounds 2-4)."""
+    starts = {r: 10.0 * r for r in range(1, 7)}
+    update_at = {r: [10.0 * r + 4.0, 10.0 * r + 3.0] for r in range(1, 6)}
+    agg_at = {r: 10.0 * r + 4.5 for r in range(1, 6)}
+    split = peer.cycle_split(starts, update_at, agg_at)
+    assert split == pytest.approx(
+        {"to_first_update": 3000.0, "to_last_update": 1000.0, "to_aggregate": 500.0, "to_next_start": 5500.0}
+    )
+    assert sum(split.values()) == pytest.approx(1e3 * statistics.median(peer.per_cycle(starts)))

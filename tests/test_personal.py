@@ -225,7 +225,7 @@ def test_personal_config_table_and_errors(tmp_path: Path) -> None:
 # The core (no broker)
 
 
-def _core(tmp: Path, personal: bool, fleet: str = "f") -> DeviceCore:
+def _core(tmp: Path, personal: bool, fleet: str = "f", epochs: int = 0) -> DeviceCore:
     profile = parse_profile(
         {
             "device": {"id": "dev-1", "fleet": fleet, "state_dir": str(tmp)},
@@ -233,7 +233,7 @@ def _core(tmp: Path, personal: bool, fleet: str = "f") -> DeviceCore:
             "pipeline": {"raw_dtype": "uint8", "mean": [0.0], "std": [16.0]},
             "memory": {"cap_mb": 4096, "min_system_available_mb": 0},
             "training": {"min_examples": 1, "holdout_every": 4},
-            "personal": {"enabled": personal},
+            "personal": {"enabled": personal, "epochs": epochs},
         },
         DEV_PROFILE.parent,
     )
@@ -361,7 +361,7 @@ def test_personal_agent_serves_predictions_and_survives_kill9(
     mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
 ) -> None:
     """After its round the agent's predictions come from its personal head (``head`` = personal); killed
-    with SIGKILL and started again, it serves the same personal head from its record."""
+    with SIGKILL once it wrote that head and started again, it serves the same head from its record."""
     x, y = load_digits()
     train_x, train_y = x[:64], y[:64] % 4  # four classes labelled
     probe = x[200:230]
@@ -383,6 +383,9 @@ def test_personal_agent_serves_predictions_and_survives_kill9(
             await wait_until(
                 lambda: all(f"p{i}" in app.predictions for i in range(len(probe))), 60, "predictions"
             )
+            if first:  # written once the agent idles (the heads are written behind a round)
+                record = tmp_path / "p-1" / PERSONAL_FILE
+                await wait_until(record.exists, 30, "the personal head written")
             return dict(app.predictions)
 
     before = asyncio.run(phase(True))
@@ -514,9 +517,11 @@ def test_personal_behind_needs_more_than_chance() -> None:
 
 
 def test_personal_step_admitted_by_the_governor(tmp_path: Path) -> None:
-    """Over budget (a 1 MiB cap), the personal step is deferred, counted and the head left as it was."""
+    """Over budget (a 1 MiB cap), the personal step is deferred, counted and the head left as it was.
+
+    Two personal epochs against the round's one: the step runs on its own, after the round."""
     x, y = load_digits()
-    core = _core(tmp_path, True)
+    core = _core(tmp_path, True, epochs=2)
     core.observe(x[:64], y[:64])
     ann = RoundAnnouncement(1, 0, 60.0, 1, 0.05, 16, 1, 1.0, Compression.NONE)
     assert core.receive_round(encode_round(ann)).status == RoundStatus.TRAINED and core.personal_due

@@ -101,6 +101,43 @@
     table.replaceChild(body, table.tBodies[0]);
   }
 
+  // who refused what: rows {by, reason, count, detail} (the coordinator's own refusals and each
+  // device's); an older coordinator sends only its own {reason: count}
+  function fillRefusals(tableId, rows, own) {
+    if (!Array.isArray(rows)) {
+      fillCounts(tableId, own);
+      return;
+    }
+    const table = document.getElementById(tableId);
+    const body = document.createElement("tbody");
+    const kept = rows.filter((r) => obj(r) && typeof r.reason === "string" && isNum(r.count));
+    if (kept.length === 0) {
+      const td = body.insertRow().insertCell();
+      td.className = "muted";
+      td.textContent = "none";
+    }
+    for (const r of kept) {
+      const row = body.insertRow();
+      row.dataset.by = String(r.by);
+      const who = row.insertCell();
+      who.className = "by";
+      who.textContent = r.by === "coordinator" ? "coordinator" : `device ${r.by}`;
+      const why = row.insertCell();
+      why.textContent = r.reason;
+      if (typeof r.detail === "string" && r.detail) {
+        const detail = document.createElement("div");
+        detail.className = "muted detail";
+        detail.textContent = r.detail;
+        why.append(detail);
+        why.title = r.detail;
+      }
+      const td = row.insertCell();
+      td.className = "num";
+      td.textContent = FORMATS.int(r.count);
+    }
+    table.replaceChild(body, table.tBodies[0]);
+  }
+
   // ---------------------------------------------------------------------------------------------
   // a small line chart on a canvas (no library)
 
@@ -801,7 +838,7 @@
     setText("privacy", isNum(s.epsilon) ? `privacy ε ${s.epsilon.toFixed(2)}` : "privacy ε " + DASH);
     roundsFromStatus(s);
     if (!roundsServed) { drawAccuracyChart(); renderRounds(); } else maybeLoadRounds(s);
-    fillCounts("rejected", s.rejected);
+    fillRefusals("rejected", s.refusals, s.rejected);
   }
 
   function setupCoordinator() {

@@ -1,7 +1,6 @@
 """RFC 8746 typed arrays: numpy arrays as tag 40 ``[shape, typed array]`` and back, checked before allocating.
 
-Owns the dtype <-> tag tables, :func:`encode_array`, :func:`decode_array` and the CBOR size of an
-encoded array. Layout in ``docs/protocol.md`` ("Arrays").
+Layout: ``docs/protocol.md`` ("Arrays").
 
 Source: RFC 8746 §2.1 (typed arrays), §3.1.1 (multi-dimensional arrays, tag 40).
 """
@@ -19,17 +18,6 @@ import numpy.typing as npt
 from edgefl.errors import DecodeError
 from edgefl.wire.cbor import Limits, cbor_head_bytes
 from edgefl.wire.reasons import Reason
-
-__all__ = [
-    "MAX_NDIM",
-    "TAG_NDARRAY",
-    "TYPED_ARRAY_TAGS",
-    "array_cbor_bytes",
-    "check_head_shapes",
-    "decode_array",
-    "encode_array",
-    "read_shape",
-]
 
 MAX_NDIM: Final = 4
 TAG_NDARRAY: Final = 40
@@ -63,19 +51,8 @@ TYPED_ARRAY_TAGS: Final[Mapping[int, np.dtype[Any]]] = {
 }
 # what we emit: always little-endian (RFC 8746 tags 64, 69-71, 72, 77-79, 84-86)
 _ENCODE_TAGS: Final[Mapping[str, int]] = {
-    "uint8": 64,
-    "uint16": 69,
-    "uint32": 70,
-    "uint64": 71,
-    "int8": 72,
-    "int16": 77,
-    "int32": 78,
-    "int64": 79,
-    "float16": 84,
-    "float32": 85,
-    "float64": 86,
+    dtype.name: tag for tag, dtype in TYPED_ARRAY_TAGS.items() if dtype.str[0] in "<|"
 }
-
 
 # the same, keyed by the little-endian (or byte-order-free) dtype objects themselves
 _TAGS_BY_DTYPE: Final[Mapping[np.dtype[Any], int]] = {
@@ -86,23 +63,9 @@ _TAG_NAMES: Final[Mapping[int, str]] = {tag: dtype.name for tag, dtype in TYPED_
 
 
 def encode_array(a: npt.NDArray[Any]) -> cbor2.CBORTag:
-    """Wrap an array as an RFC 8746 tag-40 row-major array of a little-endian typed array.
+    """Wrap ``a`` (1 to 4 dims, u/int 8-64 or float 16-64) as ``40([shape, tag(little-endian bytes)])``.
 
-    Parameters
-    ----------
-    a : ndarray, 1 to 4 dimensions
-        dtype one of uint8/16/32/64, int8/16/32/64, float16/32/64.
-
-    Returns
-    -------
-    cbor2.CBORTag
-        ``40([[d0, d1, ...], tag(bytes)])`` with the typed-array tag of the dtype (e.g. 85 for
-        float32), bytes in C order, little-endian.
-
-    Raises
-    ------
-    ValueError
-        If the dtype is not supported or ``a`` has 0 or more than 4 dimensions.
+    ValueError for another dtype or number of dimensions.
 
     Source: RFC 8746 §2.1 (typed arrays), §3.1.1 (multi-dimensional arrays, tag 40).
     """
@@ -120,13 +83,7 @@ def encode_array(a: npt.NDArray[Any]) -> cbor2.CBORTag:
 
 
 def read_shape(obj: object, name: str, limits: Limits) -> tuple[int, ...]:
-    """Check a decoded shape: 1 to 4 integer dimensions >= 1 whose product fits ``limits``.
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type``, ``bad_shape``, ``too_large``.
-    """
+    """A decoded shape (1-4 integers >= 1, product within ``limits``): wrong_type, bad_shape, too_large."""
     if not isinstance(obj, list | tuple):
         raise DecodeError(Reason.WRONG_TYPE, f"{name}: shape is not an array")
     if not 1 <= len(obj) <= MAX_NDIM:
@@ -145,30 +102,9 @@ def decode_array(
 ) -> npt.NDArray[Any]:
     """Decode a tag-40 typed array, checking everything before allocating.
 
-    Parameters
-    ----------
-    obj : object
-        What cbor2 decoded for the field.
-    limits : Limits
-        ``max_array_elements`` bounds ``prod(shape)``.
-    dtypes : frozenset[str]
-        Accepted numpy dtype names (``"float32"``, ``"int8"``...). Big-endian RFC 8746 tags are
-        accepted too and converted.
-    name : str
-        Dotted field name used in error details.
-
-    Returns
-    -------
-    ndarray
-        A writable, C-contiguous array that owns its data, in native byte order, with the wire's
-        shape. Float arrays are finite.
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type`` (not tag 40 / not ``[shape, typed array]``), ``bad_shape`` (element count
-        differs from ``prod(shape)``, bad dimensions), ``too_large``, ``bad_dtype`` (typed-array
-        tag not allowed for this field), ``not_finite``.
+    ``dtypes`` are the accepted dtype names (big-endian tags of them too); ``name`` the field's dotted
+    name in details. The result is writable, C-contiguous, owned, native byte order, finite for floats.
+    DecodeError ``wrong_type``, ``bad_shape``, ``too_large``, ``bad_dtype``, ``not_finite``.
 
     Source: RFC 8746 §2.1, §3.1.1.
     """
@@ -211,23 +147,9 @@ def array_cbor_bytes(count: int, itemsize: int) -> int:
 def check_head_shapes(
     w: npt.NDArray[Any], b: npt.NDArray[Any], where: str, expect_shape: tuple[int, int] | None
 ) -> None:
-    """Check a decoded head (or head delta) pair: W [D, K] and b [K], of ``expect_shape`` when given.
+    """Check a decoded head (or delta) pair of map ``where``: W [D, K] and b [K], ``expect_shape`` if given.
 
-    Parameters
-    ----------
-    w : ndarray [D, K]
-        Weights (or their delta) as decoded.
-    b : ndarray [K]
-        Bias (or its delta) as decoded.
-    where : str
-        Dotted name of the pair's map (``"head"``, ``"delta"``), used in details.
-    expect_shape : tuple[int, int] or None
-        (D, K) the receiver's head has; None: W must be 2-D and b [W.shape[1]].
-
-    Raises
-    ------
-    DecodeError
-        ``bad_shape``.
+    DecodeError ``bad_shape`` otherwise.
     """
     if expect_shape is not None:
         want_w, want_b = tuple(expect_shape), (expect_shape[1],)

@@ -1,10 +1,8 @@
 """Bounded CBOR and the message envelope: what every decoder runs before it looks at a field.
 
-Owns: the schema version (``"v"``) and message kinds (``"type"``), :class:`Limits`, the allocation-free
-header scan (:func:`scan`: once per message, its result reused by the signature check and the
-decoder), the strict cbor2 call, and the field readers every decoder shares (exact types,
-ranges, known keys). The rules and bounds are specified in ``docs/protocol.md`` ("Decoding",
-"Versioning").
+Owns the schema version, the message kinds, :class:`Limits`, the allocation-free header scan
+(:func:`scan`, once per message), the strict cbor2 call and the field readers every decoder shares.
+Rules and bounds: ``docs/protocol.md`` ("Decoding", "Envelope and versioning").
 
 Source: RFC 8949 (CBOR) §3 (encoding), §4.2.1 (deterministic encoding).
 """
@@ -16,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import cbor2
 
@@ -24,30 +22,7 @@ from edgefl.errors import DecodeError
 from edgefl.validators import check_device_id
 from edgefl.wire.reasons import Reason
 
-__all__ = [
-    "ALLOWED_TAGS",
-    "CBOR2_STRICT",
-    "DEFAULT_LIMITS",
-    "INT_MAX",
-    "NO_LIMITS",
-    "SCHEMA_VERSION",
-    "Limits",
-    "MessageType",
-    "Scanned",
-    "cbor_head_bytes",
-    "check_keys",
-    "dumps",
-    "load",
-    "load_message",
-    "read_device_id",
-    "read_float",
-    "read_int",
-    "read_signature",
-    "read_text",
-    "scan",
-    "show",
-    "strict_loads",
-]
+_Choice = TypeVar("_Choice", bound=StrEnum)
 
 #: The schema every message is written in and the only one read (``docs/protocol.md``, "Versioning").
 SCHEMA_VERSION: Final = 1
@@ -76,26 +51,12 @@ class MessageType(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Decoding bounds; all are checked before the corresponding memory is allocated.
+    """Decoding bounds, each checked before the memory it guards is allocated; ValueError if one is < 1.
 
-    Parameters
-    ----------
-    max_message_bytes : int
-        Largest accepted payload, bytes (checked before parsing).
-    max_depth : int
-        Deepest nesting of arrays, maps and tags (an update with an int8 delta needs 6).
-    max_array_elements : int
-        Largest element count of one array (typed or CBOR array, or map pairs).
-    max_string_bytes : int
-        Longest text string, UTF-8 bytes; also bounds ``signature`` byte strings.
-    max_items : int
-        Most CBOR data items in one message. Bounds the Python objects a payload can expand to
-        (a typed array counts as one item whatever its size).
-
-    Raises
-    ------
-    ValueError
-        If a bound is < 1.
+    ``max_message_bytes`` (payload), ``max_depth`` (nesting of arrays, maps, tags),
+    ``max_array_elements`` (one array or map), ``max_string_bytes`` (a text string, UTF-8, or a
+    signature), ``max_items`` (CBOR items in a message: a typed array is one): ``docs/protocol.md``
+    ("Decoding").
     """
 
     max_message_bytes: int = 4 * 1024 * 1024
@@ -144,17 +105,9 @@ def _head(major: int, argument: int) -> bytes:
 def dumps(obj: object) -> bytes:
     """Encode a message with CBOR's preferred serialization of floats; the key order is kept.
 
-    A float is written in the shortest of half, single and double precision that holds its value
-    exactly (``60.0``: 3 bytes instead of 9; ``0.05`` stays double), inside maps and arrays at any
-    depth; every other item is cbor2's own encoding. Map keys keep their order (a signed message's
-    ``"signature"`` stays last), unlike ``cbor2.dumps(..., canonical=True)``, which sorts them. Every
-    reader takes any float width (``scan`` accepts additional information
-    25, 26 and 27), so no schema bump is needed.
-
-    Raises
-    ------
-    cbor2.CBOREncodeError
-        For a value cbor2 cannot encode.
+    A float takes the shortest of half, single and double precision that holds it exactly; map keys
+    keep their order (a signed message's ``"signature"`` stays last); the rest is cbor2's encoding.
+    Raises cbor2.CBOREncodeError for a value cbor2 cannot encode.
 
     Source: RFC 8949 §4.1 (preferred serialization), §3.3 (floating-point numbers).
     """
@@ -169,6 +122,11 @@ def dumps(obj: object) -> bytes:
     if type(obj) is list:
         return _head(4, len(obj)) + b"".join(dumps(item) for item in obj)
     return cbor2.dumps(obj)
+
+
+def dump_message(kind: MessageType, fields: Mapping[str, object]) -> bytes:
+    """Encode a message of type ``kind``: ``v``, ``type``, then ``fields`` in their order (:func:`dumps`)."""
+    return dumps({"v": SCHEMA_VERSION, "type": kind.value, **fields})
 
 
 def show(text: str) -> str:
@@ -191,27 +149,11 @@ CBOR2_STRICT: Final = _cbor2_strict()
 
 
 def strict_loads(data: bytes, max_depth: int) -> object:
-    """``cbor2.loads`` refusing indefinite lengths and duplicate keys where cbor2 can (6.x).
+    """``cbor2.loads`` of one item, refusing indefinite lengths, duplicate keys, depth > ``max_depth``.
 
-    For bytes the product wrote itself and checksummed (records on disk); anything from the network
-    goes through :func:`load`, whose pre-scan enforces the same rules on every cbor2 version.
-
-    Parameters
-    ----------
-    data : bytes
-        One CBOR item.
-    max_depth : int
-        Deepest nesting accepted (cbor2 6.x only).
-
-    Returns
-    -------
-    object
-        What cbor2 decoded.
-
-    Raises
-    ------
-    cbor2.CBORDecodeError, ValueError
-        If ``data`` is not valid CBOR.
+    Where cbor2 can (6.x). For bytes the product wrote and checksummed itself; network bytes go through
+    :func:`load`, whose scan enforces the same rules on every cbor2. Raises cbor2.CBORDecodeError or
+    ValueError.
     """
     if CBOR2_STRICT:
         return cbor2.loads(data, max_depth=max_depth, allow_indefinite=False, allow_duplicate_keys=False)
@@ -222,18 +164,8 @@ def strict_loads(data: bytes, max_depth: int) -> object:
 class Scanned:
     """A message whose item headers :func:`scan` walked and found sound: pass it on instead of its bytes.
 
-    The signature check (:func:`edgefl.wire.signing.verify_payload`) and the decoders
-    (:func:`load_message`) take it and do not walk the headers again.
-
-    Parameters
-    ----------
-    data : bytes
-        The message.
-    limits : Limits
-        The bounds it was scanned under (a decoder given other bounds scans it again).
-    header : Mapping[str, int | str]
-        Every top-level value that is an unsigned integer or a text string, by key (``v``, ``type``,
-        ``round``, ``base_version``, ``device``...).
+    ``data`` the message, ``limits`` the bounds it was scanned under (a decoder given others scans
+    again), ``header`` every top-level unsigned-integer or text value by key (``v``, ``round``...).
     """
 
     data: bytes
@@ -244,30 +176,9 @@ class Scanned:
 def scan(payload: bytes, limits: Limits) -> Scanned:
     """Check a received message's size and walk its CBOR item headers once, building no object.
 
-    Refuses what cbor2 would otherwise turn into memory or surprises (see ``docs/protocol.md``,
-    "Decoding"): lengths past the end, more than ``limits.max_items`` items, nesting deeper than
-    ``limits.max_depth``, indefinite lengths, tags outside :data:`ALLOWED_TAGS`, non-text or
-    duplicate map keys, long text strings, simple values other than false/true/null/floats, and
-    trailing bytes.
-
-    Parameters
-    ----------
-    payload : bytes
-        The received bytes (one CBOR item).
-    limits : Limits
-        Bounds.
-
-    Returns
-    -------
-    Scanned
-        With the top-level unsigned-integer and text values (what a signature check needs before
-        any decode).
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type`` (not bytes, or a non-text key), ``too_large``, ``bad_cbor``, ``too_deep``,
-        ``bad_value`` (long text), ``trailing_bytes``.
+    Step 2 of ``docs/protocol.md`` ("Decoding"); the result carries the top-level values a signature
+    check needs. DecodeError ``wrong_type``, ``too_large``, ``bad_cbor``, ``too_deep``, ``bad_value``
+    (long text), ``trailing_bytes``.
 
     Source: RFC 8949 §3 (initial byte, argument), §3.2 (indefinite lengths), §3.3 (simple values).
     """
@@ -284,7 +195,7 @@ def _payload_bytes(payload: object, limits: Limits) -> bytes:
 
 
 def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
-    """:func:`scan`'s walk; returns every top-level map value that is an unsigned int or text."""
+    """:func:`scan`'s walk: every top-level map value that is an unsigned int or text."""
     found: dict[str, int | str] = {}
     top_key = b""
     size = len(data)
@@ -316,17 +227,18 @@ def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
         items += 1
         if items > max_items:
             raise DecodeError(Reason.TOO_LARGE, f"more than {max_items} data items")
+        if major == 2 or major == 3:
+            if arg > size - pos:
+                raise DecodeError(
+                    Reason.BAD_CBOR, f"string of {arg} bytes at byte {pos - 1} runs past the end"
+                )
+            if major == 3 and arg > max_string:
+                raise DecodeError(Reason.BAD_VALUE, f"text string of {arg} bytes > {max_string}")
         if left:
             keys = keysets[-1]
             if keys is not None and not left[-1] & 1:  # a map key: an even count of children left
                 if major != 3:
                     raise DecodeError(Reason.WRONG_TYPE, f"map key at byte {pos - 1} is not a text string")
-                if arg > size - pos:
-                    raise DecodeError(
-                        Reason.BAD_CBOR, f"string of {arg} bytes at byte {pos - 1} runs past the end"
-                    )
-                if arg > max_string:
-                    raise DecodeError(Reason.BAD_VALUE, f"text string of {arg} bytes > {max_string}")
                 key = data[pos : pos + arg]
                 if key in keys:  # checked here, not by cbor2: cbor2 5.x has no allow_duplicate_keys
                     raise DecodeError(
@@ -338,21 +250,12 @@ def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
                 pos += arg
                 left[-1] -= 1  # a key never completes its map
                 continue
-            if keys is not None and len(left) == 1:
+            if keys is not None and len(left) == 1 and (major == 0 or major == 3):
                 # a value of the top-level map (a key that is not UTF-8 is refused by cbor2 later;
                 # here it only must not raise)
-                if major == 0:
-                    found[top_key.decode("utf-8", "replace")] = arg
-                elif major == 3 and arg <= min(size - pos, max_string):
-                    text = data[pos : pos + arg].decode("utf-8", "replace")
-                    found[top_key.decode("utf-8", "replace")] = text
+                value = arg if major == 0 else data[pos : pos + arg].decode("utf-8", "replace")
+                found[top_key.decode("utf-8", "replace")] = value
         if major == 2 or major == 3:
-            if arg > size - pos:
-                raise DecodeError(
-                    Reason.BAD_CBOR, f"string of {arg} bytes at byte {pos - 1} runs past the end"
-                )
-            if major == 3 and arg > max_string:
-                raise DecodeError(Reason.BAD_VALUE, f"text string of {arg} bytes > {max_string}")
             pos += arg
         elif major == 4 or major == 5:
             if arg > max_elements:
@@ -393,24 +296,8 @@ def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
 def load(payload: bytes | Scanned, limits: Limits) -> object:
     """Decode one CBOR item from the network: size check, :func:`scan`, then strict cbor2.
 
-    Parameters
-    ----------
-    payload : bytes or Scanned
-        The received bytes, or what :func:`scan` made of them under the same ``limits`` (not
-        scanned again).
-    limits : Limits
-        Bounds, checked before anything is allocated.
-
-    Returns
-    -------
-    object
-        What cbor2 decoded (maps, lists, tags, byte and text strings, numbers).
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type`` (not bytes), ``too_large`` and the reasons of :func:`scan`; ``bad_cbor``
-        for what cbor2 refuses (e.g. invalid UTF-8).
+    A ``payload`` scanned under the same ``limits`` is not scanned again. DecodeError with the reasons
+    of :func:`scan`, ``bad_cbor`` for what cbor2 refuses (e.g. invalid UTF-8).
     """
     if isinstance(payload, Scanned) and payload.limits == limits:
         data = payload.data
@@ -418,39 +305,28 @@ def load(payload: bytes | Scanned, limits: Limits) -> object:
         data = _payload_bytes(payload.data if isinstance(payload, Scanned) else payload, limits)
         _scan(data, limits)
     try:
-        if CBOR2_STRICT:
-            return cbor2.loads(
-                data, max_depth=limits.max_depth, allow_indefinite=False, allow_duplicate_keys=False
-            )
-        return cbor2.loads(data)  # cbor2 5.x (pure Python on armv7l): the scan enforced the same rules
+        return strict_loads(data, limits.max_depth)  # on cbor2 5.x the scan enforced the same rules
     except (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError) as exc:
         raise DecodeError(Reason.BAD_CBOR, str(exc)[:200]) from exc
 
 
-def load_message(payload: bytes | Scanned, limits: Limits, kind: MessageType) -> dict[str, object]:
-    """Decode a message's envelope: a map whose ``"v"`` this code reads and whose ``"type"`` is ``kind``.
+def load_message(
+    payload: bytes | Scanned,
+    limits: Limits,
+    kind: MessageType,
+    required: tuple[str, ...],
+    optional: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Decode a message's envelope and check its keys: steps 1-4 of ``docs/protocol.md`` ("Decoding").
 
-    Parameters
-    ----------
-    payload : bytes or Scanned
-        The received bytes (see :func:`load`).
-    limits : Limits
-        Bounds (see :func:`load`).
-    kind : MessageType
-        The type expected on this topic.
-
-    Returns
-    -------
-    dict[str, object]
-        The decoded map; its fields are not checked yet (the caller's job, with :func:`check_keys`
-        and the ``read_*`` helpers). ``obj["v"]`` is :data:`SCHEMA_VERSION`.
+    ``payload`` may be its :func:`scan`; ``required``/``optional`` are the keys beside ``v`` and
+    ``type`` (:func:`check_keys`). Returns the decoded map, its values not read yet (``read_*`` do).
 
     Raises
     ------
     DecodeError
-        As :func:`load`; ``not_a_map``; ``missing_key`` (``v``, ``type``); ``bad_version`` (not an
-        integer, or below :data:`SCHEMA_VERSION`); ``newer_schema`` (above it: the sender runs a
-        newer edgefl); ``wrong_type`` (another type).
+        As :func:`load` and :func:`check_keys`; ``not_a_map``; ``bad_version`` (not an integer, or
+        below :data:`SCHEMA_VERSION`); ``newer_schema``; ``wrong_type`` (another type).
     """
     obj = load(payload, limits)
     if not isinstance(obj, dict):
@@ -470,32 +346,16 @@ def load_message(payload: bytes | Scanned, limits: Limits, kind: MessageType) ->
         raise DecodeError(Reason.MISSING_KEY, "type")
     if obj["type"] != kind.value:
         raise DecodeError(Reason.WRONG_TYPE, f"type = {obj['type']!r:.40}, expected {kind.value!r}")
-    return obj
+    return check_keys(obj, "", ("v", "type", *required), optional)
 
 
 def check_keys(
     obj: object, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()
 ) -> dict[str, Any]:
-    """Check that ``obj`` is a map with exactly the known keys; return it.
+    """Return ``obj`` if it is a map holding every ``required`` key and no key beyond ``optional``.
 
-    Parameters
-    ----------
-    obj : object
-        A decoded value.
-    where : str
-        Dotted name of the map (``""`` for the message itself), used in details.
-    required, optional : tuple[str, ...]
-        Keys that must and may be present.
-
-    Returns
-    -------
-    dict[str, Any]
-        ``obj``.
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type`` (not a map), ``unknown_key``, ``missing_key``.
+    ``where`` is the map's dotted name in details (``""``: the message); DecodeError ``wrong_type``,
+    ``unknown_key`` or ``missing_key`` otherwise.
     """
     if not isinstance(obj, dict):
         raise DecodeError(
@@ -512,13 +372,7 @@ def check_keys(
 
 
 def read_int(obj: Mapping[str, Any], key: str, where: str, lo: int = 0, hi: int = INT_MAX) -> int:
-    """Read ``obj[key]`` as an integer in ``[lo, hi]`` (``bool`` is not an integer here).
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type``, ``bad_value`` (out of range).
-    """
+    """Read ``obj[key]`` as an integer in ``[lo, hi]`` (not a ``bool``): ``wrong_type``, ``bad_value``."""
     value = obj[key]
     name = f"{where}.{key}" if where else key
     if type(value) is not int:  # bool is an int subclass: rejected here on purpose
@@ -540,10 +394,7 @@ def read_float(
 ) -> float:
     """Read ``obj[key]`` as a finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``); ints accepted.
 
-    Raises
-    ------
-    DecodeError
-        ``wrong_type``, ``not_finite``, ``bad_value`` (out of range, integer above 2**53).
+    DecodeError ``wrong_type``, ``not_finite`` or ``bad_value`` (out of range, an integer above 2**53).
     """
     value = obj[key]
     name = f"{where}.{key}" if where else key
@@ -562,13 +413,7 @@ def read_float(
 
 
 def read_text(obj: Mapping[str, Any], key: str, where: str, pattern: re.Pattern[str]) -> str:
-    """Read ``obj[key]`` as a text string that fully matches ``pattern``.
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type``, ``bad_value`` (no match; the detail shows at most 64 printable characters).
-    """
+    """Read ``obj[key]`` as text fully matching ``pattern``: ``wrong_type``, ``bad_value`` (64 shown)."""
     value = obj[key]
     name = f"{where}.{key}" if where else key
     if type(value) is not str:
@@ -578,13 +423,22 @@ def read_text(obj: Mapping[str, Any], key: str, where: str, pattern: re.Pattern[
     return value
 
 
-def read_device_id(value: object, name: str) -> str:
-    """Check a decoded value is a device id (:func:`edgefl.validators.check_device_id`); return it.
+def read_choice(obj: Mapping[str, Any], key: str, choices: type[_Choice]) -> _Choice:
+    """Read ``obj[key]`` as a value of the text enum ``choices``; else ``wrong_type``, ``bad_value``."""
+    value = obj[key]
+    if type(value) is not str:
+        raise DecodeError(Reason.WRONG_TYPE, f"{key}: expected a text string, got {type(value).__name__}")
+    try:
+        return choices(value)
+    except ValueError as exc:
+        known = ", ".join(c.value for c in choices)
+        raise DecodeError(Reason.BAD_VALUE, f"{key} = {show(value)}: must be one of {known}") from exc
 
-    Raises
-    ------
-    DecodeError
-        ``wrong_type``, ``bad_value``.
+
+def read_device_id(value: object, name: str) -> str:
+    """Return a decoded value if it is a device id (:func:`~edgefl.validators.check_device_id`).
+
+    DecodeError ``wrong_type`` or ``bad_value`` otherwise.
     """
     if type(value) is not str:
         raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a text string, got {type(value).__name__}")
@@ -595,12 +449,9 @@ def read_device_id(value: object, name: str) -> str:
 
 
 def read_signature(obj: Mapping[str, Any], limits: Limits) -> bytes:
-    """Read the optional ``"signature"`` byte string of a message (``b""`` when absent).
+    """The message's optional ``"signature"`` bytes (``b""`` if absent), at most ``max_string_bytes``.
 
-    Raises
-    ------
-    DecodeError
-        ``wrong_type``, ``bad_value`` (longer than ``limits.max_string_bytes``).
+    DecodeError ``wrong_type`` or ``bad_value`` otherwise.
     """
     if "signature" not in obj:
         return b""

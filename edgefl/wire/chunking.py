@@ -1,10 +1,9 @@
 """Chunking: messages larger than the broker's packet limit travel as chunk messages, reassembled boundedly.
 
-Owns the MQTT PUBLISH size arithmetic (:func:`publish_packet_bytes`, :func:`max_payload_bytes`), the
-chunk message (:func:`encode_chunk` / :func:`decode_chunk`), :func:`split_message` (every chunk's whole
-packet fits the limit: an oversized PUBLISH makes brokers drop the connection) and :class:`Reassembler`
+Owns the MQTT PUBLISH size arithmetic, the chunk message, :func:`split_message` (every chunk's whole
+packet fits the limit: brokers drop a connection over an oversized PUBLISH) and :class:`Reassembler`
 (bounded sets, expiry, all or nothing by SHA-256). Chunks carry no signature; the reassembled message
-does. Chunk fields and bounds: ``docs/protocol.md`` ("Chunks").
+does. Fields and bounds: ``docs/protocol.md`` ("Chunks").
 
 Source: MQTT 5.0 (OASIS 2019) §2.1.4 (Remaining Length, variable byte integer), §3.3 (PUBLISH),
 §3.1.2.11.4 and §3.2.2.3.6 (Maximum Packet Size); MQTT 3.1.1 §2.2.3, §3.3.
@@ -30,37 +29,24 @@ from edgefl.wire.cbor import (
     SCHEMA_VERSION,
     Limits,
     MessageType,
-    check_keys,
+    cbor_head_bytes,
     load_message,
     read_int,
     read_text,
 )
-from edgefl.wire.reasons import CHUNK_REASONS, Reason
+from edgefl.wire.reasons import CHUNK_REASONS as CHUNK_REASONS  # re-exported: its refusals
+from edgefl.wire.reasons import Reason
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "CHUNK_ENTRY_BYTES",
-    "CHUNK_REASONS",
-    "Chunk",
-    "Reassembler",
-    "decode_chunk",
-    "encode_chunk",
-    "is_chunk",
-    "max_payload_bytes",
-    "publish_overhead",
-    "publish_packet_bytes",
-    "split_message",
-]
 
 _ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
 _MQTT_MAX_REMAINING: Final = 268_435_455  # largest Remaining Length (4-byte variable byte integer)
-_KEYS: Final = ("v", "type", "id", "index", "count", "size", "sha256", "data")
+_KEYS: Final = ("id", "index", "count", "size", "sha256", "data")
 # every chunk we encode starts with these bytes (map header, "v": 1, "type": "chunk")
-_PREFIX: Final = cbor2.dumps(
-    {"v": SCHEMA_VERSION, "type": MessageType.CHUNK.value, **dict.fromkeys(_KEYS[2:])}
-)[: 1 + 2 + 1 + 5 + 6]
+_PREFIX: Final = cbor2.dumps({"v": SCHEMA_VERSION, "type": MessageType.CHUNK.value, **dict.fromkeys(_KEYS)})[
+    : 1 + 2 + 1 + 5 + 6
+]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -81,26 +67,10 @@ def _varint_bytes(value: int) -> int:
 def publish_overhead(
     topic: str, payload_bytes: int, *, qos: int = 1, mqtt5: bool = True, properties_bytes: int = 0
 ) -> int:
-    """Bytes a PUBLISH packet adds around its payload.
+    """Bytes a PUBLISH packet adds around a payload of ``payload_bytes``: fixed header, topic, packet id.
 
-    Parameters
-    ----------
-    topic : str
-        The topic name (UTF-8 encoded on the wire, no topic alias).
-    payload_bytes : int
-        Payload length, bytes (it changes the Remaining Length's own size).
-    qos : int
-        0, 1 or 2; QoS > 0 adds a 2-byte packet identifier.
-    mqtt5 : bool
-        MQTT 5 adds the properties (a variable byte integer length, 1 byte for none). Computing
-        with ``mqtt5=True`` is an upper bound for MQTT 3.1.1 too.
-    properties_bytes : int
-        Encoded PUBLISH properties, bytes (paho sends none unless asked: 0).
-
-    Returns
-    -------
-    int
-        Fixed header (1 byte + Remaining Length) + topic (2 + UTF-8 bytes) + packet id + properties.
+    ``mqtt5`` adds the properties (``properties_bytes`` of them, paho sends none) and is an upper
+    bound for MQTT 3.1.1 too; QoS > 0 adds the packet identifier.
 
     Source: MQTT 5.0 §3.3.1 (fixed header), §3.3.2 (variable header), §2.2.2 (properties).
     """
@@ -122,24 +92,7 @@ def publish_packet_bytes(
 def max_payload_bytes(max_packet_bytes: int, topic: str, *, qos: int = 1, mqtt5: bool = True) -> int:
     """Largest payload whose PUBLISH packet on ``topic`` is at most ``max_packet_bytes``.
 
-    Parameters
-    ----------
-    max_packet_bytes : int
-        The broker's limit on a whole packet, bytes.
-    topic : str
-    qos : int
-    mqtt5 : bool
-        See :func:`publish_overhead`.
-
-    Returns
-    -------
-    int
-        Payload bytes, >= 0.
-
-    Raises
-    ------
-    ValueError
-        If not even an empty payload fits.
+    ``qos`` and ``mqtt5`` as :func:`publish_overhead`; ValueError if not even an empty payload fits.
     """
     payload = min(max_packet_bytes, _MQTT_MAX_REMAINING)
     while payload >= 0 and publish_packet_bytes(topic, payload, qos=qos, mqtt5=mqtt5) > max_packet_bytes:
@@ -160,22 +113,9 @@ def max_payload_bytes(max_packet_bytes: int, topic: str, *, qos: int = 1, mqtt5:
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """One chunk of a message.
+    """Chunk ``index`` of ``count`` of the message ``id`` (``size`` bytes in all, ``sha256`` hex).
 
-    Parameters
-    ----------
-    id : str
-        Message id, ``[A-Za-z0-9_.:-]{1,128}``, shared by all chunks of one message.
-    index : int
-        0 <= index < count.
-    count : int
-        Number of chunks, >= 1.
-    size : int
-        Length of the whole message, bytes, >= 1.
-    sha256 : str
-        SHA-256 of the whole message, 64 lowercase hex digits.
-    data : bytes
-        This chunk's slice of the message.
+    ``data`` is this chunk's slice; the fields' bounds: ``docs/protocol.md`` ("Chunks").
     """
 
     id: str
@@ -187,17 +127,7 @@ class Chunk:
 
 
 def encode_chunk(chunk: Chunk) -> bytes:
-    """Encode a :class:`Chunk` (keys in the order of ``docs/protocol.md``, "Chunks").
-
-    Parameters
-    ----------
-    chunk : Chunk
-
-    Returns
-    -------
-    bytes
-        The CBOR chunk message.
-    """
+    """Encode a :class:`Chunk` (keys in the order of ``docs/protocol.md``, "Chunks")."""
     return cbor2.dumps(
         {
             "v": SCHEMA_VERSION,
@@ -224,31 +154,13 @@ def is_chunk(payload: bytes) -> bool:
 def decode_chunk(
     payload: bytes, *, max_chunk_bytes: int = 1 << 20, max_message_bytes: int = 1 << 24
 ) -> Chunk:
-    """Decode and validate one chunk message, bounded before allocation (``edgefl.wire.cbor.load_message``).
+    """Decode and validate one chunk of at most ``max_chunk_bytes``, its message of ``max_message_bytes``.
 
-    Parameters
-    ----------
-    payload : bytes
-        The MQTT payload.
-    max_chunk_bytes : int
-        Largest accepted chunk payload, bytes.
-    max_message_bytes : int
-        Largest accepted whole message (``size``), bytes.
-
-    Returns
-    -------
-    Chunk
-
-    Raises
-    ------
-    DecodeError
-        The decoders' reasons (``REASONS``) for malformed CBOR or fields; ``too_large`` if ``size`` exceeds
-        ``max_message_bytes``; ``bad_chunk`` if ``index >= count``, ``count > size`` or the data is
-        empty or longer than ``size``.
+    DecodeError: the decoders' reasons; ``too_large`` for a ``size`` over ``max_message_bytes``;
+    ``bad_chunk`` if ``index >= count``, ``count > size``, or the data is empty or longer than ``size``.
     """
     limits = Limits(max_message_bytes=max_chunk_bytes, max_depth=2, max_array_elements=16, max_items=32)
-    obj = load_message(payload, limits, MessageType.CHUNK)
-    check_keys(obj, "", _KEYS)
+    obj = load_message(payload, limits, MessageType.CHUNK, _KEYS)
     msg_id = read_text(obj, "id", "", _ID_RE)
     count = read_int(obj, "count", "", 1)
     index = read_int(obj, "index", "", 0)
@@ -268,10 +180,6 @@ def decode_chunk(
     return Chunk(id=msg_id, index=index, count=count, size=size, sha256=sha, data=data)
 
 
-def _bstr_header(n: int) -> int:
-    return 1 if n < 24 else 2 if n < 256 else 3 if n < 65_536 else 5 if n < 2**32 else 9
-
-
 def split_message(
     payload: bytes,
     topic: str,
@@ -281,35 +189,13 @@ def split_message(
     qos: int = 1,
     mqtt5: bool = True,
 ) -> list[bytes]:
-    """Cut ``payload`` into chunk messages whose PUBLISH packets on ``topic`` fit the limit.
+    """Cut ``payload`` into chunk messages whose PUBLISH packets on ``topic`` fit ``max_packet_bytes``.
 
-    Parameters
-    ----------
-    payload : bytes
-        The whole encoded message, >= 1 byte.
-    topic : str
-        Topic the chunks are published on (its length counts against the limit).
-    max_packet_bytes : int
-        The broker's maximum packet size, bytes.
-    msg_id : str, optional
-        Id shared by the chunks (e.g. the ``update_id``); a random UUID by default. Re-sending a
-        message after a restart with the same id lets the receiver complete a half-received set.
-    qos : int
-        QoS the chunks are published with.
-    mqtt5 : bool
-        See :func:`publish_overhead`; True is safe for both protocol versions.
-
-    Returns
-    -------
-    list[bytes]
-        ``[payload]`` unchanged if its packet already fits, else the encoded chunks in index order,
-        each verified to fit.
-
-    Raises
-    ------
-    ValueError
-        If ``payload`` is empty, ``msg_id`` is invalid, or the limit is too small to carry even one
-        data byte per chunk.
+    Returns ``[payload]`` if its packet fits, else the chunks in index order, each checked to fit.
+    ``msg_id`` is shared by the chunks (e.g. the ``update_id``: re-sent after a restart, the receiver
+    completes a half-received set; default a random UUID); ``qos`` and ``mqtt5`` as
+    :func:`publish_overhead`. ValueError for an empty ``payload``, an invalid ``msg_id``, or a limit too
+    small for one data byte a chunk.
     """
     if not payload:
         raise ValueError("cannot split an empty message")
@@ -327,7 +213,7 @@ def split_message(
         envelope = len(encode_chunk(Chunk(msg_id, count_bound, count_bound, size, sha, b""))) - 1
         room = budget - envelope
         n = room - 1
-        while n > 0 and n + _bstr_header(n) > room:
+        while n > 0 and n + cbor_head_bytes(n) > room:
             n -= 1
         return n
 
@@ -362,44 +248,20 @@ class _Set:
 
     @property
     def reserved(self) -> int:
-        """What the set may come to hold, bytes: its data and a held chunk's bookkeeping each."""
         return self.size + self.count * CHUNK_ENTRY_BYTES
 
 
 CHUNK_ENTRY_BYTES = 128
-"""Bytes charged against a :class:`Reassembler`'s ``max_total_bytes`` for each chunk a set may hold, beside
-its data (a dict entry and a bytes object: ~100 bytes in CPython): a set declared as a million 1-byte
-chunks reserves 128 MiB and is refused, instead of holding 68 MiB of bookkeeping for 1 MiB of data."""
+"""Bookkeeping bytes charged against ``max_total_bytes`` for each chunk a set may hold, beside its data."""
 
 
 class Reassembler:
     """Collects chunks into whole messages, with bounded memory and expiry.
 
-    Parameters
-    ----------
-    max_sets : int
-        Most partial messages held at once, >= 1; a new set evicts the least recently active one.
-    max_total_bytes : int
-        Bound on the declared sizes of all partial messages, bytes; new sets evict the least recently
-        active ones until they fit. Must be >= ``max_message_bytes``.
-    max_message_bytes : int
-        Largest whole message accepted, bytes.
-    max_chunk_bytes : int
-        Largest chunk payload accepted, bytes (the broker's packet limit is a good value).
-    expiry_s : float
-        A set with no new chunk for this many seconds is abandoned, > 0.
-    clock : callable
-        Monotonic time in seconds (injectable for tests).
-
-    Raises
-    ------
-    ValueError
-        If a bound is invalid.
-
-    Attributes
-    ----------
-    expired_total, evicted_total, completed_total : int
-        Counters for the dashboard.
+    At most ``max_sets`` partial messages reserving at most ``max_total_bytes`` (>= ``max_message_bytes``;
+    :data:`CHUNK_ENTRY_BYTES` a chunk beside the data) are held: a new set evicts the least recently
+    active ones. ``max_message_bytes``/``max_chunk_bytes`` bound what is accepted; a set with no chunk for
+    ``expiry_s`` seconds (``clock``: monotonic) is abandoned. ValueError for an invalid bound.
     """
 
     def __init__(
@@ -464,29 +326,16 @@ class Reassembler:
             )
 
     def feed(self, key: str, payload: bytes) -> bytes | None:
-        """Add one chunk; return the whole message once complete and verified.
+        """Add one chunk from ``key`` (sets of different keys never mix); the whole message once complete.
 
-        Parameters
-        ----------
-        key : str
-            Where the chunk came from (e.g. the base topic): sets from different keys never mix.
-        payload : bytes
-            The chunk message.
-
-        Returns
-        -------
-        bytes or None
-            The whole message (``size`` bytes, SHA-256 verified) when this chunk completed its set;
-            None while incomplete, or for a repeated chunk (QoS 1 re-delivery) of a set in progress
-            or recently completed.
+        None while incomplete, or for a repeated chunk of a set in progress or recently completed.
 
         Raises
         ------
         DecodeError
-            As :func:`decode_chunk`; ``chunk_conflict`` if the chunk disagrees with its set (count,
-            size, sha256, or different data for an index already held); ``bad_chunk`` if the data
-            would exceed the declared size; ``bad_checksum`` if the complete set does not match its
-            SHA-256 (the set is dropped).
+            As :func:`decode_chunk`; ``chunk_conflict`` if the chunk disagrees with its set; ``bad_chunk``
+            if the data would exceed the declared size; ``bad_checksum`` if the complete set does not match
+            its SHA-256 (the set is dropped).
         """
         self.expire()
         c = decode_chunk(

@@ -1,11 +1,8 @@
 """Delta compression: each layout of an update's delta written once, its decoder, and its size on the wire.
 
-Owns :class:`Compression`, :func:`compress_delta` / :func:`decompress_delta` (layouts ``none``,
-``float16``, ``int8``, ``topk``, ``topk-int8``; top-k positions as indices or a deflated bitmask;
-int8 levels deflated when that is smaller), :class:`CompressedDelta` (an update's delta compressed
-once, with what the receiver decodes, for error feedback and the encoder alike) and
-:func:`delta_wire_bytes` (the layout's size, for the memory governor). Field-by-field layouts:
-``docs/protocol.md`` ("Delta layouts").
+Layouts ``none``, ``float16``, ``int8``, ``topk``, ``topk-int8`` (field by field:
+``docs/protocol.md``, "Delta layouts"); :class:`CompressedDelta` is a delta compressed once for
+error feedback and the encoder alike; :func:`delta_wire_bytes` sizes a layout for the governor.
 
 Source: Alistarh et al. 2017, QSGD; Jacob et al. 2018 (per-channel int8); Aji & Heafield 2017 and
 Stich et al. 2018 (top-k with error feedback); RFC 1951 (DEFLATE).
@@ -29,24 +26,13 @@ from edgefl.types import F32
 from edgefl.wire.arrays import (
     MAX_NDIM,
     array_cbor_bytes,
+    check_head_shapes,
     decode_array,
     encode_array,
     read_shape,
 )
-from edgefl.wire.cbor import NO_LIMITS, Limits, cbor_head_bytes, check_keys, show
+from edgefl.wire.cbor import NO_LIMITS, Limits, cbor_head_bytes, check_keys
 from edgefl.wire.reasons import Reason
-
-__all__ = [
-    "CompressedDelta",
-    "Compression",
-    "compress_delta",
-    "compress_head_delta",
-    "decompress_delta",
-    "delta_wire_bytes",
-    "read_compression",
-    "topk_count",
-    "update_wire_bytes",
-]
 
 _FLOAT16_MAX: Final = float(np.finfo(np.float16).max)
 # raw deflate (RFC 1951, no zlib header) at the strongest level: 5 kB of int8 take ~1 ms
@@ -64,42 +50,10 @@ class Compression(StrEnum):
     TOPK_INT8 = "topk-int8"
 
 
-def read_compression(obj: Mapping[str, Any], key: str) -> Compression:
-    """Read ``obj[key]`` as a :class:`Compression` name.
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type`` (not text), ``bad_value`` (unknown name).
-    """
-    value = obj[key]
-    if type(value) is not str:
-        raise DecodeError(Reason.WRONG_TYPE, f"{key}: expected a text string, got {type(value).__name__}")
-    try:
-        return Compression(value)
-    except ValueError as exc:
-        raise DecodeError(Reason.BAD_VALUE, f"{key} = {show(value)}: unknown compression") from exc
-
-
 def topk_count(size: int, fraction: float) -> int:
-    """Count the entries kept by top-k: ``k = ceil(fraction * size)``.
+    """Entries top-k keeps of ``size``: ``ceil(fraction * size)``, in [min(1, size), size].
 
-    Parameters
-    ----------
-    size : int
-        Element count of the array, >= 0.
-    fraction : float
-        Fraction in (0, 1]. Read as the decimal it prints as, so ``0.1 * 30`` keeps 3, not 4.
-
-    Returns
-    -------
-    int
-        k in [min(1, size), size].
-
-    Raises
-    ------
-    ValueError
-        If ``fraction`` is not in (0, 1].
+    ``fraction`` in (0, 1] (else ValueError) is read as the decimal it prints as: ``0.1`` of 30 is 3.
     """
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"topk fraction {fraction} must be in (0, 1]")
@@ -108,11 +62,7 @@ def topk_count(size: int, fraction: float) -> int:
 
 
 def _decimal_ratio(text: str) -> tuple[int, int]:
-    """``repr`` of a finite float (``"0.1"``, ``"1e-05"``, ``"2.5e-07"``) as an exact ratio of ints.
-
-    What ``fractions.Fraction(text)`` gives, without importing ``fractions`` and ``decimal`` into
-    the agent (0.36 MiB of RSS, measured).
-    """
+    """``repr`` of a finite float (``"0.1"``, ``"2.5e-07"``) as an exact ratio (``fractions`` costs RSS)."""
     mantissa, _, exponent = text.lower().partition("e")
     whole, _, decimals = mantissa.partition(".")
     num, den = int(whole + decimals), 10 ** len(decimals)
@@ -155,13 +105,7 @@ def _deflate(raw: bytes) -> bytes:
 
 
 def _inflate(packed: object, count: int, name: str) -> bytes:
-    """Inflate a raw deflate stream that must give exactly ``count`` bytes, never more than count + 1.
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type`` (not a byte string), ``bad_value`` (not a raw deflate stream, or another length).
-    """
+    """Inflate a raw deflate stream to exactly ``count`` bytes (never more than count + 1 come out)."""
     if type(packed) is not bytes:
         raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a byte string, got {type(packed).__name__}")
     unpacker = zlib.decompressobj(_DEFLATE_WBITS)
@@ -178,12 +122,7 @@ def _inflate(packed: object, count: int, name: str) -> bytes:
 
 
 def _q_entry(q: npt.NDArray[np.int8]) -> dict[str, object]:
-    """The quantised values as ``{"q": int8 typed array}``, or ``{"qz": [shape, deflated]}`` when smaller.
-
-    The int8 levels of a delta or head are far from uniform (about 7.2 bits of entropy per byte at
-    D = 512, and mostly zeros in a sparse aggregate): a lossless deflate stage saves ~6 % of a dense
-    int8 array and most of a sparse one. Source: RFC 1951 (DEFLATE, raw stream).
-    """
+    """The levels as ``{"q": int8 typed array}``, or ``{"qz": [shape, raw deflate]}`` when smaller."""
     packed = _deflate(np.ascontiguousarray(q).tobytes())
     if _qz_cbor_bytes(q.shape, len(packed)) < _q_cbor_bytes(q.shape):
         return {"qz": [list(q.shape), packed]}
@@ -202,15 +141,7 @@ def _qz_cbor_bytes(shape: tuple[int, ...], packed_bytes: int) -> int:
 
 
 def _read_q(sub: Mapping[str, Any], name: str, limits: Limits) -> npt.NDArray[np.int8]:
-    """Read the quantised values of an int8 sub-map: exactly one of ``q`` and ``qz``, bounded.
-
-    Raises
-    ------
-    DecodeError
-        ``missing_key`` (neither), ``bad_value`` (both; a ``qz`` that is not a raw deflate stream,
-        or inflates to another length than its shape's element count), ``wrong_type``,
-        ``bad_shape``, ``too_large``, ``bad_dtype`` (as :func:`decode_array`, :func:`read_shape`).
-    """
+    """The levels of an int8 sub-map: exactly one of ``q`` and ``qz``, bounded."""
     present = [key for key in ("q", "qz") if key in sub]
     if len(present) != 1:
         raise DecodeError(
@@ -240,44 +171,13 @@ def compress_delta(
     topk_fraction: float = 0.1,
     rng: np.random.Generator | None = None,
 ) -> dict[str, object]:
-    """Encode one delta array as its wire sub-map (layouts: ``docs/protocol.md``, "Delta layouts").
+    """Encode one finite delta float32 [...] (1-4 dims) as its wire sub-map (``docs/protocol.md``).
 
-    - ``none``: ``{"values": float32}``; ``float16``: ``{"values": float16}``, clipped to ±65504
-      (the device's error-feedback residual keeps the excess) rather than sent as infinity.
-    - ``int8``: ``{"q": int8, "scale": float32 [S]}``, one scale ``max|x| / 127`` per slice along
-      the last axis (``S = K`` for W [D, K], 1 for 1-D arrays); the levels travel as ``"qz"``
-      (``[shape, raw deflate of the int8 bytes]``) instead of ``"q"`` when that is smaller.
-    - ``topk`` / ``topk-int8``: the ``k = ceil(fraction * size)`` largest-|x| entries, ``{"shape",
-      "values"}`` (or ``"q"``/``"qz"``, ``"scale"``) with their positions as ``"indices"``
-      (uint16/uint32) or ``"mask"`` (the LSB-first bitmask of the kept entries, raw deflate),
-      whichever is smaller.
-
-    Rounding is to nearest by default: it is deterministic, so ``decompress_delta(compress_delta(x))`` gives
-    exactly what the coordinator decodes, and its error (≤ scale/2) is half the worst case of
-    stochastic rounding; its bias is removed by the device's error feedback. With ``rng``,
-    rounding is stochastic and unbiased (error ≤ scale), for use without error feedback.
-
-    Parameters
-    ----------
-    delta : float32 [...], 1 to 4 dimensions
-        Dense delta, finite.
-    compression : Compression
-        Wire encoding.
-    topk_fraction : float
-        Fraction in (0, 1] kept by ``topk``/``topk-int8``.
-    rng : numpy.random.Generator, optional
-        Enables stochastic rounding for ``int8``/``topk-int8``.
-
-    Returns
-    -------
-    dict[str, object]
-        The sub-map, ready for ``cbor2.dumps``.
-
-    Raises
-    ------
-    ValueError
-        If ``delta`` is not finite, has 0 or > 4 dimensions, is empty, or has more than 2**32
-        elements (top-k), or ``topk_fraction`` is not in (0, 1].
+    Rounding to int8 is to nearest (deterministic: the sender knows what the receiver decodes; error
+    feedback removes its bias); with ``rng`` it is stochastic and unbiased, for use without it.
+    ``topk_fraction`` in (0, 1] is what ``topk``/``topk-int8`` keep. The sub-map is ready for
+    :func:`~edgefl.wire.cbor.dumps`. ValueError if ``delta`` is not finite, has 0 or > 4 dimensions, is
+    empty, or has more than 2**32 elements (top-k), or ``topk_fraction`` is outside (0, 1].
 
     Source: Alistarh et al. 2017, QSGD (stochastic rounding); Jacob et al. 2018 (per-channel int8);
     Aji & Heafield 2017 and Stich et al. 2018 (top-k sparsification with error feedback); RFC 1951
@@ -373,34 +273,13 @@ def decompress_delta(
     compression: Compression | None = None,
     name: str = "delta",
 ) -> F32:
-    """Decode one delta sub-map (see :func:`compress_delta`) into a dense float32 array.
+    """Decode one delta sub-map (see :func:`compress_delta`) into a dense float32 [shape].
 
-    Parameters
-    ----------
-    obj : object
-        What cbor2 decoded for the sub-map.
-    shape : tuple[int, ...] or None
-        Expected shape; None accepts the wire's shape (still bounded by ``limits``).
-    limits : Limits
-        Decoding bounds.
-    compression : Compression, optional
-        If given, the sub-map's layout must be this one.
-    name : str
-        Dotted field name used in error details.
-
-    Returns
-    -------
-    float32 [shape]
-        Dense, writable, C-contiguous, owned, finite.
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type``, ``unknown_key``, ``missing_key``, ``bad_value`` (layout differs from
-        ``compression``, negative scale), ``bad_shape``, ``bad_dtype``, ``too_large``,
-        ``not_finite``, ``bad_indices`` (out of range, not strictly increasing, mask padding set,
-        count differs from the values, not exactly one of indices/mask), ``bad_value`` (a ``qz`` or
-        ``mask`` that is not a raw deflate stream of the right length).
+    ``shape`` None accepts the wire's (bounded by ``limits``); with ``compression`` the layout must be
+    that one; ``name`` is the field's dotted name in details. The array is writable, C-contiguous,
+    owned and finite. DecodeError with the decoding reasons of ``docs/protocol.md`` ("Refusals"):
+    ``bad_value`` for another layout, a negative scale or a bad deflate stream, ``bad_indices`` for
+    top-k positions that break their rules.
     """
     if not isinstance(obj, dict):
         raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a map, got {type(obj).__name__}")
@@ -475,26 +354,34 @@ def decompress_delta(
     return _finite_or_raise(dense, name)
 
 
+def decompress_head(
+    sub: Mapping[str, Any],
+    expect_shape: tuple[int, int] | None,
+    *,
+    limits: Limits,
+    compression: Compression,
+    name: str,
+) -> tuple[F32, F32]:
+    """Decode a head's (or head delta's) ``W`` and ``b`` sub-maps to float32 [D, K] and [K].
+
+    With ``expect_shape`` (D, K) they must have it, without it W must be 2-D and b [W.shape[1]].
+    DecodeError as :func:`decompress_delta` and :func:`~edgefl.wire.arrays.check_head_shapes`.
+    """
+    want_w = tuple(expect_shape) if expect_shape is not None else None
+    w = decompress_delta(sub["W"], want_w, limits=limits, compression=compression, name=f"{name}.W")
+    want_b = (expect_shape[1],) if expect_shape is not None else None
+    b = decompress_delta(sub["b"], want_b, limits=limits, compression=compression, name=f"{name}.b")
+    check_head_shapes(w, b, name, expect_shape)
+    return w, b
+
+
 @dataclass(frozen=True, slots=True)
 class CompressedDelta:
     """An update's delta compressed once: the wire sub-maps and exactly what a receiver decodes.
 
-    Made by :func:`compress_head_delta`; error feedback keeps ``corrected - decoded`` and
-    ``edgefl.wire.rounds.encode_update(msg, compressed=...)`` writes the sub-maps as they are, so
-    the layouts run once per round.
-
-    Parameters
-    ----------
-    compression : Compression
-        The layout of both sub-maps.
-    W : dict[str, object]
-        Wire sub-map of the weight delta (see :func:`compress_delta`).
-    b : dict[str, object]
-        Wire sub-map of the bias delta.
-    decoded_W : float32 [D, K]
-        ``decompress_delta(W)``: what the receiver will hold.
-    decoded_b : float32 [K]
-        ``decompress_delta(b)``.
+    ``W``/``b`` are the sub-maps in layout ``compression`` (``encode_update(msg, compressed=...)``
+    writes them as they are), ``decoded_W`` float32 [D, K] and ``decoded_b`` float32 [K] their
+    decoding (error feedback keeps ``corrected - decoded``).
     """
 
     compression: Compression
@@ -512,31 +399,10 @@ def compress_head_delta(
     topk_fraction: float = 0.1,
     rng: np.random.Generator | None = None,
 ) -> CompressedDelta:
-    """Compress a head delta (W, then b: the order stochastic rounding draws in) and decode it back.
+    """Compress a head delta (``delta_W`` float32 [D, K], then ``delta_b`` [K]) and decode it back.
 
-    Parameters
-    ----------
-    delta_W : float32 [D, K]
-        Dense weight delta, finite.
-    delta_b : float32 [K]
-        Dense bias delta, finite.
-    compression : Compression
-        Wire layout.
-    topk_fraction : float
-        Fraction in (0, 1] kept by the top-k layouts.
-    rng : numpy.random.Generator, optional
-        Stochastic rounding for the int8 layouts.
-
-    Returns
-    -------
-    CompressedDelta
-        Bit for bit what ``encode_update`` would have written for these deltas with the same
-        arguments (and ``rng`` state).
-
-    Raises
-    ------
-    ValueError
-        As :func:`compress_delta`.
+    The other arguments and the ValueError are :func:`compress_delta`'s; the result is bit for bit
+    what ``encode_update`` writes for these deltas with the same arguments (and ``rng`` state).
     """
     mode = Compression(compression)
     x_W = np.asarray(delta_W, dtype=np.float32)
@@ -545,9 +411,8 @@ def compress_head_delta(
     sub_b, dense_b = _compress(x_b, mode, topk_fraction, rng)
 
     def decoded(sub: dict[str, object], dense: F32 | None, shape: tuple[int, ...], name: str) -> F32:
-        # the dense int8 layout's decode is the receiver's own dequantisation of the levels just made
-        # (no inflate and re-read of the bytes: ~0.2 ms of each compressed update); the
-        # other layouts are decoded from their wire form
+        # dense int8: the receiver's own dequantisation of the levels just made (no inflate and
+        # re-read); the other layouts are decoded from their wire form
         if dense is not None:
             return _finite_or_raise(dense, name)
         return decompress_delta(sub, shape, limits=NO_LIMITS, compression=mode, name=name)
@@ -571,30 +436,11 @@ def _ndarray_cbor_bytes(shape: tuple[int, ...], itemsize: int) -> int:
 def delta_wire_bytes(
     shape: tuple[int, ...], compression: Compression | str, topk_fraction: float = 0.1
 ) -> int:
-    """CBOR bytes of the sub-map :func:`compress_delta` writes for an array of ``shape``.
+    """CBOR bytes of the sub-map :func:`compress_delta` writes for an array of ``shape`` (1-4 dims).
 
-    Exact for ``none`` and ``float16``. For ``int8`` the levels count as a plain typed array (their
-    deflated form is only chosen when smaller) and for the top-k layouts the positions as the
-    smaller of indices and a bitmask that deflate does not shrink: an upper bound.
-
-    Parameters
-    ----------
-    shape : tuple[int, ...]
-        Shape of the dense delta, 1 to 4 dimensions.
-    compression : Compression or str
-        Wire layout.
-    topk_fraction : float
-        Fraction in (0, 1] kept by the top-k layouts.
-
-    Returns
-    -------
-    int
-        Bytes.
-
-    Raises
-    ------
-    ValueError
-        If ``compression`` is unknown or ``topk_fraction`` is not in (0, 1].
+    Exact for ``none`` and ``float16``, an upper bound for the others (int8 levels counted
+    undeflated, top-k positions as the smaller of indices and an unshrunk bitmask). ValueError for an
+    unknown ``compression`` or a ``topk_fraction`` outside (0, 1].
     """
     mode = Compression(compression)
     shape = tuple(int(d) for d in shape)

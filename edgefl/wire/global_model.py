@@ -1,10 +1,7 @@
 """The global model message: the head the coordinator publishes (``global``, retained), applied by devices.
 
-Owns :class:`HeadLayout`, :class:`GlobalModel`, :func:`encode_global_model` / :func:`decode_global_model`,
-:func:`resolve_global_head` (a delta head onto the held one) and :func:`global_model_version` (the
-version read from the headers alone). Field by field: ``docs/protocol.md`` ("GlobalModel", "Head
-layouts"); decoding is bounded by :mod:`edgefl.wire.cbor`, arrays are :mod:`edgefl.wire.arrays`, the
-compressed layouts :mod:`edgefl.wire.compression`.
+Also :func:`resolve_global_head` (a delta head onto the held one) and :func:`global_model_version`
+(read from the headers alone). Field by field: ``docs/protocol.md`` ("GlobalModel", "Head layouts").
 
 Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
 """
@@ -23,32 +20,22 @@ from edgefl.types import F32
 from edgefl.wire.arrays import check_head_shapes, decode_array, encode_array
 from edgefl.wire.cbor import (
     DEFAULT_LIMITS,
-    SCHEMA_VERSION,
     Limits,
     MessageType,
     check_keys,
-    dumps,
+    dump_message,
     load_message,
+    read_choice,
     read_int,
     read_signature,
     read_text,
     scan,
-    show,
 )
-from edgefl.wire.compression import Compression, compress_delta, decompress_delta
+from edgefl.wire.compression import Compression, compress_delta, decompress_head
 from edgefl.wire.reasons import Reason
 
-__all__ = [
-    "GlobalModel",
-    "HeadLayout",
-    "decode_global_model",
-    "encode_global_model",
-    "global_model_version",
-    "resolve_global_head",
-]
-
 _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
-_LAYOUT_RE: Final = re.compile(r"[a-z0-9]{1,16}")
+
 
 class HeadLayout(StrEnum):
     """How a GlobalModel's head travels down (``docs/protocol.md``, "GlobalModel", "Head layouts").
@@ -74,26 +61,9 @@ _HEAD_COMPRESSION: Final = {
 class GlobalModel:
     """The global head published by the coordinator (topic ``global``, retained).
 
-    Parameters
-    ----------
-    round : int
-        Round that produced this head (0 for the initial head).
-    version : int
-        Monotonic head version; updates name it as ``base_version``.
-    model_sha256 : str
-        SHA-256 of the backbone .tflite, 64 lowercase hex digits.
-    W : float32 [D, K]
-        Head weights.
-    b : float32 [K]
-        Head bias.
-    signature : bytes
-        Optional signature bytes (scheme defined by the caller), at most ``max_string_bytes``.
-    layout : HeadLayout
-        How W and b travel (float32 by default: bare arrays). Encoding a lossy layout
-        quantises; decoding gives back the dense float32 values the wire carried.
-    base_version : int or None
-        When set, W and b are the delta ``head(version) - head(base_version)``: a device holding
-        ``base_version`` adds them to its head (:func:`resolve_global_head`).
+    ``W`` float32 [D, K] and ``b`` float32 [K] travel in ``layout`` (a lossy one quantises); with
+    ``base_version`` they are the delta ``head(version) - head(base_version)``
+    (:func:`resolve_global_head`). ``model_sha256`` names the backbone. ``docs/protocol.md``.
     """
 
     round: int
@@ -106,33 +76,10 @@ class GlobalModel:
     base_version: int | None = None
 
 
-
 def encode_global_model(msg: GlobalModel) -> bytes:
-    """Encode a :class:`GlobalModel`.
-
-    Parameters
-    ----------
-    msg : GlobalModel
-        W float32 [D, K], b float32 [K], finite; ``layout`` and ``base_version`` choose the head's
-        wire form (``docs/protocol.md``, "Head layouts").
-
-    Returns
-    -------
-    bytes
-        ``{"v", "type": "global_model", "round", "version", "model_sha256", "head": {"W", "b"},
-        "signature"}``; a float32 full head is written with bare arrays; any other head with
-        ``"layout"`` (and ``"base_version"``) before ``"head"``, whose ``W``/``b`` are delta-layout
-        sub-maps.
-
-    Raises
-    ------
-    ValueError
-        If W or b is not finite in a compressed layout (as :func:`compress_delta`).
-    """
+    """Encode a :class:`GlobalModel` (ValueError for a non-finite head in a compressed layout)."""
     layout = HeadLayout(msg.layout)
     obj: dict[str, object] = {
-        "v": SCHEMA_VERSION,
-        "type": MessageType.GLOBAL_MODEL.value,
         "round": int(msg.round),
         "version": int(msg.version),
         "model_sha256": msg.model_sha256,
@@ -147,41 +94,23 @@ def encode_global_model(msg: GlobalModel) -> bytes:
         mode = _HEAD_COMPRESSION[layout]
         obj["head"] = {"W": compress_delta(w, mode), "b": compress_delta(b, mode)}
     obj["signature"] = bytes(msg.signature)
-    return dumps(obj)
+    return dump_message(MessageType.GLOBAL_MODEL, obj)
 
 
 def decode_global_model(
     payload: bytes, *, limits: Limits = DEFAULT_LIMITS, expect_shape: tuple[int, int] | None = None
 ) -> GlobalModel:
-    """Decode and validate a :class:`GlobalModel`.
+    """Decode and validate a :class:`GlobalModel`, W and b float32 (writable, owned).
 
-    Parameters
-    ----------
-    payload : bytes
-        The MQTT payload.
-    limits : Limits
-        Decoding bounds.
-    expect_shape : tuple[int, int], optional
-        (D, K) the local head has; W must be [D, K] and b [K]. Without it, W must be 2-D and b
-        [W.shape[1]].
-
-    Returns
-    -------
-    GlobalModel
-        W, b float32, writable, owned.
+    With ``expect_shape`` (D, K) W must be [D, K] and b [K], without it W 2-D and b [W.shape[1]].
 
     Raises
     ------
     DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"); ``signature`` is optional on the wire.
+        The reasons of ``docs/protocol.md`` ("Refusals").
     """
-    obj = load_message(payload, limits, MessageType.GLOBAL_MODEL)
-    check_keys(
-        obj,
-        "",
-        ("v", "type", "round", "version", "model_sha256", "head"),
-        ("signature", "layout", "base_version"),
-    )
+    required, optional = ("round", "version", "model_sha256", "head"), ("signature", "layout", "base_version")
+    obj = load_message(payload, limits, MessageType.GLOBAL_MODEL, required, optional)
     round_, version = read_int(obj, "round", ""), read_int(obj, "version", "")
     model_sha256 = read_text(obj, "model_sha256", "", _SHA256_RE)
     signature = read_signature(obj, limits)
@@ -190,11 +119,7 @@ def decode_global_model(
     if "layout" in obj or "base_version" in obj:
         if "layout" not in obj:
             raise DecodeError(Reason.MISSING_KEY, "layout: required with base_version")
-        raw = read_text(obj, "layout", "", _LAYOUT_RE)
-        try:
-            layout = HeadLayout(raw)
-        except ValueError as exc:
-            raise DecodeError(Reason.BAD_VALUE, f"layout = {show(raw)}: unknown head layout") from exc
+        layout = read_choice(obj, "layout", HeadLayout)
         if "base_version" in obj:
             base_version = read_int(obj, "base_version", "")
             if base_version >= version:
@@ -202,15 +127,12 @@ def decode_global_model(
                     Reason.BAD_VALUE, f"base_version {base_version} must be below version {version}"
                 )
         mode = _HEAD_COMPRESSION[layout]
-        want_w = tuple(expect_shape) if expect_shape is not None else None
-        w = decompress_delta(head["W"], want_w, limits=limits, compression=mode, name="head.W")
-        want_b = (expect_shape[1],) if expect_shape is not None else None
-        b = decompress_delta(head["b"], want_b, limits=limits, compression=mode, name="head.b")
+        w, b = decompress_head(head, expect_shape, limits=limits, compression=mode, name="head")
     else:
         f32 = frozenset({"float32"})
         w = decode_array(head["W"], limits=limits, dtypes=f32, name="head.W")
         b = decode_array(head["b"], limits=limits, dtypes=f32, name="head.b")
-    check_head_shapes(w, b, "head", expect_shape)
+        check_head_shapes(w, b, "head", expect_shape)
     return GlobalModel(
         round=round_,
         version=version,
@@ -226,26 +148,9 @@ def decode_global_model(
 def resolve_global_head(gm: GlobalModel, held_version: int, held_W: F32, held_b: F32) -> GlobalModel:
     """Turn a decoded GlobalModel into the full float32 head a device applies and stores.
 
-    Parameters
-    ----------
-    gm : GlobalModel
-        As :func:`decode_global_model` returned it.
-    held_version : int
-        Version of the head the device holds.
-    held_W, held_b : float32 [D, K], float32 [K]
-        That head.
-
-    Returns
-    -------
-    GlobalModel
-        ``layout = float32``, ``base_version = None``; W, b the full head (``held + delta`` for a
-        delta head, summed in float32), round, version, sha256 and signature as received.
-
-    Raises
-    ------
-    DecodeError
-        ``stale_base`` (a delta from a version the device does not hold: it takes the retained full
-        head instead), ``bad_shape`` (delta and held head differ), ``not_finite`` (the sum overflows).
+    ``held_W`` float32 [D, K] and ``held_b`` [K] are the head of ``held_version`` the device holds; a
+    delta head is added to it in float32. DecodeError ``stale_base`` (a delta from another version: the
+    device takes the retained full head instead), ``bad_shape``, ``not_finite`` (the sum overflows).
     """
     if gm.base_version is None:
         return replace(gm, layout=HeadLayout.FLOAT32)
@@ -266,28 +171,9 @@ def resolve_global_head(gm: GlobalModel, held_version: int, held_W: F32, held_b:
 
 
 def global_model_version(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> int | None:
-    """Read a GlobalModel's ``version`` from its item headers, without decoding it.
+    """A whole GlobalModel's ``version`` from its item headers (None if none), building no array.
 
-    The cheap check that lets a device skip a retained head it already holds (no array is built).
-
-    Parameters
-    ----------
-    payload : bytes
-        A GlobalModel payload (whole, not a chunk).
-    limits : Limits
-        Bounds for the header walk.
-
-    Returns
-    -------
-    int or None
-        The version, or None when the headers hold no unsigned ``version`` (the full decode then
-        names the problem).
-
-    Raises
-    ------
-    DecodeError
-        ``too_large`` (payload over ``limits.max_message_bytes``), else as
-        :func:`edgefl.wire.cbor.scan` (malformed or oversized CBOR).
+    Lets a device skip a retained head it holds. DecodeError as :func:`~edgefl.wire.cbor.scan`.
     """
     version = scan(payload, limits).header.get("version")
     return version if type(version) is int else None

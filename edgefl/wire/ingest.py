@@ -1,9 +1,8 @@
 """The live-ingest messages: samples and labels a gateway app sends in, the predictions a device sends out.
 
-Owns :class:`Sample` (``samples/<device>``), :class:`Label` (``labels/<device>``) and
-:class:`Prediction` (``predictions/<device>``), none retained, with their paired ``encode_x`` /
-``decode_x`` and bounds. Field by field: ``docs/protocol.md`` ("Sample"); decoding is bounded by
-:mod:`edgefl.wire.cbor`, arrays are :mod:`edgefl.wire.arrays`.
+:class:`Sample` (``samples/<device>``), :class:`Label` (``labels/<device>``) and :class:`Prediction`
+(``predictions/<device>``), none retained, each with its ``encode_x`` / ``decode_x``. Field by field:
+``docs/protocol.md`` ("Live ingest").
 
 Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
 """
@@ -22,11 +21,9 @@ from edgefl.wire.arrays import decode_array, encode_array
 from edgefl.wire.cbor import (
     DEFAULT_LIMITS,
     INT_MAX,
-    SCHEMA_VERSION,
     Limits,
     MessageType,
-    check_keys,
-    dumps,
+    dump_message,
     load_message,
     read_float,
     read_int,
@@ -34,21 +31,6 @@ from edgefl.wire.cbor import (
     show,
 )
 from edgefl.wire.reasons import Reason
-
-__all__ = [
-    "PREDICTION_HEADS",
-    "RAW_DTYPES",
-    "SAMPLE_ID_RE",
-    "Label",
-    "Prediction",
-    "Sample",
-    "decode_label",
-    "decode_prediction",
-    "decode_sample",
-    "encode_label",
-    "encode_prediction",
-    "encode_sample",
-]
 
 #: Sample ids (chosen by the gateway app: a counter, a UUID, "<camera>:<frame>"...).
 SAMPLE_ID_RE: Final = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
@@ -60,17 +42,8 @@ RAW_DTYPES: Final = frozenset({"uint8", "int16", "float32"})
 class Sample:
     """One raw sample from a gateway app (topic ``samples/<device>``, not retained).
 
-    Parameters
-    ----------
-    id : str
-        The app's id of the sample, ``[A-Za-z0-9_.:-]{1,128}``; a late :class:`Label` names it.
-    x : ndarray [*sample_shape] of the device's raw dtype (uint8, int16 or float32)
-        The sample as the sensor gave it, before normalisation (the profile's ``pipeline.raw_dtype``
-        and the model's sample shape, e.g. uint8 [8, 8, 1]).
-    label : int or None
-        The class, when the app knows it already (``0 <= label < K``; 0/1 for a K = 1 head).
-    ts : float or None
-        When the sample was taken, seconds since the Unix epoch.
+    ``x`` [*sample_shape] is the sensor's raw sample in the device's ``pipeline.raw_dtype`` (uint8,
+    int16 or float32); ``label`` the class if known; ``ts`` Unix seconds. ``docs/protocol.md`` ("Sample").
     """
 
     id: str
@@ -81,17 +54,7 @@ class Sample:
 
 @dataclass(frozen=True, slots=True)
 class Label:
-    """The label of an earlier sample (topic ``labels/<device>``, not retained).
-
-    Parameters
-    ----------
-    id : str
-        The :attr:`Sample.id` it labels.
-    label : int
-        The class, ``0 <= label < K`` (0/1 for a K = 1 head).
-    ts : float or None
-        When the label was given, seconds since the Unix epoch.
-    """
+    """The label of the earlier sample ``id`` (topic ``labels/<device>``); ``ts`` Unix seconds."""
 
     id: str
     label: int
@@ -106,23 +69,8 @@ PREDICTION_HEADS: Final = frozenset({"personal", "global"})
 class Prediction:
     """The device's classification of one sample (topic ``predictions/<device>``, not retained).
 
-    Parameters
-    ----------
-    id : str
-        The :attr:`Sample.id`.
-    cls : int
-        Predicted class (``"class"`` on the wire): argmax of the head's logits, or ``logit > 0`` for a
-        K = 1 head.
-    score : float
-        Probability of that class in [0, 1] (softmax, or the sigmoid for K = 1).
-    version : int
-        The global head version that classified it.
-    latency_s : float
-        Seconds from the sample's arrival at the device to its classification (queueing included).
-    head : "personal" | "global" | None
-        Which of the device's heads classified it (optional key ``"head"``; None: not said, as
-        devices before personal heads send). ``version`` is the global version the head came from
-        (for a personal head: the global head it was last pulled toward).
+    ``cls`` is ``"class"`` on the wire, ``score`` its probability in [0, 1], ``latency_s`` seconds
+    from arrival, ``head`` ``"personal"``, ``"global"`` or None. ``docs/protocol.md`` ("Prediction").
     """
 
     id: str
@@ -133,16 +81,10 @@ class Prediction:
     head: str | None = None
 
 
-def _label_bound(num_classes: int | None) -> int:
-    # labels a head with K outputs learns: 0..K-1, and 0/1 for a K = 1 (logistic) head
-    if num_classes is None:
-        return INT_MAX
-    return 2 if num_classes == 1 else num_classes
-
-
 def _read_label(obj: Mapping[str, object], num_classes: int | None) -> int:
     label = read_int(obj, "label", "", 0, INT_MAX)
-    bound = _label_bound(num_classes)
+    # labels a head with K outputs learns: 0..K-1, and 0/1 for a K = 1 (logistic) head
+    bound = INT_MAX if num_classes is None else 2 if num_classes == 1 else num_classes
     if label >= bound:
         raise DecodeError(Reason.BAD_LABEL, f"label = {label}: must be in [0, {bound}) for K = {num_classes}")
     return label
@@ -153,29 +95,11 @@ def _read_ts(obj: Mapping[str, object]) -> float | None:
 
 
 def encode_sample(msg: Sample) -> bytes:
-    """Encode a :class:`Sample`.
-
-    Parameters
-    ----------
-    msg : Sample
-        ``x`` of 1 to 4 dimensions, uint8, int16 or float32 (finite).
-
-    Returns
-    -------
-    bytes
-        ``{"v": 1, "type": "sample", "id", "x", "label"?, "ts"?}`` (optional keys only when set).
-
-    Raises
-    ------
-    ValueError
-        If ``x`` has another dtype or more than 4 dimensions.
-    """
+    """Encode a :class:`Sample`; ValueError unless ``x`` is uint8, int16 or float32 of 1 to 4 dimensions."""
     x = np.asarray(msg.x)
     if x.dtype.name not in RAW_DTYPES or not 1 <= x.ndim <= 4:
         raise ValueError(f"sample x: {x.dtype} {list(x.shape)}; expected uint8/int16/float32, 1 to 4 dims")
     obj: dict[str, object] = {
-        "v": SCHEMA_VERSION,
-        "type": MessageType.SAMPLE.value,
         "id": msg.id,
         "x": encode_array(np.ascontiguousarray(x)),
     }
@@ -183,7 +107,7 @@ def encode_sample(msg: Sample) -> bytes:
         obj["label"] = int(msg.label)
     if msg.ts is not None:
         obj["ts"] = float(msg.ts)
-    return dumps(obj)
+    return dump_message(MessageType.SAMPLE, obj)
 
 
 def decode_sample(
@@ -196,33 +120,11 @@ def decode_sample(
 ) -> Sample:
     """Decode and validate a :class:`Sample` against the device's model.
 
-    Parameters
-    ----------
-    payload : bytes
-        The MQTT payload.
-    limits : Limits
-        Decoding bounds.
-    sample_shape : tuple[int, ...], optional
-        The model's sample shape; ``x`` must have exactly it (no batch dimension).
-    dtype : str, optional
-        The device's raw dtype (``pipeline.raw_dtype``); ``x`` must be it. Without it, any of
-        uint8, int16, float32.
-    num_classes : int, optional
-        K of the head: ``label`` must be in [0, K) (0/1 when K = 1).
-
-    Returns
-    -------
-    Sample
-        ``x`` writable, owned, native byte order.
-
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"): ``bad_shape`` and ``bad_dtype`` for an ``x``
-        that is not the model's, ``bad_label`` for a label outside [0, K), ``bad_value`` for a bad id.
+    ``x`` must have ``sample_shape`` and ``dtype`` when given (else any raw dtype) and comes writable,
+    owned, native order; ``label`` must be in [0, K) for ``num_classes`` K (0/1 when K = 1). DecodeError:
+    ``bad_shape``/``bad_dtype`` for an ``x`` not the model's, ``bad_label``, ``bad_value`` for a bad id.
     """
-    obj = load_message(payload, limits, MessageType.SAMPLE)
-    check_keys(obj, "", ("v", "type", "id", "x"), ("label", "ts"))
+    obj = load_message(payload, limits, MessageType.SAMPLE, ("id", "x"), ("label", "ts"))
     sample_id = read_text(obj, "id", "", SAMPLE_ID_RE)
     dtypes = frozenset({dtype}) if dtype is not None else RAW_DTYPES
     x = decode_array(obj["x"], limits=limits, dtypes=dtypes, name="x")
@@ -235,75 +137,27 @@ def decode_sample(
 
 
 def encode_label(msg: Label) -> bytes:
-    """Encode a :class:`Label`: ``{"v": 1, "type": "label", "id", "label", "ts"?}``.
-
-    Parameters
-    ----------
-    msg : Label
-
-    Returns
-    -------
-    bytes
-    """
+    """Encode a :class:`Label`."""
     obj: dict[str, object] = {
-        "v": SCHEMA_VERSION,
-        "type": MessageType.LABEL.value,
         "id": msg.id,
         "label": int(msg.label),
     }
     if msg.ts is not None:
         obj["ts"] = float(msg.ts)
-    return dumps(obj)
+    return dump_message(MessageType.LABEL, obj)
 
 
 def decode_label(payload: bytes, *, limits: Limits = DEFAULT_LIMITS, num_classes: int | None = None) -> Label:
-    """Decode and validate a :class:`Label`.
-
-    Parameters
-    ----------
-    payload : bytes
-        The MQTT payload.
-    limits : Limits
-        Decoding bounds.
-    num_classes : int, optional
-        K of the head: ``label`` must be in [0, K) (0/1 when K = 1).
-
-    Returns
-    -------
-    Label
-
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_label`` for a label outside [0, K).
-    """
-    obj = load_message(payload, limits, MessageType.LABEL)
-    check_keys(obj, "", ("v", "type", "id", "label"), ("ts",))
+    """Decode and validate a :class:`Label`: ``bad_label`` outside [0, K) (``num_classes``; 0/1 if K = 1)."""
+    obj = load_message(payload, limits, MessageType.LABEL, ("id", "label"), ("ts",))
     return Label(
         id=read_text(obj, "id", "", SAMPLE_ID_RE), label=_read_label(obj, num_classes), ts=_read_ts(obj)
     )
 
 
 def encode_prediction(msg: Prediction) -> bytes:
-    """Encode a :class:`Prediction`.
-
-    Parameters
-    ----------
-    msg : Prediction
-
-    Returns
-    -------
-    bytes
-        ``{"v": 1, "type": "prediction", "id", "class", "score", "version", "latency_s"[, "head"]}``.
-
-    Raises
-    ------
-    ValueError
-        If ``head`` is set to something other than ``"personal"`` or ``"global"``.
-    """
+    """Encode a :class:`Prediction`; ValueError if ``head`` is not None, ``"personal"`` or ``"global"``."""
     obj: dict[str, object] = {
-        "v": SCHEMA_VERSION,
-        "type": MessageType.PREDICTION.value,
         "id": msg.id,
         "class": int(msg.cls),
         "score": float(msg.score),
@@ -314,22 +168,11 @@ def encode_prediction(msg: Prediction) -> bytes:
         if msg.head not in PREDICTION_HEADS:
             raise ValueError(f"Prediction.head = {msg.head!r}: expected one of {sorted(PREDICTION_HEADS)}")
         obj["head"] = msg.head
-    return dumps(obj)
+    return dump_message(MessageType.PREDICTION, obj)
 
 
 def decode_prediction(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Prediction:
     """Decode and validate a :class:`Prediction` (what a gateway app reads).
-
-    Parameters
-    ----------
-    payload : bytes
-        The MQTT payload.
-    limits : Limits
-        Decoding bounds.
-
-    Returns
-    -------
-    Prediction
 
     Raises
     ------
@@ -337,8 +180,8 @@ def decode_prediction(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Pre
         The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for a score outside [0, 1] or a
         negative latency.
     """
-    obj = load_message(payload, limits, MessageType.PREDICTION)
-    check_keys(obj, "", ("v", "type", "id", "class", "score", "version", "latency_s"), ("head",))
+    keys = ("id", "class", "score", "version", "latency_s")
+    obj = load_message(payload, limits, MessageType.PREDICTION, keys, ("head",))
     head: str | None = None
     if "head" in obj:
         value = obj["head"]

@@ -1,8 +1,6 @@
 """The partial message: one site's sum (or robust estimate) of its devices' updates, sent up to the root.
 
-Owns :class:`Partial` (``partial/<site>``, QoS 1, not retained), :func:`encode_partial` /
-:func:`decode_partial` and their bounds. Field by field: ``docs/protocol.md`` ("Partial"); decoding is
-bounded by :mod:`edgefl.wire.cbor`.
+Field by field, with every bound: ``docs/protocol.md`` ("Partial").
 
 Source: RFC 8949 (CBOR); RFC 8746 §2.1, §3.1.1 (float64 typed arrays).
 """
@@ -20,12 +18,10 @@ from edgefl.errors import DecodeError
 from edgefl.wire.arrays import check_head_shapes, decode_array, encode_array
 from edgefl.wire.cbor import (
     DEFAULT_LIMITS,
-    SCHEMA_VERSION,
     Limits,
     MessageType,
     Scanned,
-    check_keys,
-    dumps,
+    dump_message,
     load_message,
     read_device_id,
     read_float,
@@ -36,8 +32,6 @@ from edgefl.wire.cbor import (
 )
 from edgefl.wire.reasons import Reason
 from edgefl.wire.rounds import UPDATE_ID_RE
-
-__all__ = ["MAX_PARTIAL_UPDATES", "PARTIAL_COMBINES", "Partial", "decode_partial", "encode_partial"]
 
 #: Most update ids one Partial covers (a site of a few hundred devices sends a few hundred).
 MAX_PARTIAL_UPDATES: Final = 16_000
@@ -51,35 +45,9 @@ _LAYOUT_RE_PARTIAL: Final = re.compile(r"[a-z-]{1,16}")
 class Partial:
     """One site's contribution to a round, sent up to the root (``partial/<site>``, QoS 1, not retained).
 
-    Parameters
-    ----------
-    round : int
-        The round it belongs to (the root's RoundAnnouncement).
-    base_version : int
-        The global version the round trains from.
-    site : str
-        Site id (the device-id pattern); the signature binds it (as an Update binds its device).
-    partial_id : str
-        De-duplication id, one per (site, round): ``"<site>:<round>"``; a bridge redelivery or a
-        restarted site sends the same id again.
-    combine : str
-        ``"sum"``: ``W``/``b`` are weighted sums ``sum_k w_k * delta_k`` (after the norm bound) and
-        ``weight = sum_k w_k``; ``"median"``/``"trimmed-mean"``: the site's robust estimate, covering
-        ``weight`` updates.
-    count : int >= 0
-        Updates folded in (``len(update_ids)``); 0: the site had nothing this round (it says so, so the
-        root need not wait for its deadline), with ``weight`` 0 and zero arrays.
-    weight : float >= 0
-        Total weight (example counts for the FedAvg family; the update count for DP and robust rules),
-        > 0 exactly when ``count`` > 0.
-    clipped : int >= 0
-        Updates the site's norm bound scaled down.
-    update_ids : tuple of str
-        Every update id covered, unique.
-    W : float64 [D, K]
-    b : float64 [K]
-    signature : bytes
-        Ed25519 by the site's key (``docs/protocol.md``, "Signatures"); empty when unsigned.
+    ``W`` float64 [D, K] and ``b`` float64 [K] are, for ``combine = "sum"``, the weighted sums
+    ``sum_k w_k * delta_k`` with ``weight = sum_k w_k``, else the site's robust estimate; ``count`` 0
+    is a site with nothing this round. Every field: ``docs/protocol.md`` ("Partial").
     """
 
     round: int
@@ -97,25 +65,13 @@ class Partial:
 
 
 def encode_partial(msg: Partial) -> bytes:
-    """Encode a :class:`Partial` (arrays as RFC 8746 float64 little-endian, tag 86 in tag 40).
-
-    Parameters
-    ----------
-    msg : Partial
-        ``W`` float64 [D, K], ``b`` float64 [K], finite.
-
-    Returns
-    -------
-    bytes
-        ``{"v", "type": "partial", "round", "base_version", "site", "partial_id", "combine",
-        "count", "weight", "clipped", "update_ids", "W", "b", "signature"}``.
+    """Encode a :class:`Partial` (finite arrays as RFC 8746 float64 little-endian, tag 86 in tag 40).
 
     Source: RFC 8746 §2.1 (tag 86), §3.1.1 (tag 40).
     """
-    return dumps(
+    return dump_message(
+        MessageType.PARTIAL,
         {
-            "v": SCHEMA_VERSION,
-            "type": MessageType.PARTIAL.value,
             "round": int(msg.round),
             "base_version": int(msg.base_version),
             "site": msg.site,
@@ -128,55 +84,21 @@ def encode_partial(msg: Partial) -> bytes:
             "W": encode_array(np.ascontiguousarray(msg.W, dtype=np.float64)),
             "b": encode_array(np.ascontiguousarray(msg.b, dtype=np.float64)),
             "signature": bytes(msg.signature),
-        }
+        },
     )
 
 
 def decode_partial(
     payload: bytes | Scanned, *, limits: Limits = DEFAULT_LIMITS, expect_shape: tuple[int, int] | None = None
 ) -> Partial:
-    """Decode and validate a :class:`Partial`.
+    """Decode and validate a :class:`Partial`, its arrays float64 (finite, owned).
 
-    Parameters
-    ----------
-    payload : bytes or Scanned
-        The MQTT payload, or what :func:`edgefl.wire.cbor.scan` made of it (not scanned again).
-    limits : Limits
-        Decoding bounds (the update ids count as items: ``max_items`` bounds them too).
-    expect_shape : tuple[int, int], optional
-        (D, K) of the global head.
-
-    Returns
-    -------
-    Partial
-        float64 arrays (finite, owned).
-
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for an unknown ``combine``,
-        ``count`` different from the number of update ids, a duplicate or invalid update id, more
-        than :data:`MAX_PARTIAL_UPDATES` ids, ``weight`` not > 0 exactly when ``count`` > 0, non-zero
-        arrays in an empty partial, ``clipped > count``; ``bad_dtype``
-        for arrays that are not float64.
+    ``payload`` may be its :func:`~edgefl.wire.cbor.scan`; ``expect_shape`` is the global head's (D, K).
+    DecodeError: the reasons of ``docs/protocol.md`` ("Refusals"), ``bad_value`` for a field breaking its
+    bound there, ``bad_dtype`` for arrays that are not float64.
     """
-    obj = load_message(payload, limits, MessageType.PARTIAL)
-    required = (
-        "v",
-        "type",
-        "round",
-        "base_version",
-        "site",
-        "partial_id",
-        "combine",
-        "count",
-        "weight",
-        "clipped",
-        "update_ids",
-        "W",
-        "b",
-    )
-    check_keys(obj, "", required, ("signature",))
+    keys = ("round", "base_version", "site", "partial_id", "combine", "count", "weight", "clipped")
+    obj = load_message(payload, limits, MessageType.PARTIAL, (*keys, "update_ids", "W", "b"), ("signature",))
     combine = read_text(obj, "combine", "", _LAYOUT_RE_PARTIAL)
     if combine not in PARTIAL_COMBINES:
         choices = ", ".join(PARTIAL_COMBINES)

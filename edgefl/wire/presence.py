@@ -15,22 +15,8 @@ from dataclasses import dataclass
 from typing import Final
 
 from edgefl.errors import DecodeError
-from edgefl.wire.cbor import (
-    DEFAULT_LIMITS,
-    INT_MAX,
-    SCHEMA_VERSION,
-    Limits,
-    MessageType,
-    check_keys,
-    dumps,
-    load_message,
-    read_float,
-    read_int,
-    read_text,
-)
+from edgefl.wire import cbor
 from edgefl.wire.reasons import Reason
-
-__all__ = ["NEW_SAMPLES_FIELD", "Presence", "decode_presence", "encode_presence", "read_new_samples"]
 
 NEW_SAMPLES_FIELD: Final = "new_samples"
 """The DeviceStatus field: labelled samples the device stored since its last round (uint)."""
@@ -44,20 +30,8 @@ MAX_HEARTBEAT_S: Final = 3600.0
 class Presence:
     """A running coordinator's claim on its fleet (retained on ``<prefix>/<fleet>/coordinator``).
 
-    Parameters
-    ----------
-    instance : str
-        Random id of this coordinator process (8-64 lowercase hex digits).
-    host : str
-        Host name it runs on (printable ASCII, no space; for the operator).
-    pid : int
-        Its process id.
-    started : float
-        Unix time it took the lease, seconds (orders two coordinators that took it at once).
-    seq : int
-        Heartbeat counter, one higher at each republish: a newer ``seq`` seen live proves the holder runs.
-    heartbeat_s : float
-        Seconds between two republishes, in (0, 3600].
+    ``started`` is Unix seconds, ``seq`` the heartbeat counter, ``heartbeat_s`` seconds between
+    republishes; every field: ``docs/protocol.md`` ("Presence").
     """
 
     instance: str
@@ -70,54 +44,40 @@ class Presence:
 
 def encode_presence(msg: Presence) -> bytes:
     """Encode a :class:`Presence` (``docs/protocol.md``, "Presence"); returns the CBOR bytes."""
-    return dumps(
+    return cbor.dump_message(
+        cbor.MessageType.PRESENCE,
         {
-            "v": SCHEMA_VERSION,
-            "type": MessageType.PRESENCE.value,
             "instance": msg.instance,
             "host": msg.host,
             "pid": msg.pid,
             "started": float(msg.started),
             "seq": msg.seq,
             "heartbeat_s": float(msg.heartbeat_s),
-        }
+        },
     )
 
 
-def decode_presence(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Presence:
-    """Decode and validate a :class:`Presence`.
-
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"): e.g. ``unknown_key``, ``bad_value``.
-    """
-    obj = load_message(payload, limits, MessageType.PRESENCE)
-    keys = ("v", "type", "instance", "host", "pid", "started", "seq", "heartbeat_s")
-    check_keys(obj, "", keys)
+def decode_presence(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS) -> Presence:
+    """Decode and validate a :class:`Presence` (DecodeError: the reasons of ``docs/protocol.md``)."""
+    keys = ("instance", "host", "pid", "started", "seq", "heartbeat_s")
+    obj = cbor.load_message(payload, limits, cbor.MessageType.PRESENCE, keys)
     return Presence(
-        instance=read_text(obj, "instance", "", _INSTANCE_RE),
-        host=read_text(obj, "host", "", _HOST_RE),
-        pid=read_int(obj, "pid", ""),
-        started=read_float(obj, "started", "", 0.0),
-        seq=read_int(obj, "seq", ""),
-        heartbeat_s=read_float(obj, "heartbeat_s", "", 0.0, MAX_HEARTBEAT_S, lo_open=True),
+        instance=cbor.read_text(obj, "instance", "", _INSTANCE_RE),
+        host=cbor.read_text(obj, "host", "", _HOST_RE),
+        pid=cbor.read_int(obj, "pid", ""),
+        started=cbor.read_float(obj, "started", "", 0.0),
+        seq=cbor.read_int(obj, "seq", ""),
+        heartbeat_s=cbor.read_float(obj, "heartbeat_s", "", 0.0, MAX_HEARTBEAT_S, lo_open=True),
     )
 
 
 def read_new_samples(fields: Mapping[str, object]) -> int | None:
-    """The ``new_samples`` field of a DeviceStatus's ``fields`` (None when the device does not report it).
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type`` (not an integer) or ``bad_value`` (negative).
-    """
+    """A DeviceStatus's ``fields["new_samples"]`` (None if absent); else ``wrong_type``, ``bad_value``."""
     value = fields.get(NEW_SAMPLES_FIELD)
     if value is None:
         return None
     if type(value) is not int:
         raise DecodeError(Reason.WRONG_TYPE, f"fields.{NEW_SAMPLES_FIELD}: expected an integer")
-    if not 0 <= value <= INT_MAX:
+    if not 0 <= value <= cbor.INT_MAX:
         raise DecodeError(Reason.BAD_VALUE, f"fields.{NEW_SAMPLES_FIELD} = {value}: must be >= 0")
     return value

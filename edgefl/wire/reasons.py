@@ -10,8 +10,6 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Final
 
-__all__ = ["CHUNK_REASONS", "REASONS", "SIGNATURE_REASONS", "Reason"]
-
 
 class Reason(StrEnum):
     """Why a message was refused (decoding, chunk reassembly, signature check, round bookkeeping)."""

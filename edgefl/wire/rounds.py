@@ -1,10 +1,8 @@
 """The round messages: the announcement that opens a round and a device's answer (an update or a decline).
 
-Owns :class:`RoundAnnouncement` (``round``, retained), :class:`Update` with its :class:`UpdateMetrics`
-and :class:`Decline` (both on ``update/<device>``, QoS 1), their paired ``encode_x`` / ``decode_x``
-and the bounds of their fields. Field by field: ``docs/protocol.md`` ("RoundAnnouncement", "Update",
-"Decline"); decoding is bounded by :mod:`edgefl.wire.cbor`, update deltas are
-:mod:`edgefl.wire.compression`.
+:class:`RoundAnnouncement` (``round``, retained), :class:`Update` and :class:`Decline` (both on
+``update/<device>``, QoS 1), each with its ``encode_x`` / ``decode_x``. Field by field, with every
+bound: ``docs/protocol.md`` ("RoundAnnouncement", "Update", "Decline").
 
 Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
 """
@@ -19,16 +17,15 @@ import numpy as np
 
 from edgefl.errors import DecodeError
 from edgefl.types import F32
-from edgefl.wire.arrays import check_head_shapes
 from edgefl.wire.cbor import (
     DEFAULT_LIMITS,
-    SCHEMA_VERSION,
     Limits,
     MessageType,
     Scanned,
     check_keys,
-    dumps,
+    dump_message,
     load_message,
+    read_choice,
     read_device_id,
     read_float,
     read_int,
@@ -39,30 +36,9 @@ from edgefl.wire.compression import (
     CompressedDelta,
     Compression,
     compress_delta,
-    decompress_delta,
-    read_compression,
+    decompress_head,
 )
 from edgefl.wire.reasons import Reason
-
-__all__ = [
-    "MAX_BATCH_SIZE",
-    "MAX_CLIENTS",
-    "MAX_DEADLINE_S",
-    "MAX_LOCAL_EPOCHS",
-    "MAX_LR",
-    "MAX_PROX_MU",
-    "UPDATE_ID_RE",
-    "Decline",
-    "RoundAnnouncement",
-    "Update",
-    "UpdateMetrics",
-    "decode_decline",
-    "decode_round",
-    "decode_update",
-    "encode_decline",
-    "encode_round",
-    "encode_update",
-]
 
 # Bounds on a RoundAnnouncement's training settings: a device must not be told to train for 2^62
 # epochs or with a step that overflows float32 (both were seen to hang or crash an agent).
@@ -80,34 +56,12 @@ _DETAIL_RE: Final = re.compile(r"[\x20-\x7e]{0,200}")
 
 @dataclass(frozen=True, slots=True)
 class RoundAnnouncement:
-    """A round opened by the coordinator (topic ``round``, retained).
+    """A round opened by the coordinator (topic ``round``, retained); fields: ``docs/protocol.md``.
 
-    Parameters
-    ----------
-    round : int
-        Round number, >= 0.
-    base_version : int
-        Global head version the devices must train from.
-    deadline_s : float
-        Seconds from the announcement until updates stop being accepted, > 0.
-    local_epochs : int
-        Local epochs over the device store, >= 1.
-    lr : float
-        SGD learning rate, > 0.
-    batch_size : int
-        Training batch size, >= 1.
-    min_clients : int
-        Updates needed to aggregate, >= 1.
-    selected : tuple[str, ...] or float
-        Device ids asked to train, or the fraction in (0, 1] of devices that should self-select.
-    compression : Compression
-        Delta compression the devices must use.
-    topk_fraction : float
-        Fraction in (0, 1] of entries kept by ``topk``/``topk-int8``.
-    prox_mu : float
-        FedProx proximal coefficient, >= 0 (0 is plain FedAvg). Source: Li et al. 2020, FedProx.
-    signature : bytes
-        Optional signature bytes.
+    ``deadline_s`` is in seconds from the announcement; ``selected`` the device ids asked, or the
+    fraction in (0, 1] that self-selects; ``prox_mu`` FedProx's proximal coefficient (0: FedAvg).
+
+    Source: Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020 (FedProx).
     """
 
     round: int
@@ -126,24 +80,11 @@ class RoundAnnouncement:
 
 @dataclass(frozen=True, slots=True)
 class UpdateMetrics:
-    """Training metrics sent with an update.
+    """Training metrics sent with an update (``docs/protocol.md``, "Update").
 
-    Parameters
-    ----------
-    loss : float
-        Mean training loss of the last local epoch.
-    accuracy : float
-        Training accuracy in [0, 1].
-    train_s : float
-        Wall time of local training, seconds, >= 0.
-    peak_rss_bytes : int
-        Peak resident set size during training, bytes, >= 0.
-    eval_accuracy : float or None
-        Accuracy in [0, 1] of the base head (``base_version``) on the device's holdout, never trained
-        on (federated evaluation). None: no holdout. It travels with the update so the
-        device's status need not be published for it.
-    eval_count : int
-        Holdout samples behind ``eval_accuracy``, >= 1 when it is set.
+    ``loss`` of the last local epoch, training ``accuracy`` in [0, 1], ``train_s`` seconds,
+    ``peak_rss_bytes``; ``eval_accuracy`` of the base head on the device's holdout (None: no holdout)
+    over ``eval_count`` samples.
     """
 
     loss: float
@@ -156,31 +97,10 @@ class UpdateMetrics:
 
 @dataclass(frozen=True, slots=True)
 class Update:
-    """A device's head update (topic ``update/<device>``).
+    """A device's head update (topic ``update/<device>``); fields: ``docs/protocol.md`` ("Update").
 
-    Parameters
-    ----------
-    round : int
-        Round this update answers.
-    base_version : int
-        Global head version the delta was computed from.
-    device : str
-        Device id, matching :data:`DEVICE_ID_RE`.
-    num_examples : int
-        Training examples behind the delta (the FedAvg weight), >= 1.
-    delta_W : float32 [D, K]
-        Dense head-weight delta (local - global). Always dense here; ``compression`` only changes
-        the wire, and after decoding it holds what the wire carried.
-    delta_b : float32 [K]
-        Dense bias delta.
-    metrics : UpdateMetrics
-        Training metrics.
-    update_id : str
-        Unique id for de-duplication, ``[A-Za-z0-9_.:-]{1,128}``.
-    compression : Compression
-        How the deltas are encoded on the wire.
-    signature : bytes
-        Optional signature bytes.
+    ``delta_W`` float32 [D, K] and ``delta_b`` float32 [K] are dense (local - global):
+    ``compression`` only changes the wire. ``num_examples`` is the FedAvg weight.
     """
 
     round: int
@@ -199,26 +119,9 @@ class Update:
 class Decline:
     """A device's refusal of a round it was asked to train (topic ``update/<device>``, QoS 1).
 
-    Sent instead of an Update when the device cannot answer the round (e.g. the memory governor
-    judged training over budget until the round's deadline drew near), so the coordinator counts and
-    logs the refusal instead of seeing a silent device. Specified in ``docs/protocol.md`` ("Decline").
-
-    Parameters
-    ----------
-    round : int
-        The round refused.
-    base_version : int
-        The round's base version.
-    device : str
-        Sender (must equal the topic's ``<device>``).
-    reason : str
-        A :class:`~edgefl.wire.reasons.Reason` value, ``[a-z0-9_]{1,32}`` (e.g. ``over_budget``).
-    detail : str
-        Human-readable explanation, at most 200 printable ASCII characters (longer ones are cut).
-    update_id : str
-        De-duplication id, ``<device>:<round>:<base_version>:declined``.
-    signature : bytes
-        Ed25519 signature (signed like an Update, kind ``decline``), or empty.
+    Sent instead of an Update (e.g. training stayed over the memory budget) so the coordinator counts
+    the refusal; ``reason`` is a :class:`~edgefl.wire.reasons.Reason` value. Fields:
+    ``docs/protocol.md`` ("Decline").
     """
 
     round: int
@@ -230,29 +133,14 @@ class Decline:
     signature: bytes = b""
 
 
-
 def encode_round(msg: RoundAnnouncement) -> bytes:
-    """Encode a :class:`RoundAnnouncement`.
-
-    Parameters
-    ----------
-    msg : RoundAnnouncement
-        The round.
-
-    Returns
-    -------
-    bytes
-        ``{"v", "type": "round", "round", "base_version", "deadline_s", "local_epochs", "lr",
-        "batch_size", "min_clients", "selected", "compression", "topk_fraction", "prox_mu",
-        "signature"}``; ``selected`` is an array of device ids or a float fraction.
-    """
+    """Encode a :class:`RoundAnnouncement` (``docs/protocol.md``, "RoundAnnouncement")."""
     selected: object = (
         float(msg.selected) if isinstance(msg.selected, int | float) else [str(d) for d in msg.selected]
     )
-    return dumps(
+    return dump_message(
+        MessageType.ROUND,
         {
-            "v": SCHEMA_VERSION,
-            "type": MessageType.ROUND.value,
             "round": int(msg.round),
             "base_version": int(msg.base_version),
             "deadline_s": float(msg.deadline_s),
@@ -265,25 +153,12 @@ def encode_round(msg: RoundAnnouncement) -> bytes:
             "topk_fraction": float(msg.topk_fraction),
             "prox_mu": float(msg.prox_mu),
             "signature": bytes(msg.signature),
-        }
+        },
     )
 
 
 def decode_round(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> RoundAnnouncement:
-    """Decode and validate a :class:`RoundAnnouncement`.
-
-    Parameters
-    ----------
-    payload : bytes
-        The MQTT payload.
-    limits : Limits
-        Decoding bounds.
-
-    Returns
-    -------
-    RoundAnnouncement
-        Keys with a dataclass default (``compression``, ``topk_fraction``, ``prox_mu``,
-        ``signature``) may be absent on the wire and take that default.
+    """Decode and validate a :class:`RoundAnnouncement` (absent optional keys take their defaults).
 
     Raises
     ------
@@ -291,20 +166,9 @@ def decode_round(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> RoundAnn
         The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for out-of-range
         numbers, a duplicate or invalid device id in ``selected``.
     """
-    obj = load_message(payload, limits, MessageType.ROUND)
-    required = (
-        "v",
-        "type",
-        "round",
-        "base_version",
-        "deadline_s",
-        "local_epochs",
-        "lr",
-        "batch_size",
-        "min_clients",
-        "selected",
-    )
-    check_keys(obj, "", required, ("compression", "topk_fraction", "prox_mu", "signature"))
+    required = ("round", "base_version", "deadline_s", "local_epochs", "lr", "batch_size", "min_clients")
+    optional = ("compression", "topk_fraction", "prox_mu", "signature")
+    obj = load_message(payload, limits, MessageType.ROUND, (*required, "selected"), optional)
     raw_selected = obj["selected"]
     selected: tuple[str, ...] | float
     if isinstance(raw_selected, list):
@@ -313,6 +177,7 @@ def decode_round(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> RoundAnn
             raise DecodeError(Reason.BAD_VALUE, "selected: duplicate device ids")
     else:
         selected = read_float(obj, "selected", "", 0.0, 1.0, lo_open=True)
+    compression = read_choice(obj, "compression", Compression) if "compression" in obj else Compression.NONE
     return RoundAnnouncement(
         round=read_int(obj, "round", ""),
         base_version=read_int(obj, "base_version", ""),
@@ -322,7 +187,7 @@ def decode_round(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> RoundAnn
         batch_size=read_int(obj, "batch_size", "", 1, MAX_BATCH_SIZE),
         min_clients=read_int(obj, "min_clients", "", 1, MAX_CLIENTS),
         selected=selected,
-        compression=read_compression(obj, "compression") if "compression" in obj else Compression.NONE,
+        compression=compression,
         topk_fraction=(
             read_float(obj, "topk_fraction", "", 0.0, 1.0, lo_open=True) if "topk_fraction" in obj else 0.1
         ),
@@ -340,32 +205,10 @@ def encode_update(
 ) -> bytes:
     """Encode an :class:`Update`, compressing its deltas per ``msg.compression`` (or taking them compressed).
 
-    Parameters
-    ----------
-    msg : Update
-        delta_W float32 [D, K], delta_b float32 [K], finite.
-    rng : numpy.random.Generator, optional
-        Stochastic rounding for int8 layouts (W is compressed before b).
-    topk_fraction : float
-        Fraction kept by ``topk``/``topk-int8`` (the round's ``topk_fraction``).
-    compressed : CompressedDelta, optional
-        The deltas already compressed (by error feedback, :func:`compress_head_delta`): written as
-        they are, so compression runs once; ``rng`` and ``topk_fraction`` are then unused and
-        ``msg.delta_W``/``msg.delta_b`` are not read. The result is byte for byte what encoding
-        the same dense deltas here gives.
-
-    Returns
-    -------
-    bytes
-        ``{"v", "type": "update", "round", "base_version", "device", "num_examples",
-        "compression", "delta": {"W": sub-map, "b": sub-map}, "metrics": {"loss", "accuracy",
-        "train_s", "peak_rss_bytes" [, "eval_accuracy", "eval_count"]}, "update_id", "signature"}``.
-
-    Raises
-    ------
-    ValueError
-        As :func:`edgefl.wire.compression.compress_delta` (non-finite delta, bad fraction), or
-        ``compressed`` is in another layout than ``msg.compression``.
+    ``rng`` makes int8 rounding stochastic (W compressed before b); ``topk_fraction`` is the round's.
+    ``compressed`` (from error feedback) is written as it is, ``rng``, ``topk_fraction`` and the
+    message's deltas unused: the same bytes the dense deltas give. ValueError as
+    :func:`~edgefl.wire.compression.compress_delta`, or for ``compressed`` in another layout.
     """
     mode = Compression(msg.compression)
     if compressed is None:  # W before b: the order stochastic rounding draws in (as compress_head_delta)
@@ -382,10 +225,9 @@ def encode_update(
             "eval_accuracy": float(msg.metrics.eval_accuracy),
             "eval_count": int(msg.metrics.eval_count),
         }
-    return dumps(
+    return dump_message(
+        MessageType.UPDATE,
         {
-            "v": SCHEMA_VERSION,
-            "type": MessageType.UPDATE.value,
             "round": int(msg.round),
             "base_version": int(msg.base_version),
             "device": msg.device,
@@ -401,57 +243,28 @@ def encode_update(
             },
             "update_id": msg.update_id,
             "signature": bytes(msg.signature),
-        }
+        },
     )
 
 
 def decode_update(
     payload: bytes | Scanned, *, limits: Limits = DEFAULT_LIMITS, expect_shape: tuple[int, int] | None = None
 ) -> Update:
-    """Decode and validate an :class:`Update`, decompressing its deltas to dense float32.
+    """Decode and validate an :class:`Update`, its deltas dense float32 (writable, owned).
 
-    Parameters
-    ----------
-    payload : bytes or Scanned
-        The MQTT payload, or what :func:`edgefl.wire.cbor.scan` made of it (not scanned again).
-    limits : Limits
-        Decoding bounds.
-    expect_shape : tuple[int, int], optional
-        (D, K) of the global head; delta W must be [D, K] and b [K]. Without it, W must be 2-D and
-        b [W.shape[1]].
-
-    Returns
-    -------
-    Update
-        Dense float32 deltas (writable, owned), ``compression`` as sent.
+    ``payload`` may be its :func:`~edgefl.wire.cbor.scan`; with ``expect_shape`` (D, K) the deltas
+    must be [D, K] and [K], without it W 2-D and b [W.shape[1]].
 
     Raises
     ------
     DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for ``num_examples < 1``,
-        accuracy outside [0, 1], negative ``train_s``/``peak_rss_bytes``, invalid ids.
+        The reasons of ``docs/protocol.md`` ("Refusals"), ``bad_value`` for a field out of its range.
     """
-    obj = load_message(payload, limits, MessageType.UPDATE)
-    required = (
-        "v",
-        "type",
-        "round",
-        "base_version",
-        "device",
-        "num_examples",
-        "compression",
-        "delta",
-        "metrics",
-        "update_id",
-    )
-    check_keys(obj, "", required, ("signature",))
-    mode = read_compression(obj, "compression")
+    required = ("round", "base_version", "device", "num_examples", "compression", "delta", "metrics")
+    obj = load_message(payload, limits, MessageType.UPDATE, (*required, "update_id"), ("signature",))
+    mode = read_choice(obj, "compression", Compression)
     delta = check_keys(obj["delta"], "delta", ("W", "b"))
-    want_w = tuple(expect_shape) if expect_shape is not None else None
-    delta_w = decompress_delta(delta["W"], want_w, limits=limits, compression=mode, name="delta.W")
-    want_b = (expect_shape[1],) if expect_shape is not None else None
-    delta_b = decompress_delta(delta["b"], want_b, limits=limits, compression=mode, name="delta.b")
-    check_head_shapes(delta_w, delta_b, "delta", expect_shape)
+    delta_w, delta_b = decompress_head(delta, expect_shape, limits=limits, compression=mode, name="delta")
     metrics = check_keys(
         obj["metrics"],
         "metrics",
@@ -487,24 +300,11 @@ def decode_update(
 
 
 def encode_decline(msg: Decline) -> bytes:
-    """Encode a :class:`Decline`.
-
-    Parameters
-    ----------
-    msg : Decline
-        ``detail`` is written as printable ASCII (anything else becomes ``?``), cut to 200 characters.
-
-    Returns
-    -------
-    bytes
-        ``{"v", "type": "decline", "round", "base_version", "device", "reason", "detail",
-        "update_id", "signature"}``.
-    """
+    """Encode a :class:`Decline`, its ``detail`` as printable ASCII (others ``?``) cut to 200 characters."""
     detail = "".join(c if " " <= c <= "~" else "?" for c in msg.detail)[:200]
-    return dumps(
+    return dump_message(
+        MessageType.DECLINE,
         {
-            "v": SCHEMA_VERSION,
-            "type": MessageType.DECLINE.value,
             "round": int(msg.round),
             "base_version": int(msg.base_version),
             "device": msg.device,
@@ -512,23 +312,12 @@ def encode_decline(msg: Decline) -> bytes:
             "detail": detail,
             "update_id": msg.update_id,
             "signature": bytes(msg.signature),
-        }
+        },
     )
 
 
 def decode_decline(payload: bytes | Scanned, *, limits: Limits = DEFAULT_LIMITS) -> Decline:
-    """Decode and validate a :class:`Decline`.
-
-    Parameters
-    ----------
-    payload : bytes or Scanned
-        The MQTT payload, or what :func:`edgefl.wire.cbor.scan` made of it (not scanned again).
-    limits : Limits
-        Decoding bounds.
-
-    Returns
-    -------
-    Decline
+    """Decode and validate a :class:`Decline` (``payload`` may be its :func:`~edgefl.wire.cbor.scan`).
 
     Raises
     ------
@@ -536,13 +325,8 @@ def decode_decline(payload: bytes | Scanned, *, limits: Limits = DEFAULT_LIMITS)
         The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for a reason, detail or
         update id outside its pattern.
     """
-    obj = load_message(payload, limits, MessageType.DECLINE)
-    check_keys(
-        obj,
-        "",
-        ("v", "type", "round", "base_version", "device", "reason", "detail", "update_id"),
-        ("signature",),
-    )
+    required = ("round", "base_version", "device", "reason", "detail", "update_id")
+    obj = load_message(payload, limits, MessageType.DECLINE, required, ("signature",))
     return Decline(
         round=read_int(obj, "round", ""),
         base_version=read_int(obj, "base_version", ""),

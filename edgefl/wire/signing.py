@@ -1,26 +1,12 @@
 """Message authenticity: Ed25519 signatures over a canonical byte string that binds the message's context.
 
-Owns the signed-bytes layout (:func:`signed_bytes`), signing (:func:`sign_message`,
-:func:`sign_payload`), verification before decoding (:func:`verify_payload`) and Ed25519 keys. A signed
-message carries its 64-byte signature as the value of its last key, ``"signature"``; the signature
-covers::
+Owns the signed bytes (:func:`signed_bytes`), signing, verification before decoding
+(:func:`verify_payload`) and Ed25519 keys (64 hex digits, or PKCS #8 / SPKI PEM as ``openssl genpkey
+-algorithm ed25519`` writes them). The layout, the blank form and what the verifier binds:
+``docs/protocol.md`` ("Signatures"); key rotation: ``docs/security.md``. The arithmetic is PyNaCl's
+(libsodium), imported at the first signature operation (installing it: ``docs/operations.md``).
 
-    "edgefl-sig-v2" 0x00 || CBOR([fleet, kind, round, version, device, SHA-256(blank form)])
-
-where the blank form is the message with 64 zero bytes as its signature. The verifier rebuilds it from
-its own fleet, the kind its topic carries and the device the topic names, with round and version read
-by the allocation-free header scan, so a head signed for another fleet, a round announcement replayed
-as a head or an update signed for another device fails. Layout and examples: ``docs/protocol.md``
-("Signatures"); key rotation: ``docs/security.md``.
-
-Keys are 32-byte Ed25519 seeds / public keys, as 64 hex digits or PEM (PKCS #8 ``PRIVATE KEY`` /
-SPKI ``PUBLIC KEY``, as written by ``edgefl keys generate`` or ``openssl genpkey -algorithm ed25519``),
-parsed here (the DER of an Ed25519 key is a fixed prefix and the 32 key bytes); a :class:`SigningKey`'s
-``repr`` shows only its public key. The Ed25519 arithmetic is PyNaCl's (libsodium; ~1.2 MB of RSS,
-imported lazily, on the first signature operation): the one library with a build for every gateway,
-PyPI wheels on aarch64 and x86_64, Debian's ``python3-nacl`` on armv7l (``docs/operations.md``).
-
-Source: RFC 8032 §5.1 (Ed25519); RFC 8410 §7, §10.3 (Ed25519 keys in PKCS #8 / SPKI); RFC 8949
+Source: RFC 8032 §5.1 (Ed25519); RFC 8410 §7, §10 (Ed25519 keys in PKCS #8 / SPKI); RFC 8949
 §4.2.1 (deterministic encoding).
 """
 
@@ -51,36 +37,10 @@ from edgefl.wire.cbor import (
     Scanned,
     scan,
 )
-from edgefl.wire.reasons import SIGNATURE_REASONS, Reason
+from edgefl.wire.reasons import SIGNATURE_REASONS as SIGNATURE_REASONS  # re-exported: its refusals
+from edgefl.wire.reasons import Reason
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "CONTEXT",
-    "MAX_KEY_FILE_BYTES",
-    "PLACEHOLDER",
-    "SIGNATURE_BYTES",
-    "SIGNATURE_REASONS",
-    "SIGNED_KINDS",
-    "SigningKey",
-    "VerifyKey",
-    "generate_signing_key",
-    "is_signed",
-    "load_signing_key",
-    "load_verify_key",
-    "load_verify_keys",
-    "parse_signing_key",
-    "parse_verify_key",
-    "private_pem",
-    "public_pem",
-    "read_key_text",
-    "sign_message",
-    "sign_payload",
-    "signed_bytes",
-    "unsigned_form",
-    "verify_payload",
-    "write_key_pair",
-]
 
 CONTEXT: Final = b"edgefl-sig-v2\x00"
 SIGNATURE_BYTES: Final = 64
@@ -111,18 +71,7 @@ _PEM_RE: Final = re.compile(r"-----BEGIN ([A-Z0-9 ]+)-----(.*?)-----END \1-----"
 
 @dataclass(frozen=True, slots=True)
 class VerifyKey:
-    """An Ed25519 public key.
-
-    Parameters
-    ----------
-    raw : bytes
-        The 32-byte public key (RFC 8032 §5.1.5).
-
-    Raises
-    ------
-    ValueError
-        If ``raw`` is not 32 bytes.
-    """
+    """An Ed25519 public key: ``raw``, 32 bytes (RFC 8032 §5.1.5); ValueError otherwise."""
 
     raw: bytes
 
@@ -138,17 +87,9 @@ class VerifyKey:
 
 @dataclass(frozen=True, slots=True)
 class SigningKey:
-    """An Ed25519 private key; its ``repr`` shows the public key only.
+    """An Ed25519 private key: ``seed``, 32 bytes (RFC 8032 §5.1.5; ValueError otherwise).
 
-    Parameters
-    ----------
-    seed : bytes
-        The 32-byte private seed (RFC 8032 §5.1.5).
-
-    Raises
-    ------
-    ValueError
-        If ``seed`` is not 32 bytes.
+    Its ``repr`` shows the public key only.
     """
 
     seed: bytes = field(repr=False)
@@ -170,8 +111,7 @@ class SigningKey:
 # The Ed25519 library (imported lazily: the agent pays its memory only when signatures are on)
 
 
-#: Private keys kept expanded (a process signs with one key, a test with a few): making one from its
-#: seed is a scalar multiplication, ~50 us, that every signature would pay.
+#: Private keys kept expanded: making one from its seed is a scalar multiplication (~50 us).
 _KEYS_KEPT: Final = 4
 
 
@@ -223,24 +163,13 @@ def _backend() -> _Nacl:
 
 
 INSTALL_HINT: Final = "pip install 'edgefl[security]' (or apt-get install python3-nacl)"
-"""How to get PyNaCl: the ``security`` extra, or Debian's package (what the armv7l wheelhouse uses)."""
 
 
 def library_problem(setting: str) -> str | None:
-    """Why a configured key ``setting`` cannot be used here, or None if an Ed25519 library imports.
+    """Why the key a profile's dotted ``setting`` configures cannot be used here, or None.
 
-    Profiles call it for every key they configure, so ``check-config``, ``edgefl run`` and
-    ``edgefl coordinator`` refuse at load (exit 1) instead of failing at the first signed message.
-
-    Parameters
-    ----------
-    setting : str
-        The dotted profile key that configures a key, e.g. ``"security.coordinator_public_key"``.
-
-    Returns
-    -------
-    str or None
-        One line naming the setting and :data:`INSTALL_HINT`.
+    Profiles call it for every key they configure, so they refuse at load instead of failing at the
+    first signed message. The line names the setting and :data:`INSTALL_HINT`.
     """
     try:
         _backend()
@@ -307,47 +236,20 @@ def _decode_text(text: str, prefix: bytes, kind: str) -> bytes:
 
 
 def parse_signing_key(text: str) -> SigningKey:
-    """Parse a private key: 64 hex digits (the seed) or PKCS #8 PEM ``PRIVATE KEY``.
+    """Parse a private key's text: 64 hex digits (the seed) or PKCS #8 PEM ``PRIVATE KEY``.
 
-    Parameters
-    ----------
-    text : str
-        The key file's text (surrounding whitespace ignored).
+    ValueError saying what the text is instead (a public key, an encrypted or non-Ed25519 PEM block, a
+    wrong number of hex digits), never quoting key material.
 
-    Returns
-    -------
-    SigningKey
-
-    Raises
-    ------
-    ValueError
-        Saying what the text is instead (a public key, an encrypted or non-Ed25519 PEM block, a wrong
-        number of hex digits); the message never contains key material.
-
-    Source: RFC 8410 §7, §10.3 (Ed25519 in PKCS #8).
+    Source: RFC 8410 §7, §10.3.
     """
     return SigningKey(_decode_text(text, _PKCS8_PREFIX, "private key"))
 
 
 def parse_verify_key(text: str) -> VerifyKey:
-    """Parse a public key: 64 hex digits or SubjectPublicKeyInfo PEM ``PUBLIC KEY``.
+    """Parse a public key (profile value or ``.pub`` text): 64 hex digits or SPKI PEM ``PUBLIC KEY``.
 
-    Parameters
-    ----------
-    text : str
-        A profile value or a ``.pub`` file's text (a PEM block may be on one line).
-
-    Returns
-    -------
-    VerifyKey
-
-    Raises
-    ------
-    ValueError
-        Saying what the text is instead (a private key, another algorithm, a wrong number of hex
-        digits); the message never contains key material.
-
-    Source: RFC 8410 §4, §10.1 (Ed25519 in SPKI).
+    ValueError as :func:`parse_signing_key`. Source: RFC 8410 §4, §10.1.
     """
     return VerifyKey(_decode_text(text, _SPKI_PREFIX, "public key"))
 
@@ -375,23 +277,11 @@ def public_pem(key: VerifyKey) -> str:
 
 
 def write_key_pair(directory: Path, name: str) -> tuple[Path, Path, SigningKey]:
-    """Generate a key pair and write ``<name>.key`` (PKCS #8 PEM, mode 0600) and ``<name>.pub`` (SPKI PEM).
+    """Generate a key pair: ``<name>.key`` (PKCS #8 PEM, mode 0600) and ``<name>.pub`` (SPKI PEM).
 
-    The private key file is created owner-only from the start (``O_EXCL``, mode 0600) and fsynced,
-    so it is never readable by others, not even for a moment; an existing file is never replaced.
-
-    Parameters
-    ----------
-    directory : Path
-        Folder for the two files (created, mode 0700, if missing).
-    name : str
-        File stem: a device id for a device's key (the coordinator's ``device_keys_dir`` names
-        ``<device>.pub`` by it), ``coordinator``, a site name.
-
-    Returns
-    -------
-    tuple[Path, Path, SigningKey]
-        The private key file, the public key file and the key.
+    The private key file is owner-only from its creation (``O_EXCL``) and fsynced; ``directory`` is
+    created (0700) if missing; ``name`` is a file stem (a device id, ``coordinator``, a site). Returns
+    the two paths and the key.
 
     Raises
     ------
@@ -423,19 +313,13 @@ def write_key_pair(directory: Path, name: str) -> tuple[Path, Path, SigningKey]:
 
 
 MAX_KEY_FILE_BYTES = 16 * 1024
-"""Largest key file read (a PEM key with comments is well under 1 KiB): a larger or special file
-(``/dev/zero``, a fifo) is refused before it is read."""
+"""Largest key file read; a larger or special file (``/dev/zero``, a fifo) is refused unread."""
 
 
 def read_key_text(path: Path, what: str) -> str:
-    """The text of a key file, read only when it is a regular file of at most :data:`MAX_KEY_FILE_BYTES`.
+    """The text of a key file, read only if it is a regular file of at most :data:`MAX_KEY_FILE_BYTES`.
 
-    Raises
-    ------
-    OSError
-        If the file cannot be read.
-    ValueError
-        If it is not a regular file, is larger than the bound, or is not ASCII text.
+    OSError if it cannot be read; ValueError if it is not a regular file, too large, or not ASCII.
     """
     with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
         st = os.fstat(f.fileno())
@@ -451,14 +335,9 @@ def read_key_text(path: Path, what: str) -> str:
 
 
 def load_signing_key(path: Path) -> SigningKey:
-    """Load a private key file (see :func:`parse_signing_key`); warn if others can read it.
+    """Load a private key file (:func:`parse_signing_key`); warn if others can read it.
 
-    Raises
-    ------
-    OSError
-        If the file cannot be read.
-    ValueError
-        If it holds no Ed25519 private key (the path is named, the content never).
+    OSError if it cannot be read; ValueError (naming the path, never the content) without a key.
     """
     path = Path(path)
     mode = path.stat().st_mode
@@ -475,13 +354,7 @@ def load_signing_key(path: Path) -> SigningKey:
 
 
 def load_verify_key(path: Path) -> VerifyKey:
-    """Load a public key file (see :func:`parse_verify_key`).
-
-    Raises
-    ------
-    OSError, ValueError
-        If the file cannot be read or holds no Ed25519 public key.
-    """
+    """Load a public key file (:func:`parse_verify_key`); OSError or ValueError as above."""
     path = Path(path)
     text = read_key_text(path, "public key")
     try:
@@ -491,24 +364,7 @@ def load_verify_key(path: Path) -> VerifyKey:
 
 
 def load_verify_keys(directory: Path, suffix: str = ".pub") -> dict[str, VerifyKey]:
-    """Load every ``<device>.pub`` of a directory: the coordinator's device key ring.
-
-    Parameters
-    ----------
-    directory : Path
-    suffix : str
-        File name suffix; the rest of the name is the device id.
-
-    Returns
-    -------
-    dict[str, VerifyKey]
-        Device id -> public key.
-
-    Raises
-    ------
-    OSError, ValueError
-        If the directory or a key file cannot be read or parsed.
-    """
+    """Every ``<device><suffix>`` of a directory by device id: the key ring (OSError, ValueError)."""
     return {
         p.name[: -len(suffix)]: load_verify_key(p)
         for p in sorted(Path(directory).iterdir())
@@ -521,27 +377,9 @@ def load_verify_keys(directory: Path, suffix: str = ".pub") -> dict[str, VerifyK
 
 
 def signed_bytes(*, fleet: str, kind: str, round: int, version: int, device: str, digest: bytes) -> bytes:
-    """The canonical byte string a signature covers.
+    """The bytes a signature covers: ``CONTEXT || CBOR([fleet, kind, round, version, device, digest])``.
 
-    Parameters
-    ----------
-    fleet : str
-        Fleet the message is meant for (profile ``device.fleet``, coordinator ``--fleet``).
-    kind : str
-        Message type (``"global_model"``, ``"round"``, ``"update"``, ``"decline"``, ``"partial"``).
-    round : int
-        The message's ``round``, >= 0.
-    version : int
-        Its ``version`` (GlobalModel) or ``base_version`` (RoundAnnouncement, Update, Decline), >= 0.
-    device : str
-        The sending device for an Update or a Decline, the sending site for a Partial, ``""`` otherwise.
-    digest : bytes
-        SHA-256 of the blank form (32 bytes).
-
-    Returns
-    -------
-    bytes
-        ``CONTEXT || CBOR([fleet, kind, round, version, device, digest])``, deterministic encoding.
+    Each item as in ``docs/protocol.md`` ("Signatures"); ``digest`` is the blank form's SHA-256.
 
     Source: RFC 8949 §4.2.1 (deterministic encoding).
     """
@@ -555,13 +393,7 @@ def is_signed(payload: bytes) -> bool:
 
 
 def unsigned_form(payload: bytes) -> bytes:
-    """The blank form of a signed payload: its 64 signature bytes replaced by :data:`PLACEHOLDER`.
-
-    Raises
-    ------
-    DecodeError
-        ``unsigned`` if ``payload`` does not end with a 64-byte ``"signature"`` entry.
-    """
+    """The blank form of a signed payload (its signature bytes as :data:`PLACEHOLDER`); else ``unsigned``."""
     if not is_signed(payload):
         raise DecodeError(Reason.UNSIGNED, "no 64-byte signature as the message's last entry")
     return bytes(payload[:-SIGNATURE_BYTES]) + PLACEHOLDER
@@ -574,11 +406,6 @@ class _Signed:
     round: int
     version: int
     device: str
-
-
-def _signed_fields(blank: bytes, limits: Limits) -> _Signed:
-    """Read v, type, round, version and device from the blank form's headers (nothing is decoded)."""
-    return _signed_header(scan(blank, limits).header)
 
 
 def _signed_header(found: Mapping[str, int | str]) -> _Signed:
@@ -600,34 +427,18 @@ def _signed_header(found: Mapping[str, int | str]) -> _Signed:
 
 
 def sign_payload(blank: bytes, key: SigningKey, *, fleet: str) -> bytes:
-    """Sign a blank form: a message encoded with :data:`PLACEHOLDER` as its (last) signature.
+    """Sign a blank form (a message encoded with :data:`PLACEHOLDER` as its last entry) for ``fleet``.
 
-    Parameters
-    ----------
-    blank : bytes
-        E.g. ``encode_round(replace(msg, signature=PLACEHOLDER))`` (signature last).
-    key : SigningKey
-    fleet : str
-        Fleet the message is meant for.
-
-    Returns
-    -------
-    bytes
-        The message with the signature in place of the placeholder (same length as ``blank``).
-
-    Raises
-    ------
-    ValueError
-        If ``blank`` does not end with the placeholder signature, is of another schema than
-        :data:`~edgefl.wire.cbor.SCHEMA_VERSION`, is not a GlobalModel, RoundAnnouncement, Update,
-        Decline or Partial, or lacks its round or version.
+    Returns the message with the signature in place of the placeholder. ValueError if ``blank`` does
+    not end with the placeholder, is of another schema, is not a signed kind, or lacks its round or
+    version.
     """
     if not is_signed(blank) or bytes(blank[-SIGNATURE_BYTES:]) != PLACEHOLDER:
         raise ValueError(
             "the message must end with a 64-byte zero 'signature' placeholder (signature=PLACEHOLDER)"
         )
     try:
-        fields = _signed_fields(bytes(blank), NO_LIMITS)
+        fields = _signed_header(scan(bytes(blank), NO_LIMITS).header)
     except DecodeError as exc:
         raise ValueError(f"cannot sign this message: {exc}") from exc
     if fields.schema != SCHEMA_VERSION:
@@ -648,28 +459,10 @@ _M = TypeVar("_M")
 
 
 def sign_message(encode: Callable[[_M], bytes], msg: _M, key: SigningKey, *, fleet: str) -> bytes:
-    """Encode ``msg`` once with the placeholder signature and sign it: the bytes to publish.
+    """Encode ``msg`` once with the placeholder signature and sign it for ``fleet``: the bytes to publish.
 
-    Parameters
-    ----------
-    encode : callable
-        The encoder, e.g. ``encode_global_model`` or ``lambda m: encode_update(m, compressed=c)``
-        (called exactly once, so stochastic rounding is signed as sent).
-    msg : GlobalModel, RoundAnnouncement, Update or Partial
-        A dataclass with a ``signature`` field (replaced by :data:`PLACEHOLDER` before encoding).
-    key : SigningKey
-    fleet : str
-        Fleet the message is meant for (bound into the signed bytes).
-
-    Returns
-    -------
-    bytes
-        The signed payload.
-
-    Raises
-    ------
-    ValueError
-        As :func:`sign_payload` (e.g. an encoder that does not put ``"signature"`` last).
+    ``encode`` (e.g. ``encode_global_model``) is called exactly once, so stochastic rounding is signed
+    as sent; ``msg`` is a message dataclass with a ``signature`` field. ValueError as :func:`sign_payload`.
     """
     blank: Any = dataclasses.replace(msg, signature=PLACEHOLDER)  # type: ignore[type-var]
     return sign_payload(encode(blank), key, fleet=fleet)
@@ -686,32 +479,18 @@ def verify_payload(
 ) -> None:
     """Check a payload's signature against ``key`` and the context it arrived in, before decoding it.
 
-    Parameters
-    ----------
-    payload : bytes or Scanned
-        The received message, or what :func:`edgefl.wire.cbor.scan` made of it: its header values
-        are the blank form's (they differ only in the signature bytes), so it is not scanned again.
-    key : VerifyKey
-        The sender's public key (the coordinator's, or the device named by the topic).
-    fleet : str
-        This peer's fleet.
-    kind : MessageType or str
-        The type the topic carries (``global_model`` on ``global``, ``round`` on ``round``,
-        ``update`` on ``update/<device>``).
-    device : str
-        For an Update, the device its topic names (for a Partial, the site); ignored for other kinds.
-    limits : Limits
-        Bounds of the header scan (the receiver's decoding limits).
+    ``payload`` may be its :func:`~edgefl.wire.cbor.scan`; ``fleet`` is this peer's; ``kind`` the type
+    the topic carries; ``device`` the device (for a Partial, the site) the topic names, for the kinds
+    that bind a sender; ``limits`` bound the header scan.
 
     Raises
     ------
     DecodeError
-        ``unsigned`` (no 64-byte signature as the last entry, e.g. a message from an old or hostile
-        sender); ``bad_signature`` (wrong key, any byte changed, signed for another fleet, kind or
-        device, another schema than this peer's, or signed fields that cannot be read; the detail
-        says which).
+        ``unsigned`` (no 64-byte signature as the last entry); ``bad_signature`` (wrong key, a byte
+        changed, signed for another fleet, kind or device, another schema, or unreadable signed
+        fields; the detail says which).
     ValueError
-        If ``kind`` is not a signed kind, or is ``update`` (``partial``) without a ``device`` (site).
+        If ``kind`` is not signed, or binds a sender and ``device`` is empty.
     """
     expected = MessageType(kind)
     if expected not in SIGNED_KINDS:
@@ -720,11 +499,9 @@ def verify_payload(
         raise ValueError(f"verifying a {expected.value} needs the device (or site) its topic names")
     data = payload.data if isinstance(payload, Scanned) else payload
     blank = unsigned_form(data)
+    header = payload.header if isinstance(payload, Scanned) else None
     try:
-        if isinstance(payload, Scanned):
-            fields = _signed_header(payload.header)
-        else:
-            fields = _signed_fields(blank, limits)
+        fields = _signed_header(header if header is not None else scan(blank, limits).header)
     except DecodeError as exc:
         raise DecodeError(Reason.BAD_SIGNATURE, f"signed fields unreadable ({exc})") from exc
     if fields.schema != SCHEMA_VERSION:

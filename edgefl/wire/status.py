@@ -17,22 +17,8 @@ from typing import Final
 
 from edgefl.errors import DecodeError
 from edgefl.validators import check_device_id
-from edgefl.wire.cbor import (
-    DEFAULT_LIMITS,
-    INT_MAX,
-    SCHEMA_VERSION,
-    Limits,
-    MessageType,
-    check_keys,
-    dumps,
-    load_message,
-    read_device_id,
-    read_text,
-    show,
-)
+from edgefl.wire import cbor
 from edgefl.wire.reasons import Reason
-
-__all__ = ["DeviceStatus", "decode_status", "encode_status", "offline_status"]
 
 _STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 
@@ -41,16 +27,8 @@ _STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 class DeviceStatus:
     """A device's status (topic ``status/<device>``, retained; the last will is state ``offline``).
 
-    Parameters
-    ----------
-    device : str
-        Device id, matching :data:`DEVICE_ID_RE`.
-    state : str
-        Short label, ``[A-Za-z0-9_.-]{1,32}``: ``"online"``, ``"offline"``, ``"idle"``,
-        ``"training"``...
-    fields : Mapping[str, object]
-        Free-form JSON-like values (str, int, float, bool, None, list, dict with str keys): round,
-        version, rss_bytes, cap_bytes, reasons... Bounded by :class:`Limits`; floats must be finite.
+    ``state`` is a short label (``"online"``, ``"training"``...), ``fields`` free-form JSON-like
+    values with finite floats (``docs/protocol.md``, "DeviceStatus").
     """
 
     device: str
@@ -59,31 +37,14 @@ class DeviceStatus:
 
 
 def encode_status(msg: DeviceStatus) -> bytes:
-    """Encode a :class:`DeviceStatus`.
-
-    Parameters
-    ----------
-    msg : DeviceStatus
-        ``fields`` must hold plain Python JSON-like values (no numpy scalars).
-
-    Returns
-    -------
-    bytes
-        ``{"v", "type": "status", "device", "state", "fields": {...}}``.
-
-    Raises
-    ------
-    cbor2.CBOREncodeError
-        If ``fields`` holds a value cbor2 cannot encode.
-    """
-    return dumps(
+    """Encode a :class:`DeviceStatus` (plain Python values in ``fields``, else cbor2.CBOREncodeError)."""
+    return cbor.dump_message(
+        cbor.MessageType.STATUS,
         {
-            "v": SCHEMA_VERSION,
-            "type": MessageType.STATUS.value,
             "device": msg.device,
             "state": msg.state,
             "fields": dict(msg.fields),
-        }
+        },
     )
 
 
@@ -92,7 +53,7 @@ def _json_like(value: object, name: str) -> object:
     if value is None or isinstance(value, bool | str):
         return value
     if isinstance(value, int):
-        if abs(value) > INT_MAX:
+        if abs(value) > cbor.INT_MAX:
             raise DecodeError(Reason.BAD_VALUE, f"{name}: integer out of int64 range")
         return value
     if isinstance(value, float):
@@ -109,23 +70,11 @@ def _json_like(value: object, name: str) -> object:
 def _json_map(value: object, name: str) -> dict[str, object]:
     if not isinstance(value, dict):
         raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a map, got {type(value).__name__}")
-    return {str(key): _json_like(item, f"{name}.{show(str(key))}") for key, item in value.items()}
+    return {str(key): _json_like(item, f"{name}.{cbor.show(str(key))}") for key, item in value.items()}
 
 
-def decode_status(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> DeviceStatus:
-    """Decode and validate a :class:`DeviceStatus`.
-
-    Parameters
-    ----------
-    payload : bytes
-        The MQTT payload (retained ``status/<device>`` messages included).
-    limits : Limits
-        Decoding bounds; they also bound ``fields``.
-
-    Returns
-    -------
-    DeviceStatus
-        ``fields`` as a fresh dict of plain Python values (arrays as lists); ``{}`` if absent.
+def decode_status(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS) -> DeviceStatus:
+    """Decode and validate a :class:`DeviceStatus`, its ``fields`` a fresh dict of plain values (or ``{}``).
 
     Raises
     ------
@@ -133,32 +82,15 @@ def decode_status(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> DeviceS
         The reasons of ``docs/protocol.md`` ("Refusals"); ``wrong_type`` for byte strings or
         tags inside ``fields``, ``not_finite`` for NaN/infinity.
     """
-    obj = load_message(payload, limits, MessageType.STATUS)
-    check_keys(obj, "", ("v", "type", "device", "state"), ("fields",))
+    obj = cbor.load_message(payload, limits, cbor.MessageType.STATUS, ("device", "state"), ("fields",))
     return DeviceStatus(
-        device=read_device_id(obj["device"], "device"),
-        state=read_text(obj, "state", "", _STATE_RE),
+        device=cbor.read_device_id(obj["device"], "device"),
+        state=cbor.read_text(obj, "state", "", _STATE_RE),
         fields=_json_map(obj["fields"], "fields") if "fields" in obj else {},
     )
 
 
 def offline_status(device: str) -> bytes:
-    """Return the last-will payload of ``device``: a :class:`DeviceStatus` with state ``offline``.
-
-    Parameters
-    ----------
-    device : str
-        Device id.
-
-    Returns
-    -------
-    bytes
-        ``encode_status(DeviceStatus(device, "offline", {}))``.
-
-    Raises
-    ------
-    ValueError
-        If ``device`` is not a valid device id (the broker would publish it forever).
-    """
+    """The last-will payload of ``device``: its status with state ``offline``; ValueError for a bad id."""
     check_device_id(device)
     return encode_status(DeviceStatus(device=device, state="offline", fields={}))
