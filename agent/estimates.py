@@ -192,9 +192,11 @@ def estimate_train_bytes(
 ) -> int:
     """Bytes ``edgefl.agent.trainer.train_local`` may add to RSS with a given chunk size.
 
-    Reading the store (:func:`_store_read_bytes`) plus, on the first run, four ``[D, K]`` float32
-    heads alive at the peak (working copy, gradient, delta, final head); later rounds reuse the heap
-    the previous round freed. Each term is checked against a real run (``bench/memory.py``).
+    Terms, each checked against a real run (``bench/memory.py``): the float32 chunk buffer the trainer
+    reuses, the float16 gather it is read from, the labels and the chunk's slot order and shuffle; the
+    per-epoch permutation of ``num_examples``; the store's mapped pages not yet touched (file-backed,
+    reclaimable); and on the first run four ``[D, K]`` float32 heads alive at the peak (working copy,
+    gradient, delta, final head). Later rounds reuse the heap the previous round freed.
 
     Parameters
     ----------

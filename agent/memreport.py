@@ -28,6 +28,7 @@ from edgefl.agent.config import Profile
 from edgefl.agent.estimates import estimate_replay_bytes
 from edgefl.agent.governor import PHASES, Governor
 from edgefl.errors import BudgetExceeded
+from edgefl.profiles import add_set_argument, parse_sets
 
 logger = logging.getLogger(__name__)
 
@@ -403,7 +404,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "memory-report", help="run one round in-process and print the peak memory of every phase"
     )
     p.add_argument("profile", help="TOML profile (see firmware_configs/)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
+    add_set_argument(p, "memory.cap_mb=64")
     p.add_argument("--samples", type=int, default=512, help="samples classified before training")
     p.add_argument("--top", type=int, default=5, help="allocation sites per phase (default 5)")
     p.add_argument("--broker", default=None, help="mqtt://host:port to publish the update to")
@@ -419,15 +420,8 @@ def main(args: argparse.Namespace) -> int:
     from edgefl.agent.config import load_profile
     from edgefl.errors import ConfigError
 
-    overrides: dict[str, object] = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            print(f"--set {item!r}: expected key=value", file=sys.stderr)
-            return 2
-        overrides[key.strip()] = value
     try:
-        profile = load_profile(args.profile, overrides)
+        profile = load_profile(args.profile, parse_sets(args.set))
     except ConfigError as exc:
         print(f"edgefl: invalid profile {args.profile}:", file=sys.stderr)
         for problem in exc.problems:

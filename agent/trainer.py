@@ -22,6 +22,7 @@ from edgefl.head import (
 from edgefl.types import F32, I64
 
 _GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
+_TOP: Final = np.uint64(1 << 63)
 _MIX1: Final = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2: Final = np.uint64(0x94D049BB133111EB)
 
@@ -56,8 +57,13 @@ class Shuffler:
         order: I64 = np.argsort(self.keys(n)).astype(np.int64, copy=False)
         return order
 
-    def keys(self, n: int) -> np.ndarray:
-        """Return uint64 [n]: the next ``n`` SplitMix64 outputs (distinct); ranking them is a permutation.
+    def keys(self, n: int) -> I64:
+        """Return int64 [n]: the next ``n`` SplitMix64 outputs (distinct); ranking them is a permutation.
+
+        Each output has its top bit flipped and is viewed as int64, which ranks exactly as the uint64
+        outputs do: numpy's argsort of uint64 (its x86 SIMD path) keeps malloc'ed memory it never
+        frees, growing with the lengths sorted (~70 bytes a stored sample while a store fills, on
+        numpy 2.4), where the int64 path keeps none.
 
         ``argsort`` of consecutive slices of one ``keys(a + b)`` call gives exactly the permutations
         ``permutation(a)`` then ``permutation(b)`` would (the generator is counter-based and the keys
@@ -72,7 +78,8 @@ class Shuffler:
         z ^= z >> np.uint64(27)
         z *= _MIX2
         z ^= z >> np.uint64(31)
-        return z
+        z ^= _TOP  # the order of the uint64 outputs, as int64 (see above)
+        return z.view(np.int64)
 
 
 @dataclass(frozen=True, slots=True)

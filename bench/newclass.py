@@ -29,9 +29,9 @@ Candidates (:func:`candidates`), each after the shipped per-update norm bound
 (``robustness.adaptive_factor`` x the fleet's history of median norms; ``outer`` in the table when a
 row changes that factor):
 
-* ``trimmed-mean`` (the shipped default), ``median``: Yin et al. 2018 (ICML), Definitions 1-2.
+* ``median`` (the shipped default), ``trimmed-mean``: Yin et al. 2018 (ICML), Definitions 1-2.
 * ``fedavg xF``: the norm-bounded mean, bound F x the fleet's history of median norms: Sun et al.
-  2019, "Can You Really Backdoor Federated Learning?" (norm difference clipping); F = 1.5 shipped.
+  2019, "Can You Really Backdoor Federated Learning?" (norm difference clipping); F = 1 shipped.
 * ``cc-trimmed``: centered clipping around the round's trimmed mean, ``c + mean_i clip(x_i - c,
   tau)``; ``cc-momentum``: centered clipping around the previous aggregate with server momentum
   beta (``v <- beta v; v <- v + mean_i clip(x_i - v, tau)``): Karimireddy, He, Jaggi 2021,
@@ -371,9 +371,9 @@ def candidates(sets: Mapping[str, object] | None = None) -> list[Rule]:
     yin, sun = "Yin et al. 2018", "Sun et al. 2019"
     cc = "Karimireddy et al. 2021"
     return [
-        Rule("trimmed-mean (default)", yin, shipped_factory("trimmed-mean", sets)),
-        Rule("median", yin, shipped_factory("median", sets)),
-        Rule("fedavg x1.5", sun, shipped_factory("fedavg", sets)),
+        Rule("median (default)", yin, shipped_factory("median", sets)),
+        Rule("trimmed-mean", yin, shipped_factory("trimmed-mean", sets)),
+        Rule("fedavg x1", sun, shipped_factory("fedavg", sets)),
         Rule("fedavg x3", sun, shipped_factory("fedavg", sets, **{"robustness.adaptive_factor": 3.0})),
         Rule("fedavg x6", sun, shipped_factory("fedavg", sets, **{"robustness.adaptive_factor": 6.0})),
         Rule("fedavg x20", sun, shipped_factory("fedavg", sets, **{"robustness.adaptive_factor": 20.0})),

@@ -24,10 +24,15 @@ of its real delta (W and b as one vector):
   ``p = -mu / ||mu||`` (inverse unit vector) and the largest ``gamma`` whose distance to every benign
   update is at most the largest distance between two benign updates (bisection).
 
-Run: ``.venv/bin/python -m bench.poison --json out/poison.json`` (prints a markdown table).
+Run: ``.venv/bin/python -m bench.poison --json out/poison.json`` (prints markdown tables);
+``--seeds 0 1 2 3 4 5`` runs every seed (partition and order of answering) in turn.
 Writes ``{"profile": "shipped", "clean": {STRATEGY: accuracy}, "attacks": [{"strategy", "attack",
 "final_accuracy", "clipped", "refused", "min_clients_seen", "abandoned"}], "min_clients_seen",
-"default_strategy", "seed"}``; ``min_clients_seen`` is the fewest updates any aggregated round had.
+"default_strategy", "seed"}`` for the first seed; ``min_clients_seen`` is the fewest updates any
+aggregated round had. With ``--seeds``, also ``"seeds": [SEED, ...]``, ``"per_seed": [{"seed",
+"clean", "attacks", "min_clients_seen"}]`` (each as the top level's) and ``"worst_loss": {STRATEGY:
+{SEED: loss}}`` (the largest ``clean - final_accuracy`` over the attacks, negative when every
+attack ended above the clean run).
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ from edgefl.wire.compression import Compression
 
 N_DEVICES = 5
 ATTACKER = 0
-STRATEGIES = ("trimmed-mean", "median", "fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi")
+STRATEGIES = ("median", "trimmed-mean", "fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi")
 """Rows of the table: the shipped default first, then the FedAvg family with their default bounds."""
 
 Attack = Callable[[F32, Sequence[F32]], F32]
@@ -311,8 +316,30 @@ def run_all(seed: int = 0, strategies: Sequence[str] = STRATEGIES) -> dict[str, 
     }
 
 
+def worst_loss(doc: dict[str, Any]) -> dict[str, float]:
+    """Per strategy, the largest ``clean - final_accuracy`` over the attacks of one seed's result."""
+    return {
+        n: max(c - x["final_accuracy"] for x in doc["attacks"] if x["strategy"] == n)
+        for n, c in doc["clean"].items()
+    }
+
+
+def run_seeds(seeds: Sequence[int], strategies: Sequence[str] = STRATEGIES) -> dict[str, Any]:
+    """:func:`run_all` for every seed: the first seed's result at the top level, every seed's beside it."""
+    if not seeds:
+        raise ValueError("run_seeds: no seed")
+    runs = [run_all(s, strategies) for s in seeds]
+    doc = dict(runs[0])
+    doc["seeds"] = list(seeds)
+    doc["per_seed"] = [{k: r[k] for k in ("seed", "clean", "attacks", "min_clients_seen")} for r in runs]
+    doc["worst_loss"] = {n: {str(r["seed"]): worst_loss(r)[n] for r in runs} for n in runs[0]["clean"]}
+    doc["min_clients_seen"] = min(r["min_clients_seen"] for r in runs)
+    return doc
+
+
 def markdown(doc: dict[str, Any]) -> str:
-    """The result as a markdown table: strategy x attack, final accuracy (difference to clean)."""
+    """The result as markdown: strategy x attack, final accuracy (difference to clean) of the first
+    seed, and with several seeds the worst loss of every strategy on each."""
     names = list(doc["clean"])
     lines = ["| strategy | clean | " + " | ".join(ATTACKS) + " |", "|---|---:|" + "---:|" * len(ATTACKS)]
     for n in names:
@@ -323,19 +350,33 @@ def markdown(doc: dict[str, Any]) -> str:
             cells.append(f"{acc:.3f} ({acc - c:+.3f})")
         star = " (default)" if n == doc["default_strategy"] else ""
         lines.append(f"| {n}{star} | {c:.3f} | " + " | ".join(cells) + " |")
+    if len(doc.get("seeds", [])) > 1:
+        seeds = [str(s) for s in doc["seeds"]]
+        lines += [
+            "",
+            "| worst loss | " + " | ".join(f"seed {s}" for s in seeds) + " | worst | clean (mean) |",
+        ]
+        lines.append("|---|" + "---:|" * (len(seeds) + 2))
+        for n in names:
+            loss = doc["worst_loss"][n]
+            clean = sum(r["clean"][n] for r in doc["per_seed"]) / len(doc["per_seed"])
+            cells = [f"{loss[s]:.3f}" for s in seeds]
+            lines.append(f"| {n} | " + " | ".join(cells) + f" | {max(loss.values()):.3f} | {clean:.3f} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``python -m bench.poison [--json PATH] [--seed N] [--strategy NAME ...]``."""
+    """Command line: ``python -m bench.poison [--json PATH] [--seed N | --seeds N ...] [--strategy S]``."""
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="several seeds (replaces --seed)")
     p.add_argument("--strategy", action="append", choices=STRATEGIES, help="only these (repeatable)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("edgefl").setLevel(logging.WARNING)  # the device cores log every head applied
-    doc = run_all(args.seed, tuple(args.strategy) if args.strategy else STRATEGIES)
+    strategies = tuple(args.strategy) if args.strategy else STRATEGIES
+    doc = run_seeds(args.seeds, strategies) if args.seeds else run_all(args.seed, strategies)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1))

@@ -34,18 +34,23 @@ What is measured (the JSON, ``--json PATH``):
 - ``new_classes``: ``introduced_round``, ``rounds_to_learn`` (rounds until the global head's accuracy on
   test samples of the new classes reaches 0.8; null if never), ``accuracy_on_new`` (20 rounds after the
   introduction, or at the end).
-- ``rss_growth_mib_per_hour``: anonymous RSS (``RssAnon``: heap, stacks, the interpreter's own
-  memory) sampled every 5 s from ``/proc``; the least-squares slope pooled over every process lifetime
-  of that role (each lifetime's first 60 s left out as warm-up, each its own intercept), MiB per hour:
-  ``agents_max`` (the worst agent) and ``coordinator``. A leak shows there. The slope is fitted to each
-  lifetime's resting level, the lowest sample of every 30 s: a round's transient peak (training,
-  aggregation), freed within seconds, is not growth. ``rss_total_growth_mib_per_hour`` is the same of
-  ``VmRSS``, which also counts the file-backed pages of the agents' memory-mapped stores: those grow
-  with every sample stored until the ring is full (``training.store_capacity`` rows), by design.
-  ``rss_settled_growth_mib_per_hour``: the same slope over lifetimes' parts older than 10 minutes
-  (null for a role no lifetime of which lived that long): an allocator's high-water marks and bounded
-  tables filling take minutes to settle, and the faults cut most lifetimes short of that.
-  ``rss_lifetimes``: per role, the lifetimes measured and the longest one (minutes).
+- ``rss_growth_mib_per_hour``: growth in the steady state of a process that lives long, MiB per hour:
+  ``agents_max`` (the worst agent) and ``coordinator``. Measured on anonymous RSS (``RssAnon``: heap,
+  stacks, the interpreter's own memory; a leak shows there), sampled every 5 s from ``/proc``; each
+  lifetime's resting level (the lowest sample of every 30 s: a round's transient peak, freed within
+  seconds, is not growth) after its first :data:`STEADY_WARMUP_S` (imports, the first rounds,
+  the allocators' high-water marks), least-squares slope pooled over the lifetimes of that role
+  that were measured for at least :data:`STEADY_MIN_S` after it (each its own intercept). A process
+  killed within minutes has no steady state: its slope would be its warm-up. So one agent (the last
+  device, ``--witness-agents``) is never killed, and the others take every agent kill; the
+  coordinator's figure needs a run with ``--coordinator-kills 0`` (null when no lifetime of the role
+  lived long enough). ``rss_growth_method`` states these settings and which lifetimes counted.
+  ``rss_total_growth_mib_per_hour`` is the same of ``VmRSS``, which also counts the file-backed pages
+  of the agents' memory-mapped stores: those grow with every sample stored until the ring is full
+  (``training.store_capacity`` rows), by design. ``rss_warmup_growth_mib_per_hour``: the slope pooled
+  over every lifetime after its first 60 s, warm-up included (what a fleet restarted every few minutes
+  shows; not growth). ``rss_lifetimes``: per role, the lifetimes measured, those long enough for the
+  steady state, and the longest one (minutes).
 - ``second_coordinator_refused``: every second coordinator exited 6 and the first kept running.
 
 Run: ``python -m bench.soak --minutes 8 --devices 5 --json out/soak.json``; docs/benchmarks.md
@@ -92,7 +97,10 @@ COORDINATOR_PROFILE = ROOT / "firmware_configs" / "coordinator.toml"
 NEW_CLASSES = (8, 9)
 EXIT_ANOTHER_COORDINATOR = 6
 WARMUP_S = 60.0
-SETTLED_S = 600.0
+STEADY_WARMUP_S = 300.0
+"""Seconds of a lifetime left out of the steady-state RSS slope (module docstring)."""
+STEADY_MIN_S = 900.0
+"""Seconds a lifetime must be measured after :data:`STEADY_WARMUP_S` to count in the steady-state slope."""
 REST_WINDOW_S = 30.0
 IN_FLIGHT_S = 0.3
 
@@ -195,6 +203,10 @@ class Soak:
         self.broker = Broker(workdir, self.port)
         self.url = f"mqtt://127.0.0.1:{self.port}"
         self.devices = [f"dev-{k + 1}" for k in range(args.devices)]
+        # never killed: their lifetimes give the agents' steady-state RSS (the last devices; not the first,
+        # which sees the new classes)
+        n_witness = min(int(getattr(args, "witness_agents", 1)), max(0, len(self.devices) - 1))
+        self.witnesses = self.devices[len(self.devices) - n_witness :] if n_witness else []
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.coordinator: subprocess.Popen[bytes] | None = None
         self.lifetimes: dict[str, list[Lifetime]] = {}
@@ -509,7 +521,8 @@ class Soak:
     async def fault(self, kind: str) -> None:
         """Carry out one planned fault."""
         if kind == "agent":
-            up = [d for d in self.devices if self.feeds[d].up] or self.devices
+            killable = [d for d in self.devices if d not in self.witnesses] or self.devices
+            up = [d for d in killable if self.feeds[d].up] or killable
             dev = self.rng.choice(up)
             self.kill_agent(dev)
             await asyncio.sleep(self.rng.uniform(0.5, 3.0))
@@ -572,12 +585,12 @@ class Soak:
             if at:
                 new["accuracy_on_new"] = round(at[-1][2], 4)
             new["accuracy_on_new_by_round"] = [[h[0], round(h[2], 3)] for h in after[::5]]
-        agent_growth = [_growth_mib_per_hour(self.lifetimes.get(d, [])) for d in self.devices]
-        agent_total = [_growth_mib_per_hour(self.lifetimes.get(d, []), total=True) for d in self.devices]
-        agent_settled = [
-            _growth_mib_per_hour(self.lifetimes.get(d, []), warmup_s=SETTLED_S) for d in self.devices
-        ]
-        agent_lives = [life for d in self.devices for life in self.lifetimes.get(d, [])]
+
+        def worst(values: list[float | None]) -> float | None:
+            return max((g for g in values if g is not None), default=None)
+
+        agent_lives = {d: self.lifetimes.get(d, []) for d in self.devices}
+        coordinator_lives = self.lifetimes.get("coordinator", [])
         second_ok = bool(self.second) and all(
             s["exit"] == EXIT_ANOTHER_COORDINATOR
             and s["first_alive"]
@@ -607,22 +620,35 @@ class Soak:
             "new_classes": new,
             "final_accuracy": round(self.heads[-1][3], 4) if self.heads else None,
             "rss_growth_mib_per_hour": {
-                "agents_max": max((g for g in agent_growth if g is not None), default=None),
-                "coordinator": _growth_mib_per_hour(self.lifetimes.get("coordinator", [])),
+                "agents_max": worst([_steady_growth(lives) for lives in agent_lives.values()]),
+                "coordinator": _steady_growth(coordinator_lives),
             },
-            "rss_total_growth_mib_per_hour": {
-                "agents_max": max((g for g in agent_total if g is not None), default=None),
-                "coordinator": _growth_mib_per_hour(self.lifetimes.get("coordinator", []), total=True),
-            },
-            "rss_settled_growth_mib_per_hour": {
-                "agents_max": max((g for g in agent_settled if g is not None), default=None),
-                "coordinator": _growth_mib_per_hour(
-                    self.lifetimes.get("coordinator", []), warmup_s=SETTLED_S
+            "rss_growth_method": {
+                "measure": "RssAnon, lowest sample of every 30 s",
+                "warmup_s": STEADY_WARMUP_S,
+                "min_steady_s": STEADY_MIN_S,
+                "witness_agents": self.witnesses,
+                "agents_counted": sorted(
+                    f"{d}#{k}"
+                    for d, lives in agent_lives.items()
+                    for k, life in enumerate(lives)
+                    if _steady_growth([life]) is not None
+                ),
+                "coordinator_counted": sum(
+                    1 for life in coordinator_lives if _steady_growth([life]) is not None
                 ),
             },
+            "rss_total_growth_mib_per_hour": {
+                "agents_max": worst([_steady_growth(lives, total=True) for lives in agent_lives.values()]),
+                "coordinator": _steady_growth(coordinator_lives, total=True),
+            },
+            "rss_warmup_growth_mib_per_hour": {
+                "agents_max": worst([_growth_mib_per_hour(lives) for lives in agent_lives.values()]),
+                "coordinator": _growth_mib_per_hour(coordinator_lives),
+            },
             "rss_lifetimes": {
-                "agents": _lives_summary(agent_lives),
-                "coordinator": _lives_summary(self.lifetimes.get("coordinator", [])),
+                "agents": _lives_summary([life for lives in agent_lives.values() for life in lives]),
+                "coordinator": _lives_summary(coordinator_lives),
             },
             "second_coordinator_refused": second_ok,
             "second_coordinators": self.second,
@@ -672,21 +698,28 @@ def _resting(pts: list[tuple[float, int]], window_s: float = REST_WINDOW_S) -> l
 
 
 def _lives_summary(lives: list[Lifetime]) -> dict[str, Any]:
-    """How many lifetimes were measured and the longest one (minutes, from the first to the last sample)."""
+    """Lifetimes measured, those measured long enough for the steady-state slope, and the longest one
+    (minutes, from the start to the last sample)."""
     spans = [life.rss[-1][0] - life.started for life in lives if life.rss]
-    return {"measured": len(spans), "longest_minutes": round(max(spans, default=0.0) / 60, 1)}
+    return {
+        "measured": len(spans),
+        "steady": sum(1 for s in spans if s >= STEADY_WARMUP_S + STEADY_MIN_S),
+        "longest_minutes": round(max(spans, default=0.0) / 60, 1),
+    }
 
 
 def _growth_mib_per_hour(
-    lives: list[Lifetime], *, total: bool = False, warmup_s: float = WARMUP_S
+    lives: list[Lifetime], *, total: bool = False, warmup_s: float = WARMUP_S, min_span_s: float = 0.0
 ) -> float | None:
     """Least-squares slope of the resting RSS pooled over lifetimes (each its own intercept), after
-    ``warmup_s`` of each; MiB/h (None without enough samples)."""
+    ``warmup_s`` of each, over the lifetimes measured for at least ``min_span_s`` after it; MiB/h (None
+    without enough samples)."""
     sxx = sxy = 0.0
     for life in lives:
-        pts = _resting(
-            [(t, r) for t, r in (life.total if total else life.rss) if t - life.started >= warmup_s]
-        )
+        kept = [(t, r) for t, r in (life.total if total else life.rss) if t - life.started >= warmup_s]
+        if not kept or kept[-1][0] - life.started < warmup_s + min_span_s:
+            continue
+        pts = _resting(kept)
         if len(pts) < 3:
             continue
         t = np.array([p[0] for p in pts])
@@ -697,6 +730,11 @@ def _growth_mib_per_hour(
     if sxx == 0:
         return None
     return round(sxy / sxx * 3600 / 2**20, 3)
+
+
+def _steady_growth(lives: list[Lifetime], *, total: bool = False) -> float | None:
+    """:func:`_growth_mib_per_hour` over the steady state (:data:`STEADY_WARMUP_S`, :data:`STEADY_MIN_S`)."""
+    return _growth_mib_per_hour(lives, total=total, warmup_s=STEADY_WARMUP_S, min_span_s=STEADY_MIN_S)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -714,6 +752,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agent-kills", type=int, default=None, help="default: one every two minutes")
     p.add_argument("--coordinator-kills", type=int, default=None, help="default: one every two minutes")
     p.add_argument("--broker-kills", type=int, default=None, help="default: one every two minutes")
+    p.add_argument(
+        "--witness-agents",
+        type=int,
+        default=1,
+        help="agents never killed (the last devices): their steady-state RSS (default 1)",
+    )
     p.add_argument("--workdir", type=Path, default=None, help="keep the run's files here")
     p.add_argument(
         "--coordinator-set",

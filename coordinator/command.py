@@ -39,6 +39,7 @@ from edgefl.coordinator.runner import (
     strategy_problems,
 )
 from edgefl.errors import ConfigError, ModelError, TransportError
+from edgefl.profiles import add_set_argument, parse_sets
 
 logger = logging.getLogger(__name__)
 
@@ -122,13 +123,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=str(shipped("firmware_configs/coordinator.toml")),
         help="coordinator TOML profile (default: %(default)s)",
     )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a profile key, e.g. --set rounds.count=20 (repeatable)",
-    )
+    add_set_argument(p, "rounds.count=20")
     for flag, key in FLAG_KEYS.items():
         what = FLAG_MEANING.get(flag, "")
         p.add_argument(
@@ -149,15 +144,7 @@ def overrides_from(args: argparse.Namespace) -> dict[str, object]:
     ConfigError
         If a ``--set`` item is not ``key=value``.
     """
-    out: dict[str, object] = {}
-    bad = []
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            bad.append(f"--set {item!r}: expected key=value")
-        out[key.strip()] = value
-    if bad:
-        raise ConfigError(bad)
+    out = parse_sets(args.set)
     for flag, key in FLAG_KEYS.items():
         value = getattr(args, flag, None)
         if value is not None:

@@ -31,6 +31,7 @@ from edgefl.coordinator.rounds import Round, RoundPhase
 from edgefl.coordinator.service import ADOPT_WAIT_S, Coordinator
 from edgefl.coordinator.strategy import SiteSums
 from edgefl.errors import DecodeError, UpdateRejected
+from edgefl.idtable import IdTable
 from edgefl.mqtt_link import Message
 from edgefl.records import read_record, write_record
 from edgefl.wire.cbor import MessageType, scan
@@ -84,6 +85,7 @@ class RootCoordinator(Coordinator):
         self.site_devices = site_devices or MAX_PARTIAL_UPDATES
         self.strategy.bound_site_weights()
         self.max_seen_update_ids = ROOT_SEEN_UPDATE_IDS
+        self._seen_update_ids = IdTable(ROOT_SEEN_UPDATE_IDS, values=False)
         self._seen_partials: dict[tuple[str, int, str], None] = {}
         self.partials_received = 0
         self.partial_bytes = 0

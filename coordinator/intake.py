@@ -25,6 +25,7 @@ from edgefl.coordinator.rounds import Round, RoundPhase
 from edgefl.coordinator.strategy import Offer, Strategy
 from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.head import validate_head
+from edgefl.idtable import IdTable
 from edgefl.mqtt_link import Message
 from edgefl.records import read_record, write_record
 from edgefl.topics import Topics
@@ -44,10 +45,15 @@ HELD_UPDATES = 64
 """Updates held while a buffered step is published, offered to the next step (more are refused)."""
 
 SEEN_UPDATE_IDS = 4096
-"""Accepted update and decline ids remembered across rounds (a FedBuff step accepts earlier rounds')."""
+"""Accepted update and decline ids remembered across rounds (a FedBuff step accepts earlier rounds'),
+as 64-bit hashes in a fixed ring (:class:`edgefl.idtable.IdTable`, 32 KiB however long it runs)."""
 
 EARLY_UPDATES_MAX = 4096
 """Updates held for the next round before it opens (see ``Intake._early``)."""
+
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RoundRecord))
+"""A :class:`RoundRecord`'s fields in order (a state file's history row); read directly, not through
+``dataclasses.astuple``, whose deep copy makes a tuple per record every time the rows are rebuilt."""
 
 PERSIST_EVERY = 32
 """With a state file, the open round is written at least every this many messages (:meth:`Intake.pump`)."""
@@ -157,8 +163,7 @@ class Intake:
         )
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
-        self._seen_update_ids: dict[str, None] = {}  # insertion-ordered, bounded: see _remember
-        self.max_seen_update_ids = SEEN_UPDATE_IDS
+        self._seen_update_ids = IdTable(SEEN_UPDATE_IDS, values=False)  # fixed memory: see _remember
         self._held: list[tuple[Update, int]] = []  # arrived while a buffered step was being published
         self._adopting = False
         self._adopt_round_seen = asyncio.Event()
@@ -220,6 +225,8 @@ class Intake:
             if self.on_lease_message is not None:
                 self.on_lease_message(msg)
             return
+        if msg.topic == self.topics.coordinator_holder:
+            return  # read by a lease probe; one left unacknowledged in our session comes back here
         device = self.topics.device_of(msg.topic)
         try:
             if device is None and self._is_own_topic(msg.topic):
@@ -424,9 +431,7 @@ class Intake:
         self._unfolded.pop(update.update_id, None)
 
     def _remember(self, update_id: str) -> None:
-        self._seen_update_ids[update_id] = None
-        while len(self._seen_update_ids) > self.max_seen_update_ids:
-            del self._seen_update_ids[next(iter(self._seen_update_ids))]
+        self._seen_update_ids.add(update_id)
 
     def _is_own_topic(self, topic: str) -> bool:
         base = self.topics.global_model
@@ -518,7 +523,7 @@ class Intake:
         cached = self._history_doc
         if cached is not None and cached[0][:2] == (first, last) and cached[0][2] == len(history):
             return cached[1]
-        rows = [list(dataclasses.astuple(h)) for h in history]
+        rows = [[getattr(h, name) for name in _RECORD_FIELDS] for h in history]
         self._history_doc = ((first, last, len(history)), rows)
         return rows
 

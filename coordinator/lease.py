@@ -23,7 +23,12 @@ of its own and reads the retained presence:
 
 Each coordinator with a state file records its instance beside it (``<state>.instance``, a checksummed
 record naming the host and the state file) once it has taken the lease, so a restart after a crash
-knows its own debris from another coordinator's live lease.
+knows its own debris from another coordinator's live lease. With a broker that names clients after
+their account (``use_username_as_clientid``) the probe takes the account's session, whose last will
+has cleared the lease by the time the probe reads it: the holder topic (``coordinator/holder``, the
+Presence of the coordinator that last took the lease, retained, never cleared) then tells whose
+session it was. It names this state file's previous instance: that session was its own, taken over
+at once; else the probe waits for a live holder's presence as before.
 
 A holder that later sees a live presence of another instance (two coordinators that probed at the
 same moment, or one that took the fleet while this one was cut off from the broker) keeps the
@@ -168,6 +173,7 @@ async def probe_lease(
     fleet_where: str,
     connected: Callable[[MqttTransport], Awaitable[None]],
     previous: str | None = None,
+    holder_topic: str | None = None,
 ) -> Presence | None:
     """Read the fleet's lease through ``transport`` (a client id of its own, clean session); publish nothing.
 
@@ -186,7 +192,10 @@ async def probe_lease(
         be reached or refuses the credentials.
     previous : str or None
         This state file's previous instance (:func:`previous_instance`): a presence naming it is
-        taken over at once (its holder is gone), with an INFO line.
+        taken over at once (its holder is gone), with an INFO line; so is the account's session
+        (``use_username_as_clientid``) when ``holder_topic`` names it as the lease's last holder.
+    holder_topic : str or None
+        ``Topics.coordinator_holder``.
 
     Returns
     -------
@@ -208,6 +217,15 @@ async def probe_lease(
         # will cleared the lease). Nothing taken here is acknowledged (ack_on_commit, no commit), so
         # that session keeps its messages; a live holder reconnects and republishes its presence.
         renamed = transport.session_present
+        if renamed and previous is not None and holder_topic is not None:
+            last = await _retained_presence(transport, holder_topic)
+            if last is not None and last.instance == previous:
+                logger.info(
+                    "the broker gave the lease probe the session of %s, this state file's previous "
+                    "coordinator (gone: its state file's lock is ours): taken over",
+                    describe(last),
+                )
+                return None
         if renamed:
             logger.warning(
                 "the broker gave the lease probe an existing session (it names clients after their "
@@ -220,8 +238,8 @@ async def probe_lease(
             return None
         if previous is not None and first.instance == previous:
             logger.info(
-                "the fleet's lease names %s, this state file's previous coordinator (it did not stop "
-                "cleanly; the broker has not cleared its lease yet): taken over",
+                "the fleet's lease names %s, this state file's previous coordinator (gone: its state "
+                "file's lock is ours; the broker has not cleared its lease yet): taken over",
                 describe(first),
             )
             return first
@@ -243,6 +261,23 @@ async def probe_lease(
             with contextlib.suppress(TransportError):
                 await transport.unsubscribe(topic)
         await transport.stop()
+
+
+async def _retained_presence(transport: MqttTransport, topic: str) -> Presence | None:
+    """The retained presence on ``topic`` (None: none within :data:`PROBE_RETAINED_WAIT_S`), unsubscribed.
+
+    A subscription the broker refuses (an ACL without the topic) is None too: the caller waits instead.
+    """
+    try:
+        await transport.subscribe(topic, 1)
+    except TransportError as exc:
+        logger.info("lease holder topic %s not readable (%s): the lease is checked by waiting", topic, exc)
+        return None
+    try:
+        return await _next_presence(transport, topic, PROBE_RETAINED_WAIT_S)
+    finally:
+        with contextlib.suppress(TransportError):
+            await transport.unsubscribe(topic)
 
 
 async def _next_presence(transport: MqttTransport, topic: str, timeout_s: float) -> Presence | None:
@@ -276,13 +311,23 @@ class Lease:
         This process's instance id (:func:`new_instance`).
     heartbeat_s : float
         Seconds between two republishes.
+    holder_topic : str or None
+        ``Topics.coordinator_holder``: the presence is also kept there (retained, no will clears it)
+        after each connect.
     """
 
     def __init__(
-        self, transport: MqttTransport, topic: str, instance: str, heartbeat_s: float = LEASE_HEARTBEAT_S
+        self,
+        transport: MqttTransport,
+        topic: str,
+        instance: str,
+        heartbeat_s: float = LEASE_HEARTBEAT_S,
+        holder_topic: str | None = None,
     ) -> None:
         self.transport = transport
         self.topic = topic
+        self.holder_topic = holder_topic
+        self._holder_due = holder_topic is not None
         self.presence = Presence(
             instance=instance,
             host=_host(),
@@ -304,6 +349,7 @@ class Lease:
 
     def on_connect(self) -> None:
         """Republish the presence at once after a (re)connect (the will may have cleared it)."""
+        self._holder_due = self.holder_topic is not None  # the broker may have lost it
         self._kick.set()
 
     async def hold(self) -> None:
@@ -317,6 +363,14 @@ class Lease:
                     )
                 except TransportError as exc:
                     logger.debug("lease heartbeat not published: %s", exc)
+                if self._holder_due and self.holder_topic is not None:
+                    try:  # who took the lease last: a restart after a crash knows its own session by it
+                        await self.transport.publish(
+                            self.holder_topic, encode_presence(self.presence), qos=1, retain=True
+                        )
+                        self._holder_due = False
+                    except TransportError as exc:
+                        logger.debug("lease holder not published: %s", exc)
             self._kick.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), self.presence.heartbeat_s)

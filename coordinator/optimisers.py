@@ -1,9 +1,9 @@
 """Server optimisers of the FedAvg family: momentum (FedAvgM) and adaptive steps (FedAdam, FedYogi), bounded.
 
 Each treats the round's weighted-mean delta as a pseudo-gradient and changes only FedAvg's server
-step (``FedAvg.step``); the step is bounded (the momentum step's norm by ``clip_step``, the adaptive
-step per coordinate by ``bound_coordinates``) so a clipped hostile direction is neither carried
-nor amplified round after round. The maths is in pure numpy functions.
+step (``FedAvg.step``); the step is bounded per coordinate by ``bound_coordinates`` (at most
+``COORDINATE_FACTOR`` x the round's mean delta there) so a clipped hostile direction is neither
+carried nor amplified round after round. The maths is in pure numpy functions.
 """
 
 from __future__ import annotations
@@ -15,6 +15,19 @@ import numpy as np
 from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.normbound import clip_factor, scale_delta, update_norm
 from edgefl.types import F32
+
+COORDINATE_FACTOR = 2.0
+"""How many FedAvg steps a momentum or adaptive server step may take in any coordinate.
+
+``bound_coordinates(step, mean_delta, COORDINATE_FACTOR)``: where a round's updates cancel (a
+norm-bounded hostile update opposing the honest ones there) the server step is as short as FedAvg's,
+so neither momentum nor Adam's small second moment carries or amplifies that direction; elsewhere
+the step keeps up to twice FedAvg's (momentum's ``1 / (1 - beta)`` and Adam's damping of large
+coordinates act within it). The step's norm is then at most twice the round's mean delta's, itself
+within the per-update norm bound. Measured with ``bench/poison.py`` over six partitions
+(docs/benchmarks.md, "Poisoning"): FedAvgM's worst loss under attack 0.04 (0.10 with its buffer's
+norm clipped to a quarter of the bound instead), FedAdam's and FedYogi's about half of their
+unbounded steps'; the clean runs gain a little."""
 
 
 def server_momentum(momentum: F32 | None, mean_delta: F32, beta: float) -> F32:
@@ -176,7 +189,10 @@ def clip_step(step_W: F32, step_b: F32, bound: float) -> tuple[F32, F32]:
 
 
 class FedAvgM(FedAvg):
-    """FedAvg with server momentum: ``v = beta v + mean(delta)``, ``W += server_lr * v``.
+    """FedAvg with server momentum: ``v = beta v + mean(delta)``, ``W += server_lr * v``, bounded.
+
+    The buffer is bounded per coordinate by ``bound_coordinates`` (``COORDINATE_FACTOR`` x the
+    round's mean delta) and kept bounded, so a direction the round does not support fades at once.
 
     Parameters
     ----------
@@ -185,23 +201,11 @@ class FedAvgM(FedAvg):
     **kwargs
         As ``Strategy`` (``server_lr`` defaults to 1.0).
 
-    Source: Hsu et al. 2019 (FedAvgM).
+    Source: Hsu et al. 2019 (FedAvgM); the per-coordinate bound as AdaBound (Luo et al. 2019), see
+    ``bound_coordinates``.
     """
 
     name = "fedavgm"
-
-    step_factor = 0.25
-    """The momentum step's bound in units of the round's per-update norm bound.
-
-    The mean of a round's norm-bounded updates from non-IID devices is far shorter than the bound
-    (their directions differ): in the clean runs of ``bench/poison.py`` the FedAvg step is about a
-    quarter of it. A longer momentum step carries more than a round's mean, which is what a
-    persistent hostile direction builds up (measured with that bench: docs/benchmarks.md,
-    "Poisoning"; a smaller factor slows the clean runs more than it helps)."""
-
-    def step_bound(self) -> float:
-        """Bound on the momentum step: ``step_factor x`` the round's per-update norm bound."""
-        return self.step_factor * self._last_bound
 
     def __init__(self, *, server_momentum: float = 0.9, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -213,7 +217,8 @@ class FedAvgM(FedAvg):
         """Fold the round's mean delta into the momentum buffers and step the head along them."""
         vW = server_momentum(self.server_state.get("v_W"), mean_dW, self.beta)
         vb = server_momentum(self.server_state.get("v_b"), mean_db, self.beta)
-        vW, vb = clip_step(vW, vb, self.step_bound())  # the buffer itself: a clipped direction fades
+        vW = bound_coordinates(vW, mean_dW, COORDINATE_FACTOR)  # the buffer itself: an
+        vb = bound_coordinates(vb, mean_db, COORDINATE_FACTOR)  # unsupported direction fades
         self.server_state["v_W"], self.server_state["v_b"] = vW, vb
         eta = np.float32(self.server_lr)
         return (W + eta * vW).astype(np.float32), (b + eta * vb).astype(np.float32)
@@ -238,19 +243,16 @@ class FedAdam(FedAvg):
 
     name = "fedadam"
 
-    coordinate_factor = 2.0
+    coordinate_factor = COORDINATE_FACTOR
     """How many FedAvg steps the adaptive step may take in any coordinate (``bound_coordinates``).
 
     Without it the step is nearly ``eta sign(m)`` in every coordinate in the first rounds (``v``
     starts at ``tau^2`` and gains ``(1 - beta2) d^2`` a round): coordinates where the round's
     updates cancel move as far as any, in the direction of a norm-bounded hostile update that
     outweighs the honest ones there, and the second moment, which that round raised, slows the
-    way back. Twice, measured with ``bench/poison.py`` over six seeds (docs/benchmarks.md,
-    "Poisoning"): the worst loss under attack falls by about half, the clean runs gain a little.
-    The bound keeps adaptivity's damping of large coordinates, not its amplification of small
-    ones; where it binds in every coordinate FedAdam and FedYogi take the same step (their first
-    moments are the same), as in ``bench/learning.py`` (40 rounds: within -0.2 to +1.5 points of
-    the unbounded step's accuracy)."""
+    way back. Where the bound binds in every coordinate FedAdam and FedYogi take the same step
+    (their first moments are the same), as in ``bench/learning.py`` (40 rounds: within -0.2 to
+    +1.5 points of the unbounded step's accuracy)."""
 
     def __init__(
         self,

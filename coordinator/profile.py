@@ -124,7 +124,7 @@ class StrategyConfig:
 
     name: Literal[
         "fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "median", "trimmed-mean", "fedbuff"
-    ] = "trimmed-mean"
+    ] = "median"
     server_lr: float | None = None
     server_momentum: float | None = None
     prox_mu: float | None = None
@@ -144,13 +144,14 @@ class RobustnessConfig:
     tolerate : int >= 0
         Hostile devices every aggregated round must withstand (``Strategy.min_updates``).
     norm_bound : float > 0 or None
-        Fixed bound; None: adaptive (``adaptive_factor`` x the median norm of the last rounds).
+        Fixed bound; None: adaptive (``adaptive_factor`` x the median honest-looking norm of the last rounds).
     adaptive_factor : float >= 1
+        Multiple of that median (default 1: the median itself, the target quantile 0.5 of Andrew et al. 2021).
     """
 
     tolerate: int = 1
     norm_bound: float | None = None
-    adaptive_factor: float = 1.5
+    adaptive_factor: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -260,8 +260,11 @@ class DeviceRegistry:
             out[dev] = n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
         return out
 
-    async def wait_for_devices(self, n: int, timeout_s: float, key: str = "ready") -> list[str]:
+    async def wait_for_devices(self, n: int, timeout_s: float, key: str | None = "ready") -> list[str]:
         """Wait until ``n`` devices report a status whose field ``key`` is true.
+
+        ``key`` None: until ``n`` devices are ready to train (:meth:`online_devices`: a device with an
+        empty store is not), as pacing counts them.
 
         Returns
         -------
@@ -275,8 +278,10 @@ class DeviceRegistry:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            ready = sorted(
-                d for d, s in self.devices.items() if s.get(key) and s.get("state") != "offline"
+            ready = (
+                self.online_devices()
+                if key is None
+                else sorted(d for d, s in self.devices.items() if s.get(key) and s.get("state") != "offline")
             )
             if len(ready) >= n:
                 return ready

@@ -7,6 +7,8 @@ a service opens the next round; :class:`FleetState` is what the fleet page shows
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import time
 from collections.abc import Mapping
@@ -273,13 +275,7 @@ class _Answered:
 
 
 class FleetPhase(StrEnum):
-    """What a coordinator's fleet is doing (``fleet_state.state`` on its page and ``/api/status``).
-
-    COLLECTING: a round is open. WAITING_SAMPLES: enough devices are ready, with fewer new labelled
-    samples than a round needs. WAITING_DEVICES: fewer devices are ready than a round needs. PAUSED:
-    the least time between two round starts has not passed. FINISHED: a job's last round closed, or
-    the service is stopping. BROKER_UNREACHABLE: no connection to the broker.
-    """
+    """What a coordinator's fleet is doing (``fleet_state.state`` on its page; ``docs/operations.md``)."""
 
     COLLECTING = "collecting"
     WAITING_SAMPLES = "waiting_samples"
@@ -293,26 +289,10 @@ class FleetPhase(StrEnum):
 class FleetState:
     """The fleet's state as its page shows it: one phase, human words, and the numbers behind them.
 
-    Attributes
-    ----------
-    state : FleetPhase
-    text : str
-        E.g. ``"collecting 3 of 5"``, ``"waiting: 12 of 200 new samples"``, ``"waiting for devices:
-        3 of 4 ready"``, ``"paused: next round in 42 s"``.
-    round : int
-        The open round, else the last one opened (0: none yet).
-    ready : int
-        Devices ready (status ``ready``, online, running the coordinator's backbone).
-    needed : int
-        Ready devices a round needs to open.
-    new_samples : int or None
-        Labelled samples the ready devices stored since their last round (None: no device reports it).
-    min_new_samples : int
-        New samples a round needs to open (0: none).
-    asked, counted, close_at : int or None
-        In an open round: devices asked, updates counted, updates that close it early.
-    next_round_in_s : float or None
-        Seconds until the least interval between round starts has passed (paused only).
+    ``text`` says it in words (``"collecting 3 of 5"``); ``round``: the open or last round; ``ready``
+    and ``needed`` devices; ``new_samples`` (None: not reported) and ``min_new_samples``; in an open
+    round ``asked``, ``counted``, ``close_at``; ``next_round_in_s`` while paused. The keys are
+    ``docs/operations.md``'s, "The round log and the fleet state".
     """
 
     state: FleetPhase
@@ -329,19 +309,10 @@ class FleetState:
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON object of ``/api/status``'s ``fleet_state`` (every key always present)."""
-        return {
-            "state": self.state.value,
-            "text": self.text,
-            "round": self.round,
-            "ready": self.ready,
-            "needed": self.needed,
-            "new_samples": self.new_samples,
-            "min_new_samples": self.min_new_samples,
-            "asked": self.asked,
-            "counted": self.counted,
-            "close_at": self.close_at,
-            "next_round_in_s": None if self.next_round_in_s is None else round(self.next_round_in_s, 1),
-        }
+        doc = dataclasses.asdict(self)
+        doc["state"] = self.state.value
+        doc["next_round_in_s"] = None if self.next_round_in_s is None else round(self.next_round_in_s, 1)
+        return doc
 
 
 def collecting(rnd: Round) -> FleetState:
@@ -384,37 +355,21 @@ class Pacing:
     ) -> FleetState:
         """The fleet's state before round ``round_no + 1`` (PAUSED, ``next_round_in_s = 0``: open it now).
 
-        Parameters
-        ----------
-        round_no : int
-            The last round opened (0: none).
-        new_samples : mapping device → int or None
-            The ready devices and the new labelled samples each reports (None: not reported).
-        since_start_s : float or None
-            Seconds since the last round started (None: no round started in this process).
-
-        Returns
-        -------
-        FleetState
-            WAITING_DEVICES, WAITING_SAMPLES, or PAUSED (``next_round_in_s`` > 0 while the interval
-            runs, 0.0 when the next round may open now).
+        ``round_no``: the last round opened (0: none); ``new_samples``: the ready devices and the new
+        labelled samples each reports (None: not reported); ``since_start_s``: since the last round
+        started (None: none in this process). Returns WAITING_DEVICES, WAITING_SAMPLES or PAUSED.
         """
         ready = len(new_samples)
         reported = [n for n in new_samples.values() if n is not None]
         new = sum(reported) if reported else None
-
-        def state(phase: FleetPhase, text: str, left: float | None = None) -> FleetState:
-            return FleetState(
-                phase,
-                text,
-                round_no,
-                ready,
-                self.min_devices,
-                new,
-                self.min_new_samples,
-                next_round_in_s=left,
-            )
-
+        state = functools.partial(
+            FleetState,
+            round=round_no,
+            ready=ready,
+            needed=self.min_devices,
+            new_samples=new,
+            min_new_samples=self.min_new_samples,
+        )
         if ready < self.min_devices:
             text = f"waiting for devices: {ready} of {self.min_devices} ready"
             return state(FleetPhase.WAITING_DEVICES, text)
@@ -423,11 +378,9 @@ class Pacing:
             return state(FleetPhase.WAITING_SAMPLES, f"waiting: {new} of {self.min_new_samples} new samples")
         left = 0.0 if since_start_s is None else max(0.0, self.interval_s - since_start_s)
         text = f"paused: next round in {math.ceil(left)} s" if left > 0 else f"opening round {round_no + 1}"
-        return state(FleetPhase.PAUSED, text, left)
+        return state(FleetPhase.PAUSED, text, next_round_in_s=left)
 
 
 def replace_min_devices(pacing: Pacing, strategy_min: int) -> Pacing:
     """``pacing`` needing at least ``strategy_min`` ready devices (the strategy's own floor)."""
-    if strategy_min <= pacing.min_devices:
-        return pacing
-    return Pacing(pacing.interval_s, pacing.min_new_samples, strategy_min)
+    return dataclasses.replace(pacing, min_devices=max(pacing.min_devices, strategy_min))

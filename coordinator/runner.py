@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, Final
 
+from edgefl.agent import heap
 from edgefl.aio import within
 from edgefl.coordinator.hierarchy import RootCoordinator, SiteAggregator, SiteRecord
 from edgefl.coordinator.history import HISTORY_ROUNDS, RoundRecord
@@ -259,6 +260,7 @@ async def run(
             f"fleet {fleet} on broker {where}",
             lambda t: _connected_or_refused(t, where, CONNECT_WAIT_S),
             previous,
+            topics.coordinator_holder,
         )
         if files.state is not None:
             record_instance(files.state, instance)  # the next start knows this one's lease as its own
@@ -327,7 +329,7 @@ async def run(
     if isinstance(coord, SiteAggregator):
         transport.on_connect_cb = coord.on_transport_connect
         return await _run_site(coord, profile, transport, page)
-    lease = Lease(transport, topics.coordinator, instance)
+    lease = Lease(transport, topics.coordinator, instance, holder_topic=topics.coordinator_holder)
     stop = asyncio.Event()
     lease.on_lost = stop.set
     coord.on_lease_message = lease.handle
@@ -442,6 +444,9 @@ async def run(
                 entry = log_entry(coord, rec, strategy, refused_round, declined_round)
                 with open(files.log, "a") as f:
                     f.write(json.dumps(entry) + "\n")
+            # the round's freed heap (decoded updates, aggregation temporaries, the state document) goes
+            # back to the kernel: a service's RSS stays its live data, not the sum of its rounds' free gaps
+            heap.malloc_trim()
         coord.finished = True
         coord.notify()
     finally:
@@ -507,7 +512,7 @@ def pacing_for(profile: CoordinatorProfile) -> Pacing:
 
 async def _wait_for_expected(coord: Coordinator, n: int, timeout_s: float, stop: asyncio.Event) -> None:
     """Wait for ``n`` ready devices before round 1 (``rounds.expected_clients``), ``timeout_s`` at most."""
-    waiting = asyncio.create_task(coord.registry.wait_for_devices(n, timeout_s=timeout_s))
+    waiting = asyncio.create_task(coord.registry.wait_for_devices(n, timeout_s=timeout_s, key=None))
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({waiting, stopper}, return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()

@@ -17,13 +17,7 @@ DEFAULT_PREFIX = "/opt/edgefl"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Add ``--target``, ``--python``, ``--out``, ``--prefix`` and ``--repo`` to a parser.
-
-    Parameters
-    ----------
-    p : argparse.ArgumentParser
-        The ``wheelhouse`` sub-parser, or the parser of ``python -m cross_build.wheelhouse``.
-    """
+    """Add ``--target``, ``--python``, ``--out``, ``--prefix`` and ``--repo`` to a ``wheelhouse`` parser."""
     p.add_argument("--target", required=True, choices=TARGET_NAMES, help="gateway platform")
     p.add_argument("--python", default=None, choices=PYTHON_VERSIONS,
                    help="the device's CPython, wheels are tagged for it (default: the Python of the newest "
@@ -35,14 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_wheelhouse_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``edgefl wheelhouse --target T [--python V] --out DIR`` on the ``edgefl`` parser.
-
-    Parameters
-    ----------
-    sub : argparse._SubParsersAction
-        The ``add_subparsers()`` result of ``edgefl.cli.build_parser``. The sub-command sets ``func``
-        to :func:`run_wheelhouse` (namespace → exit code: 0 built, 1 failed).
-    """
+    """Register ``edgefl wheelhouse --target T [--python V] --out DIR`` on ``edgefl.cli``'s sub-parsers."""
     w = sub.add_parser("wheelhouse", help="build an offline wheelhouse for a gateway (source checkout only)")
     add_arguments(w)
     w.set_defaults(func=run_wheelhouse)

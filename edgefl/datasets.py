@@ -39,26 +39,10 @@ def digits_dir() -> Path:
 
 
 def load_digits(path: Path | None = None) -> tuple[U8, I64]:
-    """Load the 1797 UCI handwritten digits (the copy scikit-learn ships).
+    """Load the 1797 UCI handwritten digits from ``path`` (the file or its folder; None: :func:`digits_dir`).
 
-    Parameters
-    ----------
-    path : Path or None
-        The file or a directory holding it; ``None``: :func:`digits_dir`.
-
-    Returns
-    -------
-    x : uint8 [N, 8, 8, 1]
-        Images, row-major, pixel values 0..16 (N = 1797 for the shipped file).
-    y : int64 [N]
-        Class labels 0..9.
-
-    Raises
-    ------
-    FileNotFoundError
-        The file does not exist.
-    ValueError
-        The file is not 65 comma-separated integer columns (64 pixels 0..16, then a label 0..9).
+    Returns ``x`` uint8 [N, 8, 8, 1] (pixels 0..16) and ``y`` int64 [N] (0..9). FileNotFoundError; ValueError
+    for a file that is not 65 comma-separated integer columns in those ranges.
 
     Source: E. Alpaydin, C. Kaynak, "Optical Recognition of Handwritten Digits", UCI ML Repository
     (1998), test part, as ``sklearn/datasets/data/digits.csv.gz`` (scikit-learn 1.9.1).
@@ -113,27 +97,11 @@ def check_labels(labels: I64) -> I64:
 def split_digits(
     labels: I64, seed: int = 0, test_fraction: float = 0.2, public_fraction: float = 0.25
 ) -> DigitsSplit:
-    """Split a labelled dataset into test, public and device-pool parts, stratified by class.
+    """Split ``labels`` int64 [N] into test, public and device-pool parts, stratified by class.
 
     Within each class (shuffled by ``seed``) the first ``round(n_c * test_fraction)`` go to test, then
-    ``round(rest_c * public_fraction)`` to public, the rest to the device pool.
-
-    Parameters
-    ----------
-    labels : int64 [N]
-    seed : int
-    test_fraction, public_fraction : float
-        Shares in (0, 1): of each class, and of each class's non-test samples.
-
-    Returns
-    -------
-    DigitsSplit
-        Three disjoint, sorted index arrays covering ``range(N)``.
-
-    Raises
-    ------
-    ValueError
-        ``labels`` is not a non-empty 1-D integer array, or a fraction is outside (0, 1).
+    ``round(rest_c * public_fraction)`` to public, the rest to the pool: three disjoint, sorted index
+    arrays covering ``range(N)``. ValueError for bad labels or a fraction outside (0, 1).
     """
     y = check_labels(labels)
     for name, value in (("test_fraction", test_fraction), ("public_fraction", public_fraction)):
@@ -162,30 +130,12 @@ def class_owners(n_classes: int, n_devices: int) -> list[list[int]]:
 
 
 def partition_non_iid(labels: I64, n_devices: int, seed: int = 0, primary_share: float = 0.9) -> list[I64]:
-    """Partition samples over devices so that each device mostly sees its own few classes.
+    """Partition ``labels`` int64 [N] over ``n_devices`` (1..N), each device mostly seeing its own classes.
 
-    ``round(primary_share * n_c)`` of class ``c``'s shuffled samples are dealt round-robin to its
-    owners (:func:`class_owners`), the rest round-robin to the other devices.
-
-    Parameters
-    ----------
-    labels : int64 [N]
-        E.g. ``y[split.devices]``.
-    n_devices : int
-        1..N.
-    seed : int
-    primary_share : float
-        Share of each class's samples that go to its owners, in [0, 1].
-
-    Returns
-    -------
-    list[int64 [n_d]]
-        ``n_devices`` sorted index arrays into ``labels``, disjoint and covering ``range(N)``.
-
-    Raises
-    ------
-    ValueError
-        Bad ``labels``, ``n_devices`` outside 1..N, or ``primary_share`` outside [0, 1].
+    ``round(primary_share * n_c)`` of class ``c``'s shuffled samples are dealt round-robin to its owners
+    (:func:`class_owners`), the rest to the other devices. Returns ``n_devices`` sorted index arrays into
+    ``labels``, disjoint and covering ``range(N)``. ValueError for bad labels, ``n_devices`` or
+    ``primary_share`` (in [0, 1]).
 
     Source: the "pathological non-IID" shards of McMahan et al., "Communication-Efficient Learning of
     Deep Networks from Decentralized Data", AISTATS 2017 §3, with a tunable leak (``primary_share``).

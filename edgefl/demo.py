@@ -454,5 +454,3 @@ async def _feed_devices(
         f"{predicted} predictions back in {fed_s:.1f} s, all stored in {seconds:.1f} s"
     )
     return list(results)
-
-

@@ -1,8 +1,7 @@
 """The coordinator's central evaluation: a head's accuracy on a held-out set, through the device's pipeline.
 
-Composed above device and coordinator (``edgefl coordinator`` and ``edgefl demo`` pass it to the
-coordinator as a callable): raw samples go through the device's unfused pipeline to embeddings, and a
-head is scored on them.
+Composed above device and coordinator: ``edgefl coordinator`` and ``edgefl demo`` pass it to the
+coordinator as a callable.
 """
 
 from __future__ import annotations
@@ -36,25 +35,11 @@ def accuracy(W: F32, b: F32, emb: F32, y: I64) -> float:
 
 
 def central_evaluation(profile: CoordinatorProfile, backbone: Backbone) -> Callable[[F32, F32], float] | None:
-    """The coordinator's central evaluation: accuracy of a head on the profile's ``[evaluation]`` set.
+    """Accuracy in [0, 1] of a head (W float32 [D, K], b float32 [K]) on the profile's ``[evaluation]`` set.
 
     Without ``evaluation.path`` the shipped digits model is evaluated on the digits test split, any other
-    model not at all (devices report their own evaluation). Composed here, above device and coordinator:
-    the raw samples go through the device's unfused pipeline.
-
-    Parameters
-    ----------
-    profile : CoordinatorProfile
-    backbone : Backbone
-
-    Returns
-    -------
-    callable (W float32 [D, K], b float32 [K]) -> accuracy in [0, 1], or None
-
-    Raises
-    ------
-    ConfigError
-        If ``evaluation.path`` is not an ``.npz`` with ``x`` and ``y`` fitting the model.
+    model not at all (None: devices report their own evaluation). ConfigError if ``evaluation.path`` is
+    not an ``.npz`` with ``x`` and ``y`` fitting the model.
     """
     ev = profile.evaluation
     if ev.path is not None:

@@ -45,30 +45,14 @@ IN_FLIGHT = 64
 
 @dataclass(frozen=True, slots=True)
 class FeedOptions:
-    """What to feed where (see ``edgefl feed --help``).
+    """What to feed where (``edgefl feed --help``).
 
-    Parameters
-    ----------
-    broker : BrokerConfig
-    fleet, device : str
-        Topics ``<prefix>/<fleet>/samples/<device>`` etc.
-    data : Path
-        ``.npz`` with ``x`` [N, *sample_shape] and ``y`` int [N].
-    rate_hz : float
-        Samples per second (> 0), or 0: as fast as the broker takes them.
-    label_fraction : float
-        Fraction in [0, 1] of the samples that get a label (chosen with ``seed``).
-    label_delay_s : float
-        0: labels travel inline; > 0: as a Label this many seconds after the sample.
-    qos : int
-        QoS of the Sample publishes (0 or 1); Labels are always QoS 1.
-    wait_s : float
-        Seconds to wait for the device to be ready, and at the end for the missing predictions.
-    seed : int
-    id_prefix : str or None
-        Sample ids are ``<id_prefix><i>``; default a random token (a re-run is no duplicate).
-    limit : int or None
-        Feed only the first ``limit`` samples.
+    ``data`` is an ``.npz`` with ``x`` [N, *sample_shape] and ``y`` int [N], sent to
+    ``<prefix>/<fleet>/samples/<device>``; ``rate_hz`` samples per second (0: as fast as the broker
+    takes them); ``label_fraction`` in [0, 1] of them labelled (chosen by ``seed``), inline or as a
+    Label ``label_delay_s`` seconds later; ``qos`` of the Samples (Labels: 1); ``wait_s`` seconds to
+    wait for the device's readiness and the missing predictions; sample ids ``<id_prefix><i>`` (default
+    a random token); ``limit`` the first samples only.
     """
 
     broker: BrokerConfig
@@ -506,8 +490,7 @@ def cmd_feed(args: argparse.Namespace) -> int:
     print(
         f"fed {result.samples_sent} samples to {opts.device} in {result.seconds:.1f} s "
         f"({result.labels_inline} labels inline, {result.labels_late} late); "
-        f"{result.predictions_received} predictions"
-        + (f", accuracy {acc:.3f}" if acc is not None else "")
+        f"{result.predictions_received} predictions" + (f", accuracy {acc:.3f}" if acc is not None else "")
     )
     if args.json:
         doc = {**asdict(result), "accuracy": acc}

@@ -268,14 +268,9 @@ def add_outputs(buf: ModelBytes, extra: list[int], path: str = "<model>") -> byt
 def set_outputs(buf: ModelBytes, outputs: list[int], path: str = "<model>") -> bytes:
     """The model with subgraph 0's outputs replaced by the tensor indices ``outputs`` (at least one).
 
-    The new vector is appended at the end of the file (4-byte aligned) and the field re-pointed at it
-    (a uoffset points forward): every other byte (weights, metadata, signatures) stays where it was.
-
-    Raises
-    ------
-    ModelError
-        If the file is not a TFLite model, an index is not a tensor of subgraph 0, or the model keeps
-        buffers outside the flatbuffer (> 2 GiB models: appended bytes would shift them).
+    The new vector is appended at the end of the file (4-byte aligned) and the field re-pointed at it:
+    every other byte stays where it was. ModelError if the file is not a TFLite model, an index is not
+    a tensor of subgraph 0, or buffers live outside the flatbuffer (appended bytes would shift them).
     """
     graph = read_graph(buf, path)
     if not outputs:

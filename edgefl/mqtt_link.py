@@ -35,16 +35,12 @@ logger = logging.getLogger(__name__)
 
 #: Drops of a full incoming queue logged one by one before the log only names every 1000th.
 LOGGED_DROPS = 20
-#: The hold line of QoS 1 messages waiting for room in the queue, in queue sizes (a broker that ignores
-#: our Receive Maximum cannot grow it further: beyond it messages are dropped and counted).
+#: The hold line of QoS 1 messages waiting for room in the queue, in queue sizes (beyond: dropped, counted).
 HOLD_FACTOR = 4
-#: Seconds between two ``loop_misc`` calls (keep-alive PINGREQ, and the end of a connection whose
-#: PINGRESP is overdue), paho's own loop's select timeout.
+#: Seconds between two ``loop_misc`` calls (keep-alive PINGREQ, overdue PINGRESP).
 MISC_INTERVAL_S = 1.0
-#: Packets read in one turn of the event loop while more bytes wait (in the socket, or above it:
-#: TLS, PacketFilter): a burst lands in the queue together, as paho's thread used to put it there
-#: (a site aggregator writes its record once the queue is drained: one packet a turn made that
-#: one fsync per update), and the rest is read on the next turn, so a flood cannot hold the loop.
+#: Packets read in one turn of the event loop while more bytes wait: a burst lands in the queue
+#: together (one write of a site's record, not one per update), and a flood cannot hold the loop.
 READS_PER_TURN = 64
 
 
@@ -69,8 +65,6 @@ class FlowQueue(asyncio.Queue[Message]):
         item = super().get_nowait()
         self._on_take(item)
         return item
-
-
 
 
 @dataclass(eq=False)
@@ -172,7 +166,6 @@ class Link:
                 self._thread_error(name, exc)
 
         return cb
-
 
     # --- the network loop, driven by the event loop -----------------------------------------
     def _drive(self, conn: Connection) -> None:
@@ -293,7 +286,6 @@ class Link:
         self._unwatch(conn)
         with contextlib.suppress(Exception):
             conn.client.edgefl_close()
-
 
     def _handle_oversize(self, info: bytes) -> None:
         size, _, topic = info.partition(b"\n")

@@ -12,6 +12,7 @@ Source: TOML 1.0.0 (https://toml.io/en/v1.0.0), read with ``tomllib``.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -19,7 +20,7 @@ import os
 import tomllib
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -116,19 +117,10 @@ class BrokerConfig:
 class DashboardConfig:
     """``[dashboard]``: the agent's HTTP page, JSON, SSE and ``/metrics``.
 
-    Parameters
-    ----------
-    enabled : bool
-    host : str
-        Listen address; anything but loopback requires ``token``.
-    port : int
-        0..65535; 0 picks a free port.
-    token : str or None
-        Bearer token, at least 16 characters, no whitespace; hidden from ``repr``.
-    header_timeout_s, body_timeout_s : float
-        Seconds a request's header block, then its body, may take (0.1..300).
-    max_connections, max_connections_per_client : int
-        Open connections at once (1..10000), and from one client address (1..max_connections).
+    ``host`` other than loopback requires ``token`` (at least 16 characters, no whitespace, hidden from
+    ``repr``); ``port`` 0..65535 (0: a free one); ``header_timeout_s``/``body_timeout_s`` seconds a
+    request's header block, then its body, may take (0.1..300); ``max_connections`` open at once
+    (1..10000), ``max_connections_per_client`` from one address.
     """
 
     enabled: bool = False
@@ -142,6 +134,15 @@ class DashboardConfig:
 
 
 _Kind = Literal["str", "int", "float", "bool", "path", "floats", "strs", "choice"]
+_KINDS: Final[dict[object, _Kind]] = {
+    str: "str",
+    int: "int",
+    float: "float",
+    bool: "bool",
+    Path: "path",
+    tuple[float, ...]: "floats",
+    tuple[str, ...]: "strs",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,20 +170,8 @@ def _field_specs(cls: type[Any]) -> dict[str, _FieldSpec]:
         kind: _Kind
         if typing.get_origin(hint) is Literal:
             kind, choices = "choice", tuple(str(a) for a in typing.get_args(hint))
-        elif hint == tuple[float, ...]:
-            kind = "floats"
-        elif hint == tuple[str, ...]:
-            kind = "strs"
-        elif hint is Path:
-            kind = "path"
-        elif hint is bool:
-            kind = "bool"
-        elif hint is int:
-            kind = "int"
-        elif hint is float:
-            kind = "float"
-        elif hint is str:
-            kind = "str"
+        elif hint in _KINDS:
+            kind = _KINDS[hint]
         else:  # pragma: no cover - guards future fields with an unsupported type
             raise TypeError(f"{cls.__name__}.{f.name}: unsupported field type {hint!r}")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
@@ -214,13 +203,7 @@ def show(value: object, *, secret: bool = False) -> str:
 
 
 def convert(spec: _FieldSpec, value: object, base_dir: Path, *, from_text: bool) -> object:
-    """Type-check one value (coercing strings when it came from a ``--set key=value`` override).
-
-    Raises
-    ------
-    ValueError
-        With the reason only; the caller adds the dotted key and value.
-    """
+    """Type-check one value (coercing strings from a ``--set`` override); ValueError with the reason only."""
     if value is None or (from_text and spec.optional and value == ""):
         if spec.optional:
             return None
@@ -600,13 +583,7 @@ class Schema:
 
 
 def broker_password(broker: BrokerConfig) -> str | None:
-    """The broker password: ``broker.password``, or the first line of ``broker.password_file``.
-
-    Raises
-    ------
-    ConfigError
-        If the password file cannot be read (names the key and the file).
-    """
+    """``broker.password``, or the first line of ``broker.password_file`` (ConfigError if unreadable)."""
     if broker.password_file is None:
         return broker.password
     try:
@@ -616,6 +593,31 @@ def broker_password(broker: BrokerConfig) -> str | None:
             [f"broker.password_file = {str(broker.password_file)!r}: cannot read ({exc})"]
         ) from exc
     return lines[0] if lines else ""
+
+
+def add_set_argument(parser: argparse.ArgumentParser, example: str) -> None:
+    """Add the repeatable ``--set KEY=VALUE`` option (a profile key overridden), e.g. ``example``."""
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a profile key, e.g. --set {example} (repeatable)",
+    )
+
+
+def parse_sets(items: Sequence[str]) -> dict[str, object]:
+    """``--set`` items as ``{"table.key": "value"}``; ConfigError listing each that is not ``key=value``."""
+    out: dict[str, object] = {}
+    bad = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            bad.append(f"--set {item!r}: expected key=value")
+        out[key.strip()] = value
+    if bad:
+        raise ConfigError(bad)
+    return out
 
 
 def read_toml(path: Path | str) -> tuple[Path, dict[str, Any]]:

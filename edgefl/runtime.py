@@ -84,31 +84,13 @@ def open_interpreter(
     delegates: bool = False,
     content: bytes | None = None,
 ) -> tuple[str, Any]:
-    """Create and allocate an interpreter for ``path``, trying each available runtime in turn.
+    """Create and allocate an interpreter for ``path``: (runtime name, interpreter), each runtime in turn.
 
-    Parameters
-    ----------
-    path : Path
-    num_threads : int
-        The profile's ``model.num_threads``.
-    runtime : "auto" | "litert" | "tflite"
-        "auto" prefers LiteRT.
-    delegates : bool
-        Apply XNNPACK: then only the model's outputs are readable after ``invoke()`` (a delegated graph
-        keeps its intermediate tensors inside the delegate).
-    content : bytes or None
-        The model's bytes when they differ from the file's (prepared in memory); otherwise LiteRT
-        memory-maps the file and ``path`` only names it in messages.
-
-    Returns
-    -------
-    (runtime name, allocated interpreter)
-
-    Raises
-    ------
-    ModelError
-        If the file is missing, no runtime is importable, or every runtime failed to build an
-        interpreter for it; the message names each runtime's error.
+    ``runtime`` "auto" prefers LiteRT; ``num_threads`` is ``model.num_threads``; ``delegates`` applies
+    XNNPACK (then only the model's outputs are readable after ``invoke()``); ``content`` gives the
+    model's bytes when they differ from the file's (otherwise LiteRT memory-maps the file). ModelError
+    if the file is missing, no runtime is importable, or every runtime failed to build an interpreter
+    (the message names each runtime's error).
     """
     if content is None and not path.is_file():
         raise ModelError(str(path), "model file not found")
@@ -234,29 +216,15 @@ class _Guard:
 class Backbone:
     """A loaded model split at its embedding tensor: the frozen backbone plus the shipped head.
 
-    Parameters
-    ----------
-    path : Path
-    num_threads : int
-    runtime : "auto" | "litert" | "tflite"
-    embedding_tensor : str or None
-        Name of the embedding tensor; None = the input of the model's last FULLY_CONNECTED op.
-    xnnpack : bool or None
-        Run with the XNNPACK delegate; None (default) = yes (``delegated`` records the choice).
-    prepare : bool
-        Add the embedding as a model output in memory when it is not one (``prepared``); False refuses
-        such a model with a message naming ``edgefl model prepare``.
+    ``embedding_tensor`` names the embedding (None: the input of the last FULLY_CONNECTED op);
+    ``xnnpack`` None (default) runs with XNNPACK (``delegated`` says); ``prepare`` adds the embedding as
+    a model output in memory when it is not one (``prepared``), False refuses such a model with a
+    message naming ``edgefl model prepare``. ModelError if the model cannot be loaded or run (a trial
+    invoke), has no FULLY_CONNECTED op (and no named tensor), the named tensor does not exist, or
+    (``prepare=False``) the embedding is not an output.
 
-    Raises
-    ------
-    ModelError
-        If the model cannot be loaded or run (a trial invoke), has no FULLY_CONNECTED op (and no named
-        tensor), the named tensor does not exist, or (``prepare=False``) the embedding is not an output.
-
-    Notes
-    -----
     The embedding is always read from a model output (the arena reuses an intermediate tensor's buffer
-    once its last reader ran). The logits are the output the head feeds (``head_activation`` says
+    once its last reader ran); the logits are the output the head feeds (``head_activation`` says
     through what). A stateful model keeps its batch and runs its samples one by one, in order. One
     thread at a time uses the interpreter (:meth:`claim`).
     """
@@ -505,18 +473,9 @@ class Backbone:
 
     @_held
     def run(self, model_input: np.ndarray) -> tuple[F32, F32]:
-        """Invoke the model on one batch [N, *sample_shape] already in the input dtype.
+        """Invoke the model on one batch [N, *sample_shape] in the input dtype (else ValueError).
 
-        Returns
-        -------
-        embeddings : float32 [N, D]
-        logits : float32 [N, K]
-            The model's own output (with its shipped head), dequantised.
-
-        Raises
-        ------
-        ValueError
-            If the sample shape or dtype is not the model's.
+        Returns the embeddings float32 [N, D] and the model's own logits float32 [N, K], dequantised.
         """
         n = int(model_input.shape[0])
         if tuple(model_input.shape[1:]) != self.sample_shape or model_input.dtype != self.input_dtype:

@@ -32,6 +32,11 @@ class Topics:
         """Retained Presence of the coordinator that runs the fleet (its lease); its last will clears it."""
         return f"{self.base}/coordinator"
 
+    @property
+    def coordinator_holder(self) -> str:
+        """Retained Presence of the coordinator that last took the lease; no will clears it."""
+        return f"{self.base}/coordinator/holder"
+
     def update(self, device: str) -> str:
         """Update of one device, device → coordinator (``"+"`` for the wildcard)."""
         return f"{self.base}/update/{device}"

@@ -45,9 +45,7 @@ SUBACK_TIMEOUT_S = 10.0
 TAKEOVER_WINDOW_S = 10.0
 """A connection closed without a reason this soon after its CONNACK counts towards :data:`TAKEOVER_LOSSES`."""
 TAKEOVER_LOSSES = 3
-"""Connections in a row closed within :data:`TAKEOVER_WINDOW_S` of their CONNACK: the transport then says
-another client probably takes over its client id's session at each connect (MQTT 5.0 §3.1.4: the
-broker closes the older connection of a client id; mosquitto 2.0 closes it without a DISCONNECT)."""
+"""Such closes in a row: another client takes the client id's session at each connect (MQTT 5.0 §3.1.4)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +56,6 @@ class Will:
     payload: bytes
     qos: int = 1
     retain: bool = True
-
-
 
 
 def _retrieve_all(futures: Sequence[asyncio.Future[Any]]) -> None:
@@ -73,10 +69,8 @@ class MqttTransport(Link):
 
     Parameters
     ----------
-    host : str
-    port : int
-    client_id : str
-        Unique per broker.
+    host, port, client_id : str, int, str
+        The broker, and a client id unique on it.
     will : Will or None
         Last will, set before connecting.
     protocol : "auto" | "5" | "3.1.1"
@@ -88,21 +82,17 @@ class MqttTransport(Link):
     tls_context : ssl.SSLContext or None
     on_connect : callable or None
         Called on the event loop after every CONNACK and re-subscription (to publish "online").
-    max_packet_bytes : int
-        Largest PUBLISH this client may send (``broker.max_packet_bytes``), lowered by the CONNACK's
-        Maximum Packet Size.
-    max_incoming_packet_bytes : int
-        Largest packet accepted (``broker.max_incoming_packet_bytes``): the CONNECT Maximum Packet Size
-        on MQTT 5, enforced on every protocol by :class:`~edgefl.mqtt_socket.PacketFilter`; an oversize
-        PUBLISH is acknowledged, dropped, counted (``oversize_dropped_total``) and logged.
+    max_packet_bytes, max_incoming_packet_bytes : int
+        Largest PUBLISH sent (lowered by the CONNACK's Maximum Packet Size) and packet accepted (the
+        CONNECT's Maximum Packet Size; enforced on every protocol: an oversize PUBLISH is acknowledged,
+        dropped, counted in ``oversize_dropped_total`` and logged).
     session_expiry_s : int
-        0 = clean session; else the broker keeps the session (subscriptions, queued QoS 1 messages)
-        that long while the client is away (MQTT 5.0 §3.1.2.11). Needs a fixed ``client_id``.
+        0 = clean session; else the broker keeps the session that long while the client is away (MQTT
+        5.0 §3.1.2.11). Needs a fixed ``client_id``.
     alternates : sequence of (host, port)
         Other nodes of a clustered broker, tried round robin after a failed connect or a loss.
     ack_on_commit : bool
-        True: a QoS 1 message is acknowledged only once the consumer took it and called
-        :meth:`commit` (needs ``session_expiry_s``); False: once it is in :attr:`queue`.
+        Acknowledge a QoS 1 message only once the consumer called :meth:`commit` (needs a session).
     reconnect_max_s : float or None
         Cap of the reconnect back-off (:meth:`backoff_s`); None: ``RECONNECT_MAX_S``.
     """
@@ -172,9 +162,8 @@ class MqttTransport(Link):
         #: Set at every CONNACK refusal (the caller clears it): wakes whoever reports refusals.
         self.refused = asyncio.Event()
         self.broker_max_packet_bytes: int | None = None  # MQTT 5 CONNACK Maximum Packet Size, when sent
-        #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1, 3.1.1 §3.2.2.2): False after a
-        #: reconnect means the broker had no session for us (it lost its state, or the session expired):
-        #: whatever was published to our subscriptions while we were away is gone.
+        #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1): False after a reconnect means
+        #: what was published to our subscriptions while we were away is gone.
         self.session_present = False
 
     @property
@@ -204,7 +193,6 @@ class MqttTransport(Link):
             "thread_errors": self.thread_errors_total,
             "subscribe_failures": self.subscribe_failures_total,
         }
-
 
     def _bind(self, conn: Connection) -> None:
         """Point paho's callbacks at ``conn``: each only schedules a handler (STYLE.md rule 6)."""
@@ -244,7 +232,6 @@ class MqttTransport(Link):
         c.on_unsubscribe = guarded("on_unsubscribe", on_unsubscribe)
         c.on_message = guarded("on_message", on_message)
         c.on_socket_open = guarded("on_socket_open", set_nodelay)
-
 
     # --- loop side -------------------------------------------------------------------------
     def _handle_connect(
@@ -397,7 +384,6 @@ class MqttTransport(Link):
         fut = conn.unsubacks.pop(mid, None)
         if fut is not None and not fut.done():
             fut.set_result(rcs)
-
 
     def _send_subscribe(
         self, conn: Connection, topic: str, qos: int, live_only: bool = False
@@ -633,9 +619,7 @@ class MqttTransport(Link):
             del self._unsubscribing[topic]  # answered: refused or not, sending it again cannot help
         self._check_unsuback(topic, rcs)
 
-    def _send_unsubscribe(
-        self, conn: Connection, topic: str
-    ) -> tuple[str, asyncio.Future[list[ReasonCode]]]:
+    def _send_unsubscribe(self, conn: Connection, topic: str) -> tuple[str, asyncio.Future[list[ReasonCode]]]:
         """UNSUBSCRIBE on ``conn``; the future gets the UNSUBACK's reason codes or a TransportError."""
         rc, mid = conn.client.unsubscribe(topic)
         return topic, self._ack_future(conn, conn.unsubacks, rc, mid, f"unsubscribe from {topic}")

@@ -85,11 +85,11 @@ def test_check_config_of_a_coordinator_profile_names_its_role() -> None:
                  "hierarchy.site_devices=50"]
     root = edgefl("check-config", profile, *[arg for item in root_sets for arg in ("--set", item)])
     want = (
-        f"{profile}: ok (coordinator of fleet default, rounds until stopped of trimmed-mean, role flat, "
-        "tolerates 1 hostile device of 5)\n"
+        f"{profile}: ok (coordinator of fleet default, rounds until stopped of median, role flat, "
+        "tolerates 1 hostile device of 3)\n"
     )
     assert flat.stdout == want, flat.stdout + flat.stderr
-    one = ", tolerates 1 hostile device of 5)"
+    one = ", tolerates 1 hostile device of 3)"
     assert site.stdout.rstrip().endswith(", role site lyon" + one), site.stdout + site.stderr
     assert root.stdout.rstrip().endswith(", role root of 20 sites" + one), root.stdout + root.stderr
     zero = edgefl("check-config", profile, "--set", "robustness.tolerate=0")

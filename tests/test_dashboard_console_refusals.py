@@ -19,7 +19,13 @@ import pytest
 from conftest import Broker, start_ingest_agent, wait_until
 from playwright.sync_api import Browser, expect
 from test_dashboard_browser import ThreadedDashboard
-from test_dashboard_console import WIDE, browser, open_page  # noqa: F401 - the module's browser fixture
+from test_dashboard_console import (  # noqa: F401 - the module's browser fixture
+    OVERFLOW_JS,
+    PHONE,
+    WIDE,
+    browser,
+    open_page,
+)
 from test_ingest import Gateway
 
 from edgefl.coordinator.fedavg import FedAvg
@@ -100,6 +106,13 @@ def test_fleet_page_console_rejected_box_shows_the_devices_refusals_and_the_coor
         expect(own.locator("td").nth(2)).to_have_text("1")
         assert errors.items == []
         page.context.close()
+        # on a phone the rows wrap (a device id, a reason's detail): nothing leaves the screen
+        phone, errors = open_page(browser, server.url, PHONE)
+        expect(phone.locator(f'#rejected tbody tr[data-by="{DEVICE}"]')).to_have_count(1, timeout=10_000)
+        found = phone.evaluate(OVERFLOW_JS)
+        assert found["scroll"] <= PHONE["width"] and found["out"] == [], found
+        assert errors.items == []
+        phone.context.close()
     finally:
         asyncio.run_coroutine_threadsafe(stop(), server.loop).result(15)
         server.close()

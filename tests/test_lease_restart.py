@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import Broker
+from conftest import Broker, start_mosquitto, stop_broker
 from test_lease import presences, read_log, retained_lease, start_coordinator, wait_for_log
 
 from edgefl.coordinator.lease import instance_path, previous_instance, record_instance
@@ -161,3 +161,88 @@ def test_lease_instance_record_counts_only_for_its_own_host_and_state_file(tmp_p
     assert previous_instance(copied) is None
     instance_path(state).write_bytes(instance_path(state).read_bytes()[:-3])  # torn
     assert previous_instance(state) is None
+
+
+def test_lease_restart_after_kill_with_clients_named_after_their_account_takes_over_at_once(
+    tmp_path: Path, fleet: str
+) -> None:
+    """docs/operations.md's broker (``use_username_as_clientid true``): the restarted coordinator's probe
+    is given its dead predecessor's session; the holder topic names that predecessor, so it takes over
+    at once. A coordinator whose state file names another instance still waits for the live holder,
+    which comes back, and exits 6 having written nothing."""
+    broker = start_mosquitto(tmp_path, "use_username_as_clientid true")
+    account = "broker.username=coordinator"
+    state = tmp_path / "coord" / "state.rec"
+    state.parent.mkdir()
+    try:
+        first = start_coordinator(tmp_path, "a", broker, fleet, account, f"files.state={state}")
+        try:
+            mine = asyncio.run(presences(broker, fleet, 1, 30, username="watch-1"))[0]
+            wait_for_log(tmp_path, "a", "before round 1", first, 30)
+        finally:
+            first.kill()
+        first.wait(timeout=30)
+        second = start_coordinator(tmp_path, "b", broker, fleet, account, f"files.state={state}")
+        try:
+            wait_for_log(tmp_path, "b", "before round 1", second, 60)
+            out = read_log(tmp_path, "b")
+            info = "INFO edgefl.coordinator.lease: the broker gave the lease probe the session of instance "
+            assert info + mine.instance[:8] in out, out
+            assert "this state file's previous coordinator" in out, out
+            assert "WARNING edgefl.coordinator.lease" not in out, out
+            assert "bad_topic" not in out, out  # the holder the probe read and left in the session
+            now = asyncio.run(presences(broker, fleet, 1, 30, username="watch-2"))[0]
+            assert now.instance not in (mine.instance,) and previous_instance(state) == now.instance
+
+            # another state file whose record names some other instance: the live holder is waited for
+            other = tmp_path / "other" / "state.rec"
+            other.parent.mkdir()
+            record_instance(other, "feedfacefeedface")
+            before = instance_path(other).read_bytes()
+            third = start_coordinator(tmp_path, "c", broker, fleet, account, f"files.state={other}")
+            assert third.wait(timeout=60) == 6, read_log(tmp_path, "c")
+            out = read_log(tmp_path, "c")
+            assert "another coordinator runs this fleet" in out and now.instance[:8] in out, out
+            assert "previous coordinator" not in out, out
+            assert instance_path(other).read_bytes() == before and not other.exists()
+            assert second.poll() is None, read_log(tmp_path, "b")
+        finally:
+            second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=30) == 0, read_log(tmp_path, "b")
+    finally:
+        stop_broker(broker)
+
+
+def test_lease_restart_with_an_acl_without_the_holder_topic_still_starts(tmp_path: Path, fleet: str) -> None:
+    """An ACL written before the holder topic (the lease topic only): the holder is never published nor
+    read (mosquitto grants the subscription and delivers nothing), so the probe waits as for any
+    session, and the coordinator starts (never exit 4)."""
+    acl = tmp_path / "edgefl.acl"
+    acl.write_text(
+        "user coordinator\n"
+        f"topic readwrite edgefl/{fleet}/coordinator\ntopic readwrite edgefl/{fleet}/global/#\n"
+        f"topic readwrite edgefl/{fleet}/round\ntopic read edgefl/{fleet}/update/+\n"
+        f"topic read edgefl/{fleet}/status/+\n"
+    )
+    broker = start_mosquitto(tmp_path, f"user root\nuse_username_as_clientid true\nacl_file {acl}")
+    account = "broker.username=coordinator"
+    state = tmp_path / "coord" / "state.rec"
+    state.parent.mkdir()
+    try:
+        first = start_coordinator(tmp_path, "a", broker, fleet, account, f"files.state={state}")
+        try:
+            wait_for_log(tmp_path, "a", "before round 1", first, 30)
+        finally:
+            first.kill()
+        first.wait(timeout=30)
+        second = start_coordinator(tmp_path, "b", broker, fleet, account, f"files.state={state}")
+        try:
+            wait_for_log(tmp_path, "b", "before round 1", second, 60)
+            out = read_log(tmp_path, "b")
+            assert "an existing session" in out and "cannot start" not in out, out
+            assert "previous coordinator" not in out, out
+        finally:
+            second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=30) == 0, read_log(tmp_path, "b")
+    finally:
+        stop_broker(broker)

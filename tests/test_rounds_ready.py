@@ -47,6 +47,14 @@ def test_pacing_ready_devices_leave_out_an_empty_store() -> None:
     assert reg.online_devices() == ["full", "older"]
     assert reg.ready_new_samples() == {"full": 40, "older": None}
 
+    async def waits() -> tuple[list[str], str]:
+        subscribed = await reg.wait_for_devices(3, 0.05)  # the status field alone (tests, the demo)
+        with pytest.raises(TimeoutError) as err:  # rounds.expected_clients counts as pacing does
+            await reg.wait_for_devices(3, 0.05, key=None)
+        return subscribed, str(err.value)
+
+    assert asyncio.run(waits()) == (["empty", "full", "older"], "only 2 of 3 devices ready after 0.05 s")
+
 
 def test_pacing_asked_leaves_out_devices_that_declined_with_an_empty_store() -> None:
     rnd = Round(1, 0, (4, 10), 60.0, 1, online=frozenset({"a", "b"}), quorum=1.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak import Lifetime, _growth_mib_per_hour, _lives_summary, _resting
+from bench.soak import Lifetime, _growth_mib_per_hour, _lives_summary, _resting, _steady_growth
 
 MIB = 1 << 20
 
@@ -33,7 +33,21 @@ def test_soak_rss_slope_ignores_round_peaks_and_measures_a_steady_rise() -> None
     # settled: only what is older than 10 minutes counts (here only the 12-minute lifetime's tail)
     late = [life(0.0, 8, 50.0), life(1000.0, 14, 0.0)]
     assert _growth_mib_per_hour(late, warmup_s=600.0) == pytest.approx(0.0, abs=1e-6)
-    assert _lives_summary(late) == {"measured": 2, "longest_minutes": 13.9}
+    assert _lives_summary(late) == {"measured": 2, "steady": 0, "longest_minutes": 13.9}
+
+
+def test_soak_rss_steady_state_counts_only_long_lifetimes_after_their_warmup() -> None:
+    # a fleet restarted every few minutes: each short lifetime is all warm-up (+6 MiB/h), one lived 25 min
+    # with a warm-up rise over its first 5 minutes, then flat
+    short = [life(3000.0 * k, 3, 6.0) for k in range(1, 6)]
+    long = life(0.0, 25, 0.0)
+    long.rss = [(t, r + int(min(t, 300.0) / 300.0 * MIB)) for t, r in long.rss]
+    assert _growth_mib_per_hour(short) == pytest.approx(6.0, abs=0.05)  # their warm-up, read as growth
+    assert _steady_growth([*short, long]) == pytest.approx(0.0, abs=1e-6)
+    assert _steady_growth(short) is None  # no lifetime long enough: no steady state to speak of
+    leaking = life(0.0, 25, 1.5)
+    assert _steady_growth([*short, leaking]) == pytest.approx(1.5, abs=0.05)
+    assert _lives_summary([*short, long]) == {"measured": 6, "steady": 1, "longest_minutes": 24.9}
 
 
 def test_soak_rss_resting_level_is_each_window_lowest() -> None:

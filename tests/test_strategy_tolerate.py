@@ -109,19 +109,18 @@ def test_shipped_history_is_o1_per_update_and_bounded() -> None:
     assert nb.norms == []  # nothing of the round kept once the history bounds it
 
 
-def test_shipped_momentum_step_is_clipped_to_a_quarter_of_the_rounds_bound() -> None:
-    """FedAvgM (beta 0.9, fixed bound 4): a steady mean delta of norm 1 would grow the momentum buffer
-    towards 10; clipped to ``step_factor x 4 = 1``, the buffer and the step stay at norm 1."""
-    assert FedAvgM.step_factor == 0.25
+def test_shipped_momentum_step_is_bounded_per_coordinate_by_twice_the_rounds_mean() -> None:
+    """FedAvgM (beta 0.9, fixed bound 4): a steady mean delta (1, 0) would grow the momentum buffer
+    towards 10; bounded per coordinate by twice the round's mean, it goes 1, 1.9, then stays at 2."""
     s = FedAvgM(server_momentum=0.9, clip_norm=4.0)
     W, b = W0, B0
-    for r in range(1, 6):
+    for r, want in zip(range(1, 6), (1.0, 1.9, 2.0, 2.0, 2.0), strict=True):
         s.configure_round(r, (1, 2))
         offer(s, "a", (1.0, 0.0))
         W1, b1, _ = aggregate_checked(s, W, b)
-        assert update_norm(W1 - W, b1 - b) == pytest.approx(1.0, rel=1e-6)
+        assert update_norm(W1 - W, b1 - b) == pytest.approx(want, rel=1e-6)
         W, b = W1, b1
-    np.testing.assert_allclose(W, [[5.0, 0.0]], rtol=1e-5)
+    np.testing.assert_allclose(W, [[8.9, 0.0]], rtol=1e-5)
     sW, sb = clip_step(np.array([[3.0]], np.float32), np.array([4.0], np.float32), 1.0)
     np.testing.assert_allclose([sW[0, 0], sb[0]], [0.6, 0.8], rtol=1e-6)
     sW, sb = clip_step(np.array([[3.0]], np.float32), np.array([4.0], np.float32), math.inf)

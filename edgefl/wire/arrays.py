@@ -83,13 +83,7 @@ def encode_array(a: npt.NDArray[Any]) -> cbor2.CBORTag:
 
 
 def read_shape(obj: object, name: str, limits: Limits) -> tuple[int, ...]:
-    """Check a decoded shape: 1 to 4 integer dimensions >= 1 whose product fits ``limits``.
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type``, ``bad_shape``, ``too_large``.
-    """
+    """A decoded shape (1-4 integers >= 1, product within ``limits``): wrong_type, bad_shape, too_large."""
     if not isinstance(obj, list | tuple):
         raise DecodeError(Reason.WRONG_TYPE, f"{name}: shape is not an array")
     if not 1 <= len(obj) <= MAX_NDIM:
@@ -109,14 +103,8 @@ def decode_array(
     """Decode a tag-40 typed array, checking everything before allocating.
 
     ``dtypes`` are the accepted dtype names (big-endian tags of them too); ``name`` the field's dotted
-    name in error details. The result is writable, C-contiguous, owned, native byte order; a float
-    array is finite.
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type``, ``bad_shape``, ``too_large``, ``bad_dtype`` (a dtype not in ``dtypes``),
-        ``not_finite``.
+    name in details. The result is writable, C-contiguous, owned, native byte order, finite for floats.
+    DecodeError ``wrong_type``, ``bad_shape``, ``too_large``, ``bad_dtype``, ``not_finite``.
 
     Source: RFC 8746 §2.1, §3.1.1.
     """

@@ -105,14 +105,9 @@ def _head(major: int, argument: int) -> bytes:
 def dumps(obj: object) -> bytes:
     """Encode a message with CBOR's preferred serialization of floats; the key order is kept.
 
-    A float takes the shortest of half, single and double precision that holds it exactly, at any
-    depth; map keys keep their order (a signed message's ``"signature"`` stays last), unlike
-    ``cbor2.dumps(..., canonical=True)``; every other item is cbor2's own encoding.
-
-    Raises
-    ------
-    cbor2.CBOREncodeError
-        For a value cbor2 cannot encode.
+    A float takes the shortest of half, single and double precision that holds it exactly; map keys
+    keep their order (a signed message's ``"signature"`` stays last); the rest is cbor2's encoding.
+    Raises cbor2.CBOREncodeError for a value cbor2 cannot encode.
 
     Source: RFC 8949 §4.1 (preferred serialization), §3.3 (floating-point numbers).
     """
@@ -181,14 +176,9 @@ class Scanned:
 def scan(payload: bytes, limits: Limits) -> Scanned:
     """Check a received message's size and walk its CBOR item headers once, building no object.
 
-    Step 2 of ``docs/protocol.md`` ("Decoding"): what cbor2 would otherwise turn into memory or
-    surprises is refused. The result carries the top-level values a signature check needs.
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type`` (not bytes, or a non-text key), ``too_large``, ``bad_cbor``, ``too_deep``,
-        ``bad_value`` (long text), ``trailing_bytes``.
+    Step 2 of ``docs/protocol.md`` ("Decoding"); the result carries the top-level values a signature
+    check needs. DecodeError ``wrong_type``, ``too_large``, ``bad_cbor``, ``too_deep``, ``bad_value``
+    (long text), ``trailing_bytes``.
 
     Source: RFC 8949 §3 (initial byte, argument), §3.2 (indefinite lengths), §3.3 (simple values).
     """
@@ -237,17 +227,18 @@ def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
         items += 1
         if items > max_items:
             raise DecodeError(Reason.TOO_LARGE, f"more than {max_items} data items")
+        if major == 2 or major == 3:
+            if arg > size - pos:
+                raise DecodeError(
+                    Reason.BAD_CBOR, f"string of {arg} bytes at byte {pos - 1} runs past the end"
+                )
+            if major == 3 and arg > max_string:
+                raise DecodeError(Reason.BAD_VALUE, f"text string of {arg} bytes > {max_string}")
         if left:
             keys = keysets[-1]
             if keys is not None and not left[-1] & 1:  # a map key: an even count of children left
                 if major != 3:
                     raise DecodeError(Reason.WRONG_TYPE, f"map key at byte {pos - 1} is not a text string")
-                if arg > size - pos:
-                    raise DecodeError(
-                        Reason.BAD_CBOR, f"string of {arg} bytes at byte {pos - 1} runs past the end"
-                    )
-                if arg > max_string:
-                    raise DecodeError(Reason.BAD_VALUE, f"text string of {arg} bytes > {max_string}")
                 key = data[pos : pos + arg]
                 if key in keys:  # checked here, not by cbor2: cbor2 5.x has no allow_duplicate_keys
                     raise DecodeError(
@@ -259,21 +250,12 @@ def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
                 pos += arg
                 left[-1] -= 1  # a key never completes its map
                 continue
-            if keys is not None and len(left) == 1:
+            if keys is not None and len(left) == 1 and (major == 0 or major == 3):
                 # a value of the top-level map (a key that is not UTF-8 is refused by cbor2 later;
                 # here it only must not raise)
-                if major == 0:
-                    found[top_key.decode("utf-8", "replace")] = arg
-                elif major == 3 and arg <= min(size - pos, max_string):
-                    text = data[pos : pos + arg].decode("utf-8", "replace")
-                    found[top_key.decode("utf-8", "replace")] = text
+                value = arg if major == 0 else data[pos : pos + arg].decode("utf-8", "replace")
+                found[top_key.decode("utf-8", "replace")] = value
         if major == 2 or major == 3:
-            if arg > size - pos:
-                raise DecodeError(
-                    Reason.BAD_CBOR, f"string of {arg} bytes at byte {pos - 1} runs past the end"
-                )
-            if major == 3 and arg > max_string:
-                raise DecodeError(Reason.BAD_VALUE, f"text string of {arg} bytes > {max_string}")
             pos += arg
         elif major == 4 or major == 5:
             if arg > max_elements:
@@ -314,12 +296,8 @@ def _scan(data: bytes, limits: Limits) -> dict[str, int | str]:
 def load(payload: bytes | Scanned, limits: Limits) -> object:
     """Decode one CBOR item from the network: size check, :func:`scan`, then strict cbor2.
 
-    A ``payload`` scanned under the same ``limits`` is not scanned again.
-
-    Raises
-    ------
-    DecodeError
-        The reasons of :func:`scan`; ``bad_cbor`` for what cbor2 refuses (e.g. invalid UTF-8).
+    A ``payload`` scanned under the same ``limits`` is not scanned again. DecodeError with the reasons
+    of :func:`scan`, ``bad_cbor`` for what cbor2 refuses (e.g. invalid UTF-8).
     """
     if isinstance(payload, Scanned) and payload.limits == limits:
         data = payload.data
@@ -341,20 +319,8 @@ def load_message(
 ) -> dict[str, Any]:
     """Decode a message's envelope and check its keys: steps 1-4 of ``docs/protocol.md`` ("Decoding").
 
-    Parameters
-    ----------
-    payload : bytes or Scanned
-        The received bytes, or their :func:`scan` (see :func:`load`).
-    limits : Limits
-    kind : MessageType
-        The type expected on this topic.
-    required, optional : tuple[str, ...]
-        The message's keys beside ``v`` and ``type`` (see :func:`check_keys`).
-
-    Returns
-    -------
-    dict[str, Any]
-        The decoded map, its values not read yet (the ``read_*`` helpers do).
+    ``payload`` may be its :func:`scan`; ``required``/``optional`` are the keys beside ``v`` and
+    ``type`` (:func:`check_keys`). Returns the decoded map, its values not read yet (``read_*`` do).
 
     Raises
     ------
@@ -388,12 +354,8 @@ def check_keys(
 ) -> dict[str, Any]:
     """Return ``obj`` if it is a map holding every ``required`` key and no key beyond ``optional``.
 
-    ``where`` is the map's dotted name in error details (``""``: the message itself).
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type`` (not a map), ``unknown_key``, ``missing_key``.
+    ``where`` is the map's dotted name in details (``""``: the message); DecodeError ``wrong_type``,
+    ``unknown_key`` or ``missing_key`` otherwise.
     """
     if not isinstance(obj, dict):
         raise DecodeError(
@@ -410,13 +372,7 @@ def check_keys(
 
 
 def read_int(obj: Mapping[str, Any], key: str, where: str, lo: int = 0, hi: int = INT_MAX) -> int:
-    """Read ``obj[key]`` as an integer in ``[lo, hi]`` (``bool`` is not an integer here).
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type``, ``bad_value`` (out of range).
-    """
+    """Read ``obj[key]`` as an integer in ``[lo, hi]`` (not a ``bool``): ``wrong_type``, ``bad_value``."""
     value = obj[key]
     name = f"{where}.{key}" if where else key
     if type(value) is not int:  # bool is an int subclass: rejected here on purpose
@@ -438,10 +394,7 @@ def read_float(
 ) -> float:
     """Read ``obj[key]`` as a finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``); ints accepted.
 
-    Raises
-    ------
-    DecodeError
-        ``wrong_type``, ``not_finite``, ``bad_value`` (out of range, integer above 2**53).
+    DecodeError ``wrong_type``, ``not_finite`` or ``bad_value`` (out of range, an integer above 2**53).
     """
     value = obj[key]
     name = f"{where}.{key}" if where else key
@@ -460,13 +413,7 @@ def read_float(
 
 
 def read_text(obj: Mapping[str, Any], key: str, where: str, pattern: re.Pattern[str]) -> str:
-    """Read ``obj[key]`` as a text string that fully matches ``pattern``.
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type``, ``bad_value`` (no match; the detail shows at most 64 printable characters).
-    """
+    """Read ``obj[key]`` as text fully matching ``pattern``: ``wrong_type``, ``bad_value`` (64 shown)."""
     value = obj[key]
     name = f"{where}.{key}" if where else key
     if type(value) is not str:
@@ -477,13 +424,7 @@ def read_text(obj: Mapping[str, Any], key: str, where: str, pattern: re.Pattern[
 
 
 def read_choice(obj: Mapping[str, Any], key: str, choices: type[_Choice]) -> _Choice:
-    """Read ``obj[key]`` as a value of the text enum ``choices``.
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type`` (not text), ``bad_value`` (not one of the values).
-    """
+    """Read ``obj[key]`` as a value of the text enum ``choices``; else ``wrong_type``, ``bad_value``."""
     value = obj[key]
     if type(value) is not str:
         raise DecodeError(Reason.WRONG_TYPE, f"{key}: expected a text string, got {type(value).__name__}")
@@ -495,12 +436,9 @@ def read_choice(obj: Mapping[str, Any], key: str, choices: type[_Choice]) -> _Ch
 
 
 def read_device_id(value: object, name: str) -> str:
-    """Check a decoded value is a device id (:func:`edgefl.validators.check_device_id`); return it.
+    """Return a decoded value if it is a device id (:func:`~edgefl.validators.check_device_id`).
 
-    Raises
-    ------
-    DecodeError
-        ``wrong_type``, ``bad_value``.
+    DecodeError ``wrong_type`` or ``bad_value`` otherwise.
     """
     if type(value) is not str:
         raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a text string, got {type(value).__name__}")
@@ -511,12 +449,9 @@ def read_device_id(value: object, name: str) -> str:
 
 
 def read_signature(obj: Mapping[str, Any], limits: Limits) -> bytes:
-    """Read the optional ``"signature"`` byte string of a message (``b""`` when absent).
+    """The message's optional ``"signature"`` bytes (``b""`` if absent), at most ``max_string_bytes``.
 
-    Raises
-    ------
-    DecodeError
-        ``wrong_type``, ``bad_value`` (longer than ``limits.max_string_bytes``).
+    DecodeError ``wrong_type`` or ``bad_value`` otherwise.
     """
     if "signature" not in obj:
         return b""

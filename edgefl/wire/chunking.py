@@ -156,12 +156,8 @@ def decode_chunk(
 ) -> Chunk:
     """Decode and validate one chunk of at most ``max_chunk_bytes``, its message of ``max_message_bytes``.
 
-    Raises
-    ------
-    DecodeError
-        The decoders' reasons (``REASONS``) for malformed CBOR or fields; ``too_large`` if ``size`` exceeds
-        ``max_message_bytes``; ``bad_chunk`` if ``index >= count``, ``count > size`` or the data is
-        empty or longer than ``size``.
+    DecodeError: the decoders' reasons; ``too_large`` for a ``size`` over ``max_message_bytes``;
+    ``bad_chunk`` if ``index >= count``, ``count > size``, or the data is empty or longer than ``size``.
     """
     limits = Limits(max_message_bytes=max_chunk_bytes, max_depth=2, max_array_elements=16, max_items=32)
     obj = load_message(payload, limits, MessageType.CHUNK, _KEYS)
@@ -195,30 +191,11 @@ def split_message(
 ) -> list[bytes]:
     """Cut ``payload`` into chunk messages whose PUBLISH packets on ``topic`` fit ``max_packet_bytes``.
 
-    Parameters
-    ----------
-    payload : bytes
-        The whole encoded message, >= 1 byte.
-    topic : str
-    max_packet_bytes : int
-    msg_id : str, optional
-        Id shared by the chunks (e.g. the ``update_id``: re-sent after a restart, it lets the
-        receiver complete a half-received set); a random UUID by default.
-    qos : int
-    mqtt5 : bool
-        As :func:`publish_overhead`.
-
-    Returns
-    -------
-    list[bytes]
-        ``[payload]`` unchanged if its packet already fits, else the encoded chunks in index order,
-        each verified to fit.
-
-    Raises
-    ------
-    ValueError
-        If ``payload`` is empty, ``msg_id`` is invalid, or the limit is too small to carry even one
-        data byte per chunk.
+    Returns ``[payload]`` if its packet fits, else the chunks in index order, each checked to fit.
+    ``msg_id`` is shared by the chunks (e.g. the ``update_id``: re-sent after a restart, the receiver
+    completes a half-received set; default a random UUID); ``qos`` and ``mqtt5`` as
+    :func:`publish_overhead`. ValueError for an empty ``payload``, an invalid ``msg_id``, or a limit too
+    small for one data byte a chunk.
     """
     if not payload:
         raise ValueError("cannot split an empty message")
@@ -281,24 +258,10 @@ CHUNK_ENTRY_BYTES = 128
 class Reassembler:
     """Collects chunks into whole messages, with bounded memory and expiry.
 
-    Parameters
-    ----------
-    max_sets : int
-        Most partial messages held at once; a new set evicts the least recently active one.
-    max_total_bytes : int
-        Bound on what all partial messages reserve (``CHUNK_ENTRY_BYTES``), >= ``max_message_bytes``;
-        new sets evict the least recently active ones until they fit.
-    max_message_bytes, max_chunk_bytes : int
-        Largest whole message and chunk payload accepted.
-    expiry_s : float
-        A set with no new chunk for this many seconds is abandoned.
-    clock : callable
-        Monotonic seconds.
-
-    Raises
-    ------
-    ValueError
-        If a bound is invalid.
+    At most ``max_sets`` partial messages reserving at most ``max_total_bytes`` (>= ``max_message_bytes``;
+    :data:`CHUNK_ENTRY_BYTES` a chunk beside the data) are held: a new set evicts the least recently
+    active ones. ``max_message_bytes``/``max_chunk_bytes`` bound what is accepted; a set with no chunk for
+    ``expiry_s`` seconds (``clock``: monotonic) is abandoned. ValueError for an invalid bound.
     """
 
     def __init__(
@@ -365,19 +328,14 @@ class Reassembler:
     def feed(self, key: str, payload: bytes) -> bytes | None:
         """Add one chunk from ``key`` (sets of different keys never mix); the whole message once complete.
 
-        Returns
-        -------
-        bytes or None
-            The message (SHA-256 verified) when this chunk completed its set; None while incomplete,
-            or for a repeated chunk of a set in progress or recently completed.
+        None while incomplete, or for a repeated chunk of a set in progress or recently completed.
 
         Raises
         ------
         DecodeError
-            As :func:`decode_chunk`; ``chunk_conflict`` if the chunk disagrees with its set (count,
-            size, sha256, or different data for an index already held); ``bad_chunk`` if the data
-            would exceed the declared size; ``bad_checksum`` if the complete set does not match its
-            SHA-256 (the set is dropped).
+            As :func:`decode_chunk`; ``chunk_conflict`` if the chunk disagrees with its set; ``bad_chunk``
+            if the data would exceed the declared size; ``bad_checksum`` if the complete set does not match
+            its SHA-256 (the set is dropped).
         """
         self.expire()
         c = decode_chunk(

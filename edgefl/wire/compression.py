@@ -105,13 +105,7 @@ def _deflate(raw: bytes) -> bytes:
 
 
 def _inflate(packed: object, count: int, name: str) -> bytes:
-    """Inflate a raw deflate stream that must give exactly ``count`` bytes, never more than count + 1.
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type`` (not a byte string), ``bad_value`` (not a raw deflate stream, or another length).
-    """
+    """Inflate a raw deflate stream to exactly ``count`` bytes (never more than count + 1 come out)."""
     if type(packed) is not bytes:
         raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a byte string, got {type(packed).__name__}")
     unpacker = zlib.decompressobj(_DEFLATE_WBITS)
@@ -177,31 +171,13 @@ def compress_delta(
     topk_fraction: float = 0.1,
     rng: np.random.Generator | None = None,
 ) -> dict[str, object]:
-    """Encode one delta array as its wire sub-map (layouts: ``docs/protocol.md``, "Delta layouts").
+    """Encode one finite delta float32 [...] (1-4 dims) as its wire sub-map (``docs/protocol.md``).
 
     Rounding to int8 is to nearest (deterministic: the sender knows what the receiver decodes; error
     feedback removes its bias); with ``rng`` it is stochastic and unbiased, for use without it.
-
-    Parameters
-    ----------
-    delta : float32 [...], 1 to 4 dimensions
-        Dense delta, finite.
-    compression : Compression
-    topk_fraction : float
-        Fraction in (0, 1] kept by ``topk``/``topk-int8``.
-    rng : numpy.random.Generator, optional
-        Enables stochastic rounding for ``int8``/``topk-int8``.
-
-    Returns
-    -------
-    dict[str, object]
-        The sub-map, ready for :func:`~edgefl.wire.cbor.dumps`.
-
-    Raises
-    ------
-    ValueError
-        If ``delta`` is not finite, has 0 or > 4 dimensions, is empty, or has more than 2**32
-        elements (top-k), or ``topk_fraction`` is not in (0, 1].
+    ``topk_fraction`` in (0, 1] is what ``topk``/``topk-int8`` keep. The sub-map is ready for
+    :func:`~edgefl.wire.cbor.dumps`. ValueError if ``delta`` is not finite, has 0 or > 4 dimensions, is
+    empty, or has more than 2**32 elements (top-k), or ``topk_fraction`` is outside (0, 1].
 
     Source: Alistarh et al. 2017, QSGD (stochastic rounding); Jacob et al. 2018 (per-channel int8);
     Aji & Heafield 2017 and Stich et al. 2018 (top-k sparsification with error feedback); RFC 1951
@@ -297,31 +273,13 @@ def decompress_delta(
     compression: Compression | None = None,
     name: str = "delta",
 ) -> F32:
-    """Decode one delta sub-map (see :func:`compress_delta`) into a dense float32 array.
+    """Decode one delta sub-map (see :func:`compress_delta`) into a dense float32 [shape].
 
-    Parameters
-    ----------
-    obj : object
-        What cbor2 decoded for the sub-map.
-    shape : tuple[int, ...] or None
-        Expected shape; None accepts the wire's (still bounded by ``limits``).
-    limits : Limits
-    compression : Compression, optional
-        If given, the sub-map's layout must be this one.
-    name : str
-        Dotted field name used in error details.
-
-    Returns
-    -------
-    float32 [shape]
-        Dense, writable, C-contiguous, owned, finite.
-
-    Raises
-    ------
-    DecodeError
-        The decoding reasons of ``docs/protocol.md`` ("Refusals"): ``bad_value`` for another layout
-        than ``compression``, a negative scale or a bad deflate stream, ``bad_indices`` for top-k
-        positions that break their rules.
+    ``shape`` None accepts the wire's (bounded by ``limits``); with ``compression`` the layout must be
+    that one; ``name`` is the field's dotted name in details. The array is writable, C-contiguous,
+    owned and finite. DecodeError with the decoding reasons of ``docs/protocol.md`` ("Refusals"):
+    ``bad_value`` for another layout, a negative scale or a bad deflate stream, ``bad_indices`` for
+    top-k positions that break their rules.
     """
     if not isinstance(obj, dict):
         raise DecodeError(Reason.WRONG_TYPE, f"{name}: expected a map, got {type(obj).__name__}")

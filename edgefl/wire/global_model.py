@@ -148,14 +148,9 @@ def decode_global_model(
 def resolve_global_head(gm: GlobalModel, held_version: int, held_W: F32, held_b: F32) -> GlobalModel:
     """Turn a decoded GlobalModel into the full float32 head a device applies and stores.
 
-    ``held_W`` float32 [D, K] and ``held_b`` float32 [K] are the head of ``held_version`` the device
-    holds. The result is a float32 full head (``held + delta`` for a delta head), the rest as received.
-
-    Raises
-    ------
-    DecodeError
-        ``stale_base`` (a delta from a version the device does not hold: it takes the retained full
-        head instead), ``bad_shape`` (delta and held head differ), ``not_finite`` (the sum overflows).
+    ``held_W`` float32 [D, K] and ``held_b`` [K] are the head of ``held_version`` the device holds; a
+    delta head is added to it in float32. DecodeError ``stale_base`` (a delta from another version: the
+    device takes the retained full head instead), ``bad_shape``, ``not_finite`` (the sum overflows).
     """
     if gm.base_version is None:
         return replace(gm, layout=HeadLayout.FLOAT32)

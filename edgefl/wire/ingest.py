@@ -120,14 +120,9 @@ def decode_sample(
 ) -> Sample:
     """Decode and validate a :class:`Sample` against the device's model.
 
-    ``x`` must have ``sample_shape`` and ``dtype`` when given (else any raw dtype), ``label`` be in
-    [0, K) for ``num_classes`` K (0/1 when K = 1). The sample's ``x`` is writable, owned, native order.
-
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"): ``bad_shape`` and ``bad_dtype`` for an ``x``
-        that is not the model's, ``bad_label`` for a label outside [0, K), ``bad_value`` for a bad id.
+    ``x`` must have ``sample_shape`` and ``dtype`` when given (else any raw dtype) and comes writable,
+    owned, native order; ``label`` must be in [0, K) for ``num_classes`` K (0/1 when K = 1). DecodeError:
+    ``bad_shape``/``bad_dtype`` for an ``x`` not the model's, ``bad_label``, ``bad_value`` for a bad id.
     """
     obj = load_message(payload, limits, MessageType.SAMPLE, ("id", "x"), ("label", "ts"))
     sample_id = read_text(obj, "id", "", SAMPLE_ID_RE)
@@ -153,13 +148,7 @@ def encode_label(msg: Label) -> bytes:
 
 
 def decode_label(payload: bytes, *, limits: Limits = DEFAULT_LIMITS, num_classes: int | None = None) -> Label:
-    """Decode and validate a :class:`Label` (in [0, K) for ``num_classes`` K, 0/1 when K = 1).
-
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_label`` for a label outside [0, K).
-    """
+    """Decode and validate a :class:`Label`: ``bad_label`` outside [0, K) (``num_classes``; 0/1 if K = 1)."""
     obj = load_message(payload, limits, MessageType.LABEL, ("id", "label"), ("ts",))
     return Label(
         id=read_text(obj, "id", "", SAMPLE_ID_RE), label=_read_label(obj, num_classes), ts=_read_ts(obj)

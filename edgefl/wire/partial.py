@@ -94,13 +94,8 @@ def decode_partial(
     """Decode and validate a :class:`Partial`, its arrays float64 (finite, owned).
 
     ``payload`` may be its :func:`~edgefl.wire.cbor.scan`; ``expect_shape`` is the global head's (D, K).
-
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for a field breaking its bound
-        there (``combine``, ``count``, the update ids, ``weight``, ``clipped``, an empty partial's
-        arrays); ``bad_dtype`` for arrays that are not float64.
+    DecodeError: the reasons of ``docs/protocol.md`` ("Refusals"), ``bad_value`` for a field breaking its
+    bound there, ``bad_dtype`` for arrays that are not float64.
     """
     keys = ("round", "base_version", "site", "partial_id", "combine", "count", "weight", "clipped")
     obj = load_message(payload, limits, MessageType.PARTIAL, (*keys, "update_ids", "W", "b"), ("signature",))

@@ -58,13 +58,7 @@ def encode_presence(msg: Presence) -> bytes:
 
 
 def decode_presence(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS) -> Presence:
-    """Decode and validate a :class:`Presence`.
-
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"): e.g. ``unknown_key``, ``bad_value``.
-    """
+    """Decode and validate a :class:`Presence` (DecodeError: the reasons of ``docs/protocol.md``)."""
     keys = ("instance", "host", "pid", "started", "seq", "heartbeat_s")
     obj = cbor.load_message(payload, limits, cbor.MessageType.PRESENCE, keys)
     return Presence(
@@ -78,13 +72,7 @@ def decode_presence(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS
 
 
 def read_new_samples(fields: Mapping[str, object]) -> int | None:
-    """The ``new_samples`` field of a DeviceStatus's ``fields`` (None when the device does not report it).
-
-    Raises
-    ------
-    DecodeError
-        ``wrong_type`` (not an integer) or ``bad_value`` (negative).
-    """
+    """A DeviceStatus's ``fields["new_samples"]`` (None if absent); else ``wrong_type``, ``bad_value``."""
     value = fields.get(NEW_SAMPLES_FIELD)
     if value is None:
         return None

@@ -205,23 +205,10 @@ def encode_update(
 ) -> bytes:
     """Encode an :class:`Update`, compressing its deltas per ``msg.compression`` (or taking them compressed).
 
-    Parameters
-    ----------
-    msg : Update
-        Finite deltas.
-    rng : numpy.random.Generator, optional
-        Stochastic rounding for int8 layouts (W is compressed before b).
-    topk_fraction : float
-        Fraction kept by ``topk``/``topk-int8`` (the round's).
-    compressed : CompressedDelta, optional
-        The deltas already compressed (by error feedback): written as they are, ``rng``,
-        ``topk_fraction`` and the message's deltas unused; the bytes are those the dense deltas give.
-
-    Raises
-    ------
-    ValueError
-        As :func:`edgefl.wire.compression.compress_delta` (non-finite delta, bad fraction), or
-        ``compressed`` is in another layout than ``msg.compression``.
+    ``rng`` makes int8 rounding stochastic (W compressed before b); ``topk_fraction`` is the round's.
+    ``compressed`` (from error feedback) is written as it is, ``rng``, ``topk_fraction`` and the
+    message's deltas unused: the same bytes the dense deltas give. ValueError as
+    :func:`~edgefl.wire.compression.compress_delta`, or for ``compressed`` in another layout.
     """
     mode = Compression(msg.compression)
     if compressed is None:  # W before b: the order stochastic rounding draws in (as compress_head_delta)

@@ -238,11 +238,8 @@ def _decode_text(text: str, prefix: bytes, kind: str) -> bytes:
 def parse_signing_key(text: str) -> SigningKey:
     """Parse a private key's text: 64 hex digits (the seed) or PKCS #8 PEM ``PRIVATE KEY``.
 
-    Raises
-    ------
-    ValueError
-        Saying what the text is instead (a public key, an encrypted or non-Ed25519 PEM block, a wrong
-        number of hex digits); the message never contains key material.
+    ValueError saying what the text is instead (a public key, an encrypted or non-Ed25519 PEM block, a
+    wrong number of hex digits), never quoting key material.
 
     Source: RFC 8410 §7, §10.3.
     """
@@ -252,12 +249,7 @@ def parse_signing_key(text: str) -> SigningKey:
 def parse_verify_key(text: str) -> VerifyKey:
     """Parse a public key (profile value or ``.pub`` text): 64 hex digits or SPKI PEM ``PUBLIC KEY``.
 
-    Raises
-    ------
-    ValueError
-        As :func:`parse_signing_key` (a private key, another algorithm...), never quoting the key.
-
-    Source: RFC 8410 §4, §10.1.
+    ValueError as :func:`parse_signing_key`. Source: RFC 8410 §4, §10.1.
     """
     return VerifyKey(_decode_text(text, _SPKI_PREFIX, "public key"))
 
@@ -285,22 +277,11 @@ def public_pem(key: VerifyKey) -> str:
 
 
 def write_key_pair(directory: Path, name: str) -> tuple[Path, Path, SigningKey]:
-    """Generate a key pair and write ``<name>.key`` (PKCS #8 PEM, mode 0600) and ``<name>.pub`` (SPKI PEM).
+    """Generate a key pair: ``<name>.key`` (PKCS #8 PEM, mode 0600) and ``<name>.pub`` (SPKI PEM).
 
-    The private key file is owner-only from its creation (``O_EXCL``) and fsynced; an existing file
-    is never replaced.
-
-    Parameters
-    ----------
-    directory : Path
-        Folder for the two files (created, mode 0700, if missing).
-    name : str
-        File stem: a device id (``device_keys_dir`` names ``<device>.pub``), ``coordinator``, a site.
-
-    Returns
-    -------
-    tuple[Path, Path, SigningKey]
-        The private key file, the public key file and the key.
+    The private key file is owner-only from its creation (``O_EXCL``) and fsynced; ``directory`` is
+    created (0700) if missing; ``name`` is a file stem (a device id, ``coordinator``, a site). Returns
+    the two paths and the key.
 
     Raises
     ------
@@ -336,14 +317,9 @@ MAX_KEY_FILE_BYTES = 16 * 1024
 
 
 def read_key_text(path: Path, what: str) -> str:
-    """The text of a key file, read only when it is a regular file of at most :data:`MAX_KEY_FILE_BYTES`.
+    """The text of a key file, read only if it is a regular file of at most :data:`MAX_KEY_FILE_BYTES`.
 
-    Raises
-    ------
-    OSError
-        If the file cannot be read.
-    ValueError
-        If it is not a regular file, is larger than the bound, or is not ASCII text.
+    OSError if it cannot be read; ValueError if it is not a regular file, too large, or not ASCII.
     """
     with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
         st = os.fstat(f.fileno())
@@ -359,14 +335,9 @@ def read_key_text(path: Path, what: str) -> str:
 
 
 def load_signing_key(path: Path) -> SigningKey:
-    """Load a private key file (see :func:`parse_signing_key`); warn if others can read it.
+    """Load a private key file (:func:`parse_signing_key`); warn if others can read it.
 
-    Raises
-    ------
-    OSError
-        If the file cannot be read.
-    ValueError
-        If it holds no Ed25519 private key (the path is named, the content never).
+    OSError if it cannot be read; ValueError (naming the path, never the content) without a key.
     """
     path = Path(path)
     mode = path.stat().st_mode
@@ -383,13 +354,7 @@ def load_signing_key(path: Path) -> SigningKey:
 
 
 def load_verify_key(path: Path) -> VerifyKey:
-    """Load a public key file (see :func:`parse_verify_key`).
-
-    Raises
-    ------
-    OSError, ValueError
-        If the file cannot be read or holds no Ed25519 public key.
-    """
+    """Load a public key file (:func:`parse_verify_key`); OSError or ValueError as above."""
     path = Path(path)
     text = read_key_text(path, "public key")
     try:
@@ -399,13 +364,7 @@ def load_verify_key(path: Path) -> VerifyKey:
 
 
 def load_verify_keys(directory: Path, suffix: str = ".pub") -> dict[str, VerifyKey]:
-    """Load every ``<device><suffix>`` of a directory: the coordinator's device key ring, by device id.
-
-    Raises
-    ------
-    OSError, ValueError
-        If the directory or a key file cannot be read or parsed.
-    """
+    """Every ``<device><suffix>`` of a directory by device id: the key ring (OSError, ValueError)."""
     return {
         p.name[: -len(suffix)]: load_verify_key(p)
         for p in sorted(Path(directory).iterdir())
@@ -434,13 +393,7 @@ def is_signed(payload: bytes) -> bool:
 
 
 def unsigned_form(payload: bytes) -> bytes:
-    """The blank form of a signed payload: its 64 signature bytes replaced by :data:`PLACEHOLDER`.
-
-    Raises
-    ------
-    DecodeError
-        ``unsigned`` if ``payload`` does not end with a 64-byte ``"signature"`` entry.
-    """
+    """The blank form of a signed payload (its signature bytes as :data:`PLACEHOLDER`); else ``unsigned``."""
     if not is_signed(payload):
         raise DecodeError(Reason.UNSIGNED, "no 64-byte signature as the message's last entry")
     return bytes(payload[:-SIGNATURE_BYTES]) + PLACEHOLDER
@@ -453,11 +406,6 @@ class _Signed:
     round: int
     version: int
     device: str
-
-
-def _signed_fields(blank: bytes, limits: Limits) -> _Signed:
-    """Read v, type, round, version and device from the blank form's headers (nothing is decoded)."""
-    return _signed_header(scan(blank, limits).header)
 
 
 def _signed_header(found: Mapping[str, int | str]) -> _Signed:
@@ -481,24 +429,16 @@ def _signed_header(found: Mapping[str, int | str]) -> _Signed:
 def sign_payload(blank: bytes, key: SigningKey, *, fleet: str) -> bytes:
     """Sign a blank form (a message encoded with :data:`PLACEHOLDER` as its last entry) for ``fleet``.
 
-    Returns
-    -------
-    bytes
-        The message with the signature in place of the placeholder (same length as ``blank``).
-
-    Raises
-    ------
-    ValueError
-        If ``blank`` does not end with the placeholder signature, is of another schema than
-        :data:`~edgefl.wire.cbor.SCHEMA_VERSION`, is not a GlobalModel, RoundAnnouncement, Update,
-        Decline or Partial, or lacks its round or version.
+    Returns the message with the signature in place of the placeholder. ValueError if ``blank`` does
+    not end with the placeholder, is of another schema, is not a signed kind, or lacks its round or
+    version.
     """
     if not is_signed(blank) or bytes(blank[-SIGNATURE_BYTES:]) != PLACEHOLDER:
         raise ValueError(
             "the message must end with a 64-byte zero 'signature' placeholder (signature=PLACEHOLDER)"
         )
     try:
-        fields = _signed_fields(bytes(blank), NO_LIMITS)
+        fields = _signed_header(scan(bytes(blank), NO_LIMITS).header)
     except DecodeError as exc:
         raise ValueError(f"cannot sign this message: {exc}") from exc
     if fields.schema != SCHEMA_VERSION:
@@ -539,30 +479,18 @@ def verify_payload(
 ) -> None:
     """Check a payload's signature against ``key`` and the context it arrived in, before decoding it.
 
-    Parameters
-    ----------
-    payload : bytes or Scanned
-        The received message, or its :func:`~edgefl.wire.cbor.scan` (not scanned again).
-    key : VerifyKey
-        The sender's public key.
-    fleet : str
-        This peer's fleet.
-    kind : MessageType or str
-        The type the topic carries.
-    device : str
-        For an Update or Decline, the device its topic names (for a Partial, the site).
-    limits : Limits
-        Bounds of the header scan.
+    ``payload`` may be its :func:`~edgefl.wire.cbor.scan`; ``fleet`` is this peer's; ``kind`` the type
+    the topic carries; ``device`` the device (for a Partial, the site) the topic names, for the kinds
+    that bind a sender; ``limits`` bound the header scan.
 
     Raises
     ------
     DecodeError
-        ``unsigned`` (no 64-byte signature as the last entry, e.g. a message from an old or hostile
-        sender); ``bad_signature`` (wrong key, any byte changed, signed for another fleet, kind or
-        device, another schema than this peer's, or signed fields that cannot be read; the detail
-        says which).
+        ``unsigned`` (no 64-byte signature as the last entry); ``bad_signature`` (wrong key, a byte
+        changed, signed for another fleet, kind or device, another schema, or unreadable signed
+        fields; the detail says which).
     ValueError
-        If ``kind`` is not a signed kind, or is ``update`` (``partial``) without a ``device`` (site).
+        If ``kind`` is not signed, or binds a sender and ``device`` is empty.
     """
     expected = MessageType(kind)
     if expected not in SIGNED_KINDS:
@@ -571,11 +499,9 @@ def verify_payload(
         raise ValueError(f"verifying a {expected.value} needs the device (or site) its topic names")
     data = payload.data if isinstance(payload, Scanned) else payload
     blank = unsigned_form(data)
+    header = payload.header if isinstance(payload, Scanned) else None
     try:
-        if isinstance(payload, Scanned):
-            fields = _signed_header(payload.header)
-        else:
-            fields = _signed_fields(blank, limits)
+        fields = _signed_header(header if header is not None else scan(blank, limits).header)
     except DecodeError as exc:
         raise DecodeError(Reason.BAD_SIGNATURE, f"signed fields unreadable ({exc})") from exc
     if fields.schema != SCHEMA_VERSION:
