@@ -569,9 +569,11 @@ class Soak:
             text = _read(self.workdir / f"{dev}.log")
             acked |= {(dev, int(r)) for r in re.findall(r"round (\d+): sent update", text)}
         coord_log = _read(self.workdir / "coordinator.log")
-        late = {
-            (d, int(r)) for d, r in re.findall(r"update from (\S+) for round (\d+) refused: late", coord_log)
-        }
+        # an update that came after its round closed (a device restarted mid-round) is refused with
+        # its reason, not lost: "rejected message on <prefix>/<fleet>/update/<dev> (N bytes):
+        # round_closed: round R is closed" (the coordinator logs the first 20 of a reason)
+        refused_late = r"/update/(\S+) \(\d+ bytes\): round_closed: round (\d+) is closed"
+        late = {(d, int(r)) for d, r in re.findall(refused_late, coord_log)}
         abandoned = {int(r) for r in re.findall(r"round (\d+) refused: abandoned", coord_log)}
         lost = sorted(k for k in acked - counted_keys if k not in late and k[1] not in abandoned)
         intro = self.introduced_round
