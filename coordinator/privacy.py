@@ -109,23 +109,9 @@ class PrivateSum:
     ) -> tuple[F32, F32]:
         """Return ``(sum + N(0, (z C)^2 I)) / expected_clients`` for W and b.
 
-        Parameters
-        ----------
-        noise_multiplier : float >= 0
-            z: noise standard deviation in units of ``clip_norm`` (0 = clipping only, no privacy).
-        expected_clients : float > 0
-            Expected number of updates per round (q x population), the fixed denominator.
-        rng : numpy.random.Generator
-            Noise source (``np.random.default_rng()`` draws its seed from the OS).
-
-        Returns
-        -------
-        (mean_dW float32 [D, K], mean_db float32 [K])
-
-        Raises
-        ------
-        ValueError
-            If ``noise_multiplier < 0`` or ``expected_clients <= 0``.
+        ``noise_multiplier`` z >= 0 (noise sd in units of ``clip_norm``; 0: clipping only);
+        ``expected_clients`` > 0, the fixed denominator; ``rng`` the noise source. Returns float32
+        (mean_dW [D, K], mean_db [K]); raises ValueError on a negative z or a denominator <= 0.
         """
         if noise_multiplier < 0 or expected_clients <= 0:
             raise ValueError(f"noise_multiplier = {noise_multiplier}, expected_clients = {expected_clients}")
@@ -181,15 +167,7 @@ def dp_epsilon(
         return 0.0
     if noise_multiplier == 0:
         return math.inf
-    import dp_accounting  # type: ignore[import-untyped, import-not-found, unused-ignore]
-
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier)),
-        rounds,
-    )
-    acc = dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else dp_accounting.pld.PLDAccountant()
-    acc.compose(event)
-    return float(acc.get_epsilon(delta))
+    return _account([(noise_multiplier, sampling_rate, rounds)], delta, accountant)
 
 
 def ledger_epsilon(
@@ -212,16 +190,21 @@ def ledger_epsilon(
         dp_epsilon(z, q, 0, delta)  # validates each run's values
         if z == 0:
             return math.inf
+    return _account(live, delta, accountant)
+
+
+def _account(runs: Sequence[tuple[float, float, int]], delta: float, accountant: str) -> float:
+    """Epsilon at ``delta`` of the runs ``(z, q, rounds)`` of a Poisson-sampled Gaussian, composed."""
     import dp_accounting  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
     events = [
         dp_accounting.SelfComposedDpEvent(
             dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), n
         )
-        for z, q, n in live
+        for z, q, n in runs
     ]
     acc = dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else dp_accounting.pld.PLDAccountant()
-    acc.compose(dp_accounting.ComposedDpEvent(events))
+    acc.compose(events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events))
     return float(acc.get_epsilon(delta))
 
 
