@@ -137,8 +137,7 @@ class FedAvgM(FedAvg):
         vW = bound_coordinates(vW, mean_dW, COORDINATE_FACTOR)  # the buffer itself: an
         vb = bound_coordinates(vb, mean_db, COORDINATE_FACTOR)  # unsupported direction fades
         self.server_state["v_W"], self.server_state["v_b"] = vW, vb
-        eta = np.float32(self.server_lr)
-        return (W + eta * vW).astype(np.float32), (b + eta * vb).astype(np.float32)
+        return super().step(W, b, vW, vb)
 
 
 class FedAdam(FedAvg):
