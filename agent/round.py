@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass
 from enum import StrEnum
 
-from edgefl.agent import estimates, heap
+from edgefl import heap
+from edgefl.agent import estimates
 from edgefl.agent.outbox import Dropped, OutboxEntry
 from edgefl.agent.personal import PersonalHeads
 from edgefl.agent.state import Answered, ProgressHook

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, Final, TypeVar
 
-from edgefl.agent import heap
+from edgefl import heap
 from edgefl.aio import within
 from edgefl.coordinator.hierarchy import RootCoordinator, SiteAggregator, SiteRecord
 from edgefl.coordinator.history import HISTORY_ROUNDS, RoundRecord
