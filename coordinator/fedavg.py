@@ -59,13 +59,8 @@ class RunningWeightedSum:
 class FedAvg(Strategy):
     """FedAvg with a server learning rate: ``W += server_lr * sum_k n_k dW_k / sum_k n_k``.
 
-    The accumulator is a weighted running sum (O(model) memory). Subclasses change only the
-    server step (``step``): FedAvgM, FedAdam, FedYogi; FedProx changes the clients' objective.
-
-    Parameters
-    ----------
-    **kwargs
-        As ``Strategy``.
+    The accumulator is a weighted running sum (O(model) memory); subclasses change only ``step``
+    (FedAvgM, FedAdam, FedYogi) or the clients' objective (FedProx). ``kwargs`` as ``Strategy``.
 
     Source: McMahan et al. 2017, Algorithm 1; server learning rate as in Reddi et al. 2021, Algorithm 1.
     """
@@ -117,8 +112,7 @@ class FedProx(FedAvg):
     Parameters
     ----------
     prox_mu : float >= 0
-        Proximal coefficient mu, sent to the devices in ``RoundConfig.prox_mu`` (RoundAnnouncement
-        ``prox_mu``); the server side is FedAvg's.
+        Proximal coefficient mu, sent to the devices in ``RoundConfig.prox_mu``.
     **kwargs
         As ``Strategy``.
 

@@ -27,21 +27,9 @@ from edgefl.types import F32
 def clip_update(delta_W: F32, delta_b: F32, clip_norm: float) -> tuple[F32, F32, float]:
     """Scale an update down so that the L2 norm of ``(delta_W, delta_b)`` is at most ``clip_norm``.
 
-    Parameters
-    ----------
-    delta_W : float32 [D, K]
-    delta_b : float32 [K]
-    clip_norm : float > 0
-        Bound C on the joint L2 norm.
-
-    Returns
-    -------
-    (clipped_W float32 [D, K], clipped_b float32 [K], norm before clipping : float)
-
-    Raises
-    ------
-    ValueError
-        If ``clip_norm <= 0`` or the update is not finite.
+    ``delta_W`` float32 [D, K], ``delta_b`` float32 [K], ``clip_norm`` C > 0. Returns (clipped_W,
+    clipped_b, the norm before clipping); raises ValueError if ``clip_norm <= 0`` or the update is not
+    finite.
 
     Source: Abadi et al. 2016, "Deep Learning with Differential Privacy", Algorithm 1 (clip step).
     """
@@ -131,29 +119,10 @@ def dp_epsilon(
 ) -> float:
     """Epsilon of ``rounds`` rounds of DP-FedAvg, client-level, at the given delta.
 
-    Parameters
-    ----------
-    noise_multiplier : float > 0
-        z (noise sd / clip norm).
-    sampling_rate : float in (0, 1]
-        q: probability that a device takes part in a round (1 = every device every round).
-    rounds : int >= 0
-        Rounds run.
-    delta : float in (0, 1)
-        Target delta (customarily < 1 / number of devices).
-    accountant : "rdp" | "pld"
-        ``dp_accounting``'s RDP accountant (as Opacus and TF Privacy) or PLD accountant (tighter).
-
-    Returns
-    -------
-    float: epsilon (``0.0`` for zero rounds, ``inf`` for ``noise_multiplier == 0``).
-
-    Raises
-    ------
-    ValueError
-        On out-of-range arguments.
-    ImportError
-        If ``dp-accounting`` is not installed (``pip install dp-accounting``).
+    ``noise_multiplier`` z >= 0 (noise sd / clip norm); ``sampling_rate`` q in (0, 1], the chance a
+    device takes part in a round; ``rounds`` >= 0; ``delta`` in (0, 1); ``accountant``: ``dp_accounting``'s
+    RDP (as Opacus and TF Privacy) or PLD (tighter). Returns epsilon (0.0 for zero rounds, inf for
+    z = 0). Raises ValueError on out-of-range arguments, ImportError without ``dp-accounting``.
 
     Source: Mironov 2017 (RDP); Mironov, Talwar, Zhang 2019 (RDP of the sampled Gaussian);
     Google ``dp-accounting`` (PoissonSampledDpEvent of a GaussianDpEvent, SelfComposedDpEvent).

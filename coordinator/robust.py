@@ -78,16 +78,9 @@ def trimmed_minimum(beta: float, tolerate: int) -> int:
 
 
 class _Robust(Strategy):
-    """Robust rules that need every update of a round at once: the accumulator is the round's updates.
+    """Robust rules that hold a round's updates (at most ``max_updates``; more are ``too_many``).
 
-    Memory is O(max_updates x model); devices are weighed alike whatever they claim (Yin et al. 2018).
-
-    Parameters
-    ----------
-    max_updates : int
-        Most updates held for one round; more are refused (``too_many``).
-    **kwargs
-        As ``Strategy``.
+    Devices are weighed alike whatever they claim (Yin et al. 2018); ``kwargs`` as ``Strategy``.
     """
 
     def __init__(self, *, max_updates: int = 64, **kwargs: Any) -> None:
