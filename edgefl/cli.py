@@ -514,7 +514,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="edgefl",
         description="edgefl: the federated-learning device agent, its coordinator and tools (run, "
-        "check-config, demo, coordinator, profile, memory-report, model, feed, wheelhouse, bridge-config).",
+        "check-config, demo, coordinator, profile, memory-report, model, feed, keys, wheelhouse, "
+        "bridge-config).",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     sub = p.add_subparsers(dest="command", required=True)
