@@ -262,6 +262,7 @@ class Governor:
         *,
         deferrable: bool | None = None,
         keep: Callable[[int], int] | None = None,
+        probe: bool = False,
     ) -> Admission:
         """Decide how much of a phase may run now.
 
@@ -286,6 +287,8 @@ class Governor:
         keep : callable(int) -> int, optional
             Bytes that must stay free under the budget beside the estimate at a given work size
             (not part of the estimate); default none.
+        probe : bool
+            Only tell: nothing is kept, counted or logged (a caller choosing between two asks).
 
         Returns
         -------
@@ -334,6 +337,8 @@ class Governor:
                     f"{self.min_system_available_bytes / MIB:.0f} MiB"
                 )
         decision = Admission(phase, granted, work, need, budget, rss, deferred, reason, time.time())
+        if probe:
+            return decision
         with self._lock:
             self.admissions[phase] = decision
             if deferred:
@@ -401,12 +406,14 @@ class Governor:
         num_examples: int,
         resident_rows: int = 0,
         personal: bool = False,
+        probe: bool = False,
     ) -> Admission:
         """Admit local training with ``chunk`` samples per store chunk (halved down to ``floor``).
 
         ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
         ``personal``: the personal head trains alongside (``train_local``'s ``personal``): its head and
-        gradient are counted too, as :func:`estimate_personal_bytes` counts them.
+        gradient are counted too, as :func:`estimate_personal_bytes` counts them. ``probe``: as
+        :meth:`admit`'s (nothing kept or counted).
         """
         first = self.phase_counts.get("train", 0) == 0
         heads = 2 * (dim * classes + classes) * 4 if personal else 0
@@ -416,7 +423,7 @@ class Governor:
                 n, dim, classes, batch_size, num_examples, first_run=first, resident_rows=resident_rows
             )
 
-        return self.admit("train", need, chunk, floor)
+        return self.admit("train", need, chunk, floor, probe=probe)
 
     def admit_personal(
         self,

@@ -18,7 +18,9 @@ import time
 from dataclasses import dataclass
 from enum import StrEnum
 
-from edgefl.agent import estimates, heap
+from edgefl import heap
+from edgefl.agent import estimates
+from edgefl.agent.governor import Admission
 from edgefl.agent.outbox import Dropped, OutboxEntry
 from edgefl.agent.personal import PersonalHeads
 from edgefl.agent.state import Answered, ProgressHook
@@ -261,21 +263,9 @@ class RoundAnswering(PersonalHeads):
         gov = self.governor
         D, K = head.shape
         pcfg = self.profile.personal
-        # the personal step rides on the round's batches when its epochs are the round's (softmax heads)
-        along = pcfg.enabled and K > 1 and pcfg.epochs in (0, ann.local_epochs)
-        adm = gov.admit_train(
-            cfg.chunk_size,
-            cfg.chunk_floor,
-            dim=D,
-            classes=K,
-            batch_size=ann.batch_size,
-            num_examples=len(self.store),
-            resident_rows=self.store.resident_rows,
-            personal=along,
-        )
-        if adm.deferred and along:
-            along = False  # no room for the personal head beside training: it trains alone, the step waits
-            adm = gov.admit_train(
+
+        def admit(personal: bool, probe: bool = False) -> Admission:
+            return gov.admit_train(
                 cfg.chunk_size,
                 cfg.chunk_floor,
                 dim=D,
@@ -283,7 +273,15 @@ class RoundAnswering(PersonalHeads):
                 batch_size=ann.batch_size,
                 num_examples=len(self.store),
                 resident_rows=self.store.resident_rows,
+                personal=personal,
+                probe=probe,
             )
+
+        # the personal step rides on the round's batches when its epochs are the round's (softmax
+        # heads) and its head fits beside training; otherwise it waits for a step of its own
+        along = pcfg.enabled and K > 1 and pcfg.epochs in (0, ann.local_epochs)
+        along = along and not admit(True, probe=True).deferred
+        adm = admit(along)
         if adm.deferred:
             return self._defer(ann, adm.reason)
         if self._progress is not None:

@@ -475,9 +475,9 @@ def train_local(
             np.matmul(e, final.W, out=zm)
             zm += final.b
             pred = zm.argmax(axis=1)
-            zm -= zm.max(axis=1, keepdims=True)
+            zm -= np.maximum.reduce(zm, axis=1, keepdims=True)
             np.exp(zm, out=zm)
-            zm /= zm.sum(axis=1, keepdims=True)
+            zm /= np.add.reduce(zm, axis=1, keepdims=True)
             py = zm[rows[:m], y]
             np.maximum(py, 1e-12, out=py)
             np.log(py, out=py)

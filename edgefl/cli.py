@@ -97,7 +97,8 @@ def _preflight(profile: Profile, *, warn_unloaded: bool = True) -> list[str]:
 
     if profile.dashboard.enabled:
         import edgefl.dashboard.app  # noqa: F401 - so is the device page's server (DashboardPage)
-    from edgefl.agent import estimates, heap, memstat
+    from edgefl import heap
+    from edgefl.agent import estimates, memstat
     from edgefl.agent.preflight import broker_warnings, preflight, training_warning
     from edgefl.runtime import Backbone, runtime_available
 
@@ -194,7 +195,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if profile is None:
         return EXIT_INVALID
     _setup_logging(args.log_level, profile.device.id)
-    from edgefl.agent import heap
+    from edgefl import heap
     from edgefl.agent.daemon import Agent
     from edgefl.agent.statelock import StateDirBusy, lock_state_dir
 
@@ -399,10 +400,11 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             print(f"  [strategy]/[robustness]/[privacy]: {exc}", file=sys.stderr)
             return EXIT_INVALID
         n = coordinator.rounds.count
-        rounds = f"{n} round{'' if n == 1 else 's'}" if n else "rounds until stopped"
+        name = coordinator.strategy.name
+        rounds = f"{n} round{'' if n == 1 else 's'} of {name}" if n else f"rounds of {name} until stopped"
         print(
-            f"{args.profile}: ok (coordinator of fleet {coordinator.fleet.name}, {rounds} of "
-            f"{coordinator.strategy.name}, role {_role(coordinator.hierarchy)}, {tolerance})"
+            f"{args.profile}: ok (coordinator of fleet {coordinator.fleet.name}, {rounds}, "
+            f"role {_role(coordinator.hierarchy)}, {tolerance})"
         )
         if args.print:
             print(json.dumps(SCHEMA.to_dict(coordinator), indent=2, default=str))
@@ -512,7 +514,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="edgefl",
         description="edgefl: the federated-learning device agent, its coordinator and tools (run, "
-        "check-config, demo, coordinator, profile, memory-report, model, feed, wheelhouse, bridge-config).",
+        "check-config, demo, coordinator, profile, memory-report, model, feed, keys, wheelhouse, "
+        "bridge-config).",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     sub = p.add_subparsers(dest="command", required=True)
