@@ -122,6 +122,9 @@ class DeviceRegistry:
         self.mismatches_total = 0  # devices seen with another model (the log names the first ones)
         self.rejected_by_device: dict[str, Counter[str]] = {}
         self.declined_by_device: dict[str, Counter[str]] = {}
+        # device → the last round its update was counted in (a status from before it says stale
+        # new-sample counts); seeded from the state file's counted rounds after a restart
+        self.trained_round: dict[str, int] = {}
         self._strangers: dict[str, None] = {}  # devices counted above that the registry does not hold
         self.on_mismatch: Callable[[str, str], None] | None = None
         self.changed = asyncio.Event()  # set by every status kept
@@ -216,6 +219,11 @@ class DeviceRegistry:
         self.rejected_by_device.pop(device, None)
         self.declined_by_device.pop(device, None)
         self.clipped.pop(device, None)
+        self.trained_round.pop(device, None)
+
+    def trained(self, device: str, round_no: int) -> None:
+        """``device``'s update was counted in round ``round_no``: what its older statuses report is spent."""
+        self.trained_round[device] = max(round_no, self.trained_round.get(device, 0))
 
     def expire(self, now: float) -> None:
         """Forget devices whose last status is older than ``expiry_s``."""
@@ -241,11 +249,19 @@ class DeviceRegistry:
         )
 
     def ready_new_samples(self) -> dict[str, int | None]:
-        """The ready devices (:meth:`online_devices`) and the new labelled samples each reports (or None)."""
+        """The ready devices (:meth:`online_devices`) and the new labelled samples each reports (or None).
+
+        A status whose ``round`` is older than the device's last counted round (:meth:`trained`) reports
+        samples that round trained on: 0.
+        """
         out: dict[str, int | None] = {}
         for dev in self.online_devices():
-            n = self.devices[dev].get("new_samples")
+            st = self.devices[dev]
+            n = st.get("new_samples")
             out[dev] = n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+            shown, trained = st.get("round"), self.trained_round.get(dev)
+            if out[dev] is not None and trained is not None and (not isinstance(shown, int) or shown < trained):
+                out[dev] = 0  # a status from before its last counted round (retained): trained on since
         return out
 
     async def wait_for_devices(self, n: int, timeout_s: float, key: str | None = "ready") -> list[str]:
