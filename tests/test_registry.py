@@ -16,7 +16,7 @@ import pytest
 from conftest import INT8_MODEL, Broker, wait_until
 
 from edgefl.coordinator.fedavg import FedAvg
-from edgefl.coordinator.registry import DeviceRegistry
+from edgefl.coordinator.registry import REASONS_KEPT, DeviceRegistry
 from edgefl.coordinator.service import Coordinator
 from edgefl.errors import DecodeError
 from edgefl.runtime import Backbone
@@ -128,3 +128,33 @@ def test_hostile_oversized_statuses_are_counted_and_the_coordinator_keeps_the_fl
     assert coord.registry.rejected_by_device["ghost-7"]["too_large"] == 1
     doc = coord.dashboard_status()
     assert {"by": "coordinator", "reason": "too_large", "count": 30, "detail": ""} in doc["refusals"]
+
+
+def test_hostile_status_of_invented_reasons_keeps_the_largest_and_the_page_rows_stay_right() -> None:
+    reg = _registry()
+    # hundreds of invented reasons (an agent has ~50): the largest REASONS_KEPT are kept with the status
+    counts: dict[str, Any] = {f"invented_{k:03d}": k + 1 for k in range(400)}
+    counts["bogus_text"] = "many"  # not a count: never kept, never a row
+    counts["<script>alert(1)</script>" + "z" * 200] = 10_000  # a reason is cut to 64 characters on the page
+    fields = {
+        "ready": True,
+        "rejected": counts,
+        "last_rejected": {"reason": "invented_399", "detail": "d" * 250},
+    }
+    reg.note_status("ghost-1", encode_status(DeviceStatus("ghost-1", "online", fields)))
+    reg.note_status("gw-1", encode_status(DeviceStatus("gw-1", "online", {"rejected": {"bad_label": 3}})))
+    kept = reg.devices["ghost-1"]["rejected"]
+    assert len(kept) == REASONS_KEPT
+    assert min(kept.values()) == 400 - REASONS_KEPT + 2  # the 63 largest invented ones and the script
+    assert "bogus_text" not in kept
+    rows = reg.refusals({"too_large": 2}, limit=3)
+    assert rows[0] == {"by": "coordinator", "reason": "too_large", "count": 2, "detail": ""}
+    assert [(r["by"], r["reason"], r["count"]) for r in rows[1:]] == [
+        ("ghost-1", ("<script>alert(1)</script>" + "z" * 200)[:64], 10_000),
+        ("ghost-1", "invented_399", 400),
+        ("ghost-1", "invented_398", 399),
+    ]
+    assert rows[2]["detail"] == "d" * 79 + "…"
+    assert [r for r in reg.refusals({}, limit=100) if r["by"] == "gw-1"] == [
+        {"by": "gw-1", "reason": "bad_label", "count": 3, "detail": ""}
+    ]
