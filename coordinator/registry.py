@@ -31,6 +31,8 @@ PAGE_DEVICES = 100
 PAGE_REASONS = 8
 #: Rows of devices' own refusals in the page's "rejected" box (the largest counts).
 PAGE_REFUSALS = 20
+#: Reasons of a device's own ``rejected`` map kept with its status (the largest counts; an agent has ~50).
+REASONS_KEPT = 64
 
 
 def shorten(text: str, limit: int = LOGGED_DETAIL_CHARS) -> str:
@@ -143,6 +145,12 @@ class DeviceRegistry:
             raise DecodeError("wrong_device", f"status names device {status.device!r} on status/{device}")
         read_new_samples(status.fields)  # a bad count refuses the status (bad_value, wrong_type)
         entry = _interned(status.fields)
+        counts = entry.get("rejected")
+        if isinstance(counts, dict) and len(counts) > REASONS_KEPT:
+            # read on every page refresh, for every device: a map of hundreds of invented reasons a
+            # device would make each refresh cost seconds of the coordinator's loop
+            counted = [(k, v) for k, v in counts.items() if type(v) is int and v > 0]
+            entry["rejected"] = dict(heapq.nlargest(REASONS_KEPT, counted, key=lambda kv: kv[1]))
         last = self.devices.get(device)
         if status.state == "offline" and not status.fields and last is not None:
             # a last will says nothing else: keep the last figures the device reported (its
@@ -308,26 +316,29 @@ class DeviceRegistry:
             for reason, n in sorted(own.items(), key=lambda kv: -kv[1])
             if n > 0
         ]
-        theirs: list[dict[str, Any]] = []
-        for dev, st in self.devices.items():
-            counts = st.get("rejected")
-            if not isinstance(counts, dict):
-                continue
-            last = st.get("last_rejected")
-            last = last if isinstance(last, dict) else {}
-            for reason, n in counts.items():
-                if type(n) is not int or n <= 0:
-                    continue
-                detail = last.get("detail") if last.get("reason") == reason else None
-                theirs.append(
-                    {
-                        "by": dev,
-                        "reason": str(reason)[:64],
-                        "count": n,
-                        "detail": shorten(detail) if isinstance(detail, str) else "",
-                    }
-                )
-        return rows + heapq.nlargest(limit, theirs, key=lambda r: (r["count"], r["by"]))
+        theirs = heapq.nlargest(
+            limit,
+            (
+                (n, dev, str(reason))
+                for dev, st in self.devices.items()
+                if isinstance(counts := st.get("rejected"), dict)
+                for reason, n in counts.items()
+                if type(n) is int and n > 0
+            ),
+            key=lambda r: (r[0], r[1]),
+        )
+        for n, dev, reason in theirs:
+            last = self.devices[dev].get("last_rejected")
+            detail = last.get("detail") if isinstance(last, dict) and last.get("reason") == reason else None
+            rows.append(
+                {
+                    "by": dev,
+                    "reason": reason[:64],
+                    "count": n,
+                    "detail": shorten(detail) if isinstance(detail, str) else "",
+                }
+            )
+        return rows
 
     def page_devices(self) -> dict[str, dict[str, Any]]:
         """The ``PAGE_DEVICES`` devices the page lists (ready, least headroom, latest first), JSON-like."""
