@@ -268,7 +268,8 @@ class DeviceRegistry:
             n = st.get("new_samples")
             out[dev] = n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
             shown, trained = st.get("round"), self.trained_round.get(dev)
-            if out[dev] is not None and trained is not None and (not isinstance(shown, int) or shown < trained):
+            stale = trained is not None and (not isinstance(shown, int) or shown < trained)
+            if out[dev] is not None and stale:
                 out[dev] = 0  # a status from before its last counted round (retained): trained on since
         return out
 
