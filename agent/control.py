@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 
-from edgefl.agent import heap
+from edgefl import heap
 from edgefl.agent.core import ApplyStatus
 from edgefl.agent.ingest import LOGGED_REFUSALS
 from edgefl.agent.round import RoundResult, RoundStatus

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edgefl.agent import estimates, heap
+from edgefl import heap
+from edgefl.agent import estimates
 from edgefl.agent.config import Profile
 from edgefl.agent.feedback import ErrorFeedback
 from edgefl.agent.governor import Admission, Governor

@@ -16,7 +16,7 @@ import signal
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
-from edgefl.agent import heap
+from edgefl import heap
 from edgefl.agent.config import Profile
 from edgefl.agent.control import RoundTask
 from edgefl.agent.core import DeviceCore

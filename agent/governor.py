@@ -262,7 +262,7 @@ class Governor:
         *,
         deferrable: bool | None = None,
         keep: Callable[[int], int] | None = None,
-        probe: bool = False,
+        tentative: bool = False,
     ) -> Admission:
         """Decide how much of a phase may run now.
 
@@ -287,8 +287,9 @@ class Governor:
         keep : callable(int) -> int, optional
             Bytes that must stay free under the budget beside the estimate at a given work size
             (not part of the estimate); default none.
-        probe : bool
-            Only tell: nothing is kept, counted or logged (a caller choosing between two asks).
+        tentative : bool, optional
+            A first ask the caller retries smaller if it is deferred: its deferral is neither counted
+            nor logged.
 
         Returns
         -------
@@ -337,16 +338,14 @@ class Governor:
                     f"{self.min_system_available_bytes / MIB:.0f} MiB"
                 )
         decision = Admission(phase, granted, work, need, budget, rss, deferred, reason, time.time())
-        if probe:
-            return decision
         with self._lock:
             self.admissions[phase] = decision
-            if deferred:
+            if deferred and not tentative:
                 self.deferrals[phase] = self.deferrals.get(phase, 0) + 1
                 self.last_deferral = decision
-            else:
+            elif not deferred:
                 self.max_work[phase] = max(self.max_work.get(phase, 0), granted)
-        if reason:
+        if reason and not (deferred and tentative):
             logger.info("memory governor: %s", reason)
         return decision
 
@@ -406,14 +405,13 @@ class Governor:
         num_examples: int,
         resident_rows: int = 0,
         personal: bool = False,
-        probe: bool = False,
     ) -> Admission:
         """Admit local training with ``chunk`` samples per store chunk (halved down to ``floor``).
 
         ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
         ``personal``: the personal head trains alongside (``train_local``'s ``personal``): its head and
-        gradient are counted too, as :func:`estimate_personal_bytes` counts them. ``probe``: as
-        :meth:`admit`'s (nothing kept or counted).
+        gradient are counted too, as :func:`estimate_personal_bytes` counts them; the ask is tentative
+        (the caller asks again without the personal head if it is deferred).
         """
         first = self.phase_counts.get("train", 0) == 0
         heads = 2 * (dim * classes + classes) * 4 if personal else 0
@@ -423,7 +421,7 @@ class Governor:
                 n, dim, classes, batch_size, num_examples, first_run=first, resident_rows=resident_rows
             )
 
-        return self.admit("train", need, chunk, floor, probe=probe)
+        return self.admit("train", need, chunk, floor, tentative=personal)
 
     def admit_personal(
         self,

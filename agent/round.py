@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass
 from enum import StrEnum
 
-from edgefl.agent import estimates, heap
+from edgefl import heap
+from edgefl.agent import estimates
 from edgefl.agent.governor import Admission
 from edgefl.agent.outbox import Dropped, OutboxEntry
 from edgefl.agent.personal import PersonalHeads
@@ -263,7 +264,7 @@ class RoundAnswering(PersonalHeads):
         D, K = head.shape
         pcfg = self.profile.personal
 
-        def admit(personal: bool, probe: bool = False) -> Admission:
+        def admit(personal: bool) -> Admission:
             return gov.admit_train(
                 cfg.chunk_size,
                 cfg.chunk_floor,
@@ -273,14 +274,15 @@ class RoundAnswering(PersonalHeads):
                 num_examples=len(self.store),
                 resident_rows=self.store.resident_rows,
                 personal=personal,
-                probe=probe,
             )
 
         # the personal step rides on the round's batches when its epochs are the round's (softmax
-        # heads) and its head fits beside training; otherwise it waits for a step of its own
+        # heads) and its head fits beside training (a tentative ask); otherwise it waits for its own
         along = pcfg.enabled and K > 1 and pcfg.epochs in (0, ann.local_epochs)
-        along = along and not admit(True, probe=True).deferred
         adm = admit(along)
+        if adm.deferred and along:
+            along = False
+            adm = admit(False)
         if adm.deferred:
             return self._defer(ann, adm.reason)
         if self._progress is not None:

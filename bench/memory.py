@@ -211,7 +211,8 @@ def child_estimates(label: str, samples: int, rounds: int) -> dict[str, Any]:
     """
     import numpy as np
 
-    from edgefl.agent import estimates, heap, memstat
+    from edgefl import heap
+    from edgefl.agent import estimates, memstat
     from edgefl.agent.config import load_profile
     from edgefl.agent.core import ApplyStatus, DeviceCore
     from edgefl.agent.governor import Governor
@@ -292,7 +293,8 @@ def child_leak(model: str, rounds: int) -> dict[str, Any]:
     """The device core's round in a loop: classify 64 samples, answer a round, apply the next head."""
     import numpy as np
 
-    from edgefl.agent import heap, memstat
+    from edgefl import heap
+    from edgefl.agent import memstat
     from edgefl.agent.core import ApplyStatus, DeviceCore
     from edgefl.agent.round import RoundStatus
     from edgefl.wire.global_model import GlobalModel, encode_global_model
@@ -337,7 +339,8 @@ def child_leak(model: str, rounds: int) -> dict[str, Any]:
 
 def child_hygiene(which: str) -> Any:
     """One hygiene measurement (the parent sets the environment)."""
-    from edgefl.agent import heap, memstat
+    from edgefl import heap
+    from edgefl.agent import memstat
 
     if which == "blas":
         import numpy as np

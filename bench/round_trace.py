@@ -157,7 +157,8 @@ def install_agent_probes() -> None:
     import edgefl.agent.round as round_
     import edgefl.records as records
     import edgefl.transport as transport
-    from edgefl.agent import governor, heap
+    from edgefl import heap
+    from edgefl.agent import governor
 
     _wrap(os, "fsync", "fsync")
     _wrap(os, "fdatasync", "fdatasync")  # records.RecordSlot's in-place writes (the outbox)

@@ -97,7 +97,8 @@ def _preflight(profile: Profile, *, warn_unloaded: bool = True) -> list[str]:
 
     if profile.dashboard.enabled:
         import edgefl.dashboard.app  # noqa: F401 - so is the device page's server (DashboardPage)
-    from edgefl.agent import estimates, heap, memstat
+    from edgefl import heap
+    from edgefl.agent import estimates, memstat
     from edgefl.agent.preflight import broker_warnings, preflight, training_warning
     from edgefl.runtime import Backbone, runtime_available
 
@@ -194,7 +195,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if profile is None:
         return EXIT_INVALID
     _setup_logging(args.log_level, profile.device.id)
-    from edgefl.agent import heap
+    from edgefl import heap
     from edgefl.agent.daemon import Agent
     from edgefl.agent.statelock import StateDirBusy, lock_state_dir
 

@@ -441,7 +441,7 @@ def test_latency_fresh_update_kept_with_its_first_send_counted(
 ) -> None:
     """The write that keeps a trained update also counts its first publish attempt (no second
     atomic write between training and the publish); a re-send still counts, and the count persists."""
-    from edgefl.agent import heap
+    from edgefl import heap
     from edgefl.agent.outbox import Outbox
 
     core = DeviceCore.open(profile_for(tmp_path))

@@ -13,7 +13,8 @@ import pytest
 _RELEASE = r"""
 import json, mmap, sys
 import numpy as np
-from edgefl.agent import heap, memstat
+from edgefl import heap
+from edgefl.agent import memstat
 path = sys.argv[1]
 with open(path, "r+b") as f:  # a private file mapping with one page written: it holds a private copy
     written = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -48,7 +49,7 @@ def test_memory_release_file_pages_drops_clean_library_pages_and_keeps_written_o
 
 
 def test_memory_release_file_pages_without_smaps_is_zero(tmp_path: Path) -> None:
-    from edgefl.agent import heap
+    from edgefl import heap
 
     assert heap.release_file_pages(smaps=str(tmp_path / "missing")) == {}
     assert heap.readonly_file_rss(smaps=str(tmp_path / "missing")) == {}

@@ -7,8 +7,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from edgefl.agent.ingest import DISPUTED, RECENT_IDS, IdTable, Ingest
+from edgefl.agent.ingest import DISPUTED, RECENT_IDS, Ingest
 from edgefl.errors import UpdateRejected
+from edgefl.idtable import IdTable
 from edgefl.wire.ingest import Label, Sample
 
 

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 from conftest import DEV_PROFILE, INT8_MODEL, MODELS, TEST_STATUS_INTERVAL_S, Broker, next_status
 
-from edgefl.agent import estimates, heap, memstat
+from edgefl import heap
+from edgefl.agent import estimates, memstat
 from edgefl.agent.estimates import ModelShapes, estimate_train_bytes
 from edgefl.agent.governor import Governor
 from edgefl.agent.memstat import MIB, cgroup_memory_limit_bytes
