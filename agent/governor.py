@@ -262,7 +262,7 @@ class Governor:
         *,
         deferrable: bool | None = None,
         keep: Callable[[int], int] | None = None,
-        tentative: bool = False,
+        probe: bool = False,
     ) -> Admission:
         """Decide how much of a phase may run now.
 
@@ -287,9 +287,8 @@ class Governor:
         keep : callable(int) -> int, optional
             Bytes that must stay free under the budget beside the estimate at a given work size
             (not part of the estimate); default none.
-        tentative : bool, optional
-            A first ask the caller retries smaller if it is deferred: its deferral is neither counted
-            nor logged.
+        probe : bool
+            Only tell: nothing is kept, counted or logged (a caller choosing between two asks).
 
         Returns
         -------
@@ -338,14 +337,16 @@ class Governor:
                     f"{self.min_system_available_bytes / MIB:.0f} MiB"
                 )
         decision = Admission(phase, granted, work, need, budget, rss, deferred, reason, time.time())
+        if probe:
+            return decision
         with self._lock:
             self.admissions[phase] = decision
-            if deferred and not tentative:
+            if deferred:
                 self.deferrals[phase] = self.deferrals.get(phase, 0) + 1
                 self.last_deferral = decision
-            elif not deferred:
+            else:
                 self.max_work[phase] = max(self.max_work.get(phase, 0), granted)
-        if reason and not (deferred and tentative):
+        if reason:
             logger.info("memory governor: %s", reason)
         return decision
 
@@ -405,13 +406,14 @@ class Governor:
         num_examples: int,
         resident_rows: int = 0,
         personal: bool = False,
+        probe: bool = False,
     ) -> Admission:
         """Admit local training with ``chunk`` samples per store chunk (halved down to ``floor``).
 
         ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
         ``personal``: the personal head trains alongside (``train_local``'s ``personal``): its head and
-        gradient are counted too, as :func:`estimate_personal_bytes` counts them; the ask is tentative
-        (the caller asks again without the personal head if it is deferred).
+        gradient are counted too, as :func:`estimate_personal_bytes` counts them. ``probe``: as
+        :meth:`admit`'s (nothing kept or counted).
         """
         first = self.phase_counts.get("train", 0) == 0
         heads = 2 * (dim * classes + classes) * 4 if personal else 0
@@ -421,7 +423,7 @@ class Governor:
                 n, dim, classes, batch_size, num_examples, first_run=first, resident_rows=resident_rows
             )
 
-        return self.admit("train", need, chunk, floor, tentative=personal)
+        return self.admit("train", need, chunk, floor, probe=probe)
 
     def admit_personal(
         self,

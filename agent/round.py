@@ -264,7 +264,7 @@ class RoundAnswering(PersonalHeads):
         D, K = head.shape
         pcfg = self.profile.personal
 
-        def admit(personal: bool) -> Admission:
+        def admit(personal: bool, probe: bool = False) -> Admission:
             return gov.admit_train(
                 cfg.chunk_size,
                 cfg.chunk_floor,
@@ -274,15 +274,14 @@ class RoundAnswering(PersonalHeads):
                 num_examples=len(self.store),
                 resident_rows=self.store.resident_rows,
                 personal=personal,
+                probe=probe,
             )
 
         # the personal step rides on the round's batches when its epochs are the round's (softmax
-        # heads) and its head fits beside training (a tentative ask); otherwise it waits for its own
+        # heads) and its head fits beside training; otherwise it waits for a step of its own
         along = pcfg.enabled and K > 1 and pcfg.epochs in (0, ann.local_epochs)
+        along = along and not admit(True, probe=True).deferred
         adm = admit(along)
-        if adm.deferred and along:
-            along = False
-            adm = admit(False)
         if adm.deferred:
             return self._defer(ann, adm.reason)
         if self._progress is not None:

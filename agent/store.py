@@ -593,7 +593,9 @@ class EmbeddingStore:
         """
         idx = np.arange(self._count, dtype=np.int64) if order is None else order
         for start in range(0, len(idx), chunk_size):
-            sel = np.sort(idx[start : start + chunk_size])
+            # storage order is sorted already: numpy's sort keeps malloc'ed memory per length it sorts
+            sel = idx[start : start + chunk_size]
+            sel = sel if order is None else np.sort(sel)
             emb = np.empty((len(sel), self.dim), np.float32)
             lbl = np.empty(len(sel), np.int64)
             self.read(sel, emb, lbl)

@@ -24,7 +24,8 @@ What is measured (the JSON, ``--json PATH``):
 - ``updates_acknowledged``: updates a device logged as sent (its broker's PUBACK came back);
   ``updates_counted``: update ids in the coordinator's ``rounds.jsonl``; ``updates_lost``: acknowledged
   and never counted, excluding those the coordinator refused for a stated reason that is not a crash
-  (late for a closed round) and those of rounds it abandoned with a reason (both listed);
+  (late, or ``round_closed``: the round had closed) and those of rounds it abandoned with a reason
+  (both listed);
   ``double_counted``: ids counted more than once.
 - ``samples_fed``; ``samples_lost_max_per_kill``: for each agent kill, samples acknowledged to that
   device during the killed lifetime (less the last 0.3 s, still in flight) minus the store rows that
@@ -571,6 +572,11 @@ class Soak:
         coord_log = _read(self.workdir / "coordinator.log")
         late = {
             (d, int(r)) for d, r in re.findall(r"update from (\S+) for round (\d+) refused: late", coord_log)
+        } | {  # came after its round had closed (the devices it asked had answered): refused, with a reason
+            (d, int(r))
+            for d, r in re.findall(
+                r"/update/(\S+) \(\d+ bytes\): round_closed: round (\d+) is closed", coord_log
+            )
         }
         abandoned = {int(r) for r in re.findall(r"round (\d+) refused: abandoned", coord_log)}
         lost = sorted(k for k in acked - counted_keys if k not in late and k[1] not in abandoned)

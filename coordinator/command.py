@@ -1,10 +1,7 @@
 """``edgefl coordinator [PROFILE] [--set key=value ...]``: the command line of the coordinator service.
 
-Settings come from a coordinator profile (:mod:`edgefl.coordinator.profile`; the shipped example is
-``firmware_configs/coordinator.toml``); flags are overrides on top of it. :func:`main` reads the
-profile, locks its state file, runs the service (:func:`edgefl.coordinator.runner.run`: with
-``rounds.count = 0``, the shipped default, until SIGTERM/SIGINT; with ``rounds.count = N``, N rounds)
-and turns what stopped it into an exit code.
+Flags are overrides on top of the profile. :func:`main` reads it, locks its state file, runs the
+service (:func:`edgefl.coordinator.runner.run`) and turns what stopped it into an exit code.
 
 Exit codes: 0 done (or stopped); 1 invalid profile, or the broker refused its credentials; 3 the
 model could not be loaded; 4 a runtime error at start-up (broker unreachable, bad key file, the fleet

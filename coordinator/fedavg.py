@@ -18,13 +18,7 @@ from edgefl.types import F32
 
 
 class RunningWeightedSum:
-    """A weighted sum folded one update at a time, so memory is O(model), not O(devices x model).
-
-    Parameters
-    ----------
-    shape : tuple of int
-        Shape of every array added.
-    """
+    """A float64 weighted sum of arrays of ``shape``, folded one update at a time (O(model) memory)."""
 
     def __init__(self, shape: tuple[int, ...]) -> None:
         self.shape = shape
@@ -32,13 +26,7 @@ class RunningWeightedSum:
         self.total_weight: float = 0
 
     def add(self, delta: F32, weight: int) -> None:
-        """Fold ``weight * delta`` into the sum.
-
-        Raises
-        ------
-        ValueError
-            If ``delta.shape`` differs from ``shape`` or ``weight <= 0``.
-        """
+        """Fold ``weight * delta`` into the sum (ValueError: another shape, or ``weight <= 0``)."""
         if delta.shape != self.shape:
             raise ValueError(f"RunningWeightedSum: shape {delta.shape}, expected {self.shape}")
         if weight <= 0:
@@ -47,16 +35,7 @@ class RunningWeightedSum:
         self.total_weight += weight
 
     def add_sum(self, weighted_sum: npt.NDArray[np.float64], weight: float) -> None:
-        """Fold another accumulator's float64 sum and total weight in (a site's partial at the root).
-
-        Adding float64 sums is the same sum as folding their updates one by one, up to the order of
-        float64 additions (relative error ~1e-16, far below the float32 mean's resolution).
-
-        Raises
-        ------
-        ValueError
-            If the shape differs or ``weight <= 0``.
-        """
+        """Fold another accumulator's float64 sum and weight in (a site's partial; ValueError as ``add``)."""
         if weighted_sum.shape != self.shape:
             raise ValueError(f"RunningWeightedSum: shape {weighted_sum.shape}, expected {self.shape}")
         if not weight > 0:
@@ -70,13 +49,7 @@ class RunningWeightedSum:
         return self._sum.copy()
 
     def mean(self) -> F32:
-        """Return the weighted mean so far, float32 of ``shape``.
-
-        Raises
-        ------
-        ValueError
-            If nothing was added.
-        """
+        """The weighted mean so far, float32 of ``shape`` (ValueError if nothing was added)."""
         if self.total_weight == 0:
             raise ValueError("RunningWeightedSum: no update added")
         out: F32 = (self._sum / self.total_weight).astype(np.float32)
@@ -86,13 +59,8 @@ class RunningWeightedSum:
 class FedAvg(Strategy):
     """FedAvg with a server learning rate: ``W += server_lr * sum_k n_k dW_k / sum_k n_k``.
 
-    The accumulator is a weighted running sum (O(model) memory). Subclasses change only the
-    server step (``step``): FedAvgM, FedAdam, FedYogi; FedProx changes the clients' objective.
-
-    Parameters
-    ----------
-    **kwargs
-        As ``Strategy``.
+    The accumulator is a weighted running sum (O(model) memory); subclasses change only ``step``
+    (FedAvgM, FedAdam, FedYogi) or the clients' objective (FedProx). ``kwargs`` as ``Strategy``.
 
     Source: McMahan et al. 2017, Algorithm 1; server learning rate as in Reddi et al. 2021, Algorithm 1.
     """
@@ -144,8 +112,7 @@ class FedProx(FedAvg):
     Parameters
     ----------
     prox_mu : float >= 0
-        Proximal coefficient mu, sent to the devices in ``RoundConfig.prox_mu`` (RoundAnnouncement
-        ``prox_mu``); the server side is FedAvg's.
+        Proximal coefficient mu, sent to the devices in ``RoundConfig.prox_mu``.
     **kwargs
         As ``Strategy``.
 

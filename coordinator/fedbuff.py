@@ -10,7 +10,7 @@ Algorithm 1; staleness weight ``s(tau) = 1 / sqrt(1 + tau)`` as in their experim
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import KW_ONLY, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ def staleness_weight(staleness: int, exponent: float = 0.5) -> float:
     return float((1.0 + staleness) ** -exponent)
 
 
+@dataclass(eq=False)
 class FedBuffer:
     """The server buffer: a staleness-weighted running sum of up to ``buffer_size`` updates.
 
@@ -56,24 +57,19 @@ class FedBuffer:
         Staleness exponent (see ``staleness_weight``).
     """
 
-    def __init__(
-        self,
-        shape: tuple[int, int],
-        buffer_size: int,
-        *,
-        server_lr: float = 1.0,
-        max_staleness: int = 20,
-        exponent: float = 0.5,
-    ) -> None:
-        if buffer_size < 1 or max_staleness < 0:
-            raise ValueError(f"FedBuffer: buffer_size = {buffer_size}, max_staleness = {max_staleness}")
-        self.shape = shape
-        self.buffer_size = buffer_size
-        self.server_lr = server_lr
-        self.max_staleness = max_staleness
-        self.exponent = exponent
-        self._sum_W: npt.NDArray[np.float64] = np.zeros(shape, np.float64)
-        self._sum_b: npt.NDArray[np.float64] = np.zeros(shape[1], np.float64)
+    shape: tuple[int, int]
+    buffer_size: int
+    _: KW_ONLY
+    server_lr: float = 1.0
+    max_staleness: int = 20
+    exponent: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.buffer_size < 1 or self.max_staleness < 0:
+            why = f"buffer_size = {self.buffer_size}, max_staleness = {self.max_staleness}"
+            raise ValueError(f"FedBuffer: {why}")
+        self._sum_W: npt.NDArray[np.float64] = np.zeros(self.shape, np.float64)
+        self._sum_b: npt.NDArray[np.float64] = np.zeros(self.shape[1], np.float64)
         self.total_examples = 0
         self.count = 0
         self.staleness: list[int] = []

@@ -38,7 +38,7 @@ from edgefl.wire.cbor import MessageType, scan
 from edgefl.wire.chunking import split_message
 from edgefl.wire.partial import MAX_PARTIAL_UPDATES, Partial, decode_partial, encode_partial
 from edgefl.wire.rounds import RoundAnnouncement
-from edgefl.wire.signing import VerifyKey, sign_message, verify_payload
+from edgefl.wire.signing import VerifyKey, verify_payload
 
 logger = logging.getLogger(__name__)
 
@@ -384,10 +384,7 @@ class SiteAggregator(Coordinator):
             W=sums.W,
             b=sums.b,
         )
-        if self.signing_key is None:
-            payload = encode_partial(partial)
-        else:
-            payload = sign_message(encode_partial, partial, self.signing_key, fleet=self.topics.fleet)
+        payload = self._sign(encode_partial, partial)
         self.closed_round = ann.round
         self._unsent = payload
         self._persist_site(None)  # closed, partial kept: a crash before the PUBACK re-sends the same bytes

@@ -1,10 +1,4 @@
-"""What a coordinator keeps of its rounds: the record of each closed round and the fleet's evaluations.
-
-:class:`RoundRecord` is one closed round (the state file's history, the round log's line, the demo's JSON);
-:class:`CoordinatorState` is the round, version and counters the service and its page read;
-:func:`federated_evaluation` and :func:`personal_heads_summary` combine the devices' own evaluations
-(no central data). :func:`page_record` is a record as the fleet page reads it.
-"""
+"""What a coordinator keeps of its rounds: the record of each closed round and the fleet's evaluations."""
 
 from __future__ import annotations
 
@@ -19,12 +13,10 @@ from typing import Any
 from edgefl.coordinator.rounds import Round
 
 HISTORY_ROUNDS = 200
-"""Closed rounds whose records are kept in memory and in the state file: a service runs for months, and
-the round log (``files.log``) keeps them all."""
+"""Closed rounds whose records are kept in memory and in the state file (the round log keeps them all)."""
 
 COUNTED_ROUNDS = 20
-"""Closed rounds whose counted update ids are kept (the state file is written after every batch of
-updates: 20 rounds of 200 devices' ids is ~80 kB)."""
+"""Closed rounds whose counted update ids are kept (in the state file, written after every batch)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,36 +25,20 @@ class RoundRecord:
 
     Attributes
     ----------
-    round : int
     clients : int
         Updates aggregated.
     accuracy : float
-        Test accuracy of the new global head (NaN when no evaluation function is set).
-    update_bytes_mean : float
-        Mean wire size of the aggregated updates, in bytes.
-    duration_s : float
-        Seconds from announcement to the new global head being published.
-    clipped : int
-        Updates scaled down by the strategy's norm bound.
-    norm_bound : float
-        The norm bound applied last in the round (inf when nothing arrived).
-    epsilon : float
-        DP epsilon spent so far at ``delta`` (NaN without DP).
-    delta : float
-        DP delta (NaN without DP).
+        Test accuracy of the new global head (NaN: no evaluation).
+    update_bytes_mean, duration_s : float
+        Mean wire size of the updates (bytes); seconds from announcement to the new head.
+    clipped, norm_bound, epsilon, delta
+        As ``RoundReport``.
     refused : str
         Why the aggregated head was not published ("" when it was, or nothing arrived).
-    declined : int
-        Devices that refused the round with a Decline message (e.g. ``over_budget``).
-    fed_accuracy : float
-        Federated evaluation of the round's base head: the devices' holdout accuracies weighted by
-        their holdout counts (NaN when no device reported one for that version).
-    fed_worst_decile : float
-        Mean accuracy of the worst tenth of those devices (at least one).
-    fed_devices : int
-        Devices whose evaluation of the base head was counted.
-    asked : int
-        Devices asked to take part (the selection, or the devices ready at the opening).
+    declined, asked : int
+        Devices that sent a Decline; devices asked to take part.
+    fed_accuracy, fed_worst_decile, fed_devices
+        The devices' holdout accuracies of the base head (``federated_evaluation``; NaN: none).
     lr : float
         Client learning rate the round announced.
     closed_unix : float
@@ -94,14 +70,8 @@ class RoundRecord:
 def federated_evaluation(reports: Sequence[tuple[float, int]]) -> tuple[float, float, int]:
     """Combine the devices' evaluations of one head (federated evaluation, no central data).
 
-    Parameters
-    ----------
-    reports : sequence of (accuracy in [0, 1], count > 0), one per device
-
-    Returns
-    -------
-    (weighted mean accuracy, mean accuracy of the worst ceil(10 %) of devices, devices)
-        NaN, NaN, 0 without reports.
+    ``reports``: ``(accuracy in [0, 1], count > 0)`` per device. Returns (the count-weighted mean
+    accuracy, the mean of the worst ceil(10 %) of devices, devices); NaN, NaN, 0 without reports.
     """
     usable = [(a, n) for a, n in reports if n > 0 and 0.0 <= a <= 1.0]
     if not usable:
@@ -115,19 +85,10 @@ def federated_evaluation(reports: Sequence[tuple[float, int]]) -> tuple[float, f
 def personal_heads_summary(devices: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | None:
     """The fleet's personal and global heads on the devices' holdouts, from their latest statuses.
 
-    Parameters
-    ----------
-    devices : {device: status fields}
-        Each may carry ``personal_accuracy``, ``global_accuracy`` (in [0, 1]) and ``eval_count``
-        (holdout samples, the weight), ``serving_head``.
-
-    Returns
-    -------
-    dict or None
-        ``{"devices", "personal_mean", "personal_worst_decile", "global_mean", "global_worst_decile",
-        "serving_personal"}``: means weighted by holdout samples, worst deciles as
-        :func:`federated_evaluation` (mean of the worst ceil(10 %) of devices), and how many devices
-        serve their personal head; None when no device reports both accuracies.
+    ``devices``: ``{device: status}`` with ``personal_accuracy``, ``global_accuracy``, ``eval_count``
+    and ``serving_head``. Returns ``{"devices", "personal_mean", "personal_worst_decile", "global_mean",
+    "global_worst_decile", "serving_personal"}`` (as :func:`federated_evaluation`), or None when no
+    device reports both accuracies.
     """
     personal: list[tuple[float, int]] = []
     glob: list[tuple[float, int]] = []
@@ -151,6 +112,7 @@ def personal_heads_summary(devices: Mapping[str, Mapping[str, Any]]) -> dict[str
         "serving_personal": serving,
     }
 
+
 @dataclass
 class CoordinatorState:
     """The round, the head's version and the counters a coordinator keeps, for its page and for the demo."""
@@ -159,8 +121,7 @@ class CoordinatorState:
     round: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
     refused_rounds: Counter[str] = field(default_factory=Counter)
-    declined: Counter[str] = field(default_factory=Counter)
-    """Rounds devices refused (Decline messages), by reason."""
+    declined: Counter[str] = field(default_factory=Counter)  # Decline messages by reason
     history: list[RoundRecord] = field(default_factory=list)
     current: Round | None = None
 

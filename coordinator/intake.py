@@ -20,7 +20,7 @@ import cbor2
 import numpy as np
 
 from edgefl.coordinator.history import CoordinatorState, RoundRecord
-from edgefl.coordinator.registry import LOGGED_REFUSALS, DeviceRegistry, shorten
+from edgefl.coordinator.registry import LOGGED_REFUSALS, DeviceRegistry, sampled_log, shorten
 from edgefl.coordinator.rounds import Round, RoundPhase
 from edgefl.coordinator.strategy import Offer, Strategy
 from edgefl.errors import DecodeError, UpdateRejected
@@ -72,17 +72,6 @@ def check_update_id(update_id: str, device: str, round_no: int, base_version: in
     if update_id != expected:
         why = f"update id {shorten(update_id, 60)!r} on update/{device}: must be {expected!r}"
         raise UpdateRejected("bad_value", why)
-
-
-def sampled_log(n: int, what: str) -> str | None:
-    """Whether the ``n``-th event of a kind is logged, and the suffix its line ends with.
-
-    The first ``LOGGED_REFUSALS`` of each kind are logged (suffix ``""``), then every 1000th (suffix
-    ``" (n what so far)"``), so a flood of forged messages is not a flood of log lines; None: not logged.
-    """
-    if n <= LOGGED_REFUSALS:
-        return ""
-    return f" ({n} {what} so far)" if n % 1000 == 0 else None
 
 
 class IntakeOptions(TypedDict, total=False):

@@ -1,39 +1,14 @@
 """One coordinator per fleet: a lock on its state folder and a lease on the broker.
 
-**The lock.** The state file (``files.state``) is locked with the agents' own ``flock``
-(``edgefl.agent.statelock``, a ``<state>.lock`` beside it, given by the composition root): a second
-coordinator on the same state is refused before it reads or writes anything.
-
-**The lease.** A running coordinator keeps a retained :class:`~edgefl.wire.presence.Presence` on
-``<prefix>/<fleet>/coordinator`` naming its instance, republished every ``heartbeat_s`` with a higher
-``seq``; its last will (an empty retained payload) clears it when the process dies, and a clean stop
-clears it too. Before a coordinator connects with the fleet's client id (which would take the
-running one's connection and session away from it), :func:`probe_lease` connects under a client id
-of its own and reads the retained presence:
-
-- none: the fleet is free;
-- one whose ``seq`` moves within ``2 x heartbeat_s + PROBE_MARGIN_S``: a live coordinator holds it,
-  :class:`LeaseHeld` is raised (``edgefl coordinator`` exits 6) before anything is published or
-  written;
-- one that does not move: stale (a broker that restarted from its persistence after the holder
-  died, so its will never ran): the fleet is free;
-- one naming this state file's previous instance (:func:`previous_instance`): that process is gone
-  (its successor holds the state file's lock) and the broker has not yet fired its will (a power cut
-  leaves the connection half open until the keepalive runs out): taken over at once.
-
-Each coordinator with a state file records its instance beside it (``<state>.instance``, a checksummed
-record naming the host and the state file) once it has taken the lease, so a restart after a crash
-knows its own debris from another coordinator's live lease. With a broker that names clients after
-their account (``use_username_as_clientid``) the probe takes the account's session, whose last will
-has cleared the lease by the time the probe reads it: the holder topic (``coordinator/holder``, the
-Presence of the coordinator that last took the lease, retained, never cleared) then tells whose
-session it was. It names this state file's previous instance: that session was its own, taken over
-at once; else the probe waits for a live holder's presence as before.
-
-A holder that later sees a live presence of another instance (two coordinators that probed at the
-same moment, or one that took the fleet while this one was cut off from the broker) keeps the
-lease only if it took it first (``started``, then ``instance``); the other stops
-(:attr:`Lease.lost`).
+The state file is locked with the agents' ``flock`` (given by the composition root); its
+instance is recorded beside it (``<state>.instance``) once the lease is taken. The lease is a
+retained :class:`~edgefl.wire.presence.Presence` on ``<prefix>/<fleet>/coordinator``, refreshed every
+``heartbeat_s`` and cleared by the holder's last will; :func:`probe_lease` reads it under a client id
+of its own before the fleet's client id connects: a presence that moves is a live holder
+(:class:`LeaseHeld`, exit 6), one that does not is stale, one naming this state file's previous
+instance is taken over at once. Of two live holders the one that started first keeps it. The walk
+through every case is ``docs/protocol.md`` ("Presence") and ``docs/operations.md`` ("One
+coordinator per fleet").
 
 Source: the MQTT "birth and last will" presence pattern (MQTT 5.0 §3.1.2.5, Will Message; §3.3.1.3,
 retained messages).
@@ -61,16 +36,6 @@ from edgefl.wire.presence import Presence, decode_presence, encode_presence
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "LEASE_HEARTBEAT_S",
-    "Lease",
-    "LeaseHeld",
-    "instance_path",
-    "new_instance",
-    "previous_instance",
-    "probe_lease",
-    "record_instance",
-]
 
 LEASE_HEARTBEAT_S: Final = 5.0
 """Seconds between two republishes of a holder's presence (a tiny retained message)."""
@@ -82,19 +47,13 @@ PROBE_MARGIN_S: Final = 1.0
 """Added to two heartbeats before a presence that did not move is called stale (seconds)."""
 
 PROBE_HEARTBEAT_MAX_S: Final = 30.0
-"""The longest heartbeat a probe believes: a presence claiming more (a forged or misconfigured one) is
-watched for two of these only, so a start-up never waits hours on it."""
+"""The longest heartbeat a probe believes (a presence claiming more is watched for two of these only)."""
 
 
 class LeaseHeld(EdgeflError):
     """Another live coordinator runs this fleet (``edgefl coordinator`` exits 6).
 
-    Parameters
-    ----------
-    where : str
-        What is held: ``"fleet F on broker B"`` or ``"state file P"``.
-    holder : str
-        Who holds it, in words (instance, host and pid, or the lock's pid).
+    ``where``: what is held (``"fleet F on broker B"``, ``"state file P"``); ``holder``: who, in words.
     """
 
     def __init__(self, where: str, holder: str) -> None:
@@ -180,27 +139,23 @@ async def probe_lease(
     Parameters
     ----------
     transport : MqttTransport
-        Not started; started and stopped here. Give it a persistent session (``session_expiry_s`` as
-        the coordinator's) and ``ack_on_commit``: a broker that renames it to a running
-        coordinator's client id then keeps that coordinator's session and unacknowledged messages.
+        Not started; started and stopped here. Give it a persistent session and ``ack_on_commit``
+        (a broker that renames it to the running coordinator's client id keeps that one's messages).
     topic : str
         The lease topic (``Topics.coordinator``).
     fleet_where : str
         ``"fleet F on broker B"``, for the error.
     connected : async callable (transport) -> None
-        Waits until ``transport`` is connected, raising what the caller makes of a broker that cannot
-        be reached or refuses the credentials.
+        Waits until ``transport`` is connected (raising what the caller makes of a failure).
     previous : str or None
-        This state file's previous instance (:func:`previous_instance`): a presence naming it is
-        taken over at once (its holder is gone), with an INFO line; so is the account's session
-        (``use_username_as_clientid``) when ``holder_topic`` names it as the lease's last holder.
+        This state file's previous instance (:func:`previous_instance`): a presence naming it, or an
+        account's session ``holder_topic`` names it the last holder of, is taken over at once.
     holder_topic : str or None
         ``Topics.coordinator_holder``.
 
     Returns
     -------
-    Presence or None
-        The stale presence found (its holder is gone), or None when there is none.
+    Presence or None: the stale presence found (its holder is gone), or None.
 
     Raises
     ------
@@ -219,12 +174,7 @@ async def probe_lease(
         renamed = transport.session_present
         if renamed and previous is not None and holder_topic is not None:
             last = await _retained_presence(transport, holder_topic)
-            if last is not None and last.instance == previous:
-                logger.info(
-                    "the broker gave the lease probe the session of %s, this state file's previous "
-                    "coordinator (gone: its state file's lock is ours): taken over",
-                    describe(last),
-                )
+            if _ours(last, previous, "the broker gave the lease probe the session of"):
                 return None
         if renamed:
             logger.warning(
@@ -236,12 +186,7 @@ async def probe_lease(
         first = await _next_presence(transport, topic, first_wait)
         if first is None:
             return None
-        if previous is not None and first.instance == previous:
-            logger.info(
-                "the fleet's lease names %s, this state file's previous coordinator (gone: its state "
-                "file's lock is ours; the broker has not cleared its lease yet): taken over",
-                describe(first),
-            )
+        if _ours(first, previous, "the fleet's lease names", "; the broker has not cleared its lease yet"):
             return first
         wait_s = 2 * min(first.heartbeat_s, PROBE_HEARTBEAT_MAX_S) + PROBE_MARGIN_S
         loop = asyncio.get_running_loop()
@@ -261,6 +206,15 @@ async def probe_lease(
             with contextlib.suppress(TransportError):
                 await transport.unsubscribe(topic)
         await transport.stop()
+
+
+def _ours(p: Presence | None, previous: str | None, how: str, why: str = "") -> bool:
+    """True, with an INFO line, when ``p`` names this state file's previous instance (gone: taken over)."""
+    if p is None or previous is None or p.instance != previous:
+        return False
+    why = "gone: its state file's lock is ours" + why
+    logger.info("%s %s, this state file's previous coordinator (%s): taken over", how, describe(p), why)
+    return True
 
 
 async def _retained_presence(transport: MqttTransport, topic: str) -> Presence | None:

@@ -1,9 +1,7 @@
 """Bounds on what one update may move: its joint L2 norm and its claimed weight, from the fleet's history.
 
-Every strategy bounds every update before folding it in (``Strategy.offer``): a fixed bound C, or
-``multiplier x`` a median norm that the fleet's history of honest-looking norms caps
-(``NormBound``), so hostile updates arriving first cannot widen it. The maths is in pure functions
-(``update_norm``, ``clip_factor``, ``scale_delta``) tested on hand-checkable arrays.
+A fixed bound C, or ``multiplier x`` a median norm capped by the fleet's history (``NormBound``); the
+maths in pure functions. ``docs/security.md``, "Norm bound", says why.
 """
 
 from __future__ import annotations
@@ -21,14 +19,7 @@ from edgefl.types import F32
 def update_norm(delta_W: F32, delta_b: F32) -> float:
     """Joint L2 norm of an update ``sqrt(||dW||^2 + ||db||^2)``, accumulated in float64.
 
-    Parameters
-    ----------
-    delta_W : float32 [D, K]
-    delta_b : float32 [K]
-
-    Returns
-    -------
-    float (``inf`` or ``nan`` when a value is not finite).
+    ``delta_W`` float32 [D, K], ``delta_b`` float32 [K]; returns a float (inf or nan: not finite).
 
     Source: Abadi et al. 2016, Algorithm 1 (per-example norm); McMahan et al. 2018 (per-user norm).
     """
@@ -41,16 +32,7 @@ def update_norm(delta_W: F32, delta_b: F32) -> float:
 def clip_factor(norm: float, bound: float) -> float:
     """Factor that brings an update of L2 norm ``norm`` within ``bound``: ``min(1, bound / norm)``.
 
-    Parameters
-    ----------
-    norm : float >= 0
-        The update's norm.
-    bound : float >= 0
-        The bound.
-
-    Returns
-    -------
-    float in [0, 1] (1 for a zero update).
+    Returns a float in [0, 1] (1 for a zero update).
 
     Source: Abadi et al. 2016, Algorithm 1 (``g / max(1, ||g|| / C)``).
     """
@@ -68,23 +50,8 @@ def scale_delta(delta: F32, factor: float) -> F32:
 class FleetHistory:
     """Honest-looking values of the fleet's last rounds (update norms, example counts) and their median.
 
-    Values of the open round are gathered with :meth:`add` (O(1); at most ``per_round`` kept a
-    round) and join the history at :meth:`commit`, once the round is aggregated; the history keeps
-    the last ``rounds`` committed rounds. :meth:`median` is computed once per round (at most
-    ``rounds x per_round`` values), so the cost per update is O(1) whatever the fleet's size.
-
-    Parameters
-    ----------
-    rounds : int >= 1
-        Committed rounds kept (1: the last aggregated round, whose norms lag the current ones least
-        while the learning rate decays).
-    per_round : int >= 1
-        Values kept from one round (the first ones; later ones are not needed for a median).
-
-    Raises
-    ------
-    ValueError
-        If ``rounds`` or ``per_round`` is < 1.
+    The open round's values (:meth:`add`, the first ``per_round``) join the history at :meth:`commit`;
+    it keeps the last ``rounds`` committed rounds. Raises ValueError if either is < 1.
     """
 
     def __init__(self, rounds: int = 1, per_round: int = 1024) -> None:
@@ -135,21 +102,10 @@ class FleetHistory:
 class NormBound:
     """Bound on each update's joint L2 norm, and on its weight: fixed, or from the fleet's history.
 
-    Adaptive: a round's bound is ``multiplier x`` the lower of two medians: of the honest-looking
-    norms of the last aggregated round (``FleetHistory``, known when the round opens) and of the
-    round's first ``warmup`` norms (updates wait until they are known, then the bound is frozen
-    for the round). The history caps it, so hostile updates arriving first cannot widen it; the
-    round's own median can only tighten it (the norms shrink as the learning rate decays, and the
-    history lags them by a round); with ``warmup = 2t + 1``, ``t`` hostile updates cannot move that
-    median outside the honest ones'. An update's norm joins the history as ``min(norm, bound)``: a
-    clipped update counts at the bound, so a minority cannot raise the median, while a majority
-    whose norms grew (drift) moves it by at most ``multiplier`` a round. Before the fleet has a
-    history, the round's median alone sets it.
-
-    The weight (claimed example count) can be bounded the same way, by ``weight_multiplier x`` the
-    median honest-looking claim (the root bounds a site's claim per update so; a device's own
-    claim is bounded by ``MAX_UPDATE_EXAMPLES`` only, so that a flat round and the same round split
-    over sites aggregate alike).
+    Adaptive: ``multiplier x`` the lower of the medians of the last aggregated round's honest-looking
+    norms (``FleetHistory``) and of the round's first ``warmup`` norms (updates wait for them; the
+    bound is then frozen). A norm joins the history as ``min(norm, bound)``. The weight (claimed
+    examples) can be bounded alike by ``weight_multiplier`` (the root's bound on a site's claim).
 
     Parameters
     ----------
@@ -167,10 +123,8 @@ class NormBound:
     ValueError
         On out-of-range parameters.
 
-    Source: fixed clipping as McMahan et al. 2018 (DP-FedAvg); a median-based bound as Sun et al.
-    2019, "Can You Really Backdoor Federated Learning?" (norm difference clipping), with the
-    median taken over past rounds as Andrew et al. 2021 ("Differentially Private Learning with
-    Adaptive Clipping") estimate theirs from past rounds, never from the round it bounds.
+    Source: fixed clipping as McMahan et al. 2018; a median-based bound as Sun et al. 2019 ("Can You
+    Really Backdoor Federated Learning?"), taken over past rounds as Andrew et al. 2021 (adaptive clipping).
     """
 
     def __init__(
@@ -229,11 +183,7 @@ class NormBound:
             self._weight_cap = self.weight_multiplier * float(np.median(self.claims))
 
     def history_bound(self) -> float:
-        """The bound the history alone sets for this round: fixed, else from the last round (inf: none).
-
-        The root bounds sites' partials with it (it hears a few partials a round, not ``warmup``
-        norms of the same kind).
-        """
+        """The bound the history alone sets for this round: fixed, else from the last round (inf: none)."""
         if self.clip_norm is not None:
             return self.clip_norm
         h = self._history_bound
@@ -244,11 +194,7 @@ class NormBound:
         return self._bound is not None and self._weight_cap is not None
 
     def bound(self) -> float:
-        """The norm bound now.
-
-        Fixed; else ``multiplier x`` the lower of the history's median and the median of the round's
-        first ``warmup`` norms (of those seen so far before then; inf when there is neither).
-        """
+        """The norm bound now: fixed, else from the history and the round's norms so far (inf: neither)."""
         if self._bound is not None:
             return self._bound
         if not self.norms:

@@ -1,9 +1,8 @@
 """Server optimisers of the FedAvg family: momentum (FedAvgM) and adaptive steps (FedAdam, FedYogi), bounded.
 
-Each treats the round's weighted-mean delta as a pseudo-gradient and changes only FedAvg's server
-step (``FedAvg.step``); the step is bounded per coordinate by ``bound_coordinates`` (at most
-``COORDINATE_FACTOR`` x the round's mean delta there) so a clipped hostile direction is neither
-carried nor amplified round after round. The maths is in pure numpy functions.
+Each changes only FedAvg's server step (``FedAvg.step``), treating the round's mean delta as a
+pseudo-gradient, bounded per coordinate by ``bound_coordinates`` so a clipped hostile direction is
+neither carried nor amplified (``docs/security.md``, "Norm bound").
 """
 
 from __future__ import annotations
@@ -17,43 +16,18 @@ from edgefl.coordinator.normbound import clip_factor, scale_delta, update_norm
 from edgefl.types import F32
 
 COORDINATE_FACTOR = 2.0
-"""How many FedAvg steps a momentum or adaptive server step may take in any coordinate.
-
-``bound_coordinates(step, mean_delta, COORDINATE_FACTOR)``: where a round's updates cancel (a
-norm-bounded hostile update opposing the honest ones there) the server step is as short as FedAvg's,
-so neither momentum nor Adam's small second moment carries or amplifies that direction; elsewhere
-the step keeps up to twice FedAvg's (momentum's ``1 / (1 - beta)`` and Adam's damping of large
-coordinates act within it). The step's norm is then at most twice the round's mean delta's, itself
-within the per-update norm bound. Measured with ``bench/poison.py`` over six partitions
-(docs/benchmarks.md, "Poisoning"): FedAvgM's worst loss under attack 0.04 (0.10 with its buffer's
-norm clipped to a quarter of the bound instead), FedAdam's and FedYogi's about half of their
-unbounded steps'; the clean runs gain a little."""
+"""FedAvg steps a momentum or adaptive server step may take in any coordinate (``docs/benchmarks.md``)."""
 
 
 def server_momentum(momentum: F32 | None, mean_delta: F32, beta: float) -> F32:
     """Server momentum buffer of FedAvgM: ``v = beta * v + mean_delta`` (``v = mean_delta`` at first).
 
-    Parameters
-    ----------
-    momentum : float32 array or None
-        Previous buffer ``v`` (None before the first round).
-    mean_delta : float32 array, same shape
-        The round's weighted-mean delta (local - global, i.e. a descent direction).
-    beta : float
-        Momentum coefficient in [0, 1).
-
-    Returns
-    -------
-    float32 array: the new buffer; the server then applies ``W += server_lr * v``.
-
-    Raises
-    ------
-    ValueError
-        If ``beta`` is outside [0, 1) or the shapes differ.
+    ``momentum``: the previous buffer (float32, None before the first round); ``mean_delta``: the
+    round's mean delta (local - global), same shape; ``beta`` in [0, 1). Returns the new float32
+    buffer. Raises ValueError if ``beta`` is outside [0, 1) or the shapes differ.
 
     Source: Hsu, Qi, Brown 2019, "Measuring the Effects of Non-Identical Data Distribution for
-    Federated Visual Classification", §3 (FedAvgM): ``v <- beta v + Delta w; w <- w - v``, written
-    here with Delta = local - global so the sign is ``+``.
+    Federated Visual Classification", §3 (FedAvgM), with Delta = local - global (sign ``+``).
     """
     if not 0.0 <= beta < 1.0:
         raise ValueError(f"server_momentum: beta = {beta}: must be in [0, 1)")
@@ -68,22 +42,8 @@ def server_momentum(momentum: F32 | None, mean_delta: F32, beta: float) -> F32:
 def adam_moments(m: F32, v: F32, delta: F32, beta1: float, beta2: float) -> tuple[F32, F32]:
     """FedAdam moment estimates: ``m = b1 m + (1-b1) d``, ``v = b2 v + (1-b2) d^2``.
 
-    Parameters
-    ----------
-    m : float32 array
-        First moment of the previous round (0 at first).
-    v : float32 array, same shape
-        Second moment of the previous round (``tau^2`` at first).
-    delta : float32 array, same shape
-        The round's weighted-mean delta (pseudo-gradient with the sign of a descent step).
-    beta1 : float in [0, 1)
-        First-moment decay.
-    beta2 : float in [0, 1)
-        Second-moment decay.
-
-    Returns
-    -------
-    (m, v) : float32 arrays.
+    ``m``, ``v``: the previous round's moments (0 and ``tau^2`` at first); ``delta``: the round's mean
+    delta; all float32 of one shape; ``beta1``, ``beta2`` in [0, 1). Returns the new float32 (m, v).
 
     Source: Reddi et al. 2021, "Adaptive Federated Optimization", Algorithm 2 (FedAdam), no bias
     correction (as in the paper).
@@ -96,9 +56,6 @@ def adam_moments(m: F32, v: F32, delta: F32, beta1: float, beta2: float) -> tupl
 
 def yogi_moments(m: F32, v: F32, delta: F32, beta1: float, beta2: float) -> tuple[F32, F32]:
     """FedYogi moment estimates: ``m`` as Adam, ``v = v - (1-b2) d^2 sign(v - d^2)``.
-
-    Yogi's second moment moves towards ``d^2`` by an additive step rather than a multiplicative
-    one, so a sudden large delta cannot blow up the effective learning rate's denominator.
 
     Parameters and returns as ``adam_moments`` (``v`` stays >= 0 when it starts >= 0).
 
@@ -114,20 +71,8 @@ def yogi_moments(m: F32, v: F32, delta: F32, beta1: float, beta2: float) -> tupl
 def adaptive_step(m: F32, v: F32, server_lr: float, tau: float) -> F32:
     """Server step of FedAdagrad/FedAdam/FedYogi: ``eta * m / (sqrt(v) + tau)``.
 
-    Parameters
-    ----------
-    m : float32 array
-        First moment after this round.
-    v : float32 array, same shape
-        Second moment after this round.
-    server_lr : float
-        Server learning rate eta.
-    tau : float
-        Adaptivity (> 0): larger tau makes the step closer to server momentum SGD.
-
-    Returns
-    -------
-    float32 array: the step added to the global parameters.
+    ``m``, ``v``: this round's moments (float32, one shape); ``server_lr`` eta; ``tau`` > 0 the
+    adaptivity. Returns the float32 step added to the global parameters.
 
     Source: Reddi et al. 2021, Algorithm 2, line ``x_{t+1} = x_t + eta m_t / (sqrt(v_t) + tau)``.
     """
@@ -138,25 +83,10 @@ def adaptive_step(m: F32, v: F32, server_lr: float, tau: float) -> F32:
 def bound_coordinates(step: F32, mean_delta: F32, factor: float) -> F32:
     """Clip each coordinate of a server step to ``factor x`` the round's mean delta there.
 
-    ``|step_i| <= factor |mean_delta_i|``: an adaptive step then moves no coordinate further than
-    ``factor`` FedAvg steps (server learning rate 1) would, so it is as short as FedAvg's where
-    the round's updates cancel (where a norm-bounded hostile update opposes the honest ones).
+    ``|step_i| <= factor |mean_delta_i|`` (``step``, ``mean_delta`` float32 of one shape; ``factor``
+    > 0): no coordinate moves further than ``factor`` FedAvg steps would. Returns float32.
 
-    Parameters
-    ----------
-    step : float32 array
-        The adaptive step (``adaptive_step``).
-    mean_delta : float32 array, same shape
-        The round's weighted-mean delta.
-    factor : float > 0
-
-    Returns
-    -------
-    float32 array of that shape.
-
-    Source: AdaBound (Luo, Xiong, Liu, Sun 2019, "Adaptive Gradient Methods with Dynamic Bound of
-    Learning Rate", ICLR), which clips each coordinate's adaptive rate to bounds set by SGD's; here
-    the upper bound is set against the round's own SGD (FedAvg) step.
+    Source: AdaBound (Luo, Xiong, Liu, Sun 2019, ICLR), with the bound set by the round's own FedAvg step.
     """
     cap = np.float32(factor) * np.abs(mean_delta)
     out: F32 = np.clip(step, -cap, cap).astype(np.float32)
@@ -166,23 +96,10 @@ def bound_coordinates(step: F32, mean_delta: F32, factor: float) -> F32:
 def clip_step(step_W: F32, step_b: F32, bound: float) -> tuple[F32, F32]:
     """Scale a server step ``(step_W, step_b)`` down to joint L2 norm ``bound`` when it is longer.
 
-    A momentum or adaptive server step can be longer than any update of the round: momentum sums
-    past rounds' steps (up to ``1 / (1 - beta)`` of them), and Adam divides by a second moment that
-    a run of small steps shrinks. Bounding the step by the round's per-update norm bound keeps a
-    clipped hostile direction from being carried and amplified round after round.
+    ``step_W`` float32 [D, K], ``step_b`` float32 [K], ``bound`` > 0 (inf: none). Returns the scaled
+    float32 pair (the same arrays when within the bound).
 
-    Parameters
-    ----------
-    step_W : float32 [D, K]
-    step_b : float32 [K]
-    bound : float > 0 (``inf``: no bound)
-
-    Returns
-    -------
-    (step_W, step_b) float32, the same arrays when within the bound.
-
-    Source: norm clipping of the server update, as the per-update clipping of McMahan et al. 2018
-    applied to the aggregate (Sun et al. 2019, norm difference clipping).
+    Source: the per-update clipping of McMahan et al. 2018 applied to the aggregate (Sun et al. 2019).
     """
     f = clip_factor(update_norm(step_W, step_b), bound)
     return scale_delta(step_W, f), scale_delta(step_b, f)
@@ -220,8 +137,7 @@ class FedAvgM(FedAvg):
         vW = bound_coordinates(vW, mean_dW, COORDINATE_FACTOR)  # the buffer itself: an
         vb = bound_coordinates(vb, mean_db, COORDINATE_FACTOR)  # unsupported direction fades
         self.server_state["v_W"], self.server_state["v_b"] = vW, vb
-        eta = np.float32(self.server_lr)
-        return (W + eta * vW).astype(np.float32), (b + eta * vb).astype(np.float32)
+        return super().step(W, b, vW, vb)
 
 
 class FedAdam(FedAvg):
@@ -230,7 +146,7 @@ class FedAdam(FedAvg):
     Parameters
     ----------
     server_lr : float
-        eta (Reddi et al. tune it on a log grid; 10^-1.5..10^-0.5 typical for small heads).
+        eta.
     beta1, beta2 : float in [0, 1)
         Moment decay rates (0.9, 0.99 as in the paper).
     tau : float > 0
@@ -244,15 +160,7 @@ class FedAdam(FedAvg):
     name = "fedadam"
 
     coordinate_factor = COORDINATE_FACTOR
-    """How many FedAvg steps the adaptive step may take in any coordinate (``bound_coordinates``).
-
-    Without it the step is nearly ``eta sign(m)`` in every coordinate in the first rounds (``v``
-    starts at ``tau^2`` and gains ``(1 - beta2) d^2`` a round): coordinates where the round's
-    updates cancel move as far as any, in the direction of a norm-bounded hostile update that
-    outweighs the honest ones there, and the second moment, which that round raised, slows the
-    way back. Where the bound binds in every coordinate FedAdam and FedYogi take the same step
-    (their first moments are the same), as in ``bench/learning.py`` (40 rounds: within -0.2 to
-    +1.5 points of the unbounded step's accuracy)."""
+    """FedAvg steps the adaptive step may take in any coordinate (``bound_coordinates``)."""
 
     def __init__(
         self,
@@ -274,10 +182,7 @@ class FedAdam(FedAvg):
         return adam_moments(m, v, delta, self.beta1, self.beta2)
 
     def step(self, W: F32, b: F32, mean_dW: F32, mean_db: F32) -> tuple[F32, F32]:
-        """Update the moments with the round's mean delta and take the adaptive server step.
-
-        The step is bounded per coordinate (``bound_coordinates``, ``coordinate_factor``).
-        """
+        """Update the moments with the round's mean delta and take the bounded adaptive server step."""
         out = []
         for name, x, d in (("W", W, mean_dW), ("b", b, mean_db)):
             m0 = self.server_state.get("m_" + name, np.zeros_like(d, dtype=np.float32))
@@ -290,11 +195,7 @@ class FedAdam(FedAvg):
 
 
 class FedYogi(FedAdam):
-    """Server-side Yogi: FedAdam with Yogi's additive second-moment update.
-
-    Parameters
-    ----------
-    As ``FedAdam``.
+    """Server-side Yogi: FedAdam with Yogi's additive second-moment update (parameters as ``FedAdam``).
 
     Source: Reddi et al. 2021, Algorithm 2 (FedYogi).
     """

@@ -27,21 +27,9 @@ from edgefl.types import F32
 def clip_update(delta_W: F32, delta_b: F32, clip_norm: float) -> tuple[F32, F32, float]:
     """Scale an update down so that the L2 norm of ``(delta_W, delta_b)`` is at most ``clip_norm``.
 
-    Parameters
-    ----------
-    delta_W : float32 [D, K]
-    delta_b : float32 [K]
-    clip_norm : float > 0
-        Bound C on the joint L2 norm.
-
-    Returns
-    -------
-    (clipped_W float32 [D, K], clipped_b float32 [K], norm before clipping : float)
-
-    Raises
-    ------
-    ValueError
-        If ``clip_norm <= 0`` or the update is not finite.
+    ``delta_W`` float32 [D, K], ``delta_b`` float32 [K], ``clip_norm`` C > 0. Returns (clipped_W,
+    clipped_b, the norm before clipping); raises ValueError if ``clip_norm <= 0`` or the update is not
+    finite.
 
     Source: Abadi et al. 2016, "Deep Learning with Differential Privacy", Algorithm 1 (clip step).
     """
@@ -109,23 +97,9 @@ class PrivateSum:
     ) -> tuple[F32, F32]:
         """Return ``(sum + N(0, (z C)^2 I)) / expected_clients`` for W and b.
 
-        Parameters
-        ----------
-        noise_multiplier : float >= 0
-            z: noise standard deviation in units of ``clip_norm`` (0 = clipping only, no privacy).
-        expected_clients : float > 0
-            Expected number of updates per round (q x population), the fixed denominator.
-        rng : numpy.random.Generator
-            Noise source (``np.random.default_rng()`` draws its seed from the OS).
-
-        Returns
-        -------
-        (mean_dW float32 [D, K], mean_db float32 [K])
-
-        Raises
-        ------
-        ValueError
-            If ``noise_multiplier < 0`` or ``expected_clients <= 0``.
+        ``noise_multiplier`` z >= 0 (noise sd in units of ``clip_norm``; 0: clipping only);
+        ``expected_clients`` > 0, the fixed denominator; ``rng`` the noise source. Returns float32
+        (mean_dW [D, K], mean_db [K]); raises ValueError on a negative z or a denominator <= 0.
         """
         if noise_multiplier < 0 or expected_clients <= 0:
             raise ValueError(f"noise_multiplier = {noise_multiplier}, expected_clients = {expected_clients}")
@@ -145,29 +119,10 @@ def dp_epsilon(
 ) -> float:
     """Epsilon of ``rounds`` rounds of DP-FedAvg, client-level, at the given delta.
 
-    Parameters
-    ----------
-    noise_multiplier : float > 0
-        z (noise sd / clip norm).
-    sampling_rate : float in (0, 1]
-        q: probability that a device takes part in a round (1 = every device every round).
-    rounds : int >= 0
-        Rounds run.
-    delta : float in (0, 1)
-        Target delta (customarily < 1 / number of devices).
-    accountant : "rdp" | "pld"
-        ``dp_accounting``'s RDP accountant (as Opacus and TF Privacy) or PLD accountant (tighter).
-
-    Returns
-    -------
-    float: epsilon (``0.0`` for zero rounds, ``inf`` for ``noise_multiplier == 0``).
-
-    Raises
-    ------
-    ValueError
-        On out-of-range arguments.
-    ImportError
-        If ``dp-accounting`` is not installed (``pip install dp-accounting``).
+    ``noise_multiplier`` z >= 0 (noise sd / clip norm); ``sampling_rate`` q in (0, 1], the chance a
+    device takes part in a round; ``rounds`` >= 0; ``delta`` in (0, 1); ``accountant``: ``dp_accounting``'s
+    RDP (as Opacus and TF Privacy) or PLD (tighter). Returns epsilon (0.0 for zero rounds, inf for
+    z = 0). Raises ValueError on out-of-range arguments, ImportError without ``dp-accounting``.
 
     Source: Mironov 2017 (RDP); Mironov, Talwar, Zhang 2019 (RDP of the sampled Gaussian);
     Google ``dp-accounting`` (PoissonSampledDpEvent of a GaussianDpEvent, SelfComposedDpEvent).
@@ -181,15 +136,7 @@ def dp_epsilon(
         return 0.0
     if noise_multiplier == 0:
         return math.inf
-    import dp_accounting  # type: ignore[import-untyped, import-not-found, unused-ignore]
-
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier)),
-        rounds,
-    )
-    acc = dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else dp_accounting.pld.PLDAccountant()
-    acc.compose(event)
-    return float(acc.get_epsilon(delta))
+    return _account([(noise_multiplier, sampling_rate, rounds)], delta, accountant)
 
 
 def ledger_epsilon(
@@ -212,16 +159,21 @@ def ledger_epsilon(
         dp_epsilon(z, q, 0, delta)  # validates each run's values
         if z == 0:
             return math.inf
+    return _account(live, delta, accountant)
+
+
+def _account(runs: Sequence[tuple[float, float, int]], delta: float, accountant: str) -> float:
+    """Epsilon at ``delta`` of the runs ``(z, q, rounds)`` of a Poisson-sampled Gaussian, composed."""
     import dp_accounting  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
     events = [
         dp_accounting.SelfComposedDpEvent(
             dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), n
         )
-        for z, q, n in live
+        for z, q, n in runs
     ]
     acc = dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else dp_accounting.pld.PLDAccountant()
-    acc.compose(dp_accounting.ComposedDpEvent(events))
+    acc.compose(events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events))
     return float(acc.get_epsilon(delta))
 
 

@@ -1,10 +1,4 @@
-"""The fleet's device registry: the latest status of each device, bounded, with its refusals and model.
-
-A device's retained status (``status/<device>``) enters :meth:`DeviceRegistry.note_status`; the registry
-keeps at most ``max_devices`` of them (expired and offline devices dropped first), notes a device whose
-backbone differs from the coordinator's (left out of rounds), counts what was refused and declined per
-device, and answers which devices are ready and how many new samples they report (the pacing).
-"""
+"""The fleet's device registry: the latest status of each device, bounded, with its refusals and model."""
 
 from __future__ import annotations
 
@@ -44,14 +38,19 @@ def shorten(text: str, limit: int = LOGGED_DETAIL_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _interned(value: Any) -> Any:
-    """``value`` (a decoded status's JSON-like fields) with its map keys and short strings interned.
+def sampled_log(n: int, what: str) -> str | None:
+    """Whether the ``n``-th event of a kind is logged, and the suffix its line ends with.
 
-    Every status a fleet sends repeats the same ~45 field names and the same backbone sha256; decoded,
-    each is a fresh string. Interned, a registry entry costs about half (2.5 against 5.6 KiB for an
-    agent's status, measured with tracemalloc), so ``fleet.max_devices`` statuses, honest or not,
-    hold less of the coordinator's memory.
+    The first ``LOGGED_REFUSALS`` of each kind are logged (suffix ``""``), then every 1000th (suffix
+    ``" (n what so far)"``), so a flood of forged messages is not a flood of log lines; None: not logged.
     """
+    if n <= LOGGED_REFUSALS:
+        return ""
+    return f" ({n} {what} so far)" if n % 1000 == 0 else None
+
+
+def _interned(value: Any) -> Any:
+    """A decoded status's fields with map keys and short strings interned (half the memory per entry)."""
     if isinstance(value, dict):
         return {sys.intern(str(k)): _interned(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -82,7 +81,6 @@ def _top_counts(counts: object) -> dict[str, Any]:
     return dict(heapq.nlargest(PAGE_REASONS, numeric, key=lambda kv: kv[1]))
 
 
-
 class DeviceRegistry:
     """The latest status of each device of a fleet (bounded), with what was refused and declined by device.
 
@@ -96,11 +94,10 @@ class DeviceRegistry:
         The strategy's updates clipped by device (a forgotten device leaves it too).
     limits : Limits
         Decoding bounds for statuses.
-    max_devices : int
-        Bound of the registry (statuses kept, > 0): when full, expired and offline devices are dropped
-        first; a new device is refused (``registry_full``) only when every entry is live.
+    max_devices : int > 0
+        Bound of the registry: when full, expired and offline devices are dropped first.
     expiry_s : float
-        A status older than this (seconds since it was received, or since its ``ts`` field) is forgotten.
+        A status older than this (seconds since it was received, or since its ``ts``) is forgotten.
     """
 
     def __init__(
@@ -190,11 +187,8 @@ class DeviceRegistry:
             if self.mismatched.get(device) != why:
                 self.mismatched[device] = why  # only for a device in the registry: forgotten with it
                 self.mismatches_total += 1
-                n = self.mismatches_total
-                # named one by one for the first ones, then every 1000th with the count (ghost statuses
-                # naming another backbone must not become a flood of log lines)
-                if n <= LOGGED_REFUSALS or n % 1000 == 0:
-                    more = f" ({n} devices with another model so far)" if n > LOGGED_REFUSALS else ""
+                more = sampled_log(self.mismatches_total, "devices with another model")
+                if more is not None:
                     logger.warning(
                         "device %s runs another model: %s; left out of rounds%s", device, why, more
                     )
@@ -204,11 +198,7 @@ class DeviceRegistry:
             self.mismatched.pop(device, None)
 
     def count_by_device(self, table: dict[str, Counter[str]], device: str, reason: str) -> None:
-        """Count ``reason`` for ``device`` in ``table`` (bounded).
-
-        Kept for devices in the registry (forgotten with them, :meth:`forget`) and for the last
-        :data:`STRANGERS_KEPT` devices it does not hold (the oldest dropped).
-        """
+        """Count ``reason`` for ``device`` in ``table`` (registry devices, and ``STRANGERS_KEPT`` others)."""
         if device not in table and device not in self.devices:
             self._strangers[device] = None
             while len(self._strangers) > STRANGERS_KEPT:
@@ -230,9 +220,7 @@ class DeviceRegistry:
     def expire(self, now: float) -> None:
         """Forget devices whose last status is older than ``expiry_s``."""
         for dev in [
-            d
-            for d, st in self.devices.items()
-            if now - float(st.get("seen_at", now)) > self.expiry_s
+            d for d, st in self.devices.items() if now - float(st.get("seen_at", now)) > self.expiry_s
         ]:
             self.forget(dev)
 
@@ -261,19 +249,10 @@ class DeviceRegistry:
         return out
 
     async def wait_for_devices(self, n: int, timeout_s: float, key: str | None = "ready") -> list[str]:
-        """Wait until ``n`` devices report a status whose field ``key`` is true.
+        """Wait until ``n`` devices report a status whose field ``key`` is true; returns their ids.
 
-        ``key`` None: until ``n`` devices are ready to train (:meth:`online_devices`: a device with an
-        empty store is not), as pacing counts them.
-
-        Returns
-        -------
-        The ready device ids.
-
-        Raises
-        ------
-        TimeoutError
-            If fewer than ``n`` are ready after ``timeout_s`` seconds.
+        ``key`` None: ready to train as pacing counts them (:meth:`online_devices`). Raises
+        TimeoutError if fewer than ``n`` are ready after ``timeout_s`` seconds.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -335,12 +314,7 @@ class DeviceRegistry:
         return rows + heapq.nlargest(limit, theirs, key=lambda r: (r["count"], r["by"]))
 
     def page_devices(self) -> dict[str, dict[str, Any]]:
-        """The devices the page's status document lists, with their figures (JSON-like).
-
-        A bounded number (:data:`PAGE_DEVICES`): online and ready first, the least memory headroom
-        first, then the most recently seen; a registry of thousands, or of ghosts, must not make the
-        document megabytes.
-        """
+        """The ``PAGE_DEVICES`` devices the page lists (ready, least headroom, latest first), JSON-like."""
         registry = self.devices
         devices = {}
         for dev in heapq.nsmallest(PAGE_DEVICES, registry, key=lambda d: _page_order(registry[d])):

@@ -33,19 +33,8 @@ def _stack(deltas: Sequence[npt.NDArray[Any]], where: str) -> npt.NDArray[np.flo
 def coordinate_median(deltas: Sequence[npt.NDArray[Any]]) -> F32:
     """Coordinate-wise median of the updates (unweighted; the mean of the two middle values when even).
 
-    Parameters
-    ----------
-    deltas : sequence of float arrays
-        The m updates (float32), or a root's site estimates (float64), all the same shape.
-
-    Returns
-    -------
-    float32 array of that shape (computed in float64).
-
-    Raises
-    ------
-    ValueError
-        If empty or the shapes differ.
+    ``deltas``: the m updates (float32) or a root's site estimates (float64), one shape. Returns
+    float32 of that shape (computed in float64); raises ValueError if empty or the shapes differ.
 
     Source: Yin, Chen, Ramchandran, Bartlett 2018, "Byzantine-Robust Distributed Learning: Towards
     Optimal Statistical Rates", Definition 1 (coordinate-wise median).
@@ -57,21 +46,8 @@ def coordinate_median(deltas: Sequence[npt.NDArray[Any]]) -> F32:
 def trimmed_mean(deltas: Sequence[F32], beta: float) -> F32:
     """Coordinate-wise trimmed mean: per coordinate, drop the ``floor(beta m)`` largest and smallest values.
 
-    Parameters
-    ----------
-    deltas : sequence of float32 arrays
-        The m updates, all the same shape.
-    beta : float in [0, 0.5)
-        Fraction trimmed from each end (``beta = 0`` is the plain mean).
-
-    Returns
-    -------
-    float32 array of that shape: the mean of the ``m - 2 floor(beta m)`` remaining values.
-
-    Raises
-    ------
-    ValueError
-        If empty, the shapes differ, or ``beta`` is outside [0, 0.5).
+    ``deltas``: the m float32 updates, one shape; ``beta`` in [0, 0.5) (0: the plain mean). Returns
+    float32 of that shape; raises ValueError if empty, the shapes differ or ``beta`` is out of range.
 
     Source: Yin et al. 2018, Definition 2 (coordinate-wise beta-trimmed mean).
     """
@@ -86,21 +62,8 @@ def trimmed_mean(deltas: Sequence[F32], beta: float) -> F32:
 def trimmed_minimum(beta: float, tolerate: int) -> int:
     """Fewest updates ``n`` for which a beta-trimmed mean drops ``tolerate`` values at each end.
 
-    Parameters
-    ----------
-    beta : float in (0, 0.5)
-        Trimmed fraction at each end (``trimmed_mean``).
-    tolerate : int >= 0
-        Hostile values to withstand per coordinate.
-
-    Returns
-    -------
-    int: the least ``n >= 2 tolerate + 1`` with ``floor(beta n) >= tolerate`` (1 when ``tolerate = 0``).
-
-    Raises
-    ------
-    ValueError
-        If ``tolerate > 0`` and ``beta`` is outside (0, 0.5).
+    Returns the least ``n >= 2 tolerate + 1`` with ``floor(beta n) >= tolerate`` (1 when ``tolerate =
+    0``); raises ValueError if ``tolerate > 0`` and ``beta`` is outside (0, 0.5).
 
     Source: Yin et al. 2018, Definition 2 (``floor(beta m)`` values trimmed at each end).
     """
@@ -115,18 +78,9 @@ def trimmed_minimum(beta: float, tolerate: int) -> int:
 
 
 class _Robust(Strategy):
-    """Robust rules that need every update of a round at once: the accumulator is the round's updates.
+    """Robust rules that hold a round's updates (at most ``max_updates``; more are ``too_many``).
 
-    Memory is O(max_updates x model). A device's claimed example count is not weighed: it would
-    let one device with a large claim dominate, which is what robust aggregation guards against
-    (Yin et al. 2018 weigh all machines alike).
-
-    Parameters
-    ----------
-    max_updates : int
-        Most updates held for one round; more are refused (``too_many``).
-    **kwargs
-        As ``Strategy``.
+    Devices are weighed alike whatever they claim (Yin et al. 2018); ``kwargs`` as ``Strategy``.
     """
 
     def __init__(self, *, max_updates: int = 64, **kwargs: Any) -> None:
@@ -177,14 +131,7 @@ class _Robust(Strategy):
         return W1, b1
 
     def _bounded_sites(self) -> tuple[list[npt.NDArray[np.float64]], list[npt.NDArray[np.float64]]]:
-        """The site estimates, each scaled down to the norm bound (counted in ``clipped``).
-
-        The bound is the fixed ``clip_norm``, else the lower median of the estimates' norms (with
-        a majority of honest sites, an honest site's norm). A site's self-reported weight is not
-        used: the root weighs sites alike (equal weights), so one site that claims a huge weight or
-        thousands of invented update ids is one estimate of S, moving the head by at most
-        ``bound / S`` (the trimmed mean) or not at all while it is not the median.
-        """
+        """The site estimates, each scaled down to the fixed bound or the lower median norm."""
         norms = [
             math.sqrt(float(np.sum(w * w)) + float(np.sum(b * b)))
             for w, b in zip(self._site_W, self._site_b, strict=True)
@@ -235,11 +182,7 @@ class Median(_Robust):
 
     @property
     def min_updates(self) -> int:
-        """``2 tolerate + 1`` updates.
-
-        Then ``tolerate`` values cannot move a coordinate's median outside the honest values (Yin
-        et al. 2018: breakdown point 1/2).
-        """
+        """``2 tolerate + 1`` updates (breakdown point 1/2, Yin et al. 2018)."""
         return 2 * self.tolerate + 1
 
     def _combine(self, deltas: Sequence[F32]) -> F32:
@@ -278,11 +221,7 @@ class TrimmedMean(_Robust):
 
     @property
     def min_updates(self) -> int:
-        """Fewest ``n`` with ``floor(trim_fraction n) >= tolerate`` (and at least ``2 tolerate + 1``).
-
-        Each coordinate then drops ``tolerate`` values at both ends, so ``tolerate`` hostile
-        values are trimmed or lie between honest ones (Yin et al. 2018, Definition 2).
-        """
+        """Fewest ``n`` with ``floor(trim_fraction n) >= tolerate`` (and at least ``2 tolerate + 1``)."""
         return trimmed_minimum(self.trim_fraction, self.tolerate)
 
     def _combine(self, deltas: Sequence[F32]) -> F32:

@@ -152,11 +152,7 @@ class Round:
     def admit(self, update: Update) -> None:
         """Check that the decoded ``update`` may take part in this round (not recorded yet: see ``record``).
 
-        Raises
-        ------
-        UpdateRejected
-            ``round_closed``, ``stale_round`` (other round number), ``stale_base`` (other base version),
-            ``not_selected``, ``duplicate`` (same ``update_id`` or same device twice).
+        Raises ``UpdateRejected`` as :meth:`check_open`, or ``duplicate`` (same ``update_id`` or device).
         """
         self.check_open("update", update.device, update.round, update.base_version, self.check_round)
         if update.update_id in self.update_ids or update.device in self.answered().counted:

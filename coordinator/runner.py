@@ -1,18 +1,9 @@
 """The coordinator service's run: connect, take the fleet's lease, resume, run rounds until done or stopped.
 
-:func:`run` runs what a coordinator profile describes (the command line is :mod:`edgefl.coordinator.command`).
-It checks the fleet's lease on the broker (:mod:`edgefl.coordinator.lease`) before it writes or
-publishes anything, connects as the profile says (``mqtts://`` always verifies the broker;
-credentials from the profile), resumes from its state file after a restart (the open round
-included), prints one line per round on stdout and appends one JSON line per closed round to
-``files.log`` (:mod:`edgefl.coordinator.roundlog`), writes a summary to ``files.json``, and evaluates
-each new head on a central set when there is one. A site (``hierarchy.role = "site"``) sends one
-partial per round of its root instead.
-
-With ``rounds.count = 0`` (the shipped default) it runs until SIGTERM/SIGINT, opening a round when
-the pacing allows (``rounds.interval_s``, ``rounds.min_new_samples``, ready devices); a stop leaves
-the open round in the state file (resumed at the restart) and returns 0. With ``rounds.count = N`` it
-runs N rounds back to back and returns.
+:func:`run` runs what a coordinator profile describes: it checks the fleet's lease before it writes
+or publishes anything, resumes from its state file, prints one line and logs one JSON line per round
+(:mod:`edgefl.coordinator.roundlog`). With ``rounds.count = 0`` it runs until SIGTERM/SIGINT (the open
+round saved), with N it runs N rounds; a site sends one partial per round of its root instead.
 """
 
 from __future__ import annotations
@@ -25,9 +16,9 @@ import math
 import signal
 import sys
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import asdict
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from edgefl import heap
 from edgefl.aio import within
@@ -62,6 +53,8 @@ from edgefl.wire.signing import load_signing_key, load_verify_key, load_verify_k
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 #: Exit codes of ``edgefl coordinator`` (:mod:`edgefl.coordinator.command` says what each means).
 EXIT_OK: Final = 0
 EXIT_INVALID: Final = 1
@@ -75,9 +68,7 @@ CONNECT_WAIT_S: Final = 60.0
 """How long the coordinator waits for its broker at start-up before it gives up (exit 4), seconds."""
 
 COORDINATOR_RECONNECT_MAX_S: Final = 5.0
-"""Cap of the coordinator's reconnect back-off, seconds (devices keep the transport's 30 s: a fleet must
-not reconnect in lock-step; one coordinator may retry sooner, and a 60 s root outage closed its
-round 25 s after the broker was back with 30 s)."""
+"""Cap of the coordinator's reconnect back-off, seconds (one client may retry sooner than a fleet's 30 s)."""
 
 
 def build_strategy(profile: CoordinatorProfile) -> Strategy:
@@ -134,11 +125,7 @@ _ARGUMENT_KEYS: Final = {
 
 
 def strategy_problems(profile: CoordinatorProfile) -> list[str]:
-    """Why :func:`build_strategy` refuses ``profile``, each line naming its dotted key; empty if it builds.
-
-    ``edgefl check-config`` and ``edgefl coordinator`` both ask (the coordinator before it connects),
-    so a profile that one accepts the other runs. Building a strategy allocates nothing of the head.
-    """
+    """Why :func:`build_strategy` refuses ``profile``, each line naming its dotted key; empty if it builds."""
     name = profile.strategy.name
     try:
         build_strategy(profile)
@@ -164,7 +151,6 @@ PageServer = Callable[
 ]
 """Serves the fleet page: ``(dashboard config, title, get_status, get_rounds) -> (stop, port)``; given by
 the CLI."""
-
 
 
 class CredentialsRefused(TransportError):
@@ -194,7 +180,6 @@ async def _connected_or_refused(transport: MqttTransport, where: str, timeout_s:
             raise TransportError(f"broker {where} not reachable within {timeout_s:.0f} s")
         with contextlib.suppress(TimeoutError):
             await within(transport.connected.wait(), min(0.2, left))
-
 
 
 async def run(
@@ -411,14 +396,8 @@ async def run(
             r = coord.state.round + 1
             refused_before = Counter(coord.state.rejected)
             declined_before = Counter(coord.state.declined)
-            runner = asyncio.create_task(coord.run_round(r))
-            stopper = asyncio.create_task(stop.wait())
-            done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            stopper.cancel()
-            if runner not in done:  # stopped: the open round stays in the state file, resumed at restart
-                runner.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await runner
+            runner = await _unless_stopped(coord.run_round(r), stop)
+            if runner is None:  # stopped: the open round stays in the state file, resumed at restart
                 break
             rec = runner.result()
             records.append(rec)
@@ -450,14 +429,8 @@ async def run(
         coord.finished = True
         coord.notify()
     finally:
-        if pump is not None:
-            pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await pump
-        if holding is not None:
-            holding.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await holding
+        await _cancel(pump)
+        await _cancel(holding)
         if files.state is not None and coord.state_path is not None and not lease.lost.is_set():
             with contextlib.suppress(OSError):
                 coord.save_state(files.state)  # an open round, as it stands: resumed at the restart
@@ -509,17 +482,10 @@ def pacing_for(profile: CoordinatorProfile) -> Pacing:
     return Pacing(rounds.interval_s, rounds.min_new_samples, rounds.min_clients)
 
 
-
 async def _wait_for_expected(coord: Coordinator, n: int, timeout_s: float, stop: asyncio.Event) -> None:
     """Wait for ``n`` ready devices before round 1 (``rounds.expected_clients``), ``timeout_s`` at most."""
-    waiting = asyncio.create_task(coord.registry.wait_for_devices(n, timeout_s=timeout_s, key=None))
-    stopper = asyncio.create_task(stop.wait())
-    await asyncio.wait({waiting, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    stopper.cancel()
-    if not waiting.done():  # SIGTERM while waiting for the devices
-        waiting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await waiting
+    waiting = await _unless_stopped(coord.registry.wait_for_devices(n, timeout_s=timeout_s, key=None), stop)
+    if waiting is None:  # SIGTERM while waiting for the devices
         return
     try:
         waiting.result()
@@ -574,21 +540,13 @@ async def _run_site(
         )
         while not stop.is_set():
             refused_before = Counter(site.state.rejected)
-            runner = asyncio.create_task(_next_site_round(site, last_round))
-            stopper = asyncio.create_task(stop.wait())
-            done, _ = await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            stopper.cancel()
-            if runner not in done:
-                runner.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await runner
+            runner = await _unless_stopped(_next_site_round(site, last_round), stop)
+            if runner is None:
                 break
             rec = runner.result()
             if rec is None:  # the root published the head of the last round
                 break
-            refused = Counter(site.state.rejected)
-            refused.subtract(refused_before)
-            refused_round = {str(k): v for k, v in refused.items() if v > 0}  # labels as values, not reprs
+            refused_round = counts_since(site.state.rejected, refused_before)
             print(
                 f"site {site.site} round {rec.round}: {rec.updates} updates, {rec.partial_bytes} bytes up, "
                 f"{rec.duration_s:.2f} s, refused: {refused_round or 'none'}",
@@ -607,13 +565,31 @@ async def _run_site(
                 with open(files.log, "a") as f:
                     f.write(json.dumps(entry) + "\n")
     finally:
-        pump.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await pump
+        await _cancel(pump)
         await transport.stop()
         if stop_page is not None:
             await stop_page()
     return EXIT_OK
+
+
+async def _cancel(task: asyncio.Task[Any] | None) -> None:
+    """Cancel ``task`` (if any) and wait until it ended."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _unless_stopped(work: Coroutine[Any, Any, T], stop: asyncio.Event) -> asyncio.Task[T] | None:
+    """Run ``work`` until it ends (its finished task) or ``stop`` is set first (cancelled: None)."""
+    task = asyncio.create_task(work)
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if not task.done():
+        await _cancel(task)
+        return None
+    return task
 
 
 async def _next_site_round(site: SiteAggregator, last_round: int) -> SiteRecord | None:

@@ -1,15 +1,9 @@
 """The coordinator's round loop: announces rounds, collects updates, aggregates, publishes the global head.
 
-One round loop (``run_round``) with two schedules, chosen by the strategy's ``RoundConfig.schedule``:
-synchronous rounds (McMahan et al. 2017, Algorithm 1: updates for this round and base version,
-closed at ``min_clients`` updates or the deadline) and buffered-asynchronous steps (Nguyen et al.
-2022, FedBuff: updates from any earlier version, with their staleness, closed at ``buffer_size``
-updates or the deadline). The global head and the round announcement are published retained (a
-device that connects late catches up from them). What devices send comes in through the intake
-(:class:`~edgefl.coordinator.intake.Intake`), which offers every accepted update to ``Strategy.offer``;
-the aggregated head is validated against the agents' own bound (``edgefl.head.validate_head``)
-before it is persisted or published: a head the agents would refuse is never sent, the round is
-refused, the previous head kept, and the reason logged and recorded.
+One loop (``run_round``), two schedules chosen by ``RoundConfig.schedule``: synchronous rounds
+(McMahan et al. 2017, Algorithm 1) and buffered-asynchronous steps (Nguyen et al. 2022, FedBuff).
+Updates come in through the intake (:class:`~edgefl.coordinator.intake.Intake`); the head and the
+announcement are published retained, and a head the agents would refuse is never sent.
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 
@@ -34,7 +28,7 @@ from edgefl.coordinator.history import (
     page_record,
     personal_heads_summary,
 )
-from edgefl.coordinator.intake import Intake
+from edgefl.coordinator.intake import Intake, IntakeOptions
 from edgefl.coordinator.rounds import (
     FleetPhase,
     FleetState,
@@ -44,17 +38,16 @@ from edgefl.coordinator.rounds import (
     collecting,
     replace_min_devices,
 )
-from edgefl.coordinator.strategy import RoundConfig, Schedule, Strategy, aggregate_checked
-from edgefl.errors import TransportError, UpdateRejected
+from edgefl.coordinator.strategy import RoundConfig, Schedule, aggregate_checked
+from edgefl.errors import TransportError
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
-from edgefl.wire.cbor import Limits
 from edgefl.wire.chunking import split_message
 from edgefl.wire.compression import Compression
 from edgefl.wire.global_model import GlobalModel, HeadLayout, encode_global_model
 from edgefl.wire.rounds import RoundAnnouncement, encode_round
-from edgefl.wire.signing import SigningKey, VerifyKey, sign_message
+from edgefl.wire.signing import sign_message
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +58,7 @@ ADOPT_WAIT_S = 2.0
 """How long a coordinator without state waits for the fleet's retained round and head (seconds)."""
 
 PACING_RECHECK_S = 0.5
-"""Least time between two checks of the pacing while a service waits (a fleet's statuses come in bursts:
-each check reads every ready device's status)."""
+"""Least time between two checks of the pacing while a service waits (statuses come in bursts)."""
 WAIT_LOG_EVERY_S = 60.0
 """A waiting service logs a new kind of wait at once, and a count moving within it at most this often (s)."""
 
@@ -79,22 +71,16 @@ class Coordinator(Intake):
 
     Parameters
     ----------
-    transport, topics, W, b, model_sha256, strategy, evaluate, limits, device_keys, max_devices,
-    device_expiry_s
-        As :class:`~edgefl.coordinator.intake.Intake` (what the fleet sends, and the head to start from).
-    signing_key : SigningKey or None
-        Signs every GlobalModel and RoundAnnouncement (Ed25519) when set.
-    max_packet_bytes : int
-        The broker's maximum packet size: a larger GlobalModel goes out as retained chunks on ``global/<i>``.
+    transport, topics, W, b, **intake
+        As :class:`~edgefl.coordinator.intake.Intake`; ``signing_key`` also signs every GlobalModel and
+        RoundAnnouncement, and a GlobalModel above ``max_packet_bytes`` goes out as retained chunks.
     compression : Compression
         Update compression asked of the devices (``topk_fraction``: the share top-k keeps).
     downlink : HeadLayout
         Layout of the published global head (float32, float16, int8; ``docs/protocol.md``).
     lr_decay : float
-        Client learning-rate schedule within an episode: a round announces ``lr * lr_decay ** e``, ``e``
-        the rounds since the episode began; an episode begins at the first round and at every round
-        whose ready devices report new labelled samples (1.0, the default: constant). A fleet's data
-        keeps changing, so its step must not vanish (``docs/operations.md``, "Learning rate").
+        A round announces ``lr * lr_decay ** e``, ``e`` the rounds since the episode began (the first
+        round, and every round whose devices report new samples; ``docs/operations.md``).
     quorum : float in (0, 1] or None
         Share of the devices asked whose updates close a round early (``Round.close_at``); None:
         ``min_clients`` updates do.
@@ -109,37 +95,15 @@ class Coordinator(Intake):
         W: F32,
         b: F32,
         *,
-        model_sha256: str,
-        strategy: Strategy,
-        evaluate: Callable[[F32, F32], float] | None = None,
         compression: Compression = Compression.NONE,
         topk_fraction: float = 0.1,
         downlink: HeadLayout = HeadLayout.FLOAT32,
-        limits: Limits | None = None,
         lr_decay: float = 1.0,
-        signing_key: SigningKey | None = None,
-        device_keys: Mapping[str, VerifyKey] | None = None,
-        max_packet_bytes: int = 256 * 1024,
-        max_devices: int = 10_000,
-        device_expiry_s: float = 7 * 24 * 3600.0,
         quorum: float | None = None,
         pacing: Pacing | None = None,
+        **intake: Unpack[IntakeOptions],
     ) -> None:
-        super().__init__(
-            transport,
-            topics,
-            W,
-            b,
-            model_sha256=model_sha256,
-            strategy=strategy,
-            evaluate=evaluate,
-            limits=limits,
-            signing_key=signing_key,
-            device_keys=device_keys,
-            max_packet_bytes=max_packet_bytes,
-            max_devices=max_devices,
-            device_expiry_s=device_expiry_s,
-        )
+        super().__init__(transport, topics, W, b, **intake)
         self.compression = compression
         self.topk_fraction = topk_fraction
         self.downlink = downlink
@@ -150,7 +114,6 @@ class Coordinator(Intake):
         self._round_reasons: dict[int, dict[str, dict[str, int]]] = {}  # round -> refused, declined
         self._announcement: tuple[int, bytes] | None = None  # (round, payload) of the last announcement
         self._reannounce_task: asyncio.Task[None] | None = None
-        self.reannounced = 0  # announcements published again after a reconnect without our session
         self.quorum = quorum
         self.pacing = pacing or Pacing()
         self.finished = False  # a job's last round closed, or the service is stopping (fleet page)
@@ -160,18 +123,9 @@ class Coordinator(Intake):
     async def start(self, adopt_wait_s: float = ADOPT_WAIT_S) -> None:
         """Subscribe to updates and statuses, and publish the current global head (retained).
 
-        A coordinator without state (version 0, round 0: first start, or its state file was lost)
-        first adopts the fleet's round and head from the retained ``round`` and ``global`` messages,
-        so devices that hold a later round are not answered with ``stale_round`` for rounds on end.
-        The retained head is adopted only if it decodes with this head's shape, names this backbone's
-        sha256 and, when a signing key is set, carries a valid signature by it. Then, after adopting
-        or when the broker resumed an earlier session of this client, it unsubscribes from ``round``
-        and ``global`` (its own messages would come back). The caller's :meth:`pump` must be running.
-
-        Parameters
-        ----------
-        adopt_wait_s : float
-            How long to wait for the retained messages (seconds); they arrive right after SUBACK.
+        A coordinator without state first adopts the fleet's round and head from the retained
+        ``round`` and ``global`` messages (waiting ``adopt_wait_s``; the head only with this shape,
+        backbone and signature). The caller's :meth:`pump` must be running.
         """
         # a state file, even one written in round 1 (its open round), is this fleet's truth
         adopting = self.state.version == 0 and self.state.round == 0 and not self.state_loaded
@@ -210,16 +164,9 @@ class Coordinator(Intake):
         return []
 
     async def subscribe(self, topic: str, budget_s: float = PUBLISH_RETRY_S) -> None:
-        """Subscribe with QoS 1, retrying a late SUBACK with backoff (1, 2, 4 ... 16 s) for ``budget_s``.
+        """Subscribe with QoS 1, retrying a late SUBACK (a flood delays it) with backoff for ``budget_s``.
 
-        Under a flood of queued messages (a persistent session's subscriptions deliver them before
-        any new SUBACK) a SUBACK can come later than the transport's 10 s: that is not a failure of
-        the start (H16: exit 4 again and again during a junk flood on ``update/+``).
-
-        Raises
-        ------
-        TransportError
-            If the broker refused the subscription, or no SUBACK came within ``budget_s`` seconds.
+        Raises TransportError if the broker refused the subscription, or no SUBACK came in time.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget_s
@@ -236,16 +183,7 @@ class Coordinator(Intake):
                 backoff = min(2 * backoff, 16.0)
 
     async def wait_to_open(self, stop: asyncio.Event) -> bool:
-        """Wait until the pacing lets the next round open (devices, new samples, interval), or ``stop``.
-
-        A new kind of wait is logged at once (``waiting: 12 of 200 new samples``, ``waiting for
-        devices: 3 of 5 ready``), a count moving within it at most every :data:`WAIT_LOG_EVERY_S`; the
-        fleet page shows it live.
-
-        Returns
-        -------
-        True when the round may open, False when ``stop`` was set first.
-        """
+        """Wait until the pacing lets the next round open (True), or ``stop`` is set (False)."""
         said = ""
         logged: tuple[FleetPhase | None, float] = (None, -math.inf)  # what was logged last, and when
         while not stop.is_set():
@@ -288,32 +226,15 @@ class Coordinator(Intake):
         return pacing.check(self.state.round, self.registry.ready_new_samples(), since)
 
     def min_updates(self) -> int:
-        """The fewest updates the strategy aggregates (``robustness.tolerate`` sets it).
-
-        A round opens only once that many devices are ready, so it is not asked of too few and abandoned.
-        """
+        """The fewest updates the strategy aggregates: a round opens only once that many devices are ready."""
         return max(1, self.strategy.min_updates)
 
     async def run_round(self, round_no: int, selected: tuple[str, ...] | None = None) -> RoundRecord:
         """Run round ``round_no``: announce, collect until complete or deadline, aggregate, check, publish.
 
-        The strategy's ``RoundConfig.schedule`` picks the schedule: SYNC (updates for this round and
-        base version; the round closes at ``min_clients`` or when every selected device answered) or
-        BUFFERED (FedBuff: one server step; updates trained from any earlier version count with
-        their staleness; the step closes at ``buffer_size`` updates). Both close at the deadline
-        with what they have.
-
-        Parameters
-        ----------
-        round_no : int
-            The round (1-based).
-        selected : tuple of str or None
-            Devices asked to train (None: the strategy samples when its ``fraction < 1``, else all).
-
-        Returns
-        -------
-        RoundRecord: ``clients = 0`` and the head unchanged when no update arrived; ``refused``
-        names the reason when the aggregated head was not valid (the head is unchanged too).
+        ``selected``: devices asked to train (None: the strategy samples when its ``fraction < 1``,
+        else all). The record has ``clients = 0`` when no update arrived, and ``refused`` naming the
+        reason when the aggregated head was not valid (the head unchanged in both cases).
         """
         cfg = self.strategy.configure_round(round_no, self.shape)
         t0 = time.monotonic()
@@ -357,28 +278,13 @@ class Coordinator(Intake):
         self.state.current = rnd
         self.state.round = round_no
         self._last_start = time.monotonic()
-        early, self._early = self._early, {}
-        for update, size in early.values():
-            if update.round != round_no:
-                self._unfolded.pop(update.update_id, None)
-                continue
-            try:
-                self._accept(rnd, update, size)
-            except UpdateRejected as exc:
-                self.state.rejected[exc.reason] += 1
-                logger.warning("round %d: held update from %s refused: %s", round_no, update.device, exc)
-            self._unfolded.pop(update.update_id, None)
+        self._accept_early(rnd)
         held, self._held = self._held, []
         for i, (update, size_bytes) in enumerate(held):
             if rnd.complete():  # more held than one step takes: they wait for the next
                 self._held = held[i:]
                 break
-            try:
-                self._accept(rnd, update, size_bytes)
-            except UpdateRejected as exc:
-                self.state.rejected[exc.reason] += 1
-                logger.warning("held update %s refused: %s", update.update_id, exc)
-            self._unfolded.pop(update.update_id, None)
+            self._accept_held(rnd, update, size_bytes)
         self._flush()  # the round is in the state file before devices hear of it
         # collecting starts as the announcement leaves, not after its PUBACK: a failed announcement
         # (no PUBACK within PUBLISH_RETRY_S) still ends the round with its TransportError
@@ -470,13 +376,11 @@ class Coordinator(Intake):
             del self.counted[old]
         self.notify()
         return record
+
     async def _announce(
         self, round_no: int, cfg: RoundConfig, selected: tuple[str, ...] | None = None
     ) -> None:
-        """Publish the RoundAnnouncement of ``round_no`` (QoS 1, retained) and wait for its PUBACK.
-
-        :meth:`run_round` runs it as a task and collects updates meanwhile (round latency).
-        """
+        """Publish the RoundAnnouncement of ``round_no`` (QoS 1, retained) and wait for its PUBACK."""
         ann = RoundAnnouncement(
             round=round_no,
             base_version=self.state.version,
@@ -518,12 +422,9 @@ class Coordinator(Intake):
         self._global_chunks = len(parts) if len(parts) > 1 else 0
 
     async def _publish(self, topic: str, payload: bytes, *, retain: bool = True) -> None:
-        """Publish (retained by default) with QoS 1, waiting out a broker outage for ``PUBLISH_RETRY_S``.
+        """Publish with QoS 1 (retained by default), waiting out an outage for ``PUBLISH_RETRY_S``.
 
-        Raises
-        ------
-        TransportError
-            If the broker did not acknowledge within the retry budget.
+        Raises TransportError if the broker did not acknowledge within that budget.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PUBLISH_RETRY_S
@@ -546,15 +447,9 @@ class Coordinator(Intake):
     def on_transport_connect(self) -> None:
         """Announce the open round again after a reconnect that found no session of ours at the broker.
 
-        Called by the transport (its ``on_connect``) after every CONNACK, once the subscriptions are
-        renewed. A broker that restarted without its state (no ``persistence``, a crash between saves,
-        a new node) lost our session and the retained announcement with it; what was published on our
-        subscriptions meanwhile (a site's partial the bridge forwarded before we were back, a device's
-        update) was delivered to nobody. Publishing the same announcement (same bytes, retained) now,
-        after our subscriptions are in place, restores it for later subscribers and makes a site that
-        had closed the round send its partial again (:class:`~edgefl.coordinator.hierarchy.SiteAggregator`);
-        a copy the root had already counted is refused as ``duplicate``. With the session present
-        nothing was lost and nothing is published.
+        The transport calls it after every CONNACK. A broker that lost its state lost the retained
+        announcement and what came for us meanwhile; the same bytes again make the sites re-send their
+        partials (``docs/operations.md``, "Exactly once across tiers").
         """
         rnd, ann = self.state.current, self._announcement
         if self.transport.session_present or rnd is None or ann is None:
@@ -574,8 +469,6 @@ class Coordinator(Intake):
             await self._publish(self.topics.round, payload)
         except TransportError as exc:
             logger.warning("round %d: announcement not published again: %s", round_no, exc)
-            return
-        self.reannounced += 1
 
     def dashboard_status(self) -> dict[str, Any]:
         """The coordinator page's status document (see ``dashboard/app.py``), JSON-like."""
@@ -618,14 +511,7 @@ class Coordinator(Intake):
     def note_round_reasons(
         self, round_no: int, refused: Mapping[str, int], declined: Mapping[str, int]
     ) -> None:
-        """Keep a closed round's refused updates and declines by reason for its record on the fleet page.
-
-        Parameters
-        ----------
-        round_no : int
-        refused, declined : {reason: count}
-            What arrived between the round's opening and its close (the runner counts them).
-        """
+        """Keep a closed round's refused updates and declines ``{reason: count}`` for the fleet page."""
         reasons = {"refused": dict(refused), "declined": dict(declined)}
         self._round_reasons[round_no] = reasons
         for old in sorted(self._round_reasons)[:-HISTORY_ROUNDS]:
@@ -638,11 +524,7 @@ class Coordinator(Intake):
     def dashboard_rounds(self) -> list[dict[str, Any]]:
         """Every round record so far as JSON-like dicts, oldest first (the fleet page's ``/api/rounds``).
 
-        Each is the :class:`RoundRecord` with the round log's keys (``time``, ``counted``,
-        ``refused`` and ``declined`` {reason: n} once :meth:`note_round_reasons` gave them,
-        ``round_refused``; ``declined_devices`` counts the devices that declined). Records already
-        converted are kept while they still line up with the history (rounds appended, the oldest
-        trimmed), so a page polling it costs a few comparisons.
+        Each is :func:`~edgefl.coordinator.history.page_record`; converted records are cached.
         """
         history = self.state.history
         cached = self._dashboard_rounds
@@ -657,11 +539,7 @@ class Coordinator(Intake):
         return cached
 
     def fleet_state(self) -> FleetState:
-        """The fleet's state for its page: collecting, waiting for samples or devices, paused, finished...
-
-        Every state carries the pacing's numbers (devices ready and needed, new samples); an open
-        round adds its own (asked, counted, close_at).
-        """
+        """The fleet's state for its page (``FleetPhase``), with the pacing's and the open round's numbers."""
         paced = self.pacing_state()
         if self.finished:  # before the broker: a job that ended stops its transport before its page
             text = f"finished after round {self.state.round}"
@@ -682,4 +560,3 @@ class Coordinator(Intake):
                 close_at=st.close_at, next_round_in_s=None,
             )  # fmt: skip
         return paced
-

@@ -12,33 +12,15 @@ from edgefl.coordinator.strategy import Strategy
 
 STRATEGY_NAMES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "median", "trimmed-mean", "fedbuff")
 DEFAULT_STRATEGY = "median"
-"""The strategy of ``edgefl coordinator`` when none is named: the coordinate-wise median after the
-norm bound. Of five devices one hostile: the median's breakdown point is 1/2 (Yin et al. 2018), a
-trimmed mean of 5 at beta 0.2 trims exactly one value per side and no more; on ``bench/poison.py``'s
-six partitions only the median kept every attack within 0.03 of its clean run, at the same clean
-accuracy (docs/benchmarks.md, "Poisoning")."""
+"""The strategy of ``edgefl coordinator`` when none is named (``docs/benchmarks.md``, "Poisoning")."""
 
 
 def make_strategy(name: str, **kwargs: Any) -> Strategy:
     """Build a strategy by name.
 
-    Parameters
-    ----------
-    name : str
-        One of ``STRATEGY_NAMES``: fedavg | fedprox | fedavgm | fedadam | fedyogi | median |
-        trimmed-mean | fedbuff.
-    **kwargs
-        Passed to the class (``Strategy``'s settings plus the strategy's own, e.g. ``prox_mu``,
-        ``server_momentum``, ``tau``, ``trim_fraction``, ``buffer_size``).
-
-    Returns
-    -------
-    Strategy
-
-    Raises
-    ------
-    ValueError
-        If the name is unknown.
+    ``name``: one of ``STRATEGY_NAMES``; ``kwargs``: ``Strategy``'s settings plus the strategy's own
+    (``prox_mu``, ``server_momentum``, ``tau``, ``trim_fraction``, ``buffer_size``...). Raises
+    ValueError if the name is unknown.
     """
     classes: dict[str, type[Strategy]] = {
         "fedavg": FedAvg,

@@ -1,18 +1,11 @@
 """The aggregation interface: how the coordinator asks a strategy for the next global head.
 
-One interface, as Flower's strategies: ``configure_round`` (settings of a round, and a fresh
-accumulator), ``offer`` (one update, checked, norm-bounded and folded in) and ``aggregate`` (the next
-head). Each strategy owns its accumulator: a weighted running sum for the FedAvg family
-(``coordinator/fedavg.py``, its server optimisers in ``coordinator/optimisers.py``), the round's
-updates for the robust rules (``coordinator/robust.py``), a staleness-weighted sum for FedBuff
-(``coordinator/fedbuff.py``), a clipped sum for the DP wrapper (``coordinator/privacy.py``);
-``coordinator/strategies.py`` builds them by name. The service never looks at a strategy's type:
-``RoundConfig.schedule`` says whether a round is synchronous or a buffered-asynchronous step.
-
-Robust by default: every update's joint L2 norm is bounded before it is folded in
-(``coordinator/normbound.py``), and a clipped update is counted by device; a strategy never
-aggregates fewer than ``min_updates`` updates, what it needs to withstand ``tolerate`` hostile
-devices (``aggregate_checked`` refuses the round as ``too_few``).
+One interface, as Flower's strategies: ``configure_round`` (settings and a fresh accumulator),
+``offer`` (one update, checked, norm-bounded and folded in) and ``aggregate`` (the next head). Each
+strategy owns its accumulator (``coordinator/fedavg.py``, ``robust.py``, ``fedbuff.py``,
+``privacy.py``; built by name in ``strategies.py``); the service never looks at a strategy's type.
+A strategy never aggregates fewer than ``min_updates`` updates, what it needs to withstand
+``tolerate`` hostile devices.
 """
 
 from __future__ import annotations
@@ -34,11 +27,7 @@ from edgefl.head import validate_head
 from edgefl.types import F32
 
 MAX_UPDATE_EXAMPLES = 1_000_000
-"""Most examples one update may claim (``num_examples``; more is refused as ``bad_value``).
-
-An agent trains on its embedding store (``store_capacity``, 4,096 by default): a million
-1,280-float embeddings is 5 GB, beyond any 256 MB gateway. It also caps a site's ``weight`` at the
-root: at most ``count x MAX_UPDATE_EXAMPLES`` (a site cannot outweigh the others by its claim)."""
+"""Most examples one update may claim (more is ``bad_value``); a site's weight is at most ``count x`` it."""
 
 
 HOSTILE_SHARE = 0.2
@@ -50,26 +39,10 @@ def sample_clients(
 ) -> tuple[str, ...]:
     """Choose the devices of a round: ``max(min_clients, ceil(fraction * n))`` of ``n``, without replacement.
 
-    Parameters
-    ----------
-    available : sequence of str
-        Device ids that are online and ready (order does not matter: they are sorted first, so the
-        choice depends only on the set and the generator).
-    fraction : float in (0, 1]
-        Share of the available devices asked to train.
-    min_clients : int >= 1
-        Lower bound on the number chosen (capped at ``n``).
-    rng : numpy.random.Generator
-        Source of the choice.
-
-    Returns
-    -------
-    tuple of str, sorted; all of ``available`` when ``fraction == 1`` or ``n <= min_clients``.
-
-    Raises
-    ------
-    ValueError
-        If ``fraction`` is outside (0, 1] or ``min_clients < 1``.
+    ``available``: ready device ids (the choice depends only on the set and ``rng``); ``fraction`` in
+    (0, 1]; ``min_clients`` >= 1 (capped at ``n``). Returns a sorted tuple, all of ``available`` when
+    ``fraction == 1`` or ``n <= min_clients``. Raises ValueError if ``fraction`` or ``min_clients`` is
+    out of range.
 
     Source: client sampling of FedAvg, McMahan et al. 2017, Algorithm 1 (``m = max(C K, 1)``).
     """
@@ -94,21 +67,9 @@ class Schedule(StrEnum):
 class RoundConfig:
     """What ``configure_round`` decides for one round (sent in the RoundAnnouncement).
 
-    Attributes
-    ----------
-    local_epochs : int
-    lr : float
-        Client SGD learning rate.
-    batch_size : int
-    min_clients : int
-        Updates that close the round early (a buffered step: the buffer size K).
-    deadline_s : float
-        Seconds the round stays open.
-    prox_mu : float
-        FedProx proximal coefficient for the clients (0 = none).
-    schedule : Schedule
-        SYNC: updates must be for this round and its base version. BUFFERED (FedBuff): updates
-        trained from any earlier version are welcome, with their staleness.
+    ``min_clients``: updates that close the round early (a buffered step: its buffer size);
+    ``prox_mu``: FedProx proximal coefficient for the clients (0 = none); ``schedule``: SYNC
+    (updates for this round and base version) or BUFFERED (from any earlier version, with staleness).
     """
 
     local_epochs: int
@@ -124,15 +85,8 @@ class RoundConfig:
 class Offer:
     """An update as a strategy sees it (decoded, dense, of the head's shape).
 
-    Attributes
-    ----------
-    device : str
-    delta_W : float32 [D, K]
-        Local minus base global weights.
-    delta_b : float32 [K]
-    num_examples : int > 0
-    staleness : int >= 0
-        Global versions published since the update's base version (0 in synchronous rounds).
+    ``delta_W`` float32 [D, K] and ``delta_b`` float32 [K]: local minus base global; ``num_examples``
+    > 0; ``staleness``: versions published since its base (0 in synchronous rounds).
     """
 
     device: str
@@ -146,16 +100,8 @@ class Offer:
 class RoundReport:
     """What a strategy reports after ``aggregate`` (stdout line, log, JSON, dashboard).
 
-    Attributes
-    ----------
-    clipped : int
-        Updates of the round scaled down by the norm bound.
-    norm_bound : float
-        The bound applied last in the round (inf when nothing was offered).
-    epsilon : float
-        Privacy loss so far at ``delta`` (NaN without DP).
-    delta : float
-        The DP delta (NaN without DP).
+    Updates ``clipped`` by the norm bound, the last ``norm_bound`` (inf: nothing offered), the DP
+    ``epsilon`` so far at ``delta`` (NaN without DP).
     """
 
     clipped: int
@@ -168,19 +114,9 @@ class RoundReport:
 class SiteSums:
     """A site's share of a round: exported by ``Strategy.site_sums``, folded at the root by ``offer_sums``.
 
-    Attributes
-    ----------
-    combine : str
-        ``"sum"`` (FedAvg family, DP: ``W``/``b`` are weighted sums of norm-bounded deltas),
-        ``"median"`` or ``"trimmed-mean"`` (the site's robust estimate of the mean delta).
-    W : float64 [D, K]
-    b : float64 [K]
-    weight : float > 0
-        Total weight of the sums (examples; updates for DP), or the updates an estimate covers.
-    count : int >= 1
-        Updates covered.
-    clipped : int >= 0
-        Updates the site's norm bound scaled down.
+    ``combine``: ``"sum"`` (``W`` float64 [D, K], ``b`` float64 [K] are weighted sums of bounded
+    deltas, ``weight`` their total) or ``"median"`` / ``"trimmed-mean"`` (the site's robust estimate);
+    ``count`` updates covered, ``clipped`` of them by the site's norm bound.
     """
 
     combine: str
@@ -194,37 +130,30 @@ class SiteSums:
 class Strategy(ABC):
     """Interface of every aggregation strategy: ``configure_round``, ``offer``, ``aggregate``.
 
-    The base class checks each offered update (shape, example count, finite values), bounds its
-    norm (``NormBound``) and counts clipped updates by device; subclasses own the accumulator
-    (``_begin``, ``_fold``, ``_aggregate``) and any server state (``server_state``, restored by
-    ``refuse`` when the service refuses the aggregated head).
+    The base class checks each offered update, bounds its norm (``NormBound``) and counts clipped
+    updates by device; subclasses own the accumulator (``_begin``, ``_fold``, ``_aggregate``) and any
+    ``server_state`` (restored by ``refuse`` when the service refuses the head).
 
     Parameters
     ----------
     local_epochs, lr, batch_size : client training settings sent with each round.
     min_clients : int
-        Updates that close a round early (before the deadline); also the least number of devices
-        ``sample_clients`` chooses.
+        Updates that close a round early; also the least number ``sample_clients`` chooses.
     deadline_s : float
         Seconds a round stays open.
     server_lr : float
         Server learning rate eta.
     fraction : float in (0, 1]
-        Share of the available devices asked to train each round (``sample_clients``).
+        Share of the available devices asked to train each round.
     seed : int
-        Seed of the client sampling (the choice of round r depends only on ``seed``, ``r`` and the
-        set of available devices, so a restarted coordinator repeats it).
+        Seed of the client sampling (a restarted coordinator repeats a round's choice).
     clip_norm : float > 0 or None
-        Fixed bound on each update's joint L2 norm; None = adaptive (``clip_multiplier x`` the
-        round's median norm).
+        Fixed bound on each update's joint L2 norm; None = adaptive (see ``NormBound``).
     clip_multiplier : float >= 1
         See ``NormBound``.
     tolerate : int >= 0
-        Hostile devices a round must withstand (``robustness.tolerate``, 1 in a coordinator
-        profile; 0 here, for library use): the strategy never aggregates fewer than
-        ``min_updates`` updates (a round with fewer is refused as ``too_few`` by
-        ``aggregate_checked``), and the adaptive norm bound warms up on ``max(3, 2 tolerate + 1)``
-        norms.
+        Hostile devices a round must withstand (``min_updates``; the adaptive bound warms up on
+        ``max(3, 2 tolerate + 1)`` norms).
 
     Raises
     ------
@@ -278,23 +207,15 @@ class Strategy(ABC):
     def min_updates(self) -> int:
         """Fewest updates a round may aggregate and still withstand ``tolerate`` hostile ones.
 
-        The FedAvg family's comes from the norm bound: an aggregate of ``n`` bounded updates moves
-        at most ``tolerate x bound / n`` towards the hostile ones, so ``n >= tolerate /
-        HOSTILE_SHARE`` (5 for one) keeps them to a fifth of it, and a majority of the norms a
-        first round's bound warms up on honest (``2 tolerate + 1``); 1 when nothing is tolerated.
-        Robust rules derive theirs from their own breakdown point.
+        The FedAvg family's: ``n >= tolerate / HOSTILE_SHARE`` keeps the hostile pull to a fifth of
+        the bound, and ``2 tolerate + 1`` keeps the warm-up norms mostly honest; 1 for no tolerance.
         """
         if self.tolerate == 0:
             return 1
         return max(2 * self.tolerate + 1, math.ceil(self.tolerate / HOSTILE_SHARE - 1e-9))
 
     def tolerance(self) -> str:
-        """What the strategy withstands, for the start line and ``check-config``.
-
-        Returns
-        -------
-        str, e.g. ``"tolerates 1 hostile device of 5"`` (``"tolerates no hostile device"`` at 0).
-        """
+        """What the strategy withstands, e.g. ``"tolerates 1 hostile device of 5"`` (start line)."""
         if self.tolerate == 0:
             return "tolerates no hostile device"
         dev = "device" if self.tolerate == 1 else "devices"
@@ -306,19 +227,7 @@ class Strategy(ABC):
         return RoundConfig(self.local_epochs, self.lr, self.batch_size, need, self.deadline_s)
 
     def configure_round(self, round_no: int, shape: tuple[int, int]) -> RoundConfig:
-        """Begin round ``round_no``: a fresh accumulator for heads of ``shape`` (D, K), and its settings.
-
-        Parameters
-        ----------
-        round_no : int
-            The round (1-based).
-        shape : (D, K)
-            Head shape.
-
-        Returns
-        -------
-        RoundConfig
-        """
+        """Begin round ``round_no`` (1-based): a fresh accumulator for heads of ``shape`` (D, K)."""
         self._shape = shape
         self._pending = []
         self._pending_sums = []
@@ -331,10 +240,6 @@ class Strategy(ABC):
 
     def offer(self, update: Offer) -> None:
         """Check one update, bound its norm and fold it into the round's accumulator.
-
-        Parameters
-        ----------
-        update : Offer
 
         Raises
         ------
@@ -366,24 +271,10 @@ class Strategy(ABC):
             self._drain()
 
     def aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:
-        """The next global head from the round's accumulated updates.
+        """The next global head from the current one (``W`` float32 [D, K], ``b`` float32 [K]).
 
-        Parameters
-        ----------
-        W : float32 [D, K]
-            Current global weights.
-        b : float32 [K]
-            Current global biases.
-
-        Returns
-        -------
-        New (W, b), float32 (not yet checked: the service validates it and calls ``refuse`` if
-        it will not publish it).
-
-        Raises
-        ------
-        ValueError
-            If no update was accepted in the round.
+        Returns the new float32 (W, b), not yet checked (see ``aggregate_checked``); raises ValueError
+        if no update was accepted in the round.
         """
         self._drain_sums()
         self._drain()
@@ -394,18 +285,7 @@ class Strategy(ABC):
         return self._aggregate(W.astype(np.float32), b.astype(np.float32))
 
     def site_sums(self) -> SiteSums:
-        """Export the round's accumulator as a site's share (the site role; see ``docs/operations.md``).
-
-        Returns
-        -------
-        SiteSums
-            The norm-bounded weighted sums (FedAvg family, DP) or the site's robust estimate.
-
-        Raises
-        ------
-        ValueError
-            If no update was accepted, or the strategy has no hierarchical form (FedBuff).
-        """
+        """Export the round's accumulator as a site's share (ValueError: no update, or no site form)."""
         self._drain()
         if self.accepted == 0:
             raise ValueError(f"{self.name}: no update to export")
@@ -414,26 +294,16 @@ class Strategy(ABC):
     def offer_sums(self, sums: SiteSums) -> None:
         """Fold one site's share into the round's accumulator (the root role).
 
-        With a fixed norm bound, a share of weighted sums (``combine = "sum"``) whose mean is longer
-        than the bound is refused: every update folded into it was bounded, so its weighted mean
-        cannot be longer (triangle inequality). A site that did not bound its updates is caught here.
-        Shares of sums are held until the round is aggregated, then bounded together
-        (``_drain_sums``): by the last round's partials and this round's own, so a site holding a
-        valid key is bounded in the first round too.
-
-        Parameters
-        ----------
-        sums : SiteSums
+        Shares of sums are held until ``aggregate`` and bounded together (``_drain_sums``); with a
+        fixed norm bound, a sum whose mean is longer than the bound is refused at once (its updates
+        were bounded, so its mean cannot be longer).
 
         Raises
         ------
         UpdateRejected
-            ``no_round``, ``bad_shape``, ``not_finite`` (a norm that overflows float64: every value
-            of a partial taken is below 1e155, so any number of them sum finitely), ``bad_value``
-            (another combine rule than this strategy's, a non-positive weight, a weight above
-            ``count x MAX_UPDATE_EXAMPLES``, or a mean beyond a fixed norm bound).
-            A robust estimate's weight is not trusted at all: the root weighs sites alike and
-            bounds each estimate's norm (see ``coordinator/robust.py``).
+            ``no_round``, ``bad_shape``, ``not_finite``, ``bad_value`` (another combine rule, a
+            non-positive weight, a weight above ``count x MAX_UPDATE_EXAMPLES``, or a mean beyond a
+            fixed norm bound).
         """
         shape = self._shape
         if shape is None:
@@ -467,32 +337,16 @@ class Strategy(ABC):
     def bound_site_weights(self, multiplier: float = 1.0) -> None:
         """Bound each site's claimed weight per update at the root (``offer_sums``).
 
-        At the median claim (``multiplier = 1``) a site's weight is at most ``count x`` the median
-        weight per update, and its mean at most the bound ``B``, so a site whose key was stolen pulls
-        the root's mean by at most ``count / N x B`` (its devices' share of the bound, ``N`` updates
-        in the round at the median claim) and shrinks the honest step by at most that share; with
-        ``multiplier = m`` both become ``m`` times larger. A site whose devices claim more examples
-        per update than the median is weighed at the median, so the root then differs from a flat
-        run.
-
-        Parameters
-        ----------
-        multiplier : float >= 1
-            A partial's weight per update is at most ``multiplier x`` the median weight per update of
-            the round's partials, or of the last aggregated round's when lower (``_drain_sums``).
+        A partial's weight per update is at most ``multiplier`` (>= 1) x the median weight per update
+        of the round's partials, or of the last round's when lower; a site whose key was stolen then
+        pulls the root's mean by at most its devices' share of the norm bound (``docs/security.md``).
         """
         self.norm_bound.weight_multiplier = multiplier
         self.norm_bound.history_warmup = 1  # a root hears a few sites a round, not many devices
         self.norm_bound.begin()
 
     def _drain_sums(self) -> None:
-        """Bound the round's sum partials by what each site may claim, and fold them in.
-
-        The caps are the lower of the last round's (``NormBound.weight_cap``, ``history_bound``: inf
-        in a first round) and this round's: ``weight_multiplier x`` the median weight per update of
-        its partials, ``multiplier x`` the median of their means' norms (adaptive bound only). With
-        most sites honest, those medians are honest ones wherever a hostile partial arrives.
-        """
+        """Bound the round's sum partials by the lower of the last and this round's caps; fold them in."""
         pending, self._pending_sums = self._pending_sums, []
         if not pending:
             return
@@ -510,12 +364,7 @@ class Strategy(ABC):
     def _bounded_sum(
         self, sums: SiteSums, mean_norm: float, cap: float, bound: float
     ) -> tuple[SiteSums, bool]:
-        """A sum partial scaled down to what its site may claim: weight per update and mean norm.
-
-        The weight per update is bounded by ``cap``, the mean's norm by ``bound`` (a fixed bound
-        refuses instead: see ``offer_sums``); both, at most their caps, join the history. Returns the
-        (possibly scaled) sums and whether they were scaled.
-        """
+        """A sum partial scaled to its caps (weight per update, mean norm), and whether it was scaled."""
         per = sums.weight / sums.count
         self.norm_bound.weights.add(min(per, cap))
         self.norm_bound.history.add(min(mean_norm, bound))
@@ -533,19 +382,9 @@ class Strategy(ABC):
     """How this strategy's site shares combine at the root (``SiteSums.combine``)."""
 
     def snapshot(self) -> dict[str, Any]:
-        """The round's accumulator as CBOR-able values: a site persists it after every accepted update.
+        """The round's accumulator as CBOR-able values (a site persists it after every accepted update).
 
-        Returns
-        -------
-        dict
-            ``accepted``, ``clipped``, ``norms`` (the adaptive bound's), ``pending`` (updates waiting
-            for the bound's warm-up, raw float32 bytes), ``sums`` (a root's sum partials waiting for
-            the round's end, float64 bytes) and ``acc`` (the strategy's own sums).
-
-        Raises
-        ------
-        ValueError
-            If no round is configured, or the strategy has no site/root form (FedBuff).
+        Raises ValueError if no round is configured, or the strategy has no site/root form (FedBuff).
         """
         if self._shape is None:
             raise ValueError("no round configured")
@@ -567,13 +406,7 @@ class Strategy(ABC):
         }
 
     def restore(self, snap: dict[str, Any]) -> None:
-        """Put back a :meth:`snapshot` of the round just configured (``configure_round`` first).
-
-        Raises
-        ------
-        ValueError, KeyError, TypeError
-            If the snapshot does not fit this strategy or the head's shape.
-        """
+        """Put back a :meth:`snapshot` after ``configure_round`` (ValueError, KeyError, TypeError: no fit)."""
         shape = self._shape
         if shape is None:
             raise ValueError("no round configured")
@@ -634,19 +467,7 @@ class Strategy(ABC):
         return RoundReport(self._round_clipped, self._last_bound)
 
     def sample_clients(self, available: Sequence[str], round_no: int) -> tuple[str, ...]:
-        """Devices asked to train in round ``round_no`` (see the function ``sample_clients``).
-
-        Parameters
-        ----------
-        available : sequence of str
-            Ready device ids.
-        round_no : int
-            The round (seeds the choice).
-
-        Returns
-        -------
-        Sorted tuple of device ids (empty if none is available).
-        """
+        """Devices asked to train in round ``round_no`` of the ``available`` ones (``sample_clients``)."""
         if not available:
             return ()
         rng = np.random.default_rng([self.seed, round_no])
@@ -687,23 +508,12 @@ class Strategy(ABC):
 
     # -- durable state ----------------------------------------------------------------------------
     def durable_state(self) -> dict[str, Any]:
-        """What must survive a restart: the fleet's norm history and the server optimiser's state.
-
-        Returns
-        -------
-        dict of CBOR-able values (the coordinator saves it with its head; see ``restore_durable``).
-        """
+        """What must survive a restart (CBOR-able): the norm history and the server optimiser's state."""
         server = {k: [list(v.shape), v.astype(np.float32).tobytes()] for k, v in self.server_state.items()}
         return {"bound": self.norm_bound.snapshot(), "server": server}
 
     def restore_durable(self, doc: Mapping[str, Any]) -> None:
-        """Put back a :meth:`durable_state` (before the first round of this process).
-
-        Raises
-        ------
-        ValueError, KeyError, TypeError
-            If the document does not fit (the caller refuses the state file as ``bad_state``).
-        """
+        """Put back a :meth:`durable_state` (ValueError, KeyError, TypeError: it does not fit)."""
         self.norm_bound.restore(doc.get("bound", {}))
         server: dict[str, F32] = {}
         for k, (shape, raw) in doc.get("server", {}).items():
@@ -713,31 +523,12 @@ class Strategy(ABC):
 
 
 def aggregate_checked(strategy: Strategy, W: F32, b: F32) -> tuple[F32, F32, UpdateRejected | None]:
-    """Aggregate a round and keep the result only if the agents would accept it.
+    """Aggregate a round and keep the result only if the agents would accept it (``validate_head``).
 
-    The candidate head must pass ``edgefl.head.validate_head`` (shape, float32, finite, every
-    |value| <= ``MAX_HEAD_ABS``), the check every agent applies to a global head. Otherwise the
-    strategy's server state is restored (``Strategy.refuse``) and the current head is returned.
-
-    Parameters
-    ----------
-    strategy : Strategy
-        With at least one accepted update in the current round.
-    W : float32 [D, K]
-        Current global weights.
-    b : float32 [K]
-        Current global biases.
-
-    Returns
-    -------
-    (W, b, refused): the new head and None, or the current head and the refusal (its ``reason``:
-    ``too_few`` when fewer than ``strategy.min_updates`` updates were accepted, nothing aggregated;
-    ``not_finite``, ``bad_value``, ``bad_shape``, ``bad_dtype``).
-
-    Raises
-    ------
-    ValueError
-        If no update was accepted in the round.
+    ``W`` float32 [D, K], ``b`` float32 [K]: the current head. Returns ``(W, b, None)`` with the new
+    head, or the current head and the refusal (``too_few`` below ``strategy.min_updates``, nothing
+    aggregated; ``not_finite``, ``bad_value``, ``bad_shape``, ``bad_dtype``: server state restored).
+    Raises ValueError if no update was accepted in the round.
     """
     if strategy.accepted < strategy.min_updates:
         why = (

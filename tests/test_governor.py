@@ -40,12 +40,12 @@ def test_memory_status_reads_pss_at_most_every_max_age(
     assert gov.status()["pss_bytes"] == 3000 * 1024
 
 
-def test_memory_tentative_admission_counts_no_deferral(tmp_path: Path) -> None:
-    """Training with the personal head beside it is asked first, tentatively: only the ask without it
-    that follows a deferral counts (one deferral a round at most)."""
+def test_memory_probe_admission_keeps_and_counts_nothing(tmp_path: Path) -> None:
+    """A probe tells whether work fits; only the real ask is kept (training with or without the
+    personal head beside it is one decision, one deferral at most)."""
     proc = _proc(tmp_path, 2000)
     gov = Governor(16 * MIB, 8 * MIB, 0, proc=proc, cgroup_root=tmp_path / "cg")  # ~4 MiB under cap - reserve
-    first = gov.admit("train", lambda n: 20 * MIB, 4, 4, tentative=True)
-    assert first.deferred and gov.deferrals == {} and gov.last_deferral is None
+    probe = gov.admit("train", lambda n: 20 * MIB, 4, 4, probe=True)
+    assert probe.deferred and gov.deferrals == {} and gov.admissions == {} and gov.last_deferral is None
     real = gov.admit("train", lambda n: 20 * MIB, 4, 4)
     assert real.deferred and gov.deferrals == {"train": 1} and gov.admissions["train"] == real
