@@ -71,9 +71,7 @@ def _load_or_report(args: argparse.Namespace) -> Profile | None:
     try:
         return load_profile(args.profile, _parse_sets(args.set))
     except ConfigError as exc:
-        print(f"edgefl: invalid profile {args.profile}:", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  {problem}", file=sys.stderr)
+        _report(f"invalid profile {args.profile}", exc.problems)
         return None
 
 
@@ -352,9 +350,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     try:
         _, data = read_toml(args.profile)
     except ConfigError as exc:
-        print(f"edgefl: invalid profile {args.profile}:", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  {problem}", file=sys.stderr)
+        _report(f"invalid profile {args.profile}", exc.problems)
         return EXIT_INVALID
     from edgefl.coordinator.profile import SCHEMA, is_coordinator_profile, load_coordinator_profile
 
@@ -368,17 +364,15 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             if problems:
                 raise ConfigError(problems)
         except ConfigError as exc:
-            print(f"edgefl: invalid coordinator profile {args.profile}:", file=sys.stderr)
-            for problem in exc.problems:
-                print(f"  {problem}", file=sys.stderr)
+            _report(f"invalid coordinator profile {args.profile}", exc.problems)
             return EXIT_INVALID
         from edgefl.coordinator.runner import build_strategy
 
         try:
             tolerance = build_strategy(coordinator).tolerance()
         except ValueError as exc:
-            print(f"edgefl: invalid coordinator profile {args.profile}:", file=sys.stderr)
-            print(f"  [strategy]/[robustness]/[privacy]: {exc}", file=sys.stderr)
+            why = f"[strategy]/[robustness]/[privacy]: {exc}"
+            _report(f"invalid coordinator profile {args.profile}", [why])
             return EXIT_INVALID
         n = coordinator.rounds.count
         rounds = f"{n} round{'' if n == 1 else 's'}" if n else "rounds until stopped"

@@ -165,14 +165,12 @@ def cross_entropy_grad_into(
     rows: I64,
     logit_scale: F32 | None = None,
 ) -> None:
-    """The gradient of :func:`cross_entropy` into caller-owned buffers, without the loss.
+    """The gradient of :func:`cross_entropy` into caller-owned buffers, bit for bit, without the loss.
 
-    The same operations in the same order, so bit for bit the same gradient, with no heap allocation
-    but numpy's small reductions. ``emb`` float32 [N, D] (C-contiguous), ``labels`` int64 [N];
-    ``z`` float32 [N, K] is scratch, left holding ``(softmax(emb @ W + b) - onehot) / N``; ``grad_W``
-    [D, K] and ``grad_b`` [K] receive the gradient; ``rows`` is ``arange(N)``. With ``logit_scale``
-    float32 [K] the loss is that of the scaled logits ``s_k * z_k`` and the gradient the chain rule's
-    (:func:`restricted_logit_scale`); None is bit for bit the plain gradient.
+    ``z`` float32 [N, K] is scratch (left holding ``(softmax(emb @ W + b) - onehot) / N``), ``grad_W``
+    [D, K] and ``grad_b`` [K] receive the gradient, ``rows`` is ``arange(N)``; no heap allocation but
+    numpy's small reductions. With ``logit_scale`` float32 [K] the loss is that of the scaled logits
+    and the gradient the chain rule's (:func:`restricted_logit_scale`).
 
     Source: as :func:`cross_entropy` (Bishop 2006, §4.3.4).
     """
@@ -205,11 +203,9 @@ def paired_cross_entropy_grad_into(
 ) -> None:
     """:func:`cross_entropy_grad_into` of two softmax heads stacked, each bit for bit its own.
 
-    ``W2`` float32 [2, D, K] is ``[W, V]``, ``b2`` [2, 1, K] their biases; one ``emb @ W2``, one softmax
-    and one ``emb.T @ z`` serve both (numpy runs each half as it would alone): the device's global and
-    personal heads train over the same batches with half the Python calls. ``z`` [2, N, K] is scratch,
-    ``grad_W`` [2, D, K] and ``grad_b`` [2, 1, K] receive both gradients; ``logit_scale`` applies to the
-    second head only.
+    ``W2`` float32 [2, D, K] is ``[W, V]``, ``b2`` [2, 1, K]; one matmul, softmax and ``emb.T @ z`` serve
+    both (the global and the personal head over the same batches); ``z`` [2, N, K] is scratch, ``grad_W``
+    [2, D, K] and ``grad_b`` [2, 1, K] receive both; ``logit_scale`` applies to the second head only.
 
     Source: as :func:`cross_entropy` (Bishop 2006, §4.3.4), per head.
     """

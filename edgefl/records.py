@@ -67,10 +67,9 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` (its directory existing) with ``data`` atomically and durably; one writer a path.
+    """Replace ``path`` with ``data`` atomically and durably (``.tmp``, fsync, rename, fsync of the folder).
 
-    Writes ``<path>.tmp``, fsyncs it, renames it over ``path`` and fsyncs the directory. OSError if the
-    file system refuses (the temporary file is removed).
+    One writer a path; OSError if the file system refuses (the temporary file is removed).
 
     Source: POSIX rename(2) (atomic replacement) and fsync(2).
     """
@@ -255,14 +254,13 @@ def _newest(path: Path) -> tuple[int, int, bytes] | None:
 class RecordSlot:
     """A record rewritten in place, in turn in ``path`` and ``<path>.prev``: one ``fdatasync`` a write.
 
-    Each write overwrites the file holding the *older* generation, zero-padded to whole 4 KiB
-    blocks, and ``fdatasync``-s it: no metadata is journalled, and a power cut mid-write leaves the
-    newest good generation readable. The first write of each file in a process (and the one after a
-    failure) replaces it with :func:`atomic_write`. Same files and reader as :func:`write_record`.
+    Each write overwrites the older generation's file (zero-padded to 4 KiB blocks): no metadata is
+    journalled, and a power cut mid-write leaves the newest good one readable. A file's first write in a
+    process (and the one after a failure) is an :func:`atomic_write`. Reader: :func:`read_record`.
 
     Source: double-buffered (ping-pong) metadata pages with a checksum and a generation, as in
     LMDB's two meta pages (H. Chu, "MDB: A Memory-Mapped Database and Backend for OpenLDAP", 2011);
-    ``fdatasync(2)`` (POSIX.1-2008): data and only the metadata needed to read it back.
+    ``fdatasync(2)`` (POSIX.1-2008).
     """
 
     BLOCK_BYTES: Final = 4096
