@@ -1,9 +1,7 @@
 """The trainable head: the model's last dense layer, ``logits = E @ W + b``, in float32 numpy.
 
-The backbone is frozen, so each sample's embedding is computed once and reused every local epoch
-(DESIGN.md, "The job"). K alone tells the two kinds apart: K >= 2 is a softmax classifier (labels
-``0..K-1``, cross-entropy, argmax); K = 1 a logistic one (labels 0/1, binary cross-entropy,
-``logit > 0``). The model's own activation only matters to reproduce its output (:func:`activate`).
+The backbone is frozen, so each embedding is computed once for every local epoch. K >= 2 is a
+softmax classifier (labels ``0..K-1``, argmax); K = 1 a logistic one (labels 0/1, ``logit > 0``).
 """
 
 from __future__ import annotations
@@ -331,11 +329,10 @@ def ditto_step(
 ) -> None:
     """One in-place class-restricted proximal step on a personal head (W float32 [D, K], b [K]).
 
-    For the classes in ``columns`` (bool [K], :func:`personal_columns`): ``W[:, k] -= lr * (grad_W[:, k]
-    + lam * (W[:, k] - W_global[:, k]))`` (and ``b[k]``); every other column is set to the global
-    head's, so classes the device has no evidence about stay as the fleet recognises them. ``lr`` > 0;
-    ``lam`` >= 0 (0: local training alone). ValueError if shapes disagree or a coefficient is out of
-    range.
+    For the classes in ``columns`` (:func:`personal_columns`): ``W[:, k] -= lr * (grad_W[:, k] + lam *
+    (W[:, k] - W_global[:, k]))`` (and ``b[k]``); the other columns are set to the global head's, so
+    classes without evidence stay as the fleet knows them. ``lr`` > 0, ``lam`` >= 0 (0: local training
+    alone); ValueError if shapes disagree or a coefficient is out of range.
 
     Source: Ditto's personal objective ``min_v F_k(v) + lam/2 ||v - w*||^2`` and its local update,
     T. Li, S. Hu, A. Beirami, V. Smith, "Ditto: Fair and Robust Federated Learning Through
