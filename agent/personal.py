@@ -63,6 +63,41 @@ def personal_behind(only_global: int, only_personal: int) -> bool:
     return diff > 0 and diff * diff > only_global + only_personal
 
 
+def head_switch_message(
+    behind: bool, personal_right: int, global_right: int, total: int, only_global: int, only_personal: int
+) -> str:
+    """The log line of a switch between the personal and the global head (:func:`personal_behind`).
+
+    Parameters
+    ----------
+    behind : bool
+        The personal head is now behind (predictions move to the global head), else no longer behind.
+    personal_right, global_right : int >= 0
+        Holdout samples each head classifies right, of ``total`` > 0.
+    only_global, only_personal : int >= 0
+        Holdout samples only the global (resp. only the personal) head classifies right.
+
+    Returns
+    -------
+    str
+        The accuracies and the disagreements the decision rests on. A personal head no longer behind
+        may still score lower: the global head's lead is then within chance, and the line says so
+        rather than claiming the personal head scores at least as well.
+    """
+    acc_p, acc_g = personal_right / total, global_right / total
+    if behind:
+        return (
+            f"personal head behind the global head on the holdout ({acc_p:.3f} < {acc_g:.3f}, "
+            f"{total} samples): predictions use the global head"
+        )
+    return (
+        f"personal head no longer behind the global head on the holdout (personal {acc_p:.3f}, global "
+        f"{acc_g:.3f}, {total} samples; of the samples they disagree on the global head alone is right "
+        f"on {only_global}, the personal head alone on {only_personal}: no lead beyond chance): "
+        "predictions use the personal head"
+    )
+
+
 def holdout_capacity(store_capacity: int, every: int) -> int:
     """Samples the holdout store keeps: ``store_capacity // every``, at least 16 (0 when ``every`` is 0)."""
     return max(16, store_capacity // every) if every else 0
@@ -142,21 +177,11 @@ class PersonalHeads(DeviceState):
             self.personal_evaluation = Evaluation(personal.version, correct_p / total, total)
             behind = personal_behind(only_global, only_personal)
             if behind != self.personal_fallback:
-                if behind:
-                    logger.warning(
-                        "personal head behind the global head on the holdout (%.3f < %.3f, %d samples): "
-                        "predictions use the global head",
-                        correct_p / total,
-                        correct / total,
-                        total,
-                    )
-                else:
-                    logger.info(
-                        "personal head back level with the global head on the holdout (%.3f >= %.3f): "
-                        "predictions use the personal head",
-                        correct_p / total,
-                        correct / total,
-                    )
+                logger.log(
+                    logging.WARNING if behind else logging.INFO,
+                    "%s",
+                    head_switch_message(behind, correct_p, correct, total, only_global, only_personal),
+                )
             self.personal_fallback = behind
         return self.evaluation
 

@@ -328,7 +328,11 @@ async def run(
 
     def stop_on(sig: signal.Signals) -> None:
         if not stop.is_set():
-            state = "the open round saved, resumed at the next start" if files.state else "no state file"
+            rnd = coord.state.current
+            if rnd is None or rnd.phase.value != "open":
+                state = "no round open"
+            else:
+                state = "the open round saved, resumed at the next start" if files.state else "no state file"
             logger.info("%s: stopping at round %d (%s)", sig.name, coord.state.round, state)
         stop.set()
 

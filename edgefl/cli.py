@@ -375,10 +375,11 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             _report(f"invalid coordinator profile {args.profile}", [why])
             return EXIT_INVALID
         n = coordinator.rounds.count
-        rounds = f"{n} round{'' if n == 1 else 's'}" if n else "rounds until stopped"
+        name = coordinator.strategy.name
+        rounds = f"{n} round{'' if n == 1 else 's'} of {name}" if n else f"rounds of {name} until stopped"
         print(
-            f"{args.profile}: ok (coordinator of fleet {coordinator.fleet.name}, {rounds} of "
-            f"{coordinator.strategy.name}, role {_role(coordinator.hierarchy)}, {tolerance})"
+            f"{args.profile}: ok (coordinator of fleet {coordinator.fleet.name}, {rounds}, "
+            f"role {_role(coordinator.hierarchy)}, {tolerance})"
         )
         if args.print:
             print(json.dumps(SCHEMA.to_dict(coordinator), indent=2, default=str))
@@ -477,7 +478,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="edgefl",
         description="edgefl: the federated-learning device agent, its coordinator and tools (run, "
-        "check-config, demo, coordinator, profile, memory-report, model, feed, wheelhouse, bridge-config).",
+        "check-config, demo, coordinator, profile, memory-report, model, feed, keys, wheelhouse, "
+        "bridge-config).",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     sub = p.add_subparsers(dest="command", required=True)

@@ -215,8 +215,8 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
             await asyncio.wait_for(device_ready.wait(), opts.wait_s)
         except TimeoutError:
             logger.warning(
-                "device %s has not said it is ready in %g s (its status on %s): samples sent before "
-                "it subscribes are lost",
+                "device %s has not said it is ready in %g s (its status on %s; or this account may not "
+                "read it: check the ACL): samples sent before it subscribes are lost",
                 opts.device,
                 opts.wait_s,
                 status_topic,

@@ -369,7 +369,7 @@ class MqttTransport(Link):
         fut = conn.pubacks.pop(mid, None)
         if fut is not None and not fut.done():
             if rc.is_failure:
-                fut.set_exception(TransportError(f"publish mid={mid} refused by broker: {rc}"))
+                fut.set_exception(TransportError(f"refused by broker: {rc}"))
             else:
                 fut.set_result(None)
 
@@ -673,6 +673,8 @@ class MqttTransport(Link):
             if conn.pubacks.get(info.mid) is fut:  # this connection's own entry, never a newer one's
                 del conn.pubacks[info.mid]
             raise TransportError(f"no PUBACK for {topic} (mid={info.mid}) within {timeout_s} s") from exc
+        except TransportError as exc:  # refused, or the connection lost: name the topic (an ACL is per topic)
+            raise TransportError(f"publish to {topic}: {exc.detail}") from None
 
     async def stop(self, final: tuple[str, bytes] | None = None, timeout_s: float = 5.0) -> None:
         """Clean stop: publish ``final`` (topic, payload) retained and wait for its PUBACK, disconnect.

@@ -85,7 +85,7 @@ def test_check_config_of_a_coordinator_profile_names_its_role() -> None:
                  "hierarchy.site_devices=50"]
     root = edgefl("check-config", profile, *[arg for item in root_sets for arg in ("--set", item)])
     want = (
-        f"{profile}: ok (coordinator of fleet default, rounds until stopped of median, role flat, "
+        f"{profile}: ok (coordinator of fleet default, rounds of median until stopped, role flat, "
         "tolerates 1 hostile device of 3)\n"
     )
     assert flat.stdout == want, flat.stdout + flat.stderr

@@ -172,6 +172,8 @@ def test_lease_stale_presence_is_taken_over(tmp_path: Path, mosquitto: Broker, f
     finally:
         proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0, read_log(tmp_path, "a")
+    # no device, so no round was open: the stop line does not claim one was saved
+    assert "SIGTERM: stopping at round 0 (no round open)" in read_log(tmp_path, "a"), read_log(tmp_path, "a")
 
 
 def test_lease_fleet_page_port_in_use_is_a_clean_exit_4(
