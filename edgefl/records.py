@@ -65,9 +65,8 @@ def _fsync_dir(directory: Path) -> None:
 def atomic_write(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically and durably (``.tmp``, fsync, rename, fsync of the folder).
 
-    One writer a path; OSError if the file system refuses (the temporary file is removed).
-
-    Source: POSIX rename(2) (atomic replacement) and fsync(2).
+    One writer a path; OSError if the file system refuses (the temporary file is removed). Source: POSIX
+    rename(2) (atomic replacement) and fsync(2).
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -274,10 +273,9 @@ class RecordSlot:
         return found[2]
 
     def write(self, payload: bytes) -> int:
-        """Make ``payload`` the newest record, durably, without touching the newest good one.
+        """Make ``payload`` the newest record durably, the newest good one untouched; the generation written.
 
-        Returns the generation written. OSError if the file system refuses: the newest good record
-        is unchanged, and the next write replaces the slot this one may have torn.
+        OSError if the file system refuses (the next write replaces the slot this one may have torn).
         """
         target = 0 if self._good is None else 1 - self._good
         generation = self._generation + 1
