@@ -49,7 +49,7 @@ pytest: $(VENV)/.test-installed tools
 	$(BIN)/pytest -q -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 check: $(VENV)/.test-installed
-	EDGEFL_FAST_TIER=1 $(BIN)/pytest -q -n $(WORKERS) -m "not broker and not subprocess"
+	EDGEFL_FAST_TIER=1 $(BIN)/pytest -q -n $(WORKERS) -m "not broker and not subprocess and not bench"
 
 # ruff and mypy (one core each, ~1 min) run beside the tests rather than before them: the tests wait on
 # brokers and child processes much of their time, so the checks fill that idle core; each line of output

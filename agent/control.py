@@ -251,8 +251,7 @@ class RoundTask(SampleSource):
     async def _send_update(self, update_id: str, payload: bytes, counted: bool = False) -> None:
         """Publish an update (chunked above the broker's packet limit), then drop it from the outbox.
 
-        ``counted``: the outbox already counted this attempt (a fresh update is kept with its
-        first send counted, ``DeviceCore.answer_round``); otherwise it is counted (persisted) first.
+        ``counted``: the outbox already counted this attempt; otherwise it is counted (persisted) first.
 
         Raises
         ------

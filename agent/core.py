@@ -1,24 +1,11 @@
 """The device core: the one object every caller of the device drives, without a transport.
 
-:class:`DeviceCore` is built from a profile (:meth:`DeviceCore.open` loads the model) and owns the
-device's model state (backbone, pipeline, head, embedding store, error-feedback residual, outbox,
-last answered round). This module holds what it does itself:
-
-- **classify**: a batch of raw samples -> predictions, the labelled embeddings kept in the store;
-- **global bytes in -> applied**: verify, decode, validate, apply (atomic head swap) and persist.
-
-Its parts, one job each: the round, announcement in -> update out (``agent/round.py``); the personal
-head and federated evaluation (``agent/personal.py``); the state on disk and the one write policy
-(``agent/state.py``).
-
-It opens no socket, starts no task or thread and never awaits: ``edgefl run`` (``agent/daemon.py``)
-calls it from one worker thread and wires the transport, signals and dashboard around it;
-``edgefl memory-report``, ``bench/memory.py``, ``bench/learning.py`` and the demo's agents run the
-same methods, so their figures measure the shipped path. Refusals come back as results with a reason
-(``RoundResult.reason``, ``ApplyResult.reason``), never as exceptions; the message formats are
-:mod:`edgefl.wire.rounds` and :mod:`edgefl.wire.global_model`.
-
-Not thread-safe: one caller thread at a time (the daemon's single worker).
+:class:`DeviceCore` owns the device's model state and does two jobs itself: **classify** (raw samples
+to predictions, the labelled embeddings kept in the store) and **global bytes in -> applied** (verify,
+decode, validate, swap, persist). Its parts: the round (``agent/round.py``), the personal head and
+evaluation (``agent/personal.py``), the state on disk (``agent/state.py``). It opens no socket and
+never awaits; refusals come back as results with a reason, never as exceptions. Not thread-safe: one
+caller thread at a time (the daemon's single worker).
 """
 
 from __future__ import annotations
@@ -174,16 +161,13 @@ class DeviceCore(RoundAnswering):
     Parameters
     ----------
     profile : Profile
-        Device id and fleet, state directory, training settings, security keys, outbox size,
-        message limits and (when ``governor`` is None) the memory cap.
     head : Head
         The head to start from (the model's factory head, version 0); a persisted global head of
         the same model replaces it.
     model_sha256 : str
         sha256 of the backbone ``.tflite`` (global heads for another model are refused).
     pipeline : Pipeline or None
-        Preprocessing + interpreter; None for a core that only trains (bench/learning.py puts
-        embeddings into the store itself), whose :meth:`classify` raises ``RuntimeError``.
+        Preprocessing + interpreter; None for a core that only trains (:meth:`classify` raises).
     governor : Governor or None
         Admits and measures the phases; default one from ``profile.memory``.
     state_dir : Path or None
@@ -191,11 +175,9 @@ class DeviceCore(RoundAnswering):
     store_capacity : int or None
         Default ``profile.training.store_capacity``.
     phase : callable(str) -> context manager, optional
-        Wraps each phase (``inference``, ``train``, ``encode``, ``apply``); default
-        ``governor.phase`` (exact peak RSS). ``edgefl memory-report`` passes one that also traces
-        the Python heap; it must call ``governor.phase`` itself.
+        Wraps each phase; default ``governor.phase`` (a replacement must call it itself).
     progress : callable(state, reason), optional
-        Told ``("training", reason)`` when local training starts (the daemon shows it on the status).
+        Told ``("training", reason)`` when local training starts.
 
     Raises
     ------
@@ -261,10 +243,7 @@ class DeviceCore(RoundAnswering):
         )
         self._labelled = len(self.store) + (len(self.holdout) if self.holdout is not None else 0)
         self.new_samples = self.store.since_mark
-        """Labelled samples stored since this device last trained for a round (the status's
-        ``new_samples``, which paces the coordinator's rounds); after a restart, those the store holds
-        after the mark its last round left (kept with the store's next flush: a crash within the flush
-        window counts the samples of that round again; a store without a mark counts all it holds)."""
+        """Labelled samples stored since the device last trained for a round (status ``new_samples``)."""
         self.evaluation: Evaluation | None = None
         self.personal: Head | None = None
         """The personal head (None until the first personal step; :meth:`personalise`)."""
@@ -407,17 +386,8 @@ class DeviceCore(RoundAnswering):
     def _admit_inference(self, pipeline: Pipeline, shapes: estimates.ModelShapes, n: int) -> int:
         """The governor's grant for ``n`` samples: rows per invoke, the pipeline's batch set to fit.
 
-        A batch the governor shrinks becomes the pipeline's tensor batch (the arena is sized by the
-        largest batch ever allocated, so it is shrunk before a large call, never after); once the
-        profile's batch fits again it is restored. A batch that would grow the arena into the
-        room of the smallest training run (``training.chunk_floor``) is shrunk. Work judged over
-        budget even at one sample is not run: free heap is returned to the kernel and the request
-        asked again once, then refused.
-
-        Raises
-        ------
-        BudgetExceeded
-            If one sample is still over budget (nothing was run; the governor counted a deferral).
+        A grown arena must leave the smallest training run room; one sample over budget is asked
+        again once after freeing heap, then refused with ``BudgetExceeded`` (nothing run).
         """
         gov = self.governor
         cfg = self.profile.training
@@ -488,8 +458,6 @@ class DeviceCore(RoundAnswering):
 
     def keep(self, embeddings: F32, labels: I64) -> tuple[int, int]:
         """Keep labelled embeddings: every n-th in the holdout (``training.holdout_every``), others stored.
-
-        The one way a labelled sample is stored, whether its label came with it or later (live ingest).
 
         Parameters
         ----------
@@ -562,11 +530,9 @@ class DeviceCore(RoundAnswering):
     def apply_global(self, gm: GlobalModel) -> ApplyResult:
         """Validate a decoded global head, persist it and swap it in atomically (phase ``apply``).
 
-        Refused: ``wrong_model`` (backbone sha256 differs), ``bad_shape``/``not_finite`` (values, or
-        non-finite logits on a few stored embeddings), ``not_newer`` (older than the running head, or
-        than :attr:`seen_version`, the newest version a signed round announced). A head file that
-        cannot be written does not refuse the head: it runs, :attr:`degraded` says why, and the
-        write is retried (:meth:`retry_persist`).
+        Refused: ``wrong_model``, ``bad_shape``/``not_finite`` (values, or logits on a few stored
+        embeddings), ``not_newer`` (older than the running head or :attr:`seen_version`). A head that
+        cannot be written still runs (:attr:`degraded`, retried by :meth:`retry_persist`).
 
         Parameters
         ----------

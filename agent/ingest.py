@@ -1,35 +1,9 @@
 """Live ingest bookkeeping: the bounded sample queue (drop-oldest) and the table of samples awaiting a label.
 
-Samples arrive on ``samples/<device>`` faster or slower than the interpreter classifies them; labels
-for some of them arrive later on ``labels/<device>`` (``docs/protocol.md``, "Live ingest"). This module
-holds what lies between the MQTT messages and the device core, and nothing else: no transport, no
-interpreter, no thread (the daemon calls it from its event loop only).
-
-- **The queue** keeps at most ``queue_max`` samples received and not yet classified. A sample arriving
-  when it is full evicts the OLDEST queued one (a sensor app wants the freshest data classified; an old
-  frame is worth less than a new one), counted in ``ingest_dropped``.
-- **In flight**: a sample taken from the queue for classification is in flight until the daemon
-  settles it (:meth:`Ingest.settle`); a label arriving meanwhile is kept for it, never refused.
-- **The pending table** keeps, for each classified sample that had no label, its embedding until a
-  Label names it, for at most ``label_expiry_s`` seconds and ``pending_max`` entries (the oldest goes
-  first), counted in ``pending_expired`` / ``pending_evicted``. A label matched there is handed back
-  (:meth:`Ingest.take_labelled`) for the core to store, so late-labelled samples reach the store and
-  holdout by the same :meth:`~edgefl.agent.core.DeviceCore.keep` as inline-labelled ones.
-- **Duplicates**: QoS 1 is at-least-once, so a sample id seen among the last :data:`RECENT_IDS` samples
-  is refused (``duplicate``) rather than classified, predicted and stored twice; the same label again
-  for a sample already labelled is refused the same way.
-- **Conflicts**: the ids labelled within the last ``label_expiry_s`` seconds (at most
-  :data:`RECENT_IDS`) are remembered with their label. A *different* label for one of them is refused
-  (``label_conflict``): someone else answers the device's predictions (``docs/security.md``, "Live
-  ingest"). The sample is then disputed: if it is still queued, in flight without its own label, or
-  matched and not yet stored, neither label is kept (it is classified and predicted, never stored);
-  if its first label already reached the store it stays there (the store is a ring buffer without
-  removal: ``agent/store.py``), counted in ``conflicts_stored``. Any later label for it is refused
-  (``label_conflict``) too.
-
-Memory: ``queue_max`` raw samples + ``pending_max`` × D float32 + the two id tables, allocated once at
-their full size (:class:`IdTable`: 8 + 10 bytes an entry, 72 KiB at :data:`RECENT_IDS`): a device fed
-for months holds as much after the first sample as after the millionth.
+What lies between the MQTT messages and the device core, called from the daemon's event loop only:
+the queue of samples not yet classified (drop-oldest), the samples in flight, the pending table of
+classified samples waiting for a late Label, and the duplicate and conflict checks; the rules are
+``docs/protocol.md``, "Live ingest". Its memory is bounded and allocated once (:class:`IdTable`).
 """
 
 from __future__ import annotations
@@ -46,8 +20,6 @@ from edgefl.idtable import IdTable
 from edgefl.types import F32, I64
 from edgefl.wire.ingest import Label, Sample
 from edgefl.wire.reasons import Reason
-
-__all__ = ["DISPUTED", "LOGGED_REFUSALS", "RECENT_IDS", "IdTable", "Ingest", "IngestCounters", "Queued"]
 
 RECENT_IDS = 4096
 """How many of the latest sample ids (and labelled ids) are remembered (``duplicate``, ``label_conflict``)."""
@@ -238,10 +210,8 @@ class Ingest:
         Raises
         ------
         UpdateRejected
-            ``duplicate`` (the sample has this very label already), ``label_conflict`` (it was labelled
-            otherwise within ``label_expiry_s``, or disputed: the module docstring says what is kept),
-            ``unknown_sample`` (no queued, in-flight or pending sample has this id: never received,
-            dropped, labelled long ago, or expired).
+            ``duplicate`` (this very label already), ``label_conflict`` (labelled otherwise within
+            ``label_expiry_s``, or disputed), ``unknown_sample`` (no queued, in-flight or pending sample).
         """
         self.expire()
         prior = self._answered.get(label.id)
@@ -294,10 +264,7 @@ class Ingest:
         return out
 
     def settle(self, sample_id: str, embedding: F32, predicted: int) -> None:
-        """Settle a taken sample once classified.
-
-        Done if it had a label when taken (the caller stored it); else a label that came while it was
-        in flight is handed back by :meth:`take_labelled`, or it waits in the pending table.
+        """Settle a taken sample once classified: its late label handed back, or parked to wait for one.
 
         Parameters
         ----------

@@ -1,8 +1,7 @@
 """Reading the process's memory from the kernel: RSS, peak RSS, PSS, MemAvailable and the cgroup limit.
 
-All figures are in bytes. Reading ``/proc/self/statm`` is cheap (one short read) and is used on hot
-paths; ``/proc/self/status`` gives the kernel's peak RSS (``VmHWM``), ``/proc/self/smaps_rollup``
-the proportional set size (PSS, shared pages divided among the processes mapping them).
+All figures are in bytes: RSS from ``statm`` (cheap, hot paths), the peak from ``status``, PSS from
+``smaps_rollup``.
 
 Source: proc(5) (``statm``, ``status`` VmHWM, ``smaps_rollup``, ``clear_refs`` value 5 resets the
 peak RSS, Linux >= 4.0), Documentation/admin-guide/cgroup-v2.rst (``memory.max``) and cgroup-v1
@@ -49,18 +48,9 @@ os.register_at_fork(after_in_child=_forget_own_fds)
 
 
 def _own_fd(name: str, flags: int = os.O_RDONLY) -> tuple[int, tuple[int, int]]:
-    """A descriptor kept open on ``/proc/<name>`` and the (device, inode) it had when opened.
+    """A descriptor kept open on ``/proc/<name>`` and its (device, inode) (a ``pread`` on it: 1-12 us).
 
-    ``name`` is ``self/statm``, ``self/status``, ``meminfo`` or ``self/clear_refs``. A round reads
-    these files a dozen times and resets the peak at every phase; opening, reading through a Python
-    file object and closing each time cost 27-64 us here, a ``pread``/``write`` on a kept
-    descriptor 1-12 us (the device's CPU per round). A forked child opens its own
-    (:func:`_forget_own_fds`).
-
-    Raises
-    ------
-    OSError
-        If the file cannot be opened.
+    Raises ``OSError`` if the file cannot be opened.
     """
     with _OWN_FILES_LOCK:
         kept = _own_fds.get(name)
@@ -72,11 +62,7 @@ def _own_fd(name: str, flags: int = os.O_RDONLY) -> tuple[int, tuple[int, int]]:
 
 
 def _write_own(name: str, data: bytes) -> bool:
-    """Write ``data`` through the kept descriptor on ``/proc/<name>``; whether it was written.
-
-    False if the write failed or the descriptor no longer names that file (its number closed and
-    reused under us: checked by an fstat, ~1 us, before writing).
-    """
+    """Write ``data`` on the kept descriptor of ``/proc/<name>`` if it still names it; whether written."""
     try:
         fd, ident = _own_fd(name, os.O_WRONLY)
         st = os.fstat(fd)
@@ -89,26 +75,15 @@ def _write_own(name: str, data: bytes) -> bool:
 
 
 def _drop_own_fd(name: str) -> None:
-    """Forget a kept descriptor that failed or reads another file, without closing it.
-
-    Its number may belong to another part of the process by now: at worst one descriptor leaks
-    (``O_CLOEXEC``).
-    """
+    """Forget a kept descriptor that failed or reads another file, without closing it (it may be reused)."""
     with _OWN_FILES_LOCK:
         _own_fds.pop(name, None)
 
 
 def _read_proc(proc: Path, pid: int | str | None, filename: str) -> str:
-    """The text of ``<proc>/<pid>/<filename>`` (``<proc>/<filename>`` for pid None).
+    """The text of ``<proc>/<pid>/<filename>`` (``<proc>/<filename>`` for pid None), or OSError.
 
-    This process's own ``statm``, ``status`` and ``meminfo`` under the real ``/proc`` are read with
-    ``pread`` on a kept descriptor (:func:`_own_fd`), checked by their first bytes; any other path
-    (another process, a test's fake ``/proc``), or a kept read that fails, is opened each time.
-
-    Raises
-    ------
-    OSError
-        If the file cannot be read.
+    This process's own files under the real ``/proc`` are read on a kept descriptor (:func:`_own_fd`).
     """
     name = filename if pid is None else f"self/{filename}"
     # "is" first: a Path comparison costs more than the kept read it selects (a dozen a round)
@@ -149,8 +124,7 @@ def _status_kb(pid: int | str, key: str, proc: Path = PROC) -> int:
 def peak_rss_bytes(pid: int | str = "self", *, proc: Path = PROC) -> int:
     """Peak resident set size (``VmHWM``) of a process since start or the last peak reset, in bytes.
 
-    Note that ``edgefl.agent.governor.Governor`` resets this counter at the start of each phase: use
-    its ``peak_rss_bytes`` for the lifetime peak of a governed process.
+    ``Governor.peak_rss_bytes`` is the lifetime peak of a governed process (it resets this counter).
 
     Raises
     ------
@@ -238,10 +212,8 @@ def cgroup_memory_limit_bytes(
 ) -> int | None:
     """The memory limit the kernel enforces on a process's cgroup, in bytes, or None when unlimited.
 
-    Reads ``/proc/<pid>/cgroup``; for cgroup v2 (line ``0::/path``) the ``memory.max`` of the cgroup
-    and each ancestor under ``cgroup_root`` (or ``cgroup_root/unified`` on hybrid hosts); for
-    cgroup v1 (line ``N:...memory...:/path``) ``memory.limit_in_bytes`` under ``cgroup_root/memory``.
-    The lowest limit found on either hierarchy wins.
+    The lowest ``memory.max`` (v2) or ``memory.limit_in_bytes`` (v1) of the process's cgroup and its
+    ancestors, on either hierarchy.
 
     Parameters
     ----------

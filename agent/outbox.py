@@ -1,14 +1,10 @@
 """The device's outbox: each update kept on disk until the broker acknowledged it (PUBACK).
 
-An update survives a reconnect or a restart and is re-sent with the same ``update_id`` (the
-coordinator de-duplicates by it). Bounded in bytes; updates of rounds that closed are dropped with a
-reason. Persisted as a checksummed record (:mod:`edgefl.records`): a CBOR map ``{"v": 1, "entries":
-[[update_id, round, payload, sends], ...], "answered": {...}, "residual": bytes}``; ``answered`` and
-``residual`` (optional, opaque here) are the device's last answered round and the error-feedback
-residual that answer left, written in the same atomic write as the update (one write and one fsync
-pair before the publish instead of three: round latency) and kept by every later write. The record
-is rewritten in place in ``outbox.rec`` and ``outbox.rec.prev`` in turn
-(:class:`edgefl.records.RecordSlot`: one ``fdatasync``, the newest good generation never overwritten).
+An update survives a reconnect or a restart and is re-sent with the same ``update_id``. Bounded in
+bytes; updates of rounds that closed are dropped with a reason. Persisted as a checksummed record
+(:class:`edgefl.records.RecordSlot`): a CBOR map ``{"v": 1, "entries": [[update_id, round, payload,
+sends], ...], "answered": {...}, "residual": bytes}``, the device's last answered round and
+error-feedback residual (opaque here) written with the update and kept by every later write.
 """
 
 from __future__ import annotations
@@ -25,12 +21,6 @@ from edgefl.wire.cbor import strict_loads
 from edgefl.wire.rounds import UPDATE_ID_RE
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["Dropped", "Outbox", "OutboxEntry"]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Outbox
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,13 +49,8 @@ class OutboxEntry:
 class Dropped:
     """An update the outbox gave up on.
 
-    Parameters
-    ----------
-    update_id : str
-    round : int
-    reason : str
-        ``"outbox_full"`` (evicted to make room, oldest first), ``"too_large"`` (larger than the
-        whole outbox), ``"stale_round"`` (its round closed).
+    ``reason``: ``"outbox_full"`` (evicted to make room, oldest first), ``"too_large"`` (larger than
+    the whole outbox) or ``"stale_round"`` (its round closed).
     """
 
     update_id: str
@@ -102,8 +87,7 @@ class Outbox:
         self.answered: dict[str, Any] | None = None
         """The last answered round as the device core stores it (a CBOR map), kept in every write."""
         self.residual: bytes | None = None
-        """The error-feedback residual of the last answer, kept by every write (opaque bytes here;
-        ``edgefl.agent.feedback``)."""
+        """The error-feedback residual of the last answer, kept by every write (``edgefl.agent.feedback``)."""
         self._entries: list[OutboxEntry] = self._load()
         if self._entries:
             logger.info(
@@ -150,7 +134,8 @@ class Outbox:
         self.answered, self.residual = answered, residual
         return entries
 
-    def _save(self) -> None:
+    def save(self) -> None:
+        """Persist the entries as they are in memory (``OSError`` if the file system refuses)."""
         obj: dict[str, Any] = {
             "v": 1,
             "entries": [[e.update_id, e.round, e.payload, e.sends] for e in self._entries],
@@ -160,16 +145,6 @@ class Outbox:
         if self.residual is not None:
             obj["residual"] = self.residual
         self._record.write(cbor2.dumps(obj))
-
-    def save(self) -> None:
-        """Persist the entries as they are in memory (after a write that failed: a full disk).
-
-        Raises
-        ------
-        OSError
-            If the file system refuses the write.
-        """
-        self._save()
 
     def forget(self, update_id: str) -> bool:
         """Drop ``update_id`` from memory only (its ``add`` could not be persisted); whether it was kept."""
@@ -212,12 +187,10 @@ class Outbox:
         payload : bytes
             The encoded update, exactly as it will be published.
         sends : int
-            Publish attempts to record with it (1 when the caller publishes it right away: the one
-            write that keeps the update also counts its first attempt, as :meth:`mark_sent` would).
+            Publish attempts to record with it (1 when the caller publishes it right away).
         answered : dict, optional
             The device's new answered-round map (:attr:`answered`), persisted by the same write, also
-            when the update itself is not kept (``too_large``) or was kept already. Nothing is written
-            without it in those two cases.
+            when the update itself is not kept or was kept already.
 
         Returns
         -------
@@ -267,7 +240,7 @@ class Outbox:
             )
         self._entries.append(OutboxEntry(update_id, round, bytes(payload), sends))
         if answered is None:
-            self._save()
+            self.save()
         else:
             self._save_answered(answered)
         return dropped
@@ -276,7 +249,7 @@ class Outbox:
         """Save with a new answered-round map; on failure the previous one stays (not answered)."""
         prior, self.answered = self.answered, answered
         try:
-            self._save()
+            self.save()
         except OSError:
             self.answered = prior
             raise
@@ -286,26 +259,19 @@ class Outbox:
         for i, e in enumerate(self._entries):
             if e.update_id == update_id:
                 self._entries[i] = replace(e, sends=e.sends + 1)
-                self._save()
+                self.save()
                 return e.sends + 1
         return 0
 
     def ack(self, update_id: str) -> bool:
         """Forget ``update_id`` after its PUBACK; return whether it was kept (persisted)."""
-        kept = [e for e in self._entries if e.update_id != update_id]
-        if len(kept) == len(self._entries):
+        if not self.forget(update_id):
             return False
-        self._entries = kept
-        self._save()
+        self.save()
         return True
 
     def drop_stale(self, current_round: int) -> list[Dropped]:
         """Drop updates for rounds before ``current_round`` (the coordinator refuses them anyway).
-
-        Parameters
-        ----------
-        current_round : int
-            The round now open.
 
         Returns
         -------
@@ -316,7 +282,7 @@ class Outbox:
         if not stale:
             return []
         self._entries = [e for e in self._entries if e.round >= current_round]
-        self._save()
+        self.save()
         for e in stale:
             logger.info(
                 "outbox: dropped update %s: round %d closed (now round %d)",

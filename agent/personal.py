@@ -29,9 +29,7 @@ from edgefl.wire.rounds import RoundAnnouncement
 logger = logging.getLogger(__name__)
 
 PERSONAL_FILE = "personal_head.rec"
-"""The device's personal head, the classes it may personalise and the global version it was last
-pulled toward (a checksummed record; CBOR ``{"v": 1, "fleet", "model_sha256", "version", "shape",
-"W", "b", "columns"}``, the arrays as little-endian float32 / uint8 bytes)."""
+"""The personal head's record (CBOR ``v, fleet, model_sha256, version, shape, W, b, columns``)."""
 PERSONAL_SEED_OFFSET = 0x5EED
 """Added to the round's shuffle seed for the personal step (its own sample order)."""
 
@@ -39,12 +37,8 @@ PERSONAL_SEED_OFFSET = 0x5EED
 def personal_behind(only_global: int, only_personal: int) -> bool:
     """Whether the personal head is behind the global one on the holdout by more than chance.
 
-    Only the samples the two heads disagree on tell them apart: ``only_global`` the global head gets
-    right and the personal one wrong, ``only_personal`` the reverse. The personal head is behind
-    when ``only_global - only_personal > sqrt(only_global + only_personal)``: more than one
-    standard deviation of that difference were both heads equally good (each disagreement a fair
-    coin). A holdout of a few samples thus needs two more wins of the global head than of the
-    personal one, not one, before predictions leave the personal head.
+    Behind when ``only_global - only_personal > sqrt(only_global + only_personal)``: more than one
+    standard deviation of that difference were both heads equally good.
 
     Parameters
     ----------
@@ -139,9 +133,8 @@ class PersonalHeads(DeviceState):
 
         Returns
         -------
-        (Head, "personal" | "global")
-            The global head when ``personal.enabled`` is false, before the first personal step, or
-            while :attr:`personal_fallback` (the personal head did worse on the holdout).
+        tuple[Head, str]
+            The head and ``"personal"`` or ``"global"``.
         """
         personal = self.personal
         if personal is None or self.personal_fallback or not self.profile.personal.enabled:
@@ -154,8 +147,7 @@ class PersonalHeads(DeviceState):
         Returns
         -------
         Evaluation or None
-            ``version`` of the head, ``accuracy`` in [0, 1] and ``count`` samples; None when holdout is
-            off or empty. Also kept in :attr:`evaluation` for the status.
+            Also kept in :attr:`evaluation`; None when the holdout is off or empty.
         """
         self._personal_done = None  # a personal step taken with the round's training: evaluated here
         if self.holdout is None or len(self.holdout) == 0:
@@ -211,11 +203,7 @@ class PersonalHeads(DeviceState):
         self._personal_done = result
 
     def _load_personal(self) -> None:
-        """Restore the personal head and its classes from their record (previous generation if torn).
-
-        Without a usable record the classes come from the labels already stored (a device that
-        stored samples before it had a personal head), and the head waits for the next round.
-        """
+        """Restore the personal head and its classes from their record (else the classes from the store)."""
         D, K = self.head.shape
         data = self._read_state(PERSONAL_FILE)
         if data is not None:
@@ -285,19 +273,11 @@ class PersonalHeads(DeviceState):
     def personalise(self) -> PersonalResult | None:
         """The personal step of the last trained round: class-restricted Ditto steps, persisted, evaluated.
 
-        A round whose training took the personal step along (``train_local``'s ``personal``: the personal
-        epochs are the round's and the head a softmax one) leaves only its evaluation here, and its result
-        is returned (its steps; its time is in the round's ``LocalResult.train_s``). Otherwise the step
-        runs now: it pulls the personal head (the global head's copy the first time) toward the current
-        global head with ``personal.prox_lambda`` over ``personal.epochs`` passes of the store (0: the
-        round's ``local_epochs``) at ``personal.lr_scale`` times the round's ``lr``, the columns of
-        classes never labelled here tied to the global head and their logits scaled by
-        ``personal.absent_alpha`` in the loss (FedRS's restricted softmax)
-        (:func:`edgefl.agent.trainer.train_personal`); phase ``personal``, admitted by the governor as one
-        head plus its gradient beside the chunk buffers. Then the head is written (:data:`PERSONAL_FILE`,
-        behind with :attr:`write_behind`) and both heads are evaluated on the holdout (:meth:`evaluate`: a
-        personal head behind the global one stops serving, :func:`personal_behind`). The update of the
-        round is already kept: nothing here changes what is sent.
+        A round whose training took the step along (``train_local``'s ``personal``) leaves only its
+        evaluation here, and its result is returned. Otherwise the step runs now
+        (:func:`edgefl.agent.trainer.train_personal` with the ``[personal]`` settings, phase
+        ``personal``); then the head is written (behind with :attr:`write_behind`) and both heads are
+        evaluated (:meth:`evaluate`). Nothing here changes what is sent.
 
         Returns
         -------

@@ -2,10 +2,8 @@
 
 :meth:`StatusReporter.status_loop` publishes ``status/<device>`` (retained, QoS 1) when the status
 has news (:func:`edgefl.agent.status.status_news`), at every (re)connect and at least every
-``status.heartbeat_s``; :meth:`StatusReporter.dashboard_status` is what the status page shows.
-:class:`StatusReporter` also declares the fields the daemon's tasks share (``agent/source.py``,
-``agent/control.py``, ``agent/daemon.py`` set and use them) and the small hooks every task calls:
-run on the worker thread, mark the status changed, count a failure.
+``status.heartbeat_s``; :meth:`StatusReporter.dashboard_status` is what the status page shows. It
+also declares the fields and small hooks the daemon's tasks share.
 """
 
 from __future__ import annotations
@@ -186,11 +184,7 @@ class StatusReporter:
 
     # --- status -------------------------------------------------------------------------------
     def status_fields(self, measure: bool = True) -> dict[str, Any]:
-        """The DeviceStatus fields (JSON-like): memory, round, counters.
-
-        ``measure=False`` leaves out the memory figures read from ``/proc`` (see
-        ``Governor.status``): enough to tell whether a status has news.
-        """
+        """The DeviceStatus fields (JSON-like); ``measure=False`` leaves out the ``/proc`` figures."""
         s = self.state
         core = self.core
         pipeline = core.pipeline
@@ -272,12 +266,7 @@ class StatusReporter:
         return f"degraded: {self.core.degraded}" if self.core.degraded else self.state.reason
 
     def personal_fields(self) -> dict[str, Any]:
-        """``serving_head`` and, once both heads were evaluated, ``personal_accuracy``/``global_accuracy``.
-
-        ``serving_head`` is ``"personal"`` or ``"global"`` (before the first personal step, with
-        ``personal.enabled`` false, or while the personal head is behind the global one on the
-        holdout: ``personal_fallback`` true).
-        """
+        """``serving_head``, ``personal_fallback`` and, once evaluated, the two heads' accuracies."""
         core = self.core
         out: dict[str, Any] = {
             "serving_head": core.serving_head()[1],
@@ -332,12 +321,9 @@ class StatusReporter:
     async def status_loop(self) -> None:
         """Publish the retained status when it says something new, and at least every ``status.heartbeat_s``.
 
-        Checked on every change and every ``status.interval_s``, a change during a round or global
-        message's handling once that message is handled (at most one interval later); a change of
-        the volatile figures or of the round's progress alone is not news
-        (:func:`edgefl.agent.status.status_news`). Every (re)connect publishes (the broker may hold
-        the "offline" last will). While the core is degraded (state not persisted: a full disk),
-        each check retries the writes.
+        Checked on every change and every ``status.interval_s``; every (re)connect publishes (the
+        broker may hold the "offline" last will); while the core is degraded each check retries the
+        writes.
         """
         assert self.transport is not None
         cfg = self.profile.status

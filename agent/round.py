@@ -15,8 +15,10 @@ import errno
 import gc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 from edgefl import heap
 from edgefl.agent import estimates
@@ -59,11 +61,9 @@ class RoundStatus(StrEnum):
     WAITING_HEAD = "waiting_head"
     """The round builds on a global head not yet applied; kept pending (``take_ready_round``)."""
     DEFERRED = "deferred"
-    """The memory governor deferred training or encoding (``reason`` says why); kept as
-    :attr:`DeviceCore.deferred` and retried by :meth:`DeviceCore.retry_deferred`."""
+    """Training or encoding deferred (``reason`` says why); retried by :meth:`DeviceCore.retry_deferred`."""
     DECLINED = "declined"
-    """The round was refused to the coordinator: a signed Decline message kept in the outbox
-    (:attr:`RoundResult.entry`, publish it like an update); ``reason`` is its reason (``over_budget``)."""
+    """Refused to the coordinator: a Decline kept in the outbox (:attr:`RoundResult.entry`)."""
     REFUSED = "refused"
     """A bad or unusable announcement: ``reason`` is the refusal's code (counted by the caller)."""
 
@@ -143,12 +143,7 @@ class RoundAnswering(PersonalHeads):
     _declines: list[RoundResult]
 
     def _verified(self, payload: bytes, kind: MessageType) -> bytes:
-        """Check the coordinator's signature if a key is set (DecodeError ``unsigned``/``bad_signature``).
-
-        A configured ``security.coordinator_public_key`` means every head and round must be signed by
-        it, whatever ``require_signatures`` says (an unsigned one is ``unsigned``). The signed bytes
-        bind this device's fleet and the message kind its topic carries (``docs/protocol.md``).
-        """
+        """Check the coordinator's signature if a key is set (DecodeError ``unsigned``/``bad_signature``)."""
         if self.coordinator_key is not None:
             verify_payload(payload, self.coordinator_key, fleet=self.fleet, kind=kind, limits=self.limits)
         return payload
@@ -184,15 +179,11 @@ class RoundAnswering(PersonalHeads):
     def answer_round(self, ann: RoundAnnouncement) -> RoundResult:
         """Answer a round at most once: train, error feedback, encode, sign, keep in the outbox, persist.
 
-        In order: not selected -> NOT_SELECTED; round <= the last answered one (persisted across
-        restarts) -> ANSWERED; base version newer than the head -> WAITING_HEAD (kept pending);
-        older -> REFUSED ``stale_round``; empty store -> DECLINED ``no_samples`` at once; fewer than
-        ``training.min_examples`` labelled examples -> DEFERRED (retried as for memory, declined
-        ``too_few_examples`` after half the deadline: :meth:`retry_deferred`); the governor
-        defers -> DEFERRED; else local epochs on the store (phase ``train``), error feedback on a
-        compressed delta, the Update encoded and signed (phase ``encode``), kept in the outbox and
-        the round recorded as answered -> TRAINED. The caller publishes ``entry.payload`` and acks
-        it in the outbox after the PUBACK; if the publish fails the outbox re-sends it.
+        In order: not selected -> NOT_SELECTED; round <= the last answered one -> ANSWERED; base
+        version newer than the head -> WAITING_HEAD; older -> REFUSED ``stale_round``; empty store ->
+        DECLINED ``no_samples``; fewer than ``training.min_examples`` examples, or the governor defers
+        -> DEFERRED; else trained (phase ``train``), encoded and signed (phase ``encode``) and kept in
+        the outbox with the round recorded as answered -> TRAINED (the caller publishes it).
 
         Parameters
         ----------
@@ -355,37 +346,19 @@ class RoundAnswering(PersonalHeads):
             def encode(m: Update) -> bytes:
                 return encode_update(m, topk_fraction=ann.topk_fraction, compressed=compressed)
 
-            if self.signing_key is not None:
-                payload = sign_message(encode, update, self.signing_key, fleet=self.fleet)
-            else:
-                payload = encode(update)
+            payload = self._signed(encode, update)
             del update, delta_W, delta_b
-            # kept until its PUBACK: a restart re-sends it (same update_id), never re-trains the round
-            added: list[Dropped] = []
-            answered = Answered(self.fleet, ann.round, update_id)
             prior_carry = self.outbox.residual
             if carry is not None:
                 self.outbox.residual = carry  # kept by this write of the outbox and every later one
-            if not self._persist(
-                # one atomic write keeps the update, counts its first send (sends=1: the daemon
-                # publishes it next) and records the round as answered: one fsync pair between
-                # training and the publish instead of three (round latency)
-                "outbox",
-                lambda: added.extend(
-                    self.outbox.add(
-                        update_id, ann.round, payload, sends=1, answered=self._answered_map(answered)
-                    )
-                ),
-            ):
-                # not sent: a round whose update is not on disk could be answered twice after a restart
-                self.outbox.forget(update_id)
+            try:
+                # its first send counted in the same write (sends=1: the daemon publishes it next)
+                dropped = self._keep_answer(ann, update_id, payload, "update", sends=1)
+            except OSError:
                 if carry is not None:  # the residual stays as it was
                     self.outbox.residual = prior_carry
                     fb.residual_W, fb.residual_b, fb.round = prior_fb
-                self._unsaved["outbox"] = self.outbox.save
-                raise OSError(errno.EIO, f"update not kept: outbox not persisted ({self.degraded})")
-            dropped = tuple(added)
-            self.answered = answered
+                raise
         entry = OutboxEntry(update_id, ann.round, payload)
         if self.deferred is not None and self.deferred.ann.round <= ann.round:
             self.deferred = None
@@ -428,11 +401,8 @@ class RoundAnswering(PersonalHeads):
         """Retry the deferred round once memory may have freed, or decline it when its time is up.
 
         Before :data:`DECLINE_AFTER_FRACTION` of the round's ``deadline_s`` has passed since its first
-        deferral, free heap is returned to the kernel and the round answered again
-        (:meth:`answer_round`: TRAINED, or DEFERRED again). After it, the round is refused to the
-        coordinator (DECLINED, reason ``over_budget`` or ``too_few_examples``, the latest reason as
-        detail) so that it is
-        counted there instead of silently lost. The daemon calls this every status interval.
+        deferral, free heap is returned to the kernel and the round answered again; after it, the round
+        is DECLINED (``over_budget`` or ``too_few_examples``).
 
         Parameters
         ----------
@@ -498,20 +468,8 @@ class RoundAnswering(PersonalHeads):
         """
         update_id = f"{self.device}:{ann.round}:{ann.base_version}:declined"
         msg = Decline(ann.round, ann.base_version, self.device, str(reason), detail, update_id)
-        if self.signing_key is not None:
-            payload = sign_message(encode_decline, msg, self.signing_key, fleet=self.fleet)
-        else:
-            payload = encode_decline(msg)
-        added: list[Dropped] = []
-        answered = Answered(self.fleet, ann.round, update_id)
-        amap = self._answered_map(answered)
-        if not self._persist(
-            "outbox", lambda: added.extend(self.outbox.add(update_id, ann.round, payload, answered=amap))
-        ):
-            self.outbox.forget(update_id)
-            self._unsaved["outbox"] = self.outbox.save
-            raise OSError(errno.EIO, f"decline not kept: outbox not persisted ({self.degraded})")
-        self.answered = answered
+        payload = self._signed(encode_decline, msg)
+        dropped = self._keep_answer(ann, update_id, payload, "decline")
         self.declined_total += 1
         logger.warning("round %d declined (%s): %s", ann.round, reason, detail)
         return RoundResult(
@@ -520,9 +478,41 @@ class RoundAnswering(PersonalHeads):
             str(reason),
             detail,
             entry=OutboxEntry(update_id, ann.round, payload),
-            dropped=tuple(added),
+            dropped=dropped,
             update_bytes=len(payload),
         )
+
+    def _signed(self, encode: Callable[[Any], bytes], msg: Any) -> bytes:
+        """``encode(msg)``, signed with the device's key when it has one."""
+        if self.signing_key is not None:
+            return sign_message(encode, msg, self.signing_key, fleet=self.fleet)
+        return encode(msg)
+
+    def _keep_answer(
+        self, ann: RoundAnnouncement, update_id: str, payload: bytes, what: str, sends: int = 0
+    ) -> tuple[Dropped, ...]:
+        """Keep an answer in the outbox and record the round as answered, in one write.
+
+        Kept until its PUBACK: a restart re-sends it (same ``update_id``), never answers the round
+        again. Returns the entries evicted to make room.
+
+        Raises
+        ------
+        OSError
+            If the outbox cannot be persisted (the answer is then not kept).
+        """
+        added: list[Dropped] = []
+        answered = Answered(self.fleet, ann.round, update_id)
+        amap = self._answered_map(answered)
+        if not self._persist(
+            "outbox",
+            lambda: added.extend(self.outbox.add(update_id, ann.round, payload, sends=sends, answered=amap)),
+        ):
+            self.outbox.forget(update_id)
+            self._unsaved["outbox"] = self.outbox.save
+            raise OSError(errno.EIO, f"{what} not kept: outbox not persisted ({self.degraded})")
+        self.answered = answered
+        return tuple(added)
 
     def take_ready_round(self) -> RoundAnnouncement | None:
         """The pending round, if it can be answered now (its head applied, samples stored); cleared.
@@ -530,7 +520,6 @@ class RoundAnswering(PersonalHeads):
         Returns
         -------
         RoundAnnouncement or None
-            Pass it to :meth:`answer_round`.
         """
         ann = self.pending_round
         if ann is None or ann.base_version > self.head.version or len(self.store) == 0:

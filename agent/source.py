@@ -104,13 +104,9 @@ class SampleSource(StatusReporter):
     def receive_ingest(self, msg: Message) -> None:
         """File a Sample into the ingest queue or apply a Label (on the loop, at once; never raises).
 
-        A sample of another shape or dtype than the model's, a label outside [0, K), a duplicate, a
-        label for no waiting sample, a label that contradicts an earlier one (``label_conflict``), or
-        a retained message (a stale sample the broker would hand over again at every reconnect) is
-        refused: counted in ``rejected``, and logged with topic, size and reason for the first
-        :data:`~edgefl.agent.ingest.LOGGED_REFUSALS` of each reason, then only every 1000th with the
-        count (a flood of bad samples must not become a flood of log lines). An empty payload (a
-        retained message being cleared) is ignored.
+        A bad, duplicate, conflicting or retained message is refused: counted in ``rejected`` and
+        logged with topic, size and reason (the first :data:`~edgefl.agent.ingest.LOGGED_REFUSALS`
+        of each reason, then every 1000th). An empty payload (a retained message cleared) is ignored.
         """
         ingest = self.ingest
         assert ingest is not None
@@ -265,8 +261,7 @@ class SampleSource(StatusReporter):
     ) -> Classified | None:
         """``core.observe`` on the worker, retried every ``status.interval_s`` while it is over budget.
 
-        The governor never runs inference it judges over budget (``BudgetExceeded``: nothing ran);
-        each refusal is counted (``over_budget_batches``) and the batch waits for memory to free.
+        Each refusal is counted (``over_budget_batches``).
 
         Returns
         -------
@@ -289,11 +284,7 @@ class SampleSource(StatusReporter):
             return out
 
     async def flush_loop(self) -> None:
-        """Flush the store within ``training.flush_interval_s`` of a sample's store.
-
-        The core flushes at once every ``training.flush_every`` samples (:meth:`DeviceCore.keep`);
-        this covers a slow feed. A flush that failed (a full disk) is left to ``retry_persist``.
-        """
+        """Flush the store within ``training.flush_interval_s`` of a sample's store (a slow feed)."""
         interval_s = self.profile.training.flush_interval_s
         while True:
             await self._stored.wait()

@@ -1,27 +1,13 @@
 """Bounded store of recent labelled embeddings, kept in memory-mapped files rather than the heap.
 
-Embeddings are stored as float16 (half the bytes of float32; the head is trained in float32 chunks
-read back from the map), labels as int16. The store is a ring: when full, the oldest sample is
-overwritten, so its size is fixed at ``capacity * (2 * D + 2 + 16)`` bytes (with the row records) of
-file-backed pages that the kernel can drop under pressure.
-
-Durability and integrity: every slot has a row record in ``store_rows.u64`` (``uint64 [capacity, 2]``,
-little-endian): ``seq + 1`` (the sample's number since the store was created, 0 = never written) and
-the CRC-32 of the slot's embedding bits, label and ``seq``. Sample ``seq`` always lives in slot
-``seq % capacity``, so the rows alone say which slots hold the newest contiguous run of samples.
-:meth:`EmbeddingStore.flush` writes the maps back (``msync``) and then the metadata (capacity, D,
-count, ring head, ``total`` samples ever stored) as a checksummed record (:mod:`edgefl.records`); the
-caller flushes every ``training.flush_every`` samples or ``training.flush_interval_s`` seconds, whichever
-comes first, so a power cut loses at most that window and a ``kill -9`` (the page cache survives)
-usually nothing. At open the store is recovered from the rows, newest first, each checked against
-its CRC: the run stops at the first row that is torn (written half-way when the process died), rotten
-or missing, and every sample the metadata or the rows vouched for that could not be recovered is
-logged with its count. Insane metadata (``count > capacity``, head out of range), a recovered label
-outside ``0..K-1`` (a store of another head) or a non-finite recovered embedding sets the files aside
-(renamed ``<name>.corrupt``) and the store starts empty, with one log line. Non-finite embeddings (or
-ones that overflow float16) are refused by :meth:`EmbeddingStore.add`, counted in
-``refused_not_finite``. Stores written before the row records (metadata with the label file's SHA-256,
-or a JSON file without a checksum) are checked as then and given their rows.
+Embeddings are stored as float16, labels as int16, in a ring of fixed size (``capacity * (2 * D + 2 +
+16)`` bytes with the row records) of file-backed pages. Every slot has a row record in
+``store_rows.u64`` (``uint64 [capacity, 2]``: ``seq + 1`` and the CRC-32 of the slot's embedding bits,
+label and ``seq``; sample ``seq`` lives in slot ``seq % capacity``). :meth:`EmbeddingStore.flush` writes
+the maps back, then the metadata as a checksummed record. At open the newest contiguous run of rows
+whose CRCs check is recovered and what could not be is logged; insane metadata, a label outside
+``0..K-1`` or a non-finite embedding sets the files aside (``<name>.corrupt``) and the store starts
+empty. Stores written before the row records are checked as then and given their rows.
 """
 
 from __future__ import annotations
@@ -62,15 +48,9 @@ _HALF_SCALE = np.float32(2.0**112)  # 2**(127 - 15): float16's exponent bias -> 
 def half_bits_to_float32(half_bits: np.ndarray, out: F32) -> F32:
     """Convert finite float16 values, given as their int16 bit patterns, to float32 in ``out``.
 
-    numpy's own float16 -> float32 cast goes element by element through a scalar routine on
-    builds without an F16C/FP16 SIMD path (``X86_V2`` baseline wheels: ~3 ns a value, the largest
-    cost of a round's local training). This is four vectorised integer/float passes,
-    exactly equal to ``astype(np.float32)`` for every finite half, zeros and subnormals included:
-    the sign-extended 16 bits shifted left by 13 put the sign at bit 31 (after masking) and the
-    exponent and mantissa in float32's fields with float16's bias; multiplying by 2**112 rebiases
-    the exponent (exact: a power of two, and a subnormal half becomes a normal float32).
-    Infinities and NaNs are NOT converted correctly: the store never holds them (refused by
-    :meth:`EmbeddingStore.add`, checked at open).
+    Four vectorised passes (numpy's own cast is a scalar loop on wheels without F16C), exactly equal
+    to ``astype(np.float32)`` for every finite half; infinities and NaNs are NOT converted correctly
+    (the store never holds them).
 
     Parameters
     ----------
@@ -110,11 +90,7 @@ def _describe(path: Path, size: int) -> str:
 
 
 def _allocate(path: Path, size: int) -> None:
-    """Give a sparse file its blocks now (``posix_fallocate``).
-
-    A write into a hole of a memory-mapped file on a full file system is a ``SIGBUS``, which kills the
-    process; allocated up front, the store's pages never need a new block, so a full disk later
-    only stops the small record writes (which fail with ``ENOSPC`` and are handled).
+    """Give a sparse file its blocks now (``posix_fallocate``): a write into a hole of a full disk is SIGBUS.
 
     Raises
     ------
@@ -170,9 +146,7 @@ class EmbeddingStore:
 
     Notes
     -----
-    A store whose metadata does not match ``capacity``/``dim`` (another model) is reset, with a log
-    line; a corrupt one is set aside (module docstring). ``set_aside`` tells which happened at open,
-    ``recovered_after_flush`` and ``lost_at_open`` what the recovery found.
+    A store for another ``capacity``/``dim`` is reset; a corrupt one is set aside (``set_aside`` says why).
     """
 
     def __init__(self, directory: Path, capacity: int, dim: int, num_classes: int | None = None) -> None:
@@ -262,15 +236,7 @@ class EmbeddingStore:
         del self._emb_bits, self._lbl_raw, self._rows_raw, self._emb, self._lbl, self._rows
 
     def _read_meta(self) -> dict[str, object] | None:
-        """The metadata map (record, else the legacy JSON file); None = none, or another model shape.
-
-        Sets ``_other_shape`` when the metadata is for another ``capacity``/``dim``.
-
-        Raises
-        ------
-        StoreCorrupt
-            If the metadata is unreadable.
-        """
+        """The metadata map (record, else legacy JSON); None: none, or another shape (``_other_shape``)."""
         self._other_shape = False
         legacy = self.directory / LEGACY_META_FILE
         data = read_record(self._meta_path)
@@ -294,13 +260,7 @@ class EmbeddingStore:
         return meta
 
     def _check_meta(self, meta: dict[str, object]) -> tuple[int, int]:
-        """Sanity of the metadata's ``count`` and ``head`` (and ``total``); return ``(count, head)``.
-
-        Raises
-        ------
-        StoreCorrupt
-            Naming the first problem found.
-        """
+        """Sanity of the metadata's ``count``, ``head`` and ``total``; ``(count, head)`` or StoreCorrupt."""
         count, head = meta.get("count"), meta.get("head")
         cap = self.capacity
         if type(count) is not int or type(head) is not int:
@@ -315,13 +275,7 @@ class EmbeddingStore:
         return count, head
 
     def _check_legacy(self, meta: dict[str, object], emb_path: Path, lbl_path: Path) -> None:
-        """Validate a store written before the row records (label file checksum or none).
-
-        Raises
-        ------
-        StoreCorrupt
-            Naming the first problem found.
-        """
+        """Validate a store written before the row records (label file checksum or none), or StoreCorrupt."""
         count, head = self._check_meta(meta)
         cap = self.capacity
         if count < cap and head != count:
@@ -360,13 +314,7 @@ class EmbeddingStore:
         self._rows_raw[slot, 0] = seq + 1
 
     def _recover(self, meta: dict[str, object] | None) -> None:
-        """Find the newest contiguous run of rows whose CRCs check; log what was found and lost.
-
-        Raises
-        ------
-        StoreCorrupt
-            If a recovered label is outside ``0..K-1`` or a recovered embedding is not finite.
-        """
+        """Find the newest contiguous run of rows whose CRCs check; log what was found and lost."""
         cap = self.capacity
         seqs = self._rows_raw[:, 0]
         written = seqs != 0
@@ -437,13 +385,7 @@ class EmbeddingStore:
         return (rows + first) % self.capacity
 
     def _check_content(self) -> None:
-        """Labels in ``0..K-1`` and finite embeddings in the stored samples.
-
-        Raises
-        ------
-        StoreCorrupt
-            Naming the first problem found.
-        """
+        """Labels in ``0..K-1`` and finite embeddings in the stored samples, or StoreCorrupt."""
         live = np.flatnonzero(self._live_mask())
         if self.num_classes is not None and len(live):
             lbl = self._lbl_raw[live]
@@ -479,10 +421,7 @@ class EmbeddingStore:
 
     @property
     def since_mark(self) -> int:
-        """Samples held now that were stored after the last :meth:`set_mark` (all of them without a mark).
-
-        A mark found ahead of the samples recovered at open (those after it lost) is moved back to them.
-        """
+        """Samples held now that were stored after the last :meth:`set_mark` (all of them without a mark)."""
         if self.mark is None:
             return self._count
         return max(0, min(self._count, self._total - self.mark))
@@ -493,14 +432,7 @@ class EmbeddingStore:
 
     @property
     def resident_rows(self) -> int:
-        """Stored slots this process has written or read through the maps since it opened them.
-
-        Their pages are mapped in (part of RSS, file-backed); reading the other slots maps theirs in
-        (a store reopened after a restart). The memory governor counts only those as new memory for
-        a phase that reads the store (``edgefl.agent.estimates.estimate_train_bytes``). The kernel may
-        drop clean mapped pages under pressure: RSS then falls, and reading them again only brings
-        it back.
-        """
+        """Stored slots this process has written or read through the maps (their pages count in RSS)."""
         return int(np.count_nonzero(self._touched))
 
     @property
@@ -511,10 +443,8 @@ class EmbeddingStore:
     def add(self, emb: F32, labels: I64) -> int:
         """Append a batch of labelled embeddings, overwriting the oldest when full.
 
-        Samples whose label the head cannot learn (outside ``0..K-1``, or not 0/1 for K = 1) are
-        refused: logged with reason ``bad_label``, counted in ``refused_labels``, not stored. Samples
-        whose embedding is not finite in float16 (NaN, inf, or beyond +-65504) are refused the same
-        way, counted in ``refused_not_finite`` (a single one would make every round's delta NaN).
+        Samples whose label the head cannot learn are refused (``bad_label``, ``refused_labels``), and
+        so are those whose embedding is not finite in float16 (``refused_not_finite``).
 
         Parameters
         ----------
@@ -602,10 +532,7 @@ class EmbeddingStore:
             yield emb, lbl
 
     def read(self, rows: I64, emb_out: F32, lbl_out: I64) -> None:
-        """Read stored samples ``rows``, in that order, into caller-owned buffers (no other heap).
-
-        The one copy made is the float16 gather of the rows (``2 * len(rows) * D`` bytes, freed on
-        return); the conversion to float32 is :func:`half_bits_to_float32`, exactly numpy's cast.
+        """Read stored samples ``rows``, in that order, into caller-owned buffers (one float16 gather).
 
         Parameters
         ----------
@@ -634,16 +561,13 @@ class EmbeddingStore:
     def flush(self) -> None:
         """Write the maps back (``msync``), then the metadata as a checksummed record.
 
-        Afterwards every stored sample survives a power cut. The record's payload is the JSON map
-        ``{"v": 2, "capacity", "dim", "count", "head", "total"}`` and ``"mark"`` once :meth:`set_mark`
-        set one (readers of the layout ignore keys they do not know); it is written atomically after
-        the maps (``edgefl.records``), so it never vouches for a sample whose pages are not on disk.
+        Afterwards every stored sample survives a power cut. The record is the JSON map ``{"v": 2,
+        "capacity", "dim", "count", "head", "total"}`` (and ``"mark"`` once set).
 
         Raises
         ------
         OSError
-            If the file system refuses the write (e.g. ``ENOSPC``); the maps stay usable and the
-            samples stay counted in :attr:`unflushed`.
+            If the file system refuses the write (the samples stay counted in :attr:`unflushed`).
         """
         self._emb.flush()
         self._lbl.flush()
@@ -666,14 +590,7 @@ class EmbeddingStore:
     def flush_due(self, every: int, interval_s: float, now: float | None = None) -> bool:
         """Whether a :meth:`flush` is due: ``every`` samples unflushed, or the oldest ``interval_s`` old.
 
-        Parameters
-        ----------
-        every : int
-            Samples (``training.flush_every``).
-        interval_s : float
-            Seconds (``training.flush_interval_s``).
-        now : float or None
-            ``time.monotonic()`` (read when None).
+        ``now`` is ``time.monotonic()`` (read when None).
         """
         if not self.unflushed:
             return False

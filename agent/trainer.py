@@ -28,13 +28,10 @@ _MIX2: Final = np.uint64(0x94D049BB133111EB)
 
 
 class Shuffler:
-    """Seeded random permutations from numpy arithmetic alone (no ``numpy.random`` on the device).
+    """Seeded random permutations from numpy arithmetic alone (``numpy.random`` costs ~2 MiB of RSS).
 
-    The device's training used ``numpy.random.default_rng``, whose import maps numpy's random
-    package (~2 MiB of RSS, measured on the bench's agents) into an agent that needs nothing else
-    from it. Here a permutation of ``n`` ranks the next ``n`` outputs of SplitMix64 seeded with
-    ``seed``: distinct 64-bit keys (the output function is a bijection of distinct states), so
-    the ranking is a uniformly shuffled order for any practical purpose, the same on every platform.
+    A permutation of ``n`` ranks the next ``n`` outputs of SplitMix64 seeded with ``seed`` (distinct
+    64-bit keys), the same on every platform.
 
     Parameters
     ----------
@@ -60,14 +57,8 @@ class Shuffler:
     def keys(self, n: int) -> I64:
         """Return int64 [n]: the next ``n`` SplitMix64 outputs (distinct); ranking them is a permutation.
 
-        Each output has its top bit flipped and is viewed as int64, which ranks exactly as the uint64
-        outputs do: numpy's argsort of uint64 (its x86 SIMD path) keeps malloc'ed memory it never
-        frees, growing with the lengths sorted (~70 bytes a stored sample while a store fills, on
-        numpy 2.4), where the int64 path keeps none.
-
-        ``argsort`` of consecutive slices of one ``keys(a + b)`` call gives exactly the permutations
-        ``permutation(a)`` then ``permutation(b)`` would (the generator is counter-based and the keys
-        distinct, so any sort ranks them the same): the trainer draws an epoch's chunk shuffles at once.
+        The outputs' top bit is flipped and they are viewed as int64, which ranks as uint64 does
+        (numpy's argsort of uint64 keeps memory it never frees; int64's keeps none).
         """
         z = np.arange(self._drawn + 1, self._drawn + n + 1, dtype=np.uint64)
         self._drawn += n
@@ -168,25 +159,9 @@ class PersonalStep:
 
 
 class _BatchReader:
-    """Shuffled mini-batches of a store, read one chunk at a time into buffers allocated once.
+    """Shuffled mini-batches of the first ``n`` samples of a store, read a chunk at a time.
 
-    The heap a training loop uses (per-step allocations and the per-chunk float16 cast were most
-    of a round's training): one float32 chunk ``emb [chunk, D]`` and its labels ``lbl [chunk]``
-    (int64), one batch's logits ``[batch, K]`` float32 and the gradient ``[D, K]``, ``[K]``
-    float32. Each chunk is read already in its shuffled order, so a batch is a view of it.
-
-    Parameters
-    ----------
-    store : EmbeddingStore
-        Local labelled embeddings.
-    n : int
-        Samples of ``store`` to read (the first ``n``; >= 1).
-    dim, classes : int
-        D and K of the head trained.
-    chunk_size : int
-        Samples read from the store at once (>= 1; capped at ``n``).
-    batch_size : int
-        Samples per SGD step (>= 1).
+    The buffers (a float32 chunk and its labels, one batch's logits, the gradient) are allocated once.
     """
 
     def __init__(
@@ -206,13 +181,7 @@ class _BatchReader:
         """float32 [K] multiplying the logits in the loss (softmax heads only); None = plain."""
 
     def batches(self, epochs: int, shuffler: Shuffler, stop_at: float | None) -> Iterator[tuple[F32, I64]]:
-        """Yield ``(emb [b, D] float32, labels [b] int64)`` views, ``epochs`` passes over the store.
-
-        Each epoch draws a new order (:class:`Shuffler`); each chunk's slots are read sorted (the
-        store's pages in order), then shuffled within the chunk. Stops before the next epoch or
-        chunk once ``time.perf_counter()`` is past ``stop_at`` (None = no limit). A view is valid
-        until the next one is asked for.
-        """
+        """Yield ``(emb [b, D] float32, labels [b] int64)`` views of ``epochs`` shuffled passes."""
         n, chunk, bs = self.n, self.chunk, self.batch_size
         for _ in range(epochs):
             if stop_at is not None and time.perf_counter() > stop_at:
@@ -232,12 +201,7 @@ class _BatchReader:
                     yield e, self.lbl[s : s + e.shape[0]]
 
     def grad(self, W: F32, b: F32, e: F32, y: I64) -> tuple[F32, F32]:
-        """Gradient ``(dW [D, K], db [K])`` float32 of the batch's mean loss at ``(W, b)``.
-
-        Binary cross-entropy for a logistic head (K = 1, :func:`edgefl.head.loss_and_grad`),
-        softmax cross-entropy otherwise, into the reader's own buffers (overwritten by the next
-        call).
-        """
+        """Gradient ``(dW [D, K], db [K])`` float32 of the batch's mean loss at ``(W, b)`` (own buffers)."""
         if self._logistic:
             _, gW, gb = loss_and_grad(W, b, e, y)
             return gW, gb
@@ -351,11 +315,8 @@ def train_local(
 ) -> LocalResult:
     """Run ``local_epochs`` of mini-batch SGD on a copy of ``head`` over every sample of ``store``.
 
-    The store is read one chunk of ``chunk_size`` samples at a time (float16 → float32), so the heap
-    holds at most ``chunk_size * D * 4`` bytes of embeddings; ``chunk_size`` is chosen by the memory
-    governor. Samples are shuffled per epoch and within each chunk (:class:`Shuffler`). The loss is
-    softmax cross-entropy for K >= 2 and binary cross-entropy for a logistic head (K = 1, labels
-    0/1): :func:`edgefl.head.loss_and_grad`.
+    The store is read one chunk of ``chunk_size`` samples at a time, shuffled per epoch and within
+    each chunk. The loss is softmax cross-entropy for K >= 2, binary cross-entropy for K = 1.
 
     Parameters
     ----------
@@ -378,8 +339,7 @@ def train_local(
     seed : int
         Seed of the per-epoch shuffles.
     time_budget_s : float or None
-        Stop after the chunk during which this many seconds have passed (the round's deadline:
-        an update after it is refused anyway); None = no limit.
+        Stop after the chunk during which this many seconds have passed; None = no limit.
     personal : PersonalStep or None
         A personal head trained on the same batches (softmax heads, K >= 2): its steps are
         :func:`train_personal`'s toward ``head``, in this training's sample order; its arrays are
@@ -410,9 +370,6 @@ def train_local(
     D, K = head.shape
     shuffler = Shuffler(seed)
     stop_at = t0 + time_budget_s if time_budget_s is not None else None
-    # the heap the loop uses, allocated once (per-step allocations and the per-chunk
-    # float16 cast were most of a round's training): one float32 chunk and its labels, one batch's
-    # logits, the gradient; the chunk is read already in its shuffled order, so a batch is a view
     reader = _BatchReader(store, n, D, K, chunk_size=chunk_size, batch_size=batch_size)
     chunk, emb, lbl = reader.chunk, reader.emb, reader.lbl
     lr32 = np.float32(lr)
@@ -456,10 +413,7 @@ def train_local(
     final = Head(head.W + delta_W, head.b + delta_b, head.version)
     z: F32 = np.empty((chunk, K), np.float32)  # one chunk's logits, then probabilities, in place
     rows = np.arange(chunk, dtype=np.int64)
-    # the same n samples that were trained on (the store may grow meanwhile if a caller adds to it),
-    # through the same chunk buffer; when one chunk held them all it holds them still (in the last
-    # epoch's order: the sums below differ from storage order's in the last bits at most), and the
-    # store is not read again (a read of the whole store before every update)
+    # the n samples trained on, through the same chunk buffer (not read again when it held them all)
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
         e, y = emb[:m], lbl[:m]
@@ -469,8 +423,7 @@ def train_local(
             loss, _, _ = loss_and_grad(final.W, final.b, e, y)
             pred = final.predict(e)
         else:
-            # the same loss as cross_entropy and the same predictions as Head.predict, from one set
-            # of logits and without the gradient nobody uses here; softmax's operations in place
+            # cross_entropy's loss and Head.predict's classes from one set of logits, no gradient
             zm = z[:m]
             np.matmul(e, final.W, out=zm)
             zm += final.b
@@ -505,21 +458,14 @@ def train_personal(
 ) -> PersonalResult:
     """Train a personal head in place: ``epochs`` passes of class-restricted Ditto steps over ``store``.
 
-    The same reading of the store as :func:`train_local` (one float32 chunk buffer of
-    ``chunk_size`` samples, read in a shuffled order, shuffled within), one gradient ``[D, K]`` and
-    one batch's logits: the only heap beyond the personal head itself is its gradient and the
-    chunk. Each batch takes one :func:`edgefl.head.ditto_step` toward ``global_head`` on the
-    classes of ``columns``; the other columns are the global head's on return (even after 0 steps).
-    In the loss the other columns' logits are scaled by ``absent_alpha`` (FedRS's restricted
-    softmax, :func:`edgefl.head.restricted_logit_scale`): the classes the device has labels for
-    are fitted against each other, not raised above the classes it has never seen.
+    The store is read as by :func:`train_local`. Each batch takes one :func:`edgefl.head.ditto_step`
+    toward ``global_head`` on the classes of ``columns``; the other columns are the global head's on
+    return, and their logits are scaled by ``absent_alpha`` in the loss (FedRS's restricted softmax).
 
     Parameters
     ----------
-    W : float32 [D, K], C-contiguous
-        The personal head's weights, updated in place.
-    b : float32 [K]
-        Its biases, updated in place.
+    W, b : float32 [D, K] (C-contiguous), float32 [K]
+        The personal head, updated in place.
     global_head : Head
         The global head it is pulled toward (not modified).
     store : EmbeddingStore
@@ -612,22 +558,16 @@ def fit_head(
 
     Parameters
     ----------
-    W : float32 [D, K], b : float32 [K]
+    W, b : float32 [D, K], float32 [K]
         Starting head (not modified).
-    emb : float32 [N, D]
-    labels : int64 [N]
-    epochs : int
-        Passes over the data.
-    lr : float
-        SGD learning rate.
-    batch_size : int
-        Samples per step.
-    seed : int
-        Shuffle seed.
+    emb, labels : float32 [N, D], int64 [N]
+    epochs, lr, batch_size, seed
+        Passes over the data, SGD learning rate, samples per step, shuffle seed.
 
     Returns
     -------
-    Trained (W, b), float32.
+    tuple[F32, F32]
+        The trained ``(W, b)``.
 
     Raises
     ------

@@ -377,6 +377,7 @@ class Intake:
         # Devices no longer publish a status for their round's progress (agent/status.py):
         # the update says it, so the fleet registry takes the device's round, update size and its
         # evaluation of the base head (federated evaluation, read at the round's close) from it.
+        self.registry.trained(update.device, update.round)
         entry = self.registry.devices.get(update.device)
         if entry is not None:
             shown = entry.get("round")
@@ -576,6 +577,7 @@ class Intake:
         for r in sorted(self.counted):  # an update counted before the restart is refused as a duplicate
             for update_id in self.counted[r]:
                 self._remember(update_id)
+                self.registry.trained(update_id.split(":", 1)[0], r)
         self._resume = doc.get("open")
         self._unfolded = {}
         for topic, payload in doc.get("unfolded", []):

@@ -31,6 +31,8 @@ PAGE_DEVICES = 100
 PAGE_REASONS = 8
 #: Rows of devices' own refusals in the page's "rejected" box (the largest counts).
 PAGE_REFUSALS = 20
+#: Reasons of a device's own ``rejected`` map kept with its status (the largest counts; an agent has ~50).
+REASONS_KEPT = 64
 
 
 def shorten(text: str, limit: int = LOGGED_DETAIL_CHARS) -> str:
@@ -122,6 +124,9 @@ class DeviceRegistry:
         self.mismatches_total = 0  # devices seen with another model (the log names the first ones)
         self.rejected_by_device: dict[str, Counter[str]] = {}
         self.declined_by_device: dict[str, Counter[str]] = {}
+        # device → the last round its update was counted in (a status from before it says stale
+        # new-sample counts); seeded from the state file's counted rounds after a restart
+        self.trained_round: dict[str, int] = {}
         self._strangers: dict[str, None] = {}  # devices counted above that the registry does not hold
         self.on_mismatch: Callable[[str, str], None] | None = None
         self.changed = asyncio.Event()  # set by every status kept
@@ -140,6 +145,12 @@ class DeviceRegistry:
             raise DecodeError("wrong_device", f"status names device {status.device!r} on status/{device}")
         read_new_samples(status.fields)  # a bad count refuses the status (bad_value, wrong_type)
         entry = _interned(status.fields)
+        counts = entry.get("rejected")
+        if isinstance(counts, dict) and len(counts) > REASONS_KEPT:
+            # read on every page refresh, for every device: a map of hundreds of invented reasons a
+            # device would make each refresh cost seconds of the coordinator's loop
+            counted = [(k, v) for k, v in counts.items() if type(v) is int and v > 0]
+            entry["rejected"] = dict(heapq.nlargest(REASONS_KEPT, counted, key=lambda kv: kv[1]))
         last = self.devices.get(device)
         if status.state == "offline" and not status.fields and last is not None:
             # a last will says nothing else: keep the last figures the device reported (its
@@ -216,6 +227,11 @@ class DeviceRegistry:
         self.rejected_by_device.pop(device, None)
         self.declined_by_device.pop(device, None)
         self.clipped.pop(device, None)
+        self.trained_round.pop(device, None)
+
+    def trained(self, device: str, round_no: int) -> None:
+        """``device``'s update was counted in round ``round_no``: what its older statuses report is spent."""
+        self.trained_round[device] = max(round_no, self.trained_round.get(device, 0))
 
     def expire(self, now: float) -> None:
         """Forget devices whose last status is older than ``expiry_s``."""
@@ -241,11 +257,20 @@ class DeviceRegistry:
         )
 
     def ready_new_samples(self) -> dict[str, int | None]:
-        """The ready devices (:meth:`online_devices`) and the new labelled samples each reports (or None)."""
+        """The ready devices (:meth:`online_devices`) and the new labelled samples each reports (or None).
+
+        A status whose ``round`` is older than the device's last counted round (:meth:`trained`) reports
+        samples that round trained on: 0.
+        """
         out: dict[str, int | None] = {}
         for dev in self.online_devices():
-            n = self.devices[dev].get("new_samples")
+            st = self.devices[dev]
+            n = st.get("new_samples")
             out[dev] = n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+            shown, trained = st.get("round"), self.trained_round.get(dev)
+            stale = trained is not None and (not isinstance(shown, int) or shown < trained)
+            if out[dev] is not None and stale:
+                out[dev] = 0  # a status from before its last counted round (retained): trained on since
         return out
 
     async def wait_for_devices(self, n: int, timeout_s: float, key: str | None = "ready") -> list[str]:
@@ -292,26 +317,29 @@ class DeviceRegistry:
             for reason, n in sorted(own.items(), key=lambda kv: -kv[1])
             if n > 0
         ]
-        theirs: list[dict[str, Any]] = []
-        for dev, st in self.devices.items():
-            counts = st.get("rejected")
-            if not isinstance(counts, dict):
-                continue
-            last = st.get("last_rejected")
-            last = last if isinstance(last, dict) else {}
-            for reason, n in counts.items():
-                if type(n) is not int or n <= 0:
-                    continue
-                detail = last.get("detail") if last.get("reason") == reason else None
-                theirs.append(
-                    {
-                        "by": dev,
-                        "reason": str(reason)[:64],
-                        "count": n,
-                        "detail": shorten(detail) if isinstance(detail, str) else "",
-                    }
-                )
-        return rows + heapq.nlargest(limit, theirs, key=lambda r: (r["count"], r["by"]))
+        theirs = heapq.nlargest(
+            limit,
+            (
+                (n, dev, str(reason))
+                for dev, st in self.devices.items()
+                if isinstance(counts := st.get("rejected"), dict)
+                for reason, n in counts.items()
+                if type(n) is int and n > 0
+            ),
+            key=lambda r: (r[0], r[1]),
+        )
+        for n, dev, reason in theirs:
+            last = self.devices[dev].get("last_rejected")
+            detail = last.get("detail") if isinstance(last, dict) and last.get("reason") == reason else None
+            rows.append(
+                {
+                    "by": dev,
+                    "reason": reason[:64],
+                    "count": n,
+                    "detail": shorten(detail) if isinstance(detail, str) else "",
+                }
+            )
+        return rows
 
     def page_devices(self) -> dict[str, dict[str, Any]]:
         """The ``PAGE_DEVICES`` devices the page lists (ready, least headroom, latest first), JSON-like."""

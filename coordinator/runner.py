@@ -332,7 +332,7 @@ async def run(
             if rnd is None or rnd.phase.value != "open":
                 state = "no round open"
             else:
-                state = "the open round saved, resumed at the next start" if files.state else "no state file"
+                state = "saving the open round for the next start" if files.state else "no state file"
             logger.info("%s: stopping at round %d (%s)", sig.name, coord.state.round, state)
         stop.set()
 
@@ -363,6 +363,7 @@ async def run(
         print(f"fleet page: http://{profile.dashboard.host}:{port}/", flush=True)
     records: list[RoundRecord] = []
     empty: list[str] = []
+    unsaved = ""  # why the state file could not be saved at the stop (exit 75)
     pump: asyncio.Task[None] | None = None
     holding: asyncio.Task[None] | None = None
     try:
@@ -436,13 +437,19 @@ async def run(
         await _cancel(pump)
         await _cancel(holding)
         if files.state is not None and coord.state_path is not None and not lease.lost.is_set():
-            with contextlib.suppress(OSError):
+            try:
                 coord.save_state(files.state)  # an open round, as it stands: resumed at the restart
+            except OSError as exc:
+                unsaved = f"state file {files.state} not saved at the stop ({exc})"
+                logger.error("%s: the next start resumes its last saved generation", unsaved)
         if not lease.lost.is_set():
             await lease.release()
         await transport.stop()
         if stop_page is not None:
             await stop_page()
+    if unsaved:
+        print(f"edgefl coordinator: {unsaved}", file=sys.stderr)
+        return EXIT_FAULT
     if lease.lost.is_set():
         print(
             f"edgefl coordinator: another coordinator runs this fleet ({lease.lost_to}): stopped",

@@ -223,6 +223,10 @@ class Coordinator(Intake):
         if pacing.min_devices > 0:  # 0: a root, whose devices report to their sites
             pacing = replace_min_devices(pacing, self.min_updates())
         since = None if self._last_start is None else time.monotonic() - self._last_start
+        last = self.state.history[-1] if self.state.history else None
+        if since is None and last is not None and math.isfinite(last.closed_unix):
+            # restarted: the last round opened duration_s before it closed (wall clock, state file)
+            since = max(0.0, time.time() - (last.closed_unix - last.duration_s))
         return pacing.check(self.state.round, self.registry.ready_new_samples(), since)
 
     def min_updates(self) -> int:

@@ -1,9 +1,7 @@
 """Build an offline wheelhouse of edgefl for an ARM gateway (``edgefl wheelhouse --target T --out DIR``).
 
-``--python 3.11|3.12|3.13`` chooses the device's CPython (the wheels' ``cp3XX`` tags).
-
-On an x86 build machine, without installing anything there, collect edgefl's own wheel and every
-dependency as a binary wheel for the target's platform, then write ``DIR``::
+On an x86 build machine, installing nothing there, collect edgefl's wheel and every dependency as a
+binary wheel for the target's platform and CPython (``--python``, the ``cp3XX`` tags), then write::
 
     DIR/wheels/*.whl            edgefl + every dependency (binary wheels for the target)
     DIR/requirements.lock       name==version --hash=sha256:... for every wheel in wheels/
@@ -12,9 +10,6 @@ dependency as a binary wheel for the target's platform, then write ``DIR``::
     DIR/systemd/edgefl-coordinator.service  the coordinator's unit (a fleet's coordinator host installs it)
     DIR/firmware_configs/ DIR/models/   the shipped profiles and .tflite models (not in the wheel)
     DIR/TARGET                  what the wheelhouse was built for (read by install.sh)
-
-Targets and which wheels install on each: :mod:`cross_build.targets`; the closure check and the
-lock file: :mod:`cross_build.lock`.
 
 Source: pip's secure installs (``--require-hashes``).
 """
@@ -53,22 +48,9 @@ DEFAULT_PREFIX = "/opt/edgefl"
 
 @dataclass(frozen=True, slots=True)
 class Wheelhouse:
-    """Summary of a built wheelhouse.
+    """A built wheelhouse: ``target``, folder ``out``, ``lock`` (sorted by name), sizes, build time.
 
-    Parameters
-    ----------
-    target : Target
-        What it was built for.
-    out : Path
-        Its folder.
-    lock : tuple[LockEntry, ...]
-        The locked wheels, sorted by name.
-    wheels_bytes : int
-        Total size of ``wheels/`` in bytes.
-    total_bytes : int
-        Total size of the folder in bytes (wheels, models, profiles, scripts).
-    build_s : float
-        Wall-clock build time in seconds.
+    ``wheels_bytes`` of ``wheels/`` and ``total_bytes`` of the folder; ``build_s`` seconds.
     """
 
     target: Target
@@ -82,29 +64,12 @@ class Wheelhouse:
 def render_unit(
     profile_path: Path, prefix: str = DEFAULT_PREFIX, template: Path = UNIT_TEMPLATE
 ) -> str:
-    """Render the systemd unit for one device profile.
+    """Render the systemd unit of one device profile in ``firmware_configs/`` (validated first).
 
-    Parameters
-    ----------
-    profile_path : Path
-        A profile in ``firmware_configs/``; it is validated with :func:`edgefl.agent.config.load_profile`.
-    prefix : str
-        Install prefix on the device (releases under ``<prefix>/releases``, ``<prefix>/current``).
-    template : Path
-        The unit template with ``@PREFIX@``, ``@PROFILE@``, ``@MEMORY_MAX_MB@``, ``@MEMORY_HIGH_MB@``
-        and ``@STATE_DIRECTORY@`` fields.
-
-    Returns
-    -------
-    str
-        The unit: ``MemoryMax`` = ``memory.cap_mb`` MiB, ``MemoryHigh`` = ``cap_mb - reserve_mb``
-        MiB, ``StateDirectory`` = ``device.state_dir`` relative to ``/var/lib``.
-
-    Raises
-    ------
-    WheelhouseError
-        If the profile is invalid, or its ``device.state_dir`` is not under ``/var/lib`` (with
-        ``ProtectSystem=strict`` the agent could not write anywhere else).
+    ``template``'s ``@PREFIX@``, ``@PROFILE@``, ``@MEMORY_MAX_MB@``, ``@MEMORY_HIGH_MB@`` and
+    ``@STATE_DIRECTORY@`` become ``prefix``, the profile, ``memory.cap_mb``, ``cap_mb - reserve_mb`` and
+    ``device.state_dir`` relative to ``/var/lib``. WheelhouseError for an invalid profile or a
+    ``device.state_dir`` outside ``/var/lib`` (``ProtectSystem=strict`` allows nothing else).
     """
     from edgefl.agent.config import load_profile
     from edgefl.errors import ConfigError
@@ -138,25 +103,10 @@ def render_unit(
 
 
 def render_coordinator_unit(prefix: str = DEFAULT_PREFIX, template: Path = COORDINATOR_UNIT_TEMPLATE) -> str:
-    """Render the coordinator's systemd unit for an install under ``prefix``.
+    """Render the coordinator's systemd unit for an install under ``prefix`` (``@PREFIX@``).
 
-    Parameters
-    ----------
-    prefix : str
-        Install prefix on the host (the venv is ``<prefix>/current/venv``).
-    template : Path
-        The unit template with its ``@PREFIX@`` field.
-
-    Returns
-    -------
-    str
-        The unit: it runs ``edgefl coordinator /etc/edgefl/coordinator.toml``, restarts what may heal
-        and never exit 1, 2, 3 or 6 (:mod:`edgefl.coordinator.command` says what each means).
-
-    Raises
-    ------
-    WheelhouseError
-        If the template has a field left unfilled.
+    It runs ``edgefl coordinator /etc/edgefl/coordinator.toml`` and never restarts exit 1, 2, 3 or 6
+    (:mod:`edgefl.coordinator.command`). WheelhouseError if the template has a field left unfilled.
     """
     text = template.read_text(encoding="utf-8").replace("@PREFIX@", prefix.rstrip("/"))
     leftover = re.search(r"@[A-Z_]+@", text)
@@ -166,27 +116,11 @@ def render_coordinator_unit(prefix: str = DEFAULT_PREFIX, template: Path = COORD
 
 
 def write_support_files(out: Path, repo: Path = REPO_ROOT, prefix: str = DEFAULT_PREFIX) -> None:
-    """Write what a wheelhouse carries beside its wheels: profiles, models, units, ``install.sh``.
+    """Write what a wheelhouse carries beside its wheels into ``out``: profiles, models, units, install.sh.
 
-    ``out/firmware_configs/`` and ``out/models/`` (copies of the checkout's), ``out/systemd/`` (one
-    agent unit per device profile that can have one, and the coordinator's unit) and
-    ``out/install.sh``; folders left by an earlier build are replaced.
-
-    Parameters
-    ----------
-    out : Path
-        The wheelhouse folder (exists).
-    repo : Path
-        The edgefl source checkout.
-    prefix : str
-        Install prefix on the device, written into the units.
-
-    Raises
-    ------
-    WheelhouseError
-        If the coordinator's unit template has a field left unfilled.
-    OSError
-        If a file cannot be copied or written.
+    Copies of the checkout's ``firmware_configs/`` and ``models/``, one agent unit per device profile
+    that can have one and the coordinator's (units under ``prefix``); earlier folders are replaced.
+    WheelhouseError if the coordinator's template has a field left unfilled; OSError.
     """
     from edgefl.coordinator.profile import is_coordinator_profile
     from edgefl.errors import ConfigError
@@ -237,24 +171,9 @@ def _pip_failure(exc: subprocess.CalledProcessError, names: Sequence[str], targe
 
 
 def build_own_wheel(repo: Path, dest: Path) -> Path:
-    """Build edgefl's wheel (``pip wheel --no-deps``) into ``dest``.
+    """Build edgefl's ``py3-none-any`` wheel from the checkout ``repo`` into ``dest`` (pip wheel --no-deps).
 
-    Parameters
-    ----------
-    repo : Path
-        The source checkout (holds ``setup.cfg``).
-    dest : Path
-        Folder for the wheel.
-
-    Returns
-    -------
-    Path
-        The ``edgefl-<version>-py3-none-any.whl`` file.
-
-    Raises
-    ------
-    WheelhouseError
-        If the build fails or does not produce exactly one edgefl wheel.
+    WheelhouseError if the build fails or does not produce exactly one edgefl wheel.
     """
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -270,27 +189,10 @@ def build_own_wheel(repo: Path, dest: Path) -> Path:
 
 
 def build_pure_wheel(spec: PureWheel, dest: Path, target: Target) -> Path:
-    """Build a pure-Python wheel of one dependency from its sdist (``pip wheel --no-binary``).
+    """Build a pure-Python wheel of one dependency from its sdist (``pip wheel --no-binary``) into ``dest``.
 
-    Parameters
-    ----------
-    spec : PureWheel
-        Name, exact version and build environment (e.g. ``CBOR2_BUILD_C_EXTENSION=0``).
-    dest : Path
-        Folder for the wheel.
-    target : Target
-        The platform (for messages).
-
-    Returns
-    -------
-    Path
-        The ``<name>-<version>-py3-none-any.whl`` file.
-
-    Raises
-    ------
-    WheelhouseError
-        If the build fails or the wheel is not pure Python (``none-any``): a C extension built here
-        would be an x86 binary.
+    WheelhouseError if the build fails or the wheel is not ``none-any`` (a C extension built here would
+    be an x86 binary).
     """
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -311,24 +213,10 @@ def build_pure_wheel(spec: PureWheel, dest: Path, target: Target) -> Path:
 
 
 def download_wheels(requirements: Sequence[str], dest: Path, target: Target, *, deps: bool) -> None:
-    """``pip download`` binary wheels for the target (nothing is installed here).
+    """``pip download`` binary wheels of ``requirements`` (markers evaluated) for the target into ``dest``.
 
-    Parameters
-    ----------
-    requirements : Sequence[str]
-        PEP 508 specifiers (markers already evaluated for the target).
-    dest : Path
-        Folder for the wheels.
-    target : Target
-        The platform: ``--platform`` for every tag of :func:`manylinux_tags`, ``--python-version``,
-        ``--implementation cp``, ``--abi``.
-    deps : bool
-        Whether pip resolves and downloads dependencies too.
-
-    Raises
-    ------
-    WheelhouseError
-        Naming the requirement pip found no binary wheel for.
+    Every tag of :func:`manylinux_tags`, the target's Python, ``cp`` and its ABI; ``deps`` lets pip
+    resolve dependencies too. WheelhouseError naming the requirement with no binary wheel.
     """
     if not requirements:
         return
@@ -354,30 +242,12 @@ def build_wheelhouse(
     repo: Path = REPO_ROOT,
     prefix: str = DEFAULT_PREFIX,
 ) -> Wheelhouse:
-    """Build the complete offline wheelhouse for one target into ``out`` (see the module docstring).
+    """Build the complete offline wheelhouse for one target into ``out`` (its ``wheels/`` emptied first).
 
-    Parameters
-    ----------
-    target : Target
-        The platform.
-    out : Path
-        Output folder; its ``wheels/`` is emptied first.
-    repo : Path
-        The edgefl source checkout.
-    prefix : str
-        Install prefix on the device, written into the units and ``install.sh``.
-
-    Returns
-    -------
-    Wheelhouse
-        The lock, sizes in bytes and the build time in seconds.
-
-    Raises
-    ------
-    WheelhouseError
-        If the target's CPython is refused (:attr:`Target.refused`, before anything is built), any
-        dependency has no wheel for the target (named, with the platform), the closure is incomplete,
-        or the lock misses an expected version.
+    ``repo`` is the source checkout, ``prefix`` the install prefix on the device. WheelhouseError if
+    the target's CPython is refused (before anything is built), a dependency has no wheel for the
+    target (named, with the platform), the closure is incomplete, or the lock misses an expected
+    version.
     """
     why = target.refused.get(target.python_version)
     if why is not None:
@@ -443,10 +313,7 @@ def build_wheelhouse(
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build the wheelhouse for parsed ``--target/--python/--out/--prefix/--repo``; returns 0 built, 1 failed.
-
-    A refused target/Python pair (:func:`refusal`) fails before anything is built or downloaded.
-    """
+    """Build the wheelhouse for parsed ``--target/--python/--out/--prefix/--repo``: 0 built, 1 failed."""
     repo = Path(args.repo) if args.repo else REPO_ROOT
     try:
         target = target_for(args.target, getattr(args, "python", None))

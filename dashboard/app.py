@@ -1,35 +1,11 @@
 """The dashboard: one aiohttp app serving an HTML page, JSON, Server-Sent Events and Prometheus metrics.
 
-The agent and the coordinator each serve it with their own :class:`DashboardState`. Routes (all GET,
-nothing changes state):
-
-- ``/``: the page (``static/index.html`` for a device, ``static/coordinator.html`` for the
-  coordinator), plain HTML + ``static/app.js`` + ``static/style.css``, no build step, no CDN.
-- ``/api/status``: ``{"kind", "title", "status"}`` where ``status`` is ``get_status()`` made JSON-safe
-  (non-finite floats become ``null``).
-- ``/api/history``: the memory history kept by the app, oldest first; ages are relative to the
-  response so browser and gateway clocks need not agree. Device: ``{"interval_s", "rss": [[age_s,
-  bytes], ...]}``; coordinator: ``{"interval_s", "devices": {device: [[age_s, rss_bytes, cap_bytes],
-  ...]}}`` (each device's reported RSS, at most ``MAX_HISTORY_DEVICES`` devices).
-- ``/api/rounds?after=N&limit=M``: the round records from ``get_rounds`` (coordinator) whose
-  ``round`` is above ``N`` (default: all), at most ``M`` of them (default and maximum
-  ``MAX_ROUNDS_PAGE``, the oldest first): ``{"rounds": [...], "total": int, "last": int or null}``.
-  The page loads the whole history once and then only what is new.
-- ``/api/events``: SSE; every event's data is the ``/api/status`` document. One shared publisher
-  serialises the status once per change for all streams; a client that goes away is dropped at once
-  (the app enables aiohttp's handler cancellation), a stalled one after ``WRITE_TIMEOUT_S``. At
-  shutdown every open stream gets the final status before it ends (a finished job reads finished).
-- ``/metrics``: Prometheus text exposition format (prometheus-client) built from ``get_status()``
-  (``dashboard/metrics.py``).
-- ``/healthz``: ``ok`` (200), or 503 with the problem when the status's ``health`` field is not ``ok``
-  (an agent whose broker refuses its credentials: ``refused: not authorized``).
-
-Security: when ``token`` is set every route requires ``Authorization: Bearer <token>`` or HTTP Basic
-with the token as password (browsers prompt for it; ``EventSource`` then sends it too), compared in
-constant time. Without a token only loopback ``Host`` headers are served (421 otherwise), which stops
-DNS-rebinding pages from reading a loopback-bound dashboard. :func:`serve` refuses a non-loopback
-bind address without a token. Every response carries a Content-Security-Policy without inline
-script, ``X-Content-Type-Options: nosniff`` and ``Cache-Control: no-store``.
+The agent and the coordinator each serve it with their own :class:`DashboardState`. The routes (all
+GET, nothing changes state) and their documents are in ``docs/operations.md``, "The dashboard's
+routes". With a ``token`` every route requires ``Authorization: Bearer <token>`` or HTTP Basic with
+the token as password (compared in constant time); without one only loopback ``Host`` headers are
+served (421 otherwise: DNS rebinding). Every response carries a Content-Security-Policy without
+inline script.
 
 Source: HTML Living Standard §9.2 (server-sent events); Prometheus text exposition format;
 RFC 6750 §2.1 (bearer token); RFC 7617 (Basic).
@@ -80,8 +56,6 @@ MAX_ROUNDS_PAGE = 5000
 MAX_HISTORY_DEVICES = 64
 """Devices whose RSS the coordinator page's memory history keeps (the first seen, by name)."""
 
-DEVICE_PHASES: Final = ("inference", "batch", "train", "encode", "publish", "apply")
-
 _STATIC_TYPES: Final = {
     "app.js": "text/javascript",
     "style.css": "text/css",
@@ -111,56 +85,25 @@ class DashboardState:
     title : str
         Shown in the page header (device id, fleet name).
     get_status : callable () -> Mapping[str, Any]
-        Returns the current status; any key may be missing or None (the page shows "–"). Called on
-        the event loop, at most once per ``push_interval_s`` while a stream is open, once per
-        ``history_interval_s`` (device) and once per ``/api/status`` or ``/metrics`` request, so it
-        must be cheap and must not block. Values: numbers, str, bool, None, lists and mappings;
-        NaN/inf are sent as null. Keys the pages and ``/metrics`` read:
-
-        - device: ``device``, ``state`` (idle / training / uploading / waiting / deferred /
-          offline), ``reason``, ``round``, ``version``, ``cap_bytes``, ``rss_bytes``, ``pss_bytes``,
-          ``peak_rss_bytes``, ``system_available_bytes``, ``phase_peaks`` {phase: bytes} (phases
-          inference, batch, train, encode, publish, apply), ``phase_rise`` {phase: bytes},
-          ``last_update_bytes``, ``last_update_ts`` and ``ts`` (Unix s, the device's clock),
-          ``local_accuracy``, ``eval_accuracy``, ``personal_accuracy``, ``global_accuracy``,
-          ``inference_accuracy`` (0..1), ``inference_rate`` (samples/s), ``pipeline_mode``,
-          ``rejected`` {reason: count}, ``broker_connected``, ``broker`` (the agent's words:
-          connected / connecting / lost / refused: not authorized), ``store_samples``, ``inferred_total``.
-        - coordinator: ``round``, ``state``, ``updates_received``, ``updates_expected``,
-          ``deadline_s_left``, ``version``, ``accuracy_history`` [{round, accuracy}], ``devices``
-          {device: {state, online, rss_bytes, cap_bytes, peak_rss_bytes, last_round, reason,
-          refused, declined, personal_accuracy, global_accuracy, eval_accuracy}},
-          ``rejected`` {reason: count} (the coordinator's own), ``refusals`` [{by, reason, count,
-          detail}] (who refused what: the coordinator and each device), ``fleet_state`` {state, text,
-          ...} (collecting / waiting_samples /
-          waiting_devices / paused / finished / broker_unreachable), ``broker_connected``,
-          ``rounds`` (the latest round records, as from ``get_rounds``).
+        Returns the current status (the keys the pages and ``/metrics`` read: ``docs/operations.md``,
+        "The dashboard's routes"); any key may be missing or None. Called on the event loop at most
+        once per ``push_interval_s`` and per request: it must be cheap and must not block.
     token : str or None
-        Bearer token; required by :func:`serve` for a non-loopback host. When set, every route
-        requires it.
+        Bearer token; required by :func:`serve` for a non-loopback host.
     push_interval_s : float
-        While a stream is open, the status is polled this often (s) and pushed when it differs from
-        the last push; :meth:`notify` pushes at once.
-    history_interval_s : float
-        RSS history sampling period (s), device only.
-    history_len : int
-        RSS history length in samples (150 x 2 s = the last 5 minutes); a bounded deque.
+        While a stream is open, the status is polled this often (s) and pushed when it changed.
+    history_interval_s, history_len : float, int
+        RSS history sampling period (s) and length in samples.
     get_rounds : callable () -> Sequence[Mapping[str, Any]], optional
-        Coordinator: every round record so far, oldest first (``round``, ``time``, ``asked``,
-        ``counted``, ``clients``, ``accuracy``, ``fed_accuracy``, ``fed_worst_decile``,
-        ``refused`` {reason: n}, ``declined`` {reason: n}, ...), served by ``/api/rounds``. Called on
-        the event loop once per request: return a list that exists already, do not build one.
+        Coordinator: every round record so far, oldest first, served by ``/api/rounds`` (return a
+        list that exists already).
     max_streams : int
         Open SSE streams allowed at once; more get 503.
-    header_timeout_s : float
-        A request's header block must arrive whole within this many seconds of its first byte (or of
-        the connection's opening); otherwise the connection is closed (slow or half-open clients).
-    body_timeout_s : float
-        A request body (``Content-Length``) must arrive whole within this many seconds of its headers.
-    max_connections : int
-        Open connections allowed at once; one more is closed at accept (bounds file descriptors).
-    max_connections_per_client : int
-        Open connections allowed at once from one client IP address.
+    header_timeout_s, body_timeout_s : float
+        A request's header block (from its first byte) and its body (from its headers) must arrive
+        whole within this many seconds, or the connection is closed.
+    max_connections, max_connections_per_client : int
+        Open connections allowed at once, in all and from one client IP address.
 
     Raises
     ------
@@ -203,13 +146,7 @@ class DashboardState:
                 raise ValueError(f"{name} = {getattr(self, name)!r}: must be > 0")
 
     def notify(self) -> None:
-        """Tell open pages that the status changed (pushed within one event-loop turn).
-
-        Cheap and idempotent; call it from the event-loop thread after a state change (round
-        opened, state training -> uploading, ...). From another thread use
-        ``loop.call_soon_threadsafe(state.notify)``. Without calls, changes still reach the pages
-        within ``push_interval_s``.
-        """
+        """Tell open pages that the status changed (call on the event-loop thread; cheap, idempotent)."""
         for listener in self._listeners:
             listener()
 
@@ -218,19 +155,7 @@ STATE_KEY: Final = web.AppKey("dashboard_state", DashboardState)
 
 
 def jsonable(value: Any) -> Any:
-    """Copy a status value into plain JSON types; non-finite floats become None.
-
-    Parameters
-    ----------
-    value : Any
-        Mappings (keys made str), lists/tuples, str, bool, int, float, None, and numpy scalars (via
-        ``.item()``); anything else becomes ``str(value)``.
-
-    Returns
-    -------
-    Any
-        A value ``json.dumps(..., allow_nan=False)`` accepts (browsers' ``JSON.parse`` rejects NaN).
-    """
+    """Copy a status value into plain JSON types (non-finite floats None, numpy scalars ``.item()``)."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -282,13 +207,7 @@ class _Hub:
         return status
 
     def document(self) -> bytes:
-        """Build the ``/api/status`` document as compact JSON bytes.
-
-        Raises
-        ------
-        Exception
-            Whatever ``get_status`` raises.
-        """
+        """Build the ``/api/status`` document as compact JSON bytes (raises what ``get_status`` raises)."""
         doc = {"kind": self.state.kind, "title": self.state.title, "status": jsonable(self.status())}
         return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
 
@@ -577,11 +496,8 @@ def create_app(state: DashboardState) -> web.Application:
     Returns
     -------
     aiohttp.web.Application
-        Read-only routes ``/``, ``/static/{name}``, ``/api/status``, ``/api/history``,
-        ``/api/rounds``, ``/api/events``, ``/metrics``, ``/healthz``. The status publisher runs as a
-        background task of the app (``cleanup_ctx``), so it starts and stops with the runner. Serve it with
-        :func:`serve` or its own ``AppRunner``, not as a sub-app: the handler cancellation that
-        drops a vanished SSE client at once is an option of the top-level application.
+        The read-only routes; the status publisher runs in ``cleanup_ctx``. Serve it as a top-level
+        application (:func:`serve`), not a sub-app: handler cancellation is a top-level option.
     """
     hub = _Hub(state)
     # handler_cancellation: aiohttp then cancels a handler as soon as its client disconnects, so an
@@ -646,9 +562,7 @@ async def serve(state: DashboardState, host: str = "127.0.0.1", port: int = 0) -
     """
     if not is_loopback_host(host) and not state.token:
         raise ConfigError([f"dashboard.host = {host!r}: a non-loopback host requires dashboard.token"])
-    runner = web.AppRunner(
-        create_app(state), access_log=None, shutdown_timeout=2.0, logger=RequestLog(state)
-    )
+    runner = web.AppRunner(create_app(state), access_log=None, shutdown_timeout=2.0, logger=RequestLog(state))
     await runner.setup()
     try:
         site = GuardedSite(runner, state, host, port)

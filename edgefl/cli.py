@@ -22,6 +22,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgefl.errors import ConfigError
+from edgefl.profiles import add_set_argument, parse_sets
+
 if TYPE_CHECKING:
     from edgefl.agent.config import Profile
     from edgefl.coordinator.profile import HierarchyConfig
@@ -49,14 +52,11 @@ EXIT_TEMPFAIL = 75
 
 
 def _parse_sets(items: Sequence[str]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            print(f"edgefl: --set {item!r}: expected key=value", file=sys.stderr)
-            raise SystemExit(EXIT_USAGE)
-        out[key.strip()] = value
-    return out
+    try:
+        return parse_sets(items)
+    except ConfigError as exc:  # a usage error (exit 2), not an invalid profile
+        print("\n".join(f"edgefl: {problem}" for problem in exc.problems), file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from exc
 
 
 def _setup_logging(level: str, device: str | None = None) -> None:
@@ -67,14 +67,11 @@ def _setup_logging(level: str, device: str | None = None) -> None:
 def _load_or_report(args: argparse.Namespace) -> Profile | None:
     """Load ``args.profile`` with the ``--set`` overrides, or print every problem and return None."""
     from edgefl.agent.config import load_profile
-    from edgefl.errors import ConfigError
 
     try:
         return load_profile(args.profile, _parse_sets(args.set))
     except ConfigError as exc:
-        print(f"edgefl: invalid profile {args.profile}:", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  {problem}", file=sys.stderr)
+        _report(f"invalid profile {args.profile}", exc.problems)
         return None
 
 
@@ -82,14 +79,8 @@ def _preflight(profile: Profile, *, warn_unloaded: bool = True) -> list[str]:
     """What this profile cannot run with here (:func:`edgefl.agent.preflight.preflight`).
 
     Loads the model once (released before returning) and measures this process's RSS with the agent's
-    modules imported, the floor the agent starts from. Without the profile's runtime here (a profile
-    for another kind of gateway) only the checks that are not about this machine run, and
-    ``warn_unloaded`` prints what was left unchecked (``check-config``).
-
-    Raises
-    ------
-    ModelError
-        If the model cannot be loaded.
+    modules imported; without the profile's runtime here only the checks not about this machine run
+    (``warn_unloaded`` prints what was left unchecked). ModelError if the model cannot be loaded.
     """
     import gc
 
@@ -168,14 +159,10 @@ def cmd_coordinator(main: Callable[..., int], args: argparse.Namespace, **parts:
 
 
 def lock_coordinator_state(state: Path) -> object:
-    """Lock a coordinator's state file with the agents' ``flock`` (``<state>.lock`` beside it) for its life.
+    """Lock a coordinator's state file with the agents' ``flock`` (``<state>.lock``) for its life.
 
-    Raises
-    ------
-    edgefl.coordinator.lease.LeaseHeld
-        If another live process holds it (``edgefl coordinator`` exits 6).
-    OSError
-        If the folder or the lock file cannot be created.
+    LeaseHeld if another live process holds it (``edgefl coordinator`` exits 6); OSError if the folder
+    or the lock file cannot be created.
     """
     from edgefl.agent.statelock import StateDirBusy, lock_state_dir
     from edgefl.coordinator.lease import LeaseHeld
@@ -270,9 +257,8 @@ _KNOWN_FAULTS = (OSError, MemoryError, ArithmeticError, ValueError)
 def _stopped_by_fault(exc: BaseException) -> int:
     """Log the fault that stopped the agent and return :data:`EXIT_TEMPFAIL`.
 
-    A known fault (an ``EdgeflError`` or :data:`_KNOWN_FAULTS`, also inside the ``ExceptionGroup`` a
-    ``TaskGroup`` raises) is one line naming its type and message; anything else keeps its traceback,
-    since it is a bug to fix. ``KeyboardInterrupt``/``SystemExit`` are not faults and are re-raised.
+    A known fault (an ``EdgeflError`` or :data:`_KNOWN_FAULTS`, also inside an ``ExceptionGroup``) is
+    one line; anything else keeps its traceback (a bug). ``KeyboardInterrupt``/``SystemExit`` re-raise.
     """
     from edgefl.errors import EdgeflError
 
@@ -291,14 +277,8 @@ def _stopped_by_fault(exc: BaseException) -> int:
 class DashboardPage:
     """The device's status page: ``edgefl.dashboard`` behind the daemon's ``StatusPage`` interface.
 
-    Built here, the composition root, so the device package never imports the dashboard; aiohttp's
-    server (~7.7 MiB of RSS; its client stays unloaded, ``edgefl.dashboard.aiohttp_server``) is
-    imported only when the page starts.
-
-    Parameters
-    ----------
-    profile : Profile
-        ``dashboard.host``, ``dashboard.port``, ``dashboard.token`` and ``device.id`` are used.
+    Built here, so the device package never imports the dashboard; aiohttp's server is imported only
+    when the page starts. ``profile`` gives ``dashboard.host``, ``port``, ``token`` and ``device.id``.
     """
 
     def __init__(self, profile: Profile) -> None:
@@ -365,15 +345,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     """
     import json
 
-    from edgefl.errors import ConfigError
     from edgefl.profiles import read_toml
 
     try:
         _, data = read_toml(args.profile)
     except ConfigError as exc:
-        print(f"edgefl: invalid profile {args.profile}:", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  {problem}", file=sys.stderr)
+        _report(f"invalid profile {args.profile}", exc.problems)
         return EXIT_INVALID
     from edgefl.coordinator.profile import SCHEMA, is_coordinator_profile, load_coordinator_profile
 
@@ -387,17 +364,15 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             if problems:
                 raise ConfigError(problems)
         except ConfigError as exc:
-            print(f"edgefl: invalid coordinator profile {args.profile}:", file=sys.stderr)
-            for problem in exc.problems:
-                print(f"  {problem}", file=sys.stderr)
+            _report(f"invalid coordinator profile {args.profile}", exc.problems)
             return EXIT_INVALID
         from edgefl.coordinator.runner import build_strategy
 
         try:
             tolerance = build_strategy(coordinator).tolerance()
         except ValueError as exc:
-            print(f"edgefl: invalid coordinator profile {args.profile}:", file=sys.stderr)
-            print(f"  [strategy]/[robustness]/[privacy]: {exc}", file=sys.stderr)
+            why = f"[strategy]/[robustness]/[privacy]: {exc}"
+            _report(f"invalid coordinator profile {args.profile}", [why])
             return EXIT_INVALID
         n = coordinator.rounds.count
         name = coordinator.strategy.name
@@ -464,14 +439,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _add_checkout_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``edgefl wheelhouse`` when edgefl runs from a source checkout.
 
-    The wheelhouse builder (``cross_build/``, a build-machine tool) is not in the wheel; in a checkout it
-    stands beside ``edgefl/`` and is loaded from there under its one name, ``cross_build``, without
-    putting the checkout on ``sys.path``.
-
-    Parameters
-    ----------
-    sub : argparse._SubParsersAction
-        The ``add_subparsers()`` result of :func:`build_parser`.
+    The builder (``cross_build/``) is not in the wheel; in a checkout it is loaded from beside
+    ``edgefl/`` under its one name, without putting the checkout on ``sys.path``.
     """
     init = Path(__file__).resolve().parent.parent / "cross_build" / "__init__.py"
     if not init.is_file():
@@ -499,15 +468,10 @@ def _command_word(words: Sequence[str]) -> str | None:
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
-    """The argument parser of the ``edgefl`` command.
+    """The argument parser of the ``edgefl`` command for ``argv`` (None: ``sys.argv[1:]``).
 
-    Parameters
-    ----------
-    argv : sequence of str or None
-        The arguments about to be parsed (None = ``sys.argv[1:]``): the ``coordinator`` sub-command
-        is only registered when they name it (or ask for help); the tools (``profile``,
-        ``memory-report``, ``model``, ``feed``, ``wheelhouse``, ``bridge-config``) unless the command
-        is ``run`` (the agent does not import them).
+    The ``coordinator`` sub-command is registered only when ``argv`` names it (or asks for help), the
+    tools only when the command is not ``run`` (the agent does not import them).
     """
     from edgefl.resources import shipped
 
@@ -529,13 +493,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         "75 a fault stopped the running agent (restarted).",
     )
     r.add_argument("profile", help="TOML profile (see firmware_configs/)")
-    r.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a profile key, e.g. --set device.id=gw-7 (repeatable)",
-    )
+    add_set_argument(r, "device.id=gw-7")
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser(
@@ -546,13 +504,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         "machine lacks); 1: invalid, every problem listed.",
     )
     c.add_argument("profile", help="TOML profile (see firmware_configs/)")
-    c.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a profile key, e.g. --set memory.cap_mb=64 (repeatable)",
-    )
+    add_set_argument(c, "memory.cap_mb=64")
     c.add_argument("--print", action="store_true", help="print the resolved profile (secrets masked)")
     c.set_defaults(func=cmd_check_config)
 
@@ -648,23 +600,9 @@ async def serve_coordinator_page(
 ) -> tuple[Callable[[], Awaitable[None]], int]:
     """Serve the standalone coordinator's fleet page (``edgefl coordinator`` with ``[dashboard]`` on).
 
-    Parameters
-    ----------
-    dashboard : the profile's ``[dashboard]`` (bind address, port, bearer token)
-    title : shown in the page header
-    get_status : the coordinator's status document (:meth:`Coordinator.dashboard_status`)
-    get_rounds : its round records (:meth:`Coordinator.dashboard_rounds`), for ``/api/rounds``
-
-    Returns
-    -------
-    (stop, port) : an async function that stops the server, and the port bound
-
-    Raises
-    ------
-    ConfigError
-        If the bind address is not loopback and no token is set (``dashboard.app.serve``).
-    OSError
-        If the port cannot be bound.
+    ``dashboard`` is the profile's table, ``title`` the page header, ``get_status`` and ``get_rounds``
+    the coordinator's status document and round records. Returns an async stop function and the port
+    bound. ConfigError for a non-loopback address without a token; OSError if the port cannot be bound.
     """
     from edgefl.dashboard.app import DashboardState, serve
 

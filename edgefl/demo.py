@@ -1,9 +1,8 @@
 """``edgefl demo``: a whole federated job on one machine, on real data.
 
-An embedded MQTT broker (amqtt, or an existing one), the coordinator in this process and N agent
-processes running the real daemon, each fed its non-IID shard of the digits live over MQTT
-(``edgefl feed``'s code) before the rounds start. Baselines (factory head, central and local-only
-training) are computed on the same embeddings, as the result's lower and upper bounds.
+An embedded broker (or an existing one), the coordinator in this process and N agent processes, each
+fed its non-IID shard of the digits live over MQTT; baselines (factory head, central and local-only
+training) on the same embeddings bound the result.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """``edgefl feed``: publish a sample file to a device over MQTT, as a gateway's own app would.
 
-Each sample of a replay-format ``.npz`` (``x`` [N, *sample_shape] raw, ``y`` [N]) goes out as a
-Sample at ``--rate``; a seeded ``--label-fraction`` of them gets its label, inline or as a Label
-``--label-delay`` seconds later; the feed waits for the device to be ready first and for a
-prediction of every sample at the end, and reports what the device refused (its status's
-``rejected`` counters). The broker connection is the agent's (``--profile``'s ``[broker]``); a whole
-device profile also has the samples checked against its model first. Usage, exit codes and
-messages: ``docs/operations.md`` (the gateway's apps), ``docs/protocol.md`` ("Live ingest").
+A replay-format ``.npz`` goes out as Samples (and labels, inline or late), with the broker
+connection the agent makes; the feed reports the predictions and what the device refused. Usage,
+exit codes and messages: ``docs/operations.md``; the messages: ``docs/protocol.md`` ("Live ingest").
 """
 
 from __future__ import annotations
@@ -115,16 +111,9 @@ def load_samples(path: Path) -> tuple[np.ndarray, np.ndarray]:
 async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> FeedResult:
     """Publish the samples (and labels) of ``opts.data`` to a device and collect its predictions.
 
-    ``transport``: a started transport to use (by default the feed connects its own).
-
-    Raises
-    ------
-    ValueError
-        The data file is unreadable.
-    TransportError
-        The broker cannot be reached, or refuses a publish.
-    ConfigError
-        TLS files or the password file cannot be read.
+    ``transport``: a started transport to use (by default the feed connects its own). ValueError for an
+    unreadable data file; TransportError if the broker cannot be reached or refuses a publish;
+    ConfigError if TLS files or the password file cannot be read.
     """
     x, y = load_samples(opts.data)
     if opts.limit is not None:

@@ -1,13 +1,7 @@
 """The trainable head: the model's last dense layer, ``logits = E @ W + b``, in float32 numpy.
 
-The backbone is frozen; only this layer is trained on the device, so one embedding per sample is
-computed once and reused for every local epoch (see DESIGN.md, "The job").
-
-Two kinds of head, told apart by K alone (so a head decoded from the network needs no extra field):
-K >= 2 is a softmax classifier (labels ``0..K-1``, softmax cross-entropy, prediction = argmax);
-K = 1 is a logistic (binary) classifier (labels 0/1, binary cross-entropy on the one logit,
-prediction = ``logit > 0``). The model's own activation after its last FULLY_CONNECTED
-(``softmax``, ``logistic`` or ``none``) only matters to reproduce its output: :func:`activate`.
+The backbone is frozen, so each embedding is computed once for every local epoch. K >= 2 is a
+softmax classifier (labels ``0..K-1``, argmax); K = 1 a logistic one (labels 0/1, ``logit > 0``).
 """
 
 from __future__ import annotations
@@ -25,16 +19,10 @@ MAX_HEAD_ABS = 1.0e4
 
 @dataclass(frozen=True, slots=True)
 class Head:
-    """One version of the head; immutable so it can be swapped atomically by rebinding a reference.
+    """One version of the head (immutable: swapped by rebinding a reference).
 
-    Attributes
-    ----------
-    W : float32 [D, K]
-        Weights (D = embedding size, K = number of classes).
-    b : float32 [K]
-        Biases.
-    version : int
-        Global model version this head came from (0 = the factory head shipped with the model).
+    ``W`` float32 [D, K], ``b`` float32 [K]; ``version`` the global model version it came from (0: the
+    factory head shipped with the model).
     """
 
     W: F32
@@ -47,24 +35,12 @@ class Head:
         return (int(self.W.shape[0]), int(self.W.shape[1]))
 
     def logits(self, emb: F32) -> F32:
-        """Logits of a batch of embeddings.
-
-        Parameters
-        ----------
-        emb : float32 [N, D]
-
-        Returns
-        -------
-        float32 [N, K]
-        """
+        """Logits float32 [N, K] of embeddings ``emb`` float32 [N, D]."""
         out: F32 = (emb @ self.W + self.b).astype(np.float32, copy=False)
         return out
 
     def predict(self, emb: F32) -> I64:
-        """Class predictions for embeddings ``emb`` float32 [N, D] → int64 [N].
-
-        argmax of the logits (K >= 2), or ``logit > 0`` i.e. probability > 0.5 (K = 1: class 0 or 1).
-        """
+        """Class predictions int64 [N] of emb float32 [N, D]: argmax (K >= 2), or ``logit > 0`` (K = 1)."""
         z = self.logits(emb)
         if z.shape[1] == 1:
             return (z[:, 0] > 0).astype(np.int64)
@@ -72,18 +48,10 @@ class Head:
         return pred
 
     def scores(self, emb: F32) -> tuple[I64, F32]:
-        """Predictions and the probability of each predicted class.
+        """Predictions int64 [N] of ``emb`` float32 [N, D] and the probability float32 [N] of each.
 
-        Parameters
-        ----------
-        emb : float32 [N, D]
-
-        Returns
-        -------
-        classes : int64 [N]
-        score : float32 [N]
-            softmax probability of the argmax (K >= 2), or ``sigmoid(z)`` / ``1 - sigmoid(z)`` for
-            class 1 / 0 (K = 1).
+        The softmax probability of the argmax (K >= 2), or ``sigmoid(z)`` / ``1 - sigmoid(z)`` for class
+        1 / 0 (K = 1).
         """
         z = self.logits(emb)
         if z.shape[1] == 1:
@@ -102,18 +70,9 @@ def label_range(num_classes: int) -> int:
 
 
 def check_labels(labels: np.ndarray, num_classes: int) -> np.ndarray:
-    """Which labels a head with K = ``num_classes`` outputs can learn.
+    """Where a head with K = ``num_classes`` outputs can learn ``labels`` [N]: bool [N], ``0 <= label < K``.
 
-    Parameters
-    ----------
-    labels : integer array [N]
-    num_classes : int
-        K (1 = logistic head, labels 0/1).
-
-    Returns
-    -------
-    bool [N]
-        True where ``0 <= label < K`` (``< 2`` when K = 1).
+    K = 1 (a logistic head) learns labels 0 and 1.
     """
     upper = label_range(num_classes)
     ok: np.ndarray = (labels >= 0) & (labels < upper)
@@ -121,21 +80,9 @@ def check_labels(labels: np.ndarray, num_classes: int) -> np.ndarray:
 
 
 def activate(logits: F32, activation: str) -> F32:
-    """The model's own activation after its last FULLY_CONNECTED, applied to head logits.
+    """The model's own activation (``"softmax"``, ``"logistic"``, ``"none"``) on head logits float32 [N, K].
 
-    Parameters
-    ----------
-    logits : float32 [N, K]
-    activation : "softmax" | "logistic" | "none"
-
-    Returns
-    -------
-    float32 [N, K]
-
-    Raises
-    ------
-    ValueError
-        For another activation name.
+    ValueError for another activation name.
     """
     if activation == "softmax":
         return softmax(logits.copy())
@@ -155,19 +102,10 @@ def sigmoid(z: F32) -> F32:
 
 
 def validate_head(W: F32, b: F32, shape: tuple[int, int]) -> None:
-    """Check a candidate head before it replaces the current one.
+    """Check a candidate head (W float32 [D, K], b float32 [K]) against the model's ``shape`` (D, K).
 
-    Parameters
-    ----------
-    W : float32 [D, K]
-    b : float32 [K]
-    shape : (D, K) expected by the model.
-
-    Raises
-    ------
-    UpdateRejected
-        ``bad_shape`` if the shapes differ from ``shape``, ``bad_dtype`` if not float32,
-        ``not_finite`` if any value is NaN or infinite, ``bad_value`` if any |value| > ``MAX_HEAD_ABS``.
+    UpdateRejected ``bad_shape``, ``bad_dtype`` (not float32), ``not_finite``, or ``bad_value`` (an
+    |value| over :data:`MAX_HEAD_ABS`).
     """
     if W.shape != shape or b.shape != (shape[1],):
         raise UpdateRejected(
@@ -184,16 +122,7 @@ def validate_head(W: F32, b: F32, shape: tuple[int, int]) -> None:
 
 
 def softmax(logits: F32) -> F32:
-    """Row-wise softmax, numerically stable (max subtracted).
-
-    Parameters
-    ----------
-    logits : float32 [N, K]
-
-    Returns
-    -------
-    float32 [N, K], rows summing to 1.
-    """
+    """Row-wise softmax of ``logits`` float32 [N, K], numerically stable (max subtracted)."""
     z = logits - logits.max(axis=1, keepdims=True)
     np.exp(z, out=z)
     z /= z.sum(axis=1, keepdims=True)
@@ -202,28 +131,11 @@ def softmax(logits: F32) -> F32:
 
 
 def cross_entropy(W: F32, b: F32, emb: F32, labels: I64) -> tuple[float, F32, F32]:
-    """Mean softmax cross-entropy of a batch and its gradient with respect to the head.
+    """Mean softmax cross-entropy (nats) of a batch and its gradient with respect to the head.
 
-    Parameters
-    ----------
-    W : float32 [D, K]
-    b : float32 [K]
-    emb : float32 [N, D]
-        Embeddings (N >= 1 samples).
-    labels : int64 [N]
-        Class indices in ``[0, K)``.
-
-    Returns
-    -------
-    loss : float
-        Mean cross-entropy in nats.
-    grad_W : float32 [D, K]
-    grad_b : float32 [K]
-
-    Raises
-    ------
-    ValueError
-        If ``emb`` is empty or shapes disagree.
+    ``W`` float32 [D, K], ``b`` float32 [K], ``emb`` float32 [N, D] (N >= 1), ``labels`` int64 [N] in
+    ``[0, K)``. Returns the loss, ``grad_W`` float32 [D, K] and ``grad_b`` float32 [K]. ValueError if
+    ``emb`` is empty or shapes disagree.
 
     Source: the softmax-regression gradient ``dL/dz = softmax(z) - onehot(y)`` (Bishop 2006, §4.3.4).
     """
@@ -251,33 +163,12 @@ def cross_entropy_grad_into(
     rows: I64,
     logit_scale: F32 | None = None,
 ) -> None:
-    """The gradient of :func:`cross_entropy` into caller-owned buffers, without the loss.
+    """The gradient of :func:`cross_entropy` into caller-owned buffers, bit for bit, without the loss.
 
-    The same floating-point operations in the same order as :func:`cross_entropy`'s gradient, so
-    the result is bit for bit the same, with no heap allocation but numpy's small reductions: the
-    device's local SGD runs this once a batch (the loss was computed and dropped at every
-    step, and each step allocated its logits, probabilities and gradients anew).
-
-    Parameters
-    ----------
-    W : float32 [D, K]
-    b : float32 [K]
-    emb : float32 [N, D], C-contiguous (N >= 1)
-    labels : int64 [N]
-        Class indices in ``[0, K)``.
-    z : float32 [N, K], C-contiguous
-        Scratch: left holding ``(softmax(emb @ W + b) - onehot(labels)) / N``.
-    grad_W : float32 [D, K], C-contiguous
-        Receives the gradient with respect to ``W``.
-    grad_b : float32 [K]
-        Receives the gradient with respect to ``b``.
-    rows : int64 [N]
-        ``arange(N)`` (kept by the caller to save allocating it every step).
-    logit_scale : float32 [K] or None
-        If given, the loss is that of the scaled logits ``s_k * (emb @ W + b)_k`` and the gradient
-        is the chain rule's (``z`` is left holding ``s * (softmax - onehot) / N``); None = 1 for
-        every class, bit for bit the plain gradient. The personal step scales the classes a
-        device never had a label for by FedRS's alpha (:func:`restricted_logit_scale`).
+    ``z`` float32 [N, K] is scratch (left holding ``(softmax(emb @ W + b) - onehot) / N``), ``grad_W``
+    [D, K] and ``grad_b`` [K] receive the gradient, ``rows`` is ``arange(N)``; no heap allocation but
+    numpy's small reductions. With ``logit_scale`` float32 [K] the loss is that of the scaled logits
+    and the gradient the chain rule's (:func:`restricted_logit_scale`).
 
     Source: as :func:`cross_entropy` (Bishop 2006, §4.3.4).
     """
@@ -310,33 +201,9 @@ def paired_cross_entropy_grad_into(
 ) -> None:
     """:func:`cross_entropy_grad_into` of two softmax heads stacked, each bit for bit its own.
 
-    ``W2 = [W, V]`` stacks two heads of the same shape; the batch's logits of both come from one
-    stacked ``emb @ W2`` and both gradients from one ``emb.T @ z`` (numpy multiplies each head
-    with the same BLAS call as alone, so each half is exactly :func:`cross_entropy_grad_into`'s),
-    and one softmax runs over both. The device trains its global and its personal head over the
-    same batches this way: half the Python calls of two heads, and the global head's arithmetic
-    unchanged by the personal one beside it.
-
-    Parameters
-    ----------
-    W2 : float32 [2, D, K], C-contiguous
-        ``[W, V]``: the first head's weights, then the second's.
-    b2 : float32 [2, 1, K]
-        Their biases.
-    emb : float32 [N, D], C-contiguous (N >= 1)
-    labels : int64 [N]
-        Class indices in ``[0, K)``.
-    z : float32 [2, N, K], C-contiguous
-        Scratch: left holding both heads' ``(softmax - onehot) / N`` (the second's times ``logit_scale``).
-    grad_W : float32 [2, D, K], C-contiguous
-        Receives ``[dW, dV]``.
-    grad_b : float32 [2, 1, K]
-        Receives both heads' bias gradients.
-    rows : int64 [N]
-        ``arange(N)``.
-    logit_scale : float32 [K] or None
-        The second head's logit scale (:func:`restricted_logit_scale`); the first head's loss is
-        always the plain softmax cross-entropy.
+    ``W2`` float32 [2, D, K] is ``[W, V]``, ``b2`` [2, 1, K]; one matmul, softmax and ``emb.T @ z`` serve
+    both (the global and the personal head over the same batches); ``z`` [2, N, K] is scratch, ``grad_W``
+    [2, D, K] and ``grad_b`` [2, 1, K] receive both; ``logit_scale`` applies to the second head only.
 
     Source: as :func:`cross_entropy` (Bishop 2006, §4.3.4), per head.
     """
@@ -358,28 +225,11 @@ def paired_cross_entropy_grad_into(
 
 
 def binary_cross_entropy(W: F32, b: F32, emb: F32, labels: I64) -> tuple[float, F32, F32]:
-    """Mean binary cross-entropy of a logistic head (K = 1) and its gradient.
+    """Mean binary cross-entropy (nats) of a logistic head (K = 1) and its gradient.
 
-    Parameters
-    ----------
-    W : float32 [D, 1]
-    b : float32 [1]
-    emb : float32 [N, D]
-    labels : int64 [N]
-        0 or 1.
-
-    Returns
-    -------
-    loss : float
-        Mean ``-y log p - (1 - y) log(1 - p)`` in nats, ``p = sigmoid(z)``, computed as
-        ``softplus(z) - y z`` (no overflow, no log of 0).
-    grad_W : float32 [D, 1]
-    grad_b : float32 [1]
-
-    Raises
-    ------
-    ValueError
-        If ``emb`` is empty, shapes disagree or K != 1.
+    ``W`` float32 [D, 1], ``b`` [1], ``emb`` [N, D], ``labels`` int64 [N] of 0/1. The loss is computed
+    as ``softplus(z) - y z`` (no overflow, no log of 0); returns it, ``grad_W`` [D, 1], ``grad_b`` [1].
+    ValueError if ``emb`` is empty, shapes disagree or K != 1.
 
     Source: logistic regression, ``dL/dz = sigmoid(z) - y`` (Bishop 2006, §4.3.2).
     """
@@ -397,10 +247,7 @@ def binary_cross_entropy(W: F32, b: F32, emb: F32, labels: I64) -> tuple[float, 
 
 
 def loss_and_grad(W: F32, b: F32, emb: F32, labels: I64) -> tuple[float, F32, F32]:
-    """The head's loss and gradient: :func:`binary_cross_entropy` when K = 1, else :func:`cross_entropy`.
-
-    Parameters and returns as those two functions (``W`` float32 [D, K], ``labels`` int64 [N]).
-    """
+    """The head's loss and gradient: :func:`binary_cross_entropy` when K = 1, else :func:`cross_entropy`."""
     if W.shape[1] == 1:
         return binary_cross_entropy(W, b, emb, labels)
     return cross_entropy(W, b, emb, labels)
@@ -417,27 +264,10 @@ def sgd_step(
     W0: F32 | None = None,
     b0: F32 | None = None,
 ) -> None:
-    """One in-place SGD step on the head, with the optional FedProx proximal term.
+    """One in-place SGD step ``W -= lr * (grad_W + prox_mu * (W - W0))`` on W [D, K] and b [K].
 
-    ``W -= lr * (grad_W + mu * (W - W0))`` (and the same for ``b``).
-
-    Parameters
-    ----------
-    W : float32 [D, K], updated in place.
-    b : float32 [K], updated in place.
-    grad_W : float32 [D, K]
-    grad_b : float32 [K]
-    lr : float
-        Learning rate.
-    prox_mu : float
-        FedProx proximal coefficient mu (0 = plain SGD).
-    W0, b0 : float32 [D, K], [K]
-        The global head the round started from (required when ``prox_mu > 0``).
-
-    Raises
-    ------
-    ValueError
-        If ``prox_mu > 0`` and no ``W0``/``b0`` is given.
+    ``W0``/``b0`` (the round's global head) are required when ``prox_mu > 0`` (FedProx), else
+    ValueError; ``prox_mu`` 0 is plain SGD.
 
     Source: FedProx local objective, Li et al. 2020, "Federated Optimization in Heterogeneous
     Networks", eq. (2).
@@ -453,20 +283,10 @@ def sgd_step(
 
 
 def personal_columns(labels: np.ndarray, num_classes: int) -> np.ndarray:
-    """The head columns a device may personalise: the classes it has had a label for.
+    """The head columns a device may personalise, bool [K]: the classes some label of ``labels`` names.
 
-    Parameters
-    ----------
-    labels : integer array [N]
-        Labels the device has had (values outside the head's range are ignored).
-    num_classes : int
-        K (1 = logistic head, labels 0/1).
-
-    Returns
-    -------
-    bool [K]
-        True for class ``k`` when some label equals ``k``. For a logistic head (K = 1) the one
-        column separates class 0 from class 1, so it is True only when both have been seen.
+    Labels outside the head's range are ignored. For a logistic head (K = 1) the one column separates
+    class 0 from class 1, so it is True only when both have been seen.
     """
     y = np.asarray(labels).astype(np.int64, copy=False)
     y = y[check_labels(y, num_classes)]
@@ -478,33 +298,12 @@ def personal_columns(labels: np.ndarray, num_classes: int) -> np.ndarray:
 
 
 def restricted_logit_scale(columns: np.ndarray, alpha: float) -> F32 | None:
-    """The personal step's logit scale: 1 for the classes a device may personalise, ``alpha`` for the rest.
+    """The personal step's logit scale float32 [K]: 1 for the classes in ``columns``, ``alpha`` for the rest.
 
-    A device that has labels for some classes only sees every one of its samples labelled with
-    one of them; plain softmax training then raises those classes' scores above every other
-    class everywhere (the other classes are never the answer on its data), and the device stops
-    predicting the classes it has no labels for even where the fleet's head recognises them.
-    FedRS's restricted softmax scales the absent classes' logits by ``alpha`` inside the local
-    loss (0: they count as a constant logit 0; 1: plain softmax), so the labelled classes are
-    fitted against each other rather than pushed above the absent ones. Prediction uses the
-    unscaled logits.
-
-    Parameters
-    ----------
-    columns : bool [K]
-        Classes the device may personalise (:func:`personal_columns`).
-    alpha : float
-        Scale of the other classes' logits in the loss, 0..1.
-
-    Returns
-    -------
-    float32 [K] or None
-        None when every class is personal or ``alpha`` is 1 (the plain softmax).
-
-    Raises
-    ------
-    ValueError
-        If ``alpha`` is outside 0..1.
+    Scaling the absent classes' logits in the local loss (0: a constant logit 0; 1: plain softmax)
+    fits the labelled classes against each other instead of pushing them above the classes only the
+    fleet knows; prediction uses the unscaled logits. None when every class is personal or ``alpha``
+    is 1; ValueError for ``alpha`` outside 0..1.
 
     Source: X.-C. Li, D.-C. Zhan, "FedRS: Federated Learning with Restricted Softmax for Label
     Distribution Non-IID Data", KDD 2021, §4 (the scaled logits of missing classes).
@@ -528,37 +327,12 @@ def ditto_step(
     b_global: F32,
     columns: np.ndarray,
 ) -> None:
-    """One in-place class-restricted proximal step on a personal head.
+    """One in-place class-restricted proximal step on a personal head (W float32 [D, K], b [K]).
 
-    For the classes in ``columns``: ``W[:, k] -= lr * (grad_W[:, k] + lam * (W[:, k] - W_global[:, k]))``
-    (and the same for ``b[k]``); every other column is set equal to the global head's. A device
-    with labels for some classes only thus never moves the scores of classes it has no evidence
-    about (their logits stay the global head's, so a later label of such a class is still recognised
-    as well as the fleet recognises it), while the classes it knows are fitted to its own data
-    with a pull ``lam`` toward the global head.
-
-    Parameters
-    ----------
-    W : float32 [D, K]
-        The personal head's weights, updated in place.
-    b : float32 [K]
-        The personal head's biases, updated in place.
-    grad_W : float32 [D, K]
-        Gradient of the local loss with respect to ``W`` (the personal head's).
-    grad_b : float32 [K]
-    lr : float
-        Learning rate (> 0).
-    lam : float
-        Proximal coefficient lambda (>= 0): 0 = local training alone; large = the global head.
-    W_global, b_global : float32 [D, K], [K]
-        The global head the device last applied.
-    columns : bool [K]
-        Classes the device may personalise (:func:`personal_columns`).
-
-    Raises
-    ------
-    ValueError
-        If shapes disagree, ``lr <= 0`` or ``lam < 0``.
+    For the classes in ``columns`` (:func:`personal_columns`): ``W[:, k] -= lr * (grad_W[:, k] + lam *
+    (W[:, k] - W_global[:, k]))`` (and ``b[k]``); the other columns are set to the global head's, so
+    classes without evidence stay as the fleet knows them. ``lr`` > 0, ``lam`` >= 0 (0: local training
+    alone); ValueError if shapes disagree or a coefficient is out of range.
 
     Source: Ditto's personal objective ``min_v F_k(v) + lam/2 ||v - w*||^2`` and its local update,
     T. Li, S. Hu, A. Beirami, V. Smith, "Ditto: Fair and Robust Federated Learning Through
@@ -596,10 +370,8 @@ def ditto_update(
 ) -> None:
     """:func:`ditto_step` without its checks, writing over the gradient (the trainer's inner loop).
 
-    Parameters as :func:`ditto_step`, except: ``grad_W``/``grad_b`` are scratch (overwritten),
-    ``lr``/``lam`` are float32 scalars, and ``tied`` is the bool [K] complement of ``columns`` or
-    None when every column is personal. No heap beyond numpy's scalars: the step's only arrays
-    are the personal head and its gradient.
+    ``grad_W``/``grad_b`` are scratch, ``lr``/``lam`` float32 scalars, ``tied`` the bool [K] complement
+    of ``columns`` (None: every column personal); no heap beyond numpy's scalars.
     """
     # every column stepped (whole-array operations, no gather), then the tied ones overwritten:
     # the same values as stepping the personal columns alone. W - lr (g + lam (W - Wg)) is

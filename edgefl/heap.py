@@ -1,10 +1,8 @@
 """Memory the agent gives back to the kernel: glibc's free heap, and file pages it mapped but does not use.
 
-A small process's RSS is mostly what it mapped while starting: glibc's heap after the imports, and
-the pages of its libraries (LiteRT's alone is ~11 MiB of RSS after a model loads: mapped whole
-folios of code and constants, most of it run once). :func:`malloc_trim` returns the free heap;
-:func:`release_file_pages` unmaps clean read-only file pages, which the kernel maps again from the
-page cache (a minor fault) when the code runs again. glibc's malloc settings are here too.
+:func:`malloc_trim` returns the free heap; :func:`release_file_pages` unmaps clean read-only file
+pages (the kernel maps them again from the page cache when the code runs again); glibc's malloc
+settings are here too.
 
 Source: mallopt(3), malloc_trim(3), madvise(2) (``MADV_DONTNEED`` on a private file mapping:
 later accesses repopulate from the file), proc(5) (``/proc/self/smaps``).
@@ -37,13 +35,7 @@ def _libc() -> Any | None:
 
 
 def malloc_trim() -> bool:
-    """Return free heap memory at the top and in the middle of glibc's arenas to the kernel.
-
-    Returns
-    -------
-    bool
-        glibc's answer (True: some memory was released); False also where the C library is not
-        glibc (musl has no ``malloc_trim``).
+    """Return free heap memory in glibc's arenas to the kernel: glibc's answer (False without glibc).
 
     Source: malloc_trim(3).
     """
@@ -52,25 +44,12 @@ def malloc_trim() -> bool:
 
 
 def apply_hygiene(*, arena_max: int = 2, mmap_threshold_bytes: int | None = None) -> dict[str, bool]:
-    """Set glibc malloc options that keep a small process small.
+    """Set glibc malloc options that keep a small process small; which were applied (all False without glibc).
 
-    ``MALLOC_ARENA_MAX`` only takes effect through the environment at start-up (``edgefl/cli.py``
-    sets it, with one BLAS thread, before numpy loads); ``mallopt(M_ARENA_MAX)`` does the same for
-    arenas not created yet. A fixed ``M_MMAP_THRESHOLD`` stops glibc from raising the threshold
-    after each large free, so large numpy temporaries stay ``mmap``-ed and go back to the kernel
-    when freed instead of staying in the heap.
-
-    Parameters
-    ----------
-    arena_max : int
-        Maximum number of malloc arenas (threads share them beyond this).
-    mmap_threshold_bytes : int, optional
-        Fixed mmap threshold (e.g. 131072); None leaves glibc's dynamic threshold.
-
-    Returns
-    -------
-    dict[str, bool]
-        Which settings were applied (``arena_max``, ``mmap_threshold``); all False without glibc.
+    ``arena_max`` caps malloc arenas for those not created yet (the environment's ``MALLOC_ARENA_MAX``,
+    set by ``edgefl/cli.py`` before numpy loads, covers the rest); a fixed ``mmap_threshold_bytes``
+    keeps large numpy temporaries ``mmap``-ed, so they go back to the kernel when freed (None: glibc's
+    dynamic threshold).
 
     Source: mallopt(3) (M_ARENA_MAX, M_MMAP_THRESHOLD).
     """
@@ -87,21 +66,10 @@ def apply_hygiene(*, arena_max: int = 2, mmap_threshold_bytes: int | None = None
 
 
 def readonly_file_rss(*, smaps: str = "/proc/self/smaps") -> dict[tuple[int, int], int]:
-    """RSS of each clean, read-only, private file mapping of this process, in bytes.
+    """RSS in bytes of each clean, read-only, private file mapping of this process, by (start, end).
 
-    The mappings :func:`release_file_pages` drops: private mappings of a file that are read-only
-    (code ``r-xp``, constants ``r--p``) and hold no private copy of a page (``Anonymous: 0 kB``).
-
-    Parameters
-    ----------
-    smaps : str
-        The process's smaps file (another path only in tests).
-
-    Returns
-    -------
-    dict
-        (start, end) address of each such mapping holding pages -> its ``Rss`` in bytes; empty where
-        smaps cannot be read.
+    The mappings :func:`release_file_pages` drops (code ``r-xp``, constants ``r--p``, ``Anonymous: 0
+    kB``); empty where ``smaps`` cannot be read.
 
     Source: proc(5) (smaps: Rss, Anonymous).
     """
@@ -132,20 +100,9 @@ def readonly_file_rss(*, smaps: str = "/proc/self/smaps") -> dict[tuple[int, int
 def release_file_pages(*, smaps: str = "/proc/self/smaps") -> dict[tuple[int, int], int]:
     """Unmap this process's clean, read-only, private file pages (:func:`readonly_file_rss`'s).
 
-    Each such mapping is dropped with ``madvise(MADV_DONTNEED)``: its pages stay in the page cache,
-    and a later access maps the file's page again (a minor fault), so the contents are unchanged.
-    Writable and shared mappings, anonymous memory and the heap are left alone.
-
-    Parameters
-    ----------
-    smaps : str
-        The process's smaps file (another path only in tests).
-
-    Returns
-    -------
-    dict
-        (start, end) of each mapping dropped -> the ``Rss`` it held, in bytes (empty where smaps or
-        ``madvise`` is unavailable).
+    ``madvise(MADV_DONTNEED)`` each: the pages stay in the page cache and a later access maps them again,
+    so contents are unchanged; writable and shared mappings and anonymous memory are left alone.
+    Returns the ``Rss`` each dropped mapping held, by (start, end) (empty where unavailable).
 
     Source: madvise(2) (MADV_DONTNEED on a private file mapping: later accesses repopulate from the
     file).

@@ -1,9 +1,4 @@
-"""The latest ids seen (samples, updates), in fixed arrays: a duplicate check whose memory never grows.
-
-A long-running process that remembers the last N ids in a dict or set grows with every id until N,
-then churns the allocator; hashed into a preallocated ring, the same check costs 8 bytes an id from
-the first one on.
-"""
+"""The latest ids seen (samples, updates), in fixed arrays: a duplicate check whose memory never grows."""
 
 from __future__ import annotations
 
@@ -13,25 +8,11 @@ __all__ = ["IdTable"]
 
 
 class IdTable:
-    """The latest ``capacity`` ids, optionally each with a small value and a time, in fixed arrays.
+    """The latest ``capacity`` (>= 1, else ValueError) ids in a fixed ring, optionally with a value and time.
 
-    A ring: storing an id overwrites the oldest entry once full. An id is kept as its 64-bit hash
-    (Python's ``hash`` of the string: SipHash, keyed per process), so an entry costs 8 bytes (18 with
-    a value and a time) and nothing is allocated per id: the table's memory is fixed from the start.
-    Two different ids are mistaken for one another with a probability of about ``capacity / 2**64``
-    per lookup.
-
-    Parameters
-    ----------
-    capacity : int
-        Entries kept (>= 1).
-    values : bool
-        Keep an int16 value and a float64 time per entry (:meth:`get`); False: membership only.
-
-    Raises
-    ------
-    ValueError
-        If ``capacity`` < 1.
+    An id is kept as its 64-bit ``hash`` (SipHash, keyed per process): 8 bytes an entry (18 with
+    ``values``: an int16 value and a float64 time, :meth:`get`), nothing allocated per id; two ids are
+    mistaken for one another with a probability of about ``capacity / 2**64`` a lookup.
     """
 
     def __init__(self, capacity: int, *, values: bool = True) -> None:

@@ -1,12 +1,10 @@
 """Read a ``.tflite`` flatbuffer without TensorFlow, and add model outputs to it in place.
 
-A minimal reader of the TFLite schema (the tables and fields edgefl needs) and one writer,
-:func:`set_outputs`, which leaves every other byte of the model where it was. Pure Python: it runs on
-the armv7 path where only tflite-runtime exists (no ``flatbuffers`` package, no schema module).
+A minimal reader of the TFLite schema and one writer, :func:`set_outputs`, which leaves every other
+byte where it was. Pure Python: it runs where only tflite-runtime exists (armv7l).
 
-Source: FlatBuffers binary format (flatbuffers.dev, "Internals": little-endian, uoffset_t forward
-offsets, vtables of voffset_t); TFLite schema ``tensorflow/compiler/mlir/lite/schema/schema.fbs``
-(table field order gives the vtable slots used below).
+Source: FlatBuffers binary format (flatbuffers.dev, "Internals"); TFLite schema
+``tensorflow/compiler/mlir/lite/schema/schema.fbs`` (its field order gives the vtable slots).
 """
 
 from __future__ import annotations

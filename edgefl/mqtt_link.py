@@ -1,16 +1,10 @@
 """The MQTT transport's link layer: the broker socket driven by the event loop, into a bounded queue.
 
-The event loop drives paho (its "external event loop" API) and the socket under it
-(:mod:`edgefl.mqtt_socket`): no thread hop on receive or publish. paho's callbacks only schedule
-handlers; an exception in paho's network code or a socket callback is counted
-(``thread_errors_total``), logged and ends the connection.
-
-A QoS 1 message is acknowledged only once it is in the bounded queue (or, with ``ack_on_commit``,
-once the consumer committed it); a full queue leaves it waiting unacknowledged in a hold line the
-broker's flow control bounds (MQTT 5 Receive Maximum = the queue's size), and a broker that ignores
-that bound finds the socket no longer read. So a burst is never acknowledged and then lost; only QoS
-0 messages are dropped when the queue is full, and counted. The connection's lifecycle is
-:class:`edgefl.transport.MqttTransport`'s.
+paho's callbacks only schedule handlers on the loop; a fault in paho's network code ends the
+connection, counted and logged. A QoS 1 message is acknowledged only once it is in the bounded queue
+(or committed, ``ack_on_commit``); a full queue holds it unacknowledged, bounded by the broker's flow
+control (Receive Maximum = the queue's size), and then stops reading the socket: a burst is never
+acknowledged and lost. Only QoS 0 messages are dropped when the queue is full, and counted.
 
 Source: MQTT 5.0 (OASIS 2019) §3.1.2.11.3, §4.9; MQTT 3.1.1 (OASIS 2014); paho-mqtt 2.x client API.
 """

@@ -1,10 +1,8 @@
 """The MQTT client's socket: bounded bulk reads cut into whole packets, PUBLISH parsed, writes gathered.
 
-:class:`PacketFilter` replaces a PUBLISH over the incoming packet limit before a byte of its body is
-kept; :class:`BoundedClient` (paho's client) reads up to :data:`READ_BYTES` at once, parses each
-PUBLISH of QoS 0 or 1 itself and hands paho every other packet, and sends what paho writes in one
-system call per turn of the event loop. :func:`quickack` and :func:`set_nodelay` are the TCP options
-of that socket. The event loop drives it (:class:`edgefl.mqtt_link.Link`).
+:class:`PacketFilter` drops an oversized PUBLISH before its body is kept; :class:`BoundedClient`
+(paho's client) parses PUBLISH itself and sends paho's writes in one system call a turn of the
+event loop, which drives it (:class:`edgefl.mqtt_link.Link`).
 
 Source: MQTT 5.0 (OASIS 2019) §2.1, §3.3; MQTT 3.1.1 (OASIS 2014); tcp(7); paho-mqtt 2.x client API.
 """

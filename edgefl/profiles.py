@@ -304,6 +304,11 @@ class Problems:
         self.items.append(f"{key} = {shown}: {reason}")
         self.bad.add(key)
 
+    def between(self, key: str, value: float, lo: float, hi: float, unit: str = "") -> None:
+        """Record ``key = value: must be between lo and hi`` (then ``unit``) unless ``lo <= value <= hi``."""
+        if not lo <= value <= hi:
+            self.add(key, value, f"must be between {lo} and {hi}{unit}")
+
     def note(self, message: str) -> None:
         """Record a problem that names no single key (an unknown table)."""
         self.items.append(message)
@@ -371,16 +376,9 @@ def check_broker(p: Problems, c: BrokerConfig, raw: Mapping[str, object], check_
         p.add("broker.url", c.url, str(exc))
     check(p, "broker.topic_prefix", c.topic_prefix, check_topic_prefix)
     check(p, "broker.qos", c.qos, check_qos)
-    if not 1 <= c.keepalive_s <= 65_535:
-        p.add("broker.keepalive_s", c.keepalive_s, "must be between 1 and 65535")
-    if not 1 <= c.max_packet_bytes <= MQTT_MAX_PACKET_BYTES:
-        p.add("broker.max_packet_bytes", c.max_packet_bytes, f"must be between 1 and {MQTT_MAX_PACKET_BYTES}")
-    if not 1 <= c.max_incoming_packet_bytes <= MQTT_MAX_PACKET_BYTES:
-        p.add(
-            "broker.max_incoming_packet_bytes",
-            c.max_incoming_packet_bytes,
-            f"must be between 1 and {MQTT_MAX_PACKET_BYTES}",
-        )
+    p.between("broker.keepalive_s", c.keepalive_s, 1, 65_535)
+    p.between("broker.max_packet_bytes", c.max_packet_bytes, 1, MQTT_MAX_PACKET_BYTES)
+    p.between("broker.max_incoming_packet_bytes", c.max_incoming_packet_bytes, 1, MQTT_MAX_PACKET_BYTES)
     if isinstance(c.auth_retries, bool) or not isinstance(c.auth_retries, int) or c.auth_retries < 1:
         p.add("broker.auth_retries", c.auth_retries, "must be an integer >= 1")
     if c.username is not None and not c.username:
@@ -429,8 +427,7 @@ def check_dashboard(p: Problems, c: DashboardConfig, raw: Mapping[str, object], 
     """Check ``[dashboard]``: host, port, token (required off loopback), timeouts, connection caps."""
     if not c.host:
         p.add("dashboard.host", c.host, "must not be empty (use 0.0.0.0 to listen on all interfaces)")
-    if not 0 <= c.port <= 65_535:
-        p.add("dashboard.port", c.port, "must be between 0 and 65535")
+    p.between("dashboard.port", c.port, 0, 65_535)
     if c.token is not None and (len(c.token) < MIN_TOKEN_CHARS or any(ch.isspace() for ch in c.token)):
         p.add("dashboard.token", c.token, f"must be at least {MIN_TOKEN_CHARS} characters without whitespace")
     # Checked even when the dashboard is disabled: the rule is simpler to state and to audit.
@@ -442,10 +439,8 @@ def check_dashboard(p: Problems, c: DashboardConfig, raw: Mapping[str, object], 
             involves=("dashboard.token",),
         )
     for name in ("header_timeout_s", "body_timeout_s"):
-        if not 0.1 <= getattr(c, name) <= 300:
-            p.add(f"dashboard.{name}", getattr(c, name), "must be between 0.1 and 300 seconds")
-    if not 1 <= c.max_connections <= 10_000:
-        p.add("dashboard.max_connections", c.max_connections, "must be between 1 and 10000")
+        p.between(f"dashboard.{name}", getattr(c, name), 0.1, 300, " seconds")
+    p.between("dashboard.max_connections", c.max_connections, 1, 10_000)
     if not 1 <= c.max_connections_per_client <= c.max_connections:
         p.add(
             "dashboard.max_connections_per_client",

@@ -1,10 +1,8 @@
 """Files the product reads back: the atomic writer and checksummed records with a fallback generation.
 
 :func:`atomic_write` leaves the old or the new content after a power cut, never a mix; a *record*
-also carries a SHA-256 checksum and keeps the previous good generation as ``<name>.prev``, so a torn
-or rotten newest file is ignored in favour of the last good one, with one log line.
-
-Record layout (all integers little-endian)::
+also carries a SHA-256 checksum and keeps the previous good generation as ``<name>.prev``, read
+when the newest is torn or rotten. Record layout (integers little-endian; zero bytes may follow)::
 
     offset  size  field
     0       4     magic b"EFLR"
@@ -15,10 +13,8 @@ Record layout (all integers little-endian)::
     24      32    SHA-256 of bytes 0..23 followed by the payload
     56      n     payload
 
-Zero bytes may follow a record: a :class:`RecordSlot` rewrites its files in place in 4 KiB blocks.
-
-Source: POSIX ``rename(2)`` atomicity and ``fsync(2)`` of the containing directory (see also
-"Files are hard", Pillai et al., OSDI 2014, "All File Systems Are Not Created Equal").
+Source: POSIX ``rename(2)`` atomicity and ``fsync(2)`` of the containing directory (Pillai et al.,
+"All File Systems Are Not Created Equal", OSDI 2014).
 """
 
 from __future__ import annotations
@@ -67,12 +63,10 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` (its directory existing) with ``data`` atomically and durably; one writer a path.
+    """Replace ``path`` with ``data`` atomically and durably (``.tmp``, fsync, rename, fsync of the folder).
 
-    Writes ``<path>.tmp``, fsyncs it, renames it over ``path`` and fsyncs the directory. OSError if the
-    file system refuses (the temporary file is removed).
-
-    Source: POSIX rename(2) (atomic replacement) and fsync(2).
+    One writer a path; OSError if the file system refuses (the temporary file is removed). Source: POSIX
+    rename(2) (atomic replacement) and fsync(2).
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -194,20 +188,16 @@ def write_record(path: Path, payload: bytes) -> int:
 
 
 def read_record(path: Path) -> bytes | None:
-    """The payload of the newer good record of ``path`` and ``<path>.prev``, or None.
+    """The payload of the newer good record of ``path`` and ``<path>.prev``, or None (nothing, or both bad).
 
-    A bad or missing ``path`` read from ``.prev`` is a warning naming the file and the reason; None
-    when nothing is stored yet, or both are bad (an error).
+    Reading ``.prev`` because ``path`` is bad or missing is a warning naming the file and the reason.
     """
     found = _newest(Path(path))
     return None if found is None else found[2]
 
 
 def _newest(path: Path) -> tuple[int, int, bytes] | None:
-    """Slot, generation and payload of the newest good record of ``path`` and its ``.prev``.
-
-    Slot 0 is ``path``, 1 is ``.prev``; logs as :func:`read_record` says; None if neither is good.
-    """
+    """Slot (0: ``path``, 1: ``.prev``), generation and payload of the newest good record, or None; logs."""
     prev = prev_path(path)
     problem = "missing"
     newest = None
@@ -255,14 +245,13 @@ def _newest(path: Path) -> tuple[int, int, bytes] | None:
 class RecordSlot:
     """A record rewritten in place, in turn in ``path`` and ``<path>.prev``: one ``fdatasync`` a write.
 
-    Each write overwrites the file holding the *older* generation, zero-padded to whole 4 KiB
-    blocks, and ``fdatasync``-s it: no metadata is journalled, and a power cut mid-write leaves the
-    newest good generation readable. The first write of each file in a process (and the one after a
-    failure) replaces it with :func:`atomic_write`. Same files and reader as :func:`write_record`.
+    Each write overwrites the older generation's file (zero-padded to 4 KiB blocks): no metadata is
+    journalled, and a power cut mid-write leaves the newest good one readable. A file's first write in a
+    process (and the one after a failure) is an :func:`atomic_write`. Reader: :func:`read_record`.
 
     Source: double-buffered (ping-pong) metadata pages with a checksum and a generation, as in
     LMDB's two meta pages (H. Chu, "MDB: A Memory-Mapped Database and Backend for OpenLDAP", 2011);
-    ``fdatasync(2)`` (POSIX.1-2008): data and only the metadata needed to read it back.
+    ``fdatasync(2)`` (POSIX.1-2008).
     """
 
     BLOCK_BYTES: Final = 4096
@@ -284,10 +273,9 @@ class RecordSlot:
         return found[2]
 
     def write(self, payload: bytes) -> int:
-        """Make ``payload`` the newest record, durably, without touching the newest good one.
+        """Make ``payload`` the newest record durably, the newest good one untouched; the generation written.
 
-        Returns the generation written. OSError if the file system refuses: the newest good record
-        is unchanged, and the next write replaces the slot this one may have torn.
+        OSError if the file system refuses (the next write replaces the slot this one may have torn).
         """
         target = 0 if self._good is None else 1 - self._good
         generation = self._generation + 1

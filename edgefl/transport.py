@@ -1,10 +1,8 @@
 """The MQTT client: connection lifecycle, subscriptions and publishes, async with timeouts (paho-mqtt 2.x).
 
-:class:`MqttTransport` runs one paho client per connection on :class:`edgefl.mqtt_link.Link` (the
-socket driven by the event loop); only the blocking connect runs in a thread. QoS 1 publishes and
-subscribes wait for their acknowledgement by ``mid`` and fail with TransportError when the connection
-is lost; ``connected`` is set once the renewed subscriptions are acknowledged. Reconnects back off
-with full jitter; a broker that refuses MQTT 5 is spoken to in 3.1.1.
+One paho client per connection on :class:`edgefl.mqtt_link.Link`; only the blocking connect runs in
+a thread. QoS 1 publishes and subscribes wait for their acknowledgement and fail with TransportError
+when the connection is lost; reconnects back off with full jitter; MQTT 5 falls back to 3.1.1.
 
 Source: MQTT 5.0 (OASIS 2019) and MQTT 3.1.1 (OASIS 2014); paho-mqtt 2.x client API.
 """

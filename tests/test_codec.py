@@ -634,7 +634,8 @@ def test_huge_length_prefixes_fail_fast_without_allocating() -> None:
 
 
 def test_depth_bomb() -> None:
-    assert reason_of(lambda: decode_status(b"\x81" * 1_000_000 + b"\x00")) == "too_deep"
+    assert reason_of(lambda: decode_status(b"\x81" * 1_000_000 + b"\x00")) == "too_large"  # > 16 KiB
+    assert reason_of(lambda: decode_status(b"\x81" * 900 + b"\x00")) == "too_deep"
     assert reason_of(lambda: decode_status(b"\xa1\x61a" * 100 + b"\x00")) == "too_deep"
 
 

@@ -485,7 +485,8 @@ def test_personal_agent_never_changes_the_update_bytes(
     off, st_off = asyncio.run(main(runs["off"], "global"))
     assert len(on) == 2 and on == off
     assert st_on["personal_fallback"] is False and st_off["personal_fallback"] is False
-    assert (tmp_path / "on" / "p-3" / PERSONAL_FILE).exists()
+    # the personal head is written behind the round, once the agent idles
+    asyncio.run(wait_until((tmp_path / "on" / "p-3" / PERSONAL_FILE).exists, 30, "the personal head written"))
     assert not (tmp_path / "off" / "p-3" / PERSONAL_FILE).exists()
     assert all(p.poll() is None for p in agents), "the agent died"
 

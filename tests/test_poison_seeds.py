@@ -14,7 +14,7 @@ import pytest
 from bench.poison import ATTACKS, main, poison_task, run_poisoned, shipped_profile
 from edgefl.coordinator.strategies import DEFAULT_STRATEGY
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.bench]  # make test runs them, make check does not
 SEEDS = range(6)
 
 

@@ -1,12 +1,11 @@
 """Chunking: messages larger than the broker's packet limit travel as chunk messages, reassembled boundedly.
 
-Owns the MQTT PUBLISH size arithmetic, the chunk message, :func:`split_message` (every chunk's whole
-packet fits the limit: brokers drop a connection over an oversized PUBLISH) and :class:`Reassembler`
-(bounded sets, expiry, all or nothing by SHA-256). Chunks carry no signature; the reassembled message
-does. Fields and bounds: ``docs/protocol.md`` ("Chunks").
+Every chunk's whole PUBLISH fits the limit (brokers drop a connection over an oversized one); the
+:class:`Reassembler` holds bounded sets, expires them and verifies SHA-256, all or nothing. Chunks
+carry no signature; the reassembled message does. ``docs/protocol.md`` ("Chunks").
 
-Source: MQTT 5.0 (OASIS 2019) §2.1.4 (Remaining Length, variable byte integer), §3.3 (PUBLISH),
-§3.1.2.11.4 and §3.2.2.3.6 (Maximum Packet Size); MQTT 3.1.1 §2.2.3, §3.3.
+Source: MQTT 5.0 (OASIS 2019) §2.1.4 (Remaining Length), §3.3 (PUBLISH), §3.1.2.11.4 and
+§3.2.2.3.6 (Maximum Packet Size); MQTT 3.1.1 §2.2.3, §3.3.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ Source: RFC 8949 (CBOR).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
@@ -21,6 +22,27 @@ from edgefl.wire import cbor
 from edgefl.wire.reasons import Reason
 
 _STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
+
+STATUS_MAX_BYTES: Final = 16 * 1024
+"""Most bytes of a status payload (an agent's: ~1.3 KiB, 60 fields; a receiver keeps one a device)."""
+STATUS_MAX_ITEMS: Final = 1024
+"""Most CBOR data items in a status (an agent's: ~170; its ``rejected`` map grows by 2 a reason)."""
+
+
+def status_limits(limits: cbor.Limits) -> cbor.Limits:
+    """``limits`` tightened to a status's own bounds (:data:`STATUS_MAX_BYTES`, :data:`STATUS_MAX_ITEMS`).
+
+    A status is kept, one per device, by whoever reads it (the coordinator's registry holds up to
+    ``fleet.max_devices``): a status as large as an update may be (megabytes, 16,384 items, ~0.5 MiB
+    of Python objects for 45 KiB of small integers) would let a fleet of statuses, or of ghost ids,
+    grow the coordinator's memory by gigabytes.
+    """
+    return dataclasses.replace(
+        limits,
+        max_message_bytes=min(limits.max_message_bytes, STATUS_MAX_BYTES),
+        max_items=min(limits.max_items, STATUS_MAX_ITEMS),
+        max_array_elements=min(limits.max_array_elements, STATUS_MAX_ITEMS),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +102,10 @@ def decode_status(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS) 
     ------
     DecodeError
         The reasons of ``docs/protocol.md`` ("Refusals"); ``wrong_type`` for byte strings or
-        tags inside ``fields``, ``not_finite`` for NaN/infinity.
+        tags inside ``fields``, ``not_finite`` for NaN/infinity; ``too_large`` for a payload over
+        :data:`STATUS_MAX_BYTES` bytes or :data:`STATUS_MAX_ITEMS` items (whatever ``limits`` allows).
     """
+    limits = status_limits(limits)
     obj = cbor.load_message(payload, limits, cbor.MessageType.STATUS, ("device", "state"), ("fields",))
     return DeviceStatus(
         device=cbor.read_device_id(obj["device"], "device"),
