@@ -145,9 +145,12 @@ def test_coordinator_exits_5_naming_the_reason_when_a_round_aggregates_nothing(
         f"model.path={MODELS / 'digits_cnn_float32.tflite'}",
         "rounds.count=1",
         "rounds.expected_clients=2",
+        "rounds.wait_devices_s=5",
         "rounds.deadline_s=8",
     )
     assert done.returncode == 5, done.stdout + done.stderr
+    # devices on another backbone are never ready: the wait for them ends at its bound
+    assert "only 0 of 2 devices ready after 5.0 s; starting the rounds anyway" in done.stdout
     assert "aggregated nothing" in done.stderr.strip().splitlines()[-1]
     assert "wrong_model" in done.stderr.strip().splitlines()[-1]
     # model identity: each device's status carries its backbone's sha256; both are named once
