@@ -1,13 +1,16 @@
 # edgefl: the set-up commands of the README.
 #   make demo   creates .venv, installs edgefl, runs a federated job on real data, prints the result
 #   make check  the fast tier, every minute: the tests that start no broker and no process (< 1 min)
-#   make test   what CI runs: ruff, mypy (strict) and every test, on $(WORKERS) parallel workers
+#   make test   what CI runs: ruff, mypy (strict) and every test, on $(TEST_WORKERS) parallel workers
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 DEMO_ARGS ?= --json out/demo.json
 WORKERS ?= 2
+# the full suite mostly waits on brokers and child processes (2 workers kept 2 cores ~60 % busy): a third
+# worker fills that idle time (make test 364 -> 285 s here)
+TEST_WORKERS ?= 3
 
 .PHONY: demo check test tools lint typecheck pytest clean
 
@@ -46,7 +49,7 @@ tools:
 	  { echo "make test: openssl is missing: sudo apt-get install openssl (or run .ci/run)" >&2; exit 1; }
 
 pytest: $(VENV)/.test-installed tools
-	$(BIN)/pytest -q -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 check: $(VENV)/.test-installed
 	EDGEFL_FAST_TIER=1 $(BIN)/pytest -q -n $(WORKERS) -m "not broker and not subprocess and not bench"

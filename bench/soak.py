@@ -544,17 +544,30 @@ class Soak:
             await self.try_second_coordinator(same_state=kind == "second-coordinator")
 
     def stop_all(self) -> None:
-        """SIGTERM every agent and the coordinator; SIGKILL what is still there after 15 s."""
-        procs = [p for p in self.agents.values()] + ([self.coordinator] if self.coordinator else [])
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        """SIGTERM every agent; once the coordinator has closed the rounds their acknowledged updates are
+        for (20 s at most: updates still in the broker's queue at the end are neither lost nor counted
+        yet), SIGTERM it; SIGKILL what is still there after 15 s."""
+        _stop(list(self.agents.values()))
+        if self.coordinator is None or self.coordinator.poll() is not None:
+            return
+        give_up = time.monotonic() + 20.0
+        while time.monotonic() < give_up and self._acknowledged_round() > self._closed_round():
+            time.sleep(0.2)
+        _stop([self.coordinator])
+
+    def _acknowledged_round(self) -> int:
+        """The latest round any device logged an acknowledged update for (0: none)."""
+        rounds = [
+            int(r)
+            for dev in self.devices
+            for r in re.findall(r"round (\d+): sent update", _read(self.workdir / f"{dev}.log"))
+        ]
+        return max(rounds, default=0)
+
+    def _closed_round(self) -> int:
+        """The latest round in the coordinator's round log (0: none)."""
+        lines = [json.loads(s) for s in _lines(self.workdir / "coordinator" / "rounds.jsonl")]
+        return max((int(line.get("round", 0)) for line in lines), default=0)
 
     # --- figures ----------------------------------------------------------------------------------
     def figures(self) -> dict[str, Any]:
@@ -673,6 +686,19 @@ def _lines(path: Path) -> list[str]:
 
 def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM ``procs``, then SIGKILL each one still running after 15 s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _dev_round(update_id: str) -> tuple[str, int]:
