@@ -381,9 +381,9 @@ def _check_training(p: Problems, c: TrainingConfig, raw: Mapping[str, object], c
         p.add("training.holdout_every", c.holdout_every, "must be 0 (no holdout) or >= 2")
     if not c.flush_interval_s > 0.0 or c.flush_interval_s == float("inf"):
         p.add("training.flush_interval_s", c.flush_interval_s, "must be a finite number of seconds > 0")
-    if isinstance(c.flush_every, bool) or not isinstance(c.flush_every, int) or c.flush_every < 1:
+    if c.flush_every < 1:  # the parser made every int field an int
         p.add("training.flush_every", c.flush_every, "must be an integer >= 1")
-    if isinstance(c.min_examples, bool) or not isinstance(c.min_examples, int) or c.min_examples < 1:
+    if c.min_examples < 1:
         p.add("training.min_examples", c.min_examples, "must be an integer >= 1")
     elif c.min_examples > c.store_capacity:
         p.add(
@@ -412,10 +412,8 @@ def _npz_problem(path: Path) -> str | None:
 def _check_source(p: Problems, c: SourceConfig, raw: Mapping[str, object], check_files: bool) -> None:
     if c.rate_hz < 0.0:
         p.add("source.rate_hz", c.rate_hz, "must be >= 0")
-    if not 1 <= c.queue_max <= 65_536:
-        p.add("source.queue_max", c.queue_max, "must be between 1 and 65536 samples")
-    if not 0 <= c.pending_max <= 1_000_000:
-        p.add("source.pending_max", c.pending_max, "must be between 0 and 1000000 samples")
+    p.between("source.queue_max", c.queue_max, 1, 65_536, " samples")
+    p.between("source.pending_max", c.pending_max, 0, 1_000_000, " samples")
     if not 0.0 < c.label_expiry_s <= 86_400.0:
         p.add("source.label_expiry_s", c.label_expiry_s, "must be > 0 and at most 86400 seconds")
     for key, qos in (("samples_qos", c.samples_qos), ("predictions_qos", c.predictions_qos)):
@@ -472,16 +470,14 @@ def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], c
 
 
 def _check_status(p: Problems, c: StatusConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    if not 0.05 <= c.interval_s <= 3600:
-        p.add("status.interval_s", c.interval_s, "must be between 0.05 and 3600 seconds")
+    p.between("status.interval_s", c.interval_s, 0.05, 3600, " seconds")
     if c.heartbeat_s is not None and not c.interval_s <= c.heartbeat_s <= 86_400:
         p.add("status.heartbeat_s", c.heartbeat_s, "must be between status.interval_s and 86400 seconds")
 
 
 def _check_personal(p: Problems, c: PersonalConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    if not 0.0 <= c.prox_lambda <= 1000.0:
-        p.add("personal.prox_lambda", c.prox_lambda, "must be between 0 and 1000")
-    if isinstance(c.epochs, bool) or not isinstance(c.epochs, int) or not 0 <= c.epochs <= 100:
+    p.between("personal.prox_lambda", c.prox_lambda, 0, 1000)
+    if not 0 <= c.epochs <= 100:
         p.add("personal.epochs", c.epochs, "must be an integer between 0 and 100 (0: the round's)")
     if not 0.0 < c.lr_scale <= 10.0:
         p.add("personal.lr_scale", c.lr_scale, "must be > 0 and <= 10 (a multiple of the round's lr)")
