@@ -54,13 +54,10 @@ class RoundTask(SampleSource):
         """The round task: every round is answered here, in the order its messages and asks came.
 
         Each pass: re-send the outbox if a (re)connect asked, answer the waiting round if samples
-        arrived for it, retry the deferred round once ``status.interval_s`` has passed, then handle
-        one round or global message (:meth:`handle`). With nothing in hand the last trained round's
-        personal step runs, then the status may be checked (``_status_go``), and once no message
-        came for :data:`IDLE_GRACE_S` the writes the core left behind are made
-        (``DeviceCore.persist_behind``: the heads, the outbox after a PUBACK; at once when the oldest
-        waited ``training.flush_interval_s``) and, after a trained round, freed heap goes back to
-        the kernel (``malloc_trim``).
+        arrived, retry the deferred round after ``status.interval_s``, then handle one message
+        (:meth:`handle`). With nothing in hand: the personal step, the status check, and after
+        :data:`IDLE_GRACE_S` the writes left behind (``DeviceCore.persist_behind``) and
+        ``malloc_trim``.
         """
         while True:
             if self._control.empty() and not self._round_asks and not self._retry_due():

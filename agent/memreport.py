@@ -388,18 +388,7 @@ def format_report(rep: RoundReport) -> str:
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add the ``memory-report`` sub-command to an ``argparse`` sub-parsers object.
-
-    Parameters
-    ----------
-    sub : argparse._SubParsersAction
-        From ``ArgumentParser.add_subparsers``.
-
-    Returns
-    -------
-    argparse.ArgumentParser
-        The sub-command's parser (``func`` set to :func:`main`).
-    """
+    """Add the ``memory-report`` sub-command to ``sub`` (``add_subparsers``); its ``func`` is :func:`main`."""
     p: argparse.ArgumentParser = sub.add_parser(
         "memory-report", help="run one round in-process and print the peak memory of every phase"
     )
