@@ -505,28 +505,13 @@ SCHEMA: Final = profiles.Schema(_TABLES, _PLACEHOLDERS)
 """The device profile's tables, checks and parser."""
 
 
-def _parse(
-    data: Mapping[str, object],
-    base_dir: Path,
-    path: Path | None,
-    check_files: bool,
-    overrides: Mapping[str, object],
-) -> Profile:
-    built = SCHEMA.parse(data, base_dir, check_files, overrides)
-    device_table = data.get("device")
-    given = isinstance(device_table, Mapping) and "state_dir" in device_table
-    if not given and "device.state_dir" not in overrides:
-        device: DeviceConfig = built["device"]
-        built["device"] = replace(device, state_dir=device.state_dir / device.id)
-    return Profile(path=path if path is not None else Path("<inline>"), **built)
-
-
 def parse_profile(
     data: Mapping[str, object],
     base_dir: Path,
     *,
     path: Path | None = None,
     check_files: bool = True,
+    overrides: Mapping[str, object] | None = None,
 ) -> Profile:
     """Build and validate a profile from an already-parsed TOML mapping.
 
@@ -541,6 +526,8 @@ def parse_profile(
     check_files : bool
         Check that ``model.path``, the TLS files and a replay ``source.path`` exist (and that
         ``model.sha256`` matches); False for profiles written for another machine.
+    overrides : Mapping[str, object] or None
+        As :func:`load_profile`'s.
 
     Returns
     -------
@@ -552,7 +539,14 @@ def parse_profile(
     ConfigError
         With every problem found, e.g. ``["memory.cap_mb = 0: must be > 0", "[bogus]: unknown table"]``.
     """
-    return _parse(data, base_dir, path, check_files, {})
+    overrides = overrides or {}
+    built = SCHEMA.parse(data, base_dir, check_files, overrides)
+    device_table = data.get("device")
+    given = isinstance(device_table, Mapping) and "state_dir" in device_table
+    if not given and "device.state_dir" not in overrides:
+        device: DeviceConfig = built["device"]
+        built["device"] = replace(device, state_dir=device.state_dir / device.id)
+    return Profile(path=path if path is not None else Path("<inline>"), **built)
 
 
 def load_profile(
@@ -587,7 +581,7 @@ def load_profile(
     Source: TOML 1.0.0 (https://toml.io/en/v1.0.0), read with ``tomllib``.
     """
     file, data = profiles.read_toml(path)
-    profile = _parse(data, file.parent, file, check_files, overrides or {})
+    profile = parse_profile(data, file.parent, path=file, check_files=check_files, overrides=overrides)
     logger.debug("loaded profile %s for device %s", file, profile.device.id)
     return profile
 
