@@ -112,11 +112,12 @@ def rss_bytes(pid: int | str = "self", *, proc: Path = PROC) -> int:
     return int(fields[1]) * PAGE_BYTES
 
 
-def _status_kb(pid: int | str, key: str, proc: Path = PROC) -> int:
-    text = "\n" + _read_proc(proc, pid, "status")  # a key on the first line is found too
+def _kb_field(proc: Path, pid: int | str | None, filename: str, key: str) -> int:
+    """Bytes of the ``key:   N kB`` line of ``<proc>/[<pid>/]<filename>``; OSError if there is none."""
+    text = "\n" + _read_proc(proc, pid, filename)  # a key on the first line is found too
     at = text.find(f"\n{key}:")
     if at < 0:
-        raise OSError(f"{proc}/{pid}/status has no {key}")
+        raise OSError(f"{proc if pid is None else proc / str(pid)}/{filename} has no {key}")
     end = text.find("\n", at + 1)
     return int(text[at + len(key) + 2 : end if end >= 0 else None].split()[0]) * 1024
 
@@ -131,18 +132,15 @@ def peak_rss_bytes(pid: int | str = "self", *, proc: Path = PROC) -> int:
     OSError
         If the process does not exist or the kernel does not report ``VmHWM``.
     """
-    return _status_kb(pid, "VmHWM", proc)
+    return _kb_field(proc, pid, "status", "VmHWM")
 
 
 def pss_bytes(pid: int | str = "self", *, proc: Path = PROC) -> int | None:
     """Proportional set size from ``/proc/<pid>/smaps_rollup`` in bytes, or None where not readable."""
     try:
-        for line in (proc / str(pid) / "smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
+        return _kb_field(proc, pid, "smaps_rollup", "Pss")
     except OSError:
         return None
-    return None
 
 
 def system_available_bytes(*, proc: Path = PROC) -> int:
@@ -153,12 +151,7 @@ def system_available_bytes(*, proc: Path = PROC) -> int:
     OSError
         If ``/proc/meminfo`` has no ``MemAvailable`` line (kernels before 3.14).
     """
-    text = "\n" + _read_proc(proc, None, "meminfo")
-    at = text.find("\nMemAvailable:")
-    if at < 0:
-        raise OSError(f"{proc}/meminfo has no MemAvailable")
-    end = text.find("\n", at + 1)
-    return int(text[at + 14 : end if end >= 0 else None].split()[0]) * 1024
+    return _kb_field(proc, None, "meminfo", "MemAvailable")
 
 
 def reset_peak(*, proc: Path = PROC) -> bool:
