@@ -136,9 +136,8 @@ class TrainingConfig:
         ``store_capacity // n``, at least 16) on which each new global head is evaluated; 0 disables.
         0 or >= 2.
     min_examples : int
-        Fewest labelled examples the store must hold for the device to train a round, >= 1. A device
-        holding some but fewer declines the round (reason ``too_few_examples``); one holding none
-        declines at once (reason ``no_samples``).
+        Fewest labelled examples the store must hold for the device to train a round, >= 1; with
+        fewer the round is declined (``too_few_examples``; ``no_samples`` at once when it holds none).
     flush_interval_s : float
         Longest time, in seconds, a stored sample waits before the store is flushed (it then
         survives a power cut), > 0.
@@ -159,11 +158,7 @@ class TrainingConfig:
 
 @dataclass(frozen=True, slots=True)
 class PersonalConfig:
-    """``[personal]``: the device's personal head, trained beside the global one.
-
-    After each round's local training the device takes class-restricted Ditto steps on its own
-    head; that head serves the device's predictions while it does at least as well as the global
-    head on the holdout. The update sent stays the global one's.
+    """``[personal]``: the device's personal head, trained beside the global one (``agent/personal.py``).
 
     Parameters
     ----------
