@@ -170,7 +170,6 @@ def run_round(
     broker: str | None = None,
     state_dir: Path | None = None,
     compression: str = "none",
-    phase_hook: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> RoundReport:
     """Run one full round of the device core in this process and measure each phase.
 
@@ -197,8 +196,6 @@ def run_round(
     compression : str
         The round's compression (``edgefl.wire.compression.Compression``); 2 local epochs at lr 0.1,
         batches of 16.
-    phase_hook : callable(str) -> context manager, optional
-        Entered around each phase inside the governor's measurement (e.g. a PSS sampler).
 
     Returns
     -------
@@ -231,8 +228,7 @@ def run_round(
         if watch is not None:
             tracemalloc.reset_peak()
         level = tracemalloc.get_traced_memory()[0] if watch is not None else 0
-        hook = phase_hook(name) if phase_hook is not None else contextlib.nullcontext()
-        with gov.phase(name), hook, watch.watch() if watch is not None else contextlib.nullcontext():
+        with gov.phase(name), watch.watch() if watch is not None else contextlib.nullcontext():
             yield
         rep.runs += 1
         rep.peak_rss_bytes = max(rep.peak_rss_bytes, gov.phase_last[name])
