@@ -15,7 +15,6 @@ import time
 
 from edgefl import heap
 from edgefl.agent.core import ApplyStatus
-from edgefl.agent.ingest import LOGGED_REFUSALS
 from edgefl.agent.round import RoundResult, RoundStatus
 from edgefl.agent.source import SampleSource
 from edgefl.aio import wait_event
@@ -153,10 +152,8 @@ class RoundTask(SampleSource):
             # last line of defence: whatever a message made us do failed; count it, keep running (the
             # message was acknowledged when it reached the queue: a run of such messages never makes
             # the daemon deaf)
-            self.state.rejected["failed"] += 1
-            n = self.state.rejected["failed"]
-            if n <= LOGGED_REFUSALS or n % 1000 == 0:
-                more = f" ({n} failed so far)" if n > LOGGED_REFUSALS else ""
+            more = self._count_rejected("failed")
+            if more is not None:
                 logger.error("handling %s failed: %s: %s%s", what, type(exc).__name__, exc, more)
             self._set_state("idle", f"last message failed: {exc}")
 
