@@ -243,14 +243,10 @@ class RoundTask(SampleSource):
             await self.on_round(result)
 
     async def _send_update(self, update_id: str, payload: bytes, counted: bool = False) -> None:
-        """Publish an update (chunked above the broker's packet limit), then drop it from the outbox.
+        """Publish an update (chunked above the packet limit), then drop it from the outbox.
 
-        ``counted``: the outbox already counted this attempt; otherwise it is counted (persisted) first.
-
-        Raises
-        ------
-        TransportError
-            If a chunk was not acknowledged; the update stays in the outbox for a re-send.
+        ``counted``: the outbox already counted this attempt (else counted first). TransportError if a
+        chunk was not acknowledged: the update stays in the outbox for a re-send.
         """
         assert self.transport is not None
         topic = self.topics.update(self.device)

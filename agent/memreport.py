@@ -325,10 +325,7 @@ def _publish(
     payload: bytes,
     measured: Callable[[str], contextlib.AbstractContextManager[None]],
 ) -> str:
-    """Publish ``payload`` on ``update/<device>`` (QoS 1, chunked as the daemon does) in phase ``publish``.
-
-    Returns '' or the error.
-    """
+    """Publish ``payload`` on ``update/<device>`` (QoS 1, chunked) in phase ``publish``; '' or the error."""
     import asyncio
 
     from edgefl.errors import TransportError

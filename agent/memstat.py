@@ -48,10 +48,7 @@ os.register_at_fork(after_in_child=_forget_own_fds)
 
 
 def _own_fd(name: str, flags: int = os.O_RDONLY) -> tuple[int, tuple[int, int]]:
-    """A descriptor kept open on ``/proc/<name>`` and its (device, inode) (a ``pread`` on it: 1-12 us).
-
-    Raises ``OSError`` if the file cannot be opened.
-    """
+    """A descriptor kept open on ``/proc/<name>`` and its (device, inode); OSError if it cannot be opened."""
     with _OWN_FILES_LOCK:
         kept = _own_fds.get(name)
         if kept is None:
@@ -81,10 +78,7 @@ def _drop_own_fd(name: str) -> None:
 
 
 def _read_proc(proc: Path, pid: int | str | None, filename: str) -> str:
-    """The text of ``<proc>/<pid>/<filename>`` (``<proc>/<filename>`` for pid None), or OSError.
-
-    This process's own files under the real ``/proc`` are read on a kept descriptor (:func:`_own_fd`).
-    """
+    """The text of ``<proc>/[<pid>/]<filename>``, or OSError (own files: on a kept descriptor)."""
     name = filename if pid is None else f"self/{filename}"
     # "is" first: a Path comparison costs more than the kept read it selects (a dozen a round)
     head = _OWN_HEADS.get(name) if (proc is PROC or proc == PROC) and pid in ("self", None) else None

@@ -184,12 +184,7 @@ class PersonalHeads(DeviceState):
         return self._personal_due is not None or self._personal_done is not None
 
     def _adopt_personal(self, W: np.ndarray, b: np.ndarray, version: int, result: PersonalResult) -> None:
-        """Keep the personal head trained with the round's global training (``train_local``'s ``personal``).
-
-        Persisted (at once, or behind with :attr:`write_behind`: :meth:`persist_behind`) and
-        evaluated by :meth:`personalise` (the daemon calls it once the update is out), or by the
-        next global head's :meth:`evaluate` if that comes first.
-        """
+        """Keep and persist the personal head trained along with the round (evaluated by personalise)."""
         if not (np.isfinite(W).all() and np.isfinite(b).all()):
             logger.warning("personal step gave non-finite values; the next starts again from the global head")
             self.personal = None

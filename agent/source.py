@@ -257,14 +257,9 @@ class SampleSource(StatusReporter):
     async def _observe(
         self, raw: np.ndarray, lbl: np.ndarray, labelled: np.ndarray | None = None
     ) -> Classified | None:
-        """``core.observe`` on the worker, retried every ``status.interval_s`` while it is over budget.
+        """``core.observe`` on the worker, retried every ``status.interval_s`` while over budget.
 
-        Each refusal is counted (``over_budget_batches``).
-
-        Returns
-        -------
-        Classified or None
-            None when the agent is stopping.
+        Each refusal is counted (``over_budget_batches``); None when the agent is stopping.
         """
         while True:
             try:
