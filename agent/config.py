@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -356,11 +357,7 @@ def _check_memory(p: Problems, c: MemoryConfig, raw: Mapping[str, object], check
 
 def _check_training(p: Problems, c: TrainingConfig, raw: Mapping[str, object], check_files: bool) -> None:
     for name in ("store_capacity", "chunk_size", "chunk_floor"):
-        value = getattr(c, name)
-        try:
-            check_positive_int(name, value)
-        except ValueError as exc:
-            p.add(f"training.{name}", value, str(exc))
+        check(p, f"training.{name}", getattr(c, name), partial(check_positive_int, name))
     if c.chunk_floor > c.chunk_size:
         p.add(
             "training.chunk_floor",
