@@ -94,12 +94,6 @@ class ErrorFeedback:
             raise ValueError(f"ErrorFeedback: delta {delta_W.shape}/{delta_b.shape}, head {self.shape}")
         return (delta_W + self.residual_W).astype(np.float32), (delta_b + self.residual_b).astype(np.float32)
 
-    def reset(self) -> None:
-        """Forget the residual."""
-        self.residual_W = np.zeros(self.shape, np.float32)
-        self.residual_b = np.zeros(self.shape[1], np.float32)
-        self.round = -1
-
     def compress(
         self,
         delta_W: F32,
