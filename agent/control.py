@@ -15,7 +15,6 @@ import time
 
 from edgefl import heap
 from edgefl.agent.core import ApplyStatus
-from edgefl.agent.ingest import LOGGED_REFUSALS
 from edgefl.agent.round import RoundResult, RoundStatus
 from edgefl.agent.source import SampleSource
 from edgefl.aio import wait_event
@@ -54,13 +53,10 @@ class RoundTask(SampleSource):
         """The round task: every round is answered here, in the order its messages and asks came.
 
         Each pass: re-send the outbox if a (re)connect asked, answer the waiting round if samples
-        arrived for it, retry the deferred round once ``status.interval_s`` has passed, then handle
-        one round or global message (:meth:`handle`). With nothing in hand the last trained round's
-        personal step runs, then the status may be checked (``_status_go``), and once no message
-        came for :data:`IDLE_GRACE_S` the writes the core left behind are made
-        (``DeviceCore.persist_behind``: the heads, the outbox after a PUBACK; at once when the oldest
-        waited ``training.flush_interval_s``) and, after a trained round, freed heap goes back to
-        the kernel (``malloc_trim``).
+        arrived, retry the deferred round after ``status.interval_s``, then handle one message
+        (:meth:`handle`). With nothing in hand: the personal step, the status check, and after
+        :data:`IDLE_GRACE_S` the writes left behind (``DeviceCore.persist_behind``) and
+        ``malloc_trim``.
         """
         while True:
             if self._control.empty() and not self._round_asks and not self._retry_due():
@@ -156,10 +152,8 @@ class RoundTask(SampleSource):
             # last line of defence: whatever a message made us do failed; count it, keep running (the
             # message was acknowledged when it reached the queue: a run of such messages never makes
             # the daemon deaf)
-            self.state.rejected["failed"] += 1
-            n = self.state.rejected["failed"]
-            if n <= LOGGED_REFUSALS or n % 1000 == 0:
-                more = f" ({n} failed so far)" if n > LOGGED_REFUSALS else ""
+            more = self._count_rejected("failed")
+            if more is not None:
                 logger.error("handling %s failed: %s: %s%s", what, type(exc).__name__, exc, more)
             self._set_state("idle", f"last message failed: {exc}")
 
@@ -249,14 +243,10 @@ class RoundTask(SampleSource):
             await self.on_round(result)
 
     async def _send_update(self, update_id: str, payload: bytes, counted: bool = False) -> None:
-        """Publish an update (chunked above the broker's packet limit), then drop it from the outbox.
+        """Publish an update (chunked above the packet limit), then drop it from the outbox.
 
-        ``counted``: the outbox already counted this attempt; otherwise it is counted (persisted) first.
-
-        Raises
-        ------
-        TransportError
-            If a chunk was not acknowledged; the update stays in the outbox for a re-send.
+        ``counted``: the outbox already counted this attempt (else counted first). TransportError if a
+        chunk was not acknowledged: the update stays in the outbox for a re-send.
         """
         assert self.transport is not None
         topic = self.topics.update(self.device)

@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 from edgefl.agent.config import Profile
 from edgefl.agent.core import DeviceCore
 from edgefl.agent.governor import Governor
-from edgefl.agent.ingest import Ingest
+from edgefl.agent.ingest import LOGGED_REFUSALS, Ingest
 from edgefl.agent.status import samples_level, status_news
 from edgefl.aio import wait_event
 from edgefl.errors import (
@@ -160,6 +160,14 @@ class StatusReporter:
         self.state.faults[where] += 1
         logger.error("%s: %s failed: %s: %s", where, what, type(exc).__name__, exc)
         self._changed()
+
+    def _count_rejected(self, reason: str) -> str | None:
+        """Count a refusal; its log line's suffix, None past the first few (then every 1000th is logged)."""
+        self.state.rejected[reason] += 1
+        n = self.state.rejected[reason]
+        if n > LOGGED_REFUSALS and n % 1000:
+            return None
+        return f" ({n} {reason} so far)" if n > LOGGED_REFUSALS else ""
 
     def _reject(self, reason: str, what: str, detail: str) -> None:
         self.state.rejected[reason] += 1
