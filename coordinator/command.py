@@ -96,6 +96,16 @@ FLAG_MEANING: Final = {
 }
 
 
+#: What stopped :func:`main`, in order: the exception types, the words before the error, the exit code.
+_FAILURES: Final[tuple[tuple[type[Exception] | tuple[type[Exception], ...], str, int], ...]] = (
+    (LeaseHeld, "", EXIT_LEASE),
+    (OSError, "cannot start: ", EXIT_RUNTIME),  # the state file's folder or lock cannot be created
+    (ModelError, "model error: ", EXIT_MODEL),
+    (CredentialsRefused, "cannot start: ", EXIT_INVALID),
+    ((ConfigError, TransportError), "cannot start: ", EXIT_RUNTIME),
+)
+
+
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``coordinator`` sub-command to an ``argparse`` sub-parsers object.
 
@@ -170,12 +180,9 @@ def main(
     """
     try:
         profile = load_coordinator_profile(args.profile, overrides_from(args))
+        problems = strategy_problems(profile)  # a combination no strategy accepts is a profile problem
     except ConfigError as exc:
-        print(f"edgefl coordinator: invalid profile {args.profile}:", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  {problem}", file=sys.stderr)
-        return EXIT_INVALID
-    problems = strategy_problems(profile)  # a combination no strategy accepts is a profile problem
+        problems = exc.problems
     if problems:
         print(f"edgefl coordinator: invalid profile {args.profile}:", file=sys.stderr)
         for problem in problems:
@@ -186,22 +193,12 @@ def main(
         if lock is not None and profile.files.state is not None:
             held = lock(profile.files.state)  # kept until this function returns
         return asyncio.run(run(profile, evaluation, page))
-    except LeaseHeld as exc:
-        print(f"edgefl coordinator: {exc}", file=sys.stderr)
-        return EXIT_LEASE
-    except OSError as exc:  # the state file's folder or lock cannot be created
-        print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
-    except ModelError as exc:
-        print(f"edgefl coordinator: model error: {exc}", file=sys.stderr)
-        return EXIT_MODEL
-    except CredentialsRefused as exc:
-        print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    except (ConfigError, TransportError) as exc:
-        print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
-    except Exception as exc:  # a bug or a fault nobody foresaw: restarted (exit 1 would not be)
+    except Exception as exc:
+        for kinds, what, code in _FAILURES:
+            if isinstance(exc, kinds):
+                print(f"edgefl coordinator: {what}{exc}", file=sys.stderr)
+                return code
+        # a bug or a fault nobody foresaw: restarted (exit 1 would not be)
         logger.error("coordinator stopped by an unexpected error (exit %d)", EXIT_FAULT, exc_info=exc)
         print(f"edgefl coordinator: stopped by a fault: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAULT

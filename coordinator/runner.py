@@ -37,7 +37,7 @@ from edgefl.coordinator.roundlog import (
 )
 from edgefl.coordinator.rounds import Pacing
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategies import make_strategy
+from edgefl.coordinator.strategies import strategy_from_tables
 from edgefl.coordinator.strategy import Strategy
 from edgefl.errors import ConfigError, TransportError, UpdateRejected
 from edgefl.profiles import DashboardConfig, broker_password
@@ -79,33 +79,8 @@ def build_strategy(profile: CoordinatorProfile) -> Strategy:
     ValueError
         On a bad combination (DP around median, trimmed mean or FedBuff) or out-of-range values.
     """
-    st, rounds, rob, dp = profile.strategy, profile.rounds, profile.robustness, profile.privacy
-    own = {
-        k: v
-        for k, v in {
-            "server_lr": st.server_lr,
-            "server_momentum": st.server_momentum,
-            "prox_mu": st.prox_mu,
-            "tau": st.tau,
-            "trim_fraction": st.trim_fraction,
-            "max_updates": st.max_updates,
-            "buffer_size": st.buffer_size,
-            "max_staleness": st.max_staleness,
-        }.items()
-        if v is not None
-    }
-    strategy = make_strategy(
-        st.name,
-        local_epochs=rounds.local_epochs,
-        lr=rounds.lr,
-        batch_size=rounds.batch_size,
-        min_clients=rounds.min_clients,
-        deadline_s=rounds.deadline_s,
-        clip_norm=rob.norm_bound,
-        clip_multiplier=rob.adaptive_factor,
-        tolerate=rob.tolerate,
-        **own,
-    )
+    st, rounds, dp = profile.strategy, profile.rounds, profile.privacy
+    strategy = strategy_from_tables(st.name, rounds, st, profile.robustness)
     if not dp.enabled:
         return strategy
     return DPFedAvg(
