@@ -29,31 +29,13 @@ class RoundPhase(StrEnum):
 
 @dataclass
 class Round:
-    """State of one round.
+    """State of one round: ``number`` (1-based), the ``base_version`` devices train from, head ``shape``.
 
-    Parameters
-    ----------
-    number : int
-        Round number (1-based).
-    base_version : int
-        Global model version the devices must train from.
-    shape : (D, K)
-    deadline_s : float
-        Seconds from opening until the round closes with what it has.
-    min_clients : int
-        Updates that close the round before the deadline.
-    selected : frozenset[str] or None
-        Devices asked to take part (None = any device).
-    check_round : bool
-        False in a buffered-asynchronous step (FedBuff), where updates of earlier rounds are welcome.
-    expected_sites : int
-        At the root of a hierarchy: partials that close the round (0: ``min_clients`` updates do).
-    online : frozenset[str]
-        Devices online at the opening (without ``selected``: see :meth:`complete`).
-    quorum : float in (0, 1] or None
-        Share of the devices asked whose updates close the round early (None: ``min_clients`` do).
-    min_updates : int
-        The strategy's own floor (>= 1): the round never closes early below it.
+    It closes with what it has ``deadline_s`` after opening, or early at :attr:`close_at` updates
+    (``min_clients``, ``quorum`` of the devices asked, never below the strategy's ``min_updates``), or
+    at a root at ``expected_sites`` partials. ``selected``: the devices asked (None: any); ``online``:
+    those online at the opening; ``check_round`` False in a buffered step (FedBuff), where updates of
+    earlier rounds are welcome.
     """
 
     number: int
@@ -328,18 +310,9 @@ def collecting(rnd: Round) -> FleetState:
 class Pacing:
     """When a service opens its next round (``rounds.interval_s``, ``rounds.min_new_samples``).
 
-    A round opens once at least ``min_devices`` devices are ready, they report at least
-    ``min_new_samples`` labelled samples stored since their last round (a device that does not report
-    the count does not hold a round back), and ``interval_s`` passed since the last round started.
-
-    Parameters
-    ----------
-    interval_s : float >= 0
-        Least time between two round starts, seconds.
-    min_new_samples : int >= 0
-        New labelled samples (summed over the ready devices) a round needs.
-    min_devices : int >= 1
-        Ready devices a round needs (``rounds.min_clients``, at least the strategy's own minimum).
+    Once ``min_devices`` (>= 1) devices are ready, they report ``min_new_samples`` labelled samples
+    stored since their last round, summed (a device that does not report the count holds no round back),
+    and ``interval_s`` seconds passed since the last round started.
     """
 
     interval_s: float = 0.0
