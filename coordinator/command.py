@@ -167,16 +167,11 @@ def main(
     page: PageServer | None = None,
     lock: StateLock | None = None,
 ) -> int:
-    """Run the coordinator until the profile's rounds closed or SIGTERM; returns the exit code.
+    """Run the coordinator of the parsed command line until its rounds closed or SIGTERM; the exit code.
 
-    Parameters
-    ----------
-    args : the parsed command line (see :func:`add_parser`)
-    evaluation : builds the central evaluation; given by the composition root (``edgefl.cli``)
-    page : serves the fleet page when ``dashboard.enabled``; given by the composition root
-    lock : locks the state file (``files.state``, with a lock file beside it) for this process's life, raising
-        :class:`~edgefl.coordinator.lease.LeaseHeld` when another process holds it; given by the
-        composition root (the agents' ``flock``)
+    Given by the composition root (``edgefl.cli``): ``evaluation`` builds the central evaluation,
+    ``page`` serves the fleet page, ``lock`` locks ``files.state`` for this process's life (raising
+    :class:`~edgefl.coordinator.lease.LeaseHeld` when another process holds it).
     """
     try:
         profile = load_coordinator_profile(args.profile, overrides_from(args))

@@ -42,7 +42,7 @@ class RoundRecord:
     lr : float
         Client learning rate the round announced.
     closed_unix : float
-        Unix time the round closed, seconds (NaN in records of older state files).
+        Unix time the round closed, seconds (NaN: not known).
     new_samples : int
         New labelled samples the ready devices reported at the opening (-1: none reported).
     """

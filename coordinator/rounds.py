@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import StrEnum, auto
 from typing import Any
 
 from edgefl.errors import UpdateRejected
@@ -255,12 +255,12 @@ class _Answered:
 class FleetPhase(StrEnum):
     """What a coordinator's fleet is doing (``fleet_state.state`` on its page; ``docs/operations.md``)."""
 
-    COLLECTING = "collecting"
-    WAITING_SAMPLES = "waiting_samples"
-    WAITING_DEVICES = "waiting_devices"
-    PAUSED = "paused"
-    FINISHED = "finished"
-    BROKER_UNREACHABLE = "broker_unreachable"
+    COLLECTING = auto()  # a StrEnum's auto() value is the name in lower case: "collecting"
+    WAITING_SAMPLES = auto()
+    WAITING_DEVICES = auto()
+    PAUSED = auto()
+    FINISHED = auto()
+    BROKER_UNREACHABLE = auto()
 
 
 @dataclass(frozen=True, slots=True)
