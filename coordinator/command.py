@@ -146,10 +146,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def overrides_from(args: argparse.Namespace) -> dict[str, object]:
     """The profile overrides a command line asks for: ``--set`` items, then the flags of :data:`FLAG_KEYS`.
 
-    Raises
-    ------
-    ConfigError
-        If a ``--set`` item is not ``key=value``.
+    Raises ConfigError if a ``--set`` item is not ``key=value``.
     """
     out = parse_sets(args.set)
     for flag, key in FLAG_KEYS.items():

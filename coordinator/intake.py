@@ -524,11 +524,8 @@ class Intake:
     def load_state(self, path: Path) -> bool:
         """Resume from a state file written by :meth:`save_state` (False when there is none).
 
-        Raises
-        ------
-        UpdateRejected
-            ``bad_state`` when the file holds a head of another shape, or one the agents would refuse
-            (non-finite, or a value beyond ``MAX_HEAD_ABS``).
+        Raises UpdateRejected (``bad_state``) when the file holds a head of another shape, or one the
+        agents would refuse (non-finite, or a value beyond ``MAX_HEAD_ABS``).
         """
         data = read_record(path)
         if data is None:

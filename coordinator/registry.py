@@ -125,11 +125,8 @@ class DeviceRegistry:
     def note_status(self, device: str, payload: bytes) -> None:
         """Keep the status ``payload`` (not empty) of ``status/<device>`` and tell :attr:`changed`.
 
-        Raises
-        ------
-        DecodeError, UpdateRejected
-            A status that does not decode, names another device (``wrong_device``), a bad new-sample
-            count, or as :meth:`register`.
+        Raises DecodeError or UpdateRejected for a status that does not decode, names another device
+        (``wrong_device``), a bad new-sample count, or as :meth:`register`.
         """
         status = decode_status(payload, limits=self.limits)
         if status.device != device:
@@ -155,11 +152,8 @@ class DeviceRegistry:
     def register(self, device: str, entry: dict[str, Any]) -> None:
         """Keep a device's status in the bounded registry and check its model's identity.
 
-        Raises
-        ------
-        UpdateRejected
-            ``registry_full`` when the registry holds ``max_devices`` live devices, ``expired`` for a
-            status whose own timestamp ``ts`` (seconds since the epoch) is older than the expiry.
+        Raises UpdateRejected: ``registry_full`` when it holds ``max_devices`` live devices, ``expired``
+        for a status whose own timestamp ``ts`` (seconds since the epoch) is older than the expiry.
         """
         now = entry["seen_at"]
         ts = entry.get("ts")

@@ -147,11 +147,8 @@ class Round:
     ) -> None:
         """Check that a message (``what``) from ``device`` trained for (round, base version) may count.
 
-        Raises
-        ------
-        UpdateRejected
-            ``round_closed``, ``stale_round`` (other round number), ``stale_base`` (other base version),
-            both only with ``check_round``; ``not_selected`` (a ``device`` outside the selection).
+        Raises UpdateRejected: ``round_closed``; with ``check_round`` ``stale_round`` (other round
+        number), ``stale_base`` (other base version); ``not_selected`` (a ``device`` outside the selection).
         """
         if self.phase is not RoundPhase.OPEN:
             raise UpdateRejected("round_closed", f"round {self.number} is closed")
@@ -173,11 +170,8 @@ class Round:
     def admit_partial(self, site: str, round_no: int, base_version: int) -> None:
         """Check that a site's partial may count in this round (it is not recorded yet).
 
-        Raises
-        ------
-        UpdateRejected
-            ``round_closed``, ``stale_round`` (a partial of another round), ``stale_base``, ``duplicate``
-            (the site already counted; ids another site listed too are the root's business).
+        Raises UpdateRejected as :meth:`check_open`, or ``duplicate`` (the site already counted; ids
+        another site listed too are the root's business).
         """
         self.check_open(f"partial of {site}", None, round_no, base_version)
         if site in self.sites:

@@ -72,10 +72,8 @@ COORDINATOR_RECONNECT_MAX_S: Final = 5.0
 def build_strategy(profile: CoordinatorProfile) -> Strategy:
     """The strategy a profile names: its parameters, the norm bound, and the DP wrapper when enabled.
 
-    Raises
-    ------
-    ValueError
-        On a bad combination (DP around median, trimmed mean or FedBuff) or out-of-range values.
+    Raises ValueError on a bad combination (DP around median, trimmed mean or FedBuff) or out-of-range
+    values, TypeError for a key the strategy does not take.
     """
     st, rounds, dp = profile.strategy, profile.rounds, profile.privacy
     strategy = strategy_from_tables(st.name, rounds, st, profile.robustness)
