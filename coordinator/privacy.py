@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from edgefl.coordinator.fedavg import FedAvg, RunningWeightedSum
 from edgefl.coordinator.normbound import clip_factor, scale_delta, update_norm
+from edgefl.coordinator.strategies import ROUND_SETTINGS
 from edgefl.coordinator.strategy import Offer, RoundConfig, RoundReport, SiteSums, Strategy
 from edgefl.types import F32
 
@@ -234,18 +235,8 @@ class DPFedAvg(Strategy):
                 f"noise_multiplier = {noise_multiplier}, expected_clients = {expected_clients}, "
                 f"delta = {delta}: need >= 0, > 0, in (0, 1)"
             )
-        super().__init__(
-            local_epochs=inner.local_epochs,
-            lr=inner.lr,
-            batch_size=inner.batch_size,
-            min_clients=inner.min_clients,
-            deadline_s=inner.deadline_s,
-            server_lr=inner.server_lr,
-            fraction=inner.fraction,
-            seed=inner.seed,
-            clip_norm=clip_norm,
-            tolerate=inner.tolerate,
-        )
+        inherited = (*ROUND_SETTINGS, "server_lr", "fraction", "seed", "tolerate")  # the clip norm is its own
+        super().__init__(clip_norm=clip_norm, **{name: getattr(inner, name) for name in inherited})
         self.inner: FedAvg = inner
         self.name = f"dp-{inner.name}"
         self.server_state = inner.server_state  # one dict: refuse() restores the inner's state
