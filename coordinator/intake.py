@@ -197,7 +197,10 @@ class Intake:
         """Dispatch one message; a bad one is logged with topic, size and reason and counted, never raised."""
         if msg.topic == self.topics.coordinator:
             if self.on_lease_message is not None:
-                self.on_lease_message(msg)
+                try:
+                    self.on_lease_message(msg)
+                except DecodeError as exc:  # a forged, replayed or unreadable presence: never obeyed
+                    self.refuse_message(msg, exc.reason, str(exc))
             return
         if msg.topic == self.topics.coordinator_holder:
             return  # read by a lease probe; one left unacknowledged in our session comes back here

@@ -22,7 +22,14 @@ from edgefl import heap
 from edgefl.aio import within
 from edgefl.coordinator.hierarchy import RootCoordinator, SiteAggregator, SiteRecord
 from edgefl.coordinator.history import HISTORY_ROUNDS, RoundRecord
-from edgefl.coordinator.lease import Lease, new_instance, previous_instance, probe_lease, record_instance
+from edgefl.coordinator.lease import (
+    Lease,
+    PresenceTrust,
+    new_instance,
+    previous_instance,
+    probe_lease,
+    record_instance,
+)
 from edgefl.coordinator.privacy import DPFedAvg
 from edgefl.coordinator.profile import CoordinatorProfile
 from edgefl.coordinator.roundlog import (
@@ -193,17 +200,23 @@ async def run(
             will=Lease.will(topics.coordinator) if persistent and leased else None,
         )
 
+    sec = profile.security
+    signing_key = load_signing_key(sec.signing_key_file) if sec.signing_key_file else None
+    # the composition root holds the state file's lock: its previous instance is gone
+    previous = previous_instance(files.state) if files.state is not None and leased else None
+    # with the coordinator's key, only presences it signed count (a forged one never stops a coordinator)
+    trust = PresenceTrust(fleet, signing_key.verify_key if signing_key else None, previous)
+    stale = None
     if leased:  # before anything is published or written: is a live coordinator running this fleet?
         probe = transport_for(f"{client_id}-probe-{instance[:8]}", persistent=False, probe=True)
-        # the composition root holds the state file's lock: its previous instance is gone
-        previous = previous_instance(files.state) if files.state is not None else None
-        await probe_lease(
+        stale = await probe_lease(
             probe,
             topics.coordinator,
             f"fleet {fleet} on broker {where}",
             lambda t: _connected_or_refused(t, where, CONNECT_WAIT_S),
             previous,
             topics.coordinator_holder,
+            trust,
         )
         if files.state is not None:
             record_instance(files.state, instance)  # the next start knows this one's lease as its own
@@ -213,7 +226,6 @@ async def run(
         strategy = build_strategy(profile)
     except ValueError as exc:
         raise ConfigError([f"[strategy]/[privacy]: {exc}"]) from exc
-    sec = profile.security
     role_kwargs: dict[str, Any] = {}
     cls: type[Coordinator] = Coordinator
     if hier.role == "root":
@@ -255,7 +267,7 @@ async def run(
         compression=Compression(rounds.compression),
         downlink=HeadLayout(rounds.downlink),
         lr_decay=rounds.lr_decay,
-        signing_key=load_signing_key(sec.signing_key_file) if sec.signing_key_file else None,
+        signing_key=signing_key,
         device_keys=load_verify_keys(sec.device_keys_dir) if sec.device_keys_dir else None,
         max_packet_bytes=broker.max_packet_bytes,
         max_devices=profile.fleet.max_devices,
@@ -272,7 +284,23 @@ async def run(
     if isinstance(coord, SiteAggregator):
         transport.on_connect_cb = coord.on_transport_connect
         return await _run_site(coord, profile, transport, page)
-    lease = Lease(transport, topics.coordinator, instance, holder_topic=topics.coordinator_holder)
+    if not trust.signed:
+        logger.warning(
+            "the fleet's lease is not signed (no security.signing_key_file): anyone who may publish on %s "
+            "can stop this coordinator; the broker's ACL must keep it to the coordinator's account "
+            "(docs/security.md)",
+            topics.coordinator,
+        )
+    coord.state.rejected.update(trust.refused)  # presences the probe refused
+    lease = Lease(
+        transport,
+        topics.coordinator,
+        instance,
+        holder_topic=topics.coordinator_holder,
+        signing_key=signing_key,
+        trust=trust,
+        seen=stale,
+    )
     stop = asyncio.Event()
     lease.on_lost = stop.set
     coord.on_lease_message = lease.handle
