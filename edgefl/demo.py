@@ -28,8 +28,9 @@ from edgefl.agent.config import load_profile
 from edgefl.agent.core import DeviceCore
 from edgefl.agent.governor import Governor
 from edgefl.agent.trainer import fit_head
+from edgefl.coordinator.profile import RoundsConfig
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategies import make_strategy
+from edgefl.coordinator.strategies import strategy_from_tables
 from edgefl.datasets import FACTORY_CLASSES, load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy
 from edgefl.feed import FeedOptions, FeedResult, feed
@@ -234,14 +235,14 @@ async def _run(opts: DemoOptions) -> int:
                 protocol="3.1.1" if broker is not None else profile.broker.protocol,
             )
             await transport.start(wait_s=15)
-            strategy = make_strategy(
-                opts.strategy,
+            rounds = RoundsConfig(
                 local_epochs=opts.local_epochs,
                 lr=opts.lr,
                 batch_size=opts.batch_size,
                 min_clients=opts.devices,
                 deadline_s=opts.deadline_s,
             )
+            strategy = strategy_from_tables(opts.strategy, rounds)
             coord = Coordinator(
                 transport,
                 topics,
