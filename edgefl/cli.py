@@ -410,30 +410,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """``edgefl demo``: embedded broker, coordinator and N agent processes on real data."""
     _setup_logging(args.log_level)
-    from edgefl.demo import DemoOptions, run_demo
+    from edgefl.demo import run_demo
 
-    opts = DemoOptions(
-        devices=args.devices,
-        rounds=args.rounds,
-        broker=args.broker,
-        json_path=args.json,
-        profile=Path(args.profile),
-        model=Path(args.model) if args.model else None,
-        local_epochs=args.local_epochs,
-        lr_decay=args.lr_decay,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        workdir=Path(args.workdir) if args.workdir else None,
-        deadline_s=args.deadline,
-        strategy=args.strategy,
-        compression=args.compression,
-        topk_fraction=args.topk_fraction,
-        hold_s=args.hold,
-        feed_rate_hz=args.feed_rate,
-        label_delay_s=args.label_delay,
-    )
-    return run_demo(opts)
+    return run_demo(args)
 
 
 def _add_checkout_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -514,18 +493,21 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     d.add_argument(
         "--broker", default=None, help="mqtt://host:port of an existing broker (default: embedded)"
     )
-    d.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    d.add_argument("--json", dest="json_path", metavar="PATH", help="write the results as JSON")
     d.add_argument(
         "--profile",
-        default=str(shipped("firmware_configs/dev_x86.toml")),
+        type=Path,
+        default=shipped("firmware_configs/dev_x86.toml"),
         help="agent profile each device starts from (default firmware_configs/dev_x86.toml)",
     )
-    d.add_argument("--model", default=None, help="override the profile's model (.tflite)")
+    d.add_argument("--model", type=Path, help="override the profile's model (.tflite)")
     d.add_argument("--local-epochs", type=int, default=2, help="local epochs per round (default 2)")
     d.add_argument("--lr", type=float, default=0.05, help="client learning rate of round 1")
     d.add_argument("--lr-decay", type=float, default=0.8, help="per-round factor on the client learning rate")
     d.add_argument("--batch-size", type=int, default=16, help="local SGD batch size (default 16)")
-    d.add_argument("--deadline", type=float, default=60.0, help="round deadline in seconds")
+    d.add_argument(
+        "--deadline", dest="deadline_s", type=float, default=60.0, help="round deadline in seconds"
+    )
     d.add_argument("--seed", type=int, default=0, help="seed of the device shards and local shuffles")
     d.add_argument(
         "--strategy",
@@ -541,14 +523,25 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     )
     d.add_argument("--topk-fraction", type=float, default=0.1, help="kept fraction for top-k (default 0.1)")
     d.add_argument(
-        "--hold", type=float, default=0.0, metavar="S", help="keep the dashboards up S seconds after the job"
+        "--hold",
+        dest="hold_s",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="keep the dashboards up S seconds after the job",
     )
-    d.add_argument("--workdir", default=None, help="keep shards, profiles, logs and state here")
+    d.add_argument("--workdir", type=Path, help="keep shards, profiles, logs and state here")
     d.add_argument(
-        "--feed-rate", type=float, default=200.0, metavar="HZ", help="samples/s fed to each agent (0: all)"
+        "--feed-rate",
+        dest="feed_rate_hz",
+        type=float,
+        default=200.0,
+        metavar="HZ",
+        help="samples/s fed to each agent (0: all)",
     )
     d.add_argument(
         "--label-delay",
+        dest="label_delay_s",
         type=float,
         default=0.0,
         metavar="S",

@@ -7,7 +7,6 @@ has no wheel (armv7l).
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
 import logging
 import mmap
@@ -21,6 +20,7 @@ import numpy as np
 
 from edgefl import modelfile
 from edgefl.errors import EdgeflError, ModelError
+from edgefl.profiles import sha256_file
 from edgefl.types import F32
 
 logger = logging.getLogger(__name__)
@@ -125,12 +125,6 @@ def open_interpreter(
             # SystemError: a runtime built against another numpy ABI (see numpy_too_new_for_tflite_runtime)
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
     raise ModelError(str(path), "cannot load model: " + "; ".join(errors))
-
-
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, read in blocks (never the whole file in memory)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +236,7 @@ class Backbone:
         self.path = path
         if not path.is_file():
             raise ModelError(str(path), "model file not found")
-        self.sha256 = file_sha256(path)
+        self.sha256 = sha256_file(path)
         with path.open("rb") as fh:  # the trailer edgefl model prepare appends (modelfile.read_origin)
             fh.seek(max(0, path.stat().st_size - modelfile.ORIGIN_TRAILER_BYTES))
             origin = modelfile.read_origin(fh.read())
@@ -387,21 +381,6 @@ class Backbone:
         self.interpreter.resize_tensor_input(self.input_index, [fixed, *self.sample_shape])
         self.interpreter.allocate_tensors()
         return ok
-
-    @_held
-    def logits_range(self) -> tuple[float, float] | None:
-        """The real range the model's own FC output can hold (its int8 saturation), or None (float).
-
-        A float head goes on past it, so head-vs-model comparisons clip to it first.
-        """
-        if self.fc_output_index is None:
-            return None
-        t = self.graph.tensors[self.fc_output_index]
-        if not t.scales or t.dtype not in ("int8", "uint8"):
-            return None
-        info = np.iinfo(np.dtype(t.dtype))
-        s, z = t.scales[0], t.zero_points[0]
-        return (info.min - z) * s, (info.max - z) * s
 
     @property
     def head_weights_index(self) -> int | None:
