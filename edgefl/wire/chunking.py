@@ -29,6 +29,7 @@ from edgefl.wire.cbor import (
     Limits,
     MessageType,
     cbor_head_bytes,
+    dump_message,
     load_message,
     read_int,
     read_text,
@@ -127,17 +128,16 @@ class Chunk:
 
 def encode_chunk(chunk: Chunk) -> bytes:
     """Encode a :class:`Chunk` (keys in the order of ``docs/protocol.md``, "Chunks")."""
-    return cbor2.dumps(
+    return dump_message(
+        MessageType.CHUNK,
         {
-            "v": SCHEMA_VERSION,
-            "type": MessageType.CHUNK.value,
             "id": chunk.id,
             "index": int(chunk.index),
             "count": int(chunk.count),
             "size": int(chunk.size),
             "sha256": chunk.sha256,
             "data": bytes(chunk.data),
-        }
+        },
     )
 
 
