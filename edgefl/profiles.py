@@ -238,9 +238,7 @@ def convert(spec: _FieldSpec, value: object, base_dir: Path, *, from_text: bool)
     # floats: a TOML array of numbers, a single number, or "a,b,c" / "[a, b, c]" from the command line
     items: object = value
     if from_text and isinstance(value, str):
-        text = value.strip()
-        if text.startswith("[") and text.endswith("]"):  # the TOML array syntax, as in the profile
-            text = text[1:-1].strip()
+        text = _unbracket(value)
         try:
             items = [float(part) for part in text.split(",")] if text else []
         except ValueError as exc:
@@ -257,12 +255,16 @@ def convert(spec: _FieldSpec, value: object, base_dir: Path, *, from_text: bool)
         raise ValueError(f"must be an array of finite numbers ({exc})") from exc
 
 
+def _unbracket(text: str) -> str:
+    """A ``--set`` list without the brackets of the TOML array syntax it may be written in."""
+    text = text.strip()
+    return text[1:-1].strip() if text.startswith("[") and text.endswith("]") else text
+
+
 def _strings(value: object, *, from_text: bool) -> tuple[str, ...]:
     """A TOML array of strings, or ``a,b`` / ``["a", "b"]`` from the command line (may be empty)."""
     if from_text and isinstance(value, str):
-        text = value.strip()
-        if text.startswith("[") and text.endswith("]"):  # the TOML array syntax, as in the profile
-            text = text[1:-1].strip()
+        text = _unbracket(value)
         return tuple(part.strip().strip("\"'") for part in text.split(",") if part.strip())
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise ValueError("must be an array of strings")

@@ -217,10 +217,9 @@ class Backbone:
     invoke), has no FULLY_CONNECTED op (and no named tensor), the named tensor does not exist, or
     (``prepare=False``) the embedding is not an output.
 
-    The embedding is always read from a model output (the arena reuses an intermediate tensor's buffer
-    once its last reader ran); the logits are the output the head feeds (``head_activation`` says
-    through what). A stateful model keeps its batch and runs its samples one by one, in order. One
-    thread at a time uses the interpreter (:meth:`claim`).
+    The embedding is read from a model output (the arena reuses an intermediate's buffer), the logits
+    from the output the head feeds (through ``head_activation``). A stateful model keeps its batch and
+    runs its samples one by one, in order; one thread at a time uses the interpreter (:meth:`claim`).
     """
 
     def __init__(
