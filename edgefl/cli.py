@@ -1,11 +1,7 @@
-"""The ``edgefl`` command: run the agent, check a profile, run the demo.
+"""The ``edgefl`` command: run the agent, check a profile, run the demo; the composition root.
 
-Exit codes: 0 success; 1 invalid profile (``check-config``) or the demo's job failed; 2 usage error;
-3 the model could not be loaded (missing, corrupt, or wrong shape); 4 a runtime error at start-up (e.g.
-the dashboard's port in use); 5 the broker refused the agent's credentials ``broker.auth_retries`` times
-in a row; 75 (``EX_TEMPFAIL``, sysexits.h) a fault that stopped a running agent (one log line, no
-traceback for a known fault). The shipped unit restarts 4 and 75 with a growing delay, never 1, 2, 3, 5.
-Logging handlers are configured here only (STYLE.md rule 10).
+Exit codes: the ``EXIT_*`` constants, each sub-command's ``--help`` and ``docs/operations.md``
+("Faults and exit codes"). Logging handlers are configured here only (STYLE.md rule 10).
 """
 
 from __future__ import annotations
@@ -42,9 +38,12 @@ logger = logging.getLogger("edgefl")
 
 EXIT_OK = 0
 EXIT_INVALID = 1
+"""An invalid profile (``check-config``, ``run``), a state folder in use, or the demo's job failed."""
 EXIT_USAGE = 2
 EXIT_MODEL = 3
+"""The model could not be loaded (missing, corrupt, or wrong shape)."""
 EXIT_RUNTIME = 4
+"""A start-up error (e.g. the dashboard's port in use); the shipped unit restarts it with a delay."""
 EXIT_CREDENTIALS = 5
 """The broker refused the agent's credentials ``broker.auth_retries`` times in a row; not restarted."""
 EXIT_TEMPFAIL = 75
