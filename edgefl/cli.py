@@ -186,7 +186,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from edgefl.agent.statelock import StateDirBusy, lock_state_dir
 
     # arenas of threads not yet started (paho, worker, dashboard); a fixed mmap threshold (the unit and
-    # the demo set it from the start with MALLOC_MMAP_THRESHOLD_): -0.2 to -0.3 MiB on bench.peer's agents
+    # the demo set it from the start with MALLOC_MMAP_THRESHOLD_)
     heap.apply_hygiene(arena_max=2, mmap_threshold_bytes=MMAP_THRESHOLD_BYTES)
 
     try:
@@ -551,9 +551,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     words = list(sys.argv[1:] if argv is None else argv)
     helping = "-h" in words or "--help" in words
     if _command_word(words) != "run" or helping:
-        # the tools' modules (memory-report pulls in the coordinator and the demo) are not the
-        # agent's: `edgefl run` leaves them unloaded (0.35 MiB after the imports, python -OO; 0.14 MiB
-        # of bench.peer's agents' peak)
+        # the tools' modules (memory-report pulls in the coordinator) are not the agent's: `edgefl run`
+        # leaves them unloaded (less RSS)
         from edgefl.agent import memreport, profiler
 
         profiler.add_parser(sub)
