@@ -112,6 +112,41 @@ class Evaluation:
     count: int
 
 
+class _EvalBuffers:
+    """Fixed-size buffers of :meth:`PersonalHeads.evaluate`: ``rows`` samples of ``D`` dims, ``K`` classes.
+
+    Every array of the evaluation is one of these or a view of one, so no allocation's size follows
+    the holdout's count (numpy keeps freed buffers under 1 KiB per size for reuse: each new length
+    would hold on to a few more).
+    """
+
+    def __init__(self, rows: int, dim: int, classes: int) -> None:
+        self.rows: np.ndarray = np.arange(rows, dtype=np.int64)
+        self.emb: np.ndarray = np.empty((rows, dim), np.float32)
+        self.lbl: np.ndarray = np.empty(rows, np.int64)
+        self.z: np.ndarray = np.empty((rows, classes), np.float32)
+        self.pred: np.ndarray = np.empty(rows, np.intp)
+        self.right: np.ndarray = np.empty(rows, bool)
+        self.right_p: np.ndarray = np.empty(rows, bool)
+        self.only: np.ndarray = np.empty(rows, bool)
+
+    def right_of(self, head: Head, m: int, out: np.ndarray) -> np.ndarray:
+        """Whether ``head`` classifies the first ``m`` buffered samples right: a bool [m] view of ``out``.
+
+        The classes are :meth:`edgefl.head.Head.predict`'s (argmax; ``logit > 0`` for K = 1).
+        """
+        z, pred, right = self.z[:m], self.pred[:m], out[:m]
+        np.matmul(self.emb[:m], head.W, out=z)
+        z += head.b
+        if z.shape[1] == 1:
+            np.greater(z[:, 0], 0, out=right)
+            np.copyto(pred, right)
+        else:
+            np.argmax(z, axis=1, out=pred)
+        np.equal(pred, self.lbl[:m], out=right)
+        return right
+
+
 class PersonalHeads(DeviceState):
     """The personal head, its classes, and the evaluation of both heads on the holdout (a core part)."""
 
@@ -140,26 +175,38 @@ class PersonalHeads(DeviceState):
     def evaluate(self) -> Evaluation | None:
         """Accuracy of the current head on the holdout store (federated evaluation), or None without one.
 
+        The holdout is read ``training.chunk_size`` samples at a time into buffers of that many rows
+        (float32 [chunk, D] and a few [chunk] and [chunk, K] ones, allocated per call): the memory is
+        the same whatever the holdout's size, and no array takes the holdout's changing length.
+
         Returns
         -------
         Evaluation or None
             Also kept in :attr:`evaluation`; None when the holdout is off or empty.
         """
         self._personal_done = None  # a personal step taken with the round's training: evaluated here
-        if self.holdout is None or len(self.holdout) == 0:
+        holdout = self.holdout
+        if holdout is None or len(holdout) == 0:
             return None
         head = self.head
         personal = self.personal
-        correct = correct_p = total = only_global = only_personal = 0
-        for emb, lbl in self.holdout.chunks(256):
-            right = head.predict(emb) == lbl
-            correct += int(np.sum(right))
+        n = len(holdout)
+        rows = self.profile.training.chunk_size
+        buf = _EvalBuffers(rows, *head.shape)
+        correct = correct_p = only_global = only_personal = 0
+        for start in range(0, n, rows):
+            m = min(rows, n - start)
+            holdout.read(buf.rows[:m], buf.emb[:m], buf.lbl[:m])
+            buf.rows += rows  # the next chunk's rows
+            right = buf.right_of(head, m, buf.right)
+            correct += int(np.count_nonzero(right))
             if personal is not None:
-                right_p = personal.predict(emb) == lbl
-                correct_p += int(np.sum(right_p))
-                only_global += int(np.sum(right & ~right_p))
-                only_personal += int(np.sum(right_p & ~right))
-            total += len(lbl)
+                right_p = buf.right_of(personal, m, buf.right_p)
+                correct_p += int(np.count_nonzero(right_p))
+                only = buf.only[:m]
+                only_global += int(np.count_nonzero(np.greater(right, right_p, out=only)))
+                only_personal += int(np.count_nonzero(np.greater(right_p, right, out=only)))
+        total = n
         self.evaluation = Evaluation(head.version, correct / total, total)
         if personal is not None:
             self.personal_evaluation = Evaluation(personal.version, correct_p / total, total)
