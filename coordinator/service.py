@@ -241,7 +241,6 @@ class Coordinator(Intake):
         reason when the aggregated head was not valid (the head unchanged in both cases).
         """
         cfg = self.strategy.configure_round(round_no, self.shape)
-        t0 = time.monotonic()
         resume, self._resume = self._resume, None
         if resume is not None and int(resume["round"]) != round_no:
             logger.warning(
@@ -359,7 +358,7 @@ class Coordinator(Intake):
             rnd.clients,
             accuracy,
             float(np.mean(rnd.update_bytes)) if rnd.update_bytes else 0.0,
-            time.monotonic() - t0,
+            time.monotonic() - rnd.opened_at,  # a resumed round's from its first opening (state file)
             clipped=report.clipped,
             norm_bound=report.norm_bound,
             epsilon=report.epsilon,
