@@ -32,6 +32,7 @@ from edgefl.coordinator.lease import (
 )
 from edgefl.coordinator.privacy import DPFedAvg
 from edgefl.coordinator.profile import CoordinatorProfile
+from edgefl.coordinator.roundarchive import RoundArchive
 from edgefl.coordinator.roundlog import (
     counts_since,
     empty_cause,
@@ -371,9 +372,13 @@ async def run(
     if page is not None and profile.dashboard.enabled:
         dash = profile.dashboard
         try:
-            stop_page, port = await page(
-                dash, f"fleet {fleet}", coord.dashboard_status, coord.dashboard_rounds
+            # the page's rounds beyond the last HISTORY_ROUNDS come from the round log
+            history = (
+                coord.dashboard_rounds
+                if files.log is None
+                else RoundArchive(files.log, coord.dashboard_rounds).records
             )
+            stop_page, port = await page(dash, f"fleet {fleet}", coord.dashboard_status, history)
         except OSError as exc:
             why = exc.strerror or str(exc)
             raise ConfigError(

@@ -647,6 +647,10 @@
     for (const r of shown) {
       const row = body.insertRow();
       row.dataset.round = String(r.round);
+      if (r.sampled === true) { // older than the last 1000: one round of several, read from the round log
+        row.classList.add("sampled");
+        row.title = "sampled: the rounds between are in the coordinator's round log";
+      }
       cell(row, "round", FORMATS.int(r.round), "num");
       const when = roundTime(r);
       const t = cell(row, "time", timeText(when));

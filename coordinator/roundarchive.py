@@ -1,0 +1,203 @@
+"""The fleet page's long round history: the round log read back, its tail whole and the rest sampled.
+
+A coordinator keeps only its last rounds in memory and in its state file
+(:data:`~edgefl.coordinator.history.HISTORY_ROUNDS`); the round log (``files.log``, one JSON line a
+round, never trimmed) has them all. :class:`RoundArchive` serves the page's ``/api/rounds`` from both,
+with bounded memory and response whatever the log's length: the last :data:`TAIL_ROUNDS` rounds whole
+(the page's "last 1000" window), read from the end of the log (at most :data:`TAIL_BYTES_MAX` bytes),
+and before them :data:`SAMPLED_ROUNDS` rounds at evenly spaced places in the log (one line read at
+each: the page's "all" window), each marked ``"sampled": true``. Nothing is kept between requests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO, Final
+
+logger = logging.getLogger(__name__)
+
+TAIL_ROUNDS: Final = 1000
+"""Rounds at the end of the log served whole (the fleet page's largest window but "all")."""
+
+SAMPLED_ROUNDS: Final = 1000
+"""Rounds served from the rest of the log, evenly spaced (the page draws "all" from them)."""
+
+TAIL_BYTES_MAX: Final = 4 << 20
+"""Most bytes read from the end of the log for its tail (long ``update_ids`` lines: fewer rounds whole)."""
+
+_BLOCK: Final = 64 << 10
+
+#: A log line's keys the page reads, copied as they are (``docs/operations.md``, "The round log").
+PAGE_KEYS: Final = (
+    "round",
+    "time",
+    "asked",
+    "counted",
+    "clients",
+    "accuracy",
+    "fed_accuracy",
+    "fed_worst_decile",
+    "fed_devices",
+    "update_bytes_mean",
+    "duration_s",
+    "lr",
+    "new_samples",
+    "round_refused",
+    "refused",
+    "declined",
+    "clipped",
+    "epsilon",
+    "delta",
+)
+
+
+def page_entry(line: bytes) -> dict[str, Any] | None:
+    """One round log line as the fleet page's round record (None: not a round's line).
+
+    The log's ``declined`` is ``{reason: n}``; ``declined_devices`` (the page's count) is their sum.
+    """
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("round"), int) or isinstance(doc["round"], bool):
+        return None
+    entry = {k: doc[k] for k in PAGE_KEYS if k in doc}
+    declined = doc.get("declined")
+    if isinstance(declined, dict):
+        entry["declined_devices"] = sum(v for v in declined.values() if isinstance(v, int))
+    return entry
+
+
+def read_tail(
+    f: BinaryIO, size: int, rounds: int, max_bytes: int = TAIL_BYTES_MAX
+) -> tuple[list[bytes], int]:
+    """The last ``rounds`` whole lines of a file of ``size`` bytes, reading at most ``max_bytes`` back.
+
+    Returns
+    -------
+    (lines, start)
+        The lines, oldest first (without their newline; an unterminated last line left out), and the
+        offset where the first one begins (``size`` when none).
+    """
+    pos, chunks, newlines = size, [], 0
+    while pos > 0 and newlines <= rounds and size - pos < max_bytes:
+        step = min(_BLOCK, pos, max_bytes - (size - pos))
+        pos -= step
+        f.seek(pos)
+        chunk = f.read(step)
+        chunks.append(chunk)
+        newlines += chunk.count(b"\n")
+    buf = b"".join(reversed(chunks))
+    buf = buf[: buf.rfind(b"\n") + 1]  # a line still being written is not a round yet
+    if pos > 0:  # the first piece may be the end of a line begun before ``pos``: left to the sample
+        cut = buf.find(b"\n") + 1
+        buf, pos = buf[cut:], pos + cut
+    lines = buf.split(b"\n")[:-1]
+    if len(lines) > rounds:
+        skip = len(lines) - rounds
+        pos += sum(len(line) + 1 for line in lines[:skip])
+        lines = lines[skip:]
+    return lines, pos if lines else size
+
+
+def read_sample(f: BinaryIO, end: int, points: int) -> list[bytes]:
+    """One whole line at each of ``points`` evenly spaced offsets of the file's first ``end`` bytes.
+
+    The line read at an offset is the first one that begins at or after it (and before ``end``);
+    lines met twice are kept once. Returns them oldest first.
+    """
+    out: list[bytes] = []
+    last = -1
+    for k in range(points):
+        off = end * k // points
+        f.seek(max(0, off - 1))
+        if off > 0:
+            f.readline()  # the rest of the line the offset falls in (or the newline just before it)
+        at = f.tell()
+        if at >= end or at <= last:
+            continue
+        line = f.readline()
+        if not line.endswith(b"\n"):
+            break
+        out.append(line[:-1])
+        last = at
+    return out
+
+
+class RoundArchive:
+    """The fleet page's rounds: the round log's history before the in-memory records, then those.
+
+    Parameters
+    ----------
+    log : Path
+        The round log (``files.log``); missing or unreadable: the in-memory records only.
+    recent : callable () -> sequence of mappings
+        The coordinator's in-memory page records, oldest first (``Coordinator.dashboard_rounds``).
+    tail_rounds, sampled_rounds : int
+        :data:`TAIL_ROUNDS`, :data:`SAMPLED_ROUNDS`.
+    """
+
+    def __init__(
+        self,
+        log: Path,
+        recent: Callable[[], Sequence[Mapping[str, Any]]],
+        tail_rounds: int = TAIL_ROUNDS,
+        sampled_rounds: int = SAMPLED_ROUNDS,
+    ) -> None:
+        self.log = log
+        self.recent = recent
+        self.tail_rounds = tail_rounds
+        self.sampled_rounds = sampled_rounds
+
+    def records(self) -> list[Mapping[str, Any]]:
+        """The page's round records, oldest first, strictly increasing rounds (the latest history's).
+
+        At most ``sampled_rounds + tail_rounds`` from the log (the sampled ones with ``"sampled": true``)
+        before the in-memory records; a log line of the in-memory rounds is left to those.
+        """
+        recent = list(self.recent())
+        first = recent[0].get("round") if recent else None
+        older: list[Mapping[str, Any]] = []
+        try:
+            with open(self.log, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                tail, start = read_tail(f, size, self.tail_rounds)
+                sampled = read_sample(f, start, self.sampled_rounds) if start > 0 else []
+        except OSError as exc:
+            if not isinstance(exc, FileNotFoundError):
+                logger.warning("round log %s not read for the fleet page: %s", self.log, exc)
+            return recent
+        for line in sampled:
+            entry = page_entry(line)
+            if entry is not None:
+                entry["sampled"] = True
+                older.append(entry)
+        older.extend(e for line in tail if (e := page_entry(line)) is not None)
+        if isinstance(first, int):
+            older = [e for e in older if e["round"] < first]
+        return _increasing([*older, *recent])
+
+
+def _increasing(records: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The longest suffix-led run of strictly increasing rounds, read from the newest back.
+
+    A round logged twice (a recovered line) keeps its later line; rounds of an earlier history (a log
+    that outlived its state file) end the run.
+    """
+    out: list[Mapping[str, Any]] = []
+    for rec in reversed(records):
+        r = rec.get("round")
+        if not isinstance(r, int):
+            continue
+        if out and r >= out[-1]["round"]:
+            if r == out[-1]["round"]:
+                continue  # the same round again, older: the later line stays
+            break  # an earlier history
+        out.append(rec)
+    out.reverse()
+    return out
