@@ -179,22 +179,13 @@ async def run(
     """Run the job a coordinator profile describes until its rounds are done or SIGTERM; the exit code.
 
     ``evaluation`` builds the central evaluation of each new head (None: none); ``page`` serves the
-    fleet page when ``[dashboard]`` is enabled. Raises ModelError (the backbone), ConfigError (a key,
-    TLS or evaluation file), CredentialsRefused, TransportError (no broker within
-    :data:`CONNECT_WAIT_S`).
+    fleet page when ``[dashboard]`` is enabled. SIGTERM/SIGINT at any moment stop it (0). Raises
+    ModelError (the backbone), ConfigError (a key, TLS or evaluation file), CredentialsRefused,
+    AccessRefused (the ACL refused the fleet's topics at start-up), AccountInUse (another live client
+    has its account), LeaseHeld, TransportError (no broker within :data:`CONNECT_WAIT_S`).
     """
-    backbone = Backbone(profile.model.path)
-    W0, b0 = backbone.head_from_model()
-    evaluate = evaluation(profile, backbone) if evaluation is not None else None
-    broker, rounds, files = profile.broker, profile.rounds, profile.files
-    fleet = profile.fleet.name
-    hier = profile.hierarchy
-    client_id = f"edgefl-site-{hier.site}-{fleet}" if hier.role == "site" else f"edgefl-coordinator-{fleet}"
-    topics = Topics(broker.topic_prefix, fleet)
-    where = f"{broker.scheme}://{broker.host}:{broker.port}"
-    instance = new_instance()
-    leased = hier.role != "site"  # one coordinator per fleet; a site is one per site broker
-    # SIGTERM/SIGINT from the first moment: a stop during start-up (connect, lease probe) ends it with 0
+    # SIGTERM/SIGINT from the first moment: a stop during start-up (model, connect, lease probe) ends
+    # it with 0 (a signal that comes while the model loads is handled once it is loaded)
     stop = asyncio.Event()
     stopping_at: list[Callable[[], str]] = [lambda: "during start-up"]
 
@@ -207,6 +198,17 @@ async def run(
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop_on, sig)
+    backbone = Backbone(profile.model.path)
+    W0, b0 = backbone.head_from_model()
+    evaluate = evaluation(profile, backbone) if evaluation is not None else None
+    broker, rounds, files = profile.broker, profile.rounds, profile.files
+    fleet = profile.fleet.name
+    hier = profile.hierarchy
+    client_id = f"edgefl-site-{hier.site}-{fleet}" if hier.role == "site" else f"edgefl-coordinator-{fleet}"
+    topics = Topics(broker.topic_prefix, fleet)
+    where = f"{broker.scheme}://{broker.host}:{broker.port}"
+    instance = new_instance()
+    leased = hier.role != "site"  # one coordinator per fleet; a site is one per site broker
 
     def transport_for(cid: str, *, persistent: bool, probe: bool = False) -> MqttTransport:
         return MqttTransport(
@@ -322,7 +324,7 @@ async def run(
     coord.registry.on_mismatch = mismatch
     if isinstance(coord, SiteAggregator):
         transport.on_connect_cb = coord.on_transport_connect
-        return await _run_site(coord, profile, transport, page)
+        return await _run_site(coord, profile, transport, page, stop)
     if not trust.signed:
         logger.warning(
             "the fleet's lease is not signed (no security.signing_key_file): anyone who may publish on %s "
@@ -542,7 +544,11 @@ async def _wait_for_expected(coord: Coordinator, n: int, timeout_s: float, stop:
 
 
 async def _run_site(
-    site: SiteAggregator, profile: CoordinatorProfile, transport: MqttTransport, page: PageServer | None
+    site: SiteAggregator,
+    profile: CoordinatorProfile,
+    transport: MqttTransport,
+    page: PageServer | None,
+    stop: asyncio.Event,
 ) -> int:
     """The site role's job: one partial per round the root announces, up to round ``rounds.count``.
 
@@ -555,11 +561,6 @@ async def _run_site(
     last_round = rounds.count or sys.maxsize  # 0: the root's rounds until stopped
     span = f"rounds 1-{rounds.count}" if rounds.count else "the root's rounds until stopped"
     print(f"site {site.site} of fleet {profile.fleet.name} at {where}: {span}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
     stop_page: Callable[[], Awaitable[None]] | None = None
     if page is not None and profile.dashboard.enabled:
         stop_page, port = await page(
@@ -568,7 +569,8 @@ async def _run_site(
         print(f"site page: http://{profile.dashboard.host}:{port}/", flush=True)
     await transport.start(wait_s=None)
     pump = asyncio.create_task(site.pump())
-    try:
+
+    async def start_up() -> None:
         try:
             await within(transport.connected.wait(), CONNECT_WAIT_S)
         except TimeoutError as exc:
@@ -577,6 +579,14 @@ async def _run_site(
             await site.start()
         except UpdateRejected as exc:
             raise ConfigError([f"files.state = {str(files.state)!r}: {exc}"]) from exc
+        except BrokerRefused as exc:  # an ACL without the fleet's topics: exit 1, not restarted
+            raise _access_refused(exc, where, broker.username, site.topics) from exc
+
+    try:
+        booting = await _unless_stopped(start_up(), stop)  # SIGTERM while connecting: exit 0
+        if booting is None:
+            return EXIT_OK
+        booting.result()
         print(
             f"site {site.site}: ready, waiting for the root's round {site.closed_round + 1} "
             f"(last round closed here: {site.closed_round or 'none'})",
