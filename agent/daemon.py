@@ -63,6 +63,7 @@ class Agent(RoundTask):
         self._trim_wanted = False  # a round's garbage is returned to the kernel when idle (round_loop)
         self._round_wake = asyncio.Event()  # a message or an ask for the round task
         self._round_asks = set()  # what other tasks asked the round task (_wake_rounds)
+        self._acked = []  # PUBACKed updates the core is told of with the next worker call
         # the status may be checked now: no round or global message in hand, or a (re)connect's
         # status is due (the broker may hold the "offline" will: it never waits for a round)
         self._status_go = asyncio.Event()

@@ -183,6 +183,11 @@ class PersonalHeads(DeviceState):
         return self.state_dir / PERSONAL_FILE
 
     @property
+    def personal_step_due(self) -> bool:
+        """A round was trained without its personal step (not taken along): the step waits."""
+        return self._personal_due is not None
+
+    @property
     def personal_due(self) -> bool:
         """A round was trained and its personal step (or the evaluation of one taken with it) waits."""
         return self._personal_due is not None or self._personal_done is not None
@@ -191,8 +196,8 @@ class PersonalHeads(DeviceState):
         """Keep the personal head trained with the round's global training (``train_local``'s ``personal``).
 
         Persisted (at once, or behind with :attr:`write_behind`: :meth:`persist_behind`) and
-        evaluated by :meth:`personalise` (the daemon calls it once the update is out), or by the
-        next global head's :meth:`evaluate` if that comes first.
+        evaluated by :meth:`personalise` (the daemon calls it once no message came for a while), or
+        by the next global head's :meth:`evaluate` if that comes first.
         """
         if not (np.isfinite(W).all() and np.isfinite(b).all()):
             logger.warning("personal step gave non-finite values; the next starts again from the global head")

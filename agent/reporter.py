@@ -145,10 +145,34 @@ class StatusReporter:
     _rate_window: deque[tuple[float, int]]
     _round_wake: asyncio.Event
     _round_asks: set[str]
+    _acked: list[str]
 
     async def _work(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run ``fn(*args)`` on the worker thread (every core call goes through here)."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        """Run ``fn(*args)`` on the worker thread (every core call goes through here).
+
+        The PUBACKs noted since the last call (:meth:`_note_acknowledged`) reach the core first, in
+        the same hop.
+        """
+        loop = asyncio.get_running_loop()
+        if not self._acked:
+            return await loop.run_in_executor(self.executor, fn, *args)
+        acked, self._acked = self._acked, []
+        return await loop.run_in_executor(self.executor, self._acknowledge_then, acked, fn, args)
+
+    def _acknowledge_then(self, acked: list[str], fn: Callable[..., _T], args: tuple[Any, ...]) -> _T:
+        """Worker thread: tell the core of each acknowledged update, then run ``fn(*args)``."""
+        for update_id in acked:
+            self.core.acknowledged(update_id)
+        return fn(*args)
+
+    def _note_acknowledged(self, update_id: str) -> None:
+        """The broker acknowledged ``update_id``: the core is told with the next worker call.
+
+        Its outbox write is left behind anyway (``DeviceCore.write_behind``), so a hop of its own
+        between a PUBACK and the round's next message only costs CPU; ``outbox_pending`` counts
+        the update until then, as it counts one written behind.
+        """
+        self._acked.append(update_id)
 
     def _wake_rounds(self, ask: str) -> None:
         """Ask the round task for ``ask``: ``ready`` (a waiting round may be answerable), ``resend``."""
