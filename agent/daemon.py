@@ -94,6 +94,7 @@ class Agent(RoundTask):
         self._status_connected = False  # a (re)connect happened: the next status check publishes
         self._last_said, self._last_at = "", -math.inf  # what the last published status said, and when
         self._last_level = 0  # samples_level of the last status published, lowered as it drops
+        self._news_memo = None  # the last status check's news view and its status_news string
         self._loop: asyncio.AbstractEventLoop | None = None
         self._next_retry_at = -math.inf  # when the deferred round may be retried again (monotonic)
         src = profile.source

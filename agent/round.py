@@ -273,8 +273,10 @@ class RoundAnswering(PersonalHeads):
         # the personal step rides on the round's batches when its epochs are the round's (softmax
         # heads) and its head fits beside training; otherwise it waits for a step of its own
         along = pcfg.enabled and K > 1 and pcfg.epochs in (0, ann.local_epochs)
-        along = along and not admit(True, probe=True).deferred
-        adm = admit(along)
+        probe = admit(True, probe=True) if along else None
+        along = probe is not None and not probe.deferred
+        # the probe that fits is the admission (asked again, it would read the same RSS)
+        adm = gov.keep(probe) if probe is not None and along else admit(False)
         if adm.deferred:
             return self._defer(ann, adm.reason)
         if self._progress is not None:
