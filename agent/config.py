@@ -18,13 +18,7 @@ from typing import Any, Final, Literal
 
 from edgefl import profiles
 from edgefl.profiles import BrokerConfig, DashboardConfig, Problems, check
-from edgefl.validators import (
-    MAX_BATCH,
-    MAX_THREADS,
-    check_device_id,
-    check_int_at_most,
-    check_positive_int,
-)
+from edgefl.validators import MAX_BATCH, MAX_THREADS, check_device_id, check_int_at_most, check_positive_int
 
 logger = logging.getLogger(__name__)
 

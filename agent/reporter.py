@@ -24,10 +24,7 @@ from edgefl.agent.governor import Governor
 from edgefl.agent.ingest import LOGGED_REFUSALS, Ingest
 from edgefl.agent.status import news_view, samples_level, status_news
 from edgefl.aio import wait_event
-from edgefl.errors import (
-    EdgeflError,
-    TransportError,
-)
+from edgefl.errors import EdgeflError, TransportError
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.chunking import publish_packet_bytes

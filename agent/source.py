@@ -21,13 +21,7 @@ from edgefl.agent.core import Classified
 from edgefl.agent.ingest import Queued
 from edgefl.agent.reporter import StatusReporter
 from edgefl.aio import wait_event
-from edgefl.errors import (
-    BudgetExceeded,
-    DecodeError,
-    EdgeflError,
-    TransportError,
-    UpdateRejected,
-)
+from edgefl.errors import BudgetExceeded, DecodeError, EdgeflError, TransportError, UpdateRejected
 from edgefl.mqtt_link import Message
 from edgefl.wire.chunking import Reassembler, is_chunk
 from edgefl.wire.ingest import Prediction, decode_label, decode_sample, encode_prediction
