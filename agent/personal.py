@@ -1,12 +1,9 @@
 """The personal head and federated evaluation: the device's own head beside the global one.
 
-The personal head takes class-restricted Ditto steps toward the round's global head on the round's
-own training batches (``edgefl.agent.trainer.PersonalStep``), or, when its epochs differ from the
-round's, in a step of its own once the update is out (:meth:`PersonalHeads.personalise`,
-``edgefl.agent.trainer.train_personal``); either way it is persisted and evaluated;
+The personal head takes class-restricted Ditto steps toward the global head, on the round's own
+batches or in a step of its own once the update is out (:meth:`PersonalHeads.personalise`);
 :meth:`PersonalHeads.evaluate` scores both heads on the holdout store (never trained on) and
-:meth:`PersonalHeads.serving_head` picks the one that classifies (the global head while the
-personal one is behind, :func:`personal_behind`).
+:meth:`PersonalHeads.serving_head` picks the one that classifies (:func:`personal_behind`).
 
 Source: T. Li et al., "Ditto: Fair and Robust Federated Learning Through Personalization", ICML 2021.
 """
@@ -74,9 +71,8 @@ def head_switch_message(
     Returns
     -------
     str
-        The accuracies and the disagreements the decision rests on. A personal head no longer behind
-        may still score lower: the global head's lead is then within chance, and the line says so
-        rather than claiming the personal head scores at least as well.
+        The accuracies and disagreements the decision rests on (a lower-scoring personal head no
+        longer behind is said to be within chance).
     """
     acc_p, acc_g = personal_right / total, global_right / total
     if behind:
@@ -116,6 +112,41 @@ class Evaluation:
     count: int
 
 
+class _EvalBuffers:
+    """Fixed-size buffers of :meth:`PersonalHeads.evaluate`: ``rows`` samples of ``D`` dims, ``K`` classes.
+
+    Every array of the evaluation is one of these or a view of one, so no allocation's size follows
+    the holdout's count (numpy keeps freed buffers under 1 KiB per size for reuse: each new length
+    would hold on to a few more).
+    """
+
+    def __init__(self, rows: int, dim: int, classes: int) -> None:
+        self.rows: np.ndarray = np.arange(rows, dtype=np.int64)
+        self.emb: np.ndarray = np.empty((rows, dim), np.float32)
+        self.lbl: np.ndarray = np.empty(rows, np.int64)
+        self.z: np.ndarray = np.empty((rows, classes), np.float32)
+        self.pred: np.ndarray = np.empty(rows, np.intp)
+        self.right: np.ndarray = np.empty(rows, bool)
+        self.right_p: np.ndarray = np.empty(rows, bool)
+        self.only: np.ndarray = np.empty(rows, bool)
+
+    def right_of(self, head: Head, m: int, out: np.ndarray) -> np.ndarray:
+        """Whether ``head`` classifies the first ``m`` buffered samples right: a bool [m] view of ``out``.
+
+        The classes are :meth:`edgefl.head.Head.predict`'s (argmax; ``logit > 0`` for K = 1).
+        """
+        z, pred, right = self.z[:m], self.pred[:m], out[:m]
+        np.matmul(self.emb[:m], head.W, out=z)
+        z += head.b
+        if z.shape[1] == 1:
+            np.greater(z[:, 0], 0, out=right)
+            np.copyto(pred, right)
+        else:
+            np.argmax(z, axis=1, out=pred)
+        np.equal(pred, self.lbl[:m], out=right)
+        return right
+
+
 class PersonalHeads(DeviceState):
     """The personal head, its classes, and the evaluation of both heads on the holdout (a core part)."""
 
@@ -144,26 +175,38 @@ class PersonalHeads(DeviceState):
     def evaluate(self) -> Evaluation | None:
         """Accuracy of the current head on the holdout store (federated evaluation), or None without one.
 
+        The holdout is read ``training.chunk_size`` samples at a time into buffers of that many rows
+        (float32 [chunk, D] and a few [chunk] and [chunk, K] ones, allocated per call): the memory is
+        the same whatever the holdout's size, and no array takes the holdout's changing length.
+
         Returns
         -------
         Evaluation or None
             Also kept in :attr:`evaluation`; None when the holdout is off or empty.
         """
         self._personal_done = None  # a personal step taken with the round's training: evaluated here
-        if self.holdout is None or len(self.holdout) == 0:
+        holdout = self.holdout
+        if holdout is None or len(holdout) == 0:
             return None
         head = self.head
         personal = self.personal
-        correct = correct_p = total = only_global = only_personal = 0
-        for emb, lbl in self.holdout.chunks(256):
-            right = head.predict(emb) == lbl
-            correct += int(np.sum(right))
+        n = len(holdout)
+        rows = self.profile.training.chunk_size
+        buf = _EvalBuffers(rows, *head.shape)
+        correct = correct_p = only_global = only_personal = 0
+        for start in range(0, n, rows):
+            m = min(rows, n - start)
+            holdout.read(buf.rows[:m], buf.emb[:m], buf.lbl[:m])
+            buf.rows += rows  # the next chunk's rows
+            right = buf.right_of(head, m, buf.right)
+            correct += int(np.count_nonzero(right))
             if personal is not None:
-                right_p = personal.predict(emb) == lbl
-                correct_p += int(np.sum(right_p))
-                only_global += int(np.sum(right & ~right_p))
-                only_personal += int(np.sum(right_p & ~right))
-            total += len(lbl)
+                right_p = buf.right_of(personal, m, buf.right_p)
+                correct_p += int(np.count_nonzero(right_p))
+                only = buf.only[:m]
+                only_global += int(np.count_nonzero(np.greater(right, right_p, out=only)))
+                only_personal += int(np.count_nonzero(np.greater(right_p, right, out=only)))
+        total = n
         self.evaluation = Evaluation(head.version, correct / total, total)
         if personal is not None:
             self.personal_evaluation = Evaluation(personal.version, correct_p / total, total)
@@ -183,16 +226,19 @@ class PersonalHeads(DeviceState):
         return self.state_dir / PERSONAL_FILE
 
     @property
+    def personal_step_due(self) -> bool:
+        """A round was trained without its personal step (not taken along): the step waits."""
+        return self._personal_due is not None
+
+    @property
     def personal_due(self) -> bool:
         """A round was trained and its personal step (or the evaluation of one taken with it) waits."""
         return self._personal_due is not None or self._personal_done is not None
 
     def _adopt_personal(self, W: np.ndarray, b: np.ndarray, version: int, result: PersonalResult) -> None:
-        """Keep the personal head trained with the round's global training (``train_local``'s ``personal``).
+        """Keep and persist the personal head trained along with the round.
 
-        Persisted (at once, or behind with :attr:`write_behind`: :meth:`persist_behind`) and
-        evaluated by :meth:`personalise` (the daemon calls it once the update is out), or by the
-        next global head's :meth:`evaluate` if that comes first.
+        Evaluated by :meth:`personalise` once idle, or by the next global head's :meth:`evaluate`.
         """
         if not (np.isfinite(W).all() and np.isfinite(b).all()):
             logger.warning("personal step gave non-finite values; the next starts again from the global head")
@@ -273,11 +319,8 @@ class PersonalHeads(DeviceState):
     def personalise(self) -> PersonalResult | None:
         """The personal step of the last trained round: class-restricted Ditto steps, persisted, evaluated.
 
-        A round whose training took the step along (``train_local``'s ``personal``) leaves only its
-        evaluation here, and its result is returned. Otherwise the step runs now
-        (:func:`edgefl.agent.trainer.train_personal` with the ``[personal]`` settings, phase
-        ``personal``); then the head is written (behind with :attr:`write_behind`) and both heads are
-        evaluated (:meth:`evaluate`). Nothing here changes what is sent.
+        A step the round's training took along is only evaluated here; otherwise it runs now
+        (:func:`edgefl.agent.trainer.train_personal`, phase ``personal``). Nothing sent changes.
 
         Returns
         -------
