@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -370,8 +370,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--broker", required=True, help="mqtt://host[:port] or mqtts://host[:port]")
     p.add_argument("--fleet", required=True, help="the device's fleet (device.fleet)")
     p.add_argument("--device", required=True, help="the device id (device.id)")
-    p.add_argument("--data", required=True, metavar="FILE.npz", help="x [N, ...] raw samples, y [N] labels")
-    p.add_argument("--rate", type=float, default=50.0, metavar="HZ", help="samples per second; 0: at once")
+    p.add_argument(
+        "--data", required=True, type=Path, metavar="FILE.npz", help="x [N, ...] raw samples, y [N] labels"
+    )
+    p.add_argument(
+        "--rate", dest="rate_hz", type=float, default=50.0, metavar="HZ", help="samples/s; 0: at once"
+    )
     p.add_argument(
         "--label-fraction",
         type=float,
@@ -381,13 +385,21 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--label-delay",
+        dest="label_delay_s",
         type=float,
         default=0.0,
         metavar="S",
         help="0: label inline in the Sample (default); S > 0: a Label on labels/<device> S s after it",
     )
     p.add_argument("--qos", type=int, default=1, choices=(0, 1), help="QoS of the samples (default 1)")
-    p.add_argument("--wait", type=float, default=10.0, metavar="S", help="wait for predictions (default 10)")
+    p.add_argument(
+        "--wait",
+        dest="wait_s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="wait for predictions (default 10)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the labelled fraction (default 0)")
     p.add_argument("--limit", type=int, default=None, help="feed only the first N samples")
     p.add_argument("--id-prefix", default=None, help="sample ids are <prefix><i> (default: a random token)")
@@ -441,22 +453,10 @@ def cmd_feed(args: argparse.Namespace) -> int:
     try:
         check_device_id(args.device)
         check_device_id(args.fleet)
-        if not (0.0 <= args.label_fraction <= 1.0 and args.rate >= 0 and args.label_delay >= 0):
+        if not (0.0 <= args.label_fraction <= 1.0 and args.rate_hz >= 0 and args.label_delay_s >= 0):
             raise ValueError("--label-fraction must be in [0, 1], --rate and --label-delay >= 0")
-        opts = FeedOptions(
-            broker=_broker(args),
-            fleet=args.fleet,
-            device=args.device,
-            data=Path(args.data),
-            rate_hz=args.rate,
-            label_fraction=args.label_fraction,
-            label_delay_s=args.label_delay,
-            qos=args.qos,
-            wait_s=args.wait,
-            seed=args.seed,
-            id_prefix=args.id_prefix,
-            limit=args.limit,
-        )
+        names = [f.name for f in fields(FeedOptions) if f.name != "broker"]  # each the dest of its option
+        opts = FeedOptions(broker=_broker(args), **{name: getattr(args, name) for name in names})
         x, y = load_samples(opts.data)
         if args.profile is not None:
             if args.limit is not None:
