@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -136,9 +137,8 @@ class TrainingConfig:
         ``store_capacity // n``, at least 16) on which each new global head is evaluated; 0 disables.
         0 or >= 2.
     min_examples : int
-        Fewest labelled examples the store must hold for the device to train a round, >= 1. A device
-        holding some but fewer declines the round (reason ``too_few_examples``); one holding none
-        declines at once (reason ``no_samples``).
+        Fewest labelled examples the store must hold for the device to train a round, >= 1; with
+        fewer the round is declined (``too_few_examples``; ``no_samples`` at once when it holds none).
     flush_interval_s : float
         Longest time, in seconds, a stored sample waits before the store is flushed (it then
         survives a power cut), > 0.
@@ -159,11 +159,7 @@ class TrainingConfig:
 
 @dataclass(frozen=True, slots=True)
 class PersonalConfig:
-    """``[personal]``: the device's personal head, trained beside the global one.
-
-    After each round's local training the device takes class-restricted Ditto steps on its own
-    head; that head serves the device's predictions while it does at least as well as the global
-    head on the holdout. The update sent stays the global one's.
+    """``[personal]``: the device's personal head, trained beside the global one (``agent/personal.py``).
 
     Parameters
     ----------
@@ -361,11 +357,7 @@ def _check_memory(p: Problems, c: MemoryConfig, raw: Mapping[str, object], check
 
 def _check_training(p: Problems, c: TrainingConfig, raw: Mapping[str, object], check_files: bool) -> None:
     for name in ("store_capacity", "chunk_size", "chunk_floor"):
-        value = getattr(c, name)
-        try:
-            check_positive_int(name, value)
-        except ValueError as exc:
-            p.add(f"training.{name}", value, str(exc))
+        check(p, f"training.{name}", getattr(c, name), partial(check_positive_int, name))
     if c.chunk_floor > c.chunk_size:
         p.add(
             "training.chunk_floor",
@@ -381,9 +373,9 @@ def _check_training(p: Problems, c: TrainingConfig, raw: Mapping[str, object], c
         p.add("training.holdout_every", c.holdout_every, "must be 0 (no holdout) or >= 2")
     if not c.flush_interval_s > 0.0 or c.flush_interval_s == float("inf"):
         p.add("training.flush_interval_s", c.flush_interval_s, "must be a finite number of seconds > 0")
-    if isinstance(c.flush_every, bool) or not isinstance(c.flush_every, int) or c.flush_every < 1:
+    if c.flush_every < 1:  # the parser made every int field an int
         p.add("training.flush_every", c.flush_every, "must be an integer >= 1")
-    if isinstance(c.min_examples, bool) or not isinstance(c.min_examples, int) or c.min_examples < 1:
+    if c.min_examples < 1:
         p.add("training.min_examples", c.min_examples, "must be an integer >= 1")
     elif c.min_examples > c.store_capacity:
         p.add(
@@ -412,10 +404,8 @@ def _npz_problem(path: Path) -> str | None:
 def _check_source(p: Problems, c: SourceConfig, raw: Mapping[str, object], check_files: bool) -> None:
     if c.rate_hz < 0.0:
         p.add("source.rate_hz", c.rate_hz, "must be >= 0")
-    if not 1 <= c.queue_max <= 65_536:
-        p.add("source.queue_max", c.queue_max, "must be between 1 and 65536 samples")
-    if not 0 <= c.pending_max <= 1_000_000:
-        p.add("source.pending_max", c.pending_max, "must be between 0 and 1000000 samples")
+    p.between("source.queue_max", c.queue_max, 1, 65_536, " samples")
+    p.between("source.pending_max", c.pending_max, 0, 1_000_000, " samples")
     if not 0.0 < c.label_expiry_s <= 86_400.0:
         p.add("source.label_expiry_s", c.label_expiry_s, "must be > 0 and at most 86400 seconds")
     for key, qos in (("samples_qos", c.samples_qos), ("predictions_qos", c.predictions_qos)):
@@ -472,16 +462,14 @@ def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], c
 
 
 def _check_status(p: Problems, c: StatusConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    if not 0.05 <= c.interval_s <= 3600:
-        p.add("status.interval_s", c.interval_s, "must be between 0.05 and 3600 seconds")
+    p.between("status.interval_s", c.interval_s, 0.05, 3600, " seconds")
     if c.heartbeat_s is not None and not c.interval_s <= c.heartbeat_s <= 86_400:
         p.add("status.heartbeat_s", c.heartbeat_s, "must be between status.interval_s and 86400 seconds")
 
 
 def _check_personal(p: Problems, c: PersonalConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    if not 0.0 <= c.prox_lambda <= 1000.0:
-        p.add("personal.prox_lambda", c.prox_lambda, "must be between 0 and 1000")
-    if isinstance(c.epochs, bool) or not isinstance(c.epochs, int) or not 0 <= c.epochs <= 100:
+    p.between("personal.prox_lambda", c.prox_lambda, 0, 1000)
+    if not 0 <= c.epochs <= 100:
         p.add("personal.epochs", c.epochs, "must be an integer between 0 and 100 (0: the round's)")
     if not 0.0 < c.lr_scale <= 10.0:
         p.add("personal.lr_scale", c.lr_scale, "must be > 0 and <= 10 (a multiple of the round's lr)")
@@ -509,28 +497,13 @@ SCHEMA: Final = profiles.Schema(_TABLES, _PLACEHOLDERS)
 """The device profile's tables, checks and parser."""
 
 
-def _parse(
-    data: Mapping[str, object],
-    base_dir: Path,
-    path: Path | None,
-    check_files: bool,
-    overrides: Mapping[str, object],
-) -> Profile:
-    built = SCHEMA.parse(data, base_dir, check_files, overrides)
-    device_table = data.get("device")
-    given = isinstance(device_table, Mapping) and "state_dir" in device_table
-    if not given and "device.state_dir" not in overrides:
-        device: DeviceConfig = built["device"]
-        built["device"] = replace(device, state_dir=device.state_dir / device.id)
-    return Profile(path=path if path is not None else Path("<inline>"), **built)
-
-
 def parse_profile(
     data: Mapping[str, object],
     base_dir: Path,
     *,
     path: Path | None = None,
     check_files: bool = True,
+    overrides: Mapping[str, object] | None = None,
 ) -> Profile:
     """Build and validate a profile from an already-parsed TOML mapping.
 
@@ -545,6 +518,8 @@ def parse_profile(
     check_files : bool
         Check that ``model.path``, the TLS files and a replay ``source.path`` exist (and that
         ``model.sha256`` matches); False for profiles written for another machine.
+    overrides : Mapping[str, object] or None
+        As :func:`load_profile`'s.
 
     Returns
     -------
@@ -556,7 +531,14 @@ def parse_profile(
     ConfigError
         With every problem found, e.g. ``["memory.cap_mb = 0: must be > 0", "[bogus]: unknown table"]``.
     """
-    return _parse(data, base_dir, path, check_files, {})
+    overrides = overrides or {}
+    built = SCHEMA.parse(data, base_dir, check_files, overrides)
+    device_table = data.get("device")
+    given = isinstance(device_table, Mapping) and "state_dir" in device_table
+    if not given and "device.state_dir" not in overrides:
+        device: DeviceConfig = built["device"]
+        built["device"] = replace(device, state_dir=device.state_dir / device.id)
+    return Profile(path=path if path is not None else Path("<inline>"), **built)
 
 
 def load_profile(
@@ -591,7 +573,7 @@ def load_profile(
     Source: TOML 1.0.0 (https://toml.io/en/v1.0.0), read with ``tomllib``.
     """
     file, data = profiles.read_toml(path)
-    profile = _parse(data, file.parent, file, check_files, overrides or {})
+    profile = parse_profile(data, file.parent, path=file, check_files=check_files, overrides=overrides)
     logger.debug("loaded profile %s for device %s", file, profile.device.id)
     return profile
 

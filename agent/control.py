@@ -15,7 +15,6 @@ import time
 
 from edgefl import heap
 from edgefl.agent.core import ApplyStatus
-from edgefl.agent.ingest import LOGGED_REFUSALS
 from edgefl.agent.round import RoundResult, RoundStatus
 from edgefl.agent.source import SampleSource
 from edgefl.aio import wait_event
@@ -54,24 +53,18 @@ class RoundTask(SampleSource):
         """The round task: every round is answered here, in the order its messages and asks came.
 
         Each pass: re-send the outbox if a (re)connect asked, answer the waiting round if samples
-        arrived for it, retry the deferred round once ``status.interval_s`` has passed, then handle
-        one round or global message (:meth:`handle`). With nothing in hand the last trained round's
-        personal step runs, then the status may be checked (``_status_go``), and once no message
-        came for :data:`IDLE_GRACE_S` the writes the core left behind are made
-        (``DeviceCore.persist_behind``: the heads, the outbox after a PUBACK; at once when the oldest
-        waited ``training.flush_interval_s``) and, after a trained round, freed heap goes back to
-        the kernel (``malloc_trim``).
+        arrived for it, retry the deferred round after ``status.interval_s``, then handle one message
+        (:meth:`handle`). With nothing in hand: the personal step (when it did not train along), the
+        status check, and after :data:`IDLE_GRACE_S` the personal head's evaluation (unless the next
+        global head's did it), the writes left behind (``DeviceCore.persist_behind``) and, after a
+        trained round, ``malloc_trim``.
         """
         while True:
             if self._control.empty() and not self._round_asks and not self._retry_due():
-                if self.core.personal_due:
+                if self.core.personal_step_due:
                     # the personal step of the round just answered, once no message waits (it changes
                     # nothing that is sent; a round that comes first runs it before its training)
-                    try:
-                        if await self._work(self.core.personalise) is not None:
-                            self._changed()
-                    except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
-                        self._fault("personal", "personal step", exc)  # the next round tries again
+                    await self._personalise()
                     continue
                 behind = self.core.behind_since
                 if behind is not None and time.monotonic() - behind >= self.profile.training.flush_interval_s:
@@ -85,7 +78,11 @@ class RoundTask(SampleSource):
                     await self._round_wake.wait()
                 elif not await wait_event(self._round_wake, wait_s):
                     if time.monotonic() - idle_since >= IDLE_GRACE_S:
-                        if self.core.behind_since is not None:
+                        if self.core.personal_due:
+                            # a step taken with the round's training is evaluated here, unless the
+                            # next global head came first (its evaluation covers both heads)
+                            await self._personalise()
+                        if self.core.behind_since is not None or self._acked:
                             await self._work(self.core.persist_behind)
                         if self._trim_wanted:
                             self._trim_wanted = False
@@ -106,13 +103,23 @@ class RoundTask(SampleSource):
             if not self._control.empty():
                 await self.handle(self._control.get_nowait())
 
+    async def _personalise(self) -> None:
+        """Run the core's due personal step (or its evaluation) on the worker; a failure is counted."""
+        try:
+            if await self._work(self.core.personalise) is not None:
+                self._changed()
+        except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
+            self._fault("personal", "personal step", exc)  # the next round tries again
+
     def _retry_due(self) -> bool:
         return self.core.deferred is not None and time.monotonic() >= self._next_retry_at
 
     def _idle_wait_s(self) -> float | None:
         """How long the idle round task waits for a message: the trim's grace, the deferred round's retry."""
-        waits = [IDLE_GRACE_S] if self._trim_wanted or self.core.behind_since is not None else []
-        if self.core.deferred is not None:
+        core = self.core
+        later = self._trim_wanted or core.behind_since is not None or core.personal_due or self._acked
+        waits = [IDLE_GRACE_S] if later else []
+        if core.deferred is not None:
             waits.append(max(0.0, self._next_retry_at - time.monotonic()))
         return min(waits) if waits else None
 
@@ -156,10 +163,8 @@ class RoundTask(SampleSource):
             # last line of defence: whatever a message made us do failed; count it, keep running (the
             # message was acknowledged when it reached the queue: a run of such messages never makes
             # the daemon deaf)
-            self.state.rejected["failed"] += 1
-            n = self.state.rejected["failed"]
-            if n <= LOGGED_REFUSALS or n % 1000 == 0:
-                more = f" ({n} failed so far)" if n > LOGGED_REFUSALS else ""
+            more = self._count_rejected("failed")
+            if more is not None:
                 logger.error("handling %s failed: %s: %s%s", what, type(exc).__name__, exc, more)
             self._set_state("idle", f"last message failed: {exc}")
 
@@ -249,14 +254,10 @@ class RoundTask(SampleSource):
             await self.on_round(result)
 
     async def _send_update(self, update_id: str, payload: bytes, counted: bool = False) -> None:
-        """Publish an update (chunked above the broker's packet limit), then drop it from the outbox.
+        """Publish an update (chunked above the packet limit), then drop it from the outbox.
 
-        ``counted``: the outbox already counted this attempt; otherwise it is counted (persisted) first.
-
-        Raises
-        ------
-        TransportError
-            If a chunk was not acknowledged; the update stays in the outbox for a re-send.
+        ``counted``: the outbox already counted this attempt (else counted first). TransportError if a
+        chunk was not acknowledged: the update stays in the outbox for a re-send.
         """
         assert self.transport is not None
         topic = self.topics.update(self.device)
@@ -266,7 +267,7 @@ class RoundTask(SampleSource):
         with self.core.phase("publish"):
             for part in split_message(payload, topic, limit, msg_id=update_id.replace(":", "-")):
                 await self.transport.publish(topic, part, qos=1)
-        await self._work(self.core.acknowledged, update_id)
+        self._note_acknowledged(update_id)  # the core hears of it with the next worker call
 
     async def resend_outbox(self) -> None:
         """After a (re)connect: send each unacknowledged update of the current round again, once."""

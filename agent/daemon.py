@@ -63,6 +63,7 @@ class Agent(RoundTask):
         self._trim_wanted = False  # a round's garbage is returned to the kernel when idle (round_loop)
         self._round_wake = asyncio.Event()  # a message or an ask for the round task
         self._round_asks = set()  # what other tasks asked the round task (_wake_rounds)
+        self._acked = []  # PUBACKed updates the core is told of with the next worker call
         # the status may be checked now: no round or global message in hand, or a (re)connect's
         # status is due (the broker may hold the "offline" will: it never waits for a round)
         self._status_go = asyncio.Event()
@@ -93,6 +94,7 @@ class Agent(RoundTask):
         self._status_connected = False  # a (re)connect happened: the next status check publishes
         self._last_said, self._last_at = "", -math.inf  # what the last published status said, and when
         self._last_level = 0  # samples_level of the last status published, lowered as it drops
+        self._news_memo = None  # the last status check's news view and its status_news string
         self._loop: asyncio.AbstractEventLoop | None = None
         self._next_retry_at = -math.inf  # when the deferred round may be retried again (monotonic)
         src = profile.source

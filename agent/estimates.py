@@ -55,14 +55,6 @@ def model_shapes(backbone: Any) -> ModelShapes:
     writes it to the last op that reads it; the largest per-op sum, divided by the allocated batch,
     is the per-sample figure (kernels' scratch buffers are covered by a factor in
     :func:`estimate_inference_bytes`).
-
-    Parameters
-    ----------
-    backbone : edgefl.runtime.Backbone
-
-    Returns
-    -------
-    ModelShapes
     """
     interp = backbone.interpreter
     details = {int(d["index"]): d for d in interp.get_tensor_details()}
@@ -126,24 +118,11 @@ _DEFLATE_STATE_BYTES = 256 << 10
 
 
 def estimate_batch_bytes(shapes: ModelShapes, batch: int, *, fused: bool = False) -> int:
-    """Heap bytes to prepare one batch of raw samples for the model (normalise, quantise).
+    """Heap bytes to prepare ``batch`` (>= 1) raw samples for the model (normalise, quantise).
 
     Unfused: the float32 copies of the batch alive at once (5 for quantised inputs, 3 for float
-    inputs) plus the result. Fused: written in place into the input tensor through a one-sample
-    float32 scratch.
-
-    Parameters
-    ----------
-    shapes : ModelShapes
-    batch : int
-        Samples in the batch (>= 1).
-    fused : bool
-        The pipeline's mode is ``fused``.
-
-    Returns
-    -------
-    int
-        Bytes.
+    inputs) plus the result. ``fused`` (the pipeline's mode): written in place into the input tensor
+    through a one-sample float32 scratch.
     """
     elems = batch * shapes.sample_elems
     if fused:
@@ -153,23 +132,10 @@ def estimate_batch_bytes(shapes: ModelShapes, batch: int, *, fused: bool = False
 
 
 def estimate_inference_bytes(shapes: ModelShapes, batch: int, *, resident_batch: int = 0) -> int:
-    """Bytes one interpreter call on ``batch`` samples may add to RSS.
+    """Bytes one interpreter call on ``batch`` (>= 1) samples may add to RSS.
 
-    The arena keeps its largest size, so only the part beyond ``resident_batch`` is new; the
-    dequantised outputs are new every call.
-
-    Parameters
-    ----------
-    shapes : ModelShapes
-    batch : int
-        Samples per call (>= 1).
-    resident_batch : int
-        Largest batch the interpreter has already allocated (0 = none known).
-
-    Returns
-    -------
-    int
-        Bytes.
+    The arena keeps its largest size, so only the part beyond ``resident_batch`` (the largest batch
+    already allocated, 0 = none known) is new; the dequantised outputs are new every call.
     """
     grow = max(0, batch - resident_batch)
     factor = _DELEGATED_ARENA_FACTOR if shapes.delegated else _ARENA_FACTOR
@@ -202,22 +168,13 @@ def estimate_train_bytes(
     ----------
     chunk : int
         Samples per chunk read from the store.
-    dim, classes : int
-        D and K.
-    batch_size : int
-        Samples per SGD step.
-    num_examples : int
-        Samples in the store.
+    dim, classes, batch_size, num_examples : int
+        D, K, samples per SGD step, samples in the store.
     first_run : bool
         The process has not trained yet: count the four heads.
     resident_rows : int
         Stored samples whose pages this process already has mapped
         (``EmbeddingStore.resident_rows``); 0 counts every one.
-
-    Returns
-    -------
-    int
-        Bytes.
     """
     head_bytes = 4 * (dim * classes + classes) * 4 if first_run else 0
     return _store_read_bytes(chunk, dim, num_examples, resident_rows) + head_bytes
@@ -262,19 +219,7 @@ def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fractio
     twice (typed-array bytes and CBOR output), zlib's deflate state for the int8 and top-k layouts,
     and int8's levels once more.
 
-    Parameters
-    ----------
-    dim, classes : int
-        D and K.
-    compression : str
-        An ``edgefl.wire.compression.Compression`` value.
-    topk_fraction : float
-        Fraction of values a top-k layout keeps, (0, 1].
-
-    Returns
-    -------
-    int
-        Bytes.
+    ``compression`` is an ``edgefl.wire.compression.Compression`` value, ``topk_fraction`` in (0, 1].
     """
     n = dim * classes + classes
     sparse = compression.startswith("topk")

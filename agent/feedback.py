@@ -1,9 +1,7 @@
 """Error feedback for compressed updates: what compression dropped is kept on the device and sent later.
 
-Before compressing, the device adds its residual to the new delta; after compressing, the new
-residual is ``corrected - decoded``, ``decoded`` being exactly what the coordinator will see. Nothing
-is lost, only delayed. The device's outbox record (``edgefl.agent.outbox``) carries the residual in
-the form of :meth:`ErrorFeedback.carry_bytes`, so a restart loses none of it.
+The residual ``corrected - decoded`` (``decoded``: exactly what the coordinator sees) is added to the
+next delta; the outbox record carries it (:meth:`ErrorFeedback.carry_bytes`) across restarts.
 
 Source: Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory" (NeurIPS), Algorithm 1;
 Karimireddy et al. 2019 ("Error Feedback Fixes SignSGD").
@@ -85,17 +83,7 @@ class ErrorFeedback:
         )
 
     def compensate(self, delta_W: F32, delta_b: F32) -> tuple[F32, F32]:
-        """Add the residual to a fresh delta.
-
-        Parameters
-        ----------
-        delta_W, delta_b : float32 [D, K], float32 [K]
-            This round's delta.
-
-        Returns
-        -------
-        tuple[F32, F32]
-            ``(delta_W + e_W, delta_b + e_b)``, new float32 arrays.
+        """``(delta_W + e_W, delta_b + e_b)``: new float32 [D, K] and [K] arrays.
 
         Raises
         ------
@@ -105,12 +93,6 @@ class ErrorFeedback:
         if delta_W.shape != self.shape or delta_b.shape != (self.shape[1],):
             raise ValueError(f"ErrorFeedback: delta {delta_W.shape}/{delta_b.shape}, head {self.shape}")
         return (delta_W + self.residual_W).astype(np.float32), (delta_b + self.residual_b).astype(np.float32)
-
-    def reset(self) -> None:
-        """Forget the residual."""
-        self.residual_W = np.zeros(self.shape, np.float32)
-        self.residual_b = np.zeros(self.shape[1], np.float32)
-        self.round = -1
 
     def compress(
         self,
@@ -128,10 +110,8 @@ class ErrorFeedback:
         ----------
         delta_W, delta_b : float32 [D, K], float32 [K]
             This round's delta.
-        compression : Compression
-            The round's compression.
-        topk_fraction : float
-            The round's top-k fraction.
+        compression, topk_fraction
+            The round's.
         seed : int or None
             Seed of stochastic int8 rounding (None = deterministic rounding).
         round : int

@@ -141,17 +141,9 @@ class Ingest:
 
     # --- in ---------------------------------------------------------------------------------------
     def offer_sample(self, sample: Sample) -> Queued | None:
-        """Queue a decoded sample; evict the oldest queued one if full.
+        """Queue a sample the decoder checked against the model; return the oldest, evicted if full.
 
-        Parameters
-        ----------
-        sample : Sample
-            Already checked against the model (shape, dtype, label range) by the decoder.
-
-        Returns
-        -------
-        Queued or None
-            The evicted sample (counted in ``ingest_dropped``), or None.
+        The evicted sample is counted in ``ingest_dropped``; None when nothing was evicted.
 
         Raises
         ------
@@ -200,12 +192,7 @@ class Ingest:
         return True
 
     def offer_label(self, label: Label) -> None:
-        """Apply a late label to its sample: queued (labelled in place), in flight (kept for it) or pending.
-
-        Parameters
-        ----------
-        label : Label
-            Already checked against K by the decoder.
+        """Apply a late label (checked against K) to its sample: queued, in flight or pending.
 
         Raises
         ------
@@ -266,12 +253,7 @@ class Ingest:
     def settle(self, sample_id: str, embedding: F32, predicted: int) -> None:
         """Settle a taken sample once classified: its late label handed back, or parked to wait for one.
 
-        Parameters
-        ----------
-        sample_id : str
-        embedding : float32 [D]
-        predicted : int
-            The class it was given (scored against its label when that comes).
+        ``embedding`` float32 [D]; ``predicted``: the class it was given (scored against its label).
         """
         slot = self._inflight.pop(sample_id, None)
         if slot is None or slot[0] is not None:

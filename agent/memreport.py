@@ -170,7 +170,6 @@ def run_round(
     broker: str | None = None,
     state_dir: Path | None = None,
     compression: str = "none",
-    phase_hook: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> RoundReport:
     """Run one full round of the device core in this process and measure each phase.
 
@@ -197,8 +196,6 @@ def run_round(
     compression : str
         The round's compression (``edgefl.wire.compression.Compression``); 2 local epochs at lr 0.1,
         batches of 16.
-    phase_hook : callable(str) -> context manager, optional
-        Entered around each phase inside the governor's measurement (e.g. a PSS sampler).
 
     Returns
     -------
@@ -231,8 +228,7 @@ def run_round(
         if watch is not None:
             tracemalloc.reset_peak()
         level = tracemalloc.get_traced_memory()[0] if watch is not None else 0
-        hook = phase_hook(name) if phase_hook is not None else contextlib.nullcontext()
-        with gov.phase(name), hook, watch.watch() if watch is not None else contextlib.nullcontext():
+        with gov.phase(name), watch.watch() if watch is not None else contextlib.nullcontext():
             yield
         rep.runs += 1
         rep.peak_rss_bytes = max(rep.peak_rss_bytes, gov.phase_last[name])
@@ -329,10 +325,7 @@ def _publish(
     payload: bytes,
     measured: Callable[[str], contextlib.AbstractContextManager[None]],
 ) -> str:
-    """Publish ``payload`` on ``update/<device>`` (QoS 1, chunked as the daemon does) in phase ``publish``.
-
-    Returns '' or the error.
-    """
+    """Publish ``payload`` on ``update/<device>`` (QoS 1, chunked) in phase ``publish``; '' or the error."""
     import asyncio
 
     from edgefl.errors import TransportError
@@ -388,18 +381,7 @@ def format_report(rep: RoundReport) -> str:
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add the ``memory-report`` sub-command to an ``argparse`` sub-parsers object.
-
-    Parameters
-    ----------
-    sub : argparse._SubParsersAction
-        From ``ArgumentParser.add_subparsers``.
-
-    Returns
-    -------
-    argparse.ArgumentParser
-        The sub-command's parser (``func`` set to :func:`main`).
-    """
+    """Add the ``memory-report`` sub-command to ``sub`` (``add_subparsers``); its ``func`` is :func:`main`."""
     p: argparse.ArgumentParser = sub.add_parser(
         "memory-report", help="run one round in-process and print the peak memory of every phase"
     )

@@ -48,10 +48,7 @@ os.register_at_fork(after_in_child=_forget_own_fds)
 
 
 def _own_fd(name: str, flags: int = os.O_RDONLY) -> tuple[int, tuple[int, int]]:
-    """A descriptor kept open on ``/proc/<name>`` and its (device, inode) (a ``pread`` on it: 1-12 us).
-
-    Raises ``OSError`` if the file cannot be opened.
-    """
+    """A descriptor kept open on ``/proc/<name>`` and its (device, inode); OSError if it cannot be opened."""
     with _OWN_FILES_LOCK:
         kept = _own_fds.get(name)
         if kept is None:
@@ -81,10 +78,7 @@ def _drop_own_fd(name: str) -> None:
 
 
 def _read_proc(proc: Path, pid: int | str | None, filename: str) -> str:
-    """The text of ``<proc>/<pid>/<filename>`` (``<proc>/<filename>`` for pid None), or OSError.
-
-    This process's own files under the real ``/proc`` are read on a kept descriptor (:func:`_own_fd`).
-    """
+    """The text of ``<proc>/[<pid>/]<filename>``, or OSError (own files: on a kept descriptor)."""
     name = filename if pid is None else f"self/{filename}"
     # "is" first: a Path comparison costs more than the kept read it selects (a dozen a round)
     head = _OWN_HEADS.get(name) if (proc is PROC or proc == PROC) and pid in ("self", None) else None
@@ -112,11 +106,12 @@ def rss_bytes(pid: int | str = "self", *, proc: Path = PROC) -> int:
     return int(fields[1]) * PAGE_BYTES
 
 
-def _status_kb(pid: int | str, key: str, proc: Path = PROC) -> int:
-    text = "\n" + _read_proc(proc, pid, "status")  # a key on the first line is found too
+def _kb_field(proc: Path, pid: int | str | None, filename: str, key: str) -> int:
+    """Bytes of the ``key:   N kB`` line of ``<proc>/[<pid>/]<filename>``; OSError if there is none."""
+    text = "\n" + _read_proc(proc, pid, filename)  # a key on the first line is found too
     at = text.find(f"\n{key}:")
     if at < 0:
-        raise OSError(f"{proc}/{pid}/status has no {key}")
+        raise OSError(f"{proc if pid is None else proc / str(pid)}/{filename} has no {key}")
     end = text.find("\n", at + 1)
     return int(text[at + len(key) + 2 : end if end >= 0 else None].split()[0]) * 1024
 
@@ -131,18 +126,15 @@ def peak_rss_bytes(pid: int | str = "self", *, proc: Path = PROC) -> int:
     OSError
         If the process does not exist or the kernel does not report ``VmHWM``.
     """
-    return _status_kb(pid, "VmHWM", proc)
+    return _kb_field(proc, pid, "status", "VmHWM")
 
 
 def pss_bytes(pid: int | str = "self", *, proc: Path = PROC) -> int | None:
     """Proportional set size from ``/proc/<pid>/smaps_rollup`` in bytes, or None where not readable."""
     try:
-        for line in (proc / str(pid) / "smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
+        return _kb_field(proc, pid, "smaps_rollup", "Pss")
     except OSError:
         return None
-    return None
 
 
 def system_available_bytes(*, proc: Path = PROC) -> int:
@@ -153,12 +145,7 @@ def system_available_bytes(*, proc: Path = PROC) -> int:
     OSError
         If ``/proc/meminfo`` has no ``MemAvailable`` line (kernels before 3.14).
     """
-    text = "\n" + _read_proc(proc, None, "meminfo")
-    at = text.find("\nMemAvailable:")
-    if at < 0:
-        raise OSError(f"{proc}/meminfo has no MemAvailable")
-    end = text.find("\n", at + 1)
-    return int(text[at + 14 : end if end >= 0 else None].split()[0]) * 1024
+    return _kb_field(proc, None, "meminfo", "MemAvailable")
 
 
 def reset_peak(*, proc: Path = PROC) -> bool:

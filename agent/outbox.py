@@ -180,12 +180,8 @@ class Outbox:
 
         Parameters
         ----------
-        update_id : str
-            ``[A-Za-z0-9_.:-]{1,128}``.
-        round : int
-            Round the update answers, >= 0.
-        payload : bytes
-            The encoded update, exactly as it will be published.
+        update_id, round, payload
+            As :class:`OutboxEntry`'s.
         sends : int
             Publish attempts to record with it (1 when the caller publishes it right away).
         answered : dict, optional

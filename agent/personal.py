@@ -1,12 +1,9 @@
 """The personal head and federated evaluation: the device's own head beside the global one.
 
-The personal head takes class-restricted Ditto steps toward the round's global head on the round's
-own training batches (``edgefl.agent.trainer.PersonalStep``), or, when its epochs differ from the
-round's, in a step of its own once the update is out (:meth:`PersonalHeads.personalise`,
-``edgefl.agent.trainer.train_personal``); either way it is persisted and evaluated;
+The personal head takes class-restricted Ditto steps toward the global head, on the round's own
+batches or in a step of its own once the update is out (:meth:`PersonalHeads.personalise`);
 :meth:`PersonalHeads.evaluate` scores both heads on the holdout store (never trained on) and
-:meth:`PersonalHeads.serving_head` picks the one that classifies (the global head while the
-personal one is behind, :func:`personal_behind`).
+:meth:`PersonalHeads.serving_head` picks the one that classifies (:func:`personal_behind`).
 
 Source: T. Li et al., "Ditto: Fair and Robust Federated Learning Through Personalization", ICML 2021.
 """
@@ -74,9 +71,8 @@ def head_switch_message(
     Returns
     -------
     str
-        The accuracies and the disagreements the decision rests on. A personal head no longer behind
-        may still score lower: the global head's lead is then within chance, and the line says so
-        rather than claiming the personal head scores at least as well.
+        The accuracies and disagreements the decision rests on (a lower-scoring personal head no
+        longer behind is said to be within chance).
     """
     acc_p, acc_g = personal_right / total, global_right / total
     if behind:
@@ -230,16 +226,19 @@ class PersonalHeads(DeviceState):
         return self.state_dir / PERSONAL_FILE
 
     @property
+    def personal_step_due(self) -> bool:
+        """A round was trained without its personal step (not taken along): the step waits."""
+        return self._personal_due is not None
+
+    @property
     def personal_due(self) -> bool:
         """A round was trained and its personal step (or the evaluation of one taken with it) waits."""
         return self._personal_due is not None or self._personal_done is not None
 
     def _adopt_personal(self, W: np.ndarray, b: np.ndarray, version: int, result: PersonalResult) -> None:
-        """Keep the personal head trained with the round's global training (``train_local``'s ``personal``).
+        """Keep and persist the personal head trained along with the round.
 
-        Persisted (at once, or behind with :attr:`write_behind`: :meth:`persist_behind`) and
-        evaluated by :meth:`personalise` (the daemon calls it once the update is out), or by the
-        next global head's :meth:`evaluate` if that comes first.
+        Evaluated by :meth:`personalise` once idle, or by the next global head's :meth:`evaluate`.
         """
         if not (np.isfinite(W).all() and np.isfinite(b).all()):
             logger.warning("personal step gave non-finite values; the next starts again from the global head")
@@ -320,11 +319,8 @@ class PersonalHeads(DeviceState):
     def personalise(self) -> PersonalResult | None:
         """The personal step of the last trained round: class-restricted Ditto steps, persisted, evaluated.
 
-        A round whose training took the step along (``train_local``'s ``personal``) leaves only its
-        evaluation here, and its result is returned. Otherwise the step runs now
-        (:func:`edgefl.agent.trainer.train_personal` with the ``[personal]`` settings, phase
-        ``personal``); then the head is written (behind with :attr:`write_behind`) and both heads are
-        evaluated (:meth:`evaluate`). Nothing here changes what is sent.
+        A step the round's training took along is only evaluated here; otherwise it runs now
+        (:func:`edgefl.agent.trainer.train_personal`, phase ``personal``). Nothing sent changes.
 
         Returns
         -------

@@ -111,10 +111,7 @@ class Pipeline:
     ValueError
         If ``mode``, ``batch``, ``mean`` or ``std`` is invalid.
 
-    Notes
-    -----
-    Only the lookup tables and the one-sample scratch are kept between calls; the arrays returned
-    are new on every call.
+    Only the lookup tables and the one-sample scratch are kept between calls.
     """
 
     def __init__(
@@ -316,15 +313,7 @@ class Pipeline:
     def set_tensor_batch(self, n: int) -> None:
         """Run ``n`` rows per invoke from the next call on (the memory governor shrinks or restores it).
 
-        Parameters
-        ----------
-        n : int
-            Rows per invoke, 1 <= n <= :attr:`batch`; ignored for a model whose batch is fixed.
-
-        Raises
-        ------
-        ValueError
-            If ``n`` is out of range.
+        ``1 <= n <=`` :attr:`batch`, else ValueError; ignored for a model whose batch is fixed.
         """
         if not 1 <= n <= self.batch:
             raise ValueError(f"tensor batch {n}: must be in 1..{self.batch}")

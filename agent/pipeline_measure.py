@@ -103,17 +103,12 @@ def measure(
 
     Parameters
     ----------
-    backbone : Backbone
-    mean, std : tuple[float, ...]
-        Per-channel normalisation.
     batches : Sequence[int]
         Batch sizes to measure, each >= 1.
     raw_dtype : numpy dtype or str
         dtype of the raw samples (e.g. ``"uint8"`` camera frames).
     repeats : int
         Timed runs per configuration (after 2 warm-up runs), >= 1.
-    seed : int
-        Seed of the raw samples.
 
     Returns
     -------
@@ -212,8 +207,7 @@ def decide(rows: Sequence[BatchMeasurement], *, margin: float = DEFAULT_MARGIN) 
 
     Returns
     -------
-    tuple[Mode, int]
-        (mode, batch).
+    (mode, batch) : tuple[Mode, int]
 
     Raises
     ------

@@ -73,17 +73,7 @@ def _margin(text: str) -> float:
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add the ``profile`` sub-command to ``sub`` (the result of ``add_subparsers``).
-
-    Parameters
-    ----------
-    sub : argparse._SubParsersAction
-
-    Returns
-    -------
-    argparse.ArgumentParser
-        The new sub-parser (its ``func`` default is :func:`main`).
-    """
+    """Add the ``profile`` sub-command to ``sub`` (``add_subparsers``); its ``func`` is :func:`main`."""
     p: argparse.ArgumentParser = sub.add_parser(
         "profile",
         help="time preprocessing unfused vs fused per batch size and pick the fastest",
@@ -136,20 +126,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def report(model: str, rows: list[BatchMeasurement], chosen: tuple[str, int]) -> dict[str, Any]:
     """The JSON document of a profile run.
 
-    Parameters
-    ----------
-    model : str
-        The model file name.
-    rows : list[BatchMeasurement]
-        One per batch size.
-    chosen : tuple[str, int]
-        (mode, batch).
-
-    Returns
-    -------
-    dict
-        ``{"model", "chosen": {"mode", "batch"}, "batches": [...]}``, each batch entry every field
-        of :class:`~edgefl.agent.pipeline_measure.BatchMeasurement`.
+    ``{"model": file name, "chosen": {"mode", "batch"}, "batches": [...]}``, a batch entry per row
+    with every field of :class:`~edgefl.agent.pipeline_measure.BatchMeasurement`.
     """
     return {
         "model": model,

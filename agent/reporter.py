@@ -21,8 +21,8 @@ from typing import Any, Protocol, TypeVar
 from edgefl.agent.config import Profile
 from edgefl.agent.core import DeviceCore
 from edgefl.agent.governor import Governor
-from edgefl.agent.ingest import Ingest
-from edgefl.agent.status import samples_level, status_news
+from edgefl.agent.ingest import LOGGED_REFUSALS, Ingest
+from edgefl.agent.status import news_view, samples_level, status_news
 from edgefl.aio import wait_event
 from edgefl.errors import (
     EdgeflError,
@@ -142,13 +142,38 @@ class StatusReporter:
     _last_said: str
     _last_at: float
     _last_level: int
+    _news_memo: tuple[tuple[str, dict[str, Any]], str] | None
     _rate_window: deque[tuple[float, int]]
     _round_wake: asyncio.Event
     _round_asks: set[str]
+    _acked: list[str]
 
     async def _work(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run ``fn(*args)`` on the worker thread (every core call goes through here)."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        """Run ``fn(*args)`` on the worker thread (every core call goes through here).
+
+        The PUBACKs noted since the last call (:meth:`_note_acknowledged`) reach the core first, in
+        the same hop.
+        """
+        loop = asyncio.get_running_loop()
+        if not self._acked:
+            return await loop.run_in_executor(self.executor, fn, *args)
+        acked, self._acked = self._acked, []
+        return await loop.run_in_executor(self.executor, self._acknowledge_then, acked, fn, args)
+
+    def _acknowledge_then(self, acked: list[str], fn: Callable[..., _T], args: tuple[Any, ...]) -> _T:
+        """Worker thread: tell the core of each acknowledged update, then run ``fn(*args)``."""
+        for update_id in acked:
+            self.core.acknowledged(update_id)
+        return fn(*args)
+
+    def _note_acknowledged(self, update_id: str) -> None:
+        """The broker acknowledged ``update_id``: the core is told with the next worker call.
+
+        Its outbox write is left behind anyway (``DeviceCore.write_behind``), so a hop of its own
+        between a PUBACK and the round's next message only costs CPU; ``outbox_pending`` counts
+        the update until then, as it counts one written behind.
+        """
+        self._acked.append(update_id)
 
     def _wake_rounds(self, ask: str) -> None:
         """Ask the round task for ``ask``: ``ready`` (a waiting round may be answerable), ``resend``."""
@@ -160,6 +185,14 @@ class StatusReporter:
         self.state.faults[where] += 1
         logger.error("%s: %s failed: %s: %s", where, what, type(exc).__name__, exc)
         self._changed()
+
+    def _count_rejected(self, reason: str) -> str | None:
+        """Count a refusal; its log line's suffix, None past the first few (then every 1000th is logged)."""
+        self.state.rejected[reason] += 1
+        n = self.state.rejected[reason]
+        if n > LOGGED_REFUSALS and n % 1000:
+            return None
+        return f" ({n} {reason} so far)" if n > LOGGED_REFUSALS else ""
 
     def _reject(self, reason: str, what: str, detail: str) -> None:
         self.state.rejected[reason] += 1
@@ -183,8 +216,12 @@ class StatusReporter:
         self._changed()
 
     # --- status -------------------------------------------------------------------------------
-    def status_fields(self, measure: bool = True) -> dict[str, Any]:
-        """The DeviceStatus fields (JSON-like); ``measure=False`` leaves out the ``/proc`` figures."""
+    def status_fields(self, measure: bool = True, *, volatile: bool = True) -> dict[str, Any]:
+        """The DeviceStatus fields (JSON-like); ``measure=False`` leaves out the ``/proc`` figures.
+
+        ``volatile=False`` also leaves out the counters and per-phase figures that are never news
+        (``pipeline``, ``transport``, the governor's phases and admissions: ``VOLATILE_STATUS_FIELDS``).
+        """
         s = self.state
         core = self.core
         pipeline = core.pipeline
@@ -213,12 +250,12 @@ class StatusReporter:
             "deferred_round": core.deferred.ann.round if core.deferred is not None else None,
             "declined_total": core.declined_total,  # rounds refused to the coordinator (Decline)
             "over_budget_batches": s.over_budget_batches,  # inference refused by the governor
-            **self.governor.status(measure=measure),
+            **self.governor.status(measure=measure, figures=volatile),
             "rejected": dict(s.rejected),
             "last_rejected": dict(s.last_rejected),
             "faults": dict(s.faults),
             "pipeline_mode": pipeline.mode,
-            "pipeline": pipeline.counters(),
+            **({"pipeline": pipeline.counters()} if volatile else {}),
             # model identity: the coordinator leaves a device with another backbone out of rounds
             "model_sha256": core.model_sha256,
             "head_shape": list(core.head.shape),
@@ -237,7 +274,11 @@ class StatusReporter:
             **self.personal_fields(),
             "pid": os.getpid(),
             "dashboard_url": self.dashboard_url,
-            "transport": self.transport.counters() if self.transport is not None else {},
+            **(
+                {"transport": self.transport.counters() if self.transport is not None else {}}
+                if volatile
+                else {}
+            ),
             **(
                 {"dashboard_connections": self.status_page.counters()}
                 if self.status_page is not None and self.dashboard_url
@@ -352,8 +393,12 @@ class StatusReporter:
             return
         topic = self.topics.status(self.device)
         # round progress and volatile figures are not news; the /proc reads wait until a publish
-        quick = self.status_fields(measure=False)
-        said = status_news(self.state.state, quick)
+        quick = self.status_fields(measure=False, volatile=False)
+        view = news_view(self.state.state, quick)
+        memo = self._news_memo
+        if memo is None or memo[0] != view:  # serialised only when it changed (a round changes none)
+            memo = self._news_memo = (view, status_news(self.state.state, quick))
+        said = memo[1]
         if self._status_connected:
             self._status_connected, self._last_said = False, ""
         level = samples_level(quick)

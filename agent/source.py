@@ -18,7 +18,7 @@ import numpy as np
 
 from edgefl.agent import estimates
 from edgefl.agent.core import Classified
-from edgefl.agent.ingest import LOGGED_REFUSALS, Queued
+from edgefl.agent.ingest import Queued
 from edgefl.agent.reporter import StatusReporter
 from edgefl.aio import wait_event
 from edgefl.errors import (
@@ -143,11 +143,9 @@ class SampleSource(StatusReporter):
             known = isinstance(exc, (DecodeError, UpdateRejected))
             reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
             detail = exc.detail if isinstance(exc, (DecodeError, UpdateRejected)) else repr(exc)
-            self.state.rejected[reason] += 1
             self.state.last_rejected = {"reason": str(reason), "detail": detail[:200], "topic": msg.topic}
-            n = self.state.rejected[reason]
-            if n <= LOGGED_REFUSALS or n % 1000 == 0:
-                more = f" ({n} {reason} so far)" if n > LOGGED_REFUSALS else ""
+            more = self._count_rejected(reason)
+            if more is not None:
                 log = logger.warning if known else logger.error
                 log("rejected %s: %s: %s%s", what, reason, detail, more)
             return
@@ -259,14 +257,9 @@ class SampleSource(StatusReporter):
     async def _observe(
         self, raw: np.ndarray, lbl: np.ndarray, labelled: np.ndarray | None = None
     ) -> Classified | None:
-        """``core.observe`` on the worker, retried every ``status.interval_s`` while it is over budget.
+        """``core.observe`` on the worker, retried every ``status.interval_s`` while over budget.
 
-        Each refusal is counted (``over_budget_batches``).
-
-        Returns
-        -------
-        Classified or None
-            None when the agent is stopping.
+        Each refusal is counted (``over_budget_batches``); None when the agent is stopping.
         """
         while True:
             try:

@@ -1,14 +1,12 @@
 """The device's state on disk: which files hold it, how each is read back, and the one write policy.
 
-Every state write goes through :meth:`DeviceState._persist`: it runs at once, and a write that fails
-(a full disk) is counted, logged once, marks the device ``degraded`` and is retried
-(:meth:`DeviceState.retry_persist`) while the device carries on. The outbox record (update, answered
-round, error-feedback residual) is written before an update is published and after its PUBACK; the
-global head, personal head and rollback floor when they change (the heads and the post-PUBACK outbox
-written behind, once a round's messages are handled: :meth:`DeviceState.persist_behind`); the
-embedding store every ``training.flush_every`` samples or within ``training.flush_interval_s``.
-Records are checksummed :class:`~edgefl.records.RecordSlot` files; one for another fleet or model, or
-unreadable, is set aside with one log line.
+Every state write goes through :meth:`DeviceState._persist`; a failed one (a full disk) is counted,
+logged once, marks the device ``degraded`` and is retried while the device carries on. The outbox
+record is written before an update is published and after its PUBACK, the heads and rollback floor
+when they change (some behind: :meth:`DeviceState.persist_behind`), the store per
+``training.flush_every`` / ``flush_interval_s``. Records are checksummed
+:class:`~edgefl.records.RecordSlot` files; one for another fleet or model, or unreadable, is set
+aside with one log line.
 """
 
 from __future__ import annotations
@@ -212,23 +210,10 @@ class DeviceState:
         self._persist("seen_version", write)
 
     def _persist(self, what: str, write: Callable[[], object], *, behind: bool = False) -> bool:
-        """Run one state write; on ``OSError`` count it, log it, mark the core degraded, keep it to retry.
+        """Run ``write`` (the state ``what``); on ``OSError`` count, log, mark degraded, keep it to retry.
 
-        Parameters
-        ----------
-        what : str
-            Names the state (``store``, ``outbox``, ``head``, ``personal``, ``seen_version``).
-        write : callable
-            Writes it from the in-memory state; after a failure :meth:`retry_persist` runs it again.
-        behind : bool
-            A write that may wait (the global and personal heads, the outbox after a PUBACK): with
-            :attr:`write_behind` set it is only noted (the newest of each ``what``) for
-            :meth:`persist_behind`.
-
-        Returns
-        -------
-        bool
-            Whether the write succeeded (True for a write left behind).
+        ``behind``: a write that may wait; with :attr:`write_behind` set it is only noted (the newest
+        of each ``what``) for :meth:`persist_behind`. Returns whether it succeeded (True if left behind).
         """
         if behind and self.write_behind:
             self._behind[what] = write
@@ -267,11 +252,8 @@ class DeviceState:
     def persist_behind(self) -> bool:
         """Make the writes left behind (:attr:`write_behind`) now, each as :meth:`_persist` does.
 
-        What waits is the newest global head, the personal head and the outbox once an acknowledged
-        update left it: none of them is needed for a guarantee (a restart before this gets the
-        retained global head again, trains its personal head from the older one, and re-sends an
-        acknowledged update, which the coordinator counts once), so the daemon writes them once
-        a round's messages are handled rather than between a head's arrival and the next update.
+        None of them is needed for a guarantee (a restart before this gets the retained global head
+        again and re-sends an acknowledged update, which the coordinator counts once).
 
         Returns
         -------
@@ -362,17 +344,8 @@ class DeviceState:
     def to_resend(self, current_round: int, max_sends: int = 2) -> tuple[list[Dropped], list[OutboxEntry]]:
         """After a (re)connect: drop entries of closed rounds, return those to send again.
 
-        Parameters
-        ----------
-        current_round : int
-            The round now open (entries of earlier rounds are dropped, ``stale_round``).
-        max_sends : int
-            Entries already sent this many times are not returned.
-
-        Returns
-        -------
-        tuple[list[Dropped], list[OutboxEntry]]
-            (dropped, pending).
+        Entries of rounds before ``current_round`` are dropped (``stale_round``); those already sent
+        ``max_sends`` times are not returned. Returns ``(dropped, pending)``.
         """
         dropped: list[Dropped] = []
         self._persist_outbox(lambda: dropped.extend(self.outbox.drop_stale(current_round)))

@@ -7,14 +7,12 @@ label and ``seq``; sample ``seq`` lives in slot ``seq % capacity``). :meth:`Embe
 the maps back, then the metadata as a checksummed record. At open the newest contiguous run of rows
 whose CRCs check is recovered and what could not be is logged; insane metadata, a label outside
 ``0..K-1`` or a non-finite embedding sets the files aside (``<name>.corrupt``) and the store starts
-empty. Stores written before the row records are checked as then and given their rows.
+empty.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -37,8 +35,6 @@ ROWS_FILE = "store_rows.u64"
 """Row records: ``uint64 [capacity, 2]`` little-endian, ``(seq + 1, CRC-32)`` per slot (module docstring)."""
 META_FILE = "store_meta.rec"
 """Checksummed record of the store's metadata (JSON map, see :meth:`EmbeddingStore.flush`)."""
-LEGACY_META_FILE = "store_meta.json"
-"""Metadata of stores written before the checksums: read once (sanity-checked), then replaced."""
 CORRUPT_SUFFIX = ".corrupt"
 _SCAN_ROWS = 256  # embeddings checked for finiteness per block at open (bounded heap)
 _HALF_MASK = np.int32(0x8FFFE000 - (1 << 32))  # float32 sign bit + a half's 15 bits, shifted by 13
@@ -177,14 +173,10 @@ class EmbeddingStore:
         emb_path, lbl_path, rows_path = directory / EMB_FILE, directory / LBL_FILE, directory / ROWS_FILE
         sizes = ((emb_path, capacity * dim * 2), (lbl_path, capacity * 2), (rows_path, capacity * 16))
         meta: dict[str, object] | None = None
-        legacy = False
         mode = "w+"
         try:
             meta = self._read_meta()
-            if meta is not None and "total" not in meta:  # written before the row records
-                self._check_legacy(meta, emb_path, lbl_path)
-                legacy, mode = True, "r+"
-            elif not self._other_shape and all(_size(p) == n for p, n in sizes):
+            if not self._other_shape and all(_size(p) == n for p, n in sizes):
                 if meta is not None:
                     self._check_meta(meta)
                 mode = "r+"
@@ -193,18 +185,13 @@ class EmbeddingStore:
                 raise StoreCorrupt(", ".join(bad))
         except StoreCorrupt as exc:
             self._set_aside(str(exc))
-            meta, legacy, mode = None, False, "w+"
-        if legacy and _size(rows_path) != capacity * 16:
-            rows_path.unlink(missing_ok=True)
-        self._map(mode, rows_mode="w+" if legacy and not rows_path.exists() else mode)
+            meta, mode = None, "w+"
+        self._map(mode)
         self._count = 0
         self._head = 0
         self._total = 0
         try:
-            if legacy:
-                assert meta is not None
-                self._adopt_legacy(meta)
-            elif mode == "r+":
+            if mode == "r+":
                 self._recover(meta)
                 mark = meta.get("mark") if meta is not None else None
                 # a mark ahead of what was recovered (samples lost): what comes from here on is new
@@ -215,12 +202,12 @@ class EmbeddingStore:
             self._set_aside(str(exc))
             self._map("w+")
 
-    def _map(self, mode: str, rows_mode: str | None = None) -> None:
+    def _map(self, mode: str) -> None:
         """Map the three files (``"r+"``: as found, ``"w+"``: new and zero) and give them their blocks."""
         d, cap, dim = self.directory, self.capacity, self.dim
         self._emb = np.memmap(d / EMB_FILE, dtype=np.float16, mode=mode, shape=(cap, dim))  # type: ignore[call-overload]
         self._lbl = np.memmap(d / LBL_FILE, dtype=np.int16, mode=mode, shape=(cap,))  # type: ignore[call-overload]
-        self._rows = np.memmap(d / ROWS_FILE, dtype="<u8", mode=rows_mode or mode, shape=(cap, 2))  # type: ignore[call-overload]
+        self._rows = np.memmap(d / ROWS_FILE, dtype="<u8", mode=mode, shape=(cap, 2))  # type: ignore[call-overload]
         for name, size in ((EMB_FILE, cap * dim * 2), (LBL_FILE, cap * 2), (ROWS_FILE, cap * 16)):
             _allocate(d / name, size)
         # plain ndarray views of the maps: indexing a memmap wraps every result in a memmap object
@@ -236,16 +223,10 @@ class EmbeddingStore:
         del self._emb_bits, self._lbl_raw, self._rows_raw, self._emb, self._lbl, self._rows
 
     def _read_meta(self) -> dict[str, object] | None:
-        """The metadata map (record, else legacy JSON); None: none, or another shape (``_other_shape``)."""
+        """The metadata map; None: none, or another shape (``_other_shape``)."""
         self._other_shape = False
-        legacy = self.directory / LEGACY_META_FILE
         data = read_record(self._meta_path)
-        if data is None and legacy.exists():
-            data = legacy.read_bytes()
-            logger.info(
-                "store in %s has metadata without a checksum (older version); checking it", self.directory
-            )
-        elif data is None:
+        if data is None:
             return None
         try:
             meta = json.loads(data)
@@ -269,37 +250,10 @@ class EmbeddingStore:
             raise StoreCorrupt(f"count = {count}: must be in 0..capacity {cap}")
         if not 0 <= head < cap:
             raise StoreCorrupt(f"head = {head}: out of range for count {count}, capacity {cap}")
-        total = meta.get("total", count if count < cap else cap + head)
+        total = meta.get("total")
         if type(total) is not int or total < count or total % cap != head:
             raise StoreCorrupt(f"total = {total!r}: does not agree with head {head}, capacity {cap}")
         return count, head
-
-    def _check_legacy(self, meta: dict[str, object], emb_path: Path, lbl_path: Path) -> None:
-        """Validate a store written before the row records (label file checksum or none), or StoreCorrupt."""
-        count, head = self._check_meta(meta)
-        cap = self.capacity
-        if count < cap and head != count:
-            raise StoreCorrupt(f"head = {head}: out of range for count {count}, capacity {cap}")
-        for path, size in ((emb_path, cap * self.dim * 2), (lbl_path, cap * 2)):
-            if _size(path) != size:
-                raise StoreCorrupt(f"{path.name} {_describe(path, size)}")
-        lbl = np.memmap(lbl_path, dtype=np.int16, mode="r", shape=(cap,))  # type: ignore[call-overload]
-        want = meta.get("labels_sha256")
-        if want is not None or "v" in meta:  # a legacy JSON file has no checksum to compare
-            got = hashlib.sha256(lbl.tobytes()).hexdigest()
-            if got != want:
-                raise StoreCorrupt(f"{lbl_path.name} does not match its checksum")
-        del lbl
-
-    def _adopt_legacy(self, meta: dict[str, object]) -> None:
-        """Give a checked legacy store its row records (sample ``seq`` in slot ``seq % capacity``)."""
-        count, head = self._check_meta(meta)
-        cap = self.capacity
-        total = count if count < cap else cap + head
-        for seq in range(total - count, total):
-            self._write_row(seq % cap, seq)
-        self._count, self._head, self._total = count, head, total
-        self._check_content()
 
     def _row_ok(self, slot: int, seq: int) -> bool:
         row = self._rows_raw[slot]
@@ -318,7 +272,7 @@ class EmbeddingStore:
         cap = self.capacity
         seqs = self._rows_raw[:, 0]
         written = seqs != 0
-        meta_total = int(meta["total"]) if meta is not None and "total" in meta else 0  # type: ignore[call-overload]
+        meta_total = int(meta["total"]) if meta is not None else 0  # type: ignore[call-overload]
         meta_count = int(meta["count"]) if meta is not None else 0  # type: ignore[call-overload]
         if not written.any() and meta_total == 0:
             return
@@ -399,7 +353,7 @@ class EmbeddingStore:
 
     def _set_aside(self, reason: str) -> None:
         """Rename the store's files to ``<name>.corrupt`` (replacing older ones) and log one line."""
-        names = (EMB_FILE, LBL_FILE, ROWS_FILE, META_FILE, prev_path(Path(META_FILE)).name, LEGACY_META_FILE)
+        names = (EMB_FILE, LBL_FILE, ROWS_FILE, META_FILE, prev_path(Path(META_FILE)).name)
         for name in names:
             set_aside(self.directory / name, CORRUPT_SUFFIX)
         self.set_aside = reason
@@ -584,8 +538,6 @@ class EmbeddingStore:
             meta["mark"] = self.mark
         write_record(self._meta_path, json.dumps(meta).encode())
         self.unflushed, self.unflushed_since = 0, None
-        with contextlib.suppress(FileNotFoundError):
-            (self.directory / LEGACY_META_FILE).unlink()
 
     def flush_due(self, every: int, interval_s: float, now: float | None = None) -> bool:
         """Whether a :meth:`flush` is due: ``every`` samples unflushed, or the oldest ``interval_s`` old.

@@ -41,6 +41,7 @@ from bench.vowels import N_CLASSES as VOWEL_CLASSES
 from bench.vowels import load_vowels
 from edgefl.agent.config import Profile, load_profile
 from edgefl.agent.core import ApplyStatus, DeviceCore
+from edgefl.agent.feedback import ErrorFeedback
 from edgefl.agent.governor import Governor
 from edgefl.agent.round import RoundStatus
 from edgefl.agent.trainer import fit_head
@@ -256,7 +257,8 @@ def client_update(
     Returns (decoded update, message bytes, bytes of the delta map alone).
     """
     if not feedback:
-        dev.core.feedback.reset()
+        fb = dev.core.feedback
+        dev.core.feedback = ErrorFeedback(fb.shape, fb.model_sha256)
     ann = RoundAnnouncement(
         round=round_no,
         base_version=version,

@@ -149,17 +149,19 @@ def child_round(
     from edgefl.agent.governor import Governor
     from edgefl.agent.memreport import run_round
 
-    profile = _profile(model, cap_mb, reserve_mb)
-    gov = Governor(profile.cap_bytes, reserve_mb * MIB, 0)
     pss_peaks: dict[str, int] = {}
-    rep = run_round(
-        profile,
-        samples=samples,
-        governor=gov,
-        trace=False,
-        broker=broker,
-        phase_hook=(lambda name: _pss_sampler(pss_peaks, name)) if pss else None,
-    )
+
+    class PssGovernor(Governor):
+        """A governor that also samples PSS inside each phase's measurement."""
+
+        @contextlib.contextmanager
+        def phase(self, name: str) -> Iterator[None]:
+            with super().phase(name), _pss_sampler(pss_peaks, name) if pss else contextlib.nullcontext():
+                yield
+
+    profile = _profile(model, cap_mb, reserve_mb)
+    gov = PssGovernor(profile.cap_bytes, reserve_mb * MIB, 0)
+    rep = run_round(profile, samples=samples, governor=gov, trace=False, broker=broker)
     out = rep.as_dict()
     out["pss_peaks"] = pss_peaks
     out["lifetime_peak"] = gov.peak_rss_bytes

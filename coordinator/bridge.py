@@ -28,33 +28,13 @@ def bridge_config(
     password: str | None = None,
     restart_timeout_s: tuple[int, int] = (1, 10),
 ) -> str:
-    """The ``connection`` block a site broker's ``mosquitto.conf`` includes.
+    """The ``connection`` block a site broker's ``mosquitto.conf`` includes (text ending with a newline).
 
-    Parameters
-    ----------
-    site : str
-        Site id (device-id pattern): its partials go up on ``<prefix>/<fleet>/partial/<site>``.
-    root_url : str
-        ``mqtt://host:port`` or ``mqtts://host:port`` of the root broker.
-    prefix : str
-        Topic prefix (profile ``broker.topic_prefix``).
-    fleet : str
-        Fleet name, or ``"+"`` for every fleet of the prefix.
-    ca_file : Path or None
-        CA of the root broker's certificate (``mqtts://``; required there).
-    username, password : str or None
-        The bridge's credentials at the root broker.
-    restart_timeout_s : (int, int)
-        Reconnect back-off base and cap, seconds (mosquitto 2.0 ``restart_timeout base cap``).
-
-    Returns
-    -------
-    str: the configuration text (ends with a newline).
-
-    Raises
-    ------
-    ValueError
-        If the site id, the URL or the fleet is invalid, or ``mqtts://`` comes without ``ca_file``.
+    ``site`` (device-id pattern) sends its partials up on ``<prefix>/<fleet>/partial/<site>`` to the
+    root broker at ``root_url`` (``mqtt[s]://host:port``; ``mqtts`` needs ``ca_file``, its CA);
+    ``fleet`` ``"+"``: every fleet of the prefix; ``username``, ``password``: the bridge's at the root;
+    ``restart_timeout_s``: reconnect back-off base and cap, seconds. ValueError if the site, URL or fleet
+    is invalid, or ``mqtts://`` comes without ``ca_file``.
     """
     check_device_id(site)
     if fleet != "+":

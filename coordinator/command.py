@@ -96,6 +96,16 @@ FLAG_MEANING: Final = {
 }
 
 
+#: What stopped :func:`main`, in order: the exception types, the words before the error, the exit code.
+_FAILURES: Final[tuple[tuple[type[Exception] | tuple[type[Exception], ...], str, int], ...]] = (
+    (LeaseHeld, "", EXIT_LEASE),
+    (OSError, "cannot start: ", EXIT_RUNTIME),  # the state file's folder or lock cannot be created
+    (ModelError, "model error: ", EXIT_MODEL),
+    (CredentialsRefused, "cannot start: ", EXIT_INVALID),
+    ((ConfigError, TransportError), "cannot start: ", EXIT_RUNTIME),
+)
+
+
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``coordinator`` sub-command to an ``argparse`` sub-parsers object.
 
@@ -136,10 +146,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def overrides_from(args: argparse.Namespace) -> dict[str, object]:
     """The profile overrides a command line asks for: ``--set`` items, then the flags of :data:`FLAG_KEYS`.
 
-    Raises
-    ------
-    ConfigError
-        If a ``--set`` item is not ``key=value``.
+    Raises ConfigError if a ``--set`` item is not ``key=value``.
     """
     out = parse_sets(args.set)
     for flag, key in FLAG_KEYS.items():
@@ -157,25 +164,17 @@ def main(
     page: PageServer | None = None,
     lock: StateLock | None = None,
 ) -> int:
-    """Run the coordinator until the profile's rounds closed or SIGTERM; returns the exit code.
+    """Run the coordinator of the parsed command line until its rounds closed or SIGTERM; the exit code.
 
-    Parameters
-    ----------
-    args : the parsed command line (see :func:`add_parser`)
-    evaluation : builds the central evaluation; given by the composition root (``edgefl.cli``)
-    page : serves the fleet page when ``dashboard.enabled``; given by the composition root
-    lock : locks the state file (``files.state``, with a lock file beside it) for this process's life, raising
-        :class:`~edgefl.coordinator.lease.LeaseHeld` when another process holds it; given by the
-        composition root (the agents' ``flock``)
+    Given by the composition root (``edgefl.cli``): ``evaluation`` builds the central evaluation,
+    ``page`` serves the fleet page, ``lock`` locks ``files.state`` for this process's life (raising
+    :class:`~edgefl.coordinator.lease.LeaseHeld` when another process holds it).
     """
     try:
         profile = load_coordinator_profile(args.profile, overrides_from(args))
+        problems = strategy_problems(profile)  # a combination no strategy accepts is a profile problem
     except ConfigError as exc:
-        print(f"edgefl coordinator: invalid profile {args.profile}:", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  {problem}", file=sys.stderr)
-        return EXIT_INVALID
-    problems = strategy_problems(profile)  # a combination no strategy accepts is a profile problem
+        problems = exc.problems
     if problems:
         print(f"edgefl coordinator: invalid profile {args.profile}:", file=sys.stderr)
         for problem in problems:
@@ -186,22 +185,12 @@ def main(
         if lock is not None and profile.files.state is not None:
             held = lock(profile.files.state)  # kept until this function returns
         return asyncio.run(run(profile, evaluation, page))
-    except LeaseHeld as exc:
-        print(f"edgefl coordinator: {exc}", file=sys.stderr)
-        return EXIT_LEASE
-    except OSError as exc:  # the state file's folder or lock cannot be created
-        print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
-    except ModelError as exc:
-        print(f"edgefl coordinator: model error: {exc}", file=sys.stderr)
-        return EXIT_MODEL
-    except CredentialsRefused as exc:
-        print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    except (ConfigError, TransportError) as exc:
-        print(f"edgefl coordinator: cannot start: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
-    except Exception as exc:  # a bug or a fault nobody foresaw: restarted (exit 1 would not be)
+    except Exception as exc:
+        for kinds, what, code in _FAILURES:
+            if isinstance(exc, kinds):
+                print(f"edgefl coordinator: {what}{exc}", file=sys.stderr)
+                return code
+        # a bug or a fault nobody foresaw: restarted (exit 1 would not be)
         logger.error("coordinator stopped by an unexpected error (exit %d)", EXIT_FAULT, exc_info=exc)
         print(f"edgefl coordinator: stopped by a fault: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAULT

@@ -109,12 +109,7 @@ class FedAvg(Strategy):
 class FedProx(FedAvg):
     """FedAvg whose clients add the proximal term ``mu/2 ||w - w_global||^2`` to their local loss.
 
-    Parameters
-    ----------
-    prox_mu : float >= 0
-        Proximal coefficient mu, sent to the devices in ``RoundConfig.prox_mu``.
-    **kwargs
-        As ``Strategy``.
+    ``prox_mu`` >= 0: mu, sent to the devices in ``RoundConfig.prox_mu``; ``kwargs`` as ``Strategy``.
 
     Source: Li et al. 2020, "Federated Optimization in Heterogeneous Networks", eq. (2).
     """

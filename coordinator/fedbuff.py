@@ -42,19 +42,9 @@ class FedBuffer:
     """The server buffer: a staleness-weighted running sum of up to ``buffer_size`` updates.
 
     ``flush`` applies ``W += server_lr * sum_k s(tau_k) n_k dW_k / sum_k n_k`` (with equal ``n_k`` the
-    paper's ``(1/K) sum_k s(tau_k) Delta_k``: a stale update shrinks the step).
-
-    Parameters
-    ----------
-    shape : (D, K)
-    buffer_size : int >= 1
-        Updates per server step (the paper's K).
-    server_lr : float
-        eta_g.
-    max_staleness : int >= 0
-        Updates staler than this are refused.
-    exponent : float
-        Staleness exponent (see ``staleness_weight``).
+    paper's ``(1/K) sum_k s(tau_k) Delta_k``: a stale update shrinks the step). ``buffer_size`` >= 1:
+    the paper's K; ``server_lr``: eta_g; updates staler than ``max_staleness`` (>= 0) are refused;
+    ``exponent``: as ``staleness_weight``.
     """
 
     shape: tuple[int, int]
@@ -117,18 +107,9 @@ class FedBuff(Strategy):
     """Buffered asynchronous strategy: devices train on; a server step every ``buffer_size`` updates.
 
     Its rounds are ``Schedule.BUFFERED``: updates from any earlier version are welcome
-    (``Offer.staleness``), a step closes at ``buffer_size`` updates or the deadline.
-
-    Parameters
-    ----------
-    buffer_size : int
-        K, updates per server step.
-    max_staleness : int
-        Updates staler than this many versions are refused (``too_stale``).
-    staleness_exponent : float
-        a in ``(1 + tau)^-a``.
-    **kwargs
-        As ``Strategy``.
+    (``Offer.staleness``), a step closes at ``buffer_size`` (K) updates or the deadline. Updates staler
+    than ``max_staleness`` versions are refused (``too_stale``); ``staleness_exponent``: a in
+    ``(1 + tau)^-a``; ``kwargs`` as ``Strategy``.
 
     Source: Nguyen et al. 2022, Algorithm 1.
     """

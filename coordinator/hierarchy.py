@@ -1,11 +1,8 @@
 """Site and root aggregators: one coordinator per site's broker, one root, joined by broker bridges.
 
-A **site** (``[hierarchy] role = "site"``) takes its devices' updates as a flat coordinator does and
-sends the strategy's accumulator (``Strategy.site_sums``) up as one signed
-:class:`~edgefl.wire.partial.Partial` a round on ``partial/<site>``, its round persisted so a restarted
-site resumes it and re-sends an unacknowledged partial. The **root** (``role = "root"``) runs rounds as
-a flat coordinator, but folds verified, de-duplicated partials (``Strategy.offer_sums``). The walk
-through both, and what survives which fault, is ``docs/operations.md``, "Many sites".
+A site sends its strategy's accumulator up as one signed Partial a round; the root folds verified,
+de-duplicated partials. The walk through both, and what survives which fault, is
+``docs/operations.md``, "Many sites".
 
 Source: Bonawitz et al. 2019, "Towards Federated Learning at Scale: System Design", §4 (aggregators
 and a master aggregator); the sums are McMahan et al. 2017, Algorithm 1, split by site.
@@ -56,19 +53,10 @@ SEEN_PARTIALS = 10_000
 class RootCoordinator(Coordinator):
     """The root of a hierarchy: a :class:`Coordinator` whose rounds take sites' partials.
 
-    Parameters
-    ----------
-    *args, **kwargs
-        As :class:`Coordinator`.
-    site_keys : mapping site → VerifyKey, or None
-        When set, a partial must carry a valid signature by its site's key (unknown sites refused).
-    expected_sites : int
-        Partials that close a round before its deadline (0: ``min_clients`` updates close it).
-    site_devices : int
-        Most updates one site's partial may cover (its registered devices; 0: ``MAX_PARTIAL_UPDATES``).
-
-    A root without ``device_keys`` does not subscribe to ``update/+`` and refuses device updates
-    (``unsigned``); a partial's weight and mean are bounded by ``Strategy.offer_sums``.
+    ``site_keys``: when set, every partial must be signed by its site's key; ``expected_sites``
+    partials close a round early (0: ``min_clients`` updates do); ``site_devices``: most updates one
+    partial may cover (0: ``MAX_PARTIAL_UPDATES``); the rest as :class:`Coordinator`. Without
+    ``device_keys`` a root refuses device updates (``unsigned``).
     """
 
     def __init__(
@@ -210,20 +198,10 @@ class SiteRecord:
 class SiteAggregator(Coordinator):
     """A site's aggregator: devices' updates in, one signed Partial a round up (see the module docstring).
 
-    Parameters
-    ----------
-    *args, **kwargs
-        As :class:`Coordinator` (``signing_key`` signs the partials; ``device_keys`` verify updates).
-    site : str
-        The site id.
-    root_key : VerifyKey or None
-        When set, round announcements must be signed by the root.
-    expected_devices : int
-        Updates that close the partial early (0: the devices online at the site when the round opens).
-    close_margin_s : float
-        The partial closes this many seconds before the root's deadline.
-    site_state : Path or None
-        The site's round record (``files.state``), written after each batch of accepted updates.
+    ``site``: its id; ``root_key``: when set, announcements must be signed by the root;
+    ``expected_devices`` updates close the partial early (0: the devices online at the opening); it
+    closes ``close_margin_s`` before the root's deadline; ``site_state``: the round record written
+    after each batch of updates; the rest as :class:`Coordinator` (``signing_key`` signs partials).
     """
 
     def __init__(

@@ -23,28 +23,14 @@ COUNTED_ROUNDS = 20
 class RoundRecord:
     """Result of one closed round (the demo's ``rounds`` JSON entries).
 
-    Attributes
-    ----------
-    clients : int
-        Updates aggregated.
-    accuracy : float
-        Test accuracy of the new global head (NaN: no evaluation).
-    update_bytes_mean, duration_s : float
-        Mean wire size of the updates (bytes); seconds from announcement to the new head.
-    clipped, norm_bound, epsilon, delta
-        As ``RoundReport``.
-    refused : str
-        Why the aggregated head was not published ("" when it was, or nothing arrived).
-    declined, asked : int
-        Devices that sent a Decline; devices asked to take part.
-    fed_accuracy, fed_worst_decile, fed_devices
-        The devices' holdout accuracies of the base head (``federated_evaluation``; NaN: none).
-    lr : float
-        Client learning rate the round announced.
-    closed_unix : float
-        Unix time the round closed, seconds (NaN in records of older state files).
-    new_samples : int
-        New labelled samples the ready devices reported at the opening (-1: none reported).
+    ``clients``: updates aggregated; ``accuracy``: test accuracy of the new global head (NaN: no
+    evaluation); ``update_bytes_mean``: mean wire size of the updates; ``duration_s``: seconds from the
+    announcement to the new head; ``clipped``, ``norm_bound``, ``epsilon``, ``delta`` as ``RoundReport``;
+    ``refused``: why the aggregate was not published ("" when it was, or nothing arrived); ``declined``
+    and ``asked`` devices; ``fed_accuracy``, ``fed_worst_decile``, ``fed_devices``: the devices'
+    holdout accuracies of the base head (``federated_evaluation``; NaN: none); ``lr``: the client
+    learning rate announced; ``closed_unix``: Unix time it closed (NaN: not known); ``new_samples``:
+    new labelled samples the ready devices reported at the opening (-1: none reported).
     """
 
     round: int

@@ -91,28 +91,13 @@ class IntakeOptions(TypedDict, total=False):
 class Intake:
     """Takes in a fleet's messages (statuses, updates, declines, retained round and head) and keeps them.
 
-    Parameters
-    ----------
-    transport : MqttTransport
-        Started by the caller.
-    topics : Topics
-    W : float32 [D, K], b : float32 [K]
-        Initial global head (version 0: the factory head).
-    model_sha256 : str
-        sha256 of the backbone .tflite the head belongs to (devices refuse a head for another backbone).
-    strategy : Strategy
-    evaluate : callable (W, b) -> accuracy, or None
-        Test-set evaluation of a head (fraction 0..1).
-    limits : Limits or None
-        Decoding bounds for incoming messages (default ``Limits()``).
-    signing_key : SigningKey or None
-        The coordinator's key: a retained round or head is adopted only with its signature.
-    device_keys : mapping device → VerifyKey, or None
-        When set, an update must carry a valid signature by its device's key (unknown devices are refused).
-    max_packet_bytes : int
-        The broker's maximum packet size (chunks of a larger update are reassembled; 256 KiB).
-    max_devices, device_expiry_s
-        Bounds of the device registry (default 10,000 devices, 7 days; ``DeviceRegistry``).
+    ``transport`` started by the caller; ``W`` float32 [D, K], ``b`` float32 [K]: the initial global
+    head (version 0); ``model_sha256``: of the backbone .tflite it belongs to. ``evaluate(W, b)``: test
+    accuracy 0..1 of a head, or None; ``limits``: decoding bounds (default ``Limits()``);
+    ``signing_key``: a retained round or head is adopted only with its signature; ``device_keys``: when
+    set, every update must be signed by its device's key; ``max_packet_bytes``: the broker's (chunks of
+    a larger update are reassembled; 256 KiB); ``max_devices``, ``device_expiry_s``: the registry's
+    bounds (10,000 devices, 7 days).
     """
 
     def __init__(
@@ -152,7 +137,7 @@ class Intake:
         )
         self._round_changed = asyncio.Event()
         self.on_change: Callable[[], None] | None = None
-        self._seen_update_ids = IdTable(SEEN_UPDATE_IDS, values=False)  # fixed memory: see _remember
+        self._seen_update_ids = IdTable(SEEN_UPDATE_IDS, values=False)  # fixed memory
         self._held: list[tuple[Update, int]] = []  # arrived while a buffered step was being published
         self._adopting = False
         self._adopt_round_seen = asyncio.Event()
@@ -212,7 +197,10 @@ class Intake:
         """Dispatch one message; a bad one is logged with topic, size and reason and counted, never raised."""
         if msg.topic == self.topics.coordinator:
             if self.on_lease_message is not None:
-                self.on_lease_message(msg)
+                try:
+                    self.on_lease_message(msg)
+                except DecodeError as exc:  # a forged, replayed or unreadable presence: never obeyed
+                    self.refuse_message(msg, exc.reason, str(exc))
             return
         if msg.topic == self.topics.coordinator_holder:
             return  # read by a lease probe; one left unacknowledged in our session comes back here
@@ -344,7 +332,7 @@ class Intake:
         rnd.check_open("decline", device, decline.round, decline.base_version)
         if rnd.has_answered(device) or decline.update_id in self._seen_update_ids:
             raise UpdateRejected("duplicate", f"{device} already answered round {rnd.number}")
-        self._remember(decline.update_id)
+        self._seen_update_ids.add(decline.update_id)
         self.state.declined[decline.reason] += 1
         self.registry.count_by_device(self.registry.declined_by_device, device, decline.reason)
         rnd.declined.append(device)
@@ -372,7 +360,7 @@ class Intake:
             Offer(update.device, update.delta_W, update.delta_b, update.num_examples, staleness)
         )
         rnd.record(update, size_bytes)
-        self._remember(update.update_id)
+        self._seen_update_ids.add(update.update_id)
         self._dirty = True
         # Devices no longer publish a status for their round's progress (agent/status.py):
         # the update says it, so the fleet registry takes the device's round, update size and its
@@ -419,9 +407,6 @@ class Intake:
             self.state.rejected[exc.reason] += 1
             logger.warning("round %d: held update %s refused: %s", rnd.number, update.update_id, exc)
         self._unfolded.pop(update.update_id, None)
-
-    def _remember(self, update_id: str) -> None:
-        self._seen_update_ids.add(update_id)
 
     def _is_own_topic(self, topic: str) -> bool:
         base = self.topics.global_model
@@ -542,11 +527,8 @@ class Intake:
     def load_state(self, path: Path) -> bool:
         """Resume from a state file written by :meth:`save_state` (False when there is none).
 
-        Raises
-        ------
-        UpdateRejected
-            ``bad_state`` when the file holds a head of another shape, or one the agents would refuse
-            (non-finite, or a value beyond ``MAX_HEAD_ABS``).
+        Raises UpdateRejected (``bad_state``) when the file holds a head of another shape, or one the
+        agents would refuse (non-finite, or a value beyond ``MAX_HEAD_ABS``).
         """
         data = read_record(path)
         if data is None:
@@ -566,9 +548,9 @@ class Intake:
         self.state.round = int(doc["round"])
         self.state.version = int(doc["version"])
         self.state.history = [RoundRecord(*h) for h in doc["history"]]
-        self.counted = {int(k): list(v) for k, v in doc.get("counted", {}).items()}
+        self.counted = {int(k): list(v) for k, v in doc["counted"].items()}
         try:
-            self.strategy.restore_durable(doc.get("strategy", {}))
+            self.strategy.restore_durable(doc["strategy"])
         except (ValueError, KeyError, TypeError) as exc:
             why = f"{path}: the strategy's saved state does not fit ({exc})"
             raise UpdateRejected("bad_state", why) from exc
@@ -576,11 +558,11 @@ class Intake:
         self.state_loaded = True
         for r in sorted(self.counted):  # an update counted before the restart is refused as a duplicate
             for update_id in self.counted[r]:
-                self._remember(update_id)
+                self._seen_update_ids.add(update_id)
                 self.registry.trained(update_id.split(":", 1)[0], r)
-        self._resume = doc.get("open")
+        self._resume = doc["open"]
         self._unfolded = {}
-        for topic, payload in doc.get("unfolded", []):
+        for topic, payload in doc["unfolded"]:
             self.handle(Message(str(topic), bytes(payload), False))  # held again for their round
         self._record_unrecorded_round()
         logger.info("resumed at round %d, version %d from %s", self.state.round, self.state.version, path)
@@ -592,13 +574,13 @@ class Intake:
         rnd.update_ids = set(doc["update_ids"])
         rnd.devices = list(doc["devices"])
         rnd.declined = list(doc["declined"])
-        rnd.empty = list(doc.get("empty", []))  # a state file written before it kept them: none
+        rnd.empty = list(doc["empty"])
         rnd.sites = list(doc["sites"])
         rnd.update_bytes = [int(n) for n in doc["update_bytes"]]
         if doc["snapshot"] is not None:
             self.strategy.restore(doc["snapshot"])
         for update_id in rnd.update_ids:
-            self._remember(update_id)
+            self._seen_update_ids.add(update_id)
         left = rnd.deadline_at - time.monotonic()
         logger.warning(
             "round %d resumed from the state file: %d updates, %d declines, %.0f s left",

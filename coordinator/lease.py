@@ -6,8 +6,10 @@ retained :class:`~edgefl.wire.presence.Presence` on ``<prefix>/<fleet>/coordinat
 ``heartbeat_s`` and cleared by the holder's last will; :func:`probe_lease` reads it under a client id
 of its own before the fleet's client id connects: a presence that moves is a live holder
 (:class:`LeaseHeld`, exit 6), one that does not is stale, one naming this state file's previous
-instance is taken over at once. Of two live holders the one that started first keeps it. The walk
-through every case is ``docs/protocol.md`` ("Presence") and ``docs/operations.md`` ("One
+instance is taken over at once. Of two live holders the one that started first keeps it. With the
+coordinator's signing key (:class:`PresenceTrust`) presences are signed, and only a fresh presence
+signed by that key counts, starting or running: a forged one is refused and counted, never obeyed.
+The walk through every case is ``docs/protocol.md`` ("Presence") and ``docs/operations.md`` ("One
 coordinator per fleet").
 
 Source: the MQTT "birth and last will" presence pattern (MQTT 5.0 §3.1.2.5, Will Message; §3.3.1.3,
@@ -24,15 +26,20 @@ import os
 import secrets
 import socket
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Final
 
+from edgefl.coordinator.registry import sampled_log
 from edgefl.errors import DecodeError, EdgeflError, TransportError
 from edgefl.mqtt_link import Message
 from edgefl.records import RecordError, atomic_write, decode_record, encode_record
 from edgefl.transport import MqttTransport, Will
+from edgefl.wire.cbor import MessageType
 from edgefl.wire.presence import Presence, decode_presence, encode_presence
+from edgefl.wire.reasons import Reason
+from edgefl.wire.signing import SigningKey, VerifyKey, sign_message, verify_payload
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +55,12 @@ PROBE_MARGIN_S: Final = 1.0
 
 PROBE_HEARTBEAT_MAX_S: Final = 30.0
 """The longest heartbeat a probe believes (a presence claiming more is watched for two of these only)."""
+
+CLOCK_SKEW_S: Final = 30.0
+"""The clock difference allowed between two coordinators' hosts when a signed presence's age is checked."""
+
+SEQS_KEPT: Final = 16
+"""Instances whose highest ``seq`` a lease remembers (a replayed presence does not move it)."""
 
 
 class LeaseHeld(EdgeflError):
@@ -120,6 +133,74 @@ def previous_instance(state: Path) -> str | None:
     return str(doc["instance"])
 
 
+class PresenceTrust:
+    """Which presences a coordinator believes: with the fleet's coordinator key, only signed, fresh ones.
+
+    Parameters
+    ----------
+    fleet : str
+        The fleet's name (bound by the signature).
+    key : VerifyKey or None
+        The coordinator's public key (the public half of ``security.signing_key_file``); None: every
+        decodable presence is believed, as anyone allowed to publish on the lease topic writes it
+        (the broker's ACL is then the only protection: ``docs/security.md``).
+    previous : str or None
+        This state file's previous instance (:func:`previous_instance`): gone, since its lock is ours.
+
+    Attributes
+    ----------
+    refused : collections.Counter of str
+        Presences refused by :meth:`refuse`, by reason (a probe's, added to the coordinator's
+        ``rejected`` counters once it runs).
+    """
+
+    def __init__(self, fleet: str, key: VerifyKey | None, previous: str | None = None) -> None:
+        self.fleet = fleet
+        self.key = key
+        self.previous = previous
+        self.refused: Counter[str] = Counter()
+
+    @property
+    def signed(self) -> bool:
+        """Whether presences must be signed."""
+        return self.key is not None
+
+    def read(self, payload: bytes, *, fresh: bool = True, now: float | None = None) -> Presence:
+        """Verify (with a key) and decode a presence; ``fresh``: with a key, it must be recent too.
+
+        A signed presence is fresh when its ``sent`` time is at most two heartbeats (at most
+        :data:`PROBE_HEARTBEAT_MAX_S` each) plus :data:`CLOCK_SKEW_S` in the past, and at most
+        :data:`CLOCK_SKEW_S` ahead of ``now`` (Unix seconds, default the clock): a signature proves
+        origin, not freshness, so a recorded presence replayed later is refused.
+
+        Raises
+        ------
+        DecodeError
+            ``unsigned``, ``bad_signature`` (with a key), ``expired`` (with a key, ``fresh`` and an
+            old or unstamped ``sent``), or a decoding reason of ``docs/protocol.md`` ("Presence").
+        """
+        if self.key is not None:
+            verify_payload(payload, self.key, fleet=self.fleet, kind=MessageType.PRESENCE)
+        p = decode_presence(payload)
+        if self.key is not None and fresh:
+            now = time.time() if now is None else now
+            age_s = now - p.sent
+            max_age_s = 2 * min(p.heartbeat_s, PROBE_HEARTBEAT_MAX_S) + CLOCK_SKEW_S
+            if p.sent <= 0 or not -CLOCK_SKEW_S <= age_s <= max_age_s:
+                shown = "not stamped" if p.sent <= 0 else f"sent {age_s:.0f} s ago"
+                why = f"presence of {describe(p)}: {shown} (a replay?), at most {max_age_s:.0f} s"
+                raise DecodeError(Reason.EXPIRED, why)
+        return p
+
+    def refuse(self, topic: str, size: int, exc: DecodeError) -> None:
+        """Count a presence refused outside the running coordinator's intake, and log it (throttled)."""
+        reason = str(exc.reason)
+        self.refused[reason] += 1
+        more = sampled_log(self.refused[reason], reason)
+        if more is not None:
+            logger.warning("lease topic %s: presence refused (%d bytes): %s%s", topic[:200], size, exc, more)
+
+
 def describe(p: Presence) -> str:
     """``instance 1a2b3c4d on host gw (pid 42), since 2026-12-06T04:00:00Z``."""
     since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(p.started))
@@ -133,6 +214,7 @@ async def probe_lease(
     connected: Callable[[MqttTransport], Awaitable[None]],
     previous: str | None = None,
     holder_topic: str | None = None,
+    trust: PresenceTrust | None = None,
 ) -> Presence | None:
     """Read the fleet's lease through ``transport`` (a client id of its own, clean session); publish nothing.
 
@@ -152,6 +234,9 @@ async def probe_lease(
         account's session ``holder_topic`` names it the last holder of, is taken over at once.
     holder_topic : str or None
         ``Topics.coordinator_holder``.
+    trust : PresenceTrust or None
+        Which presences count (None: any decodable one); a refused one is counted in its ``refused``
+        and otherwise ignored, as if it had not come.
 
     Returns
     -------
@@ -164,6 +249,7 @@ async def probe_lease(
     TransportError
         What ``connected`` raises, or the broker refused the subscription.
     """
+    trust = trust if trust is not None else PresenceTrust("", None)
     await transport.start(wait_s=None)
     try:
         await connected(transport)
@@ -173,7 +259,7 @@ async def probe_lease(
         # that session keeps its messages; a live holder reconnects and republishes its presence.
         renamed = transport.session_present
         if renamed and previous is not None and holder_topic is not None:
-            last = await _retained_presence(transport, holder_topic)
+            last = await _retained_presence(transport, holder_topic, trust)
             if _ours(last, previous, "the broker gave the lease probe the session of"):
                 return None
         if renamed:
@@ -183,7 +269,7 @@ async def probe_lease(
             )
         await transport.subscribe(topic, 1)
         first_wait = 2 * LEASE_HEARTBEAT_S + PROBE_MARGIN_S if renamed else PROBE_RETAINED_WAIT_S
-        first = await _next_presence(transport, topic, first_wait)
+        first = await _next_presence(transport, topic, first_wait, trust)
         if first is None:
             return None
         if _ours(first, previous, "the fleet's lease names", "; the broker has not cleared its lease yet"):
@@ -192,7 +278,7 @@ async def probe_lease(
         loop = asyncio.get_running_loop()
         end = loop.time() + wait_s
         while (left := end - loop.time()) > 0:
-            seen = await _next_presence(transport, topic, left)
+            seen = await _next_presence(transport, topic, left, trust)
             if seen is None:
                 break
             if seen.instance != first.instance or seen.seq != first.seq:
@@ -217,10 +303,11 @@ def _ours(p: Presence | None, previous: str | None, how: str, why: str = "") -> 
     return True
 
 
-async def _retained_presence(transport: MqttTransport, topic: str) -> Presence | None:
+async def _retained_presence(transport: MqttTransport, topic: str, trust: PresenceTrust) -> Presence | None:
     """The retained presence on ``topic`` (None: none within :data:`PROBE_RETAINED_WAIT_S`), unsubscribed.
 
     A subscription the broker refuses (an ACL without the topic) is None too: the caller waits instead.
+    The holder's presence may be old (it is published once a connect): ``trust`` checks its signature only.
     """
     try:
         await transport.subscribe(topic, 1)
@@ -228,14 +315,16 @@ async def _retained_presence(transport: MqttTransport, topic: str) -> Presence |
         logger.info("lease holder topic %s not readable (%s): the lease is checked by waiting", topic, exc)
         return None
     try:
-        return await _next_presence(transport, topic, PROBE_RETAINED_WAIT_S)
+        return await _next_presence(transport, topic, PROBE_RETAINED_WAIT_S, trust, fresh=False)
     finally:
         with contextlib.suppress(TransportError):
             await transport.unsubscribe(topic)
 
 
-async def _next_presence(transport: MqttTransport, topic: str, timeout_s: float) -> Presence | None:
-    """The next decodable presence on ``topic`` within ``timeout_s`` (None: none came, or it was cleared)."""
+async def _next_presence(
+    transport: MqttTransport, topic: str, timeout_s: float, trust: PresenceTrust, *, fresh: bool = True
+) -> Presence | None:
+    """The next presence ``trust`` believes on ``topic`` within ``timeout_s`` (None: none, or cleared)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
     while (left := end - loop.time()) > 0:
@@ -246,9 +335,9 @@ async def _next_presence(transport: MqttTransport, topic: str, timeout_s: float)
         if msg.topic != topic or not msg.payload:
             continue
         try:
-            return decode_presence(msg.payload)
+            return trust.read(msg.payload, fresh=fresh)
         except DecodeError as exc:
-            logger.warning("lease topic %s: unreadable presence (%d bytes): %s", topic, len(msg.payload), exc)
+            trust.refuse(topic, len(msg.payload), exc)
     return None
 
 
@@ -268,6 +357,12 @@ class Lease:
     holder_topic : str or None
         ``Topics.coordinator_holder``: the presence is also kept there (retained, no will clears it)
         after each connect.
+    signing_key : SigningKey or None
+        Signs every presence published (stamped with its ``sent`` time); give ``trust`` its public half.
+    trust : PresenceTrust or None
+        Which presences seen on ``topic`` count (None: any decodable one).
+    seen : Presence or None
+        A presence the probe found stale: a replay of it (or of an older one) moves nothing.
     """
 
     def __init__(
@@ -277,10 +372,16 @@ class Lease:
         instance: str,
         heartbeat_s: float = LEASE_HEARTBEAT_S,
         holder_topic: str | None = None,
+        signing_key: SigningKey | None = None,
+        trust: PresenceTrust | None = None,
+        seen: Presence | None = None,
     ) -> None:
         self.transport = transport
         self.topic = topic
         self.holder_topic = holder_topic
+        self.signing_key = signing_key
+        self.trust = trust if trust is not None else PresenceTrust("", None)
+        self._seqs: dict[str, int] = {} if seen is None else {seen.instance: seen.seq}
         self._holder_due = holder_topic is not None
         self.presence = Presence(
             instance=instance,
@@ -311,17 +412,14 @@ class Lease:
         while True:
             if self.transport.connected.is_set():
                 self.presence = _next(self.presence)
+                payload = self.encode(self.presence)
                 try:
-                    await self.transport.publish(
-                        self.topic, encode_presence(self.presence), qos=1, retain=True
-                    )
+                    await self.transport.publish(self.topic, payload, qos=1, retain=True)
                 except TransportError as exc:
                     logger.debug("lease heartbeat not published: %s", exc)
                 if self._holder_due and self.holder_topic is not None:
                     try:  # who took the lease last: a restart after a crash knows its own session by it
-                        await self.transport.publish(
-                            self.holder_topic, encode_presence(self.presence), qos=1, retain=True
-                        )
+                        await self.transport.publish(self.holder_topic, payload, qos=1, retain=True)
                         self._holder_due = False
                     except TransportError as exc:
                         logger.debug("lease holder not published: %s", exc)
@@ -329,21 +427,43 @@ class Lease:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), self.presence.heartbeat_s)
 
+    def encode(self, p: Presence) -> bytes:
+        """``p`` as published now: stamped with the time and, with a signing key, signed for the fleet."""
+        stamped = Presence(p.instance, p.host, p.pid, p.started, p.seq, p.heartbeat_s, sent=time.time())
+        if self.signing_key is None:
+            return encode_presence(stamped)
+        return sign_message(encode_presence, stamped, self.signing_key, fleet=self.trust.fleet)
+
     def handle(self, msg: Message) -> None:
-        """A message on the lease topic: another instance's live presence taken first ends our lease."""
+        """A message on the lease topic: another instance's live presence taken first ends our lease.
+
+        Raises
+        ------
+        DecodeError
+            A presence refused (the caller counts it and carries on): what
+            :meth:`PresenceTrust.read` raises; ``expired`` for this state file's previous instance
+            (gone); ``duplicate`` for a ``seq`` of another instance not above the highest seen (a replay).
+        """
         if not msg.payload:
             self._kick.set()  # cleared (another instance's will): say we are here again
             return
-        try:
-            other = decode_presence(msg.payload)
-        except DecodeError as exc:
-            logger.warning(
-                "lease topic %s: unreadable presence (%d bytes): %s", msg.topic, len(msg.payload), exc
-            )
-            return
+        other = self.trust.read(msg.payload, fresh=not msg.retain)
         mine = self.presence
-        if other.instance == mine.instance or msg.retain:
-            return  # our own echo, or a retained copy (maybe stale): a live one comes again unretained
+        if other.instance == mine.instance:
+            return  # our own echo
+        if other.instance == self.trust.previous and not msg.retain:
+            why = f"presence of {describe(other)}, this state file's previous coordinator (gone)"
+            raise DecodeError(Reason.EXPIRED, why)
+        last = self._seqs.get(other.instance)
+        if not msg.retain and last is not None and other.seq <= last:
+            why = f"presence of {describe(other)}: seq {other.seq} <= {last} seen (a replay?)"
+            raise DecodeError(Reason.DUPLICATE, why)
+        self._seqs.pop(other.instance, None)
+        self._seqs[other.instance] = other.seq if last is None else max(last, other.seq)
+        while len(self._seqs) > SEQS_KEPT:
+            del self._seqs[next(iter(self._seqs))]
+        if msg.retain:
+            return  # a retained copy (maybe stale): a live one comes again unretained
         if (other.started, other.instance) < (mine.started, mine.instance):
             self.lost_to = describe(other)
             logger.error("another coordinator took this fleet first (%s): stopping", self.lost_to)
@@ -364,4 +484,4 @@ class Lease:
 
 
 def _next(p: Presence) -> Presence:
-    return Presence(p.instance, p.host, p.pid, p.started, p.seq + 1, p.heartbeat_s)
+    return Presence(p.instance, p.host, p.pid, p.started, p.seq + 1, p.heartbeat_s, p.sent)

@@ -7,7 +7,6 @@ maths in pure functions. ``docs/security.md``, "Norm bound", says why.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,9 +16,7 @@ from edgefl.types import F32
 
 
 def update_norm(delta_W: F32, delta_b: F32) -> float:
-    """Joint L2 norm of an update ``sqrt(||dW||^2 + ||db||^2)``, accumulated in float64.
-
-    ``delta_W`` float32 [D, K], ``delta_b`` float32 [K]; returns a float (inf or nan: not finite).
+    """Joint L2 norm ``sqrt(||dW||^2 + ||db||^2)`` of float32 [D, K], [K] in float64 (inf, nan: not finite).
 
     Source: Abadi et al. 2016, Algorithm 1 (per-example norm); McMahan et al. 2018 (per-user norm).
     """
@@ -30,9 +27,7 @@ def update_norm(delta_W: F32, delta_b: F32) -> float:
 
 
 def clip_factor(norm: float, bound: float) -> float:
-    """Factor that brings an update of L2 norm ``norm`` within ``bound``: ``min(1, bound / norm)``.
-
-    Returns a float in [0, 1] (1 for a zero update).
+    """Factor in [0, 1] that brings an update of L2 norm ``norm`` within ``bound``: ``min(1, bound / norm)``.
 
     Source: Abadi et al. 2016, Algorithm 1 (``g / max(1, ||g|| / C)``).
     """
@@ -48,17 +43,14 @@ def scale_delta(delta: F32, factor: float) -> F32:
 
 
 class FleetHistory:
-    """Honest-looking values of the fleet's last rounds (update norms, example counts) and their median.
+    """Honest-looking values (update norms, example counts) of the last committed round, and their median.
 
-    The open round's values (:meth:`add`, the first ``per_round``) join the history at :meth:`commit`;
-    it keeps the last ``rounds`` committed rounds. Raises ValueError if either is < 1.
+    The open round's values (:meth:`add`, the first ``per_round``) replace the history at :meth:`commit`.
     """
 
-    def __init__(self, rounds: int = 1, per_round: int = 1024) -> None:
-        if rounds < 1 or per_round < 1:
-            raise ValueError(f"FleetHistory: rounds = {rounds}, per_round = {per_round}: need >= 1")
+    def __init__(self, per_round: int = 1024) -> None:
         self.per_round = per_round
-        self._rounds: deque[list[float]] = deque(maxlen=rounds)
+        self._last: list[float] = []
         self._open: list[float] = []
 
     def add(self, value: float) -> None:
@@ -71,57 +63,40 @@ class FleetHistory:
         self._open = []
 
     def commit(self) -> None:
-        """The open round's values join the history (the oldest round leaves it)."""
+        """The open round's values, if any, become the history."""
         if self._open:
-            self._rounds.append(self._open)
+            self._last = self._open
         self._open = []
 
     def __len__(self) -> int:
         """Values in the committed history."""
-        return sum(len(r) for r in self._rounds)
+        return len(self._last)
 
     def median(self) -> float:
         """Median of the committed history (NaN when it is empty)."""
-        values = [v for r in self._rounds for v in r]
-        return float(np.median(values)) if values else math.nan
+        return float(np.median(self._last)) if self._last else math.nan
 
     def snapshot(self) -> list[list[float]]:
-        """The committed rounds' values, oldest first (CBOR-able)."""
-        return [list(r) for r in self._rounds]
+        """The committed round's values as a list of rounds (CBOR-able)."""
+        return [list(self._last)] if self._last else []
 
     def restore(self, rounds: Sequence[Sequence[float]]) -> None:
-        """Put back a :meth:`snapshot` (non-finite or negative values are dropped)."""
-        self._rounds.clear()
+        """Put back a :meth:`snapshot`: its last round with values (non-finite or negative ones dropped)."""
+        self._last, self._open = [], []
         for r in rounds:
             kept = [float(v) for v in r if math.isfinite(float(v)) and float(v) >= 0][: self.per_round]
             if kept:
-                self._rounds.append(kept)
-        self._open = []
+                self._last = kept
 
 
 class NormBound:
     """Bound on each update's joint L2 norm, and on its weight: fixed, or from the fleet's history.
 
-    Adaptive: ``multiplier x`` the lower of the medians of the last aggregated round's honest-looking
-    norms (``FleetHistory``) and of the round's first ``warmup`` norms (updates wait for them; the
-    bound is then frozen). A norm joins the history as ``min(norm, bound)``. The weight (claimed
-    examples) can be bounded alike by ``weight_multiplier`` (the root's bound on a site's claim).
-
-    Parameters
-    ----------
-    clip_norm : float > 0 or None
-        Fixed bound C; None = adaptive.
-    multiplier : float >= 1
-        Adaptive bound in units of the history's median norm.
-    warmup : int >= 1
-        Norms needed before an adaptive bound applies.
-    weight_multiplier : float >= 1
-        Weight bound in units of the history's median claim (inf: none).
-
-    Raises
-    ------
-    ValueError
-        On out-of-range parameters.
+    ``clip_norm`` > 0: a fixed bound C. None: adaptive, ``multiplier`` (>= 1) x the lower of the medians
+    of the last aggregated round's honest-looking norms (``FleetHistory``) and of the round's first
+    ``warmup`` (>= 1) norms (updates wait for them; the bound is then frozen). A norm joins the history
+    as ``min(norm, bound)``. The weight (claimed examples) is bounded alike by ``weight_multiplier``
+    (>= 1, inf: none; the root's bound on a site's claim). ValueError on out-of-range parameters.
 
     Source: fixed clipping as McMahan et al. 2018; a median-based bound as Sun et al. 2019 ("Can You
     Really Backdoor Federated Learning?"), taken over past rounds as Andrew et al. 2021 (adaptive clipping).

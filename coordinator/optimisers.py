@@ -1,8 +1,7 @@
 """Server optimisers of the FedAvg family: momentum (FedAvgM) and adaptive steps (FedAdam, FedYogi), bounded.
 
-Each changes only FedAvg's server step (``FedAvg.step``), treating the round's mean delta as a
-pseudo-gradient, bounded per coordinate by ``bound_coordinates`` so a clipped hostile direction is
-neither carried nor amplified (``docs/security.md``, "Norm bound").
+Each replaces only ``FedAvg.step``, bounded per coordinate by ``bound_coordinates`` (``docs/security.md``,
+"Norm bound").
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from typing import Any
 import numpy as np
 
 from edgefl.coordinator.fedavg import FedAvg
-from edgefl.coordinator.normbound import clip_factor, scale_delta, update_norm
 from edgefl.types import F32
 
 COORDINATE_FACTOR = 2.0
@@ -22,12 +20,10 @@ COORDINATE_FACTOR = 2.0
 def server_momentum(momentum: F32 | None, mean_delta: F32, beta: float) -> F32:
     """Server momentum buffer of FedAvgM: ``v = beta * v + mean_delta`` (``v = mean_delta`` at first).
 
-    ``momentum``: the previous buffer (float32, None before the first round); ``mean_delta``: the
-    round's mean delta (local - global), same shape; ``beta`` in [0, 1). Returns the new float32
-    buffer. Raises ValueError if ``beta`` is outside [0, 1) or the shapes differ.
+    ``momentum`` float32 (None before the first round) and ``mean_delta`` (local - global) of one shape;
+    ``beta`` in [0, 1). Returns the new float32 buffer; ValueError for another ``beta`` or shape.
 
-    Source: Hsu, Qi, Brown 2019, "Measuring the Effects of Non-Identical Data Distribution for
-    Federated Visual Classification", §3 (FedAvgM), with Delta = local - global (sign ``+``).
+    Source: Hsu, Qi, Brown 2019, §3 (FedAvgM), with Delta = local - global (sign ``+``).
     """
     if not 0.0 <= beta < 1.0:
         raise ValueError(f"server_momentum: beta = {beta}: must be in [0, 1)")
@@ -42,11 +38,10 @@ def server_momentum(momentum: F32 | None, mean_delta: F32, beta: float) -> F32:
 def adam_moments(m: F32, v: F32, delta: F32, beta1: float, beta2: float) -> tuple[F32, F32]:
     """FedAdam moment estimates: ``m = b1 m + (1-b1) d``, ``v = b2 v + (1-b2) d^2``.
 
-    ``m``, ``v``: the previous round's moments (0 and ``tau^2`` at first); ``delta``: the round's mean
-    delta; all float32 of one shape; ``beta1``, ``beta2`` in [0, 1). Returns the new float32 (m, v).
+    ``m``, ``v`` (0 and ``tau^2`` at first) and the round's mean ``delta``: float32 of one shape;
+    betas in [0, 1). Returns the new float32 (m, v).
 
-    Source: Reddi et al. 2021, "Adaptive Federated Optimization", Algorithm 2 (FedAdam), no bias
-    correction (as in the paper).
+    Source: Reddi et al. 2021, "Adaptive Federated Optimization", Algorithm 2 (no bias correction).
     """
     d = delta.astype(np.float32)
     m1: F32 = (np.float32(beta1) * m + np.float32(1.0 - beta1) * d).astype(np.float32)
@@ -69,57 +64,32 @@ def yogi_moments(m: F32, v: F32, delta: F32, beta1: float, beta2: float) -> tupl
 
 
 def adaptive_step(m: F32, v: F32, server_lr: float, tau: float) -> F32:
-    """Server step of FedAdagrad/FedAdam/FedYogi: ``eta * m / (sqrt(v) + tau)``.
+    """Server step of FedAdam/FedYogi: ``eta * m / (sqrt(v) + tau)``, float32 of the moments' shape.
 
-    ``m``, ``v``: this round's moments (float32, one shape); ``server_lr`` eta; ``tau`` > 0 the
-    adaptivity. Returns the float32 step added to the global parameters.
-
-    Source: Reddi et al. 2021, Algorithm 2, line ``x_{t+1} = x_t + eta m_t / (sqrt(v_t) + tau)``.
+    Source: Reddi et al. 2021, Algorithm 2.
     """
     out: F32 = (np.float32(server_lr) * m / (np.sqrt(v) + np.float32(tau))).astype(np.float32)
     return out
 
 
 def bound_coordinates(step: F32, mean_delta: F32, factor: float) -> F32:
-    """Clip each coordinate of a server step to ``factor x`` the round's mean delta there.
+    """Clip each coordinate of a server step: ``|step_i| <= factor |mean_delta_i|`` (float32, one shape).
 
-    ``|step_i| <= factor |mean_delta_i|`` (``step``, ``mean_delta`` float32 of one shape; ``factor``
-    > 0): no coordinate moves further than ``factor`` FedAvg steps would. Returns float32.
-
-    Source: AdaBound (Luo, Xiong, Liu, Sun 2019, ICLR), with the bound set by the round's own FedAvg step.
+    Source: AdaBound (Luo, Xiong, Liu, Sun 2019), with the bound set by the round's own FedAvg step.
     """
     cap = np.float32(factor) * np.abs(mean_delta)
     out: F32 = np.clip(step, -cap, cap).astype(np.float32)
     return out
 
 
-def clip_step(step_W: F32, step_b: F32, bound: float) -> tuple[F32, F32]:
-    """Scale a server step ``(step_W, step_b)`` down to joint L2 norm ``bound`` when it is longer.
-
-    ``step_W`` float32 [D, K], ``step_b`` float32 [K], ``bound`` > 0 (inf: none). Returns the scaled
-    float32 pair (the same arrays when within the bound).
-
-    Source: the per-update clipping of McMahan et al. 2018 applied to the aggregate (Sun et al. 2019).
-    """
-    f = clip_factor(update_norm(step_W, step_b), bound)
-    return scale_delta(step_W, f), scale_delta(step_b, f)
-
-
 class FedAvgM(FedAvg):
-    """FedAvg with server momentum: ``v = beta v + mean(delta)``, ``W += server_lr * v``, bounded.
+    """FedAvg with server momentum: ``v = beta v + mean(delta)``, ``W += server_lr * v``.
 
-    The buffer is bounded per coordinate by ``bound_coordinates`` (``COORDINATE_FACTOR`` x the
-    round's mean delta) and kept bounded, so a direction the round does not support fades at once.
+    The buffer itself is bounded per coordinate (``bound_coordinates``), so a direction the round does
+    not support fades at once. ``server_momentum``: beta in [0, 1) (ValueError otherwise); ``kwargs`` as
+    ``Strategy``.
 
-    Parameters
-    ----------
-    server_momentum : float in [0, 1)
-        beta (0.9 in Hsu et al. 2019).
-    **kwargs
-        As ``Strategy`` (``server_lr`` defaults to 1.0).
-
-    Source: Hsu et al. 2019 (FedAvgM); the per-coordinate bound as AdaBound (Luo et al. 2019), see
-    ``bound_coordinates``.
+    Source: Hsu et al. 2019 (FedAvgM); the bound as AdaBound (Luo et al. 2019).
     """
 
     name = "fedavgm"
@@ -143,16 +113,8 @@ class FedAvgM(FedAvg):
 class FedAdam(FedAvg):
     """Server-side Adam over the rounds' mean deltas (pseudo-gradients).
 
-    Parameters
-    ----------
-    server_lr : float
-        eta.
-    beta1, beta2 : float in [0, 1)
-        Moment decay rates (0.9, 0.99 as in the paper).
-    tau : float > 0
-        Adaptivity; the second moment starts at ``tau^2``.
-    **kwargs
-        As ``Strategy``.
+    ``server_lr`` eta; ``beta1``, ``beta2`` in [0, 1); ``tau`` > 0, the adaptivity (the second moment
+    starts at ``tau^2``); ValueError otherwise. ``kwargs`` as ``Strategy``.
 
     Source: Reddi et al. 2021, "Adaptive Federated Optimization", Algorithm 2 (FedAdam).
     """

@@ -1,9 +1,7 @@
 """Client-level differential privacy at the coordinator (central DP): clip each update, add Gaussian noise.
 
-``DPFedAvg`` wraps a FedAvg-family strategy; ``PrivateSum`` is its accumulator (clipped updates summed
-unweighted, noised once, divided by the fixed expected number of clients); ``dp_epsilon`` and
-``ledger_epsilon`` account the privacy loss with the optional ``dp-accounting`` library. The choices are
-explained in ``docs/security.md``, "Differential privacy".
+``DPFedAvg`` wraps a FedAvg-family strategy; ``dp_epsilon`` and ``ledger_epsilon`` account the privacy
+loss with the optional ``dp-accounting`` library (``docs/security.md``, "Differential privacy").
 
 Source: McMahan, Ramage, Talwar, Zhang 2018, "Learning Differentially Private Recurrent Language
 Models" (ICLR), Algorithm 1; Abadi et al. 2016 (clipping); Mironov 2017 (Renyi DP).
@@ -20,6 +18,8 @@ import numpy as np
 import numpy.typing as npt
 
 from edgefl.coordinator.fedavg import FedAvg, RunningWeightedSum
+from edgefl.coordinator.normbound import clip_factor, scale_delta, update_norm
+from edgefl.coordinator.strategies import ROUND_SETTINGS
 from edgefl.coordinator.strategy import Offer, RoundConfig, RoundReport, SiteSums, Strategy
 from edgefl.types import F32
 
@@ -28,29 +28,23 @@ def clip_update(delta_W: F32, delta_b: F32, clip_norm: float) -> tuple[F32, F32,
     """Scale an update down so that the L2 norm of ``(delta_W, delta_b)`` is at most ``clip_norm``.
 
     ``delta_W`` float32 [D, K], ``delta_b`` float32 [K], ``clip_norm`` C > 0. Returns (clipped_W,
-    clipped_b, the norm before clipping); raises ValueError if ``clip_norm <= 0`` or the update is not
-    finite.
+    clipped_b, the norm before clipping); ValueError if ``clip_norm <= 0`` or the update is not finite.
 
     Source: Abadi et al. 2016, "Deep Learning with Differential Privacy", Algorithm 1 (clip step).
     """
     if clip_norm <= 0:
         raise ValueError(f"clip_norm = {clip_norm}: must be > 0")
-    norm = math.sqrt(float(np.sum(delta_W.astype(np.float64) ** 2) + np.sum(delta_b.astype(np.float64) ** 2)))
+    norm = update_norm(delta_W, delta_b)
     if not math.isfinite(norm):
         raise ValueError("clip_update: update is not finite")
-    factor = min(1.0, clip_norm / norm) if norm > 0 else 1.0
-    f = np.float32(factor)
-    return (delta_W * f).astype(np.float32), (delta_b * f).astype(np.float32), norm
+    f = clip_factor(norm, clip_norm)
+    return scale_delta(delta_W, f), scale_delta(delta_b, f), norm
 
 
 class PrivateSum:
     """Streaming DP-FedAvg aggregate of one round: clipped updates summed as they arrive, noise at the end.
 
-    Parameters
-    ----------
-    shape : (D, K)
-    clip_norm : float > 0
-        C: bound on each update's joint L2 norm.
+    ``shape`` (D, K); ``clip_norm`` C > 0, the bound on each update's joint L2 norm.
 
     Source: McMahan et al. 2018, Algorithm 1.
     """
@@ -66,11 +60,7 @@ class PrivateSum:
         self.clipped = 0
 
     def add(self, delta_W: F32, delta_b: F32) -> float:
-        """Clip one update (``delta_W`` float32 [D, K], ``delta_b`` float32 [K]) and fold it into the sum.
-
-        Returns the update's norm before clipping. Raises ValueError if the shapes are not the head's
-        or the update is not finite.
-        """
+        """Clip one update (float32 [D, K], [K]) into the sum; its norm before clipping (ValueError: bad)."""
         if delta_W.shape != self.shape or delta_b.shape != (self.shape[1],):
             raise ValueError(f"PrivateSum: delta {delta_W.shape}/{delta_b.shape}, head {self.shape}")
         cW, cb, norm = clip_update(delta_W, delta_b, self.clip_norm)
@@ -95,11 +85,9 @@ class PrivateSum:
     def noisy_mean(
         self, noise_multiplier: float, expected_clients: float, rng: np.random.Generator
     ) -> tuple[F32, F32]:
-        """Return ``(sum + N(0, (z C)^2 I)) / expected_clients`` for W and b.
+        """``(sum + N(0, (z C)^2 I)) / expected_clients``: float32 (mean_dW [D, K], mean_db [K]).
 
-        ``noise_multiplier`` z >= 0 (noise sd in units of ``clip_norm``; 0: clipping only);
-        ``expected_clients`` > 0, the fixed denominator; ``rng`` the noise source. Returns float32
-        (mean_dW [D, K], mean_db [K]); raises ValueError on a negative z or a denominator <= 0.
+        ``noise_multiplier`` z >= 0 (0: clipping only); ``expected_clients`` > 0; ValueError otherwise.
         """
         if noise_multiplier < 0 or expected_clients <= 0:
             raise ValueError(f"noise_multiplier = {noise_multiplier}, expected_clients = {expected_clients}")
@@ -119,10 +107,10 @@ def dp_epsilon(
 ) -> float:
     """Epsilon of ``rounds`` rounds of DP-FedAvg, client-level, at the given delta.
 
-    ``noise_multiplier`` z >= 0 (noise sd / clip norm); ``sampling_rate`` q in (0, 1], the chance a
-    device takes part in a round; ``rounds`` >= 0; ``delta`` in (0, 1); ``accountant``: ``dp_accounting``'s
-    RDP (as Opacus and TF Privacy) or PLD (tighter). Returns epsilon (0.0 for zero rounds, inf for
-    z = 0). Raises ValueError on out-of-range arguments, ImportError without ``dp-accounting``.
+    ``noise_multiplier`` z >= 0; ``sampling_rate`` q in (0, 1] (the chance a device takes part in a
+    round); ``rounds`` >= 0; ``delta`` in (0, 1); ``accountant``: RDP (as Opacus and TF Privacy) or PLD
+    (tighter). Returns epsilon (0.0 for zero rounds, inf for z = 0). Raises ValueError on out-of-range
+    arguments, ImportError without ``dp-accounting``.
 
     Source: Mironov 2017 (RDP); Mironov, Talwar, Zhang 2019 (RDP of the sampled Gaussian);
     Google ``dp-accounting`` (PoissonSampledDpEvent of a GaussianDpEvent, SelfComposedDpEvent).
@@ -144,10 +132,8 @@ def ledger_epsilon(
 ) -> float:
     """Epsilon of a run of DP rounds whose noise or sampling rate may have changed between restarts.
 
-    ``runs`` are ``(noise_multiplier, sampling_rate, rounds)`` of consecutive rounds with the same
-    settings (``PrivacyLedger.runs``); ``delta`` and ``accountant`` as ``dp_epsilon``. Returns the epsilon
-    of their composition (``dp_epsilon`` for a single run; ``inf`` when a run had no noise; 0.0 without
-    rounds). Raises ValueError on out-of-range values, ImportError without ``dp-accounting``.
+    ``runs``: ``(noise_multiplier, sampling_rate, rounds)`` of consecutive rounds with the same settings;
+    the rest as ``dp_epsilon``. Returns the epsilon of their composition (inf when a run had no noise).
 
     Source: Google ``dp-accounting``, a ``ComposedDpEvent`` of the runs (Mironov 2017).
     """
@@ -178,10 +164,9 @@ def _account(runs: Sequence[tuple[float, float, int]], delta: float, accountant:
 
 
 class PrivacyLedger:
-    """The DP rounds a coordinator has run: part of its durable state, so epsilon survives restarts.
+    """The DP rounds run: durable, so epsilon survives restarts (and never goes down when settings change).
 
-    ``runs``: list of ``(noise_multiplier, sampling_rate, rounds)`` of identical settings, so epsilon
-    never goes down when a restart changes them.
+    ``runs``: ``(noise_multiplier, sampling_rate, rounds)`` of consecutive rounds with the same settings.
     """
 
     def __init__(self) -> None:
@@ -221,32 +206,12 @@ class PrivacyLedger:
 class DPFedAvg(Strategy):
     """Central DP around a FedAvg-family strategy: fixed clipping, Gaussian noise, the inner server step.
 
-    Updates are clipped to ``clip_norm`` (the strategy's fixed norm bound) and summed unweighted
-    (``PrivateSum``); ``aggregate`` noises the sum, divides it by ``expected_clients`` and applies the
-    inner server step. Every aggregated round counts towards epsilon, a refused one too.
-
-    Parameters
-    ----------
-    inner : FedAvg
-        The wrapped strategy (its client settings and server step).
-    clip_norm : float > 0
-        C, bound on each update's joint L2 norm.
-    noise_multiplier : float >= 0
-        z, noise standard deviation in units of C (0 = clipping only, epsilon infinite).
-    expected_clients : float > 0
-        Fixed denominator: expected updates per round.
-    delta : float in (0, 1)
-        The delta at which epsilon is reported.
-    sampling_rate : float in (0, 1] or None
-        q, probability that a device takes part in a round (default: ``inner.fraction``).
-    rng : numpy.random.Generator or None
-        Noise source (default: seeded from the OS).
-
-    Raises
-    ------
-    ValueError
-        If ``inner`` is not of the FedAvg family (no sensitivity bound of C / n), or on out-of-range
-        arguments.
+    Updates are clipped to ``clip_norm`` C > 0 and summed unweighted (``PrivateSum``); ``aggregate``
+    adds noise of sd ``noise_multiplier`` z >= 0 times C, divides by ``expected_clients`` > 0 and applies
+    the ``inner`` strategy's server step. Every aggregated round counts towards epsilon at ``delta``
+    (a refused one too); ``sampling_rate`` q defaults to ``inner.fraction``, ``rng`` to an OS seed.
+    ValueError if ``inner`` is not of the FedAvg family (no sensitivity bound of C / n), or on
+    out-of-range arguments.
 
     Source: McMahan, Ramage, Talwar, Zhang 2018, Algorithm 1 (DP-FedAvg, fixed denominator);
     as Flower's ``DifferentialPrivacyServerSideFixedClipping`` wraps a strategy.
@@ -270,18 +235,8 @@ class DPFedAvg(Strategy):
                 f"noise_multiplier = {noise_multiplier}, expected_clients = {expected_clients}, "
                 f"delta = {delta}: need >= 0, > 0, in (0, 1)"
             )
-        super().__init__(
-            local_epochs=inner.local_epochs,
-            lr=inner.lr,
-            batch_size=inner.batch_size,
-            min_clients=inner.min_clients,
-            deadline_s=inner.deadline_s,
-            server_lr=inner.server_lr,
-            fraction=inner.fraction,
-            seed=inner.seed,
-            clip_norm=clip_norm,
-            tolerate=inner.tolerate,
-        )
+        inherited = (*ROUND_SETTINGS, "server_lr", "fraction", "seed", "tolerate")  # the clip norm is its own
+        super().__init__(clip_norm=clip_norm, **{name: getattr(inner, name) for name in inherited})
         self.inner: FedAvg = inner
         self.name = f"dp-{inner.name}"
         self.server_state = inner.server_state  # one dict: refuse() restores the inner's state

@@ -28,14 +28,8 @@ DP_WRAPS: Final = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi")
 class FleetConfig:
     """``[fleet]``: which fleet this coordinator runs.
 
-    Parameters
-    ----------
-    name : str
-        Fleet name (device-id pattern); topics live under ``<broker.topic_prefix>/<name>/``.
-    max_devices : int > 0
-        Bound of the device registry (statuses kept).
-    device_expiry_s : float > 0
-        Seconds after which a silent device's status is forgotten.
+    ``name``: device-id pattern, topics under ``<broker.topic_prefix>/<name>/``; ``max_devices`` > 0:
+    statuses the device registry keeps; ``device_expiry_s`` > 0: a silent device is forgotten after it.
     """
 
     name: str = "default"
@@ -47,12 +41,8 @@ class FleetConfig:
 class ModelRef:
     """``[model]``: the backbone every device must run (the global head belongs to it).
 
-    Parameters
-    ----------
-    path : Path
-        The ``.tflite`` file (absolute after loading). Required.
-    sha256 : str or None
-        Expected SHA-256 (64 hex digits), checked at load.
+    ``path``: the ``.tflite`` file (required; absolute after loading); ``sha256``: its expected SHA-256
+    (64 hex digits), checked at load.
     """
 
     path: Path
@@ -63,33 +53,15 @@ class ModelRef:
 class RoundsConfig:
     """``[rounds]``: how many rounds, when they open, who takes part, and what devices are told to do.
 
-    Parameters
-    ----------
-    count : int >= 0
-        Rounds to run: 0, a service that runs until stopped, paced by ``interval_s`` and
-        ``min_new_samples``; N, a job of N rounds back to back (pacing ignored).
-    interval_s : float >= 0
-        Service: least time between two round starts, seconds.
-    min_new_samples : int >= 0
-        Service: new labelled samples the ready devices must report before a round opens (0: no wait).
-    min_clients : int > 0
-        Ready devices a service's round needs to open, and the fewest updates that close any round
-        early (the strategy's own minimum applies on top).
-    quorum : float in (0, 1]
-        Share of the devices asked whose updates close a round early (1.0: all of them).
-    expected_clients : int >= 0
-        Ready devices to wait for before round 1 (0: do not wait).
-    wait_devices_s, deadline_s : float > 0
-        How long to wait for them; round deadline (seconds).
-    local_epochs, batch_size : int > 0
-    lr : float > 0
-        Client learning rate (``docs/operations.md``, "Learning rate").
-    lr_decay : float in (0, 1]
-        Factor on the client learning rate per round within an episode (1.0: constant).
-    compression : str
-        Update compression devices use: none, float16, int8, topk, topk-int8.
-    downlink : str
-        Layout of the global head sent down: float32, float16 or int8 (``docs/protocol.md``).
+    ``count`` >= 0: 0 runs a service until stopped, paced by ``interval_s`` (least seconds between two
+    round starts) and ``min_new_samples`` (new labelled samples the ready devices must report; 0: no
+    wait); N runs N rounds back to back. ``min_clients`` > 0: ready devices a service's round needs,
+    and the fewest updates that close any round early (the strategy's own minimum on top); ``quorum``
+    in (0, 1]: share of the devices asked whose updates close it early. ``expected_clients`` >= 0:
+    ready devices to wait for (up to ``wait_devices_s``) before round 1. ``deadline_s`` > 0;
+    ``local_epochs``, ``batch_size`` > 0; ``lr`` > 0 the client learning rate, times ``lr_decay`` in
+    (0, 1] per round of an episode; ``compression`` of the updates (none, float16, int8, topk,
+    topk-int8); ``downlink``: the global head's layout (float32, float16, int8; ``docs/protocol.md``).
     """
 
     count: int = 0
@@ -110,16 +82,10 @@ class RoundsConfig:
 
 @dataclass(frozen=True, slots=True)
 class StrategyConfig:
-    """``[strategy]``: the aggregation rule and its parameters.
+    """``[strategy]``: the aggregation rule ``name`` and its own parameters (None: its default).
 
-    Parameters
-    ----------
-    name : str
-        fedavg, fedprox, fedavgm, fedadam, fedyogi, median, trimmed-mean or fedbuff.
-    server_lr, server_momentum, prox_mu, tau, trim_fraction, max_updates, buffer_size, max_staleness
-        The strategy's own parameters (None: its default): server_lr > 0, server_momentum in [0, 1),
-        prox_mu >= 0, tau > 0, trim_fraction in [0, 0.5), max_updates > 0, buffer_size > 0,
-        max_staleness >= 0.
+    server_lr > 0, server_momentum in [0, 1), prox_mu >= 0, tau > 0, trim_fraction in [0, 0.5),
+    max_updates > 0, buffer_size > 0, max_staleness >= 0.
     """
 
     name: Literal[
@@ -139,14 +105,9 @@ class StrategyConfig:
 class RobustnessConfig:
     """``[robustness]``: hostile devices a round withstands, and the bound on each update's L2 norm.
 
-    Parameters
-    ----------
-    tolerate : int >= 0
-        Hostile devices every aggregated round must withstand (``Strategy.min_updates``).
-    norm_bound : float > 0 or None
-        Fixed bound; None: adaptive (``adaptive_factor`` x the median honest-looking norm of the last rounds).
-    adaptive_factor : float >= 1
-        Multiple of that median (default 1: the median itself, the target quantile 0.5 of Andrew et al. 2021).
+    ``tolerate`` >= 0: hostile devices every aggregated round withstands (``Strategy.min_updates``);
+    ``norm_bound`` > 0, or None: ``adaptive_factor`` (>= 1) x the median honest-looking norm of the last
+    rounds (1: the target quantile 0.5 of Andrew et al. 2021).
     """
 
     tolerate: int = 1
@@ -158,18 +119,9 @@ class RobustnessConfig:
 class PrivacyConfig:
     """``[privacy]``: central differential privacy (clipping + Gaussian noise, McMahan et al. 2018).
 
-    Parameters
-    ----------
-    enabled : bool
-        Wrap the strategy in the DP wrapper.
-    noise_multiplier : float > 0
-        Gaussian noise std as a multiple of ``clip_norm``.
-    clip_norm : float > 0
-        Per-update L2 clip.
-    delta : float in (0, 1)
-        Target delta of the accountant.
-    expected_clients : float > 0 or None
-        Fixed denominator of the noisy mean; None: ``rounds.min_clients``.
+    ``enabled`` wraps the strategy; ``noise_multiplier`` > 0: noise std in units of ``clip_norm`` > 0,
+    the per-update L2 clip; ``delta`` in (0, 1) of the accountant; ``expected_clients`` > 0: the noisy
+    mean's fixed denominator (None: ``rounds.min_clients``).
     """
 
     enabled: bool = False
@@ -183,13 +135,8 @@ class PrivacyConfig:
 class EvaluationConfig:
     """``[evaluation]``: an optional central evaluation set; devices also report their own.
 
-    Parameters
-    ----------
-    path : Path or None
-        An ``.npz`` with ``x`` (raw samples) and ``y`` (labels); None: the digits test split for the
-        shipped digits model, else none.
-    mean, std : tuple[float, ...]
-        Per-channel normalisation of ``x`` (as the devices' ``[pipeline]``).
+    ``path``: an ``.npz`` of ``x`` (raw samples) and ``y`` (labels); None: the digits test split for the
+    shipped digits model, else none. ``mean``, ``std``: per-channel normalisation (as ``[pipeline]``).
     """
 
     path: Path | None = None
@@ -201,12 +148,8 @@ class EvaluationConfig:
 class SecurityRef:
     """``[security]``: signing of global heads and round announcements, verification of updates.
 
-    Parameters
-    ----------
-    signing_key_file : Path or None
-        The coordinator's Ed25519 private key (64 hex digits or PEM).
-    device_keys_dir : Path or None
-        Folder of ``<device>.pub`` keys; when set, every update must be signed by its device.
+    ``signing_key_file``: the coordinator's Ed25519 private key (64 hex digits or PEM);
+    ``device_keys_dir``: folder of ``<device>.pub`` keys, and every update must be signed by its device.
     """
 
     signing_key_file: Path | None = None
@@ -215,17 +158,7 @@ class SecurityRef:
 
 @dataclass(frozen=True, slots=True)
 class FilesConfig:
-    """``[files]``: where the coordinator keeps its state and logs.
-
-    Parameters
-    ----------
-    state : Path or None
-        State file (global head, version, round), resumed after a restart.
-    log : Path or None
-        One JSON line per closed round is appended here.
-    json : Path or None
-        Summary written when the job ends.
-    """
+    """``[files]``: the ``state`` resumed at a restart, the round ``log`` (JSON lines), the job's ``json``."""
 
     state: Path | None = None
     log: Path | None = None
@@ -236,27 +169,14 @@ class FilesConfig:
 class HierarchyConfig:
     """``[hierarchy]``: this coordinator's place among many sites (``docs/operations.md``, "Many sites").
 
-    Parameters
-    ----------
-    role : str
-        ``flat`` (one coordinator), ``site`` (devices' updates in, one signed Partial a round up) or
-        ``root`` (partials in, the global head and rounds out).
-    site : str or None
-        Site id (device-id pattern), required when ``role = "site"``.
-    expected_sites : int >= 0
-        Root: partials that close a round early (0: ``rounds.min_clients`` updates do).
-    expected_devices : int >= 0
-        Site: updates that close its partial early (0: the devices online and selected at the opening).
-    close_margin_s : float >= 0
-        Site: the partial closes this many seconds before the root's deadline.
-    site_keys_dir : Path or None
-        Root: folder of ``<site>.pub`` keys; when set, every partial must be signed by its site.
-    root_key_file : Path or None
-        Site: the root's public key; when set, round announcements must be signed by it.
-    allow_unsigned_sites : bool
-        Root: start without ``site_keys_dir`` (a loud warning; refused otherwise).
-    site_devices : int
-        Root: most devices one site has (> 0, required for a root); a partial claiming more is refused.
+    ``role``: ``flat`` (one coordinator), ``site`` (devices' updates in, one signed Partial a round up)
+    or ``root`` (partials in, the global head and rounds out). A site: ``site`` id (device-id pattern,
+    required); ``expected_devices`` >= 0 updates close its partial early (0: the devices online and
+    selected at the opening); it closes ``close_margin_s`` >= 0 before the root's deadline; with
+    ``root_key_file`` announcements must be signed by the root. A root: ``expected_sites`` >= 0
+    partials close a round early (0: ``rounds.min_clients`` updates do); with ``site_keys_dir`` (folder
+    of ``<site>.pub``) every partial must be signed by its site, without it ``allow_unsigned_sites``
+    must be set; ``site_devices`` > 0 (required) bounds the devices a partial may claim.
     """
 
     role: Literal["flat", "site", "root"] = "flat"
@@ -403,14 +323,9 @@ def _check_hierarchy(p: Problems, c: HierarchyConfig, raw: Mapping[str, object],
         p.add("hierarchy.site", None, "required when hierarchy.role = 'site'")
     if c.site is not None:
         check(p, "hierarchy.site", c.site, check_device_id)
-    if c.expected_sites < 0:
-        p.add("hierarchy.expected_sites", c.expected_sites, "must be >= 0")
-    if c.expected_devices < 0:
-        p.add("hierarchy.expected_devices", c.expected_devices, "must be >= 0")
-    if c.site_devices < 0:
-        p.add("hierarchy.site_devices", c.site_devices, "must be >= 0")
-    if not c.close_margin_s >= 0:
-        p.add("hierarchy.close_margin_s", c.close_margin_s, "must be >= 0")
+    for name in ("expected_sites", "expected_devices", "site_devices", "close_margin_s"):
+        if not getattr(c, name) >= 0:
+            p.add(f"hierarchy.{name}", getattr(c, name), "must be >= 0")
     if c.role == "root" and c.site_devices == 0:
         why = "required when hierarchy.role = 'root': the most devices one site has (a site whose key"
         p.add("hierarchy.site_devices", 0, why + " was stolen may claim no more)")
@@ -525,26 +440,12 @@ def is_coordinator_profile(data: Mapping[str, object]) -> bool:
 def load_coordinator_profile(
     path: Path | str, overrides: Mapping[str, object] | None = None, *, check_files: bool = True
 ) -> CoordinatorProfile:
-    """Read a coordinator TOML profile, apply ``--set`` overrides, validate it.
+    """Read a coordinator TOML profile, apply ``--set`` overrides (``{"table.key": value}``), validate it.
 
-    Parameters
-    ----------
-    path : Path or str
-        The ``.toml`` file; relative paths inside it resolve against its folder.
-    overrides : Mapping[str, object] or None
-        ``{"table.key": value}`` on top of the file (strings coerced).
-    check_files : bool
-        Check the input files (model and its sha256, keys, evaluation set) and that the output files
-        can be written (nothing is written).
-
-    Returns
-    -------
-    CoordinatorProfile
-
-    Raises
-    ------
-    ConfigError
-        Every problem at once, e.g. ``["rounds.count = 0: must be > 0", "[bogus]: unknown table"]``.
+    Relative paths in the file resolve against its folder. ``check_files`` also checks the input files
+    (model and its sha256, keys, evaluation set) and that the output files can be written (writing
+    nothing). Raises ConfigError with every problem at once, e.g. ``["rounds.count = 0: must be > 0",
+    "[bogus]: unknown table"]``.
     """
     file, data = profiles.read_toml(path)
     if "device" in data:

@@ -86,20 +86,11 @@ def _top_counts(counts: object) -> dict[str, Any]:
 class DeviceRegistry:
     """The latest status of each device of a fleet (bounded), with what was refused and declined by device.
 
-    Parameters
-    ----------
-    model_sha256 : str
-        sha256 of the coordinator's backbone: a device whose status names another is left out of rounds.
-    head_shape : (D, K)
-        The coordinator's head shape (named in a mismatch's reason).
-    clipped : Counter
-        The strategy's updates clipped by device (a forgotten device leaves it too).
-    limits : Limits
-        Decoding bounds for statuses.
-    max_devices : int > 0
-        Bound of the registry: when full, expired and offline devices are dropped first.
-    expiry_s : float
-        A status older than this (seconds since it was received, or since its ``ts``) is forgotten.
+    A device whose status names another backbone than ``model_sha256`` is left out of rounds (its
+    reason names ``head_shape`` (D, K) too). ``clipped``: the strategy's clipped updates by device (a
+    forgotten device leaves it too); ``limits``: decoding bounds for statuses. At ``max_devices``,
+    expired and offline devices are dropped first; a status older than ``expiry_s`` seconds (since it
+    came, or since its ``ts``) is forgotten.
     """
 
     def __init__(
@@ -134,11 +125,8 @@ class DeviceRegistry:
     def note_status(self, device: str, payload: bytes) -> None:
         """Keep the status ``payload`` (not empty) of ``status/<device>`` and tell :attr:`changed`.
 
-        Raises
-        ------
-        DecodeError, UpdateRejected
-            A status that does not decode, names another device (``wrong_device``), a bad new-sample
-            count, or as :meth:`register`.
+        Raises DecodeError or UpdateRejected for a status that does not decode, names another device
+        (``wrong_device``), a bad new-sample count, or as :meth:`register`.
         """
         status = decode_status(payload, limits=self.limits)
         if status.device != device:
@@ -164,11 +152,8 @@ class DeviceRegistry:
     def register(self, device: str, entry: dict[str, Any]) -> None:
         """Keep a device's status in the bounded registry and check its model's identity.
 
-        Raises
-        ------
-        UpdateRejected
-            ``registry_full`` when the registry holds ``max_devices`` live devices, ``expired`` for a
-            status whose own timestamp ``ts`` (seconds since the epoch) is older than the expiry.
+        Raises UpdateRejected: ``registry_full`` when it holds ``max_devices`` live devices, ``expired``
+        for a status whose own timestamp ``ts`` (seconds since the epoch) is older than the expiry.
         """
         now = entry["seen_at"]
         ts = entry.get("ts")
@@ -296,21 +281,11 @@ class DeviceRegistry:
             await wait_event(self.changed, remaining)
 
     def refusals(self, own: Mapping[str, int], limit: int = PAGE_REFUSALS) -> list[dict[str, Any]]:
-        """Who refused what: the coordinator's own refusals, then the devices' (their statuses' ``rejected``).
+        """Who refused what: rows ``{"by", "reason", "count", "detail"}``, largest counts first.
 
-        Parameters
-        ----------
-        own : {reason: count}
-            The coordinator's refused messages by reason (all of them are listed).
-        limit : int
-            Rows of devices' refusals kept (the largest counts first); a fleet of thousands, or of ghosts,
-            must not make the page's document megabytes.
-
-        Returns
-        -------
-        list of {"by", "reason", "count", "detail"}
-            ``by`` is ``"coordinator"`` or a device id; ``detail`` is a device's last refusal in words when
-            it has that reason (its status's ``last_rejected``), else ``""``. Largest counts first.
+        ``own``: the coordinator's refusals by reason (``by`` ``"coordinator"``, all listed); then the
+        ``limit`` largest of the devices' own (their statuses' ``rejected``), ``detail`` the device's
+        last refusal in words when it has that reason (else ``""``).
         """
         rows = [
             {"by": "coordinator", "reason": str(reason), "count": n, "detail": ""}

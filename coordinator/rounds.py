@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import StrEnum, auto
 from typing import Any
 
 from edgefl.errors import UpdateRejected
@@ -29,31 +29,13 @@ class RoundPhase(StrEnum):
 
 @dataclass
 class Round:
-    """State of one round.
+    """State of one round: ``number`` (1-based), the ``base_version`` devices train from, head ``shape``.
 
-    Parameters
-    ----------
-    number : int
-        Round number (1-based).
-    base_version : int
-        Global model version the devices must train from.
-    shape : (D, K)
-    deadline_s : float
-        Seconds from opening until the round closes with what it has.
-    min_clients : int
-        Updates that close the round before the deadline.
-    selected : frozenset[str] or None
-        Devices asked to take part (None = any device).
-    check_round : bool
-        False in a buffered-asynchronous step (FedBuff), where updates of earlier rounds are welcome.
-    expected_sites : int
-        At the root of a hierarchy: partials that close the round (0: ``min_clients`` updates do).
-    online : frozenset[str]
-        Devices online at the opening (without ``selected``: see :meth:`complete`).
-    quorum : float in (0, 1] or None
-        Share of the devices asked whose updates close the round early (None: ``min_clients`` do).
-    min_updates : int
-        The strategy's own floor (>= 1): the round never closes early below it.
+    It closes with what it has ``deadline_s`` after opening, or early at :attr:`close_at` updates
+    (``min_clients``, ``quorum`` of the devices asked, never below the strategy's ``min_updates``), or
+    at a root at ``expected_sites`` partials. ``selected``: the devices asked (None: any); ``online``:
+    those online at the opening; ``check_round`` False in a buffered step (FedBuff), where updates of
+    earlier rounds are welcome.
     """
 
     number: int
@@ -165,11 +147,8 @@ class Round:
     ) -> None:
         """Check that a message (``what``) from ``device`` trained for (round, base version) may count.
 
-        Raises
-        ------
-        UpdateRejected
-            ``round_closed``, ``stale_round`` (other round number), ``stale_base`` (other base version),
-            both only with ``check_round``; ``not_selected`` (a ``device`` outside the selection).
+        Raises UpdateRejected: ``round_closed``; with ``check_round`` ``stale_round`` (other round
+        number), ``stale_base`` (other base version); ``not_selected`` (a ``device`` outside the selection).
         """
         if self.phase is not RoundPhase.OPEN:
             raise UpdateRejected("round_closed", f"round {self.number} is closed")
@@ -191,11 +170,8 @@ class Round:
     def admit_partial(self, site: str, round_no: int, base_version: int) -> None:
         """Check that a site's partial may count in this round (it is not recorded yet).
 
-        Raises
-        ------
-        UpdateRejected
-            ``round_closed``, ``stale_round`` (a partial of another round), ``stale_base``, ``duplicate``
-            (the site already counted; ids another site listed too are the root's business).
+        Raises UpdateRejected as :meth:`check_open`, or ``duplicate`` (the site already counted; ids
+        another site listed too are the root's business).
         """
         self.check_open(f"partial of {site}", None, round_no, base_version)
         if site in self.sites:
@@ -273,12 +249,12 @@ class _Answered:
 class FleetPhase(StrEnum):
     """What a coordinator's fleet is doing (``fleet_state.state`` on its page; ``docs/operations.md``)."""
 
-    COLLECTING = "collecting"
-    WAITING_SAMPLES = "waiting_samples"
-    WAITING_DEVICES = "waiting_devices"
-    PAUSED = "paused"
-    FINISHED = "finished"
-    BROKER_UNREACHABLE = "broker_unreachable"
+    COLLECTING = auto()  # a StrEnum's auto() value is the name in lower case: "collecting"
+    WAITING_SAMPLES = auto()
+    WAITING_DEVICES = auto()
+    PAUSED = auto()
+    FINISHED = auto()
+    BROKER_UNREACHABLE = auto()
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,18 +304,9 @@ def collecting(rnd: Round) -> FleetState:
 class Pacing:
     """When a service opens its next round (``rounds.interval_s``, ``rounds.min_new_samples``).
 
-    A round opens once at least ``min_devices`` devices are ready, they report at least
-    ``min_new_samples`` labelled samples stored since their last round (a device that does not report
-    the count does not hold a round back), and ``interval_s`` passed since the last round started.
-
-    Parameters
-    ----------
-    interval_s : float >= 0
-        Least time between two round starts, seconds.
-    min_new_samples : int >= 0
-        New labelled samples (summed over the ready devices) a round needs.
-    min_devices : int >= 1
-        Ready devices a round needs (``rounds.min_clients``, at least the strategy's own minimum).
+    Once ``min_devices`` (>= 1) devices are ready, they report ``min_new_samples`` labelled samples
+    stored since their last round, summed (a device that does not report the count holds no round back),
+    and ``interval_s`` seconds passed since the last round started.
     """
 
     interval_s: float = 0.0

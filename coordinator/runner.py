@@ -1,9 +1,7 @@
 """The coordinator service's run: connect, take the fleet's lease, resume, run rounds until done or stopped.
 
-:func:`run` runs what a coordinator profile describes: it checks the fleet's lease before it writes
-or publishes anything, resumes from its state file, prints one line and logs one JSON line per round
-(:mod:`edgefl.coordinator.roundlog`). With ``rounds.count = 0`` it runs until SIGTERM/SIGINT (the open
-round saved), with N it runs N rounds; a site sends one partial per round of its root instead.
+The lease is checked before anything is written or published; each round prints one line and logs one
+JSON line (:mod:`edgefl.coordinator.roundlog`); a site sends one partial per round of its root instead.
 """
 
 from __future__ import annotations
@@ -24,7 +22,14 @@ from edgefl import heap
 from edgefl.aio import within
 from edgefl.coordinator.hierarchy import RootCoordinator, SiteAggregator, SiteRecord
 from edgefl.coordinator.history import HISTORY_ROUNDS, RoundRecord
-from edgefl.coordinator.lease import Lease, new_instance, previous_instance, probe_lease, record_instance
+from edgefl.coordinator.lease import (
+    Lease,
+    PresenceTrust,
+    new_instance,
+    previous_instance,
+    probe_lease,
+    record_instance,
+)
 from edgefl.coordinator.privacy import DPFedAvg
 from edgefl.coordinator.profile import CoordinatorProfile
 from edgefl.coordinator.roundlog import (
@@ -37,7 +42,7 @@ from edgefl.coordinator.roundlog import (
 )
 from edgefl.coordinator.rounds import Pacing
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategies import make_strategy
+from edgefl.coordinator.strategies import strategy_from_tables
 from edgefl.coordinator.strategy import Strategy
 from edgefl.errors import ConfigError, TransportError, UpdateRejected
 from edgefl.profiles import DashboardConfig, broker_password
@@ -74,38 +79,11 @@ COORDINATOR_RECONNECT_MAX_S: Final = 5.0
 def build_strategy(profile: CoordinatorProfile) -> Strategy:
     """The strategy a profile names: its parameters, the norm bound, and the DP wrapper when enabled.
 
-    Raises
-    ------
-    ValueError
-        On a bad combination (DP around median, trimmed mean or FedBuff) or out-of-range values.
+    Raises ValueError on a bad combination (DP around median, trimmed mean or FedBuff) or out-of-range
+    values, TypeError for a key the strategy does not take.
     """
-    st, rounds, rob, dp = profile.strategy, profile.rounds, profile.robustness, profile.privacy
-    own = {
-        k: v
-        for k, v in {
-            "server_lr": st.server_lr,
-            "server_momentum": st.server_momentum,
-            "prox_mu": st.prox_mu,
-            "tau": st.tau,
-            "trim_fraction": st.trim_fraction,
-            "max_updates": st.max_updates,
-            "buffer_size": st.buffer_size,
-            "max_staleness": st.max_staleness,
-        }.items()
-        if v is not None
-    }
-    strategy = make_strategy(
-        st.name,
-        local_epochs=rounds.local_epochs,
-        lr=rounds.lr,
-        batch_size=rounds.batch_size,
-        min_clients=rounds.min_clients,
-        deadline_s=rounds.deadline_s,
-        clip_norm=rob.norm_bound,
-        clip_multiplier=rob.adaptive_factor,
-        tolerate=rob.tolerate,
-        **own,
-    )
+    st, rounds, dp = profile.strategy, profile.rounds, profile.privacy
+    strategy = strategy_from_tables(st.name, rounds, st, profile.robustness)
     if not dp.enabled:
         return strategy
     return DPFedAvg(
@@ -160,12 +138,8 @@ class CredentialsRefused(TransportError):
 async def _connected_or_refused(transport: MqttTransport, where: str, timeout_s: float) -> None:
     """Wait until ``transport`` is connected.
 
-    Raises
-    ------
-    CredentialsRefused
-        As soon as the broker refuses the credentials (retrying cannot help: exit 1, not restarted).
-    TransportError
-        If no connection is up within ``timeout_s`` seconds (exit 4: the service restarts it).
+    CredentialsRefused as soon as the broker refuses them (exit 1); TransportError if no connection is
+    up within ``timeout_s`` seconds (exit 4).
     """
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
@@ -185,21 +159,12 @@ async def _connected_or_refused(transport: MqttTransport, where: str, timeout_s:
 async def run(
     profile: CoordinatorProfile, evaluation: Evaluation | None = None, page: PageServer | None = None
 ) -> int:
-    """Run the job a coordinator profile describes; returns the exit code (see the module docstring).
+    """Run the job a coordinator profile describes until its rounds are done or SIGTERM; the exit code.
 
-    ``evaluation`` builds the central evaluation of each new head (None: no central evaluation);
-    ``page`` serves the fleet page when the profile's ``[dashboard]`` is enabled.
-
-    Raises
-    ------
-    ModelError
-        If the backbone cannot be loaded.
-    ConfigError
-        If a key, TLS or evaluation file cannot be used.
-    CredentialsRefused
-        If the broker refuses the profile's username/password.
-    TransportError
-        If the broker cannot be reached within :data:`CONNECT_WAIT_S`.
+    ``evaluation`` builds the central evaluation of each new head (None: none); ``page`` serves the
+    fleet page when ``[dashboard]`` is enabled. Raises ModelError (the backbone), ConfigError (a key,
+    TLS or evaluation file), CredentialsRefused, TransportError (no broker within
+    :data:`CONNECT_WAIT_S`).
     """
     backbone = Backbone(profile.model.path)
     W0, b0 = backbone.head_from_model()
@@ -235,17 +200,23 @@ async def run(
             will=Lease.will(topics.coordinator) if persistent and leased else None,
         )
 
+    sec = profile.security
+    signing_key = load_signing_key(sec.signing_key_file) if sec.signing_key_file else None
+    # the composition root holds the state file's lock: its previous instance is gone
+    previous = previous_instance(files.state) if files.state is not None and leased else None
+    # with the coordinator's key, only presences it signed count (a forged one never stops a coordinator)
+    trust = PresenceTrust(fleet, signing_key.verify_key if signing_key else None, previous)
+    stale = None
     if leased:  # before anything is published or written: is a live coordinator running this fleet?
         probe = transport_for(f"{client_id}-probe-{instance[:8]}", persistent=False, probe=True)
-        # the composition root holds the state file's lock: its previous instance is gone
-        previous = previous_instance(files.state) if files.state is not None else None
-        await probe_lease(
+        stale = await probe_lease(
             probe,
             topics.coordinator,
             f"fleet {fleet} on broker {where}",
             lambda t: _connected_or_refused(t, where, CONNECT_WAIT_S),
             previous,
             topics.coordinator_holder,
+            trust,
         )
         if files.state is not None:
             record_instance(files.state, instance)  # the next start knows this one's lease as its own
@@ -255,7 +226,6 @@ async def run(
         strategy = build_strategy(profile)
     except ValueError as exc:
         raise ConfigError([f"[strategy]/[privacy]: {exc}"]) from exc
-    sec = profile.security
     role_kwargs: dict[str, Any] = {}
     cls: type[Coordinator] = Coordinator
     if hier.role == "root":
@@ -297,7 +267,7 @@ async def run(
         compression=Compression(rounds.compression),
         downlink=HeadLayout(rounds.downlink),
         lr_decay=rounds.lr_decay,
-        signing_key=load_signing_key(sec.signing_key_file) if sec.signing_key_file else None,
+        signing_key=signing_key,
         device_keys=load_verify_keys(sec.device_keys_dir) if sec.device_keys_dir else None,
         max_packet_bytes=broker.max_packet_bytes,
         max_devices=profile.fleet.max_devices,
@@ -314,7 +284,23 @@ async def run(
     if isinstance(coord, SiteAggregator):
         transport.on_connect_cb = coord.on_transport_connect
         return await _run_site(coord, profile, transport, page)
-    lease = Lease(transport, topics.coordinator, instance, holder_topic=topics.coordinator_holder)
+    if not trust.signed:
+        logger.warning(
+            "the fleet's lease is not signed (no security.signing_key_file): anyone who may publish on %s "
+            "can stop this coordinator; the broker's ACL must keep it to the coordinator's account "
+            "(docs/security.md)",
+            topics.coordinator,
+        )
+    coord.state.rejected.update(trust.refused)  # presences the probe refused
+    lease = Lease(
+        transport,
+        topics.coordinator,
+        instance,
+        holder_topic=topics.coordinator_holder,
+        signing_key=signing_key,
+        trust=trust,
+        seen=stale,
+    )
     stop = asyncio.Event()
     lease.on_lost = stop.set
     coord.on_lease_message = lease.handle
@@ -510,12 +496,9 @@ async def _run_site(
 ) -> int:
     """The site role's job: one partial per round the root announces, up to round ``rounds.count``.
 
-    It ends when the root published the head of that round (till then a partial is sent again when the
-    root re-runs its round), or on SIGTERM.
-
-    Prints ``site S round R: N updates, B bytes up, T s`` per round; appends one JSON line per round
-    to ``files.log`` (``round``, ``site``, ``updates``, ``partial_bytes``, ``duration_s``,
-    ``update_ids``, ``refused_updates``). Exit code 0, or 4 when the broker is unreachable.
+    It ends once the root published that round's head, or on SIGTERM. One line per round on stdout and
+    one JSON line in ``files.log`` (``round``, ``site``, ``updates``, ``partial_bytes``,
+    ``duration_s``, ``update_ids``, ``refused_updates``). Exit code 0 (TransportError: no broker).
     """
     broker, rounds, files = profile.broker, profile.rounds, profile.files
     where = f"{broker.scheme}://{broker.host}:{broker.port}"
@@ -564,15 +547,7 @@ async def _run_site(
                 flush=True,
             )
             if files.log is not None:
-                entry = {
-                    "round": rec.round,
-                    "site": site.site,
-                    "updates": rec.updates,
-                    "partial_bytes": rec.partial_bytes,
-                    "duration_s": rec.duration_s,
-                    "update_ids": list(rec.update_ids),
-                    "refused_updates": refused_round,
-                }
+                entry = {**asdict(rec), "site": site.site, "refused_updates": refused_round}
                 with open(files.log, "a") as f:
                     f.write(json.dumps(entry) + "\n")
     finally:

@@ -2,8 +2,7 @@
 
 Every wheel's ``Requires-Dist`` must be met by another wheel of the wheelhouse or by the device's OS
 (:func:`check_closure`); the lock holds the versions meant for the target (:func:`check_expectations`);
-``requirements.lock`` is one ``name==version --hash=sha256:HEX`` line per wheel (:func:`format_lock`,
-:func:`parse_lock`).
+``requirements.lock`` is one ``name==version --hash=sha256:HEX`` line per wheel (:func:`format_lock`).
 
 Source: PEP 427 (wheel files), core metadata 2.x (``Requires-Dist``), pip's secure installs
 (``--require-hashes``).
@@ -11,8 +10,6 @@ Source: PEP 427 (wheel files), core metadata 2.x (``Requires-Dist``), pip's secu
 
 from __future__ import annotations
 
-import hashlib
-import re
 import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -111,12 +108,6 @@ def check_expectations(lock: Sequence[LockEntry], target: Target) -> None:
             raise WheelhouseError(name, target.platform, f"locked {entry.version}, expected {spec}")
 
 
-def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of a file."""
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def format_lock(entries: Iterable[LockEntry], header: str = "") -> str:
     """Render ``requirements.lock``: one ``name==version --hash=sha256:HEX`` per wheel, sorted by name.
 
@@ -130,32 +121,3 @@ def format_lock(entries: Iterable[LockEntry], header: str = "") -> str:
             lines.append(f"# {e.filename}")
         lines.append(f"{e.name}=={e.version} --hash=sha256:{e.sha256}")
     return "\n".join(lines) + "\n"
-
-
-_LOCK_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)\s+--hash=sha256:([0-9a-f]{64})$")
-
-
-def parse_lock(text: str) -> list[LockEntry]:
-    """Parse ``requirements.lock`` as :func:`format_lock` writes it: the entries in file order.
-
-    ValueError, naming the line number, for a line that is neither blank, a comment, nor
-    ``name==version --hash=sha256:<64 hex>``.
-    """
-    out: list[LockEntry] = []
-    last_comment = ""
-    for i, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line:
-            continue
-        if line.startswith("#"):
-            last_comment = line[1:].strip()
-            continue
-        m = _LOCK_LINE.match(line)
-        if m is None:
-            raise ValueError(
-                f"requirements.lock line {i}: expected name==version --hash=sha256:<hex>: {line!r}"
-            )
-        filename = last_comment if last_comment.endswith(".whl") else ""
-        out.append(LockEntry(str(canonicalize_name(m.group(1))), m.group(2), m.group(3), filename))
-        last_comment = ""
-    return out

@@ -1,13 +1,8 @@
 """The gateway platforms a wheelhouse is built for, and which wheels and requirements install on each.
 
-The platforms, their Pythons and why armv7l differs (Debian's numpy and PyNaCl, cbor2 5.9.0 built
-pure, no runtime past CPython 3.11): ``docs/operations.md`` ("Platforms"). Two traps handled here:
-with pip's usual ``manylinux2014``/``2_17``/``2_28`` list aarch64 silently falls back to
-ai-edge-litert 1.4.0 (2.x is tagged ``manylinux_2_27``), so the platform list holds every
-``manylinux_2_Y`` the glibc allows and the lock is checked against :attr:`Target.expect`; and pip
-evaluates markers against the *build* machine, so edgefl's requirements are evaluated here against
-the target's marker environment and every wheel's ``Requires-Dist`` checked against the wheelhouse.
-A missing wheel raises :class:`WheelhouseError` naming the dependency and the platform.
+Why armv7l differs: ``docs/operations.md`` ("Platforms"). Every ``manylinux_2_Y`` the glibc allows is
+listed (pip's usual list makes aarch64 fall back to ai-edge-litert 1.4.0) and markers are evaluated
+against the target, not the build machine.
 
 Source: PEP 600 (``manylinux_x_y`` tags), PEP 508 (environment markers), PEP 425 (compatibility tags).
 """
@@ -59,37 +54,16 @@ class PureWheel:
 class Target:
     """A gateway platform the wheelhouse is built for.
 
-    Parameters
-    ----------
-    name : str
-        The ``--target`` value.
-    machine : str
-        ``platform.machine()`` on the device (the ``platform_machine`` marker).
-    glibc : tuple[int, int]
-        The oldest glibc (major, minor) it must run on; bounds the manylinux tags.
-    python_version : str
-        CPython ``major.minor`` on the device (in :data:`TARGETS`: the default).
-    refused : Mapping[str, str]
-        CPython ``major.minor`` → why no wheelhouse can be built for it (:func:`target_for` refuses).
-    extras : tuple[str, ...]
-        edgefl extras installed (``"security"`` everywhere, ``"tflite"`` on armv7l).
-    pins : tuple[str, ...]
-        Extra requirement specifiers for the download.
-    system_packages : Mapping[str, str]
-        Distributions from the device's OS (a ``--system-site-packages`` venv) → Debian 12's version:
-        not downloaded, requirements on them checked against that version.
-    system_modules : Mapping[str, str]
-        Module ``install.sh`` imports first → the Debian package providing it.
-    no_deps : tuple[str, ...]
-        Requirements downloaded without their dependencies (a dependency is a system package).
-    pure : tuple[PureWheel, ...]
-        Dependencies built here as pure-Python wheels.
-    expect : tuple[str, ...]
-        Specifiers the lock must satisfy (guards against pip's silent fallbacks).
-    default_profile : str
-        Stem of the profile in ``firmware_configs/`` ``install.sh`` uses by default.
-    debian_packages : tuple[str, ...]
-        Debian packages the device needs before ``install.sh``.
+    ``name``: the ``--target`` value; ``machine``: the device's ``platform_machine``; ``glibc``: the
+    oldest (major, minor) it runs (bounds the manylinux tags); ``python_version``: CPython
+    ``major.minor`` (in :data:`TARGETS`: the default); ``refused``: CPython → why no wheelhouse can be
+    built for it. ``extras``: edgefl extras installed; ``pins``: extra specifiers for the download;
+    ``system_packages``: distributions from the device's OS (a ``--system-site-packages`` venv) →
+    Debian 12's version, not downloaded but checked; ``system_modules``: module ``install.sh`` imports
+    first → its Debian package; ``no_deps``: requirements downloaded without dependencies; ``pure``:
+    dependencies built here pure-Python; ``expect``: specifiers the lock must satisfy (against pip's
+    silent fallbacks); ``default_profile``: ``install.sh``'s profile stem; ``debian_packages``: needed
+    before ``install.sh``.
     """
 
     name: str
@@ -179,7 +153,6 @@ def target_for(name: str, python: str | None = None) -> Target:
     if why is not None or base is None:
         raise WheelhouseError("edgefl", f"{name} CPython {py}", why or "unknown target")
     return dataclasses.replace(base, python_version=py)
-
 
 
 def manylinux_tags(machine: str, glibc: tuple[int, int]) -> list[str]:

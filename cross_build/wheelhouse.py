@@ -33,7 +33,10 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from .lock import LockEntry, check_closure, check_expectations, format_lock, read_wheel, sha256_file
+from edgefl.profiles import sha256_file
+
+from .cli import add_arguments
+from .lock import LockEntry, check_closure, check_expectations, format_lock, read_wheel
 from .targets import PureWheel, Target, WheelhouseError, applicable_requirements, manylinux_tags, target_for
 
 logger = logging.getLogger(__name__)
@@ -331,8 +334,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m cross_build.wheelhouse --target T [--python V] --out DIR``: exit code 0 or 1."""
-    from .cli import add_arguments
-
     p = argparse.ArgumentParser(prog="wheelhouse", description=__doc__.splitlines()[0] if __doc__ else None)
     add_arguments(p)
     args = p.parse_args(argv)

@@ -1,9 +1,8 @@
 """aiohttp's server without its HTTP client: what the dashboard imports in an agent.
 
-``import aiohttp.web`` first runs ``aiohttp/__init__.py``, which imports the whole HTTP client and
-loads the system's CA store: 3.7 MiB of RSS in an agent (docs/benchmarks.md, "Side by side with
-Flower"). :func:`defer_client` registers the package without running its ``__init__``; the first
-access to a name it defines runs it then (a module ``__getattr__``), as a plain import would have.
+``import aiohttp.web`` runs ``aiohttp/__init__.py``, which imports the HTTP client and loads the CA
+store (3.7 MiB of an agent's RSS); :func:`defer_client` runs it only at the first access to a name it
+defines (a module ``__getattr__``), as a plain import would have.
 
 Source: PEP 562 (module ``__getattr__``); Python's import system, "The module cache" and
 "Submodules" (docs.python.org/3/reference/import.html).
@@ -19,13 +18,9 @@ _VERSION = re.compile(r'^__version__ = "([^"]+)"$', re.MULTILINE)
 
 
 def defer_client() -> bool:
-    """Register ``aiohttp`` with its ``__init__`` deferred, unless it is imported already.
+    """Register ``aiohttp`` with its ``__init__`` deferred (True).
 
-    Returns
-    -------
-    bool
-        True if the package was registered deferred; False if aiohttp was imported already or could
-        not be read (then a plain import happens).
+    False if aiohttp was imported already or could not be read (then a plain import happens).
     """
     if "aiohttp" in sys.modules:
         return False

@@ -61,7 +61,8 @@ _STATIC_TYPES: Final = {
     "style.css": "text/css",
     "favicon.svg": "image/svg+xml",
 }
-_PAGES: Final = {"device": "index.html", "coordinator": "coordinator.html"}
+_PAGES: Final = {"device": "device.html", "coordinator": "coordinator.html"}
+"""Each kind's ``<main>`` and footer, put into ``index.html`` (the head and header both pages share)."""
 _SECURITY_HEADERS: Final = {
     "Content-Security-Policy": (
         "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
@@ -78,37 +79,16 @@ _SECURITY_HEADERS: Final = {
 class DashboardState:
     """What the agent or the coordinator hands to the dashboard.
 
-    Parameters
-    ----------
-    kind : {"device", "coordinator"}
-        Which page to serve and which metrics to export.
-    title : str
-        Shown in the page header (device id, fleet name).
-    get_status : callable () -> Mapping[str, Any]
-        Returns the current status (the keys the pages and ``/metrics`` read: ``docs/operations.md``,
-        "The dashboard's routes"); any key may be missing or None. Called on the event loop at most
-        once per ``push_interval_s`` and per request: it must be cheap and must not block.
-    token : str or None
-        Bearer token; required by :func:`serve` for a non-loopback host.
-    push_interval_s : float
-        While a stream is open, the status is polled this often (s) and pushed when it changed.
-    history_interval_s, history_len : float, int
-        RSS history sampling period (s) and length in samples.
-    get_rounds : callable () -> Sequence[Mapping[str, Any]], optional
-        Coordinator: every round record so far, oldest first, served by ``/api/rounds`` (return a
-        list that exists already).
-    max_streams : int
-        Open SSE streams allowed at once; more get 503.
-    header_timeout_s, body_timeout_s : float
-        A request's header block (from its first byte) and its body (from its headers) must arrive
-        whole within this many seconds, or the connection is closed.
-    max_connections, max_connections_per_client : int
-        Open connections allowed at once, in all and from one client IP address.
-
-    Raises
-    ------
-    ValueError
-        If ``kind`` is unknown or a number is not positive.
+    ``kind`` ("device" or "coordinator"): which page and metrics; ``title``: the page header's (device
+    id, fleet name). ``get_status()``: the current status (keys: ``docs/operations.md``, "The
+    dashboard's routes"; any may be missing or None), called on the event loop at most once per
+    ``push_interval_s`` (s, while a stream is open) and per request: cheap, never blocking.
+    ``get_rounds()``: a coordinator's round records, oldest first, a list that exists already
+    (``/api/rounds``). ``token``: bearer token, required by :func:`serve` off loopback. The RSS history
+    is sampled every ``history_interval_s`` (s), ``history_len`` samples. At most ``max_streams`` SSE
+    streams (503 beyond) and ``max_connections`` open connections (``max_connections_per_client``
+    from one IP); a request's header block and body must each arrive within ``header_timeout_s`` /
+    ``body_timeout_s`` or the connection is closed. ValueError for another kind or a number <= 0.
     """
 
     kind: Literal["device", "coordinator"]
@@ -351,8 +331,10 @@ async def _add_headers(request: web.Request, response: web.StreamResponse) -> No
 
 
 async def _page(request: web.Request) -> web.Response:
-    name = _PAGES[request.app[STATE_KEY].kind]
-    return web.Response(body=(STATIC_DIR / name).read_bytes(), content_type="text/html", charset="utf-8")
+    kind = request.app[STATE_KEY].kind
+    shell = (STATIC_DIR / "index.html").read_text(encoding="utf-8").replace("@KIND@", kind)
+    page = shell.replace("@MAIN@\n", (STATIC_DIR / _PAGES[kind]).read_text(encoding="utf-8"))
+    return web.Response(text=page, content_type="text/html", charset="utf-8")
 
 
 async def _static(request: web.Request) -> web.Response:
@@ -486,18 +468,10 @@ async def _healthz(request: web.Request) -> web.Response:
 
 
 def create_app(state: DashboardState) -> web.Application:
-    """Build the dashboard application for one agent or coordinator.
+    """The dashboard of one agent or coordinator: read-only routes, the publisher in ``cleanup_ctx``.
 
-    Parameters
-    ----------
-    state : DashboardState
-        Status source, page kind and token.
-
-    Returns
-    -------
-    aiohttp.web.Application
-        The read-only routes; the status publisher runs in ``cleanup_ctx``. Serve it as a top-level
-        application (:func:`serve`), not a sub-app: handler cancellation is a top-level option.
+    Serve it as a top-level application (:func:`serve`), not a sub-app: handler cancellation is a
+    top-level option.
     """
     hub = _Hub(state)
     # handler_cancellation: aiohttp then cancels a handler as soon as its client disconnects, so an
@@ -537,28 +511,10 @@ def create_app(state: DashboardState) -> web.Application:
 
 
 async def serve(state: DashboardState, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
-    """Start the dashboard on ``host:port``; stop it with ``await runner.cleanup()``.
+    """Start the dashboard on ``host:port`` (0: a free port); returns the runner and the port bound.
 
-    Parameters
-    ----------
-    state : DashboardState
-        Status source, page kind and token.
-    host : str
-        Listen address; a non-loopback one (``0.0.0.0``, a LAN address) requires ``state.token``.
-    port : int
-        TCP port; 0 picks a free one.
-
-    Returns
-    -------
-    tuple[aiohttp.web.AppRunner, int]
-        The runner and the port actually bound.
-
-    Raises
-    ------
-    ConfigError
-        If ``host`` is not loopback and ``state.token`` is None.
-    OSError
-        If the address cannot be bound.
+    Stop it with ``await runner.cleanup()``. Raises ConfigError for a non-loopback ``host`` without
+    ``state.token``, OSError if the address cannot be bound.
     """
     if not is_loopback_host(host) and not state.token:
         raise ConfigError([f"dashboard.host = {host!r}: a non-loopback host requires dashboard.token"])

@@ -57,13 +57,11 @@ class _Pool:
 
 
 class ConnectionGuard(asyncio.Protocol):
-    """Wrap aiohttp's per-connection protocol: connection caps, a share for requests, deadlines.
+    """Wrap aiohttp's per-connection protocol: caps on open connections (in all, per client), deadlines.
 
-    Caps the open connections (:attr:`DashboardState.max_connections`, and per client address) and
-    closes one whose header block or ``Content-Length`` body does not arrive in time. At a cap, a
-    newcomer takes the place of the oldest connection that has not yet sent a whole header block (and
-    is older than :data:`EVICT_MIN_AGE_S`); a connection answering or idling between requests is never
-    closed for another. Every other event goes to aiohttp's protocol unchanged.
+    A connection whose header block or ``Content-Length`` body does not arrive in time is closed. At a
+    cap, a newcomer takes the place of the oldest connection without a whole header block (older than
+    :data:`EVICT_MIN_AGE_S`); one answering or idling between requests is never closed for another.
     """
 
     _IDLE, _HEAD, _BODY = range(3)

@@ -28,16 +28,10 @@ def finite_number(value: Any) -> float | None:
 
 
 class StatusCollector:
-    """A prometheus_client collector reading the status at scrape time (nothing cached).
+    """A prometheus_client collector reading ``get_status()`` at scrape time (nothing cached).
 
-    Parameters
-    ----------
-    get_status : callable () -> Mapping[str, Any]
-        The dashboard's status (``DashboardState.get_status``).
-    kind : {"device", "coordinator"}
-        Which families to export (:func:`device_metrics` or :func:`coordinator_metrics`).
-    streams : callable () -> int
-        Open Server-Sent Events streams, exported as ``edgefl_dashboard_sse_streams``.
+    ``kind`` ("device" or "coordinator") picks :func:`device_metrics` or :func:`coordinator_metrics`;
+    ``streams()``: the open SSE streams, exported as ``edgefl_dashboard_sse_streams``.
     """
 
     def __init__(
@@ -133,13 +127,7 @@ _COORDINATOR_GAUGES: Final = (
 
 
 def device_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
-    """Prometheus metric families for a device status (``get_status``; missing or null values left out).
-
-    Yields
-    ------
-    prometheus_client.Metric
-        The device's families (``docs/operations.md``, "The dashboard's routes").
-    """
+    """Yield the Prometheus families of a device status (``docs/operations.md``, "The dashboard's routes")."""
     from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
     for name, key, doc in _DEVICE_GAUGES[:5]:
@@ -170,13 +158,7 @@ def device_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
 
 
 def coordinator_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
-    """Prometheus metric families for a coordinator status (``get_status``; missing or null values left out).
-
-    Yields
-    ------
-    prometheus_client.Metric
-        The coordinator's families (``docs/operations.md``, "The dashboard's routes").
-    """
+    """Yield the Prometheus families of a coordinator status (``docs/operations.md``, as above)."""
     for name, key, doc in _COORDINATOR_GAUGES:
         yield from _gauge(name, doc, status.get(key))
     yield from _state_set(

@@ -1,11 +1,7 @@
-"""The ``edgefl`` command: run the agent, check a profile, run the demo.
+"""The ``edgefl`` command: run the agent, check a profile, run the demo; the composition root.
 
-Exit codes: 0 success; 1 invalid profile (``check-config``) or the demo's job failed; 2 usage error;
-3 the model could not be loaded (missing, corrupt, or wrong shape); 4 a runtime error at start-up (e.g.
-the dashboard's port in use); 5 the broker refused the agent's credentials ``broker.auth_retries`` times
-in a row; 75 (``EX_TEMPFAIL``, sysexits.h) a fault that stopped a running agent (one log line, no
-traceback for a known fault). The shipped unit restarts 4 and 75 with a growing delay, never 1, 2, 3, 5.
-Logging handlers are configured here only (STYLE.md rule 10).
+Exit codes: the ``EXIT_*`` constants, each sub-command's ``--help`` and ``docs/operations.md``
+("Faults and exit codes"). Logging handlers are configured here only (STYLE.md rule 10).
 """
 
 from __future__ import annotations
@@ -42,9 +38,12 @@ logger = logging.getLogger("edgefl")
 
 EXIT_OK = 0
 EXIT_INVALID = 1
+"""An invalid profile (``check-config``, ``run``), a state folder in use, or the demo's job failed."""
 EXIT_USAGE = 2
 EXIT_MODEL = 3
+"""The model could not be loaded (missing, corrupt, or wrong shape)."""
 EXIT_RUNTIME = 4
+"""A start-up error (e.g. the dashboard's port in use); the shipped unit restarts it with a delay."""
 EXIT_CREDENTIALS = 5
 """The broker refused the agent's credentials ``broker.auth_retries`` times in a row; not restarted."""
 EXIT_TEMPFAIL = 75
@@ -187,7 +186,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from edgefl.agent.statelock import StateDirBusy, lock_state_dir
 
     # arenas of threads not yet started (paho, worker, dashboard); a fixed mmap threshold (the unit and
-    # the demo set it from the start with MALLOC_MMAP_THRESHOLD_): -0.2 to -0.3 MiB on bench.peer's agents
+    # the demo set it from the start with MALLOC_MMAP_THRESHOLD_)
     heap.apply_hygiene(arena_max=2, mmap_threshold_bytes=MMAP_THRESHOLD_BYTES)
 
     try:
@@ -410,30 +409,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """``edgefl demo``: embedded broker, coordinator and N agent processes on real data."""
     _setup_logging(args.log_level)
-    from edgefl.demo import DemoOptions, run_demo
+    from edgefl.demo import run_demo
 
-    opts = DemoOptions(
-        devices=args.devices,
-        rounds=args.rounds,
-        broker=args.broker,
-        json_path=args.json,
-        profile=Path(args.profile),
-        model=Path(args.model) if args.model else None,
-        local_epochs=args.local_epochs,
-        lr_decay=args.lr_decay,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        workdir=Path(args.workdir) if args.workdir else None,
-        deadline_s=args.deadline,
-        strategy=args.strategy,
-        compression=args.compression,
-        topk_fraction=args.topk_fraction,
-        hold_s=args.hold,
-        feed_rate_hz=args.feed_rate,
-        label_delay_s=args.label_delay,
-    )
-    return run_demo(opts)
+    return run_demo(args)
 
 
 def _add_checkout_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -514,18 +492,21 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     d.add_argument(
         "--broker", default=None, help="mqtt://host:port of an existing broker (default: embedded)"
     )
-    d.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    d.add_argument("--json", dest="json_path", metavar="PATH", help="write the results as JSON")
     d.add_argument(
         "--profile",
-        default=str(shipped("firmware_configs/dev_x86.toml")),
+        type=Path,
+        default=shipped("firmware_configs/dev_x86.toml"),
         help="agent profile each device starts from (default firmware_configs/dev_x86.toml)",
     )
-    d.add_argument("--model", default=None, help="override the profile's model (.tflite)")
+    d.add_argument("--model", type=Path, help="override the profile's model (.tflite)")
     d.add_argument("--local-epochs", type=int, default=2, help="local epochs per round (default 2)")
     d.add_argument("--lr", type=float, default=0.05, help="client learning rate of round 1")
     d.add_argument("--lr-decay", type=float, default=0.8, help="per-round factor on the client learning rate")
     d.add_argument("--batch-size", type=int, default=16, help="local SGD batch size (default 16)")
-    d.add_argument("--deadline", type=float, default=60.0, help="round deadline in seconds")
+    d.add_argument(
+        "--deadline", dest="deadline_s", type=float, default=60.0, help="round deadline in seconds"
+    )
     d.add_argument("--seed", type=int, default=0, help="seed of the device shards and local shuffles")
     d.add_argument(
         "--strategy",
@@ -541,14 +522,25 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     )
     d.add_argument("--topk-fraction", type=float, default=0.1, help="kept fraction for top-k (default 0.1)")
     d.add_argument(
-        "--hold", type=float, default=0.0, metavar="S", help="keep the dashboards up S seconds after the job"
+        "--hold",
+        dest="hold_s",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="keep the dashboards up S seconds after the job",
     )
-    d.add_argument("--workdir", default=None, help="keep shards, profiles, logs and state here")
+    d.add_argument("--workdir", type=Path, help="keep shards, profiles, logs and state here")
     d.add_argument(
-        "--feed-rate", type=float, default=200.0, metavar="HZ", help="samples/s fed to each agent (0: all)"
+        "--feed-rate",
+        dest="feed_rate_hz",
+        type=float,
+        default=200.0,
+        metavar="HZ",
+        help="samples/s fed to each agent (0: all)",
     )
     d.add_argument(
         "--label-delay",
+        dest="label_delay_s",
         type=float,
         default=0.0,
         metavar="S",
@@ -559,9 +551,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     words = list(sys.argv[1:] if argv is None else argv)
     helping = "-h" in words or "--help" in words
     if _command_word(words) != "run" or helping:
-        # the tools' modules (memory-report pulls in the coordinator and the demo) are not the
-        # agent's: `edgefl run` leaves them unloaded (0.35 MiB after the imports, python -OO; 0.14 MiB
-        # of bench.peer's agents' peak)
+        # the tools' modules (memory-report pulls in the coordinator) are not the agent's: `edgefl run`
+        # leaves them unloaded (less RSS)
         from edgefl.agent import memreport, profiler
 
         profiler.add_parser(sub)

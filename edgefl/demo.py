@@ -7,6 +7,7 @@ training) on the same embeddings bound the result.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -17,7 +18,6 @@ import signal
 import subprocess
 import tempfile
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,15 +28,15 @@ from edgefl.agent.config import load_profile
 from edgefl.agent.core import DeviceCore
 from edgefl.agent.governor import Governor
 from edgefl.agent.trainer import fit_head
+from edgefl.coordinator.profile import RoundsConfig
 from edgefl.coordinator.service import Coordinator
-from edgefl.coordinator.strategies import make_strategy
+from edgefl.coordinator.strategies import strategy_from_tables
 from edgefl.datasets import FACTORY_CLASSES, load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy
 from edgefl.feed import FeedOptions, FeedResult, feed
 from edgefl.launcher import free_port, launch_agent, stop_agents
 from edgefl.profiles import BrokerConfig
 from edgefl.records import atomic_write
-from edgefl.resources import shipped
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.compression import Compression
@@ -45,31 +45,6 @@ logger = logging.getLogger(__name__)
 
 
 BASELINE_EPOCHS = 60
-
-
-@dataclass(frozen=True, slots=True)
-class DemoOptions:
-    """Options of ``edgefl demo`` (see ``edgefl demo --help``)."""
-
-    devices: int = 4
-    rounds: int = 10
-    broker: str | None = None
-    json_path: str | None = None
-    profile: Path = field(default_factory=lambda: shipped("firmware_configs/dev_x86.toml"))
-    model: Path | None = None
-    local_epochs: int = 2
-    lr: float = 0.05
-    lr_decay: float = 0.8
-    batch_size: int = 16
-    seed: int = 0
-    workdir: Path | None = None
-    deadline_s: float = 60.0
-    strategy: str = "fedavg"
-    compression: str = "none"
-    topk_fraction: float = 0.1
-    hold_s: float = 0.0
-    feed_rate_hz: float = 200.0
-    label_delay_s: float = 0.0
 
 
 HEAD_ACCURACY_KEYS = ("personal_accuracy", "global_accuracy")
@@ -119,8 +94,11 @@ async def _embedded_broker(port: int) -> Any:
     return broker
 
 
-def run_demo(opts: DemoOptions) -> int:
-    """Run the demo, one line per round, the JSON result if asked; exit 0 when every round got an update."""
+def run_demo(opts: argparse.Namespace) -> int:
+    """Run the demo, one line per round, the JSON result if asked; exit 0 when every round got an update.
+
+    ``opts`` are the parsed ``edgefl demo`` arguments (``edgefl demo --help``).
+    """
     for name in ("amqtt", "transitions", "passlib"):
         logging.getLogger(name).setLevel(logging.ERROR)
     # the per-update lines would interleave with the results table; warnings still show
@@ -136,7 +114,7 @@ def run_demo(opts: DemoOptions) -> int:
     return asyncio.run(_run(opts))
 
 
-async def _run(opts: DemoOptions) -> int:
+async def _run(opts: argparse.Namespace) -> int:
     profile = load_profile(opts.profile, {"model.path": str(opts.model)} if opts.model else None)
     model_path = Path(profile.model.path)
     x, y = load_digits()
@@ -234,14 +212,14 @@ async def _run(opts: DemoOptions) -> int:
                 protocol="3.1.1" if broker is not None else profile.broker.protocol,
             )
             await transport.start(wait_s=15)
-            strategy = make_strategy(
-                opts.strategy,
+            rounds = RoundsConfig(
                 local_epochs=opts.local_epochs,
                 lr=opts.lr,
                 batch_size=opts.batch_size,
                 min_clients=opts.devices,
                 deadline_s=opts.deadline_s,
             )
+            strategy = strategy_from_tables(opts.strategy, rounds)
             coord = Coordinator(
                 transport,
                 topics,
@@ -386,7 +364,7 @@ INGEST_KEYS = ("samples_received", "labels_received", "predictions_published", "
 
 
 async def _feed_devices(
-    opts: DemoOptions,
+    opts: argparse.Namespace,
     coord: Coordinator,
     topics: Topics,
     host: str,

@@ -20,13 +20,11 @@ if TYPE_CHECKING:
     from edgefl.coordinator.profile import CoordinatorProfile
 
 
-def embed_all(
-    backbone: Backbone, x: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...], batch: int = 1
-) -> F32:
+def embed_all(backbone: Backbone, x: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> F32:
     """Embeddings of raw samples ``x`` [N, *sample_shape] → float32 [N, D], through the unfused pipeline."""
     from edgefl.agent.pipeline import Pipeline
 
-    return Pipeline(backbone, mean, std, mode="unfused", batch=batch).run(x)[0]
+    return Pipeline(backbone, mean, std, mode="unfused", batch=1).run(x)[0]
 
 
 def accuracy(W: F32, b: F32, emb: F32, y: I64) -> float:

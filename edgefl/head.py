@@ -79,20 +79,6 @@ def check_labels(labels: np.ndarray, num_classes: int) -> np.ndarray:
     return ok
 
 
-def activate(logits: F32, activation: str) -> F32:
-    """The model's own activation (``"softmax"``, ``"logistic"``, ``"none"``) on head logits float32 [N, K].
-
-    ValueError for another activation name.
-    """
-    if activation == "softmax":
-        return softmax(logits.copy())
-    if activation == "logistic":
-        return sigmoid(logits)
-    if activation == "none":
-        return logits
-    raise ValueError(f"activation {activation!r}: expected softmax, logistic or none")
-
-
 def sigmoid(z: F32) -> F32:
     """Logistic function ``1 / (1 + exp(-z))``, computed without overflow for large ``|z|``."""
     zf = z.astype(np.float32, copy=False)

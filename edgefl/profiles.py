@@ -46,33 +46,16 @@ MIN_TOKEN_CHARS: Final = 16
 class BrokerConfig:
     """``[broker]``: the MQTT connection (limits: ``docs/operations.md``, "Broker and dashboard limits").
 
-    Parameters
-    ----------
-    url : str
-        ``mqtt://host[:port]`` (port 1883) or ``mqtts://host[:port]`` (8883).
-    topic_prefix : str
-        First topic levels, e.g. ``edgefl``; no wildcards, no leading ``$``.
-    qos : int
-        QoS of device publishes, 0, 1 or 2.
-    keepalive_s : int
-        MQTT keep alive, seconds, 1..65535.
-    max_packet_bytes, max_incoming_packet_bytes : int
-        Largest packet sent (lowered by an MQTT 5 broker's CONNACK; larger messages go in chunks) and
-        accepted (announced in CONNECT, enforced before buffering), 1..268435455 bytes.
-    protocol : {"auto", "5", "3.1.1"}
-        ``auto`` tries 5 and falls back to 3.1.1.
-    username, password : str or None
-        ``password`` requires ``username`` and is hidden from ``repr``.
-    password_file : Path or None
-        A file whose first line is the password, instead of ``password`` (:func:`broker_password`).
-    tls : bool
-        True exactly when the URL scheme is ``mqtts`` (derived from it when absent).
-    ca_file, client_cert, client_key : Path or None
-        PEM files for TLS; cert and key come together.
-    alternates : tuple of str
-        Other nodes of a clustered broker, URLs of ``url``'s scheme, tried round robin.
-    auth_retries : int
-        Credential refusals in a row before the agent exits with code 5, >= 1.
+    ``url`` is ``mqtt://host[:port]`` (1883) or ``mqtts://host[:port]`` (8883), ``tls`` True exactly
+    for ``mqtts`` (derived when absent); ``topic_prefix`` the first topic levels (no wildcards, no
+    leading ``$``); ``qos`` of device publishes 0..2; ``keepalive_s`` 1..65535 seconds;
+    ``max_packet_bytes`` the largest packet sent (lowered by an MQTT 5 CONNACK; larger messages go in
+    chunks) and ``max_incoming_packet_bytes`` the largest accepted (announced in CONNECT, enforced
+    before buffering), 1..268435455; ``protocol`` ``auto`` tries 5, then 3.1.1; ``password`` (hidden
+    from ``repr``) or ``password_file`` (its first line) require ``username``; ``ca_file``,
+    ``client_cert``, ``client_key`` PEM files for TLS (cert and key together); ``alternates`` other
+    nodes of a clustered broker (``url``'s scheme), tried round robin; ``auth_retries`` >= 1
+    credential refusals in a row before the agent exits with code 5.
     """
 
     url: str = "mqtt://127.0.0.1:1883"
@@ -255,9 +238,7 @@ def convert(spec: _FieldSpec, value: object, base_dir: Path, *, from_text: bool)
     # floats: a TOML array of numbers, a single number, or "a,b,c" / "[a, b, c]" from the command line
     items: object = value
     if from_text and isinstance(value, str):
-        text = value.strip()
-        if text.startswith("[") and text.endswith("]"):  # the TOML array syntax, as in the profile
-            text = text[1:-1].strip()
+        text = _unbracket(value)
         try:
             items = [float(part) for part in text.split(",")] if text else []
         except ValueError as exc:
@@ -274,12 +255,16 @@ def convert(spec: _FieldSpec, value: object, base_dir: Path, *, from_text: bool)
         raise ValueError(f"must be an array of finite numbers ({exc})") from exc
 
 
+def _unbracket(text: str) -> str:
+    """A ``--set`` list without the brackets of the TOML array syntax it may be written in."""
+    text = text.strip()
+    return text[1:-1].strip() if text.startswith("[") and text.endswith("]") else text
+
+
 def _strings(value: object, *, from_text: bool) -> tuple[str, ...]:
     """A TOML array of strings, or ``a,b`` / ``["a", "b"]`` from the command line (may be empty)."""
     if from_text and isinstance(value, str):
-        text = value.strip()
-        if text.startswith("[") and text.endswith("]"):  # the TOML array syntax, as in the profile
-            text = text[1:-1].strip()
+        text = _unbracket(value)
         return tuple(part.strip().strip("\"'") for part in text.split(",") if part.strip())
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise ValueError("must be an array of strings")

@@ -7,7 +7,6 @@ has no wheel (armv7l).
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
 import logging
 import mmap
@@ -21,6 +20,7 @@ import numpy as np
 
 from edgefl import modelfile
 from edgefl.errors import EdgeflError, ModelError
+from edgefl.profiles import sha256_file
 from edgefl.types import F32
 
 logger = logging.getLogger(__name__)
@@ -127,12 +127,6 @@ def open_interpreter(
     raise ModelError(str(path), "cannot load model: " + "; ".join(errors))
 
 
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, read in blocks (never the whole file in memory)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 @dataclass(frozen=True, slots=True)
 class Quant:
     """Affine quantisation of a tensor: ``real = scale * (q - zero_point)``; scale 0 = not quantised."""
@@ -223,10 +217,9 @@ class Backbone:
     invoke), has no FULLY_CONNECTED op (and no named tensor), the named tensor does not exist, or
     (``prepare=False``) the embedding is not an output.
 
-    The embedding is always read from a model output (the arena reuses an intermediate tensor's buffer
-    once its last reader ran); the logits are the output the head feeds (``head_activation`` says
-    through what). A stateful model keeps its batch and runs its samples one by one, in order. One
-    thread at a time uses the interpreter (:meth:`claim`).
+    The embedding is read from a model output (the arena reuses an intermediate's buffer), the logits
+    from the output the head feeds (through ``head_activation``). A stateful model keeps its batch and
+    runs its samples one by one, in order; one thread at a time uses the interpreter (:meth:`claim`).
     """
 
     def __init__(
@@ -242,7 +235,7 @@ class Backbone:
         self.path = path
         if not path.is_file():
             raise ModelError(str(path), "model file not found")
-        self.sha256 = file_sha256(path)
+        self.sha256 = sha256_file(path)
         with path.open("rb") as fh:  # the trailer edgefl model prepare appends (modelfile.read_origin)
             fh.seek(max(0, path.stat().st_size - modelfile.ORIGIN_TRAILER_BYTES))
             origin = modelfile.read_origin(fh.read())
@@ -387,21 +380,6 @@ class Backbone:
         self.interpreter.resize_tensor_input(self.input_index, [fixed, *self.sample_shape])
         self.interpreter.allocate_tensors()
         return ok
-
-    @_held
-    def logits_range(self) -> tuple[float, float] | None:
-        """The real range the model's own FC output can hold (its int8 saturation), or None (float).
-
-        A float head goes on past it, so head-vs-model comparisons clip to it first.
-        """
-        if self.fc_output_index is None:
-            return None
-        t = self.graph.tensors[self.fc_output_index]
-        if not t.scales or t.dtype not in ("int8", "uint8"):
-            return None
-        info = np.iinfo(np.dtype(t.dtype))
-        s, z = t.scales[0], t.zero_points[0]
-        return (info.min - z) * s, (info.max - z) * s
 
     @property
     def head_weights_index(self) -> int | None:

@@ -6,7 +6,6 @@ import numpy as np
 import numpy.typing as npt
 
 F32 = npt.NDArray[np.float32]
-F16 = npt.NDArray[np.float16]
 I8 = npt.NDArray[np.int8]
 U8 = npt.NDArray[np.uint8]
 I64 = npt.NDArray[np.int64]

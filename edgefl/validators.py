@@ -88,8 +88,7 @@ def check_positive_int(name: str, value: object) -> int:
         exc = ValueError("must be > 0")
     else:
         return value
-    if hasattr(exc, "add_note"):  # Python >= 3.11
-        exc.add_note(f"while checking {name}")
+    exc.add_note(f"while checking {name}")
     raise exc
 
 

@@ -30,6 +30,8 @@ from cross_build import targets as wh_targets
 from cross_build import wheelhouse as wh
 from cross_build.lock import LockEntry
 from cross_build.targets import WheelhouseError
+from edgefl.profiles import sha256_file
+from tests.support.lockfile import parse_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 # the wheelhouse builds pip-wheel the checkout in its source tree: with test_packaging, on one worker
@@ -214,14 +216,14 @@ def test_lock_round_trip_is_sorted_with_file_comments() -> None:
         "# numpy-2.4.6-cp311-cp311-manylinux_2_27_aarch64.whl",
         "numpy==2.4.6 --hash=sha256:" + "b" * 64,
     ]
-    assert wh_lock.parse_lock(text) == sorted(entries, key=lambda e: e.name)
+    assert parse_lock(text) == sorted(entries, key=lambda e: e.name)
 
 
 def test_parse_lock_names_the_bad_line() -> None:
     with pytest.raises(ValueError, match="line 3"):
-        wh_lock.parse_lock("# header\nnumpy==1.0 --hash=sha256:" + "0" * 64 + "\nnumpy>=1.0\n")
+        parse_lock("# header\nnumpy==1.0 --hash=sha256:" + "0" * 64 + "\nnumpy>=1.0\n")
     with pytest.raises(ValueError, match="line 1"):
-        wh_lock.parse_lock("numpy==1.0 --hash=sha256:abc\n")  # not 64 hex digits
+        parse_lock("numpy==1.0 --hash=sha256:abc\n")  # not 64 hex digits
 
 
 def test_expectations_catch_the_litert_1_4_fallback() -> None:
@@ -625,7 +627,7 @@ def _house(name: str, python: str, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def _locked(house: Path) -> dict[str, LockEntry]:
-    entries = wh_lock.parse_lock((house / "requirements.lock").read_text(encoding="utf-8"))
+    entries = parse_lock((house / "requirements.lock").read_text(encoding="utf-8"))
     return {e.name: e for e in entries}
 
 
@@ -635,7 +637,7 @@ def _check_hashes_and_tags(house: Path, target: wh_targets.Target) -> None:
     assert len(files) == len(lock)
     for f in files:
         entry = next(e for e in lock.values() if e.filename == f.name)
-        assert wh_lock.sha256_file(f) == entry.sha256, f.name
+        assert sha256_file(f) == entry.sha256, f.name
         assert wh_targets.supported_wheel(f.name, target), f.name
 
 

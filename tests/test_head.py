@@ -6,7 +6,6 @@ import pytest
 from edgefl.errors import UpdateRejected
 from edgefl.head import (
     Head,
-    activate,
     binary_cross_entropy,
     check_labels,
     cross_entropy,
@@ -17,6 +16,7 @@ from edgefl.head import (
     softmax,
     validate_head,
 )
+from tests.support.models import activate
 
 
 def _data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -19,7 +19,8 @@ from edgefl import modelfile
 from edgefl.cli import main
 from edgefl.datasets import load_digits
 from edgefl.launcher import stop_agents
-from edgefl.runtime import Backbone, file_sha256
+from edgefl.profiles import sha256_file
+from edgefl.runtime import Backbone
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -32,13 +33,13 @@ def test_prepare_backbone_identity_is_the_originals(tmp_path: Path) -> None:
     fold = ["--mean", "0", "--std", "16", "--raw-dtype", "uint8"]
     assert main(["model", "prepare", str(INT8_MODEL), *fold, "--out", str(folded)]) == 0
     original = Backbone(own)
-    assert original.backbone_sha256 == original.sha256 == file_sha256(own)  # no trailer: its own digest
+    assert original.backbone_sha256 == original.sha256 == sha256_file(own)  # no trailer: its own digest
     p = Backbone(prepared)
     assert p.sha256 != original.sha256 and p.backbone_sha256 == original.sha256
     assert modelfile.read_origin(prepared.read_bytes()) == original.sha256
     assert Backbone(twice).backbone_sha256 == original.sha256  # the first original, not the prepared one
     assert len(twice.read_bytes()) == len(prepared.read_bytes())  # one trailer, not two
-    assert Backbone(folded).backbone_sha256 == file_sha256(INT8_MODEL)
+    assert Backbone(folded).backbone_sha256 == sha256_file(INT8_MODEL)
     assert Backbone(MODELS / "digits_cnn_float32.tflite").backbone_sha256 != original.sha256
     assert main(["model", "inspect", str(prepared), "--json", str(tmp_path / "i.json")]) == 0
     info = json.loads((tmp_path / "i.json").read_text())
@@ -53,7 +54,7 @@ def test_prepare_device_on_the_prepared_model_trains_for_a_coordinator_on_the_or
 ) -> None:
     prepared = tmp_path / "prepared.tflite"
     assert main(["model", "prepare", str(INT8_MODEL), "--out", str(prepared)]) == 0
-    assert file_sha256(prepared) != file_sha256(INT8_MODEL)
+    assert sha256_file(prepared) != sha256_file(INT8_MODEL)
     x, y = load_digits()
     agent = start_replay_agent(
         mosquitto, fleet, tmp_path, "dev-p", x[:300], y[:300], model__path=str(prepared)

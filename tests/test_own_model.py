@@ -13,8 +13,9 @@ from edgefl.agent.store import EmbeddingStore
 from edgefl.agent.trainer import train_local
 from edgefl.coordinator.strategies import make_strategy
 from edgefl.coordinator.strategy import Offer
-from edgefl.head import Head, activate
+from edgefl.head import Head
 from edgefl.runtime import Backbone
+from tests.support.models import activate, logits_range
 
 SHIPPED = sorted(MODELS.glob("*.tflite"))
 TEST_MODELS = sorted((MODELS / "test").glob("*.tflite"))
@@ -56,7 +57,7 @@ def head_vs_model(bb: Backbone, x: np.ndarray) -> tuple[float, float]:
     W, b = bb.head_from_model()
     emb, out = bb.run(x)
     z = (emb @ W + b).astype(np.float32)
-    limits = bb.logits_range()
+    limits = logits_range(bb)
     if limits is not None:  # the model's own FC output saturates outside its calibration range
         z = np.clip(z, *limits).astype(np.float32)
     got = activate(z, bb.head_activation)

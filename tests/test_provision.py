@@ -155,12 +155,14 @@ def test_provision_acl_binds_each_account_to_its_own_topics_in_its_own_fleet(
     got = _publish_outcomes(provisioned, "gw-7", [
         "edgefl/plant-3/update/gw-7", "edgefl/plant-3/update/gw-8", "edgefl/other/update/gw-7",
         "edgefl/plant-3/global", "edgefl/plant-3/samples/gw-7",
+        # the fleet's lease: only the coordinator's account writes it (docs/security.md)
+        "edgefl/plant-3/coordinator", "edgefl/plant-3/coordinator/holder",
     ])
     assert got[0] == "accepted"
     assert all(g.startswith("refused") for g in got[1:]), got
     app = _publish_outcomes(provisioned, "gw-7-cam", [
         "edgefl/plant-3/samples/gw-7", "edgefl/plant-3/labels/gw-7", "edgefl/plant-3/labels/gw-8",
-        "edgefl/plant-3/update/gw-7", "edgefl/other/samples/gw-7",
+        "edgefl/plant-3/update/gw-7", "edgefl/other/samples/gw-7", "edgefl/plant-3/coordinator",
     ])
     assert app[:2] == ["accepted", "accepted"]
     assert all(g.startswith("refused") for g in app[2:]), app

@@ -10,7 +10,8 @@ from conftest import FLOAT_MODEL, INT8_MODEL, MODELS
 
 from edgefl.datasets import load_digits, split_digits
 from edgefl.errors import ModelError
-from edgefl.runtime import Backbone, dequantize, file_sha256
+from edgefl.profiles import sha256_file
+from edgefl.runtime import Backbone, dequantize
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def test_embedding_read_after_invoke_matches_preserve_all_tensors(
 
 def test_sha256_and_shapes() -> None:
     bb = Backbone(INT8_MODEL)
-    assert bb.sha256 == file_sha256(INT8_MODEL)
+    assert bb.sha256 == sha256_file(INT8_MODEL)
     assert len(bb.sha256) == 64
     assert bb.sample_shape == (8, 8, 1)
     with pytest.raises(ValueError, match="model expects"):
@@ -142,7 +143,7 @@ def test_prepare_an_internal_embedding_in_memory_or_refuse_naming_the_command() 
     inner = names[int(reshape["inputs"][0])]  # conv2's activation [N, 4, 4, 32]: not a model output
     bb = Backbone(INT8_MODEL, embedding_tensor=inner)  # added as an output in memory
     assert bb.prepared and bb.delegated and bb.embedding_dim == 32
-    assert bb.sha256 == file_sha256(INT8_MODEL)  # global heads stay bound to the user's file
+    assert bb.sha256 == sha256_file(INT8_MODEL)  # global heads stay bound to the user's file
     emb, logits = bb.run(np.zeros((2, *bb.sample_shape), dtype=bb.input_dtype))  # readable under XNNPACK
     assert emb.shape == (2, 4 * 4 * bb.embedding_dim) and logits.shape == (2, 10)
     with pytest.raises(ModelError, match="edgefl model prepare MODEL --out OUT"):

@@ -166,31 +166,6 @@ def test_integrity_store_refuses_insane_metadata_even_with_a_good_checksum(tmp_p
     assert (len(again), again.set_aside) == (0, "label 9 outside 0..2")
 
 
-def test_integrity_store_from_before_the_checksums_is_kept_if_sane_then_upgraded(tmp_path: Path) -> None:
-    import json
-
-    s = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)
-    s.add(np.ones((3, 2), np.float32), np.array([0, 1, 2], np.int64))
-    s.flush()
-    # the layout an older release wrote: store_meta.json, no checksum
-    for p in tmp_path.glob("store_meta.rec*"):
-        p.unlink()
-    legacy = tmp_path / "store_meta.json"
-    legacy.write_text(json.dumps({"capacity": 8, "dim": 2, "count": 3, "head": 3}))
-    old = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)
-    assert (len(old), old.set_aside) == (3, "")
-    old.flush()  # rewritten as a checksummed record
-    assert not legacy.exists() and (tmp_path / "store_meta.rec").exists()
-    assert len(EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)) == 3
-    # an insane legacy file is set aside like a corrupt record
-    for p in tmp_path.glob("store_meta.rec*"):
-        p.unlink()
-    legacy.write_text(json.dumps({"capacity": 8, "dim": 2, "count": 100000, "head": 3}))
-    bad = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)
-    assert (len(bad), bad.set_aside) == (0, "count = 100000: must be in 0..capacity 8")
-    assert (tmp_path / "store_meta.json.corrupt").exists()
-
-
 def test_shuffler_permutations_are_seeded_and_fresh_each_draw() -> None:
     s = Shuffler(7)
     a, b = s.permutation(50), s.permutation(50)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from conftest import MODELS, Broker, start_replay_agent
 
-from edgefl.head import activate
 from edgefl.launcher import stop_agents
 from edgefl.runtime import Backbone
+from tests.support.models import activate, logits_range
 
 STREAMING = MODELS / "test" / "streaming_kws_int8.tflite"
 EMBEDDING = 18  # the last FULLY_CONNECTED's input in that file (tools/build_models.py build_streaming)
@@ -75,7 +75,7 @@ def test_streaming_logistic_head_within_one_output_step() -> None:
     bb = Backbone(STREAMING)
     W, b = bb.head_from_model()
     emb, out = bb.run(bb.quantize_input(_frames(64, 2)))
-    lo, hi = bb.logits_range() or (-np.inf, np.inf)  # the model's FC output saturates there
+    lo, hi = logits_range(bb) or (-np.inf, np.inf)  # the model's FC output saturates there
     head = activate(np.clip(emb @ W + b, lo, hi).astype(np.float32), "logistic")
     assert np.abs(head - out).max() <= bb.output_quant.scale  # one uint8 output step
     # the prediction is the model's own decision (p > 0.5), not a softmax over one class

@@ -983,13 +983,13 @@ def streaming_frames(n: int, seed: int) -> F32:
 
 def verify_streaming(out: Path, seed: int) -> None:
     """Print the streaming model's ops and its head-vs-model difference over 64 frames in order."""
-    from edgefl.head import activate
     from edgefl.runtime import Backbone
+    from tests.support.models import activate, logits_range
 
     bb = Backbone(out / STREAM_NAME, xnnpack=False)
     W, b = bb.head_from_model()
     emb, y = bb.run(bb.quantize_input(streaming_frames(64, seed + 1)))
-    lo, hi = bb.logits_range() or (-np.inf, np.inf)  # where the model's int8 FC output saturates
+    lo, hi = logits_range(bb) or (-np.inf, np.inf)  # where the model's int8 FC output saturates
     diff = float(
         np.abs(activate(np.clip(emb @ W + b, lo, hi).astype(np.float32), bb.head_activation) - y).max()
     )
@@ -1034,15 +1034,15 @@ def build_softmax(out: Path, seed: int) -> None:
 
 def verify_softmax(out: Path, seed: int) -> None:
     """Print the softmax test models' head-vs-model difference on 256 standard-normal inputs."""
-    from edgefl.head import activate
     from edgefl.runtime import Backbone
+    from tests.support.models import activate, logits_range
 
     x = np.random.default_rng(seed + 8).standard_normal((256, SOFTMAX_FEATURES)).astype(np.float32)
     for name in SOFTMAX_NAMES:
         bb = Backbone(out / name, xnnpack=False)
         W, b = bb.head_from_model()
         emb, y = bb.run(bb.quantize_input(x))
-        lo, hi = bb.logits_range() or (-np.inf, np.inf)
+        lo, hi = logits_range(bb) or (-np.inf, np.inf)
         diff = float(
             np.abs(activate(np.clip(emb @ W + b, lo, hi).astype(np.float32), bb.head_activation) - y).max()
         )

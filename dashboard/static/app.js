@@ -1,5 +1,5 @@
-// edgefl dashboard: one script for the device page (index.html) and the coordinator page
-// (coordinator.html), chosen by <body data-kind>. Plain browser JavaScript, no build step, no
+// edgefl dashboard: one script for the device page (index.html with device.html) and the coordinator
+// page (index.html with coordinator.html), chosen by <body data-kind>. Plain browser JavaScript, no build step, no
 // dependencies. Data: GET /api/status once, then Server-Sent Events from /api/events carrying the
 // same document {kind, title, status}; the device page also seeds its RSS chart from /api/history
 // (kept by the app) and appends every pushed RSS value; the coordinator page seeds its memory chart
@@ -374,20 +374,30 @@
     drawRssChart();
   }
 
-  async function loadHistory() {
+  // Seed a chart from /api/history: ``seed(doc, now)`` gets the document and this page's clock (s).
+  async function fetchHistory(what, seed) {
     try {
       const r = await fetch("/api/history", { cache: "no-store" });
       if (!r.ok) return;
-      const doc = await r.json();
-      const now = nowS();
-      const seeded = (doc.rss || []).filter((p) => isNum(p[0]) && isNum(p[1])).map(([age, v]) => [now - age, v]);
-      const newer = rssPoints.filter((p) => !seeded.length || p[0] > seeded[seeded.length - 1][0]);
-      rssPoints.length = 0;
-      for (const p of seeded.concat(newer)) rssPoints.push(p);
-      drawRssChart();
+      seed(await r.json(), nowS());
     } catch (err) {
-      console.warn("edgefl: RSS history unavailable", err);
+      console.warn(`edgefl: ${what} history unavailable`, err);
     }
+  }
+
+  // The seeded points, then the points of ``known`` newer than the last seeded one.
+  function seededThen(seeded, known) {
+    return seeded.concat(known.filter((p) => !seeded.length || p[0] > seeded[seeded.length - 1][0]));
+  }
+
+  function loadHistory() {
+    return fetchHistory("RSS", (doc, now) => {
+      const seeded = (doc.rss || []).filter((p) => isNum(p[0]) && isNum(p[1])).map(([age, v]) => [now - age, v]);
+      const points = seededThen(seeded, rssPoints);
+      rssPoints.length = 0;
+      for (const p of points) rssPoints.push(p);
+      drawRssChart();
+    });
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -746,24 +756,16 @@
     while (pts.length && pts[0][0] < t - MEMORY_WINDOW_S) pts.shift();
   }
 
-  async function loadDeviceHistory() {
-    try {
-      const r = await fetch("/api/history", { cache: "no-store" });
-      if (!r.ok) return;
-      const doc = await r.json();
-      const now = nowS();
+  function loadDeviceHistory() {
+    return fetchHistory("memory", (doc, now) => {
       for (const [name, series] of Object.entries(obj(doc.devices) || {})) {
         if (!Array.isArray(series)) continue;
         const seeded = series.filter((p) => Array.isArray(p) && isNum(p[0]) && isNum(p[1]) && isNum(p[2]) && p[2] > 0)
           .map(([age, rss, cap]) => [now - age, rss / cap]);
-        const known = deviceMemory.get(name) || [];
-        const newer = known.filter((p) => !seeded.length || p[0] > seeded[seeded.length - 1][0]);
-        deviceMemory.set(name, seeded.concat(newer));
+        deviceMemory.set(name, seededThen(seeded, deviceMemory.get(name) || []));
       }
       drawMemoryChart();
-    } catch (err) {
-      console.warn("edgefl: memory history unavailable", err);
-    }
+    });
   }
 
   function drawMemoryChart() {

@@ -29,6 +29,7 @@ from edgefl.wire.cbor import (
     Limits,
     MessageType,
     cbor_head_bytes,
+    dump_message,
     load_message,
     read_int,
     read_text,
@@ -63,45 +64,38 @@ def _varint_bytes(value: int) -> int:
     return 4
 
 
-def publish_overhead(
-    topic: str, payload_bytes: int, *, qos: int = 1, mqtt5: bool = True, properties_bytes: int = 0
-) -> int:
+def publish_overhead(topic: str, payload_bytes: int, *, qos: int = 1, mqtt5: bool = True) -> int:
     """Bytes a PUBLISH packet adds around a payload of ``payload_bytes``: fixed header, topic, packet id.
 
-    ``mqtt5`` adds the properties (``properties_bytes`` of them, paho sends none) and is an upper
-    bound for MQTT 3.1.1 too; QoS > 0 adds the packet identifier.
+    ``mqtt5`` adds the (empty: paho sends none) property list and is an upper bound for MQTT 3.1.1
+    too; QoS > 0 adds the packet identifier.
 
     Source: MQTT 5.0 §3.3.1 (fixed header), §3.3.2 (variable header), §2.2.2 (properties).
     """
-    variable = 2 + len(topic.encode("utf-8")) + (2 if qos > 0 else 0)
-    if mqtt5:
-        variable += _varint_bytes(properties_bytes) + properties_bytes
+    variable = 2 + len(topic.encode("utf-8")) + (2 if qos > 0 else 0) + (1 if mqtt5 else 0)
     return 1 + _varint_bytes(variable + payload_bytes) + variable
 
 
-def publish_packet_bytes(
-    topic: str, payload_bytes: int, *, qos: int = 1, mqtt5: bool = True, properties_bytes: int = 0
-) -> int:
+def publish_packet_bytes(topic: str, payload_bytes: int, *, qos: int = 1, mqtt5: bool = True) -> int:
     """Size of the whole PUBLISH packet, bytes: :func:`publish_overhead` + ``payload_bytes``."""
-    return payload_bytes + publish_overhead(
-        topic, payload_bytes, qos=qos, mqtt5=mqtt5, properties_bytes=properties_bytes
-    )
+    return payload_bytes + publish_overhead(topic, payload_bytes, qos=qos, mqtt5=mqtt5)
 
 
-def max_payload_bytes(max_packet_bytes: int, topic: str, *, qos: int = 1, mqtt5: bool = True) -> int:
+def max_payload_bytes(max_packet_bytes: int, topic: str) -> int:
     """Largest payload whose PUBLISH packet on ``topic`` is at most ``max_packet_bytes``.
 
-    ``qos`` and ``mqtt5`` as :func:`publish_overhead`; ValueError if not even an empty payload fits.
+    Sized for QoS 1 over MQTT 5 (:func:`publish_overhead`'s upper bound); ValueError if not even an
+    empty payload fits.
     """
     payload = min(max_packet_bytes, _MQTT_MAX_REMAINING)
-    while payload >= 0 and publish_packet_bytes(topic, payload, qos=qos, mqtt5=mqtt5) > max_packet_bytes:
+    while payload >= 0 and publish_packet_bytes(topic, payload) > max_packet_bytes:
         # the overhead is at most 2**16 + 9 bytes: one jump and at most 3 more steps
-        over = publish_packet_bytes(topic, payload, qos=qos, mqtt5=mqtt5) - max_packet_bytes
+        over = publish_packet_bytes(topic, payload) - max_packet_bytes
         payload -= max(1, over)
     if payload < 0:
         raise ValueError(f"topic {topic!r:.80}: no PUBLISH fits in {max_packet_bytes} bytes")
     # the jump may overshoot by the bytes a shorter Remaining Length saved: take them back
-    while publish_packet_bytes(topic, payload + 1, qos=qos, mqtt5=mqtt5) <= max_packet_bytes:
+    while publish_packet_bytes(topic, payload + 1) <= max_packet_bytes:
         payload += 1
     return payload
 
@@ -127,17 +121,16 @@ class Chunk:
 
 def encode_chunk(chunk: Chunk) -> bytes:
     """Encode a :class:`Chunk` (keys in the order of ``docs/protocol.md``, "Chunks")."""
-    return cbor2.dumps(
+    return dump_message(
+        MessageType.CHUNK,
         {
-            "v": SCHEMA_VERSION,
-            "type": MessageType.CHUNK.value,
             "id": chunk.id,
             "index": int(chunk.index),
             "count": int(chunk.count),
             "size": int(chunk.size),
             "sha256": chunk.sha256,
             "data": bytes(chunk.data),
-        }
+        },
     )
 
 
@@ -180,30 +173,24 @@ def decode_chunk(
 
 
 def split_message(
-    payload: bytes,
-    topic: str,
-    max_packet_bytes: int,
-    *,
-    msg_id: str | None = None,
-    qos: int = 1,
-    mqtt5: bool = True,
+    payload: bytes, topic: str, max_packet_bytes: int, *, msg_id: str | None = None
 ) -> list[bytes]:
     """Cut ``payload`` into chunk messages whose PUBLISH packets on ``topic`` fit ``max_packet_bytes``.
 
-    Returns ``[payload]`` if its packet fits, else the chunks in index order, each checked to fit.
-    ``msg_id`` is shared by the chunks (e.g. the ``update_id``: re-sent after a restart, the receiver
-    completes a half-received set; default a random UUID); ``qos`` and ``mqtt5`` as
-    :func:`publish_overhead`. ValueError for an empty ``payload``, an invalid ``msg_id``, or a limit too
+    Returns ``[payload]`` if its packet fits, else the chunks in index order, each checked to fit (as
+    :func:`max_payload_bytes`: QoS 1 over MQTT 5, an upper bound). ``msg_id`` is shared by the chunks
+    (e.g. the ``update_id``: re-sent after a restart, the receiver completes a half-received set;
+    default a random UUID). ValueError for an empty ``payload``, an invalid ``msg_id``, or a limit too
     small for one data byte a chunk.
     """
     if not payload:
         raise ValueError("cannot split an empty message")
-    if publish_packet_bytes(topic, len(payload), qos=qos, mqtt5=mqtt5) <= max_packet_bytes:
+    if publish_packet_bytes(topic, len(payload)) <= max_packet_bytes:
         return [bytes(payload)]
     msg_id = msg_id if msg_id is not None else uuid.uuid4().hex
     if _ID_RE.fullmatch(msg_id) is None:
         raise ValueError(f"msg_id = {msg_id!r:.80}: must match {_ID_RE.pattern}")
-    budget = max_payload_bytes(max_packet_bytes, topic, qos=qos, mqtt5=mqtt5)
+    budget = max_payload_bytes(max_packet_bytes, topic)
     sha = hashlib.sha256(payload).hexdigest()
     size = len(payload)
 
@@ -226,7 +213,7 @@ def split_message(
     view = memoryview(payload)
     for i in range(count):
         enc = encode_chunk(Chunk(msg_id, i, count, size, sha, bytes(view[i * step : (i + 1) * step])))
-        if publish_packet_bytes(topic, len(enc), qos=qos, mqtt5=mqtt5) > max_packet_bytes:
+        if publish_packet_bytes(topic, len(enc)) > max_packet_bytes:
             raise AssertionError(f"chunk {i} of {count} does not fit {max_packet_bytes} bytes")  # a bug
         chunks.append(enc)
     return chunks

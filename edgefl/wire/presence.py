@@ -2,9 +2,11 @@
 
 ``Presence`` (``type = "presence"``) is the retained message a running coordinator keeps on
 ``<prefix>/<fleet>/coordinator`` and republishes every ``heartbeat_s`` with ``seq`` one higher; its
-last will clears the topic. ``read_new_samples`` reads a DeviceStatus's optional ``new_samples``
-field (labelled samples stored since the device's last round). Both are specified in
-``docs/protocol.md`` ("Presence", "DeviceStatus").
+last will clears the topic. A coordinator with a signing key signs it (``edgefl.wire.signing``) and
+stamps it with the time it was ``sent``, so a peer can refuse a forged or replayed one.
+``read_new_samples`` reads a DeviceStatus's optional ``new_samples`` field (labelled samples stored
+since the device's last round). Both are specified in ``docs/protocol.md`` ("Presence",
+"DeviceStatus").
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ class Presence:
     """A running coordinator's claim on its fleet (retained on ``<prefix>/<fleet>/coordinator``).
 
     ``started`` is Unix seconds, ``seq`` the heartbeat counter, ``heartbeat_s`` seconds between
-    republishes; every field: ``docs/protocol.md`` ("Presence").
+    republishes, ``sent`` Unix seconds of this publish (0.0: not stamped), ``signature`` the
+    coordinator's Ed25519 signature (``b""``: unsigned); every field: ``docs/protocol.md``
+    ("Presence").
     """
 
     instance: str
@@ -40,27 +44,35 @@ class Presence:
     started: float
     seq: int
     heartbeat_s: float
+    sent: float = 0.0
+    signature: bytes = b""
 
 
 def encode_presence(msg: Presence) -> bytes:
-    """Encode a :class:`Presence` (``docs/protocol.md``, "Presence"); returns the CBOR bytes."""
-    return cbor.dump_message(
-        cbor.MessageType.PRESENCE,
-        {
-            "instance": msg.instance,
-            "host": msg.host,
-            "pid": msg.pid,
-            "started": float(msg.started),
-            "seq": msg.seq,
-            "heartbeat_s": float(msg.heartbeat_s),
-        },
-    )
+    """Encode a :class:`Presence` (``docs/protocol.md``, "Presence"); returns the CBOR bytes.
+
+    ``sent`` is written when stamped (> 0), ``signature`` last when not empty (the signed layout of
+    ``edgefl.wire.signing``).
+    """
+    fields: dict[str, object] = {
+        "instance": msg.instance,
+        "host": msg.host,
+        "pid": msg.pid,
+        "started": float(msg.started),
+        "seq": msg.seq,
+        "heartbeat_s": float(msg.heartbeat_s),
+    }
+    if msg.sent > 0:
+        fields["sent"] = float(msg.sent)
+    if msg.signature:
+        fields["signature"] = bytes(msg.signature)
+    return cbor.dump_message(cbor.MessageType.PRESENCE, fields)
 
 
 def decode_presence(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS) -> Presence:
     """Decode and validate a :class:`Presence` (DecodeError: the reasons of ``docs/protocol.md``)."""
     keys = ("instance", "host", "pid", "started", "seq", "heartbeat_s")
-    obj = cbor.load_message(payload, limits, cbor.MessageType.PRESENCE, keys)
+    obj = cbor.load_message(payload, limits, cbor.MessageType.PRESENCE, keys, ("sent", "signature"))
     return Presence(
         instance=cbor.read_text(obj, "instance", "", _INSTANCE_RE),
         host=cbor.read_text(obj, "host", "", _HOST_RE),
@@ -68,6 +80,8 @@ def decode_presence(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS
         started=cbor.read_float(obj, "started", "", 0.0),
         seq=cbor.read_int(obj, "seq", ""),
         heartbeat_s=cbor.read_float(obj, "heartbeat_s", "", 0.0, MAX_HEARTBEAT_S, lo_open=True),
+        sent=cbor.read_float(obj, "sent", "", 0.0) if "sent" in obj else 0.0,
+        signature=cbor.read_signature(obj, limits),
     )
 
 

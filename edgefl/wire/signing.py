@@ -53,7 +53,10 @@ SIGNED_KINDS: Final[Mapping[MessageType, str]] = {
     MessageType.UPDATE: "base_version",
     MessageType.DECLINE: "base_version",
     MessageType.PARTIAL: "base_version",
+    MessageType.PRESENCE: "seq",
 }
+#: Signed kinds without a round: their signed bytes carry round 0 (a coordinator's Presence).
+_ROUNDLESS: Final = frozenset({MessageType.PRESENCE})
 #: Kinds whose signed bytes bind the sender the topic names, and the key naming it in the message:
 #: a device (Update, Decline) or a site (Partial).
 _SENDER_KEYS: Final[Mapping[MessageType, str]] = {
@@ -418,7 +421,8 @@ def _signed_header(found: Mapping[str, int | str]) -> _Signed:
     version_key = SIGNED_KINDS.get(kind)  # type: ignore[call-overload]  # a StrEnum key: text finds it
     if version_key is None:
         raise DecodeError(Reason.WRONG_TYPE, f"type = {kind[:40]!r}: not a signed message type")
-    round_, version = found.get("round"), found.get(version_key)
+    round_ = 0 if kind in _ROUNDLESS else found.get("round")
+    version = found.get(version_key)
     if type(round_) is not int or type(version) is not int:
         raise DecodeError(Reason.MISSING_KEY, f"round or {version_key}: missing or not unsigned integers")
     sender_key = _SENDER_KEYS.get(kind)  # type: ignore[call-overload]

@@ -32,10 +32,8 @@ STATUS_MAX_ITEMS: Final = 1024
 def status_limits(limits: cbor.Limits) -> cbor.Limits:
     """``limits`` tightened to a status's own bounds (:data:`STATUS_MAX_BYTES`, :data:`STATUS_MAX_ITEMS`).
 
-    A status is kept, one per device, by whoever reads it (the coordinator's registry holds up to
-    ``fleet.max_devices``): a status as large as an update may be (megabytes, 16,384 items, ~0.5 MiB
-    of Python objects for 45 KiB of small integers) would let a fleet of statuses, or of ghost ids,
-    grow the coordinator's memory by gigabytes.
+    A reader keeps one status a device (the coordinator up to ``fleet.max_devices``): update-sized
+    statuses would grow it by gigabytes.
     """
     return dataclasses.replace(
         limits,

@@ -1,4 +1,7 @@
-"""Model files the tests and benches build from the shipped ones: a classifier with a wider head.
+"""Model files the tests and benches build from the shipped ones, and the head-vs-model comparison.
+
+:func:`widen_head` builds a classifier with a wider head; :func:`activate` and :func:`logits_range`
+compare a float head with the model's own output.
 
 A held-back model's shape is rebuilt here from a shipped backbone rather than shipped: the head of a
 shipped model (its last FULLY_CONNECTED op: weights ``[K, D]``, bias ``[K]``, output ``[-1, K]``) is
@@ -15,8 +18,15 @@ Source: TFLite schema (``schema.fbs``: Model, SubGraph, Tensor, Buffer, Operator
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from edgefl.head import sigmoid, softmax
+from edgefl.types import F32
+
+if TYPE_CHECKING:
+    from edgefl.runtime import Backbone
 
 FULLY_CONNECTED = 9
 
@@ -67,3 +77,32 @@ def widen_head(model: Path, classes: int, *, seed: int = 0) -> bytes:
     builder = flatbuffers.Builder(1 << 20)
     builder.Finish(m.Pack(builder), file_identifier=b"TFL3")
     return bytes(builder.Output())
+
+
+def activate(logits: F32, activation: str) -> F32:
+    """The model's own activation (``"softmax"``, ``"logistic"``, ``"none"``) on head logits float32 [N, K].
+
+    ValueError for another activation name.
+    """
+    if activation == "softmax":
+        return softmax(logits.copy())
+    if activation == "logistic":
+        return sigmoid(logits)
+    if activation == "none":
+        return logits
+    raise ValueError(f"activation {activation!r}: expected softmax, logistic or none")
+
+
+def logits_range(bb: Backbone) -> tuple[float, float] | None:
+    """The real range ``bb``'s own FC output can hold (its int8 saturation), or None (float).
+
+    A float head goes on past it, so head-vs-model comparisons clip to it first.
+    """
+    if bb.fc_output_index is None:
+        return None
+    t = bb.graph.tensors[bb.fc_output_index]
+    if not t.scales or t.dtype not in ("int8", "uint8"):
+        return None
+    info = np.iinfo(np.dtype(t.dtype))
+    s, z = t.scales[0], t.zero_points[0]
+    return (info.min - z) * s, (info.max - z) * s
