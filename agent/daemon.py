@@ -104,6 +104,7 @@ class Agent(RoundTask):
         # round and global messages wait here while the pump files samples (a round's training must not
         # hold up the transport's queue, whose overflow would drop a round or a head)
         self._control = asyncio.Queue(maxsize=64)
+        self._rounds_waiting = 0
 
     def _progress(self, state: str, reason: str) -> None:
         """The core's progress hook (worker thread): hop to the loop."""
@@ -174,6 +175,9 @@ class Agent(RoundTask):
             max_packet_bytes=self.max_packet_bytes,
             max_incoming_packet_bytes=b.max_incoming_packet_bytes,
             alternates=b.alternate_addresses,  # the other nodes of a clustered broker, tried in turn
+            # a persistent session: what is published to our subscriptions while the agent restarts
+            # (samples, labels, rounds, heads: QoS 1) waits at the broker and comes when it is back
+            session_expiry_s=b.session_expiry_s,
         )
         async with contextlib.AsyncExitStack() as stack:
             await self.transport.start(wait_s=None)
