@@ -21,8 +21,9 @@ from edgefl.agent.config import Profile
 from edgefl.agent.control import RoundTask
 from edgefl.agent.core import DeviceCore
 from edgefl.agent.ingest import Ingest
-from edgefl.agent.reporter import REFUSED_NOT_AUTHORIZED, AgentState, StatusPage
+from edgefl.agent.reporter import REFUSED_NOT_AUTHORIZED, REFUSED_UNTRUSTED, AgentState, StatusPage
 from edgefl.errors import (
+    CertificateNotTrusted,
     CredentialsRefused,
     StartupError,
 )
@@ -118,12 +119,16 @@ class Agent(RoundTask):
         self._changed()
 
     async def auth_watch(self) -> None:
-        """Report every refusal of our credentials; after ``broker.auth_retries`` in a row, give up.
+        """Report every refusal of our credentials or of the broker's certificate; give up after a run.
+
+        A run is ``broker.auth_retries`` refusals of one kind in a row.
 
         Raises
         ------
         CredentialsRefused
             Once the broker refused the credentials ``broker.auth_retries`` times in a row.
+        CertificateNotTrusted
+            Once the broker's TLS certificate failed verification ``broker.auth_retries`` times in a row.
         """
         t = self.transport
         assert t is not None
@@ -131,25 +136,34 @@ class Agent(RoundTask):
         while True:
             await t.refused.wait()
             t.refused.clear()
-            self._changed()  # the page says "refused: not authorized", /healthz 503
-            if not t.credentials_refused:
+            self._changed()  # the page says "refused: ...", /healthz 503
+            if t.certificate_refused:
+                n, said, why = t.tls_refusals, REFUSED_UNTRUSTED, t.last_tls_refusal
+                if n >= limit:
+                    raise CertificateNotTrusted(
+                        f"broker {t.host}:{t.port}: its TLS certificate was not trusted {n} times in a row "
+                        f"({why}): check broker.ca_file (the CA that signed the broker's certificate) and "
+                        f"that the certificate's subjectAltName names {t.host}",
+                        n,
+                    )
+            elif t.credentials_refused:
+                n, said, why = t.auth_refusals, REFUSED_NOT_AUTHORIZED, str(t.last_refusal)
+                if n >= limit:
+                    raise CredentialsRefused(
+                        f"broker {t.host}:{t.port} refused the credentials {n} times in a row "
+                        f"({why}): check broker.username and broker.password / password_file "
+                        "against the broker's password file and ACL",
+                        n,
+                    )
+            else:
                 continue
-            n = t.auth_refusals
-            if n >= limit:
-                raise CredentialsRefused(
-                    f"broker {t.host}:{t.port} refused the credentials {n} times in a row "
-                    f"({t.last_refusal}): check broker.username and broker.password / password_file "
-                    "against the broker's password file and ACL",
-                    n,
-                )
+            what = (
+                f": its certificate is not trusted ({why})"
+                if said == REFUSED_UNTRUSTED
+                else f" refused the credentials ({why})"
+            )
             logger.error(
-                "%s: broker %s:%s refused the credentials (%s), %d of broker.auth_retries = %d",
-                REFUSED_NOT_AUTHORIZED,
-                t.host,
-                t.port,
-                t.last_refusal,
-                n,
-                limit,
+                "%s: broker %s:%s%s, %d of broker.auth_retries = %d", said, t.host, t.port, what, n, limit
             )
 
     # --- lifecycle ------------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
 Exit codes: 0 success; 1 invalid profile (``check-config``) or the demo's job failed; 2 usage error;
 3 the model could not be loaded (missing, corrupt, or wrong shape); 4 a runtime error at start-up (e.g.
-the dashboard's port in use); 5 the broker refused the agent's credentials ``broker.auth_retries`` times
-in a row; 75 (``EX_TEMPFAIL``, sysexits.h) a fault that stopped a running agent (one log line, no
-traceback for a known fault). The shipped unit restarts 4 and 75 with a growing delay, never 1, 2, 3, 5.
+the dashboard's port in use); 5 the broker refused the agent's credentials, or its TLS certificate was
+not trusted, ``broker.auth_retries`` times in a row; 75 (``EX_TEMPFAIL``, sysexits.h) a fault that
+stopped a running agent (one log line, no traceback for a known fault). The shipped unit restarts 4
+and 75 with a growing delay, never 1, 2, 3, 5.
 Logging handlers are configured here only (STYLE.md rule 10).
 """
 
@@ -46,7 +47,8 @@ EXIT_USAGE = 2
 EXIT_MODEL = 3
 EXIT_RUNTIME = 4
 EXIT_CREDENTIALS = 5
-"""The broker refused the agent's credentials ``broker.auth_retries`` times in a row; not restarted."""
+"""The broker refused the agent's credentials, or its TLS certificate was not trusted, ``broker.auth_retries``
+times in a row; not restarted."""
 EXIT_TEMPFAIL = 75
 """A fault stopped the running agent (sysexits.h ``EX_TEMPFAIL``: try again later); restarted."""
 
@@ -221,7 +223,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _stopped_by(exc: BaseException) -> int:
-    """The exit code for what stopped the agent: refused credentials (5), a start-up error (4), a fault."""
+    """The exit code for what stopped the agent: 5 refused credentials or certificate, 4 start-up, a fault."""
     from edgefl.errors import CredentialsRefused, StartupError
 
     leaves = _leaves(exc)
@@ -489,7 +491,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         help="run the device agent with a profile",
         description="Run the device agent until SIGTERM/SIGINT. Exit codes: 0 stopped; 1 invalid profile or "
         "state folder in use; 2 usage; 3 model cannot be loaded; 4 start-up error (e.g. dashboard port in "
-        "use); 5 the broker refused the credentials broker.auth_retries times in a row (not restarted); "
+        "use); 5 the broker refused the credentials, or its TLS certificate was not trusted, "
+        "broker.auth_retries times in a row (not restarted); "
         "75 a fault stopped the running agent (restarted).",
     )
     r.add_argument("profile", help="TOML profile (see firmware_configs/)")
