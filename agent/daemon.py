@@ -21,6 +21,7 @@ from edgefl.agent.config import Profile
 from edgefl.agent.control import RoundTask
 from edgefl.agent.core import DeviceCore
 from edgefl.agent.ingest import Ingest
+from edgefl.agent.pending import PENDING_FILE, PendingFile
 from edgefl.agent.reporter import REFUSED_NOT_AUTHORIZED, REFUSED_UNTRUSTED, AgentState, StatusPage
 from edgefl.errors import (
     CertificateNotTrusted,
@@ -98,7 +99,9 @@ class Agent(RoundTask):
         self._next_retry_at = -math.inf  # when the deferred round may be retried again (monotonic)
         src = profile.source
         self.ingest = (
-            Ingest(src.queue_max, src.pending_max, src.label_expiry_s) if src.kind == "mqtt" else None
+            Ingest(src.queue_max, src.pending_max, src.label_expiry_s, pending_file=self._pending_file())
+            if src.kind == "mqtt"
+            else None
         )
         self._ingest_wake = asyncio.Event()
         self._stored = asyncio.Event()  # samples were stored: flush_loop makes them durable in time
@@ -106,6 +109,39 @@ class Agent(RoundTask):
         # hold up the transport's queue, whose overflow would drop a round or a head)
         self._control = asyncio.Queue(maxsize=64)
         self._rounds_waiting = 0
+
+    def _pending_file(self) -> PendingFile | None:
+        """The pending-label file beside the store (None without ``source.pending_max``, or if unusable)."""
+        src, folder = self.profile.source, self.profile.device.state_dir
+        if src.pending_max == 0:
+            return None
+        try:
+            pf = PendingFile(folder, src.pending_max, self.core.head.shape[0])
+        except OSError as exc:
+            logger.error(
+                "pending labels: %s cannot be used (%s): samples waiting for a label live in RAM "
+                "only and a restart loses them",
+                folder / PENDING_FILE,
+                exc,
+            )
+            return None
+        if pf.restored:
+            logger.info(
+                "pending labels: %d sample(s) waiting for a late label restored from %s",
+                len(pf.restored),
+                pf.path,
+            )
+        return pf
+
+    def _flush_pending(self) -> None:
+        """``msync`` the pending-label file (worker thread); a failure is logged, the next flush retries."""
+        pf = self.ingest.pending_file if self.ingest is not None else None
+        if pf is None:
+            return
+        try:
+            pf.flush()
+        except OSError as exc:
+            logger.warning("pending labels: flush of %s failed: %s", pf.path, exc)
 
     def _progress(self, state: str, reason: str) -> None:
         """The core's progress hook (worker thread): hop to the loop."""
@@ -244,5 +280,9 @@ class Agent(RoundTask):
                         t.cancel()
             finally:
                 await self._work(self.core.flush_store)
+                await self._work(self._flush_pending)
                 await self._work(self.core.persist_behind)
+                if self.ingest is not None and (lost := self.ingest.unclassified()):
+                    # acknowledged to the broker, not yet classified: not in the pending-label file
+                    logger.warning("stopping: %d received sample(s) not classified yet are dropped", lost)
         logger.info("agent %s stopped", self.device)
