@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -34,6 +35,7 @@ class SampleSource(StatusReporter):
     """The sample source task and the live ingest (a part of :class:`~edgefl.agent.daemon.Agent`)."""
 
     sample_chunks: Reassembler
+    _flush_pending: Callable[[], None]
     _ingest_wake: asyncio.Event
     _stored: asyncio.Event
 
@@ -286,4 +288,5 @@ class SampleSource(StatusReporter):
                     continue
                 if self.core.flush_due():
                     await self._work(self.core.flush_store)
+                    await self._work(self._flush_pending)
                 break

@@ -416,19 +416,20 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-BROKER_SCHEMA = Schema({"broker": (BrokerConfig, check_broker)})
-"""The ``[broker]`` table alone, checked as a device profile's (:func:`edgefl.profiles.check_broker`)."""
-
-
 def load_broker_table(path: Path | str, overrides: dict[str, object]) -> BrokerConfig:
     """The validated ``[broker]`` table of a TOML file (other tables ignored), ``overrides`` on top.
 
-    ``overrides`` are ``{"broker.key": value}`` (``--broker``, ``--prefix``). ConfigError if the file
-    cannot be read, is not TOML, or the table is invalid (every problem named).
+    The table is read as a device profile's (its keys, the agent's session included, and
+    :func:`edgefl.profiles.check_broker`). ``overrides`` are ``{"broker.key": value}`` (``--broker``,
+    ``--prefix``). ConfigError if the file cannot be read, is not TOML, or the table is invalid (every
+    problem named).
     """
+    from edgefl.agent.config import AgentBrokerConfig  # a device profile's [broker] keys
+
     file, data = read_toml(path)
     table = data.get("broker", {})
-    built = BROKER_SCHEMA.parse({"broker": table}, file.parent, False, overrides)
+    schema = Schema({"broker": (AgentBrokerConfig, check_broker)})
+    built = schema.parse({"broker": table}, file.parent, False, overrides)
     broker: BrokerConfig = built["broker"]
     return broker
 

@@ -157,7 +157,14 @@ class MqttTransport(Link):
         self.last_refusal: ReasonCode | None = None
         #: CONNACKs in a row that refused our credentials (:attr:`credentials_refused`); 0 once accepted.
         self.auth_refusals = 0
-        #: Set at every CONNACK refusal (the caller clears it): wakes whoever reports refusals.
+        #: Why TLS verification of the broker's certificate failed at the last attempt that got that far
+        #: (``ssl.SSLCertVerificationError``: an unknown CA, a name not in its subjectAltName, expired);
+        #: None once a handshake succeeded.
+        self.last_tls_refusal: str | None = None
+        #: Connection attempts in a row whose broker certificate failed verification; 0 once one passed.
+        self.tls_refusals = 0
+        #: Set at every CONNACK refusal and certificate failure (the caller clears it): wakes whoever
+        #: reports refusals.
         self.refused = asyncio.Event()
         self.broker_max_packet_bytes: int | None = None  # MQTT 5 CONNACK Maximum Packet Size, when sent
         #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1): False after a reconnect means
@@ -175,6 +182,14 @@ class MqttTransport(Link):
         Retrying cannot help until the configuration or the broker's password file/ACL changes.
         """
         return self.last_refusal is not None and int(self.last_refusal.value) in (0x86, 0x87)
+
+    @property
+    def certificate_refused(self) -> bool:
+        """True when the broker's certificate failed verification at the last try (:attr:`last_tls_refusal`).
+
+        Like refused credentials, retrying cannot help until ``ca_file`` or the broker's certificate changes.
+        """
+        return self.last_tls_refusal is not None
 
     def packet_limit(self) -> int:
         """Largest PUBLISH packet we may send now: the smaller of the profile's and the broker's limit."""
@@ -238,6 +253,7 @@ class MqttTransport(Link):
         if conn is not self._conn:
             return
         conn.answered = True
+        self.last_tls_refusal, self.tls_refusals = None, 0  # the TLS handshake (if any) passed
         if rc.is_failure:
             if self.last_refusal is None or self.last_refusal != rc:
                 logger.warning("broker %s:%s refused the connection: %s", self.host, self.port, rc)
@@ -526,7 +542,20 @@ class MqttTransport(Link):
                 raise
             except (OSError, ValueError, ssl.SSLError) as exc:
                 conn.fail_all("connect failed")
-                if not self._unreachable_logged:
+                if isinstance(exc, ssl.SSLCertVerificationError):
+                    # reachable, but not the broker we trust: not "unreachable" (a lasting refusal)
+                    why = exc.verify_message or str(exc)
+                    if why != self.last_tls_refusal:
+                        logger.warning(
+                            "broker %s:%s: its TLS certificate is not trusted (%s); retrying with backoff",
+                            self.host,
+                            self.port,
+                            why,
+                        )
+                    self.last_tls_refusal = why
+                    self.tls_refusals += 1
+                    self.refused.set()
+                elif not self._unreachable_logged:
                     self._unreachable_logged = True
                     logger.warning(
                         "broker %s:%s unreachable (%s); retrying with backoff", self.host, self.port, exc
