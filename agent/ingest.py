@@ -18,7 +18,7 @@ import numpy as np
 from edgefl.errors import UpdateRejected
 from edgefl.idtable import IdTable
 from edgefl.types import F32, I64
-from edgefl.wire.ingest import Label, Refusal, Sample
+from edgefl.wire.ingest import IngestRefusal, Label, Sample
 from edgefl.wire.reasons import Reason
 
 RECENT_IDS = 4096
@@ -129,7 +129,7 @@ class Ingest:
         # queued or in-flight samples whose label was disputed: classified, never stored nor parked
         self._disputed: set[str] = set()
         #: Refusals of the apps' samples and labels, to publish on ``predictions/<device>`` (bounded).
-        self.refusals: deque[Refusal] = deque(maxlen=REFUSALS_MAX)
+        self.refusals: deque[IngestRefusal] = deque(maxlen=REFUSALS_MAX)
 
     def __len__(self) -> int:
         """Samples queued now."""

@@ -31,8 +31,8 @@ from edgefl.errors import (
 from edgefl.mqtt_link import Message
 from edgefl.wire.chunking import Reassembler, is_chunk
 from edgefl.wire.ingest import (
+    IngestRefusal,
     Prediction,
-    Refusal,
     decode_label,
     decode_sample,
     encode_prediction,
@@ -166,7 +166,7 @@ class SampleSource(StatusReporter):
         sample_id = ingest_id(payload, self.core.limits)
         if sample_id is not None:
             of = "sample" if topic == self.topics.samples(self.device) else "label"
-            self.ingest.refusals.append(Refusal(sample_id, of, reason, detail))
+            self.ingest.refusals.append(IngestRefusal(sample_id, of, reason, detail))
             self._ingest_wake.set()
 
     async def run_ingest(self) -> None:

@@ -40,7 +40,15 @@ from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.validators import check_device_id
 from edgefl.wire.chunking import split_message
-from edgefl.wire.ingest import Label, Prediction, Refusal, Sample, decode_answer, encode_label, encode_sample
+from edgefl.wire.ingest import (
+    IngestRefusal,
+    Label,
+    Prediction,
+    Sample,
+    decode_answer,
+    encode_label,
+    encode_sample,
+)
 from edgefl.wire.status import decode_status
 
 logger = logging.getLogger(__name__)
@@ -86,7 +94,7 @@ class FeedResult:
     ``predictions_received`` one per id; ``correct`` against ``y``; ``seconds`` from the first publish;
     ``latency_s_median``/``latency_s_p95`` over the device's ``latency_s`` (seconds, None without
     predictions); ``publish_s`` to the last acknowledged publish; ``refused`` the device's refusals of
-    this feed's own samples (those without a prediction) and late labels by reason, from its Refusal
+    this feed's own samples (those without a prediction) and late labels by reason, from its IngestRefusal
     messages (a ``duplicate`` label, one already applied, is not a refusal); ``labels_refused`` how
     many late labels were refused; ``refused_detail`` the last refusal's detail; ``chunked`` samples
     sent in chunks; ``error`` why the feed stopped early ("" when it did not).
@@ -323,10 +331,10 @@ class _Fate:
         self.n = n
         self.sent = self.inline = self.late = 0
         self.predicted: dict[int, Prediction] = {}
-        self.refused_samples: dict[int, Refusal] = {}
-        self.refused_labels: dict[int, Refusal] = {}
+        self.refused_samples: dict[int, IngestRefusal] = {}
+        self.refused_labels: dict[int, IngestRefusal] = {}
         self.labels_out: set[int] = set()  # late labels acknowledged by the broker
-        self.last: Refusal | None = None
+        self.last: IngestRefusal | None = None
         self.done_sending = False
         self.statuses_after = 0  # device statuses since everything was acknowledged
         self.settled = asyncio.Event()
@@ -348,7 +356,7 @@ class _Fate:
         self.statuses_after += 1
         self._check()
 
-    def answer(self, i: int, answer: Prediction | Refusal) -> None:
+    def answer(self, i: int, answer: Prediction | IngestRefusal) -> None:
         if isinstance(answer, Prediction):
             self.predicted.setdefault(i, answer)
         elif answer.of == "sample":

@@ -40,9 +40,9 @@ from edgefl.tlsconf import make_ssl_context
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.ingest import (
+    IngestRefusal,
     Label,
     Prediction,
-    Refusal,
     Sample,
     decode_answer,
     decode_label,
@@ -223,7 +223,7 @@ class Gateway:
         self.device = device
         self.t = MqttTransport(broker.host, broker.port, f"gw-{fleet}-{device}", queue_size=4096, **tls)
         self.predictions: dict[str, Prediction] = {}
-        self.refusals: list[Refusal] = []
+        self.refusals: list[IngestRefusal] = []
         self.status: dict[str, Any] = {}
         self.updates: list[Any] = []
         self._pump: asyncio.Task[None] | None = None
@@ -249,7 +249,7 @@ class Gateway:
             msg = await self.t.queue.get()
             if msg.topic == self.topics.predictions(self.device):
                 p = decode_answer(msg.payload)
-                if isinstance(p, Refusal):
+                if isinstance(p, IngestRefusal):
                     self.refusals.append(p)
                     continue
                 assert p.id not in self.predictions, f"two predictions of {p.id}"

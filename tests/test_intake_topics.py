@@ -12,7 +12,7 @@ from edgefl.errors import DecodeError
 from edgefl.mqtt_link import Message
 from edgefl.topics import Topics
 from edgefl.wire.cbor import MessageType, dump_message
-from edgefl.wire.ingest import Refusal, decode_answer, encode_refusal
+from edgefl.wire.ingest import IngestRefusal, decode_answer, encode_refusal
 from edgefl.wire.status import DeviceStatus, encode_status
 
 TOPICS = Topics("edgefl", "f")
@@ -44,7 +44,7 @@ def test_hostile_status_naming_another_device_is_refused() -> None:
 
 
 def test_hostile_refusals_do_not_break_the_feeds_reading() -> None:
-    good = Refusal("s-1", "sample", "bad_shape", "x: shape [64]")
+    good = IngestRefusal("s-1", "sample", "bad_shape", "x: shape [64]")
     assert decode_answer(encode_refusal(good)) == good
     forged = [
         dump_message(MessageType.REFUSAL, {"id": "s-1", "of": ["sample"], "reason": "bad_shape"}),

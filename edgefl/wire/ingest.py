@@ -1,7 +1,7 @@
 """The live-ingest messages: samples and labels a gateway app sends in, the predictions a device sends out.
 
 :class:`Sample` (``samples/<device>``), :class:`Label` (``labels/<device>``), :class:`Prediction` and
-:class:`Refusal` (``predictions/<device>``), none retained, each with its ``encode_x`` / ``decode_x``.
+:class:`IngestRefusal` (``predictions/<device>``), none retained, each with its ``encode_x`` / ``decode_x``.
 Field by field: ``docs/protocol.md`` ("Live ingest").
 
 Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
@@ -92,8 +92,8 @@ DETAIL_RE: Final = re.compile(rf".{{0,{DETAIL_CHARS}}}", re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
-class Refusal:
-    """The device refused an app's Sample or Label ``id`` (topic ``predictions/<device>``, not retained).
+class IngestRefusal:
+    """A Refusal: the device refused an app's Sample or Label ``id`` (``predictions/<device>``, not retained).
 
     ``of`` is ``"sample"`` or ``"label"``; ``reason`` the refusal's ``rejected`` label (``bad_shape``,
     ``unknown_sample``...; ``docs/protocol.md``, "Refusals"); ``detail`` the device's explanation.
@@ -225,10 +225,10 @@ def decode_prediction(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Pre
     )
 
 
-def encode_refusal(msg: Refusal) -> bytes:
-    """Encode a :class:`Refusal` (``detail`` cut to :data:`DETAIL_CHARS`); ValueError for a bad ``of``."""
+def encode_refusal(msg: IngestRefusal) -> bytes:
+    """Encode an :class:`IngestRefusal` (``detail`` cut to :data:`DETAIL_CHARS`); ValueError: bad ``of``."""
     if msg.of not in REFUSED_KINDS:
-        raise ValueError(f"Refusal.of = {msg.of!r}: expected one of {sorted(REFUSED_KINDS)}")
+        raise ValueError(f"IngestRefusal.of = {msg.of!r}: expected one of {sorted(REFUSED_KINDS)}")
     detail = msg.detail[:DETAIL_CHARS].encode("utf-8")[: DEFAULT_LIMITS.max_string_bytes]
     obj: dict[str, object] = {
         "id": msg.id,
@@ -239,10 +239,10 @@ def encode_refusal(msg: Refusal) -> bytes:
     return dump_message(MessageType.REFUSAL, obj)
 
 
-def decode_refusal(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Refusal:
-    """Decode and validate a :class:`Refusal`: ``bad_value`` for an ``of`` or ``reason`` out of pattern."""
+def decode_refusal(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> IngestRefusal:
+    """Decode and validate an :class:`IngestRefusal`: ``bad_value`` for a bad ``of`` or ``reason``."""
     obj = load_message(payload, limits, MessageType.REFUSAL, ("id", "of", "reason"), ("detail",))
-    return Refusal(
+    return IngestRefusal(
         id=read_text(obj, "id", "", SAMPLE_ID_RE),
         of=read_text(obj, "of", "", REFUSED_OF_RE),
         reason=read_text(obj, "reason", "", REASON_RE),
@@ -250,7 +250,7 @@ def decode_refusal(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Refusa
     )
 
 
-def decode_answer(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Prediction | Refusal:
+def decode_answer(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Prediction | IngestRefusal:
     """Decode what a device publishes on ``predictions/<device>``: a Prediction or a Refusal.
 
     DecodeError as :func:`decode_prediction` / :func:`decode_refusal`.
