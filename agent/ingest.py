@@ -9,7 +9,7 @@ classified samples waiting for a late Label, and the duplicate and conflict chec
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,7 +19,7 @@ from edgefl.agent.pending import PendingFile
 from edgefl.errors import UpdateRejected
 from edgefl.idtable import IdTable
 from edgefl.types import F32, I64
-from edgefl.wire.ingest import Label, Sample
+from edgefl.wire.ingest import IngestRefusal, Label, Sample
 from edgefl.wire.reasons import Reason
 
 RECENT_IDS = 4096
@@ -27,6 +27,9 @@ RECENT_IDS = 4096
 
 LOGGED_REFUSALS = 20
 """Refused samples/labels of one reason logged one by one; then only every 1000th, with the count."""
+
+REFUSALS_MAX = 256
+"""Refusals waiting to be published to the apps at most; beyond, the oldest is forgotten."""
 
 DISPUTED = -1
 """The remembered label of a sample that got two different labels (never a valid class)."""
@@ -140,6 +143,8 @@ class Ingest:
                 self._pending[p.id] = (p.embedding, now - p.age_s, p.predicted)
                 self._recent.add(p.id)  # a redelivery of the sample is a duplicate
             self.restored = len(self._pending)
+        #: Refusals of the apps' samples and labels, to publish on ``predictions/<device>`` (bounded).
+        self.refusals: deque[IngestRefusal] = deque(maxlen=REFUSALS_MAX)
 
     def __len__(self) -> int:
         """Samples queued now."""

@@ -166,6 +166,8 @@ class MqttTransport(Link):
         #: Set at every CONNACK refusal and certificate failure (the caller clears it): wakes whoever
         #: reports refusals.
         self.refused = asyncio.Event()
+        #: Why the last connection attempt failed, in words (None once a CONNACK accepts one).
+        self.last_error: str | None = None
         self.broker_max_packet_bytes: int | None = None  # MQTT 5 CONNACK Maximum Packet Size, when sent
         #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1): False after a reconnect means
         #: what was published to our subscriptions while we were away is gone.
@@ -258,6 +260,7 @@ class MqttTransport(Link):
             if self.last_refusal is None or self.last_refusal != rc:
                 logger.warning("broker %s:%s refused the connection: %s", self.host, self.port, rc)
             self.last_refusal = rc
+            self.last_error = f"the broker refused the connection: {rc}"
             if self.credentials_refused:
                 self.auth_refusals += 1
             self.refused.set()
@@ -266,7 +269,7 @@ class MqttTransport(Link):
             conn.lost.set()
             return
         self.broker_max_packet_bytes = int(max_packet) if max_packet else None
-        self.last_refusal = None
+        self.last_refusal = self.last_error = None
         self.auth_refusals = 0
         self.session_present = session_present
         conn.acked = True
@@ -376,6 +379,10 @@ class MqttTransport(Link):
         self.connected.clear()
         conn.fail_all(f"connection to {self.host}:{self.port} lost before the acknowledgement")
         conn.lost.set()
+        if not conn.acked and self.last_refusal is None:
+            self.last_error = "the broker closed the connection before any CONNACK" + (
+                f": {rc}" if isinstance(rc, str) else ""
+            )
         if was and not self._lost_logged and not self._stopping:
             self._lost_logged = True
             why = self._loss_reason(rc, from_broker)
@@ -475,10 +482,20 @@ class MqttTransport(Link):
         self._supervisor = asyncio.create_task(self._supervise(), name=f"mqtt-supervisor-{self.client_id}")
         if wait_s is None:
             return
-        try:
-            await within(self.connected.wait(), wait_s)
-        except TimeoutError as exc:
-            raise TransportError(f"no connection to broker {self.host}:{self.port} after {wait_s} s") from exc
+        end = self._loop.time() + wait_s
+        while not self.connected.is_set():  # a refusal of our credentials does not fix itself: say so now
+            if self.credentials_refused:
+                raise TransportError(
+                    f"broker {self.host}:{self.port} refused the credentials ({self.last_refusal}): "
+                    "check the username and password against the broker's password file"
+                )
+            if self._loop.time() >= end:
+                last = f" (last: {self.last_error})" if self.last_error else ""
+                raise TransportError(
+                    f"no connection to broker {self.host}:{self.port} after {wait_s} s{last}"
+                )
+            with contextlib.suppress(TimeoutError):
+                await within(self.connected.wait(), min(0.2, end - self._loop.time()))
 
     @staticmethod
     def backoff_s(failures: int, rng: random.Random | None = None, max_s: float | None = None) -> float:
@@ -542,6 +559,7 @@ class MqttTransport(Link):
                 raise
             except (OSError, ValueError, ssl.SSLError) as exc:
                 conn.fail_all("connect failed")
+                self.last_error = str(exc) or type(exc).__name__
                 if isinstance(exc, ssl.SSLCertVerificationError):
                     # reachable, but not the broker we trust: not "unreachable" (a lasting refusal)
                     why = exc.verify_message or str(exc)
@@ -582,12 +600,13 @@ class MqttTransport(Link):
             if not (conn.acked or self.ever_connected or self._closed_logged) and self.last_refusal is None:
                 self._closed_logged = True
                 logger.warning(
-                    "broker %s:%s closed the connection before any CONNACK (MQTT %s): not a plain "
+                    "broker %s:%s closed the connection before any CONNACK (MQTT %s)%s: not a plain "
                     "MQTT listener? (a TLS port needs mqtts://, a WebSocket port is not supported); "
                     "retrying with backoff",
                     self.host,
                     self.port,
                     "5 and 3.1.1" if self.protocol == "auto" else self.protocol,
+                    (self.last_error or "").partition("CONNACK")[2],
                 )
             failures = 1 if self.connects_total > connects_before else failures + 1
             self._next_address()

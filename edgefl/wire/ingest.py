@@ -1,8 +1,8 @@
 """The live-ingest messages: samples and labels a gateway app sends in, the predictions a device sends out.
 
-:class:`Sample` (``samples/<device>``), :class:`Label` (``labels/<device>``) and :class:`Prediction`
-(``predictions/<device>``), none retained, each with its ``encode_x`` / ``decode_x``. Field by field:
-``docs/protocol.md`` ("Live ingest").
+:class:`Sample` (``samples/<device>``), :class:`Label` (``labels/<device>``), :class:`Prediction` and
+:class:`IngestRefusal` (``predictions/<device>``), none retained, each with its ``encode_x`` / ``decode_x``.
+Field by field: ``docs/protocol.md`` ("Live ingest").
 
 Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
 """
@@ -28,6 +28,7 @@ from edgefl.wire.cbor import (
     read_float,
     read_int,
     read_text,
+    scan,
     show,
 )
 from edgefl.wire.reasons import Reason
@@ -79,6 +80,30 @@ class Prediction:
     version: int
     latency_s: float
     head: str | None = None
+
+
+REFUSED_KINDS: Final = frozenset({"sample", "label"})
+"""The values of a Refusal's ``of`` key."""
+REFUSED_OF_RE: Final = re.compile("sample|label")
+REASON_RE: Final = re.compile(r"[a-z_]{1,32}")
+DETAIL_CHARS: Final = 200
+"""A Refusal's ``detail`` is cut to this many characters."""
+DETAIL_RE: Final = re.compile(rf".{{0,{DETAIL_CHARS}}}", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class IngestRefusal:
+    """A Refusal: the device refused an app's Sample or Label ``id`` (``predictions/<device>``, not retained).
+
+    ``of`` is ``"sample"`` or ``"label"``; ``reason`` the refusal's ``rejected`` label (``bad_shape``,
+    ``unknown_sample``...; ``docs/protocol.md``, "Refusals"); ``detail`` the device's explanation.
+    ``docs/protocol.md`` ("Refusal").
+    """
+
+    id: str
+    of: str
+    reason: str
+    detail: str = ""
 
 
 def _read_label(obj: Mapping[str, object], num_classes: int | None) -> int:
@@ -211,3 +236,54 @@ def decode_prediction(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Pre
         latency_s=read_float(obj, "latency_s", "", 0.0),
         head=head,
     )
+
+
+def encode_refusal(msg: IngestRefusal) -> bytes:
+    """Encode an :class:`IngestRefusal` (``detail`` cut to :data:`DETAIL_CHARS`); ValueError: bad ``of``."""
+    if msg.of not in REFUSED_KINDS:
+        raise ValueError(f"IngestRefusal.of = {msg.of!r}: expected one of {sorted(REFUSED_KINDS)}")
+    detail = msg.detail[:DETAIL_CHARS].encode("utf-8")[: DEFAULT_LIMITS.max_string_bytes]
+    obj: dict[str, object] = {
+        "id": msg.id,
+        "of": msg.of,
+        "reason": str(msg.reason),
+        "detail": detail.decode("utf-8", "ignore"),
+    }
+    return dump_message(MessageType.REFUSAL, obj)
+
+
+def decode_refusal(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> IngestRefusal:
+    """Decode and validate an :class:`IngestRefusal`: ``bad_value`` for a bad ``of`` or ``reason``."""
+    obj = load_message(payload, limits, MessageType.REFUSAL, ("id", "of", "reason"), ("detail",))
+    return IngestRefusal(
+        id=read_text(obj, "id", "", SAMPLE_ID_RE),
+        of=read_text(obj, "of", "", REFUSED_OF_RE),
+        reason=read_text(obj, "reason", "", REASON_RE),
+        detail=read_text(obj, "detail", "", DETAIL_RE) if "detail" in obj else "",
+    )
+
+
+def decode_answer(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Prediction | IngestRefusal:
+    """Decode what a device publishes on ``predictions/<device>``: a Prediction or a Refusal.
+
+    DecodeError as :func:`decode_prediction` / :func:`decode_refusal`.
+    """
+    scanned = scan(payload, limits)
+    if scanned.header.get("type") == MessageType.REFUSAL.value:
+        return decode_refusal(payload, limits=limits)
+    return decode_prediction(payload, limits=limits)
+
+
+def ingest_id(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> str | None:
+    """The ``id`` of a Sample or Label payload, if its CBOR can be read and the id is valid, else None.
+
+    For naming a refused message to its app: a bounded scan, no array decoded.
+    """
+    try:
+        header = scan(payload, limits).header
+    except DecodeError:
+        return None
+    if header.get("type") not in (MessageType.SAMPLE.value, MessageType.LABEL.value):
+        return None
+    value = header.get("id")
+    return value if isinstance(value, str) and SAMPLE_ID_RE.fullmatch(value) else None
