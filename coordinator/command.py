@@ -109,13 +109,7 @@ _FAILURES: Final[tuple[tuple[type[Exception] | tuple[type[Exception], ...], str,
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add the ``coordinator`` sub-command to an ``argparse`` sub-parsers object.
-
-    Returns
-    -------
-    argparse.ArgumentParser
-        The sub-command's parser (``func`` set to :func:`main`).
-    """
+    """Add the ``coordinator`` sub-command to argparse sub-parsers; returns its parser (``func``: main)."""
     from edgefl.resources import shipped
 
     p: argparse.ArgumentParser = sub.add_parser(

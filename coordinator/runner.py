@@ -168,7 +168,8 @@ async def _connected_or_refused(transport: MqttTransport, where: str, timeout_s:
             )
         left = end - loop.time()
         if left <= 0:
-            raise TransportError(f"broker {where} not reachable within {timeout_s:.0f} s")
+            last = f": {transport.last_error}" if transport.last_error else ""
+            raise TransportError(f"broker {where} not reachable within {timeout_s:.0f} s{last}")
         with contextlib.suppress(TimeoutError):
             await within(transport.connected.wait(), min(0.2, left))
 
@@ -574,7 +575,8 @@ async def _run_site(
         try:
             await within(transport.connected.wait(), CONNECT_WAIT_S)
         except TimeoutError as exc:
-            raise TransportError(f"broker {where} not reachable within {CONNECT_WAIT_S:.0f} s") from exc
+            last = f": {transport.last_error}" if transport.last_error else ""
+            raise TransportError(f"broker {where} not reachable within {CONNECT_WAIT_S:.0f} s{last}") from exc
         try:
             await site.start()
         except UpdateRejected as exc:

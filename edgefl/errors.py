@@ -94,6 +94,15 @@ class CredentialsRefused(TransportError):
         super().__init__(detail)
 
 
+class CertificateNotTrusted(CredentialsRefused):
+    """The broker's TLS certificate failed verification ``attempts`` times in a row.
+
+    An unknown CA (``broker.ca_file``), a host not in the certificate's subjectAltName or an expired
+    certificate do not fix themselves either: exit code 5, as refused credentials. ``detail`` names the
+    broker, the verification error and what to check.
+    """
+
+
 class StartupError(EdgeflError):
     """A resource the agent needs at start-up is unavailable; ``detail`` names the profile key involved."""
 

@@ -165,8 +165,17 @@ class MqttTransport(Link):
         self.last_refusal: ReasonCode | None = None
         #: CONNACKs in a row that refused our credentials (:attr:`credentials_refused`); 0 once accepted.
         self.auth_refusals = 0
-        #: Set at every CONNACK refusal (the caller clears it): wakes whoever reports refusals.
+        #: Why TLS verification of the broker's certificate failed at the last attempt that got that far
+        #: (``ssl.SSLCertVerificationError``: an unknown CA, a name not in its subjectAltName, expired);
+        #: None once a handshake succeeded.
+        self.last_tls_refusal: str | None = None
+        #: Connection attempts in a row whose broker certificate failed verification; 0 once one passed.
+        self.tls_refusals = 0
+        #: Set at every CONNACK refusal and certificate failure (the caller clears it): wakes whoever
+        #: reports refusals.
         self.refused = asyncio.Event()
+        #: Why the last connection attempt failed, in words (None once a CONNACK accepts one).
+        self.last_error: str | None = None
         self.broker_max_packet_bytes: int | None = None  # MQTT 5 CONNACK Maximum Packet Size, when sent
         #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1): False after a reconnect means
         #: what was published to our subscriptions while we were away is gone.
@@ -183,6 +192,14 @@ class MqttTransport(Link):
         Retrying cannot help until the configuration or the broker's password file/ACL changes.
         """
         return self.last_refusal is not None and int(self.last_refusal.value) in (0x86, 0x87)
+
+    @property
+    def certificate_refused(self) -> bool:
+        """True when the broker's certificate failed verification at the last try (:attr:`last_tls_refusal`).
+
+        Like refused credentials, retrying cannot help until ``ca_file`` or the broker's certificate changes.
+        """
+        return self.last_tls_refusal is not None
 
     def packet_limit(self) -> int:
         """Largest PUBLISH packet we may send now: the smaller of the profile's and the broker's limit."""
@@ -246,10 +263,12 @@ class MqttTransport(Link):
         if conn is not self._conn:
             return
         conn.answered = True
+        self.last_tls_refusal, self.tls_refusals = None, 0  # the TLS handshake (if any) passed
         if rc.is_failure:
             if self.last_refusal is None or self.last_refusal != rc:
                 logger.warning("broker %s:%s refused the connection: %s", self.host, self.port, rc)
             self.last_refusal = rc
+            self.last_error = f"the broker refused the connection: {rc}"
             if self.credentials_refused:
                 self.auth_refusals += 1
             self.refused.set()
@@ -258,7 +277,7 @@ class MqttTransport(Link):
             conn.lost.set()
             return
         self.broker_max_packet_bytes = int(max_packet) if max_packet else None
-        self.last_refusal = None
+        self.last_refusal = self.last_error = None
         self.auth_refusals = 0
         self.session_present = session_present
         conn.acked = True
@@ -380,6 +399,10 @@ class MqttTransport(Link):
         self.connected.clear()
         conn.fail_all(f"connection to {self.host}:{self.port} lost before the acknowledgement")
         conn.lost.set()
+        if not conn.acked and self.last_refusal is None:
+            self.last_error = "the broker closed the connection before any CONNACK" + (
+                f": {rc}" if isinstance(rc, str) else ""
+            )
         if was and not self._lost_logged and not self._stopping:
             self._lost_logged = True
             why = self._loss_reason(rc, from_broker)
@@ -479,10 +502,20 @@ class MqttTransport(Link):
         self._supervisor = asyncio.create_task(self._supervise(), name=f"mqtt-supervisor-{self.client_id}")
         if wait_s is None:
             return
-        try:
-            await within(self.connected.wait(), wait_s)
-        except TimeoutError as exc:
-            raise TransportError(f"no connection to broker {self.host}:{self.port} after {wait_s} s") from exc
+        end = self._loop.time() + wait_s
+        while not self.connected.is_set():  # a refusal of our credentials does not fix itself: say so now
+            if self.credentials_refused:
+                raise TransportError(
+                    f"broker {self.host}:{self.port} refused the credentials ({self.last_refusal}): "
+                    "check the username and password against the broker's password file"
+                )
+            if self._loop.time() >= end:
+                last = f" (last: {self.last_error})" if self.last_error else ""
+                raise TransportError(
+                    f"no connection to broker {self.host}:{self.port} after {wait_s} s{last}"
+                )
+            with contextlib.suppress(TimeoutError):
+                await within(self.connected.wait(), min(0.2, end - self._loop.time()))
 
     @staticmethod
     def backoff_s(failures: int, rng: random.Random | None = None, max_s: float | None = None) -> float:
@@ -546,7 +579,21 @@ class MqttTransport(Link):
                 raise
             except (OSError, ValueError, ssl.SSLError) as exc:
                 conn.fail_all("connect failed")
-                if not self._unreachable_logged:
+                self.last_error = str(exc) or type(exc).__name__
+                if isinstance(exc, ssl.SSLCertVerificationError):
+                    # reachable, but not the broker we trust: not "unreachable" (a lasting refusal)
+                    why = exc.verify_message or str(exc)
+                    if why != self.last_tls_refusal:
+                        logger.warning(
+                            "broker %s:%s: its TLS certificate is not trusted (%s); retrying with backoff",
+                            self.host,
+                            self.port,
+                            why,
+                        )
+                    self.last_tls_refusal = why
+                    self.tls_refusals += 1
+                    self.refused.set()
+                elif not self._unreachable_logged:
                     self._unreachable_logged = True
                     logger.warning(
                         "broker %s:%s unreachable (%s); retrying with backoff", self.host, self.port, exc
@@ -573,12 +620,13 @@ class MqttTransport(Link):
             if not (conn.acked or self.ever_connected or self._closed_logged) and self.last_refusal is None:
                 self._closed_logged = True
                 logger.warning(
-                    "broker %s:%s closed the connection before any CONNACK (MQTT %s): not a plain "
+                    "broker %s:%s closed the connection before any CONNACK (MQTT %s)%s: not a plain "
                     "MQTT listener? (a TLS port needs mqtts://, a WebSocket port is not supported); "
                     "retrying with backoff",
                     self.host,
                     self.port,
                     "5 and 3.1.1" if self.protocol == "auto" else self.protocol,
+                    (self.last_error or "").partition("CONNACK")[2],
                 )
             failures = 1 if self.connects_total > connects_before else failures + 1
             self._next_address()
