@@ -184,7 +184,7 @@ class RoundArchive:
 
 
 def _increasing(records: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The longest suffix-led run of strictly increasing rounds, read from the newest back.
+    """The newest records whose rounds increase strictly (from the newest back, up to a round not below).
 
     A round logged twice (a recovered line) keeps its later line; rounds of an earlier history (a log
     that outlived its state file) end the run.
