@@ -141,7 +141,6 @@ class Ingest:
             now = self.clock()
             for p in pending_file.restored[-pending_max:] if pending_max else []:
                 self._pending[p.id] = (p.embedding, now - p.age_s, p.predicted)
-                self._recent.add(p.id)  # a redelivery of the sample is a duplicate
             self.restored = len(self._pending)
         #: Refusals of the apps' samples and labels, to publish on ``predictions/<device>`` (bounded).
         self.refusals: deque[IngestRefusal] = deque(maxlen=REFUSALS_MAX)
@@ -300,6 +299,7 @@ class Ingest:
     def _park(self, sample_id: str, embedding: F32, predicted: int) -> None:
         if self.pending_max == 0:
             return
+        self._pending.pop(sample_id, None)  # a restored sample sent again after the restart: this one waits
         if len(self._pending) >= self.pending_max:
             self._release(self._pending.popitem(last=False)[0])
             self.counters.pending_evicted += 1

@@ -78,6 +78,35 @@ def _slot_crc(row: np.ndarray, seq: int) -> int:
     return zlib.crc32(seq.to_bytes(8, "little"), zlib.crc32(raw[12:]))
 
 
+def _read_slots(rows: np.ndarray) -> tuple[list[tuple[int, int, Parked]], list[int]]:
+    """The valid slots of a map as ``(seq, slot, Parked)``, oldest first, and the slots failing their check.
+
+    A slot is valid when its ``seq`` is set, its CRC-32 matches, its id is a sample id and its
+    embedding is finite.
+    """
+    now = time.time()
+    valid: list[tuple[int, int, Parked]] = []
+    bad: list[int] = []
+    for slot in np.flatnonzero(np.asarray(rows["seq"])).tolist():
+        row = np.asarray(rows[slot : slot + 1])
+        seq = int(row["seq"][0]) - 1
+        n = int(row["id_len"][0])
+        sample_id = bytes(row["id"][0])[:n].decode("ascii", "replace")
+        emb = row["emb"][0].astype(np.float32)
+        if (
+            int(row["crc"][0]) == _slot_crc(row, seq)
+            and 1 <= n <= ID_BYTES
+            and SAMPLE_ID_RE.fullmatch(sample_id) is not None
+            and bool(np.isfinite(emb).all())
+        ):
+            age_s = max(0.0, now - float(row["since"][0]))
+            valid.append((seq, slot, Parked(sample_id, emb, int(row["predicted"][0]), age_s)))
+        else:
+            bad.append(slot)
+    valid.sort(key=lambda t: t[0])
+    return valid, bad
+
+
 class PendingFile:
     """The pending-label file of one device (see the module docstring).
 
@@ -99,9 +128,10 @@ class PendingFile:
 
     Notes
     -----
-    A file for another ``capacity`` or ``dim``, or whose header fails its check, is set aside as
-    ``*.corrupt`` (another model's embeddings are of no use; a capacity change keeps what fits) —
-    with a capacity change only, its valid slots are carried over first (the newest that fit).
+    A file whose header fails its check, or for another ``dim`` (another model's embeddings are of no
+    use) or ``capacity``, is set aside as ``*.corrupt`` and a new one made; after a change of
+    ``capacity`` alone its valid slots are carried over first (the newest that fit). What was
+    restored is in :attr:`restored`, oldest first.
     """
 
     def __init__(self, directory: Path, capacity: int, dim: int) -> None:
@@ -147,13 +177,11 @@ class PendingFile:
         return head + zlib.crc32(head).to_bytes(4, "little")
 
     def _old_rows(self) -> list[Parked]:
-        """Check an existing file's header; keep it, or carry its rows over and set it aside."""
+        """Check an existing file's header; keep it (ours), or carry its rows over and set it aside."""
         with self.path.open("rb") as fh:
             head = fh.read(HEADER_BYTES)
-        if (
-            head == self._header()
-            and self.path.stat().st_size == HEADER_BYTES + self.capacity * self._dtype.itemsize
-        ):
+        size = HEADER_BYTES + self.capacity * self._dtype.itemsize
+        if head == self._header() and self.path.stat().st_size == size:
             return []  # ours: scanned once mapped
         why = "its header fails its check"
         rows: list[Parked] = []
@@ -161,15 +189,13 @@ class PendingFile:
             magic, dim, capacity, id_bytes = _HEADER.unpack(head[:-4])
             if magic == MAGIC and id_bytes == ID_BYTES and dim == self.dim:
                 why = f"built for {capacity} slots, source.pending_max is {self.capacity}"
-                old = PendingFile.__new__(PendingFile)
-                old.path, old.capacity, old.dim, old.lost_at_open = self.path, capacity, dim, 0
-                old._dtype = self._dtype
-                old._rows = np.memmap(  # type: ignore[call-overload]
+                old = np.memmap(  # type: ignore[call-overload]
                     self.path, dtype=self._dtype, mode="r", offset=HEADER_BYTES, shape=(capacity,)
                 )
-                rows = old._scan()
-                self.lost_at_open = old.lost_at_open
-                del old._rows
+                valid, bad = _read_slots(old)
+                del old
+                rows = [p for _, _, p in valid]
+                self._count_lost(len(bad))
             elif magic == MAGIC:
                 why = f"built for embeddings of D = {dim}, the model's D is {self.dim}"
         set_aside(self.path, ".corrupt")
@@ -182,42 +208,25 @@ class PendingFile:
         return rows
 
     def _scan(self) -> list[Parked]:
-        """The valid slots, oldest first; freed slots whose check fails are zeroed and counted."""
-        now = time.time()
-        seqs = np.asarray(self._rows["seq"])
-        out: list[tuple[int, Parked]] = []
-        for slot in np.flatnonzero(seqs):
-            row = self._rows[int(slot)]
-            seq = int(row["seq"]) - 1
-            n = int(row["id_len"])
-            sample_id = bytes(row["id"])[:n].decode("ascii", "replace")
-            emb = np.asarray(row["emb"], dtype=np.float32)
-            ok = (
-                int(row["crc"]) == _slot_crc(np.asarray(row).reshape(1), seq)
-                and 1 <= n <= ID_BYTES
-                and SAMPLE_ID_RE.fullmatch(sample_id) is not None
-                and bool(np.isfinite(emb).all())
-            )
-            if not ok:
-                self.lost_at_open += 1
-                if self._rows.flags.writeable:
-                    self._rows["seq"][int(slot)] = 0
-                continue
-            out.append(
-                (seq, Parked(sample_id, emb, int(row["predicted"]), max(0.0, now - float(row["since"]))))
-            )
-            if self._rows.flags.writeable:
-                self._slot_of[sample_id] = int(slot)
-                self._next_seq = max(self._next_seq, seq + 2)
-        if self.lost_at_open:
+        """The valid slots of our map, oldest first; slots failing their check are freed and counted."""
+        valid, bad = _read_slots(self._rows)
+        for slot in bad:
+            self._rows["seq"][slot] = 0
+        self._count_lost(len(bad))
+        for seq, slot, p in valid:
+            self._slot_of[p.id] = slot
+            self._next_seq = max(self._next_seq, seq + 2)
+        return [p for _, _, p in valid]
+
+    def _count_lost(self, n: int) -> None:
+        if n:
+            self.lost_at_open += n
             logger.warning(
                 "pending labels in %s: %d waiting sample(s) could not be recovered (torn or failing their "
                 "checksum)",
                 self.path.parent,
-                self.lost_at_open,
+                n,
             )
-        out.sort(key=lambda t: t[0])
-        return [p for _, p in out]
 
     def __len__(self) -> int:
         """Samples held in the file now."""

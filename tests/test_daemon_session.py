@@ -83,3 +83,29 @@ def test_durable_session_delivers_what_came_while_the_agent_was_down(
     assert (st["samples_received"], st["store_samples"], st["rejected"]) == (1, 11, {})
     assert not any(k.startswith("dev-c-b") for k in lost["predicted"])
     assert lost["updates"] == []
+
+
+def test_durable_session_backlog_beyond_the_transport_queue(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
+) -> None:
+    """600 samples queued at the broker while the agent is down (more than its 256-message transport
+    queue: the broker's flow control holds the rest): back, it subscribes and classifies all 600."""
+    x, _ = load_digits()
+    n = 600
+
+    async def run() -> dict[str, Any]:
+        async with Gateway(mosquitto, fleet, "dev-b") as gw:
+            proc = start_ingest_agent(mosquitto, fleet, tmp_path, "dev-b", source__queue_max="1024")
+            agents.append(proc)
+            await gw.ready()
+            _kill(proc)
+            await wait_until(lambda: gw.status.get("state") == "offline", 30, "the will")
+            for i in range(n):
+                await gw.sample(Sample(f"b{i}", x[i % len(x)]))
+            gw.status = {}
+            agents.append(start_ingest_agent(mosquitto, fleet, tmp_path, "dev-b", source__queue_max="1024"))
+            await wait_until(lambda: len(gw.predictions) == n, 120, f"{n} predictions")
+            return await gw.until("all received", samples_received=n, ready=True)
+
+    st = asyncio.run(run())
+    assert (st["ingest_dropped"], st["rejected"], st["transport"]["queue_dropped"]) == (0, {}, 0)

@@ -101,9 +101,12 @@ def test_durable_ingest_pending_table_survives_a_restart(tmp_path: Path) -> None
     now[0] = 5.0  # another process: another monotonic origin
     back = Ingest(4, 8, 10.0, clock=lambda: now[0], pending_file=PendingFile(tmp_path, 8, D))
     assert (back.pending, back.restored) == (2, 2)
-    with pytest.raises(UpdateRejected) as dup:  # a redelivery of a restored sample
-        back.offer_sample(Sample("s1", np.zeros((1,), np.uint8)))
-    assert dup.value.reason == "duplicate"
+    # the app sends s1 again after the restart (ids are remembered per process): classified again, it
+    # takes the restored one's place (one entry, one slot)
+    back.offer_sample(Sample("s1", np.zeros((1,), np.uint8)))
+    (row,) = back.take(1)
+    back.settle(row.id, emb(1), predicted=5)
+    assert back.pending == 2
     back.offer_label(Label("s2", 4))
     got = back.take_labelled()
     assert got is not None
@@ -112,7 +115,8 @@ def test_durable_ingest_pending_table_survives_a_restart(tmp_path: Path) -> None
     with pytest.raises(UpdateRejected) as gone:
         back.offer_label(Label("s0", 2))
     assert gone.value.reason == "unknown_sample"
-    now[0] = 16.0  # label_expiry_s after the restart: s1 expires (the file lets it go too)
+    assert [(p.id, p.predicted) for p in PendingFile(tmp_path, 8, D).restored] == [("s1", 5)]
+    now[0] = 16.0  # label_expiry_s after s1 was parked again: it expires (the file lets it go too)
     assert back.expire() == 1 and back.counters.pending_expired == 1
     assert PendingFile(tmp_path, 8, D).restored == []
 
