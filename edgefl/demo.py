@@ -30,6 +30,7 @@ from edgefl.agent.core import DeviceCore
 from edgefl.agent.governor import Governor
 from edgefl.agent.trainer import fit_head
 from edgefl.coordinator.profile import RoundsConfig
+from edgefl.coordinator.roundlog import plural
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategies import strategy_from_tables
 from edgefl.datasets import FACTORY_CLASSES, load_digits, partition_non_iid, split_digits
@@ -196,8 +197,8 @@ async def _run(opts: argparse.Namespace) -> int:
         local_accs.append(accuracy(Wl, bl, emb_test, y_test))
     local_only = float(np.mean(local_accs))
     print(
-        f"edgefl demo: {opts.devices} devices, {opts.rounds} rounds, model {model_path.name}, "
-        f"strategy {opts.strategy}, compression {opts.compression}, "
+        f"edgefl demo: {plural(opts.devices, 'device')}, {plural(opts.rounds, 'round')}, "
+        f"model {model_path.name}, strategy {opts.strategy}, compression {opts.compression}, "
         f"factory head knows digits {FACTORY_CLASSES[0]}-{FACTORY_CLASSES[-1]}"
     )
     print(f"  test set {len(y_test)} samples; device shards {[len(s) for s in shards]} samples")
