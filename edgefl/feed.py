@@ -41,6 +41,7 @@ from edgefl.transport import MqttTransport
 from edgefl.validators import check_device_id
 from edgefl.wire.chunking import split_message
 from edgefl.wire.ingest import (
+    RAW_DTYPES,
     IngestRefusal,
     Label,
     Prediction,
@@ -122,10 +123,11 @@ class FeedResult:
 
 
 def load_samples(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Read a replay-format ``.npz``: ``x`` [N, ...] raw, ``y`` int64 [N], N >= 1.
+    """Read a replay-format ``.npz``: ``x`` [N, ...] raw (uint8, int16 or float32), ``y`` int64 [N], N >= 1.
 
     ValueError naming the file and the problem: not an ``.npz`` archive, no ``x``/``y``, no samples,
-    lengths that differ, or labels that are not integers (a float ``y`` must hold whole numbers).
+    lengths that differ, an ``x`` no Sample can carry, or labels that are not integers (a float ``y``
+    must hold whole numbers).
     """
     try:
         with path.open("rb") as fh:
@@ -143,6 +145,11 @@ def load_samples(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"{path}: x {list(x.shape)} and y {list(y.shape)} do not match (x [N, ...], y [N])")
     if not len(x):
         raise ValueError(f"{path}: holds no samples (x {list(x.shape)})")
+    if x.dtype.name not in RAW_DTYPES or x.ndim > 5:
+        raise ValueError(
+            f"{path}: x: {x.dtype} samples of {x.ndim - 1} dimensions; a Sample's x is uint8, int16 or "
+            "float32 (the device's pipeline.raw_dtype) of 1 to 4 dimensions"
+        )
     return x, _integer_labels(path, y)
 
 
