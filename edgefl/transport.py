@@ -470,7 +470,7 @@ class MqttTransport(Link):
         while not self.connected.is_set():  # a refusal of our credentials does not fix itself: say so now
             if self.credentials_refused:
                 raise TransportError(
-                    f"broker {self.host}:{self.port} refused the credentials ({self.last_refusal}): "
+                    f"credentials refused by broker {self.host}:{self.port} ({self.last_refusal}): "
                     "check the username and password against the broker's password file"
                 )
             if self._loop.time() >= end:

@@ -125,5 +125,5 @@ def test_transport_errors_wrong_password_is_named_at_once(
         return "connected"
 
     said = asyncio.run(main())
-    assert said.startswith(f"broker {tls_broker.host}:{tls_broker.port} refused the credentials ("), said
+    assert said.startswith(f"credentials refused by broker {tls_broker.host}:{tls_broker.port} ("), said
     assert said.endswith("check the username and password against the broker's password file")
