@@ -35,6 +35,7 @@ class RoundTask(SampleSource):
 
     reassembler: Reassembler
     _control: asyncio.Queue[Message]
+    _rounds_waiting: int  # round-topic messages in ``_control`` (put by the pump, taken by handle)
     _trim_wanted: bool
     _next_retry_at: float
 
@@ -46,6 +47,8 @@ class RoundTask(SampleSource):
             if self._is_ingest(msg.topic):
                 self.receive_ingest(msg)
             else:
+                if msg.topic == self.topics.round:
+                    self._rounds_waiting += 1
                 await self._control.put(msg)
                 self._round_wake.set()
 
@@ -53,21 +56,18 @@ class RoundTask(SampleSource):
         """The round task: every round is answered here, in the order its messages and asks came.
 
         Each pass: re-send the outbox if a (re)connect asked, answer the waiting round if samples
-        arrived, retry the deferred round after ``status.interval_s``, then handle one message
-        (:meth:`handle`). With nothing in hand: the personal step, the status check, and after
-        :data:`IDLE_GRACE_S` the writes left behind (``DeviceCore.persist_behind``) and
-        ``malloc_trim``.
+        arrived for it, retry the deferred round after ``status.interval_s``, then handle one message
+        (:meth:`handle`). With nothing in hand: the personal step (when it did not train along), the
+        status check, and after :data:`IDLE_GRACE_S` the personal head's evaluation (unless the next
+        global head's did it), the writes left behind (``DeviceCore.persist_behind``) and, after a
+        trained round, ``malloc_trim``.
         """
         while True:
             if self._control.empty() and not self._round_asks and not self._retry_due():
-                if self.core.personal_due:
+                if self.core.personal_step_due:
                     # the personal step of the round just answered, once no message waits (it changes
                     # nothing that is sent; a round that comes first runs it before its training)
-                    try:
-                        if await self._work(self.core.personalise) is not None:
-                            self._changed()
-                    except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
-                        self._fault("personal", "personal step", exc)  # the next round tries again
+                    await self._personalise()
                     continue
                 behind = self.core.behind_since
                 if behind is not None and time.monotonic() - behind >= self.profile.training.flush_interval_s:
@@ -81,7 +81,11 @@ class RoundTask(SampleSource):
                     await self._round_wake.wait()
                 elif not await wait_event(self._round_wake, wait_s):
                     if time.monotonic() - idle_since >= IDLE_GRACE_S:
-                        if self.core.behind_since is not None:
+                        if self.core.personal_due:
+                            # a step taken with the round's training is evaluated here, unless the
+                            # next global head came first (its evaluation covers both heads)
+                            await self._personalise()
+                        if self.core.behind_since is not None or self._acked:
                             await self._work(self.core.persist_behind)
                         if self._trim_wanted:
                             self._trim_wanted = False
@@ -102,23 +106,37 @@ class RoundTask(SampleSource):
             if not self._control.empty():
                 await self.handle(self._control.get_nowait())
 
+    async def _personalise(self) -> None:
+        """Run the core's due personal step (or its evaluation) on the worker; a failure is counted."""
+        try:
+            if await self._work(self.core.personalise) is not None:
+                self._changed()
+        except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
+            self._fault("personal", "personal step", exc)  # the next round tries again
+
     def _retry_due(self) -> bool:
         return self.core.deferred is not None and time.monotonic() >= self._next_retry_at
 
     def _idle_wait_s(self) -> float | None:
         """How long the idle round task waits for a message: the trim's grace, the deferred round's retry."""
-        waits = [IDLE_GRACE_S] if self._trim_wanted or self.core.behind_since is not None else []
-        if self.core.deferred is not None:
+        core = self.core
+        later = self._trim_wanted or core.behind_since is not None or core.personal_due or self._acked
+        waits = [IDLE_GRACE_S] if later else []
+        if core.deferred is not None:
             waits.append(max(0.0, self._next_retry_at - time.monotonic()))
         return min(waits) if waits else None
 
     async def handle(self, msg: Message) -> None:
         """Dispatch one round or global message: GlobalModel (whole or in chunks) or RoundAnnouncement.
 
-        Anything else is ``bad_topic``. A bad message is logged with topic, size and reason, counted in
-        ``rejected``, and dropped.
+        A round message behind which another one waits is skipped: only the newest announcement can
+        be open. Anything else is ``bad_topic``. A bad message is logged with topic, size and reason,
+        counted in ``rejected``, and dropped.
         """
         what = f"message on {msg.topic} ({len(msg.payload)} bytes)"
+        if msg.topic == self.topics.round:
+            self._rounds_waiting -= 1
+        newer_round = self._rounds_waiting > 0
         try:
             topic, payload = msg.topic, msg.payload
             if not payload:
@@ -143,6 +161,11 @@ class RoundTask(SampleSource):
                     # next state change (it used to land in the next round's bytes)
                     self._changed()
             elif topic == self.topics.round:
+                if newer_round:
+                    # a persistent session's backlog after a restart, then the retained announcement:
+                    # only the newest round can be open, training for an older one is wasted
+                    logger.debug("%s skipped: a newer round message waits", what)
+                    return
                 await self.on_round(await self._work(self.core.receive_round, payload))
             else:
                 raise DecodeError("bad_topic", f"unexpected topic {topic}")
@@ -256,7 +279,7 @@ class RoundTask(SampleSource):
         with self.core.phase("publish"):
             for part in split_message(payload, topic, limit, msg_id=update_id.replace(":", "-")):
                 await self.transport.publish(topic, part, qos=1)
-        await self._work(self.core.acknowledged, update_id)
+        self._note_acknowledged(update_id)  # the core hears of it with the next worker call
 
     async def resend_outbox(self) -> None:
         """After a (re)connect: send each unacknowledged update of the current round again, once."""

@@ -36,12 +36,11 @@ from edgefl.errors import BudgetExceeded, DecodeError, ModelError, UpdateRejecte
 from edgefl.head import Head, personal_columns, validate_head
 from edgefl.runtime import Backbone
 from edgefl.types import F32, I64
-from edgefl.wire.cbor import Limits, MessageType
+from edgefl.wire.cbor import Limits, MessageType, Scanned, scan
 from edgefl.wire.global_model import (
     GlobalModel,
     decode_global_model,
     encode_global_model,
-    global_model_version,
     resolve_global_head,
 )
 from edgefl.wire.rounds import RoundAnnouncement
@@ -506,18 +505,21 @@ class DeviceCore(RoundAnswering):
             REFUSED with the reason for bad bytes or an unusable head; otherwise as :meth:`apply_global`.
         """
         held = self.head
+        message: bytes | Scanned = payload
         try:
-            version = global_model_version(payload, limits=self.limits)
+            # scanned once: the version read here, the signature checked and the head decoded from it
+            message = scan(payload, self.limits)
+            version = message.header.get("version")
         except DecodeError:
             version = None  # the checks below name the problem, signature first
-        if version is not None and version == held.version:
+        if type(version) is int and version == held.version:
             # the retained head again (a reconnect): nothing to verify, decode or apply
             self.redelivered += 1
             return ApplyResult(ApplyStatus.SAME_VERSION, version)
         try:
             with self._phase("apply"):
                 gm = decode_global_model(
-                    self._verified(payload, MessageType.GLOBAL_MODEL),
+                    self._verified(message, MessageType.GLOBAL_MODEL),
                     limits=self.limits,
                     expect_shape=held.shape,
                 )

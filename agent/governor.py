@@ -337,17 +337,32 @@ class Governor:
                     f"{self.min_system_available_bytes / MIB:.0f} MiB"
                 )
         decision = Admission(phase, granted, work, need, budget, rss, deferred, reason, time.time())
-        if probe:
-            return decision
+        return decision if probe else self.keep(decision)
+
+    def keep(self, decision: Admission) -> Admission:
+        """Take an admission as decided: kept in ``admissions``, counted and logged as :meth:`admit` does.
+
+        A probe (``probe=True``) a caller goes ahead with is kept here rather than asked again.
+
+        Parameters
+        ----------
+        decision : Admission
+
+        Returns
+        -------
+        Admission
+            ``decision``.
+        """
+        phase = decision.phase
         with self._lock:
             self.admissions[phase] = decision
-            if deferred:
+            if decision.deferred:
                 self.deferrals[phase] = self.deferrals.get(phase, 0) + 1
                 self.last_deferral = decision
             else:
-                self.max_work[phase] = max(self.max_work.get(phase, 0), granted)
-        if reason:
-            logger.info("memory governor: %s", reason)
+                self.max_work[phase] = max(self.max_work.get(phase, 0), decision.work)
+        if decision.reason:
+            logger.info("memory governor: %s", decision.reason)
         return decision
 
     def admit_inference(
@@ -458,7 +473,7 @@ class Governor:
             self._pss = (now, pss_bytes(proc=self.proc))
         return self._pss[1]
 
-    def status(self, measure: bool = True) -> dict[str, Any]:
+    def status(self, measure: bool = True, figures: bool = True) -> dict[str, Any]:
         """JSON-like memory figures for the status message and the dashboard.
 
         Parameters
@@ -467,6 +482,9 @@ class Governor:
             False leaves out the figures read from ``/proc`` (``rss_bytes``, ``pss_bytes``,
             ``peak_rss_bytes``, ``system_available_bytes``): reading them takes milliseconds. PSS is
             read at most every :data:`PSS_MAX_AGE_S`, the last reading in between.
+        figures : bool
+            False leaves out the per-phase figures and the admissions (``phase_peaks``,
+            ``phase_last``, ``phase_rise``, ``admissions``), which change with every round.
 
         Returns
         -------
@@ -498,10 +516,16 @@ class Governor:
                 **measured,
                 "min_system_available_bytes": self.min_system_available_bytes,
                 "peak_method": self.peak_method,
-                "phase_peaks": dict(self.phase_peaks),
-                "phase_last": dict(self.phase_last),
-                "phase_rise": dict(self.phase_rise),
-                "admissions": {k: v.as_dict() for k, v in self.admissions.items()},
+                **(
+                    {
+                        "phase_peaks": dict(self.phase_peaks),
+                        "phase_last": dict(self.phase_last),
+                        "phase_rise": dict(self.phase_rise),
+                        "admissions": {k: v.as_dict() for k, v in self.admissions.items()},
+                    }
+                    if figures
+                    else {}
+                ),
                 "deferrals": dict(self.deferrals),
                 "last_deferral": self.last_deferral.as_dict() if self.last_deferral else None,
             }

@@ -226,12 +226,20 @@ class PersonalHeads(DeviceState):
         return self.state_dir / PERSONAL_FILE
 
     @property
+    def personal_step_due(self) -> bool:
+        """A round was trained without its personal step (not taken along): the step waits."""
+        return self._personal_due is not None
+
+    @property
     def personal_due(self) -> bool:
         """A round was trained and its personal step (or the evaluation of one taken with it) waits."""
         return self._personal_due is not None or self._personal_done is not None
 
     def _adopt_personal(self, W: np.ndarray, b: np.ndarray, version: int, result: PersonalResult) -> None:
-        """Keep and persist the personal head trained along with the round (evaluated by personalise)."""
+        """Keep and persist the personal head trained along with the round.
+
+        Evaluated by :meth:`personalise` once idle, or by the next global head's :meth:`evaluate`.
+        """
         if not (np.isfinite(W).all() and np.isfinite(b).all()):
             logger.warning("personal step gave non-finite values; the next starts again from the global head")
             self.personal = None

@@ -22,12 +22,9 @@ from edgefl.agent.config import Profile
 from edgefl.agent.core import DeviceCore
 from edgefl.agent.governor import Governor
 from edgefl.agent.ingest import LOGGED_REFUSALS, Ingest
-from edgefl.agent.status import samples_level, status_news
+from edgefl.agent.status import news_view, samples_level, status_news
 from edgefl.aio import wait_event
-from edgefl.errors import (
-    EdgeflError,
-    TransportError,
-)
+from edgefl.errors import EdgeflError, TransportError
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.chunking import publish_packet_bytes
@@ -39,6 +36,8 @@ _T = TypeVar("_T")
 
 REFUSED_NOT_AUTHORIZED = "refused: not authorized"
 """What the status, the page and ``/healthz`` say while the broker refuses the agent's credentials."""
+REFUSED_UNTRUSTED = "refused: broker certificate not trusted (certificate verify failed)"
+"""What they say while the broker's TLS certificate fails verification (unknown CA, wrong name, expired)."""
 
 COMPACT_STATUS_FIELDS = frozenset(
     {
@@ -142,13 +141,38 @@ class StatusReporter:
     _last_said: str
     _last_at: float
     _last_level: int
+    _news_memo: tuple[tuple[str, dict[str, Any]], str] | None
     _rate_window: deque[tuple[float, int]]
     _round_wake: asyncio.Event
     _round_asks: set[str]
+    _acked: list[str]
 
     async def _work(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run ``fn(*args)`` on the worker thread (every core call goes through here)."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        """Run ``fn(*args)`` on the worker thread (every core call goes through here).
+
+        The PUBACKs noted since the last call (:meth:`_note_acknowledged`) reach the core first, in
+        the same hop.
+        """
+        loop = asyncio.get_running_loop()
+        if not self._acked:
+            return await loop.run_in_executor(self.executor, fn, *args)
+        acked, self._acked = self._acked, []
+        return await loop.run_in_executor(self.executor, self._acknowledge_then, acked, fn, args)
+
+    def _acknowledge_then(self, acked: list[str], fn: Callable[..., _T], args: tuple[Any, ...]) -> _T:
+        """Worker thread: tell the core of each acknowledged update, then run ``fn(*args)``."""
+        for update_id in acked:
+            self.core.acknowledged(update_id)
+        return fn(*args)
+
+    def _note_acknowledged(self, update_id: str) -> None:
+        """The broker acknowledged ``update_id``: the core is told with the next worker call.
+
+        Its outbox write is left behind anyway (``DeviceCore.write_behind``), so a hop of its own
+        between a PUBACK and the round's next message only costs CPU; ``outbox_pending`` counts
+        the update until then, as it counts one written behind.
+        """
+        self._acked.append(update_id)
 
     def _wake_rounds(self, ask: str) -> None:
         """Ask the round task for ``ask``: ``ready`` (a waiting round may be answerable), ``resend``."""
@@ -191,8 +215,12 @@ class StatusReporter:
         self._changed()
 
     # --- status -------------------------------------------------------------------------------
-    def status_fields(self, measure: bool = True) -> dict[str, Any]:
-        """The DeviceStatus fields (JSON-like); ``measure=False`` leaves out the ``/proc`` figures."""
+    def status_fields(self, measure: bool = True, *, volatile: bool = True) -> dict[str, Any]:
+        """The DeviceStatus fields (JSON-like); ``measure=False`` leaves out the ``/proc`` figures.
+
+        ``volatile=False`` also leaves out the counters and per-phase figures that are never news
+        (``pipeline``, ``transport``, the governor's phases and admissions: ``VOLATILE_STATUS_FIELDS``).
+        """
         s = self.state
         core = self.core
         pipeline = core.pipeline
@@ -221,12 +249,12 @@ class StatusReporter:
             "deferred_round": core.deferred.ann.round if core.deferred is not None else None,
             "declined_total": core.declined_total,  # rounds refused to the coordinator (Decline)
             "over_budget_batches": s.over_budget_batches,  # inference refused by the governor
-            **self.governor.status(measure=measure),
+            **self.governor.status(measure=measure, figures=volatile),
             "rejected": dict(s.rejected),
             "last_rejected": dict(s.last_rejected),
             "faults": dict(s.faults),
             "pipeline_mode": pipeline.mode,
-            "pipeline": pipeline.counters(),
+            **({"pipeline": pipeline.counters()} if volatile else {}),
             # model identity: the coordinator leaves a device with another backbone out of rounds
             "model_sha256": core.model_sha256,
             "head_shape": list(core.head.shape),
@@ -245,7 +273,11 @@ class StatusReporter:
             **self.personal_fields(),
             "pid": os.getpid(),
             "dashboard_url": self.dashboard_url,
-            "transport": self.transport.counters() if self.transport is not None else {},
+            **(
+                {"transport": self.transport.counters() if self.transport is not None else {}}
+                if volatile
+                else {}
+            ),
             **(
                 {"dashboard_connections": self.status_page.counters()}
                 if self.status_page is not None and self.dashboard_url
@@ -254,23 +286,33 @@ class StatusReporter:
         }
 
     def broker_state(self) -> str:
-        """``connected``, ``refused: not authorized`` (credentials refused), ``lost`` or ``connecting``."""
+        """``connected``, a refusal (:data:`REFUSED_NOT_AUTHORIZED`, :data:`REFUSED_UNTRUSTED`), or not yet.
+
+        Not yet: ``lost`` (it was connected) or ``connecting``.
+        """
         t = self.transport
         if t is None:
             return "connecting"
         if t.connected.is_set():
             return "connected"
+        if t.certificate_refused:
+            return REFUSED_UNTRUSTED
         if t.credentials_refused:
             return REFUSED_NOT_AUTHORIZED
         return "lost" if t.ever_connected else "connecting"
 
     def health(self) -> str:
-        """``ok``, or the problem that makes ``/healthz`` answer 503 (the broker refused our credentials)."""
-        return REFUSED_NOT_AUTHORIZED if self.broker_state() == REFUSED_NOT_AUTHORIZED else "ok"
+        """``ok``, or the refusal that makes ``/healthz`` answer 503 (credentials, broker certificate)."""
+        state = self.broker_state()
+        return state if state in (REFUSED_NOT_AUTHORIZED, REFUSED_UNTRUSTED) else "ok"
 
     def _reason(self) -> str:
-        if self.broker_state() == REFUSED_NOT_AUTHORIZED:
+        state = self.broker_state()
+        if state == REFUSED_NOT_AUTHORIZED:
             return f"{REFUSED_NOT_AUTHORIZED} (broker.username / password)"
+        if state == REFUSED_UNTRUSTED:
+            assert self.transport is not None
+            return f"{REFUSED_UNTRUSTED}: {self.transport.last_tls_refusal} (broker.ca_file)"
         return f"degraded: {self.core.degraded}" if self.core.degraded else self.state.reason
 
     def personal_fields(self) -> dict[str, Any]:
@@ -360,8 +402,12 @@ class StatusReporter:
             return
         topic = self.topics.status(self.device)
         # round progress and volatile figures are not news; the /proc reads wait until a publish
-        quick = self.status_fields(measure=False)
-        said = status_news(self.state.state, quick)
+        quick = self.status_fields(measure=False, volatile=False)
+        view = news_view(self.state.state, quick)
+        memo = self._news_memo
+        if memo is None or memo[0] != view:  # serialised only when it changed (a round changes none)
+            memo = self._news_memo = (view, status_news(self.state.state, quick))
+        said = memo[1]
         if self._status_connected:
             self._status_connected, self._last_said = False, ""
         level = samples_level(quick)

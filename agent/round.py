@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from edgefl import heap
 from edgefl.agent import estimates
@@ -29,7 +29,7 @@ from edgefl.agent.state import Answered, ProgressHook
 from edgefl.agent.trainer import LocalResult, PersonalStep, train_local
 from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.head import Head
-from edgefl.wire.cbor import MessageType
+from edgefl.wire.cbor import MessageType, Scanned
 from edgefl.wire.compression import CompressedDelta, Compression
 from edgefl.wire.reasons import Reason
 from edgefl.wire.rounds import (
@@ -47,6 +47,8 @@ from edgefl.wire.signing import (
 )
 
 logger = logging.getLogger(__name__)
+
+_P = TypeVar("_P", bound=bytes | Scanned)
 
 
 class RoundStatus(StrEnum):
@@ -142,7 +144,7 @@ class RoundAnswering(PersonalHeads):
     declined_total: int
     _declines: list[RoundResult]
 
-    def _verified(self, payload: bytes, kind: MessageType) -> bytes:
+    def _verified(self, payload: _P, kind: MessageType) -> _P:
         """Check the coordinator's signature if a key is set (DecodeError ``unsigned``/``bad_signature``)."""
         if self.coordinator_key is not None:
             verify_payload(payload, self.coordinator_key, fleet=self.fleet, kind=kind, limits=self.limits)
@@ -271,8 +273,10 @@ class RoundAnswering(PersonalHeads):
         # the personal step rides on the round's batches when its epochs are the round's (softmax
         # heads) and its head fits beside training; otherwise it waits for a step of its own
         along = pcfg.enabled and K > 1 and pcfg.epochs in (0, ann.local_epochs)
-        along = along and not admit(True, probe=True).deferred
-        adm = admit(along)
+        probe = admit(True, probe=True) if along else None
+        along = probe is not None and not probe.deferred
+        # the probe that fits is the admission (asked again, it would read the same RSS)
+        adm = gov.keep(probe) if probe is not None and along else admit(False)
         if adm.deferred:
             return self._defer(ann, adm.reason)
         if self._progress is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -21,13 +22,7 @@ from edgefl.agent.core import Classified
 from edgefl.agent.ingest import Queued
 from edgefl.agent.reporter import StatusReporter
 from edgefl.aio import wait_event
-from edgefl.errors import (
-    BudgetExceeded,
-    DecodeError,
-    EdgeflError,
-    TransportError,
-    UpdateRejected,
-)
+from edgefl.errors import BudgetExceeded, DecodeError, EdgeflError, TransportError, UpdateRejected
 from edgefl.mqtt_link import Message
 from edgefl.wire.chunking import Reassembler, is_chunk
 from edgefl.wire.ingest import (
@@ -48,6 +43,7 @@ class SampleSource(StatusReporter):
     """The sample source task and the live ingest (a part of :class:`~edgefl.agent.daemon.Agent`)."""
 
     sample_chunks: Reassembler
+    _flush_pending: Callable[[], None]
     _ingest_wake: asyncio.Event
     _stored: asyncio.Event
 
@@ -330,4 +326,5 @@ class SampleSource(StatusReporter):
                     continue
                 if self.core.flush_due():
                     await self._work(self.core.flush_store)
+                    await self._work(self._flush_pending)
                 break

@@ -68,6 +68,31 @@ ROUND_STATES: Final = frozenset({"idle", "training", "uploading", "waiting"})
 """The states a device passes through in every round: moving between them alone is not news."""
 
 
+QUIET_STATUS_FIELDS: Final = VOLATILE_STATUS_FIELDS | ROUND_PROGRESS_FIELDS
+"""The fields :func:`status_news` leaves out."""
+
+
+def news_view(state: str, fields: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """What :func:`status_news` serialises: the state word and the fields other than the quiet ones.
+
+    Two views compare with ``==`` as their :func:`status_news` strings do (but for a number that
+    changed only its type, 1 -> 1.0), without serialising them.
+
+    Parameters
+    ----------
+    state : str
+    fields : mapping
+        As :func:`status_news`.
+
+    Returns
+    -------
+    (str, dict)
+        ``"round"`` for any of :data:`ROUND_STATES` (else ``state``), and the fields that are news.
+    """
+    word = "round" if state in ROUND_STATES else state
+    return word, {k: v for k, v in fields.items() if k not in QUIET_STATUS_FIELDS}
+
+
 def status_news(state: str, fields: Mapping[str, Any]) -> str:
     """What a status says that is worth a publish, as a canonical string to compare with the last one.
 
@@ -85,12 +110,7 @@ def status_news(state: str, fields: Mapping[str, Any]) -> str:
         other than :data:`VOLATILE_STATUS_FIELDS` and :data:`ROUND_PROGRESS_FIELDS`: two statuses
         with equal news differ only in figures the heartbeat carries.
     """
-    quiet = VOLATILE_STATUS_FIELDS | ROUND_PROGRESS_FIELDS
-    return json.dumps(
-        ["round" if state in ROUND_STATES else state, {k: v for k, v in fields.items() if k not in quiet}],
-        sort_keys=True,
-        default=str,
-    )
+    return json.dumps(list(news_view(state, fields)), sort_keys=True, default=str)
 
 
 def samples_level(fields: Mapping[str, Any]) -> int:

@@ -25,6 +25,7 @@ _GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)
 _TOP: Final = np.uint64(1 << 63)
 _MIX1: Final = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2: Final = np.uint64(0x94D049BB133111EB)
+_PAD: Final = np.iinfo(np.int64).max
 
 
 class Shuffler:
@@ -176,6 +177,12 @@ class _BatchReader:
         self._grad_W: F32 = np.empty((dim, classes), np.float32)
         self._grad_b: F32 = np.empty(classes, np.float32)
         self._rows: I64 = np.arange(step, dtype=np.int64)
+        # a chunk's rows and shuffle keys, padded to the chunk's length: the last, shorter chunk of an
+        # epoch sorts arrays of the same size as the others (numpy keeps freed buffers under 1 KiB per
+        # size: every new tail length would hold on to a few more)
+        self._sorted: I64 = np.empty(self.chunk, np.int64)
+        self._keys: I64 = np.empty(self.chunk, np.int64)
+        self._sel: I64 = np.empty(self.chunk, np.int64)
         self._logistic = classes == 1
         self.logit_scale: F32 | None = None
         """float32 [K] multiplying the logits in the loss (softmax heads only); None = plain."""
@@ -194,11 +201,30 @@ class _BatchReader:
                 if stop_at is not None and time.perf_counter() > stop_at:
                     return
                 m = min(chunk, n - start)
-                sel = np.sort(order[start : start + m])[np.argsort(within[start : start + m])]
+                sel = self._chunk_order(order[start : start + m], within[start : start + m])
                 self.store.read(sel, self.emb[:m], self.lbl[:m])
                 for s in range(0, m, bs):
                     e = self.emb[s : min(m, s + bs)]
                     yield e, self.lbl[s : s + e.shape[0]]
+
+    def _chunk_order(self, rows: I64, keys: I64) -> I64:
+        """int64 [m] view of a buffer: ``np.sort(rows)[np.argsort(keys)]`` (m <= chunk, ``keys`` distinct).
+
+        The chunk's rows in storage order, then shuffled by its keys; every array sorted has the chunk's
+        length (a shorter chunk is padded with the largest int64, which sorts last).
+        """
+        m = len(rows)
+        srt, k, sel = self._sorted, self._keys, self._sel[:m]
+        srt[:m] = rows
+        srt[m:] = _PAD
+        srt.sort()
+        k[:m] = keys
+        k[m:] = _PAD
+        if m < len(k) and k[:m].max() == _PAD:  # a key equal to the padding (p = m / 2**64): unpadded
+            np.take(srt, np.argsort(keys), out=sel, mode="clip")
+        else:
+            np.take(srt, np.argsort(k)[:m], out=sel, mode="clip")
+        return sel
 
     def grad(self, W: F32, b: F32, e: F32, y: I64) -> tuple[F32, F32]:
         """Gradient ``(dW [D, K], db [K])`` float32 of the batch's mean loss at ``(W, b)`` (own buffers)."""
@@ -413,12 +439,20 @@ def train_local(
     final = Head(head.W + delta_W, head.b + delta_b, head.version)
     z: F32 = np.empty((chunk, K), np.float32)  # one chunk's logits, then probabilities, in place
     rows = np.arange(chunk, dtype=np.int64)
+    # and [chunk] buffers for the rest: the last, shorter chunk takes views, no array of a new length
+    at = np.arange(chunk, dtype=np.int64)  # the chunk's rows in the store
+    red: F32 = np.empty((chunk, 1), np.float32)
+    pick = np.empty(chunk, np.int64)
+    py_buf: F32 = np.empty(chunk, np.float32)
+    pred_buf = np.empty(chunk, np.intp)
+    hit = np.empty(chunk, bool)
     # the n samples trained on, through the same chunk buffer (not read again when it held them all)
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
         e, y = emb[:m], lbl[:m]
         if not whole:
-            store.read(np.arange(start, start + m, dtype=np.int64), e, y)
+            store.read(at[:m], e, y)
+            at += chunk
         if K == 1:
             loss, _, _ = loss_and_grad(final.W, final.b, e, y)
             pred = final.predict(e)
@@ -427,16 +461,18 @@ def train_local(
             zm = z[:m]
             np.matmul(e, final.W, out=zm)
             zm += final.b
-            pred = zm.argmax(axis=1)
-            zm -= np.maximum.reduce(zm, axis=1, keepdims=True)
+            pred = np.argmax(zm, axis=1, out=pred_buf[:m])
+            zm -= np.maximum.reduce(zm, axis=1, keepdims=True, out=red[:m])
             np.exp(zm, out=zm)
-            zm /= np.add.reduce(zm, axis=1, keepdims=True)
-            py = zm[rows[:m], y]
+            zm /= np.add.reduce(zm, axis=1, keepdims=True, out=red[:m])
+            flat = np.multiply(rows[:m], K, out=pick[:m])
+            flat += y
+            py = np.take(zm.reshape(-1), flat, out=py_buf[:m], mode="clip")  # zm[rows, y]
             np.maximum(py, 1e-12, out=py)
             np.log(py, out=py)
             loss = float(-np.mean(py))
         loss_sum += loss * m
-        correct += int(np.sum(pred == y))
+        correct += int(np.count_nonzero(np.equal(pred, y, out=hit[:m])))
     return LocalResult(delta_W, delta_b, n, loss_sum / n, correct / n, train_s, personal_result)
 
 

@@ -78,7 +78,7 @@ def _anon_maps() -> list[list[int]]:
     return out
 
 
-def _sampler(out: Path, every_s: float, trace: bool) -> None:
+def _sampler(out: Path, every_s: float, trace: bool, maps: bool) -> None:
     import tracemalloc
 
     prev = None
@@ -86,11 +86,13 @@ def _sampler(out: Path, every_s: float, trace: bool) -> None:
     while True:
         time.sleep(every_s)
         row: dict[str, Any] = {
+            "pid": os.getpid(),
             "t": round(time.monotonic() - t0, 1),
             "rss_anon": _rss_anon(),
             **_mallinfo(),
-            "maps": _anon_maps(),
         }
+        if maps:
+            row["maps"] = _anon_maps()
         if trace and tracemalloc.is_tracing():
             snap = tracemalloc.take_snapshot()
             row["traced"] = tracemalloc.get_traced_memory()[0]
@@ -112,14 +114,17 @@ def _sampler(out: Path, every_s: float, trace: bool) -> None:
 
 
 def wrap(argv: list[str]) -> int:
-    """``wrap OUT EVERY TRACE -- edgefl args``: start the sampler thread, then run ``edgefl``."""
-    out, every, trace = Path(argv[0]), float(argv[1]), argv[2] == "1"
+    """``wrap OUT EVERY FLAGS -- edgefl args``: start the sampler thread, then run ``edgefl``.
+
+    ``FLAGS``: ``t`` tracemalloc, ``m`` the anonymous mappings, ``-`` neither.
+    """
+    out, every, trace, maps = Path(argv[0]), float(argv[1]), "t" in argv[2], "m" in argv[2]
     args = argv[argv.index("--") + 1 :]
     if trace:
         import tracemalloc
 
         tracemalloc.start(8)
-    threading.Thread(target=_sampler, args=(out, every, trace), daemon=True, name="probe").start()
+    threading.Thread(target=_sampler, args=(out, every, trace, maps), daemon=True, name="probe").start()
     from edgefl.cli import main as cli_main
 
     return cli_main(args)
@@ -149,7 +154,7 @@ def run(a: argparse.Namespace) -> int:
             }
             sets.update(dict(s.partition("=")[::2] for s in a.agent_set))
             cmd = [sys.executable, "-OO", "-m", "bench.rss_probe", "wrap", str(out), str(a.every_s)]
-            cmd += ["1" if a.trace else "0", "--", "--log-level", "INFO", "run", str(self.args.profile)]
+            cmd += ["tm" if a.trace else "m", "--", "--log-level", "INFO", "run", str(self.args.profile)]
             for k, v in sets.items():
                 cmd += ["--set", f"{k}={v}"]
             with open(self.workdir / f"{dev}.log", "ab") as log:
@@ -160,7 +165,7 @@ def run(a: argparse.Namespace) -> int:
             self._track(dev, proc)
 
         def plan(self, t0: float, duration: float) -> list[tuple[float, str]]:
-            return []
+            return [p for p in super().plan(t0, duration) if not p[1].startswith("second")]
 
     ns = argparse.Namespace(
         minutes=a.minutes,
@@ -170,8 +175,8 @@ def run(a: argparse.Namespace) -> int:
         interval_s=a.interval_s,
         min_new_samples=a.min_new_samples,
         agent_kills=0,
-        coordinator_kills=0,
-        broker_kills=0,
+        coordinator_kills=a.coordinator_kills,
+        broker_kills=a.broker_kills,
         witness_agents=0,
         coordinator_set=["robustness.tolerate=0", "rounds.min_clients=1"],
         profile=a.profile,
@@ -196,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-new-samples", type=int, default=16)
     p.add_argument("--every-s", type=float, default=30.0)
     p.add_argument("--trace", action="store_true")
+    p.add_argument("--broker-kills", type=int, default=0, help="kill -9 of the broker, spread over the run")
+    p.add_argument("--coordinator-kills", type=int, default=0, help="kill -9 of the coordinator, idem")
     p.add_argument("--out", type=Path, default=Path("out/probe.jsonl"))
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument(

@@ -54,6 +54,10 @@ What is measured (the JSON, ``--json PATH``):
   steady state, and the longest one (minutes).
 - ``second_coordinator_refused``: every second coordinator exited 6 and the first kept running.
 
+``--probe-dir DIR`` runs each agent through :mod:`bench.rss_probe`'s sampler (a thread in the agent's
+process appending ``RssAnon`` and glibc's ``mallinfo2`` to ``DIR/<device>.jsonl`` every 30 s, each line
+with its pid): where a growth is, heap in use, free or mmapped; the product is the same.
+
 Run: ``python -m bench.soak --minutes 8 --devices 5 --json out/soak.json``; docs/benchmarks.md
 ("Soak") records a 30-minute run.
 """
@@ -277,6 +281,16 @@ class Soak:
             "dashboard.enabled": "false",
         }
         cmd = [sys.executable, "-OO", "-m", "edgefl.cli", "--log-level", "INFO", "run", str(DEVICE_PROFILE)]
+        probe = getattr(self.args, "probe_dir", None)
+        if probe is not None:  # the same command through bench.rss_probe's sampler (its heap every 30 s)
+            cmd[3:4] = [
+                "bench.rss_probe",
+                "wrap",
+                str(Path(probe).resolve() / f"{dev}.jsonl"),
+                "30",
+                "-",
+                "--",
+            ]
         for k, v in sets.items():
             cmd += ["--set", f"{k}={v}"]
         log_path = self.workdir / f"{dev}.log"
@@ -792,6 +806,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--workdir", type=Path, default=None, help="keep the run's files here")
     p.add_argument(
+        "--probe-dir",
+        type=Path,
+        default=None,
+        help="agents through bench.rss_probe's sampler: DIR/<dev>.jsonl, RssAnon and mallinfo2 every 30 s",
+    )
+    p.add_argument(
         "--coordinator-set",
         action="append",
         default=[],
@@ -799,6 +819,8 @@ def main(argv: list[str] | None = None) -> int:
         help="another change to the shipped coordinator profile (listed in the JSON's settings_changed)",
     )
     args = p.parse_args(argv)
+    if args.probe_dir is not None:
+        args.probe_dir.mkdir(parents=True, exist_ok=True)
     every_two = max(1, math.ceil(args.minutes / 2))
     for k in ("agent_kills", "coordinator_kills", "broker_kills"):
         if getattr(args, k) is None:

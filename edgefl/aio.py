@@ -15,6 +15,8 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     ``asyncio.wait_for`` on Python 3.11 can lose a ``cancel()`` that arrives as the future completes
     (CPython gh-86296), and a loop around it then ignores SIGTERM; ``asyncio.timeout`` does not.
     """
+    if event.is_set():
+        return True  # as event.wait() would, without arming and cancelling a timer
     try:
         async with asyncio.timeout(timeout_s):
             await event.wait()

@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -510,8 +510,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--broker", required=True, help="mqtt://host[:port] or mqtts://host[:port]")
     p.add_argument("--fleet", required=True, help="the device's fleet (device.fleet)")
     p.add_argument("--device", required=True, help="the device id (device.id)")
-    p.add_argument("--data", required=True, metavar="FILE.npz", help="x [N, ...] raw samples, y [N] labels")
-    p.add_argument("--rate", type=float, default=50.0, metavar="HZ", help="samples per second; 0: at once")
+    p.add_argument(
+        "--data", required=True, type=Path, metavar="FILE.npz", help="x [N, ...] raw samples, y [N] labels"
+    )
+    p.add_argument(
+        "--rate", dest="rate_hz", type=float, default=50.0, metavar="HZ", help="samples/s; 0: at once"
+    )
     p.add_argument(
         "--label-fraction",
         type=float,
@@ -521,6 +525,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--label-delay",
+        dest="label_delay_s",
         type=float,
         default=0.0,
         metavar="S",
@@ -528,7 +533,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--qos", type=int, default=1, choices=(0, 1), help="QoS of the samples (default 1)")
     p.add_argument(
-        "--wait", type=float, default=10.0, metavar="S", help="wait for the answers, seconds (default 10)"
+        "--wait",
+        dest="wait_s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="wait for the answers, seconds (default 10)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the labelled fraction (default 0)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="feed only the first N samples")
@@ -554,19 +564,24 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-BROKER_SCHEMA = Schema({"broker": (BrokerConfig, check_broker)})
-"""The ``[broker]`` table alone, checked as a device profile's (:func:`edgefl.profiles.check_broker`)."""
+def _broker_schema() -> Schema:
+    """A device profile's ``[broker]`` table (the agent's session keys included)."""
+    from edgefl.agent.config import AgentBrokerConfig
+
+    return Schema({"broker": (AgentBrokerConfig, check_broker)})
 
 
 def load_broker_table(path: Path | str, overrides: dict[str, object]) -> BrokerConfig:
     """The validated ``[broker]`` table of a TOML file (other tables ignored), ``overrides`` on top.
 
-    ``overrides`` are ``{"broker.key": value}`` (``--broker``, ``--prefix``, ``--set broker.*``).
-    ConfigError if the file cannot be read, is not TOML, or the table is invalid (every problem named).
+    The table is read as a device profile's (its keys, the agent's session included, and
+    :func:`edgefl.profiles.check_broker`). ``overrides`` are ``{"broker.key": value}`` (``--broker``,
+    ``--prefix``, ``--set broker.*``). ConfigError if the file cannot be read, is not TOML, or the table is
+    invalid (every problem named).
     """
     file, data = read_toml(path)
     table = data.get("broker", {})
-    built = BROKER_SCHEMA.parse({"broker": table}, file.parent, False, overrides)
+    built = _broker_schema().parse({"broker": table}, file.parent, False, overrides)
     broker: BrokerConfig = built["broker"]
     return broker
 
@@ -582,7 +597,7 @@ def _broker(args: argparse.Namespace, sets: dict[str, object]) -> BrokerConfig:
         overrides["broker.topic_prefix"] = args.prefix
     if args.profile is not None:
         return load_broker_table(args.profile, overrides)
-    broker: BrokerConfig = BROKER_SCHEMA.parse({"broker": {}}, Path.cwd(), False, overrides)["broker"]
+    broker: BrokerConfig = _broker_schema().parse({"broker": {}}, Path.cwd(), False, overrides)["broker"]
     return broker
 
 
@@ -615,9 +630,9 @@ def _argument_problems(args: argparse.Namespace) -> list[str]:
     if not 0.0 <= args.label_fraction <= 1.0:
         problems.append(f"--label-fraction {args.label_fraction:g}: must be in [0, 1]")
     for option, value, unit in (
-        ("--rate", args.rate, "samples per second"),
-        ("--label-delay", args.label_delay, "seconds"),
-        ("--wait", args.wait, "seconds"),
+        ("--rate", args.rate_hz, "samples per second"),
+        ("--label-delay", args.label_delay_s, "seconds"),
+        ("--wait", args.wait_s, "seconds"),
     ):
         if not 0.0 <= value < float("inf"):
             problems.append(f"{option} {value:g}: must be a finite number of {unit} >= 0")
@@ -633,20 +648,8 @@ def cmd_feed(args: argparse.Namespace) -> int:
         if problems:
             raise ValueError("; ".join(problems))
         sets = parse_sets(args.set)
-        opts = FeedOptions(
-            broker=_broker(args, sets),
-            fleet=args.fleet,
-            device=args.device,
-            data=Path(args.data),
-            rate_hz=args.rate,
-            label_fraction=args.label_fraction,
-            label_delay_s=args.label_delay,
-            qos=args.qos,
-            wait_s=args.wait,
-            seed=args.seed,
-            id_prefix=args.id_prefix,
-            limit=args.limit,
-        )
+        names = [f.name for f in fields(FeedOptions) if f.name != "broker"]  # each the dest of its option
+        opts = FeedOptions(broker=_broker(args, sets), **{name: getattr(args, name) for name in names})
         x, y = load_samples(opts.data)
         checked = _check_profile(args, sets)
         if checked is not None:

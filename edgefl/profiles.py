@@ -534,7 +534,7 @@ class Schema:
                     problems.add(key, raw[name], str(exc))
                     if spec.required:
                         values[name] = self.placeholders[key]
-            if cls is BrokerConfig and "tls" not in raw and isinstance(values.get("url"), str):
+            if issubclass(cls, BrokerConfig) and "tls" not in raw and isinstance(values.get("url"), str):
                 # tls follows the scheme unless stated (and a stated tls must agree, see check_broker).
                 with contextlib.suppress(ValueError):  # a bad url is reported by check_broker
                     values["tls"] = parse_broker_url(values["url"])[0] == "mqtts"

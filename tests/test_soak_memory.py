@@ -155,3 +155,35 @@ def test_soak_evaluate_memory_does_not_follow_the_holdout_count(tmp_path: Path) 
         core.evaluate()
     grew = _used_heap() or 0
     assert grew - used < 16 << 10, grew - used
+
+
+def test_soak_train_local_heap_does_not_follow_the_store_count(tmp_path: Path) -> None:
+    """Each new store count makes a new length for the epoch's last, shorter chunk: its sort, shuffle and
+    loss arrays are views of [chunk] buffers now (31 KiB of heap kept over 64 new tail lengths before,
+    9 KiB after, measured here: what is left is mostly the store's own gather of the labels)."""
+    from edgefl.agent.store import EmbeddingStore
+    from edgefl.agent.trainer import PersonalStep, train_local
+
+    rng = np.random.default_rng(0)
+    store = EmbeddingStore(tmp_path / "store", 4096, D, K)
+    head = Head(rng.normal(size=(D, K)).astype(np.float32) * np.float32(0.01), np.zeros(K, np.float32), 1)
+    store.add(rng.normal(size=(600, D)).astype(np.float32), rng.integers(0, K, 600))
+    one = rng.normal(size=(1, D)).astype(np.float32)
+
+    def train(seed: int) -> float:
+        step = PersonalStep(head.W.copy(), head.b.copy(), np.ones(K, bool), 0.1, 0.05)
+        res = train_local(
+            head, store, local_epochs=2, lr=0.05, batch_size=16, chunk_size=64, seed=seed, personal=step
+        )
+        return res.accuracy
+
+    for seed in range(3):
+        train(seed)
+    used = _used_heap() or 0
+    if not used:
+        pytest.skip("glibc's mallinfo2 is not available")
+    for seed in range(64):  # 601 .. 664 samples: every tail length of a 64-row chunk once
+        store.add(one, np.array([1]))
+        assert 0.0 <= train(seed) <= 1.0
+    grew = (_used_heap() or 0) - used
+    assert len(store) == 664 and grew < 24 << 10, grew

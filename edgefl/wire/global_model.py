@@ -22,6 +22,7 @@ from edgefl.wire.cbor import (
     DEFAULT_LIMITS,
     Limits,
     MessageType,
+    Scanned,
     check_keys,
     dump_message,
     load_message,
@@ -98,9 +99,14 @@ def encode_global_model(msg: GlobalModel) -> bytes:
 
 
 def decode_global_model(
-    payload: bytes, *, limits: Limits = DEFAULT_LIMITS, expect_shape: tuple[int, int] | None = None
+    payload: bytes | Scanned,
+    *,
+    limits: Limits = DEFAULT_LIMITS,
+    expect_shape: tuple[int, int] | None = None,
 ) -> GlobalModel:
     """Decode and validate a :class:`GlobalModel`, W and b float32 (writable, owned).
+
+    ``payload`` may be its :func:`~edgefl.wire.cbor.scan` (under the same ``limits``: not scanned again).
 
     With ``expect_shape`` (D, K) W must be [D, K] and b [K], without it W 2-D and b [W.shape[1]].
 

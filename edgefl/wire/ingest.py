@@ -107,11 +107,24 @@ class IngestRefusal:
 
 
 def _read_label(obj: Mapping[str, object], num_classes: int | None) -> int:
-    label = read_int(obj, "label", "", 0, INT_MAX)
+    """``obj["label"]``: an integer the head learns, 0..K-1 (0/1 for a K = 1 logistic head).
+
+    Any integer outside that range, negative included, is ``bad_label`` with the model's range in the
+    message; a non-integer is ``wrong_type``.
+    """
+    label = obj["label"]
+    if type(label) is not int:  # bool is an int subclass: refused here on purpose
+        raise DecodeError(Reason.WRONG_TYPE, f"label: expected an integer, got {type(label).__name__}")
+    shown = str(label) if abs(label) < 10**20 else "huge"
+    if num_classes is None:
+        if not 0 <= label <= INT_MAX:
+            raise DecodeError(Reason.BAD_LABEL, f"label = {shown}: must be a class number >= 0")
+        return label
     # labels a head with K outputs learns: 0..K-1, and 0/1 for a K = 1 (logistic) head
-    bound = INT_MAX if num_classes is None else 2 if num_classes == 1 else num_classes
-    if label >= bound:
-        raise DecodeError(Reason.BAD_LABEL, f"label = {label}: must be in [0, {bound}) for K = {num_classes}")
+    bound = 2 if num_classes == 1 else num_classes
+    if not 0 <= label < bound:
+        what = "a K = 1 (logistic) head" if num_classes == 1 else f"the model's K = {num_classes} classes"
+        raise DecodeError(Reason.BAD_LABEL, f"label = {shown}: must be in 0..{bound - 1} ({what})")
     return label
 
 
