@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -215,7 +215,7 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
                     continue
                 if st.state != "offline" and st.fields.get("ready") is True:
                     device_ready.set()
-                state.status_came()
+                state.status_came(st.fields)
                 continue
             if msg.topic != answer_topic:
                 continue
@@ -328,6 +328,8 @@ LABEL_STATUSES = 2
 
 The device refuses a label the moment it takes it, before its next status: the second status after
 the PUBACK comes after the device took every label (it publishes one every ``status.interval_s``).
+The status must also count as many more labels taken or refused (``labels_received`` + ``rejected``)
+as the feed sent since its first late label (other apps' only add to that).
 """
 
 
@@ -344,6 +346,8 @@ class _Fate:
         self.last: IngestRefusal | None = None
         self.done_sending = False
         self.statuses_after = 0  # device statuses since everything was acknowledged
+        self.handled = -1  # the device's labels taken + messages refused, in its last status (-1: unknown)
+        self.handled_before = -1  # ... when the first late label went out
         self.settled = asyncio.Event()
 
     def sample_sent(self, with_label: bool) -> None:
@@ -351,6 +355,8 @@ class _Fate:
         self.inline += with_label
 
     def label_sent(self, i: int) -> None:
+        if not self.labels_out:
+            self.handled_before = self.handled
         self.late += 1
         self.labels_out.add(i)
 
@@ -359,8 +365,9 @@ class _Fate:
         self.statuses_after = 0
         self._check()
 
-    def status_came(self) -> None:
+    def status_came(self, fields: Mapping[str, Any]) -> None:
         self.statuses_after += 1
+        self.handled = _handled(fields)
         self._check()
 
     def answer(self, i: int, answer: Prediction | IngestRefusal) -> None:
@@ -382,7 +389,10 @@ class _Fate:
         labels_done = (
             not self.labels_out
             or len(self.refused_labels) >= len(self.labels_out)
-            or self.statuses_after >= LABEL_STATUSES
+            or (
+                self.statuses_after >= LABEL_STATUSES
+                and (self.handled_before < 0 or self.handled >= self.handled_before + len(self.labels_out))
+            )
         )
         if samples_done and labels_done:
             self.settled.set()
@@ -413,6 +423,16 @@ class _Fate:
             len(self.refused_labels),
             error,
         )
+
+
+def _handled(fields: Mapping[str, Any]) -> int:
+    """A device status's ``labels_received`` plus its ``rejected`` counts (-1 if it has no such fields)."""
+    taken, rejected = fields.get("labels_received"), fields.get("rejected")
+    if not isinstance(taken, int) or not isinstance(rejected, dict):
+        return -1
+    return taken + sum(
+        n for n in rejected.values() if isinstance(n, int) and not isinstance(n, bool) and n > 0
+    )
 
 
 def _connect(opts: FeedOptions, client_id: str, queue_size: int) -> MqttTransport:
