@@ -110,7 +110,9 @@ class SampleSource(StatusReporter):
 
         A bad, duplicate, conflicting or retained message is refused: counted in ``rejected`` and
         logged with topic, size and reason (the first :data:`~edgefl.agent.ingest.LOGGED_REFUSALS`
-        of each reason, then every 1000th). An empty payload (a retained message cleared) is ignored.
+        of each reason, then every 1000th), and its app gets a Refusal naming its id when the id can
+        be read (published by :meth:`run_ingest`). An empty payload (a retained message cleared) is
+        ignored.
         """
         ingest = self.ingest
         assert ingest is not None
@@ -179,6 +181,7 @@ class SampleSource(StatusReporter):
             ingest.expire()
             self.sample_chunks.expire()
             while ingest.has_work():
+                await self._publish_refusals()  # those of the messages the pump filed meanwhile
                 rows = ingest.take(pipeline.batch)
                 if rows:
                     try:

@@ -64,7 +64,7 @@ def round_line(
     if rec.fed_devices:
         extra += (
             f", federated accuracy {rec.fed_accuracy:.3f} (worst decile {rec.fed_worst_decile:.3f}, "
-            f"{rec.fed_devices} devices)"
+            f"{plural(rec.fed_devices, 'device')})"
         )
     if not math.isnan(rec.epsilon):
         extra += f", privacy epsilon {rec.epsilon:.3g} at delta {rec.delta:g}"

@@ -384,7 +384,12 @@ def _query_int(request: web.Request, name: str, default: int) -> int:
 async def _rounds(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     after = _query_int(request, "after", -1)
-    limit = min(max(1, _query_int(request, "limit", MAX_ROUNDS_PAGE)), MAX_ROUNDS_PAGE)
+    limit = _query_int(request, "limit", MAX_ROUNDS_PAGE)
+    if limit < 1:
+        raise web.HTTPBadRequest(
+            text=f"limit = {limit}: must be >= 1 (records a page, at most {MAX_ROUNDS_PAGE})\n"
+        )
+    limit = min(limit, MAX_ROUNDS_PAGE)
     records: Sequence[Mapping[str, Any]] = state.get_rounds() if state.get_rounds is not None else ()
     # records are in round order: the first one after ``after`` by bisection
     lo = bisect.bisect_right(records, float(after), key=lambda r: finite_number(r.get("round")) or 0.0)

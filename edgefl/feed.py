@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from edgefl.transport import MqttTransport
 from edgefl.validators import check_device_id
 from edgefl.wire.chunking import split_message
 from edgefl.wire.ingest import (
+    RAW_DTYPES,
     IngestRefusal,
     Label,
     Prediction,
@@ -122,10 +123,11 @@ class FeedResult:
 
 
 def load_samples(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Read a replay-format ``.npz``: ``x`` [N, ...] raw, ``y`` int64 [N], N >= 1.
+    """Read a replay-format ``.npz``: ``x`` [N, ...] raw (uint8, int16 or float32), ``y`` int64 [N], N >= 1.
 
     ValueError naming the file and the problem: not an ``.npz`` archive, no ``x``/``y``, no samples,
-    lengths that differ, or labels that are not integers (a float ``y`` must hold whole numbers).
+    lengths that differ, an ``x`` no Sample can carry, or labels that are not integers (a float ``y``
+    must hold whole numbers).
     """
     try:
         with path.open("rb") as fh:
@@ -143,6 +145,11 @@ def load_samples(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"{path}: x {list(x.shape)} and y {list(y.shape)} do not match (x [N, ...], y [N])")
     if not len(x):
         raise ValueError(f"{path}: holds no samples (x {list(x.shape)})")
+    if x.dtype.name not in RAW_DTYPES or x.ndim > 5:
+        raise ValueError(
+            f"{path}: x: {x.dtype} samples of {x.ndim - 1} dimensions; a Sample's x is uint8, int16 or "
+            "float32 (the device's pipeline.raw_dtype) of 1 to 4 dimensions"
+        )
     return x, _integer_labels(path, y)
 
 
@@ -208,7 +215,7 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
                     continue
                 if st.state != "offline" and st.fields.get("ready") is True:
                     device_ready.set()
-                state.status_came()
+                state.status_came(st.fields)
                 continue
             if msg.topic != answer_topic:
                 continue
@@ -321,6 +328,8 @@ LABEL_STATUSES = 2
 
 The device refuses a label the moment it takes it, before its next status: the second status after
 the PUBACK comes after the device took every label (it publishes one every ``status.interval_s``).
+The status must also count as many more labels taken or refused (``labels_received`` + ``rejected``)
+as the feed sent since its first late label (other apps' only add to that).
 """
 
 
@@ -337,6 +346,8 @@ class _Fate:
         self.last: IngestRefusal | None = None
         self.done_sending = False
         self.statuses_after = 0  # device statuses since everything was acknowledged
+        self.handled = -1  # the device's labels taken + messages refused, in its last status (-1: unknown)
+        self.handled_before = -1  # ... when the first late label went out
         self.settled = asyncio.Event()
 
     def sample_sent(self, with_label: bool) -> None:
@@ -344,6 +355,8 @@ class _Fate:
         self.inline += with_label
 
     def label_sent(self, i: int) -> None:
+        if not self.labels_out:
+            self.handled_before = self.handled
         self.late += 1
         self.labels_out.add(i)
 
@@ -352,8 +365,9 @@ class _Fate:
         self.statuses_after = 0
         self._check()
 
-    def status_came(self) -> None:
+    def status_came(self, fields: Mapping[str, Any]) -> None:
         self.statuses_after += 1
+        self.handled = _handled(fields)
         self._check()
 
     def answer(self, i: int, answer: Prediction | IngestRefusal) -> None:
@@ -375,7 +389,10 @@ class _Fate:
         labels_done = (
             not self.labels_out
             or len(self.refused_labels) >= len(self.labels_out)
-            or self.statuses_after >= LABEL_STATUSES
+            or (
+                self.statuses_after >= LABEL_STATUSES
+                and (self.handled_before < 0 or self.handled >= self.handled_before + len(self.labels_out))
+            )
         )
         if samples_done and labels_done:
             self.settled.set()
@@ -406,6 +423,16 @@ class _Fate:
             len(self.refused_labels),
             error,
         )
+
+
+def _handled(fields: Mapping[str, Any]) -> int:
+    """A device status's ``labels_received`` plus its ``rejected`` counts (-1 if it has no such fields)."""
+    taken, rejected = fields.get("labels_received"), fields.get("rejected")
+    if not isinstance(taken, int) or not isinstance(rejected, dict):
+        return -1
+    return taken + sum(
+        n for n in rejected.values() if isinstance(n, int) and not isinstance(n, bool) and n > 0
+    )
 
 
 def _connect(opts: FeedOptions, client_id: str, queue_size: int) -> MqttTransport:

@@ -46,8 +46,18 @@ def _read_public(path: Path) -> VerifyKey:
     except ValueError as private_error:
         try:
             return parse_verify_key(text)
-        except ValueError:
-            raise private_error from None
+        except ValueError as public_error:
+            raise ValueError(_neither(str(private_error), str(public_error))) from None
+
+
+def _neither(private: str, public: str) -> str:
+    """Why a file holds neither key, without calling it one kind when it is neither (a certificate)."""
+    p, q = private.removeprefix("private key: "), public.removeprefix("public key: ")
+    if "PUBLIC KEY" in p:
+        return public  # a public key file, unusable: the public key's reason
+    if p.replace("'PRIVATE KEY'", "'PUBLIC KEY'") == q:
+        return "not an Ed25519 key: " + p.replace("'PRIVATE KEY'", "'PRIVATE KEY' or 'PUBLIC KEY'")
+    return private
 
 
 def cmd_show(args: argparse.Namespace) -> int:

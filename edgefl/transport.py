@@ -503,11 +503,16 @@ class MqttTransport(Link):
         if wait_s is None:
             return
         end = self._loop.time() + wait_s
-        while not self.connected.is_set():  # a refusal of our credentials does not fix itself: say so now
+        while not self.connected.is_set():  # a refusal of credentials or certificate lasts: say so now
             if self.credentials_refused:
                 raise TransportError(
-                    f"broker {self.host}:{self.port} refused the credentials ({self.last_refusal}): "
+                    f"credentials refused by broker {self.host}:{self.port} ({self.last_refusal}): "
                     "check the username and password against the broker's password file"
+                )
+            if self.certificate_refused:
+                raise TransportError(
+                    f"broker {self.host}:{self.port}: its TLS certificate is not trusted "
+                    f"({self.last_tls_refusal}): check broker.ca_file and the name or address dialled"
                 )
             if self._loop.time() >= end:
                 last = f" (last: {self.last_error})" if self.last_error else ""

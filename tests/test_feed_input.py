@@ -69,6 +69,13 @@ def test_feed_input_refuses_an_empty_file_and_a_file_that_is_not_npz(
     np.save(tmp_path / "one.npy", np.zeros(3))
     rc, err = run_feed(capsys, tmp_path / "one.npy")
     assert rc == 2 and "not an .npz archive" in err
+    np.savez(tmp_path / "f64.npz", x=np.zeros((3, 8, 8, 1)), y=np.zeros(3, np.int64))
+    rc, err = run_feed(capsys, tmp_path / "f64.npz")
+    assert (rc, err.strip()) == (
+        2,
+        f"edgefl feed: {tmp_path / 'f64.npz'}: x: float64 samples of 3 dimensions; a Sample's x is uint8, "
+        "int16 or float32 (the device's pipeline.raw_dtype) of 1 to 4 dimensions",
+    )
     rc, err = run_feed(capsys, tmp_path / "missing.npz")
     assert rc == 2 and err.startswith(f"edgefl feed: {tmp_path / 'missing.npz'}: cannot read (")
 

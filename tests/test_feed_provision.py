@@ -91,7 +91,7 @@ def test_feed_provision_app_account_with_the_device_profile_check(
         assert wrong.returncode == 4, wrong.stdout + wrong.stderr
         last = wrong.stderr.strip().splitlines()[-1]
         assert last.startswith(
-            f"edgefl feed: broker 127.0.0.1:{provisioned.broker.port} refused the credentials ("
+            f"edgefl feed: credentials refused by broker 127.0.0.1:{provisioned.broker.port} ("
         ), last
         assert "no connection" not in wrong.stderr
     finally:

@@ -387,14 +387,15 @@ def test_personal_agent_serves_predictions_and_survives_kill9(
                 await app.until("personal head serving", serving_head="personal")
             else:
                 assert app.status["serving_head"] == "personal"  # restored before any round
-            await app.samples("p", probe, None)
+            tag = "p" if first else "q"  # the restarted agent remembers the ids it received before
+            await app.samples(tag, probe, None)
             await wait_until(
-                lambda: all(f"p{i}" in app.predictions for i in range(len(probe))), 60, "predictions"
+                lambda: all(f"{tag}{i}" in app.predictions for i in range(len(probe))), 60, "predictions"
             )
             if first:  # written once the agent idles (the heads are written behind a round)
                 record = tmp_path / "p-1" / PERSONAL_FILE
                 await wait_until(record.exists, 30, "the personal head written")
-            return dict(app.predictions)
+            return {f"p{i}": app.predictions[f"{tag}{i}"] for i in range(len(probe))}
 
     before = asyncio.run(phase(True))
     proc = agents.pop()

@@ -11,7 +11,7 @@ from conftest import Broker, start_replay_agent
 from test_service import log_lines, start_coordinator, wait_for
 
 from edgefl.coordinator.history import RoundRecord
-from edgefl.coordinator.roundlog import _round_entry
+from edgefl.coordinator.roundlog import _round_entry, round_line
 from edgefl.datasets import load_digits
 from edgefl.launcher import stop_agents
 
@@ -81,3 +81,10 @@ def test_durable_round_resumed_after_kill9_keeps_its_opening_and_its_updates(
     assert entry["update_ids"] == [f"{d}:1:0" for d in devices], entry
     # the deadline runs from the round's first opening: closed at it, so it lasted the deadline
     assert entry["duration_s"] >= DEADLINE_S, entry
+
+
+def test_roundlog_one_device_is_singular() -> None:
+    one = RoundRecord(3, 1, 0.9, 100.0, 0.1, fed_accuracy=0.8, fed_worst_decile=0.8, fed_devices=1, asked=1)
+    assert "(worst decile 0.800, 1 device)" in round_line(one, 0, {})
+    two = RoundRecord(3, 2, 0.9, 100.0, 0.1, fed_accuracy=0.8, fed_worst_decile=0.7, fed_devices=2, asked=2)
+    assert "(worst decile 0.700, 2 devices)" in round_line(two, 0, {})

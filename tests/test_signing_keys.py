@@ -165,8 +165,8 @@ def test_sign_keys_cli_generate_and_show(tmp_path: Path, capsys: pytest.CaptureF
     junk.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
     assert main(["keys", "show", str(junk)]) == 1
     err = capsys.readouterr().err
-    assert err == f"edgefl keys: {junk}: private key: a PEM 'CERTIFICATE' block; expected 'PRIVATE KEY' " \
-                  "(PKCS #8 / SPKI, RFC 8410)\n"
+    assert err == f"edgefl keys: {junk}: not an Ed25519 key: a PEM 'CERTIFICATE' block; expected " \
+                  "'PRIVATE KEY' or 'PUBLIC KEY' (PKCS #8 / SPKI, RFC 8410)\n"
 
 
 @pytest.mark.parametrize("profile", SHIPPED_DEVICE_PROFILES, ids=lambda p: p.stem)
