@@ -21,6 +21,7 @@ from edgefl.profiles import BrokerConfig, DashboardConfig, Problems, check
 from edgefl.validators import (
     MAX_BATCH,
     MAX_THREADS,
+    MQTT_MAX_SESSION_EXPIRY_S,
     check_device_id,
     check_int_at_most,
     check_positive_int,
@@ -47,6 +48,25 @@ class DeviceConfig:
     id: str
     fleet: str = "default"
     state_dir: Path = Path("state")
+
+
+@dataclass(frozen=True, slots=True)
+class AgentBrokerConfig(BrokerConfig):
+    """``[broker]`` of a device profile: the shared MQTT keys and the agent's persistent session.
+
+    The shared keys: :class:`~edgefl.profiles.BrokerConfig`.
+
+    Parameters
+    ----------
+    session_expiry_s : int
+        Seconds the broker keeps the agent's MQTT session (its subscriptions and the QoS 1 samples,
+        labels, rounds and heads published to them) while the agent is away: a restart, an upgrade or a
+        reboot within it loses nothing the broker queued (MQTT 5.0 §3.1.2.11; on 3.1.1 a persistent
+        session, kept until the broker's own expiry). 0: a clean session at every connect.
+        0..4294967295 (4294967295: never expires); default 3600.
+    """
+
+    session_expiry_s: int = 3600
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,7 +305,7 @@ class Profile:
     device: DeviceConfig
     model: ModelConfig
     pipeline: PipelineConfig
-    broker: BrokerConfig
+    broker: AgentBrokerConfig
     memory: MemoryConfig
     training: TrainingConfig
     source: SourceConfig
@@ -401,6 +421,13 @@ def _npz_problem(path: Path) -> str | None:
     return None
 
 
+def _check_broker(p: Problems, c: AgentBrokerConfig, raw: Mapping[str, object], check_files: bool) -> None:
+    profiles.check_broker(p, c, raw, check_files)
+    s = c.session_expiry_s
+    if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MQTT_MAX_SESSION_EXPIRY_S:
+        p.add("broker.session_expiry_s", s, f"must be an integer between 0 and {MQTT_MAX_SESSION_EXPIRY_S}")
+
+
 def _check_source(p: Problems, c: SourceConfig, raw: Mapping[str, object], check_files: bool) -> None:
     if c.rate_hz < 0.0:
         p.add("source.rate_hz", c.rate_hz, "must be >= 0")
@@ -481,7 +508,7 @@ _TABLES: Final[dict[str, tuple[type[Any], profiles.Check]]] = {
     "device": (DeviceConfig, _check_device),
     "model": (ModelConfig, _check_model),
     "pipeline": (PipelineConfig, _check_pipeline),
-    "broker": (BrokerConfig, profiles.check_broker),
+    "broker": (AgentBrokerConfig, _check_broker),
     "memory": (MemoryConfig, _check_memory),
     "training": (TrainingConfig, _check_training),
     "source": (SourceConfig, _check_source),

@@ -35,6 +35,7 @@ class RoundTask(SampleSource):
 
     reassembler: Reassembler
     _control: asyncio.Queue[Message]
+    _rounds_waiting: int  # round-topic messages in ``_control`` (put by the pump, taken by handle)
     _trim_wanted: bool
     _next_retry_at: float
 
@@ -46,6 +47,8 @@ class RoundTask(SampleSource):
             if self._is_ingest(msg.topic):
                 self.receive_ingest(msg)
             else:
+                if msg.topic == self.topics.round:
+                    self._rounds_waiting += 1
                 await self._control.put(msg)
                 self._round_wake.set()
 
@@ -126,10 +129,14 @@ class RoundTask(SampleSource):
     async def handle(self, msg: Message) -> None:
         """Dispatch one round or global message: GlobalModel (whole or in chunks) or RoundAnnouncement.
 
-        Anything else is ``bad_topic``. A bad message is logged with topic, size and reason, counted in
-        ``rejected``, and dropped.
+        A round message behind which another one waits is skipped: only the newest announcement can
+        be open. Anything else is ``bad_topic``. A bad message is logged with topic, size and reason,
+        counted in ``rejected``, and dropped.
         """
         what = f"message on {msg.topic} ({len(msg.payload)} bytes)"
+        if msg.topic == self.topics.round:
+            self._rounds_waiting -= 1
+        newer_round = self._rounds_waiting > 0
         try:
             topic, payload = msg.topic, msg.payload
             if not payload:
@@ -154,6 +161,11 @@ class RoundTask(SampleSource):
                     # next state change (it used to land in the next round's bytes)
                     self._changed()
             elif topic == self.topics.round:
+                if newer_round:
+                    # a persistent session's backlog after a restart, then the retained announcement:
+                    # only the newest round can be open, training for an older one is wasted
+                    logger.debug("%s skipped: a newer round message waits", what)
+                    return
                 await self.on_round(await self._work(self.core.receive_round, payload))
             else:
                 raise DecodeError("bad_topic", f"unexpected topic {topic}")

@@ -21,8 +21,10 @@ from edgefl.agent.config import Profile
 from edgefl.agent.control import RoundTask
 from edgefl.agent.core import DeviceCore
 from edgefl.agent.ingest import Ingest
-from edgefl.agent.reporter import REFUSED_NOT_AUTHORIZED, AgentState, StatusPage
+from edgefl.agent.pending import PENDING_FILE, PendingFile
+from edgefl.agent.reporter import REFUSED_NOT_AUTHORIZED, REFUSED_UNTRUSTED, AgentState, StatusPage
 from edgefl.errors import (
+    CertificateNotTrusted,
     CredentialsRefused,
     StartupError,
 )
@@ -99,13 +101,49 @@ class Agent(RoundTask):
         self._next_retry_at = -math.inf  # when the deferred round may be retried again (monotonic)
         src = profile.source
         self.ingest = (
-            Ingest(src.queue_max, src.pending_max, src.label_expiry_s) if src.kind == "mqtt" else None
+            Ingest(src.queue_max, src.pending_max, src.label_expiry_s, pending_file=self._pending_file())
+            if src.kind == "mqtt"
+            else None
         )
         self._ingest_wake = asyncio.Event()
         self._stored = asyncio.Event()  # samples were stored: flush_loop makes them durable in time
         # round and global messages wait here while the pump files samples (a round's training must not
         # hold up the transport's queue, whose overflow would drop a round or a head)
         self._control = asyncio.Queue(maxsize=64)
+        self._rounds_waiting = 0
+
+    def _pending_file(self) -> PendingFile | None:
+        """The pending-label file beside the store (None without ``source.pending_max``, or if unusable)."""
+        src, folder = self.profile.source, self.profile.device.state_dir
+        if src.pending_max == 0:
+            return None
+        try:
+            pf = PendingFile(folder, src.pending_max, self.core.head.shape[0])
+        except OSError as exc:
+            logger.error(
+                "pending labels: %s cannot be used (%s): samples waiting for a label live in RAM "
+                "only and a restart loses them",
+                folder / PENDING_FILE,
+                exc,
+            )
+            return None
+        if pf.restored:
+            logger.info(
+                "pending labels: %d sample(s) waiting for a late label restored from %s",
+                len(pf.restored),
+                pf.path,
+            )
+        return pf
+
+    def _flush_pending(self) -> None:
+        """``msync`` the pending-label file (worker thread); a failure is logged, the next flush retries."""
+        pf = self.ingest.pending_file if self.ingest is not None else None
+        if pf is None:
+            return
+        try:
+            pf.flush()
+        except OSError as exc:
+            logger.warning("pending labels: flush of %s failed: %s", pf.path, exc)
 
     def _progress(self, state: str, reason: str) -> None:
         """The core's progress hook (worker thread): hop to the loop."""
@@ -119,12 +157,16 @@ class Agent(RoundTask):
         self._changed()
 
     async def auth_watch(self) -> None:
-        """Report every refusal of our credentials; after ``broker.auth_retries`` in a row, give up.
+        """Report every refusal of our credentials or of the broker's certificate; give up after a run.
+
+        A run is ``broker.auth_retries`` refusals of one kind in a row.
 
         Raises
         ------
         CredentialsRefused
             Once the broker refused the credentials ``broker.auth_retries`` times in a row.
+        CertificateNotTrusted
+            Once the broker's TLS certificate failed verification ``broker.auth_retries`` times in a row.
         """
         t = self.transport
         assert t is not None
@@ -132,25 +174,34 @@ class Agent(RoundTask):
         while True:
             await t.refused.wait()
             t.refused.clear()
-            self._changed()  # the page says "refused: not authorized", /healthz 503
-            if not t.credentials_refused:
+            self._changed()  # the page says "refused: ...", /healthz 503
+            if t.certificate_refused:
+                n, said, why = t.tls_refusals, REFUSED_UNTRUSTED, t.last_tls_refusal
+                if n >= limit:
+                    raise CertificateNotTrusted(
+                        f"broker {t.host}:{t.port}: its TLS certificate was not trusted {n} times in a row "
+                        f"({why}): check broker.ca_file (the CA that signed the broker's certificate) and "
+                        f"that the certificate's subjectAltName names {t.host}",
+                        n,
+                    )
+            elif t.credentials_refused:
+                n, said, why = t.auth_refusals, REFUSED_NOT_AUTHORIZED, str(t.last_refusal)
+                if n >= limit:
+                    raise CredentialsRefused(
+                        f"broker {t.host}:{t.port} refused the credentials {n} times in a row "
+                        f"({why}): check broker.username and broker.password / password_file "
+                        "against the broker's password file and ACL",
+                        n,
+                    )
+            else:
                 continue
-            n = t.auth_refusals
-            if n >= limit:
-                raise CredentialsRefused(
-                    f"broker {t.host}:{t.port} refused the credentials {n} times in a row "
-                    f"({t.last_refusal}): check broker.username and broker.password / password_file "
-                    "against the broker's password file and ACL",
-                    n,
-                )
+            what = (
+                f": its certificate is not trusted ({why})"
+                if said == REFUSED_UNTRUSTED
+                else f" refused the credentials ({why})"
+            )
             logger.error(
-                "%s: broker %s:%s refused the credentials (%s), %d of broker.auth_retries = %d",
-                REFUSED_NOT_AUTHORIZED,
-                t.host,
-                t.port,
-                t.last_refusal,
-                n,
-                limit,
+                "%s: broker %s:%s%s, %d of broker.auth_retries = %d", said, t.host, t.port, what, n, limit
             )
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -176,6 +227,9 @@ class Agent(RoundTask):
             max_packet_bytes=self.max_packet_bytes,
             max_incoming_packet_bytes=b.max_incoming_packet_bytes,
             alternates=b.alternate_addresses,  # the other nodes of a clustered broker, tried in turn
+            # a persistent session: what is published to our subscriptions while the agent restarts
+            # (samples, labels, rounds, heads: QoS 1) waits at the broker and comes when it is back
+            session_expiry_s=b.session_expiry_s,
         )
         async with contextlib.AsyncExitStack() as stack:
             await self.transport.start(wait_s=None)
@@ -228,5 +282,9 @@ class Agent(RoundTask):
                         t.cancel()
             finally:
                 await self._work(self.core.flush_store)
+                await self._work(self._flush_pending)
                 await self._work(self.core.persist_behind)
+                if self.ingest is not None and (lost := self.ingest.unclassified()):
+                    # acknowledged to the broker, not yet classified: not in the pending-label file
+                    logger.warning("stopping: %d received sample(s) not classified yet are dropped", lost)
         logger.info("agent %s stopped", self.device)

@@ -82,18 +82,6 @@ class ErrorFeedback:
             }
         )
 
-    def compensate(self, delta_W: F32, delta_b: F32) -> tuple[F32, F32]:
-        """``(delta_W + e_W, delta_b + e_b)``: new float32 [D, K] and [K] arrays.
-
-        Raises
-        ------
-        ValueError
-            If the shapes are not the head's.
-        """
-        if delta_W.shape != self.shape or delta_b.shape != (self.shape[1],):
-            raise ValueError(f"ErrorFeedback: delta {delta_W.shape}/{delta_b.shape}, head {self.shape}")
-        return (delta_W + self.residual_W).astype(np.float32), (delta_b + self.residual_b).astype(np.float32)
-
     def compress(
         self,
         delta_W: F32,
@@ -130,7 +118,10 @@ class ErrorFeedback:
         ValueError
             As ``compress_head_delta`` (non-finite delta, bad fraction) or wrong shapes.
         """
-        cW, cb = self.compensate(delta_W, delta_b)
+        if delta_W.shape != self.shape or delta_b.shape != (self.shape[1],):
+            raise ValueError(f"ErrorFeedback: delta {delta_W.shape}/{delta_b.shape}, head {self.shape}")
+        cW = (delta_W + self.residual_W).astype(np.float32)
+        cb = (delta_b + self.residual_b).astype(np.float32)
         rng = np.random.default_rng(seed) if seed is not None else None
         packed = compress_head_delta(cW, cb, compression, topk_fraction=topk_fraction, rng=rng)
         self.residual_W = (cW - packed.decoded_W).astype(np.float32)

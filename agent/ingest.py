@@ -9,16 +9,17 @@ classified samples waiting for a late Label, and the duplicate and conflict chec
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from edgefl.agent.pending import PendingFile
 from edgefl.errors import UpdateRejected
 from edgefl.idtable import IdTable
 from edgefl.types import F32, I64
-from edgefl.wire.ingest import Label, Sample
+from edgefl.wire.ingest import IngestRefusal, Label, Sample
 from edgefl.wire.reasons import Reason
 
 RECENT_IDS = 4096
@@ -26,6 +27,9 @@ RECENT_IDS = 4096
 
 LOGGED_REFUSALS = 20
 """Refused samples/labels of one reason logged one by one; then only every 1000th, with the count."""
+
+REFUSALS_MAX = 256
+"""Refusals waiting to be published to the apps at most; beyond, the oldest is forgotten."""
 
 DISPUTED = -1
 """The remembered label of a sample that got two different labels (never a valid class)."""
@@ -89,6 +93,10 @@ class Ingest:
         Seconds such a sample waits for its label (> 0).
     clock : callable() -> float
         Monotonic seconds (``time.monotonic``; a test may pass its own).
+    pending_file : PendingFile or None
+        Where the pending table is mirrored (``agent/pending.py``): its samples restored now (the
+        oldest first, their age kept; those past ``label_expiry_s`` expire at the next
+        :meth:`expire`), every park and release written through. None: RAM only.
 
     Raises
     ------
@@ -103,6 +111,7 @@ class Ingest:
         label_expiry_s: float,
         *,
         clock: Callable[[], float] = time.monotonic,
+        pending_file: PendingFile | None = None,
     ) -> None:
         if queue_max < 1 or pending_max < 0 or not label_expiry_s > 0:
             raise ValueError(
@@ -125,6 +134,17 @@ class Ingest:
         self._answered = IdTable(RECENT_IDS)
         # queued or in-flight samples whose label was disputed: classified, never stored nor parked
         self._disputed: set[str] = set()
+        self.pending_file = pending_file
+        self.restored = 0
+        """Pending samples restored from ``pending_file`` at start."""
+        if pending_file is not None:
+            now = self.clock()
+            for p in pending_file.restored[-pending_max:] if pending_max else []:
+                self._pending[p.id] = (p.embedding, now - p.age_s, p.predicted)
+                self._recent.add(p.id)  # a redelivery of the sample is a duplicate
+            self.restored = len(self._pending)
+        #: Refusals of the apps' samples and labels, to publish on ``predictions/<device>`` (bounded).
+        self.refusals: deque[IngestRefusal] = deque(maxlen=REFUSALS_MAX)
 
     def __len__(self) -> int:
         """Samples queued now."""
@@ -134,6 +154,10 @@ class Ingest:
     def pending(self) -> int:
         """Classified samples waiting for a late label now."""
         return len(self._pending)
+
+    def unclassified(self) -> int:
+        """Samples received and not classified yet (queued or in flight): what a stop now drops."""
+        return len(self._queue) + len(self._inflight)
 
     def has_work(self) -> bool:
         """Whether samples are queued or matched late labels wait to be stored."""
@@ -228,6 +252,7 @@ class Ingest:
             slot[1] = label.label
         else:
             entry = self._pending.pop(label.id, None)
+            self._release(label.id)
             if entry is None:
                 raise UpdateRejected(
                     Reason.UNKNOWN_SAMPLE,
@@ -276,9 +301,15 @@ class Ingest:
         if self.pending_max == 0:
             return
         if len(self._pending) >= self.pending_max:
-            self._pending.popitem(last=False)
+            self._release(self._pending.popitem(last=False)[0])
             self.counters.pending_evicted += 1
         self._pending[sample_id] = (np.array(embedding, dtype=np.float32), self.clock(), int(predicted))
+        if self.pending_file is not None:
+            self.pending_file.park(sample_id, self._pending[sample_id][0], int(predicted))
+
+    def _release(self, sample_id: str) -> None:
+        if self.pending_file is not None:
+            self.pending_file.release(sample_id)
 
     def take_labelled(self) -> tuple[F32, I64, I64] | None:
         """Late-labelled samples matched since the last call, or None.
@@ -304,7 +335,7 @@ class Ingest:
             since = next(iter(self._pending.values()))[1]
             if since > limit:
                 break
-            self._pending.popitem(last=False)
+            self._release(self._pending.popitem(last=False)[0])
             n += 1
         self.counters.pending_expired += n
         self._answered.forget_until(limit)

@@ -24,10 +24,7 @@ from edgefl.agent.governor import Governor
 from edgefl.agent.ingest import LOGGED_REFUSALS, Ingest
 from edgefl.agent.status import news_view, samples_level, status_news
 from edgefl.aio import wait_event
-from edgefl.errors import (
-    EdgeflError,
-    TransportError,
-)
+from edgefl.errors import EdgeflError, TransportError
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.chunking import publish_packet_bytes
@@ -39,6 +36,8 @@ _T = TypeVar("_T")
 
 REFUSED_NOT_AUTHORIZED = "refused: not authorized"
 """What the status, the page and ``/healthz`` say while the broker refuses the agent's credentials."""
+REFUSED_UNTRUSTED = "refused: broker certificate not trusted (certificate verify failed)"
+"""What they say while the broker's TLS certificate fails verification (unknown CA, wrong name, expired)."""
 
 COMPACT_STATUS_FIELDS = frozenset(
     {
@@ -287,23 +286,33 @@ class StatusReporter:
         }
 
     def broker_state(self) -> str:
-        """``connected``, ``refused: not authorized`` (credentials refused), ``lost`` or ``connecting``."""
+        """``connected``, a refusal (:data:`REFUSED_NOT_AUTHORIZED`, :data:`REFUSED_UNTRUSTED`), or not yet.
+
+        Not yet: ``lost`` (it was connected) or ``connecting``.
+        """
         t = self.transport
         if t is None:
             return "connecting"
         if t.connected.is_set():
             return "connected"
+        if t.certificate_refused:
+            return REFUSED_UNTRUSTED
         if t.credentials_refused:
             return REFUSED_NOT_AUTHORIZED
         return "lost" if t.ever_connected else "connecting"
 
     def health(self) -> str:
-        """``ok``, or the problem that makes ``/healthz`` answer 503 (the broker refused our credentials)."""
-        return REFUSED_NOT_AUTHORIZED if self.broker_state() == REFUSED_NOT_AUTHORIZED else "ok"
+        """``ok``, or the refusal that makes ``/healthz`` answer 503 (credentials, broker certificate)."""
+        state = self.broker_state()
+        return state if state in (REFUSED_NOT_AUTHORIZED, REFUSED_UNTRUSTED) else "ok"
 
     def _reason(self) -> str:
-        if self.broker_state() == REFUSED_NOT_AUTHORIZED:
+        state = self.broker_state()
+        if state == REFUSED_NOT_AUTHORIZED:
             return f"{REFUSED_NOT_AUTHORIZED} (broker.username / password)"
+        if state == REFUSED_UNTRUSTED:
+            assert self.transport is not None
+            return f"{REFUSED_UNTRUSTED}: {self.transport.last_tls_refusal} (broker.ca_file)"
         return f"degraded: {self.core.degraded}" if self.core.degraded else self.state.reason
 
     def personal_fields(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -21,16 +22,18 @@ from edgefl.agent.core import Classified
 from edgefl.agent.ingest import Queued
 from edgefl.agent.reporter import StatusReporter
 from edgefl.aio import wait_event
-from edgefl.errors import (
-    BudgetExceeded,
-    DecodeError,
-    EdgeflError,
-    TransportError,
-    UpdateRejected,
-)
+from edgefl.errors import BudgetExceeded, DecodeError, EdgeflError, TransportError, UpdateRejected
 from edgefl.mqtt_link import Message
 from edgefl.wire.chunking import Reassembler, is_chunk
-from edgefl.wire.ingest import Prediction, decode_label, decode_sample, encode_prediction
+from edgefl.wire.ingest import (
+    IngestRefusal,
+    Prediction,
+    decode_label,
+    decode_sample,
+    encode_prediction,
+    encode_refusal,
+    ingest_id,
+)
 from edgefl.wire.reasons import Reason
 
 logger = logging.getLogger(__name__)
@@ -40,6 +43,7 @@ class SampleSource(StatusReporter):
     """The sample source task and the live ingest (a part of :class:`~edgefl.agent.daemon.Agent`)."""
 
     sample_chunks: Reassembler
+    _flush_pending: Callable[[], None]
     _ingest_wake: asyncio.Event
     _stored: asyncio.Event
 
@@ -116,11 +120,11 @@ class SampleSource(StatusReporter):
             return
         what = f"message on {msg.topic} ({len(msg.payload)} bytes)"
         K = self.core.head.shape[1]
+        payload = msg.payload
         try:
             if msg.retain:
                 raise DecodeError(Reason.BAD_VALUE, "retained: samples and labels are never retained")
             if msg.topic == self.topics.samples(self.device):
-                payload = msg.payload
                 if is_chunk(payload):  # a sample larger than the packet limit ("Chunks")
                     whole = self.sample_chunks.feed(msg.topic, payload)
                     if whole is None:
@@ -148,8 +152,18 @@ class SampleSource(StatusReporter):
             if more is not None:
                 log = logger.warning if known else logger.error
                 log("rejected %s: %s: %s%s", what, reason, detail, more)
+            self._tell_app(msg.topic, payload, str(reason), detail)
             return
         self._ingest_wake.set()
+
+    def _tell_app(self, topic: str, payload: bytes, reason: str, detail: str) -> None:
+        """Queue a Refusal naming the refused message's id, for its app (none if the id cannot be read)."""
+        assert self.ingest is not None
+        sample_id = ingest_id(payload, self.core.limits)
+        if sample_id is not None:
+            of = "sample" if topic == self.topics.samples(self.device) else "label"
+            self.ingest.refusals.append(IngestRefusal(sample_id, of, reason, detail))
+            self._ingest_wake.set()
 
     async def run_ingest(self) -> None:
         """Classify queued samples in batches, store the labelled, park the rest, publish predictions."""
@@ -161,6 +175,7 @@ class SampleSource(StatusReporter):
         while True:
             await wait_event(self._ingest_wake, tick_s)
             self._ingest_wake.clear()
+            await self._publish_refusals()
             ingest.expire()
             self.sample_chunks.expire()
             while ingest.has_work():
@@ -248,6 +263,22 @@ class SampleSource(StatusReporter):
         if failed:
             logger.debug("%d prediction(s) not published (broker unreachable or no PUBACK)", failed)
 
+    async def _publish_refusals(self) -> None:
+        """Publish the queued Refusals on ``predictions/<device>`` (QoS ``source.predictions_qos``)."""
+        assert self.transport is not None and self.ingest is not None
+        refusals = self.ingest.refusals
+        topic = self.topics.predictions(self.device)
+        qos = self.profile.source.predictions_qos
+        while refusals:
+            batch = [refusals.popleft() for _ in range(len(refusals))]
+            results = await asyncio.gather(
+                *(self.transport.publish(topic, encode_refusal(r), qos=qos) for r in batch),
+                return_exceptions=True,
+            )
+            for res in results:
+                if isinstance(res, BaseException) and not isinstance(res, TransportError):
+                    raise res
+
     def _is_ingest(self, topic: str) -> bool:
         return self.ingest is not None and topic in (
             self.topics.samples(self.device),
@@ -292,4 +323,5 @@ class SampleSource(StatusReporter):
                     continue
                 if self.core.flush_due():
                     await self._work(self.core.flush_store)
+                    await self._work(self._flush_pending)
                 break

@@ -33,10 +33,7 @@ from edgefl.head import Head, validate_head
 from edgefl.records import RecordSlot
 from edgefl.wire.cbor import Limits
 from edgefl.wire.global_model import decode_global_model
-from edgefl.wire.signing import (
-    SigningKey,
-    VerifyKey,
-)
+from edgefl.wire.signing import SigningKey, VerifyKey
 
 logger = logging.getLogger(__name__)
 

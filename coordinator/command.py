@@ -3,8 +3,9 @@
 Flags are overrides on top of the profile. :func:`main` reads it, locks its state file, runs the
 service (:func:`edgefl.coordinator.runner.run`) and turns what stopped it into an exit code.
 
-Exit codes: 0 done (or stopped); 1 invalid profile, or the broker refused its credentials; 3 the
-model could not be loaded; 4 a runtime error at start-up (broker unreachable, bad key file, the fleet
+Exit codes: 0 done (or stopped, at any moment); 1 invalid profile, or the broker refused its
+credentials or, at start-up, a publish or subscription on the fleet's topics (its ACL); 3 the model
+could not be loaded; 4 a runtime error at start-up (broker unreachable, bad key file, the fleet
 page's port in use); 5 the job ended with a round that aggregated nothing (the reason is the last line
 on stderr); 6 another coordinator runs this fleet (its state file is locked, or a live coordinator
 holds the fleet's lease on the broker); 75 (``EX_TEMPFAIL``) a fault stopped the running coordinator
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
-from edgefl.coordinator.lease import LeaseHeld
+from edgefl.coordinator.lease import AccountInUse, LeaseHeld
 from edgefl.coordinator.profile import load_coordinator_profile
 from edgefl.coordinator.runner import (
     EXIT_FAULT,
@@ -29,6 +30,7 @@ from edgefl.coordinator.runner import (
     EXIT_LEASE,
     EXIT_MODEL,
     EXIT_RUNTIME,
+    AccessRefused,
     CredentialsRefused,
     Evaluation,
     PageServer,
@@ -101,26 +103,21 @@ _FAILURES: Final[tuple[tuple[type[Exception] | tuple[type[Exception], ...], str,
     (LeaseHeld, "", EXIT_LEASE),
     (OSError, "cannot start: ", EXIT_RUNTIME),  # the state file's folder or lock cannot be created
     (ModelError, "model error: ", EXIT_MODEL),
-    (CredentialsRefused, "cannot start: ", EXIT_INVALID),
+    ((CredentialsRefused, AccessRefused, AccountInUse), "cannot start: ", EXIT_INVALID),
     ((ConfigError, TransportError), "cannot start: ", EXIT_RUNTIME),
 )
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add the ``coordinator`` sub-command to an ``argparse`` sub-parsers object.
-
-    Returns
-    -------
-    argparse.ArgumentParser
-        The sub-command's parser (``func`` set to :func:`main`).
-    """
+    """Add the ``coordinator`` sub-command to argparse sub-parsers; returns its parser (``func``: main)."""
     from edgefl.resources import shipped
 
     p: argparse.ArgumentParser = sub.add_parser(
         "coordinator",
         help="run the coordinator of a fleet",
         description="Run federated rounds for one fleet over MQTT, as a coordinator profile says; flags "
-        "override the profile's keys. Exit codes: 0 done, 1 invalid profile or credentials refused, 2 usage "
+        "override the profile's keys. Exit codes: 0 done or stopped, 1 invalid profile, or credentials or "
+        "the fleet's topics refused by the broker (its ACL), 2 usage "
         "(a bad flag or --set), 3 model error, 4 start-up error (broker unreachable, fleet page port in "
         "use), 5 a round aggregated nothing, 6 another coordinator runs this fleet, 75 a fault stopped it.",
     )

@@ -122,9 +122,8 @@ class Intake:
         )
         self.state_path: Path | None = None  # set to persist state before each new global head
         self.counted: dict[int, list[str]] = {}  # round → update_ids aggregated (audit, chaos test)
-        # Updates for the next round that arrive before it opens: after a restart, devices answer the
-        # retained announcement of a round whose close was not saved, and the broker's persistent
-        # session delivers their updates before the coordinator re-opens it. Bounded; offered at open.
+        # updates for the next round before it opens (after a restart, devices answer the retained
+        # announcement of a round whose close was not saved); bounded, offered at its opening
         self._early: dict[str, tuple[Update, int]] = {}
         self.state = CoordinatorState()
         self.registry = DeviceRegistry(
@@ -149,11 +148,9 @@ class Intake:
         self._dirty = False  # the open round changed since the state file was written (see pump)
         self._settled = 0  # the last round whose result is in the state file
         self._resume: dict[str, Any] | None = None  # the open round of the state file, until re-opened
-        # update id -> (topic, payload) of updates held in _early or _held: acknowledged, so written
-        # with the state (an update the broker acknowledged is never lost)
+        # update id -> (topic, payload) held in _early or _held: acknowledged, so in the state file
         self._unfolded: dict[str, tuple[str, bytes]] = {}
-        # the history as the state file keeps it, rebuilt only when a round is recorded (the state is
-        # written after every batch of updates: 200 records as lists each time was most of its garbage)
+        # the history as the state file keeps it, rebuilt only when a round is recorded
         self._history_doc: tuple[tuple[object, object, int], list[list[Any]]] | None = None
         self._round_lr = math.nan  # the client learning rate the open round announced
         self.state_loaded = False  # load_state found a state file
@@ -362,9 +359,8 @@ class Intake:
         rnd.record(update, size_bytes)
         self._seen_update_ids.add(update.update_id)
         self._dirty = True
-        # Devices no longer publish a status for their round's progress (agent/status.py):
-        # the update says it, so the fleet registry takes the device's round, update size and its
-        # evaluation of the base head (federated evaluation, read at the round's close) from it.
+        # the update carries the device's round, size and evaluation of the base head (read at the
+        # round's close): the registry takes them from it
         self.registry.trained(update.device, update.round)
         entry = self.registry.devices.get(update.device)
         if entry is not None:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Final
 
 from edgefl.coordinator.registry import sampled_log
-from edgefl.errors import DecodeError, EdgeflError, TransportError
+from edgefl.errors import BrokerRefused, DecodeError, EdgeflError, TransportError
 from edgefl.mqtt_link import Message
 from edgefl.records import RecordError, atomic_write, decode_record, encode_record
 from edgefl.transport import MqttTransport, Will
@@ -73,6 +73,15 @@ class LeaseHeld(EdgeflError):
         super().__init__(f"another coordinator runs this fleet: {where} is held by {holder}")
         self.where = where
         self.holder = holder
+
+
+class AccountInUse(TransportError):
+    """The broker names clients after their account and another live client uses this coordinator's.
+
+    A configuration error (``edgefl coordinator`` exits 1, not restarted): each fleet's coordinator
+    needs its own account, or the two take each other's session (and its queued updates) at every
+    connect.
+    """
 
 
 def new_instance() -> str:
@@ -246,6 +255,9 @@ async def probe_lease(
     ------
     LeaseHeld
         If a live coordinator holds the lease.
+    AccountInUse
+        If the broker handed the probe the session of another live client that is not this fleet's
+        coordinator (it took it back, and no presence came).
     TransportError
         What ``connected`` raises, or the broker refused the subscription.
     """
@@ -267,9 +279,19 @@ async def probe_lease(
                 "the broker gave the lease probe an existing session (it names clients after their "
                 "account?): waiting for its coordinator's presence"
             )
+        taken_before = transport.takeovers_total
         await transport.subscribe(topic, 1)
         first_wait = 2 * LEASE_HEARTBEAT_S + PROBE_MARGIN_S if renamed else PROBE_RETAINED_WAIT_S
         first = await _next_presence(transport, topic, first_wait, trust)
+        if first is None and renamed and transport.takeovers_total > taken_before:
+            # a live client took its session back, and it is not this fleet's coordinator: another
+            # process (another fleet's coordinator?) runs on this account
+            account = repr(transport.username) if transport.username else "(anonymous)"
+            raise AccountInUse(
+                f"{fleet_where}: account {account} is in use by another live client (the broker names "
+                "clients after their account, use_username_as_clientid, and handed us its session, which "
+                "it took back): give each fleet's coordinator its own account (docs/operations.md)"
+            )
         if first is None:
             return None
         if _ours(first, previous, "the fleet's lease names", "; the broker has not cleared its lease yet"):
@@ -394,6 +416,8 @@ class Lease:
         self.lost = asyncio.Event()
         """Set when a live coordinator that took the lease first is seen (this one must stop)."""
         self.lost_to = ""
+        self.refused = False
+        """Set when the broker refused a presence (logged once, as an ERROR)."""
         self.on_lost: Callable[[], None] | None = None
         self._kick = asyncio.Event()
 
@@ -415,6 +439,10 @@ class Lease:
                 payload = self.encode(self.presence)
                 try:
                     await self.transport.publish(self.topic, payload, qos=1, retain=True)
+                except BrokerRefused as exc:  # an ACL without the lease topic: other coordinators see none
+                    if not self.refused:
+                        logger.error("the fleet's lease is not published: %s", exc)
+                    self.refused = True
                 except TransportError as exc:
                     logger.debug("lease heartbeat not published: %s", exc)
                 if self._holder_due and self.holder_topic is not None:

@@ -200,5 +200,5 @@ class NormBound:
 
     def restore(self, snap: Mapping[str, Any]) -> None:
         """Put back a :meth:`snapshot`."""
-        self.history.restore(snap.get("norms", []))
-        self.weights.restore(snap.get("weights", []))
+        self.history.restore(snap["norms"])
+        self.weights.restore(snap["weights"])

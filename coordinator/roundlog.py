@@ -103,6 +103,10 @@ def _round_entry(
         "declined": dict(declined),
         "clients": rec.clients,
         "accuracy": None if math.isnan(rec.accuracy) else rec.accuracy,
+        # the devices' holdouts (federated evaluation of the round's base head; null: none reported)
+        "fed_accuracy": None if math.isnan(rec.fed_accuracy) else rec.fed_accuracy,
+        "fed_worst_decile": None if math.isnan(rec.fed_worst_decile) else rec.fed_worst_decile,
+        "fed_devices": rec.fed_devices,
         "update_bytes_mean": rec.update_bytes_mean,
         "duration_s": rec.duration_s,
         "update_ids": update_ids,
@@ -123,6 +127,9 @@ def log_entry(
 ) -> dict[str, Any]:
     """One closed round's line of ``files.log`` (``docs/operations.md``, "The round log")."""
     update_ids = coord.counted.get(rec.round, [])
+    rnd = coord.state.current
+    if not update_ids and rnd is not None and rnd.number == rec.round:
+        update_ids = sorted(rnd.update_ids)  # an abandoned round's (too_few): the updates it counted
     entry = _round_entry(rec, coord.state.version, strategy.name, update_ids, refused, declined)
     entry.update(
         refused_updates=dict(refused),

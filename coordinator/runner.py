@@ -44,7 +44,7 @@ from edgefl.coordinator.rounds import Pacing
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategies import strategy_from_tables
 from edgefl.coordinator.strategy import Strategy
-from edgefl.errors import ConfigError, TransportError, UpdateRejected
+from edgefl.errors import BrokerRefused, ConfigError, TransportError, UpdateRejected
 from edgefl.profiles import DashboardConfig, broker_password
 from edgefl.records import atomic_write
 from edgefl.runtime import Backbone
@@ -135,6 +135,22 @@ class CredentialsRefused(TransportError):
     """The broker refused the coordinator's username/password (CONNACK 0x86/0x87): a configuration error."""
 
 
+class AccessRefused(TransportError):
+    """At start-up the broker refused a publish or subscription of the coordinator's own (an ACL's 0x87).
+
+    A configuration error like :class:`CredentialsRefused` (exit 1, not restarted): ``detail`` names the
+    broker, the account, the topic and the ACL line it needs.
+    """
+
+
+def _access_refused(exc: BrokerRefused, where: str, username: str | None, topics: Topics) -> AccessRefused:
+    account = repr(username) if username else "(anonymous)"
+    return AccessRefused(
+        f"broker {where} refused account {account}: {exc.detail}; the broker's ACL must give it "
+        f"'topic readwrite {topics.base}/#' (docs/operations.md, \"Fleet guide\")"
+    )
+
+
 async def _connected_or_refused(transport: MqttTransport, where: str, timeout_s: float) -> None:
     """Wait until ``transport`` is connected.
 
@@ -151,7 +167,8 @@ async def _connected_or_refused(transport: MqttTransport, where: str, timeout_s:
             )
         left = end - loop.time()
         if left <= 0:
-            raise TransportError(f"broker {where} not reachable within {timeout_s:.0f} s")
+            last = f": {transport.last_error}" if transport.last_error else ""
+            raise TransportError(f"broker {where} not reachable within {timeout_s:.0f} s{last}")
         with contextlib.suppress(TimeoutError):
             await within(transport.connected.wait(), min(0.2, left))
 
@@ -177,6 +194,19 @@ async def run(
     where = f"{broker.scheme}://{broker.host}:{broker.port}"
     instance = new_instance()
     leased = hier.role != "site"  # one coordinator per fleet; a site is one per site broker
+    # SIGTERM/SIGINT from the first moment: a stop during start-up (connect, lease probe) ends it with 0
+    stop = asyncio.Event()
+    stopping_at: list[Callable[[], str]] = [lambda: "during start-up"]
+
+    def stop_on(sig: signal.Signals) -> None:
+        if not stop.is_set():
+            logger.info("%s: stopping %s", sig.name, stopping_at[0]())
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop_on, sig)
 
     def transport_for(cid: str, *, persistent: bool, probe: bool = False) -> MqttTransport:
         return MqttTransport(
@@ -209,15 +239,24 @@ async def run(
     stale = None
     if leased:  # before anything is published or written: is a live coordinator running this fleet?
         probe = transport_for(f"{client_id}-probe-{instance[:8]}", persistent=False, probe=True)
-        stale = await probe_lease(
-            probe,
-            topics.coordinator,
-            f"fleet {fleet} on broker {where}",
-            lambda t: _connected_or_refused(t, where, CONNECT_WAIT_S),
-            previous,
-            topics.coordinator_holder,
-            trust,
+        probing = await _unless_stopped(
+            probe_lease(
+                probe,
+                topics.coordinator,
+                f"fleet {fleet} on broker {where}",
+                lambda t: _connected_or_refused(t, where, CONNECT_WAIT_S),
+                previous,
+                topics.coordinator_holder,
+                trust,
+            ),
+            stop,
         )
+        if probing is None:  # stopped while probing: nothing was published or written
+            return EXIT_OK
+        try:
+            stale = probing.result()
+        except BrokerRefused as exc:
+            raise _access_refused(exc, where, broker.username, topics) from exc
         if files.state is not None:
             record_instance(files.state, instance)  # the next start knows this one's lease as its own
     transport = transport_for(client_id, persistent=True)
@@ -301,7 +340,6 @@ async def run(
         trust=trust,
         seen=stale,
     )
-    stop = asyncio.Event()
     lease.on_lost = stop.set
     coord.on_lease_message = lease.handle
 
@@ -310,21 +348,17 @@ async def run(
         lease.on_connect()  # our presence again (the broker may have lost it, or a will cleared it)
 
     transport.on_connect_cb = connected
-    loop = asyncio.get_running_loop()
 
-    def stop_on(sig: signal.Signals) -> None:
-        if not stop.is_set():
-            rnd = coord.state.current
-            if rnd is None or rnd.phase.value != "open":
-                state = "no round open"
-            else:
-                state = "saving the open round for the next start" if files.state else "no state file"
-            logger.info("%s: stopping at round %d (%s)", sig.name, coord.state.round, state)
-        stop.set()
+    def running_at() -> str:
+        rnd = coord.state.current
+        if rnd is None or rnd.phase.value != "open":
+            state = "no round open"
+        else:
+            state = "saving the open round for the next start" if files.state else "no state file"
+        return f"at round {coord.state.round} ({state})"
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop_on, sig)
+    stopping_at[0] = running_at
+
     role = "" if hier.role == "flat" else f" ({hier.role} of {hier.expected_sites or 'any number of'} sites)"
     if job:
         what = f"{plural(rounds.count, 'round')} of {st.name}"
@@ -352,6 +386,17 @@ async def run(
     unsaved = ""  # why the state file could not be saved at the stop (exit 75)
     pump: asyncio.Task[None] | None = None
     holding: asyncio.Task[None] | None = None
+    started = False  # start-up done: the state is saved and the lease cleared at the stop
+
+    async def start_up() -> None:
+        nonlocal holding
+        await _connected_or_refused(transport, where, CONNECT_WAIT_S)
+        holding = asyncio.create_task(lease.hold())
+        await coord.start()
+        # watch the lease while running: a live coordinator that took the fleet first makes this one
+        # stop (exit 6), a cleared lease is published again (the transport renews it after a reconnect)
+        await transport.subscribe(topics.coordinator, 1)
+
     try:
         if files.state is not None:
             try:
@@ -367,19 +412,20 @@ async def run(
             logger.warning("%s", why)
         await transport.start(wait_s=None)
         pump = asyncio.create_task(coord.pump())
-        await _connected_or_refused(transport, where, CONNECT_WAIT_S)
-        holding = asyncio.create_task(lease.hold())
-        await coord.start()
-        # watch the lease while running: a live coordinator that took the fleet first makes this one
-        # stop (exit 6), a cleared lease is published again (the transport renews it after a reconnect)
-        await transport.subscribe(topics.coordinator, 1)
-        if job and coord.state.round >= rounds.count:
+        booting = await _unless_stopped(start_up(), stop)
+        if booting is not None:
+            try:
+                booting.result()
+            except BrokerRefused as exc:  # an ACL without the fleet's topics: exit 1, not restarted
+                raise _access_refused(exc, where, broker.username, topics) from exc
+            started = True
+        if not stop.is_set() and job and coord.state.round >= rounds.count:
             print(
                 f"nothing to do: fleet {fleet} is at round {coord.state.round} of {rounds.count} "
                 "(raise rounds.count or use a new fleet.name)",
                 flush=True,
             )
-        elif rounds.expected_clients:
+        elif not stop.is_set() and rounds.expected_clients:
             await _wait_for_expected(coord, rounds.expected_clients, rounds.wait_devices_s, stop)
         while not stop.is_set() and not (job and coord.state.round >= rounds.count):
             if not job and not coord.resuming and not await coord.wait_to_open(stop):
@@ -422,13 +468,13 @@ async def run(
     finally:
         await _cancel(pump)
         await _cancel(holding)
-        if files.state is not None and coord.state_path is not None and not lease.lost.is_set():
+        if started and files.state is not None and coord.state_path is not None and not lease.lost.is_set():
             try:
                 coord.save_state(files.state)  # an open round, as it stands: resumed at the restart
             except OSError as exc:
                 unsaved = f"state file {files.state} not saved at the stop ({exc})"
                 logger.error("%s: the next start resumes its last saved generation", unsaved)
-        if not lease.lost.is_set():
+        if holding is not None and not lease.lost.is_set() and not lease.refused:
             await lease.release()
         await transport.stop()
         if stop_page is not None:
@@ -522,7 +568,8 @@ async def _run_site(
         try:
             await within(transport.connected.wait(), CONNECT_WAIT_S)
         except TimeoutError as exc:
-            raise TransportError(f"broker {where} not reachable within {CONNECT_WAIT_S:.0f} s") from exc
+            last = f": {transport.last_error}" if transport.last_error else ""
+            raise TransportError(f"broker {where} not reachable within {CONNECT_WAIT_S:.0f} s{last}") from exc
         try:
             await site.start()
         except UpdateRejected as exc:

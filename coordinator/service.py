@@ -39,7 +39,7 @@ from edgefl.coordinator.rounds import (
     replace_min_devices,
 )
 from edgefl.coordinator.strategy import RoundConfig, Schedule, aggregate_checked
-from edgefl.errors import TransportError
+from edgefl.errors import BrokerRefused, TransportError
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
@@ -241,7 +241,6 @@ class Coordinator(Intake):
         reason when the aggregated head was not valid (the head unchanged in both cases).
         """
         cfg = self.strategy.configure_round(round_no, self.shape)
-        t0 = time.monotonic()
         resume, self._resume = self._resume, None
         if resume is not None and int(resume["round"]) != round_no:
             logger.warning(
@@ -359,7 +358,7 @@ class Coordinator(Intake):
             rnd.clients,
             accuracy,
             float(np.mean(rnd.update_bytes)) if rnd.update_bytes else 0.0,
-            time.monotonic() - t0,
+            time.monotonic() - rnd.opened_at,  # a resumed round's from its first opening (state file)
             clipped=report.clipped,
             norm_bound=report.norm_bound,
             epsilon=report.epsilon,
@@ -428,7 +427,8 @@ class Coordinator(Intake):
     async def _publish(self, topic: str, payload: bytes, *, retain: bool = True) -> None:
         """Publish with QoS 1 (retained by default), waiting out an outage for ``PUBLISH_RETRY_S``.
 
-        Raises TransportError if the broker did not acknowledge within that budget.
+        Raises BrokerRefused at once if the broker refused it (an ACL's 0x87: again gets the same
+        answer), TransportError if the broker did not acknowledge within that budget.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PUBLISH_RETRY_S
@@ -436,6 +436,8 @@ class Coordinator(Intake):
             try:
                 await self.transport.publish(topic, payload, qos=1, retain=retain)
                 return
+            except BrokerRefused:
+                raise
             except TransportError:
                 remaining = deadline - loop.time()
                 if remaining <= 0:

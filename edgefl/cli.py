@@ -45,7 +45,8 @@ EXIT_MODEL = 3
 EXIT_RUNTIME = 4
 """A start-up error (e.g. the dashboard's port in use); the shipped unit restarts it with a delay."""
 EXIT_CREDENTIALS = 5
-"""The broker refused the agent's credentials ``broker.auth_retries`` times in a row; not restarted."""
+"""The broker refused the agent's credentials, or its TLS certificate was not trusted, ``broker.auth_retries``
+times in a row; not restarted."""
 EXIT_TEMPFAIL = 75
 """A fault stopped the running agent (sysexits.h ``EX_TEMPFAIL``: try again later); restarted."""
 
@@ -220,7 +221,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _stopped_by(exc: BaseException) -> int:
-    """The exit code for what stopped the agent: refused credentials (5), a start-up error (4), a fault."""
+    """The exit code for what stopped the agent: 5 refused credentials or certificate, 4 start-up, a fault."""
     from edgefl.errors import CredentialsRefused, StartupError
 
     leaves = _leaves(exc)
@@ -467,7 +468,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         help="run the device agent with a profile",
         description="Run the device agent until SIGTERM/SIGINT. Exit codes: 0 stopped; 1 invalid profile or "
         "state folder in use; 2 usage; 3 model cannot be loaded; 4 start-up error (e.g. dashboard port in "
-        "use); 5 the broker refused the credentials broker.auth_retries times in a row (not restarted); "
+        "use); 5 the broker refused the credentials, or its TLS certificate was not trusted, "
+        "broker.auth_retries times in a row (not restarted); "
         "75 a fault stopped the running agent (restarted).",
     )
     r.add_argument("profile", help="TOML profile (see firmware_configs/)")

@@ -201,6 +201,8 @@ async def _run(opts: argparse.Namespace) -> int:
                             "model.path": str(model_path),
                             "training.store_capacity": str(max(256, len(shard))),
                             "broker.protocol": "3.1.1" if broker is not None else profile.broker.protocol,
+                            # the demo's agents never restart: no session for the embedded broker to keep
+                            "broker.session_expiry_s": "0",
                         },
                         work / f"{dev}.log",
                     )

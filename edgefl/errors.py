@@ -62,6 +62,26 @@ class TransportError(EdgeflError):
         super().__init__(detail)
 
 
+class BrokerRefused(TransportError):
+    """The broker answered a publish (PUBACK) or a subscription (SUBACK) with a failure reason code.
+
+    ``topic``: the topic or filter refused; ``code``: the reason code (MQTT 5.0 §2.4: 0x87 Not
+    authorized is an ACL's answer; 3.1.1's SUBACK has only 0x80 Failure, and a 3.1.1 broker drops a
+    refused publish without saying so). Sending the same again gets the same answer until the broker's
+    configuration changes.
+    """
+
+    def __init__(self, detail: str, topic: str, code: int) -> None:
+        self.topic = topic
+        self.code = code
+        super().__init__(detail)
+
+    @property
+    def not_authorized(self) -> bool:
+        """True for 0x87 Not authorized (an ACL without the topic for this account)."""
+        return self.code == 0x87
+
+
 class CredentialsRefused(TransportError):
     """The broker refused the agent's credentials ``attempts`` times in a row (CONNACK 0x86/0x87).
 
@@ -72,6 +92,15 @@ class CredentialsRefused(TransportError):
     def __init__(self, detail: str, attempts: int) -> None:
         self.attempts = attempts
         super().__init__(detail)
+
+
+class CertificateNotTrusted(CredentialsRefused):
+    """The broker's TLS certificate failed verification ``attempts`` times in a row.
+
+    An unknown CA (``broker.ca_file``), a host not in the certificate's subjectAltName or an expired
+    certificate do not fix themselves either: exit code 5, as refused credentials. ``detail`` names the
+    broker, the verification error and what to check.
+    """
 
 
 class StartupError(EdgeflError):

@@ -10,33 +10,53 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import heapq
 import json
 import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from edgefl.errors import DecodeError, EdgeflError, TransportError
-from edgefl.profiles import BrokerConfig, Schema, broker_password, check_broker, read_toml
+from edgefl.profiles import (
+    BrokerConfig,
+    Schema,
+    add_set_argument,
+    broker_password,
+    check_broker,
+    parse_sets,
+    read_toml,
+)
 from edgefl.records import atomic_write
 from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.validators import check_device_id, parse_broker_url
+from edgefl.validators import check_device_id
 from edgefl.wire.chunking import split_message
-from edgefl.wire.ingest import Label, Prediction, Sample, decode_prediction, encode_label, encode_sample
+from edgefl.wire.ingest import (
+    IngestRefusal,
+    Label,
+    Prediction,
+    Sample,
+    decode_answer,
+    encode_label,
+    encode_sample,
+)
 from edgefl.wire.status import decode_status
 
 logger = logging.getLogger(__name__)
 
 IN_FLIGHT = 64
 """QoS 1 publishes awaiting their PUBACK at once (as fast as the broker acknowledges, not one RTT each)."""
+CONNECT_WAIT_S = 15.0
+"""Seconds the feed waits for its connection (a refusal of its credentials ends it at once)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +89,15 @@ class FeedOptions:
 class FeedResult:
     """What one feed did (``--json`` writes it; the keys are a contract).
 
-    ``labels_inline``/``labels_late`` count labels in a Sample / as Label messages;
+    ``samples_sent`` samples the broker acknowledged (all of them unless ``error``);
+    ``labels_inline``/``labels_late`` labels in a Sample / as Label messages (acknowledged);
     ``predictions_received`` one per id; ``correct`` against ``y``; ``seconds`` from the first publish;
     ``latency_s_median``/``latency_s_p95`` over the device's ``latency_s`` (seconds, None without
-    predictions); ``publish_s`` to the last acknowledged publish; ``refused`` the rise of the device's
-    ``rejected`` counters by reason, ``refused_detail`` its ``last_rejected``; ``chunked`` samples sent
-    in chunks.
+    predictions); ``publish_s`` to the last acknowledged publish; ``refused`` the device's refusals of
+    this feed's own samples (those without a prediction) and late labels by reason, from its IngestRefusal
+    messages (a ``duplicate`` label, one already applied, is not a refusal); ``labels_refused`` how
+    many late labels were refused; ``refused_detail`` the last refusal's detail; ``chunked`` samples
+    sent in chunks; ``error`` why the feed stopped early ("" when it did not).
     """
 
     samples_sent: int
@@ -89,6 +112,8 @@ class FeedResult:
     refused: dict[str, int] = field(default_factory=dict)
     refused_detail: str = ""
     chunked: int = 0
+    labels_refused: int = 0
+    error: str = ""
 
     @property
     def accuracy(self) -> float | None:
@@ -97,23 +122,56 @@ class FeedResult:
 
 
 def load_samples(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Read a replay-format ``.npz``: ``x`` [N, ...] raw, ``y`` int64 [N]; ValueError naming the problem."""
+    """Read a replay-format ``.npz``: ``x`` [N, ...] raw, ``y`` int64 [N], N >= 1.
+
+    ValueError naming the file and the problem: not an ``.npz`` archive, no ``x``/``y``, no samples,
+    lengths that differ, or labels that are not integers (a float ``y`` must hold whole numbers).
+    """
+    try:
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    if magic != b"PK\x03\x04":  # every .npz is a zip archive (numpy.savez)
+        raise ValueError(f"{path}: not an .npz archive (numpy.savez writes one, with x and y)")
     try:
         with np.load(path, allow_pickle=False) as data:
-            x, y = np.asarray(data["x"]), np.asarray(data["y"]).astype(np.int64)
+            x, y = np.asarray(data["x"]), np.asarray(data["y"])
     except (OSError, KeyError, ValueError) as exc:
         raise ValueError(f"{path}: not an .npz holding x and y ({exc})") from exc
-    if x.ndim < 2 or len(x) != len(y):
-        raise ValueError(f"{path}: x {list(x.shape)} and y {list(y.shape)} do not match")
-    return x, y
+    if x.ndim < 2 or y.ndim != 1 or len(x) != len(y):
+        raise ValueError(f"{path}: x {list(x.shape)} and y {list(y.shape)} do not match (x [N, ...], y [N])")
+    if not len(x):
+        raise ValueError(f"{path}: holds no samples (x {list(x.shape)})")
+    return x, _integer_labels(path, y)
+
+
+def _integer_labels(path: Path, y: np.ndarray) -> np.ndarray:
+    """``y`` as int64, or ValueError naming the labels that are not whole numbers."""
+    if y.dtype.kind in "iub":
+        return y.astype(np.int64)
+    if y.dtype.kind != "f":
+        raise ValueError(f"{path}: y: dtype {y.dtype}, labels must be integers")
+    bad = ~np.isfinite(y) | (y != np.round(y))
+    if bad.any():
+        shown = ", ".join(f"{v:g}" for v in y[bad][:3])
+        raise ValueError(
+            f"{path}: y: {int(bad.sum())} of {len(y)} label(s) not whole numbers (e.g. {shown}); "
+            "labels are class indices"
+        )
+    return y.astype(np.int64)
 
 
 async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> FeedResult:
-    """Publish the samples (and labels) of ``opts.data`` to a device and collect its predictions.
+    """Publish the samples (and labels) of ``opts.data`` to a device and collect what became of them.
 
-    ``transport``: a started transport to use (by default the feed connects its own). ValueError for an
-    unreadable data file; TransportError if the broker cannot be reached or refuses a publish;
-    ConfigError if TLS files or the password file cannot be read.
+    Waits up to ``opts.wait_s`` for a Prediction or a Refusal of every sample and, with late labels,
+    for the device's refusals of them (until every label is refused or :data:`LABEL_STATUSES` device
+    statuses came after the last one). A connection lost while publishing ends the feed early: the
+    result counts what the broker acknowledged and names the error. ``transport``: a started transport
+    to use (by default the feed connects its own). ValueError for an unreadable data file;
+    TransportError if the broker cannot be reached or refuses the credentials; ConfigError if TLS
+    files or the password file cannot be read.
     """
     x, y = load_samples(opts.data)
     if opts.limit is not None:
@@ -128,29 +186,15 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
     topics = Topics(opts.broker.topic_prefix, opts.fleet)
     own = transport is None
     if transport is None:
-        b = opts.broker
-        transport = MqttTransport(
-            b.host,
-            b.port,
-            f"edgefl-feed-{opts.device}-{prefix.rstrip('-')}",
-            protocol=b.protocol,
-            keepalive_s=b.keepalive_s,
-            queue_size=max(256, 2 * n),
-            username=b.username,
-            password=broker_password(b),
-            tls_context=ssl_context_for(b),
-            max_packet_bytes=b.max_packet_bytes,
-            max_incoming_packet_bytes=b.max_incoming_packet_bytes,
-        )
-        await transport.start(wait_s=15)
-    predicted: dict[int, Prediction] = {}
-    all_in = asyncio.Event()
+        transport = _connect(opts, f"edgefl-feed-{opts.device}-{prefix.rstrip('-')}", max(256, 2 * n))
+        try:
+            await transport.start(wait_s=CONNECT_WAIT_S)
+        except BaseException:
+            await transport.stop()
+            raise
+    state = _Fate(n)
     device_ready = asyncio.Event()  # the device's status says it takes samples (its subscriptions are in)
-    statuses: list[dict[str, Any]] = []  # the retained one first (the baseline), then the device's news
-    status_topic = topics.status(opts.device)
-
-    def refused_now() -> dict[str, int]:
-        return _rise(statuses[0], statuses[-1]) if statuses else {}
+    status_topic, answer_topic = topics.status(opts.device), topics.predictions(opts.device)
 
     async def collect() -> None:
         assert transport is not None
@@ -162,54 +206,55 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
                 except DecodeError as exc:
                     logger.warning("status refused: %s", exc)
                     continue
-                statuses.append(dict(st.fields))
                 if st.state != "offline" and st.fields.get("ready") is True:
                     device_ready.set()
-                if n and len(predicted) + sum(refused_now().values()) >= n:
-                    all_in.set()  # every sample answered or refused: nothing more will come
+                state.status_came()
                 continue
-            if msg.topic != topics.predictions(opts.device):
+            if msg.topic != answer_topic:
                 continue
             try:
-                p = decode_prediction(msg.payload)
+                answer = decode_answer(msg.payload)
             except DecodeError as exc:
-                logger.warning("prediction refused: %s", exc)
+                logger.warning("message on %s refused: %s", msg.topic, exc)
                 continue
-            i = index.get(p.id)
+            i = index.get(answer.id)
             if i is not None:
-                predicted.setdefault(i, p)
-                if len(predicted) + sum(refused_now().values()) >= n:
-                    all_in.set()
+                state.answer(i, answer)
 
     sem = asyncio.Semaphore(IN_FLIGHT)
     inflight: set[asyncio.Task[None]] = set()
     errors: list[TransportError] = []
 
-    async def send(topic: str, payload: bytes, qos: int) -> None:
+    async def send(topic: str, payload: bytes, qos: int, acked: Callable[[], None] | None) -> None:
         assert transport is not None
         try:
             await transport.publish(topic, payload, qos=qos)
         except TransportError as exc:
             errors.append(exc)
+        else:
+            if acked is not None:
+                acked()
         finally:
             sem.release()
 
-    async def spawn(topic: str, payload: bytes, qos: int) -> None:
+    async def spawn(topic: str, payload: bytes, qos: int, acked: Callable[[], None] | None = None) -> None:
         if errors:
             raise errors[0]
         await sem.acquire()  # back-pressure: at most IN_FLIGHT unacknowledged publishes
-        task = asyncio.create_task(send(topic, payload, qos))
+        task = asyncio.create_task(send(topic, payload, qos, acked))
         inflight.add(task)
         task.add_done_callback(inflight.discard)
 
     collector = asyncio.create_task(collect())
     late: list[tuple[float, int]] = []  # (due monotonic, sample index), a heap
-    inline = late_sent = chunked = 0
+    chunked = 0
+    error = ""
+    publish_s: float | None = None
     t0 = time.monotonic()
     try:
-        # the retained status first: its rejected counters are the baseline the feed's refusals rise from
+        # the status first: the device's readiness, and later the fence of its label refusals
         await transport.subscribe(status_topic, 1)
-        await transport.subscribe(topics.predictions(opts.device), 1)
+        await transport.subscribe(answer_topic, 1)
         sample_topic, label_topic = topics.samples(opts.device), topics.labels(opts.device)
         try:
             await asyncio.wait_for(device_ready.wait(), opts.wait_s)
@@ -224,40 +269,42 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
         t0 = time.monotonic()
 
         async def send_due_labels(now: float) -> None:
-            nonlocal late_sent
             while late and late[0][0] <= now:
                 _, i = heapq.heappop(late)
-                await spawn(label_topic, encode_label(Label(ids[i], int(y[i]), time.time())), 1)
-                late_sent += 1
+                label = encode_label(Label(ids[i], int(y[i]), time.time()))
+                await spawn(label_topic, label, 1, functools.partial(state.label_sent, i))
 
-        for i in range(n):
-            if opts.rate_hz > 0:
-                due = t0 + i / opts.rate_hz
-                while (now := time.monotonic()) < due:
-                    await send_due_labels(now)
-                    await asyncio.sleep(max(0.0, (min(due, late[0][0]) if late else due) - now))
-            await send_due_labels(time.monotonic())
-            with_label = bool(labelled[i]) and opts.label_delay_s <= 0
-            sample = Sample(ids[i], x[i], int(y[i]) if with_label else None, time.time())
-            limit = transport.packet_limit()
-            parts = split_message(encode_sample(sample), sample_topic, limit)  # a random chunk set id
-            chunked += len(parts) > 1
-            for part in parts:  # in order: the device reassembles a sample larger than a packet
-                await spawn(sample_topic, part, opts.qos)
-            inline += with_label
-            if labelled[i] and opts.label_delay_s > 0:
-                heapq.heappush(late, (time.monotonic() + opts.label_delay_s, i))
-        while late:
-            await asyncio.sleep(max(0.0, late[0][0] - time.monotonic()))
-            await send_due_labels(time.monotonic())
-        if inflight:
-            await asyncio.gather(*inflight)
-        if errors:
-            raise errors[0]
-        publish_s = time.monotonic() - t0
-        if n:
+        try:
+            for i in range(n):
+                if opts.rate_hz > 0:
+                    due = t0 + i / opts.rate_hz
+                    while (now := time.monotonic()) < due:
+                        await send_due_labels(now)
+                        await asyncio.sleep(max(0.0, (min(due, late[0][0]) if late else due) - now))
+                await send_due_labels(time.monotonic())
+                with_label = bool(labelled[i]) and opts.label_delay_s <= 0
+                sample = Sample(ids[i], x[i], int(y[i]) if with_label else None, time.time())
+                parts = split_message(encode_sample(sample), sample_topic, transport.packet_limit())
+                chunked += len(parts) > 1
+                sent = functools.partial(state.sample_sent, with_label)
+                for k, part in enumerate(parts):  # in order: the device reassembles a large sample
+                    await spawn(sample_topic, part, opts.qos, sent if k == len(parts) - 1 else None)
+                if labelled[i] and opts.label_delay_s > 0:
+                    heapq.heappush(late, (time.monotonic() + opts.label_delay_s, i))
+            while late:
+                await asyncio.sleep(max(0.0, late[0][0] - time.monotonic()))
+                await send_due_labels(time.monotonic())
+            if inflight:
+                await asyncio.gather(*inflight)
+            if errors:
+                raise errors[0]
+            publish_s = time.monotonic() - t0
+            state.all_sent()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(all_in.wait(), opts.wait_s)
+                await asyncio.wait_for(state.settled.wait(), opts.wait_s)
+        except TransportError as exc:
+            error = str(exc)
+            logger.debug("feed stopped early: %s", exc)
     finally:
         collector.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -266,47 +313,127 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
             task.cancel()
         if own:
             await transport.stop()
-    correct = sum(int(p.cls == y[i]) for i, p in predicted.items())
-    lat = np.array([p.latency_s for p in predicted.values()], dtype=np.float64)
-    last = statuses[-1].get("last_rejected") if statuses else None
-    refused = refused_now()
-    detail = str(last.get("detail", "")) if isinstance(last, dict) and refused else ""
-    return FeedResult(
-        n,
-        inline,
-        late_sent,
-        len(predicted),
-        correct,
-        time.monotonic() - t0,
-        float(np.median(lat)) if len(lat) else None,
-        float(np.percentile(lat, 95)) if len(lat) else None,
-        publish_s,
-        refused,
-        detail,
-        chunked,
+    return state.result(y, chunked, time.monotonic() - t0, publish_s, error)
+
+
+LABEL_STATUSES = 2
+"""Device statuses that must come after the last late label's PUBACK before its fate is taken as known.
+
+The device refuses a label the moment it takes it, before its next status: the second status after
+the PUBACK comes after the device took every label (it publishes one every ``status.interval_s``).
+"""
+
+
+class _Fate:
+    """What became of a feed's samples and late labels: acknowledged, answered, refused."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.sent = self.inline = self.late = 0
+        self.predicted: dict[int, Prediction] = {}
+        self.refused_samples: dict[int, IngestRefusal] = {}
+        self.refused_labels: dict[int, IngestRefusal] = {}
+        self.labels_out: set[int] = set()  # late labels acknowledged by the broker
+        self.last: IngestRefusal | None = None
+        self.done_sending = False
+        self.statuses_after = 0  # device statuses since everything was acknowledged
+        self.settled = asyncio.Event()
+
+    def sample_sent(self, with_label: bool) -> None:
+        self.sent += 1
+        self.inline += with_label
+
+    def label_sent(self, i: int) -> None:
+        self.late += 1
+        self.labels_out.add(i)
+
+    def all_sent(self) -> None:
+        self.done_sending = True
+        self.statuses_after = 0
+        self._check()
+
+    def status_came(self) -> None:
+        self.statuses_after += 1
+        self._check()
+
+    def answer(self, i: int, answer: Prediction | IngestRefusal) -> None:
+        if isinstance(answer, Prediction):
+            self.predicted.setdefault(i, answer)
+        elif answer.of == "sample":
+            self.refused_samples.setdefault(i, answer)
+            self.last = answer
+        elif answer.reason != "duplicate":  # the same label again: the first one was applied
+            self.refused_labels.setdefault(i, answer)
+            self.last = answer
+        self._check()
+
+    def _check(self) -> None:
+        if not self.done_sending:
+            return
+        answered = set(self.predicted) | set(self.refused_samples)
+        samples_done = len(answered) >= self.sent
+        labels_done = (
+            not self.labels_out
+            or len(self.refused_labels) >= len(self.labels_out)
+            or self.statuses_after >= LABEL_STATUSES
+        )
+        if samples_done and labels_done:
+            self.settled.set()
+
+    def result(
+        self, y: np.ndarray, chunked: int, seconds: float, publish_s: float | None, error: str
+    ) -> FeedResult:
+        refused: dict[str, int] = {}
+        for i, r in self.refused_samples.items():
+            if i not in self.predicted:
+                refused[r.reason] = refused.get(r.reason, 0) + 1
+        for r in self.refused_labels.values():
+            refused[r.reason] = refused.get(r.reason, 0) + 1
+        lat = np.array([p.latency_s for p in self.predicted.values()], dtype=np.float64)
+        return FeedResult(
+            self.sent,
+            self.inline,
+            self.late,
+            len(self.predicted),
+            sum(int(p.cls == y[i]) for i, p in self.predicted.items()),
+            seconds,
+            float(np.median(lat)) if len(lat) else None,
+            float(np.percentile(lat, 95)) if len(lat) else None,
+            publish_s,
+            refused,
+            self.last.detail if self.last is not None and refused else "",
+            chunked,
+            len(self.refused_labels),
+            error,
+        )
+
+
+def _connect(opts: FeedOptions, client_id: str, queue_size: int) -> MqttTransport:
+    """The feed's own transport (not started) with the broker options' credentials and TLS."""
+    b = opts.broker
+    return MqttTransport(
+        b.host,
+        b.port,
+        client_id,
+        protocol=b.protocol,
+        keepalive_s=b.keepalive_s,
+        queue_size=queue_size,
+        username=b.username,
+        password=broker_password(b),
+        tls_context=ssl_context_for(b),
+        max_packet_bytes=b.max_packet_bytes,
+        max_incoming_packet_bytes=b.max_incoming_packet_bytes,
     )
 
 
-def _rise(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
-    """By how much each of a device status's ``rejected`` counters rose from ``before`` to ``after``."""
-    b, a = before.get("rejected"), after.get("rejected")
-    if not isinstance(a, dict):
-        return {}
-    b = b if isinstance(b, dict) else {}
-    out = {}
-    for reason, count in a.items():
-        base = b.get(reason, 0)
-        base = base if isinstance(base, int) and not isinstance(base, bool) and base >= 0 else 0
-        if isinstance(count, int) and not isinstance(count, bool) and count > base:
-            out[str(reason)] = count - base
-    return out
-
-
-def check_samples(profile_path: Path | str, x: np.ndarray, y: np.ndarray) -> list[str]:
+def check_samples(
+    profile_path: Path | str, x: np.ndarray, y: np.ndarray, overrides: dict[str, object] | None = None
+) -> list[str]:
     """What the device of a profile would refuse in ``x`` [N, *sample_shape], ``y`` int [N], if anything.
 
-    Its ``[model]`` and ``[pipeline]`` are read and the model loaded (a file without ``[model]`` checks
-    nothing); one line per problem, naming the data, the device's expectation and the profile key.
+    Its ``[model]`` and ``[pipeline]`` are read (``overrides`` ``{"table.key": value}`` on top, as
+    ``--set``) and the model loaded (a file without ``[model]`` checks nothing); one line per problem,
+    naming the data, the device's expectation and the profile key.
     ConfigError for an invalid profile, ModelError for a model that cannot be loaded.
     """
     from edgefl.agent.config import load_profile  # here: the profile and LiteRT only with --profile
@@ -316,7 +443,7 @@ def check_samples(profile_path: Path | str, x: np.ndarray, y: np.ndarray) -> lis
     _, data = read_toml(profile_path)
     if "model" not in data:
         return []
-    profile = load_profile(profile_path, check_files=False)
+    profile = load_profile(profile_path, overrides, check_files=False)
     m = profile.model
     bb = Backbone(m.path, num_threads=1, runtime=m.runtime, embedding_tensor=m.embedding_tensor)
     shape, k = bb.sample_shape, int(bb.head_from_model()[0].shape[1])
@@ -342,21 +469,27 @@ def check_samples(profile_path: Path | str, x: np.ndarray, y: np.ndarray) -> lis
 
 # --- the command ---------------------------------------------------------------------------------------
 HELP = """\
-Publish the samples of FILE.npz (x: raw samples in the device's raw dtype and sample shape, y: labels;
-the replay file format) to one device over MQTT, as a gateway app would: each sample is a Sample
-message on <prefix>/<fleet>/samples/<device> (QoS --qos), RATE per second. A seeded random fraction P of
-the samples is labelled: with --label-delay 0 the label travels inline in its Sample; with S > 0 it is
-sent as a Label message on labels/<device> (QoS 1) S seconds after its sample, and the sample's
-embedding waits on the device for it (source.label_expiry_s). Unlabelled samples are only classified.
-Meanwhile the feed listens on predictions/<device> and at the end waits up to --wait seconds for a
-prediction of every sample; a sample larger than the packet limit travels in chunks. With --profile
-naming a device profile, the samples are first checked against its model (shape, dtype, labels).
-When samples got no prediction, the device's status says why (its rejected counters): printed.
+Publish the samples of FILE.npz (x: raw samples in the device's raw dtype and sample shape, y: integer
+labels; the replay file format) to one device over MQTT, as a gateway app would: each sample is a
+Sample message on <prefix>/<fleet>/samples/<device> (QoS --qos), RATE per second. A seeded random
+fraction P of the samples is labelled: with --label-delay 0 the label travels inline in its Sample;
+with S > 0 it is sent as a Label message on labels/<device> (QoS 1) S seconds after its sample, and the
+sample's embedding waits on the device for it (source.label_expiry_s). Unlabelled samples are only
+classified. Meanwhile the feed listens on predictions/<device>, where the device answers each sample
+with a Prediction or, refusing it or its label, a Refusal naming its id and the reason; at the end it
+waits up to --wait seconds for every sample's answer and the late labels' fate. A sample larger than
+the packet limit travels in chunks.
+Connecting: --profile FILE lends the [broker] table of a file (an app's, or a device profile), checked
+as a profile's (TLS files, credentials, protocol, prefix); --set broker.KEY=VALUE overrides one of its
+keys. Checking: a device profile (--check-profile, or --profile when it has a [model] table) has the
+samples checked against its model before anything is sent (shape, dtype, label range); --set KEY=VALUE
+of other tables overrides its keys, as for edgefl run.
 A streaming model takes one frame per sample, its state carrying the earlier frames: send frames in
-order and labels in runs. Prints one summary line (and --json PATH).
-Exit 0 when every sample got a prediction; 1 when some did not (the device's refusals are named);
-2 on bad arguments or samples the --profile's device would refuse (each problem named); 4 when the
-broker cannot be reached or refuses the feed (credentials, ACL)."""
+order and labels in runs. Prints one summary line (and --json PATH), also when the connection is lost.
+Exit 0 when every sample got a prediction and no label was refused; 1 when some did not, or labels
+were refused (the device's refusals of this feed's samples and labels are named); 2 on bad arguments
+or samples the checked profile's device would refuse (each problem named); 4 when the broker cannot
+be reached, refuses the credentials or the feed (ACL), or the connection is lost while feeding."""
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -370,8 +503,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--broker", required=True, help="mqtt://host[:port] or mqtts://host[:port]")
     p.add_argument("--fleet", required=True, help="the device's fleet (device.fleet)")
     p.add_argument("--device", required=True, help="the device id (device.id)")
-    p.add_argument("--data", required=True, metavar="FILE.npz", help="x [N, ...] raw samples, y [N] labels")
-    p.add_argument("--rate", type=float, default=50.0, metavar="HZ", help="samples per second; 0: at once")
+    p.add_argument(
+        "--data", required=True, type=Path, metavar="FILE.npz", help="x [N, ...] raw samples, y [N] labels"
+    )
+    p.add_argument(
+        "--rate", dest="rate_hz", type=float, default=50.0, metavar="HZ", help="samples/s; 0: at once"
+    )
     p.add_argument(
         "--label-fraction",
         type=float,
@@ -381,87 +518,137 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--label-delay",
+        dest="label_delay_s",
         type=float,
         default=0.0,
         metavar="S",
         help="0: label inline in the Sample (default); S > 0: a Label on labels/<device> S s after it",
     )
     p.add_argument("--qos", type=int, default=1, choices=(0, 1), help="QoS of the samples (default 1)")
-    p.add_argument("--wait", type=float, default=10.0, metavar="S", help="wait for predictions (default 10)")
+    p.add_argument(
+        "--wait",
+        dest="wait_s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="wait for the answers, seconds (default 10)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the labelled fraction (default 0)")
-    p.add_argument("--limit", type=int, default=None, help="feed only the first N samples")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="feed only the first N samples")
     p.add_argument("--id-prefix", default=None, help="sample ids are <prefix><i> (default: a random token)")
     p.add_argument(
         "--profile",
         default=None,
-        help="a TOML file (a device profile, or only a [broker] table) whose [broker] table gives TLS "
+        help="a TOML file (an app's [broker] table, or a device profile) whose [broker] table gives TLS "
         "files, credentials, protocol and prefix; a device profile also checks the samples against its "
         "model (shape, dtype, label range) before sending",
     )
+    p.add_argument(
+        "--check-profile",
+        default=None,
+        metavar="PROFILE",
+        help="the device's profile: the samples are checked against its model before sending (its "
+        "[broker] table is not used to connect)",
+    )
+    add_set_argument(p, "broker.username=gw-7-cam")
     p.add_argument("--prefix", default=None, help="topic prefix (default: the profile's, or edgefl)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summary as JSON")
     p.set_defaults(func=cmd_feed)
     return p
 
 
-BROKER_SCHEMA = Schema({"broker": (BrokerConfig, check_broker)})
-"""The ``[broker]`` table alone, checked as a device profile's (:func:`edgefl.profiles.check_broker`)."""
+def _broker_schema() -> Schema:
+    """A device profile's ``[broker]`` table (the agent's session keys included)."""
+    from edgefl.agent.config import AgentBrokerConfig
+
+    return Schema({"broker": (AgentBrokerConfig, check_broker)})
 
 
 def load_broker_table(path: Path | str, overrides: dict[str, object]) -> BrokerConfig:
     """The validated ``[broker]`` table of a TOML file (other tables ignored), ``overrides`` on top.
 
-    ``overrides`` are ``{"broker.key": value}`` (``--broker``, ``--prefix``). ConfigError if the file
-    cannot be read, is not TOML, or the table is invalid (every problem named).
+    The table is read as a device profile's (its keys, the agent's session included, and
+    :func:`edgefl.profiles.check_broker`). ``overrides`` are ``{"broker.key": value}`` (``--broker``,
+    ``--prefix``, ``--set broker.*``). ConfigError if the file cannot be read, is not TOML, or the table is
+    invalid (every problem named).
     """
     file, data = read_toml(path)
     table = data.get("broker", {})
-    built = BROKER_SCHEMA.parse({"broker": table}, file.parent, False, overrides)
+    built = _broker_schema().parse({"broker": table}, file.parent, False, overrides)
     broker: BrokerConfig = built["broker"]
     return broker
 
 
-def _broker(args: argparse.Namespace) -> BrokerConfig:
-    """The broker options: the profile's ``[broker]``, ``--broker``/``--prefix`` on top; or the URL alone."""
-    overrides: dict[str, object] = {"broker.url": args.broker}
+def _broker(args: argparse.Namespace, sets: dict[str, object]) -> BrokerConfig:
+    """The broker options: ``--profile``'s ``[broker]`` (or the defaults), options on top.
+
+    ``--broker``, ``--prefix`` and ``--set broker.*`` override; ConfigError naming every problem.
+    """
+    overrides: dict[str, object] = {k: v for k, v in sets.items() if k.startswith("broker.")}
+    overrides["broker.url"] = args.broker
     if args.prefix is not None:
         overrides["broker.topic_prefix"] = args.prefix
     if args.profile is not None:
         return load_broker_table(args.profile, overrides)
-    parse_broker_url(args.broker)  # ValueError names the problem
-    return BrokerConfig(
-        url=args.broker,
-        topic_prefix=args.prefix or "edgefl",
-        tls=args.broker.startswith("mqtts://"),
-    )
+    broker: BrokerConfig = _broker_schema().parse({"broker": {}}, Path.cwd(), False, overrides)["broker"]
+    return broker
+
+
+def _check_profile(args: argparse.Namespace, sets: dict[str, object]) -> Path | None:
+    """The device profile to check the samples against: ``--check-profile``, or ``--profile`` with a model.
+
+    ValueError for ``--set`` keys outside ``[broker]`` when no device profile is checked.
+    """
+    if args.check_profile is not None:
+        return Path(args.check_profile)
+    if args.profile is not None and "model" in read_toml(args.profile)[1]:
+        return Path(args.profile)
+    others = sorted(k for k in sets if not k.startswith("broker."))
+    if others:
+        raise ValueError(
+            f"--set {', '.join(others)}: only broker.* keys apply without a device profile to check the "
+            "samples against (--check-profile)"
+        )
+    return None
+
+
+def _argument_problems(args: argparse.Namespace) -> list[str]:
+    """Every bad argument value, each naming its option (empty: all fine)."""
+    problems = []
+    for option, value in (("--device", args.device), ("--fleet", args.fleet)):
+        try:
+            check_device_id(value)
+        except ValueError as exc:
+            problems.append(f"{option} {value!r}: {exc}")
+    if not 0.0 <= args.label_fraction <= 1.0:
+        problems.append(f"--label-fraction {args.label_fraction:g}: must be in [0, 1]")
+    for option, value, unit in (
+        ("--rate", args.rate_hz, "samples per second"),
+        ("--label-delay", args.label_delay_s, "seconds"),
+        ("--wait", args.wait_s, "seconds"),
+    ):
+        if not 0.0 <= value < float("inf"):
+            problems.append(f"{option} {value:g}: must be a finite number of {unit} >= 0")
+    if args.limit is not None and args.limit < 1:
+        problems.append(f"--limit {args.limit}: must be >= 1 (the first N samples)")
+    return problems
 
 
 def cmd_feed(args: argparse.Namespace) -> int:
     """``edgefl feed``: see :data:`HELP`; returns the exit code."""
     try:
-        check_device_id(args.device)
-        check_device_id(args.fleet)
-        if not (0.0 <= args.label_fraction <= 1.0 and args.rate >= 0 and args.label_delay >= 0):
-            raise ValueError("--label-fraction must be in [0, 1], --rate and --label-delay >= 0")
-        opts = FeedOptions(
-            broker=_broker(args),
-            fleet=args.fleet,
-            device=args.device,
-            data=Path(args.data),
-            rate_hz=args.rate,
-            label_fraction=args.label_fraction,
-            label_delay_s=args.label_delay,
-            qos=args.qos,
-            wait_s=args.wait,
-            seed=args.seed,
-            id_prefix=args.id_prefix,
-            limit=args.limit,
-        )
+        problems = _argument_problems(args)
+        if problems:
+            raise ValueError("; ".join(problems))
+        sets = parse_sets(args.set)
+        names = [f.name for f in fields(FeedOptions) if f.name != "broker"]  # each the dest of its option
+        opts = FeedOptions(broker=_broker(args, sets), **{name: getattr(args, name) for name in names})
         x, y = load_samples(opts.data)
-        if args.profile is not None:
-            if args.limit is not None:
-                x, y = x[: args.limit], y[: args.limit]
-            problems = check_samples(args.profile, x, y)
+        checked = _check_profile(args, sets)
+        if checked is not None:
+            x, y = x[: args.limit], y[: args.limit]
+            model_sets = {k: v for k, v in sets.items() if not k.startswith("broker.")}
+            problems = check_samples(checked, x, y, model_sets)
             if problems:
                 print(f"edgefl feed: {opts.data} does not fit device {opts.device}:", file=sys.stderr)
                 for problem in problems:
@@ -475,20 +662,38 @@ def cmd_feed(args: argparse.Namespace) -> int:
     except EdgeflError as exc:
         print(f"edgefl feed: {exc}", file=sys.stderr)
         return 4
+    return _report(opts, result, args.json)
+
+
+def _report(opts: FeedOptions, result: FeedResult, json_path: str | None) -> int:
+    """Print the summary (and write ``json_path``); return the exit code (:data:`HELP`)."""
     acc = result.accuracy
     print(
         f"fed {result.samples_sent} samples to {opts.device} in {result.seconds:.1f} s "
         f"({result.labels_inline} labels inline, {result.labels_late} late); "
-        f"{result.predictions_received} predictions" + (f", accuracy {acc:.3f}" if acc is not None else "")
+        f"{result.predictions_received} predictions" + (f", accuracy {acc:.3f}" if acc is not None else ""),
+        flush=True,
     )
-    if args.json:
+    if json_path:
         doc = {**asdict(result), "accuracy": acc}
-        atomic_write(Path(args.json), (json.dumps(doc, indent=2) + "\n").encode())
+        atomic_write(Path(json_path), (json.dumps(doc, indent=2) + "\n").encode())
     if result.refused:
         counts = ", ".join(f"{reason} {n}" for reason, n in sorted(result.refused.items()))
+        samples_refused = sum(result.refused.values()) - result.labels_refused
+        what = " and ".join(
+            w for w, k in (("samples", samples_refused), ("labels", result.labels_refused)) if k
+        )
         last = f": last: {result.refused_detail}" if result.refused_detail else ""
-        print(f"edgefl feed: device {opts.device} refused samples ({counts}){last}", file=sys.stderr)
-    elif result.samples_sent and not result.predictions_received:
+        print(f"edgefl feed: device {opts.device} refused {what} ({counts}){last}", file=sys.stderr)
+    if result.error:
+        print(f"edgefl feed: stopped after {result.samples_sent} samples: {result.error}", file=sys.stderr)
+        return 4
+    unanswered = (
+        result.samples_sent
+        - result.predictions_received
+        - (sum(result.refused.values()) - result.labels_refused)
+    )
+    if result.samples_sent and not result.predictions_received and not result.refused:
         topic = Topics(opts.broker.topic_prefix, opts.fleet).predictions(opts.device)
         print(
             f"edgefl feed: no prediction came back on {topic} in {opts.wait_s:g} s: check --fleet and "
@@ -496,4 +701,12 @@ def cmd_feed(args: argparse.Namespace) -> int:
             'source.kind = "mqtt"',
             file=sys.stderr,
         )
-    return 0 if result.predictions_received == result.samples_sent else 1
+    elif unanswered > 0:
+        print(
+            f"edgefl feed: {unanswered} sample(s) got neither a prediction nor a refusal in "
+            f"{opts.wait_s:g} s (dropped at the broker or from the device's full ingest queue: "
+            'docs/operations.md, "A slow device loses samples at the broker")',
+            file=sys.stderr,
+        )
+    ok = result.predictions_received == result.samples_sent and not result.labels_refused
+    return 0 if ok else 1

@@ -251,8 +251,16 @@ class Link:
         return conn.sock is not None
 
     def _net_failed(self, conn: Connection, where: str, exc: Exception) -> None:
-        """The network code raised: count and log it, close the socket, end the connection."""
-        self._thread_error(where, exc)
+        """The network code raised: count and log it, close the socket, end the connection.
+
+        An ``OSError`` (the peer reset or closed the socket, a TLS alert) is how connections end: one
+        debug line here, the transport says why the connection ended; anything else is a fault, logged
+        with its traceback.
+        """
+        if isinstance(exc, OSError):
+            logger.debug("connection ended in the MQTT network loop (%s): %r", where, exc)
+        else:
+            self._thread_error(where, exc)
         self._release(conn)
         self._handle_disconnect(conn, f"network loop failed: {exc!r}")
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from edgefl.errors import ConfigError
+from edgefl.tlsconf import make_ssl_context
 from edgefl.validators import (
     MQTT_MAX_PACKET_BYTES,
     check_finite_float,
@@ -406,6 +407,13 @@ def check_broker(p: Problems, c: BrokerConfig, raw: Mapping[str, object], check_
             ("client_cert", "client_key") if c.client_key is None else ("client_key", "client_cert")
         )
         p.add(f"broker.{given}", raw.get(given), f"requires broker.{missing}")
+    tls_keys = ("broker.url", "broker.ca_file", "broker.client_cert", "broker.client_key")
+    if check_files and tls and not any(key in p.bad for key in tls_keys):
+        try:  # loaded as the connection will load them: a file that is there but not PEM fails here
+            make_ssl_context(c.ca_file, c.client_cert, c.client_key)
+        except ConfigError as exc:
+            for problem in exc.problems:
+                p.note(problem)
 
 
 def check_dashboard(p: Problems, c: DashboardConfig, raw: Mapping[str, object], check_files: bool) -> None:
@@ -526,7 +534,7 @@ class Schema:
                     problems.add(key, raw[name], str(exc))
                     if spec.required:
                         values[name] = self.placeholders[key]
-            if cls is BrokerConfig and "tls" not in raw and isinstance(values.get("url"), str):
+            if issubclass(cls, BrokerConfig) and "tls" not in raw and isinstance(values.get("url"), str):
                 # tls follows the scheme unless stated (and a stated tls must agree, see check_broker).
                 with contextlib.suppress(ValueError):  # a bad url is reported by check_broker
                     values["tls"] = parse_broker_url(values["url"])[0] == "mqtts"

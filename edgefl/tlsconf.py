@@ -13,9 +13,12 @@ from __future__ import annotations
 import logging
 import ssl
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgefl.errors import ConfigError
-from edgefl.profiles import BrokerConfig
+
+if TYPE_CHECKING:  # profiles checks its TLS files with make_ssl_context
+    from edgefl.profiles import BrokerConfig
 
 logger = logging.getLogger(__name__)
 

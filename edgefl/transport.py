@@ -27,7 +27,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edgefl.aio import wait_event, within
-from edgefl.errors import TransportError
+from edgefl.errors import BrokerRefused, TransportError
 from edgefl.mqtt_link import Connection, Link, Message
 from edgefl.mqtt_socket import OVERSIZE_TOPIC, BoundedClient, set_nodelay
 from edgefl.validators import MQTT_MAX_PACKET_BYTES
@@ -54,6 +54,11 @@ class Will:
     payload: bytes
     qos: int = 1
     retain: bool = True
+
+
+def _decade(n: int) -> bool:
+    """True for 1, 10, 100, 1000... (a repeated event logged at these counts)."""
+    return n > 0 and str(n).rstrip("0") == "1"
 
 
 def _retrieve_all(futures: Sequence[asyncio.Future[Any]]) -> None:
@@ -141,6 +146,9 @@ class MqttTransport(Link):
         self.ever_connected = False
         self._lost_logged = False
         self._quick_losses = 0  # connections in a row closed soon after their CONNACK (_note_takeover)
+        #: Connections another client with our client id took over (0x8E, or closed soon after CONNACK).
+        self.takeovers_total = 0
+        self._takeovers_said = 0  # of those, the certain ones (0x8E, or TAKEOVER_LOSSES in a row)
         self._subscriptions: dict[str, tuple[int, bool]] = {}  # topic -> (qos, live_only)
         # unsubscribed without an UNSUBACK yet (topic -> the latest call's token): sent once more on
         # the next connection (a persistent session keeps the broker's copy across the reconnect)
@@ -157,8 +165,17 @@ class MqttTransport(Link):
         self.last_refusal: ReasonCode | None = None
         #: CONNACKs in a row that refused our credentials (:attr:`credentials_refused`); 0 once accepted.
         self.auth_refusals = 0
-        #: Set at every CONNACK refusal (the caller clears it): wakes whoever reports refusals.
+        #: Why TLS verification of the broker's certificate failed at the last attempt that got that far
+        #: (``ssl.SSLCertVerificationError``: an unknown CA, a name not in its subjectAltName, expired);
+        #: None once a handshake succeeded.
+        self.last_tls_refusal: str | None = None
+        #: Connection attempts in a row whose broker certificate failed verification; 0 once one passed.
+        self.tls_refusals = 0
+        #: Set at every CONNACK refusal and certificate failure (the caller clears it): wakes whoever
+        #: reports refusals.
         self.refused = asyncio.Event()
+        #: Why the last connection attempt failed, in words (None once a CONNACK accepts one).
+        self.last_error: str | None = None
         self.broker_max_packet_bytes: int | None = None  # MQTT 5 CONNACK Maximum Packet Size, when sent
         #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1): False after a reconnect means
         #: what was published to our subscriptions while we were away is gone.
@@ -175,6 +192,14 @@ class MqttTransport(Link):
         Retrying cannot help until the configuration or the broker's password file/ACL changes.
         """
         return self.last_refusal is not None and int(self.last_refusal.value) in (0x86, 0x87)
+
+    @property
+    def certificate_refused(self) -> bool:
+        """True when the broker's certificate failed verification at the last try (:attr:`last_tls_refusal`).
+
+        Like refused credentials, retrying cannot help until ``ca_file`` or the broker's certificate changes.
+        """
+        return self.last_tls_refusal is not None
 
     def packet_limit(self) -> int:
         """Largest PUBLISH packet we may send now: the smaller of the profile's and the broker's limit."""
@@ -238,10 +263,12 @@ class MqttTransport(Link):
         if conn is not self._conn:
             return
         conn.answered = True
+        self.last_tls_refusal, self.tls_refusals = None, 0  # the TLS handshake (if any) passed
         if rc.is_failure:
             if self.last_refusal is None or self.last_refusal != rc:
                 logger.warning("broker %s:%s refused the connection: %s", self.host, self.port, rc)
             self.last_refusal = rc
+            self.last_error = f"the broker refused the connection: {rc}"
             if self.credentials_refused:
                 self.auth_refusals += 1
             self.refused.set()
@@ -250,7 +277,7 @@ class MqttTransport(Link):
             conn.lost.set()
             return
         self.broker_max_packet_bytes = int(max_packet) if max_packet else None
-        self.last_refusal = None
+        self.last_refusal = self.last_error = None
         self.auth_refusals = 0
         self.session_present = session_present
         conn.acked = True
@@ -330,23 +357,35 @@ class MqttTransport(Link):
         return str(rc)
 
     def _note_takeover(self, conn: Connection, from_broker: bool, rc: object) -> None:
-        """Count connections closed soon after their CONNACK; say so at :data:`TAKEOVER_LOSSES` in a row."""
+        """Count sessions taken over by another client with our client id, and say so loudly.
+
+        A takeover is MQTT 5's DISCONNECT 0x8E, or a close without a reason within
+        :data:`TAKEOVER_WINDOW_S` of CONNACK (mosquitto's way): ``takeovers_total`` counts both. Once
+        certain (0x8E, or :data:`TAKEOVER_LOSSES` such closes in a row) an ERROR says so with the count,
+        at the 1st, 10th, 100th... time.
+        """
         quick = conn.acked and time.monotonic() - conn.acked_at < TAKEOVER_WINDOW_S
         taken = from_broker and isinstance(rc, ReasonCode) and int(rc.value) == 0x8E
-        if not (quick and (taken or not from_broker)):
+        if not (taken or (quick and not from_broker)) or self._stopping:
             self._quick_losses = 0
             return
+        self.takeovers_total += 1
         self._quick_losses += 1
-        if self._quick_losses == TAKEOVER_LOSSES and not self._stopping:
+        if not (taken or self._quick_losses >= TAKEOVER_LOSSES):
+            return
+        self._takeovers_said += 1
+        if _decade(self._takeovers_said):
             logger.error(
-                "the broker %s:%s closed each of the last %d connections within %.0f s of accepting it: "
-                "another client probably uses client id %r and takes over the session at each connect "
-                "(one client id per process; with use_username_as_clientid, one account per process)",
+                "session taken over by another client with our client id %d time(s) since start (the "
+                "broker %s:%s closed the connection %s): another client probably uses client id %r and "
+                "takes over the session at each connect (one client id per process; with "
+                "use_username_as_clientid, one account per process%s)",
+                self._takeovers_said,
                 self.host,
                 self.port,
-                TAKEOVER_LOSSES,
-                TAKEOVER_WINDOW_S,
+                "with Session taken over" if taken else f"within {TAKEOVER_WINDOW_S:.0f} s of accepting it",
                 self.client_id,
+                f": account {self.username!r} is in use elsewhere" if self.username else "",
             )
 
     def _handle_disconnect(self, conn: Connection, rc: object, from_broker: bool = False) -> None:
@@ -360,6 +399,10 @@ class MqttTransport(Link):
         self.connected.clear()
         conn.fail_all(f"connection to {self.host}:{self.port} lost before the acknowledgement")
         conn.lost.set()
+        if not conn.acked and self.last_refusal is None:
+            self.last_error = "the broker closed the connection before any CONNACK" + (
+                f": {rc}" if isinstance(rc, str) else ""
+            )
         if was and not self._lost_logged and not self._stopping:
             self._lost_logged = True
             why = self._loss_reason(rc, from_broker)
@@ -369,7 +412,7 @@ class MqttTransport(Link):
         fut = conn.pubacks.pop(mid, None)
         if fut is not None and not fut.done():
             if rc.is_failure:
-                fut.set_exception(TransportError(f"refused by broker: {rc}"))
+                fut.set_exception(BrokerRefused(f"refused by broker: {rc}", "", int(rc.value)))
             else:
                 fut.set_result(None)
 
@@ -424,7 +467,7 @@ class MqttTransport(Link):
         if len(rcs) != 1:
             raise TransportError(f"subscribe to {topic}: SUBACK carries {len(rcs)} reason codes, expected 1")
         if rcs[0].is_failure:
-            raise TransportError(f"subscribe to {topic} refused by broker: {rcs[0]}")
+            raise BrokerRefused(f"subscribe to {topic} refused by broker: {rcs[0]}", topic, int(rcs[0].value))
 
     def _make_client(self) -> BoundedClient:
         proto = MQTTProtocolVersion.MQTTv5 if self._mqtt5 else MQTTProtocolVersion.MQTTv311
@@ -459,10 +502,20 @@ class MqttTransport(Link):
         self._supervisor = asyncio.create_task(self._supervise(), name=f"mqtt-supervisor-{self.client_id}")
         if wait_s is None:
             return
-        try:
-            await within(self.connected.wait(), wait_s)
-        except TimeoutError as exc:
-            raise TransportError(f"no connection to broker {self.host}:{self.port} after {wait_s} s") from exc
+        end = self._loop.time() + wait_s
+        while not self.connected.is_set():  # a refusal of our credentials does not fix itself: say so now
+            if self.credentials_refused:
+                raise TransportError(
+                    f"broker {self.host}:{self.port} refused the credentials ({self.last_refusal}): "
+                    "check the username and password against the broker's password file"
+                )
+            if self._loop.time() >= end:
+                last = f" (last: {self.last_error})" if self.last_error else ""
+                raise TransportError(
+                    f"no connection to broker {self.host}:{self.port} after {wait_s} s{last}"
+                )
+            with contextlib.suppress(TimeoutError):
+                await within(self.connected.wait(), min(0.2, end - self._loop.time()))
 
     @staticmethod
     def backoff_s(failures: int, rng: random.Random | None = None, max_s: float | None = None) -> float:
@@ -526,7 +579,21 @@ class MqttTransport(Link):
                 raise
             except (OSError, ValueError, ssl.SSLError) as exc:
                 conn.fail_all("connect failed")
-                if not self._unreachable_logged:
+                self.last_error = str(exc) or type(exc).__name__
+                if isinstance(exc, ssl.SSLCertVerificationError):
+                    # reachable, but not the broker we trust: not "unreachable" (a lasting refusal)
+                    why = exc.verify_message or str(exc)
+                    if why != self.last_tls_refusal:
+                        logger.warning(
+                            "broker %s:%s: its TLS certificate is not trusted (%s); retrying with backoff",
+                            self.host,
+                            self.port,
+                            why,
+                        )
+                    self.last_tls_refusal = why
+                    self.tls_refusals += 1
+                    self.refused.set()
+                elif not self._unreachable_logged:
                     self._unreachable_logged = True
                     logger.warning(
                         "broker %s:%s unreachable (%s); retrying with backoff", self.host, self.port, exc
@@ -553,12 +620,13 @@ class MqttTransport(Link):
             if not (conn.acked or self.ever_connected or self._closed_logged) and self.last_refusal is None:
                 self._closed_logged = True
                 logger.warning(
-                    "broker %s:%s closed the connection before any CONNACK (MQTT %s): not a plain "
+                    "broker %s:%s closed the connection before any CONNACK (MQTT %s)%s: not a plain "
                     "MQTT listener? (a TLS port needs mqtts://, a WebSocket port is not supported); "
                     "retrying with backoff",
                     self.host,
                     self.port,
                     "5 and 3.1.1" if self.protocol == "auto" else self.protocol,
+                    (self.last_error or "").partition("CONNACK")[2],
                 )
             failures = 1 if self.connects_total > connects_before else failures + 1
             self._next_address()
@@ -576,8 +644,10 @@ class MqttTransport(Link):
 
         Raises
         ------
+        BrokerRefused
+            If the SUBACK refused it (its reason code, e.g. 0x87 Not authorized).
         TransportError
-            If the SUBACK refused it, none arrived within ``timeout_s``, or the connection was lost first.
+            If no SUBACK arrived within ``timeout_s``, or the connection was lost first.
         """
         self._subscriptions[topic] = (qos, live_only)
         self._unsubscribing.pop(topic, None)
@@ -644,9 +714,11 @@ class MqttTransport(Link):
 
         Raises
         ------
+        BrokerRefused
+            If the PUBACK refused it (MQTT 5: its reason code, e.g. 0x87 Not authorized).
         TransportError
-            If not started, over :meth:`packet_limit`, not connected, refused, no PUBACK arrived in time, or
-            the connection was lost before it (the message may have reached the broker: QoS 1 is at least
+            If not started, over :meth:`packet_limit`, not connected, no PUBACK arrived in time, or the
+            connection was lost before it (the message may have reached the broker: QoS 1 is at least
             once).
         """
         if self._loop is None:
@@ -673,7 +745,9 @@ class MqttTransport(Link):
             if conn.pubacks.get(info.mid) is fut:  # this connection's own entry, never a newer one's
                 del conn.pubacks[info.mid]
             raise TransportError(f"no PUBACK for {topic} (mid={info.mid}) within {timeout_s} s") from exc
-        except TransportError as exc:  # refused, or the connection lost: name the topic (an ACL is per topic)
+        except BrokerRefused as exc:  # refused: name the topic (an ACL is per topic)
+            raise BrokerRefused(f"publish to {topic}: {exc.detail}", topic, exc.code) from None
+        except TransportError as exc:  # the connection lost before the PUBACK
             raise TransportError(f"publish to {topic}: {exc.detail}") from None
 
     async def stop(self, final: tuple[str, bytes] | None = None, timeout_s: float = 5.0) -> None:

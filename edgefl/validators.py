@@ -18,6 +18,9 @@ DEVICE_ID_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MQTT_MAX_PACKET_BYTES = 268_435_455
 """Largest packet MQTT can frame (Remaining Length is a 4-byte variable integer). Source: MQTT 5.0 §1.5.5."""
 
+MQTT_MAX_SESSION_EXPIRY_S = 4_294_967_295
+"""Largest Session Expiry Interval in seconds (it means: never expires). Source: MQTT 5.0 §3.1.2.11.2."""
+
 _MQTT_MAX_TOPIC_BYTES = 65_535  # UTF-8 encoded string length prefix is 2 bytes. Source: MQTT 5.0 §1.5.4.
 _DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
 #: Most interpreter threads a profile or ``edgefl profile`` accepts (gateways have 1-8 cores).

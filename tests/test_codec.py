@@ -30,7 +30,7 @@ from edgefl.wire.compression import (
     topk_count,
 )
 from edgefl.wire.global_model import GlobalModel, decode_global_model, encode_global_model
-from edgefl.wire.ingest import decode_label, decode_prediction, decode_sample
+from edgefl.wire.ingest import decode_answer, decode_label, decode_prediction, decode_refusal, decode_sample
 from edgefl.wire.reasons import REASONS
 from edgefl.wire.rounds import (
     RoundAnnouncement,
@@ -701,7 +701,7 @@ def test_malformed_cbor_reason(payload: bytes, reason: str) -> None:
 
 def test_all_message_types_are_distinct() -> None:
     kinds = {"global_model", "round", "update", "decline", "status", "chunk", "partial", "presence"}
-    kinds |= {"sample", "label", "prediction"}
+    kinds |= {"sample", "label", "prediction", "refusal"}
     assert {m.value for m in MessageType} == kinds
     assert SCHEMA_VERSION == 1  # one schema before the first release
     assert reason_of(lambda: decode_round(encode_update(make_update()))) == "wrong_type"
@@ -719,6 +719,8 @@ DECODERS: list[Callable[[bytes], object]] = [
     lambda p: decode_sample(p, sample_shape=(8, 8, 1), dtype="uint8", num_classes=10),
     decode_label,
     decode_prediction,
+    decode_answer,
+    decode_refusal,
 ]
 VALID_UPDATES = [
     encode_update(make_update(d=4, k=3, compression=c, seed=i), topk_fraction=0.5)

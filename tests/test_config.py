@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from edgefl.agent.config import (
+    AgentBrokerConfig,
     Profile,
     load_profile,
     parse_profile,
@@ -164,7 +165,7 @@ def test_minimal_profile_takes_defaults(write: Writer, tmp_path: Path, model_fil
     assert profile.pipeline.mode == "fused"
     assert profile.pipeline.batch == 8
     assert (profile.pipeline.mean, profile.pipeline.std) == ((0.0,), (1.0,))
-    assert profile.broker == BrokerConfig()
+    assert profile.broker == AgentBrokerConfig()  # session_expiry_s 3600: restarts lose nothing queued
     assert (profile.broker.host, profile.broker.port) == ("127.0.0.1", 1883)
     # safe on a 3.1.1 broker that never says its limit; accepts the coordinator's 256 KiB head chunks
     assert (profile.broker.max_packet_bytes, profile.broker.max_incoming_packet_bytes) == (65_536, 1_048_576)
@@ -208,7 +209,10 @@ def test_relative_paths_resolve_against_the_profile_directory(tmp_path: Path) ->
 
 
 def test_absolute_paths_are_kept(write: Writer, model_file: Path) -> None:
-    profile = load_profile(write(f'[broker]\nurl = "mqtts://b:8883"\nca_file = "{model_file}"\n'))
+    # not a CA bundle: with the files checked, check-config would load it and refuse it
+    profile = load_profile(
+        write(f'[broker]\nurl = "mqtts://b:8883"\nca_file = "{model_file}"\n'), check_files=False
+    )
     assert profile.broker.ca_file == model_file
 
 

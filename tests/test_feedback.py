@@ -51,7 +51,7 @@ def test_int8_feedback_keeps_rounding_error() -> None:
     decoded = compressed_roundtrip(dW, Compression.INT8)
     np.testing.assert_array_equal(fb.residual_W, dW - decoded)
     with pytest.raises(ValueError):
-        fb.compensate(np.zeros((2, 2), np.float32), np.zeros(2, np.float32))
+        fb.compress(np.zeros((2, 2), np.float32), np.zeros(2, np.float32), Compression.INT8)
 
 
 @pytest.mark.parametrize("mode", [m for m in Compression if m is not Compression.NONE])

@@ -40,9 +40,11 @@ from edgefl.tlsconf import make_ssl_context
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.ingest import (
+    IngestRefusal,
     Label,
     Prediction,
     Sample,
+    decode_answer,
     decode_label,
     decode_prediction,
     decode_sample,
@@ -221,6 +223,7 @@ class Gateway:
         self.device = device
         self.t = MqttTransport(broker.host, broker.port, f"gw-{fleet}-{device}", queue_size=4096, **tls)
         self.predictions: dict[str, Prediction] = {}
+        self.refusals: list[IngestRefusal] = []
         self.status: dict[str, Any] = {}
         self.updates: list[Any] = []
         self._pump: asyncio.Task[None] | None = None
@@ -245,7 +248,10 @@ class Gateway:
         while True:
             msg = await self.t.queue.get()
             if msg.topic == self.topics.predictions(self.device):
-                p = decode_prediction(msg.payload)
+                p = decode_answer(msg.payload)
+                if isinstance(p, IngestRefusal):
+                    self.refusals.append(p)
+                    continue
                 assert p.id not in self.predictions, f"two predictions of {p.id}"
                 self.predictions[p.id] = p
             elif msg.topic == self.topics.status(self.device):
@@ -454,9 +460,7 @@ def test_ingest_pending_label_expiry(
     mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
 ) -> None:
     x, y = load_digits()
-    agents.append(
-        start_ingest_agent(mosquitto, fleet, tmp_path, "live-4", source__label_expiry_s="0.5")
-    )
+    agents.append(start_ingest_agent(mosquitto, fleet, tmp_path, "live-4", source__label_expiry_s="0.5"))
 
     async def main() -> dict[str, Any]:
         async with Gateway(mosquitto, fleet, "live-4") as gw:
@@ -607,7 +611,7 @@ def test_ingest_feed_cli_to_a_device_that_never_answers(
     )
     # a [broker]-only --profile is validated with the device profile's broker checks
     bad = tmp_path / "bad.toml"
-    bad.write_text('[broker]\nqos = 3\nbogus = 1\n')
+    bad.write_text("[broker]\nqos = 3\nbogus = 1\n")
     refused = subprocess.run([*base, "--profile", str(bad)], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2, refused.stderr
     assert "broker.qos = 3" in refused.stderr and "broker.bogus: unknown key" in refused.stderr

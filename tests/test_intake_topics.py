@@ -4,12 +4,15 @@ device; the feed's reading of a device's counters survives forged values (select
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
-from edgefl.feed import _rise
+from edgefl.errors import DecodeError
 from edgefl.mqtt_link import Message
 from edgefl.topics import Topics
+from edgefl.wire.cbor import MessageType, dump_message
+from edgefl.wire.ingest import IngestRefusal, decode_answer, encode_refusal
 from edgefl.wire.status import DeviceStatus, encode_status
 
 TOPICS = Topics("edgefl", "f")
@@ -40,8 +43,19 @@ def test_hostile_status_naming_another_device_is_refused() -> None:
     assert "dev-1" in coord.registry.devices
 
 
-def test_hostile_forged_counters_do_not_break_the_feeds_reading() -> None:
-    before = {"rejected": {"bad_shape": "x", "bad_label": 2}}
-    after = {"rejected": {"bad_shape": 5, "bad_label": 7, "not_finite": True, "bad_dtype": -3, "other": "9"}}
-    assert _rise(before, after) == {"bad_shape": 5, "bad_label": 5}
-    assert _rise({}, {"rejected": "many"}) == {}
+def test_hostile_refusals_do_not_break_the_feeds_reading() -> None:
+    good = IngestRefusal("s-1", "sample", "bad_shape", "x: shape [64]")
+    assert decode_answer(encode_refusal(good)) == good
+    forged = [
+        dump_message(MessageType.REFUSAL, {"id": "s-1", "of": ["sample"], "reason": "bad_shape"}),
+        dump_message(MessageType.REFUSAL, {"id": "s-1", "of": "sample", "reason": "Bad Shape!"}),
+        dump_message(MessageType.REFUSAL, {"id": "s 1", "of": "sample", "reason": "bad_shape"}),
+        dump_message(MessageType.REFUSAL, {"id": "s-1", "of": "sample", "reason": "x", "detail": 5}),
+        dump_message(MessageType.REFUSAL, {"id": "s-1", "of": "sample", "reason": "x", "more": 1}),
+    ]
+    reasons = []
+    for payload in forged:
+        with pytest.raises(DecodeError) as info:
+            decode_answer(payload)
+        reasons.append(info.value.reason)
+    assert reasons == ["wrong_type", "bad_value", "bad_value", "wrong_type", "unknown_key"]

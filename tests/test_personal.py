@@ -47,7 +47,14 @@ from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.compression import Compression
 from edgefl.wire.global_model import GlobalModel, encode_global_model
-from edgefl.wire.ingest import Prediction, Sample, decode_prediction, encode_prediction, encode_sample
+from edgefl.wire.ingest import (
+    Prediction,
+    Sample,
+    decode_answer,
+    decode_prediction,
+    encode_prediction,
+    encode_sample,
+)
 from edgefl.wire.rounds import RoundAnnouncement, decode_update, encode_round, encode_update
 from edgefl.wire.status import decode_status
 
@@ -321,8 +328,9 @@ class App:
         while True:
             msg = await self.t.queue.get()
             if msg.topic == self.topics.predictions(self.device):
-                p = decode_prediction(msg.payload)
-                self.predictions[p.id] = p
+                p = decode_answer(msg.payload)
+                if isinstance(p, Prediction):
+                    self.predictions[p.id] = p
             elif msg.topic == self.topics.status(self.device):
                 st = decode_status(msg.payload)
                 self.status = {"state": st.state, **st.fields}

@@ -46,6 +46,7 @@ class MessageType(StrEnum):
     SAMPLE = "sample"
     LABEL = "label"
     PREDICTION = "prediction"
+    REFUSAL = "refusal"
     PRESENCE = "presence"
 
 

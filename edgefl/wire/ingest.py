@@ -1,8 +1,8 @@
 """The live-ingest messages: samples and labels a gateway app sends in, the predictions a device sends out.
 
-:class:`Sample` (``samples/<device>``), :class:`Label` (``labels/<device>``) and :class:`Prediction`
-(``predictions/<device>``), none retained, each with its ``encode_x`` / ``decode_x``. Field by field:
-``docs/protocol.md`` ("Live ingest").
+:class:`Sample` (``samples/<device>``), :class:`Label` (``labels/<device>``), :class:`Prediction` and
+:class:`IngestRefusal` (``predictions/<device>``), none retained, each with its ``encode_x`` / ``decode_x``.
+Field by field: ``docs/protocol.md`` ("Live ingest").
 
 Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
 """
@@ -28,6 +28,7 @@ from edgefl.wire.cbor import (
     read_float,
     read_int,
     read_text,
+    scan,
     show,
 )
 from edgefl.wire.reasons import Reason
@@ -81,12 +82,49 @@ class Prediction:
     head: str | None = None
 
 
+REFUSED_KINDS: Final = frozenset({"sample", "label"})
+"""The values of a Refusal's ``of`` key."""
+REFUSED_OF_RE: Final = re.compile("sample|label")
+REASON_RE: Final = re.compile(r"[a-z_]{1,32}")
+DETAIL_CHARS: Final = 200
+"""A Refusal's ``detail`` is cut to this many characters."""
+DETAIL_RE: Final = re.compile(rf".{{0,{DETAIL_CHARS}}}", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class IngestRefusal:
+    """A Refusal: the device refused an app's Sample or Label ``id`` (``predictions/<device>``, not retained).
+
+    ``of`` is ``"sample"`` or ``"label"``; ``reason`` the refusal's ``rejected`` label (``bad_shape``,
+    ``unknown_sample``...; ``docs/protocol.md``, "Refusals"); ``detail`` the device's explanation.
+    ``docs/protocol.md`` ("Refusal").
+    """
+
+    id: str
+    of: str
+    reason: str
+    detail: str = ""
+
+
 def _read_label(obj: Mapping[str, object], num_classes: int | None) -> int:
-    label = read_int(obj, "label", "", 0, INT_MAX)
+    """``obj["label"]``: an integer the head learns, 0..K-1 (0/1 for a K = 1 logistic head).
+
+    Any integer outside that range, negative included, is ``bad_label`` with the model's range in the
+    message; a non-integer is ``wrong_type``.
+    """
+    label = obj["label"]
+    if type(label) is not int:  # bool is an int subclass: refused here on purpose
+        raise DecodeError(Reason.WRONG_TYPE, f"label: expected an integer, got {type(label).__name__}")
+    shown = str(label) if abs(label) < 10**20 else "huge"
+    if num_classes is None:
+        if not 0 <= label <= INT_MAX:
+            raise DecodeError(Reason.BAD_LABEL, f"label = {shown}: must be a class number >= 0")
+        return label
     # labels a head with K outputs learns: 0..K-1, and 0/1 for a K = 1 (logistic) head
-    bound = INT_MAX if num_classes is None else 2 if num_classes == 1 else num_classes
-    if label >= bound:
-        raise DecodeError(Reason.BAD_LABEL, f"label = {label}: must be in [0, {bound}) for K = {num_classes}")
+    bound = 2 if num_classes == 1 else num_classes
+    if not 0 <= label < bound:
+        what = "a K = 1 (logistic) head" if num_classes == 1 else f"the model's K = {num_classes} classes"
+        raise DecodeError(Reason.BAD_LABEL, f"label = {shown}: must be in 0..{bound - 1} ({what})")
     return label
 
 
@@ -198,3 +236,54 @@ def decode_prediction(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Pre
         latency_s=read_float(obj, "latency_s", "", 0.0),
         head=head,
     )
+
+
+def encode_refusal(msg: IngestRefusal) -> bytes:
+    """Encode an :class:`IngestRefusal` (``detail`` cut to :data:`DETAIL_CHARS`); ValueError: bad ``of``."""
+    if msg.of not in REFUSED_KINDS:
+        raise ValueError(f"IngestRefusal.of = {msg.of!r}: expected one of {sorted(REFUSED_KINDS)}")
+    detail = msg.detail[:DETAIL_CHARS].encode("utf-8")[: DEFAULT_LIMITS.max_string_bytes]
+    obj: dict[str, object] = {
+        "id": msg.id,
+        "of": msg.of,
+        "reason": str(msg.reason),
+        "detail": detail.decode("utf-8", "ignore"),
+    }
+    return dump_message(MessageType.REFUSAL, obj)
+
+
+def decode_refusal(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> IngestRefusal:
+    """Decode and validate an :class:`IngestRefusal`: ``bad_value`` for a bad ``of`` or ``reason``."""
+    obj = load_message(payload, limits, MessageType.REFUSAL, ("id", "of", "reason"), ("detail",))
+    return IngestRefusal(
+        id=read_text(obj, "id", "", SAMPLE_ID_RE),
+        of=read_text(obj, "of", "", REFUSED_OF_RE),
+        reason=read_text(obj, "reason", "", REASON_RE),
+        detail=read_text(obj, "detail", "", DETAIL_RE) if "detail" in obj else "",
+    )
+
+
+def decode_answer(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Prediction | IngestRefusal:
+    """Decode what a device publishes on ``predictions/<device>``: a Prediction or a Refusal.
+
+    DecodeError as :func:`decode_prediction` / :func:`decode_refusal`.
+    """
+    scanned = scan(payload, limits)
+    if scanned.header.get("type") == MessageType.REFUSAL.value:
+        return decode_refusal(payload, limits=limits)
+    return decode_prediction(payload, limits=limits)
+
+
+def ingest_id(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> str | None:
+    """The ``id`` of a Sample or Label payload, if its CBOR can be read and the id is valid, else None.
+
+    For naming a refused message to its app: a bounded scan, no array decoded.
+    """
+    try:
+        header = scan(payload, limits).header
+    except DecodeError:
+        return None
+    if header.get("type") not in (MessageType.SAMPLE.value, MessageType.LABEL.value):
+        return None
+    value = header.get("id")
+    return value if isinstance(value, str) and SAMPLE_ID_RE.fullmatch(value) else None
