@@ -187,3 +187,22 @@ def test_soak_train_local_heap_does_not_follow_the_store_count(tmp_path: Path) -
         assert 0.0 <= train(seed) <= 1.0
     grew = (_used_heap() or 0) - used
     assert len(store) == 664 and grew < 24 << 10, grew
+
+
+def test_soak_record_writes_intern_their_file_names_once(tmp_path: Path) -> None:
+    """Python 3.11's pathlib interns path components: the ``.tmp`` and ``.prev`` names a record write
+    builds stay interned between writes (one entry each in CPython's table, not one more a write)."""
+    import sys
+
+    from edgefl.records import read_record, sibling, write_record
+
+    path = tmp_path / "soak_meta.rec"
+    for k in range(3):
+        assert write_record(path, b"payload %d" % k) == k  # the generation, +1 a write
+    assert read_record(path) == b"payload 2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["soak_meta.rec", "soak_meta.rec.prev"]
+    for suffix in (".tmp", ".prev", ".prev.tmp"):
+        fresh = "".join(["soak_meta", ".rec", suffix])  # an equal string, not the one the writes used
+        assert sys.intern(fresh) is not fresh, suffix  # the writes' own name is still the interned one
+    assert sibling(path, ".tmp") is sibling(path, ".tmp")
+    assert sibling(path, ".tmp") == tmp_path / "soak_meta.rec.tmp"
