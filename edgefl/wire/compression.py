@@ -35,9 +35,13 @@ from edgefl.wire.cbor import NO_LIMITS, Limits, cbor_head_bytes, check_keys
 from edgefl.wire.reasons import Reason
 
 _FLOAT16_MAX: Final = float(np.finfo(np.float16).max)
-# raw deflate (RFC 1951, no zlib header) at the strongest level: 5 kB of int8 take ~1 ms
+# raw deflate (RFC 1951, no zlib header) with zlib's run-length strategy: int8 levels and top-k masks
+# have no long repeats for LZ77's search to find, only runs (zeros) and skewed byte frequencies; on a
+# [512, 10] head's levels it is as small or smaller than the default search at level 9 and takes
+# 35 us instead of 75 (up to 2 ms on a sparse aggregate's levels)
 _DEFLATE_LEVEL: Final = 9
 _DEFLATE_WBITS: Final = -15
+_DEFLATE_STRATEGY: Final = zlib.Z_RLE
 
 
 class Compression(StrEnum):
@@ -99,8 +103,8 @@ def _int8_scale(x: F32) -> F32:
 
 
 def _deflate(raw: bytes) -> bytes:
-    """``raw`` as a raw deflate stream (RFC 1951, no zlib header) at the strongest level."""
-    packer = zlib.compressobj(_DEFLATE_LEVEL, zlib.DEFLATED, _DEFLATE_WBITS)
+    """``raw`` as a raw deflate stream (RFC 1951, no zlib header), run-length matches only (``Z_RLE``)."""
+    packer = zlib.compressobj(_DEFLATE_LEVEL, zlib.DEFLATED, _DEFLATE_WBITS, 8, _DEFLATE_STRATEGY)
     return packer.compress(raw) + packer.flush()
 
 
