@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import signal
@@ -27,8 +28,10 @@ from edgefl.errors import (
     CertificateNotTrusted,
     CredentialsRefused,
     StartupError,
+    TransportError,
 )
 from edgefl.profiles import broker_password
+from edgefl.records import read_record, write_record
 from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport, Will
@@ -36,6 +39,9 @@ from edgefl.wire.chunking import Reassembler
 from edgefl.wire.status import offline_status
 
 logger = logging.getLogger(__name__)
+
+SUBSCRIPTIONS_FILE = "subscriptions.rec"
+"""The topic filters of the last run (a checksummed record, JSON list): stale ones are dropped at start."""
 
 
 class Agent(RoundTask):
@@ -135,6 +141,42 @@ class Agent(RoundTask):
             )
         return pf
 
+    def _subscription_filters(self) -> list[str]:
+        """The topic filters this run subscribes to, in order (:meth:`run`)."""
+        filters = [self.topics.round, self.topics.global_model + "/#"]
+        if self.ingest is not None:
+            filters += [self.topics.samples(self.device), self.topics.labels(self.device)]
+        return filters
+
+    async def _drop_stale_subscriptions(self) -> None:
+        """Unsubscribe what the last run subscribed to and this one does not (``subscriptions.rec``).
+
+        The persistent session keeps a run's subscriptions at the broker: after a change of
+        ``device.fleet``, ``broker.topic_prefix`` or ``source.kind`` the old topics would keep
+        delivering. Never raises: a failure is logged (the old topics' messages are then refused as
+        ``bad_topic``).
+        """
+        assert self.transport is not None
+        path = self.profile.device.state_dir / SUBSCRIPTIONS_FILE
+        wanted = self._subscription_filters()
+        try:
+            old = json.loads(read_record(path) or b"[]")
+        except ValueError:
+            old = []
+        stale = [t for t in old if isinstance(t, str) and t not in wanted] if isinstance(old, list) else []
+        for topic in stale:
+            try:
+                await self.transport.unsubscribe(topic)
+            except TransportError as exc:
+                logger.warning("the last run's subscription to %s not dropped: %s", topic, exc)
+        if stale:
+            logger.info("dropped the last run's subscription(s) to %s", ", ".join(stale))
+        if old != wanted:
+            try:
+                write_record(path, json.dumps(wanted).encode())
+            except OSError as exc:
+                logger.warning("cannot write %s: %s", path, exc)
+
     def _flush_pending(self) -> None:
         """``msync`` the pending-label file (worker thread); a failure is logged, the next flush retries."""
         pf = self.ingest.pending_file if self.ingest is not None else None
@@ -233,6 +275,7 @@ class Agent(RoundTask):
         )
         async with contextlib.AsyncExitStack() as stack:
             await self.transport.start(wait_s=None)
+            await self._drop_stale_subscriptions()  # sent before any subscription, with the first CONNACK
             stack.push_async_callback(
                 self.transport.stop, (self.topics.status(self.device), offline_status(self.device))
             )

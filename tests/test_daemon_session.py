@@ -109,3 +109,29 @@ def test_durable_session_backlog_beyond_the_transport_queue(
 
     st = asyncio.run(run())
     assert (st["ingest_dropped"], st["rejected"], st["transport"]["queue_dropped"]) == (0, {}, 0)
+
+
+def test_durable_session_drops_the_last_runs_topics_after_a_fleet_change(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
+) -> None:
+    """The same device (client id, state folder) moved to another fleet: its session no longer
+    delivers the old fleet's samples (without the cleanup they would come, refused as bad_topic)."""
+    x, _ = load_digits()
+    moved = f"{fleet}b"
+
+    async def run() -> dict[str, Any]:
+        async with Gateway(mosquitto, fleet, "dev-m") as old, Gateway(mosquitto, moved, "dev-m") as new:
+            proc = start_ingest_agent(mosquitto, fleet, tmp_path, "dev-m")
+            agents.append(proc)
+            await old.ready()
+            proc.terminate()
+            assert proc.wait(30) == 0
+            agents.append(start_ingest_agent(mosquitto, moved, tmp_path, "dev-m"))
+            await new.ready()
+            await old.sample(Sample("stale", x[0]))  # the old fleet's topic: nobody subscribes now
+            await new.sample(Sample("fresh", x[1]))
+            await wait_until(lambda: "fresh" in new.predictions, 30, "the new fleet's prediction")
+            return await new.until("one sample received", samples_received=1)
+
+    st = asyncio.run(run())
+    assert st["rejected"] == {}
