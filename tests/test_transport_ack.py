@@ -21,7 +21,6 @@ from conftest import DEV_PROFILE, INT8_MODEL, Broker, wait_until
 from edgefl.agent.config import load_profile
 from edgefl.agent.core import DeviceCore
 from edgefl.agent.daemon import Agent
-from edgefl.agent.round import RoundResult
 from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.hierarchy import SiteAggregator
 from edgefl.coordinator.registry import DeviceRegistry
@@ -198,17 +197,18 @@ def test_transport_ack_site_faults_on_the_roots_heads_never_make_it_deaf(
 def test_transport_ack_agent_handler_faults_never_make_it_deaf(
     mosquitto: Broker, fleet: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The agent daemon (in-process, real broker, real model): 300 round messages whose handling raises,
-    more than its control queue (64) and its transport queue (256) hold, then a bad round: the bad
-    round is still refused with its own reason, and the 300 are counted as ``failed``."""
-    receive_round = DeviceCore.receive_round
+    """The agent daemon (in-process, real broker, real model): 300 global-head messages whose handling
+    raises, more than its control queue (64) and its transport queue (256) hold, then a bad round: the
+    bad round is still refused with its own reason, and the 300 are counted as ``failed``. (Heads, not
+    round announcements: of a run of announcements only the newest is handled.)"""
+    receive_global = DeviceCore.receive_global
 
-    def faulty_round(self: DeviceCore, payload: bytes) -> RoundResult:
+    def faulty_global(self: DeviceCore, payload: bytes) -> Any:
         if payload.startswith(b"fault"):
             raise KeyError("injected fault")
-        return receive_round(self, payload)
+        return receive_global(self, payload)
 
-    monkeypatch.setattr(DeviceCore, "receive_round", faulty_round)
+    monkeypatch.setattr(DeviceCore, "receive_global", faulty_global)
     profile = load_profile(
         DEV_PROFILE,
         {
@@ -233,7 +233,7 @@ def test_transport_ack_agent_handler_faults_never_make_it_deaf(
             subscribed = topics.global_model + "/#"
             await wait_until(lambda: subscribed in transport.subscriptions, 60, "the agent subscribed")
             await wait_until(transport.connected.is_set, 60, "the agent connected")
-            await _publish_many(tx, [(topics.round, b"fault %d" % i) for i in range(BAD)])
+            await _publish_many(tx, [(topics.global_model, b"fault %d" % i) for i in range(BAD)])
             await tx.publish(topics.round, b"\xff not cbor", qos=1)
             await wait_until(lambda: sum(agent.state.rejected.values()) > BAD, 60, "the bad round refused")
             return dict(agent.state.rejected)
