@@ -422,48 +422,29 @@ class Governor:
         resident_rows: int = 0,
         personal: bool = False,
         probe: bool = False,
+        phase: Literal["train", "personal"] = "train",
     ) -> Admission:
-        """Admit local training with ``chunk`` samples per store chunk (halved down to ``floor``).
+        """Admit a pass over the store with ``chunk`` samples per store chunk (halved down to ``floor``).
 
+        ``phase="train"``: local training (:func:`estimate_train_bytes`); with ``personal`` the
+        personal head trains alongside (``train_local``'s ``personal``), its head and gradient counted
+        too. ``phase="personal"``: a personal-head step of its own (:func:`estimate_personal_bytes`).
         ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
-        ``personal``: the personal head trains alongside (``train_local``'s ``personal``): its head and
-        gradient are counted too, as :func:`estimate_personal_bytes` counts them. ``probe``: as
-        :meth:`admit`'s (nothing kept or counted).
+        ``probe``: as :meth:`admit`'s (nothing kept or counted).
         """
         first = self.phase_counts.get("train", 0) == 0
         heads = 2 * (dim * classes + classes) * 4 if personal else 0
 
         def need(n: int) -> int:
+            if phase == "personal":
+                return estimate_personal_bytes(
+                    n, dim, classes, batch_size, num_examples, resident_rows=resident_rows
+                )
             return heads + estimate_train_bytes(
                 n, dim, classes, batch_size, num_examples, first_run=first, resident_rows=resident_rows
             )
 
-        return self.admit("train", need, chunk, floor, probe=probe)
-
-    def admit_personal(
-        self,
-        chunk: int,
-        floor: int,
-        *,
-        dim: int,
-        classes: int,
-        batch_size: int,
-        num_examples: int,
-        resident_rows: int = 0,
-    ) -> Admission:
-        """Admit a personal-head step with ``chunk`` samples per store chunk (halved down to ``floor``).
-
-        Counted as :func:`estimate_personal_bytes`: one extra head plus its gradient beside the
-        chunk buffers; deferred (the step waits for the next round) when even ``floor`` is over budget.
-        ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
-        """
-
-        def need(n: int) -> int:
-            return estimate_personal_bytes(
-                n, dim, classes, batch_size, num_examples, resident_rows=resident_rows
-            )
-
-        return self.admit("personal", need, chunk, floor)
+        return self.admit(phase, need, chunk, floor, probe=probe)
 
     # --- report ------------------------------------------------------------------------------
     def _pss_bytes(self) -> int | None:

@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 
 from edgefl import heap
 from edgefl.agent import estimates
-from edgefl.agent.governor import Admission
 from edgefl.agent.outbox import Dropped, OutboxEntry
 from edgefl.agent.personal import PersonalHeads
 from edgefl.agent.state import Answered, ProgressHook
@@ -256,27 +255,13 @@ class RoundAnswering(PersonalHeads):
         gov = self.governor
         D, K = head.shape
         pcfg = self.profile.personal
-
-        def admit(personal: bool, probe: bool = False) -> Admission:
-            return gov.admit_train(
-                cfg.chunk_size,
-                cfg.chunk_floor,
-                dim=D,
-                classes=K,
-                batch_size=ann.batch_size,
-                num_examples=len(self.store),
-                resident_rows=self.store.resident_rows,
-                personal=personal,
-                probe=probe,
-            )
-
         # the personal step rides on the round's batches when its epochs are the round's (softmax
         # heads) and its head fits beside training; otherwise it waits for a step of its own
         along = pcfg.enabled and K > 1 and pcfg.epochs in (0, ann.local_epochs)
-        probe = admit(True, probe=True) if along else None
+        probe = self._admit_pass(ann, "train", personal=True, probe=True) if along else None
         along = probe is not None and not probe.deferred
         # the probe that fits is the admission (asked again, it would read the same RSS)
-        adm = gov.keep(probe) if probe is not None and along else admit(False)
+        adm = gov.keep(probe) if probe is not None and along else self._admit_pass(ann, "train")
         if adm.deferred:
             return self._defer(ann, adm.reason)
         if self._progress is not None:
