@@ -224,10 +224,7 @@ class Governor:
     def phase(self, name: str) -> Iterator[None]:
         """Measure the peak RSS of the enclosed block as phase ``name`` (``phase_last``, ``phase_peaks``).
 
-        Parameters
-        ----------
-        name : str
-            A phase name (see :data:`PHASES`).
+        ``name``: one of :data:`PHASES` (others allowed).
         """
         sampler: _Sampler | None = None
         start = self.rss_bytes()
@@ -381,9 +378,6 @@ class Governor:
 
         Parameters
         ----------
-        shapes : ModelShapes
-        batch : int
-            Samples asked for.
         resident_batch : int, optional
             Batch the interpreter's arena is already allocated for (``Pipeline.tensor_batch``);
             default: the largest batch admitted so far.
@@ -391,10 +385,6 @@ class Governor:
             Count the batch preparation too (when one call does both, as ``Pipeline.run``).
         keep_bytes : int
             Bytes a grown arena must leave free beside the reserve (the smallest training run).
-
-        Returns
-        -------
-        Admission
         """
         resident = self.max_work.get("inference", 0) if resident_batch is None else resident_batch
 

@@ -375,10 +375,6 @@ def train_local(
         :func:`train_personal`'s toward ``head``, in this training's sample order; its arrays are
         updated in place. The global head's training is bit for bit the same as without it.
 
-    Returns
-    -------
-    LocalResult
-
     Raises
     ------
     ValueError
@@ -522,10 +518,6 @@ def train_personal(
     time_budget_s : float or None
         Stop after the chunk during which this many seconds have passed; None = no limit.
 
-    Returns
-    -------
-    PersonalResult
-
     Raises
     ------
     ValueError
@@ -581,18 +573,8 @@ def fit_head(
 ) -> tuple[F32, F32]:
     """Train a head on in-memory arrays (central training and local-only baselines, not the device path).
 
-    Parameters
-    ----------
-    W, b : float32 [D, K], float32 [K]
-        Starting head (not modified).
-    emb, labels : float32 [N, D], int64 [N]
-    epochs, lr, batch_size, seed
-        Passes over the data, SGD learning rate, samples per step, shuffle seed.
-
-    Returns
-    -------
-    tuple[F32, F32]
-        The trained ``(W, b)``.
+    ``W`` float32 [D, K], ``b`` [K] (not modified), ``emb`` float32 [N, D], ``labels`` int64 [N];
+    returns the trained ``(W, b)``.
 
     Raises
     ------
