@@ -44,12 +44,7 @@ from edgefl.wire.global_model import (
     resolve_global_head,
 )
 from edgefl.wire.rounds import RoundAnnouncement
-from edgefl.wire.signing import (
-    SigningKey,
-    VerifyKey,
-    load_signing_key,
-    parse_verify_key,
-)
+from edgefl.wire.signing import SigningKey, VerifyKey, load_signing_key, parse_verify_key
 
 logger = logging.getLogger(__name__)
 

@@ -40,10 +40,7 @@ from edgefl.wire.rounds import (
     encode_decline,
     encode_update,
 )
-from edgefl.wire.signing import (
-    sign_message,
-    verify_payload,
-)
+from edgefl.wire.signing import sign_message, verify_payload
 
 logger = logging.getLogger(__name__)
 
