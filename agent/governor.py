@@ -271,8 +271,6 @@ class Governor:
 
         Parameters
         ----------
-        phase : str
-            Phase name.
         estimate : callable(int) -> int
             Bytes the phase needs for a given work size (one of the ``estimate_*`` functions).
         work : int
@@ -339,16 +337,8 @@ class Governor:
     def keep(self, decision: Admission) -> Admission:
         """Take an admission as decided: kept in ``admissions``, counted and logged as :meth:`admit` does.
 
-        A probe (``probe=True``) a caller goes ahead with is kept here rather than asked again.
-
-        Parameters
-        ----------
-        decision : Admission
-
-        Returns
-        -------
-        Admission
-            ``decision``.
+        A probe (``probe=True``) a caller goes ahead with is kept here rather than asked again;
+        returns ``decision``.
         """
         phase = decision.phase
         with self._lock:
