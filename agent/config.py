@@ -226,6 +226,10 @@ class SourceConfig:
     queue_max : int
         MQTT: samples received and not yet classified, 1..65536; when full the oldest is dropped
         (``ingest_dropped``).
+    queue_max_bytes : int
+        Payload bytes received and not yet handled (samples queued, and any message the transport
+        holds), 65,536..67,108,864; at it the agent stops reading the broker's socket (TCP holds the
+        rest, nothing is acknowledged nor dropped) until handling frees bytes. Applies to every kind.
     pending_max : int
         MQTT: classified samples kept for a late Label, 0..1,000,000; when full the oldest is
         dropped (``pending_evicted``); 0 refuses every late label.
@@ -243,6 +247,7 @@ class SourceConfig:
     rate_hz: float = 0.0
     loop: bool = False
     queue_max: int = 256
+    queue_max_bytes: int = 4_194_304
     pending_max: int = 1024
     label_expiry_s: float = 300.0
     samples_qos: int = 1
@@ -432,6 +437,7 @@ def _check_source(p: Problems, c: SourceConfig, raw: Mapping[str, object], check
     if c.rate_hz < 0.0:
         p.add("source.rate_hz", c.rate_hz, "must be >= 0")
     p.between("source.queue_max", c.queue_max, 1, 65_536, " samples")
+    p.between("source.queue_max_bytes", c.queue_max_bytes, 65_536, 67_108_864, " bytes")
     p.between("source.pending_max", c.pending_max, 0, 1_000_000, " samples")
     if not 0.0 < c.label_expiry_s <= 86_400.0:
         p.add("source.label_expiry_s", c.label_expiry_s, "must be > 0 and at most 86400 seconds")

@@ -36,6 +36,7 @@ class RoundTask(SampleSource):
     reassembler: Reassembler
     _control: asyncio.Queue[Message]
     _rounds_waiting: int  # round-topic messages in ``_control`` (put by the pump, taken by handle)
+    _control_bytes: int  # their payload bytes (in the transport's byte bound)
     _trim_wanted: bool
     _next_retry_at: float
 
@@ -49,6 +50,7 @@ class RoundTask(SampleSource):
             else:
                 if msg.topic == self.topics.round:
                     self._rounds_waiting += 1
+                self._control_bytes += len(msg.payload)
                 await self._control.put(msg)
                 self._round_wake.set()
 
@@ -104,7 +106,11 @@ class RoundTask(SampleSource):
             except (ValueError, ArithmeticError, OSError, EdgeflError) as exc:
                 self._fault("round", " and ".join(sorted(asks)) or "deferred round retry", exc)
             if not self._control.empty():
-                await self.handle(self._control.get_nowait())
+                msg = self._control.get_nowait()
+                self._control_bytes -= len(msg.payload)
+                if self.transport is not None:
+                    self.transport.bytes_freed()
+                await self.handle(msg)
 
     async def _personalise(self) -> None:
         """Run the core's due personal step (or its evaluation) on the worker; a failure is counted."""

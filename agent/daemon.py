@@ -112,6 +112,11 @@ class Agent(RoundTask):
         # hold up the transport's queue, whose overflow would drop a round or a head)
         self._control = asyncio.Queue(maxsize=64)
         self._rounds_waiting = 0
+        self._control_bytes = 0  # payload bytes of the messages in ``_control``
+
+    def _consumer_bytes(self) -> int:
+        """Payload bytes taken from the transport and not handled yet: samples queued, control messages."""
+        return self._control_bytes + (self.ingest.queued_bytes if self.ingest is not None else 0)
 
     def _pending_file(self) -> PendingFile | None:
         """The pending-label file beside the store (None without ``source.pending_max``, or if unusable)."""
@@ -267,7 +272,10 @@ class Agent(RoundTask):
             # a persistent session: what is published to our subscriptions while the agent restarts
             # (samples, labels, rounds, heads: QoS 1) waits at the broker and comes when it is back
             session_expiry_s=b.session_expiry_s,
+            # what is received and not handled yet is bounded in bytes too (a flood of large messages)
+            max_held_bytes=self.profile.source.queue_max_bytes,
         )
+        self.transport.consumer_bytes = self._consumer_bytes
         async with contextlib.AsyncExitStack() as stack:
             await self.transport.start(wait_s=None)
             await self._drop_stale_subscriptions()  # sent before any subscription, with the first CONNACK

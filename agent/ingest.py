@@ -124,6 +124,8 @@ class Ingest:
         self.clock = clock
         self.counters = IngestCounters()
         self._queue: OrderedDict[str, Queued] = OrderedDict()
+        self.queued_bytes = 0
+        """Bytes of the queued samples' arrays (``x.nbytes``), counted in the transport's byte bound."""
         # id -> (embedding [D], since, predicted class)
         self._pending: OrderedDict[str, tuple[F32, float, int]] = OrderedDict()
         self._labelled: list[tuple[str, F32, int, int]] = []  # id, embedding [D], label, predicted
@@ -179,9 +181,11 @@ class Ingest:
         dropped = None
         if len(self._queue) >= self.queue_max:
             _, dropped = self._queue.popitem(last=False)
+            self.queued_bytes -= dropped.x.nbytes
             self._disputed.discard(dropped.id)
             self.counters.ingest_dropped += 1
         self._queue[sample.id] = Queued(sample.id, sample.x, sample.label, self.clock())
+        self.queued_bytes += sample.x.nbytes
         self.counters.samples_received += 1
         if sample.label is not None:
             self.counters.labels_received += 1
@@ -270,6 +274,7 @@ class Ingest:
         out: list[Queued] = []
         while self._queue and len(out) < n:
             row = self._queue.popitem(last=False)[1]
+            self.queued_bytes -= row.x.nbytes
             self._inflight[row.id] = [row.label, None]
             out.append(row)
         return out

@@ -35,14 +35,17 @@ def store_bytes(capacity: int, dim: int, holdout_every: int = 0) -> int:
 def ingest_bytes(profile: Profile, shapes: estimates.ModelShapes) -> int:
     """RAM of the live ingest at its bounds (``source.kind = "mqtt"``; 0 otherwise), in bytes.
 
-    ``source.queue_max`` raw samples + ``source.pending_max`` embeddings + the remembered ids, each
-    with ~300 bytes of Python bookkeeping (an order of magnitude, not exact).
+    ``source.queue_max`` raw samples (at most ``source.queue_max_bytes`` and one packet) +
+    ``source.pending_max`` embeddings + the remembered ids, each with ~300 bytes of Python bookkeeping
+    (an order of magnitude, not exact).
     """
     src = profile.source
     if src.kind != "mqtt":
         return 0
     per_object = 300
     raw = src.queue_max * (shapes.sample_elems * np.dtype(profile.pipeline.raw_dtype).itemsize + per_object)
+    held = src.queue_max_bytes + profile.broker.max_incoming_packet_bytes  # the transport's byte bound
+    raw = min(raw, held + src.queue_max * per_object)
     pending = src.pending_max * (4 * shapes.embedding_dim + per_object)
     return raw + pending + RECENT_IDS * 100
 

@@ -183,6 +183,8 @@ class SampleSource(StatusReporter):
             while ingest.has_work():
                 await self._publish_refusals()  # those of the messages the pump filed meanwhile
                 rows = ingest.take(pipeline.batch)
+                if rows and self.transport is not None:
+                    self.transport.bytes_freed()  # the transport may read again (source.queue_max_bytes)
                 if rows:
                     try:
                         await self._classify_rows(rows)

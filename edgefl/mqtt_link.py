@@ -4,7 +4,8 @@ paho's callbacks only schedule handlers on the loop; a fault in paho's network c
 connection, counted and logged. A QoS 1 message is acknowledged only once it is in the bounded queue
 (or committed, ``ack_on_commit``); a full queue holds it unacknowledged, bounded by the broker's flow
 control (Receive Maximum = the queue's size), and then stops reading the socket: a burst is never
-acknowledged and lost. Only QoS 0 messages are dropped when the queue is full, and counted.
+acknowledged and lost. Only QoS 0 messages are dropped when the queue is full, and counted. A byte
+bound (``max_held_bytes``) stops the reading too while the payloads received and not yet handled reach it.
 
 Source: MQTT 5.0 (OASIS 2019) §3.1.2.11.3, §4.9; MQTT 3.1.1 (OASIS 2014); paho-mqtt 2.x client API.
 """
@@ -99,11 +100,22 @@ class Link:
     Subclassed by :class:`edgefl.transport.MqttTransport`, which owns the connection's lifecycle.
     ``queue_size`` bounds the incoming queue (messages); ``ack_on_commit`` acknowledges a QoS 1 message
     only once the consumer took it and called :meth:`commit`; ``max_incoming_packet_bytes`` is the
-    largest packet accepted (:class:`~edgefl.mqtt_socket.PacketFilter`).
+    largest packet accepted (:class:`~edgefl.mqtt_socket.PacketFilter`); ``max_held_bytes`` (0: none)
+    bounds the payload bytes read and not yet handled (:meth:`held_bytes`): at it, reading stops until
+    the consumer frees bytes (a message larger than the bound is still read, alone).
     """
 
-    def __init__(self, *, queue_size: int, ack_on_commit: bool, max_incoming_packet_bytes: int) -> None:
+    def __init__(
+        self, *, queue_size: int, ack_on_commit: bool, max_incoming_packet_bytes: int, max_held_bytes: int = 0
+    ) -> None:
         self.max_incoming_packet_bytes = max_incoming_packet_bytes
+        self.max_held_bytes = max_held_bytes
+        self._inbox_bytes = 0  # payload bytes read, not yet in the queue or the hold line
+        self._kept_bytes = 0  # payload bytes in the queue and the hold line
+        #: Payload bytes the consumer still holds of the messages it took (its own queue); it calls
+        #: :meth:`bytes_freed` when they drop.
+        self.consumer_bytes: Callable[[], int] = lambda: 0
+        self.held_bytes_peak = 0  # most payload bytes held at once (:meth:`held_bytes`)
         self.queue: asyncio.Queue[Message] = FlowQueue(queue_size, self._took)
         self.ack_on_commit = ack_on_commit
         self._unacked: dict[int, tuple[Connection, int, int]] = {}  # id(message in the queue) → its ack
@@ -314,6 +326,8 @@ class Link:
     def _read_message(self, conn: Connection, mid: int, qos: int, msg: Message) -> None:
         """Paho read ``msg``: it waits in ``conn.inbox``, taken with the rest of this turn's messages."""
         conn.unhandled += 1  # read, not yet in the queue or the hold line (_room)
+        self._inbox_bytes += len(msg.payload)
+        self.held_bytes_peak = max(self.held_bytes_peak, self.held_bytes())
         conn.inbox.append((mid, qos, msg))
         if len(conn.inbox) == 1:
             self._hop(self._take_inbox, conn)
@@ -330,6 +344,7 @@ class Link:
 
         Left unacknowledged it would hold one of the broker's in-flight slots (MQTT 5.0 §4.9) for good.
         """
+        self._inbox_bytes -= len(msg.payload)
         try:
             self._handle_message(conn, mid, qos, msg)
         except Exception as exc:
@@ -351,9 +366,11 @@ class Link:
     def _handle_message(self, conn: Connection, mid: int, qos: int, msg: Message) -> None:
         conn.unhandled = max(0, conn.unhandled - 1)
         if not self._held and not self.queue.full():
+            self._kept_bytes += len(msg.payload)
             self._enqueue(conn, mid, qos, msg)
             return
         if qos > 0 and len(self._held) < self.held_max:
+            self._kept_bytes += len(msg.payload)
             self._held.append((conn, mid, qos, msg))  # acknowledged when it moves into the queue
             self.held_peak = max(self.held_peak, len(self._held))
             return
@@ -381,6 +398,7 @@ class Link:
         ack = self._unacked.pop(id(msg), None)
         if ack is not None:
             self._taken.append(ack)
+        self._kept_bytes -= len(msg.payload)
         self._refill()
 
     def commit(self) -> None:
@@ -398,14 +416,28 @@ class Link:
         while self._held and not self.queue.full():
             conn, mid, qos, msg = self._held.popleft()
             if conn.closed:
+                self._kept_bytes -= len(msg.payload)
                 continue  # unacknowledged on a lost connection: the broker sends it again (session)
             self._enqueue(conn, mid, qos, msg)
+        self.bytes_freed()
+
+    def held_bytes(self) -> int:
+        """Payload bytes received and not yet handled: read, queued, held, and the consumer's."""
+        return self._inbox_bytes + self._kept_bytes + self.consumer_bytes()
+
+    def bytes_freed(self) -> None:
+        """Resume reading if it stopped and there is room again (the consumer calls it as it frees bytes)."""
         live = self._conn
         if live is not None and live.paused and self._room(live) >= min(READS_PER_TURN, self.held_max // 2):
             self._resume_reading(live)
 
     def _room(self, conn: Connection) -> int:
-        """Messages the queue and the hold line can still take, less those read and not yet handled."""
+        """Messages the queue and the hold line can still take, less those read and not yet handled.
+
+        0 once :meth:`held_bytes` reached ``max_held_bytes``.
+        """
+        if self.max_held_bytes and self.held_bytes() >= self.max_held_bytes:
+            return 0
         if self.queue.maxsize <= 0:
             return READS_PER_TURN  # an unbounded queue: never full
         free = self.queue.maxsize - self.queue.qsize() + self.held_max - len(self._held)

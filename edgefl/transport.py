@@ -81,6 +81,8 @@ class MqttTransport(Link):
     keepalive_s : int
     queue_size : int
         Bound of the incoming-message queue (messages).
+    max_held_bytes : int
+        Payload bytes received and not yet handled at most, 0: no bound (:class:`~edgefl.mqtt_link.Link`).
     username, password : str or None
     tls_context : ssl.SSLContext or None
     on_connect : callable or None
@@ -110,6 +112,7 @@ class MqttTransport(Link):
         protocol: str = "auto",
         keepalive_s: int = 30,
         queue_size: int = 256,
+        max_held_bytes: int = 0,
         username: str | None = None,
         password: str | None = None,
         tls_context: ssl.SSLContext | None = None,
@@ -125,6 +128,7 @@ class MqttTransport(Link):
             queue_size=queue_size,
             ack_on_commit=ack_on_commit,
             max_incoming_packet_bytes=max_incoming_packet_bytes,
+            max_held_bytes=max_held_bytes,
         )
         self.host = host
         self.port = port
