@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
@@ -32,6 +32,9 @@ from edgefl.mqtt_link import Connection, Link, Message
 from edgefl.mqtt_socket import OVERSIZE_TOPIC, BoundedClient, set_nodelay
 from edgefl.validators import MQTT_MAX_PACKET_BYTES
 from edgefl.wire.chunking import publish_packet_bytes
+
+if TYPE_CHECKING:
+    from edgefl.profiles import BrokerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +166,31 @@ class MqttTransport(Link):
         #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1): False after a reconnect means
         #: what was published to our subscriptions while we were away is gone.
         self.session_present = False
+
+    @classmethod
+    def for_broker(cls, broker: BrokerConfig, client_id: str, **options: Any) -> MqttTransport:
+        """A transport (not started) to a profile's ``[broker]``, ``options`` (``__init__`` keywords) on top.
+
+        Address, protocol, keepalive, credentials (``broker_password``), TLS (``ssl_context_for``, unless
+        ``tls_context`` is given), packet limits and alternates. ConfigError if the password or TLS files
+        cannot be read.
+        """
+        from edgefl.profiles import broker_password
+        from edgefl.tlsconf import ssl_context_for
+
+        kwargs: dict[str, Any] = {
+            "protocol": broker.protocol,
+            "keepalive_s": broker.keepalive_s,
+            "username": broker.username,
+            "password": broker_password(broker),
+            "max_packet_bytes": broker.max_packet_bytes,
+            "max_incoming_packet_bytes": broker.max_incoming_packet_bytes,
+            "alternates": broker.alternate_addresses,
+        }
+        kwargs.update(options)
+        if "tls_context" not in kwargs:
+            kwargs["tls_context"] = ssl_context_for(broker)
+        return cls(broker.host, broker.port, client_id, **kwargs)
 
     @property
     def _client(self) -> BoundedClient | None:
