@@ -19,12 +19,13 @@ import binascii
 import bisect
 import contextlib
 import hmac
+import inspect
 import json
 import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -55,6 +56,8 @@ MAX_ROUNDS_PAGE = 5000
 """Round records served by one ``/api/rounds`` response at most."""
 MAX_HISTORY_DEVICES = 64
 """Devices whose RSS the coordinator page's memory history keeps (the first seen, by name)."""
+RoundsSource = Callable[[], Sequence[Mapping[str, Any]] | Awaitable[Sequence[Mapping[str, Any]]]]
+"""``DashboardState.get_rounds``: the round records, or an awaitable of them."""
 
 _STATIC_TYPES: Final = {
     "app.js": "text/javascript",
@@ -79,16 +82,17 @@ _SECURITY_HEADERS: Final = {
 class DashboardState:
     """What the agent or the coordinator hands to the dashboard.
 
-    ``kind`` ("device" or "coordinator"): which page and metrics; ``title``: the page header's (device
-    id, fleet name). ``get_status()``: the current status (keys: ``docs/operations.md``, "The
-    dashboard's routes"; any may be missing or None), called on the event loop at most once per
-    ``push_interval_s`` (s, while a stream is open) and per request: cheap, never blocking.
-    ``get_rounds()``: a coordinator's round records, oldest first, a list that exists already
-    (``/api/rounds``). ``token``: bearer token, required by :func:`serve` off loopback. The RSS history
-    is sampled every ``history_interval_s`` (s), ``history_len`` samples. At most ``max_streams`` SSE
-    streams (503 beyond) and ``max_connections`` open connections (``max_connections_per_client``
-    from one IP); a request's header block and body must each arrive within ``header_timeout_s`` /
-    ``body_timeout_s`` or the connection is closed. ValueError for another kind or a number <= 0.
+    ``kind`` ("device" or "coordinator"): which page and metrics; ``title``: the page header's (device id,
+    fleet name). ``get_status()``: the current status (keys: ``docs/operations.md``, "The dashboard's
+    routes"; any may be missing or None), called on the event loop at most once per ``push_interval_s``
+    (s, while a stream is open) and per request: cheap, never blocking. ``get_rounds()``: a coordinator's
+    round records, oldest first (``/api/rounds``): a list that exists already, or an awaitable of one for
+    records that take work (computed off the loop). ``token``: bearer token, required by :func:`serve` off
+    loopback. The RSS history is sampled every ``history_interval_s`` (s), ``history_len`` samples. At
+    most ``max_streams`` SSE streams (503 beyond) and ``max_connections`` open connections
+    (``max_connections_per_client`` from one IP); a request's header block and body must each arrive
+    within ``header_timeout_s`` / ``body_timeout_s`` or the connection is closed. ValueError for another
+    kind or a number <= 0.
     """
 
     kind: Literal["device", "coordinator"]
@@ -98,7 +102,7 @@ class DashboardState:
     push_interval_s: float = 1.0
     history_interval_s: float = 2.0
     history_len: int = 150
-    get_rounds: Callable[[], Sequence[Mapping[str, Any]]] | None = None
+    get_rounds: RoundsSource | None = None
     max_streams: int = 16
     header_timeout_s: float = 10.0
     body_timeout_s: float = 10.0
@@ -390,7 +394,8 @@ async def _rounds(request: web.Request) -> web.Response:
             text=f"limit = {limit}: must be >= 1 (records a page, at most {MAX_ROUNDS_PAGE})\n"
         )
     limit = min(limit, MAX_ROUNDS_PAGE)
-    records: Sequence[Mapping[str, Any]] = state.get_rounds() if state.get_rounds is not None else ()
+    got = state.get_rounds() if state.get_rounds is not None else ()
+    records: Sequence[Mapping[str, Any]] = await got if inspect.isawaitable(got) else got
     # records are in round order: the first one after ``after`` by bisection
     lo = bisect.bisect_right(records, float(after), key=lambda r: finite_number(r.get("round")) or 0.0)
     page = records[lo : lo + limit]
