@@ -227,3 +227,47 @@ def test_hostile_pending_file_duplicate_ids_keep_the_newest_slot(tmp_path: Path)
     for i in range(3):
         back.park(f"n{i}", emb(i), predicted=0)  # 3 free slots: the old copy's slot is one
     assert sorted(p.id for p in PendingFile(tmp_path, 4, D).restored) == ["n0", "n1", "n2", "other"]
+
+
+def test_durable_agent_starts_on_a_pending_file_cut_short(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
+) -> None:
+    """A real agent killed with 10 samples waiting; its pending file then loses its last 100 bytes
+    (``truncate -s -100``): it starts, with the 10 waiting samples. Killed again and cut to its header
+    (a crash while the file was made): it starts with none."""
+    x, _ = load_digits()
+    extra = {"training__holdout_every": "0", "broker__session_expiry_s": "0"}
+    path = tmp_path / "dev-t" / PENDING_FILE
+
+    def start() -> subprocess.Popen[bytes]:
+        proc = start_ingest_agent(mosquitto, fleet, tmp_path, "dev-t", **extra)
+        agents.append(proc)
+        return proc
+
+    async def main() -> None:
+        async with Gateway(mosquitto, fleet, "dev-t") as gw:
+            proc = start()
+            await gw.ready()
+            for i in range(10):
+                await gw.sample(Sample(f"t{i}", x[i]))
+            await gw.until("10 waiting", pending_labels=10)
+            proc.kill()
+            assert proc.wait(30) == -9
+            await wait_until(lambda: gw.status.get("state") == "offline", 30, "the agent gone")
+            os.truncate(path, path.stat().st_size - 100)
+            gw.status = {}
+            proc = start()
+            await gw.until("back with its waiting samples", ready=True, pending_labels=10)
+            assert proc.poll() is None
+            proc.kill()
+            assert proc.wait(30) == -9
+            await wait_until(lambda: gw.status.get("state") == "offline", 30, "the agent gone again")
+            os.truncate(path, HEADER_BYTES)
+            gw.status = {}
+            proc = start()
+            await gw.until("back with nothing waiting", ready=True, pending_labels=0)
+            assert proc.poll() is None
+
+    asyncio.run(main())
+    log = (tmp_path / "dev-t.log").read_text()
+    assert "cut short:" in log and "set aside as *.corrupt" in log and "Traceback" not in log, log
