@@ -161,6 +161,7 @@ class RoundArchive:
         """Times the log was read (a read is reused while the log stays the same)."""
         self._lock = threading.Lock()
         self._cached: tuple[tuple[int, int, int], list[dict[str, Any]]] | None = None
+        self._joined: tuple[list[dict[str, Any]], object, int, list[Mapping[str, Any]]] | None = None
         self._flight: tuple[tuple[int, int, int] | None, asyncio.Future[list[dict[str, Any]]]] | None = None
 
     def _log_key(self) -> tuple[int, int, int] | None:
@@ -224,6 +225,8 @@ class RoundArchive:
 
         The in-memory records are taken on the loop (they change there); requests arriving while the
         log is being read share that read (single flight) when the log has not changed since it began.
+        While neither the log nor the in-memory list (the same object, of the same length) changed, the
+        same list object is returned.
         """
         key = self._log_key()
         cached = self._cached
@@ -235,7 +238,13 @@ class RoundArchive:
                 fut = asyncio.ensure_future(asyncio.to_thread(self._older))
                 flight = self._flight = (key, fut)
             older = await asyncio.shield(flight[1])
-        return self._join(older, list(self.recent()))
+        recent = self.recent()
+        joined = self._joined
+        if joined is not None and joined[0] is older and joined[1] is recent and joined[2] == len(recent):
+            return joined[3]  # the same list object while nothing changed (the page's responses are reused)
+        out = self._join(older, list(recent))
+        self._joined = (older, recent, len(recent), out)
+        return out
 
 
 def _increasing(records: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:

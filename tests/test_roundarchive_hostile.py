@@ -36,7 +36,7 @@ def test_hostile_rounds_archive_read_once_off_the_loop(tmp_path: Path) -> None:
         assert arch.reads == 1  # 16 concurrent requests, one read
         assert all(r == results[0] for r in results)
         assert [r["round"] for r in results[0][-1000:]] == list(range(2001, 3001))
-        await arch.records_async()
+        assert await arch.records_async() is results[0]  # nothing changed: the very same list
         assert arch.reads == 1  # the log has not changed: the read is reused
         write_log(log, range(3001, 3002))
         recent.append({"round": 3001, "accuracy": 0.91})
@@ -50,7 +50,8 @@ def test_hostile_rounds_api_many_clients_read_the_log_once(tmp_path: Path) -> No
     log = tmp_path / "rounds.jsonl"
     write_log(log, range(1, 2001))
     arch = RoundArchive(log, lambda: [], tail_rounds=500, sampled_rounds=100)
-    server = ThreadedDashboard(DashboardState("coordinator", "f", lambda: {}, get_rounds=arch.records_async))
+    state = DashboardState("coordinator", "f", lambda: {}, get_rounds=arch.records_async)
+    server = ThreadedDashboard(state)
 
     def get(_: int) -> dict[str, Any]:
         with urllib.request.urlopen(server.url + "/api/rounds?after=1990&limit=5", timeout=30) as resp:
@@ -59,9 +60,12 @@ def test_hostile_rounds_api_many_clients_read_the_log_once(tmp_path: Path) -> No
     try:
         with ThreadPoolExecutor(12) as pool:
             docs = list(pool.map(get, range(24)))
+        assert list(state._pages) == [(1990, 5)]  # one response built, served 24 times
+        write_log(log, range(2001, 2002))
+        assert get(0)["last"] == 2001  # the log grew: read again, a new response
     finally:
         server.close()
-    assert arch.reads == 1
+    assert arch.reads == 2
     assert all(d == docs[0] for d in docs)
     assert [r["round"] for r in docs[0]["rounds"]] == [1991, 1992, 1993, 1994, 1995]
     assert docs[0]["last"] == 2000 and docs[0]["total"] == 600
