@@ -24,12 +24,7 @@ from edgefl.agent.core import DeviceCore
 from edgefl.agent.ingest import Ingest
 from edgefl.agent.pending import PENDING_FILE, PendingFile
 from edgefl.agent.reporter import REFUSED_NOT_AUTHORIZED, REFUSED_UNTRUSTED, AgentState, StatusPage
-from edgefl.errors import (
-    CertificateNotTrusted,
-    CredentialsRefused,
-    StartupError,
-    TransportError,
-)
+from edgefl.errors import CertificateNotTrusted, CredentialsRefused, StartupError, TransportError
 from edgefl.profiles import broker_password
 from edgefl.records import read_record, write_record
 from edgefl.tlsconf import ssl_context_for
