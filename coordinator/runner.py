@@ -46,10 +46,9 @@ from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategies import strategy_from_tables
 from edgefl.coordinator.strategy import Strategy
 from edgefl.errors import BrokerRefused, ConfigError, TransportError, UpdateRejected
-from edgefl.profiles import DashboardConfig, broker_password
+from edgefl.profiles import DashboardConfig
 from edgefl.records import atomic_write
 from edgefl.runtime import Backbone
-from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
@@ -125,7 +124,12 @@ Evaluation = Callable[[CoordinatorProfile, Backbone], Callable[[F32, F32], float
 """Builds the central evaluation of a head for a profile and backbone (None: no central set)."""
 
 PageServer = Callable[
-    [DashboardConfig, str, Callable[[], Mapping[str, Any]], Callable[[], Sequence[Mapping[str, Any]]]],
+    [
+        DashboardConfig,
+        str,
+        Callable[[], Mapping[str, Any]],
+        Callable[[], Sequence[Mapping[str, Any]] | Awaitable[Sequence[Mapping[str, Any]]]],
+    ],
     Awaitable[tuple[Callable[[], Awaitable[None]], int]],
 ]
 """Serves the fleet page: ``(dashboard config, title, get_status, get_rounds) -> (stop, port)``; given by
@@ -212,20 +216,11 @@ async def run(
     leased = hier.role != "site"  # one coordinator per fleet; a site is one per site broker
 
     def transport_for(cid: str, *, persistent: bool, probe: bool = False) -> MqttTransport:
-        return MqttTransport(
-            broker.host,
-            broker.port,
+        return MqttTransport.for_broker(
+            broker,
             cid,
-            protocol=broker.protocol,
-            keepalive_s=broker.keepalive_s,
-            username=broker.username,
-            password=broker_password(broker),
-            tls_context=ssl_context_for(broker),
-            max_packet_bytes=broker.max_packet_bytes,
-            max_incoming_packet_bytes=broker.max_incoming_packet_bytes,
             # A persistent session: updates published while the coordinator restarts wait for it
             session_expiry_s=3600 if persistent or probe else 0,
-            alternates=broker.alternate_addresses,  # the other nodes of a clustered broker, tried in turn
             # an update is acknowledged once the state file holds it: a SIGKILL loses none
             ack_on_commit=probe or (persistent and files.state is not None),
             # one client, not a fleet: back within ~5 s of its broker (a root's partials wait for it)
@@ -379,7 +374,7 @@ async def run(
             history = (
                 coord.dashboard_rounds
                 if files.log is None
-                else RoundArchive(files.log, coord.dashboard_rounds).records
+                else RoundArchive(files.log, coord.dashboard_rounds).records_async
             )
             stop_page, port = await page(dash, f"fleet {fleet}", coord.dashboard_status, history)
         except OSError as exc:
