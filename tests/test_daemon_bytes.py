@@ -26,7 +26,7 @@ from edgefl.wire.ingest import Sample
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.broker, pytest.mark.subprocess]
 
-JUNK = 400  # x 250 KB = 100 MB queued: above the dev profile's 96 MiB cap on its own
+JUNK = 1000  # x 250 KB = 250 MB: what one app account can queue (mosquitto's default per client)
 JUNK_BYTES = 250_000
 LEGIT = 5
 
@@ -35,7 +35,7 @@ LEGIT = 5
 def test_hostile_backlog_of_large_samples_keeps_agent_peak_rss_under_cap(
     tmp_path: Path, fleet: str, when: str
 ) -> None:
-    """400 x 250 KB samples of the wrong shape (an app account's junk), then 5 digits samples.
+    """1000 x 250 KB samples of the wrong shape (an app account's junk), then 5 digits samples.
 
     ``offline``: they wait at the broker while the agent is stopped, and come at its restart;
     ``online``: they are published to the running agent as fast as the broker takes them. The agent
