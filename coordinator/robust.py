@@ -196,12 +196,7 @@ class Median(_Robust):
 class TrimmedMean(_Robust):
     """Coordinate-wise trimmed mean of the round's deltas (see ``trimmed_mean``).
 
-    Parameters
-    ----------
-    trim_fraction : float in [0, 0.5)
-        beta: fraction dropped at each end per coordinate.
-    **kwargs
-        As ``_Robust``.
+    ``trim_fraction`` beta in [0, 0.5): dropped at each end per coordinate; ``kwargs`` as ``_Robust``.
 
     Source: Yin et al. 2018, Definition 2.
     """
