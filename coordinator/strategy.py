@@ -1,11 +1,9 @@
 """The aggregation interface: how the coordinator asks a strategy for the next global head.
 
 One interface, as Flower's strategies: ``configure_round`` (settings and a fresh accumulator),
-``offer`` (one update, checked, norm-bounded and folded in) and ``aggregate`` (the next head). Each
-strategy owns its accumulator (``coordinator/fedavg.py``, ``robust.py``, ``fedbuff.py``,
-``privacy.py``; built by name in ``strategies.py``); the service never looks at a strategy's type.
-A strategy never aggregates fewer than ``min_updates`` updates, what it needs to withstand
-``tolerate`` hostile devices.
+``offer`` (one update, checked, norm-bounded and folded in) and ``aggregate`` (the next head, from
+never fewer than ``min_updates`` updates). Each strategy owns its accumulator; the service never
+looks at a strategy's type.
 """
 
 from __future__ import annotations
