@@ -44,12 +44,7 @@ from edgefl.wire.global_model import (
     resolve_global_head,
 )
 from edgefl.wire.rounds import RoundAnnouncement
-from edgefl.wire.signing import (
-    SigningKey,
-    VerifyKey,
-    load_signing_key,
-    parse_verify_key,
-)
+from edgefl.wire.signing import SigningKey, VerifyKey, load_signing_key, parse_verify_key
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +114,6 @@ class ApplyResult:
 
 def check_model_fits(profile: Profile, backbone: Backbone) -> None:
     """Refuse a model the profile's samples do not fit.
-
-    Parameters
-    ----------
-    profile : Profile
-    backbone : Backbone
 
     Raises
     ------
@@ -296,13 +286,8 @@ class DeviceCore(RoundAnswering):
     ) -> DeviceCore:
         """Load the profile's model and build the core around it (what ``edgefl run`` does).
 
-        Parameters
-        ----------
-        profile : Profile
-        governor, state_dir, store_capacity, phase, progress
-            As :class:`DeviceCore`.
-        pipeline_mode : "fused" | "unfused" | None
-            Override ``pipeline.mode`` (None: the profile's; ``auto`` measures and picks).
+        ``pipeline_mode`` (``"fused"``, ``"unfused"``, ``"auto"``) overrides ``pipeline.mode``; the
+        other options as :class:`DeviceCore`'s.
 
         Raises
         ------
@@ -359,7 +344,6 @@ class DeviceCore(RoundAnswering):
         Returns
         -------
         Classified
-            float32 [N, D] embeddings, int64 [N] predictions, the head version used.
 
         Raises
         ------
@@ -494,15 +478,11 @@ class DeviceCore(RoundAnswering):
     def receive_global(self, payload: bytes) -> ApplyResult:
         """Global bytes in: verify, decode, validate, apply and persist a GlobalModel (phase ``apply``).
 
-        Parameters
-        ----------
-        payload : bytes
-            The GlobalModel message (whole, reassembled if it came in chunks).
-
-        Returns
-        -------
-        ApplyResult
-            REFUSED with the reason for bad bytes or an unusable head; otherwise as :meth:`apply_global`.
+        ``payload``: the whole message (reassembled if it came in chunks). REFUSED with the reason for
+        bad bytes, or for an unusable head: ``wrong_model``, ``bad_shape``/``not_finite`` (values, or
+        logits on a few stored embeddings), ``not_newer`` (older than the running head or
+        :attr:`seen_version`). A head that cannot be written still runs (:attr:`degraded`, retried by
+        :meth:`retry_persist`).
         """
         held = self.head
         message: bytes | Scanned = payload
@@ -529,25 +509,8 @@ class DeviceCore(RoundAnswering):
         except DecodeError as exc:
             return ApplyResult(ApplyStatus.REFUSED, reason=exc.reason, detail=exc.detail)
 
-    def apply_global(self, gm: GlobalModel) -> ApplyResult:
-        """Validate a decoded global head, persist it and swap it in atomically (phase ``apply``).
-
-        Refused: ``wrong_model``, ``bad_shape``/``not_finite`` (values, or logits on a few stored
-        embeddings), ``not_newer`` (older than the running head or :attr:`seen_version`). A head that
-        cannot be written still runs (:attr:`degraded`, retried by :meth:`retry_persist`).
-
-        Parameters
-        ----------
-        gm : GlobalModel
-
-        Returns
-        -------
-        ApplyResult
-        """
-        with self._phase("apply"):
-            return self._apply(gm)
-
     def _apply(self, gm: GlobalModel) -> ApplyResult:
+        """Validate a decoded global head, persist it and swap it in atomically."""
         try:
             if gm.model_sha256 != self.model_sha256:
                 raise UpdateRejected(

@@ -24,13 +24,7 @@ from edgefl.agent.core import DeviceCore
 from edgefl.agent.ingest import Ingest
 from edgefl.agent.pending import PENDING_FILE, PendingFile
 from edgefl.agent.reporter import REFUSED_NOT_AUTHORIZED, REFUSED_UNTRUSTED, AgentState, StatusPage
-from edgefl.errors import (
-    CertificateNotTrusted,
-    CredentialsRefused,
-    StartupError,
-    TransportError,
-)
-from edgefl.profiles import broker_password
+from edgefl.errors import CertificateNotTrusted, CredentialsRefused, StartupError, TransportError
 from edgefl.records import read_record, write_record
 from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
@@ -255,20 +249,13 @@ class Agent(RoundTask):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stop_event.set)
         b = self.profile.broker
-        self.transport = MqttTransport(
-            b.host,
-            b.port,
+        self.transport = MqttTransport.for_broker(
+            b,
             f"edgefl-{self.device}",
             will=Will(self.topics.status(self.device), offline_status(self.device)),
-            protocol=b.protocol,
-            keepalive_s=b.keepalive_s,
-            username=b.username,
-            password=broker_password(b),
             on_connect=self._on_transport_connect,
             tls_context=self.tls_context,
             max_packet_bytes=self.max_packet_bytes,
-            max_incoming_packet_bytes=b.max_incoming_packet_bytes,
-            alternates=b.alternate_addresses,  # the other nodes of a clustered broker, tried in turn
             # a persistent session: what is published to our subscriptions while the agent restarts
             # (samples, labels, rounds, heads: QoS 1) waits at the broker and comes when it is back
             session_expiry_s=b.session_expiry_s,

@@ -224,10 +224,7 @@ class Governor:
     def phase(self, name: str) -> Iterator[None]:
         """Measure the peak RSS of the enclosed block as phase ``name`` (``phase_last``, ``phase_peaks``).
 
-        Parameters
-        ----------
-        name : str
-            A phase name (see :data:`PHASES`).
+        ``name``: one of :data:`PHASES` (others allowed).
         """
         sampler: _Sampler | None = None
         start = self.rss_bytes()
@@ -274,8 +271,6 @@ class Governor:
 
         Parameters
         ----------
-        phase : str
-            Phase name.
         estimate : callable(int) -> int
             Bytes the phase needs for a given work size (one of the ``estimate_*`` functions).
         work : int
@@ -342,16 +337,8 @@ class Governor:
     def keep(self, decision: Admission) -> Admission:
         """Take an admission as decided: kept in ``admissions``, counted and logged as :meth:`admit` does.
 
-        A probe (``probe=True``) a caller goes ahead with is kept here rather than asked again.
-
-        Parameters
-        ----------
-        decision : Admission
-
-        Returns
-        -------
-        Admission
-            ``decision``.
+        A probe (``probe=True``) a caller goes ahead with is kept here rather than asked again;
+        returns ``decision``.
         """
         phase = decision.phase
         with self._lock:
@@ -381,9 +368,6 @@ class Governor:
 
         Parameters
         ----------
-        shapes : ModelShapes
-        batch : int
-            Samples asked for.
         resident_batch : int, optional
             Batch the interpreter's arena is already allocated for (``Pipeline.tensor_batch``);
             default: the largest batch admitted so far.
@@ -391,10 +375,6 @@ class Governor:
             Count the batch preparation too (when one call does both, as ``Pipeline.run``).
         keep_bytes : int
             Bytes a grown arena must leave free beside the reserve (the smallest training run).
-
-        Returns
-        -------
-        Admission
         """
         resident = self.max_work.get("inference", 0) if resident_batch is None else resident_batch
 
@@ -422,48 +402,29 @@ class Governor:
         resident_rows: int = 0,
         personal: bool = False,
         probe: bool = False,
+        phase: Literal["train", "personal"] = "train",
     ) -> Admission:
-        """Admit local training with ``chunk`` samples per store chunk (halved down to ``floor``).
+        """Admit a pass over the store with ``chunk`` samples per store chunk (halved down to ``floor``).
 
+        ``phase="train"``: local training (:func:`estimate_train_bytes`); with ``personal`` the
+        personal head trains alongside (``train_local``'s ``personal``), its head and gradient counted
+        too. ``phase="personal"``: a personal-head step of its own (:func:`estimate_personal_bytes`).
         ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
-        ``personal``: the personal head trains alongside (``train_local``'s ``personal``): its head and
-        gradient are counted too, as :func:`estimate_personal_bytes` counts them. ``probe``: as
-        :meth:`admit`'s (nothing kept or counted).
+        ``probe``: as :meth:`admit`'s (nothing kept or counted).
         """
         first = self.phase_counts.get("train", 0) == 0
         heads = 2 * (dim * classes + classes) * 4 if personal else 0
 
         def need(n: int) -> int:
+            if phase == "personal":
+                return estimate_personal_bytes(
+                    n, dim, classes, batch_size, num_examples, resident_rows=resident_rows
+                )
             return heads + estimate_train_bytes(
                 n, dim, classes, batch_size, num_examples, first_run=first, resident_rows=resident_rows
             )
 
-        return self.admit("train", need, chunk, floor, probe=probe)
-
-    def admit_personal(
-        self,
-        chunk: int,
-        floor: int,
-        *,
-        dim: int,
-        classes: int,
-        batch_size: int,
-        num_examples: int,
-        resident_rows: int = 0,
-    ) -> Admission:
-        """Admit a personal-head step with ``chunk`` samples per store chunk (halved down to ``floor``).
-
-        Counted as :func:`estimate_personal_bytes`: one extra head plus its gradient beside the
-        chunk buffers; deferred (the step waits for the next round) when even ``floor`` is over budget.
-        ``resident_rows``: stored samples already mapped in (``EmbeddingStore.resident_rows``).
-        """
-
-        def need(n: int) -> int:
-            return estimate_personal_bytes(
-                n, dim, classes, batch_size, num_examples, resident_rows=resident_rows
-            )
-
-        return self.admit("personal", need, chunk, floor)
+        return self.admit(phase, need, chunk, floor, probe=probe)
 
     # --- report ------------------------------------------------------------------------------
     def _pss_bytes(self) -> int | None:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import cbor2
 import numpy as np
 
+from edgefl.agent.governor import Admission
 from edgefl.agent.state import DeviceState
 from edgefl.agent.trainer import PersonalResult, train_personal
 from edgefl.errors import UpdateRejected
@@ -316,6 +318,29 @@ class PersonalHeads(DeviceState):
         }
         self._write_state(PERSONAL_FILE, cbor2.dumps(payload))
 
+    def _admit_pass(
+        self,
+        ann: RoundAnnouncement,
+        phase: Literal["train", "personal"],
+        personal: bool = False,
+        probe: bool = False,
+    ) -> Admission:
+        """The governor's grant for a pass over the store in ``ann``'s batches (``Governor.admit_train``)."""
+        cfg = self.profile.training
+        D, K = self.head.shape
+        return self.governor.admit_train(
+            cfg.chunk_size,
+            cfg.chunk_floor,
+            dim=D,
+            classes=K,
+            batch_size=ann.batch_size,
+            num_examples=len(self.store),
+            resident_rows=self.store.resident_rows,
+            personal=personal,
+            probe=probe,
+            phase=phase,
+        )
+
     def personalise(self) -> PersonalResult | None:
         """The personal step of the last trained round: class-restricted Ditto steps, persisted, evaluated.
 
@@ -339,16 +364,7 @@ class PersonalHeads(DeviceState):
             return None
         tcfg = self.profile.training
         glob = self.head
-        D, K = glob.shape
-        adm = self.governor.admit_personal(
-            tcfg.chunk_size,
-            tcfg.chunk_floor,
-            dim=D,
-            classes=K,
-            batch_size=ann.batch_size,
-            num_examples=len(self.store),
-            resident_rows=self.store.resident_rows,
-        )
+        adm = self._admit_pass(ann, "personal")
         if adm.deferred:
             self.personal_deferred += 1
             return None

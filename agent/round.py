@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 
 from edgefl import heap
 from edgefl.agent import estimates
-from edgefl.agent.governor import Admission
 from edgefl.agent.outbox import Dropped, OutboxEntry
 from edgefl.agent.personal import PersonalHeads
 from edgefl.agent.state import Answered, ProgressHook
@@ -41,10 +40,7 @@ from edgefl.wire.rounds import (
     encode_decline,
     encode_update,
 )
-from edgefl.wire.signing import (
-    sign_message,
-    verify_payload,
-)
+from edgefl.wire.signing import sign_message, verify_payload
 
 logger = logging.getLogger(__name__)
 
@@ -153,15 +149,8 @@ class RoundAnswering(PersonalHeads):
     def receive_round(self, payload: bytes) -> RoundResult:
         """Round bytes in: verify, decode and answer a RoundAnnouncement (see :meth:`answer_round`).
 
-        Parameters
-        ----------
-        payload : bytes
-            The RoundAnnouncement message as received (whole, reassembled if it came in chunks).
-
-        Returns
-        -------
-        RoundResult
-            REFUSED with the DecodeError's reason for bad bytes; otherwise as :meth:`answer_round`.
+        ``payload``: the whole message (reassembled if it came in chunks). REFUSED with the
+        DecodeError's reason for bad bytes; otherwise as :meth:`answer_round`.
         """
         try:
             ann = decode_round(self._verified(payload, MessageType.ROUND), limits=self.limits)
@@ -187,17 +176,7 @@ class RoundAnswering(PersonalHeads):
         -> DEFERRED; else trained (phase ``train``), encoded and signed (phase ``encode``) and kept in
         the outbox with the round recorded as answered -> TRAINED (the caller publishes it).
 
-        Parameters
-        ----------
-        ann : RoundAnnouncement
-
-        Returns
-        -------
-        RoundResult
-
-        Notes
-        -----
-        Error feedback: Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory", Algorithm 1.
+        Source: error feedback, Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory", Algorithm 1.
         """
         if self._personal_due is not None:
             self.personalise()  # the last round's personal step, if its caller left it for later
@@ -256,27 +235,13 @@ class RoundAnswering(PersonalHeads):
         gov = self.governor
         D, K = head.shape
         pcfg = self.profile.personal
-
-        def admit(personal: bool, probe: bool = False) -> Admission:
-            return gov.admit_train(
-                cfg.chunk_size,
-                cfg.chunk_floor,
-                dim=D,
-                classes=K,
-                batch_size=ann.batch_size,
-                num_examples=len(self.store),
-                resident_rows=self.store.resident_rows,
-                personal=personal,
-                probe=probe,
-            )
-
         # the personal step rides on the round's batches when its epochs are the round's (softmax
         # heads) and its head fits beside training; otherwise it waits for a step of its own
         along = pcfg.enabled and K > 1 and pcfg.epochs in (0, ann.local_epochs)
-        probe = admit(True, probe=True) if along else None
+        probe = self._admit_pass(ann, "train", personal=True, probe=True) if along else None
         along = probe is not None and not probe.deferred
         # the probe that fits is the admission (asked again, it would read the same RSS)
-        adm = gov.keep(probe) if probe is not None and along else admit(False)
+        adm = gov.keep(probe) if probe is not None and along else self._admit_pass(ann, "train")
         if adm.deferred:
             return self._defer(ann, adm.reason)
         if self._progress is not None:
@@ -408,15 +373,7 @@ class RoundAnswering(PersonalHeads):
         deferral, free heap is returned to the kernel and the round answered again; after it, the round
         is DECLINED (``over_budget`` or ``too_few_examples``).
 
-        Parameters
-        ----------
-        now_s : float, optional
-            ``time.monotonic()`` (tests pass their own).
-
-        Returns
-        -------
-        RoundResult or None
-            None when no round is deferred.
+        ``now_s``: ``time.monotonic()`` (tests pass their own). None when no round is deferred.
         """
         d = self.deferred
         if d is None:
@@ -452,18 +409,9 @@ class RoundAnswering(PersonalHeads):
     def decline(self, ann: RoundAnnouncement, reason: str, detail: str) -> RoundResult:
         """Refuse a round to the coordinator: a (signed) Decline kept in the outbox, the round answered.
 
-        Parameters
-        ----------
-        ann : RoundAnnouncement
-        reason : str
-            A :class:`~edgefl.wire.reasons.Reason` value (``over_budget``).
-        detail : str
-            Why, for the coordinator's log (cut to 200 printable ASCII characters).
-
-        Returns
-        -------
-        RoundResult
-            DECLINED with the Decline as ``entry`` (publish it on ``update/<device>``).
+        ``reason`` is a :class:`~edgefl.wire.reasons.Reason` value (``over_budget``), ``detail`` the
+        why for the coordinator's log (cut to 200 printable ASCII characters). Returns DECLINED with
+        the Decline as ``entry`` (publish it on ``update/<device>``).
 
         Raises
         ------
@@ -495,15 +443,9 @@ class RoundAnswering(PersonalHeads):
     def _keep_answer(
         self, ann: RoundAnnouncement, update_id: str, payload: bytes, what: str, sends: int = 0
     ) -> tuple[Dropped, ...]:
-        """Keep an answer in the outbox and record the round as answered, in one write.
+        """Keep an answer in the outbox, the round recorded as answered, in one write; the evicted.
 
-        Kept until its PUBACK: a restart re-sends it (same ``update_id``), never answers the round
-        again. Returns the entries evicted to make room.
-
-        Raises
-        ------
-        OSError
-            If the outbox cannot be persisted (the answer is then not kept).
+        OSError if the outbox cannot be persisted (the answer is then not kept).
         """
         added: list[Dropped] = []
         answered = Answered(self.fleet, ann.round, update_id)

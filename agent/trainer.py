@@ -238,6 +238,21 @@ class _BatchReader:
         return self._grad_W, self._grad_b
 
 
+def _tie(W: F32, b: F32, head: Head, columns: np.ndarray, scaled_to_zero: bool) -> np.ndarray | None:
+    """Give the columns outside ``columns`` the global head's values; the mask a step must keep tied.
+
+    None when every column is personalised, or when the others' logits are scaled to 0
+    (``scaled_to_zero``): their gradient and their pull toward the head they equal are then exactly
+    0, so every step leaves them tied as they are.
+    """
+    if columns.all():
+        return None
+    tied: np.ndarray = ~columns
+    W[:, tied] = head.W[:, tied]
+    b[tied] = head.b[tied]
+    return None if scaled_to_zero else tied
+
+
 class _Pair:
     """The global and a personal head stacked, ``[W, V]``, for :func:`train_local`'s ``personal``.
 
@@ -273,15 +288,11 @@ class _Pair:
         self._gW: F32 = np.empty((2, D, K), np.float32)
         self._gb: F32 = np.empty((2, 1, K), np.float32)
         self.scale = restricted_logit_scale(step.columns, step.absent_alpha)
-        self.lr32, self.lam32 = np.float32(lr), np.float32(step.lam)
+        self.lam32 = np.float32(step.lam)
         self.lr_p32 = np.float32(step.lr)
         self.active = bool(step.columns.any())
-        tied = None if step.columns.all() else ~step.columns
-        if tied is not None:  # as train_personal: the columns of classes never labelled are the global's
-            self.V[:, tied] = head.W[:, tied]
-            self.c[tied] = head.b[tied]
-        # absent logits scaled to 0: their gradient and their pull are 0, every step keeps them tied
-        self.tied = None if tied is not None and self.scale is not None and step.absent_alpha == 0.0 else tied
+        zeroed = self.scale is not None and step.absent_alpha == 0.0
+        self.tied = _tie(self.V, self.c, head, step.columns, zeroed)  # as train_personal's
         self.both = prox_mu == 0.0 and step.lam == 0.0 and self.tied is None
         self.lr2: F32 = np.array([lr, step.lr], np.float32).reshape(2, 1, 1)
         self.steps = 0
@@ -300,15 +311,8 @@ class _Pair:
             gb *= self.lr2
             self.b2 -= gb
             return
-        gw, gbias = gW[0], gb[0, 0]
-        if self.prox_mu > 0.0:
-            head = self.head
-            sgd_step(self.W, self.b, gw, gbias, self.lr, prox_mu=self.prox_mu, W0=head.W, b0=head.b)
-        else:
-            gw *= self.lr32
-            self.W -= gw
-            gbias *= self.lr32
-            self.b -= gbias
+        head = self.head
+        sgd_step(self.W, self.b, gW[0], gb[0, 0], self.lr, prox_mu=self.prox_mu, W0=head.W, b0=head.b)
         if self.active:
             ditto_update(
                 self.V, self.c, gW[1], gb[1, 0], self.lr_p32, self.lam32, self.head.W, self.head.b, self.tied
@@ -371,10 +375,6 @@ def train_local(
         :func:`train_personal`'s toward ``head``, in this training's sample order; its arrays are
         updated in place. The global head's training is bit for bit the same as without it.
 
-    Returns
-    -------
-    LocalResult
-
     Raises
     ------
     ValueError
@@ -398,7 +398,6 @@ def train_local(
     stop_at = t0 + time_budget_s if time_budget_s is not None else None
     reader = _BatchReader(store, n, D, K, chunk_size=chunk_size, batch_size=batch_size)
     chunk, emb, lbl = reader.chunk, reader.emb, reader.lbl
-    lr32 = np.float32(lr)
     steps = 0
     pair = _Pair(head, personal, reader, lr, prox_mu) if personal is not None else None
     if pair is None:
@@ -411,14 +410,7 @@ def train_local(
             steps += 1
             continue
         gW, gb = reader.grad(W, b, e, y)
-        if prox_mu > 0.0:
-            sgd_step(W, b, gW, gb, lr, prox_mu=prox_mu, W0=head.W, b0=head.b)
-        else:
-            # sgd_step's `W -= lr * grad` with the product written over the spent gradient
-            gW *= lr32
-            W -= gW
-            gb *= lr32
-            b -= gb
+        sgd_step(W, b, gW, gb, lr, prox_mu=prox_mu, W0=head.W, b0=head.b)
         steps += 1
     # the buffer holds every sample: one chunk, read whole (in the last epoch's order)
     whole = chunk == n and steps > 0
@@ -526,10 +518,6 @@ def train_personal(
     time_budget_s : float or None
         Stop after the chunk during which this many seconds have passed; None = no limit.
 
-    Returns
-    -------
-    PersonalResult
-
     Raises
     ------
     ValueError
@@ -559,19 +547,12 @@ def train_personal(
         reader.logit_scale = restricted_logit_scale(columns, absent_alpha)
     steps = 0
     lr32, lam32 = np.float32(lr), np.float32(lam)
-    tied = None if columns.all() else ~columns  # one step is edgefl.head.ditto_step's
     if not columns.any():
         W[...] = global_head.W  # nothing to personalise: the global head
         b[...] = global_head.b
         return PersonalResult(0, n, time.perf_counter() - t0)
-    step_tied = tied
-    if tied is not None:
-        W[:, tied] = global_head.W[:, tied]
-        b[tied] = global_head.b[tied]
-        if reader.logit_scale is not None and absent_alpha == 0.0:
-            # the absent classes' logits scaled to 0: their gradient is exactly 0, and so is their
-            # pull toward the global head they equal, so every step leaves them tied as they are
-            step_tied = None
+    # one step is edgefl.head.ditto_step's
+    step_tied = _tie(W, b, global_head, columns, reader.logit_scale is not None and absent_alpha == 0.0)
     for e, y in reader.batches(epochs, shuffler, stop_at):
         gW, gb = reader.grad(W, b, e, y)
         ditto_update(W, b, gW, gb, lr32, lam32, global_head.W, global_head.b, step_tied)
@@ -592,18 +573,8 @@ def fit_head(
 ) -> tuple[F32, F32]:
     """Train a head on in-memory arrays (central training and local-only baselines, not the device path).
 
-    Parameters
-    ----------
-    W, b : float32 [D, K], float32 [K]
-        Starting head (not modified).
-    emb, labels : float32 [N, D], int64 [N]
-    epochs, lr, batch_size, seed
-        Passes over the data, SGD learning rate, samples per step, shuffle seed.
-
-    Returns
-    -------
-    tuple[F32, F32]
-        The trained ``(W, b)``.
+    ``W`` float32 [D, K], ``b`` [K] (not modified), ``emb`` float32 [N, D], ``labels`` int64 [N];
+    returns the trained ``(W, b)``.
 
     Raises
     ------

@@ -166,7 +166,6 @@ def install_agent_probes() -> None:
     for attr in (
         "receive_global",
         "receive_round",
-        "apply_global",
         "evaluate",
         "acknowledged",
     ):

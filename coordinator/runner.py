@@ -46,10 +46,9 @@ from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategies import strategy_from_tables
 from edgefl.coordinator.strategy import Strategy
 from edgefl.errors import BrokerRefused, ConfigError, TransportError, UpdateRejected
-from edgefl.profiles import DashboardConfig, broker_password
+from edgefl.profiles import DashboardConfig
 from edgefl.records import atomic_write
 from edgefl.runtime import Backbone
-from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.types import F32
@@ -212,20 +211,11 @@ async def run(
     leased = hier.role != "site"  # one coordinator per fleet; a site is one per site broker
 
     def transport_for(cid: str, *, persistent: bool, probe: bool = False) -> MqttTransport:
-        return MqttTransport(
-            broker.host,
-            broker.port,
+        return MqttTransport.for_broker(
+            broker,
             cid,
-            protocol=broker.protocol,
-            keepalive_s=broker.keepalive_s,
-            username=broker.username,
-            password=broker_password(broker),
-            tls_context=ssl_context_for(broker),
-            max_packet_bytes=broker.max_packet_bytes,
-            max_incoming_packet_bytes=broker.max_incoming_packet_bytes,
             # A persistent session: updates published while the coordinator restarts wait for it
             session_expiry_s=3600 if persistent or probe else 0,
-            alternates=broker.alternate_addresses,  # the other nodes of a clustered broker, tried in turn
             # an update is acknowledged once the state file holds it: a SIGKILL loses none
             ack_on_commit=probe or (persistent and files.state is not None),
             # one client, not a fleet: back within ~5 s of its broker (a root's partials wait for it)

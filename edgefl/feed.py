@@ -29,13 +29,11 @@ from edgefl.profiles import (
     BrokerConfig,
     Schema,
     add_set_argument,
-    broker_password,
     check_broker,
     parse_sets,
     read_toml,
 )
 from edgefl.records import atomic_write
-from edgefl.tlsconf import ssl_context_for
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.validators import check_device_id
@@ -437,20 +435,7 @@ def _handled(fields: Mapping[str, Any]) -> int:
 
 def _connect(opts: FeedOptions, client_id: str, queue_size: int) -> MqttTransport:
     """The feed's own transport (not started) with the broker options' credentials and TLS."""
-    b = opts.broker
-    return MqttTransport(
-        b.host,
-        b.port,
-        client_id,
-        protocol=b.protocol,
-        keepalive_s=b.keepalive_s,
-        queue_size=queue_size,
-        username=b.username,
-        password=broker_password(b),
-        tls_context=ssl_context_for(b),
-        max_packet_bytes=b.max_packet_bytes,
-        max_incoming_packet_bytes=b.max_incoming_packet_bytes,
-    )
+    return MqttTransport.for_broker(opts.broker, client_id, queue_size=queue_size)
 
 
 def check_samples(

@@ -252,8 +252,9 @@ def sgd_step(
 ) -> None:
     """One in-place SGD step ``W -= lr * (grad_W + prox_mu * (W - W0))`` on W [D, K] and b [K].
 
-    ``W0``/``b0`` (the round's global head) are required when ``prox_mu > 0`` (FedProx), else
-    ValueError; ``prox_mu`` 0 is plain SGD.
+    The gradients are spent: ``grad_W`` and ``grad_b`` are overwritten with the step. ``W0``/``b0``
+    (the round's global head) are required when ``prox_mu > 0`` (FedProx), else ValueError;
+    ``prox_mu`` 0 is plain SGD.
 
     Source: FedProx local objective, Li et al. 2020, "Federated Optimization in Heterogeneous
     Networks", eq. (2).
@@ -261,11 +262,12 @@ def sgd_step(
     if prox_mu > 0.0:
         if W0 is None or b0 is None:
             raise ValueError("sgd_step: prox_mu > 0 needs the round's starting head W0, b0")
-        W -= np.float32(lr) * (grad_W + np.float32(prox_mu) * (W - W0))
-        b -= np.float32(lr) * (grad_b + np.float32(prox_mu) * (b - b0))
-    else:
-        W -= np.float32(lr) * grad_W
-        b -= np.float32(lr) * grad_b
+        grad_W += np.float32(prox_mu) * (W - W0)
+        grad_b += np.float32(prox_mu) * (b - b0)
+    grad_W *= np.float32(lr)
+    W -= grad_W
+    grad_b *= np.float32(lr)
+    b -= grad_b
 
 
 def personal_columns(labels: np.ndarray, num_classes: int) -> np.ndarray:

@@ -326,10 +326,7 @@ class Link:
             self._receive(conn, mid, qos, msg)
 
     def _receive(self, conn: Connection, mid: int, qos: int, msg: Message) -> None:
-        """Take one incoming message; one whose handling raises is acknowledged, counted and logged.
-
-        Left unacknowledged it would hold one of the broker's in-flight slots (MQTT 5.0 §4.9) for good.
-        """
+        """Take one incoming message; one whose handling raises is still acknowledged, counted, logged."""
         try:
             self._handle_message(conn, mid, qos, msg)
         except Exception as exc:
@@ -412,11 +409,7 @@ class Link:
         return free - conn.unhandled
 
     def _pause_reading(self, conn: Connection) -> None:
-        """Stop reading ``conn``'s socket while the queue and the hold line have no room.
-
-        A broker that ignores our Receive Maximum then waits on TCP's flow control; reading resumes as the
-        consumer takes messages (:meth:`_refill`).
-        """
+        """Stop reading ``conn``'s socket (TCP flow control) until the queue has room (:meth:`_refill`)."""
         conn.paused = True
         if conn.sock is not None and self._loop is not None:
             self._loop.remove_reader(conn.sock)

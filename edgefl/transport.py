@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
@@ -32,6 +32,9 @@ from edgefl.mqtt_link import Connection, Link, Message
 from edgefl.mqtt_socket import OVERSIZE_TOPIC, BoundedClient, set_nodelay
 from edgefl.validators import MQTT_MAX_PACKET_BYTES
 from edgefl.wire.chunking import publish_packet_bytes
+
+if TYPE_CHECKING:
+    from edgefl.profiles import BrokerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -70,34 +73,17 @@ def _retrieve_all(futures: Sequence[asyncio.Future[Any]]) -> None:
 class MqttTransport(Link):
     """An asyncio-facing MQTT client.
 
-    Parameters
-    ----------
-    host, port, client_id : str, int, str
-        The broker, and a client id unique on it.
-    will : Will or None
-        Last will, set before connecting.
-    protocol : "auto" | "5" | "3.1.1"
-        "auto" tries MQTT 5 and falls back to 3.1.1 when the broker refuses it.
-    keepalive_s : int
-    queue_size : int
-        Bound of the incoming-message queue (messages).
-    username, password : str or None
-    tls_context : ssl.SSLContext or None
-    on_connect : callable or None
-        Called on the event loop after every CONNACK and re-subscription (to publish "online").
-    max_packet_bytes, max_incoming_packet_bytes : int
-        Largest PUBLISH sent (lowered by the CONNACK's Maximum Packet Size) and packet accepted (the
-        CONNECT's Maximum Packet Size; enforced on every protocol: an oversize PUBLISH is acknowledged,
-        dropped, counted in ``oversize_dropped_total`` and logged).
-    session_expiry_s : int
-        0 = clean session; else the broker keeps the session that long while the client is away (MQTT
-        5.0 §3.1.2.11). Needs a fixed ``client_id``.
-    alternates : sequence of (host, port)
-        Other nodes of a clustered broker, tried round robin after a failed connect or a loss.
-    ack_on_commit : bool
-        Acknowledge a QoS 1 message only once the consumer called :meth:`commit` (needs a session).
-    reconnect_max_s : float or None
-        Cap of the reconnect back-off (:meth:`backoff_s`); None: ``RECONNECT_MAX_S``.
+    ``client_id`` is unique on the broker; ``will`` is set before connecting; ``protocol`` "auto" tries
+    MQTT 5 and falls back to 3.1.1 when the broker refuses it; ``queue_size`` bounds the incoming
+    queue (messages); ``on_connect`` runs on the event loop after every CONNACK and re-subscription (to
+    publish "online"). ``max_packet_bytes`` is the largest PUBLISH sent (lowered by the CONNACK's
+    Maximum Packet Size), ``max_incoming_packet_bytes`` the largest packet accepted (the CONNECT's; on
+    every protocol an oversize PUBLISH is acknowledged, dropped, counted in ``oversize_dropped_total``
+    and logged). ``session_expiry_s`` 0 is a clean session, else the broker keeps it that long while
+    the client is away (MQTT 5.0 §3.1.2.11; a fixed ``client_id``). ``alternates`` (host, port) are
+    other nodes of a clustered broker, tried round robin after a failed connect or a loss;
+    ``ack_on_commit`` acknowledges a QoS 1 message only once the consumer called :meth:`commit` (needs
+    a session); ``reconnect_max_s`` caps the back-off (:meth:`backoff_s`; None: ``RECONNECT_MAX_S``).
     """
 
     def __init__(
@@ -180,6 +166,31 @@ class MqttTransport(Link):
         #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1): False after a reconnect means
         #: what was published to our subscriptions while we were away is gone.
         self.session_present = False
+
+    @classmethod
+    def for_broker(cls, broker: BrokerConfig, client_id: str, **options: Any) -> MqttTransport:
+        """A transport (not started) to a profile's ``[broker]``, ``options`` (``__init__`` keywords) on top.
+
+        Address, protocol, keepalive, credentials (``broker_password``), TLS (``ssl_context_for``, unless
+        ``tls_context`` is given), packet limits and alternates. ConfigError if the password or TLS files
+        cannot be read.
+        """
+        from edgefl.profiles import broker_password
+        from edgefl.tlsconf import ssl_context_for
+
+        kwargs: dict[str, Any] = {
+            "protocol": broker.protocol,
+            "keepalive_s": broker.keepalive_s,
+            "username": broker.username,
+            "password": broker_password(broker),
+            "max_packet_bytes": broker.max_packet_bytes,
+            "max_incoming_packet_bytes": broker.max_incoming_packet_bytes,
+            "alternates": broker.alternate_addresses,
+        }
+        kwargs.update(options)
+        if "tls_context" not in kwargs:
+            kwargs["tls_context"] = ssl_context_for(broker)
+        return cls(broker.host, broker.port, client_id, **kwargs)
 
     @property
     def _client(self) -> BoundedClient | None:
@@ -339,11 +350,7 @@ class MqttTransport(Link):
                 logger.warning("%s (not sent again)", exc)
 
     def _loss_reason(self, rc: object, from_broker: bool) -> str:
-        """Why a connection ended, in words: the broker's DISCONNECT reason, else what may have closed it.
-
-        paho reports a close without DISCONNECT as "Unspecified error"; mosquitto closes the older
-        connection of a client id that connects again that way, so the text names that cause too.
-        """
+        """Why a connection ended, in words: the broker's DISCONNECT reason, else what may have closed it."""
         cid = self.client_id
         if isinstance(rc, ReasonCode) and from_broker:
             if int(rc.value) == 0x8E:  # MQTT 5.0 §3.14.2.1 Session taken over
@@ -447,10 +454,7 @@ class MqttTransport(Link):
         mid: int | None,
         what: str,
     ) -> asyncio.Future[list[ReasonCode]]:
-        """The future the SUBACK or UNSUBACK of packet ``mid`` resolves with, kept in ``waiting``.
-
-        It holds a TransportError at once if paho did not send the packet (``rc``) or the connection is gone.
-        """
+        """The future (kept in ``waiting``) of packet ``mid``'s SUBACK/UNSUBACK; failed at once if unsent."""
         assert self._loop is not None
         fut: asyncio.Future[list[ReasonCode]] = self._loop.create_future()
         if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
@@ -562,10 +566,7 @@ class MqttTransport(Link):
             logger.info("next connection attempt: broker %s:%s", self.host, self.port)
 
     async def _supervise(self) -> None:
-        """Own the connection: connect, wait until it is lost, back off with jitter, reconnect.
-
-        A fresh paho client per connection (paho's reconnect is off), so the protocol can fall back to 3.1.1.
-        """
+        """Own the connection: connect (a fresh paho client each time), wait for its loss, back off, again."""
         failures = 0
         while not self._stopping:
             conn = Connection(self._make_client())
@@ -699,10 +700,7 @@ class MqttTransport(Link):
 
     @staticmethod
     def _check_unsuback(topic: str, rcs: list[ReasonCode]) -> None:
-        """Raise TransportError if the UNSUBACK refused (MQTT 5.0 §3.11.2.2: a code >= 0x80).
-
-        3.1.1's UNSUBACK carries no code: an empty list here.
-        """
+        """Raise TransportError if the UNSUBACK refused (MQTT 5.0 §3.11.2.2; 3.1.1's carries no code)."""
         refused = [rc for rc in rcs if rc.is_failure]
         if refused:
             raise TransportError(f"unsubscribe from {topic} refused by broker: {refused[0]}")

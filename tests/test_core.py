@@ -269,7 +269,7 @@ def test_core_round_waits_for_its_head_and_for_samples(
     res = core.answer_round(announcement(2, base_version=1))
     assert res.status == RoundStatus.WAITING_HEAD and core.take_ready_round() is None
     gm = GlobalModel(1, 1, core.model_sha256, core.head.W.copy(), core.head.b.copy())
-    assert core.apply_global(gm).status == ApplyStatus.APPLIED
+    assert core.receive_global(encode_global_model(gm)).status == ApplyStatus.APPLIED
     ready = core.take_ready_round()
     assert ready is not None and ready.round == 2
     assert core.answer_round(ready).status == RoundStatus.TRAINED
@@ -425,7 +425,7 @@ def test_core_fault_unwritable_head_file_degrades_then_recovers(
     core.observe(x[:8], y[:8])
     core.head_path.mkdir()  # the record cannot be replaced: an OSError as on a broken disk
     gm = GlobalModel(1, 1, core.model_sha256, core.head.W * 2, core.head.b.copy())
-    assert core.apply_global(gm).status == ApplyStatus.APPLIED
+    assert core.receive_global(encode_global_model(gm)).status == ApplyStatus.APPLIED
     assert core.head.version == 1 and core.write_failures == 1
     assert core.degraded == "cannot write state: Is a directory"
     assert core.retry_persist() is False and core.write_failures == 2

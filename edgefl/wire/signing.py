@@ -284,16 +284,8 @@ def write_key_pair(directory: Path, name: str) -> tuple[Path, Path, SigningKey]:
 
     The private key file is owner-only from its creation (``O_EXCL``) and fsynced; ``directory`` is
     created (0700) if missing; ``name`` is a file stem (a device id, ``coordinator``, a site). Returns
-    the two paths and the key.
-
-    Raises
-    ------
-    FileExistsError
-        If either file exists (nothing is written).
-    OSError
-        If the folder or a file cannot be written.
-    ValueError
-        If ``name`` is empty or holds a path separator.
+    the two paths and the key. FileExistsError if either file exists (nothing is written); OSError if
+    the folder or a file cannot be written; ValueError if ``name`` is empty or holds a path separator.
     """
     if not name or "/" in name or name in (".", ".."):
         raise ValueError(f"key name {name!r}: a file stem, without '/'")
