@@ -119,7 +119,7 @@ class Agent(RoundTask):
             return None
         try:
             pf = PendingFile(folder, src.pending_max, self.core.head.shape[0])
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # the store goes on; only late labels lose their wait
             logger.error(
                 "pending labels: %s cannot be used (%s): samples waiting for a label live in RAM "
                 "only and a restart loses them",

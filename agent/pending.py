@@ -78,8 +78,11 @@ def _slot_crc(row: np.ndarray, seq: int) -> int:
     return zlib.crc32(seq.to_bytes(8, "little"), zlib.crc32(raw[12:]))
 
 
-def _read_slots(rows: np.ndarray) -> tuple[list[tuple[int, int, Parked]], list[int]]:
-    """The valid slots of a map as ``(seq, slot, Parked)``, oldest first, and the slots failing their check.
+def _read_slots(rows: np.ndarray) -> tuple[list[tuple[int, int, Parked]], list[int], list[int]]:
+    """The valid slots of a map, the slots failing their check, and the extra slots of an id held twice.
+
+    Valid slots come as ``(seq, slot, Parked)``, oldest first; of an id held in more than one valid
+    slot only the newest is valid, its older slots are returned third (to be freed).
 
     A slot is valid when its ``seq`` is set, its CRC-32 matches, its id is a sample id and its
     embedding is finite.
@@ -104,7 +107,9 @@ def _read_slots(rows: np.ndarray) -> tuple[list[tuple[int, int, Parked]], list[i
         else:
             bad.append(slot)
     valid.sort(key=lambda t: t[0])
-    return valid, bad
+    newest = {p.id: slot for _, slot, p in valid}
+    dups = [slot for _, slot, p in valid if newest[p.id] != slot]
+    return [t for t in valid if newest[t[2].id] == t[1]], bad, dups
 
 
 class PendingFile:
@@ -177,11 +182,16 @@ class PendingFile:
         return head + zlib.crc32(head).to_bytes(4, "little")
 
     def _old_rows(self) -> list[Parked]:
-        """Check an existing file's header; keep it (ours), or carry its rows over and set it aside."""
+        """Check an existing file's header; keep it (ours), or carry its rows over and set it aside.
+
+        A file cut short (a crash while it was made, or a truncation) gives up the whole slots it
+        still holds; the slots lost with its tail are logged with their count.
+        """
         with self.path.open("rb") as fh:
             head = fh.read(HEADER_BYTES)
+        file_size = self.path.stat().st_size
         size = HEADER_BYTES + self.capacity * self._dtype.itemsize
-        if head == self._header() and self.path.stat().st_size == size:
+        if head == self._header() and file_size == size:
             return []  # ours: scanned once mapped
         why = "its header fails its check"
         rows: list[Parked] = []
@@ -189,13 +199,23 @@ class PendingFile:
             magic, dim, capacity, id_bytes = _HEADER.unpack(head[:-4])
             if magic == MAGIC and id_bytes == ID_BYTES and dim == self.dim:
                 why = f"built for {capacity} slots, source.pending_max is {self.capacity}"
-                old = np.memmap(  # type: ignore[call-overload]
-                    self.path, dtype=self._dtype, mode="r", offset=HEADER_BYTES, shape=(capacity,)
-                )
-                valid, bad = _read_slots(old)
-                del old
+                whole = min(capacity, (file_size - HEADER_BYTES) // self._dtype.itemsize)
+                if whole < capacity:
+                    why = f"cut short: {whole} of its {capacity} slots are whole"
+                with self.path.open("rb") as fh:
+                    fh.seek(HEADER_BYTES)
+                    raw = fh.read(whole * self._dtype.itemsize)
+                old = np.frombuffer(raw, dtype=self._dtype, count=whole)
+                valid, bad, _ = _read_slots(old)
                 rows = [p for _, _, p in valid]
                 self._count_lost(len(bad))
+                if whole < capacity:
+                    logger.warning(
+                        "pending labels in %s: %d slot(s) lost with the file's missing tail (the "
+                        "samples they held, if any, are lost)",
+                        self.path.parent,
+                        capacity - whole,
+                    )
             elif magic == MAGIC:
                 why = f"built for embeddings of D = {dim}, the model's D is {self.dim}"
         set_aside(self.path, ".corrupt")
@@ -209,8 +229,8 @@ class PendingFile:
 
     def _scan(self) -> list[Parked]:
         """The valid slots of our map, oldest first; slots failing their check are freed and counted."""
-        valid, bad = _read_slots(self._rows)
-        for slot in bad:
+        valid, bad, dups = _read_slots(self._rows)
+        for slot in bad + dups:  # an id held twice keeps its newest slot
             self._rows["seq"][slot] = 0
         self._count_lost(len(bad))
         for seq, slot, p in valid:

@@ -216,6 +216,8 @@ async def probe_lease(
         # will cleared the lease). Nothing taken here is acknowledged (ack_on_commit, no commit), so
         # that session keeps its messages; a live holder reconnects and republishes its presence.
         renamed = transport.session_present
+        if renamed:
+            _set_backlog_aside(transport)
         if renamed and previous is not None and holder_topic is not None:
             last = await _retained_presence(transport, holder_topic, trust)
             if _ours(last, previous, "the broker gave the lease probe the session of"):
@@ -225,13 +227,16 @@ async def probe_lease(
                 "the broker gave the lease probe an existing session (it names clients after their "
                 "account?): waiting for its coordinator's presence"
             )
-        taken_before = transport.takeovers_total
-        await transport.subscribe(topic, 1)
+        taken_before = transport.sure_takeovers_total
+        # QoS 0: delivered beside a backlog of unacknowledged QoS 1 messages of a renamed session,
+        # which fills the broker's Receive Maximum and would hold back a QoS 1 retained presence
+        await transport.subscribe(topic, 0)
         first_wait = 2 * LEASE_HEARTBEAT_S + PROBE_MARGIN_S if renamed else PROBE_RETAINED_WAIT_S
         first = await _next_presence(transport, topic, first_wait, trust)
-        if first is None and renamed and transport.takeovers_total > taken_before:
-            # a live client took its session back, and it is not this fleet's coordinator: another
-            # process (another fleet's coordinator?) runs on this account
+        if first is None and renamed and transport.sure_takeovers_total > taken_before:
+            # a live client took its session back (Session taken over, or again and again while the
+            # broker stayed up: never a mere broker restart), and it is not this fleet's coordinator:
+            # another process (another fleet's coordinator?) runs on this account
             account = repr(transport.username) if transport.username else "(anonymous)"
             raise AccountInUse(
                 f"{fleet_where}: account {account} is in use by another live client (the broker names "
@@ -262,6 +267,23 @@ async def probe_lease(
         await transport.stop()
 
 
+def _set_backlog_aside(transport: MqttTransport) -> int:
+    """Take, unacknowledged, what a renamed session delivered at once: room for the retained presence.
+
+    The session's backlog fills the queue, and the broker's Receive Maximum (the queue's size) with it:
+    the broker sends no more QoS 1 until some is acknowledged, so the room made here stays for the
+    QoS 0 presences the probe subscribes to. Nothing is acknowledged (no commit): the broker sends it
+    all again to the coordinator's own connection. Returns how many were set aside.
+    """
+    n = 0
+    while True:
+        try:
+            transport.queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return n
+        n += 1
+
+
 def _ours(p: Presence | None, previous: str | None, how: str, why: str = "") -> bool:
     """True, with an INFO line, when ``p`` names this state file's previous instance (gone: taken over)."""
     if p is None or previous is None or p.instance != previous:
@@ -278,7 +300,7 @@ async def _retained_presence(transport: MqttTransport, topic: str, trust: Presen
     The holder's presence may be old (it is published once a connect): ``trust`` checks its signature only.
     """
     try:
-        await transport.subscribe(topic, 1)
+        await transport.subscribe(topic, 0)  # QoS 0: not held back by a session's backlog (probe_lease)
     except TransportError as exc:
         logger.info("lease holder topic %s not readable (%s): the lease is checked by waiting", topic, exc)
         return None

@@ -6,14 +6,18 @@ round, never trimmed) has them all. :class:`RoundArchive` serves the page's ``/a
 with bounded memory and response whatever the log's length: the last :data:`TAIL_ROUNDS` rounds whole
 (the page's "last 1000" window), read from the end of the log (at most :data:`TAIL_BYTES_MAX` bytes),
 and before them :data:`SAMPLED_ROUNDS` rounds at evenly spaced places in the log (one line read at
-each: the page's "all" window), each marked ``"sampled": true``. Nothing is kept between requests.
+each: the page's "all" window), each marked ``"sampled": true``. What was read from the log is kept
+until the log changes (its size or modification time), read off the event loop and once for any number
+of requests at the same time (:meth:`RoundArchive.records_async`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Final
@@ -153,6 +157,59 @@ class RoundArchive:
         self.recent = recent
         self.tail_rounds = tail_rounds
         self.sampled_rounds = sampled_rounds
+        self.reads = 0
+        """Times the log was read (a read is reused while the log stays the same)."""
+        self._lock = threading.Lock()
+        self._cached: tuple[tuple[int, int, int], list[dict[str, Any]]] | None = None
+        self._joined: tuple[list[dict[str, Any]], object, int, list[Mapping[str, Any]]] | None = None
+        self._flight: tuple[tuple[int, int, int] | None, asyncio.Future[list[dict[str, Any]]]] | None = None
+
+    def _log_key(self) -> tuple[int, int, int] | None:
+        """The log's (inode, size, modification time in ns); None when it cannot be stat'ed."""
+        try:
+            st = os.stat(self.log)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _older(self) -> list[dict[str, Any]]:
+        """The log's page entries (sampled, then the tail), oldest first; reused while the log is unchanged.
+
+        Thread-safe: callers at the same time read the log once.
+        """
+        with self._lock:
+            key = self._log_key()
+            if key is not None and self._cached is not None and self._cached[0] == key:
+                return self._cached[1]
+            older: list[dict[str, Any]] = []
+            try:
+                with open(self.log, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    size = st.st_size
+                    tail, start = read_tail(f, size, self.tail_rounds)
+                    sampled = read_sample(f, start, self.sampled_rounds) if start > 0 else []
+            except OSError as exc:
+                if not isinstance(exc, FileNotFoundError):
+                    logger.warning("round log %s not read for the fleet page: %s", self.log, exc)
+                self._cached = None
+                return older
+            self.reads += 1
+            for line in sampled:
+                entry = page_entry(line)
+                if entry is not None:
+                    entry["sampled"] = True
+                    older.append(entry)
+            older.extend(e for line in tail if (e := page_entry(line)) is not None)
+            # keyed by what was read: a line appended meanwhile makes the next request read again
+            self._cached = ((st.st_ino, size, st.st_mtime_ns), older)
+            return older
+
+    @staticmethod
+    def _join(older: list[dict[str, Any]], recent: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        first = recent[0].get("round") if recent else None
+        if isinstance(first, int):
+            older = [e for e in older if e["round"] < first]
+        return _increasing([*older, *recent])
 
     def records(self) -> list[Mapping[str, Any]]:
         """The page's round records, oldest first, strictly increasing rounds (the latest history's).
@@ -161,26 +218,33 @@ class RoundArchive:
         before the in-memory records; a log line of the in-memory rounds is left to those.
         """
         recent = list(self.recent())
-        first = recent[0].get("round") if recent else None
-        older: list[Mapping[str, Any]] = []
-        try:
-            with open(self.log, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                tail, start = read_tail(f, size, self.tail_rounds)
-                sampled = read_sample(f, start, self.sampled_rounds) if start > 0 else []
-        except OSError as exc:
-            if not isinstance(exc, FileNotFoundError):
-                logger.warning("round log %s not read for the fleet page: %s", self.log, exc)
-            return recent
-        for line in sampled:
-            entry = page_entry(line)
-            if entry is not None:
-                entry["sampled"] = True
-                older.append(entry)
-        older.extend(e for line in tail if (e := page_entry(line)) is not None)
-        if isinstance(first, int):
-            older = [e for e in older if e["round"] < first]
-        return _increasing([*older, *recent])
+        return self._join(self._older(), recent)
+
+    async def records_async(self) -> list[Mapping[str, Any]]:
+        """:meth:`records` for the event loop: the log is read in a worker thread, once for all callers.
+
+        The in-memory records are taken on the loop (they change there); requests arriving while the
+        log is being read share that read (single flight) when the log has not changed since it began.
+        While neither the log nor the in-memory list (the same object, of the same length) changed, the
+        same list object is returned.
+        """
+        key = self._log_key()
+        cached = self._cached
+        if key is not None and cached is not None and cached[0] == key:
+            older = cached[1]
+        else:
+            flight = self._flight
+            if flight is None or flight[0] != key or flight[1].done():
+                fut = asyncio.ensure_future(asyncio.to_thread(self._older))
+                flight = self._flight = (key, fut)
+            older = await asyncio.shield(flight[1])
+        recent = self.recent()
+        joined = self._joined
+        if joined is not None and joined[0] is older and joined[1] is recent and joined[2] == len(recent):
+            return joined[3]  # the same list object while nothing changed (the page's responses are reused)
+        out = self._join(older, list(recent))
+        self._joined = (older, recent, len(recent), out)
+        return out
 
 
 def _increasing(records: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:

@@ -124,7 +124,12 @@ Evaluation = Callable[[CoordinatorProfile, Backbone], Callable[[F32, F32], float
 """Builds the central evaluation of a head for a profile and backbone (None: no central set)."""
 
 PageServer = Callable[
-    [DashboardConfig, str, Callable[[], Mapping[str, Any]], Callable[[], Sequence[Mapping[str, Any]]]],
+    [
+        DashboardConfig,
+        str,
+        Callable[[], Mapping[str, Any]],
+        Callable[[], Sequence[Mapping[str, Any]] | Awaitable[Sequence[Mapping[str, Any]]]],
+    ],
     Awaitable[tuple[Callable[[], Awaitable[None]], int]],
 ]
 """Serves the fleet page: ``(dashboard config, title, get_status, get_rounds) -> (stop, port)``; given by
@@ -369,7 +374,7 @@ async def run(
             history = (
                 coord.dashboard_rounds
                 if files.log is None
-                else RoundArchive(files.log, coord.dashboard_rounds).records
+                else RoundArchive(files.log, coord.dashboard_rounds).records_async
             )
             stop_page, port = await page(dash, f"fleet {fleet}", coord.dashboard_status, history)
         except OSError as exc:

@@ -19,12 +19,13 @@ import binascii
 import bisect
 import contextlib
 import hmac
+import inspect
 import json
 import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -55,6 +56,10 @@ MAX_ROUNDS_PAGE = 5000
 """Round records served by one ``/api/rounds`` response at most."""
 MAX_HISTORY_DEVICES = 64
 """Devices whose RSS the coordinator page's memory history keeps (the first seen, by name)."""
+MAX_CACHED_PAGES = 16
+"""``/api/rounds`` responses kept per version of the records (distinct ``after``/``limit`` pairs)."""
+RoundsSource = Callable[[], Sequence[Mapping[str, Any]] | Awaitable[Sequence[Mapping[str, Any]]]]
+"""``DashboardState.get_rounds``: the round records, or an awaitable of them."""
 
 _STATIC_TYPES: Final = {
     "app.js": "text/javascript",
@@ -79,16 +84,18 @@ _SECURITY_HEADERS: Final = {
 class DashboardState:
     """What the agent or the coordinator hands to the dashboard.
 
-    ``kind`` ("device" or "coordinator"): which page and metrics; ``title``: the page header's (device
-    id, fleet name). ``get_status()``: the current status (keys: ``docs/operations.md``, "The
-    dashboard's routes"; any may be missing or None), called on the event loop at most once per
-    ``push_interval_s`` (s, while a stream is open) and per request: cheap, never blocking.
-    ``get_rounds()``: a coordinator's round records, oldest first, a list that exists already
-    (``/api/rounds``). ``token``: bearer token, required by :func:`serve` off loopback. The RSS history
-    is sampled every ``history_interval_s`` (s), ``history_len`` samples. At most ``max_streams`` SSE
-    streams (503 beyond) and ``max_connections`` open connections (``max_connections_per_client``
-    from one IP); a request's header block and body must each arrive within ``header_timeout_s`` /
-    ``body_timeout_s`` or the connection is closed. ValueError for another kind or a number <= 0.
+    ``kind`` ("device" or "coordinator"): which page and metrics; ``title``: the page header's (device id,
+    fleet name). ``get_status()``: the current status (keys: ``docs/operations.md``, "The dashboard's
+    routes"; any may be missing or None), called on the event loop at most once per ``push_interval_s``
+    (s, while a stream is open) and per request: cheap, never blocking. ``get_rounds()``: a coordinator's
+    round records, oldest first (``/api/rounds``): a list that exists already, or an awaitable of one for
+    records that take work (computed off the loop; it gives the same list object while they are unchanged,
+    and each page's response is then reused). ``token``: bearer token, required by :func:`serve` off
+    loopback. The RSS history is sampled every ``history_interval_s`` (s), ``history_len`` samples. At
+    most ``max_streams`` SSE streams (503 beyond) and ``max_connections`` open connections
+    (``max_connections_per_client`` from one IP); a request's header block and body must each arrive
+    within ``header_timeout_s`` / ``body_timeout_s`` or the connection is closed. ValueError for another
+    kind or a number <= 0.
     """
 
     kind: Literal["device", "coordinator"]
@@ -98,7 +105,7 @@ class DashboardState:
     push_interval_s: float = 1.0
     history_interval_s: float = 2.0
     history_len: int = 150
-    get_rounds: Callable[[], Sequence[Mapping[str, Any]]] | None = None
+    get_rounds: RoundsSource | None = None
     max_streams: int = 16
     header_timeout_s: float = 10.0
     body_timeout_s: float = 10.0
@@ -108,6 +115,9 @@ class DashboardState:
     connections_timed_out_total: int = field(default=0, init=False)
     bad_requests_total: int = field(default=0, init=False)
     _listeners: list[Callable[[], None]] = field(default_factory=list, init=False, repr=False)
+    # /api/rounds bodies by (after, limit), of the records object an awaitable get_rounds gave last
+    _pages: dict[object, str] = field(default_factory=dict, init=False, repr=False)
+    _pages_of: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in _PAGES:
@@ -390,14 +400,29 @@ async def _rounds(request: web.Request) -> web.Response:
             text=f"limit = {limit}: must be >= 1 (records a page, at most {MAX_ROUNDS_PAGE})\n"
         )
     limit = min(limit, MAX_ROUNDS_PAGE)
-    records: Sequence[Mapping[str, Any]] = state.get_rounds() if state.get_rounds is not None else ()
+    got = state.get_rounds() if state.get_rounds is not None else ()
+    if not inspect.isawaitable(got):
+        return web.Response(text=_rounds_page(got, after, limit), content_type="application/json")
+    records = await got
+    if state._pages_of is not records:  # new records: the pages of the old ones are stale
+        state._pages.clear()
+        state._pages_of = records
+    body = state._pages.get((after, limit))
+    if body is None:
+        body = _rounds_page(records, after, limit)
+        if len(state._pages) < MAX_CACHED_PAGES:
+            state._pages[(after, limit)] = body
+    return web.Response(text=body, content_type="application/json")
+
+
+def _rounds_page(records: Sequence[Mapping[str, Any]], after: int, limit: int) -> str:
+    """The ``/api/rounds`` body: the first ``limit`` records of rounds above ``after``, the total and last."""
     # records are in round order: the first one after ``after`` by bisection
     lo = bisect.bisect_right(records, float(after), key=lambda r: finite_number(r.get("round")) or 0.0)
     page = records[lo : lo + limit]
     last = finite_number(records[-1].get("round")) if records else None
     doc = {"rounds": jsonable(list(page)), "total": len(records), "last": None if last is None else int(last)}
-    body = json.dumps(doc, allow_nan=False, separators=(",", ":"))
-    return web.Response(text=body, content_type="application/json")
+    return json.dumps(doc, allow_nan=False, separators=(",", ":"))
 
 
 async def _events(request: web.Request) -> web.StreamResponse:

@@ -426,7 +426,8 @@ def _add_checkout_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParse
         return
     if "cross_build" not in sys.modules:
         spec = importlib.util.spec_from_file_location(
-            "cross_build", init, submodule_search_locations=[str(init.parent)])
+            "cross_build", init, submodule_search_locations=[str(init.parent)]
+        )
         if spec is None or spec.loader is None:
             return
         module = importlib.util.module_from_spec(spec)
@@ -589,7 +590,8 @@ async def serve_coordinator_page(
     dashboard: DashboardConfig,
     title: str,
     get_status: Callable[[], Mapping[str, Any]],
-    get_rounds: Callable[[], Sequence[Mapping[str, Any]]] | None = None,
+    get_rounds: Callable[[], Sequence[Mapping[str, Any]] | Awaitable[Sequence[Mapping[str, Any]]]]
+    | None = None,
 ) -> tuple[Callable[[], Awaitable[None]], int]:
     """Serve the standalone coordinator's fleet page (``edgefl coordinator`` with ``[dashboard]`` on).
 

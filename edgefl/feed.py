@@ -14,7 +14,7 @@ import functools
 import heapq
 import json
 import logging
-import os
+import secrets
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -67,7 +67,8 @@ class FeedOptions:
     takes them); ``label_fraction`` in [0, 1] of them labelled (chosen by ``seed``), inline or as a
     Label ``label_delay_s`` seconds later; ``qos`` of the Samples (Labels: 1); ``wait_s`` seconds to
     wait for the device's readiness and the missing predictions; sample ids ``<id_prefix><i>`` (default
-    a random token); ``limit`` the first samples only.
+    a fresh random token of 24 hex digits per sample: another app reading the device's predictions
+    cannot guess the next ids and answer them first); ``limit`` the first samples only.
     """
 
     broker: BrokerConfig
@@ -93,8 +94,11 @@ class FeedResult:
     ``predictions_received`` one per id; ``correct`` against ``y``; ``seconds`` from the first publish;
     ``latency_s_median``/``latency_s_p95`` over the device's ``latency_s`` (seconds, None without
     predictions); ``publish_s`` to the last acknowledged publish; ``refused`` the device's refusals of
-    this feed's own samples (those without a prediction) and late labels by reason, from its IngestRefusal
-    messages (a ``duplicate`` label, one already applied, is not a refusal); ``labels_refused`` how
+    this feed's own samples (those without a prediction, and every ``duplicate``: the device had a
+    sample of that id already, so the prediction of that id, if any, is not counted, as it may be
+    another app's) and late labels by reason, from its IngestRefusal messages (a ``duplicate`` label,
+    one already applied, is not a refusal); a prediction that comes before its sample was sent is
+    another app's and is not counted; ``labels_refused`` how
     many late labels were refused; ``refused_detail`` the last refusal's detail; ``chunked`` samples
     sent in chunks; ``error`` why the feed stopped early ("" when it did not).
     """
@@ -185,8 +189,12 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
     rng = np.random.default_rng(opts.seed)
     labelled = np.zeros(n, dtype=bool)
     labelled[rng.permutation(n)[: round(opts.label_fraction * n)]] = True
-    prefix = opts.id_prefix if opts.id_prefix is not None else os.urandom(3).hex() + "-"
-    ids = [f"{prefix}{i}" for i in range(n)]
+    if opts.id_prefix is not None:
+        prefix = opts.id_prefix
+        ids = [f"{prefix}{i}" for i in range(n)]
+    else:  # unguessable: nobody answers (or labels) a sample before it is sent
+        prefix = secrets.token_hex(3) + "-"
+        ids = [secrets.token_hex(12) for _ in range(n)]
     index = {sid: i for i, sid in enumerate(ids)}
     topics = Topics(opts.broker.topic_prefix, opts.fleet)
     own = transport is None
@@ -292,6 +300,7 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
                 parts = split_message(encode_sample(sample), sample_topic, transport.packet_limit())
                 chunked += len(parts) > 1
                 sent = functools.partial(state.sample_sent, with_label)
+                state.sending(i)
                 for k, part in enumerate(parts):  # in order: the device reassembles a large sample
                     await spawn(sample_topic, part, opts.qos, sent if k == len(parts) - 1 else None)
                 if labelled[i] and opts.label_delay_s > 0:
@@ -338,6 +347,7 @@ class _Fate:
         self.n = n
         self.sent = self.inline = self.late = 0
         self.predicted: dict[int, Prediction] = {}
+        self.out: set[int] = set()  # samples whose publish began: a prediction before is another app's
         self.refused_samples: dict[int, IngestRefusal] = {}
         self.refused_labels: dict[int, IngestRefusal] = {}
         self.labels_out: set[int] = set()  # late labels acknowledged by the broker
@@ -347,6 +357,9 @@ class _Fate:
         self.handled = -1  # the device's labels taken + messages refused, in its last status (-1: unknown)
         self.handled_before = -1  # ... when the first late label went out
         self.settled = asyncio.Event()
+
+    def sending(self, i: int) -> None:
+        self.out.add(i)
 
     def sample_sent(self, with_label: bool) -> None:
         self.sent += 1
@@ -370,10 +383,14 @@ class _Fate:
 
     def answer(self, i: int, answer: Prediction | IngestRefusal) -> None:
         if isinstance(answer, Prediction):
-            self.predicted.setdefault(i, answer)
+            dup = i in self.refused_samples and self.refused_samples[i].reason == "duplicate"
+            if i in self.out and not dup:
+                self.predicted.setdefault(i, answer)
         elif answer.of == "sample":
             self.refused_samples.setdefault(i, answer)
             self.last = answer
+            if answer.reason == "duplicate":  # the device classified another sample of this id
+                self.predicted.pop(i, None)
         elif answer.reason != "duplicate":  # the same label again: the first one was applied
             self.refused_labels.setdefault(i, answer)
             self.last = answer
@@ -547,7 +564,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the labelled fraction (default 0)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="feed only the first N samples")
-    p.add_argument("--id-prefix", default=None, help="sample ids are <prefix><i> (default: a random token)")
+    p.add_argument(
+        "--id-prefix",
+        default=None,
+        help="sample ids are <prefix><i> (default: a random 24-hex-digit token per sample)",
+    )
     p.add_argument(
         "--profile",
         default=None,

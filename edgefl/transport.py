@@ -134,7 +134,11 @@ class MqttTransport(Link):
         self._quick_losses = 0  # connections in a row closed soon after their CONNACK (_note_takeover)
         #: Connections another client with our client id took over (0x8E, or closed soon after CONNACK).
         self.takeovers_total = 0
-        self._takeovers_said = 0  # of those, the certain ones (0x8E, or TAKEOVER_LOSSES in a row)
+        #: Of those, the certain ones: a DISCONNECT 0x8E, or :data:`TAKEOVER_LOSSES` quick closes in a
+        #: row while the broker stayed reachable (a broker restart alone is never one).
+        self.sure_takeovers_total = 0
+        #: Connect attempts that failed (the broker unreachable, refused TLS, a bad address).
+        self.connect_failures_total = 0
         self._subscriptions: dict[str, tuple[int, bool]] = {}  # topic -> (qos, live_only)
         # unsubscribed without an UNSUBACK yet (topic -> the latest call's token): sent once more on
         # the next connection (a persistent session keeps the broker's copy across the reconnect)
@@ -367,9 +371,10 @@ class MqttTransport(Link):
         """Count sessions taken over by another client with our client id, and say so loudly.
 
         A takeover is MQTT 5's DISCONNECT 0x8E, or a close without a reason within
-        :data:`TAKEOVER_WINDOW_S` of CONNACK (mosquitto's way): ``takeovers_total`` counts both. Once
-        certain (0x8E, or :data:`TAKEOVER_LOSSES` such closes in a row) an ERROR says so with the count,
-        at the 1st, 10th, 100th... time.
+        :data:`TAKEOVER_WINDOW_S` of CONNACK (mosquitto's way, and a broker restart's):
+        ``takeovers_total`` counts both. Once certain (0x8E, or :data:`TAKEOVER_LOSSES` such closes in a
+        row with no failed connect between them, which a broker restart has) it is counted in
+        ``sure_takeovers_total`` and an ERROR says so with the count, at the 1st, 10th, 100th... time.
         """
         quick = conn.acked and time.monotonic() - conn.acked_at < TAKEOVER_WINDOW_S
         taken = from_broker and isinstance(rc, ReasonCode) and int(rc.value) == 0x8E
@@ -380,14 +385,14 @@ class MqttTransport(Link):
         self._quick_losses += 1
         if not (taken or self._quick_losses >= TAKEOVER_LOSSES):
             return
-        self._takeovers_said += 1
-        if _decade(self._takeovers_said):
+        self.sure_takeovers_total += 1
+        if _decade(self.sure_takeovers_total):
             logger.error(
                 "session taken over by another client with our client id %d time(s) since start (the "
                 "broker %s:%s closed the connection %s): another client probably uses client id %r and "
                 "takes over the session at each connect (one client id per process; with "
                 "use_username_as_clientid, one account per process%s)",
-                self._takeovers_said,
+                self.sure_takeovers_total,
                 self.host,
                 self.port,
                 "with Session taken over" if taken else f"within {TAKEOVER_WINDOW_S:.0f} s of accepting it",
@@ -585,6 +590,8 @@ class MqttTransport(Link):
                 raise
             except (OSError, ValueError, ssl.SSLError) as exc:
                 conn.fail_all("connect failed")
+                self._quick_losses = 0  # the broker was gone (a restart): its closes were no takeovers
+                self.connect_failures_total += 1
                 self.last_error = str(exc) or type(exc).__name__
                 if isinstance(exc, ssl.SSLCertVerificationError):
                     # reachable, but not the broker we trust: not "unreachable" (a lasting refusal)

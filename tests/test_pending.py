@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import subprocess
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -162,3 +164,110 @@ def test_durable_pending_labels_survive_sigterm_and_kill9(
     agents[-1].wait(30)
     st = asyncio.run(run(range(20, 40), "kill", 20))
     assert (st["pending_labels"], st["stored_total"]) == (0, 20)
+
+
+def test_durable_pending_file_cut_short_recovers_its_whole_slots(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pf = PendingFile(tmp_path, 4, D)
+    for i in range(4):
+        pf.park(f"s{i}", emb(i), predicted=i)
+    del pf
+    path = tmp_path / PENDING_FILE
+    os.truncate(path, path.stat().st_size - 100)  # `truncate -s -100`: slot 3 is cut
+    with caplog.at_level(logging.WARNING):
+        back = PendingFile(tmp_path, 4, D)
+    assert [(p.id, p.predicted) for p in back.restored] == [("s0", 0), ("s1", 1), ("s2", 2)]
+    assert "cut short: 3 of its 4 slots are whole" in caplog.text
+    assert "1 slot(s) lost with the file's missing tail" in caplog.text
+    assert (tmp_path / (PENDING_FILE + ".corrupt")).exists()
+    assert path.stat().st_size == HEADER_BYTES + 4 * slot_dtype(D).itemsize
+    back.park("s9", emb(9), predicted=0)
+    assert [p.id for p in PendingFile(tmp_path, 4, D).restored] == ["s0", "s1", "s2", "s9"]
+
+
+def test_durable_pending_file_half_created_header_only_starts_empty(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    PendingFile(tmp_path, 4, D).park("s0", emb(0), predicted=0)
+    path = tmp_path / PENDING_FILE
+    os.truncate(path, HEADER_BYTES)  # a crash between writing the header and sizing the file
+    with caplog.at_level(logging.WARNING):
+        back = PendingFile(tmp_path, 4, D)
+    assert back.restored == [] and len(back) == 0
+    assert "cut short: 0 of its 4 slots are whole" in caplog.text
+    assert "4 slot(s) lost with the file's missing tail" in caplog.text
+    back.park("s1", emb(1), predicted=2)
+    assert [p.id for p in PendingFile(tmp_path, 4, D).restored] == ["s1"]
+
+
+def test_hostile_pending_file_duplicate_ids_keep_the_newest_slot(tmp_path: Path) -> None:
+    pf = PendingFile(tmp_path, 4, D)
+    pf.park("dup", emb(1), predicted=1)
+    pf.park("other", emb(2), predicted=2)
+    pf.flush()
+    del pf
+    path = tmp_path / PENDING_FILE
+    size = slot_dtype(D).itemsize
+    raw = bytearray(path.read_bytes())
+    slot0 = raw[HEADER_BYTES : HEADER_BYTES + size]
+    # a second, valid copy of slot 0 in slot 2 with a newer seq (CRC recomputed)
+    row = np.frombuffer(bytes(slot0), dtype=slot_dtype(D)).copy()
+    row["predicted"] = 7
+    seq = 5
+    body = row.tobytes()
+    row["crc"] = zlib.crc32(seq.to_bytes(8, "little"), zlib.crc32(body[12:]))
+    row["seq"] = seq + 1
+    raw[HEADER_BYTES + 2 * size : HEADER_BYTES + 3 * size] = row.tobytes()
+    path.write_bytes(bytes(raw))
+    back = PendingFile(tmp_path, 4, D)
+    assert [(p.id, p.predicted) for p in back.restored] == [("other", 2), ("dup", 7)]
+    assert len(back) == 2
+    back.release("dup")  # the extra copy was freed too: nothing of "dup" comes back
+    for i in range(3):
+        back.park(f"n{i}", emb(i), predicted=0)  # 3 free slots: the old copy's slot is one
+    assert sorted(p.id for p in PendingFile(tmp_path, 4, D).restored) == ["n0", "n1", "n2", "other"]
+
+
+def test_durable_agent_starts_on_a_pending_file_cut_short(
+    mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
+) -> None:
+    """A real agent killed with 10 samples waiting; its pending file then loses its last 100 bytes
+    (``truncate -s -100``): it starts, with the 10 waiting samples. Killed again and cut to its header
+    (a crash while the file was made): it starts with none."""
+    x, _ = load_digits()
+    extra = {"training__holdout_every": "0", "broker__session_expiry_s": "0"}
+    path = tmp_path / "dev-t" / PENDING_FILE
+
+    def start() -> subprocess.Popen[bytes]:
+        proc = start_ingest_agent(mosquitto, fleet, tmp_path, "dev-t", **extra)
+        agents.append(proc)
+        return proc
+
+    async def main() -> None:
+        async with Gateway(mosquitto, fleet, "dev-t") as gw:
+            proc = start()
+            await gw.ready()
+            for i in range(10):
+                await gw.sample(Sample(f"t{i}", x[i]))
+            await gw.until("10 waiting", pending_labels=10)
+            proc.kill()
+            assert proc.wait(30) == -9
+            await wait_until(lambda: gw.status.get("state") == "offline", 30, "the agent gone")
+            os.truncate(path, path.stat().st_size - 100)
+            gw.status = {}
+            proc = start()
+            await gw.until("back with its waiting samples", ready=True, pending_labels=10)
+            assert proc.poll() is None
+            proc.kill()
+            assert proc.wait(30) == -9
+            await wait_until(lambda: gw.status.get("state") == "offline", 30, "the agent gone again")
+            os.truncate(path, HEADER_BYTES)
+            gw.status = {}
+            proc = start()
+            await gw.until("back with nothing waiting", ready=True, pending_labels=0)
+            assert proc.poll() is None
+
+    asyncio.run(main())
+    log = (tmp_path / "dev-t.log").read_text()
+    assert "cut short:" in log and "set aside as *.corrupt" in log and "Traceback" not in log, log
