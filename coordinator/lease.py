@@ -1,16 +1,12 @@
 """One coordinator per fleet: a lock on its state folder and a lease on the broker.
 
-The state file is locked with the agents' ``flock`` (given by the composition root); its
-instance is recorded beside it (``<state>.instance``) once the lease is taken. The lease is a
-retained :class:`~edgefl.wire.presence.Presence` on ``<prefix>/<fleet>/coordinator``, refreshed every
-``heartbeat_s`` and cleared by the holder's last will; :func:`probe_lease` reads it under a client id
-of its own before the fleet's client id connects: a presence that moves is a live holder
-(:class:`LeaseHeld`, exit 6), one that does not is stale, one naming this state file's previous
-instance is taken over at once. Of two live holders the one that started first keeps it. With the
-coordinator's signing key (:class:`PresenceTrust`) presences are signed, and only a fresh presence
-signed by that key counts, starting or running: a forged one is refused and counted, never obeyed.
-The walk through every case is ``docs/protocol.md`` ("Presence") and ``docs/operations.md`` ("One
-coordinator per fleet").
+The lease is a retained :class:`~edgefl.wire.presence.Presence` on ``<prefix>/<fleet>/coordinator``,
+refreshed every heartbeat and cleared by the holder's last will; :func:`probe_lease` reads it before the
+fleet's client id connects (a presence that moves is a live holder: :class:`LeaseHeld`, exit 6; of two
+live holders the first started keeps it). With the coordinator's signing key only a fresh presence it
+signed counts (:class:`PresenceTrust`). The state file's instance is recorded beside it. The walk
+through every case: ``docs/protocol.md`` ("Presence"), ``docs/operations.md`` ("One coordinator per
+fleet").
 
 Source: the MQTT "birth and last will" presence pattern (MQTT 5.0 §3.1.2.5, Will Message; §3.3.1.3,
 retained messages).
@@ -101,13 +97,8 @@ def instance_path(state: Path) -> Path:
 def record_instance(state: Path, instance: str) -> None:
     """Record ``instance`` as the coordinator of state file ``state`` (atomic, checksummed).
 
-    Written once the lease is taken (never before: a coordinator refused with exit 6 writes nothing),
-    while the state file's lock is held.
-
-    Raises
-    ------
-    OSError
-        If the file cannot be written.
+    Written once the lease is taken (a coordinator refused with exit 6 writes nothing), while the state
+    file's lock is held. Raises OSError if the file cannot be written.
     """
     doc = {"instance": instance, "host": _host(), "state": str(state.resolve()), "pid": os.getpid()}
     atomic_write(instance_path(state), encode_record(json.dumps(doc, sort_keys=True).encode()))
@@ -116,15 +107,9 @@ def record_instance(state: Path, instance: str) -> None:
 def previous_instance(state: Path) -> str | None:
     """The instance id the last coordinator of ``state`` recorded (:func:`record_instance`), if it is ours.
 
-    Call it with the state file's lock held: that process is then gone. Only a record written on this
-    host for this very state file counts (a folder copied elsewhere, or restored on another gateway,
-    names another coordinator's instance as far as this one knows).
-
-    Returns
-    -------
-    str or None
-        The id, or None (no record, unreadable, or written for another host or state file; an
-        unreadable one is logged).
+    Call it with the state file's lock held: that process is then gone. None without a record written
+    on this host for this very state file (a copied folder names another coordinator's instance); an
+    unreadable one is logged.
     """
     path = instance_path(state)
     try:
@@ -145,22 +130,10 @@ def previous_instance(state: Path) -> str | None:
 class PresenceTrust:
     """Which presences a coordinator believes: with the fleet's coordinator key, only signed, fresh ones.
 
-    Parameters
-    ----------
-    fleet : str
-        The fleet's name (bound by the signature).
-    key : VerifyKey or None
-        The coordinator's public key (the public half of ``security.signing_key_file``); None: every
-        decodable presence is believed, as anyone allowed to publish on the lease topic writes it
-        (the broker's ACL is then the only protection: ``docs/security.md``).
-    previous : str or None
-        This state file's previous instance (:func:`previous_instance`): gone, since its lock is ours.
-
-    Attributes
-    ----------
-    refused : collections.Counter of str
-        Presences refused by :meth:`refuse`, by reason (a probe's, added to the coordinator's
-        ``rejected`` counters once it runs).
+    ``fleet``: bound by the signature; ``key``: the public half of ``security.signing_key_file`` (None:
+    every decodable presence is believed, the broker's ACL the only protection: ``docs/security.md``);
+    ``previous``: this state file's previous instance (gone). ``refused``: presences refused by
+    :meth:`refuse`, by reason (added to the coordinator's ``rejected`` once it runs).
     """
 
     def __init__(self, fleet: str, key: VerifyKey | None, previous: str | None = None) -> None:
@@ -182,11 +155,8 @@ class PresenceTrust:
         :data:`CLOCK_SKEW_S` ahead of ``now`` (Unix seconds, default the clock): a signature proves
         origin, not freshness, so a recorded presence replayed later is refused.
 
-        Raises
-        ------
-        DecodeError
-            ``unsigned``, ``bad_signature`` (with a key), ``expired`` (with a key, ``fresh`` and an
-            old or unstamped ``sent``), or a decoding reason of ``docs/protocol.md`` ("Presence").
+        Raises DecodeError: ``unsigned``, ``bad_signature``, ``expired`` (old or unstamped ``sent``), or a
+        decoding reason of ``docs/protocol.md`` ("Presence").
         """
         if self.key is not None:
             verify_payload(payload, self.key, fleet=self.fleet, kind=MessageType.PRESENCE)
@@ -227,39 +197,15 @@ async def probe_lease(
 ) -> Presence | None:
     """Read the fleet's lease through ``transport`` (a client id of its own, clean session); publish nothing.
 
-    Parameters
-    ----------
-    transport : MqttTransport
-        Not started; started and stopped here. Give it a persistent session and ``ack_on_commit``
-        (a broker that renames it to the running coordinator's client id keeps that one's messages).
-    topic : str
-        The lease topic (``Topics.coordinator``).
-    fleet_where : str
-        ``"fleet F on broker B"``, for the error.
-    connected : async callable (transport) -> None
-        Waits until ``transport`` is connected (raising what the caller makes of a failure).
-    previous : str or None
-        This state file's previous instance (:func:`previous_instance`): a presence naming it, or an
-        account's session ``holder_topic`` names it the last holder of, is taken over at once.
-    holder_topic : str or None
-        ``Topics.coordinator_holder``.
-    trust : PresenceTrust or None
-        Which presences count (None: any decodable one); a refused one is counted in its ``refused``
-        and otherwise ignored, as if it had not come.
-
-    Returns
-    -------
-    Presence or None: the stale presence found (its holder is gone), or None.
-
-    Raises
-    ------
-    LeaseHeld
-        If a live coordinator holds the lease.
-    AccountInUse
-        If the broker handed the probe the session of another live client that is not this fleet's
-        coordinator (it took it back, and no presence came).
-    TransportError
-        What ``connected`` raises, or the broker refused the subscription.
+    ``transport``: not started (started and stopped here), with a persistent session and
+    ``ack_on_commit`` (a broker that renames it to the running coordinator's client id keeps that one's
+    messages); ``topic``: ``Topics.coordinator``; ``fleet_where``: ``"fleet F on broker B"``;
+    ``connected(transport)`` waits for the connection. A presence naming ``previous`` (this state
+    file's previous instance), also as the last holder on ``holder_topic``, is taken over at once.
+    ``trust``: which presences count (a refused one is counted and ignored). Returns the stale presence
+    found, or None. Raises LeaseHeld (a live holder), AccountInUse (the broker handed the probe the
+    session of another live client, not this fleet's coordinator: it took it back and no presence
+    came), TransportError (what ``connected`` raises, or a refused subscription).
     """
     trust = trust if trust is not None else PresenceTrust("", None)
     await transport.start(wait_s=None)
@@ -388,25 +334,11 @@ async def _next_presence(
 class Lease:
     """The lease a running coordinator holds: its presence, heartbeat and last will.
 
-    Parameters
-    ----------
-    transport : MqttTransport
-        The coordinator's own transport (give it :meth:`will` before it starts).
-    topic : str
-        ``Topics.coordinator``.
-    instance : str
-        This process's instance id (:func:`new_instance`).
-    heartbeat_s : float
-        Seconds between two republishes.
-    holder_topic : str or None
-        ``Topics.coordinator_holder``: the presence is also kept there (retained, no will clears it)
-        after each connect.
-    signing_key : SigningKey or None
-        Signs every presence published (stamped with its ``sent`` time); give ``trust`` its public half.
-    trust : PresenceTrust or None
-        Which presences seen on ``topic`` count (None: any decodable one).
-    seen : Presence or None
-        A presence the probe found stale: a replay of it (or of an older one) moves nothing.
+    ``transport``: the coordinator's own (given :meth:`will` before it starts); ``topic``:
+    ``Topics.coordinator``; ``instance``: :func:`new_instance`; republished every ``heartbeat_s``, and
+    after each connect also on ``holder_topic`` (retained, no will clears it). ``signing_key`` signs
+    every presence (give ``trust``, which decides which presences count, its public half); ``seen``: a
+    presence the probe found stale (a replay of it moves nothing).
     """
 
     def __init__(
@@ -487,12 +419,8 @@ class Lease:
     def handle(self, msg: Message) -> None:
         """A message on the lease topic: another instance's live presence taken first ends our lease.
 
-        Raises
-        ------
-        DecodeError
-            A presence refused (the caller counts it and carries on): what
-            :meth:`PresenceTrust.read` raises; ``expired`` for this state file's previous instance
-            (gone); ``duplicate`` for a ``seq`` of another instance not above the highest seen (a replay).
+        Raises DecodeError for a refused presence (counted by the caller): as :meth:`PresenceTrust.read`;
+        ``expired`` for this state file's previous instance; ``duplicate`` for a replayed ``seq``.
         """
         if not msg.payload:
             self._kick.set()  # cleared (another instance's will): say we are here again

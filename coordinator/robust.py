@@ -33,8 +33,8 @@ def _stack(deltas: Sequence[npt.NDArray[Any]], where: str) -> npt.NDArray[np.flo
 def coordinate_median(deltas: Sequence[npt.NDArray[Any]]) -> F32:
     """Coordinate-wise median of the updates (unweighted; the mean of the two middle values when even).
 
-    ``deltas``: the m updates (float32) or a root's site estimates (float64), one shape. Returns
-    float32 of that shape (computed in float64); raises ValueError if empty or the shapes differ.
+    ``deltas``: float32 updates or a root's float64 site estimates, one shape; float32 out (computed in
+    float64). ValueError if empty or the shapes differ.
 
     Source: Yin, Chen, Ramchandran, Bartlett 2018, "Byzantine-Robust Distributed Learning: Towards
     Optimal Statistical Rates", Definition 1 (coordinate-wise median).
@@ -46,8 +46,8 @@ def coordinate_median(deltas: Sequence[npt.NDArray[Any]]) -> F32:
 def trimmed_mean(deltas: Sequence[F32], beta: float) -> F32:
     """Coordinate-wise trimmed mean: per coordinate, drop the ``floor(beta m)`` largest and smallest values.
 
-    ``deltas``: the m float32 updates, one shape; ``beta`` in [0, 0.5) (0: the plain mean). Returns
-    float32 of that shape; raises ValueError if empty, the shapes differ or ``beta`` is out of range.
+    ``deltas``: float32 of one shape, out too; ``beta`` in [0, 0.5) (0: the mean), else ValueError (also
+    if empty or the shapes differ).
 
     Source: Yin et al. 2018, Definition 2 (coordinate-wise beta-trimmed mean).
     """
@@ -196,12 +196,7 @@ class Median(_Robust):
 class TrimmedMean(_Robust):
     """Coordinate-wise trimmed mean of the round's deltas (see ``trimmed_mean``).
 
-    Parameters
-    ----------
-    trim_fraction : float in [0, 0.5)
-        beta: fraction dropped at each end per coordinate.
-    **kwargs
-        As ``_Robust``.
+    ``trim_fraction`` beta in [0, 0.5): dropped at each end per coordinate; ``kwargs`` as ``_Robust``.
 
     Source: Yin et al. 2018, Definition 2.
     """

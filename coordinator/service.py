@@ -69,23 +69,12 @@ PAGE_HISTORY = 500
 class Coordinator(Intake):
     """Runs a fleet's rounds over MQTT: opens each as the pacing allows, announces, closes, aggregates it.
 
-    Parameters
-    ----------
-    transport, topics, W, b, **intake
-        As :class:`~edgefl.coordinator.intake.Intake`; ``signing_key`` also signs every GlobalModel and
-        RoundAnnouncement, and a GlobalModel above ``max_packet_bytes`` goes out as retained chunks.
-    compression : Compression
-        Update compression asked of the devices (``topk_fraction``: the share top-k keeps).
-    downlink : HeadLayout
-        Layout of the published global head (float32, float16, int8; ``docs/protocol.md``).
-    lr_decay : float
-        A round announces ``lr * lr_decay ** e``, ``e`` the rounds since the episode began (the first
-        round, and every round whose devices report new samples; ``docs/operations.md``).
-    quorum : float in (0, 1] or None
-        Share of the devices asked whose updates close a round early (``Round.close_at``); None:
-        ``min_clients`` updates do.
-    pacing : Pacing or None
-        When :meth:`wait_to_open` opens the next round (None: at once).
+    ``compression`` asked of the devices (``topk_fraction``: the share top-k keeps); ``downlink``: the
+    published head's layout (``docs/protocol.md``); a round announces ``lr * lr_decay ** e``, ``e`` the
+    rounds since the episode began (``docs/operations.md``); ``quorum``: as ``Round.close_at``;
+    ``pacing``: when :meth:`wait_to_open` opens the next round (None: at once). The rest as
+    :class:`~edgefl.coordinator.intake.Intake`, whose ``signing_key`` also signs every GlobalModel and
+    RoundAnnouncement (one above ``max_packet_bytes`` goes out as retained chunks).
     """
 
     def __init__(

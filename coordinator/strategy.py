@@ -1,11 +1,9 @@
 """The aggregation interface: how the coordinator asks a strategy for the next global head.
 
 One interface, as Flower's strategies: ``configure_round`` (settings and a fresh accumulator),
-``offer`` (one update, checked, norm-bounded and folded in) and ``aggregate`` (the next head). Each
-strategy owns its accumulator (``coordinator/fedavg.py``, ``robust.py``, ``fedbuff.py``,
-``privacy.py``; built by name in ``strategies.py``); the service never looks at a strategy's type.
-A strategy never aggregates fewer than ``min_updates`` updates, what it needs to withstand
-``tolerate`` hostile devices.
+``offer`` (one update, checked, norm-bounded and folded in) and ``aggregate`` (the next head, from
+never fewer than ``min_updates`` updates). Each strategy owns its accumulator; the service never
+looks at a strategy's type.
 """
 
 from __future__ import annotations
@@ -39,10 +37,8 @@ def sample_clients(
 ) -> tuple[str, ...]:
     """Choose the devices of a round: ``max(min_clients, ceil(fraction * n))`` of ``n``, without replacement.
 
-    ``available``: ready device ids (the choice depends only on the set and ``rng``); ``fraction`` in
-    (0, 1]; ``min_clients`` >= 1 (capped at ``n``). Returns a sorted tuple, all of ``available`` when
-    ``fraction == 1`` or ``n <= min_clients``. Raises ValueError if ``fraction`` or ``min_clients`` is
-    out of range.
+    The choice depends only on the set of ``available`` ids and ``rng``; a sorted tuple. ValueError
+    unless ``fraction`` is in (0, 1] and ``min_clients`` >= 1.
 
     Source: client sampling of FedAvg, McMahan et al. 2017, Algorithm 1 (``m = max(C K, 1)``).
     """
@@ -134,31 +130,12 @@ class Strategy(ABC):
     updates by device; subclasses own the accumulator (``_begin``, ``_fold``, ``_aggregate``) and any
     ``server_state`` (restored by ``refuse`` when the service refuses the head).
 
-    Parameters
-    ----------
-    local_epochs, lr, batch_size : client training settings sent with each round.
-    min_clients : int
-        Updates that close a round early; also the least number ``sample_clients`` chooses.
-    deadline_s : float
-        Seconds a round stays open.
-    server_lr : float
-        Server learning rate eta.
-    fraction : float in (0, 1]
-        Share of the available devices asked to train each round.
-    seed : int
-        Seed of the client sampling (a restarted coordinator repeats a round's choice).
-    clip_norm : float > 0 or None
-        Fixed bound on each update's joint L2 norm; None = adaptive (see ``NormBound``).
-    clip_multiplier : float >= 1
-        See ``NormBound``.
-    tolerate : int >= 0
-        Hostile devices a round must withstand (``min_updates``; the adaptive bound warms up on
-        ``max(3, 2 tolerate + 1)`` norms).
-
-    Raises
-    ------
-    ValueError
-        On out-of-range parameters.
+    ``local_epochs``, ``lr``, ``batch_size``: the clients' training settings sent with each round;
+    ``min_clients`` updates close a round early (and ``sample_clients`` chooses at least as many);
+    ``deadline_s``: seconds a round stays open; ``server_lr``: eta; ``fraction`` in (0, 1] of the
+    available devices is asked each round, sampled with ``seed``; ``clip_norm``, ``clip_multiplier``:
+    as ``NormBound`` (which warms up on ``max(3, 2 tolerate + 1)`` norms); ``tolerate`` >= 0 hostile
+    devices every round withstands (``min_updates``). ValueError on out-of-range parameters.
     """
 
     name = "strategy"
@@ -241,12 +218,9 @@ class Strategy(ABC):
     def offer(self, update: Offer) -> None:
         """Check one update, bound its norm and fold it into the round's accumulator.
 
-        Raises
-        ------
-        UpdateRejected
-            ``no_round`` (``configure_round`` not called), ``bad_shape``, ``no_examples``,
-            ``not_finite`` (a NaN/inf value, or a norm that overflows float64), or a strategy's own
-            reason (``too_many``, ``too_stale``). A refused update leaves the accumulator unchanged.
+        Raises UpdateRejected, the accumulator unchanged: ``no_round`` (``configure_round`` not
+        called), ``bad_shape``, ``no_examples``, ``bad_value``, ``not_finite`` (a NaN/inf value, or a
+        norm that overflows float64), or a strategy's own reason (``too_many``, ``too_stale``).
         """
         shape = self._shape
         if shape is None:
@@ -298,12 +272,9 @@ class Strategy(ABC):
         fixed norm bound, a sum whose mean is longer than the bound is refused at once (its updates
         were bounded, so its mean cannot be longer).
 
-        Raises
-        ------
-        UpdateRejected
-            ``no_round``, ``bad_shape``, ``not_finite``, ``bad_value`` (another combine rule, a
-            non-positive weight, a weight above ``count x MAX_UPDATE_EXAMPLES``, or a mean beyond a
-            fixed norm bound).
+        Raises UpdateRejected: ``no_round``, ``bad_shape``, ``not_finite``, ``bad_value`` (another
+        combine rule, a non-positive weight, a weight above ``count x MAX_UPDATE_EXAMPLES``, or a mean
+        beyond a fixed norm bound).
         """
         shape = self._shape
         if shape is None:
@@ -414,8 +385,7 @@ class Strategy(ABC):
         self.accepted = int(snap["accepted"])
         self._round_clipped = int(snap["clipped"])
         self.norm_bound.norms, self.norm_bound.claims = [], []
-        claims = snap.get("claims") or [1.0] * len(snap["norms"])
-        for norm, claim in zip(snap["norms"], claims, strict=True):
+        for norm, claim in zip(snap["norms"], snap["claims"], strict=True):
             self.norm_bound.observe(float(norm), float(claim))
         self._pending = [
             (
@@ -442,7 +412,7 @@ class Strategy(ABC):
                 ),
                 float(m),
             )
-            for w, b, weight, count, clipped, m in snap.get("sums", [])
+            for w, b, weight, count, clipped, m in snap["sums"]
         ]
 
     def _snapshot(self) -> dict[str, Any]:
@@ -514,9 +484,9 @@ class Strategy(ABC):
 
     def restore_durable(self, doc: Mapping[str, Any]) -> None:
         """Put back a :meth:`durable_state` (ValueError, KeyError, TypeError: it does not fit)."""
-        self.norm_bound.restore(doc.get("bound", {}))
+        self.norm_bound.restore(doc["bound"])
         server: dict[str, F32] = {}
-        for k, (shape, raw) in doc.get("server", {}).items():
+        for k, (shape, raw) in doc["server"].items():
             server[str(k)] = np.frombuffer(raw, np.float32).reshape([int(n) for n in shape]).copy()
         self.server_state.clear()
         self.server_state.update(server)

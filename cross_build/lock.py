@@ -1,8 +1,4 @@
-"""Check a wheelhouse's wheels against their target, and write and read its ``requirements.lock``.
-
-Every wheel's ``Requires-Dist`` must be met by another wheel of the wheelhouse or by the device's OS
-(:func:`check_closure`); the lock holds the versions meant for the target (:func:`check_expectations`);
-``requirements.lock`` is one ``name==version --hash=sha256:HEX`` line per wheel (:func:`format_lock`).
+"""Check a wheelhouse's wheels against their target (closure, expected versions), and write its lock.
 
 Source: PEP 427 (wheel files), core metadata 2.x (``Requires-Dist``), pip's secure installs
 (``--require-hashes``).
