@@ -115,7 +115,7 @@ class Link:
         #: Payload bytes the consumer still holds of the messages it took (its own queue); it calls
         #: :meth:`bytes_freed` when they drop.
         self.consumer_bytes: Callable[[], int] = lambda: 0
-        self.held_bytes_peak = 0  # most payload bytes held at once (:meth:`held_bytes`)
+        self.held_bytes_peak = 0  # most payload bytes held at once (:meth:`held_bytes`; with a bound)
         self.queue: asyncio.Queue[Message] = FlowQueue(queue_size, self._took)
         self.ack_on_commit = ack_on_commit
         self._unacked: dict[int, tuple[Connection, int, int]] = {}  # id(message in the queue) → its ack
@@ -327,7 +327,8 @@ class Link:
         """Paho read ``msg``: it waits in ``conn.inbox``, taken with the rest of this turn's messages."""
         conn.unhandled += 1  # read, not yet in the queue or the hold line (_room)
         self._inbox_bytes += len(msg.payload)
-        self.held_bytes_peak = max(self.held_bytes_peak, self.held_bytes())
+        if self.max_held_bytes:
+            self.held_bytes_peak = max(self.held_bytes_peak, self.held_bytes())
         conn.inbox.append((mid, qos, msg))
         if len(conn.inbox) == 1:
             self._hop(self._take_inbox, conn)
