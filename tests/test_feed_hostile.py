@@ -31,11 +31,15 @@ N = 10
 
 def run_with_guesser(
     mosquitto: Broker, fleet: str, tmp_path: Path, device: str, id_prefix: str | None
-) -> tuple[FeedResult, Gateway]:
+) -> tuple[FeedResult, Gateway, list[str]]:
+    """Feed N digits while another app publishes samples under the ids it guesses; returns the feed's
+    result, the other app (what it saw on ``predictions/<device>``) and the ids it guessed."""
     x, y = load_digits()
     np.savez(tmp_path / "d.npz", x=x[:N], y=y[:N])
 
-    async def main() -> tuple[FeedResult, Gateway]:
+    guessed: list[str] = []
+
+    async def main() -> tuple[FeedResult, Gateway, list[str]]:
         async with Gateway(mosquitto, fleet, device) as other:
             await other.ready()
 
@@ -46,7 +50,8 @@ def run_with_guesser(
                 if m is None:
                     return  # nothing to guess from
                 for k in range(int(m[2]) + 3, N):
-                    await other.sample(Sample(f"{m[1]}{k}", x[(k + 1) % N], None))
+                    guessed.append(f"{m[1]}{k}")
+                    await other.sample(Sample(guessed[-1], x[(k + 1) % N], None))
 
             guesser = asyncio.create_task(guess())
             opts = FeedOptions(
@@ -55,7 +60,7 @@ def run_with_guesser(
             )  # fmt: skip
             result = await feed(opts)
             await guesser
-            return result, other
+            return result, other, guessed
 
     return asyncio.run(main())
 
@@ -64,8 +69,10 @@ def test_hostile_feed_sample_ids_cannot_be_guessed(
     mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
 ) -> None:
     agents.append(start_ingest_agent(mosquitto, fleet, tmp_path, "dev-g"))
-    result, other = run_with_guesser(mosquitto, fleet, tmp_path, "dev-g", None)
-    ids = list(other.predictions)  # every prediction the device published: the feed's
+    result, other, guessed = run_with_guesser(mosquitto, fleet, tmp_path, "dev-g", None)
+    # every prediction the device published but for the guesser's own samples (a token that ends in
+    # a digit is "guessed" on: those ids are new to the device, never the feed's)
+    ids = [i for i in other.predictions if i not in guessed]
     assert len(ids) == N and all(re.fullmatch(r"[0-9a-f]{24}", i) for i in ids), ids
     assert len({i[:6] for i in ids}) == N  # no shared prefix, no counter
     assert other.refusals == []  # no sample of the feed was ever refused as a duplicate
@@ -76,7 +83,7 @@ def test_hostile_feed_reports_duplicate_refusals_of_its_own_ids(
     mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
 ) -> None:
     agents.append(start_ingest_agent(mosquitto, fleet, tmp_path, "dev-h"))
-    result, other = run_with_guesser(mosquitto, fleet, tmp_path, "dev-h", "s-")
+    result, other, _guessed = run_with_guesser(mosquitto, fleet, tmp_path, "dev-h", "s-")
     guessed = N - 3  # s-3 .. s-9, classified as the other app's samples before the feed sent them
     dups = [r.id for r in other.refusals if r.reason == "duplicate"]
     assert sorted(dups) == [f"s-{k}" for k in range(3, N)], other.refusals
