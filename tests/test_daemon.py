@@ -104,17 +104,7 @@ def test_loud_auth_refused_credentials_say_so_503_then_exit_5(
         dashboard__enabled="true",
     )
     agents.append(good)
-    good_status: dict[str, object] = {}
-
-    def connected() -> bool:
-        code, body = get(f"http://127.0.0.1:{port2}/api/status")
-        if code == 200:
-            good_status.update(json.loads(body)["status"])
-        return good_status.get("broker") == "connected"
-
-    wait_until(connected, 60, "dev-g connected")
-    assert good_status["health"] == "ok"
-    assert get(f"http://127.0.0.1:{port2}/healthz") == (200, "ok\n")
+    assert_connected_and_healthy(port2, "dev-g")
 
 
 def test_loud_dashboard_port_in_use_is_a_clean_startup_error(
@@ -135,3 +125,19 @@ def test_loud_dashboard_port_in_use_is_a_clean_startup_error(
         in log
     )
     assert "Traceback" not in log
+
+
+def assert_connected_and_healthy(port: int, device: str) -> None:
+    """Wait until the agent's page on ``port`` says its broker is connected; its health is then "ok" and
+    ``/healthz`` answers 200."""
+    status: dict[str, object] = {}
+
+    def connected() -> bool:
+        code, body = get(f"http://127.0.0.1:{port}/api/status")
+        if code == 200:
+            status.update(json.loads(body)["status"])
+        return status.get("broker") == "connected"
+
+    wait_until(connected, 60, f"{device} connected")
+    assert status["health"] == "ok"
+    assert get(f"http://127.0.0.1:{port}/healthz") == (200, "ok\n")

@@ -23,7 +23,7 @@ from conftest import (
     stop_broker,
     tls_conf,
 )
-from test_daemon import get, wait_until
+from test_daemon import assert_connected_and_healthy, get, wait_until
 
 from edgefl.cli import EXIT_CREDENTIALS
 
@@ -108,17 +108,7 @@ def test_provision_untrusted_broker_certificate_says_so_503_then_exit_5(
         tls_broker, fleet, tmp_path, "dev-g", pki.ca, dashboard__enabled="true", dashboard__port=str(port2)
     )
     agents.append(good)
-    good_status: dict[str, object] = {}
-
-    def connected() -> bool:
-        code, body = get(f"http://127.0.0.1:{port2}/api/status")
-        if code == 200:
-            good_status.update(json.loads(body)["status"])
-        return good_status.get("broker") == "connected"
-
-    wait_until(connected, 60, "dev-g connected")
-    assert good_status["health"] == "ok"
-    assert get(f"http://127.0.0.1:{port2}/healthz") == (200, "ok\n")
+    assert_connected_and_healthy(port2, "dev-g")
 
 
 def test_provision_broker_certificate_for_another_host_is_not_trusted(
