@@ -9,7 +9,8 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 DEMO_ARGS ?= --json out/demo.json
 WORKERS ?= 2
 # the full suite mostly waits on brokers and child processes (2 workers kept 2 cores ~60 % busy): more
-# workers fill that idle time (make test on 2 cores: 364 s with 2, 285 s with 3; 1,255 tests: 4)
+# workers fill that idle time (1,159 tests: 364 s with 2, 285 s with 3; 1,255 tests in a fresh clone:
+# 395 s with 3, 389 s with 4: now the 2 cores are the limit)
 TEST_WORKERS ?= 4
 
 .PHONY: demo check test tools lint typecheck pytest clean
