@@ -15,7 +15,7 @@ from edgefl.runtime import Backbone, dequantize
 
 
 @pytest.fixture(scope="module")
-def test_images() -> tuple[np.ndarray, np.ndarray]:
+def digits_test_split() -> tuple[np.ndarray, np.ndarray]:
     x, y = load_digits()
     split = split_digits(y)
     return x[split.test], y[split.test]
@@ -26,8 +26,8 @@ def _embed(bb: Backbone, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return bb.run(bb.quantize_input(xf))
 
 
-def test_float_head_reproduces_model_output(test_images: tuple[np.ndarray, np.ndarray]) -> None:
-    x, y = test_images
+def test_float_head_reproduces_model_output(digits_test_split: tuple[np.ndarray, np.ndarray]) -> None:
+    x, y = digits_test_split
     bb = Backbone(FLOAT_MODEL)
     W, b = bb.head_from_model()
     assert W.shape == (bb.embedding_dim, 10) and b.shape == (10,)
@@ -42,9 +42,9 @@ def test_float_head_reproduces_model_output(test_images: tuple[np.ndarray, np.nd
 
 @pytest.mark.parametrize("xnnpack", [False, True])
 def test_int8_head_within_half_a_quantisation_step(
-    test_images: tuple[np.ndarray, np.ndarray], xnnpack: bool
+    digits_test_split: tuple[np.ndarray, np.ndarray], xnnpack: bool
 ) -> None:
-    x, _ = test_images
+    x, _ = digits_test_split
     bb = Backbone(INT8_MODEL, xnnpack=xnnpack)
     assert bb.input_dtype == np.int8 and bb.delegated == xnnpack
     assert bb.embedding_quant.scale > 0
@@ -58,11 +58,11 @@ def test_int8_head_within_half_a_quantisation_step(
 
 
 def test_embedding_read_after_invoke_matches_preserve_all_tensors(
-    test_images: tuple[np.ndarray, np.ndarray],
+    digits_test_split: tuple[np.ndarray, np.ndarray],
 ) -> None:
     from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
-    x, _ = test_images
+    x, _ = digits_test_split
     bb = Backbone(INT8_MODEL, xnnpack=False)  # the embedding as the built-in kernels leave it
     delegated = Backbone(INT8_MODEL)
     assert delegated.delegated and not bb.delegated
