@@ -741,8 +741,9 @@ class MqttTransport(Link):
             # Never send it: brokers drop a client over an oversized packet, and a retry would loop.
             raise TransportError(f"publish to {topic}: {len(payload)} bytes exceed the {limit}-byte limit")
         conn = self._conn
-        if conn is None or conn.closed or not self.connected.is_set():
+        if conn is None or not conn.acked or conn.closed:
             # Each connection has its own paho client: a message queued on a dead one would never leave.
+            # Not ``connected``: a persistent session's backlog arrives before the renewed SUBACKs.
             raise TransportError(f"publish to {topic}: not connected to {self.host}:{self.port}")
         fut: asyncio.Future[None] = self._loop.create_future()
         info = conn.client.publish(topic, payload, qos=qos, retain=retain)

@@ -89,7 +89,8 @@ def test_durable_session_backlog_beyond_the_transport_queue(
     mosquitto: Broker, fleet: str, tmp_path: Path, agents: list[subprocess.Popen[bytes]]
 ) -> None:
     """600 samples queued at the broker while the agent is down (more than its 256-message transport
-    queue: the broker's flow control holds the rest): back, it subscribes and classifies all 600."""
+    queue: the broker's flow control holds the rest): back, it subscribes and classifies all 600, and
+    publishes every prediction (the backlog comes right after CONNACK, before the renewed SUBACKs)."""
     x, _ = load_digits()
     n = 600
 
@@ -105,10 +106,11 @@ def test_durable_session_backlog_beyond_the_transport_queue(
             gw.status = {}
             agents.append(start_ingest_agent(mosquitto, fleet, tmp_path, "dev-b", source__queue_max="1024"))
             await wait_until(lambda: len(gw.predictions) == n, 120, f"{n} predictions")
-            return await gw.until("all received", samples_received=n, ready=True)
+            return await gw.until("all received", samples_received=n, predictions_published=n, ready=True)
 
     st = asyncio.run(run())
     assert (st["ingest_dropped"], st["rejected"], st["transport"]["queue_dropped"]) == (0, {}, 0)
+    assert st["predictions_failed"] == 0
 
 
 def test_durable_session_drops_the_last_runs_topics_after_a_fleet_change(
