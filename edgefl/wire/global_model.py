@@ -91,14 +91,9 @@ def decode_global_model(
 ) -> GlobalModel:
     """Decode and validate a :class:`GlobalModel`, W and b float32 (writable, owned).
 
-    ``payload`` may be its :func:`~edgefl.wire.cbor.scan` (under the same ``limits``: not scanned
-    again); with ``expect_shape`` (D, K) W must be [D, K] and b [K], without it W 2-D and b
-    [W.shape[1]].
-
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals").
+    ``payload`` may be its :func:`~edgefl.wire.cbor.scan`; with ``expect_shape`` (D, K) W must be
+    [D, K] and b [K], without it W 2-D and b [W.shape[1]]. DecodeError: the reasons of
+    ``docs/protocol.md`` ("Refusals").
     """
     required, optional = ("round", "version", "model_sha256", "head"), ("signature", "layout", "base_version")
     obj = cbor.load_message(payload, limits, cbor.MessageType.GLOBAL_MODEL, required, optional)

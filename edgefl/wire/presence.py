@@ -1,12 +1,7 @@
 """Coordinator presence (the fleet's lease) and the DeviceStatus field that paces a service's rounds.
 
-``Presence`` (``type = "presence"``) is the retained message a running coordinator keeps on
-``<prefix>/<fleet>/coordinator`` and republishes every ``heartbeat_s`` with ``seq`` one higher; its
-last will clears the topic. A coordinator with a signing key signs it (``edgefl.wire.signing``) and
-stamps it with the time it was ``sent``, so a peer can refuse a forged or replayed one.
-``read_new_samples`` reads a DeviceStatus's optional ``new_samples`` field (labelled samples stored
-since the device's last round). Both are specified in ``docs/protocol.md`` ("Presence",
-"DeviceStatus").
+:class:`Presence` is the retained, heartbeated claim of a running coordinator; :func:`read_new_samples`
+reads a DeviceStatus's ``new_samples``. Both: ``docs/protocol.md`` ("Presence", "DeviceStatus").
 """
 
 from __future__ import annotations
@@ -32,10 +27,8 @@ MAX_HEARTBEAT_S: Final = 3600.0
 class Presence:
     """A running coordinator's claim on its fleet (retained on ``<prefix>/<fleet>/coordinator``).
 
-    ``started`` is Unix seconds, ``seq`` the heartbeat counter, ``heartbeat_s`` seconds between
-    republishes, ``sent`` Unix seconds of this publish (0.0: not stamped), ``signature`` the
-    coordinator's Ed25519 signature (``b""``: unsigned); every field: ``docs/protocol.md``
-    ("Presence").
+    ``started`` and ``sent`` (this publish; 0.0: not stamped) are Unix seconds, ``seq`` the heartbeat
+    counter, ``heartbeat_s`` seconds between republishes, ``signature`` Ed25519 (``b""``: unsigned).
     """
 
     instance: str
@@ -49,11 +42,7 @@ class Presence:
 
 
 def encode_presence(msg: Presence) -> bytes:
-    """Encode a :class:`Presence` (``docs/protocol.md``, "Presence"); returns the CBOR bytes.
-
-    ``sent`` is written when stamped (> 0), ``signature`` last when not empty (the signed layout of
-    ``edgefl.wire.signing``).
-    """
+    """Encode a :class:`Presence`: ``sent`` when stamped (> 0), ``signature`` last when not empty."""
     fields: dict[str, object] = {
         "instance": msg.instance,
         "host": msg.host,

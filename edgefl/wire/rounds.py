@@ -146,11 +146,8 @@ def encode_round(msg: RoundAnnouncement) -> bytes:
 def decode_round(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS) -> RoundAnnouncement:
     """Decode and validate a :class:`RoundAnnouncement` (absent optional keys take their defaults).
 
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for out-of-range
-        numbers, a duplicate or invalid device id in ``selected``.
+    DecodeError: the reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for out-of-range
+    numbers, a duplicate or invalid device id in ``selected``.
     """
     required = ("round", "base_version", "deadline_s", "local_epochs", "lr", "batch_size", "min_clients")
     optional = ("compression", "topk_fraction", "prox_mu", "signature")
@@ -248,12 +245,8 @@ def decode_update(
     """Decode and validate an :class:`Update`, its deltas dense float32 (writable, owned).
 
     ``payload`` may be its :func:`~edgefl.wire.cbor.scan`; with ``expect_shape`` (D, K) the deltas
-    must be [D, K] and [K], without it W 2-D and b [W.shape[1]].
-
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"), ``bad_value`` for a field out of its range.
+    must be [D, K] and [K], without it W 2-D and b [W.shape[1]]. DecodeError: the reasons of
+    ``docs/protocol.md`` ("Refusals"), ``bad_value`` for a field out of its range.
     """
     required = ("round", "base_version", "device", "num_examples", "compression", "delta", "metrics")
     obj = cbor.load_message(
@@ -316,11 +309,8 @@ def encode_decline(msg: Decline) -> bytes:
 def decode_decline(payload: bytes | cbor.Scanned, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS) -> Decline:
     """Decode and validate a :class:`Decline` (``payload`` may be its :func:`~edgefl.wire.cbor.scan`).
 
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for a reason, detail or
-        update id outside its pattern.
+    DecodeError: the reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for a reason, detail
+    or update id outside its pattern.
     """
     required = ("round", "base_version", "device", "reason", "detail", "update_id")
     obj = cbor.load_message(payload, limits, cbor.MessageType.DECLINE, required, ("signature",))

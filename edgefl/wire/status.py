@@ -1,10 +1,7 @@
 """The device status message: what a device says about itself on ``status/<device>`` (retained).
 
-Owns :class:`DeviceStatus`, :func:`encode_status` / :func:`decode_status` (free-form JSON-like fields,
-bounded) and :func:`offline_status` (the last will). Field by field: ``docs/protocol.md``
-("DeviceStatus"); decoding is bounded by :mod:`edgefl.wire.cbor`.
-
-Source: RFC 8949 (CBOR).
+Free-form JSON-like fields, bounded, and the last will (:func:`offline_status`); field by field:
+``docs/protocol.md`` ("DeviceStatus").
 """
 
 from __future__ import annotations
@@ -23,24 +20,12 @@ from edgefl.wire.reasons import Reason
 
 _STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 
+# a reader keeps one status a device (the coordinator up to fleet.max_devices): update-sized statuses
+# would grow it by gigabytes
 STATUS_MAX_BYTES: Final = 16 * 1024
-"""Most bytes of a status payload (an agent's: ~1.3 KiB, 60 fields; a receiver keeps one a device)."""
+"""Most bytes of a status payload (an agent's: ~1.3 KiB, 60 fields)."""
 STATUS_MAX_ITEMS: Final = 1024
 """Most CBOR data items in a status (an agent's: ~170; its ``rejected`` map grows by 2 a reason)."""
-
-
-def status_limits(limits: cbor.Limits) -> cbor.Limits:
-    """``limits`` tightened to a status's own bounds (:data:`STATUS_MAX_BYTES`, :data:`STATUS_MAX_ITEMS`).
-
-    A reader keeps one status a device (the coordinator up to ``fleet.max_devices``): update-sized
-    statuses would grow it by gigabytes.
-    """
-    return dataclasses.replace(
-        limits,
-        max_message_bytes=min(limits.max_message_bytes, STATUS_MAX_BYTES),
-        max_items=min(limits.max_items, STATUS_MAX_ITEMS),
-        max_array_elements=min(limits.max_array_elements, STATUS_MAX_ITEMS),
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,14 +81,16 @@ def _json_map(value: object, name: str) -> dict[str, object]:
 def decode_status(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS) -> DeviceStatus:
     """Decode and validate a :class:`DeviceStatus`, its ``fields`` a fresh dict of plain values (or ``{}``).
 
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"); ``wrong_type`` for byte strings or
-        tags inside ``fields``, ``not_finite`` for NaN/infinity; ``too_large`` for a payload over
-        :data:`STATUS_MAX_BYTES` bytes or :data:`STATUS_MAX_ITEMS` items (whatever ``limits`` allows).
+    DecodeError: the reasons of ``docs/protocol.md`` ("Refusals"); ``wrong_type`` for byte strings or
+    tags inside ``fields``, ``not_finite`` for NaN/infinity; ``too_large`` for a payload over
+    :data:`STATUS_MAX_BYTES` bytes or :data:`STATUS_MAX_ITEMS` items (whatever ``limits`` allows).
     """
-    limits = status_limits(limits)
+    limits = dataclasses.replace(
+        limits,
+        max_message_bytes=min(limits.max_message_bytes, STATUS_MAX_BYTES),
+        max_items=min(limits.max_items, STATUS_MAX_ITEMS),
+        max_array_elements=min(limits.max_array_elements, STATUS_MAX_ITEMS),
+    )
     obj = cbor.load_message(payload, limits, cbor.MessageType.STATUS, ("device", "state"), ("fields",))
     return DeviceStatus(
         device=cbor.read_device_id(obj["device"], "device"),
