@@ -101,6 +101,7 @@ def decode_partial(
     obj = cbor.load_message(
         payload, limits, cbor.MessageType.PARTIAL, (*keys, "update_ids", "W", "b"), ("signature",)
     )
+    combine = cbor.read_text(obj, "combine", "", _COMBINE_RE)
     count = cbor.read_int(obj, "count", "", 0, MAX_PARTIAL_UPDATES)
     w = decode_array(obj["W"], limits=limits, dtypes=frozenset({"float64"}), name="W")
     b = decode_array(obj["b"], limits=limits, dtypes=frozenset({"float64"}), name="b")
@@ -119,7 +120,7 @@ def decode_partial(
         base_version=cbor.read_int(obj, "base_version", ""),
         site=cbor.read_device_id(obj["site"], "site"),
         partial_id=cbor.read_text(obj, "partial_id", "", UPDATE_ID_RE),
-        combine=cbor.read_text(obj, "combine", "", _COMBINE_RE),
+        combine=combine,
         count=count,
         weight=weight,
         clipped=clipped,

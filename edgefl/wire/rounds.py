@@ -1,10 +1,6 @@
 """The round messages: the announcement that opens a round and a device's answer (an update or a decline).
 
-:class:`RoundAnnouncement` (``round``, retained), :class:`Update` and :class:`Decline` (both on
-``update/<device>``, QoS 1), each with its ``encode_x`` / ``decode_x``. Field by field, with every
-bound: ``docs/protocol.md`` ("RoundAnnouncement", "Update", "Decline").
-
-Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
+Field by field, with every bound: ``docs/protocol.md`` ("RoundAnnouncement", "Update", "Decline").
 """
 
 from __future__ import annotations
@@ -18,16 +14,11 @@ import numpy as np
 from edgefl.errors import DecodeError
 from edgefl.types import F32
 from edgefl.wire import cbor
-from edgefl.wire.compression import (
-    CompressedDelta,
-    Compression,
-    compress_delta,
-    decompress_head,
-)
+from edgefl.wire.compression import CompressedDelta, Compression, compress_delta, decompress_head
 from edgefl.wire.reasons import Reason
 
 # Bounds on a RoundAnnouncement's training settings: a device must not be told to train for 2^62
-# epochs or with a step that overflows float32 (both were seen to hang or crash an agent).
+# epochs or with a step that overflows float32.
 MAX_DEADLINE_S: Final = 86_400.0
 MAX_LOCAL_EPOCHS: Final = 1_000
 MAX_LR: Final = 10.0
@@ -46,7 +37,6 @@ class RoundAnnouncement:
 
     ``deadline_s`` is in seconds from the announcement; ``selected`` the device ids asked, or the
     fraction in (0, 1] that self-selects; ``prox_mu`` FedProx's proximal coefficient (0: FedAvg).
-
     Source: Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020 (FedProx).
     """
 
@@ -106,8 +96,7 @@ class Decline:
     """A device's refusal of a round it was asked to train (topic ``update/<device>``, QoS 1).
 
     Sent instead of an Update (e.g. training stayed over the memory budget) so the coordinator counts
-    the refusal; ``reason`` is a :class:`~edgefl.wire.reasons.Reason` value. Fields:
-    ``docs/protocol.md`` ("Decline").
+    the refusal; ``reason`` is a :class:`~edgefl.wire.reasons.Reason` value.
     """
 
     round: int
