@@ -132,7 +132,10 @@ def encode_chunk(chunk: Chunk) -> bytes:
 
 
 def is_chunk(payload: bytes) -> bool:
-    """Whether ``payload`` starts like a chunk from :func:`encode_chunk` (a cheap prefix test)."""
+    """Whether ``payload`` starts like a chunk from :func:`encode_chunk` (a cheap prefix test).
+
+    A chunk encoded otherwise is not recognised; the message decoders then refuse it as ``wrong_type``.
+    """
     return bytes(payload[: len(_PREFIX)]) == _PREFIX
 
 

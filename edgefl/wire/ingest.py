@@ -47,9 +47,8 @@ class Label:
     ts: float | None = None
 
 
-PREDICTION_HEADS: Final = frozenset({"personal", "global"})
-"""The values of a Prediction's optional ``head`` key."""
-_HEAD_RE: Final = re.compile("personal|global")
+#: The values of a Prediction's optional ``head`` key.
+PREDICTION_HEAD_RE: Final = re.compile("personal|global")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +67,7 @@ class Prediction:
     head: str | None = None
 
 
-REFUSED_KINDS: Final = frozenset({"sample", "label"})
-"""The values of a Refusal's ``of`` key."""
+#: The values of a Refusal's ``of`` key.
 REFUSED_OF_RE: Final = re.compile("sample|label")
 REASON_RE: Final = re.compile(r"[a-z_]{1,32}")
 DETAIL_CHARS: Final = 200
@@ -185,8 +183,8 @@ def encode_prediction(msg: Prediction) -> bytes:
         "latency_s": float(msg.latency_s),
     }
     if msg.head is not None:
-        if msg.head not in PREDICTION_HEADS:
-            raise ValueError(f"Prediction.head = {msg.head!r}: expected one of {sorted(PREDICTION_HEADS)}")
+        if PREDICTION_HEAD_RE.fullmatch(msg.head) is None:
+            raise ValueError(f"Prediction.head = {msg.head!r}: expected {PREDICTION_HEAD_RE.pattern}")
         obj["head"] = msg.head
     return cbor.dump_message(cbor.MessageType.PREDICTION, obj)
 
@@ -205,14 +203,14 @@ def decode_prediction(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMI
         score=cbor.read_float(obj, "score", "", 0.0, 1.0),
         version=cbor.read_int(obj, "version", ""),
         latency_s=cbor.read_float(obj, "latency_s", "", 0.0),
-        head=cbor.read_text(obj, "head", "", _HEAD_RE) if "head" in obj else None,
+        head=cbor.read_text(obj, "head", "", PREDICTION_HEAD_RE) if "head" in obj else None,
     )
 
 
 def encode_refusal(msg: IngestRefusal) -> bytes:
     """Encode an :class:`IngestRefusal` (``detail`` cut to :data:`DETAIL_CHARS`); ValueError: bad ``of``."""
-    if msg.of not in REFUSED_KINDS:
-        raise ValueError(f"IngestRefusal.of = {msg.of!r}: expected one of {sorted(REFUSED_KINDS)}")
+    if REFUSED_OF_RE.fullmatch(msg.of) is None:
+        raise ValueError(f"IngestRefusal.of = {msg.of!r}: expected {REFUSED_OF_RE.pattern}")
     detail = msg.detail[:DETAIL_CHARS].encode("utf-8")[: cbor.DEFAULT_LIMITS.max_string_bytes]
     obj: dict[str, object] = {
         "id": msg.id,
