@@ -80,10 +80,7 @@ NO_LIMITS: Final = Limits(
 
 
 def cbor_head_bytes(argument: int) -> int:
-    """Bytes of a CBOR item head (initial byte + argument) for an argument >= 0.
-
-    Source: RFC 8949 §3.
-    """
+    """Bytes of a CBOR item head (initial byte + argument) for an argument >= 0 (RFC 8949 §3)."""
     if argument < 24:
         return 1
     if argument < 2**8:
