@@ -9,6 +9,7 @@ Source: MQTT 5.0 (OASIS 2019) §2.1.4 (Remaining Length), §3.3 (PUBLISH), §3.1
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -262,8 +263,9 @@ class Reassembler:
             raise ValueError(f"max_total_bytes = {max_total_bytes} < max_message_bytes = {max_message_bytes}")
         self.max_sets = max_sets
         self.max_total_bytes = max_total_bytes
-        self.max_message_bytes = max_message_bytes
-        self.max_chunk_bytes = max_chunk_bytes
+        self._decode = functools.partial(
+            decode_chunk, max_chunk_bytes=max_chunk_bytes, max_message_bytes=max_message_bytes
+        )
         self.expiry_s = expiry_s
         self.clock = clock
         self._sets: OrderedDict[tuple[str, str], _Set] = OrderedDict()  # least recently active first
@@ -316,9 +318,7 @@ class Reassembler:
         does not match its SHA-256 (the set is dropped).
         """
         self.expire()
-        c = decode_chunk(
-            payload, max_chunk_bytes=self.max_chunk_bytes, max_message_bytes=self.max_message_bytes
-        )
+        c = self._decode(payload)
         k = (key, c.id)
         s = self._sets.get(k)
         if s is None:
