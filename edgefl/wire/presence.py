@@ -1,22 +1,15 @@
-"""Coordinator presence (the fleet's lease) and the DeviceStatus field that paces a service's rounds.
+"""Coordinator presence: the fleet's lease, a running coordinator's retained and heartbeated claim.
 
-:class:`Presence` is the retained, heartbeated claim of a running coordinator; :func:`read_new_samples`
-reads a DeviceStatus's ``new_samples``. Both: ``docs/protocol.md`` ("Presence", "DeviceStatus").
+Field by field: ``docs/protocol.md`` ("Presence").
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from edgefl.errors import DecodeError
 from edgefl.wire import cbor
-from edgefl.wire.reasons import Reason
-
-NEW_SAMPLES_FIELD: Final = "new_samples"
-"""The DeviceStatus field: labelled samples the device stored since its last round (uint)."""
 
 _INSTANCE_RE: Final = re.compile(r"[0-9a-f]{8,64}")
 _HOST_RE: Final = re.compile(r"[\x21-\x7e]{1,255}")
@@ -72,15 +65,3 @@ def decode_presence(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS
         sent=cbor.read_float(obj, "sent", "", 0.0) if "sent" in obj else 0.0,
         signature=cbor.read_signature(obj, limits),
     )
-
-
-def read_new_samples(fields: Mapping[str, object]) -> int | None:
-    """A DeviceStatus's ``fields["new_samples"]`` (None if absent); else ``wrong_type``, ``bad_value``."""
-    value = fields.get(NEW_SAMPLES_FIELD)
-    if value is None:
-        return None
-    if type(value) is not int:
-        raise DecodeError(Reason.WRONG_TYPE, f"fields.{NEW_SAMPLES_FIELD}: expected an integer")
-    if not 0 <= value <= cbor.INT_MAX:
-        raise DecodeError(Reason.BAD_VALUE, f"fields.{NEW_SAMPLES_FIELD} = {value}: must be >= 0")
-    return value

@@ -26,6 +26,8 @@ STATUS_MAX_BYTES: Final = 16 * 1024
 """Most bytes of a status payload (an agent's: ~1.3 KiB, 60 fields)."""
 STATUS_MAX_ITEMS: Final = 1024
 """Most CBOR data items in a status (an agent's: ~170; its ``rejected`` map grows by 2 a reason)."""
+NEW_SAMPLES_FIELD: Final = "new_samples"
+"""The field that paces a service's rounds: labelled samples the device stored since its last round."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,3 +105,15 @@ def offline_status(device: str) -> bytes:
     """The last-will payload of ``device``: its status with state ``offline``; ValueError for a bad id."""
     check_device_id(device)
     return encode_status(DeviceStatus(device=device, state="offline", fields={}))
+
+
+def read_new_samples(fields: Mapping[str, object]) -> int | None:
+    """A DeviceStatus's ``fields["new_samples"]`` (None if absent); else ``wrong_type``, ``bad_value``."""
+    value = fields.get(NEW_SAMPLES_FIELD)
+    if value is None:
+        return None
+    if type(value) is not int:
+        raise DecodeError(Reason.WRONG_TYPE, f"fields.{NEW_SAMPLES_FIELD}: expected an integer")
+    if not 0 <= value <= cbor.INT_MAX:
+        raise DecodeError(Reason.BAD_VALUE, f"fields.{NEW_SAMPLES_FIELD} = {value}: must be >= 0")
+    return value
