@@ -367,10 +367,9 @@ class DeviceCore(RoundAnswering):
         return Classified(emb, classes, head.version, scores=scores, head=kind)
 
     def _admit_inference(self, pipeline: Pipeline, shapes: estimates.ModelShapes, n: int) -> int:
-        """The governor's grant for ``n`` samples: rows per invoke, the pipeline's batch set to fit.
+        """Rows per invoke the governor grants for ``n`` samples (asked again once after freeing heap).
 
-        A grown arena must leave the smallest training run room; one sample over budget is asked
-        again once after freeing heap, then refused with ``BudgetExceeded`` (nothing run).
+        Raises ``BudgetExceeded`` when even one sample is over budget (nothing run).
         """
         gov = self.governor
         cfg = self.profile.training

@@ -79,13 +79,9 @@ def _slot_crc(row: np.ndarray, seq: int) -> int:
 
 
 def _read_slots(rows: np.ndarray) -> tuple[list[tuple[int, int, Parked]], list[int], list[int]]:
-    """The valid slots of a map, the slots failing their check, and the extra slots of an id held twice.
+    """The valid slots ``(seq, slot, Parked)`` oldest first, the invalid ones, and an id's older copies.
 
-    Valid slots come as ``(seq, slot, Parked)``, oldest first; of an id held in more than one valid
-    slot only the newest is valid, its older slots are returned third (to be freed).
-
-    A slot is valid when its ``seq`` is set, its CRC-32 matches, its id is a sample id and its
-    embedding is finite.
+    Valid: ``seq`` set, CRC-32 matching, a sample id and a finite embedding.
     """
     now = time.time()
     valid: list[tuple[int, int, Parked]] = []
@@ -182,11 +178,7 @@ class PendingFile:
         return head + zlib.crc32(head).to_bytes(4, "little")
 
     def _old_rows(self) -> list[Parked]:
-        """Check an existing file's header; keep it (ours), or carry its rows over and set it aside.
-
-        A file cut short (a crash while it was made, or a truncation) gives up the whole slots it
-        still holds; the slots lost with its tail are logged with their count.
-        """
+        """Keep an existing file (ours), or carry its valid rows over and set it aside (logged)."""
         with self.path.open("rb") as fh:
             head = fh.read(HEADER_BYTES)
         file_size = self.path.stat().st_size

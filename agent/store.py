@@ -55,11 +55,6 @@ def half_bits_to_float32(half_bits: np.ndarray, out: F32) -> F32:
     out : float32, same shape, C-contiguous
         Written in place and returned.
 
-    Returns
-    -------
-    float32 [...]
-        ``out``.
-
     Source: IEEE 754-2008 binary16/binary32 layouts; the rebias-by-multiplication conversion is
     F. Giesen, "Half to float done quic", 2012 (``half_to_float_fast``).
     """
@@ -86,13 +81,7 @@ def _describe(path: Path, size: int) -> str:
 
 
 def _allocate(path: Path, size: int) -> None:
-    """Give a sparse file its blocks now (``posix_fallocate``): a write into a hole of a full disk is SIGBUS.
-
-    Raises
-    ------
-    OSError
-        ``ENOSPC`` if the file system has no room for the store (at start-up).
-    """
+    """Give a sparse file its blocks now (a write into a hole of a full disk is SIGBUS); ``ENOSPC`` raises."""
     fd = os.open(path, os.O_RDWR)
     try:
         os.posix_fallocate(fd, 0, size)
@@ -240,8 +229,8 @@ class EmbeddingStore:
             return None
         return meta
 
-    def _check_meta(self, meta: dict[str, object]) -> tuple[int, int]:
-        """Sanity of the metadata's ``count``, ``head`` and ``total``; ``(count, head)`` or StoreCorrupt."""
+    def _check_meta(self, meta: dict[str, object]) -> None:
+        """Sanity of the metadata's ``count``, ``head`` and ``total`` (StoreCorrupt)."""
         count, head = meta.get("count"), meta.get("head")
         cap = self.capacity
         if type(count) is not int or type(head) is not int:
@@ -253,7 +242,6 @@ class EmbeddingStore:
         total = meta.get("total")
         if type(total) is not int or total < count or total % cap != head:
             raise StoreCorrupt(f"total = {total!r}: does not agree with head {head}, capacity {cap}")
-        return count, head
 
     def _row_ok(self, slot: int, seq: int) -> bool:
         row = self._rows_raw[slot]
