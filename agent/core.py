@@ -27,11 +27,11 @@ from edgefl.agent.config import Profile
 from edgefl.agent.feedback import ErrorFeedback
 from edgefl.agent.governor import Admission, Governor
 from edgefl.agent.outbox import Outbox
-from edgefl.agent.personal import Evaluation, holdout_capacity
+from edgefl.agent.personal import Evaluation
 from edgefl.agent.pipeline import Pipeline, choose
 from edgefl.agent.round import Deferred, RoundAnswering, RoundResult
 from edgefl.agent.state import HEAD_FILE, OUTBOX_FILE, Answered, PhaseHook, ProgressHook
-from edgefl.agent.store import EmbeddingStore
+from edgefl.agent.store import EmbeddingStore, holdout_capacity
 from edgefl.errors import BudgetExceeded, DecodeError, ModelError, UpdateRejected
 from edgefl.head import Head, personal_columns, validate_head
 from edgefl.runtime import Backbone

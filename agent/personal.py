@@ -86,11 +86,6 @@ def head_switch_message(
     )
 
 
-def holdout_capacity(store_capacity: int, every: int) -> int:
-    """Samples the holdout store keeps: ``store_capacity // every``, at least 16 (0 when ``every`` is 0)."""
-    return max(16, store_capacity // every) if every else 0
-
-
 @dataclass(frozen=True, slots=True)
 class Evaluation:
     """Federated evaluation of one global head on the device's holdout (never trained on).

@@ -92,6 +92,16 @@ def _allocate(path: Path, size: int) -> None:
         os.close(fd)
 
 
+def holdout_capacity(store_capacity: int, every: int) -> int:
+    """Samples the holdout store keeps: ``store_capacity // every``, at least 16 (0 when ``every`` is 0)."""
+    return max(16, store_capacity // every) if every else 0
+
+
+def store_file_bytes(capacity: int, dim: int) -> int:
+    """Bytes of a store's files: a float16 [D] embedding, an int16 label and a 16-byte row record a slot."""
+    return capacity * (2 * dim + 2 + 16)
+
+
 class StoreCorrupt(ValueError):
     """The store's files disagree with their metadata or checksum (internal: the store is set aside)."""
 
@@ -376,11 +386,6 @@ class EmbeddingStore:
     def resident_rows(self) -> int:
         """Stored slots this process has written or read through the maps (their pages count in RSS)."""
         return int(np.count_nonzero(self._touched))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the backing files (embeddings, labels and row records)."""
-        return self.capacity * (2 * self.dim + 2 + 16)
 
     def add(self, emb: F32, labels: I64) -> int:
         """Append a batch of labelled embeddings, overwriting the oldest when full.
