@@ -341,10 +341,6 @@ class DeviceCore(RoundAnswering):
         raw : [N, *sample_shape], N >= 1
             Raw samples (uint8 image / int16 window / float32 features).
 
-        Returns
-        -------
-        Classified
-
         Raises
         ------
         ValueError

@@ -196,10 +196,6 @@ def run_round(
     compression : str
         The round's compression (``edgefl.wire.compression.Compression``); 2 local epochs at lr 0.1,
         batches of 16.
-
-    Returns
-    -------
-    RoundReport
     """
     from edgefl.agent.core import ApplyStatus, DeviceCore
     from edgefl.agent.round import RoundStatus
