@@ -109,10 +109,8 @@ class Governor:
         Headroom kept free under the cap for what the estimates do not cover, >= 0.
     min_system_available_bytes : int
         Defer :data:`SYSTEM_GUARDED` phases while ``MemAvailable`` is below this; 0 disables.
-    proc : Path
-        The proc file system (fake trees in tests).
-    cgroup_root : Path
-        Where the cgroup file systems are mounted.
+    proc, cgroup_root : Path
+        Where the proc and cgroup file systems are mounted (fake trees in tests).
     peak_method : "auto" | "clear_refs" | "sampling"
         How phase peaks are measured: "auto" resets ``VmHWM`` through ``clear_refs`` and falls back
         to sampling RSS from a thread where the kernel refuses the write.

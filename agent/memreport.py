@@ -27,12 +27,11 @@ import numpy as np
 from edgefl.agent.config import Profile
 from edgefl.agent.estimates import estimate_replay_bytes
 from edgefl.agent.governor import PHASES, Governor
+from edgefl.agent.memstat import MIB
 from edgefl.errors import BudgetExceeded
 from edgefl.profiles import add_set_argument, parse_sets
 
 logger = logging.getLogger(__name__)
-
-MIB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)

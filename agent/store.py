@@ -1,9 +1,8 @@
 """Bounded store of recent labelled embeddings, kept in memory-mapped files rather than the heap.
 
-Embeddings are stored as float16, labels as int16, in a ring of fixed size (``capacity * (2 * D + 2 +
-16)`` bytes with the row records) of file-backed pages. Every slot has a row record in
-``store_rows.u64`` (``uint64 [capacity, 2]``: ``seq + 1`` and the CRC-32 of the slot's embedding bits,
-label and ``seq``; sample ``seq`` lives in slot ``seq % capacity``). :meth:`EmbeddingStore.flush` writes
+Embeddings are stored as float16, labels as int16, in a ring of file-backed pages of fixed size
+(:func:`store_file_bytes`); every slot has a row record (:data:`ROWS_FILE`; sample ``seq`` lives in
+slot ``seq % capacity``). :meth:`EmbeddingStore.flush` writes
 the maps back, then the metadata as a checksummed record. At open the newest contiguous run of rows
 whose CRCs check is recovered and what could not be is logged; insane metadata, a label outside
 ``0..K-1`` or a non-finite embedding sets the files aside (``<name>.corrupt``) and the store starts
@@ -32,7 +31,7 @@ logger = logging.getLogger(__name__)
 EMB_FILE = "store_emb.f16"
 LBL_FILE = "store_lbl.i16"
 ROWS_FILE = "store_rows.u64"
-"""Row records: ``uint64 [capacity, 2]`` little-endian, ``(seq + 1, CRC-32)`` per slot (module docstring)."""
+"""Row records: ``uint64 [capacity, 2]`` little-endian, ``seq + 1`` and a CRC-32 of embedding, label, seq."""
 META_FILE = "store_meta.rec"
 """Checksummed record of the store's metadata (JSON map, see :meth:`EmbeddingStore.flush`)."""
 CORRUPT_SUFFIX = ".corrupt"
