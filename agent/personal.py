@@ -57,20 +57,10 @@ def head_switch_message(
 ) -> str:
     """The log line of a switch between the personal and the global head (:func:`personal_behind`).
 
-    Parameters
-    ----------
-    behind : bool
-        The personal head is now behind (predictions move to the global head), else no longer behind.
-    personal_right, global_right : int >= 0
-        Holdout samples each head classifies right, of ``total`` > 0.
-    only_global, only_personal : int >= 0
-        Holdout samples only the global (resp. only the personal) head classifies right.
-
-    Returns
-    -------
-    str
-        The accuracies and disagreements the decision rests on (a lower-scoring personal head no
-        longer behind is said to be within chance).
+    ``behind``: the personal head is now behind (predictions move to the global head), else no longer
+    behind; ``personal_right``, ``global_right``: holdout samples each head classifies right, of
+    ``total`` > 0; ``only_global``, ``only_personal`` as :func:`personal_behind`'s. The line gives the
+    accuracies and disagreements the decision rests on.
     """
     acc_p, acc_g = personal_right / total, global_right / total
     if behind:
