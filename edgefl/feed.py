@@ -199,7 +199,8 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
     topics = Topics(opts.broker.topic_prefix, opts.fleet)
     own = transport is None
     if transport is None:
-        transport = _connect(opts, f"edgefl-feed-{opts.device}-{prefix.rstrip('-')}", max(256, 2 * n))
+        client_id = f"edgefl-feed-{opts.device}-{prefix.rstrip('-')}"
+        transport = MqttTransport.for_broker(opts.broker, client_id, queue_size=max(256, 2 * n))
         try:
             await transport.start(wait_s=CONNECT_WAIT_S)
         except BaseException:
@@ -448,11 +449,6 @@ def _handled(fields: Mapping[str, Any]) -> int:
     return taken + sum(
         n for n in rejected.values() if isinstance(n, int) and not isinstance(n, bool) and n > 0
     )
-
-
-def _connect(opts: FeedOptions, client_id: str, queue_size: int) -> MqttTransport:
-    """The feed's own transport (not started) with the broker options' credentials and TLS."""
-    return MqttTransport.for_broker(opts.broker, client_id, queue_size=queue_size)
 
 
 def check_samples(
