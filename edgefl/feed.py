@@ -332,13 +332,7 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
 
 
 LABEL_STATUSES = 2
-"""Device statuses that must come after the last late label's PUBACK before its fate is taken as known.
-
-The device refuses a label the moment it takes it, before its next status: the second status after
-the PUBACK comes after the device took every label (it publishes one every ``status.interval_s``).
-The status must also count as many more labels taken or refused (``labels_received`` + ``rejected``)
-as the feed sent since its first late label (other apps' only add to that).
-"""
+"""Device statuses after the last late label's PUBACK before its fate is known (the 2nd follows it)."""
 
 
 class _Fate:
@@ -405,7 +399,7 @@ class _Fate:
         labels_done = (
             not self.labels_out
             or len(self.refused_labels) >= len(self.labels_out)
-            or (
+            or (  # ... and the status counts every label sent since the first late one, taken or refused
                 self.statuses_after >= LABEL_STATUSES
                 and (self.handled_before < 0 or self.handled >= self.handled_before + len(self.labels_out))
             )
@@ -609,10 +603,7 @@ def load_broker_table(path: Path | str, overrides: dict[str, object]) -> BrokerC
 
 
 def _broker(args: argparse.Namespace, sets: dict[str, object]) -> BrokerConfig:
-    """The broker options: ``--profile``'s ``[broker]`` (or the defaults), options on top.
-
-    ``--broker``, ``--prefix`` and ``--set broker.*`` override; ConfigError naming every problem.
-    """
+    """``--profile``'s ``[broker]`` (or defaults), ``--broker``, ``--prefix``, ``--set broker.*`` on top."""
     overrides: dict[str, object] = {k: v for k, v in sets.items() if k.startswith("broker.")}
     overrides["broker.url"] = args.broker
     if args.prefix is not None:
@@ -624,10 +615,7 @@ def _broker(args: argparse.Namespace, sets: dict[str, object]) -> BrokerConfig:
 
 
 def _check_profile(args: argparse.Namespace, sets: dict[str, object]) -> Path | None:
-    """The device profile to check the samples against: ``--check-profile``, or ``--profile`` with a model.
-
-    ValueError for ``--set`` keys outside ``[broker]`` when no device profile is checked.
-    """
+    """``--check-profile``, or ``--profile`` with a model; ValueError for other ``--set`` keys without one."""
     if args.check_profile is not None:
         return Path(args.check_profile)
     if args.profile is not None and "model" in read_toml(args.profile)[1]:
