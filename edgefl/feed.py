@@ -580,37 +580,25 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _broker_schema() -> Schema:
-    """A device profile's ``[broker]`` table (the agent's session keys included)."""
+def _broker(args: argparse.Namespace, sets: dict[str, object]) -> BrokerConfig:
+    """``--profile``'s ``[broker]`` (or defaults), ``--broker``, ``--prefix``, ``--set broker.*`` on top.
+
+    The table is read as a device profile's (the agent's session keys included, and
+    :func:`edgefl.profiles.check_broker`); ConfigError if the file cannot be read, is not TOML, or the
+    table is invalid (every problem named).
+    """
     from edgefl.agent.config import AgentBrokerConfig
 
-    return Schema({"broker": (AgentBrokerConfig, check_broker)})
-
-
-def load_broker_table(path: Path | str, overrides: dict[str, object]) -> BrokerConfig:
-    """The validated ``[broker]`` table of a TOML file (other tables ignored), ``overrides`` on top.
-
-    The table is read as a device profile's (its keys, the agent's session included, and
-    :func:`edgefl.profiles.check_broker`). ``overrides`` are ``{"broker.key": value}`` (``--broker``,
-    ``--prefix``, ``--set broker.*``). ConfigError if the file cannot be read, is not TOML, or the table is
-    invalid (every problem named).
-    """
-    file, data = read_toml(path)
-    table = data.get("broker", {})
-    built = _broker_schema().parse({"broker": table}, file.parent, False, overrides)
-    broker: BrokerConfig = built["broker"]
-    return broker
-
-
-def _broker(args: argparse.Namespace, sets: dict[str, object]) -> BrokerConfig:
-    """``--profile``'s ``[broker]`` (or defaults), ``--broker``, ``--prefix``, ``--set broker.*`` on top."""
     overrides: dict[str, object] = {k: v for k, v in sets.items() if k.startswith("broker.")}
     overrides["broker.url"] = args.broker
     if args.prefix is not None:
         overrides["broker.topic_prefix"] = args.prefix
+    folder, table = Path.cwd(), {}
     if args.profile is not None:
-        return load_broker_table(args.profile, overrides)
-    broker: BrokerConfig = _broker_schema().parse({"broker": {}}, Path.cwd(), False, overrides)["broker"]
+        file, data = read_toml(args.profile)
+        folder, table = file.parent, data.get("broker", {})
+    schema = Schema({"broker": (AgentBrokerConfig, check_broker)})
+    broker: BrokerConfig = schema.parse({"broker": table}, folder, False, overrides)["broker"]
     return broker
 
 
