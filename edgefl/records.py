@@ -58,10 +58,8 @@ def _fsync_dir(directory: Path) -> None:
 def sibling(path: Path, suffix: str) -> Path:
     """``<path><suffix>`` in the same folder, the same object for the same arguments (the latest 256 kept).
 
-    Python 3.11's pathlib interns every component of a path it builds (``sys.intern``); a name made afresh
-    at each write (``store_meta.rec.tmp``) joined CPython's table of interned strings and left it again
-    with the path, and that churn made the table rebuild itself, once one size larger (~530 KiB more in
-    an agent holding ~20,000 interned names). Kept here, each name is interned once.
+    pathlib interns every component of a path it builds: a name made afresh at each write churned
+    CPython's interned-string table into a rebuild one size larger (~530 KiB in an agent).
     """
     return path.with_name(path.name + suffix)
 
