@@ -267,12 +267,10 @@ async def probe_lease(
 
 
 def _set_backlog_aside(transport: MqttTransport) -> None:
-    """Take, unacknowledged, what a renamed session delivered at once: room for the retained presence.
+    """Take, unacknowledged, the backlog a renamed session delivered at once: room for the presence.
 
-    The session's backlog fills the queue, and the broker's Receive Maximum (the queue's size) with it:
-    the broker sends no more QoS 1 until some is acknowledged, so the room made here stays for the
-    QoS 0 presences the probe subscribes to. Nothing is acknowledged (no commit): the broker sends it
-    all again to the coordinator's own connection.
+    The backlog fills the broker's Receive Maximum (no more QoS 1 until some is acknowledged): the room
+    stays for the QoS 0 presences. Nothing is committed: the coordinator's own connection gets it all.
     """
     while not transport.queue.empty():
         transport.queue.get_nowait()
