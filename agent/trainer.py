@@ -473,7 +473,7 @@ def train_personal(
 ) -> PersonalResult:
     """Train a personal head in place: ``epochs`` passes of class-restricted Ditto steps over ``store``.
 
-    The store is read as by :func:`train_local`. Each batch takes one :func:`edgefl.head.ditto_step`
+    The store is read as by :func:`train_local`. Each batch takes one :func:`edgefl.head.ditto_update`
     toward ``global_head`` on the classes of ``columns``; the other columns are the global head's on
     return, and their logits are scaled by ``absent_alpha`` in the loss (FedRS's restricted softmax).
 
@@ -528,7 +528,7 @@ def train_personal(
         W[...] = global_head.W  # nothing to personalise: the global head
         b[...] = global_head.b
         return PersonalResult(0, n, time.perf_counter() - t0)
-    # one step is edgefl.head.ditto_step's
+    # one step is edgefl.head.ditto_update's
     step_tied = _tie(W, b, global_head, columns, reader.logit_scale is not None and absent_alpha == 0.0)
     for e, y in reader.batches(epochs, shuffler, stop_at):
         gW, gb = reader.grad(W, b, e, y)
