@@ -22,7 +22,7 @@ import numpy as np
 from edgefl.coordinator.history import CoordinatorState, RoundRecord
 from edgefl.coordinator.registry import LOGGED_REFUSALS, DeviceRegistry, sampled_log, shorten
 from edgefl.coordinator.rounds import Round, RoundPhase
-from edgefl.coordinator.strategy import Offer, Strategy
+from edgefl.coordinator.strategy import Offer, Strategy, array_from
 from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.head import validate_head
 from edgefl.idtable import IdTable
@@ -532,8 +532,7 @@ class Intake:
             raise UpdateRejected(
                 "bad_state", f"{path}: head shape {doc['shape']}, model has {list(self.shape)}"
             )
-        W = np.frombuffer(doc["W"], dtype=np.float32).reshape(self.shape).copy()
-        b = np.frombuffer(doc["b"], dtype=np.float32).copy()
+        W, b = array_from(doc["W"], np.float32, self.shape), array_from(doc["b"], np.float32, -1)
         try:
             validate_head(W, b, self.shape)
         except UpdateRejected as exc:

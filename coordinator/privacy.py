@@ -20,7 +20,7 @@ import numpy.typing as npt
 from edgefl.coordinator.fedavg import FedAvg, RunningWeightedSum
 from edgefl.coordinator.normbound import clip_factor, scale_delta, update_norm
 from edgefl.coordinator.strategies import ROUND_SETTINGS
-from edgefl.coordinator.strategy import Offer, RoundConfig, RoundReport, SiteSums, Strategy
+from edgefl.coordinator.strategy import Offer, RoundConfig, RoundReport, SiteSums, Strategy, array_from
 from edgefl.types import F32
 
 
@@ -115,16 +115,7 @@ def dp_epsilon(
     Source: Mironov 2017 (RDP); Mironov, Talwar, Zhang 2019 (RDP of the sampled Gaussian);
     Google ``dp-accounting`` (PoissonSampledDpEvent of a GaussianDpEvent, SelfComposedDpEvent).
     """
-    if noise_multiplier < 0 or not 0 < sampling_rate <= 1 or rounds < 0 or not 0 < delta < 1:
-        raise ValueError(
-            f"dp_epsilon: noise_multiplier={noise_multiplier}, sampling_rate={sampling_rate}, "
-            f"rounds={rounds}, delta={delta}"
-        )
-    if rounds == 0:
-        return 0.0
-    if noise_multiplier == 0:
-        return math.inf
-    return _account([(noise_multiplier, sampling_rate, rounds)], delta, accountant)
+    return ledger_epsilon([(noise_multiplier, sampling_rate, rounds)], delta, accountant)
 
 
 def ledger_epsilon(
@@ -137,14 +128,16 @@ def ledger_epsilon(
 
     Source: Google ``dp-accounting``, a ``ComposedDpEvent`` of the runs (Mironov 2017).
     """
+    if not 0 < delta < 1:
+        raise ValueError(f"dp_epsilon: delta = {delta}: must be in (0, 1)")
+    for z, q, n in runs:
+        if z < 0 or not 0 < q <= 1 or n < 0:
+            raise ValueError(f"dp_epsilon: noise_multiplier={z}, sampling_rate={q}, rounds={n}")
     live = [(z, q, n) for z, q, n in runs if n > 0]
-    if len(live) <= 1:
-        z, q, n = live[0] if live else (1.0, 1.0, 0)
-        return dp_epsilon(z, q, n, delta, accountant)
-    for z, q, _ in live:
-        dp_epsilon(z, q, 0, delta)  # validates each run's values
-        if z == 0:
-            return math.inf
+    if not live:
+        return 0.0
+    if any(z == 0 for z, _, _ in live):
+        return math.inf
     return _account(live, delta, accountant)
 
 
@@ -283,8 +276,8 @@ class DPFedAvg(Strategy):
 
     def _restore(self, acc: dict[str, Any], shape: tuple[int, int]) -> None:
         if int(acc["count"]) > 0:
-            W = np.frombuffer(acc["W"], np.float64).reshape(shape)
-            self._sum.add_sum(W, np.frombuffer(acc["b"], np.float64).reshape(shape[1]), int(acc["count"]))
+            W, b = array_from(acc["W"], np.float64, shape), array_from(acc["b"], np.float64, shape[1])
+            self._sum.add_sum(W, b, int(acc["count"]))
             self._sum.clipped = int(acc["clipped"])
 
     def _aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:
