@@ -219,13 +219,11 @@ class Intake:
                 self.notify()
             else:
                 self._handle_update(device, msg)
-        except Exception as exc:
-            # DecodeError/UpdateRejected carry their reason; anything else is the last line of defence
-            # (a fault in handling): counted as ``failed`` so the pump never stops (a peer never deaf)
-            known = isinstance(exc, (DecodeError, UpdateRejected))
-            reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
-            why = str(exc) if known else f"failed: handling raised {type(exc).__name__}: {exc}"
-            self.refuse_message(msg, reason, why, device)
+        except (DecodeError, UpdateRejected) as exc:
+            self.refuse_message(msg, exc.reason, str(exc), device)
+        except Exception as exc:  # a fault in handling: counted as ``failed``, the pump never stops
+            why = f"failed: handling raised {type(exc).__name__}: {exc}"
+            self.refuse_message(msg, "failed", why, device)
 
     def refuse_message(
         self, msg: Message, reason: str, why: str, device: str | None = None, level: int = logging.WARNING
