@@ -1,7 +1,7 @@
 """Client-level differential privacy at the coordinator (central DP): clip each update, add Gaussian noise.
 
-``DPFedAvg`` wraps a FedAvg-family strategy; ``dp_epsilon`` and ``ledger_epsilon`` account the privacy
-loss with the optional ``dp-accounting`` library (``docs/security.md``, "Differential privacy").
+``DPFedAvg`` wraps a FedAvg-family strategy; ``ledger_epsilon`` accounts the privacy loss with the
+optional ``dp-accounting`` library (``docs/security.md``, "Differential privacy").
 
 Source: McMahan, Ramage, Talwar, Zhang 2018, "Learning Differentially Private Recurrent Language
 Models" (ICLR), Algorithm 1; Abadi et al. 2016 (clipping); Mironov 2017 (Renyi DP).
@@ -98,41 +98,25 @@ class PrivateSum:
         return W.astype(np.float32), b.astype(np.float32)
 
 
-def dp_epsilon(
-    noise_multiplier: float,
-    sampling_rate: float,
-    rounds: int,
-    delta: float,
-    accountant: Literal["rdp", "pld"] = "rdp",
-) -> float:
-    """Epsilon of ``rounds`` rounds of DP-FedAvg, client-level, at the given delta.
-
-    ``noise_multiplier`` z >= 0; ``sampling_rate`` q in (0, 1] (the chance a device takes part in a
-    round); ``rounds`` >= 0; ``delta`` in (0, 1); ``accountant``: RDP (as Opacus and TF Privacy) or PLD
-    (tighter). Returns epsilon (0.0 for zero rounds, inf for z = 0). Raises ValueError on out-of-range
-    arguments, ImportError without ``dp-accounting``.
-
-    Source: Mironov 2017 (RDP); Mironov, Talwar, Zhang 2019 (RDP of the sampled Gaussian);
-    Google ``dp-accounting`` (PoissonSampledDpEvent of a GaussianDpEvent, SelfComposedDpEvent).
-    """
-    return ledger_epsilon([(noise_multiplier, sampling_rate, rounds)], delta, accountant)
-
-
 def ledger_epsilon(
     runs: Sequence[tuple[float, float, int]], delta: float, accountant: Literal["rdp", "pld"] = "rdp"
 ) -> float:
-    """Epsilon of a run of DP rounds whose noise or sampling rate may have changed between restarts.
+    """Client-level epsilon at ``delta`` of DP-FedAvg rounds whose settings may have changed at restarts.
 
-    ``runs``: ``(noise_multiplier, sampling_rate, rounds)`` of consecutive rounds with the same settings;
-    the rest as ``dp_epsilon``. Returns the epsilon of their composition (inf when a run had no noise).
+    ``runs``: ``(noise_multiplier z >= 0, sampling_rate q in (0, 1], rounds >= 0)`` of consecutive
+    rounds with the same settings (q: the chance a device takes part in a round); ``delta`` in (0, 1);
+    ``accountant``: RDP (as Opacus and TF Privacy) or PLD (tighter). Returns the epsilon of their
+    composition (0.0 without rounds, inf when a run had no noise). Raises ValueError on out-of-range
+    values, ImportError without ``dp-accounting``.
 
-    Source: Google ``dp-accounting``, a ``ComposedDpEvent`` of the runs (Mironov 2017).
+    Source: Mironov 2017 (RDP); Mironov, Talwar, Zhang 2019 (RDP of the sampled Gaussian); Google
+    ``dp-accounting`` (a ``ComposedDpEvent`` of PoissonSampledDpEvent of a GaussianDpEvent per run).
     """
     if not 0 < delta < 1:
-        raise ValueError(f"dp_epsilon: delta = {delta}: must be in (0, 1)")
+        raise ValueError(f"privacy accountant: delta = {delta}: must be in (0, 1)")
     for z, q, n in runs:
         if z < 0 or not 0 < q <= 1 or n < 0:
-            raise ValueError(f"dp_epsilon: noise_multiplier={z}, sampling_rate={q}, rounds={n}")
+            raise ValueError(f"privacy accountant: noise_multiplier={z}, sampling_rate={q}, rounds={n}")
     live = [(z, q, n) for z, q, n in runs if n > 0]
     if not live:
         return 0.0
