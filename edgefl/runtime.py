@@ -6,12 +6,13 @@ has no wheel (armv7l).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
 import mmap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
@@ -188,25 +189,6 @@ def _held(fn: Callable[Concatenate[Backbone, _P], _R]) -> Callable[Concatenate[B
     return wrapper
 
 
-class _Guard:
-    """Re-entrant per-thread hold of one interpreter: other threads wait, then get InterpreterBusy."""
-
-    __slots__ = ("_backbone", "_timeout_s")
-
-    def __init__(self, backbone: Backbone, timeout_s: float) -> None:
-        self._backbone = backbone
-        self._timeout_s = timeout_s
-
-    def __enter__(self) -> None:
-        bb = self._backbone
-        if not bb._lock.acquire(timeout=self._timeout_s):
-            raise InterpreterBusy(bb.path.name, bb._holder)
-        bb._holder = threading.current_thread().name
-
-    def __exit__(self, *exc: object) -> None:
-        self._backbone._lock.release()
-
-
 class Backbone:
     """A loaded model split at its embedding tensor: the frozen backbone plus the shipped head.
 
@@ -321,12 +303,19 @@ class Backbone:
         )
         return modelfile.add_outputs(buf, [self.embedding_index], path)
 
-    def claim(self, timeout_s: float = INVOKE_WAIT_S) -> _Guard:
+    @contextlib.contextmanager
+    def claim(self, timeout_s: float = INVOKE_WAIT_S) -> Iterator[None]:
         """Hold the interpreter for the calling thread: ``with backbone.claim(): ...`` (re-entrant).
 
         Raises :class:`InterpreterBusy` on entry if another thread held it for ``timeout_s`` seconds.
         """
-        return _Guard(self, timeout_s)
+        if not self._lock.acquire(timeout=timeout_s):
+            raise InterpreterBusy(self.path.name, self._holder)
+        self._holder = threading.current_thread().name
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     @_held
     def reset_state(self) -> None:
