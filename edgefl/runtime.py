@@ -262,7 +262,8 @@ class Backbone:
         if len(graph.inputs) != 1 or not graph.outputs:
             raise ModelError(path, f"expected 1 input tensor, found {len(graph.inputs)}")
         fc = modelfile.head_fc(graph)
-        self._fc_weights: int | None = None
+        # the head's FC weights [K, D] (tensor index); None when the profile names the embedding
+        self.head_weights_index: int | None = None
         self._fc_bias: int | None = None
         self.fc_output_index: int | None = None  # the head's logits tensor (before its activation)
         self.head_activation = "none"
@@ -273,7 +274,7 @@ class Backbone:
         else:
             ins = graph.ops[fc].inputs
             self.embedding_index = ins[0]
-            self._fc_weights = ins[1]
+            self.head_weights_index = ins[1]
             self._fc_bias = ins[2] if len(ins) > 2 and ins[2] >= 0 else None
             self.head_activation = modelfile.head_activation(graph, fc)
             self.fc_output_index = graph.ops[fc].outputs[0]
@@ -371,11 +372,6 @@ class Backbone:
         return ok
 
     @property
-    def head_weights_index(self) -> int | None:
-        """Tensor index of the head's FC weights [K, D]; None when the profile names the embedding."""
-        return self._fc_weights
-
-    @property
     def sample_shape(self) -> tuple[int, ...]:
         """Shape of one model input sample (without the batch axis)."""
         return self.input_shape[1:]
@@ -387,12 +383,12 @@ class Backbone:
         ModelError if the embedding tensor was named in the profile (no FC op is known) or the weights
         cannot be read.
         """
-        if self._fc_weights is None:
+        if self.head_weights_index is None:
             raise ModelError(str(self.path), "the model's head is unknown when model.embedding_tensor is set")
         details = {int(d["index"]): d for d in self.interpreter.get_tensor_details()}
-        wd = details[self._fc_weights]
+        wd = details[self.head_weights_index]
         try:
-            w = self.interpreter.get_tensor(self._fc_weights)
+            w = self.interpreter.get_tensor(self.head_weights_index)
         except ValueError as exc:
             raise ModelError(str(self.path), f"cannot read head weights: {exc}") from exc
         wq = wd.get("quantization_parameters", {})
