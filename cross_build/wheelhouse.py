@@ -29,7 +29,7 @@ from packaging.utils import canonicalize_name
 
 from edgefl.profiles import sha256_file
 
-from .cli import add_arguments
+from .cli import DEFAULT_PREFIX, add_arguments
 from .lock import LockEntry, check_closure, check_expectations, format_lock, read_wheel
 from .targets import PureWheel, Target, WheelhouseError, applicable_requirements, manylinux_tags, target_for
 
@@ -40,7 +40,6 @@ UNIT_TEMPLATE = Path(__file__).resolve().parent / "edgefl-agent.service"
 COORDINATOR_UNIT_TEMPLATE = Path(__file__).resolve().parent / "edgefl-coordinator.service"
 COORDINATOR_UNIT = "edgefl-coordinator.service"
 """The coordinator's unit in ``<wheelhouse>/systemd/`` (no device profile has this stem)."""
-DEFAULT_PREFIX = "/opt/edgefl"
 
 
 @dataclass(frozen=True, slots=True)
