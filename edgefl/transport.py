@@ -137,8 +137,7 @@ class MqttTransport(Link):
         self._quick_losses = 0  # connections in a row closed soon after their CONNACK (_note_takeover)
         #: Connections another client with our client id took over (0x8E, or closed soon after CONNACK).
         self.takeovers_total = 0
-        #: Of those, the certain ones: a DISCONNECT 0x8E, or :data:`TAKEOVER_LOSSES` quick closes in a
-        #: row while the broker stayed reachable (a broker restart alone is never one).
+        #: Of those, the certain ones (:meth:`_note_takeover`; a broker restart alone is never one).
         self.sure_takeovers_total = 0
         #: Connect attempts that failed (the broker unreachable, refused TLS, a bad address).
         self.connect_failures_total = 0
@@ -158,20 +157,16 @@ class MqttTransport(Link):
         self.last_refusal: ReasonCode | None = None
         #: CONNACKs in a row that refused our credentials (:attr:`credentials_refused`); 0 once accepted.
         self.auth_refusals = 0
-        #: Why TLS verification of the broker's certificate failed at the last attempt that got that far
-        #: (``ssl.SSLCertVerificationError``: an unknown CA, a name not in its subjectAltName, expired);
-        #: None once a handshake succeeded.
+        #: Why the broker's certificate failed verification at the last try (None once a handshake passed).
         self.last_tls_refusal: str | None = None
         #: Connection attempts in a row whose broker certificate failed verification; 0 once one passed.
         self.tls_refusals = 0
-        #: Set at every CONNACK refusal and certificate failure (the caller clears it): wakes whoever
-        #: reports refusals.
+        #: Set at every CONNACK refusal and certificate failure (the caller clears it).
         self.refused = asyncio.Event()
         #: Why the last connection attempt failed, in words (None once a CONNACK accepts one).
         self.last_error: str | None = None
         self.broker_max_packet_bytes: int | None = None  # MQTT 5 CONNACK Maximum Packet Size, when sent
-        #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1): False after a reconnect means
-        #: what was published to our subscriptions while we were away is gone.
+        #: The last CONNACK's Session Present (MQTT 5.0 §3.2.2.1.1): False, what came while away is gone.
         self.session_present = False
 
     @classmethod
