@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 import bench.poison
-from bench.poison import ATTACKS, main, poison_task, run_poisoned, shipped_profile
-from edgefl.coordinator.strategies import DEFAULT_STRATEGY
+from bench.poison import ATTACKS, DEFAULT_STRATEGY, main, poison_task, run_poisoned, shipped_profile
 from tests.support import poison
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.bench]  # make test runs them, make check does not
