@@ -67,7 +67,8 @@ def _varint_bytes(value: int) -> int:
 def publish_overhead(topic: str, payload_bytes: int, *, qos: int = 1, mqtt5: bool = True) -> int:
     """Bytes a PUBLISH packet adds around a payload of ``payload_bytes``: fixed header, topic, packet id.
 
-    ``mqtt5`` adds the (empty: paho sends none) property list; QoS > 0 the packet identifier.
+    ``mqtt5`` adds the (empty: paho sends none) property list, an upper bound for MQTT 3.1.1 too; QoS > 0
+    adds the packet identifier.
     Source: MQTT 5.0 §3.3.1 (fixed header), §3.3.2 (variable header), §2.2.2 (properties).
     """
     variable = 2 + len(topic.encode("utf-8")) + (2 if qos > 0 else 0) + (1 if mqtt5 else 0)

@@ -2,6 +2,8 @@
 
 Also :func:`resolve_global_head` (a delta head onto the held one). Field by field:
 ``docs/protocol.md`` ("GlobalModel", "Head layouts").
+
+Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Sample, Label, Prediction and Refusal (IngestRefusal), none retained; field by field:
 ``docs/protocol.md`` ("Live ingest").
+
+Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
 """
 
 from __future__ import annotations

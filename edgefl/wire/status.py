@@ -2,6 +2,8 @@
 
 Free-form JSON-like fields, bounded, and the last will (:func:`offline_status`); field by field:
 ``docs/protocol.md`` ("DeviceStatus").
+
+Source: RFC 8949 (CBOR).
 """
 
 from __future__ import annotations
