@@ -250,6 +250,8 @@ async def watch_and_start_tiers(tier: Tier) -> Devices:
     await dev.start()
     for name in ("site-a", "site-b", "root"):
         tier.start(name)
+    for site in SITES:  # subscribed at their brokers: an update sent before that would find no one
+        await wait_until(lambda site=site: f"site {site}: ready" in tier.output(site), 60, f"{site} ready")
     return dev
 
 
