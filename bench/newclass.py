@@ -65,7 +65,8 @@ row changes that factor):
   and ``creep`` (the same at a fifth). ``accuracy_on_new_one_liar``: device 4 voting so too.
 
 Run: ``.venv/bin/python -m bench.newclass --json out/newclass.json`` (~7 minutes on a shared 2-core
-host; ``--rule NAME`` and ``--seed N`` repeatable; ``--set KEY=VALUE`` changes the shipped profile
+host; ``--rule NAME`` and ``--seed N`` repeatable; ``--both`` adds :func:`fleet_attack`, the new-class
+fleet with one hostile device; ``--set KEY=VALUE`` changes the shipped profile
 for every rule, e.g. ``rounds.lr=0.1``). Writes ``{"goal": {...}, "settings": {...}, "rules": [{"rule",
 "source", "accuracy_on_new": {SEED: x}, "rounds_to_learn": {SEED: n|null}, "accuracy_old": {SEED:
 x}, "poison": {SEED: {"clean", "worst_loss", "worst_attack"}}, "meets_both": bool}]}`` and prints a
@@ -75,6 +76,7 @@ markdown table (docs/benchmarks.md, "Soak").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -372,6 +374,10 @@ class Gate:
         Which updates support class ``c``: ``"bias"``, those whose bias delta for ``c`` is > 0;
         ``"declared"``, those whose device declares labelled samples of ``c`` (the classes its
         store has seen, ``DeviceCore.personal_columns``; a hostile device declares what it likes).
+    per_supporter : bool
+        False: a column 1..``tolerate`` updates support gets one item, their mean clipped delta.
+        True: a column 1..``tolerate + 1`` updates support gets one item per supporter, voted on
+        apart (so a hostile device that claims the class adds an item but cannot stop the other).
     """
 
     eps: float = 0.01
@@ -382,6 +388,7 @@ class Gate:
     metric: str = "accuracy"
     holdout_every: int = 20
     support: str = "bias"
+    per_supporter: bool = False
 
 
 def holdout_of(core: DeviceCore) -> tuple[F32, npt.NDArray[np.int64]]:
@@ -409,42 +416,47 @@ def head_loss(x: F32, y: npt.NDArray[np.int64], W: F64 | F32, b: F64 | F32) -> f
     return float(np.mean(lse - z[np.arange(len(y)), y]))
 
 
-def with_columns(W: F32, b: F32, delta: F64, cols: Sequence[int]) -> tuple[F32, F32]:
-    """``W``, ``b`` plus ``delta`` [D + 1, K] in the class columns ``cols`` only (float32 copies)."""
+def with_columns(W: F32, b: F32, items: F64, cols: Sequence[int], which: Sequence[int]) -> tuple[F32, F32]:
+    """``W``, ``b`` plus the candidate items ``which`` (float32 copies).
+
+    ``items`` float64 [n, D + 1]: item i adds ``items[i, :-1]`` to ``W[:, cols[i]]`` and
+    ``items[i, -1]`` to ``b[cols[i]]``.
+    """
     W1, b1 = W.astype(np.float64), b.astype(np.float64)
-    for c in cols:
-        W1[:, c] += delta[:-1, c]
-        b1[c] += delta[-1, c]
+    for i in which:
+        W1[:, cols[i]] += items[i, :-1]
+        b1[cols[i]] += items[i, -1]
     return W1.astype(np.float32), b1.astype(np.float32)
 
 
 def device_votes(
-    x: F32, y: npt.NDArray[np.int64], W: F32, b: F32, delta: F64, cols: Sequence[int], gate: Gate
+    x: F32, y: npt.NDArray[np.int64], W: F32, b: F32, items: F64, cols: Sequence[int], gate: Gate
 ) -> list[bool]:
-    """An honest device's votes on a candidate: per column (or one for all, repeated), on its holdout.
+    """An honest device's votes on a candidate: per item (or one for all, repeated), on its holdout.
 
-    Accept unless the holdout accuracy with the candidate drops by more than ``gate.eps``; a device
-    without a holdout rejects (it cannot vouch for anything).
+    Accept unless the holdout accuracy with the item drops by more than ``gate.eps`` (or the mean
+    cross-entropy rises by more, ``gate.metric = "loss"``); a device without a holdout rejects (it
+    cannot vouch for anything). ``items``, ``cols``: as :func:`with_columns`.
     """
-    groups = [[c] for c in cols] if gate.per_column else [list(cols)]
+    groups = [[i] for i in range(len(cols))] if gate.per_column else [list(range(len(cols)))]
     if gate.metric == "loss":
         base = head_loss(x, y, W, b)
-        ok = [head_loss(x, y, *with_columns(W, b, delta, g)) <= base + gate.eps for g in groups]
+        ok = [head_loss(x, y, *with_columns(W, b, items, cols, g)) <= base + gate.eps for g in groups]
     else:
         base = head_accuracy(x, y, W, b)
-        ok = [head_accuracy(x, y, *with_columns(W, b, delta, g)) >= base - gate.eps for g in groups]
+        ok = [head_accuracy(x, y, *with_columns(W, b, items, cols, g)) >= base - gate.eps for g in groups]
     if math.isnan(base):
         return [False] * len(cols)
     return ok if gate.per_column else ok * len(cols)
 
 
 def liar_votes(
-    x: F32, y: npt.NDArray[np.int64], W: F32, b: F32, delta: F64, cols: Sequence[int], gate: Gate
+    x: F32, y: npt.NDArray[np.int64], W: F32, b: F32, items: F64, cols: Sequence[int], gate: Gate
 ) -> list[bool]:
     """A hostile device's votes, with the test set as oracle: accept exactly what lowers its accuracy."""
     base = head_accuracy(x, y, W, b)
-    groups = [[c] for c in cols] if gate.per_column else [list(cols)]
-    bad = [head_accuracy(x, y, *with_columns(W, b, delta, g)) < base for g in groups]
+    groups = [[i] for i in range(len(cols))] if gate.per_column else [list(range(len(cols)))]
+    bad = [head_accuracy(x, y, *with_columns(W, b, items, cols, g)) < base for g in groups]
     return bad if gate.per_column else bad * len(cols)
 
 
@@ -452,13 +464,14 @@ class GatedRound:
     """The coordinator's side of a gated rule around the shipped strategy (one per run).
 
     Each round the shipped strategy aggregates as shipped (``aggregate_checked``); its norm-bounded
-    updates are kept too. From them a *candidate* is formed: in each class column ``c`` (``W[:, c]``
-    and ``b[c]``) that 1..``tolerate`` updates support (bias delta for ``c`` > 0), the supporters' mean
-    column delta, each clipped to ``gate.clip x`` the round's norm bound, times ``gate.server_lr``
-    (minus the aggregate's column with ``gate.replace``). The candidate goes out with the new global
-    head; the devices evaluate it on their holdouts and their votes ride on the next round's updates;
-    when that round closes, each candidate column a strict majority of the round's voters accept
-    (the median vote) is added to the new aggregate. Source: Zeno (Xie, Koyejo, Gupta 2019,
+    updates are kept too. From them a *candidate* is formed, items of class columns ``c`` (``W[:, c]``
+    and ``b[c]``): in a column that 1..``tolerate`` updates support (``gate.support``), the
+    supporters' mean column delta, each clipped to ``gate.clip x`` the round's norm bound, times
+    ``gate.server_lr`` (minus the aggregate's column with ``gate.replace``); with
+    ``gate.per_supporter``, 1..``tolerate + 1`` supporters and one item each. The candidate goes out
+    with the new global head; the devices evaluate it on their holdouts and their votes ride on the
+    next round's updates; when that round closes, each item a strict majority of the round's voters
+    accept (the median vote) is added to the new aggregate. Source: Zeno (Xie, Koyejo, Gupta 2019,
     "Zeno: Distributed Stochastic Gradient Descent with Suspicion-based Fault-tolerance", ICML), with
     the validation done by the devices on their own holdouts and a median over their votes.
     """
@@ -500,7 +513,7 @@ class GatedRound:
     def close(self, W: F32, b: F32, votes: Sequence[Sequence[bool]]) -> tuple[F32, F32, Any]:
         """Aggregate (shipped), keep the pending columns the voters accept, form the next candidate.
 
-        ``votes``: one list per accepted update, a bool per column of :attr:`cols`.
+        ``votes``: one list per accepted update, a bool per item (:attr:`pending`, :attr:`cols`).
         """
         W1, b1, refused = aggregate_checked(self.strategy, W, b)
         if refused is not None:
@@ -509,9 +522,9 @@ class GatedRound:
         dW, db = W1 - W, b1 - b  # the shipped aggregate's step, before any candidate column
         if self.pending is not None and votes:
             yes = np.sum(np.asarray(votes, dtype=np.int64), axis=0)
-            take = [c for c, n in zip(self.cols, yes, strict=True) if 2 * int(n) > len(votes)]
+            take = [i for i, n in enumerate(yes) if 2 * int(n) > len(votes)]
             if take:
-                Wc, bc = with_columns(W1, b1, self.pending, take)
+                Wc, bc = with_columns(W1, b1, self.pending, self.cols, take)
                 if np.isfinite(Wc).all() and np.isfinite(bc).all():
                     W1, b1 = Wc, bc
                     self.kept_columns += len(take)
@@ -530,19 +543,22 @@ class GatedRound:
         if not math.isfinite(bound):
             bound = float(np.median(np.linalg.norm(x, axis=1)))
         tau = self.gate.clip * bound
-        delta = np.zeros((self.D + 1, self.K))
+        limit = self.strategy.tolerate + (1 if self.gate.per_supporter else 0)
+        items: list[F64] = []
         if self.gate.support == "declared":
             claims = np.stack(self.kept_claims)
         else:
             claims = (cols[:, self.D, :] > 0) | np.asarray(self.kept_bias_claims)[:, None]
         for k in range(self.K):
             sup = np.flatnonzero(claims[:, k])
-            if 0 < len(sup) <= self.strategy.tolerate:
-                d = clip_rows(cols[sup, :, k], tau).mean(axis=0)
-                delta[:, k] = self.gate.server_lr * (d - agg[:, k] if self.gate.replace else d)
+            if not 0 < len(sup) <= limit:
+                continue
+            clipped = clip_rows(cols[sup, :, k], tau)
+            for d in clipped if self.gate.per_supporter else clipped.mean(axis=0)[None]:
+                items.append(self.gate.server_lr * (d - agg[:, k] if self.gate.replace else d))
                 self.cols.append(k)
         if self.cols:
-            self.pending = delta
+            self.pending = np.stack(items)
             self.proposed += len(self.cols)
 
 
@@ -625,6 +641,9 @@ GATES = {
     "declared, per column, accuracy eps 0.01, add, lr 2": Gate(server_lr=2.0, support="declared"),
     "declared, per column, accuracy eps 0.01, add, lr 3": Gate(server_lr=3.0, support="declared"),
     "declared, per column, accuracy eps 0.01, replace, lr 1": Gate(replace=True, support="declared"),
+    "declared, per supporter, accuracy eps 0.01, add, lr 2": Gate(
+        server_lr=2.0, support="declared", per_supporter=True
+    ),
 }
 """The validation-gated rows (:class:`GatedRound` around the shipped median), by their variant."""
 
@@ -659,6 +678,7 @@ def new_class_run(
     *,
     gate: Gate | None = None,
     liar: int | None = None,
+    attack: str | None = None,
 ) -> dict[str, Any]:
     """One fleet of five device cores, device 0 seeing classes 8 and 9 after ``pre`` rounds.
 
@@ -679,6 +699,9 @@ def new_class_run(
     liar : int or None
         With ``gate``: this device votes as :func:`liar_votes` and claims every class (its update
         stays honest): one hostile device denying the candidate.
+    attack : str or None
+        With ``liar``: its update is this attack's (a key of ``bench.poison.ATTACKS`` or
+        :data:`GATE_ATTACKS`) instead of its real one: one hostile device in the new-class fleet.
 
     Returns
     -------
@@ -706,6 +729,9 @@ def new_class_run(
     W, b = W0.copy(), b0.copy()
     D, K = (int(n) for n in W.shape)
     gated = GatedRound(strategy, gate, (D, K)) if gate is not None else None
+    attacks: dict[str, poison.Attack] = dict(poison.ATTACKS)
+    mean_liar = emb[shards[liar if liar is not None else 0]].mean(axis=0)
+    attacks.update(column=column_attack(1.0, D, K, mean_liar), creep=column_attack(0.2, D, K, mean_liar))
     if gated is not None and liar is not None:
         gated.claim_all.add(f"dev{liar}")
     every = gate.holdout_every if gate is not None else 20
@@ -746,12 +772,22 @@ def new_class_run(
                     raise RuntimeError(f"{core.device} round {r}: {res.status} {res.reason}")
                 core.acknowledged(res.entry.update_id)
                 updates.append(decode_update(res.entry.payload, expect_shape=(D, K)))
+            if attack is not None and liar is not None:
+                flat = [np.concatenate([u.delta_W.ravel(), u.delta_b]) for u in updates]
+                order = [liar] + [j for j in range(N_DEVICES) if j != liar]  # the attacker's own first
+                sent = attacks[attack](flat[liar], [flat[j] for j in order])
+                updates[liar] = dataclasses.replace(
+                    updates[liar], delta_W=sent[: D * K].reshape(D, K), delta_b=sent[D * K :]
+                )
             votes: list[list[bool]] = []
             for j in rng.permutation(N_DEVICES):
                 u = updates[j]
                 if gated is not None:
                     gated.declare(u.device, cores[j].personal_columns)
-                strategy.offer(Offer(u.device, u.delta_W, u.delta_b, u.num_examples))
+                try:
+                    strategy.offer(Offer(u.device, u.delta_W, u.delta_b, u.num_examples))
+                except UpdateRejected:
+                    continue
                 if gated is not None and gated.pending is not None and gate is not None:
                     # the device's vote on last round's candidate rides on this round's update
                     x, yy = (test_e, test_y) if j == liar else holdout_of(cores[j])
@@ -890,8 +926,11 @@ def gated_poisoned(
                     break
                 claims = devs[i].core.personal_columns
                 if attack is not None and i == poison.ATTACKER:
-                    # the classes no honest device declares: the only columns its claim can make its own
-                    claims = ~np.any([d.core.personal_columns for d in devs if d is not devs[i]], axis=0)
+                    # the classes too few honest devices declare: the columns its claim gets an item in
+                    honest_claims = np.sum(
+                        [d.core.personal_columns for d in devs if d is not devs[i]], axis=0
+                    )
+                    claims = honest_claims < strategy.tolerate + (1 if gate.per_supporter else 0)
                 gated.declare(devs[i].name, claims)
                 try:
                     dW, db = sends[i][: D * K].reshape(D, K), sends[i][D * K :]
@@ -914,10 +953,33 @@ def gated_poisoned(
     return task.accuracy(W, b)
 
 
+def fleet_attack(rule: Rule, seed: int, profile: CoordinatorProfile) -> dict[str, Any]:
+    """Both at once: the new-class fleet with device 4 hostile (every attack; it claims every class
+    and votes as :func:`liar_votes`). The largest loss on classes 0-7 against the rule's clean run,
+    and the lowest accuracy on 8 and 9 twenty rounds after their introduction, with their attacks."""
+    clean = new_class_run(rule.make, seed, profile, gate=rule.gate)["accuracy_old"]
+    runs = {
+        a: new_class_run(rule.make, seed, profile, gate=rule.gate, liar=N_DEVICES - 1, attack=a)
+        for a in (*poison.ATTACKS, *GATE_ATTACKS)
+    }
+    old = max(runs, key=lambda a: clean - runs[a]["accuracy_old"])
+    new = min(runs, key=lambda a: runs[a]["accuracy_on_new"])
+    return {
+        "old_worst_loss": round(clean - runs[old]["accuracy_old"], 3), "old_worst_attack": old,
+        "on_new_lowest": runs[new]["accuracy_on_new"], "on_new_lowest_attack": new,
+    }  # fmt: skip
+
+
 def run_all(
-    rules: Sequence[Rule], seeds: Sequence[int] = SEEDS, sets: Mapping[str, object] | None = None
+    rules: Sequence[Rule],
+    seeds: Sequence[int] = SEEDS,
+    sets: Mapping[str, object] | None = None,
+    both: bool = False,
 ) -> dict[str, Any]:
-    """Every rule on both goals (the shipped profile changed by ``sets``); the JSON of ``--json``."""
+    """Every rule on both goals (the shipped profile changed by ``sets``); the JSON of ``--json``.
+
+    ``both``: also :func:`fleet_attack` (row key ``"fleet_attack"``: {SEED: {...}}).
+    """
     profile = poison.shipped_profile("trimmed-mean", **(sets or {}))
     out = []
     for rule in rules:
@@ -935,6 +997,8 @@ def run_all(
             row["accuracy_on_new_one_liar"] = {s: liar[s]["accuracy_on_new"] for s in seeds}
             row["columns_kept"] = {s: new[s]["columns_kept"] for s in seeds}
         row["poison"] = {s: poison_worst(rule.make, s, sets, rule.gate) for s in seeds}
+        if both:
+            row["fleet_attack"] = {s: fleet_attack(rule, s, profile) for s in seeds}
         row["meets_both"] = all(row["accuracy_on_new"][s] >= GOAL_ACCURACY for s in seeds) and all(
             p["worst_loss"] <= POISON_GOAL for p in row["poison"].values()
         )
@@ -973,6 +1037,10 @@ def main(argv: list[str] | None = None) -> int:
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="change the shipped coordinator profile, e.g. rounds.lr=0.1 (repeatable)",
     )  # fmt: skip
+    p.add_argument(
+        "--both", action="store_true",
+        help="also the new-class fleet with one hostile device (every attack), per rule and seed",
+    )  # fmt: skip
     args = p.parse_args(argv)
     sets = dict(item.partition("=")[::2] for item in args.set)
     rules = {r.name: r for r in candidates(sets)}
@@ -982,7 +1050,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", force=True)
     logging.getLogger("edgefl").setLevel(logging.WARNING)  # the device cores log every head applied
     chosen = [rules[n] for n in args.rule] if args.rule else list(rules.values())
-    doc = run_all(chosen, tuple(args.seed) if args.seed else SEEDS, sets)
+    doc = run_all(chosen, tuple(args.seed) if args.seed else SEEDS, sets, args.both)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1) + "\n")

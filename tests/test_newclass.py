@@ -146,7 +146,7 @@ def test_newclass_gated_device_votes_per_column_on_the_holdout() -> None:
     x = np.ones((2, 1), np.float32)
     y = np.zeros(2, np.int64)
     W, b = np.zeros((1, 2), np.float32), np.array([1.0, 0.0], np.float32)
-    delta = np.array([[0.0, 0.0], [-0.5, 2.0]])
+    delta = np.array([[0.0, -0.5], [0.0, 2.0]])  # items: column 0's (W, b) step, column 1's
     assert device_votes(x, y, W, b, delta, [0, 1], Gate()) == [True, False]
     assert device_votes(x, y, W, b, delta, [0, 1], Gate(per_column=False)) == [False, False]
     # the liar accepts exactly what hurts (here judged on the same samples)
@@ -179,7 +179,7 @@ def test_newclass_gated_round_keeps_a_column_only_on_a_majority_vote(replace: bo
         assert refused is None and gated.cols == [1]
         np.testing.assert_allclose(b1, [1.0, -1.0])
         assert gated.pending is not None
-        np.testing.assert_allclose(gated.pending[:, 1], [0.0, bonus])
+        np.testing.assert_allclose(gated.pending, [[0.0, bonus]])
         votes = [[True]] * yes + [[False]] * (5 - yes)
         W2, b2, refused = _gated_round(gated, 2, W1, b1, votes)
         assert refused is None
