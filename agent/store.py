@@ -1,13 +1,12 @@
 """Bounded store of recent labelled embeddings, kept in memory-mapped files rather than the heap.
 
-Embeddings are stored as float16, labels as int16, in a ring of fixed size (``capacity * (2 * D + 2 +
-16)`` bytes with the row records) of file-backed pages. Every slot has a row record in
-``store_rows.u64`` (``uint64 [capacity, 2]``: ``seq + 1`` and the CRC-32 of the slot's embedding bits,
-label and ``seq``; sample ``seq`` lives in slot ``seq % capacity``). :meth:`EmbeddingStore.flush` writes
+Embeddings are stored as float16, labels as int16, in a ring of file-backed pages of fixed size
+(:func:`store_file_bytes`); every slot has a row record (:data:`ROWS_FILE`; sample ``seq`` lives in
+slot ``seq % capacity``). :meth:`EmbeddingStore.flush` writes
 the maps back, then the metadata as a checksummed record. At open the newest contiguous run of rows
 whose CRCs check is recovered and what could not be is logged; insane metadata, a label outside
 ``0..K-1`` or a non-finite embedding sets the files aside (``<name>.corrupt``) and the store starts
-empty.
+empty. A store found with another capacity (the profile's changed) keeps its newest samples.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import time
 import zlib
 from collections.abc import Iterator
@@ -32,10 +32,12 @@ logger = logging.getLogger(__name__)
 EMB_FILE = "store_emb.f16"
 LBL_FILE = "store_lbl.i16"
 ROWS_FILE = "store_rows.u64"
-"""Row records: ``uint64 [capacity, 2]`` little-endian, ``(seq + 1, CRC-32)`` per slot (module docstring)."""
+"""Row records: ``uint64 [capacity, 2]`` little-endian, ``seq + 1`` and a CRC-32 of embedding, label, seq."""
 META_FILE = "store_meta.rec"
 """Checksummed record of the store's metadata (JSON map, see :meth:`EmbeddingStore.flush`)."""
 CORRUPT_SUFFIX = ".corrupt"
+RESIZE_DIR = ".resize"
+"""Sub-folder where a store is rebuilt for a new capacity before its files replace the old ones."""
 _SCAN_ROWS = 256  # embeddings checked for finiteness per block at open (bounded heap)
 _HALF_MASK = np.int32(0x8FFFE000 - (1 << 32))  # float32 sign bit + a half's 15 bits, shifted by 13
 _HALF_SCALE = np.float32(2.0**112)  # 2**(127 - 15): float16's exponent bias -> float32's
@@ -54,11 +56,6 @@ def half_bits_to_float32(half_bits: np.ndarray, out: F32) -> F32:
         float16 values viewed as int16.
     out : float32, same shape, C-contiguous
         Written in place and returned.
-
-    Returns
-    -------
-    float32 [...]
-        ``out``.
 
     Source: IEEE 754-2008 binary16/binary32 layouts; the rebias-by-multiplication conversion is
     F. Giesen, "Half to float done quic", 2012 (``half_to_float_fast``).
@@ -86,13 +83,7 @@ def _describe(path: Path, size: int) -> str:
 
 
 def _allocate(path: Path, size: int) -> None:
-    """Give a sparse file its blocks now (``posix_fallocate``): a write into a hole of a full disk is SIGBUS.
-
-    Raises
-    ------
-    OSError
-        ``ENOSPC`` if the file system has no room for the store (at start-up).
-    """
+    """Give a sparse file its blocks now (a write into a hole of a full disk is SIGBUS); ``ENOSPC`` raises."""
     fd = os.open(path, os.O_RDWR)
     try:
         os.posix_fallocate(fd, 0, size)
@@ -101,6 +92,16 @@ def _allocate(path: Path, size: int) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def holdout_capacity(store_capacity: int, every: int) -> int:
+    """Samples the holdout store keeps: ``store_capacity // every``, at least 16 (0 when ``every`` is 0)."""
+    return max(16, store_capacity // every) if every else 0
+
+
+def store_file_bytes(capacity: int, dim: int) -> int:
+    """Bytes of a store's files: a float16 [D] embedding, an int16 label and a 16-byte row record a slot."""
+    return capacity * (2 * dim + 2 + 16)
 
 
 class StoreCorrupt(ValueError):
@@ -142,7 +143,8 @@ class EmbeddingStore:
 
     Notes
     -----
-    A store for another ``capacity``/``dim`` is reset; a corrupt one is set aside (``set_aside`` says why).
+    A store for another ``dim`` is reset (a WARNING with its count); one for another ``capacity`` keeps
+    its newest samples and its mark; a corrupt one is set aside (``set_aside`` says why).
     """
 
     def __init__(self, directory: Path, capacity: int, dim: int, num_classes: int | None = None) -> None:
@@ -172,6 +174,9 @@ class EmbeddingStore:
         self._meta_path = directory / META_FILE
         emb_path, lbl_path, rows_path = directory / EMB_FILE, directory / LBL_FILE, directory / ROWS_FILE
         sizes = ((emb_path, capacity * dim * 2), (lbl_path, capacity * 2), (rows_path, capacity * 16))
+        old_capacity = _other_capacity(self._meta_path, capacity, dim)
+        if old_capacity is not None:
+            _resize(directory, old_capacity, capacity, dim, num_classes)
         meta: dict[str, object] | None = None
         mode = "w+"
         try:
@@ -235,13 +240,20 @@ class EmbeddingStore:
         except (ValueError, TypeError) as exc:
             raise StoreCorrupt(f"metadata unreadable: {exc}") from exc
         if meta.get("capacity") != self.capacity or meta.get("dim") != self.dim:
-            logger.info("store in %s was built for another model shape; starting empty", self.directory)
+            logger.warning(
+                "store in %s was built for embeddings of D = %s (this model: D = %d): its %s sample(s) "
+                "cannot train this model; starting empty",
+                self.directory,
+                meta.get("dim"),
+                self.dim,
+                meta.get("count"),
+            )
             self._other_shape = True
             return None
         return meta
 
-    def _check_meta(self, meta: dict[str, object]) -> tuple[int, int]:
-        """Sanity of the metadata's ``count``, ``head`` and ``total``; ``(count, head)`` or StoreCorrupt."""
+    def _check_meta(self, meta: dict[str, object]) -> None:
+        """Sanity of the metadata's ``count``, ``head`` and ``total`` (StoreCorrupt)."""
         count, head = meta.get("count"), meta.get("head")
         cap = self.capacity
         if type(count) is not int or type(head) is not int:
@@ -253,7 +265,6 @@ class EmbeddingStore:
         total = meta.get("total")
         if type(total) is not int or total < count or total % cap != head:
             raise StoreCorrupt(f"total = {total!r}: does not agree with head {head}, capacity {cap}")
-        return count, head
 
     def _row_ok(self, slot: int, seq: int) -> bool:
         row = self._rows_raw[slot]
@@ -388,11 +399,6 @@ class EmbeddingStore:
     def resident_rows(self) -> int:
         """Stored slots this process has written or read through the maps (their pages count in RSS)."""
         return int(np.count_nonzero(self._touched))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the backing files (embeddings, labels and row records)."""
-        return self.capacity * (2 * self.dim + 2 + 16)
 
     def add(self, emb: F32, labels: I64) -> int:
         """Append a batch of labelled embeddings, overwriting the oldest when full.
@@ -550,3 +556,55 @@ class EmbeddingStore:
             return True
         since = self.unflushed_since
         return since is not None and (time.monotonic() if now is None else now) - since >= interval_s
+
+
+def _other_capacity(meta_path: Path, capacity: int, dim: int) -> int | None:
+    """The capacity of a store at ``meta_path`` built for this ``dim`` and another capacity, else None."""
+    data = read_record(meta_path)
+    try:
+        meta = json.loads(data) if data is not None else None
+    except ValueError:
+        return None  # the store's own open says it is corrupt
+    if not isinstance(meta, dict) or meta.get("dim") != dim:
+        return None
+    old = meta.get("capacity")
+    return old if type(old) is int and old > 0 and old != capacity else None
+
+
+def _resize(directory: Path, old_capacity: int, capacity: int, dim: int, num_classes: int | None) -> None:
+    """Rebuild the store in ``directory`` for ``capacity``, keeping its newest samples and its mark.
+
+    The old store is opened (rows checked) and copied block by block into a new one under
+    :data:`RESIZE_DIR`, whose files then replace the old ones (the metadata last).
+    """
+    old = EmbeddingStore(directory, old_capacity, dim, num_classes)
+    n = len(old)
+    keep = min(n, capacity)
+    tmp = directory / RESIZE_DIR
+    shutil.rmtree(tmp, ignore_errors=True)
+    new = EmbeddingStore(tmp, capacity, dim, num_classes)
+    for start in range(n - keep, n, _SCAN_ROWS):
+        rows = np.arange(start, min(start + _SCAN_ROWS, n), dtype=np.int64)  # oldest first
+        if n == old_capacity:  # a full ring's rows are its slots: the oldest sits at the head
+            rows = (rows + old._head) % old_capacity
+        emb, lbl = np.empty((len(rows), dim), np.float32), np.empty(len(rows), np.int64)
+        old.read(rows, emb, lbl)
+        new.add(emb, lbl)
+    if old.mark is not None:
+        new.mark = max(0, keep - old.since_mark)
+    new.flush()
+    old._unmap()
+    new._unmap()
+    (directory / prev_path(Path(META_FILE)).name).unlink(missing_ok=True)
+    for name in (EMB_FILE, LBL_FILE, ROWS_FILE, META_FILE):
+        os.replace(tmp / name, directory / name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    log = logger.warning if keep < n else logger.info
+    log(
+        "store in %s: capacity %d -> %d: kept the newest %d of %d sample(s)",
+        directory,
+        old_capacity,
+        capacity,
+        keep,
+        n,
+    )
