@@ -63,6 +63,9 @@ row changes that factor):
   two attacks on the gate join bench.poison's: ``column`` (its whole update in the class column the
   honest devices support least, raising that class on typical samples, at the median honest norm)
   and ``creep`` (the same at a fifth). ``accuracy_on_new_one_liar``: device 4 voting so too.
+  Variants: support from the classes each device declares (its store's), an item per supporter
+  (up to ``tolerate + 1``), and the coordinator judging alone on its own labelled set (N samples of
+  every class, the new ones included: Zeno's server-side validation), see :class:`Gate`.
 
 Run: ``.venv/bin/python -m bench.newclass --json out/newclass.json`` (~7 minutes on a shared 2-core
 host; ``--rule NAME`` and ``--seed N`` repeatable; ``--both`` adds :func:`fleet_attack`, the new-class
@@ -378,6 +381,10 @@ class Gate:
         False: a column 1..``tolerate`` updates support gets one item, their mean clipped delta.
         True: a column 1..``tolerate + 1`` updates support gets one item per supporter, voted on
         apart (so a hostile device that claims the class adds an item but cannot stop the other).
+    server_per_class : int
+        0: the devices vote. N > 0: the coordinator alone judges each item on its own labelled set
+        of N samples of every class, new ones included (Zeno's server-side validation; with
+        ``eps`` < 0 an item must raise that set's accuracy), still one round late.
     """
 
     eps: float = 0.01
@@ -389,6 +396,17 @@ class Gate:
     holdout_every: int = 20
     support: str = "bias"
     per_supporter: bool = False
+    server_per_class: int = 0
+
+
+def server_set(
+    pool: npt.NDArray[np.int64], y: npt.NDArray[np.int64], per_class: int, seed: int
+) -> npt.NDArray[np.int64]:
+    """Indices of ``per_class`` labelled samples of every class in ``pool``: the coordinator's own set."""
+    rng = np.random.default_rng(seed + 99)
+    return np.concatenate(
+        [rng.choice(pool[y[pool] == c], per_class, replace=False) for c in np.unique(y[pool])]
+    )
 
 
 def holdout_of(core: DeviceCore) -> tuple[F32, npt.NDArray[np.int64]]:
@@ -644,6 +662,12 @@ GATES = {
     "declared, per supporter, accuracy eps 0.01, add, lr 2": Gate(
         server_lr=2.0, support="declared", per_supporter=True
     ),
+    "per column, coordinator's 10 a class judge, loss eps 0, add, lr 2": Gate(
+        server_lr=2.0, server_per_class=10, metric="loss", eps=0.0
+    ),
+    "declared, per supporter, coordinator's 10 a class judge, loss eps 0, add, lr 2": Gate(
+        server_lr=2.0, support="declared", per_supporter=True, server_per_class=10, metric="loss", eps=0.0
+    ),
 }
 """The validation-gated rows (:class:`GatedRound` around the shipped median), by their variant."""
 
@@ -723,6 +747,9 @@ def new_class_run(
     shards = [old[s] for s in partition_non_iid(y[old], N_DEVICES, seed=seed)]
     test_e, test_y = emb[split.test], y[split.test]
     is_new = np.isin(test_y, NEW_CLASSES)
+    if gate is not None and gate.server_per_class:
+        judge = server_set(pool, y, gate.server_per_class, seed)
+        server_x, server_y = emb[judge], y[judge]
     rng = np.random.default_rng(seed + 5)
     strategy = make()
     rounds = profile.rounds
@@ -788,7 +815,12 @@ def new_class_run(
                     strategy.offer(Offer(u.device, u.delta_W, u.delta_b, u.num_examples))
                 except UpdateRejected:
                     continue
-                if gated is not None and gated.pending is not None and gate is not None:
+                if (
+                    gated is not None
+                    and gated.pending is not None
+                    and gate is not None
+                    and not gate.server_per_class
+                ):
                     # the device's vote on last round's candidate rides on this round's update
                     x, yy = (test_e, test_y) if j == liar else holdout_of(cores[j])
                     vote = liar_votes if j == liar else device_votes
@@ -796,6 +828,8 @@ def new_class_run(
             if gated is None:
                 W, b, refused = aggregate_checked(strategy, W, b)
             else:
+                if gate is not None and gate.server_per_class and gated.pending is not None:
+                    votes = [device_votes(server_x, server_y, W, b, gated.pending, gated.cols, gate)]
                 W, b, refused = gated.close(W, b, votes)
             if refused is not None:
                 raise RuntimeError(f"round {r} refused: {refused}")
@@ -885,6 +919,10 @@ def gated_poisoned(
     attacks: dict[str, poison.Attack] = dict(poison.ATTACKS)
     mean0 = task.dev_emb[poison.ATTACKER].mean(axis=0)
     attacks.update(column=column_attack(1.0, D, K, mean0), creep=column_attack(0.2, D, K, mean0))
+    if gate.server_per_class:
+        emb, y = digits_embeddings()[:2]
+        judge = server_set(split_digits(y).devices, y, gate.server_per_class, seed)
+        server_x, server_y = emb[judge], y[judge]
     version = 0
     with tempfile.TemporaryDirectory(dir=STATE_ROOT) as tmp:
         devs = []
@@ -945,6 +983,8 @@ def gated_poisoned(
                     else:
                         hx, hy = holdouts[i]
                         votes.append(device_votes(hx, hy, W, b, gated.pending, gated.cols, gate))
+            if gate.server_per_class and gated.pending is not None:
+                votes = [device_votes(server_x, server_y, W, b, gated.pending, gated.cols, gate)]
             W, b, refusal = gated.close(W, b, votes)
             if refusal is None:
                 version += 1

@@ -25,6 +25,7 @@ from bench.newclass import (
     main,
     new_class_run,
     outlying_columns,
+    server_set,
     shipped_factory,
     support,
     support_columns,
@@ -185,3 +186,12 @@ def test_newclass_gated_round_keeps_a_column_only_on_a_majority_vote(replace: bo
         assert refused is None
         np.testing.assert_allclose(b2, [2.0, -2.0 + (bonus if kept else 0.0)])
         np.testing.assert_allclose(W2, 0.0)
+
+
+def test_newclass_gated_server_set_takes_n_of_every_class_from_the_pool() -> None:
+    """The coordinator's own set: 2 samples of each class present in the pool, none from outside it."""
+    y = np.array([0, 0, 0, 1, 1, 2, 2, 2, 9])
+    pool = np.array([0, 1, 3, 4, 5, 6, 7])
+    idx = server_set(pool, y, 2, seed=0)
+    assert set(idx) <= set(pool) and len(set(idx)) == 6
+    assert sorted(y[idx].tolist()) == [0, 0, 1, 1, 2, 2]
