@@ -72,8 +72,11 @@ host; ``--rule NAME`` and ``--seed N`` repeatable; ``--both`` adds :func:`fleet_
 fleet with one hostile device; ``--set KEY=VALUE`` changes the shipped profile
 for every rule, e.g. ``rounds.lr=0.1``). Writes ``{"goal": {...}, "settings": {...}, "rules": [{"rule",
 "source", "accuracy_on_new": {SEED: x}, "rounds_to_learn": {SEED: n|null}, "accuracy_old": {SEED:
-x}, "poison": {SEED: {"clean", "worst_loss", "worst_attack"}}, "meets_both": bool}]}`` and prints a
-markdown table (docs/benchmarks.md, "Soak").
+x}, "accuracy_on_new_mean": {SEED: x}, "curve": {SEED: [x, ...]}, "poison": {SEED: {"clean",
+"worst_loss", "worst_attack"}}, "meets_both": bool}]}`` and prints a markdown table
+(docs/benchmarks.md, "Soak"); gated rows add ``"accuracy_on_new_one_liar"`` and ``"columns_kept"``
+(items kept / proposed) per seed, and ``--both`` adds ``"fleet_attack": {SEED: {"old_worst_loss",
+"old_worst_attack", "on_new_lowest", "on_new_lowest_attack"}}``.
 """
 
 from __future__ import annotations
