@@ -466,16 +466,23 @@ class Coordinator(Intake):
             logger.warning("round %d: announcement not published again: %s", round_no, exc)
 
     def dashboard_status(self) -> dict[str, Any]:
-        """The coordinator page's status document (see ``dashboard/app.py``), JSON-like."""
+        """The coordinator page's status document (see ``dashboard/app.py``), JSON-like.
+
+        Its ``health`` is ``ok``, or ``broker unreachable: HOST:PORT`` while the coordinator has lost its
+        broker (``/healthz`` answers 503 with it).
+        """
         rnd = self.state.current
         open_round = rnd is not None and rnd.phase.value == "open"
         registry = self.registry
         devices = registry.page_devices()
+        fleet = self.fleet_state()
         return {
             "broker_connected": self.transport.connected.is_set(),
+            # what /healthz answers: ok, or the problem (503)
+            "health": fleet.text if fleet.state is FleetPhase.BROKER_UNREACHABLE else "ok",
             "round": self.state.round,
             "state": "collecting" if open_round else ("idle" if not self.state.history else "aggregated"),
-            "fleet_state": self.fleet_state().as_dict(),
+            "fleet_state": fleet.as_dict(),
             "updates_received": rnd.clients if rnd is not None else 0,
             "updates_expected": (rnd.asked or rnd.close_at) if rnd is not None else 0,
             "deadline_s_left": max(0.0, rnd.deadline_at - time.monotonic()) if open_round and rnd else None,
