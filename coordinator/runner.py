@@ -448,7 +448,8 @@ async def run(
                 coord.save_state(files.state)
             # at the root the messages in are the sites' partials (~41 kB for 512x10 float64 sums)
             per = "partial" if isinstance(coord, RootCoordinator) else "update"
-            line = round_line(rec, rounds.count, refused_round, declined_round, per)
+            silent = coord.silent_devices(rec.round)
+            line = round_line(rec, rounds.count, refused_round, declined_round, per, silent)
             print(line, flush=True)
             logger.info("%s", line)
             if rec.clients == 0 and job:

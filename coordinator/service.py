@@ -36,6 +36,7 @@ from edgefl.coordinator.rounds import (
     Round,
     RoundPhase,
     collecting,
+    device_names,
     replace_min_devices,
 )
 from edgefl.coordinator.strategy import RoundConfig, Schedule, aggregate_checked
@@ -64,6 +65,8 @@ WAIT_LOG_EVERY_S = 60.0
 
 #: Rounds of ``accuracy_history`` in the page's status document (the last ones).
 PAGE_HISTORY = 500
+#: Names of silent devices kept per round (page and round log); ``silent_devices`` counts them all.
+SILENT_KEPT = 100
 
 
 class Coordinator(Intake):
@@ -100,7 +103,7 @@ class Coordinator(Intake):
         self._global_chunks = 0
         self.expected_sites = 0  # a root's partials that close a round (edgefl.coordinator.hierarchy)
         self._dashboard_rounds: list[dict[str, Any]] = []
-        self._round_reasons: dict[int, dict[str, dict[str, int]]] = {}  # round -> refused, declined
+        self._round_reasons: dict[int, dict[str, Any]] = {}  # round -> refused, declined, silent
         self._announcement: tuple[int, bytes] | None = None  # (round, payload) of the last announcement
         self._reannounce_task: asyncio.Task[None] | None = None
         self.quorum = quorum
@@ -290,11 +293,13 @@ class Coordinator(Intake):
                     break
                 remaining = rnd.deadline_at - time.monotonic()
                 if remaining <= 0:
+                    silent = rnd.silent()
                     logger.warning(
-                        "round %d: deadline passed with %d of %d updates",
+                        "round %d: deadline passed with %d of %d updates%s",
                         round_no,
                         rnd.clients,
                         cfg.min_clients,
+                        f"; no answer from {device_names(silent)}" if silent else "",
                     )
                     break
                 self._round_changed.clear()
@@ -510,11 +515,28 @@ class Coordinator(Intake):
             else self.state.history[-1].epsilon,
         }
 
+    def silent_devices(self, round_no: int) -> list[str]:
+        """The devices round ``round_no`` asked that sent it nothing it counted (see ``Round.silent``).
+
+        Known for the current (or last closed) round only; ``[]`` for any other.
+        """
+        rnd = self.state.current
+        return rnd.silent() if rnd is not None and rnd.number == round_no else []
+
     def note_round_reasons(
         self, round_no: int, refused: Mapping[str, int], declined: Mapping[str, int]
     ) -> None:
-        """Keep a closed round's refused updates and declines ``{reason: count}`` for the fleet page."""
-        reasons = {"refused": dict(refused), "declined": dict(declined)}
+        """Keep a closed round's refused updates and declines ``{reason: count}`` for the fleet page.
+
+        With them, its ``silent`` devices (at most :data:`SILENT_KEPT` names) and ``silent_devices``.
+        """
+        silent = self.silent_devices(round_no)
+        reasons: dict[str, Any] = {
+            "refused": dict(refused),
+            "declined": dict(declined),
+            "silent": silent[:SILENT_KEPT],
+            "silent_devices": len(silent),
+        }
         self._round_reasons[round_no] = reasons
         for old in sorted(self._round_reasons)[:-HISTORY_ROUNDS]:
             del self._round_reasons[old]
