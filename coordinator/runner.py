@@ -471,6 +471,7 @@ async def run(
     finally:
         await _cancel(pump)
         await _cancel(holding)
+        await coord.stop_republishing()
         if started and files.state is not None and coord.state_path is not None and not lease.lost.is_set():
             try:
                 coord.save_state(files.state)  # an open round, as it stands: resumed at the restart

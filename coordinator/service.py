@@ -105,7 +105,14 @@ class Coordinator(Intake):
         self._dashboard_rounds: list[dict[str, Any]] = []
         self._round_reasons: dict[int, dict[str, Any]] = {}  # round -> refused, declined, silent
         self._announcement: tuple[int, bytes] | None = None  # (round, payload) of the last announcement
-        self._reannounce_task: asyncio.Task[None] | None = None
+        self._global_round = 0  # the round of the last GlobalModel published
+        # one publisher at a time per retained topic: a republish after a reconnect never lands after,
+        # and so over, a newer head or announcement
+        self._global_lock = asyncio.Lock()
+        self._round_lock = asyncio.Lock()
+        self._started = False  # start() published the head: from now on a reconnect republishes it
+        self._republish_due = False
+        self._republish_task: asyncio.Task[None] | None = None
         self.quorum = quorum
         self.pacing = pacing or Pacing()
         self.finished = False  # a job's last round closed, or the service is stopping (fleet page)
@@ -146,6 +153,7 @@ class Coordinator(Intake):
         for topic in self._data_topics():
             await self.subscribe(topic)
         await self.publish_global(self.state.round)
+        self._started = True
 
     def _data_topics(self) -> list[str]:
         """The device-facing topics :meth:`start` subscribes to after the control topics."""
@@ -392,14 +400,20 @@ class Coordinator(Intake):
             prox_mu=cfg.prox_mu,
         )
         payload = self._sign(encode_round, ann)
-        self._announcement = (round_no, payload)
-        await self._publish(self.topics.round, payload)
+        async with self._round_lock:
+            self._announcement = (round_no, payload)
+            await self._publish(self.topics.round, payload)
 
     async def publish_global(self, round_no: int) -> None:
         """Publish the current head as GlobalModel (QoS 1, retained) and wait for the PUBACK."""
+        async with self._global_lock:
+            await self._publish_global(round_no)
+
+    async def _publish_global(self, round_no: int) -> None:
         msg = GlobalModel(
             round_no, self.state.version, self.model_sha256, self.W, self.b, layout=self.downlink
         )
+        self._global_round = round_no
         payload = self._sign(encode_global_model, msg)
         base = self.topics.global_model
         # the smaller of the profile's limit and the broker's (MQTT 5 CONNACK Maximum Packet Size)
@@ -445,30 +459,53 @@ class Coordinator(Intake):
         return sign_message(encode, msg, self.signing_key, fleet=self.topics.fleet)
 
     def on_transport_connect(self) -> None:
-        """Announce the open round again after a reconnect that found no session of ours at the broker.
+        """Publish again what this coordinator owns retained, after every (re)connect once started.
 
-        The transport calls it after every CONNACK. A broker that lost its state lost the retained
-        announcement and what came for us meanwhile; the same bytes again make the sites re-send their
-        partials (``docs/operations.md``, "Exactly once across tiers").
+        The transport calls it after every CONNACK. The broker's retained ``global`` and ``round`` may
+        be older than ours whether or not it kept our session: a broker restored from an older
+        snapshot (mosquitto saves its state at a clean stop and every ``autosave_interval``) holds an
+        old head and announcement, and one that lost its state holds neither. So the current head and
+        the last announcement (open or closed) go out again, the same bytes for the announcement: a
+        site that closed that round sends its partial again (``docs/operations.md``, "Exactly once
+        across tiers"). Idempotent: the devices ignore a head or round they have.
         """
-        rnd, ann = self.state.current, self._announcement
-        if self.transport.session_present or rnd is None or ann is None:
-            return
-        if rnd.phase is not RoundPhase.OPEN or ann[0] != rnd.number:
-            return
-        if self._reannounce_task is not None and not self._reannounce_task.done():
-            return
-        self._reannounce_task = asyncio.create_task(self._reannounce(*ann), name="coordinator-reannounce")
+        if not self._started:
+            return  # the first connect: start() publishes the head itself (after adopting the fleet's)
+        self._republish_due = True
+        if self._republish_task is None or self._republish_task.done():
+            self._republish_task = asyncio.create_task(self._republish(), name="coordinator-republish")
 
-    async def _reannounce(self, round_no: int, payload: bytes) -> None:
-        logger.warning(
-            "round %d: the broker had no session of ours (it lost its state?): announcing the round again",
-            round_no,
-        )
-        try:
-            await self._publish(self.topics.round, payload)
-        except TransportError as exc:
-            logger.warning("round %d: announcement not published again: %s", round_no, exc)
+    async def _republish(self) -> None:
+        while self._republish_due:  # a reconnect while republishing: once more, on the new connection
+            self._republish_due = False
+            ann = self._announcement
+            what = f"the global head (version {self.state.version})"
+            if ann is not None:
+                what += f" and round {ann[0]}'s announcement"
+            if not self.transport.session_present:
+                logger.warning(
+                    "the broker had no session of ours (it lost its state?): publishing %s again%s",
+                    what,
+                    "" if ann is None else " (announcing the round again)",
+                )
+            else:
+                logger.info("broker back: publishing %s again (it may have restored older ones)", what)
+            try:
+                async with self._global_lock:
+                    await self._publish_global(self._global_round)
+                async with self._round_lock:
+                    ann = self._announcement  # the latest: a round may have opened meanwhile
+                    if ann is not None:
+                        await self._publish(self.topics.round, ann[1])
+            except TransportError as exc:
+                logger.warning("%s not published again: %s", what, exc)
+
+    async def stop_republishing(self) -> None:
+        """Cancel a republish still waiting for the broker (at the stop)."""
+        task, self._republish_task = self._republish_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     def dashboard_status(self) -> dict[str, Any]:
         """The coordinator page's status document (see ``dashboard/app.py``), JSON-like.
