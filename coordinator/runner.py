@@ -342,7 +342,8 @@ async def run(
     coord.on_lease_message = lease.handle
 
     def connected() -> None:
-        coord.on_transport_connect()  # a broker that lost our session: announce again
+        if not lease.lost.is_set():  # lost: stopping, the fleet's head and round are another's now
+            coord.on_transport_connect()  # our head and round again (the broker may hold older ones)
         lease.on_connect()  # our presence again (the broker may have lost it, or a will cleared it)
 
     transport.on_connect_cb = connected
