@@ -358,15 +358,15 @@ class MqttTransport(Link):
 
     def _loss_reason(self, rc: object, from_broker: bool) -> str:
         """Why a connection ended, in words: the broker's DISCONNECT reason, else what may have closed it."""
-        cid = self.client_id
+        cid = repr(self.client_id) + (f" or account {self.username!r}" if self.username else "")
         if isinstance(rc, ReasonCode) and from_broker:
             if int(rc.value) == 0x8E:  # MQTT 5.0 §3.14.2.1 Session taken over
-                return f"session taken over: another client connected with client id {cid!r}"
+                return f"session taken over: another client connected with client id {cid}"
             return f"the broker disconnected us: {rc}"
         if isinstance(rc, ReasonCode):
             return (
                 "connection closed without a reason: the broker stopped, the network dropped, or "
-                f"another client connected with client id {cid!r} and took over the session"
+                f"another client connected with client id {cid} and took over the session"
             )
         return str(rc)
 
@@ -392,14 +392,14 @@ class MqttTransport(Link):
         if _decade(self.sure_takeovers_total):
             logger.error(
                 "session taken over by another client with our client id %d time(s) since start (the "
-                "broker %s:%s closed the connection %s): another client probably uses client id %r and "
+                "broker %s:%s closed the connection %s): another client probably uses client id %s and "
                 "takes over the session at each connect (one client id per process; with "
                 "use_username_as_clientid, one account per process%s)",
                 self.sure_takeovers_total,
                 self.host,
                 self.port,
                 "with Session taken over" if taken else f"within {TAKEOVER_WINDOW_S:.0f} s of accepting it",
-                self.client_id,
+                repr(self.client_id) + (f" or account {self.username!r}" if self.username else ""),
                 f": account {self.username!r} is in use elsewhere" if self.username else "",
             )
 
