@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from edgefl.head import check_labels, label_range
-from edgefl.records import prev_path, read_record, set_aside, write_record
+from edgefl.records import move_into, prev_path, read_record, set_aside, write_record
 from edgefl.types import F32, I64
 
 logger = logging.getLogger(__name__)
@@ -596,8 +596,7 @@ def _resize(directory: Path, old_capacity: int, capacity: int, dim: int, num_cla
     old._unmap()
     new._unmap()
     (directory / prev_path(Path(META_FILE)).name).unlink(missing_ok=True)
-    for name in (EMB_FILE, LBL_FILE, ROWS_FILE, META_FILE):
-        os.replace(tmp / name, directory / name)
+    move_into([(tmp / name, directory / name) for name in (EMB_FILE, LBL_FILE, ROWS_FILE, META_FILE)])
     shutil.rmtree(tmp, ignore_errors=True)
     log = logger.warning if keep < n else logger.info
     log(
