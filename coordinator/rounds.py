@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum, auto
 from typing import Any
@@ -126,6 +126,16 @@ class Round:
             tally = self._tally = _Answered(self.devices, self.declined, self.selected, self.online)
         tally.catch_up()
         return tally
+
+    def silent(self) -> list[str]:
+        """The devices asked that sent this round neither an update it counted nor a decline, sorted.
+
+        Asked: the selection, else the devices online at the opening. A round that closed at its
+        deadline waited for these.
+        """
+        pool = self.selected if self.selected is not None else self.online
+        members = self.answered().members
+        return sorted(d for d in pool if d not in members)
 
     def has_answered(self, device: str) -> bool:
         """True when ``device`` has an update counted or a decline in this round (O(1))."""
@@ -342,6 +352,12 @@ class Pacing:
         left = 0.0 if since_start_s is None else max(0.0, self.interval_s - since_start_s)
         text = f"paused: next round in {math.ceil(left)} s" if left > 0 else f"opening round {round_no + 1}"
         return state(FleetPhase.PAUSED, text, next_round_in_s=left)
+
+
+def device_names(devices: Sequence[str], most: int = 10) -> str:
+    """``"gw-2, gw-7"``: the first ``most`` of ``devices``, then ``"(+N more)"`` for the rest."""
+    shown = ", ".join(devices[:most])
+    return shown + (f" (+{len(devices) - most} more)" if len(devices) > most else "")
 
 
 def replace_min_devices(pacing: Pacing, strategy_min: int) -> Pacing:

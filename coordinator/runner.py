@@ -342,7 +342,8 @@ async def run(
     coord.on_lease_message = lease.handle
 
     def connected() -> None:
-        coord.on_transport_connect()  # a broker that lost our session: announce again
+        if not lease.lost.is_set():  # lost: stopping, the fleet's head and round are another's now
+            coord.on_transport_connect()  # our head and round again (the broker may hold older ones)
         lease.on_connect()  # our presence again (the broker may have lost it, or a will cleared it)
 
     transport.on_connect_cb = connected
@@ -448,7 +449,8 @@ async def run(
                 coord.save_state(files.state)
             # at the root the messages in are the sites' partials (~41 kB for 512x10 float64 sums)
             per = "partial" if isinstance(coord, RootCoordinator) else "update"
-            line = round_line(rec, rounds.count, refused_round, declined_round, per)
+            silent = coord.silent_devices(rec.round)
+            line = round_line(rec, rounds.count, refused_round, declined_round, per, silent)
             print(line, flush=True)
             logger.info("%s", line)
             if rec.clients == 0 and job:
@@ -470,6 +472,7 @@ async def run(
     finally:
         await _cancel(pump)
         await _cancel(holding)
+        await coord.stop_republishing()
         if started and files.state is not None and coord.state_path is not None and not lease.lost.is_set():
             try:
                 coord.save_state(files.state)  # an open round, as it stands: resumed at the restart
