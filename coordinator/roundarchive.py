@@ -41,7 +41,6 @@ PAGE_KEYS: Final = (
     "time",
     "asked",
     "counted",
-    "clients",
     "accuracy",
     "fed_accuracy",
     "fed_worst_decile",

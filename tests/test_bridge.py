@@ -266,7 +266,7 @@ def _assert_counted_once(tier: Tier, rounds: int) -> None:
     counted = [u for ln in lines for u in ln["update_ids"]]
     expected = [f"{d}:{r}:{r - 1}" for r in range(1, rounds + 1) for devs in SITES.values() for d in devs]
     assert sorted(counted) == sorted(expected)  # every update once: none lost, none twice
-    assert [ln["clients"] for ln in lines] == [6] * rounds
+    assert [ln["counted"] for ln in lines] == [6] * rounds
 
 
 @pytest.mark.subprocess
@@ -574,7 +574,7 @@ def test_bridge_hierarch_real_agents_at_two_sites(bridged_brokers: BridgedBroker
         asyncio.run(main())
         assert tier.procs["root"].wait(timeout=30) == 0
         lines = tier.log("root")
-        assert [ln["clients"] for ln in lines] == [2, 2]
+        assert [ln["counted"] for ln in lines] == [2, 2]
         assert [len(ln["update_ids"]) for ln in lines] == [2, 2]
         # at the root the bytes in are partials': labelled so on stdout, partial_bytes_mean in the log
         assert all(ln["partial_bytes_mean"] == ln["update_bytes_mean"] > 0 for ln in lines), lines
