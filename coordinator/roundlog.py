@@ -106,7 +106,6 @@ def _round_entry(
         "counted": rec.clients,
         "refused": dict(refused),
         "declined": dict(declined),
-        "clients": rec.clients,
         "accuracy": None if math.isnan(rec.accuracy) else rec.accuracy,
         # the devices' holdouts (federated evaluation of the round's base head; null: none reported)
         "fed_accuracy": None if math.isnan(rec.fed_accuracy) else rec.fed_accuracy,

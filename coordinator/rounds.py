@@ -54,7 +54,6 @@ class Round:
     devices: list[str] = field(default_factory=list)
     update_ids: set[str] = field(default_factory=set)
     update_bytes: list[int] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
     sites: list[str] = field(default_factory=list)
     declined: list[str] = field(default_factory=list)  # devices that sent a Decline
     empty: list[str] = field(default_factory=list)  # of those, stores empty (no_samples): not asked
@@ -171,11 +170,10 @@ class Round:
             raise UpdateRejected("not_selected", f"device {device} not selected for round {self.number}")
 
     def record(self, update: Update, size_bytes: int) -> None:
-        """Record an update the strategy accepted (device, id, bytes on the wire, loss)."""
+        """Record an update the strategy accepted (device, id, bytes on the wire)."""
         self.devices.append(update.device)
         self.update_ids.add(update.update_id)
         self.update_bytes.append(size_bytes)
-        self.losses.append(update.metrics.loss)
 
     def admit_partial(self, site: str, round_no: int, base_version: int) -> None:
         """Check that a site's partial may count in this round (it is not recorded yet).
@@ -359,7 +357,3 @@ def device_names(devices: Sequence[str], most: int = 10) -> str:
     shown = ", ".join(devices[:most])
     return shown + (f" (+{len(devices) - most} more)" if len(devices) > most else "")
 
-
-def replace_min_devices(pacing: Pacing, strategy_min: int) -> Pacing:
-    """``pacing`` needing at least ``strategy_min`` ready devices (the strategy's own floor)."""
-    return dataclasses.replace(pacing, min_devices=max(pacing.min_devices, strategy_min))

@@ -37,7 +37,6 @@ from edgefl.coordinator.rounds import (
     RoundPhase,
     collecting,
     device_names,
-    replace_min_devices,
 )
 from edgefl.coordinator.strategy import RoundConfig, Schedule, aggregate_checked
 from edgefl.errors import BrokerRefused, TransportError
@@ -221,7 +220,7 @@ class Coordinator(Intake):
         """Where the fleet stands before the next round (see :meth:`Pacing.check`)."""
         pacing = self.pacing
         if pacing.min_devices > 0:  # 0: a root, whose devices report to their sites
-            pacing = replace_min_devices(pacing, self.min_updates())
+            pacing = dataclasses.replace(pacing, min_devices=max(pacing.min_devices, self.min_updates()))
         since = None if self._last_start is None else time.monotonic() - self._last_start
         last = self.state.history[-1] if self.state.history else None
         if since is None and last is not None and math.isfinite(last.closed_unix):

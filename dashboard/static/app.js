@@ -655,7 +655,7 @@
       const when = roundTime(r);
       const t = cell(row, "time", timeText(when));
       if (when) t.title = when;
-      const counted = isNum(r.counted) ? r.counted : r.clients;
+      const counted = r.counted;
       cell(row, "clients", isNum(r.asked) ? `${FORMATS.int(counted)} of ${FORMATS.int(r.asked)}` : FORMATS.int(counted), "num");
       cell(row, "accuracy", acc3(r.accuracy), "num");
       cell(row, "federated", isNum(r.fed_accuracy)
