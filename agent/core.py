@@ -27,11 +27,11 @@ from edgefl.agent.config import Profile
 from edgefl.agent.feedback import ErrorFeedback
 from edgefl.agent.governor import Admission, Governor
 from edgefl.agent.outbox import Outbox
-from edgefl.agent.personal import Evaluation, holdout_capacity
+from edgefl.agent.personal import Evaluation
 from edgefl.agent.pipeline import Pipeline, choose
 from edgefl.agent.round import Deferred, RoundAnswering, RoundResult
 from edgefl.agent.state import HEAD_FILE, OUTBOX_FILE, Answered, PhaseHook, ProgressHook
-from edgefl.agent.store import EmbeddingStore
+from edgefl.agent.store import EmbeddingStore, holdout_capacity
 from edgefl.errors import BudgetExceeded, DecodeError, ModelError, UpdateRejected
 from edgefl.head import Head, personal_columns, validate_head
 from edgefl.runtime import Backbone
@@ -341,10 +341,6 @@ class DeviceCore(RoundAnswering):
         raw : [N, *sample_shape], N >= 1
             Raw samples (uint8 image / int16 window / float32 features).
 
-        Returns
-        -------
-        Classified
-
         Raises
         ------
         ValueError
@@ -367,10 +363,9 @@ class DeviceCore(RoundAnswering):
         return Classified(emb, classes, head.version, scores=scores, head=kind)
 
     def _admit_inference(self, pipeline: Pipeline, shapes: estimates.ModelShapes, n: int) -> int:
-        """The governor's grant for ``n`` samples: rows per invoke, the pipeline's batch set to fit.
+        """Rows per invoke the governor grants for ``n`` samples (asked again once after freeing heap).
 
-        A grown arena must leave the smallest training run room; one sample over budget is asked
-        again once after freeing heap, then refused with ``BudgetExceeded`` (nothing run).
+        Raises ``BudgetExceeded`` when even one sample is over budget (nothing run).
         """
         gov = self.governor
         cfg = self.profile.training

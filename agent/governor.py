@@ -44,8 +44,7 @@ PHASES = ("batch", "inference", "train", "encode", "publish", "apply")
 #: Phases that can wait for a later round; inference cannot (shrunk to its floor, then refused).
 DEFERRABLE = frozenset({"train", "encode", "publish", "personal"})
 PSS_MAX_AGE_S: Final = 10.0
-""":meth:`Governor.status` reads PSS (``smaps_rollup``, a walk of every mapping: ~1 ms idle here, ~9 ms
-under load) at most this often (seconds); the dashboard's RSS history asks for a status every 2 s."""
+"""Seconds between two PSS reads of :meth:`Governor.status` (``smaps_rollup`` walks every mapping)."""
 #: Phases held back while the system's MemAvailable is under the profile's threshold.
 SYSTEM_GUARDED = frozenset({"train", "personal"})
 
@@ -110,10 +109,8 @@ class Governor:
         Headroom kept free under the cap for what the estimates do not cover, >= 0.
     min_system_available_bytes : int
         Defer :data:`SYSTEM_GUARDED` phases while ``MemAvailable`` is below this; 0 disables.
-    proc : Path
-        The proc file system (fake trees in tests).
-    cgroup_root : Path
-        Where the cgroup file systems are mounted.
+    proc, cgroup_root : Path
+        Where the proc and cgroup file systems are mounted (fake trees in tests).
     peak_method : "auto" | "clear_refs" | "sampling"
         How phase peaks are measured: "auto" resets ``VmHWM`` through ``clear_refs`` and falls back
         to sampling RSS from a thread where the kernel refuses the write.
@@ -222,10 +219,7 @@ class Governor:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Measure the peak RSS of the enclosed block as phase ``name`` (``phase_last``, ``phase_peaks``).
-
-        ``name``: one of :data:`PHASES` (others allowed).
-        """
+        """Measure the peak RSS of the block as phase ``name`` (one of :data:`PHASES`, others allowed)."""
         sampler: _Sampler | None = None
         start = self.rss_bytes()
         with self._lock:
@@ -335,11 +329,7 @@ class Governor:
         return decision if probe else self.keep(decision)
 
     def keep(self, decision: Admission) -> Admission:
-        """Take an admission as decided: kept in ``admissions``, counted and logged as :meth:`admit` does.
-
-        A probe (``probe=True``) a caller goes ahead with is kept here rather than asked again;
-        returns ``decision``.
-        """
+        """Keep, count and log an admission as :meth:`admit` does (a probe the caller goes ahead with)."""
         phase = decision.phase
         with self._lock:
             self.admissions[phase] = decision

@@ -27,12 +27,11 @@ import numpy as np
 from edgefl.agent.config import Profile
 from edgefl.agent.estimates import estimate_replay_bytes
 from edgefl.agent.governor import PHASES, Governor
+from edgefl.agent.memstat import MIB
 from edgefl.errors import BudgetExceeded
 from edgefl.profiles import add_set_argument, parse_sets
 
 logger = logging.getLogger(__name__)
-
-MIB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,10 +195,6 @@ def run_round(
     compression : str
         The round's compression (``edgefl.wire.compression.Compression``); 2 local epochs at lr 0.1,
         batches of 16.
-
-    Returns
-    -------
-    RoundReport
     """
     from edgefl.agent.core import ApplyStatus, DeviceCore
     from edgefl.agent.round import RoundStatus

@@ -200,20 +200,8 @@ def cgroup_memory_limit_bytes(
     """The memory limit the kernel enforces on a process's cgroup, in bytes, or None when unlimited.
 
     The lowest ``memory.max`` (v2) or ``memory.limit_in_bytes`` (v1) of the process's cgroup and its
-    ancestors, on either hierarchy.
-
-    Parameters
-    ----------
-    proc : Path
-        The proc file system (a fake tree in tests).
-    cgroup_root : Path
-        Where the cgroup file systems are mounted.
-    pid : int or "self"
-
-    Returns
-    -------
-    int or None
-        Bytes; None when no limit is set (``max``, the v1 "unlimited" value) or nothing is readable.
+    ancestors, on either hierarchy; None also when nothing is readable. ``proc`` and ``cgroup_root``:
+    where the proc and cgroup file systems are mounted (fake trees in tests).
 
     Source: Documentation/admin-guide/cgroup-v2.rst (memory.max); cgroup-v1/memory.rst
     (memory.limit_in_bytes, hierarchical accounting).

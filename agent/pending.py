@@ -6,11 +6,9 @@ written into a free slot, a labelled, expired or evicted one is freed by zeroing
 lands in the page cache at once, so a ``kill -9`` or an OOM kill loses nothing; :meth:`PendingFile.flush`
 (``msync``), run with every flush of the store and at a clean stop, makes it survive a power cut too.
 
-Layout (little-endian): a 32-byte header ``b"EFLPEND1"``, ``u32 D``, ``u32 capacity``, ``u32 id
-bytes``, 8 reserved bytes and ``u32`` CRC-32 of the 28 bytes before it; then ``capacity`` slots of
-``seq + 1`` (u64, 0 = free), CRC-32 (u32) of the rest of the slot and ``seq``, predicted class (i32),
-parked at (f64 Unix seconds), id length (u8), id (128 bytes) and the embedding (float16 [D]). The seq
-is written last: a slot caught half-way fails its check at open and is counted, never restored.
+Layout (little-endian): a 32-byte header (``_HEADER`` and its CRC-32), then ``capacity`` slots of
+:func:`slot_dtype` (``seq + 1``, 0 = free; a CRC-32 of the rest of the slot and ``seq``). The seq is
+written last: a slot caught half-way fails its check at open and is counted, never restored.
 
 Source: ISO-HDLC CRC-32 as ``zlib.crc32`` computes it (ITU-T V.42); ``mmap(2)``/``msync(2)`` (POSIX).
 """
@@ -44,7 +42,7 @@ HEADER_BYTES: Final = _HEADER.size + 4
 
 
 def slot_dtype(dim: int) -> np.dtype[np.void]:
-    """The structured dtype of one slot for embeddings of size ``dim`` (module docstring)."""
+    """The structured dtype of one slot for embeddings of size ``dim`` (``since``: Unix seconds)."""
     return np.dtype(
         [
             ("seq", "<u8"),
@@ -79,13 +77,9 @@ def _slot_crc(row: np.ndarray, seq: int) -> int:
 
 
 def _read_slots(rows: np.ndarray) -> tuple[list[tuple[int, int, Parked]], list[int], list[int]]:
-    """The valid slots of a map, the slots failing their check, and the extra slots of an id held twice.
+    """The valid slots ``(seq, slot, Parked)`` oldest first, the invalid ones, and an id's older copies.
 
-    Valid slots come as ``(seq, slot, Parked)``, oldest first; of an id held in more than one valid
-    slot only the newest is valid, its older slots are returned third (to be freed).
-
-    A slot is valid when its ``seq`` is set, its CRC-32 matches, its id is a sample id and its
-    embedding is finite.
+    Valid: ``seq`` set, CRC-32 matching, a sample id and a finite embedding.
     """
     now = time.time()
     valid: list[tuple[int, int, Parked]] = []
@@ -182,11 +176,7 @@ class PendingFile:
         return head + zlib.crc32(head).to_bytes(4, "little")
 
     def _old_rows(self) -> list[Parked]:
-        """Check an existing file's header; keep it (ours), or carry its rows over and set it aside.
-
-        A file cut short (a crash while it was made, or a truncation) gives up the whole slots it
-        still holds; the slots lost with its tail are logged with their count.
-        """
+        """Keep an existing file (ours), or carry its valid rows over and set it aside (logged)."""
         with self.path.open("rb") as fh:
             head = fh.read(HEADER_BYTES)
         file_size = self.path.stat().st_size

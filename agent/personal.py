@@ -44,10 +44,6 @@ def personal_behind(only_global: int, only_personal: int) -> bool:
     only_global, only_personal : int >= 0
         Holdout samples only the global (resp. only the personal) head classifies right.
 
-    Returns
-    -------
-    bool
-
     Source: McNemar's statistic for paired proportions, ``(b - c) / sqrt(b + c)`` (Q. McNemar,
     "Note on the sampling error of the difference between correlated proportions or
     percentages", Psychometrika 12(2), 1947), at one standard deviation.
@@ -61,20 +57,10 @@ def head_switch_message(
 ) -> str:
     """The log line of a switch between the personal and the global head (:func:`personal_behind`).
 
-    Parameters
-    ----------
-    behind : bool
-        The personal head is now behind (predictions move to the global head), else no longer behind.
-    personal_right, global_right : int >= 0
-        Holdout samples each head classifies right, of ``total`` > 0.
-    only_global, only_personal : int >= 0
-        Holdout samples only the global (resp. only the personal) head classifies right.
-
-    Returns
-    -------
-    str
-        The accuracies and disagreements the decision rests on (a lower-scoring personal head no
-        longer behind is said to be within chance).
+    ``behind``: the personal head is now behind (predictions move to the global head), else no longer
+    behind; ``personal_right``, ``global_right``: holdout samples each head classifies right, of
+    ``total`` > 0; ``only_global``, ``only_personal`` as :func:`personal_behind`'s. The line gives the
+    accuracies and disagreements the decision rests on.
     """
     acc_p, acc_g = personal_right / total, global_right / total
     if behind:
@@ -88,11 +74,6 @@ def head_switch_message(
         f"on {only_global}, the personal head alone on {only_personal}: no lead beyond chance): "
         "predictions use the personal head"
     )
-
-
-def holdout_capacity(store_capacity: int, every: int) -> int:
-    """Samples the holdout store keeps: ``store_capacity // every``, at least 16 (0 when ``every`` is 0)."""
-    return max(16, store_capacity // every) if every else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +96,7 @@ class Evaluation:
 
 
 class _EvalBuffers:
-    """Fixed-size buffers of :meth:`PersonalHeads.evaluate`: ``rows`` samples of ``D`` dims, ``K`` classes.
-
-    Every array of the evaluation is one of these or a view of one, so no allocation's size follows
-    the holdout's count (numpy keeps freed buffers under 1 KiB per size for reuse: each new length
-    would hold on to a few more).
-    """
+    """Fixed-size buffers of :meth:`PersonalHeads.evaluate` (no array takes the holdout's length)."""
 
     def __init__(self, rows: int, dim: int, classes: int) -> None:
         self.rows: np.ndarray = np.arange(rows, dtype=np.int64)
@@ -133,10 +109,7 @@ class _EvalBuffers:
         self.only: np.ndarray = np.empty(rows, bool)
 
     def right_of(self, head: Head, m: int, out: np.ndarray) -> np.ndarray:
-        """Whether ``head`` classifies the first ``m`` buffered samples right: a bool [m] view of ``out``.
-
-        The classes are :meth:`edgefl.head.Head.predict`'s (argmax; ``logit > 0`` for K = 1).
-        """
+        """Whether ``head`` classifies the first ``m`` samples right: a bool [m] view of ``out``."""
         z, pred, right = self.z[:m], self.pred[:m], out[:m]
         np.matmul(self.emb[:m], head.W, out=z)
         z += head.b
@@ -177,9 +150,7 @@ class PersonalHeads(DeviceState):
     def evaluate(self) -> Evaluation | None:
         """Accuracy of the current head on the holdout store (federated evaluation), or None without one.
 
-        The holdout is read ``training.chunk_size`` samples at a time into buffers of that many rows
-        (float32 [chunk, D] and a few [chunk] and [chunk, K] ones, allocated per call): the memory is
-        the same whatever the holdout's size, and no array takes the holdout's changing length.
+        The holdout is read ``training.chunk_size`` samples at a time (memory independent of its size).
 
         Returns
         -------
@@ -237,18 +208,16 @@ class PersonalHeads(DeviceState):
         """A round was trained and its personal step (or the evaluation of one taken with it) waits."""
         return self._personal_due is not None or self._personal_done is not None
 
-    def _adopt_personal(self, W: np.ndarray, b: np.ndarray, version: int, result: PersonalResult) -> None:
-        """Keep and persist the personal head trained along with the round.
-
-        Evaluated by :meth:`personalise` once idle, or by the next global head's :meth:`evaluate`.
-        """
+    def _adopt_personal(self, W: np.ndarray, b: np.ndarray, version: int, result: PersonalResult) -> bool:
+        """Keep and persist a trained personal head, to be evaluated; False (dropped) if not finite."""
         if not (np.isfinite(W).all() and np.isfinite(b).all()):
             logger.warning("personal step gave non-finite values; the next starts again from the global head")
             self.personal = None
-            return
+            return False
         self.personal = Head(W, b, version)
         self._persist("personal", self._save_personal, behind=True)
         self._personal_done = result
+        return True
 
     def _load_personal(self) -> None:
         """Restore the personal head and its classes from their record (else the classes from the store)."""
@@ -387,11 +356,6 @@ class PersonalHeads(DeviceState):
                 seed=tcfg.seed + ann.round + PERSONAL_SEED_OFFSET,
                 time_budget_s=ann.deadline_s,
             )
-        if not (np.isfinite(W).all() and np.isfinite(b).all()):
-            logger.warning("personal step gave non-finite values; the next starts again from the global head")
-            self.personal = None
-            return result
-        self.personal = Head(W, b, glob.version)
-        self._persist("personal", self._save_personal, behind=True)
-        self.evaluate()
+        if self._adopt_personal(W, b, glob.version, result):
+            self.evaluate()
         return result

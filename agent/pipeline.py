@@ -1,19 +1,11 @@
 """Raw samples to model input, unfused or fused, batched into the interpreter; chosen by measurement.
 
-Two paths over the same stages (:func:`to_float`, :func:`normalise`, the backbone's ``quantize_input``):
-
-- **unfused**: each stage a numpy operation with its own output array, then ``set_tensor``.
-- **fused**: one stage (``fill``) writes each sample straight into a view of the interpreter's input
-  tensor: a copy where the raw samples already are the model input (``"copy"``), a lookup table built
-  by running the unfused stages on every 8- or 16-bit raw value (``"table"``), or the stages'
-  arithmetic in place (``"in_place"``; for float32 models timed against the table, the faster kept).
-  Every path is bit-identical to the unfused one (an algebraic fold ``x*a + c`` would not be).
-
-LiteRT refuses ``invoke()``, ``resize_tensor_input()`` and ``allocate_tensors()`` while a numpy view of
-a tensor is alive, so no view outlives the write (the frames of a failed write are cleared) and views
-are taken afresh for every batch. One thread uses the interpreter at a time (:meth:`Backbone.claim`).
-
-The mode and batch are measured (:func:`choose`), never assumed, and cached per model sha256.
+Both paths run the same stages (:func:`to_float`, :func:`normalise`, the backbone's
+``quantize_input``): **unfused** as numpy operations with their own arrays, then ``set_tensor``;
+**fused** in one stage (``fill``) writing each sample into a view of the input tensor
+(:meth:`Pipeline.fused_step`), bit-identical to unfused (an algebraic fold ``x*a + c`` would not be).
+LiteRT refuses ``invoke()`` and resizing while a view of a tensor is alive, so no view outlives the
+write. The mode and batch are measured (:func:`choose`), never assumed, and cached per model sha256.
 """
 
 from __future__ import annotations
@@ -213,7 +205,12 @@ class Pipeline:
         }
 
     def fused_step(self, raw_dtype: np.dtype[Any] | type | str = np.uint8) -> str:
-        """How the fused step maps raw samples of ``raw_dtype``: ``"copy"``, ``"table"`` or ``"in_place"``."""
+        """How the fused step maps raw samples of ``raw_dtype``.
+
+        ``"copy"`` (the raw samples are the model input), ``"table"`` (a lookup table built by running
+        the unfused stages on every 8- or 16-bit raw value) or ``"in_place"`` (the stages' arithmetic;
+        for float32 models timed against the table, the faster kept).
+        """
         table = self._table(np.dtype(raw_dtype))
         if table is None:
             return "in_place"

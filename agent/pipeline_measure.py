@@ -205,10 +205,6 @@ def decide(rows: Sequence[BatchMeasurement], *, margin: float = DEFAULT_MARGIN) 
     margin : float
         Fraction by which fused must beat unfused on the differing stages (noise guard), >= 0.
 
-    Returns
-    -------
-    (mode, batch) : tuple[Mode, int]
-
     Raises
     ------
     ValueError

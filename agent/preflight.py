@@ -18,6 +18,7 @@ import numpy as np
 from edgefl.agent import estimates, memstat
 from edgefl.agent.config import Profile
 from edgefl.agent.ingest import RECENT_IDS
+from edgefl.agent.store import EMB_FILE, holdout_capacity, store_file_bytes
 from edgefl.validators import is_loopback_host
 
 MIN_PACKET_BYTES: Final = 512
@@ -28,8 +29,7 @@ _PSEUDO_FS: Final = (Path("/proc"), Path("/sys"), Path("/dev"))
 
 def store_bytes(capacity: int, dim: int, holdout_every: int = 0) -> int:
     """Bytes of the embedding store's files, and the holdout store's when ``holdout_every`` > 0."""
-    extra = max(16, capacity // holdout_every) if holdout_every else 0
-    return (capacity + extra) * (2 * dim + 2 + 16)  # + the row record (seq, CRC-32): 2 x uint64
+    return store_file_bytes(capacity + holdout_capacity(capacity, holdout_every), dim)
 
 
 def ingest_bytes(profile: Profile, shapes: estimates.ModelShapes) -> int:
@@ -174,7 +174,7 @@ def preflight(profile: Profile, shapes: estimates.ModelShapes | None, baseline_r
     need = store_bytes(profile.training.store_capacity, shapes.embedding_dim, profile.training.holdout_every)
     cap = profile.cap_bytes
     budget = cap - profile.memory.reserve_mb * mib
-    if why is None and not (state_dir / "store_emb.f16").exists():
+    if why is None and not (state_dir / EMB_FILE).exists():
         free = shutil.disk_usage(_existing_ancestor(state_dir)).free
         if need > free:
             problems.append(

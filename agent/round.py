@@ -461,12 +461,7 @@ class RoundAnswering(PersonalHeads):
         return tuple(added)
 
     def take_ready_round(self) -> RoundAnnouncement | None:
-        """The pending round, if it can be answered now (its head applied, samples stored); cleared.
-
-        Returns
-        -------
-        RoundAnnouncement or None
-        """
+        """The pending round, if it can be answered now (its head applied, samples stored); cleared."""
         ann = self.pending_round
         if ann is None or ann.base_version > self.head.version or len(self.store) == 0:
             return None

@@ -247,15 +247,11 @@ class DeviceState:
         return True
 
     def persist_behind(self) -> bool:
-        """Make the writes left behind (:attr:`write_behind`) now, each as :meth:`_persist` does.
+        """Make the writes left behind (:attr:`write_behind`) now; True when every one succeeded.
 
-        None of them is needed for a guarantee (a restart before this gets the retained global head
-        again and re-sends an acknowledged update, which the coordinator counts once).
-
-        Returns
-        -------
-        bool
-            True when every write succeeded (a failed one is left to :meth:`retry_persist`).
+        None is needed for a guarantee (a restart before this gets the retained global head again and
+        re-sends an acknowledged update, which the coordinator counts once); a failed one is left to
+        :meth:`retry_persist`.
         """
         pending, self._behind, self.behind_since = self._behind, {}, None
         ok = True
@@ -264,13 +260,7 @@ class DeviceState:
         return ok
 
     def retry_persist(self) -> bool:
-        """Write again what a failed write left unsaved (the daemon calls it every status interval).
-
-        Returns
-        -------
-        bool
-            True when nothing is left unsaved (:attr:`degraded` is then "").
-        """
+        """Write again what a failed write left unsaved (every status interval); True when nothing is left."""
         for what, write in list(self._unsaved.items()):
             if not self._persist(what, write):
                 return False

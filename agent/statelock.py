@@ -22,12 +22,7 @@ LOCK_FILE = "agent.lock"
 class StateDirBusy(EdgeflError):
     """Another live process holds the state folder's lock (``edgefl run`` exits 1, a config error).
 
-    Parameters
-    ----------
-    state_dir : Path
-        The folder.
-    pid : int or None
-        The pid written by the holder, None if it could not be read.
+    ``pid``: the one the holder wrote, None if it could not be read.
     """
 
     def __init__(self, state_dir: Path, pid: int | None, owner: str = "agent") -> None:
@@ -46,14 +41,7 @@ class StateDirBusy(EdgeflError):
 def lock_state_dir(state_dir: Path, *, lock_file: str = LOCK_FILE, owner: str = "agent") -> IO[str]:
     """Take the exclusive lock of ``state_dir`` (created if missing) and write our pid into it.
 
-    Parameters
-    ----------
-    state_dir : Path
-        The agent's (or coordinator's) state folder.
-    lock_file : str
-        Name of the lock file inside it.
-    owner : str
-        What holds such folders, for the error (``"agent"``, ``"coordinator"``).
+    ``owner`` names what holds such folders in the error (``"agent"``, ``"coordinator"``).
 
     Returns
     -------

@@ -73,21 +73,11 @@ QUIET_STATUS_FIELDS: Final = VOLATILE_STATUS_FIELDS | ROUND_PROGRESS_FIELDS
 
 
 def news_view(state: str, fields: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """What :func:`status_news` serialises: the state word and the fields other than the quiet ones.
+    """What :func:`status_news` serialises: the state word and the fields that are news.
 
-    Two views compare with ``==`` as their :func:`status_news` strings do (but for a number that
-    changed only its type, 1 -> 1.0), without serialising them.
-
-    Parameters
-    ----------
-    state : str
-    fields : mapping
-        As :func:`status_news`.
-
-    Returns
-    -------
-    (str, dict)
-        ``"round"`` for any of :data:`ROUND_STATES` (else ``state``), and the fields that are news.
+    The word is ``"round"`` for any of :data:`ROUND_STATES` (else ``state``); the fields leave out
+    :data:`QUIET_STATUS_FIELDS`. Two views compare with ``==`` as their :func:`status_news` strings
+    do (but for a number that changed only its type, 1 -> 1.0), without serialising them.
     """
     word = "round" if state in ROUND_STATES else state
     return word, {k: v for k, v in fields.items() if k not in QUIET_STATUS_FIELDS}
@@ -106,9 +96,8 @@ def status_news(state: str, fields: Mapping[str, Any]) -> str:
     Returns
     -------
     str
-        Canonical JSON of the state (``"round"`` for any of :data:`ROUND_STATES`) and the fields
-        other than :data:`VOLATILE_STATUS_FIELDS` and :data:`ROUND_PROGRESS_FIELDS`: two statuses
-        with equal news differ only in figures the heartbeat carries.
+        Canonical JSON of :func:`news_view`: two statuses with equal news differ only in figures
+        the heartbeat carries.
     """
     return json.dumps(list(news_view(state, fields)), sort_keys=True, default=str)
 

@@ -1,9 +1,8 @@
 """Bounded store of recent labelled embeddings, kept in memory-mapped files rather than the heap.
 
-Embeddings are stored as float16, labels as int16, in a ring of fixed size (``capacity * (2 * D + 2 +
-16)`` bytes with the row records) of file-backed pages. Every slot has a row record in
-``store_rows.u64`` (``uint64 [capacity, 2]``: ``seq + 1`` and the CRC-32 of the slot's embedding bits,
-label and ``seq``; sample ``seq`` lives in slot ``seq % capacity``). :meth:`EmbeddingStore.flush` writes
+Embeddings are stored as float16, labels as int16, in a ring of file-backed pages of fixed size
+(:func:`store_file_bytes`); every slot has a row record (:data:`ROWS_FILE`; sample ``seq`` lives in
+slot ``seq % capacity``). :meth:`EmbeddingStore.flush` writes
 the maps back, then the metadata as a checksummed record. At open the newest contiguous run of rows
 whose CRCs check is recovered and what could not be is logged; insane metadata, a label outside
 ``0..K-1`` or a non-finite embedding sets the files aside (``<name>.corrupt``) and the store starts
@@ -32,7 +31,7 @@ logger = logging.getLogger(__name__)
 EMB_FILE = "store_emb.f16"
 LBL_FILE = "store_lbl.i16"
 ROWS_FILE = "store_rows.u64"
-"""Row records: ``uint64 [capacity, 2]`` little-endian, ``(seq + 1, CRC-32)`` per slot (module docstring)."""
+"""Row records: ``uint64 [capacity, 2]`` little-endian, ``seq + 1`` and a CRC-32 of embedding, label, seq."""
 META_FILE = "store_meta.rec"
 """Checksummed record of the store's metadata (JSON map, see :meth:`EmbeddingStore.flush`)."""
 CORRUPT_SUFFIX = ".corrupt"
@@ -54,11 +53,6 @@ def half_bits_to_float32(half_bits: np.ndarray, out: F32) -> F32:
         float16 values viewed as int16.
     out : float32, same shape, C-contiguous
         Written in place and returned.
-
-    Returns
-    -------
-    float32 [...]
-        ``out``.
 
     Source: IEEE 754-2008 binary16/binary32 layouts; the rebias-by-multiplication conversion is
     F. Giesen, "Half to float done quic", 2012 (``half_to_float_fast``).
@@ -86,13 +80,7 @@ def _describe(path: Path, size: int) -> str:
 
 
 def _allocate(path: Path, size: int) -> None:
-    """Give a sparse file its blocks now (``posix_fallocate``): a write into a hole of a full disk is SIGBUS.
-
-    Raises
-    ------
-    OSError
-        ``ENOSPC`` if the file system has no room for the store (at start-up).
-    """
+    """Give a sparse file its blocks now (a write into a hole of a full disk is SIGBUS); ``ENOSPC`` raises."""
     fd = os.open(path, os.O_RDWR)
     try:
         os.posix_fallocate(fd, 0, size)
@@ -101,6 +89,16 @@ def _allocate(path: Path, size: int) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def holdout_capacity(store_capacity: int, every: int) -> int:
+    """Samples the holdout store keeps: ``store_capacity // every``, at least 16 (0 when ``every`` is 0)."""
+    return max(16, store_capacity // every) if every else 0
+
+
+def store_file_bytes(capacity: int, dim: int) -> int:
+    """Bytes of a store's files: a float16 [D] embedding, an int16 label and a 16-byte row record a slot."""
+    return capacity * (2 * dim + 2 + 16)
 
 
 class StoreCorrupt(ValueError):
@@ -240,8 +238,8 @@ class EmbeddingStore:
             return None
         return meta
 
-    def _check_meta(self, meta: dict[str, object]) -> tuple[int, int]:
-        """Sanity of the metadata's ``count``, ``head`` and ``total``; ``(count, head)`` or StoreCorrupt."""
+    def _check_meta(self, meta: dict[str, object]) -> None:
+        """Sanity of the metadata's ``count``, ``head`` and ``total`` (StoreCorrupt)."""
         count, head = meta.get("count"), meta.get("head")
         cap = self.capacity
         if type(count) is not int or type(head) is not int:
@@ -253,7 +251,6 @@ class EmbeddingStore:
         total = meta.get("total")
         if type(total) is not int or total < count or total % cap != head:
             raise StoreCorrupt(f"total = {total!r}: does not agree with head {head}, capacity {cap}")
-        return count, head
 
     def _row_ok(self, slot: int, seq: int) -> bool:
         row = self._rows_raw[slot]
@@ -388,11 +385,6 @@ class EmbeddingStore:
     def resident_rows(self) -> int:
         """Stored slots this process has written or read through the maps (their pages count in RSS)."""
         return int(np.count_nonzero(self._touched))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the backing files (embeddings, labels and row records)."""
-        return self.capacity * (2 * self.dim + 2 + 16)
 
     def add(self, emb: F32, labels: I64) -> int:
         """Append a batch of labelled embeddings, overwriting the oldest when full.

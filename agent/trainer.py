@@ -129,11 +129,8 @@ class LocalResult:
 class PersonalStep:
     """A personal head to train alongside the global one (:func:`train_local`'s ``personal``).
 
-    The same steps as :func:`train_personal` (class-restricted Ditto on ``columns``, the other
-    columns tied to the global head, their logits scaled by ``absent_alpha`` in the loss), taken
-    on the batches of the round's local training: both heads' logits and gradients come from one
-    stacked product each (:func:`edgefl.head.paired_cross_entropy_grad_into`), so the store is read
-    and shuffled once for both, and the global head's arithmetic is the same as alone.
+    :func:`train_personal`'s steps, taken on the batches of the round's local training (the store
+    read and shuffled once for both heads, the global head's arithmetic the same as alone).
 
     Attributes
     ----------
@@ -208,11 +205,7 @@ class _BatchReader:
                     yield e, self.lbl[s : s + e.shape[0]]
 
     def _chunk_order(self, rows: I64, keys: I64) -> I64:
-        """int64 [m] view of a buffer: ``np.sort(rows)[np.argsort(keys)]`` (m <= chunk, ``keys`` distinct).
-
-        The chunk's rows in storage order, then shuffled by its keys; every array sorted has the chunk's
-        length (a shorter chunk is padded with the largest int64, which sorts last).
-        """
+        """int64 [m] view: ``np.sort(rows)[np.argsort(keys)]``, sorting arrays of the chunk's length only."""
         m = len(rows)
         srt, k, sel = self._sorted, self._keys, self._sel[:m]
         srt[:m] = rows
@@ -239,11 +232,9 @@ class _BatchReader:
 
 
 def _tie(W: F32, b: F32, head: Head, columns: np.ndarray, scaled_to_zero: bool) -> np.ndarray | None:
-    """Give the columns outside ``columns`` the global head's values; the mask a step must keep tied.
+    """Give the columns outside ``columns`` the head's values; the mask a step must keep tied.
 
-    None when every column is personalised, or when the others' logits are scaled to 0
-    (``scaled_to_zero``): their gradient and their pull toward the head they equal are then exactly
-    0, so every step leaves them tied as they are.
+    None when every column is personalised or ``scaled_to_zero`` (their gradient is then exactly 0).
     """
     if columns.all():
         return None
@@ -254,13 +245,9 @@ def _tie(W: F32, b: F32, head: Head, columns: np.ndarray, scaled_to_zero: bool) 
 
 
 class _Pair:
-    """The global and a personal head stacked, ``[W, V]``, for :func:`train_local`'s ``personal``.
+    """The global and a personal head stacked, ``[W, V]`` float32 [2, D, K], trained on the same batches.
 
-    One ``[2, D, K]`` float32 array holds the round's working copy of the global head and the
-    personal head, one ``[2, D, K]`` their gradients and one ``[2, batch, K]`` their logits: beside
-    local training's own buffers, one more head and its gradient, as a separate personal step
-    allocates. With plain SGD on the global head and Ditto's step without a pull or tied columns
-    (the defaults), one step updates both heads with a learning rate each.
+    Without a FedProx or Ditto pull and tied columns (the defaults) one step updates both heads.
     """
 
     def __init__(
@@ -486,7 +473,7 @@ def train_personal(
 ) -> PersonalResult:
     """Train a personal head in place: ``epochs`` passes of class-restricted Ditto steps over ``store``.
 
-    The store is read as by :func:`train_local`. Each batch takes one :func:`edgefl.head.ditto_step`
+    The store is read as by :func:`train_local`. Each batch takes one :func:`edgefl.head.ditto_update`
     toward ``global_head`` on the classes of ``columns``; the other columns are the global head's on
     return, and their logits are scaled by ``absent_alpha`` in the loss (FedRS's restricted softmax).
 
@@ -496,27 +483,17 @@ def train_personal(
         The personal head, updated in place.
     global_head : Head
         The global head it is pulled toward (not modified).
-    store : EmbeddingStore
-        The device's labelled embeddings (must not be empty).
     columns : bool [K]
         Classes the device may personalise (:func:`edgefl.head.personal_columns`).
     lam : float
         Ditto's proximal coefficient (>= 0).
     epochs : int
         Passes over the store (>= 1).
-    lr : float
-        SGD learning rate (> 0).
-    batch_size : int
-        Samples per step (>= 1).
-    chunk_size : int
-        Samples read from the store at once (>= 1; the memory governor's grant).
     absent_alpha : float
         Scale of the logits of the classes outside ``columns`` in the loss, 0..1 (1 = plain
         softmax; softmax heads only).
-    seed : int
-        Seed of the shuffles (:class:`Shuffler`).
-    time_budget_s : float or None
-        Stop after the chunk during which this many seconds have passed; None = no limit.
+    store, lr, batch_size, chunk_size, seed, time_budget_s
+        As :func:`train_local`'s (``lr`` > 0).
 
     Raises
     ------
@@ -551,7 +528,7 @@ def train_personal(
         W[...] = global_head.W  # nothing to personalise: the global head
         b[...] = global_head.b
         return PersonalResult(0, n, time.perf_counter() - t0)
-    # one step is edgefl.head.ditto_step's
+    # one step is edgefl.head.ditto_update's
     step_tied = _tie(W, b, global_head, columns, reader.logit_scale is not None and absent_alpha == 0.0)
     for e, y in reader.batches(epochs, shuffler, stop_at):
         gW, gb = reader.grad(W, b, e, y)

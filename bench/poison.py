@@ -52,10 +52,9 @@ from typing import Any
 import numpy as np
 
 from bench.learning import STATE_ROOT, Task, client_update, deliver, digits_embeddings, make_devices
-from edgefl.coordinator.profile import CoordinatorProfile, load_coordinator_profile
+from edgefl.coordinator.profile import CoordinatorProfile, StrategyConfig, load_coordinator_profile
 from edgefl.coordinator.rounds import Round
 from edgefl.coordinator.runner import build_strategy
-from edgefl.coordinator.strategies import DEFAULT_STRATEGY
 from edgefl.coordinator.strategy import Offer, Strategy, aggregate_checked
 from edgefl.datasets import partition_non_iid, split_digits
 from edgefl.errors import UpdateRejected
@@ -65,6 +64,8 @@ from edgefl.wire.compression import Compression
 
 N_DEVICES = 5
 ATTACKER = 0
+DEFAULT_STRATEGY = StrategyConfig().name
+"""The strategy of ``edgefl coordinator`` when none is named (``[strategy]`` ``name``'s default)."""
 STRATEGIES = ("median", "trimmed-mean", "fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi")
 """Rows of the table: the shipped default first, then the FedAvg family with their default bounds."""
 

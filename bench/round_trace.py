@@ -178,7 +178,7 @@ def install_agent_probes() -> None:
     _wrap(governor.Governor, "admit", "governor.admit")
     _wrap(governor, "reset_peak", "reset_peak")  # the name the governor calls
     _wrap(feedback.ErrorFeedback, "compress", "feedback.compress")
-    _wrap(outbox.Outbox, "_save", "outbox.save")
+    _wrap(outbox.Outbox, "save", "outbox.save")
     _wrap(heap, "malloc_trim", "malloc_trim")
     _wrap(control.RoundTask, "handle", "handle", lambda self, msg: _topic_kind(msg.topic))
     _wrap(control.RoundTask, "_send_update", "send_update")
@@ -236,23 +236,11 @@ def agent_main(trace_path: str, cli_args: list[str]) -> int:
     return main(cli_args)
 
 
-# --- the traced run -----------------------------------------------------------------------------
-def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) -> dict[str, Any]:
-    """One run of ``bench.peer``'s int8 job with probes everywhere; the merged events."""
-    import subprocess
-
-    from bench import peer
-    from bench.round_overhead import mosquitto
+def install_coordinator_probes() -> None:
+    """Wrap the coordinator's round steps (this process) with probes that record events."""
     from edgefl.coordinator import service
     from edgefl.coordinator.rounds import Round
-    from edgefl.launcher import stop_agents
-    from edgefl.wire.compression import Compression
-    from edgefl.wire.global_model import HeadLayout
 
-    job = peer.make_job(work)
-    v = peer.Variant("int8", Compression.INT8, HeadLayout.INT8, nodelay, False)
-    peer.ROUNDS = rounds
-    coord_events: list[tuple[str, str, float, float, str]] = EVENTS
     _wrap(service.Coordinator, "_announce", "coord:announce")
     _wrap(
         service.Coordinator,
@@ -265,6 +253,24 @@ def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) 
     _wrap(service.Coordinator, "_persist", "coord:persist")
     _wrap(Round, "close", "coord:round.close")
     _probe_hops()
+
+
+# --- the traced run -----------------------------------------------------------------------------
+def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) -> dict[str, Any]:
+    """One run of ``bench.peer``'s int8 job with probes everywhere; the merged events."""
+    import subprocess
+
+    from bench import peer
+    from bench.round_overhead import mosquitto
+    from edgefl.launcher import stop_agents
+    from edgefl.wire.compression import Compression
+    from edgefl.wire.global_model import HeadLayout
+
+    job = peer.make_job(work)
+    v = peer.Variant("int8", Compression.INT8, HeadLayout.INT8, nodelay, False)
+    peer.ROUNDS = rounds
+    coord_events: list[tuple[str, str, float, float, str]] = EVENTS
+    install_coordinator_probes()
     _probe_gc()
     _maybe_no_quickack()
     profile = peer.HERE.parent / "firmware_configs" / "dev_x86.toml"

@@ -23,7 +23,7 @@ import cbor2
 import numpy as np
 
 from edgefl.aio import wait_event
-from edgefl.coordinator.registry import shorten
+from edgefl.coordinator.registry import sampled_log, shorten
 from edgefl.coordinator.rounds import Round, RoundPhase
 from edgefl.coordinator.service import ADOPT_WAIT_S, Coordinator
 from edgefl.coordinator.strategy import SiteSums
@@ -42,9 +42,6 @@ logger = logging.getLogger(__name__)
 
 ROOT_SEEN_UPDATE_IDS = 100_000
 """Update ids a root remembers across rounds with the site that first listed each (~10 MB of strings)."""
-
-LOGGED_OVERLAPS = 20
-"""Partials listing another site's update ids logged one by one before only every 1000th is."""
 
 SEEN_PARTIALS = 10_000
 """(site, round, partial id) keys a root remembers to refuse a bridge's redelivery."""
@@ -167,13 +164,15 @@ class RootCoordinator(Coordinator):
             self.overlaps += 1
             for first, n in others.items():
                 self.overlapping_ids[f"{site}/{first}"] += n
-            if self.overlaps <= LOGGED_OVERLAPS or self.overlaps % 1000 == 0:
+            more = sampled_log(self.overlaps, "overlapping partials")
+            if more is not None:
                 logger.warning(
-                    "round %d: partial of %s lists %d update ids site(s) %s listed first; both counted",
+                    "round %d: partial of %s lists %d update ids site(s) %s listed first; both counted%s",
                     rnd.number,
                     site,
                     sum(others.values()),
                     ", ".join(sorted(others)),
+                    more,
                 )
         logger.info("round %d: partial of %s (%d updates, %d bytes)", rnd.number, site, p.count, len(payload))
         self._round_changed.set()

@@ -45,15 +45,13 @@ HELD_UPDATES = 64
 """Updates held while a buffered step is published, offered to the next step (more are refused)."""
 
 SEEN_UPDATE_IDS = 4096
-"""Accepted update and decline ids remembered across rounds (a FedBuff step accepts earlier rounds'),
-as 64-bit hashes in a fixed ring (:class:`edgefl.idtable.IdTable`, 32 KiB however long it runs)."""
+"""Accepted update and decline ids remembered across rounds, in a fixed 32 KiB ring of 64-bit hashes."""
 
 EARLY_UPDATES_MAX = 4096
 """Updates held for the next round before it opens (see ``Intake._early``)."""
 
 _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RoundRecord))
-"""A :class:`RoundRecord`'s fields in order (a state file's history row); read directly, not through
-``dataclasses.astuple``, whose deep copy makes a tuple per record every time the rows are rebuilt."""
+"""A :class:`RoundRecord`'s fields in order: a state file's history row (no deep copy, as ``astuple``)."""
 
 PERSIST_EVERY = 32
 """With a state file, the open round is written at least every this many messages (:meth:`Intake.pump`)."""

@@ -24,6 +24,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Final
 
@@ -67,8 +68,6 @@ class LeaseHeld(EdgeflError):
 
     def __init__(self, where: str, holder: str) -> None:
         super().__init__(f"another coordinator runs this fleet: {where} is held by {holder}")
-        self.where = where
-        self.holder = holder
 
 
 class AccountInUse(TransportError):
@@ -267,21 +266,14 @@ async def probe_lease(
         await transport.stop()
 
 
-def _set_backlog_aside(transport: MqttTransport) -> int:
-    """Take, unacknowledged, what a renamed session delivered at once: room for the retained presence.
+def _set_backlog_aside(transport: MqttTransport) -> None:
+    """Take, unacknowledged, the backlog a renamed session delivered at once: room for the presence.
 
-    The session's backlog fills the queue, and the broker's Receive Maximum (the queue's size) with it:
-    the broker sends no more QoS 1 until some is acknowledged, so the room made here stays for the
-    QoS 0 presences the probe subscribes to. Nothing is acknowledged (no commit): the broker sends it
-    all again to the coordinator's own connection. Returns how many were set aside.
+    The backlog fills the broker's Receive Maximum (no more QoS 1 until some is acknowledged): the room
+    stays for the QoS 0 presences. Nothing is committed: the coordinator's own connection gets it all.
     """
-    n = 0
-    while True:
-        try:
-            transport.queue.get_nowait()
-        except asyncio.QueueEmpty:
-            return n
-        n += 1
+    while not transport.queue.empty():
+        transport.queue.get_nowait()
 
 
 def _ours(p: Presence | None, previous: str | None, how: str, why: str = "") -> bool:
@@ -389,7 +381,7 @@ class Lease:
         """Publish the presence now and every ``heartbeat_s`` (a failed publish waits for the next)."""
         while True:
             if self.transport.connected.is_set():
-                self.presence = _next(self.presence)
+                self.presence = replace(self.presence, seq=self.presence.seq + 1)
                 payload = self.encode(self.presence)
                 try:
                     await self.transport.publish(self.topic, payload, qos=1, retain=True)
@@ -411,7 +403,7 @@ class Lease:
 
     def encode(self, p: Presence) -> bytes:
         """``p`` as published now: stamped with the time and, with a signing key, signed for the fleet."""
-        stamped = Presence(p.instance, p.host, p.pid, p.started, p.seq, p.heartbeat_s, sent=time.time())
+        stamped = replace(p, sent=time.time())
         if self.signing_key is None:
             return encode_presence(stamped)
         return sign_message(encode_presence, stamped, self.signing_key, fleet=self.trust.fleet)
@@ -459,7 +451,3 @@ class Lease:
             await self.transport.publish(self.topic, b"", qos=1, retain=True, timeout_s=5.0)
         except TransportError as exc:
             logger.warning("lease not cleared (%s): the broker clears it when the connection closes", exc)
-
-
-def _next(p: Presence) -> Presence:
-    return Presence(p.instance, p.host, p.pid, p.started, p.seq + 1, p.heartbeat_s, p.sent)

@@ -121,9 +121,6 @@ class FedAdam(FedAvg):
 
     name = "fedadam"
 
-    coordinate_factor = COORDINATE_FACTOR
-    """FedAvg steps the adaptive step may take in any coordinate (``bound_coordinates``)."""
-
     def __init__(
         self,
         *,
@@ -151,7 +148,7 @@ class FedAdam(FedAvg):
             v0 = self.server_state.get("v_" + name, np.full_like(d, self.tau**2, dtype=np.float32))
             m, v = self._moments(m0, v0, d)
             self.server_state["m_" + name], self.server_state["v_" + name] = m, v
-            step = bound_coordinates(adaptive_step(m, v, self.server_lr, self.tau), d, self.coordinate_factor)
+            step = bound_coordinates(adaptive_step(m, v, self.server_lr, self.tau), d, COORDINATE_FACTOR)
             out.append((x + step).astype(np.float32))
         return out[0], out[1]
 

@@ -250,11 +250,6 @@ class DPFedAvg(Strategy):
         self.rng = rng if rng is not None else np.random.default_rng()
         self.ledger = PrivacyLedger()
 
-    @property
-    def rounds(self) -> int:
-        """DP rounds aggregated, by this process and (restored) before it."""
-        return self.ledger.rounds
-
     def durable_state(self) -> dict[str, Any]:
         """The inner state and the privacy ledger (``PrivacyLedger``): epsilon survives restarts."""
         return {**super().durable_state(), "dp": self.ledger.snapshot()}

@@ -14,8 +14,7 @@ from typing import Any
 from edgefl.aio import wait_event
 from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.wire.cbor import Limits
-from edgefl.wire.presence import read_new_samples
-from edgefl.wire.status import decode_status
+from edgefl.wire.status import decode_status, read_new_samples
 
 logger = logging.getLogger(__name__)
 

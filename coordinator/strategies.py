@@ -1,4 +1,4 @@
-"""Every aggregation strategy by name: what a profile's ``strategy.name`` builds, and the default."""
+"""Every aggregation strategy by name: what a profile's ``strategy.name`` builds."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from edgefl.coordinator.robust import Median, TrimmedMean
 from edgefl.coordinator.strategy import Strategy
 
 STRATEGY_NAMES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "median", "trimmed-mean", "fedbuff")
-DEFAULT_STRATEGY = "median"
-"""The strategy of ``edgefl coordinator`` when none is named (``docs/benchmarks.md``, "Poisoning")."""
 
 ROUND_SETTINGS: Final = ("local_epochs", "lr", "batch_size", "min_clients", "deadline_s")
 """The ``[rounds]`` keys every strategy takes, under the same names."""

@@ -353,10 +353,7 @@ class Strategy(ABC):
     """How this strategy's site shares combine at the root (``SiteSums.combine``)."""
 
     def snapshot(self) -> dict[str, Any]:
-        """The round's accumulator as CBOR-able values (a site persists it after every accepted update).
-
-        Raises ValueError if no round is configured, or the strategy has no site/root form (FedBuff).
-        """
+        """The round's accumulator as CBOR-able values for the state file (ValueError: no round open)."""
         if self._shape is None:
             raise ValueError("no round configured")
         pending = [

@@ -1,15 +1,9 @@
 """Build an offline wheelhouse of edgefl for an ARM gateway (``edgefl wheelhouse --target T --out DIR``).
 
 On an x86 build machine, installing nothing there, collect edgefl's wheel and every dependency as a
-binary wheel for the target's platform and CPython (``--python``, the ``cp3XX`` tags), then write::
-
-    DIR/wheels/*.whl            edgefl + every dependency (binary wheels for the target)
-    DIR/requirements.lock       name==version --hash=sha256:... for every wheel in wheels/
-    DIR/install.sh              offline install into a venv under /opt/edgefl, installs the systemd unit
-    DIR/systemd/<profile>.service  the unit rendered from each shipped device profile (MemoryMax from its cap)
-    DIR/systemd/edgefl-coordinator.service  the coordinator's unit (a fleet's coordinator host installs it)
-    DIR/firmware_configs/ DIR/models/   the shipped profiles and .tflite models (not in the wheel)
-    DIR/TARGET                  what the wheelhouse was built for (read by install.sh)
+binary wheel for the target's platform and CPython (``--python``, the ``cp3XX`` tags), with the lock,
+the installer, the systemd units, profiles and models (the folder's layout: ``docs/operations.md``,
+"Build a wheelhouse").
 
 Source: pip's secure installs (``--require-hashes``).
 """
@@ -35,7 +29,7 @@ from packaging.utils import canonicalize_name
 
 from edgefl.profiles import sha256_file
 
-from .cli import add_arguments
+from .cli import DEFAULT_PREFIX, add_arguments
 from .lock import LockEntry, check_closure, check_expectations, format_lock, read_wheel
 from .targets import PureWheel, Target, WheelhouseError, applicable_requirements, manylinux_tags, target_for
 
@@ -46,7 +40,6 @@ UNIT_TEMPLATE = Path(__file__).resolve().parent / "edgefl-agent.service"
 COORDINATOR_UNIT_TEMPLATE = Path(__file__).resolve().parent / "edgefl-coordinator.service"
 COORDINATOR_UNIT = "edgefl-coordinator.service"
 """The coordinator's unit in ``<wheelhouse>/systemd/`` (no device profile has this stem)."""
-DEFAULT_PREFIX = "/opt/edgefl"
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,8 +45,7 @@ EXIT_MODEL = 3
 EXIT_RUNTIME = 4
 """A start-up error (e.g. the dashboard's port in use); the shipped unit restarts it with a delay."""
 EXIT_CREDENTIALS = 5
-"""The broker refused the agent's credentials, or its TLS certificate was not trusted, ``broker.auth_retries``
-times in a row; not restarted."""
+"""The broker refused the credentials, or its TLS certificate, ``broker.auth_retries`` times in a row."""
 EXIT_TEMPFAIL = 75
 """A fault stopped the running agent (sysexits.h ``EX_TEMPFAIL``: try again later); restarted."""
 
@@ -76,11 +75,10 @@ def _load_or_report(args: argparse.Namespace) -> Profile | None:
 
 
 def _preflight(profile: Profile, *, warn_unloaded: bool = True) -> list[str]:
-    """What this profile cannot run with here (:func:`edgefl.agent.preflight.preflight`).
+    """What this profile cannot run with here (:func:`edgefl.agent.preflight.preflight`); ModelError.
 
-    Loads the model once (released before returning) and measures this process's RSS with the agent's
-    modules imported; without the profile's runtime here only the checks not about this machine run
-    (``warn_unloaded`` prints what was left unchecked). ModelError if the model cannot be loaded.
+    Without the profile's runtime here only the checks not about this machine run (``warn_unloaded``
+    prints what was left unchecked).
     """
     import gc
 
@@ -255,10 +253,9 @@ _KNOWN_FAULTS = (OSError, MemoryError, ArithmeticError, ValueError)
 
 
 def _stopped_by_fault(exc: BaseException) -> int:
-    """Log the fault that stopped the agent and return :data:`EXIT_TEMPFAIL`.
+    """Log the fault (a known one in one line, else its traceback); :data:`EXIT_TEMPFAIL`.
 
-    A known fault (an ``EdgeflError`` or :data:`_KNOWN_FAULTS`, also inside an ``ExceptionGroup``) is
-    one line; anything else keeps its traceback (a bug). ``KeyboardInterrupt``/``SystemExit`` re-raise.
+    ``KeyboardInterrupt``/``SystemExit`` (also inside an ``ExceptionGroup``) re-raise.
     """
     from edgefl.errors import EdgeflError
 
@@ -416,11 +413,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_checkout_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``edgefl wheelhouse`` when edgefl runs from a source checkout.
-
-    The builder (``cross_build/``) is not in the wheel; in a checkout it is loaded from beside
-    ``edgefl/`` under its one name, without putting the checkout on ``sys.path``.
-    """
+    """Register ``edgefl wheelhouse`` from ``cross_build/`` (not in the wheel) beside a source checkout."""
     init = Path(__file__).resolve().parent.parent / "cross_build" / "__init__.py"
     if not init.is_file():
         return

@@ -161,4 +161,3 @@ def partition_non_iid(labels: I64, n_devices: int, seed: int = 0, primary_share:
             assignment[rest] = others[(deal + np.arange(rest.size)) % others.size]
         deal += idx.size
     return [np.flatnonzero(assignment == d).astype(np.int64) for d in range(n_devices)]
-

@@ -102,11 +102,9 @@ async def _embedded_broker(port: int) -> Any:
 def contain_broker_faults(loop: asyncio.AbstractEventLoop) -> Callable[[], int]:
     """Log the embedded broker's own unhandled exceptions as one debug line each, not a traceback.
 
-    amqtt 0.12 sends a connecting client the retained messages of every subscription in its table,
-    iterating that table across the sends; another client subscribing to a topic filter nobody had
-    meanwhile (the agents and the coordinator at start-up) changes the table's size and the connect
-    handler dies with ``RuntimeError: dictionary changed size during iteration``, after its CONNACK.
-    asyncio then closes that connection and the client reconnects (backoff 1 s). Exceptions raised
+    amqtt 0.12's connect handler iterates its subscription table while sending retained messages; a
+    client subscribing to a new filter meanwhile makes it die (``RuntimeError: dictionary changed size
+    during iteration``) after its CONNACK, and that client reconnects (backoff 1 s). Exceptions raised
     elsewhere still reach the loop's previous handler. Returns a function giving how many were
     contained.
     """
@@ -411,10 +409,7 @@ async def _feed_devices(
     sizes: list[int],
     embedded: bool,
 ) -> list[FeedResult]:
-    """Feed each agent its whole shard, labelled, over MQTT, then wait until each stored it.
-
-    TimeoutError if a status does not show the whole shard stored within 60 s; TransportError.
-    """
+    """Feed each agent its shard over MQTT; wait until each stored it (TimeoutError after 60 s)."""
     protocol: Literal["3.1.1", "auto"] = "3.1.1" if embedded else "auto"
     broker = BrokerConfig(url=f"mqtt://{host}:{port}", topic_prefix=topics.prefix, protocol=protocol)
     loop = asyncio.get_running_loop()

@@ -76,11 +76,6 @@ class BrokerRefused(TransportError):
         self.code = code
         super().__init__(detail)
 
-    @property
-    def not_authorized(self) -> bool:
-        """True for 0x87 Not authorized (an ACL without the topic for this account)."""
-        return self.code == 0x87
-
 
 class CredentialsRefused(TransportError):
     """The broker refused the agent's credentials ``attempts`` times in a row (CONNACK 0x86/0x87).

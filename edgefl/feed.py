@@ -199,7 +199,8 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
     topics = Topics(opts.broker.topic_prefix, opts.fleet)
     own = transport is None
     if transport is None:
-        transport = _connect(opts, f"edgefl-feed-{opts.device}-{prefix.rstrip('-')}", max(256, 2 * n))
+        client_id = f"edgefl-feed-{opts.device}-{prefix.rstrip('-')}"
+        transport = MqttTransport.for_broker(opts.broker, client_id, queue_size=max(256, 2 * n))
         try:
             await transport.start(wait_s=CONNECT_WAIT_S)
         except BaseException:
@@ -331,13 +332,7 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
 
 
 LABEL_STATUSES = 2
-"""Device statuses that must come after the last late label's PUBACK before its fate is taken as known.
-
-The device refuses a label the moment it takes it, before its next status: the second status after
-the PUBACK comes after the device took every label (it publishes one every ``status.interval_s``).
-The status must also count as many more labels taken or refused (``labels_received`` + ``rejected``)
-as the feed sent since its first late label (other apps' only add to that).
-"""
+"""Device statuses after the last late label's PUBACK before its fate is known (the 2nd follows it)."""
 
 
 class _Fate:
@@ -404,7 +399,7 @@ class _Fate:
         labels_done = (
             not self.labels_out
             or len(self.refused_labels) >= len(self.labels_out)
-            or (
+            or (  # ... and the status counts every label sent since the first late one, taken or refused
                 self.statuses_after >= LABEL_STATUSES
                 and (self.handled_before < 0 or self.handled >= self.handled_before + len(self.labels_out))
             )
@@ -448,11 +443,6 @@ def _handled(fields: Mapping[str, Any]) -> int:
     return taken + sum(
         n for n in rejected.values() if isinstance(n, int) and not isinstance(n, bool) and n > 0
     )
-
-
-def _connect(opts: FeedOptions, client_id: str, queue_size: int) -> MqttTransport:
-    """The feed's own transport (not started) with the broker options' credentials and TLS."""
-    return MqttTransport.for_broker(opts.broker, client_id, queue_size=queue_size)
 
 
 def check_samples(
@@ -590,48 +580,30 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _broker_schema() -> Schema:
-    """A device profile's ``[broker]`` table (the agent's session keys included)."""
+def _broker(args: argparse.Namespace, sets: dict[str, object]) -> BrokerConfig:
+    """``--profile``'s ``[broker]`` (or defaults), ``--broker``, ``--prefix``, ``--set broker.*`` on top.
+
+    The table is read as a device profile's (the agent's session keys included, and
+    :func:`edgefl.profiles.check_broker`); ConfigError if the file cannot be read, is not TOML, or the
+    table is invalid (every problem named).
+    """
     from edgefl.agent.config import AgentBrokerConfig
 
-    return Schema({"broker": (AgentBrokerConfig, check_broker)})
-
-
-def load_broker_table(path: Path | str, overrides: dict[str, object]) -> BrokerConfig:
-    """The validated ``[broker]`` table of a TOML file (other tables ignored), ``overrides`` on top.
-
-    The table is read as a device profile's (its keys, the agent's session included, and
-    :func:`edgefl.profiles.check_broker`). ``overrides`` are ``{"broker.key": value}`` (``--broker``,
-    ``--prefix``, ``--set broker.*``). ConfigError if the file cannot be read, is not TOML, or the table is
-    invalid (every problem named).
-    """
-    file, data = read_toml(path)
-    table = data.get("broker", {})
-    built = _broker_schema().parse({"broker": table}, file.parent, False, overrides)
-    broker: BrokerConfig = built["broker"]
-    return broker
-
-
-def _broker(args: argparse.Namespace, sets: dict[str, object]) -> BrokerConfig:
-    """The broker options: ``--profile``'s ``[broker]`` (or the defaults), options on top.
-
-    ``--broker``, ``--prefix`` and ``--set broker.*`` override; ConfigError naming every problem.
-    """
     overrides: dict[str, object] = {k: v for k, v in sets.items() if k.startswith("broker.")}
     overrides["broker.url"] = args.broker
     if args.prefix is not None:
         overrides["broker.topic_prefix"] = args.prefix
+    folder, table = Path.cwd(), {}
     if args.profile is not None:
-        return load_broker_table(args.profile, overrides)
-    broker: BrokerConfig = _broker_schema().parse({"broker": {}}, Path.cwd(), False, overrides)["broker"]
+        file, data = read_toml(args.profile)
+        folder, table = file.parent, data.get("broker", {})
+    schema = Schema({"broker": (AgentBrokerConfig, check_broker)})
+    broker: BrokerConfig = schema.parse({"broker": table}, folder, False, overrides)["broker"]
     return broker
 
 
 def _check_profile(args: argparse.Namespace, sets: dict[str, object]) -> Path | None:
-    """The device profile to check the samples against: ``--check-profile``, or ``--profile`` with a model.
-
-    ValueError for ``--set`` keys outside ``[broker]`` when no device profile is checked.
-    """
+    """``--check-profile``, or ``--profile`` with a model; ValueError for other ``--set`` keys without one."""
     if args.check_profile is not None:
         return Path(args.check_profile)
     if args.profile is not None and "model" in read_toml(args.profile)[1]:

@@ -304,47 +304,6 @@ def restricted_logit_scale(columns: np.ndarray, alpha: float) -> F32 | None:
     return scale
 
 
-def ditto_step(
-    W: F32,
-    b: F32,
-    grad_W: F32,
-    grad_b: F32,
-    lr: float,
-    lam: float,
-    W_global: F32,
-    b_global: F32,
-    columns: np.ndarray,
-) -> None:
-    """One in-place class-restricted proximal step on a personal head (W float32 [D, K], b [K]).
-
-    For the classes in ``columns`` (:func:`personal_columns`): ``W[:, k] -= lr * (grad_W[:, k] + lam *
-    (W[:, k] - W_global[:, k]))`` (and ``b[k]``); the other columns are set to the global head's, so
-    classes without evidence stay as the fleet knows them. ``lr`` > 0, ``lam`` >= 0 (0: local training
-    alone); ValueError if shapes disagree or a coefficient is out of range.
-
-    Source: Ditto's personal objective ``min_v F_k(v) + lam/2 ||v - w*||^2`` and its local update,
-    T. Li, S. Hu, A. Beirami, V. Smith, "Ditto: Fair and Robust Federated Learning Through
-    Personalization", ICML 2021, Algorithm 1; restricted to the device's labelled classes here.
-    """
-    K = W.shape[1]
-    if (
-        W.shape != W_global.shape
-        or grad_W.shape != W.shape
-        or b.shape != (K,)
-        or grad_b.shape != (K,)
-        or b_global.shape != (K,)
-        or columns.shape != (K,)
-    ):
-        raise ValueError(
-            f"ditto_step: W {W.shape}, grad_W {grad_W.shape}, W_global {W_global.shape}, "
-            f"b {b.shape}, columns {columns.shape}"
-        )
-    if lr <= 0 or lam < 0:
-        raise ValueError(f"ditto_step: lr = {lr} must be > 0 and lam = {lam} >= 0")
-    ditto_update(W, b, grad_W.copy(), grad_b.copy(), np.float32(lr), np.float32(lam), W_global, b_global,
-                 None if columns.all() else ~columns)  # fmt: skip
-
-
 def ditto_update(
     W: F32,
     b: F32,
@@ -356,10 +315,17 @@ def ditto_update(
     b_global: F32,
     tied: np.ndarray | None,
 ) -> None:
-    """:func:`ditto_step` without its checks, writing over the gradient (the trainer's inner loop).
+    """One in-place class-restricted proximal step on a personal head (W float32 [D, K], b [K]).
 
-    ``grad_W``/``grad_b`` are scratch, ``lr``/``lam`` float32 scalars, ``tied`` the bool [K] complement
-    of ``columns`` (None: every column personal); no heap beyond numpy's scalars.
+    For the classes not ``tied`` (those of :func:`personal_columns`): ``W[:, k] -= lr * (grad_W[:, k] +
+    lam * (W[:, k] - W_global[:, k]))`` (and ``b[k]``); the ``tied`` columns (bool [K], None: none) are
+    set to the global head's, so classes without evidence stay as the fleet knows them. ``lr`` > 0 and
+    ``lam`` >= 0 (0: local training alone) are float32 scalars; ``grad_W``/``grad_b`` are scratch
+    (overwritten); no heap beyond numpy's scalars. The caller checks shapes and ranges.
+
+    Source: Ditto's personal objective ``min_v F_k(v) + lam/2 ||v - w*||^2`` and its local update,
+    T. Li, S. Hu, A. Beirami, V. Smith, "Ditto: Fair and Robust Federated Learning Through
+    Personalization", ICML 2021, Algorithm 1; restricted to the device's labelled classes here.
     """
     # every column stepped (whole-array operations, no gather), then the tied ones overwritten:
     # the same values as stepping the personal columns alone. W - lr (g + lam (W - Wg)) is

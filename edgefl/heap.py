@@ -3,9 +3,6 @@
 :func:`malloc_trim` returns the free heap; :func:`release_file_pages` unmaps clean read-only file
 pages (the kernel maps them again from the page cache when the code runs again); glibc's malloc
 settings are here too.
-
-Source: mallopt(3), malloc_trim(3), madvise(2) (``MADV_DONTNEED`` on a private file mapping:
-later accesses repopulate from the file), proc(5) (``/proc/self/smaps``).
 """
 
 from __future__ import annotations

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["IdTable"]
-
 
 class IdTable:
     """The latest ``capacity`` (>= 1, else ValueError) ids in a fixed ring, optionally with a value and time.

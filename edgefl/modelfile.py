@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 from edgefl.errors import ModelError
 
@@ -127,9 +128,7 @@ class _Reader:
         self.buf = buf
 
     def u32(self, pos: int) -> int:
-        if pos < 0 or pos + 4 > len(self.buf):
-            raise ValueError(f"offset {pos} outside the file ({len(self.buf)} bytes)")
-        return int(struct.unpack_from("<I", self.buf, pos)[0])
+        return int(self.scalar("I", pos))
 
     def scalar(self, fmt: str, pos: int) -> int | float:
         if pos < 0 or pos + struct.calcsize(fmt) > len(self.buf):
@@ -163,18 +162,12 @@ class _Reader:
         n = self.u32(vec)
         return vec + 4, n
 
-    def ints(self, table: int, slot: int, fmt: str = "i") -> tuple[int, ...]:
+    def numbers(self, table: int, slot: int, fmt: str = "i") -> tuple[Any, ...]:
+        """A vector field of ``fmt`` scalars (ints or floats), ``()`` when absent."""
         start, n = self.vector(table, slot)
-        size = struct.calcsize(fmt)
-        if start + n * size > len(self.buf):
+        if start + n * struct.calcsize(fmt) > len(self.buf):
             raise ValueError("vector runs past the end of the file")
-        return tuple(int(v) for v in struct.unpack_from(f"<{n}{fmt}", self.buf, start)) if n else ()
-
-    def floats(self, table: int, slot: int) -> tuple[float, ...]:
-        start, n = self.vector(table, slot)
-        if start + n * 4 > len(self.buf):
-            raise ValueError("vector runs past the end of the file")
-        return tuple(float(v) for v in struct.unpack_from(f"<{n}f", self.buf, start)) if n else ()
+        return struct.unpack_from(f"<{n}{fmt}", self.buf, start) if n else ()
 
     def tables(self, table: int, slot: int) -> list[int]:
         start, n = self.vector(table, slot)
@@ -224,12 +217,12 @@ def read_graph(buf: ModelBytes, path: str = "<model>") -> GraphInfo:
                     index=i,
                     name=r.string(t, 10),
                     dtype=TENSOR_TYPES.get(ttype, f"type{ttype}"),
-                    shape=r.ints(t, 4),
-                    shape_signature=r.ints(t, 18),
+                    shape=r.numbers(t, 4),
+                    shape_signature=r.numbers(t, 18),
                     buffer=buffer,
                     has_data=has_data,
-                    scales=r.floats(q, 8) if q is not None else (),
-                    zero_points=r.ints(q, 10, "q") if q is not None else (),
+                    scales=r.numbers(q, 8, "f") if q is not None else (),
+                    zero_points=r.numbers(q, 10, "q") if q is not None else (),
                     is_variable=bool(r.get(t, 14, "B")),
                 )
             )
@@ -238,15 +231,15 @@ def read_graph(buf: ModelBytes, path: str = "<model>") -> GraphInfo:
             idx = int(r.get(op, 4, "I"))
             if idx >= len(codes):
                 raise ModelError(path, f"operator code index {idx} out of range")
-            ops.append(OpInfo(codes[idx], r.ints(op, 6), r.ints(op, 8)))
+            ops.append(OpInfo(codes[idx], r.numbers(op, 6), r.numbers(op, 8)))
         outputs_field = r.field_pos(sg, 8)
         if outputs_field is None:
             raise ModelError(path, "subgraph 0 has no outputs vector")
         return GraphInfo(
             tensors=tensors,
             ops=ops,
-            inputs=r.ints(sg, 6),
-            outputs=r.ints(sg, 8),
+            inputs=r.numbers(sg, 6),
+            outputs=r.numbers(sg, 8),
             outputs_field=outputs_field,
         )
     except (ValueError, struct.error, IndexError) as exc:

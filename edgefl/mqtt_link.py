@@ -263,12 +263,7 @@ class Link:
         return conn.sock is not None
 
     def _net_failed(self, conn: Connection, where: str, exc: Exception) -> None:
-        """The network code raised: count and log it, close the socket, end the connection.
-
-        An ``OSError`` (the peer reset or closed the socket, a TLS alert) is how connections end: one
-        debug line here, the transport says why the connection ended; anything else is a fault, logged
-        with its traceback.
-        """
+        """The network code raised: log it (an ``OSError`` at debug, else as a fault), end the connection."""
         if isinstance(exc, OSError):
             logger.debug("connection ended in the MQTT network loop (%s): %r", where, exc)
         else:
@@ -430,10 +425,7 @@ class Link:
             self._resume_reading(live)
 
     def _room(self, conn: Connection) -> int:
-        """Messages the queue and the hold line can still take, less those read and not yet handled.
-
-        0 once :meth:`held_bytes` reached ``max_held_bytes``.
-        """
+        """Messages the queue and hold line can still take, less those unhandled (0 at ``max_held_bytes``)."""
         if self.max_held_bytes and self.held_bytes() >= self.max_held_bytes:
             return 0
         if self.queue.maxsize <= 0:

@@ -2,16 +2,7 @@
 
 :func:`atomic_write` leaves the old or the new content after a power cut, never a mix; a *record*
 also carries a SHA-256 checksum and keeps the previous good generation as ``<name>.prev``, read
-when the newest is torn or rotten. Record layout (integers little-endian; zero bytes may follow)::
-
-    offset  size  field
-    0       4     magic b"EFLR"
-    4       1     format version (1)
-    5       3     reserved, zero
-    8       8     generation (u64, +1 per write of this path)
-    16      8     payload length in bytes (u64)
-    24      32    SHA-256 of bytes 0..23 followed by the payload
-    56      n     payload
+when the newest is torn or rotten. The record layout: ``docs/operations.md``, "State and logs".
 
 Source: POSIX ``rename(2)`` atomicity and ``fsync(2)`` of the containing directory (Pillai et al.,
 "All File Systems Are Not Created Equal", OSDI 2014).
@@ -67,10 +58,8 @@ def _fsync_dir(directory: Path) -> None:
 def sibling(path: Path, suffix: str) -> Path:
     """``<path><suffix>`` in the same folder, the same object for the same arguments (the latest 256 kept).
 
-    Python 3.11's pathlib interns every component of a path it builds (``sys.intern``); a name made afresh
-    at each write (``store_meta.rec.tmp``) joined CPython's table of interned strings and left it again
-    with the path, and that churn made the table rebuild itself, once one size larger (~530 KiB more in
-    an agent holding ~20,000 interned names). Kept here, each name is interned once.
+    pathlib interns every component of a path it builds: a name made afresh at each write churned
+    CPython's interned-string table into a rebuild one size larger (~530 KiB in an agent).
     """
     return path.with_name(path.name + suffix)
 

@@ -21,7 +21,8 @@ from edgefl.coordinator.lease import LEASE_HEARTBEAT_S, PROBE_MARGIN_S
 from edgefl.errors import DecodeError
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from edgefl.wire.presence import Presence, decode_presence, encode_presence, read_new_samples
+from edgefl.wire.presence import Presence, decode_presence, encode_presence
+from edgefl.wire.status import read_new_samples
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -31,11 +31,11 @@ from edgefl.wire.global_model import (
     HeadLayout,
     decode_global_model,
     encode_global_model,
-    global_model_version,
     resolve_global_head,
 )
 from edgefl.wire.signing import PLACEHOLDER, generate_signing_key, sign_message, verify_payload
 from edgefl.wire.status import decode_status
+from tests.support.wire import global_model_version
 
 SHA = "cd" * 32
 D, K = 512, 10

@@ -37,7 +37,6 @@ from edgefl.errors import ConfigError, DecodeError
 from edgefl.head import (
     Head,
     cross_entropy_grad_into,
-    ditto_step,
     personal_columns,
     restricted_logit_scale,
 )
@@ -57,6 +56,7 @@ from edgefl.wire.ingest import (
 )
 from edgefl.wire.rounds import RoundAnnouncement, decode_update, encode_round, encode_update
 from edgefl.wire.status import decode_status
+from tests.support.head import ditto_step
 
 # ----------------------------------------------------------------------------------------------
 # The step, by hand

@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, ROOT, Broker, start_replay_agent
 
-from bench.poison import ATTACKS, bench_rounds, poison_task, run_poisoned, shipped_profile
+from bench.poison import ATTACKS, DEFAULT_STRATEGY, bench_rounds, poison_task, run_poisoned, shipped_profile
 from edgefl.coordinator.fedavg import FedAvg
-from edgefl.coordinator.strategies import DEFAULT_STRATEGY
 from edgefl.coordinator.strategy import Offer, aggregate_checked
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.launcher import stop_agents

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.poison import ATTACKS, main, poison_task, run_poisoned, shipped_profile
-from edgefl.coordinator.strategies import DEFAULT_STRATEGY
+from bench.poison import ATTACKS, DEFAULT_STRATEGY, main, poison_task, run_poisoned, shipped_profile
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.bench]  # make test runs them, make check does not
 SEEDS = range(6)

@@ -122,7 +122,7 @@ def test_shipped_momentum_step_is_bounded_per_coordinate_by_twice_the_rounds_mea
 
 
 def test_shipped_fedadam_step_is_bounded_per_coordinate() -> None:
-    """The adaptive step moves each coordinate at most ``coordinate_factor`` (2) x the round's mean."""
+    """The adaptive step moves each coordinate at most ``COORDINATE_FACTOR`` (2) x the round's mean."""
     s = make_strategy("fedadam", clip_norm=0.04, server_lr=1.0)
     s.configure_round(1, (1, 2))
     offer(s, "a", (0.01, 0.0))

@@ -1,8 +1,6 @@
 """RFC 8746 typed arrays: numpy arrays as tag 40 ``[shape, typed array]`` and back, checked before allocating.
 
-Layout: ``docs/protocol.md`` ("Arrays").
-
-Source: RFC 8746 §2.1 (typed arrays), §3.1.1 (multi-dimensional arrays, tag 40).
+Layout: ``docs/protocol.md`` ("Arrays"). Source: RFC 8746 §2.1 (typed arrays), §3.1.1 (tag 40).
 """
 
 from __future__ import annotations
@@ -65,9 +63,7 @@ _TAG_NAMES: Final[Mapping[int, str]] = {tag: dtype.name for tag, dtype in TYPED_
 def encode_array(a: npt.NDArray[Any]) -> cbor2.CBORTag:
     """Wrap ``a`` (1 to 4 dims, u/int 8-64 or float 16-64) as ``40([shape, tag(little-endian bytes)])``.
 
-    ValueError for another dtype or number of dimensions.
-
-    Source: RFC 8746 §2.1 (typed arrays), §3.1.1 (multi-dimensional arrays, tag 40).
+    ValueError for another dtype or number of dimensions. Source: RFC 8746 §2.1, §3.1.1.
     """
     array = np.asarray(a)
     # looked up by dtype (hashed in C): ``dtype.name`` is computed in Python, ~8 us a call
@@ -105,7 +101,6 @@ def decode_array(
     ``dtypes`` are the accepted dtype names (big-endian tags of them too); ``name`` the field's dotted
     name in details. The result is writable, C-contiguous, owned, native byte order, finite for floats.
     DecodeError ``wrong_type``, ``bad_shape``, ``too_large``, ``bad_dtype``, ``not_finite``.
-
     Source: RFC 8746 §2.1, §3.1.1.
     """
     if not isinstance(obj, cbor2.CBORTag) or obj.tag != TAG_NDARRAY:
@@ -147,7 +142,7 @@ def array_cbor_bytes(count: int, itemsize: int) -> int:
 def check_head_shapes(
     w: npt.NDArray[Any], b: npt.NDArray[Any], where: str, expect_shape: tuple[int, int] | None
 ) -> None:
-    """Check a decoded head (or delta) pair of map ``where``: W [D, K] and b [K], ``expect_shape`` if given.
+    """Check a decoded head (or delta) pair of map ``where``: W [D, K], b [K], ``expect_shape`` if given.
 
     DecodeError ``bad_shape`` otherwise.
     """

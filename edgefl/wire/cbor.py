@@ -1,8 +1,7 @@
 """Bounded CBOR and the message envelope: what every decoder runs before it looks at a field.
 
-Owns the schema version, the message kinds, :class:`Limits`, the allocation-free header scan
-(:func:`scan`, once per message), the strict cbor2 call and the field readers every decoder shares.
-Rules and bounds: ``docs/protocol.md`` ("Decoding", "Envelope and versioning").
+The schema version, message kinds, :class:`Limits`, the allocation-free header scan and the field
+readers every decoder shares; rules and bounds: ``docs/protocol.md`` ("Decoding").
 
 Source: RFC 8949 (CBOR) §3 (encoding), §4.2.1 (deterministic encoding).
 """
@@ -81,10 +80,7 @@ NO_LIMITS: Final = Limits(
 
 
 def cbor_head_bytes(argument: int) -> int:
-    """Bytes of a CBOR item head (initial byte + argument) for an argument >= 0.
-
-    Source: RFC 8949 §3.
-    """
+    """Bytes of a CBOR item head (initial byte + argument) for an argument >= 0 (RFC 8949 §3)."""
     if argument < 24:
         return 1
     if argument < 2**8:
@@ -107,8 +103,7 @@ def dumps(obj: object) -> bytes:
     """Encode a message with CBOR's preferred serialization of floats; the key order is kept.
 
     A float takes the shortest of half, single and double precision that holds it exactly; map keys
-    keep their order (a signed message's ``"signature"`` stays last); the rest is cbor2's encoding.
-    Raises cbor2.CBOREncodeError for a value cbor2 cannot encode.
+    keep their order (``"signature"`` stays last); cbor2.CBOREncodeError for what cbor2 cannot encode.
 
     Source: RFC 8949 §4.1 (preferred serialization), §3.3 (floating-point numbers).
     """
@@ -152,9 +147,8 @@ CBOR2_STRICT: Final = _cbor2_strict()
 def strict_loads(data: bytes, max_depth: int) -> object:
     """``cbor2.loads`` of one item, refusing indefinite lengths, duplicate keys, depth > ``max_depth``.
 
-    Where cbor2 can (6.x). For bytes the product wrote and checksummed itself; network bytes go through
-    :func:`load`, whose scan enforces the same rules on every cbor2. Raises cbor2.CBORDecodeError or
-    ValueError.
+    Where cbor2 can (6.x): for bytes the product wrote itself; network bytes go through :func:`load`.
+    Raises cbor2.CBORDecodeError or ValueError.
     """
     if CBOR2_STRICT:
         return cbor2.loads(data, max_depth=max_depth, allow_indefinite=False, allow_duplicate_keys=False)
@@ -322,12 +316,8 @@ def load_message(
 
     ``payload`` may be its :func:`scan`; ``required``/``optional`` are the keys beside ``v`` and
     ``type`` (:func:`check_keys`). Returns the decoded map, its values not read yet (``read_*`` do).
-
-    Raises
-    ------
-    DecodeError
-        As :func:`load` and :func:`check_keys`; ``not_a_map``; ``bad_version`` (not an integer, or
-        below :data:`SCHEMA_VERSION`); ``newer_schema``; ``wrong_type`` (another type).
+    DecodeError as :func:`load` and :func:`check_keys`; ``not_a_map``; ``bad_version`` (not an integer,
+    or below :data:`SCHEMA_VERSION`); ``newer_schema``; ``wrong_type`` (another type).
     """
     obj = load(payload, limits)
     if not isinstance(obj, dict):

@@ -1,8 +1,7 @@
 """Chunking: messages larger than the broker's packet limit travel as chunk messages, reassembled boundedly.
 
-Every chunk's whole PUBLISH fits the limit (brokers drop a connection over an oversized one); the
-:class:`Reassembler` holds bounded sets, expires them and verifies SHA-256, all or nothing. Chunks
-carry no signature; the reassembled message does. ``docs/protocol.md`` ("Chunks").
+Every chunk's whole PUBLISH fits the limit; the :class:`Reassembler` holds bounded sets, expires them
+and verifies SHA-256, all or nothing. ``docs/protocol.md`` ("Chunks").
 
 Source: MQTT 5.0 (OASIS 2019) §2.1.4 (Remaining Length), §3.3 (PUBLISH), §3.1.2.11.4 and
 §3.2.2.3.6 (Maximum Packet Size); MQTT 3.1.1 §2.2.3, §3.3.
@@ -10,6 +9,7 @@ Source: MQTT 5.0 (OASIS 2019) §2.1.4 (Remaining Length), §3.3 (PUBLISH), §3.1
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -67,9 +67,7 @@ def _varint_bytes(value: int) -> int:
 def publish_overhead(topic: str, payload_bytes: int, *, qos: int = 1, mqtt5: bool = True) -> int:
     """Bytes a PUBLISH packet adds around a payload of ``payload_bytes``: fixed header, topic, packet id.
 
-    ``mqtt5`` adds the (empty: paho sends none) property list and is an upper bound for MQTT 3.1.1
-    too; QoS > 0 adds the packet identifier.
-
+    ``mqtt5`` adds the (empty: paho sends none) property list; QoS > 0 the packet identifier.
     Source: MQTT 5.0 §3.3.1 (fixed header), §3.3.2 (variable header), §2.2.2 (properties).
     """
     variable = 2 + len(topic.encode("utf-8")) + (2 if qos > 0 else 0) + (1 if mqtt5 else 0)
@@ -137,8 +135,7 @@ def encode_chunk(chunk: Chunk) -> bytes:
 def is_chunk(payload: bytes) -> bool:
     """Whether ``payload`` starts like a chunk from :func:`encode_chunk` (a cheap prefix test).
 
-    A chunk encoded otherwise is not recognised here; the message decoders then refuse it as
-    ``wrong_type``.
+    A chunk encoded otherwise is not recognised; the message decoders then refuse it as ``wrong_type``.
     """
     return bytes(payload[: len(_PREFIX)]) == _PREFIX
 
@@ -266,8 +263,9 @@ class Reassembler:
             raise ValueError(f"max_total_bytes = {max_total_bytes} < max_message_bytes = {max_message_bytes}")
         self.max_sets = max_sets
         self.max_total_bytes = max_total_bytes
-        self.max_message_bytes = max_message_bytes
-        self.max_chunk_bytes = max_chunk_bytes
+        self._decode = functools.partial(
+            decode_chunk, max_chunk_bytes=max_chunk_bytes, max_message_bytes=max_message_bytes
+        )
         self.expiry_s = expiry_s
         self.clock = clock
         self._sets: OrderedDict[tuple[str, str], _Set] = OrderedDict()  # least recently active first
@@ -315,18 +313,12 @@ class Reassembler:
         """Add one chunk from ``key`` (sets of different keys never mix); the whole message once complete.
 
         None while incomplete, or for a repeated chunk of a set in progress or recently completed.
-
-        Raises
-        ------
-        DecodeError
-            As :func:`decode_chunk`; ``chunk_conflict`` if the chunk disagrees with its set; ``bad_chunk``
-            if the data would exceed the declared size; ``bad_checksum`` if the complete set does not match
-            its SHA-256 (the set is dropped).
+        DecodeError as :func:`decode_chunk`; ``chunk_conflict`` if the chunk disagrees with its set;
+        ``bad_chunk`` if the data would exceed the declared size; ``bad_checksum`` if the complete set
+        does not match its SHA-256 (the set is dropped).
         """
         self.expire()
-        c = decode_chunk(
-            payload, max_chunk_bytes=self.max_chunk_bytes, max_message_bytes=self.max_message_bytes
-        )
+        c = self._decode(payload)
         k = (key, c.id)
         s = self._sets.get(k)
         if s is None:

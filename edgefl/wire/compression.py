@@ -1,8 +1,6 @@
 """Delta compression: each layout of an update's delta written once, its decoder, and its size on the wire.
 
-Layouts ``none``, ``float16``, ``int8``, ``topk``, ``topk-int8`` (field by field:
-``docs/protocol.md``, "Delta layouts"); :class:`CompressedDelta` is a delta compressed once for
-error feedback and the encoder alike; :func:`delta_wire_bytes` sizes a layout for the governor.
+Layouts ``none``, ``float16``, ``int8``, ``topk``, ``topk-int8``: ``docs/protocol.md`` ("Delta layouts").
 
 Source: Alistarh et al. 2017, QSGD; Jacob et al. 2018 (per-channel int8); Aji & Heafield 2017 and
 Stich et al. 2018 (top-k with error feedback); RFC 1951 (DEFLATE).
@@ -35,10 +33,8 @@ from edgefl.wire.cbor import NO_LIMITS, Limits, cbor_head_bytes, check_keys
 from edgefl.wire.reasons import Reason
 
 _FLOAT16_MAX: Final = float(np.finfo(np.float16).max)
-# raw deflate (RFC 1951, no zlib header) with zlib's run-length strategy: int8 levels and top-k masks
-# have no long repeats for LZ77's search to find, only runs (zeros) and skewed byte frequencies; on a
-# [512, 10] head's levels it is as small or smaller than the default search at level 9 and takes
-# 35 us instead of 75 (up to 2 ms on a sparse aggregate's levels)
+# raw deflate with zlib's run-length strategy: int8 levels and top-k masks have runs (zeros) and skewed
+# byte frequencies, no long repeats for LZ77's search (as small, 2-50x faster: docs/protocol.md)
 _DEFLATE_LEVEL: Final = 9
 _DEFLATE_WBITS: Final = -15
 _DEFLATE_STRATEGY: Final = zlib.Z_RLE
@@ -87,8 +83,7 @@ def _quantise(x: F32, scale: F32, rng: np.random.Generator | None) -> npt.NDArra
 
 
 def _dequantise(q: npt.NDArray[np.int8], scale: F32) -> F32:
-    # the receiver's arithmetic, the one place it is written: the sender's error feedback computes
-    # what the coordinator will see with this same expression (compress_head_delta)
+    # the receiver's arithmetic, the one place it is written (error feedback uses it too)
     with np.errstate(over="ignore"):  # an absurd scale overflows to inf: the decoder rejects it
         dense: F32 = q.astype(np.float32) * scale
     return dense
@@ -140,8 +135,13 @@ def _q_cbor_bytes(shape: tuple[int, ...]) -> int:
 
 def _qz_cbor_bytes(shape: tuple[int, ...], packed_bytes: int) -> int:
     """CBOR bytes of the pair ``"qz": [shape, deflated]`` (counted, not encoded)."""
-    dims = cbor_head_bytes(len(shape)) + sum(cbor_head_bytes(d) for d in shape)
-    return _text_cbor_bytes("qz") + 1 + dims + cbor_head_bytes(packed_bytes) + packed_bytes
+    return (
+        _text_cbor_bytes("qz") + 1 + _shape_cbor_bytes(shape) + cbor_head_bytes(packed_bytes) + packed_bytes
+    )
+
+
+def _shape_cbor_bytes(shape: tuple[int, ...]) -> int:
+    return cbor_head_bytes(len(shape)) + sum(cbor_head_bytes(d) for d in shape)
 
 
 def _read_q(sub: Mapping[str, Any], name: str, limits: Limits) -> npt.NDArray[np.int8]:
@@ -177,11 +177,10 @@ def compress_delta(
 ) -> dict[str, object]:
     """Encode one finite delta float32 [...] (1-4 dims) as its wire sub-map (``docs/protocol.md``).
 
-    Rounding to int8 is to nearest (deterministic: the sender knows what the receiver decodes; error
-    feedback removes its bias); with ``rng`` it is stochastic and unbiased, for use without it.
-    ``topk_fraction`` in (0, 1] is what ``topk``/``topk-int8`` keep. The sub-map is ready for
-    :func:`~edgefl.wire.cbor.dumps`. ValueError if ``delta`` is not finite, has 0 or > 4 dimensions, is
-    empty, or has more than 2**32 elements (top-k), or ``topk_fraction`` is outside (0, 1].
+    Rounding to int8 is to nearest; with ``rng`` stochastic and unbiased (for use without error
+    feedback). ``topk_fraction`` in (0, 1] is what ``topk``/``topk-int8`` keep. ValueError if ``delta``
+    is not finite, has 0 or > 4 dimensions, is empty, or has more than 2**32 elements (top-k), or
+    ``topk_fraction`` is outside (0, 1].
 
     Source: Alistarh et al. 2017, QSGD (stochastic rounding); Jacob et al. 2018 (per-channel int8);
     Aji & Heafield 2017 and Stich et al. 2018 (top-k sparsification with error feedback); RFC 1951
@@ -431,10 +430,9 @@ def compress_head_delta(
 
 
 def _ndarray_cbor_bytes(shape: tuple[int, ...], itemsize: int) -> int:
-    # encode_array of an n-D array: as array_cbor_bytes with the shape's n heads
+    # encode_array of an n-D array: array_cbor_bytes with the shape's list in place of [count]
     count = math.prod(shape)
-    dims = sum(cbor_head_bytes(d) for d in shape)
-    return array_cbor_bytes(count, itemsize) - cbor_head_bytes(count) + dims - 1 + cbor_head_bytes(len(shape))
+    return array_cbor_bytes(count, itemsize) - 1 - cbor_head_bytes(count) + _shape_cbor_bytes(shape)
 
 
 def delta_wire_bytes(
@@ -456,9 +454,7 @@ def delta_wire_bytes(
         scales = shape[-1] if len(shape) > 1 else 1
         return 1 + _q_cbor_bytes(shape) + _text_cbor_bytes("scale") + array_cbor_bytes(scales, 4)
     k = topk_count(size, topk_fraction)
-    shape_bytes = (
-        _text_cbor_bytes("shape") + cbor_head_bytes(len(shape)) + sum(cbor_head_bytes(d) for d in shape)
-    )
+    shape_bytes = _text_cbor_bytes("shape") + _shape_cbor_bytes(shape)
     index_bytes = 2 if size <= 2**16 else 4
     mask_bytes = (size + 7) // 8
     # zlib's deflateBound: what deflate writes for bytes it cannot shrink (stored blocks), at most

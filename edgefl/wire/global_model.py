@@ -1,9 +1,7 @@
 """The global model message: the head the coordinator publishes (``global``, retained), applied by devices.
 
-Also :func:`resolve_global_head` (a delta head onto the held one) and :func:`global_model_version`
-(read from the headers alone). Field by field: ``docs/protocol.md`` ("GlobalModel", "Head layouts").
-
-Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
+Also :func:`resolve_global_head` (a delta head onto the held one). Field by field:
+``docs/protocol.md`` ("GlobalModel", "Head layouts").
 """
 
 from __future__ import annotations
@@ -17,21 +15,8 @@ import numpy as np
 
 from edgefl.errors import DecodeError
 from edgefl.types import F32
+from edgefl.wire import cbor
 from edgefl.wire.arrays import check_head_shapes, decode_array, encode_array
-from edgefl.wire.cbor import (
-    DEFAULT_LIMITS,
-    Limits,
-    MessageType,
-    Scanned,
-    check_keys,
-    dump_message,
-    load_message,
-    read_choice,
-    read_int,
-    read_signature,
-    read_text,
-    scan,
-)
 from edgefl.wire.compression import Compression, compress_delta, decompress_head
 from edgefl.wire.reasons import Reason
 
@@ -95,39 +80,32 @@ def encode_global_model(msg: GlobalModel) -> bytes:
         mode = _HEAD_COMPRESSION[layout]
         obj["head"] = {"W": compress_delta(w, mode), "b": compress_delta(b, mode)}
     obj["signature"] = bytes(msg.signature)
-    return dump_message(MessageType.GLOBAL_MODEL, obj)
+    return cbor.dump_message(cbor.MessageType.GLOBAL_MODEL, obj)
 
 
 def decode_global_model(
-    payload: bytes | Scanned,
+    payload: bytes | cbor.Scanned,
     *,
-    limits: Limits = DEFAULT_LIMITS,
+    limits: cbor.Limits = cbor.DEFAULT_LIMITS,
     expect_shape: tuple[int, int] | None = None,
 ) -> GlobalModel:
     """Decode and validate a :class:`GlobalModel`, W and b float32 (writable, owned).
 
-    ``payload`` may be its :func:`~edgefl.wire.cbor.scan` (under the same ``limits``: not scanned again).
-
-    With ``expect_shape`` (D, K) W must be [D, K] and b [K], without it W 2-D and b [W.shape[1]].
-
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals").
+    ``payload`` may be its :func:`~edgefl.wire.cbor.scan`; with ``expect_shape`` (D, K) W must be
+    [D, K] and b [K], without it W 2-D and b [W.shape[1]]. DecodeError: the reasons of
+    ``docs/protocol.md`` ("Refusals").
     """
     required, optional = ("round", "version", "model_sha256", "head"), ("signature", "layout", "base_version")
-    obj = load_message(payload, limits, MessageType.GLOBAL_MODEL, required, optional)
-    round_, version = read_int(obj, "round", ""), read_int(obj, "version", "")
-    model_sha256 = read_text(obj, "model_sha256", "", _SHA256_RE)
-    signature = read_signature(obj, limits)
-    head = check_keys(obj["head"], "head", ("W", "b"))
+    obj = cbor.load_message(payload, limits, cbor.MessageType.GLOBAL_MODEL, required, optional)
+    version = cbor.read_int(obj, "version", "")
+    head = cbor.check_keys(obj["head"], "head", ("W", "b"))
     layout, base_version = HeadLayout.FLOAT32, None
     if "layout" in obj or "base_version" in obj:
         if "layout" not in obj:
             raise DecodeError(Reason.MISSING_KEY, "layout: required with base_version")
-        layout = read_choice(obj, "layout", HeadLayout)
+        layout = cbor.read_choice(obj, "layout", HeadLayout)
         if "base_version" in obj:
-            base_version = read_int(obj, "base_version", "")
+            base_version = cbor.read_int(obj, "base_version", "")
             if base_version >= version:
                 raise DecodeError(
                     Reason.BAD_VALUE, f"base_version {base_version} must be below version {version}"
@@ -140,12 +118,12 @@ def decode_global_model(
         b = decode_array(head["b"], limits=limits, dtypes=f32, name="head.b")
         check_head_shapes(w, b, "head", expect_shape)
     return GlobalModel(
-        round=round_,
+        round=cbor.read_int(obj, "round", ""),
         version=version,
-        model_sha256=model_sha256,
+        model_sha256=cbor.read_text(obj, "model_sha256", "", _SHA256_RE),
         W=w,
         b=b,
-        signature=signature,
+        signature=cbor.read_signature(obj, limits),
         layout=layout,
         base_version=base_version,
     )
@@ -174,12 +152,3 @@ def resolve_global_head(gm: GlobalModel, held_version: int, held_W: F32, held_b:
     if not (bool(np.isfinite(w).all()) and bool(np.isfinite(b).all())):
         raise DecodeError(Reason.NOT_FINITE, "head delta plus held head: NaN or infinity")
     return replace(gm, W=w, b=b, layout=HeadLayout.FLOAT32, base_version=None)
-
-
-def global_model_version(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> int | None:
-    """A whole GlobalModel's ``version`` from its item headers (None if none), building no array.
-
-    Lets a device skip a retained head it holds. DecodeError as :func:`~edgefl.wire.cbor.scan`.
-    """
-    version = scan(payload, limits).header.get("version")
-    return version if type(version) is int else None

@@ -1,10 +1,7 @@
 """The live-ingest messages: samples and labels a gateway app sends in, the predictions a device sends out.
 
-:class:`Sample` (``samples/<device>``), :class:`Label` (``labels/<device>``), :class:`Prediction` and
-:class:`IngestRefusal` (``predictions/<device>``), none retained, each with its ``encode_x`` / ``decode_x``.
-Field by field: ``docs/protocol.md`` ("Live ingest").
-
-Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
+Sample, Label, Prediction and Refusal (IngestRefusal), none retained; field by field:
+``docs/protocol.md`` ("Live ingest").
 """
 
 from __future__ import annotations
@@ -17,20 +14,8 @@ from typing import Final
 import numpy as np
 
 from edgefl.errors import DecodeError
+from edgefl.wire import cbor
 from edgefl.wire.arrays import decode_array, encode_array
-from edgefl.wire.cbor import (
-    DEFAULT_LIMITS,
-    INT_MAX,
-    Limits,
-    MessageType,
-    dump_message,
-    load_message,
-    read_float,
-    read_int,
-    read_text,
-    scan,
-    show,
-)
 from edgefl.wire.reasons import Reason
 
 #: Sample ids (chosen by the gateway app: a counter, a UUID, "<camera>:<frame>"...).
@@ -62,8 +47,8 @@ class Label:
     ts: float | None = None
 
 
-PREDICTION_HEADS: Final = frozenset({"personal", "global"})
-"""The values of a Prediction's optional ``head`` key."""
+#: The values of a Prediction's optional ``head`` key.
+PREDICTION_HEAD_RE: Final = re.compile("personal|global")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +67,7 @@ class Prediction:
     head: str | None = None
 
 
-REFUSED_KINDS: Final = frozenset({"sample", "label"})
-"""The values of a Refusal's ``of`` key."""
+#: The values of a Refusal's ``of`` key.
 REFUSED_OF_RE: Final = re.compile("sample|label")
 REASON_RE: Final = re.compile(r"[a-z_]{1,32}")
 DETAIL_CHARS: Final = 200
@@ -96,8 +80,7 @@ class IngestRefusal:
     """A Refusal: the device refused an app's Sample or Label ``id`` (``predictions/<device>``, not retained).
 
     ``of`` is ``"sample"`` or ``"label"``; ``reason`` the refusal's ``rejected`` label (``bad_shape``,
-    ``unknown_sample``...; ``docs/protocol.md``, "Refusals"); ``detail`` the device's explanation.
-    ``docs/protocol.md`` ("Refusal").
+    ``unknown_sample``...); ``detail`` the device's explanation. ``docs/protocol.md`` ("Refusal").
     """
 
     id: str
@@ -107,20 +90,15 @@ class IngestRefusal:
 
 
 def _read_label(obj: Mapping[str, object], num_classes: int | None) -> int:
-    """``obj["label"]``: an integer the head learns, 0..K-1 (0/1 for a K = 1 logistic head).
-
-    Any integer outside that range, negative included, is ``bad_label`` with the model's range in the
-    message; a non-integer is ``wrong_type``.
-    """
+    """``obj["label"]``: a class the head learns, 0..K-1 (0/1 for K = 1); ``bad_label``, ``wrong_type``."""
     label = obj["label"]
     if type(label) is not int:  # bool is an int subclass: refused here on purpose
         raise DecodeError(Reason.WRONG_TYPE, f"label: expected an integer, got {type(label).__name__}")
     shown = str(label) if abs(label) < 10**20 else "huge"
     if num_classes is None:
-        if not 0 <= label <= INT_MAX:
+        if not 0 <= label <= cbor.INT_MAX:
             raise DecodeError(Reason.BAD_LABEL, f"label = {shown}: must be a class number >= 0")
         return label
-    # labels a head with K outputs learns: 0..K-1, and 0/1 for a K = 1 (logistic) head
     bound = 2 if num_classes == 1 else num_classes
     if not 0 <= label < bound:
         what = "a K = 1 (logistic) head" if num_classes == 1 else f"the model's K = {num_classes} classes"
@@ -129,7 +107,7 @@ def _read_label(obj: Mapping[str, object], num_classes: int | None) -> int:
 
 
 def _read_ts(obj: Mapping[str, object]) -> float | None:
-    return read_float(obj, "ts", "", 0.0) if "ts" in obj else None
+    return cbor.read_float(obj, "ts", "", 0.0) if "ts" in obj else None
 
 
 def encode_sample(msg: Sample) -> bytes:
@@ -145,13 +123,13 @@ def encode_sample(msg: Sample) -> bytes:
         obj["label"] = int(msg.label)
     if msg.ts is not None:
         obj["ts"] = float(msg.ts)
-    return dump_message(MessageType.SAMPLE, obj)
+    return cbor.dump_message(cbor.MessageType.SAMPLE, obj)
 
 
 def decode_sample(
     payload: bytes,
     *,
-    limits: Limits = DEFAULT_LIMITS,
+    limits: cbor.Limits = cbor.DEFAULT_LIMITS,
     sample_shape: tuple[int, ...] | None = None,
     dtype: str | None = None,
     num_classes: int | None = None,
@@ -162,8 +140,8 @@ def decode_sample(
     owned, native order; ``label`` must be in [0, K) for ``num_classes`` K (0/1 when K = 1). DecodeError:
     ``bad_shape``/``bad_dtype`` for an ``x`` not the model's, ``bad_label``, ``bad_value`` for a bad id.
     """
-    obj = load_message(payload, limits, MessageType.SAMPLE, ("id", "x"), ("label", "ts"))
-    sample_id = read_text(obj, "id", "", SAMPLE_ID_RE)
+    obj = cbor.load_message(payload, limits, cbor.MessageType.SAMPLE, ("id", "x"), ("label", "ts"))
+    sample_id = cbor.read_text(obj, "id", "", SAMPLE_ID_RE)
     dtypes = frozenset({dtype}) if dtype is not None else RAW_DTYPES
     x = decode_array(obj["x"], limits=limits, dtypes=dtypes, name="x")
     if sample_shape is not None and tuple(x.shape) != tuple(sample_shape):
@@ -182,14 +160,16 @@ def encode_label(msg: Label) -> bytes:
     }
     if msg.ts is not None:
         obj["ts"] = float(msg.ts)
-    return dump_message(MessageType.LABEL, obj)
+    return cbor.dump_message(cbor.MessageType.LABEL, obj)
 
 
-def decode_label(payload: bytes, *, limits: Limits = DEFAULT_LIMITS, num_classes: int | None = None) -> Label:
+def decode_label(
+    payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS, num_classes: int | None = None
+) -> Label:
     """Decode and validate a :class:`Label`: ``bad_label`` outside [0, K) (``num_classes``; 0/1 if K = 1)."""
-    obj = load_message(payload, limits, MessageType.LABEL, ("id", "label"), ("ts",))
+    obj = cbor.load_message(payload, limits, cbor.MessageType.LABEL, ("id", "label"), ("ts",))
     return Label(
-        id=read_text(obj, "id", "", SAMPLE_ID_RE), label=_read_label(obj, num_classes), ts=_read_ts(obj)
+        id=cbor.read_text(obj, "id", "", SAMPLE_ID_RE), label=_read_label(obj, num_classes), ts=_read_ts(obj)
     )
 
 
@@ -203,87 +183,76 @@ def encode_prediction(msg: Prediction) -> bytes:
         "latency_s": float(msg.latency_s),
     }
     if msg.head is not None:
-        if msg.head not in PREDICTION_HEADS:
-            raise ValueError(f"Prediction.head = {msg.head!r}: expected one of {sorted(PREDICTION_HEADS)}")
+        if PREDICTION_HEAD_RE.fullmatch(msg.head) is None:
+            raise ValueError(f"Prediction.head = {msg.head!r}: expected {PREDICTION_HEAD_RE.pattern}")
         obj["head"] = msg.head
-    return dump_message(MessageType.PREDICTION, obj)
+    return cbor.dump_message(cbor.MessageType.PREDICTION, obj)
 
 
-def decode_prediction(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Prediction:
+def decode_prediction(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS) -> Prediction:
     """Decode and validate a :class:`Prediction` (what a gateway app reads).
 
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for a score outside [0, 1] or a
-        negative latency.
+    DecodeError: the reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for a score outside
+    [0, 1] or a negative latency.
     """
     keys = ("id", "class", "score", "version", "latency_s")
-    obj = load_message(payload, limits, MessageType.PREDICTION, keys, ("head",))
-    head: str | None = None
-    if "head" in obj:
-        value = obj["head"]
-        if not isinstance(value, str):
-            raise DecodeError(Reason.WRONG_TYPE, f"head: expected text, got {type(value).__name__}")
-        if value not in PREDICTION_HEADS:
-            raise DecodeError(Reason.BAD_VALUE, f"head = {show(value)}: expected personal or global")
-        head = value
+    obj = cbor.load_message(payload, limits, cbor.MessageType.PREDICTION, keys, ("head",))
     return Prediction(
-        id=read_text(obj, "id", "", SAMPLE_ID_RE),
-        cls=read_int(obj, "class", ""),
-        score=read_float(obj, "score", "", 0.0, 1.0),
-        version=read_int(obj, "version", ""),
-        latency_s=read_float(obj, "latency_s", "", 0.0),
-        head=head,
+        id=cbor.read_text(obj, "id", "", SAMPLE_ID_RE),
+        cls=cbor.read_int(obj, "class", ""),
+        score=cbor.read_float(obj, "score", "", 0.0, 1.0),
+        version=cbor.read_int(obj, "version", ""),
+        latency_s=cbor.read_float(obj, "latency_s", "", 0.0),
+        head=cbor.read_text(obj, "head", "", PREDICTION_HEAD_RE) if "head" in obj else None,
     )
 
 
 def encode_refusal(msg: IngestRefusal) -> bytes:
     """Encode an :class:`IngestRefusal` (``detail`` cut to :data:`DETAIL_CHARS`); ValueError: bad ``of``."""
-    if msg.of not in REFUSED_KINDS:
-        raise ValueError(f"IngestRefusal.of = {msg.of!r}: expected one of {sorted(REFUSED_KINDS)}")
-    detail = msg.detail[:DETAIL_CHARS].encode("utf-8")[: DEFAULT_LIMITS.max_string_bytes]
+    if REFUSED_OF_RE.fullmatch(msg.of) is None:
+        raise ValueError(f"IngestRefusal.of = {msg.of!r}: expected {REFUSED_OF_RE.pattern}")
+    detail = msg.detail[:DETAIL_CHARS].encode("utf-8")[: cbor.DEFAULT_LIMITS.max_string_bytes]
     obj: dict[str, object] = {
         "id": msg.id,
         "of": msg.of,
         "reason": str(msg.reason),
         "detail": detail.decode("utf-8", "ignore"),
     }
-    return dump_message(MessageType.REFUSAL, obj)
+    return cbor.dump_message(cbor.MessageType.REFUSAL, obj)
 
 
-def decode_refusal(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> IngestRefusal:
+def decode_refusal(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS) -> IngestRefusal:
     """Decode and validate an :class:`IngestRefusal`: ``bad_value`` for a bad ``of`` or ``reason``."""
-    obj = load_message(payload, limits, MessageType.REFUSAL, ("id", "of", "reason"), ("detail",))
+    obj = cbor.load_message(payload, limits, cbor.MessageType.REFUSAL, ("id", "of", "reason"), ("detail",))
     return IngestRefusal(
-        id=read_text(obj, "id", "", SAMPLE_ID_RE),
-        of=read_text(obj, "of", "", REFUSED_OF_RE),
-        reason=read_text(obj, "reason", "", REASON_RE),
-        detail=read_text(obj, "detail", "", DETAIL_RE) if "detail" in obj else "",
+        id=cbor.read_text(obj, "id", "", SAMPLE_ID_RE),
+        of=cbor.read_text(obj, "of", "", REFUSED_OF_RE),
+        reason=cbor.read_text(obj, "reason", "", REASON_RE),
+        detail=cbor.read_text(obj, "detail", "", DETAIL_RE) if "detail" in obj else "",
     )
 
 
-def decode_answer(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Prediction | IngestRefusal:
+def decode_answer(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS) -> Prediction | IngestRefusal:
     """Decode what a device publishes on ``predictions/<device>``: a Prediction or a Refusal.
 
     DecodeError as :func:`decode_prediction` / :func:`decode_refusal`.
     """
-    scanned = scan(payload, limits)
-    if scanned.header.get("type") == MessageType.REFUSAL.value:
+    scanned = cbor.scan(payload, limits)
+    if scanned.header.get("type") == cbor.MessageType.REFUSAL.value:
         return decode_refusal(payload, limits=limits)
     return decode_prediction(payload, limits=limits)
 
 
-def ingest_id(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> str | None:
+def ingest_id(payload: bytes, limits: cbor.Limits = cbor.DEFAULT_LIMITS) -> str | None:
     """The ``id`` of a Sample or Label payload, if its CBOR can be read and the id is valid, else None.
 
-    For naming a refused message to its app: a bounded scan, no array decoded.
+    For naming a refused message to its app: a bounded cbor.scan, no array decoded.
     """
     try:
-        header = scan(payload, limits).header
+        header = cbor.scan(payload, limits).header
     except DecodeError:
         return None
-    if header.get("type") not in (MessageType.SAMPLE.value, MessageType.LABEL.value):
+    if header.get("type") not in (cbor.MessageType.SAMPLE.value, cbor.MessageType.LABEL.value):
         return None
     value = header.get("id")
     return value if isinstance(value, str) and SAMPLE_ID_RE.fullmatch(value) else None

@@ -1,8 +1,6 @@
 """The partial message: one site's sum (or robust estimate) of its devices' updates, sent up to the root.
 
 Field by field, with every bound: ``docs/protocol.md`` ("Partial").
-
-Source: RFC 8949 (CBOR); RFC 8746 §2.1, §3.1.1 (float64 typed arrays).
 """
 
 from __future__ import annotations
@@ -15,21 +13,8 @@ import numpy as np
 import numpy.typing as npt
 
 from edgefl.errors import DecodeError
+from edgefl.wire import cbor
 from edgefl.wire.arrays import check_head_shapes, decode_array, encode_array
-from edgefl.wire.cbor import (
-    DEFAULT_LIMITS,
-    Limits,
-    MessageType,
-    Scanned,
-    dump_message,
-    load_message,
-    read_device_id,
-    read_float,
-    read_int,
-    read_signature,
-    read_text,
-    show,
-)
 from edgefl.wire.reasons import Reason
 from edgefl.wire.rounds import UPDATE_ID_RE
 
@@ -38,7 +23,7 @@ MAX_PARTIAL_UPDATES: Final = 16_000
 #: How a Partial's ``W``/``b`` combine at the root: weighted sums are added; a robust rule's site
 #: estimates are combined by the rule's root step (``docs/operations.md``, "Many sites").
 PARTIAL_COMBINES: Final = ("sum", "median", "trimmed-mean")
-_LAYOUT_RE_PARTIAL: Final = re.compile(r"[a-z-]{1,16}")
+_COMBINE_RE: Final = re.compile("|".join(PARTIAL_COMBINES))
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +54,8 @@ def encode_partial(msg: Partial) -> bytes:
 
     Source: RFC 8746 §2.1 (tag 86), §3.1.1 (tag 40).
     """
-    return dump_message(
-        MessageType.PARTIAL,
+    return cbor.dump_message(
+        cbor.MessageType.PARTIAL,
         {
             "round": int(msg.round),
             "base_version": int(msg.base_version),
@@ -88,8 +73,23 @@ def encode_partial(msg: Partial) -> bytes:
     )
 
 
+def _read_update_ids(raw: object, count: int) -> tuple[str, ...]:
+    """A Partial's ``update_ids``: ``count`` distinct update ids (``wrong_type``, ``bad_value``)."""
+    if not isinstance(raw, list):
+        raise DecodeError(Reason.WRONG_TYPE, "update_ids: expected an array")
+    if len(raw) != count:
+        raise DecodeError(Reason.BAD_VALUE, f"update_ids: {len(raw)} ids, count = {count}")
+    ids = tuple(cbor.read_text({"id": u}, "id", f"update_ids[{i}]", UPDATE_ID_RE) for i, u in enumerate(raw))
+    if len(set(ids)) != len(ids):
+        raise DecodeError(Reason.BAD_VALUE, "update_ids: duplicate ids")
+    return ids
+
+
 def decode_partial(
-    payload: bytes | Scanned, *, limits: Limits = DEFAULT_LIMITS, expect_shape: tuple[int, int] | None = None
+    payload: bytes | cbor.Scanned,
+    *,
+    limits: cbor.Limits = cbor.DEFAULT_LIMITS,
+    expect_shape: tuple[int, int] | None = None,
 ) -> Partial:
     """Decode and validate a :class:`Partial`, its arrays float64 (finite, owned).
 
@@ -98,43 +98,34 @@ def decode_partial(
     bound there, ``bad_dtype`` for arrays that are not float64.
     """
     keys = ("round", "base_version", "site", "partial_id", "combine", "count", "weight", "clipped")
-    obj = load_message(payload, limits, MessageType.PARTIAL, (*keys, "update_ids", "W", "b"), ("signature",))
-    combine = read_text(obj, "combine", "", _LAYOUT_RE_PARTIAL)
-    if combine not in PARTIAL_COMBINES:
-        choices = ", ".join(PARTIAL_COMBINES)
-        raise DecodeError(Reason.BAD_VALUE, f"combine = {show(combine)}: must be one of {choices}")
-    count = read_int(obj, "count", "", 0, MAX_PARTIAL_UPDATES)
-    raw_ids = obj["update_ids"]
-    if not isinstance(raw_ids, list):
-        raise DecodeError(Reason.WRONG_TYPE, "update_ids: expected an array")
-    if len(raw_ids) != count:
-        raise DecodeError(Reason.BAD_VALUE, f"update_ids: {len(raw_ids)} ids, count = {count}")
-    ids = tuple(read_text({"id": u}, "id", f"update_ids[{i}]", UPDATE_ID_RE) for i, u in enumerate(raw_ids))
-    if len(set(ids)) != len(ids):
-        raise DecodeError(Reason.BAD_VALUE, "update_ids: duplicate ids")
+    obj = cbor.load_message(
+        payload, limits, cbor.MessageType.PARTIAL, (*keys, "update_ids", "W", "b"), ("signature",)
+    )
+    combine = cbor.read_text(obj, "combine", "", _COMBINE_RE)
+    count = cbor.read_int(obj, "count", "", 0, MAX_PARTIAL_UPDATES)
     w = decode_array(obj["W"], limits=limits, dtypes=frozenset({"float64"}), name="W")
     b = decode_array(obj["b"], limits=limits, dtypes=frozenset({"float64"}), name="b")
     check_head_shapes(w, b, "partial", expect_shape)
-    clipped = read_int(obj, "clipped", "")
+    clipped = cbor.read_int(obj, "clipped", "")
     if clipped > count:
         raise DecodeError(Reason.BAD_VALUE, f"clipped = {clipped} > count = {count}")
-    weight = read_float(obj, "weight", "", 0.0)
+    weight = cbor.read_float(obj, "weight", "", 0.0)
     if (weight > 0) != (count > 0):
         why = f"weight = {weight} with count = {count}: must be > 0 exactly when count > 0"
         raise DecodeError(Reason.BAD_VALUE, why)
     if count == 0 and (np.any(w) or np.any(b)):
         raise DecodeError(Reason.BAD_VALUE, "an empty partial (count = 0) must carry zero arrays")
     return Partial(
-        round=read_int(obj, "round", ""),
-        base_version=read_int(obj, "base_version", ""),
-        site=read_device_id(obj["site"], "site"),
-        partial_id=read_text(obj, "partial_id", "", UPDATE_ID_RE),
+        round=cbor.read_int(obj, "round", ""),
+        base_version=cbor.read_int(obj, "base_version", ""),
+        site=cbor.read_device_id(obj["site"], "site"),
+        partial_id=cbor.read_text(obj, "partial_id", "", UPDATE_ID_RE),
         combine=combine,
         count=count,
         weight=weight,
         clipped=clipped,
-        update_ids=ids,
+        update_ids=_read_update_ids(obj["update_ids"], count),
         W=w,
         b=b,
-        signature=read_signature(obj, limits),
+        signature=cbor.read_signature(obj, limits),
     )

@@ -1,27 +1,15 @@
-"""Coordinator presence (the fleet's lease) and the DeviceStatus field that paces a service's rounds.
+"""Coordinator presence: the fleet's lease, a running coordinator's retained and heartbeated claim.
 
-``Presence`` (``type = "presence"``) is the retained message a running coordinator keeps on
-``<prefix>/<fleet>/coordinator`` and republishes every ``heartbeat_s`` with ``seq`` one higher; its
-last will clears the topic. A coordinator with a signing key signs it (``edgefl.wire.signing``) and
-stamps it with the time it was ``sent``, so a peer can refuse a forged or replayed one.
-``read_new_samples`` reads a DeviceStatus's optional ``new_samples`` field (labelled samples stored
-since the device's last round). Both are specified in ``docs/protocol.md`` ("Presence",
-"DeviceStatus").
+Field by field: ``docs/protocol.md`` ("Presence").
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from edgefl.errors import DecodeError
 from edgefl.wire import cbor
-from edgefl.wire.reasons import Reason
-
-NEW_SAMPLES_FIELD: Final = "new_samples"
-"""The DeviceStatus field: labelled samples the device stored since its last round (uint)."""
 
 _INSTANCE_RE: Final = re.compile(r"[0-9a-f]{8,64}")
 _HOST_RE: Final = re.compile(r"[\x21-\x7e]{1,255}")
@@ -32,10 +20,8 @@ MAX_HEARTBEAT_S: Final = 3600.0
 class Presence:
     """A running coordinator's claim on its fleet (retained on ``<prefix>/<fleet>/coordinator``).
 
-    ``started`` is Unix seconds, ``seq`` the heartbeat counter, ``heartbeat_s`` seconds between
-    republishes, ``sent`` Unix seconds of this publish (0.0: not stamped), ``signature`` the
-    coordinator's Ed25519 signature (``b""``: unsigned); every field: ``docs/protocol.md``
-    ("Presence").
+    ``started`` and ``sent`` (this publish; 0.0: not stamped) are Unix seconds, ``seq`` the heartbeat
+    counter, ``heartbeat_s`` seconds between republishes, ``signature`` Ed25519 (``b""``: unsigned).
     """
 
     instance: str
@@ -49,11 +35,7 @@ class Presence:
 
 
 def encode_presence(msg: Presence) -> bytes:
-    """Encode a :class:`Presence` (``docs/protocol.md``, "Presence"); returns the CBOR bytes.
-
-    ``sent`` is written when stamped (> 0), ``signature`` last when not empty (the signed layout of
-    ``edgefl.wire.signing``).
-    """
+    """Encode a :class:`Presence`: ``sent`` when stamped (> 0), ``signature`` last when not empty."""
     fields: dict[str, object] = {
         "instance": msg.instance,
         "host": msg.host,
@@ -83,15 +65,3 @@ def decode_presence(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS
         sent=cbor.read_float(obj, "sent", "", 0.0) if "sent" in obj else 0.0,
         signature=cbor.read_signature(obj, limits),
     )
-
-
-def read_new_samples(fields: Mapping[str, object]) -> int | None:
-    """A DeviceStatus's ``fields["new_samples"]`` (None if absent); else ``wrong_type``, ``bad_value``."""
-    value = fields.get(NEW_SAMPLES_FIELD)
-    if value is None:
-        return None
-    if type(value) is not int:
-        raise DecodeError(Reason.WRONG_TYPE, f"fields.{NEW_SAMPLES_FIELD}: expected an integer")
-    if not 0 <= value <= cbor.INT_MAX:
-        raise DecodeError(Reason.BAD_VALUE, f"fields.{NEW_SAMPLES_FIELD} = {value}: must be >= 0")
-    return value

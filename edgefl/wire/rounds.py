@@ -1,10 +1,6 @@
 """The round messages: the announcement that opens a round and a device's answer (an update or a decline).
 
-:class:`RoundAnnouncement` (``round``, retained), :class:`Update` and :class:`Decline` (both on
-``update/<device>``, QoS 1), each with its ``encode_x`` / ``decode_x``. Field by field, with every
-bound: ``docs/protocol.md`` ("RoundAnnouncement", "Update", "Decline").
-
-Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
+Field by field, with every bound: ``docs/protocol.md`` ("RoundAnnouncement", "Update", "Decline").
 """
 
 from __future__ import annotations
@@ -17,31 +13,12 @@ import numpy as np
 
 from edgefl.errors import DecodeError
 from edgefl.types import F32
-from edgefl.wire.cbor import (
-    DEFAULT_LIMITS,
-    Limits,
-    MessageType,
-    Scanned,
-    check_keys,
-    dump_message,
-    load_message,
-    read_choice,
-    read_device_id,
-    read_float,
-    read_int,
-    read_signature,
-    read_text,
-)
-from edgefl.wire.compression import (
-    CompressedDelta,
-    Compression,
-    compress_delta,
-    decompress_head,
-)
+from edgefl.wire import cbor
+from edgefl.wire.compression import CompressedDelta, Compression, compress_delta, decompress_head
 from edgefl.wire.reasons import Reason
 
 # Bounds on a RoundAnnouncement's training settings: a device must not be told to train for 2^62
-# epochs or with a step that overflows float32 (both were seen to hang or crash an agent).
+# epochs or with a step that overflows float32.
 MAX_DEADLINE_S: Final = 86_400.0
 MAX_LOCAL_EPOCHS: Final = 1_000
 MAX_LR: Final = 10.0
@@ -60,7 +37,6 @@ class RoundAnnouncement:
 
     ``deadline_s`` is in seconds from the announcement; ``selected`` the device ids asked, or the
     fraction in (0, 1] that self-selects; ``prox_mu`` FedProx's proximal coefficient (0: FedAvg).
-
     Source: Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020 (FedProx).
     """
 
@@ -120,8 +96,7 @@ class Decline:
     """A device's refusal of a round it was asked to train (topic ``update/<device>``, QoS 1).
 
     Sent instead of an Update (e.g. training stayed over the memory budget) so the coordinator counts
-    the refusal; ``reason`` is a :class:`~edgefl.wire.reasons.Reason` value. Fields:
-    ``docs/protocol.md`` ("Decline").
+    the refusal; ``reason`` is a :class:`~edgefl.wire.reasons.Reason` value.
     """
 
     round: int
@@ -138,8 +113,8 @@ def encode_round(msg: RoundAnnouncement) -> bytes:
     selected: object = (
         float(msg.selected) if isinstance(msg.selected, int | float) else [str(d) for d in msg.selected]
     )
-    return dump_message(
-        MessageType.ROUND,
+    return cbor.dump_message(
+        cbor.MessageType.ROUND,
         {
             "round": int(msg.round),
             "base_version": int(msg.base_version),
@@ -157,42 +132,45 @@ def encode_round(msg: RoundAnnouncement) -> bytes:
     )
 
 
-def decode_round(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> RoundAnnouncement:
+def decode_round(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS) -> RoundAnnouncement:
     """Decode and validate a :class:`RoundAnnouncement` (absent optional keys take their defaults).
 
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for out-of-range
-        numbers, a duplicate or invalid device id in ``selected``.
+    DecodeError: the reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for out-of-range
+    numbers, a duplicate or invalid device id in ``selected``.
     """
     required = ("round", "base_version", "deadline_s", "local_epochs", "lr", "batch_size", "min_clients")
     optional = ("compression", "topk_fraction", "prox_mu", "signature")
-    obj = load_message(payload, limits, MessageType.ROUND, (*required, "selected"), optional)
+    obj = cbor.load_message(payload, limits, cbor.MessageType.ROUND, (*required, "selected"), optional)
     raw_selected = obj["selected"]
     selected: tuple[str, ...] | float
     if isinstance(raw_selected, list):
-        selected = tuple(read_device_id(device, f"selected[{i}]") for i, device in enumerate(raw_selected))
+        selected = tuple(
+            cbor.read_device_id(device, f"selected[{i}]") for i, device in enumerate(raw_selected)
+        )
         if len(set(selected)) != len(selected):
             raise DecodeError(Reason.BAD_VALUE, "selected: duplicate device ids")
     else:
-        selected = read_float(obj, "selected", "", 0.0, 1.0, lo_open=True)
-    compression = read_choice(obj, "compression", Compression) if "compression" in obj else Compression.NONE
+        selected = cbor.read_float(obj, "selected", "", 0.0, 1.0, lo_open=True)
+    compression = (
+        cbor.read_choice(obj, "compression", Compression) if "compression" in obj else Compression.NONE
+    )
     return RoundAnnouncement(
-        round=read_int(obj, "round", ""),
-        base_version=read_int(obj, "base_version", ""),
-        deadline_s=read_float(obj, "deadline_s", "", 0.0, MAX_DEADLINE_S, lo_open=True),
-        local_epochs=read_int(obj, "local_epochs", "", 1, MAX_LOCAL_EPOCHS),
-        lr=read_float(obj, "lr", "", 0.0, MAX_LR, lo_open=True),
-        batch_size=read_int(obj, "batch_size", "", 1, MAX_BATCH_SIZE),
-        min_clients=read_int(obj, "min_clients", "", 1, MAX_CLIENTS),
+        round=cbor.read_int(obj, "round", ""),
+        base_version=cbor.read_int(obj, "base_version", ""),
+        deadline_s=cbor.read_float(obj, "deadline_s", "", 0.0, MAX_DEADLINE_S, lo_open=True),
+        local_epochs=cbor.read_int(obj, "local_epochs", "", 1, MAX_LOCAL_EPOCHS),
+        lr=cbor.read_float(obj, "lr", "", 0.0, MAX_LR, lo_open=True),
+        batch_size=cbor.read_int(obj, "batch_size", "", 1, MAX_BATCH_SIZE),
+        min_clients=cbor.read_int(obj, "min_clients", "", 1, MAX_CLIENTS),
         selected=selected,
         compression=compression,
         topk_fraction=(
-            read_float(obj, "topk_fraction", "", 0.0, 1.0, lo_open=True) if "topk_fraction" in obj else 0.1
+            cbor.read_float(obj, "topk_fraction", "", 0.0, 1.0, lo_open=True)
+            if "topk_fraction" in obj
+            else 0.1
         ),
-        prox_mu=read_float(obj, "prox_mu", "", 0.0, MAX_PROX_MU) if "prox_mu" in obj else 0.0,
-        signature=read_signature(obj, limits),
+        prox_mu=cbor.read_float(obj, "prox_mu", "", 0.0, MAX_PROX_MU) if "prox_mu" in obj else 0.0,
+        signature=cbor.read_signature(obj, limits),
     )
 
 
@@ -225,8 +203,8 @@ def encode_update(
             "eval_accuracy": float(msg.metrics.eval_accuracy),
             "eval_count": int(msg.metrics.eval_count),
         }
-    return dump_message(
-        MessageType.UPDATE,
+    return cbor.dump_message(
+        cbor.MessageType.UPDATE,
         {
             "round": int(msg.round),
             "base_version": int(msg.base_version),
@@ -248,24 +226,25 @@ def encode_update(
 
 
 def decode_update(
-    payload: bytes | Scanned, *, limits: Limits = DEFAULT_LIMITS, expect_shape: tuple[int, int] | None = None
+    payload: bytes | cbor.Scanned,
+    *,
+    limits: cbor.Limits = cbor.DEFAULT_LIMITS,
+    expect_shape: tuple[int, int] | None = None,
 ) -> Update:
     """Decode and validate an :class:`Update`, its deltas dense float32 (writable, owned).
 
     ``payload`` may be its :func:`~edgefl.wire.cbor.scan`; with ``expect_shape`` (D, K) the deltas
-    must be [D, K] and [K], without it W 2-D and b [W.shape[1]].
-
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"), ``bad_value`` for a field out of its range.
+    must be [D, K] and [K], without it W 2-D and b [W.shape[1]]. DecodeError: the reasons of
+    ``docs/protocol.md`` ("Refusals"), ``bad_value`` for a field out of its range.
     """
     required = ("round", "base_version", "device", "num_examples", "compression", "delta", "metrics")
-    obj = load_message(payload, limits, MessageType.UPDATE, (*required, "update_id"), ("signature",))
-    mode = read_choice(obj, "compression", Compression)
-    delta = check_keys(obj["delta"], "delta", ("W", "b"))
+    obj = cbor.load_message(
+        payload, limits, cbor.MessageType.UPDATE, (*required, "update_id"), ("signature",)
+    )
+    mode = cbor.read_choice(obj, "compression", Compression)
+    delta = cbor.check_keys(obj["delta"], "delta", ("W", "b"))
     delta_w, delta_b = decompress_head(delta, expect_shape, limits=limits, compression=mode, name="delta")
-    metrics = check_keys(
+    metrics = cbor.check_keys(
         obj["metrics"],
         "metrics",
         ("loss", "accuracy", "train_s", "peak_rss_bytes"),
@@ -276,34 +255,34 @@ def decode_update(
     if "eval_accuracy" in metrics or "eval_count" in metrics:
         if not ("eval_accuracy" in metrics and "eval_count" in metrics):
             raise DecodeError(Reason.MISSING_KEY, "metrics: eval_accuracy and eval_count go together")
-        eval_accuracy = read_float(metrics, "eval_accuracy", "metrics", 0.0, 1.0)
-        eval_count = read_int(metrics, "eval_count", "metrics", 1)
+        eval_accuracy = cbor.read_float(metrics, "eval_accuracy", "metrics", 0.0, 1.0)
+        eval_count = cbor.read_int(metrics, "eval_count", "metrics", 1)
     return Update(
-        round=read_int(obj, "round", ""),
-        base_version=read_int(obj, "base_version", ""),
-        device=read_device_id(obj["device"], "device"),
-        num_examples=read_int(obj, "num_examples", "", 1),
+        round=cbor.read_int(obj, "round", ""),
+        base_version=cbor.read_int(obj, "base_version", ""),
+        device=cbor.read_device_id(obj["device"], "device"),
+        num_examples=cbor.read_int(obj, "num_examples", "", 1),
         delta_W=delta_w,
         delta_b=delta_b,
         metrics=UpdateMetrics(
-            loss=read_float(metrics, "loss", "metrics"),
-            accuracy=read_float(metrics, "accuracy", "metrics", 0.0, 1.0),
-            train_s=read_float(metrics, "train_s", "metrics", 0.0),
-            peak_rss_bytes=read_int(metrics, "peak_rss_bytes", "metrics"),
+            loss=cbor.read_float(metrics, "loss", "metrics"),
+            accuracy=cbor.read_float(metrics, "accuracy", "metrics", 0.0, 1.0),
+            train_s=cbor.read_float(metrics, "train_s", "metrics", 0.0),
+            peak_rss_bytes=cbor.read_int(metrics, "peak_rss_bytes", "metrics"),
             eval_accuracy=eval_accuracy,
             eval_count=eval_count,
         ),
-        update_id=read_text(obj, "update_id", "", UPDATE_ID_RE),
+        update_id=cbor.read_text(obj, "update_id", "", UPDATE_ID_RE),
         compression=mode,
-        signature=read_signature(obj, limits),
+        signature=cbor.read_signature(obj, limits),
     )
 
 
 def encode_decline(msg: Decline) -> bytes:
     """Encode a :class:`Decline`, its ``detail`` as printable ASCII (others ``?``) cut to 200 characters."""
     detail = "".join(c if " " <= c <= "~" else "?" for c in msg.detail)[:200]
-    return dump_message(
-        MessageType.DECLINE,
+    return cbor.dump_message(
+        cbor.MessageType.DECLINE,
         {
             "round": int(msg.round),
             "base_version": int(msg.base_version),
@@ -316,23 +295,20 @@ def encode_decline(msg: Decline) -> bytes:
     )
 
 
-def decode_decline(payload: bytes | Scanned, *, limits: Limits = DEFAULT_LIMITS) -> Decline:
+def decode_decline(payload: bytes | cbor.Scanned, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS) -> Decline:
     """Decode and validate a :class:`Decline` (``payload`` may be its :func:`~edgefl.wire.cbor.scan`).
 
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for a reason, detail or
-        update id outside its pattern.
+    DecodeError: the reasons of ``docs/protocol.md`` ("Refusals"); ``bad_value`` for a reason, detail
+    or update id outside its pattern.
     """
     required = ("round", "base_version", "device", "reason", "detail", "update_id")
-    obj = load_message(payload, limits, MessageType.DECLINE, required, ("signature",))
+    obj = cbor.load_message(payload, limits, cbor.MessageType.DECLINE, required, ("signature",))
     return Decline(
-        round=read_int(obj, "round", ""),
-        base_version=read_int(obj, "base_version", ""),
-        device=read_device_id(obj["device"], "device"),
-        reason=read_text(obj, "reason", "", _REASON_RE),
-        detail=read_text(obj, "detail", "", _DETAIL_RE),
-        update_id=read_text(obj, "update_id", "", UPDATE_ID_RE),
-        signature=read_signature(obj, limits),
+        round=cbor.read_int(obj, "round", ""),
+        base_version=cbor.read_int(obj, "base_version", ""),
+        device=cbor.read_device_id(obj["device"], "device"),
+        reason=cbor.read_text(obj, "reason", "", _REASON_RE),
+        detail=cbor.read_text(obj, "detail", "", _DETAIL_RE),
+        update_id=cbor.read_text(obj, "update_id", "", UPDATE_ID_RE),
+        signature=cbor.read_signature(obj, limits),
     )

@@ -1,10 +1,7 @@
 """Message authenticity: Ed25519 signatures over a canonical byte string that binds the message's context.
 
-Owns the signed bytes (:func:`signed_bytes`), signing, verification before decoding
-(:func:`verify_payload`) and Ed25519 keys (64 hex digits, or PKCS #8 / SPKI PEM as ``openssl genpkey
--algorithm ed25519`` writes them). The layout, the blank form and what the verifier binds:
-``docs/protocol.md`` ("Signatures"); key rotation: ``docs/security.md``. The arithmetic is PyNaCl's
-(libsodium), imported at the first signature operation (installing it: ``docs/operations.md``).
+Signing, verification before decoding and keys (64 hex digits or PKCS #8 / SPKI PEM); the layout:
+``docs/protocol.md`` ("Signatures"). The arithmetic is PyNaCl's, imported at the first signature.
 
 Source: RFC 8032 §5.1 (Ed25519); RFC 8410 §7, §10 (Ed25519 keys in PKCS #8 / SPKI); RFC 8949
 §4.2.1 (deterministic encoding).
@@ -64,8 +61,7 @@ _SENDER_KEYS: Final[Mapping[MessageType, str]] = {
     MessageType.DECLINE: "device",
     MessageType.PARTIAL: "site",
 }
-_KEY: Final = b"\x69signature"  # CBOR text string "signature"
-_SIGNED_TAIL: Final = _KEY + b"\x58\x40"  # "signature": 64-byte string header
+_SIGNED_TAIL: Final = b"\x69signature\x58\x40"  # CBOR text "signature", then a 64-byte string's head
 _PKCS8_PREFIX: Final = bytes.fromhex("302e020100300506032b657004220420")  # RFC 8410 §10.3
 _SPKI_PREFIX: Final = bytes.fromhex("302a300506032b6570032100")  # RFC 8410 §10.1
 _HEX_RE: Final = re.compile(r"[0-9a-fA-F]{64}")
@@ -114,12 +110,8 @@ class SigningKey:
 # The Ed25519 library (imported lazily: the agent pays its memory only when signatures are on)
 
 
-#: Private keys kept expanded: making one from its seed is a scalar multiplication (~50 us).
-_KEYS_KEPT: Final = 4
-
-
 class _Nacl:
-    """PyNaCl's Ed25519 (libsodium ``crypto_sign``), with the last few expanded private keys kept."""
+    """PyNaCl's Ed25519 (libsodium ``crypto_sign``)."""
 
     def __init__(self) -> None:
         import nacl.exceptions
@@ -127,21 +119,12 @@ class _Nacl:
 
         self._signing = nacl.signing
         self._bad = nacl.exceptions.BadSignatureError
-        self._keys: dict[bytes, Any] = {}
-
-    def _key(self, seed: bytes) -> Any:
-        key = self._keys.get(seed)
-        if key is None:
-            if len(self._keys) >= _KEYS_KEPT:
-                self._keys.clear()
-            key = self._keys[seed] = self._signing.SigningKey(seed)
-        return key
 
     def public(self, seed: bytes) -> bytes:
-        return bytes(self._key(seed).verify_key)
+        return bytes(self._signing.SigningKey(seed).verify_key)
 
     def sign(self, seed: bytes, message: bytes) -> bytes:
-        return bytes(self._key(seed).sign(message).signature)
+        return bytes(self._signing.SigningKey(seed).sign(message).signature)
 
     def verify(self, public: bytes, signature: bytes, message: bytes) -> bool:
         try:
@@ -169,11 +152,7 @@ INSTALL_HINT: Final = "pip install 'edgefl[security]' (or apt-get install python
 
 
 def library_problem(setting: str) -> str | None:
-    """Why the key a profile's dotted ``setting`` configures cannot be used here, or None.
-
-    Profiles call it for every key they configure, so they refuse at load instead of failing at the
-    first signed message. The line names the setting and :data:`INSTALL_HINT`.
-    """
+    """Why the key a profile's dotted ``setting`` configures cannot be used here (no PyNaCl), or None."""
     try:
         _backend()
     except RuntimeError:
@@ -242,9 +221,7 @@ def parse_signing_key(text: str) -> SigningKey:
     """Parse a private key's text: 64 hex digits (the seed) or PKCS #8 PEM ``PRIVATE KEY``.
 
     ValueError saying what the text is instead (a public key, an encrypted or non-Ed25519 PEM block, a
-    wrong number of hex digits), never quoting key material.
-
-    Source: RFC 8410 §7, §10.3.
+    wrong number of hex digits), never quoting key material. Source: RFC 8410 §7, §10.3.
     """
     return SigningKey(_decode_text(text, _PKCS8_PREFIX, "private key"))
 
@@ -264,18 +241,12 @@ def _pem(label: str, der: bytes) -> str:
 
 
 def private_pem(key: SigningKey) -> str:
-    """The private key as PKCS #8 PEM (``-----BEGIN PRIVATE KEY-----``), as openssl writes it.
-
-    Source: RFC 8410 §7, §10.3; RFC 7468 §10 (PEM labels).
-    """
+    """The private key as PKCS #8 PEM, as openssl writes it (RFC 8410 §7, §10.3; RFC 7468 §10)."""
     return _pem("PRIVATE KEY", _PKCS8_PREFIX + key.seed)
 
 
 def public_pem(key: VerifyKey) -> str:
-    """The public key as SubjectPublicKeyInfo PEM (``-----BEGIN PUBLIC KEY-----``).
-
-    Source: RFC 8410 §4, §10.1; RFC 7468 §13.
-    """
+    """The public key as SubjectPublicKeyInfo PEM (RFC 8410 §4, §10.1; RFC 7468 §13)."""
     return _pem("PUBLIC KEY", _SPKI_PREFIX + key.raw)
 
 
@@ -329,18 +300,25 @@ def read_key_text(path: Path, what: str) -> str:
         raise ValueError(f"{path}: {what}: not a text file (64 hex digits or PEM)") from None
 
 
+_K = TypeVar("_K", SigningKey, VerifyKey)
+
+
+def _load_key(path: Path, what: str, parse: Callable[[str], _K]) -> _K:
+    """``parse`` of the key file's text; a ValueError names the path, never the content."""
+    text = read_key_text(path, what)
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
 def load_signing_key(path: Path) -> SigningKey:
     """Load a private key file (:func:`parse_signing_key`); warn if others can read it.
 
     OSError if it cannot be read; ValueError (naming the path, never the content) without a key.
     """
-    path = Path(path)
-    mode = path.stat().st_mode
-    text = read_key_text(path, "private key")
-    try:
-        key = parse_signing_key(text)
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+    mode = Path(path).stat().st_mode
+    key = _load_key(path, "private key", parse_signing_key)
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         logger.warning(
             "private key %s is accessible by group/others (mode %o); chmod 600 it", path, mode & 0o777
@@ -350,12 +328,7 @@ def load_signing_key(path: Path) -> SigningKey:
 
 def load_verify_key(path: Path) -> VerifyKey:
     """Load a public key file (:func:`parse_verify_key`); OSError or ValueError as above."""
-    path = Path(path)
-    text = read_key_text(path, "public key")
-    try:
-        return parse_verify_key(text)
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+    return _load_key(path, "public key", parse_verify_key)
 
 
 def load_verify_keys(directory: Path, suffix: str = ".pub") -> dict[str, VerifyKey]:
@@ -375,7 +348,6 @@ def signed_bytes(*, fleet: str, kind: str, round: int, version: int, device: str
     """The bytes a signature covers: ``CONTEXT || CBOR([fleet, kind, round, version, device, digest])``.
 
     Each item as in ``docs/protocol.md`` ("Signatures"); ``digest`` is the blank form's SHA-256.
-
     Source: RFC 8949 §4.2.1 (deterministic encoding).
     """
     return CONTEXT + cbor2.dumps([fleet, str(kind), int(round), int(version), device, bytes(digest)])

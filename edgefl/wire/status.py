@@ -1,10 +1,7 @@
 """The device status message: what a device says about itself on ``status/<device>`` (retained).
 
-Owns :class:`DeviceStatus`, :func:`encode_status` / :func:`decode_status` (free-form JSON-like fields,
-bounded) and :func:`offline_status` (the last will). Field by field: ``docs/protocol.md``
-("DeviceStatus"); decoding is bounded by :mod:`edgefl.wire.cbor`.
-
-Source: RFC 8949 (CBOR).
+Free-form JSON-like fields, bounded, and the last will (:func:`offline_status`); field by field:
+``docs/protocol.md`` ("DeviceStatus").
 """
 
 from __future__ import annotations
@@ -23,24 +20,14 @@ from edgefl.wire.reasons import Reason
 
 _STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 
+# a reader keeps one status a device (the coordinator up to fleet.max_devices): update-sized statuses
+# would grow it by gigabytes
 STATUS_MAX_BYTES: Final = 16 * 1024
-"""Most bytes of a status payload (an agent's: ~1.3 KiB, 60 fields; a receiver keeps one a device)."""
+"""Most bytes of a status payload (an agent's: ~1.3 KiB, 60 fields)."""
 STATUS_MAX_ITEMS: Final = 1024
 """Most CBOR data items in a status (an agent's: ~170; its ``rejected`` map grows by 2 a reason)."""
-
-
-def status_limits(limits: cbor.Limits) -> cbor.Limits:
-    """``limits`` tightened to a status's own bounds (:data:`STATUS_MAX_BYTES`, :data:`STATUS_MAX_ITEMS`).
-
-    A reader keeps one status a device (the coordinator up to ``fleet.max_devices``): update-sized
-    statuses would grow it by gigabytes.
-    """
-    return dataclasses.replace(
-        limits,
-        max_message_bytes=min(limits.max_message_bytes, STATUS_MAX_BYTES),
-        max_items=min(limits.max_items, STATUS_MAX_ITEMS),
-        max_array_elements=min(limits.max_array_elements, STATUS_MAX_ITEMS),
-    )
+NEW_SAMPLES_FIELD: Final = "new_samples"
+"""The field that paces a service's rounds: labelled samples the device stored since its last round."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,14 +83,16 @@ def _json_map(value: object, name: str) -> dict[str, object]:
 def decode_status(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS) -> DeviceStatus:
     """Decode and validate a :class:`DeviceStatus`, its ``fields`` a fresh dict of plain values (or ``{}``).
 
-    Raises
-    ------
-    DecodeError
-        The reasons of ``docs/protocol.md`` ("Refusals"); ``wrong_type`` for byte strings or
-        tags inside ``fields``, ``not_finite`` for NaN/infinity; ``too_large`` for a payload over
-        :data:`STATUS_MAX_BYTES` bytes or :data:`STATUS_MAX_ITEMS` items (whatever ``limits`` allows).
+    DecodeError: the reasons of ``docs/protocol.md`` ("Refusals"); ``wrong_type`` for byte strings or
+    tags inside ``fields``, ``not_finite`` for NaN/infinity; ``too_large`` for a payload over
+    :data:`STATUS_MAX_BYTES` bytes or :data:`STATUS_MAX_ITEMS` items (whatever ``limits`` allows).
     """
-    limits = status_limits(limits)
+    limits = dataclasses.replace(
+        limits,
+        max_message_bytes=min(limits.max_message_bytes, STATUS_MAX_BYTES),
+        max_items=min(limits.max_items, STATUS_MAX_ITEMS),
+        max_array_elements=min(limits.max_array_elements, STATUS_MAX_ITEMS),
+    )
     obj = cbor.load_message(payload, limits, cbor.MessageType.STATUS, ("device", "state"), ("fields",))
     return DeviceStatus(
         device=cbor.read_device_id(obj["device"], "device"),
@@ -116,3 +105,15 @@ def offline_status(device: str) -> bytes:
     """The last-will payload of ``device``: its status with state ``offline``; ValueError for a bad id."""
     check_device_id(device)
     return encode_status(DeviceStatus(device=device, state="offline", fields={}))
+
+
+def read_new_samples(fields: Mapping[str, object]) -> int | None:
+    """A DeviceStatus's ``fields["new_samples"]`` (None if absent); else ``wrong_type``, ``bad_value``."""
+    value = fields.get(NEW_SAMPLES_FIELD)
+    if value is None:
+        return None
+    if type(value) is not int:
+        raise DecodeError(Reason.WRONG_TYPE, f"fields.{NEW_SAMPLES_FIELD}: expected an integer")
+    if not 0 <= value <= cbor.INT_MAX:
+        raise DecodeError(Reason.BAD_VALUE, f"fields.{NEW_SAMPLES_FIELD} = {value}: must be >= 0")
+    return value

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from edgefl.types import F32
-from edgefl.wire.cbor import NO_LIMITS
+from edgefl.wire.cbor import DEFAULT_LIMITS, NO_LIMITS, Limits, scan
 from edgefl.wire.compression import Compression, compress_delta, decompress_delta
 
-__all__ = ["compressed_roundtrip"]
+__all__ = ["compressed_roundtrip", "global_model_version"]
 
 
 def compressed_roundtrip(
@@ -49,3 +49,12 @@ def compressed_roundtrip(
     x = np.asarray(delta, dtype=np.float32)
     sub = compress_delta(x, compression, topk_fraction=topk_fraction, rng=rng)
     return decompress_delta(sub, x.shape, limits=NO_LIMITS, compression=Compression(compression))
+
+
+def global_model_version(payload: bytes, *, limits: Limits = DEFAULT_LIMITS) -> int | None:
+    """A whole GlobalModel's ``version`` from its item headers (None if none), as a device reads it.
+
+    DecodeError as :func:`~edgefl.wire.cbor.scan`.
+    """
+    version = scan(payload, limits).header.get("version")
+    return version if type(version) is int else None
