@@ -59,11 +59,9 @@ class AgentBrokerConfig(BrokerConfig):
     Parameters
     ----------
     session_expiry_s : int
-        Seconds the broker keeps the agent's MQTT session (its subscriptions and the QoS 1 samples,
-        labels, rounds and heads published to them) while the agent is away: a restart, an upgrade or a
-        reboot within it loses nothing the broker queued (MQTT 5.0 §3.1.2.11; on 3.1.1 a persistent
-        session, kept until the broker's own expiry). 0: a clean session at every connect.
-        0..4294967295 (4294967295: never expires); default 3600.
+        Seconds the broker keeps the agent's MQTT session (its subscriptions and the QoS 1 messages
+        queued for them) while the agent is away, 0..4294967295 (never expires); 0: a clean session at
+        every connect (MQTT 5.0 §3.1.2.11; ``docs/operations.md``).
     """
 
     session_expiry_s: int = 3600
@@ -227,9 +225,8 @@ class SourceConfig:
         MQTT: samples received and not yet classified, 1..65536; when full the oldest is dropped
         (``ingest_dropped``).
     queue_max_bytes : int
-        Payload bytes received and not yet handled (samples queued, and any message the transport
-        holds), 65,536..67,108,864; at it the agent stops reading the broker's socket (TCP holds the
-        rest, nothing is acknowledged nor dropped) until handling frees bytes. Applies to every kind.
+        Payload bytes received and not yet handled, 65,536..67,108,864, every kind; at it the agent
+        stops reading the broker's socket until handling frees bytes (``docs/operations.md``).
     pending_max : int
         MQTT: classified samples kept for a late Label, 0..1,000,000; when full the oldest is
         dropped (``pending_evicted``); 0 refuses every late label.

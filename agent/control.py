@@ -26,8 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 IDLE_GRACE_S = 0.5
-"""After a trained round, the writes left behind and ``malloc_trim`` wait until no message came for
-this long (seconds): a new head is usually followed by its round within milliseconds."""
+"""Seconds without a message before a trained round's writes left behind and ``malloc_trim`` run."""
 
 
 class RoundTask(SampleSource):

@@ -150,10 +150,7 @@ class Agent(RoundTask):
     async def _drop_stale_subscriptions(self) -> None:
         """Unsubscribe what the last run subscribed to and this one does not (``subscriptions.rec``).
 
-        The persistent session keeps a run's subscriptions at the broker: after a change of
-        ``device.fleet``, ``broker.topic_prefix`` or ``source.kind`` the old topics would keep
-        delivering. Never raises: a failure is logged (the old topics' messages are then refused as
-        ``bad_topic``).
+        Never raises: a failure is logged (the old topics' messages are then refused as ``bad_topic``).
         """
         assert self.transport is not None
         path = self.profile.device.state_dir / SUBSCRIPTIONS_FILE

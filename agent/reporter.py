@@ -168,9 +168,7 @@ class StatusReporter:
     def _note_acknowledged(self, update_id: str) -> None:
         """The broker acknowledged ``update_id``: the core is told with the next worker call.
 
-        Its outbox write is left behind anyway (``DeviceCore.write_behind``), so a hop of its own
-        between a PUBACK and the round's next message only costs CPU; ``outbox_pending`` counts
-        the update until then, as it counts one written behind.
+        ``outbox_pending`` counts the update until then, as it counts one written behind.
         """
         self._acked.append(update_id)
 

@@ -6,7 +6,7 @@ slot ``seq % capacity``). :meth:`EmbeddingStore.flush` writes
 the maps back, then the metadata as a checksummed record. At open the newest contiguous run of rows
 whose CRCs check is recovered and what could not be is logged; insane metadata, a label outside
 ``0..K-1`` or a non-finite embedding sets the files aside (``<name>.corrupt``) and the store starts
-empty.
+empty. A store found with another capacity (the profile's changed) keeps its newest samples.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import time
 import zlib
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from edgefl.head import check_labels, label_range
-from edgefl.records import prev_path, read_record, set_aside, write_record
+from edgefl.records import move_into, prev_path, read_record, set_aside, write_record
 from edgefl.types import F32, I64
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ ROWS_FILE = "store_rows.u64"
 META_FILE = "store_meta.rec"
 """Checksummed record of the store's metadata (JSON map, see :meth:`EmbeddingStore.flush`)."""
 CORRUPT_SUFFIX = ".corrupt"
+RESIZE_DIR = ".resize"
+"""Sub-folder where a store is rebuilt for a new capacity before its files replace the old ones."""
 _SCAN_ROWS = 256  # embeddings checked for finiteness per block at open (bounded heap)
 _HALF_MASK = np.int32(0x8FFFE000 - (1 << 32))  # float32 sign bit + a half's 15 bits, shifted by 13
 _HALF_SCALE = np.float32(2.0**112)  # 2**(127 - 15): float16's exponent bias -> float32's
@@ -140,7 +143,8 @@ class EmbeddingStore:
 
     Notes
     -----
-    A store for another ``capacity``/``dim`` is reset; a corrupt one is set aside (``set_aside`` says why).
+    A store for another ``dim`` is reset (a WARNING with its count); one for another ``capacity`` keeps
+    its newest samples and its mark; a corrupt one is set aside (``set_aside`` says why).
     """
 
     def __init__(self, directory: Path, capacity: int, dim: int, num_classes: int | None = None) -> None:
@@ -170,6 +174,9 @@ class EmbeddingStore:
         self._meta_path = directory / META_FILE
         emb_path, lbl_path, rows_path = directory / EMB_FILE, directory / LBL_FILE, directory / ROWS_FILE
         sizes = ((emb_path, capacity * dim * 2), (lbl_path, capacity * 2), (rows_path, capacity * 16))
+        old_capacity = _other_capacity(self._meta_path, capacity, dim)
+        if old_capacity is not None:
+            _resize(directory, old_capacity, capacity, dim, num_classes)
         meta: dict[str, object] | None = None
         mode = "w+"
         try:
@@ -233,7 +240,14 @@ class EmbeddingStore:
         except (ValueError, TypeError) as exc:
             raise StoreCorrupt(f"metadata unreadable: {exc}") from exc
         if meta.get("capacity") != self.capacity or meta.get("dim") != self.dim:
-            logger.info("store in %s was built for another model shape; starting empty", self.directory)
+            logger.warning(
+                "store in %s was built for embeddings of D = %s (this model: D = %d): its %s sample(s) "
+                "cannot train this model; starting empty",
+                self.directory,
+                meta.get("dim"),
+                self.dim,
+                meta.get("count"),
+            )
             self._other_shape = True
             return None
         return meta
@@ -542,3 +556,54 @@ class EmbeddingStore:
             return True
         since = self.unflushed_since
         return since is not None and (time.monotonic() if now is None else now) - since >= interval_s
+
+
+def _other_capacity(meta_path: Path, capacity: int, dim: int) -> int | None:
+    """The capacity of a store at ``meta_path`` built for this ``dim`` and another capacity, else None."""
+    data = read_record(meta_path)
+    try:
+        meta = json.loads(data) if data is not None else None
+    except ValueError:
+        return None  # the store's own open says it is corrupt
+    if not isinstance(meta, dict) or meta.get("dim") != dim:
+        return None
+    old = meta.get("capacity")
+    return old if type(old) is int and old > 0 and old != capacity else None
+
+
+def _resize(directory: Path, old_capacity: int, capacity: int, dim: int, num_classes: int | None) -> None:
+    """Rebuild the store in ``directory`` for ``capacity``, keeping its newest samples and its mark.
+
+    The old store is opened (rows checked) and copied block by block into a new one under
+    :data:`RESIZE_DIR`, whose files then replace the old ones (the metadata last).
+    """
+    old = EmbeddingStore(directory, old_capacity, dim, num_classes)
+    n = len(old)
+    keep = min(n, capacity)
+    tmp = directory / RESIZE_DIR
+    shutil.rmtree(tmp, ignore_errors=True)
+    new = EmbeddingStore(tmp, capacity, dim, num_classes)
+    for start in range(n - keep, n, _SCAN_ROWS):
+        rows = np.arange(start, min(start + _SCAN_ROWS, n), dtype=np.int64)  # oldest first
+        if n == old_capacity:  # a full ring's rows are its slots: the oldest sits at the head
+            rows = (rows + old._head) % old_capacity
+        emb, lbl = np.empty((len(rows), dim), np.float32), np.empty(len(rows), np.int64)
+        old.read(rows, emb, lbl)
+        new.add(emb, lbl)
+    if old.mark is not None:
+        new.mark = max(0, keep - old.since_mark)
+    new.flush()
+    old._unmap()
+    new._unmap()
+    (directory / prev_path(Path(META_FILE)).name).unlink(missing_ok=True)
+    move_into([(tmp / name, directory / name) for name in (EMB_FILE, LBL_FILE, ROWS_FILE, META_FILE)])
+    shutil.rmtree(tmp, ignore_errors=True)
+    log = logger.warning if keep < n else logger.info
+    log(
+        "store in %s: capacity %d -> %d: kept the newest %d of %d sample(s)",
+        directory,
+        old_capacity,
+        capacity,
+        keep,
+        n,
+    )

@@ -1,15 +1,8 @@
 """``edgefl coordinator [PROFILE] [--set key=value ...]``: the command line of the coordinator service.
 
 Flags are overrides on top of the profile. :func:`main` reads it, locks its state file, runs the
-service (:func:`edgefl.coordinator.runner.run`) and turns what stopped it into an exit code.
-
-Exit codes: 0 done (or stopped, at any moment); 1 invalid profile, or the broker refused its
-credentials or, at start-up, a publish or subscription on the fleet's topics (its ACL); 3 the model
-could not be loaded; 4 a runtime error at start-up (broker unreachable, bad key file, the fleet
-page's port in use); 5 the job ended with a round that aggregated nothing (the reason is the last line
-on stderr); 6 another coordinator runs this fleet (its state file is locked, or a live coordinator
-holds the fleet's lease on the broker); 75 (``EX_TEMPFAIL``) a fault stopped the running coordinator
-(logged with its traceback; the unit restarts it, as it does after 4 and 5, never after 1, 2, 3, 6).
+service (:func:`edgefl.coordinator.runner.run`) and turns what stopped it into an exit code (the
+parser's description; each with its cause and restart in ``docs/operations.md``, "The coordinator").
 """
 
 from __future__ import annotations

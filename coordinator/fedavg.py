@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from edgefl.coordinator.strategy import Offer, RoundConfig, SiteSums, Strategy
+from edgefl.coordinator.strategy import Offer, RoundConfig, SiteSums, Strategy, array_from
 from edgefl.types import F32
 
 
@@ -93,8 +93,8 @@ class FedAvg(Strategy):
     def _restore(self, acc: dict[str, Any], shape: tuple[int, int]) -> None:
         weight = float(acc["weight"])
         if weight > 0:
-            self._sum_W.add_sum(np.frombuffer(acc["W"], np.float64).reshape(shape), weight)
-            self._sum_b.add_sum(np.frombuffer(acc["b"], np.float64).reshape(shape[1]), weight)
+            self._sum_W.add_sum(array_from(acc["W"], np.float64, shape), weight)
+            self._sum_b.add_sum(array_from(acc["b"], np.float64, shape[1]), weight)
 
     def step(self, W: F32, b: F32, mean_dW: F32, mean_db: F32) -> tuple[F32, F32]:
         """Server step from the round's mean delta: ``W + server_lr * mean_dW`` (and b alike).

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from edgefl.coordinator.strategy import Offer, RoundConfig, Schedule, Strategy
+from edgefl.coordinator.strategy import Offer, RoundConfig, Schedule, Strategy, array_from
 from edgefl.errors import UpdateRejected
 from edgefl.types import F32
 
@@ -167,8 +167,8 @@ class FedBuff(Strategy):
 
     def _restore(self, acc: dict[str, Any], shape: tuple[int, int]) -> None:
         buf = self._buffer
-        buf._sum_W[:] = np.frombuffer(acc["W"], np.float64).reshape(shape)
-        buf._sum_b[:] = np.frombuffer(acc["b"], np.float64).reshape(shape[1])
+        buf._sum_W[:] = array_from(acc["W"], np.float64, shape)
+        buf._sum_b[:] = array_from(acc["b"], np.float64, shape[1])
         buf.total_examples = int(acc["examples"])
         buf.count = int(acc["count"])
         buf.staleness = [int(x) for x in acc["staleness"]]

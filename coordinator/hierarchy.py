@@ -69,7 +69,6 @@ class RootCoordinator(Coordinator):
         self.expected_sites = expected_sites
         self.site_devices = site_devices or MAX_PARTIAL_UPDATES
         self.strategy.bound_site_weights()
-        self.max_seen_update_ids = ROOT_SEEN_UPDATE_IDS
         self._seen_update_ids = IdTable(ROOT_SEEN_UPDATE_IDS, values=False)
         self._seen_partials: dict[tuple[str, int, str], None] = {}
         self.partials_received = 0
@@ -155,7 +154,7 @@ class RootCoordinator(Coordinator):
             del self._seen_partials[next(iter(self._seen_partials))]
         for u in p.update_ids:
             self._id_site.setdefault(u, site)
-        while len(self._id_site) > self.max_seen_update_ids:
+        while len(self._id_site) > ROOT_SEEN_UPDATE_IDS:
             del self._id_site[next(iter(self._id_site))]
         if others:
             # Ids are per (site, device): the root cannot know a site's devices, so an id listed by

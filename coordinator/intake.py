@@ -22,7 +22,7 @@ import numpy as np
 from edgefl.coordinator.history import CoordinatorState, RoundRecord
 from edgefl.coordinator.registry import LOGGED_REFUSALS, DeviceRegistry, sampled_log, shorten
 from edgefl.coordinator.rounds import Round, RoundPhase
-from edgefl.coordinator.strategy import Offer, Strategy
+from edgefl.coordinator.strategy import Offer, Strategy, array_from
 from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.head import validate_head
 from edgefl.idtable import IdTable
@@ -219,13 +219,11 @@ class Intake:
                 self.notify()
             else:
                 self._handle_update(device, msg)
-        except Exception as exc:
-            # DecodeError/UpdateRejected carry their reason; anything else is the last line of defence
-            # (a fault in handling): counted as ``failed`` so the pump never stops (a peer never deaf)
-            known = isinstance(exc, (DecodeError, UpdateRejected))
-            reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
-            why = str(exc) if known else f"failed: handling raised {type(exc).__name__}: {exc}"
-            self.refuse_message(msg, reason, why, device)
+        except (DecodeError, UpdateRejected) as exc:
+            self.refuse_message(msg, exc.reason, str(exc), device)
+        except Exception as exc:  # a fault in handling: counted as ``failed``, the pump never stops
+            why = f"failed: handling raised {type(exc).__name__}: {exc}"
+            self.refuse_message(msg, "failed", why, device)
 
     def refuse_message(
         self, msg: Message, reason: str, why: str, device: str | None = None, level: int = logging.WARNING
@@ -532,8 +530,7 @@ class Intake:
             raise UpdateRejected(
                 "bad_state", f"{path}: head shape {doc['shape']}, model has {list(self.shape)}"
             )
-        W = np.frombuffer(doc["W"], dtype=np.float32).reshape(self.shape).copy()
-        b = np.frombuffer(doc["b"], dtype=np.float32).copy()
+        W, b = array_from(doc["W"], np.float32, self.shape), array_from(doc["b"], np.float32, -1)
         try:
             validate_head(W, b, self.shape)
         except UpdateRejected as exc:

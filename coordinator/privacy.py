@@ -1,7 +1,7 @@
 """Client-level differential privacy at the coordinator (central DP): clip each update, add Gaussian noise.
 
-``DPFedAvg`` wraps a FedAvg-family strategy; ``dp_epsilon`` and ``ledger_epsilon`` account the privacy
-loss with the optional ``dp-accounting`` library (``docs/security.md``, "Differential privacy").
+``DPFedAvg`` wraps a FedAvg-family strategy; ``ledger_epsilon`` accounts the privacy loss with the
+optional ``dp-accounting`` library (``docs/security.md``, "Differential privacy").
 
 Source: McMahan, Ramage, Talwar, Zhang 2018, "Learning Differentially Private Recurrent Language
 Models" (ICLR), Algorithm 1; Abadi et al. 2016 (clipping); Mironov 2017 (Renyi DP).
@@ -20,7 +20,7 @@ import numpy.typing as npt
 from edgefl.coordinator.fedavg import FedAvg, RunningWeightedSum
 from edgefl.coordinator.normbound import clip_factor, scale_delta, update_norm
 from edgefl.coordinator.strategies import ROUND_SETTINGS
-from edgefl.coordinator.strategy import Offer, RoundConfig, RoundReport, SiteSums, Strategy
+from edgefl.coordinator.strategy import Offer, RoundConfig, RoundReport, SiteSums, Strategy, array_from
 from edgefl.types import F32
 
 
@@ -98,53 +98,30 @@ class PrivateSum:
         return W.astype(np.float32), b.astype(np.float32)
 
 
-def dp_epsilon(
-    noise_multiplier: float,
-    sampling_rate: float,
-    rounds: int,
-    delta: float,
-    accountant: Literal["rdp", "pld"] = "rdp",
-) -> float:
-    """Epsilon of ``rounds`` rounds of DP-FedAvg, client-level, at the given delta.
-
-    ``noise_multiplier`` z >= 0; ``sampling_rate`` q in (0, 1] (the chance a device takes part in a
-    round); ``rounds`` >= 0; ``delta`` in (0, 1); ``accountant``: RDP (as Opacus and TF Privacy) or PLD
-    (tighter). Returns epsilon (0.0 for zero rounds, inf for z = 0). Raises ValueError on out-of-range
-    arguments, ImportError without ``dp-accounting``.
-
-    Source: Mironov 2017 (RDP); Mironov, Talwar, Zhang 2019 (RDP of the sampled Gaussian);
-    Google ``dp-accounting`` (PoissonSampledDpEvent of a GaussianDpEvent, SelfComposedDpEvent).
-    """
-    if noise_multiplier < 0 or not 0 < sampling_rate <= 1 or rounds < 0 or not 0 < delta < 1:
-        raise ValueError(
-            f"dp_epsilon: noise_multiplier={noise_multiplier}, sampling_rate={sampling_rate}, "
-            f"rounds={rounds}, delta={delta}"
-        )
-    if rounds == 0:
-        return 0.0
-    if noise_multiplier == 0:
-        return math.inf
-    return _account([(noise_multiplier, sampling_rate, rounds)], delta, accountant)
-
-
 def ledger_epsilon(
     runs: Sequence[tuple[float, float, int]], delta: float, accountant: Literal["rdp", "pld"] = "rdp"
 ) -> float:
-    """Epsilon of a run of DP rounds whose noise or sampling rate may have changed between restarts.
+    """Client-level epsilon at ``delta`` of DP-FedAvg rounds whose settings may have changed at restarts.
 
-    ``runs``: ``(noise_multiplier, sampling_rate, rounds)`` of consecutive rounds with the same settings;
-    the rest as ``dp_epsilon``. Returns the epsilon of their composition (inf when a run had no noise).
+    ``runs``: ``(noise_multiplier z >= 0, sampling_rate q in (0, 1], rounds >= 0)`` of consecutive
+    rounds with the same settings (q: the chance a device takes part in a round); ``delta`` in (0, 1);
+    ``accountant``: RDP (as Opacus and TF Privacy) or PLD (tighter). Returns the epsilon of their
+    composition (0.0 without rounds, inf when a run had no noise). Raises ValueError on out-of-range
+    values, ImportError without ``dp-accounting``.
 
-    Source: Google ``dp-accounting``, a ``ComposedDpEvent`` of the runs (Mironov 2017).
+    Source: Mironov 2017 (RDP); Mironov, Talwar, Zhang 2019 (RDP of the sampled Gaussian); Google
+    ``dp-accounting`` (a ``ComposedDpEvent`` of PoissonSampledDpEvent of a GaussianDpEvent per run).
     """
+    if not 0 < delta < 1:
+        raise ValueError(f"privacy accountant: delta = {delta}: must be in (0, 1)")
+    for z, q, n in runs:
+        if z < 0 or not 0 < q <= 1 or n < 0:
+            raise ValueError(f"privacy accountant: noise_multiplier={z}, sampling_rate={q}, rounds={n}")
     live = [(z, q, n) for z, q, n in runs if n > 0]
-    if len(live) <= 1:
-        z, q, n = live[0] if live else (1.0, 1.0, 0)
-        return dp_epsilon(z, q, n, delta, accountant)
-    for z, q, _ in live:
-        dp_epsilon(z, q, 0, delta)  # validates each run's values
-        if z == 0:
-            return math.inf
+    if not live:
+        return 0.0
+    if any(z == 0 for z, _, _ in live):
+        return math.inf
     return _account(live, delta, accountant)
 
 
@@ -283,8 +260,8 @@ class DPFedAvg(Strategy):
 
     def _restore(self, acc: dict[str, Any], shape: tuple[int, int]) -> None:
         if int(acc["count"]) > 0:
-            W = np.frombuffer(acc["W"], np.float64).reshape(shape)
-            self._sum.add_sum(W, np.frombuffer(acc["b"], np.float64).reshape(shape[1]), int(acc["count"]))
+            W, b = array_from(acc["W"], np.float64, shape), array_from(acc["b"], np.float64, shape[1])
+            self._sum.add_sum(W, b, int(acc["count"]))
             self._sum.clipped = int(acc["clipped"])
 
     def _aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:

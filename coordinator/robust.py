@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from edgefl.coordinator.strategy import Offer, SiteSums, Strategy
+from edgefl.coordinator.strategy import Offer, SiteSums, Strategy, array_from
 from edgefl.errors import UpdateRejected
 from edgefl.types import F32
 
@@ -159,8 +159,8 @@ class _Robust(Strategy):
         return {"W": [w.tobytes() for w in self._kept_W], "b": [b.tobytes() for b in self._kept_b]}
 
     def _restore(self, acc: dict[str, Any], shape: tuple[int, int]) -> None:
-        self._kept_W = [np.frombuffer(w, np.float32).reshape(shape).copy() for w in acc["W"]]
-        self._kept_b = [np.frombuffer(b, np.float32).reshape(shape[1]).copy() for b in acc["b"]]
+        self._kept_W = [array_from(w, np.float32, shape) for w in acc["W"]]
+        self._kept_b = [array_from(b, np.float32, shape[1]) for b in acc["b"]]
 
     def _fold_sums(self, sums: SiteSums) -> None:
         self._site_W.append(sums.W)

@@ -12,7 +12,11 @@ from edgefl.coordinator.profile import RobustnessConfig, RoundsConfig, StrategyC
 from edgefl.coordinator.robust import Median, TrimmedMean
 from edgefl.coordinator.strategy import Strategy
 
-STRATEGY_NAMES = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "median", "trimmed-mean", "fedbuff")
+STRATEGIES: Final[dict[str, type[Strategy]]] = {
+    cls.name: cls for cls in (FedAvg, FedProx, FedAvgM, FedAdam, FedYogi, Median, TrimmedMean, FedBuff)
+}
+"""Each strategy class by its ``name`` (a profile's ``strategy.name``)."""
+STRATEGY_NAMES = tuple(STRATEGIES)
 
 ROUND_SETTINGS: Final = ("local_epochs", "lr", "batch_size", "min_clients", "deadline_s")
 """The ``[rounds]`` keys every strategy takes, under the same names."""
@@ -25,17 +29,7 @@ def make_strategy(name: str, **kwargs: Any) -> Strategy:
     (``prox_mu``, ``server_momentum``, ``tau``, ``trim_fraction``, ``buffer_size``...). Raises
     ValueError if the name is unknown.
     """
-    classes: dict[str, type[Strategy]] = {
-        "fedavg": FedAvg,
-        "fedprox": FedProx,
-        "fedavgm": FedAvgM,
-        "fedadam": FedAdam,
-        "fedyogi": FedYogi,
-        "median": Median,
-        "trimmed-mean": TrimmedMean,
-        "fedbuff": FedBuff,
-    }
-    cls = classes.get(name)
+    cls = STRATEGIES.get(name)
     if cls is None:
         raise ValueError(f"unknown strategy {name!r}: choose one of {', '.join(STRATEGY_NAMES)}")
     return cls(**kwargs)

@@ -52,6 +52,11 @@ def sample_clients(
     return tuple(sorted(pool[int(i)] for i in chosen))
 
 
+def array_from(raw: bytes, dtype: type[np.floating[Any]], shape: int | tuple[int, ...]) -> npt.NDArray[Any]:
+    """A writable copy of the ``dtype`` array of ``shape`` held in ``raw`` (ValueError: it does not fit)."""
+    return np.frombuffer(raw, dtype).reshape(shape).copy()
+
+
 class Schedule(StrEnum):
     """How the service runs a round: a synchronous round, or one buffered-asynchronous server step."""
 
@@ -384,33 +389,14 @@ class Strategy(ABC):
         self.norm_bound.norms, self.norm_bound.claims = [], []
         for norm, claim in zip(snap["norms"], snap["claims"], strict=True):
             self.norm_bound.observe(float(norm), float(claim))
-        self._pending = [
-            (
-                Offer(
-                    str(dev),
-                    np.frombuffer(w, np.float32).reshape(shape).copy(),
-                    np.frombuffer(b, np.float32).reshape(shape[1]).copy(),
-                    int(n),
-                    int(st),
-                ),
-                float(norm),
-            )
-            for dev, w, b, n, st, norm in snap["pending"]
-        ]
-        self._pending_sums = [
-            (
-                SiteSums(
-                    "sum",
-                    np.frombuffer(w, np.float64).reshape(shape).copy(),
-                    np.frombuffer(b, np.float64).reshape(shape[1]).copy(),
-                    float(weight),
-                    int(count),
-                    int(clipped),
-                ),
-                float(m),
-            )
-            for w, b, weight, count, clipped, m in snap["sums"]
-        ]
+        self._pending, self._pending_sums = [], []
+        for dev, w, b, n, st, norm in snap["pending"]:
+            dW, db = array_from(w, np.float32, shape), array_from(b, np.float32, shape[1])
+            self._pending.append((Offer(str(dev), dW, db, int(n), int(st)), float(norm)))
+        for w, b, weight, count, clipped, m in snap["sums"]:
+            sW, sb = array_from(w, np.float64, shape), array_from(b, np.float64, shape[1])
+            sums = SiteSums("sum", sW, sb, float(weight), int(count), int(clipped))
+            self._pending_sums.append((sums, float(m)))
 
     def _snapshot(self) -> dict[str, Any]:
         raise ValueError(f"{self.name} has no site/root form: run it flat")
@@ -484,7 +470,7 @@ class Strategy(ABC):
         self.norm_bound.restore(doc["bound"])
         server: dict[str, F32] = {}
         for k, (shape, raw) in doc["server"].items():
-            server[str(k)] = np.frombuffer(raw, np.float32).reshape([int(n) for n in shape]).copy()
+            server[str(k)] = array_from(raw, np.float32, tuple(int(n) for n in shape))
         self.server_state.clear()
         self.server_state.update(server)
 

@@ -26,7 +26,7 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -122,18 +122,9 @@ class DashboardState:
     def __post_init__(self) -> None:
         if self.kind not in _PAGES:
             raise ValueError(f"kind = {self.kind!r}: must be 'device' or 'coordinator'")
-        for name in (
-            "push_interval_s",
-            "history_interval_s",
-            "history_len",
-            "max_streams",
-            "header_timeout_s",
-            "body_timeout_s",
-            "max_connections",
-            "max_connections_per_client",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} = {getattr(self, name)!r}: must be > 0")
+        for f in fields(self):
+            if f.init and f.type in ("float", "int") and not getattr(self, f.name) > 0:
+                raise ValueError(f"{f.name} = {getattr(self, f.name)!r}: must be > 0")
 
     def notify(self) -> None:
         """Tell open pages that the status changed (call on the event-loop thread; cheap, idempotent)."""
@@ -255,19 +246,17 @@ class _Hub:
 
     async def run(self) -> None:
         """Sample the RSS history and, while streams are open, poll and push the status."""
-        sample = True
         next_sample = time.monotonic()
         while not self.closing:
             now = time.monotonic()
-            if sample and now >= next_sample:
+            if now >= next_sample:
                 self.sample_history()
                 next_sample = now + self.state.history_interval_s
             self._wake.clear()
             if self.streams > 0:
                 self.refresh()
             timeout_s = self.state.push_interval_s if self.streams > 0 else KEEPALIVE_S
-            if sample:
-                timeout_s = min(timeout_s, max(0.0, next_sample - time.monotonic()))
+            timeout_s = min(timeout_s, max(0.0, next_sample - time.monotonic()))
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout_s):
                     await self._wake.wait()

@@ -154,7 +154,8 @@ async def _run(opts: argparse.Namespace) -> int:
     x, y = load_digits()
     split = split_digits(y)  # the split the shipped models were built on (models/README.md)
     pool = split.devices
-    shards = [pool[s] for s in partition_non_iid(y[pool], opts.devices, seed=opts.seed)]
+    parts = partition_non_iid(y[pool], opts.devices, seed=opts.seed)  # rows of the pool
+    shards = [pool[rows] for rows in parts]
 
     # The baselines' embeddings come from the device core the agents run (same pipeline, same head).
     with tempfile.TemporaryDirectory(prefix="edgefl-demo-core-") as core_dir:
@@ -179,9 +180,7 @@ async def _run(opts: argparse.Namespace) -> int:
     )
     centralized = accuracy(Wc, bc, emb_test, y_test)
     local_accs = []
-    pos = {int(g): i for i, g in enumerate(pool)}
-    for k, shard in enumerate(shards):
-        rows = np.array([pos[int(g)] for g in shard], dtype=np.int64)
+    for k, (rows, shard) in enumerate(zip(parts, shards, strict=True)):
         Wl, bl = fit_head(
             W0,
             b0,

@@ -301,7 +301,7 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
                 parts = split_message(encode_sample(sample), sample_topic, transport.packet_limit())
                 chunked += len(parts) > 1
                 sent = functools.partial(state.sample_sent, with_label)
-                state.sending(i)
+                state.out.add(i)
                 for k, part in enumerate(parts):  # in order: the device reassembles a large sample
                     await spawn(sample_topic, part, opts.qos, sent if k == len(parts) - 1 else None)
                 if labelled[i] and opts.label_delay_s > 0:
@@ -352,9 +352,6 @@ class _Fate:
         self.handled = -1  # the device's labels taken + messages refused, in its last status (-1: unknown)
         self.handled_before = -1  # ... when the first late label went out
         self.settled = asyncio.Event()
-
-    def sending(self, i: int) -> None:
-        self.out.add(i)
 
     def sample_sent(self, with_label: bool) -> None:
         self.sent += 1

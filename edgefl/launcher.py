@@ -37,7 +37,6 @@ def launch_agent(
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
-            # as the systemd unit: two arenas, a fixed mmap threshold (large frees go back to the kernel)
             env={**os.environ, **(MALLOC_ENV if malloc else {})},
         )
 

@@ -81,9 +81,10 @@ class PacketFilter:
         out = bytearray()
         view = memoryview(data)
         while view:
-            if self._state == self._PASS:
+            if self._state in (self._PASS, self._DISCARD):  # the rest of a packet: passed on, or dropped
                 n = min(self._left, len(view))
-                out += view[:n]
+                if self._state == self._PASS:
+                    out += view[:n]
                 view = view[n:]
                 self._left -= n
                 if self._left == 0:
@@ -95,7 +96,7 @@ class PacketFilter:
                     out += self._header_done()
                 elif len(self._hdr) > 5:
                     raise ConnectionError("malformed MQTT remaining length from the broker")
-            elif self._state == self._VH:
+            else:  # VH
                 n = min(self._vh_need() - len(self._vh), len(view), self._left)
                 self._vh += view[:n]
                 view = view[n:]
@@ -105,12 +106,6 @@ class PacketFilter:
                     self._state = self._DISCARD if self._left else self._HDR
                 elif self._left == 0:
                     raise ConnectionError("oversize PUBLISH shorter than its variable header")
-            else:  # DISCARD
-                n = min(self._left, len(view))
-                view = view[n:]
-                self._left -= n
-                if self._left == 0:
-                    self._state = self._HDR
         return bytes(out)
 
     def _header_done(self) -> bytes:

@@ -99,6 +99,17 @@ def set_aside(path: Path, suffix: str) -> Path | None:
     return target
 
 
+def move_into(pairs: list[tuple[Path, Path]]) -> None:
+    """Rename each ``(src, dst)`` over ``dst`` in turn (each atomic), then fsync ``dst``'s folder.
+
+    For files built whole elsewhere (e.g. a store rebuilt for a new capacity); OSError if a rename fails.
+    """
+    for src, dst in pairs:
+        os.replace(src, dst)
+    for folder in {dst.parent for _, dst in pairs}:
+        _fsync_dir(folder)
+
+
 def prev_path(path: Path) -> Path:
     """The previous good generation of ``path``: ``<path>.prev``."""
     return sibling(Path(path), ".prev")

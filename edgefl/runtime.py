@@ -6,12 +6,13 @@ has no wheel (armv7l).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
 import mmap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
@@ -188,25 +189,6 @@ def _held(fn: Callable[Concatenate[Backbone, _P], _R]) -> Callable[Concatenate[B
     return wrapper
 
 
-class _Guard:
-    """Re-entrant per-thread hold of one interpreter: other threads wait, then get InterpreterBusy."""
-
-    __slots__ = ("_backbone", "_timeout_s")
-
-    def __init__(self, backbone: Backbone, timeout_s: float) -> None:
-        self._backbone = backbone
-        self._timeout_s = timeout_s
-
-    def __enter__(self) -> None:
-        bb = self._backbone
-        if not bb._lock.acquire(timeout=self._timeout_s):
-            raise InterpreterBusy(bb.path.name, bb._holder)
-        bb._holder = threading.current_thread().name
-
-    def __exit__(self, *exc: object) -> None:
-        self._backbone._lock.release()
-
-
 class Backbone:
     """A loaded model split at its embedding tensor: the frozen backbone plus the shipped head.
 
@@ -280,7 +262,8 @@ class Backbone:
         if len(graph.inputs) != 1 or not graph.outputs:
             raise ModelError(path, f"expected 1 input tensor, found {len(graph.inputs)}")
         fc = modelfile.head_fc(graph)
-        self._fc_weights: int | None = None
+        # the head's FC weights [K, D] (tensor index); None when the profile names the embedding
+        self.head_weights_index: int | None = None
         self._fc_bias: int | None = None
         self.fc_output_index: int | None = None  # the head's logits tensor (before its activation)
         self.head_activation = "none"
@@ -291,7 +274,7 @@ class Backbone:
         else:
             ins = graph.ops[fc].inputs
             self.embedding_index = ins[0]
-            self._fc_weights = ins[1]
+            self.head_weights_index = ins[1]
             self._fc_bias = ins[2] if len(ins) > 2 and ins[2] >= 0 else None
             self.head_activation = modelfile.head_activation(graph, fc)
             self.fc_output_index = graph.ops[fc].outputs[0]
@@ -321,12 +304,19 @@ class Backbone:
         )
         return modelfile.add_outputs(buf, [self.embedding_index], path)
 
-    def claim(self, timeout_s: float = INVOKE_WAIT_S) -> _Guard:
+    @contextlib.contextmanager
+    def claim(self, timeout_s: float = INVOKE_WAIT_S) -> Iterator[None]:
         """Hold the interpreter for the calling thread: ``with backbone.claim(): ...`` (re-entrant).
 
         Raises :class:`InterpreterBusy` on entry if another thread held it for ``timeout_s`` seconds.
         """
-        return _Guard(self, timeout_s)
+        if not self._lock.acquire(timeout=timeout_s):
+            raise InterpreterBusy(self.path.name, self._holder)
+        self._holder = threading.current_thread().name
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     @_held
     def reset_state(self) -> None:
@@ -382,11 +372,6 @@ class Backbone:
         return ok
 
     @property
-    def head_weights_index(self) -> int | None:
-        """Tensor index of the head's FC weights [K, D]; None when the profile names the embedding."""
-        return self._fc_weights
-
-    @property
     def sample_shape(self) -> tuple[int, ...]:
         """Shape of one model input sample (without the batch axis)."""
         return self.input_shape[1:]
@@ -398,12 +383,12 @@ class Backbone:
         ModelError if the embedding tensor was named in the profile (no FC op is known) or the weights
         cannot be read.
         """
-        if self._fc_weights is None:
+        if self.head_weights_index is None:
             raise ModelError(str(self.path), "the model's head is unknown when model.embedding_tensor is set")
         details = {int(d["index"]): d for d in self.interpreter.get_tensor_details()}
-        wd = details[self._fc_weights]
+        wd = details[self.head_weights_index]
         try:
-            w = self.interpreter.get_tensor(self._fc_weights)
+            w = self.interpreter.get_tensor(self.head_weights_index)
         except ValueError as exc:
             raise ModelError(str(self.path), f"cannot read head weights: {exc}") from exc
         wq = wd.get("quantization_parameters", {})

@@ -137,8 +137,7 @@ class MqttTransport(Link):
         self._quick_losses = 0  # connections in a row closed soon after their CONNACK (_note_takeover)
         #: Connections another client with our client id took over (0x8E, or closed soon after CONNACK).
         self.takeovers_total = 0
-        #: Of those, the certain ones: a DISCONNECT 0x8E, or :data:`TAKEOVER_LOSSES` quick closes in a
-        #: row while the broker stayed reachable (a broker restart alone is never one).
+        #: Of those, the certain ones (:meth:`_note_takeover`; a broker restart alone is never one).
         self.sure_takeovers_total = 0
         #: Connect attempts that failed (the broker unreachable, refused TLS, a bad address).
         self.connect_failures_total = 0
@@ -158,20 +157,16 @@ class MqttTransport(Link):
         self.last_refusal: ReasonCode | None = None
         #: CONNACKs in a row that refused our credentials (:attr:`credentials_refused`); 0 once accepted.
         self.auth_refusals = 0
-        #: Why TLS verification of the broker's certificate failed at the last attempt that got that far
-        #: (``ssl.SSLCertVerificationError``: an unknown CA, a name not in its subjectAltName, expired);
-        #: None once a handshake succeeded.
+        #: Why the broker's certificate failed verification at the last try (None once a handshake passed).
         self.last_tls_refusal: str | None = None
         #: Connection attempts in a row whose broker certificate failed verification; 0 once one passed.
         self.tls_refusals = 0
-        #: Set at every CONNACK refusal and certificate failure (the caller clears it): wakes whoever
-        #: reports refusals.
+        #: Set at every CONNACK refusal and certificate failure (the caller clears it).
         self.refused = asyncio.Event()
         #: Why the last connection attempt failed, in words (None once a CONNACK accepts one).
         self.last_error: str | None = None
         self.broker_max_packet_bytes: int | None = None  # MQTT 5 CONNACK Maximum Packet Size, when sent
-        #: The last CONNACK's Session Present flag (MQTT 5.0 §3.2.2.1.1): False after a reconnect means
-        #: what was published to our subscriptions while we were away is gone.
+        #: The last CONNACK's Session Present (MQTT 5.0 §3.2.2.1.1): False, what came while away is gone.
         self.session_present = False
 
     @classmethod
@@ -252,10 +247,10 @@ class MqttTransport(Link):
             self._hop(self._handle_puback, conn, mid, rc)
 
         def on_subscribe(client: Any, userdata: Any, mid: int, rcs: list[ReasonCode], props: Any) -> None:
-            self._hop(self._handle_suback, conn, mid, list(rcs))
+            self._hop(self._handle_ack, conn.subacks, mid, list(rcs))
 
         def on_unsubscribe(client: Any, userdata: Any, mid: int, rcs: list[ReasonCode], props: Any) -> None:
-            self._hop(self._handle_unsuback, conn, mid, list(rcs))
+            self._hop(self._handle_ack, conn.unsubacks, mid, list(rcs))
 
         def on_message(client: Any, userdata: Any, msg: mqtt.MQTTMessage) -> None:
             if msg.topic == OVERSIZE_TOPIC:
@@ -319,10 +314,7 @@ class MqttTransport(Link):
         subacks: list[tuple[str, asyncio.Future[list[ReasonCode]]]],
         unsubacks: list[tuple[str, asyncio.Future[list[ReasonCode]]]],
     ) -> None:
-        """After CONNACK: wait for the renewed subscriptions' SUBACKs, then report the connection up.
-
-        Failed UNSUBACKs (``unsubacks``) are logged after ``connected`` is set: they never hold it back.
-        """
+        """After CONNACK: wait for the renewed SUBACKs, then set ``connected``; then log failed UNSUBACKs."""
         for topic, fut in subacks:
             try:
                 self._check_suback(topic, await within(fut, SUBACK_TIMEOUT_S))
@@ -358,26 +350,23 @@ class MqttTransport(Link):
 
     def _loss_reason(self, rc: object, from_broker: bool) -> str:
         """Why a connection ended, in words: the broker's DISCONNECT reason, else what may have closed it."""
-        cid = self.client_id
+        cid = repr(self.client_id) + (f" or account {self.username!r}" if self.username else "")
         if isinstance(rc, ReasonCode) and from_broker:
             if int(rc.value) == 0x8E:  # MQTT 5.0 §3.14.2.1 Session taken over
-                return f"session taken over: another client connected with client id {cid!r}"
+                return f"session taken over: another client connected with client id {cid}"
             return f"the broker disconnected us: {rc}"
         if isinstance(rc, ReasonCode):
             return (
                 "connection closed without a reason: the broker stopped, the network dropped, or "
-                f"another client connected with client id {cid!r} and took over the session"
+                f"another client connected with client id {cid} and took over the session"
             )
         return str(rc)
 
     def _note_takeover(self, conn: Connection, from_broker: bool, rc: object) -> None:
-        """Count sessions taken over by another client with our client id, and say so loudly.
+        """Count sessions taken over by a client with our id (0x8E, or a close in :data:`TAKEOVER_WINDOW_S`).
 
-        A takeover is MQTT 5's DISCONNECT 0x8E, or a close without a reason within
-        :data:`TAKEOVER_WINDOW_S` of CONNACK (mosquitto's way, and a broker restart's):
-        ``takeovers_total`` counts both. Once certain (0x8E, or :data:`TAKEOVER_LOSSES` such closes in a
-        row with no failed connect between them, which a broker restart has) it is counted in
-        ``sure_takeovers_total`` and an ERROR says so with the count, at the 1st, 10th, 100th... time.
+        Certain (0x8E, or :data:`TAKEOVER_LOSSES` quick closes in a row with no failed connect between,
+        which a broker restart has): ``sure_takeovers_total`` and an ERROR at the 1st, 10th, 100th... time.
         """
         quick = conn.acked and time.monotonic() - conn.acked_at < TAKEOVER_WINDOW_S
         taken = from_broker and isinstance(rc, ReasonCode) and int(rc.value) == 0x8E
@@ -392,14 +381,14 @@ class MqttTransport(Link):
         if _decade(self.sure_takeovers_total):
             logger.error(
                 "session taken over by another client with our client id %d time(s) since start (the "
-                "broker %s:%s closed the connection %s): another client probably uses client id %r and "
+                "broker %s:%s closed the connection %s): another client probably uses client id %s and "
                 "takes over the session at each connect (one client id per process; with "
                 "use_username_as_clientid, one account per process%s)",
                 self.sure_takeovers_total,
                 self.host,
                 self.port,
                 "with Session taken over" if taken else f"within {TAKEOVER_WINDOW_S:.0f} s of accepting it",
-                self.client_id,
+                repr(self.client_id) + (f" or account {self.username!r}" if self.username else ""),
                 f": account {self.username!r} is in use elsewhere" if self.username else "",
             )
 
@@ -431,13 +420,12 @@ class MqttTransport(Link):
             else:
                 fut.set_result(None)
 
-    def _handle_suback(self, conn: Connection, mid: int, rcs: list[ReasonCode]) -> None:
-        fut = conn.subacks.pop(mid, None)
-        if fut is not None and not fut.done():
-            fut.set_result(rcs)
-
-    def _handle_unsuback(self, conn: Connection, mid: int, rcs: list[ReasonCode]) -> None:
-        fut = conn.unsubacks.pop(mid, None)
+    @staticmethod
+    def _handle_ack(
+        waiting: dict[int, asyncio.Future[list[ReasonCode]]], mid: int, rcs: list[ReasonCode]
+    ) -> None:
+        """A SUBACK or UNSUBACK: its reason codes to the future ``waiting`` keeps for ``mid``."""
+        fut = waiting.pop(mid, None)
         if fut is not None and not fut.done():
             fut.set_result(rcs)
 

@@ -65,8 +65,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     hand out the files that start processes before the others.
 
     xdist gives each worker the next test as it finishes one, in this order: with the long tests
-    (processes, brokers) first and the many short in-process ones last, the workers end together
-    rather than one waiting out a long test handed out last. A file's tests keep their order.
+    (a bench's rounds: the longest CPU-bound items; then processes, brokers) first and the many short
+    in-process ones last, the workers end together rather than one waiting out a long test handed
+    out last. A file's tests keep their order. (``--dist loadgroup`` hands out the ``xdist_group``
+    groups of several tests before single tests.)
     """
     heavy: dict[str, bool] = {}
     for item in items:
@@ -78,7 +80,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         path = item.nodeid.split("::")[0]
         heavy[path] = heavy.get(path, False) or item.get_closest_marker("subprocess") is not None
     first_seen = {path: i for i, path in enumerate(heavy)}
-    items.sort(key=lambda it: (not heavy[it.nodeid.split("::")[0]], first_seen[it.nodeid.split("::")[0]]))
+
+    def order(it: pytest.Item) -> tuple[bool, bool, int]:
+        path = it.nodeid.split("::")[0]
+        return it.get_closest_marker("bench") is None, not heavy[path], first_seen[path]
+
+    items.sort(key=order)
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
+from tests.support.source import parse
 from tools.typecheck import package_folders
 
 PACKAGES = ("agent", "coordinator", "dashboard")
@@ -51,9 +52,8 @@ def product_modules() -> list[Path]:
 
 def imported_modules(path: Path, package: str) -> list[tuple[int, str]]:
     """Every module ``path`` imports, with its line (relative imports resolved against ``package``)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
     out: list[tuple[int, str]] = []
-    for node in ast.walk(tree):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             out += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -177,7 +177,7 @@ def top_level_names(path: Path) -> tuple[set[str], set[str]]:
     """The names ``path`` defines at module level (def, class, assignment) and the names it imports there."""
     defined: set[str] = set()
     imported: set[str] = set()
-    for node in module_statements(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body):
+    for node in module_statements(parse(path).body):
         if isinstance(node, ast.Import | ast.ImportFrom):
             imported |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
         elif isinstance(node, ast.Assign | ast.AnnAssign):
@@ -207,13 +207,15 @@ def test_layout_every_name_is_imported_from_the_module_that_defines_it() -> None
     for f in tree_files():
         if f.suffix != ".py" or f.is_symlink():
             continue
-        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"), filename=str(f))):
+        for node in ast.walk(parse(f)):
             if not isinstance(node, ast.ImportFrom) or node.level or node.module is None:
                 continue
             source = checkout_file(node.module, folders)
             if source is None:
                 continue
-            defined, imported = names.setdefault(source, top_level_names(source))
+            if source not in names:  # (setdefault would parse the source again for every import)
+                names[source] = top_level_names(source)
+            defined, imported = names[source]
             bad += [
                 f"{f.relative_to(ROOT)}:{node.lineno}: {alias.name} from {node.module}, which imports it"
                 for alias in node.names

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from conftest import INT8_MODEL, ROOT, Broker, start_replay_agent
 
-from bench.poison import ATTACKS, DEFAULT_STRATEGY, bench_rounds, poison_task, run_poisoned, shipped_profile
+from bench.poison import ATTACKS, DEFAULT_STRATEGY, bench_rounds, poison_task, shipped_profile
 from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.strategy import Offer, aggregate_checked
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
@@ -28,21 +28,22 @@ from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.rounds import Update, UpdateMetrics, decode_round, encode_update
+from tests.support import poison
 
 pytestmark = pytest.mark.timeout(600)
 SHIPPED = ROOT / "firmware_configs" / "coordinator.toml"
 
 
+@poison.group(DEFAULT_STRATEGY)
 def test_poison_shipped_default_strategy_stays_within_003_of_clean() -> None:
     """Every attack (scale, sign flip, 3e38, ALIE, Min-Max) against the shipped profile's default,
     attacker first: every round aggregates 5 updates (tolerate 1 of 5), each within 0.03 of clean."""
-    profile = shipped_profile(DEFAULT_STRATEGY)
-    task = poison_task(profile, seed=0)
-    clean = run_poisoned(task, profile, None)
+    task = poison.task(DEFAULT_STRATEGY, 0)
+    clean = poison.run(DEFAULT_STRATEGY, 0, None)
     assert not clean.refused and clean.sizes == [5] * task.rounds
     assert clean.accuracy > task.accuracy(task.W0, task.b0) + 0.3  # it learns
     for attack in ATTACKS:
-        run = run_poisoned(task, profile, attack)
+        run = poison.run(DEFAULT_STRATEGY, 0, attack)
         print(f"{DEFAULT_STRATEGY}: clean {clean.accuracy:.3f}, {attack} {run.accuracy:.3f}, {run}")
         assert run.sizes == [5] * task.rounds and run.abandoned == 0, (attack, run)
         assert run.accuracy >= clean.accuracy - 0.03, (attack, clean.accuracy, run.accuracy)
@@ -50,25 +51,24 @@ def test_poison_shipped_default_strategy_stays_within_003_of_clean() -> None:
             assert run.clipped >= task.rounds, (attack, run.clipped)  # the attacker is clipped every round
 
 
-@pytest.mark.parametrize("name", ["fedadam", "fedyogi"])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=poison.group(n)) for n in ("fedadam", "fedyogi")])
 def test_poison_shipped_adaptive_strategies_stay_within_006_of_clean(name: str) -> None:
     """FedAdam and FedYogi on the shipped profile, every attack, attacker first: within 0.06 of clean.
 
     Without the per-coordinate bound on the adaptive step, FedYogi under x -10 lost 0.089 here."""
-    profile = shipped_profile(name)
-    task = poison_task(profile, seed=0)
-    clean = run_poisoned(task, profile, None)
+    task = poison.task(name, 0)
+    clean = poison.run(name, 0, None)
     assert clean.accuracy > task.accuracy(task.W0, task.b0) + 0.3  # it learns
     for attack in ATTACKS:
-        run = run_poisoned(task, profile, attack)
+        run = poison.run(name, 0, attack)
         assert run.accuracy >= clean.accuracy - 0.06, (name, attack, clean.accuracy, run.accuracy)
 
 
+@poison.group("fedavg")
 def test_poison_shipped_fedavg_rounds_wait_for_five() -> None:
     """FedAvg on the shipped profile (min_clients 2, tolerate 1): rounds of 5, never 2 or 3."""
-    profile = shipped_profile("fedavg")
-    run = run_poisoned(poison_task(profile, seed=0), profile, "signflip")
-    assert run.sizes == [5] * bench_rounds(profile)
+    run = poison.run("fedavg", 0, "signflip")
+    assert run.sizes == [5] * bench_rounds(shipped_profile("fedavg"))
 
 
 def test_poison_huge_update_never_reaches_the_published_head() -> None:

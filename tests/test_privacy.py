@@ -16,7 +16,6 @@ from edgefl.coordinator.privacy import (
     PrivacyLedger,
     PrivateSum,
     clip_update,
-    dp_epsilon,
     ledger_epsilon,
 )
 from edgefl.coordinator.service import Coordinator
@@ -26,6 +25,7 @@ from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.rounds import Update, UpdateMetrics, encode_update
+from tests.support.privacy import dp_epsilon
 
 
 def test_clip_update_by_hand() -> None:

@@ -36,6 +36,30 @@ def contents(s: EmbeddingStore) -> list[int]:
     return [int(v) for e, _ in s.chunks(64) for v in e[:, 0]]
 
 
+def test_durable_store_capacity_change_keeps_the_newest_samples_and_the_mark(tmp_path: Path) -> None:
+    """A profile's ``training.store_capacity`` changed: the store keeps its newest samples (as many as
+    fit) and what is new since the last round; only another embedding size D starts it empty."""
+    s = EmbeddingStore(tmp_path, capacity=16, dim=4, num_classes=3)
+    s.add(*rows(8))
+    s.set_mark()
+    s.add(*rows(4, start=8))
+    s.flush()
+    del s
+    small = EmbeddingStore(tmp_path, capacity=6, dim=4, num_classes=3)
+    assert contents(small) == [6, 7, 8, 9, 10, 11]
+    assert (small.since_mark, small.total, small.set_aside) == (4, 6, "")
+    assert not (tmp_path / ".resize").exists()
+    small.add(*rows(2, start=12))  # the ring of 6 overwrites its oldest
+    assert sorted(contents(small)) == [8, 9, 10, 11, 12, 13]  # a full ring: storage order
+    small.flush()
+    del small
+    big = EmbeddingStore(tmp_path, capacity=32, dim=4, num_classes=3)  # copied oldest first
+    assert (contents(big), big.since_mark) == ([8, 9, 10, 11, 12, 13], 6)
+    assert np.concatenate([lab for _, lab in big.chunks(64)]).tolist() == [i % 3 for i in range(8, 14)]
+    del big
+    assert len(EmbeddingStore(tmp_path, capacity=32, dim=8, num_classes=3)) == 0
+
+
 def test_durable_store_recovers_rows_written_after_the_last_flush(tmp_path: Path) -> None:
     s = EmbeddingStore(tmp_path, capacity=16, dim=4, num_classes=3)
     s.add(*rows(10))

@@ -34,6 +34,7 @@ from edgefl.wire.rounds import (
     encode_update,
 )
 from edgefl.wire.status import DeviceStatus, encode_status
+from tests.support.source import parse
 
 WIRE = Path(__file__).resolve().parent.parent / "edgefl" / "wire"
 SHA = "cd" * 32
@@ -146,7 +147,7 @@ def test_every_refusal_reason_is_a_reason_member() -> None:
     assert signing.SIGNATURE_REASONS is SIGNATURE_REASONS
     assert chunking.CHUNK_REASONS is CHUNK_REASONS
     for path in WIRE.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "DecodeError":
                 # every reason is spelled Reason.X (an IfExp of two Reason.X too)
                 spelled = [n for n in ast.walk(node.args[0]) if isinstance(n, ast.Attribute)]
@@ -163,7 +164,7 @@ def test_every_reason_the_agent_and_coordinator_raise_is_a_reason_member() -> No
         *(top / "coordinator").glob("*.py"),
         *WIRE.parent.glob("*.py"),
     ]:
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             if isinstance(node, ast.Call) and getattr(node.func, "id", "") in (
                 "DecodeError",
                 "UpdateRejected",
@@ -179,7 +180,7 @@ def test_no_module_imports_another_modules_private_names() -> None:
     roots = [WIRE, WIRE.parent.parent / "agent", WIRE.parent.parent / "coordinator", WIRE.parent]
     for root in roots:
         for path in root.glob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(parse(path)):
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("edgefl"):
                     private = [a.name for a in node.names if a.name.startswith("_")]
                     assert not private, (path, node.module, private)
