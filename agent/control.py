@@ -211,6 +211,13 @@ class RoundTask(SampleSource):
         elif status == RoundStatus.DEFERRED:
             self._next_retry_at = time.monotonic() + self.profile.status.interval_s
             self._set_state("deferred", result.reason)
+        elif status == RoundStatus.WAITING_HEAD:
+            # answered when the head comes (answer_ready), declined no_head if it has not come in time
+            self._next_retry_at = time.monotonic() + self.profile.status.interval_s
+            why = f"{result.detail}: waiting for its head"
+            if self.state.reason != why:  # once, not at every retry
+                logger.info("round %d: %s", result.round, why)
+            self._set_state("waiting", why)
         elif status == RoundStatus.ANSWERED:
             logger.info("round %d: %s; not trained again", result.round, result.detail)
             self._changed()

@@ -107,7 +107,10 @@ DECLINE_AFTER_FRACTION = 0.5
 
 @dataclass(frozen=True, slots=True)
 class Deferred:
-    """A round the memory governor deferred, waiting for memory (:meth:`DeviceCore.retry_deferred`).
+    """A round not answered yet, retried by :meth:`DeviceCore.retry_deferred` until its time is up.
+
+    Deferred by the memory governor (waiting for memory), for too few examples, or waiting for the
+    global head of its base version.
 
     Attributes
     ----------
@@ -117,8 +120,9 @@ class Deferred:
     reason : str
         The governor's latest reason (or why too few examples are stored).
     decline : str
-        The Decline's reason when its time is up: ``over_budget`` (memory) or ``too_few_examples``
-        (fewer than ``training.min_examples`` labelled examples stored).
+        The Decline's reason when its time is up: ``over_budget`` (memory), ``too_few_examples``
+        (fewer than ``training.min_examples`` labelled examples stored) or ``no_head`` (the global
+        head of the round's base version never came).
     """
 
     ann: RoundAnnouncement
@@ -171,10 +175,12 @@ class RoundAnswering(PersonalHeads):
         """Answer a round at most once: train, error feedback, encode, sign, keep in the outbox, persist.
 
         In order: not selected -> NOT_SELECTED; round <= the last answered one -> ANSWERED; base
-        version newer than the head -> WAITING_HEAD; older -> REFUSED ``stale_round``; empty store ->
-        DECLINED ``no_samples``; fewer than ``training.min_examples`` examples, or the governor defers
-        -> DEFERRED; else trained (phase ``train``), encoded and signed (phase ``encode``) and kept in
-        the outbox with the round recorded as answered -> TRAINED (the caller publishes it).
+        version newer than the head -> WAITING_HEAD (answered once the head comes, declined
+        ``no_head`` by :meth:`retry_deferred` if it has not come in time); older -> REFUSED
+        ``stale_round``; empty store -> DECLINED ``no_samples``; fewer than ``training.min_examples``
+        examples, or the governor defers -> DEFERRED; else trained (phase ``train``), encoded and
+        signed (phase ``encode``) and kept in the outbox with the round recorded as answered ->
+        TRAINED (the caller publishes it).
 
         Source: error feedback, Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory", Algorithm 1.
         """
@@ -194,11 +200,13 @@ class RoundAnswering(PersonalHeads):
         head = self.head
         if ann.base_version > head.version:
             self.pending_round = ann  # the global head for this round has not arrived yet
-            return RoundResult(
-                RoundStatus.WAITING_HEAD,
-                ann.round,
-                detail=f"round {ann.round} uses version {ann.base_version}, device has {head.version}",
-            )
+            why = f"round {ann.round} uses version {ann.base_version}, device has {head.version}"
+            # answered once it comes; declined (no_head) if it has not come by the deferral's time
+            self._defer(ann, why, Reason.NO_HEAD)
+            return RoundResult(RoundStatus.WAITING_HEAD, ann.round, detail=why)
+        d = self.deferred
+        if d is not None and d.ann.round == ann.round and d.decline == Reason.NO_HEAD:
+            self.deferred = None  # the head came: the round is answered now, not declined
         if self.evaluation is None or self.evaluation.version != head.version:
             self.evaluate()  # the base head's federated evaluation (holdout grew since, or first round)
         if ann.base_version < head.version:
@@ -371,7 +379,7 @@ class RoundAnswering(PersonalHeads):
 
         Before :data:`DECLINE_AFTER_FRACTION` of the round's ``deadline_s`` has passed since its first
         deferral, free heap is returned to the kernel and the round answered again; after it, the round
-        is DECLINED (``over_budget`` or ``too_few_examples``).
+        is DECLINED (``over_budget``, ``too_few_examples`` or ``no_head``).
 
         ``now_s``: ``time.monotonic()`` (tests pass their own). None when no round is deferred.
         """
@@ -386,7 +394,8 @@ class RoundAnswering(PersonalHeads):
         heap.malloc_trim()
         self.deferred = None  # whatever the answer now (trained, stale, answered...), unless deferred again
         result = self.answer_round(d.ann)
-        if result.status == RoundStatus.DEFERRED and self.deferred is not None:
+        waiting = (RoundStatus.DEFERRED, RoundStatus.WAITING_HEAD)
+        if result.status in waiting and self.deferred is not None:
             self.deferred = dataclasses.replace(self.deferred, since_s=d.since_s)
         return result
 

@@ -867,7 +867,7 @@ async def run_bench(opts: Options, tmp: Path) -> dict[str, Any]:
                     "uplink_cut_s": cut,
                     "uplink_cut_sites": len(proxies) if cut else 0,
                     "sites_restarted": len(killed),
-                    "root_clients": entry.get("clients"),
+                    "root_clients": entry.get("counted"),
                     **drain_figures(len(this), t1 - t0, cpu0[root.pid], cpu1[root.pid]),
                     "sites_drain": site_figures,
                     "root_refused_updates": entry.get("refused_updates", {}),

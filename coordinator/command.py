@@ -24,13 +24,12 @@ from edgefl.coordinator.runner import (
     EXIT_MODEL,
     EXIT_RUNTIME,
     AccessRefused,
-    CredentialsRefused,
     Evaluation,
     PageServer,
     run,
     strategy_problems,
 )
-from edgefl.errors import ConfigError, ModelError, TransportError
+from edgefl.errors import ConfigError, CredentialsRefused, ModelError, TransportError
 from edgefl.profiles import add_set_argument, parse_sets
 
 logger = logging.getLogger(__name__)

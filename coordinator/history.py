@@ -120,7 +120,7 @@ def page_record(h: RoundRecord, reasons: Mapping[str, Mapping[str, int]]) -> dic
     record = dataclasses.asdict(h)
     record["round_refused"] = record.pop("refused") or None  # why the head was not published
     record["declined_devices"] = record.pop("declined")
-    record["counted"] = h.clients
+    record["counted"] = record.pop("clients")  # the round log's name
     record["time"] = (
         time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(h.closed_unix))
         if math.isfinite(h.closed_unix)

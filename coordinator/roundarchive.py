@@ -41,7 +41,6 @@ PAGE_KEYS: Final = (
     "time",
     "asked",
     "counted",
-    "clients",
     "accuracy",
     "fed_accuracy",
     "fed_worst_decile",
@@ -82,11 +81,8 @@ def read_tail(
 ) -> tuple[list[bytes], int]:
     """The last ``rounds`` whole lines of a file of ``size`` bytes, reading at most ``max_bytes`` back.
 
-    Returns
-    -------
-    (lines, start)
-        The lines, oldest first (without their newline; an unterminated last line left out), and the
-        offset where the first one begins (``size`` when none).
+    Returns ``(lines, start)``: the lines oldest first (without their newline; an unterminated last
+    line left out) and the offset where the first one begins (``size`` when none).
     """
     pos, chunks, newlines = size, [], 0
     while pos > 0 and newlines <= rounds and size - pos < max_bytes:
@@ -136,14 +132,8 @@ def read_sample(f: BinaryIO, end: int, points: int) -> list[bytes]:
 class RoundArchive:
     """The fleet page's rounds: the round log's history before the in-memory records, then those.
 
-    Parameters
-    ----------
-    log : Path
-        The round log (``files.log``); missing or unreadable: the in-memory records only.
-    recent : callable () -> sequence of mappings
-        The coordinator's in-memory page records, oldest first (``Coordinator.dashboard_rounds``).
-    tail_rounds, sampled_rounds : int
-        :data:`TAIL_ROUNDS`, :data:`SAMPLED_ROUNDS`.
+    ``log``: the round log (``files.log``; missing or unreadable: the in-memory records only);
+    ``recent()``: the coordinator's in-memory page records, oldest first (``Coordinator.dashboard_rounds``).
     """
 
     def __init__(

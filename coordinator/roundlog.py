@@ -10,13 +10,14 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from edgefl.coordinator.hierarchy import RootCoordinator
 from edgefl.coordinator.history import RoundRecord
-from edgefl.coordinator.service import Coordinator
+from edgefl.coordinator.rounds import device_names
+from edgefl.coordinator.service import SILENT_KEPT, Coordinator
 from edgefl.coordinator.strategy import Strategy
 
 logger = logging.getLogger(__name__)
@@ -51,10 +52,12 @@ def round_line(
     refused: Mapping[str, int],
     declined: Mapping[str, int] | None = None,
     per: str = "update",
+    silent: Sequence[str] = (),
 ) -> str:
     """The line printed for a closed round: ``total`` rounds in all (0: until stopped), ``per`` what came in.
 
-    ``refused`` and ``declined`` are the round's refusals and declines by reason (:func:`counts_since`).
+    ``refused`` and ``declined`` are the round's refusals and declines by reason (:func:`counts_since`);
+    ``silent`` the devices asked that sent nothing it counted (``Round.silent``), named at the end.
     """
     why = _by_reason(refused) or "none"
     if declined:
@@ -70,6 +73,8 @@ def round_line(
         extra += f", privacy epsilon {rec.epsilon:.3g} at delta {rec.delta:g}"
     if rec.refused:
         extra += f", ROUND REFUSED ({rec.refused}): head kept"
+    if silent:
+        extra += f", no answer from {device_names(silent)}"
     # "N/M clients": N updates counted of the M devices asked, in every round and on the fleet page
     number = f"{rec.round}/{total}" if total else f"{rec.round}"
     return (
@@ -101,7 +106,6 @@ def _round_entry(
         "counted": rec.clients,
         "refused": dict(refused),
         "declined": dict(declined),
-        "clients": rec.clients,
         "accuracy": None if math.isnan(rec.accuracy) else rec.accuracy,
         # the devices' holdouts (federated evaluation of the round's base head; null: none reported)
         "fed_accuracy": None if math.isnan(rec.fed_accuracy) else rec.fed_accuracy,
@@ -131,7 +135,10 @@ def log_entry(
     if not update_ids and rnd is not None and rnd.number == rec.round:
         update_ids = sorted(rnd.update_ids)  # an abandoned round's (too_few): the updates it counted
     entry = _round_entry(rec, coord.state.version, strategy.name, update_ids, refused, declined)
+    silent = coord.silent_devices(rec.round)
     entry.update(
+        silent=silent[:SILENT_KEPT],  # asked, and nothing counted came from them (no update, no decline)
+        silent_devices=len(silent),
         refused_updates=dict(refused),
         clipped=rec.clipped,
         clipped_by_device=dict(strategy.clipped),  # since the start of this process

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum, auto
 from typing import Any
@@ -54,7 +54,6 @@ class Round:
     devices: list[str] = field(default_factory=list)
     update_ids: set[str] = field(default_factory=set)
     update_bytes: list[int] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
     sites: list[str] = field(default_factory=list)
     declined: list[str] = field(default_factory=list)  # devices that sent a Decline
     empty: list[str] = field(default_factory=list)  # of those, stores empty (no_samples): not asked
@@ -127,6 +126,16 @@ class Round:
         tally.catch_up()
         return tally
 
+    def silent(self) -> list[str]:
+        """The devices asked that sent this round neither an update it counted nor a decline, sorted.
+
+        Asked: the selection, else the devices online at the opening. A round that closed at its
+        deadline waited for these.
+        """
+        pool = self.selected if self.selected is not None else self.online
+        members = self.answered().members
+        return sorted(d for d in pool if d not in members)
+
     def has_answered(self, device: str) -> bool:
         """True when ``device`` has an update counted or a decline in this round (O(1))."""
         return device in self.answered().members
@@ -161,11 +170,10 @@ class Round:
             raise UpdateRejected("not_selected", f"device {device} not selected for round {self.number}")
 
     def record(self, update: Update, size_bytes: int) -> None:
-        """Record an update the strategy accepted (device, id, bytes on the wire, loss)."""
+        """Record an update the strategy accepted (device, id, bytes on the wire)."""
         self.devices.append(update.device)
         self.update_ids.add(update.update_id)
         self.update_bytes.append(size_bytes)
-        self.losses.append(update.metrics.loss)
 
     def admit_partial(self, site: str, round_no: int, base_version: int) -> None:
         """Check that a site's partial may count in this round (it is not recorded yet).
@@ -344,6 +352,8 @@ class Pacing:
         return state(FleetPhase.PAUSED, text, next_round_in_s=left)
 
 
-def replace_min_devices(pacing: Pacing, strategy_min: int) -> Pacing:
-    """``pacing`` needing at least ``strategy_min`` ready devices (the strategy's own floor)."""
-    return dataclasses.replace(pacing, min_devices=max(pacing.min_devices, strategy_min))
+def device_names(devices: Sequence[str], most: int = 10) -> str:
+    """``"gw-2, gw-7"``: the first ``most`` of ``devices``, then ``"(+N more)"`` for the rest."""
+    shown = ", ".join(devices[:most])
+    return shown + (f" (+{len(devices) - most} more)" if len(devices) > most else "")
+

@@ -45,7 +45,7 @@ from edgefl.coordinator.rounds import Pacing
 from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategies import strategy_from_tables
 from edgefl.coordinator.strategy import Strategy
-from edgefl.errors import BrokerRefused, ConfigError, TransportError, UpdateRejected
+from edgefl.errors import BrokerRefused, ConfigError, CredentialsRefused, TransportError, UpdateRejected
 from edgefl.profiles import DashboardConfig
 from edgefl.records import atomic_write
 from edgefl.runtime import Backbone
@@ -132,12 +132,7 @@ PageServer = Callable[
     ],
     Awaitable[tuple[Callable[[], Awaitable[None]], int]],
 ]
-"""Serves the fleet page: ``(dashboard config, title, get_status, get_rounds) -> (stop, port)``; given by
-the CLI."""
-
-
-class CredentialsRefused(TransportError):
-    """The broker refused the coordinator's username/password (CONNACK 0x86/0x87): a configuration error."""
+"""Serves the fleet page (the CLI's): ``(dashboard, title, get_status, get_rounds) -> (stop, port)``."""
 
 
 class AccessRefused(TransportError):
@@ -168,7 +163,8 @@ async def _connected_or_refused(transport: MqttTransport, where: str, timeout_s:
         if transport.credentials_refused:
             raise CredentialsRefused(
                 f"broker {where} refused our credentials ({transport.last_refusal}): check [broker] "
-                "username and password_file against the broker's password file and ACL"
+                "username and password_file against the broker's password file and ACL",
+                transport.auth_refusals,
             )
         left = end - loop.time()
         if left <= 0:
@@ -342,7 +338,8 @@ async def run(
     coord.on_lease_message = lease.handle
 
     def connected() -> None:
-        coord.on_transport_connect()  # a broker that lost our session: announce again
+        if not lease.lost.is_set():  # lost: stopping, the fleet's head and round are another's now
+            coord.on_transport_connect()  # our head and round again (the broker may hold older ones)
         lease.on_connect()  # our presence again (the broker may have lost it, or a will cleared it)
 
     transport.on_connect_cb = connected
@@ -448,7 +445,8 @@ async def run(
                 coord.save_state(files.state)
             # at the root the messages in are the sites' partials (~41 kB for 512x10 float64 sums)
             per = "partial" if isinstance(coord, RootCoordinator) else "update"
-            line = round_line(rec, rounds.count, refused_round, declined_round, per)
+            silent = coord.silent_devices(rec.round)
+            line = round_line(rec, rounds.count, refused_round, declined_round, per, silent)
             print(line, flush=True)
             logger.info("%s", line)
             if rec.clients == 0 and job:
@@ -470,6 +468,7 @@ async def run(
     finally:
         await _cancel(pump)
         await _cancel(holding)
+        await coord.stop_republishing()
         if started and files.state is not None and coord.state_path is not None and not lease.lost.is_set():
             try:
                 coord.save_state(files.state)  # an open round, as it stands: resumed at the restart
@@ -550,7 +549,7 @@ async def _run_site(
 
     It ends once the root published that round's head, or on SIGTERM. One line per round on stdout and
     one JSON line in ``files.log`` (``round``, ``site``, ``updates``, ``partial_bytes``,
-    ``duration_s``, ``update_ids``, ``refused_updates``). Exit code 0 (TransportError: no broker).
+    ``duration_s``, ``update_ids``, ``refused_updates``). Exit code 0 (raises as :func:`run` does).
     """
     broker, rounds, files = profile.broker, profile.rounds, profile.files
     where = f"{broker.scheme}://{broker.host}:{broker.port}"
@@ -567,11 +566,7 @@ async def _run_site(
     pump = asyncio.create_task(site.pump())
 
     async def start_up() -> None:
-        try:
-            await within(transport.connected.wait(), CONNECT_WAIT_S)
-        except TimeoutError as exc:
-            last = f": {transport.last_error}" if transport.last_error else ""
-            raise TransportError(f"broker {where} not reachable within {CONNECT_WAIT_S:.0f} s{last}") from exc
+        await _connected_or_refused(transport, where, CONNECT_WAIT_S)
         try:
             await site.start()
         except UpdateRejected as exc:

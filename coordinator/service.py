@@ -36,7 +36,7 @@ from edgefl.coordinator.rounds import (
     Round,
     RoundPhase,
     collecting,
-    replace_min_devices,
+    device_names,
 )
 from edgefl.coordinator.strategy import RoundConfig, Schedule, aggregate_checked
 from edgefl.errors import BrokerRefused, TransportError
@@ -64,6 +64,8 @@ WAIT_LOG_EVERY_S = 60.0
 
 #: Rounds of ``accuracy_history`` in the page's status document (the last ones).
 PAGE_HISTORY = 500
+#: Names of silent devices kept per round (page and round log); ``silent_devices`` counts them all.
+SILENT_KEPT = 100
 
 
 class Coordinator(Intake):
@@ -100,9 +102,16 @@ class Coordinator(Intake):
         self._global_chunks = 0
         self.expected_sites = 0  # a root's partials that close a round (edgefl.coordinator.hierarchy)
         self._dashboard_rounds: list[dict[str, Any]] = []
-        self._round_reasons: dict[int, dict[str, dict[str, int]]] = {}  # round -> refused, declined
+        self._round_reasons: dict[int, dict[str, Any]] = {}  # round -> refused, declined, silent
         self._announcement: tuple[int, bytes] | None = None  # (round, payload) of the last announcement
-        self._reannounce_task: asyncio.Task[None] | None = None
+        self._global_round = 0  # the round of the last GlobalModel published
+        # one publisher at a time per retained topic: a republish after a reconnect never lands after,
+        # and so over, a newer head or announcement
+        self._global_lock = asyncio.Lock()
+        self._round_lock = asyncio.Lock()
+        self._started = False  # start() published the head: from now on a reconnect republishes it
+        self._republish_due = False
+        self._republish_task: asyncio.Task[None] | None = None
         self.quorum = quorum
         self.pacing = pacing or Pacing()
         self.finished = False  # a job's last round closed, or the service is stopping (fleet page)
@@ -143,6 +152,7 @@ class Coordinator(Intake):
         for topic in self._data_topics():
             await self.subscribe(topic)
         await self.publish_global(self.state.round)
+        self._started = True
 
     def _data_topics(self) -> list[str]:
         """The device-facing topics :meth:`start` subscribes to after the control topics."""
@@ -210,7 +220,7 @@ class Coordinator(Intake):
         """Where the fleet stands before the next round (see :meth:`Pacing.check`)."""
         pacing = self.pacing
         if pacing.min_devices > 0:  # 0: a root, whose devices report to their sites
-            pacing = replace_min_devices(pacing, self.min_updates())
+            pacing = dataclasses.replace(pacing, min_devices=max(pacing.min_devices, self.min_updates()))
         since = None if self._last_start is None else time.monotonic() - self._last_start
         last = self.state.history[-1] if self.state.history else None
         if since is None and last is not None and math.isfinite(last.closed_unix):
@@ -290,11 +300,13 @@ class Coordinator(Intake):
                     break
                 remaining = rnd.deadline_at - time.monotonic()
                 if remaining <= 0:
+                    silent = rnd.silent()
                     logger.warning(
-                        "round %d: deadline passed with %d of %d updates",
+                        "round %d: deadline passed with %d of %d updates%s",
                         round_no,
                         rnd.clients,
                         cfg.min_clients,
+                        f"; no answer from {device_names(silent)}" if silent else "",
                     )
                     break
                 self._round_changed.clear()
@@ -396,14 +408,20 @@ class Coordinator(Intake):
             prox_mu=cfg.prox_mu,
         )
         payload = self._sign(encode_round, ann)
-        self._announcement = (round_no, payload)
-        await self._publish(self.topics.round, payload)
+        async with self._round_lock:
+            self._announcement = (round_no, payload)
+            await self._publish(self.topics.round, payload)
 
     async def publish_global(self, round_no: int) -> None:
         """Publish the current head as GlobalModel (QoS 1, retained) and wait for the PUBACK."""
+        async with self._global_lock:
+            await self._publish_global(round_no)
+
+    async def _publish_global(self, round_no: int) -> None:
         msg = GlobalModel(
             round_no, self.state.version, self.model_sha256, self.W, self.b, layout=self.downlink
         )
+        self._global_round = round_no
         payload = self._sign(encode_global_model, msg)
         base = self.topics.global_model
         # the smaller of the profile's limit and the broker's (MQTT 5 CONNACK Maximum Packet Size)
@@ -449,42 +467,72 @@ class Coordinator(Intake):
         return sign_message(encode, msg, self.signing_key, fleet=self.topics.fleet)
 
     def on_transport_connect(self) -> None:
-        """Announce the open round again after a reconnect that found no session of ours at the broker.
+        """Publish again what this coordinator owns retained, after every (re)connect once started.
 
-        The transport calls it after every CONNACK. A broker that lost its state lost the retained
-        announcement and what came for us meanwhile; the same bytes again make the sites re-send their
-        partials (``docs/operations.md``, "Exactly once across tiers").
+        The transport calls it after every CONNACK. The broker's retained ``global`` and ``round`` may
+        be older than ours whether or not it kept our session: a broker restored from an older
+        snapshot (mosquitto saves its state at a clean stop and every ``autosave_interval``) holds an
+        old head and announcement, and one that lost its state holds neither. So the current head and
+        the last announcement (open or closed) go out again, the same bytes for the announcement: a
+        site that closed that round sends its partial again (``docs/operations.md``, "Exactly once
+        across tiers"). Idempotent: the devices ignore a head or round they have.
         """
-        rnd, ann = self.state.current, self._announcement
-        if self.transport.session_present or rnd is None or ann is None:
-            return
-        if rnd.phase is not RoundPhase.OPEN or ann[0] != rnd.number:
-            return
-        if self._reannounce_task is not None and not self._reannounce_task.done():
-            return
-        self._reannounce_task = asyncio.create_task(self._reannounce(*ann), name="coordinator-reannounce")
+        if not self._started:
+            return  # the first connect: start() publishes the head itself (after adopting the fleet's)
+        self._republish_due = True
+        if self._republish_task is None or self._republish_task.done():
+            self._republish_task = asyncio.create_task(self._republish(), name="coordinator-republish")
 
-    async def _reannounce(self, round_no: int, payload: bytes) -> None:
-        logger.warning(
-            "round %d: the broker had no session of ours (it lost its state?): announcing the round again",
-            round_no,
-        )
-        try:
-            await self._publish(self.topics.round, payload)
-        except TransportError as exc:
-            logger.warning("round %d: announcement not published again: %s", round_no, exc)
+    async def _republish(self) -> None:
+        while self._republish_due:  # a reconnect while republishing: once more, on the new connection
+            self._republish_due = False
+            ann = self._announcement
+            what = f"the global head (version {self.state.version})"
+            if ann is not None:
+                what += f" and round {ann[0]}'s announcement"
+            if not self.transport.session_present:
+                logger.warning(
+                    "the broker had no session of ours (it lost its state?): publishing %s again%s",
+                    what,
+                    "" if ann is None else " (announcing the round again)",
+                )
+            else:
+                logger.info("broker back: publishing %s again (it may have restored older ones)", what)
+            try:
+                async with self._global_lock:
+                    await self._publish_global(self._global_round)
+                async with self._round_lock:
+                    ann = self._announcement  # the latest: a round may have opened meanwhile
+                    if ann is not None:
+                        await self._publish(self.topics.round, ann[1])
+            except TransportError as exc:
+                logger.warning("%s not published again: %s", what, exc)
+
+    async def stop_republishing(self) -> None:
+        """Cancel a republish still waiting for the broker (at the stop)."""
+        task, self._republish_task = self._republish_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     def dashboard_status(self) -> dict[str, Any]:
-        """The coordinator page's status document (see ``dashboard/app.py``), JSON-like."""
+        """The coordinator page's status document (see ``dashboard/app.py``), JSON-like.
+
+        Its ``health`` is ``ok``, or ``broker unreachable: HOST:PORT`` while the coordinator has lost its
+        broker (``/healthz`` answers 503 with it).
+        """
         rnd = self.state.current
         open_round = rnd is not None and rnd.phase.value == "open"
         registry = self.registry
         devices = registry.page_devices()
+        fleet = self.fleet_state()
         return {
             "broker_connected": self.transport.connected.is_set(),
+            # what /healthz answers: ok, or the problem (503)
+            "health": fleet.text if fleet.state is FleetPhase.BROKER_UNREACHABLE else "ok",
             "round": self.state.round,
             "state": "collecting" if open_round else ("idle" if not self.state.history else "aggregated"),
-            "fleet_state": self.fleet_state().as_dict(),
+            "fleet_state": fleet.as_dict(),
             "updates_received": rnd.clients if rnd is not None else 0,
             "updates_expected": (rnd.asked or rnd.close_at) if rnd is not None else 0,
             "deadline_s_left": max(0.0, rnd.deadline_at - time.monotonic()) if open_round and rnd else None,
@@ -512,11 +560,28 @@ class Coordinator(Intake):
             else self.state.history[-1].epsilon,
         }
 
+    def silent_devices(self, round_no: int) -> list[str]:
+        """The devices round ``round_no`` asked that sent it nothing it counted (see ``Round.silent``).
+
+        Known for the current (or last closed) round only; ``[]`` for any other.
+        """
+        rnd = self.state.current
+        return rnd.silent() if rnd is not None and rnd.number == round_no else []
+
     def note_round_reasons(
         self, round_no: int, refused: Mapping[str, int], declined: Mapping[str, int]
     ) -> None:
-        """Keep a closed round's refused updates and declines ``{reason: count}`` for the fleet page."""
-        reasons = {"refused": dict(refused), "declined": dict(declined)}
+        """Keep a closed round's refused updates and declines ``{reason: count}`` for the fleet page.
+
+        With them, its ``silent`` devices (at most :data:`SILENT_KEPT` names) and ``silent_devices``.
+        """
+        silent = self.silent_devices(round_no)
+        reasons: dict[str, Any] = {
+            "refused": dict(refused),
+            "declined": dict(declined),
+            "silent": silent[:SILENT_KEPT],
+            "silent_devices": len(silent),
+        }
         self._round_reasons[round_no] = reasons
         for old in sorted(self._round_reasons)[:-HISTORY_ROUNDS]:
             del self._round_reasons[old]

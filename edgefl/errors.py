@@ -78,10 +78,11 @@ class BrokerRefused(TransportError):
 
 
 class CredentialsRefused(TransportError):
-    """The broker refused the agent's credentials ``attempts`` times in a row (CONNACK 0x86/0x87).
+    """The broker refused our credentials ``attempts`` times in a row (CONNACK 0x86/0x87).
 
-    A wrong password does not fix itself: the agent exits with code 5, which the unit does not restart.
-    ``detail`` names the broker, the reason code and what to check.
+    A wrong password does not fix itself: the agent exits with code 5, the coordinator (at the first
+    refusal) with 1; the unit restarts neither. ``detail`` names the broker, the reason code and what
+    to check.
     """
 
     def __init__(self, detail: str, attempts: int) -> None:

@@ -70,7 +70,7 @@ def test_coordinator_fedbuff_runs_buffered_steps_with_real_agents(
     )  # fmt: skip
     assert [ln["round"] for ln in lines] == [1, 2, 3]
     assert all(ln["strategy"] == "fedbuff" for ln in lines)
-    assert [ln["clients"] for ln in lines] == [2, 2, 2]
+    assert [ln["counted"] for ln in lines] == [2, 2, 2]
     assert [ln["version"] for ln in lines] == [1, 2, 3]
     # it learns: the third step's head beats the first's (its level after 3 steps depends on which
     # updates came first, and on the fleet's norm bound)
@@ -87,7 +87,7 @@ def test_coordinator_dp_reports_epsilon_every_round_with_real_agents(
         "--dp-noise-multiplier", "1.0", "--dp-clip-norm", "1.0", "--dp-delta", "1e-5",
     )  # fmt: skip
     assert [ln["strategy"] for ln in lines] == ["dp-fedavg", "dp-fedavg"]
-    assert [ln["clients"] for ln in lines] == [2, 2]
+    assert [ln["counted"] for ln in lines] == [2, 2]
     eps = [ln["epsilon"] for ln in lines]
     assert 0 < eps[0] < eps[1] and all(ln["delta"] == 1e-5 for ln in lines)
     assert all(ln["norm_bound"] == 1.0 for ln in lines)

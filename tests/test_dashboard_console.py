@@ -661,7 +661,7 @@ def test_console_coordinator_round_records_follow_its_history() -> None:
     history.extend(RoundRecord(r, 2, 0.5 + r / 100, 100.0, 1.0) for r in range(1, 6))
     first = coord.dashboard_rounds()
     assert [r["round"] for r in first] == [1, 2, 3, 4, 5]
-    assert first[0]["accuracy"] == 0.51 and first[0]["clients"] == 2
+    assert first[0]["accuracy"] == 0.51 and first[0]["counted"] == 2
     assert coord.dashboard_rounds() is first  # unchanged history: the same list
     history.append(RoundRecord(6, 1, math.nan, 0.0, 2.0))
     del history[:2]  # trimmed, as a long-running service keeps its latest rounds
@@ -679,7 +679,7 @@ def test_console_coordinator_round_records_follow_its_history() -> None:
     assert seventh["time"] == "2027-01-15T08:00:00Z" and seventh["round_refused"] == "too_few"
     assert seventh["declined"] == {"no_data": 3} and seventh["declined_devices"] == 3
     coord.state.history = [RoundRecord(1, 3, 0.9, 10.0, 1.0)]  # another history (a state file loaded)
-    assert [(r["round"], r["clients"]) for r in coord.dashboard_rounds()] == [(1, 3)]
+    assert [(r["round"], r["counted"]) for r in coord.dashboard_rounds()] == [(1, 3)]
     status = coord.dashboard_status()
     assert status["rounds"] == coord.dashboard_rounds() and status["broker_connected"] is False
 

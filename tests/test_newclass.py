@@ -14,18 +14,24 @@ from bench import poison
 from bench.newclass import (
     GOAL_ROUNDS,
     DeviationHistory,
+    Gate,
+    GatedRound,
     candidate_factory,
     centered_clip,
     columns,
+    device_votes,
     flatten,
+    liar_votes,
     main,
     new_class_run,
     outlying_columns,
+    server_set,
     shipped_factory,
     support,
     support_columns,
     uncontested_columns,
 )
+from edgefl.coordinator.strategy import Offer
 
 pytestmark = pytest.mark.timeout(300)
 SHAPE = (512, 10)  # the shipped digits CNN's head: 512-float embeddings, 10 classes
@@ -133,3 +139,59 @@ def test_newclass_cli_names_an_unknown_rule(capsys: pytest.CaptureFixture[str]) 
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--rule 'krum'" in err and "median (default)" in err
+
+
+def test_newclass_gated_device_votes_per_column_on_the_holdout() -> None:
+    """Holdout: two samples of class 0, both right. Column 0's candidate (b0 - 0.5) keeps them right:
+    accepted; column 1's (b1 + 2) takes both: refused. One vote on the whole candidate refuses both."""
+    x = np.ones((2, 1), np.float32)
+    y = np.zeros(2, np.int64)
+    W, b = np.zeros((1, 2), np.float32), np.array([1.0, 0.0], np.float32)
+    delta = np.array([[0.0, -0.5], [0.0, 2.0]])  # items: column 0's (W, b) step, column 1's
+    assert device_votes(x, y, W, b, delta, [0, 1], Gate()) == [True, False]
+    assert device_votes(x, y, W, b, delta, [0, 1], Gate(per_column=False)) == [False, False]
+    # the liar accepts exactly what hurts (here judged on the same samples)
+    assert liar_votes(x, y, W, b, delta, [0, 1], Gate()) == [False, True]
+    # no holdout: nothing to vouch for
+    assert device_votes(x[:0], y[:0], W, b, delta, [0, 1], Gate()) == [False, False]
+
+
+def _gated_round(
+    gated: GatedRound, r: int, W: np.ndarray, b: np.ndarray, votes: list[list[bool]]
+) -> tuple[np.ndarray, np.ndarray, object]:
+    """One round of five equal-norm updates (nothing clipped): device 0 alone pushes class 1 up."""
+    gated.configure_round(r)
+    for i in range(5):
+        db = np.array([-1.0, 1.0] if i == 0 else [1.0, -1.0], np.float32)
+        gated.strategy.offer(Offer(f"dev{i}", np.zeros((1, 2), np.float32), db, 10))
+    return gated.close(W, b, votes)
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_newclass_gated_round_keeps_a_column_only_on_a_majority_vote(replace: bool) -> None:
+    """Round 1: the shipped median steps b by (+1, -1); class 1, supported by device 0 alone, becomes
+    the candidate (its column delta (0, +1); replacing the aggregate's -1: (0, +2)). Round 2: 3 of 5
+    votes keep it on top of the new aggregate; 2 of 5 do not."""
+    W0, b0 = np.zeros((1, 2), np.float32), np.zeros(2, np.float32)
+    bonus = 2.0 if replace else 1.0
+    for yes, kept in ((3, True), (2, False)):
+        gated = GatedRound(shipped_factory("median")(), Gate(replace=replace), (1, 2))
+        W1, b1, refused = _gated_round(gated, 1, W0, b0, [])
+        assert refused is None and gated.cols == [1]
+        np.testing.assert_allclose(b1, [1.0, -1.0])
+        assert gated.pending is not None
+        np.testing.assert_allclose(gated.pending, [[0.0, bonus]])
+        votes = [[True]] * yes + [[False]] * (5 - yes)
+        W2, b2, refused = _gated_round(gated, 2, W1, b1, votes)
+        assert refused is None
+        np.testing.assert_allclose(b2, [2.0, -2.0 + (bonus if kept else 0.0)])
+        np.testing.assert_allclose(W2, 0.0)
+
+
+def test_newclass_gated_server_set_takes_n_of_every_class_from_the_pool() -> None:
+    """The coordinator's own set: 2 samples of each class present in the pool, none from outside it."""
+    y = np.array([0, 0, 0, 1, 1, 2, 2, 2, 9])
+    pool = np.array([0, 1, 3, 4, 5, 6, 7])
+    idx = server_set(pool, y, 2, seed=0)
+    assert set(idx) <= set(pool) and len(set(idx)) == 6
+    assert sorted(y[idx].tolist()) == [0, 0, 1, 1, 2, 2]

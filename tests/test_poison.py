@@ -152,7 +152,7 @@ def test_poison_shipped_profile_real_processes_attacker_first(
     assert "tolerates 1 hostile device of 3" in out.splitlines()[0]
     rounds = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2, 3] and answered == [1, 2, 3]
-    assert all(r["clients"] == 5 and not r["refused"] for r in rounds), rounds
+    assert all(r["counted"] == 5 and not r["refused"] for r in rounds), rounds
     assert all("dev-0:" in " ".join(r["update_ids"]) for r in rounds)  # the attacker was in every round
     assert rounds[-1]["clipped_by_device"].get("dev-0") == 3, rounds[-1]
     assert rounds[-1]["accuracy"] > 0.6, rounds  # learning (an undefended round of 2 ends near 0.1)

@@ -29,7 +29,6 @@ def write_log(path: Path, rounds: range, **extra: Any) -> None:
                 "time": "2026-12-06T04:00:00Z",
                 "asked": 3,
                 "counted": 3,
-                "clients": 3,
                 "accuracy": r / 10_000,
                 "fed_accuracy": 0.5,
                 "fed_worst_decile": 0.25,

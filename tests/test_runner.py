@@ -511,7 +511,7 @@ def test_coordinator_restarted_without_state_adopts_the_fleets_round_and_head(
     assert "round 2 was aggregated but not recorded" in third.stderr, third.stderr
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [e["round"] for e in lines] == [1, 2] and lines[1]["recovered"] is True
-    assert lines[1]["update_ids"] == json.loads(full[1])["update_ids"] and lines[1]["clients"] == 2
+    assert lines[1]["update_ids"] == json.loads(full[1])["update_ids"] and lines[1]["counted"] == 2
     assert lines[1]["accuracy"] == pytest.approx(json.loads(full[1])["accuracy"], abs=1e-9)
     assert lines[1]["version"] == json.loads(full[1])["version"] == 2
     # a new coordinator with no state file: it adopts round 2 / version 2 from the retained messages,

@@ -655,7 +655,7 @@
       const when = roundTime(r);
       const t = cell(row, "time", timeText(when));
       if (when) t.title = when;
-      const counted = isNum(r.counted) ? r.counted : r.clients;
+      const counted = r.counted;
       cell(row, "clients", isNum(r.asked) ? `${FORMATS.int(counted)} of ${FORMATS.int(r.asked)}` : FORMATS.int(counted), "num");
       cell(row, "accuracy", acc3(r.accuracy), "num");
       cell(row, "federated", isNum(r.fed_accuracy)
@@ -668,7 +668,12 @@
       const devices = isNum(r.declined_devices) ? r.declined_devices : isNum(r.declined) ? r.declined : 0;
       const declined = obj(r.declined) && countsText(r.declined) ? countsText(r.declined)
         : devices > 0 ? `${devices} device${devices === 1 ? "" : "s"}` : "";
-      cell(row, "declined", declined || DASH, "reason-cell");
+      // the devices asked that sent nothing the round counted (no update, no decline): what it waited for
+      const quiet = Array.isArray(r.silent) ? r.silent.filter((d) => typeof d === "string") : [];
+      const quietTotal = isNum(r.silent_devices) ? r.silent_devices : quiet.length;
+      const silent = quiet.length ? `no answer: ${quiet.slice(0, 5).join(", ")}`
+        + (quietTotal > 5 ? ` (+${FORMATS.int(quietTotal - 5)})` : "") : "";
+      cell(row, "declined", [declined, silent].filter((t) => t).join(" · ") || DASH, "reason-cell");
       cell(row, "bytes", isNum(r.update_bytes_mean) && r.update_bytes_mean > 0 ? bytes(r.update_bytes_mean) : DASH, "num");
       cell(row, "seconds", isNum(r.duration_s) ? r.duration_s.toFixed(2) : DASH, "num");
     }

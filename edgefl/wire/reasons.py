@@ -63,6 +63,8 @@ class Reason(StrEnum):
     TOO_FEW_EXAMPLES = "too_few_examples"
     # a device whose store holds no labelled sample at all (a Decline, at once)
     NO_SAMPLES = "no_samples"
+    # a device that never got the global head of the round's base version (a Decline)
+    NO_HEAD = "no_head"
     # the coordinator's bounded device registry (statuses)
     REGISTRY_FULL = "registry_full"
     EXPIRED = "expired"
