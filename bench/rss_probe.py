@@ -78,7 +78,7 @@ def _anon_maps() -> list[list[int]]:
     return out
 
 
-def _sampler(out: Path, every_s: float, trace: bool, maps: bool) -> None:
+def _sampler(out: Path, every_s: float, trace: bool, maps: bool, dump: bool = False) -> None:
     import tracemalloc
 
     prev = None
@@ -95,6 +95,8 @@ def _sampler(out: Path, every_s: float, trace: bool, maps: bool) -> None:
             row["maps"] = _anon_maps()
         if trace and tracemalloc.is_tracing():
             snap = tracemalloc.take_snapshot()
+            if dump:  # the whole snapshot, for offline comparison (tracemalloc.Snapshot.load)
+                snap.dump(str(out.with_name(f"{out.stem}.{os.getpid()}.{int(row['t']):05d}.snap")))
             row["traced"] = tracemalloc.get_traced_memory()[0]
             big = sorted((tr for tr in snap.traces if tr.size >= 64 << 10), key=lambda tr: -tr.size)
             row["big"] = [
@@ -116,15 +118,17 @@ def _sampler(out: Path, every_s: float, trace: bool, maps: bool) -> None:
 def wrap(argv: list[str]) -> int:
     """``wrap OUT EVERY FLAGS -- edgefl args``: start the sampler thread, then run ``edgefl``.
 
-    ``FLAGS``: ``t`` tracemalloc, ``m`` the anonymous mappings, ``-`` neither.
+    ``FLAGS``: ``t`` tracemalloc, ``d`` also each whole snapshot to ``OUT``'s folder
+    (``<stem>.<pid>.<t>.snap``), ``m`` the anonymous mappings, ``-`` none.
     """
     out, every, trace, maps = Path(argv[0]), float(argv[1]), "t" in argv[2], "m" in argv[2]
+    dump = "d" in argv[2]
     args = argv[argv.index("--") + 1 :]
     if trace:
         import tracemalloc
 
         tracemalloc.start(8)
-    threading.Thread(target=_sampler, args=(out, every, trace, maps), daemon=True, name="probe").start()
+    threading.Thread(target=_sampler, args=(out, every, trace, maps, dump), daemon=True, name="probe").start()
     from edgefl.cli import main as cli_main
 
     return cli_main(args)

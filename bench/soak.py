@@ -54,9 +54,11 @@ What is measured (the JSON, ``--json PATH``):
   steady state, and the longest one (minutes).
 - ``second_coordinator_refused``: every second coordinator exited 6 and the first kept running.
 
-``--probe-dir DIR`` runs each agent through :mod:`bench.rss_probe`'s sampler (a thread in the agent's
-process appending ``RssAnon`` and glibc's ``mallinfo2`` to ``DIR/<device>.jsonl`` every 30 s, each line
-with its pid): where a growth is, heap in use, free or mmapped; the product is the same.
+``--probe-dir DIR`` runs each agent and coordinator through :mod:`bench.rss_probe`'s sampler (a thread in
+the process appending ``RssAnon`` and glibc's ``mallinfo2`` to ``DIR/<device>.jsonl`` or
+``DIR/<state folder>.jsonl`` every 30 s, each line with its pid): where a growth is, heap in use, free or
+mmapped; ``--probe-coordinator td`` adds tracemalloc to the coordinator's and dumps each snapshot beside
+it. The product is the same.
 
 Run: ``python -m bench.soak --minutes 8 --devices 5 --json out/soak.json``; docs/benchmarks.md
 ("Soak") records a 30-minute run.
@@ -314,6 +316,11 @@ class Soak:
             key, _, value = item.partition("=")
             sets[key] = value
         cmd = [sys.executable, "-OO", "-m", "edgefl.cli", "--log-level", "INFO", "coordinator"]
+        probe = getattr(self.args, "probe_dir", None)
+        if probe is not None:  # the same command through bench.rss_probe's sampler, as the agents'
+            flags = getattr(self.args, "probe_coordinator", "-")
+            out = Path(probe).resolve() / f"{state_dir.name}.jsonl"
+            cmd[3:4] = ["bench.rss_probe", "wrap", str(out), "30", flags, "--"]
         cmd.append(str(COORDINATOR_PROFILE))
         for k, v in sets.items():
             cmd += ["--set", f"{k}={v}"]
@@ -809,7 +816,14 @@ def main(argv: list[str] | None = None) -> int:
         "--probe-dir",
         type=Path,
         default=None,
-        help="agents through bench.rss_probe's sampler: DIR/<dev>.jsonl, RssAnon and mallinfo2 every 30 s",
+        help="agents and coordinators through bench.rss_probe's sampler: DIR/<dev>.jsonl, "
+        "DIR/coordinator.jsonl, RssAnon and mallinfo2 every 30 s",
+    )
+    p.add_argument(
+        "--probe-coordinator",
+        default="-",
+        metavar="FLAGS",
+        help="the coordinator sampler's flags (bench.rss_probe wrap): t tracemalloc, d its snapshots, m maps",
     )
     p.add_argument(
         "--coordinator-set",

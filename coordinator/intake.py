@@ -149,7 +149,7 @@ class Intake:
         # update id -> (topic, payload) held in _early or _held: acknowledged, so in the state file
         self._unfolded: dict[str, tuple[str, bytes]] = {}
         # the history as the state file keeps it, rebuilt only when a round is recorded
-        self._history_doc: tuple[tuple[object, object, int], list[list[Any]]] | None = None
+        self._history_doc: tuple[list[RoundRecord], list[list[Any]]] = ([], [])  # records, their rows
         self._round_lr = math.nan  # the client learning rate the open round announced
         self.state_loaded = False  # load_state found a state file
 
@@ -484,14 +484,21 @@ class Intake:
         write_record(path, cbor2.dumps(doc))
 
     def _history_rows(self) -> list[list[Any]]:
-        """The round history as the state file's rows, cached (records are only appended or trimmed)."""
+        """The round history as the state file's rows, cached: a record's row is built once, when it is added.
+
+        The history only grows at its end and is trimmed at its front (any other change builds every row
+        again): a round then makes one row, not a new row for each of the records kept.
+        """
         history = self.state.history
-        first, last = (history[0], history[-1]) if history else (None, None)
-        cached = self._history_doc
-        if cached is not None and cached[0][:2] == (first, last) and cached[0][2] == len(history):
-            return cached[1]
-        rows = [[getattr(h, name) for name in _RECORD_FIELDS] for h in history]
-        self._history_doc = ((first, last, len(history)), rows)
+        records, rows = self._history_doc
+        if len(records) == len(history) and all(a is b for a, b in zip(records, history, strict=True)):
+            return rows
+        start = next((k for k, h in enumerate(records) if history and h is history[0]), len(records))
+        kept = len(records) - start
+        if kept > len(history) or any(a is not b for a, b in zip(records[start:], history, strict=False)):
+            start, kept = len(records), 0  # not a trim and append of the cached history: all again
+        rows = rows[start:] + [[getattr(h, name) for name in _RECORD_FIELDS] for h in history[kept:]]
+        self._history_doc = (list(history), rows)
         return rows
 
     def _open_round_doc(self) -> dict[str, Any] | None:

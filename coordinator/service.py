@@ -374,12 +374,21 @@ class Coordinator(Intake):
             closed_unix=time.time(),
             new_samples=new_samples,
         )
-        self.state.history.append(record)
-        del self.state.history[:-HISTORY_ROUNDS]  # a service runs for months: memory and state stay bounded
-        for old in sorted(self.counted)[:-COUNTED_ROUNDS]:
-            del self.counted[old]
+        self.keep_record(record)
         self.notify()
         return record
+
+    def keep_record(self, record: RoundRecord) -> None:
+        """Add a closed round's record to the history; keep the last rounds only.
+
+        The last :data:`HISTORY_ROUNDS` records and the counted update ids of the last
+        :data:`COUNTED_ROUNDS` rounds: a service runs for months, its memory and its state file stay
+        bounded (the round log keeps every round).
+        """
+        self.state.history.append(record)
+        del self.state.history[:-HISTORY_ROUNDS]
+        for old in sorted(self.counted)[:-COUNTED_ROUNDS]:
+            del self.counted[old]
 
     async def _announce(
         self, round_no: int, cfg: RoundConfig, selected: tuple[str, ...] | None = None

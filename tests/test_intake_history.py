@@ -24,9 +24,14 @@ def test_durable_state_history_rows_follow_every_change(tmp_path: Path) -> None:
     assert [row[0] for row in rows] == [1, 2]
     assert coord._history_rows() is rows  # unchanged: the same rows, not built again
     coord.state.history.append(RoundRecord(3, 1, 0.6, 90.0, 1.0))
-    assert [row[0] for row in coord._history_rows()] == [1, 2, 3]
+    grown = coord._history_rows()
+    assert [row[0] for row in grown] == [1, 2, 3]
+    assert grown[0] is rows[0] and grown[1] is rows[1]  # a new round builds its own row only
     del coord.state.history[:1]  # trimmed from the front, as a service keeps its last rounds
-    assert [row[0] for row in coord._history_rows()] == [2, 3]
+    trimmed = coord._history_rows()
+    assert [row[0] for row in trimmed] == [2, 3] and trimmed[0] is rows[1] and trimmed[1] is grown[2]
+    coord.state.history[1:] = [RoundRecord(4, 1, 0.7, 90.0, 1.0)]  # changed in the middle: built again
+    assert [row[0] for row in coord._history_rows()] == [2, 4]
     coord.state.history = [RoundRecord(2, 2, 0.5, 100.0, 1.0), RoundRecord(9, 1, 0.6, 90.0, 1.0)]
     assert [row[0] for row in coord._history_rows()] == [2, 9]  # replaced (a state loaded)
     coord.save_state(tmp_path / "state.rec")
