@@ -180,13 +180,15 @@ def test_own_model_big_backbone_batch_shrinks_to_fit_and_the_round_is_answered(
             await coord.start()
             await coord.registry.wait_for_devices(1, timeout_s=90)
             record = await coord.run_round(1, selected=("dev-1",))
+            version = 1 if record.clients else 0  # trained: its status says so once it has the new head
             await wait_until(
                 lambda: (
                     coord.registry.devices["dev-1"].get("round") == 1
                     and coord.registry.devices["dev-1"].get("state") in ("waiting", "idle")
+                    and coord.registry.devices["dev-1"].get("version") == version
                 ),
                 30,
-                "dev-1 done with round 1",
+                f"dev-1 done with round 1 at head version {version}",
             )
             return record, await next_status(coord, "dev-1"), coord.dashboard_status()
         finally:

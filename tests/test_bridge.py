@@ -428,7 +428,10 @@ def test_site_restart_mid_round(tier: Tier) -> None:
     _assert_counted_once(tier, 1)
     site_b = tier.log("site-b")
     assert [ln["updates"] for ln in site_b] == [3]
-    assert site_b[0]["refused_updates"] == {"duplicate": 1}
+    # b1 sent again, and whatever the killed site had committed but not yet acknowledged (the broker
+    # delivers it again): refused as duplicates, never counted twice
+    refused = site_b[0]["refused_updates"]
+    assert set(refused) == {"duplicate"} and 1 <= refused["duplicate"] <= 3, refused
     assert site_b[0]["partial_bytes"] > 2048  # sent as chunks, reassembled by the root
 
 
