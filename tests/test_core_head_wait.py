@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -84,8 +85,9 @@ def test_durable_agent_without_the_rounds_head_sends_a_no_head_decline(
         try:
             await t.subscribe(topics.status("dev-1"), 1)
             await t.subscribe(topics.update("dev-1"), 1)
-            while (await next_status_fields(t)).get("store_samples", 0) == 0:
-                pass
+            status: dict[str, Any] = {}
+            while status.get("store_samples", 0) == 0:  # the agent has stored its replayed samples
+                status = await asyncio.wait_for(next_status_fields(t), 30)
             ann = dataclasses.replace(announcement(3, base_version=2), deadline_s=4.0)
             await t.publish(topics.round, encode_round(ann), qos=1, retain=True)
             while True:
