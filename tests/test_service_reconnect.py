@@ -110,10 +110,12 @@ def test_durable_broker_restored_from_an_old_snapshot_gets_the_current_head_agai
         heads = "3 more heads"
         wait_for(lambda: log_lines(log)[-1]["version"] >= snapshot + 3, 150, heads, [coord], tmp_path)
         stop_agents(agents)
+        # no round open, and the last one opened is in the log (a round the leaving device declined
+        # closes a moment before its line is written)
         wait_for(
-            lambda: _status(port)["fleet_state"]["state"] == "waiting_devices",
+            lambda: _idle_and_logged(port, log),
             60,
-            "the fleet waiting for its device",
+            "the fleet waiting for its device, its last round logged",
             [coord],
             tmp_path,
         )
@@ -147,6 +149,13 @@ def test_durable_broker_restored_from_an_old_snapshot_gets_the_current_head_agai
             coord.wait()
         stop_agents(agents)
         stop_broker(broker)
+
+
+def _idle_and_logged(port: int, log: Path) -> bool:
+    """True when the coordinator waits for devices (no round open) and its last round opened is logged."""
+    fleet = _status(port)["fleet_state"]
+    lines = log_lines(log)
+    return fleet["state"] == "waiting_devices" and bool(lines) and lines[-1]["round"] == fleet["round"]
 
 
 def _status(port: int) -> dict[str, Any]:
