@@ -45,24 +45,13 @@ class Site:
 
 @dataclass
 class PhaseReport:
-    """Memory of one phase in a round.
+    """Memory of one phase in a round, in bytes.
 
-    Attributes
-    ----------
-    phase : str
-    runs : int
-        How many times the phase ran in the round (``inference`` once per batch).
-    peak_rss_bytes : int
-        Largest peak RSS of the phase (kernel ``VmHWM`` after a reset), bytes.
-    rss_before_bytes : int
-        RSS just before the phase's first run, bytes.
-    heap_peak_bytes : int or None
-        Peak of the Python heap above its level at the phase start (tracemalloc), bytes.
-    sites : list[Site]
-        Top allocation sites near the heap peak.
-    work : int
-        The work size the governor granted (batch, chunk) at the last run; 0 where not admitted.
-    deferred : bool
+    ``runs`` how many times the phase ran (``inference`` once per batch); ``peak_rss_bytes`` its
+    largest peak RSS (kernel ``VmHWM`` after a reset); ``rss_before_bytes`` RSS just before its first
+    run; ``heap_peak_bytes`` peak of the Python heap above its level at the phase start
+    (tracemalloc), with the top allocation ``sites`` near it; ``work`` the work size the governor
+    granted (batch, chunk) at the last run, 0 where not admitted.
     """
 
     phase: str
@@ -183,11 +172,9 @@ def run_round(
     samples : int
         Samples classified into the store before training.
     governor : Governor, optional
-        Admits and measures the phases; default: one built from ``profile.memory``.
+        Default: one built from ``profile.memory``.
     trace : bool
-        Run :mod:`tracemalloc` (heap peaks and sites; costs time and some memory).
-    top : int
-        Allocation sites kept per phase.
+        Run :mod:`tracemalloc` (heap peaks and ``top`` sites per phase; costs time and some memory).
     broker : str, optional
         ``mqtt://host:port``: publish the update there (QoS 1); None skips the ``publish`` phase.
     state_dir : Path, optional

@@ -70,25 +70,13 @@ class RoundStatus(StrEnum):
 class RoundResult:
     """The outcome of one round announcement.
 
-    Attributes
-    ----------
-    status : RoundStatus
-    round : int
-        The announced round (0 when the bytes did not decode).
-    reason : str
-        For REFUSED the refusal code (``stale_round``, ``bad_signature``, ``unsigned``, a
-        :class:`~edgefl.errors.DecodeError` reason, ``failed``); for DEFERRED the governor's reason.
-    detail : str
-        Human-readable explanation.
-    entry : OutboxEntry or None
-        TRAINED: the signed, encoded Update as kept in the outbox (publish ``entry.payload``);
-        DECLINED: the Decline message, kept and published the same way.
-    dropped : tuple[Dropped, ...]
-        Older outbox entries evicted to make room (TRAINED only).
-    local : LocalResult or None
-        TRAINED only: the local training's delta, loss, accuracy and time.
-    update_bytes : int
-        TRAINED only: ``len(entry.payload)``.
+    ``round`` the announced round (0 when the bytes did not decode); ``reason`` for REFUSED the
+    refusal code (``stale_round``, ``bad_signature``, ``unsigned``, a
+    :class:`~edgefl.errors.DecodeError` reason, ``failed``), for DEFERRED the governor's; ``detail``
+    the human-readable why. TRAINED: ``entry`` the signed, encoded Update as kept in the outbox
+    (publish ``entry.payload``), ``dropped`` older outbox entries evicted to make room, ``local`` the
+    local training's delta, loss, accuracy and time, ``update_bytes`` ``len(entry.payload)``;
+    DECLINED: ``entry`` the Decline message, kept and published the same way.
     """
 
     status: RoundStatus
@@ -109,20 +97,10 @@ DECLINE_AFTER_FRACTION = 0.5
 class Deferred:
     """A round not answered yet, retried by :meth:`DeviceCore.retry_deferred` until its time is up.
 
-    Deferred by the memory governor (waiting for memory), for too few examples, or waiting for the
-    global head of its base version.
-
-    Attributes
-    ----------
-    ann : RoundAnnouncement
-    since_s : float
-        ``time.monotonic()`` of its first deferral.
-    reason : str
-        The governor's latest reason (or why too few examples are stored).
-    decline : str
-        The Decline's reason when its time is up: ``over_budget`` (memory), ``too_few_examples``
-        (fewer than ``training.min_examples`` labelled examples stored) or ``no_head`` (the global
-        head of the round's base version never came).
+    ``since_s``: ``time.monotonic()`` of its first deferral; ``reason``: the latest why; ``decline``:
+    the Decline's reason when its time is up, ``over_budget`` (waiting for memory),
+    ``too_few_examples`` (fewer than ``training.min_examples`` stored) or ``no_head`` (the global head
+    of its base version never came).
     """
 
     ann: RoundAnnouncement
@@ -166,11 +144,6 @@ class RoundAnswering(PersonalHeads):
             self._see_version(ann.base_version)
         return self.answer_round(ann)
 
-    def _selected(self, ann: RoundAnnouncement) -> bool:
-        if isinstance(ann.selected, tuple):
-            return self.device in ann.selected
-        return True
-
     def answer_round(self, ann: RoundAnnouncement) -> RoundResult:
         """Answer a round at most once: train, error feedback, encode, sign, keep in the outbox, persist.
 
@@ -191,7 +164,7 @@ class RoundAnswering(PersonalHeads):
             # a newer round supersedes the deferred one: refuse it to the coordinator, never drop it
             self.deferred = None
             self._declines.append(self._decline_safely(prior))
-        if not self._selected(ann):
+        if isinstance(ann.selected, tuple) and self.device not in ann.selected:
             return RoundResult(RoundStatus.NOT_SELECTED, ann.round)
         if self.answered is not None and ann.round <= self.answered.round:
             return RoundResult(
@@ -354,12 +327,7 @@ class RoundAnswering(PersonalHeads):
         )
 
     def _personal_step(self, ann: RoundAnnouncement) -> PersonalStep:
-        """The personal step to take on the round's training batches (admitted with the training).
-
-        Without it (personal heads off, a logistic head, ``personal.epochs`` other than the round's,
-        or no room beside training) the step runs on its own after the update (:meth:`personalise`,
-        with its own admission).
-        """
+        """The personal step to take on the round's training batches (admitted with the training)."""
         pcfg = self.profile.personal
         current = self.personal
         W, b = (self.head.W.copy(), self.head.b.copy()) if current is None else (current.W, current.b)
@@ -378,10 +346,9 @@ class RoundAnswering(PersonalHeads):
         """Retry the deferred round once memory may have freed, or decline it when its time is up.
 
         Before :data:`DECLINE_AFTER_FRACTION` of the round's ``deadline_s`` has passed since its first
-        deferral, free heap is returned to the kernel and the round answered again; after it, the round
-        is DECLINED (``over_budget``, ``too_few_examples`` or ``no_head``).
-
-        ``now_s``: ``time.monotonic()`` (tests pass their own). None when no round is deferred.
+        deferral (``now_s``: ``time.monotonic()`` by default), free heap is returned to the kernel and
+        the round answered again; after it, the round is DECLINED (the deferral's reason). None when
+        no round is deferred.
         """
         d = self.deferred
         if d is None:
@@ -452,10 +419,7 @@ class RoundAnswering(PersonalHeads):
     def _keep_answer(
         self, ann: RoundAnnouncement, update_id: str, payload: bytes, what: str, sends: int = 0
     ) -> tuple[Dropped, ...]:
-        """Keep an answer in the outbox, the round recorded as answered, in one write; the evicted.
-
-        OSError if the outbox cannot be persisted (the answer is then not kept).
-        """
+        """Keep an answer in the outbox with the round answered, in one write; the evicted (else OSError)."""
         added: list[Dropped] = []
         answered = Answered(self.fleet, ann.round, update_id)
         amap = self._answered_map(answered)
