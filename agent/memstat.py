@@ -1,6 +1,6 @@
 """Reading the process's memory from the kernel: RSS, peak RSS, PSS, MemAvailable and the cgroup limit.
 
-All figures are in bytes: RSS from ``statm`` (cheap, hot paths), the peak from ``status``, PSS from
+All figures in bytes: RSS from ``statm`` (cheap, hot paths), the peak from ``status``, PSS from
 ``smaps_rollup``.
 
 Source: proc(5) (``statm``, ``status`` VmHWM, ``smaps_rollup``, ``clear_refs`` value 5 resets the
@@ -117,9 +117,7 @@ def _kb_field(proc: Path, pid: int | str | None, filename: str, key: str) -> int
 
 
 def peak_rss_bytes(pid: int | str = "self", *, proc: Path = PROC) -> int:
-    """Peak resident set size (``VmHWM``) of a process since start or the last peak reset, in bytes.
-
-    ``Governor.peak_rss_bytes`` is the lifetime peak of a governed process (it resets this counter).
+    """Peak RSS (``VmHWM``) of a process since start or the last reset, bytes (``Governor``: lifetime).
 
     Raises
     ------
@@ -200,8 +198,8 @@ def cgroup_memory_limit_bytes(
     """The memory limit the kernel enforces on a process's cgroup, in bytes, or None when unlimited.
 
     The lowest ``memory.max`` (v2) or ``memory.limit_in_bytes`` (v1) of the process's cgroup and its
-    ancestors, on either hierarchy; None also when nothing is readable. ``proc`` and ``cgroup_root``:
-    where the proc and cgroup file systems are mounted (fake trees in tests).
+    ancestors, on either hierarchy; None also when nothing is readable (``proc``, ``cgroup_root``:
+    where those file systems are mounted).
 
     Source: Documentation/admin-guide/cgroup-v2.rst (memory.max); cgroup-v1/memory.rst
     (memory.limit_in_bytes, hierarchical accounting).

@@ -190,16 +190,14 @@ class RoundAnswering(PersonalHeads):
                     f"round {ann.round} uses version {ann.base_version}, device has {head.version}",
                 ),
             )
+        if self.pending_round is not None and self.pending_round.round <= ann.round:
+            self.pending_round = None
         if len(self.store) == 0:
             # nothing to train on: say so now rather than hold the round to its deadline
-            if self.pending_round is not None and self.pending_round.round <= ann.round:
-                self.pending_round = None
             try:
                 return self.decline(ann, Reason.NO_SAMPLES, "no labelled samples stored")
             except OSError as exc:
                 return RoundResult(RoundStatus.REFUSED, ann.round, "failed", str(exc))
-        if self.pending_round is not None and self.pending_round.round <= ann.round:
-            self.pending_round = None
         need = self.profile.training.min_examples
         if len(self.store) < need:
             # a feed may still be going: wait for more like for memory, decline when the time is up

@@ -348,18 +348,15 @@ def train_local(
     chunk, emb, lbl = reader.chunk, reader.emb, reader.lbl
     steps = 0
     pair = _Pair(head, personal, reader, lr, prox_mu) if personal is not None else None
-    if pair is None:
-        W, b = head.W.copy(), head.b.copy()
-    else:
-        W, b = pair.W, pair.b  # the global head of [W, V]: trained in place
+    # with a personal head: the global head of its [W, V], trained in place
+    W, b = (head.W.copy(), head.b.copy()) if pair is None else (pair.W, pair.b)
     for e, y in reader.batches(local_epochs, shuffler, stop_at):
+        steps += 1
         if pair is not None:
             pair.train_step(e, y)
-            steps += 1
-            continue
-        gW, gb = reader.grad(W, b, e, y)
-        sgd_step(W, b, gW, gb, lr, prox_mu=prox_mu, W0=head.W, b0=head.b)
-        steps += 1
+        else:
+            gW, gb = reader.grad(W, b, e, y)
+            sgd_step(W, b, gW, gb, lr, prox_mu=prox_mu, W0=head.W, b0=head.b)
     # the buffer holds every sample: one chunk, read whole (in the last epoch's order)
     whole = chunk == n and steps > 0
     train_s = time.perf_counter() - t0
