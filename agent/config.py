@@ -343,9 +343,7 @@ def _npz_problem(path: Path) -> str | None:
 
 def _check_broker(p: Problems, c: AgentBrokerConfig, raw: Mapping[str, object], check_files: bool) -> None:
     profiles.check_broker(p, c, raw, check_files)
-    s = c.session_expiry_s
-    if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MQTT_MAX_SESSION_EXPIRY_S:
-        p.add("broker.session_expiry_s", s, f"must be an integer between 0 and {MQTT_MAX_SESSION_EXPIRY_S}")
+    p.between("broker.session_expiry_s", c.session_expiry_s, 0, MQTT_MAX_SESSION_EXPIRY_S, " seconds")
 
 
 def _check_source(p: Problems, c: SourceConfig, raw: Mapping[str, object], check_files: bool) -> None:
@@ -453,26 +451,13 @@ def parse_profile(
     check_files: bool = True,
     overrides: Mapping[str, object] | None = None,
 ) -> Profile:
-    """Build and validate a profile from an already-parsed TOML mapping.
+    """Build and validate a profile (paths absolute) from an already-parsed TOML mapping.
 
-    Parameters
-    ----------
-    data : Mapping[str, object]
-        ``{table: {key: value}}`` as ``tomllib`` returns it.
-    base_dir : Path
-        Directory that relative paths resolve against (normally the profile file's directory).
-    path : Path or None
-        Recorded in :attr:`Profile.path` (``Path("<inline>")`` when None).
-    check_files : bool
-        Check that ``model.path``, the TLS files and a replay ``source.path`` exist (and that
-        ``model.sha256`` matches); False for profiles written for another machine.
-    overrides : Mapping[str, object] or None
-        As :func:`load_profile`'s.
-
-    Returns
-    -------
-    Profile
-        Paths absolute.
+    ``data``: ``{table: {key: value}}`` as ``tomllib`` returns it, its relative paths resolving
+    against ``base_dir`` (normally the profile file's folder); ``path`` is recorded in
+    :attr:`Profile.path`; ``check_files`` checks that ``model.path``, the TLS files and a replay
+    ``source.path`` exist (and that ``model.sha256`` matches), False for profiles written for another
+    machine; ``overrides`` as :func:`load_profile`'s.
 
     Raises
     ------
@@ -497,20 +482,11 @@ def load_profile(
 ) -> Profile:
     """Read a TOML profile, apply overrides, and validate it.
 
-    Parameters
-    ----------
-    path : Path or str
-        The ``.toml`` profile; relative paths inside it resolve against its directory.
-    overrides : Mapping[str, object] or None
-        Dotted keys set on top of the file before validation, e.g. ``{"device.id": "dev-2"}``.
-        String values (from ``--set key=value``) are coerced to the field's type (``"0.5,0.5"`` to a
-        tuple of floats, ``""`` to None); a relative path resolves against the working directory.
-    check_files : bool
-        As :func:`parse_profile`'s.
-
-    Returns
-    -------
-    Profile
+    ``path``: the ``.toml`` profile (relative paths inside it resolve against its folder);
+    ``overrides``: dotted keys set on top of the file before validation, e.g. ``{"device.id":
+    "dev-2"}``, string values (from ``--set key=value``) coerced to the field's type (``"0.5,0.5"`` to
+    a tuple of floats, ``""`` to None), a relative path resolving against the working directory;
+    ``check_files`` as :func:`parse_profile`'s.
 
     Raises
     ------

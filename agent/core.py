@@ -376,23 +376,10 @@ class DeviceCore(RoundAnswering):
     def observe(self, raw: np.ndarray, labels: I64, labelled: np.ndarray | None = None) -> Classified:
         """Classify samples and keep the labelled ones' embeddings in the store (:meth:`keep`).
 
-        Parameters
-        ----------
-        raw : [N, *sample_shape]
-        labels : int64 [N]
-            Class per sample, ``0 <= label < K`` (0/1 for K = 1); ignored where ``labelled`` is False.
-        labelled : bool [N], optional
-            Which samples carry a label (live ingest: the others wait for a late label); default all.
-
-        Returns
-        -------
-        Classified
-            Of all N samples; ``refused_*`` count the labelled ones the store refused.
-
-        Raises
-        ------
-        ValueError, RuntimeError, BudgetExceeded
-            As :meth:`classify`, or labels not matching the samples.
+        ``raw`` [N, *sample_shape]; ``labels`` int64 [N], ``0 <= label < K`` (0/1 for K = 1), ignored
+        where ``labelled`` (bool [N], default all) is False (live ingest: those wait for a late
+        label). The result covers all N samples, ``refused_*`` counting the labelled ones the store
+        refused. Raises as :meth:`classify`, and ValueError for labels not matching the samples.
         """
         out = self.classify(raw)
         if labelled is None:

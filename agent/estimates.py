@@ -244,12 +244,7 @@ def estimate_replay_bytes(path: Path | str) -> int:
     """Bytes loading a replay file (``source.path``: ``x`` samples, ``y`` labels) adds to RSS.
 
     Every array as loaded (through ``numpy.load``'s buffer of up to 256 KiB) plus the labels' int64
-    copy, computed from the headers alone (:func:`npz_headers`).
-
-    Raises
-    ------
-    ValueError, OSError
-        As :func:`npz_headers`.
+    copy, computed from the headers alone (ValueError, OSError as :func:`npz_headers`).
     """
     arrays = npz_headers(path)
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in arrays.values()]

@@ -97,10 +97,7 @@ def _read_proc(proc: Path, pid: int | str | None, filename: str) -> str:
 def rss_bytes(pid: int | str = "self", *, proc: Path = PROC) -> int:
     """Resident set size of a process, in bytes (``/proc/<pid>/statm`` field 2 x page size).
 
-    Raises
-    ------
-    OSError
-        If the process does not exist or ``/proc`` is unavailable.
+    OSError if the process does not exist or ``/proc`` is unavailable.
     """
     fields = _read_proc(proc, pid, "statm").split()
     return int(fields[1]) * PAGE_BYTES
@@ -119,10 +116,7 @@ def _kb_field(proc: Path, pid: int | str | None, filename: str, key: str) -> int
 def peak_rss_bytes(pid: int | str = "self", *, proc: Path = PROC) -> int:
     """Peak RSS (``VmHWM``) of a process since start or the last reset, bytes (``Governor``: lifetime).
 
-    Raises
-    ------
-    OSError
-        If the process does not exist or the kernel does not report ``VmHWM``.
+    OSError if the process does not exist or the kernel does not report ``VmHWM``.
     """
     return _kb_field(proc, pid, "status", "VmHWM")
 
@@ -138,10 +132,7 @@ def pss_bytes(pid: int | str = "self", *, proc: Path = PROC) -> int | None:
 def system_available_bytes(*, proc: Path = PROC) -> int:
     """The system's ``MemAvailable`` from ``/proc/meminfo``, in bytes.
 
-    Raises
-    ------
-    OSError
-        If ``/proc/meminfo`` has no ``MemAvailable`` line (kernels before 3.14).
+    OSError if ``/proc/meminfo`` has no ``MemAvailable`` line (kernels before 3.14).
     """
     return _kb_field(proc, None, "meminfo", "MemAvailable")
 

@@ -87,19 +87,11 @@ class PersonalResult:
 class LocalResult:
     """What local training produced.
 
-    Attributes
-    ----------
-    delta_W : float32 [D, K]
-        ``W_local - W_global``: the update sent to the coordinator.
-    delta_b : float32 [K]
-    num_examples : int
-        Samples in the store (the FedAvg weight).
-    loss, accuracy : float
-        Mean cross-entropy (nats; binary when K = 1) and accuracy (0..1) of the final head over the store.
-    train_s : float
-        Wall time of the local epochs, in seconds (the personal head's steps included).
-    personal : PersonalResult or None
-        The personal head's steps when it trained alongside (:class:`PersonalStep`).
+    ``delta_W`` float32 [D, K], ``delta_b`` [K]: ``W_local - W_global``, the update sent to the
+    coordinator; ``num_examples`` samples in the store (the FedAvg weight); ``loss``, ``accuracy`` the
+    final head's mean cross-entropy (nats; binary when K = 1) and accuracy (0..1) over the store;
+    ``train_s`` wall time of the local epochs, seconds (the personal head's steps included);
+    ``personal`` the personal head's steps when it trained alongside (:class:`PersonalStep`).
     """
 
     delta_W: F32
@@ -445,13 +437,10 @@ def train_personal(
         Classes the device may personalise (:func:`edgefl.head.personal_columns`).
     lam : float
         Ditto's proximal coefficient (>= 0).
-    epochs : int
-        Passes over the store (>= 1).
     absent_alpha : float
-        Scale of the logits of the classes outside ``columns`` in the loss, 0..1 (1 = plain
-        softmax; softmax heads only).
-    store, lr, batch_size, chunk_size, seed, time_budget_s
-        As :func:`train_local`'s (``lr`` > 0).
+        Scale of the logits of the classes outside ``columns`` in the loss, 0..1 (1 = plain softmax).
+    epochs, store, lr, batch_size, chunk_size, seed, time_budget_s
+        As :func:`train_local`'s ``local_epochs``, ``store``...
 
     Raises
     ------
