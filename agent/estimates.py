@@ -49,10 +49,7 @@ def model_shapes(backbone: Any) -> ModelShapes:
 
     def nbytes(index: int) -> int:
         d = details[index]
-        n = 1
-        for dim in d["shape"]:
-            n *= max(1, int(dim))
-        return n * int(np.dtype(d["dtype"]).itemsize)
+        return math.prod(max(1, int(dim)) for dim in d["shape"]) * int(np.dtype(d["dtype"]).itemsize)
 
     activation = 0
     try:
@@ -75,9 +72,7 @@ def model_shapes(backbone: Any) -> ModelShapes:
             activation = max(activation, alive)
     except (AttributeError, KeyError, TypeError, ValueError):
         activation = sum(nbytes(int(d["index"])) for d in interp.get_output_details())
-    sample_elems = 1
-    for dim in backbone.input_shape[1:]:
-        sample_elems *= int(dim)
+    sample_elems = math.prod(int(dim) for dim in backbone.input_shape[1:])
     try:
         classes = int(backbone.head_from_model()[0].shape[1])
     except Exception:  # any model without a known head: use the output width
@@ -126,9 +121,7 @@ def estimate_inference_bytes(shapes: ModelShapes, batch: int, *, resident_batch:
     """
     grow = max(0, batch - resident_batch)
     factor = _DELEGATED_ARENA_FACTOR if shapes.delegated else _ARENA_FACTOR
-    arena = int(factor * shapes.activation_bytes * grow) + grow * shapes.sample_elems * (
-        shapes.input_itemsize
-    )
+    arena = int(factor * shapes.activation_bytes * grow) + grow * shapes.sample_elems * shapes.input_itemsize
     outputs = batch * (shapes.embedding_dim + shapes.classes) * (4 + 4 + 1)
     return arena + outputs
 

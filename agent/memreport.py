@@ -161,27 +161,14 @@ def run_round(
 ) -> RoundReport:
     """Run one full round of the device core in this process and measure each phase.
 
-    Samples classified into the store (phase ``inference``), a RoundAnnouncement answered
-    (``train``, ``encode``), the update published when a broker is given (``publish``), and a
-    GlobalModel applied (``apply``), each through :class:`edgefl.agent.core.DeviceCore`.
-
-    Parameters
-    ----------
-    profile : Profile
-        Model, pipeline batch, training chunk size, keys and memory cap come from here.
-    samples : int
-        Samples classified into the store before training.
-    governor : Governor, optional
-        Default: one built from ``profile.memory``.
-    trace : bool
-        Run :mod:`tracemalloc` (heap peaks and ``top`` sites per phase; costs time and some memory).
-    broker : str, optional
-        ``mqtt://host:port``: publish the update there (QoS 1); None skips the ``publish`` phase.
-    state_dir : Path, optional
-        The core's state directory; default a temporary directory.
-    compression : str
-        The round's compression (``edgefl.wire.compression.Compression``); 2 local epochs at lr 0.1,
-        batches of 16.
+    ``samples`` classified into the store (phase ``inference``), a RoundAnnouncement answered
+    (``train``, ``encode``; 2 local epochs at lr 0.1, batches of 16, ``compression`` an
+    ``edgefl.wire.compression.Compression`` value), the update published to ``broker``
+    (``mqtt://host:port``, QoS 1; None skips ``publish``), and a GlobalModel applied (``apply``), each
+    through :class:`edgefl.agent.core.DeviceCore` built from the ``profile`` (model, batch, chunk
+    size, keys, cap) in ``state_dir`` (default a temporary folder); ``governor`` default: one from
+    ``profile.memory``. ``trace`` runs :mod:`tracemalloc` (heap peaks and ``top`` sites per phase;
+    costs time and some memory).
     """
     from edgefl.agent.core import ApplyStatus, DeviceCore
     from edgefl.agent.round import RoundStatus

@@ -282,8 +282,7 @@ class RoundAnswering(PersonalHeads):
                     result.accuracy,
                     result.train_s,
                     gov.peak_rss_bytes,
-                    # the base head's federated evaluation rides with the update (the
-                    # status no longer goes out for it)
+                    # the base head's federated evaluation rides with the update
                     eval_accuracy=base_eval.accuracy if base_eval is not None else None,
                     eval_count=base_eval.count if base_eval is not None else 0,
                 ),
@@ -385,12 +384,8 @@ class RoundAnswering(PersonalHeads):
 
         ``reason`` is a :class:`~edgefl.wire.reasons.Reason` value (``over_budget``), ``detail`` the
         why for the coordinator's log (cut to 200 printable ASCII characters). Returns DECLINED with
-        the Decline as ``entry`` (publish it on ``update/<device>``).
-
-        Raises
-        ------
-        OSError
-            If the outbox cannot be persisted (the decline is then not kept).
+        the Decline as ``entry`` (publish it on ``update/<device>``). OSError if the outbox cannot be
+        persisted (the decline is then not kept).
         """
         update_id = f"{self.device}:{ann.round}:{ann.base_version}:declined"
         msg = Decline(ann.round, ann.base_version, self.device, str(reason), detail, update_id)
