@@ -304,18 +304,20 @@ def _publish(
     from edgefl.wire.chunking import split_message
 
     _, host, port = parse_broker_url(url)
-    topics = Topics(profile.broker.topic_prefix, profile.device.fleet)
-    topic = topics.update(profile.device.id)
+    topic = Topics(profile.broker.topic_prefix, profile.device.fleet).update(profile.device.id)
 
     async def go() -> str:
-        t = MqttTransport(host, port, f"edgefl-memreport-{profile.device.id}", protocol="3.1.1")
+        t = MqttTransport(
+            host,
+            port,
+            f"edgefl-memreport-{profile.device.id}",
+            protocol="3.1.1",
+            max_packet_bytes=profile.broker.max_packet_bytes,
+        )
         try:
             await t.start(wait_s=10)
-            limit = min(
-                profile.broker.max_packet_bytes, t.broker_max_packet_bytes or profile.broker.max_packet_bytes
-            )
             with measured("publish"):
-                for part in split_message(payload, topic, limit, msg_id="memreport"):
+                for part in split_message(payload, topic, t.packet_limit(), msg_id="memreport"):
                     await t.publish(topic, part, qos=1)
         except TransportError as exc:
             return f"publish failed: {exc}"
