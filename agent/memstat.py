@@ -155,14 +155,8 @@ def reset_peak(*, proc: Path = PROC) -> bool:
 # --- cgroup limit -------------------------------------------------------------------------------
 def _read_limit(path: Path) -> int | None:
     try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if not text or text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
+        value = int(path.read_text().strip())
+    except (OSError, ValueError):  # unreadable, empty, or "max" (v2's no limit)
         return None
     return None if value >= _V1_UNLIMITED or value <= 0 else value
 
