@@ -196,17 +196,11 @@ class DeviceCore(RoundAnswering):
         self.outbox = Outbox(self.state_dir / OUTBOX_FILE, sec.outbox_max_bytes)
         self.feedback = ErrorFeedback(self.head.shape, model_sha256)
         capacity = store_capacity if store_capacity is not None else profile.training.store_capacity
-        self.store = EmbeddingStore(
-            self.state_dir, capacity, self.head.shape[0], num_classes=self.head.shape[1]
-        )
+        D, K = self.head.shape
+        self.store = EmbeddingStore(self.state_dir, capacity, D, num_classes=K)
         every = profile.training.holdout_every
         self.holdout: EmbeddingStore | None = (
-            EmbeddingStore(
-                self.state_dir / "holdout",
-                holdout_capacity(capacity, every),
-                self.head.shape[0],
-                num_classes=self.head.shape[1],
-            )
+            EmbeddingStore(self.state_dir / "holdout", holdout_capacity(capacity, every), D, num_classes=K)
             if every
             else None
         )
@@ -216,7 +210,7 @@ class DeviceCore(RoundAnswering):
         self.evaluation: Evaluation | None = None
         self.personal: Head | None = None
         """The personal head (None until the first personal step; :meth:`personalise`)."""
-        self.personal_columns: np.ndarray = np.zeros(self.head.shape[1], dtype=bool)
+        self.personal_columns: np.ndarray = np.zeros(K, dtype=bool)
         """bool [K]: the classes this device has had a label for (the columns it personalises)."""
         self.personal_evaluation: Evaluation | None = None
         """The personal head's accuracy on the holdout (:meth:`evaluate`)."""
