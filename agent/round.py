@@ -242,12 +242,8 @@ class RoundAnswering(PersonalHeads):
                 time_budget_s=ann.deadline_s,
                 personal=alongside,
             )
-        enc = gov.admit(
-            "encode",
-            lambda _: estimates.estimate_encode_bytes(D, K, ann.compression, ann.topk_fraction),
-            1,
-            1,
-        )
+        need = estimates.estimate_encode_bytes(D, K, ann.compression, ann.topk_fraction)
+        enc = gov.admit("encode", lambda _: need, 1, 1)
         if enc.deferred:
             return self._defer(ann, enc.reason)
         update_id = f"{self.device}:{ann.round}:{ann.base_version}"
@@ -263,11 +259,7 @@ class RoundAnswering(PersonalHeads):
                 # add what earlier compression dropped, keep what this one drops: persisted by the
                 # outbox write below; the wire form is made once, here
                 delta_W, delta_b, compressed = fb.compress(
-                    delta_W,
-                    delta_b,
-                    ann.compression,
-                    topk_fraction=ann.topk_fraction,
-                    round=ann.round,
+                    delta_W, delta_b, ann.compression, topk_fraction=ann.topk_fraction, round=ann.round
                 )
                 carry = fb.carry_bytes()
             update = Update(
