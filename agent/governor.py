@@ -39,8 +39,8 @@ from edgefl.agent.memstat import (
 
 logger = logging.getLogger(__name__)
 
-#: The phases of the agent, in the order of a round.
-PHASES = ("batch", "inference", "train", "encode", "publish", "apply")
+#: The phases of the agent, in the order of a round (batch preparation runs inside inference).
+PHASES = ("inference", "train", "encode", "publish", "apply")
 #: Phases that can wait for a later round; inference cannot (shrunk to its floor, then refused).
 DEFERRABLE = frozenset({"train", "encode", "publish", "personal"})
 PSS_MAX_AGE_S: Final = 10.0

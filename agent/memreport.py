@@ -182,8 +182,7 @@ def run_round(
         profile.memory.min_system_available_mb * MIB,
     )
     baseline = gov.rss_bytes()
-    # batch preparation runs inside "inference" on the shipped path (Pipeline.run): no phase of its own
-    reports: dict[str, PhaseReport] = {p: PhaseReport(p) for p in PHASES if p != "batch"}
+    reports: dict[str, PhaseReport] = {p: PhaseReport(p) for p in PHASES}
     if trace and not tracemalloc.is_tracing():
         tracemalloc.start(1)
 
