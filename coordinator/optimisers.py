@@ -85,9 +85,8 @@ def bound_coordinates(step: F32, mean_delta: F32, factor: float) -> F32:
 class FedAvgM(FedAvg):
     """FedAvg with server momentum: ``v = beta v + mean(delta)``, ``W += server_lr * v``.
 
-    The buffer itself is bounded per coordinate (``bound_coordinates``), so a direction the round does
-    not support fades at once. ``server_momentum``: beta in [0, 1) (ValueError otherwise); ``kwargs`` as
-    ``Strategy``.
+    The buffer is bounded per coordinate (``bound_coordinates``). ``server_momentum``: beta in [0, 1)
+    (ValueError otherwise); ``kwargs`` as ``Strategy``.
 
     Source: Hsu et al. 2019 (FedAvgM); the bound as AdaBound (Luo et al. 2019).
     """
@@ -103,8 +102,8 @@ class FedAvgM(FedAvg):
         """Fold the round's mean delta into the momentum buffers and step the head along them."""
         vW = server_momentum(self.server_state.get("v_W"), mean_dW, self.beta)
         vb = server_momentum(self.server_state.get("v_b"), mean_db, self.beta)
-        vW = bound_coordinates(vW, mean_dW, COORDINATE_FACTOR)  # the buffer itself: an
-        vb = bound_coordinates(vb, mean_db, COORDINATE_FACTOR)  # unsupported direction fades
+        vW = bound_coordinates(vW, mean_dW, COORDINATE_FACTOR)  # the buffer itself: a direction
+        vb = bound_coordinates(vb, mean_db, COORDINATE_FACTOR)  # the round does not support fades
         self.server_state["v_W"], self.server_state["v_b"] = vW, vb
         return super().step(W, b, vW, vb)
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from edgefl.coordinator.normbound import update_norm
 from edgefl.coordinator.strategy import Offer, SiteSums, Strategy, array_from, check_setting
 from edgefl.errors import UpdateRejected
 from edgefl.types import F32
@@ -130,10 +131,7 @@ class _Robust(Strategy):
 
     def _bounded_sites(self) -> tuple[list[npt.NDArray[np.float64]], list[npt.NDArray[np.float64]]]:
         """The site estimates, each scaled down to the fixed bound or the lower median norm."""
-        norms = [
-            math.sqrt(float(np.sum(w * w)) + float(np.sum(b * b)))
-            for w, b in zip(self._site_W, self._site_b, strict=True)
-        ]
+        norms = [update_norm(w, b) for w, b in zip(self._site_W, self._site_b, strict=True)]
         bound = self.norm_bound.clip_norm
         if bound is None:
             bound = sorted(norms)[(len(norms) - 1) // 2]

@@ -276,7 +276,7 @@ class Strategy(ABC):
         held to: refused at once).
         """
         self._check_shape("partial", sums.W, sums.b)
-        norm = update_norm(sums.W, sums.b)  # type: ignore[arg-type]  # float64 works the same
+        norm = update_norm(sums.W, sums.b)
         if not math.isfinite(norm):
             raise UpdateRejected("not_finite", f"partial norm {norm}")
         if not sums.weight > 0 or sums.count < 1:
