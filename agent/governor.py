@@ -208,7 +208,6 @@ class Governor:
                     self.peak_method = "sampling"
         if self.peak_method == "sampling":
             sampler = _Sampler(self.proc, self.sample_interval_s)
-            sampler.start()
         try:
             yield
         finally:
@@ -433,7 +432,7 @@ class Governor:
 
 
 class _Sampler:
-    """Fallback peak measurement: a thread reading RSS every ``interval_s`` (misses short spikes)."""
+    """Fallback peak measurement from creation: a thread reading RSS every ``interval_s`` (misses spikes)."""
 
     def __init__(self, proc: Path, interval_s: float) -> None:
         self.proc = proc
@@ -441,13 +440,11 @@ class _Sampler:
         self.peak = rss_bytes(proc=proc)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="edgefl-rss-sampler", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.peak = max(self.peak, rss_bytes(proc=self.proc))
-
-    def start(self) -> None:
-        self._thread.start()
 
     def stop(self) -> int:
         self._stop.set()

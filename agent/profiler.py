@@ -31,10 +31,9 @@ EXIT_MODEL = 3
 
 def _floats(text: str) -> tuple[float, ...]:
     try:
-        values = tuple(float(v) for v in text.split(","))
+        return tuple(float(v) for v in text.split(","))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers") from exc
-    return values
 
 
 def _bounded_int(low: int, high: int) -> Any:
