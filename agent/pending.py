@@ -15,9 +15,7 @@ Source: ISO-HDLC CRC-32 as ``zlib.crc32`` computes it (ITU-T V.42); ``mmap(2)``/
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import struct
 import time
 import zlib
@@ -27,6 +25,7 @@ from typing import Final
 
 import numpy as np
 
+from edgefl.agent.store import allocate
 from edgefl.records import set_aside
 from edgefl.types import F32
 from edgefl.wire.ingest import SAMPLE_ID_RE
@@ -152,11 +151,7 @@ class PendingFile:
             with self.path.open("wb") as fh:
                 fh.write(self._header())
                 fh.truncate(size)
-                try:  # its blocks now: a write into a hole of a full disk would be SIGBUS
-                    os.posix_fallocate(fh.fileno(), 0, size)
-                except OSError as exc:
-                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # file systems without it
-                        raise
+            allocate(self.path, size)
         self._rows = np.memmap(  # type: ignore[call-overload]
             self.path, dtype=self._dtype, mode="r+", offset=HEADER_BYTES, shape=(capacity,)
         )

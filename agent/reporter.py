@@ -97,18 +97,18 @@ class AgentState:
     state: str = "idle"
     reason: str = ""
     round: int = 0
+    local_accuracy: float = float("nan")
     inferred_total: int = 0
     correct_total: int = 0
+    labelled_total: int = 0
+    """Classified samples that had a label (the denominator of ``inference_accuracy``)."""
     stored_total: int = 0
+    last_update_ts: float | None = None
+    """Wall-clock time (Unix s) the last update was sent: with ``ts`` the page tells its age."""
+    last_update_bytes: int = 0
     replay_done: bool = False
     ingest_ready: bool = False
     """Live ingest: subscribed to the samples and labels topics."""
-    labelled_total: int = 0
-    """Classified samples that had a label (the denominator of ``inference_accuracy``)."""
-    last_update_bytes: int = 0
-    last_update_ts: float | None = None
-    """Wall-clock time (Unix s) the last update was sent: with ``ts`` the page tells its age."""
-    local_accuracy: float = float("nan")
     rejected: Counter[str] = field(default_factory=Counter)
     last_rejected: dict[str, str] = field(default_factory=dict)
     """The last live-ingest refusal: ``reason``, ``detail``, ``topic`` (a feed shows it)."""
