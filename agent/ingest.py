@@ -1,9 +1,7 @@
 """Live ingest bookkeeping: the bounded sample queue (drop-oldest) and the table of samples awaiting a label.
 
-What lies between the MQTT messages and the device core, called from the daemon's event loop only:
-the queue of samples not yet classified (drop-oldest), the samples in flight, the pending table of
-classified samples waiting for a late Label, and the duplicate and conflict checks; the rules are
-``docs/protocol.md``, "Live ingest". Its memory is bounded and allocated once (:class:`IdTable`).
+Called from the daemon's event loop only: the queue, the samples in flight, the pending table and
+the duplicate and conflict checks (rules: ``docs/protocol.md``, "Live ingest"), in bounded memory.
 """
 
 from __future__ import annotations
@@ -37,17 +35,10 @@ DISPUTED = -1
 
 @dataclass(slots=True)
 class Queued:
-    """A received sample waiting to be classified.
+    """A received sample waiting to be classified: ``x`` [*sample_shape] of the raw dtype.
 
-    Attributes
-    ----------
-    id : str
-        The app's sample id.
-    x : ndarray [*sample_shape] of the raw dtype
-    label : int or None
-        Inline label, or one that arrived on ``labels/<device>`` while the sample was queued.
-    arrived_s : float
-        ``time.monotonic()`` when it was received (a Prediction's ``latency_s`` counts from here).
+    ``label``: inline, or one that came on ``labels/<device>`` meanwhile; ``arrived_s``:
+    ``time.monotonic()`` at receipt (a Prediction's ``latency_s`` counts from here).
     """
 
     id: str
@@ -92,11 +83,10 @@ class Ingest:
     label_expiry_s : float
         Seconds such a sample waits for its label (> 0).
     clock : callable() -> float
-        Monotonic seconds (``time.monotonic``; a test may pass its own).
+        Monotonic seconds.
     pending_file : PendingFile or None
-        Where the pending table is mirrored (``agent/pending.py``): its samples restored now (the
-        oldest first, their age kept; those past ``label_expiry_s`` expire at the next
-        :meth:`expire`), every park and release written through. None: RAM only.
+        Where the pending table is mirrored, every park and release written through; its samples
+        are restored now, their age kept. None: RAM only.
 
     Raises
     ------
@@ -166,9 +156,7 @@ class Ingest:
 
     # --- in ---------------------------------------------------------------------------------------
     def offer_sample(self, sample: Sample) -> Queued | None:
-        """Queue a sample the decoder checked against the model; return the oldest, evicted if full.
-
-        The evicted sample is counted in ``ingest_dropped``; None when nothing was evicted.
+        """Queue a checked sample; return the oldest if it was evicted (``ingest_dropped``), else None.
 
         Raises
         ------
@@ -319,10 +307,8 @@ class Ingest:
     def take_labelled(self) -> tuple[F32, I64, I64] | None:
         """Late-labelled samples matched since the last call, or None.
 
-        Returns
-        -------
-        (embeddings float32 [M, D], labels int64 [M], predicted int64 [M]) or None
-            ``predicted``: the class each was given when it was classified.
+        ``(embeddings float32 [M, D], labels int64 [M], predicted int64 [M])``, ``predicted`` the
+        class each was given when classified.
         """
         if not self._labelled:
             return None
