@@ -1,9 +1,6 @@
 """The daemon's status task: the retained DeviceStatus and the status page's document.
 
-:meth:`StatusReporter.status_loop` publishes ``status/<device>`` (retained, QoS 1) when the status
-has news (:func:`edgefl.agent.status.status_news`), at every (re)connect and at least every
-``status.heartbeat_s``; :meth:`StatusReporter.dashboard_status` is what the status page shows. It
-also declares the fields and small hooks the daemon's tasks share.
+It also declares the fields and small hooks the daemon's tasks share.
 """
 
 from __future__ import annotations
@@ -148,11 +145,7 @@ class StatusReporter:
     _acked: list[str]
 
     async def _work(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run ``fn(*args)`` on the worker thread (every core call goes through here).
-
-        The PUBACKs noted since the last call (:meth:`_note_acknowledged`) reach the core first, in
-        the same hop.
-        """
+        """Run ``fn(*args)`` on the worker thread, after the PUBACKs noted since the last call."""
         loop = asyncio.get_running_loop()
         if not self._acked:
             return await loop.run_in_executor(self.executor, fn, *args)
@@ -166,10 +159,7 @@ class StatusReporter:
         return fn(*args)
 
     def _note_acknowledged(self, update_id: str) -> None:
-        """The broker acknowledged ``update_id``: the core is told with the next worker call.
-
-        ``outbox_pending`` counts the update until then, as it counts one written behind.
-        """
+        """The broker acknowledged ``update_id``: the core is told with the next worker call."""
         self._acked.append(update_id)
 
     def _wake_rounds(self, ask: str) -> None:
@@ -216,8 +206,7 @@ class StatusReporter:
     def status_fields(self, measure: bool = True, *, volatile: bool = True) -> dict[str, Any]:
         """The DeviceStatus fields (JSON-like); ``measure=False`` leaves out the ``/proc`` figures.
 
-        ``volatile=False`` also leaves out the counters and per-phase figures that are never news
-        (``pipeline``, ``transport``, the governor's phases and admissions: ``VOLATILE_STATUS_FIELDS``).
+        ``volatile=False`` also leaves out the figures that are never news (``pipeline``, ...).
         """
         s = self.state
         core = self.core
@@ -284,10 +273,7 @@ class StatusReporter:
         }
 
     def broker_state(self) -> str:
-        """``connected``, a refusal (:data:`REFUSED_NOT_AUTHORIZED`, :data:`REFUSED_UNTRUSTED`), or not yet.
-
-        Not yet: ``lost`` (it was connected) or ``connecting``.
-        """
+        """``connected``, a refusal (:data:`REFUSED_NOT_AUTHORIZED`, ...), ``lost`` or ``connecting``."""
         t = self.transport
         if t is None:
             return "connecting"
@@ -369,9 +355,8 @@ class StatusReporter:
     async def status_loop(self) -> None:
         """Publish the retained status when it says something new, and at least every ``status.heartbeat_s``.
 
-        Checked on every change and every ``status.interval_s``; every (re)connect publishes (the
-        broker may hold the "offline" last will); while the core is degraded each check retries the
-        writes.
+        Also at every (re)connect (the broker may hold the "offline" will); while the core is degraded
+        each check retries the writes.
         """
         assert self.transport is not None
         cfg = self.profile.status
