@@ -83,17 +83,9 @@ class ErrorFeedback:
         ``delta_W``, ``delta_b``: float32 [D, K], [K]; ``seed``: of stochastic int8 rounding (None:
         deterministic); ``round``: the round it answers (:attr:`round`).
 
-        Returns
-        -------
-        corrected_W, corrected_b : float32 [D, K], float32 [K]
-            ``delta + residual``, what was compressed.
-        compressed : CompressedDelta
-            The wire sub-maps for ``encode_update`` and what the coordinator decodes from them.
-
-        Raises
-        ------
-        ValueError
-            As ``compress_head_delta`` (non-finite delta, bad fraction) or wrong shapes.
+        Returns ``(corrected_W, corrected_b, compressed)``: ``delta + residual``, and the wire sub-maps
+        for ``encode_update`` with what the coordinator decodes from them. ``ValueError`` as
+        ``compress_head_delta`` (non-finite delta, bad fraction) or for wrong shapes.
         """
         if delta_W.shape != self.shape or delta_b.shape != (self.shape[1],):
             raise ValueError(f"ErrorFeedback: delta {delta_W.shape}/{delta_b.shape}, head {self.shape}")

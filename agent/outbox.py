@@ -53,14 +53,8 @@ class Outbox:
     """Updates kept until acknowledged, persisted as a record in the state directory.
 
     ``path`` (e.g. ``<state_dir>/outbox.rec``; its folder is created) is loaded now, a torn file
-    falling back to the previous generation; ``max_bytes`` >= 1 bounds the sum of the kept payloads.
-
-    Raises
-    ------
-    ValueError
-        If ``max_bytes < 1``.
-    OSError
-        If the state directory cannot be created.
+    falling back to the previous generation; ``max_bytes`` >= 1 bounds the sum of the kept payloads
+    (else ``ValueError``). ``OSError`` if the state directory cannot be created.
     """
 
     def __init__(self, path: Path, max_bytes: int) -> None:
@@ -165,18 +159,9 @@ class Outbox:
         the new answered-round map (:attr:`answered`), persisted by the same write even when the
         update is not kept.
 
-        Returns
-        -------
-        list[Dropped]
-            What was dropped (each logged): older updates evicted oldest first until the new one fits
-            (``outbox_full``), or the new one alone if it exceeds ``max_bytes`` (``too_large``).
-
-        Raises
-        ------
-        ValueError
-            If ``update_id`` or ``round`` is invalid.
-        OSError
-            If the outbox cannot be persisted.
+        Returns what was dropped (each logged): older updates evicted oldest first until the new one
+        fits (``outbox_full``), or the new one alone if it exceeds ``max_bytes`` (``too_large``).
+        ``ValueError`` if ``update_id`` or ``round`` is invalid, ``OSError`` if it cannot be persisted.
         """
         if UPDATE_ID_RE.fullmatch(update_id) is None:
             raise ValueError(f"update_id = {update_id!r:.80}: must match {UPDATE_ID_RE.pattern}")

@@ -99,14 +99,8 @@ class PendingFile:
 
     A file whose header fails its check, or for another ``dim`` or ``capacity``, is set aside as
     ``*.corrupt`` and a new one made; after a change of ``capacity`` alone its valid slots are carried
-    over (the newest that fit). What was restored is in :attr:`restored`, oldest first.
-
-    Raises
-    ------
-    ValueError
-        If ``capacity`` or ``dim`` is not positive.
-    OSError
-        If the file cannot be created or mapped.
+    over (the newest that fit). What was restored is in :attr:`restored`, oldest first. Raises
+    ``ValueError`` if ``capacity`` or ``dim`` is not positive, ``OSError`` if it cannot be mapped.
     """
 
     def __init__(self, directory: Path, capacity: int, dim: int) -> None:

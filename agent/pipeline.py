@@ -205,20 +205,9 @@ class Pipeline:
     def run(self, raw: np.ndarray) -> tuple[F32, F32]:
         """Embed and score ``raw`` [N >= 1, *sample_shape] (int or float), ``tensor_batch`` rows an invoke.
 
-        A last, partial group runs at its real size when the batch is resizable, else padded.
-
-        Returns
-        -------
-        embeddings : float32 [N, D]
-        logits : float32 [N, K]
-            Both dequantised, pad rows left out.
-
-        Raises
-        ------
-        ValueError
-            If ``raw`` is empty or its sample shape is not the model's.
-        InterpreterBusy
-            If another thread is using the interpreter.
+        A last, partial group runs at its real size when the batch is resizable, else padded. Returns
+        ``(embeddings float32 [N, D], logits float32 [N, K])``, dequantised. ``ValueError`` if ``raw``
+        is empty or of another sample shape; ``InterpreterBusy`` if another thread uses the interpreter.
         """
         n = self._check(raw)
         emb = np.empty((n, self.backbone.embedding_dim), dtype=np.float32)

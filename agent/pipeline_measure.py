@@ -83,14 +83,8 @@ def measure(
 
     Each of ``repeats`` (>= 1, after 2 warm-ups) runs one batch of seeded random ``raw_dtype``
     samples through both pipelines and ``invoke`` alone, so a burst of load hits all three alike.
-    Returns one :class:`BatchMeasurement` (medians) per batch size, in order.
-
-    Raises
-    ------
-    ValueError
-        If a batch size or ``repeats`` is < 1, or mean/std do not fit the model.
-    InterpreterBusy
-        If another thread is using the interpreter.
+    Returns one :class:`BatchMeasurement` (medians) per batch size, in order. ``ValueError`` if a
+    batch size or ``repeats`` is < 1 or mean/std do not fit the model; ``InterpreterBusy`` as ``run``.
     """
     if repeats < 1 or not batches or min(batches) < 1:
         raise ValueError(f"repeats {repeats} and batches {tuple(batches)} must be >= 1")

@@ -43,14 +43,8 @@ def lock_state_dir(state_dir: Path, *, lock_file: str = LOCK_FILE, owner: str = 
     ``owner`` names the holder in the error (``"agent"``, ``"coordinator"``). Returns the open lock
     file: keep it for as long as the lock must be held (closing it releases it).
 
-    Raises
-    ------
-    StateDirBusy
-        If another process holds the lock (non-blocking: raised at once).
-    OSError
-        If the folder or the lock file cannot be created.
-
-    Source: ``flock(2)`` (Linux man-pages), ``LOCK_EX | LOCK_NB``.
+    Raises :class:`StateDirBusy` at once if another process holds the lock, ``OSError`` if the folder
+    or the lock file cannot be created. Source: ``flock(2)`` (Linux man-pages), ``LOCK_EX | LOCK_NB``.
     """
     state_dir.mkdir(parents=True, exist_ok=True)
     path = state_dir / lock_file

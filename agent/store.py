@@ -379,25 +379,11 @@ class EmbeddingStore:
         return int(np.count_nonzero(self._touched))
 
     def add(self, emb: F32, labels: I64) -> int:
-        """Append a batch of labelled embeddings, overwriting the oldest when full.
+        """Append ``emb`` float32 [N, D] with ``labels`` int64 [N] (int16 range), overwriting the oldest.
 
-        Samples whose label the head cannot learn are refused (``bad_label``, ``refused_labels``), and
-        so are those whose embedding is not finite in float16 (``refused_not_finite``).
-
-        Parameters
-        ----------
-        emb : float32 [N, D]
-        labels : int64 [N], values in int16 range.
-
-        Returns
-        -------
-        int
-            How many samples were refused for their label.
-
-        Raises
-        ------
-        ValueError
-            If the shapes disagree with the store's D or with each other.
+        Samples whose label the head cannot learn are refused (``refused_labels``), and so are those
+        whose embedding is not finite in float16 (``refused_not_finite``). Returns how many were
+        refused for their label; ``ValueError`` if the shapes disagree with D or with each other.
         """
         n = emb.shape[0]
         if emb.ndim != 2 or emb.shape[1] != self.dim or labels.shape != (n,):
@@ -460,21 +446,10 @@ class EmbeddingStore:
             yield emb, lbl
 
     def read(self, rows: I64, emb_out: F32, lbl_out: I64) -> None:
-        """Read stored samples ``rows``, in that order, into caller-owned buffers (one float16 gather).
+        """Read stored samples ``rows`` (int64 [M] in ``0..len(self)-1``, any order) into caller buffers.
 
-        Parameters
-        ----------
-        rows : int64 [M]
-            Storage slots in ``0..len(self)-1``, any order (repeats allowed).
-        emb_out : float32 [M, D], C-contiguous
-            Receives the embeddings, row i = slot ``rows[i]``.
-        lbl_out : int64 [M]
-            Receives the labels.
-
-        Raises
-        ------
-        ValueError
-            If the buffers' shapes do not match ``rows`` and D.
+        ``emb_out`` float32 [M, D] (C-contiguous) and ``lbl_out`` int64 [M] receive row i = ``rows[i]``
+        in one float16 gather; ``ValueError`` if their shapes do not match ``rows`` and D.
         """
         m = len(rows)
         if emb_out.shape != (m, self.dim) or lbl_out.shape != (m,):
