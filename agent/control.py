@@ -168,9 +168,8 @@ class RoundTask(SampleSource):
         except DecodeError as exc:
             self._reject(exc.reason, what, exc.detail)
         except Exception as exc:
-            # last line of defence: whatever a message made us do failed; count it, keep running (the
-            # message was acknowledged when it reached the queue: a run of such messages never makes
-            # the daemon deaf)
+            # last line of defence: whatever a message made us do failed; count it, keep running (a
+            # run of such messages, acknowledged when queued, never makes the daemon deaf)
             more = self._count_rejected("failed")
             if more is not None:
                 logger.error("handling %s failed: %s: %s%s", what, type(exc).__name__, exc, more)
@@ -260,10 +259,9 @@ class RoundTask(SampleSource):
 
     async def retry_deferred(self) -> None:
         """Retry the core's deferred round (memory may have freed) or send its decline when time is up."""
-        now = time.monotonic()
-        if self.core.deferred is None or now < self._next_retry_at:
+        if not self._retry_due():
             return
-        self._next_retry_at = now + self.profile.status.interval_s  # a retry's own news is no reason
+        self._next_retry_at = time.monotonic() + self.profile.status.interval_s  # its own news is no reason
         result = await self._work(self.core.retry_deferred)
         if result is not None:
             await self.on_round(result)
@@ -281,7 +279,7 @@ class RoundTask(SampleSource):
         with self.core.phase("publish"):
             for part in split_message(payload, topic, limit, msg_id=update_id.replace(":", "-")):
                 await self.transport.publish(topic, part, qos=1)
-        self._note_acknowledged(update_id)  # the core hears of it with the next worker call
+        self._acked.append(update_id)  # PUBACKed: the core hears of it with the next worker call
 
     async def resend_outbox(self) -> None:
         """After a (re)connect: send each unacknowledged update of the current round again, once."""

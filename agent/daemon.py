@@ -55,7 +55,7 @@ class Agent(RoundTask):
         self._round_asks = set()  # what other tasks asked the round task (_wake_rounds)
         self._acked = []  # PUBACKed updates the core is told of with the next worker call
         # the status may be checked now: no round or global message in hand, or a (re)connect's
-        # status is due (the broker may hold the "offline" will: it never waits for a round)
+        # status is due (never waits for a round)
         self._status_go = asyncio.Event()
         self._status_go.set()
         self.governor = self.core.governor
@@ -241,8 +241,7 @@ class Agent(RoundTask):
             on_connect=self._on_transport_connect,
             tls_context=self.tls_context,
             max_packet_bytes=self.max_packet_bytes,
-            # a persistent session: what is published to our subscriptions while the agent restarts
-            # (samples, labels, rounds, heads: QoS 1) waits at the broker and comes when it is back
+            # a persistent session: what is published to us (QoS 1) while the agent restarts waits
             session_expiry_s=b.session_expiry_s,
             # what is received and not handled yet is bounded in bytes too (a flood of large messages)
             max_held_bytes=self.profile.source.queue_max_bytes,

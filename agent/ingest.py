@@ -177,12 +177,8 @@ class Ingest:
         self.counters.samples_received += 1
         if sample.label is not None:
             self.counters.labels_received += 1
-            self._answer(sample.id, sample.label)
+            self._answered.add(sample.id, sample.label, self.clock())
         return dropped
-
-    def _answer(self, sample_id: str, label: int) -> None:
-        """Remember that ``sample_id`` was labelled ``label`` now (bounded: the oldest id goes first)."""
-        self._answered.add(sample_id, label, self.clock())
 
     def _dispute(self, sample_id: str) -> bool:
         """Drop a disputed sample's label wherever it is not stored yet; return whether it was stored."""
@@ -250,7 +246,7 @@ class Ingest:
                     f"no sample {label.id} waits for a label (never received, dropped, labelled or expired)",
                 )
             self._labelled.append((label.id, entry[0], label.label, entry[2]))
-        self._answer(label.id, label.label)
+        self._answered.add(label.id, label.label, self.clock())
         self.counters.labels_received += 1
 
     # --- out --------------------------------------------------------------------------------------

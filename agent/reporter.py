@@ -158,10 +158,6 @@ class StatusReporter:
             self.core.acknowledged(update_id)
         return fn(*args)
 
-    def _note_acknowledged(self, update_id: str) -> None:
-        """The broker acknowledged ``update_id``: the core is told with the next worker call."""
-        self._acked.append(update_id)
-
     def _wake_rounds(self, ask: str) -> None:
         """Ask the round task for ``ask``: ``ready`` (a waiting round may be answerable), ``resend``."""
         self._round_asks.add(ask)
@@ -363,9 +359,8 @@ class StatusReporter:
         heartbeat_s = cfg.interval_s if cfg.heartbeat_s is None else cfg.heartbeat_s
         while True:
             await wait_event(self._status_dirty, cfg.interval_s)
-            # a round marks the status changed at each step (received, trained, sent, acknowledged):
-            # checked once when its messages are handled, not beside its training and publish
-            # (round time); never later than one interval, at once after a (re)connect
+            # a round marks the status changed at each step: checked once its messages are handled,
+            # never later than one interval, at once after a (re)connect
             await wait_event(self._status_go, cfg.interval_s)
             self._status_dirty.clear()
             try:

@@ -89,10 +89,8 @@ class SampleSource(StatusReporter):
                 self.state.labelled_total += len(lbl)
                 self.state.stored_total += len(lbl)
                 self._stored.set()
-                if src.rate_hz > 0:
-                    await asyncio.sleep(max(0.0, len(lbl) / src.rate_hz - (time.monotonic() - t0)))
-                else:
-                    await asyncio.sleep(0)
+                pause_s = len(lbl) / src.rate_hz - (time.monotonic() - t0) if src.rate_hz > 0 else 0.0
+                await asyncio.sleep(max(0.0, pause_s))
             await self._work(self.core.flush_store)  # never raises: a full disk marks the core degraded
             if not self.state.replay_done:
                 self.state.replay_done = True
