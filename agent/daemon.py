@@ -185,12 +185,8 @@ class Agent(RoundTask):
     async def auth_watch(self) -> None:
         """Report every refusal of our credentials or of the broker's certificate; give up after a run.
 
-        Raises
-        ------
-        CredentialsRefused
-            Once the broker refused the credentials ``broker.auth_retries`` times in a row.
-        CertificateNotTrusted
-            Once the broker's TLS certificate failed verification ``broker.auth_retries`` times in a row.
+        Raises ``CredentialsRefused`` or ``CertificateNotTrusted`` once the broker refused the
+        credentials, or its certificate failed verification, ``broker.auth_retries`` times in a row.
         """
         t = self.transport
         assert t is not None

@@ -74,24 +74,10 @@ class IngestCounters:
 class Ingest:
     """The ingest queue and the pending-label table of one device.
 
-    Parameters
-    ----------
-    queue_max : int
-        Samples queued at most (>= 1); beyond, the oldest is dropped.
-    pending_max : int
-        Unlabelled classified samples kept for a late label (>= 0).
-    label_expiry_s : float
-        Seconds such a sample waits for its label (> 0).
-    clock : callable() -> float
-        Monotonic seconds.
-    pending_file : PendingFile or None
-        Where the pending table is mirrored, every park and release written through; its samples
-        are restored now, their age kept. None: RAM only.
-
-    Raises
-    ------
-    ValueError
-        If a bound is out of range.
+    At most ``queue_max`` (>= 1) samples are queued, the oldest dropped beyond; ``pending_max`` (>= 0)
+    classified samples wait ``label_expiry_s`` (> 0, ``clock`` seconds) for a late label, mirrored in
+    ``pending_file`` (its samples restored now, their age kept; None: RAM only). ``ValueError`` if a
+    bound is out of range.
     """
 
     def __init__(
@@ -158,10 +144,7 @@ class Ingest:
     def offer_sample(self, sample: Sample) -> Queued | None:
         """Queue a checked sample; return the oldest if it was evicted (``ingest_dropped``), else None.
 
-        Raises
-        ------
-        UpdateRejected
-            ``duplicate``: a sample with this id was received lately (a QoS 1 redelivery).
+        Raises ``UpdateRejected`` ``duplicate`` if this id was received lately (a QoS 1 redelivery).
         """
         if sample.id in self._recent:
             raise UpdateRejected(Reason.DUPLICATE, f"sample {sample.id} already received")
@@ -205,11 +188,8 @@ class Ingest:
     def offer_label(self, label: Label) -> None:
         """Apply a late label (checked against K) to its sample: queued, in flight or pending.
 
-        Raises
-        ------
-        UpdateRejected
-            ``duplicate`` (this very label already), ``label_conflict`` (labelled otherwise within
-            ``label_expiry_s``, or disputed), ``unknown_sample`` (no queued, in-flight or pending sample).
+        Raises ``UpdateRejected``: ``duplicate`` (this very label already), ``label_conflict``
+        (labelled otherwise within ``label_expiry_s``, or disputed) or ``unknown_sample``.
         """
         self.expire()
         prior = self._answered.get(label.id)

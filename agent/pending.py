@@ -1,10 +1,9 @@
 """The pending-label file: classified samples waiting for a late Label, kept across a restart.
 
-A memory-mapped table beside the store mirroring the ingest's pending table: a 32-byte header
-(``_HEADER`` and its CRC-32), then ``source.pending_max`` slots of :func:`slot_dtype` (little-endian;
-``seq + 1``, 0 = free, written last; a CRC-32 of the rest and ``seq``). A write lands in the page
-cache at once (a ``kill -9`` loses nothing); :meth:`PendingFile.flush` (``msync``), with every store
-flush and at a clean stop, makes it survive a power cut. A torn slot is counted, never restored.
+A memory-mapped table beside the store: a 32-byte header (``_HEADER`` and its CRC-32), then
+``source.pending_max`` slots of :func:`slot_dtype` (``seq + 1``, 0 = free, written last; a CRC-32 of
+the rest and ``seq``). A write survives a ``kill -9`` at once, a power cut after
+:meth:`PendingFile.flush` (``msync``). A torn slot is counted, never restored.
 
 Source: ISO-HDLC CRC-32 as ``zlib.crc32`` computes it (ITU-T V.42); ``mmap(2)``/``msync(2)`` (POSIX).
 """

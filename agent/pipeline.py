@@ -89,10 +89,7 @@ class Pipeline:
     batch : int
         Samples per ``invoke``, >= 1; a fixed-batch model runs it in ``tensor_batch`` invokes.
 
-    Raises
-    ------
-    ValueError
-        If ``mode``, ``batch``, ``mean`` or ``std`` is invalid.
+    Raises ``ValueError`` if ``mode``, ``batch``, ``mean`` or ``std`` is invalid.
     """
 
     def __init__(
@@ -122,8 +119,7 @@ class Pipeline:
         self._interp = backbone.interpreter
         self._in = backbone.input_index
         self.tensor_batch = self.batch if backbone.resizable else int(backbone.input_shape[0])
-        #: Rows of the input tensor for the group being run: ``tensor_batch``, or fewer for the last,
-        #: partial group of a resizable model (run at its real size instead of padded).
+        #: Input rows of the group being run (fewer for a resizable model's last, partial group).
         self._size = self.tensor_batch
         #: The largest batch the interpreter's tensors were allocated for (its arena keeps that size).
         self.allocated_batch = int(backbone.batch)

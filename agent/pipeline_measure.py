@@ -143,13 +143,6 @@ def measure(
     return out
 
 
-def _differing_s(r: BatchMeasurement, mode: Mode) -> float:
-    """Seconds per sample of the stages that differ between the modes (all but ``invoke``)."""
-    if mode == "fused":
-        return r.preprocess_fused_s_per_sample + r.stages_fused.get("read", 0.0)
-    return r.preprocess_unfused_s_per_sample + r.stages_unfused.get("read", 0.0)
-
-
 def decide(rows: Sequence[BatchMeasurement], *, margin: float = DEFAULT_MARGIN) -> tuple[Mode, int]:
     """The fastest (mode, batch) of ``rows``; ``ValueError`` if there are none.
 
@@ -165,7 +158,9 @@ def decide(rows: Sequence[BatchMeasurement], *, margin: float = DEFAULT_MARGIN) 
             invoke_s = (r.stages_fused["invoke"] + r.stages_unfused["invoke"]) / 2.0
         else:
             invoke_s = 1.0 / r.invoke_only_samples_per_s
-        fused_s, unfused_s = _differing_s(r, "fused"), _differing_s(r, "unfused")
+        # the stages that differ between the modes: preprocessing and the read
+        fused_s = r.preprocess_fused_s_per_sample + r.stages_fused.get("read", 0.0)
+        unfused_s = r.preprocess_unfused_s_per_sample + r.stages_unfused.get("read", 0.0)
         cand: tuple[float, Mode, int] = (
             (fused_s + invoke_s, "fused", r.batch)
             if fused_s * (1.0 + margin) < unfused_s

@@ -41,11 +41,10 @@ _HALF_SCALE = np.float32(2.0**112)  # 2**(127 - 15): float16's exponent bias -> 
 
 
 def half_bits_to_float32(half_bits: np.ndarray, out: F32) -> F32:
-    """Convert finite float16 values, given as their int16 bit patterns [...], to float32 in ``out``.
+    """Convert finite float16 values, as int16 bit patterns [...], to float32 in ``out`` (returned).
 
-    Exactly ``astype(np.float32)`` for every finite half (numpy's own cast is a scalar loop without
-    F16C); infinities and NaNs are NOT converted correctly. ``out``: float32, same shape,
-    C-contiguous, written in place and returned.
+    Exactly ``astype(np.float32)`` for every finite half, not for infinities and NaNs; ``out``: same
+    shape, C-contiguous. (numpy's own cast is a scalar loop without F16C.)
 
     Source: IEEE 754-2008 binary16/binary32; F. Giesen, "Half to float done quic", 2012.
     """
@@ -119,12 +118,8 @@ class EmbeddingStore:
         K of the head: labels outside ``0..K-1`` (``0..1`` when K = 1) are refused by :meth:`add`
         and counted in ``refused_labels``. None = not checked.
 
-    Raises
-    ------
-    ValueError
-        If ``capacity``, ``dim`` or ``num_classes`` is not positive.
-    OSError
-        If the files cannot be created or allocated (``ENOSPC``: no room for the store).
+    Raises ``ValueError`` if ``capacity``, ``dim`` or ``num_classes`` is not positive, ``OSError`` if
+    the files cannot be created or allocated (``ENOSPC``: no room for the store).
     """
 
     def __init__(self, directory: Path, capacity: int, dim: int, num_classes: int | None = None) -> None:
