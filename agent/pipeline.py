@@ -133,7 +133,11 @@ class Pipeline:
             )
         outputs = {int(d["index"]): d for d in self._interp.get_output_details()}
         self.num_classes = int(outputs[backbone.output_index]["shape"][-1])
-        self._output_specs = self._specs(backbone)
+        e, o = backbone.embedding_quant, backbone.output_quant
+        self._output_specs: tuple[_Output, _Output] = (  # the embedding's and the logits'
+            (backbone.embedding_index, np.float32(e.zero_point), np.float32(e.scale) if e.scale else None),
+            (backbone.output_index, np.float32(o.zero_point), np.float32(o.scale) if o.scale else None),
+        )
         self._tables: dict[np.dtype[Any], _Table | None] = {}
         #: raw dtype name -> best seconds per tensor batch of each fused kernel tried (float32 models)
         self.kernel_seconds: dict[str, dict[str, float]] = {}
@@ -457,15 +461,6 @@ class Pipeline:
                 # the float32 operations of runtime.dequantize: (float32(q) - zero_point) * scale
                 np.subtract(q, zero_point, out=out, casting="unsafe")
                 np.multiply(out, scale, out=out)
-
-    @staticmethod
-    def _specs(backbone: Backbone) -> tuple[_Output, _Output]:
-        """(tensor index, zero point, scale or None) of the embedding and the logits (fixed per model)."""
-        e, o = backbone.embedding_quant, backbone.output_quant
-        return (
-            (backbone.embedding_index, np.float32(e.zero_point), np.float32(e.scale) if e.scale else None),
-            (backbone.output_index, np.float32(o.zero_point), np.float32(o.scale) if o.scale else None),
-        )
 
 
 def random_raw(shape: tuple[int, ...], dtype: np.dtype[Any] | str, seed: int = 0) -> np.ndarray:
