@@ -361,9 +361,6 @@ class Pipeline:
         dst = view.reshape(-1)
         total = int(rows.shape[0]) * self._elems
         c = table.channels
-        if c == 1 and total <= TABLE_CHUNK_ELEMS:  # small samples: one lookup, no slicing
-            table.flat.take(src, out=dst[:total], mode="clip")
-            return
         chunk = len(table.channel_of) if c > 1 else TABLE_CHUNK_ELEMS
         for s in range(0, total, chunk):
             e = min(s + chunk, total)
