@@ -146,10 +146,8 @@ class StatusReporter:
 
     async def _work(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run ``fn(*args)`` on the worker thread, after the PUBACKs noted since the last call."""
-        loop = asyncio.get_running_loop()
-        if not self._acked:
-            return await loop.run_in_executor(self.executor, fn, *args)
         acked, self._acked = self._acked, []
+        loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self._acknowledge_then, acked, fn, args)
 
     def _acknowledge_then(self, acked: list[str], fn: Callable[..., _T], args: tuple[Any, ...]) -> _T:
