@@ -1,6 +1,6 @@
 """The pending-label file: classified samples waiting for a late Label, kept across a restart.
 
-A memory-mapped table beside the store: a 32-byte header (``_HEADER`` and its CRC-32), then
+A little-endian memory-mapped table by the store: a 32-byte header (``_HEADER`` and its CRC-32), then
 ``source.pending_max`` slots of :func:`slot_dtype` (``seq + 1``, 0 = free, written last; a CRC-32 of
 the rest and ``seq``). A write survives a ``kill -9`` at once, a power cut after
 :meth:`PendingFile.flush` (``msync``). A torn slot is counted, never restored.
