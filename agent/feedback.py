@@ -55,9 +55,10 @@ class ErrorFeedback:
         return True
 
     def carry_bytes(self) -> bytes:
-        """The residual as the outbox record carries it: CBOR ``{"W", "b", "model_sha256", "round"}``.
+        """The residual as the outbox record carries it, a CBOR map (:meth:`load_bytes` reads it).
 
-        The arrays are RFC 8746 typed arrays (tag 40 over tag 85). Source: RFC 8949, RFC 8746 §2.1, §3.1.1.
+        ``{"W": float32 [D, K], "b": float32 [K], "model_sha256": str, "round": int}``, the arrays RFC
+        8746 typed arrays (tag 40 over tag 85). Source: RFC 8949, RFC 8746 §2.1, §3.1.1.
         """
         return cbor2.dumps(
             {

@@ -48,9 +48,10 @@ ProgressHook = Callable[[str, str], None]
 
 @dataclass(frozen=True, slots=True)
 class Answered:
-    """The last round this device answered: the outbox record's ``answered`` CBOR map (``v`` 1).
+    """The last round this device answered, kept in the outbox record's ``answered`` key.
 
-    Written with the round's update (or Decline); one for another fleet is ignored.
+    A CBOR map ``{"v": 1, "fleet": str, "round": int, "update_id": str}`` written with the round's
+    update (or Decline); one for another fleet is ignored.
     """
 
     fleet: str
@@ -195,7 +196,8 @@ class DeviceState:
     def _persist(self, what: str, write: Callable[[], object], *, behind: bool = False) -> bool:
         """Run ``write`` (the state ``what``); on ``OSError`` count, log, mark degraded, keep it to retry.
 
-        ``behind``: with :attr:`write_behind` set, only noted for :meth:`persist_behind` (True).
+        Returns whether it succeeded; ``behind``: with :attr:`write_behind` set, only noted for
+        :meth:`persist_behind` (True).
         """
         if behind and self.write_behind:
             self._behind[what] = write
