@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+from packaging.tags import compatible_tags, cpython_tags
 from packaging.utils import parse_wheel_filename
 
 from edgefl.errors import EdgeflError
@@ -215,21 +216,12 @@ def applicable_requirements(
 def supported_wheel(filename: str, target: Target) -> bool:
     """Whether a wheel file can be installed on the target (its interpreter, ABI and platform tags).
 
-    Source: PEP 425 (compatibility tags), PEP 384 (abi3).
+    Source: PEP 425 (compatibility tags), PEP 384 (abi3); packaging's ``cpython_tags``, ``compatible_tags``.
     """
-    platforms = {"any", *manylinux_tags(target.machine, target.glibc)}
-    minor = int(target.python_version.split(".")[1])
-    _name, _version, _build, tags = parse_wheel_filename(filename)
-    for tag in tags:
-        if tag.platform not in platforms:
-            continue
-        interp = tag.interpreter
-        if tag.abi == target.abi and interp == target.abi:
-            return True
-        if tag.abi == "abi3" and interp.startswith("cp3") and int(interp[3:] or 0) <= minor:
-            return True
-        if tag.abi == "none" and interp in {"py3", "py2.py3", f"py{minor + 30}", target.abi} | {
-            f"py3{m}" for m in range(minor + 1)
-        }:
-            return True
-    return False
+    version = tuple(int(part) for part in target.python_version.split("."))
+    platforms = [*manylinux_tags(target.machine, target.glibc), "any"]
+    accepted = {
+        *cpython_tags(version, [target.abi], platforms),
+        *compatible_tags(version, target.abi, platforms),
+    }
+    return any(tag in accepted for tag in parse_wheel_filename(filename)[3])

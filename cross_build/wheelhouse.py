@@ -89,13 +89,7 @@ def render_unit(
         "MEMORY_HIGH_MB": str(profile.memory.cap_mb - profile.memory.reserve_mb),
         "STATE_DIRECTORY": str(state.relative_to(var_lib)),
     }
-    text = template.read_text(encoding="utf-8")
-    for key, value in fields.items():
-        text = text.replace(f"@{key}@", value)
-    leftover = re.search(r"@[A-Z_]+@", text)
-    if leftover is not None:
-        raise WheelhouseError("edgefl-agent.service", "-", f"unfilled template field {leftover.group(0)}")
-    return text
+    return _fill(template, fields, "edgefl-agent.service")
 
 
 def render_coordinator_unit(prefix: str = DEFAULT_PREFIX, template: Path = COORDINATOR_UNIT_TEMPLATE) -> str:
@@ -104,10 +98,17 @@ def render_coordinator_unit(prefix: str = DEFAULT_PREFIX, template: Path = COORD
     It runs ``edgefl coordinator /etc/edgefl/coordinator.toml`` and never restarts exit 1, 2, 3 or 6
     (:mod:`edgefl.coordinator.command`). WheelhouseError if the template has a field left unfilled.
     """
-    text = template.read_text(encoding="utf-8").replace("@PREFIX@", prefix.rstrip("/"))
+    return _fill(template, {"PREFIX": prefix.rstrip("/")}, COORDINATOR_UNIT)
+
+
+def _fill(template: Path, fields: Mapping[str, str], unit: str) -> str:
+    """``template`` with each ``@KEY@`` of ``fields`` replaced; WheelhouseError naming a field left over."""
+    text = template.read_text(encoding="utf-8")
+    for key, value in fields.items():
+        text = text.replace(f"@{key}@", value)
     leftover = re.search(r"@[A-Z_]+@", text)
     if leftover is not None:
-        raise WheelhouseError(COORDINATOR_UNIT, "-", f"unfilled template field {leftover.group(0)}")
+        raise WheelhouseError(unit, "-", f"unfilled template field {leftover.group(0)}")
     return text
 
 
@@ -171,17 +172,12 @@ def build_own_wheel(repo: Path, dest: Path) -> Path:
 
     WheelhouseError if the build fails or does not produce exactly one edgefl wheel.
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            _pip(["wheel", "--no-deps", "-q", "-w", tmp, str(repo)])
-        except subprocess.CalledProcessError as exc:
-            raise WheelhouseError("edgefl", "py3-none-any", f"pip wheel failed: {exc.stderr[-500:]}") from exc
-        built = sorted(Path(tmp).glob("edgefl-*.whl"))
-        if len(built) != 1:
-            raise WheelhouseError("edgefl", "py3-none-any", f"expected one wheel, got {built}")
-        out = dest / built[0].name
-        shutil.move(str(built[0]), out)
-    return out
+    try:
+        return _pip_wheel([str(repo)], dest, "edgefl-*.whl")
+    except subprocess.CalledProcessError as exc:
+        raise WheelhouseError("edgefl", "py3-none-any", f"pip wheel failed: {exc.stderr[-500:]}") from exc
+    except ValueError as exc:
+        raise WheelhouseError("edgefl", "py3-none-any", f"expected one wheel, got {exc}") from None
 
 
 def build_pure_wheel(spec: PureWheel, dest: Path, target: Target) -> Path:
@@ -190,19 +186,22 @@ def build_pure_wheel(spec: PureWheel, dest: Path, target: Target) -> Path:
     WheelhouseError if the build fails or the wheel is not ``none-any`` (a C extension built here would
     be an x86 binary).
     """
+    try:
+        args = ["--no-binary", spec.name, f"{spec.name}=={spec.version}"]
+        return _pip_wheel(args, dest, "*-none-any.whl", env=spec.env)
+    except subprocess.CalledProcessError as exc:
+        raise _pip_failure(exc, [spec.name], target) from exc
+    except ValueError as exc:
+        raise WheelhouseError(spec.name, target.platform, f"not a pure-Python wheel: {exc}") from None
+
+
+def _pip_wheel(args: Sequence[str], dest: Path, pattern: str, env: Mapping[str, str] | None = None) -> Path:
+    """``pip wheel --no-deps`` into ``dest``; ValueError (the names built) unless one wheel, ``pattern``."""
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            _pip(
-                ["wheel", "--no-deps", "--no-binary", spec.name, "-q", "-w", tmp,
-                 f"{spec.name}=={spec.version}"],
-                env=spec.env,
-            )
-        except subprocess.CalledProcessError as exc:
-            raise _pip_failure(exc, [spec.name], target) from exc
+        _pip(["wheel", "--no-deps", "-q", "-w", tmp, *args], env=env)
         built = sorted(Path(tmp).glob("*.whl"))
-        if len(built) != 1 or not built[0].name.endswith("-none-any.whl"):
-            names = [b.name for b in built]
-            raise WheelhouseError(spec.name, target.platform, f"not a pure-Python wheel: {names}")
+        if len(built) != 1 or not built[0].match(pattern):
+            raise ValueError([b.name for b in built])
         out = dest / built[0].name
         shutil.move(str(built[0]), out)
     return out

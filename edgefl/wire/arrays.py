@@ -47,14 +47,9 @@ TYPED_ARRAY_TAGS: Final[Mapping[int, np.dtype[Any]]] = {
         86: "<f8",
     }.items()
 }
-# what we emit: always little-endian (RFC 8746 tags 64, 69-71, 72, 77-79, 84-86)
-_ENCODE_TAGS: Final[Mapping[str, int]] = {
-    dtype.name: tag for tag, dtype in TYPED_ARRAY_TAGS.items() if dtype.str[0] in "<|"
-}
-
-# the same, keyed by the little-endian (or byte-order-free) dtype objects themselves
-_TAGS_BY_DTYPE: Final[Mapping[np.dtype[Any], int]] = {
-    np.dtype(name).newbyteorder("<"): tag for name, tag in _ENCODE_TAGS.items()
+# what we emit, by dtype: always little-endian (RFC 8746 tags 64, 69-71, 72, 77-79, 84-86)
+_ENCODE_TAGS: Final[Mapping[np.dtype[Any], int]] = {
+    dtype: tag for tag, dtype in TYPED_ARRAY_TAGS.items() if dtype.str[0] in "<|"
 }
 # RFC 8746 tag -> numpy dtype name, for the accepted-dtypes check without ``dtype.name``
 _TAG_NAMES: Final[Mapping[int, str]] = {tag: dtype.name for tag, dtype in TYPED_ARRAY_TAGS.items()}
@@ -67,12 +62,13 @@ def encode_array(a: npt.NDArray[Any]) -> cbor2.CBORTag:
     """
     array = np.asarray(a)
     # looked up by dtype (hashed in C): ``dtype.name`` is computed in Python, ~8 us a call
-    tag = _TAGS_BY_DTYPE.get(array.dtype)
+    tag = _ENCODE_TAGS.get(array.dtype)
     if tag is None:
-        tag = _ENCODE_TAGS.get(array.dtype.name)
+        little = array.dtype.newbyteorder("<")
+        tag = _ENCODE_TAGS.get(little)
         if tag is None:
             raise ValueError(f"dtype {array.dtype} has no typed-array tag here")
-        array = array.astype(array.dtype.newbyteorder("<"))  # a big-endian array, little-endian bytes
+        array = array.astype(little)  # a big-endian array, little-endian bytes
     if not 1 <= array.ndim <= MAX_NDIM:
         raise ValueError(f"arrays must have 1 to {MAX_NDIM} dimensions, got {array.ndim}")
     return cbor2.CBORTag(TAG_NDARRAY, [list(array.shape), cbor2.CBORTag(tag, array.tobytes())])

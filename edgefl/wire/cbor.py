@@ -32,23 +32,6 @@ INT_MAX: Final = 2**63 - 1  # fits int64 everywhere downstream (JSON, Prometheus
 ALLOWED_TAGS: Final = frozenset({40, *range(64, 68), *range(69, 76), *range(77, 83), 84, 85, 86})
 
 
-class MessageType(StrEnum):
-    """The ``"type"`` of a message."""
-
-    GLOBAL_MODEL = "global_model"
-    ROUND = "round"
-    UPDATE = "update"
-    DECLINE = "decline"
-    STATUS = "status"
-    CHUNK = "chunk"
-    PARTIAL = "partial"
-    SAMPLE = "sample"
-    LABEL = "label"
-    PREDICTION = "prediction"
-    REFUSAL = "refusal"
-    PRESENCE = "presence"
-
-
 @dataclass(frozen=True, slots=True)
 class Limits:
     """Decoding bounds, each checked before the memory it guards is allocated; ValueError if one is < 1.
@@ -77,6 +60,23 @@ DEFAULT_LIMITS: Final = Limits()
 NO_LIMITS: Final = Limits(
     max_message_bytes=2**62, max_depth=64, max_array_elements=2**62, max_string_bytes=2**62, max_items=2**62
 )
+
+
+class MessageType(StrEnum):
+    """The ``"type"`` of a message."""
+
+    GLOBAL_MODEL = "global_model"
+    ROUND = "round"
+    UPDATE = "update"
+    DECLINE = "decline"
+    STATUS = "status"
+    CHUNK = "chunk"
+    PARTIAL = "partial"
+    SAMPLE = "sample"
+    LABEL = "label"
+    PREDICTION = "prediction"
+    REFUSAL = "refusal"
+    PRESENCE = "presence"
 
 
 def cbor_head_bytes(argument: int) -> int:
