@@ -366,17 +366,8 @@ def unsigned_form(payload: bytes) -> bytes:
     return bytes(payload[:-SIGNATURE_BYTES]) + PLACEHOLDER
 
 
-@dataclass(frozen=True, slots=True)
-class _Signed:
-    schema: int
-    kind: str
-    round: int
-    version: int
-    device: str
-
-
-def _signed_header(found: Mapping[str, int | str]) -> _Signed:
-    """The signed fields among a message's top-level header values (its signature bytes are not one)."""
+def _signed_header(found: Mapping[str, int | str]) -> tuple[int, str, int, int, str]:
+    """``(v, type, round, version, device)``: the signed fields among a message's top-level header values."""
     schema, kind = found.get("v"), found.get("type")
     if type(schema) is not int:
         raise DecodeError(Reason.BAD_VERSION, "v: missing or not an unsigned integer")
@@ -391,7 +382,7 @@ def _signed_header(found: Mapping[str, int | str]) -> _Signed:
         raise DecodeError(Reason.MISSING_KEY, f"round or {version_key}: missing or not unsigned integers")
     sender_key = _SENDER_KEYS.get(kind)  # type: ignore[call-overload]
     device = found.get(sender_key, "") if sender_key is not None else ""
-    return _Signed(schema, kind, round_, version, device if type(device) is str else "")
+    return schema, kind, round_, version, device if type(device) is str else ""
 
 
 def sign_payload(blank: bytes, key: SigningKey, *, fleet: str) -> bytes:
@@ -406,21 +397,14 @@ def sign_payload(blank: bytes, key: SigningKey, *, fleet: str) -> bytes:
             "the message must end with a 64-byte zero 'signature' placeholder (signature=PLACEHOLDER)"
         )
     try:
-        fields = _signed_header(scan(bytes(blank), NO_LIMITS).header)
+        schema, kind, round_, version, device = _signed_header(scan(bytes(blank), NO_LIMITS).header)
     except DecodeError as exc:
         raise ValueError(f"cannot sign this message: {exc}") from exc
-    if fields.schema != SCHEMA_VERSION:
-        raise ValueError(f"a signed message is written as schema {SCHEMA_VERSION}, not {fields.schema}")
+    if schema != SCHEMA_VERSION:
+        raise ValueError(f"a signed message is written as schema {SCHEMA_VERSION}, not {schema}")
     digest = hashlib.sha256(blank).digest()
-    message = signed_bytes(
-        fleet=fleet,
-        kind=fields.kind,
-        round=fields.round,
-        version=fields.version,
-        device=fields.device,
-        digest=digest,
-    )
-    return bytes(blank[:-SIGNATURE_BYTES]) + _backend().sign(key.seed, message)
+    signed = signed_bytes(fleet=fleet, kind=kind, round=round_, version=version, device=device, digest=digest)
+    return bytes(blank[:-SIGNATURE_BYTES]) + _backend().sign(key.seed, signed)
 
 
 _M = TypeVar("_M")
@@ -449,16 +433,10 @@ def verify_payload(
 
     ``payload`` may be its :func:`~edgefl.wire.cbor.scan`; ``fleet`` is this peer's; ``kind`` the type
     the topic carries; ``device`` the device (for a Partial, the site) the topic names, for the kinds
-    that bind a sender; ``limits`` bound the header scan.
-
-    Raises
-    ------
-    DecodeError
-        ``unsigned`` (no 64-byte signature as the last entry); ``bad_signature`` (wrong key, a byte
-        changed, signed for another fleet, kind or device, another schema, or unreadable signed
-        fields; the detail says which).
-    ValueError
-        If ``kind`` is not signed, or binds a sender and ``device`` is empty.
+    that bind a sender; ``limits`` bound the header scan. DecodeError ``unsigned`` (no 64-byte
+    signature as the last entry) or ``bad_signature`` (wrong key, a byte changed, signed for another
+    fleet, kind or device, another schema, or unreadable signed fields; the detail says which);
+    ValueError if ``kind`` is not signed, or binds a sender and ``device`` is empty.
     """
     expected = MessageType(kind)
     if expected not in SIGNED_KINDS:
@@ -469,28 +447,26 @@ def verify_payload(
     blank = unsigned_form(data)
     header = payload.header if isinstance(payload, Scanned) else None
     try:
-        fields = _signed_header(header if header is not None else scan(blank, limits).header)
+        schema, kind, round_, version, sender = _signed_header(
+            header if header is not None else scan(blank, limits).header
+        )
     except DecodeError as exc:
         raise DecodeError(Reason.BAD_SIGNATURE, f"signed fields unreadable ({exc})") from exc
-    if fields.schema != SCHEMA_VERSION:
+    if schema != SCHEMA_VERSION:
         # the claim is unauthenticated until verified, and this peer only verifies its own schema
-        detail = f"v = {min(fields.schema, 10**6)}: not schema {SCHEMA_VERSION}, cannot verify it"
+        detail = f"v = {min(schema, 10**6)}: not schema {SCHEMA_VERSION}, cannot verify it"
         raise DecodeError(Reason.BAD_SIGNATURE, detail)
     wanted_device = device if expected in _SENDER_KEYS else ""
+    digest = hashlib.sha256(blank).digest()
     message = signed_bytes(
-        fleet=fleet,
-        kind=expected.value,
-        round=fields.round,
-        version=fields.version,
-        device=wanted_device,
-        digest=hashlib.sha256(blank).digest(),
+        fleet=fleet, kind=expected.value, round=round_, version=version, device=wanted_device, digest=digest
     )
     if _backend().verify(key.raw, bytes(data[-SIGNATURE_BYTES:]), message):
         return
-    if fields.kind != expected.value:
-        why = f"a {fields.kind[:40]!r} message where {expected.value!r} is expected"
-    elif fields.device != wanted_device:
-        why = f"update of device {fields.device[:64]!r} received as {wanted_device!r}"
+    if kind != expected.value:
+        why = f"a {kind[:40]!r} message where {expected.value!r} is expected"
+    elif sender != wanted_device:
+        why = f"update of device {sender[:64]!r} received as {wanted_device!r}"
     else:
         why = f"does not verify for fleet {fleet!r} with key {key.hex[:12]}…"
     raise DecodeError(Reason.BAD_SIGNATURE, f"Ed25519 signature: {why}")
