@@ -2,9 +2,8 @@
 
 Why armv7l differs: ``docs/operations.md`` ("Platforms"). Every ``manylinux_2_Y`` the glibc allows is
 listed (pip's usual list makes aarch64 fall back to ai-edge-litert 1.4.0) and markers are evaluated
-against the target, not the build machine.
-
-Source: PEP 600 (``manylinux_x_y`` tags), PEP 508 (environment markers), PEP 425 (compatibility tags).
+against the target, not the build machine. Source: PEP 600 (``manylinux_x_y`` tags), PEP 508
+(environment markers), PEP 425 (compatibility tags).
 """
 
 from __future__ import annotations

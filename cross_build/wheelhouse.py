@@ -3,9 +3,7 @@
 On an x86 build machine, installing nothing there, collect edgefl's wheel and every dependency as a
 binary wheel for the target's platform and CPython (``--python``, the ``cp3XX`` tags), with the lock,
 the installer, the systemd units, profiles and models (the folder's layout: ``docs/operations.md``,
-"Build a wheelhouse").
-
-Source: pip's secure installs (``--require-hashes``).
+"Build a wheelhouse"). Source: pip's secure installs (``--require-hashes``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Bounded CBOR and the message envelope: what every decoder runs before it looks at a field.
 
 The schema version, message kinds, :class:`Limits`, the allocation-free header scan and the field
-readers every decoder shares; rules and bounds: ``docs/protocol.md`` ("Decoding").
-
-Source: RFC 8949 (CBOR) §3 (encoding), §4.2.1 (deterministic encoding).
+readers every decoder shares; rules and bounds: ``docs/protocol.md`` ("Decoding"). Source: RFC 8949
+(CBOR) §3 (encoding), §4.2.1 (deterministic encoding).
 """
 
 from __future__ import annotations

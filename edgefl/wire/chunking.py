@@ -1,10 +1,9 @@
 """Chunking: messages larger than the broker's packet limit travel as chunk messages, reassembled boundedly.
 
 Every chunk's whole PUBLISH fits the limit; the :class:`Reassembler` holds bounded sets, expires them
-and verifies SHA-256, all or nothing. ``docs/protocol.md`` ("Chunks").
-
-Source: MQTT 5.0 (OASIS 2019) §2.1.4 (Remaining Length), §3.3 (PUBLISH), §3.1.2.11.4 and
-§3.2.2.3.6 (Maximum Packet Size); MQTT 3.1.1 §2.2.3, §3.3.
+and verifies SHA-256, all or nothing. ``docs/protocol.md`` ("Chunks"). Source: MQTT 5.0 (OASIS 2019)
+§2.1.4 (Remaining Length), §3.3 (PUBLISH), §3.1.2.11.4 and §3.2.2.3.6 (Maximum Packet Size); MQTT
+3.1.1 §2.2.3, §3.3.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The partial message: one site's sum (or robust estimate) of its devices' updates, sent up to the root.
 
-Field by field, with every bound: ``docs/protocol.md`` ("Partial").
-
-Source: RFC 8949 (CBOR); RFC 8746 §2.1, §3.1.1 (float64 typed arrays).
+Field by field, with every bound: ``docs/protocol.md`` ("Partial"). Source: RFC 8949 (CBOR); RFC 8746
+§2.1, §3.1.1 (float64 typed arrays).
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 Signing, verification before decoding and keys (64 hex digits or PKCS #8 / SPKI PEM); the layout:
 ``docs/protocol.md`` ("Signatures"). The arithmetic is PyNaCl's, imported at the first signature.
-
 Source: RFC 8032 §5.1 (Ed25519); RFC 8410 §7, §10 (Ed25519 keys in PKCS #8 / SPKI); RFC 8949
 §4.2.1 (deterministic encoding).
 """

@@ -1,9 +1,7 @@
 """The device status message: what a device says about itself on ``status/<device>`` (retained).
 
 Free-form JSON-like fields, bounded, and the last will (:func:`offline_status`); field by field:
-``docs/protocol.md`` ("DeviceStatus").
-
-Source: RFC 8949 (CBOR).
+``docs/protocol.md`` ("DeviceStatus"). Source: RFC 8949 (CBOR).
 """
 
 from __future__ import annotations
