@@ -68,28 +68,8 @@ class Reason(StrEnum):
     NOT_NEWER = "not_newer"
     BAD_STATE = "bad_state"
 
-#: Reasons the message decoders raise (``edgefl.wire`` messages, ``.compression``, ``.arrays``, ``.cbor``).
-REASONS: Final = frozenset(
-    {
-        Reason.TOO_LARGE,
-        Reason.BAD_CBOR,
-        Reason.TOO_DEEP,
-        Reason.TRAILING_BYTES,
-        Reason.NOT_A_MAP,
-        Reason.BAD_VERSION,
-        Reason.NEWER_SCHEMA,
-        Reason.WRONG_TYPE,
-        Reason.UNKNOWN_KEY,
-        Reason.MISSING_KEY,
-        Reason.BAD_SHAPE,
-        Reason.BAD_DTYPE,
-        Reason.NOT_FINITE,
-        Reason.BAD_INDICES,
-        Reason.BAD_VALUE,
-        Reason.BAD_LABEL,
-    }
-)
-#: Reasons chunk decoding and reassembly raise besides :data:`REASONS`.
+
+#: Reasons chunk decoding and reassembly raise besides the message decoders'.
 CHUNK_REASONS: Final = frozenset(
     {Reason.BAD_CHUNK, Reason.CHUNK_CONFLICT, Reason.BAD_CHECKSUM, Reason.TOO_LARGE}
 )
