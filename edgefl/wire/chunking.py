@@ -48,10 +48,6 @@ _PREFIX: Final = cbor2.dumps({"v": SCHEMA_VERSION, "type": MessageType.CHUNK.val
 ]
 
 
-# ---------------------------------------------------------------------------------------------------
-# MQTT packet arithmetic
-
-
 def _varint_bytes(value: int) -> int:
     """Length of an MQTT variable byte integer (MQTT 5.0 §1.5.5)."""
     if value < 128:
@@ -96,10 +92,6 @@ def max_payload_bytes(max_packet_bytes: int, topic: str) -> int:
     while publish_packet_bytes(topic, payload + 1) <= max_packet_bytes:
         payload += 1
     return payload
-
-
-# ---------------------------------------------------------------------------------------------------
-# Chunk messages
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,10 +206,6 @@ def split_message(
             raise AssertionError(f"chunk {i} of {count} does not fit {max_packet_bytes} bytes")  # a bug
         chunks.append(enc)
     return chunks
-
-
-# ---------------------------------------------------------------------------------------------------
-# Reassembly
 
 
 @dataclass(slots=True)

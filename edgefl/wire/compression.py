@@ -151,10 +151,7 @@ def _read_q(sub: Mapping[str, Any], name: str, limits: Limits) -> npt.NDArray[np
             Reason.MISSING_KEY if not present else Reason.BAD_VALUE, f"{name}: exactly one of q, qz"
         )
     if "q" in sub:
-        q: npt.NDArray[np.int8] = decode_array(
-            sub["q"], limits=limits, dtypes=frozenset({"int8"}), name=f"{name}.q"
-        )
-        return q
+        return decode_array(sub["q"], limits=limits, dtypes=frozenset({"int8"}), name=f"{name}.q")
     obj = sub["qz"]
     if not isinstance(obj, list) or len(obj) != 2:
         raise DecodeError(Reason.WRONG_TYPE, f"{name}.qz: expected [shape, bytes]")

@@ -105,12 +105,8 @@ class SigningKey:
         return f"SigningKey(public={self.verify_key.hex})"
 
 
-# ---------------------------------------------------------------------------------------------------
-# The Ed25519 library (imported lazily: the agent pays its memory only when signatures are on)
-
-
 class _Nacl:
-    """PyNaCl's Ed25519 (libsodium ``crypto_sign``)."""
+    """PyNaCl's Ed25519 (libsodium ``crypto_sign``), imported at first use (memory paid only if used)."""
 
     def __init__(self) -> None:
         import nacl.exceptions
@@ -160,10 +156,6 @@ def library_problem(setting: str) -> str | None:
             f"{INSTALL_HINT}"
         )
     return None
-
-
-# ---------------------------------------------------------------------------------------------------
-# Keys
 
 
 def generate_signing_key() -> SigningKey:
@@ -337,10 +329,6 @@ def load_verify_keys(directory: Path, suffix: str = ".pub") -> dict[str, VerifyK
         for p in sorted(Path(directory).iterdir())
         if p.name.endswith(suffix) and p.is_file()
     }
-
-
-# ---------------------------------------------------------------------------------------------------
-# Signing and verification
 
 
 def signed_bytes(*, fleet: str, kind: str, round: int, version: int, device: str, digest: bytes) -> bytes:
