@@ -20,14 +20,12 @@ from edgefl.wire.reasons import Reason
 
 _STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 
-# a reader keeps one status a device (the coordinator up to fleet.max_devices): update-sized statuses
-# would grow it by gigabytes
+#: Most bytes and CBOR data items of a status, whatever the ``Limits`` (a reader keeps one a device; an
+#: agent's is ~1.3 KiB, ~170 items, its ``rejected`` map 2 more a reason): ``docs/protocol.md``.
 STATUS_MAX_BYTES: Final = 16 * 1024
-"""Most bytes of a status payload (an agent's: ~1.3 KiB, 60 fields)."""
 STATUS_MAX_ITEMS: Final = 1024
-"""Most CBOR data items in a status (an agent's: ~170; its ``rejected`` map grows by 2 a reason)."""
+#: The field that paces a service's rounds: labelled samples the device stored since its last round.
 NEW_SAMPLES_FIELD: Final = "new_samples"
-"""The field that paces a service's rounds: labelled samples the device stored since its last round."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,14 +43,8 @@ class DeviceStatus:
 
 def encode_status(msg: DeviceStatus) -> bytes:
     """Encode a :class:`DeviceStatus` (plain Python values in ``fields``, else cbor2.CBOREncodeError)."""
-    return cbor.dump_message(
-        cbor.MessageType.STATUS,
-        {
-            "device": msg.device,
-            "state": msg.state,
-            "fields": dict(msg.fields),
-        },
-    )
+    fields = {"device": msg.device, "state": msg.state, "fields": dict(msg.fields)}
+    return cbor.dump_message(cbor.MessageType.STATUS, fields)
 
 
 def _json_like(value: object, name: str) -> object:
