@@ -14,38 +14,24 @@ import numpy as np
 import numpy.typing as npt
 
 from edgefl.errors import DecodeError
-from edgefl.wire.cbor import Limits, cbor_head_bytes
+from edgefl.wire.cbor import ALLOWED_TAGS, Limits, cbor_head_bytes
 from edgefl.wire.reasons import Reason
 
 MAX_NDIM: Final = 4
 TAG_NDARRAY: Final = 40
 
-# RFC 8746 §2.1 typed-array tags -> numpy wire dtype. float128 (83, 87) has no portable numpy type
-# and 68 (uint8 clamped) has no different meaning for a receiver, so they are not accepted.
+
+def _wire_dtype(tag: int) -> np.dtype[Any]:
+    """RFC 8746 §2.1: typed-array tag ``0b010_f_s_e_ll`` (float, signed, little-endian, size) as a dtype."""
+    kind = "f" if tag & 0x10 else "i" if tag & 0x08 else "u"
+    size = (2 if kind == "f" else 1) << (tag & 0x03)
+    return np.dtype(("<" if tag & 0x04 else ">") + kind + str(size))
+
+
+# RFC 8746 §2.1 typed-array tags -> numpy wire dtype, for the tags ``cbor.ALLOWED_TAGS`` admits: float128
+# (83, 87) has no portable numpy type and 68 (uint8 clamped) has no different meaning for a receiver.
 TYPED_ARRAY_TAGS: Final[Mapping[int, np.dtype[Any]]] = {
-    tag: np.dtype(code)
-    for tag, code in {
-        64: "u1",
-        65: ">u2",
-        66: ">u4",
-        67: ">u8",
-        69: "<u2",
-        70: "<u4",
-        71: "<u8",
-        72: "i1",
-        73: ">i2",
-        74: ">i4",
-        75: ">i8",
-        77: "<i2",
-        78: "<i4",
-        79: "<i8",
-        80: ">f2",
-        81: ">f4",
-        82: ">f8",
-        84: "<f2",
-        85: "<f4",
-        86: "<f8",
-    }.items()
+    tag: _wire_dtype(tag) for tag in sorted(ALLOWED_TAGS - {TAG_NDARRAY})
 }
 # what we emit, by dtype: always little-endian (RFC 8746 tags 64, 69-71, 72, 77-79, 84-86)
 _ENCODE_TAGS: Final[Mapping[np.dtype[Any], int]] = {
