@@ -161,7 +161,6 @@ def manylinux_tags(machine: str, glibc: tuple[int, int]) -> list[str]:
     ``manylinux_2_{minor}_{machine}`` down to the architecture's oldest (2.17 for ARM, 2.5 for x86),
     each followed by its PEP 600 legacy alias where one exists. ValueError for a glibc that is not 2.x
     or older than the architecture's first tag.
-
     Source: PEP 600 (``manylinux_x_y``, legacy aliases); packaging's ``_manylinux.platform_tags``.
     """
     major, minor = glibc

@@ -55,12 +55,10 @@ class Wheelhouse:
     build_s: float
 
 
-def render_unit(
-    profile_path: Path, prefix: str = DEFAULT_PREFIX, template: Path = UNIT_TEMPLATE
-) -> str:
+def render_unit(profile_path: Path, prefix: str = DEFAULT_PREFIX) -> str:
     """Render the systemd unit of one device profile in ``firmware_configs/`` (validated first).
 
-    ``template``'s ``@PREFIX@``, ``@PROFILE@``, ``@MEMORY_MAX_MB@``, ``@MEMORY_HIGH_MB@`` and
+    ``edgefl-agent.service``'s ``@PREFIX@``, ``@PROFILE@``, ``@MEMORY_MAX_MB@``, ``@MEMORY_HIGH_MB@`` and
     ``@STATE_DIRECTORY@`` become ``prefix``, the profile, ``memory.cap_mb``, ``cap_mb - reserve_mb`` and
     ``device.state_dir`` relative to ``/var/lib``. WheelhouseError for an invalid profile or a
     ``device.state_dir`` outside ``/var/lib`` (``ProtectSystem=strict`` allows nothing else).
@@ -87,26 +85,26 @@ def render_unit(
         "MEMORY_HIGH_MB": str(profile.memory.cap_mb - profile.memory.reserve_mb),
         "STATE_DIRECTORY": str(state.relative_to(var_lib)),
     }
-    return _fill(template, fields, "edgefl-agent.service")
+    return _fill(UNIT_TEMPLATE, fields)
 
 
-def render_coordinator_unit(prefix: str = DEFAULT_PREFIX, template: Path = COORDINATOR_UNIT_TEMPLATE) -> str:
+def render_coordinator_unit(prefix: str = DEFAULT_PREFIX) -> str:
     """Render the coordinator's systemd unit for an install under ``prefix`` (``@PREFIX@``).
 
     It runs ``edgefl coordinator /etc/edgefl/coordinator.toml`` and never restarts exit 1, 2, 3 or 6
     (:mod:`edgefl.coordinator.command`). WheelhouseError if the template has a field left unfilled.
     """
-    return _fill(template, {"PREFIX": prefix.rstrip("/")}, COORDINATOR_UNIT)
+    return _fill(COORDINATOR_UNIT_TEMPLATE, {"PREFIX": prefix.rstrip("/")})
 
 
-def _fill(template: Path, fields: Mapping[str, str], unit: str) -> str:
+def _fill(template: Path, fields: Mapping[str, str]) -> str:
     """``template`` with each ``@KEY@`` of ``fields`` replaced; WheelhouseError naming a field left over."""
     text = template.read_text(encoding="utf-8")
     for key, value in fields.items():
         text = text.replace(f"@{key}@", value)
     leftover = re.search(r"@[A-Z_]+@", text)
     if leftover is not None:
-        raise WheelhouseError(unit, "-", f"unfilled template field {leftover.group(0)}")
+        raise WheelhouseError(template.name, "-", f"unfilled template field {leftover.group(0)}")
     return text
 
 

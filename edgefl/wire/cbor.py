@@ -103,7 +103,6 @@ def dumps(obj: object) -> bytes:
 
     A float takes the shortest of half, single and double precision that holds it exactly; map keys
     keep their order (``"signature"`` stays last); cbor2.CBOREncodeError for what cbor2 cannot encode.
-
     Source: RFC 8949 §4.1 (preferred serialization), §3.3 (floating-point numbers).
     """
     if type(obj) is float:
@@ -173,7 +172,6 @@ def scan(payload: bytes, limits: Limits) -> Scanned:
     Step 2 of ``docs/protocol.md`` ("Decoding"); the result carries the top-level values a signature
     check needs. DecodeError ``wrong_type``, ``too_large``, ``bad_cbor``, ``too_deep``, ``bad_value``
     (long text), ``trailing_bytes``.
-
     Source: RFC 8949 §3 (initial byte, argument), §3.2 (indefinite lengths), §3.3 (simple values).
     """
     data = _payload_bytes(payload, limits)

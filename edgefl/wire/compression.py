@@ -177,7 +177,6 @@ def compress_delta(
     feedback). ``topk_fraction`` in (0, 1] is what ``topk``/``topk-int8`` keep. ValueError if ``delta``
     is not finite, has 0 or > 4 dimensions, is empty, or has more than 2**32 elements (top-k), or
     ``topk_fraction`` is outside (0, 1].
-
     Source: Alistarh et al. 2017, QSGD (stochastic rounding); Jacob et al. 2018 (per-channel int8);
     Aji & Heafield 2017 and Stich et al. 2018 (top-k sparsification with error feedback); RFC 1951
     (DEFLATE).
