@@ -49,14 +49,8 @@ _PREFIX: Final = cbor2.dumps({"v": SCHEMA_VERSION, "type": MessageType.CHUNK.val
 
 
 def _varint_bytes(value: int) -> int:
-    """Length of an MQTT variable byte integer (MQTT 5.0 §1.5.5)."""
-    if value < 128:
-        return 1
-    if value < 16_384:
-        return 2
-    if value < 2_097_152:
-        return 3
-    return 4
+    """Length of an MQTT variable byte integer (MQTT 5.0 §1.5.5): 7 bits a byte, 1 to 4 bytes."""
+    return min(4, max(1, -(-value.bit_length() // 7)))
 
 
 def publish_overhead(topic: str, payload_bytes: int, *, qos: int = 1, mqtt5: bool = True) -> int:
