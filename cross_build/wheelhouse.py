@@ -19,7 +19,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -38,21 +37,6 @@ UNIT_TEMPLATE = Path(__file__).resolve().parent / "edgefl-agent.service"
 COORDINATOR_UNIT_TEMPLATE = Path(__file__).resolve().parent / "edgefl-coordinator.service"
 COORDINATOR_UNIT = "edgefl-coordinator.service"
 """The coordinator's unit in ``<wheelhouse>/systemd/`` (no device profile has this stem)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Wheelhouse:
-    """A built wheelhouse: ``target``, folder ``out``, ``lock`` (sorted by name), sizes, build time.
-
-    ``wheels_bytes`` of ``wheels/`` and ``total_bytes`` of the folder; ``build_s`` seconds.
-    """
-
-    target: Target
-    out: Path
-    lock: tuple[LockEntry, ...]
-    wheels_bytes: int
-    total_bytes: int
-    build_s: float
 
 
 def render_unit(profile_path: Path, prefix: str = DEFAULT_PREFIX) -> str:
@@ -232,10 +216,11 @@ def build_wheelhouse(
     out: Path,
     repo: Path = REPO_ROOT,
     prefix: str = DEFAULT_PREFIX,
-) -> Wheelhouse:
+) -> tuple[LockEntry, ...]:
     """Build the complete offline wheelhouse for one target into ``out`` (its ``wheels/`` emptied first).
 
-    ``repo`` is the source checkout, ``prefix`` the install prefix on the device. WheelhouseError if
+    ``repo`` is the source checkout, ``prefix`` the install prefix on the device; returns the lock's
+    entries, sorted by name. WheelhouseError if
     the target's CPython is refused (before anything is built), a dependency has no wheel for the
     target (named, with the platform), the closure is incomplete, or the lock misses an expected
     version.
@@ -243,7 +228,6 @@ def build_wheelhouse(
     why = target.refused.get(target.python_version)
     if why is not None:
         raise WheelhouseError("edgefl", f"{target.name} CPython {target.python_version}", why)
-    t0 = time.monotonic()
     wheels_dir = out / "wheels"
     if wheels_dir.exists():
         shutil.rmtree(wheels_dir)
@@ -300,22 +284,24 @@ def build_wheelhouse(
         f"system_modules={' '.join(f'{m}={d}' for m, d in target.system_modules.items())}\n",
         encoding="utf-8",
     )
-    return Wheelhouse(target, out, lock, _tree_bytes(wheels_dir), _tree_bytes(out), time.monotonic() - t0)
+    return lock
 
 
 def run(args: argparse.Namespace) -> int:
     """Build the wheelhouse for parsed ``--target/--python/--out/--prefix/--repo``: 0 built, 1 failed."""
     repo = Path(args.repo) if args.repo else REPO_ROOT
+    out = Path(args.out)
+    t0 = time.monotonic()
     try:
         target = target_for(args.target, getattr(args, "python", None))
-        house = build_wheelhouse(target, Path(args.out), repo, args.prefix)
+        lock = build_wheelhouse(target, out, repo, args.prefix)
     except WheelhouseError as exc:
         print(f"edgefl wheelhouse: {exc}", file=sys.stderr)
         return 1
-    print(f"{house.out}: {len(house.lock)} wheels for {target.platform}, "
-          f"wheels {house.wheels_bytes / 1e6:.1f} MB, total {house.total_bytes / 1e6:.1f} MB, "
-          f"built in {house.build_s:.0f} s")
-    for e in house.lock:
+    print(f"{out}: {len(lock)} wheels for {target.platform}, "
+          f"wheels {_tree_bytes(out / 'wheels') / 1e6:.1f} MB, total {_tree_bytes(out) / 1e6:.1f} MB, "
+          f"built in {time.monotonic() - t0:.0f} s")
+    for e in lock:
         print(f"  {e.name}=={e.version}")
     return 0
 
