@@ -1,8 +1,7 @@
 """Delta compression: each layout of an update's delta written once, its decoder, and its size on the wire.
 
-Layouts ``none``, ``float16``, ``int8``, ``topk``, ``topk-int8``: ``docs/protocol.md`` ("Delta layouts").
-Source: Alistarh et al. 2017, QSGD; Jacob et al. 2018 (per-channel int8); Aji & Heafield 2017 and
-Stich et al. 2018 (top-k with error feedback); RFC 1951 (DEFLATE).
+Layouts ``none``, ``float16``, ``int8``, ``topk``, ``topk-int8``: ``docs/protocol.md`` ("Delta layouts");
+the algorithms' sources: :func:`compress_delta`.
 """
 
 from __future__ import annotations
