@@ -108,11 +108,7 @@ def dumps(obj: object) -> bytes:
     if type(obj) is float:
         return cbor2.dumps(obj, canonical=True)
     if type(obj) is dict:
-        parts = [_head(5, len(obj))]
-        for key, value in obj.items():
-            parts.append(dumps(key))
-            parts.append(dumps(value))
-        return b"".join(parts)
+        return _head(5, len(obj)) + b"".join(part for pair in obj.items() for part in map(dumps, pair))
     if type(obj) is list:
         return _head(4, len(obj)) + b"".join(dumps(item) for item in obj)
     return cbor2.dumps(obj)
