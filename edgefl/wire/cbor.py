@@ -322,10 +322,7 @@ def load_message(
         raise DecodeError(Reason.BAD_VERSION, f"v = {version!r:.20}, expected {SCHEMA_VERSION}")
     if version > SCHEMA_VERSION:
         shown = str(version) if version < 10**20 else "huge"
-        raise DecodeError(
-            Reason.NEWER_SCHEMA,
-            f"v = {shown}: this peer reads schema {SCHEMA_VERSION}",
-        )
+        raise DecodeError(Reason.NEWER_SCHEMA, f"v = {shown}: this peer reads schema {SCHEMA_VERSION}")
     if "type" not in obj:
         raise DecodeError(Reason.MISSING_KEY, "type")
     if obj["type"] != kind.value:

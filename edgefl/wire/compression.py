@@ -184,10 +184,7 @@ def compress_delta(
 
 
 def _compress(
-    delta: F32,
-    compression: Compression,
-    topk_fraction: float,
-    rng: np.random.Generator | None,
+    delta: F32, compression: Compression, topk_fraction: float, rng: np.random.Generator | None
 ) -> tuple[dict[str, object], F32 | None]:
     """:func:`compress_delta`, and for the dense int8 layout the values the receiver decodes (else None)."""
     x = np.ascontiguousarray(delta, dtype=np.float32)

@@ -24,15 +24,7 @@ from typing import Any, Final, TypeVar
 import cbor2
 
 from edgefl.errors import DecodeError
-from edgefl.wire.cbor import (
-    DEFAULT_LIMITS,
-    NO_LIMITS,
-    SCHEMA_VERSION,
-    Limits,
-    MessageType,
-    Scanned,
-    scan,
-)
+from edgefl.wire.cbor import DEFAULT_LIMITS, NO_LIMITS, SCHEMA_VERSION, Limits, MessageType, Scanned, scan
 from edgefl.wire.reasons import SIGNATURE_REASONS as SIGNATURE_REASONS  # re-exported: its refusals
 from edgefl.wire.reasons import Reason
 
