@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -121,18 +122,12 @@ class _Nacl:
         return True
 
 
-_loaded: _Nacl | None = None
-
-
+@functools.cache
 def _backend() -> _Nacl:
-    global _loaded
-    if _loaded is None:
-        try:
-            _loaded = _Nacl()
-        except ImportError as exc:
-            why = f"no Ed25519 library: PyNaCl cannot be imported ({exc}); {INSTALL_HINT}"
-            raise RuntimeError(why) from exc
-    return _loaded
+    try:
+        return _Nacl()
+    except ImportError as exc:
+        raise RuntimeError(f"no Ed25519 library: PyNaCl cannot be imported ({exc}); {INSTALL_HINT}") from exc
 
 
 INSTALL_HINT: Final = "pip install 'edgefl[security]' (or apt-get install python3-nacl)"
