@@ -101,11 +101,6 @@ def offline_status(device: str) -> bytes:
 
 def read_new_samples(fields: Mapping[str, object]) -> int | None:
     """A DeviceStatus's ``fields["new_samples"]`` (None if absent); else ``wrong_type``, ``bad_value``."""
-    value = fields.get(NEW_SAMPLES_FIELD)
-    if value is None:
+    if fields.get(NEW_SAMPLES_FIELD) is None:
         return None
-    if type(value) is not int:
-        raise DecodeError(Reason.WRONG_TYPE, f"fields.{NEW_SAMPLES_FIELD}: expected an integer")
-    if not 0 <= value <= cbor.INT_MAX:
-        raise DecodeError(Reason.BAD_VALUE, f"fields.{NEW_SAMPLES_FIELD} = {value}: must be >= 0")
-    return value
+    return cbor.read_int(fields, NEW_SAMPLES_FIELD, "fields")
