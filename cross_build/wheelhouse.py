@@ -132,9 +132,7 @@ def write_support_files(out: Path, repo: Path = REPO_ROOT, prefix: str = DEFAULT
 def _pip(args: Sequence[str], env: Mapping[str, str] | None = None) -> None:
     cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", *args]
     logger.info("running %s", " ".join(cmd))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, check=False)
-    if proc.returncode != 0:
-        raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
+    subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, check=True)
 
 
 def _pip_failure(exc: subprocess.CalledProcessError, names: Sequence[str], target: Target) -> WheelhouseError:
