@@ -44,8 +44,6 @@ SIGNED_KINDS: Final[Mapping[MessageType, str]] = {
     MessageType.PARTIAL: "base_version",
     MessageType.PRESENCE: "seq",
 }
-#: Signed kinds without a round: their signed bytes carry round 0 (a coordinator's Presence).
-_ROUNDLESS: Final = frozenset({MessageType.PRESENCE})
 #: Kinds whose signed bytes bind the sender the topic names, and the key naming it in the message:
 #: a device (Update, Decline) or a site (Partial).
 _SENDER_KEYS: Final[Mapping[MessageType, str]] = {
@@ -350,7 +348,7 @@ def _signed_header(found: Mapping[str, int | str]) -> tuple[int, str, int, int, 
     version_key = SIGNED_KINDS.get(kind)  # type: ignore[call-overload]  # a StrEnum key: text finds it
     if version_key is None:
         raise DecodeError(Reason.WRONG_TYPE, f"type = {kind[:40]!r}: not a signed message type")
-    round_ = 0 if kind in _ROUNDLESS else found.get("round")
+    round_ = 0 if kind == MessageType.PRESENCE else found.get("round")  # a Presence signs round 0
     version = found.get(version_key)
     if type(round_) is not int or type(version) is not int:
         raise DecodeError(Reason.MISSING_KEY, f"round or {version_key}: missing or not unsigned integers")
