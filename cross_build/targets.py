@@ -24,8 +24,7 @@ from edgefl.errors import EdgeflError
 # _manylinux.platform_tags.
 _OLDEST_GLIBC_MINOR = {"x86_64": 5, "i686": 5}
 _OLDEST_GLIBC_MINOR_DEFAULT = 17
-# PEP 600's aliases for the legacy tags.
-_LEGACY_ALIASES = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+_LEGACY_ALIASES = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}  # PEP 600's legacy tags
 
 
 class WheelhouseError(EdgeflError):

@@ -31,11 +31,7 @@ from edgefl.wire.cbor import NO_LIMITS, Limits, cbor_head_bytes, check_keys
 from edgefl.wire.reasons import Reason
 
 _FLOAT16_MAX: Final = float(np.finfo(np.float16).max)
-# raw deflate with zlib's run-length strategy: int8 levels and top-k masks have runs (zeros) and skewed
-# byte frequencies, no long repeats for LZ77's search (as small, 2-50x faster: docs/protocol.md)
-_DEFLATE_LEVEL: Final = 9
-_DEFLATE_WBITS: Final = -15
-_DEFLATE_STRATEGY: Final = zlib.Z_RLE
+_DEFLATE_WBITS: Final = -15  # a raw stream: no zlib header or checksum
 
 
 class Compression(StrEnum):
@@ -94,7 +90,9 @@ def _int8_scale(x: F32) -> F32:
 
 def _deflate(raw: bytes) -> bytes:
     """``raw`` as a raw deflate stream (RFC 1951, no zlib header), run-length matches only (``Z_RLE``)."""
-    packer = zlib.compressobj(_DEFLATE_LEVEL, zlib.DEFLATED, _DEFLATE_WBITS, 8, _DEFLATE_STRATEGY)
+    # run-length strategy: int8 levels and top-k masks have runs (zeros) and skewed byte frequencies,
+    # no long repeats for LZ77's search (as small, 2-50x faster: docs/protocol.md)
+    packer = zlib.compressobj(9, zlib.DEFLATED, _DEFLATE_WBITS, 8, zlib.Z_RLE)
     return packer.compress(raw) + packer.flush()
 
 
