@@ -1,10 +1,9 @@
 """Chunking: messages larger than the broker's packet limit travel as chunk messages, reassembled boundedly.
 
 Every chunk's whole PUBLISH fits the limit; the :class:`Reassembler` holds bounded sets, expires them
-and verifies SHA-256, all or nothing. ``docs/protocol.md`` ("Chunks").
-
-Source: MQTT 5.0 (OASIS 2019) §2.1.4 (Remaining Length), §3.3 (PUBLISH), §3.1.2.11.4 and
-§3.2.2.3.6 (Maximum Packet Size); MQTT 3.1.1 §2.2.3, §3.3.
+and verifies SHA-256, all or nothing. ``docs/protocol.md`` ("Chunks"). Source: MQTT 5.0 (OASIS 2019)
+§2.1.4 (Remaining Length), §3.3 (PUBLISH), §3.1.2.11.4 and §3.2.2.3.6 (Maximum Packet Size); MQTT
+3.1.1 §2.2.3, §3.3.
 """
 
 from __future__ import annotations
@@ -49,19 +48,9 @@ _PREFIX: Final = cbor2.dumps({"v": SCHEMA_VERSION, "type": MessageType.CHUNK.val
 ]
 
 
-# ---------------------------------------------------------------------------------------------------
-# MQTT packet arithmetic
-
-
 def _varint_bytes(value: int) -> int:
-    """Length of an MQTT variable byte integer (MQTT 5.0 §1.5.5)."""
-    if value < 128:
-        return 1
-    if value < 16_384:
-        return 2
-    if value < 2_097_152:
-        return 3
-    return 4
+    """Length of an MQTT variable byte integer (MQTT 5.0 §1.5.5): 7 bits a byte, 1 to 4 bytes."""
+    return min(4, max(1, -(-value.bit_length() // 7)))
 
 
 def publish_overhead(topic: str, payload_bytes: int, *, qos: int = 1, mqtt5: bool = True) -> int:
@@ -97,10 +86,6 @@ def max_payload_bytes(max_packet_bytes: int, topic: str) -> int:
     while publish_packet_bytes(topic, payload + 1) <= max_packet_bytes:
         payload += 1
     return payload
-
-
-# ---------------------------------------------------------------------------------------------------
-# Chunk messages
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,10 +200,6 @@ def split_message(
             raise AssertionError(f"chunk {i} of {count} does not fit {max_packet_bytes} bytes")  # a bug
         chunks.append(enc)
     return chunks
-
-
-# ---------------------------------------------------------------------------------------------------
-# Reassembly
 
 
 @dataclass(slots=True)
