@@ -200,18 +200,12 @@ class MqttTransport(Link):
 
     @property
     def credentials_refused(self) -> bool:
-        """True when the broker's last CONNACK refused our credentials (MQTT 5.0 §3.2.2.2: 0x86, 0x87).
-
-        Retrying cannot help until the configuration or the broker's password file/ACL changes.
-        """
+        """True when the broker's last CONNACK refused our credentials (MQTT 5.0 §3.2.2.2: 0x86, 0x87)."""
         return self.last_refusal is not None and int(self.last_refusal.value) in (0x86, 0x87)
 
     @property
     def certificate_refused(self) -> bool:
-        """True when the broker's certificate failed verification at the last try (:attr:`last_tls_refusal`).
-
-        Like refused credentials, retrying cannot help until ``ca_file`` or the broker's certificate changes.
-        """
+        """True when the broker's certificate failed verification at the last try (``last_tls_refusal``)."""
         return self.last_tls_refusal is not None
 
     def packet_limit(self) -> int:
@@ -363,10 +357,9 @@ class MqttTransport(Link):
         return str(rc)
 
     def _note_takeover(self, conn: Connection, from_broker: bool, rc: object) -> None:
-        """Count sessions taken over by a client with our id (0x8E, or a close in :data:`TAKEOVER_WINDOW_S`).
+        """Count takeovers (0x8E, or a close within :data:`TAKEOVER_WINDOW_S`); log the sure ones at decades.
 
-        Certain (0x8E, or :data:`TAKEOVER_LOSSES` quick closes in a row with no failed connect between,
-        which a broker restart has): ``sure_takeovers_total`` and an ERROR at the 1st, 10th, 100th... time.
+        Sure: 0x8E, or :data:`TAKEOVER_LOSSES` quick closes in a row without a failed connect between.
         """
         quick = conn.acked and time.monotonic() - conn.acked_at < TAKEOVER_WINDOW_S
         taken = from_broker and isinstance(rc, ReasonCode) and int(rc.value) == 0x8E
@@ -493,8 +486,7 @@ class MqttTransport(Link):
     async def start(self, *, wait_s: float | None = CONNECT_TIMEOUT_S) -> None:
         """Start connecting, and reconnecting forever in the background, from an asyncio task.
 
-        ``wait_s``: seconds to wait for the first CONNACK (TransportError if none), None = do not wait (the
-        transport connects when the broker appears).
+        ``wait_s``: seconds to wait for the first CONNACK (TransportError if none; None: do not wait).
         """
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
@@ -570,9 +562,8 @@ class MqttTransport(Link):
             self._conn = conn
             self._fallback_wanted = False
             connects_before = self.connects_total
-            # shielded: a stop() during the connect must not leave the thread's socket open behind
-            # it (a connected client nobody reads, holding our client id until the broker's
-            # keep-alive runs out); the socket is closed when the thread is done
+            # shielded: a stop() during the connect closes the thread's socket once it is done (else a
+            # client nobody reads holds our client id until the broker's keep-alive runs out)
             connect = asyncio.ensure_future(asyncio.to_thread(self._connect, conn.client))
             try:
                 await asyncio.shield(connect)
@@ -753,10 +744,7 @@ class MqttTransport(Link):
             raise TransportError(f"publish to {topic}: {exc.detail}") from None
 
     async def stop(self, final: tuple[str, bytes] | None = None, timeout_s: float = 5.0) -> None:
-        """Clean stop: publish ``final`` (topic, payload) retained and wait for its PUBACK, disconnect.
-
-        ``timeout_s`` is the budget of the final publish and of the disconnect.
-        """
+        """Publish ``final`` (topic, payload) retained, await its PUBACK, disconnect (``timeout_s`` each)."""
         if self._supervisor is None:
             return
         if final is not None and self.connected.is_set():
