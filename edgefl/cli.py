@@ -77,8 +77,7 @@ def _load_or_report(args: argparse.Namespace) -> Profile | None:
 def _preflight(profile: Profile, *, warn_unloaded: bool = True) -> list[str]:
     """What this profile cannot run with here (:func:`edgefl.agent.preflight.preflight`); ModelError.
 
-    Without the profile's runtime here only the checks not about this machine run (``warn_unloaded``
-    prints what was left unchecked).
+    Without the profile's runtime only the checks not about this machine run (``warn_unloaded``: say so).
     """
     import gc
 
@@ -94,14 +93,11 @@ def _preflight(profile: Profile, *, warn_unloaded: bool = True) -> list[str]:
     for note in broker_warnings(profile):
         print(f"edgefl: warning: {note}", file=sys.stderr)
 
-    # The floor is the RSS of the process with every page its imports and the model map, an upper
-    # bound of what the agent holds once it runs. The imports' library pages are dropped before the
-    # runtime's library and the model load (with them mapped, that is the process's peak) and counted
-    # back per mapping: what each held then and the load did not map again.
+    # The floor: the RSS with every page the imports and the model map. The imports' library pages are
+    # dropped before the model loads (the process's peak otherwise), then counted back per mapping.
     dropped = heap.release_file_pages()
     if not runtime_available(profile.model.runtime):
-        # a profile for another kind of gateway (tflite-runtime on armv7l): what is not about this
-        # machine is still checked; the rest is checked by `edgefl run` on the gateway itself
+        # a profile for another kind of gateway (tflite-runtime on armv7l): the rest is checked there
         problems = preflight(profile, None, 0)
         elsewhere = [p for p in problems if p.startswith("device.state_dir")]
         if warn_unloaded:  # `edgefl run` goes on to load the model and names why it cannot
@@ -184,8 +180,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from edgefl.agent.daemon import Agent
     from edgefl.agent.statelock import StateDirBusy, lock_state_dir
 
-    # arenas of threads not yet started (paho, worker, dashboard); a fixed mmap threshold (the unit and
-    # the demo set it from the start with MALLOC_MMAP_THRESHOLD_)
+    # arenas of threads not yet started (paho, worker, dashboard); a fixed mmap threshold
     heap.apply_hygiene(arena_max=2, mmap_threshold_bytes=MMAP_THRESHOLD_BYTES)
 
     try:
@@ -274,8 +269,7 @@ def _stopped_by_fault(exc: BaseException) -> int:
 class DashboardPage:
     """The device's status page: ``edgefl.dashboard`` behind the daemon's ``StatusPage`` interface.
 
-    Built here, so the device package never imports the dashboard; aiohttp's server is imported only
-    when the page starts. ``profile`` gives ``dashboard.host``, ``port``, ``token`` and ``device.id``.
+    Built here, so the device package never imports the dashboard (aiohttp only once the page starts).
     """
 
     def __init__(self, profile: Profile) -> None:
