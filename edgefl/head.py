@@ -226,9 +226,8 @@ def sgd_step(
 ) -> None:
     """One in-place SGD step ``W -= lr * (grad_W + prox_mu * (W - W0))`` on W [D, K] and b [K].
 
-    The gradients are spent: ``grad_W`` and ``grad_b`` are overwritten with the step. ``W0``/``b0``
-    (the round's global head) are required when ``prox_mu > 0`` (FedProx), else ValueError;
-    ``prox_mu`` 0 is plain SGD.
+    ``grad_W`` and ``grad_b`` are overwritten with the step. ``W0``/``b0`` (the round's global head)
+    are required when ``prox_mu > 0`` (FedProx), else ValueError; ``prox_mu`` 0 is plain SGD.
 
     Source: FedProx local objective, Li et al. 2020, "Federated Optimization in Heterogeneous
     Networks", eq. (2).
@@ -262,10 +261,9 @@ def personal_columns(labels: np.ndarray, num_classes: int) -> np.ndarray:
 def restricted_logit_scale(columns: np.ndarray, alpha: float) -> F32 | None:
     """The personal step's logit scale float32 [K]: 1 for the classes in ``columns``, ``alpha`` for the rest.
 
-    Scaling the absent classes' logits in the local loss (0: a constant logit 0; 1: plain softmax)
-    fits the labelled classes against each other instead of pushing them above the classes only the
-    fleet knows; prediction uses the unscaled logits. None when every class is personal or ``alpha``
-    is 1; ValueError for ``alpha`` outside 0..1.
+    Scaling the absent classes' logits in the local loss (0: a constant logit 0; 1: plain softmax) fits
+    the labelled classes against each other, not above those only the fleet knows; prediction is
+    unscaled. None when every class is personal or ``alpha`` is 1; ValueError for ``alpha`` outside 0..1.
 
     Source: X.-C. Li, D.-C. Zhan, "FedRS: Federated Learning with Restricted Softmax for Label
     Distribution Non-IID Data", KDD 2021, §4 (the scaled logits of missing classes).
@@ -301,10 +299,8 @@ def ditto_update(
     T. Li, S. Hu, A. Beirami, V. Smith, "Ditto: Fair and Robust Federated Learning Through
     Personalization", ICML 2021, Algorithm 1; restricted to the device's labelled classes here.
     """
-    # every column stepped (whole-array operations, no gather), then the tied ones overwritten:
-    # the same values as stepping the personal columns alone. W - lr (g + lam (W - Wg)) is
-    # (1 - lr lam) W - lr g + lr lam Wg, in place: no temporary head (the gradient's buffer takes
-    # lr lam Wg once the step no longer needs it); lam 0 is plain SGD
+    # every column stepped (no gather), then the tied ones overwritten; W - lr (g + lam (W - Wg)) as
+    # (1 - lr lam) W - lr g + lr lam Wg in place (the gradient's buffer takes lr lam Wg at the end)
     grad_W *= lr
     grad_b *= lr
     if lam != 0:
