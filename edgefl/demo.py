@@ -102,11 +102,9 @@ async def _embedded_broker(port: int) -> Any:
 def contain_broker_faults(loop: asyncio.AbstractEventLoop) -> Callable[[], int]:
     """Log the embedded broker's own unhandled exceptions as one debug line each, not a traceback.
 
-    amqtt 0.12's connect handler iterates its subscription table while sending retained messages; a
-    client subscribing to a new filter meanwhile makes it die (``RuntimeError: dictionary changed size
-    during iteration``) after its CONNACK, and that client reconnects (backoff 1 s). Exceptions raised
-    elsewhere still reach the loop's previous handler. Returns a function giving how many were
-    contained.
+    amqtt 0.12's connect handler dies (``dictionary changed size during iteration``) when a client
+    subscribes meanwhile; that client reconnects. Other exceptions reach the loop's previous handler.
+    Returns a function giving how many were contained.
     """
     previous = loop.get_exception_handler()
     contained = 0
@@ -171,8 +169,7 @@ async def _run(opts: argparse.Namespace) -> int:
         emb_pool = core.classify(x[pool]).embeddings
         del core
     y_test = y[split.test]
-    # Baselines are trained to convergence (not to the federated job's budget), so "centralized" is a
-    # true upper bound and "local-only" what a device reaches on its own.
+    # baselines trained to convergence: "centralized" an upper bound, "local-only" a device on its own
     total_epochs = max(BASELINE_EPOCHS, opts.local_epochs * opts.rounds)
     baseline = accuracy(W0, b0, emb_test, y_test)
     Wc, bc = fit_head(
@@ -321,8 +318,7 @@ async def _run(opts: argparse.Namespace) -> int:
             agents: list[dict[str, Any]] = []
             for k, p in enumerate(procs):
                 dev = f"dev-{k + 1}"
-                # The agent's governor resets the kernel's VmHWM at each phase (clear_refs) and keeps the
-                # lifetime peak itself: take the larger of what it reports and what /proc says now.
+                # the governor resets VmHWM at each phase and keeps the peak itself: the larger of the two
                 status = coord.registry.devices.get(dev, {})
                 try:
                     vm_hwm = memstat.peak_rss_bytes(p.pid)
@@ -336,8 +332,7 @@ async def _run(opts: argparse.Namespace) -> int:
                         "cap_bytes": cap,
                         "peak_rss_bytes": peak,
                         **{key: int(status.get(key) or 0) for key in INGEST_KEYS},
-                        # both heads on the agent's holdout, from its latest status (null before both
-                        # were evaluated)
+                        # both heads on the agent's holdout (null before both were evaluated)
                         **{key: _accuracy(status.get(key)) for key in HEAD_ACCURACY_KEYS},
                     }
                 )
@@ -415,9 +410,7 @@ async def _feed_devices(
     t0 = loop.time()
     transports: list[MqttTransport] = []
     try:
-        # connected and subscribed one after the other: amqtt 0.12 iterates its subscriptions while a
-        # client connects, and drops that client if another subscribes to a new topic meanwhile
-        # (contain_broker_faults): one after the other, no feed has to reconnect
+        # one after the other: amqtt 0.12 drops a connecting client if another subscribes meanwhile
         for k, n in enumerate(sizes):
             dev = f"dev-{k + 1}"
             t = MqttTransport(
