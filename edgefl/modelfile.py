@@ -38,30 +38,18 @@ TENSOR_TYPES: dict[int, str] = {
     17: "int4",
 }
 
-# BuiltinOperator codes (schema.fbs) edgefl looks for
+# BuiltinOperator codes (schema.fbs) edgefl looks for (any other op is named ``OP<code>``)
 OP_NAMES: dict[int, str] = {
-    0: "ADD",
-    1: "AVERAGE_POOL_2D",
-    2: "CONCATENATION",
-    3: "CONV_2D",
-    4: "DEPTHWISE_CONV_2D",
     6: "DEQUANTIZE",
     9: "FULLY_CONNECTED",
     14: "LOGISTIC",
     16: "LSTM",
-    17: "MAX_POOL_2D",
-    18: "MUL",
-    19: "RELU",
-    21: "RELU6",
     22: "RESHAPE",
     24: "RNN",
     25: "SOFTMAX",
     27: "SVDF",
-    34: "PAD",
     35: "UNIDIRECTIONAL_SEQUENCE_RNN",
-    40: "MEAN",
     44: "UNIDIRECTIONAL_SEQUENCE_LSTM",
-    45: "STRIDED_SLICE",
     52: "BIDIRECTIONAL_SEQUENCE_LSTM",
     114: "QUANTIZE",
     129: "CALL_ONCE",
