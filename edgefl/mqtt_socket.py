@@ -141,6 +141,19 @@ class PacketFilter:
         return bytes([flags]) + remaining_length(len(body)) + body
 
 
+def _varint(buf: bytearray, pos: int, end: int) -> tuple[int, int, bool]:
+    """The variable byte integer at ``buf[pos:end]`` (MQTT 5.0 §1.5.5): value, position after, complete."""
+    value, shift = 0, 0
+    while pos < end:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos, True
+        shift += 7
+    return value, pos, False
+
+
 def remaining_length(n: int) -> bytes:
     """Encode ``n`` >= 0 as an MQTT variable byte integer ("Remaining Length"): 7 bits a byte.
 
@@ -208,19 +221,9 @@ class BoundedClient(mqtt.Client):
         buf = self._edgefl_out
         while True:
             size = len(buf)
-            if size >= 2:
-                remaining, shift, i = 0, 0, 1
-                while i < size and i <= 4:
-                    byte = buf[i]
-                    remaining |= (byte & 0x7F) << shift
-                    i += 1
-                    if not byte & 0x80:
-                        break
-                    shift += 7
-                else:
-                    i = -1  # the Remaining Length is not all here yet
-                if i > 0 and size >= i + remaining:
-                    return self._edgefl_packet(i, i + remaining)
+            remaining, start, whole = _varint(buf, 1, min(size, 5))
+            if whole and size >= start + remaining:
+                return self._edgefl_packet(start, start + remaining)
             if self._edgefl_eof:
                 buf.clear()  # a packet cut by the end of the stream never completes
                 self._edgefl_allowed = 0
@@ -252,14 +255,7 @@ class BoundedClient(mqtt.Client):
                     mid = int.from_bytes(buf[pos : pos + 2], "big")
                     pos += 2
                 if self._edgefl_mqtt5:  # the properties (none is used: no topic alias was offered)
-                    length, shift = 0, 0
-                    while pos < end:
-                        byte = buf[pos]
-                        pos += 1
-                        length |= (byte & 0x7F) << shift
-                        shift += 7
-                        if not byte & 0x80:
-                            break
+                    length, pos, _ = _varint(buf, pos, end)
                     pos += length
                 if pos <= end:
                     publish = Publish(mid, qos, topic, bytes(buf[pos:end]), bool(first & 1))
