@@ -74,17 +74,15 @@ class MqttTransport(Link):
     """An asyncio-facing MQTT client.
 
     ``client_id`` is unique on the broker; ``will`` is set before connecting; ``protocol`` "auto" tries
-    MQTT 5 and falls back to 3.1.1 when the broker refuses it; ``queue_size`` bounds the incoming
-    queue (messages); ``on_connect`` runs on the event loop after every CONNACK and re-subscription (to
-    publish "online"). ``max_packet_bytes`` is the largest PUBLISH sent (lowered by the CONNACK's
-    Maximum Packet Size), ``max_incoming_packet_bytes`` the largest packet accepted (the CONNECT's; on
-    every protocol an oversize PUBLISH is acknowledged, dropped, counted in ``oversize_dropped_total``
-    and logged). ``session_expiry_s`` 0 is a clean session, else the broker keeps it that long while
-    the client is away (MQTT 5.0 §3.1.2.11; a fixed ``client_id``). ``alternates`` (host, port) are
-    other nodes of a clustered broker, tried round robin after a failed connect or a loss;
-    ``ack_on_commit`` acknowledges a QoS 1 message only once the consumer called :meth:`commit` (needs
-    a session); ``reconnect_max_s`` caps the back-off (:meth:`backoff_s`; None: ``RECONNECT_MAX_S``).
-    ``max_held_bytes`` bounds the payload bytes received and not yet handled (0: none; :class:`Link`).
+    MQTT 5, then 3.1.1; ``queue_size`` bounds the incoming queue (messages); ``on_connect`` runs on the
+    loop after every CONNACK and re-subscription. ``max_packet_bytes`` is the largest PUBLISH sent
+    (lowered by the CONNACK's Maximum Packet Size), ``max_incoming_packet_bytes`` the largest accepted
+    (an oversize PUBLISH is acknowledged, dropped, counted in ``oversize_dropped_total``, logged).
+    ``session_expiry_s`` 0 is a clean session, else the broker keeps it that long (MQTT 5.0 §3.1.2.11;
+    a fixed ``client_id``); ``alternates`` (host, port): other nodes of a clustered broker, tried round
+    robin; ``ack_on_commit`` acknowledges a QoS 1 message only at :meth:`commit` (needs a session);
+    ``reconnect_max_s`` caps the back-off (None: ``RECONNECT_MAX_S``); ``max_held_bytes`` bounds the
+    payload bytes received and not yet handled (0: none; :class:`Link`).
     """
 
     def __init__(
@@ -633,9 +631,8 @@ class MqttTransport(Link):
         """Subscribe, now and again after every reconnect.
 
         Connected, it returns once the SUBACK granted it; otherwise at once (it is sent, and its SUBACK
-        awaited, before ``connected`` is next set). ``live_only`` (MQTT 5 only, §3.8.3.1): Retain Handling
-        2 and Retain As Published, so no retained message comes at subscribe and a later retained one
-        arrives with ``retain`` set.
+        awaited, before ``connected`` is next set). ``live_only`` (MQTT 5, §3.8.3.1): no retained message
+        at subscribe, a later retained one arrives with ``retain`` set.
 
         Raises
         ------
