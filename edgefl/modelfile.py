@@ -336,9 +336,8 @@ ORIGIN_TRAILER_BYTES = _ORIGIN.size
 def read_origin(buf: ModelBytes) -> str | None:
     """The original model's SHA-256 (64 hex digits) recorded by ``edgefl model prepare``, or None.
 
-    The trailer is the file's last :data:`ORIGIN_TRAILER_BYTES` bytes, after everything the
-    flatbuffer references (a TFLite loader never reads it): ``b"EFLO"``, u32 version 1, the 32-byte
-    digest, ``b"EFLO"``.
+    The trailer (the file's last :data:`ORIGIN_TRAILER_BYTES`, never read by a TFLite loader): ``b"EFLO"``,
+    u32 version 1, the 32-byte digest, ``b"EFLO"``.
     """
     if len(buf) < ORIGIN_TRAILER_BYTES:
         return None
