@@ -92,15 +92,10 @@ def open_interpreter(
         raise ModelError(str(path), "model file not found")
     classes, notes = _interpreter_classes(runtime)
     if not classes:
+        install = " (install ai-edge-litert, or tflite-runtime with numpy<2)"
+        hint = "" if any("numpy<2" in n for n in notes) else install
         raise ModelError(
-            str(path),
-            f"no TFLite runtime usable for runtime={runtime!r}: "
-            + "; ".join(notes)
-            + (
-                ""
-                if any("numpy<2" in n for n in notes)
-                else " (install ai-edge-litert, or tflite-runtime with numpy<2)"
-            ),
+            str(path), f"no TFLite runtime usable for runtime={runtime!r}: {'; '.join(notes)}{hint}"
         )
     errors: list[str] = []
     for name, mod in classes:
@@ -398,11 +393,9 @@ class Backbone:
             bd = details[self._fc_bias]
             bq = self.interpreter.get_tensor(self._fc_bias)
             bscales = np.asarray(bd.get("quantization_parameters", {}).get("scales", []), dtype=np.float32)
-            b = (
-                bq.astype(np.float32) * bscales
-                if bq.dtype != np.float32 and bscales.size
-                else bq.astype(np.float32)
-            )
+            b = bq.astype(np.float32)
+            if bq.dtype != np.float32 and bscales.size:
+                b = b * bscales
         W: F32 = np.ascontiguousarray(W_kd.T, dtype=np.float32)
         return W, np.ascontiguousarray(b, dtype=np.float32)
 
