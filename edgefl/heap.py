@@ -49,12 +49,9 @@ def apply_hygiene(*, arena_max: int = 2, mmap_threshold_bytes: int | None = None
     lib = _libc()
     if lib is None:
         return {"arena_max": False, "mmap_threshold": False}
-    done = {"arena_max": bool(lib.mallopt(_M_ARENA_MAX, int(arena_max)))}
-    done["mmap_threshold"] = (
-        bool(lib.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes)))
-        if mmap_threshold_bytes is not None
-        else False
-    )
+    done = {"arena_max": bool(lib.mallopt(_M_ARENA_MAX, int(arena_max))), "mmap_threshold": False}
+    if mmap_threshold_bytes is not None:
+        done["mmap_threshold"] = bool(lib.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes)))
     return done
 
 

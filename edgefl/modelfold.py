@@ -150,18 +150,13 @@ def fold_input_normalisation(
     graph.tensors.append(new)
     index = len(graph.tensors) - 1
 
-    code = next(
-        (
-            k
-            for k, oc in enumerate(model.operatorCodes)
-            if max(oc.builtinCode, oc.deprecatedBuiltinCode) == 114
-        ),
-        None,
-    )
+    quantize = schema.BuiltinOperator.QUANTIZE
+    codes = [max(oc.builtinCode, oc.deprecatedBuiltinCode) for oc in model.operatorCodes]
+    code = codes.index(quantize) if quantize in codes else None
     if code is None:
         oc = schema.OperatorCodeT()
-        oc.builtinCode = schema.BuiltinOperator.QUANTIZE
-        oc.deprecatedBuiltinCode = schema.BuiltinOperator.QUANTIZE
+        oc.builtinCode = quantize
+        oc.deprecatedBuiltinCode = quantize
         oc.version = 1  # what the converter writes for a uint8 -> int8 QUANTIZE (models/*_rawin.tflite)
         model.operatorCodes.append(oc)
         code = len(model.operatorCodes) - 1

@@ -98,18 +98,12 @@ def open_interpreter(
             str(path), f"no TFLite runtime usable for runtime={runtime!r}: {'; '.join(notes)}{hint}"
         )
     errors: list[str] = []
+    source = {"model_path": str(path)} if content is None else {"model_content": content}
     for name, mod in classes:
         try:
-            source = {"model_path": str(path)} if content is None else {"model_content": content}
-            interp = mod.Interpreter(
-                **source,
-                num_threads=num_threads,
-                experimental_op_resolver_type=(
-                    mod.OpResolverType.BUILTIN
-                    if delegates
-                    else mod.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
-                ),
-            )
+            kinds = mod.OpResolverType
+            ops = kinds.BUILTIN if delegates else kinds.BUILTIN_WITHOUT_DEFAULT_DELEGATES
+            interp = mod.Interpreter(**source, num_threads=num_threads, experimental_op_resolver_type=ops)
             interp.allocate_tensors()
             return name, interp
         except (ValueError, RuntimeError, TypeError, AttributeError, ImportError, SystemError) as exc:
