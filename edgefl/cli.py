@@ -346,7 +346,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     from edgefl.coordinator.profile import SCHEMA, is_coordinator_profile, load_coordinator_profile
 
     if is_coordinator_profile(data):
-        from edgefl.coordinator.runner import strategy_problems
+        from edgefl.coordinator.runner import build_strategy, strategy_problems
 
         try:
             coordinator = load_coordinator_profile(args.profile, _parse_sets(args.set))
@@ -354,16 +354,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
             problems += _model_problems(coordinator.model.path)
             if problems:
                 raise ConfigError(problems)
-        except ConfigError as exc:
-            _report(f"invalid coordinator profile {args.profile}", exc.problems)
-            return EXIT_INVALID
-        from edgefl.coordinator.runner import build_strategy
-
-        try:
             tolerance = build_strategy(coordinator).tolerance()
         except ValueError as exc:
-            why = f"[strategy]/[robustness]/[privacy]: {exc}"
-            _report(f"invalid coordinator profile {args.profile}", [why])
+            problems = [f"[strategy]/[robustness]/[privacy]: {exc}"]
+        except ConfigError as exc:
+            problems = exc.problems
+        if problems:
+            _report(f"invalid coordinator profile {args.profile}", problems)
             return EXIT_INVALID
         n = coordinator.rounds.count
         name = coordinator.strategy.name
