@@ -538,8 +538,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     words = list(sys.argv[1:] if argv is None else argv)
     helping = "-h" in words or "--help" in words
     if _command_word(words) != "run" or helping:
-        # the tools' modules (memory-report pulls in the coordinator) are not the agent's: `edgefl run`
-        # leaves them unloaded (less RSS)
+        # the tools' modules (memory-report pulls in the coordinator): `edgefl run` leaves them unloaded
         from edgefl.agent import memreport, profiler
 
         profiler.add_parser(sub)

@@ -113,8 +113,7 @@ class Link:
         self.ack_on_commit = ack_on_commit
         self._unacked: dict[int, tuple[Connection, int, int]] = {}  # id(message in the queue) → its ack
         self._taken: list[tuple[Connection, int, int]] = []  # taken from the queue, not committed
-        # QoS 1 messages received while the queue was full, not yet acknowledged: (connection, mid, qos,
-        # message); the broker's flow control bounds it, and so does HOLD_FACTOR x queue_size
+        # QoS 1 messages received while the queue was full, unacknowledged (bounded: HOLD_FACTOR)
         self._held: collections.deque[tuple[Connection, int, int, Message]] = collections.deque()
         self.held_max = max(64, HOLD_FACTOR * queue_size)
         self.dropped_total = 0

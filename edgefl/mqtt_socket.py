@@ -246,8 +246,7 @@ class BoundedClient(mqtt.Client):
         qos = (first >> 1) & 3
         if first >> 4 == 3 and qos < 2:
             pos = start + 2 + int.from_bytes(buf[start : start + 2], "big")
-            # not UTF-8 (MQTT 5.0 §1.5.4; only a broker that does not check would send it): the
-            # replacement character names no topic of ours, so the handler refuses it, acknowledged
+            # not UTF-8 (MQTT 5.0 §1.5.4): U+FFFD names no topic of ours, so it is refused, acknowledged
             topic = buf[start + 2 : pos].decode("utf-8", errors="replace")
             if pos + (2 if qos else 0) <= end:
                 mid = 0

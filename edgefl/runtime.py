@@ -208,13 +208,11 @@ class Backbone:
         """The backbone's identity on the wire (``model_sha256``): the original model's SHA-256 for an
         ``edgefl model prepare`` output (its outputs, or folded input, do not make it another
         backbone), else the file's own :attr:`sha256`."""
-        # One guard on every invoke path (run, resize, reset, reading weights, pipelines): two threads
-        # on one interpreter give silently wrong outputs, so a second caller waits.
+        # one guard on every invoke path: two threads on one interpreter give silently wrong outputs
         self._lock = threading.RLock()
         self._holder = ""
         try:
-            # parse through a read-only map: only the pages of the tables read become resident,
-            # never the weights (a 1280-wide float model is ~14 MB)
+            # parsed through a read-only map: only the tables' pages become resident, never the weights
             with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                 content = self._inspect(mapped, embedding_tensor, prepare)
             self.delegated = xnnpack is not False
