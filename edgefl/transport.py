@@ -140,8 +140,7 @@ class MqttTransport(Link):
         #: Connect attempts that failed (the broker unreachable, refused TLS, a bad address).
         self.connect_failures_total = 0
         self._subscriptions: dict[str, tuple[int, bool]] = {}  # topic -> (qos, live_only)
-        # unsubscribed without an UNSUBACK yet (topic -> the latest call's token): sent once more on
-        # the next connection (a persistent session keeps the broker's copy across the reconnect)
+        # unsubscribed without an UNSUBACK yet (topic -> the latest call's token): sent once more on connect
         self._unsubscribing: dict[str, object] = {}
         self._mqtt5 = protocol in ("auto", "5")
         self._fallback_wanted = False
@@ -287,9 +286,8 @@ class MqttTransport(Link):
         self.session_present = session_present
         conn.acked = True
         conn.acked_at = time.monotonic()
-        # the last try of each unsubscribe still unanswered: sent before the subscriptions (the broker
-        # has taken it when their SUBACKs are in), then forgotten, whatever comes of it: a broker that
-        # closes the connection on it must not be sent it again at every reconnect
+        # each unsubscribe still unanswered, once more before the subscriptions, then forgotten whatever
+        # comes of it (a broker closing the connection on it must not get it at every reconnect)
         pending, self._unsubscribing = self._unsubscribing, {}
         unsubacks = [self._send_unsubscribe(conn, topic) for topic in sorted(pending)]
         subacks = [
@@ -718,8 +716,7 @@ class MqttTransport(Link):
             raise TransportError(f"publish to {topic}: {len(payload)} bytes exceed the {limit}-byte limit")
         conn = self._conn
         if conn is None or not conn.acked or conn.closed:
-            # Each connection has its own paho client: a message queued on a dead one would never leave.
-            # Not ``connected``: a persistent session's backlog arrives before the renewed SUBACKs.
+            # not ``connected``: a persistent session's backlog arrives before the renewed SUBACKs
             raise TransportError(f"publish to {topic}: not connected to {self.host}:{self.port}")
         fut: asyncio.Future[None] = self._loop.create_future()
         info = conn.client.publish(topic, payload, qos=qos, retain=retain)
