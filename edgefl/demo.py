@@ -35,7 +35,7 @@ from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategies import strategy_from_tables
 from edgefl.datasets import FACTORY_CLASSES, load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy
-from edgefl.feed import FeedOptions, FeedResult, feed
+from edgefl.feed import FeedOptions, feed
 from edgefl.launcher import free_port, launch_agent, stop_agents
 from edgefl.profiles import BrokerConfig
 from edgefl.records import atomic_write
@@ -211,14 +211,13 @@ async def _run(opts: argparse.Namespace) -> int:
         broker = await _embedded_broker(port)
     fleet = f"demo{os.getpid()}"
     topics = Topics(profile.broker.topic_prefix, fleet)
+    names = [f"dev-{k + 1}" for k in range(len(shards))]
     procs: list[subprocess.Popen[bytes]] = []
     rc = 0
     with _workdir(opts.workdir) as work:
         try:
-            for k, shard in enumerate(shards):
-                dev = f"dev-{k + 1}"
-                shard_path = work / f"{dev}.npz"
-                np.savez(shard_path, x=x[shard], y=y[shard])
+            for dev, shard in zip(names, shards, strict=True):
+                np.savez(work / f"{dev}.npz", x=x[shard], y=y[shard])
                 procs.append(
                     launch_agent(
                         opts.profile,
@@ -276,7 +275,7 @@ async def _run(opts: argparse.Namespace) -> int:
                 await coord.start()
                 ready = await coord.registry.wait_for_devices(opts.devices, timeout_s=120)
                 print(f"  {len(ready)} agents ready: {', '.join(ready)}")
-                sizes = [len(s) for s in shards]
+                sizes = {dev: len(s) for dev, s in zip(names, shards, strict=True)}
                 await _feed_devices(opts, coord, topics, host, port, work, sizes, broker is not None)
                 print(f"  coordinator dashboard: http://127.0.0.1:{board_port}/")
                 for dev in ready:
@@ -299,7 +298,7 @@ async def _run(opts: argparse.Namespace) -> int:
                 # their statuses carry both heads' holdout accuracy on the last head (status.interval_s)
                 await _wait_head_accuracies(
                     coord.registry.devices,
-                    [f"dev-{k + 1}" for k in range(len(procs))],
+                    names,
                     coord.state.version,
                     2 * profile.status.interval_s + 1.0,
                 )
@@ -316,8 +315,7 @@ async def _run(opts: argparse.Namespace) -> int:
                     await pump
                 await transport.stop()
             agents: list[dict[str, Any]] = []
-            for k, p in enumerate(procs):
-                dev = f"dev-{k + 1}"
+            for dev, p in zip(names, procs, strict=True):
                 # the governor resets VmHWM at each phase and keeps the peak itself: the larger of the two
                 status = coord.registry.devices.get(dev, {})
                 try:
@@ -343,8 +341,8 @@ async def _run(opts: argparse.Namespace) -> int:
         failed = [k for k, p in enumerate(procs) if p.returncode not in (0, -signal.SIGTERM)]
         if failed:
             for k in failed:
-                tail = (work / f"dev-{k + 1}.log").read_text(errors="replace").splitlines()[-15:]
-                print(f"agent dev-{k + 1} exited with {procs[k].returncode}:\n  " + "\n  ".join(tail))
+                tail = (work / f"{names[k]}.log").read_text(errors="replace").splitlines()[-15:]
+                print(f"agent {names[k]} exited with {procs[k].returncode}:\n  " + "\n  ".join(tail))
             rc = 1
     for a in agents:
         print(
@@ -400,10 +398,10 @@ async def _feed_devices(
     host: str,
     port: int,
     work: Path,
-    sizes: list[int],
+    sizes: dict[str, int],
     embedded: bool,
-) -> list[FeedResult]:
-    """Feed each agent its shard over MQTT; wait until each stored it (TimeoutError after 60 s)."""
+) -> None:
+    """Feed each agent its shard (``sizes`` by device) over MQTT; wait until stored (TimeoutError: 60 s)."""
     protocol: Literal["3.1.1", "auto"] = "3.1.1" if embedded else "auto"
     broker = BrokerConfig(url=f"mqtt://{host}:{port}", topic_prefix=topics.prefix, protocol=protocol)
     loop = asyncio.get_running_loop()
@@ -411,8 +409,7 @@ async def _feed_devices(
     transports: list[MqttTransport] = []
     try:
         # one after the other: amqtt 0.12 drops a connecting client if another subscribes meanwhile
-        for k, n in enumerate(sizes):
-            dev = f"dev-{k + 1}"
+        for dev, n in sizes.items():
             t = MqttTransport(
                 host, port, f"edgefl-feed-{topics.fleet}-{dev}", protocol=protocol, queue_size=2 * n + 256
             )
@@ -425,25 +422,24 @@ async def _feed_devices(
                     FeedOptions(
                         broker=broker,
                         fleet=topics.fleet,
-                        device=f"dev-{k + 1}",
-                        data=work / f"dev-{k + 1}.npz",
+                        device=dev,
+                        data=work / f"{dev}.npz",
                         rate_hz=opts.feed_rate_hz,
                         label_fraction=1.0,
                         label_delay_s=opts.label_delay_s,
                         wait_s=30.0,
-                        id_prefix=f"dev-{k + 1}-",
+                        id_prefix=f"{dev}-",
                     ),
                     transport=transports[k],
                 )
-                for k in range(len(sizes))
+                for k, dev in enumerate(sizes)
             )
         )
     finally:
         for t in transports:
             await t.stop()
     fed_s = loop.time() - t0
-    for k, n in enumerate(sizes):
-        dev = f"dev-{k + 1}"
+    for dev, n in sizes.items():
         while coord.registry.devices.get(dev, {}).get("stored_total") != n:
             if loop.time() - t0 > 60:
                 raise TimeoutError(f"{dev} did not store its {n} samples within 60 s")
@@ -456,4 +452,3 @@ async def _feed_devices(
         f"  fed {sent} samples over MQTT at {opts.feed_rate_hz:.0f}/s per device ({labels}): "
         f"{predicted} predictions back in {fed_s:.1f} s, all stored in {seconds:.1f} s"
     )
-    return list(results)
