@@ -2,8 +2,9 @@
 
 For ``edgefl model prepare --mean M --std S --raw-dtype uint8``: the uint8 input's quantisation is
 the normalisation (``scale = 1 / std``, zero point the mean) and the pipeline's fused step a copy.
-It matches the table path but at half-way ties (LiteRT rounds half away from zero, the table half
-to even: :class:`FoldReport` counts them). Needs LiteRT's schema and ``flatbuffers`` (not armv7).
+With an integer mean it matches the table path but at half-way ties (LiteRT rounds half away from
+zero, the table half to even: :class:`FoldReport` counts them); another mean is rounded
+(:func:`choose_zero_point`). Needs LiteRT's schema and ``flatbuffers`` (not armv7).
 
 Source: TFLite schema (``schema.fbs``: Tensor, Operator, QuantizeOptions); TensorFlow Lite 8-bit
 quantization specification (``real = scale * (q - zero_point)``).
