@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import functools
 import heapq
@@ -400,12 +401,8 @@ class _Fate:
     def result(
         self, y: np.ndarray, chunked: int, seconds: float, publish_s: float | None, error: str
     ) -> FeedResult:
-        refused: dict[str, int] = {}
-        for i, r in self.refused_samples.items():
-            if i not in self.predicted:
-                refused[r.reason] = refused.get(r.reason, 0) + 1
-        for r in self.refused_labels.values():
-            refused[r.reason] = refused.get(r.reason, 0) + 1
+        unanswered = [r for i, r in self.refused_samples.items() if i not in self.predicted]
+        refused = dict(collections.Counter(r.reason for r in [*unanswered, *self.refused_labels.values()]))
         lat = np.array([p.latency_s for p in self.predicted.values()], dtype=np.float64)
         return FeedResult(
             self.sent,
@@ -670,9 +667,9 @@ def _report(opts: FeedOptions, result: FeedResult, json_path: str | None) -> int
     if json_path:
         doc = {**asdict(result), "accuracy": acc}
         atomic_write(Path(json_path), (json.dumps(doc, indent=2) + "\n").encode())
+    samples_refused = sum(result.refused.values()) - result.labels_refused
     if result.refused:
         counts = ", ".join(f"{reason} {n}" for reason, n in sorted(result.refused.items()))
-        samples_refused = sum(result.refused.values()) - result.labels_refused
         what = " and ".join(
             w for w, k in (("samples", samples_refused), ("labels", result.labels_refused)) if k
         )
@@ -681,11 +678,7 @@ def _report(opts: FeedOptions, result: FeedResult, json_path: str | None) -> int
     if result.error:
         print(f"edgefl feed: stopped after {result.samples_sent} samples: {result.error}", file=sys.stderr)
         return 4
-    unanswered = (
-        result.samples_sent
-        - result.predictions_received
-        - (sum(result.refused.values()) - result.labels_refused)
-    )
+    unanswered = result.samples_sent - result.predictions_received - samples_refused
     if result.samples_sent and not result.predictions_received and not result.refused:
         topic = Topics(opts.broker.topic_prefix, opts.fleet).predictions(opts.device)
         print(
