@@ -213,9 +213,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+_KNOWN_FAULTS = (OSError, MemoryError, ArithmeticError, ValueError)
+"""Faults a running agent can meet (a disk, the RAM, bad numbers): one log line, no traceback."""
+
+
 def _stopped_by(exc: BaseException) -> int:
-    """The exit code for what stopped the agent: 5 refused credentials or certificate, 4 start-up, a fault."""
-    from edgefl.errors import CredentialsRefused, StartupError
+    """The exit code for what stopped the agent: 5 refused credentials or certificate, 4 start-up, 75 a fault.
+
+    A fault is logged (a known one in one line, else its traceback); ``KeyboardInterrupt``/``SystemExit``
+    (also inside an ``ExceptionGroup``) re-raise.
+    """
+    from edgefl.errors import CredentialsRefused, EdgeflError, StartupError
 
     leaves = _leaves(exc)
     for e in leaves:
@@ -227,7 +235,15 @@ def _stopped_by(exc: BaseException) -> int:
         if isinstance(e, StartupError):
             print(f"edgefl: cannot start: {e}", file=sys.stderr)
             return EXIT_RUNTIME
-    return _stopped_by_fault(exc)
+    for e in leaves:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise e
+    for e in leaves:
+        if isinstance(e, (EdgeflError, *_KNOWN_FAULTS)):
+            logger.error("agent stopped by a fault (exit %d): %s: %s", EXIT_TEMPFAIL, type(e).__name__, e)
+        else:
+            logger.error("agent stopped by an unexpected error (exit %d)", EXIT_TEMPFAIL, exc_info=e)
+    return EXIT_TEMPFAIL
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
@@ -241,29 +257,6 @@ def _leaves(exc: BaseException) -> list[BaseException]:
         else:
             leaves.append(e)
     return leaves
-
-
-_KNOWN_FAULTS = (OSError, MemoryError, ArithmeticError, ValueError)
-"""Faults a running agent can meet (a disk, the RAM, bad numbers): one log line, no traceback."""
-
-
-def _stopped_by_fault(exc: BaseException) -> int:
-    """Log the fault (a known one in one line, else its traceback); :data:`EXIT_TEMPFAIL`.
-
-    ``KeyboardInterrupt``/``SystemExit`` (also inside an ``ExceptionGroup``) re-raise.
-    """
-    from edgefl.errors import EdgeflError
-
-    leaves = _leaves(exc)
-    for e in leaves:
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise e
-    for e in leaves:
-        if isinstance(e, (EdgeflError, *_KNOWN_FAULTS)):
-            logger.error("agent stopped by a fault (exit %d): %s: %s", EXIT_TEMPFAIL, type(e).__name__, e)
-        else:
-            logger.error("agent stopped by an unexpected error (exit %d)", EXIT_TEMPFAIL, exc_info=e)
-    return EXIT_TEMPFAIL
 
 
 class DashboardPage:
