@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgefl.errors import ConfigError
+from edgefl.errors import ConfigError, CredentialsRefused, EdgeflError, ModelError, StartupError
 from edgefl.profiles import add_set_argument, parse_sets
 
 if TYPE_CHECKING:
@@ -170,8 +170,6 @@ def lock_coordinator_state(state: Path) -> object:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """``edgefl run PROFILE``: run the agent daemon until SIGTERM/SIGINT."""
-    from edgefl.errors import EdgeflError, ModelError
-
     profile = _load_or_report(args)
     if profile is None:
         return EXIT_INVALID
@@ -223,8 +221,6 @@ def _stopped_by(exc: BaseException) -> int:
     A fault is logged (a known one in one line, else its traceback); ``KeyboardInterrupt``/``SystemExit``
     (also inside an ``ExceptionGroup``) re-raise.
     """
-    from edgefl.errors import CredentialsRefused, EdgeflError, StartupError
-
     leaves = _leaves(exc)
     for e in leaves:
         if isinstance(e, CredentialsRefused):
@@ -310,18 +306,6 @@ class DashboardPage:
         }
 
 
-def _model_problems(path: Path) -> list[str]:
-    """``model.path``'s problem when the coordinator could not load it (as it does at start), else []."""
-    from edgefl.errors import ModelError
-    from edgefl.runtime import Backbone
-
-    try:
-        Backbone(path).head_from_model()
-    except ModelError as exc:
-        return [f"model.path = {str(path)!r}: {exc}"]
-    return []
-
-
 def cmd_check_config(args: argparse.Namespace) -> int:
     """``edgefl check-config PROFILE``: validate a device or coordinator profile (exit 0, or 1 listing all).
 
@@ -340,14 +324,17 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
     if is_coordinator_profile(data):
         from edgefl.coordinator.runner import build_strategy, strategy_problems
+        from edgefl.runtime import Backbone
 
         try:
             coordinator = load_coordinator_profile(args.profile, _parse_sets(args.set))
             problems = strategy_problems(coordinator)  # what `edgefl coordinator` refuses, refused here
-            problems += _model_problems(coordinator.model.path)
-            if problems:
-                raise ConfigError(problems)
-            tolerance = build_strategy(coordinator).tolerance()
+            try:  # the model loads as the coordinator loads it at start
+                Backbone(coordinator.model.path).head_from_model()
+            except ModelError as exc:
+                problems.append(f"model.path = {str(coordinator.model.path)!r}: {exc}")
+            if not problems:
+                tolerance = build_strategy(coordinator).tolerance()
         except ValueError as exc:
             problems = [f"[strategy]/[robustness]/[privacy]: {exc}"]
         except ConfigError as exc:
@@ -370,8 +357,6 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     profile = _load_or_report(args)
     if profile is None:
         return EXIT_INVALID
-    from edgefl.errors import ModelError
-
     try:
         problems = _preflight(profile)
     except ModelError as exc:
