@@ -11,6 +11,7 @@ import asyncio
 import functools
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgefl.errors import ConfigError, CredentialsRefused, EdgeflError, ModelError, StartupError
-from edgefl.profiles import add_set_argument, parse_sets
+from edgefl.profiles import add_set_argument, parse_sets, read_toml
 
 if TYPE_CHECKING:
     from edgefl.agent.config import Profile
@@ -311,10 +312,6 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
     A profile with a coordinator-only table (``[rounds]``, ``[strategy]``...) is a coordinator profile.
     """
-    import json
-
-    from edgefl.profiles import read_toml
-
     try:
         _, data = read_toml(args.profile)
     except ConfigError as exc:

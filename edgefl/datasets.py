@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgefl.resources import shipped
 from edgefl.types import I64, U8
 
 logger = logging.getLogger(__name__)
@@ -32,8 +33,6 @@ def digits_dir() -> Path:
     env = os.environ.get("EDGEFL_DATA_DIR")
     if env:
         return Path(env)
-    from edgefl.resources import shipped
-
     return shipped("data/sklearn_digits")
 
 

@@ -41,6 +41,7 @@ from edgefl.profiles import BrokerConfig
 from edgefl.records import atomic_write
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
+from edgefl.validators import parse_broker_url
 from edgefl.wire.compression import Compression
 
 logger = logging.getLogger(__name__)
@@ -203,8 +204,6 @@ async def _run(opts: argparse.Namespace) -> int:
 
     broker = None
     if opts.broker:
-        from edgefl.validators import parse_broker_url
-
         _, host, port = parse_broker_url(opts.broker)
     else:
         host, port = "127.0.0.1", free_port()

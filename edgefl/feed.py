@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from edgefl.errors import DecodeError, EdgeflError, TransportError
+from edgefl.head import check_labels, label_range
 from edgefl.profiles import (
     BrokerConfig,
     Schema,
@@ -443,7 +444,6 @@ def check_samples(
     ConfigError for an invalid profile, ModelError for a model that cannot be loaded.
     """
     from edgefl.agent.config import load_profile  # here: the profile and LiteRT only with --profile
-    from edgefl.head import check_labels, label_range
     from edgefl.runtime import Backbone
 
     _, data = read_toml(profile_path)

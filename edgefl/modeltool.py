@@ -15,6 +15,7 @@ from typing import Any
 
 from edgefl import modelfile
 from edgefl.errors import ModelError
+from edgefl.records import atomic_write
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -102,8 +103,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return EXIT_MODEL
     text = json.dumps(info, indent=2)
     if args.json:
-        from edgefl.records import atomic_write
-
         atomic_write(Path(args.json), (text + "\n").encode())
     i = info["input"]
     print(f"{info['model']}")
@@ -132,7 +131,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     Exit 0, 2 (usage: only one of --mean/--std, or either on a float-input model, whose
     normalisation belongs in ``pipeline.mean``/``std``) or 3 (the model cannot be prepared).
     """
-    from edgefl.records import atomic_write
     from edgefl.runtime import Backbone
 
     if (args.mean is None) != (args.std is None):
