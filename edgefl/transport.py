@@ -170,9 +170,7 @@ class MqttTransport(Link):
     def for_broker(cls, broker: BrokerConfig, client_id: str, **options: Any) -> MqttTransport:
         """A transport (not started) to a profile's ``[broker]``, ``options`` (``__init__`` keywords) on top.
 
-        Address, protocol, keepalive, credentials (``broker_password``), TLS (``ssl_context_for``, unless
-        ``tls_context`` is given), packet limits and alternates. ConfigError if the password or TLS files
-        cannot be read.
+        ConfigError if the password or TLS files cannot be read.
         """
         from edgefl.profiles import broker_password
         from edgefl.tlsconf import ssl_context_for
