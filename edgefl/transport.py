@@ -556,8 +556,9 @@ class MqttTransport(Link):
             self._conn = conn
             self._fallback_wanted = False
             connects_before = self.connects_total
-            # shielded: a stop() during the connect closes the thread's socket once it is done (else a
-            # client nobody reads holds our client id until the broker's keep-alive runs out)
+            # shielded: a stop() during the connect must not leave the thread's socket open behind
+            # it (a connected client nobody reads, holding our client id until the broker's
+            # keep-alive runs out); the socket is closed when the thread is done
             connect = asyncio.ensure_future(asyncio.to_thread(self._connect, conn.client))
             try:
                 await asyncio.shield(connect)
