@@ -56,8 +56,7 @@ def round_line(
 ) -> str:
     """The line printed for a closed round: ``total`` rounds in all (0: until stopped), ``per`` what came in.
 
-    ``refused`` and ``declined`` are the round's refusals and declines by reason (:func:`counts_since`);
-    ``silent`` the devices asked that sent nothing it counted (``Round.silent``), named at the end.
+    ``refused``, ``declined``: counts by reason (:func:`counts_since`); ``silent``: ``Round.silent``.
     """
     why = _by_reason(refused) or "none"
     if declined:
@@ -156,10 +155,9 @@ def log_entry(
 
 
 def log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:
-    """Append the rounds the state file closed but ``log`` does not have; returns how many.
+    """Append the rounds the state file closed but ``log`` does not have (a kill in between); how many.
 
-    A coordinator killed between saving a round and logging it comes back with a round the log never
-    got: its line is rebuilt from the state's history, marked ``"recovered": true``.
+    Each line is rebuilt from the state's history, marked ``"recovered": true``.
     """
     logged: set[int] = set()
     with contextlib.suppress(FileNotFoundError):
