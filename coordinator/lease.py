@@ -306,7 +306,7 @@ class Lease:
     """The lease a running coordinator holds: its presence, heartbeat and last will.
 
     ``transport``: the coordinator's own (given :meth:`will` before it starts); ``topic``:
-    ``Topics.coordinator``; ``instance``: :func:`new_instance`; republished every ``heartbeat_s``, and
+    ``Topics.coordinator``; ``instance``: :func:`new_instance`; republished every heartbeat, and
     after each connect also on ``holder_topic`` (retained, no will clears it). ``signing_key`` signs
     every presence (give ``trust``, which decides which presences count, its public half); ``seen``: a
     presence the probe found stale (a replay of it moves nothing).
@@ -317,7 +317,6 @@ class Lease:
         transport: MqttTransport,
         topic: str,
         instance: str,
-        heartbeat_s: float = LEASE_HEARTBEAT_S,
         holder_topic: str | None = None,
         signing_key: SigningKey | None = None,
         trust: PresenceTrust | None = None,
@@ -336,7 +335,7 @@ class Lease:
             pid=os.getpid(),
             started=time.time(),
             seq=0,
-            heartbeat_s=heartbeat_s,
+            heartbeat_s=LEASE_HEARTBEAT_S,
         )
         self.lost = asyncio.Event()
         """Set when a live coordinator that took the lease first is seen (this one must stop)."""
