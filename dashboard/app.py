@@ -156,8 +156,7 @@ class _Hub:
         self.frame = b""
         self.streams = 0
         self.closing = False
-        self.history: deque[tuple[float, int]] = deque(maxlen=state.history_len)
-        # coordinator: device -> (monotonic s, rss bytes, cap bytes or -1)
+        # device name ("" for a device's own page) -> (monotonic s, rss bytes, cap bytes or -1)
         self.device_history: dict[str, deque[tuple[float, int, int]]] = {}
         self.registry: CollectorRegistry | None = None
         self._status_json = b""
@@ -220,12 +219,7 @@ class _Hub:
         except Exception:
             return  # refresh() logs the failure
         now = time.monotonic()
-        if self.state.kind == "device":
-            rss = finite_number(status.get("rss_bytes"))
-            if rss is not None:
-                self.history.append((now, int(rss)))
-            return
-        devices = status.get("devices")
+        devices = {"": status} if self.state.kind == "device" else status.get("devices")
         if not isinstance(devices, Mapping):
             return
         for name, entry in devices.items():
@@ -354,7 +348,7 @@ async def _history(request: web.Request) -> web.Response:
     now = time.monotonic()
     doc: dict[str, Any] = {"interval_s": hub.state.history_interval_s}
     if hub.state.kind == "device":
-        doc["rss"] = [[round(now - t, 1), rss] for t, rss in hub.history]
+        doc["rss"] = [[round(now - t, 1), rss] for t, rss, _ in hub.device_history.get("", ())]
     else:
         doc["devices"] = {
             name: [[round(now - t, 1), rss, cap if cap >= 0 else None] for t, rss, cap in series]
