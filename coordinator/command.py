@@ -100,7 +100,11 @@ _FAILURES: Final[tuple[tuple[type[Exception] | tuple[type[Exception], ...], str,
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Add the ``coordinator`` sub-command to argparse sub-parsers; returns its parser (``func``: main)."""
+    """Add the ``coordinator`` sub-command to argparse sub-parsers; returns its parser (``func``: main).
+
+    PROFILE defaults to the shipped ``firmware_configs/coordinator.toml``; each flag of :data:`FLAG_KEYS`
+    is a ``--set`` of one key.
+    """
     from edgefl.resources import shipped
 
     p: argparse.ArgumentParser = sub.add_parser(
