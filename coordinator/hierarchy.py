@@ -278,14 +278,12 @@ class SiteAggregator(Coordinator):
             self.root_done_round = gm.round
             self._announced.set()
 
-    async def next_round(self, last_round: int, timeout_s: float | None = None) -> RoundAnnouncement | None:
+    async def next_round(self, last_round: int) -> RoundAnnouncement | None:
         """Wait for an announced round later than the last one this site closed, up to ``last_round``.
 
         Meanwhile a partial is sent again when its round is announced again. Returns None once this site
-        closed ``last_round`` and the root published its head; raises TimeoutError after ``timeout_s``.
+        closed ``last_round`` and the root published its head.
         """
-        loop = asyncio.get_running_loop()
-        until = None if timeout_s is None else loop.time() + timeout_s
         while True:
             ann = self._latest
             if ann is not None and self.closed_round < ann.round <= last_round:
@@ -298,10 +296,7 @@ class SiteAggregator(Coordinator):
                 await self._send(self._sent)
                 continue
             self._announced.clear()
-            left = None if until is None else until - loop.time()
-            if left is not None and left <= 0:
-                raise TimeoutError(f"no round after {self.closed_round} announced within {timeout_s} s")
-            await wait_event(self._announced, left if left is not None else 3600.0)
+            await self._announced.wait()
 
     # -- one round -------------------------------------------------------------------------------------
     async def run_site_round(self, ann: RoundAnnouncement) -> SiteRecord:

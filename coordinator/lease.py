@@ -180,9 +180,9 @@ async def probe_lease(
     topic: str,
     fleet_where: str,
     connected: Callable[[MqttTransport], Awaitable[None]],
-    previous: str | None = None,
-    holder_topic: str | None = None,
-    trust: PresenceTrust | None = None,
+    previous: str | None,
+    holder_topic: str,
+    trust: PresenceTrust,
 ) -> Presence | None:
     """Read the fleet's lease through ``transport`` (a client id of its own, clean session); publish nothing.
 
@@ -194,7 +194,6 @@ async def probe_lease(
     live client took back the account's session the broker handed the probe), TransportError (what
     ``connected`` raises, or a refused subscription).
     """
-    trust = trust if trust is not None else PresenceTrust("", None)
     await transport.start(wait_s=None)
     try:
         await connected(transport)
@@ -203,7 +202,7 @@ async def probe_lease(
         renamed = transport.session_present
         if renamed:
             _set_backlog_aside(transport)
-        if renamed and previous is not None and holder_topic is not None:
+        if renamed and previous is not None:
             last = await _retained_presence(transport, holder_topic, trust)
             if _ours(last, previous, "the broker gave the lease probe the session of"):
                 return None
