@@ -224,9 +224,7 @@ class SiteAggregator(Coordinator):
         self._unsent: bytes | None = None  # a closed round's partial not yet acknowledged by the broker
         self._sent: bytes | None = None  # the last partial sent: sent again when its round is announced again
         self._resend = False
-        self._dirty = False  # the open round changed since its record was written
         self.root_done_round = 0  # the newest round whose global head the root published (bridged down)
-        self._resume: dict[str, Any] | None = None  # the open round of the state file
         self._opened_unix = 0.0
 
     # -- start, messages -----------------------------------------------------------------------------
