@@ -157,9 +157,8 @@ class RootCoordinator(Coordinator):
         while len(self._id_site) > ROOT_SEEN_UPDATE_IDS:
             del self._id_site[next(iter(self._id_site))]
         if others:
-            # Ids are per (site, device): the root cannot know a site's devices, so an id listed by
-            # two sites refuses neither partial (the honest one may come second); it is logged with
-            # both sites and counted. Each site's weight is bounded anyway (Strategy.offer_sums).
+            # The root cannot know a site's devices: an id two sites list refuses neither partial (the
+            # honest one may come second), only logged and counted; site weights are bounded anyway
             self.overlaps += 1
             for first, n in others.items():
                 self.overlapping_ids[f"{site}/{first}"] += n
@@ -308,7 +307,6 @@ class SiteAggregator(Coordinator):
         elapsed = time.time() - self._opened_unix
         deadline_s = max(0.0, ann.deadline_s - self.close_margin_s - elapsed)
         selected = frozenset(ann.selected) if isinstance(ann.selected, tuple) else None
-        # asked, and here
         online = [d for d in self.registry.online_devices() if selected is None or d in selected]
         expected = self.expected_devices or len(online) or MAX_PARTIAL_UPDATES
         rnd = Round(ann.round, ann.base_version, self.shape, deadline_s, expected, selected)

@@ -145,8 +145,7 @@ def log_entry(
         epsilon=None if math.isnan(rec.epsilon) else rec.epsilon,
         delta=None if math.isnan(rec.delta) else rec.delta,
     )
-    if isinstance(coord, RootCoordinator):  # since the start of this process
-        # update_bytes_mean is kept (same key as a flat run); at the root it is this
+    if isinstance(coord, RootCoordinator):  # since the start of this process (and update_bytes_mean kept)
         entry["partial_bytes_mean"] = rec.update_bytes_mean
         entry["partials"] = coord.partials_received
         entry["partial_bytes"] = coord.partial_bytes
