@@ -123,9 +123,8 @@ class PresenceTrust:
     """Which presences a coordinator believes: with the fleet's coordinator key, only signed, fresh ones.
 
     ``fleet``: bound by the signature; ``key``: the public half of ``security.signing_key_file`` (None:
-    every decodable presence is believed, the broker's ACL the only protection: ``docs/security.md``);
-    ``previous``: this state file's previous instance (gone). ``refused``: presences refused by
-    :meth:`refuse`, by reason (added to the coordinator's ``rejected`` once it runs).
+    every decodable presence is believed); ``previous``: this state file's previous instance (gone);
+    ``refused``: presences :meth:`refuse` counted, by reason.
     """
 
     def __init__(self, fleet: str, key: VerifyKey | None, previous: str | None = None) -> None:
@@ -305,10 +304,9 @@ class Lease:
     """The lease a running coordinator holds: its presence, heartbeat and last will.
 
     ``transport``: the coordinator's own (given :meth:`will` before it starts); ``topic``:
-    ``Topics.coordinator``; ``instance``: :func:`new_instance`; republished every heartbeat, and
-    after each connect also on ``holder_topic`` (retained, no will clears it). ``signing_key`` signs
-    every presence (give ``trust``, which decides which presences count, its public half); ``seen``: a
-    presence the probe found stale (a replay of it moves nothing).
+    ``Topics.coordinator``; ``instance``: :func:`new_instance`; republished every heartbeat, and after
+    each connect also on ``holder_topic`` (retained). ``signing_key`` signs every presence (``trust``,
+    which decides which presences count, gets its public half); ``seen``: a presence the probe found stale.
     """
 
     def __init__(
