@@ -50,6 +50,9 @@ SEEN_UPDATE_IDS = 4096
 EARLY_UPDATES_MAX = 4096
 """Updates held for the next round before it opens (see ``Intake._early``)."""
 
+CHUNK_SETS = 256
+"""Chunked messages in progress at once (one per sending device; the reassembler's bytes bound them too)."""
+
 _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RoundRecord))
 """A :class:`RoundRecord`'s fields in order: a state file's history row (no deep copy, as ``astuple``)."""
 
@@ -113,7 +116,8 @@ class Intake:
         device_keys = opts.get("device_keys")
         self.device_keys = dict(device_keys) if device_keys is not None else None
         self.max_packet_bytes = max_packet_bytes = opts.get("max_packet_bytes", 256 * 1024)
-        self.reassembler = Reassembler(
+        self.reassembler = Reassembler(  # devices send at once: a set for each (its topic is its key)
+            max_sets=CHUNK_SETS,
             max_message_bytes=self.limits.max_message_bytes,
             max_chunk_bytes=max_packet_bytes,
             max_total_bytes=2 * self.limits.max_message_bytes,
