@@ -152,7 +152,6 @@ class Intake:
         self._resume: dict[str, Any] | None = None  # the open round of the state file, until re-opened
         # update id -> (topic, payload) held in _early or _held: acknowledged, so in the state file
         self._unfolded: dict[str, tuple[str, bytes]] = {}
-        # the history as the state file keeps it, rebuilt only when a round is recorded
         self._history_doc: tuple[list[RoundRecord], list[list[Any]]] = ([], [])  # records, their rows
         self._round_lr = math.nan  # the client learning rate the open round announced
         self.state_loaded = False  # load_state found a state file
@@ -165,10 +164,8 @@ class Intake:
     async def pump(self) -> None:
         """Consume incoming messages forever (each handler is guarded), committing what they changed.
 
-        With a state file and the transport's ``ack_on_commit``, a message that changed the round is
-        acknowledged (``MqttTransport.commit``) only once the state file holds it: written when the
-        queue is drained or every ``PERSIST_EVERY`` messages. Messages that changed nothing are
-        acknowledged at once. Yields to the loop every 32 messages under a flood.
+        With a state file, a message that changed the round is acknowledged (``MqttTransport.commit``)
+        once the file holds it (written when the queue is drained or every ``PERSIST_EVERY`` messages).
         """
         handled = 0
         while True:
@@ -494,11 +491,7 @@ class Intake:
         write_record(path, cbor2.dumps(doc))
 
     def _history_rows(self) -> list[list[Any]]:
-        """The round history as the state file's rows, cached: a record's row is built once, when it is added.
-
-        The history only grows at its end and is trimmed at its front (any other change builds every row
-        again): a round then makes one row, not a new row for each of the records kept.
-        """
+        """The history's state-file rows, cached: a row is built once, as the history grows at its end."""
         history = self.state.history
         records, rows = self._history_doc
         if len(records) == len(history) and all(a is b for a, b in zip(records, history, strict=True)):

@@ -227,9 +227,8 @@ class DeviceRegistry:
     def online_devices(self) -> list[str]:
         """The ready devices (sorted): up, ready, on this backbone, and with labelled samples to train on.
 
-        A device whose status reports an empty store (``store_samples`` = 0) is not ready: it would only
-        decline the round (``no_samples``), so no round waits for it, opens for it or counts it among
-        the devices asked ("N of M" on the page, in the log and in the round log alike).
+        A device reporting an empty store (``store_samples`` = 0) would only decline (``no_samples``): no
+        round waits for it, opens for it or counts it among the devices asked.
         """
         return sorted(
             d
