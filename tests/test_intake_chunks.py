@@ -87,5 +87,5 @@ def test_hostile_chunk_flood_from_one_device_never_evicts_another_devices_update
     assert "round 1/1: 1/1 clients" in done.stdout, done.stdout
     evictions = [line for line in done.stderr.splitlines() if "evicted" in line]
     assert not any("update/dev-1" in line for line in evictions), evictions[:5]
-    # the flood's own sets make room for each other, and say so in at most ~20 lines, not one each
-    assert 0 < len(evictions) <= 25, len(evictions)
+    # the flood's own sets make room for each other, and say so in 20 lines, then one every 1000th
+    assert 0 < len(evictions) <= 20 + flood.sent // 1000, (len(evictions), flood.sent)
