@@ -246,7 +246,7 @@ def test_reassembler_bounded_sets_and_bytes() -> None:
         Reassembler(max_total_bytes=10, max_message_bytes=11)
 
 
-def test_reassembler_a_senders_new_sets_evict_its_own_then_the_largest_holders() -> None:
+def test_hostile_reassembler_a_senders_new_sets_evict_its_own_then_the_largest_holders() -> None:
     """One key's stream of new sets never evicts another key's message in progress."""
     r = Reassembler(max_sets=3, max_total_bytes=8 << 20, max_message_bytes=4 << 20, max_chunk_bytes=300)
     honest = split_message(b"h" * 1000, "t", 250, msg_id="h")
