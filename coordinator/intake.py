@@ -48,7 +48,10 @@ SEEN_UPDATE_IDS = 4096
 """Accepted update and decline ids remembered across rounds, in a fixed 32 KiB ring of 64-bit hashes."""
 
 EARLY_UPDATES_MAX = 4096
-"""Updates held for the next round before it opens (see ``Intake._early``)."""
+"""Updates held for the next round before it opens, one per device (see ``Intake._early``)."""
+
+CHUNK_SETS = 256
+"""Chunked messages in progress at once (one per sending device; the reassembler's bytes bound them too)."""
 
 _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RoundRecord))
 """A :class:`RoundRecord`'s fields in order: a state file's history row (no deep copy, as ``astuple``)."""
@@ -113,7 +116,8 @@ class Intake:
         device_keys = opts.get("device_keys")
         self.device_keys = dict(device_keys) if device_keys is not None else None
         self.max_packet_bytes = max_packet_bytes = opts.get("max_packet_bytes", 256 * 1024)
-        self.reassembler = Reassembler(
+        self.reassembler = Reassembler(  # devices send at once: a set for each (its topic is its key)
+            max_sets=CHUNK_SETS,
             max_message_bytes=self.limits.max_message_bytes,
             max_chunk_bytes=max_packet_bytes,
             max_total_bytes=2 * self.limits.max_message_bytes,
@@ -121,7 +125,7 @@ class Intake:
         self.state_path: Path | None = None  # set to persist state before each new global head
         self.counted: dict[int, list[str]] = {}  # round → update_ids aggregated (audit, chaos test)
         # updates for the next round before it opens (after a restart, devices answer the retained
-        # announcement of a round whose close was not saved); bounded, offered at its opening
+        # announcement of a round whose close was not saved); one per device, bounded, offered at its opening
         self._early: dict[str, tuple[Update, int]] = {}
         self.state = CoordinatorState()
         self.registry = DeviceRegistry(
@@ -291,7 +295,13 @@ class Intake:
         rnd = self.state.current
         if rnd is None or (rnd.check_round and rnd.phase is not RoundPhase.OPEN):
             if update.round == self.state.round + 1 and len(self._early) < EARLY_UPDATES_MAX:
-                self._early[update.update_id] = (update, len(payload))
+                held = self._early.get(device)
+                if held is not None and held[0].update_id != update.update_id:
+                    # a device answers a round once: others (each base version is another id) would
+                    # let one device fill the coordinator's memory and state file
+                    why = f"{device} already has update {held[0].update_id} held for round {update.round}"
+                    raise UpdateRejected("duplicate", why)
+                self._early[device] = (update, len(payload))
                 self._unfolded[update.update_id] = (msg.topic, msg.payload)
                 self._dirty = True
                 logger.info("round %d: update from %s held until the round opens", update.round, device)

@@ -29,6 +29,9 @@ TAIL_BYTES_MAX: Final = 4 << 20
 
 _BLOCK: Final = 64 << 10
 
+REASON_KEYS: Final = ("refused", "declined", "silent", "silent_devices")
+"""A round's reasons, kept in memory only by the process that closed it (the round log has them)."""
+
 #: A log line's keys the page reads, copied as they are (``docs/operations.md``, "The round log").
 PAGE_KEYS: Final = (
     "round",
@@ -46,6 +49,8 @@ PAGE_KEYS: Final = (
     "round_refused",
     "refused",
     "declined",
+    "silent",
+    "silent_devices",
     "clipped",
     "epsilon",
     "delta",
@@ -189,6 +194,15 @@ class RoundArchive:
     def _join(older: list[dict[str, Any]], recent: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         first = recent[0].get("round") if recent else None
         if isinstance(first, int):
+            # the rounds before this process's start are in memory without their refusals, declines
+            # and silent devices (the state file does not keep them): the log's line has them
+            logged = {e["round"]: e for e in older if e["round"] >= first}
+            recent = [
+                {**{k: logged[r["round"]][k] for k in REASON_KEYS if k in logged[r["round"]]}, **r}
+                if "refused" not in r and r.get("round") in logged
+                else r
+                for r in recent
+            ]
             older = [e for e in older if e["round"] < first]
         return _increasing([*older, *recent])
 

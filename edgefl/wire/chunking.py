@@ -224,8 +224,10 @@ class Reassembler:
     """Collects chunks into whole messages, with bounded memory and expiry.
 
     At most ``max_sets`` partial messages reserving at most ``max_total_bytes`` (>= ``max_message_bytes``;
-    :data:`CHUNK_ENTRY_BYTES` a chunk beside the data) are held: a new set evicts the least recently
-    active ones. ``max_message_bytes``/``max_chunk_bytes`` bound what is accepted; a set with no chunk for
+    :data:`CHUNK_ENTRY_BYTES` a chunk beside the data) are held. A new set makes room from its own
+    key's (sender's) older sets first, then from the key reserving the most bytes (its least recently
+    active set), so one sender's stream of new sets never evicts another sender's message in progress.
+    ``max_message_bytes``/``max_chunk_bytes`` bound what is accepted; a set with no chunk for
     ``expiry_s`` seconds (``clock``: monotonic) is abandoned. ValueError for an invalid bound.
     """
 
@@ -281,15 +283,29 @@ class Reassembler:
             )
         return len(stale)
 
-    def _evict_for(self, size: int) -> None:
-        while self._sets and (
-            len(self._sets) >= self.max_sets or self.reserved_bytes + size > self.max_total_bytes
-        ):
-            k, s = self._sets.popitem(last=False)
+    def _evict_for(self, key: str, size: int) -> None:
+        def full() -> bool:
+            return len(self._sets) >= self.max_sets or self.reserved_bytes + size > self.max_total_bytes
+
+        while self._sets and full():
+            own = next((k for k in self._sets if k[0] == key), None)  # least recently active first
+            if own is None:
+                held: dict[str, int] = {}
+                for (sender, _), s in self._sets.items():
+                    held[sender] = held.get(sender, 0) + s.reserved
+                top = max(held.values())
+                own = next(k for k in self._sets if held[k[0]] == top)
+            s = self._sets.pop(own)
             self.evicted_total += 1
-            logger.warning(
-                "chunk set %s on %s evicted (%d of %d chunks) to make room", k[1], k[0], len(s.parts), s.count
-            )
+            if self.evicted_total <= 20 or self.evicted_total % 1000 == 0:
+                logger.warning(
+                    "chunk set %s on %s evicted (%d of %d chunks) to make room (%d evicted so far)",
+                    own[1],
+                    own[0],
+                    len(s.parts),
+                    s.count,
+                    self.evicted_total,
+                )
 
     def feed(self, key: str, payload: bytes) -> bytes | None:
         """Add one chunk from ``key`` (sets of different keys never mix); the whole message once complete.
@@ -313,7 +329,7 @@ class Reassembler:
                     f"chunk set {c.id}: {c.count} chunks of {c.size} bytes in all would hold "
                     f"{s.reserved} bytes > {self.max_total_bytes}",
                 )
-            self._evict_for(s.reserved)
+            self._evict_for(key, s.reserved)
             self._sets[k] = s
         elif (s.count, s.size, s.sha256) != (c.count, c.size, c.sha256):
             raise DecodeError(
