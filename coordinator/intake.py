@@ -336,6 +336,7 @@ class Intake:
         self.state.declined[decline.reason] += 1
         self.registry.count_by_device(self.registry.declined_by_device, device, decline.reason)
         rnd.declined.append(device)
+        self.registry.heard(device)  # it answered: later rounds wait for it again
         if decline.reason == Reason.NO_SAMPLES:
             rnd.empty.append(device)  # nothing to train on: not among the devices the round asked
         self._dirty = True
