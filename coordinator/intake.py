@@ -292,6 +292,9 @@ class Intake:
         if update.device != device:
             raise UpdateRejected("wrong_device", f"update names device {update.device} on {msg.topic}")
         check_update_id(update.update_id, device, update.round, update.base_version)
+        if update.round >= self.state.round - 1:
+            # its own update for this round or the last, even one too late to count: rounds wait for it
+            self.registry.heard(device)
         rnd = self.state.current
         if rnd is None or (rnd.check_round and rnd.phase is not RoundPhase.OPEN):
             if update.round == self.state.round + 1 and len(self._early) < EARLY_UPDATES_MAX:

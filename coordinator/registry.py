@@ -241,7 +241,11 @@ class DeviceRegistry:
                 self.unanswered.setdefault(dev, round_no)
 
     def heard(self, device: str) -> None:
-        """``device`` answered a round (an update counted, or a decline): rounds wait for it again."""
+        """``device`` answered: rounds wait for it again.
+
+        An update counted, a decline, or its own update for the open or last round even too late to
+        count (a slow gateway back from a restart); never a status, which anyone with its account sends.
+        """
         self.unanswered.pop(device, None)
 
     def waited_devices(self) -> list[str]:
