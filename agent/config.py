@@ -10,6 +10,7 @@ never appear in a ``repr``, an error message or :func:`profile_to_dict`.
 from __future__ import annotations
 
 import logging
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -34,15 +35,10 @@ logger = logging.getLogger(__name__)
 class DeviceConfig:
     """``[device]``: who this agent is and where it keeps its state.
 
-    Parameters
-    ----------
-    id : str
-        Device id, ``^[A-Za-z0-9_.-]{1,64}$``; one MQTT topic level (``status/<id>``). Required.
-    fleet : str
-        Fleet name, same pattern; topics live under ``<topic_prefix>/<fleet>/``.
-    state_dir : Path
-        Directory for the embedding store, outbox and heads (absolute after loading); unset,
-        ``state/<id>`` next to the profile, so devices sharing a profile never share a folder.
+    ``id`` (required) ``^[A-Za-z0-9_.-]{1,64}$``, one MQTT topic level (``status/<id>``); ``fleet`` the
+    same pattern, topics live under ``<topic_prefix>/<fleet>/``; ``state_dir`` the folder of the
+    embedding store, outbox and heads (absolute after loading), unset ``state/<id>`` next to the
+    profile, so devices sharing a profile never share a folder.
     """
 
     id: str
@@ -54,14 +50,10 @@ class DeviceConfig:
 class AgentBrokerConfig(BrokerConfig):
     """``[broker]`` of a device profile: the shared MQTT keys and the agent's persistent session.
 
-    The shared keys: :class:`~edgefl.profiles.BrokerConfig`.
-
-    Parameters
-    ----------
-    session_expiry_s : int
-        Seconds the broker keeps the agent's MQTT session (its subscriptions and the QoS 1 messages
-        queued for them) while the agent is away, 0..4294967295 (never expires); 0: a clean session at
-        every connect (MQTT 5.0 §3.1.2.11; ``docs/operations.md``).
+    Shared keys: :class:`~edgefl.profiles.BrokerConfig`. ``session_expiry_s``: seconds the broker keeps
+    the agent's MQTT session (its subscriptions and the QoS 1 messages queued for them) while the agent
+    is away, 0..4294967295 (never expires); 0: a clean session at every connect (MQTT 5.0 §3.1.2.11;
+    ``docs/operations.md``).
     """
 
     session_expiry_s: int = 3600
@@ -71,18 +63,11 @@ class AgentBrokerConfig(BrokerConfig):
 class ModelConfig:
     """``[model]``: the frozen TFLite backbone.
 
-    Parameters
-    ----------
-    path : Path
-        The ``.tflite`` file (absolute after loading). Required.
-    embedding_tensor : str or None
-        Name of the tensor read as the embedding; None means the input of the last FULLY_CONNECTED op.
-    num_threads : int
-        Interpreter threads, > 0.
-    runtime : {"auto", "litert", "tflite"}
-        Which interpreter package to use; ``auto`` tries ``ai-edge-litert`` then ``tflite-runtime``.
-    sha256 : str or None
-        Expected SHA-256 of the file (64 lowercase hex digits); checked at load when files are checked.
+    ``path`` (required) the ``.tflite`` file (absolute after loading); ``embedding_tensor`` the tensor
+    read as the embedding, None: the input of the last FULLY_CONNECTED op; ``num_threads`` interpreter
+    threads, > 0; ``runtime`` the interpreter package, ``auto`` tries ``ai-edge-litert`` then
+    ``tflite-runtime``; ``sha256`` the file's expected SHA-256 (64 hex digits), checked at load when
+    files are checked.
     """
 
     path: Path
@@ -96,16 +81,9 @@ class ModelConfig:
 class PipelineConfig:
     """``[pipeline]``: raw samples to model input, ``(raw - mean) / std`` per channel, then quantised.
 
-    Parameters
-    ----------
-    mode : {"fused", "unfused", "auto"}
-        ``auto`` lets ``edgefl profile`` pick the faster path per model.
-    batch : int
-        Samples per interpreter invocation, > 0.
-    raw_dtype : {"uint8", "int16", "float32"}
-        dtype of the raw samples handed to the pipeline.
-    mean, std : tuple[float, ...]
-        Per-channel normalisation, same length, finite, ``std > 0``; length 1 broadcasts.
+    ``mode`` ``auto`` lets ``edgefl profile`` pick the faster path per model; ``batch`` samples per
+    interpreter invocation, > 0; ``raw_dtype`` the raw samples' dtype; ``mean``, ``std`` per-channel
+    normalisation, same length, finite, ``std > 0``, length 1 broadcasts.
     """
 
     mode: Literal["fused", "unfused", "auto"] = "fused"
@@ -117,16 +95,11 @@ class PipelineConfig:
 
 @dataclass(frozen=True, slots=True)
 class MemoryConfig:
-    """``[memory]``: the RAM slice the agent may use.
+    """``[memory]``: the RAM slice the agent may use, in MiB.
 
-    Parameters
-    ----------
-    cap_mb : int
-        The cap in MiB (the governor also honours a lower cgroup ``memory.max``), > ``reserve_mb``.
-    reserve_mb : int
-        Headroom in MiB kept free under the cap for allocations the governor does not estimate, > 0.
-    min_system_available_mb : int
-        Defer training while the system's MemAvailable is below this (MiB), >= 0; 0 disables.
+    ``cap_mb`` the cap (a lower cgroup ``memory.max`` wins), > ``reserve_mb``; ``reserve_mb`` headroom
+    kept free under the cap for allocations the governor does not estimate, > 0;
+    ``min_system_available_mb`` defer training while the system's MemAvailable is below it, >= 0 (0: off).
     """
 
     cap_mb: int = 96
@@ -138,30 +111,15 @@ class MemoryConfig:
 class TrainingConfig:
     """``[training]``: the embedding store and local training of the head.
 
-    Parameters
-    ----------
-    store_capacity : int
-        Embeddings kept in the ring store, > 0.
-    chunk_size : int
-        Embeddings per training chunk at full budget, > 0.
-    chunk_floor : int
-        Smallest chunk the governor may shrink to before deferring training, 0 < floor <= chunk_size.
-    clip_norm : float or None
-        L2 clipping norm of the update delta, > 0; None disables clipping.
-    seed : int
-        Seed of the local shuffling RNG, >= 0.
-    holdout_every : int
-        Every n-th labelled sample is kept out of training in a holdout store (capacity
-        ``store_capacity // n``, at least 16) on which each new global head is evaluated; 0 disables.
-        0 or >= 2.
-    min_examples : int
-        Fewest labelled examples the store must hold for the device to train a round, >= 1; with
-        fewer the round is declined (``too_few_examples``; ``no_samples`` at once when it holds none).
-    flush_interval_s : float
-        Longest time, in seconds, a stored sample waits before the store is flushed (it then
-        survives a power cut), > 0.
-    flush_every : int
-        Unflushed samples that trigger a flush at once, >= 1 (whichever of the two comes first).
+    ``store_capacity`` embeddings kept in the ring store, > 0; ``chunk_size`` embeddings per training
+    chunk at full budget, > 0; ``chunk_floor`` the smallest chunk the governor may shrink to before
+    deferring training, 0 < floor <= chunk_size; ``clip_norm`` L2 clipping norm of the update delta,
+    > 0 (None: no clipping); ``seed`` of the local shuffles, >= 0; ``holdout_every`` 0 (off) or n >= 2:
+    every n-th labelled sample goes to a holdout store (capacity ``store_capacity // n``, at least 16)
+    on which each new global head is evaluated; ``min_examples`` >= 1, fewest labelled examples stored
+    to train a round, else it is declined (``too_few_examples``; ``no_samples`` at once with none);
+    a stored sample waits at most ``flush_interval_s`` seconds (> 0) or ``flush_every`` (>= 1) more
+    samples before the store is flushed (it then survives a power cut).
     """
 
     store_capacity: int = 4096
@@ -179,19 +137,11 @@ class TrainingConfig:
 class PersonalConfig:
     """``[personal]``: the device's personal head, trained beside the global one (``agent/personal.py``).
 
-    Parameters
-    ----------
-    enabled : bool
-        Train and serve a personal head.
-    prox_lambda : float
-        Ditto's proximal coefficient lambda (pull toward the global head), 0..1000; 0: no pull.
-    epochs : int
-        Passes over the store per round, 0..100; 0 = the round's ``local_epochs``.
-    lr_scale : float
-        The personal step's SGD learning rate as a multiple of the round's ``lr``, > 0 and <= 10.
-    absent_alpha : float
-        FedRS's alpha, 0..1: the factor on the logits of the classes this device never had a label
-        for (0: a constant 0 logit; 1: plain softmax).
+    ``enabled`` train and serve it; ``prox_lambda`` Ditto's lambda (pull toward the global head),
+    0..1000, 0: no pull; ``epochs`` passes over the store per round, 0..100, 0: the round's
+    ``local_epochs``; ``lr_scale`` its SGD learning rate as a multiple of the round's ``lr``, (0, 10];
+    ``absent_alpha`` FedRS's alpha, 0..1, the factor on the logits of the classes this device never
+    had a label for (0: a constant 0 logit; 1: plain softmax).
 
     Source: Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through
     Personalization", ICML 2021; X.-C. Li, D.-C. Zhan, "FedRS: Federated Learning with Restricted
@@ -209,34 +159,18 @@ class PersonalConfig:
 class SourceConfig:
     """``[source]``: where local samples come from.
 
-    Parameters
-    ----------
-    kind : {"none", "replay", "mqtt"}
-        ``mqtt``: live ingest of Sample and Label messages, a Prediction published per sample
-        (``docs/protocol.md``, "Live ingest"); ``replay``: an ``.npz`` holding ``x`` (raw samples) and
-        ``y`` (labels); ``none``: only what the store already holds.
-    path : Path or None
-        The ``.npz`` file (absolute after loading); required when ``kind = "replay"``.
-    rate_hz : float
-        Replay: samples per second, >= 0; 0 means as fast as possible.
-    loop : bool
-        Replay: start again at the first sample after the last.
-    queue_max : int
-        MQTT: samples received and not yet classified, 1..65536; when full the oldest is dropped
-        (``ingest_dropped``).
-    queue_max_bytes : int
-        Payload bytes received and not yet handled, 65,536..67,108,864, every kind; at it the agent
-        stops reading the broker's socket until handling frees bytes (``docs/operations.md``).
-    pending_max : int
-        MQTT: classified samples kept for a late Label, 0..1,000,000; when full the oldest is
-        dropped (``pending_evicted``); 0 refuses every late label.
-    label_expiry_s : float
-        MQTT: seconds a classified sample waits for its late Label, (0, 86400]; then it is dropped
-        (``pending_expired``) and a Label for it is refused (``unknown_sample``).
-    samples_qos : int
-        MQTT: QoS of the subscriptions to ``samples/<device>`` (0 or 1; labels are always 1).
-    predictions_qos : int
-        MQTT: QoS of the Prediction publishes, 0 or 1.
+    ``kind``: ``mqtt`` live ingest of Sample and Label messages, a Prediction published per sample
+    (``docs/protocol.md``, "Live ingest"); ``replay`` the ``.npz`` at ``path`` (required; absolute
+    after loading) holding ``x`` (raw samples) and ``y`` (labels), ``rate_hz`` samples a second (>= 0;
+    0: as fast as possible), from the first again after the last if ``loop``; ``none`` only what the
+    store already holds. ``queue_max_bytes`` (every kind) payload bytes received and not yet handled,
+    65,536..67,108,864: at it the agent stops reading the broker's socket until handling frees bytes
+    (``docs/operations.md``). MQTT: ``queue_max`` samples not yet classified, 1..65536, the oldest
+    dropped when full (``ingest_dropped``); ``pending_max`` classified samples kept for a late Label,
+    0..1,000,000, the oldest dropped when full (``pending_evicted``), 0 refuses every late label;
+    ``label_expiry_s`` seconds one waits for its Label, (0, 86400], then it is dropped
+    (``pending_expired``) and its Label refused (``unknown_sample``); ``samples_qos`` of the
+    subscriptions to ``samples/<device>`` (0 or 1; labels always 1); ``predictions_qos`` 0 or 1.
     """
 
     kind: Literal["none", "replay", "mqtt"] = "none"
@@ -255,17 +189,12 @@ class SourceConfig:
 class SecurityConfig:
     """``[security]``: message signatures (Ed25519) and the persistent outbox.
 
-    Parameters
-    ----------
-    signing_key_file : Path or None
-        This device's Ed25519 private key (64 hex digits or PEM); its updates are signed with it.
-    coordinator_public_key : str or None
-        The coordinator's Ed25519 public key (64 hex digits or PEM); when set, every GlobalModel and
-        RoundAnnouncement must carry a valid signature by it (``docs/security.md``).
-    require_signatures : bool
-        Refuse unsigned messages; needs ``coordinator_public_key`` (which implies it).
-    outbox_max_bytes : int
-        Bound of the persistent outbox of unacknowledged updates, in bytes (> 0).
+    ``signing_key_file`` this device's private key (64 hex digits or PEM), its updates signed with it;
+    ``coordinator_public_key`` (64 hex digits or PEM): when set, every GlobalModel and
+    RoundAnnouncement must carry a valid signature by it (``docs/security.md``);
+    ``require_signatures`` refuse unsigned messages, needs (and is implied by)
+    ``coordinator_public_key``; ``outbox_max_bytes`` bound of the persistent outbox of unacknowledged
+    updates, > 0.
     """
 
     signing_key_file: Path | None = None
@@ -276,15 +205,11 @@ class SecurityConfig:
 
 @dataclass(frozen=True, slots=True)
 class StatusConfig:
-    """``[status]``: the retained status message.
+    """``[status]``: the retained status message, in seconds.
 
-    Parameters
-    ----------
-    interval_s : float
-        How often the status is checked, seconds, 0.05..3600; news publishes at once, a change of
-        the moving figures alone waits for the heartbeat (``edgefl.agent.status``).
-    heartbeat_s : float or None
-        Longest time between two status publishes, seconds, interval_s..86400; unset: interval_s.
+    ``interval_s`` how often it is checked, 0.05..3600: news publishes at once, a change of the moving
+    figures alone waits for the heartbeat (``edgefl.agent.status``); ``heartbeat_s`` the longest time
+    between two publishes, interval_s..86400 (unset: interval_s).
     """
 
     interval_s: float = 2.0
@@ -293,14 +218,9 @@ class StatusConfig:
 
 @dataclass(frozen=True, slots=True)
 class Profile:
-    """A whole device profile.
+    """A whole device profile: one value object per TOML table.
 
-    Parameters
-    ----------
-    path : Path
-        The profile file (absolute), or ``Path("<inline>")`` when parsed from a mapping without one.
-    device, model, pipeline, broker, memory, training, source, dashboard, security, status, personal
-        One value object per TOML table.
+    ``path``: the profile file (absolute), or ``Path("<inline>")`` when parsed from a mapping without one.
     """
 
     path: Path
@@ -410,8 +330,6 @@ def _check_training(p: Problems, c: TrainingConfig, raw: Mapping[str, object], c
 
 def _npz_problem(path: Path) -> str | None:
     """Return why ``path`` is not an ``.npz`` holding arrays ``x`` and ``y``, or None."""
-    import zipfile  # here: an agent fed over MQTT never needs it (0.3 MiB of RSS)
-
     try:
         with zipfile.ZipFile(path) as archive:
             names = set(archive.namelist())
@@ -425,9 +343,7 @@ def _npz_problem(path: Path) -> str | None:
 
 def _check_broker(p: Problems, c: AgentBrokerConfig, raw: Mapping[str, object], check_files: bool) -> None:
     profiles.check_broker(p, c, raw, check_files)
-    s = c.session_expiry_s
-    if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= MQTT_MAX_SESSION_EXPIRY_S:
-        p.add("broker.session_expiry_s", s, f"must be an integer between 0 and {MQTT_MAX_SESSION_EXPIRY_S}")
+    p.between("broker.session_expiry_s", c.session_expiry_s, 0, MQTT_MAX_SESSION_EXPIRY_S, " seconds")
 
 
 def _check_source(p: Problems, c: SourceConfig, raw: Mapping[str, object], check_files: bool) -> None:
@@ -535,26 +451,13 @@ def parse_profile(
     check_files: bool = True,
     overrides: Mapping[str, object] | None = None,
 ) -> Profile:
-    """Build and validate a profile from an already-parsed TOML mapping.
+    """Build and validate a profile (paths absolute) from an already-parsed TOML mapping.
 
-    Parameters
-    ----------
-    data : Mapping[str, object]
-        ``{table: {key: value}}`` as ``tomllib`` returns it.
-    base_dir : Path
-        Directory that relative paths resolve against (normally the profile file's directory).
-    path : Path or None
-        The profile file, recorded in :attr:`Profile.path`; ``Path("<inline>")`` when None.
-    check_files : bool
-        Check that ``model.path``, the TLS files and a replay ``source.path`` exist (and that
-        ``model.sha256`` matches); False for profiles written for another machine.
-    overrides : Mapping[str, object] or None
-        As :func:`load_profile`'s.
-
-    Returns
-    -------
-    Profile
-        The validated profile, paths absolute.
+    ``data``: ``{table: {key: value}}`` as ``tomllib`` returns it, its relative paths resolving
+    against ``base_dir`` (normally the profile file's folder); ``path`` is recorded in
+    :attr:`Profile.path`; ``check_files`` checks that ``model.path``, the TLS files and a replay
+    ``source.path`` exist (and that ``model.sha256`` matches), False for profiles written for another
+    machine; ``overrides`` as :func:`load_profile`'s.
 
     Raises
     ------
@@ -579,21 +482,11 @@ def load_profile(
 ) -> Profile:
     """Read a TOML profile, apply overrides, and validate it.
 
-    Parameters
-    ----------
-    path : Path or str
-        The ``.toml`` profile; relative paths inside it resolve against its directory.
-    overrides : Mapping[str, object] or None
-        Dotted keys set on top of the file before validation, e.g. ``{"device.id": "dev-2"}``.
-        String values (from ``--set key=value``) are coerced to the field's type (``"0.5,0.5"`` to a
-        tuple of floats, ``""`` to None); a relative path resolves against the working directory.
-    check_files : bool
-        See :func:`parse_profile`.
-
-    Returns
-    -------
-    Profile
-        The validated profile.
+    ``path``: the ``.toml`` profile (relative paths inside it resolve against its folder);
+    ``overrides``: dotted keys set on top of the file before validation, e.g. ``{"device.id":
+    "dev-2"}``, string values (from ``--set key=value``) coerced to the field's type (``"0.5,0.5"`` to
+    a tuple of floats, ``""`` to None), a relative path resolving against the working directory;
+    ``check_files`` as :func:`parse_profile`'s.
 
     Raises
     ------
@@ -609,18 +502,9 @@ def load_profile(
 
 
 def profile_to_dict(p: Profile) -> dict[str, object]:
-    """Render a profile as ``{table: {key: value}}`` for display, secrets masked.
+    """Render a profile as JSON-serialisable ``{table: {key: value}}``, tables in file order.
 
     Paths become strings, tuples lists, a set secret ``"***"``; without None values and with real
     secrets the result parses back to an equal profile.
-
-    Parameters
-    ----------
-    p : Profile
-
-    Returns
-    -------
-    dict[str, object]
-        JSON-serialisable; the keys are the table names in file order.
     """
     return SCHEMA.to_dict(p)

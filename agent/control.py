@@ -1,10 +1,7 @@
 """The daemon's round task: round and global messages in, updates and declines out.
 
-One task answers rounds (:meth:`RoundTask.round_loop`): it takes round and global messages in order
-from the message pump, answers a round the core kept waiting once its head or samples arrived, retries
-a round the memory governor deferred, re-sends the outbox after a (re)connect, publishes what the core
-produced, and returns a round's freed heap to the kernel once no message came for
-:data:`IDLE_GRACE_S`. Other tasks only ask it (:meth:`~edgefl.agent.reporter.StatusReporter._wake_rounds`).
+One task answers rounds (:meth:`RoundTask.round_loop`); other tasks only ask it
+(:meth:`~edgefl.agent.reporter.StatusReporter._wake_rounds`).
 """
 
 from __future__ import annotations
@@ -56,12 +53,9 @@ class RoundTask(SampleSource):
     async def round_loop(self) -> None:
         """The round task: every round is answered here, in the order its messages and asks came.
 
-        Each pass: re-send the outbox if a (re)connect asked, answer the waiting round if samples
-        arrived for it, retry the deferred round after ``status.interval_s``, then handle one message
-        (:meth:`handle`). With nothing in hand: the personal step (when it did not train along), the
-        status check, and after :data:`IDLE_GRACE_S` the personal head's evaluation (unless the next
-        global head's did it), the writes left behind (``DeviceCore.persist_behind``) and, after a
-        trained round, ``malloc_trim``.
+        Each pass: re-send the outbox if asked, answer the waiting round, retry the deferred one, then
+        handle one message. Idle: the personal step, the status check, and after :data:`IDLE_GRACE_S`
+        the personal evaluation, the writes left behind and ``malloc_trim``.
         """
         while True:
             if self._control.empty() and not self._round_asks and not self._retry_due():
@@ -132,11 +126,10 @@ class RoundTask(SampleSource):
         return min(waits) if waits else None
 
     async def handle(self, msg: Message) -> None:
-        """Dispatch one round or global message: GlobalModel (whole or in chunks) or RoundAnnouncement.
+        """Dispatch one GlobalModel (whole or in chunks) or RoundAnnouncement; anything else is ``bad_topic``.
 
-        A round message behind which another one waits is skipped: only the newest announcement can
-        be open. Anything else is ``bad_topic``. A bad message is logged with topic, size and reason,
-        counted in ``rejected``, and dropped.
+        A round message behind which another waits is skipped. A bad message is logged with topic,
+        size and reason, counted in ``rejected``, and dropped.
         """
         what = f"message on {msg.topic} ({len(msg.payload)} bytes)"
         if msg.topic == self.topics.round:
@@ -162,9 +155,7 @@ class RoundTask(SampleSource):
                     self._changed()
                     await self.answer_ready()
                 else:
-                    # a redelivery counted (redelivered_total is news): say it now, not with the
-                    # next state change (it used to land in the next round's bytes)
-                    self._changed()
+                    self._changed()  # a redelivery counted (redelivered_total is news)
             elif topic == self.topics.round:
                 if newer_round:
                     # a persistent session's backlog after a restart, then the retained announcement:
@@ -177,9 +168,8 @@ class RoundTask(SampleSource):
         except DecodeError as exc:
             self._reject(exc.reason, what, exc.detail)
         except Exception as exc:
-            # last line of defence: whatever a message made us do failed; count it, keep running (the
-            # message was acknowledged when it reached the queue: a run of such messages never makes
-            # the daemon deaf)
+            # last line of defence: whatever a message made us do failed; count it, keep running (a
+            # run of such messages, acknowledged when queued, never makes the daemon deaf)
             more = self._count_rejected("failed")
             if more is not None:
                 logger.error("handling %s failed: %s: %s%s", what, type(exc).__name__, exc, more)
@@ -269,19 +259,17 @@ class RoundTask(SampleSource):
 
     async def retry_deferred(self) -> None:
         """Retry the core's deferred round (memory may have freed) or send its decline when time is up."""
-        now = time.monotonic()
-        if self.core.deferred is None or now < self._next_retry_at:
+        if not self._retry_due():
             return
-        self._next_retry_at = now + self.profile.status.interval_s  # a retry's own news is no reason
+        self._next_retry_at = time.monotonic() + self.profile.status.interval_s  # its own news is no reason
         result = await self._work(self.core.retry_deferred)
         if result is not None:
             await self.on_round(result)
 
     async def _send_update(self, update_id: str, payload: bytes, counted: bool = False) -> None:
-        """Publish an update (chunked above the packet limit), then drop it from the outbox.
+        """Publish an update (chunked), then drop it from the outbox; ``counted``: the attempt is counted.
 
-        ``counted``: the outbox already counted this attempt (else counted first). TransportError if a
-        chunk was not acknowledged: the update stays in the outbox for a re-send.
+        TransportError if a chunk was not acknowledged: the update stays in the outbox.
         """
         assert self.transport is not None
         topic = self.topics.update(self.device)
@@ -291,7 +279,7 @@ class RoundTask(SampleSource):
         with self.core.phase("publish"):
             for part in split_message(payload, topic, limit, msg_id=update_id.replace(":", "-")):
                 await self.transport.publish(topic, part, qos=1)
-        self._note_acknowledged(update_id)  # the core hears of it with the next worker call
+        self._acked.append(update_id)  # PUBACKed: the core hears of it with the next worker call
 
     async def resend_outbox(self) -> None:
         """After a (re)connect: send each unacknowledged update of the current round again, once."""

@@ -53,21 +53,12 @@ logger = logging.getLogger(__name__)
 class Classified:
     """What :meth:`DeviceCore.classify` produced for a batch of N samples.
 
-    Attributes
-    ----------
-    embeddings : float32 [N, D]
-    predictions : int64 [N]
-        Class index per sample.
-    version : int
-        The global head version that produced the predictions.
-    refused_labels : int
-        Samples :meth:`DeviceCore.observe` did not store: their label is outside ``0..K-1`` (``bad_label``).
-    refused_not_finite : int
-        Samples :meth:`DeviceCore.observe` did not store: their embedding is not finite (``not_finite``).
-    scores : float32 [N] or None
-        Probability of each predicted class (:meth:`Head.scores`: softmax, or the sigmoid for K = 1).
-    head : "personal" | "global"
-        Which head classified the batch (:meth:`DeviceCore.serving_head`).
+    ``embeddings`` float32 [N, D]; ``predictions`` int64 [N] class indices; ``version`` of the global
+    head that produced them; ``scores`` float32 [N], the probability of each predicted class
+    (:meth:`Head.scores`); ``head`` ``"personal"`` or ``"global"``, the one that classified
+    (:meth:`DeviceCore.serving_head`). :meth:`DeviceCore.observe` counts the samples it did not store:
+    ``refused_labels`` (label outside ``0..K-1``, ``bad_label``) and ``refused_not_finite``
+    (embedding not finite, ``not_finite``).
     """
 
     embeddings: F32
@@ -92,17 +83,9 @@ class ApplyStatus(StrEnum):
 class ApplyResult:
     """The outcome of one GlobalModel message.
 
-    Attributes
-    ----------
-    status : ApplyStatus
-    version : int
-        The message's head version (0 when it did not decode).
-    round : int
-        The round the head closed (0 when it did not decode).
-    reason : str
-        For REFUSED: ``wrong_model``, ``not_newer``, ``not_finite``, ``bad_shape``, ``unsigned``,
-        ``bad_signature``, another DecodeError reason, or ``failed`` (the head could not be persisted).
-    detail : str
+    ``version`` of the message's head and the ``round`` it closed (0 when it did not decode);
+    ``reason`` for REFUSED: ``wrong_model``, ``not_newer``, ``not_finite``, ``bad_shape``,
+    ``unsigned``, ``bad_signature``, another DecodeError reason, or ``failed`` (not persisted).
     """
 
     status: ApplyStatus
@@ -157,12 +140,9 @@ class DeviceCore(RoundAnswering):
         sha256 of the backbone ``.tflite`` (global heads for another model are refused).
     pipeline : Pipeline or None
         Preprocessing + interpreter; None for a core that only trains (:meth:`classify` raises).
-    governor : Governor or None
-        Admits and measures the phases; default one from ``profile.memory``.
-    state_dir : Path or None
-        Default ``profile.device.state_dir`` (created if missing).
-    store_capacity : int or None
-        Default ``profile.training.store_capacity``.
+    governor, state_dir, store_capacity : optional
+        Default: one from ``profile.memory``, ``profile.device.state_dir`` (created if missing),
+        ``profile.training.store_capacity``.
     phase : callable(str) -> context manager, optional
         Wraps each phase; default ``governor.phase`` (a replacement must call it itself).
     progress : callable(state, reason), optional
@@ -216,17 +196,11 @@ class DeviceCore(RoundAnswering):
         self.outbox = Outbox(self.state_dir / OUTBOX_FILE, sec.outbox_max_bytes)
         self.feedback = ErrorFeedback(self.head.shape, model_sha256)
         capacity = store_capacity if store_capacity is not None else profile.training.store_capacity
-        self.store = EmbeddingStore(
-            self.state_dir, capacity, self.head.shape[0], num_classes=self.head.shape[1]
-        )
+        D, K = self.head.shape
+        self.store = EmbeddingStore(self.state_dir, capacity, D, num_classes=K)
         every = profile.training.holdout_every
         self.holdout: EmbeddingStore | None = (
-            EmbeddingStore(
-                self.state_dir / "holdout",
-                holdout_capacity(capacity, every),
-                self.head.shape[0],
-                num_classes=self.head.shape[1],
-            )
+            EmbeddingStore(self.state_dir / "holdout", holdout_capacity(capacity, every), D, num_classes=K)
             if every
             else None
         )
@@ -236,7 +210,7 @@ class DeviceCore(RoundAnswering):
         self.evaluation: Evaluation | None = None
         self.personal: Head | None = None
         """The personal head (None until the first personal step; :meth:`personalise`)."""
-        self.personal_columns: np.ndarray = np.zeros(self.head.shape[1], dtype=bool)
+        self.personal_columns: np.ndarray = np.zeros(K, dtype=bool)
         """bool [K]: the classes this device has had a label for (the columns it personalises)."""
         self.personal_evaluation: Evaluation | None = None
         """The personal head's accuracy on the holdout (:meth:`evaluate`)."""
@@ -256,8 +230,7 @@ class DeviceCore(RoundAnswering):
         """State writes that failed (each logged; the device carries on, see :meth:`retry_persist`)."""
         self._unsaved: dict[str, Callable[[], object]] = {}  # what to write again once the disk has room
         self.write_behind = False
-        """Write the global head, the personal head and an acknowledged update's removal from the
-        outbox behind, in :meth:`persist_behind` (the daemon: off a round's path), not at once."""
+        """Write heads and acknowledgements behind, in :meth:`persist_behind` (off a round's path)."""
         self._behind: dict[str, Callable[[], object]] = {}  # writes left for persist_behind
         self._acks_behind = 0  # acknowledged updates still in the outbox record (written behind)
         self.behind_since: float | None = None
@@ -334,12 +307,7 @@ class DeviceCore(RoundAnswering):
 
     # --- classify ---------------------------------------------------------------------------------
     def classify(self, raw: np.ndarray) -> Classified:
-        """Embed and classify a batch of raw samples (phase ``inference``).
-
-        Parameters
-        ----------
-        raw : [N, *sample_shape], N >= 1
-            Raw samples (uint8 image / int16 window / float32 features).
+        """Embed and classify raw samples [N, *sample_shape], N >= 1 (phase ``inference``).
 
         Raises
         ------
@@ -363,10 +331,7 @@ class DeviceCore(RoundAnswering):
         return Classified(emb, classes, head.version, scores=scores, head=kind)
 
     def _admit_inference(self, pipeline: Pipeline, shapes: estimates.ModelShapes, n: int) -> int:
-        """Rows per invoke the governor grants for ``n`` samples (asked again once after freeing heap).
-
-        Raises ``BudgetExceeded`` when even one sample is over budget (nothing run).
-        """
+        """Rows per invoke granted for ``n`` samples (asked again after freeing heap; else BudgetExceeded)."""
         gov = self.governor
         cfg = self.profile.training
         # a grown arena stays: it must leave the smallest training run room under cap - reserve
@@ -405,23 +370,10 @@ class DeviceCore(RoundAnswering):
     def observe(self, raw: np.ndarray, labels: I64, labelled: np.ndarray | None = None) -> Classified:
         """Classify samples and keep the labelled ones' embeddings in the store (:meth:`keep`).
 
-        Parameters
-        ----------
-        raw : [N, *sample_shape]
-        labels : int64 [N]
-            Class per sample, ``0 <= label < K`` (0/1 for K = 1); ignored where ``labelled`` is False.
-        labelled : bool [N], optional
-            Which samples carry a label (live ingest: the others wait for a late label); default all.
-
-        Returns
-        -------
-        Classified
-            Of all N samples; ``refused_*`` count the labelled ones the store refused.
-
-        Raises
-        ------
-        ValueError
-            As :meth:`classify`, or labels not matching the samples.
+        ``raw`` [N, *sample_shape]; ``labels`` int64 [N], ``0 <= label < K`` (0/1 for K = 1), ignored
+        where ``labelled`` (bool [N], default all) is False (live ingest: those wait for a late
+        label). The result covers all N samples, ``refused_*`` counting the labelled ones the store
+        refused. Raises as :meth:`classify`, and ValueError for labels not matching the samples.
         """
         out = self.classify(raw)
         if labelled is None:
@@ -437,16 +389,9 @@ class DeviceCore(RoundAnswering):
     def keep(self, embeddings: F32, labels: I64) -> tuple[int, int]:
         """Keep labelled embeddings: every n-th in the holdout (``training.holdout_every``), others stored.
 
-        Parameters
-        ----------
-        embeddings : float32 [M, D]
-        labels : int64 [M]
-            ``0 <= label < K`` (0/1 for K = 1); others are refused by the store (``bad_label``).
-
-        Returns
-        -------
-        (refused_labels, refused_not_finite) : (int, int)
-            Samples not stored for their label, and for a non-finite embedding.
+        ``embeddings`` float32 [M, D], ``labels`` int64 [M] (``0 <= label < K``, 0/1 for K = 1; others
+        are refused, ``bad_label``). Returns ``(refused_labels, refused_not_finite)``: samples not
+        stored for their label, and for a non-finite embedding.
         """
         every = self.profile.training.holdout_every
         if len(labels):

@@ -1,9 +1,6 @@
 """The agent daemon's start-up and shutdown: the device core, its transport and tasks, signals.
 
-:class:`Agent` loads the device core (:class:`edgefl.agent.core.DeviceCore`), connects (last will
-first), subscribes (the round before the head), starts the status page it is handed and runs the
-tasks in one ``TaskGroup``; SIGTERM/SIGINT stop them in reverse order. Every call into the core runs
-on one worker thread, so the event loop never blocks.
+Every call into the core runs on one worker thread, so the event loop never blocks.
 """
 
 from __future__ import annotations
@@ -41,17 +38,8 @@ SUBSCRIPTIONS_FILE = "subscriptions.rec"
 class Agent(RoundTask):
     """One device agent: the device core, driven by MQTT and a sample source.
 
-    Parameters
-    ----------
-    profile : Profile
-        The validated device profile.
-    status_page : StatusPage or None
-        Started when ``dashboard.enabled`` (the CLI passes one built from ``edgefl.dashboard``).
-
-    Raises
-    ------
-    ModelError
-        If the model cannot be loaded.
+    ``status_page`` is started when ``dashboard.enabled``. Raises ``ModelError`` if the model cannot
+    be loaded.
     """
 
     def __init__(self, profile: Profile, status_page: StatusPage | None = None) -> None:
@@ -67,7 +55,7 @@ class Agent(RoundTask):
         self._round_asks = set()  # what other tasks asked the round task (_wake_rounds)
         self._acked = []  # PUBACKed updates the core is told of with the next worker call
         # the status may be checked now: no round or global message in hand, or a (re)connect's
-        # status is due (the broker may hold the "offline" will: it never waits for a round)
+        # status is due (never waits for a round)
         self._status_go = asyncio.Event()
         self._status_go.set()
         self.governor = self.core.governor
@@ -197,14 +185,8 @@ class Agent(RoundTask):
     async def auth_watch(self) -> None:
         """Report every refusal of our credentials or of the broker's certificate; give up after a run.
 
-        A run is ``broker.auth_retries`` refusals of one kind in a row.
-
-        Raises
-        ------
-        CredentialsRefused
-            Once the broker refused the credentials ``broker.auth_retries`` times in a row.
-        CertificateNotTrusted
-            Once the broker's TLS certificate failed verification ``broker.auth_retries`` times in a row.
+        Raises ``CredentialsRefused`` or ``CertificateNotTrusted`` once the broker refused the
+        credentials, or its certificate failed verification, ``broker.auth_retries`` times in a row.
         """
         t = self.transport
         assert t is not None
@@ -215,6 +197,7 @@ class Agent(RoundTask):
             self._changed()  # the page says "refused: ...", /healthz 503
             if t.certificate_refused:
                 n, said, why = t.tls_refusals, REFUSED_UNTRUSTED, t.last_tls_refusal
+                what = f": its certificate is not trusted ({why})"
                 if n >= limit:
                     raise CertificateNotTrusted(
                         f"broker {t.host}:{t.port}: its TLS certificate was not trusted {n} times in a row "
@@ -224,6 +207,7 @@ class Agent(RoundTask):
                     )
             elif t.credentials_refused:
                 n, said, why = t.auth_refusals, REFUSED_NOT_AUTHORIZED, str(t.last_refusal)
+                what = f" refused the credentials ({why})"
                 if n >= limit:
                     raise CredentialsRefused(
                         f"broker {t.host}:{t.port} refused the credentials {n} times in a row "
@@ -233,11 +217,6 @@ class Agent(RoundTask):
                     )
             else:
                 continue
-            what = (
-                f": its certificate is not trusted ({why})"
-                if said == REFUSED_UNTRUSTED
-                else f" refused the credentials ({why})"
-            )
             logger.error(
                 "%s: broker %s:%s%s, %d of broker.auth_retries = %d", said, t.host, t.port, what, n, limit
             )
@@ -258,8 +237,7 @@ class Agent(RoundTask):
             on_connect=self._on_transport_connect,
             tls_context=self.tls_context,
             max_packet_bytes=self.max_packet_bytes,
-            # a persistent session: what is published to our subscriptions while the agent restarts
-            # (samples, labels, rounds, heads: QoS 1) waits at the broker and comes when it is back
+            # a persistent session: what is published to us (QoS 1) while the agent restarts waits
             session_expiry_s=b.session_expiry_s,
             # what is received and not handled yet is bounded in bytes too (a flood of large messages)
             max_held_bytes=self.profile.source.queue_max_bytes,
@@ -284,13 +262,9 @@ class Agent(RoundTask):
                 stack.push_async_callback(self.status_page.stop)
                 logger.info("dashboard on %s", self.dashboard_url)
             heap.malloc_trim()  # start-up's freed heap (imports, model, page) back to the kernel
-            # (library pages stay mapped: released, they fault back in at the next interpreter call
-            # beyond what the governor saw, and a batch admitted on the lower RSS overran the cap)
-            # The round first: its retained announcement (signed: its base version is the rollback
-            # floor) reaches the core before any retained head, so a device without a head never
-            # applies one older than the fleet's current version (an old signed head replayed on
-            # "global"). The broker sends a subscription's retained messages after its SUBACK and
-            # handles SUBSCRIBEs in order; the transport renews subscriptions in this order too.
+            # The round first: its retained announcement (its base version is the rollback floor)
+            # reaches the core before any retained head, so a device without a head never applies
+            # an old signed head replayed on "global" (SUBSCRIBEs are handled, and renewed, in order).
             await self.transport.subscribe(self.topics.round, 1)
             # "global/#" matches "global" itself and the chunk topics "global/<i>" of a large head
             await self.transport.subscribe(self.topics.global_model + "/#", 1)

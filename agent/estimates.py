@@ -21,18 +21,10 @@ from edgefl.wire.compression import update_wire_bytes
 class ModelShapes:
     """What the memory estimates need to know about a model, per sample.
 
-    Attributes
-    ----------
-    sample_elems : int
-        Elements of one model input sample (e.g. 96*96*3).
-    input_itemsize : int
-        Bytes per input element (1 for int8/uint8, 4 for float32).
-    activation_bytes : int
-        Largest sum of intermediate tensors alive at once for one sample (the arena's lower bound).
-    embedding_dim, classes : int
-        D and K.
-    delegated : bool
-        The graph runs in XNNPACK, whose workspace is about the liveness bound (arena factor 1, not 2).
+    ``sample_elems`` elements of one input sample (e.g. 96*96*3); ``input_itemsize`` bytes per input
+    element (1 for int8/uint8, 4 for float32); ``activation_bytes`` the largest sum of intermediate
+    tensors alive at once for one sample (the arena's lower bound); ``embedding_dim``, ``classes`` D
+    and K; ``delegated`` the graph runs in XNNPACK, whose workspace is about the liveness bound.
     """
 
     sample_elems: int
@@ -41,11 +33,6 @@ class ModelShapes:
     embedding_dim: int
     classes: int
     delegated: bool = False
-
-    @property
-    def quantized_input(self) -> bool:
-        """Whether inputs are quantised (integer) rather than float32."""
-        return self.input_itemsize != 4
 
 
 def model_shapes(backbone: Any) -> ModelShapes:
@@ -62,10 +49,7 @@ def model_shapes(backbone: Any) -> ModelShapes:
 
     def nbytes(index: int) -> int:
         d = details[index]
-        n = 1
-        for dim in d["shape"]:
-            n *= max(1, int(dim))
-        return n * int(np.dtype(d["dtype"]).itemsize)
+        return math.prod(max(1, int(dim)) for dim in d["shape"]) * int(np.dtype(d["dtype"]).itemsize)
 
     activation = 0
     try:
@@ -88,9 +72,7 @@ def model_shapes(backbone: Any) -> ModelShapes:
             activation = max(activation, alive)
     except (AttributeError, KeyError, TypeError, ValueError):
         activation = sum(nbytes(int(d["index"])) for d in interp.get_output_details())
-    sample_elems = 1
-    for dim in backbone.input_shape[1:]:
-        sample_elems *= int(dim)
+    sample_elems = math.prod(int(dim) for dim in backbone.input_shape[1:])
     try:
         classes = int(backbone.head_from_model()[0].shape[1])
     except Exception:  # any model without a known head: use the output width
@@ -127,7 +109,7 @@ def estimate_batch_bytes(shapes: ModelShapes, batch: int, *, fused: bool = False
     elems = batch * shapes.sample_elems
     if fused:
         return shapes.sample_elems * 4  # one-sample float32 scratch
-    copies = 5 if shapes.quantized_input else 3
+    copies = 5 if shapes.input_itemsize != 4 else 3  # quantised (integer) inputs: 5
     return elems * (4 * copies + shapes.input_itemsize)
 
 
@@ -139,9 +121,7 @@ def estimate_inference_bytes(shapes: ModelShapes, batch: int, *, resident_batch:
     """
     grow = max(0, batch - resident_batch)
     factor = _DELEGATED_ARENA_FACTOR if shapes.delegated else _ARENA_FACTOR
-    arena = int(factor * shapes.activation_bytes * grow) + grow * shapes.sample_elems * (
-        shapes.input_itemsize
-    )
+    arena = int(factor * shapes.activation_bytes * grow) + grow * shapes.sample_elems * shapes.input_itemsize
     outputs = batch * (shapes.embedding_dim + shapes.classes) * (4 + 4 + 1)
     return arena + outputs
 
@@ -156,25 +136,15 @@ def estimate_train_bytes(
     first_run: bool = True,
     resident_rows: int = 0,
 ) -> int:
-    """Bytes ``edgefl.agent.trainer.train_local`` may add to RSS with a given chunk size.
+    """Bytes ``edgefl.agent.trainer.train_local`` may add to RSS with ``chunk`` samples per store read.
 
     Terms, each checked against a real run (``bench/memory.py``): the float32 chunk buffer the trainer
     reuses, the float16 gather it is read from, the labels and the chunk's slot order and shuffle; the
-    per-epoch permutation of ``num_examples``; the store's mapped pages not yet touched (file-backed,
-    reclaimable); and on the first run four ``[D, K]`` float32 heads alive at the peak (working copy,
-    gradient, delta, final head). Later rounds reuse the heap the previous round freed.
-
-    Parameters
-    ----------
-    chunk : int
-        Samples per chunk read from the store.
-    dim, classes, batch_size, num_examples : int
-        D, K, samples per SGD step, samples in the store.
-    first_run : bool
-        The process has not trained yet: count the four heads.
-    resident_rows : int
-        Stored samples whose pages this process already has mapped
-        (``EmbeddingStore.resident_rows``); 0 counts every one.
+    per-epoch permutation of ``num_examples`` (samples in the store); the store's pages not yet mapped
+    (file-backed, reclaimable; ``resident_rows``: stored samples already mapped,
+    ``EmbeddingStore.resident_rows``); and when ``first_run`` four ``[D, K]`` float32 heads alive at
+    the peak (working copy, gradient, delta, final head); later rounds reuse the heap the previous
+    round freed. ``dim``, ``classes``: D, K; ``batch_size``: samples per SGD step.
     """
     head_bytes = 4 * (dim * classes + classes) * 4 if first_run else 0
     return _store_read_bytes(chunk, dim, num_examples, resident_rows) + head_bytes
@@ -202,9 +172,7 @@ def estimate_personal_bytes(
     """Bytes ``edgefl.agent.trainer.train_personal`` may add to RSS with a given chunk size.
 
     Two ``[D, K]`` heads (the personal head and its gradient, new on every step), one SGD step's
-    temporaries, and the store read as in local training.
-
-    Parameters and return value as :func:`estimate_train_bytes` (no ``first_run``).
+    temporaries, and the store read as in local training; arguments as :func:`estimate_train_bytes`'s.
     """
     step_bytes = min(batch_size, chunk, max(1, num_examples)) * (dim * 4 + classes * 4 * 4)
     head_bytes = 2 * (dim * classes + classes) * 4
@@ -233,22 +201,12 @@ _NPY_READ_CHUNK_BYTES = 1 << 18  # numpy.lib.format.read_array's buffer when rea
 
 
 def npz_headers(path: Path | str) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
-    """Shape and dtype of every array of an ``.npz`` file, read from the headers only (no data).
-
-    Parameters
-    ----------
-    path : Path or str
-        An ``.npz`` written by ``numpy.savez`` / ``savez_compressed``.
-
-    Returns
-    -------
-    dict
-        Array name (``"x"``, ``"y"``...) → (shape, dtype).
+    """Array name (``"x"``, ``"y"``...) → (shape, dtype) of an ``.npz`` file, from the headers only.
 
     Raises
     ------
     ValueError
-        Not a zip of ``.npy`` members, or a header numpy cannot read (named in the message).
+        Not a zip of ``.npy`` members (``numpy.savez``), or a header numpy cannot read (named).
     OSError
         The file cannot be read.
 
@@ -279,12 +237,7 @@ def estimate_replay_bytes(path: Path | str) -> int:
     """Bytes loading a replay file (``source.path``: ``x`` samples, ``y`` labels) adds to RSS.
 
     Every array as loaded (through ``numpy.load``'s buffer of up to 256 KiB) plus the labels' int64
-    copy, computed from the headers alone (:func:`npz_headers`).
-
-    Raises
-    ------
-    ValueError, OSError
-        As :func:`npz_headers`.
+    copy, computed from the headers alone (ValueError, OSError as :func:`npz_headers`).
     """
     arrays = npz_headers(path)
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in arrays.values()]

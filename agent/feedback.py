@@ -1,8 +1,5 @@
 """Error feedback for compressed updates: what compression dropped is kept on the device and sent later.
 
-The residual ``corrected - decoded`` (``decoded``: exactly what the coordinator sees) is added to the
-next delta; the outbox record carries it (:meth:`ErrorFeedback.carry_bytes`) across restarts.
-
 Source: Stich, Cordonnier, Jaggi 2018, "Sparsified SGD with Memory" (NeurIPS), Algorithm 1;
 Karimireddy et al. 2019 ("Error Feedback Fixes SignSGD").
 """
@@ -24,19 +21,10 @@ logger = logging.getLogger(__name__)
 
 
 class ErrorFeedback:
-    """The device's residual ``(e_W, e_b)``: what compression dropped, added to the next delta.
+    """The device's residual ``corrected - decoded`` (float32 [D, K] and [K]), added to the next delta.
 
-    Parameters
-    ----------
-    shape : (D, K)
-        Head shape.
-    model_sha256 : str
-        sha256 of the backbone: a residual kept for another model is discarded (:meth:`load_bytes`).
-
-    Attributes
-    ----------
-    residual_W : float32 [D, K]
-    residual_b : float32 [K]
+    ``shape``: the head's (D, K); ``model_sha256``: the backbone's (a residual kept for another
+    model is discarded by :meth:`load_bytes`). The outbox record carries it across restarts.
     """
 
     def __init__(self, shape: tuple[int, int], model_sha256: str = "") -> None:
@@ -67,11 +55,10 @@ class ErrorFeedback:
         return True
 
     def carry_bytes(self) -> bytes:
-        """The residual in its compact form, the copy the outbox record carries before the publish.
+        """The residual as the outbox record carries it, a CBOR map (:meth:`load_bytes` reads it).
 
-        A CBOR map ``{"W": float32 [D, K], "b": float32 [K], "model_sha256": str, "round": int}``, the
-        arrays RFC 8746 typed arrays (tag 40 over tag 85); :meth:`load_bytes` reads it.
-        Source: RFC 8949, RFC 8746 §2.1, §3.1.1.
+        ``{"W": float32 [D, K], "b": float32 [K], "model_sha256": str, "round": int}``, the arrays RFC
+        8746 typed arrays (tag 40 over tag 85). Source: RFC 8949, RFC 8746 §2.1, §3.1.1.
         """
         return cbor2.dumps(
             {
@@ -92,31 +79,14 @@ class ErrorFeedback:
         seed: int | None = None,
         round: int = -1,
     ) -> tuple[F32, F32, CompressedDelta]:
-        """Compensate, compress once, keep ``corrected - decoded`` as the residual; return the wire form.
+        """Compress ``delta + residual`` once (the round's settings), keep what it dropped as the residual.
 
-        Parameters
-        ----------
-        delta_W, delta_b : float32 [D, K], float32 [K]
-            This round's delta.
-        compression, topk_fraction
-            The round's.
-        seed : int or None
-            Seed of stochastic int8 rounding (None = deterministic rounding).
-        round : int
-            The round this compression answers (:attr:`round`).
+        ``delta_W``, ``delta_b``: float32 [D, K], [K]; ``seed``: of stochastic int8 rounding (None:
+        deterministic); ``round``: the round it answers (:attr:`round`).
 
-        Returns
-        -------
-        corrected_W, corrected_b : float32 [D, K], float32 [K]
-            ``delta + e``, what was compressed.
-        compressed : CompressedDelta
-            The wire sub-maps for ``encode_update(update, compressed=compressed)`` and what the
-            coordinator decodes from them.
-
-        Raises
-        ------
-        ValueError
-            As ``compress_head_delta`` (non-finite delta, bad fraction) or wrong shapes.
+        Returns ``(corrected_W, corrected_b, compressed)``: ``delta + residual``, and the wire sub-maps
+        for ``encode_update`` with what the coordinator decodes from them. ``ValueError`` as
+        ``compress_head_delta`` (non-finite delta, bad fraction) or for wrong shapes.
         """
         if delta_W.shape != self.shape or delta_b.shape != (self.shape[1],):
             raise ValueError(f"ErrorFeedback: delta {delta_W.shape}/{delta_b.shape}, head {self.shape}")

@@ -39,8 +39,8 @@ from edgefl.agent.memstat import (
 
 logger = logging.getLogger(__name__)
 
-#: The phases of the agent, in the order of a round.
-PHASES = ("batch", "inference", "train", "encode", "publish", "apply")
+#: The phases of the agent, in the order of a round (batch preparation runs inside inference).
+PHASES = ("inference", "train", "encode", "publish", "apply")
 #: Phases that can wait for a later round; inference cannot (shrunk to its floor, then refused).
 DEFERRABLE = frozenset({"train", "encode", "publish", "personal"})
 PSS_MAX_AGE_S: Final = 10.0
@@ -53,24 +53,12 @@ SYSTEM_GUARDED = frozenset({"train", "personal"})
 class Admission:
     """The governor's answer to one phase's request.
 
-    Attributes
-    ----------
-    phase : str
-        One of :data:`PHASES` (others allowed).
-    work, requested_work : int
-        Granted work size (samples per batch or chunk, halved down to the floor) and the size asked.
-    estimate_bytes : int
-        Estimated bytes at ``work``.
-    budget_bytes : int
-        ``cap - reserve - rss`` at the request (``cap - rss`` for a phase that cannot wait); may be < 0.
-    rss_bytes : int
-        RSS at the time of the request.
-    deferred : bool
-        True: do not run the phase now (over budget at its floor, or the system short of memory).
-    reason : str
-        Empty when admitted as asked; otherwise why the work was shrunk or deferred.
-    at_s : float
-        ``time.time()`` of the decision.
+    ``phase`` one of :data:`PHASES` (others allowed); ``work`` the granted size (samples per batch or
+    chunk, halved down to the floor) of the ``requested_work``; ``estimate_bytes`` at ``work``;
+    ``budget_bytes`` ``cap - reserve - rss`` at the request (``cap - rss`` for a phase that cannot
+    wait), may be < 0; ``rss_bytes`` at the request; ``deferred`` True: do not run the phase now (over
+    budget at its floor, or the system short of memory); ``reason`` empty when admitted as asked, else
+    why the work was shrunk or deferred; ``at_s`` ``time.time()`` of the decision.
     """
 
     phase: str
@@ -104,7 +92,8 @@ class Governor:
     Parameters
     ----------
     cap_bytes : int
-        The profile's cap (``memory.cap_mb`` in bytes), > 0.
+        The profile's cap (``memory.cap_mb`` in bytes), > 0; :attr:`cap_bytes` is then
+        ``min(profile cap, cgroup limit)`` (both kept: ``profile_cap_bytes``, ``cgroup_limit_bytes``).
     reserve_bytes : int
         Headroom kept free under the cap for what the estimates do not cover, >= 0.
     min_system_available_bytes : int
@@ -112,31 +101,20 @@ class Governor:
     proc, cgroup_root : Path
         Where the proc and cgroup file systems are mounted (fake trees in tests).
     peak_method : "auto" | "clear_refs" | "sampling"
-        How phase peaks are measured: "auto" resets ``VmHWM`` through ``clear_refs`` and falls back
-        to sampling RSS from a thread where the kernel refuses the write.
-    sample_interval_s : float
-        Period of the sampling fallback.
+        "auto" resets ``VmHWM`` through ``clear_refs`` and falls back to sampling RSS from a thread
+        every ``sample_interval_s`` where the kernel refuses the write.
 
     Raises
     ------
     ValueError
         If ``cap_bytes`` is not positive or the other sizes are negative.
 
-    Attributes
-    ----------
-    cap_bytes : int
-        ``min(profile cap, cgroup limit)``.
-    profile_cap_bytes, cgroup_limit_bytes : int, int or None
-    phase_peaks, phase_last : dict[str, int]
-        Largest and latest peak RSS of each phase, bytes (absolute RSS).
-    phase_rise : dict[str, int]
-        Largest rise of a phase's peak RSS above the RSS at its start, bytes.
-
     Notes
     -----
-    :attr:`peak_rss_bytes` folds in every reading taken before each ``VmHWM`` reset. A phase resets
-    the counter only when no other is running; an overlapping phase reports the peak since the
-    earliest running phase began (an upper bound).
+    ``phase_peaks``, ``phase_last``: largest and latest peak RSS of each phase; ``phase_rise``: its
+    largest rise above the RSS at its start (bytes). A phase resets ``VmHWM`` only when no other is
+    running; an overlapping phase reports the peak since the earliest running phase began (an upper
+    bound). :attr:`peak_rss_bytes` folds in every reading taken before each reset.
     """
 
     def __init__(
@@ -230,7 +208,6 @@ class Governor:
                     self.peak_method = "sampling"
         if self.peak_method == "sampling":
             sampler = _Sampler(self.proc, self.sample_interval_s)
-            sampler.start()
         try:
             yield
         finally:
@@ -266,16 +243,13 @@ class Governor:
         Parameters
         ----------
         estimate : callable(int) -> int
-            Bytes the phase needs for a given work size (one of the ``estimate_*`` functions).
-        work : int
-            Work size asked for (samples), >= 1.
-        floor : int
-            Smallest work size worth running, 1 <= floor (clamped to ``work``).
+            Bytes the phase needs for a work size (samples; one of the ``estimate_*`` functions).
+        work, floor : int
+            Work size asked for, >= 1, and the smallest worth running, >= 1 (clamped to ``work``).
         deferrable : bool, optional
-            Override of ``phase in DEFERRABLE`` (only changes the reason's wording).
+            Override of ``phase in DEFERRABLE``.
         keep : callable(int) -> int, optional
-            Bytes that must stay free under the budget beside the estimate at a given work size
-            (not part of the estimate); default none.
+            Bytes that must stay free beside the estimate at a work size (not part of the estimate).
         probe : bool
             Only tell: nothing is kept, counted or logged (a caller choosing between two asks).
 
@@ -354,17 +328,10 @@ class Governor:
         """Admit an interpreter call on ``batch`` samples (floor 1; refused when even 1 is over budget).
 
         A call may use the reserve, but a batch that grows the arena (kept for the process's life) is
-        admitted only if it leaves the reserve and ``keep_bytes`` free under the cap, else it is shrunk.
-
-        Parameters
-        ----------
-        resident_batch : int, optional
-            Batch the interpreter's arena is already allocated for (``Pipeline.tensor_batch``);
-            default: the largest batch admitted so far.
-        prep : "fused" | "unfused", optional
-            Count the batch preparation too (when one call does both, as ``Pipeline.run``).
-        keep_bytes : int
-            Bytes a grown arena must leave free beside the reserve (the smallest training run).
+        admitted only if it leaves the reserve and ``keep_bytes`` (the smallest training run) free
+        under the cap, else it is shrunk. ``resident_batch``: the batch the arena is allocated for
+        (``Pipeline.tensor_batch``; default the largest admitted so far); ``prep``: count the batch
+        preparation too (one call does both, as ``Pipeline.run``).
         """
         resident = self.max_work.get("inference", 0) if resident_batch is None else resident_batch
 
@@ -427,63 +394,45 @@ class Governor:
     def status(self, measure: bool = True, figures: bool = True) -> dict[str, Any]:
         """JSON-like memory figures for the status message and the dashboard.
 
-        Parameters
-        ----------
-        measure : bool
-            False leaves out the figures read from ``/proc`` (``rss_bytes``, ``pss_bytes``,
-            ``peak_rss_bytes``, ``system_available_bytes``): reading them takes milliseconds. PSS is
-            read at most every :data:`PSS_MAX_AGE_S`, the last reading in between.
-        figures : bool
-            False leaves out the per-phase figures and the admissions (``phase_peaks``,
-            ``phase_last``, ``phase_rise``, ``admissions``), which change with every round.
-
         Returns
         -------
         dict
             ``cap_bytes``, ``profile_cap_bytes``, ``cgroup_limit_bytes``, ``reserve_bytes``,
             ``rss_bytes``, ``pss_bytes`` (None where unreadable), ``peak_rss_bytes`` (lifetime),
             ``system_available_bytes``, ``min_system_available_bytes``, ``peak_method``,
-            ``phase_peaks`` {phase: bytes}, ``phase_last`` {phase: bytes}, ``phase_rise`` {phase:
-            bytes} (each phase's own rise above its starting RSS), ``admissions``
+            ``phase_peaks``, ``phase_last``, ``phase_rise`` {phase: bytes}, ``admissions``
             {phase: Admission as dict}, ``deferrals`` {phase: count}, ``last_deferral`` (dict or None).
+            ``measure=False`` leaves out the four figures read from ``/proc`` (milliseconds to read;
+            PSS is read at most every :data:`PSS_MAX_AGE_S`), ``figures=False`` the per-phase
+            figures and the admissions, which change with every round.
         """
         peak = self.peak_rss_bytes if measure else 0
         with self._lock:
-            measured = (
-                {
-                    "rss_bytes": self.rss_bytes(),
-                    "pss_bytes": self._pss_bytes(),
-                    "peak_rss_bytes": peak,
-                    "system_available_bytes": self.system_available_bytes(),
-                }
-                if measure
-                else {}
-            )
-            return {
+            out: dict[str, Any] = {
                 "cap_bytes": self.cap_bytes,
                 "profile_cap_bytes": self.profile_cap_bytes,
                 "cgroup_limit_bytes": self.cgroup_limit_bytes,
                 "reserve_bytes": self.reserve_bytes,
-                **measured,
-                "min_system_available_bytes": self.min_system_available_bytes,
-                "peak_method": self.peak_method,
-                **(
-                    {
-                        "phase_peaks": dict(self.phase_peaks),
-                        "phase_last": dict(self.phase_last),
-                        "phase_rise": dict(self.phase_rise),
-                        "admissions": {k: v.as_dict() for k, v in self.admissions.items()},
-                    }
-                    if figures
-                    else {}
-                ),
-                "deferrals": dict(self.deferrals),
-                "last_deferral": self.last_deferral.as_dict() if self.last_deferral else None,
             }
+            if measure:
+                out["rss_bytes"] = self.rss_bytes()
+                out["pss_bytes"] = self._pss_bytes()
+                out["peak_rss_bytes"] = peak
+                out["system_available_bytes"] = self.system_available_bytes()
+            out["min_system_available_bytes"] = self.min_system_available_bytes
+            out["peak_method"] = self.peak_method
+            if figures:
+                out["phase_peaks"] = dict(self.phase_peaks)
+                out["phase_last"] = dict(self.phase_last)
+                out["phase_rise"] = dict(self.phase_rise)
+                out["admissions"] = {k: v.as_dict() for k, v in self.admissions.items()}
+            out["deferrals"] = dict(self.deferrals)
+            out["last_deferral"] = self.last_deferral.as_dict() if self.last_deferral else None
+            return out
 
 
 class _Sampler:
-    """Fallback peak measurement: a thread reading RSS every ``interval_s`` (misses short spikes)."""
+    """Fallback peak measurement from creation: a thread reading RSS every ``interval_s`` (misses spikes)."""
 
     def __init__(self, proc: Path, interval_s: float) -> None:
         self.proc = proc
@@ -491,13 +440,11 @@ class _Sampler:
         self.peak = rss_bytes(proc=proc)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="edgefl-rss-sampler", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.peak = max(self.peak, rss_bytes(proc=self.proc))
-
-    def start(self) -> None:
-        self._thread.start()
 
     def stop(self) -> int:
         self._stop.set()

@@ -1,9 +1,7 @@
 """Live ingest bookkeeping: the bounded sample queue (drop-oldest) and the table of samples awaiting a label.
 
-What lies between the MQTT messages and the device core, called from the daemon's event loop only:
-the queue of samples not yet classified (drop-oldest), the samples in flight, the pending table of
-classified samples waiting for a late Label, and the duplicate and conflict checks; the rules are
-``docs/protocol.md``, "Live ingest". Its memory is bounded and allocated once (:class:`IdTable`).
+Called from the daemon's event loop only: the queue, the samples in flight, the pending table and
+the duplicate and conflict checks (rules: ``docs/protocol.md``, "Live ingest"), in bounded memory.
 """
 
 from __future__ import annotations
@@ -37,17 +35,10 @@ DISPUTED = -1
 
 @dataclass(slots=True)
 class Queued:
-    """A received sample waiting to be classified.
+    """A received sample waiting to be classified: ``x`` [*sample_shape] of the raw dtype.
 
-    Attributes
-    ----------
-    id : str
-        The app's sample id.
-    x : ndarray [*sample_shape] of the raw dtype
-    label : int or None
-        Inline label, or one that arrived on ``labels/<device>`` while the sample was queued.
-    arrived_s : float
-        ``time.monotonic()`` when it was received (a Prediction's ``latency_s`` counts from here).
+    ``label``: inline, or one that came on ``labels/<device>`` meanwhile; ``arrived_s``:
+    ``time.monotonic()`` at receipt (a Prediction's ``latency_s`` counts from here).
     """
 
     id: str
@@ -83,25 +74,10 @@ class IngestCounters:
 class Ingest:
     """The ingest queue and the pending-label table of one device.
 
-    Parameters
-    ----------
-    queue_max : int
-        Samples queued at most (>= 1); beyond, the oldest is dropped.
-    pending_max : int
-        Unlabelled classified samples kept for a late label (>= 0).
-    label_expiry_s : float
-        Seconds such a sample waits for its label (> 0).
-    clock : callable() -> float
-        Monotonic seconds (``time.monotonic``; a test may pass its own).
-    pending_file : PendingFile or None
-        Where the pending table is mirrored (``agent/pending.py``): its samples restored now (the
-        oldest first, their age kept; those past ``label_expiry_s`` expire at the next
-        :meth:`expire`), every park and release written through. None: RAM only.
-
-    Raises
-    ------
-    ValueError
-        If a bound is out of range.
+    At most ``queue_max`` (>= 1) samples are queued, the oldest dropped beyond; ``pending_max`` (>= 0)
+    classified samples wait ``label_expiry_s`` (> 0, ``clock`` seconds) for a late label, mirrored in
+    ``pending_file`` (its samples restored now, their age kept; None: RAM only). ``ValueError`` if a
+    bound is out of range.
     """
 
     def __init__(
@@ -166,14 +142,9 @@ class Ingest:
 
     # --- in ---------------------------------------------------------------------------------------
     def offer_sample(self, sample: Sample) -> Queued | None:
-        """Queue a sample the decoder checked against the model; return the oldest, evicted if full.
+        """Queue a checked sample; return the oldest if it was evicted (``ingest_dropped``), else None.
 
-        The evicted sample is counted in ``ingest_dropped``; None when nothing was evicted.
-
-        Raises
-        ------
-        UpdateRejected
-            ``duplicate``: a sample with this id was received lately (a QoS 1 redelivery).
+        Raises ``UpdateRejected`` ``duplicate`` if this id was received lately (a QoS 1 redelivery).
         """
         if sample.id in self._recent:
             raise UpdateRejected(Reason.DUPLICATE, f"sample {sample.id} already received")
@@ -189,12 +160,8 @@ class Ingest:
         self.counters.samples_received += 1
         if sample.label is not None:
             self.counters.labels_received += 1
-            self._answer(sample.id, sample.label)
+            self._answered.add(sample.id, sample.label, self.clock())
         return dropped
-
-    def _answer(self, sample_id: str, label: int) -> None:
-        """Remember that ``sample_id`` was labelled ``label`` now (bounded: the oldest id goes first)."""
-        self._answered.add(sample_id, label, self.clock())
 
     def _dispute(self, sample_id: str) -> bool:
         """Drop a disputed sample's label wherever it is not stored yet; return whether it was stored."""
@@ -221,11 +188,8 @@ class Ingest:
     def offer_label(self, label: Label) -> None:
         """Apply a late label (checked against K) to its sample: queued, in flight or pending.
 
-        Raises
-        ------
-        UpdateRejected
-            ``duplicate`` (this very label already), ``label_conflict`` (labelled otherwise within
-            ``label_expiry_s``, or disputed), ``unknown_sample`` (no queued, in-flight or pending sample).
+        Raises ``UpdateRejected``: ``duplicate`` (this very label already), ``label_conflict``
+        (labelled otherwise within ``label_expiry_s``, or disputed) or ``unknown_sample``.
         """
         self.expire()
         prior = self._answered.get(label.id)
@@ -262,7 +226,7 @@ class Ingest:
                     f"no sample {label.id} waits for a label (never received, dropped, labelled or expired)",
                 )
             self._labelled.append((label.id, entry[0], label.label, entry[2]))
-        self._answer(label.id, label.label)
+        self._answered.add(label.id, label.label, self.clock())
         self.counters.labels_received += 1
 
     # --- out --------------------------------------------------------------------------------------
@@ -319,10 +283,8 @@ class Ingest:
     def take_labelled(self) -> tuple[F32, I64, I64] | None:
         """Late-labelled samples matched since the last call, or None.
 
-        Returns
-        -------
-        (embeddings float32 [M, D], labels int64 [M], predicted int64 [M]) or None
-            ``predicted``: the class each was given when it was classified.
+        ``(embeddings float32 [M, D], labels int64 [M], predicted int64 [M])``, ``predicted`` the
+        class each was given when classified.
         """
         if not self._labelled:
             return None

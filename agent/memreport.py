@@ -45,24 +45,13 @@ class Site:
 
 @dataclass
 class PhaseReport:
-    """Memory of one phase in a round.
+    """Memory of one phase in a round, in bytes.
 
-    Attributes
-    ----------
-    phase : str
-    runs : int
-        How many times the phase ran in the round (``inference`` once per batch).
-    peak_rss_bytes : int
-        Largest peak RSS of the phase (kernel ``VmHWM`` after a reset), bytes.
-    rss_before_bytes : int
-        RSS just before the phase's first run, bytes.
-    heap_peak_bytes : int or None
-        Peak of the Python heap above its level at the phase start (tracemalloc), bytes.
-    sites : list[Site]
-        Top allocation sites near the heap peak.
-    work : int
-        The work size the governor granted (batch, chunk) at the last run; 0 where not admitted.
-    deferred : bool
+    ``runs`` how many times the phase ran (``inference`` once per batch); ``peak_rss_bytes`` its
+    largest peak RSS (kernel ``VmHWM`` after a reset); ``rss_before_bytes`` RSS just before its first
+    run; ``heap_peak_bytes`` peak of the Python heap above its level at the phase start
+    (tracemalloc), with the top allocation ``sites`` near it; ``work`` the work size the governor
+    granted (batch, chunk) at the last run, 0 where not admitted.
     """
 
     phase: str
@@ -172,29 +161,14 @@ def run_round(
 ) -> RoundReport:
     """Run one full round of the device core in this process and measure each phase.
 
-    Samples classified into the store (phase ``inference``), a RoundAnnouncement answered
-    (``train``, ``encode``), the update published when a broker is given (``publish``), and a
-    GlobalModel applied (``apply``), each through :class:`edgefl.agent.core.DeviceCore`.
-
-    Parameters
-    ----------
-    profile : Profile
-        Model, pipeline batch, training chunk size, keys and memory cap come from here.
-    samples : int
-        Samples classified into the store before training.
-    governor : Governor, optional
-        Admits and measures the phases; default: one built from ``profile.memory``.
-    trace : bool
-        Run :mod:`tracemalloc` (heap peaks and sites; costs time and some memory).
-    top : int
-        Allocation sites kept per phase.
-    broker : str, optional
-        ``mqtt://host:port``: publish the update there (QoS 1); None skips the ``publish`` phase.
-    state_dir : Path, optional
-        The core's state directory; default a temporary directory.
-    compression : str
-        The round's compression (``edgefl.wire.compression.Compression``); 2 local epochs at lr 0.1,
-        batches of 16.
+    ``samples`` classified into the store (phase ``inference``), a RoundAnnouncement answered
+    (``train``, ``encode``; 2 local epochs at lr 0.1, batches of 16, ``compression`` an
+    ``edgefl.wire.compression.Compression`` value), the update published to ``broker``
+    (``mqtt://host:port``, QoS 1; None skips ``publish``), and a GlobalModel applied (``apply``), each
+    through :class:`edgefl.agent.core.DeviceCore` built from the ``profile`` (model, batch, chunk
+    size, keys, cap) in ``state_dir`` (default a temporary folder); ``governor`` default: one from
+    ``profile.memory``. ``trace`` runs :mod:`tracemalloc` (heap peaks and ``top`` sites per phase;
+    costs time and some memory).
     """
     from edgefl.agent.core import ApplyStatus, DeviceCore
     from edgefl.agent.round import RoundStatus
@@ -208,8 +182,7 @@ def run_round(
         profile.memory.min_system_available_mb * MIB,
     )
     baseline = gov.rss_bytes()
-    # batch preparation runs inside "inference" on the shipped path (Pipeline.run): no phase of its own
-    reports: dict[str, PhaseReport] = {p: PhaseReport(p) for p in PHASES if p != "batch"}
+    reports: dict[str, PhaseReport] = {p: PhaseReport(p) for p in PHASES}
     if trace and not tracemalloc.is_tracing():
         tracemalloc.start(1)
 
@@ -330,18 +303,20 @@ def _publish(
     from edgefl.wire.chunking import split_message
 
     _, host, port = parse_broker_url(url)
-    topics = Topics(profile.broker.topic_prefix, profile.device.fleet)
-    topic = topics.update(profile.device.id)
+    topic = Topics(profile.broker.topic_prefix, profile.device.fleet).update(profile.device.id)
 
     async def go() -> str:
-        t = MqttTransport(host, port, f"edgefl-memreport-{profile.device.id}", protocol="3.1.1")
+        t = MqttTransport(
+            host,
+            port,
+            f"edgefl-memreport-{profile.device.id}",
+            protocol="3.1.1",
+            max_packet_bytes=profile.broker.max_packet_bytes,
+        )
         try:
             await t.start(wait_s=10)
-            limit = min(
-                profile.broker.max_packet_bytes, t.broker_max_packet_bytes or profile.broker.max_packet_bytes
-            )
             with measured("publish"):
-                for part in split_message(payload, topic, limit, msg_id="memreport"):
+                for part in split_message(payload, topic, t.packet_limit(), msg_id="memreport"):
                     await t.publish(topic, part, qos=1)
         except TransportError as exc:
             return f"publish failed: {exc}"

@@ -1,6 +1,6 @@
 """Reading the process's memory from the kernel: RSS, peak RSS, PSS, MemAvailable and the cgroup limit.
 
-All figures are in bytes: RSS from ``statm`` (cheap, hot paths), the peak from ``status``, PSS from
+All figures in bytes: RSS from ``statm`` (cheap, hot paths), the peak from ``status``, PSS from
 ``smaps_rollup``.
 
 Source: proc(5) (``statm``, ``status`` VmHWM, ``smaps_rollup``, ``clear_refs`` value 5 resets the
@@ -97,10 +97,7 @@ def _read_proc(proc: Path, pid: int | str | None, filename: str) -> str:
 def rss_bytes(pid: int | str = "self", *, proc: Path = PROC) -> int:
     """Resident set size of a process, in bytes (``/proc/<pid>/statm`` field 2 x page size).
 
-    Raises
-    ------
-    OSError
-        If the process does not exist or ``/proc`` is unavailable.
+    OSError if the process does not exist or ``/proc`` is unavailable.
     """
     fields = _read_proc(proc, pid, "statm").split()
     return int(fields[1]) * PAGE_BYTES
@@ -117,14 +114,9 @@ def _kb_field(proc: Path, pid: int | str | None, filename: str, key: str) -> int
 
 
 def peak_rss_bytes(pid: int | str = "self", *, proc: Path = PROC) -> int:
-    """Peak resident set size (``VmHWM``) of a process since start or the last peak reset, in bytes.
+    """Peak RSS (``VmHWM``) of a process since start or the last reset, bytes (``Governor``: lifetime).
 
-    ``Governor.peak_rss_bytes`` is the lifetime peak of a governed process (it resets this counter).
-
-    Raises
-    ------
-    OSError
-        If the process does not exist or the kernel does not report ``VmHWM``.
+    OSError if the process does not exist or the kernel does not report ``VmHWM``.
     """
     return _kb_field(proc, pid, "status", "VmHWM")
 
@@ -140,10 +132,7 @@ def pss_bytes(pid: int | str = "self", *, proc: Path = PROC) -> int | None:
 def system_available_bytes(*, proc: Path = PROC) -> int:
     """The system's ``MemAvailable`` from ``/proc/meminfo``, in bytes.
 
-    Raises
-    ------
-    OSError
-        If ``/proc/meminfo`` has no ``MemAvailable`` line (kernels before 3.14).
+    OSError if ``/proc/meminfo`` has no ``MemAvailable`` line (kernels before 3.14).
     """
     return _kb_field(proc, None, "meminfo", "MemAvailable")
 
@@ -166,14 +155,8 @@ def reset_peak(*, proc: Path = PROC) -> bool:
 # --- cgroup limit -------------------------------------------------------------------------------
 def _read_limit(path: Path) -> int | None:
     try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if not text or text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
+        value = int(path.read_text().strip())
+    except (OSError, ValueError):  # unreadable, empty, or "max" (v2's no limit)
         return None
     return None if value >= _V1_UNLIMITED or value <= 0 else value
 
@@ -200,8 +183,8 @@ def cgroup_memory_limit_bytes(
     """The memory limit the kernel enforces on a process's cgroup, in bytes, or None when unlimited.
 
     The lowest ``memory.max`` (v2) or ``memory.limit_in_bytes`` (v1) of the process's cgroup and its
-    ancestors, on either hierarchy; None also when nothing is readable. ``proc`` and ``cgroup_root``:
-    where the proc and cgroup file systems are mounted (fake trees in tests).
+    ancestors, on either hierarchy; None also when nothing is readable (``proc``, ``cgroup_root``:
+    where those file systems are mounted).
 
     Source: Documentation/admin-guide/cgroup-v2.rst (memory.max); cgroup-v1/memory.rst
     (memory.limit_in_bytes, hierarchical accounting).

@@ -1,10 +1,9 @@
 """The device's outbox: each update kept on disk until the broker acknowledged it (PUBACK).
 
-An update survives a reconnect or a restart and is re-sent with the same ``update_id``. Bounded in
-bytes; updates of rounds that closed are dropped with a reason. Persisted as a checksummed record
-(:class:`edgefl.records.RecordSlot`): a CBOR map ``{"v": 1, "entries": [[update_id, round, payload,
-sends], ...], "answered": {...}, "residual": bytes}``, the device's last answered round and
-error-feedback residual (opaque here) written with the update and kept by every later write.
+An update survives a reconnect or a restart and is re-sent with the same ``update_id``; bounded in
+bytes. The record (:class:`edgefl.records.RecordSlot`) is a CBOR map ``{"v": 1, "entries":
+[[update_id, round, payload, sends], ...], "answered": {...}, "residual": bytes}``: the last answered
+round and the error-feedback residual (opaque here) are written with the update.
 """
 
 from __future__ import annotations
@@ -24,28 +23,6 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class OutboxEntry:
-    """One update waiting for its PUBACK.
-
-    Parameters
-    ----------
-    update_id : str
-        The update's ``update_id`` (re-sent unchanged, the coordinator de-duplicates by it).
-    round : int
-        Round the update answers, >= 0.
-    payload : bytes
-        The encoded (and signed) Update, exactly as published.
-    sends : int
-        Publish attempts so far (:meth:`Outbox.mark_sent`).
-    """
-
-    update_id: str
-    round: int
-    payload: bytes
-    sends: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class Dropped:
     """An update the outbox gave up on.
 
@@ -58,23 +35,26 @@ class Dropped:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class OutboxEntry:
+    """One update waiting for its PUBACK.
+
+    ``update_id`` is re-sent unchanged (the coordinator de-duplicates by it); ``round`` >= 0;
+    ``payload`` the encoded, signed Update as published; ``sends`` the publish attempts so far.
+    """
+
+    update_id: str
+    round: int
+    payload: bytes
+    sends: int = 0
+
+
 class Outbox:
     """Updates kept until acknowledged, persisted as a record in the state directory.
 
-    Parameters
-    ----------
-    path : Path
-        Record file (e.g. ``<state_dir>/outbox.rec``); its directory is created if missing. What it
-        holds is loaded at construction (a torn file falls back to the previous generation).
-    max_bytes : int
-        Bound on the sum of the kept payloads, bytes, >= 1.
-
-    Raises
-    ------
-    ValueError
-        If ``max_bytes < 1``.
-    OSError
-        If the state directory cannot be created.
+    ``path`` (e.g. ``<state_dir>/outbox.rec``; its folder is created) is loaded now, a torn file
+    falling back to the previous generation; ``max_bytes`` >= 1 bounds the sum of the kept payloads
+    (else ``ValueError``). ``OSError`` if the state directory cannot be created.
     """
 
     def __init__(self, path: Path, max_bytes: int) -> None:
@@ -173,33 +153,15 @@ class Outbox:
         sends: int = 0,
         answered: dict[str, Any] | None = None,
     ) -> list[Dropped]:
-        """Keep an update until :meth:`ack`; persisted before returning.
+        """Keep an update (fields as :class:`OutboxEntry`'s) until :meth:`ack`; persisted before returning.
 
-        Adding an ``update_id`` already kept keeps the first payload (it may already be on the wire).
-        Older updates are evicted, oldest first, until the new one fits.
+        An ``update_id`` already kept keeps its first payload (it may be on the wire). ``answered``:
+        the new answered-round map (:attr:`answered`), persisted by the same write even when the
+        update is not kept.
 
-        Parameters
-        ----------
-        update_id, round, payload
-            As :class:`OutboxEntry`'s.
-        sends : int
-            Publish attempts to record with it (1 when the caller publishes it right away).
-        answered : dict, optional
-            The device's new answered-round map (:attr:`answered`), persisted by the same write, also
-            when the update itself is not kept or was kept already.
-
-        Returns
-        -------
-        list[Dropped]
-            What was dropped (each also logged): evicted older updates (``outbox_full``), or the new
-            one itself if it alone exceeds ``max_bytes`` (``too_large``, nothing else is touched).
-
-        Raises
-        ------
-        ValueError
-            If ``update_id`` or ``round`` is invalid.
-        OSError
-            If the outbox cannot be persisted.
+        Returns what was dropped (each logged): older updates evicted oldest first until the new one
+        fits (``outbox_full``), or the new one alone if it exceeds ``max_bytes`` (``too_large``).
+        ``ValueError`` if ``update_id`` or ``round`` is invalid, ``OSError`` if it cannot be persisted.
         """
         if UPDATE_ID_RE.fullmatch(update_id) is None:
             raise ValueError(f"update_id = {update_id!r:.80}: must match {UPDATE_ID_RE.pattern}")
@@ -235,15 +197,12 @@ class Outbox:
                 update_id,
             )
         self._entries.append(OutboxEntry(update_id, round, bytes(payload), sends))
-        if answered is None:
-            self.save()
-        else:
-            self._save_answered(answered)
+        self._save_answered(answered)
         return dropped
 
-    def _save_answered(self, answered: dict[str, Any]) -> None:
-        """Save with a new answered-round map; on failure the previous one stays (not answered)."""
-        prior, self.answered = self.answered, answered
+    def _save_answered(self, answered: dict[str, Any] | None) -> None:
+        """Save, with a new answered-round map if given; on failure the previous one stays (not answered)."""
+        prior, self.answered = self.answered, self.answered if answered is None else answered
         try:
             self.save()
         except OSError:
@@ -267,13 +226,7 @@ class Outbox:
         return True
 
     def drop_stale(self, current_round: int) -> list[Dropped]:
-        """Drop updates for rounds before ``current_round`` (the coordinator refuses them anyway).
-
-        Returns
-        -------
-        list[Dropped]
-            Each with reason ``stale_round`` (also logged); persisted if anything was dropped.
-        """
+        """Drop (persisted, logged) updates of rounds before ``current_round``: ``stale_round`` each."""
         stale = [e for e in self._entries if e.round < current_round]
         if not stale:
             return []

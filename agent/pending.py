@@ -1,23 +1,16 @@
 """The pending-label file: classified samples waiting for a late Label, kept across a restart.
 
-A memory-mapped table of ``capacity`` (= ``source.pending_max``) fixed-size slots beside the store,
-``pending_labels.tab``, mirroring the ingest's pending table (``agent/ingest.py``): a parked sample is
-written into a free slot, a labelled, expired or evicted one is freed by zeroing its ``seq``. A write
-lands in the page cache at once, so a ``kill -9`` or an OOM kill loses nothing; :meth:`PendingFile.flush`
-(``msync``), run with every flush of the store and at a clean stop, makes it survive a power cut too.
-
-Layout (little-endian): a 32-byte header (``_HEADER`` and its CRC-32), then ``capacity`` slots of
-:func:`slot_dtype` (``seq + 1``, 0 = free; a CRC-32 of the rest of the slot and ``seq``). The seq is
-written last: a slot caught half-way fails its check at open and is counted, never restored.
+A little-endian memory-mapped table by the store: a 32-byte header (``_HEADER`` and its CRC-32), then
+``source.pending_max`` slots of :func:`slot_dtype` (``seq + 1``, 0 = free, written last; a CRC-32 of
+the rest and ``seq``). A write survives a ``kill -9`` at once, a power cut after
+:meth:`PendingFile.flush` (``msync``). A torn slot is counted, never restored.
 
 Source: ISO-HDLC CRC-32 as ``zlib.crc32`` computes it (ITU-T V.42); ``mmap(2)``/``msync(2)`` (POSIX).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import struct
 import time
 import zlib
@@ -27,6 +20,7 @@ from typing import Final
 
 import numpy as np
 
+from edgefl.agent.store import allocate
 from edgefl.records import set_aside
 from edgefl.types import F32
 from edgefl.wire.ingest import SAMPLE_ID_RE
@@ -58,11 +52,7 @@ def slot_dtype(dim: int) -> np.dtype[np.void]:
 
 @dataclass(frozen=True, slots=True)
 class Parked:
-    """A sample restored from the file.
-
-    ``id``; ``embedding`` float32 [D]; ``predicted`` class; ``age_s`` seconds since it was parked
-    (wall clock, >= 0).
-    """
+    """A sample restored from the file: ``embedding`` float32 [D], ``age_s`` since parked (wall clock)."""
 
     id: str
     embedding: F32
@@ -77,10 +67,7 @@ def _slot_crc(row: np.ndarray, seq: int) -> int:
 
 
 def _read_slots(rows: np.ndarray) -> tuple[list[tuple[int, int, Parked]], list[int], list[int]]:
-    """The valid slots ``(seq, slot, Parked)`` oldest first, the invalid ones, and an id's older copies.
-
-    Valid: ``seq`` set, CRC-32 matching, a sample id and a finite embedding.
-    """
+    """The valid slots ``(seq, slot, Parked)`` oldest first, the invalid ones, and an id's older copies."""
     now = time.time()
     valid: list[tuple[int, int, Parked]] = []
     bad: list[int] = []
@@ -107,30 +94,12 @@ def _read_slots(rows: np.ndarray) -> tuple[list[tuple[int, int, Parked]], list[i
 
 
 class PendingFile:
-    """The pending-label file of one device (see the module docstring).
+    """The pending-label file ``directory / PENDING_FILE`` of ``capacity`` slots for embeddings [``dim``].
 
-    Parameters
-    ----------
-    directory : Path
-        The state folder (the store's); the file is ``directory / PENDING_FILE``.
-    capacity : int
-        Slots (``source.pending_max``, >= 1).
-    dim : int
-        Embedding size D (>= 1).
-
-    Raises
-    ------
-    ValueError
-        If ``capacity`` or ``dim`` is not positive.
-    OSError
-        If the file cannot be created or mapped.
-
-    Notes
-    -----
-    A file whose header fails its check, or for another ``dim`` (another model's embeddings are of no
-    use) or ``capacity``, is set aside as ``*.corrupt`` and a new one made; after a change of
-    ``capacity`` alone its valid slots are carried over first (the newest that fit). What was
-    restored is in :attr:`restored`, oldest first.
+    A file whose header fails its check, or for another ``dim`` or ``capacity``, is set aside as
+    ``*.corrupt`` and a new one made; after a change of ``capacity`` alone its valid slots are carried
+    over (the newest that fit). What was restored is in :attr:`restored`, oldest first. Raises
+    ``ValueError`` if ``capacity`` or ``dim`` is not positive, ``OSError`` if it cannot be mapped.
     """
 
     def __init__(self, directory: Path, capacity: int, dim: int) -> None:
@@ -152,11 +121,7 @@ class PendingFile:
             with self.path.open("wb") as fh:
                 fh.write(self._header())
                 fh.truncate(size)
-                try:  # its blocks now: a write into a hole of a full disk would be SIGBUS
-                    os.posix_fallocate(fh.fileno(), 0, size)
-                except OSError as exc:
-                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # file systems without it
-                        raise
+            allocate(self.path, size)
         self._rows = np.memmap(  # type: ignore[call-overload]
             self.path, dtype=self._dtype, mode="r+", offset=HEADER_BYTES, shape=(capacity,)
         )
@@ -243,21 +208,10 @@ class PendingFile:
         return len(self._slot_of)
 
     def park(self, sample_id: str, embedding: F32, predicted: int, since: float | None = None) -> None:
-        """Write a waiting sample into a free slot (the caller frees one first when all are taken).
+        """Write a waiting sample (``embedding`` float32 [D]) into a free slot, the caller freeing one.
 
-        Parameters
-        ----------
-        sample_id : str
-            ``SAMPLE_ID_RE`` (ASCII, 1..128 characters).
-        embedding : float32 [D]
-        predicted : int
-        since : float or None
-            Unix seconds it was parked (now when None).
-
-        Raises
-        ------
-        ValueError
-            If no slot is free, or the id or embedding does not fit.
+        ``since``: Unix seconds it was parked (None: now). ``ValueError`` if no slot is free or the
+        id (ASCII, 1..128 characters) or embedding does not fit.
         """
         if sample_id in self._slot_of:
             self.release(sample_id)

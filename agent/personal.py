@@ -37,12 +37,8 @@ def personal_behind(only_global: int, only_personal: int) -> bool:
     """Whether the personal head is behind the global one on the holdout by more than chance.
 
     Behind when ``only_global - only_personal > sqrt(only_global + only_personal)``: more than one
-    standard deviation of that difference were both heads equally good.
-
-    Parameters
-    ----------
-    only_global, only_personal : int >= 0
-        Holdout samples only the global (resp. only the personal) head classifies right.
+    standard deviation of that difference were both heads equally good. ``only_global``,
+    ``only_personal`` (ints >= 0): holdout samples only the global (resp. personal) head gets right.
 
     Source: McNemar's statistic for paired proportions, ``(b - c) / sqrt(b + c)`` (Q. McNemar,
     "Note on the sampling error of the difference between correlated proportions or
@@ -57,10 +53,8 @@ def head_switch_message(
 ) -> str:
     """The log line of a switch between the personal and the global head (:func:`personal_behind`).
 
-    ``behind``: the personal head is now behind (predictions move to the global head), else no longer
-    behind; ``personal_right``, ``global_right``: holdout samples each head classifies right, of
-    ``total`` > 0; ``only_global``, ``only_personal`` as :func:`personal_behind`'s. The line gives the
-    accuracies and disagreements the decision rests on.
+    ``behind``: the personal head is now behind, else no longer; ``personal_right``, ``global_right``:
+    holdout samples each head gets right, of ``total`` > 0; the rest as :func:`personal_behind`'s.
     """
     acc_p, acc_g = personal_right / total, global_right / total
     if behind:
@@ -78,16 +72,9 @@ def head_switch_message(
 
 @dataclass(frozen=True, slots=True)
 class Evaluation:
-    """Federated evaluation of one global head on the device's holdout (never trained on).
+    """Federated evaluation of one head (its ``version``) on the device's holdout (never trained on).
 
-    Attributes
-    ----------
-    version : int
-        The head's version.
-    accuracy : float
-        Fraction of the holdout samples the head classifies right, in [0, 1].
-    count : int
-        Holdout samples evaluated.
+    ``accuracy``: the fraction of the ``count`` holdout samples evaluated it classifies right, 0..1.
     """
 
     version: int
@@ -135,27 +122,17 @@ class PersonalHeads(DeviceState):
     _personal_done: PersonalResult | None
 
     def serving_head(self) -> tuple[Head, str]:
-        """The head that classifies: the personal one once it exists, unless it fell behind.
-
-        Returns
-        -------
-        tuple[Head, str]
-            The head and ``"personal"`` or ``"global"``.
-        """
+        """The head that classifies and its kind: ``"personal"`` once there, unless behind; ``"global"``."""
         personal = self.personal
         if personal is None or self.personal_fallback or not self.profile.personal.enabled:
             return self.head, "global"
         return personal, "personal"
 
     def evaluate(self) -> Evaluation | None:
-        """Accuracy of the current head on the holdout store (federated evaluation), or None without one.
+        """Accuracy of the current head on the holdout (federated evaluation), kept in :attr:`evaluation`.
 
-        The holdout is read ``training.chunk_size`` samples at a time (memory independent of its size).
-
-        Returns
-        -------
-        Evaluation or None
-            Also kept in :attr:`evaluation`; None when the holdout is off or empty.
+        The holdout is read ``training.chunk_size`` samples at a time (memory independent of its
+        size); the personal head is scored too (:func:`personal_behind`). None when it is off or empty.
         """
         self._personal_done = None  # a personal step taken with the round's training: evaluated here
         holdout = self.holdout
@@ -314,13 +291,9 @@ class PersonalHeads(DeviceState):
         """The personal step of the last trained round: class-restricted Ditto steps, persisted, evaluated.
 
         A step the round's training took along is only evaluated here; otherwise it runs now
-        (:func:`edgefl.agent.trainer.train_personal`, phase ``personal``). Nothing sent changes.
-
-        Returns
-        -------
-        PersonalResult or None
-            None when no step is due, personal heads are off, the store is empty or the governor
-            deferred the step (:attr:`personal_deferred` counts it; the next round tries again).
+        (:func:`edgefl.agent.trainer.train_personal`, phase ``personal``). Nothing sent changes. None
+        when no step is due, personal heads are off, the store is empty or the governor deferred the
+        step (:attr:`personal_deferred` counts it; the next round tries again).
         """
         ann = self._personal_due
         self._personal_due = None

@@ -1,11 +1,9 @@
 """Raw samples to model input, unfused or fused, batched into the interpreter; chosen by measurement.
 
-Both paths run the same stages (:func:`to_float`, :func:`normalise`, the backbone's
-``quantize_input``): **unfused** as numpy operations with their own arrays, then ``set_tensor``;
-**fused** in one stage (``fill``) writing each sample into a view of the input tensor
-(:meth:`Pipeline.fused_step`), bit-identical to unfused (an algebraic fold ``x*a + c`` would not be).
-LiteRT refuses ``invoke()`` and resizing while a view of a tensor is alive, so no view outlives the
-write. The mode and batch are measured (:func:`choose`), never assumed, and cached per model sha256.
+**Unfused** runs the stages (:func:`to_float`, :func:`normalise`, ``quantize_input``) as numpy
+operations, then ``set_tensor``; **fused** writes each sample into a view of the input tensor in one
+stage (``fill``), bit-identical. LiteRT refuses ``invoke()`` and resizing while a view of a tensor is
+alive, so no view outlives the write. Mode and batch are measured (:func:`choose`), cached per model.
 """
 
 from __future__ import annotations
@@ -55,13 +53,7 @@ def to_float(raw: np.ndarray) -> F32:
 
 
 def normalise(x: F32, mean: F32, std: F32) -> F32:
-    """Stage ``normalise``: ``(x - mean) / std`` over the last axis (channels), float32, new arrays.
-
-    Parameters
-    ----------
-    x : float32 [..., C]
-    mean, std : float32 [C] or [1]
-    """
+    """Stage ``normalise``: ``(x float32 [..., C] - mean) / std`` (float32 [C] or [1]), a new array."""
     out: F32 = ((x - mean) / std).astype(np.float32, copy=False)
     return out
 
@@ -90,20 +82,14 @@ class Pipeline:
     Parameters
     ----------
     backbone : Backbone
-        The loaded model; the pipeline resizes its input to ``batch`` when the model allows it.
+        The loaded model; its input is resized to ``batch`` when the model allows it.
     mean, std : tuple[float, ...]
-        Per-channel normalisation (last axis), 1 or C values: model input = ``(raw - mean) / std``.
+        1 or C values (last axis): model input = ``(raw - mean) / std``.
     mode : "fused" | "unfused"
     batch : int
-        Samples per ``invoke``, >= 1. A model whose batch cannot be resized keeps its own batch
-        (``tensor_batch``) and runs ``batch``-sized chunks in several invokes.
+        Samples per ``invoke``, >= 1; a fixed-batch model runs it in ``tensor_batch`` invokes.
 
-    Raises
-    ------
-    ValueError
-        If ``mode``, ``batch``, ``mean`` or ``std`` is invalid.
-
-    Only the lookup tables and the one-sample scratch are kept between calls.
+    Raises ``ValueError`` if ``mode``, ``batch``, ``mean`` or ``std`` is invalid.
     """
 
     def __init__(
@@ -133,8 +119,7 @@ class Pipeline:
         self._interp = backbone.interpreter
         self._in = backbone.input_index
         self.tensor_batch = self.batch if backbone.resizable else int(backbone.input_shape[0])
-        #: Rows of the input tensor for the group being run: ``tensor_batch``, or fewer for the last,
-        #: partial group of a resizable model (run at its real size instead of padded).
+        #: Input rows of the group being run (fewer for a resizable model's last, partial group).
         self._size = self.tensor_batch
         #: The largest batch the interpreter's tensors were allocated for (its arena keeps that size).
         self.allocated_batch = int(backbone.batch)
@@ -148,7 +133,11 @@ class Pipeline:
             )
         outputs = {int(d["index"]): d for d in self._interp.get_output_details()}
         self.num_classes = int(outputs[backbone.output_index]["shape"][-1])
-        self._output_specs = self._specs(backbone)
+        e, o = backbone.embedding_quant, backbone.output_quant
+        self._output_specs: tuple[_Output, _Output] = (  # the embedding's and the logits'
+            (backbone.embedding_index, np.float32(e.zero_point), np.float32(e.scale) if e.scale else None),
+            (backbone.output_index, np.float32(o.zero_point), np.float32(o.scale) if o.scale else None),
+        )
         self._tables: dict[np.dtype[Any], _Table | None] = {}
         #: raw dtype name -> best seconds per tensor batch of each fused kernel tried (float32 models)
         self.kernel_seconds: dict[str, dict[str, float]] = {}
@@ -176,12 +165,9 @@ class Pipeline:
     def counters(self) -> dict[str, Any]:
         """Counters and per-stage timings since the last reset (JSON-ready).
 
-        Returns
-        -------
-        dict
-            ``mode``, ``batch``, ``tensor_batch``, ``allocated_batch``, ``fused_step`` (:meth:`fused_step`
-            of the last call's raw dtype, ``""`` unfused), ``samples``, ``invokes``, ``padded_rows``,
-            ``stages``: ``{name: {"calls": int, "total_s": float, "s_per_sample": float}}`` in order.
+        ``mode``, ``batch``, ``tensor_batch``, ``allocated_batch``, ``fused_step`` (of the last call's
+        raw dtype, ``""`` unfused), ``samples``, ``invokes``, ``padded_rows``, ``stages``:
+        ``{name: {"calls": int, "total_s": float, "s_per_sample": float}}`` in order.
         """
         n = max(self.samples_total, 1)
         order = [s for s in (*PREPROCESS_STAGES, "invoke", "read") if s in self._calls]
@@ -205,11 +191,10 @@ class Pipeline:
         }
 
     def fused_step(self, raw_dtype: np.dtype[Any] | type | str = np.uint8) -> str:
-        """How the fused step maps raw samples of ``raw_dtype``.
+        """How the fused step maps ``raw_dtype``: ``"copy"``, ``"table"`` (8/16-bit) or ``"in_place"``.
 
-        ``"copy"`` (the raw samples are the model input), ``"table"`` (a lookup table built by running
-        the unfused stages on every 8- or 16-bit raw value) or ``"in_place"`` (the stages' arithmetic;
-        for float32 models timed against the table, the faster kept).
+        The table runs the unfused stages on every raw value; a float32 model's is timed against the
+        arithmetic, the faster kept.
         """
         table = self._table(np.dtype(raw_dtype))
         if table is None:
@@ -218,28 +203,11 @@ class Pipeline:
 
     # --- public entry points --------------------------------------------------------------------
     def run(self, raw: np.ndarray) -> tuple[F32, F32]:
-        """Embed and score raw samples, ``tensor_batch`` rows per invoke.
+        """Embed and score ``raw`` [N >= 1, *sample_shape] (int or float), ``tensor_batch`` rows an invoke.
 
-        A last, partial group runs at its real row count when the model's batch is resizable; a
-        fixed-batch model pads it (``padded_rows``).
-
-        Parameters
-        ----------
-        raw : [N, *sample_shape], N >= 1, any integer or float dtype
-
-        Returns
-        -------
-        embeddings : float32 [N, D]
-            Dequantised embedding (pad rows never included).
-        logits : float32 [N, K]
-            The model's own output, dequantised.
-
-        Raises
-        ------
-        ValueError
-            If ``raw`` is empty or its sample shape is not the model's.
-        InterpreterBusy
-            If another thread is using the interpreter.
+        A last, partial group runs at its real size when the batch is resizable, else padded. Returns
+        ``(embeddings float32 [N, D], logits float32 [N, K])``, dequantised. ``ValueError`` if ``raw``
+        is empty or of another sample shape; ``InterpreterBusy`` if another thread uses the interpreter.
         """
         n = self._check(raw)
         emb = np.empty((n, self.backbone.embedding_dim), dtype=np.float32)
@@ -271,13 +239,7 @@ class Pipeline:
                 self.invokes_total += 1
 
     def prepare(self, rows: np.ndarray) -> None:
-        """Preprocess up to ``tensor_batch`` rows into the input tensor, without invoking (profiling).
-
-        Raises
-        ------
-        ValueError
-            If ``rows`` is empty, has more than ``tensor_batch`` rows, or the wrong sample shape.
-        """
+        """Preprocess 1..``tensor_batch`` rows into the input tensor without invoking; ValueError else."""
         if self._check(rows) > self.tensor_batch:
             raise ValueError(f"prepare: {len(rows)} rows > tensor batch {self.tensor_batch}")
         with self.backbone.claim():
@@ -399,9 +361,6 @@ class Pipeline:
         dst = view.reshape(-1)
         total = int(rows.shape[0]) * self._elems
         c = table.channels
-        if c == 1 and total <= TABLE_CHUNK_ELEMS:  # small samples: one lookup, no slicing
-            table.flat.take(src, out=dst[:total], mode="clip")
-            return
         chunk = len(table.channel_of) if c > 1 else TABLE_CHUNK_ELEMS
         for s in range(0, total, chunk):
             e = min(s + chunk, total)
@@ -500,15 +459,6 @@ class Pipeline:
                 np.subtract(q, zero_point, out=out, casting="unsafe")
                 np.multiply(out, scale, out=out)
 
-    @staticmethod
-    def _specs(backbone: Backbone) -> tuple[_Output, _Output]:
-        """(tensor index, zero point, scale or None) of the embedding and the logits (fixed per model)."""
-        e, o = backbone.embedding_quant, backbone.output_quant
-        return (
-            (backbone.embedding_index, np.float32(e.zero_point), np.float32(e.scale) if e.scale else None),
-            (backbone.output_index, np.float32(o.zero_point), np.float32(o.scale) if o.scale else None),
-        )
-
 
 def random_raw(shape: tuple[int, ...], dtype: np.dtype[Any] | str, seed: int = 0) -> np.ndarray:
     """Seeded raw samples spanning the dtype's range (floats: normal, std 64), for measurements."""
@@ -523,24 +473,6 @@ def random_raw(shape: tuple[int, ...], dtype: np.dtype[Any] | str, seed: int = 0
 
 
 # --- the automatic choice, cached per model -------------------------------------------------------
-def _cache_key(
-    backbone: Backbone,
-    mean: tuple[float, ...],
-    std: tuple[float, ...],
-    batches: Sequence[int],
-    raw_dtype: str,
-) -> dict[str, Any]:
-    return {
-        "cache_version": CACHE_VERSION,
-        "model_sha256": backbone.sha256,
-        "runtime": backbone.runtime_name,
-        "mean": [float(v) for v in mean],
-        "std": [float(v) for v in std],
-        "batches": [int(b) for b in batches],
-        "raw_dtype": raw_dtype,
-    }
-
-
 def cache_path(cache_dir: Path, model_sha256: str) -> Path:
     """Where :func:`choose` keeps its decision for one model: ``<cache_dir>/pipeline-<sha256>.json``."""
     return cache_dir / f"pipeline-{model_sha256}.json"
@@ -559,12 +491,19 @@ def choose(
 ) -> tuple[Mode, int]:
     """``pipeline.mode = "auto"``: measure and pick (mode, batch), cached per model sha256 on disk.
 
-    A cache file for other parameters (model, runtime, mean, std, batches, raw dtype), unreadable or
-    of an older format is measured again and replaced atomically. Parameters, return value and errors
-    as :func:`edgefl.agent.pipeline_measure.measure` and :func:`~edgefl.agent.pipeline_measure.decide`;
+    A cache for other parameters, unreadable or of an older format, is measured again and replaced.
+    Arguments and errors as :func:`~edgefl.agent.pipeline_measure.measure` and ``decide``;
     ``cache_dir`` is created, or None to measure every time.
     """
-    key = _cache_key(backbone, mean, std, batches, str(np.dtype(raw_dtype)))
+    key: dict[str, Any] = {
+        "cache_version": CACHE_VERSION,
+        "model_sha256": backbone.sha256,
+        "runtime": backbone.runtime_name,
+        "mean": [float(v) for v in mean],
+        "std": [float(v) for v in std],
+        "batches": [int(b) for b in batches],
+        "raw_dtype": str(np.dtype(raw_dtype)),
+    }
     path = cache_path(cache_dir, backbone.sha256) if cache_dir is not None else None
     if path is not None and path.is_file():
         try:

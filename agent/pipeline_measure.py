@@ -1,7 +1,4 @@
-"""Measure the unfused and fused pipeline per batch size on one model, and pick the fastest (mode, batch).
-
-:func:`edgefl.agent.pipeline.choose` runs both and caches the decision; ``edgefl profile`` prints them.
-"""
+"""Measure the unfused and fused pipeline per batch size on one model, and pick the fastest (mode, batch)."""
 
 from __future__ import annotations
 
@@ -22,25 +19,11 @@ from edgefl.runtime import Backbone
 class BatchMeasurement:
     """Medians for one batch size (throughput in samples/s, times in s per sample, peaks in bytes).
 
-    Attributes
-    ----------
-    batch : int
-    unfused_samples_per_s, fused_samples_per_s, invoke_only_samples_per_s : float
-        End to end (preprocess + invoke, :meth:`Pipeline.forward`), and invoke alone with the input
-        in place (the ceiling).
-    unfused_run_samples_per_s, fused_run_samples_per_s : float
-        :meth:`Pipeline.run`: end to end plus reading and dequantising the outputs (what the agent
-        does per batch; the read is the same code in both modes).
-    preprocess_unfused_s_per_sample, preprocess_fused_s_per_sample : float
-        Everything before ``invoke``.
-    preprocess_unfused_peak_bytes, preprocess_fused_peak_bytes : int
-        Peak extra bytes of numpy allocations (tracemalloc) while preprocessing one batch; the fused
-        figure includes its persistent one-sample scratch when it has one (lookup tables are not
-        counted: at most 256 KiB, built once).
-    preprocess_unfused_minor_faults, preprocess_fused_minor_faults : float
-        Minor page faults of the thread per batch of preprocessing (fresh pages for new arrays).
-    stages_unfused, stages_fused : dict[str, float]
-        Median seconds per sample of every stage.
+    ``*_samples_per_s``: end to end (:meth:`Pipeline.forward`), invoke alone (the ceiling), and
+    ``*_run_*`` :meth:`Pipeline.run` (plus reading the outputs). ``preprocess_*``: everything before
+    ``invoke``; its peak is the extra bytes numpy allocates (tracemalloc) for one batch, the fused
+    one's scratch included (lookup tables not); its minor page faults per batch. ``stages_*``:
+    median seconds per sample of every stage.
     """
 
     batch: int
@@ -96,31 +79,12 @@ def measure(
     repeats: int = 9,
     seed: int = 0,
 ) -> list[BatchMeasurement]:
-    """Time unfused, fused and invoke-only per batch size, interleaved, and take medians.
+    """Time unfused, fused and invoke-only per batch size (``batches``, each >= 1), interleaved.
 
-    Each repeat runs one batch of seeded random raw samples through both pipelines and ``invoke``
-    alone, one after the other, so a burst of load from other processes hits all three alike.
-
-    Parameters
-    ----------
-    batches : Sequence[int]
-        Batch sizes to measure, each >= 1.
-    raw_dtype : numpy dtype or str
-        dtype of the raw samples (e.g. ``"uint8"`` camera frames).
-    repeats : int
-        Timed runs per configuration (after 2 warm-up runs), >= 1.
-
-    Returns
-    -------
-    list[BatchMeasurement]
-        One per batch size, in the order given.
-
-    Raises
-    ------
-    ValueError
-        If a batch size or ``repeats`` is < 1, or mean/std do not fit the model.
-    InterpreterBusy
-        If another thread is using the interpreter.
+    Each of ``repeats`` (>= 1, after 2 warm-ups) runs one batch of seeded random ``raw_dtype``
+    samples through both pipelines and ``invoke`` alone, so a burst of load hits all three alike.
+    Returns one :class:`BatchMeasurement` (medians) per batch size, in order. ``ValueError`` if a
+    batch size or ``repeats`` is < 1 or mean/std do not fit the model; ``InterpreterBusy`` as ``run``.
     """
     if repeats < 1 or not batches or min(batches) < 1:
         raise ValueError(f"repeats {repeats} and batches {tuple(batches)} must be >= 1")
@@ -129,11 +93,7 @@ def measure(
         pipes = {m: Pipeline(backbone, mean, std, mode=m, batch=b) for m in MODES}
         raw = random_raw((b, *backbone.sample_shape), raw_dtype, seed)
         times: dict[str, list[float]] = {
-            "unfused": [],
-            "fused": [],
-            "invoke": [],
-            "unfused_run": [],
-            "fused_run": [],
+            k: [] for k in ("unfused", "fused", "invoke", "unfused_run", "fused_run")
         }
         stages: dict[str, list[dict[str, float]]] = {"unfused": [], "fused": []}
         pre: dict[str, list[float]] = {"unfused": [], "fused": []}
@@ -183,32 +143,12 @@ def measure(
     return out
 
 
-def _differing_s(r: BatchMeasurement, mode: Mode) -> float:
-    """Seconds per sample of the stages that differ between the modes (all but ``invoke``)."""
-    if mode == "fused":
-        return r.preprocess_fused_s_per_sample + r.stages_fused.get("read", 0.0)
-    return r.preprocess_unfused_s_per_sample + r.stages_unfused.get("read", 0.0)
-
-
 def decide(rows: Sequence[BatchMeasurement], *, margin: float = DEFAULT_MARGIN) -> tuple[Mode, int]:
-    """The fastest (mode, batch); fused counts only where its own stages measure faster by ``margin``.
+    """The fastest (mode, batch) of ``rows``; ``ValueError`` if there are none.
 
-    ``invoke``'s time jitters by more than a large model's preprocessing, so a configuration costs
-    its differing stages (preprocess and read) plus the invoke time pooled over both modes; fused
-    counts at a batch size only where its differing stages take under ``1 / (1 + margin)`` of the
-    unfused ones.
-
-    Parameters
-    ----------
-    rows : Sequence[BatchMeasurement]
-        One per batch size (non-empty).
-    margin : float
-        Fraction by which fused must beat unfused on the differing stages (noise guard), >= 0.
-
-    Raises
-    ------
-    ValueError
-        If ``rows`` is empty.
+    ``invoke`` jitters by more than a large model's preprocessing, so a configuration costs its
+    differing stages (preprocess and read) plus the invoke time pooled over both modes; fused counts
+    only where its differing stages take under ``1 / (1 + margin)`` of the unfused ones.
     """
     if not rows:
         raise ValueError("decide: no measurements")
@@ -218,7 +158,9 @@ def decide(rows: Sequence[BatchMeasurement], *, margin: float = DEFAULT_MARGIN) 
             invoke_s = (r.stages_fused["invoke"] + r.stages_unfused["invoke"]) / 2.0
         else:
             invoke_s = 1.0 / r.invoke_only_samples_per_s
-        fused_s, unfused_s = _differing_s(r, "fused"), _differing_s(r, "unfused")
+        # the stages that differ between the modes: preprocessing and the read
+        fused_s = r.preprocess_fused_s_per_sample + r.stages_fused.get("read", 0.0)
+        unfused_s = r.preprocess_unfused_s_per_sample + r.stages_unfused.get("read", 0.0)
         cand: tuple[float, Mode, int] = (
             (fused_s + invoke_s, "fused", r.batch)
             if fused_s * (1.0 + margin) < unfused_s

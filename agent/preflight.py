@@ -55,18 +55,10 @@ def floor_bytes(
 ) -> int:
     """The least memory the agent needs with this model: a lower bound of its peak RSS, in bytes.
 
-    The process with the model loaded, the store, the live ingest at its bounds and the smallest
-    inference phase.
-
-    Parameters
-    ----------
-    profile : Profile
-    shapes : ModelShapes
-        Of the loaded model (:func:`edgefl.agent.estimates.model_shapes`).
-    baseline_rss : int
-        RSS of a process that imported the agent and loaded the model, in bytes.
-    training : bool
-        Also the first training run at ``training.chunk_floor`` over a full store.
+    ``baseline_rss`` (the RSS of a process that imported the agent and loaded the model, bytes), the
+    store, the live ingest at its bounds and the smallest inference phase of the model's ``shapes``
+    (:func:`edgefl.agent.estimates.model_shapes`); with ``training``, also the first training run at
+    ``training.chunk_floor`` over a full store.
     """
     phase = estimates.estimate_inference_bytes(shapes, 1)
     if training:
@@ -144,19 +136,9 @@ def broker_warnings(profile: Profile) -> list[str]:
 def preflight(profile: Profile, shapes: estimates.ModelShapes | None, baseline_rss: int) -> list[str]:
     """Every reason this profile cannot run here (empty when it can).
 
-    Parameters
-    ----------
-    profile : Profile
-        A validated device profile.
-    shapes : ModelShapes or None
-        Of the profile's model once loaded; None skips the store and floor checks.
-    baseline_rss : int
-        RSS in bytes of this process with the agent imported and the model loaded.
-
-    Returns
-    -------
-    list[str]
-        Problems as ``key = value: reason`` (``memory.cap_mb = 2: under the model's floor of 66.1 MiB``).
+    ``shapes`` of the profile's model once loaded (None skips the store and floor checks),
+    ``baseline_rss`` as :func:`floor_bytes`'s. Problems as ``key = value: reason``
+    (``memory.cap_mb = 2: under the model's floor of 66.1 MiB``).
     """
     problems: list[str] = []
     state_dir = profile.device.state_dir

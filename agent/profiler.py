@@ -31,20 +31,9 @@ EXIT_MODEL = 3
 
 def _floats(text: str) -> tuple[float, ...]:
     try:
-        values = tuple(float(v) for v in text.split(","))
+        return tuple(float(v) for v in text.split(","))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers") from exc
-    return values
-
-
-def _batches(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from exc
-    if not values or min(values) < 1 or max(values) > MAX_BATCH:
-        raise argparse.ArgumentTypeError(f"{text!r}: batch sizes must be in 1..{MAX_BATCH}")
-    return values
 
 
 def _bounded_int(low: int, high: int) -> Any:
@@ -60,6 +49,11 @@ def _bounded_int(low: int, high: int) -> Any:
         return value
 
     return parse
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    """Comma-separated batch sizes, each in ``1..MAX_BATCH``."""
+    return tuple(_bounded_int(1, MAX_BATCH)(v) for v in text.split(","))
 
 
 def _margin(text: str) -> float:

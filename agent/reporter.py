@@ -1,9 +1,6 @@
 """The daemon's status task: the retained DeviceStatus and the status page's document.
 
-:meth:`StatusReporter.status_loop` publishes ``status/<device>`` (retained, QoS 1) when the status
-has news (:func:`edgefl.agent.status.status_news`), at every (re)connect and at least every
-``status.heartbeat_s``; :meth:`StatusReporter.dashboard_status` is what the status page shows. It
-also declares the fields and small hooks the daemon's tasks share.
+It also declares the fields and small hooks the daemon's tasks share.
 """
 
 from __future__ import annotations
@@ -97,18 +94,18 @@ class AgentState:
     state: str = "idle"
     reason: str = ""
     round: int = 0
+    local_accuracy: float = float("nan")
     inferred_total: int = 0
     correct_total: int = 0
+    labelled_total: int = 0
+    """Classified samples that had a label (the denominator of ``inference_accuracy``)."""
     stored_total: int = 0
+    last_update_ts: float | None = None
+    """Wall-clock time (Unix s) the last update was sent: with ``ts`` the page tells its age."""
+    last_update_bytes: int = 0
     replay_done: bool = False
     ingest_ready: bool = False
     """Live ingest: subscribed to the samples and labels topics."""
-    labelled_total: int = 0
-    """Classified samples that had a label (the denominator of ``inference_accuracy``)."""
-    last_update_bytes: int = 0
-    last_update_ts: float | None = None
-    """Wall-clock time (Unix s) the last update was sent: with ``ts`` the page tells its age."""
-    local_accuracy: float = float("nan")
     rejected: Counter[str] = field(default_factory=Counter)
     last_rejected: dict[str, str] = field(default_factory=dict)
     """The last live-ingest refusal: ``reason``, ``detail``, ``topic`` (a feed shows it)."""
@@ -148,15 +145,9 @@ class StatusReporter:
     _acked: list[str]
 
     async def _work(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run ``fn(*args)`` on the worker thread (every core call goes through here).
-
-        The PUBACKs noted since the last call (:meth:`_note_acknowledged`) reach the core first, in
-        the same hop.
-        """
-        loop = asyncio.get_running_loop()
-        if not self._acked:
-            return await loop.run_in_executor(self.executor, fn, *args)
+        """Run ``fn(*args)`` on the worker thread, after the PUBACKs noted since the last call."""
         acked, self._acked = self._acked, []
+        loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self._acknowledge_then, acked, fn, args)
 
     def _acknowledge_then(self, acked: list[str], fn: Callable[..., _T], args: tuple[Any, ...]) -> _T:
@@ -164,13 +155,6 @@ class StatusReporter:
         for update_id in acked:
             self.core.acknowledged(update_id)
         return fn(*args)
-
-    def _note_acknowledged(self, update_id: str) -> None:
-        """The broker acknowledged ``update_id``: the core is told with the next worker call.
-
-        ``outbox_pending`` counts the update until then, as it counts one written behind.
-        """
-        self._acked.append(update_id)
 
     def _wake_rounds(self, ask: str) -> None:
         """Ask the round task for ``ask``: ``ready`` (a waiting round may be answerable), ``resend``."""
@@ -216,8 +200,7 @@ class StatusReporter:
     def status_fields(self, measure: bool = True, *, volatile: bool = True) -> dict[str, Any]:
         """The DeviceStatus fields (JSON-like); ``measure=False`` leaves out the ``/proc`` figures.
 
-        ``volatile=False`` also leaves out the counters and per-phase figures that are never news
-        (``pipeline``, ``transport``, the governor's phases and admissions: ``VOLATILE_STATUS_FIELDS``).
+        ``volatile=False`` also leaves out the figures that are never news (``pipeline``, ...).
         """
         s = self.state
         core = self.core
@@ -284,10 +267,7 @@ class StatusReporter:
         }
 
     def broker_state(self) -> str:
-        """``connected``, a refusal (:data:`REFUSED_NOT_AUTHORIZED`, :data:`REFUSED_UNTRUSTED`), or not yet.
-
-        Not yet: ``lost`` (it was connected) or ``connecting``.
-        """
+        """``connected``, a refusal (:data:`REFUSED_NOT_AUTHORIZED`, ...), ``lost`` or ``connecting``."""
         t = self.transport
         if t is None:
             return "connecting"
@@ -369,18 +349,16 @@ class StatusReporter:
     async def status_loop(self) -> None:
         """Publish the retained status when it says something new, and at least every ``status.heartbeat_s``.
 
-        Checked on every change and every ``status.interval_s``; every (re)connect publishes (the
-        broker may hold the "offline" last will); while the core is degraded each check retries the
-        writes.
+        Also at every (re)connect (the broker may hold the "offline" will); while the core is degraded
+        each check retries the writes.
         """
         assert self.transport is not None
         cfg = self.profile.status
         heartbeat_s = cfg.interval_s if cfg.heartbeat_s is None else cfg.heartbeat_s
         while True:
             await wait_event(self._status_dirty, cfg.interval_s)
-            # a round marks the status changed at each step (received, trained, sent, acknowledged):
-            # checked once when its messages are handled, not beside its training and publish
-            # (round time); never later than one interval, at once after a (re)connect
+            # a round marks the status changed at each step: checked once its messages are handled,
+            # never later than one interval, at once after a (re)connect
             await wait_event(self._status_go, cfg.interval_s)
             self._status_dirty.clear()
             try:

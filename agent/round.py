@@ -70,25 +70,13 @@ class RoundStatus(StrEnum):
 class RoundResult:
     """The outcome of one round announcement.
 
-    Attributes
-    ----------
-    status : RoundStatus
-    round : int
-        The announced round (0 when the bytes did not decode).
-    reason : str
-        For REFUSED the refusal code (``stale_round``, ``bad_signature``, ``unsigned``, a
-        :class:`~edgefl.errors.DecodeError` reason, ``failed``); for DEFERRED the governor's reason.
-    detail : str
-        Human-readable explanation.
-    entry : OutboxEntry or None
-        TRAINED: the signed, encoded Update as kept in the outbox (publish ``entry.payload``);
-        DECLINED: the Decline message, kept and published the same way.
-    dropped : tuple[Dropped, ...]
-        Older outbox entries evicted to make room (TRAINED only).
-    local : LocalResult or None
-        TRAINED only: the local training's delta, loss, accuracy and time.
-    update_bytes : int
-        TRAINED only: ``len(entry.payload)``.
+    ``round`` the announced round (0 when the bytes did not decode); ``reason`` for REFUSED the
+    refusal code (``stale_round``, ``bad_signature``, ``unsigned``, a
+    :class:`~edgefl.errors.DecodeError` reason, ``failed``), for DEFERRED the governor's; ``detail``
+    the human-readable why. TRAINED: ``entry`` the signed, encoded Update as kept in the outbox
+    (publish ``entry.payload``), ``dropped`` older outbox entries evicted to make room, ``local`` the
+    local training's delta, loss, accuracy and time, ``update_bytes`` ``len(entry.payload)``;
+    DECLINED: ``entry`` the Decline message, kept and published the same way.
     """
 
     status: RoundStatus
@@ -109,20 +97,10 @@ DECLINE_AFTER_FRACTION = 0.5
 class Deferred:
     """A round not answered yet, retried by :meth:`DeviceCore.retry_deferred` until its time is up.
 
-    Deferred by the memory governor (waiting for memory), for too few examples, or waiting for the
-    global head of its base version.
-
-    Attributes
-    ----------
-    ann : RoundAnnouncement
-    since_s : float
-        ``time.monotonic()`` of its first deferral.
-    reason : str
-        The governor's latest reason (or why too few examples are stored).
-    decline : str
-        The Decline's reason when its time is up: ``over_budget`` (memory), ``too_few_examples``
-        (fewer than ``training.min_examples`` labelled examples stored) or ``no_head`` (the global
-        head of the round's base version never came).
+    ``since_s``: ``time.monotonic()`` of its first deferral; ``reason``: the latest why; ``decline``:
+    the Decline's reason when its time is up, ``over_budget`` (waiting for memory),
+    ``too_few_examples`` (fewer than ``training.min_examples`` stored) or ``no_head`` (the global head
+    of its base version never came).
     """
 
     ann: RoundAnnouncement
@@ -166,11 +144,6 @@ class RoundAnswering(PersonalHeads):
             self._see_version(ann.base_version)
         return self.answer_round(ann)
 
-    def _selected(self, ann: RoundAnnouncement) -> bool:
-        if isinstance(ann.selected, tuple):
-            return self.device in ann.selected
-        return True
-
     def answer_round(self, ann: RoundAnnouncement) -> RoundResult:
         """Answer a round at most once: train, error feedback, encode, sign, keep in the outbox, persist.
 
@@ -191,7 +164,7 @@ class RoundAnswering(PersonalHeads):
             # a newer round supersedes the deferred one: refuse it to the coordinator, never drop it
             self.deferred = None
             self._declines.append(self._decline_safely(prior))
-        if not self._selected(ann):
+        if isinstance(ann.selected, tuple) and self.device not in ann.selected:
             return RoundResult(RoundStatus.NOT_SELECTED, ann.round)
         if self.answered is not None and ann.round <= self.answered.round:
             return RoundResult(
@@ -217,16 +190,14 @@ class RoundAnswering(PersonalHeads):
                     f"round {ann.round} uses version {ann.base_version}, device has {head.version}",
                 ),
             )
+        if self.pending_round is not None and self.pending_round.round <= ann.round:
+            self.pending_round = None
         if len(self.store) == 0:
             # nothing to train on: say so now rather than hold the round to its deadline
-            if self.pending_round is not None and self.pending_round.round <= ann.round:
-                self.pending_round = None
             try:
                 return self.decline(ann, Reason.NO_SAMPLES, "no labelled samples stored")
             except OSError as exc:
                 return RoundResult(RoundStatus.REFUSED, ann.round, "failed", str(exc))
-        if self.pending_round is not None and self.pending_round.round <= ann.round:
-            self.pending_round = None
         need = self.profile.training.min_examples
         if len(self.store) < need:
             # a feed may still be going: wait for more like for memory, decline when the time is up
@@ -271,12 +242,8 @@ class RoundAnswering(PersonalHeads):
                 time_budget_s=ann.deadline_s,
                 personal=alongside,
             )
-        enc = gov.admit(
-            "encode",
-            lambda _: estimates.estimate_encode_bytes(D, K, ann.compression, ann.topk_fraction),
-            1,
-            1,
-        )
+        need = estimates.estimate_encode_bytes(D, K, ann.compression, ann.topk_fraction)
+        enc = gov.admit("encode", lambda _: need, 1, 1)
         if enc.deferred:
             return self._defer(ann, enc.reason)
         update_id = f"{self.device}:{ann.round}:{ann.base_version}"
@@ -292,11 +259,7 @@ class RoundAnswering(PersonalHeads):
                 # add what earlier compression dropped, keep what this one drops: persisted by the
                 # outbox write below; the wire form is made once, here
                 delta_W, delta_b, compressed = fb.compress(
-                    delta_W,
-                    delta_b,
-                    ann.compression,
-                    topk_fraction=ann.topk_fraction,
-                    round=ann.round,
+                    delta_W, delta_b, ann.compression, topk_fraction=ann.topk_fraction, round=ann.round
                 )
                 carry = fb.carry_bytes()
             update = Update(
@@ -311,8 +274,7 @@ class RoundAnswering(PersonalHeads):
                     result.accuracy,
                     result.train_s,
                     gov.peak_rss_bytes,
-                    # the base head's federated evaluation rides with the update (the
-                    # status no longer goes out for it)
+                    # the base head's federated evaluation rides with the update
                     eval_accuracy=base_eval.accuracy if base_eval is not None else None,
                     eval_count=base_eval.count if base_eval is not None else 0,
                 ),
@@ -354,12 +316,7 @@ class RoundAnswering(PersonalHeads):
         )
 
     def _personal_step(self, ann: RoundAnnouncement) -> PersonalStep:
-        """The personal step to take on the round's training batches (admitted with the training).
-
-        Without it (personal heads off, a logistic head, ``personal.epochs`` other than the round's,
-        or no room beside training) the step runs on its own after the update (:meth:`personalise`,
-        with its own admission).
-        """
+        """The personal step to take on the round's training batches (admitted with the training)."""
         pcfg = self.profile.personal
         current = self.personal
         W, b = (self.head.W.copy(), self.head.b.copy()) if current is None else (current.W, current.b)
@@ -378,10 +335,9 @@ class RoundAnswering(PersonalHeads):
         """Retry the deferred round once memory may have freed, or decline it when its time is up.
 
         Before :data:`DECLINE_AFTER_FRACTION` of the round's ``deadline_s`` has passed since its first
-        deferral, free heap is returned to the kernel and the round answered again; after it, the round
-        is DECLINED (``over_budget``, ``too_few_examples`` or ``no_head``).
-
-        ``now_s``: ``time.monotonic()`` (tests pass their own). None when no round is deferred.
+        deferral (``now_s``: ``time.monotonic()`` by default), free heap is returned to the kernel and
+        the round answered again; after it, the round is DECLINED (the deferral's reason). None when
+        no round is deferred.
         """
         d = self.deferred
         if d is None:
@@ -420,12 +376,8 @@ class RoundAnswering(PersonalHeads):
 
         ``reason`` is a :class:`~edgefl.wire.reasons.Reason` value (``over_budget``), ``detail`` the
         why for the coordinator's log (cut to 200 printable ASCII characters). Returns DECLINED with
-        the Decline as ``entry`` (publish it on ``update/<device>``).
-
-        Raises
-        ------
-        OSError
-            If the outbox cannot be persisted (the decline is then not kept).
+        the Decline as ``entry`` (publish it on ``update/<device>``). OSError if the outbox cannot be
+        persisted (the decline is then not kept).
         """
         update_id = f"{self.device}:{ann.round}:{ann.base_version}:declined"
         msg = Decline(ann.round, ann.base_version, self.device, str(reason), detail, update_id)
@@ -452,10 +404,7 @@ class RoundAnswering(PersonalHeads):
     def _keep_answer(
         self, ann: RoundAnnouncement, update_id: str, payload: bytes, what: str, sends: int = 0
     ) -> tuple[Dropped, ...]:
-        """Keep an answer in the outbox, the round recorded as answered, in one write; the evicted.
-
-        OSError if the outbox cannot be persisted (the answer is then not kept).
-        """
+        """Keep an answer in the outbox with the round answered, in one write; the evicted (else OSError)."""
         added: list[Dropped] = []
         answered = Answered(self.fleet, ann.round, update_id)
         amap = self._answered_map(answered)

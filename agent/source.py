@@ -1,11 +1,8 @@
 """The daemon's sample task: a replay file or live MQTT samples and labels in, predictions out.
 
-:meth:`SampleSource.run_source` feeds batches to the core's observe path (classify, keep the
-labelled embeddings); with ``source.kind = "mqtt"`` the message pump files samples and labels into
-the bounded ingest queue at once (:meth:`SampleSource.receive_ingest`, ``agent/ingest.py``) and
-:meth:`SampleSource.run_ingest` classifies them and publishes a Prediction per sample.
-:meth:`SampleSource.flush_loop` makes stored samples durable within ``training.flush_interval_s``.
-A round that waits for samples is handed to the round task (``agent/control.py``), never answered here.
+With ``source.kind = "mqtt"`` the message pump files samples and labels into the bounded ingest
+queue at once (:meth:`SampleSource.receive_ingest`) and :meth:`SampleSource.run_ingest` classifies
+them. A round that waits for samples is handed to the round task, never answered here.
 """
 
 from __future__ import annotations
@@ -92,10 +89,8 @@ class SampleSource(StatusReporter):
                 self.state.labelled_total += len(lbl)
                 self.state.stored_total += len(lbl)
                 self._stored.set()
-                if src.rate_hz > 0:
-                    await asyncio.sleep(max(0.0, len(lbl) / src.rate_hz - (time.monotonic() - t0)))
-                else:
-                    await asyncio.sleep(0)
+                pause_s = len(lbl) / src.rate_hz - (time.monotonic() - t0) if src.rate_hz > 0 else 0.0
+                await asyncio.sleep(max(0.0, pause_s))
             await self._work(self.core.flush_store)  # never raises: a full disk marks the core degraded
             if not self.state.replay_done:
                 self.state.replay_done = True
@@ -108,11 +103,9 @@ class SampleSource(StatusReporter):
     def receive_ingest(self, msg: Message) -> None:
         """File a Sample into the ingest queue or apply a Label (on the loop, at once; never raises).
 
-        A bad, duplicate, conflicting or retained message is refused: counted in ``rejected`` and
-        logged with topic, size and reason (the first :data:`~edgefl.agent.ingest.LOGGED_REFUSALS`
-        of each reason, then every 1000th), and its app gets a Refusal naming its id when the id can
-        be read (published by :meth:`run_ingest`). An empty payload (a retained message cleared) is
-        ignored.
+        A bad, duplicate, conflicting or retained message is counted in ``rejected``, logged (see
+        :meth:`_count_rejected`) and its app gets a Refusal naming its id when the id can be read.
+        An empty payload (a retained message cleared) is ignored.
         """
         ingest = self.ingest
         assert ingest is not None
@@ -247,42 +240,37 @@ class SampleSource(StatusReporter):
         ]
         await self._publish_predictions(predictions)
 
-    async def _publish_predictions(self, predictions: list[Prediction]) -> None:
-        """Publish Predictions (``source.predictions_qos``; QoS 1 acknowledgements are awaited together)."""
-        assert self.transport is not None and self.ingest is not None
-        counters = self.ingest.counters
+    async def _publish_to_apps(self, payloads: list[bytes]) -> int:
+        """Publish on ``predictions/<device>`` (``source.predictions_qos``, PUBACKs awaited together).
+
+        Returns how many were not published (TransportError); any other error is raised.
+        """
+        assert self.transport is not None
         topic = self.topics.predictions(self.device)
         qos = self.profile.source.predictions_qos
         results = await asyncio.gather(
-            *(self.transport.publish(topic, encode_prediction(p), qos=qos) for p in predictions),
-            return_exceptions=True,
+            *(self.transport.publish(topic, p, qos=qos) for p in payloads), return_exceptions=True
         )
-        failed = 0
         for res in results:
-            if isinstance(res, TransportError):
-                failed += 1
-            elif isinstance(res, BaseException):
+            if isinstance(res, BaseException) and not isinstance(res, TransportError):
                 raise res
-        counters.predictions_failed += failed
-        counters.predictions_published += len(results) - failed
+        return sum(isinstance(res, TransportError) for res in results)
+
+    async def _publish_predictions(self, predictions: list[Prediction]) -> None:
+        """Publish Predictions, counted in ``predictions_published`` / ``predictions_failed``."""
+        assert self.ingest is not None
+        failed = await self._publish_to_apps([encode_prediction(p) for p in predictions])
+        self.ingest.counters.predictions_failed += failed
+        self.ingest.counters.predictions_published += len(predictions) - failed
         if failed:
             logger.debug("%d prediction(s) not published (broker unreachable or no PUBACK)", failed)
 
     async def _publish_refusals(self) -> None:
-        """Publish the queued Refusals on ``predictions/<device>`` (QoS ``source.predictions_qos``)."""
-        assert self.transport is not None and self.ingest is not None
+        """Publish the queued Refusals to their apps."""
+        assert self.ingest is not None
         refusals = self.ingest.refusals
-        topic = self.topics.predictions(self.device)
-        qos = self.profile.source.predictions_qos
         while refusals:
-            batch = [refusals.popleft() for _ in range(len(refusals))]
-            results = await asyncio.gather(
-                *(self.transport.publish(topic, encode_refusal(r), qos=qos) for r in batch),
-                return_exceptions=True,
-            )
-            for res in results:
-                if isinstance(res, BaseException) and not isinstance(res, TransportError):
-                    raise res
+            await self._publish_to_apps([encode_refusal(refusals.popleft()) for _ in range(len(refusals))])
 
     def _is_ingest(self, topic: str) -> bool:
         return self.ingest is not None and topic in (
@@ -293,9 +281,9 @@ class SampleSource(StatusReporter):
     async def _observe(
         self, raw: np.ndarray, lbl: np.ndarray, labelled: np.ndarray | None = None
     ) -> Classified | None:
-        """``core.observe`` on the worker, retried every ``status.interval_s`` while over budget.
+        """``core.observe`` on the worker, retried every ``status.interval_s`` while over budget (counted).
 
-        Each refusal is counted (``over_budget_batches``); None when the agent is stopping.
+        None when the agent is stopping.
         """
         while True:
             try:

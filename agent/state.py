@@ -1,12 +1,8 @@
 """The device's state on disk: which files hold it, how each is read back, and the one write policy.
 
 Every state write goes through :meth:`DeviceState._persist`; a failed one (a full disk) is counted,
-logged once, marks the device ``degraded`` and is retried while the device carries on. The outbox
-record is written before an update is published and after its PUBACK, the heads and rollback floor
-when they change (some behind: :meth:`DeviceState.persist_behind`), the store per
-``training.flush_every`` / ``flush_interval_s``. Records are checksummed
-:class:`~edgefl.records.RecordSlot` files; one for another fleet or model, or unreadable, is set
-aside with one log line.
+logged once, marks the device ``degraded`` and is retried while the device carries on. A record
+(:class:`~edgefl.records.RecordSlot`) for another fleet or model, or unreadable, is ignored.
 """
 
 from __future__ import annotations
@@ -55,7 +51,7 @@ class Answered:
     """The last round this device answered, kept in the outbox record's ``answered`` key.
 
     A CBOR map ``{"v": 1, "fleet": str, "round": int, "update_id": str}`` written with the round's
-    update (or Decline); a record for another fleet is ignored.
+    update (or Decline); one for another fleet is ignored.
     """
 
     fleet: str
@@ -63,7 +59,6 @@ class Answered:
     update_id: str
 
 
-# --- helpers ------------------------------------------------------------------------------------------
 DISK_FULL = "disk full"
 """:attr:`DeviceCore.degraded` when a state write failed with ``ENOSPC`` or ``EDQUOT``."""
 
@@ -78,10 +73,7 @@ def write_problem(exc: OSError) -> str:
 
 
 class DeviceState:
-    """The device's fields and its state on disk (the base of :class:`~edgefl.agent.core.DeviceCore`).
-
-    The attributes are set by ``DeviceCore.__init__``; the other parts of the core read them here.
-    """
+    """The device's fields (set by ``DeviceCore.__init__``) and its state on disk (a ``DeviceCore`` base)."""
 
     profile: Profile
     device: str
@@ -143,14 +135,8 @@ class DeviceState:
             logger.warning("stored global head %s unusable (%s); using the factory head", self.head_path, exc)
 
     def _load_answered(self) -> Answered | None:
-        """The last answered round, from the outbox record (written with the update that answers it)."""
-        last = self._parse_answered(self.outbox.answered, f"outbox {self.outbox.path}")
-        if last is not None:
-            logger.info("last answered round %d (%s)", last.round, last.update_id)
-        return last
-
-    def _parse_answered(self, obj: Any, where: str) -> Answered | None:
-        """An :class:`Answered` from its CBOR map (None when absent, malformed or of another fleet)."""
+        """The last answered round from the outbox record (None: absent, malformed or of another fleet)."""
+        obj, where = self.outbox.answered, f"outbox {self.outbox.path}"
         if obj is None:
             return None
         fleet = round_no = update_id = None
@@ -162,6 +148,7 @@ class DeviceState:
         if fleet != self.fleet:
             logger.info("%s: answered round is for fleet %s; ignored", where, fleet)
             return None
+        logger.info("last answered round %d (%s)", round_no, update_id)
         return Answered(fleet, round_no, update_id)
 
     def _load_residual(self) -> None:
@@ -209,8 +196,8 @@ class DeviceState:
     def _persist(self, what: str, write: Callable[[], object], *, behind: bool = False) -> bool:
         """Run ``write`` (the state ``what``); on ``OSError`` count, log, mark degraded, keep it to retry.
 
-        ``behind``: a write that may wait; with :attr:`write_behind` set it is only noted (the newest
-        of each ``what``) for :meth:`persist_behind`. Returns whether it succeeded (True if left behind).
+        Returns whether it succeeded; ``behind``: with :attr:`write_behind` set, only noted for
+        :meth:`persist_behind` (True).
         """
         if behind and self.write_behind:
             self._behind[what] = write
@@ -249,9 +236,8 @@ class DeviceState:
     def persist_behind(self) -> bool:
         """Make the writes left behind (:attr:`write_behind`) now; True when every one succeeded.
 
-        None is needed for a guarantee (a restart before this gets the retained global head again and
-        re-sends an acknowledged update, which the coordinator counts once); a failed one is left to
-        :meth:`retry_persist`.
+        None is needed for a guarantee: a restart gets the retained head again and re-sends an
+        acknowledged update, which the coordinator counts once.
         """
         pending, self._behind, self.behind_since = self._behind, {}, None
         ok = True
@@ -329,10 +315,9 @@ class DeviceState:
         return len(self.outbox) + self._acks_behind
 
     def to_resend(self, current_round: int, max_sends: int = 2) -> tuple[list[Dropped], list[OutboxEntry]]:
-        """After a (re)connect: drop entries of closed rounds, return those to send again.
+        """After a (re)connect: ``(dropped, pending)``, entries of rounds before ``current_round`` dropped.
 
-        Entries of rounds before ``current_round`` are dropped (``stale_round``); those already sent
-        ``max_sends`` times are not returned. Returns ``(dropped, pending)``.
+        ``pending``: those sent fewer than ``max_sends`` times.
         """
         dropped: list[Dropped] = []
         self._persist_outbox(lambda: dropped.extend(self.outbox.drop_stale(current_round)))

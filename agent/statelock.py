@@ -1,7 +1,6 @@
 """One process per state folder: an exclusive ``flock`` on ``<state_dir>/agent.lock``.
 
-Two agents (or coordinators) on one folder would overwrite each other's state. The lock is advisory
-(``flock(2)``), held for the life of the process and dropped by the kernel however it exits, so a stale
+The lock is held for the life of the process and dropped by the kernel however it exits, so a stale
 lock file never blocks.
 """
 
@@ -41,22 +40,11 @@ class StateDirBusy(EdgeflError):
 def lock_state_dir(state_dir: Path, *, lock_file: str = LOCK_FILE, owner: str = "agent") -> IO[str]:
     """Take the exclusive lock of ``state_dir`` (created if missing) and write our pid into it.
 
-    ``owner`` names what holds such folders in the error (``"agent"``, ``"coordinator"``).
+    ``owner`` names the holder in the error (``"agent"``, ``"coordinator"``). Returns the open lock
+    file: keep it for as long as the lock must be held (closing it releases it).
 
-    Returns
-    -------
-    IO[str]
-        The open lock file; keep a reference for as long as the lock must be held (closing it, or the
-        process ending, releases it).
-
-    Raises
-    ------
-    StateDirBusy
-        If another process holds the lock (non-blocking: raised at once).
-    OSError
-        If the folder or the lock file cannot be created.
-
-    Source: ``flock(2)`` (Linux man-pages), ``LOCK_EX | LOCK_NB``.
+    Raises :class:`StateDirBusy` at once if another process holds the lock, ``OSError`` if the folder
+    or the lock file cannot be created. Source: ``flock(2)`` (Linux man-pages), ``LOCK_EX | LOCK_NB``.
     """
     state_dir.mkdir(parents=True, exist_ok=True)
     path = state_dir / lock_file

@@ -1,10 +1,7 @@
 """What a device's retained status says, and when saying it again is news.
 
-The daemon publishes a status only when :func:`status_news` changed, on ``status.heartbeat_s`` and at
-every connect. Volatile figures (:data:`VOLATILE_STATUS_FIELDS`) and round progress
-(:data:`ROUND_PROGRESS_FIELDS`, :data:`ROUND_STATES`: the coordinator sees it in the update itself) are
-not news on their own; ``new_samples`` is news each time it rises past a power of two
-(:func:`samples_level`).
+The daemon publishes a status when :func:`status_news` changed, on ``status.heartbeat_s`` and at
+every connect; ``new_samples`` is news each time it rises past a power of two (:func:`samples_level`).
 """
 
 from __future__ import annotations
@@ -73,31 +70,18 @@ QUIET_STATUS_FIELDS: Final = VOLATILE_STATUS_FIELDS | ROUND_PROGRESS_FIELDS
 
 
 def news_view(state: str, fields: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """What :func:`status_news` serialises: the state word and the fields that are news.
+    """What :func:`status_news` serialises: the state word (``"round"`` for :data:`ROUND_STATES`) and news.
 
-    The word is ``"round"`` for any of :data:`ROUND_STATES` (else ``state``); the fields leave out
-    :data:`QUIET_STATUS_FIELDS`. Two views compare with ``==`` as their :func:`status_news` strings
-    do (but for a number that changed only its type, 1 -> 1.0), without serialising them.
+    Two views compare with ``==`` as their strings do (but for a number's type, 1 -> 1.0).
     """
     word = "round" if state in ROUND_STATES else state
     return word, {k: v for k, v in fields.items() if k not in QUIET_STATUS_FIELDS}
 
 
 def status_news(state: str, fields: Mapping[str, Any]) -> str:
-    """What a status says that is worth a publish, as a canonical string to compare with the last one.
+    """What a status (``state``, JSON-like ``fields``) says that is worth a publish, as canonical JSON.
 
-    Parameters
-    ----------
-    state : str
-        The status's state (``"idle"``, ``"training"``, ``"deferred"``...).
-    fields : mapping
-        The status fields (JSON-like), as ``Agent.status_fields`` builds them.
-
-    Returns
-    -------
-    str
-        Canonical JSON of :func:`news_view`: two statuses with equal news differ only in figures
-        the heartbeat carries.
+    Two statuses with equal news differ only in figures the heartbeat carries.
     """
     return json.dumps(list(news_view(state, fields)), sort_keys=True, default=str)
 

@@ -1,12 +1,9 @@
 """Bounded store of recent labelled embeddings, kept in memory-mapped files rather than the heap.
 
-Embeddings are stored as float16, labels as int16, in a ring of file-backed pages of fixed size
-(:func:`store_file_bytes`); every slot has a row record (:data:`ROWS_FILE`; sample ``seq`` lives in
-slot ``seq % capacity``). :meth:`EmbeddingStore.flush` writes
-the maps back, then the metadata as a checksummed record. At open the newest contiguous run of rows
-whose CRCs check is recovered and what could not be is logged; insane metadata, a label outside
-``0..K-1`` or a non-finite embedding sets the files aside (``<name>.corrupt``) and the store starts
-empty. A store found with another capacity (the profile's changed) keeps its newest samples.
+A ring of float16 embeddings, int16 labels and row records (:data:`ROWS_FILE`; sample ``seq`` lives
+in slot ``seq % capacity``). At open the newest contiguous run of rows whose CRCs check is recovered;
+insane metadata, a label outside ``0..K-1`` or a non-finite embedding sets the files aside
+(``<name>.corrupt``); a store found with another capacity keeps its newest samples.
 """
 
 from __future__ import annotations
@@ -44,21 +41,12 @@ _HALF_SCALE = np.float32(2.0**112)  # 2**(127 - 15): float16's exponent bias -> 
 
 
 def half_bits_to_float32(half_bits: np.ndarray, out: F32) -> F32:
-    """Convert finite float16 values, given as their int16 bit patterns, to float32 in ``out``.
+    """Convert finite float16 values, as int16 bit patterns [...], to float32 in ``out`` (returned).
 
-    Four vectorised passes (numpy's own cast is a scalar loop on wheels without F16C), exactly equal
-    to ``astype(np.float32)`` for every finite half; infinities and NaNs are NOT converted correctly
-    (the store never holds them).
+    Exactly ``astype(np.float32)`` for every finite half, not for infinities and NaNs; ``out``: same
+    shape, C-contiguous. (numpy's own cast is a scalar loop without F16C.)
 
-    Parameters
-    ----------
-    half_bits : int16 [...]
-        float16 values viewed as int16.
-    out : float32, same shape, C-contiguous
-        Written in place and returned.
-
-    Source: IEEE 754-2008 binary16/binary32 layouts; the rebias-by-multiplication conversion is
-    F. Giesen, "Half to float done quic", 2012 (``half_to_float_fast``).
+    Source: IEEE 754-2008 binary16/binary32; F. Giesen, "Half to float done quic", 2012.
     """
     bits = out.view(np.int32)
     np.copyto(bits, half_bits, casting="unsafe")  # sign-extends: bits 15..31 = the sign
@@ -82,7 +70,7 @@ def _describe(path: Path, size: int) -> str:
     return "missing" if actual < 0 else f"has {actual} bytes, expected {size}"
 
 
-def _allocate(path: Path, size: int) -> None:
+def allocate(path: Path, size: int) -> None:
     """Give a sparse file its blocks now (a write into a hole of a full disk is SIGBUS); ``ENOSPC`` raises."""
     fd = os.open(path, os.O_RDWR)
     try:
@@ -109,10 +97,7 @@ class StoreCorrupt(ValueError):
 
 
 def _row_crc(emb_bits: np.ndarray, label: np.ndarray, seq: int) -> int:
-    """CRC-32 binding one slot's embedding bits (int16 [D]), label (int16 [1]) and ``seq``.
-
-    Source: ISO-HDLC CRC-32 as ``zlib.crc32`` computes it (ITU-T V.42).
-    """
+    """CRC-32 (``zlib.crc32``, ITU-T V.42) of one slot's embedding bits, label and ``seq``."""
     crc = zlib.crc32(np.ascontiguousarray(emb_bits, dtype="<i2").tobytes())
     crc = zlib.crc32(np.ascontiguousarray(label, dtype="<i2").tobytes(), crc)
     return zlib.crc32(seq.to_bytes(8, "little"), crc)
@@ -124,27 +109,17 @@ class EmbeddingStore:
     Parameters
     ----------
     directory : Path
-        Where the files ``store_emb.f16``, ``store_lbl.i16``, ``store_rows.u64`` and
-        ``store_meta.rec`` live; created if missing.
+        Where the ``store_*`` files live; created if missing.
     capacity : int
         Maximum number of samples kept (older ones are overwritten).
     dim : int
-        Embedding size D.
+        Embedding size D; a store found for another D is reset (a WARNING with its count).
     num_classes : int or None
-        K of the head the store trains: labels outside ``0..K-1`` (``0..1`` when K = 1, a logistic
-        head) are refused by :meth:`add` and counted in ``refused_labels``. None = not checked.
+        K of the head: labels outside ``0..K-1`` (``0..1`` when K = 1) are refused by :meth:`add`
+        and counted in ``refused_labels``. None = not checked.
 
-    Raises
-    ------
-    ValueError
-        If ``capacity``, ``dim`` or ``num_classes`` is not positive.
-    OSError
-        If the files cannot be created or allocated (``ENOSPC``: no room for the store).
-
-    Notes
-    -----
-    A store for another ``dim`` is reset (a WARNING with its count); one for another ``capacity`` keeps
-    its newest samples and its mark; a corrupt one is set aside (``set_aside`` says why).
+    Raises ``ValueError`` if ``capacity``, ``dim`` or ``num_classes`` is not positive, ``OSError`` if
+    the files cannot be created or allocated (``ENOSPC``: no room for the store).
     """
 
     def __init__(self, directory: Path, capacity: int, dim: int, num_classes: int | None = None) -> None:
@@ -192,9 +167,7 @@ class EmbeddingStore:
             self._set_aside(str(exc))
             meta, mode = None, "w+"
         self._map(mode)
-        self._count = 0
-        self._head = 0
-        self._total = 0
+        self._count = self._head = self._total = 0
         try:
             if mode == "r+":
                 self._recover(meta)
@@ -214,7 +187,7 @@ class EmbeddingStore:
         self._lbl = np.memmap(d / LBL_FILE, dtype=np.int16, mode=mode, shape=(cap,))  # type: ignore[call-overload]
         self._rows = np.memmap(d / ROWS_FILE, dtype="<u8", mode=mode, shape=(cap, 2))  # type: ignore[call-overload]
         for name, size in ((EMB_FILE, cap * dim * 2), (LBL_FILE, cap * 2), (ROWS_FILE, cap * 16)):
-            _allocate(d / name, size)
+            allocate(d / name, size)
         # plain ndarray views of the maps: indexing a memmap wraps every result in a memmap object
         self._emb_bits: np.ndarray = np.asarray(self._emb).view(np.int16)
         self._lbl_raw: np.ndarray = np.asarray(self._lbl)
@@ -401,25 +374,11 @@ class EmbeddingStore:
         return int(np.count_nonzero(self._touched))
 
     def add(self, emb: F32, labels: I64) -> int:
-        """Append a batch of labelled embeddings, overwriting the oldest when full.
+        """Append ``emb`` float32 [N, D] with ``labels`` int64 [N] (int16 range), overwriting the oldest.
 
-        Samples whose label the head cannot learn are refused (``bad_label``, ``refused_labels``), and
-        so are those whose embedding is not finite in float16 (``refused_not_finite``).
-
-        Parameters
-        ----------
-        emb : float32 [N, D]
-        labels : int64 [N], values in int16 range.
-
-        Returns
-        -------
-        int
-            How many samples were refused for their label.
-
-        Raises
-        ------
-        ValueError
-            If the shapes disagree with the store's D or with each other.
+        Samples whose label the head cannot learn are refused (``refused_labels``), and so are those
+        whose embedding is not finite in float16 (``refused_not_finite``). Returns how many were
+        refused for their label; ``ValueError`` if the shapes disagree with D or with each other.
         """
         n = emb.shape[0]
         if emb.ndim != 2 or emb.shape[1] != self.dim or labels.shape != (n,):
@@ -466,20 +425,10 @@ class EmbeddingStore:
         return refused
 
     def chunks(self, chunk_size: int, order: I64 | None = None) -> Iterator[tuple[F32, I64]]:
-        """Yield the stored samples as float32 chunks (one chunk's worth is in the heap at a time).
+        """Yield ``(emb float32 [<=chunk_size, D], labels int64 [<=chunk_size])`` of the stored samples.
 
-        Parameters
-        ----------
-        chunk_size : int
-            Samples per chunk (>= 1).
-        order : int64 [M] or None
-            Which stored samples, in which order (e.g. a shuffle of ``range(len(self))``, or the
-            first M samples); None = every sample in storage order.
-
-        Yields
-        ------
-        emb : float32 [<=chunk_size, D]
-        labels : int64 [<=chunk_size]
+        ``order`` (int64 [M]): which stored samples, in which order; None = all in storage order.
+        One chunk's worth is in the heap at a time.
         """
         idx = np.arange(self._count, dtype=np.int64) if order is None else order
         for start in range(0, len(idx), chunk_size):
@@ -492,21 +441,10 @@ class EmbeddingStore:
             yield emb, lbl
 
     def read(self, rows: I64, emb_out: F32, lbl_out: I64) -> None:
-        """Read stored samples ``rows``, in that order, into caller-owned buffers (one float16 gather).
+        """Read stored samples ``rows`` (int64 [M] in ``0..len(self)-1``, any order) into caller buffers.
 
-        Parameters
-        ----------
-        rows : int64 [M]
-            Storage slots in ``0..len(self)-1``, any order (repeats allowed).
-        emb_out : float32 [M, D], C-contiguous
-            Receives the embeddings, row i = slot ``rows[i]``.
-        lbl_out : int64 [M]
-            Receives the labels.
-
-        Raises
-        ------
-        ValueError
-            If the buffers' shapes do not match ``rows`` and D.
+        ``emb_out`` float32 [M, D] (C-contiguous) and ``lbl_out`` int64 [M] receive row i = ``rows[i]``
+        in one float16 gather; ``ValueError`` if their shapes do not match ``rows`` and D.
         """
         m = len(rows)
         if emb_out.shape != (m, self.dim) or lbl_out.shape != (m,):
@@ -519,15 +457,10 @@ class EmbeddingStore:
         np.copyto(lbl_out, self._lbl_raw[slots], casting="unsafe")
 
     def flush(self) -> None:
-        """Write the maps back (``msync``), then the metadata as a checksummed record.
+        """Write the maps back (``msync``), then the metadata: every stored sample survives a power cut.
 
-        Afterwards every stored sample survives a power cut. The record is the JSON map ``{"v": 2,
-        "capacity", "dim", "count", "head", "total"}`` (and ``"mark"`` once set).
-
-        Raises
-        ------
-        OSError
-            If the file system refuses the write (the samples stay counted in :attr:`unflushed`).
+        The metadata record is the JSON map ``{"v": 2, "capacity", "dim", "count", "head", "total"}``
+        (and ``"mark"`` once set). ``OSError`` if the file system refuses (still :attr:`unflushed`).
         """
         self._emb.flush()
         self._lbl.flush()
@@ -546,10 +479,7 @@ class EmbeddingStore:
         self.unflushed, self.unflushed_since = 0, None
 
     def flush_due(self, every: int, interval_s: float, now: float | None = None) -> bool:
-        """Whether a :meth:`flush` is due: ``every`` samples unflushed, or the oldest ``interval_s`` old.
-
-        ``now`` is ``time.monotonic()`` (read when None).
-        """
+        """Whether ``every`` samples are unflushed, or the oldest ``interval_s`` old (``now``: monotonic)."""
         if not self.unflushed:
             return False
         if self.unflushed >= every:
@@ -572,11 +502,7 @@ def _other_capacity(meta_path: Path, capacity: int, dim: int) -> int | None:
 
 
 def _resize(directory: Path, old_capacity: int, capacity: int, dim: int, num_classes: int | None) -> None:
-    """Rebuild the store in ``directory`` for ``capacity``, keeping its newest samples and its mark.
-
-    The old store is opened (rows checked) and copied block by block into a new one under
-    :data:`RESIZE_DIR`, whose files then replace the old ones (the metadata last).
-    """
+    """Rebuild the store for ``capacity`` under :data:`RESIZE_DIR`, keeping its newest samples and mark."""
     old = EmbeddingStore(directory, old_capacity, dim, num_classes)
     n = len(old)
     keep = min(n, capacity)

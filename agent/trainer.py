@@ -31,13 +31,8 @@ _PAD: Final = np.iinfo(np.int64).max
 class Shuffler:
     """Seeded random permutations from numpy arithmetic alone (``numpy.random`` costs ~2 MiB of RSS).
 
-    A permutation of ``n`` ranks the next ``n`` outputs of SplitMix64 seeded with ``seed`` (distinct
-    64-bit keys), the same on every platform.
-
-    Parameters
-    ----------
-    seed : int
-        Any integer (taken modulo 2**64).
+    A permutation of ``n`` ranks the next ``n`` outputs of SplitMix64 seeded with ``seed`` (any
+    integer, modulo 2**64): distinct 64-bit keys, the same on every platform.
 
     Source: G. L. Steele, D. Lea, C. H. Flood, "Fast splittable pseudorandom number generators",
     OOPSLA 2014 (SplitMix64 constants as in Vigna's ``splitmix64.c``); shuffling by sorting random
@@ -58,8 +53,8 @@ class Shuffler:
     def keys(self, n: int) -> I64:
         """Return int64 [n]: the next ``n`` SplitMix64 outputs (distinct); ranking them is a permutation.
 
-        The outputs' top bit is flipped and they are viewed as int64, which ranks as uint64 does
-        (numpy's argsort of uint64 keeps memory it never frees; int64's keeps none).
+        The top bit is flipped and the keys viewed as int64, which ranks as uint64 does (numpy's
+        argsort of uint64 keeps memory it never frees; int64's keeps none).
         """
         z = np.arange(self._drawn + 1, self._drawn + n + 1, dtype=np.uint64)
         self._drawn += n
@@ -78,15 +73,9 @@ class Shuffler:
 class PersonalResult:
     """What a personal step did.
 
-    Attributes
-    ----------
-    steps : int
-        SGD steps taken.
-    num_examples : int
-        Samples it passed over (the store's size when it started).
-    train_s : float
-        Wall time, in seconds; 0 for a step taken with the round's local training
-        (:class:`PersonalStep`), whose time is in that training's ``LocalResult.train_s``.
+    ``steps`` SGD steps over ``num_examples`` samples (the store's size when it started) in ``train_s``
+    seconds of wall time (0 for a step taken with the round's local training, :class:`PersonalStep`,
+    whose time is in that training's ``LocalResult.train_s``).
     """
 
     steps: int
@@ -98,22 +87,11 @@ class PersonalResult:
 class LocalResult:
     """What local training produced.
 
-    Attributes
-    ----------
-    delta_W : float32 [D, K]
-        ``W_local - W_global``: the update sent to the coordinator.
-    delta_b : float32 [K]
-    num_examples : int
-        Samples in the store (the FedAvg weight).
-    loss : float
-        Mean cross-entropy (nats) of the final head over the store (binary when K = 1).
-    accuracy : float
-        Accuracy of the final head over the store (fraction, 0..1).
-    train_s : float
-        Wall time of the local epochs, in seconds (the personal head's steps included when it
-        trained alongside).
-    personal : PersonalResult or None
-        The personal head's steps when it trained alongside (:class:`PersonalStep`), else None.
+    ``delta_W`` float32 [D, K], ``delta_b`` [K]: ``W_local - W_global``, the update sent to the
+    coordinator; ``num_examples`` samples in the store (the FedAvg weight); ``loss``, ``accuracy`` the
+    final head's mean cross-entropy (nats; binary when K = 1) and accuracy (0..1) over the store;
+    ``train_s`` wall time of the local epochs, seconds (the personal head's steps included);
+    ``personal`` the personal head's steps when it trained alongside (:class:`PersonalStep`).
     """
 
     delta_W: F32
@@ -130,22 +108,9 @@ class PersonalStep:
     """A personal head to train alongside the global one (:func:`train_local`'s ``personal``).
 
     :func:`train_personal`'s steps, taken on the batches of the round's local training (the store
-    read and shuffled once for both heads, the global head's arithmetic the same as alone).
-
-    Attributes
-    ----------
-    W : float32 [D, K], C-contiguous
-        The personal head's weights, updated in place when training returns.
-    b : float32 [K]
-        Its biases, updated in place.
-    columns : bool [K]
-        Classes the device may personalise (:func:`edgefl.head.personal_columns`).
-    lam : float
-        Ditto's proximal coefficient toward the round's global head (>= 0).
-    lr : float
-        The personal head's SGD learning rate (> 0).
-    absent_alpha : float
-        Scale of the other columns' logits in the loss, 0..1.
+    read and shuffled once for both heads, the global head's arithmetic the same as alone). ``W``
+    float32 [D, K] (C-contiguous), ``b`` [K]: the personal head, updated in place when training
+    returns; ``columns``, ``lam``, ``lr``, ``absent_alpha``: as :func:`train_personal`'s.
     """
 
     W: F32
@@ -157,10 +122,7 @@ class PersonalStep:
 
 
 class _BatchReader:
-    """Shuffled mini-batches of the first ``n`` samples of a store, read a chunk at a time.
-
-    The buffers (a float32 chunk and its labels, one batch's logits, the gradient) are allocated once.
-    """
+    """Shuffled mini-batches of the first ``n`` samples of a store, read a chunk at a time, buffers reused."""
 
     def __init__(
         self, store: EmbeddingStore, n: int, dim: int, classes: int, *, chunk_size: int, batch_size: int
@@ -232,10 +194,7 @@ class _BatchReader:
 
 
 def _tie(W: F32, b: F32, head: Head, columns: np.ndarray, scaled_to_zero: bool) -> np.ndarray | None:
-    """Give the columns outside ``columns`` the head's values; the mask a step must keep tied.
-
-    None when every column is personalised or ``scaled_to_zero`` (their gradient is then exactly 0).
-    """
+    """Tie the columns outside ``columns`` to the head's; the mask a step keeps tied (None: none/0 grad)."""
     if columns.all():
         return None
     tied: np.ndarray = ~columns
@@ -245,10 +204,7 @@ def _tie(W: F32, b: F32, head: Head, columns: np.ndarray, scaled_to_zero: bool) 
 
 
 class _Pair:
-    """The global and a personal head stacked, ``[W, V]`` float32 [2, D, K], trained on the same batches.
-
-    Without a FedProx or Ditto pull and tied columns (the defaults) one step updates both heads.
-    """
+    """The global and a personal head stacked, ``[W, V]`` float32 [2, D, K], trained on the same batches."""
 
     def __init__(
         self, head: Head, step: PersonalStep, reader: _BatchReader, lr: float, prox_mu: float
@@ -280,6 +236,7 @@ class _Pair:
         self.active = bool(step.columns.any())
         zeroed = self.scale is not None and step.absent_alpha == 0.0
         self.tied = _tie(self.V, self.c, head, step.columns, zeroed)  # as train_personal's
+        # without a FedProx or Ditto pull and tied columns (the defaults) one step updates both heads
         self.both = prox_mu == 0.0 and step.lam == 0.0 and self.tied is None
         self.lr2: F32 = np.array([lr, step.lr], np.float32).reshape(2, 1, 1)
         self.steps = 0
@@ -340,15 +297,11 @@ def train_local(
     head : Head
         The global head the round starts from (not modified).
     store : EmbeddingStore
-        Local labelled embeddings (must not be empty).
-    local_epochs : int
-        Passes over the store (>= 1).
+        Local labelled embeddings (not empty).
+    local_epochs, batch_size, chunk_size : int
+        Passes over the store, samples per SGD step, samples read from the store at once (each >= 1).
     lr : float
-        SGD learning rate.
-    batch_size : int
-        Samples per SGD step (>= 1).
-    chunk_size : int
-        Samples read from the store at once (>= 1).
+        SGD learning rate (> 0).
     prox_mu : float
         FedProx proximal coefficient (0 = FedAvg's plain local SGD).
     clip_norm : float or None
@@ -387,18 +340,15 @@ def train_local(
     chunk, emb, lbl = reader.chunk, reader.emb, reader.lbl
     steps = 0
     pair = _Pair(head, personal, reader, lr, prox_mu) if personal is not None else None
-    if pair is None:
-        W, b = head.W.copy(), head.b.copy()
-    else:
-        W, b = pair.W, pair.b  # the global head of [W, V]: trained in place
+    # with a personal head: the global head of its [W, V], trained in place
+    W, b = (head.W.copy(), head.b.copy()) if pair is None else (pair.W, pair.b)
     for e, y in reader.batches(local_epochs, shuffler, stop_at):
+        steps += 1
         if pair is not None:
             pair.train_step(e, y)
-            steps += 1
-            continue
-        gW, gb = reader.grad(W, b, e, y)
-        sgd_step(W, b, gW, gb, lr, prox_mu=prox_mu, W0=head.W, b0=head.b)
-        steps += 1
+        else:
+            gW, gb = reader.grad(W, b, e, y)
+            sgd_step(W, b, gW, gb, lr, prox_mu=prox_mu, W0=head.W, b0=head.b)
     # the buffer holds every sample: one chunk, read whole (in the last epoch's order)
     whole = chunk == n and steps > 0
     train_s = time.perf_counter() - t0
@@ -487,13 +437,10 @@ def train_personal(
         Classes the device may personalise (:func:`edgefl.head.personal_columns`).
     lam : float
         Ditto's proximal coefficient (>= 0).
-    epochs : int
-        Passes over the store (>= 1).
     absent_alpha : float
-        Scale of the logits of the classes outside ``columns`` in the loss, 0..1 (1 = plain
-        softmax; softmax heads only).
-    store, lr, batch_size, chunk_size, seed, time_budget_s
-        As :func:`train_local`'s (``lr`` > 0).
+        Scale of the logits of the classes outside ``columns`` in the loss, 0..1 (1 = plain softmax).
+    epochs, store, lr, batch_size, chunk_size, seed, time_budget_s
+        As :func:`train_local`'s ``local_epochs``, ``store``...
 
     Raises
     ------
@@ -548,15 +495,10 @@ def fit_head(
     batch_size: int,
     seed: int = 0,
 ) -> tuple[F32, F32]:
-    """Train a head on in-memory arrays (central training and local-only baselines, not the device path).
+    """Train a head on in-memory arrays (the demo's central and local-only baselines, not the device path).
 
     ``W`` float32 [D, K], ``b`` [K] (not modified), ``emb`` float32 [N, D], ``labels`` int64 [N];
-    returns the trained ``(W, b)``.
-
-    Raises
-    ------
-    ValueError
-        If ``emb`` is empty.
+    returns the trained ``(W, b)``. ValueError if ``emb`` is empty.
     """
     if emb.shape[0] == 0:
         raise ValueError("fit_head: no samples")

@@ -1,7 +1,6 @@
 """``edgefl bridge-config``: the mosquitto bridge that joins a site's broker to the root broker.
 
-A persistent session at the root carries the site's partials up and the root's round and global head
-down, QoS 1 (``docs/operations.md``, "The bridge").
+Partials up, the root's round and global head down, QoS 1 (``docs/operations.md``, "The bridge").
 
 Source: mosquitto.conf(5), "Configuring Bridges" (``connection``, ``address``, ``topic``,
 ``cleansession``, ``try_private``, ``restart_timeout``, ``bridge_cafile``, ``remote_username``).
@@ -30,11 +29,10 @@ def bridge_config(
 ) -> str:
     """The ``connection`` block a site broker's ``mosquitto.conf`` includes (text ending with a newline).
 
-    ``site`` (device-id pattern) sends its partials up on ``<prefix>/<fleet>/partial/<site>`` to the
-    root broker at ``root_url`` (``mqtt[s]://host:port``; ``mqtts`` needs ``ca_file``, its CA);
-    ``fleet`` ``"+"``: every fleet of the prefix; ``username``, ``password``: the bridge's at the root;
-    ``restart_timeout_s``: reconnect back-off base and cap, seconds. ValueError if the site, URL or fleet
-    is invalid, or ``mqtts://`` comes without ``ca_file``.
+    ``site`` sends its partials up on ``<prefix>/<fleet>/partial/<site>`` to the root broker at
+    ``root_url`` (``mqtt[s]://host:port``; ``mqtts`` needs ``ca_file``); ``fleet`` ``"+"``: every fleet
+    of the prefix; ``username``, ``password``: the bridge's at the root; ``restart_timeout_s``: reconnect
+    back-off base and cap (s). ValueError for an invalid site, URL or fleet, or mqtts without ``ca_file``.
     """
     check_device_id(site)
     if fleet != "+":

@@ -1,8 +1,7 @@
 """``edgefl coordinator [PROFILE] [--set key=value ...]``: the command line of the coordinator service.
 
-Flags are overrides on top of the profile. :func:`main` reads it, locks its state file, runs the
-service (:func:`edgefl.coordinator.runner.run`) and turns what stopped it into an exit code (the
-parser's description; each with its cause and restart in ``docs/operations.md``, "The coordinator").
+Flags override the profile; :func:`main` turns what stopped the service into an exit code (each with
+its cause in ``docs/operations.md``, "The coordinator").
 """
 
 from __future__ import annotations
@@ -159,9 +158,8 @@ def main(
 ) -> int:
     """Run the coordinator of the parsed command line until its rounds closed or SIGTERM; the exit code.
 
-    Given by the composition root (``edgefl.cli``): ``evaluation`` builds the central evaluation,
-    ``page`` serves the fleet page, ``lock`` locks ``files.state`` for this process's life (raising
-    :class:`~edgefl.coordinator.lease.LeaseHeld` when another process holds it).
+    From the composition root (``edgefl.cli``): ``evaluation`` builds the central evaluation, ``page``
+    serves the fleet page, ``lock`` locks ``files.state`` for this process's life.
     """
     try:
         profile = load_coordinator_profile(args.profile, overrides_from(args))

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from edgefl.coordinator.strategy import Offer, RoundConfig, SiteSums, Strategy, array_from
+from edgefl.coordinator.strategy import Offer, RoundConfig, SiteSums, Strategy, array_from, check_setting
 from edgefl.types import F32
 
 
@@ -27,12 +27,7 @@ class RunningWeightedSum:
 
     def add(self, delta: F32, weight: int) -> None:
         """Fold ``weight * delta`` into the sum (ValueError: another shape, or ``weight <= 0``)."""
-        if delta.shape != self.shape:
-            raise ValueError(f"RunningWeightedSum: shape {delta.shape}, expected {self.shape}")
-        if weight <= 0:
-            raise ValueError(f"RunningWeightedSum: weight {weight} must be > 0")
-        self._sum += np.float64(weight) * delta
-        self.total_weight += weight
+        self.add_sum(np.float64(weight) * delta, weight)
 
     def add_sum(self, weighted_sum: npt.NDArray[np.float64], weight: float) -> None:
         """Fold another accumulator's float64 sum and weight in (a site's partial; ValueError as ``add``)."""
@@ -118,8 +113,7 @@ class FedProx(FedAvg):
 
     def __init__(self, *, prox_mu: float = 0.01, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if prox_mu < 0:
-            raise ValueError(f"prox_mu = {prox_mu}: must be >= 0")
+        check_setting(prox_mu >= 0, "prox_mu", prox_mu, ">= 0")
         self.prox_mu = prox_mu
 
     def round_config(self, round_no: int) -> RoundConfig:

@@ -106,10 +106,9 @@ class FedBuffer:
 class FedBuff(Strategy):
     """Buffered asynchronous strategy: devices train on; a server step every ``buffer_size`` updates.
 
-    Its rounds are ``Schedule.BUFFERED``: updates from any earlier version are welcome
-    (``Offer.staleness``), a step closes at ``buffer_size`` (K) updates or the deadline. Updates staler
-    than ``max_staleness`` versions are refused (``too_stale``); ``staleness_exponent``: a in
-    ``(1 + tau)^-a``; ``kwargs`` as ``Strategy``.
+    Rounds are ``Schedule.BUFFERED`` (updates from any earlier version; a step closes at K updates or
+    the deadline); staler than ``max_staleness`` is ``too_stale``; ``buffer_size`` K and
+    ``staleness_exponent`` (``exponent``) as ``FedBuffer``; ``kwargs`` as ``Strategy``.
 
     Source: Nguyen et al. 2022, Algorithm 1.
     """

@@ -157,9 +157,8 @@ class RootCoordinator(Coordinator):
         while len(self._id_site) > ROOT_SEEN_UPDATE_IDS:
             del self._id_site[next(iter(self._id_site))]
         if others:
-            # Ids are per (site, device): the root cannot know a site's devices, so an id listed by
-            # two sites refuses neither partial (the honest one may come second); it is logged with
-            # both sites and counted. Each site's weight is bounded anyway (Strategy.offer_sums).
+            # The root cannot know a site's devices: an id two sites list refuses neither partial (the
+            # honest one may come second), only logged and counted; site weights are bounded anyway
             self.overlaps += 1
             for first, n in others.items():
                 self.overlapping_ids[f"{site}/{first}"] += n
@@ -224,9 +223,7 @@ class SiteAggregator(Coordinator):
         self._unsent: bytes | None = None  # a closed round's partial not yet acknowledged by the broker
         self._sent: bytes | None = None  # the last partial sent: sent again when its round is announced again
         self._resend = False
-        self._dirty = False  # the open round changed since its record was written
         self.root_done_round = 0  # the newest round whose global head the root published (bridged down)
-        self._resume: dict[str, Any] | None = None  # the open round of the state file
         self._opened_unix = 0.0
 
     # -- start, messages -----------------------------------------------------------------------------
@@ -278,14 +275,12 @@ class SiteAggregator(Coordinator):
             self.root_done_round = gm.round
             self._announced.set()
 
-    async def next_round(self, last_round: int, timeout_s: float | None = None) -> RoundAnnouncement | None:
+    async def next_round(self, last_round: int) -> RoundAnnouncement | None:
         """Wait for an announced round later than the last one this site closed, up to ``last_round``.
 
         Meanwhile a partial is sent again when its round is announced again. Returns None once this site
-        closed ``last_round`` and the root published its head; raises TimeoutError after ``timeout_s``.
+        closed ``last_round`` and the root published its head.
         """
-        loop = asyncio.get_running_loop()
-        until = None if timeout_s is None else loop.time() + timeout_s
         while True:
             ann = self._latest
             if ann is not None and self.closed_round < ann.round <= last_round:
@@ -298,10 +293,7 @@ class SiteAggregator(Coordinator):
                 await self._send(self._sent)
                 continue
             self._announced.clear()
-            left = None if until is None else until - loop.time()
-            if left is not None and left <= 0:
-                raise TimeoutError(f"no round after {self.closed_round} announced within {timeout_s} s")
-            await wait_event(self._announced, left if left is not None else 3600.0)
+            await self._announced.wait()
 
     # -- one round -------------------------------------------------------------------------------------
     async def run_site_round(self, ann: RoundAnnouncement) -> SiteRecord:
@@ -315,7 +307,6 @@ class SiteAggregator(Coordinator):
         elapsed = time.time() - self._opened_unix
         deadline_s = max(0.0, ann.deadline_s - self.close_margin_s - elapsed)
         selected = frozenset(ann.selected) if isinstance(ann.selected, tuple) else None
-        # asked, and here
         online = [d for d in self.registry.online_devices() if selected is None or d in selected]
         expected = self.expected_devices or len(online) or MAX_PARTIAL_UPDATES
         rnd = Round(ann.round, ann.base_version, self.shape, deadline_s, expected, selected)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -56,14 +57,25 @@ class RoundRecord:
 def federated_evaluation(reports: Sequence[tuple[float, int]]) -> tuple[float, float, int]:
     """Combine the devices' evaluations of one head (federated evaluation, no central data).
 
-    ``reports``: ``(accuracy in [0, 1], count > 0)`` per device. Returns (the count-weighted mean
-    accuracy, the mean of the worst ceil(10 %) of devices, devices); NaN, NaN, 0 without reports.
+    ``reports``: ``(accuracy, count)`` per device, as each device claims them; a report with an
+    accuracy outside [0, 1] (or NaN) or a count <= 0 is left out. Returns (the mean accuracy weighted
+    by count, each count capped at the low median of the usable counts; the mean of the worst
+    ceil(10 %) of devices; devices); NaN, NaN, 0 without usable reports.
+
+    The cap bounds one device's say: claiming a huge count weighs no more than the median device,
+    so one device of n moves the figure by at most ``cap / total`` (1/n when the counts are alike;
+    1/2 of two), never sets it. Source: the capped user weights ``w_k = min(n_k / w_hat, 1)`` of
+    McMahan et al. 2018, "Learning Differentially Private Recurrent Language Models" (ICLR), with the
+    cap ``w_hat`` the low median of the counts (the smaller middle value: of two devices, one honest
+    and one invented, each weighs the same).
     """
     usable = [(a, n) for a, n in reports if n > 0 and 0.0 <= a <= 1.0]
     if not usable:
         return math.nan, math.nan, 0
-    total = sum(n for _, n in usable)
-    mean = sum(a * n for a, n in usable) / total
+    cap = statistics.median_low(n for _, n in usable)
+    weighted = [(a, min(n, cap)) for a, n in usable]
+    total = sum(w for _, w in weighted)
+    mean = sum(a * w for a, w in weighted) / total
     worst = sorted(a for a, _ in usable)[: max(1, math.ceil(len(usable) / 10))]
     return mean, sum(worst) / len(worst), len(usable)
 

@@ -49,7 +49,10 @@ SEEN_UPDATE_IDS = 4096
 """Accepted update and decline ids remembered across rounds, in a fixed 32 KiB ring of 64-bit hashes."""
 
 EARLY_UPDATES_MAX = 4096
-"""Updates held for the next round before it opens (see ``Intake._early``)."""
+"""Updates held for the next round before it opens, one per device (see ``Intake._early``)."""
+
+CHUNK_SETS = 256
+"""Chunked messages in progress at once (one per sending device; the reassembler's bytes bound them too)."""
 
 _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RoundRecord))
 _RECORD_ROW = operator.attrgetter(*_RECORD_FIELDS)
@@ -116,7 +119,8 @@ class Intake:
         device_keys = opts.get("device_keys")
         self.device_keys = dict(device_keys) if device_keys is not None else None
         self.max_packet_bytes = max_packet_bytes = opts.get("max_packet_bytes", 256 * 1024)
-        self.reassembler = Reassembler(
+        self.reassembler = Reassembler(  # devices send at once: a set for each (its topic is its key)
+            max_sets=CHUNK_SETS,
             max_message_bytes=self.limits.max_message_bytes,
             max_chunk_bytes=max_packet_bytes,
             max_total_bytes=2 * self.limits.max_message_bytes,
@@ -124,7 +128,7 @@ class Intake:
         self.state_path: Path | None = None  # set to persist state before each new global head
         self.counted: dict[int, list[str]] = {}  # round → update_ids aggregated (audit, chaos test)
         # updates for the next round before it opens (after a restart, devices answer the retained
-        # announcement of a round whose close was not saved); bounded, offered at its opening
+        # announcement of a round whose close was not saved); one per device, bounded, offered at its opening
         self._early: dict[str, tuple[Update, int]] = {}
         self.state = CoordinatorState()
         self.registry = DeviceRegistry(
@@ -151,7 +155,6 @@ class Intake:
         self._resume: dict[str, Any] | None = None  # the open round of the state file, until re-opened
         # update id -> (topic, payload) held in _early or _held: acknowledged, so in the state file
         self._unfolded: dict[str, tuple[str, bytes]] = {}
-        # the history as the state file keeps it, rebuilt only when a round is recorded
         self._history_doc: tuple[list[RoundRecord], list[tuple[Any, ...]]] = ([], [])  # records, their rows
         self._round_lr = math.nan  # the client learning rate the open round announced
         self.state_loaded = False  # load_state found a state file
@@ -164,10 +167,8 @@ class Intake:
     async def pump(self) -> None:
         """Consume incoming messages forever (each handler is guarded), committing what they changed.
 
-        With a state file and the transport's ``ack_on_commit``, a message that changed the round is
-        acknowledged (``MqttTransport.commit``) only once the state file holds it: written when the
-        queue is drained or every ``PERSIST_EVERY`` messages. Messages that changed nothing are
-        acknowledged at once. Yields to the loop every 32 messages under a flood.
+        With a state file, a message that changed the round is acknowledged (``MqttTransport.commit``)
+        once the file holds it (written when the queue is drained or every ``PERSIST_EVERY`` messages).
         """
         handled = 0
         while True:
@@ -294,10 +295,19 @@ class Intake:
         if update.device != device:
             raise UpdateRejected("wrong_device", f"update names device {update.device} on {msg.topic}")
         check_update_id(update.update_id, device, update.round, update.base_version)
+        if update.round >= self.state.round - 1:
+            # its own update for this round or the last, even one too late to count: rounds wait for it
+            self.registry.heard(device)
         rnd = self.state.current
         if rnd is None or (rnd.check_round and rnd.phase is not RoundPhase.OPEN):
             if update.round == self.state.round + 1 and len(self._early) < EARLY_UPDATES_MAX:
-                self._early[update.update_id] = (update, len(payload))
+                held = self._early.get(device)
+                if held is not None and held[0].update_id != update.update_id:
+                    # a device answers a round once: others (each base version is another id) would
+                    # let one device fill the coordinator's memory and state file
+                    why = f"{device} already has update {held[0].update_id} held for round {update.round}"
+                    raise UpdateRejected("duplicate", why)
+                self._early[device] = (update, len(payload))
                 self._unfolded[update.update_id] = (msg.topic, msg.payload)
                 self._dirty = True
                 logger.info("round %d: update from %s held until the round opens", update.round, device)
@@ -332,6 +342,7 @@ class Intake:
         self.state.declined[decline.reason] += 1
         self.registry.count_by_device(self.registry.declined_by_device, device, decline.reason)
         rnd.declined.append(device)
+        self.registry.heard(device)  # it answered: later rounds wait for it again
         if decline.reason == Reason.NO_SAMPLES:
             rnd.empty.append(device)  # nothing to train on: not among the devices the round asked
         self._dirty = True
@@ -487,11 +498,7 @@ class Intake:
         write_record(path, cbor2.dumps(doc))
 
     def _history_rows(self) -> list[tuple[Any, ...]]:
-        """The round history as the state file's rows, cached: a record's row is built once, when it is added.
-
-        The history only grows at its end and is trimmed at its front (any other change builds every row
-        again): a round then makes one row, not a new row for each of the records kept.
-        """
+        """The history's state-file rows, cached: a row is built once, as the history grows at its end."""
         history = self.state.history
         records, rows = self._history_doc
         if len(records) == len(history) and all(a is b for a, b in zip(records, history, strict=True)):

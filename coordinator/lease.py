@@ -2,11 +2,8 @@
 
 The lease is a retained :class:`~edgefl.wire.presence.Presence` on ``<prefix>/<fleet>/coordinator``,
 refreshed every heartbeat and cleared by the holder's last will; :func:`probe_lease` reads it before the
-fleet's client id connects (a presence that moves is a live holder: :class:`LeaseHeld`, exit 6; of two
-live holders the first started keeps it). With the coordinator's signing key only a fresh presence it
-signed counts (:class:`PresenceTrust`). The state file's instance is recorded beside it. The walk
-through every case: ``docs/protocol.md`` ("Presence"), ``docs/operations.md`` ("One coordinator per
-fleet").
+fleet's client id connects. Every case: ``docs/protocol.md`` ("Presence"), ``docs/operations.md`` ("One
+coordinator per fleet").
 
 Source: the MQTT "birth and last will" presence pattern (MQTT 5.0 §3.1.2.5, Will Message; §3.3.1.3,
 retained messages).
@@ -73,9 +70,7 @@ class LeaseHeld(EdgeflError):
 class AccountInUse(TransportError):
     """The broker names clients after their account and another live client uses this coordinator's.
 
-    A configuration error (``edgefl coordinator`` exits 1, not restarted): each fleet's coordinator
-    needs its own account, or the two take each other's session (and its queued updates) at every
-    connect.
+    A configuration error (exit 1, not restarted): each fleet's coordinator needs its own account.
     """
 
 
@@ -94,10 +89,9 @@ def instance_path(state: Path) -> Path:
 
 
 def record_instance(state: Path, instance: str) -> None:
-    """Record ``instance`` as the coordinator of state file ``state`` (atomic, checksummed).
+    """Record ``instance`` as the coordinator of state file ``state`` (atomic, checksummed; lock held).
 
-    Written once the lease is taken (a coordinator refused with exit 6 writes nothing), while the state
-    file's lock is held. Raises OSError if the file cannot be written.
+    Raises OSError if the file cannot be written.
     """
     doc = {"instance": instance, "host": _host(), "state": str(state.resolve()), "pid": os.getpid()}
     atomic_write(instance_path(state), encode_record(json.dumps(doc, sort_keys=True).encode()))
@@ -106,9 +100,8 @@ def record_instance(state: Path, instance: str) -> None:
 def previous_instance(state: Path) -> str | None:
     """The instance id the last coordinator of ``state`` recorded (:func:`record_instance`), if it is ours.
 
-    Call it with the state file's lock held: that process is then gone. None without a record written
-    on this host for this very state file (a copied folder names another coordinator's instance); an
-    unreadable one is logged.
+    Call it with the state file's lock held (that process is gone). None without a record written on
+    this host for this very state file; an unreadable one is logged.
     """
     path = instance_path(state)
     try:
@@ -130,9 +123,8 @@ class PresenceTrust:
     """Which presences a coordinator believes: with the fleet's coordinator key, only signed, fresh ones.
 
     ``fleet``: bound by the signature; ``key``: the public half of ``security.signing_key_file`` (None:
-    every decodable presence is believed, the broker's ACL the only protection: ``docs/security.md``);
-    ``previous``: this state file's previous instance (gone). ``refused``: presences refused by
-    :meth:`refuse`, by reason (added to the coordinator's ``rejected`` once it runs).
+    every decodable presence is believed); ``previous``: this state file's previous instance (gone);
+    ``refused``: presences :meth:`refuse` counted, by reason.
     """
 
     def __init__(self, fleet: str, key: VerifyKey | None, previous: str | None = None) -> None:
@@ -149,11 +141,8 @@ class PresenceTrust:
     def read(self, payload: bytes, *, fresh: bool = True, now: float | None = None) -> Presence:
         """Verify (with a key) and decode a presence; ``fresh``: with a key, it must be recent too.
 
-        A signed presence is fresh when its ``sent`` time is at most two heartbeats (at most
-        :data:`PROBE_HEARTBEAT_MAX_S` each) plus :data:`CLOCK_SKEW_S` in the past, and at most
-        :data:`CLOCK_SKEW_S` ahead of ``now`` (Unix seconds, default the clock): a signature proves
-        origin, not freshness, so a recorded presence replayed later is refused.
-
+        Fresh: ``sent`` at most two heartbeats (each capped at :data:`PROBE_HEARTBEAT_MAX_S`) plus
+        :data:`CLOCK_SKEW_S` before ``now`` (Unix s, default the clock), at most :data:`CLOCK_SKEW_S` after.
         Raises DecodeError: ``unsigned``, ``bad_signature``, ``expired`` (old or unstamped ``sent``), or a
         decoding reason of ``docs/protocol.md`` ("Presence").
         """
@@ -190,34 +179,29 @@ async def probe_lease(
     topic: str,
     fleet_where: str,
     connected: Callable[[MqttTransport], Awaitable[None]],
-    previous: str | None = None,
-    holder_topic: str | None = None,
-    trust: PresenceTrust | None = None,
+    previous: str | None,
+    holder_topic: str,
+    trust: PresenceTrust,
 ) -> Presence | None:
     """Read the fleet's lease through ``transport`` (a client id of its own, clean session); publish nothing.
 
-    ``transport``: not started (started and stopped here), with a persistent session and
-    ``ack_on_commit`` (a broker that renames it to the running coordinator's client id keeps that one's
-    messages); ``topic``: ``Topics.coordinator``; ``fleet_where``: ``"fleet F on broker B"``;
-    ``connected(transport)`` waits for the connection. A presence naming ``previous`` (this state
-    file's previous instance), also as the last holder on ``holder_topic``, is taken over at once.
-    ``trust``: which presences count (a refused one is counted and ignored). Returns the stale presence
-    found, or None. Raises LeaseHeld (a live holder), AccountInUse (the broker handed the probe the
-    session of another live client, not this fleet's coordinator: it took it back and no presence
-    came), TransportError (what ``connected`` raises, or a refused subscription).
+    ``transport``: not started (started and stopped here), persistent session, ``ack_on_commit``;
+    ``topic``: ``Topics.coordinator``; ``fleet_where``: ``"fleet F on broker B"``; ``connected(transport)``
+    waits for the connection. A presence naming ``previous`` (this state file's previous instance), also
+    as the last holder on ``holder_topic``, is taken over at once; ``trust``: which presences count.
+    Returns the stale presence found, or None. Raises LeaseHeld (a live holder), AccountInUse (another
+    live client took back the account's session the broker handed the probe), TransportError (what
+    ``connected`` raises, or a refused subscription).
     """
-    trust = trust if trust is not None else PresenceTrust("", None)
     await transport.start(wait_s=None)
     try:
         await connected(transport)
-        # A probe's client id is new: a session at the broker means the broker renamed it (mosquitto's
-        # use_username_as_clientid) to a running coordinator's, which it has just disconnected (its
-        # will cleared the lease). Nothing taken here is acknowledged (ack_on_commit, no commit), so
-        # that session keeps its messages; a live holder reconnects and republishes its presence.
+        # A probe's client id is new: a session at the broker means the broker renamed it
+        # (use_username_as_clientid) to a running coordinator's; nothing is acknowledged here (no commit)
         renamed = transport.session_present
         if renamed:
             _set_backlog_aside(transport)
-        if renamed and previous is not None and holder_topic is not None:
+        if renamed and previous is not None:
             last = await _retained_presence(transport, holder_topic, trust)
             if _ours(last, previous, "the broker gave the lease probe the session of"):
                 return None
@@ -233,9 +217,7 @@ async def probe_lease(
         first_wait = 2 * LEASE_HEARTBEAT_S + PROBE_MARGIN_S if renamed else PROBE_RETAINED_WAIT_S
         first = await _next_presence(transport, topic, first_wait, trust)
         if first is None and renamed and transport.sure_takeovers_total > taken_before:
-            # a live client took its session back (Session taken over, or again and again while the
-            # broker stayed up: never a mere broker restart), and it is not this fleet's coordinator:
-            # another process (another fleet's coordinator?) runs on this account
+            # a live client took its session back, and it is not this fleet's coordinator
             account = repr(transport.username) if transport.username else "(anonymous)"
             raise AccountInUse(
                 f"{fleet_where}: account {account} is in use by another live client (the broker names "
@@ -267,11 +249,7 @@ async def probe_lease(
 
 
 def _set_backlog_aside(transport: MqttTransport) -> None:
-    """Take, unacknowledged, the backlog a renamed session delivered at once: room for the presence.
-
-    The backlog fills the broker's Receive Maximum (no more QoS 1 until some is acknowledged): the room
-    stays for the QoS 0 presences. Nothing is committed: the coordinator's own connection gets it all.
-    """
+    """Take, unacknowledged, the backlog a renamed session delivered (its own connection gets it all)."""
     while not transport.queue.empty():
         transport.queue.get_nowait()
 
@@ -286,10 +264,9 @@ def _ours(p: Presence | None, previous: str | None, how: str, why: str = "") -> 
 
 
 async def _retained_presence(transport: MqttTransport, topic: str, trust: PresenceTrust) -> Presence | None:
-    """The retained presence on ``topic`` (None: none within :data:`PROBE_RETAINED_WAIT_S`), unsubscribed.
+    """The retained presence on ``topic`` (None: none within :data:`PROBE_RETAINED_WAIT_S`, or refused).
 
-    A subscription the broker refuses (an ACL without the topic) is None too: the caller waits instead.
-    The holder's presence may be old (it is published once a connect): ``trust`` checks its signature only.
+    It may be old (published once a connect): ``trust`` checks its signature only.
     """
     try:
         await transport.subscribe(topic, 0)  # QoS 0: not held back by a session's backlog (probe_lease)
@@ -327,10 +304,9 @@ class Lease:
     """The lease a running coordinator holds: its presence, heartbeat and last will.
 
     ``transport``: the coordinator's own (given :meth:`will` before it starts); ``topic``:
-    ``Topics.coordinator``; ``instance``: :func:`new_instance`; republished every ``heartbeat_s``, and
-    after each connect also on ``holder_topic`` (retained, no will clears it). ``signing_key`` signs
-    every presence (give ``trust``, which decides which presences count, its public half); ``seen``: a
-    presence the probe found stale (a replay of it moves nothing).
+    ``Topics.coordinator``; ``instance``: :func:`new_instance`; republished every heartbeat, and after
+    each connect also on ``holder_topic`` (retained). ``signing_key`` signs every presence (``trust``,
+    which decides which presences count, gets its public half); ``seen``: a presence the probe found stale.
     """
 
     def __init__(
@@ -338,7 +314,6 @@ class Lease:
         transport: MqttTransport,
         topic: str,
         instance: str,
-        heartbeat_s: float = LEASE_HEARTBEAT_S,
         holder_topic: str | None = None,
         signing_key: SigningKey | None = None,
         trust: PresenceTrust | None = None,
@@ -357,7 +332,7 @@ class Lease:
             pid=os.getpid(),
             started=time.time(),
             seq=0,
-            heartbeat_s=heartbeat_s,
+            heartbeat_s=LEASE_HEARTBEAT_S,
         )
         self.lost = asyncio.Event()
         """Set when a live coordinator that took the lease first is seen (this one must stop)."""

@@ -11,12 +11,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from edgefl.types import F32
 
 
-def update_norm(delta_W: F32, delta_b: F32) -> float:
-    """Joint L2 norm ``sqrt(||dW||^2 + ||db||^2)`` of float32 [D, K], [K] in float64 (inf, nan: not finite).
+def update_norm(delta_W: npt.NDArray[np.floating[Any]], delta_b: npt.NDArray[np.floating[Any]]) -> float:
+    """Joint L2 norm ``sqrt(||dW||^2 + ||db||^2)`` of float [D, K], [K] in float64 (inf, nan: not finite).
 
     Source: Abadi et al. 2016, Algorithm 1 (per-example norm); McMahan et al. 2018 (per-user norm).
     """
@@ -153,9 +154,9 @@ class NormBound:
             self.norms.append(norm)
             self.claims.append(weight)
         if self._bound is None and len(self.norms) >= self.warmup:
-            self._bound = self._with_history(self.multiplier * float(np.median(self.norms)))
+            self._bound = self.bound()
         if self._weight_cap is None and len(self.claims) >= self.warmup:
-            self._weight_cap = self.weight_multiplier * float(np.median(self.claims))
+            self._weight_cap = self.weight_cap()
 
     def history_bound(self) -> float:
         """The bound the history alone sets for this round: fixed, else from the last round (inf: none)."""

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from edgefl.coordinator.fedavg import FedAvg
+from edgefl.coordinator.strategy import check_setting
 from edgefl.types import F32
 
 COORDINATE_FACTOR = 2.0
@@ -25,8 +26,7 @@ def server_momentum(momentum: F32 | None, mean_delta: F32, beta: float) -> F32:
 
     Source: Hsu, Qi, Brown 2019, §3 (FedAvgM), with Delta = local - global (sign ``+``).
     """
-    if not 0.0 <= beta < 1.0:
-        raise ValueError(f"server_momentum: beta = {beta}: must be in [0, 1)")
+    check_setting(0.0 <= beta < 1.0, "server_momentum: beta", beta, "in [0, 1)")
     if momentum is None:
         return mean_delta.astype(np.float32, copy=True)
     if momentum.shape != mean_delta.shape:
@@ -85,9 +85,8 @@ def bound_coordinates(step: F32, mean_delta: F32, factor: float) -> F32:
 class FedAvgM(FedAvg):
     """FedAvg with server momentum: ``v = beta v + mean(delta)``, ``W += server_lr * v``.
 
-    The buffer itself is bounded per coordinate (``bound_coordinates``), so a direction the round does
-    not support fades at once. ``server_momentum``: beta in [0, 1) (ValueError otherwise); ``kwargs`` as
-    ``Strategy``.
+    The buffer is bounded per coordinate (``bound_coordinates``). ``server_momentum``: beta in [0, 1)
+    (ValueError otherwise); ``kwargs`` as ``Strategy``.
 
     Source: Hsu et al. 2019 (FedAvgM); the bound as AdaBound (Luo et al. 2019).
     """
@@ -96,16 +95,15 @@ class FedAvgM(FedAvg):
 
     def __init__(self, *, server_momentum: float = 0.9, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if not 0.0 <= server_momentum < 1.0:
-            raise ValueError(f"server_momentum = {server_momentum}: must be in [0, 1)")
+        check_setting(0.0 <= server_momentum < 1.0, "server_momentum", server_momentum, "in [0, 1)")
         self.beta = server_momentum
 
     def step(self, W: F32, b: F32, mean_dW: F32, mean_db: F32) -> tuple[F32, F32]:
         """Fold the round's mean delta into the momentum buffers and step the head along them."""
         vW = server_momentum(self.server_state.get("v_W"), mean_dW, self.beta)
         vb = server_momentum(self.server_state.get("v_b"), mean_db, self.beta)
-        vW = bound_coordinates(vW, mean_dW, COORDINATE_FACTOR)  # the buffer itself: an
-        vb = bound_coordinates(vb, mean_db, COORDINATE_FACTOR)  # unsupported direction fades
+        vW = bound_coordinates(vW, mean_dW, COORDINATE_FACTOR)  # the buffer itself: a direction
+        vb = bound_coordinates(vb, mean_db, COORDINATE_FACTOR)  # the round does not support fades
         self.server_state["v_W"], self.server_state["v_b"] = vW, vb
         return super().step(W, b, vW, vb)
 
@@ -113,7 +111,7 @@ class FedAvgM(FedAvg):
 class FedAdam(FedAvg):
     """Server-side Adam over the rounds' mean deltas (pseudo-gradients).
 
-    ``server_lr`` eta; ``beta1``, ``beta2`` in [0, 1); ``tau`` > 0, the adaptivity (the second moment
+    ``server_lr`` eta (0.03); ``beta1``, ``beta2`` in [0, 1); ``tau`` > 0, the adaptivity (the second moment
     starts at ``tau^2``); ValueError otherwise. ``kwargs`` as ``Strategy``.
 
     Source: Reddi et al. 2021, "Adaptive Federated Optimization", Algorithm 2 (FedAdam).
@@ -121,16 +119,8 @@ class FedAdam(FedAvg):
 
     name = "fedadam"
 
-    def __init__(
-        self,
-        *,
-        server_lr: float = 0.03,
-        beta1: float = 0.9,
-        beta2: float = 0.99,
-        tau: float = 1e-3,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(server_lr=server_lr, **kwargs)
+    def __init__(self, *, beta1: float = 0.9, beta2: float = 0.99, tau: float = 1e-3, **kwargs: Any) -> None:
+        super().__init__(**{"server_lr": 0.03, **kwargs})  # a smaller server step than FedAvg's
         if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0 and tau > 0.0):
             raise ValueError(f"beta1 = {beta1}, beta2 = {beta2}, tau = {tau}: need betas in [0, 1), tau > 0")
         self.beta1 = beta1

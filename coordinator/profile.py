@@ -1,8 +1,7 @@
 """Coordinator profiles: ``edgefl coordinator PROFILE``, one frozen dataclass per TOML table.
 
-``[broker]`` and ``[dashboard]`` are shared with device profiles (:mod:`edgefl.profiles`); validated
-alike (unknown keys refused, every problem listed with its dotted key). The commented example is
-``firmware_configs/coordinator.toml``. This module reads files only: no socket, no LiteRT.
+``[broker]`` and ``[dashboard]`` are shared with device profiles (:mod:`edgefl.profiles`), validated
+alike; the commented example is ``firmware_configs/coordinator.toml``. No socket, no LiteRT.
 """
 
 from __future__ import annotations
@@ -233,12 +232,17 @@ def _check_model(p: Problems, c: ModelRef, raw: Mapping[str, object], check_file
         p.add("model.sha256", c.sha256, f"does not match {c.path.name} ({profiles.sha256_file(c.path)})")
 
 
+def _not_negative(p: Problems, c: object, table: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(c, name)
+        if value is not None and not value >= 0:
+            p.add(f"{table}.{name}", value, "must be >= 0")
+
+
 def _check_rounds(p: Problems, c: RoundsConfig, raw: Mapping[str, object], check_files: bool) -> None:
     for name in ("min_clients", "local_epochs", "batch_size", "deadline_s", "lr", "wait_devices_s"):
         _positive(p, f"rounds.{name}", getattr(c, name))
-    for name in ("count", "expected_clients", "min_new_samples", "interval_s"):
-        if not getattr(c, name) >= 0:
-            p.add(f"rounds.{name}", getattr(c, name), "must be >= 0")
+    _not_negative(p, c, "rounds", ("count", "expected_clients", "min_new_samples", "interval_s"))
     if not 0 < c.quorum <= 1:
         p.add("rounds.quorum", c.quorum, "must be in (0, 1]")
     if not 0 < c.lr_decay <= 1:
@@ -250,10 +254,7 @@ def _check_strategy(p: Problems, c: StrategyConfig, raw: Mapping[str, object], c
         _positive(p, f"strategy.{name}", getattr(c, name))
     if c.server_momentum is not None and not 0 <= c.server_momentum < 1:
         p.add("strategy.server_momentum", c.server_momentum, "must be in [0, 1)")
-    if c.prox_mu is not None and c.prox_mu < 0:
-        p.add("strategy.prox_mu", c.prox_mu, "must be >= 0")
-    if c.max_staleness is not None and c.max_staleness < 0:
-        p.add("strategy.max_staleness", c.max_staleness, "must be >= 0")
+    _not_negative(p, c, "strategy", ("prox_mu", "max_staleness"))
     if c.trim_fraction is not None and not 0 <= c.trim_fraction < 0.5:
         p.add("strategy.trim_fraction", c.trim_fraction, "must be in [0, 0.5)")
 
@@ -323,9 +324,7 @@ def _check_hierarchy(p: Problems, c: HierarchyConfig, raw: Mapping[str, object],
         p.add("hierarchy.site", None, "required when hierarchy.role = 'site'")
     if c.site is not None:
         check(p, "hierarchy.site", c.site, check_device_id)
-    for name in ("expected_sites", "expected_devices", "site_devices", "close_margin_s"):
-        if not getattr(c, name) >= 0:
-            p.add(f"hierarchy.{name}", getattr(c, name), "must be >= 0")
+    _not_negative(p, c, "hierarchy", ("expected_sites", "expected_devices", "site_devices", "close_margin_s"))
     if c.role == "root" and c.site_devices == 0:
         why = "required when hierarchy.role = 'root': the most devices one site has (a site whose key"
         p.add("hierarchy.site_devices", 0, why + " was stolen may claim no more)")
@@ -427,9 +426,7 @@ SCHEMA: Final = profiles.Schema(_TABLES, {"model.path": Path("_")})
 """The coordinator profile's tables, checks and parser."""
 
 #: Tables only a coordinator profile has: how ``edgefl check-config`` tells the two kinds apart.
-COORDINATOR_TABLES: Final = frozenset(
-    {"fleet", "rounds", "strategy", "robustness", "privacy", "evaluation", "files", "hierarchy"}
-)
+COORDINATOR_TABLES: Final = frozenset(_TABLES) - {"broker", "model", "dashboard", "security"}
 
 
 def is_coordinator_profile(data: Mapping[str, object]) -> bool:

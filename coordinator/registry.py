@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from edgefl.aio import wait_event
@@ -82,6 +82,13 @@ def _top_counts(counts: object) -> dict[str, Any]:
     return dict(heapq.nlargest(PAGE_REASONS, numeric, key=lambda kv: kv[1]))
 
 
+def _accuracy(value: object) -> float | None:
+    """A device's claimed accuracy as the page shows it: a number in [0, 1], else None (shown "–")."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0.0 <= value <= 1.0:
+        return float(value)
+    return None
+
+
 class DeviceRegistry:
     """The latest status of each device of a fleet (bounded), with what was refused and declined by device.
 
@@ -118,6 +125,8 @@ class DeviceRegistry:
         # new-sample counts); seeded from the state file's counted rounds after a restart
         self.trained_round: dict[str, int] = {}
         self._strangers: dict[str, None] = {}  # devices counted above that the registry does not hold
+        # device → the round it was asked in and sent nothing (see note_silent); registry devices only
+        self.unanswered: dict[str, int] = {}
         self.on_mismatch: Callable[[str, str], None] | None = None
         self.changed = asyncio.Event()  # set by every status kept
 
@@ -212,10 +221,43 @@ class DeviceRegistry:
         self.declined_by_device.pop(device, None)
         self.clipped.pop(device, None)
         self.trained_round.pop(device, None)
+        self.unanswered.pop(device, None)
 
     def trained(self, device: str, round_no: int) -> None:
         """``device``'s update was counted in round ``round_no``: what its older statuses report is spent."""
         self.trained_round[device] = max(round_no, self.trained_round.get(device, 0))
+        self.heard(device)
+
+    def note_silent(self, devices: Iterable[str], round_no: int) -> None:
+        """``devices`` were asked in round ``round_no`` and sent it neither an update counted nor a decline.
+
+        Until each answers a round again (:meth:`heard`), :meth:`waited_devices` leaves it out and
+        :meth:`ready_new_samples` counts its claimed new samples as 0: a device that says it is ready
+        and never answers holds no round to its deadline and opens none. Devices the registry does not
+        hold are ignored (the map stays bounded by ``max_devices``).
+        """
+        for dev in devices:
+            if dev in self.devices:
+                self.unanswered.setdefault(dev, round_no)
+
+    def heard(self, device: str) -> None:
+        """``device`` answered: rounds wait for it again.
+
+        An update counted, a decline, or its own update for the open or last round even too late to
+        count (a slow gateway back from a restart); never a status, which anyone with its account sends.
+        """
+        self.unanswered.pop(device, None)
+
+    def waited_devices(self) -> list[str]:
+        """The ready devices (:meth:`online_devices`) a round waits for: those not silent since asked.
+
+        A device in :attr:`unanswered` may still send an update, which counts as usual. When every
+        ready device is in it (a whole fleet restarted during a round), all of them: the fleet never
+        stalls on its own silence.
+        """
+        ready = self.online_devices()
+        heard = [d for d in ready if d not in self.unanswered]
+        return heard or ready
 
     def expire(self, now: float) -> None:
         """Forget devices whose last status is older than ``expiry_s``."""
@@ -227,9 +269,8 @@ class DeviceRegistry:
     def online_devices(self) -> list[str]:
         """The ready devices (sorted): up, ready, on this backbone, and with labelled samples to train on.
 
-        A device whose status reports an empty store (``store_samples`` = 0) is not ready: it would only
-        decline the round (``no_samples``), so no round waits for it, opens for it or counts it among
-        the devices asked ("N of M" on the page, in the log and in the round log alike).
+        A device reporting an empty store (``store_samples`` = 0) would only decline (``no_samples``): no
+        round waits for it, opens for it or counts it among the devices asked.
         """
         return sorted(
             d
@@ -244,9 +285,11 @@ class DeviceRegistry:
         """The ready devices (:meth:`online_devices`) and the new labelled samples each reports (or None).
 
         A status whose ``round`` is older than the device's last counted round (:meth:`trained`) reports
-        samples that round trained on: 0.
+        samples that round trained on: 0. A device left out of :meth:`waited_devices` (asked, silent
+        since) reports 0: its claim alone opens no round.
         """
         out: dict[str, int | None] = {}
+        waited = set(self.waited_devices())
         for dev in self.online_devices():
             st = self.devices[dev]
             n = st.get("new_samples")
@@ -255,6 +298,8 @@ class DeviceRegistry:
             stale = trained is not None and (not isinstance(shown, int) or shown < trained)
             if out[dev] is not None and stale:
                 out[dev] = 0  # a status from before its last counted round (retained): trained on since
+            if dev not in waited:
+                out[dev] = 0  # asked and silent since: its claim is not believed until it answers
         return out
 
     async def wait_for_devices(self, n: int, timeout_s: float, key: str | None = "ready") -> list[str]:
@@ -335,10 +380,10 @@ class DeviceRegistry:
                 "declined": _top_counts(self.declined_by_device.get(dev)),
                 "model_mismatch": self.mismatched.get(dev),
                 "clipped": self.clipped.get(dev, 0),
-                # accuracies the device reports, each measured on its own holdout
-                "personal_accuracy": st.get("personal_accuracy"),
-                "global_accuracy": st.get("global_accuracy"),
-                "eval_accuracy": st.get("eval_accuracy"),
+                # accuracies the device reports, each measured on its own holdout (invalid: None, "–")
+                "personal_accuracy": _accuracy(st.get("personal_accuracy")),
+                "global_accuracy": _accuracy(st.get("global_accuracy")),
+                "eval_accuracy": _accuracy(st.get("eval_accuracy")),
                 "serving_head": st.get("serving_head"),
             }
         return devices

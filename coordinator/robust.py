@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from edgefl.coordinator.strategy import Offer, SiteSums, Strategy, array_from
+from edgefl.coordinator.normbound import update_norm
+from edgefl.coordinator.strategy import Offer, SiteSums, Strategy, array_from, check_setting
 from edgefl.errors import UpdateRejected
 from edgefl.types import F32
 
@@ -51,8 +52,7 @@ def trimmed_mean(deltas: Sequence[F32], beta: float) -> F32:
 
     Source: Yin et al. 2018, Definition 2 (coordinate-wise beta-trimmed mean).
     """
-    if not 0.0 <= beta < 0.5:
-        raise ValueError(f"trimmed_mean: beta = {beta}: must be in [0, 0.5)")
+    check_setting(0.0 <= beta < 0.5, "trimmed_mean: beta", beta, "in [0, 0.5)")
     x = np.sort(_stack(deltas, "trimmed_mean"), axis=0)
     k = math.floor(beta * x.shape[0])
     out: F32 = x[k : x.shape[0] - k].mean(axis=0).astype(np.float32)
@@ -85,8 +85,7 @@ class _Robust(Strategy):
 
     def __init__(self, *, max_updates: int = 64, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if max_updates < 1:
-            raise ValueError(f"max_updates = {max_updates}: must be >= 1")
+        check_setting(max_updates >= 1, "max_updates", max_updates, ">= 1")
         self.max_updates = max_updates
         self._kept_W: list[F32] = []
         self._kept_b: list[F32] = []
@@ -132,10 +131,7 @@ class _Robust(Strategy):
 
     def _bounded_sites(self) -> tuple[list[npt.NDArray[np.float64]], list[npt.NDArray[np.float64]]]:
         """The site estimates, each scaled down to the fixed bound or the lower median norm."""
-        norms = [
-            math.sqrt(float(np.sum(w * w)) + float(np.sum(b * b)))
-            for w, b in zip(self._site_W, self._site_b, strict=True)
-        ]
+        norms = [update_norm(w, b) for w, b in zip(self._site_W, self._site_b, strict=True)]
         bound = self.norm_bound.clip_norm
         if bound is None:
             bound = sorted(norms)[(len(norms) - 1) // 2]
@@ -206,8 +202,7 @@ class TrimmedMean(_Robust):
 
     def __init__(self, *, trim_fraction: float = 0.2, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if not 0.0 <= trim_fraction < 0.5:
-            raise ValueError(f"trim_fraction = {trim_fraction}: must be in [0, 0.5)")
+        check_setting(0.0 <= trim_fraction < 0.5, "trim_fraction", trim_fraction, "in [0, 0.5)")
         self.trim_fraction = trim_fraction
         if self.tolerate > 0 and trim_fraction == 0.0:
             why = f"it cannot tolerate {self.tolerate} hostile device"

@@ -1,14 +1,8 @@
 """The fleet page's long round history: the round log read back, its tail whole and the rest sampled.
 
-A coordinator keeps only its last rounds in memory and in its state file
-(:data:`~edgefl.coordinator.history.HISTORY_ROUNDS`); the round log (``files.log``, one JSON line a
-round, never trimmed) has them all. :class:`RoundArchive` serves the page's ``/api/rounds`` from both,
-with bounded memory and response whatever the log's length: the last :data:`TAIL_ROUNDS` rounds whole
-(the page's "last 1000" window), read from the end of the log (at most :data:`TAIL_BYTES_MAX` bytes),
-and before them :data:`SAMPLED_ROUNDS` rounds at evenly spaced places in the log (one line read at
-each: the page's "all" window), each marked ``"sampled": true``. What was read from the log is kept
-until the log changes (its size or modification time), read off the event loop and once for any number
-of requests at the same time (:meth:`RoundArchive.records_async`).
+:class:`RoundArchive` serves ``/api/rounds`` from the round log (``files.log``, never trimmed) and the
+coordinator's in-memory records, with bounded memory and response whatever the log's length
+(``docs/operations.md``, "The dashboard's routes").
 """
 
 from __future__ import annotations
@@ -35,6 +29,9 @@ TAIL_BYTES_MAX: Final = 4 << 20
 
 _BLOCK: Final = 64 << 10
 
+REASON_KEYS: Final = ("refused", "declined", "silent", "silent_devices")
+"""A round's reasons, kept in memory only by the process that closed it (the round log has them)."""
+
 #: A log line's keys the page reads, copied as they are (``docs/operations.md``, "The round log").
 PAGE_KEYS: Final = (
     "round",
@@ -52,6 +49,8 @@ PAGE_KEYS: Final = (
     "round_refused",
     "refused",
     "declined",
+    "silent",
+    "silent_devices",
     "clipped",
     "epsilon",
     "delta",
@@ -155,7 +154,7 @@ class RoundArchive:
         self._flight: tuple[tuple[int, int, int] | None, asyncio.Future[list[dict[str, Any]]]] | None = None
 
     def _log_key(self) -> tuple[int, int, int] | None:
-        """The log's (inode, size, modification time in ns); None when it cannot be stat'ed."""
+        """The log's (inode, size, mtime ns), None when it cannot be stat'ed."""
         try:
             st = os.stat(self.log)
         except OSError:
@@ -163,10 +162,7 @@ class RoundArchive:
         return (st.st_ino, st.st_size, st.st_mtime_ns)
 
     def _older(self) -> list[dict[str, Any]]:
-        """The log's page entries (sampled, then the tail), oldest first; reused while the log is unchanged.
-
-        Thread-safe: callers at the same time read the log once.
-        """
+        """The log's page entries (sampled, then the tail), oldest first; reused while it is unchanged."""
         with self._lock:
             key = self._log_key()
             if key is not None and self._cached is not None and self._cached[0] == key:
@@ -198,25 +194,31 @@ class RoundArchive:
     def _join(older: list[dict[str, Any]], recent: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         first = recent[0].get("round") if recent else None
         if isinstance(first, int):
+            # the rounds before this process's start are in memory without their refusals, declines
+            # and silent devices (the state file does not keep them): the log's line has them
+            logged = {e["round"]: e for e in older if e["round"] >= first}
+            recent = [
+                {**{k: logged[r["round"]][k] for k in REASON_KEYS if k in logged[r["round"]]}, **r}
+                if "refused" not in r and r.get("round") in logged
+                else r
+                for r in recent
+            ]
             older = [e for e in older if e["round"] < first]
         return _increasing([*older, *recent])
 
     def records(self) -> list[Mapping[str, Any]]:
         """The page's round records, oldest first, strictly increasing rounds (the latest history's).
 
-        At most ``sampled_rounds + tail_rounds`` from the log (the sampled ones with ``"sampled": true``)
-        before the in-memory records; a log line of the in-memory rounds is left to those.
+        The log's last ``tail_rounds`` whole, ``sampled_rounds`` evenly spaced before them (marked
+        ``"sampled": true``), then the in-memory records (a log line of their rounds is left to them).
         """
-        recent = list(self.recent())
-        return self._join(self._older(), recent)
+        return self._join(self._older(), list(self.recent()))
 
     async def records_async(self) -> list[Mapping[str, Any]]:
-        """:meth:`records` for the event loop: the log is read in a worker thread, once for all callers.
+        """:meth:`records` for the event loop: the log read in a worker thread, once for concurrent callers.
 
-        The in-memory records are taken on the loop (they change there); requests arriving while the
-        log is being read share that read (single flight) when the log has not changed since it began.
-        While neither the log nor the in-memory list (the same object, of the same length) changed, the
-        same list object is returned.
+        The in-memory records are taken on the loop; while neither the log nor the in-memory list (same
+        object, same length) changed, the same list object is returned.
         """
         key = self._log_key()
         cached = self._cached
@@ -238,10 +240,9 @@ class RoundArchive:
 
 
 def _increasing(records: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The newest records whose rounds increase strictly (from the newest back, up to a round not below).
+    """The newest records whose rounds increase strictly (a round twice keeps its later line).
 
-    A round logged twice (a recovered line) keeps its later line; rounds of an earlier history (a log
-    that outlived its state file) end the run.
+    Rounds of an earlier history (a log that outlived its state file) end the run.
     """
     out: list[Mapping[str, Any]] = []
     for rec in reversed(records):

@@ -56,8 +56,7 @@ def round_line(
 ) -> str:
     """The line printed for a closed round: ``total`` rounds in all (0: until stopped), ``per`` what came in.
 
-    ``refused`` and ``declined`` are the round's refusals and declines by reason (:func:`counts_since`);
-    ``silent`` the devices asked that sent nothing it counted (``Round.silent``), named at the end.
+    ``refused``, ``declined``: counts by reason (:func:`counts_since`); ``silent``: ``Round.silent``.
     """
     why = _by_reason(refused) or "none"
     if declined:
@@ -146,8 +145,7 @@ def log_entry(
         epsilon=None if math.isnan(rec.epsilon) else rec.epsilon,
         delta=None if math.isnan(rec.delta) else rec.delta,
     )
-    if isinstance(coord, RootCoordinator):  # since the start of this process
-        # update_bytes_mean is kept (same key as a flat run); at the root it is this
+    if isinstance(coord, RootCoordinator):  # since the start of this process (and update_bytes_mean kept)
         entry["partial_bytes_mean"] = rec.update_bytes_mean
         entry["partials"] = coord.partials_received
         entry["partial_bytes"] = coord.partial_bytes
@@ -156,10 +154,9 @@ def log_entry(
 
 
 def log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:
-    """Append the rounds the state file closed but ``log`` does not have; returns how many.
+    """Append the rounds the state file closed but ``log`` does not have (a kill in between); how many.
 
-    A coordinator killed between saving a round and logging it comes back with a round the log never
-    got: its line is rebuilt from the state's history, marked ``"recovered": true``.
+    Each line is rebuilt from the state's history, marked ``"recovered": true``.
     """
     logged: set[int] = set()
     with contextlib.suppress(FileNotFoundError):

@@ -127,10 +127,9 @@ class Round:
         return tally
 
     def silent(self) -> list[str]:
-        """The devices asked that sent this round neither an update it counted nor a decline, sorted.
+        """The devices asked (the selection, else those online at the opening) that sent nothing it counted.
 
-        Asked: the selection, else the devices online at the opening. A round that closed at its
-        deadline waited for these.
+        Neither an update counted nor a decline; sorted.
         """
         pool = self.selected if self.selected is not None else self.online
         members = self.answered().members
@@ -196,39 +195,20 @@ class Round:
         self.phase = RoundPhase.CLOSED
 
 
+@dataclass(eq=False, slots=True)
 class _Answered:
-    """The devices of a round that answered (see :meth:`Round.answered`).
+    """The devices of a round that answered (see :meth:`Round.answered`), taken in incrementally."""
 
-    ``counted``: an update counted; ``members``: those and the decliners; ``of_selected`` /
-    ``of_online``: members in the selection / the online set.
-    """
-
-    __slots__ = (
-        "counted",
-        "declined",
-        "devices",
-        "members",
-        "of_online",
-        "of_selected",
-        "online",
-        "seen_declined",
-        "seen_devices",
-        "selected",
-    )
-
-    def __init__(
-        self, devices: list[str], declined: list[str], selected: frozenset[str] | None, online: frozenset[str]
-    ) -> None:
-        self.devices = devices
-        self.declined = declined
-        self.selected = selected
-        self.online = online
-        self.counted: set[str] = set()
-        self.members: set[str] = set()
-        self.of_selected = 0
-        self.of_online = 0
-        self.seen_devices = 0
-        self.seen_declined = 0
+    devices: list[str]
+    declined: list[str]
+    selected: frozenset[str] | None
+    online: frozenset[str]
+    counted: set[str] = field(default_factory=set)  # an update counted
+    members: set[str] = field(default_factory=set)  # those and the decliners
+    of_selected: int = 0  # members in the selection
+    of_online: int = 0  # members online at the opening
+    seen_devices: int = 0  # entries of ``devices`` and ``declined`` taken in
+    seen_declined: int = 0
 
     def _add(self, device: str) -> None:
         if device in self.members:
@@ -356,4 +336,3 @@ def device_names(devices: Sequence[str], most: int = 10) -> str:
     """``"gw-2, gw-7"``: the first ``most`` of ``devices``, then ``"(+N more)"`` for the rest."""
     shown = ", ".join(devices[:most])
     return shown + (f" (+{len(devices) - most} more)" if len(devices) > most else "")
-

@@ -75,6 +75,9 @@ CONNECT_WAIT_S: Final = 60.0
 COORDINATOR_RECONNECT_MAX_S: Final = 5.0
 """Cap of the coordinator's reconnect back-off, seconds (one client may retry sooner than a fleet's 30 s)."""
 
+COORDINATOR_HELD_BYTES: Final = 16 << 20
+"""Payload bytes received and not yet handled at which the coordinator stops reading its broker."""
+
 
 def build_strategy(profile: CoordinatorProfile) -> Strategy:
     """The strategy a profile names: its parameters, the norm bound, and the DP wrapper when enabled.
@@ -221,6 +224,8 @@ async def run(
             ack_on_commit=probe or (persistent and files.state is not None),
             # one client, not a fleet: back within ~5 s of its broker (a root's partials wait for it)
             reconnect_max_s=COORDINATOR_RECONNECT_MAX_S,
+            # a flood of large messages from one account waits at the broker, not in our memory
+            max_held_bytes=COORDINATOR_HELD_BYTES,
             will=Lease.will(topics.coordinator) if persistent and leased else None,
         )
 

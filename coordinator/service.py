@@ -266,7 +266,7 @@ class Coordinator(Intake):
             if selected is None and self.strategy.fraction < 1.0:
                 selected = self.strategy.sample_clients(self.registry.online_devices(), round_no) or None
             if not selected:
-                online = frozenset(self.registry.online_devices())
+                online = frozenset(self.registry.waited_devices())  # not those asked and silent since
             if new_samples > 0:
                 self._episode_start = round_no  # new data: the learning-rate episode begins again
             self._round_lr = cfg.lr * self.lr_decay ** (round_no - self._episode_start)
@@ -326,6 +326,8 @@ class Coordinator(Intake):
                 announce.cancel()
                 await asyncio.gather(announce, return_exceptions=True)
         rnd.close()
+        if not rnd.complete():  # it waited its deadline for them: later rounds do not (registry.note_silent)
+            self.registry.note_silent(rnd.silent(), round_no)
         refused = ""
         self._settled = round_no  # from here on the state file holds the round's result, not the round
         if rnd.clients == 0:

@@ -27,9 +27,14 @@ from edgefl.types import F32
 MAX_UPDATE_EXAMPLES = 1_000_000
 """Most examples one update may claim (more is ``bad_value``); a site's weight is at most ``count x`` it."""
 
-
 HOSTILE_SHARE = 0.2
 """Largest share of a FedAvg-family aggregate's updates that may be hostile (``Strategy.min_updates``)."""
+
+
+def check_setting(ok: bool, name: str, value: object, rule: str) -> None:
+    """Raise ValueError ``"{name} = {value}: must be {rule}"`` unless ``ok`` (a setting out of range)."""
+    if not ok:
+        raise ValueError(f"{name} = {value}: must be {rule}")
 
 
 def sample_clients(
@@ -37,8 +42,8 @@ def sample_clients(
 ) -> tuple[str, ...]:
     """Choose the devices of a round: ``max(min_clients, ceil(fraction * n))`` of ``n``, without replacement.
 
-    The choice depends only on the set of ``available`` ids and ``rng``; a sorted tuple. ValueError
-    unless ``fraction`` is in (0, 1] and ``min_clients`` >= 1.
+    A sorted tuple, a function of the set of ``available`` ids and ``rng``. ValueError unless
+    ``fraction`` is in (0, 1] and ``min_clients`` >= 1.
 
     Source: client sampling of FedAvg, McMahan et al. 2017, Algorithm 1 (``m = max(C K, 1)``).
     """
@@ -160,10 +165,8 @@ class Strategy(ABC):
         clip_multiplier: float = 2.0,
         tolerate: int = 0,
     ) -> None:
-        if not 0.0 < fraction <= 1.0:
-            raise ValueError(f"fraction = {fraction}: must be in (0, 1]")
-        if tolerate < 0:
-            raise ValueError(f"tolerate = {tolerate}: must be >= 0")
+        check_setting(0.0 < fraction <= 1.0, "fraction", fraction, "in (0, 1]")
+        check_setting(tolerate >= 0, "tolerate", tolerate, ">= 0")
         self.tolerate = tolerate
         self.local_epochs = local_epochs
         self.lr = lr
@@ -227,13 +230,7 @@ class Strategy(ABC):
         called), ``bad_shape``, ``no_examples``, ``bad_value``, ``not_finite`` (a NaN/inf value, or a
         norm that overflows float64), or a strategy's own reason (``too_many``, ``too_stale``).
         """
-        shape = self._shape
-        if shape is None:
-            raise UpdateRejected("no_round", "no round configured")
-        if update.delta_W.shape != shape or update.delta_b.shape != (shape[1],):
-            raise UpdateRejected(
-                "bad_shape", f"delta {update.delta_W.shape}/{update.delta_b.shape}, head {shape}"
-            )
+        self._check_shape("delta", update.delta_W, update.delta_b)
         if update.num_examples <= 0:
             raise UpdateRejected("no_examples", f"num_examples = {update.num_examples}")
         if update.num_examples > MAX_UPDATE_EXAMPLES:
@@ -273,20 +270,13 @@ class Strategy(ABC):
     def offer_sums(self, sums: SiteSums) -> None:
         """Fold one site's share into the round's accumulator (the root role).
 
-        Shares of sums are held until ``aggregate`` and bounded together (``_drain_sums``); with a
-        fixed norm bound, a sum whose mean is longer than the bound is refused at once (its updates
-        were bounded, so its mean cannot be longer).
-
-        Raises UpdateRejected: ``no_round``, ``bad_shape``, ``not_finite``, ``bad_value`` (another
-        combine rule, a non-positive weight, a weight above ``count x MAX_UPDATE_EXAMPLES``, or a mean
-        beyond a fixed norm bound).
+        Sums are bounded together at ``aggregate``. Raises UpdateRejected: ``no_round``, ``bad_shape``,
+        ``not_finite``, ``bad_value`` (another combine rule, a non-positive weight, a weight above
+        ``count x MAX_UPDATE_EXAMPLES``, or a mean beyond a fixed norm bound, which its updates were
+        held to: refused at once).
         """
-        shape = self._shape
-        if shape is None:
-            raise UpdateRejected("no_round", "no round configured")
-        if sums.W.shape != shape or sums.b.shape != (shape[1],):
-            raise UpdateRejected("bad_shape", f"partial {sums.W.shape}/{sums.b.shape}, head {shape}")
-        norm = update_norm(sums.W, sums.b)  # type: ignore[arg-type]  # float64 works the same
+        self._check_shape("partial", sums.W, sums.b)
+        norm = update_norm(sums.W, sums.b)
         if not math.isfinite(norm):
             raise UpdateRejected("not_finite", f"partial norm {norm}")
         if not sums.weight > 0 or sums.count < 1:
@@ -309,6 +299,14 @@ class Strategy(ABC):
             self._pending_sums.append((sums, mean_norm))
         self.accepted += sums.count
         self._round_clipped += sums.clipped
+
+    def _check_shape(self, what: str, W: npt.NDArray[Any], b: npt.NDArray[Any]) -> None:
+        """Refuse a delta before ``configure_round`` (``no_round``) or of another shape (``bad_shape``)."""
+        shape = self._shape
+        if shape is None:
+            raise UpdateRejected("no_round", "no round configured")
+        if W.shape != shape or b.shape != (shape[1],):
+            raise UpdateRejected("bad_shape", f"{what} {W.shape}/{b.shape}, head {shape}")
 
     def bound_site_weights(self, multiplier: float = 1.0) -> None:
         """Bound each site's claimed weight per update at the root (``offer_sums``).

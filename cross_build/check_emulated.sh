@@ -159,11 +159,11 @@ fi
 log "wheelhouse $HOUSE: wheels $(du -sh "$HOUSE/wheels" | cut -f1), total $(du -sh "$HOUSE" | cut -f1)"
 
 # The demo's test set (edgefl.datasets.split_digits, seed 0) as raw uint8 samples, made on the host.
-"$PY" "$ROOT/cross_build/classify.py" export-test-set "$WORK/testset.npz"
+"$PY" "$ROOT/tests/support/classify_probe.py" export-test-set "$WORK/testset.npz"
 
 mkdir -p "$ROOTFS/opt/wheelhouse" "$ROOTFS/opt/check"
 cp -R "$HOUSE/." "$ROOTFS/opt/wheelhouse/"
-cp "$ROOT/cross_build/classify.py" "$WORK/testset.npz" "$ROOTFS/opt/check/"
+cp "$ROOT/tests/support/classify_probe.py" "$WORK/testset.npz" "$ROOTFS/opt/check/"
 
 # qemu-user runs inside the guest process: its translated code and translator state count in the
 # guest's RSS (113 MiB with the model under emulation against ~60 MiB on a real aarch64 gateway), so
@@ -181,11 +181,11 @@ log "install under emulation: $INSTALL_S s; installed release $(du -sh "$ROOTFS"
 
 log "codec round trip under emulation (edgefl.wire.status with the cbor2 of the wheelhouse)"
 CODEC_RC=0
-guest "$ROOTFS" /opt/edgefl/current/venv/bin/python /opt/check/classify.py codec 2>&1 | sed 's/^/  guest: /' \
+guest "$ROOTFS" /opt/edgefl/current/venv/bin/python /opt/check/classify_probe.py codec 2>&1 | sed 's/^/  guest: /' \
   || CODEC_RC=1
 
 log "classifying the test set under emulation ($RUNTIME)"
-guest "$ROOTFS" /opt/edgefl/current/venv/bin/python /opt/check/classify.py run \
+guest "$ROOTFS" /opt/edgefl/current/venv/bin/python /opt/check/classify_probe.py run \
   /opt/edgefl/current/models/digits_cnn_int8_rawin.tflite "$RUNTIME" /opt/check/testset.npz /opt/check/guest.npz \
   2>&1 | sed 's/^/  guest: /'
 
@@ -200,11 +200,11 @@ if [ "$RUNTIME" = tflite ]; then
   fi
   HOST_PY="$HOST_VENV/bin/python"
 fi
-PYTHONPATH="$ROOT" "$HOST_PY" "$ROOT/cross_build/classify.py" run "$ROOT/models/digits_cnn_int8_rawin.tflite" \
+PYTHONPATH="$ROOT" "$HOST_PY" "$ROOT/tests/support/classify_probe.py" run "$ROOT/models/digits_cnn_int8_rawin.tflite" \
   "$RUNTIME" "$WORK/testset.npz" "$WORK/host.npz"
 
 MATCH_RC=0
-"$PY" "$ROOT/cross_build/classify.py" compare "$ROOTFS/opt/check/guest.npz" "$WORK/host.npz" \
+"$PY" "$ROOT/tests/support/classify_probe.py" compare "$ROOTFS/opt/check/guest.npz" "$WORK/host.npz" \
   | sed "s/^/[$TARGET] /" || MATCH_RC=1
 log "done: install $INSTALL_S s, wheelhouse $(du -sh "$HOUSE" | cut -f1), predictions $([ $MATCH_RC = 0 ] && echo match || echo DIFFER), codec $([ $CODEC_RC = 0 ] && echo ok || echo FAILED)"
 [ "$MATCH_RC" = 0 ] && [ "$CODEC_RC" = 0 ]

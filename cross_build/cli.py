@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-# Must equal sorted(cross_build.targets.TARGETS) (checked by tests/test_cross_build.py).
+# sorted(targets.TARGETS) and targets.PYTHONS, copied so that --help does not import packaging (a test checks)
 TARGET_NAMES = ("aarch64", "armv7l", "x86_64")
-# Must equal cross_build.wheelhouse.PYTHONS (same test).
 PYTHON_VERSIONS = ("3.11", "3.12", "3.13")
 DEFAULT_PREFIX = "/opt/edgefl"
 

@@ -43,7 +43,6 @@ def read_wheel(path: Path) -> WheelInfo:
     """Read a wheel's name, version and ``Requires-Dist`` from its ``*.dist-info/METADATA``.
 
     WheelhouseError if the file is not a readable wheel with a METADATA file.
-
     Source: PEP 427 (wheel layout), core metadata 2.x (``Requires-Dist``).
     """
     try:
@@ -108,7 +107,6 @@ def format_lock(entries: Iterable[LockEntry], header: str = "") -> str:
     """Render ``requirements.lock``: one ``name==version --hash=sha256:HEX`` per wheel, sorted by name.
 
     ``header`` lines come first as comments; each entry follows a ``# <wheel file name>`` comment.
-
     Source: pip's requirements file format and hash-checking mode.
     """
     lines = [f"# {h}" if h else "#" for h in header.splitlines()]

@@ -2,9 +2,8 @@
 
 Why armv7l differs: ``docs/operations.md`` ("Platforms"). Every ``manylinux_2_Y`` the glibc allows is
 listed (pip's usual list makes aarch64 fall back to ai-edge-litert 1.4.0) and markers are evaluated
-against the target, not the build machine.
-
-Source: PEP 600 (``manylinux_x_y`` tags), PEP 508 (environment markers), PEP 425 (compatibility tags).
+against the target, not the build machine. Source: PEP 600 (``manylinux_x_y`` tags), PEP 508
+(environment markers), PEP 425 (compatibility tags).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from dataclasses import dataclass, field
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+from packaging.tags import compatible_tags, cpython_tags
 from packaging.utils import parse_wheel_filename
 
 from edgefl.errors import EdgeflError
@@ -24,8 +24,7 @@ from edgefl.errors import EdgeflError
 # _manylinux.platform_tags.
 _OLDEST_GLIBC_MINOR = {"x86_64": 5, "i686": 5}
 _OLDEST_GLIBC_MINOR_DEFAULT = 17
-# PEP 600's aliases for the legacy tags.
-_LEGACY_ALIASES = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+_LEGACY_ALIASES = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}  # PEP 600's legacy tags
 
 
 class WheelhouseError(EdgeflError):
@@ -161,7 +160,6 @@ def manylinux_tags(machine: str, glibc: tuple[int, int]) -> list[str]:
     ``manylinux_2_{minor}_{machine}`` down to the architecture's oldest (2.17 for ARM, 2.5 for x86),
     each followed by its PEP 600 legacy alias where one exists. ValueError for a glibc that is not 2.x
     or older than the architecture's first tag.
-
     Source: PEP 600 (``manylinux_x_y``, legacy aliases); packaging's ``_manylinux.platform_tags``.
     """
     major, minor = glibc
@@ -215,21 +213,12 @@ def applicable_requirements(
 def supported_wheel(filename: str, target: Target) -> bool:
     """Whether a wheel file can be installed on the target (its interpreter, ABI and platform tags).
 
-    Source: PEP 425 (compatibility tags), PEP 384 (abi3).
+    Source: PEP 425 (compatibility tags), PEP 384 (abi3); packaging's ``cpython_tags``, ``compatible_tags``.
     """
-    platforms = {"any", *manylinux_tags(target.machine, target.glibc)}
-    minor = int(target.python_version.split(".")[1])
-    _name, _version, _build, tags = parse_wheel_filename(filename)
-    for tag in tags:
-        if tag.platform not in platforms:
-            continue
-        interp = tag.interpreter
-        if tag.abi == target.abi and interp == target.abi:
-            return True
-        if tag.abi == "abi3" and interp.startswith("cp3") and int(interp[3:] or 0) <= minor:
-            return True
-        if tag.abi == "none" and interp in {"py3", "py2.py3", f"py{minor + 30}", target.abi} | {
-            f"py3{m}" for m in range(minor + 1)
-        }:
-            return True
-    return False
+    version = tuple(int(part) for part in target.python_version.split("."))
+    platforms = [*manylinux_tags(target.machine, target.glibc), "any"]
+    accepted = {
+        *cpython_tags(version, [target.abi], platforms),
+        *compatible_tags(version, target.abi, platforms),
+    }
+    return any(tag in accepted for tag in parse_wheel_filename(filename)[3])

@@ -3,9 +3,7 @@
 On an x86 build machine, installing nothing there, collect edgefl's wheel and every dependency as a
 binary wheel for the target's platform and CPython (``--python``, the ``cp3XX`` tags), with the lock,
 the installer, the systemd units, profiles and models (the folder's layout: ``docs/operations.md``,
-"Build a wheelhouse").
-
-Source: pip's secure installs (``--require-hashes``).
+"Build a wheelhouse"). Source: pip's secure installs (``--require-hashes``).
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -42,27 +39,10 @@ COORDINATOR_UNIT = "edgefl-coordinator.service"
 """The coordinator's unit in ``<wheelhouse>/systemd/`` (no device profile has this stem)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Wheelhouse:
-    """A built wheelhouse: ``target``, folder ``out``, ``lock`` (sorted by name), sizes, build time.
-
-    ``wheels_bytes`` of ``wheels/`` and ``total_bytes`` of the folder; ``build_s`` seconds.
-    """
-
-    target: Target
-    out: Path
-    lock: tuple[LockEntry, ...]
-    wheels_bytes: int
-    total_bytes: int
-    build_s: float
-
-
-def render_unit(
-    profile_path: Path, prefix: str = DEFAULT_PREFIX, template: Path = UNIT_TEMPLATE
-) -> str:
+def render_unit(profile_path: Path, prefix: str = DEFAULT_PREFIX) -> str:
     """Render the systemd unit of one device profile in ``firmware_configs/`` (validated first).
 
-    ``template``'s ``@PREFIX@``, ``@PROFILE@``, ``@MEMORY_MAX_MB@``, ``@MEMORY_HIGH_MB@`` and
+    ``edgefl-agent.service``'s ``@PREFIX@``, ``@PROFILE@``, ``@MEMORY_MAX_MB@``, ``@MEMORY_HIGH_MB@`` and
     ``@STATE_DIRECTORY@`` become ``prefix``, the profile, ``memory.cap_mb``, ``cap_mb - reserve_mb`` and
     ``device.state_dir`` relative to ``/var/lib``. WheelhouseError for an invalid profile or a
     ``device.state_dir`` outside ``/var/lib`` (``ProtectSystem=strict`` allows nothing else).
@@ -89,25 +69,26 @@ def render_unit(
         "MEMORY_HIGH_MB": str(profile.memory.cap_mb - profile.memory.reserve_mb),
         "STATE_DIRECTORY": str(state.relative_to(var_lib)),
     }
-    text = template.read_text(encoding="utf-8")
-    for key, value in fields.items():
-        text = text.replace(f"@{key}@", value)
-    leftover = re.search(r"@[A-Z_]+@", text)
-    if leftover is not None:
-        raise WheelhouseError("edgefl-agent.service", "-", f"unfilled template field {leftover.group(0)}")
-    return text
+    return _fill(UNIT_TEMPLATE, fields)
 
 
-def render_coordinator_unit(prefix: str = DEFAULT_PREFIX, template: Path = COORDINATOR_UNIT_TEMPLATE) -> str:
+def render_coordinator_unit(prefix: str = DEFAULT_PREFIX) -> str:
     """Render the coordinator's systemd unit for an install under ``prefix`` (``@PREFIX@``).
 
     It runs ``edgefl coordinator /etc/edgefl/coordinator.toml`` and never restarts exit 1, 2, 3 or 6
     (:mod:`edgefl.coordinator.command`). WheelhouseError if the template has a field left unfilled.
     """
-    text = template.read_text(encoding="utf-8").replace("@PREFIX@", prefix.rstrip("/"))
+    return _fill(COORDINATOR_UNIT_TEMPLATE, {"PREFIX": prefix.rstrip("/")})
+
+
+def _fill(template: Path, fields: Mapping[str, str]) -> str:
+    """``template`` with each ``@KEY@`` of ``fields`` replaced; WheelhouseError naming a field left over."""
+    text = template.read_text(encoding="utf-8")
+    for key, value in fields.items():
+        text = text.replace(f"@{key}@", value)
     leftover = re.search(r"@[A-Z_]+@", text)
     if leftover is not None:
-        raise WheelhouseError(COORDINATOR_UNIT, "-", f"unfilled template field {leftover.group(0)}")
+        raise WheelhouseError(template.name, "-", f"unfilled template field {leftover.group(0)}")
     return text
 
 
@@ -151,9 +132,7 @@ def write_support_files(out: Path, repo: Path = REPO_ROOT, prefix: str = DEFAULT
 def _pip(args: Sequence[str], env: Mapping[str, str] | None = None) -> None:
     cmd = [sys.executable, "-m", "pip", "--disable-pip-version-check", *args]
     logger.info("running %s", " ".join(cmd))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, check=False)
-    if proc.returncode != 0:
-        raise subprocess.CalledProcessError(proc.returncode, cmd, proc.stdout, proc.stderr)
+    subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, check=True)
 
 
 def _pip_failure(exc: subprocess.CalledProcessError, names: Sequence[str], target: Target) -> WheelhouseError:
@@ -171,17 +150,12 @@ def build_own_wheel(repo: Path, dest: Path) -> Path:
 
     WheelhouseError if the build fails or does not produce exactly one edgefl wheel.
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            _pip(["wheel", "--no-deps", "-q", "-w", tmp, str(repo)])
-        except subprocess.CalledProcessError as exc:
-            raise WheelhouseError("edgefl", "py3-none-any", f"pip wheel failed: {exc.stderr[-500:]}") from exc
-        built = sorted(Path(tmp).glob("edgefl-*.whl"))
-        if len(built) != 1:
-            raise WheelhouseError("edgefl", "py3-none-any", f"expected one wheel, got {built}")
-        out = dest / built[0].name
-        shutil.move(str(built[0]), out)
-    return out
+    try:
+        return _pip_wheel([str(repo)], dest, "edgefl-*.whl")
+    except subprocess.CalledProcessError as exc:
+        raise WheelhouseError("edgefl", "py3-none-any", f"pip wheel failed: {exc.stderr[-500:]}") from exc
+    except ValueError as exc:
+        raise WheelhouseError("edgefl", "py3-none-any", f"expected one wheel, got {exc}") from None
 
 
 def build_pure_wheel(spec: PureWheel, dest: Path, target: Target) -> Path:
@@ -190,19 +164,22 @@ def build_pure_wheel(spec: PureWheel, dest: Path, target: Target) -> Path:
     WheelhouseError if the build fails or the wheel is not ``none-any`` (a C extension built here would
     be an x86 binary).
     """
+    try:
+        args = ["--no-binary", spec.name, f"{spec.name}=={spec.version}"]
+        return _pip_wheel(args, dest, "*-none-any.whl", env=spec.env)
+    except subprocess.CalledProcessError as exc:
+        raise _pip_failure(exc, [spec.name], target) from exc
+    except ValueError as exc:
+        raise WheelhouseError(spec.name, target.platform, f"not a pure-Python wheel: {exc}") from None
+
+
+def _pip_wheel(args: Sequence[str], dest: Path, pattern: str, env: Mapping[str, str] | None = None) -> Path:
+    """``pip wheel --no-deps`` into ``dest``; ValueError (the names built) unless one wheel, ``pattern``."""
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            _pip(
-                ["wheel", "--no-deps", "--no-binary", spec.name, "-q", "-w", tmp,
-                 f"{spec.name}=={spec.version}"],
-                env=spec.env,
-            )
-        except subprocess.CalledProcessError as exc:
-            raise _pip_failure(exc, [spec.name], target) from exc
+        _pip(["wheel", "--no-deps", "-q", "-w", tmp, *args], env=env)
         built = sorted(Path(tmp).glob("*.whl"))
-        if len(built) != 1 or not built[0].name.endswith("-none-any.whl"):
-            names = [b.name for b in built]
-            raise WheelhouseError(spec.name, target.platform, f"not a pure-Python wheel: {names}")
+        if len(built) != 1 or not built[0].match(pattern):
+            raise ValueError([b.name for b in built])
         out = dest / built[0].name
         shutil.move(str(built[0]), out)
     return out
@@ -237,10 +214,11 @@ def build_wheelhouse(
     out: Path,
     repo: Path = REPO_ROOT,
     prefix: str = DEFAULT_PREFIX,
-) -> Wheelhouse:
+) -> tuple[LockEntry, ...]:
     """Build the complete offline wheelhouse for one target into ``out`` (its ``wheels/`` emptied first).
 
-    ``repo`` is the source checkout, ``prefix`` the install prefix on the device. WheelhouseError if
+    ``repo`` is the source checkout, ``prefix`` the install prefix on the device; returns the lock's
+    entries, sorted by name. WheelhouseError if
     the target's CPython is refused (before anything is built), a dependency has no wheel for the
     target (named, with the platform), the closure is incomplete, or the lock misses an expected
     version.
@@ -248,7 +226,6 @@ def build_wheelhouse(
     why = target.refused.get(target.python_version)
     if why is not None:
         raise WheelhouseError("edgefl", f"{target.name} CPython {target.python_version}", why)
-    t0 = time.monotonic()
     wheels_dir = out / "wheels"
     if wheels_dir.exists():
         shutil.rmtree(wheels_dir)
@@ -305,22 +282,24 @@ def build_wheelhouse(
         f"system_modules={' '.join(f'{m}={d}' for m, d in target.system_modules.items())}\n",
         encoding="utf-8",
     )
-    return Wheelhouse(target, out, lock, _tree_bytes(wheels_dir), _tree_bytes(out), time.monotonic() - t0)
+    return lock
 
 
 def run(args: argparse.Namespace) -> int:
     """Build the wheelhouse for parsed ``--target/--python/--out/--prefix/--repo``: 0 built, 1 failed."""
     repo = Path(args.repo) if args.repo else REPO_ROOT
+    out = Path(args.out)
+    t0 = time.monotonic()
     try:
         target = target_for(args.target, getattr(args, "python", None))
-        house = build_wheelhouse(target, Path(args.out), repo, args.prefix)
+        lock = build_wheelhouse(target, out, repo, args.prefix)
     except WheelhouseError as exc:
         print(f"edgefl wheelhouse: {exc}", file=sys.stderr)
         return 1
-    print(f"{house.out}: {len(house.lock)} wheels for {target.platform}, "
-          f"wheels {house.wheels_bytes / 1e6:.1f} MB, total {house.total_bytes / 1e6:.1f} MB, "
-          f"built in {house.build_s:.0f} s")
-    for e in house.lock:
+    print(f"{out}: {len(lock)} wheels for {target.platform}, "
+          f"wheels {_tree_bytes(out / 'wheels') / 1e6:.1f} MB, total {_tree_bytes(out) / 1e6:.1f} MB, "
+          f"built in {time.monotonic() - t0:.0f} s")
+    for e in lock:
         print(f"  {e.name}=={e.version}")
     return 0
 

@@ -1,11 +1,9 @@
 """The dashboard: one aiohttp app serving an HTML page, JSON, Server-Sent Events and Prometheus metrics.
 
-The agent and the coordinator each serve it with their own :class:`DashboardState`. The routes (all
-GET, nothing changes state) and their documents are in ``docs/operations.md``, "The dashboard's
-routes". With a ``token`` every route requires ``Authorization: Bearer <token>`` or HTTP Basic with
-the token as password (compared in constant time); without one only loopback ``Host`` headers are
-served (421 otherwise: DNS rebinding). Every response carries a Content-Security-Policy without
-inline script.
+The agent and the coordinator each serve it with their own :class:`DashboardState`; the routes are
+``docs/operations.md``, "The dashboard's routes". With a ``token`` every route requires ``Authorization:
+Bearer <token>`` or HTTP Basic with the token as password; without one only loopback ``Host`` headers
+are served (421 otherwise: DNS rebinding). Every response carries a CSP without inline script.
 
 Source: HTML Living Standard §9.2 (server-sent events); Prometheus text exposition format;
 RFC 6750 §2.1 (bearer token); RFC 7617 (Basic).
@@ -84,18 +82,16 @@ _SECURITY_HEADERS: Final = {
 class DashboardState:
     """What the agent or the coordinator hands to the dashboard.
 
-    ``kind`` ("device" or "coordinator"): which page and metrics; ``title``: the page header's (device id,
-    fleet name). ``get_status()``: the current status (keys: ``docs/operations.md``, "The dashboard's
-    routes"; any may be missing or None), called on the event loop at most once per ``push_interval_s``
-    (s, while a stream is open) and per request: cheap, never blocking. ``get_rounds()``: a coordinator's
-    round records, oldest first (``/api/rounds``): a list that exists already, or an awaitable of one for
-    records that take work (computed off the loop; it gives the same list object while they are unchanged,
-    and each page's response is then reused). ``token``: bearer token, required by :func:`serve` off
-    loopback. The RSS history is sampled every ``history_interval_s`` (s), ``history_len`` samples. At
-    most ``max_streams`` SSE streams (503 beyond) and ``max_connections`` open connections
-    (``max_connections_per_client`` from one IP); a request's header block and body must each arrive
-    within ``header_timeout_s`` / ``body_timeout_s`` or the connection is closed. ValueError for another
-    kind or a number <= 0.
+    ``kind`` ("device" or "coordinator"): which page and metrics; ``title``: the page header's.
+    ``get_status()``: the current status (keys: ``docs/operations.md``; any may be missing or None),
+    called on the event loop at most once per ``push_interval_s`` (s) and per request: cheap, never
+    blocking. ``get_rounds()``: a coordinator's round records, oldest first: a list, or an awaitable of
+    one (the same list object while unchanged: each page's response is then reused). ``token``: bearer
+    token, required by :func:`serve` off loopback. RSS history: every ``history_interval_s`` (s),
+    ``history_len`` samples. At most ``max_streams`` SSE streams (503 beyond), ``max_connections``
+    open connections (``max_connections_per_client`` from one IP); a request's header block and body
+    must each arrive within ``header_timeout_s`` / ``body_timeout_s``. ValueError for another kind or a
+    number <= 0.
     """
 
     kind: Literal["device", "coordinator"]
@@ -160,8 +156,7 @@ class _Hub:
         self.frame = b""
         self.streams = 0
         self.closing = False
-        self.history: deque[tuple[float, int]] = deque(maxlen=state.history_len)
-        # coordinator: device -> (monotonic s, rss bytes, cap bytes or -1)
+        # device name ("" for a device's own page) -> (monotonic s, rss bytes, cap bytes or -1)
         self.device_history: dict[str, deque[tuple[float, int, int]]] = {}
         self.registry: CollectorRegistry | None = None
         self._status_json = b""
@@ -224,12 +219,7 @@ class _Hub:
         except Exception:
             return  # refresh() logs the failure
         now = time.monotonic()
-        if self.state.kind == "device":
-            rss = finite_number(status.get("rss_bytes"))
-            if rss is not None:
-                self.history.append((now, int(rss)))
-            return
-        devices = status.get("devices")
+        devices = {"": status} if self.state.kind == "device" else status.get("devices")
         if not isinstance(devices, Mapping):
             return
         for name, entry in devices.items():
@@ -358,7 +348,7 @@ async def _history(request: web.Request) -> web.Response:
     now = time.monotonic()
     doc: dict[str, Any] = {"interval_s": hub.state.history_interval_s}
     if hub.state.kind == "device":
-        doc["rss"] = [[round(now - t, 1), rss] for t, rss in hub.history]
+        doc["rss"] = [[round(now - t, 1), rss] for t, rss, _ in hub.device_history.get("", ())]
     else:
         doc["devices"] = {
             name: [[round(now - t, 1), rss, cap if cap >= 0 else None] for t, rss, cap in series]
@@ -469,10 +459,7 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _healthz(request: web.Request) -> web.Response:
-    """``ok`` (200), or 503 with the problem when the status's ``health`` field names one.
-
-    A status that cannot be read leaves it at 200: the process serves (``/api/status`` says 503).
-    """
+    """``ok`` (200), or 503 with the status's ``health`` when it names a problem (unreadable status: 200)."""
     try:
         health = request.app[HUB_KEY].status().get("health", "ok")
     except Exception:

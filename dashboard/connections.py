@@ -36,11 +36,7 @@ def _log_due(n: int) -> bool:
 
 
 class _Pool:
-    """The connections of one listening site.
-
-    ``open`` maps a client address to its open connections (key ``""``: all of them); ``unproven``
-    holds, oldest first, the admitted connections waiting for the rest of a header block.
-    """
+    """One listening site's open connections by client (``""``: all) and, oldest first, its unproven ones."""
 
     def __init__(self) -> None:
         self.open: dict[str, int] = {}
@@ -227,11 +223,10 @@ def _content_length(head: bytes) -> int:
 
 
 class RequestLog(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """aiohttp's server log for the dashboard: a request it cannot parse is one counted line.
+    """aiohttp's server log for the dashboard: a request it cannot parse is one counted line, no traceback.
 
-    aiohttp logs every malformed request with a full traceback; here it is counted
-    (:attr:`DashboardState.bad_requests_total`) and logged on one line now and then (aiohttp still
-    answers it). Any other error keeps its traceback.
+    Counted in :attr:`DashboardState.bad_requests_total`, logged now and then (aiohttp still answers it).
+    Any other error keeps its traceback.
     """
 
     def __init__(self, state: DashboardState) -> None:
@@ -239,7 +234,7 @@ class RequestLog(logging.LoggerAdapter):  # type: ignore[type-arg]
         self.state = state
 
     def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
-        """Count a request aiohttp could not parse (an oversized header block...): one line, no traceback."""
+        """Count a request aiohttp could not parse: one line, no traceback (anything else as usual)."""
         exc = exc_info if isinstance(exc_info, BaseException) else None
         if not isinstance(exc, HttpProcessingError):
             super().exception(msg, *args, exc_info=exc_info, **kwargs)

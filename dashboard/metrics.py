@@ -1,7 +1,7 @@
 """The dashboard's Prometheus export: metric families built from a device's or a coordinator's status.
 
-``prometheus_client`` (with http.server, wsgiref and urllib, about 1.8 MB RSS) is imported inside the
-functions, so an agent nobody scrapes never loads it. Missing or null values are left out.
+``prometheus_client`` (about 1.8 MB RSS) is imported inside the functions, so an agent nobody scrapes
+never loads it. Missing or null values are left out.
 
 Source: Prometheus text exposition format; the enum idiom (one gauge per state, 1 for the current one).
 """
@@ -57,12 +57,12 @@ class StatusCollector:
         )
 
 
-def _gauge(name: str, doc: str, value: Any) -> Iterator[Metric]:
-    from prometheus_client.metrics_core import GaugeMetricFamily
+def _gauge(name: str, doc: str, value: Any, *, counter: bool = False) -> Iterator[Metric]:
+    from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 
     number = finite_number(value)
     if number is not None:
-        yield GaugeMetricFamily(name, doc, value=number)
+        yield (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, value=number)
 
 
 def _labelled(
@@ -109,7 +109,9 @@ _DEVICE_GAUGES: Final = (
     ("edgefl_ingest_queued", "ingest_queued", "Live samples received, not yet classified."),
     ("edgefl_pending_labels", "pending_labels", "Classified live samples waiting for a late label."),
 )
-_DEVICE_COUNTERS: Final = (  # live ingest (source.kind = "mqtt"): absent otherwise
+_DEVICE_COUNTERS: Final = (
+    ("edgefl_inferred_samples", "inferred_total", "Samples classified."),
+    # live ingest (source.kind = "mqtt"): absent otherwise
     ("edgefl_ingest_samples_received", "samples_received", "Live samples accepted."),
     ("edgefl_ingest_labels_received", "labels_received", "Labels accepted, inline or late."),
     ("edgefl_ingest_predictions_published", "predictions_published", "Predictions published."),
@@ -128,7 +130,7 @@ _COORDINATOR_GAUGES: Final = (
 
 def device_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
     """Yield the Prometheus families of a device status (``docs/operations.md``, "The dashboard's routes")."""
-    from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.metrics_core import GaugeMetricFamily
 
     for name, key, doc in _DEVICE_GAUGES[:5]:
         yield from _gauge(name, doc, status.get(key))
@@ -137,13 +139,8 @@ def device_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
     )
     for name, key, doc in _DEVICE_GAUGES[5:]:
         yield from _gauge(name, doc, status.get(key))
-    inferred = finite_number(status.get("inferred_total"))
-    if inferred is not None:
-        yield CounterMetricFamily("edgefl_inferred_samples", "Samples classified.", value=inferred)
     for name, key, doc in _DEVICE_COUNTERS:
-        count = finite_number(status.get(key))
-        if count is not None:
-            yield CounterMetricFamily(name, doc, value=count)
+        yield from _gauge(name, doc, status.get(key), counter=True)
     yield from _state_set(
         "edgefl_agent_state", "Agent state (1 = current).", status.get("state"), DEVICE_STATES
     )

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -18,8 +19,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgefl.errors import ConfigError
-from edgefl.profiles import add_set_argument, parse_sets
+from edgefl.errors import ConfigError, CredentialsRefused, EdgeflError, ModelError, StartupError
+from edgefl.profiles import add_set_argument, parse_sets, read_toml
 
 if TYPE_CHECKING:
     from edgefl.agent.config import Profile
@@ -77,8 +78,7 @@ def _load_or_report(args: argparse.Namespace) -> Profile | None:
 def _preflight(profile: Profile, *, warn_unloaded: bool = True) -> list[str]:
     """What this profile cannot run with here (:func:`edgefl.agent.preflight.preflight`); ModelError.
 
-    Without the profile's runtime here only the checks not about this machine run (``warn_unloaded``
-    prints what was left unchecked).
+    Without the profile's runtime only the checks not about this machine run (``warn_unloaded``: say so).
     """
     import gc
 
@@ -94,14 +94,11 @@ def _preflight(profile: Profile, *, warn_unloaded: bool = True) -> list[str]:
     for note in broker_warnings(profile):
         print(f"edgefl: warning: {note}", file=sys.stderr)
 
-    # The floor is the RSS of the process with every page its imports and the model map, an upper
-    # bound of what the agent holds once it runs. The imports' library pages are dropped before the
-    # runtime's library and the model load (with them mapped, that is the process's peak) and counted
-    # back per mapping: what each held then and the load did not map again.
+    # The floor: the RSS with every page the imports and the model map. The imports' library pages are
+    # dropped before the model loads (the process's peak otherwise), then counted back per mapping.
     dropped = heap.release_file_pages()
     if not runtime_available(profile.model.runtime):
-        # a profile for another kind of gateway (tflite-runtime on armv7l): what is not about this
-        # machine is still checked; the rest is checked by `edgefl run` on the gateway itself
+        # a profile for another kind of gateway (tflite-runtime on armv7l): the rest is checked there
         problems = preflight(profile, None, 0)
         elsewhere = [p for p in problems if p.startswith("device.state_dir")]
         if warn_unloaded:  # `edgefl run` goes on to load the model and names why it cannot
@@ -174,8 +171,6 @@ def lock_coordinator_state(state: Path) -> object:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """``edgefl run PROFILE``: run the agent daemon until SIGTERM/SIGINT."""
-    from edgefl.errors import EdgeflError, ModelError
-
     profile = _load_or_report(args)
     if profile is None:
         return EXIT_INVALID
@@ -184,8 +179,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from edgefl.agent.daemon import Agent
     from edgefl.agent.statelock import StateDirBusy, lock_state_dir
 
-    # arenas of threads not yet started (paho, worker, dashboard); a fixed mmap threshold (the unit and
-    # the demo set it from the start with MALLOC_MMAP_THRESHOLD_)
+    # arenas of threads not yet started (paho, worker, dashboard); a fixed mmap threshold
     heap.apply_hygiene(arena_max=2, mmap_threshold_bytes=MMAP_THRESHOLD_BYTES)
 
     try:
@@ -218,10 +212,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _stopped_by(exc: BaseException) -> int:
-    """The exit code for what stopped the agent: 5 refused credentials or certificate, 4 start-up, a fault."""
-    from edgefl.errors import CredentialsRefused, StartupError
+_KNOWN_FAULTS = (OSError, MemoryError, ArithmeticError, ValueError)
+"""Faults a running agent can meet (a disk, the RAM, bad numbers): one log line, no traceback."""
 
+
+def _stopped_by(exc: BaseException) -> int:
+    """The exit code for what stopped the agent: 5 refused credentials or certificate, 4 start-up, 75 a fault.
+
+    A fault is logged (a known one in one line, else its traceback); ``KeyboardInterrupt``/``SystemExit``
+    (also inside an ``ExceptionGroup``) re-raise.
+    """
     leaves = _leaves(exc)
     for e in leaves:
         if isinstance(e, CredentialsRefused):
@@ -232,7 +232,15 @@ def _stopped_by(exc: BaseException) -> int:
         if isinstance(e, StartupError):
             print(f"edgefl: cannot start: {e}", file=sys.stderr)
             return EXIT_RUNTIME
-    return _stopped_by_fault(exc)
+    for e in leaves:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise e
+    for e in leaves:
+        if isinstance(e, (EdgeflError, *_KNOWN_FAULTS)):
+            logger.error("agent stopped by a fault (exit %d): %s: %s", EXIT_TEMPFAIL, type(e).__name__, e)
+        else:
+            logger.error("agent stopped by an unexpected error (exit %d)", EXIT_TEMPFAIL, exc_info=e)
+    return EXIT_TEMPFAIL
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
@@ -248,34 +256,10 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     return leaves
 
 
-_KNOWN_FAULTS = (OSError, MemoryError, ArithmeticError, ValueError)
-"""Faults a running agent can meet (a disk, the RAM, bad numbers): one log line, no traceback."""
-
-
-def _stopped_by_fault(exc: BaseException) -> int:
-    """Log the fault (a known one in one line, else its traceback); :data:`EXIT_TEMPFAIL`.
-
-    ``KeyboardInterrupt``/``SystemExit`` (also inside an ``ExceptionGroup``) re-raise.
-    """
-    from edgefl.errors import EdgeflError
-
-    leaves = _leaves(exc)
-    for e in leaves:
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise e
-    for e in leaves:
-        if isinstance(e, (EdgeflError, *_KNOWN_FAULTS)):
-            logger.error("agent stopped by a fault (exit %d): %s: %s", EXIT_TEMPFAIL, type(e).__name__, e)
-        else:
-            logger.error("agent stopped by an unexpected error (exit %d)", EXIT_TEMPFAIL, exc_info=e)
-    return EXIT_TEMPFAIL
-
-
 class DashboardPage:
     """The device's status page: ``edgefl.dashboard`` behind the daemon's ``StatusPage`` interface.
 
-    Built here, so the device package never imports the dashboard; aiohttp's server is imported only
-    when the page starts. ``profile`` gives ``dashboard.host``, ``port``, ``token`` and ``device.id``.
+    Built here, so the device package never imports the dashboard (aiohttp only once the page starts).
     """
 
     def __init__(self, profile: Profile) -> None:
@@ -323,27 +307,11 @@ class DashboardPage:
         }
 
 
-def _model_problems(path: Path) -> list[str]:
-    """``model.path``'s problem when the coordinator could not load it (as it does at start), else []."""
-    from edgefl.errors import ModelError
-    from edgefl.runtime import Backbone
-
-    try:
-        Backbone(path).head_from_model()
-    except ModelError as exc:
-        return [f"model.path = {str(path)!r}: {exc}"]
-    return []
-
-
 def cmd_check_config(args: argparse.Namespace) -> int:
     """``edgefl check-config PROFILE``: validate a device or coordinator profile (exit 0, or 1 listing all).
 
     A profile with a coordinator-only table (``[rounds]``, ``[strategy]``...) is a coordinator profile.
     """
-    import json
-
-    from edgefl.profiles import read_toml
-
     try:
         _, data = read_toml(args.profile)
     except ConfigError as exc:
@@ -352,24 +320,24 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     from edgefl.coordinator.profile import SCHEMA, is_coordinator_profile, load_coordinator_profile
 
     if is_coordinator_profile(data):
-        from edgefl.coordinator.runner import strategy_problems
+        from edgefl.coordinator.runner import build_strategy, strategy_problems
+        from edgefl.runtime import Backbone
 
         try:
             coordinator = load_coordinator_profile(args.profile, _parse_sets(args.set))
             problems = strategy_problems(coordinator)  # what `edgefl coordinator` refuses, refused here
-            problems += _model_problems(coordinator.model.path)
-            if problems:
-                raise ConfigError(problems)
-        except ConfigError as exc:
-            _report(f"invalid coordinator profile {args.profile}", exc.problems)
-            return EXIT_INVALID
-        from edgefl.coordinator.runner import build_strategy
-
-        try:
-            tolerance = build_strategy(coordinator).tolerance()
+            try:  # the model loads as the coordinator loads it at start
+                Backbone(coordinator.model.path).head_from_model()
+            except ModelError as exc:
+                problems.append(f"model.path = {str(coordinator.model.path)!r}: {exc}")
+            if not problems:
+                tolerance = build_strategy(coordinator).tolerance()
         except ValueError as exc:
-            why = f"[strategy]/[robustness]/[privacy]: {exc}"
-            _report(f"invalid coordinator profile {args.profile}", [why])
+            problems = [f"[strategy]/[robustness]/[privacy]: {exc}"]
+        except ConfigError as exc:
+            problems = exc.problems
+        if problems:
+            _report(f"invalid coordinator profile {args.profile}", problems)
             return EXIT_INVALID
         n = coordinator.rounds.count
         name = coordinator.strategy.name
@@ -386,8 +354,6 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     profile = _load_or_report(args)
     if profile is None:
         return EXIT_INVALID
-    from edgefl.errors import ModelError
-
     try:
         problems = _preflight(profile)
     except ModelError as exc:
@@ -547,8 +513,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     words = list(sys.argv[1:] if argv is None else argv)
     helping = "-h" in words or "--help" in words
     if _command_word(words) != "run" or helping:
-        # the tools' modules (memory-report pulls in the coordinator) are not the agent's: `edgefl run`
-        # leaves them unloaded (less RSS)
+        # the tools' modules (memory-report pulls in the coordinator): `edgefl run` leaves them unloaded
         from edgefl.agent import memreport, profiler
 
         profiler.add_parser(sub)

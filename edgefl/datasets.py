@@ -1,8 +1,7 @@
 """The demo's real dataset (UCI handwritten digits, 8x8): loading, its split and its non-IID partition.
 
-The split is three disjoint parts: **test** (never seen by a device; every accuracy is measured on
-it), **public** (the model builder's: backbone pretraining, the factory head on ``FACTORY_CLASSES``)
-and **devices** (the pool the simulated fleet's shards come from). numpy only.
+The split: **test** (every accuracy is measured on it), **public** (the model builder's: backbone
+and factory head) and **devices** (the pool of the simulated fleet's shards).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgefl.resources import shipped
 from edgefl.types import I64, U8
 
 logger = logging.getLogger(__name__)
@@ -33,15 +33,13 @@ def digits_dir() -> Path:
     env = os.environ.get("EDGEFL_DATA_DIR")
     if env:
         return Path(env)
-    from edgefl.resources import shipped
-
     return shipped("data/sklearn_digits")
 
 
 def load_digits(path: Path | None = None) -> tuple[U8, I64]:
     """Load the 1797 UCI handwritten digits from ``path`` (the file or its folder; None: :func:`digits_dir`).
 
-    Returns ``x`` uint8 [N, 8, 8, 1] (pixels 0..16) and ``y`` int64 [N] (0..9). FileNotFoundError; ValueError
+    Returns ``x`` uint8 [N, 8, 8, 1] (pixels 0..16), ``y`` int64 [N] (0..9). FileNotFoundError; ValueError
     for a file that is not 65 comma-separated integer columns in those ranges.
 
     Source: E. Alpaydin, C. Kaynak, "Optical Recognition of Handwritten Digits", UCI ML Repository
@@ -99,9 +97,9 @@ def split_digits(
 ) -> DigitsSplit:
     """Split ``labels`` int64 [N] into test, public and device-pool parts, stratified by class.
 
-    Within each class (shuffled by ``seed``) the first ``round(n_c * test_fraction)`` go to test, then
-    ``round(rest_c * public_fraction)`` to public, the rest to the pool: three disjoint, sorted index
-    arrays covering ``range(N)``. ValueError for bad labels or a fraction outside (0, 1).
+    Per class (shuffled by ``seed``): ``round(n_c * test_fraction)`` to test, ``round(rest_c *
+    public_fraction)`` to public, the rest to the pool; three disjoint sorted index arrays covering
+    ``range(N)``. ValueError for bad labels or a fraction outside (0, 1).
     """
     y = check_labels(labels)
     for name, value in (("test_fraction", test_fraction), ("public_fraction", public_fraction)):

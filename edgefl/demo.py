@@ -35,12 +35,13 @@ from edgefl.coordinator.service import Coordinator
 from edgefl.coordinator.strategies import strategy_from_tables
 from edgefl.datasets import FACTORY_CLASSES, load_digits, partition_non_iid, split_digits
 from edgefl.evaluation import accuracy
-from edgefl.feed import FeedOptions, FeedResult, feed
+from edgefl.feed import FeedOptions, feed
 from edgefl.launcher import free_port, launch_agent, stop_agents
 from edgefl.profiles import BrokerConfig
 from edgefl.records import atomic_write
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
+from edgefl.validators import parse_broker_url
 from edgefl.wire.compression import Compression
 
 logger = logging.getLogger(__name__)
@@ -102,11 +103,9 @@ async def _embedded_broker(port: int) -> Any:
 def contain_broker_faults(loop: asyncio.AbstractEventLoop) -> Callable[[], int]:
     """Log the embedded broker's own unhandled exceptions as one debug line each, not a traceback.
 
-    amqtt 0.12's connect handler iterates its subscription table while sending retained messages; a
-    client subscribing to a new filter meanwhile makes it die (``RuntimeError: dictionary changed size
-    during iteration``) after its CONNACK, and that client reconnects (backoff 1 s). Exceptions raised
-    elsewhere still reach the loop's previous handler. Returns a function giving how many were
-    contained.
+    amqtt 0.12's connect handler dies (``dictionary changed size during iteration``) when a client
+    subscribes meanwhile; that client reconnects. Other exceptions reach the loop's previous handler.
+    Returns a function giving how many were contained.
     """
     previous = loop.get_exception_handler()
     contained = 0
@@ -171,8 +170,7 @@ async def _run(opts: argparse.Namespace) -> int:
         emb_pool = core.classify(x[pool]).embeddings
         del core
     y_test = y[split.test]
-    # Baselines are trained to convergence (not to the federated job's budget), so "centralized" is a
-    # true upper bound and "local-only" what a device reaches on its own.
+    # baselines trained to convergence: "centralized" an upper bound, "local-only" a device on its own
     total_epochs = max(BASELINE_EPOCHS, opts.local_epochs * opts.rounds)
     baseline = accuracy(W0, b0, emb_test, y_test)
     Wc, bc = fit_head(
@@ -206,22 +204,19 @@ async def _run(opts: argparse.Namespace) -> int:
 
     broker = None
     if opts.broker:
-        from edgefl.validators import parse_broker_url
-
         _, host, port = parse_broker_url(opts.broker)
     else:
         host, port = "127.0.0.1", free_port()
         broker = await _embedded_broker(port)
     fleet = f"demo{os.getpid()}"
     topics = Topics(profile.broker.topic_prefix, fleet)
+    names = [f"dev-{k + 1}" for k in range(len(shards))]
     procs: list[subprocess.Popen[bytes]] = []
     rc = 0
     with _workdir(opts.workdir) as work:
         try:
-            for k, shard in enumerate(shards):
-                dev = f"dev-{k + 1}"
-                shard_path = work / f"{dev}.npz"
-                np.savez(shard_path, x=x[shard], y=y[shard])
+            for dev, shard in zip(names, shards, strict=True):
+                np.savez(work / f"{dev}.npz", x=x[shard], y=y[shard])
                 procs.append(
                     launch_agent(
                         opts.profile,
@@ -279,7 +274,7 @@ async def _run(opts: argparse.Namespace) -> int:
                 await coord.start()
                 ready = await coord.registry.wait_for_devices(opts.devices, timeout_s=120)
                 print(f"  {len(ready)} agents ready: {', '.join(ready)}")
-                sizes = [len(s) for s in shards]
+                sizes = {dev: len(s) for dev, s in zip(names, shards, strict=True)}
                 await _feed_devices(opts, coord, topics, host, port, work, sizes, broker is not None)
                 print(f"  coordinator dashboard: http://127.0.0.1:{board_port}/")
                 for dev in ready:
@@ -302,7 +297,7 @@ async def _run(opts: argparse.Namespace) -> int:
                 # their statuses carry both heads' holdout accuracy on the last head (status.interval_s)
                 await _wait_head_accuracies(
                     coord.registry.devices,
-                    [f"dev-{k + 1}" for k in range(len(procs))],
+                    names,
                     coord.state.version,
                     2 * profile.status.interval_s + 1.0,
                 )
@@ -319,10 +314,8 @@ async def _run(opts: argparse.Namespace) -> int:
                     await pump
                 await transport.stop()
             agents: list[dict[str, Any]] = []
-            for k, p in enumerate(procs):
-                dev = f"dev-{k + 1}"
-                # The agent's governor resets the kernel's VmHWM at each phase (clear_refs) and keeps the
-                # lifetime peak itself: take the larger of what it reports and what /proc says now.
+            for dev, p in zip(names, procs, strict=True):
+                # the governor resets VmHWM at each phase and keeps the peak itself: the larger of the two
                 status = coord.registry.devices.get(dev, {})
                 try:
                     vm_hwm = memstat.peak_rss_bytes(p.pid)
@@ -336,8 +329,7 @@ async def _run(opts: argparse.Namespace) -> int:
                         "cap_bytes": cap,
                         "peak_rss_bytes": peak,
                         **{key: int(status.get(key) or 0) for key in INGEST_KEYS},
-                        # both heads on the agent's holdout, from its latest status (null before both
-                        # were evaluated)
+                        # both heads on the agent's holdout (null before both were evaluated)
                         **{key: _accuracy(status.get(key)) for key in HEAD_ACCURACY_KEYS},
                     }
                 )
@@ -348,8 +340,8 @@ async def _run(opts: argparse.Namespace) -> int:
         failed = [k for k, p in enumerate(procs) if p.returncode not in (0, -signal.SIGTERM)]
         if failed:
             for k in failed:
-                tail = (work / f"dev-{k + 1}.log").read_text(errors="replace").splitlines()[-15:]
-                print(f"agent dev-{k + 1} exited with {procs[k].returncode}:\n  " + "\n  ".join(tail))
+                tail = (work / f"{names[k]}.log").read_text(errors="replace").splitlines()[-15:]
+                print(f"agent {names[k]} exited with {procs[k].returncode}:\n  " + "\n  ".join(tail))
             rc = 1
     for a in agents:
         print(
@@ -405,21 +397,18 @@ async def _feed_devices(
     host: str,
     port: int,
     work: Path,
-    sizes: list[int],
+    sizes: dict[str, int],
     embedded: bool,
-) -> list[FeedResult]:
-    """Feed each agent its shard over MQTT; wait until each stored it (TimeoutError after 60 s)."""
+) -> None:
+    """Feed each agent its shard (``sizes`` by device) over MQTT; wait until stored (TimeoutError: 60 s)."""
     protocol: Literal["3.1.1", "auto"] = "3.1.1" if embedded else "auto"
     broker = BrokerConfig(url=f"mqtt://{host}:{port}", topic_prefix=topics.prefix, protocol=protocol)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     transports: list[MqttTransport] = []
     try:
-        # connected and subscribed one after the other: amqtt 0.12 iterates its subscriptions while a
-        # client connects, and drops that client if another subscribes to a new topic meanwhile
-        # (contain_broker_faults): one after the other, no feed has to reconnect
-        for k, n in enumerate(sizes):
-            dev = f"dev-{k + 1}"
+        # one after the other: amqtt 0.12 drops a connecting client if another subscribes meanwhile
+        for dev, n in sizes.items():
             t = MqttTransport(
                 host, port, f"edgefl-feed-{topics.fleet}-{dev}", protocol=protocol, queue_size=2 * n + 256
             )
@@ -432,25 +421,24 @@ async def _feed_devices(
                     FeedOptions(
                         broker=broker,
                         fleet=topics.fleet,
-                        device=f"dev-{k + 1}",
-                        data=work / f"dev-{k + 1}.npz",
+                        device=dev,
+                        data=work / f"{dev}.npz",
                         rate_hz=opts.feed_rate_hz,
                         label_fraction=1.0,
                         label_delay_s=opts.label_delay_s,
                         wait_s=30.0,
-                        id_prefix=f"dev-{k + 1}-",
+                        id_prefix=f"{dev}-",
                     ),
                     transport=transports[k],
                 )
-                for k in range(len(sizes))
+                for k, dev in enumerate(sizes)
             )
         )
     finally:
         for t in transports:
             await t.stop()
     fed_s = loop.time() - t0
-    for k, n in enumerate(sizes):
-        dev = f"dev-{k + 1}"
+    for dev, n in sizes.items():
         while coord.registry.devices.get(dev, {}).get("stored_total") != n:
             if loop.time() - t0 > 60:
                 raise TimeoutError(f"{dev} did not store its {n} samples within 60 s")
@@ -463,4 +451,3 @@ async def _feed_devices(
         f"  fed {sent} samples over MQTT at {opts.feed_rate_hz:.0f}/s per device ({labels}): "
         f"{predicted} predictions back in {fed_s:.1f} s, all stored in {seconds:.1f} s"
     )
-    return list(results)

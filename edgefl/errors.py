@@ -66,9 +66,7 @@ class BrokerRefused(TransportError):
     """The broker answered a publish (PUBACK) or a subscription (SUBACK) with a failure reason code.
 
     ``topic``: the topic or filter refused; ``code``: the reason code (MQTT 5.0 §2.4: 0x87 Not
-    authorized is an ACL's answer; 3.1.1's SUBACK has only 0x80 Failure, and a 3.1.1 broker drops a
-    refused publish without saying so). Sending the same again gets the same answer until the broker's
-    configuration changes.
+    authorized is an ACL's; 3.1.1 has only SUBACK 0x80 Failure and drops a refused publish silently).
     """
 
     def __init__(self, detail: str, topic: str, code: int) -> None:
@@ -80,9 +78,8 @@ class BrokerRefused(TransportError):
 class CredentialsRefused(TransportError):
     """The broker refused our credentials ``attempts`` times in a row (CONNACK 0x86/0x87).
 
-    A wrong password does not fix itself: the agent exits with code 5, the coordinator (at the first
-    refusal) with 1; the unit restarts neither. ``detail`` names the broker, the reason code and what
-    to check.
+    The agent exits with code 5, the coordinator (at the first refusal) with 1; the unit restarts
+    neither. ``detail`` names the broker, the reason code and what to check.
     """
 
     def __init__(self, detail: str, attempts: int) -> None:
@@ -91,11 +88,9 @@ class CredentialsRefused(TransportError):
 
 
 class CertificateNotTrusted(CredentialsRefused):
-    """The broker's TLS certificate failed verification ``attempts`` times in a row.
+    """The broker's TLS certificate failed verification ``attempts`` times in a row (exit code 5 too).
 
-    An unknown CA (``broker.ca_file``), a host not in the certificate's subjectAltName or an expired
-    certificate do not fix themselves either: exit code 5, as refused credentials. ``detail`` names the
-    broker, the verification error and what to check.
+    ``detail`` names the broker, the verification error and what to check.
     """
 
 

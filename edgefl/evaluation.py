@@ -1,7 +1,6 @@
 """The coordinator's central evaluation: a head's accuracy on a held-out set, through the device's pipeline.
 
-Composed above device and coordinator: ``edgefl coordinator`` and ``edgefl demo`` pass it to the
-coordinator as a callable.
+``edgefl coordinator`` and ``edgefl demo`` pass it to the coordinator as a callable.
 """
 
 from __future__ import annotations

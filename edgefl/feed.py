@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import functools
 import heapq
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from edgefl.errors import DecodeError, EdgeflError, TransportError
+from edgefl.head import check_labels, label_range
 from edgefl.profiles import (
     BrokerConfig,
     Schema,
@@ -62,13 +64,11 @@ CONNECT_WAIT_S = 15.0
 class FeedOptions:
     """What to feed where (``edgefl feed --help``).
 
-    ``data`` is an ``.npz`` with ``x`` [N, *sample_shape] and ``y`` int [N], sent to
-    ``<prefix>/<fleet>/samples/<device>``; ``rate_hz`` samples per second (0: as fast as the broker
-    takes them); ``label_fraction`` in [0, 1] of them labelled (chosen by ``seed``), inline or as a
-    Label ``label_delay_s`` seconds later; ``qos`` of the Samples (Labels: 1); ``wait_s`` seconds to
-    wait for the device's readiness and the missing predictions; sample ids ``<id_prefix><i>`` (default
-    a fresh random token of 24 hex digits per sample: another app reading the device's predictions
-    cannot guess the next ids and answer them first); ``limit`` the first samples only.
+    ``data``: an ``.npz`` with ``x`` [N, *sample_shape] and ``y`` int [N]; ``rate_hz`` samples per
+    second (0: as fast as the broker takes them); ``label_fraction`` in [0, 1] labelled (chosen by
+    ``seed``), inline or as a Label ``label_delay_s`` seconds later; ``qos`` of the Samples (Labels: 1);
+    ``wait_s`` for the device's readiness and the missing predictions; sample ids ``<id_prefix><i>``
+    (default: an unguessable 24-hex-digit token each); ``limit`` the first samples only.
     """
 
     broker: BrokerConfig
@@ -89,18 +89,15 @@ class FeedOptions:
 class FeedResult:
     """What one feed did (``--json`` writes it; the keys are a contract).
 
-    ``samples_sent`` samples the broker acknowledged (all of them unless ``error``);
-    ``labels_inline``/``labels_late`` labels in a Sample / as Label messages (acknowledged);
-    ``predictions_received`` one per id; ``correct`` against ``y``; ``seconds`` from the first publish;
-    ``latency_s_median``/``latency_s_p95`` over the device's ``latency_s`` (seconds, None without
-    predictions); ``publish_s`` to the last acknowledged publish; ``refused`` the device's refusals of
-    this feed's own samples (those without a prediction, and every ``duplicate``: the device had a
-    sample of that id already, so the prediction of that id, if any, is not counted, as it may be
-    another app's) and late labels by reason, from its IngestRefusal messages (a ``duplicate`` label,
-    one already applied, is not a refusal); a prediction that comes before its sample was sent is
-    another app's and is not counted; ``labels_refused`` how
-    many late labels were refused; ``refused_detail`` the last refusal's detail; ``chunked`` samples
-    sent in chunks; ``error`` why the feed stopped early ("" when it did not).
+    ``samples_sent`` acknowledged by the broker (all unless ``error``); ``labels_inline``/``labels_late``
+    labels in a Sample / as Label messages (acknowledged); ``predictions_received`` one per id (one
+    before its sample was sent is another app's, not counted); ``correct`` against ``y``; ``seconds``
+    from the first publish; ``latency_s_median``/``latency_s_p95`` of the device's ``latency_s`` (None
+    without predictions); ``publish_s`` to the last acknowledged publish; ``refused`` by reason: the
+    device's refusals of this feed's samples without a prediction, every ``duplicate`` sample (its
+    prediction, if any, may be another app's: not counted) and late labels (a ``duplicate`` label is
+    no refusal); ``labels_refused`` late labels refused; ``refused_detail`` the last refusal's detail;
+    ``chunked`` samples sent in chunks; ``error`` why the feed stopped early ("" when it did not).
     """
 
     samples_sent: int
@@ -175,12 +172,10 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
     """Publish the samples (and labels) of ``opts.data`` to a device and collect what became of them.
 
     Waits up to ``opts.wait_s`` for a Prediction or a Refusal of every sample and, with late labels,
-    for the device's refusals of them (until every label is refused or :data:`LABEL_STATUSES` device
-    statuses came after the last one). A connection lost while publishing ends the feed early: the
-    result counts what the broker acknowledged and names the error. ``transport``: a started transport
-    to use (by default the feed connects its own). ValueError for an unreadable data file;
-    TransportError if the broker cannot be reached or refuses the credentials; ConfigError if TLS
-    files or the password file cannot be read.
+    until each is refused or :data:`LABEL_STATUSES` device statuses came after the last. A connection
+    lost while publishing ends the feed early (``FeedResult.error``). ``transport``: a started one to
+    use (default: its own). ValueError for an unreadable data file; TransportError if the broker cannot
+    be reached or refuses the credentials; ConfigError if TLS or password files cannot be read.
     """
     x, y = load_samples(opts.data)
     if opts.limit is not None:
@@ -407,12 +402,8 @@ class _Fate:
     def result(
         self, y: np.ndarray, chunked: int, seconds: float, publish_s: float | None, error: str
     ) -> FeedResult:
-        refused: dict[str, int] = {}
-        for i, r in self.refused_samples.items():
-            if i not in self.predicted:
-                refused[r.reason] = refused.get(r.reason, 0) + 1
-        for r in self.refused_labels.values():
-            refused[r.reason] = refused.get(r.reason, 0) + 1
+        unanswered = [r for i, r in self.refused_samples.items() if i not in self.predicted]
+        refused = dict(collections.Counter(r.reason for r in [*unanswered, *self.refused_labels.values()]))
         lat = np.array([p.latency_s for p in self.predicted.values()], dtype=np.float64)
         return FeedResult(
             self.sent,
@@ -453,7 +444,6 @@ def check_samples(
     ConfigError for an invalid profile, ModelError for a model that cannot be loaded.
     """
     from edgefl.agent.config import load_profile  # here: the profile and LiteRT only with --profile
-    from edgefl.head import check_labels, label_range
     from edgefl.runtime import Backbone
 
     _, data = read_toml(profile_path)
@@ -578,11 +568,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def _broker(args: argparse.Namespace, sets: dict[str, object]) -> BrokerConfig:
-    """``--profile``'s ``[broker]`` (or defaults), ``--broker``, ``--prefix``, ``--set broker.*`` on top.
+    """``--profile``'s ``[broker]`` (as a device profile's), ``--broker``, ``--prefix``, ``--set`` on top.
 
-    The table is read as a device profile's (the agent's session keys included, and
-    :func:`edgefl.profiles.check_broker`); ConfigError if the file cannot be read, is not TOML, or the
-    table is invalid (every problem named).
+    ConfigError if the file cannot be read, is not TOML, or the table is invalid (every problem named).
     """
     from edgefl.agent.config import AgentBrokerConfig
 
@@ -679,9 +667,9 @@ def _report(opts: FeedOptions, result: FeedResult, json_path: str | None) -> int
     if json_path:
         doc = {**asdict(result), "accuracy": acc}
         atomic_write(Path(json_path), (json.dumps(doc, indent=2) + "\n").encode())
+    samples_refused = sum(result.refused.values()) - result.labels_refused
     if result.refused:
         counts = ", ".join(f"{reason} {n}" for reason, n in sorted(result.refused.items()))
-        samples_refused = sum(result.refused.values()) - result.labels_refused
         what = " and ".join(
             w for w, k in (("samples", samples_refused), ("labels", result.labels_refused)) if k
         )
@@ -690,11 +678,7 @@ def _report(opts: FeedOptions, result: FeedResult, json_path: str | None) -> int
     if result.error:
         print(f"edgefl feed: stopped after {result.samples_sent} samples: {result.error}", file=sys.stderr)
         return 4
-    unanswered = (
-        result.samples_sent
-        - result.predictions_received
-        - (sum(result.refused.values()) - result.labels_refused)
-    )
+    unanswered = result.samples_sent - result.predictions_received - samples_refused
     if result.samples_sent and not result.predictions_received and not result.refused:
         topic = Topics(opts.broker.topic_prefix, opts.fleet).predictions(opts.device)
         print(

@@ -151,53 +151,23 @@ def cross_entropy_grad_into(
 ) -> None:
     """The gradient of :func:`cross_entropy` into caller-owned buffers, bit for bit, without the loss.
 
-    ``z`` float32 [N, K] is scratch (left holding ``(softmax(emb @ W + b) - onehot) / N``), ``grad_W``
-    [D, K] and ``grad_b`` [K] receive the gradient, ``rows`` is ``arange(N)``; no heap allocation but
-    numpy's small reductions. With ``logit_scale`` float32 [K] the loss is that of the scaled logits
-    and the gradient the chain rule's (:func:`restricted_logit_scale`).
+    One head: ``W`` float32 [D, K], ``b`` [K], ``z`` [N, K] scratch (left holding ``(softmax(emb @ W +
+    b) - onehot) / N``), ``grad_W`` [D, K] and ``grad_b`` [K] receive the gradient. H heads stacked
+    (e.g. the global and the personal head over the same batches), each bit for bit its own: ``W``
+    [H, D, K], ``b`` [H, 1, K], ``z`` [H, N, K], ``grad_W`` [H, D, K], ``grad_b`` [H, 1, K]; one
+    matmul, softmax and ``emb.T @ z`` serve them all. ``rows`` is ``arange(N)``; no heap allocation
+    but numpy's small reductions. With ``logit_scale`` float32 [K] the last head's loss is that of its
+    scaled logits and its gradient the chain rule's (:func:`restricted_logit_scale`).
 
     Source: as :func:`cross_entropy` (Bishop 2006, §4.3.4).
     """
+    if W.ndim == 2:  # one head: a stack of one
+        W, b, z, grad_W, grad_b = W[None], b[None, None], z[None], grad_W[None], grad_b[None, None]
     n = emb.shape[0]
     np.matmul(emb, W, out=z)
     z += b
     if logit_scale is not None:
-        z *= logit_scale
-    z -= z.max(axis=1, keepdims=True)
-    np.exp(z, out=z)
-    z /= z.sum(axis=1, keepdims=True)
-    z[rows, labels] -= 1.0
-    z /= n
-    if logit_scale is not None:
-        z *= logit_scale
-    np.matmul(emb.T, z, out=grad_W)
-    np.sum(z, axis=0, out=grad_b)
-
-
-def paired_cross_entropy_grad_into(
-    W2: F32,
-    b2: F32,
-    emb: F32,
-    labels: I64,
-    z: F32,
-    grad_W: F32,
-    grad_b: F32,
-    rows: I64,
-    logit_scale: F32 | None = None,
-) -> None:
-    """:func:`cross_entropy_grad_into` of two softmax heads stacked, each bit for bit its own.
-
-    ``W2`` float32 [2, D, K] is ``[W, V]``, ``b2`` [2, 1, K]; one matmul, softmax and ``emb.T @ z`` serve
-    both (the global and the personal head over the same batches); ``z`` [2, N, K] is scratch, ``grad_W``
-    [2, D, K] and ``grad_b`` [2, 1, K] receive both; ``logit_scale`` applies to the second head only.
-
-    Source: as :func:`cross_entropy` (Bishop 2006, §4.3.4), per head.
-    """
-    n = emb.shape[0]
-    np.matmul(emb, W2, out=z)
-    z += b2
-    if logit_scale is not None:
-        z[1] *= logit_scale
+        z[-1] *= logit_scale
     # the ufuncs' reduce: np.max/np.sum's values without their Python wrappers (a few us a call)
     z -= np.maximum.reduce(z, axis=2, keepdims=True)
     np.exp(z, out=z)
@@ -205,9 +175,13 @@ def paired_cross_entropy_grad_into(
     z[:, rows, labels] -= 1.0
     z /= n
     if logit_scale is not None:
-        z[1] *= logit_scale
+        z[-1] *= logit_scale
     np.matmul(emb.T, z, out=grad_W)
     np.add.reduce(z, axis=1, keepdims=True, out=grad_b)
+
+
+paired_cross_entropy_grad_into = cross_entropy_grad_into
+"""The global and the personal head stacked (``[W, V]``): :func:`cross_entropy_grad_into` with H = 2."""
 
 
 def binary_cross_entropy(W: F32, b: F32, emb: F32, labels: I64) -> tuple[float, F32, F32]:
@@ -252,9 +226,8 @@ def sgd_step(
 ) -> None:
     """One in-place SGD step ``W -= lr * (grad_W + prox_mu * (W - W0))`` on W [D, K] and b [K].
 
-    The gradients are spent: ``grad_W`` and ``grad_b`` are overwritten with the step. ``W0``/``b0``
-    (the round's global head) are required when ``prox_mu > 0`` (FedProx), else ValueError;
-    ``prox_mu`` 0 is plain SGD.
+    ``grad_W`` and ``grad_b`` are overwritten with the step. ``W0``/``b0`` (the round's global head)
+    are required when ``prox_mu > 0`` (FedProx), else ValueError; ``prox_mu`` 0 is plain SGD.
 
     Source: FedProx local objective, Li et al. 2020, "Federated Optimization in Heterogeneous
     Networks", eq. (2).
@@ -288,10 +261,9 @@ def personal_columns(labels: np.ndarray, num_classes: int) -> np.ndarray:
 def restricted_logit_scale(columns: np.ndarray, alpha: float) -> F32 | None:
     """The personal step's logit scale float32 [K]: 1 for the classes in ``columns``, ``alpha`` for the rest.
 
-    Scaling the absent classes' logits in the local loss (0: a constant logit 0; 1: plain softmax)
-    fits the labelled classes against each other instead of pushing them above the classes only the
-    fleet knows; prediction uses the unscaled logits. None when every class is personal or ``alpha``
-    is 1; ValueError for ``alpha`` outside 0..1.
+    Scaling the absent classes' logits in the local loss (0: a constant logit 0; 1: plain softmax) fits
+    the labelled classes against each other, not above those only the fleet knows; prediction is
+    unscaled. None when every class is personal or ``alpha`` is 1; ValueError for ``alpha`` outside 0..1.
 
     Source: X.-C. Li, D.-C. Zhan, "FedRS: Federated Learning with Restricted Softmax for Label
     Distribution Non-IID Data", KDD 2021, §4 (the scaled logits of missing classes).
@@ -327,10 +299,8 @@ def ditto_update(
     T. Li, S. Hu, A. Beirami, V. Smith, "Ditto: Fair and Robust Federated Learning Through
     Personalization", ICML 2021, Algorithm 1; restricted to the device's labelled classes here.
     """
-    # every column stepped (whole-array operations, no gather), then the tied ones overwritten:
-    # the same values as stepping the personal columns alone. W - lr (g + lam (W - Wg)) is
-    # (1 - lr lam) W - lr g + lr lam Wg, in place: no temporary head (the gradient's buffer takes
-    # lr lam Wg once the step no longer needs it); lam 0 is plain SGD
+    # every column stepped (no gather), then the tied ones overwritten; W - lr (g + lam (W - Wg)) as
+    # (1 - lr lam) W - lr g + lr lam Wg in place (the gradient's buffer takes lr lam Wg at the end)
     grad_W *= lr
     grad_b *= lr
     if lam != 0:

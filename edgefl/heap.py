@@ -1,8 +1,6 @@
 """Memory the agent gives back to the kernel: glibc's free heap, and file pages it mapped but does not use.
 
-:func:`malloc_trim` returns the free heap; :func:`release_file_pages` unmaps clean read-only file
-pages (the kernel maps them again from the page cache when the code runs again); glibc's malloc
-settings are here too.
+glibc's malloc settings are here too.
 """
 
 from __future__ import annotations
@@ -43,22 +41,17 @@ def malloc_trim() -> bool:
 def apply_hygiene(*, arena_max: int = 2, mmap_threshold_bytes: int | None = None) -> dict[str, bool]:
     """Set glibc malloc options that keep a small process small; which were applied (all False without glibc).
 
-    ``arena_max`` caps malloc arenas for those not created yet (the environment's ``MALLOC_ARENA_MAX``,
-    set by ``edgefl/cli.py`` before numpy loads, covers the rest); a fixed ``mmap_threshold_bytes``
-    keeps large numpy temporaries ``mmap``-ed, so they go back to the kernel when freed (None: glibc's
-    dynamic threshold).
+    ``arena_max`` caps the arenas not created yet; a fixed ``mmap_threshold_bytes`` keeps large numpy
+    temporaries ``mmap``-ed, back to the kernel when freed (None: glibc's dynamic threshold).
 
     Source: mallopt(3) (M_ARENA_MAX, M_MMAP_THRESHOLD).
     """
     lib = _libc()
     if lib is None:
         return {"arena_max": False, "mmap_threshold": False}
-    done = {"arena_max": bool(lib.mallopt(_M_ARENA_MAX, int(arena_max)))}
-    done["mmap_threshold"] = (
-        bool(lib.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes)))
-        if mmap_threshold_bytes is not None
-        else False
-    )
+    done = {"arena_max": bool(lib.mallopt(_M_ARENA_MAX, int(arena_max))), "mmap_threshold": False}
+    if mmap_threshold_bytes is not None:
+        done["mmap_threshold"] = bool(lib.mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes)))
     return done
 
 
@@ -97,12 +90,10 @@ def readonly_file_rss(*, smaps: str = "/proc/self/smaps") -> dict[tuple[int, int
 def release_file_pages(*, smaps: str = "/proc/self/smaps") -> dict[tuple[int, int], int]:
     """Unmap this process's clean, read-only, private file pages (:func:`readonly_file_rss`'s).
 
-    ``madvise(MADV_DONTNEED)`` each: the pages stay in the page cache and a later access maps them again,
-    so contents are unchanged; writable and shared mappings and anonymous memory are left alone.
-    Returns the ``Rss`` each dropped mapping held, by (start, end) (empty where unavailable).
+    The pages stay in the page cache and a later access maps them again (contents unchanged). Returns
+    the ``Rss`` each dropped mapping held, by (start, end) (empty where unavailable).
 
-    Source: madvise(2) (MADV_DONTNEED on a private file mapping: later accesses repopulate from the
-    file).
+    Source: madvise(2) (MADV_DONTNEED on a private file mapping: later accesses repopulate from the file).
     """
     lib = _libc()
     madvise = getattr(lib, "madvise", None) if lib is not None else None

@@ -1,8 +1,7 @@
 """The ``edgefl keys`` command: make and show the Ed25519 keys that profiles take.
 
-``generate --out DIR --name NAME`` writes ``NAME.key`` (PKCS #8 PEM, mode 0600) and ``NAME.pub``
-(SPKI PEM) and prints the public key in hex; ``show FILE`` prints a key file's public key in both
-forms, which every key setting takes (``docs/security.md``, "Keys"). Exit 0 done; 1 a file exists or
+``generate`` writes ``NAME.key`` (PKCS #8 PEM, 0600) and ``NAME.pub`` (SPKI PEM), ``show`` prints a
+key file's public key in hex and PEM (``docs/security.md``, "Keys"). Exit 0 done; 1 a file exists or
 cannot be read, written or parsed (named, with why); 2 usage.
 
 Source: RFC 8032 §5.1.5 (keys), RFC 8410 (their PKCS #8 / SPKI encoding), RFC 7468 (PEM).

@@ -1,8 +1,4 @@
-"""Agent processes started and stopped the way the shipped unit runs them.
-
-``edgefl demo`` starts its fleet with :func:`launch_agent`; tests and benches that need a real agent
-process use the same launcher, so what they measure is what the demo runs.
-"""
+"""Agent processes started and stopped the way the shipped unit runs them (``edgefl demo``'s fleet)."""
 
 from __future__ import annotations
 
@@ -26,8 +22,7 @@ def launch_agent(
     ``-OO`` and ``malloc`` sets :data:`MALLOC_ENV`, as the systemd unit does. The caller stops the
     returned process with SIGTERM and waits.
     """
-    # -OO drops docstrings and asserts: ~2.6 MiB less RSS per agent once the optimised bytecode is
-    # compiled (``make demo`` runs ``compileall -o 2``; without it, -OO would compile every import).
+    # -OO: ~2.6 MiB less RSS per agent once compiled (``make demo`` runs ``compileall -o 2``)
     cmd = [sys.executable, *(["-OO"] if optimize else []), "-m", "edgefl.cli", "--log-level", "WARNING"]
     cmd += ["run", str(profile)]
     for key, val in overrides.items():

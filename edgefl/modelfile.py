@@ -38,30 +38,18 @@ TENSOR_TYPES: dict[int, str] = {
     17: "int4",
 }
 
-# BuiltinOperator codes (schema.fbs) edgefl looks for
+# BuiltinOperator codes (schema.fbs) edgefl looks for (any other op is named ``OP<code>``)
 OP_NAMES: dict[int, str] = {
-    0: "ADD",
-    1: "AVERAGE_POOL_2D",
-    2: "CONCATENATION",
-    3: "CONV_2D",
-    4: "DEPTHWISE_CONV_2D",
     6: "DEQUANTIZE",
     9: "FULLY_CONNECTED",
     14: "LOGISTIC",
     16: "LSTM",
-    17: "MAX_POOL_2D",
-    18: "MUL",
-    19: "RELU",
-    21: "RELU6",
     22: "RESHAPE",
     24: "RNN",
     25: "SOFTMAX",
     27: "SVDF",
-    34: "PAD",
     35: "UNIDIRECTIONAL_SEQUENCE_RNN",
-    40: "MEAN",
     44: "UNIDIRECTIONAL_SEQUENCE_LSTM",
-    45: "STRIDED_SLICE",
     52: "BIDIRECTIONAL_SEQUENCE_LSTM",
     114: "QUANTIZE",
     129: "CALL_ONCE",
@@ -348,9 +336,8 @@ ORIGIN_TRAILER_BYTES = _ORIGIN.size
 def read_origin(buf: ModelBytes) -> str | None:
     """The original model's SHA-256 (64 hex digits) recorded by ``edgefl model prepare``, or None.
 
-    The trailer is the file's last :data:`ORIGIN_TRAILER_BYTES` bytes, after everything the
-    flatbuffer references (a TFLite loader never reads it): ``b"EFLO"``, u32 version 1, the 32-byte
-    digest, ``b"EFLO"``.
+    The trailer (the file's last :data:`ORIGIN_TRAILER_BYTES`, never read by a TFLite loader): ``b"EFLO"``,
+    u32 version 1, the 32-byte digest, ``b"EFLO"``.
     """
     if len(buf) < ORIGIN_TRAILER_BYTES:
         return None

@@ -1,12 +1,10 @@
 """Fold an input normalisation into an int8 model: a uint8 input and one QUANTIZE op in front.
 
-For ``edgefl model prepare MODEL --mean M --std S --raw-dtype uint8``: the new uint8 input carries
-the normalisation as its quantisation (``scale = 1 / std``, zero point the mean), one QUANTIZE op
-requantises it to the model's int8 input, and the pipeline's fused step becomes a copy. With an
-integer mean it matches the table path but at exact half-way ties (LiteRT rounds half away from
-zero, the table half to even: :class:`FoldReport` counts them); a non-integer mean is replaced by
-the nearer integer that keeps the most raw values distinct. Needs LiteRT's generated schema and
-``flatbuffers`` (not on the armv7 tflite-runtime path: prepare the model on a development machine).
+For ``edgefl model prepare --mean M --std S --raw-dtype uint8``: the uint8 input's quantisation is
+the normalisation (``scale = 1 / std``, zero point the mean) and the pipeline's fused step a copy.
+With an integer mean it matches the table path but at half-way ties (LiteRT rounds half away from
+zero, the table half to even: :class:`FoldReport` counts them); another mean is rounded
+(:func:`choose_zero_point`). Needs LiteRT's schema and ``flatbuffers`` (not armv7).
 
 Source: TFLite schema (``schema.fbs``: Tensor, Operator, QuantizeOptions); TensorFlow Lite 8-bit
 quantization specification (``real = scale * (q - zero_point)``).
@@ -29,10 +27,10 @@ BUFFER_ALIGNMENT = 16  # bytes: what the TFLite converter gives constant buffers
 class FoldReport:
     """What :func:`fold_input_normalisation` did.
 
-    ``scale`` (``1 / std``) and ``zero_point`` of the uint8 input; ``mean_used`` the mean the pipeline
-    must be given (= ``zero_point``); ``shift_steps`` how far every input is shifted from the requested
-    normalisation, in int8 input steps (0 for an integer mean, at most 0.5); ``ties`` raw values whose
-    requantised value lies exactly half-way between two steps; ``clipped`` raw values that saturate.
+    ``scale`` (``1 / std``) and ``zero_point`` of the uint8 input; ``mean_used`` the pipeline's mean (=
+    ``zero_point``); ``shift_steps`` the shift from the requested normalisation in int8 input steps (0
+    for an integer mean, at most 0.5); ``ties`` raw values requantised exactly half-way between two
+    steps; ``clipped`` raw values that saturate.
     """
 
     scale: float
@@ -99,9 +97,8 @@ def fold_input_normalisation(
 ) -> tuple[bytes, FoldReport]:
     """Give an int8-input model a uint8 input holding ``(raw - mean) / std``, through one QUANTIZE op.
 
-    ``buf`` is the ``.tflite`` file, ``raw_dtype`` must be ``"uint8"``, ``path`` names it in errors.
-    Returns the new model (tensor indices and outputs unchanged, one tensor and one op added) and a
-    :class:`FoldReport`.
+    ``buf`` is the ``.tflite`` file, ``path`` names it in errors. Returns the new model (one tensor and
+    one op added, indices and outputs unchanged) and a :class:`FoldReport`.
 
     Raises
     ------
@@ -154,18 +151,13 @@ def fold_input_normalisation(
     graph.tensors.append(new)
     index = len(graph.tensors) - 1
 
-    code = next(
-        (
-            k
-            for k, oc in enumerate(model.operatorCodes)
-            if max(oc.builtinCode, oc.deprecatedBuiltinCode) == 114
-        ),
-        None,
-    )
+    quantize = schema.BuiltinOperator.QUANTIZE
+    codes = [max(oc.builtinCode, oc.deprecatedBuiltinCode) for oc in model.operatorCodes]
+    code = codes.index(quantize) if quantize in codes else None
     if code is None:
         oc = schema.OperatorCodeT()
-        oc.builtinCode = schema.BuiltinOperator.QUANTIZE
-        oc.deprecatedBuiltinCode = schema.BuiltinOperator.QUANTIZE
+        oc.builtinCode = quantize
+        oc.deprecatedBuiltinCode = quantize
         oc.version = 1  # what the converter writes for a uint8 -> int8 QUANTIZE (models/*_rawin.tflite)
         model.operatorCodes.append(oc)
         code = len(model.operatorCodes) - 1

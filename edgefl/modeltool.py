@@ -15,6 +15,7 @@ from typing import Any
 
 from edgefl import modelfile
 from edgefl.errors import ModelError
+from edgefl.records import atomic_write
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -27,11 +28,9 @@ ESTIMATE_BATCHES = (1, 8, 32)
 def describe(path: Path, *, embedding_tensor: str | None = None) -> dict[str, Any]:
     """What the agent needs to know about a model, as a JSON-ready dict (``edgefl model inspect --json``).
 
-    ``embedding_tensor`` as the profile's ``model.embedding_tensor``. The keys (a contract of
-    ``--json``) are those built below: ``memory_bytes_per_batch`` is
-    :func:`edgefl.agent.estimates.estimate_inference_bytes` per batch, ``backbone_sha256`` the
-    identity on the wire (the original's for a prepared model). ModelError if the model cannot be
-    loaded or has no head.
+    ``embedding_tensor`` as the profile's ``model.embedding_tensor``. The keys (a contract of ``--json``)
+    are those built below; ``memory_bytes_per_batch``: ``estimates.estimate_inference_bytes`` per batch;
+    ``backbone_sha256``: the identity on the wire. ModelError if the model cannot be loaded or has no head.
     """
     from edgefl.agent import estimates
     from edgefl.runtime import Backbone
@@ -104,8 +103,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return EXIT_MODEL
     text = json.dumps(info, indent=2)
     if args.json:
-        from edgefl.records import atomic_write
-
         atomic_write(Path(args.json), (text + "\n").encode())
     i = info["input"]
     print(f"{info['model']}")
@@ -128,14 +125,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     """``edgefl model prepare MODEL --out OUT [--mean M --std S --raw-dtype uint8]``.
 
-    Writes the model with its embedding as an extra output and, given ``--mean``/``--std``, the
-    normalisation folded into a uint8 input (:func:`edgefl.modelfold.fold_input_normalisation`),
-    followed by the original's SHA-256 (:func:`edgefl.modelfile.with_origin`): the prepared model is
-    the same backbone as its original for devices and coordinator (``model_sha256``).
-    Exit 0, 2 (usage: only one of --mean/--std, or --mean/--std on a float-input model, whose
+    Writes the model with its embedding as an extra output (and, given ``--mean``/``--std``, the
+    normalisation folded into a uint8 input, :mod:`edgefl.modelfold`), then the original's SHA-256
+    (:func:`edgefl.modelfile.with_origin`: the same backbone, ``model_sha256``, as the original).
+    Exit 0, 2 (usage: only one of --mean/--std, or either on a float-input model, whose
     normalisation belongs in ``pipeline.mean``/``std``) or 3 (the model cannot be prepared).
     """
-    from edgefl.records import atomic_write
     from edgefl.runtime import Backbone
 
     if (args.mean is None) != (args.std is None):
@@ -167,8 +162,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                 buf, args.mean, args.std, raw_dtype=args.raw_dtype, path=str(src)
             )
         out = prepare_bytes(buf, embedding_tensor=args.embedding_tensor, path=str(src))
-        # the original's identity travels with the prepared file: devices running it and a coordinator
-        # loading the original agree on the backbone (model_sha256)
         atomic_write(Path(args.out), modelfile.with_origin(out, origin))
         bb = Backbone(Path(args.out), embedding_tensor=args.embedding_tensor, prepare=False)
     except ModelError as exc:

@@ -1,11 +1,8 @@
 """The MQTT transport's link layer: the broker socket driven by the event loop, into a bounded queue.
 
-paho's callbacks only schedule handlers on the loop; a fault in paho's network code ends the
-connection, counted and logged. A QoS 1 message is acknowledged only once it is in the bounded queue
-(or committed, ``ack_on_commit``); a full queue holds it unacknowledged, bounded by the broker's flow
-control (Receive Maximum = the queue's size), and then stops reading the socket: a burst is never
-acknowledged and lost. Only QoS 0 messages are dropped when the queue is full, and counted. A byte
-bound (``max_held_bytes``) stops the reading too while the payloads received and not yet handled reach it.
+A QoS 1 message is acknowledged only once it is in the bounded queue (or committed); a full queue
+holds it unacknowledged (the broker's Receive Maximum bounds them), then stops reading the socket:
+a burst is never acknowledged and lost. Only QoS 0 messages are dropped, counted, when it is full.
 
 Source: MQTT 5.0 (OASIS 2019) §3.1.2.11.3, §4.9; MQTT 3.1.1 (OASIS 2014); paho-mqtt 2.x client API.
 """
@@ -95,14 +92,10 @@ class Connection:
 
 
 class Link:
-    """The receive and network half of an MQTT client: socket, PUBACKs, bounded queue, hold line.
+    """The receive and network half of :class:`edgefl.transport.MqttTransport` (its parameters).
 
-    Subclassed by :class:`edgefl.transport.MqttTransport`, which owns the connection's lifecycle.
-    ``queue_size`` bounds the incoming queue (messages); ``ack_on_commit`` acknowledges a QoS 1 message
-    only once the consumer took it and called :meth:`commit`; ``max_incoming_packet_bytes`` is the
-    largest packet accepted (:class:`~edgefl.mqtt_socket.PacketFilter`); ``max_held_bytes`` (0: none)
-    bounds the payload bytes read and not yet handled (:meth:`held_bytes`): at it, reading stops until
-    the consumer frees bytes (a message larger than the bound is still read, alone).
+    At ``max_held_bytes`` (0: none) of :meth:`held_bytes`, reading stops until the consumer frees bytes
+    (a message larger than the bound is still read, alone).
     """
 
     def __init__(
@@ -120,8 +113,7 @@ class Link:
         self.ack_on_commit = ack_on_commit
         self._unacked: dict[int, tuple[Connection, int, int]] = {}  # id(message in the queue) → its ack
         self._taken: list[tuple[Connection, int, int]] = []  # taken from the queue, not committed
-        # QoS 1 messages received while the queue was full, not yet acknowledged: (connection, mid, qos,
-        # message); the broker's flow control bounds it, and so does HOLD_FACTOR x queue_size
+        # QoS 1 messages received while the queue was full, unacknowledged (bounded: HOLD_FACTOR)
         self._held: collections.deque[tuple[Connection, int, int, Message]] = collections.deque()
         self.held_max = max(64, HOLD_FACTOR * queue_size)
         self.dropped_total = 0
@@ -397,8 +389,7 @@ class Link:
     def commit(self) -> None:
         """Acknowledge every message taken from the queue so far (``ack_on_commit``; else a no-op).
 
-        Call it once what those messages changed is on disk; one lost with its connection meanwhile comes
-        again from the session.
+        Call it once what they changed is on disk (one lost with its connection comes again).
         """
         taken, self._taken = self._taken, []
         for conn, mid, qos in taken:

@@ -1,9 +1,5 @@
 """The MQTT client's socket: bounded bulk reads cut into whole packets, PUBLISH parsed, writes gathered.
 
-:class:`PacketFilter` drops an oversized PUBLISH before its body is kept; :class:`BoundedClient`
-(paho's client) parses PUBLISH itself and sends paho's writes in one system call a turn of the
-event loop, which drives it (:class:`edgefl.mqtt_link.Link`).
-
 Source: MQTT 5.0 (OASIS 2019) §2.1, §3.3; MQTT 3.1.1 (OASIS 2014); tcp(7); paho-mqtt 2.x client API.
 """
 
@@ -29,22 +25,19 @@ class Publish(NamedTuple):
     retain: bool
 
 
-#: Topic of the small stand-in PUBLISH that replaces an oversize one (never a real topic: ``$`` topics
-#: are the broker's, MQTT 5.0 §4.7.2). Its payload is ``b"<packet bytes>\n<topic>"``.
+#: Topic of the stand-in for an oversize PUBLISH (``$``: no real topic, MQTT 5.0 §4.7.2); payload
+#: ``b"<packet bytes>\n<topic>"``.
 OVERSIZE_TOPIC = "$edgefl/oversize"
-#: Bytes asked of the socket in one read: a burst of small packets comes in one system call, and what
-#: waits above the socket (read, not yet taken by paho) stays under this bound.
+#: Bytes asked of the socket in one read (a burst in one system call), the bound of what waits above it.
 READ_BYTES = 65_536
 
 
 class PacketFilter:
     """Incoming MQTT byte stream filter: replace every PUBLISH over ``limit`` bytes before it is buffered.
 
-    An oversize PUBLISH's body is read and discarded in bounded pieces and a stand-in PUBLISH on
-    :data:`OVERSIZE_TOPIC` with its flags and packet identifier takes its place, so paho acknowledges it
-    and the broker's in-flight window never fills. Memory: the fixed header, the topic and one read,
-    whatever the announced length. ``limit`` counts the fixed header (>= 2); ``mqtt5`` gives the
-    stand-in an empty property list.
+    Its body is discarded in bounded pieces and a stand-in on :data:`OVERSIZE_TOPIC` (same flags and
+    packet identifier) takes its place, so paho acknowledges it. Memory: the fixed header, the topic and
+    one read. ``limit`` counts the fixed header (>= 2); ``mqtt5`` gives the stand-in a property list.
 
     Source: MQTT 5.0 §2.1.1, MQTT 3.1.1 §2.2 (fixed header).
     """
@@ -148,6 +141,19 @@ class PacketFilter:
         return bytes([flags]) + remaining_length(len(body)) + body
 
 
+def _varint(buf: bytearray, pos: int, end: int) -> tuple[int, int, bool]:
+    """The variable byte integer at ``buf[pos:end]`` (MQTT 5.0 §1.5.5): value, position after, complete."""
+    value, shift = 0, 0
+    while pos < end:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos, True
+        shift += 7
+    return value, pos, False
+
+
 def remaining_length(n: int) -> bytes:
     """Encode ``n`` >= 0 as an MQTT variable byte integer ("Remaining Length"): 7 bits a byte.
 
@@ -164,10 +170,9 @@ def remaining_length(n: int) -> bytes:
 class BoundedClient(mqtt.Client):
     """paho's client with bulk, bounded reads (:class:`PacketFilter`) and gathered writes, driven by the loop.
 
-    A PUBLISH of QoS 0 or 1 is parsed here (:meth:`edgefl_take`), any other packet handed to paho; what
-    paho writes goes out in one system call a turn (:meth:`edgefl_send`). Uses paho 2.x internals:
-    ``_sock_recv``, ``_sock_send``, ``_sock_close`` (overridden), ``_sock``, ``_last_msg_in`` and the
-    socket pair ``_sockpairR`` / ``_sockpairW``.
+    A PUBLISH of QoS 0 or 1 is parsed here (:meth:`edgefl_take`), any other packet handed to paho.
+    Uses paho 2.x internals: ``_sock_recv``, ``_sock_send``, ``_sock_close`` (overridden), ``_sock``,
+    ``_last_msg_in``, ``_sockpairR`` / ``_sockpairW``.
 
     Source: MQTT 5.0 §2.1.4 (Remaining Length), §3.3 (PUBLISH); MQTT 3.1.1 §3.3.
     """
@@ -208,28 +213,17 @@ class BoundedClient(mqtt.Client):
         return bool(self._edgefl_wbuf) or self.want_write()
 
     def edgefl_take(self) -> Publish | bool:
-        """Take the next whole packet.
+        """Take the next whole packet: a :class:`Publish` (QoS 0 or 1), True, or False.
 
-        Returns a :class:`Publish` for a PUBLISH of QoS 0 or 1; True for another packet (or the end of the
-        connection), which paho read and handled; False when no whole packet is buffered and the socket has
-        no more bytes. ConnectionError for a malformed stream or a closed socket; OSError.
+        True: another packet, or the end of the connection, which paho handled; False: none is whole and
+        the socket is dry. ConnectionError for a malformed stream or a closed socket; OSError.
         """
         buf = self._edgefl_out
         while True:
             size = len(buf)
-            if size >= 2:
-                remaining, shift, i = 0, 0, 1
-                while i < size and i <= 4:
-                    byte = buf[i]
-                    remaining |= (byte & 0x7F) << shift
-                    i += 1
-                    if not byte & 0x80:
-                        break
-                    shift += 7
-                else:
-                    i = -1  # the Remaining Length is not all here yet
-                if i > 0 and size >= i + remaining:
-                    return self._edgefl_packet(i, i + remaining)
+            remaining, start, whole = _varint(buf, 1, min(size, 5))
+            if whole and size >= start + remaining:
+                return self._edgefl_packet(start, start + remaining)
             if self._edgefl_eof:
                 buf.clear()  # a packet cut by the end of the stream never completes
                 self._edgefl_allowed = 0
@@ -252,8 +246,7 @@ class BoundedClient(mqtt.Client):
         qos = (first >> 1) & 3
         if first >> 4 == 3 and qos < 2:
             pos = start + 2 + int.from_bytes(buf[start : start + 2], "big")
-            # not UTF-8 (MQTT 5.0 §1.5.4; only a broker that does not check would send it): the
-            # replacement character names no topic of ours, so the handler refuses it, acknowledged
+            # not UTF-8 (MQTT 5.0 §1.5.4): U+FFFD names no topic of ours, so it is refused, acknowledged
             topic = buf[start + 2 : pos].decode("utf-8", errors="replace")
             if pos + (2 if qos else 0) <= end:
                 mid = 0
@@ -261,14 +254,7 @@ class BoundedClient(mqtt.Client):
                     mid = int.from_bytes(buf[pos : pos + 2], "big")
                     pos += 2
                 if self._edgefl_mqtt5:  # the properties (none is used: no topic alias was offered)
-                    length, shift = 0, 0
-                    while pos < end:
-                        byte = buf[pos]
-                        pos += 1
-                        length |= (byte & 0x7F) << shift
-                        shift += 7
-                        if not byte & 0x80:
-                            break
+                    length, pos, _ = _varint(buf, pos, end)
                     pos += length
                 if pos <= end:
                     publish = Publish(mid, qos, topic, bytes(buf[pos:end]), bool(first & 1))
@@ -319,10 +305,9 @@ TCP_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
 
 
 def quickack(sock: Any) -> None:
-    """Acknowledge what was just read at once instead of after the delayed-ACK timer (Linux).
+    """Acknowledge what was just read at once, not after the delayed-ACK timer (Linux; set at every read).
 
     A broker running Nagle's algorithm otherwise holds its next small write up to 40 ms for our ACK.
-    ``TCP_QUICKACK`` is not sticky, so it is set after every read.
 
     Source: tcp(7), ``TCP_QUICKACK``; RFC 1122 §4.2.3.2 (delayed ACK); RFC 896 (Nagle).
     """

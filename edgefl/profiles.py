@@ -1,11 +1,10 @@
 """Profiles: TOML tables turned into frozen dataclasses, validated once at load (agent and coordinator).
 
-One dataclass per TOML table; unknown tables and keys are refused; a missing table takes its
-defaults; every problem is reported at once in one :class:`~edgefl.errors.ConfigError`, naming the
-dotted key, the value and the reason. Relative paths resolve against the profile's folder (given
-with ``--set``: the working directory). Secrets never appear in a ``repr``, an error or
-:meth:`Schema.to_dict`. This module owns the machinery and the tables both kinds share (``[broker]``,
-``[dashboard]``); it reads files only.
+Unknown tables and keys are refused, a missing table takes its defaults, and every problem (dotted
+key, value, reason) is reported at once in one :class:`~edgefl.errors.ConfigError`. Relative paths
+resolve against the profile's folder (``--set``: the working directory); secrets never appear in a
+``repr``, an error or :meth:`Schema.to_dict`. The tables both kinds share are here (``[broker]``,
+``[dashboard]``).
 
 Source: TOML 1.0.0 (https://toml.io/en/v1.0.0), read with ``tomllib``.
 """
@@ -207,8 +206,7 @@ def convert(spec: _FieldSpec, value: object, base_dir: Path, *, from_text: bool)
         if str(value) == "":
             raise ValueError("must not be empty")
         path = Path(value)
-        # No resolve(): it would follow symlinks, and a systemd StateDirectory= with DynamicUser=
-        # is a symlink into /var/lib/private that must be used by its public name.
+        # no resolve(): a systemd StateDirectory= with DynamicUser= is a symlink used by its public name
         return path if path.is_absolute() else base_dir.absolute() / path
     if kind == "bool":
         if from_text and isinstance(value, str):
@@ -316,17 +314,15 @@ def file_problem(path: Path, raw: object) -> str | None:
     return ("not a file" if path.exists() else "file not found") + where
 
 
-#: Kernel file systems: nothing the product writes belongs there (``files.log = "/proc/x"`` would fail
-#: only when the first round's line is written).
+#: Kernel file systems: nothing the product writes belongs there.
 PSEUDO_FS: Final = (Path("/proc"), Path("/sys"), Path("/dev"))
 
 
 def output_file_problem(path: Path) -> str | None:
-    """Why the product could not create or replace a file at ``path``, or None if it could.
+    """Why a file could not be created or replaced at ``path`` (to follow ``key = value:``), or None.
 
     Its folder must exist and be writable, and it must not be a folder, another kind of file, or on
-    ``/proc``, ``/sys``, ``/dev``. Nothing is written (``stat`` and ``access(2)`` only); the reason is
-    worded to follow ``key = value:``.
+    :data:`PSEUDO_FS`. Nothing is written (``stat`` and ``access(2)`` only).
     """
     resolved = path.resolve()
     if any(resolved == fs or fs in resolved.parents for fs in PSEUDO_FS):

@@ -56,19 +56,14 @@ def _fsync_dir(directory: Path) -> None:
 
 @functools.lru_cache(maxsize=256)
 def sibling(path: Path, suffix: str) -> Path:
-    """``<path><suffix>`` in the same folder, the same object for the same arguments (the latest 256 kept).
-
-    pathlib interns every component of a path it builds: a name made afresh at each write churned
-    CPython's interned-string table into a rebuild one size larger (~530 KiB in an agent).
-    """
+    """``<path><suffix>``, the same object for the same arguments (256 kept: pathlib interns new names)."""
     return path.with_name(path.name + suffix)
 
 
 def atomic_write(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically and durably (``.tmp``, fsync, rename, fsync of the folder).
 
-    One writer a path; OSError if the file system refuses (the temporary file is removed). Source: POSIX
-    rename(2) (atomic replacement) and fsync(2).
+    One writer a path; OSError if the file system refuses (the temporary file is removed).
     """
     path = Path(path)
     tmp = sibling(path, ".tmp")
@@ -100,10 +95,7 @@ def set_aside(path: Path, suffix: str) -> Path | None:
 
 
 def move_into(pairs: list[tuple[Path, Path]]) -> None:
-    """Rename each ``(src, dst)`` over ``dst`` in turn (each atomic), then fsync ``dst``'s folder.
-
-    For files built whole elsewhere (e.g. a store rebuilt for a new capacity); OSError if a rename fails.
-    """
+    """Rename each ``(src, dst)`` over ``dst`` in turn (each atomic), then fsync ``dst``'s folder; OSError."""
     for src, dst in pairs:
         os.replace(src, dst)
     for folder in {dst.parent for _, dst in pairs}:
@@ -202,7 +194,7 @@ def write_record(path: Path, payload: bytes) -> int:
 def read_record(path: Path) -> bytes | None:
     """The payload of the newer good record of ``path`` and ``<path>.prev``, or None (nothing, or both bad).
 
-    Reading ``.prev`` because ``path`` is bad or missing is a warning naming the file and the reason.
+    Falling back to ``.prev`` is logged as a warning naming the file and the reason.
     """
     found = _newest(Path(path))
     return None if found is None else found[2]
@@ -257,9 +249,9 @@ def _newest(path: Path) -> tuple[int, int, bytes] | None:
 class RecordSlot:
     """A record rewritten in place, in turn in ``path`` and ``<path>.prev``: one ``fdatasync`` a write.
 
-    Each write overwrites the older generation's file (zero-padded to 4 KiB blocks): no metadata is
-    journalled, and a power cut mid-write leaves the newest good one readable. A file's first write in a
-    process (and the one after a failure) is an :func:`atomic_write`. Reader: :func:`read_record`.
+    Each write overwrites the older generation's file (zero-padded to 4 KiB blocks): a power cut
+    mid-write leaves the newest good one readable. A file's first write in a process (and the one after
+    a failure) is an :func:`atomic_write`. Reader: :func:`read_record`.
 
     Source: double-buffered (ping-pong) metadata pages with a checksum and a generation, as in
     LMDB's two meta pages (H. Chu, "MDB: A Memory-Mapped Database and Backend for OpenLDAP", 2011);

@@ -30,11 +30,7 @@ RuntimeName = Literal["auto", "litert", "tflite"]
 
 
 def numpy_too_new_for_tflite_runtime() -> str | None:
-    """Why tflite-runtime cannot run here (its wheels need numpy 1.x), or None.
-
-    Under numpy 2 its first interpreter fails with a ``SystemError``, so edgefl never imports it then;
-    the message names ``numpy<2``.
-    """
+    """Why tflite-runtime cannot run here (its wheels need numpy 1.x: a ``SystemError`` under 2), or None."""
     major = int(np.__version__.split(".")[0])
     if major < 2:
         return None
@@ -87,39 +83,27 @@ def open_interpreter(
 ) -> tuple[str, Any]:
     """Create and allocate an interpreter for ``path``: (runtime name, interpreter), each runtime in turn.
 
-    ``runtime`` "auto" prefers LiteRT; ``num_threads`` is ``model.num_threads``; ``delegates`` applies
-    XNNPACK (then only the model's outputs are readable after ``invoke()``); ``content`` gives the
-    model's bytes when they differ from the file's (otherwise LiteRT memory-maps the file). ModelError
-    if the file is missing, no runtime is importable, or every runtime failed to build an interpreter
-    (the message names each runtime's error).
+    ``runtime`` "auto" prefers LiteRT; ``delegates`` applies XNNPACK (then only the model's outputs are
+    readable after ``invoke()``); ``content``: the model's bytes when they differ from the file's (else
+    LiteRT maps the file). ModelError if the file is missing, no runtime is importable, or every runtime
+    failed to build an interpreter (each one's error named).
     """
     if content is None and not path.is_file():
         raise ModelError(str(path), "model file not found")
     classes, notes = _interpreter_classes(runtime)
     if not classes:
+        install = " (install ai-edge-litert, or tflite-runtime with numpy<2)"
+        hint = "" if any("numpy<2" in n for n in notes) else install
         raise ModelError(
-            str(path),
-            f"no TFLite runtime usable for runtime={runtime!r}: "
-            + "; ".join(notes)
-            + (
-                ""
-                if any("numpy<2" in n for n in notes)
-                else " (install ai-edge-litert, or tflite-runtime with numpy<2)"
-            ),
+            str(path), f"no TFLite runtime usable for runtime={runtime!r}: {'; '.join(notes)}{hint}"
         )
     errors: list[str] = []
+    source = {"model_path": str(path)} if content is None else {"model_content": content}
     for name, mod in classes:
         try:
-            source = {"model_path": str(path)} if content is None else {"model_content": content}
-            interp = mod.Interpreter(
-                **source,
-                num_threads=num_threads,
-                experimental_op_resolver_type=(
-                    mod.OpResolverType.BUILTIN
-                    if delegates
-                    else mod.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
-                ),
-            )
+            kinds = mod.OpResolverType
+            ops = kinds.BUILTIN if delegates else kinds.BUILTIN_WITHOUT_DEFAULT_DELEGATES
+            interp = mod.Interpreter(**source, num_threads=num_threads, experimental_op_resolver_type=ops)
             interp.allocate_tensors()
             return name, interp
         except (ValueError, RuntimeError, TypeError, AttributeError, ImportError, SystemError) as exc:
@@ -144,8 +128,7 @@ def _quant(detail: dict[str, Any]) -> Quant:
 def dequantize(q: np.ndarray, quant: Quant) -> F32:
     """``scale * (q - zero_point)`` of an integer tensor as float32 (a float tensor as float32 unchanged).
 
-    Source: TensorFlow Lite 8-bit quantization specification
-    (tensorflow.org/lite/performance/quantization_spec).
+    Source: TensorFlow Lite 8-bit quantization spec (tensorflow.org/lite/performance/quantization_spec).
     """
     if quant.scale == 0.0 or q.dtype == np.float32:
         return q.astype(np.float32, copy=False)
@@ -225,13 +208,11 @@ class Backbone:
         """The backbone's identity on the wire (``model_sha256``): the original model's SHA-256 for an
         ``edgefl model prepare`` output (its outputs, or folded input, do not make it another
         backbone), else the file's own :attr:`sha256`."""
-        # One guard on every invoke path (run, resize, reset, reading weights, pipelines): two threads
-        # on one interpreter give silently wrong outputs, so a second caller waits.
+        # one guard on every invoke path: two threads on one interpreter give silently wrong outputs
         self._lock = threading.RLock()
         self._holder = ""
         try:
-            # parse through a read-only map: only the pages of the tables read become resident,
-            # never the weights (a 1280-wide float model is ~14 MB)
+            # parsed through a read-only map: only the tables' pages become resident, never the weights
             with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                 content = self._inspect(mapped, embedding_tensor, prepare)
             self.delegated = xnnpack is not False
@@ -320,10 +301,9 @@ class Backbone:
 
     @_held
     def reset_state(self) -> None:
-        """Give a stateful model its initial state again: a new interpreter for the same model.
+        """Give a stateful model its initial state again: a new ``interpreter`` (holders read it again).
 
-        ``reset_all_variables()`` does not reset resource variables, so anything holding the old
-        ``interpreter`` must read it again. ModelError if the model can no longer be loaded.
+        ModelError if the model can no longer be loaded.
         """
         num_threads, runtime, content = self._reopen
         self.runtime_name, self.interpreter = open_interpreter(
@@ -378,10 +358,9 @@ class Backbone:
 
     @_held
     def head_from_model(self) -> tuple[F32, F32]:
-        """The head shipped inside the model (its last FULLY_CONNECTED op), dequantised: W [D, K], b [K].
+        """The model's own head (its last FULLY_CONNECTED op), dequantised: W float32 [D, K], b float32 [K].
 
-        ModelError if the embedding tensor was named in the profile (no FC op is known) or the weights
-        cannot be read.
+        ModelError if the embedding tensor was named in the profile (no FC op known) or unreadable weights.
         """
         if self.head_weights_index is None:
             raise ModelError(str(self.path), "the model's head is unknown when model.embedding_tensor is set")
@@ -406,11 +385,9 @@ class Backbone:
             bd = details[self._fc_bias]
             bq = self.interpreter.get_tensor(self._fc_bias)
             bscales = np.asarray(bd.get("quantization_parameters", {}).get("scales", []), dtype=np.float32)
-            b = (
-                bq.astype(np.float32) * bscales
-                if bq.dtype != np.float32 and bscales.size
-                else bq.astype(np.float32)
-            )
+            b = bq.astype(np.float32)
+            if bq.dtype != np.float32 and bscales.size:
+                b = b * bscales
         W: F32 = np.ascontiguousarray(W_kd.T, dtype=np.float32)
         return W, np.ascontiguousarray(b, dtype=np.float32)
 

@@ -1,8 +1,7 @@
 """TLS settings for the MQTT connection: an :class:`ssl.SSLContext` that verifies the broker.
 
 The broker's certificate must chain to ``ca_file`` (or the system's store) and name the host dialled;
-TLS 1.2 is the floor; a client certificate is presented when the profile has one. File problems are
-one :class:`ConfigError` naming the profile key.
+TLS 1.2 is the floor.
 
 Source: Python ``ssl`` module (``create_default_context``: CERT_REQUIRED, check_hostname);
 RFC 6125 §6 (server identity), RFC 5280 §4.2.1.6 (subjectAltName, iPAddress).

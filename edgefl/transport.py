@@ -74,17 +74,15 @@ class MqttTransport(Link):
     """An asyncio-facing MQTT client.
 
     ``client_id`` is unique on the broker; ``will`` is set before connecting; ``protocol`` "auto" tries
-    MQTT 5 and falls back to 3.1.1 when the broker refuses it; ``queue_size`` bounds the incoming
-    queue (messages); ``on_connect`` runs on the event loop after every CONNACK and re-subscription (to
-    publish "online"). ``max_packet_bytes`` is the largest PUBLISH sent (lowered by the CONNACK's
-    Maximum Packet Size), ``max_incoming_packet_bytes`` the largest packet accepted (the CONNECT's; on
-    every protocol an oversize PUBLISH is acknowledged, dropped, counted in ``oversize_dropped_total``
-    and logged). ``session_expiry_s`` 0 is a clean session, else the broker keeps it that long while
-    the client is away (MQTT 5.0 §3.1.2.11; a fixed ``client_id``). ``alternates`` (host, port) are
-    other nodes of a clustered broker, tried round robin after a failed connect or a loss;
-    ``ack_on_commit`` acknowledges a QoS 1 message only once the consumer called :meth:`commit` (needs
-    a session); ``reconnect_max_s`` caps the back-off (:meth:`backoff_s`; None: ``RECONNECT_MAX_S``).
-    ``max_held_bytes`` bounds the payload bytes received and not yet handled (0: none; :class:`Link`).
+    MQTT 5, then 3.1.1; ``queue_size`` bounds the incoming queue (messages); ``on_connect`` runs on the
+    loop after every CONNACK and re-subscription. ``max_packet_bytes`` is the largest PUBLISH sent
+    (lowered by the CONNACK's Maximum Packet Size), ``max_incoming_packet_bytes`` the largest accepted
+    (an oversize PUBLISH is acknowledged, dropped, counted in ``oversize_dropped_total``, logged).
+    ``session_expiry_s`` 0 is a clean session, else the broker keeps it that long (MQTT 5.0 §3.1.2.11;
+    a fixed ``client_id``); ``alternates`` (host, port): other nodes of a clustered broker, tried round
+    robin; ``ack_on_commit`` acknowledges a QoS 1 message only at :meth:`commit` (needs a session);
+    ``reconnect_max_s`` caps the back-off (None: ``RECONNECT_MAX_S``); ``max_held_bytes`` bounds the
+    payload bytes received and not yet handled (0: none; :class:`Link`).
     """
 
     def __init__(
@@ -142,8 +140,7 @@ class MqttTransport(Link):
         #: Connect attempts that failed (the broker unreachable, refused TLS, a bad address).
         self.connect_failures_total = 0
         self._subscriptions: dict[str, tuple[int, bool]] = {}  # topic -> (qos, live_only)
-        # unsubscribed without an UNSUBACK yet (topic -> the latest call's token): sent once more on
-        # the next connection (a persistent session keeps the broker's copy across the reconnect)
+        # unsubscribed without an UNSUBACK yet (topic -> the latest call's token): sent once more on connect
         self._unsubscribing: dict[str, object] = {}
         self._mqtt5 = protocol in ("auto", "5")
         self._fallback_wanted = False
@@ -173,9 +170,7 @@ class MqttTransport(Link):
     def for_broker(cls, broker: BrokerConfig, client_id: str, **options: Any) -> MqttTransport:
         """A transport (not started) to a profile's ``[broker]``, ``options`` (``__init__`` keywords) on top.
 
-        Address, protocol, keepalive, credentials (``broker_password``), TLS (``ssl_context_for``, unless
-        ``tls_context`` is given), packet limits and alternates. ConfigError if the password or TLS files
-        cannot be read.
+        ConfigError if the password or TLS files cannot be read.
         """
         from edgefl.profiles import broker_password
         from edgefl.tlsconf import ssl_context_for
@@ -200,18 +195,12 @@ class MqttTransport(Link):
 
     @property
     def credentials_refused(self) -> bool:
-        """True when the broker's last CONNACK refused our credentials (MQTT 5.0 §3.2.2.2: 0x86, 0x87).
-
-        Retrying cannot help until the configuration or the broker's password file/ACL changes.
-        """
+        """True when the broker's last CONNACK refused our credentials (MQTT 5.0 §3.2.2.2: 0x86, 0x87)."""
         return self.last_refusal is not None and int(self.last_refusal.value) in (0x86, 0x87)
 
     @property
     def certificate_refused(self) -> bool:
-        """True when the broker's certificate failed verification at the last try (:attr:`last_tls_refusal`).
-
-        Like refused credentials, retrying cannot help until ``ca_file`` or the broker's certificate changes.
-        """
+        """True when the broker's certificate failed verification at the last try (``last_tls_refusal``)."""
         return self.last_tls_refusal is not None
 
     def packet_limit(self) -> int:
@@ -295,9 +284,8 @@ class MqttTransport(Link):
         self.session_present = session_present
         conn.acked = True
         conn.acked_at = time.monotonic()
-        # the last try of each unsubscribe still unanswered: sent before the subscriptions (the broker
-        # has taken it when their SUBACKs are in), then forgotten, whatever comes of it: a broker that
-        # closes the connection on it must not be sent it again at every reconnect
+        # each unsubscribe still unanswered, once more before the subscriptions, then forgotten whatever
+        # comes of it (a broker closing the connection on it must not get it at every reconnect)
         pending, self._unsubscribing = self._unsubscribing, {}
         unsubacks = [self._send_unsubscribe(conn, topic) for topic in sorted(pending)]
         subacks = [
@@ -363,10 +351,9 @@ class MqttTransport(Link):
         return str(rc)
 
     def _note_takeover(self, conn: Connection, from_broker: bool, rc: object) -> None:
-        """Count sessions taken over by a client with our id (0x8E, or a close in :data:`TAKEOVER_WINDOW_S`).
+        """Count takeovers (0x8E, or a close within :data:`TAKEOVER_WINDOW_S`); log the sure ones at decades.
 
-        Certain (0x8E, or :data:`TAKEOVER_LOSSES` quick closes in a row with no failed connect between,
-        which a broker restart has): ``sure_takeovers_total`` and an ERROR at the 1st, 10th, 100th... time.
+        Sure: 0x8E, or :data:`TAKEOVER_LOSSES` quick closes in a row without a failed connect between.
         """
         quick = conn.acked and time.monotonic() - conn.acked_at < TAKEOVER_WINDOW_S
         taken = from_broker and isinstance(rc, ReasonCode) and int(rc.value) == 0x8E
@@ -493,8 +480,7 @@ class MqttTransport(Link):
     async def start(self, *, wait_s: float | None = CONNECT_TIMEOUT_S) -> None:
         """Start connecting, and reconnecting forever in the background, from an asyncio task.
 
-        ``wait_s``: seconds to wait for the first CONNACK (TransportError if none), None = do not wait (the
-        transport connects when the broker appears).
+        ``wait_s``: seconds to wait for the first CONNACK (TransportError if none; None: do not wait).
         """
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
@@ -642,9 +628,8 @@ class MqttTransport(Link):
         """Subscribe, now and again after every reconnect.
 
         Connected, it returns once the SUBACK granted it; otherwise at once (it is sent, and its SUBACK
-        awaited, before ``connected`` is next set). ``live_only`` (MQTT 5 only, §3.8.3.1): Retain Handling
-        2 and Retain As Published, so no retained message comes at subscribe and a later retained one
-        arrives with ``retain`` set.
+        awaited, before ``connected`` is next set). ``live_only`` (MQTT 5, §3.8.3.1): no retained message
+        at subscribe, a later retained one arrives with ``retain`` set.
 
         Raises
         ------
@@ -730,8 +715,7 @@ class MqttTransport(Link):
             raise TransportError(f"publish to {topic}: {len(payload)} bytes exceed the {limit}-byte limit")
         conn = self._conn
         if conn is None or not conn.acked or conn.closed:
-            # Each connection has its own paho client: a message queued on a dead one would never leave.
-            # Not ``connected``: a persistent session's backlog arrives before the renewed SUBACKs.
+            # not ``connected``: a persistent session's backlog arrives before the renewed SUBACKs
             raise TransportError(f"publish to {topic}: not connected to {self.host}:{self.port}")
         fut: asyncio.Future[None] = self._loop.create_future()
         info = conn.client.publish(topic, payload, qos=qos, retain=retain)
@@ -753,10 +737,7 @@ class MqttTransport(Link):
             raise TransportError(f"publish to {topic}: {exc.detail}") from None
 
     async def stop(self, final: tuple[str, bytes] | None = None, timeout_s: float = 5.0) -> None:
-        """Clean stop: publish ``final`` (topic, payload) retained and wait for its PUBACK, disconnect.
-
-        ``timeout_s`` is the budget of the final publish and of the disconnect.
-        """
+        """Publish ``final`` (topic, payload) retained, await its PUBACK, disconnect (``timeout_s`` each)."""
         if self._supervisor is None:
             return
         if final is not None and self.connected.is_set():

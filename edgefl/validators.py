@@ -30,10 +30,7 @@ MAX_BATCH = 4096
 
 
 def check_device_id(value: object) -> str:
-    """Check a device id (or fleet name): ``^[A-Za-z0-9_.-]{1,64}$``, not ``.`` or ``..``; return it.
-
-    It is one MQTT topic level (no ``/``, ``+``, ``#``, ``$``) and may name a file; ValueError otherwise.
-    """
+    """Check a device id (or fleet name): ``^[A-Za-z0-9_.-]{1,64}$``, not ``.`` or ``..``; ValueError."""
     if not isinstance(value, str):
         raise ValueError("must be a string")
     if DEVICE_ID_PATTERN.fullmatch(value) is None:
@@ -71,19 +68,16 @@ def check_topic_prefix(value: object) -> str:
 
 
 def check_qos(value: object) -> int:
-    """Check an MQTT QoS level: the integers 0, 1, 2 (``bool`` refused); ValueError otherwise.
-
-    Source: MQTT 5.0 §4.3.
-    """
+    """Check an MQTT QoS level (MQTT 5.0 §4.3): the integers 0, 1, 2 (``bool`` refused); ValueError."""
     if isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1, 2):
         raise ValueError("must be 0, 1 or 2")
     return value
 
 
 def check_positive_int(name: str, value: object) -> int:
-    """Check an integer > 0 (``bool`` refused): ``"must be an integer"`` or ``"must be > 0"`` otherwise.
+    """Check an integer > 0 (``bool`` refused): ValueError ``"must be an integer"`` or ``"must be > 0"``.
 
-    ``name`` is attached to the ValueError as a note for tracebacks, not put in its message.
+    ``name`` goes in a note of the ValueError (tracebacks), not in its message.
     """
     if isinstance(value, bool) or not isinstance(value, int):
         exc = ValueError("must be an integer")
@@ -152,10 +146,7 @@ def parse_broker_url(url: object) -> tuple[str, str, int]:
 
 
 def is_loopback_host(host: str) -> bool:
-    """Whether a listen address is loopback-only (``localhost``, 127.0.0.0/8, ``::1``), with no lookup.
-
-    Any other name, and ``""`` / ``0.0.0.0`` / ``::``, counts as reachable from the network.
-    """
+    """Whether a listen address is loopback-only (``localhost``, 127.0.0.0/8, ``::1``), with no lookup."""
     if host.lower() in {"localhost", "localhost."}:
         return True
     try:

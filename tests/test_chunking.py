@@ -246,6 +246,26 @@ def test_reassembler_bounded_sets_and_bytes() -> None:
         Reassembler(max_total_bytes=10, max_message_bytes=11)
 
 
+def test_hostile_reassembler_a_senders_new_sets_evict_its_own_then_the_largest_holders() -> None:
+    """One key's stream of new sets never evicts another key's message in progress."""
+    r = Reassembler(max_sets=3, max_total_bytes=8 << 20, max_message_bytes=4 << 20, max_chunk_bytes=300)
+    honest = split_message(b"h" * 1000, "t", 250, msg_id="h")
+    r.feed("update/a", honest[0])
+    for i in range(50):  # first chunks of 4 MiB sets: two would not fit 8 MiB beside anything
+        r.feed("update/x", encode_chunk(Chunk(f"x{i}", 0, 64, 4 << 20, "0" * 64, b"\0" * 100)))
+    assert r.evicted_total == 49 and len(r) == 2
+    other = split_message(b"o" * 1000, "t", 250, msg_id="o")
+    for c in other:  # another sender's set: the 4 MiB holder makes room, not update/a
+        out = r.feed("update/b", c)
+    assert out == b"o" * 1000 and r.evicted_total == 49
+    r.feed("update/c", split_message(b"c" * 1000, "t", 250, msg_id="c")[0])
+    r.feed("update/d", split_message(b"d" * 1000, "t", 250, msg_id="d")[0])  # 3 sets: x's goes
+    assert r.evicted_total == 50
+    for c in honest[1:-1]:
+        assert r.feed("update/a", c) is None
+    assert r.feed("update/a", honest[-1]) == b"h" * 1000
+
+
 def test_reassembler_refuses_a_set_of_a_million_one_byte_chunks() -> None:
     """Declared sizes bound the data; the chunk count bounds the bookkeeping (a dict entry per chunk)."""
     r = Reassembler(max_sets=2, max_total_bytes=2 << 20, max_message_bytes=1 << 20, max_chunk_bytes=300)

@@ -31,7 +31,6 @@ from edgefl.wire.compression import (
 )
 from edgefl.wire.global_model import GlobalModel, decode_global_model, encode_global_model
 from edgefl.wire.ingest import decode_answer, decode_label, decode_prediction, decode_refusal, decode_sample
-from edgefl.wire.reasons import REASONS
 from edgefl.wire.rounds import (
     RoundAnnouncement,
     Update,
@@ -43,7 +42,7 @@ from edgefl.wire.rounds import (
     encode_update,
 )
 from edgefl.wire.status import DeviceStatus, decode_status, encode_status, offline_status
-from tests.support.wire import compressed_roundtrip
+from tests.support.wire import REASONS, compressed_roundtrip
 
 SHA = "ab" * 32
 

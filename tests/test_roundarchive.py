@@ -46,7 +46,7 @@ def write_log(path: Path, rounds: range, **extra: Any) -> None:
 def test_pacing_history_tail_whole_and_the_rest_sampled(tmp_path: Path) -> None:
     log = tmp_path / "rounds.jsonl"
     write_log(log, range(1, 5001))
-    recent = [{"round": r, "accuracy": 0.9, "reasons": "memory"} for r in range(4801, 5001)]
+    recent = [{"round": r, "accuracy": 0.9, "refused": {}, "reasons": "memory"} for r in range(4801, 5001)]
     records = RoundArchive(log, lambda: recent, tail_rounds=1000, sampled_rounds=500).records()
     rounds = [r["round"] for r in records]
     assert rounds == sorted(set(rounds))  # strictly increasing

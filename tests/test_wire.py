@@ -23,7 +23,7 @@ from edgefl.wire.compression import (
     update_wire_bytes,
 )
 from edgefl.wire.global_model import GlobalModel, decode_global_model, encode_global_model
-from edgefl.wire.reasons import CHUNK_REASONS, REASONS, SIGNATURE_REASONS, Reason
+from edgefl.wire.reasons import CHUNK_REASONS, SIGNATURE_REASONS, Reason
 from edgefl.wire.rounds import (
     RoundAnnouncement,
     Update,
@@ -35,6 +35,7 @@ from edgefl.wire.rounds import (
 )
 from edgefl.wire.status import DeviceStatus, encode_status
 from tests.support.source import parse
+from tests.support.wire import REASONS
 
 WIRE = Path(__file__).resolve().parent.parent / "edgefl" / "wire"
 SHA = "cd" * 32

@@ -438,9 +438,11 @@
     return { bytes: d.cap_bytes - d.rss_bytes, frac: (d.cap_bytes - d.rss_bytes) / d.cap_bytes };
   }
 
+  // a device's claimed accuracy: a number in [0, 1], else null (shown as a dash, never "5000 %")
+  const isAcc = (v) => isNum(v) && v >= 0 && v <= 1;
   function accuracyOf(d, key) {
-    if (key === "global") return isNum(d.global_accuracy) ? d.global_accuracy : isNum(d.eval_accuracy) ? d.eval_accuracy : null;
-    return isNum(d.personal_accuracy) ? d.personal_accuracy : null;
+    if (key === "global") return isAcc(d.global_accuracy) ? d.global_accuracy : isAcc(d.eval_accuracy) ? d.eval_accuracy : null;
+    return isAcc(d.personal_accuracy) ? d.personal_accuracy : null;
   }
 
   // sort keys: smaller = worse = first when ascending; offline and unknown devices are the worst

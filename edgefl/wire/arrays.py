@@ -14,47 +14,28 @@ import numpy as np
 import numpy.typing as npt
 
 from edgefl.errors import DecodeError
-from edgefl.wire.cbor import Limits, cbor_head_bytes
+from edgefl.wire.cbor import ALLOWED_TAGS, Limits, cbor_head_bytes
 from edgefl.wire.reasons import Reason
 
 MAX_NDIM: Final = 4
 TAG_NDARRAY: Final = 40
 
-# RFC 8746 §2.1 typed-array tags -> numpy wire dtype. float128 (83, 87) has no portable numpy type
-# and 68 (uint8 clamped) has no different meaning for a receiver, so they are not accepted.
-TYPED_ARRAY_TAGS: Final[Mapping[int, np.dtype[Any]]] = {
-    tag: np.dtype(code)
-    for tag, code in {
-        64: "u1",
-        65: ">u2",
-        66: ">u4",
-        67: ">u8",
-        69: "<u2",
-        70: "<u4",
-        71: "<u8",
-        72: "i1",
-        73: ">i2",
-        74: ">i4",
-        75: ">i8",
-        77: "<i2",
-        78: "<i4",
-        79: "<i8",
-        80: ">f2",
-        81: ">f4",
-        82: ">f8",
-        84: "<f2",
-        85: "<f4",
-        86: "<f8",
-    }.items()
-}
-# what we emit: always little-endian (RFC 8746 tags 64, 69-71, 72, 77-79, 84-86)
-_ENCODE_TAGS: Final[Mapping[str, int]] = {
-    dtype.name: tag for tag, dtype in TYPED_ARRAY_TAGS.items() if dtype.str[0] in "<|"
-}
 
-# the same, keyed by the little-endian (or byte-order-free) dtype objects themselves
-_TAGS_BY_DTYPE: Final[Mapping[np.dtype[Any], int]] = {
-    np.dtype(name).newbyteorder("<"): tag for name, tag in _ENCODE_TAGS.items()
+def _wire_dtype(tag: int) -> np.dtype[Any]:
+    """RFC 8746 §2.1: typed-array tag ``0b010_f_s_e_ll`` (float, signed, little-endian, size) as a dtype."""
+    kind = "f" if tag & 0x10 else "i" if tag & 0x08 else "u"
+    size = (2 if kind == "f" else 1) << (tag & 0x03)
+    return np.dtype(("<" if tag & 0x04 else ">") + kind + str(size))
+
+
+# RFC 8746 §2.1 typed-array tags -> numpy wire dtype, for the tags ``cbor.ALLOWED_TAGS`` admits: float128
+# (83, 87) has no portable numpy type and 68 (uint8 clamped) has no different meaning for a receiver.
+TYPED_ARRAY_TAGS: Final[Mapping[int, np.dtype[Any]]] = {
+    tag: _wire_dtype(tag) for tag in sorted(ALLOWED_TAGS - {TAG_NDARRAY})
+}
+# what we emit, by dtype: always little-endian (RFC 8746 tags 64, 69-71, 72, 77-79, 84-86)
+_ENCODE_TAGS: Final[Mapping[np.dtype[Any], int]] = {
+    dtype: tag for tag, dtype in TYPED_ARRAY_TAGS.items() if dtype.str[0] in "<|"
 }
 # RFC 8746 tag -> numpy dtype name, for the accepted-dtypes check without ``dtype.name``
 _TAG_NAMES: Final[Mapping[int, str]] = {tag: dtype.name for tag, dtype in TYPED_ARRAY_TAGS.items()}
@@ -67,12 +48,13 @@ def encode_array(a: npt.NDArray[Any]) -> cbor2.CBORTag:
     """
     array = np.asarray(a)
     # looked up by dtype (hashed in C): ``dtype.name`` is computed in Python, ~8 us a call
-    tag = _TAGS_BY_DTYPE.get(array.dtype)
+    tag = _ENCODE_TAGS.get(array.dtype)
     if tag is None:
-        tag = _ENCODE_TAGS.get(array.dtype.name)
+        little = array.dtype.newbyteorder("<")
+        tag = _ENCODE_TAGS.get(little)
         if tag is None:
             raise ValueError(f"dtype {array.dtype} has no typed-array tag here")
-        array = array.astype(array.dtype.newbyteorder("<"))  # a big-endian array, little-endian bytes
+        array = array.astype(little)  # a big-endian array, little-endian bytes
     if not 1 <= array.ndim <= MAX_NDIM:
         raise ValueError(f"arrays must have 1 to {MAX_NDIM} dimensions, got {array.ndim}")
     return cbor2.CBORTag(TAG_NDARRAY, [list(array.shape), cbor2.CBORTag(tag, array.tobytes())])

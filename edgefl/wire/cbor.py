@@ -1,9 +1,8 @@
 """Bounded CBOR and the message envelope: what every decoder runs before it looks at a field.
 
 The schema version, message kinds, :class:`Limits`, the allocation-free header scan and the field
-readers every decoder shares; rules and bounds: ``docs/protocol.md`` ("Decoding").
-
-Source: RFC 8949 (CBOR) §3 (encoding), §4.2.1 (deterministic encoding).
+readers every decoder shares; rules and bounds: ``docs/protocol.md`` ("Decoding"). Source: RFC 8949
+(CBOR) §3 (encoding), §4.2.1 (deterministic encoding).
 """
 
 from __future__ import annotations
@@ -30,23 +29,6 @@ INT_MAX: Final = 2**63 - 1  # fits int64 everywhere downstream (JSON, Prometheus
 #: Tags a message may hold: 40 (RFC 8746 §3.1.1 multi-dimensional array) and the RFC 8746 §2.1
 #: typed arrays ``edgefl.wire.arrays`` decodes (64-67, 69-75, 77-82, 84-86).
 ALLOWED_TAGS: Final = frozenset({40, *range(64, 68), *range(69, 76), *range(77, 83), 84, 85, 86})
-
-
-class MessageType(StrEnum):
-    """The ``"type"`` of a message."""
-
-    GLOBAL_MODEL = "global_model"
-    ROUND = "round"
-    UPDATE = "update"
-    DECLINE = "decline"
-    STATUS = "status"
-    CHUNK = "chunk"
-    PARTIAL = "partial"
-    SAMPLE = "sample"
-    LABEL = "label"
-    PREDICTION = "prediction"
-    REFUSAL = "refusal"
-    PRESENCE = "presence"
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +61,23 @@ NO_LIMITS: Final = Limits(
 )
 
 
+class MessageType(StrEnum):
+    """The ``"type"`` of a message."""
+
+    GLOBAL_MODEL = "global_model"
+    ROUND = "round"
+    UPDATE = "update"
+    DECLINE = "decline"
+    STATUS = "status"
+    CHUNK = "chunk"
+    PARTIAL = "partial"
+    SAMPLE = "sample"
+    LABEL = "label"
+    PREDICTION = "prediction"
+    REFUSAL = "refusal"
+    PRESENCE = "presence"
+
+
 def cbor_head_bytes(argument: int) -> int:
     """Bytes of a CBOR item head (initial byte + argument) for an argument >= 0 (RFC 8949 §3)."""
     if argument < 24:
@@ -104,17 +103,12 @@ def dumps(obj: object) -> bytes:
 
     A float takes the shortest of half, single and double precision that holds it exactly; map keys
     keep their order (``"signature"`` stays last); cbor2.CBOREncodeError for what cbor2 cannot encode.
-
     Source: RFC 8949 §4.1 (preferred serialization), §3.3 (floating-point numbers).
     """
     if type(obj) is float:
         return cbor2.dumps(obj, canonical=True)
     if type(obj) is dict:
-        parts = [_head(5, len(obj))]
-        for key, value in obj.items():
-            parts.append(dumps(key))
-            parts.append(dumps(value))
-        return b"".join(parts)
+        return _head(5, len(obj)) + b"".join(part for pair in obj.items() for part in map(dumps, pair))
     if type(obj) is list:
         return _head(4, len(obj)) + b"".join(dumps(item) for item in obj)
     return cbor2.dumps(obj)
@@ -174,7 +168,6 @@ def scan(payload: bytes, limits: Limits) -> Scanned:
     Step 2 of ``docs/protocol.md`` ("Decoding"); the result carries the top-level values a signature
     check needs. DecodeError ``wrong_type``, ``too_large``, ``bad_cbor``, ``too_deep``, ``bad_value``
     (long text), ``trailing_bytes``.
-
     Source: RFC 8949 §3 (initial byte, argument), §3.2 (indefinite lengths), §3.3 (simple values).
     """
     data = _payload_bytes(payload, limits)
@@ -329,10 +322,7 @@ def load_message(
         raise DecodeError(Reason.BAD_VERSION, f"v = {version!r:.20}, expected {SCHEMA_VERSION}")
     if version > SCHEMA_VERSION:
         shown = str(version) if version < 10**20 else "huge"
-        raise DecodeError(
-            Reason.NEWER_SCHEMA,
-            f"v = {shown}: this peer reads schema {SCHEMA_VERSION}",
-        )
+        raise DecodeError(Reason.NEWER_SCHEMA, f"v = {shown}: this peer reads schema {SCHEMA_VERSION}")
     if "type" not in obj:
         raise DecodeError(Reason.MISSING_KEY, "type")
     if obj["type"] != kind.value:

@@ -1,10 +1,9 @@
 """Chunking: messages larger than the broker's packet limit travel as chunk messages, reassembled boundedly.
 
 Every chunk's whole PUBLISH fits the limit; the :class:`Reassembler` holds bounded sets, expires them
-and verifies SHA-256, all or nothing. ``docs/protocol.md`` ("Chunks").
-
-Source: MQTT 5.0 (OASIS 2019) §2.1.4 (Remaining Length), §3.3 (PUBLISH), §3.1.2.11.4 and
-§3.2.2.3.6 (Maximum Packet Size); MQTT 3.1.1 §2.2.3, §3.3.
+and verifies SHA-256, all or nothing. ``docs/protocol.md`` ("Chunks"). Source: MQTT 5.0 (OASIS 2019)
+§2.1.4 (Remaining Length), §3.3 (PUBLISH), §3.1.2.11.4 and §3.2.2.3.6 (Maximum Packet Size); MQTT
+3.1.1 §2.2.3, §3.3.
 """
 
 from __future__ import annotations
@@ -49,19 +48,9 @@ _PREFIX: Final = cbor2.dumps({"v": SCHEMA_VERSION, "type": MessageType.CHUNK.val
 ]
 
 
-# ---------------------------------------------------------------------------------------------------
-# MQTT packet arithmetic
-
-
 def _varint_bytes(value: int) -> int:
-    """Length of an MQTT variable byte integer (MQTT 5.0 §1.5.5)."""
-    if value < 128:
-        return 1
-    if value < 16_384:
-        return 2
-    if value < 2_097_152:
-        return 3
-    return 4
+    """Length of an MQTT variable byte integer (MQTT 5.0 §1.5.5): 7 bits a byte, 1 to 4 bytes."""
+    return min(4, max(1, -(-value.bit_length() // 7)))
 
 
 def publish_overhead(topic: str, payload_bytes: int, *, qos: int = 1, mqtt5: bool = True) -> int:
@@ -97,10 +86,6 @@ def max_payload_bytes(max_packet_bytes: int, topic: str) -> int:
     while publish_packet_bytes(topic, payload + 1) <= max_packet_bytes:
         payload += 1
     return payload
-
-
-# ---------------------------------------------------------------------------------------------------
-# Chunk messages
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,10 +202,6 @@ def split_message(
     return chunks
 
 
-# ---------------------------------------------------------------------------------------------------
-# Reassembly
-
-
 @dataclass(slots=True)
 class _Set:
     count: int
@@ -243,8 +224,10 @@ class Reassembler:
     """Collects chunks into whole messages, with bounded memory and expiry.
 
     At most ``max_sets`` partial messages reserving at most ``max_total_bytes`` (>= ``max_message_bytes``;
-    :data:`CHUNK_ENTRY_BYTES` a chunk beside the data) are held: a new set evicts the least recently
-    active ones. ``max_message_bytes``/``max_chunk_bytes`` bound what is accepted; a set with no chunk for
+    :data:`CHUNK_ENTRY_BYTES` a chunk beside the data) are held. A new set makes room from its own
+    key's (sender's) older sets first, then from the key reserving the most bytes (its least recently
+    active set), so one sender's stream of new sets never evicts another sender's message in progress.
+    ``max_message_bytes``/``max_chunk_bytes`` bound what is accepted; a set with no chunk for
     ``expiry_s`` seconds (``clock``: monotonic) is abandoned. ValueError for an invalid bound.
     """
 
@@ -300,15 +283,29 @@ class Reassembler:
             )
         return len(stale)
 
-    def _evict_for(self, size: int) -> None:
-        while self._sets and (
-            len(self._sets) >= self.max_sets or self.reserved_bytes + size > self.max_total_bytes
-        ):
-            k, s = self._sets.popitem(last=False)
+    def _evict_for(self, key: str, size: int) -> None:
+        def full() -> bool:
+            return len(self._sets) >= self.max_sets or self.reserved_bytes + size > self.max_total_bytes
+
+        while self._sets and full():
+            own = next((k for k in self._sets if k[0] == key), None)  # least recently active first
+            if own is None:
+                held: dict[str, int] = {}
+                for (sender, _), s in self._sets.items():
+                    held[sender] = held.get(sender, 0) + s.reserved
+                top = max(held.values())
+                own = next(k for k in self._sets if held[k[0]] == top)
+            s = self._sets.pop(own)
             self.evicted_total += 1
-            logger.warning(
-                "chunk set %s on %s evicted (%d of %d chunks) to make room", k[1], k[0], len(s.parts), s.count
-            )
+            if self.evicted_total <= 20 or self.evicted_total % 1000 == 0:
+                logger.warning(
+                    "chunk set %s on %s evicted (%d of %d chunks) to make room (%d evicted so far)",
+                    own[1],
+                    own[0],
+                    len(s.parts),
+                    s.count,
+                    self.evicted_total,
+                )
 
     def feed(self, key: str, payload: bytes) -> bytes | None:
         """Add one chunk from ``key`` (sets of different keys never mix); the whole message once complete.
@@ -332,7 +329,7 @@ class Reassembler:
                     f"chunk set {c.id}: {c.count} chunks of {c.size} bytes in all would hold "
                     f"{s.reserved} bytes > {self.max_total_bytes}",
                 )
-            self._evict_for(s.reserved)
+            self._evict_for(key, s.reserved)
             self._sets[k] = s
         elif (s.count, s.size, s.sha256) != (c.count, c.size, c.sha256):
             raise DecodeError(

@@ -1,9 +1,7 @@
 """Delta compression: each layout of an update's delta written once, its decoder, and its size on the wire.
 
-Layouts ``none``, ``float16``, ``int8``, ``topk``, ``topk-int8``: ``docs/protocol.md`` ("Delta layouts").
-
-Source: Alistarh et al. 2017, QSGD; Jacob et al. 2018 (per-channel int8); Aji & Heafield 2017 and
-Stich et al. 2018 (top-k with error feedback); RFC 1951 (DEFLATE).
+Layouts ``none``, ``float16``, ``int8``, ``topk``, ``topk-int8``: ``docs/protocol.md`` ("Delta layouts");
+the algorithms' sources: :func:`compress_delta`.
 """
 
 from __future__ import annotations
@@ -33,11 +31,7 @@ from edgefl.wire.cbor import NO_LIMITS, Limits, cbor_head_bytes, check_keys
 from edgefl.wire.reasons import Reason
 
 _FLOAT16_MAX: Final = float(np.finfo(np.float16).max)
-# raw deflate with zlib's run-length strategy: int8 levels and top-k masks have runs (zeros) and skewed
-# byte frequencies, no long repeats for LZ77's search (as small, 2-50x faster: docs/protocol.md)
-_DEFLATE_LEVEL: Final = 9
-_DEFLATE_WBITS: Final = -15
-_DEFLATE_STRATEGY: Final = zlib.Z_RLE
+_DEFLATE_WBITS: Final = -15  # a raw stream: no zlib header or checksum
 
 
 class Compression(StrEnum):
@@ -76,10 +70,7 @@ def _quantise(x: F32, scale: F32, rng: np.random.Generator | None) -> npt.NDArra
     ratio = x / divisor
     # stochastic: floor(r + u), u ~ U[0, 1), so E[levels] = r and E[q * scale] = x (QSGD-style)
     levels = np.rint(ratio) if rng is None else np.floor(ratio + rng.random(ratio.shape, dtype=np.float32))
-    # np.clip's Python wrapper costs ~8 us a call: the same bounds with two in-place ufuncs
-    np.minimum(levels, 127, out=levels)
-    np.maximum(levels, -127, out=levels)
-    return levels.astype(np.int8)
+    return np.clip(levels, -127, 127).astype(np.int8)
 
 
 def _dequantise(q: npt.NDArray[np.int8], scale: F32) -> F32:
@@ -99,7 +90,9 @@ def _int8_scale(x: F32) -> F32:
 
 def _deflate(raw: bytes) -> bytes:
     """``raw`` as a raw deflate stream (RFC 1951, no zlib header), run-length matches only (``Z_RLE``)."""
-    packer = zlib.compressobj(_DEFLATE_LEVEL, zlib.DEFLATED, _DEFLATE_WBITS, 8, _DEFLATE_STRATEGY)
+    # run-length strategy: int8 levels and top-k masks have runs (zeros) and skewed byte frequencies,
+    # no long repeats for LZ77's search (as small, 2-50x faster: docs/protocol.md)
+    packer = zlib.compressobj(9, zlib.DEFLATED, _DEFLATE_WBITS, 8, zlib.Z_RLE)
     return packer.compress(raw) + packer.flush()
 
 
@@ -152,10 +145,7 @@ def _read_q(sub: Mapping[str, Any], name: str, limits: Limits) -> npt.NDArray[np
             Reason.MISSING_KEY if not present else Reason.BAD_VALUE, f"{name}: exactly one of q, qz"
         )
     if "q" in sub:
-        q: npt.NDArray[np.int8] = decode_array(
-            sub["q"], limits=limits, dtypes=frozenset({"int8"}), name=f"{name}.q"
-        )
-        return q
+        return decode_array(sub["q"], limits=limits, dtypes=frozenset({"int8"}), name=f"{name}.q")
     obj = sub["qz"]
     if not isinstance(obj, list) or len(obj) != 2:
         raise DecodeError(Reason.WRONG_TYPE, f"{name}.qz: expected [shape, bytes]")
@@ -181,7 +171,6 @@ def compress_delta(
     feedback). ``topk_fraction`` in (0, 1] is what ``topk``/``topk-int8`` keep. ValueError if ``delta``
     is not finite, has 0 or > 4 dimensions, is empty, or has more than 2**32 elements (top-k), or
     ``topk_fraction`` is outside (0, 1].
-
     Source: Alistarh et al. 2017, QSGD (stochastic rounding); Jacob et al. 2018 (per-channel int8);
     Aji & Heafield 2017 and Stich et al. 2018 (top-k sparsification with error feedback); RFC 1951
     (DEFLATE).
@@ -190,10 +179,7 @@ def compress_delta(
 
 
 def _compress(
-    delta: F32,
-    compression: Compression,
-    topk_fraction: float,
-    rng: np.random.Generator | None,
+    delta: F32, compression: Compression, topk_fraction: float, rng: np.random.Generator | None
 ) -> tuple[dict[str, object], F32 | None]:
     """:func:`compress_delta`, and for the dense int8 layout the values the receiver decodes (else None)."""
     x = np.ascontiguousarray(delta, dtype=np.float32)

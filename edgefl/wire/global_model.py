@@ -1,9 +1,7 @@
 """The global model message: the head the coordinator publishes (``global``, retained), applied by devices.
 
 Also :func:`resolve_global_head` (a delta head onto the held one). Field by field:
-``docs/protocol.md`` ("GlobalModel", "Head layouts").
-
-Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
+``docs/protocol.md`` ("GlobalModel", "Head layouts"). Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The live-ingest messages: samples and labels a gateway app sends in, the predictions a device sends out.
 
 Sample, Label, Prediction and Refusal (IngestRefusal), none retained; field by field:
-``docs/protocol.md`` ("Live ingest").
-
-Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
+``docs/protocol.md`` ("Live ingest"). Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
 """
 
 from __future__ import annotations
@@ -72,8 +70,7 @@ class Prediction:
 #: The values of a Refusal's ``of`` key.
 REFUSED_OF_RE: Final = re.compile("sample|label")
 REASON_RE: Final = re.compile(r"[a-z_]{1,32}")
-DETAIL_CHARS: Final = 200
-"""A Refusal's ``detail`` is cut to this many characters."""
+DETAIL_CHARS: Final = 200  # a Refusal's ``detail`` is cut to this many characters
 DETAIL_RE: Final = re.compile(rf".{{0,{DETAIL_CHARS}}}", re.DOTALL)
 
 
@@ -117,10 +114,7 @@ def encode_sample(msg: Sample) -> bytes:
     x = np.asarray(msg.x)
     if x.dtype.name not in RAW_DTYPES or not 1 <= x.ndim <= 4:
         raise ValueError(f"sample x: {x.dtype} {list(x.shape)}; expected uint8/int16/float32, 1 to 4 dims")
-    obj: dict[str, object] = {
-        "id": msg.id,
-        "x": encode_array(np.ascontiguousarray(x)),
-    }
+    obj: dict[str, object] = {"id": msg.id, "x": encode_array(np.ascontiguousarray(x))}
     if msg.label is not None:
         obj["label"] = int(msg.label)
     if msg.ts is not None:
@@ -156,10 +150,7 @@ def decode_sample(
 
 def encode_label(msg: Label) -> bytes:
     """Encode a :class:`Label`."""
-    obj: dict[str, object] = {
-        "id": msg.id,
-        "label": int(msg.label),
-    }
+    obj: dict[str, object] = {"id": msg.id, "label": int(msg.label)}
     if msg.ts is not None:
         obj["ts"] = float(msg.ts)
     return cbor.dump_message(cbor.MessageType.LABEL, obj)
@@ -235,10 +226,7 @@ def decode_refusal(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS)
 
 
 def decode_answer(payload: bytes, *, limits: cbor.Limits = cbor.DEFAULT_LIMITS) -> Prediction | IngestRefusal:
-    """Decode what a device publishes on ``predictions/<device>``: a Prediction or a Refusal.
-
-    DecodeError as :func:`decode_prediction` / :func:`decode_refusal`.
-    """
+    """Decode a Prediction or a Refusal from ``predictions/<device>``: DecodeError as each decoder."""
     scanned = cbor.scan(payload, limits)
     if scanned.header.get("type") == cbor.MessageType.REFUSAL.value:
         return decode_refusal(payload, limits=limits)

@@ -1,8 +1,7 @@
 """The partial message: one site's sum (or robust estimate) of its devices' updates, sent up to the root.
 
-Field by field, with every bound: ``docs/protocol.md`` ("Partial").
-
-Source: RFC 8949 (CBOR); RFC 8746 §2.1, §3.1.1 (float64 typed arrays).
+Field by field, with every bound: ``docs/protocol.md`` ("Partial"). Source: RFC 8949 (CBOR); RFC 8746
+§2.1, §3.1.1 (float64 typed arrays).
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ from edgefl.wire.rounds import UPDATE_ID_RE
 MAX_PARTIAL_UPDATES: Final = 16_000
 #: How a Partial's ``W``/``b`` combine at the root: weighted sums are added; a robust rule's site
 #: estimates are combined by the rule's root step (``docs/operations.md``, "Many sites").
-PARTIAL_COMBINES: Final = ("sum", "median", "trimmed-mean")
-_COMBINE_RE: Final = re.compile("|".join(PARTIAL_COMBINES))
+_COMBINE_RE: Final = re.compile("sum|median|trimmed-mean")
 
 
 @dataclass(frozen=True, slots=True)

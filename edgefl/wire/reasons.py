@@ -51,52 +51,25 @@ class Reason(StrEnum):
     STALE_ROUND = "stale_round"
     NOT_SELECTED = "not_selected"
     TOO_MANY = "too_many"
-    # a round closed with fewer updates than its strategy needs to tolerate robustness.tolerate
     TOO_FEW = "too_few"
-    # live ingest at the device (samples/labels topics: docs/protocol.md, "Sample", "Label")
+    # live ingest at the device
     BAD_LABEL = "bad_label"
     UNKNOWN_SAMPLE = "unknown_sample"
     LABEL_CONFLICT = "label_conflict"
-    # a device that cannot answer a round (a Decline message; the memory governor)
+    # a device's Decline of a round
     OVER_BUDGET = "over_budget"
-    # a device whose store holds fewer labelled examples than training.min_examples (a Decline)
     TOO_FEW_EXAMPLES = "too_few_examples"
-    # a device whose store holds no labelled sample at all (a Decline, at once)
     NO_SAMPLES = "no_samples"
-    # a device that never got the global head of the round's base version (a Decline)
     NO_HEAD = "no_head"
-    # the coordinator's bounded device registry (statuses)
+    # the coordinator's device registry, a global head the device cannot use, an unusable state file
     REGISTRY_FULL = "registry_full"
     EXPIRED = "expired"
-    # a global head the device cannot use
     WRONG_MODEL = "wrong_model"
     NOT_NEWER = "not_newer"
-    # a state file the coordinator cannot resume from
     BAD_STATE = "bad_state"
 
 
-#: Reasons the message decoders raise (``edgefl.wire`` messages, ``.compression``, ``.arrays``, ``.cbor``).
-REASONS: Final = frozenset(
-    {
-        Reason.TOO_LARGE,
-        Reason.BAD_CBOR,
-        Reason.TOO_DEEP,
-        Reason.TRAILING_BYTES,
-        Reason.NOT_A_MAP,
-        Reason.BAD_VERSION,
-        Reason.NEWER_SCHEMA,
-        Reason.WRONG_TYPE,
-        Reason.UNKNOWN_KEY,
-        Reason.MISSING_KEY,
-        Reason.BAD_SHAPE,
-        Reason.BAD_DTYPE,
-        Reason.NOT_FINITE,
-        Reason.BAD_INDICES,
-        Reason.BAD_VALUE,
-        Reason.BAD_LABEL,
-    }
-)
-#: Reasons chunk decoding and reassembly raise besides :data:`REASONS`.
+#: Reasons chunk decoding and reassembly raise besides the message decoders'.
 CHUNK_REASONS: Final = frozenset(
     {Reason.BAD_CHUNK, Reason.CHUNK_CONFLICT, Reason.BAD_CHECKSUM, Reason.TOO_LARGE}
 )

@@ -1,7 +1,6 @@
 """The round messages: the announcement that opens a round and a device's answer (an update or a decline).
 
 Field by field, with every bound: ``docs/protocol.md`` ("RoundAnnouncement", "Update", "Decline").
-
 Source: RFC 8949 (CBOR); RFC 8746 (typed arrays).
 """
 

@@ -2,7 +2,6 @@
 
 Signing, verification before decoding and keys (64 hex digits or PKCS #8 / SPKI PEM); the layout:
 ``docs/protocol.md`` ("Signatures"). The arithmetic is PyNaCl's, imported at the first signature.
-
 Source: RFC 8032 §5.1 (Ed25519); RFC 8410 §7, §10 (Ed25519 keys in PKCS #8 / SPKI); RFC 8949
 §4.2.1 (deterministic encoding).
 """
@@ -12,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -25,15 +25,7 @@ from typing import Any, Final, TypeVar
 import cbor2
 
 from edgefl.errors import DecodeError
-from edgefl.wire.cbor import (
-    DEFAULT_LIMITS,
-    NO_LIMITS,
-    SCHEMA_VERSION,
-    Limits,
-    MessageType,
-    Scanned,
-    scan,
-)
+from edgefl.wire.cbor import DEFAULT_LIMITS, NO_LIMITS, SCHEMA_VERSION, Limits, MessageType, Scanned, scan
 from edgefl.wire.reasons import SIGNATURE_REASONS as SIGNATURE_REASONS  # re-exported: its refusals
 from edgefl.wire.reasons import Reason
 
@@ -52,8 +44,6 @@ SIGNED_KINDS: Final[Mapping[MessageType, str]] = {
     MessageType.PARTIAL: "base_version",
     MessageType.PRESENCE: "seq",
 }
-#: Signed kinds without a round: their signed bytes carry round 0 (a coordinator's Presence).
-_ROUNDLESS: Final = frozenset({MessageType.PRESENCE})
 #: Kinds whose signed bytes bind the sender the topic names, and the key naming it in the message:
 #: a device (Update, Decline) or a site (Partial).
 _SENDER_KEYS: Final[Mapping[MessageType, str]] = {
@@ -106,12 +96,8 @@ class SigningKey:
         return f"SigningKey(public={self.verify_key.hex})"
 
 
-# ---------------------------------------------------------------------------------------------------
-# The Ed25519 library (imported lazily: the agent pays its memory only when signatures are on)
-
-
 class _Nacl:
-    """PyNaCl's Ed25519 (libsodium ``crypto_sign``)."""
+    """PyNaCl's Ed25519 (libsodium ``crypto_sign``), imported at first use (memory paid only if used)."""
 
     def __init__(self) -> None:
         import nacl.exceptions
@@ -134,18 +120,12 @@ class _Nacl:
         return True
 
 
-_loaded: _Nacl | None = None
-
-
+@functools.cache
 def _backend() -> _Nacl:
-    global _loaded
-    if _loaded is None:
-        try:
-            _loaded = _Nacl()
-        except ImportError as exc:
-            why = f"no Ed25519 library: PyNaCl cannot be imported ({exc}); {INSTALL_HINT}"
-            raise RuntimeError(why) from exc
-    return _loaded
+    try:
+        return _Nacl()
+    except ImportError as exc:
+        raise RuntimeError(f"no Ed25519 library: PyNaCl cannot be imported ({exc}); {INSTALL_HINT}") from exc
 
 
 INSTALL_HINT: Final = "pip install 'edgefl[security]' (or apt-get install python3-nacl)"
@@ -161,10 +141,6 @@ def library_problem(setting: str) -> str | None:
             f"{INSTALL_HINT}"
         )
     return None
-
-
-# ---------------------------------------------------------------------------------------------------
-# Keys
 
 
 def generate_signing_key() -> SigningKey:
@@ -340,10 +316,6 @@ def load_verify_keys(directory: Path, suffix: str = ".pub") -> dict[str, VerifyK
     }
 
 
-# ---------------------------------------------------------------------------------------------------
-# Signing and verification
-
-
 def signed_bytes(*, fleet: str, kind: str, round: int, version: int, device: str, digest: bytes) -> bytes:
     """The bytes a signature covers: ``CONTEXT || CBOR([fleet, kind, round, version, device, digest])``.
 
@@ -366,17 +338,8 @@ def unsigned_form(payload: bytes) -> bytes:
     return bytes(payload[:-SIGNATURE_BYTES]) + PLACEHOLDER
 
 
-@dataclass(frozen=True, slots=True)
-class _Signed:
-    schema: int
-    kind: str
-    round: int
-    version: int
-    device: str
-
-
-def _signed_header(found: Mapping[str, int | str]) -> _Signed:
-    """The signed fields among a message's top-level header values (its signature bytes are not one)."""
+def _signed_header(found: Mapping[str, int | str]) -> tuple[int, str, int, int, str]:
+    """``(v, type, round, version, device)``: the signed fields among a message's top-level header values."""
     schema, kind = found.get("v"), found.get("type")
     if type(schema) is not int:
         raise DecodeError(Reason.BAD_VERSION, "v: missing or not an unsigned integer")
@@ -385,13 +348,13 @@ def _signed_header(found: Mapping[str, int | str]) -> _Signed:
     version_key = SIGNED_KINDS.get(kind)  # type: ignore[call-overload]  # a StrEnum key: text finds it
     if version_key is None:
         raise DecodeError(Reason.WRONG_TYPE, f"type = {kind[:40]!r}: not a signed message type")
-    round_ = 0 if kind in _ROUNDLESS else found.get("round")
+    round_ = 0 if kind == MessageType.PRESENCE else found.get("round")  # a Presence signs round 0
     version = found.get(version_key)
     if type(round_) is not int or type(version) is not int:
         raise DecodeError(Reason.MISSING_KEY, f"round or {version_key}: missing or not unsigned integers")
     sender_key = _SENDER_KEYS.get(kind)  # type: ignore[call-overload]
     device = found.get(sender_key, "") if sender_key is not None else ""
-    return _Signed(schema, kind, round_, version, device if type(device) is str else "")
+    return schema, kind, round_, version, device if type(device) is str else ""
 
 
 def sign_payload(blank: bytes, key: SigningKey, *, fleet: str) -> bytes:
@@ -406,21 +369,14 @@ def sign_payload(blank: bytes, key: SigningKey, *, fleet: str) -> bytes:
             "the message must end with a 64-byte zero 'signature' placeholder (signature=PLACEHOLDER)"
         )
     try:
-        fields = _signed_header(scan(bytes(blank), NO_LIMITS).header)
+        schema, kind, round_, version, device = _signed_header(scan(bytes(blank), NO_LIMITS).header)
     except DecodeError as exc:
         raise ValueError(f"cannot sign this message: {exc}") from exc
-    if fields.schema != SCHEMA_VERSION:
-        raise ValueError(f"a signed message is written as schema {SCHEMA_VERSION}, not {fields.schema}")
+    if schema != SCHEMA_VERSION:
+        raise ValueError(f"a signed message is written as schema {SCHEMA_VERSION}, not {schema}")
     digest = hashlib.sha256(blank).digest()
-    message = signed_bytes(
-        fleet=fleet,
-        kind=fields.kind,
-        round=fields.round,
-        version=fields.version,
-        device=fields.device,
-        digest=digest,
-    )
-    return bytes(blank[:-SIGNATURE_BYTES]) + _backend().sign(key.seed, message)
+    signed = signed_bytes(fleet=fleet, kind=kind, round=round_, version=version, device=device, digest=digest)
+    return bytes(blank[:-SIGNATURE_BYTES]) + _backend().sign(key.seed, signed)
 
 
 _M = TypeVar("_M")
@@ -449,16 +405,10 @@ def verify_payload(
 
     ``payload`` may be its :func:`~edgefl.wire.cbor.scan`; ``fleet`` is this peer's; ``kind`` the type
     the topic carries; ``device`` the device (for a Partial, the site) the topic names, for the kinds
-    that bind a sender; ``limits`` bound the header scan.
-
-    Raises
-    ------
-    DecodeError
-        ``unsigned`` (no 64-byte signature as the last entry); ``bad_signature`` (wrong key, a byte
-        changed, signed for another fleet, kind or device, another schema, or unreadable signed
-        fields; the detail says which).
-    ValueError
-        If ``kind`` is not signed, or binds a sender and ``device`` is empty.
+    that bind a sender; ``limits`` bound the header scan. DecodeError ``unsigned`` (no 64-byte
+    signature as the last entry) or ``bad_signature`` (wrong key, a byte changed, signed for another
+    fleet, kind or device, another schema, or unreadable signed fields; the detail says which);
+    ValueError if ``kind`` is not signed, or binds a sender and ``device`` is empty.
     """
     expected = MessageType(kind)
     if expected not in SIGNED_KINDS:
@@ -469,28 +419,26 @@ def verify_payload(
     blank = unsigned_form(data)
     header = payload.header if isinstance(payload, Scanned) else None
     try:
-        fields = _signed_header(header if header is not None else scan(blank, limits).header)
+        schema, kind, round_, version, sender = _signed_header(
+            header if header is not None else scan(blank, limits).header
+        )
     except DecodeError as exc:
         raise DecodeError(Reason.BAD_SIGNATURE, f"signed fields unreadable ({exc})") from exc
-    if fields.schema != SCHEMA_VERSION:
+    if schema != SCHEMA_VERSION:
         # the claim is unauthenticated until verified, and this peer only verifies its own schema
-        detail = f"v = {min(fields.schema, 10**6)}: not schema {SCHEMA_VERSION}, cannot verify it"
+        detail = f"v = {min(schema, 10**6)}: not schema {SCHEMA_VERSION}, cannot verify it"
         raise DecodeError(Reason.BAD_SIGNATURE, detail)
     wanted_device = device if expected in _SENDER_KEYS else ""
+    digest = hashlib.sha256(blank).digest()
     message = signed_bytes(
-        fleet=fleet,
-        kind=expected.value,
-        round=fields.round,
-        version=fields.version,
-        device=wanted_device,
-        digest=hashlib.sha256(blank).digest(),
+        fleet=fleet, kind=expected.value, round=round_, version=version, device=wanted_device, digest=digest
     )
     if _backend().verify(key.raw, bytes(data[-SIGNATURE_BYTES:]), message):
         return
-    if fields.kind != expected.value:
-        why = f"a {fields.kind[:40]!r} message where {expected.value!r} is expected"
-    elif fields.device != wanted_device:
-        why = f"update of device {fields.device[:64]!r} received as {wanted_device!r}"
+    if kind != expected.value:
+        why = f"a {kind[:40]!r} message where {expected.value!r} is expected"
+    elif sender != wanted_device:
+        why = f"update of device {sender[:64]!r} received as {wanted_device!r}"
     else:
         why = f"does not verify for fleet {fleet!r} with key {key.hex[:12]}…"
     raise DecodeError(Reason.BAD_SIGNATURE, f"Ed25519 signature: {why}")

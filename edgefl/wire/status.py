@@ -1,9 +1,7 @@
 """The device status message: what a device says about itself on ``status/<device>`` (retained).
 
 Free-form JSON-like fields, bounded, and the last will (:func:`offline_status`); field by field:
-``docs/protocol.md`` ("DeviceStatus").
-
-Source: RFC 8949 (CBOR).
+``docs/protocol.md`` ("DeviceStatus"). Source: RFC 8949 (CBOR).
 """
 
 from __future__ import annotations
@@ -22,14 +20,12 @@ from edgefl.wire.reasons import Reason
 
 _STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 
-# a reader keeps one status a device (the coordinator up to fleet.max_devices): update-sized statuses
-# would grow it by gigabytes
+#: Most bytes and CBOR data items of a status, whatever the ``Limits`` (a reader keeps one a device; an
+#: agent's is ~1.3 KiB, ~170 items, its ``rejected`` map 2 more a reason): ``docs/protocol.md``.
 STATUS_MAX_BYTES: Final = 16 * 1024
-"""Most bytes of a status payload (an agent's: ~1.3 KiB, 60 fields)."""
 STATUS_MAX_ITEMS: Final = 1024
-"""Most CBOR data items in a status (an agent's: ~170; its ``rejected`` map grows by 2 a reason)."""
+#: The field that paces a service's rounds: labelled samples the device stored since its last round.
 NEW_SAMPLES_FIELD: Final = "new_samples"
-"""The field that paces a service's rounds: labelled samples the device stored since its last round."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,14 +43,8 @@ class DeviceStatus:
 
 def encode_status(msg: DeviceStatus) -> bytes:
     """Encode a :class:`DeviceStatus` (plain Python values in ``fields``, else cbor2.CBOREncodeError)."""
-    return cbor.dump_message(
-        cbor.MessageType.STATUS,
-        {
-            "device": msg.device,
-            "state": msg.state,
-            "fields": dict(msg.fields),
-        },
-    )
+    fields = {"device": msg.device, "state": msg.state, "fields": dict(msg.fields)}
+    return cbor.dump_message(cbor.MessageType.STATUS, fields)
 
 
 def _json_like(value: object, name: str) -> object:
@@ -111,11 +101,6 @@ def offline_status(device: str) -> bytes:
 
 def read_new_samples(fields: Mapping[str, object]) -> int | None:
     """A DeviceStatus's ``fields["new_samples"]`` (None if absent); else ``wrong_type``, ``bad_value``."""
-    value = fields.get(NEW_SAMPLES_FIELD)
-    if value is None:
+    if fields.get(NEW_SAMPLES_FIELD) is None:
         return None
-    if type(value) is not int:
-        raise DecodeError(Reason.WRONG_TYPE, f"fields.{NEW_SAMPLES_FIELD}: expected an integer")
-    if not 0 <= value <= cbor.INT_MAX:
-        raise DecodeError(Reason.BAD_VALUE, f"fields.{NEW_SAMPLES_FIELD} = {value}: must be >= 0")
-    return value
+    return cbor.read_int(fields, NEW_SAMPLES_FIELD, "fields")

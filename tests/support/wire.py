@@ -2,13 +2,38 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 import numpy as np
 
 from edgefl.types import F32
 from edgefl.wire.cbor import DEFAULT_LIMITS, NO_LIMITS, Limits, scan
 from edgefl.wire.compression import Compression, compress_delta, decompress_delta
+from edgefl.wire.reasons import Reason
 
-__all__ = ["compressed_roundtrip", "global_model_version"]
+__all__ = ["REASONS", "compressed_roundtrip", "global_model_version"]
+
+#: Reasons the message decoders raise (``edgefl.wire`` messages, ``.compression``, ``.arrays``, ``.cbor``).
+REASONS: Final = frozenset(
+    {
+        Reason.TOO_LARGE,
+        Reason.BAD_CBOR,
+        Reason.TOO_DEEP,
+        Reason.TRAILING_BYTES,
+        Reason.NOT_A_MAP,
+        Reason.BAD_VERSION,
+        Reason.NEWER_SCHEMA,
+        Reason.WRONG_TYPE,
+        Reason.UNKNOWN_KEY,
+        Reason.MISSING_KEY,
+        Reason.BAD_SHAPE,
+        Reason.BAD_DTYPE,
+        Reason.NOT_FINITE,
+        Reason.BAD_INDICES,
+        Reason.BAD_VALUE,
+        Reason.BAD_LABEL,
+    }
+)
 
 
 def compressed_roundtrip(

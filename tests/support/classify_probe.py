@@ -2,11 +2,11 @@
 
 Three sub-commands, so the same file runs on the build machine and inside the emulated root::
 
-    classify.py export-test-set OUT.npz            (host) the digits test split, raw uint8
-    classify.py run MODEL RUNTIME TESTSET OUT.npz  (guest and host) logits and predictions
-    classify.py compare GUEST.npz HOST.npz         (host) exit 0 only if every prediction matches
-    classify.py codec                              (guest) codec round trip with the installed cbor2,
-                                                   and a signature with the installed PyNaCl
+    classify_probe.py export-test-set OUT.npz            (host) the digits test split, raw uint8
+    classify_probe.py run MODEL RUNTIME TESTSET OUT.npz  (guest and host) logits and predictions
+    classify_probe.py compare GUEST.npz HOST.npz         (host) exit 0 only if every prediction matches
+    classify_probe.py codec                              (guest) codec round trip with the installed cbor2,
+                                                         and a signature with the installed PyNaCl
 
 ``run`` goes through :class:`edgefl.runtime.Backbone` (the code the agent ships), with the profiles'
 digits normalisation (``raw / 16``) quantised by the model's input scale.
