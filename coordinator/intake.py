@@ -54,10 +54,8 @@ EARLY_UPDATES_MAX = 4096
 CHUNK_SETS = 256
 """Chunked messages in progress at once (one per sending device; the reassembler's bytes bound them too)."""
 
-_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RoundRecord))
-_RECORD_ROW = operator.attrgetter(*_RECORD_FIELDS)
-"""A record's state-file row: a tuple of its fields' own objects (no copies; 18 slots, not a list's spare)."""
-"""A :class:`RoundRecord`'s fields in order: a state file's history row (no deep copy, as ``astuple``)."""
+_RECORD_ROW = operator.attrgetter(*(f.name for f in dataclasses.fields(RoundRecord)))
+"""A :class:`RoundRecord`'s state-file row: a tuple of its fields' own objects in order (no copies)."""
 
 PERSIST_EVERY = 32
 """With a state file, the open round is written at least every this many messages (:meth:`Intake.pump`)."""
