@@ -24,8 +24,9 @@ What is measured (the JSON, ``--json PATH``):
 - ``updates_acknowledged``: updates a device logged as sent (its broker's PUBACK came back);
   ``updates_counted``: update ids in the coordinator's ``rounds.jsonl``; ``updates_lost``: acknowledged
   and never counted, excluding those the coordinator refused for a stated reason that is not a crash
-  (late, or ``round_closed``: the round had closed) and those of rounds it abandoned with a reason
-  (both listed);
+  (late, or ``round_closed``: the round had closed), those of rounds it abandoned with a reason
+  (both listed) and those of the round still open at the end, saved in its state file
+  (``updates_saved_open``: a restarted coordinator resumes that round and counts them);
   ``double_counted``: ids counted more than once.
 - ``samples_fed``; ``samples_lost_max_per_kill``: for each agent kill, samples acknowledged to that
   device during the killed lifetime (less the last 0.3 s, still in flight) minus the store rows that
@@ -85,11 +86,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import cbor2
 import numpy as np
 
 from edgefl.datasets import load_digits, partition_non_iid, split_digits
 from edgefl.head import Head
 from edgefl.profiles import read_toml
+from edgefl.records import read_record
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
@@ -613,7 +616,10 @@ class Soak:
             )
         }
         abandoned = {int(r) for r in re.findall(r"round (\d+) refused: abandoned", coord_log)}
-        lost = sorted(k for k in acked - counted_keys if k not in late and k[1] not in abandoned)
+        saved = _saved_open_round(self.workdir / "coordinator" / "state.rec")
+        lost = sorted(
+            k for k in acked - counted_keys if k not in late and k[1] not in abandoned and k not in saved
+        )
         intro = self.introduced_round
         new: dict[str, Any] = {"introduced_round": intro, "rounds_to_learn": None, "accuracy_on_new": None}
         if intro is not None:
@@ -647,6 +653,7 @@ class Soak:
             "updates_counted": sum(counted.values()),
             "updates_lost": len(lost),
             "lost": [f"{d}:{r}" for d, r in lost],
+            "updates_saved_open": len(saved - counted_keys),
             "updates_refused_late": len(late),
             "rounds_abandoned": sorted(abandoned),
             "double_counted": sum(n - 1 for n in counted.values() if n > 1),
@@ -720,6 +727,17 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def _saved_open_round(state: Path) -> set[tuple[str, int]]:
+    """``(device, round)`` of the updates in the open round the coordinator saved at its stop (its state
+    file's ``open.update_ids``): accepted and acknowledged, counted when a restarted coordinator resumes
+    the round, so neither lost nor counted yet. Empty when no round was open or there is no state file."""
+    data = read_record(state)
+    if data is None:
+        return set()
+    opened = cbor2.loads(data).get("open") or {}
+    return {_dev_round(u) for u in opened.get("update_ids", [])}
 
 
 def _dev_round(update_id: str) -> tuple[str, int]:

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import operator
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -54,6 +55,8 @@ CHUNK_SETS = 256
 """Chunked messages in progress at once (one per sending device; the reassembler's bytes bound them too)."""
 
 _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RoundRecord))
+_RECORD_ROW = operator.attrgetter(*_RECORD_FIELDS)
+"""A record's state-file row: a tuple of its fields' own objects (no copies; 18 slots, not a list's spare)."""
 """A :class:`RoundRecord`'s fields in order: a state file's history row (no deep copy, as ``astuple``)."""
 
 PERSIST_EVERY = 32
@@ -152,7 +155,7 @@ class Intake:
         self._resume: dict[str, Any] | None = None  # the open round of the state file, until re-opened
         # update id -> (topic, payload) held in _early or _held: acknowledged, so in the state file
         self._unfolded: dict[str, tuple[str, bytes]] = {}
-        self._history_doc: tuple[list[RoundRecord], list[list[Any]]] = ([], [])  # records, their rows
+        self._history_doc: tuple[list[RoundRecord], list[tuple[Any, ...]]] = ([], [])  # records, their rows
         self._round_lr = math.nan  # the client learning rate the open round announced
         self.state_loaded = False  # load_state found a state file
 
@@ -494,7 +497,7 @@ class Intake:
         }
         write_record(path, cbor2.dumps(doc))
 
-    def _history_rows(self) -> list[list[Any]]:
+    def _history_rows(self) -> list[tuple[Any, ...]]:
         """The history's state-file rows, cached: a row is built once, as the history grows at its end."""
         history = self.state.history
         records, rows = self._history_doc
@@ -504,7 +507,7 @@ class Intake:
         kept = len(records) - start
         if kept > len(history) or any(a is not b for a, b in zip(records[start:], history, strict=False)):
             start, kept = len(records), 0  # not a trim and append of the cached history: all again
-        rows = rows[start:] + [[getattr(h, name) for name in _RECORD_FIELDS] for h in history[kept:]]
+        rows = rows[start:] + [_RECORD_ROW(h) for h in history[kept:]]
         self._history_doc = (list(history), rows)
         return rows
 
