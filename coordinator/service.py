@@ -559,10 +559,7 @@ class Coordinator(Intake):
         }
 
     def silent_devices(self, round_no: int) -> list[str]:
-        """The devices round ``round_no`` asked that sent it nothing it counted (see ``Round.silent``).
-
-        Known for the current (or last closed) round only; ``[]`` for any other.
-        """
+        """``Round.silent`` of round ``round_no`` if it is the current (or last closed) one, else ``[]``."""
         rnd = self.state.current
         return rnd.silent() if rnd is not None and rnd.number == round_no else []
 
@@ -602,10 +599,7 @@ class Coordinator(Intake):
         return kept if kept is not None else quiet_reasons()
 
     def dashboard_rounds(self) -> list[dict[str, Any]]:
-        """Every round record so far as JSON-like dicts, oldest first (the fleet page's ``/api/rounds``).
-
-        Each is :func:`~edgefl.coordinator.history.page_record`; converted records are cached.
-        """
+        """The kept round records as :func:`~edgefl.coordinator.history.page_record` dicts, oldest first."""
         history = self.state.history
         cached = self._dashboard_rounds
         if history and cached and cached[0]["round"] < history[0].round:  # the oldest were trimmed
