@@ -141,8 +141,7 @@ PageServer = Callable[
 class AccessRefused(TransportError):
     """At start-up the broker refused a publish or subscription of the coordinator's own (an ACL's 0x87).
 
-    A configuration error like :class:`CredentialsRefused` (exit 1, not restarted): ``detail`` names the
-    broker, the account, the topic and the ACL line it needs.
+    Exit 1, not restarted: ``detail`` names the broker, the account, the topic and the ACL line it needs.
     """
 
 
@@ -155,11 +154,7 @@ def _access_refused(exc: BrokerRefused, where: str, username: str | None, topics
 
 
 async def _connected_or_refused(transport: MqttTransport, where: str, timeout_s: float) -> None:
-    """Wait until ``transport`` is connected.
-
-    CredentialsRefused as soon as the broker refuses them (exit 1); TransportError if no connection is
-    up within ``timeout_s`` seconds (exit 4).
-    """
+    """Wait for the connection: CredentialsRefused (exit 1) or TransportError after ``timeout_s`` (exit 4)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
     while not transport.connected.is_set():
@@ -519,10 +514,7 @@ async def run(
 
 
 def pacing_for(profile: CoordinatorProfile) -> Pacing:
-    """When the next round opens (a job's at once; a root's by time only; a flat one's by all three).
-
-    A root's devices report to their sites' brokers, not to it: it paces by ``rounds.interval_s``.
-    """
+    """When the next round opens: a job's at once, a root's by ``rounds.interval_s``, else by all three."""
     rounds = profile.rounds
     if rounds.count > 0:
         return Pacing(0.0, 0, 1)

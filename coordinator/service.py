@@ -130,9 +130,8 @@ class Coordinator(Intake):
     async def start(self, adopt_wait_s: float = ADOPT_WAIT_S) -> None:
         """Subscribe to updates and statuses, and publish the current global head (retained).
 
-        A coordinator without state first adopts the fleet's round and head from the retained
-        ``round`` and ``global`` messages (waiting ``adopt_wait_s``; the head only with this shape,
-        backbone and signature). The caller's :meth:`pump` must be running.
+        Without state it first adopts the fleet's retained ``round`` and ``global`` (waiting
+        ``adopt_wait_s``; the head only with this shape, backbone and signature). :meth:`pump` must run.
         """
         # a state file, even one written in round 1 (its open round), is this fleet's truth
         adopting = self.state.version == 0 and self.state.round == 0 and not self.state_loaded
@@ -148,10 +147,8 @@ class Coordinator(Intake):
                 )
             self._adopting = False
             self._apply_adopted()
-        # From now on these subscriptions would only bring our own round and head back (a second copy
-        # of every announcement and head through the broker, each read, ignored and acknowledged):
-        # dropped after adopting, and whenever the broker resumed a session of ours (an earlier run
-        # that adopted may have left them in it)
+        # From now on these would only echo our own round and head: dropped after adopting, and when
+        # the broker resumed a session of ours (an earlier run that adopted may have left them in it)
         if adopting or self.transport.session_present:
             for topic in (self.topics.round, self.topics.global_model + "/#", *self._dropped_topics()):
                 try:
@@ -244,9 +241,8 @@ class Coordinator(Intake):
     async def run_round(self, round_no: int, selected: tuple[str, ...] | None = None) -> RoundRecord:
         """Run round ``round_no``: announce, collect until complete or deadline, aggregate, check, publish.
 
-        ``selected``: devices asked to train (None: the strategy samples when its ``fraction < 1``,
-        else all). The record has ``clients = 0`` when no update arrived, and ``refused`` naming the
-        reason when the aggregated head was not valid (the head unchanged in both cases).
+        ``selected``: devices asked (None: the strategy's sample when its ``fraction < 1``, else all).
+        The record has ``clients = 0`` without updates, ``refused`` naming why an invalid head was kept.
         """
         cfg = self.strategy.configure_round(round_no, self.shape)
         resume, self._resume = self._resume, None
@@ -390,11 +386,9 @@ class Coordinator(Intake):
         return record
 
     def keep_record(self, record: RoundRecord) -> None:
-        """Add a closed round's record to the history; keep the last rounds only.
+        """Add a closed round's record to the history: the last :data:`HISTORY_ROUNDS` records are kept.
 
-        The last :data:`HISTORY_ROUNDS` records and the counted update ids of the last
-        :data:`COUNTED_ROUNDS` rounds: a service runs for months, its memory and its state file stay
-        bounded (the round log keeps every round).
+        And the counted update ids of the last :data:`COUNTED_ROUNDS` rounds (the round log keeps all).
         """
         self.state.history.append(record)
         del self.state.history[:-HISTORY_ROUNDS]
@@ -454,8 +448,7 @@ class Coordinator(Intake):
     async def _publish(self, topic: str, payload: bytes, *, retain: bool = True) -> None:
         """Publish with QoS 1 (retained by default), waiting out an outage for ``PUBLISH_RETRY_S``.
 
-        Raises BrokerRefused at once if the broker refused it (an ACL's 0x87: again gets the same
-        answer), TransportError if the broker did not acknowledge within that budget.
+        Raises BrokerRefused at once (an ACL's 0x87), TransportError without a PUBACK within that budget.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + PUBLISH_RETRY_S
@@ -478,15 +471,10 @@ class Coordinator(Intake):
         return sign_message(encode, msg, self.signing_key, fleet=self.topics.fleet)
 
     def on_transport_connect(self) -> None:
-        """Publish again what this coordinator owns retained, after every (re)connect once started.
+        """Publish the head and the last announcement (same bytes) again, after every CONNACK once started.
 
-        The transport calls it after every CONNACK. The broker's retained ``global`` and ``round`` may
-        be older than ours whether or not it kept our session: a broker restored from an older
-        snapshot (mosquitto saves its state at a clean stop and every ``autosave_interval``) holds an
-        old head and announcement, and one that lost its state holds neither. So the current head and
-        the last announcement (open or closed) go out again, the same bytes for the announcement: a
-        site that closed that round sends its partial again (``docs/operations.md``, "Exactly once
-        across tiers"). Idempotent: the devices ignore a head or round they have.
+        The broker may hold older ones (restored from a snapshot) or none (``docs/operations.md``,
+        "Broker restarts"); idempotent: the devices ignore a head or round they have.
         """
         if not self._started:
             return  # the first connect: start() publishes the head itself (after adopting the fleet's)
@@ -527,10 +515,9 @@ class Coordinator(Intake):
             await asyncio.gather(task, return_exceptions=True)
 
     def dashboard_status(self) -> dict[str, Any]:
-        """The coordinator page's status document (see ``dashboard/app.py``), JSON-like.
+        """The coordinator page's status document, JSON-like.
 
-        Its ``health`` is ``ok``, or ``broker unreachable: HOST:PORT`` while the coordinator has lost its
-        broker (``/healthz`` answers 503 with it).
+        ``health``: ``ok``, or ``broker unreachable: HOST:PORT`` (``/healthz`` answers 503 with it).
         """
         rnd = self.state.current
         open_round = rnd is not None and rnd.phase.value == "open"
@@ -572,10 +559,7 @@ class Coordinator(Intake):
         }
 
     def silent_devices(self, round_no: int) -> list[str]:
-        """The devices round ``round_no`` asked that sent it nothing it counted (see ``Round.silent``).
-
-        Known for the current (or last closed) round only; ``[]`` for any other.
-        """
+        """``Round.silent`` of round ``round_no`` if it is the current (or last closed) one, else ``[]``."""
         rnd = self.state.current
         return rnd.silent() if rnd is not None and rnd.number == round_no else []
 
@@ -615,10 +599,7 @@ class Coordinator(Intake):
         return kept if kept is not None else quiet_reasons()
 
     def dashboard_rounds(self) -> list[dict[str, Any]]:
-        """Every round record so far as JSON-like dicts, oldest first (the fleet page's ``/api/rounds``).
-
-        Each is :func:`~edgefl.coordinator.history.page_record`; converted records are cached.
-        """
+        """The kept round records as :func:`~edgefl.coordinator.history.page_record` dicts, oldest first."""
         history = self.state.history
         cached = self._dashboard_rounds
         if history and cached and cached[0]["round"] < history[0].round:  # the oldest were trimmed
