@@ -16,20 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import ROOT, Broker
+from test_service import wait_for
 
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
 from edgefl.wire.rounds import Update, UpdateMetrics, encode_update
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def wait_for(log: Path, text: str, proc: subprocess.Popen[str], timeout_s: float = 60) -> None:
-    end = time.monotonic() + timeout_s
-    while text not in log.read_text():
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < end, f"no {text!r} in:\n{log.read_text()}"
-        time.sleep(0.05)
 
 
 @pytest.mark.subprocess
@@ -53,7 +46,13 @@ def test_hostile_device_holds_one_early_update_however_many_base_versions_it_sen
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     try:
-        wait_for(log, "before round 1: waiting", proc)
+        wait_for(
+            lambda: "before round 1: waiting" in log.read_text(),
+            60,
+            "before round 1: waiting",
+            [proc],
+            tmp_path,
+        )
         topic = Topics("edgefl", fleet).update("dev-x")
         W = np.random.default_rng(0).normal(size=(512, 10)).astype(np.float32)
         b = np.zeros(10, np.float32)
@@ -72,7 +71,7 @@ def test_hostile_device_holds_one_early_update_however_many_base_versions_it_sen
                 await t.stop()
 
         asyncio.run(send())
-        wait_for(log, "update/dev-y", proc)
+        wait_for(lambda: "update/dev-y" in log.read_text(), 60, "update/dev-y", [proc], tmp_path)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()
     finally:

@@ -18,6 +18,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from conftest import ROOT, Broker, free_port
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+from test_service import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -93,16 +94,7 @@ def test_hostile_round_reasons_survive_a_coordinator_restart_on_the_fleet_page(
             cwd=tmp_path,
         )
         try:
-            end = time.monotonic() + 60
-            while True:
-                assert service.poll() is None, service.communicate()[0]
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/rounds", timeout=5) as r:
-                        rounds = json.load(r)["rounds"]
-                    break
-                except OSError:
-                    assert time.monotonic() < end, "the fleet page never answered"
-                    time.sleep(0.2)
+            rounds = wait_for(lambda: _rounds(port), 60, "the fleet page", [service], tmp_path)
         finally:
             service.terminate()
             service.wait(30)
@@ -112,3 +104,10 @@ def test_hostile_round_reasons_survive_a_coordinator_restart_on_the_fleet_page(
     assert [r["round"] for r in rounds] == [1], rounds
     assert rounds[0]["refused"] == {"bad_cbor": 1}, rounds[0]
     assert rounds[0]["silent"] == ["dev-s"] and rounds[0]["silent_devices"] == 1, rounds[0]
+
+
+def _rounds(port: int) -> list[dict[str, object]]:
+    """The fleet page's ``/api/rounds`` rounds (OSError while the page is not up yet)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/rounds", timeout=5) as r:
+        rounds: list[dict[str, object]] = json.load(r)["rounds"]
+    return rounds

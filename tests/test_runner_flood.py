@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from conftest import ROOT, Broker
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+from test_service import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -29,14 +29,6 @@ def vm_hwm_bytes(pid: int) -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmHWM")
-
-
-def wait_for(log: Path, text: str, proc: subprocess.Popen[str], timeout_s: float = 90) -> None:
-    end = time.monotonic() + timeout_s
-    while text not in log.read_text():
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < end, f"no {text!r} in:\n{log.read_text()[-3000:]}"
-        time.sleep(0.05)
 
 
 @pytest.mark.subprocess
@@ -63,7 +55,13 @@ def test_hostile_flood_of_large_updates_waits_at_the_broker_not_in_the_coordinat
         protocol=MQTTProtocolVersion.MQTTv5,
     )
     try:
-        wait_for(log, "before round 1: waiting", proc)
+        wait_for(
+            lambda: "before round 1: waiting" in log.read_text(),
+            90,
+            "before round 1: waiting",
+            [proc],
+            tmp_path,
+        )
         before = vm_hwm_bytes(proc.pid)
         client.connect(mosquitto.host, mosquitto.port)
         client.loop_start()
@@ -80,7 +78,13 @@ def test_hostile_flood_of_large_updates_waits_at_the_broker_not_in_the_coordinat
                 info.wait_for_publish(60)
         marker = cbor2.dumps({"v": 1, "type": "status", "device": "dev-z", "state": "idle"})
         client.publish(f"edgefl/{fleet}/status/dev-y", marker, qos=1).wait_for_publish(60)  # after the flood
-        wait_for(log, "status names device 'dev-z' on status/dev-y", proc, 150)
+        wait_for(
+            lambda: "status names device 'dev-z' on status/dev-y" in log.read_text(),
+            150,
+            "status names device 'dev-z' on status/dev-y",
+            [proc],
+            tmp_path,
+        )
         growth = vm_hwm_bytes(proc.pid) - before
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()[-3000:]
