@@ -255,7 +255,9 @@ class DeviceRegistry:
         ready device is in it (a whole fleet restarted during a round), all of them: the fleet never
         stalls on its own silence.
         """
-        ready = self.online_devices()
+        return self._waited(self.online_devices())
+
+    def _waited(self, ready: list[str]) -> list[str]:
         heard = [d for d in ready if d not in self.unanswered]
         return heard or ready
 
@@ -289,8 +291,9 @@ class DeviceRegistry:
         since) reports 0: its claim alone opens no round.
         """
         out: dict[str, int | None] = {}
-        waited = set(self.waited_devices())
-        for dev in self.online_devices():
+        ready = self.online_devices()
+        waited = set(self._waited(ready))
+        for dev in ready:
             st = self.devices[dev]
             n = st.get("new_samples")
             out[dev] = n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
