@@ -10,7 +10,6 @@ never appear in a ``repr``, an error message or :func:`profile_to_dict`.
 from __future__ import annotations
 
 import logging
-import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from edgefl import profiles
+from edgefl.datasets import npz_problem
 from edgefl.profiles import BrokerConfig, DashboardConfig, Problems, check
 from edgefl.validators import (
     MAX_BATCH,
@@ -252,22 +252,7 @@ def _check_model(p: Problems, c: ModelConfig, raw: Mapping[str, object], check_f
     if c.embedding_tensor is not None and not c.embedding_tensor:
         p.add("model.embedding_tensor", c.embedding_tensor, "must not be empty")
     check(p, "model.num_threads", c.num_threads, lambda v: check_int_at_most("num_threads", v, MAX_THREADS))
-    sha = c.sha256
-    if sha is not None and (len(sha) != 64 or any(ch not in "0123456789abcdefABCDEF" for ch in sha)):
-        p.add("model.sha256", sha, "must be 64 hexadecimal digits")
-    if check_files:
-        problem = profiles.file_problem(c.path, raw.get("path"))
-        if problem is not None:
-            p.add("model.path", raw.get("path"), problem)
-        elif sha is not None and "model.sha256" not in p.bad:
-            actual = profiles.sha256_file(c.path)
-            if actual != sha.lower():
-                p.add(
-                    "model.sha256",
-                    sha,
-                    f"does not match the file (its sha256 is {actual})",
-                    involves=("model.path",),
-                )
+    profiles.check_model(p, c, raw, check_files)
 
 
 def _check_pipeline(p: Problems, c: PipelineConfig, raw: Mapping[str, object], check_files: bool) -> None:
@@ -293,8 +278,7 @@ def _check_memory(p: Problems, c: MemoryConfig, raw: Mapping[str, object], check
             f"must be < memory.cap_mb ({c.cap_mb})",
             involves=("memory.cap_mb",),
         )
-    if c.min_system_available_mb < 0:
-        p.add("memory.min_system_available_mb", c.min_system_available_mb, "must be >= 0")
+    p.not_negative("memory.min_system_available_mb", c.min_system_available_mb)
 
 
 def _check_training(p: Problems, c: TrainingConfig, raw: Mapping[str, object], check_files: bool) -> None:
@@ -307,10 +291,8 @@ def _check_training(p: Problems, c: TrainingConfig, raw: Mapping[str, object], c
             f"must be <= training.chunk_size ({c.chunk_size})",
             involves=("training.chunk_size",),
         )
-    if c.clip_norm is not None and c.clip_norm <= 0.0:
-        p.add("training.clip_norm", c.clip_norm, "must be > 0")
-    if c.seed < 0:
-        p.add("training.seed", c.seed, "must be >= 0")
+    p.positive("training.clip_norm", c.clip_norm)
+    p.not_negative("training.seed", c.seed)
     if c.holdout_every < 0 or c.holdout_every == 1:
         p.add("training.holdout_every", c.holdout_every, "must be 0 (no holdout) or >= 2")
     if not c.flush_interval_s > 0.0 or c.flush_interval_s == float("inf"):
@@ -328,27 +310,13 @@ def _check_training(p: Problems, c: TrainingConfig, raw: Mapping[str, object], c
         )
 
 
-def _npz_problem(path: Path) -> str | None:
-    """Return why ``path`` is not an ``.npz`` holding arrays ``x`` and ``y``, or None."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            names = set(archive.namelist())
-    except (zipfile.BadZipFile, OSError) as exc:
-        return f"not an .npz archive ({exc})"
-    missing = [name for name in ("x", "y") if f"{name}.npy" not in names]
-    if missing:
-        return "the .npz has no array " + " or ".join(repr(m) for m in missing)
-    return None
-
-
 def _check_broker(p: Problems, c: AgentBrokerConfig, raw: Mapping[str, object], check_files: bool) -> None:
     profiles.check_broker(p, c, raw, check_files)
     p.between("broker.session_expiry_s", c.session_expiry_s, 0, MQTT_MAX_SESSION_EXPIRY_S, " seconds")
 
 
 def _check_source(p: Problems, c: SourceConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    if c.rate_hz < 0.0:
-        p.add("source.rate_hz", c.rate_hz, "must be >= 0")
+    p.not_negative("source.rate_hz", c.rate_hz)
     p.between("source.queue_max", c.queue_max, 1, 65_536, " samples")
     p.between("source.queue_max_bytes", c.queue_max_bytes, 65_536, 67_108_864, " bytes")
     p.between("source.pending_max", c.pending_max, 0, 1_000_000, " samples")
@@ -364,13 +332,13 @@ def _check_source(p: Problems, c: SourceConfig, raw: Mapping[str, object], check
             p.note("source.path: required when source.kind = 'replay'")
         return
     if check_files:
-        problem = profiles.file_problem(c.path, raw.get("path")) or _npz_problem(c.path)
+        problem = profiles.file_problem(c.path, raw.get("path")) or npz_problem(c.path)
         if problem is not None:
             p.add("source.path", raw.get("path"), problem)
 
 
 def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    from edgefl.wire.signing import library_problem, load_signing_key, parse_verify_key
+    from edgefl.wire.signing import parse_verify_key
 
     key = c.coordinator_public_key
     if key is not None:
@@ -388,23 +356,11 @@ def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], c
             "needs security.coordinator_public_key",
             involves=("security.coordinator_public_key",),
         )
-    if c.outbox_max_bytes <= 0:
-        p.add("security.outbox_max_bytes", c.outbox_max_bytes, "must be > 0")
+    p.positive("security.outbox_max_bytes", c.outbox_max_bytes)
     if check_files and c.signing_key_file is not None:
-        problem = profiles.file_problem(c.signing_key_file, raw.get("signing_key_file"))
-        if problem is None:
-            try:
-                load_signing_key(c.signing_key_file)
-            except (OSError, ValueError) as exc:
-                problem = str(exc)
-        if problem is not None:
-            p.add("security.signing_key_file", raw.get("signing_key_file"), problem)
+        profiles.check_key_file(p, "security.signing_key_file", c.signing_key_file, raw, private=True)
     if check_files:
-        for name in ("signing_key_file", "coordinator_public_key"):
-            why = library_problem(f"security.{name}") if getattr(c, name) is not None else None
-            if why is not None:
-                p.note(why)
-                break  # one line is enough: the same library serves every key
+        profiles.check_library(p, c, "security", ("signing_key_file", "coordinator_public_key"))
 
 
 def _check_status(p: Problems, c: StatusConfig, raw: Mapping[str, object], check_files: bool) -> None:

@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edgefl.agent import estimates
 from edgefl.agent.core import Classified
 from edgefl.agent.ingest import Queued
 from edgefl.agent.reporter import StatusReporter
 from edgefl.aio import wait_event
+from edgefl.datasets import load_xy
 from edgefl.errors import BudgetExceeded, DecodeError, EdgeflError, TransportError, UpdateRejected
 from edgefl.mqtt_link import Message
 from edgefl.wire.chunking import Reassembler, is_chunk
@@ -52,16 +52,12 @@ class SampleSource(StatusReporter):
             return
         if src.kind != "replay" or src.path is None:
             return
-        # admitted before it is loaded (it cannot wait: it may use the reserve, never the cap)
-        need = estimates.estimate_replay_bytes(src.path)
-        adm = self.core.governor.admit("replay", lambda _: need, 1, 1, deferrable=False)
+        adm = self.core.governor.admit_replay(src.path)  # before it is loaded
         if adm.deferred:
             why = BudgetExceeded("replay", adm.estimate_bytes, max(0, adm.budget_bytes))
             self._fault("replay", f"loading {src.path}", why)
             return
-        with np.load(src.path) as data:
-            x = np.asarray(data["x"])
-            y = np.asarray(data["y"]).astype(np.int64)
+        x, y = load_xy(src.path)
         pipeline = self.core.pipeline
         assert pipeline is not None
         batch = pipeline.batch
