@@ -392,10 +392,7 @@ _TABLES: Final[dict[str, tuple[type[Any], profiles.Check]]] = {
     "status": (StatusConfig, _check_status),
     "personal": (PersonalConfig, _check_personal),
 }
-# Placeholders for required fields that are missing or mistyped, so the rest of the table is still
-# checked; problems about these keys are suppressed by Problems.bad.
-_PLACEHOLDERS: dict[str, object] = {"device.id": "_", "model.path": Path("_")}
-SCHEMA: Final = profiles.Schema(_TABLES, _PLACEHOLDERS)
+SCHEMA: Final = profiles.Schema(_TABLES, {"device.id": "_", "model.path": Path("_")})
 """The device profile's tables, checks and parser."""
 
 
@@ -413,12 +410,8 @@ def parse_profile(
     against ``base_dir`` (normally the profile file's folder); ``path`` is recorded in
     :attr:`Profile.path`; ``check_files`` checks that ``model.path``, the TLS files and a replay
     ``source.path`` exist (and that ``model.sha256`` matches), False for profiles written for another
-    machine; ``overrides`` as :func:`load_profile`'s.
-
-    Raises
-    ------
-    ConfigError
-        With every problem found, e.g. ``["memory.cap_mb = 0: must be > 0", "[bogus]: unknown table"]``.
+    machine; ``overrides`` as :func:`load_profile`'s. ConfigError with every problem found, e.g.
+    ``["memory.cap_mb = 0: must be > 0", "[bogus]: unknown table"]``.
     """
     overrides = overrides or {}
     built = SCHEMA.parse(data, base_dir, check_files, overrides)
@@ -436,20 +429,13 @@ def load_profile(
     *,
     check_files: bool = True,
 ) -> Profile:
-    """Read a TOML profile, apply overrides, and validate it.
+    """Read a TOML profile (relative paths inside it resolve against its folder), apply overrides, validate.
 
-    ``path``: the ``.toml`` profile (relative paths inside it resolve against its folder);
-    ``overrides``: dotted keys set on top of the file before validation, e.g. ``{"device.id":
-    "dev-2"}``, string values (from ``--set key=value``) coerced to the field's type (``"0.5,0.5"`` to
-    a tuple of floats, ``""`` to None), a relative path resolving against the working directory;
-    ``check_files`` as :func:`parse_profile`'s.
-
-    Raises
-    ------
-    ConfigError
-        If the file cannot be read, is not TOML, or the profile is invalid (all problems at once).
-
-    Source: TOML 1.0.0 (https://toml.io/en/v1.0.0), read with ``tomllib``.
+    ``overrides``: dotted keys set on top of the file, e.g. ``{"device.id": "dev-2"}``, string values
+    (from ``--set key=value``) coerced to the field's type (``"0.5,0.5"`` to a tuple of floats, ``""``
+    to None), a relative path resolving against the working directory; ``check_files`` as
+    :func:`parse_profile`'s. ConfigError if the file cannot be read, is not TOML, or the profile is
+    invalid (all problems at once).
     """
     file, data = profiles.read_toml(path)
     profile = parse_profile(data, file.parent, path=file, check_files=check_files, overrides=overrides)
@@ -458,9 +444,5 @@ def load_profile(
 
 
 def profile_to_dict(p: Profile) -> dict[str, object]:
-    """Render a profile as JSON-serialisable ``{table: {key: value}}``, tables in file order.
-
-    Paths become strings, tuples lists, a set secret ``"***"``; without None values and with real
-    secrets the result parses back to an equal profile.
-    """
+    """Render a profile as JSON-ready ``{table: {key: value}}`` (:meth:`edgefl.profiles.Schema.to_dict`)."""
     return SCHEMA.to_dict(p)

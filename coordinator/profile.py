@@ -337,13 +337,10 @@ _TABLES: Final[dict[str, tuple[type[Any], profiles.Check]]] = {
 SCHEMA: Final = profiles.Schema(_TABLES, {"model.path": Path("_")})
 """The coordinator profile's tables, checks and parser."""
 
-#: Tables only a coordinator profile has: how ``edgefl check-config`` tells the two kinds apart.
-COORDINATOR_TABLES: Final = frozenset(_TABLES) - {"broker", "model", "dashboard", "security"}
-
 
 def is_coordinator_profile(data: Mapping[str, object]) -> bool:
     """True when a parsed TOML mapping is a coordinator profile (it has a coordinator-only table)."""
-    return any(name in COORDINATOR_TABLES for name in data)
+    return any(name in _TABLES and name not in ("broker", "model", "dashboard", "security") for name in data)
 
 
 def load_coordinator_profile(
