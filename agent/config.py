@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from functools import partial
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -25,7 +24,6 @@ from edgefl.validators import (
     MQTT_MAX_SESSION_EXPIRY_S,
     check_device_id,
     check_int_at_most,
-    check_positive_int,
 )
 
 logger = logging.getLogger(__name__)
@@ -269,8 +267,8 @@ def _check_pipeline(p: Problems, c: PipelineConfig, raw: Mapping[str, object], c
 
 
 def _check_memory(p: Problems, c: MemoryConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    check(p, "memory.cap_mb", c.cap_mb, lambda v: check_positive_int("cap_mb", v))
-    check(p, "memory.reserve_mb", c.reserve_mb, lambda v: check_positive_int("reserve_mb", v))
+    p.positive("memory.cap_mb", c.cap_mb)
+    p.positive("memory.reserve_mb", c.reserve_mb)
     if c.reserve_mb >= c.cap_mb:
         p.add(
             "memory.reserve_mb",
@@ -283,7 +281,7 @@ def _check_memory(p: Problems, c: MemoryConfig, raw: Mapping[str, object], check
 
 def _check_training(p: Problems, c: TrainingConfig, raw: Mapping[str, object], check_files: bool) -> None:
     for name in ("store_capacity", "chunk_size", "chunk_floor"):
-        check(p, f"training.{name}", getattr(c, name), partial(check_positive_int, name))
+        p.positive(f"training.{name}", getattr(c, name))
     if c.chunk_floor > c.chunk_size:
         p.add(
             "training.chunk_floor",
@@ -295,7 +293,7 @@ def _check_training(p: Problems, c: TrainingConfig, raw: Mapping[str, object], c
     p.not_negative("training.seed", c.seed)
     if c.holdout_every < 0 or c.holdout_every == 1:
         p.add("training.holdout_every", c.holdout_every, "must be 0 (no holdout) or >= 2")
-    if not c.flush_interval_s > 0.0 or c.flush_interval_s == float("inf"):
+    if not c.flush_interval_s > 0.0:  # the parser refused inf
         p.add("training.flush_interval_s", c.flush_interval_s, "must be a finite number of seconds > 0")
     if c.flush_every < 1:  # the parser made every int field an int
         p.add("training.flush_every", c.flush_every, "must be an integer >= 1")

@@ -78,10 +78,6 @@ class RoundReport:
     completed: bool
     note: str = ""
 
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-like form."""
-        return asdict(self)
-
 
 class _HeapWatch:
     """Peak of the Python heap in a block, with a snapshot taken whenever it is 5 % above the best seen."""
@@ -390,5 +386,5 @@ def main(args: argparse.Namespace) -> int:
     print(format_report(rep))
     print(f"({time.perf_counter() - t0:.1f} s{', with tracemalloc' if not args.no_tracemalloc else ''})")
     if args.json:
-        Path(args.json).write_text(json.dumps(rep.as_dict(), indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(asdict(rep), indent=2) + "\n")
     return 0 if rep.completed else 1

@@ -237,10 +237,7 @@ class SampleSource(StatusReporter):
         await self._publish_predictions(predictions)
 
     async def _publish_to_apps(self, payloads: list[bytes]) -> int:
-        """Publish on ``predictions/<device>`` (``source.predictions_qos``, PUBACKs awaited together).
-
-        Returns how many were not published (TransportError); any other error is raised.
-        """
+        """Publish on ``predictions/<device>``, PUBACKs awaited together; how many failed (TransportError)."""
         assert self.transport is not None
         topic = self.topics.predictions(self.device)
         qos = self.profile.source.predictions_qos
@@ -277,10 +274,7 @@ class SampleSource(StatusReporter):
     async def _observe(
         self, raw: np.ndarray, lbl: np.ndarray, labelled: np.ndarray | None = None
     ) -> Classified | None:
-        """``core.observe`` on the worker, retried every ``status.interval_s`` while over budget (counted).
-
-        None when the agent is stopping.
-        """
+        """``core.observe`` on the worker, retried every ``status.interval_s`` over budget; None: stopping."""
         while True:
             try:
                 out = await self._work(self.core.observe, raw, lbl, labelled)
