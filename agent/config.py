@@ -1,10 +1,7 @@
-"""Device profiles: a TOML file turned into frozen dataclasses, validated once at load.
+"""Device profiles: ``edgefl run PROFILE``, one frozen dataclass per TOML table, validated once at load.
 
-One dataclass per TOML table; unknown tables and keys are refused, a missing table takes its
-defaults, ``device.id`` and ``model.path`` are required. Every problem is reported at once in one
-:class:`~edgefl.errors.ConfigError`, each naming the dotted key, the value and the reason
-(``memory.cap_mb = 0: must be > 0``). Relative paths resolve against the profile's directory; secrets
-never appear in a ``repr``, an error message or :func:`profile_to_dict`.
+Parsed and checked as :mod:`edgefl.profiles` says (every problem at once, each naming its dotted key);
+``device.id`` and ``model.path`` are required. The commented example is ``firmware_configs/dev_x86.toml``.
 """
 
 from __future__ import annotations

@@ -130,7 +130,6 @@ _KINDS: Final[dict[object, _Kind]] = {
 
 @dataclass(frozen=True, slots=True)
 class _FieldSpec:
-    name: str
     kind: _Kind
     optional: bool
     required: bool
@@ -159,7 +158,6 @@ def _field_specs(cls: type[Any]) -> dict[str, _FieldSpec]:
             raise TypeError(f"{cls.__name__}.{f.name}: unsupported field type {hint!r}")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         specs[f.name] = _FieldSpec(
-            name=f.name,
             kind=kind,
             optional=optional,
             required=required,
@@ -556,7 +554,6 @@ class Schema:
             tables[name] = dict(value)
 
         # Overrides land on top of the TOML, and are remembered so string values get coerced.
-        from_text: set[str] = set()
         overridden: set[str] = set()
         for key, value in overrides.items():
             table, dot, name = key.partition(".")
@@ -569,8 +566,6 @@ class Schema:
             else:
                 tables.setdefault(table, {})[name] = value
                 overridden.add(key)
-                if isinstance(value, str):
-                    from_text.add(key)
 
         built: dict[str, Any] = {}
         for table, cls in self.tables.items():
@@ -593,8 +588,9 @@ class Schema:
                     continue
                 # A relative path typed on the command line means the working directory, not the profile's.
                 root = Path.cwd() if key in overridden else base_dir
+                text = key in overridden and isinstance(raw[name], str)
                 try:
-                    values[name] = convert(spec, raw[name], root, from_text=key in from_text)
+                    values[name] = convert(spec, raw[name], root, from_text=text)
                 except ValueError as exc:
                     problems.add(key, raw[name], str(exc))
                     if spec.required:
