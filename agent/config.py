@@ -352,9 +352,9 @@ def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], c
             involves=("security.coordinator_public_key",),
         )
     p.positive("security.outbox_max_bytes", c.outbox_max_bytes)
-    if check_files and c.signing_key_file is not None:
-        profiles.check_key_file(p, "security.signing_key_file", c.signing_key_file, raw, private=True)
     if check_files:
+        if c.signing_key_file is not None:
+            profiles.check_key_file(p, "security.signing_key_file", c.signing_key_file, raw, private=True)
         profiles.check_library(p, c, "security", ("signing_key_file", "coordinator_public_key"))
 
 
