@@ -26,7 +26,7 @@ from edgefl.agent.outbox import Dropped, OutboxEntry
 from edgefl.agent.personal import PersonalHeads
 from edgefl.agent.state import Answered, ProgressHook
 from edgefl.agent.trainer import LocalResult, PersonalStep, train_local
-from edgefl.errors import DecodeError, UpdateRejected
+from edgefl.errors import DecodeError
 from edgefl.head import Head
 from edgefl.wire.cbor import MessageType, Scanned
 from edgefl.wire.compression import CompressedDelta, Compression
@@ -109,10 +109,6 @@ class Deferred:
     decline: str = Reason.OVER_BUDGET
 
 
-def _refused(round_no: int, exc: DecodeError | UpdateRejected) -> RoundResult:
-    return RoundResult(RoundStatus.REFUSED, round_no, exc.reason, exc.detail)
-
-
 class RoundAnswering(PersonalHeads):
     """Answer round announcements at most once (a part of :class:`~edgefl.agent.core.DeviceCore`)."""
 
@@ -137,7 +133,7 @@ class RoundAnswering(PersonalHeads):
         try:
             ann = decode_round(self._verified(payload, MessageType.ROUND), limits=self.limits)
         except DecodeError as exc:
-            return _refused(0, exc)
+            return RoundResult(RoundStatus.REFUSED, 0, exc.reason, exc.detail)
         if self.coordinator_key is not None:
             # a round signed by the coordinator vouches for its base version: no head older than it
             # is applied from now on, even an old head with a valid signature (a replay)
@@ -171,9 +167,9 @@ class RoundAnswering(PersonalHeads):
                 RoundStatus.ANSWERED, ann.round, detail=f"round {self.answered.round} already answered"
             )
         head = self.head
+        why = f"round {ann.round} uses version {ann.base_version}, device has {head.version}"
         if ann.base_version > head.version:
             self.pending_round = ann  # the global head for this round has not arrived yet
-            why = f"round {ann.round} uses version {ann.base_version}, device has {head.version}"
             # answered once it comes; declined (no_head) if it has not come by the deferral's time
             self._defer(ann, why, Reason.NO_HEAD)
             return RoundResult(RoundStatus.WAITING_HEAD, ann.round, detail=why)
@@ -183,13 +179,7 @@ class RoundAnswering(PersonalHeads):
         if self.evaluation is None or self.evaluation.version != head.version:
             self.evaluate()  # the base head's federated evaluation (holdout grew since, or first round)
         if ann.base_version < head.version:
-            return _refused(
-                ann.round,
-                UpdateRejected(
-                    "stale_round",
-                    f"round {ann.round} uses version {ann.base_version}, device has {head.version}",
-                ),
-            )
+            return RoundResult(RoundStatus.REFUSED, ann.round, "stale_round", why)
         if self.pending_round is not None and self.pending_round.round <= ann.round:
             self.pending_round = None
         if len(self.store) == 0:

@@ -51,11 +51,7 @@ class Shuffler:
         return order
 
     def keys(self, n: int) -> I64:
-        """Return int64 [n]: the next ``n`` SplitMix64 outputs (distinct); ranking them is a permutation.
-
-        The top bit is flipped and the keys viewed as int64, which ranks as uint64 does (numpy's
-        argsort of uint64 keeps memory it never frees; int64's keeps none).
-        """
+        """Return int64 [n]: the next ``n`` SplitMix64 outputs (distinct); ranking them is a permutation."""
         z = np.arange(self._drawn + 1, self._drawn + n + 1, dtype=np.uint64)
         self._drawn += n
         z *= _GOLDEN  # the SplitMix64 states seed + j * golden, j = 1, 2, ... (mod 2**64)
@@ -65,7 +61,9 @@ class Shuffler:
         z ^= z >> np.uint64(27)
         z *= _MIX2
         z ^= z >> np.uint64(31)
-        z ^= _TOP  # the order of the uint64 outputs, as int64 (see above)
+        # top bit flipped: as int64 they rank as the uint64 outputs do (numpy's argsort of uint64 keeps
+        # memory it never frees; int64's keeps none)
+        z ^= _TOP
         return z.view(np.int64)
 
 
@@ -264,13 +262,11 @@ class _Pair:
 
     def finish(self, n: int) -> PersonalResult:
         """Copy the personal head back into the caller's arrays; what its steps did."""
-        if not self.active:  # nothing to personalise: the global head (train_personal's 0 steps)
-            self.step_cfg.W[...] = self.head.W
-            self.step_cfg.b[...] = self.head.b
-            return PersonalResult(0, n, 0.0)
-        self.step_cfg.W[...] = self.V
-        self.step_cfg.b[...] = self.c
-        return PersonalResult(self.steps, n, 0.0)
+        # nothing to personalise: the global head (train_personal's 0 steps)
+        W, b, steps = (self.V, self.c, self.steps) if self.active else (self.head.W, self.head.b, 0)
+        self.step_cfg.W[...] = W
+        self.step_cfg.b[...] = b
+        return PersonalResult(steps, n, 0.0)
 
 
 def train_local(
