@@ -1,10 +1,5 @@
 """The device's round: a RoundAnnouncement in, an update (or a Decline) kept in the outbox out.
 
-:meth:`RoundAnswering.receive_round` verifies and decodes the announcement;
-:meth:`RoundAnswering.answer_round` checks it (selected, exactly once, base version, samples,
-memory), trains the head locally, applies error feedback, encodes and signs the update and keeps it
-in the outbox with the answered round in one write. A round the memory governor defers is retried
-(:meth:`RoundAnswering.retry_deferred`) and declined to the coordinator when its time is up.
 No transport, no asyncio: the caller publishes ``entry.payload``.
 """
 

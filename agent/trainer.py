@@ -71,9 +71,8 @@ class Shuffler:
 class PersonalResult:
     """What a personal step did.
 
-    ``steps`` SGD steps over ``num_examples`` samples (the store's size when it started) in ``train_s``
-    seconds of wall time (0 for a step taken with the round's local training, :class:`PersonalStep`,
-    whose time is in that training's ``LocalResult.train_s``).
+    ``steps`` SGD steps over ``num_examples`` samples (the store's size at its start) in ``train_s`` s
+    of wall time (0 when taken alongside local training, :class:`PersonalStep`).
     """
 
     steps: int
@@ -105,10 +104,9 @@ class LocalResult:
 class PersonalStep:
     """A personal head to train alongside the global one (:func:`train_local`'s ``personal``).
 
-    :func:`train_personal`'s steps, taken on the batches of the round's local training (the store
-    read and shuffled once for both heads, the global head's arithmetic the same as alone). ``W``
-    float32 [D, K] (C-contiguous), ``b`` [K]: the personal head, updated in place when training
-    returns; ``columns``, ``lam``, ``lr``, ``absent_alpha``: as :func:`train_personal`'s.
+    :func:`train_personal`'s steps, taken on the batches of the round's local training. ``W`` float32
+    [D, K] (C-contiguous), ``b`` [K]: the personal head, updated in place when training returns;
+    ``columns``, ``lam``, ``lr``, ``absent_alpha``: as :func:`train_personal`'s.
     """
 
     W: F32
