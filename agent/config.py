@@ -401,12 +401,10 @@ def parse_profile(
 ) -> Profile:
     """Build and validate a profile (paths absolute) from an already-parsed TOML mapping.
 
-    ``data``: ``{table: {key: value}}`` as ``tomllib`` returns it, its relative paths resolving
-    against ``base_dir`` (normally the profile file's folder); ``path`` is recorded in
-    :attr:`Profile.path`; ``check_files`` checks that ``model.path``, the TLS files and a replay
-    ``source.path`` exist (and that ``model.sha256`` matches), False for profiles written for another
-    machine; ``overrides`` as :func:`load_profile`'s. ConfigError with every problem found, e.g.
-    ``["memory.cap_mb = 0: must be > 0", "[bogus]: unknown table"]``.
+    ``data``, ``base_dir``, ``check_files``, ``overrides`` as :meth:`edgefl.profiles.Schema.parse`'s
+    (``check_files`` False for a profile written for another machine); ``path`` is recorded in
+    :attr:`Profile.path`. ConfigError with every problem found, e.g. ``["memory.cap_mb = 0: must be > 0",
+    "[bogus]: unknown table"]``.
     """
     overrides = overrides or {}
     built = SCHEMA.parse(data, base_dir, check_files, overrides)

@@ -34,12 +34,8 @@ MAX_PIXEL = 16
 def npz_headers(path: Path | str) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
     """Array name (``"x"``, ``"y"``...) → (shape, dtype) of an ``.npz`` file, from the headers only.
 
-    Raises
-    ------
-    ValueError
-        Not a zip of ``.npy`` members (``numpy.savez``), or a header numpy cannot read (named).
-    OSError
-        The file cannot be read.
+    ValueError if it is not a zip of ``.npy`` members (``numpy.savez``) or a header numpy cannot read
+    (named); OSError if the file cannot be read.
 
     Source: the NPY format (``numpy.lib.format``: magic string, version, header dict).
     """
