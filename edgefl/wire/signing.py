@@ -307,12 +307,12 @@ def load_verify_key(path: Path) -> VerifyKey:
     return _load_key(path, "public key", parse_verify_key)
 
 
-def load_verify_keys(directory: Path, suffix: str = ".pub") -> dict[str, VerifyKey]:
-    """Every ``<device><suffix>`` of a directory by device id: the key ring (OSError, ValueError)."""
+def load_verify_keys(directory: Path) -> dict[str, VerifyKey]:
+    """Every ``<device>.pub`` of a directory by device id: the key ring (OSError, ValueError)."""
     return {
-        p.name[: -len(suffix)]: load_verify_key(p)
+        p.name[:-4]: load_verify_key(p)
         for p in sorted(Path(directory).iterdir())
-        if p.name.endswith(suffix) and p.is_file()
+        if p.name.endswith(".pub") and p.is_file()
     }
 
 
