@@ -31,8 +31,7 @@ LOGGED_DROPS = 20
 HOLD_FACTOR = 4
 #: Seconds between two ``loop_misc`` calls (keep-alive PINGREQ, overdue PINGRESP).
 MISC_INTERVAL_S = 1.0
-#: Packets read in one turn of the event loop while more bytes wait: a burst lands in the queue
-#: together (one write of a site's record, not one per update), and a flood cannot hold the loop.
+#: Packets read in one turn of the event loop while more bytes wait (a flood cannot hold the loop).
 READS_PER_TURN = 64
 
 

@@ -25,8 +25,7 @@ class Publish(NamedTuple):
     retain: bool
 
 
-#: Topic of the stand-in for an oversize PUBLISH (``$``: no real topic, MQTT 5.0 §4.7.2); payload
-#: ``b"<packet bytes>\n<topic>"``.
+#: Topic of the stand-in for an oversize PUBLISH (MQTT 5.0 §4.7.2); payload ``b"<bytes>\n<topic>"``.
 OVERSIZE_TOPIC = "$edgefl/oversize"
 #: Bytes asked of the socket in one read (a burst in one system call), the bound of what waits above it.
 READ_BYTES = 65_536

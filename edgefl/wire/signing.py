@@ -44,8 +44,7 @@ SIGNED_KINDS: Final[Mapping[MessageType, str]] = {
     MessageType.PARTIAL: "base_version",
     MessageType.PRESENCE: "seq",
 }
-#: Kinds whose signed bytes bind the sender the topic names, and the key naming it in the message:
-#: a device (Update, Decline) or a site (Partial).
+#: Kinds whose signed bytes bind the sender (device or site) the topic names, and its key in the message.
 _SENDER_KEYS: Final[Mapping[MessageType, str]] = {
     MessageType.UPDATE: "device",
     MessageType.DECLINE: "device",
