@@ -35,7 +35,6 @@ from edgefl.coordinator.rounds import (
     Pacing,
     Round,
     RoundPhase,
-    collecting,
     device_names,
 )
 from edgefl.coordinator.strategy import RoundConfig, Schedule, aggregate_checked
@@ -168,13 +167,13 @@ class Coordinator(Intake):
         """Topics an earlier session of this client may hold that this one must not receive."""
         return []
 
-    async def subscribe(self, topic: str, budget_s: float = PUBLISH_RETRY_S) -> None:
-        """Subscribe with QoS 1, retrying a late SUBACK (a flood delays it) with backoff for ``budget_s``.
+    async def subscribe(self, topic: str) -> None:
+        """Subscribe with QoS 1, retrying a late SUBACK (a flood delays it) for :data:`PUBLISH_RETRY_S`.
 
         Raises TransportError if the broker refused the subscription, or no SUBACK came in time.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget_s
+        deadline = loop.time() + PUBLISH_RETRY_S
         backoff = 1.0
         while True:
             try:
@@ -568,10 +567,8 @@ class Coordinator(Intake):
     ) -> None:
         """Keep a closed round's refused updates and declines ``{reason: count}`` for the fleet page.
 
-        With them, its ``silent`` devices (at most :data:`SILENT_KEPT` names) and ``silent_devices``. A
-        quiet round (nothing refused, declined or silent: most rounds of a healthy fleet) is kept as None
-        and read as :func:`quiet_reasons`: the last :data:`HISTORY_ROUNDS` rounds' reasons then cost a
-        service a dict slot each, not four new containers (~0.4 KiB) that the allocator keeps touched.
+        With them, its ``silent`` devices (at most :data:`SILENT_KEPT` names) and ``silent_devices``; a
+        quiet round (nothing refused, declined or silent) is kept as None (a dict slot, not four containers).
         """
         silent = self.silent_devices(round_no)
         kept: dict[str, Any] | None = None
@@ -627,9 +624,10 @@ class Coordinator(Intake):
             )
         rnd = self.state.current
         if rnd is not None and rnd.phase is RoundPhase.OPEN:
-            st = collecting(rnd)
+            asked = rnd.asked or rnd.close_at
             return dataclasses.replace(
-                paced, state=st.state, text=st.text, round=st.round, asked=st.asked, counted=st.counted,
-                close_at=st.close_at, next_round_in_s=None,
+                paced, state=FleetPhase.COLLECTING, text=f"collecting {rnd.clients} of {asked}",
+                round=rnd.number, asked=asked, counted=rnd.clients, close_at=rnd.close_at,
+                next_round_in_s=None,
             )  # fmt: skip
         return paced
