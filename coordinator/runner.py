@@ -520,8 +520,15 @@ async def _fleet_rounds(
             "(raise rounds.count or use a new fleet.name)",
             flush=True,
         )
-    elif not stop.is_set() and rounds.expected_clients:
-        await _wait_for_expected(coord, rounds.expected_clients, rounds.wait_devices_s, stop)
+    elif not stop.is_set() and rounds.expected_clients:  # wait for them before round 1, for so long at most
+        n, wait_s = rounds.expected_clients, rounds.wait_devices_s
+        waiting = await _unless_stopped(coord.registry.wait_for_devices(n, timeout_s=wait_s, key=None), stop)
+        try:
+            if waiting is not None:  # else SIGTERM while waiting for the devices
+                waiting.result()
+        except TimeoutError as exc:
+            print(f"{exc}; starting the rounds anyway", flush=True)
+            logger.warning("%s; starting the rounds anyway", exc)
     while not stop.is_set() and not (job and coord.state.round >= rounds.count):
         if not job and not coord.resuming and not await coord.wait_to_open(stop):
             break
@@ -590,18 +597,6 @@ async def _site_rounds(site: SiteAggregator, log: Path | None, count: int, stop:
         )
         if log is not None:
             append_log(log, [{**asdict(rec), "site": site.site, "refused_updates": refused_round}])
-
-
-async def _wait_for_expected(coord: Coordinator, n: int, timeout_s: float, stop: asyncio.Event) -> None:
-    """Wait for ``n`` ready devices before round 1 (``rounds.expected_clients``), ``timeout_s`` at most."""
-    waiting = await _unless_stopped(coord.registry.wait_for_devices(n, timeout_s=timeout_s, key=None), stop)
-    if waiting is None:  # SIGTERM while waiting for the devices
-        return
-    try:
-        waiting.result()
-    except TimeoutError as exc:
-        print(f"{exc}; starting the rounds anyway", flush=True)
-        logger.warning("%s; starting the rounds anyway", exc)
 
 
 async def _cancel(task: asyncio.Task[Any] | None) -> None:

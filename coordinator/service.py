@@ -299,22 +299,15 @@ class Coordinator(Intake):
         self.notify()
         loop = asyncio.get_running_loop()
         try:
-            while not rnd.complete():
-                if announce.done() and announce.exception() is not None:
-                    break
-                remaining = rnd.deadline_at - time.monotonic()
-                if remaining <= 0:
-                    silent = rnd.silent()
-                    logger.warning(
-                        "round %d: deadline passed with %d of %d updates%s",
-                        round_no,
-                        rnd.clients,
-                        cfg.min_clients,
-                        f"; no answer from {device_names(silent)}" if silent else "",
-                    )
-                    break
-                self._round_changed.clear()
-                await wait_event(self._round_changed, remaining)
+            if not await self._collect(rnd, lambda: announce.done() and announce.exception() is not None):
+                silent = rnd.silent()
+                logger.warning(
+                    "round %d: deadline passed with %d of %d updates%s",
+                    round_no,
+                    rnd.clients,
+                    cfg.min_clients,
+                    f"; no answer from {device_names(silent)}" if silent else "",
+                )
             await announce  # its PUBACK (long back in a round that completed), or its TransportError
         finally:
             if not announce.done():
