@@ -224,18 +224,15 @@ class Coordinator(Intake):
     def pacing_state(self) -> FleetState:
         """Where the fleet stands before the next round (see :meth:`Pacing.check`)."""
         pacing = self.pacing
-        if pacing.min_devices > 0:  # 0: a root, whose devices report to their sites
-            pacing = dataclasses.replace(pacing, min_devices=max(pacing.min_devices, self.min_updates()))
+        if pacing.min_devices > 0:  # 0: a root; else as many ready devices as the strategy aggregates
+            need = max(pacing.min_devices, self.strategy.min_updates)
+            pacing = dataclasses.replace(pacing, min_devices=need)
         since = None if self._last_start is None else time.monotonic() - self._last_start
         last = self.state.history[-1] if self.state.history else None
         if since is None and last is not None and math.isfinite(last.closed_unix):
             # restarted: the last round opened duration_s before it closed (wall clock, state file)
             since = max(0.0, time.time() - (last.closed_unix - last.duration_s))
         return pacing.check(self.state.round, self.registry.ready_new_samples(), since)
-
-    def min_updates(self) -> int:
-        """The fewest updates the strategy aggregates: a round opens only once that many devices are ready."""
-        return max(1, self.strategy.min_updates)
 
     async def run_round(self, round_no: int, selected: tuple[str, ...] | None = None) -> RoundRecord:
         """Run round ``round_no``: announce, collect until complete or deadline, aggregate, check, publish.
@@ -277,7 +274,7 @@ class Coordinator(Intake):
             expected_sites=self.expected_sites,
             online=online,
             quorum=self.quorum if sync else None,
-            min_updates=self.min_updates(),
+            min_updates=self.strategy.min_updates,
         )
         if resume is not None:
             self._resume_round(rnd, resume)
