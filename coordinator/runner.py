@@ -211,19 +211,19 @@ async def run(
     instance = new_instance()
     leased = hier.role != "site"  # one coordinator per fleet; a site is one per site broker
 
-    def transport_for(cid: str, *, persistent: bool, probe: bool = False) -> MqttTransport:
+    def transport_for(cid: str, probe: bool = False) -> MqttTransport:
         return MqttTransport.for_broker(
             broker,
             cid,
             # A persistent session: updates published while the coordinator restarts wait for it
-            session_expiry_s=3600 if persistent or probe else 0,
+            session_expiry_s=3600,
             # an update is acknowledged once the state file holds it: a SIGKILL loses none
-            ack_on_commit=probe or (persistent and files.state is not None),
+            ack_on_commit=probe or files.state is not None,
             # one client, not a fleet: back within ~5 s of its broker (a root's partials wait for it)
             reconnect_max_s=COORDINATOR_RECONNECT_MAX_S,
             # a flood of large messages from one account waits at the broker, not in our memory
             max_held_bytes=COORDINATOR_HELD_BYTES,
-            will=Lease.will(topics.coordinator) if persistent and leased else None,
+            will=Lease.will(topics.coordinator) if leased and not probe else None,
         )
 
     sec = profile.security
@@ -234,7 +234,7 @@ async def run(
     trust = PresenceTrust(fleet, signing_key.verify_key if signing_key else None, previous)
     stale = None
     if leased:  # before anything is published or written: is a live coordinator running this fleet?
-        probe = transport_for(f"{client_id}-probe-{instance[:8]}", persistent=False, probe=True)
+        probe = transport_for(f"{client_id}-probe-{instance[:8]}", probe=True)
         probing = await _unless_stopped(
             probe_lease(
                 probe,
@@ -255,7 +255,7 @@ async def run(
             raise _access_refused(exc, where, broker.username, topics) from exc
         if files.state is not None:
             record_instance(files.state, instance)  # the next start knows this one's lease as its own
-    transport = transport_for(client_id, persistent=True)
+    transport = transport_for(client_id)
     st = profile.strategy
     try:
         strategy = build_strategy(profile)
