@@ -245,6 +245,12 @@ def test_compressed_delta_round_trips_and_matches_the_decoder() -> None:
         np.testing.assert_array_equal(got.delta_b, packed.decoded_b)
         if mode is Compression.NONE:
             np.testing.assert_array_equal(packed.decoded_W, u.delta_W)
+        # stochastic rounding: the same draws as encode_update compressing it itself
+        packed = compress_head_delta(
+            u.delta_W, u.delta_b, mode, topk_fraction=0.05, rng=np.random.default_rng(5)
+        )
+        again = encode_update(u, topk_fraction=0.05, rng=np.random.default_rng(5))
+        assert encode_update(u, compressed=packed) == again
     # the dense int8 decode the sender computes itself (no re-read of its bytes) is the decoder's,
     # bit for bit: an all-zero output unit (scale 0), values over 30 binary orders, stochastic rounding
     rng = np.random.default_rng(9)
