@@ -33,7 +33,6 @@ from edgefl.wire.cbor import (
     read_int,
     read_text,
 )
-from edgefl.wire.reasons import CHUNK_REASONS as CHUNK_REASONS  # re-exported: its refusals
 from edgefl.wire.reasons import Reason
 
 logger = logging.getLogger(__name__)
