@@ -52,8 +52,8 @@ class Agent(RoundTask):
         self._round_wake = asyncio.Event()  # correctness: a message or an ask wakes the one round task
         self._round_asks = set()  # what other tasks asked the round task (_wake_rounds)
         self._acked = []  # PUBACKed updates the core is told of with the next worker call
-        # performance (its round latency in docs/benchmarks.md, "Agent"): the status is checked once no
-        # round or global message is in hand, or at once after a (re)connect
+        # performance (round latency, docs/benchmarks.md "Hygiene"): the status is checked once no round
+        # or global message is in hand, or at once after a (re)connect
         self._status_go = asyncio.Event()
         self._status_go.set()
         self.governor = self.core.governor

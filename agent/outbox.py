@@ -210,7 +210,7 @@ class Outbox:
             raise
 
     def mark_sent(self, update_id: str) -> int:
-        """Count one publish attempt of ``update_id``; return its attempts, 0 if unknown (persisted either way)."""
+        """Count one publish attempt of ``update_id`` (persisted in any case); its attempts, 0 if unknown."""
         sends = 0
         for i, e in enumerate(self._entries):
             if e.update_id == update_id:
@@ -227,7 +227,7 @@ class Outbox:
         return True
 
     def drop_stale(self, current_round: int) -> list[Dropped]:
-        """Drop (logged) updates of rounds before ``current_round``: ``stale_round`` each; persisted either way."""
+        """Drop (logged) updates of rounds before ``current_round``: ``stale_round`` each (persisted)."""
         stale = [e for e in self._entries if e.round < current_round]
         self._entries = [e for e in self._entries if e.round >= current_round]
         self.save()
