@@ -1,8 +1,5 @@
 """Reading the process's memory from the kernel: RSS, peak RSS, PSS, MemAvailable and the cgroup limit.
 
-All figures in bytes: RSS from ``statm`` (cheap, hot paths), the peak from ``status``, PSS from
-``smaps_rollup``.
-
 Source: proc(5) (``statm``, ``status`` VmHWM, ``smaps_rollup``, ``clear_refs`` value 5 resets the
 peak RSS, Linux >= 4.0), Documentation/admin-guide/cgroup-v2.rst (``memory.max``) and cgroup-v1
 memory.rst (``memory.limit_in_bytes``).

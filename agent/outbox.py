@@ -167,22 +167,19 @@ class Outbox:
             raise ValueError(f"update_id = {update_id!r:.80}: must match {UPDATE_ID_RE.pattern}")
         if round < 0:
             raise ValueError(f"round = {round}: must be >= 0")
-        if any(e.update_id == update_id for e in self._entries):
+        known = any(e.update_id == update_id for e in self._entries)
+        if known or len(payload) > self.max_bytes:
+            if not known:
+                logger.warning(
+                    "outbox: update %s (round %d, %d bytes) is larger than the outbox (%d bytes); not kept",
+                    update_id,
+                    round,
+                    len(payload),
+                    self.max_bytes,
+                )
             if answered is not None:
                 self._save_answered(answered)
-            return []
-        if len(payload) > self.max_bytes:
-            dropped = [Dropped(update_id, round, "too_large")]
-            logger.warning(
-                "outbox: update %s (round %d, %d bytes) is larger than the outbox (%d bytes); not kept",
-                update_id,
-                round,
-                len(payload),
-                self.max_bytes,
-            )
-            if answered is not None:
-                self._save_answered(answered)
-            return dropped
+            return [] if known else [Dropped(update_id, round, "too_large")]
         dropped = []
         total = self.total_bytes
         while self._entries and total + len(payload) > self.max_bytes:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -162,7 +163,7 @@ def child_round(
     profile = _profile(model, cap_mb, reserve_mb)
     gov = PssGovernor(profile.cap_bytes, reserve_mb * MIB, 0)
     rep = run_round(profile, samples=samples, governor=gov, trace=False, broker=broker)
-    out = rep.as_dict()
+    out = dataclasses.asdict(rep)
     out["pss_peaks"] = pss_peaks
     out["lifetime_peak"] = gov.peak_rss_bytes
     out["status"] = _status()
