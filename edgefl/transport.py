@@ -75,9 +75,8 @@ class MqttTransport(Link):
 
     ``client_id`` is unique on the broker; ``will`` is set before connecting; ``protocol`` "auto" tries
     MQTT 5, then 3.1.1; ``queue_size`` bounds the incoming queue (messages); ``on_connect`` runs on the
-    loop after every CONNACK and re-subscription. ``max_packet_bytes`` is the largest PUBLISH sent
-    (lowered by the CONNACK's Maximum Packet Size), ``max_incoming_packet_bytes`` the largest accepted
-    (an oversize PUBLISH is acknowledged, dropped, counted in ``oversize_dropped_total``, logged).
+    loop after every CONNACK and re-subscription. ``max_packet_bytes``, ``max_incoming_packet_bytes``:
+    as ``docs/operations.md`` says of ``broker.*`` (an oversize PUBLISH counts in ``oversize_dropped_total``).
     ``session_expiry_s`` 0 is a clean session, else the broker keeps it that long (MQTT 5.0 §3.1.2.11;
     a fixed ``client_id``); ``alternates`` (host, port): other nodes of a clustered broker, tried round
     robin; ``ack_on_commit`` acknowledges a QoS 1 message only at :meth:`commit` (needs a session);
@@ -629,14 +628,9 @@ class MqttTransport(Link):
 
         Connected, it returns once the SUBACK granted it; otherwise at once (it is sent, and its SUBACK
         awaited, before ``connected`` is next set). ``live_only`` (MQTT 5, §3.8.3.1): no retained message
-        at subscribe, a later retained one arrives with ``retain`` set.
-
-        Raises
-        ------
-        BrokerRefused
-            If the SUBACK refused it (its reason code, e.g. 0x87 Not authorized).
-        TransportError
-            If no SUBACK arrived within ``timeout_s``, or the connection was lost first.
+        at subscribe, a later retained one arrives with ``retain`` set. BrokerRefused if the SUBACK
+        refused it (its reason code, e.g. 0x87 Not authorized); TransportError if no SUBACK arrived
+        within ``timeout_s``, or the connection was lost first.
         """
         self._subscriptions[topic] = (qos, live_only)
         self._unsubscribing.pop(topic, None)
@@ -654,12 +648,8 @@ class MqttTransport(Link):
 
         Connected, UNSUBSCRIBE is sent and its UNSUBACK awaited; not connected or left unanswered, it is
         sent once more with the next connection, then forgotten; a refusal is not sent again.
-
-        Raises
-        ------
-        TransportError
-            If the UNSUBACK refused it (a reason code >= 0x80), none arrived within ``timeout_s``, or the
-            connection was lost first.
+        TransportError if the UNSUBACK refused it (a reason code >= 0x80), none arrived within
+        ``timeout_s``, or the connection was lost first.
         """
         self._subscriptions.pop(topic, None)
         token = object()  # this call's: an answer to an earlier call must not clear a later one
@@ -698,14 +688,10 @@ class MqttTransport(Link):
     ) -> None:
         """Publish ``payload`` on ``topic`` and, for QoS 1, wait ``timeout_s`` for the broker's PUBACK.
 
-        Raises
-        ------
-        BrokerRefused
-            If the PUBACK refused it (MQTT 5: its reason code, e.g. 0x87 Not authorized).
-        TransportError
-            If not started, over :meth:`packet_limit`, not connected, no PUBACK arrived in time, or the
-            connection was lost before it (the message may have reached the broker: QoS 1 is at least
-            once).
+        BrokerRefused if the PUBACK refused it (MQTT 5: its reason code, e.g. 0x87 Not authorized);
+        TransportError if not started, over :meth:`packet_limit`, not connected, no PUBACK arrived in
+        time, or the connection was lost before it (the message may have reached the broker: QoS 1 is
+        at least once).
         """
         if self._loop is None:
             raise TransportError("publish before start()")
