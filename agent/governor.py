@@ -89,15 +89,28 @@ PeakMethod = Literal["auto", "clear_refs", "sampling"]
 class Governor:
     """Knows the cap, measures each phase's peak RSS, and admits phases under ``cap - reserve``.
 
-    ``cap_bytes`` > 0: the profile's cap (``memory.cap_mb`` in bytes); :attr:`cap_bytes` is then
-    ``min(profile cap, cgroup limit)`` (both kept: ``profile_cap_bytes``, ``cgroup_limit_bytes``).
-    ``reserve_bytes`` >= 0: headroom kept free under the cap for what the estimates do not cover;
-    ``min_system_available_bytes``: defer :data:`SYSTEM_GUARDED` phases while ``MemAvailable`` is below
-    this (0 disables); ``proc``, ``cgroup_root``: where the proc and cgroup file systems are mounted
-    (fake trees in tests); ``peak_method`` "auto" resets ``VmHWM`` through ``clear_refs`` and falls back
-    to "sampling" RSS from a thread every ``sample_interval_s`` (seconds) where the kernel refuses the
-    write. ValueError if ``cap_bytes`` is not positive or the other sizes are negative.
+    Parameters
+    ----------
+    cap_bytes : int
+        The profile's cap (``memory.cap_mb`` in bytes), > 0; :attr:`cap_bytes` is then
+        ``min(profile cap, cgroup limit)`` (both kept: ``profile_cap_bytes``, ``cgroup_limit_bytes``).
+    reserve_bytes : int
+        Headroom kept free under the cap for what the estimates do not cover, >= 0.
+    min_system_available_bytes : int
+        Defer :data:`SYSTEM_GUARDED` phases while ``MemAvailable`` is below this; 0 disables.
+    proc, cgroup_root : Path
+        Where the proc and cgroup file systems are mounted (fake trees in tests).
+    peak_method : "auto" | "clear_refs" | "sampling"
+        "auto" resets ``VmHWM`` through ``clear_refs`` and falls back to sampling RSS from a thread
+        every ``sample_interval_s`` where the kernel refuses the write.
 
+    Raises
+    ------
+    ValueError
+        If ``cap_bytes`` is not positive or the other sizes are negative.
+
+    Notes
+    -----
     ``phase_peaks``, ``phase_last``: largest and latest peak RSS of each phase; ``phase_rise``: its
     largest rise above the RSS at its start (bytes). A phase resets ``VmHWM`` only when no other is
     running; an overlapping phase reports the peak since the earliest running phase began (an upper
@@ -226,12 +239,21 @@ class Governor:
         says why. A :data:`SYSTEM_GUARDED` phase is also deferred while ``MemAvailable`` is under
         ``min_system_available_bytes``.
 
-        ``estimate(work)``: bytes the phase needs for a work size (samples; one of the ``estimate_*``
-        functions); ``work`` >= 1 asked for and ``floor`` >= 1 the smallest worth running (clamped to
-        ``work``); ``keep(work)``: bytes that must stay free beside the estimate (not part of it);
-        ``probe``: only tell, nothing kept, counted or logged (a caller choosing between two asks).
-        Returns the :class:`Admission`, also kept in ``admissions[phase]``; a deferral increments
-        ``deferrals[phase]``.
+        Parameters
+        ----------
+        estimate : callable(int) -> int
+            Bytes the phase needs for a work size (samples; one of the ``estimate_*`` functions).
+        work, floor : int
+            Work size asked for, >= 1, and the smallest worth running, >= 1 (clamped to ``work``).
+        keep : callable(int) -> int, optional
+            Bytes that must stay free beside the estimate at a work size (not part of the estimate).
+        probe : bool
+            Only tell: nothing is kept, counted or logged (a caller choosing between two asks).
+
+        Returns
+        -------
+        Admission
+            Also kept in ``admissions[phase]``; a deferral increments ``deferrals[phase]``.
         """
         work = max(1, int(work))
         floor = max(1, min(int(floor), work))
@@ -377,14 +399,17 @@ class Governor:
     def status(self, measure: bool = True, figures: bool = True) -> dict[str, Any]:
         """JSON-like memory figures for the status message and the dashboard.
 
-        Keys: ``cap_bytes``, ``profile_cap_bytes``, ``cgroup_limit_bytes``, ``reserve_bytes``,
-        ``rss_bytes``, ``pss_bytes`` (None where unreadable), ``peak_rss_bytes`` (lifetime),
-        ``system_available_bytes``, ``min_system_available_bytes``, ``peak_method``, ``phase_peaks``,
-        ``phase_last``, ``phase_rise`` {phase: bytes}, ``admissions`` {phase: Admission as dict},
-        ``deferrals`` {phase: count}, ``last_deferral`` (dict or None). ``measure=False`` leaves out the
-        four figures read from ``/proc`` (milliseconds to read; PSS is read at most every
-        :data:`PSS_MAX_AGE_S`), ``figures=False`` the per-phase figures and the admissions, which change
-        with every round.
+        Returns
+        -------
+        dict
+            ``cap_bytes``, ``profile_cap_bytes``, ``cgroup_limit_bytes``, ``reserve_bytes``,
+            ``rss_bytes``, ``pss_bytes`` (None where unreadable), ``peak_rss_bytes`` (lifetime),
+            ``system_available_bytes``, ``min_system_available_bytes``, ``peak_method``,
+            ``phase_peaks``, ``phase_last``, ``phase_rise`` {phase: bytes}, ``admissions``
+            {phase: Admission as dict}, ``deferrals`` {phase: count}, ``last_deferral`` (dict or None).
+            ``measure=False`` leaves out the four figures read from ``/proc`` (milliseconds to read;
+            PSS is read at most every :data:`PSS_MAX_AGE_S`), ``figures=False`` the per-phase
+            figures and the admissions, which change with every round.
         """
         peak = self.peak_rss_bytes if measure else 0
         with self._lock:

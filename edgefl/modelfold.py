@@ -98,9 +98,13 @@ def fold_input_normalisation(
     """Give an int8-input model a uint8 input holding ``(raw - mean) / std``, through one QUANTIZE op.
 
     ``buf`` is the ``.tflite`` file, ``path`` names it in errors. Returns the new model (one tensor and
-    one op added, indices and outputs unchanged) and a :class:`FoldReport`. ModelError if the input is
-    not int8, ``raw_dtype`` is not uint8, ``std <= 0`` or the mean is outside 0..255, or the schema
-    module is not importable.
+    one op added, indices and outputs unchanged) and a :class:`FoldReport`.
+
+    Raises
+    ------
+    ModelError
+        If the input is not int8, ``raw_dtype`` is not uint8, ``std <= 0`` or the mean is outside
+        0..255, or the schema module is not importable.
     """
     if raw_dtype != "uint8":
         raise ModelError(path, f"--raw-dtype {raw_dtype}: only uint8 raw samples can be folded")

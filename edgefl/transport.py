@@ -628,9 +628,14 @@ class MqttTransport(Link):
 
         Connected, it returns once the SUBACK granted it; otherwise at once (it is sent, and its SUBACK
         awaited, before ``connected`` is next set). ``live_only`` (MQTT 5, §3.8.3.1): no retained message
-        at subscribe, a later retained one arrives with ``retain`` set. BrokerRefused if the SUBACK
-        refused it (its reason code, e.g. 0x87 Not authorized); TransportError if no SUBACK arrived
-        within ``timeout_s``, or the connection was lost first.
+        at subscribe, a later retained one arrives with ``retain`` set.
+
+        Raises
+        ------
+        BrokerRefused
+            If the SUBACK refused it (its reason code, e.g. 0x87 Not authorized).
+        TransportError
+            If no SUBACK arrived within ``timeout_s``, or the connection was lost first.
         """
         self._subscriptions[topic] = (qos, live_only)
         self._unsubscribing.pop(topic, None)
@@ -648,8 +653,12 @@ class MqttTransport(Link):
 
         Connected, UNSUBSCRIBE is sent and its UNSUBACK awaited; not connected or left unanswered, it is
         sent once more with the next connection, then forgotten; a refusal is not sent again.
-        TransportError if the UNSUBACK refused it (a reason code >= 0x80), none arrived within
-        ``timeout_s``, or the connection was lost first.
+
+        Raises
+        ------
+        TransportError
+            If the UNSUBACK refused it (a reason code >= 0x80), none arrived within ``timeout_s``, or the
+            connection was lost first.
         """
         self._subscriptions.pop(topic, None)
         token = object()  # this call's: an answer to an earlier call must not clear a later one
@@ -688,10 +697,14 @@ class MqttTransport(Link):
     ) -> None:
         """Publish ``payload`` on ``topic`` and, for QoS 1, wait ``timeout_s`` for the broker's PUBACK.
 
-        BrokerRefused if the PUBACK refused it (MQTT 5: its reason code, e.g. 0x87 Not authorized);
-        TransportError if not started, over :meth:`packet_limit`, not connected, no PUBACK arrived in
-        time, or the connection was lost before it (the message may have reached the broker: QoS 1 is
-        at least once).
+        Raises
+        ------
+        BrokerRefused
+            If the PUBACK refused it (MQTT 5: its reason code, e.g. 0x87 Not authorized).
+        TransportError
+            If not started, over :meth:`packet_limit`, not connected, no PUBACK arrived in time, or the
+            connection was lost before it (the message may have reached the broker: QoS 1 is at least
+            once).
         """
         if self._loop is None:
             raise TransportError("publish before start()")
