@@ -9,7 +9,8 @@ medians):
   what that is in % of a core at ``--rate`` samples/s (``edgefl feed``'s default: 50).
 - ``store``: a round's training time (``train_local``: 4096 samples x D = 512, K = 10, 2 epochs,
   batch 16, chunk 64: the gateway and coordinator profiles) with the store's float16 gather
-  (``half_bits_to_float32``) against numpy's own cast.
+  (``half_bits_to_float32``) against numpy's own cast; with a personal head trained along the
+  global one (``PersonalStep``) against ``train_personal`` after it.
 - ``choose``: an agent's start with ``pipeline.mode = "auto"`` (``rpi4.toml``): measuring fused
   against unfused at batches 1, 4, 8, 16 against reading the decision kept per model.
 - ``rounds-page``: ``/api/rounds`` response time of the fleet page on a long round log (the
@@ -116,7 +117,31 @@ def store(repeats: int) -> None:
 
             return once
 
-        med = _interleaved({"half_bits_to_float32": run(gather), "numpy cast": run(numpy_cast)}, repeats)
+        def personal(along: bool) -> Callable[[], float]:
+            def once() -> float:
+                W, b, columns = head.W.copy(), head.b.copy(), np.ones(k, bool)
+                step = trainer.PersonalStep(W, b, columns, lam=0.0, lr=0.05) if along else None
+                t0 = time.perf_counter()
+                trainer.train_local(
+                    head, st, local_epochs=2, lr=0.05, batch_size=16, chunk_size=64, personal=step
+                )
+                if not along:
+                    trainer.train_personal(
+                        W, b, head, st, columns, lam=0.0, epochs=2, lr=0.05, batch_size=16, chunk_size=64
+                    )
+                return time.perf_counter() - t0
+
+            return once
+
+        med = _interleaved(
+            {
+                "half_bits_to_float32": run(gather),
+                "numpy cast": run(numpy_cast),
+                "personal along": personal(True),
+                "personal after": personal(False),
+            },
+            repeats,
+        )
     print(f"train_local, {n} x {dim} store, 2 epochs, median of {repeats}:")
     for name, s in med.items():
         print(f"  {name:21s} {s * 1e3:6.1f} ms")
