@@ -23,6 +23,7 @@ from edgefl.agent.estimates import (
     estimate_batch_bytes,
     estimate_inference_bytes,
     estimate_personal_bytes,
+    estimate_replay_bytes,
     estimate_train_bytes,
 )
 from edgefl.agent.memstat import (
@@ -228,7 +229,6 @@ class Governor:
         work: int,
         floor: int,
         *,
-        deferrable: bool | None = None,
         keep: Callable[[int], int] | None = None,
         probe: bool = False,
     ) -> Admission:
@@ -246,8 +246,6 @@ class Governor:
             Bytes the phase needs for a work size (samples; one of the ``estimate_*`` functions).
         work, floor : int
             Work size asked for, >= 1, and the smallest worth running, >= 1 (clamped to ``work``).
-        deferrable : bool, optional
-            Override of ``phase in DEFERRABLE``.
         keep : callable(int) -> int, optional
             Bytes that must stay free beside the estimate at a work size (not part of the estimate).
         probe : bool
@@ -260,7 +258,7 @@ class Governor:
         """
         work = max(1, int(work))
         floor = max(1, min(int(floor), work))
-        can_defer = phase in DEFERRABLE if deferrable is None else deferrable
+        can_defer = phase in DEFERRABLE
         rss = self.rss_bytes()
         # the reserve is kept for the phases that cannot wait (inference): they may use it, never the cap
         budget = self.cap_bytes - (self.reserve_bytes if can_defer else 0) - rss
@@ -382,6 +380,14 @@ class Governor:
             )
 
         return self.admit(phase, need, chunk, floor, probe=probe)
+
+    def admit_replay(self, path: Path) -> Admission:
+        """Admit loading a replay file (``source.path``) whole; it cannot wait, so it may use the reserve.
+
+        OSError, ValueError as :func:`~edgefl.agent.estimates.estimate_replay_bytes`.
+        """
+        need = estimate_replay_bytes(path)
+        return self.admit("replay", lambda _: need, 1, 1)
 
     # --- report ------------------------------------------------------------------------------
     def _pss_bytes(self) -> int | None:

@@ -200,12 +200,12 @@ async def probe_lease(
         # (use_username_as_clientid) to a running coordinator's; nothing is acknowledged here (no commit)
         renamed = transport.session_present
         if renamed:
-            _set_backlog_aside(transport)
-        if renamed and previous is not None:
-            last = await _retained_presence(transport, holder_topic, trust)
-            if _ours(last, previous, "the broker gave the lease probe the session of"):
-                return None
-        if renamed:
+            while not transport.queue.empty():  # its backlog, unacknowledged: its own connection gets it all
+                transport.queue.get_nowait()
+            if previous is not None:
+                last = await _retained_presence(transport, holder_topic, trust)
+                if _ours(last, previous, "the broker gave the lease probe the session of"):
+                    return None
             logger.warning(
                 "the broker gave the lease probe an existing session (it names clients after their "
                 "account?): waiting for its coordinator's presence"
@@ -246,12 +246,6 @@ async def probe_lease(
             with contextlib.suppress(TransportError):
                 await transport.unsubscribe(topic)
         await transport.stop()
-
-
-def _set_backlog_aside(transport: MqttTransport) -> None:
-    """Take, unacknowledged, the backlog a renamed session delivered (its own connection gets it all)."""
-    while not transport.queue.empty():
-        transport.queue.get_nowait()
 
 
 def _ours(p: Presence | None, previous: str | None, how: str, why: str = "") -> bool:

@@ -275,19 +275,6 @@ class FleetState:
         return doc
 
 
-def collecting(rnd: Round) -> FleetState:
-    """The state of a fleet whose round ``rnd`` is open: ``"collecting N of M"`` (N counted, M asked)."""
-    asked = rnd.asked or rnd.close_at
-    return FleetState(
-        FleetPhase.COLLECTING,
-        f"collecting {rnd.clients} of {asked}",
-        round=rnd.number,
-        asked=asked,
-        counted=rnd.clients,
-        close_at=rnd.close_at,
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class Pacing:
     """When a service opens its next round (``rounds.interval_s``, ``rounds.min_new_samples``).

@@ -183,8 +183,8 @@ class MqttTransport(Link):
             "max_packet_bytes": broker.max_packet_bytes,
             "max_incoming_packet_bytes": broker.max_incoming_packet_bytes,
             "alternates": broker.alternate_addresses,
+            **options,
         }
-        kwargs.update(options)
         if "tls_context" not in kwargs:
             kwargs["tls_context"] = ssl_context_for(broker)
         return cls(broker.host, broker.port, client_id, **kwargs)
@@ -247,7 +247,7 @@ class MqttTransport(Link):
                 self._hop(self._ack, conn, msg.mid, msg.qos)  # dropped, but its flow-control slot freed
             else:
                 message = Message(msg.topic, bytes(msg.payload), bool(msg.retain))
-                self._read_message(conn, msg.mid, msg.qos, message)
+                self._hop(self._receive, conn, msg.mid, msg.qos, message)
 
         c = conn.client
         c.on_connect = guarded("on_connect", on_connect)

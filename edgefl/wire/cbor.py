@@ -26,8 +26,7 @@ _Choice = TypeVar("_Choice", bound=StrEnum)
 SCHEMA_VERSION: Final = 1
 
 INT_MAX: Final = 2**63 - 1  # fits int64 everywhere downstream (JSON, Prometheus, numpy)
-#: Tags a message may hold: 40 (RFC 8746 §3.1.1 multi-dimensional array) and the RFC 8746 §2.1
-#: typed arrays ``edgefl.wire.arrays`` decodes (64-67, 69-75, 77-82, 84-86).
+#: Tags a message may hold: 40 and the typed arrays ``edgefl.wire.arrays`` decodes (RFC 8746 §3.1.1, §2.1).
 ALLOWED_TAGS: Final = frozenset({40, *range(64, 68), *range(69, 76), *range(77, 83), 84, 85, 86})
 
 

@@ -18,8 +18,7 @@ from edgefl.wire import cbor
 from edgefl.wire.compression import CompressedDelta, Compression, compress_delta, decompress_head
 from edgefl.wire.reasons import Reason
 
-# Bounds on a RoundAnnouncement's training settings: a device must not be told to train for 2^62
-# epochs or with a step that overflows float32.
+# Bounds on a RoundAnnouncement's training settings (no 2^62 epochs, no step that overflows float32).
 MAX_DEADLINE_S: Final = 86_400.0
 MAX_LOCAL_EPOCHS: Final = 1_000
 MAX_LR: Final = 10.0

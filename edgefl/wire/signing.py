@@ -44,8 +44,7 @@ SIGNED_KINDS: Final[Mapping[MessageType, str]] = {
     MessageType.PARTIAL: "base_version",
     MessageType.PRESENCE: "seq",
 }
-#: Kinds whose signed bytes bind the sender the topic names, and the key naming it in the message:
-#: a device (Update, Decline) or a site (Partial).
+#: Kinds whose signed bytes bind the sender (device or site) the topic names, and its key in the message.
 _SENDER_KEYS: Final[Mapping[MessageType, str]] = {
     MessageType.UPDATE: "device",
     MessageType.DECLINE: "device",
@@ -307,12 +306,12 @@ def load_verify_key(path: Path) -> VerifyKey:
     return _load_key(path, "public key", parse_verify_key)
 
 
-def load_verify_keys(directory: Path, suffix: str = ".pub") -> dict[str, VerifyKey]:
-    """Every ``<device><suffix>`` of a directory by device id: the key ring (OSError, ValueError)."""
+def load_verify_keys(directory: Path) -> dict[str, VerifyKey]:
+    """Every ``<device>.pub`` of a directory by device id: the key ring (OSError, ValueError)."""
     return {
-        p.name[: -len(suffix)]: load_verify_key(p)
+        p.name[:-4]: load_verify_key(p)
         for p in sorted(Path(directory).iterdir())
-        if p.name.endswith(suffix) and p.is_file()
+        if p.name.endswith(".pub") and p.is_file()
     }
 
 
