@@ -46,9 +46,8 @@ class AgentBrokerConfig(BrokerConfig):
     """``[broker]`` of a device profile: the shared MQTT keys and the agent's persistent session.
 
     Shared keys: :class:`~edgefl.profiles.BrokerConfig`. ``session_expiry_s``: seconds the broker keeps
-    the agent's MQTT session (its subscriptions and the QoS 1 messages queued for them) while the agent
-    is away, 0..4294967295 (never expires); 0: a clean session at every connect (MQTT 5.0 §3.1.2.11;
-    ``docs/operations.md``).
+    the agent's MQTT session while it is away, 0 (a clean session at every connect)..4294967295 (never
+    expires); MQTT 5.0 §3.1.2.11; ``docs/operations.md``.
     """
 
     session_expiry_s: int = 3600
@@ -111,10 +110,8 @@ class TrainingConfig:
     deferring training, 0 < floor <= chunk_size; ``clip_norm`` L2 clipping norm of the update delta,
     > 0 (None: no clipping); ``seed`` of the local shuffles, >= 0; ``holdout_every`` 0 (off) or n >= 2:
     every n-th labelled sample goes to a holdout store (capacity ``store_capacity // n``, at least 16)
-    on which each new global head is evaluated; ``min_examples`` >= 1, fewest labelled examples stored
-    to train a round, else it is declined (``too_few_examples``; ``no_samples`` at once with none);
-    a stored sample waits at most ``flush_interval_s`` seconds (> 0) or ``flush_every`` (>= 1) more
-    samples before the store is flushed (it then survives a power cut).
+    on which each new global head is evaluated; ``min_examples`` 1..store_capacity, ``flush_interval_s``
+    seconds > 0, ``flush_every`` samples >= 1: ``docs/operations.md``.
     """
 
     store_capacity: int = 4096
@@ -158,14 +155,11 @@ class SourceConfig:
     (``docs/protocol.md``, "Live ingest"); ``replay`` the ``.npz`` at ``path`` (required; absolute
     after loading) holding ``x`` (raw samples) and ``y`` (labels), ``rate_hz`` samples a second (>= 0;
     0: as fast as possible), from the first again after the last if ``loop``; ``none`` only what the
-    store already holds. ``queue_max_bytes`` (every kind) payload bytes received and not yet handled,
-    65,536..67,108,864: at it the agent stops reading the broker's socket until handling frees bytes
-    (``docs/operations.md``). MQTT: ``queue_max`` samples not yet classified, 1..65536, the oldest
-    dropped when full (``ingest_dropped``); ``pending_max`` classified samples kept for a late Label,
-    0..1,000,000, the oldest dropped when full (``pending_evicted``), 0 refuses every late label;
-    ``label_expiry_s`` seconds one waits for its Label, (0, 86400], then it is dropped
-    (``pending_expired``) and its Label refused (``unknown_sample``); ``samples_qos`` of the
-    subscriptions to ``samples/<device>`` (0 or 1; labels always 1); ``predictions_qos`` 0 or 1.
+    store already holds. ``queue_max_bytes`` (every kind) 65,536..67,108,864 (``docs/operations.md``).
+    MQTT (each bound's effect: ``docs/protocol.md``, "What the device does with them"): ``queue_max``
+    1..65536 samples; ``pending_max`` 0..1,000,000 samples, 0 refuses every late label;
+    ``label_expiry_s`` (0, 86400] seconds; ``samples_qos`` of the subscriptions to ``samples/<device>``
+    (0 or 1; labels always 1); ``predictions_qos`` 0 or 1.
     """
 
     kind: Literal["none", "replay", "mqtt"] = "none"
@@ -200,11 +194,10 @@ class SecurityConfig:
 
 @dataclass(frozen=True, slots=True)
 class StatusConfig:
-    """``[status]``: the retained status message, in seconds.
+    """``[status]``: the retained status message, in seconds (what goes out when: ``docs/operations.md``).
 
-    ``interval_s`` how often it is checked, 0.05..3600: news publishes at once, a change of the moving
-    figures alone waits for the heartbeat (``edgefl.agent.status``); ``heartbeat_s`` the longest time
-    between two publishes, interval_s..86400 (unset: interval_s).
+    ``interval_s`` how often it is checked, 0.05..3600; ``heartbeat_s`` the longest time between two
+    publishes, interval_s..86400 (unset: interval_s).
     """
 
     interval_s: float = 2.0

@@ -1,8 +1,7 @@
 """The memory governor: knows the cap, measures each phase's peak RSS and admits phases under the cap.
 
-The cap is the profile's, lowered by a cgroup limit. A phase's peak is exact (the kernel's peak
-counter reset at its start); a phase is admitted on an estimate in bytes (``edgefl.agent.estimates``):
-when ``rss + estimate > cap - reserve`` its work is halved down to a floor, then it is deferred.
+A phase's peak is exact (the kernel's peak counter reset at its start); admission: :meth:`Governor.admit`
+and ``docs/operations.md`` ("Memory: shrunk, refused, deferred, declined").
 
 Source: proc(5) (``status`` VmHWM, ``clear_refs`` value 5 resets the peak RSS, Linux >= 4.0).
 """

@@ -238,7 +238,7 @@ def run_round(
                 core.observe(x[start_i : start_i + batch], y[start_i : start_i + batch])
         except BudgetExceeded as exc:  # the governor ran no inference it judged over budget
             return report(0, f"inference not run: {exc}")
-        core.flush_store()
+        core.flush()
 
         # the coordinator's side (announce, aggregate, encode the global head) is not the device's memory
         round_no = core.answered.round + 1 if core.answered is not None else 1
@@ -277,6 +277,7 @@ def run_round(
         )
         del entry, local, result
         applied = core.receive_global(gm_bytes)
+        core.flush()  # the writes left behind, as the daemon makes them once idle
         if applied.status != ApplyStatus.APPLIED and not note:
             note = f"global head {applied.status}: {applied.reason} {applied.detail}".strip()
         return report(update_bytes, note)

@@ -93,9 +93,8 @@ class Deferred:
     """A round not answered yet, retried by :meth:`DeviceCore.retry_deferred` until its time is up.
 
     ``since_s``: ``time.monotonic()`` of its first deferral; ``reason``: the latest why; ``decline``:
-    the Decline's reason when its time is up, ``over_budget`` (waiting for memory),
-    ``too_few_examples`` (fewer than ``training.min_examples`` stored) or ``no_head`` (the global head
-    of its base version never came).
+    the Decline's reason when its time is up, ``over_budget``, ``too_few_examples`` or ``no_head``
+    (``docs/protocol.md``, "Decline").
     """
 
     ann: RoundAnnouncement

@@ -83,7 +83,7 @@ class SampleSource(StatusReporter):
                 self._count_stored(out.predictions, lbl, out.refused_labels, out.refused_not_finite)
                 pause_s = len(lbl) / src.rate_hz - (time.monotonic() - t0) if src.rate_hz > 0 else 0.0
                 await asyncio.sleep(max(0.0, pause_s))
-            await self._work(self.core.flush_store)  # never raises: a full disk marks the core degraded
+            await self._work(self.core.flush)  # never raises: a full disk marks the core degraded
             if not self.state.replay_done:
                 self.state.replay_done = True
                 logger.info("replay done: %d samples stored", len(self.core.store))
@@ -298,6 +298,6 @@ class SampleSource(StatusReporter):
                     await asyncio.sleep(wait_s)
                     continue
                 if self.core.flush_due():
-                    await self._work(self.core.flush_store)
+                    await self._work(self.core.flush)
                     await self._work(self._flush_pending)
                 break

@@ -1,8 +1,7 @@
 """Site and root aggregators: one coordinator per site's broker, one root, joined by broker bridges.
 
 A site sends its strategy's accumulator up as one signed Partial a round; the root folds verified,
-de-duplicated partials. The walk through both, and what survives which fault, is
-``docs/operations.md``, "Many sites".
+de-duplicated partials. Both, and what survives which fault: ``docs/operations.md``, "Many sites".
 
 Source: Bonawitz et al. 2019, "Towards Federated Learning at Scale: System Design", §4 (aggregators
 and a master aggregator); the sums are McMahan et al. 2017, Algorithm 1, split by site.

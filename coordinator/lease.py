@@ -1,10 +1,7 @@
 """One coordinator per fleet: a lock on its state folder and a lease on the broker.
 
-The lease is a retained :class:`~edgefl.wire.presence.Presence` on ``<prefix>/<fleet>/coordinator``,
-refreshed every heartbeat and cleared by the holder's last will; :func:`probe_lease` reads it before the
-fleet's client id connects. Every case: ``docs/protocol.md`` ("Presence"), ``docs/operations.md`` ("One
-coordinator per fleet").
-
+The lease is a retained :class:`~edgefl.wire.presence.Presence` on ``<prefix>/<fleet>/coordinator``;
+every case: ``docs/protocol.md`` ("Presence"), ``docs/operations.md`` ("One coordinator per fleet").
 Source: the MQTT "birth and last will" presence pattern (MQTT 5.0 §3.1.2.5, Will Message; §3.3.1.3,
 retained messages).
 """
@@ -141,8 +138,7 @@ class PresenceTrust:
     def read(self, payload: bytes, *, fresh: bool = True, now: float | None = None) -> Presence:
         """Verify (with a key) and decode a presence; ``fresh``: with a key, it must be recent too.
 
-        Fresh: ``sent`` at most two heartbeats (each capped at :data:`PROBE_HEARTBEAT_MAX_S`) plus
-        :data:`CLOCK_SKEW_S` before ``now`` (Unix s, default the clock), at most :data:`CLOCK_SKEW_S` after.
+        Fresh as ``docs/protocol.md`` ("Presence") says, against ``now`` (Unix s, default the clock).
         Raises DecodeError: ``unsigned``, ``bad_signature``, ``expired`` (old or unstamped ``sent``), or a
         decoding reason of ``docs/protocol.md`` ("Presence").
         """

@@ -50,12 +50,9 @@ class ModelRef:
 class RoundsConfig:
     """``[rounds]``: how many rounds, when they open, who takes part, and what devices are told to do.
 
-    ``count`` >= 0: 0 runs a service until stopped, paced by ``interval_s`` (least seconds between two
-    round starts) and ``min_new_samples`` (new labelled samples the ready devices must report; 0: no
-    wait); N runs N rounds back to back. ``min_clients`` > 0: ready devices a service's round needs,
-    and the fewest updates that close any round early (the strategy's own minimum on top); ``quorum``
-    in (0, 1]: share of the devices asked whose updates close it early. ``expected_clients`` >= 0:
-    ready devices to wait for (up to ``wait_devices_s``) before round 1. ``deadline_s`` > 0;
+    ``count`` >= 0, ``interval_s`` >= 0 seconds, ``min_new_samples`` >= 0 (0: no wait), ``min_clients``
+    > 0, ``quorum`` in (0, 1], ``deadline_s`` > 0: ``docs/operations.md`` ("Running for months").
+    ``expected_clients`` >= 0: ready devices to wait for (up to ``wait_devices_s``) before round 1;
     ``local_epochs``, ``batch_size`` > 0; ``lr`` > 0 the client learning rate, times ``lr_decay`` in
     (0, 1] per round of an episode; ``compression`` of the updates (none, float16, int8, topk,
     topk-int8); ``downlink``: the global head's layout (float32, float16, int8; ``docs/protocol.md``).
@@ -167,13 +164,10 @@ class HierarchyConfig:
     """``[hierarchy]``: this coordinator's place among many sites (``docs/operations.md``, "Many sites").
 
     ``role``: ``flat`` (one coordinator), ``site`` (devices' updates in, one signed Partial a round up)
-    or ``root`` (partials in, the global head and rounds out). A site: ``site`` id (device-id pattern,
-    required); ``expected_devices`` >= 0 updates close its partial early (0: the devices online and
-    selected at the opening); it closes ``close_margin_s`` >= 0 before the root's deadline; with
-    ``root_key_file`` announcements must be signed by the root. A root: ``expected_sites`` >= 0
-    partials close a round early (0: ``rounds.min_clients`` updates do); with ``site_keys_dir`` (folder
-    of ``<site>.pub``) every partial must be signed by its site, without it ``allow_unsigned_sites``
-    must be set; ``site_devices`` > 0 (required) bounds the devices a partial may claim.
+    or ``root`` (partials in, the global head and rounds out); each key's effect is in the docs. A site:
+    ``site`` id (device-id pattern, required), ``expected_devices`` >= 0, ``close_margin_s`` >= 0
+    seconds, ``root_key_file``. A root: ``expected_sites`` >= 0; ``site_keys_dir`` (folder of
+    ``<site>.pub``), without it ``allow_unsigned_sites`` must be set; ``site_devices`` > 0 (required).
     """
 
     role: Literal["flat", "site", "root"] = "flat"

@@ -249,10 +249,8 @@ class FleetPhase(StrEnum):
 class FleetState:
     """The fleet's state as its page shows it: one phase, human words, and the numbers behind them.
 
-    ``text`` says it in words (``"collecting 3 of 5"``); ``round``: the open or last round; ``ready``
-    and ``needed`` devices; ``new_samples`` (None: not reported) and ``min_new_samples``; in an open
-    round ``asked``, ``counted``, ``close_at``; ``next_round_in_s`` while paused. The keys are
-    ``docs/operations.md``'s, "The round log and the fleet state".
+    Each key: ``docs/operations.md``, "The round log and the fleet state" (``new_samples`` None: not
+    reported).
     """
 
     state: FleetPhase

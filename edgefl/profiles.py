@@ -3,9 +3,7 @@
 Unknown tables and keys are refused, a missing table takes its defaults, and every problem (dotted
 key, value, reason) is reported at once in one :class:`~edgefl.errors.ConfigError`. Relative paths
 resolve against the profile's folder (``--set``: the working directory); secrets never appear in a
-``repr``, an error or :meth:`Schema.to_dict`. The tables both kinds share are here (``[broker]``,
-``[dashboard]``).
-
+``repr``, an error or :meth:`Schema.to_dict`. Also the shared tables ``[broker]`` and ``[dashboard]``.
 Source: TOML 1.0.0 (https://toml.io/en/v1.0.0), read with ``tomllib``.
 """
 
@@ -49,13 +47,10 @@ class BrokerConfig:
     ``url`` is ``mqtt://host[:port]`` (1883) or ``mqtts://host[:port]`` (8883), ``tls`` True exactly
     for ``mqtts`` (derived when absent); ``topic_prefix`` the first topic levels (no wildcards, no
     leading ``$``); ``qos`` of device publishes 0..2; ``keepalive_s`` 1..65535 seconds;
-    ``max_packet_bytes`` the largest packet sent (lowered by an MQTT 5 CONNACK; larger messages go in
-    chunks) and ``max_incoming_packet_bytes`` the largest accepted (announced in CONNECT, enforced
-    before buffering), 1..268435455; ``protocol`` ``auto`` tries 5, then 3.1.1; ``password`` (hidden
-    from ``repr``) or ``password_file`` (its first line) require ``username``; ``ca_file``,
-    ``client_cert``, ``client_key`` PEM files for TLS (cert and key together); ``alternates`` other
-    nodes of a clustered broker (``url``'s scheme), tried round robin; ``auth_retries`` >= 1
-    credential refusals in a row before the agent exits with code 5.
+    ``max_packet_bytes`` (sent) and ``max_incoming_packet_bytes`` (accepted) 1..268435455; ``protocol``
+    ``auto`` tries 5, then 3.1.1; ``password`` (hidden from ``repr``) or ``password_file`` (its first
+    line) require ``username``; ``ca_file``, ``client_cert``, ``client_key`` PEM files for TLS (cert and
+    key together); ``alternates`` of ``url``'s scheme; ``auth_retries`` >= 1.
     """
 
     url: str = "mqtt://127.0.0.1:1883"

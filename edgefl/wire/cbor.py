@@ -34,10 +34,8 @@ ALLOWED_TAGS: Final = frozenset({40, *range(64, 68), *range(69, 76), *range(77, 
 class Limits:
     """Decoding bounds, each checked before the memory it guards is allocated; ValueError if one is < 1.
 
-    ``max_message_bytes`` (payload), ``max_depth`` (nesting of arrays, maps, tags),
-    ``max_array_elements`` (one array or map), ``max_string_bytes`` (a text string, UTF-8, or a
-    signature), ``max_items`` (CBOR items in a message: a typed array is one): ``docs/protocol.md``
-    ("Decoding").
+    Each bound and its default: ``docs/protocol.md`` ("Decoding"); ``max_string_bytes`` also bounds a
+    signature, ``max_items`` counts a typed array as one item.
     """
 
     max_message_bytes: int = 4 * 1024 * 1024

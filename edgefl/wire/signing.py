@@ -403,10 +403,9 @@ def verify_payload(
 
     ``payload`` may be its :func:`~edgefl.wire.cbor.scan`; ``fleet`` is this peer's; ``kind`` the type
     the topic carries; ``device`` the device (for a Partial, the site) the topic names, for the kinds
-    that bind a sender; ``limits`` bound the header scan. DecodeError ``unsigned`` (no 64-byte
-    signature as the last entry) or ``bad_signature`` (wrong key, a byte changed, signed for another
-    fleet, kind or device, another schema, or unreadable signed fields; the detail says which);
-    ValueError if ``kind`` is not signed, or binds a sender and ``device`` is empty.
+    that bind a sender; ``limits`` bound the header scan. DecodeError ``unsigned`` or ``bad_signature``
+    (each case: ``docs/protocol.md``, "Signatures"; the detail says which); ValueError if ``kind`` is
+    not signed, or binds a sender and ``device`` is empty.
     """
     expected = MessageType(kind)
     if expected not in SIGNED_KINDS:
