@@ -243,23 +243,16 @@ def test_compressed_delta_round_trips_and_matches_the_decoder() -> None:
         np.testing.assert_array_equal(got.delta_b, packed.decoded_b)
         if mode is Compression.NONE:
             np.testing.assert_array_equal(packed.decoded_W, u.delta_W)
-        # stochastic rounding: the same draws as encode_update compressing it itself
-        packed = compress_head_delta(
-            u.delta_W, u.delta_b, mode, topk_fraction=0.05, rng=np.random.default_rng(5)
-        )
-        again = encode_update(u, topk_fraction=0.05, rng=np.random.default_rng(5))
-        assert encode_update(u, compressed=packed) == again
     # the dense int8 decode the sender computes itself (no re-read of its bytes) is the decoder's,
-    # bit for bit: an all-zero output unit (scale 0), values over 30 binary orders, stochastic rounding
+    # bit for bit: an all-zero output unit (scale 0), values over 30 binary orders
     rng = np.random.default_rng(9)
     W = (rng.normal(size=(300, 7)) * 2.0 ** rng.integers(-20, 10, size=(300, 7))).astype(np.float32)
     W[:, 3] = 0.0
-    for stochastic in (None, np.random.default_rng(2)):
-        packed = compress_head_delta(W, W[0], Compression.INT8, rng=stochastic)
-        assert not packed.decoded_W[:, 3].any()
-        for sub, dense, shape in ((packed.W, packed.decoded_W, W.shape), (packed.b, packed.decoded_b, (7,))):
-            wire = decompress_delta(sub, shape, limits=DEFAULT_LIMITS, compression=Compression.INT8)
-            assert wire.tobytes() == dense.tobytes()
+    packed = compress_head_delta(W, W[0], Compression.INT8)
+    assert not packed.decoded_W[:, 3].any()
+    for sub, dense, shape in ((packed.W, packed.decoded_W, W.shape), (packed.b, packed.decoded_b, (7,))):
+        wire = decompress_delta(sub, shape, limits=DEFAULT_LIMITS, compression=Compression.INT8)
+        assert wire.tobytes() == dense.tobytes()
     with pytest.raises(ValueError, match="NaN"):
         compress_head_delta(np.full((2, 2), np.nan, np.float32), np.zeros(2, np.float32), Compression.INT8)
 
