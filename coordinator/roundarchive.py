@@ -146,8 +146,6 @@ class RoundArchive:
         self.recent = recent
         self.tail_rounds = tail_rounds
         self.sampled_rounds = sampled_rounds
-        self.reads = 0
-        """Times the log was read (a read is reused while the log stays the same)."""
         self._lock = threading.Lock()
         self._cached: tuple[tuple[int, int, int], list[dict[str, Any]]] | None = None
         self._joined: tuple[list[dict[str, Any]], object, int, list[Mapping[str, Any]]] | None = None
@@ -179,7 +177,6 @@ class RoundArchive:
                     logger.warning("round log %s not read for the fleet page: %s", self.log, exc)
                 self._cached = None
                 return older
-            self.reads += 1
             for line in sampled:
                 entry = page_entry(line)
                 if entry is not None:
