@@ -24,6 +24,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+# first of the product: edgefl.cli's process settings (one BLAS thread, the malloc knobs) go into the
+# environment before numpy loads, as for the shipped commands; the xdist workers inherit them. Without
+# them each worker's OpenBLAS starts a thread per core that spin-waits between the in-process tests'
+# small matrix products (the poisoning rounds used 2.4x the CPU on 2 cores)
+import edgefl.cli  # noqa: F401
 from edgefl.launcher import free_port, stop_agents
 from tests.support.broker import Broker, mosquitto_path, restart_mosquitto, start_mosquitto, stop_broker
 
