@@ -51,6 +51,7 @@ def _hostile_statuses(broker: Broker, fleet: str, stop: threading.Event) -> None
     asyncio.run(run())
 
 
+@pytest.mark.long
 @pytest.mark.broker
 @pytest.mark.subprocess
 def test_hostile_silent_ready_device_holds_only_the_first_round_to_its_deadline(
