@@ -1,23 +1,19 @@
-"""Device profiles: a TOML file turned into frozen dataclasses, validated once at load.
+"""Device profiles: ``edgefl run PROFILE``, one frozen dataclass per TOML table, validated once at load.
 
-One dataclass per TOML table; unknown tables and keys are refused, a missing table takes its
-defaults, ``device.id`` and ``model.path`` are required. Every problem is reported at once in one
-:class:`~edgefl.errors.ConfigError`, each naming the dotted key, the value and the reason
-(``memory.cap_mb = 0: must be > 0``). Relative paths resolve against the profile's directory; secrets
-never appear in a ``repr``, an error message or :func:`profile_to_dict`.
+Parsed and checked as :mod:`edgefl.profiles` says (every problem at once, each naming its dotted key);
+``device.id`` and ``model.path`` are required. The commented example is ``firmware_configs/dev_x86.toml``.
 """
 
 from __future__ import annotations
 
 import logging
-import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from functools import partial
 from pathlib import Path
 from typing import Any, Final, Literal
 
 from edgefl import profiles
+from edgefl.datasets import npz_problem
 from edgefl.profiles import BrokerConfig, DashboardConfig, Problems, check
 from edgefl.validators import (
     MAX_BATCH,
@@ -25,7 +21,6 @@ from edgefl.validators import (
     MQTT_MAX_SESSION_EXPIRY_S,
     check_device_id,
     check_int_at_most,
-    check_positive_int,
 )
 
 logger = logging.getLogger(__name__)
@@ -51,9 +46,8 @@ class AgentBrokerConfig(BrokerConfig):
     """``[broker]`` of a device profile: the shared MQTT keys and the agent's persistent session.
 
     Shared keys: :class:`~edgefl.profiles.BrokerConfig`. ``session_expiry_s``: seconds the broker keeps
-    the agent's MQTT session (its subscriptions and the QoS 1 messages queued for them) while the agent
-    is away, 0..4294967295 (never expires); 0: a clean session at every connect (MQTT 5.0 §3.1.2.11;
-    ``docs/operations.md``).
+    the agent's MQTT session while it is away, 0 (a clean session at every connect)..4294967295 (never
+    expires); MQTT 5.0 §3.1.2.11; ``docs/operations.md``.
     """
 
     session_expiry_s: int = 3600
@@ -116,10 +110,8 @@ class TrainingConfig:
     deferring training, 0 < floor <= chunk_size; ``clip_norm`` L2 clipping norm of the update delta,
     > 0 (None: no clipping); ``seed`` of the local shuffles, >= 0; ``holdout_every`` 0 (off) or n >= 2:
     every n-th labelled sample goes to a holdout store (capacity ``store_capacity // n``, at least 16)
-    on which each new global head is evaluated; ``min_examples`` >= 1, fewest labelled examples stored
-    to train a round, else it is declined (``too_few_examples``; ``no_samples`` at once with none);
-    a stored sample waits at most ``flush_interval_s`` seconds (> 0) or ``flush_every`` (>= 1) more
-    samples before the store is flushed (it then survives a power cut).
+    on which each new global head is evaluated; ``min_examples`` 1..store_capacity, ``flush_interval_s``
+    seconds > 0, ``flush_every`` samples >= 1: ``docs/operations.md``.
     """
 
     store_capacity: int = 4096
@@ -163,14 +155,11 @@ class SourceConfig:
     (``docs/protocol.md``, "Live ingest"); ``replay`` the ``.npz`` at ``path`` (required; absolute
     after loading) holding ``x`` (raw samples) and ``y`` (labels), ``rate_hz`` samples a second (>= 0;
     0: as fast as possible), from the first again after the last if ``loop``; ``none`` only what the
-    store already holds. ``queue_max_bytes`` (every kind) payload bytes received and not yet handled,
-    65,536..67,108,864: at it the agent stops reading the broker's socket until handling frees bytes
-    (``docs/operations.md``). MQTT: ``queue_max`` samples not yet classified, 1..65536, the oldest
-    dropped when full (``ingest_dropped``); ``pending_max`` classified samples kept for a late Label,
-    0..1,000,000, the oldest dropped when full (``pending_evicted``), 0 refuses every late label;
-    ``label_expiry_s`` seconds one waits for its Label, (0, 86400], then it is dropped
-    (``pending_expired``) and its Label refused (``unknown_sample``); ``samples_qos`` of the
-    subscriptions to ``samples/<device>`` (0 or 1; labels always 1); ``predictions_qos`` 0 or 1.
+    store already holds. ``queue_max_bytes`` (every kind) 65,536..67,108,864 (``docs/operations.md``).
+    MQTT (each bound's effect: ``docs/protocol.md``, "What the device does with them"): ``queue_max``
+    1..65536 samples; ``pending_max`` 0..1,000,000 samples, 0 refuses every late label;
+    ``label_expiry_s`` (0, 86400] seconds; ``samples_qos`` of the subscriptions to ``samples/<device>``
+    (0 or 1; labels always 1); ``predictions_qos`` 0 or 1.
     """
 
     kind: Literal["none", "replay", "mqtt"] = "none"
@@ -205,11 +194,10 @@ class SecurityConfig:
 
 @dataclass(frozen=True, slots=True)
 class StatusConfig:
-    """``[status]``: the retained status message, in seconds.
+    """``[status]``: the retained status message, in seconds (what goes out when: ``docs/operations.md``).
 
-    ``interval_s`` how often it is checked, 0.05..3600: news publishes at once, a change of the moving
-    figures alone waits for the heartbeat (``edgefl.agent.status``); ``heartbeat_s`` the longest time
-    between two publishes, interval_s..86400 (unset: interval_s).
+    ``interval_s`` how often it is checked, 0.05..3600; ``heartbeat_s`` the longest time between two
+    publishes, interval_s..86400 (unset: interval_s).
     """
 
     interval_s: float = 2.0
@@ -252,22 +240,7 @@ def _check_model(p: Problems, c: ModelConfig, raw: Mapping[str, object], check_f
     if c.embedding_tensor is not None and not c.embedding_tensor:
         p.add("model.embedding_tensor", c.embedding_tensor, "must not be empty")
     check(p, "model.num_threads", c.num_threads, lambda v: check_int_at_most("num_threads", v, MAX_THREADS))
-    sha = c.sha256
-    if sha is not None and (len(sha) != 64 or any(ch not in "0123456789abcdefABCDEF" for ch in sha)):
-        p.add("model.sha256", sha, "must be 64 hexadecimal digits")
-    if check_files:
-        problem = profiles.file_problem(c.path, raw.get("path"))
-        if problem is not None:
-            p.add("model.path", raw.get("path"), problem)
-        elif sha is not None and "model.sha256" not in p.bad:
-            actual = profiles.sha256_file(c.path)
-            if actual != sha.lower():
-                p.add(
-                    "model.sha256",
-                    sha,
-                    f"does not match the file (its sha256 is {actual})",
-                    involves=("model.path",),
-                )
+    profiles.check_model(p, c, raw, check_files)
 
 
 def _check_pipeline(p: Problems, c: PipelineConfig, raw: Mapping[str, object], check_files: bool) -> None:
@@ -284,8 +257,8 @@ def _check_pipeline(p: Problems, c: PipelineConfig, raw: Mapping[str, object], c
 
 
 def _check_memory(p: Problems, c: MemoryConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    check(p, "memory.cap_mb", c.cap_mb, lambda v: check_positive_int("cap_mb", v))
-    check(p, "memory.reserve_mb", c.reserve_mb, lambda v: check_positive_int("reserve_mb", v))
+    p.positive("memory.cap_mb", c.cap_mb)
+    p.positive("memory.reserve_mb", c.reserve_mb)
     if c.reserve_mb >= c.cap_mb:
         p.add(
             "memory.reserve_mb",
@@ -293,13 +266,12 @@ def _check_memory(p: Problems, c: MemoryConfig, raw: Mapping[str, object], check
             f"must be < memory.cap_mb ({c.cap_mb})",
             involves=("memory.cap_mb",),
         )
-    if c.min_system_available_mb < 0:
-        p.add("memory.min_system_available_mb", c.min_system_available_mb, "must be >= 0")
+    p.not_negative("memory.min_system_available_mb", c.min_system_available_mb)
 
 
 def _check_training(p: Problems, c: TrainingConfig, raw: Mapping[str, object], check_files: bool) -> None:
     for name in ("store_capacity", "chunk_size", "chunk_floor"):
-        check(p, f"training.{name}", getattr(c, name), partial(check_positive_int, name))
+        p.positive(f"training.{name}", getattr(c, name))
     if c.chunk_floor > c.chunk_size:
         p.add(
             "training.chunk_floor",
@@ -307,13 +279,11 @@ def _check_training(p: Problems, c: TrainingConfig, raw: Mapping[str, object], c
             f"must be <= training.chunk_size ({c.chunk_size})",
             involves=("training.chunk_size",),
         )
-    if c.clip_norm is not None and c.clip_norm <= 0.0:
-        p.add("training.clip_norm", c.clip_norm, "must be > 0")
-    if c.seed < 0:
-        p.add("training.seed", c.seed, "must be >= 0")
+    p.positive("training.clip_norm", c.clip_norm)
+    p.not_negative("training.seed", c.seed)
     if c.holdout_every < 0 or c.holdout_every == 1:
         p.add("training.holdout_every", c.holdout_every, "must be 0 (no holdout) or >= 2")
-    if not c.flush_interval_s > 0.0 or c.flush_interval_s == float("inf"):
+    if not c.flush_interval_s > 0.0:  # the parser refused inf
         p.add("training.flush_interval_s", c.flush_interval_s, "must be a finite number of seconds > 0")
     if c.flush_every < 1:  # the parser made every int field an int
         p.add("training.flush_every", c.flush_every, "must be an integer >= 1")
@@ -328,27 +298,13 @@ def _check_training(p: Problems, c: TrainingConfig, raw: Mapping[str, object], c
         )
 
 
-def _npz_problem(path: Path) -> str | None:
-    """Return why ``path`` is not an ``.npz`` holding arrays ``x`` and ``y``, or None."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            names = set(archive.namelist())
-    except (zipfile.BadZipFile, OSError) as exc:
-        return f"not an .npz archive ({exc})"
-    missing = [name for name in ("x", "y") if f"{name}.npy" not in names]
-    if missing:
-        return "the .npz has no array " + " or ".join(repr(m) for m in missing)
-    return None
-
-
 def _check_broker(p: Problems, c: AgentBrokerConfig, raw: Mapping[str, object], check_files: bool) -> None:
     profiles.check_broker(p, c, raw, check_files)
     p.between("broker.session_expiry_s", c.session_expiry_s, 0, MQTT_MAX_SESSION_EXPIRY_S, " seconds")
 
 
 def _check_source(p: Problems, c: SourceConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    if c.rate_hz < 0.0:
-        p.add("source.rate_hz", c.rate_hz, "must be >= 0")
+    p.not_negative("source.rate_hz", c.rate_hz)
     p.between("source.queue_max", c.queue_max, 1, 65_536, " samples")
     p.between("source.queue_max_bytes", c.queue_max_bytes, 65_536, 67_108_864, " bytes")
     p.between("source.pending_max", c.pending_max, 0, 1_000_000, " samples")
@@ -364,13 +320,13 @@ def _check_source(p: Problems, c: SourceConfig, raw: Mapping[str, object], check
             p.note("source.path: required when source.kind = 'replay'")
         return
     if check_files:
-        problem = profiles.file_problem(c.path, raw.get("path")) or _npz_problem(c.path)
+        problem = profiles.file_problem(c.path, raw.get("path")) or npz_problem(c.path)
         if problem is not None:
             p.add("source.path", raw.get("path"), problem)
 
 
 def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    from edgefl.wire.signing import library_problem, load_signing_key, parse_verify_key
+    from edgefl.wire.signing import parse_verify_key
 
     key = c.coordinator_public_key
     if key is not None:
@@ -388,23 +344,11 @@ def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], c
             "needs security.coordinator_public_key",
             involves=("security.coordinator_public_key",),
         )
-    if c.outbox_max_bytes <= 0:
-        p.add("security.outbox_max_bytes", c.outbox_max_bytes, "must be > 0")
-    if check_files and c.signing_key_file is not None:
-        problem = profiles.file_problem(c.signing_key_file, raw.get("signing_key_file"))
-        if problem is None:
-            try:
-                load_signing_key(c.signing_key_file)
-            except (OSError, ValueError) as exc:
-                problem = str(exc)
-        if problem is not None:
-            p.add("security.signing_key_file", raw.get("signing_key_file"), problem)
+    p.positive("security.outbox_max_bytes", c.outbox_max_bytes)
     if check_files:
-        for name in ("signing_key_file", "coordinator_public_key"):
-            why = library_problem(f"security.{name}") if getattr(c, name) is not None else None
-            if why is not None:
-                p.note(why)
-                break  # one line is enough: the same library serves every key
+        if c.signing_key_file is not None:
+            profiles.check_key_file(p, "security.signing_key_file", c.signing_key_file, raw, private=True)
+        profiles.check_library(p, c, "security", ("signing_key_file", "coordinator_public_key"))
 
 
 def _check_status(p: Problems, c: StatusConfig, raw: Mapping[str, object], check_files: bool) -> None:
@@ -436,10 +380,7 @@ _TABLES: Final[dict[str, tuple[type[Any], profiles.Check]]] = {
     "status": (StatusConfig, _check_status),
     "personal": (PersonalConfig, _check_personal),
 }
-# Placeholders for required fields that are missing or mistyped, so the rest of the table is still
-# checked; problems about these keys are suppressed by Problems.bad.
-_PLACEHOLDERS: dict[str, object] = {"device.id": "_", "model.path": Path("_")}
-SCHEMA: Final = profiles.Schema(_TABLES, _PLACEHOLDERS)
+SCHEMA: Final = profiles.Schema(_TABLES, {"device.id": "_", "model.path": Path("_")})
 """The device profile's tables, checks and parser."""
 
 
@@ -453,16 +394,10 @@ def parse_profile(
 ) -> Profile:
     """Build and validate a profile (paths absolute) from an already-parsed TOML mapping.
 
-    ``data``: ``{table: {key: value}}`` as ``tomllib`` returns it, its relative paths resolving
-    against ``base_dir`` (normally the profile file's folder); ``path`` is recorded in
-    :attr:`Profile.path`; ``check_files`` checks that ``model.path``, the TLS files and a replay
-    ``source.path`` exist (and that ``model.sha256`` matches), False for profiles written for another
-    machine; ``overrides`` as :func:`load_profile`'s.
-
-    Raises
-    ------
-    ConfigError
-        With every problem found, e.g. ``["memory.cap_mb = 0: must be > 0", "[bogus]: unknown table"]``.
+    ``data``, ``base_dir``, ``check_files``, ``overrides`` as :meth:`edgefl.profiles.Schema.parse`'s
+    (``check_files`` False for a profile written for another machine); ``path`` is recorded in
+    :attr:`Profile.path`. ConfigError with every problem found, e.g. ``["memory.cap_mb = 0: must be > 0",
+    "[bogus]: unknown table"]``.
     """
     overrides = overrides or {}
     built = SCHEMA.parse(data, base_dir, check_files, overrides)
@@ -480,20 +415,13 @@ def load_profile(
     *,
     check_files: bool = True,
 ) -> Profile:
-    """Read a TOML profile, apply overrides, and validate it.
+    """Read a TOML profile (relative paths inside it resolve against its folder), apply overrides, validate.
 
-    ``path``: the ``.toml`` profile (relative paths inside it resolve against its folder);
-    ``overrides``: dotted keys set on top of the file before validation, e.g. ``{"device.id":
-    "dev-2"}``, string values (from ``--set key=value``) coerced to the field's type (``"0.5,0.5"`` to
-    a tuple of floats, ``""`` to None), a relative path resolving against the working directory;
-    ``check_files`` as :func:`parse_profile`'s.
-
-    Raises
-    ------
-    ConfigError
-        If the file cannot be read, is not TOML, or the profile is invalid (all problems at once).
-
-    Source: TOML 1.0.0 (https://toml.io/en/v1.0.0), read with ``tomllib``.
+    ``overrides``: dotted keys set on top of the file, e.g. ``{"device.id": "dev-2"}``, string values
+    (from ``--set key=value``) coerced to the field's type (``"0.5,0.5"`` to a tuple of floats, ``""``
+    to None), a relative path resolving against the working directory; ``check_files`` as
+    :func:`parse_profile`'s. ConfigError if the file cannot be read, is not TOML, or the profile is
+    invalid (all problems at once).
     """
     file, data = profiles.read_toml(path)
     profile = parse_profile(data, file.parent, path=file, check_files=check_files, overrides=overrides)
@@ -502,9 +430,5 @@ def load_profile(
 
 
 def profile_to_dict(p: Profile) -> dict[str, object]:
-    """Render a profile as JSON-serialisable ``{table: {key: value}}``, tables in file order.
-
-    Paths become strings, tuples lists, a set secret ``"***"``; without None values and with real
-    secrets the result parses back to an equal profile.
-    """
+    """Render a profile as JSON-ready ``{table: {key: value}}`` (:meth:`edgefl.profiles.Schema.to_dict`)."""
     return SCHEMA.to_dict(p)

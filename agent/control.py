@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 IDLE_GRACE_S = 0.5
-"""Seconds without a message before a trained round's writes left behind and ``malloc_trim`` run."""
+"""Seconds without a message before the core's flush (the writes left behind) and ``malloc_trim`` run."""
 
 
 class RoundTask(SampleSource):
@@ -33,7 +33,6 @@ class RoundTask(SampleSource):
     _control: asyncio.Queue[Message]
     _rounds_waiting: int  # round-topic messages in ``_control`` (put by the pump, taken by handle)
     _control_bytes: int  # their payload bytes (in the transport's byte bound)
-    _trim_wanted: bool
     _next_retry_at: float
 
     async def pump(self) -> None:
@@ -55,7 +54,7 @@ class RoundTask(SampleSource):
 
         Each pass: re-send the outbox if asked, answer the waiting round, retry the deferred one, then
         handle one message. Idle: the personal step, the status check, and after :data:`IDLE_GRACE_S`
-        the personal evaluation, the writes left behind and ``malloc_trim``.
+        the personal evaluation, then the core's flush and ``malloc_trim`` if writes were left behind.
         """
         while True:
             if self._control.empty() and not self._round_asks and not self._retry_due():
@@ -67,7 +66,7 @@ class RoundTask(SampleSource):
                 behind = self.core.behind_since
                 if behind is not None and time.monotonic() - behind >= self.profile.training.flush_interval_s:
                     # rounds back to back: the writes left behind still go out within the store's window
-                    await self._work(self.core.persist_behind)
+                    await self._work(self.core.flush)
                     continue
                 self._status_go.set()
                 self._round_wake.clear()
@@ -81,9 +80,8 @@ class RoundTask(SampleSource):
                             # next global head came first (its evaluation covers both heads)
                             await self._personalise()
                         if self.core.behind_since is not None or self._acked:
-                            await self._work(self.core.persist_behind)
-                        if self._trim_wanted:
-                            self._trim_wanted = False
+                            # a round, a head or an acknowledgement: its garbage back to the kernel too
+                            await self._work(self.core.flush)
                             await self._work(heap.malloc_trim)
                     continue
             if not self._status_connected:
@@ -119,7 +117,7 @@ class RoundTask(SampleSource):
     def _idle_wait_s(self) -> float | None:
         """How long the idle round task waits for a message: the trim's grace, the deferred round's retry."""
         core = self.core
-        later = self._trim_wanted or core.behind_since is not None or core.personal_due or self._acked
+        later = core.behind_since is not None or core.personal_due or self._acked
         waits = [IDLE_GRACE_S] if later else []
         if core.deferred is not None:
             waits.append(max(0.0, self._next_retry_at - time.monotonic()))
@@ -243,7 +241,6 @@ class RoundTask(SampleSource):
             local.train_s * 1e3,
         )
         self._set_state("waiting")
-        self._trim_wanted = True  # when idle (round_loop): the next round's message may be here
 
     async def _declined(self, result: RoundResult) -> None:
         """Publish a Decline (kept in the outbox like an update: re-sent after a reconnect)."""

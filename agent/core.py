@@ -229,9 +229,7 @@ class DeviceCore(RoundAnswering):
         self.write_failures = 0
         """State writes that failed (each logged; the device carries on, see :meth:`retry_persist`)."""
         self._unsaved: dict[str, Callable[[], object]] = {}  # what to write again once the disk has room
-        self.write_behind = False
-        """Write heads and acknowledgements behind, in :meth:`persist_behind` (off a round's path)."""
-        self._behind: dict[str, Callable[[], object]] = {}  # writes left for persist_behind
+        self._behind: dict[str, Callable[[], object]] = {}  # writes left for the next flush
         self._acks_behind = 0  # acknowledged updates still in the outbox record (written behind)
         self.behind_since: float | None = None
         """``time.monotonic()`` of the oldest write left behind (None: nothing behind)."""
@@ -411,7 +409,7 @@ class DeviceCore(RoundAnswering):
         after = self.store.refused_not_finite + (self.holdout.refused_not_finite if self.holdout else 0)
         # a full disk: the failed flush waits for retry_persist rather than failing at every batch
         if self._unflushed() >= self.profile.training.flush_every and "store" not in self._unsaved:
-            self.flush_store()
+            self.flush()
         return refused, after - before
 
     # --- global heads -----------------------------------------------------------------------------

@@ -49,13 +49,11 @@ class Agent(RoundTask):
         self.tls_context = ssl_context_for(profile.broker)  # bad certificate files fail at start-up
         self.state = AgentState()
         self.core = DeviceCore.open(profile, progress=self._progress)
-        self.core.write_behind = True  # the heads and a PUBACK's outbox write wait for an idle moment
-        self._trim_wanted = False  # a round's garbage is returned to the kernel when idle (round_loop)
-        self._round_wake = asyncio.Event()  # a message or an ask for the round task
+        self._round_wake = asyncio.Event()  # correctness: a message or an ask wakes the one round task
         self._round_asks = set()  # what other tasks asked the round task (_wake_rounds)
         self._acked = []  # PUBACKed updates the core is told of with the next worker call
-        # the status may be checked now: no round or global message in hand, or a (re)connect's
-        # status is due (never waits for a round)
+        # performance (round latency, docs/benchmarks.md "Hygiene"): the status is checked once no round
+        # or global message is in hand, or at once after a (re)connect
         self._status_go = asyncio.Event()
         self._status_go.set()
         self.governor = self.core.governor
@@ -76,15 +74,15 @@ class Agent(RoundTask):
         )
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgefl-worker")
         self.transport = None
-        self.stop_event = asyncio.Event()
-        self._status_dirty = asyncio.Event()
+        self.stop_event = asyncio.Event()  # correctness: SIGTERM/SIGINT stop the daemon
+        self._status_dirty = asyncio.Event()  # correctness: a change wakes the status task (news goes out)
         self.status_page = status_page
         self.dashboard_url = ""
         self._rate_window = deque(maxlen=32)
-        self._status_connected = False  # a (re)connect happened: the next status check publishes
+        # correctness: after a (re)connect the next status check publishes (the broker may hold the will)
+        self._status_connected = False
         self._last_said, self._last_at = "", -math.inf  # what the last published status said, and when
         self._last_level = 0  # samples_level of the last status published, lowered as it drops
-        self._news_memo = None  # the last status check's news view and its status_news string
         self._loop: asyncio.AbstractEventLoop | None = None
         self._next_retry_at = -math.inf  # when the deferred round may be retried again (monotonic)
         src = profile.source
@@ -93,8 +91,8 @@ class Agent(RoundTask):
             if src.kind == "mqtt"
             else None
         )
-        self._ingest_wake = asyncio.Event()
-        self._stored = asyncio.Event()  # samples were stored: flush_loop makes them durable in time
+        self._ingest_wake = asyncio.Event()  # correctness: a sample or label wakes the ingest task
+        self._stored = asyncio.Event()  # correctness: samples stored wake flush_loop (the flush window)
         # round and global messages wait here while the pump files samples (a round's training must not
         # hold up the transport's queue, whose overflow would drop a round or a head)
         self._control = asyncio.Queue(maxsize=64)
@@ -290,9 +288,8 @@ class Agent(RoundTask):
                     for t in tasks:
                         t.cancel()
             finally:
-                await self._work(self.core.flush_store)
+                await self._work(self.core.flush)
                 await self._work(self._flush_pending)
-                await self._work(self.core.persist_behind)
                 if self.ingest is not None and (lost := self.ingest.unclassified()):
                     # acknowledged to the broker, not yet classified: not in the pending-label file
                     logger.warning("stopping: %d received sample(s) not classified yet are dropped", lost)

@@ -7,13 +7,13 @@ each term here is checked against what the phase adds in a real process (``bench
 from __future__ import annotations
 
 import math
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from edgefl.datasets import npz_headers as npz_headers  # read as estimates.npz_headers by agent.core
 from edgefl.wire.compression import update_wire_bytes
 
 
@@ -200,44 +200,11 @@ def estimate_encode_bytes(dim: int, classes: int, compression: str, topk_fractio
 _NPY_READ_CHUNK_BYTES = 1 << 18  # numpy.lib.format.read_array's buffer when reading from a zip member
 
 
-def npz_headers(path: Path | str) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
-    """Array name (``"x"``, ``"y"``...) → (shape, dtype) of an ``.npz`` file, from the headers only.
-
-    Raises
-    ------
-    ValueError
-        Not a zip of ``.npy`` members (``numpy.savez``), or a header numpy cannot read (named).
-    OSError
-        The file cannot be read.
-
-    Source: the NPY format (``numpy.lib.format``: magic string, version, header dict).
-    """
-    out: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
-    fmt = np.lib.format
-    try:
-        with zipfile.ZipFile(path) as zf:
-            for info in zf.infolist():
-                if not info.filename.endswith(".npy"):
-                    continue
-                with zf.open(info) as fh:
-                    version = fmt.read_magic(fh)
-                    if version == (1, 0):
-                        shape, _, dtype = fmt.read_array_header_1_0(fh)
-                    elif version == (2, 0):
-                        shape, _, dtype = fmt.read_array_header_2_0(fh)
-                    else:
-                        raise ValueError(f"{info.filename}: NPY version {version} not read")
-                out[info.filename[: -len(".npy")]] = (tuple(int(d) for d in shape), np.dtype(dtype))
-    except zipfile.BadZipFile as exc:
-        raise ValueError(f"{path}: not an .npz file ({exc})") from exc
-    return out
-
-
 def estimate_replay_bytes(path: Path | str) -> int:
     """Bytes loading a replay file (``source.path``: ``x`` samples, ``y`` labels) adds to RSS.
 
     Every array as loaded (through ``numpy.load``'s buffer of up to 256 KiB) plus the labels' int64
-    copy, computed from the headers alone (ValueError, OSError as :func:`npz_headers`).
+    copy, from the headers alone (ValueError, OSError: :func:`edgefl.datasets.npz_headers`).
     """
     arrays = npz_headers(path)
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in arrays.values()]

@@ -1,8 +1,7 @@
 """The memory governor: knows the cap, measures each phase's peak RSS and admits phases under the cap.
 
-The cap is the profile's, lowered by a cgroup limit. A phase's peak is exact (the kernel's peak
-counter reset at its start); a phase is admitted on an estimate in bytes (``edgefl.agent.estimates``):
-when ``rss + estimate > cap - reserve`` its work is halved down to a floor, then it is deferred.
+A phase's peak is exact (the kernel's peak counter reset at its start); admission: :meth:`Governor.admit`
+and ``docs/operations.md`` ("Memory: shrunk, refused, deferred, declined").
 
 Source: proc(5) (``status`` VmHWM, ``clear_refs`` value 5 resets the peak RSS, Linux >= 4.0).
 """
@@ -23,6 +22,7 @@ from edgefl.agent.estimates import (
     estimate_batch_bytes,
     estimate_inference_bytes,
     estimate_personal_bytes,
+    estimate_replay_bytes,
     estimate_train_bytes,
 )
 from edgefl.agent.memstat import (
@@ -228,7 +228,6 @@ class Governor:
         work: int,
         floor: int,
         *,
-        deferrable: bool | None = None,
         keep: Callable[[int], int] | None = None,
         probe: bool = False,
     ) -> Admission:
@@ -246,8 +245,6 @@ class Governor:
             Bytes the phase needs for a work size (samples; one of the ``estimate_*`` functions).
         work, floor : int
             Work size asked for, >= 1, and the smallest worth running, >= 1 (clamped to ``work``).
-        deferrable : bool, optional
-            Override of ``phase in DEFERRABLE``.
         keep : callable(int) -> int, optional
             Bytes that must stay free beside the estimate at a work size (not part of the estimate).
         probe : bool
@@ -260,7 +257,7 @@ class Governor:
         """
         work = max(1, int(work))
         floor = max(1, min(int(floor), work))
-        can_defer = phase in DEFERRABLE if deferrable is None else deferrable
+        can_defer = phase in DEFERRABLE
         rss = self.rss_bytes()
         # the reserve is kept for the phases that cannot wait (inference): they may use it, never the cap
         budget = self.cap_bytes - (self.reserve_bytes if can_defer else 0) - rss
@@ -382,6 +379,14 @@ class Governor:
             )
 
         return self.admit(phase, need, chunk, floor, probe=probe)
+
+    def admit_replay(self, path: Path) -> Admission:
+        """Admit loading a replay file (``source.path``) whole; it cannot wait, so it may use the reserve.
+
+        OSError, ValueError as :func:`~edgefl.agent.estimates.estimate_replay_bytes`.
+        """
+        need = estimate_replay_bytes(path)
+        return self.admit("replay", lambda _: need, 1, 1)
 
     # --- report ------------------------------------------------------------------------------
     def _pss_bytes(self) -> int | None:

@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from edgefl.agent.config import Profile
-from edgefl.agent.estimates import estimate_replay_bytes
 from edgefl.agent.governor import PHASES, Governor
 from edgefl.agent.memstat import MIB
+from edgefl.datasets import load_xy
 from edgefl.errors import BudgetExceeded
 from edgefl.profiles import add_set_argument, parse_sets
 
@@ -77,10 +77,6 @@ class RoundReport:
     update_bytes: int
     completed: bool
     note: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-like form."""
-        return asdict(self)
 
 
 class _HeapWatch:
@@ -135,13 +131,12 @@ def _load_samples(
 ) -> tuple[Any, Any]:
     src = profile.source
     if src.kind == "replay" and src.path is not None:
-        # admitted before it is loaded, as the daemon's replay (it cannot wait: it may use the reserve)
-        need = estimate_replay_bytes(src.path)
-        if gov.admit("replay", lambda _: need, 1, 1, deferrable=False).deferred:
+        adm = gov.admit_replay(src.path)  # before it is loaded, as the daemon's replay
+        if adm.deferred:
+            need = adm.estimate_bytes
             logger.warning("replay samples %s over budget (%d bytes): random samples", src.path, need)
             return _synthetic(sample_shape, n, classes, profile.training.seed)
-        with np.load(src.path) as data:
-            x, y = np.asarray(data["x"]), np.asarray(data["y"]).astype(np.int64)
+        x, y = load_xy(src.path)
         if tuple(x.shape[1:]) == sample_shape:
             return x[:n], y[:n]
         logger.warning("replay samples %s do not fit the model %s: random samples", x.shape[1:], sample_shape)
@@ -243,7 +238,7 @@ def run_round(
                 core.observe(x[start_i : start_i + batch], y[start_i : start_i + batch])
         except BudgetExceeded as exc:  # the governor ran no inference it judged over budget
             return report(0, f"inference not run: {exc}")
-        core.flush_store()
+        core.flush()
 
         # the coordinator's side (announce, aggregate, encode the global head) is not the device's memory
         round_no = core.answered.round + 1 if core.answered is not None else 1
@@ -282,6 +277,7 @@ def run_round(
         )
         del entry, local, result
         applied = core.receive_global(gm_bytes)
+        core.flush()  # the writes left behind, as the daemon makes them once idle
         if applied.status != ApplyStatus.APPLIED and not note:
             note = f"global head {applied.status}: {applied.reason} {applied.detail}".strip()
         return report(update_bytes, note)
@@ -391,5 +387,5 @@ def main(args: argparse.Namespace) -> int:
     print(format_report(rep))
     print(f"({time.perf_counter() - t0:.1f} s{', with tracemalloc' if not args.no_tracemalloc else ''})")
     if args.json:
-        Path(args.json).write_text(json.dumps(rep.as_dict(), indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(asdict(rep), indent=2) + "\n")
     return 0 if rep.completed else 1

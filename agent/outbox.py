@@ -167,22 +167,19 @@ class Outbox:
             raise ValueError(f"update_id = {update_id!r:.80}: must match {UPDATE_ID_RE.pattern}")
         if round < 0:
             raise ValueError(f"round = {round}: must be >= 0")
-        if any(e.update_id == update_id for e in self._entries):
+        known = any(e.update_id == update_id for e in self._entries)
+        if known or len(payload) > self.max_bytes:
+            if not known:
+                logger.warning(
+                    "outbox: update %s (round %d, %d bytes) is larger than the outbox (%d bytes); not kept",
+                    update_id,
+                    round,
+                    len(payload),
+                    self.max_bytes,
+                )
             if answered is not None:
                 self._save_answered(answered)
-            return []
-        if len(payload) > self.max_bytes:
-            dropped = [Dropped(update_id, round, "too_large")]
-            logger.warning(
-                "outbox: update %s (round %d, %d bytes) is larger than the outbox (%d bytes); not kept",
-                update_id,
-                round,
-                len(payload),
-                self.max_bytes,
-            )
-            if answered is not None:
-                self._save_answered(answered)
-            return dropped
+            return [] if known else [Dropped(update_id, round, "too_large")]
         dropped = []
         total = self.total_bytes
         while self._entries and total + len(payload) > self.max_bytes:
@@ -210,13 +207,14 @@ class Outbox:
             raise
 
     def mark_sent(self, update_id: str) -> int:
-        """Count one publish attempt of ``update_id`` (persisted); return its attempts, 0 if unknown."""
+        """Count one publish attempt of ``update_id`` (persisted in any case); its attempts, 0 if unknown."""
+        sends = 0
         for i, e in enumerate(self._entries):
             if e.update_id == update_id:
-                self._entries[i] = replace(e, sends=e.sends + 1)
-                self.save()
-                return e.sends + 1
-        return 0
+                sends = e.sends + 1
+                self._entries[i] = replace(e, sends=sends)
+        self.save()
+        return sends
 
     def ack(self, update_id: str) -> bool:
         """Forget ``update_id`` after its PUBACK; return whether it was kept (persisted)."""
@@ -226,10 +224,8 @@ class Outbox:
         return True
 
     def drop_stale(self, current_round: int) -> list[Dropped]:
-        """Drop (persisted, logged) updates of rounds before ``current_round``: ``stale_round`` each."""
+        """Drop (logged) updates of rounds before ``current_round``: ``stale_round`` each (persisted)."""
         stale = [e for e in self._entries if e.round < current_round]
-        if not stale:
-            return []
         self._entries = [e for e in self._entries if e.round >= current_round]
         self.save()
         for e in stale:

@@ -111,9 +111,7 @@ class PendingFile:
         self.lost_at_open = 0
         """Slots that held a sample but failed their check at open (torn or rotten)."""
         self._dtype = slot_dtype(dim)
-        carried: list[Parked] = []
-        if self.path.exists():
-            carried = self._old_rows()
+        carried = self._old_rows() if self.path.exists() else []
         fresh = not self.path.exists()
         if fresh:
             directory.mkdir(parents=True, exist_ok=True)

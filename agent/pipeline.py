@@ -1,6 +1,6 @@
 """Raw samples to model input, unfused or fused, batched into the interpreter; chosen by measurement.
 
-**Unfused** runs the stages (:func:`to_float`, :func:`normalise`, ``quantize_input``) as numpy
+**Unfused** runs the stages (cast to float32, :func:`normalise`, ``quantize_input``) as numpy
 operations, then ``set_tensor``; **fused** writes each sample into a view of the input tensor in one
 stage (``fill``), bit-identical. LiteRT refuses ``invoke()`` and resizing while a view of a tensor is
 alive, so no view outlives the write. Mode and batch are measured (:func:`choose`), cached per model.
@@ -46,12 +46,6 @@ _Output = tuple[int, np.float32, np.float32 | None]
 
 
 # --- the stages (shared by both paths and by the lookup tables) -----------------------------------
-def to_float(raw: np.ndarray) -> F32:
-    """Stage ``cast``: raw samples of any numeric dtype as float32 (a new array)."""
-    out: F32 = raw.astype(np.float32)
-    return out
-
-
 def normalise(x: F32, mean: F32, std: F32) -> F32:
     """Stage ``normalise``: ``(x float32 [..., C] - mean) / std`` (float32 [C] or [1]), a new array."""
     out: F32 = ((x - mean) / std).astype(np.float32, copy=False)
@@ -303,7 +297,7 @@ class Pipeline:
             self._time("fill", t0)
             return
         t0 = time.perf_counter()
-        x = to_float(rows)
+        x: F32 = rows.astype(np.float32)
         t0 = self._time("cast", t0)
         x = normalise(x, self.mean, self.std)
         t0 = self._time("normalise", t0)
@@ -400,7 +394,7 @@ class Pipeline:
         if raw.dtype == np.float32:
             np.subtract(raw, self.mean, out=s)
         else:
-            np.copyto(s, raw, casting="unsafe")  # the cast stage first, as to_float does
+            np.copyto(s, raw, casting="unsafe")  # the cast stage first, as unfused does
             np.subtract(s, self.mean, out=s)
         np.divide(s, self.std, out=s)
         bb = self.backbone
@@ -426,7 +420,7 @@ class Pipeline:
                 # every raw bit pattern, in unsigned order, through the unfused stages
                 values = np.arange(levels, dtype=unsigned).view(raw_dtype)
                 grid = np.repeat(values[:, None], c, axis=1)
-                q = self.backbone.quantize_input(normalise(to_float(grid), self.mean, self.std))
+                q = self.backbone.quantize_input(normalise(grid.astype(np.float32), self.mean, self.std))
                 if per_channel and (q == q[:, :1]).all():
                     q, c = q[:, :1], 1
                 # per-channel: index copy + channel pattern = 2 x 32 KiB, still under one sample

@@ -19,12 +19,11 @@ from edgefl.agent import estimates, memstat
 from edgefl.agent.config import Profile
 from edgefl.agent.ingest import RECENT_IDS
 from edgefl.agent.store import EMB_FILE, holdout_capacity, store_file_bytes
+from edgefl.profiles import PSEUDO_FS
 from edgefl.validators import is_loopback_host
 
 MIN_PACKET_BYTES: Final = 512
 """Smallest usable ``broker.max_packet_bytes`` (a chunk's header, topic and envelope take ~200 bytes)."""
-
-_PSEUDO_FS: Final = (Path("/proc"), Path("/sys"), Path("/dev"))
 
 
 def store_bytes(capacity: int, dim: int, holdout_every: int = 0) -> int:
@@ -89,7 +88,7 @@ def _existing_ancestor(path: Path) -> Path:
 
 def _state_dir_problem(state_dir: Path) -> str | None:
     resolved = state_dir.resolve()
-    if any(resolved == fs or fs in resolved.parents for fs in _PSEUDO_FS):
+    if any(resolved == fs or fs in resolved.parents for fs in PSEUDO_FS):
         return "is on a pseudo file system (/proc, /sys, /dev)"
     if state_dir.exists() and not state_dir.is_dir():
         return "is not a folder"

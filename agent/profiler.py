@@ -2,7 +2,9 @@
 
 Prints the measurements of :func:`~edgefl.agent.pipeline_measure.measure` as a table, the choice of
 :func:`~edgefl.agent.pipeline_measure.decide` (the rule ``pipeline.mode = "auto"`` uses) and the
-per-stage times of the chosen batch; ``--json PATH`` writes the figures.
+per-stage times of the chosen batch; ``--json PATH`` writes the figures: ``{"model": file name,
+"chosen": {"mode", "batch"}, "batches": [every field of a BatchMeasurement, per batch size],
+"model_info": {...}}``.
 """
 
 from __future__ import annotations
@@ -117,19 +119,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def report(model: str, rows: list[BatchMeasurement], chosen: tuple[str, int]) -> dict[str, Any]:
-    """The JSON document of a profile run.
-
-    ``{"model": file name, "chosen": {"mode", "batch"}, "batches": [...]}``, a batch entry per row
-    with every field of :class:`~edgefl.agent.pipeline_measure.BatchMeasurement`.
-    """
-    return {
-        "model": model,
-        "chosen": {"mode": chosen[0], "batch": chosen[1]},
-        "batches": [asdict(r) for r in rows],
-    }
-
-
 def format_table(rows: list[BatchMeasurement]) -> str:
     """A fixed-width table of the measurements (one line per batch size)."""
     head = (
@@ -216,13 +205,17 @@ def main(args: argparse.Namespace) -> int:
         "process; compare figures of one run only)"
     )
     if args.json:
-        doc = report(bb.path.name, rows, chosen)
-        doc["model_info"] = {
-            "input_dtype": str(bb.input_dtype),
-            "embedding_dim": bb.embedding_dim,
-            "xnnpack": bb.delegated,
-            "fused_step": fused.fused_step(args.input_dtype),
-            "fused_kernel_seconds_per_sample": fused.kernel_seconds,
+        doc = {
+            "model": bb.path.name,
+            "chosen": {"mode": chosen[0], "batch": chosen[1]},
+            "batches": [asdict(r) for r in rows],
+            "model_info": {
+                "input_dtype": str(bb.input_dtype),
+                "embedding_dim": bb.embedding_dim,
+                "xnnpack": bb.delegated,
+                "fused_step": fused.fused_step(args.input_dtype),
+                "fused_kernel_seconds_per_sample": fused.kernel_seconds,
+            },
         }
         try:
             atomic_write(Path(args.json), (json.dumps(doc, indent=2) + "\n").encode())

@@ -19,7 +19,7 @@ from edgefl.agent.config import Profile
 from edgefl.agent.core import DeviceCore
 from edgefl.agent.governor import Governor
 from edgefl.agent.ingest import LOGGED_REFUSALS, Ingest
-from edgefl.agent.status import news_view, samples_level, status_news
+from edgefl.agent.status import samples_level, status_news
 from edgefl.aio import wait_event
 from edgefl.errors import EdgeflError, TransportError
 from edgefl.topics import Topics
@@ -138,7 +138,6 @@ class StatusReporter:
     _last_said: str
     _last_at: float
     _last_level: int
-    _news_memo: tuple[tuple[str, dict[str, Any]], str] | None
     _rate_window: deque[tuple[float, int]]
     _round_wake: asyncio.Event
     _round_asks: set[str]
@@ -379,11 +378,7 @@ class StatusReporter:
         topic = self.topics.status(self.device)
         # round progress and volatile figures are not news; the /proc reads wait until a publish
         quick = self.status_fields(measure=False, volatile=False)
-        view = news_view(self.state.state, quick)
-        memo = self._news_memo
-        if memo is None or memo[0] != view:  # serialised only when it changed (a round changes none)
-            memo = self._news_memo = (view, status_news(self.state.state, quick))
-        said = memo[1]
+        said = status_news(self.state.state, quick)
         if self._status_connected:
             self._status_connected, self._last_said = False, ""
         level = samples_level(quick)

@@ -1,10 +1,5 @@
 """The device's round: a RoundAnnouncement in, an update (or a Decline) kept in the outbox out.
 
-:meth:`RoundAnswering.receive_round` verifies and decodes the announcement;
-:meth:`RoundAnswering.answer_round` checks it (selected, exactly once, base version, samples,
-memory), trains the head locally, applies error feedback, encodes and signs the update and keeps it
-in the outbox with the answered round in one write. A round the memory governor defers is retried
-(:meth:`RoundAnswering.retry_deferred`) and declined to the coordinator when its time is up.
 No transport, no asyncio: the caller publishes ``entry.payload``.
 """
 
@@ -26,7 +21,7 @@ from edgefl.agent.outbox import Dropped, OutboxEntry
 from edgefl.agent.personal import PersonalHeads
 from edgefl.agent.state import Answered, ProgressHook
 from edgefl.agent.trainer import LocalResult, PersonalStep, train_local
-from edgefl.errors import DecodeError, UpdateRejected
+from edgefl.errors import DecodeError
 from edgefl.head import Head
 from edgefl.wire.cbor import MessageType, Scanned
 from edgefl.wire.compression import CompressedDelta, Compression
@@ -98,19 +93,14 @@ class Deferred:
     """A round not answered yet, retried by :meth:`DeviceCore.retry_deferred` until its time is up.
 
     ``since_s``: ``time.monotonic()`` of its first deferral; ``reason``: the latest why; ``decline``:
-    the Decline's reason when its time is up, ``over_budget`` (waiting for memory),
-    ``too_few_examples`` (fewer than ``training.min_examples`` stored) or ``no_head`` (the global head
-    of its base version never came).
+    the Decline's reason when its time is up, ``over_budget``, ``too_few_examples`` or ``no_head``
+    (``docs/protocol.md``, "Decline").
     """
 
     ann: RoundAnnouncement
     since_s: float
     reason: str
     decline: str = Reason.OVER_BUDGET
-
-
-def _refused(round_no: int, exc: DecodeError | UpdateRejected) -> RoundResult:
-    return RoundResult(RoundStatus.REFUSED, round_no, exc.reason, exc.detail)
 
 
 class RoundAnswering(PersonalHeads):
@@ -137,7 +127,7 @@ class RoundAnswering(PersonalHeads):
         try:
             ann = decode_round(self._verified(payload, MessageType.ROUND), limits=self.limits)
         except DecodeError as exc:
-            return _refused(0, exc)
+            return RoundResult(RoundStatus.REFUSED, 0, exc.reason, exc.detail)
         if self.coordinator_key is not None:
             # a round signed by the coordinator vouches for its base version: no head older than it
             # is applied from now on, even an old head with a valid signature (a replay)
@@ -171,9 +161,9 @@ class RoundAnswering(PersonalHeads):
                 RoundStatus.ANSWERED, ann.round, detail=f"round {self.answered.round} already answered"
             )
         head = self.head
+        why = f"round {ann.round} uses version {ann.base_version}, device has {head.version}"
         if ann.base_version > head.version:
             self.pending_round = ann  # the global head for this round has not arrived yet
-            why = f"round {ann.round} uses version {ann.base_version}, device has {head.version}"
             # answered once it comes; declined (no_head) if it has not come by the deferral's time
             self._defer(ann, why, Reason.NO_HEAD)
             return RoundResult(RoundStatus.WAITING_HEAD, ann.round, detail=why)
@@ -183,13 +173,7 @@ class RoundAnswering(PersonalHeads):
         if self.evaluation is None or self.evaluation.version != head.version:
             self.evaluate()  # the base head's federated evaluation (holdout grew since, or first round)
         if ann.base_version < head.version:
-            return _refused(
-                ann.round,
-                UpdateRejected(
-                    "stale_round",
-                    f"round {ann.round} uses version {ann.base_version}, device has {head.version}",
-                ),
-            )
+            return RoundResult(RoundStatus.REFUSED, ann.round, "stale_round", why)
         if self.pending_round is not None and self.pending_round.round <= ann.round:
             self.pending_round = None
         if len(self.store) == 0:

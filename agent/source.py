@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edgefl.agent import estimates
 from edgefl.agent.core import Classified
 from edgefl.agent.ingest import Queued
 from edgefl.agent.reporter import StatusReporter
 from edgefl.aio import wait_event
+from edgefl.datasets import load_xy
 from edgefl.errors import BudgetExceeded, DecodeError, EdgeflError, TransportError, UpdateRejected
 from edgefl.mqtt_link import Message
 from edgefl.wire.chunking import Reassembler, is_chunk
@@ -52,16 +52,12 @@ class SampleSource(StatusReporter):
             return
         if src.kind != "replay" or src.path is None:
             return
-        # admitted before it is loaded (it cannot wait: it may use the reserve, never the cap)
-        need = estimates.estimate_replay_bytes(src.path)
-        adm = self.core.governor.admit("replay", lambda _: need, 1, 1, deferrable=False)
+        adm = self.core.governor.admit_replay(src.path)  # before it is loaded
         if adm.deferred:
             why = BudgetExceeded("replay", adm.estimate_bytes, max(0, adm.budget_bytes))
             self._fault("replay", f"loading {src.path}", why)
             return
-        with np.load(src.path) as data:
-            x = np.asarray(data["x"])
-            y = np.asarray(data["y"]).astype(np.int64)
+        x, y = load_xy(src.path)
         pipeline = self.core.pipeline
         assert pipeline is not None
         batch = pipeline.batch
@@ -80,18 +76,14 @@ class SampleSource(StatusReporter):
                     self._fault("batch", f"samples {start}..{start + len(lbl) - 1}", exc)
                     await asyncio.sleep(0)
                     continue
-                self._count_refused(out.refused_labels, out.refused_not_finite)
                 self.state.inferred_total += len(lbl)
                 self._rate_window.append((time.monotonic(), self.state.inferred_total))
                 if self.core.pending_round is not None:
                     self._wake_rounds("ready")
-                self.state.correct_total += int(np.sum(out.predictions == lbl))
-                self.state.labelled_total += len(lbl)
-                self.state.stored_total += len(lbl)
-                self._stored.set()
+                self._count_stored(out.predictions, lbl, out.refused_labels, out.refused_not_finite)
                 pause_s = len(lbl) / src.rate_hz - (time.monotonic() - t0) if src.rate_hz > 0 else 0.0
                 await asyncio.sleep(max(0.0, pause_s))
-            await self._work(self.core.flush_store)  # never raises: a full disk marks the core degraded
+            await self._work(self.core.flush)  # never raises: a full disk marks the core degraded
             if not self.state.replay_done:
                 self.state.replay_done = True
                 logger.info("replay done: %d samples stored", len(self.core.store))
@@ -188,20 +180,21 @@ class SampleSource(StatusReporter):
                 if late is not None:
                     emb, labels, predicted = late
                     refused, not_finite = await self._work(self.core.keep, emb, labels)
-                    self._count_refused(refused, not_finite)
-                    self.state.stored_total += len(labels) - refused - not_finite
-                    self._stored.set()
-                    self.state.correct_total += int(np.sum(predicted == labels))
-                    self.state.labelled_total += len(labels)
+                    self._count_stored(predicted, labels, refused, not_finite)
                 if self.core.pending_round is not None:
                     self._wake_rounds("ready")
                 await asyncio.sleep(0)  # let the pump file what arrived meanwhile
 
-    def _count_refused(self, refused_labels: int, refused_not_finite: int) -> None:
-        if refused_labels:
-            self.state.rejected["bad_label"] += refused_labels
-        if refused_not_finite:
-            self.state.rejected["not_finite"] += refused_not_finite
+    def _count_stored(self, predicted: np.ndarray, labels: np.ndarray, refused: int, not_finite: int) -> None:
+        """Count labelled samples handed to the store: refused (bad label, not finite), stored, correct."""
+        if refused:
+            self.state.rejected["bad_label"] += refused
+        if not_finite:
+            self.state.rejected["not_finite"] += not_finite
+        self.state.stored_total += len(labels) - refused - not_finite
+        self.state.correct_total += int(np.sum(predicted == labels))
+        self.state.labelled_total += len(labels)
+        self._stored.set()
 
     async def _classify_rows(self, rows: list[Queued]) -> None:
         """One batch of live samples through the core's observe path, then a Prediction per sample."""
@@ -215,14 +208,10 @@ class SampleSource(StatusReporter):
             ingest.forget(rows)
             return
         done = time.monotonic()
-        self._count_refused(out.refused_labels, out.refused_not_finite)
-        n_labelled = int(labelled.sum())
         self.state.inferred_total += len(rows)
-        self.state.stored_total += n_labelled - out.refused_labels - out.refused_not_finite
-        self._stored.set()
-        if n_labelled:
-            self.state.correct_total += int(np.sum(out.predictions[labelled] == labels[labelled]))
-            self.state.labelled_total += n_labelled
+        self._count_stored(
+            out.predictions[labelled], labels[labelled], out.refused_labels, out.refused_not_finite
+        )
         self._rate_window.append((done, self.state.inferred_total))
         for i, r in enumerate(rows):  # the unlabelled wait for a late label (or one came meanwhile)
             ingest.settle(r.id, out.embeddings[i], int(out.predictions[i]))
@@ -241,10 +230,7 @@ class SampleSource(StatusReporter):
         await self._publish_predictions(predictions)
 
     async def _publish_to_apps(self, payloads: list[bytes]) -> int:
-        """Publish on ``predictions/<device>`` (``source.predictions_qos``, PUBACKs awaited together).
-
-        Returns how many were not published (TransportError); any other error is raised.
-        """
+        """Publish on ``predictions/<device>``, PUBACKs awaited together; how many failed (TransportError)."""
         assert self.transport is not None
         topic = self.topics.predictions(self.device)
         qos = self.profile.source.predictions_qos
@@ -281,10 +267,7 @@ class SampleSource(StatusReporter):
     async def _observe(
         self, raw: np.ndarray, lbl: np.ndarray, labelled: np.ndarray | None = None
     ) -> Classified | None:
-        """``core.observe`` on the worker, retried every ``status.interval_s`` while over budget (counted).
-
-        None when the agent is stopping.
-        """
+        """``core.observe`` on the worker, retried every ``status.interval_s`` over budget; None: stopping."""
         while True:
             try:
                 out = await self._work(self.core.observe, raw, lbl, labelled)
@@ -315,6 +298,6 @@ class SampleSource(StatusReporter):
                     await asyncio.sleep(wait_s)
                     continue
                 if self.core.flush_due():
-                    await self._work(self.core.flush_store)
+                    await self._work(self.core.flush)
                     await self._work(self._flush_pending)
                 break

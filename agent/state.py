@@ -1,8 +1,11 @@
 """The device's state on disk: which files hold it, how each is read back, and the one write policy.
 
-Every state write goes through :meth:`DeviceState._persist`; a failed one (a full disk) is counted,
-logged once, marks the device ``degraded`` and is retried while the device carries on. A record
-(:class:`~edgefl.records.RecordSlot`) for another fleet or model, or unreadable, is ignored.
+Every state write goes through :meth:`DeviceState._persist`. What the broker cannot give back (an
+update before its publish, the answered round, the rollback floor) is written at once; what it can
+(an applied head, the personal head, an acknowledgement) is written behind, by the next
+:meth:`DeviceState.flush`. A failed write (a full disk) is counted, logged once, marks the device
+``degraded`` and is retried while the device carries on. A record (:class:`~edgefl.records.RecordSlot`)
+for another fleet or model, or unreadable, is ignored.
 """
 
 from __future__ import annotations
@@ -97,7 +100,6 @@ class DeviceState:
     degraded: str
     write_failures: int
     _unsaved: dict[str, Callable[[], object]]
-    write_behind: bool
     _behind: dict[str, Callable[[], object]]
     behind_since: float | None
     _acks_behind: int
@@ -196,10 +198,9 @@ class DeviceState:
     def _persist(self, what: str, write: Callable[[], object], *, behind: bool = False) -> bool:
         """Run ``write`` (the state ``what``); on ``OSError`` count, log, mark degraded, keep it to retry.
 
-        Returns whether it succeeded; ``behind``: with :attr:`write_behind` set, only noted for
-        :meth:`persist_behind` (True).
+        Returns whether it succeeded; ``behind``: only noted for the next :meth:`flush` (True).
         """
-        if behind and self.write_behind:
+        if behind:
             self._behind[what] = write
             if self.behind_since is None:
                 self.behind_since = time.monotonic()
@@ -233,18 +234,6 @@ class DeviceState:
             self._logged.clear()
         return True
 
-    def persist_behind(self) -> bool:
-        """Make the writes left behind (:attr:`write_behind`) now; True when every one succeeded.
-
-        None is needed for a guarantee: a restart gets the retained head again and re-sends an
-        acknowledged update, which the coordinator counts once.
-        """
-        pending, self._behind, self.behind_since = self._behind, {}, None
-        ok = True
-        for what, write in pending.items():
-            ok = self._persist(what, write) and ok
-        return ok
-
     def retry_persist(self) -> bool:
         """Write again what a failed write left unsaved (every status interval); True when nothing is left."""
         for what, write in list(self._unsaved.items()):
@@ -271,11 +260,18 @@ class DeviceState:
         known = [t for t in times if t is not None]
         return min(known) if known else None
 
-    def flush_store(self) -> bool:
-        """Make the stored samples durable (never raises); False if a write failed (as :meth:`_persist`)."""
+    def flush(self) -> bool:
+        """Make the stored samples and the writes left behind durable; False if a write failed.
+
+        Never raises (a failure as :meth:`_persist`). A restart before it loses no acknowledged
+        work: the retained head comes again, an acknowledged update is re-sent and counted once.
+        """
+        behind, self._behind, self.behind_since = self._behind, {}, None
         ok = self._persist("store", self.store.flush)
         if self.holdout is not None:
             ok = self._persist("holdout", self.holdout.flush) and ok
+        for what, write in behind.items():
+            ok = self._persist(what, write) and ok
         return ok
 
     # --- outbox -----------------------------------------------------------------------------------
@@ -296,18 +292,15 @@ class DeviceState:
         return attempts
 
     def acknowledged(self, update_id: str) -> bool:
-        """The broker acknowledged ``update_id`` (PUBACK): forget it (persisted); whether it was kept.
+        """The broker acknowledged ``update_id`` (PUBACK): forget it; whether it was kept.
 
-        With :attr:`write_behind` the outbox is written behind (:meth:`persist_behind`) or by its next write.
+        The outbox is written behind (:meth:`flush`) or by its next write.
         """
-        kept = update_id in {e.update_id for e in self.outbox.pending()}
-        if self.write_behind:
-            if self.outbox.forget(update_id):
-                self._acks_behind += 1
-                self._persist("outbox", self.outbox.save, behind=True)
-            return kept
-        self._persist_outbox(lambda: self.outbox.ack(update_id))
-        return kept
+        if not self.outbox.forget(update_id):
+            return False
+        self._acks_behind += 1
+        self._persist("outbox", self.outbox.save, behind=True)
+        return True
 
     @property
     def outbox_pending(self) -> int:

@@ -69,21 +69,15 @@ QUIET_STATUS_FIELDS: Final = VOLATILE_STATUS_FIELDS | ROUND_PROGRESS_FIELDS
 """The fields :func:`status_news` leaves out."""
 
 
-def news_view(state: str, fields: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """What :func:`status_news` serialises: the state word (``"round"`` for :data:`ROUND_STATES`) and news.
-
-    Two views compare with ``==`` as their strings do (but for a number's type, 1 -> 1.0).
-    """
-    word = "round" if state in ROUND_STATES else state
-    return word, {k: v for k, v in fields.items() if k not in QUIET_STATUS_FIELDS}
-
-
 def status_news(state: str, fields: Mapping[str, Any]) -> str:
     """What a status (``state``, JSON-like ``fields``) says that is worth a publish, as canonical JSON.
 
-    Two statuses with equal news differ only in figures the heartbeat carries.
+    The state word (``"round"`` for :data:`ROUND_STATES`) and the fields but :data:`QUIET_STATUS_FIELDS`:
+    two statuses with equal news differ only in figures the heartbeat carries.
     """
-    return json.dumps(list(news_view(state, fields)), sort_keys=True, default=str)
+    word = "round" if state in ROUND_STATES else state
+    news = {k: v for k, v in fields.items() if k not in QUIET_STATUS_FIELDS}
+    return json.dumps([word, news], sort_keys=True, default=str)
 
 
 def samples_level(fields: Mapping[str, Any]) -> int:

@@ -96,13 +96,6 @@ class StoreCorrupt(ValueError):
     """The store's files disagree with their metadata or checksum (internal: the store is set aside)."""
 
 
-def _row_crc(emb_bits: np.ndarray, label: np.ndarray, seq: int) -> int:
-    """CRC-32 (``zlib.crc32``, ITU-T V.42) of one slot's embedding bits, label and ``seq``."""
-    crc = zlib.crc32(np.ascontiguousarray(emb_bits, dtype="<i2").tobytes())
-    crc = zlib.crc32(np.ascontiguousarray(label, dtype="<i2").tobytes(), crc)
-    return zlib.crc32(seq.to_bytes(8, "little"), crc)
-
-
 class EmbeddingStore:
     """Ring buffer of ``(embedding float16 [D], label int16)`` in memory-mapped files.
 
@@ -239,17 +232,15 @@ class EmbeddingStore:
         if type(total) is not int or total < count or total % cap != head:
             raise StoreCorrupt(f"total = {total!r}: does not agree with head {head}, capacity {cap}")
 
+    def _crc(self, slot: int, seq: int) -> int:
+        """CRC-32 (``zlib.crc32``, ITU-T V.42) of the slot's embedding bits, label and ``seq``."""
+        crc = zlib.crc32(np.ascontiguousarray(self._emb_bits[slot], dtype="<i2").tobytes())
+        crc = zlib.crc32(np.ascontiguousarray(self._lbl_raw[slot : slot + 1], dtype="<i2").tobytes(), crc)
+        return zlib.crc32(seq.to_bytes(8, "little"), crc)
+
     def _row_ok(self, slot: int, seq: int) -> bool:
         row = self._rows_raw[slot]
-        if int(row[0]) != seq + 1:
-            return False
-        return int(row[1]) == _row_crc(self._emb_bits[slot], self._lbl_raw[slot : slot + 1], seq)
-
-    def _write_row(self, slot: int, seq: int) -> None:
-        crc = _row_crc(self._emb_bits[slot], self._lbl_raw[slot : slot + 1], seq)
-        # the seq last: a row caught half-way (old seq, new CRC) fails its check at open
-        self._rows_raw[slot, 1] = crc
-        self._rows_raw[slot, 0] = seq + 1
+        return int(row[0]) == seq + 1 and int(row[1]) == self._crc(slot, seq)
 
     def _recover(self, meta: dict[str, object] | None) -> None:
         """Find the newest contiguous run of rows whose CRCs check; log what was found and lost."""
@@ -414,7 +405,9 @@ class EmbeddingStore:
             self._emb[slot] = emb16[i]
             self._touched[slot] = True
             self._lbl[slot] = labels[i]
-            self._write_row(slot, self._total)
+            # the seq last: a row caught half-way (old seq, new CRC) fails its check at open
+            self._rows_raw[slot, 1] = self._crc(slot, self._total)
+            self._rows_raw[slot, 0] = self._total + 1
             self._total += 1
             self._head = (slot + 1) % self.capacity
             self._count = min(self.capacity, self._count + 1)

@@ -15,7 +15,6 @@ from edgefl.head import (
     cross_entropy_grad_into,
     ditto_update,
     loss_and_grad,
-    paired_cross_entropy_grad_into,
     restricted_logit_scale,
     sgd_step,
 )
@@ -51,11 +50,7 @@ class Shuffler:
         return order
 
     def keys(self, n: int) -> I64:
-        """Return int64 [n]: the next ``n`` SplitMix64 outputs (distinct); ranking them is a permutation.
-
-        The top bit is flipped and the keys viewed as int64, which ranks as uint64 does (numpy's
-        argsort of uint64 keeps memory it never frees; int64's keeps none).
-        """
+        """Return int64 [n]: the next ``n`` SplitMix64 outputs (distinct); ranking them is a permutation."""
         z = np.arange(self._drawn + 1, self._drawn + n + 1, dtype=np.uint64)
         self._drawn += n
         z *= _GOLDEN  # the SplitMix64 states seed + j * golden, j = 1, 2, ... (mod 2**64)
@@ -65,7 +60,9 @@ class Shuffler:
         z ^= z >> np.uint64(27)
         z *= _MIX2
         z ^= z >> np.uint64(31)
-        z ^= _TOP  # the order of the uint64 outputs, as int64 (see above)
+        # top bit flipped: as int64 they rank as the uint64 outputs do (numpy's argsort of uint64 keeps
+        # memory it never frees; int64's keeps none)
+        z ^= _TOP
         return z.view(np.int64)
 
 
@@ -73,9 +70,8 @@ class Shuffler:
 class PersonalResult:
     """What a personal step did.
 
-    ``steps`` SGD steps over ``num_examples`` samples (the store's size when it started) in ``train_s``
-    seconds of wall time (0 for a step taken with the round's local training, :class:`PersonalStep`,
-    whose time is in that training's ``LocalResult.train_s``).
+    ``steps`` SGD steps over ``num_examples`` samples (the store's size at its start) in ``train_s`` s
+    of wall time (0 when taken alongside local training, :class:`PersonalStep`).
     """
 
     steps: int
@@ -107,10 +103,9 @@ class LocalResult:
 class PersonalStep:
     """A personal head to train alongside the global one (:func:`train_local`'s ``personal``).
 
-    :func:`train_personal`'s steps, taken on the batches of the round's local training (the store
-    read and shuffled once for both heads, the global head's arithmetic the same as alone). ``W``
-    float32 [D, K] (C-contiguous), ``b`` [K]: the personal head, updated in place when training
-    returns; ``columns``, ``lam``, ``lr``, ``absent_alpha``: as :func:`train_personal`'s.
+    :func:`train_personal`'s steps, taken on the batches of the round's local training. ``W`` float32
+    [D, K] (C-contiguous), ``b`` [K]: the personal head, updated in place when training returns;
+    ``columns``, ``lam``, ``lr``, ``absent_alpha``: as :func:`train_personal`'s.
     """
 
     W: F32
@@ -236,25 +231,16 @@ class _Pair:
         self.active = bool(step.columns.any())
         zeroed = self.scale is not None and step.absent_alpha == 0.0
         self.tied = _tie(self.V, self.c, head, step.columns, zeroed)  # as train_personal's
-        # without a FedProx or Ditto pull and tied columns (the defaults) one step updates both heads
-        self.both = prox_mu == 0.0 and step.lam == 0.0 and self.tied is None
-        self.lr2: F32 = np.array([lr, step.lr], np.float32).reshape(2, 1, 1)
         self.steps = 0
 
     def train_step(self, e: F32, y: I64) -> None:
         """One SGD step of the global head and one Ditto step of the personal head on the batch."""
         k = len(y)
         gW, gb = self._gW, self._gb
-        paired_cross_entropy_grad_into(
+        cross_entropy_grad_into(  # both heads at once: H = 2
             self.W2, self.b2, e, y, self._z[:, :k], gW, gb, self.reader._rows[:k], self.scale
         )
         self.steps += 1
-        if self.both:  # plain SGD on each head, each with its own rate
-            gW *= self.lr2
-            self.W2 -= gW
-            gb *= self.lr2
-            self.b2 -= gb
-            return
         head = self.head
         sgd_step(self.W, self.b, gW[0], gb[0, 0], self.lr, prox_mu=self.prox_mu, W0=head.W, b0=head.b)
         if self.active:
@@ -264,13 +250,11 @@ class _Pair:
 
     def finish(self, n: int) -> PersonalResult:
         """Copy the personal head back into the caller's arrays; what its steps did."""
-        if not self.active:  # nothing to personalise: the global head (train_personal's 0 steps)
-            self.step_cfg.W[...] = self.head.W
-            self.step_cfg.b[...] = self.head.b
-            return PersonalResult(0, n, 0.0)
-        self.step_cfg.W[...] = self.V
-        self.step_cfg.b[...] = self.c
-        return PersonalResult(self.steps, n, 0.0)
+        # nothing to personalise: the global head (train_personal's 0 steps)
+        W, b, steps = (self.V, self.c, self.steps) if self.active else (self.head.W, self.head.b, 0)
+        self.step_cfg.W[...] = W
+        self.step_cfg.b[...] = b
+        return PersonalResult(steps, n, 0.0)
 
 
 def train_local(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -162,7 +163,7 @@ def child_round(
     profile = _profile(model, cap_mb, reserve_mb)
     gov = PssGovernor(profile.cap_bytes, reserve_mb * MIB, 0)
     rep = run_round(profile, samples=samples, governor=gov, trace=False, broker=broker)
-    out = rep.as_dict()
+    out = dataclasses.asdict(rep)
     out["pss_peaks"] = pss_peaks
     out["lifetime_peak"] = gov.peak_rss_bytes
     out["status"] = _status()
@@ -272,7 +273,7 @@ def child_estimates(label: str, samples: int, rounds: int) -> dict[str, Any]:
     batch = core.pipeline.batch
     for s in range(0, samples, batch):
         core.observe(x[s : s + batch], y[s : s + batch])
-    core.flush_store()
+    core.flush()
     for r in range(1, rounds + 1):
         heap.malloc_trim()  # as the daemon after each round
         ann = RoundAnnouncement(r, core.head.version, 600.0, 2, 0.05, 16, 1, 1.0)
@@ -330,7 +331,7 @@ def child_leak(model: str, rounds: int) -> dict[str, Any]:
         if core.receive_global(gm_bytes).status != ApplyStatus.APPLIED:
             raise RuntimeError(f"round {r}: global head not applied")
         del gm_bytes
-        core.flush_store()
+        core.flush()
         heap.malloc_trim()
         if r in (1, 10, 50, 100, 200, 300, 400, 500) or r == rounds:
             rss[r] = memstat.rss_bytes()

@@ -502,7 +502,7 @@ def run_edgefl(work: Path, job: Job, v: Variant) -> dict[str, Any]:
     """One edgefl run of variant ``v``; per-client figures."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"edgefl-{v.name}-", dir=work))
     profile = HERE.parent / "firmware_configs" / "dev_x86.toml"
-    with mosquitto(run_dir, "set_tcp_nodelay true" if v.broker_nodelay else "") as port:
+    with mosquitto(run_dir, "set_tcp_nodelay true" if v.broker_nodelay else "set_tcp_nodelay false") as port:
         proxy = Proxy(run_dir, {"c1": port, "c2": port}, mqtt=True)
         fleet = f"peer{os.getpid()}{v.name.replace('_', '')}"
         procs = [

@@ -244,7 +244,7 @@ def run_federated(
                 head_bytes = core.personal.W.nbytes + core.personal.b.nbytes
                 out.extra_ram_bytes = max(out.extra_ram_bytes, 2 * head_bytes)
         for core in cores:
-            core.flush_store()
+            core.flush()
     return out
 
 

@@ -276,7 +276,7 @@ def traced_run(rounds: int, nodelay: bool, work: Path, dashboard: bool = False) 
     profile = peer.HERE.parent / "firmware_configs" / "dev_x86.toml"
     run_dir = Path(tempfile.mkdtemp(prefix="trace-", dir=work))
     traces = [run_dir / f"trace-{i}.json" for i in (1, 2)]
-    with mosquitto(run_dir, "set_tcp_nodelay true" if nodelay else "") as port:
+    with mosquitto(run_dir, "set_tcp_nodelay true" if nodelay else "set_tcp_nodelay false") as port:
         proxy = peer.Proxy(run_dir, {"c1": port, "c2": port}, mqtt=True)
         fleet = f"trace{os.getpid()}"
         procs = []

@@ -1,8 +1,5 @@
 """Asynchronous aggregation (FedBuff): apply a buffer of K updates as they come, stale ones down-weighted.
 
-Each device trains from whatever global version it has; its update is folded into a running sum with
-weight ``s(staleness) * num_examples``, and every K updates a new global version is published.
-
 Source: Nguyen et al. 2022, "Federated Learning with Buffered Asynchronous Aggregation" (AISTATS),
 Algorithm 1; staleness weight ``s(tau) = 1 / sqrt(1 + tau)`` as in their experiments.
 """

@@ -1,8 +1,7 @@
 """Site and root aggregators: one coordinator per site's broker, one root, joined by broker bridges.
 
 A site sends its strategy's accumulator up as one signed Partial a round; the root folds verified,
-de-duplicated partials. The walk through both, and what survives which fault, is
-``docs/operations.md``, "Many sites".
+de-duplicated partials. Both, and what survives which fault: ``docs/operations.md``, "Many sites".
 
 Source: Bonawitz et al. 2019, "Towards Federated Learning at Scale: System Design", §4 (aggregators
 and a master aggregator); the sums are McMahan et al. 2017, Algorithm 1, split by site.
@@ -22,7 +21,6 @@ from typing import Any
 import cbor2
 import numpy as np
 
-from edgefl.aio import wait_event
 from edgefl.coordinator.registry import sampled_log, shorten
 from edgefl.coordinator.rounds import Round, RoundPhase
 from edgefl.coordinator.service import ADOPT_WAIT_S, Coordinator
@@ -234,10 +232,9 @@ class SiteAggregator(Coordinator):
         (``bad_state``) when the state file belongs to another site or head shape.
         """
         self._load_site_state()
-        await self.subscribe(self.topics.round)  # control topics first (see Coordinator.subscribe)
-        await self.subscribe(self.topics.global_model + "/#")  # the root's heads: when it ends
-        await self.subscribe(self.topics.update("+"))
-        await self.subscribe(self.topics.status("+"))
+        # control topics first (see Coordinator.subscribe); the root's heads say when it ends
+        for topic in (self.topics.round, self.topics.global_model + "/#", *self._data_topics()):
+            await self.subscribe(topic)
         if self._unsent is not None:
             logger.info("site %s: re-sending the partial of round %d", self.site, self.closed_round)
             await self._send(self._unsent)
@@ -322,12 +319,7 @@ class SiteAggregator(Coordinator):
         self._accept_early(rnd)
         self._persist_site(rnd)
         self.notify()
-        while not rnd.complete():
-            remaining = rnd.deadline_at - time.monotonic()
-            if remaining <= 0:
-                break
-            self._round_changed.clear()
-            await wait_event(self._round_changed, remaining)
+        await self._collect(rnd)
         rnd.close()
         self._dirty = False  # what the pump had not written yet goes into the closed record below
         t_close = time.monotonic()

@@ -60,14 +60,10 @@ def federated_evaluation(reports: Sequence[tuple[float, int]]) -> tuple[float, f
     ``reports``: ``(accuracy, count)`` per device, as each device claims them; a report with an
     accuracy outside [0, 1] (or NaN) or a count <= 0 is left out. Returns (the mean accuracy weighted
     by count, each count capped at the low median of the usable counts; the mean of the worst
-    ceil(10 %) of devices; devices); NaN, NaN, 0 without usable reports.
+    ceil(10 %) of devices; devices); NaN, NaN, 0 without usable reports (``docs/security.md``).
 
-    The cap bounds one device's say: claiming a huge count weighs no more than the median device,
-    so one device of n moves the figure by at most ``cap / total`` (1/n when the counts are alike;
-    1/2 of two), never sets it. Source: the capped user weights ``w_k = min(n_k / w_hat, 1)`` of
-    McMahan et al. 2018, "Learning Differentially Private Recurrent Language Models" (ICLR), with the
-    cap ``w_hat`` the low median of the counts (the smaller middle value: of two devices, one honest
-    and one invented, each weighs the same).
+    Source: the capped user weights ``w_k = min(n_k / w_hat, 1)`` of McMahan et al. 2018, "Learning
+    Differentially Private Recurrent Language Models" (ICLR), ``w_hat`` the low median of the counts.
     """
     usable = [(a, n) for a, n in reports if n > 0 and 0.0 <= a <= 1.0]
     if not usable:

@@ -20,6 +20,7 @@ from typing import Any, Required, TypedDict, Unpack
 import cbor2
 import numpy as np
 
+from edgefl.aio import wait_event
 from edgefl.coordinator.history import CoordinatorState, RoundRecord
 from edgefl.coordinator.registry import LOGGED_REFUSALS, DeviceRegistry, sampled_log, shorten
 from edgefl.coordinator.rounds import Round, RoundPhase
@@ -394,6 +395,16 @@ class Intake:
             )
         self._round_changed.set()
         self.notify()
+
+    async def _collect(self, rnd: Round, failed: Callable[[], bool] = lambda: False) -> bool:
+        """Wait until ``rnd`` is complete or ``failed()`` (True), or its deadline passed (False)."""
+        while not rnd.complete() and not failed():
+            remaining = rnd.deadline_at - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._round_changed.clear()
+            await wait_event(self._round_changed, remaining)
+        return True
 
     def _accept_early(self, rnd: Round) -> None:
         """Offer ``rnd`` the updates that came for it before it opened (the others are dropped)."""

@@ -1,10 +1,7 @@
 """One coordinator per fleet: a lock on its state folder and a lease on the broker.
 
-The lease is a retained :class:`~edgefl.wire.presence.Presence` on ``<prefix>/<fleet>/coordinator``,
-refreshed every heartbeat and cleared by the holder's last will; :func:`probe_lease` reads it before the
-fleet's client id connects. Every case: ``docs/protocol.md`` ("Presence"), ``docs/operations.md`` ("One
-coordinator per fleet").
-
+The lease is a retained :class:`~edgefl.wire.presence.Presence` on ``<prefix>/<fleet>/coordinator``;
+every case: ``docs/protocol.md`` ("Presence"), ``docs/operations.md`` ("One coordinator per fleet").
 Source: the MQTT "birth and last will" presence pattern (MQTT 5.0 §3.1.2.5, Will Message; §3.3.1.3,
 retained messages).
 """
@@ -141,8 +138,7 @@ class PresenceTrust:
     def read(self, payload: bytes, *, fresh: bool = True, now: float | None = None) -> Presence:
         """Verify (with a key) and decode a presence; ``fresh``: with a key, it must be recent too.
 
-        Fresh: ``sent`` at most two heartbeats (each capped at :data:`PROBE_HEARTBEAT_MAX_S`) plus
-        :data:`CLOCK_SKEW_S` before ``now`` (Unix s, default the clock), at most :data:`CLOCK_SKEW_S` after.
+        Fresh as ``docs/protocol.md`` ("Presence") says, against ``now`` (Unix s, default the clock).
         Raises DecodeError: ``unsigned``, ``bad_signature``, ``expired`` (old or unstamped ``sent``), or a
         decoding reason of ``docs/protocol.md`` ("Presence").
         """
@@ -200,12 +196,12 @@ async def probe_lease(
         # (use_username_as_clientid) to a running coordinator's; nothing is acknowledged here (no commit)
         renamed = transport.session_present
         if renamed:
-            _set_backlog_aside(transport)
-        if renamed and previous is not None:
-            last = await _retained_presence(transport, holder_topic, trust)
-            if _ours(last, previous, "the broker gave the lease probe the session of"):
-                return None
-        if renamed:
+            while not transport.queue.empty():  # its backlog, unacknowledged: its own connection gets it all
+                transport.queue.get_nowait()
+            if previous is not None:
+                last = await _retained_presence(transport, holder_topic, trust)
+                if _ours(last, previous, "the broker gave the lease probe the session of"):
+                    return None
             logger.warning(
                 "the broker gave the lease probe an existing session (it names clients after their "
                 "account?): waiting for its coordinator's presence"
@@ -246,12 +242,6 @@ async def probe_lease(
             with contextlib.suppress(TransportError):
                 await transport.unsubscribe(topic)
         await transport.stop()
-
-
-def _set_backlog_aside(transport: MqttTransport) -> None:
-    """Take, unacknowledged, the backlog a renamed session delivered (its own connection gets it all)."""
-    while not transport.queue.empty():
-        transport.queue.get_nowait()
 
 
 def _ours(p: Presence | None, previous: str | None, how: str, why: str = "") -> bool:

@@ -94,10 +94,10 @@ class NormBound:
     """Bound on each update's joint L2 norm, and on its weight: fixed, or from the fleet's history.
 
     ``clip_norm`` > 0: a fixed bound C. None: adaptive, ``multiplier`` (>= 1) x the lower of the medians
-    of the last aggregated round's honest-looking norms (``FleetHistory``) and of the round's first
-    ``warmup`` (>= 1) norms (updates wait for them; the bound is then frozen). A norm joins the history
-    as ``min(norm, bound)``. The weight (claimed examples) is bounded alike by ``weight_multiplier``
-    (>= 1, inf: none; the root's bound on a site's claim). ValueError on out-of-range parameters.
+    of the fleet's history (``FleetHistory``) and of the round's first ``warmup`` (>= 1) norms
+    (``docs/security.md``, "Norm bound"). The weight (claimed examples) is bounded alike by
+    ``weight_multiplier`` (>= 1, inf: none; the root's bound on a site's claim). ValueError on
+    out-of-range parameters.
 
     Source: fixed clipping as McMahan et al. 2018; a median-based bound as Sun et al. 2019 ("Can You
     Really Backdoor Federated Learning?"), taken over past rounds as Andrew et al. 2021 (adaptive clipping).

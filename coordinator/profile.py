@@ -6,15 +6,13 @@ alike; the commented example is ``firmware_configs/coordinator.toml``. No socket
 
 from __future__ import annotations
 
-import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
-import numpy as np
-
 from edgefl import profiles
+from edgefl.datasets import npz_problem
 from edgefl.errors import ConfigError
 from edgefl.profiles import BrokerConfig, DashboardConfig, Problems, check
 from edgefl.validators import check_device_id
@@ -52,12 +50,9 @@ class ModelRef:
 class RoundsConfig:
     """``[rounds]``: how many rounds, when they open, who takes part, and what devices are told to do.
 
-    ``count`` >= 0: 0 runs a service until stopped, paced by ``interval_s`` (least seconds between two
-    round starts) and ``min_new_samples`` (new labelled samples the ready devices must report; 0: no
-    wait); N runs N rounds back to back. ``min_clients`` > 0: ready devices a service's round needs,
-    and the fewest updates that close any round early (the strategy's own minimum on top); ``quorum``
-    in (0, 1]: share of the devices asked whose updates close it early. ``expected_clients`` >= 0:
-    ready devices to wait for (up to ``wait_devices_s``) before round 1. ``deadline_s`` > 0;
+    ``count`` >= 0, ``interval_s`` >= 0 seconds, ``min_new_samples`` >= 0 (0: no wait), ``min_clients``
+    > 0, ``quorum`` in (0, 1], ``deadline_s`` > 0: ``docs/operations.md`` ("Running for months").
+    ``expected_clients`` >= 0: ready devices to wait for (up to ``wait_devices_s``) before round 1;
     ``local_epochs``, ``batch_size`` > 0; ``lr`` > 0 the client learning rate, times ``lr_decay`` in
     (0, 1] per round of an episode; ``compression`` of the updates (none, float16, int8, topk,
     topk-int8); ``downlink``: the global head's layout (float32, float16, int8; ``docs/protocol.md``).
@@ -169,13 +164,10 @@ class HierarchyConfig:
     """``[hierarchy]``: this coordinator's place among many sites (``docs/operations.md``, "Many sites").
 
     ``role``: ``flat`` (one coordinator), ``site`` (devices' updates in, one signed Partial a round up)
-    or ``root`` (partials in, the global head and rounds out). A site: ``site`` id (device-id pattern,
-    required); ``expected_devices`` >= 0 updates close its partial early (0: the devices online and
-    selected at the opening); it closes ``close_margin_s`` >= 0 before the root's deadline; with
-    ``root_key_file`` announcements must be signed by the root. A root: ``expected_sites`` >= 0
-    partials close a round early (0: ``rounds.min_clients`` updates do); with ``site_keys_dir`` (folder
-    of ``<site>.pub``) every partial must be signed by its site, without it ``allow_unsigned_sites``
-    must be set; ``site_devices`` > 0 (required) bounds the devices a partial may claim.
+    or ``root`` (partials in, the global head and rounds out); each key's effect is in the docs. A site:
+    ``site`` id (device-id pattern, required), ``expected_devices`` >= 0, ``close_margin_s`` >= 0
+    seconds, ``root_key_file``. A root: ``expected_sites`` >= 0; ``site_keys_dir`` (folder of
+    ``<site>.pub``), without it ``allow_unsigned_sites`` must be set; ``site_devices`` > 0 (required).
     """
 
     role: Literal["flat", "site", "root"] = "flat"
@@ -208,41 +200,17 @@ class CoordinatorProfile:
     hierarchy: HierarchyConfig = field(default_factory=HierarchyConfig)
 
 
-def _positive(p: Problems, key: str, value: float | None) -> None:
-    if value is not None and not value > 0:
-        p.add(key, value, "must be > 0")
-
-
 def _check_fleet(p: Problems, c: FleetConfig, raw: Mapping[str, object], check_files: bool) -> None:
     check(p, "fleet.name", c.name, check_device_id)
-    _positive(p, "fleet.max_devices", c.max_devices)
-    _positive(p, "fleet.device_expiry_s", c.device_expiry_s)
-
-
-def _check_model(p: Problems, c: ModelRef, raw: Mapping[str, object], check_files: bool) -> None:
-    if c.sha256 is not None and (len(c.sha256) != 64 or any(ch not in "0123456789abcdef" for ch in c.sha256)):
-        p.add("model.sha256", c.sha256, "must be 64 hexadecimal digits")
-        return
-    if not check_files:
-        return
-    problem = profiles.file_problem(c.path, raw.get("path"))
-    if problem is not None:
-        p.add("model.path", raw.get("path"), problem)
-    elif c.sha256 is not None and profiles.sha256_file(c.path) != c.sha256:
-        p.add("model.sha256", c.sha256, f"does not match {c.path.name} ({profiles.sha256_file(c.path)})")
-
-
-def _not_negative(p: Problems, c: object, table: str, names: tuple[str, ...]) -> None:
-    for name in names:
-        value = getattr(c, name)
-        if value is not None and not value >= 0:
-            p.add(f"{table}.{name}", value, "must be >= 0")
+    p.positive("fleet.max_devices", c.max_devices)
+    p.positive("fleet.device_expiry_s", c.device_expiry_s)
 
 
 def _check_rounds(p: Problems, c: RoundsConfig, raw: Mapping[str, object], check_files: bool) -> None:
     for name in ("min_clients", "local_epochs", "batch_size", "deadline_s", "lr", "wait_devices_s"):
-        _positive(p, f"rounds.{name}", getattr(c, name))
-    _not_negative(p, c, "rounds", ("count", "expected_clients", "min_new_samples", "interval_s"))
+        p.positive(f"rounds.{name}", getattr(c, name))
+    for name in ("count", "expected_clients", "min_new_samples", "interval_s"):
+        p.not_negative(f"rounds.{name}", getattr(c, name))
     if not 0 < c.quorum <= 1:
         p.add("rounds.quorum", c.quorum, "must be in (0, 1]")
     if not 0 < c.lr_decay <= 1:
@@ -251,28 +219,29 @@ def _check_rounds(p: Problems, c: RoundsConfig, raw: Mapping[str, object], check
 
 def _check_strategy(p: Problems, c: StrategyConfig, raw: Mapping[str, object], check_files: bool) -> None:
     for name in ("server_lr", "tau", "buffer_size", "max_updates"):
-        _positive(p, f"strategy.{name}", getattr(c, name))
+        p.positive(f"strategy.{name}", getattr(c, name))
     if c.server_momentum is not None and not 0 <= c.server_momentum < 1:
         p.add("strategy.server_momentum", c.server_momentum, "must be in [0, 1)")
-    _not_negative(p, c, "strategy", ("prox_mu", "max_staleness"))
+    p.not_negative("strategy.prox_mu", c.prox_mu)
+    p.not_negative("strategy.max_staleness", c.max_staleness)
     if c.trim_fraction is not None and not 0 <= c.trim_fraction < 0.5:
         p.add("strategy.trim_fraction", c.trim_fraction, "must be in [0, 0.5)")
 
 
 def _check_robustness(p: Problems, c: RobustnessConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    _positive(p, "robustness.norm_bound", c.norm_bound)
-    if isinstance(c.tolerate, bool) or not isinstance(c.tolerate, int) or c.tolerate < 0:
+    p.positive("robustness.norm_bound", c.norm_bound)
+    if c.tolerate < 0:  # the parser made it an int
         p.add("robustness.tolerate", c.tolerate, "must be an integer >= 0")
     if not c.adaptive_factor >= 1:
         p.add("robustness.adaptive_factor", c.adaptive_factor, "must be >= 1")
 
 
 def _check_privacy(p: Problems, c: PrivacyConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    _positive(p, "privacy.noise_multiplier", c.noise_multiplier)
-    _positive(p, "privacy.clip_norm", c.clip_norm)
+    p.positive("privacy.noise_multiplier", c.noise_multiplier)
+    p.positive("privacy.clip_norm", c.clip_norm)
     if not 0 < c.delta < 1:
         p.add("privacy.delta", c.delta, "must be in (0, 1)")
-    _positive(p, "privacy.expected_clients", c.expected_clients)
+    p.positive("privacy.expected_clients", c.expected_clients)
 
 
 def _check_evaluation(p: Problems, c: EvaluationConfig, raw: Mapping[str, object], check_files: bool) -> None:
@@ -281,42 +250,19 @@ def _check_evaluation(p: Problems, c: EvaluationConfig, raw: Mapping[str, object
     if any(s <= 0 for s in c.std):
         p.add("evaluation.std", list(c.std), "must be > 0")
     if check_files and c.path is not None:
-        problem = profiles.file_problem(c.path, raw.get("path")) or _npz_problem(c.path)
+        problem = profiles.file_problem(c.path, raw.get("path")) or npz_problem(c.path)
         if problem is not None:
             p.add("evaluation.path", raw.get("path"), problem)
-
-
-def _npz_problem(path: Path) -> str | None:
-    """Why ``path`` is not an ``.npz`` with arrays ``x`` and ``y`` of one length, or None (headers only)."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            lengths = []
-            for name in ("x", "y"):
-                with archive.open(f"{name}.npy") as fh:
-                    fmt = np.lib.format
-                    major, _ = fmt.read_magic(fh)
-                    read = fmt.read_array_header_1_0 if major == 1 else fmt.read_array_header_2_0
-                    shape, _, dtype = read(fh)
-                    if dtype.hasobject:
-                        return f"{name} holds Python objects (only numeric arrays are read)"
-                    lengths.append(shape[0] if shape else -1)
-    except KeyError as exc:
-        return f"not an .npz with x and y (no {exc})"
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        return f"not an .npz with x and y ({exc})"
-    if lengths[0] != lengths[1] or lengths[0] < 1:
-        return f"x and y differ in length or are empty ({lengths[0]} and {lengths[1]} rows)"
-    return None
 
 
 def _check_security(p: Problems, c: SecurityRef, raw: Mapping[str, object], check_files: bool) -> None:
     if not check_files:
         return
     if c.signing_key_file is not None:
-        _check_key_file(p, "security.signing_key_file", c.signing_key_file, raw, private=True)
+        profiles.check_key_file(p, "security.signing_key_file", c.signing_key_file, raw, private=True)
     if c.device_keys_dir is not None:
-        _check_key_dir(p, "security.device_keys_dir", c.device_keys_dir, raw)
-    _check_library(p, c, ("signing_key_file", "device_keys_dir"), "security")
+        profiles.check_key_dir(p, "security.device_keys_dir", c.device_keys_dir, raw)
+    profiles.check_library(p, c, "security", ("signing_key_file", "device_keys_dir"))
 
 
 def _check_hierarchy(p: Problems, c: HierarchyConfig, raw: Mapping[str, object], check_files: bool) -> None:
@@ -324,7 +270,8 @@ def _check_hierarchy(p: Problems, c: HierarchyConfig, raw: Mapping[str, object],
         p.add("hierarchy.site", None, "required when hierarchy.role = 'site'")
     if c.site is not None:
         check(p, "hierarchy.site", c.site, check_device_id)
-    _not_negative(p, c, "hierarchy", ("expected_sites", "expected_devices", "site_devices", "close_margin_s"))
+    for name in ("expected_sites", "expected_devices", "site_devices", "close_margin_s"):
+        p.not_negative(f"hierarchy.{name}", getattr(c, name))
     if c.role == "root" and c.site_devices == 0:
         why = "required when hierarchy.role = 'root': the most devices one site has (a site whose key"
         p.add("hierarchy.site_devices", 0, why + " was stolen may claim no more)")
@@ -334,54 +281,13 @@ def _check_hierarchy(p: Problems, c: HierarchyConfig, raw: Mapping[str, object],
     if not check_files:
         return
     if c.site_keys_dir is not None:
-        _check_key_dir(p, "hierarchy.site_keys_dir", c.site_keys_dir, raw)
+        profiles.check_key_dir(p, "hierarchy.site_keys_dir", c.site_keys_dir, raw)
     if c.root_key_file is not None:
-        _check_key_file(p, "hierarchy.root_key_file", c.root_key_file, raw, private=False)
-    _check_library(p, c, ("site_keys_dir", "root_key_file"), "hierarchy")
-
-
-def _check_key_file(p: Problems, key: str, path: Path, raw: Mapping[str, object], *, private: bool) -> None:
-    """Problem of ``key`` unless ``path`` holds an Ed25519 private (or public) key, hex or PEM."""
-    from edgefl.wire.signing import load_signing_key, load_verify_key
-
-    name = key.rpartition(".")[2]
-    problem = profiles.file_problem(path, raw.get(name))
-    if problem is None:
-        try:
-            (load_signing_key if private else load_verify_key)(path)
-        except (OSError, ValueError) as exc:
-            problem = str(exc)
-    if problem is not None:
-        p.add(key, raw.get(name), problem)
-
-
-def _check_key_dir(p: Problems, key: str, path: Path, raw: Mapping[str, object]) -> None:
-    """Problem of ``key`` unless ``path`` is a folder whose ``*.pub`` files all hold public keys."""
-    from edgefl.wire.signing import load_verify_keys
-
-    name = key.rpartition(".")[2]
-    if not path.is_dir():
-        p.add(key, raw.get(name), "not a folder")
-        return
-    try:
-        load_verify_keys(path)
-    except (OSError, ValueError) as exc:
-        p.add(key, raw.get(name), str(exc))
-
-
-def _check_library(p: Problems, c: object, names: tuple[str, ...], table: str) -> None:
-    """Note (once per profile) a configured key with no Ed25519 library to use it."""
-    from edgefl.wire.signing import library_problem
-
-    for name in names:
-        why = library_problem(f"{table}.{name}") if getattr(c, name) is not None else None
-        if why is not None and not any("edgefl[security]" in q for q in p.items):
-            p.note(why)
-            return
+        profiles.check_key_file(p, "hierarchy.root_key_file", c.root_key_file, raw, private=False)
+    profiles.check_library(p, c, "hierarchy", ("site_keys_dir", "root_key_file"))
 
 
 def _check_files(p: Problems, c: FilesConfig, raw: Mapping[str, object], check_files: bool) -> None:
-    """Each output file must be writable where it is named (checked without writing anything)."""
     if not check_files:
         return
     for name in ("state", "log", "json"):
@@ -411,7 +317,7 @@ def combination_problems(profile: CoordinatorProfile) -> list[str]:
 _TABLES: Final[dict[str, tuple[type[Any], profiles.Check]]] = {
     "broker": (BrokerConfig, profiles.check_broker),
     "fleet": (FleetConfig, _check_fleet),
-    "model": (ModelRef, _check_model),
+    "model": (ModelRef, profiles.check_model),
     "rounds": (RoundsConfig, _check_rounds),
     "strategy": (StrategyConfig, _check_strategy),
     "robustness": (RobustnessConfig, _check_robustness),
@@ -425,13 +331,10 @@ _TABLES: Final[dict[str, tuple[type[Any], profiles.Check]]] = {
 SCHEMA: Final = profiles.Schema(_TABLES, {"model.path": Path("_")})
 """The coordinator profile's tables, checks and parser."""
 
-#: Tables only a coordinator profile has: how ``edgefl check-config`` tells the two kinds apart.
-COORDINATOR_TABLES: Final = frozenset(_TABLES) - {"broker", "model", "dashboard", "security"}
-
 
 def is_coordinator_profile(data: Mapping[str, object]) -> bool:
     """True when a parsed TOML mapping is a coordinator profile (it has a coordinator-only table)."""
-    return any(name in COORDINATOR_TABLES for name in data)
+    return any(name in _TABLES and name not in ("broker", "model", "dashboard", "security") for name in data)
 
 
 def load_coordinator_profile(

@@ -232,9 +232,8 @@ class DeviceRegistry:
         """``devices`` were asked in round ``round_no`` and sent it neither an update counted nor a decline.
 
         Until each answers a round again (:meth:`heard`), :meth:`waited_devices` leaves it out and
-        :meth:`ready_new_samples` counts its claimed new samples as 0: a device that says it is ready
-        and never answers holds no round to its deadline and opens none. Devices the registry does not
-        hold are ignored (the map stays bounded by ``max_devices``).
+        :meth:`ready_new_samples` counts its claimed new samples as 0 (``docs/security.md``, "Update ids,
+        declines and sites"). Devices the registry does not hold are ignored (bounded by ``max_devices``).
         """
         for dev in devices:
             if dev in self.devices:
@@ -243,17 +242,15 @@ class DeviceRegistry:
     def heard(self, device: str) -> None:
         """``device`` answered: rounds wait for it again.
 
-        An update counted, a decline, or its own update for the open or last round even too late to
-        count (a slow gateway back from a restart); never a status, which anyone with its account sends.
+        An update counted, a decline, or its own late update; never a status (``docs/security.md``).
         """
         self.unanswered.pop(device, None)
 
     def waited_devices(self) -> list[str]:
         """The ready devices (:meth:`online_devices`) a round waits for: those not silent since asked.
 
-        A device in :attr:`unanswered` may still send an update, which counts as usual. When every
-        ready device is in it (a whole fleet restarted during a round), all of them: the fleet never
-        stalls on its own silence.
+        All of them when every ready device is in :attr:`unanswered` (``docs/security.md``, "Update
+        ids, declines and sites").
         """
         return self._waited(self.online_devices())
 
@@ -271,8 +268,7 @@ class DeviceRegistry:
     def online_devices(self) -> list[str]:
         """The ready devices (sorted): up, ready, on this backbone, and with labelled samples to train on.
 
-        A device reporting an empty store (``store_samples`` = 0) would only decline (``no_samples``): no
-        round waits for it, opens for it or counts it among the devices asked.
+        One reporting ``store_samples`` = 0 is not ready (``docs/protocol.md``, "DeviceStatus").
         """
         return sorted(
             d

@@ -1,8 +1,7 @@
 """Robust aggregation rules: coordinate-wise median and trimmed mean, of updates or of sites' estimates.
 
-They need every update of a round at once (the accumulator holds at most ``max_updates``), weigh
-devices alike whatever they claim, and derive the fewest updates they aggregate from their
-breakdown point and ``tolerate``. The maths is in pure numpy functions (Yin et al. 2018).
+They hold a round's updates and weigh devices alike (:class:`_Robust`), aggregating no fewer than
+their breakdown point and ``tolerate`` allow; the maths is in pure numpy functions (Yin et al. 2018).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +153,12 @@ def log_entry(
     return entry
 
 
+def append_log(log: Path, entries: Iterable[Mapping[str, Any]]) -> None:
+    """Append ``entries`` to the round log ``log``, one JSON line each."""
+    with open(log, "a") as f:
+        f.writelines(json.dumps(entry) + "\n" for entry in entries)
+
+
 def log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:
     """Append the rounds the state file closed but ``log`` does not have (a kill in between); how many.
 
@@ -175,11 +181,11 @@ def log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:
         versions.append(v)
         v -= int(rec.clients > 0 and not rec.refused)
     versions.reverse()
-    with open(log, "a") as f:
-        for rec, version in zip(missing, versions, strict=True):
-            # the refusals and declines by reason were not saved
-            entry = _round_entry(rec, version, strategy, coord.counted.get(rec.round, []), {}, {})
-            entry["recovered"] = True
-            f.write(json.dumps(entry) + "\n")
+    entries = []
+    for rec, version in zip(missing, versions, strict=True):
+        # the refusals and declines by reason were not saved
+        entries.append(_round_entry(rec, version, strategy, coord.counted.get(rec.round, []), {}, {}))
+        entries[-1]["recovered"] = True
+    append_log(log, entries)
     logger.warning("appended %d round(s) the log missed (closed and saved before a restart)", len(missing))
     return len(missing)

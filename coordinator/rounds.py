@@ -249,10 +249,8 @@ class FleetPhase(StrEnum):
 class FleetState:
     """The fleet's state as its page shows it: one phase, human words, and the numbers behind them.
 
-    ``text`` says it in words (``"collecting 3 of 5"``); ``round``: the open or last round; ``ready``
-    and ``needed`` devices; ``new_samples`` (None: not reported) and ``min_new_samples``; in an open
-    round ``asked``, ``counted``, ``close_at``; ``next_round_in_s`` while paused. The keys are
-    ``docs/operations.md``'s, "The round log and the fleet state".
+    Each key: ``docs/operations.md``, "The round log and the fleet state" (``new_samples`` None: not
+    reported).
     """
 
     state: FleetPhase
@@ -273,19 +271,6 @@ class FleetState:
         doc["state"] = self.state.value
         doc["next_round_in_s"] = None if self.next_round_in_s is None else round(self.next_round_in_s, 1)
         return doc
-
-
-def collecting(rnd: Round) -> FleetState:
-    """The state of a fleet whose round ``rnd`` is open: ``"collecting N of M"`` (N counted, M asked)."""
-    asked = rnd.asked or rnd.close_at
-    return FleetState(
-        FleetPhase.COLLECTING,
-        f"collecting {rnd.clients} of {asked}",
-        round=rnd.number,
-        asked=asked,
-        counted=rnd.clients,
-        close_at=rnd.close_at,
-    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from edgefl import heap
@@ -34,6 +35,7 @@ from edgefl.coordinator.privacy import DPFedAvg
 from edgefl.coordinator.profile import CoordinatorProfile
 from edgefl.coordinator.roundarchive import RoundArchive
 from edgefl.coordinator.roundlog import (
+    append_log,
     counts_since,
     empty_cause,
     log_entry,
@@ -209,19 +211,19 @@ async def run(
     instance = new_instance()
     leased = hier.role != "site"  # one coordinator per fleet; a site is one per site broker
 
-    def transport_for(cid: str, *, persistent: bool, probe: bool = False) -> MqttTransport:
+    def transport_for(cid: str, probe: bool = False) -> MqttTransport:
         return MqttTransport.for_broker(
             broker,
             cid,
             # A persistent session: updates published while the coordinator restarts wait for it
-            session_expiry_s=3600 if persistent or probe else 0,
+            session_expiry_s=3600,
             # an update is acknowledged once the state file holds it: a SIGKILL loses none
-            ack_on_commit=probe or (persistent and files.state is not None),
+            ack_on_commit=probe or files.state is not None,
             # one client, not a fleet: back within ~5 s of its broker (a root's partials wait for it)
             reconnect_max_s=COORDINATOR_RECONNECT_MAX_S,
             # a flood of large messages from one account waits at the broker, not in our memory
             max_held_bytes=COORDINATOR_HELD_BYTES,
-            will=Lease.will(topics.coordinator) if persistent and leased else None,
+            will=Lease.will(topics.coordinator) if leased and not probe else None,
         )
 
     sec = profile.security
@@ -232,7 +234,7 @@ async def run(
     trust = PresenceTrust(fleet, signing_key.verify_key if signing_key else None, previous)
     stale = None
     if leased:  # before anything is published or written: is a live coordinator running this fleet?
-        probe = transport_for(f"{client_id}-probe-{instance[:8]}", persistent=False, probe=True)
+        probe = transport_for(f"{client_id}-probe-{instance[:8]}", probe=True)
         probing = await _unless_stopped(
             probe_lease(
                 probe,
@@ -253,7 +255,7 @@ async def run(
             raise _access_refused(exc, where, broker.username, topics) from exc
         if files.state is not None:
             record_instance(files.state, instance)  # the next start knows this one's lease as its own
-    transport = transport_for(client_id, persistent=True)
+    transport = transport_for(client_id)
     st = profile.strategy
     try:
         strategy = build_strategy(profile)
@@ -283,7 +285,6 @@ async def run(
             "close_margin_s": hier.close_margin_s,
             "site_state": files.state,
         }
-    job = rounds.count > 0  # N rounds back to back; 0: a service, paced
     if sec.device_keys_dir is None and hier.role != "root":
         logger.warning(
             "device updates are not signed (no security.device_keys_dir): the broker's accounts and ACL "
@@ -314,72 +315,64 @@ async def run(
         print(f"device {device} runs another model ({why}): left out of rounds", flush=True)
 
     coord.registry.on_mismatch = mismatch
+    lease: Lease | None = None  # a site has none: one site aggregator per site broker
+    rounds_page: Callable[[], Any] = coord.dashboard_rounds
     if isinstance(coord, SiteAggregator):
         transport.on_connect_cb = coord.on_transport_connect
-        return await _run_site(coord, profile, transport, page, stop)
-    if not trust.signed:
-        logger.warning(
-            "the fleet's lease is not signed (no security.signing_key_file): anyone who may publish on %s "
-            "can stop this coordinator; the broker's ACL must keep it to the coordinator's account "
-            "(docs/security.md)",
-            topics.coordinator,
-        )
-    coord.state.rejected.update(trust.refused)  # presences the probe refused
-    lease = Lease(
-        transport,
-        topics.coordinator,
-        instance,
-        holder_topic=topics.coordinator_holder,
-        signing_key=signing_key,
-        trust=trust,
-        seen=stale,
-    )
-    lease.on_lost = stop.set
-    coord.on_lease_message = lease.handle
-
-    def connected() -> None:
-        if not lease.lost.is_set():  # lost: stopping, the fleet's head and round are another's now
-            coord.on_transport_connect()  # our head and round again (the broker may hold older ones)
-        lease.on_connect()  # our presence again (the broker may have lost it, or a will cleared it)
-
-    transport.on_connect_cb = connected
-
-    def running_at() -> str:
-        rnd = coord.state.current
-        if rnd is None or rnd.phase.value != "open":
-            state = "no round open"
-        else:
-            state = "saving the open round for the next start" if files.state else "no state file"
-        return f"at round {coord.state.round} ({state})"
-
-    stopping_at[0] = running_at
-
-    role = "" if hier.role == "flat" else f" ({hier.role} of {hier.expected_sites or 'any number of'} sites)"
-    if job:
-        what = f"{plural(rounds.count, 'round')} of {st.name}"
+        title = f"site {coord.site}"
+        span = f"rounds 1-{rounds.count}" if rounds.count else "the root's rounds until stopped"
+        print(f"{title} of fleet {fleet} at {where}: {span}", flush=True)
     else:
-        what = (
-            f"rounds of {st.name} until stopped, at most one every {rounds.interval_s:g} s, each once the "
-            f"ready devices report {rounds.min_new_samples} new samples"
-        )
-    print(f"coordinator{role} of fleet {fleet} at {where}: {what}, {strategy.tolerance()}", flush=True)
-    stop_page: Callable[[], Awaitable[None]] | None = None
-    if page is not None and profile.dashboard.enabled:
-        dash = profile.dashboard
-        try:
-            # the page's rounds beyond the last HISTORY_ROUNDS come from the round log
-            history = (
-                coord.dashboard_rounds
-                if files.log is None
-                else RoundArchive(files.log, coord.dashboard_rounds).records_async
+        title = f"fleet {fleet}"
+        if not trust.signed:
+            logger.warning(
+                "the fleet's lease is not signed (no security.signing_key_file): anyone who may publish on "
+                "%s can stop this coordinator; the broker's ACL must keep it to the coordinator's account "
+                "(docs/security.md)",
+                topics.coordinator,
             )
-            stop_page, port = await page(dash, f"fleet {fleet}", coord.dashboard_status, history)
-        except OSError as exc:
-            why = exc.strerror or str(exc)
-            raise ConfigError(
-                [f"dashboard.port = {dash.port}: cannot serve the fleet page on {dash.host} ({why})"]
-            ) from exc
-        print(f"fleet page: http://{profile.dashboard.host}:{port}/", flush=True)
+        coord.state.rejected.update(trust.refused)  # presences the probe refused
+        lease = held = Lease(
+            transport,
+            topics.coordinator,
+            instance,
+            holder_topic=topics.coordinator_holder,
+            signing_key=signing_key,
+            trust=trust,
+            seen=stale,
+        )
+        held.on_lost = stop.set
+        coord.on_lease_message = held.handle
+
+        def connected() -> None:
+            if not held.lost.is_set():  # lost: stopping, the fleet's head and round are another's now
+                coord.on_transport_connect()  # our head and round again (the broker may hold older ones)
+            held.on_connect()  # our presence again (the broker may have lost it, or a will cleared it)
+
+        transport.on_connect_cb = connected
+
+        def running_at() -> str:
+            rnd = coord.state.current
+            if rnd is None or rnd.phase.value != "open":
+                state = "no round open"
+            else:
+                state = "saving the open round for the next start" if files.state else "no state file"
+            return f"at round {coord.state.round} ({state})"
+
+        stopping_at[0] = running_at
+        sites = hier.expected_sites or "any number of"
+        role = "" if hier.role == "flat" else f" ({hier.role} of {sites} sites)"
+        if rounds.count > 0:
+            what = f"{plural(rounds.count, 'round')} of {st.name}"
+        else:
+            what = (
+                f"rounds of {st.name} until stopped, at most one every {rounds.interval_s:g} s, each once "
+                f"the ready devices report {rounds.min_new_samples} new samples"
+            )
+        print(f"coordinator{role} of {title} at {where}: {what}, {strategy.tolerance()}", flush=True)
+        if files.log is not None:  # the page's rounds beyond the last HISTORY_ROUNDS come from the round log
+            rounds_page = RoundArchive(files.log, coord.dashboard_rounds).records_async
+    stop_page = await _serve_page(page, profile.dashboard, title, coord.dashboard_status, rounds_page)
     records: list[RoundRecord] = []
     empty: list[str] = []
     unsaved = ""  # why the state file could not be saved at the stop (exit 75)
@@ -390,14 +383,16 @@ async def run(
     async def start_up() -> None:
         nonlocal holding
         await _connected_or_refused(transport, where, CONNECT_WAIT_S)
-        holding = asyncio.create_task(lease.hold())
+        if lease is not None:
+            holding = asyncio.create_task(lease.hold())
         await coord.start()
-        # watch the lease while running: a live coordinator that took the fleet first makes this one
-        # stop (exit 6), a cleared lease is published again (the transport renews it after a reconnect)
-        await transport.subscribe(topics.coordinator, 1)
+        if lease is not None:
+            # watch the lease while running: a live coordinator that took the fleet first makes this one
+            # stop (exit 6), a cleared lease is published again (the transport renews it after a reconnect)
+            await transport.subscribe(topics.coordinator, 1)
 
     try:
-        if files.state is not None:
+        if files.state is not None and leased:  # a site reads its own record in start()
             try:
                 coord.load_state(files.state)
             except UpdateRejected as exc:
@@ -405,77 +400,38 @@ async def run(
             coord.state_path = files.state
             if files.log is not None:
                 log_missing_rounds(files.log, coord, strategy.name)
-        elif profile.privacy.enabled:
+        elif profile.privacy.enabled and leased:
             why = "privacy.enabled without files.state: the privacy accountant starts again at every start"
             print(f"warning: {why}", flush=True)
             logger.warning("%s", why)
         await transport.start(wait_s=None)
         pump = asyncio.create_task(coord.pump())
-        booting = await _unless_stopped(start_up(), stop)
+        booting = await _unless_stopped(start_up(), stop)  # SIGTERM while connecting: exit 0
         if booting is not None:
             try:
                 booting.result()
+            except UpdateRejected as exc:  # a site's record of another site or head shape
+                raise ConfigError([f"files.state = {str(files.state)!r}: {exc}"]) from exc
             except BrokerRefused as exc:  # an ACL without the fleet's topics: exit 1, not restarted
                 raise _access_refused(exc, where, broker.username, topics) from exc
             started = True
-        if not stop.is_set() and job and coord.state.round >= rounds.count:
-            print(
-                f"nothing to do: fleet {fleet} is at round {coord.state.round} of {rounds.count} "
-                "(raise rounds.count or use a new fleet.name)",
-                flush=True,
-            )
-        elif not stop.is_set() and rounds.expected_clients:
-            await _wait_for_expected(coord, rounds.expected_clients, rounds.wait_devices_s, stop)
-        while not stop.is_set() and not (job and coord.state.round >= rounds.count):
-            if not job and not coord.resuming and not await coord.wait_to_open(stop):
-                break
-            r = coord.state.round + 1
-            refused_before = Counter(coord.state.rejected)
-            declined_before = Counter(coord.state.declined)
-            runner = await _unless_stopped(coord.run_round(r), stop)
-            if runner is None:  # stopped: the open round stays in the state file, resumed at restart
-                break
-            rec = runner.result()
-            records.append(rec)
-            del records[:-HISTORY_ROUNDS]  # the summary keeps the last rounds; the round log has them all
-            refused_round = counts_since(coord.state.rejected, refused_before)
-            declined_round = counts_since(coord.state.declined, declined_before)
-            coord.note_round_reasons(rec.round, refused_round, declined_round)
-            if files.state is not None:
-                coord.save_state(files.state)
-            # at the root the messages in are the sites' partials (~41 kB for 512x10 float64 sums)
-            per = "partial" if isinstance(coord, RootCoordinator) else "update"
-            silent = coord.silent_devices(rec.round)
-            line = round_line(rec, rounds.count, refused_round, declined_round, per, silent)
-            print(line, flush=True)
-            logger.info("%s", line)
-            if rec.clients == 0 and job:
-                why = empty_cause(refused_round, declined_round, len(coord.registry.online_devices()))
-                empty.append(f"round {rec.round} aggregated nothing ({why})")
-            elif rec.refused == "too_few" and job:  # abandoned: fewer updates than tolerate needs
-                need = f"{strategy.name} needs {strategy.min_updates}"
-                why = f"{rec.clients} updates, {need}: {strategy.tolerance()}"
-                empty.append(f"round {rec.round} aggregated nothing (abandoned: {why})")
-            if files.log is not None:
-                entry = log_entry(coord, rec, strategy, refused_round, declined_round)
-                with open(files.log, "a") as f:
-                    f.write(json.dumps(entry) + "\n")
-            # the round's freed heap (decoded updates, aggregation temporaries, the state document) goes
-            # back to the kernel: a service's RSS stays its live data, not the sum of its rounds' free gaps
-            heap.malloc_trim()
-        coord.finished = True
-        coord.notify()
+        if isinstance(coord, SiteAggregator):
+            if started:
+                await _site_rounds(coord, files.log, rounds.count, stop)
+        else:
+            await _fleet_rounds(coord, profile, strategy, stop, records, empty)
     finally:
         await _cancel(pump)
         await _cancel(holding)
         await coord.stop_republishing()
-        if started and files.state is not None and coord.state_path is not None and not lease.lost.is_set():
+        path = coord.state_path  # files.state at a flat or root coordinator, None at a site
+        if started and path is not None and lease is not None and not lease.lost.is_set():
             try:
-                coord.save_state(files.state)  # an open round, as it stands: resumed at the restart
+                coord.save_state(path)  # an open round, as it stands: resumed at the restart
             except OSError as exc:
-                unsaved = f"state file {files.state} not saved at the stop ({exc})"
+                unsaved = f"state file {path} not saved at the stop ({exc})"
                 logger.error("%s: the next start resumes its last saved generation", unsaved)
-        if holding is not None and not lease.lost.is_set() and not lease.refused:
+        if holding is not None and lease is not None and not lease.lost.is_set() and not lease.refused:
             await lease.release()
         await transport.stop()
         if stop_page is not None:
@@ -483,6 +439,8 @@ async def run(
     if unsaved:
         print(f"edgefl coordinator: {unsaved}", file=sys.stderr)
         return EXIT_FAULT
+    if lease is None:  # a site: no lease, no summary
+        return EXIT_OK
     if lease.lost.is_set():
         print(
             f"edgefl coordinator: another coordinator runs this fleet ({lease.lost_to}): stopped",
@@ -523,88 +481,122 @@ def pacing_for(profile: CoordinatorProfile) -> Pacing:
     return Pacing(rounds.interval_s, rounds.min_new_samples, rounds.min_clients)
 
 
-async def _wait_for_expected(coord: Coordinator, n: int, timeout_s: float, stop: asyncio.Event) -> None:
-    """Wait for ``n`` ready devices before round 1 (``rounds.expected_clients``), ``timeout_s`` at most."""
-    waiting = await _unless_stopped(coord.registry.wait_for_devices(n, timeout_s=timeout_s, key=None), stop)
-    if waiting is None:  # SIGTERM while waiting for the devices
-        return
-    try:
-        waiting.result()
-    except TimeoutError as exc:
-        print(f"{exc}; starting the rounds anyway", flush=True)
-        logger.warning("%s; starting the rounds anyway", exc)
-
-
-async def _run_site(
-    site: SiteAggregator,
-    profile: CoordinatorProfile,
-    transport: MqttTransport,
+async def _serve_page(
     page: PageServer | None,
-    stop: asyncio.Event,
-) -> int:
-    """The site role's job: one partial per round the root announces, up to round ``rounds.count``.
-
-    It ends once the root published that round's head, or on SIGTERM. One line per round on stdout and
-    one JSON line in ``files.log`` (``round``, ``site``, ``updates``, ``partial_bytes``,
-    ``duration_s``, ``update_ids``, ``refused_updates``). Exit code 0 (raises as :func:`run` does).
-    """
-    broker, rounds, files = profile.broker, profile.rounds, profile.files
-    where = f"{broker.scheme}://{broker.host}:{broker.port}"
-    last_round = rounds.count or sys.maxsize  # 0: the root's rounds until stopped
-    span = f"rounds 1-{rounds.count}" if rounds.count else "the root's rounds until stopped"
-    print(f"site {site.site} of fleet {profile.fleet.name} at {where}: {span}", flush=True)
-    stop_page: Callable[[], Awaitable[None]] | None = None
-    if page is not None and profile.dashboard.enabled:
-        stop_page, port = await page(
-            profile.dashboard, f"site {site.site}", site.dashboard_status, site.dashboard_rounds
-        )
-        print(f"site page: http://{profile.dashboard.host}:{port}/", flush=True)
-    await transport.start(wait_s=None)
-    pump = asyncio.create_task(site.pump())
-
-    async def start_up() -> None:
-        await _connected_or_refused(transport, where, CONNECT_WAIT_S)
-        try:
-            await site.start()
-        except UpdateRejected as exc:
-            raise ConfigError([f"files.state = {str(files.state)!r}: {exc}"]) from exc
-        except BrokerRefused as exc:  # an ACL without the fleet's topics: exit 1, not restarted
-            raise _access_refused(exc, where, broker.username, site.topics) from exc
-
+    dash: DashboardConfig,
+    title: str,
+    status: Callable[[], Mapping[str, Any]],
+    rounds_page: Callable[[], Any],
+) -> Callable[[], Awaitable[None]] | None:
+    """Serve the page of ``title`` when ``[dashboard]`` is enabled; its stop (None: not served)."""
+    if page is None or not dash.enabled:
+        return None
+    kind = title.split()[0]  # fleet or site
     try:
-        booting = await _unless_stopped(start_up(), stop)  # SIGTERM while connecting: exit 0
-        if booting is None:
-            return EXIT_OK
-        booting.result()
+        stop_page, port = await page(dash, title, status, rounds_page)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise ConfigError(
+            [f"dashboard.port = {dash.port}: cannot serve the {kind} page on {dash.host} ({why})"]
+        ) from exc
+    print(f"{kind} page: http://{dash.host}:{port}/", flush=True)
+    return stop_page
+
+
+async def _fleet_rounds(
+    coord: Coordinator,
+    profile: CoordinatorProfile,
+    strategy: Strategy,
+    stop: asyncio.Event,
+    records: list[RoundRecord],
+    empty: list[str],
+) -> None:
+    """A flat or root coordinator's rounds until done or stopped, adding to ``records`` and ``empty``."""
+    rounds, files, fleet = profile.rounds, profile.files, profile.fleet.name
+    job = rounds.count > 0  # N rounds back to back; 0: a service, paced
+    if not stop.is_set() and job and coord.state.round >= rounds.count:
         print(
-            f"site {site.site}: ready, waiting for the root's round {site.closed_round + 1} "
-            f"(last round closed here: {site.closed_round or 'none'})",
+            f"nothing to do: fleet {fleet} is at round {coord.state.round} of {rounds.count} "
+            "(raise rounds.count or use a new fleet.name)",
             flush=True,
         )
-        while not stop.is_set():
-            refused_before = Counter(site.state.rejected)
-            runner = await _unless_stopped(_next_site_round(site, last_round), stop)
-            if runner is None:
-                break
-            rec = runner.result()
-            if rec is None:  # the root published the head of the last round
-                break
-            refused_round = counts_since(site.state.rejected, refused_before)
-            print(
-                f"site {site.site} round {rec.round}: {rec.updates} updates, {rec.partial_bytes} bytes up, "
-                f"{rec.duration_s:.2f} s, refused: {refused_round or 'none'}",
-                flush=True,
-            )
-            if files.log is not None:
-                entry = {**asdict(rec), "site": site.site, "refused_updates": refused_round}
-                with open(files.log, "a") as f:
-                    f.write(json.dumps(entry) + "\n")
-    finally:
-        await _cancel(pump)
-        await transport.stop()
-        if stop_page is not None:
-            await stop_page()
-    return EXIT_OK
+    elif not stop.is_set() and rounds.expected_clients:  # wait for them before round 1, for so long at most
+        n, wait_s = rounds.expected_clients, rounds.wait_devices_s
+        waiting = await _unless_stopped(coord.registry.wait_for_devices(n, timeout_s=wait_s, key=None), stop)
+        try:
+            if waiting is not None:  # else SIGTERM while waiting for the devices
+                waiting.result()
+        except TimeoutError as exc:
+            print(f"{exc}; starting the rounds anyway", flush=True)
+            logger.warning("%s; starting the rounds anyway", exc)
+    while not stop.is_set() and not (job and coord.state.round >= rounds.count):
+        if not job and not coord.resuming and not await coord.wait_to_open(stop):
+            break
+        r = coord.state.round + 1
+        refused_before = Counter(coord.state.rejected)
+        declined_before = Counter(coord.state.declined)
+        runner = await _unless_stopped(coord.run_round(r), stop)
+        if runner is None:  # stopped: the open round stays in the state file, resumed at restart
+            break
+        rec = runner.result()
+        records.append(rec)
+        del records[:-HISTORY_ROUNDS]  # the summary keeps the last rounds; the round log has them all
+        refused_round = counts_since(coord.state.rejected, refused_before)
+        declined_round = counts_since(coord.state.declined, declined_before)
+        coord.note_round_reasons(rec.round, refused_round, declined_round)
+        if files.state is not None:
+            coord.save_state(files.state)
+        # at the root the messages in are the sites' partials (~41 kB for 512x10 float64 sums)
+        per = "partial" if isinstance(coord, RootCoordinator) else "update"
+        silent = coord.silent_devices(rec.round)
+        line = round_line(rec, rounds.count, refused_round, declined_round, per, silent)
+        print(line, flush=True)
+        logger.info("%s", line)
+        if rec.clients == 0 and job:
+            why = empty_cause(refused_round, declined_round, len(coord.registry.online_devices()))
+            empty.append(f"round {rec.round} aggregated nothing ({why})")
+        elif rec.refused == "too_few" and job:  # abandoned: fewer updates than tolerate needs
+            need = f"{strategy.name} needs {strategy.min_updates}"
+            why = f"{rec.clients} updates, {need}: {strategy.tolerance()}"
+            empty.append(f"round {rec.round} aggregated nothing (abandoned: {why})")
+        if files.log is not None:
+            append_log(files.log, [log_entry(coord, rec, strategy, refused_round, declined_round)])
+        # the round's freed heap (decoded updates, aggregation temporaries, the state document) goes
+        # back to the kernel: a service's RSS stays its live data, not the sum of its rounds' free gaps
+        heap.malloc_trim()
+    coord.finished = True
+    coord.notify()
+
+
+async def _site_rounds(site: SiteAggregator, log: Path | None, count: int, stop: asyncio.Event) -> None:
+    """A site's rounds: one partial per round the root announces, up to round ``count`` (0: until stopped).
+
+    It ends once the root published that round's head, or on SIGTERM. One line per round on stdout and
+    one JSON line in ``log`` (``round``, ``site``, ``updates``, ``partial_bytes``, ``duration_s``,
+    ``update_ids``, ``refused_updates``).
+    """
+    last_round = count or sys.maxsize
+    print(
+        f"site {site.site}: ready, waiting for the root's round {site.closed_round + 1} "
+        f"(last round closed here: {site.closed_round or 'none'})",
+        flush=True,
+    )
+    while not stop.is_set():
+        refused_before = Counter(site.state.rejected)
+        runner = await _unless_stopped(_next_site_round(site, last_round), stop)
+        if runner is None:
+            break
+        rec = runner.result()
+        if rec is None:  # the root published the head of the last round
+            break
+        refused_round = counts_since(site.state.rejected, refused_before)
+        print(
+            f"site {site.site} round {rec.round}: {rec.updates} updates, {rec.partial_bytes} bytes up, "
+            f"{rec.duration_s:.2f} s, refused: {refused_round or 'none'}",
+            flush=True,
+        )
+        if log is not None:
+            append_log(log, [{**asdict(rec), "site": site.site, "refused_updates": refused_round}])
 
 
 async def _cancel(task: asyncio.Task[Any] | None) -> None:

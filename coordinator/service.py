@@ -35,7 +35,6 @@ from edgefl.coordinator.rounds import (
     Pacing,
     Round,
     RoundPhase,
-    collecting,
     device_names,
 )
 from edgefl.coordinator.strategy import RoundConfig, Schedule, aggregate_checked
@@ -168,13 +167,13 @@ class Coordinator(Intake):
         """Topics an earlier session of this client may hold that this one must not receive."""
         return []
 
-    async def subscribe(self, topic: str, budget_s: float = PUBLISH_RETRY_S) -> None:
-        """Subscribe with QoS 1, retrying a late SUBACK (a flood delays it) with backoff for ``budget_s``.
+    async def subscribe(self, topic: str) -> None:
+        """Subscribe with QoS 1, retrying a late SUBACK (a flood delays it) for :data:`PUBLISH_RETRY_S`.
 
         Raises TransportError if the broker refused the subscription, or no SUBACK came in time.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget_s
+        deadline = loop.time() + PUBLISH_RETRY_S
         backoff = 1.0
         while True:
             try:
@@ -225,18 +224,15 @@ class Coordinator(Intake):
     def pacing_state(self) -> FleetState:
         """Where the fleet stands before the next round (see :meth:`Pacing.check`)."""
         pacing = self.pacing
-        if pacing.min_devices > 0:  # 0: a root, whose devices report to their sites
-            pacing = dataclasses.replace(pacing, min_devices=max(pacing.min_devices, self.min_updates()))
+        if pacing.min_devices > 0:  # 0: a root; else as many ready devices as the strategy aggregates
+            need = max(pacing.min_devices, self.strategy.min_updates)
+            pacing = dataclasses.replace(pacing, min_devices=need)
         since = None if self._last_start is None else time.monotonic() - self._last_start
         last = self.state.history[-1] if self.state.history else None
         if since is None and last is not None and math.isfinite(last.closed_unix):
             # restarted: the last round opened duration_s before it closed (wall clock, state file)
             since = max(0.0, time.time() - (last.closed_unix - last.duration_s))
         return pacing.check(self.state.round, self.registry.ready_new_samples(), since)
-
-    def min_updates(self) -> int:
-        """The fewest updates the strategy aggregates: a round opens only once that many devices are ready."""
-        return max(1, self.strategy.min_updates)
 
     async def run_round(self, round_no: int, selected: tuple[str, ...] | None = None) -> RoundRecord:
         """Run round ``round_no``: announce, collect until complete or deadline, aggregate, check, publish.
@@ -278,7 +274,7 @@ class Coordinator(Intake):
             expected_sites=self.expected_sites,
             online=online,
             quorum=self.quorum if sync else None,
-            min_updates=self.min_updates(),
+            min_updates=self.strategy.min_updates,
         )
         if resume is not None:
             self._resume_round(rnd, resume)
@@ -300,22 +296,15 @@ class Coordinator(Intake):
         self.notify()
         loop = asyncio.get_running_loop()
         try:
-            while not rnd.complete():
-                if announce.done() and announce.exception() is not None:
-                    break
-                remaining = rnd.deadline_at - time.monotonic()
-                if remaining <= 0:
-                    silent = rnd.silent()
-                    logger.warning(
-                        "round %d: deadline passed with %d of %d updates%s",
-                        round_no,
-                        rnd.clients,
-                        cfg.min_clients,
-                        f"; no answer from {device_names(silent)}" if silent else "",
-                    )
-                    break
-                self._round_changed.clear()
-                await wait_event(self._round_changed, remaining)
+            if not await self._collect(rnd, lambda: announce.done() and announce.exception() is not None):
+                silent = rnd.silent()
+                logger.warning(
+                    "round %d: deadline passed with %d of %d updates%s",
+                    round_no,
+                    rnd.clients,
+                    cfg.min_clients,
+                    f"; no answer from {device_names(silent)}" if silent else "",
+                )
             await announce  # its PUBACK (long back in a round that completed), or its TransportError
         finally:
             if not announce.done():
@@ -568,10 +557,8 @@ class Coordinator(Intake):
     ) -> None:
         """Keep a closed round's refused updates and declines ``{reason: count}`` for the fleet page.
 
-        With them, its ``silent`` devices (at most :data:`SILENT_KEPT` names) and ``silent_devices``. A
-        quiet round (nothing refused, declined or silent: most rounds of a healthy fleet) is kept as None
-        and read as :func:`quiet_reasons`: the last :data:`HISTORY_ROUNDS` rounds' reasons then cost a
-        service a dict slot each, not four new containers (~0.4 KiB) that the allocator keeps touched.
+        With them, its ``silent`` devices (at most :data:`SILENT_KEPT` names) and ``silent_devices``; a
+        quiet round (nothing refused, declined or silent) is kept as None (a dict slot, not four containers).
         """
         silent = self.silent_devices(round_no)
         kept: dict[str, Any] | None = None
@@ -627,9 +614,10 @@ class Coordinator(Intake):
             )
         rnd = self.state.current
         if rnd is not None and rnd.phase is RoundPhase.OPEN:
-            st = collecting(rnd)
+            asked = rnd.asked or rnd.close_at
             return dataclasses.replace(
-                paced, state=st.state, text=st.text, round=st.round, asked=st.asked, counted=st.counted,
-                close_at=st.close_at, next_round_in_s=None,
+                paced, state=FleetPhase.COLLECTING, text=f"collecting {rnd.clients} of {asked}",
+                round=rnd.number, asked=asked, counted=rnd.clients, close_at=rnd.close_at,
+                next_round_in_s=None,
             )  # fmt: skip
         return paced

@@ -312,8 +312,7 @@ class Strategy(ABC):
         """Bound each site's claimed weight per update at the root (``offer_sums``).
 
         A partial's weight per update is at most ``multiplier`` (>= 1) x the median weight per update
-        of the round's partials, or of the last round's when lower; a site whose key was stolen then
-        pulls the root's mean by at most its devices' share of the norm bound (``docs/security.md``).
+        of the round's partials, or of the last round's when lower (why: ``docs/security.md``).
         """
         self.norm_bound.weight_multiplier = multiplier
         self.norm_bound.history_warmup = 1  # a root hears a few sites a round, not many devices

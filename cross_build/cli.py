@@ -1,8 +1,7 @@
 """The ``edgefl wheelhouse`` sub-command: argument parsing only, cheap to import.
 
-``edgefl/cli.py`` imports this module (in a source checkout) to register the sub-command; the builder,
-:mod:`cross_build.wheelhouse`, and its dependencies (``packaging``, ~200 ms and ~4.6 MB RSS measured)
-are imported only when the sub-command runs, so ``edgefl run`` does not pay for them.
+``edgefl/cli.py`` imports this module (in a source checkout) to register the sub-command; the builder
+(:mod:`cross_build.wheelhouse`, with ``packaging``) is imported only when the sub-command runs.
 """
 
 from __future__ import annotations

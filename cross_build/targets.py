@@ -19,9 +19,7 @@ from packaging.utils import parse_wheel_filename
 
 from edgefl.errors import EdgeflError
 
-# The oldest glibc any manylinux_2_Y tag names, per architecture: x86 wheels go back to manylinux1
-# (glibc 2.5); the ARM architectures start at manylinux2014 (glibc 2.17). Same rule as packaging's
-# _manylinux.platform_tags.
+# The oldest glibc a manylinux_2_Y tag names: 2.5 on x86, else 2.17 (packaging's _manylinux.platform_tags)
 _OLDEST_GLIBC_MINOR = {"x86_64": 5, "i686": 5}
 _OLDEST_GLIBC_MINOR_DEFAULT = 17
 _LEGACY_ALIASES = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}  # PEP 600's legacy tags
@@ -91,15 +89,13 @@ class Target:
         return f"{self.abi}-manylinux_{self.glibc[0]}_{self.glibc[1]}_{self.machine}"
 
 
-# cbor2 5.9.0 is the last cbor2 with a pure-Python implementation; setup.py honours
-# CBOR2_BUILD_C_EXTENSION=0 (checked in the 5.9.0 sdist).
+# cbor2 5.9.0: the last with a pure-Python build (its setup.py honours CBOR2_BUILD_C_EXTENSION=0)
 CBOR2_PURE = PureWheel("cbor2", "5.9.0", {"CBOR2_BUILD_C_EXTENSION": "0"})
 
 # Every CPython a wheelhouse can be asked for (``--python``); edgefl needs >= 3.11 (setup.cfg).
 PYTHONS = ("3.11", "3.12", "3.13")
 
-# tflite-runtime 2.14.0 (the last release) publishes armv7l wheels for cp39-cp311 only, and LiteRT
-# (ai-edge-litert) none for armv7l at all (checked on the package index, 2026-12).
+# checked on the package index, 2026-12
 _NO_ARMV7L_RUNTIME = (
     "no TFLite runtime wheel exists for armv7l on CPython {py}: tflite-runtime 2.14.0 (the last "
     "release) stops at cp311 and ai-edge-litert has no armv7l wheel; use CPython 3.11 (Debian 12)"

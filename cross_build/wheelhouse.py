@@ -218,10 +218,9 @@ def build_wheelhouse(
     """Build the complete offline wheelhouse for one target into ``out`` (its ``wheels/`` emptied first).
 
     ``repo`` is the source checkout, ``prefix`` the install prefix on the device; returns the lock's
-    entries, sorted by name. WheelhouseError if
-    the target's CPython is refused (before anything is built), a dependency has no wheel for the
-    target (named, with the platform), the closure is incomplete, or the lock misses an expected
-    version.
+    entries, sorted by name. WheelhouseError if the target's CPython is refused (before anything is
+    built), a dependency has no wheel for the target (named, with the platform), the closure is
+    incomplete, or the lock misses an expected version.
     """
     why = target.refused.get(target.python_version)
     if why is not None:

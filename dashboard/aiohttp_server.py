@@ -1,8 +1,8 @@
 """aiohttp's server without its HTTP client: what the dashboard imports in an agent.
 
 ``import aiohttp.web`` runs ``aiohttp/__init__.py``, which imports the HTTP client and loads the CA
-store (3.7 MiB of an agent's RSS); :func:`defer_client` runs it only at the first access to a name it
-defines (a module ``__getattr__``), as a plain import would have.
+store (3 MiB of an agent's RSS, docs/benchmarks.md "Hygiene"); :func:`defer_client` runs it only at
+the first access to a name it defines (a module ``__getattr__``), as a plain import would have.
 
 Source: PEP 562 (module ``__getattr__``); Python's import system, "The module cache" and
 "Submodules" (docs.python.org/3/reference/import.html).

@@ -255,10 +255,7 @@ class _Hub:
 HUB_KEY: Final = web.AppKey("dashboard_hub", _Hub)
 
 
-# --------------------------------------------------------------------------------------------------
-# access control and headers
-
-
+# --- access control and headers -------------------------------------------------------------------
 def _authorized(header: str | None, token: str) -> bool:
     """Tell whether an ``Authorization`` header carries ``token`` (Bearer, or Basic password)."""
     if not header:
@@ -315,10 +312,7 @@ async def _add_headers(request: web.Request, response: web.StreamResponse) -> No
     response.headers[hdrs.SERVER] = "edgefl"  # not aiohttp's version string
 
 
-# --------------------------------------------------------------------------------------------------
-# routes
-
-
+# --- routes ---------------------------------------------------------------------------------------
 async def _page(request: web.Request) -> web.Response:
     kind = request.app[STATE_KEY].kind
     shell = (STATIC_DIR / "index.html").read_text(encoding="utf-8").replace("@KIND@", kind)
@@ -469,10 +463,7 @@ async def _healthz(request: web.Request) -> web.Response:
     return web.Response(text="ok\n")
 
 
-# --------------------------------------------------------------------------------------------------
-# factory and server
-
-
+# --- factory and server ---------------------------------------------------------------------------
 def create_app(state: DashboardState) -> web.Application:
     """The dashboard of one agent or coordinator: read-only routes, the publisher in ``cleanup_ctx``.
 

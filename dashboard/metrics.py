@@ -48,12 +48,10 @@ class StatusCollector:
             yield from device_metrics(status)
         else:
             yield from coordinator_metrics(status)
-        from prometheus_client.metrics_core import GaugeMetricFamily
-
-        yield GaugeMetricFamily(
+        yield from _gauge(
             "edgefl_dashboard_sse_streams",
             "Open Server-Sent Events streams of this dashboard.",
-            value=self.streams(),
+            self.streams(),
         )
 
 
@@ -130,8 +128,6 @@ _COORDINATOR_GAUGES: Final = (
 
 def device_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
     """Yield the Prometheus families of a device status (``docs/operations.md``, "The dashboard's routes")."""
-    from prometheus_client.metrics_core import GaugeMetricFamily
-
     for name, key, doc in _DEVICE_GAUGES[:5]:
         yield from _gauge(name, doc, status.get(key))
     yield from _labelled(
@@ -146,9 +142,7 @@ def device_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
     )
     mode = status.get("pipeline_mode")
     if isinstance(mode, str):
-        info = GaugeMetricFamily("edgefl_pipeline_info", "Input pipeline mode in use.", labels=["mode"])
-        info.add_metric([mode], 1.0)
-        yield info
+        yield from _labelled("edgefl_pipeline_info", "Input pipeline mode in use.", "mode", {mode: 1.0})
     yield from _labelled(
         "edgefl_rejected", "Messages rejected, by reason.", "reason", status.get("rejected"), counter=True
     )

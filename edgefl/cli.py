@@ -273,16 +273,7 @@ class DashboardPage:
         from edgefl.dashboard.app import DashboardState, serve
 
         d = self._config
-        self._state = DashboardState(
-            "device",
-            self._device,
-            status,
-            token=d.token,
-            header_timeout_s=d.header_timeout_s,
-            body_timeout_s=d.body_timeout_s,
-            max_connections=d.max_connections,
-            max_connections_per_client=d.max_connections_per_client,
-        )
+        self._state = DashboardState("device", self._device, status, **_limits(d))
         self._runner, port = await serve(self._state, d.host, d.port)
         return f"http://{d.host}:{port}/"
 
@@ -305,6 +296,12 @@ class DashboardPage:
             "timed_out": self._state.connections_timed_out_total,
             "bad_requests": self._state.bad_requests_total,
         }
+
+
+def _limits(d: DashboardConfig) -> dict[str, Any]:
+    """The ``[dashboard]`` keys a ``DashboardState`` takes: the token, timeouts and connection caps."""
+    names = ("token", "header_timeout_s", "body_timeout_s", "max_connections", "max_connections_per_client")
+    return {name: getattr(d, name) for name in names}
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -564,10 +561,10 @@ async def serve_coordinator_page(
         "coordinator",
         title,
         get_status,
-        token=dashboard.token,
         get_rounds=get_rounds,
         history_interval_s=10.0,
         history_len=180,
+        **_limits(dashboard),
     )
     runner, port = await serve(board, dashboard.host, dashboard.port)
     return runner.cleanup, port

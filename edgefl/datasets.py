@@ -1,7 +1,8 @@
-"""The demo's real dataset (UCI handwritten digits, 8x8): loading, its split and its non-IID partition.
+"""Data sets: the ``.npz`` sample files profiles name, and the demo's UCI handwritten digits (8x8).
 
-The split: **test** (every accuracy is measured on it), **public** (the model builder's: backbone
-and factory head) and **devices** (the pool of the simulated fleet's shards).
+An ``.npz`` holds ``x`` (raw samples) and ``y`` (labels). The digits' split: **test** (every accuracy
+is measured on it), **public** (the model builder's: backbone and factory head) and **devices** (the
+pool of the simulated fleet's shards).
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import gzip
 import logging
 import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +29,65 @@ DIGITS_FILE = "digits.csv.gz"
 N_CLASSES = 10
 IMAGE_SIDE = 8
 MAX_PIXEL = 16
+
+
+def npz_headers(path: Path | str) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
+    """Array name (``"x"``, ``"y"``...) → (shape, dtype) of an ``.npz`` file, from the headers only.
+
+    ValueError if it is not a zip of ``.npy`` members (``numpy.savez``) or a header numpy cannot read
+    (named); OSError if the file cannot be read.
+
+    Source: the NPY format (``numpy.lib.format``: magic string, version, header dict).
+    """
+    out: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
+    fmt = np.lib.format
+    try:
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                if not info.filename.endswith(".npy"):
+                    continue
+                with zf.open(info) as fh:
+                    version = fmt.read_magic(fh)
+                    if version == (1, 0):
+                        shape, _, dtype = fmt.read_array_header_1_0(fh)
+                    elif version == (2, 0):
+                        shape, _, dtype = fmt.read_array_header_2_0(fh)
+                    else:
+                        raise ValueError(f"{info.filename}: NPY version {version} not read")
+                out[info.filename[: -len(".npy")]] = (tuple(int(d) for d in shape), np.dtype(dtype))
+    except zipfile.BadZipFile as exc:
+        raise ValueError(f"{path}: not an .npz file ({exc})") from exc
+    return out
+
+
+def npz_problem(path: Path) -> str | None:
+    """Why ``path`` is not an ``.npz`` of numeric ``x`` and ``y`` with as many rows (>= 1), or None.
+
+    From the headers only (:func:`npz_headers`); the reason follows ``key = value:`` in a profile error.
+    """
+    try:
+        arrays = npz_headers(path)
+    except (OSError, ValueError) as exc:
+        return f"not an .npz archive ({exc.__cause__ or exc})"
+    missing = [name for name in ("x", "y") if name not in arrays]
+    if missing:
+        return "the .npz has no array " + " or ".join(repr(m) for m in missing)
+    for name in ("x", "y"):
+        if arrays[name][1].hasobject:
+            return f"{name} holds Python objects (only numeric arrays are read)"
+    rows = [shape[0] if shape else -1 for shape, _ in (arrays["x"], arrays["y"])]
+    if rows[0] != rows[1] or rows[0] < 1:
+        return f"x and y differ in length or are empty ({rows[0]} and {rows[1]} rows)"
+    return None
+
+
+def load_xy(path: Path | str) -> tuple[np.ndarray, I64]:
+    """Load an ``.npz`` sample file: ``x`` as stored [N, ...], ``y`` as int64 [N].
+
+    Raises OSError, KeyError (no ``x`` or ``y``) or ValueError (not an ``.npz``, object arrays).
+    """
+    with np.load(path, allow_pickle=False) as data:
+        return np.asarray(data["x"]), np.asarray(data["y"]).astype(np.int64)
 
 
 def digits_dir() -> Path:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from edgefl.datasets import load_digits, load_xy, split_digits
 from edgefl.errors import ConfigError
 from edgefl.head import Head
 from edgefl.runtime import Backbone
@@ -41,8 +42,7 @@ def central_evaluation(profile: CoordinatorProfile, backbone: Backbone) -> Calla
     ev = profile.evaluation
     if ev.path is not None:
         try:
-            with np.load(ev.path, allow_pickle=False) as data:
-                x, y = np.asarray(data["x"]), np.asarray(data["y"], dtype=np.int64)
+            x, y = load_xy(ev.path)
         except (OSError, KeyError, ValueError) as exc:
             raise ConfigError(
                 [f"evaluation.path = {str(ev.path)!r}: not an .npz with x and y ({exc})"]
@@ -52,8 +52,6 @@ def central_evaluation(profile: CoordinatorProfile, backbone: Backbone) -> Calla
             raise ConfigError([f"evaluation.path: {shapes} do not fit the samples {backbone.sample_shape}"])
         emb, labels = embed_all(backbone, x, ev.mean, ev.std), y
     elif backbone.sample_shape == (8, 8, 1):
-        from edgefl.datasets import load_digits, split_digits
-
         x, y = load_digits()
         test = split_digits(y).test
         emb, labels = embed_all(backbone, x[test], (0.0,), (16.0,)), y[test]

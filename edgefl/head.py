@@ -180,10 +180,6 @@ def cross_entropy_grad_into(
     np.add.reduce(z, axis=1, keepdims=True, out=grad_b)
 
 
-paired_cross_entropy_grad_into = cross_entropy_grad_into
-"""The global and the personal head stacked (``[W, V]``): :func:`cross_entropy_grad_into` with H = 2."""
-
-
 def binary_cross_entropy(W: F32, b: F32, emb: F32, labels: I64) -> tuple[float, F32, F32]:
     """Mean binary cross-entropy (nats) of a logistic head (K = 1) and its gradient.
 

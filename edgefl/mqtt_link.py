@@ -31,8 +31,7 @@ LOGGED_DROPS = 20
 HOLD_FACTOR = 4
 #: Seconds between two ``loop_misc`` calls (keep-alive PINGREQ, overdue PINGRESP).
 MISC_INTERVAL_S = 1.0
-#: Packets read in one turn of the event loop while more bytes wait: a burst lands in the queue
-#: together (one write of a site's record, not one per update), and a flood cannot hold the loop.
+#: Packets read in one turn of the event loop while more bytes wait (a flood cannot hold the loop).
 READS_PER_TURN = 64
 
 
@@ -76,9 +75,6 @@ class Connection:
     writing: bool = False  # the loop waits for the socket to be writable (the send buffer was full)
     misc: asyncio.TimerHandle | None = None  # the next ``loop_misc`` (keep-alive)
     paused: bool = False  # reading stopped: no room for another message (TCP holds the rest)
-    unhandled: int = 0  # messages paho has read whose _handle_message has not run yet
-    # messages paho has read, waiting for the loop's next turn (one turn takes them all): (mid, qos, msg)
-    inbox: collections.deque[tuple[int, int, Message]] = field(default_factory=collections.deque)
     flush_due: bool = False  # a _flush is scheduled for the loop's next turn
 
     def fail_all(self, reason: str) -> None:
@@ -103,7 +99,6 @@ class Link:
     ) -> None:
         self.max_incoming_packet_bytes = max_incoming_packet_bytes
         self.max_held_bytes = max_held_bytes
-        self._inbox_bytes = 0  # payload bytes read, not yet in the queue or the hold line
         self._kept_bytes = 0  # payload bytes in the queue and the hold line
         #: Payload bytes the consumer still holds of the messages it took (its own queue); it calls
         #: :meth:`bytes_freed` when they drop.
@@ -192,7 +187,7 @@ class Link:
         if conn.paused:
             return  # a read scheduled before the queue and the hold line filled
         for _ in range(READS_PER_TURN):
-            if self._room(conn) <= 0:
+            if self._room() <= 0:
                 self._pause_reading(conn)
                 return
             try:
@@ -210,7 +205,7 @@ class Link:
                 self._handle_oversize(got.payload)
                 self._ack(conn, got.mid, got.qos)  # dropped, but its flow-control slot freed
             else:
-                self._read_message(conn, got.mid, got.qos, Message(got.topic, got.payload, got.retain))
+                self._receive(conn, got.mid, got.qos, Message(got.topic, got.payload, got.retain))
         else:
             if self._loop is not None:
                 self._loop.call_soon(self._net_read, conn)  # more is buffered: the rest next turn
@@ -310,26 +305,10 @@ class Link:
             conn.client.ack(mid, qos)
             self._flush_soon(conn)
 
-    def _read_message(self, conn: Connection, mid: int, qos: int, msg: Message) -> None:
-        """Paho read ``msg``: it waits in ``conn.inbox``, taken with the rest of this turn's messages."""
-        conn.unhandled += 1  # read, not yet in the queue or the hold line (_room)
-        self._inbox_bytes += len(msg.payload)
-        if self.max_held_bytes:
-            self.held_bytes_peak = max(self.held_bytes_peak, self.held_bytes())
-        conn.inbox.append((mid, qos, msg))
-        if len(conn.inbox) == 1:
-            self._hop(self._take_inbox, conn)
-
-    def _take_inbox(self, conn: Connection) -> None:
-        """Take the messages read since the last turn, in order (:meth:`_receive` each)."""
-        inbox = conn.inbox
-        while inbox:
-            mid, qos, msg = inbox.popleft()
-            self._receive(conn, mid, qos, msg)
-
     def _receive(self, conn: Connection, mid: int, qos: int, msg: Message) -> None:
         """Take one incoming message; one whose handling raises is still acknowledged, counted, logged."""
-        self._inbox_bytes -= len(msg.payload)
+        if self.max_held_bytes:
+            self.held_bytes_peak = max(self.held_bytes_peak, self.held_bytes() + len(msg.payload))
         try:
             self._handle_message(conn, mid, qos, msg)
         except Exception as exc:
@@ -349,7 +328,6 @@ class Link:
                 self._ack(conn, mid, qos)
 
     def _handle_message(self, conn: Connection, mid: int, qos: int, msg: Message) -> None:
-        conn.unhandled = max(0, conn.unhandled - 1)
         if not self._held and not self.queue.full():
             self._kept_bytes += len(msg.payload)
             self._enqueue(conn, mid, qos, msg)
@@ -406,23 +384,23 @@ class Link:
         self.bytes_freed()
 
     def held_bytes(self) -> int:
-        """Payload bytes received and not yet handled: read, queued, held, and the consumer's."""
-        return self._inbox_bytes + self._kept_bytes + self.consumer_bytes()
+        """Payload bytes received and not yet handled: queued, held, and the consumer's."""
+        return self._kept_bytes + self.consumer_bytes()
 
     def bytes_freed(self) -> None:
         """Resume reading if it stopped and there is room again (the consumer calls it as it frees bytes)."""
         live = self._conn
-        if live is not None and live.paused and self._room(live) >= min(READS_PER_TURN, self.held_max // 2):
+        if live is not None and live.paused and self._room() >= min(READS_PER_TURN, self.held_max // 2):
             self._resume_reading(live)
 
-    def _room(self, conn: Connection) -> int:
-        """Messages the queue and hold line can still take, less those unhandled (0 at ``max_held_bytes``)."""
+    def _room(self) -> int:
+        """Messages the queue and hold line can still take (0 at ``max_held_bytes``)."""
         if self.max_held_bytes and self.held_bytes() >= self.max_held_bytes:
             return 0
         if self.queue.maxsize <= 0:
             return READS_PER_TURN  # an unbounded queue: never full
         free = self.queue.maxsize - self.queue.qsize() + self.held_max - len(self._held)
-        return free - conn.unhandled
+        return free
 
     def _pause_reading(self, conn: Connection) -> None:
         """Stop reading ``conn``'s socket (TCP flow control) until the queue has room (:meth:`_refill`)."""

@@ -25,8 +25,7 @@ class Publish(NamedTuple):
     retain: bool
 
 
-#: Topic of the stand-in for an oversize PUBLISH (``$``: no real topic, MQTT 5.0 §4.7.2); payload
-#: ``b"<packet bytes>\n<topic>"``.
+#: Topic of the stand-in for an oversize PUBLISH (MQTT 5.0 §4.7.2); payload ``b"<bytes>\n<topic>"``.
 OVERSIZE_TOPIC = "$edgefl/oversize"
 #: Bytes asked of the socket in one read (a burst in one system call), the bound of what waits above it.
 READ_BYTES = 65_536
@@ -102,7 +101,7 @@ class PacketFilter:
         return bytes(out)
 
     def _header_done(self) -> bytes:
-        remaining = sum((b & 0x7F) << (7 * i) for i, b in enumerate(self._hdr[1:]))
+        remaining = _varint(self._hdr, 1, len(self._hdr))[0]
         hdr = bytes(self._hdr)
         self._size = len(hdr) + remaining
         if self._size <= self.limit:
@@ -179,10 +178,8 @@ class BoundedClient(mqtt.Client):
 
     def __init__(self, *args: Any, max_incoming_packet_bytes: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._edgefl_filter = PacketFilter(
-            max_incoming_packet_bytes, mqtt5=kwargs.get("protocol") == MQTTProtocolVersion.MQTTv5
-        )
         self._edgefl_mqtt5 = kwargs.get("protocol") == MQTTProtocolVersion.MQTTv5
+        self._edgefl_filter = PacketFilter(max_incoming_packet_bytes, mqtt5=self._edgefl_mqtt5)
         self._edgefl_out = bytearray()  # read and let through the filter, not yet taken
         self._edgefl_eof = False  # the broker closed the connection (paho is told on its next read)
         self._edgefl_allowed = 0  # bytes of the buffer paho may read: the one packet handed to it

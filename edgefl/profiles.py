@@ -3,9 +3,7 @@
 Unknown tables and keys are refused, a missing table takes its defaults, and every problem (dotted
 key, value, reason) is reported at once in one :class:`~edgefl.errors.ConfigError`. Relative paths
 resolve against the profile's folder (``--set``: the working directory); secrets never appear in a
-``repr``, an error or :meth:`Schema.to_dict`. The tables both kinds share are here (``[broker]``,
-``[dashboard]``).
-
+``repr``, an error or :meth:`Schema.to_dict`. Also the shared tables ``[broker]`` and ``[dashboard]``.
 Source: TOML 1.0.0 (https://toml.io/en/v1.0.0), read with ``tomllib``.
 """
 
@@ -49,13 +47,10 @@ class BrokerConfig:
     ``url`` is ``mqtt://host[:port]`` (1883) or ``mqtts://host[:port]`` (8883), ``tls`` True exactly
     for ``mqtts`` (derived when absent); ``topic_prefix`` the first topic levels (no wildcards, no
     leading ``$``); ``qos`` of device publishes 0..2; ``keepalive_s`` 1..65535 seconds;
-    ``max_packet_bytes`` the largest packet sent (lowered by an MQTT 5 CONNACK; larger messages go in
-    chunks) and ``max_incoming_packet_bytes`` the largest accepted (announced in CONNECT, enforced
-    before buffering), 1..268435455; ``protocol`` ``auto`` tries 5, then 3.1.1; ``password`` (hidden
-    from ``repr``) or ``password_file`` (its first line) require ``username``; ``ca_file``,
-    ``client_cert``, ``client_key`` PEM files for TLS (cert and key together); ``alternates`` other
-    nodes of a clustered broker (``url``'s scheme), tried round robin; ``auth_retries`` >= 1
-    credential refusals in a row before the agent exits with code 5.
+    ``max_packet_bytes`` (sent) and ``max_incoming_packet_bytes`` (accepted) 1..268435455; ``protocol``
+    ``auto`` tries 5, then 3.1.1; ``password`` (hidden from ``repr``) or ``password_file`` (its first
+    line) require ``username``; ``ca_file``, ``client_cert``, ``client_key`` PEM files for TLS (cert and
+    key together); ``alternates`` of ``url``'s scheme; ``auth_retries`` >= 1.
     """
 
     url: str = "mqtt://127.0.0.1:1883"
@@ -130,7 +125,6 @@ _KINDS: Final[dict[object, _Kind]] = {
 
 @dataclass(frozen=True, slots=True)
 class _FieldSpec:
-    name: str
     kind: _Kind
     optional: bool
     required: bool
@@ -159,7 +153,6 @@ def _field_specs(cls: type[Any]) -> dict[str, _FieldSpec]:
             raise TypeError(f"{cls.__name__}.{f.name}: unsupported field type {hint!r}")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         specs[f.name] = _FieldSpec(
-            name=f.name,
             kind=kind,
             optional=optional,
             required=required,
@@ -293,6 +286,16 @@ class Problems:
         if not lo <= value <= hi:
             self.add(key, value, f"must be between {lo} and {hi}{unit}")
 
+    def positive(self, key: str, value: float | None) -> None:
+        """Record ``key = value: must be > 0`` unless ``value`` is None or > 0."""
+        if value is not None and not value > 0:
+            self.add(key, value, "must be > 0")
+
+    def not_negative(self, key: str, value: float | None) -> None:
+        """Record ``key = value: must be >= 0`` unless ``value`` is None or >= 0."""
+        if value is not None and not value >= 0:
+            self.add(key, value, "must be >= 0")
+
     def note(self, message: str) -> None:
         """Record a problem that names no single key (an unknown table)."""
         self.items.append(message)
@@ -349,6 +352,65 @@ def sha256_file(path: Path) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
+def check_model(p: Problems, c: Any, raw: Mapping[str, object], check_files: bool) -> None:
+    """Check a ``[model]`` table's ``sha256`` (64 hex digits) and, with ``check_files``, its ``path``.
+
+    ``c`` is either kind's model table (``path``, ``sha256``); the file's digest must match ``sha256``.
+    """
+    if c.sha256 is not None and (len(c.sha256) != 64 or any(ch not in "0123456789abcdef" for ch in c.sha256)):
+        p.add("model.sha256", c.sha256, "must be 64 hexadecimal digits")
+    if not check_files:
+        return
+    problem = file_problem(c.path, raw.get("path"))
+    if problem is not None:
+        p.add("model.path", raw.get("path"), problem)
+    elif c.sha256 is not None and "model.sha256" not in p.bad:
+        actual = sha256_file(c.path)
+        if actual != c.sha256:
+            why = f"does not match the file (its sha256 is {actual})"
+            p.add("model.sha256", c.sha256, why, involves=("model.path",))
+
+
+def check_key_file(p: Problems, key: str, path: Path, raw: Mapping[str, object], *, private: bool) -> None:
+    """Problem of ``key`` unless ``path`` holds an Ed25519 private (or public) key, hex or PEM."""
+    from edgefl.wire.signing import load_signing_key, load_verify_key
+
+    name = key.rpartition(".")[2]
+    problem = file_problem(path, raw.get(name))
+    if problem is None:
+        try:
+            (load_signing_key if private else load_verify_key)(path)
+        except (OSError, ValueError) as exc:
+            problem = str(exc)
+    if problem is not None:
+        p.add(key, raw.get(name), problem)
+
+
+def check_key_dir(p: Problems, key: str, path: Path, raw: Mapping[str, object]) -> None:
+    """Problem of ``key`` unless ``path`` is a folder whose ``*.pub`` files all hold public keys."""
+    from edgefl.wire.signing import load_verify_keys
+
+    name = key.rpartition(".")[2]
+    if not path.is_dir():
+        p.add(key, raw.get(name), "not a folder")
+        return
+    try:
+        load_verify_keys(path)
+    except (OSError, ValueError) as exc:
+        p.add(key, raw.get(name), str(exc))
+
+
+def check_library(p: Problems, c: object, table: str, names: tuple[str, ...]) -> None:
+    """Note (once per profile) a configured key of ``table`` with no Ed25519 library to use it."""
+    from edgefl.wire.signing import library_problem
+
+    for name in names:
+        why = library_problem(f"{table}.{name}") if getattr(c, name) is not None else None
+        if why is not None and not any("edgefl[security]" in q for q in p.items):
+            p.note(why)
+            return
+
+
 def check_broker(p: Problems, c: BrokerConfig, raw: Mapping[str, object], check_files: bool) -> None:
     """Check ``[broker]``: url, prefix, QoS, keep alive, packet limit, credentials, TLS files."""
     scheme: str | None = None
@@ -361,7 +423,7 @@ def check_broker(p: Problems, c: BrokerConfig, raw: Mapping[str, object], check_
     p.between("broker.keepalive_s", c.keepalive_s, 1, 65_535)
     p.between("broker.max_packet_bytes", c.max_packet_bytes, 1, MQTT_MAX_PACKET_BYTES)
     p.between("broker.max_incoming_packet_bytes", c.max_incoming_packet_bytes, 1, MQTT_MAX_PACKET_BYTES)
-    if isinstance(c.auth_retries, bool) or not isinstance(c.auth_retries, int) or c.auth_retries < 1:
+    if c.auth_retries < 1:  # the parser made it an int
         p.add("broker.auth_retries", c.auth_retries, "must be an integer >= 1")
     if c.username is not None and not c.username:
         p.add("broker.username", c.username, "must not be empty")
@@ -487,7 +549,6 @@ class Schema:
             tables[name] = dict(value)
 
         # Overrides land on top of the TOML, and are remembered so string values get coerced.
-        from_text: set[str] = set()
         overridden: set[str] = set()
         for key, value in overrides.items():
             table, dot, name = key.partition(".")
@@ -500,8 +561,6 @@ class Schema:
             else:
                 tables.setdefault(table, {})[name] = value
                 overridden.add(key)
-                if isinstance(value, str):
-                    from_text.add(key)
 
         built: dict[str, Any] = {}
         for table, cls in self.tables.items():
@@ -524,8 +583,9 @@ class Schema:
                     continue
                 # A relative path typed on the command line means the working directory, not the profile's.
                 root = Path.cwd() if key in overridden else base_dir
+                text = key in overridden and isinstance(raw[name], str)
                 try:
-                    values[name] = convert(spec, raw[name], root, from_text=key in from_text)
+                    values[name] = convert(spec, raw[name], root, from_text=text)
                 except ValueError as exc:
                     problems.add(key, raw[name], str(exc))
                     if spec.required:

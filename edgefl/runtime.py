@@ -246,7 +246,6 @@ class Backbone:
         # the head's FC weights [K, D] (tensor index); None when the profile names the embedding
         self.head_weights_index: int | None = None
         self._fc_bias: int | None = None
-        self.fc_output_index: int | None = None  # the head's logits tensor (before its activation)
         self.head_activation = "none"
         if embedding_tensor:
             self.embedding_index = modelfile.find_tensor(graph, embedding_tensor, path)
@@ -258,7 +257,6 @@ class Backbone:
             self.head_weights_index = ins[1]
             self._fc_bias = ins[2] if len(ins) > 2 and ins[2] >= 0 else None
             self.head_activation = modelfile.head_activation(graph, fc)
-            self.fc_output_index = graph.ops[fc].outputs[0]
         self.stateful_ops = modelfile.stateful_ops(graph)
         self.stateful = bool(self.stateful_ops)
         others = [i for i in graph.outputs if i != self.embedding_index]

@@ -9,7 +9,6 @@ RFC 6125 §6 (server identity), RFC 5280 §4.2.1.6 (subjectAltName, iPAddress).
 
 from __future__ import annotations
 
-import logging
 import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,8 +17,6 @@ from edgefl.errors import ConfigError
 
 if TYPE_CHECKING:  # profiles checks its TLS files with make_ssl_context
     from edgefl.profiles import BrokerConfig
-
-logger = logging.getLogger(__name__)
 
 
 def make_ssl_context(

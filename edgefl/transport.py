@@ -75,9 +75,8 @@ class MqttTransport(Link):
 
     ``client_id`` is unique on the broker; ``will`` is set before connecting; ``protocol`` "auto" tries
     MQTT 5, then 3.1.1; ``queue_size`` bounds the incoming queue (messages); ``on_connect`` runs on the
-    loop after every CONNACK and re-subscription. ``max_packet_bytes`` is the largest PUBLISH sent
-    (lowered by the CONNACK's Maximum Packet Size), ``max_incoming_packet_bytes`` the largest accepted
-    (an oversize PUBLISH is acknowledged, dropped, counted in ``oversize_dropped_total``, logged).
+    loop after every CONNACK and re-subscription. ``max_packet_bytes``, ``max_incoming_packet_bytes``:
+    as ``docs/operations.md`` says of ``broker.*`` (an oversize PUBLISH counts in ``oversize_dropped_total``).
     ``session_expiry_s`` 0 is a clean session, else the broker keeps it that long (MQTT 5.0 §3.1.2.11;
     a fixed ``client_id``); ``alternates`` (host, port): other nodes of a clustered broker, tried round
     robin; ``ack_on_commit`` acknowledges a QoS 1 message only at :meth:`commit` (needs a session);
@@ -183,8 +182,8 @@ class MqttTransport(Link):
             "max_packet_bytes": broker.max_packet_bytes,
             "max_incoming_packet_bytes": broker.max_incoming_packet_bytes,
             "alternates": broker.alternate_addresses,
+            **options,
         }
-        kwargs.update(options)
         if "tls_context" not in kwargs:
             kwargs["tls_context"] = ssl_context_for(broker)
         return cls(broker.host, broker.port, client_id, **kwargs)
@@ -247,7 +246,7 @@ class MqttTransport(Link):
                 self._hop(self._ack, conn, msg.mid, msg.qos)  # dropped, but its flow-control slot freed
             else:
                 message = Message(msg.topic, bytes(msg.payload), bool(msg.retain))
-                self._read_message(conn, msg.mid, msg.qos, message)
+                self._hop(self._receive, conn, msg.mid, msg.qos, message)
 
         c = conn.client
         c.on_connect = guarded("on_connect", on_connect)

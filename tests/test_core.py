@@ -123,7 +123,7 @@ def test_exactly_once_core_across_restarts(tmp_path: Path, digits: tuple[np.ndar
     kept = cbor2.loads(read_record(tmp_path / "state" / OUTBOX_FILE) or b"")
     assert kept["answered"] == {"v": 1, "fleet": "f1", "round": 1, "update_id": "dev-1:1:0"}
     assert [e[0] for e in kept["entries"]] == ["dev-1:1:0"]
-    core.flush_store()  # as the daemon does at shutdown
+    core.flush()  # as the daemon does at shutdown
 
     again = DeviceCore.open(profile_for(tmp_path))  # a restart on the same state directory
     assert again.answered is not None and again.answered.round == 1
@@ -192,16 +192,17 @@ def test_core_global_bytes_applied_persisted_and_refusals(
     assert garbage.status == ApplyStatus.REFUSED and garbage.reason
     assert core.head.version == 1
 
+    assert core.flush()  # the head is written behind, as the daemon flushes once idle
     restarted = DeviceCore.open(prof)
     assert restarted.head.version == 1
     np.testing.assert_array_equal(restarted.head.W, W)
 
 
-def test_exactly_once_ack_is_written_at_once_and_a_restart_sends_nothing_again(
+def test_exactly_once_ack_is_written_by_the_flush_and_a_restart_sends_nothing_again(
     tmp_path: Path, digits: tuple[np.ndarray, np.ndarray]
 ) -> None:
-    """The outbox write after a PUBACK happens at once: a restart owes nothing and does not train the
-    round again; before the PUBACK a restart owes the same bytes once."""
+    """The outbox write after a PUBACK is made by the next flush: then a restart owes nothing and does
+    not train the round again; before the PUBACK a restart owes the same bytes once."""
     x, y = digits
     prof = profile_for(tmp_path)
     core = DeviceCore.open(prof)
@@ -215,6 +216,7 @@ def test_exactly_once_ack_is_written_at_once_and_a_restart_sends_nothing_again(
     assert crashed.answer_round(announcement(1)).status == RoundStatus.ANSWERED
 
     assert core.acknowledged("dev-1:1:0") and not core.outbox.pending()
+    assert core.flush()
     again = DeviceCore.open(prof)
     assert again.outbox.pending() == [] and again.answered is not None and again.answered.round == 1
     assert again.answer_round(announcement(1)).status == RoundStatus.ANSWERED
@@ -241,7 +243,7 @@ def test_error_feedback_residual_goes_with_the_update_and_survives_a_restart(
     np.testing.assert_array_equal(crashed.feedback.residual_W, kept_W)
     assert crashed.feedback.round == 1
 
-    assert core.acknowledged("dev-1:1:0")
+    assert core.acknowledged("dev-1:1:0") and core.flush()
     record = cbor2.loads(read_record(tmp_path / "state" / OUTBOX_FILE) or b"")
     assert isinstance(record.get("residual"), bytes)
     again = DeviceCore.open(prof)
@@ -426,6 +428,7 @@ def test_core_fault_unwritable_head_file_degrades_then_recovers(
     core.head_path.mkdir()  # the record cannot be replaced: an OSError as on a broken disk
     gm = GlobalModel(1, 1, core.model_sha256, core.head.W * 2, core.head.b.copy())
     assert core.receive_global(encode_global_model(gm)).status == ApplyStatus.APPLIED
+    assert core.flush() is False  # the head is written behind: its write fails here
     assert core.head.version == 1 and core.write_failures == 1
     assert core.degraded == "cannot write state: Is a directory"
     assert core.retry_persist() is False and core.write_failures == 2

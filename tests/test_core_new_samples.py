@@ -28,7 +28,7 @@ def test_pacing_restarted_core_reports_only_samples_since_its_last_round(tmp_pat
     assert core.answer_round(announcement(1)).status == RoundStatus.TRAINED
     core.observe(x[40:52], y[40:52])
     assert core.new_samples == 12
-    core.flush_store()  # the flush window passed (or a clean stop)
+    core.flush()  # the flush window passed (or a clean stop)
     core.observe(x[52:55], y[52:55])  # stored after the last flush: recovered from their rows
     del core  # a kill -9
 
@@ -36,7 +36,7 @@ def test_pacing_restarted_core_reports_only_samples_since_its_last_round(tmp_pat
     assert (len(again.store), again.new_samples) == (55, 15)  # not 55: the round trained on 40 of them
     assert again.answer_round(announcement(2)).status == RoundStatus.TRAINED
     assert again.new_samples == 0
-    again.flush_store()
+    again.flush()
     del again
     third = DeviceCore.open(profile_for(tmp_path))
     assert (len(third.store), third.new_samples) == (55, 0)
@@ -46,6 +46,6 @@ def test_pacing_core_without_a_round_yet_reports_its_whole_store(tmp_path: Path)
     x, y = load_digits()
     core = DeviceCore.open(profile_for(tmp_path))
     core.observe(x[:20], y[:20].astype(np.int64))
-    core.flush_store()
+    core.flush()
     del core
     assert DeviceCore.open(profile_for(tmp_path)).new_samples == 20

@@ -281,6 +281,7 @@ def test_personal_core_update_bytes_unchanged_and_head_persisted(tmp_path: Path)
             assert not np.array_equal(core.personal.W[:, :5], core.head.W[:, :5])
             assert core.personal_evaluation is not None and core.evaluation is not None
             W = core.personal.W.copy()
+            assert core.flush()  # the personal head is written behind
             reopened = _core(tmp_path / "True", True)
             assert reopened.personal is not None
             np.testing.assert_array_equal(reopened.personal.W, W)

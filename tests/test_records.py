@@ -255,11 +255,13 @@ def test_outbox_answered_round_goes_with_the_update_and_every_later_write(tmp_pa
     assert Outbox(path, max_bytes=100).answered == a2
     # a write that fails keeps the previous answered round, in memory and on disk
     a3 = {"v": 1, "fleet": "f", "round": 3, "update_id": "d:3:0"}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.mkdir()  # the atomic write's temporary file cannot be created: an OSError
+    tmps = [p.with_name(p.name + ".tmp") for p in (path, prev_path(path))]
+    for tmp in tmps:
+        tmp.mkdir()  # the atomic write's temporary file cannot be created (either slot): an OSError
     with pytest.raises(OSError):
         again.add("d:3:0", 3, b"u3", answered=a3)
-    tmp.rmdir()
+    for tmp in tmps:
+        tmp.rmdir()
     assert again.answered == a2 and Outbox(path, max_bytes=100).answered == a2
 
 

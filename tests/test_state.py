@@ -1,5 +1,5 @@
-"""The device's writes left behind (``DeviceState.write_behind``, as the daemon sets it): what waits
-for ``persist_behind``, what a restart before it sees, and the one write that must never wait.
+"""The device's writes left behind (``DeviceState._persist(behind=True)``, every caller alike): what
+waits for ``flush``, what a restart before it sees, and the one write that must never wait.
 
 Real parts: the int8 digits model through LiteRT, the digits data, the state files on disk.
 """
@@ -56,12 +56,11 @@ def _outbox_ids(tmp: Path) -> list[str]:
 
 def test_durable_update_is_written_before_the_publish_and_the_rest_behind(tmp_path: Path) -> None:
     """The update is in the outbox record before ``answer_round`` returns; the PUBACK's removal and a
-    new global head wait for ``persist_behind`` (a restart before it: the retained head comes again,
+    new global head wait for ``flush`` (a restart before it: the retained head comes again,
     the acknowledged update is owed once more, and ``outbox_pending`` says so meanwhile)."""
     x, y = load_digits()
     prof = profile_for(tmp_path)
     core = DeviceCore.open(prof)
-    core.write_behind = True
     core.observe(x[:32], y[:32].astype(np.int64))
     res = core.answer_round(announcement(1))
     assert res.status == RoundStatus.TRAINED and res.entry is not None
@@ -76,7 +75,7 @@ def test_durable_update_is_written_before_the_publish_and_the_rest_behind(tmp_pa
     assert crashed.head.version == 0 and [e.update_id for e in crashed.outbox.pending()] == ["dev-1:1:0"]
     assert crashed.answer_round(announcement(1)).status == RoundStatus.ANSWERED  # never trained again
 
-    assert core.persist_behind()
+    assert core.flush()
     assert core.behind_since is None and core.outbox_pending == 0 and _outbox_ids(tmp_path) == []
     again = DeviceCore.open(prof)
     assert again.head.version == 1 and again.outbox.pending() == []
@@ -87,7 +86,6 @@ def test_durable_outbox_write_takes_the_acknowledgement_left_behind(tmp_path: Pa
     """The next round's outbox write holds the earlier PUBACK's removal: nothing of it waits any more."""
     x, y = load_digits()
     core = DeviceCore.open(profile_for(tmp_path, **{"personal.enabled": "false"}))
-    core.write_behind = True
     core.observe(x[:32], y[:32].astype(np.int64))
     assert core.answer_round(announcement(1)).status == RoundStatus.TRAINED
     assert core.acknowledged("dev-1:1:0") and core.behind_since is not None
@@ -102,7 +100,6 @@ def test_personal_head_trained_with_the_round_is_evaluated_then_written_behind(t
     x, y = load_digits()
     prof = profile_for(tmp_path, **{"training.holdout_every": "4"})
     core = DeviceCore.open(prof)
-    core.write_behind = True
     core.observe(x[:64], y[:64].astype(np.int64))
     res = core.answer_round(announcement(1))
     assert res.status == RoundStatus.TRAINED and res.local is not None and res.local.personal is not None
@@ -112,7 +109,7 @@ def test_personal_head_trained_with_the_round_is_evaluated_then_written_behind(t
     assert step is not None and step.steps == res.local.personal.steps == 2 * -(-48 // 16)
     assert not core.personal_due and not (tmp_path / "state" / PERSONAL_FILE).exists()
     assert core.personal_evaluation is not None and core.personal_evaluation.count == 16
-    assert core.persist_behind() and (tmp_path / "state" / PERSONAL_FILE).exists()
+    assert core.flush() and (tmp_path / "state" / PERSONAL_FILE).exists()
     restarted = DeviceCore.open(prof)
     assert restarted.personal is not None
     np.testing.assert_array_equal(restarted.personal.W, core.personal.W)

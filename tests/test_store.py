@@ -274,4 +274,4 @@ def test_durable_core_flushes_every_flush_every_samples_without_waiting(tmp_path
     assert (meta_total(state), core.store.unflushed, core.unflushed_since()) == (20, 0, None)
     core.observe(x[20:25], y[20:25].astype(np.int64))
     assert meta_total(state) == 20 and core.store.unflushed == 5
-    assert core.flush_store() and meta_total(state) == 25
+    assert core.flush() and meta_total(state) == 25

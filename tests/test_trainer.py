@@ -9,7 +9,8 @@ import pytest
 
 from edgefl.agent.store import EmbeddingStore
 from edgefl.agent.trainer import PersonalStep, train_local, train_personal
-from edgefl.head import Head, cross_entropy_grad_into, paired_cross_entropy_grad_into, restricted_logit_scale
+from edgefl.head import Head, cross_entropy_grad_into, restricted_logit_scale
+from tests.support.head import paired_cross_entropy_grad_into
 
 D, K, N = 24, 5, 90
 

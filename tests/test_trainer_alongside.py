@@ -122,7 +122,6 @@ def test_trainer_alongside_core_rounds_are_the_plain_sgd_path(tmp_path: Path) ->
         DEV_PROFILE.parent,
     )
     core = DeviceCore.open(profile)
-    core.write_behind = True
     x, y = load_digits()
     pos = 0
     for r, add in enumerate((120, 60, 0, 90), start=1):
@@ -163,6 +162,6 @@ def test_trainer_alongside_core_rounds_are_the_plain_sgd_path(tmp_path: Path) ->
         assert core.personal is not None
         np.testing.assert_array_equal(core.personal.W, V)
         if r % 2:
-            core.persist_behind()
+            core.flush()
         gm = GlobalModel(r, head.version + 1, core.model_sha256, head.W + upd.delta_W, head.b + upd.delta_b)
         core.receive_global(encode_global_model(gm))

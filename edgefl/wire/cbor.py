@@ -26,8 +26,7 @@ _Choice = TypeVar("_Choice", bound=StrEnum)
 SCHEMA_VERSION: Final = 1
 
 INT_MAX: Final = 2**63 - 1  # fits int64 everywhere downstream (JSON, Prometheus, numpy)
-#: Tags a message may hold: 40 (RFC 8746 §3.1.1 multi-dimensional array) and the RFC 8746 §2.1
-#: typed arrays ``edgefl.wire.arrays`` decodes (64-67, 69-75, 77-82, 84-86).
+#: Tags a message may hold: 40 and the typed arrays ``edgefl.wire.arrays`` decodes (RFC 8746 §3.1.1, §2.1).
 ALLOWED_TAGS: Final = frozenset({40, *range(64, 68), *range(69, 76), *range(77, 83), 84, 85, 86})
 
 
@@ -35,10 +34,8 @@ ALLOWED_TAGS: Final = frozenset({40, *range(64, 68), *range(69, 76), *range(77, 
 class Limits:
     """Decoding bounds, each checked before the memory it guards is allocated; ValueError if one is < 1.
 
-    ``max_message_bytes`` (payload), ``max_depth`` (nesting of arrays, maps, tags),
-    ``max_array_elements`` (one array or map), ``max_string_bytes`` (a text string, UTF-8, or a
-    signature), ``max_items`` (CBOR items in a message: a typed array is one): ``docs/protocol.md``
-    ("Decoding").
+    Each bound and its default: ``docs/protocol.md`` ("Decoding"); ``max_string_bytes`` also bounds a
+    signature, ``max_items`` counts a typed array as one item.
     """
 
     max_message_bytes: int = 4 * 1024 * 1024

@@ -167,10 +167,9 @@ def compress_delta(
 ) -> dict[str, object]:
     """Encode one finite delta float32 [...] (1-4 dims) as its wire sub-map (``docs/protocol.md``).
 
-    Rounding to int8 is to nearest; with ``rng`` stochastic and unbiased (for use without error
-    feedback). ``topk_fraction`` in (0, 1] is what ``topk``/``topk-int8`` keep. ValueError if ``delta``
-    is not finite, has 0 or > 4 dimensions, is empty, or has more than 2**32 elements (top-k), or
-    ``topk_fraction`` is outside (0, 1].
+    ``rng``: stochastic int8 rounding (else to nearest). ValueError if ``delta`` is not finite, has 0
+    or > 4 dimensions, is empty, or has more than 2**32 elements (top-k), or ``topk_fraction`` is
+    outside (0, 1].
     Source: Alistarh et al. 2017, QSGD (stochastic rounding); Jacob et al. 2018 (per-channel int8);
     Aji & Heafield 2017 and Stich et al. 2018 (top-k sparsification with error feedback); RFC 1951
     (DEFLATE).
@@ -426,9 +425,8 @@ def delta_wire_bytes(
 ) -> int:
     """CBOR bytes of the sub-map :func:`compress_delta` writes for an array of ``shape`` (1-4 dims).
 
-    Exact for ``none`` and ``float16``, an upper bound for the others (int8 levels counted
-    undeflated, top-k positions as the smaller of indices and an unshrunk bitmask). ValueError for an
-    unknown ``compression`` or a ``topk_fraction`` outside (0, 1].
+    Exact or an upper bound as ``docs/protocol.md`` ("Delta layouts") says. ValueError for an unknown
+    ``compression`` or a ``topk_fraction`` outside (0, 1].
     """
     mode = Compression(compression)
     shape = tuple(int(d) for d in shape)

@@ -26,9 +26,7 @@ _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
 class HeadLayout(StrEnum):
     """How a GlobalModel's head travels down (``docs/protocol.md``, "GlobalModel", "Head layouts").
 
-    ``float32`` is the head as bare arrays; ``float16`` and ``int8`` (a scale per output
-    unit) are the update delta layouts of the same names applied to the head (or to its delta from
-    ``base_version``). Source: Jacob et al. 2018 (per-channel int8).
+    Source: Jacob et al. 2018 (per-channel int8).
     """
 
     FLOAT32 = "float32"

@@ -28,8 +28,7 @@ RAW_DTYPES: Final = frozenset({"uint8", "int16", "float32"})
 class Sample:
     """One raw sample from a gateway app (topic ``samples/<device>``, not retained).
 
-    ``x`` [*sample_shape] is the sensor's raw sample in the device's ``pipeline.raw_dtype`` (uint8,
-    int16 or float32); ``label`` the class if known; ``ts`` Unix seconds. ``docs/protocol.md`` ("Sample").
+    ``x`` [*sample_shape] in the device's ``pipeline.raw_dtype``; fields: ``docs/protocol.md`` ("Sample").
     """
 
     id: str
@@ -55,8 +54,7 @@ PREDICTION_HEAD_RE: Final = re.compile("personal|global")
 class Prediction:
     """The device's classification of one sample (topic ``predictions/<device>``, not retained).
 
-    ``cls`` is ``"class"`` on the wire, ``score`` its probability in [0, 1], ``latency_s`` seconds
-    from arrival, ``head`` ``"personal"``, ``"global"`` or None. ``docs/protocol.md`` ("Prediction").
+    ``cls`` is ``"class"`` on the wire; fields: ``docs/protocol.md`` ("Prediction").
     """
 
     id: str
@@ -78,8 +76,7 @@ DETAIL_RE: Final = re.compile(rf".{{0,{DETAIL_CHARS}}}", re.DOTALL)
 class IngestRefusal:
     """A Refusal: the device refused an app's Sample or Label ``id`` (``predictions/<device>``, not retained).
 
-    ``of`` is ``"sample"`` or ``"label"``; ``reason`` the refusal's ``rejected`` label (``bad_shape``,
-    ``unknown_sample``...); ``detail`` the device's explanation. ``docs/protocol.md`` ("Refusal").
+    Fields: ``docs/protocol.md`` ("Refusal").
     """
 
     id: str

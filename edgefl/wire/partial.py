@@ -21,8 +21,7 @@ from edgefl.wire.rounds import UPDATE_ID_RE
 
 #: Most update ids one Partial covers (a site of a few hundred devices sends a few hundred).
 MAX_PARTIAL_UPDATES: Final = 16_000
-#: How a Partial's ``W``/``b`` combine at the root: weighted sums are added; a robust rule's site
-#: estimates are combined by the rule's root step (``docs/operations.md``, "Many sites").
+#: How a Partial's ``W``/``b`` combine at the root (``docs/protocol.md``, "Partial").
 _COMBINE_RE: Final = re.compile("sum|median|trimmed-mean")
 
 

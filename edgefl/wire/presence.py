@@ -20,8 +20,7 @@ MAX_HEARTBEAT_S: Final = 3600.0
 class Presence:
     """A running coordinator's claim on its fleet (retained on ``<prefix>/<fleet>/coordinator``).
 
-    ``started`` and ``sent`` (this publish; 0.0: not stamped) are Unix seconds, ``seq`` the heartbeat
-    counter, ``heartbeat_s`` seconds between republishes, ``signature`` Ed25519 (``b""``: unsigned).
+    Fields: ``docs/protocol.md`` ("Presence"); ``sent`` 0.0: not stamped; ``signature`` ``b""``: unsigned.
     """
 
     instance: str

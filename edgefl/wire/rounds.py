@@ -18,8 +18,7 @@ from edgefl.wire import cbor
 from edgefl.wire.compression import CompressedDelta, Compression, compress_delta, decompress_head
 from edgefl.wire.reasons import Reason
 
-# Bounds on a RoundAnnouncement's training settings: a device must not be told to train for 2^62
-# epochs or with a step that overflows float32.
+# Bounds on a RoundAnnouncement's training settings (no 2^62 epochs, no step that overflows float32).
 MAX_DEADLINE_S: Final = 86_400.0
 MAX_LOCAL_EPOCHS: Final = 1_000
 MAX_LR: Final = 10.0
@@ -36,8 +35,6 @@ _DETAIL_RE: Final = re.compile(r"[\x20-\x7e]{0,200}")
 class RoundAnnouncement:
     """A round opened by the coordinator (topic ``round``, retained); fields: ``docs/protocol.md``.
 
-    ``deadline_s`` is in seconds from the announcement; ``selected`` the device ids asked, or the
-    fraction in (0, 1] that self-selects; ``prox_mu`` FedProx's proximal coefficient (0: FedAvg).
     Source: Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020 (FedProx).
     """
 
@@ -57,12 +54,7 @@ class RoundAnnouncement:
 
 @dataclass(frozen=True, slots=True)
 class UpdateMetrics:
-    """Training metrics sent with an update (``docs/protocol.md``, "Update").
-
-    ``loss`` of the last local epoch, training ``accuracy`` in [0, 1], ``train_s`` seconds,
-    ``peak_rss_bytes``; ``eval_accuracy`` of the base head on the device's holdout (None: no holdout)
-    over ``eval_count`` samples.
-    """
+    """Training metrics sent with an update; fields and units: ``docs/protocol.md`` ("Update")."""
 
     loss: float
     accuracy: float
@@ -77,7 +69,7 @@ class Update:
     """A device's head update (topic ``update/<device>``); fields: ``docs/protocol.md`` ("Update").
 
     ``delta_W`` float32 [D, K] and ``delta_b`` float32 [K] are dense (local - global):
-    ``compression`` only changes the wire. ``num_examples`` is the FedAvg weight.
+    ``compression`` only changes the wire.
     """
 
     round: int
@@ -94,10 +86,9 @@ class Update:
 
 @dataclass(frozen=True, slots=True)
 class Decline:
-    """A device's refusal of a round it was asked to train (topic ``update/<device>``, QoS 1).
+    """A device's refusal of a round it was asked to train, sent instead of an Update.
 
-    Sent instead of an Update (e.g. training stayed over the memory budget) so the coordinator counts
-    the refusal; ``reason`` is a :class:`~edgefl.wire.reasons.Reason` value.
+    ``reason`` is a :class:`~edgefl.wire.reasons.Reason` value; fields: ``docs/protocol.md`` ("Decline").
     """
 
     round: int

@@ -44,8 +44,7 @@ SIGNED_KINDS: Final[Mapping[MessageType, str]] = {
     MessageType.PARTIAL: "base_version",
     MessageType.PRESENCE: "seq",
 }
-#: Kinds whose signed bytes bind the sender the topic names, and the key naming it in the message:
-#: a device (Update, Decline) or a site (Partial).
+#: Kinds whose signed bytes bind the sender (device or site) the topic names, and its key in the message.
 _SENDER_KEYS: Final[Mapping[MessageType, str]] = {
     MessageType.UPDATE: "device",
     MessageType.DECLINE: "device",
@@ -307,12 +306,12 @@ def load_verify_key(path: Path) -> VerifyKey:
     return _load_key(path, "public key", parse_verify_key)
 
 
-def load_verify_keys(directory: Path, suffix: str = ".pub") -> dict[str, VerifyKey]:
-    """Every ``<device><suffix>`` of a directory by device id: the key ring (OSError, ValueError)."""
+def load_verify_keys(directory: Path) -> dict[str, VerifyKey]:
+    """Every ``<device>.pub`` of a directory by device id: the key ring (OSError, ValueError)."""
     return {
-        p.name[: -len(suffix)]: load_verify_key(p)
+        p.name[:-4]: load_verify_key(p)
         for p in sorted(Path(directory).iterdir())
-        if p.name.endswith(suffix) and p.is_file()
+        if p.name.endswith(".pub") and p.is_file()
     }
 
 
@@ -405,10 +404,9 @@ def verify_payload(
 
     ``payload`` may be its :func:`~edgefl.wire.cbor.scan`; ``fleet`` is this peer's; ``kind`` the type
     the topic carries; ``device`` the device (for a Partial, the site) the topic names, for the kinds
-    that bind a sender; ``limits`` bound the header scan. DecodeError ``unsigned`` (no 64-byte
-    signature as the last entry) or ``bad_signature`` (wrong key, a byte changed, signed for another
-    fleet, kind or device, another schema, or unreadable signed fields; the detail says which);
-    ValueError if ``kind`` is not signed, or binds a sender and ``device`` is empty.
+    that bind a sender; ``limits`` bound the header scan. DecodeError ``unsigned`` or ``bad_signature``
+    (each case: ``docs/protocol.md``, "Signatures"; the detail says which); ValueError if ``kind`` is
+    not signed, or binds a sender and ``device`` is empty.
     """
     expected = MessageType(kind)
     if expected not in SIGNED_KINDS:

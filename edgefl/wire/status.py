@@ -20,8 +20,7 @@ from edgefl.wire.reasons import Reason
 
 _STATE_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 
-#: Most bytes and CBOR data items of a status, whatever the ``Limits`` (a reader keeps one a device; an
-#: agent's is ~1.3 KiB, ~170 items, its ``rejected`` map 2 more a reason): ``docs/protocol.md``.
+#: Most bytes and CBOR data items of a status, whatever the ``Limits`` (``docs/protocol.md``).
 STATUS_MAX_BYTES: Final = 16 * 1024
 STATUS_MAX_ITEMS: Final = 1024
 #: The field that paces a service's rounds: labelled samples the device stored since its last round.

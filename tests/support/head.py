@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgefl.head import ditto_update
+from edgefl.head import cross_entropy_grad_into, ditto_update
 from edgefl.types import F32
 
 
@@ -42,3 +42,7 @@ def ditto_step(
     ditto_update(
         W, b, grad_W.copy(), grad_b.copy(), np.float32(lr), np.float32(lam), W_global, b_global, tied
     )
+
+
+paired_cross_entropy_grad_into = cross_entropy_grad_into
+"""The global and the personal head stacked (``[W, V]``): :func:`cross_entropy_grad_into` with H = 2."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from edgefl import modelfile
 from edgefl.head import sigmoid, softmax
 from edgefl.types import F32
 
@@ -98,9 +99,10 @@ def logits_range(bb: Backbone) -> tuple[float, float] | None:
 
     A float head goes on past it, so head-vs-model comparisons clip to it first.
     """
-    if bb.fc_output_index is None:
+    fc = modelfile.head_fc(bb.graph) if bb.head_weights_index is not None else None
+    if fc is None:
         return None
-    t = bb.graph.tensors[bb.fc_output_index]
+    t = bb.graph.tensors[bb.graph.ops[fc].outputs[0]]
     if not t.scales or t.dtype not in ("int8", "uint8"):
         return None
     info = np.iinfo(np.dtype(t.dtype))
