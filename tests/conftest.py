@@ -99,8 +99,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     def order(it: pytest.Item) -> tuple[bool, bool, bool, int]:
         path = it.nodeid.split("::")[0]
-        first = (it.get_closest_marker(m) is None for m in ("bench", "long"))
-        return *first, not heavy[path], first_seen[path]
+        bench, long = (it.get_closest_marker(m) is None for m in ("bench", "long"))
+        return bench, long, not heavy[path], first_seen[path]
 
     items.sort(key=order)
 
