@@ -157,11 +157,9 @@ def read_record(path: Path) -> bytes | None:
 
     Falling back to the older one is logged as a warning naming the file and the reason.
     """
-    path = Path(path)
-    slot = _Slot(path)
+    slot = _Slot(Path(path))
     payload = slot.load()
-    with _SLOTS_LOCK:
-        _remember(path, slot)
+    _remember(slot)
     return payload
 
 
@@ -179,14 +177,11 @@ def write_record(path: Path, payload: bytes) -> int:
     LMDB's two meta pages (H. Chu, "MDB: A Memory-Mapped Database and Backend for OpenLDAP", 2011);
     ``fdatasync(2)`` (POSIX.1-2008).
     """
-    path = Path(path)
-    with _SLOTS_LOCK:
-        slot = _SLOTS.pop(path, None)
+    slot = _SLOTS.get(Path(path))
     if slot is None:
-        slot = _Slot(path)
+        slot = _Slot(Path(path))
         slot.load()
-    with _SLOTS_LOCK:
-        _remember(path, slot)
+    _remember(slot)
     return slot.write(payload)
 
 
@@ -196,12 +191,13 @@ _SLOTS: dict[Path, _Slot] = {}  # the records this process wrote or read, least 
 _SLOTS_LOCK = threading.Lock()
 
 
-def _remember(path: Path, slot: _Slot) -> None:
-    """Keep ``slot`` as the newest used (the oldest forgotten past :data:`_MAX_SLOTS`); under the lock."""
-    _SLOTS.pop(path, None)
-    _SLOTS[path] = slot
-    if len(_SLOTS) > _MAX_SLOTS:
-        del _SLOTS[next(iter(_SLOTS))]
+def _remember(slot: _Slot) -> None:
+    """Keep ``slot`` as its record's, the newest used (the oldest forgotten past :data:`_MAX_SLOTS`)."""
+    with _SLOTS_LOCK:
+        _SLOTS.pop(slot.paths[0], None)
+        _SLOTS[slot.paths[0]] = slot
+        if len(_SLOTS) > _MAX_SLOTS:
+            del _SLOTS[next(iter(_SLOTS))]
 
 
 def _identity(path: Path) -> tuple[int, int] | None:

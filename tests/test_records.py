@@ -391,3 +391,14 @@ def test_write_record_rereads_a_record_replaced_by_another_writer(tmp_path: Path
     path.unlink()  # the newest gone: .prev (9) is the newest good record, r.rec written whole
     assert write_record(path, b"g11") == 10 and read_record(path) == b"g11"
     assert decode_record(prev.read_bytes()) == (9, b"elsewhere")
+
+
+def test_write_record_many_records_each_goes_on_in_turn(tmp_path: Path) -> None:
+    """More records than a process keeps track of: a forgotten one is read again and goes on in turn."""
+    paths = [tmp_path / f"r{k}.rec" for k in range(100)]
+    for turn in range(3):
+        for k, path in enumerate(paths):
+            assert write_record(path, b"%d-%d" % (k, turn)) == turn
+    for k, path in enumerate(paths):
+        assert read_record(path) == b"%d-2" % k
+        assert decode_record(prev_path(path).read_bytes(), padded=True) == (1, b"%d-1" % k)
