@@ -231,9 +231,6 @@ class _Pair:
         self.active = bool(step.columns.any())
         zeroed = self.scale is not None and step.absent_alpha == 0.0
         self.tied = _tie(self.V, self.c, head, step.columns, zeroed)  # as train_personal's
-        # without a FedProx or Ditto pull and tied columns (the defaults) one step updates both heads
-        self.both = prox_mu == 0.0 and step.lam == 0.0 and self.tied is None
-        self.lr2: F32 = np.array([lr, step.lr], np.float32).reshape(2, 1, 1)
         self.steps = 0
 
     def train_step(self, e: F32, y: I64) -> None:
@@ -244,12 +241,6 @@ class _Pair:
             self.W2, self.b2, e, y, self._z[:, :k], gW, gb, self.reader._rows[:k], self.scale
         )
         self.steps += 1
-        if self.both:  # plain SGD on each head, each with its own rate
-            gW *= self.lr2
-            self.W2 -= gW
-            gb *= self.lr2
-            self.b2 -= gb
-            return
         head = self.head
         sgd_step(self.W, self.b, gW[0], gb[0, 0], self.lr, prox_mu=self.prox_mu, W0=head.W, b0=head.b)
         if self.active:
