@@ -185,7 +185,6 @@ class DeviceCore(RoundAnswering):
         self._progress = progress
         self.limits = Limits(max_message_bytes=max(profile.broker.max_packet_bytes, 1 << 20))
         self.head = head
-        self._records = {}
         self._load_head()
         sec = profile.security
         self.signing_key: SigningKey | None = (

@@ -1,7 +1,7 @@
 """The device's outbox: each update kept on disk until the broker acknowledged it (PUBACK).
 
 An update survives a reconnect or a restart and is re-sent with the same ``update_id``; bounded in
-bytes. The record (:class:`edgefl.records.RecordSlot`) is a CBOR map ``{"v": 1, "entries":
+bytes. The record (:func:`edgefl.records.write_record`) is a CBOR map ``{"v": 1, "entries":
 [[update_id, round, payload, sends], ...], "answered": {...}, "residual": bytes}``: the last answered
 round and the error-feedback residual (opaque here) are written with the update.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import cbor2
 
-from edgefl.records import RecordSlot
+from edgefl.records import read_record, write_record
 from edgefl.wire.cbor import strict_loads
 from edgefl.wire.rounds import UPDATE_ID_RE
 
@@ -63,7 +63,6 @@ class Outbox:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
-        self._record = RecordSlot(self.path)
         self.answered: dict[str, Any] | None = None
         """The last answered round as the device core stores it (a CBOR map), kept in every write."""
         self.residual: bytes | None = None
@@ -78,7 +77,7 @@ class Outbox:
             )
 
     def _load(self) -> list[OutboxEntry]:
-        data = self._record.read()
+        data = read_record(self.path)
         if data is None:
             return []
         try:
@@ -124,7 +123,7 @@ class Outbox:
             obj["answered"] = self.answered
         if self.residual is not None:
             obj["residual"] = self.residual
-        self._record.write(cbor2.dumps(obj))
+        write_record(self.path, cbor2.dumps(obj))
 
     def forget(self, update_id: str) -> bool:
         """Drop ``update_id`` from memory only (its ``add`` could not be persisted); whether it was kept."""

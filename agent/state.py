@@ -4,7 +4,7 @@ Every state write goes through :meth:`DeviceState._persist`. What the broker can
 update before its publish, the answered round, the rollback floor) is written at once; what it can
 (an applied head, the personal head, an acknowledgement) is written behind, by the next
 :meth:`DeviceState.flush`. A failed write (a full disk) is counted, logged once, marks the device
-``degraded`` and is retried while the device carries on. A record (:class:`~edgefl.records.RecordSlot`)
+``degraded`` and is retried while the device carries on. A record (:func:`~edgefl.records.write_record`)
 for another fleet or model, or unreadable, is ignored.
 """
 
@@ -29,7 +29,7 @@ from edgefl.agent.pipeline import Pipeline
 from edgefl.agent.store import EmbeddingStore
 from edgefl.errors import EdgeflError
 from edgefl.head import Head, validate_head
-from edgefl.records import RecordSlot
+from edgefl.records import read_record, write_record
 from edgefl.wire.cbor import Limits
 from edgefl.wire.global_model import decode_global_model
 from edgefl.wire.signing import SigningKey, VerifyKey
@@ -104,16 +104,14 @@ class DeviceState:
     behind_since: float | None
     _acks_behind: int
     _logged: set[tuple[str, str]]
-    _records: dict[str, RecordSlot]
 
     def _read_state(self, name: str) -> bytes | None:
         """The newest good record of the state file ``name``, read once at start-up."""
-        slot = self._records[name] = RecordSlot(self.state_dir / name)
-        return slot.read()
+        return read_record(self.state_dir / name)
 
     def _write_state(self, name: str, payload: bytes) -> None:
         """Make ``payload`` the newest record of ``name`` (``OSError`` leaves the newest good one)."""
-        self._records[name].write(payload)
+        write_record(self.state_dir / name, payload)
 
     @property
     def head_path(self) -> Path:

@@ -507,8 +507,10 @@ def _resize(directory: Path, old_capacity: int, capacity: int, dim: int, num_cla
     new.flush()
     old._unmap()
     new._unmap()
-    (directory / prev_path(Path(META_FILE)).name).unlink(missing_ok=True)
-    move_into([(tmp / name, directory / name) for name in (EMB_FILE, LBL_FILE, ROWS_FILE, META_FILE)])
+    meta_prev = prev_path(Path(META_FILE)).name  # the meta record's newest may be in either of its files
+    (directory / meta_prev).unlink(missing_ok=True)
+    names = [EMB_FILE, LBL_FILE, ROWS_FILE, META_FILE] + ([meta_prev] if (tmp / meta_prev).exists() else [])
+    move_into([(tmp / name, directory / name) for name in names])
     shutil.rmtree(tmp, ignore_errors=True)
     log = logger.warning if keep < n else logger.info
     log(

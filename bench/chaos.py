@@ -65,7 +65,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "firmware_configs" / "dev_x86.toml"
 MODEL = ROOT / "models" / "digits_cnn_int8.tflite"
 FAULT_KINDS = ("mid-train", "mid-publish", "random", "broker", "coordinator")
-#: State files the device rewrites in place, two slots in turn (``edgefl.records.RecordSlot``): a kill -9
+#: State files the device rewrites in place, two slots in turn (``edgefl.records.write_record``): a kill -9
 #: during a write may tear one slot, and the device reads the other (counted as ``torn_slots``)
 IN_PLACE_RECORDS = frozenset({OUTBOX_FILE, HEAD_FILE, SEEN_VERSION_FILE, PERSONAL_FILE})
 
@@ -557,13 +557,13 @@ def audit(workdir: Path, plan: ChaosPlan, res: ChaosResult) -> ChaosResult:
         state = workdir / f"dev-{k + 1}"
         for rec in sorted(state.glob("*.rec")) + sorted(state.glob("*.rec.prev")):
             try:
-                decode_record(rec.read_bytes(), padded=True)  # a RecordSlot pads to whole blocks
+                decode_record(rec.read_bytes(), padded=True)  # write_record pads to whole blocks
             except RecordError as exc:
                 found = f"{rec.relative_to(workdir)}: {exc}"
                 base = rec.with_name(rec.name.removesuffix(".prev"))
                 if base.name in IN_PLACE_RECORDS and read_record(base) is not None:
                     # a kill -9 during an in-place write tears that slot; the other slot holds the
-                    # newest good record, which is what the device reads (edgefl.records.RecordSlot)
+                    # newest good record, which is what the device reads (edgefl.records.write_record)
                     res.torn_slots.append(found)
                 else:
                     res.corrupt_records.append(found)

@@ -161,7 +161,7 @@ def install_agent_probes() -> None:
     from edgefl.agent import governor
 
     _wrap(os, "fsync", "fsync")
-    _wrap(os, "fdatasync", "fdatasync")  # records.RecordSlot's in-place writes (the outbox)
+    _wrap(os, "fdatasync", "fdatasync")  # records.write_record's in-place writes
     _wrap(records, "atomic_write", "atomic_write", lambda path, data: Path(path).name)
     for attr in (
         "receive_global",

@@ -1,8 +1,9 @@
 """Files the product reads back: the atomic writer and checksummed records with a fallback generation.
 
 :func:`atomic_write` leaves the old or the new content after a power cut, never a mix; a *record*
-also carries a SHA-256 checksum and keeps the previous good generation as ``<name>.prev``, read
-when the newest is torn or rotten. The record layout: ``docs/operations.md``, "State and logs".
+also carries a SHA-256 checksum and a generation, and is written in turn in ``<name>`` and
+``<name>.prev`` (:func:`write_record`): the older good one is read when the newest is torn or rotten.
+The record layout: ``docs/operations.md``, "State and logs".
 
 Source: POSIX ``rename(2)`` atomicity and ``fsync(2)`` of the containing directory (Pillai et al.,
 "All File Systems Are Not Created Equal", OSDI 2014).
@@ -16,6 +17,7 @@ import hashlib
 import logging
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Final
 
@@ -103,7 +105,7 @@ def move_into(pairs: list[tuple[Path, Path]]) -> None:
 
 
 def prev_path(path: Path) -> Path:
-    """The previous good generation of ``path``: ``<path>.prev``."""
+    """The second file of the record ``path``: ``<path>.prev``."""
     return sibling(Path(path), ".prev")
 
 
@@ -118,7 +120,7 @@ def encode_record(payload: bytes, generation: int = 0) -> bytes:
 def decode_record(data: bytes, *, padded: bool = False) -> tuple[int, bytes]:
     """Check a whole record file's ``data``; return its generation and payload.
 
-    ``padded`` accepts zero bytes after the record (a :class:`RecordSlot` file); RecordError if the
+    ``padded`` accepts zero bytes after the record (as :func:`write_record` pads); RecordError if the
     record is truncated, has other trailing bytes, a wrong magic or version, or a bad checksum.
     """
     if len(data) < HEADER_BYTES:
@@ -150,54 +152,108 @@ def _read(path: Path) -> tuple[int, bytes] | None:
     return decode_record(data, padded=True)
 
 
-def write_record(path: Path, payload: bytes) -> int:
-    """Write ``payload`` as the newest record at ``path``, keeping the previous good one as ``.prev``.
-
-    The current file becomes ``<path>.prev`` only if it is a good record, hard-linked there first so
-    ``path`` never goes missing (a rename where there are no hard links). Returns the generation
-    written (the previous good one + 1, or 0); OSError if the file system refuses the write.
-    """
-    path = Path(path)
-    prev = prev_path(path)
-    generation = 0
-    try:
-        current = _read(path)
-    except (RecordError, OSError) as exc:
-        logger.warning(
-            "state file %s is torn or corrupt (%s); keeping %s as the last good one", path, exc, prev.name
-        )
-        current = None
-        with contextlib.suppress(RecordError, OSError):
-            older = _read(prev)
-            if older is not None:
-                generation = older[0] + 1
-    if current is not None:
-        generation = current[0] + 1
-        with contextlib.suppress(RecordError, OSError):
-            older = _read(prev)
-            if older is not None and older[0] >= generation:
-                # written in place by a RecordSlot: the newest is .prev, keep it as the last good one
-                atomic_write(path, encode_record(payload, older[0] + 1))
-                return older[0] + 1
-        staged = sibling(prev, ".tmp")
-        with contextlib.suppress(FileNotFoundError):
-            staged.unlink()
-        try:
-            os.link(path, staged)
-            os.replace(staged, prev)
-        except OSError:  # no hard links here: a rename leaves ``path`` missing until the write below
-            os.replace(path, prev)
-    atomic_write(path, encode_record(payload, generation))
-    return generation
-
-
 def read_record(path: Path) -> bytes | None:
     """The payload of the newer good record of ``path`` and ``<path>.prev``, or None (nothing, or both bad).
 
-    Falling back to ``.prev`` is logged as a warning naming the file and the reason.
+    Falling back to the older one is logged as a warning naming the file and the reason.
     """
-    found = _newest(Path(path))
-    return None if found is None else found[2]
+    slot = _Slot(Path(path))
+    payload = slot.load()
+    _remember(slot)
+    return payload
+
+
+def write_record(path: Path, payload: bytes) -> int:
+    """Make ``payload`` the newest record of ``path`` durably, the newest good one untouched; its generation.
+
+    Each write goes over the older of ``path`` and ``<path>.prev`` (zero-padded to 4 KiB blocks): a
+    kill or power cut mid-write tears only that file, and :func:`read_record` takes the other. A
+    file's first write in a process (and one after a failure, or after the file was replaced, resized
+    or removed) is an :func:`atomic_write`; later ones overwrite it in place with one ``fdatasync``.
+    One writer a path. Returns the generation written (the newest good one + 1, or 0); OSError if the
+    file system refuses (the newest good record is kept).
+
+    Source: double-buffered (ping-pong) metadata pages with a checksum and a generation, as in
+    LMDB's two meta pages (H. Chu, "MDB: A Memory-Mapped Database and Backend for OpenLDAP", 2011);
+    ``fdatasync(2)`` (POSIX.1-2008).
+    """
+    slot = _SLOTS.get(Path(path))
+    if slot is None:
+        slot = _Slot(Path(path))
+        slot.load()
+    _remember(slot)
+    return slot.write(payload)
+
+
+BLOCK_BYTES: Final = 4096
+_MAX_SLOTS: Final = 64
+_SLOTS: dict[Path, _Slot] = {}  # the records this process wrote or read, least recently used first
+_SLOTS_LOCK = threading.Lock()
+
+
+def _remember(slot: _Slot) -> None:
+    """Keep ``slot`` as its record's, the newest used (the oldest forgotten past :data:`_MAX_SLOTS`)."""
+    with _SLOTS_LOCK:
+        _SLOTS.pop(slot.paths[0], None)
+        _SLOTS[slot.paths[0]] = slot
+        if len(_SLOTS) > _MAX_SLOTS:
+            del _SLOTS[next(iter(_SLOTS))]
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Inode and size of ``path``, None if missing."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size
+
+
+class _Slot:
+    """What this process knows of a record's two files: which holds the newest, which it wrote itself."""
+
+    def __init__(self, path: Path) -> None:
+        self.paths = (path, prev_path(path))
+        self.good: int | None = None  # 0: path, 1: .prev holds the newest good record
+        self.generation = -1
+        self.seen: list[tuple[int, int] | None] = [None, None]  # (inode, size) of each file when last seen
+        self.in_place = [False, False]  # this process replaced the file: safe to overwrite in place
+
+    def load(self) -> bytes | None:
+        """Read both files: the newest good payload; each file's next write replaces it whole."""
+        self.seen = [_identity(p) for p in self.paths]
+        found = _newest(self.paths[0])
+        self.good, self.generation = (None, -1) if found is None else (found[0], found[1])
+        self.in_place = [False, False]
+        return None if found is None else found[2]
+
+    def write(self, payload: bytes) -> int:
+        """:func:`write_record`'s write."""
+        if self.good is not None and _identity(self.paths[self.good]) != self.seen[self.good]:
+            self.load()  # someone else replaced, resized or removed the newest: read again
+        target = 0 if self.good is None else 1 - self.good
+        generation = self.generation + 1
+        data = encode_record(payload, generation)
+        path = self.paths[target]
+        padded = -(-len(data) // BLOCK_BYTES) * BLOCK_BYTES
+        in_place, self.in_place[target] = self.in_place[target], False  # possibly torn until it returns
+        seen = self.seen[target]
+        if not in_place or seen is None or _identity(path) != seen:
+            atomic_write(path, data + bytes(padded - len(data)))
+        else:
+            fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                size = seen[1]
+                if size > 4 * padded:  # a backlog's record was long: give the space back
+                    os.ftruncate(fd, padded)
+                    size = padded
+                os.pwrite(fd, data + bytes(max(size, padded) - len(data)), 0)
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        self.seen[target], self.in_place[target] = _identity(path), True
+        self.good, self.generation = target, generation
+        return generation
 
 
 def _newest(path: Path) -> tuple[int, int, bytes] | None:
@@ -210,11 +266,19 @@ def _newest(path: Path) -> tuple[int, int, bytes] | None:
     except (RecordError, OSError) as exc:
         problem = str(exc)
     if newest is not None:
-        # a RecordSlot writes the two files in turn: .prev may be the newer one
-        with contextlib.suppress(RecordError, OSError):
+        try:  # the two files are written in turn: .prev may be the newer one
             other = _read(prev)
-            if other is not None and other[0] > newest[0]:
-                return (1, other[0], other[1])
+        except (RecordError, OSError) as exc:
+            other = None
+            logger.warning(
+                "state file %s is torn or corrupt (%s); using %s (generation %d)",
+                prev,
+                exc,
+                path.name,
+                newest[0],
+            )
+        if other is not None and other[0] > newest[0]:
+            return (1, other[0], other[1])
         return (0, newest[0], newest[1])
     try:
         older = _read(prev)
@@ -244,69 +308,3 @@ def _newest(path: Path) -> tuple[int, int, bytes] | None:
         older[0],
     )
     return (1, older[0], older[1])
-
-
-class RecordSlot:
-    """A record rewritten in place, in turn in ``path`` and ``<path>.prev``: one ``fdatasync`` a write.
-
-    Each write overwrites the older generation's file (zero-padded to 4 KiB blocks): a power cut
-    mid-write leaves the newest good one readable. A file's first write in a process (and the one after
-    a failure) is an :func:`atomic_write`. Reader: :func:`read_record`.
-
-    Source: double-buffered (ping-pong) metadata pages with a checksum and a generation, as in
-    LMDB's two meta pages (H. Chu, "MDB: A Memory-Mapped Database and Backend for OpenLDAP", 2011);
-    ``fdatasync(2)`` (POSIX.1-2008).
-    """
-
-    BLOCK_BYTES: Final = 4096
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self._slots = (self.path, prev_path(self.path))
-        self._good: int | None = None  # which slot holds the newest good record
-        self._generation = -1
-        self._in_place = [False, False]  # replaced once by this process: safe to overwrite in place
-
-    def read(self) -> bytes | None:
-        """The newest good payload (as :func:`read_record`); notes which slot to write next."""
-        found = _newest(self.path)
-        if found is None:
-            self._good, self._generation = None, -1
-            return None
-        self._good, self._generation = found[0], found[1]
-        return found[2]
-
-    def write(self, payload: bytes) -> int:
-        """Make ``payload`` the newest record durably, the newest good one untouched; the generation written.
-
-        OSError if the file system refuses (the next write replaces the slot this one may have torn).
-        """
-        target = 0 if self._good is None else 1 - self._good
-        generation = self._generation + 1
-        data = encode_record(payload, generation)
-        path = self._slots[target]
-        block = self.BLOCK_BYTES
-        padded = -(-len(data) // block) * block
-        if self._in_place[target]:
-            try:
-                fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-            except FileNotFoundError:
-                self._in_place[target] = False
-        if not self._in_place[target]:
-            atomic_write(path, data + bytes(padded - len(data)))
-            self._in_place[target] = True
-        else:
-            try:
-                size = os.fstat(fd).st_size
-                if size > 4 * padded:  # a backlog's record was long: give the space back
-                    os.ftruncate(fd, padded)
-                    size = padded
-                os.pwrite(fd, data + bytes(max(size, padded) - len(data)), 0)
-                os.fdatasync(fd)
-            except OSError:
-                self._in_place[target] = False  # possibly torn: replaced whole next time
-                raise
-            finally:
-                os.close(fd)
-        self._good, self._generation = target, generation
-        return generation

@@ -24,6 +24,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+# first of the product: edgefl.cli's process settings (one BLAS thread, the malloc knobs) go into the
+# environment before numpy loads, as for the shipped commands; the xdist workers inherit them. Without
+# them each worker's OpenBLAS starts a thread per core that spin-waits between the in-process tests'
+# small matrix products (the poisoning rounds used 2.4x the CPU on 2 cores)
+import edgefl.cli  # noqa: F401
 from edgefl.launcher import free_port, stop_agents
 from tests.support.broker import Broker, mosquitto_path, restart_mosquitto, start_mosquitto, stop_broker
 
@@ -60,6 +65,15 @@ FAST_TIER_ENV = "EDGEFL_FAST_TIER"
 """Set by ``make check``: a test there that starts a process fails, naming the marker it lacks."""
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the ``long`` marker (the ordering below reads it)."""
+    config.addinivalue_line(
+        "markers",
+        "long: waits out a long window (a soak's minutes, a round's deadline, rounds of real processes): "
+        "handed out right after the benches, so that the wait overlaps other tests",
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark the tests whose fixtures start mosquitto or a process (``make check`` deselects them), and
     hand out the files that start processes before the others.
@@ -67,8 +81,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     xdist gives each worker the next test as it finishes one, in this order: with the long tests
     (a bench's rounds: the longest CPU-bound items; then processes, brokers) first and the many short
     in-process ones last, the workers end together rather than one waiting out a long test handed
-    out last. A file's tests keep their order. (``--dist loadgroup`` hands out the ``xdist_group``
-    groups of several tests before single tests.)
+    out last. Right after the benches come the ``long`` tests, mostly waiting (a soak's window, a
+    round's deadline): handed out among the last, one of them ran alone for the final 20 s of a
+    4-worker run. A file's tests keep their order. (``--dist loadgroup`` hands out the
+    ``xdist_group`` groups of several tests before single tests.)
     """
     heavy: dict[str, bool] = {}
     for item in items:
@@ -81,9 +97,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         heavy[path] = heavy.get(path, False) or item.get_closest_marker("subprocess") is not None
     first_seen = {path: i for i, path in enumerate(heavy)}
 
-    def order(it: pytest.Item) -> tuple[bool, bool, int]:
+    def order(it: pytest.Item) -> tuple[bool, bool, bool, int]:
         path = it.nodeid.split("::")[0]
-        return it.get_closest_marker("bench") is None, not heavy[path], first_seen[path]
+        bench, long = (it.get_closest_marker(m) is None for m in ("bench", "long"))
+        return bench, long, not heavy[path], first_seen[path]
 
     items.sort(key=order)
 

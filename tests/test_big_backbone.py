@@ -216,6 +216,7 @@ def test_own_model_big_backbone_batch_shrinks_to_fit_and_the_round_is_answered(
         assert status["version"] == 1 and status["declined_total"] == 0
 
 
+@pytest.mark.long
 def test_own_model_governor_refuses_over_budget_work_and_the_coordinator_records_the_decline(
     mosquitto: Broker, fleet: str, tmp_path: Path
 ) -> None:

@@ -28,6 +28,7 @@ from edgefl.wire.rounds import Update, UpdateMetrics, encode_update
 pytestmark = [pytest.mark.timeout(240), pytest.mark.subprocess]
 
 
+@pytest.mark.long
 def test_chaos_short(tmp_path: Path) -> None:
     """3 agents, 8 rounds: dev-2 killed -9 twice (mid-train, mid-publish) and restarted, the broker
     restarted once, the coordinator killed -9 and restarted once; against a fault-free run."""

@@ -31,6 +31,7 @@ JUNK_BYTES = 250_000
 LEGIT = 5
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("when", ["offline", "online"])
 def test_hostile_backlog_of_large_samples_keeps_agent_peak_rss_under_cap(
     tmp_path: Path, fleet: str, when: str

@@ -693,7 +693,7 @@ def test_corrupt_state_files_are_ignored_with_a_clear_log(
             await coord.start()
             await coord.registry.wait_for_devices(1, timeout_s=60)
             # an applied head is written once the agent idles after it (behind the round), in
-            # global_head.rec and .prev in turn (RecordSlot): versions 1 and 3 in the first, 2 in the second
+            # global_head.rec and .prev in turn (write_record): versions 1 and 3 in the first, 2 in the second
             def written(version: int) -> bool:
                 data = read_record(head) if head.exists() else None
                 return data is not None and decode_global_model(data).version == version

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from tests.support.source import parse
+from tests.support.source import SOURCE_GROUP, parse
 from tools.typecheck import package_folders
 
 PACKAGES = ("agent", "coordinator", "dashboard")
@@ -34,6 +34,7 @@ NOT_IN_TREE = {".git", ".venv", ".venv-build", "build", "cache", "out", "dist", 
 TOP_LEVEL_NAMES = ("agent", "coordinator", "dashboard", "models", "firmware_configs", "data")
 """Folders that are packages only under ``edgefl`` (setup.cfg package_dir)."""
 ISSUE_REFERENCE = re.compile(r"\bissues?\s*#?\d+", re.IGNORECASE)
+pytestmark = SOURCE_GROUP
 
 
 def tree_files() -> list[Path]:

@@ -70,25 +70,32 @@ def provisioned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Provisione
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} is not installed")
     doc = DOC.read_text(encoding="utf-8")
-    port = free_port()
-    work, etc = tmp_path / "pki", tmp_path / "etc"
-    work.mkdir()
-    script = "\n".join(provision_blocks(doc))
-    for name, value in {**SITE, "BROKER_URL": f"mqtts://127.0.0.1:{port}"}.items():
-        script, n = re.subn(rf"^{name}=.*$", f"{name}={value}", script, flags=re.MULTILINE)
-        assert n == 1, name
-    script = script.replace("/etc/mosquitto", str(etc / "mosquitto"))
-    if os.geteuid() != 0:  # only root may give the files to mosquitto's group
-        script = re.sub(r"^chgrp mosquitto .*$", "", script, flags=re.MULTILINE)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(
-        ["sh", "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    conf = broker_conf(doc).replace("/etc/mosquitto", str(etc / "mosquitto"))
-    conf = re.sub(r"^listener 8883$", "", conf, flags=re.MULTILINE)  # the test's listener: 127.0.0.1:port
-    conf += f"\npersistence_location {tmp_path}/\nuser root\n"  # root: the tmp folder is not mosquitto's
-    broker = start_mosquitto(tmp_path, extra=conf, port=port)
+    for attempt in range(3):  # the recipe writes the port into every file: a taken port means a new run
+        port = free_port()
+        base = tmp_path / f"try{attempt}"
+        work, etc = base / "pki", base / "etc"
+        work.mkdir(parents=True)
+        script = "\n".join(provision_blocks(doc))
+        for name, value in {**SITE, "BROKER_URL": f"mqtts://127.0.0.1:{port}"}.items():
+            script, n = re.subn(rf"^{name}=.*$", f"{name}={value}", script, flags=re.MULTILINE)
+            assert n == 1, name
+        script = script.replace("/etc/mosquitto", str(etc / "mosquitto"))
+        if os.geteuid() != 0:  # only root may give the files to mosquitto's group
+            script = re.sub(r"^chgrp mosquitto .*$", "", script, flags=re.MULTILINE)
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+        done = subprocess.run(
+            ["sh", "-c", script], cwd=work, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        conf = broker_conf(doc).replace("/etc/mosquitto", str(etc / "mosquitto"))
+        conf = re.sub(r"^listener 8883$", "", conf, flags=re.MULTILINE)  # the test's listener: 127.0.0.1:port
+        conf += f"\npersistence_location {base}/\nuser root\n"  # root: the tmp folder is not mosquitto's
+        try:
+            broker = start_mosquitto(base, extra=conf, port=port)
+            break
+        except RuntimeError:  # another test worker took the port first
+            if attempt == 2:
+                raise
     try:
         yield Provisioned(work, broker, f"mqtts://127.0.0.1:{port}")
     finally:

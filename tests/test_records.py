@@ -48,34 +48,41 @@ def test_write_record_keeps_previous_generation(tmp_path: Path) -> None:
     assert write_record(p, b"gen1") == 1
     assert write_record(p, b"gen2") == 2
     assert read_record(p) == b"gen2"
-    assert decode_record(prev_path(p).read_bytes()) == (1, b"gen1")
+    assert decode_record(prev_path(p).read_bytes(), padded=True) == (1, b"gen1")
     assert sorted(f.name for f in tmp_path.iterdir()) == ["head.rec", "head.rec.prev"]
 
 
+@pytest.mark.parametrize("writes", [2, 3])
 def test_corrupt_torn_write_at_every_offset_falls_back(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, writes: int
 ) -> None:
+    """The newest (in ``.prev`` after 2 writes, in the file after 3) torn anywhere: the other is read."""
     p = tmp_path / "s.rec"
-    write_record(p, b"the last good state")
-    write_record(p, b"the newest state, about to be torn")
-    newest = p.read_bytes()
-    for cut in range(len(newest)):
-        p.write_bytes(newest[:cut])
+    for k in range(writes - 1):
+        write_record(p, b"the last good state %d" % k)
+    last_good = b"the last good state %d" % (writes - 2)
+    payload = b"the newest state, about to be torn"
+    write_record(p, payload)
+    torn = prev_path(p) if writes == 2 else p
+    newest = torn.read_bytes()
+    for cut in range(HEADER_BYTES + len(payload)):
+        torn.write_bytes(newest[:cut])
         with pytest.raises(RecordError):
             decode_record(newest[:cut])
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="edgefl.records"):
-            assert read_record(p) == b"the last good state", cut
+            assert read_record(p) == last_good, cut
         assert "torn or corrupt" in caplog.text and "s.rec.prev" in caplog.text
-    p.write_bytes(newest)
-    assert read_record(p) == b"the newest state, about to be torn"
+        assert len(caplog.records) == 1
+    torn.write_bytes(newest[: HEADER_BYTES + len(payload)])  # a cut in the zero padding: the record is whole
+    assert read_record(p) == payload
 
 
 def test_corrupt_torn_write_without_previous_returns_none(tmp_path: Path) -> None:
     p = tmp_path / "s.rec"
     write_record(p, b"only generation")
     whole = p.read_bytes()
-    for cut in range(len(whole)):
+    for cut in range(HEADER_BYTES + len(b"only generation")):
         p.write_bytes(whole[:cut])
         assert read_record(p) is None
 
@@ -83,8 +90,8 @@ def test_corrupt_torn_write_without_previous_returns_none(tmp_path: Path) -> Non
 def test_corrupt_bit_flip_anywhere_is_detected(tmp_path: Path) -> None:
     p = tmp_path / "s.rec"
     write_record(p, b"good")
-    write_record(p, b"newer payload")
-    newest = p.read_bytes()
+    write_record(p, b"newer payload")  # into s.rec.prev
+    newest = prev_path(p).read_bytes()[: HEADER_BYTES + len(b"newer payload")]
     for i in range(len(newest)):
         for bit in range(8):
             flipped = bytearray(newest)
@@ -93,7 +100,7 @@ def test_corrupt_bit_flip_anywhere_is_detected(tmp_path: Path) -> None:
                 decode_record(bytes(flipped))
     flipped = bytearray(newest)
     flipped[-1] ^= 0x01
-    p.write_bytes(bytes(flipped))
+    prev_path(p).write_bytes(bytes(flipped))
     assert read_record(p) == b"good"
 
 
@@ -101,10 +108,10 @@ def test_corrupt_newest_does_not_evict_last_good(tmp_path: Path) -> None:
     p = tmp_path / "s.rec"
     write_record(p, b"good")
     write_record(p, b"newer")
-    p.write_bytes(b"garbage")  # the newest file rots; the last good generation is .prev ("good")
-    assert write_record(p, b"newest") == 1  # generation continues from .prev (0) + 1
+    prev_path(p).write_bytes(b"garbage")  # the newest file (.prev) rots; the last good one is s.rec ("good")
+    assert write_record(p, b"newest") == 1  # generation continues from the last good (0) + 1, over the rot
     assert read_record(p) == b"newest"
-    assert decode_record(prev_path(p).read_bytes()) == (0, b"good")
+    assert decode_record(p.read_bytes(), padded=True) == (0, b"good")
 
 
 def test_corrupt_both_generations_returns_none(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -119,12 +126,15 @@ def test_corrupt_both_generations_returns_none(tmp_path: Path, caplog: pytest.Lo
 
 
 def test_corrupt_missing_newest_uses_previous(tmp_path: Path) -> None:
-    # a crash between the rename fallback (no hard links) and the new write leaves only .prev
     p = tmp_path / "s.rec"
     write_record(p, b"a")
-    write_record(p, b"b")
-    p.unlink()
+    write_record(p, b"b")  # into s.rec.prev
+    kept = prev_path(p).read_bytes()
+    prev_path(p).unlink()
     assert read_record(p) == b"a"
+    prev_path(p).write_bytes(kept)
+    p.unlink()
+    assert read_record(p) == b"b"
     assert read_record(tmp_path / "never-written.rec") is None
 
 
@@ -215,7 +225,7 @@ def test_outbox_corrupt_file_falls_back_to_previous_generation(tmp_path: Path) -
     box = Outbox(path, max_bytes=1000)
     box.add("a", 1, b"A")
     box.add("b", 1, b"B")
-    # written in place in turn (RecordSlot): o.rec holds generation 0 (a), o.rec.prev generation 1 (a, b)
+    # written in place in turn (write_record): o.rec holds generation 0 (a), o.rec.prev generation 1 (a, b)
     assert decode_record(path.read_bytes(), padded=True)[0] == 0
     newest = prev_path(path)
     assert decode_record(newest.read_bytes(), padded=True)[0] == 1
@@ -281,7 +291,7 @@ def test_outbox_write_is_durable_file_is_a_record(tmp_path: Path) -> None:
     gen, payload = decode_record(path.read_bytes(), padded=True)
     assert gen == 0 and b"payload" in payload
     assert not any(f.name.endswith(".tmp") for f in tmp_path.iterdir())
-    # zero-padded to whole 4 KiB blocks (RecordSlot: later writes overwrite it in place)
+    # zero-padded to whole 4 KiB blocks (later writes overwrite it in place)
     assert os.stat(path).st_size == 4096
     assert path.read_bytes()[HEADER_BYTES + len(payload) :] == bytes(4096 - HEADER_BYTES - len(payload))
     with pytest.raises(RecordError, match="bad_length"):  # padding is only accepted when asked for
@@ -304,74 +314,91 @@ def test_one_atomic_writer_for_every_file_the_product_replaces() -> None:
     assert offenders == []
 
 
-# --- records rewritten in place (RecordSlot) -------------------------------------------------------------
+# --- records rewritten in place, in turn -----------------------------------------------------------------
 
 
-def test_record_slot_writes_in_turn_in_place_and_never_over_the_newest(tmp_path: Path) -> None:
-    from edgefl.records import RecordSlot
-
+def test_write_record_writes_in_turn_in_place_and_never_over_the_newest(tmp_path: Path) -> None:
     path, prev = tmp_path / "r.rec", prev_path(tmp_path / "r.rec")
-    slot = RecordSlot(path)
-    assert slot.read() is None
-    assert [slot.write(b"g0"), slot.write(b"g1")] == [0, 1]  # first write of each file: atomic_write
+    assert read_record(path) is None
+    assert [write_record(path, b"g0"), write_record(path, b"g1")] == [0, 1]  # first of each file: atomic
     assert decode_record(path.read_bytes(), padded=True) == (0, b"g0")
     assert decode_record(prev.read_bytes(), padded=True) == (1, b"g1")
     inodes = (path.stat().st_ino, prev.stat().st_ino)
-    assert slot.write(b"g2-longer") == 2  # over the older one (r.rec), in place: same file, same size
+    assert write_record(path, b"g2-longer") == 2  # over the older one (r.rec), in place: same file, same size
     assert (path.stat().st_ino, prev.stat().st_ino) == inodes and path.stat().st_size == 4096
     assert decode_record(prev.read_bytes(), padded=True) == (1, b"g1")  # the newest before it, untouched
-    assert read_record(path) == b"g2-longer"
-    assert slot.write(b"g3") == 3 and read_record(path) == b"g3" and prev.stat().st_ino == inodes[1]
-    # a new process reads the newest and goes on in turn
-    again = RecordSlot(path)
-    assert again.read() == b"g3" and again.write(b"g4") == 4
+    assert read_record(path) == b"g2-longer"  # reads both again, as a new process would
+    assert write_record(path, b"g3") == 3 and read_record(path) == b"g3"
+    assert write_record(path, b"g4") == 4  # after a read: each file replaced whole once more
     assert decode_record(path.read_bytes(), padded=True) == (4, b"g4") and read_record(path) == b"g4"
     # a record longer than a block grows the file; a short one after it is zero-padded to its size
-    assert again.write(bytes(range(256)) * 20) == 5 and prev.stat().st_size == 8192
-    assert again.write(b"g6") == 6 and again.write(b"g7") == 7
-    assert prev.stat().st_size == 8192 and read_record(path) == b"g7"
+    assert write_record(path, bytes(range(256)) * 20) == 5 and prev.stat().st_size == 8192
+    inode = prev.stat().st_ino
+    assert write_record(path, b"g6") == 6 and write_record(path, b"g7") == 7
+    assert prev.stat().st_size == 8192 and prev.stat().st_ino == inode and read_record(path) == b"g7"
 
 
-def test_record_slot_torn_write_leaves_the_newest_good_record(tmp_path: Path) -> None:
-    """A power cut mid-write tears only the slot being written: the reader takes the other one."""
-    from edgefl.records import RecordSlot
-
+def test_write_record_torn_write_leaves_the_newest_good_record(tmp_path: Path) -> None:
+    """A power cut mid-write tears only the file being written: the reader takes the other one."""
     path = tmp_path / "r.rec"
-    slot = RecordSlot(path)
-    slot.write(b"old")
-    slot.write(b"newest good")  # in r.rec.prev; the next write goes over r.rec
+    write_record(path, b"old")
+    write_record(path, b"newest good")  # in r.rec.prev; the next write goes over r.rec
     torn = encode_record(b"the write the power cut tore", 2)
     with open(path, "r+b") as f:  # what an in-place write leaves when cut half-way
         f.write(torn[: len(torn) // 2])
     assert read_record(path) == b"newest good"
-    again = RecordSlot(path)
-    assert again.read() == b"newest good" and again.write(b"next") == 2
+    assert write_record(path, b"next") == 2
     assert decode_record(path.read_bytes(), padded=True) == (2, b"next")
 
 
-def test_record_slot_breaks_a_hard_link_left_by_write_record(tmp_path: Path) -> None:
-    """write_record stages .prev as a hard link of the file: cut there, the two names are one file,
-    which a write in place would overwrite both of. The first write of each name replaces it."""
-    from edgefl.records import RecordSlot
-
+def test_write_record_breaks_a_hard_link_in_a_state_dir(tmp_path: Path) -> None:
+    """The two names as one file (a hard link): a write in place would overwrite both. The first
+    write of each name in a process replaces it."""
     path, prev = tmp_path / "r.rec", prev_path(tmp_path / "r.rec")
     write_record(path, b"only copy")
     os.link(path, prev)
-    slot = RecordSlot(path)
-    assert slot.read() == b"only copy"
-    slot.write(b"next")  # into .prev (not newer than r.rec): a new file
+    assert read_record(path) == b"only copy"
+    write_record(path, b"next")  # into .prev (not newer than r.rec): a new file
     assert path.stat().st_ino != prev.stat().st_ino
     assert decode_record(path.read_bytes(), padded=True) == (0, b"only copy")
     assert read_record(path) == b"next"
 
 
-def test_write_record_after_record_slot_keeps_the_newest_as_prev(tmp_path: Path) -> None:
-    from edgefl.records import RecordSlot
+def test_write_record_goes_on_from_a_state_dir_with_the_newest_in_either_file(tmp_path: Path) -> None:
+    """Unpadded records, the newest in the file and the one before in ``.prev`` (or the reverse):
+    the newest is read and the next write goes over the other one."""
+    for newest, older in ((0, 1), (1, 0)):
+        path = tmp_path / f"r{newest}.rec"
+        files = (path, prev_path(path))
+        atomic_write(files[newest], encode_record(b"g1", 1))
+        atomic_write(files[older], encode_record(b"g0", 0))
+        assert read_record(path) == b"g1"
+        assert write_record(path, b"g2") == 2
+        assert files[newest].read_bytes() == encode_record(b"g1", 1)
+        assert decode_record(files[older].read_bytes(), padded=True) == (2, b"g2")
+        assert read_record(path) == b"g2"
 
-    path = tmp_path / "r.rec"
-    slot = RecordSlot(path)
-    slot.write(b"g0")
-    slot.write(b"g1")  # newest in .prev
-    assert write_record(path, b"g2") == 2
-    assert decode_record(prev_path(path).read_bytes(), padded=True) == (1, b"g1")
-    assert read_record(path) == b"g2"
+
+def test_write_record_rereads_a_record_replaced_by_another_writer(tmp_path: Path) -> None:
+    """A file replaced or removed behind this process's back is read again before a write, so the
+    newest good record on disk is never overwritten."""
+    path, prev = tmp_path / "r.rec", prev_path(tmp_path / "r.rec")
+    for k in range(4):
+        write_record(path, b"g%d" % k)  # g3 newest, in r.rec.prev
+    atomic_write(prev, encode_record(b"elsewhere", 9))  # another writer's newer generation
+    assert write_record(path, b"g10") == 10
+    assert decode_record(prev.read_bytes()) == (9, b"elsewhere") and read_record(path) == b"g10"
+    path.unlink()  # the newest gone: .prev (9) is the newest good record, r.rec written whole
+    assert write_record(path, b"g11") == 10 and read_record(path) == b"g11"
+    assert decode_record(prev.read_bytes()) == (9, b"elsewhere")
+
+
+def test_write_record_many_records_each_goes_on_in_turn(tmp_path: Path) -> None:
+    """More records than a process keeps track of: a forgotten one is read again and goes on in turn."""
+    paths = [tmp_path / f"r{k}.rec" for k in range(100)]
+    for turn in range(3):
+        for k, path in enumerate(paths):
+            assert write_record(path, b"%d-%d" % (k, turn)) == turn
+    for k, path in enumerate(paths):
+        assert read_record(path) == b"%d-2" % k
+        assert decode_record(prev_path(path).read_bytes(), padded=True) == (1, b"%d-1" % k)

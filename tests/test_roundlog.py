@@ -32,6 +32,7 @@ def test_roundlog_entry_keeps_the_federated_evaluation() -> None:
     assert (none["fed_accuracy"], none["fed_worst_decile"], none["fed_devices"]) == (None, None, 0)
 
 
+@pytest.mark.long
 def test_durable_round_resumed_after_kill9_keeps_its_opening_and_its_updates(
     tmp_path: Path, mosquitto: Broker, fleet: str
 ) -> None:

@@ -76,6 +76,7 @@ async def _retained(broker: Broker, fleet: str, version: int, round_no: int, tim
         await spy.stop()
 
 
+@pytest.mark.long
 @pytest.mark.broker
 @pytest.mark.subprocess
 def test_durable_broker_restored_from_an_old_snapshot_gets_the_current_head_again(tmp_path: Path) -> None:

@@ -25,7 +25,11 @@ from edgefl.wire.status import DeviceStatus, encode_status
 
 pytestmark = pytest.mark.timeout(300)
 
-DEADLINE_S = 30  # a round that waited for gw-10 would take this long: round 1 does
+# rounds.deadline_s (shipped: 60; 30 here before): a round that waited for gw-10 would take this
+# long, round 1 does. The property does not depend on its length (rounds 2 and 3 must close without
+# reaching it); 15 s still leaves the two honest devices, ready when a round opens, several times the
+# few seconds they take to answer on a loaded machine
+DEADLINE_S = 15
 
 
 def _hostile_statuses(broker: Broker, fleet: str, stop: threading.Event) -> None:
@@ -47,6 +51,7 @@ def _hostile_statuses(broker: Broker, fleet: str, stop: threading.Event) -> None
     asyncio.run(run())
 
 
+@pytest.mark.long
 @pytest.mark.broker
 @pytest.mark.subprocess
 def test_hostile_silent_ready_device_holds_only_the_first_round_to_its_deadline(

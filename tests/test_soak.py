@@ -16,6 +16,7 @@ from bench.soak import Soak
 pytestmark = [pytest.mark.subprocess, pytest.mark.broker, pytest.mark.timeout(300)]
 
 
+@pytest.mark.long
 @pytest.mark.skipif(shutil.which("mosquitto") is None and not Path("/usr/sbin/mosquitto").exists(),
                     reason="mosquitto not installed (apt-get install mosquitto)")  # fmt: skip
 def test_soak_short_run_loses_nothing_acknowledged(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from edgefl.wire.rounds import (
     encode_update,
 )
 from edgefl.wire.status import DeviceStatus, encode_status
-from tests.support.source import parse
+from tests.support.source import SOURCE_GROUP, parse
 from tests.support.wire import CHUNK_REASONS, REASONS, SIGNATURE_REASONS
 
 WIRE = Path(__file__).resolve().parent.parent / "edgefl" / "wire"
@@ -142,6 +142,7 @@ def test_chunks_keep_schema_1() -> None:
 # One Reason enum; no private imports across modules; the pre-scan's header capture
 
 
+@SOURCE_GROUP
 def test_every_refusal_reason_is_a_reason_member() -> None:
     members = set(Reason)
     assert members >= REASONS | CHUNK_REASONS | SIGNATURE_REASONS
@@ -155,6 +156,7 @@ def test_every_refusal_reason_is_a_reason_member() -> None:
                     assert getattr(attr.value, "id", "") == "Reason" and attr.attr in Reason.__members__
 
 
+@SOURCE_GROUP
 def test_every_reason_the_agent_and_coordinator_raise_is_a_reason_member() -> None:
     top = WIRE.parent.parent
     seen = set()
@@ -175,6 +177,7 @@ def test_every_reason_the_agent_and_coordinator_raise_is_a_reason_member() -> No
     assert {"bad_topic", "wrong_device", "not_newer", "stale_round"} <= seen
 
 
+@SOURCE_GROUP
 def test_no_module_imports_another_modules_private_names() -> None:
     roots = [WIRE, WIRE.parent.parent / "agent", WIRE.parent.parent / "coordinator", WIRE.parent]
     for root in roots:
