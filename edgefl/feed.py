@@ -690,8 +690,10 @@ def _report(opts: FeedOptions, result: FeedResult, json_path: str | None) -> int
     elif unanswered > 0:
         print(
             f"edgefl feed: {unanswered} sample(s) got neither a prediction nor a refusal in "
-            f"{opts.wait_s:g} s (dropped at the broker or from the device's full ingest queue: "
-            'docs/operations.md, "A slow device loses samples at the broker")',
+            f"{opts.wait_s:g} s: the device may be down or restarting (its persistent session keeps "
+            "them at the broker until it is back: raise --wait), or they were dropped at the broker "
+            "or from the device's full ingest queue (docs/operations.md, \"A slow device loses "
+            'samples at the broker")',
             file=sys.stderr,
         )
     ok = result.predictions_received == result.samples_sent and not result.labels_refused
