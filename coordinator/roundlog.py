@@ -17,7 +17,7 @@ from typing import Any
 from edgefl.coordinator.hierarchy import RootCoordinator
 from edgefl.coordinator.history import RoundRecord
 from edgefl.coordinator.rounds import device_names
-from edgefl.coordinator.service import SILENT_KEPT, Coordinator
+from edgefl.coordinator.service import Coordinator, round_reasons
 from edgefl.coordinator.strategy import Strategy
 
 logger = logging.getLogger(__name__)
@@ -134,10 +134,9 @@ def log_entry(
     if not update_ids and rnd is not None and rnd.number == rec.round:
         update_ids = sorted(rnd.update_ids)  # an abandoned round's (too_few): the updates it counted
     entry = _round_entry(rec, coord.state.version, strategy.name, update_ids, refused, declined)
-    silent = coord.silent_devices(rec.round)
+    # silent: asked, and nothing counted came from them (no update, no decline)
     entry.update(
-        silent=silent[:SILENT_KEPT],  # asked, and nothing counted came from them (no update, no decline)
-        silent_devices=len(silent),
+        round_reasons(refused, declined, coord.silent_devices(rec.round)),
         refused_updates=dict(refused),
         clipped=rec.clipped,
         clipped_by_device=dict(strategy.clipped),  # since the start of this process

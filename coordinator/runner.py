@@ -544,8 +544,6 @@ async def _fleet_rounds(
         refused_round = counts_since(coord.state.rejected, refused_before)
         declined_round = counts_since(coord.state.declined, declined_before)
         coord.note_round_reasons(rec.round, refused_round, declined_round)
-        if files.state is not None:
-            coord.save_state(files.state)
         # at the root the messages in are the sites' partials (~41 kB for 512x10 float64 sums)
         per = "partial" if isinstance(coord, RootCoordinator) else "update"
         silent = coord.silent_devices(rec.round)
