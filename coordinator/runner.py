@@ -257,10 +257,7 @@ async def run(
             record_instance(files.state, instance)  # the next start knows this one's lease as its own
     transport = transport_for(client_id)
     st = profile.strategy
-    try:
-        strategy = build_strategy(profile)
-    except ValueError as exc:
-        raise ConfigError([f"[strategy]/[privacy]: {exc}"]) from exc
+    strategy = build_strategy(profile)  # main() refused a profile it does not build (strategy_problems)
     role_kwargs: dict[str, Any] = {}
     cls: type[Coordinator] = Coordinator
     if hier.role == "root":
