@@ -321,7 +321,6 @@ class Coordinator(Intake):
         rnd.close()
         if not rnd.complete():  # it waited its deadline for them: later rounds do not (registry.note_silent)
             self.registry.note_silent(rnd.silent(), round_no)
-        refused = ""
         self._settled = round_no  # from here on the state file holds the round's result, not the round
         refusal = None
         if rnd.clients > 0:
@@ -330,8 +329,8 @@ class Coordinator(Intake):
                 self.counted[round_no] = sorted(rnd.update_ids)
                 self.state.version += 1
         self._persist()  # before publishing: a crash in between must not resume a version behind
+        refused = refusal.reason if refusal is not None else ""
         if refusal is not None:
-            refused = refusal.reason
             self.state.refused_rounds[refused] += 1
             logger.error(
                 "round %d refused: %s (%s); keeping version %d",
