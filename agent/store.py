@@ -142,6 +142,8 @@ class EmbeddingStore:
         self._meta_path = directory / META_FILE
         emb_path, lbl_path, rows_path = directory / EMB_FILE, directory / LBL_FILE, directory / ROWS_FILE
         sizes = ((emb_path, capacity * dim * 2), (lbl_path, capacity * 2), (rows_path, capacity * 16))
+        if _finish_resize(directory):
+            logger.warning("store in %s: finished a capacity change a stop interrupted", directory)
         old_capacity = _other_capacity(self._meta_path, capacity, dim)
         if old_capacity is not None:
             _resize(directory, old_capacity, capacity, dim, num_classes)
@@ -494,6 +496,27 @@ def _other_capacity(meta_path: Path, capacity: int, dim: int) -> int | None:
     return old if type(old) is int and old > 0 and old != capacity else None
 
 
+def _finish_resize(directory: Path) -> bool:
+    """Move a store rebuilt under :data:`RESIZE_DIR` into ``directory``, or drop an unfinished rebuild.
+
+    The rebuilt metadata record is written last and moved last of the three data files: while it is in
+    the sub-folder the rebuild is complete, and the files still there replace the old ones (a kill
+    part-way through the moves is finished here at the next open); without it the old files are whole.
+    Returns whether rebuilt files were moved in; OSError if a rename fails.
+    """
+    tmp = directory / RESIZE_DIR
+    if not tmp.is_dir():
+        return False
+    meta_prev = prev_path(Path(META_FILE)).name  # the meta record's newest may be in either of its files
+    complete = (tmp / META_FILE).exists()
+    if complete:
+        (directory / meta_prev).unlink(missing_ok=True)
+        names = [EMB_FILE, LBL_FILE, ROWS_FILE, META_FILE, meta_prev]
+        move_into([(tmp / name, directory / name) for name in names if (tmp / name).exists()])
+    shutil.rmtree(tmp, ignore_errors=True)
+    return complete
+
+
 def _resize(directory: Path, old_capacity: int, capacity: int, dim: int, num_classes: int | None) -> None:
     """Rebuild the store for ``capacity`` under :data:`RESIZE_DIR`, keeping its newest samples and mark."""
     old = EmbeddingStore(directory, old_capacity, dim, num_classes)
@@ -511,14 +534,10 @@ def _resize(directory: Path, old_capacity: int, capacity: int, dim: int, num_cla
         new.add(emb, lbl)
     if old.mark is not None:
         new.mark = max(0, keep - old.since_mark)
-    new.flush()
+    new.flush()  # from here on the rebuilt store is complete: a kill is finished by the next open
     old._unmap()
     new._unmap()
-    meta_prev = prev_path(Path(META_FILE)).name  # the meta record's newest may be in either of its files
-    (directory / meta_prev).unlink(missing_ok=True)
-    names = [EMB_FILE, LBL_FILE, ROWS_FILE, META_FILE] + ([meta_prev] if (tmp / meta_prev).exists() else [])
-    move_into([(tmp / name, directory / name) for name in names])
-    shutil.rmtree(tmp, ignore_errors=True)
+    _finish_resize(directory)
     log = logger.warning if keep < n else logger.info
     log(
         "store in %s: capacity %d -> %d: kept the newest %d of %d sample(s)",
