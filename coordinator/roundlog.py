@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -154,9 +155,19 @@ def log_entry(
 
 
 def append_log(log: Path, entries: Iterable[Mapping[str, Any]]) -> None:
-    """Append ``entries`` to the round log ``log``, one JSON line each."""
-    with open(log, "a") as f:
-        f.writelines(json.dumps(entry) + "\n" for entry in entries)
+    """Append ``entries`` to the round log ``log``, one JSON line each.
+
+    A last line left without its newline (a kill or a full disk part-way through a write) is ended
+    first, so the new lines stay whole and readable; OSError if the file system refuses.
+    """
+    text = "".join(json.dumps(entry) + "\n" for entry in entries)
+    with open(log, "ab+") as f:
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                logger.warning("round log %s: its last line is torn (no newline); ended it", log)
+                text = "\n" + text
+        f.write(text.encode())
 
 
 def log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:
