@@ -144,13 +144,15 @@ class EmbeddingStore:
         sizes = ((emb_path, capacity * dim * 2), (lbl_path, capacity * 2), (rows_path, capacity * 16))
         if _finish_resize(directory):
             logger.warning("store in %s: finished a capacity change a stop interrupted", directory)
-        old_capacity = _other_capacity(self._meta_path, capacity, dim)
+        data = read_record(self._meta_path)  # read (and a torn record logged) once
+        old_capacity = _other_capacity(data, capacity, dim)
         if old_capacity is not None:
             _resize(directory, old_capacity, capacity, dim, num_classes)
+            data = read_record(self._meta_path)
         meta: dict[str, object] | None = None
         mode = "w+"
         try:
-            meta = self._read_meta()
+            meta = self._read_meta(data)
             if not self._other_shape and all(_size(p) == n for p, n in sizes):
                 if meta is not None:
                     self._check_meta(meta)
@@ -195,10 +197,9 @@ class EmbeddingStore:
         """Drop the maps (before their files are renamed)."""
         del self._emb_bits, self._lbl_raw, self._rows_raw, self._emb, self._lbl, self._rows
 
-    def _read_meta(self) -> dict[str, object] | None:
-        """The metadata map; None: none, or another shape (``_other_shape``)."""
+    def _read_meta(self, data: bytes | None) -> dict[str, object] | None:
+        """The metadata map of the record payload ``data``; None: none or another shape (``_other_shape``)."""
         self._other_shape = False
-        data = read_record(self._meta_path)
         if data is None:
             return None
         try:
@@ -483,9 +484,8 @@ class EmbeddingStore:
         return since is not None and (time.monotonic() if now is None else now) - since >= interval_s
 
 
-def _other_capacity(meta_path: Path, capacity: int, dim: int) -> int | None:
-    """The capacity of a store at ``meta_path`` built for this ``dim`` and another capacity, else None."""
-    data = read_record(meta_path)
+def _other_capacity(data: bytes | None, capacity: int, dim: int) -> int | None:
+    """The capacity of the store with metadata ``data`` if built for this ``dim`` and another, else None."""
     try:
         meta = json.loads(data) if data is not None else None
     except ValueError:

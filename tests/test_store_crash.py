@@ -85,3 +85,19 @@ def test_durable_store_resize_killed_mid_move_keeps_the_newest_samples(
     np.testing.assert_array_equal(emb, want_emb)
     assert not (killed_dir / RESIZE_DIR).exists()
     assert not list(killed_dir.glob("*.corrupt"))
+
+
+def test_durable_store_torn_metadata_says_so_once_and_keeps_the_samples(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Both metadata files torn: one line names them; the rows' checksums give the samples back."""
+    _fill(tmp_path)
+    for name in ("store_meta.rec", "store_meta.rec.prev"):
+        path = tmp_path / name
+        path.write_bytes(path.read_bytes()[:37])  # cut inside the header
+    with caplog.at_level("WARNING"):
+        store = EmbeddingStore(tmp_path, OLD, DIM, K)
+    named = [r for r in caplog.records if "store_meta.rec" in r.getMessage()]
+    assert len(named) == 1, [r.getMessage() for r in named]
+    assert "torn or corrupt" in named[0].getMessage()
+    assert (len(store), store.total, store.set_aside) == (OLD, ROUNDS * BATCH, "")
