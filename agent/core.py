@@ -32,6 +32,7 @@ from edgefl.agent.pipeline import Pipeline, choose
 from edgefl.agent.round import Deferred, RoundAnswering, RoundResult
 from edgefl.agent.state import HEAD_FILE, OUTBOX_FILE, Answered, PhaseHook, ProgressHook
 from edgefl.agent.store import EmbeddingStore, holdout_capacity
+from edgefl.datasets import npz_headers
 from edgefl.errors import BudgetExceeded, DecodeError, ModelError, UpdateRejected
 from edgefl.head import Head, personal_columns, validate_head
 from edgefl.runtime import Backbone
@@ -114,7 +115,7 @@ def check_model_fits(profile: Profile, backbone: Backbone) -> None:
     src = profile.source
     if src.kind == "replay" and src.path is not None:
         try:  # the header only: the samples are loaded once admitted (the daemon's replay)
-            shape = estimates.npz_headers(src.path)["x"][0][1:]
+            shape = npz_headers(src.path)["x"][0][1:]
         except (KeyError, ValueError) as exc:
             raise ModelError(
                 str(profile.model.path), f"source.path {src.path}: no sample array x ({exc})"
@@ -336,7 +337,6 @@ class DeviceCore(RoundAnswering):
             cfg.chunk_floor,
             shapes.embedding_dim,
             shapes.classes,
-            cfg.chunk_floor,
             max(1, len(self.store)),
             first_run=gov.phase_counts.get("train", 0) == 0,
             resident_rows=self.store.resident_rows,

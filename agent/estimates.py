@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from edgefl.datasets import npz_headers as npz_headers  # read as estimates.npz_headers by agent.core
+from edgefl.datasets import npz_headers
 from edgefl.wire.compression import update_wire_bytes
 
 
@@ -130,7 +130,6 @@ def estimate_train_bytes(
     chunk: int,
     dim: int,
     classes: int,
-    batch_size: int,
     num_examples: int,
     *,
     first_run: bool = True,
@@ -144,7 +143,7 @@ def estimate_train_bytes(
     (file-backed, reclaimable; ``resident_rows``: stored samples already mapped,
     ``EmbeddingStore.resident_rows``); and when ``first_run`` four ``[D, K]`` float32 heads alive at
     the peak (working copy, gradient, delta, final head); later rounds reuse the heap the previous
-    round freed. ``dim``, ``classes``: D, K; ``batch_size``: samples per SGD step.
+    round freed. ``dim``, ``classes``: D, K.
     """
     head_bytes = 4 * (dim * classes + classes) * 4 if first_run else 0
     return _store_read_bytes(chunk, dim, num_examples, resident_rows) + head_bytes
@@ -172,7 +171,8 @@ def estimate_personal_bytes(
     """Bytes ``edgefl.agent.trainer.train_personal`` may add to RSS with a given chunk size.
 
     Two ``[D, K]`` heads (the personal head and its gradient, new on every step), one SGD step's
-    temporaries, and the store read as in local training; arguments as :func:`estimate_train_bytes`'s.
+    temporaries, and the store read as in local training; ``batch_size``: samples per SGD step; the
+    other arguments as :func:`estimate_train_bytes`'s.
     """
     step_bytes = min(batch_size, chunk, max(1, num_examples)) * (dim * 4 + classes * 4 * 4)
     head_bytes = 2 * (dim * classes + classes) * 4

@@ -76,13 +76,11 @@ class ErrorFeedback:
         compression: Compression,
         *,
         topk_fraction: float = 0.1,
-        seed: int | None = None,
         round: int = -1,
     ) -> tuple[F32, F32, CompressedDelta]:
         """Compress ``delta + residual`` once (the round's settings), keep what it dropped as the residual.
 
-        ``delta_W``, ``delta_b``: float32 [D, K], [K]; ``seed``: of stochastic int8 rounding (None:
-        deterministic); ``round``: the round it answers (:attr:`round`).
+        ``delta_W``, ``delta_b``: float32 [D, K], [K]; ``round``: the round it answers (:attr:`round`).
 
         Returns ``(corrected_W, corrected_b, compressed)``: ``delta + residual``, and the wire sub-maps
         for ``encode_update`` with what the coordinator decodes from them. ``ValueError`` as
@@ -92,8 +90,7 @@ class ErrorFeedback:
             raise ValueError(f"ErrorFeedback: delta {delta_W.shape}/{delta_b.shape}, head {self.shape}")
         cW = (delta_W + self.residual_W).astype(np.float32)
         cb = (delta_b + self.residual_b).astype(np.float32)
-        rng = np.random.default_rng(seed) if seed is not None else None
-        packed = compress_head_delta(cW, cb, compression, topk_fraction=topk_fraction, rng=rng)
+        packed = compress_head_delta(cW, cb, compression, topk_fraction=topk_fraction)
         self.residual_W = (cW - packed.decoded_W).astype(np.float32)
         self.residual_b = (cb - packed.decoded_b).astype(np.float32)
         self.round = round

@@ -375,7 +375,7 @@ class Governor:
                     n, dim, classes, batch_size, num_examples, resident_rows=resident_rows
                 )
             return heads + estimate_train_bytes(
-                n, dim, classes, batch_size, num_examples, first_run=first, resident_rows=resident_rows
+                n, dim, classes, num_examples, first_run=first, resident_rows=resident_rows
             )
 
         return self.admit(phase, need, chunk, floor, probe=probe)

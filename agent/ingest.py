@@ -65,8 +65,6 @@ class IngestCounters:
     """Predictions handed to the broker (QoS 1: acknowledged)."""
     predictions_failed: int = 0
     """Predictions not published (not connected, no PUBACK in time)."""
-    label_conflicts: int = 0
-    """Labels refused because the sample had another label within ``label_expiry_s`` (``label_conflict``)."""
     conflicts_stored: int = 0
     """Disputed samples whose first label was already in the store (it stays: no removal)."""
 
@@ -165,7 +163,6 @@ class Ingest:
 
     def _dispute(self, sample_id: str) -> bool:
         """Drop a disputed sample's label wherever it is not stored yet; return whether it was stored."""
-        self.counters.label_conflicts += 1
         self._answered.set_value(sample_id, DISPUTED)
         queued = self._queue.get(sample_id)
         slot = self._inflight.get(sample_id)
@@ -197,7 +194,6 @@ class Ingest:
             if prior[0] == label.label:
                 raise UpdateRejected(Reason.DUPLICATE, f"sample {label.id} is labelled {label.label} already")
             if prior[0] == DISPUTED:
-                self.counters.label_conflicts += 1
                 raise UpdateRejected(
                     Reason.LABEL_CONFLICT, f"sample {label.id} disputed already (two different labels came)"
                 )

@@ -66,7 +66,6 @@ def floor_bytes(
             profile.training.chunk_floor,
             shapes.embedding_dim,
             shapes.classes,
-            profile.training.chunk_floor,
             capacity,
             first_run=True,
             resident_rows=capacity,

@@ -123,8 +123,6 @@ class EmbeddingStore:
         self.num_classes = num_classes
         self.refused_labels = 0
         self.refused_not_finite = 0
-        self.set_aside = ""
-        """Why the files found at open were set aside ("" if they were not)."""
         self.recovered_after_flush = 0
         """Samples found at open that were stored after the last flush (their rows checked)."""
         self.lost_at_open = 0
@@ -334,7 +332,6 @@ class EmbeddingStore:
         names = (EMB_FILE, LBL_FILE, ROWS_FILE, META_FILE, prev_path(Path(META_FILE)).name)
         for name in names:
             set_aside(self.directory / name, CORRUPT_SUFFIX)
-        self.set_aside = reason
         logger.error(
             "store in %s is corrupt (%s): set aside as *%s, starting empty",
             self.directory,
@@ -420,17 +417,13 @@ class EmbeddingStore:
                 self.unflushed_since = time.monotonic()
         return refused
 
-    def chunks(self, chunk_size: int, order: I64 | None = None) -> Iterator[tuple[F32, I64]]:
+    def chunks(self, chunk_size: int) -> Iterator[tuple[F32, I64]]:
         """Yield ``(emb float32 [<=chunk_size, D], labels int64 [<=chunk_size])`` of the stored samples.
 
-        ``order`` (int64 [M]): which stored samples, in which order; None = all in storage order.
-        One chunk's worth is in the heap at a time.
+        All of them in storage order; one chunk's worth is in the heap at a time.
         """
-        idx = np.arange(self._count, dtype=np.int64) if order is None else order
-        for start in range(0, len(idx), chunk_size):
-            # storage order is sorted already: numpy's sort keeps malloc'ed memory per length it sorts
-            sel = idx[start : start + chunk_size]
-            sel = sel if order is None else np.sort(sel)
+        for start in range(0, self._count, chunk_size):
+            sel = np.arange(start, min(start + chunk_size, self._count), dtype=np.int64)
             emb = np.empty((len(sel), self.dim), np.float32)
             lbl = np.empty(len(sel), np.int64)
             self.read(sel, emb, lbl)

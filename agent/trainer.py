@@ -44,11 +44,6 @@ class Shuffler:
         self._seed = np.uint64(seed % (1 << 64))
         self._drawn = 0
 
-    def permutation(self, n: int) -> I64:
-        """Return int64 [n]: 0..n-1 in the next random order; 24 bytes a sample at most, briefly."""
-        order: I64 = np.argsort(self.keys(n)).astype(np.int64, copy=False)
-        return order
-
     def keys(self, n: int) -> I64:
         """Return int64 [n]: the next ``n`` SplitMix64 outputs (distinct); ranking them is a permutation."""
         z = np.arange(self._drawn + 1, self._drawn + n + 1, dtype=np.uint64)

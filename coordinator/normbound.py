@@ -96,31 +96,22 @@ class NormBound:
     ``clip_norm`` > 0: a fixed bound C. None: adaptive, ``multiplier`` (>= 1) x the lower of the medians
     of the fleet's history (``FleetHistory``) and of the round's first ``warmup`` (>= 1) norms
     (``docs/security.md``, "Norm bound"). The weight (claimed examples) is bounded alike by
-    ``weight_multiplier`` (>= 1, inf: none; the root's bound on a site's claim). ValueError on
+    ``weight_multiplier`` (inf: none; the root sets it, ``Strategy.bound_site_weights``). ValueError on
     out-of-range parameters.
 
     Source: fixed clipping as McMahan et al. 2018; a median-based bound as Sun et al. 2019 ("Can You
     Really Backdoor Federated Learning?"), taken over past rounds as Andrew et al. 2021 (adaptive clipping).
     """
 
-    def __init__(
-        self,
-        clip_norm: float | None = None,
-        *,
-        multiplier: float = 2.0,
-        warmup: int = 3,
-        weight_multiplier: float = math.inf,
-    ) -> None:
+    def __init__(self, clip_norm: float | None = None, *, multiplier: float = 2.0, warmup: int = 3) -> None:
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"clip_norm = {clip_norm}: must be > 0")
-        if not multiplier >= 1.0 or warmup < 1 or not weight_multiplier >= 1.0:
-            why = f"clip_multiplier = {multiplier}, warmup = {warmup}, weight_multiplier = "
-            why += str(weight_multiplier)
-            raise ValueError(f"{why}: need >= 1")
+        if not multiplier >= 1.0 or warmup < 1:
+            raise ValueError(f"clip_multiplier = {multiplier}, warmup = {warmup}: need >= 1")
         self.clip_norm = clip_norm
         self.multiplier = multiplier
         self.warmup = warmup
-        self.weight_multiplier = weight_multiplier
+        self.weight_multiplier = math.inf
         self.history = FleetHistory()
         self.weights = FleetHistory()
         self.history_warmup = warmup  # values the history needs to set a round's bounds
@@ -128,7 +119,7 @@ class NormBound:
         self.claims: list[float] = []
         self._bound: float | None = clip_norm
         self._history_bound: float | None = None
-        self._weight_cap: float | None = math.inf if math.isinf(weight_multiplier) else None
+        self._weight_cap: float | None = math.inf
 
     def begin(self) -> None:
         """Open a round: the history's bound (when there is enough history), nothing observed yet."""

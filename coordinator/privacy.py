@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -98,16 +98,14 @@ class PrivateSum:
         return W.astype(np.float32), b.astype(np.float32)
 
 
-def ledger_epsilon(
-    runs: Sequence[tuple[float, float, int]], delta: float, accountant: Literal["rdp", "pld"] = "rdp"
-) -> float:
+def ledger_epsilon(runs: Sequence[tuple[float, float, int]], delta: float) -> float:
     """Client-level epsilon at ``delta`` of DP-FedAvg rounds whose settings may have changed at restarts.
 
     ``runs``: ``(noise_multiplier z >= 0, sampling_rate q in (0, 1], rounds >= 0)`` of consecutive
-    rounds with the same settings (q: the chance a device takes part in a round); ``delta`` in (0, 1);
-    ``accountant``: RDP (as Opacus and TF Privacy) or PLD (tighter). Returns the epsilon of their
-    composition (0.0 without rounds, inf when a run had no noise). Raises ValueError on out-of-range
-    values, ImportError without ``dp-accounting``.
+    rounds with the same settings (q: the chance a device takes part in a round); ``delta`` in (0, 1).
+    Returns the RDP accountant's epsilon (as Opacus and TF Privacy) of their composition (0.0 without
+    rounds, inf when a run had no noise). Raises ValueError on out-of-range values, ImportError
+    without ``dp-accounting``.
 
     Source: Mironov 2017 (RDP); Mironov, Talwar, Zhang 2019 (RDP of the sampled Gaussian); Google
     ``dp-accounting`` (a ``ComposedDpEvent`` of PoissonSampledDpEvent of a GaussianDpEvent per run).
@@ -122,10 +120,10 @@ def ledger_epsilon(
         return 0.0
     if any(z == 0 for z, _, _ in live):
         return math.inf
-    return _account(live, delta, accountant)
+    return _account(live, delta)
 
 
-def _account(runs: Sequence[tuple[float, float, int]], delta: float, accountant: str) -> float:
+def _account(runs: Sequence[tuple[float, float, int]], delta: float) -> float:
     """Epsilon at ``delta`` of the runs ``(z, q, rounds)`` of a Poisson-sampled Gaussian, composed."""
     import dp_accounting  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
@@ -135,7 +133,7 @@ def _account(runs: Sequence[tuple[float, float, int]], delta: float, accountant:
         )
         for z, q, n in runs
     ]
-    acc = dp_accounting.rdp.RdpAccountant() if accountant == "rdp" else dp_accounting.pld.PLDAccountant()
+    acc = dp_accounting.rdp.RdpAccountant()
     acc.compose(events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events))
     return float(acc.get_epsilon(delta))
 
@@ -148,11 +146,6 @@ class PrivacyLedger:
 
     def __init__(self) -> None:
         self.runs: list[tuple[float, float, int]] = []
-
-    @property
-    def rounds(self) -> int:
-        """Rounds run in total."""
-        return sum(n for _, _, n in self.runs)
 
     def add(self, noise_multiplier: float, sampling_rate: float) -> None:
         """Count one more aggregated round of these settings."""

@@ -146,8 +146,6 @@ class RoundArchive:
         self.recent = recent
         self.tail_rounds = tail_rounds
         self.sampled_rounds = sampled_rounds
-        self.reads = 0
-        """Times the log was read (a read is reused while the log stays the same)."""
         self._lock = threading.Lock()
         self._cached: tuple[tuple[int, int, int], list[dict[str, Any]]] | None = None
         self._joined: tuple[list[dict[str, Any]], object, int, list[Mapping[str, Any]]] | None = None
@@ -179,7 +177,6 @@ class RoundArchive:
                     logger.warning("round log %s not read for the fleet page: %s", self.log, exc)
                 self._cached = None
                 return older
-            self.reads += 1
             for line in sampled:
                 entry = page_entry(line)
                 if entry is not None:
@@ -206,19 +203,14 @@ class RoundArchive:
             older = [e for e in older if e["round"] < first]
         return _increasing([*older, *recent])
 
-    def records(self) -> list[Mapping[str, Any]]:
+    async def records_async(self) -> list[Mapping[str, Any]]:
         """The page's round records, oldest first, strictly increasing rounds (the latest history's).
 
         The log's last ``tail_rounds`` whole, ``sampled_rounds`` evenly spaced before them (marked
         ``"sampled": true``), then the in-memory records (a log line of their rounds is left to them).
-        """
-        return self._join(self._older(), list(self.recent()))
-
-    async def records_async(self) -> list[Mapping[str, Any]]:
-        """:meth:`records` for the event loop: the log read in a worker thread, once for concurrent callers.
-
-        The in-memory records are taken on the loop; while neither the log nor the in-memory list (same
-        object, same length) changed, the same list object is returned.
+        The log is read in a worker thread, once for concurrent callers; the in-memory records are taken
+        on the loop; while neither the log nor the in-memory list (same object, same length) changed,
+        the same list object is returned.
         """
         key = self._log_key()
         cached = self._cached

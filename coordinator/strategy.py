@@ -308,13 +308,13 @@ class Strategy(ABC):
         if W.shape != shape or b.shape != (shape[1],):
             raise UpdateRejected("bad_shape", f"{what} {W.shape}/{b.shape}, head {shape}")
 
-    def bound_site_weights(self, multiplier: float = 1.0) -> None:
+    def bound_site_weights(self) -> None:
         """Bound each site's claimed weight per update at the root (``offer_sums``).
 
-        A partial's weight per update is at most ``multiplier`` (>= 1) x the median weight per update
-        of the round's partials, or of the last round's when lower (why: ``docs/security.md``).
+        A partial's weight per update is at most the median weight per update of the round's partials,
+        or of the last round's when lower (why: ``docs/security.md``).
         """
-        self.norm_bound.weight_multiplier = multiplier
+        self.norm_bound.weight_multiplier = 1.0
         self.norm_bound.history_warmup = 1  # a root hears a few sites a round, not many devices
         self.norm_bound.begin()
 

@@ -177,8 +177,8 @@ class Backbone:
 
     ``embedding_tensor`` names the embedding (None: the input of the last FULLY_CONNECTED op);
     ``xnnpack`` None (default) runs with XNNPACK (``delegated`` says); ``prepare`` adds the embedding as
-    a model output in memory when it is not one (``prepared``), False refuses such a model with a
-    message naming ``edgefl model prepare``. ModelError if the model cannot be loaded or run (a trial
+    a model output in memory when it is not one (``embedding_output`` False), False refuses such a model
+    with a message naming ``edgefl model prepare``. ModelError if the model cannot be loaded or run (a trial
     invoke), has no FULLY_CONNECTED op (and no named tensor), the named tensor does not exist, or
     (``prepare=False``) the embedding is not an output.
 
@@ -265,7 +265,6 @@ class Backbone:
         head_out = modelfile.head_output(graph, fc) if fc is not None and not embedding_tensor else -1
         self.output_index = head_out if head_out in graph.outputs else others[0]
         self.embedding_output = self.embedding_index in graph.outputs
-        self.prepared = not self.embedding_output
         if self.embedding_output:
             return None
         if not prepare:

@@ -28,6 +28,7 @@ from edgefl.agent.memstat import MIB
 from edgefl.agent.preflight import floor_bytes, store_bytes, training_warning
 from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
+from edgefl.datasets import npz_headers
 from edgefl.launcher import launch_agent, stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
@@ -61,7 +62,7 @@ def test_memory_estimate_replay_from_the_headers_only(tmp_path: Path) -> None:
     y = np.arange(n, dtype=np.int16) % 10
     path = tmp_path / "replay.npz"
     np.savez(path, x=x, y=y)
-    assert estimates.npz_headers(path) == {
+    assert npz_headers(path) == {
         "x": ((n, 8, 8, 1), np.dtype("float64")),
         "y": ((n,), np.dtype("int16")),
     }
@@ -76,12 +77,12 @@ def test_memory_estimate_replay_file_not_an_npz_is_named(tmp_path: Path) -> None
     bad = tmp_path / "samples.npz"
     bad.write_bytes(b"not a zip at all")
     with pytest.raises(ValueError, match=r"samples\.npz: not an \.npz file"):
-        estimates.npz_headers(bad)
+        npz_headers(bad)
 
 
 def test_memory_estimate_inference_arena_leaves_the_training_room(tmp_path: Path, head19: Path) -> None:
     shapes = estimates.model_shapes(Backbone(head19))
-    train = estimates.estimate_train_bytes(16, 1280, 19, 16, 1024, resident_rows=1024)
+    train = estimates.estimate_train_bytes(16, 1280, 19, 1024, resident_rows=1024)
     proc = fake_proc(tmp_path, rss=0)
     gov = Governor(96 * MIB, 4 * MIB, 0, proc=proc, cgroup_root=tmp_path / "none")
     arena8 = estimates.estimate_inference_bytes(shapes, 8, resident_batch=1)

@@ -55,25 +55,21 @@ def test_int8_feedback_keeps_rounding_error() -> None:
 
 
 @pytest.mark.parametrize("mode", [m for m in Compression if m is not Compression.NONE])
-@pytest.mark.parametrize("seed", [None, 5])
-def test_compress_once_is_bit_identical_to_encoding_the_corrected_delta(
-    mode: Compression, seed: int | None
-) -> None:
+def test_compress_once_is_bit_identical_to_encoding_the_corrected_delta(mode: Compression) -> None:
     rng = np.random.default_rng(3)
     once = ErrorFeedback((40, 6))
     twice = ErrorFeedback((40, 6))
     for _ in range(3):  # the residual carried between rounds must agree too
         dW = rng.normal(size=(40, 6)).astype(np.float32)
         db = rng.normal(size=6).astype(np.float32)
-        cW, cb, packed = once.compress(dW, db, mode, topk_fraction=0.2, seed=seed)
-        cW2, cb2, _ = twice.compress(dW, db, mode, topk_fraction=0.2, seed=seed)
+        cW, cb, packed = once.compress(dW, db, mode, topk_fraction=0.2)
+        cW2, cb2, _ = twice.compress(dW, db, mode, topk_fraction=0.2)
         np.testing.assert_array_equal(cW, cW2)
         np.testing.assert_array_equal(cb, cb2)
         np.testing.assert_array_equal(once.residual_W, twice.residual_W)
         np.testing.assert_array_equal(once.residual_b, twice.residual_b)
         update = Update(1, 0, "dev-1", 9, cW, cb, UpdateMetrics(0.1, 0.5, 0.0, 0), "dev-1:1:0", mode)
-        draws = np.random.default_rng(seed) if seed is not None else None
-        again = encode_update(update, topk_fraction=0.2, rng=draws)  # compresses a second time
+        again = encode_update(update, topk_fraction=0.2)  # compresses a second time
         assert encode_update(update, compressed=packed) == again
         got = decode_update(again)
         np.testing.assert_array_equal(got.delta_W, packed.decoded_W)

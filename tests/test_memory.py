@@ -180,7 +180,7 @@ def test_convenience_admissions_use_the_estimates(tmp_path: Path) -> None:
     assert a.work == 32 and a.estimate_bytes == estimates.estimate_batch_bytes(shapes, 32)
     t = gov.admit_train(4096, 16, dim=1280, classes=10, batch_size=16, num_examples=4096)
     assert t.work < 4096 and not t.deferred
-    assert t.estimate_bytes == estimate_train_bytes(t.work, 1280, 10, 16, 4096, first_run=True)
+    assert t.estimate_bytes == estimate_train_bytes(t.work, 1280, 10, 4096, first_run=True)
     # after a first train phase, the four heads come out of the heap the last round freed
     with gov.phase("train"):
         pass

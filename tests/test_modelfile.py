@@ -114,7 +114,7 @@ def test_prepare_embedding_output_equals_the_preserved_intermediate(tmp_path: Pa
     )
     ref.allocate_tensors()
     bb = Backbone(own, xnnpack=False)  # prepared in memory: the embedding is a model output
-    assert bb.prepared and not bb.embedding_output and bb.embedding_index == emb
+    assert not bb.embedding_output and bb.embedding_index == emb
     rng = np.random.default_rng(3)
     for _ in range(5):
         x = rng.integers(-128, 128, size=(1, 8, 8, 1)).astype(np.int8)
@@ -143,7 +143,8 @@ def test_prepare_refuses_junk_and_an_unknown_tensor(tmp_path: Path) -> None:
 def test_own_model_without_embedding_output_is_prepared_at_start_up(tmp_path: Path) -> None:
     own, logits, emb = _without_embedding_output(MODELS / "digits_cnn_float32.tflite", tmp_path)
     bb = Backbone(own)
-    assert bb.prepared and bb.delegated and bb.output_index == logits and bb.embedding_index == emb
+    assert not bb.embedding_output and bb.delegated  # prepared in memory, delegated
+    assert bb.output_index == logits and bb.embedding_index == emb
     W, b = bb.head_from_model()
     x = np.random.default_rng(0).random((16, 8, 8, 1), dtype=np.float32)
     e, y = bb.run(x)

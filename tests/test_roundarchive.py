@@ -4,6 +4,7 @@ logged rounds on its page's ``/api/rounds`` (beyond the 200 it keeps in memory).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import signal
@@ -19,6 +20,11 @@ from edgefl.coordinator.roundarchive import RoundArchive, page_entry, read_sampl
 from edgefl.launcher import free_port
 
 pytestmark = pytest.mark.timeout(300)
+
+
+def page_records(archive: RoundArchive) -> list[Any]:
+    """The page's records, as the coordinator's page asks for them."""
+    return asyncio.run(archive.records_async())
 
 
 def write_log(path: Path, rounds: range, **extra: Any) -> None:
@@ -47,7 +53,7 @@ def test_pacing_history_tail_whole_and_the_rest_sampled(tmp_path: Path) -> None:
     log = tmp_path / "rounds.jsonl"
     write_log(log, range(1, 5001))
     recent = [{"round": r, "accuracy": 0.9, "refused": {}, "reasons": "memory"} for r in range(4801, 5001)]
-    records = RoundArchive(log, lambda: recent, tail_rounds=1000, sampled_rounds=500).records()
+    records = page_records(RoundArchive(log, lambda: recent, tail_rounds=1000, sampled_rounds=500))
     rounds = [r["round"] for r in records]
     assert rounds == sorted(set(rounds))  # strictly increasing
     assert rounds[-1000:] == list(range(4001, 5001))  # the page's "last 1000": every round
@@ -65,11 +71,11 @@ def test_pacing_history_tail_whole_and_the_rest_sampled(tmp_path: Path) -> None:
 
 def test_pacing_history_of_a_short_log_and_of_none(tmp_path: Path) -> None:
     log = tmp_path / "rounds.jsonl"
-    assert RoundArchive(log, lambda: [{"round": 1}]).records() == [{"round": 1}]  # no log yet
+    assert page_records(RoundArchive(log, lambda: [{"round": 1}])) == [{"round": 1}]  # no log yet
     write_log(log, range(1, 31))
     with open(log, "a") as f:
         f.write('{"round": 31, "acc')  # a line being written: not a round yet
-    records = RoundArchive(log, list).records()
+    records = page_records(RoundArchive(log, list))
     assert [r["round"] for r in records] == list(range(1, 31)) and not any("sampled" in r for r in records)
 
 
@@ -78,7 +84,7 @@ def test_pacing_history_keeps_the_latest_history_and_a_round_logged_twice_once(t
     write_log(log, range(1, 101))  # an earlier history, before the state file was deleted
     write_log(log, range(1, 51))
     write_log(log, range(50, 61), recovered=True)  # round 50 logged again (recovered)
-    records = RoundArchive(log, list).records()
+    records = page_records(RoundArchive(log, list))
     assert [r["round"] for r in records] == list(range(1, 61))
 
 
@@ -95,7 +101,7 @@ def test_pacing_history_reads_are_bounded(tmp_path: Path) -> None:
         assert [page_entry(x)["round"] for x in lines] == list(range(401 - len(lines), 401))  # type: ignore[index]
         sample = read_sample(f, start, 50)
     assert 40 <= len(sample) <= 50
-    records = RoundArchive(log, list).records()
+    records = page_records(RoundArchive(log, list))
     assert len(records) <= len(lines) + 1000 and records[-1]["round"] == 400
 
 

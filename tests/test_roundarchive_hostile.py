@@ -11,18 +11,36 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pytest
 from test_dashboard_browser import ThreadedDashboard
 from test_roundarchive import write_log
 
+from edgefl.coordinator import roundarchive
 from edgefl.coordinator.roundarchive import RoundArchive
 from edgefl.dashboard.app import DashboardState
 
 
-def test_hostile_rounds_archive_read_once_off_the_loop(tmp_path: Path) -> None:
+def count_reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The round logs read from now on, one entry a read (each read takes the log's tail first)."""
+    reads: list[Path] = []
+    real = roundarchive.read_tail
+
+    def read_tail(f: Any, *args: Any, **kwargs: Any) -> Any:
+        reads.append(Path(f.name))
+        return real(f, *args, **kwargs)
+
+    monkeypatch.setattr(roundarchive, "read_tail", read_tail)
+    return reads
+
+
+def test_hostile_rounds_archive_read_once_off_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     log = tmp_path / "rounds.jsonl"
     write_log(log, range(1, 3001))
     recent = [{"round": r, "accuracy": 0.9} for r in range(2951, 3001)]
     arch = RoundArchive(log, lambda: recent, tail_rounds=1000, sampled_rounds=200)
+    reads = count_reads(monkeypatch)
 
     async def main() -> None:
         arch._lock.acquire()  # the log read (in its worker thread) cannot finish until released
@@ -33,23 +51,26 @@ def test_hostile_rounds_archive_read_once_off_the_loop(tmp_path: Path) -> None:
         assert not readers.done()
         arch._lock.release()
         results = await readers
-        assert arch.reads == 1  # 16 concurrent requests, one read
+        assert reads == [log]  # 16 concurrent requests, one read
         assert all(r == results[0] for r in results)
         assert [r["round"] for r in results[0][-1000:]] == list(range(2001, 3001))
         assert await arch.records_async() is results[0]  # nothing changed: the very same list
-        assert arch.reads == 1  # the log has not changed: the read is reused
+        assert reads == [log]  # the log has not changed: the read is reused
         write_log(log, range(3001, 3002))
         recent.append({"round": 3001, "accuracy": 0.91})
         again = await arch.records_async()
-        assert arch.reads == 2 and again[-1]["round"] == 3001
+        assert reads == [log, log] and again[-1]["round"] == 3001
 
     asyncio.run(main())
 
 
-def test_hostile_rounds_api_many_clients_read_the_log_once(tmp_path: Path) -> None:
+def test_hostile_rounds_api_many_clients_read_the_log_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     log = tmp_path / "rounds.jsonl"
     write_log(log, range(1, 2001))
     arch = RoundArchive(log, lambda: [], tail_rounds=500, sampled_rounds=100)
+    reads = count_reads(monkeypatch)
     state = DashboardState("coordinator", "f", lambda: {}, get_rounds=arch.records_async)
     server = ThreadedDashboard(state)
 
@@ -65,7 +86,7 @@ def test_hostile_rounds_api_many_clients_read_the_log_once(tmp_path: Path) -> No
         assert get(0)["last"] == 2001  # the log grew: read again, a new response
     finally:
         server.close()
-    assert arch.reads == 2
+    assert reads == [log, log]
     assert all(d == docs[0] for d in docs)
     assert [r["round"] for r in docs[0]["rounds"]] == [1991, 1992, 1993, 1994, 1995]
     assert docs[0]["last"] == 2000 and docs[0]["total"] == 600

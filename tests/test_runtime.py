@@ -142,7 +142,7 @@ def test_prepare_an_internal_embedding_in_memory_or_refuse_naming_the_command() 
     reshape = next(op for op in probe._get_ops_details() if op["op_name"] == "RESHAPE")
     inner = names[int(reshape["inputs"][0])]  # conv2's activation [N, 4, 4, 32]: not a model output
     bb = Backbone(INT8_MODEL, embedding_tensor=inner)  # added as an output in memory
-    assert bb.prepared and bb.delegated and bb.embedding_dim == 32
+    assert not bb.embedding_output and bb.delegated and bb.embedding_dim == 32
     assert bb.sha256 == sha256_file(INT8_MODEL)  # global heads stay bound to the user's file
     emb, logits = bb.run(np.zeros((2, *bb.sample_shape), dtype=bb.input_dtype))  # readable under XNNPACK
     assert emb.shape == (2, 4 * 4 * bb.embedding_dim) and logits.shape == (2, 10)

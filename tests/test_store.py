@@ -47,7 +47,8 @@ def test_durable_store_capacity_change_keeps_the_newest_samples_and_the_mark(tmp
     del s
     small = EmbeddingStore(tmp_path, capacity=6, dim=4, num_classes=3)
     assert contents(small) == [6, 7, 8, 9, 10, 11]
-    assert (small.since_mark, small.total, small.set_aside) == (4, 6, "")
+    assert (small.since_mark, small.total) == (4, 6)
+    assert not list(tmp_path.glob("*.corrupt"))  # nothing set aside
     assert not (tmp_path / ".resize").exists()
     small.add(*rows(2, start=12))  # the ring of 6 overwrites its oldest
     assert sorted(contents(small)) == [8, 9, 10, 11, 12, 13]  # a full ring: storage order
@@ -71,7 +72,8 @@ def test_durable_store_recovers_rows_written_after_the_last_flush(tmp_path: Path
     meta = json.loads(read_record(tmp_path / "store_meta.rec") or b"")
     assert (meta["count"], meta["total"]) == (10, 10)
     again = EmbeddingStore(tmp_path, capacity=16, dim=4, num_classes=3)
-    assert (len(again), again.recovered_after_flush, again.lost_at_open, again.set_aside) == (15, 5, 0, "")
+    assert (len(again), again.recovered_after_flush, again.lost_at_open) == (15, 5, 0)
+    assert not list(tmp_path.glob("*.corrupt"))  # nothing set aside
     assert contents(again) == list(range(15))
     assert np.concatenate([lab for _, lab in again.chunks(64)]).tolist() == [i % 3 for i in range(15)]
     # never flushed at all (killed before the first flush): the rows alone bring the samples back

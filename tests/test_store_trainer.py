@@ -75,7 +75,7 @@ def test_train_local_metrics_are_the_final_heads_loss_and_accuracy(tmp_path: Pat
         res = train_local(head, s, local_epochs=1, lr=0.3, batch_size=8, chunk_size=chunk)
         final = Head(head.W + res.delta_W, head.b + res.delta_b)
         loss_sum = 0.0
-        for e, lbl in s.chunks(chunk, np.arange(150, dtype=np.int64)):
+        for e, lbl in s.chunks(chunk):
             loss_sum += loss_and_grad(final.W, final.b, e, lbl)[0] * len(lbl)
         stored = np.concatenate([e for e, _ in s.chunks(150)])
         assert res.loss == pytest.approx(loss_sum / 150, rel=1e-6)
@@ -123,7 +123,8 @@ def test_integrity_store_refuses_non_finite_embeddings_and_sets_aside_corrupt_fi
     lbl.write_bytes(bytes(data))
     with caplog.at_level("WARNING", logger="edgefl.agent.store"):
         again = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)
-    assert (len(again), again.lost_at_open, again.set_aside) == (1, 1, "")
+    assert (len(again), again.lost_at_open) == (1, 1)
+    assert not list(tmp_path.glob("*.corrupt"))  # nothing set aside
     got = np.concatenate([e for e, _ in again.chunks(8)])
     np.testing.assert_array_equal(got, [[3, 4]])
     assert [r.message for r in caplog.records if "could not be recovered" in r.message] == [
@@ -137,7 +138,9 @@ def test_integrity_store_refuses_non_finite_embeddings_and_sets_aside_corrupt_fi
     assert np.concatenate([lab for _, lab in back.chunks(8)]).tolist() == [1, 0, 1, 2]
 
 
-def test_integrity_store_refuses_insane_metadata_even_with_a_good_checksum(tmp_path: Path) -> None:
+def test_integrity_store_refuses_insane_metadata_even_with_a_good_checksum(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     import json
 
     from edgefl.records import read_record, write_record
@@ -156,30 +159,45 @@ def test_integrity_store_refuses_insane_metadata_even_with_a_good_checksum(tmp_p
         s.add(np.ones((3, 2), np.float32), np.array([0, 1, 2], np.int64))
         s.flush()
         write_record(meta_path, json.dumps({**good, **change}).encode())
+        caplog.clear()
         again = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)
-        assert (len(again), again.set_aside) == (0, why)
+        assert (len(again), set_aside_reasons(caplog, tmp_path)) == (0, [why])
     # a label >= K written with a matching checksum (not a bit flip: a store from a K = 10 head)
     s = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=10)
     s.add(np.ones((1, 2), np.float32), np.array([9], np.int64))
     s.flush()
+    caplog.clear()
     again = EmbeddingStore(tmp_path, capacity=8, dim=2, num_classes=3)
-    assert (len(again), again.set_aside) == (0, "label 9 outside 0..2")
+    assert (len(again), set_aside_reasons(caplog, tmp_path)) == (0, ["label 9 outside 0..2"])
+
+
+def set_aside_reasons(caplog: pytest.LogCaptureFixture, folder: Path) -> list[str]:
+    """Why the store's files were set aside, as its ERROR lines say (each file renamed ``*.corrupt``)."""
+    assert (folder / "store_meta.rec.corrupt").exists()
+    head, tail = f"store in {folder} is corrupt (", "): set aside as *.corrupt, starting empty"
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    return [m.removeprefix(head).removesuffix(tail) for m in lines if m.startswith(head) and m.endswith(tail)]
 
 
 def test_shuffler_permutations_are_seeded_and_fresh_each_draw() -> None:
+    """A permutation is the ranks of the next keys (``np.argsort(keys(n))``, as the trainer draws it)."""
+
+    def perm(s: Shuffler, n: int) -> np.ndarray:
+        return np.argsort(s.keys(n))
+
     s = Shuffler(7)
-    a, b = s.permutation(50), s.permutation(50)
+    a, b = perm(s, 50), perm(s, 50)
     assert a.dtype == np.int64 and sorted(a.tolist()) == list(range(50)) == sorted(b.tolist())
     assert a.tolist() != b.tolist()  # the stream moves on: each epoch gets its own order
     again = Shuffler(7)
-    assert again.permutation(50).tolist() == a.tolist()
-    assert Shuffler(8).permutation(50).tolist() != a.tolist()
+    assert perm(again, 50).tolist() == a.tolist()
+    assert perm(Shuffler(8), 50).tolist() != a.tolist()
     # SplitMix64 seeded with 0: first outputs 0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F
     # (Vigna's splitmix64.c), so 3 keys rank as [2, 1, 0]
-    assert Shuffler(0).permutation(3).tolist() == [2, 1, 0]
-    assert Shuffler(-1).permutation(0).tolist() == []
+    assert perm(Shuffler(0), 3).tolist() == [2, 1, 0]
+    assert perm(Shuffler(-1), 0).tolist() == []
     # every position equally likely (5,000 seeds, 5 places: ~1,000 each)
-    first = np.bincount([int(np.argmax(Shuffler(k).permutation(5) == 0)) for k in range(5000)], minlength=5)
+    first = np.bincount([int(np.argmax(perm(Shuffler(k), 5) == 0)) for k in range(5000)], minlength=5)
     assert first.min() > 900 and first.max() < 1100
 
 
@@ -221,11 +239,11 @@ def _train_local_before(
     W, b = W0.copy(), b0.copy()
     shuffler = Shuffler(seed)
     for _ in range(local_epochs):
-        order = shuffler.permutation(n)
+        order = np.argsort(shuffler.keys(n))
         for start in range(0, n, chunk_size):
             sel = np.sort(order[start : start + chunk_size])
             emb, lbl = emb16[sel].astype(np.float32), labels[sel].astype(np.int64)
-            perm = shuffler.permutation(emb.shape[0])
+            perm = np.argsort(shuffler.keys(emb.shape[0]))
             for s in range(0, emb.shape[0], batch_size):
                 pick = perm[s : s + batch_size]
                 _, gW, gb = loss_and_grad(W, b, emb[pick], lbl[pick])
@@ -319,7 +337,7 @@ def test_shuffler_keys_of_one_draw_rank_as_successive_permutations() -> None:
     a, b = Shuffler(3), Shuffler(3)
     keys = a.keys(50 + 20 + 30)
     assert keys.dtype == np.int64 and len(set(keys.tolist())) == 100
-    assert np.argsort(keys[:50]).tolist() == b.permutation(50).tolist()
-    assert np.argsort(keys[50:70]).tolist() == b.permutation(20).tolist()
-    assert np.argsort(keys[70:]).tolist() == b.permutation(30).tolist()
-    assert a.permutation(5).tolist() == b.permutation(5).tolist()  # both streams moved on alike
+    assert np.argsort(keys[:50]).tolist() == np.argsort(b.keys(50)).tolist()
+    assert np.argsort(keys[50:70]).tolist() == np.argsort(b.keys(20)).tolist()
+    assert np.argsort(keys[70:]).tolist() == np.argsort(b.keys(30)).tolist()
+    assert a.keys(5).tolist() == b.keys(5).tolist()  # both streams moved on alike

@@ -39,7 +39,7 @@ def test_streaming_model_is_inspected_as_stateful_logistic() -> None:
     bb = Backbone(STREAMING)
     assert bb.stateful and {"VAR_HANDLE", "READ_VARIABLE", "ASSIGN_VARIABLE"} <= set(bb.stateful_ops)
     assert bb.head_activation == "logistic" and not bb.resizable and bb.batch == 1
-    assert bb.prepared and bb.embedding_index == EMBEDDING and bb.embedding_dim == 16
+    assert not bb.embedding_output and bb.embedding_index == EMBEDDING and bb.embedding_dim == 16
     assert bb.output_quant.scale == pytest.approx(1 / 256) and bb.output_quant.zero_point == 0  # uint8
     W, b = bb.head_from_model()
     assert W.shape == (16, 1) and b.shape == (1,)

@@ -33,7 +33,6 @@ from edgefl.wire.cbor import (
     read_int,
     read_text,
 )
-from edgefl.wire.reasons import CHUNK_REASONS as CHUNK_REASONS  # re-exported: its refusals
 from edgefl.wire.reasons import Reason
 
 logger = logging.getLogger(__name__)
@@ -254,9 +253,7 @@ class Reassembler:
         self.clock = clock
         self._sets: OrderedDict[tuple[str, str], _Set] = OrderedDict()  # least recently active first
         self._done: deque[tuple[str, str, str]] = deque(maxlen=32)  # (key, id, sha256) recently completed
-        self.expired_total = 0
         self.evicted_total = 0
-        self.completed_total = 0
 
     @property
     def reserved_bytes(self) -> int:
@@ -272,7 +269,6 @@ class Reassembler:
         stale = [k for k, s in self._sets.items() if now - s.last_seen > self.expiry_s]
         for k in stale:
             s = self._sets.pop(k)
-            self.expired_total += 1
             logger.warning(
                 "chunk set %s on %s expired: %d of %d chunks after %.0f s",
                 k[1],
@@ -361,5 +357,4 @@ class Reassembler:
                 f"message {c.id}: {len(whole)} bytes reassembled do not match size/sha256",
             )
         self._done.append((key, c.id, c.sha256))
-        self.completed_total += 1
         return whole

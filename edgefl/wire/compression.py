@@ -385,18 +385,17 @@ def compress_head_delta(
     compression: Compression,
     *,
     topk_fraction: float = 0.1,
-    rng: np.random.Generator | None = None,
 ) -> CompressedDelta:
     """Compress a head delta (``delta_W`` float32 [D, K], then ``delta_b`` [K]) and decode it back.
 
-    The other arguments and the ValueError are :func:`compress_delta`'s; the result is bit for bit
-    what ``encode_update`` writes for these deltas with the same arguments (and ``rng`` state).
+    The other arguments and the ValueError are :func:`compress_delta`'s (int8 rounds to nearest); the
+    result is bit for bit what ``encode_update`` writes for these deltas with the same arguments.
     """
     mode = Compression(compression)
     x_W = np.asarray(delta_W, dtype=np.float32)
     x_b = np.asarray(delta_b, dtype=np.float32)
-    sub_W, dense_W = _compress(x_W, mode, topk_fraction, rng)
-    sub_b, dense_b = _compress(x_b, mode, topk_fraction, rng)
+    sub_W, dense_W = _compress(x_W, mode, topk_fraction, None)
+    sub_b, dense_b = _compress(x_b, mode, topk_fraction, None)
 
     def decoded(sub: dict[str, object], dense: F32 | None, shape: tuple[int, ...], name: str) -> F32:
         # dense int8: the receiver's own dequantisation of the levels just made (no inflate and

@@ -8,7 +8,6 @@ same key. The meaning of each value is listed in ``docs/protocol.md`` ("Refusals
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Final
 
 
 class Reason(StrEnum):
@@ -67,11 +66,3 @@ class Reason(StrEnum):
     WRONG_MODEL = "wrong_model"
     NOT_NEWER = "not_newer"
     BAD_STATE = "bad_state"
-
-
-#: Reasons chunk decoding and reassembly raise besides the message decoders'.
-CHUNK_REASONS: Final = frozenset(
-    {Reason.BAD_CHUNK, Reason.CHUNK_CONFLICT, Reason.BAD_CHECKSUM, Reason.TOO_LARGE}
-)
-#: Reasons signature verification raises.
-SIGNATURE_REASONS: Final = frozenset({Reason.UNSIGNED, Reason.BAD_SIGNATURE})

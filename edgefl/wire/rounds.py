@@ -181,7 +181,7 @@ def encode_update(
     :func:`~edgefl.wire.compression.compress_delta`, or for ``compressed`` in another layout.
     """
     mode = Compression(msg.compression)
-    if compressed is None:  # W before b: the order stochastic rounding draws in (as compress_head_delta)
+    if compressed is None:  # W before b: the order stochastic rounding draws in
         sub_W = compress_delta(msg.delta_W, mode, topk_fraction=topk_fraction, rng=rng)
         sub_b = compress_delta(msg.delta_b, mode, topk_fraction=topk_fraction, rng=rng)
     elif compressed.compression is not mode:

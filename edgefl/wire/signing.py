@@ -26,7 +26,6 @@ import cbor2
 
 from edgefl.errors import DecodeError
 from edgefl.wire.cbor import DEFAULT_LIMITS, NO_LIMITS, SCHEMA_VERSION, Limits, MessageType, Scanned, scan
-from edgefl.wire.reasons import SIGNATURE_REASONS as SIGNATURE_REASONS  # re-exported: its refusals
 from edgefl.wire.reasons import Reason
 
 logger = logging.getLogger(__name__)

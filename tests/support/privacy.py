@@ -2,17 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from edgefl.coordinator.privacy import ledger_epsilon
 
 
-def dp_epsilon(
-    noise_multiplier: float,
-    sampling_rate: float,
-    rounds: int,
-    delta: float,
-    accountant: Literal["rdp", "pld"] = "rdp",
-) -> float:
+def dp_epsilon(noise_multiplier: float, sampling_rate: float, rounds: int, delta: float) -> float:
     """Epsilon of ``rounds`` DP-FedAvg rounds of one setting: :func:`ledger_epsilon` of one run."""
-    return ledger_epsilon([(noise_multiplier, sampling_rate, rounds)], delta, accountant)
+    return ledger_epsilon([(noise_multiplier, sampling_rate, rounds)], delta)

@@ -11,7 +11,7 @@ from edgefl.wire.cbor import DEFAULT_LIMITS, NO_LIMITS, Limits, scan
 from edgefl.wire.compression import Compression, compress_delta, decompress_delta
 from edgefl.wire.reasons import Reason
 
-__all__ = ["REASONS", "compressed_roundtrip", "global_model_version"]
+__all__ = ["CHUNK_REASONS", "REASONS", "SIGNATURE_REASONS", "compressed_roundtrip", "global_model_version"]
 
 #: Reasons the message decoders raise (``edgefl.wire`` messages, ``.compression``, ``.arrays``, ``.cbor``).
 REASONS: Final = frozenset(
@@ -34,6 +34,12 @@ REASONS: Final = frozenset(
         Reason.BAD_LABEL,
     }
 )
+#: Reasons chunk decoding and reassembly (``edgefl.wire.chunking``) raise besides the message decoders'.
+CHUNK_REASONS: Final = frozenset(
+    {Reason.BAD_CHUNK, Reason.CHUNK_CONFLICT, Reason.BAD_CHECKSUM, Reason.TOO_LARGE}
+)
+#: Reasons signature verification (``edgefl.wire.signing``) raises.
+SIGNATURE_REASONS: Final = frozenset({Reason.UNSIGNED, Reason.BAD_SIGNATURE})
 
 
 def compressed_roundtrip(
