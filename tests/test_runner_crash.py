@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,71 @@ def test_durable_full_disk_during_rounds_is_counted_and_the_rounds_go_on(
         (2, True, 2),
         (3, True, 2),
     ]
+
+
+def _state_never_fits() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (12 * 1024, 12 * 1024))  # the state record is ~24 KiB
+
+
+@pytest.mark.broker
+@pytest.mark.subprocess
+def test_durable_full_disk_at_a_round_close_holds_the_round_and_keeps_running(
+    mosquitto: Broker, fleet: str, tmp_path: Path
+) -> None:
+    """The state file cannot hold the closed round: its head is not published and the process stays up
+    (it exited 4 ``cannot start: [Errno 27] File too large`` at the close), until SIGTERM (exit 75)."""
+    x, y = load_digits()
+    agents = [
+        start_replay_agent(mosquitto, fleet, tmp_path, d, x[k * 96 : (k + 1) * 96], y[k * 96 : (k + 1) * 96])
+        for k, d in enumerate(("dev-1", "dev-2"))
+    ]
+    state = tmp_path / "state.rec"
+    cmd = [
+        sys.executable,
+        "-m",
+        "edgefl.cli",
+        "--log-level",
+        "WARNING",
+        "coordinator",
+        str(COORDINATOR_PROFILE),
+    ]
+    for item in (
+        f"broker.url={mosquitto.url}",
+        f"fleet.name={fleet}",
+        f"model.path={INT8_MODEL}",
+        "robustness.tolerate=0",
+        "rounds.count=1",
+        "rounds.expected_clients=2",
+        "rounds.deadline_s=60",
+        f"files.state={state}",
+        "dashboard.enabled=false",
+    ):
+        cmd += ["--set", item]
+    coord = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_state_never_fits,
+    )
+    try:
+        assert coord.stderr is not None
+        head = []
+        for line in coord.stderr:
+            head.append(line)
+            if "the round's result waits for it" in line:
+                break
+        assert "round 1: state file" in head[-1], "".join(head)
+        assert coord.poll() is None  # still running, the round's head held back
+        coord.send_signal(signal.SIGTERM)
+        out, err = coord.communicate(timeout=60)
+    finally:
+        if coord.poll() is None:
+            coord.kill()
+        stop_agents(agents)
+    err = "".join(head) + err
+    assert not [line for line in out.splitlines() if line.startswith("round 1")], out  # never closed
+    assert "cannot start" not in err, err
+    assert coord.returncode == 75, err
+    assert err.strip().splitlines()[-1].startswith(f"edgefl coordinator: state file {state} not saved"), err
