@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from edgefl.errors import ConfigError, CredentialsRefused, EdgeflError, ModelError, StartupError
 from edgefl.profiles import add_set_argument, parse_sets, read_toml
@@ -270,12 +270,8 @@ class DashboardPage:
 
     async def start(self, status: Callable[[], dict[str, Any]]) -> str:
         """Serve ``status()`` on ``dashboard.host:port``; return the page's URL."""
-        from edgefl.dashboard.app import DashboardState, serve
-
-        d = self._config
-        self._state = DashboardState("device", self._device, status, **_limits(d))
-        self._runner, port = await serve(self._state, d.host, d.port)
-        return f"http://{d.host}:{port}/"
+        self._state, self._runner, port = await _serve(self._config, "device", self._device, status)
+        return f"http://{self._config.host}:{port}/"
 
     def notify(self) -> None:
         """Push a changed status to open pages."""
@@ -298,10 +294,16 @@ class DashboardPage:
         }
 
 
-def _limits(d: DashboardConfig) -> dict[str, Any]:
-    """The ``[dashboard]`` keys a ``DashboardState`` takes: the token, timeouts and connection caps."""
+async def _serve(
+    d: DashboardConfig, kind: Literal["device", "coordinator"], title: str, status: Any, **options: Any
+) -> tuple[Any, Any, int]:
+    """A ``DashboardState`` with the table's token, timeouts and caps, served: (state, runner, port)."""
+    from edgefl.dashboard.app import DashboardState, serve
+
     names = ("token", "header_timeout_s", "body_timeout_s", "max_connections", "max_connections_per_client")
-    return {name: getattr(d, name) for name in names}
+    state = DashboardState(kind, title, status, **options, **{name: getattr(d, name) for name in names})
+    runner, port = await serve(state, d.host, d.port)
+    return state, runner, port
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -554,19 +556,9 @@ async def serve_coordinator_page(
     the coordinator's status document and round records. Returns an async stop function and the port
     bound. ConfigError for a non-loopback address without a token; OSError if the port cannot be bound.
     """
-    from edgefl.dashboard.app import DashboardState, serve
-
     # memory per device over the last 30 minutes (180 samples, 10 s apart)
-    board = DashboardState(
-        "coordinator",
-        title,
-        get_status,
-        get_rounds=get_rounds,
-        history_interval_s=10.0,
-        history_len=180,
-        **_limits(dashboard),
-    )
-    runner, port = await serve(board, dashboard.host, dashboard.port)
+    options = {"get_rounds": get_rounds, "history_interval_s": 10.0, "history_len": 180}
+    _, runner, port = await _serve(dashboard, "coordinator", title, get_status, **options)
     return runner.cleanup, port
 
 
