@@ -316,10 +316,7 @@ def check_file(
     raw: Mapping[str, object],
     more: Callable[[Path], str | None] | None = None,
 ) -> bool:
-    """Problem of ``key`` unless ``path`` is an input file (and ``more(path)`` is None); True if fine.
-
-    ``raw`` is the key's table as written (its value is shown, and says whether the path was relative).
-    """
+    """Problem of ``key`` (of table ``raw``) unless ``path`` is a file and ``more(path)`` None; True if ok."""
     given = raw.get(key.rpartition(".")[2])
     if path.is_file():
         problem = more(path) if more is not None else None
