@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from edgefl.errors import ConfigError, CredentialsRefused, EdgeflError, ModelError, StartupError
-from edgefl.profiles import add_set_argument, parse_sets, read_toml
+from edgefl.profiles import add_set_argument, parse_sets, print_problems, read_toml
 
 if TYPE_CHECKING:
     from edgefl.agent.config import Profile
@@ -71,7 +71,7 @@ def _load_or_report(args: argparse.Namespace) -> Profile | None:
     try:
         return load_profile(args.profile, _parse_sets(args.set))
     except ConfigError as exc:
-        _report(f"invalid profile {args.profile}", exc.problems)
+        print_problems(f"edgefl: invalid profile {args.profile}", exc.problems)
         return None
 
 
@@ -141,12 +141,6 @@ def _unchecked_here(profile: Profile, elsewhere: Sequence[str]) -> str:
     return text + ". Run `edgefl check-config` on the gateway itself (install.sh does) to check them."
 
 
-def _report(title: str, problems: Sequence[str]) -> None:
-    print(f"edgefl: {title}:", file=sys.stderr)
-    for problem in problems:
-        print(f"  {problem}", file=sys.stderr)
-
-
 def cmd_coordinator(main: Callable[..., int], args: argparse.Namespace, **parts: Any) -> int:
     """``edgefl coordinator``: set up the log (``--log-level``, on stderr), then run the coordinator."""
     _setup_logging(args.log_level)
@@ -185,7 +179,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         problems = _preflight(profile, warn_unloaded=False)
         if problems:
-            _report(f"profile {args.profile} cannot run here", problems)
+            print_problems(f"edgefl: profile {args.profile} cannot run here", problems)
             return EXIT_INVALID
         heap.release_file_pages()  # what the check mapped, before the agent loads its own model
         try:
@@ -314,7 +308,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     try:
         _, data = read_toml(args.profile)
     except ConfigError as exc:
-        _report(f"invalid profile {args.profile}", exc.problems)
+        print_problems(f"edgefl: invalid profile {args.profile}", exc.problems)
         return EXIT_INVALID
     from edgefl.coordinator.profile import SCHEMA, is_coordinator_profile, load_coordinator_profile
 
@@ -336,7 +330,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             problems = exc.problems
         if problems:
-            _report(f"invalid coordinator profile {args.profile}", problems)
+            print_problems(f"edgefl: invalid coordinator profile {args.profile}", problems)
             return EXIT_INVALID
         n = coordinator.rounds.count
         name = coordinator.strategy.name
@@ -358,7 +352,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     except ModelError as exc:
         problems = [f"model.path = {str(profile.model.path)!r}: {exc}"]
     if problems:
-        _report(f"profile {args.profile} cannot run here", problems)
+        print_problems(f"edgefl: profile {args.profile} cannot run here", problems)
         return EXIT_INVALID
     from edgefl.runtime import runtime_available
 

@@ -33,6 +33,7 @@ from edgefl.profiles import (
     add_set_argument,
     check_broker,
     parse_sets,
+    print_problems,
     read_toml,
 )
 from edgefl.records import atomic_write
@@ -638,9 +639,7 @@ def cmd_feed(args: argparse.Namespace) -> int:
             model_sets = {k: v for k, v in sets.items() if not k.startswith("broker.")}
             problems = check_samples(checked, x, y, model_sets)
             if problems:
-                print(f"edgefl feed: {opts.data} does not fit device {opts.device}:", file=sys.stderr)
-                for problem in problems:
-                    print(f"  {problem}", file=sys.stderr)
+                print_problems(f"edgefl feed: {opts.data} does not fit device {opts.device}", problems)
                 return 2
     except (ValueError, EdgeflError) as exc:
         print(f"edgefl feed: {exc}", file=sys.stderr)

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import hashlib
 import os
+import sys
 import tomllib
 import types
 import typing
@@ -664,6 +665,13 @@ def parse_sets(items: Sequence[str]) -> dict[str, object]:
     if bad:
         raise ConfigError(bad)
     return out
+
+
+def print_problems(title: str, problems: Sequence[str]) -> None:
+    """Print ``title:`` then each problem indented on its own line, on stderr (a command's report)."""
+    print(f"{title}:", file=sys.stderr)
+    for problem in problems:
+        print(f"  {problem}", file=sys.stderr)
 
 
 def read_toml(path: Path | str) -> tuple[Path, dict[str, Any]]:
