@@ -20,7 +20,7 @@ import tempfile
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -202,6 +202,11 @@ async def _run(opts: argparse.Namespace) -> int:
     else:
         host, port = "127.0.0.1", free_port()
         broker = await _embedded_broker(port)
+    # the agents, the coordinator and the feeds connect alike (amqtt speaks MQTT 3.1.1 only)
+    protocol = "3.1.1" if broker is not None else profile.broker.protocol
+    link = BrokerConfig(
+        url=f"mqtt://{host}:{port}", topic_prefix=profile.broker.topic_prefix, protocol=protocol
+    )
     fleet = f"demo{os.getpid()}"
     topics = Topics(profile.broker.topic_prefix, fleet)
     names = [f"dev-{k + 1}" for k in range(len(shards))]
@@ -218,23 +223,18 @@ async def _run(opts: argparse.Namespace) -> int:
                             "device.id": dev,
                             "device.fleet": fleet,
                             "device.state_dir": str(work / dev),
-                            "broker.url": f"mqtt://{host}:{port}",
+                            "broker.url": link.url,
                             "source.kind": "mqtt",
                             "model.path": str(model_path),
                             "training.store_capacity": str(max(256, len(shard))),
-                            "broker.protocol": "3.1.1" if broker is not None else profile.broker.protocol,
+                            "broker.protocol": link.protocol,
                             # the demo's agents never restart: no session for the embedded broker to keep
                             "broker.session_expiry_s": "0",
                         },
                         work / f"{dev}.log",
                     )
                 )
-            transport = MqttTransport(
-                host,
-                port,
-                f"edgefl-coordinator-{fleet}",
-                protocol="3.1.1" if broker is not None else profile.broker.protocol,
-            )
+            transport = MqttTransport(host, port, f"edgefl-coordinator-{fleet}", protocol=link.protocol)
             await transport.start(wait_s=15)
             rounds = RoundsConfig(
                 local_epochs=opts.local_epochs,
@@ -269,7 +269,7 @@ async def _run(opts: argparse.Namespace) -> int:
                 ready = await coord.registry.wait_for_devices(opts.devices, timeout_s=120)
                 print(f"  {len(ready)} agents ready: {', '.join(ready)}")
                 sizes = {dev: len(s) for dev, s in zip(names, shards, strict=True)}
-                await _feed_devices(opts, coord, topics, host, port, work, sizes, broker is not None)
+                await _feed_devices(opts, coord, topics, link, work, sizes)
                 print(f"  coordinator dashboard: http://127.0.0.1:{board_port}/")
                 for dev in ready:
                     url = coord.registry.devices[dev].get("dashboard_url")
@@ -391,23 +391,20 @@ async def _feed_devices(
     opts: argparse.Namespace,
     coord: Coordinator,
     topics: Topics,
-    host: str,
-    port: int,
+    broker: BrokerConfig,
     work: Path,
     sizes: dict[str, int],
-    embedded: bool,
 ) -> None:
     """Feed each agent its shard (``sizes`` by device) over MQTT; wait until stored (TimeoutError: 60 s)."""
-    protocol: Literal["3.1.1", "auto"] = "3.1.1" if embedded else "auto"
-    broker = BrokerConfig(url=f"mqtt://{host}:{port}", topic_prefix=topics.prefix, protocol=protocol)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     transports: list[MqttTransport] = []
     try:
         # one after the other: amqtt 0.12 drops a connecting client if another subscribes meanwhile
         for dev, n in sizes.items():
+            client_id = f"edgefl-feed-{topics.fleet}-{dev}"
             t = MqttTransport(
-                host, port, f"edgefl-feed-{topics.fleet}-{dev}", protocol=protocol, queue_size=2 * n + 256
+                broker.host, broker.port, client_id, protocol=broker.protocol, queue_size=2 * n + 256
             )
             await t.start(wait_s=15)
             transports.append(t)
