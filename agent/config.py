@@ -344,8 +344,8 @@ def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], c
         )
     p.positive("security.outbox_max_bytes", c.outbox_max_bytes)
     if check_files:
-        kinds: dict[str, profiles.KeyKind] = {"signing_key_file": "private"}
-        profiles.check_keys(p, c, "security", raw, kinds, also=("coordinator_public_key",))
+        kinds: dict[str, profiles.KeyKind] = {"signing_key_file": "private", "coordinator_public_key": "text"}
+        profiles.check_keys(p, c, "security", raw, kinds)
 
 
 def _check_status(p: Problems, c: StatusConfig, raw: Mapping[str, object], check_files: bool) -> None:

@@ -380,29 +380,24 @@ def check_model(p: Problems, c: Any, raw: Mapping[str, object], check_files: boo
             p.add("model.sha256", c.sha256, why, involves=("model.path",))
 
 
-KeyKind = Literal["private", "public", "dir"]
-"""An Ed25519 key setting's path: a private or a public key file, or a folder of ``*.pub`` public keys."""
+KeyKind = Literal["private", "public", "dir", "text"]
+"""An Ed25519 key setting: the path of a private or a public key file, or of a folder of ``*.pub``; a key."""
 
 
 def check_keys(
-    p: Problems,
-    c: object,
-    table: str,
-    raw: Mapping[str, object],
-    kinds: Mapping[str, KeyKind],
-    also: tuple[str, ...] = (),
+    p: Problems, c: object, table: str, raw: Mapping[str, object], kinds: Mapping[str, KeyKind]
 ) -> None:
-    """Problems of ``table``'s key settings: each path of ``kinds`` (name → kind) set must hold its keys.
+    """Problems of ``table``'s key settings (``kinds``: name → kind): each path set must hold its keys.
 
-    Keys are hex or PEM; then a note (once per profile) if one of these settings or ``also`` is set
-    with no Ed25519 library to use it.
+    Keys are hex or PEM; then a note (once per profile) if one of these settings is set with no Ed25519
+    library to use it.
     """
     from edgefl.wire.signing import library_problem, load_signing_key, load_verify_key, load_verify_keys
 
     loaders = {"private": load_signing_key, "public": load_verify_key, "dir": load_verify_keys}
     for name, kind in kinds.items():
         path, key = getattr(c, name), f"{table}.{name}"
-        if path is None:
+        if path is None or kind == "text":
             continue
         if kind == "dir" and not path.is_dir():
             p.add(key, raw.get(name), "not a folder")
@@ -411,7 +406,7 @@ def check_keys(
                 loaders[kind](path)
             except (OSError, ValueError) as exc:
                 p.add(key, raw.get(name), str(exc))
-    for name in (*kinds, *also):
+    for name in kinds:
         why = library_problem(f"{table}.{name}") if getattr(c, name) is not None else None
         if why is not None and not any("edgefl[security]" in q for q in p.items):
             p.note(why)
