@@ -105,11 +105,9 @@ def _preflight(profile: Profile, *, warn_unloaded: bool = True) -> list[str]:
             print(f"edgefl: warning: {_unchecked_here(profile, elsewhere)}", file=sys.stderr)
         return [p for p in problems if p not in elsewhere]
 
+    m = profile.model
     backbone = Backbone(
-        profile.model.path,
-        num_threads=profile.model.num_threads,
-        runtime=profile.model.runtime,
-        embedding_tensor=profile.model.embedding_tensor,
+        m.path, num_threads=m.num_threads, runtime=m.runtime, embedding_tensor=m.embedding_tensor
     )
     shapes = estimates.model_shapes(backbone)
     mapped = heap.readonly_file_rss()
