@@ -177,18 +177,20 @@ class RoundTask(SampleSource):
         """Answer the core's pending round if it became answerable (head applied, samples stored)."""
         if self.core.pending_round is None:  # set only by worker calls already returned: no hop needed
             return
-        ann = await self._work(self.core.take_ready_round)
-        if ann is not None:
-            await self.on_round(await self._work(self.core.answer_round, ann))
+        result = await self._work(self.core.answer_ready)
+        if result is not None:
+            await self.on_round(result)
 
     async def on_round(self, result: RoundResult) -> None:
         """Act on the core's answer to a round: publish a trained update, show a deferral, count a refusal.
 
         Declines of deferred rounds that this answer's round superseded are published first.
         """
-        if self.core.declines_waiting:  # appended only by the worker call that produced ``result``
-            for declined in await self._work(self.core.take_declines):
-                await self._declined(declined)
+        # appended only by the round task's worker call that produced ``result``: no hop needed
+        for superseded in self.core.take_declines():
+            await self.on_round(superseded)
+        for dropped in result.dropped:
+            logger.warning("outbox: dropped %s (%s)", dropped.update_id, dropped.reason)
         if result.round:
             self.state.round = max(self.state.round, result.round)
         status = result.status
@@ -219,8 +221,6 @@ class RoundTask(SampleSource):
     async def _sent(self, result: RoundResult) -> None:
         entry, local = result.entry, result.local
         assert entry is not None and local is not None
-        for dropped in result.dropped:
-            logger.warning("outbox: dropped %s (%s)", dropped.update_id, dropped.reason)
         self._set_state("uploading")
         try:
             await self._send_update(entry.update_id, entry.payload, counted=True)
@@ -246,8 +246,6 @@ class RoundTask(SampleSource):
         """Publish a Decline (kept in the outbox like an update: re-sent after a reconnect)."""
         entry = result.entry
         assert entry is not None
-        for dropped in result.dropped:
-            logger.warning("outbox: dropped %s (%s)", dropped.update_id, dropped.reason)
         self._set_state("idle", f"round {result.round} declined: {result.detail}")
         try:
             await self._send_update(entry.update_id, entry.payload)
@@ -256,8 +254,6 @@ class RoundTask(SampleSource):
 
     async def retry_deferred(self) -> None:
         """Retry the core's deferred round (memory may have freed) or send its decline when time is up."""
-        if not self._retry_due():
-            return
         self._next_retry_at = time.monotonic() + self.profile.status.interval_s  # its own news is no reason
         result = await self._work(self.core.retry_deferred)
         if result is not None:

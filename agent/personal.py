@@ -23,6 +23,7 @@ from edgefl.agent.state import DeviceState
 from edgefl.agent.trainer import PersonalResult, train_personal
 from edgefl.errors import UpdateRejected
 from edgefl.head import Head, personal_columns, validate_head
+from edgefl.records import read_record, write_record
 from edgefl.wire.rounds import RoundAnnouncement
 
 logger = logging.getLogger(__name__)
@@ -199,7 +200,7 @@ class PersonalHeads(DeviceState):
     def _load_personal(self) -> None:
         """Restore the personal head and its classes from their record (else the classes from the store)."""
         D, K = self.head.shape
-        data = self._read_state(PERSONAL_FILE)
+        data = read_record(self.personal_path)
         if data is not None:
             try:
                 obj = cbor2.loads(data)
@@ -262,7 +263,7 @@ class PersonalHeads(DeviceState):
             "b": personal.b.astype("<f4").tobytes(),
             "columns": self.personal_columns.astype(np.uint8).tobytes(),
         }
-        self._write_state(PERSONAL_FILE, cbor2.dumps(payload))
+        write_record(self.personal_path, cbor2.dumps(payload))
 
     def _admit_pass(
         self,
@@ -313,7 +314,7 @@ class PersonalHeads(DeviceState):
         current = self.personal
         # trained in place: the personal head's arrays are only read by this (single) caller thread
         W, b = (glob.W.copy(), glob.b.copy()) if current is None else (current.W, current.b)
-        with self._phase("personal"):
+        with self.phase("personal"):
             result = train_personal(
                 W,
                 b,

@@ -176,18 +176,15 @@ class RoundAnswering(PersonalHeads):
             return RoundResult(RoundStatus.REFUSED, ann.round, "stale_round", why)
         if self.pending_round is not None and self.pending_round.round <= ann.round:
             self.pending_round = None
-        if len(self.store) == 0:
-            # nothing to train on: say so now rather than hold the round to its deadline
-            try:
-                return self.decline(ann, Reason.NO_SAMPLES, "no labelled samples stored")
-            except OSError as exc:
-                return RoundResult(RoundStatus.REFUSED, ann.round, "failed", str(exc))
         need = self.profile.training.min_examples
-        if len(self.store) < need:
-            # a feed may still be going: wait for more like for memory, decline when the time is up
-            why = f"{len(self.store)} labelled examples stored, training.min_examples is {need}"
-            return self._defer(ann, why, Reason.TOO_FEW_EXAMPLES)
         try:
+            if len(self.store) == 0:
+                # nothing to train on: say so now rather than hold the round to its deadline
+                return self.decline(ann, Reason.NO_SAMPLES, "no labelled samples stored")
+            if len(self.store) < need:
+                # a feed may still be going: wait for more like for memory, decline when the time is up
+                why = f"{len(self.store)} labelled examples stored, training.min_examples is {need}"
+                return self._defer(ann, why, Reason.TOO_FEW_EXAMPLES)
             return self._train_and_encode(ann, head)
         except (ValueError, ArithmeticError, OSError) as exc:
             # a delta the codec refuses, or a state file that cannot be written (a full disk)
@@ -209,10 +206,10 @@ class RoundAnswering(PersonalHeads):
             return self._defer(ann, adm.reason)
         if self._progress is not None:
             self._progress("training", adm.reason)
-        self.new_samples = 0  # what is stored from now on is new for the next round
-        self.store.set_mark()  # ... after a restart too (written with the store's next flush)
+        # what is stored from now on is new for the next round, after a restart too (the store's next flush)
+        self.store.set_mark()
         alongside = self._personal_step(ann) if along else None
-        with self._phase("train"):
+        with self.phase("train"):
             result = train_local(
                 head,
                 self.store,
@@ -233,7 +230,7 @@ class RoundAnswering(PersonalHeads):
         update_id = f"{self.device}:{ann.round}:{ann.base_version}"
         ev = self.evaluation
         base_eval = ev if ev is not None and ev.version == ann.base_version else None
-        with self._phase("encode"):
+        with self.phase("encode"):
             delta_W, delta_b = result.delta_W, result.delta_b
             compressed: CompressedDelta | None = None
             fb = self.feedback
@@ -339,11 +336,6 @@ class RoundAnswering(PersonalHeads):
             self.deferred = dataclasses.replace(self.deferred, since_s=d.since_s)
         return result
 
-    @property
-    def declines_waiting(self) -> bool:
-        """Declines of superseded deferred rounds wait for :meth:`take_declines`."""
-        return bool(self._declines)
-
     def take_declines(self) -> list[RoundResult]:
         """Declines of deferred rounds a newer round superseded (DECLINED results to publish); cleared."""
         out, self._declines = self._declines, []
@@ -392,12 +384,10 @@ class RoundAnswering(PersonalHeads):
         added: list[Dropped] = []
         answered = Answered(self.fleet, ann.round, update_id)
         amap = self._answered_map(answered)
-        if not self._persist(
-            "outbox",
-            lambda: added.extend(self.outbox.add(update_id, ann.round, payload, sends=sends, answered=amap)),
+        if not self._persist_outbox(
+            lambda: added.extend(self.outbox.add(update_id, ann.round, payload, sends=sends, answered=amap))
         ):
             self.outbox.forget(update_id)
-            self._unsaved["outbox"] = self.outbox.save
             raise OSError(errno.EIO, f"{what} not kept: outbox not persisted ({self.degraded})")
         self.answered = answered
         return tuple(added)
@@ -409,3 +399,8 @@ class RoundAnswering(PersonalHeads):
             return None
         self.pending_round = None
         return ann
+
+    def answer_ready(self) -> RoundResult | None:
+        """Answer the pending round if it can be answered now (:meth:`take_ready_round`); None if not."""
+        ann = self.take_ready_round()
+        return None if ann is None else self.answer_round(ann)

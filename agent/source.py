@@ -40,7 +40,7 @@ class SampleSource(StatusReporter):
     """The sample source task and the live ingest (a part of :class:`~edgefl.agent.daemon.Agent`)."""
 
     sample_chunks: Reassembler
-    _flush_pending: Callable[[], None]
+    _flush: Callable[[], None]
     _ingest_wake: asyncio.Event
     _stored: asyncio.Event
 
@@ -131,15 +131,15 @@ class SampleSource(StatusReporter):
                 ingest.offer_label(decode_label(msg.payload, limits=self.core.limits, num_classes=K))
         except Exception as exc:
             # DecodeError/UpdateRejected name their reason; any other fault is counted as ``failed``
-            known = isinstance(exc, (DecodeError, UpdateRejected))
-            reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
-            detail = exc.detail if isinstance(exc, (DecodeError, UpdateRejected)) else repr(exc)
-            self.state.last_rejected = {"reason": str(reason), "detail": detail[:200], "topic": msg.topic}
+            if isinstance(exc, (DecodeError, UpdateRejected)):
+                reason, detail, log = str(exc.reason), exc.detail, logger.warning
+            else:
+                reason, detail, log = "failed", repr(exc), logger.error
+            self.state.last_rejected = {"reason": reason, "detail": detail[:200], "topic": msg.topic}
             more = self._count_rejected(reason)
             if more is not None:
-                log = logger.warning if known else logger.error
                 log("rejected %s: %s: %s%s", what, reason, detail, more)
-            self._tell_app(msg.topic, payload, str(reason), detail)
+            self._tell_app(msg.topic, payload, reason, detail)
             return
         self._ingest_wake.set()
 
@@ -298,6 +298,5 @@ class SampleSource(StatusReporter):
                     await asyncio.sleep(wait_s)
                     continue
                 if self.core.flush_due():
-                    await self._work(self.core.flush)
-                    await self._work(self._flush_pending)
+                    await self._work(self._flush)
                 break
