@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 from edgefl import heap
+from edgefl.agent.config import Profile
 from edgefl.agent.core import ApplyStatus
+from edgefl.agent.reporter import StatusPage
 from edgefl.agent.round import RoundResult, RoundStatus
 from edgefl.agent.source import SampleSource
 from edgefl.aio import wait_event
@@ -29,11 +32,19 @@ IDLE_GRACE_S = 0.5
 class RoundTask(SampleSource):
     """The one task that answers rounds, and the message pump (a part of ``edgefl.agent.daemon.Agent``)."""
 
-    reassembler: Reassembler
-    _control: asyncio.Queue[Message]
-    _rounds_waiting: int  # round-topic messages in ``_control`` (put by the pump, taken by handle)
-    _control_bytes: int  # their payload bytes (in the transport's byte bound)
-    _next_retry_at: float
+    def __init__(self, profile: Profile, status_page: StatusPage | None) -> None:
+        super().__init__(profile, status_page)
+        self.reassembler = Reassembler(
+            max_message_bytes=self.core.limits.max_message_bytes,
+            max_chunk_bytes=profile.broker.max_packet_bytes,
+            max_total_bytes=2 * self.core.limits.max_message_bytes,
+        )
+        # round and global messages wait here while the pump files samples (a round's training must not
+        # hold up the transport's queue, whose overflow would drop a round or a head)
+        self._control: asyncio.Queue[Message] = asyncio.Queue(maxsize=64)
+        self._rounds_waiting = 0  # round-topic messages in ``_control`` (put by the pump, taken by handle)
+        self._control_bytes = 0  # their payload bytes (in the transport's byte bound)
+        self._next_retry_at = -math.inf  # when the deferred round may be retried again (monotonic)
 
     async def pump(self) -> None:
         """Take incoming messages: samples and labels to the ingest queue, the rest to the round task."""

@@ -233,7 +233,6 @@ class DeviceCore(RoundAnswering):
         self.behind_since: float | None = None
         """``time.monotonic()`` of the oldest write left behind (None: nothing behind)."""
         self._logged: set[tuple[str, str]] = set()
-        self.pending_round: RoundAnnouncement | None = None
         self.deferred: Deferred | None = None
         """The round the governor deferred, retried by :meth:`retry_deferred` (None: none)."""
         self.declined_total = 0

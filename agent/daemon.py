@@ -9,20 +9,16 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import signal
 
 from edgefl import heap
 from edgefl.agent.config import Profile
 from edgefl.agent.control import RoundTask
-from edgefl.agent.ingest import Ingest
-from edgefl.agent.pending import PENDING_FILE, PendingFile
 from edgefl.agent.reporter import REFUSED_NOT_AUTHORIZED, REFUSED_UNTRUSTED, StatusPage
 from edgefl.errors import CertificateNotTrusted, CredentialsRefused, StartupError, TransportError
 from edgefl.records import read_record, write_record
 from edgefl.tlsconf import ssl_context_for
 from edgefl.transport import MqttTransport, Will
-from edgefl.wire.chunking import Reassembler
 from edgefl.wire.status import offline_status
 
 logger = logging.getLogger(__name__)
@@ -41,61 +37,10 @@ class Agent(RoundTask):
     def __init__(self, profile: Profile, status_page: StatusPage | None = None) -> None:
         self.tls_context = ssl_context_for(profile.broker)  # bad certificate files fail at start-up
         super().__init__(profile, status_page)
-        self.reassembler = Reassembler(
-            max_message_bytes=self.core.limits.max_message_bytes,
-            max_chunk_bytes=self.max_packet_bytes,
-            max_total_bytes=2 * self.core.limits.max_message_bytes,
-        )
-        # samples larger than a packet come in chunks on their own topic: a set of their own, so a
-        # stream of them never evicts a global head's half-received chunks
-        self.sample_chunks = Reassembler(
-            max_sets=2,
-            max_message_bytes=self.core.limits.max_message_bytes,
-            max_chunk_bytes=profile.broker.max_incoming_packet_bytes,
-            max_total_bytes=2 * self.core.limits.max_message_bytes,
-            expiry_s=30.0,
-        )
-        self._next_retry_at = -math.inf  # when the deferred round may be retried again (monotonic)
-        src = profile.source
-        self.ingest = (
-            Ingest(src.queue_max, src.pending_max, src.label_expiry_s, pending_file=self._pending_file())
-            if src.kind == "mqtt"
-            else None
-        )
-        self._ingest_wake = asyncio.Event()  # correctness: a sample or label wakes the ingest task
-        self._stored = asyncio.Event()  # correctness: samples stored wake flush_loop (the flush window)
-        # round and global messages wait here while the pump files samples (a round's training must not
-        # hold up the transport's queue, whose overflow would drop a round or a head)
-        self._control = asyncio.Queue(maxsize=64)
-        self._rounds_waiting = 0
-        self._control_bytes = 0  # payload bytes of the messages in ``_control``
 
     def _consumer_bytes(self) -> int:
         """Payload bytes taken from the transport and not handled yet: samples queued, control messages."""
         return self._control_bytes + (self.ingest.queued_bytes if self.ingest is not None else 0)
-
-    def _pending_file(self) -> PendingFile | None:
-        """The pending-label file beside the store (None without ``source.pending_max``, or if unusable)."""
-        src, folder = self.profile.source, self.profile.device.state_dir
-        if src.pending_max == 0:
-            return None
-        try:
-            pf = PendingFile(folder, src.pending_max, self.core.head.shape[0])
-        except (OSError, ValueError) as exc:  # the store goes on; only late labels lose their wait
-            logger.error(
-                "pending labels: %s cannot be used (%s): samples waiting for a label live in RAM "
-                "only and a restart loses them",
-                folder / PENDING_FILE,
-                exc,
-            )
-            return None
-        if pf.restored:
-            logger.info(
-                "pending labels: %d sample(s) waiting for a late label restored from %s",
-                len(pf.restored),
-                pf.path,
-            )
-        return pf
 
     def _subscriptions(self) -> list[tuple[str, int, bool]]:
         """The ``(topic filter, QoS, live_only)`` this run subscribes to, in order (:meth:`run`)."""
@@ -136,20 +81,6 @@ class Agent(RoundTask):
                 write_record(path, json.dumps(wanted).encode())
             except OSError as exc:
                 logger.warning("cannot write %s: %s", path, exc)
-
-    def _flush(self) -> None:
-        """The core's flush, then ``msync`` of the pending-label file (worker thread); never raises.
-
-        A failure of the latter is logged, the next flush retries.
-        """
-        self.core.flush()
-        pf = self.ingest.pending_file if self.ingest is not None else None
-        if pf is None:
-            return
-        try:
-            pf.flush()
-        except OSError as exc:
-            logger.warning("pending labels: flush of %s failed: %s", pf.path, exc)
 
     def _on_transport_connect(self) -> None:
         self._status_connected = True  # the next status check publishes (the broker may hold the will)
@@ -211,7 +142,7 @@ class Agent(RoundTask):
             will=Will(self.topics.status(self.device), offline_status(self.device)),
             on_connect=self._on_transport_connect,
             tls_context=self.tls_context,
-            max_packet_bytes=self.max_packet_bytes,
+            max_packet_bytes=b.max_packet_bytes,
             # a persistent session: what is published to us (QoS 1) while the agent restarts waits
             session_expiry_s=b.session_expiry_s,
             # what is received and not handled yet is bounded in bytes too (a flood of large messages)

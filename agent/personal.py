@@ -20,7 +20,7 @@ import numpy as np
 
 from edgefl.agent.governor import Admission
 from edgefl.agent.state import DeviceState
-from edgefl.agent.trainer import PersonalResult, train_personal
+from edgefl.agent.trainer import PersonalResult, PersonalStep, train_personal
 from edgefl.errors import UpdateRejected
 from edgefl.head import Head, personal_columns, validate_head
 from edgefl.records import read_record, write_record
@@ -288,6 +288,15 @@ class PersonalHeads(DeviceState):
             phase=phase,
         )
 
+    def _personal_step(self, ann: RoundAnnouncement) -> PersonalStep:
+        """The personal step for ``ann``'s batches: the personal head (or a copy of the global) to train."""
+        pcfg = self.profile.personal
+        current = self.personal
+        W, b = (self.head.W.copy(), self.head.b.copy()) if current is None else (current.W, current.b)
+        return PersonalStep(
+            W, b, self.personal_columns.copy(), pcfg.prox_lambda, pcfg.lr_scale * ann.lr, pcfg.absent_alpha
+        )
+
     def personalise(self) -> PersonalResult | None:
         """The personal step of the last trained round: class-restricted Ditto steps, persisted, evaluated.
 
@@ -311,25 +320,24 @@ class PersonalHeads(DeviceState):
         if adm.deferred:
             self.personal_deferred += 1
             return None
-        current = self.personal
         # trained in place: the personal head's arrays are only read by this (single) caller thread
-        W, b = (glob.W.copy(), glob.b.copy()) if current is None else (current.W, current.b)
+        step = self._personal_step(ann)
         with self.phase("personal"):
             result = train_personal(
-                W,
-                b,
+                step.W,
+                step.b,
                 glob,
                 self.store,
-                self.personal_columns.copy(),
-                lam=cfg.prox_lambda,
+                step.columns,
+                lam=step.lam,
                 epochs=cfg.epochs or ann.local_epochs,
-                lr=cfg.lr_scale * ann.lr,
-                absent_alpha=cfg.absent_alpha,
+                lr=step.lr,
+                absent_alpha=step.absent_alpha,
                 batch_size=ann.batch_size,
                 chunk_size=adm.work,
                 seed=tcfg.seed + ann.round + PERSONAL_SEED_OFFSET,
                 time_budget_s=ann.deadline_s,
             )
-        if self._adopt_personal(W, b, glob.version, result):
+        if self._adopt_personal(step.W, step.b, glob.version, result):
             self.evaluate()
         return result

@@ -133,7 +133,6 @@ class StatusReporter:
         self.core = DeviceCore.open(profile, progress=self._progress)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgefl-worker")
         self.transport: MqttTransport | None = None
-        self.max_packet_bytes = profile.broker.max_packet_bytes
         self.stop_event = asyncio.Event()  # correctness: SIGTERM/SIGINT stop the daemon
         self.status_page = status_page
         self.dashboard_url = ""
@@ -200,8 +199,9 @@ class StatusReporter:
 
     def packet_limit(self) -> int:
         """The largest MQTT packet we may send: the profile's limit, or the broker's (CONNACK) if smaller."""
+        ours = self.profile.broker.max_packet_bytes
         broker = self.transport.broker_max_packet_bytes if self.transport is not None else None
-        return min(self.max_packet_bytes, broker or self.max_packet_bytes)
+        return min(ours, broker or ours)
 
     def _set_state(self, state: str, reason: str = "") -> None:
         self.state.state = state

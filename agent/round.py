@@ -20,7 +20,7 @@ from edgefl.agent import estimates
 from edgefl.agent.outbox import Dropped, OutboxEntry
 from edgefl.agent.personal import PersonalHeads
 from edgefl.agent.state import Answered, ProgressHook
-from edgefl.agent.trainer import LocalResult, PersonalStep, train_local
+from edgefl.agent.trainer import LocalResult, train_local
 from edgefl.errors import DecodeError
 from edgefl.head import Head
 from edgefl.wire.cbor import MessageType, Scanned
@@ -107,7 +107,6 @@ class RoundAnswering(PersonalHeads):
     """Answer round announcements at most once (a part of :class:`~edgefl.agent.core.DeviceCore`)."""
 
     _progress: ProgressHook | None
-    pending_round: RoundAnnouncement | None
     deferred: Deferred | None
     declined_total: int
     _declines: list[RoundResult]
@@ -163,8 +162,8 @@ class RoundAnswering(PersonalHeads):
         head = self.head
         why = f"round {ann.round} uses version {ann.base_version}, device has {head.version}"
         if ann.base_version > head.version:
-            self.pending_round = ann  # the global head for this round has not arrived yet
-            # answered once it comes; declined (no_head) if it has not come by the deferral's time
+            # its head has not arrived yet: answered once it comes (take_ready_round), declined
+            # (no_head) if it has not come by the deferral's time
             self._defer(ann, why, Reason.NO_HEAD)
             return RoundResult(RoundStatus.WAITING_HEAD, ann.round, detail=why)
         d = self.deferred
@@ -174,8 +173,6 @@ class RoundAnswering(PersonalHeads):
             self.evaluate()  # the base head's federated evaluation (holdout grew since, or first round)
         if ann.base_version < head.version:
             return RoundResult(RoundStatus.REFUSED, ann.round, "stale_round", why)
-        if self.pending_round is not None and self.pending_round.round <= ann.round:
-            self.pending_round = None
         need = self.profile.training.min_examples
         try:
             if len(self.store) == 0:
@@ -296,15 +293,6 @@ class RoundAnswering(PersonalHeads):
             update_bytes=len(payload),
         )
 
-    def _personal_step(self, ann: RoundAnnouncement) -> PersonalStep:
-        """The personal step to take on the round's training batches (admitted with the training)."""
-        pcfg = self.profile.personal
-        current = self.personal
-        W, b = (self.head.W.copy(), self.head.b.copy()) if current is None else (current.W, current.b)
-        return PersonalStep(
-            W, b, self.personal_columns.copy(), pcfg.prox_lambda, pcfg.lr_scale * ann.lr, pcfg.absent_alpha
-        )
-
     def _defer(self, ann: RoundAnnouncement, reason: str, decline: str = Reason.OVER_BUDGET) -> RoundResult:
         """Keep ``ann`` as the deferred round (its first deferral time kept when deferred again)."""
         prior = self.deferred
@@ -392,12 +380,17 @@ class RoundAnswering(PersonalHeads):
         self.answered = answered
         return tuple(added)
 
+    @property
+    def pending_round(self) -> RoundAnnouncement | None:
+        """The round waiting for its global head (deferred until it comes, declined ``no_head`` if late)."""
+        d = self.deferred
+        return d.ann if d is not None and d.decline == Reason.NO_HEAD else None
+
     def take_ready_round(self) -> RoundAnnouncement | None:
-        """The pending round, if it can be answered now (its head applied, samples stored); cleared."""
+        """The pending round, if it can be answered now (its head applied, samples stored)."""
         ann = self.pending_round
         if ann is None or ann.base_version > self.head.version or len(self.store) == 0:
             return None
-        self.pending_round = None
         return ann
 
     def answer_ready(self) -> RoundResult | None:
