@@ -26,7 +26,6 @@ from edgefl.agent.config import Profile
 from edgefl.agent.feedback import ErrorFeedback
 from edgefl.agent.governor import Admission, Governor
 from edgefl.agent.outbox import Outbox
-from edgefl.agent.personal import Evaluation
 from edgefl.agent.pipeline import Pipeline, choose
 from edgefl.agent.round import Deferred, RoundAnswering, RoundResult
 from edgefl.agent.state import OUTBOX_FILE, Answered, PhaseHook, ProgressHook
@@ -44,7 +43,6 @@ from edgefl.wire.global_model import (
     encode_global_model,
     resolve_global_head,
 )
-from edgefl.wire.rounds import RoundAnnouncement
 from edgefl.wire.signing import SigningKey, VerifyKey, load_signing_key, parse_verify_key
 
 logger = logging.getLogger(__name__)
@@ -206,20 +204,7 @@ class DeviceCore(RoundAnswering):
             else None
         )
         self._labelled = len(self.store) + (len(self.holdout) if self.holdout is not None else 0)
-        self.evaluation: Evaluation | None = None
-        self.personal: Head | None = None
-        """The personal head (None until the first personal step; :meth:`personalise`)."""
-        self.personal_columns: np.ndarray = np.zeros(K, dtype=bool)
-        """bool [K]: the classes this device has had a label for (the columns it personalises)."""
-        self.personal_evaluation: Evaluation | None = None
-        """The personal head's accuracy on the holdout (:meth:`evaluate`)."""
-        self.personal_fallback = False
-        """The personal head did worse than the global head on the holdout: predictions use the global."""
-        self.personal_deferred = 0
-        """Personal steps the memory governor deferred (each waits for the next round)."""
-        self._personal_due: RoundAnnouncement | None = None  # a round trained, its personal step not yet
-        self._personal_done = None  # a personal step taken with the round's training, not yet evaluated
-        self._load_personal()
+        self._open_personal()
         self.redelivered = 0  # retained heads of the version held, skipped before decoding
         self.answered: Answered | None = self._load_answered()
         self.seen_version: int = self._load_seen_version()
