@@ -160,11 +160,10 @@ class RoundTask(SampleSource):
                 applied = await self._work(self.core.receive_global, payload)
                 if applied.status == ApplyStatus.REFUSED:
                     self._reject(applied.reason, what, applied.detail)
-                elif applied.status == ApplyStatus.APPLIED:
-                    self._changed()
+                    return
+                self._changed()  # a head applied, or a redelivery counted (redelivered_total is news)
+                if applied.status == ApplyStatus.APPLIED:
                     await self.answer_ready()
-                else:
-                    self._changed()  # a redelivery counted (redelivered_total is news)
             elif topic == self.topics.round:
                 if newer_round:
                     # a persistent session's backlog after a restart, then the retained announcement:
