@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -154,9 +155,28 @@ def log_entry(
 
 
 def append_log(log: Path, entries: Iterable[Mapping[str, Any]]) -> None:
-    """Append ``entries`` to the round log ``log``, one JSON line each."""
-    with open(log, "a") as f:
-        f.writelines(json.dumps(entry) + "\n" for entry in entries)
+    """Append ``entries`` to the round log ``log``, one JSON line each.
+
+    A last line left without its newline (a kill or a full disk part-way through a write) is ended
+    first, so the new lines stay whole and readable. OSError if the file system refuses: the log is
+    cut back to its size before (none of ``entries`` written).
+    """
+    text = "".join(json.dumps(entry) + "\n" for entry in entries)
+    with open(log, "ab+", buffering=0) as f:
+        size = f.seek(0, os.SEEK_END)
+        if size > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                logger.warning("round log %s: its last line is torn (no newline); ended it", log)
+                text = "\n" + text
+        data = memoryview(text.encode())
+        try:
+            while data:
+                data = data[f.write(data) or 0 :]
+        except OSError:
+            with contextlib.suppress(OSError):
+                f.truncate(size)
+            raise
 
 
 def log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:

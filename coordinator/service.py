@@ -56,6 +56,9 @@ PUBLISH_RETRY_S = 120.0
 ADOPT_WAIT_S = 2.0
 """How long a coordinator without state waits for the fleet's retained round and head (seconds)."""
 
+STATE_RETRY_S = 5.0
+"""How often a closed round's refused state write (a full disk) is tried again (seconds)."""
+
 PACING_RECHECK_S = 0.5
 """Least time between two checks of the pacing while a service waits (statuses come in bursts)."""
 WAIT_LOG_EVERY_S = 60.0
@@ -234,6 +237,33 @@ class Coordinator(Intake):
             since = max(0.0, time.time() - (last.closed_unix - last.duration_s))
         return pacing.check(self.state.round, self.registry.ready_new_samples(), since)
 
+    async def _persist_closed(self, round_no: int) -> None:
+        """Write the closed round ``round_no`` to the state file before anything of it goes out.
+
+        A refused write (a full disk) is logged once and tried again every :data:`STATE_RETRY_S`
+        until it succeeds: the round's head waits, the coordinator keeps running (SIGTERM stops it).
+        """
+        failures = 0
+        while True:
+            try:
+                self._persist()
+            except OSError as exc:
+                failures += 1
+                if failures == 1:
+                    logger.error(
+                        "round %d: state file %s not written (%s); the round's result waits for it "
+                        "(tried again every %g s)",
+                        round_no,
+                        self.state_path,
+                        exc,
+                        STATE_RETRY_S,
+                    )
+                await asyncio.sleep(STATE_RETRY_S)
+                continue
+            if failures:
+                logger.warning("round %d: state file written after %d refused attempt(s)", round_no, failures)
+            return
+
     async def run_round(self, round_no: int, selected: tuple[str, ...] | None = None) -> RoundRecord:
         """Run round ``round_no``: announce, collect until complete or deadline, aggregate, check, publish.
 
@@ -316,11 +346,11 @@ class Coordinator(Intake):
         refused = ""
         self._settled = round_no  # from here on the state file holds the round's result, not the round
         if rnd.clients == 0:
-            self._persist()
+            await self._persist_closed(round_no)
         else:
             self.W, self.b, refusal = aggregate_checked(self.strategy, self.W, self.b)
             if refusal is not None:
-                self._persist()
+                await self._persist_closed(round_no)
                 refused = refusal.reason
                 self.state.refused_rounds[refused] += 1
                 logger.error(
@@ -333,7 +363,8 @@ class Coordinator(Intake):
             else:
                 self.counted[round_no] = sorted(rnd.update_ids)
                 self.state.version += 1
-                self._persist()  # before publishing: a crash in between must not resume a version behind
+                # before publishing: a crash in between must not resume a version behind
+                await self._persist_closed(round_no)
                 await self.publish_global(round_no)
         report = self.strategy.report()
         accuracy = float("nan")
