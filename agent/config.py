@@ -320,9 +320,7 @@ def _check_source(p: Problems, c: SourceConfig, raw: Mapping[str, object], check
             p.note("source.path: required when source.kind = 'replay'")
         return
     if check_files:
-        problem = profiles.file_problem(c.path, raw.get("path")) or npz_problem(c.path)
-        if problem is not None:
-            p.add("source.path", raw.get("path"), problem)
+        profiles.check_file(p, "source.path", c.path, raw, npz_problem)
 
 
 def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], check_files: bool) -> None:
@@ -346,9 +344,8 @@ def _check_security(p: Problems, c: SecurityConfig, raw: Mapping[str, object], c
         )
     p.positive("security.outbox_max_bytes", c.outbox_max_bytes)
     if check_files:
-        if c.signing_key_file is not None:
-            profiles.check_key_file(p, "security.signing_key_file", c.signing_key_file, raw, private=True)
-        profiles.check_library(p, c, "security", ("signing_key_file", "coordinator_public_key"))
+        kinds: dict[str, profiles.KeyKind] = {"signing_key_file": "private", "coordinator_public_key": "text"}
+        profiles.check_keys(p, c, "security", raw, kinds)
 
 
 def _check_status(p: Problems, c: StatusConfig, raw: Mapping[str, object], check_files: bool) -> None:

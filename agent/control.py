@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 from edgefl import heap
+from edgefl.agent.config import Profile
 from edgefl.agent.core import ApplyStatus
+from edgefl.agent.reporter import StatusPage
 from edgefl.agent.round import RoundResult, RoundStatus
 from edgefl.agent.source import SampleSource
 from edgefl.aio import wait_event
@@ -29,11 +32,19 @@ IDLE_GRACE_S = 0.5
 class RoundTask(SampleSource):
     """The one task that answers rounds, and the message pump (a part of ``edgefl.agent.daemon.Agent``)."""
 
-    reassembler: Reassembler
-    _control: asyncio.Queue[Message]
-    _rounds_waiting: int  # round-topic messages in ``_control`` (put by the pump, taken by handle)
-    _control_bytes: int  # their payload bytes (in the transport's byte bound)
-    _next_retry_at: float
+    def __init__(self, profile: Profile, status_page: StatusPage | None) -> None:
+        super().__init__(profile, status_page)
+        self.reassembler = Reassembler(
+            max_message_bytes=self.core.limits.max_message_bytes,
+            max_chunk_bytes=profile.broker.max_packet_bytes,
+            max_total_bytes=2 * self.core.limits.max_message_bytes,
+        )
+        # round and global messages wait here while the pump files samples (a round's training must not
+        # hold up the transport's queue, whose overflow would drop a round or a head)
+        self._control: asyncio.Queue[Message] = asyncio.Queue(maxsize=64)
+        self._rounds_waiting = 0  # round-topic messages in ``_control`` (put by the pump, taken by handle)
+        self._control_bytes = 0  # their payload bytes (in the transport's byte bound)
+        self._next_retry_at = -math.inf  # when the deferred round may be retried again (monotonic)
 
     async def pump(self) -> None:
         """Take incoming messages: samples and labels to the ingest queue, the rest to the round task."""
@@ -149,11 +160,10 @@ class RoundTask(SampleSource):
                 applied = await self._work(self.core.receive_global, payload)
                 if applied.status == ApplyStatus.REFUSED:
                     self._reject(applied.reason, what, applied.detail)
-                elif applied.status == ApplyStatus.APPLIED:
-                    self._changed()
+                    return
+                self._changed()  # a head applied, or a redelivery counted (redelivered_total is news)
+                if applied.status == ApplyStatus.APPLIED:
                     await self.answer_ready()
-                else:
-                    self._changed()  # a redelivery counted (redelivered_total is news)
             elif topic == self.topics.round:
                 if newer_round:
                     # a persistent session's backlog after a restart, then the retained announcement:
@@ -177,18 +187,20 @@ class RoundTask(SampleSource):
         """Answer the core's pending round if it became answerable (head applied, samples stored)."""
         if self.core.pending_round is None:  # set only by worker calls already returned: no hop needed
             return
-        ann = await self._work(self.core.take_ready_round)
-        if ann is not None:
-            await self.on_round(await self._work(self.core.answer_round, ann))
+        result = await self._work(self.core.answer_ready)
+        if result is not None:
+            await self.on_round(result)
 
     async def on_round(self, result: RoundResult) -> None:
         """Act on the core's answer to a round: publish a trained update, show a deferral, count a refusal.
 
         Declines of deferred rounds that this answer's round superseded are published first.
         """
-        if self.core.declines_waiting:  # appended only by the worker call that produced ``result``
-            for declined in await self._work(self.core.take_declines):
-                await self._declined(declined)
+        # appended only by the round task's worker call that produced ``result``: no hop needed
+        for superseded in self.core.take_declines():
+            await self.on_round(superseded)
+        for dropped in result.dropped:
+            logger.warning("outbox: dropped %s (%s)", dropped.update_id, dropped.reason)
         if result.round:
             self.state.round = max(self.state.round, result.round)
         status = result.status
@@ -219,8 +231,6 @@ class RoundTask(SampleSource):
     async def _sent(self, result: RoundResult) -> None:
         entry, local = result.entry, result.local
         assert entry is not None and local is not None
-        for dropped in result.dropped:
-            logger.warning("outbox: dropped %s (%s)", dropped.update_id, dropped.reason)
         self._set_state("uploading")
         try:
             await self._send_update(entry.update_id, entry.payload, counted=True)
@@ -246,8 +256,6 @@ class RoundTask(SampleSource):
         """Publish a Decline (kept in the outbox like an update: re-sent after a reconnect)."""
         entry = result.entry
         assert entry is not None
-        for dropped in result.dropped:
-            logger.warning("outbox: dropped %s (%s)", dropped.update_id, dropped.reason)
         self._set_state("idle", f"round {result.round} declined: {result.detail}")
         try:
             await self._send_update(entry.update_id, entry.payload)
@@ -256,8 +264,6 @@ class RoundTask(SampleSource):
 
     async def retry_deferred(self) -> None:
         """Retry the core's deferred round (memory may have freed) or send its decline when time is up."""
-        if not self._retry_due():
-            return
         self._next_retry_at = time.monotonic() + self.profile.status.interval_s  # its own news is no reason
         result = await self._work(self.core.retry_deferred)
         if result is not None:

@@ -10,11 +10,10 @@ caller thread at a time (the daemon's single worker).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -27,14 +26,14 @@ from edgefl.agent.config import Profile
 from edgefl.agent.feedback import ErrorFeedback
 from edgefl.agent.governor import Admission, Governor
 from edgefl.agent.outbox import Outbox
-from edgefl.agent.personal import Evaluation
 from edgefl.agent.pipeline import Pipeline, choose
 from edgefl.agent.round import Deferred, RoundAnswering, RoundResult
-from edgefl.agent.state import HEAD_FILE, OUTBOX_FILE, Answered, PhaseHook, ProgressHook
+from edgefl.agent.state import OUTBOX_FILE, Answered, PhaseHook, ProgressHook
 from edgefl.agent.store import EmbeddingStore, holdout_capacity
 from edgefl.datasets import npz_headers
 from edgefl.errors import BudgetExceeded, DecodeError, ModelError, UpdateRejected
 from edgefl.head import Head, personal_columns, validate_head
+from edgefl.records import write_record
 from edgefl.runtime import Backbone
 from edgefl.types import F32, I64
 from edgefl.wire.cbor import Limits, MessageType, Scanned, scan
@@ -44,7 +43,6 @@ from edgefl.wire.global_model import (
     encode_global_model,
     resolve_global_head,
 )
-from edgefl.wire.rounds import RoundAnnouncement
 from edgefl.wire.signing import SigningKey, VerifyKey, load_signing_key, parse_verify_key
 
 logger = logging.getLogger(__name__)
@@ -181,7 +179,8 @@ class DeviceCore(RoundAnswering):
         self.governor = governor or Governor(
             profile.cap_bytes, mem.reserve_mb << 20, mem.min_system_available_mb << 20
         )
-        self._phase: PhaseHook = phase or self.governor.phase
+        self.phase: PhaseHook = phase or self.governor.phase
+        """Wraps each phase of the core (and a caller's, e.g. the daemon's ``publish``) in its measurement."""
         self._progress = progress
         self.limits = Limits(max_message_bytes=max(profile.broker.max_packet_bytes, 1 << 20))
         self.head = head
@@ -205,22 +204,7 @@ class DeviceCore(RoundAnswering):
             else None
         )
         self._labelled = len(self.store) + (len(self.holdout) if self.holdout is not None else 0)
-        self.new_samples = self.store.since_mark
-        """Labelled samples stored since the device last trained for a round (status ``new_samples``)."""
-        self.evaluation: Evaluation | None = None
-        self.personal: Head | None = None
-        """The personal head (None until the first personal step; :meth:`personalise`)."""
-        self.personal_columns: np.ndarray = np.zeros(K, dtype=bool)
-        """bool [K]: the classes this device has had a label for (the columns it personalises)."""
-        self.personal_evaluation: Evaluation | None = None
-        """The personal head's accuracy on the holdout (:meth:`evaluate`)."""
-        self.personal_fallback = False
-        """The personal head did worse than the global head on the holdout: predictions use the global."""
-        self.personal_deferred = 0
-        """Personal steps the memory governor deferred (each waits for the next round)."""
-        self._personal_due: RoundAnnouncement | None = None  # a round trained, its personal step not yet
-        self._personal_done = None  # a personal step taken with the round's training, not yet evaluated
-        self._load_personal()
+        self._open_personal()
         self.redelivered = 0  # retained heads of the version held, skipped before decoding
         self.answered: Answered | None = self._load_answered()
         self.seen_version: int = self._load_seen_version()
@@ -234,7 +218,6 @@ class DeviceCore(RoundAnswering):
         self.behind_since: float | None = None
         """``time.monotonic()`` of the oldest write left behind (None: nothing behind)."""
         self._logged: set[tuple[str, str]] = set()
-        self.pending_round: RoundAnnouncement | None = None
         self.deferred: Deferred | None = None
         """The round the governor deferred, retried by :meth:`retry_deferred` (None: none)."""
         self.declined_total = 0
@@ -303,6 +286,11 @@ class DeviceCore(RoundAnswering):
             progress=progress,
         )
 
+    @property
+    def new_samples(self) -> int:
+        """Labelled samples stored since the device last trained for a round (status ``new_samples``)."""
+        return self.store.since_mark
+
     # --- classify ---------------------------------------------------------------------------------
     def classify(self, raw: np.ndarray) -> Classified:
         """Embed and classify raw samples [N, *sample_shape], N >= 1 (phase ``inference``).
@@ -321,7 +309,7 @@ class DeviceCore(RoundAnswering):
         step = self._admit_inference(self.pipeline, self.shapes, len(raw))
         parts: list[F32] = []
         for s in range(0, len(raw), step):
-            with self._phase("inference"):
+            with self.phase("inference"):
                 parts.append(self.pipeline.run(raw[s : s + step])[0])
         emb = parts[0] if len(parts) == 1 else np.concatenate(parts)
         head, kind = self.serving_head()  # one reference read: a swap between batches is atomic
@@ -396,13 +384,11 @@ class DeviceCore(RoundAnswering):
         before = self.store.refused_not_finite + (self.holdout.refused_not_finite if self.holdout else 0)
         if self.holdout is None or not every:
             refused = self.store.add(embeddings, labels)
-            self.new_samples += len(labels) - refused
         else:
             # every n-th labelled sample is held out of training, for federated evaluation
             held = (self._labelled + np.arange(len(labels))) % every == every - 1
             self._labelled += len(labels)
             refused = self.store.add(embeddings[~held], labels[~held])
-            self.new_samples += int((~held).sum()) - refused
             if held.any():
                 refused += self.holdout.add(embeddings[held], labels[held])
         after = self.store.refused_not_finite + (self.holdout.refused_not_finite if self.holdout else 0)
@@ -434,7 +420,7 @@ class DeviceCore(RoundAnswering):
             self.redelivered += 1
             return ApplyResult(ApplyStatus.SAME_VERSION, version)
         try:
-            with self._phase("apply"):
+            with self.phase("apply"):
                 gm = decode_global_model(
                     self._verified(message, MessageType.GLOBAL_MODEL),
                     limits=self.limits,
@@ -466,8 +452,6 @@ class DeviceCore(RoundAnswering):
                     f"global version {gm.version} is older than version {self.seen_version} "
                     "announced by a signed round (a rollback)",
                 )
-            if gm.version == self.head.version:
-                return ApplyResult(ApplyStatus.SAME_VERSION, gm.version, gm.round)
             # the outputs on a few stored embeddings must be finite too (a huge finite head can overflow)
             probe = next(self.store.chunks(8), None)
             if probe is not None and not np.isfinite(probe[0] @ gm.W + gm.b).all():
@@ -477,15 +461,9 @@ class DeviceCore(RoundAnswering):
         new = Head(gm.W, gm.b, gm.version)
         # a head that cannot be written (a full disk) still runs: the retained head is delivered
         # again after a restart, and the write is retried once there is room
-        self._persist("head", lambda: self._write_state(HEAD_FILE, encode_global_model(gm)), behind=True)
+        self._persist("head", lambda: write_record(self.head_path, encode_global_model(gm)), behind=True)
         self.head = new
         self._tie_personal()
         self.evaluate()
         logger.info("applied global head version %d (round %d)", gm.version, gm.round)
         return ApplyResult(ApplyStatus.APPLIED, gm.version, gm.round)
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """The core's phase measurement around a caller's block (e.g. the daemon's ``publish``)."""
-        with self._phase(name):
-            yield

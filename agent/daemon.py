@@ -9,24 +9,16 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import signal
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 
 from edgefl import heap
 from edgefl.agent.config import Profile
 from edgefl.agent.control import RoundTask
-from edgefl.agent.core import DeviceCore
-from edgefl.agent.ingest import Ingest
-from edgefl.agent.pending import PENDING_FILE, PendingFile
-from edgefl.agent.reporter import REFUSED_NOT_AUTHORIZED, REFUSED_UNTRUSTED, AgentState, StatusPage
+from edgefl.agent.reporter import REFUSED_NOT_AUTHORIZED, REFUSED_UNTRUSTED, StatusPage
 from edgefl.errors import CertificateNotTrusted, CredentialsRefused, StartupError, TransportError
 from edgefl.records import read_record, write_record
 from edgefl.tlsconf import ssl_context_for
-from edgefl.topics import Topics
 from edgefl.transport import MqttTransport, Will
-from edgefl.wire.chunking import Reassembler
 from edgefl.wire.status import offline_status
 
 logger = logging.getLogger(__name__)
@@ -43,95 +35,26 @@ class Agent(RoundTask):
     """
 
     def __init__(self, profile: Profile, status_page: StatusPage | None = None) -> None:
-        self.profile = profile
-        self.device = profile.device.id
-        self.topics = Topics(profile.broker.topic_prefix, profile.device.fleet)
         self.tls_context = ssl_context_for(profile.broker)  # bad certificate files fail at start-up
-        self.state = AgentState()
-        self.core = DeviceCore.open(profile, progress=self._progress)
-        self._round_wake = asyncio.Event()  # correctness: a message or an ask wakes the one round task
-        self._round_asks = set()  # what other tasks asked the round task (_wake_rounds)
-        self._acked = []  # PUBACKed updates the core is told of with the next worker call
-        # performance (round latency, docs/benchmarks.md "Hygiene"): the status is checked once no round
-        # or global message is in hand, or at once after a (re)connect
-        self._status_go = asyncio.Event()
-        self._status_go.set()
-        self.governor = self.core.governor
-        self.max_packet_bytes = profile.broker.max_packet_bytes
-        self.reassembler = Reassembler(
-            max_message_bytes=self.core.limits.max_message_bytes,
-            max_chunk_bytes=self.max_packet_bytes,
-            max_total_bytes=2 * self.core.limits.max_message_bytes,
-        )
-        # samples larger than a packet come in chunks on their own topic: a set of their own, so a
-        # stream of them never evicts a global head's half-received chunks
-        self.sample_chunks = Reassembler(
-            max_sets=2,
-            max_message_bytes=self.core.limits.max_message_bytes,
-            max_chunk_bytes=profile.broker.max_incoming_packet_bytes,
-            max_total_bytes=2 * self.core.limits.max_message_bytes,
-            expiry_s=30.0,
-        )
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgefl-worker")
-        self.transport = None
-        self.stop_event = asyncio.Event()  # correctness: SIGTERM/SIGINT stop the daemon
-        self._status_dirty = asyncio.Event()  # correctness: a change wakes the status task (news goes out)
-        self.status_page = status_page
-        self.dashboard_url = ""
-        self._rate_window = deque(maxlen=32)
-        # correctness: after a (re)connect the next status check publishes (the broker may hold the will)
-        self._status_connected = False
-        self._last_said, self._last_at = "", -math.inf  # what the last published status said, and when
-        self._last_level = 0  # samples_level of the last status published, lowered as it drops
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._next_retry_at = -math.inf  # when the deferred round may be retried again (monotonic)
-        src = profile.source
-        self.ingest = (
-            Ingest(src.queue_max, src.pending_max, src.label_expiry_s, pending_file=self._pending_file())
-            if src.kind == "mqtt"
-            else None
-        )
-        self._ingest_wake = asyncio.Event()  # correctness: a sample or label wakes the ingest task
-        self._stored = asyncio.Event()  # correctness: samples stored wake flush_loop (the flush window)
-        # round and global messages wait here while the pump files samples (a round's training must not
-        # hold up the transport's queue, whose overflow would drop a round or a head)
-        self._control = asyncio.Queue(maxsize=64)
-        self._rounds_waiting = 0
-        self._control_bytes = 0  # payload bytes of the messages in ``_control``
+        super().__init__(profile, status_page)
 
     def _consumer_bytes(self) -> int:
         """Payload bytes taken from the transport and not handled yet: samples queued, control messages."""
         return self._control_bytes + (self.ingest.queued_bytes if self.ingest is not None else 0)
 
-    def _pending_file(self) -> PendingFile | None:
-        """The pending-label file beside the store (None without ``source.pending_max``, or if unusable)."""
-        src, folder = self.profile.source, self.profile.device.state_dir
-        if src.pending_max == 0:
-            return None
-        try:
-            pf = PendingFile(folder, src.pending_max, self.core.head.shape[0])
-        except (OSError, ValueError) as exc:  # the store goes on; only late labels lose their wait
-            logger.error(
-                "pending labels: %s cannot be used (%s): samples waiting for a label live in RAM "
-                "only and a restart loses them",
-                folder / PENDING_FILE,
-                exc,
-            )
-            return None
-        if pf.restored:
-            logger.info(
-                "pending labels: %d sample(s) waiting for a late label restored from %s",
-                len(pf.restored),
-                pf.path,
-            )
-        return pf
-
-    def _subscription_filters(self) -> list[str]:
-        """The topic filters this run subscribes to, in order (:meth:`run`)."""
-        filters = [self.topics.round, self.topics.global_model + "/#"]
+    def _subscriptions(self) -> list[tuple[str, int, bool]]:
+        """The ``(topic filter, QoS, live_only)`` this run subscribes to, in order (:meth:`run`)."""
+        # The round first: its retained announcement (its base version is the rollback floor)
+        # reaches the core before any retained head, so a device without a head never applies
+        # an old signed head replayed on "global" (SUBSCRIBEs are handled, and renewed, in order).
+        # "global/#" matches "global" itself and the chunk topics "global/<i>" of a large head.
+        subs = [(self.topics.round, 1, False), (self.topics.global_model + "/#", 1, False)]
         if self.ingest is not None:
-            filters += [self.topics.samples(self.device), self.topics.labels(self.device)]
-        return filters
+            # MQTT 5: no retained sample/label at subscribe, and the retain flag kept as published
+            # so one retained while subscribed is refused too (receive_ingest)
+            samples, labels = self.topics.samples(self.device), self.topics.labels(self.device)
+            subs += [(samples, self.profile.source.samples_qos, True), (labels, 1, True)]
+        return subs
 
     async def _drop_stale_subscriptions(self) -> None:
         """Unsubscribe what the last run subscribed to and this one does not (``subscriptions.rec``).
@@ -140,7 +63,7 @@ class Agent(RoundTask):
         """
         assert self.transport is not None
         path = self.profile.device.state_dir / SUBSCRIPTIONS_FILE
-        wanted = self._subscription_filters()
+        wanted = [topic for topic, _, _ in self._subscriptions()]
         try:
             old = json.loads(read_record(path) or b"[]")
         except ValueError:
@@ -158,21 +81,6 @@ class Agent(RoundTask):
                 write_record(path, json.dumps(wanted).encode())
             except OSError as exc:
                 logger.warning("cannot write %s: %s", path, exc)
-
-    def _flush_pending(self) -> None:
-        """``msync`` the pending-label file (worker thread); a failure is logged, the next flush retries."""
-        pf = self.ingest.pending_file if self.ingest is not None else None
-        if pf is None:
-            return
-        try:
-            pf.flush()
-        except OSError as exc:
-            logger.warning("pending labels: flush of %s failed: %s", pf.path, exc)
-
-    def _progress(self, state: str, reason: str) -> None:
-        """The core's progress hook (worker thread): hop to the loop."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._set_state, state, reason)
 
     def _on_transport_connect(self) -> None:
         self._status_connected = True  # the next status check publishes (the broker may hold the will)
@@ -234,7 +142,7 @@ class Agent(RoundTask):
             will=Will(self.topics.status(self.device), offline_status(self.device)),
             on_connect=self._on_transport_connect,
             tls_context=self.tls_context,
-            max_packet_bytes=self.max_packet_bytes,
+            max_packet_bytes=b.max_packet_bytes,
             # a persistent session: what is published to us (QoS 1) while the agent restarts waits
             session_expiry_s=b.session_expiry_s,
             # what is received and not handled yet is bounded in bytes too (a flood of large messages)
@@ -260,20 +168,9 @@ class Agent(RoundTask):
                 stack.push_async_callback(self.status_page.stop)
                 logger.info("dashboard on %s", self.dashboard_url)
             heap.malloc_trim()  # start-up's freed heap (imports, model, page) back to the kernel
-            # The round first: its retained announcement (its base version is the rollback floor)
-            # reaches the core before any retained head, so a device without a head never applies
-            # an old signed head replayed on "global" (SUBSCRIBEs are handled, and renewed, in order).
-            await self.transport.subscribe(self.topics.round, 1)
-            # "global/#" matches "global" itself and the chunk topics "global/<i>" of a large head
-            await self.transport.subscribe(self.topics.global_model + "/#", 1)
-            if self.ingest is not None:
-                src = self.profile.source
-                # MQTT 5: no retained sample/label at subscribe, and the retain flag kept as published
-                # so one retained while subscribed is refused too (receive_ingest)
-                samples = self.topics.samples(self.device)
-                await self.transport.subscribe(samples, src.samples_qos, live_only=True)
-                await self.transport.subscribe(self.topics.labels(self.device), 1, live_only=True)
-                self.state.ingest_ready = True
+            for topic, qos, live_only in self._subscriptions():
+                await self.transport.subscribe(topic, qos, live_only=live_only)
+            self.state.ingest_ready = self.ingest is not None
             try:
                 async with asyncio.TaskGroup() as tg:
                     tasks = [
@@ -288,8 +185,7 @@ class Agent(RoundTask):
                     for t in tasks:
                         t.cancel()
             finally:
-                await self._work(self.core.flush)
-                await self._work(self._flush_pending)
+                await self._work(self._flush)
                 if self.ingest is not None and (lost := self.ingest.unclassified()):
                     # acknowledged to the broker, not yet classified: not in the pending-label file
                     logger.warning("stopping: %d received sample(s) not classified yet are dropped", lost)

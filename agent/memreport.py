@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import json
 import logging
-import sys
 import tempfile
 import threading
 import time
@@ -29,7 +28,7 @@ from edgefl.agent.governor import PHASES, Governor
 from edgefl.agent.memstat import MIB
 from edgefl.datasets import load_xy
 from edgefl.errors import BudgetExceeded
-from edgefl.profiles import add_set_argument, parse_sets
+from edgefl.profiles import add_set_argument, parse_sets, print_problems
 
 logger = logging.getLogger(__name__)
 
@@ -371,9 +370,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         profile = load_profile(args.profile, parse_sets(args.set))
     except ConfigError as exc:
-        print(f"edgefl: invalid profile {args.profile}:", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  {problem}", file=sys.stderr)
+        print_problems(f"edgefl: invalid profile {args.profile}", exc.problems)
         return 2
     t0 = time.perf_counter()
     rep = run_round(

@@ -20,9 +20,10 @@ import numpy as np
 
 from edgefl.agent.governor import Admission
 from edgefl.agent.state import DeviceState
-from edgefl.agent.trainer import PersonalResult, train_personal
+from edgefl.agent.trainer import PersonalResult, PersonalStep, train_personal
 from edgefl.errors import UpdateRejected
 from edgefl.head import Head, personal_columns, validate_head
+from edgefl.records import read_record, write_record
 from edgefl.wire.rounds import RoundAnnouncement
 
 logger = logging.getLogger(__name__)
@@ -112,14 +113,61 @@ class _EvalBuffers:
 class PersonalHeads(DeviceState):
     """The personal head, its classes, and the evaluation of both heads on the holdout (a core part)."""
 
-    evaluation: Evaluation | None
-    personal: Head | None
-    personal_columns: np.ndarray
-    personal_evaluation: Evaluation | None
-    personal_fallback: bool
-    personal_deferred: int
-    _personal_due: RoundAnnouncement | None
-    _personal_done: PersonalResult | None
+    def _open_personal(self) -> None:
+        """Set the personal fields: the head and its classes restored from their record (else the store's)."""
+        D, K = self.head.shape
+        self.evaluation: Evaluation | None = None
+        self.personal: Head | None = None
+        """The personal head (None until the first personal step; :meth:`personalise`)."""
+        self.personal_columns: np.ndarray = np.zeros(K, dtype=bool)
+        """bool [K]: the classes this device has had a label for (the columns it personalises)."""
+        self.personal_evaluation: Evaluation | None = None
+        """The personal head's accuracy on the holdout (:meth:`evaluate`)."""
+        self.personal_fallback = False
+        """The personal head did worse than the global head on the holdout: predictions use the global."""
+        self.personal_deferred = 0
+        """Personal steps the memory governor deferred (each waits for the next round)."""
+        self._personal_due: RoundAnnouncement | None = None  # a round trained, its personal step not yet
+        # a personal step taken with the round's training, not yet evaluated
+        self._personal_done: PersonalResult | None = None
+        data = read_record(self.personal_path)
+        if data is not None:
+            try:
+                obj = cbor2.loads(data)
+                if not isinstance(obj, dict) or obj.get("v") != 1:
+                    raise ValueError("not a personal-head record")
+                if obj.get("fleet") != self.fleet or obj.get("model_sha256") != self.model_sha256:
+                    raise ValueError("for another fleet or model")
+                version, shape = obj.get("version"), obj.get("shape")
+                raw_W, raw_b, raw_c = obj.get("W"), obj.get("b"), obj.get("columns")
+                if type(version) is not int or version < 0 or shape != [D, K]:
+                    raise ValueError(f"version {version!r}, shape {shape!r}: expected shape {[D, K]}")
+                if not (isinstance(raw_W, bytes) and isinstance(raw_b, bytes) and isinstance(raw_c, bytes)):
+                    raise ValueError("W, b and columns must be byte strings")
+                if len(raw_W) != D * K * 4 or len(raw_b) != K * 4 or len(raw_c) != K:
+                    raise ValueError("array sizes do not match the shape")
+                W = np.frombuffer(raw_W, dtype="<f4").reshape(D, K).astype(np.float32)
+                b = np.frombuffer(raw_b, dtype="<f4").astype(np.float32)
+                validate_head(W, b, (D, K))
+                self.personal = Head(W, b, version)
+                self.personal_columns = np.frombuffer(raw_c, dtype=np.uint8) != 0
+                self._tie_personal()
+                logger.info(
+                    "restored personal head (pulled toward version %d, %d of %d classes personal) from %s",
+                    version,
+                    int(self.personal_columns.sum()),
+                    K,
+                    self.personal_path,
+                )
+                return
+            except (cbor2.CBORDecodeError, ValueError, TypeError, UpdateRejected) as exc:
+                logger.warning(
+                    "stored personal head %s unusable (%s); a new one is trained", self.personal_path, exc
+                )
+        stores = [self.store] + ([self.holdout] if self.holdout is not None else [])
+        for st in stores:
+            for _, lbl in st.chunks(1024):
+                self.personal_columns |= personal_columns(lbl, K)
 
     def serving_head(self) -> tuple[Head, str]:
         """The head that classifies and its kind: ``"personal"`` once there, unless behind; ``"global"``."""
@@ -196,48 +244,6 @@ class PersonalHeads(DeviceState):
         self._personal_done = result
         return True
 
-    def _load_personal(self) -> None:
-        """Restore the personal head and its classes from their record (else the classes from the store)."""
-        D, K = self.head.shape
-        data = self._read_state(PERSONAL_FILE)
-        if data is not None:
-            try:
-                obj = cbor2.loads(data)
-                if not isinstance(obj, dict) or obj.get("v") != 1:
-                    raise ValueError("not a personal-head record")
-                if obj.get("fleet") != self.fleet or obj.get("model_sha256") != self.model_sha256:
-                    raise ValueError("for another fleet or model")
-                version, shape = obj.get("version"), obj.get("shape")
-                raw_W, raw_b, raw_c = obj.get("W"), obj.get("b"), obj.get("columns")
-                if type(version) is not int or version < 0 or shape != [D, K]:
-                    raise ValueError(f"version {version!r}, shape {shape!r}: expected shape {[D, K]}")
-                if not (isinstance(raw_W, bytes) and isinstance(raw_b, bytes) and isinstance(raw_c, bytes)):
-                    raise ValueError("W, b and columns must be byte strings")
-                if len(raw_W) != D * K * 4 or len(raw_b) != K * 4 or len(raw_c) != K:
-                    raise ValueError("array sizes do not match the shape")
-                W = np.frombuffer(raw_W, dtype="<f4").reshape(D, K).astype(np.float32)
-                b = np.frombuffer(raw_b, dtype="<f4").astype(np.float32)
-                validate_head(W, b, (D, K))
-                self.personal = Head(W, b, version)
-                self.personal_columns = np.frombuffer(raw_c, dtype=np.uint8) != 0
-                self._tie_personal()
-                logger.info(
-                    "restored personal head (pulled toward version %d, %d of %d classes personal) from %s",
-                    version,
-                    int(self.personal_columns.sum()),
-                    K,
-                    self.personal_path,
-                )
-                return
-            except (cbor2.CBORDecodeError, ValueError, TypeError, UpdateRejected) as exc:
-                logger.warning(
-                    "stored personal head %s unusable (%s); a new one is trained", self.personal_path, exc
-                )
-        stores = [self.store] + ([self.holdout] if self.holdout is not None else [])
-        for st in stores:
-            for _, lbl in st.chunks(1024):
-                self.personal_columns |= personal_columns(lbl, K)
-
     def _tie_personal(self) -> None:
         """Set the personal head's columns of never-labelled classes to the global head's (in place)."""
         personal = self.personal
@@ -262,7 +268,7 @@ class PersonalHeads(DeviceState):
             "b": personal.b.astype("<f4").tobytes(),
             "columns": self.personal_columns.astype(np.uint8).tobytes(),
         }
-        self._write_state(PERSONAL_FILE, cbor2.dumps(payload))
+        write_record(self.personal_path, cbor2.dumps(payload))
 
     def _admit_pass(
         self,
@@ -285,6 +291,15 @@ class PersonalHeads(DeviceState):
             personal=personal,
             probe=probe,
             phase=phase,
+        )
+
+    def _personal_step(self, ann: RoundAnnouncement) -> PersonalStep:
+        """The personal step for ``ann``'s batches: the personal head (or a copy of the global) to train."""
+        pcfg = self.profile.personal
+        current = self.personal
+        W, b = (self.head.W.copy(), self.head.b.copy()) if current is None else (current.W, current.b)
+        return PersonalStep(
+            W, b, self.personal_columns.copy(), pcfg.prox_lambda, pcfg.lr_scale * ann.lr, pcfg.absent_alpha
         )
 
     def personalise(self) -> PersonalResult | None:
@@ -310,25 +325,24 @@ class PersonalHeads(DeviceState):
         if adm.deferred:
             self.personal_deferred += 1
             return None
-        current = self.personal
         # trained in place: the personal head's arrays are only read by this (single) caller thread
-        W, b = (glob.W.copy(), glob.b.copy()) if current is None else (current.W, current.b)
-        with self._phase("personal"):
+        step = self._personal_step(ann)
+        with self.phase("personal"):
             result = train_personal(
-                W,
-                b,
+                step.W,
+                step.b,
                 glob,
                 self.store,
-                self.personal_columns.copy(),
-                lam=cfg.prox_lambda,
+                step.columns,
+                lam=step.lam,
                 epochs=cfg.epochs or ann.local_epochs,
-                lr=cfg.lr_scale * ann.lr,
-                absent_alpha=cfg.absent_alpha,
+                lr=step.lr,
+                absent_alpha=step.absent_alpha,
                 batch_size=ann.batch_size,
                 chunk_size=adm.work,
                 seed=tcfg.seed + ann.round + PERSONAL_SEED_OFFSET,
                 time_budget_s=ann.deadline_s,
             )
-        if self._adopt_personal(W, b, glob.version, result):
+        if self._adopt_personal(step.W, step.b, glob.version, result):
             self.evaluate()
         return result

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections import Counter, deque
@@ -17,7 +18,6 @@ from typing import Any, Protocol, TypeVar
 
 from edgefl.agent.config import Profile
 from edgefl.agent.core import DeviceCore
-from edgefl.agent.governor import Governor
 from edgefl.agent.ingest import LOGGED_REFUSALS, Ingest
 from edgefl.agent.status import samples_level, status_news
 from edgefl.aio import wait_event
@@ -117,31 +117,43 @@ class AgentState:
 
 
 class StatusReporter:
-    """The status task, and the fields and hooks the daemon's tasks share (the base of ``Agent``)."""
+    """The status task, and the fields and hooks the daemon's tasks share (the base of ``Agent``).
 
-    profile: Profile
-    device: str
-    topics: Topics
-    state: AgentState
-    core: DeviceCore
-    governor: Governor
-    executor: ThreadPoolExecutor
-    transport: MqttTransport | None
-    stop_event: asyncio.Event
-    status_page: StatusPage | None
-    dashboard_url: str
+    Raises ``ModelError`` if the profile's model cannot be loaded (:meth:`DeviceCore.open`).
+    """
+
     ingest: Ingest | None
-    max_packet_bytes: int
-    _status_dirty: asyncio.Event
-    _status_go: asyncio.Event
-    _status_connected: bool
-    _last_said: str
-    _last_at: float
-    _last_level: int
-    _rate_window: deque[tuple[float, int]]
-    _round_wake: asyncio.Event
-    _round_asks: set[str]
-    _acked: list[str]
+
+    def __init__(self, profile: Profile, status_page: StatusPage | None) -> None:
+        self.profile = profile
+        self.device = profile.device.id
+        self.topics = Topics(profile.broker.topic_prefix, profile.device.fleet)
+        self.state = AgentState()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.core = DeviceCore.open(profile, progress=self._progress)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgefl-worker")
+        self.transport: MqttTransport | None = None
+        self.stop_event = asyncio.Event()  # correctness: SIGTERM/SIGINT stop the daemon
+        self.status_page = status_page
+        self.dashboard_url = ""
+        self._round_wake = asyncio.Event()  # correctness: a message or an ask wakes the one round task
+        self._round_asks: set[str] = set()  # what other tasks asked the round task (_wake_rounds)
+        self._acked: list[str] = []  # PUBACKed updates the core is told of with the next worker call
+        self._status_dirty = asyncio.Event()  # correctness: a change wakes the status task (news goes out)
+        # performance (round latency, docs/benchmarks.md "Hygiene"): the status is checked once no round
+        # or global message is in hand, or at once after a (re)connect
+        self._status_go = asyncio.Event()
+        self._status_go.set()
+        # correctness: after a (re)connect the next status check publishes (the broker may hold the will)
+        self._status_connected = False
+        self._last_said, self._last_at = "", -math.inf  # what the last published status said, and when
+        self._last_level = 0  # samples_level of the last status published, lowered as it drops
+        self._rate_window: deque[tuple[float, int]] = deque(maxlen=32)
+
+    def _progress(self, state: str, reason: str) -> None:
+        """The core's progress hook (worker thread): hop to the loop."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._set_state, state, reason)
 
     async def _work(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run ``fn(*args)`` on the worker thread, after the PUBACKs noted since the last call."""
@@ -187,8 +199,9 @@ class StatusReporter:
 
     def packet_limit(self) -> int:
         """The largest MQTT packet we may send: the profile's limit, or the broker's (CONNACK) if smaller."""
+        ours = self.profile.broker.max_packet_bytes
         broker = self.transport.broker_max_packet_bytes if self.transport is not None else None
-        return min(self.max_packet_bytes, broker or self.max_packet_bytes)
+        return min(ours, broker or ours)
 
     def _set_state(self, state: str, reason: str = "") -> None:
         self.state.state = state
@@ -205,12 +218,14 @@ class StatusReporter:
         core = self.core
         pipeline = core.pipeline
         assert pipeline is not None
+        broker = self.broker_state()
         return {
             "round": s.round,
             "version": core.head.version,
-            "reason": self._reason(),
-            "broker": self.broker_state(),
-            "health": self.health(),
+            "reason": self._reason(broker),
+            "broker": broker,
+            # a refusal (credentials, broker certificate) makes /healthz answer 503
+            "health": broker if broker in (REFUSED_NOT_AUTHORIZED, REFUSED_UNTRUSTED) else "ok",
             "degraded": core.degraded,
             "write_failures": core.write_failures,
             "ready": s.replay_done or s.ingest_ready,
@@ -229,7 +244,7 @@ class StatusReporter:
             "deferred_round": core.deferred.ann.round if core.deferred is not None else None,
             "declined_total": core.declined_total,  # rounds refused to the coordinator (Decline)
             "over_budget_batches": s.over_budget_batches,  # inference refused by the governor
-            **self.governor.status(measure=measure, figures=volatile),
+            **core.governor.status(measure=measure, figures=volatile),
             "rejected": dict(s.rejected),
             "last_rejected": dict(s.last_rejected),
             "faults": dict(s.faults),
@@ -278,16 +293,11 @@ class StatusReporter:
             return REFUSED_NOT_AUTHORIZED
         return "lost" if t.ever_connected else "connecting"
 
-    def health(self) -> str:
-        """``ok``, or the refusal that makes ``/healthz`` answer 503 (credentials, broker certificate)."""
-        state = self.broker_state()
-        return state if state in (REFUSED_NOT_AUTHORIZED, REFUSED_UNTRUSTED) else "ok"
-
-    def _reason(self) -> str:
-        state = self.broker_state()
-        if state == REFUSED_NOT_AUTHORIZED:
+    def _reason(self, broker: str) -> str:
+        """The status's ``reason``: the refusal ``broker`` (:meth:`broker_state`) names, else the state's."""
+        if broker == REFUSED_NOT_AUTHORIZED:
             return f"{REFUSED_NOT_AUTHORIZED} (broker.username / password)"
-        if state == REFUSED_UNTRUSTED:
+        if broker == REFUSED_UNTRUSTED:
             assert self.transport is not None
             return f"{REFUSED_UNTRUSTED}: {self.transport.last_tls_refusal} (broker.ca_file)"
         return f"degraded: {self.core.degraded}" if self.core.degraded else self.state.reason

@@ -20,7 +20,7 @@ from edgefl.agent import estimates
 from edgefl.agent.outbox import Dropped, OutboxEntry
 from edgefl.agent.personal import PersonalHeads
 from edgefl.agent.state import Answered, ProgressHook
-from edgefl.agent.trainer import LocalResult, PersonalStep, train_local
+from edgefl.agent.trainer import LocalResult, train_local
 from edgefl.errors import DecodeError
 from edgefl.head import Head
 from edgefl.wire.cbor import MessageType, Scanned
@@ -107,7 +107,6 @@ class RoundAnswering(PersonalHeads):
     """Answer round announcements at most once (a part of :class:`~edgefl.agent.core.DeviceCore`)."""
 
     _progress: ProgressHook | None
-    pending_round: RoundAnnouncement | None
     deferred: Deferred | None
     declined_total: int
     _declines: list[RoundResult]
@@ -163,8 +162,8 @@ class RoundAnswering(PersonalHeads):
         head = self.head
         why = f"round {ann.round} uses version {ann.base_version}, device has {head.version}"
         if ann.base_version > head.version:
-            self.pending_round = ann  # the global head for this round has not arrived yet
-            # answered once it comes; declined (no_head) if it has not come by the deferral's time
+            # its head has not arrived yet: answered once it comes (take_ready_round), declined
+            # (no_head) if it has not come by the deferral's time
             self._defer(ann, why, Reason.NO_HEAD)
             return RoundResult(RoundStatus.WAITING_HEAD, ann.round, detail=why)
         d = self.deferred
@@ -174,20 +173,15 @@ class RoundAnswering(PersonalHeads):
             self.evaluate()  # the base head's federated evaluation (holdout grew since, or first round)
         if ann.base_version < head.version:
             return RoundResult(RoundStatus.REFUSED, ann.round, "stale_round", why)
-        if self.pending_round is not None and self.pending_round.round <= ann.round:
-            self.pending_round = None
-        if len(self.store) == 0:
-            # nothing to train on: say so now rather than hold the round to its deadline
-            try:
-                return self.decline(ann, Reason.NO_SAMPLES, "no labelled samples stored")
-            except OSError as exc:
-                return RoundResult(RoundStatus.REFUSED, ann.round, "failed", str(exc))
         need = self.profile.training.min_examples
-        if len(self.store) < need:
-            # a feed may still be going: wait for more like for memory, decline when the time is up
-            why = f"{len(self.store)} labelled examples stored, training.min_examples is {need}"
-            return self._defer(ann, why, Reason.TOO_FEW_EXAMPLES)
         try:
+            if len(self.store) == 0:
+                # nothing to train on: say so now rather than hold the round to its deadline
+                return self.decline(ann, Reason.NO_SAMPLES, "no labelled samples stored")
+            if len(self.store) < need:
+                # a feed may still be going: wait for more like for memory, decline when the time is up
+                why = f"{len(self.store)} labelled examples stored, training.min_examples is {need}"
+                return self._defer(ann, why, Reason.TOO_FEW_EXAMPLES)
             return self._train_and_encode(ann, head)
         except (ValueError, ArithmeticError, OSError) as exc:
             # a delta the codec refuses, or a state file that cannot be written (a full disk)
@@ -209,10 +203,10 @@ class RoundAnswering(PersonalHeads):
             return self._defer(ann, adm.reason)
         if self._progress is not None:
             self._progress("training", adm.reason)
-        self.new_samples = 0  # what is stored from now on is new for the next round
-        self.store.set_mark()  # ... after a restart too (written with the store's next flush)
+        # what is stored from now on is new for the next round, after a restart too (the store's next flush)
+        self.store.set_mark()
         alongside = self._personal_step(ann) if along else None
-        with self._phase("train"):
+        with self.phase("train"):
             result = train_local(
                 head,
                 self.store,
@@ -233,7 +227,7 @@ class RoundAnswering(PersonalHeads):
         update_id = f"{self.device}:{ann.round}:{ann.base_version}"
         ev = self.evaluation
         base_eval = ev if ev is not None and ev.version == ann.base_version else None
-        with self._phase("encode"):
+        with self.phase("encode"):
             delta_W, delta_b = result.delta_W, result.delta_b
             compressed: CompressedDelta | None = None
             fb = self.feedback
@@ -299,15 +293,6 @@ class RoundAnswering(PersonalHeads):
             update_bytes=len(payload),
         )
 
-    def _personal_step(self, ann: RoundAnnouncement) -> PersonalStep:
-        """The personal step to take on the round's training batches (admitted with the training)."""
-        pcfg = self.profile.personal
-        current = self.personal
-        W, b = (self.head.W.copy(), self.head.b.copy()) if current is None else (current.W, current.b)
-        return PersonalStep(
-            W, b, self.personal_columns.copy(), pcfg.prox_lambda, pcfg.lr_scale * ann.lr, pcfg.absent_alpha
-        )
-
     def _defer(self, ann: RoundAnnouncement, reason: str, decline: str = Reason.OVER_BUDGET) -> RoundResult:
         """Keep ``ann`` as the deferred round (its first deferral time kept when deferred again)."""
         prior = self.deferred
@@ -338,11 +323,6 @@ class RoundAnswering(PersonalHeads):
         if result.status in waiting and self.deferred is not None:
             self.deferred = dataclasses.replace(self.deferred, since_s=d.since_s)
         return result
-
-    @property
-    def declines_waiting(self) -> bool:
-        """Declines of superseded deferred rounds wait for :meth:`take_declines`."""
-        return bool(self._declines)
 
     def take_declines(self) -> list[RoundResult]:
         """Declines of deferred rounds a newer round superseded (DECLINED results to publish); cleared."""
@@ -392,20 +372,28 @@ class RoundAnswering(PersonalHeads):
         added: list[Dropped] = []
         answered = Answered(self.fleet, ann.round, update_id)
         amap = self._answered_map(answered)
-        if not self._persist(
-            "outbox",
-            lambda: added.extend(self.outbox.add(update_id, ann.round, payload, sends=sends, answered=amap)),
+        if not self._persist_outbox(
+            lambda: added.extend(self.outbox.add(update_id, ann.round, payload, sends=sends, answered=amap))
         ):
             self.outbox.forget(update_id)
-            self._unsaved["outbox"] = self.outbox.save
             raise OSError(errno.EIO, f"{what} not kept: outbox not persisted ({self.degraded})")
         self.answered = answered
         return tuple(added)
 
+    @property
+    def pending_round(self) -> RoundAnnouncement | None:
+        """The round waiting for its global head (deferred until it comes, declined ``no_head`` if late)."""
+        d = self.deferred
+        return d.ann if d is not None and d.decline == Reason.NO_HEAD else None
+
     def take_ready_round(self) -> RoundAnnouncement | None:
-        """The pending round, if it can be answered now (its head applied, samples stored); cleared."""
+        """The pending round, if it can be answered now (its head applied, samples stored)."""
         ann = self.pending_round
         if ann is None or ann.base_version > self.head.version or len(self.store) == 0:
             return None
-        self.pending_round = None
         return ann
+
+    def answer_ready(self) -> RoundResult | None:
+        """Answer the pending round if it can be answered now (:meth:`take_ready_round`); None if not."""
+        ann = self.take_ready_round()
+        return None if ann is None else self.answer_round(ann)

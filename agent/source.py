@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 
 import numpy as np
 
+from edgefl.agent.config import Profile
 from edgefl.agent.core import Classified
-from edgefl.agent.ingest import Queued
-from edgefl.agent.reporter import StatusReporter
+from edgefl.agent.ingest import Ingest, Queued
+from edgefl.agent.pending import PENDING_FILE, PendingFile
+from edgefl.agent.reporter import StatusPage, StatusReporter
 from edgefl.aio import wait_event
 from edgefl.datasets import load_xy
 from edgefl.errors import BudgetExceeded, DecodeError, EdgeflError, TransportError, UpdateRejected
@@ -39,10 +40,62 @@ logger = logging.getLogger(__name__)
 class SampleSource(StatusReporter):
     """The sample source task and the live ingest (a part of :class:`~edgefl.agent.daemon.Agent`)."""
 
-    sample_chunks: Reassembler
-    _flush_pending: Callable[[], None]
-    _ingest_wake: asyncio.Event
-    _stored: asyncio.Event
+    def __init__(self, profile: Profile, status_page: StatusPage | None) -> None:
+        super().__init__(profile, status_page)
+        # samples larger than a packet come in chunks on their own topic: a set of their own, so a
+        # stream of them never evicts a global head's half-received chunks
+        self.sample_chunks = Reassembler(
+            max_sets=2,
+            max_message_bytes=self.core.limits.max_message_bytes,
+            max_chunk_bytes=profile.broker.max_incoming_packet_bytes,
+            max_total_bytes=2 * self.core.limits.max_message_bytes,
+            expiry_s=30.0,
+        )
+        src = profile.source
+        self.ingest = (
+            Ingest(src.queue_max, src.pending_max, src.label_expiry_s, pending_file=self._pending_file())
+            if src.kind == "mqtt"
+            else None
+        )
+        self._ingest_wake = asyncio.Event()  # correctness: a sample or label wakes the ingest task
+        self._stored = asyncio.Event()  # correctness: samples stored wake flush_loop (the flush window)
+
+    def _pending_file(self) -> PendingFile | None:
+        """The pending-label file beside the store (None without ``source.pending_max``, or if unusable)."""
+        src, folder = self.profile.source, self.profile.device.state_dir
+        if src.pending_max == 0:
+            return None
+        try:
+            pf = PendingFile(folder, src.pending_max, self.core.head.shape[0])
+        except (OSError, ValueError) as exc:  # the store goes on; only late labels lose their wait
+            logger.error(
+                "pending labels: %s cannot be used (%s): samples waiting for a label live in RAM "
+                "only and a restart loses them",
+                folder / PENDING_FILE,
+                exc,
+            )
+            return None
+        if pf.restored:
+            logger.info(
+                "pending labels: %d sample(s) waiting for a late label restored from %s",
+                len(pf.restored),
+                pf.path,
+            )
+        return pf
+
+    def _flush(self) -> None:
+        """The core's flush, then ``msync`` of the pending-label file (worker thread); never raises.
+
+        A failure of the latter is logged, the next flush retries.
+        """
+        self.core.flush()
+        pf = self.ingest.pending_file if self.ingest is not None else None
+        if pf is None:
+            return
+        try:
+            pf.flush()
+        except OSError as exc:
+            logger.warning("pending labels: flush of %s failed: %s", pf.path, exc)
 
     async def run_source(self) -> None:
         """Run the profile's source: live ingest (:meth:`run_ingest`), or replay a sample file."""
@@ -131,15 +184,15 @@ class SampleSource(StatusReporter):
                 ingest.offer_label(decode_label(msg.payload, limits=self.core.limits, num_classes=K))
         except Exception as exc:
             # DecodeError/UpdateRejected name their reason; any other fault is counted as ``failed``
-            known = isinstance(exc, (DecodeError, UpdateRejected))
-            reason = exc.reason if isinstance(exc, (DecodeError, UpdateRejected)) else "failed"
-            detail = exc.detail if isinstance(exc, (DecodeError, UpdateRejected)) else repr(exc)
-            self.state.last_rejected = {"reason": str(reason), "detail": detail[:200], "topic": msg.topic}
+            if isinstance(exc, (DecodeError, UpdateRejected)):
+                reason, detail, log = str(exc.reason), exc.detail, logger.warning
+            else:
+                reason, detail, log = "failed", repr(exc), logger.error
+            self.state.last_rejected = {"reason": reason, "detail": detail[:200], "topic": msg.topic}
             more = self._count_rejected(reason)
             if more is not None:
-                log = logger.warning if known else logger.error
                 log("rejected %s: %s: %s%s", what, reason, detail, more)
-            self._tell_app(msg.topic, payload, str(reason), detail)
+            self._tell_app(msg.topic, payload, reason, detail)
             return
         self._ingest_wake.set()
 
@@ -298,6 +351,5 @@ class SampleSource(StatusReporter):
                     await asyncio.sleep(wait_s)
                     continue
                 if self.core.flush_due():
-                    await self._work(self.core.flush)
-                    await self._work(self._flush_pending)
+                    await self._work(self._flush)
                 break

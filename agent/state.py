@@ -85,7 +85,7 @@ class DeviceState:
     pipeline: Pipeline | None
     state_dir: Path
     governor: Governor
-    _phase: PhaseHook
+    phase: PhaseHook
     limits: Limits
     head: Head
     signing_key: SigningKey | None
@@ -94,7 +94,6 @@ class DeviceState:
     feedback: ErrorFeedback
     store: EmbeddingStore
     holdout: EmbeddingStore | None
-    new_samples: int
     answered: Answered | None
     seen_version: int
     degraded: str
@@ -105,14 +104,6 @@ class DeviceState:
     _acks_behind: int
     _logged: set[tuple[str, str]]
 
-    def _read_state(self, name: str) -> bytes | None:
-        """The newest good record of the state file ``name``, read once at start-up."""
-        return read_record(self.state_dir / name)
-
-    def _write_state(self, name: str, payload: bytes) -> None:
-        """Make ``payload`` the newest record of ``name`` (``OSError`` leaves the newest good one)."""
-        write_record(self.state_dir / name, payload)
-
     @property
     def head_path(self) -> Path:
         """The persisted global head."""
@@ -120,7 +111,7 @@ class DeviceState:
 
     def _load_head(self) -> None:
         """Restore the last applied global head from its record (previous generation if torn)."""
-        data = self._read_state(HEAD_FILE)
+        data = read_record(self.head_path)
         if data is None:
             return
         try:
@@ -164,8 +155,8 @@ class DeviceState:
 
     def _load_seen_version(self) -> int:
         """The newest version a signed round announced (CBOR ``{"v": 1, "fleet", "version"}``), else 0."""
-        data = self._read_state(SEEN_VERSION_FILE)
         path = self.state_dir / SEEN_VERSION_FILE
+        data = read_record(path)
         if data is None:
             return 0
         try:
@@ -189,7 +180,7 @@ class DeviceState:
 
         def write() -> None:
             payload = {"v": 1, "fleet": self.fleet, "version": self.seen_version}
-            self._write_state(SEEN_VERSION_FILE, cbor2.dumps(payload))
+            write_record(self.state_dir / SEEN_VERSION_FILE, cbor2.dumps(payload))
 
         self._persist("seen_version", write)
 
@@ -273,10 +264,12 @@ class DeviceState:
         return ok
 
     # --- outbox -----------------------------------------------------------------------------------
-    def _persist_outbox(self, write: Callable[[], object]) -> None:
-        """Persist an outbox change; if it fails, the retry writes the whole outbox (kept in memory)."""
-        if not self._persist("outbox", write):
-            self._unsaved["outbox"] = self.outbox.save
+    def _persist_outbox(self, write: Callable[[], object]) -> bool:
+        """Persist an outbox change; False if it failed (the retry writes the whole outbox, in memory)."""
+        if self._persist("outbox", write):
+            return True
+        self._unsaved["outbox"] = self.outbox.save
+        return False
 
     def mark_sent(self, update_id: str) -> int:
         """Count one publish attempt of an outbox entry (persisted); its attempts, 0 if unknown or unsaved."""

@@ -140,13 +140,17 @@ class EmbeddingStore:
         self._meta_path = directory / META_FILE
         emb_path, lbl_path, rows_path = directory / EMB_FILE, directory / LBL_FILE, directory / ROWS_FILE
         sizes = ((emb_path, capacity * dim * 2), (lbl_path, capacity * 2), (rows_path, capacity * 16))
-        old_capacity = _other_capacity(self._meta_path, capacity, dim)
+        if _finish_resize(directory):
+            logger.warning("store in %s: finished a capacity change a stop interrupted", directory)
+        data = read_record(self._meta_path)  # read (and a torn record logged) once
+        old_capacity = _other_capacity(data, capacity, dim)
         if old_capacity is not None:
             _resize(directory, old_capacity, capacity, dim, num_classes)
+            data = read_record(self._meta_path)
         meta: dict[str, object] | None = None
         mode = "w+"
         try:
-            meta = self._read_meta()
+            meta = self._read_meta(data)
             if not self._other_shape and all(_size(p) == n for p, n in sizes):
                 if meta is not None:
                     self._check_meta(meta)
@@ -191,10 +195,9 @@ class EmbeddingStore:
         """Drop the maps (before their files are renamed)."""
         del self._emb_bits, self._lbl_raw, self._rows_raw, self._emb, self._lbl, self._rows
 
-    def _read_meta(self) -> dict[str, object] | None:
-        """The metadata map; None: none, or another shape (``_other_shape``)."""
+    def _read_meta(self, data: bytes | None) -> dict[str, object] | None:
+        """The metadata map of the record payload ``data``; None: none or another shape (``_other_shape``)."""
         self._other_shape = False
-        data = read_record(self._meta_path)
         if data is None:
             return None
         try:
@@ -474,9 +477,8 @@ class EmbeddingStore:
         return since is not None and (time.monotonic() if now is None else now) - since >= interval_s
 
 
-def _other_capacity(meta_path: Path, capacity: int, dim: int) -> int | None:
-    """The capacity of a store at ``meta_path`` built for this ``dim`` and another capacity, else None."""
-    data = read_record(meta_path)
+def _other_capacity(data: bytes | None, capacity: int, dim: int) -> int | None:
+    """The capacity of the store with metadata ``data`` if built for this ``dim`` and another, else None."""
     try:
         meta = json.loads(data) if data is not None else None
     except ValueError:
@@ -485,6 +487,27 @@ def _other_capacity(meta_path: Path, capacity: int, dim: int) -> int | None:
         return None
     old = meta.get("capacity")
     return old if type(old) is int and old > 0 and old != capacity else None
+
+
+def _finish_resize(directory: Path) -> bool:
+    """Move a store rebuilt under :data:`RESIZE_DIR` into ``directory``, or drop an unfinished rebuild.
+
+    The rebuilt metadata record is written last and moved last of the three data files: while it is in
+    the sub-folder the rebuild is complete, and the files still there replace the old ones (a kill
+    part-way through the moves is finished here at the next open); without it the old files are whole.
+    Returns whether rebuilt files were moved in; OSError if a rename fails.
+    """
+    tmp = directory / RESIZE_DIR
+    if not tmp.is_dir():
+        return False
+    meta_prev = prev_path(Path(META_FILE)).name  # the meta record's newest may be in either of its files
+    complete = (tmp / META_FILE).exists()
+    if complete:
+        (directory / meta_prev).unlink(missing_ok=True)
+        names = [EMB_FILE, LBL_FILE, ROWS_FILE, META_FILE, meta_prev]
+        move_into([(tmp / name, directory / name) for name in names if (tmp / name).exists()])
+    shutil.rmtree(tmp, ignore_errors=True)
+    return complete
 
 
 def _resize(directory: Path, old_capacity: int, capacity: int, dim: int, num_classes: int | None) -> None:
@@ -504,14 +527,10 @@ def _resize(directory: Path, old_capacity: int, capacity: int, dim: int, num_cla
         new.add(emb, lbl)
     if old.mark is not None:
         new.mark = max(0, keep - old.since_mark)
-    new.flush()
+    new.flush()  # from here on the rebuilt store is complete: a kill is finished by the next open
     old._unmap()
     new._unmap()
-    meta_prev = prev_path(Path(META_FILE)).name  # the meta record's newest may be in either of its files
-    (directory / meta_prev).unlink(missing_ok=True)
-    names = [EMB_FILE, LBL_FILE, ROWS_FILE, META_FILE] + ([meta_prev] if (tmp / meta_prev).exists() else [])
-    move_into([(tmp / name, directory / name) for name in names])
-    shutil.rmtree(tmp, ignore_errors=True)
+    _finish_resize(directory)
     log = logger.warning if keep < n else logger.info
     log(
         "store in %s: capacity %d -> %d: kept the newest %d of %d sample(s)",

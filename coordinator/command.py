@@ -29,7 +29,7 @@ from edgefl.coordinator.runner import (
     strategy_problems,
 )
 from edgefl.errors import ConfigError, CredentialsRefused, ModelError, TransportError
-from edgefl.profiles import add_set_argument, parse_sets
+from edgefl.profiles import add_set_argument, parse_sets, print_problems
 
 logger = logging.getLogger(__name__)
 
@@ -167,9 +167,7 @@ def main(
     except ConfigError as exc:
         problems = exc.problems
     if problems:
-        print(f"edgefl coordinator: invalid profile {args.profile}:", file=sys.stderr)
-        for problem in problems:
-            print(f"  {problem}", file=sys.stderr)
+        print_problems(f"edgefl coordinator: invalid profile {args.profile}", problems)
         return EXIT_INVALID
     held: object = None
     try:

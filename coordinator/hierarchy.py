@@ -29,11 +29,11 @@ from edgefl.errors import DecodeError, UpdateRejected
 from edgefl.idtable import IdTable
 from edgefl.mqtt_link import Message
 from edgefl.records import read_record, write_record
-from edgefl.wire.cbor import MessageType, scan
+from edgefl.wire.cbor import MessageType
 from edgefl.wire.chunking import split_message
 from edgefl.wire.partial import MAX_PARTIAL_UPDATES, Partial, decode_partial, encode_partial
 from edgefl.wire.rounds import RoundAnnouncement
-from edgefl.wire.signing import VerifyKey, verify_payload
+from edgefl.wire.signing import VerifyKey
 
 logger = logging.getLogger(__name__)
 
@@ -113,13 +113,7 @@ class RootCoordinator(Coordinator):
         payload = self._reassembled(msg)
         if payload is None:
             return
-        scanned = scan(payload, self.limits)  # once: the signature check and the decoder take it
-        if self.site_keys is not None:
-            key = self.site_keys.get(site)
-            if key is None:
-                raise DecodeError("unknown_device", f"no public key for site {site}")
-            fleet, kind = self.topics.fleet, MessageType.PARTIAL
-            verify_payload(scanned, key, fleet=fleet, kind=kind, device=site, limits=self.limits)
+        scanned = self._signed(payload, self.site_keys, site, "site", MessageType.PARTIAL)
         p = decode_partial(scanned, limits=self.limits, expect_shape=self.shape)
         if p.site != site:
             raise UpdateRejected("wrong_device", f"partial names site {p.site} on {msg.topic}")

@@ -265,27 +265,37 @@ class Intake:
             verify_payload(payload, key, fleet=self.topics.fleet, kind=kind, limits=self.limits)
         return decode_global_model(payload, limits=self.limits, expect_shape=self.shape)
 
+    def _signed(
+        self,
+        payload: bytes,
+        keys: Mapping[str, VerifyKey] | None,
+        sender: str,
+        what: str,
+        kind: MessageType,
+    ) -> Scanned:
+        """``payload`` scanned once, verified as a ``kind`` (an update's Decline as one) when ``keys`` is set.
+
+        Raises DecodeError (``unknown_device`` without a key for ``sender``, or as ``verify_payload``).
+        """
+        key = None
+        if keys is not None:
+            key = keys.get(sender)
+            if key is None:
+                raise DecodeError("unknown_device", f"no public key for {what} {sender}")
+        scanned = scan(payload, self.limits)  # once: the signature check and the decoder take it
+        if key is not None:
+            if kind is MessageType.UPDATE and scanned.header.get("type") == MessageType.DECLINE:
+                kind = MessageType.DECLINE
+            fleet = self.topics.fleet
+            verify_payload(scanned, key, fleet=fleet, kind=kind, device=sender, limits=self.limits)
+        return scanned
+
     def _handle_update(self, device: str, msg: Message) -> None:
         payload = self._reassembled(msg)
         if payload is None:
             return
-        key = None
-        if self.device_keys is not None:
-            key = self.device_keys.get(device)
-            if key is None:
-                raise DecodeError("unknown_device", f"no public key for device {device}")
-        scanned = scan(payload, self.limits)  # once: the signature check and the decoder take it
-        kind = scanned.header.get("type")
-        if key is not None:
-            verify_payload(
-                scanned,
-                key,
-                fleet=self.topics.fleet,
-                kind=MessageType.DECLINE if kind == MessageType.DECLINE else MessageType.UPDATE,
-                device=device,
-                limits=self.limits,
-            )
-        if kind == MessageType.DECLINE:
+        scanned = self._signed(payload, self.device_keys, device, "device", MessageType.UPDATE)
+        if scanned.header.get("type") == MessageType.DECLINE:
             self._handle_decline(device, scanned)
             return
         if device in self.registry.mismatched:

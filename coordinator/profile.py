@@ -250,19 +250,12 @@ def _check_evaluation(p: Problems, c: EvaluationConfig, raw: Mapping[str, object
     if any(s <= 0 for s in c.std):
         p.add("evaluation.std", list(c.std), "must be > 0")
     if check_files and c.path is not None:
-        problem = profiles.file_problem(c.path, raw.get("path")) or npz_problem(c.path)
-        if problem is not None:
-            p.add("evaluation.path", raw.get("path"), problem)
+        profiles.check_file(p, "evaluation.path", c.path, raw, npz_problem)
 
 
 def _check_security(p: Problems, c: SecurityRef, raw: Mapping[str, object], check_files: bool) -> None:
-    if not check_files:
-        return
-    if c.signing_key_file is not None:
-        profiles.check_key_file(p, "security.signing_key_file", c.signing_key_file, raw, private=True)
-    if c.device_keys_dir is not None:
-        profiles.check_key_dir(p, "security.device_keys_dir", c.device_keys_dir, raw)
-    profiles.check_library(p, c, "security", ("signing_key_file", "device_keys_dir"))
+    if check_files:
+        profiles.check_keys(p, c, "security", raw, {"signing_key_file": "private", "device_keys_dir": "dir"})
 
 
 def _check_hierarchy(p: Problems, c: HierarchyConfig, raw: Mapping[str, object], check_files: bool) -> None:
@@ -278,13 +271,8 @@ def _check_hierarchy(p: Problems, c: HierarchyConfig, raw: Mapping[str, object],
     if c.role == "root" and c.site_keys_dir is None and not c.allow_unsigned_sites:
         why = "required when hierarchy.role = 'root' (or set hierarchy.allow_unsigned_sites = true)"
         p.add("hierarchy.site_keys_dir", None, why)
-    if not check_files:
-        return
-    if c.site_keys_dir is not None:
-        profiles.check_key_dir(p, "hierarchy.site_keys_dir", c.site_keys_dir, raw)
-    if c.root_key_file is not None:
-        profiles.check_key_file(p, "hierarchy.root_key_file", c.root_key_file, raw, private=False)
-    profiles.check_library(p, c, "hierarchy", ("site_keys_dir", "root_key_file"))
+    if check_files:
+        profiles.check_keys(p, c, "hierarchy", raw, {"site_keys_dir": "dir", "root_key_file": "public"})
 
 
 def _check_files(p: Problems, c: FilesConfig, raw: Mapping[str, object], check_files: bool) -> None:

@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 from edgefl.coordinator.hierarchy import RootCoordinator
 from edgefl.coordinator.history import RoundRecord
 from edgefl.coordinator.rounds import device_names
-from edgefl.coordinator.service import SILENT_KEPT, Coordinator
+from edgefl.coordinator.service import Coordinator, round_reasons
 from edgefl.coordinator.strategy import Strategy
 
 logger = logging.getLogger(__name__)
@@ -134,10 +135,9 @@ def log_entry(
     if not update_ids and rnd is not None and rnd.number == rec.round:
         update_ids = sorted(rnd.update_ids)  # an abandoned round's (too_few): the updates it counted
     entry = _round_entry(rec, coord.state.version, strategy.name, update_ids, refused, declined)
-    silent = coord.silent_devices(rec.round)
+    # silent: asked, and nothing counted came from them (no update, no decline)
     entry.update(
-        silent=silent[:SILENT_KEPT],  # asked, and nothing counted came from them (no update, no decline)
-        silent_devices=len(silent),
+        round_reasons(refused, declined, coord.silent_devices(rec.round)),
         refused_updates=dict(refused),
         clipped=rec.clipped,
         clipped_by_device=dict(strategy.clipped),  # since the start of this process
@@ -154,9 +154,28 @@ def log_entry(
 
 
 def append_log(log: Path, entries: Iterable[Mapping[str, Any]]) -> None:
-    """Append ``entries`` to the round log ``log``, one JSON line each."""
-    with open(log, "a") as f:
-        f.writelines(json.dumps(entry) + "\n" for entry in entries)
+    """Append ``entries`` to the round log ``log``, one JSON line each.
+
+    A last line left without its newline (a kill or a full disk part-way through a write) is ended
+    first, so the new lines stay whole and readable. OSError if the file system refuses: the log is
+    cut back to its size before (none of ``entries`` written).
+    """
+    text = "".join(json.dumps(entry) + "\n" for entry in entries)
+    with open(log, "ab+", buffering=0) as f:
+        size = f.seek(0, os.SEEK_END)
+        if size > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                logger.warning("round log %s: its last line is torn (no newline); ended it", log)
+                text = "\n" + text
+        data = memoryview(text.encode())
+        try:
+            while data:
+                data = data[f.write(data) or 0 :]
+        except OSError:
+            with contextlib.suppress(OSError):
+                f.truncate(size)
+            raise
 
 
 def log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:

@@ -257,10 +257,7 @@ async def run(
             record_instance(files.state, instance)  # the next start knows this one's lease as its own
     transport = transport_for(client_id)
     st = profile.strategy
-    try:
-        strategy = build_strategy(profile)
-    except ValueError as exc:
-        raise ConfigError([f"[strategy]/[privacy]: {exc}"]) from exc
+    strategy = build_strategy(profile)  # main() refused a profile it does not build (strategy_problems)
     role_kwargs: dict[str, Any] = {}
     cls: type[Coordinator] = Coordinator
     if hier.role == "root":
@@ -399,7 +396,10 @@ async def run(
                 raise ConfigError([f"files.state = {str(files.state)!r}: {exc}"]) from exc
             coord.state_path = files.state
             if files.log is not None:
-                log_missing_rounds(files.log, coord, strategy.name)
+                try:
+                    log_missing_rounds(files.log, coord, strategy.name)
+                except OSError as exc:  # a full disk: the next start appends them
+                    logger.error("round log %s: the rounds it missed not appended (%s)", files.log, exc)
         elif profile.privacy.enabled and leased:
             why = "privacy.enabled without files.state: the privacy accountant starts again at every start"
             print(f"warning: {why}", flush=True)
@@ -514,6 +514,8 @@ async def _fleet_rounds(
     """A flat or root coordinator's rounds until done or stopped, adding to ``records`` and ``empty``."""
     rounds, files, fleet = profile.rounds, profile.files, profile.fleet.name
     job = rounds.count > 0  # N rounds back to back; 0: a service, paced
+    unlogged: list[dict[str, Any]] = []  # closed rounds' log lines waiting for a saved state file
+    failed = [0, 0]  # state saves and log appends refused in a row (a full disk)
     if not stop.is_set() and job and coord.state.round >= rounds.count:
         print(
             f"nothing to do: fleet {fleet} is at round {coord.state.round} of {rounds.count} "
@@ -544,8 +546,7 @@ async def _fleet_rounds(
         refused_round = counts_since(coord.state.rejected, refused_before)
         declined_round = counts_since(coord.state.declined, declined_before)
         coord.note_round_reasons(rec.round, refused_round, declined_round)
-        if files.state is not None:
-            coord.save_state(files.state)
+        saved = files.state is None or _save_closed(coord, files.state, rec.round, failed)
         # at the root the messages in are the sites' partials (~41 kB for 512x10 float64 sums)
         per = "partial" if isinstance(coord, RootCoordinator) else "update"
         silent = coord.silent_devices(rec.round)
@@ -560,12 +561,64 @@ async def _fleet_rounds(
             why = f"{rec.clients} updates, {need}: {strategy.tolerance()}"
             empty.append(f"round {rec.round} aggregated nothing (abandoned: {why})")
         if files.log is not None:
-            append_log(files.log, [log_entry(coord, rec, strategy, refused_round, declined_round)])
+            unlogged.append(log_entry(coord, rec, strategy, refused_round, declined_round))
+            # a round is logged once its state file says it closed: a restart never closes it again
+            if saved and _log_rounds(files.log, unlogged, failed):
+                unlogged.clear()
+            elif len(unlogged) > UNLOGGED_KEPT:
+                logger.error("round log: round %d's line dropped (disk full)", unlogged.pop(0)["round"])
         # the round's freed heap (decoded updates, aggregation temporaries, the state document) goes
         # back to the kernel: a service's RSS stays its live data, not the sum of its rounds' free gaps
         heap.malloc_trim()
     coord.finished = True
     coord.notify()
+
+
+UNLOGGED_KEPT: Final = 1000
+"""Closed rounds' log lines kept while the disk refuses them (~1 kB each); older ones are dropped."""
+
+
+def _save_closed(coord: Coordinator, path: Path, round_no: int, failed: list[int]) -> bool:
+    """Save the state file after round ``round_no`` closed; False when the disk refused it.
+
+    ``failed``: ``[state, log]`` write failures in a row, counted here (logged at the first and when
+    writing works again).
+    """
+    try:
+        coord.save_state(path)
+    except OSError as exc:  # a full disk: the rounds go on, a restart resumes the last saved generation
+        failed[0] += 1
+        if failed[0] == 1:
+            logger.error(
+                "round %d: state file %s not written (%s); the rounds go on, their round log lines wait "
+                "for a save",
+                round_no,
+                path,
+                exc,
+            )
+        return False
+    if failed[0]:
+        logger.warning("state file %s written again after %d failed save(s)", path, failed[0])
+        failed[0] = 0
+    return True
+
+
+def _log_rounds(log: Path, entries: list[dict[str, Any]], failed: list[int]) -> bool:
+    """Append ``entries`` to the round log; False when the disk refused them (nothing appended).
+
+    ``failed`` as :func:`_save_closed`'s.
+    """
+    try:
+        append_log(log, entries)
+    except OSError as exc:
+        failed[1] += 1
+        if failed[1] == 1:
+            logger.error("round log %s not written (%s): its lines are kept for the next round", log, exc)
+        return False
+    if failed[1]:
+        logger.warning("round log %s written again after %d failed append(s)", log, failed[1])
+        failed[1] = 0
+    return True
 
 
 async def _site_rounds(site: SiteAggregator, log: Path | None, count: int, stop: asyncio.Event) -> None:

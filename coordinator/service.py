@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Unpack
 
 import numpy as np
@@ -56,6 +56,9 @@ PUBLISH_RETRY_S = 120.0
 ADOPT_WAIT_S = 2.0
 """How long a coordinator without state waits for the fleet's retained round and head (seconds)."""
 
+STATE_RETRY_S = 5.0
+"""How often a closed round's refused state write (a full disk) is tried again (seconds)."""
+
 PACING_RECHECK_S = 0.5
 """Least time between two checks of the pacing while a service waits (statuses come in bursts)."""
 WAIT_LOG_EVERY_S = 60.0
@@ -67,12 +70,20 @@ PAGE_HISTORY = 500
 SILENT_KEPT = 100
 
 
-def quiet_reasons() -> dict[str, Any]:
-    """A quiet round's reasons as the page and the round log read them: nothing refused, declined or silent.
+def round_reasons(
+    refused: Mapping[str, int], declined: Mapping[str, int], silent: Sequence[str]
+) -> dict[str, Any]:
+    """A round's reasons as the page and the round log read them (a new dict each call).
 
-    A new dict each call (the page completes its records in place).
+    ``refused``, ``declined``: ``{reason: count}``; ``silent``: the devices asked that never answered,
+    of which the first :data:`SILENT_KEPT` names are kept and ``silent_devices`` counts them all.
     """
-    return {"refused": {}, "declined": {}, "silent": [], "silent_devices": 0}
+    return {
+        "refused": dict(refused),
+        "declined": dict(declined),
+        "silent": list(silent[:SILENT_KEPT]),
+        "silent_devices": len(silent),
+    }
 
 
 class Coordinator(Intake):
@@ -234,6 +245,33 @@ class Coordinator(Intake):
             since = max(0.0, time.time() - (last.closed_unix - last.duration_s))
         return pacing.check(self.state.round, self.registry.ready_new_samples(), since)
 
+    async def _persist_closed(self, round_no: int) -> None:
+        """Write the closed round ``round_no`` to the state file before anything of it goes out.
+
+        A refused write (a full disk) is logged once and tried again every :data:`STATE_RETRY_S`
+        until it succeeds: the round's head waits, the coordinator keeps running (SIGTERM stops it).
+        """
+        failures = 0
+        while True:
+            try:
+                self._persist()
+            except OSError as exc:
+                failures += 1
+                if failures == 1:
+                    logger.error(
+                        "round %d: state file %s not written (%s); the round's result waits for it "
+                        "(tried again every %g s)",
+                        round_no,
+                        self.state_path,
+                        exc,
+                        STATE_RETRY_S,
+                    )
+                await asyncio.sleep(STATE_RETRY_S)
+                continue
+            if failures:
+                logger.warning("round %d: state file written after %d refused attempt(s)", round_no, failures)
+            return
+
     async def run_round(self, round_no: int, selected: tuple[str, ...] | None = None) -> RoundRecord:
         """Run round ``round_no``: announce, collect until complete or deadline, aggregate, check, publish.
 
@@ -313,28 +351,27 @@ class Coordinator(Intake):
         rnd.close()
         if not rnd.complete():  # it waited its deadline for them: later rounds do not (registry.note_silent)
             self.registry.note_silent(rnd.silent(), round_no)
-        refused = ""
         self._settled = round_no  # from here on the state file holds the round's result, not the round
-        if rnd.clients == 0:
-            self._persist()
-        else:
+        refusal = None
+        if rnd.clients > 0:
             self.W, self.b, refusal = aggregate_checked(self.strategy, self.W, self.b)
-            if refusal is not None:
-                self._persist()
-                refused = refusal.reason
-                self.state.refused_rounds[refused] += 1
-                logger.error(
-                    "round %d refused: %s (%s); keeping version %d",
-                    round_no,
-                    "abandoned" if refused == "too_few" else "the agents would refuse the aggregated head",
-                    refusal,
-                    self.state.version,
-                )
-            else:
+            if refusal is None:
                 self.counted[round_no] = sorted(rnd.update_ids)
                 self.state.version += 1
-                self._persist()  # before publishing: a crash in between must not resume a version behind
-                await self.publish_global(round_no)
+        # before publishing: a crash in between must not resume a version behind
+        await self._persist_closed(round_no)
+        refused = refusal.reason if refusal is not None else ""
+        if refusal is not None:
+            self.state.refused_rounds[refused] += 1
+            logger.error(
+                "round %d refused: %s (%s); keeping version %d",
+                round_no,
+                "abandoned" if refused == "too_few" else "the agents would refuse the aggregated head",
+                refusal,
+                self.state.version,
+            )
+        elif rnd.clients > 0:
+            await self.publish_global(round_no)
         report = self.strategy.report()
         accuracy = float("nan")
         if self.evaluate is not None:
@@ -561,16 +598,8 @@ class Coordinator(Intake):
         quiet round (nothing refused, declined or silent) is kept as None (a dict slot, not four containers).
         """
         silent = self.silent_devices(round_no)
-        kept: dict[str, Any] | None = None
-        if refused or declined or silent:
-            kept = {
-                "refused": dict(refused),
-                "declined": dict(declined),
-                "silent": silent[:SILENT_KEPT],
-                "silent_devices": len(silent),
-            }
-        self._round_reasons[round_no] = kept
-        reasons = kept if kept is not None else quiet_reasons()
+        reasons = round_reasons(refused, declined, silent)
+        self._round_reasons[round_no] = reasons if refused or declined or silent else None
         for old in sorted(self._round_reasons)[:-HISTORY_ROUNDS]:
             del self._round_reasons[old]
         for record in reversed(self._dashboard_rounds):  # converted already: completed in place
@@ -583,7 +612,7 @@ class Coordinator(Intake):
         if round_no not in self._round_reasons:
             return {}
         kept = self._round_reasons[round_no]
-        return kept if kept is not None else quiet_reasons()
+        return kept if kept is not None else round_reasons({}, {}, ())
 
     def dashboard_rounds(self) -> list[dict[str, Any]]:
         """The kept round records as :func:`~edgefl.coordinator.history.page_record` dicts, oldest first."""

@@ -17,10 +17,10 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from edgefl.errors import ConfigError, CredentialsRefused, EdgeflError, ModelError, StartupError
-from edgefl.profiles import add_set_argument, parse_sets, read_toml
+from edgefl.profiles import add_set_argument, parse_sets, print_problems, read_toml
 
 if TYPE_CHECKING:
     from edgefl.agent.config import Profile
@@ -71,7 +71,7 @@ def _load_or_report(args: argparse.Namespace) -> Profile | None:
     try:
         return load_profile(args.profile, _parse_sets(args.set))
     except ConfigError as exc:
-        _report(f"invalid profile {args.profile}", exc.problems)
+        print_problems(f"edgefl: invalid profile {args.profile}", exc.problems)
         return None
 
 
@@ -105,11 +105,9 @@ def _preflight(profile: Profile, *, warn_unloaded: bool = True) -> list[str]:
             print(f"edgefl: warning: {_unchecked_here(profile, elsewhere)}", file=sys.stderr)
         return [p for p in problems if p not in elsewhere]
 
+    m = profile.model
     backbone = Backbone(
-        profile.model.path,
-        num_threads=profile.model.num_threads,
-        runtime=profile.model.runtime,
-        embedding_tensor=profile.model.embedding_tensor,
+        m.path, num_threads=m.num_threads, runtime=m.runtime, embedding_tensor=m.embedding_tensor
     )
     shapes = estimates.model_shapes(backbone)
     mapped = heap.readonly_file_rss()
@@ -139,12 +137,6 @@ def _unchecked_here(profile: Profile, elsewhere: Sequence[str]) -> str:
     if elsewhere:
         text += "; nor " + "; ".join(elsewhere)
     return text + ". Run `edgefl check-config` on the gateway itself (install.sh does) to check them."
-
-
-def _report(title: str, problems: Sequence[str]) -> None:
-    print(f"edgefl: {title}:", file=sys.stderr)
-    for problem in problems:
-        print(f"  {problem}", file=sys.stderr)
 
 
 def cmd_coordinator(main: Callable[..., int], args: argparse.Namespace, **parts: Any) -> int:
@@ -185,7 +177,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         problems = _preflight(profile, warn_unloaded=False)
         if problems:
-            _report(f"profile {args.profile} cannot run here", problems)
+            print_problems(f"edgefl: profile {args.profile} cannot run here", problems)
             return EXIT_INVALID
         heap.release_file_pages()  # what the check mapped, before the agent loads its own model
         try:
@@ -270,12 +262,8 @@ class DashboardPage:
 
     async def start(self, status: Callable[[], dict[str, Any]]) -> str:
         """Serve ``status()`` on ``dashboard.host:port``; return the page's URL."""
-        from edgefl.dashboard.app import DashboardState, serve
-
-        d = self._config
-        self._state = DashboardState("device", self._device, status, **_limits(d))
-        self._runner, port = await serve(self._state, d.host, d.port)
-        return f"http://{d.host}:{port}/"
+        self._state, self._runner, port = await _serve(self._config, "device", self._device, status)
+        return f"http://{self._config.host}:{port}/"
 
     def notify(self) -> None:
         """Push a changed status to open pages."""
@@ -298,10 +286,16 @@ class DashboardPage:
         }
 
 
-def _limits(d: DashboardConfig) -> dict[str, Any]:
-    """The ``[dashboard]`` keys a ``DashboardState`` takes: the token, timeouts and connection caps."""
+async def _serve(
+    d: DashboardConfig, kind: Literal["device", "coordinator"], title: str, status: Any, **options: Any
+) -> tuple[Any, Any, int]:
+    """A ``DashboardState`` with the table's token, timeouts and caps, served: (state, runner, port)."""
+    from edgefl.dashboard.app import DashboardState, serve
+
     names = ("token", "header_timeout_s", "body_timeout_s", "max_connections", "max_connections_per_client")
-    return {name: getattr(d, name) for name in names}
+    state = DashboardState(kind, title, status, **options, **{name: getattr(d, name) for name in names})
+    runner, port = await serve(state, d.host, d.port)
+    return state, runner, port
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -312,7 +306,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     try:
         _, data = read_toml(args.profile)
     except ConfigError as exc:
-        _report(f"invalid profile {args.profile}", exc.problems)
+        print_problems(f"edgefl: invalid profile {args.profile}", exc.problems)
         return EXIT_INVALID
     from edgefl.coordinator.profile import SCHEMA, is_coordinator_profile, load_coordinator_profile
 
@@ -334,7 +328,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             problems = exc.problems
         if problems:
-            _report(f"invalid coordinator profile {args.profile}", problems)
+            print_problems(f"edgefl: invalid coordinator profile {args.profile}", problems)
             return EXIT_INVALID
         n = coordinator.rounds.count
         name = coordinator.strategy.name
@@ -356,7 +350,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     except ModelError as exc:
         problems = [f"model.path = {str(profile.model.path)!r}: {exc}"]
     if problems:
-        _report(f"profile {args.profile} cannot run here", problems)
+        print_problems(f"edgefl: profile {args.profile} cannot run here", problems)
         return EXIT_INVALID
     from edgefl.runtime import runtime_available
 
@@ -554,19 +548,9 @@ async def serve_coordinator_page(
     the coordinator's status document and round records. Returns an async stop function and the port
     bound. ConfigError for a non-loopback address without a token; OSError if the port cannot be bound.
     """
-    from edgefl.dashboard.app import DashboardState, serve
-
     # memory per device over the last 30 minutes (180 samples, 10 s apart)
-    board = DashboardState(
-        "coordinator",
-        title,
-        get_status,
-        get_rounds=get_rounds,
-        history_interval_s=10.0,
-        history_len=180,
-        **_limits(dashboard),
-    )
-    runner, port = await serve(board, dashboard.host, dashboard.port)
+    options = {"get_rounds": get_rounds, "history_interval_s": 10.0, "history_len": 180}
+    _, runner, port = await _serve(dashboard, "coordinator", title, get_status, **options)
     return runner.cleanup, port
 
 

@@ -18,9 +18,9 @@ import signal
 import subprocess
 import tempfile
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -54,19 +54,18 @@ HEAD_ACCURACY_KEYS = ("personal_accuracy", "global_accuracy")
 """The agents' accuracies of their two heads on their holdout (status fields, ``--json`` keys)."""
 
 
-async def _wait_head_accuracies(
-    devices: Mapping[str, Mapping[str, Any]], names: list[str], version: int, timeout_s: float
-) -> None:
-    """Wait (at most ``timeout_s``) until each device's status evaluates both heads on ``version``."""
+async def _wait_statuses(
+    devices: Mapping[str, Mapping[str, Any]],
+    names: Iterable[str],
+    done: Callable[[str, Mapping[str, Any]], bool],
+    timeout_s: float,
+) -> list[str]:
+    """Poll the devices' statuses until ``done(name, status)`` for each of ``names``; those late."""
     loop = asyncio.get_running_loop()
     until = loop.time() + timeout_s
-
-    def done(name: str) -> bool:
-        st = devices.get(name, {})
-        return st.get("version") == version and _accuracy(st.get("personal_accuracy")) is not None
-
-    while loop.time() < until and not all(done(n) for n in names):
-        await asyncio.sleep(0.1)
+    while (late := [n for n in names if not done(n, devices.get(n, {}))]) and loop.time() < until:
+        await asyncio.sleep(0.1)  # statuses come every status.interval_s
+    return late
 
 
 def _accuracy(value: object) -> float | None:
@@ -173,23 +172,18 @@ async def _run(opts: argparse.Namespace) -> int:
     # baselines trained to convergence: "centralized" an upper bound, "local-only" a device on its own
     total_epochs = max(BASELINE_EPOCHS, opts.local_epochs * opts.rounds)
     baseline = accuracy(W0, b0, emb_test, y_test)
-    Wc, bc = fit_head(
-        W0, b0, emb_pool, y[pool], epochs=total_epochs, lr=opts.lr, batch_size=opts.batch_size, seed=opts.seed
-    )
-    centralized = accuracy(Wc, bc, emb_test, y_test)
-    local_accs = []
-    for k, (rows, shard) in enumerate(zip(parts, shards, strict=True)):
-        Wl, bl = fit_head(
-            W0,
-            b0,
-            emb_pool[rows],
-            y[shard],
-            epochs=total_epochs,
-            lr=opts.lr,
-            batch_size=opts.batch_size,
-            seed=opts.seed + k,
+
+    def trained(emb: np.ndarray, labels: np.ndarray, seed: int) -> float:
+        W, b = fit_head(
+            W0, b0, emb, labels, epochs=total_epochs, lr=opts.lr, batch_size=opts.batch_size, seed=seed
         )
-        local_accs.append(accuracy(Wl, bl, emb_test, y_test))
+        return accuracy(W, b, emb_test, y_test)
+
+    centralized = trained(emb_pool, y[pool], opts.seed)
+    local_accs = [
+        trained(emb_pool[rows], y[shard], opts.seed + k)
+        for k, (rows, shard) in enumerate(zip(parts, shards, strict=True))
+    ]
     local_only = float(np.mean(local_accs))
     print(
         f"edgefl demo: {plural(opts.devices, 'device')}, {plural(opts.rounds, 'round')}, "
@@ -208,6 +202,11 @@ async def _run(opts: argparse.Namespace) -> int:
     else:
         host, port = "127.0.0.1", free_port()
         broker = await _embedded_broker(port)
+    # the agents, the coordinator and the feeds connect alike (amqtt speaks MQTT 3.1.1 only)
+    protocol = "3.1.1" if broker is not None else profile.broker.protocol
+    link = BrokerConfig(
+        url=f"mqtt://{host}:{port}", topic_prefix=profile.broker.topic_prefix, protocol=protocol
+    )
     fleet = f"demo{os.getpid()}"
     topics = Topics(profile.broker.topic_prefix, fleet)
     names = [f"dev-{k + 1}" for k in range(len(shards))]
@@ -224,23 +223,18 @@ async def _run(opts: argparse.Namespace) -> int:
                             "device.id": dev,
                             "device.fleet": fleet,
                             "device.state_dir": str(work / dev),
-                            "broker.url": f"mqtt://{host}:{port}",
+                            "broker.url": link.url,
                             "source.kind": "mqtt",
                             "model.path": str(model_path),
                             "training.store_capacity": str(max(256, len(shard))),
-                            "broker.protocol": "3.1.1" if broker is not None else profile.broker.protocol,
+                            "broker.protocol": link.protocol,
                             # the demo's agents never restart: no session for the embedded broker to keep
                             "broker.session_expiry_s": "0",
                         },
                         work / f"{dev}.log",
                     )
                 )
-            transport = MqttTransport(
-                host,
-                port,
-                f"edgefl-coordinator-{fleet}",
-                protocol="3.1.1" if broker is not None else profile.broker.protocol,
-            )
+            transport = MqttTransport(host, port, f"edgefl-coordinator-{fleet}", protocol=link.protocol)
             await transport.start(wait_s=15)
             rounds = RoundsConfig(
                 local_epochs=opts.local_epochs,
@@ -275,7 +269,7 @@ async def _run(opts: argparse.Namespace) -> int:
                 ready = await coord.registry.wait_for_devices(opts.devices, timeout_s=120)
                 print(f"  {len(ready)} agents ready: {', '.join(ready)}")
                 sizes = {dev: len(s) for dev, s in zip(names, shards, strict=True)}
-                await _feed_devices(opts, coord, topics, host, port, work, sizes, broker is not None)
+                await _feed_devices(opts, coord, topics, link, work, sizes)
                 print(f"  coordinator dashboard: http://127.0.0.1:{board_port}/")
                 for dev in ready:
                     url = coord.registry.devices[dev].get("dashboard_url")
@@ -295,10 +289,13 @@ async def _run(opts: argparse.Namespace) -> int:
                         rc = 1
                 await asyncio.sleep(0.5)  # let the agents apply the last global head
                 # their statuses carry both heads' holdout accuracy on the last head (status.interval_s)
-                await _wait_head_accuracies(
+                version = coord.state.version
+                await _wait_statuses(
                     coord.registry.devices,
                     names,
-                    coord.state.version,
+                    lambda _, st: (
+                        st.get("version") == version and _accuracy(st.get("personal_accuracy")) is not None
+                    ),
                     2 * profile.status.interval_s + 1.0,
                 )
                 coord.finished = True  # the fleet page says so (while --hold keeps it up)
@@ -394,23 +391,20 @@ async def _feed_devices(
     opts: argparse.Namespace,
     coord: Coordinator,
     topics: Topics,
-    host: str,
-    port: int,
+    broker: BrokerConfig,
     work: Path,
     sizes: dict[str, int],
-    embedded: bool,
 ) -> None:
     """Feed each agent its shard (``sizes`` by device) over MQTT; wait until stored (TimeoutError: 60 s)."""
-    protocol: Literal["3.1.1", "auto"] = "3.1.1" if embedded else "auto"
-    broker = BrokerConfig(url=f"mqtt://{host}:{port}", topic_prefix=topics.prefix, protocol=protocol)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     transports: list[MqttTransport] = []
     try:
         # one after the other: amqtt 0.12 drops a connecting client if another subscribes meanwhile
         for dev, n in sizes.items():
+            client_id = f"edgefl-feed-{topics.fleet}-{dev}"
             t = MqttTransport(
-                host, port, f"edgefl-feed-{topics.fleet}-{dev}", protocol=protocol, queue_size=2 * n + 256
+                broker.host, broker.port, client_id, protocol=broker.protocol, queue_size=2 * n + 256
             )
             await t.start(wait_s=15)
             transports.append(t)
@@ -438,11 +432,11 @@ async def _feed_devices(
         for t in transports:
             await t.stop()
     fed_s = loop.time() - t0
-    for dev, n in sizes.items():
-        while coord.registry.devices.get(dev, {}).get("stored_total") != n:
-            if loop.time() - t0 > 60:
-                raise TimeoutError(f"{dev} did not store its {n} samples within 60 s")
-            await asyncio.sleep(0.1)  # statuses come every status.interval_s
+    late = await _wait_statuses(
+        coord.registry.devices, sizes, lambda dev, st: st.get("stored_total") == sizes[dev], 60 - fed_s
+    )
+    if late:
+        raise TimeoutError(f"{late[0]} did not store its {sizes[late[0]]} samples within 60 s")
     seconds = loop.time() - t0
     sent = sum(r.samples_sent for r in results)
     predicted = sum(r.predictions_received for r in results)

@@ -33,6 +33,7 @@ from edgefl.profiles import (
     add_set_argument,
     check_broker,
     parse_sets,
+    print_problems,
     read_toml,
 )
 from edgefl.records import atomic_write
@@ -121,8 +122,10 @@ class FeedResult:
         return self.correct / self.predictions_received if self.predictions_received else None
 
 
-def load_samples(path: Path) -> tuple[np.ndarray, np.ndarray]:
+def load_samples(path: Path, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Read a replay-format ``.npz``: ``x`` [N, ...] raw (uint8, int16 or float32), ``y`` int64 [N], N >= 1.
+
+    The first ``limit`` samples (None: all) of a file checked whole.
 
     ValueError naming the file and the problem: not an ``.npz`` archive, no ``x``/``y``, no samples,
     lengths that differ, an ``x`` no Sample can carry, or labels that are not integers (a float ``y``
@@ -149,7 +152,7 @@ def load_samples(path: Path) -> tuple[np.ndarray, np.ndarray]:
             f"{path}: x: {x.dtype} samples of {x.ndim - 1} dimensions; a Sample's x is uint8, int16 or "
             "float32 (the device's pipeline.raw_dtype) of 1 to 4 dimensions"
         )
-    return x, _integer_labels(path, y)
+    return x[:limit], _integer_labels(path, y)[:limit]
 
 
 def _integer_labels(path: Path, y: np.ndarray) -> np.ndarray:
@@ -177,9 +180,7 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
     use (default: its own). ValueError for an unreadable data file; TransportError if the broker cannot
     be reached or refuses the credentials; ConfigError if TLS or password files cannot be read.
     """
-    x, y = load_samples(opts.data)
-    if opts.limit is not None:
-        x, y = x[: opts.limit], y[: opts.limit]
+    x, y = load_samples(opts.data, opts.limit)
     n = len(x)
     rng = np.random.default_rng(opts.seed)
     labelled = np.zeros(n, dtype=bool)
@@ -277,20 +278,20 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
             )
         t0 = time.monotonic()
 
-        async def send_due_labels(now: float) -> None:
-            while late and late[0][0] <= now:
-                _, i = heapq.heappop(late)
-                label = encode_label(Label(ids[i], int(y[i]), time.time()))
-                await spawn(label_topic, label, 1, functools.partial(state.label_sent, i))
+        async def wait_until(due: float) -> None:  # monotonic; sending each late label as it falls due
+            while True:
+                now = time.monotonic()
+                while late and late[0][0] <= now:
+                    _, i = heapq.heappop(late)
+                    label = encode_label(Label(ids[i], int(y[i]), time.time()))
+                    await spawn(label_topic, label, 1, functools.partial(state.label_sent, i))
+                if now >= due:
+                    return
+                await asyncio.sleep((min(due, late[0][0]) if late else due) - now)
 
         try:
             for i in range(n):
-                if opts.rate_hz > 0:
-                    due = t0 + i / opts.rate_hz
-                    while (now := time.monotonic()) < due:
-                        await send_due_labels(now)
-                        await asyncio.sleep(max(0.0, (min(due, late[0][0]) if late else due) - now))
-                await send_due_labels(time.monotonic())
+                await wait_until(t0 + i / opts.rate_hz if opts.rate_hz > 0 else 0.0)
                 with_label = bool(labelled[i]) and opts.label_delay_s <= 0
                 sample = Sample(ids[i], x[i], int(y[i]) if with_label else None, time.time())
                 parts = split_message(encode_sample(sample), sample_topic, transport.packet_limit())
@@ -302,8 +303,7 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
                 if labelled[i] and opts.label_delay_s > 0:
                     heapq.heappush(late, (time.monotonic() + opts.label_delay_s, i))
             while late:
-                await asyncio.sleep(max(0.0, late[0][0] - time.monotonic()))
-                await send_due_labels(time.monotonic())
+                await wait_until(late[0][0])
             if inflight:
                 await asyncio.gather(*inflight)
             if errors:
@@ -633,16 +633,13 @@ def cmd_feed(args: argparse.Namespace) -> int:
         sets = parse_sets(args.set)
         names = [f.name for f in fields(FeedOptions) if f.name != "broker"]  # each the dest of its option
         opts = FeedOptions(broker=_broker(args, sets), **{name: getattr(args, name) for name in names})
-        x, y = load_samples(opts.data)
+        x, y = load_samples(opts.data, opts.limit)
         checked = _check_profile(args, sets)
         if checked is not None:
-            x, y = x[: args.limit], y[: args.limit]
             model_sets = {k: v for k, v in sets.items() if not k.startswith("broker.")}
             problems = check_samples(checked, x, y, model_sets)
             if problems:
-                print(f"edgefl feed: {opts.data} does not fit device {opts.device}:", file=sys.stderr)
-                for problem in problems:
-                    print(f"  {problem}", file=sys.stderr)
+                print_problems(f"edgefl feed: {opts.data} does not fit device {opts.device}", problems)
                 return 2
     except (ValueError, EdgeflError) as exc:
         print(f"edgefl feed: {exc}", file=sys.stderr)

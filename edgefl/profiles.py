@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import hashlib
 import os
+import sys
 import tomllib
 import types
 import typing
@@ -309,12 +310,23 @@ def check(problems: Problems, key: str, value: object, validator: Callable[[obje
         problems.add(key, value, str(exc))
 
 
-def file_problem(path: Path, raw: object) -> str | None:
-    """Return why ``path`` cannot be used as an input file, or None if it can."""
+def check_file(
+    p: Problems,
+    key: str,
+    path: Path,
+    raw: Mapping[str, object],
+    more: Callable[[Path], str | None] | None = None,
+) -> bool:
+    """Problem of ``key`` (of table ``raw``) unless ``path`` is a file and ``more(path)`` None; True if ok."""
+    given = raw.get(key.rpartition(".")[2])
     if path.is_file():
-        return None
-    where = "" if Path(str(raw)).is_absolute() else f" (resolved to {str(path)!r})"
-    return ("not a file" if path.exists() else "file not found") + where
+        problem = more(path) if more is not None else None
+    else:
+        where = "" if Path(str(given)).is_absolute() else f" (resolved to {str(path)!r})"
+        problem = ("not a file" if path.exists() else "file not found") + where
+    if problem is not None:
+        p.add(key, given, problem)
+    return problem is None
 
 
 #: Kernel file systems: nothing the product writes belongs there.
@@ -359,52 +371,42 @@ def check_model(p: Problems, c: Any, raw: Mapping[str, object], check_files: boo
     """
     if c.sha256 is not None and (len(c.sha256) != 64 or any(ch not in "0123456789abcdef" for ch in c.sha256)):
         p.add("model.sha256", c.sha256, "must be 64 hexadecimal digits")
-    if not check_files:
+    if not check_files or not check_file(p, "model.path", c.path, raw):
         return
-    problem = file_problem(c.path, raw.get("path"))
-    if problem is not None:
-        p.add("model.path", raw.get("path"), problem)
-    elif c.sha256 is not None and "model.sha256" not in p.bad:
+    if c.sha256 is not None and "model.sha256" not in p.bad:
         actual = sha256_file(c.path)
         if actual != c.sha256:
             why = f"does not match the file (its sha256 is {actual})"
             p.add("model.sha256", c.sha256, why, involves=("model.path",))
 
 
-def check_key_file(p: Problems, key: str, path: Path, raw: Mapping[str, object], *, private: bool) -> None:
-    """Problem of ``key`` unless ``path`` holds an Ed25519 private (or public) key, hex or PEM."""
-    from edgefl.wire.signing import load_signing_key, load_verify_key
-
-    name = key.rpartition(".")[2]
-    problem = file_problem(path, raw.get(name))
-    if problem is None:
-        try:
-            (load_signing_key if private else load_verify_key)(path)
-        except (OSError, ValueError) as exc:
-            problem = str(exc)
-    if problem is not None:
-        p.add(key, raw.get(name), problem)
+KeyKind = Literal["private", "public", "dir", "text"]
+"""An Ed25519 key setting: the path of a private or a public key file, or of a folder of ``*.pub``; a key."""
 
 
-def check_key_dir(p: Problems, key: str, path: Path, raw: Mapping[str, object]) -> None:
-    """Problem of ``key`` unless ``path`` is a folder whose ``*.pub`` files all hold public keys."""
-    from edgefl.wire.signing import load_verify_keys
+def check_keys(
+    p: Problems, c: object, table: str, raw: Mapping[str, object], kinds: Mapping[str, KeyKind]
+) -> None:
+    """Problems of ``table``'s key settings (``kinds``: name → kind): each path set must hold its keys.
 
-    name = key.rpartition(".")[2]
-    if not path.is_dir():
-        p.add(key, raw.get(name), "not a folder")
-        return
-    try:
-        load_verify_keys(path)
-    except (OSError, ValueError) as exc:
-        p.add(key, raw.get(name), str(exc))
+    Keys are hex or PEM; then a note (once per profile) if one of these settings is set with no Ed25519
+    library to use it.
+    """
+    from edgefl.wire.signing import library_problem, load_signing_key, load_verify_key, load_verify_keys
 
-
-def check_library(p: Problems, c: object, table: str, names: tuple[str, ...]) -> None:
-    """Note (once per profile) a configured key of ``table`` with no Ed25519 library to use it."""
-    from edgefl.wire.signing import library_problem
-
-    for name in names:
+    loaders = {"private": load_signing_key, "public": load_verify_key, "dir": load_verify_keys}
+    for name, kind in kinds.items():
+        path, key = getattr(c, name), f"{table}.{name}"
+        if path is None or kind == "text":
+            continue
+        if kind == "dir" and not path.is_dir():
+            p.add(key, raw.get(name), "not a folder")
+        elif kind == "dir" or check_file(p, key, path, raw):
+            try:
+                loaders[kind](path)
+            except (OSError, ValueError) as exc:
+                p.add(key, raw.get(name), str(exc))
+    for name in kinds:
         why = library_problem(f"{table}.{name}") if getattr(c, name) is not None else None
         if why is not None and not any("edgefl[security]" in q for q in p.items):
             p.note(why)
@@ -435,9 +437,7 @@ def check_broker(p: Problems, c: BrokerConfig, raw: Mapping[str, object], check_
         elif c.password is not None:
             p.add("broker.password_file", raw.get("password_file"), "give broker.password or this, not both")
         elif check_files:
-            problem = file_problem(c.password_file, raw.get("password_file"))
-            if problem is not None:
-                p.add("broker.password_file", raw.get("password_file"), problem)
+            check_file(p, "broker.password_file", c.password_file, raw)
     for i, alt in enumerate(c.alternates):
         try:
             alt_scheme = parse_broker_url(alt)[0]
@@ -457,9 +457,7 @@ def check_broker(p: Problems, c: BrokerConfig, raw: Mapping[str, object], check_
         if scheme is not None and not tls:
             p.add(f"broker.{name}", raw.get(name), "requires an mqtts:// url", involves=("broker.url",))
         elif check_files:
-            problem = file_problem(path, raw.get(name))
-            if problem is not None:
-                p.add(f"broker.{name}", raw.get(name), problem)
+            check_file(p, f"broker.{name}", path, raw)
     if (c.client_cert is None) != (c.client_key is None):
         given, missing = (
             ("client_cert", "client_key") if c.client_key is None else ("client_key", "client_cert")
@@ -662,6 +660,13 @@ def parse_sets(items: Sequence[str]) -> dict[str, object]:
     if bad:
         raise ConfigError(bad)
     return out
+
+
+def print_problems(title: str, problems: Sequence[str]) -> None:
+    """Print ``title:`` then each problem indented on its own line, on stderr (a command's report)."""
+    print(f"{title}:", file=sys.stderr)
+    for problem in problems:
+        print(f"  {problem}", file=sys.stderr)
 
 
 def read_toml(path: Path | str) -> tuple[Path, dict[str, Any]]:
