@@ -13,11 +13,24 @@ import numpy as np
 from edgefl.datasets import load_digits, load_xy, split_digits
 from edgefl.errors import ConfigError
 from edgefl.head import Head
+from edgefl.profiles import sha256_file
+from edgefl.resources import shipped
 from edgefl.runtime import Backbone
 from edgefl.types import F32, I64
 
 if TYPE_CHECKING:
     from edgefl.coordinator.profile import CoordinatorProfile
+
+
+DIGITS_MODELS = ("digits_cnn_int8_rawin.tflite", "digits_cnn_int8.tflite", "digits_cnn_float32.tflite")
+"""The shipped digits models (``models/``): the backbones scored on the digits test split by default."""
+
+
+def is_shipped_digits(backbone: Backbone) -> bool:
+    """Whether ``backbone`` is a shipped digits model or a ``model prepare`` output of one (by SHA-256)."""
+    ids = {backbone.sha256, backbone.backbone_sha256}
+    paths = (shipped(f"models/{name}") for name in DIGITS_MODELS)
+    return any(path.is_file() and sha256_file(path) in ids for path in paths)
 
 
 def embed_all(backbone: Backbone, x: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> F32:
@@ -51,7 +64,7 @@ def central_evaluation(profile: CoordinatorProfile, backbone: Backbone) -> Calla
             shapes = f"x {x.shape} / y {y.shape}"
             raise ConfigError([f"evaluation.path: {shapes} do not fit the samples {backbone.sample_shape}"])
         emb, labels = embed_all(backbone, x, ev.mean, ev.std), y
-    elif backbone.sample_shape == (8, 8, 1):
+    elif is_shipped_digits(backbone):
         x, y = load_digits()
         test = split_digits(y).test
         emb, labels = embed_all(backbone, x[test], (0.0,), (16.0,)), y[test]
