@@ -182,8 +182,8 @@ class DeviceRegistry:
         if isinstance(sha, str) and sha != self.model_sha256:
             # an `edgefl model prepare` output carries its original's sha256: a difference is another model
             why = (
-                f"backbone sha256 {sha[:12]}… differs from the coordinator's {self.model_sha256[:12]}…: "
-                "another model (a `model prepare` output counts as its original)"
+                f"backbone sha256 {sha[:12]}…, the coordinator's {self.model_sha256[:12]}…; "
+                "a `model prepare` output counts as its original"
             )
             shape = entry.get("head_shape")
             if isinstance(shape, list) and shape != list(self.head_shape):
