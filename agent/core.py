@@ -3,7 +3,7 @@
 :class:`DeviceCore` owns the device's model state and does two jobs itself: **classify** (raw samples
 to predictions, the labelled embeddings kept in the store) and **global bytes in -> applied** (verify,
 decode, validate, swap, persist). Its parts: the round (``agent/round.py``), the personal head and
-evaluation (``agent/personal.py``), the state on disk (``agent/state.py``). It opens no socket and
+evaluation (``agent/personal.py``), the state and its files (``agent/state.py``). It opens no socket and
 never awaits; refusals come back as results with a reason, never as exceptions. Not thread-safe: one
 caller thread at a time (the daemon's single worker).
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -23,27 +22,23 @@ import numpy as np
 from edgefl import heap
 from edgefl.agent import estimates
 from edgefl.agent.config import Profile
-from edgefl.agent.feedback import ErrorFeedback
 from edgefl.agent.governor import Admission, Governor
-from edgefl.agent.outbox import Outbox
 from edgefl.agent.pipeline import Pipeline, choose
-from edgefl.agent.round import Deferred, RoundAnswering, RoundResult
-from edgefl.agent.state import OUTBOX_FILE, Answered, PhaseHook, ProgressHook
-from edgefl.agent.store import EmbeddingStore, holdout_capacity
+from edgefl.agent.round import RoundAnswering
+from edgefl.agent.state import PhaseHook, ProgressHook
 from edgefl.datasets import npz_headers
 from edgefl.errors import BudgetExceeded, DecodeError, ModelError, UpdateRejected
 from edgefl.head import Head, personal_columns, validate_head
 from edgefl.records import write_record
 from edgefl.runtime import Backbone
 from edgefl.types import F32, I64
-from edgefl.wire.cbor import Limits, MessageType, Scanned, scan
+from edgefl.wire.cbor import MessageType, Scanned, scan
 from edgefl.wire.global_model import (
     GlobalModel,
     decode_global_model,
     encode_global_model,
     resolve_global_head,
 )
-from edgefl.wire.signing import SigningKey, VerifyKey, load_signing_key, parse_verify_key
 
 logger = logging.getLogger(__name__)
 
@@ -168,63 +163,21 @@ class DeviceCore(RoundAnswering):
         phase: PhaseHook | None = None,
         progress: ProgressHook | None = None,
     ) -> None:
-        self.profile = profile
-        self.device = profile.device.id
-        self.fleet = profile.device.fleet
-        self.model_sha256 = model_sha256
+        super().__init__(
+            profile,
+            head,
+            model_sha256,
+            governor=governor,
+            state_dir=state_dir,
+            store_capacity=store_capacity,
+            phase=phase,
+        )
         self.pipeline = pipeline
-        self.state_dir = Path(state_dir if state_dir is not None else profile.device.state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        mem = profile.memory
-        self.governor = governor or Governor(
-            profile.cap_bytes, mem.reserve_mb << 20, mem.min_system_available_mb << 20
-        )
-        self.phase: PhaseHook = phase or self.governor.phase
-        """Wraps each phase of the core (and a caller's, e.g. the daemon's ``publish``) in its measurement."""
-        self._progress = progress
-        self.limits = Limits(max_message_bytes=max(profile.broker.max_packet_bytes, 1 << 20))
-        self.head = head
-        self._load_head()
-        sec = profile.security
-        self.signing_key: SigningKey | None = (
-            load_signing_key(sec.signing_key_file) if sec.signing_key_file else None
-        )
-        self.coordinator_key: VerifyKey | None = (
-            parse_verify_key(sec.coordinator_public_key) if sec.coordinator_public_key else None
-        )
-        self.outbox = Outbox(self.state_dir / OUTBOX_FILE, sec.outbox_max_bytes)
-        self.feedback = ErrorFeedback(self.head.shape, model_sha256)
-        capacity = store_capacity if store_capacity is not None else profile.training.store_capacity
-        D, K = self.head.shape
-        self.store = EmbeddingStore(self.state_dir, capacity, D, num_classes=K)
-        every = profile.training.holdout_every
-        self.holdout: EmbeddingStore | None = (
-            EmbeddingStore(self.state_dir / "holdout", holdout_capacity(capacity, every), D, num_classes=K)
-            if every
-            else None
-        )
-        self._labelled = len(self.store) + (len(self.holdout) if self.holdout is not None else 0)
-        self._open_personal()
-        self.redelivered = 0  # retained heads of the version held, skipped before decoding
-        self.answered: Answered | None = self._load_answered()
-        self.seen_version: int = self._load_seen_version()
-        self.degraded = ""
-        """Why state is not being persisted ("" when it is; :data:`DISK_FULL` on a full disk)."""
-        self.write_failures = 0
-        """State writes that failed (each logged; the device carries on, see :meth:`retry_persist`)."""
-        self._unsaved: dict[str, Callable[[], object]] = {}  # what to write again once the disk has room
-        self._behind: dict[str, Callable[[], object]] = {}  # writes left for the next flush
-        self._acks_behind = 0  # acknowledged updates still in the outbox record (written behind)
-        self.behind_since: float | None = None
-        """``time.monotonic()`` of the oldest write left behind (None: nothing behind)."""
-        self._logged: set[tuple[str, str]] = set()
-        self.deferred: Deferred | None = None
-        """The round the governor deferred, retried by :meth:`retry_deferred` (None: none)."""
-        self.declined_total = 0
-        """Rounds refused to the coordinator with a Decline message."""
-        self._declines: list[RoundResult] = []  # declines of superseded deferred rounds, to send
-        self._load_residual()
         self.shapes = estimates.model_shapes(pipeline.backbone) if pipeline is not None else None
+        self._labelled = len(self.store) + (len(self.holdout) if self.holdout is not None else 0)
+        self.redelivered = 0  # retained heads of the version held, skipped before decoding
+        self._open_personal()
+        self._open_rounds(progress)
 
     @classmethod
     def open(

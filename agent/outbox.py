@@ -36,6 +36,19 @@ class Dropped:
 
 
 @dataclass(frozen=True, slots=True)
+class Answered:
+    """The last round this device answered, kept in the outbox record's ``answered`` key.
+
+    A CBOR map ``{"v": 1, "fleet": str, "round": int, "update_id": str}`` written with the round's
+    update (or Decline); the device core ignores one for another fleet.
+    """
+
+    fleet: str
+    round: int
+    update_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class OutboxEntry:
     """One update waiting for its PUBACK.
 
@@ -63,8 +76,8 @@ class Outbox:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
-        self.answered: dict[str, Any] | None = None
-        """The last answered round as the device core stores it (a CBOR map), kept in every write."""
+        self.answered: Answered | None = None
+        """The last answered round (of any fleet), kept by every write; None if none or unreadable."""
         self.residual: bytes | None = None
         """The error-feedback residual of the last answer, kept by every write (``edgefl.agent.feedback``)."""
         self._entries: list[OutboxEntry] = self._load()
@@ -110,8 +123,20 @@ class Outbox:
             # the checksum matched, so this is a format change, not corruption
             logger.error("outbox %s has an unknown layout (%s); starting empty", self.path, exc)
             return []
-        self.answered, self.residual = answered, residual
+        self.answered, self.residual = self._answered_of(answered), residual
         return entries
+
+    def _answered_of(self, obj: dict[str, Any] | None) -> Answered | None:
+        """The :class:`Answered` of a record's map (None, logged, if absent or of an unknown layout)."""
+        if obj is None:
+            return None
+        fleet = round_no = update_id = None
+        if obj.get("v") == 1:
+            fleet, round_no, update_id = obj.get("fleet"), obj.get("round"), obj.get("update_id")
+        if type(fleet) is not str or type(round_no) is not int or round_no < 0 or type(update_id) is not str:
+            logger.error("outbox %s: the answered round has an unknown layout; ignored", self.path)
+            return None
+        return Answered(fleet, round_no, update_id)
 
     def save(self) -> None:
         """Persist the entries as they are in memory (``OSError`` if the file system refuses)."""
@@ -119,14 +144,14 @@ class Outbox:
             "v": 1,
             "entries": [[e.update_id, e.round, e.payload, e.sends] for e in self._entries],
         }
-        if self.answered is not None:
-            obj["answered"] = self.answered
+        if (a := self.answered) is not None:
+            obj["answered"] = {"v": 1, "fleet": a.fleet, "round": a.round, "update_id": a.update_id}
         if self.residual is not None:
             obj["residual"] = self.residual
         write_record(self.path, cbor2.dumps(obj))
 
     def forget(self, update_id: str) -> bool:
-        """Drop ``update_id`` from memory only (its ``add`` could not be persisted); whether it was kept."""
+        """Drop ``update_id`` from memory only (acknowledged, or not persisted); whether it was kept."""
         kept = [e for e in self._entries if e.update_id != update_id]
         found = len(kept) != len(self._entries)
         self._entries = kept
@@ -150,12 +175,12 @@ class Outbox:
         round: int,
         payload: bytes,
         sends: int = 0,
-        answered: dict[str, Any] | None = None,
+        answered: Answered | None = None,
     ) -> list[Dropped]:
-        """Keep an update (fields as :class:`OutboxEntry`'s) until :meth:`ack`; persisted before returning.
+        """Keep an update (fields as :class:`OutboxEntry`'s) until acknowledged; persisted before returning.
 
         An ``update_id`` already kept keeps its first payload (it may be on the wire). ``answered``:
-        the new answered-round map (:attr:`answered`), persisted by the same write even when the
+        the new answered round (:attr:`answered`), persisted by the same write even when the
         update is not kept.
 
         Returns what was dropped (each logged): older updates evicted oldest first until the new one
@@ -196,8 +221,8 @@ class Outbox:
         self._save_answered(answered)
         return dropped
 
-    def _save_answered(self, answered: dict[str, Any] | None) -> None:
-        """Save, with a new answered-round map if given; on failure the previous one stays (not answered)."""
+    def _save_answered(self, answered: Answered | None) -> None:
+        """Save, with a new answered round if given; on failure the previous one stays (not answered)."""
         prior, self.answered = self.answered, self.answered if answered is None else answered
         try:
             self.save()
@@ -214,13 +239,6 @@ class Outbox:
                 self._entries[i] = replace(e, sends=sends)
         self.save()
         return sends
-
-    def ack(self, update_id: str) -> bool:
-        """Forget ``update_id`` after its PUBACK; return whether it was kept (persisted)."""
-        if not self.forget(update_id):
-            return False
-        self.save()
-        return True
 
     def drop_stale(self, current_round: int) -> list[Dropped]:
         """Drop (logged) updates of rounds before ``current_round``: ``stale_round`` each (persisted)."""

@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 from edgefl import heap
 from edgefl.agent import estimates
-from edgefl.agent.outbox import Dropped, OutboxEntry
+from edgefl.agent.outbox import Answered, Dropped, OutboxEntry
 from edgefl.agent.personal import PersonalHeads
-from edgefl.agent.state import Answered, ProgressHook
+from edgefl.agent.state import ProgressHook
 from edgefl.agent.trainer import LocalResult, train_local
 from edgefl.errors import DecodeError
 from edgefl.head import Head
@@ -106,10 +106,14 @@ class Deferred:
 class RoundAnswering(PersonalHeads):
     """Answer round announcements at most once (a part of :class:`~edgefl.agent.core.DeviceCore`)."""
 
-    _progress: ProgressHook | None
-    deferred: Deferred | None
-    declined_total: int
-    _declines: list[RoundResult]
+    def _open_rounds(self, progress: ProgressHook | None) -> None:
+        """Set the round fields: none deferred or declined yet; ``progress`` as :class:`DeviceCore`'s."""
+        self._progress = progress
+        self.deferred: Deferred | None = None
+        """The round the governor deferred, retried by :meth:`retry_deferred` (None: none)."""
+        self.declined_total = 0
+        """Rounds refused to the coordinator with a Decline message."""
+        self._declines: list[RoundResult] = []  # declines of superseded deferred rounds, to send
 
     def _verified(self, payload: _P, kind: MessageType) -> _P:
         """Check the coordinator's signature if a key is set (DecodeError ``unsigned``/``bad_signature``)."""
@@ -371,13 +375,13 @@ class RoundAnswering(PersonalHeads):
         """Keep an answer in the outbox with the round answered, in one write; the evicted (else OSError)."""
         added: list[Dropped] = []
         answered = Answered(self.fleet, ann.round, update_id)
-        amap = self._answered_map(answered)
-        if not self._persist_outbox(
-            lambda: added.extend(self.outbox.add(update_id, ann.round, payload, sends=sends, answered=amap))
-        ):
+
+        def add() -> None:
+            added.extend(self.outbox.add(update_id, ann.round, payload, sends=sends, answered=answered))
+
+        if not self._persist_outbox(add):
             self.outbox.forget(update_id)
             raise OSError(errno.EIO, f"{what} not kept: outbox not persisted ({self.degraded})")
-        self.answered = answered
         return tuple(added)
 
     @property

@@ -1,4 +1,4 @@
-"""The device's state on disk: which files hold it, how each is read back, and the one write policy.
+"""The device's state: its model, keys, stores and outbox, how each is read back, and the one write policy.
 
 Every state write goes through :meth:`DeviceState._persist`. What the broker cannot give back (an
 update before its publish, the answered round, the rollback floor) is written at once; what it can
@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +23,14 @@ import cbor2
 from edgefl.agent.config import Profile
 from edgefl.agent.feedback import ErrorFeedback
 from edgefl.agent.governor import Governor
-from edgefl.agent.outbox import Dropped, Outbox, OutboxEntry
-from edgefl.agent.pipeline import Pipeline
-from edgefl.agent.store import EmbeddingStore
+from edgefl.agent.outbox import Answered, Dropped, Outbox, OutboxEntry
+from edgefl.agent.store import EmbeddingStore, holdout_capacity
 from edgefl.errors import EdgeflError
 from edgefl.head import Head, validate_head
 from edgefl.records import read_record, write_record
 from edgefl.wire.cbor import Limits
 from edgefl.wire.global_model import decode_global_model
-from edgefl.wire.signing import SigningKey, VerifyKey
+from edgefl.wire.signing import SigningKey, VerifyKey, load_signing_key, parse_verify_key
 
 logger = logging.getLogger(__name__)
 
@@ -49,19 +47,6 @@ ProgressHook = Callable[[str, str], None]
 """``progress(state, reason)``: told when a phase of the round starts (called on the caller's thread)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Answered:
-    """The last round this device answered, kept in the outbox record's ``answered`` key.
-
-    A CBOR map ``{"v": 1, "fleet": str, "round": int, "update_id": str}`` written with the round's
-    update (or Decline); one for another fleet is ignored.
-    """
-
-    fleet: str
-    round: int
-    update_id: str
-
-
 DISK_FULL = "disk full"
 """:attr:`DeviceCore.degraded` when a state write failed with ``ENOSPC`` or ``EDQUOT``."""
 
@@ -76,33 +61,68 @@ def write_problem(exc: OSError) -> str:
 
 
 class DeviceState:
-    """The device's fields (set by ``DeviceCore.__init__``) and its state on disk (a ``DeviceCore`` base)."""
+    """The device's model, keys, stores and outbox, and its state on disk (the base of ``DeviceCore``).
 
-    profile: Profile
-    device: str
-    fleet: str
-    model_sha256: str
-    pipeline: Pipeline | None
-    state_dir: Path
-    governor: Governor
-    phase: PhaseHook
-    limits: Limits
-    head: Head
-    signing_key: SigningKey | None
-    coordinator_key: VerifyKey | None
-    outbox: Outbox
-    feedback: ErrorFeedback
-    store: EmbeddingStore
-    holdout: EmbeddingStore | None
-    answered: Answered | None
-    seen_version: int
-    degraded: str
-    write_failures: int
-    _unsaved: dict[str, Callable[[], object]]
-    _behind: dict[str, Callable[[], object]]
-    behind_since: float | None
-    _acks_behind: int
-    _logged: set[tuple[str, str]]
+    Parameters and errors as :class:`~edgefl.agent.core.DeviceCore`'s.
+    """
+
+    def __init__(
+        self,
+        profile: Profile,
+        head: Head,
+        model_sha256: str,
+        *,
+        governor: Governor | None,
+        state_dir: Path | None,
+        store_capacity: int | None,
+        phase: PhaseHook | None,
+    ) -> None:
+        self.profile = profile
+        self.device = profile.device.id
+        self.fleet = profile.device.fleet
+        self.model_sha256 = model_sha256
+        self.state_dir = Path(state_dir if state_dir is not None else profile.device.state_dir)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        mem = profile.memory
+        self.governor = governor or Governor(
+            profile.cap_bytes, mem.reserve_mb << 20, mem.min_system_available_mb << 20
+        )
+        self.phase: PhaseHook = phase or self.governor.phase
+        """Wraps each phase of the core (and a caller's, e.g. the daemon's ``publish``) in its measurement."""
+        self.limits = Limits(max_message_bytes=max(profile.broker.max_packet_bytes, 1 << 20))
+        self.head = head
+        self._load_head()
+        sec = profile.security
+        self.signing_key: SigningKey | None = (
+            load_signing_key(sec.signing_key_file) if sec.signing_key_file else None
+        )
+        self.coordinator_key: VerifyKey | None = (
+            parse_verify_key(sec.coordinator_public_key) if sec.coordinator_public_key else None
+        )
+        self.outbox = Outbox(self.state_dir / OUTBOX_FILE, sec.outbox_max_bytes)
+        self.feedback = ErrorFeedback(self.head.shape, model_sha256)
+        capacity = store_capacity if store_capacity is not None else profile.training.store_capacity
+        D, K = self.head.shape
+        self.store = EmbeddingStore(self.state_dir, capacity, D, num_classes=K)
+        every = profile.training.holdout_every
+        self.holdout: EmbeddingStore | None = (
+            EmbeddingStore(self.state_dir / "holdout", holdout_capacity(capacity, every), D, num_classes=K)
+            if every
+            else None
+        )
+        self._log_answered()
+        self.seen_version = self._load_seen_version()
+        self.degraded = ""
+        """Why state is not being persisted ("" when it is; :data:`DISK_FULL` on a full disk)."""
+        self.write_failures = 0
+        """State writes that failed (each logged; the device carries on, see :meth:`retry_persist`)."""
+        self._unsaved: dict[str, Callable[[], object]] = {}  # what to write again once the disk has room
+        self._behind: dict[str, Callable[[], object]] = {}  # writes left for the next flush
+        self._acks_behind = 0  # acknowledged updates still in the outbox record (written behind)
+        self.behind_since: float | None = None
+        """``time.monotonic()`` of the oldest write left behind (None: nothing behind)."""
+        self._logged: set[tuple[str, str]] = set()
+        self._load_residual()
 
     @property
     def head_path(self) -> Path:
@@ -125,33 +145,25 @@ class DeviceState:
         except EdgeflError as exc:
             logger.warning("stored global head %s unusable (%s); using the factory head", self.head_path, exc)
 
-    def _load_answered(self) -> Answered | None:
-        """The last answered round from the outbox record (None: absent, malformed or of another fleet)."""
-        obj, where = self.outbox.answered, f"outbox {self.outbox.path}"
-        if obj is None:
-            return None
-        fleet = round_no = update_id = None
-        if isinstance(obj, dict) and obj.get("v") == 1:
-            fleet, round_no, update_id = obj.get("fleet"), obj.get("round"), obj.get("update_id")
-        if type(fleet) is not str or type(round_no) is not int or round_no < 0 or type(update_id) is not str:
-            logger.error("%s: the answered round has an unknown layout; ignored", where)
-            return None
-        if fleet != self.fleet:
-            logger.info("%s: answered round is for fleet %s; ignored", where, fleet)
-            return None
-        logger.info("last answered round %d (%s)", round_no, update_id)
-        return Answered(fleet, round_no, update_id)
+    @property
+    def answered(self) -> Answered | None:
+        """The last round this device answered in its fleet (the outbox record keeps it), else None."""
+        a = self.outbox.answered
+        return a if a is not None and a.fleet == self.fleet else None
+
+    def _log_answered(self) -> None:
+        """Log the answered round the outbox record holds (one for another fleet is ignored)."""
+        a = self.outbox.answered
+        if a is not None and a.fleet != self.fleet:
+            logger.info("outbox %s: answered round is for fleet %s; ignored", self.outbox.path, a.fleet)
+        elif a is not None:
+            logger.info("last answered round %d (%s)", a.round, a.update_id)
 
     def _load_residual(self) -> None:
         """Restore the error-feedback residual the outbox record keeps (written with each answer)."""
         carried = self.outbox.residual
         if carried is not None and not self.feedback.load_bytes(carried, f"outbox {self.outbox.path}"):
             self.outbox.residual = None  # another model or shape, or unreadable: start from zero
-
-    @staticmethod
-    def _answered_map(answered: Answered) -> dict[str, Any]:
-        """The CBOR map of an :class:`Answered` (kept in the outbox record)."""
-        return {"v": 1, "fleet": answered.fleet, "round": answered.round, "update_id": answered.update_id}
 
     def _load_seen_version(self) -> int:
         """The newest version a signed round announced (CBOR ``{"v": 1, "fleet", "version"}``), else 0."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import cbor2
 import pytest
 
-from edgefl.agent.outbox import Dropped, Outbox, OutboxEntry
+from edgefl.agent.outbox import Answered, Dropped, Outbox, OutboxEntry
 from edgefl.records import (
     HEADER_BYTES,
     RecordError,
@@ -175,8 +175,10 @@ def test_outbox_persists_until_ack_and_survives_restart(tmp_path: Path) -> None:
         OutboxEntry("dev-1:3:2", 3, b"u3", 1),
         OutboxEntry("dev-1:4:3", 4, b"u4-bytes", 0),
     ]
-    assert again.ack("dev-1:3:2") is True
-    assert again.ack("dev-1:3:2") is False
+    # a PUBACK, as the device core takes it: forgotten, the outbox written (behind, at its next flush)
+    assert again.forget("dev-1:3:2") is True
+    assert again.forget("dev-1:3:2") is False
+    again.save()
     assert [e.update_id for e in Outbox(path, max_bytes=1000).pending()] == ["dev-1:4:3"]
 
 
@@ -249,22 +251,23 @@ def test_outbox_answered_round_goes_with_the_update_and_every_later_write(tmp_pa
     later write (send count, PUBACK, stale drop) and across a restart; a failed write leaves the
     previous one (the round is then not answered)."""
     path = tmp_path / "o.rec"
-    a1 = {"v": 1, "fleet": "f", "round": 1, "update_id": "d:1:0"}
+    a1 = Answered("f", 1, "d:1:0")
     box = Outbox(path, max_bytes=100)
     assert box.add("d:1:0", 1, b"u1", sends=1, answered=a1) == []
     assert decode_record(path.read_bytes(), padded=True)[0] == 0  # one write (generation 0) kept both
     assert Outbox(path, max_bytes=100).answered == a1
     box.mark_sent("d:1:0")
-    box.ack("d:1:0")
+    box.forget("d:1:0")
+    box.save()
     assert box.drop_stale(5) == []
     again = Outbox(path, max_bytes=100)
     assert (again.pending(), again.answered) == ([], a1)
     # an update too large to keep still records its round as answered; the same id again too
-    a2 = {"v": 1, "fleet": "f", "round": 2, "update_id": "d:2:0"}
+    a2 = Answered("f", 2, "d:2:0")
     assert again.add("d:2:0", 2, b"x" * 101, answered=a2) == [Dropped("d:2:0", 2, "too_large")]
     assert Outbox(path, max_bytes=100).answered == a2
     # a write that fails keeps the previous answered round, in memory and on disk
-    a3 = {"v": 1, "fleet": "f", "round": 3, "update_id": "d:3:0"}
+    a3 = Answered("f", 3, "d:3:0")
     tmps = [p.with_name(p.name + ".tmp") for p in (path, prev_path(path))]
     for tmp in tmps:
         tmp.mkdir()  # the atomic write's temporary file cannot be created (either slot): an OSError
