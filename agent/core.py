@@ -174,7 +174,7 @@ class DeviceCore(RoundAnswering):
         )
         self.pipeline = pipeline
         self.shapes = estimates.model_shapes(pipeline.backbone) if pipeline is not None else None
-        self._labelled = len(self.store) + (len(self.holdout) if self.holdout is not None else 0)
+        self._labelled = sum(len(s) for s in self.stores)
         self.redelivered = 0  # retained heads of the version held, skipped before decoding
         self._open_personal()
         self._open_rounds(progress)
@@ -334,7 +334,7 @@ class DeviceCore(RoundAnswering):
         every = self.profile.training.holdout_every
         if len(labels):
             self.personal_columns |= personal_columns(labels, self.head.shape[1])
-        before = self.store.refused_not_finite + (self.holdout.refused_not_finite if self.holdout else 0)
+        before = sum(s.refused_not_finite for s in self.stores)
         if self.holdout is None or not every:
             refused = self.store.add(embeddings, labels)
         else:
@@ -344,7 +344,7 @@ class DeviceCore(RoundAnswering):
             refused = self.store.add(embeddings[~held], labels[~held])
             if held.any():
                 refused += self.holdout.add(embeddings[held], labels[held])
-        after = self.store.refused_not_finite + (self.holdout.refused_not_finite if self.holdout else 0)
+        after = sum(s.refused_not_finite for s in self.stores)
         # a full disk: the failed flush waits for retry_persist rather than failing at every batch
         if self._unflushed() >= self.profile.training.flush_every and "store" not in self._unsaved:
             self.flush()

@@ -164,8 +164,7 @@ class PersonalHeads(DeviceState):
                 logger.warning(
                     "stored personal head %s unusable (%s); a new one is trained", self.personal_path, exc
                 )
-        stores = [self.store] + ([self.holdout] if self.holdout is not None else [])
-        for st in stores:
+        for st in self.stores:
             for _, lbl in st.chunks(1024):
                 self.personal_columns |= personal_columns(lbl, K)
 

@@ -110,6 +110,8 @@ class DeviceState:
             if every
             else None
         )
+        self.stores = (self.store,) if self.holdout is None else (self.store, self.holdout)
+        """The training store, then the holdout when there is one."""
         self._log_answered()
         self.seen_version = self._load_seen_version()
         self.degraded = ""
@@ -243,22 +245,20 @@ class DeviceState:
         return not self._unsaved
 
     def _unflushed(self) -> int:
-        return self.store.unflushed + (self.holdout.unflushed if self.holdout is not None else 0)
+        return sum(s.unflushed for s in self.stores)
 
     def flush_due(self) -> bool:
         """Whether a store flush is due (``training.flush_every`` or ``flush_interval_s`` reached)."""
         cfg = self.profile.training
-        stores = (self.store,) if self.holdout is None else (self.store, self.holdout)
         if "store" in self._unsaved or "holdout" in self._unsaved:
             return False  # retry_persist writes it once there is room
         if self._unflushed() >= cfg.flush_every:
             return True
-        return any(s.flush_due(cfg.flush_every, cfg.flush_interval_s) for s in stores)
+        return any(s.flush_due(cfg.flush_every, cfg.flush_interval_s) for s in self.stores)
 
     def unflushed_since(self) -> float | None:
         """``time.monotonic()`` of the oldest sample stored since the last flush (None: all flushed)."""
-        times = [s.unflushed_since for s in (self.store, self.holdout) if s is not None]
-        known = [t for t in times if t is not None]
+        known = [t for s in self.stores if (t := s.unflushed_since) is not None]
         return min(known) if known else None
 
     def flush(self) -> bool:
