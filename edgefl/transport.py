@@ -589,7 +589,7 @@ class MqttTransport(Link):
             self._release(conn)
             if self._stopping:
                 break
-            if self._fallback_wanted and self._mqtt5 and self.protocol == "auto":
+            if self._fallback_wanted:  # set only for "auto" on MQTT 5 (this connection's)
                 logger.info(
                     "broker %s:%s closed the connection before answering MQTT 5; trying MQTT 3.1.1",
                     self.host,
