@@ -123,7 +123,7 @@ class Link:
         """The connection ended (:class:`edgefl.transport.MqttTransport` also logs and reconnects)."""
         conn.lost.set()
 
-    # --- paho thread side: hop to the loop, never raise -------------------------------------
+    # --- paho callbacks (on the loop, or in the connect thread): hop to the loop, never raise ----
     def _thread_error(self, where: str, exc: BaseException) -> None:
         """Count and log an exception raised in paho's network code or a socket callback (any thread)."""
         self.thread_errors_total += 1  # one int store under the GIL; read on the loop
