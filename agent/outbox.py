@@ -176,13 +176,12 @@ class Outbox:
         payload: bytes,
         sends: int = 0,
         answered: Answered | None = None,
-        residual: bytes | None = None,
     ) -> list[Dropped]:
         """Keep an update (fields as :class:`OutboxEntry`'s) until acknowledged; persisted before returning.
 
-        An ``update_id`` already kept keeps its first payload (it may be on the wire). ``answered``,
-        ``residual``: the new :attr:`answered` and :attr:`residual`, persisted by the same write
-        even when the update is not kept (on failure the previous ones stay).
+        An ``update_id`` already kept keeps its first payload (it may be on the wire). ``answered``:
+        the new answered round (:attr:`answered`), persisted by the same write even when the
+        update is not kept.
 
         Returns what was dropped (each logged): older updates evicted oldest first until the new one
         fits (``outbox_full``), or the new one alone if it exceeds ``max_bytes`` (``too_large``).
@@ -202,8 +201,8 @@ class Outbox:
                     len(payload),
                     self.max_bytes,
                 )
-            if answered is not None or residual is not None:
-                self._save_answered(answered, residual)
+            if answered is not None:
+                self._save_answered(answered)
             return [] if known else [Dropped(update_id, round, "too_large")]
         dropped = []
         total = self.total_bytes
@@ -219,18 +218,16 @@ class Outbox:
                 update_id,
             )
         self._entries.append(OutboxEntry(update_id, round, bytes(payload), sends))
-        self._save_answered(answered, residual)
+        self._save_answered(answered)
         return dropped
 
-    def _save_answered(self, answered: Answered | None, residual: bytes | None) -> None:
-        """Save, with the answered round and residual given; on failure the previous ones stay."""
-        prior = self.answered, self.residual
-        self.answered = self.answered if answered is None else answered
-        self.residual = self.residual if residual is None else residual
+    def _save_answered(self, answered: Answered | None) -> None:
+        """Save, with a new answered round if given; on failure the previous one stays (not answered)."""
+        prior, self.answered = self.answered, self.answered if answered is None else answered
         try:
             self.save()
         except OSError:
-            self.answered, self.residual = prior
+            self.answered = prior
             raise
 
     def mark_sent(self, update_id: str) -> int:

@@ -269,12 +269,16 @@ class RoundAnswering(PersonalHeads):
 
             payload = self._signed(encode, update)
             del update, delta_W, delta_b
+            prior_carry = self.outbox.residual
+            if carry is not None:
+                self.outbox.residual = carry  # kept by this write of the outbox and every later one
             try:
-                # its first send and the residual kept by the same write (sends=1: the daemon publishes
-                # it next; the residual is kept by every later write of the outbox too)
-                dropped = self._keep_answer(ann, update_id, payload, "update", sends=1, residual=carry)
+                # its first send counted in the same write (sends=1: the daemon publishes it next)
+                dropped = self._keep_answer(ann, update_id, payload, "update", sends=1)
             except OSError:
-                fb.residual_W, fb.residual_b, fb.round = prior_fb  # the residual stays as it was
+                if carry is not None:  # the residual stays as it was
+                    self.outbox.residual = prior_carry
+                    fb.residual_W, fb.residual_b, fb.round = prior_fb
                 raise
         entry = OutboxEntry(update_id, ann.round, payload)
         if self.deferred is not None and self.deferred.ann.round <= ann.round:
@@ -366,20 +370,14 @@ class RoundAnswering(PersonalHeads):
         return encode(msg)
 
     def _keep_answer(
-        self,
-        ann: RoundAnnouncement,
-        update_id: str,
-        payload: bytes,
-        what: str,
-        sends: int = 0,
-        residual: bytes | None = None,
+        self, ann: RoundAnnouncement, update_id: str, payload: bytes, what: str, sends: int = 0
     ) -> tuple[Dropped, ...]:
-        """Keep an answer and ``residual`` in the outbox, the round answered, in one write (else OSError)."""
+        """Keep an answer in the outbox with the round answered, in one write; the evicted (else OSError)."""
         added: list[Dropped] = []
         answered = Answered(self.fleet, ann.round, update_id)
 
         def add() -> None:
-            added.extend(self.outbox.add(update_id, ann.round, payload, sends, answered, residual))
+            added.extend(self.outbox.add(update_id, ann.round, payload, sends=sends, answered=answered))
 
         if not self._persist_outbox(add):
             self.outbox.forget(update_id)
