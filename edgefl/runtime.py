@@ -1,4 +1,4 @@
-"""The TFLite model on the device: load it, find the embedding tensor, embed a batch.
+"""The TFLite model on the device: load it, find the embedding tensor and the head.
 
 The only module that imports the interpreter: ``ai_edge_litert``, or ``tflite_runtime`` where LiteRT
 has no wheel (armv7l).
@@ -123,19 +123,6 @@ class Quant:
 def _quant(detail: dict[str, Any]) -> Quant:
     scale, zp = detail.get("quantization", (0.0, 0))
     return Quant(float(scale), int(zp))
-
-
-def dequantize(q: np.ndarray, quant: Quant) -> F32:
-    """``scale * (q - zero_point)`` of an integer tensor as float32 (a float tensor as float32 unchanged).
-
-    Source: TensorFlow Lite 8-bit quantization spec (tensorflow.org/lite/performance/quantization_spec).
-    """
-    if quant.scale == 0.0 or q.dtype == np.float32:
-        return q.astype(np.float32, copy=False)
-    out: F32 = ((q.astype(np.float32) - np.float32(quant.zero_point)) * np.float32(quant.scale)).astype(
-        np.float32
-    )
-    return out
 
 
 PREPARE_HINT = "edgefl model prepare MODEL --out OUT"
@@ -388,17 +375,6 @@ class Backbone:
         W: F32 = np.ascontiguousarray(W_kd.T, dtype=np.float32)
         return W, np.ascontiguousarray(b, dtype=np.float32)
 
-    @_held
-    def resize(self, batch: int) -> None:
-        """Resize the input to ``batch`` >= 1 samples (else ValueError) and re-allocate (views go stale)."""
-        if batch < 1:
-            raise ValueError(f"batch {batch} must be >= 1")
-        if batch == self.batch:
-            return
-        self.interpreter.resize_tensor_input(self.input_index, [batch, *self.sample_shape])
-        self.interpreter.allocate_tensors()
-        self.batch = batch
-
     def quantize_input(self, x: F32) -> np.ndarray:
         """Quantise a normalised float32 input [N, *sample_shape] to the input dtype (half to even, clip)."""
         if self.input_dtype == np.float32:
@@ -407,30 +383,3 @@ class Backbone:
         q = np.rint(x / np.float32(self.input_quant.scale)) + self.input_quant.zero_point
         out: np.ndarray = np.clip(q, info.min, info.max).astype(self.input_dtype)
         return out
-
-    @_held
-    def run(self, model_input: np.ndarray) -> tuple[F32, F32]:
-        """Invoke the model on one batch [N, *sample_shape] in the input dtype (else ValueError).
-
-        Returns the embeddings float32 [N, D] and the model's own logits float32 [N, K], dequantised.
-        """
-        n = int(model_input.shape[0])
-        if tuple(model_input.shape[1:]) != self.sample_shape or model_input.dtype != self.input_dtype:
-            raise ValueError(
-                f"input {model_input.shape} {model_input.dtype}, model expects [N, {self.sample_shape}] "
-                f"{self.input_dtype}"
-            )
-        if not self.resizable and n != self.batch:
-            parts = [self.run(model_input[i : i + 1]) for i in range(n)] if self.batch == 1 else None
-            if parts is None:
-                raise ValueError(f"model batch is fixed at {self.batch}; got {n} samples")
-            return (
-                np.concatenate([p[0] for p in parts]).astype(np.float32),
-                np.concatenate([p[1] for p in parts]).astype(np.float32),
-            )
-        self.resize(n)
-        self.interpreter.set_tensor(self.input_index, model_input)
-        self.interpreter.invoke()
-        emb = dequantize(self.interpreter.get_tensor(self.embedding_index), self.embedding_quant)
-        logits = dequantize(self.interpreter.get_tensor(self.output_index), self.output_quant)
-        return emb.reshape(n, -1), logits.reshape(n, -1)
