@@ -308,15 +308,15 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print_problems(f"edgefl: invalid profile {args.profile}", exc.problems)
         return EXIT_INVALID
-    from edgefl.coordinator.profile import SCHEMA, is_coordinator_profile, load_coordinator_profile
+    from edgefl.coordinator.profile import SCHEMA, is_coordinator_profile
 
     if is_coordinator_profile(data):
-        from edgefl.coordinator.runner import build_strategy, strategy_problems
+        from edgefl.coordinator.command import load_checked
+        from edgefl.coordinator.runner import build_strategy
         from edgefl.runtime import Backbone
 
         try:
-            coordinator = load_coordinator_profile(args.profile, _parse_sets(args.set))
-            problems = strategy_problems(coordinator)  # what `edgefl coordinator` refuses, refused here
+            coordinator, problems = load_checked(args.profile, _parse_sets(args.set))
             try:  # the model loads as the coordinator loads it at start
                 Backbone(coordinator.model.path).head_from_model()
             except ModelError as exc:
