@@ -188,19 +188,16 @@ class Backbone:
         if not path.is_file():
             raise ModelError(str(path), "model file not found")
         self.sha256 = sha256_file(path)
-        with path.open("rb") as fh:  # the trailer edgefl model prepare appends (modelfile.read_origin)
-            fh.seek(max(0, path.stat().st_size - modelfile.ORIGIN_TRAILER_BYTES))
-            origin = modelfile.read_origin(fh.read())
-        self.backbone_sha256 = origin or self.sha256
-        """The backbone's identity on the wire (``model_sha256``): the original model's SHA-256 for an
-        ``edgefl model prepare`` output (its outputs, or folded input, do not make it another
-        backbone), else the file's own :attr:`sha256`."""
         # one guard on every invoke path: two threads on one interpreter give silently wrong outputs
         self._lock = threading.RLock()
         self._holder = ""
         try:
             # parsed through a read-only map: only the tables' pages become resident, never the weights
             with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                self.backbone_sha256 = modelfile.read_origin(mapped) or self.sha256
+                """The backbone's identity on the wire (``model_sha256``): the original model's SHA-256
+                for an ``edgefl model prepare`` output (its outputs, or folded input, do not make it
+                another backbone), else the file's own :attr:`sha256`."""
                 content = self._inspect(mapped, embedding_tensor, prepare)
             self.delegated = xnnpack is not False
             self.runtime_name, self.interpreter = open_interpreter(
