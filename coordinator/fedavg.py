@@ -54,7 +54,7 @@ class RunningWeightedSum:
 class FedAvg(Strategy):
     """FedAvg with a server learning rate: ``W += server_lr * sum_k n_k dW_k / sum_k n_k``.
 
-    The accumulator is a weighted running sum (O(model) memory); subclasses change only ``step``
+    The accumulator is a weighted running sum (O(model) memory); subclasses change only the server step
     (FedAvgM, FedAdam, FedYogi) or the clients' objective (FedProx). ``kwargs`` as ``Strategy``.
 
     Source: McMahan et al. 2017, Algorithm 1; server learning rate as in Reddi et al. 2021, Algorithm 1.
@@ -90,15 +90,6 @@ class FedAvg(Strategy):
         if weight > 0:
             self._sum_W.add_sum(array_from(acc["W"], np.float64, shape), weight)
             self._sum_b.add_sum(array_from(acc["b"], np.float64, shape[1]), weight)
-
-    def step(self, W: F32, b: F32, mean_dW: F32, mean_db: F32) -> tuple[F32, F32]:
-        """Server step from the round's mean delta: ``W + server_lr * mean_dW`` (and b alike).
-
-        ``W``, ``mean_dW`` float32 [D, K]; ``b``, ``mean_db`` float32 [K]; returns the new (W, b),
-        float32. Subclasses (``coordinator/optimisers.py``) replace this step only.
-        """
-        eta = np.float32(self.server_lr)
-        return (W + eta * mean_dW).astype(np.float32), (b + eta * mean_db).astype(np.float32)
 
 
 class FedProx(FedAvg):

@@ -34,6 +34,12 @@ def staleness_weight(staleness: int, exponent: float = 0.5) -> float:
     return float((1.0 + staleness) ** -exponent)
 
 
+def check_staleness(staleness: int, max_staleness: int) -> None:
+    """Raise UpdateRejected ``too_stale`` unless ``0 <= staleness <= max_staleness`` (versions)."""
+    if not 0 <= staleness <= max_staleness:
+        raise UpdateRejected("too_stale", f"staleness {staleness} outside [0, {max_staleness}]")
+
+
 @dataclass(eq=False)
 class FedBuffer:
     """The server buffer: a staleness-weighted running sum of up to ``buffer_size`` updates.
@@ -55,6 +61,9 @@ class FedBuffer:
         if self.buffer_size < 1 or self.max_staleness < 0:
             why = f"buffer_size = {self.buffer_size}, max_staleness = {self.max_staleness}"
             raise ValueError(f"FedBuffer: {why}")
+        self._clear()
+
+    def _clear(self) -> None:
         self._sum_W: npt.NDArray[np.float64] = np.zeros(self.shape, np.float64)
         self._sum_b: npt.NDArray[np.float64] = np.zeros(self.shape[1], np.float64)
         self.total_examples = 0
@@ -71,8 +80,7 @@ class FedBuffer:
             raise UpdateRejected("bad_shape", f"delta {delta_W.shape}, expected {self.shape}")
         if num_examples <= 0:
             raise UpdateRejected("no_examples", f"num_examples = {num_examples}")
-        if not 0 <= staleness <= self.max_staleness:
-            raise UpdateRejected("too_stale", f"staleness {staleness} outside [0, {self.max_staleness}]")
+        check_staleness(staleness, self.max_staleness)
         w = staleness_weight(staleness, self.exponent) * num_examples
         self._sum_W += w * delta_W.astype(np.float64)
         self._sum_b += w * delta_b.astype(np.float64)
@@ -92,11 +100,7 @@ class FedBuffer:
         W1: F32 = (W + scale * self._sum_W).astype(np.float32)
         b1: F32 = (b + scale * self._sum_b).astype(np.float32)
         logger.debug("FedBuff step: %d updates, staleness %s", self.count, self.staleness)
-        self._sum_W[:] = 0.0
-        self._sum_b[:] = 0.0
-        self.total_examples = 0
-        self.count = 0
-        self.staleness = []
+        self._clear()
         return W1, b1
 
 
@@ -131,10 +135,7 @@ class FedBuff(Strategy):
         return replace(cfg, min_clients=max(self.buffer_size, self.min_updates), schedule=Schedule.BUFFERED)
 
     def _check(self, update: Offer) -> None:
-        if not 0 <= update.staleness <= self.max_staleness:
-            raise UpdateRejected(
-                "too_stale", f"staleness {update.staleness} outside [0, {self.max_staleness}]"
-            )
+        check_staleness(update.staleness, self.max_staleness)
 
     def _begin(self, shape: tuple[int, int]) -> None:
         self._buffer = FedBuffer(

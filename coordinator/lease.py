@@ -85,21 +85,21 @@ def instance_path(state: Path) -> Path:
     return state.with_name(state.name + ".instance")
 
 
-def record_instance(state: Path, instance: str) -> None:
+def record_instance(state: Path, instance: str, *, stopped: bool = False) -> None:
     """Record ``instance`` as the coordinator of state file ``state`` (atomic, checksummed; lock held).
 
+    ``stopped``: it stopped cleanly (written at its clean stop; a crash leaves the record of its start).
     Raises OSError if the file cannot be written.
     """
-    doc = {"instance": instance, "host": _host(), "state": str(state.resolve()), "pid": os.getpid()}
+    doc: dict[str, object] = {"instance": instance, "host": _host(), "state": str(state.resolve())}
+    doc["pid"] = os.getpid()
+    if stopped:
+        doc["stopped"] = True
     atomic_write(instance_path(state), encode_record(json.dumps(doc, sort_keys=True).encode()))
 
 
-def previous_instance(state: Path) -> str | None:
-    """The instance id the last coordinator of ``state`` recorded (:func:`record_instance`), if it is ours.
-
-    Call it with the state file's lock held (that process is gone). None without a record written on
-    this host for this very state file; an unreadable one is logged.
-    """
+def _own_record(state: Path) -> dict[str, object] | None:
+    """The instance record of ``state`` if written on this host for this very state file (else None)."""
     path = instance_path(state)
     try:
         _, payload = decode_record(path.read_bytes())
@@ -113,7 +113,26 @@ def previous_instance(state: Path) -> str | None:
         return None
     if doc.get("host") != _host() or doc.get("state") != str(state.resolve()):
         return None
-    return str(doc["instance"])
+    return doc
+
+
+def previous_instance(state: Path) -> str | None:
+    """The instance id the last coordinator of ``state`` recorded (:func:`record_instance`), if it is ours.
+
+    Call it with the state file's lock held (that process is gone). None without a record written on
+    this host for this very state file; an unreadable one is logged.
+    """
+    doc = _own_record(state)
+    return None if doc is None else str(doc["instance"])
+
+
+def previous_stopped_cleanly(state: Path) -> bool:
+    """True when the last coordinator of ``state`` recorded its clean stop (False after a crash or kill).
+
+    Call it with the state file's lock held, as :func:`previous_instance`.
+    """
+    doc = _own_record(state)
+    return doc is not None and doc.get("stopped") is True
 
 
 class PresenceTrust:
@@ -178,13 +197,16 @@ async def probe_lease(
     previous: str | None,
     holder_topic: str,
     trust: PresenceTrust,
+    *,
+    previous_stopped: bool = False,
 ) -> Presence | None:
     """Read the fleet's lease through ``transport`` (a client id of its own, clean session); publish nothing.
 
     ``transport``: not started (started and stopped here), persistent session, ``ack_on_commit``;
     ``topic``: ``Topics.coordinator``; ``fleet_where``: ``"fleet F on broker B"``; ``connected(transport)``
     waits for the connection. A presence naming ``previous`` (this state file's previous instance), also
-    as the last holder on ``holder_topic``, is taken over at once; ``trust``: which presences count.
+    as the last holder on ``holder_topic``, is taken over at once; ``trust``: which presences count;
+    ``previous_stopped``: that instance recorded its clean stop (said so, rather than taken over).
     Returns the stale presence found, or None. Raises LeaseHeld (a live holder), AccountInUse (another
     live client took back the account's session the broker handed the probe), TransportError (what
     ``connected`` raises, or a refused subscription).
@@ -200,7 +222,7 @@ async def probe_lease(
                 transport.queue.get_nowait()
             if previous is not None:
                 last = await _retained_presence(transport, holder_topic, trust)
-                if _ours(last, previous, "the broker gave the lease probe the session of"):
+                if _ours(last, previous, previous_stopped, "the broker gave the lease probe the session of"):
                     return None
             logger.warning(
                 "the broker gave the lease probe an existing session (it names clients after their "
@@ -222,7 +244,8 @@ async def probe_lease(
             )
         if first is None:
             return None
-        if _ours(first, previous, "the fleet's lease names", "; the broker has not cleared its lease yet"):
+        not_cleared = "; the broker has not cleared its lease yet"
+        if _ours(first, previous, previous_stopped, "the fleet's lease names", not_cleared):
             return first
         wait_s = 2 * min(first.heartbeat_s, PROBE_HEARTBEAT_MAX_S) + PROBE_MARGIN_S
         loop = asyncio.get_running_loop()
@@ -244,10 +267,17 @@ async def probe_lease(
         await transport.stop()
 
 
-def _ours(p: Presence | None, previous: str | None, how: str, why: str = "") -> bool:
-    """True, with an INFO line, when ``p`` names this state file's previous instance (gone: taken over)."""
+def _ours(p: Presence | None, previous: str | None, stopped: bool, how: str, why: str = "") -> bool:
+    """True, with an INFO line, when ``p`` names this state file's previous instance (gone: taken over).
+
+    ``stopped``: that instance recorded its clean stop (the line says so: resuming, no takeover).
+    """
     if p is None or previous is None or p.instance != previous:
         return False
+    if stopped:
+        why = "it stopped cleanly" + why
+        logger.info("%s %s, this state file's previous coordinator (%s): resuming", how, describe(p), why)
+        return True
     why = "gone: its state file's lock is ours" + why
     logger.info("%s %s, this state file's previous coordinator (%s): taken over", how, describe(p), why)
     return True

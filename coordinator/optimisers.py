@@ -98,14 +98,13 @@ class FedAvgM(FedAvg):
         check_setting(0.0 <= server_momentum < 1.0, "server_momentum", server_momentum, "in [0, 1)")
         self.beta = server_momentum
 
-    def step(self, W: F32, b: F32, mean_dW: F32, mean_db: F32) -> tuple[F32, F32]:
-        """Fold the round's mean delta into the momentum buffers and step the head along them."""
-        vW = server_momentum(self.server_state.get("v_W"), mean_dW, self.beta)
-        vb = server_momentum(self.server_state.get("v_b"), mean_db, self.beta)
-        vW = bound_coordinates(vW, mean_dW, COORDINATE_FACTOR)  # the buffer itself: a direction
-        vb = bound_coordinates(vb, mean_db, COORDINATE_FACTOR)  # the round does not support fades
-        self.server_state["v_W"], self.server_state["v_b"] = vW, vb
-        return super().step(W, b, vW, vb)
+    def _move(self, name: str, x: F32, mean_delta: F32) -> F32:
+        """Fold the round's mean delta into the momentum buffer ``v_<name>``; step the array along it."""
+        v = server_momentum(self.server_state.get("v_" + name), mean_delta, self.beta)
+        # the buffer itself is bounded: a direction the round does not support fades
+        v = bound_coordinates(v, mean_delta, COORDINATE_FACTOR)
+        self.server_state["v_" + name] = v
+        return super()._move(name, x, v)
 
 
 class FedAdam(FedAvg):
@@ -130,17 +129,15 @@ class FedAdam(FedAvg):
     def _moments(self, m: F32, v: F32, delta: F32) -> tuple[F32, F32]:
         return adam_moments(m, v, delta, self.beta1, self.beta2)
 
-    def step(self, W: F32, b: F32, mean_dW: F32, mean_db: F32) -> tuple[F32, F32]:
-        """Update the moments with the round's mean delta and take the bounded adaptive server step."""
-        out = []
-        for name, x, d in (("W", W, mean_dW), ("b", b, mean_db)):
-            m0 = self.server_state.get("m_" + name, np.zeros_like(d, dtype=np.float32))
-            v0 = self.server_state.get("v_" + name, np.full_like(d, self.tau**2, dtype=np.float32))
-            m, v = self._moments(m0, v0, d)
-            self.server_state["m_" + name], self.server_state["v_" + name] = m, v
-            step = bound_coordinates(adaptive_step(m, v, self.server_lr, self.tau), d, COORDINATE_FACTOR)
-            out.append((x + step).astype(np.float32))
-        return out[0], out[1]
+    def _move(self, name: str, x: F32, mean_delta: F32) -> F32:
+        """Update the moments ``m_<name>``, ``v_<name>``; take the bounded adaptive server step."""
+        m0 = self.server_state.get("m_" + name, np.zeros_like(mean_delta, dtype=np.float32))
+        v0 = self.server_state.get("v_" + name, np.full_like(mean_delta, self.tau**2, dtype=np.float32))
+        m, v = self._moments(m0, v0, mean_delta)
+        self.server_state["m_" + name], self.server_state["v_" + name] = m, v
+        step = bound_coordinates(adaptive_step(m, v, self.server_lr, self.tau), mean_delta, COORDINATE_FACTOR)
+        out: F32 = (x + step).astype(np.float32)
+        return out
 
 
 class FedYogi(FedAdam):

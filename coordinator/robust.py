@@ -117,16 +117,13 @@ class _Robust(Strategy):
         """The root step: combine site estimates, weighed alike (see ``_bounded_sites``)."""
 
     def _aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:
-        eta = np.float32(self.server_lr)
         if self._site_W:  # root: site estimates, and any update offered directly as a site of one
             site_W, site_b = self._bounded_sites()
             dW = self._combine_sites([*site_W, *(k.astype(np.float64) for k in self._kept_W)])
             db = self._combine_sites([*site_b, *(k.astype(np.float64) for k in self._kept_b)])
         else:
             dW, db = self._combine(self._kept_W), self._combine(self._kept_b)
-        W1: F32 = (W + eta * dW).astype(np.float32)
-        b1: F32 = (b + eta * db).astype(np.float32)
-        return W1, b1
+        return self.step(W, b, dW, db)
 
     def _bounded_sites(self) -> tuple[list[npt.NDArray[np.float64]], list[npt.NDArray[np.float64]]]:
         """The site estimates, each scaled down to the fixed bound or the lower median norm."""

@@ -26,8 +26,10 @@ from edgefl.coordinator.history import HISTORY_ROUNDS, RoundRecord
 from edgefl.coordinator.lease import (
     Lease,
     PresenceTrust,
+    instance_path,
     new_instance,
     previous_instance,
+    previous_stopped_cleanly,
     probe_lease,
     record_instance,
 )
@@ -229,7 +231,10 @@ async def run(
     sec = profile.security
     signing_key = load_signing_key(sec.signing_key_file) if sec.signing_key_file else None
     # the composition root holds the state file's lock: its previous instance is gone
-    previous = previous_instance(files.state) if files.state is not None and leased else None
+    previous: str | None = None
+    previous_stopped = False  # it recorded its clean stop: "resuming", not "taken over"
+    if files.state is not None and leased:
+        previous, previous_stopped = previous_instance(files.state), previous_stopped_cleanly(files.state)
     # with the coordinator's key, only presences it signed count (a forged one never stops a coordinator)
     trust = PresenceTrust(fleet, signing_key.verify_key if signing_key else None, previous)
     stale = None
@@ -244,6 +249,7 @@ async def run(
                 previous,
                 topics.coordinator_holder,
                 trust,
+                previous_stopped=previous_stopped,
             ),
             stop,
         )
@@ -447,6 +453,11 @@ async def run(
             file=sys.stderr,
         )
         return EXIT_LEASE
+    if files.state is not None and leased:  # a clean stop: the next start says so, rather than "taken over"
+        try:
+            record_instance(files.state, instance, stopped=True)
+        except OSError as exc:
+            logger.warning("%s: clean stop not recorded (%s)", instance_path(files.state), exc)
     if files.json is not None:
         summary = {
             "fleet": fleet,

@@ -440,6 +440,19 @@ class Strategy(ABC):
     def _aggregate(self, W: F32, b: F32) -> tuple[F32, F32]:
         """Combine the accumulator into the next head."""
 
+    def step(self, W: F32, b: F32, mean_dW: F32, mean_db: F32) -> tuple[F32, F32]:
+        """Server step from the round's mean delta: ``W + server_lr * mean_dW`` (and b alike).
+
+        ``W``, ``mean_dW`` float32 [D, K]; ``b``, ``mean_db`` float32 [K]; returns the new (W, b),
+        float32. The server optimisers (``coordinator/optimisers.py``) replace ``_move``, one array's step.
+        """
+        return self._move("W", W, mean_dW), self._move("b", b, mean_db)
+
+    def _move(self, name: str, x: F32, mean_delta: F32) -> F32:
+        """The server step of the head's array ``name`` ("W" or "b"): ``x + server_lr * mean_delta``."""
+        out: F32 = (x + np.float32(self.server_lr) * mean_delta).astype(np.float32)
+        return out
+
     def _drain(self) -> None:
         bound = self.norm_bound.bound()
         cap = self.norm_bound.weight_cap()

@@ -31,7 +31,8 @@ class StatusCollector:
     """A prometheus_client collector reading ``get_status()`` at scrape time (nothing cached).
 
     ``kind`` ("device" or "coordinator") picks :func:`device_metrics` or :func:`coordinator_metrics`;
-    ``streams()``: the open SSE streams, exported as ``edgefl_dashboard_sse_streams``.
+    both kinds add ``edgefl_rejected`` by reason; ``streams()``: the open SSE streams, exported as
+    ``edgefl_dashboard_sse_streams``.
     """
 
     def __init__(
@@ -48,6 +49,9 @@ class StatusCollector:
             yield from device_metrics(status)
         else:
             yield from coordinator_metrics(status)
+        yield from _labelled(
+            "edgefl_rejected", "Messages rejected, by reason.", "reason", status.get("rejected"), counter=True
+        )
         yield from _gauge(
             "edgefl_dashboard_sse_streams",
             "Open Server-Sent Events streams of this dashboard.",
@@ -143,9 +147,6 @@ def device_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
     mode = status.get("pipeline_mode")
     if isinstance(mode, str):
         yield from _labelled("edgefl_pipeline_info", "Input pipeline mode in use.", "mode", {mode: 1.0})
-    yield from _labelled(
-        "edgefl_rejected", "Messages rejected, by reason.", "reason", status.get("rejected"), counter=True
-    )
 
 
 def coordinator_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
@@ -169,6 +170,3 @@ def coordinator_metrics(status: Mapping[str, Any]) -> Iterator[Metric]:
     ):
         values = {d: e.get(key) for d, e in devices.items() if isinstance(e, Mapping)}
         yield from _labelled(name, doc, "device", values)
-    yield from _labelled(
-        "edgefl_rejected", "Messages rejected, by reason.", "reason", status.get("rejected"), counter=True
-    )

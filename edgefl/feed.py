@@ -18,7 +18,7 @@ import logging
 import secrets
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -171,6 +171,26 @@ def _integer_labels(path: Path, y: np.ndarray) -> np.ndarray:
     return y.astype(np.int64)
 
 
+@contextlib.contextmanager
+def _connect_reported_once() -> Iterator[None]:
+    """Hold back the transport's log lines while the feed connects: its error names what went wrong.
+
+    ``MqttTransport.start`` raises a TransportError naming a refusal of the credentials or certificate,
+    or the last error met before its wait ran out; the feed prints that as its one line. An agent's
+    transport still logs each refusal (its log is where an operator looks for it).
+    """
+    transport_logger = logging.getLogger(MqttTransport.__module__)
+
+    def quiet(record: logging.LogRecord) -> bool:
+        return False
+
+    transport_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        transport_logger.removeFilter(quiet)
+
+
 async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> FeedResult:
     """Publish the samples (and labels) of ``opts.data`` to a device and collect what became of them.
 
@@ -198,7 +218,8 @@ async def feed(opts: FeedOptions, *, transport: MqttTransport | None = None) -> 
         client_id = f"edgefl-feed-{opts.device}-{prefix.rstrip('-')}"
         transport = MqttTransport.for_broker(opts.broker, client_id, queue_size=max(256, 2 * n))
         try:
-            await transport.start(wait_s=CONNECT_WAIT_S)
+            with _connect_reported_once():
+                await transport.start(wait_s=CONNECT_WAIT_S)
         except BaseException:
             await transport.stop()
             raise

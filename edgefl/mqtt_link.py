@@ -13,7 +13,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 from paho.mqtt.reasoncodes import ReasonCode
 
 from edgefl.errors import TransportError
-from edgefl.mqtt_socket import OVERSIZE_TOPIC, BoundedClient
+from edgefl.mqtt_socket import OVERSIZE_TOPIC, BoundedClient, Publish
 
 logger = logging.getLogger(__name__)
 
@@ -118,26 +117,22 @@ class Link:
         self.refused_total = 0  # messages whose handling raised: acknowledged, counted, dropped
         self.thread_errors_total = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread = 0  # threading.get_ident() of the event loop's thread
         self._conn: Connection | None = None
 
     def _handle_disconnect(self, conn: Connection, rc: object, from_broker: bool = False) -> None:
         """The connection ended (:class:`edgefl.transport.MqttTransport` also logs and reconnects)."""
         conn.lost.set()
 
-    # --- paho thread side: hop to the loop, never raise -------------------------------------
+    # --- paho callbacks (on the loop, or in the connect thread): hop to the loop, never raise ----
     def _thread_error(self, where: str, exc: BaseException) -> None:
         """Count and log an exception raised in paho's network code or a socket callback (any thread)."""
         self.thread_errors_total += 1  # one int store under the GIL; read on the loop
         logger.error("error in the MQTT network loop (%s): %r", where, exc, exc_info=exc)
 
     def _hop(self, fn: Callable[..., None], *args: Any) -> None:
-        """Schedule ``fn(*args)`` on the event loop (thread-safe from the connect thread)."""
+        """Schedule ``fn(*args)`` on the event loop's next turn (thread-safe: the connect thread too)."""
         loop = self._loop
         if loop is None or loop.is_closed():
-            return
-        if threading.get_ident() == self._loop_thread:
-            loop.call_soon(self._guard, fn, *args)
             return
         with contextlib.suppress(RuntimeError):  # loop closing during shutdown
             loop.call_soon_threadsafe(self._guard, fn, *args)
@@ -201,11 +196,7 @@ class Link:
                 if conn.sock is None:
                     return  # the connection ended (on_disconnect is scheduled)
                 continue
-            if got.topic == OVERSIZE_TOPIC:
-                self._handle_oversize(got.payload)
-                self._ack(conn, got.mid, got.qos)  # dropped, but its flow-control slot freed
-            else:
-                self._receive(conn, got.mid, got.qos, Message(got.topic, got.payload, got.retain))
+            self._deliver(conn, got)
         else:
             if self._loop is not None:
                 self._loop.call_soon(self._net_read, conn)  # more is buffered: the rest next turn
@@ -283,8 +274,12 @@ class Link:
         with contextlib.suppress(Exception):
             conn.client.edgefl_close()
 
-    def _handle_oversize(self, info: bytes) -> None:
-        size, _, topic = info.partition(b"\n")
+    def _deliver(self, conn: Connection, got: Publish) -> None:
+        """A PUBLISH read: to :meth:`_receive`, or an oversize stand-in counted, logged and acknowledged."""
+        if got.topic != OVERSIZE_TOPIC:
+            self._receive(conn, got.mid, got.qos, Message(got.topic, got.payload, got.retain))
+            return
+        size, _, topic = got.payload.partition(b"\n")
         self.oversize_dropped_total += 1
         logger.warning(
             "dropped a %s-byte message on %s: over our %d-byte packet limit (not buffered)",
@@ -292,6 +287,7 @@ class Link:
             topic.decode(errors="replace"),
             self.max_incoming_packet_bytes,
         )
+        self._ack(conn, got.mid, got.qos)  # dropped, but its flow-control slot freed
 
     def _flush_soon(self, conn: Connection) -> None:
         """:meth:`_flush` on the loop's next turn, once for all the packets queued in this one."""
@@ -399,8 +395,7 @@ class Link:
             return 0
         if self.queue.maxsize <= 0:
             return READS_PER_TURN  # an unbounded queue: never full
-        free = self.queue.maxsize - self.queue.qsize() + self.held_max - len(self._held)
-        return free
+        return self.queue.maxsize - self.queue.qsize() + self.held_max - len(self._held)
 
     def _pause_reading(self, conn: Connection) -> None:
         """Stop reading ``conn``'s socket (TCP flow control) until the queue has room (:meth:`_refill`)."""

@@ -15,7 +15,6 @@ import functools
 import logging
 import random
 import ssl
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,8 +27,8 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edgefl.aio import wait_event, within
 from edgefl.errors import BrokerRefused, TransportError
-from edgefl.mqtt_link import Connection, Link, Message
-from edgefl.mqtt_socket import OVERSIZE_TOPIC, BoundedClient, set_nodelay
+from edgefl.mqtt_link import Connection, Link
+from edgefl.mqtt_socket import BoundedClient, Publish, set_nodelay
 from edgefl.validators import MQTT_MAX_PACKET_BYTES
 from edgefl.wire.chunking import publish_packet_bytes
 
@@ -241,12 +240,8 @@ class MqttTransport(Link):
             self._hop(self._handle_ack, conn.unsubacks, mid, list(rcs))
 
         def on_message(client: Any, userdata: Any, msg: mqtt.MQTTMessage) -> None:
-            if msg.topic == OVERSIZE_TOPIC:
-                self._hop(self._handle_oversize, bytes(msg.payload))
-                self._hop(self._ack, conn, msg.mid, msg.qos)  # dropped, but its flow-control slot freed
-            else:
-                message = Message(msg.topic, bytes(msg.payload), bool(msg.retain))
-                self._hop(self._receive, conn, msg.mid, msg.qos, message)
+            got = Publish(msg.mid, msg.qos, msg.topic, bytes(msg.payload), bool(msg.retain))
+            self._hop(self._deliver, conn, got)
 
         c = conn.client
         c.on_connect = guarded("on_connect", on_connect)
@@ -350,10 +345,7 @@ class MqttTransport(Link):
         return str(rc)
 
     def _note_takeover(self, conn: Connection, from_broker: bool, rc: object) -> None:
-        """Count takeovers (0x8E, or a close within :data:`TAKEOVER_WINDOW_S`); log the sure ones at decades.
-
-        Sure: 0x8E, or :data:`TAKEOVER_LOSSES` quick closes in a row without a failed connect between.
-        """
+        """Count takeovers (0x8E, or a quick close); sure ones (0x8E, TAKEOVER_LOSSES) logged at decades."""
         quick = conn.acked and time.monotonic() - conn.acked_at < TAKEOVER_WINDOW_S
         taken = from_broker and isinstance(rc, ReasonCode) and int(rc.value) == 0x8E
         if not (taken or (quick and not from_broker)) or self._stopping:
@@ -482,7 +474,6 @@ class MqttTransport(Link):
         ``wait_s``: seconds to wait for the first CONNACK (TransportError if none; None: do not wait).
         """
         self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
         self._stopping = False
         self._supervisor = asyncio.create_task(self._supervise(), name=f"mqtt-supervisor-{self.client_id}")
         if wait_s is None:
@@ -598,7 +589,7 @@ class MqttTransport(Link):
             self._release(conn)
             if self._stopping:
                 break
-            if self._fallback_wanted and self._mqtt5 and self.protocol == "auto":
+            if self._fallback_wanted:  # set only for "auto" on MQTT 5 (this connection's)
                 logger.info(
                     "broker %s:%s closed the connection before answering MQTT 5; trying MQTT 3.1.1",
                     self.host,

@@ -20,7 +20,12 @@ import pytest
 from conftest import Broker, start_mosquitto, stop_broker
 from test_lease import presences, read_log, retained_lease, start_coordinator, wait_for_log
 
-from edgefl.coordinator.lease import instance_path, previous_instance, record_instance
+from edgefl.coordinator.lease import (
+    instance_path,
+    previous_instance,
+    previous_stopped_cleanly,
+    record_instance,
+)
 from edgefl.records import decode_record
 from edgefl.wire.presence import decode_presence
 
@@ -244,5 +249,46 @@ def test_lease_restart_with_an_acl_without_the_holder_topic_still_starts(tmp_pat
         finally:
             second.send_signal(signal.SIGTERM)
         assert second.wait(timeout=30) == 0, read_log(tmp_path, "b")
+    finally:
+        stop_broker(broker)
+
+
+def test_lease_restart_after_clean_stop_says_so_not_taken_over(tmp_path: Path, fleet: str) -> None:
+    """docs/operations.md's broker (``use_username_as_clientid true``): a coordinator stopped by SIGTERM
+    (exit 0) records its clean stop beside the state file; the restart's probe, given its session,
+    says the previous coordinator stopped cleanly and resumes (no crash-recovery "taken over" line).
+    The running instance's record no longer says so: a kill of it is a crash again."""
+    broker = start_mosquitto(tmp_path, "use_username_as_clientid true")
+    account = "broker.username=coordinator"
+    state = tmp_path / "coord" / "state.rec"
+    state.parent.mkdir()
+    try:
+        first = start_coordinator(tmp_path, "a", broker, fleet, account, f"files.state={state}")
+        try:
+            mine = asyncio.run(presences(broker, fleet, 1, 30, username="watch-1"))[0]
+            wait_for_log(tmp_path, "a", "before round 1", first, 30)
+            assert not previous_stopped_cleanly(state)  # running: a kill now would be a crash
+        finally:
+            first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=30) == 0, read_log(tmp_path, "a")
+        assert previous_instance(state) == mine.instance and previous_stopped_cleanly(state)
+        second = start_coordinator(tmp_path, "b", broker, fleet, account, f"files.state={state}")
+        try:
+            wait_for_log(tmp_path, "b", "before round 1", second, 60)
+            out = read_log(tmp_path, "b")
+            info = "INFO edgefl.coordinator.lease: the broker gave the lease probe the session of instance "
+            assert info + mine.instance[:8] in out, out
+            said = next(line for line in out.splitlines() if info in line)
+            clean = "this state file's previous coordinator (it stopped cleanly): resuming"
+            assert said.endswith(clean), said
+            assert "taken over" not in out and "gone" not in out, out
+            assert "WARNING edgefl.coordinator.lease" not in out, out
+            now = asyncio.run(presences(broker, fleet, 1, 30, username="watch-2"))[0]
+            assert previous_instance(state) == now.instance != mine.instance
+            assert not previous_stopped_cleanly(state)
+        finally:
+            second.kill()  # no clean stop: the record still says the second one started
+        second.wait(timeout=30)
+        assert previous_instance(state) == now.instance and not previous_stopped_cleanly(state)
     finally:
         stop_broker(broker)
