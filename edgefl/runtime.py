@@ -7,15 +7,14 @@ has no wheel (armv7l).
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import logging
 import mmap
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
+from typing import Any, Literal
 
 import numpy as np
 
@@ -144,21 +143,6 @@ class InterpreterBusy(EdgeflError):
         )
 
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _held(fn: Callable[Concatenate[Backbone, _P], _R]) -> Callable[Concatenate[Backbone, _P], _R]:
-    """Run a :class:`Backbone` method holding its interpreter (:meth:`Backbone.claim`)."""
-
-    def wrapper(self: Backbone, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with self.claim():
-            return fn(self, *args, **kwargs)
-
-    functools.update_wrapper(wrapper, fn)
-    return wrapper
-
-
 class Backbone:
     """A loaded model split at its embedding tensor: the frozen backbone plus the shipped head.
 
@@ -280,17 +264,17 @@ class Backbone:
         finally:
             self._lock.release()
 
-    @_held
     def reset_state(self) -> None:
         """Give a stateful model its initial state again: a new ``interpreter`` (holders read it again).
 
         ModelError if the model can no longer be loaded.
         """
-        num_threads, runtime, content = self._reopen
-        self.runtime_name, self.interpreter = open_interpreter(
-            self.path, num_threads=num_threads, runtime=runtime, delegates=self.delegated, content=content
-        )
-        self.batch = int(self.input_shape[0])
+        with self.claim():
+            num_threads, runtime, content = self._reopen
+            self.runtime_name, self.interpreter = open_interpreter(
+                self.path, num_threads=num_threads, runtime=runtime, delegates=self.delegated, content=content
+            )
+            self.batch = int(self.input_shape[0])
 
     def _read_details(self) -> None:
         """Shapes, dtypes and quantisation from the interpreter; probe whether the batch resizes."""
@@ -309,14 +293,14 @@ class Backbone:
         # a stateful model keeps its batch: its state has the batch's shape
         self.resizable = False if self.stateful else self._probe_resize()
 
-    @_held
     def _trial_invoke(self) -> None:
         """Run the model once on zeros: damaged weights can load and still not run (LiteRT raises)."""
-        shape = tuple(int(d) for d in self.interpreter.get_input_details()[0]["shape"])
-        self.interpreter.set_tensor(self.input_index, np.zeros(shape, dtype=self.input_dtype))
-        self.interpreter.invoke()
-        self.interpreter.get_tensor(self.embedding_index)
-        self.interpreter.get_tensor(self.output_index)
+        with self.claim():
+            shape = tuple(int(d) for d in self.interpreter.get_input_details()[0]["shape"])
+            self.interpreter.set_tensor(self.input_index, np.zeros(shape, dtype=self.input_dtype))
+            self.interpreter.invoke()
+            self.interpreter.get_tensor(self.embedding_index)
+            self.interpreter.get_tensor(self.output_index)
 
     def _probe_resize(self) -> bool:
         """Whether the input batch can be resized (a graph with a hard-coded RESHAPE cannot)."""
@@ -337,7 +321,6 @@ class Backbone:
         """Shape of one model input sample (without the batch axis)."""
         return self.input_shape[1:]
 
-    @_held
     def head_from_model(self) -> tuple[F32, F32]:
         """The model's own head (its last FULLY_CONNECTED op), dequantised: W float32 [D, K], b float32 [K].
 
@@ -345,13 +328,15 @@ class Backbone:
         """
         if self.head_weights_index is None:
             raise ModelError(str(self.path), "the model's head is unknown when model.embedding_tensor is set")
-        details = {int(d["index"]): d for d in self.interpreter.get_tensor_details()}
-        wd = details[self.head_weights_index]
-        try:
-            w = self.interpreter.get_tensor(self.head_weights_index)
-        except ValueError as exc:
-            raise ModelError(str(self.path), f"cannot read head weights: {exc}") from exc
-        wq = wd.get("quantization_parameters", {})
+        bias = self._fc_bias
+        with self.claim():
+            details = {int(d["index"]): d for d in self.interpreter.get_tensor_details()}
+            try:
+                w = self.interpreter.get_tensor(self.head_weights_index)
+            except ValueError as exc:
+                raise ModelError(str(self.path), f"cannot read head weights: {exc}") from exc
+            bq = None if bias is None else self.interpreter.get_tensor(bias)
+        wq = details[self.head_weights_index].get("quantization_parameters", {})
         scales = np.asarray(wq.get("scales", []), dtype=np.float32)
         zps = np.asarray(wq.get("zero_points", []), dtype=np.float32)
         if w.dtype != np.float32 and scales.size:
@@ -360,11 +345,10 @@ class Backbone:
         else:
             W_kd = w.astype(np.float32)
         K = W_kd.shape[0]
-        if self._fc_bias is None:
+        if bias is None or bq is None:
             b = np.zeros(K, dtype=np.float32)
         else:
-            bd = details[self._fc_bias]
-            bq = self.interpreter.get_tensor(self._fc_bias)
+            bd = details[bias]
             bscales = np.asarray(bd.get("quantization_parameters", {}).get("scales", []), dtype=np.float32)
             b = bq.astype(np.float32)
             if bq.dtype != np.float32 and bscales.size:
