@@ -25,7 +25,7 @@ import numpy as np
 
 from edgefl.agent.config import Profile
 from edgefl.agent.governor import PHASES, Governor
-from edgefl.agent.memstat import MIB
+from edgefl.agent.memstat import MIB, rss_bytes
 from edgefl.datasets import load_xy
 from edgefl.errors import BudgetExceeded
 from edgefl.profiles import add_set_argument, parse_sets, print_problems
@@ -170,12 +170,7 @@ def run_round(
     from edgefl.wire.global_model import GlobalModel, encode_global_model
     from edgefl.wire.rounds import RoundAnnouncement, encode_round
 
-    gov = governor or Governor(
-        profile.cap_bytes,
-        profile.memory.reserve_mb * MIB,
-        profile.memory.min_system_available_mb * MIB,
-    )
-    baseline = gov.rss_bytes()
+    baseline = governor.rss_bytes() if governor is not None else rss_bytes()
     reports: dict[str, PhaseReport] = {p: PhaseReport(p) for p in PHASES}
     if trace and not tracemalloc.is_tracing():
         tracemalloc.start(1)
@@ -217,13 +212,14 @@ def run_round(
             state_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="edgefl-memreport-")))
         core = DeviceCore.open(
             profile,
-            governor=gov,
+            governor=governor,
             state_dir=state_dir,
             store_capacity=max(profile.training.store_capacity, samples),
             phase=measured,
             pipeline_mode="unfused" if profile.pipeline.mode == "unfused" else "fused",
         )
         assert core.pipeline is not None and core.shapes is not None
+        gov = core.governor  # the one each phase is measured by (``measured``)
         model_name = core.pipeline.backbone.path.name
         x, y = _load_samples(profile, gov, core.pipeline.backbone.sample_shape, core.shapes.classes, samples)
         batch = core.pipeline.batch

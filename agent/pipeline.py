@@ -449,7 +449,7 @@ class Pipeline:
             if scale is None:
                 np.copyto(out, q, casting="unsafe")
             else:
-                # the float32 operations of runtime.dequantize: (float32(q) - zero_point) * scale
+                # dequantised in float32: (float32(q) - zero_point) * scale, the TFLite quantization spec
                 np.subtract(q, zero_point, out=out, casting="unsafe")
                 np.multiply(out, scale, out=out)
 

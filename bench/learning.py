@@ -55,6 +55,7 @@ from edgefl.types import F32, I64
 from edgefl.wire.compression import Compression
 from edgefl.wire.global_model import GlobalModel, HeadLayout, encode_global_model
 from edgefl.wire.rounds import RoundAnnouncement, Update, decode_update, encode_round
+from tests.support.models import run_backbone
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -104,7 +105,7 @@ def digits_embeddings() -> tuple[F32, I64, F32, F32]:
     x, y = load_digits()
     # the shipped profiles' normalisation for digits: mean 0, std 16
     q = bb.quantize_input((x.astype(np.float32) / np.float32(16.0)).astype(np.float32))
-    emb = np.concatenate([bb.run(q[i : i + bb.batch])[0] for i in range(0, len(q), bb.batch)])
+    emb = np.concatenate([run_backbone(bb, q[i : i + bb.batch])[0] for i in range(0, len(q), bb.batch)])
     W, b = bb.head_from_model()
     _DIGITS_CACHE["e"] = (emb.astype(np.float32), y, W, b)
     logging.info("digits embedded with %s: %s", path.name, emb.shape)

@@ -367,14 +367,15 @@ def child_hygiene(which: str) -> Any:
         import numpy as np
 
         from edgefl.runtime import Backbone
+        from tests.support.models import resize_backbone, run_backbone
 
         n = int(which[len("threads") :])
         bb = Backbone(MODELS / "mobilenet_v2_035_96_int8.tflite", num_threads=n)
-        bb.resize(8)
+        resize_backbone(bb, 8)
         x = np.zeros((8, *bb.sample_shape), bb.input_dtype)
         memstat.reset_peak()
         r0 = memstat.rss_bytes()
-        bb.run(x)
+        run_backbone(bb, x)
         return {"run_peak_delta": memstat.peak_rss_bytes() - r0, **_status()}
     if which == "trim":
         out = child_round("mobilenet_v2_035_96_int8.tflite", 200, 1, None, 256, False)

@@ -10,12 +10,12 @@ import argparse
 import asyncio
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
 from edgefl.coordinator.lease import AccountInUse, LeaseHeld
-from edgefl.coordinator.profile import load_coordinator_profile
+from edgefl.coordinator.profile import CoordinatorProfile, load_coordinator_profile
 from edgefl.coordinator.runner import (
     EXIT_FAULT,
     EXIT_INVALID,
@@ -150,6 +150,15 @@ def overrides_from(args: argparse.Namespace) -> dict[str, object]:
     return out
 
 
+def load_checked(path: str, overrides: Mapping[str, object]) -> tuple[CoordinatorProfile, list[str]]:
+    """The profile at ``path`` with ``overrides``, and why no strategy accepts it (empty: one does).
+
+    Raises ConfigError with every problem of the profile itself.
+    """
+    profile = load_coordinator_profile(path, overrides)
+    return profile, strategy_problems(profile)
+
+
 def main(
     args: argparse.Namespace,
     evaluation: Evaluation | None = None,
@@ -162,8 +171,7 @@ def main(
     serves the fleet page, ``lock`` locks ``files.state`` for this process's life.
     """
     try:
-        profile = load_coordinator_profile(args.profile, overrides_from(args))
-        problems = strategy_problems(profile)  # a combination no strategy accepts is a profile problem
+        profile, problems = load_checked(args.profile, overrides_from(args))
     except ConfigError as exc:
         problems = exc.problems
     if problems:

@@ -75,10 +75,11 @@ def _load_or_report(args: argparse.Namespace) -> Profile | None:
         return None
 
 
-def _preflight(profile: Profile, *, warn_unloaded: bool = True) -> list[str]:
-    """What this profile cannot run with here (:func:`edgefl.agent.preflight.preflight`); ModelError.
+def _preflight(profile: Profile, *, warn_unloaded: bool = True) -> tuple[list[str], bool]:
+    """What this profile cannot run with here (:func:`~edgefl.agent.preflight.preflight`); ModelError.
 
-    Without the profile's runtime only the checks not about this machine run (``warn_unloaded``: say so).
+    Also whether the model was loaded: without the profile's runtime only the checks not about this
+    machine run (``warn_unloaded``: say so).
     """
     import gc
 
@@ -103,7 +104,7 @@ def _preflight(profile: Profile, *, warn_unloaded: bool = True) -> list[str]:
         elsewhere = [p for p in problems if p.startswith("device.state_dir")]
         if warn_unloaded:  # `edgefl run` goes on to load the model and names why it cannot
             print(f"edgefl: warning: {_unchecked_here(profile, elsewhere)}", file=sys.stderr)
-        return [p for p in problems if p not in elsewhere]
+        return [p for p in problems if p not in elsewhere], False
 
     m = profile.model
     backbone = Backbone(
@@ -118,7 +119,7 @@ def _preflight(profile: Profile, *, warn_unloaded: bool = True) -> list[str]:
     warning = None if problems else training_warning(profile, shapes, rss)
     if warning is not None:
         print(f"edgefl: warning: {warning}", file=sys.stderr)
-    return problems
+    return problems, True
 
 
 def _unchecked_here(profile: Profile, elsewhere: Sequence[str]) -> str:
@@ -175,7 +176,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     heap.apply_hygiene(arena_max=2, mmap_threshold_bytes=MMAP_THRESHOLD_BYTES)
 
     try:
-        problems = _preflight(profile, warn_unloaded=False)
+        problems, _ = _preflight(profile, warn_unloaded=False)
         if problems:
             print_problems(f"edgefl: profile {args.profile} cannot run here", problems)
             return EXIT_INVALID
@@ -308,15 +309,15 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print_problems(f"edgefl: invalid profile {args.profile}", exc.problems)
         return EXIT_INVALID
-    from edgefl.coordinator.profile import SCHEMA, is_coordinator_profile, load_coordinator_profile
+    from edgefl.coordinator.profile import SCHEMA, is_coordinator_profile
 
     if is_coordinator_profile(data):
-        from edgefl.coordinator.runner import build_strategy, strategy_problems
+        from edgefl.coordinator.command import load_checked
+        from edgefl.coordinator.runner import build_strategy
         from edgefl.runtime import Backbone
 
         try:
-            coordinator = load_coordinator_profile(args.profile, _parse_sets(args.set))
-            problems = strategy_problems(coordinator)  # what `edgefl coordinator` refuses, refused here
+            coordinator, problems = load_checked(args.profile, _parse_sets(args.set))
             try:  # the model loads as the coordinator loads it at start
                 Backbone(coordinator.model.path).head_from_model()
             except ModelError as exc:
@@ -346,15 +347,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     if profile is None:
         return EXIT_INVALID
     try:
-        problems = _preflight(profile)
+        problems, loaded = _preflight(profile)
     except ModelError as exc:
-        problems = [f"model.path = {str(profile.model.path)!r}: {exc}"]
+        problems, loaded = [f"model.path = {str(profile.model.path)!r}: {exc}"], True
     if problems:
         print_problems(f"edgefl: profile {args.profile} cannot run here", problems)
         return EXIT_INVALID
-    from edgefl.runtime import runtime_available
-
-    partial = "" if runtime_available(profile.model.runtime) else "; model not loaded here: see the warning"
+    partial = "" if loaded else "; model not loaded here: see the warning"
     print(f"{args.profile}: ok (device {profile.device.id}, cap {profile.memory.cap_mb} MiB{partial})")
     if args.print:
         print(json.dumps(profile_to_dict(profile), indent=2, default=str))

@@ -1,4 +1,4 @@
-"""The TFLite model on the device: load it, find the embedding tensor, embed a batch.
+"""The TFLite model on the device: load it, find the embedding tensor and the head.
 
 The only module that imports the interpreter: ``ai_edge_litert``, or ``tflite_runtime`` where LiteRT
 has no wheel (armv7l).
@@ -7,15 +7,14 @@ has no wheel (armv7l).
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import logging
 import mmap
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
+from typing import Any, Literal
 
 import numpy as np
 
@@ -125,19 +124,6 @@ def _quant(detail: dict[str, Any]) -> Quant:
     return Quant(float(scale), int(zp))
 
 
-def dequantize(q: np.ndarray, quant: Quant) -> F32:
-    """``scale * (q - zero_point)`` of an integer tensor as float32 (a float tensor as float32 unchanged).
-
-    Source: TensorFlow Lite 8-bit quantization spec (tensorflow.org/lite/performance/quantization_spec).
-    """
-    if quant.scale == 0.0 or q.dtype == np.float32:
-        return q.astype(np.float32, copy=False)
-    out: F32 = ((q.astype(np.float32) - np.float32(quant.zero_point)) * np.float32(quant.scale)).astype(
-        np.float32
-    )
-    return out
-
-
 PREPARE_HINT = "edgefl model prepare MODEL --out OUT"
 
 
@@ -155,21 +141,6 @@ class InterpreterBusy(EdgeflError):
             f"{model}: interpreter in use by thread {holder!r}; one interpreter runs one invoke at a time "
             "(run inference on the agent's worker thread)"
         )
-
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _held(fn: Callable[Concatenate[Backbone, _P], _R]) -> Callable[Concatenate[Backbone, _P], _R]:
-    """Run a :class:`Backbone` method holding its interpreter (:meth:`Backbone.claim`)."""
-
-    def wrapper(self: Backbone, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with self.claim():
-            return fn(self, *args, **kwargs)
-
-    functools.update_wrapper(wrapper, fn)
-    return wrapper
 
 
 class Backbone:
@@ -201,19 +172,16 @@ class Backbone:
         if not path.is_file():
             raise ModelError(str(path), "model file not found")
         self.sha256 = sha256_file(path)
-        with path.open("rb") as fh:  # the trailer edgefl model prepare appends (modelfile.read_origin)
-            fh.seek(max(0, path.stat().st_size - modelfile.ORIGIN_TRAILER_BYTES))
-            origin = modelfile.read_origin(fh.read())
-        self.backbone_sha256 = origin or self.sha256
-        """The backbone's identity on the wire (``model_sha256``): the original model's SHA-256 for an
-        ``edgefl model prepare`` output (its outputs, or folded input, do not make it another
-        backbone), else the file's own :attr:`sha256`."""
         # one guard on every invoke path: two threads on one interpreter give silently wrong outputs
         self._lock = threading.RLock()
         self._holder = ""
         try:
             # parsed through a read-only map: only the tables' pages become resident, never the weights
             with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                self.backbone_sha256 = modelfile.read_origin(mapped) or self.sha256
+                """The backbone's identity on the wire (``model_sha256``): the original model's SHA-256
+                for an ``edgefl model prepare`` output (its outputs, or folded input, do not make it
+                another backbone), else the file's own :attr:`sha256`."""
                 content = self._inspect(mapped, embedding_tensor, prepare)
             self.delegated = xnnpack is not False
             self.runtime_name, self.interpreter = open_interpreter(
@@ -296,17 +264,17 @@ class Backbone:
         finally:
             self._lock.release()
 
-    @_held
     def reset_state(self) -> None:
         """Give a stateful model its initial state again: a new ``interpreter`` (holders read it again).
 
         ModelError if the model can no longer be loaded.
         """
-        num_threads, runtime, content = self._reopen
-        self.runtime_name, self.interpreter = open_interpreter(
-            self.path, num_threads=num_threads, runtime=runtime, delegates=self.delegated, content=content
-        )
-        self.batch = int(self.input_shape[0])
+        with self.claim():
+            num_threads, runtime, content = self._reopen
+            self.runtime_name, self.interpreter = open_interpreter(
+                self.path, num_threads=num_threads, runtime=runtime, delegates=self.delegated, content=content
+            )
+            self.batch = int(self.input_shape[0])
 
     def _read_details(self) -> None:
         """Shapes, dtypes and quantisation from the interpreter; probe whether the batch resizes."""
@@ -325,14 +293,14 @@ class Backbone:
         # a stateful model keeps its batch: its state has the batch's shape
         self.resizable = False if self.stateful else self._probe_resize()
 
-    @_held
     def _trial_invoke(self) -> None:
         """Run the model once on zeros: damaged weights can load and still not run (LiteRT raises)."""
-        shape = tuple(int(d) for d in self.interpreter.get_input_details()[0]["shape"])
-        self.interpreter.set_tensor(self.input_index, np.zeros(shape, dtype=self.input_dtype))
-        self.interpreter.invoke()
-        self.interpreter.get_tensor(self.embedding_index)
-        self.interpreter.get_tensor(self.output_index)
+        with self.claim():
+            shape = tuple(int(d) for d in self.interpreter.get_input_details()[0]["shape"])
+            self.interpreter.set_tensor(self.input_index, np.zeros(shape, dtype=self.input_dtype))
+            self.interpreter.invoke()
+            self.interpreter.get_tensor(self.embedding_index)
+            self.interpreter.get_tensor(self.output_index)
 
     def _probe_resize(self) -> bool:
         """Whether the input batch can be resized (a graph with a hard-coded RESHAPE cannot)."""
@@ -353,7 +321,6 @@ class Backbone:
         """Shape of one model input sample (without the batch axis)."""
         return self.input_shape[1:]
 
-    @_held
     def head_from_model(self) -> tuple[F32, F32]:
         """The model's own head (its last FULLY_CONNECTED op), dequantised: W float32 [D, K], b float32 [K].
 
@@ -361,13 +328,15 @@ class Backbone:
         """
         if self.head_weights_index is None:
             raise ModelError(str(self.path), "the model's head is unknown when model.embedding_tensor is set")
-        details = {int(d["index"]): d for d in self.interpreter.get_tensor_details()}
-        wd = details[self.head_weights_index]
-        try:
-            w = self.interpreter.get_tensor(self.head_weights_index)
-        except ValueError as exc:
-            raise ModelError(str(self.path), f"cannot read head weights: {exc}") from exc
-        wq = wd.get("quantization_parameters", {})
+        bias = self._fc_bias
+        with self.claim():
+            details = {int(d["index"]): d for d in self.interpreter.get_tensor_details()}
+            try:
+                w = self.interpreter.get_tensor(self.head_weights_index)
+            except ValueError as exc:
+                raise ModelError(str(self.path), f"cannot read head weights: {exc}") from exc
+            bq = None if bias is None else self.interpreter.get_tensor(bias)
+        wq = details[self.head_weights_index].get("quantization_parameters", {})
         scales = np.asarray(wq.get("scales", []), dtype=np.float32)
         zps = np.asarray(wq.get("zero_points", []), dtype=np.float32)
         if w.dtype != np.float32 and scales.size:
@@ -376,28 +345,16 @@ class Backbone:
         else:
             W_kd = w.astype(np.float32)
         K = W_kd.shape[0]
-        if self._fc_bias is None:
+        if bias is None or bq is None:
             b = np.zeros(K, dtype=np.float32)
         else:
-            bd = details[self._fc_bias]
-            bq = self.interpreter.get_tensor(self._fc_bias)
+            bd = details[bias]
             bscales = np.asarray(bd.get("quantization_parameters", {}).get("scales", []), dtype=np.float32)
             b = bq.astype(np.float32)
             if bq.dtype != np.float32 and bscales.size:
                 b = b * bscales
         W: F32 = np.ascontiguousarray(W_kd.T, dtype=np.float32)
         return W, np.ascontiguousarray(b, dtype=np.float32)
-
-    @_held
-    def resize(self, batch: int) -> None:
-        """Resize the input to ``batch`` >= 1 samples (else ValueError) and re-allocate (views go stale)."""
-        if batch < 1:
-            raise ValueError(f"batch {batch} must be >= 1")
-        if batch == self.batch:
-            return
-        self.interpreter.resize_tensor_input(self.input_index, [batch, *self.sample_shape])
-        self.interpreter.allocate_tensors()
-        self.batch = batch
 
     def quantize_input(self, x: F32) -> np.ndarray:
         """Quantise a normalised float32 input [N, *sample_shape] to the input dtype (half to even, clip)."""
@@ -407,30 +364,3 @@ class Backbone:
         q = np.rint(x / np.float32(self.input_quant.scale)) + self.input_quant.zero_point
         out: np.ndarray = np.clip(q, info.min, info.max).astype(self.input_dtype)
         return out
-
-    @_held
-    def run(self, model_input: np.ndarray) -> tuple[F32, F32]:
-        """Invoke the model on one batch [N, *sample_shape] in the input dtype (else ValueError).
-
-        Returns the embeddings float32 [N, D] and the model's own logits float32 [N, K], dequantised.
-        """
-        n = int(model_input.shape[0])
-        if tuple(model_input.shape[1:]) != self.sample_shape or model_input.dtype != self.input_dtype:
-            raise ValueError(
-                f"input {model_input.shape} {model_input.dtype}, model expects [N, {self.sample_shape}] "
-                f"{self.input_dtype}"
-            )
-        if not self.resizable and n != self.batch:
-            parts = [self.run(model_input[i : i + 1]) for i in range(n)] if self.batch == 1 else None
-            if parts is None:
-                raise ValueError(f"model batch is fixed at {self.batch}; got {n} samples")
-            return (
-                np.concatenate([p[0] for p in parts]).astype(np.float32),
-                np.concatenate([p[1] for p in parts]).astype(np.float32),
-            )
-        self.resize(n)
-        self.interpreter.set_tensor(self.input_index, model_input)
-        self.interpreter.invoke()
-        emb = dequantize(self.interpreter.get_tensor(self.embedding_index), self.embedding_quant)
-        logits = dequantize(self.interpreter.get_tensor(self.output_index), self.output_quant)
-        return emb.reshape(n, -1), logits.reshape(n, -1)

@@ -33,7 +33,7 @@ from edgefl.launcher import launch_agent, stop_agents
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
 from edgefl.transport import MqttTransport
-from tests.support.models import widen_head
+from tests.support.models import run_backbone, widen_head
 
 SHIPPED = ROOT / "firmware_configs" / "gateway_aarch64_256mb_mobilenet.toml"
 FLOAT_MOBILENET = MODELS / "mobilenet_v2_035_96_float32.tflite"
@@ -52,7 +52,7 @@ def test_memory_estimate_head19_model_is_the_shape_asked(head19: Path) -> None:
     W, b = bb.head_from_model()
     assert W.shape == (1280, 19) and b.shape == (19,) and bb.embedding_dim == 1280
     x = np.random.default_rng(0).integers(0, 256, (2, *bb.sample_shape)).astype(bb.input_dtype)
-    emb, y = bb.run(x)
+    emb, y = run_backbone(bb, x)
     np.testing.assert_allclose(emb @ W + b, y, atol=1e-4)  # the head read back is the model's
 
 

@@ -13,6 +13,7 @@ from edgefl import modelfile
 from edgefl.cli import main
 from edgefl.errors import ModelError
 from edgefl.runtime import Backbone
+from tests.support.models import run_backbone
 
 SHIPPED = sorted(MODELS.glob("*.tflite"))
 
@@ -118,7 +119,7 @@ def test_prepare_embedding_output_equals_the_preserved_intermediate(tmp_path: Pa
     rng = np.random.default_rng(3)
     for _ in range(5):
         x = rng.integers(-128, 128, size=(1, 8, 8, 1)).astype(np.int8)
-        got, _ = bb.run(x)
+        got, _ = run_backbone(bb, x)
         ref.set_tensor(ref.get_input_details()[0]["index"], x)
         ref.invoke()
         expect = (ref.get_tensor(emb).astype(np.float32) - bb.embedding_quant.zero_point) * np.float32(
@@ -147,7 +148,7 @@ def test_own_model_without_embedding_output_is_prepared_at_start_up(tmp_path: Pa
     assert bb.output_index == logits and bb.embedding_index == emb
     W, b = bb.head_from_model()
     x = np.random.default_rng(0).random((16, 8, 8, 1), dtype=np.float32)
-    e, y = bb.run(x)
+    e, y = run_backbone(bb, x)
     np.testing.assert_allclose(e @ W + b, y, atol=1e-5)
     with pytest.raises(ModelError, match="edgefl model prepare"):
         Backbone(own, prepare=False)

@@ -21,6 +21,7 @@ from edgefl.datasets import load_digits
 from edgefl.launcher import stop_agents
 from edgefl.profiles import sha256_file
 from edgefl.runtime import Backbone
+from tests.support.models import run_backbone
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -46,7 +47,7 @@ def test_prepare_backbone_identity_is_the_originals(tmp_path: Path) -> None:
     assert (info["sha256"], info["backbone_sha256"]) == (p.sha256, original.sha256)
     # the prepared model computes what its original computes (the trailer is never read by LiteRT)
     x = np.random.default_rng(3).integers(-128, 128, (4, *original.sample_shape)).astype(np.int8)
-    np.testing.assert_array_equal(original.run(x)[0], p.run(x)[0])
+    np.testing.assert_array_equal(run_backbone(original, x)[0], run_backbone(p, x)[0])
 
 
 def test_prepare_device_on_the_prepared_model_trains_for_a_coordinator_on_the_original(

@@ -15,7 +15,7 @@ from edgefl.coordinator.strategies import make_strategy
 from edgefl.coordinator.strategy import Offer
 from edgefl.head import Head
 from edgefl.runtime import Backbone
-from tests.support.models import activate, logits_range
+from tests.support.models import activate, logits_range, run_backbone
 
 SHIPPED = sorted(MODELS.glob("*.tflite"))
 TEST_MODELS = sorted((MODELS / "test").glob("*.tflite"))
@@ -55,7 +55,7 @@ INT8_SOFTMAX_STEPS = 1.5
 def head_vs_model(bb: Backbone, x: np.ndarray) -> tuple[float, float]:
     """Max |head output - model output| and the tolerance: one output step (int8) or 1e-5 (float)."""
     W, b = bb.head_from_model()
-    emb, out = bb.run(x)
+    emb, out = run_backbone(bb, x)
     z = (emb @ W + b).astype(np.float32)
     limits = logits_range(bb)
     if limits is not None:  # the model's own FC output saturates outside its calibration range

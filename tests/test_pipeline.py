@@ -15,6 +15,7 @@ from edgefl.agent.pipeline_measure import BatchMeasurement, decide, measure
 from edgefl.datasets import load_digits
 from edgefl.head import Head
 from edgefl.runtime import Backbone, InterpreterBusy
+from tests.support.models import resize_backbone, run_backbone
 
 DIGITS = ((0.0,), (16.0,))
 CAMERA = ((127.5,), (127.5,))
@@ -151,7 +152,7 @@ def test_real_digits_through_both_paths_match_the_backbone() -> None:
     raw = x[:37]
     for name in ("digits_cnn_int8", "digits_cnn_float32"):
         bb = Backbone(MODELS / f"{name}.tflite")
-        ref_emb, ref_logits = bb.run(preprocess(raw, bb, *DIGITS))
+        ref_emb, ref_logits = run_backbone(bb, preprocess(raw, bb, *DIGITS))
         for mode in ("fused", "unfused"):
             emb, logits = Pipeline(bb, *DIGITS, mode=mode, batch=8).run(raw)
             assert emb.shape == (37, bb.embedding_dim) and logits.shape == (37, 10)
@@ -319,7 +320,7 @@ def test_views_are_taken_afresh_after_any_resize(mode: str) -> None:
     bb.interpreter.resize_tensor_input(bb.input_index, [5, *bb.sample_shape])
     bb.interpreter.allocate_tensors()
     assert np.array_equal(a.run(raw)[0], ref)
-    bb.resize(2)
+    resize_backbone(bb, 2)
     assert np.array_equal(a.run(raw)[0], ref)
 
 
@@ -368,7 +369,7 @@ def test_fault_two_threads_on_one_backbone_get_the_sequential_outputs() -> None:
     pipe = Pipeline(bb, *DIGITS, mode="fused", batch=4)
     ref = pipe.run(x)[0]
     model_input = bb.quantize_input((x.astype(np.float32) - 0.0) / 16.0)
-    ref_direct = bb.run(model_input[:8])[0]
+    ref_direct = run_backbone(bb, model_input[:8])[0]
     bad: list[str] = []
 
     def via_pipeline() -> None:
@@ -378,7 +379,7 @@ def test_fault_two_threads_on_one_backbone_get_the_sequential_outputs() -> None:
 
     def via_backbone() -> None:
         for _ in range(200):
-            if not np.array_equal(bb.run(model_input[:8])[0], ref_direct):
+            if not np.array_equal(run_backbone(bb, model_input[:8])[0], ref_direct):
                 bad.append("backbone")
 
     threads = [threading.Thread(target=via_pipeline), threading.Thread(target=via_backbone)]

@@ -11,7 +11,8 @@ from conftest import FLOAT_MODEL, INT8_MODEL, MODELS
 from edgefl.datasets import load_digits, split_digits
 from edgefl.errors import ModelError
 from edgefl.profiles import sha256_file
-from edgefl.runtime import Backbone, dequantize
+from edgefl.runtime import Backbone
+from tests.support.models import dequantize, run_backbone
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def digits_test_split() -> tuple[np.ndarray, np.ndarray]:
 
 def _embed(bb: Backbone, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     xf = (x.astype(np.float32) / np.float32(16.0)).astype(np.float32)
-    return bb.run(bb.quantize_input(xf))
+    return run_backbone(bb, bb.quantize_input(xf))
 
 
 def test_float_head_reproduces_model_output(digits_test_split: tuple[np.ndarray, np.ndarray]) -> None:
@@ -75,13 +76,13 @@ def test_embedding_read_after_invoke_matches_preserve_all_tensors(
     inp = ref.get_input_details()[0]
     for i in range(5):
         q = bb.quantize_input((x[i : i + 1].astype(np.float32) / np.float32(16.0)).astype(np.float32))
-        emb, _ = bb.run(q)
+        emb, _ = run_backbone(bb, q)
         ref.set_tensor(inp["index"], q)
         ref.invoke()
         expect = dequantize(ref.get_tensor(bb.embedding_index), bb.embedding_quant)
         np.testing.assert_array_equal(emb, expect.reshape(1, -1))
         # XNNPACK's int8 kernels may round an embedding entry to the neighbouring step
-        emb_x, _ = delegated.run(q)
+        emb_x, _ = run_backbone(delegated, q)
         assert np.abs(emb_x - emb).max() <= bb.embedding_quant.scale * 1.0001
 
 
@@ -91,7 +92,7 @@ def test_sha256_and_shapes() -> None:
     assert len(bb.sha256) == 64
     assert bb.sample_shape == (8, 8, 1)
     with pytest.raises(ValueError, match="model expects"):
-        bb.run(np.zeros((1, 8, 8, 1), np.float32))
+        run_backbone(bb, np.zeros((1, 8, 8, 1), np.float32))
 
 
 def test_corrupt_and_missing_model_give_model_error(tmp_path: Path) -> None:
@@ -144,7 +145,8 @@ def test_prepare_an_internal_embedding_in_memory_or_refuse_naming_the_command() 
     bb = Backbone(INT8_MODEL, embedding_tensor=inner)  # added as an output in memory
     assert not bb.embedding_output and bb.delegated and bb.embedding_dim == 32
     assert bb.sha256 == sha256_file(INT8_MODEL)  # global heads stay bound to the user's file
-    emb, logits = bb.run(np.zeros((2, *bb.sample_shape), dtype=bb.input_dtype))  # readable under XNNPACK
+    zeros = np.zeros((2, *bb.sample_shape), dtype=bb.input_dtype)
+    emb, logits = run_backbone(bb, zeros)  # readable under XNNPACK
     assert emb.shape == (2, 4 * 4 * bb.embedding_dim) and logits.shape == (2, 10)
     with pytest.raises(ModelError, match="edgefl model prepare MODEL --out OUT"):
         Backbone(INT8_MODEL, embedding_tensor=inner, prepare=False)

@@ -12,7 +12,7 @@ from conftest import MODELS, Broker, start_replay_agent
 
 from edgefl.launcher import stop_agents
 from edgefl.runtime import Backbone
-from tests.support.models import activate, logits_range
+from tests.support.models import activate, logits_range, run_backbone
 
 STREAMING = MODELS / "test" / "streaming_kws_int8.tflite"
 EMBEDDING = 18  # the last FULLY_CONNECTED's input in that file (tools/build_models.py build_streaming)
@@ -50,7 +50,7 @@ def test_streaming_frames_carry_state_in_order(xnnpack: bool) -> None:
     frames = _frames(12, 1)
     bb = Backbone(STREAMING, xnnpack=xnnpack)
     q = bb.quantize_input(frames)
-    emb, out = bb.run(q)  # 12 frames, one invoke each, in order, through one interpreter
+    emb, out = run_backbone(bb, q)  # 12 frames, one invoke each, in order, through one interpreter
     ref = _reference(STREAMING)
     for i in range(len(q)):
         ref.set_tensor(ref.get_input_details()[0]["index"], q[i : i + 1])
@@ -64,17 +64,17 @@ def test_streaming_frames_carry_state_in_order(xnnpack: bool) -> None:
         y = ref.get_tensor(ref.get_output_details()[0]["index"]).astype(np.float32) * np.float32(1 / 256)
         assert abs(float(out[i, 0]) - float(y[0, 0])) <= (1 / 256 if xnnpack else 0.0), i
     # the state matters: frame 5 alone (fresh state) embeds differently from frame 5 after 0..4
-    alone, _ = Backbone(STREAMING, xnnpack=xnnpack).run(q[5:6])
+    alone, _ = run_backbone(Backbone(STREAMING, xnnpack=xnnpack), q[5:6])
     assert np.abs(alone[0] - emb[5]).max() > 10 * bb.embedding_quant.scale
     bb.reset_state()  # the initial state again (what the agent does after measuring the pipeline)
-    again, _ = bb.run(q[5:6])
+    again, _ = run_backbone(bb, q[5:6])
     np.testing.assert_array_equal(again, alone)
 
 
 def test_streaming_logistic_head_within_one_output_step() -> None:
     bb = Backbone(STREAMING)
     W, b = bb.head_from_model()
-    emb, out = bb.run(bb.quantize_input(_frames(64, 2)))
+    emb, out = run_backbone(bb, bb.quantize_input(_frames(64, 2)))
     lo, hi = logits_range(bb) or (-np.inf, np.inf)  # the model's FC output saturates there
     head = activate(np.clip(emb @ W + b, lo, hi).astype(np.float32), "logistic")
     assert np.abs(head - out).max() <= bb.output_quant.scale  # one uint8 output step
@@ -100,7 +100,8 @@ def test_streaming_agent_trains_logistic_rounds_with_labels_0_1(
     x = _frames(96, 3)
     bb = Backbone(STREAMING)
     W0, b0 = bb.head_from_model()
-    y = Backbone(STREAMING).run(bb.quantize_input(x))[1][:, 0] > 0.5  # labels 0/1 from the model itself
+    logits = run_backbone(Backbone(STREAMING), bb.quantize_input(x))[1]
+    y = logits[:, 0] > 0.5  # labels 0/1 from the model itself
     labels = y.astype(np.int64)
     labels[:3] = 5  # not a class of a K = 1 head: refused when stored, counted
     proc = start_replay_agent(
@@ -163,7 +164,7 @@ def test_streaming_intermediate_embedding_is_overwritten_so_it_is_prepared() -> 
     ref = _reference(STREAMING)
     bb = Backbone(STREAMING, xnnpack=False)
     q = bb.quantize_input(_frames(20, 4))
-    emb, _ = bb.run(q)
+    emb, _ = run_backbone(bb, q)
     overwritten = 0
     for i in range(len(q)):
         for it in (plain, ref):

@@ -984,11 +984,11 @@ def streaming_frames(n: int, seed: int) -> F32:
 def verify_streaming(out: Path, seed: int) -> None:
     """Print the streaming model's ops and its head-vs-model difference over 64 frames in order."""
     from edgefl.runtime import Backbone
-    from tests.support.models import activate, logits_range
+    from tests.support.models import activate, logits_range, run_backbone
 
     bb = Backbone(out / STREAM_NAME, xnnpack=False)
     W, b = bb.head_from_model()
-    emb, y = bb.run(bb.quantize_input(streaming_frames(64, seed + 1)))
+    emb, y = run_backbone(bb, bb.quantize_input(streaming_frames(64, seed + 1)))
     lo, hi = logits_range(bb) or (-np.inf, np.inf)  # where the model's int8 FC output saturates
     diff = float(
         np.abs(activate(np.clip(emb @ W + b, lo, hi).astype(np.float32), bb.head_activation) - y).max()
@@ -1035,13 +1035,13 @@ def build_softmax(out: Path, seed: int) -> None:
 def verify_softmax(out: Path, seed: int) -> None:
     """Print the softmax test models' head-vs-model difference on 256 standard-normal inputs."""
     from edgefl.runtime import Backbone
-    from tests.support.models import activate, logits_range
+    from tests.support.models import activate, logits_range, run_backbone
 
     x = np.random.default_rng(seed + 8).standard_normal((256, SOFTMAX_FEATURES)).astype(np.float32)
     for name in SOFTMAX_NAMES:
         bb = Backbone(out / name, xnnpack=False)
         W, b = bb.head_from_model()
-        emb, y = bb.run(bb.quantize_input(x))
+        emb, y = run_backbone(bb, bb.quantize_input(x))
         lo, hi = logits_range(bb) or (-np.inf, np.inf)
         diff = float(
             np.abs(activate(np.clip(emb @ W + b, lo, hi).astype(np.float32), bb.head_activation) - y).max()
@@ -1103,13 +1103,14 @@ def verify_natural(out: Path, seed: int) -> None:
     """Run each natural-client backbone with LiteRT: the factory head's accuracy on builder and devices."""
     from bench.natural_clients import DATASETS, load_natural
     from edgefl.runtime import Backbone
+    from tests.support.models import run_backbone
 
     for name in DATASETS:
         ds = load_natural(name)
         path = natural_model_path(out, name)
         bb = Backbone(path, xnnpack=False)
         W, b = bb.head_from_model()
-        emb, _ = bb.run(ds.x)
+        emb, _ = run_backbone(bb, ds.x)
         pred = np.argmax(emb @ W + b, axis=1)
         mask = ds.builder_mask()
         print(f"{path.name}: D={bb.embedding_dim}, K={W.shape[1]}, {path.stat().st_size} bytes; factory head "

@@ -8,8 +8,8 @@ Three sub-commands, so the same file runs on the build machine and inside the em
     classify_probe.py codec                              (guest) codec round trip with the installed cbor2,
                                                          and a signature with the installed PyNaCl
 
-``run`` goes through :class:`edgefl.runtime.Backbone` (the code the agent ships), with the profiles'
-digits normalisation (``raw / 16``) quantised by the model's input scale.
+``run`` goes through :class:`edgefl.agent.pipeline.Pipeline` (the code the agent ships), with the
+profiles' digits normalisation (``raw / 16``) quantised by the model's input scale.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def run(model: Path, runtime: str, testset: Path, out: Path) -> int:
     ``runtime`` is ``"litert"`` or ``"tflite"``; ``out`` gets ``logits`` float32 [N, K], ``pred`` and
     ``y`` int64 [N], ``output_scale`` (one quantisation step of the logits), ``runtime``, ``machine``.
     """
+    from edgefl.agent.pipeline import Pipeline
     from edgefl.runtime import Backbone
 
     data = np.load(testset)
@@ -46,10 +47,9 @@ def run(model: Path, runtime: str, testset: Path, out: Path) -> int:
     t0 = time.perf_counter()
     bb = Backbone(model, runtime=runtime)  # type: ignore[arg-type]
     load_s = time.perf_counter() - t0
-    normalised = x.reshape(len(x), *bb.sample_shape).astype(np.float32) / np.float32(16.0)
-    q = bb.quantize_input(normalised)
+    pipeline = Pipeline(bb, (0.0,), (16.0,), mode="unfused", batch=1)
     t0 = time.perf_counter()
-    logits = np.concatenate([bb.run(q[i : i + 1])[1] for i in range(len(q))])
+    logits = pipeline.run(x.reshape(len(x), *bb.sample_shape))[1]
     infer_s = time.perf_counter() - t0
     pred = logits.argmax(axis=1).astype(np.int64)
     np.savez(out, logits=logits, pred=pred, y=y, output_scale=np.float64(bb.output_quant.scale),

@@ -1,7 +1,8 @@
 """Model files the tests and benches build from the shipped ones, and the head-vs-model comparison.
 
 :func:`widen_head` builds a classifier with a wider head; :func:`activate` and :func:`logits_range`
-compare a float head with the model's own output.
+compare a float head with the model's own output; :func:`run_backbone` invokes a loaded model on
+model input directly (the agent goes through ``edgefl.agent.pipeline.Pipeline``).
 
 A held-back model's shape is rebuilt here from a shipped backbone rather than shipped: the head of a
 shipped model (its last FULLY_CONNECTED op: weights ``[K, D]``, bias ``[K]``, output ``[-1, K]``) is
@@ -27,7 +28,7 @@ from edgefl.head import sigmoid, softmax
 from edgefl.types import F32
 
 if TYPE_CHECKING:
-    from edgefl.runtime import Backbone
+    from edgefl.runtime import Backbone, Quant
 
 FULLY_CONNECTED = 9
 
@@ -108,3 +109,56 @@ def logits_range(bb: Backbone) -> tuple[float, float] | None:
     info = np.iinfo(np.dtype(t.dtype))
     s, z = t.scales[0], t.zero_points[0]
     return (info.min - z) * s, (info.max - z) * s
+
+
+def dequantize(q: np.ndarray, quant: Quant) -> F32:
+    """``scale * (q - zero_point)`` of an integer tensor as float32 (a float tensor as float32 unchanged).
+
+    Source: TensorFlow Lite 8-bit quantization spec (tensorflow.org/lite/performance/quantization_spec).
+    """
+    if quant.scale == 0.0 or q.dtype == np.float32:
+        return q.astype(np.float32, copy=False)
+    out: F32 = ((q.astype(np.float32) - np.float32(quant.zero_point)) * np.float32(quant.scale)).astype(
+        np.float32
+    )
+    return out
+
+
+def resize_backbone(bb: Backbone, batch: int) -> None:
+    """Resize ``bb``'s input to ``batch`` >= 1 samples (else ValueError) and re-allocate (views go stale)."""
+    if batch < 1:
+        raise ValueError(f"batch {batch} must be >= 1")
+    with bb.claim():
+        if batch == bb.batch:
+            return
+        bb.interpreter.resize_tensor_input(bb.input_index, [batch, *bb.sample_shape])
+        bb.interpreter.allocate_tensors()
+        bb.batch = batch
+
+
+def run_backbone(bb: Backbone, model_input: np.ndarray) -> tuple[F32, F32]:
+    """Invoke ``bb`` on one batch [N, *sample_shape] in the input dtype (else ValueError).
+
+    Returns the embeddings float32 [N, D] and the model's own logits float32 [N, K], dequantised.
+    """
+    n = int(model_input.shape[0])
+    if tuple(model_input.shape[1:]) != bb.sample_shape or model_input.dtype != bb.input_dtype:
+        raise ValueError(
+            f"input {model_input.shape} {model_input.dtype}, model expects [N, {bb.sample_shape}] "
+            f"{bb.input_dtype}"
+        )
+    if not bb.resizable and n != bb.batch:
+        parts = [run_backbone(bb, model_input[i : i + 1]) for i in range(n)] if bb.batch == 1 else None
+        if parts is None:
+            raise ValueError(f"model batch is fixed at {bb.batch}; got {n} samples")
+        return (
+            np.concatenate([p[0] for p in parts]).astype(np.float32),
+            np.concatenate([p[1] for p in parts]).astype(np.float32),
+        )
+    with bb.claim():
+        resize_backbone(bb, n)
+        bb.interpreter.set_tensor(bb.input_index, model_input)
+        bb.interpreter.invoke()
+        emb = dequantize(bb.interpreter.get_tensor(bb.embedding_index), bb.embedding_quant)
+        logits = dequantize(bb.interpreter.get_tensor(bb.output_index), bb.output_quant)
+    return emb.reshape(n, -1), logits.reshape(n, -1)
