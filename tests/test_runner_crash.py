@@ -33,7 +33,8 @@ def _small_files() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE, FSIZE))
 
 
-def _coordinator(tmp: Path, broker: Broker, fleet: str, limit: bool) -> subprocess.CompletedProcess[str]:
+def _coordinator_cmd(broker: Broker, fleet: str, rounds: int, *files: str) -> list[str]:
+    """``edgefl coordinator`` on the shipped profile; changed: broker, fleet, model, tolerate 0, 2 clients."""
     cmd = [
         sys.executable,
         "-m",
@@ -48,14 +49,20 @@ def _coordinator(tmp: Path, broker: Broker, fleet: str, limit: bool) -> subproce
         f"fleet.name={fleet}",
         f"model.path={INT8_MODEL}",
         "robustness.tolerate=0",
-        "rounds.count=3",
+        f"rounds.count={rounds}",
         "rounds.expected_clients=2",
         "rounds.deadline_s=60",
-        f"files.state={tmp / 'state.rec'}",
-        f"files.log={tmp / 'rounds.jsonl'}",
+        *files,
         "dashboard.enabled=false",
     ):
         cmd += ["--set", item]
+    return cmd
+
+
+def _coordinator(tmp: Path, broker: Broker, fleet: str, limit: bool) -> subprocess.CompletedProcess[str]:
+    cmd = _coordinator_cmd(
+        broker, fleet, 3, f"files.state={tmp / 'state.rec'}", f"files.log={tmp / 'rounds.jsonl'}"
+    )
     return subprocess.run(
         cmd, cwd=tmp, capture_output=True, text=True, timeout=200, preexec_fn=_small_files if limit else None
     )
@@ -117,27 +124,7 @@ def test_durable_full_disk_at_a_round_close_holds_the_round_and_keeps_running(
         for k, d in enumerate(("dev-1", "dev-2"))
     ]
     state = tmp_path / "state.rec"
-    cmd = [
-        sys.executable,
-        "-m",
-        "edgefl.cli",
-        "--log-level",
-        "WARNING",
-        "coordinator",
-        str(COORDINATOR_PROFILE),
-    ]
-    for item in (
-        f"broker.url={mosquitto.url}",
-        f"fleet.name={fleet}",
-        f"model.path={INT8_MODEL}",
-        "robustness.tolerate=0",
-        "rounds.count=1",
-        "rounds.expected_clients=2",
-        "rounds.deadline_s=60",
-        f"files.state={state}",
-        "dashboard.enabled=false",
-    ):
-        cmd += ["--set", item]
+    cmd = _coordinator_cmd(mosquitto, fleet, 1, f"files.state={state}")
     coord = subprocess.Popen(
         cmd,
         cwd=tmp_path,
