@@ -41,6 +41,10 @@ LEASE_HEARTBEAT_S: Final = 5.0
 PROBE_RETAINED_WAIT_S: Final = 1.0
 """How long a probe waits for the retained presence after its SUBACK (it comes right after)."""
 
+PROBE_RECEIVE_MAX: Final = 64
+"""The probe's Receive Maximum: a renamed session's backlog (unacknowledged) fills at most this many of
+its 256 queue slots, the rest stay free for the QoS 0 presences it reads."""
+
 PROBE_MARGIN_S: Final = 1.0
 """Added to two heartbeats before a presence that did not move is called stale (seconds)."""
 

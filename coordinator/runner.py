@@ -24,6 +24,7 @@ from edgefl.aio import within
 from edgefl.coordinator.hierarchy import RootCoordinator, SiteAggregator, SiteRecord
 from edgefl.coordinator.history import HISTORY_ROUNDS, RoundRecord
 from edgefl.coordinator.lease import (
+    PROBE_RECEIVE_MAX,
     Lease,
     PresenceTrust,
     instance_path,
@@ -226,6 +227,7 @@ async def run(
             # a flood of large messages from one account waits at the broker, not in our memory
             max_held_bytes=COORDINATOR_HELD_BYTES,
             will=Lease.will(topics.coordinator) if leased and not probe else None,
+            receive_maximum=PROBE_RECEIVE_MAX if probe else 0,
         )
 
     sec = profile.security

@@ -79,6 +79,8 @@ class MqttTransport(Link):
     ``session_expiry_s`` 0 is a clean session, else the broker keeps it that long (MQTT 5.0 §3.1.2.11;
     a fixed ``client_id``); ``alternates`` (host, port): other nodes of a clustered broker, tried round
     robin; ``ack_on_commit`` acknowledges a QoS 1 message only at :meth:`commit` (needs a session);
+    ``receive_maximum``: the broker's QoS 1 messages in flight to us (MQTT 5.0 §3.1.2.11.3; 0: ``queue_size``;
+    less leaves QoS 0 messages room beside unacknowledged ones);
     ``reconnect_max_s`` caps the back-off (None: ``RECONNECT_MAX_S``); ``max_held_bytes`` bounds the
     payload bytes received and not yet handled (0: none; :class:`Link`).
     """
@@ -104,6 +106,7 @@ class MqttTransport(Link):
         alternates: Sequence[tuple[str, int]] = (),
         ack_on_commit: bool = False,
         reconnect_max_s: float | None = None,
+        receive_maximum: int = 0,
     ) -> None:
         super().__init__(
             queue_size=queue_size,
@@ -126,6 +129,7 @@ class MqttTransport(Link):
         self.max_packet_bytes = max_packet_bytes
         self.session_expiry_s = session_expiry_s
         self.reconnect_max_s = reconnect_max_s
+        self.receive_maximum = receive_maximum or queue_size
         self.subscribe_failures_total = 0
         self.connected = asyncio.Event()
         self.ever_connected = False
@@ -525,7 +529,7 @@ class MqttTransport(Link):
         if self.session_expiry_s:
             props.SessionExpiryInterval = int(self.session_expiry_s)
         # the broker keeps at most this many of our QoS 1 messages unacknowledged (§3.1.2.11.3)
-        props.ReceiveMaximum = max(1, min(65535, self.queue.maxsize or 65535))
+        props.ReceiveMaximum = max(1, min(65535, self.receive_maximum or 65535))
         client.connect(
             self.host, self.port, self.keepalive_s, clean_start=not self.session_expiry_s, properties=props
         )

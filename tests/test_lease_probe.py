@@ -14,10 +14,11 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
-from conftest import restart_mosquitto, start_mosquitto, stop_broker
+from conftest import Broker, restart_mosquitto, start_mosquitto, stop_broker, wait_until
 from paho.mqtt.enums import CallbackAPIVersion
 from test_lease import presences, read_log, start_coordinator, wait_for_log
 
+from edgefl.coordinator.lease import PROBE_RECEIVE_MAX
 from edgefl.transport import TAKEOVER_LOSSES, MqttTransport
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.broker]
@@ -67,6 +68,63 @@ def test_lease_probe_reads_the_holder_behind_a_backlog_of_300_statuses(tmp_path:
         assert second.wait(timeout=30) == 0, read_log(tmp_path, "b")
     finally:
         stop_broker(broker)
+
+
+@pytest.mark.parametrize("receive_maximum", [PROBE_RECEIVE_MAX, 0])
+def test_lease_probe_receive_maximum_leaves_room_for_the_holder(
+    mosquitto: Broker, fleet: str, receive_maximum: int
+) -> None:
+    """A session's backlog of 300 QoS 1 statuses, never acknowledged (as a probe leaves it): with the probe's
+    Receive Maximum it fills 64 of the 256 queue slots and a QoS 0 retained presence still arrives; with the
+    queue's own (256) the backlog fills the queue and the presence is dropped."""
+    cid, holder = f"{fleet}-probe", f"edgefl/{fleet}/coordinator/holder"
+
+    def transport() -> MqttTransport:
+        return MqttTransport(
+            mosquitto.host,
+            mosquitto.port,
+            cid,
+            protocol="5",
+            session_expiry_s=60,
+            ack_on_commit=True,
+            receive_maximum=receive_maximum,
+        )
+
+    async def main() -> tuple[int, int, bytes | None]:
+        t = transport()
+        await t.subscribe(f"edgefl/{fleet}/status/+", 1)
+        await t.start(wait_s=10)
+        await t.stop()
+        await asyncio.to_thread(publish_statuses, mosquitto.port, fleet, 300)
+        await asyncio.to_thread(publish_retained, mosquitto.port, holder, b"presence")
+        t = transport()
+        await t.start(wait_s=10)
+        try:
+            await wait_until(lambda: t.queue.qsize() == min(t.receive_maximum, 256), 10, "the backlog")
+            await t.subscribe(holder, 0)
+            await wait_until(lambda: t.queue.qsize() > t.receive_maximum or t.dropped_total > 0, 10, "it")
+            got = [t.queue.get_nowait() for _ in range(t.queue.qsize())]
+            return len(got), t.dropped_total, next((m.payload for m in got if m.topic == holder), None)
+        finally:
+            await t.stop()
+
+    queued, dropped, presence = asyncio.run(main())
+    if receive_maximum:
+        assert (queued, dropped, presence) == (PROBE_RECEIVE_MAX + 1, 0, b"presence")
+    else:
+        assert (queued, dropped, presence) == (256, 1, None)
+
+
+def publish_retained(port: int, topic: str, payload: bytes) -> None:
+    """One retained QoS 1 message, acknowledged by the broker."""
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="holder", protocol=mqtt.MQTTv5)
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    try:
+        client.publish(topic, payload, qos=1, retain=True).wait_for_publish(10)
+    finally:
+        client.loop_stop()
+        client.disconnect()
 
 
 def test_lease_broker_restart_soon_after_connack_is_no_sure_takeover(tmp_path: Path) -> None:
