@@ -256,6 +256,14 @@ class _Slot:
         return generation
 
 
+def _start_empty(what: str, *bad: Path) -> None:
+    """Log ``state file <what>``; set the ``bad`` files aside as ``*.corrupt`` (kept, not overwritten)."""
+    for p in bad:
+        with contextlib.suppress(OSError):  # not renamed: the next write replaces it, as before
+            set_aside(p, ".corrupt")
+    logger.error("state file %s; set aside as *.corrupt, starting empty", what)
+
+
 def _newest(path: Path) -> tuple[int, int, bytes] | None:
     """Slot (0: ``path``, 1: ``.prev``), generation and payload of the newest good record, or None; logs."""
     prev = prev_path(path)
@@ -283,22 +291,17 @@ def _newest(path: Path) -> tuple[int, int, bytes] | None:
     try:
         older = _read(prev)
     except (RecordError, OSError) as exc:
-        if problem != "missing":
-            logger.error(
-                "state file %s is torn or corrupt (%s) and so is %s (%s); starting empty",
-                path,
-                problem,
-                prev.name,
-                exc,
-            )
-        else:
-            logger.error("state file %s is torn or corrupt (%s); starting empty", prev, exc)
+        _start_empty(
+            f"{prev} is torn or corrupt ({exc})"
+            if problem == "missing"
+            else f"{path} is torn or corrupt ({problem}) and so is {prev.name} ({exc})",
+            path,
+            prev,
+        )
         return None
     if older is None:
         if problem != "missing":
-            logger.error(
-                "state file %s is torn or corrupt (%s), no previous generation; starting empty", path, problem
-            )
+            _start_empty(f"{path} is torn or corrupt ({problem}), no previous generation", path)
         return None
     logger.warning(
         "state file %s is %s; using the previous good generation %s (generation %d)",

@@ -122,7 +122,11 @@ def test_corrupt_both_generations_returns_none(tmp_path: Path, caplog: pytest.Lo
     prev_path(p).write_bytes(b"y")
     with caplog.at_level(logging.ERROR, logger="edgefl.records"):
         assert read_record(p) is None
-    assert "starting empty" in caplog.text
+    assert "set aside as *.corrupt, starting empty" in caplog.text
+    # kept for a look, not overwritten by the next write
+    assert (tmp_path / "s.rec.corrupt").read_bytes() == b"x"
+    assert (tmp_path / "s.rec.prev.corrupt").read_bytes() == b"y"
+    assert write_record(p, b"c") == 0 and read_record(p) == b"c"
 
 
 def test_corrupt_missing_newest_uses_previous(tmp_path: Path) -> None:
