@@ -181,11 +181,12 @@ def append_log(log: Path, entries: Iterable[Mapping[str, Any]]) -> None:
 def log_missing_rounds(log: Path, coord: Coordinator, strategy: str) -> int:
     """Append the rounds the state file closed but ``log`` does not have (a kill in between); how many.
 
-    Each line is rebuilt from the state's history, marked ``"recovered": true``.
+    Each line is rebuilt from the state's history, marked ``"recovered": true``. A line of ``log``
+    that is not a round's JSON (torn, or rotten bytes that are not UTF-8) vouches for no round.
     """
     logged: set[int] = set()
     with contextlib.suppress(FileNotFoundError):
-        for line in log.read_text().splitlines():
+        for line in log.read_text(errors="replace").splitlines():
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 logged.add(int(json.loads(line)["round"]))
     last = max(logged, default=0)
