@@ -262,7 +262,14 @@ async def run(
         except BrokerRefused as exc:
             raise _access_refused(exc, where, broker.username, topics) from exc
         if files.state is not None:
-            record_instance(files.state, instance)  # the next start knows this one's lease as its own
+            try:
+                record_instance(files.state, instance)  # the next start knows this one's lease as its own
+            except OSError as exc:  # a full disk: the rounds wait for room, not the start
+                logger.warning(
+                    "%s not written (%s): after a crash the next start waits for this lease to go stale",
+                    instance_path(files.state),
+                    exc,
+                )
     transport = transport_for(client_id)
     st = profile.strategy
     strategy = build_strategy(profile)  # main() refused a profile it does not build (strategy_problems)
