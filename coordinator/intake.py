@@ -216,7 +216,7 @@ class Intake:
                 raise DecodeError("bad_topic", f"device id on the topic {exc}") from None
             if msg.topic == self.topics.status(device):
                 if not msg.payload:
-                    self.registry.forget(device)  # retained status cleared
+                    self.registry.forget(device, keep_silence=True)  # retained status cleared
                     return
                 self.registry.note_status(device, msg.payload)
                 self.notify()

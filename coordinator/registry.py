@@ -213,15 +213,22 @@ class DeviceRegistry:
                     self.declined_by_device.pop(old, None)
         table.setdefault(device, Counter())[reason] += 1
 
-    def forget(self, device: str) -> None:
-        """Drop ``device`` from the registry and from every per-device record kept beside it."""
+    def forget(self, device: str, *, keep_silence: bool = False) -> None:
+        """Drop ``device`` from the registry and from every per-device record kept beside it.
+
+        ``keep_silence``: keep its :meth:`note_silent` mark (its account cleared its retained status:
+        that must not make rounds wait for it again); at most ``max_devices`` more marks, oldest dropped.
+        """
         self.devices.pop(device, None)
         self.mismatched.pop(device, None)
         self.rejected_by_device.pop(device, None)
         self.declined_by_device.pop(device, None)
         self.clipped.pop(device, None)
         self.trained_round.pop(device, None)
-        self.unanswered.pop(device, None)
+        if not keep_silence:
+            self.unanswered.pop(device, None)
+        elif len(self.unanswered) > 2 * self.max_devices:
+            del self.unanswered[next(iter(self.unanswered))]
 
     def trained(self, device: str, round_no: int) -> None:
         """``device``'s update was counted in round ``round_no``: what its older statuses report is spent."""
