@@ -140,7 +140,7 @@ class RoundTask(SampleSource):
         A round message behind which another waits is skipped. A bad message is logged with topic,
         size and reason, counted in ``rejected``, and dropped.
         """
-        what = f"message on {msg.topic} ({len(msg.payload)} bytes)"
+        what = f"message on {msg.topic[:200]} ({len(msg.payload)} bytes)"
         if msg.topic == self.topics.round:
             self._rounds_waiting -= 1
         newer_round = self._rounds_waiting > 0
@@ -156,7 +156,7 @@ class RoundTask(SampleSource):
                         return
                     payload = whole
                 elif topic != base:
-                    raise DecodeError("bad_chunk", f"{topic}: not a chunk")
+                    raise DecodeError("bad_chunk", f"{topic[:200]}: not a chunk")
                 applied = await self._work(self.core.receive_global, payload)
                 if applied.status == ApplyStatus.REFUSED:
                     self._reject(applied.reason, what, applied.detail)
@@ -172,7 +172,7 @@ class RoundTask(SampleSource):
                     return
                 await self.on_round(await self._work(self.core.receive_round, payload))
             else:
-                raise DecodeError("bad_topic", f"unexpected topic {topic}")
+                raise DecodeError("bad_topic", f"unexpected topic {topic[:200]}")
         except DecodeError as exc:
             self._reject(exc.reason, what, exc.detail)
         except Exception as exc:

@@ -187,8 +187,9 @@ class StatusReporter:
         return f" ({n} {reason} so far)" if n > LOGGED_REFUSALS else ""
 
     def _reject(self, reason: str, what: str, detail: str) -> None:
-        self.state.rejected[reason] += 1
-        logger.warning("rejected %s: %s: %s", what, reason, detail)
+        more = self._count_rejected(reason)  # a flood of refusals is not a flood of log lines
+        if more is not None:
+            logger.warning("rejected %s: %s: %s%s", what, reason, detail, more)
         self._changed()
 
     def _changed(self) -> None:

@@ -216,7 +216,7 @@ class Intake:
                 raise DecodeError("bad_topic", f"device id on the topic {exc}") from None
             if msg.topic == self.topics.status(device):
                 if not msg.payload:
-                    self.registry.forget(device)  # retained status cleared
+                    self.registry.forget(device, keep_silence=True)  # retained status cleared
                     return
                 self.registry.note_status(device, msg.payload)
                 self.notify()
@@ -317,7 +317,7 @@ class Intake:
                     why = f"{device} already has update {held[0].update_id} held for round {update.round}"
                     raise UpdateRejected("duplicate", why)
                 self._early[device] = (update, len(payload))
-                self._unfolded[update.update_id] = (msg.topic, msg.payload)
+                self._unfolded[update.update_id] = (msg.topic, payload)
                 self._dirty = True
                 logger.info("round %d: update from %s held until the round opens", update.round, device)
                 return
@@ -328,7 +328,7 @@ class Intake:
             # A buffered step is full or being published: the update counts in the next step (a
             # step aggregates exactly its buffer size, and FedBuff loses no device's work).
             self._held.append((update, len(payload)))
-            self._unfolded[update.update_id] = (msg.topic, msg.payload)
+            self._unfolded[update.update_id] = (msg.topic, payload)
             self._dirty = True
             logger.info("update %s held for the next buffered step", update.update_id)
             self.notify()

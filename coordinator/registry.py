@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -32,6 +31,9 @@ PAGE_REASONS = 8
 PAGE_REFUSALS = 20
 #: Reasons of a device's own ``rejected`` map kept with its status (the largest counts; an agent has ~50).
 REASONS_KEPT = 64
+#: Distinct short strings of statuses shared at once (:func:`_interned`); the table starts over when full.
+STRINGS_KEPT = 4096
+_strings: dict[str, str] = {}
 
 
 def shorten(text: str, limit: int = LOGGED_DETAIL_CHARS) -> str:
@@ -51,13 +53,19 @@ def sampled_log(n: int, what: str) -> str | None:
 
 
 def _interned(value: Any) -> Any:
-    """A decoded status's fields with map keys and short strings interned (half the memory per entry)."""
+    """A decoded status's fields with map keys and short strings shared (half the memory per entry).
+
+    A bounded table of :data:`STRINGS_KEPT`, not ``sys.intern``: the strings are a device's choice, and
+    interned strings are never freed on CPython 3.12.0-3.12.5 (python/cpython#113993).
+    """
     if isinstance(value, dict):
-        return {sys.intern(str(k)): _interned(v) for k, v in value.items()}
+        return {_interned(str(k)): _interned(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_interned(v) for v in value]
     if isinstance(value, str) and len(value) <= 64:
-        return sys.intern(value)
+        if len(_strings) >= STRINGS_KEPT and value not in _strings:
+            _strings.clear()
+        return _strings.setdefault(value, value)
     return value
 
 
@@ -152,7 +160,7 @@ class DeviceRegistry:
             # a last will says nothing else: keep the last figures the device reported (its
             # memory, round, accuracies), shown as offline with their age, not blanked
             entry = {**last, "ready": False, "offline_since": time.time()}
-        entry["state"] = sys.intern(status.state)
+        entry["state"] = _interned(status.state)
         entry["seen_at"] = time.time()
         self.register(device, entry)
         self.changed.set()
@@ -213,15 +221,22 @@ class DeviceRegistry:
                     self.declined_by_device.pop(old, None)
         table.setdefault(device, Counter())[reason] += 1
 
-    def forget(self, device: str) -> None:
-        """Drop ``device`` from the registry and from every per-device record kept beside it."""
+    def forget(self, device: str, *, keep_silence: bool = False) -> None:
+        """Drop ``device`` from the registry and from every per-device record kept beside it.
+
+        ``keep_silence``: keep its :meth:`note_silent` mark (its account cleared its retained status:
+        that must not make rounds wait for it again); at most ``max_devices`` more marks, oldest dropped.
+        """
         self.devices.pop(device, None)
         self.mismatched.pop(device, None)
         self.rejected_by_device.pop(device, None)
         self.declined_by_device.pop(device, None)
         self.clipped.pop(device, None)
         self.trained_round.pop(device, None)
-        self.unanswered.pop(device, None)
+        if not keep_silence:
+            self.unanswered.pop(device, None)
+        elif len(self.unanswered) > 2 * self.max_devices:
+            del self.unanswered[next(iter(self.unanswered))]
 
     def trained(self, device: str, round_no: int) -> None:
         """``device``'s update was counted in round ``round_no``: what its older statuses report is spent."""

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from conftest import INT8_MODEL, Broker, wait_until
 
+from edgefl.coordinator import registry
 from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.registry import REASONS_KEPT, DeviceRegistry
 from edgefl.coordinator.service import Coordinator
@@ -158,3 +159,19 @@ def test_hostile_status_of_invented_reasons_keeps_the_largest_and_the_page_rows_
     assert [r for r in reg.refusals({}, limit=100) if r["by"] == "gw-1"] == [
         {"by": "gw-1", "reason": "bad_label", "count": 3, "detail": ""}
     ]
+
+
+def test_hostile_unique_status_strings_share_a_bounded_table() -> None:
+    """Statuses full of strings never seen before: the table that shares short strings stays within
+    ``STRINGS_KEPT`` (``sys.intern`` would keep each one for good on CPython 3.12.0-3.12.5), and a
+    string two devices send is still one object in both entries."""
+    reg = _registry()
+    for i in range(40):
+        fields = {"ready": True, **{f"k{i}-{j}": f"v{i}-{j}" for j in range(200)}}
+        reg.note_status(f"dev-{i}", encode_status(DeviceStatus(f"dev-{i}", "online", fields)))
+    assert len(registry._strings) <= registry.STRINGS_KEPT
+    assert registry.STRINGS_KEPT < 40 * 400  # the flood was larger than the table
+    for i in (40, 41):
+        fields = {"ready": True, "model": "digits-int8"}
+        reg.note_status(f"dev-{i}", encode_status(DeviceStatus(f"dev-{i}", "online", fields)))
+    assert reg.devices["dev-40"]["model"] is reg.devices["dev-41"]["model"]
