@@ -257,11 +257,18 @@ class _Slot:
 
 
 def _start_empty(what: str, *bad: Path) -> None:
-    """Log ``state file <what>``; set the ``bad`` files aside as ``*.corrupt`` (kept, not overwritten)."""
+    """Log ``state file <what>``; set the ``bad`` files aside as ``*.corrupt`` (kept, not overwritten).
+
+    A file the rename fails for (a folder in its place over an older ``*.corrupt`` file) is named in
+    the line with the error.
+    """
+    stuck = ""
     for p in bad:
-        with contextlib.suppress(OSError):  # not renamed: the next write replaces it, as before
+        try:
             set_aside(p, ".corrupt")
-    logger.error("state file %s; set aside as *.corrupt, starting empty", what)
+        except OSError as exc:  # not renamed: the next write replaces it, as before
+            stuck += f", except {p.name} ({exc}: move it away by hand)"
+    logger.error("state file %s; set aside as *.corrupt%s, starting empty", what, stuck)
 
 
 def _newest(path: Path) -> tuple[int, int, bytes] | None:
