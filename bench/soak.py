@@ -140,6 +140,8 @@ class Broker:
         self.conf.write_text(
             f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
             f"persistence_location {workdir}/\nautosave_interval 60\nlog_dest stderr\n"
+            # as root, mosquitto's own user cannot write under a 0700 folder: its state was lost at restarts
+            + ("user root\n" if os.geteuid() == 0 else "")
         )
         self.proc: subprocess.Popen[bytes] | None = None
 

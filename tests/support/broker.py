@@ -7,6 +7,7 @@ needs no mosquitto binary).
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -44,8 +45,12 @@ def start_mosquitto(tmp: Path, extra: str = "", port: int | None = None) -> Brok
     """Start a mosquitto on 127.0.0.1 with a config written to ``tmp``; wait until it accepts connections.
 
     Without ``port``, a free one; if another process (a parallel test worker) takes it first, the broker
-    starts again on another (three tries).
+    starts again on another (three tries). A broker with ``persistence true`` in ``extra`` run as root keeps
+    root's rights (``user root``): mosquitto's own user cannot write under the tests' 0700 folders, and its
+    state (sessions, queued messages) was silently lost at every restart.
     """
+    if os.geteuid() == 0 and "persistence true" in extra and "\nuser " not in f"\n{extra}":
+        extra += "\nuser root"
     for attempt in range(3):
         chosen = port or free_port()
         conf = tmp / f"mosquitto-{chosen}.conf"
