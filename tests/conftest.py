@@ -13,10 +13,10 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from cryptography import x509
@@ -31,6 +31,12 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 import edgefl.cli  # noqa: F401
 from edgefl.launcher import free_port, stop_agents
 from tests.support.broker import Broker, mosquitto_path, restart_mosquitto, start_mosquitto, stop_broker
+
+if TYPE_CHECKING:
+    from edgefl.coordinator.service import Coordinator
+    from edgefl.runtime import Backbone
+    from edgefl.topics import Topics
+    from edgefl.transport import MqttTransport
 
 # tests import these from here; the launcher is tests/support/broker.py (benches use it too)
 __all__ = ["Broker", "free_port", "mosquitto_path", "restart_mosquitto", "start_mosquitto", "stop_broker"]
@@ -58,7 +64,14 @@ CHROMIUM_ARGS = [
 BROKER_FIXTURES = frozenset({"mosquitto", "bridged_brokers", "tls_broker", "mtls_broker", "acl_broker"})
 """Fixtures that start a mosquitto: a test using one (directly or through another) is marked ``broker``."""
 SUBPROCESS_FIXTURES = BROKER_FIXTURES | {
-    "pki", "wheel", "host_house", "sse_server", "browser", "two_agents", "agents", "agent_log",
+    "pki",
+    "wheel",
+    "host_house",
+    "sse_server",
+    "browser",
+    "two_agents",
+    "agents",
+    "agent_log",
 }
 """Fixtures that start a process: a test that uses one is marked ``subprocess``."""
 FAST_TIER_ENV = "EDGEFL_FAST_TIER"
@@ -132,8 +145,10 @@ def _fast_tier_starts_no_process(
 
     def refuse(self: subprocess.Popen[Any], args: Any, *rest: Any, **kwargs: Any) -> None:
         started.append(str(args)[:120])
-        raise AssertionError(f"{node.nodeid} starts a process ({str(args)[:120]}): mark it "
-                             "@pytest.mark.subprocess (or broker), the fast tier runs none")
+        raise AssertionError(
+            f"{node.nodeid} starts a process ({str(args)[:120]}): mark it "
+            "@pytest.mark.subprocess (or broker), the fast tier runs none"
+        )
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
     yield
@@ -164,6 +179,38 @@ async def next_status_fields(transport: Any) -> dict[str, Any]:
         if msg.payload:
             st = decode_status(msg.payload)
             return dict(st.fields, state=st.state)
+
+
+@contextlib.asynccontextmanager
+async def coordinator_and_device(
+    broker: Broker, fleet: str, topics: Topics, bb: Backbone, **options: Any
+) -> AsyncIterator[tuple[Coordinator, MqttTransport, asyncio.Task[None]]]:
+    """An in-process coordinator on ``bb``'s head and a device-side transport, both on ``broker``.
+
+    FedAvg (1 epoch, lr 0.05, batch 16, ``min_clients`` 1, deadline 5 s); ``options``: more
+    :class:`Coordinator` keywords. Yields the coordinator, the device transport and the coordinator's pump
+    task, the coordinator started (adoption wait 0.2 s); on exit the pump is cancelled and both
+    transports stopped.
+    """
+    from edgefl.coordinator.fedavg import FedAvg
+    from edgefl.coordinator.service import Coordinator
+    from edgefl.transport import MqttTransport
+
+    W0, b0 = bb.head_from_model()
+    t = MqttTransport(broker.host, broker.port, f"coord-{fleet}")
+    tx = MqttTransport(broker.host, broker.port, f"dev-{fleet}")
+    await t.start(wait_s=10)
+    await tx.start(wait_s=10)
+    strategy = FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=5)
+    coord = Coordinator(t, topics, W0, b0, model_sha256=bb.sha256, strategy=strategy, **options)
+    pump = asyncio.create_task(coord.pump())
+    try:
+        await coord.start(adopt_wait_s=0.2)
+        yield coord, tx, pump
+    finally:
+        pump.cancel()
+        await tx.stop()
+        await t.stop()
 
 
 async def next_status(coord: Any, device: str, timeout_s: float = 15.0) -> dict[str, Any]:

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import INT8_MODEL, Broker, wait_until
+from conftest import INT8_MODEL, Broker, coordinator_and_device, wait_until
 
 from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
-from edgefl.transport import MqttTransport
 from edgefl.wire.chunking import split_message
 from edgefl.wire.rounds import Update, UpdateMetrics, encode_update
 from edgefl.wire.status import DeviceStatus, encode_status
@@ -35,45 +34,28 @@ def test_hostile_silent_mark_survives_the_device_clearing_its_retained_status(
     and held it to its deadline again, every round.
     """
     bb = Backbone(INT8_MODEL)
-    W0, b0 = bb.head_from_model()
     topics = Topics("edgefl", fleet)
     fields = {"ready": True, "store_samples": 100, "new_samples": 10**6, "model_sha256": bb.sha256}
     status = encode_status(DeviceStatus("gw-3", "online", fields))
     honest = encode_status(DeviceStatus("gw-1", "online", {**fields, "new_samples": 5}))
 
     async def main() -> tuple[dict[str, int], list[str], dict[str, int | None]]:
-        t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
-        tx = MqttTransport(mosquitto.host, mosquitto.port, f"dev-{fleet}")
-        await t.start(wait_s=10)
-        await tx.start(wait_s=10)
-        coord = Coordinator(
-            t,
-            topics,
-            W0,
-            b0,
-            model_sha256=bb.sha256,
-            strategy=FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=5),
-        )
-        pump = asyncio.create_task(coord.pump())
-        try:
-            await coord.start(adopt_wait_s=0.2)
-            coord.state.round = 4
-            await tx.publish(topics.status("gw-1"), honest, qos=1)
-            await tx.publish(topics.status("gw-3"), status, qos=1, retain=True)
-            await wait_until(lambda: len(coord.registry.devices) == 2, 30, "both statuses kept")
-            coord.registry.note_silent(["gw-3"], 4)  # asked in round 4, it sent nothing
-            await tx.publish(topics.status("gw-3"), b"", qos=1, retain=True)
-            await wait_until(lambda: "gw-3" not in coord.registry.devices, 30, "gw-3's status cleared")
-            await tx.publish(topics.status("gw-3"), status, qos=1, retain=True)
-            await wait_until(lambda: "gw-3" in coord.registry.devices, 30, "gw-3's status kept again")
-            assert not pump.done()
-            reg = coord.registry
-            return dict(reg.unanswered), reg.waited_devices(), reg.ready_new_samples()
-        finally:
-            await tx.publish(topics.status("gw-3"), b"", qos=1, retain=True)
-            pump.cancel()
-            await tx.stop()
-            await t.stop()
+        async with coordinator_and_device(mosquitto, fleet, topics, bb) as (coord, tx, pump):
+            try:
+                coord.state.round = 4
+                await tx.publish(topics.status("gw-1"), honest, qos=1)
+                await tx.publish(topics.status("gw-3"), status, qos=1, retain=True)
+                await wait_until(lambda: len(coord.registry.devices) == 2, 30, "both statuses kept")
+                coord.registry.note_silent(["gw-3"], 4)  # asked in round 4, it sent nothing
+                await tx.publish(topics.status("gw-3"), b"", qos=1, retain=True)
+                await wait_until(lambda: "gw-3" not in coord.registry.devices, 30, "gw-3's status cleared")
+                await tx.publish(topics.status("gw-3"), status, qos=1, retain=True)
+                await wait_until(lambda: "gw-3" in coord.registry.devices, 30, "gw-3's status kept again")
+                assert not pump.done()
+                reg = coord.registry
+                return dict(reg.unanswered), reg.waited_devices(), reg.ready_new_samples()
+            finally:
+                await tx.publish(topics.status("gw-3"), b"", qos=1, retain=True)
 
     unanswered, waited, new_samples = asyncio.run(main())
     assert unanswered == {"gw-3": 4}
@@ -108,29 +90,15 @@ def test_durable_early_chunked_update_kept_whole_in_the_state_file(
     assert len(chunks) > 1
     state = tmp_path / "state.rec"
 
-    def coordinator(t: MqttTransport) -> Coordinator:
-        strategy = FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=5)
-        return Coordinator(t, topics, W0, b0, model_sha256=bb.sha256, strategy=strategy)
-
     async def main() -> list[str]:
-        t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
-        tx = MqttTransport(mosquitto.host, mosquitto.port, f"dev-{fleet}")
-        await t.start(wait_s=10)
-        await tx.start(wait_s=10)
-        coord = coordinator(t)
-        pump = asyncio.create_task(coord.pump())
-        try:
-            await coord.start(adopt_wait_s=0.2)
+        async with coordinator_and_device(mosquitto, fleet, topics, bb) as (coord, tx, _):
             coord.state.round = 4  # between rounds 4 and 5: an update for round 5 is held
             for chunk in chunks:
                 await tx.publish(topics.update("gw-3"), chunk, qos=1)
             await wait_until(lambda: "gw-3" in coord._early, 30, "gw-3's update held")
             coord.save_state(state)
-        finally:
-            pump.cancel()
-            await tx.stop()
-            await t.stop()
-        restarted = coordinator(t)
+        strategy = FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=5)
+        restarted = Coordinator(coord.transport, topics, W0, b0, model_sha256=bb.sha256, strategy=strategy)
         assert restarted.load_state(state)
         return [u.update_id for u, _ in restarted._early.values()]
 

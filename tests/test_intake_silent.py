@@ -11,13 +11,11 @@ import asyncio
 
 import numpy as np
 import pytest
-from conftest import INT8_MODEL, Broker, wait_until
+from conftest import INT8_MODEL, Broker, coordinator_and_device, wait_until
 
-from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.service import Coordinator
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
-from edgefl.transport import MqttTransport
 from edgefl.wire.rounds import Update, UpdateMetrics, encode_update
 from edgefl.wire.status import DeviceStatus, encode_status
 
@@ -47,21 +45,7 @@ def test_hostile_silent_mark_cleared_by_a_late_update_not_by_a_status_or_an_old_
         )
 
     async def main() -> Coordinator:
-        t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
-        tx = MqttTransport(mosquitto.host, mosquitto.port, f"dev-{fleet}")
-        await t.start(wait_s=10)
-        await tx.start(wait_s=10)
-        coord = Coordinator(
-            t,
-            topics,
-            W0,
-            b0,
-            model_sha256=bb.sha256,
-            strategy=FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=5),
-        )
-        pump = asyncio.create_task(coord.pump())
-        try:
-            await coord.start(adopt_wait_s=0.2)
+        async with coordinator_and_device(mosquitto, fleet, topics, bb) as (coord, tx, pump):
             coord.state.round = 4  # rounds 1-4 ran; gw-3 let round 4 pass (it was restarting)
             fields = {"ready": True, "store_samples": 100, "new_samples": 50, "model_sha256": bb.sha256}
             status = encode_status(DeviceStatus("gw-3", "online", fields))
@@ -76,10 +60,6 @@ def test_hostile_silent_mark_cleared_by_a_late_update_not_by_a_status_or_an_old_
             await wait_until(lambda: coord.state.rejected["no_round"] >= 2, 30, "the late update refused")
             assert not pump.done()
             return coord
-        finally:
-            pump.cancel()
-            await tx.stop()
-            await t.stop()
 
     coord = asyncio.run(main())
     assert coord.registry.unanswered == {}

@@ -13,16 +13,14 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from conftest import INT8_MODEL, Broker, wait_until
+from conftest import INT8_MODEL, Broker, coordinator_and_device, wait_until
 
 from edgefl.coordinator import registry
-from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.registry import REASONS_KEPT, DeviceRegistry
 from edgefl.coordinator.service import Coordinator
 from edgefl.errors import DecodeError
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
-from edgefl.transport import MqttTransport
 from edgefl.wire.cbor import Limits
 from edgefl.wire.status import STATUS_MAX_BYTES, STATUS_MAX_ITEMS, DeviceStatus, encode_status
 
@@ -88,25 +86,10 @@ def test_hostile_oversized_statuses_are_counted_and_the_coordinator_keeps_the_fl
     mosquitto: Broker, fleet: str
 ) -> None:
     bb = Backbone(INT8_MODEL)
-    W0, b0 = bb.head_from_model()
     topics = Topics("edgefl", fleet)
 
     async def main() -> Coordinator:
-        t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
-        tx = MqttTransport(mosquitto.host, mosquitto.port, f"ghosts-{fleet}")
-        await t.start(wait_s=10)
-        await tx.start(wait_s=10)
-        coord = Coordinator(
-            t,
-            topics,
-            W0,
-            b0,
-            model_sha256=bb.sha256,
-            strategy=FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=5),
-        )
-        pump = asyncio.create_task(coord.pump())
-        try:
-            await coord.start(adopt_wait_s=0.2)
+        async with coordinator_and_device(mosquitto, fleet, topics, bb) as (coord, tx, pump):
             huge = {"ready": True, "a": list(range(1000, 15_000))}  # ~45 KiB, under the packet limit
             for i in range(30):
                 dev = f"ghost-{i}"
@@ -118,10 +101,6 @@ def test_hostile_oversized_statuses_are_counted_and_the_coordinator_keeps_the_fl
             await wait_until(lambda: "gw-1" in coord.registry.devices, 30, "the honest status kept")
             assert not pump.done()
             return coord
-        finally:
-            pump.cancel()
-            await tx.stop()
-            await t.stop()
 
     coord = asyncio.run(main())
     assert set(coord.registry.devices) == {"gw-1"}

@@ -14,15 +14,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import INT8_MODEL, Broker, wait_until
+from conftest import INT8_MODEL, Broker, coordinator_and_device, wait_until
 
-from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.registry import LOGGED_REFUSALS, PAGE_DEVICES, STRANGERS_KEPT
 from edgefl.coordinator.service import Coordinator
 from edgefl.dashboard.app import DashboardState, serve
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
-from edgefl.transport import MqttTransport
 from edgefl.wire.status import DeviceStatus, encode_status
 
 pytestmark = pytest.mark.timeout(240)
@@ -35,7 +33,6 @@ def test_hostile_ghost_statuses_keep_every_per_device_record_bounded(
     mosquitto: Broker, fleet: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     bb = Backbone(INT8_MODEL)
-    W0, b0 = bb.head_from_model()
     topics = Topics("edgefl", fleet)
     other = "0" * 64  # another backbone's sha256
     caplog.set_level(logging.WARNING, logger="edgefl.coordinator.registry")
@@ -56,48 +53,36 @@ def test_hostile_ghost_statuses_keep_every_per_device_record_bounded(
         )
 
     async def main() -> tuple[Coordinator, int, dict[str, Any]]:
-        t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
-        tx = MqttTransport(mosquitto.host, mosquitto.port, f"ghosts-{fleet}")
-        await t.start(wait_s=10)
-        await tx.start(wait_s=10)
-        coord = Coordinator(
-            t,
-            topics,
-            W0,
-            b0,
-            model_sha256=bb.sha256,
-            strategy=FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=5),
-            max_devices=MAX_DEVICES,
-        )
-        pump = asyncio.create_task(coord.pump())
-        runner, port = await serve(DashboardState("coordinator", fleet, coord.dashboard_status))
-        try:
-            await coord.start(adopt_wait_s=0.2)
-            for start in range(0, GHOSTS, 50):
-                await asyncio.gather(
-                    *(
-                        tx.publish(topic, payload, qos=1)
-                        for topic, payload in map(ghost, range(start, start + 50))
+        fleet_kit = coordinator_and_device(mosquitto, fleet, topics, bb, max_devices=MAX_DEVICES)
+        async with fleet_kit as (coord, tx, _):
+            runner, port = await serve(DashboardState("coordinator", fleet, coord.dashboard_status))
+            try:
+                for start in range(0, GHOSTS, 50):
+                    await asyncio.gather(
+                        *(
+                            tx.publish(topic, payload, qos=1)
+                            for topic, payload in map(ghost, range(start, start + 50))
+                        )
                     )
+                # a last status from a ghost the registry kept early: once it shows, all before it were
+                # handled
+                last = DeviceStatus("ghost-1", "online", {"round": -1, "model_sha256": bb.sha256})
+                await tx.publish(topics.status("ghost-1"), encode_status(last), qos=1)
+                await wait_until(
+                    lambda: coord.registry.devices.get("ghost-1", {}).get("round") == -1,
+                    120,
+                    "the ghosts handled",
                 )
-            # a last status from a ghost the registry kept early: once it shows, all before it were handled
-            last = DeviceStatus("ghost-1", "online", {"round": -1, "model_sha256": bb.sha256})
-            await tx.publish(topics.status("ghost-1"), encode_status(last), qos=1)
-            await wait_until(
-                lambda: coord.registry.devices.get("ghost-1", {}).get("round") == -1,
-                120,
-                "the ghosts handled",
-            )
-            async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/api/status") as r:
-                assert r.status == 200
-                body = await r.read()
-                doc = await r.json()
-            return coord, len(body), doc
-        finally:
-            await runner.cleanup()
-            pump.cancel()
-            await tx.stop()
-            await t.stop()
+                async with (
+                    aiohttp.ClientSession() as http,
+                    http.get(f"http://127.0.0.1:{port}/api/status") as r,
+                ):
+                    assert r.status == 200
+                    body = await r.read()
+                    doc = await r.json()
+                return coord, len(body), doc
+            finally:
+                await runner.cleanup()
 
     coord, size, doc = asyncio.run(main())
     reg = coord.registry

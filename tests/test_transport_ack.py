@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import DEV_PROFILE, INT8_MODEL, Broker, wait_until
+from conftest import DEV_PROFILE, INT8_MODEL, Broker, coordinator_and_device, wait_until
 
 from edgefl.agent.config import load_profile
 from edgefl.agent.core import DeviceCore
@@ -24,7 +24,6 @@ from edgefl.agent.daemon import Agent
 from edgefl.coordinator.fedavg import FedAvg
 from edgefl.coordinator.hierarchy import SiteAggregator
 from edgefl.coordinator.registry import DeviceRegistry
-from edgefl.coordinator.service import Coordinator
 from edgefl.mqtt_link import Message
 from edgefl.runtime import Backbone
 from edgefl.topics import Topics
@@ -96,7 +95,7 @@ def test_transport_ack_coordinator_handler_faults_never_make_it_deaf(
     ones, and the coordinator's pump keeps going.
     """
     bb = Backbone(INT8_MODEL)
-    W0, b0 = bb.head_from_model()
+    W0 = bb.head_from_model()[0]
     register = DeviceRegistry.register
 
     def faulty_register(self: DeviceRegistry, device: str, entry: dict[str, Any]) -> None:
@@ -108,21 +107,7 @@ def test_transport_ack_coordinator_handler_faults_never_make_it_deaf(
     topics = Topics("edgefl", fleet)
 
     async def main() -> tuple[int, dict[str, Any]]:
-        t = MqttTransport(mosquitto.host, mosquitto.port, f"coord-{fleet}")
-        tx = MqttTransport(mosquitto.host, mosquitto.port, f"dev-{fleet}")
-        await t.start(wait_s=10)
-        await tx.start(wait_s=10)
-        coord = Coordinator(
-            t,
-            topics,
-            W0,
-            b0,
-            model_sha256=bb.sha256,
-            strategy=FedAvg(local_epochs=1, lr=0.05, batch_size=16, min_clients=1, deadline_s=5),
-        )
-        pump = asyncio.create_task(coord.pump())
-        try:
-            await coord.start(adopt_wait_s=0.2)
+        async with coordinator_and_device(mosquitto, fleet, topics, bb) as (coord, tx, _):
             bad = [
                 (topics.status(f"bad-{i}"), encode_status(DeviceStatus(f"bad-{i}", "online", {"round": 0})))
                 for i in range(BAD)
@@ -133,10 +118,6 @@ def test_transport_ack_coordinator_handler_faults_never_make_it_deaf(
             )
             await wait_until(lambda: "good" in coord.registry.devices, 30, "the good status")
             return coord.state.rejected["failed"], dict(coord.registry.devices)
-        finally:
-            pump.cancel()
-            await tx.stop()
-            await t.stop()
 
     failed, devices = asyncio.run(main())
     assert failed == BAD
