@@ -86,6 +86,25 @@ def wait_for_log(tmp: Path, name: str, text: str, proc: subprocess.Popen[str], t
         time.sleep(0.05)
 
 
+ACCOUNT = "broker.username=coordinator"
+"""The coordinator's account on a broker that names clients after their account (docs/operations.md)."""
+
+
+def first_coordinator(tmp: Path, broker: Broker, fleet: str) -> tuple[subprocess.Popen[str], Presence, Path]:
+    """Coordinator ``a`` on :data:`ACCOUNT` with the state file ``tmp/coord/state.rec``, waiting before
+    round 1: its process, the presence it published and its state file (killed if it never gets there)."""
+    state = tmp / "coord" / "state.rec"
+    state.parent.mkdir()
+    first = start_coordinator(tmp, "a", broker, fleet, ACCOUNT, f"files.state={state}")
+    try:
+        mine = asyncio.run(presences(broker, fleet, 1, 30, username="watch-1"))[0]
+        wait_for_log(tmp, "a", "before round 1", first, 30)
+    except BaseException:
+        first.kill()
+        raise
+    return first, mine, state
+
+
 def test_lease_presence_round_trip_and_refusals() -> None:
     p = Presence("0123456789abcdef", "gw-1", 42, 1_765_000_000.5, 7, 5.0)
     assert decode_presence(encode_presence(p)) == p

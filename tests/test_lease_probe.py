@@ -16,7 +16,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from conftest import Broker, restart_mosquitto, start_mosquitto, stop_broker, wait_until
 from paho.mqtt.enums import CallbackAPIVersion
-from test_lease import presences, read_log, start_coordinator, wait_for_log
+from test_lease import ACCOUNT, first_coordinator, read_log, start_coordinator, wait_for_log
 
 from edgefl.coordinator.lease import PROBE_RECEIVE_MAX
 from edgefl.transport import TAKEOVER_LOSSES, MqttTransport
@@ -44,19 +44,12 @@ def test_lease_probe_reads_the_holder_behind_a_backlog_of_300_statuses(tmp_path:
     Receive Maximum a probe that acknowledges nothing can take); its restart is handed that session and
     still reads the holder topic at once, naming its own previous instance: taken over at once."""
     broker = start_mosquitto(tmp_path, "use_username_as_clientid true\nmax_queued_messages 2000")
-    account = "broker.username=coordinator"
-    state = tmp_path / "coord" / "state.rec"
-    state.parent.mkdir()
     try:
-        first = start_coordinator(tmp_path, "a", broker, fleet, account, f"files.state={state}")
-        try:
-            mine = asyncio.run(presences(broker, fleet, 1, 30, username="watch-1"))[0]
-            wait_for_log(tmp_path, "a", "before round 1", first, 30)
-        finally:
-            first.kill()
+        first, mine, state = first_coordinator(tmp_path, broker, fleet)
+        first.kill()
         first.wait(timeout=30)
         publish_statuses(broker.port, fleet, 300)
-        second = start_coordinator(tmp_path, "b", broker, fleet, account, f"files.state={state}")
+        second = start_coordinator(tmp_path, "b", broker, fleet, ACCOUNT, f"files.state={state}")
         try:
             wait_for_log(tmp_path, "b", "before round 1", second, 60)
             out = read_log(tmp_path, "b")

@@ -18,7 +18,15 @@ from pathlib import Path
 
 import pytest
 from conftest import Broker, start_mosquitto, stop_broker
-from test_lease import presences, read_log, retained_lease, start_coordinator, wait_for_log
+from test_lease import (
+    ACCOUNT,
+    first_coordinator,
+    presences,
+    read_log,
+    retained_lease,
+    start_coordinator,
+    wait_for_log,
+)
 
 from edgefl.coordinator.lease import (
     instance_path,
@@ -176,18 +184,11 @@ def test_lease_restart_after_kill_with_clients_named_after_their_account_takes_o
     at once. A coordinator whose state file names another instance still waits for the live holder,
     which comes back, and exits 6 having written nothing."""
     broker = start_mosquitto(tmp_path, "use_username_as_clientid true")
-    account = "broker.username=coordinator"
-    state = tmp_path / "coord" / "state.rec"
-    state.parent.mkdir()
     try:
-        first = start_coordinator(tmp_path, "a", broker, fleet, account, f"files.state={state}")
-        try:
-            mine = asyncio.run(presences(broker, fleet, 1, 30, username="watch-1"))[0]
-            wait_for_log(tmp_path, "a", "before round 1", first, 30)
-        finally:
-            first.kill()
+        first, mine, state = first_coordinator(tmp_path, broker, fleet)
+        first.kill()
         first.wait(timeout=30)
-        second = start_coordinator(tmp_path, "b", broker, fleet, account, f"files.state={state}")
+        second = start_coordinator(tmp_path, "b", broker, fleet, ACCOUNT, f"files.state={state}")
         try:
             wait_for_log(tmp_path, "b", "before round 1", second, 60)
             out = read_log(tmp_path, "b")
@@ -204,7 +205,7 @@ def test_lease_restart_after_kill_with_clients_named_after_their_account_takes_o
             other.parent.mkdir()
             record_instance(other, "feedfacefeedface")
             before = instance_path(other).read_bytes()
-            third = start_coordinator(tmp_path, "c", broker, fleet, account, f"files.state={other}")
+            third = start_coordinator(tmp_path, "c", broker, fleet, ACCOUNT, f"files.state={other}")
             assert third.wait(timeout=60) == 6, read_log(tmp_path, "c")
             out = read_log(tmp_path, "c")
             assert "another coordinator runs this fleet" in out and now.instance[:8] in out, out
@@ -230,17 +231,16 @@ def test_lease_restart_with_an_acl_without_the_holder_topic_still_starts(tmp_pat
         f"topic read edgefl/{fleet}/status/+\n"
     )
     broker = start_mosquitto(tmp_path, f"user root\nuse_username_as_clientid true\nacl_file {acl}")
-    account = "broker.username=coordinator"
     state = tmp_path / "coord" / "state.rec"
     state.parent.mkdir()
     try:
-        first = start_coordinator(tmp_path, "a", broker, fleet, account, f"files.state={state}")
+        first = start_coordinator(tmp_path, "a", broker, fleet, ACCOUNT, f"files.state={state}")
         try:
             wait_for_log(tmp_path, "a", "before round 1", first, 30)
         finally:
             first.kill()
         first.wait(timeout=30)
-        second = start_coordinator(tmp_path, "b", broker, fleet, account, f"files.state={state}")
+        second = start_coordinator(tmp_path, "b", broker, fleet, ACCOUNT, f"files.state={state}")
         try:
             wait_for_log(tmp_path, "b", "before round 1", second, 60)
             out = read_log(tmp_path, "b")
@@ -259,20 +259,15 @@ def test_lease_restart_after_clean_stop_says_so_not_taken_over(tmp_path: Path, f
     says the previous coordinator stopped cleanly and resumes (no crash-recovery "taken over" line).
     The running instance's record no longer says so: a kill of it is a crash again."""
     broker = start_mosquitto(tmp_path, "use_username_as_clientid true")
-    account = "broker.username=coordinator"
-    state = tmp_path / "coord" / "state.rec"
-    state.parent.mkdir()
     try:
-        first = start_coordinator(tmp_path, "a", broker, fleet, account, f"files.state={state}")
+        first, mine, state = first_coordinator(tmp_path, broker, fleet)
         try:
-            mine = asyncio.run(presences(broker, fleet, 1, 30, username="watch-1"))[0]
-            wait_for_log(tmp_path, "a", "before round 1", first, 30)
             assert not previous_stopped_cleanly(state)  # running: a kill now would be a crash
         finally:
             first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=30) == 0, read_log(tmp_path, "a")
         assert previous_instance(state) == mine.instance and previous_stopped_cleanly(state)
-        second = start_coordinator(tmp_path, "b", broker, fleet, account, f"files.state={state}")
+        second = start_coordinator(tmp_path, "b", broker, fleet, ACCOUNT, f"files.state={state}")
         try:
             wait_for_log(tmp_path, "b", "before round 1", second, 60)
             out = read_log(tmp_path, "b")
